@@ -1,0 +1,75 @@
+//! Byte counters, so tests and benches can check the communication volume.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Bytes one rank handed to collectives, and how many calls it made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Bytes passed to `all_to_all`, the slice a rank keeps for itself included
+    /// (what an NCCL all-to-all reads from the send buffer).
+    pub all_to_all_bytes: u64,
+    /// The part of `all_to_all_bytes` that went to other ranks.
+    pub all_to_all_remote_bytes: u64,
+    pub all_to_all_calls: u64,
+    pub all_reduce_bytes: u64,
+    pub all_gather_bytes: u64,
+    pub broadcast_bytes: u64,
+}
+
+impl Traffic {
+    /// Traffic between two snapshots.
+    pub fn since(&self, earlier: &Traffic) -> Traffic {
+        Traffic {
+            all_to_all_bytes: self.all_to_all_bytes - earlier.all_to_all_bytes,
+            all_to_all_remote_bytes: self.all_to_all_remote_bytes - earlier.all_to_all_remote_bytes,
+            all_to_all_calls: self.all_to_all_calls - earlier.all_to_all_calls,
+            all_reduce_bytes: self.all_reduce_bytes - earlier.all_reduce_bytes,
+            all_gather_bytes: self.all_gather_bytes - earlier.all_gather_bytes,
+            broadcast_bytes: self.broadcast_bytes - earlier.broadcast_bytes,
+        }
+    }
+}
+
+/// Lock-free counters behind [`Traffic`], for communicator implementations.
+#[derive(Debug, Default)]
+pub struct TrafficCounter {
+    all_to_all_bytes: AtomicU64,
+    all_to_all_remote_bytes: AtomicU64,
+    all_to_all_calls: AtomicU64,
+    all_reduce_bytes: AtomicU64,
+    all_gather_bytes: AtomicU64,
+    broadcast_bytes: AtomicU64,
+}
+
+impl TrafficCounter {
+    /// Records an all-to-all of `bytes` over a group of `size` ranks.
+    pub fn record_all_to_all(&self, bytes: u64, size: usize) {
+        self.all_to_all_bytes.fetch_add(bytes, Ordering::Relaxed);
+        let remote = bytes / size as u64 * (size as u64 - 1);
+        self.all_to_all_remote_bytes.fetch_add(remote, Ordering::Relaxed);
+        self.all_to_all_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn record_all_reduce(&self, bytes: u64) {
+        self.all_reduce_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub fn record_all_gather(&self, bytes: u64) {
+        self.all_gather_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub fn record_broadcast(&self, bytes: u64) {
+        self.broadcast_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> Traffic {
+        Traffic {
+            all_to_all_bytes: self.all_to_all_bytes.load(Ordering::Relaxed),
+            all_to_all_remote_bytes: self.all_to_all_remote_bytes.load(Ordering::Relaxed),
+            all_to_all_calls: self.all_to_all_calls.load(Ordering::Relaxed),
+            all_reduce_bytes: self.all_reduce_bytes.load(Ordering::Relaxed),
+            all_gather_bytes: self.all_gather_bytes.load(Ordering::Relaxed),
+            broadcast_bytes: self.broadcast_bytes.load(Ordering::Relaxed),
+        }
+    }
+}

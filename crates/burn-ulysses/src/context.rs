@@ -1,0 +1,127 @@
+//! The rank context: how `UlyssesBackend::attention`, a static function, finds the group.
+//!
+//! A backend is a type with static methods, so the communicator cannot travel with the call.
+//! It is looked up here instead, in two scopes:
+//! - **thread**: several ranks as threads of one process (tests on CPU, single-node runs).
+//!   They may share a device id (NdArray's CPU device), so the device cannot identify the
+//!   rank; the thread can.
+//! - **process**: one process per GPU (NCCL); background threads see it too.
+//!
+//! The thread scope wins when both are set. With neither, attention runs on one device.
+
+use std::{
+    any::{Any, TypeId, type_name},
+    cell::RefCell,
+    marker::PhantomData,
+    sync::{Arc, RwLock},
+};
+
+use burn::{config::Config, tensor::backend::Backend};
+
+use crate::{comm::Communicator, error::UlyssesError};
+
+/// Behaviour of the attention interception.
+#[derive(Config, Debug)]
+pub struct UlyssesConfig {
+    /// Before each exchange, all-gather a few integers describing every rank's q/k/v layout
+    /// and fail with a clear error when ranks disagree (a different local sequence length,
+    /// say). Costs one tiny host collective per attention call; without it a mismatch
+    /// surfaces later as a shape error or, on NCCL, as corrupted data.
+    #[config(default = true)]
+    pub verify_layout: bool,
+}
+
+/// The group a rank belongs to, for tensors of the wire backend `W`.
+pub struct RankContext<W: Backend> {
+    pub communicator: Arc<dyn Communicator<W>>,
+    pub config: UlyssesConfig,
+}
+
+impl<W: Backend> Clone for RankContext<W> {
+    fn clone(&self) -> Self {
+        Self { communicator: self.communicator.clone(), config: self.config.clone() }
+    }
+}
+
+/// A context stored without its wire type; `W` is checked on lookup.
+#[derive(Clone)]
+struct StoredContext {
+    wire: TypeId,
+    wire_name: &'static str,
+    context: Arc<dyn Any + Send + Sync>,
+}
+
+thread_local! {
+    static THREAD_CONTEXT: RefCell<Option<StoredContext>> = const { RefCell::new(None) };
+}
+static PROCESS_CONTEXT: RwLock<Option<StoredContext>> = RwLock::new(None);
+
+/// Restores the previous context of its scope when dropped.
+#[must_use = "the rank context is left as soon as the guard is dropped"]
+pub struct RankGuard {
+    scope: Scope,
+    previous: Option<StoredContext>,
+    // A thread guard must be dropped on the thread that created it.
+    _not_send: PhantomData<*const ()>,
+}
+
+#[derive(Clone, Copy)]
+enum Scope {
+    Thread,
+    Process,
+}
+
+fn store<W: Backend>(context: RankContext<W>) -> StoredContext {
+    StoredContext {
+        wire: TypeId::of::<W>(),
+        wire_name: type_name::<W>(),
+        context: Arc::new(context),
+    }
+}
+
+/// Makes `context` the rank context of the current thread until the guard is dropped.
+pub fn enter_thread<W: Backend>(context: RankContext<W>) -> RankGuard {
+    let previous = THREAD_CONTEXT.with(|slot| slot.replace(Some(store(context))));
+    RankGuard { scope: Scope::Thread, previous, _not_send: PhantomData }
+}
+
+/// Makes `context` the rank context of the whole process until the guard is dropped.
+pub fn enter_process<W: Backend>(context: RankContext<W>) -> RankGuard {
+    let mut slot = PROCESS_CONTEXT.write().unwrap_or_else(|p| p.into_inner());
+    let previous = slot.replace(store(context));
+    RankGuard { scope: Scope::Process, previous, _not_send: PhantomData }
+}
+
+impl Drop for RankGuard {
+    fn drop(&mut self) {
+        let previous = self.previous.take();
+        match self.scope {
+            Scope::Thread => THREAD_CONTEXT.with(|slot| *slot.borrow_mut() = previous),
+            Scope::Process => {
+                *PROCESS_CONTEXT.write().unwrap_or_else(|p| p.into_inner()) = previous
+            }
+        }
+    }
+}
+
+/// The rank context for wire backend `W`: the thread's, else the process's, else `None`
+/// (a single-device run).
+pub fn current<W: Backend>() -> Result<Option<RankContext<W>>, UlyssesError> {
+    let stored = THREAD_CONTEXT.with(|slot| slot.borrow().clone()).or_else(|| {
+        PROCESS_CONTEXT.read().unwrap_or_else(|p| p.into_inner()).clone()
+    });
+    let Some(stored) = stored else {
+        return Ok(None);
+    };
+    if stored.wire != TypeId::of::<W>() {
+        return Err(UlyssesError::WrongWireBackend {
+            entered: stored.wire_name,
+            used: type_name::<W>(),
+        });
+    }
+    let context = stored
+        .context
+        .downcast_ref::<RankContext<W>>()
+        .expect("TypeId matched, so the downcast cannot fail");
+    Ok(Some(context.clone()))
+}

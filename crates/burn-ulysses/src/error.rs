@@ -1,0 +1,66 @@
+//! Errors of the sequence-parallel attention. Each names the problem and the fix.
+//!
+//! Backend ops cannot return a `Result`, so inside `attention` these become panics with this
+//! text. Every rank evaluates the same checks on the same gathered layout, so every rank
+//! fails with the same message instead of some ranks waiting for the others forever.
+
+use crate::comm::CommError;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum UlyssesError {
+    #[error(
+        "sequence-parallel attention: q has {q_heads} heads, which is not divisible by the \
+         sequence-parallel degree {sp_size}. Each rank attends over whole heads, so choose an \
+         sp_size that divides the head count (divisors of {q_heads}: {divisors:?})."
+    )]
+    HeadsNotDivisible { q_heads: usize, sp_size: usize, divisors: Vec<usize> },
+
+    #[error(
+        "sequence-parallel attention: k/v have {kv_heads} heads, which neither divide nor are \
+         divisible by the sequence-parallel degree {sp_size}. With fewer kv heads than ranks, \
+         each kv head is replicated onto sp_size / kv_heads ranks, which needs sp_size % \
+         kv_heads == 0; with more, kv_heads % sp_size == 0. Choose sp_size accordingly."
+    )]
+    KvHeadsIncompatible { kv_heads: usize, sp_size: usize },
+
+    #[error(
+        "attention: k/v have {kv_heads} heads and q has {q_heads}; grouped-query attention \
+         needs the kv head count to divide the q head count."
+    )]
+    KvHeadsNotGrouping { q_heads: usize, kv_heads: usize },
+
+    #[error("attention: {0}")]
+    Shape(String),
+
+    #[error(
+        "sequence-parallel attention: the {field} differs across ranks: {values}. {hint}"
+    )]
+    LayoutDiffers { field: &'static str, values: String, hint: &'static str },
+
+    #[error(
+        "sequence-parallel attention: an attention mask of shape {shape:?} cannot be resharded. \
+         A mask built from local shapes covers only this rank's [S/P, S/P] block, so applying it \
+         after the exchange would be wrong. Use `is_causal` for causal attention, or pass a \
+         key-padding mask of shape [batch, 1, 1, local_seq] (or [batch, heads, 1, local_seq]), \
+         which is gathered along the key dimension."
+    )]
+    UnshardableMask { shape: Vec<usize> },
+
+    #[error(
+        "sequence-parallel attention: an attention bias of shape {shape:?} cannot be resharded: \
+         it is built from local shapes and would cover only this rank's block of the score \
+         matrix. Express position information through RoPE at global positions, or run this \
+         attention without sequence parallelism."
+    )]
+    UnshardableBias { shape: Vec<usize> },
+
+    #[error(
+        "the rank context was entered for tensors of backend `{entered}`, but attention ran on \
+         `{used}`. Enter the context through the UlyssesBackend type the model runs on \
+         (e.g. `UlyssesBackend::<Autodiff<NdArray>>::enter_thread`)."
+    )]
+    WrongWireBackend { entered: &'static str, used: &'static str },
+
+    #[error("sequence-parallel attention: {0}")]
+    Comm(#[from] CommError),
+}

@@ -1,0 +1,213 @@
+//! The layout contract of one attention call, and how heads are split across ranks.
+//!
+//! Pure integer logic, kept apart from tensors so it can be read and tested on its own.
+
+use crate::error::UlyssesError;
+
+/// How a rank's mask argument can be treated after the exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaskKind {
+    None,
+    /// `[batch, 1 | heads, 1, local_seq]`: masks keys, the same for every query; gathered
+    /// along the key dimension.
+    KeyPadding { heads: usize },
+    /// Anything else (`[.., S_q, S_k]` from local shapes): cannot be resharded.
+    Unshardable,
+}
+
+/// Everything about one rank's attention call that must agree across ranks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionLayout {
+    pub batch: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    /// Local (per-rank) query tokens.
+    pub q_seq: usize,
+    /// Local (per-rank) key/value tokens.
+    pub kv_seq: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    pub is_causal: bool,
+    pub scale: Option<f64>,
+    pub softcap: Option<f64>,
+    pub mask: MaskKind,
+    pub has_bias: bool,
+}
+
+const SEQ_HINT: &str = "Every rank must hold the same number of tokens: pad each sequence to a \
+    multiple of sp_size before sharding (burn_ulysses' sequence sharding does this).";
+const MODEL_HINT: &str = "Every rank must run the same model on the same batch layout.";
+
+/// (field name, hint) in the order of [`AttentionLayout::encode`].
+const FIELDS: [(&str, &str); 12] = [
+    ("batch size", MODEL_HINT),
+    ("q head count", MODEL_HINT),
+    ("kv head count", MODEL_HINT),
+    ("local query sequence length", SEQ_HINT),
+    ("local key/value sequence length", SEQ_HINT),
+    ("head dim", MODEL_HINT),
+    ("value head dim", MODEL_HINT),
+    ("is_causal flag", MODEL_HINT),
+    ("scale", MODEL_HINT),
+    ("softcap", MODEL_HINT),
+    ("mask kind", "Pass the same kind of mask (or none) on every rank."),
+    ("attention bias presence", MODEL_HINT),
+];
+
+impl AttentionLayout {
+    /// Integers that ranks all-gather and compare.
+    pub fn encode(&self) -> Vec<u64> {
+        let optional = |v: Option<f64>| v.map_or(u64::MAX, f64::to_bits);
+        let mask = match self.mask {
+            MaskKind::None => 0,
+            MaskKind::KeyPadding { heads } => 1 + heads as u64,
+            MaskKind::Unshardable => u64::MAX,
+        };
+        let encoded = vec![
+            self.batch as u64,
+            self.q_heads as u64,
+            self.kv_heads as u64,
+            self.q_seq as u64,
+            self.kv_seq as u64,
+            self.head_dim as u64,
+            self.value_dim as u64,
+            self.is_causal as u64,
+            optional(self.scale),
+            optional(self.softcap),
+            mask,
+            self.has_bias as u64,
+        ];
+        debug_assert_eq!(encoded.len(), FIELDS.len());
+        encoded
+    }
+
+    /// Fails, naming the first field that differs, unless every rank sent the same layout.
+    pub fn check_agreement(per_rank: &[Vec<u64>]) -> Result<(), UlyssesError> {
+        let first = &per_rank[0];
+        for (field, (name, hint)) in FIELDS.iter().enumerate() {
+            if per_rank.iter().any(|values| values.get(field) != first.get(field)) {
+                let values = per_rank
+                    .iter()
+                    .enumerate()
+                    .map(|(rank, v)| format!("rank {rank} has {}", describe(field, v[field])))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                return Err(UlyssesError::LayoutDiffers { field: name, values, hint });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn describe(field: usize, value: u64) -> String {
+    match field {
+        8 | 9 if value == u64::MAX => "none".to_string(),
+        8 | 9 => f64::from_bits(value).to_string(),
+        _ => value.to_string(),
+    }
+}
+
+/// How q and kv heads are split across `sp_size` ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadPlan {
+    pub sp_size: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    /// Copies made of each kv head before the exchange, so that every rank receives whole kv
+    /// heads: 1 when `kv_heads % sp_size == 0`, else `sp_size / kv_heads`.
+    pub kv_replication: usize,
+}
+
+impl HeadPlan {
+    pub fn new(q_heads: usize, kv_heads: usize, sp_size: usize) -> Result<Self, UlyssesError> {
+        if kv_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(UlyssesError::KvHeadsNotGrouping { q_heads, kv_heads });
+        }
+        if q_heads % sp_size != 0 {
+            let divisors = (1..=q_heads).filter(|d| q_heads % d == 0).collect();
+            return Err(UlyssesError::HeadsNotDivisible { q_heads, sp_size, divisors });
+        }
+        let kv_replication = if kv_heads % sp_size == 0 {
+            1
+        } else if sp_size % kv_heads == 0 {
+            sp_size / kv_heads
+        } else {
+            return Err(UlyssesError::KvHeadsIncompatible { kv_heads, sp_size });
+        };
+        Ok(Self { sp_size, q_heads, kv_heads, kv_replication })
+    }
+
+    /// kv heads sent through the exchange, replicas included.
+    pub fn exchanged_kv_heads(&self) -> usize {
+        self.kv_heads * self.kv_replication
+    }
+
+    /// q heads each rank attends over.
+    pub fn local_q_heads(&self) -> usize {
+        self.q_heads / self.sp_size
+    }
+
+    /// kv heads each rank receives.
+    pub fn local_kv_heads(&self) -> usize {
+        self.exchanged_kv_heads() / self.sp_size
+    }
+
+    /// Elements one rank hands to the all-to-alls of one attention call (forward pass): q, k
+    /// and v going out, the output coming back. Equals `4·B·S·H·D/P` without GQA.
+    pub fn elements_per_call(&self, layout: &AttentionLayout) -> usize {
+        let kv = self.exchanged_kv_heads();
+        let q_side = self.q_heads * layout.q_seq * (layout.head_dim + layout.value_dim);
+        let kv_side = kv * layout.kv_seq * (layout.head_dim + layout.value_dim);
+        layout.batch * (q_side + kv_side)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_heads_are_split_or_replicated() {
+        let plan = HeadPlan::new(8, 4, 2).unwrap();
+        assert_eq!((plan.kv_replication, plan.local_q_heads(), plan.local_kv_heads()), (1, 4, 2));
+        let plan = HeadPlan::new(8, 2, 4).unwrap();
+        assert_eq!((plan.kv_replication, plan.local_q_heads(), plan.local_kv_heads()), (2, 2, 1));
+        let plan = HeadPlan::new(8, 1, 8).unwrap();
+        assert_eq!((plan.kv_replication, plan.local_kv_heads()), (8, 1));
+    }
+
+    #[test]
+    fn bad_head_counts_name_the_fix() {
+        let err = HeadPlan::new(6, 6, 4).unwrap_err().to_string();
+        assert!(err.contains("6 heads") && err.contains("divisors of 6: [1, 2, 3, 6]"), "{err}");
+        let err = HeadPlan::new(12, 3, 2).unwrap_err().to_string();
+        assert!(err.contains("3 heads") && err.contains("neither divide nor"), "{err}");
+        let err = HeadPlan::new(8, 3, 2).unwrap_err().to_string();
+        assert!(err.contains("grouped-query"), "{err}");
+    }
+
+    #[test]
+    fn differing_layouts_name_field_and_ranks() {
+        let layout = AttentionLayout {
+            batch: 1,
+            q_heads: 4,
+            kv_heads: 4,
+            q_seq: 8,
+            kv_seq: 8,
+            head_dim: 16,
+            value_dim: 16,
+            is_causal: true,
+            scale: None,
+            softcap: None,
+            mask: MaskKind::None,
+            has_bias: false,
+        };
+        let short = AttentionLayout { q_seq: 7, kv_seq: 7, ..layout.clone() };
+        let err = AttentionLayout::check_agreement(&[layout.encode(), short.encode()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("local query sequence length"), "{err}");
+        assert!(err.contains("rank 0 has 8, rank 1 has 7") && err.contains("pad"), "{err}");
+        assert!(AttentionLayout::check_agreement(&[layout.encode(), layout.encode()]).is_ok());
+    }
+}

@@ -1,0 +1,46 @@
+//! Ulysses sequence parallelism for Burn.
+//!
+//! Every rank of a sequence-parallel (SP) group holds `S/P` tokens of each sequence and runs
+//! every layer on its shard. Attention is the one exception: it needs the whole sequence.
+//! [`UlyssesBackend`] is a backend decorator that forwards every op to the wrapped backend
+//! and intercepts `burn::tensor::module::attention`:
+//!
+//! 1. [`exchange`]: an all-to-all turns q/k/v from `[B, H, S/P, D]` (all heads, sequence
+//!    shard) into `[B, H/P, S, D]` (head shard, whole sequence);
+//! 2. [`attention`]: attention runs over the whole sequence for `H/P` heads;
+//! 3. [`exchange`]: the inverse all-to-all turns the output back into a sequence shard.
+//!
+//! Under autodiff the all-to-all is a custom autodiff node whose backward is the same
+//! exchange, so gradients flow back to the rank that owns each token.
+//!
+//! The training stack is `UlyssesBackend<Autodiff<B>>` (not `Autodiff<UlyssesBackend<B>>`:
+//! burn's autodiff decomposes attention into matmul/softmax before any inner backend sees
+//! it). A rank finds its group through the [`context`]: enter it once per rank thread (in
+//! process) or once per process (one process per GPU).
+//!
+//! ```no_run
+//! use burn::backend::{Autodiff, NdArray};
+//! use burn_ulysses::{UlyssesBackend, comm::ThreadGroup};
+//!
+//! type Train = UlyssesBackend<Autodiff<NdArray>>;
+//!
+//! let results = ThreadGroup::new(4).run(|rank| {
+//!     let _sp = Train::enter_thread(rank.communicator());
+//!     // build the model and train as usual: attention is now sequence parallel
+//!     rank.rank()
+//! });
+//! ```
+
+pub mod attention;
+pub mod backend;
+pub mod comm;
+pub mod context;
+pub mod error;
+pub mod exchange;
+pub mod layout;
+mod primitive;
+
+pub use backend::UlyssesBackend;
+pub use context::{RankGuard, UlyssesConfig};
+pub use error::UlyssesError;
+pub use exchange::ExchangeBackend;

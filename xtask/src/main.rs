@@ -1,0 +1,284 @@
+//! `cargo run -p xtask -- gen-forwarding` writes the op-forwarding impls of `UlyssesBackend`.
+//! `cargo run -p xtask -- check-forwarding` fails when the committed files are stale.
+//!
+//! `UlyssesBackend<Inner>` must forward every op of burn's backend traits to `Inner`, the
+//! provided (default) methods included, so that the inner backend's specialised kernels
+//! still run. That is ~430 methods. Instead of writing them by hand, this tool reads the
+//! trait definitions from the burn-backend sources that cargo resolved for this workspace
+//! and emits one forwarding impl per trait. Re-run it after changing the burn pin; CI runs
+//! the check so the generated code cannot drift from the pinned version.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::{Command, ExitCode},
+};
+
+use proc_macro2::{Ident, Span, TokenStream};
+use quote::{ToTokens, quote};
+use syn::{FnArg, Pat, ReturnType, Signature, TraitItem, Type, visit::Visit, visit_mut::VisitMut};
+
+/// (source file inside burn-backend, trait, generated file).
+const TRAITS: &[(&str, &str, &str)] = &[
+    ("src/backend/ops/tensor.rs", "FloatTensorOps", "float_ops.rs"),
+    ("src/backend/ops/int_tensor.rs", "IntTensorOps", "int_ops.rs"),
+    ("src/backend/ops/bool_tensor.rs", "BoolTensorOps", "bool_ops.rs"),
+    ("src/backend/ops/modules/base.rs", "ModuleOps", "module_ops.rs"),
+    ("src/backend/ops/activation.rs", "ActivationOps", "activation_ops.rs"),
+    ("src/backend/ops/qtensor.rs", "QTensorOps", "qtensor_ops.rs"),
+    ("src/backend/ops/transaction.rs", "TransactionOps", "transaction_ops.rs"),
+];
+
+/// Ops that UlyssesBackend handles itself: (trait, method, hand-written function).
+const INTERCEPTED: &[(&str, &str, &str)] = &[(
+    "ModuleOps",
+    "attention",
+    "crate::attention::sequence_parallel_attention",
+)];
+
+/// Types named after a backend (`TensorPrimitive<B>`, ...). `TensorPrimitive<Inner>` and
+/// `TensorPrimitive<UlyssesBackend<Inner>>` are different types with the same fields, so the
+/// generated code converts them with the hand-written `Rebrand` trait.
+const REBRANDED: &[&str] = &[
+    "TensorPrimitive",
+    "TransactionPrimitive",
+    "MaxPool1dWithIndices",
+    "MaxPool2dWithIndices",
+    "MaxPool1dBackward",
+    "MaxPool2dBackward",
+    "DeformConv2dBackward",
+    "Conv2dBackward",
+    "Conv3dBackward",
+    "QuantizationParametersPrimitive",
+];
+
+const OUT_DIR: &str = "crates/burn-ulysses/src/backend/forward";
+const BURN_BACKEND_VERSION: &str = "0.21.0";
+
+fn main() -> ExitCode {
+    let command = std::env::args().nth(1).unwrap_or_default();
+    let result = match command.as_str() {
+        "gen-forwarding" => generate().and_then(|files| write(&files)),
+        "check-forwarding" => generate().and_then(|files| check(&files)),
+        _ => Err("usage: cargo run -p xtask -- <gen-forwarding|check-forwarding>".into()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("xtask: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// Locates the burn-backend sources through `cargo metadata`, so the generator reads exactly
+/// the version the workspace builds against.
+fn burn_backend_dir() -> Result<PathBuf, String> {
+    let output = Command::new(env!("CARGO"))
+        .args(["metadata", "--format-version", "1"])
+        .current_dir(workspace_root())
+        .output()
+        .map_err(|e| format!("cannot run cargo metadata: {e}"))?;
+    if !output.status.success() {
+        return Err(String::from_utf8_lossy(&output.stderr).into_owned());
+    }
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&output.stdout).map_err(|e| e.to_string())?;
+    let packages = metadata["packages"].as_array().ok_or("no packages in metadata")?;
+    let backend = packages
+        .iter()
+        .find(|p| p["name"] == "burn-backend")
+        .ok_or("burn-backend is not in the dependency graph")?;
+    if backend["version"] != BURN_BACKEND_VERSION {
+        return Err(format!(
+            "burn-backend {} resolved, the generator was written for {BURN_BACKEND_VERSION}: \
+             review REBRANDED/INTERCEPTED, then update BURN_BACKEND_VERSION",
+            backend["version"]
+        ));
+    }
+    let manifest = backend["manifest_path"].as_str().ok_or("no manifest path")?;
+    Ok(Path::new(manifest).parent().unwrap().to_path_buf())
+}
+
+fn generate() -> Result<Vec<(String, String)>, String> {
+    let source_dir = burn_backend_dir()?;
+    let mut files = Vec::new();
+    let mut module_lines = Vec::new();
+    for (source, trait_name, out_file) in TRAITS {
+        let path = source_dir.join(source);
+        let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let file = syn::parse_file(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let item = file
+            .items
+            .iter()
+            .find_map(|item| match item {
+                syn::Item::Trait(t) if t.ident == trait_name => Some(t),
+                _ => None,
+            })
+            .ok_or_else(|| format!("trait {trait_name} not found in {}", path.display()))?;
+        let tokens = forwarding_impl(item)?;
+        files.push((out_file.to_string(), render(tokens)?));
+        module_lines.push(format!("mod {};", out_file.trim_end_matches(".rs")));
+    }
+    let module = format!(
+        "{}\n{}\n",
+        header(),
+        module_lines.join("\n")
+    );
+    files.push(("mod.rs".to_string(), module));
+    Ok(files)
+}
+
+fn header() -> String {
+    format!(
+        "// @generated by `cargo run -p xtask -- gen-forwarding` from burn-backend \
+         {BURN_BACKEND_VERSION}.\n// Do not edit: change xtask/src/main.rs and regenerate.\n"
+    )
+}
+
+fn forwarding_impl(item: &syn::ItemTrait) -> Result<TokenStream, String> {
+    let trait_ident = &item.ident;
+    let mut methods = Vec::new();
+    for trait_item in &item.items {
+        let TraitItem::Fn(method) = trait_item else {
+            return Err(format!("{trait_ident}: unexpected non-fn item"));
+        };
+        methods.push(forwarding_method(trait_ident, &method.sig)?);
+    }
+    Ok(quote! {
+        use super::super::prelude::*;
+
+        impl<Inner: ExchangeBackend> #trait_ident<Self> for UlyssesBackend<Inner> {
+            #(#methods)*
+        }
+    })
+}
+
+fn forwarding_method(trait_ident: &Ident, sig: &Signature) -> Result<TokenStream, String> {
+    let name = sig.ident.to_string();
+    let mut impl_sig = sig.clone();
+    ReplaceBackendParam.visit_signature_mut(&mut impl_sig);
+    if !impl_sig.generics.params.is_empty() {
+        return Err(format!("{trait_ident}::{name}: generic methods are not supported"));
+    }
+
+    let mut args = Vec::new();
+    for input in impl_sig.inputs.iter_mut() {
+        let FnArg::Typed(arg) = input else {
+            return Err(format!("{trait_ident}::{name}: methods with self are not supported"));
+        };
+        let ident = match arg.pat.as_mut() {
+            Pat::Ident(pat) => {
+                // `mut` belongs to the trait's default body, not to a forwarding call.
+                pat.mutability = None;
+                pat.ident.clone()
+            }
+            _ => return Err(format!("{trait_ident}::{name}: unsupported argument pattern")),
+        };
+        if mentions_rebranded(&arg.ty) {
+            args.push(quote!(Rebrand::rebrand(#ident)));
+        } else {
+            args.push(quote!(#ident));
+        }
+    }
+
+    let method_ident = &sig.ident;
+    let call = match INTERCEPTED
+        .iter()
+        .find(|(t, m, _)| trait_ident == t && name == *m)
+    {
+        Some((_, _, handler)) => {
+            let handler: syn::Path = syn::parse_str(handler).unwrap();
+            quote!(#handler::<Inner>(#(#args),*))
+        }
+        None => quote!(<Inner as #trait_ident<Inner>>::#method_ident(#(#args),*)),
+    };
+    let body = match &impl_sig.output {
+        ReturnType::Type(_, ty) if mentions_rebranded(ty) => {
+            if matches!(ty.as_ref(), Type::ImplTrait(_)) {
+                return Err(format!("{trait_ident}::{name}: cannot rebrand an impl Trait return"));
+            }
+            quote!(Rebrand::rebrand(#call))
+        }
+        _ => call,
+    };
+    Ok(quote! {
+        #impl_sig {
+            #body
+        }
+    })
+}
+
+/// Rewrites the trait's backend parameter `B` into `Self` (`FloatTensor<B>` becomes
+/// `FloatTensor<Self>`, `B::IntElem` becomes `Self::IntElem`), and burn-backend's
+/// crate-relative paths (`crate::tensor::IndexingUpdateOp`) into the bare name, which the
+/// hand-written prelude imports.
+struct ReplaceBackendParam;
+
+impl VisitMut for ReplaceBackendParam {
+    fn visit_path_mut(&mut self, path: &mut syn::Path) {
+        if path.segments.first().is_some_and(|first| first.ident == "crate") {
+            let last = path.segments.pop().unwrap().into_value();
+            path.segments.clear();
+            path.segments.push(last);
+        }
+        if path.leading_colon.is_none()
+            && let Some(first) = path.segments.first_mut()
+            && first.ident == "B"
+        {
+            first.ident = Ident::new("Self", Span::call_site());
+        }
+        syn::visit_mut::visit_path_mut(self, path);
+    }
+}
+
+fn mentions_rebranded(ty: &Type) -> bool {
+    struct Finder(bool);
+    impl<'a> Visit<'a> for Finder {
+        fn visit_path_segment(&mut self, segment: &'a syn::PathSegment) {
+            if REBRANDED.iter().any(|name| segment.ident == name) {
+                self.0 = true;
+            }
+            syn::visit::visit_path_segment(self, segment);
+        }
+    }
+    let mut finder = Finder(false);
+    finder.visit_type(ty);
+    finder.0
+}
+
+fn render(tokens: TokenStream) -> Result<String, String> {
+    let file: syn::File = syn::parse2(tokens.into_token_stream()).map_err(|e| e.to_string())?;
+    Ok(format!("{}\n{}", header(), prettyplease::unparse(&file)))
+}
+
+fn write(files: &[(String, String)]) -> Result<(), String> {
+    let dir = workspace_root().join(OUT_DIR);
+    fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    for (name, content) in files {
+        fs::write(dir.join(name), content).map_err(|e| e.to_string())?;
+    }
+    println!("wrote {} files to {OUT_DIR}", files.len());
+    Ok(())
+}
+
+fn check(files: &[(String, String)]) -> Result<(), String> {
+    let dir = workspace_root().join(OUT_DIR);
+    let stale: Vec<&str> = files
+        .iter()
+        .filter(|(name, content)| fs::read_to_string(dir.join(name)).ok().as_ref() != Some(content))
+        .map(|(name, _)| name.as_str())
+        .collect();
+    if stale.is_empty() {
+        println!("forwarding impls are up to date with burn-backend {BURN_BACKEND_VERSION}");
+        Ok(())
+    } else {
+        Err(format!(
+            "stale generated files in {OUT_DIR}: {stale:?}; run `cargo run -p xtask -- gen-forwarding`"
+        ))
+    }
+}
