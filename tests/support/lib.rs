@@ -1,1 +1,146 @@
-//! Shared helpers of the integration tests and benches (the `ulysses-suite` library).
+//! Shared helpers of the integration tests and benches (the `ulysses-suite` library):
+//! deterministic parameters, gradient collection, sharding and comparison.
+
+use std::{
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use burn::{
+    module::{Module, ModuleMapper, ModuleVisitor, Param},
+    tensor::{
+        BasicOps, Tensor, TensorData,
+        backend::{AutodiffBackend, Backend},
+    },
+};
+
+/// Sets every float parameter of `module` to values that depend only on `seed`, the
+/// parameter's position in the module and its shape. Two modules of the same config on
+/// different backends (or ranks) get identical values, and each gets fresh autodiff leaves,
+/// so in-process ranks never share an autodiff graph.
+pub fn deterministic_params<B: Backend, M: Module<B>>(module: M, seed: u64) -> M {
+    struct Mapper<'a, B: Backend> {
+        seed: u64,
+        index: u64,
+        device: &'a B::Device,
+    }
+    impl<B: Backend> ModuleMapper<B> for Mapper<'_, B> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let shape = tensor.shape();
+            // Norm weights (1-D) sit around one, matrices around zero with a fan-in scale.
+            let (center, scale) = match D {
+                1 => (1.0, 0.1),
+                _ => (0.0, 1.0 / (shape.dims::<D>()[D - 1] as f64).sqrt()),
+            };
+            let stream = self.seed ^ (self.index << 32);
+            let values: Vec<f32> = (0..shape.num_elements() as u64)
+                .map(|i| (center + scale * uniform(stream, i)) as f32)
+                .collect();
+            self.index += 1;
+            let fresh = Tensor::from_data(TensorData::new(values, shape), self.device).require_grad();
+            Param::from_mapped_value(id, fresh, mapper)
+        }
+    }
+    let device = module.devices()[0].clone();
+    module.map(&mut Mapper::<B> { seed, index: 0, device: &device })
+}
+
+/// A uniform value in [-1, 1) from (stream, index), by splitmix64.
+pub fn uniform(stream: u64, index: u64) -> f64 {
+    let mut z = stream.wrapping_add(index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+}
+
+/// A tensor of deterministic uniform values in [-1, 1).
+pub fn uniform_tensor<B: Backend, const D: usize>(
+    shape: [usize; D],
+    stream: u64,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let count: usize = shape.iter().product();
+    let values: Vec<f32> = (0..count as u64).map(|i| uniform(stream, i) as f32).collect();
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// Every float parameter's gradient, flattened, with its path in the module.
+pub fn parameter_grads<B: AutodiffBackend, M: Module<B>>(
+    module: &M,
+    grads: &B::Gradients,
+) -> Vec<(String, Vec<f32>)> {
+    struct Visitor<'a, B: AutodiffBackend> {
+        grads: &'a B::Gradients,
+        path: Vec<String>,
+        out: Vec<(String, Vec<f32>)>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Visitor<'_, B> {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let name = self.path.join(".");
+            let grad = param
+                .val()
+                .grad(self.grads)
+                .unwrap_or_else(|| panic!("parameter {name} has no gradient"));
+            self.out.push((name, values(grad)));
+        }
+    }
+    let mut visitor = Visitor::<B> { grads, path: Vec::new(), out: Vec::new() };
+    module.visit(&mut visitor);
+    visitor.out
+}
+
+/// A tensor's values, flattened, as f32.
+pub fn values<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+    tensor.into_data().convert::<f32>().to_vec().unwrap()
+}
+
+/// Rank `rank`'s contiguous shard of `tensor` along `dim`, out of `parts`.
+pub fn shard<B: Backend, const D: usize, K: BasicOps<B>>(
+    tensor: Tensor<B, D, K>,
+    dim: usize,
+    rank: usize,
+    parts: usize,
+) -> Tensor<B, D, K> {
+    let len = tensor.dims()[dim] / parts;
+    tensor.narrow(dim, rank * len, len)
+}
+
+/// Largest absolute difference; panics when the lengths differ.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "compared tensors have different sizes");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Element-wise sum of equally long vectors.
+pub fn sum_vectors<'a>(vectors: impl IntoIterator<Item = &'a Vec<f32>>) -> Vec<f32> {
+    let mut iter = vectors.into_iter();
+    let mut sum = iter.next().expect("nothing to sum").clone();
+    for v in iter {
+        sum.iter_mut().zip(v).for_each(|(s, x)| *s += x);
+    }
+    sum
+}
+
+/// Runs `work` on another thread and panics if it has not finished within `limit`, so a
+/// test that would hang fails instead.
+pub fn with_deadline<T: Send + 'static>(limit: Duration, work: impl FnOnce() -> T + Send + 'static) -> T {
+    let (sender, receiver) = mpsc::channel();
+    let started = Instant::now();
+    std::thread::spawn(move || {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
+        let _ = sender.send(result);
+    });
+    match receiver.recv_timeout(limit) {
+        Ok(Ok(value)) => value,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => panic!("test did not finish within {limit:?} (started {:?} ago): it hangs", started.elapsed()),
+    }
+}

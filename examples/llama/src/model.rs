@@ -1,0 +1,212 @@
+//! A Llama-shaped decoder: RMSNorm, RoPE at global positions, grouped-query causal attention
+//! through `burn::tensor::module::attention`, SwiGLU feed-forward.
+//!
+//! Nothing here knows about sequence parallelism. Under `UlyssesBackend` each rank runs the
+//! model on its shard of the sequence; the only thing the caller supplies is where that shard
+//! starts (`position_offset`), so that positions are global.
+
+use burn::{
+    config::Config,
+    module::Module,
+    nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig},
+    tensor::{
+        Int, Tensor,
+        activation::silu,
+        backend::Backend,
+        module::attention,
+        ops::AttentionModuleOptions,
+    },
+};
+
+use crate::rope::RopeTables;
+
+#[derive(Config, Debug)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    #[config(default = 128)]
+    pub d_model: usize,
+    #[config(default = 2)]
+    pub n_layers: usize,
+    #[config(default = 8)]
+    pub n_heads: usize,
+    #[config(default = 2)]
+    pub n_kv_heads: usize,
+    #[config(default = 256)]
+    pub ffn_hidden: usize,
+    #[config(default = 10000.0)]
+    pub rope_theta: f64,
+    #[config(default = 1e-5)]
+    pub norm_eps: f64,
+    /// Expand kv heads to the q head count before calling attention. Burn's own attention
+    /// needs equal head counts; `UlyssesBackend` accepts grouped kv heads natively and then
+    /// exchanges `n_heads / n_kv_heads` times fewer kv bytes. It changes no parameter.
+    #[config(default = true)]
+    pub repeat_kv: bool,
+    /// Causal (decoder) attention.
+    #[config(default = true)]
+    pub causal: bool,
+}
+
+impl LlamaConfig {
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads
+    }
+
+    fn check(&self) {
+        assert!(
+            self.d_model % self.n_heads == 0,
+            "d_model {} must be divisible by n_heads {}",
+            self.d_model,
+            self.n_heads
+        );
+        assert!(
+            self.n_kv_heads > 0 && self.n_heads % self.n_kv_heads == 0,
+            "n_kv_heads {} must divide n_heads {}",
+            self.n_kv_heads,
+            self.n_heads
+        );
+    }
+
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Llama<B> {
+        self.check();
+        Llama {
+            embedding: EmbeddingConfig::new(self.vocab_size, self.d_model).init(device),
+            blocks: (0..self.n_layers).map(|_| self.init_block(device)).collect(),
+            norm: RmsNormConfig::new(self.d_model).with_epsilon(self.norm_eps).init(device),
+            lm_head: LinearConfig::new(self.d_model, self.vocab_size).with_bias(false).init(device),
+            head_dim: self.head_dim(),
+            rope_theta: self.rope_theta,
+        }
+    }
+
+    pub fn init_block<B: Backend>(&self, device: &B::Device) -> Block<B> {
+        self.check();
+        let linear = |d_in, d_out| LinearConfig::new(d_in, d_out).with_bias(false).init(device);
+        let head_dim = self.head_dim();
+        Block {
+            attention_norm: RmsNormConfig::new(self.d_model).with_epsilon(self.norm_eps).init(device),
+            attention: Attention {
+                wq: linear(self.d_model, self.n_heads * head_dim),
+                wk: linear(self.d_model, self.n_kv_heads * head_dim),
+                wv: linear(self.d_model, self.n_kv_heads * head_dim),
+                wo: linear(self.n_heads * head_dim, self.d_model),
+                n_heads: self.n_heads,
+                n_kv_heads: self.n_kv_heads,
+                head_dim,
+                repeat_kv: self.repeat_kv,
+                causal: self.causal,
+            },
+            ffn_norm: RmsNormConfig::new(self.d_model).with_epsilon(self.norm_eps).init(device),
+            feed_forward: FeedForward {
+                gate: linear(self.d_model, self.ffn_hidden),
+                up: linear(self.d_model, self.ffn_hidden),
+                down: linear(self.ffn_hidden, self.d_model),
+            },
+        }
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Llama<B: Backend> {
+    pub embedding: Embedding<B>,
+    pub blocks: Vec<Block<B>>,
+    pub norm: RmsNorm<B>,
+    pub lm_head: Linear<B>,
+    head_dim: usize,
+    rope_theta: f64,
+}
+
+impl<B: Backend> Llama<B> {
+    /// `tokens: [batch, seq]` holding positions `position_offset..position_offset + seq` of
+    /// each sequence → logits `[batch, seq, vocab]`.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3> {
+        let seq = tokens.dims()[1];
+        let rope = RopeTables::new(position_offset, seq, self.head_dim, self.rope_theta, &tokens.device());
+        let mut x = self.embedding.forward(tokens);
+        for block in &self.blocks {
+            x = block.forward(x, &rope);
+        }
+        self.lm_head.forward(self.norm.forward(x))
+    }
+
+    /// Switches every attention layer between grouped kv heads and kv heads expanded to the
+    /// q head count (see [`LlamaConfig::repeat_kv`]).
+    pub fn with_repeat_kv(mut self, repeat_kv: bool) -> Self {
+        for block in &mut self.blocks {
+            block.attention.repeat_kv = repeat_kv;
+        }
+        self
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    pub attention_norm: RmsNorm<B>,
+    pub attention: Attention<B>,
+    pub ffn_norm: RmsNorm<B>,
+    pub feed_forward: FeedForward<B>,
+}
+
+impl<B: Backend> Block<B> {
+    /// `x: [batch, seq, d_model]`, with `rope` built for the same positions.
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>) -> Tensor<B, 3> {
+        let x = x.clone() + self.attention.forward(self.attention_norm.forward(x), rope);
+        x.clone() + self.feed_forward.forward(self.ffn_norm.forward(x))
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    pub wq: Linear<B>,
+    pub wk: Linear<B>,
+    pub wv: Linear<B>,
+    pub wo: Linear<B>,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    repeat_kv: bool,
+    causal: bool,
+}
+
+impl<B: Backend> Attention<B> {
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>) -> Tensor<B, 3> {
+        let [b, s, _] = x.dims();
+        let heads = |t: Tensor<B, 3>, n| t.reshape([b, s, n, self.head_dim]).swap_dims(1, 2);
+        let q = rope.apply(heads(self.wq.forward(x.clone()), self.n_heads));
+        let k = rope.apply(heads(self.wk.forward(x.clone()), self.n_kv_heads));
+        let v = heads(self.wv.forward(x), self.n_kv_heads);
+        let (k, v) = if self.repeat_kv {
+            let group = self.n_heads / self.n_kv_heads;
+            (repeat_kv(k, group), repeat_kv(v, group))
+        } else {
+            (k, v)
+        };
+        let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: self.causal };
+        let output = attention(q, k, v, None, None, options);
+        self.wo.forward(output.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]))
+    }
+}
+
+/// `[b, kv_heads, s, d]` → `[b, kv_heads · group, s, d]`, each kv head serving `group`
+/// consecutive q heads.
+fn repeat_kv<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
+    if group == 1 {
+        return x;
+    }
+    let [b, h, s, d] = x.dims();
+    x.reshape([b, h, 1, s, d]).expand([b, h, group, s, d]).reshape([b, h * group, s, d])
+}
+
+#[derive(Module, Debug)]
+pub struct FeedForward<B: Backend> {
+    pub gate: Linear<B>,
+    pub up: Linear<B>,
+    pub down: Linear<B>,
+}
+
+impl<B: Backend> FeedForward<B> {
+    /// SwiGLU: `down(silu(gate(x)) · up(x))`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.down.forward(silu(self.gate.forward(x.clone())) * self.up.forward(x))
+    }
+}

@@ -1,0 +1,47 @@
+//! Rotary position embeddings at *global* positions.
+//!
+//! Under sequence parallelism a rank holds tokens `[offset, offset + S/P)` of each sequence,
+//! so its rotations must start at `offset`, not 0. The tables are computed on the host from
+//! integer positions, in f64, so every rank gets bit-identical angles for the same position
+//! (no `max_sequence_length` cache either, which would cost memory at long contexts).
+
+use burn::tensor::{Tensor, TensorData, backend::Backend};
+
+/// cos/sin tables `[1, 1, seq, head_dim / 2]` for a run of consecutive positions.
+#[derive(Debug, Clone)]
+pub struct RopeTables<B: Backend> {
+    cos: Tensor<B, 4>,
+    sin: Tensor<B, 4>,
+}
+
+impl<B: Backend> RopeTables<B> {
+    /// Tables for positions `offset..offset + seq`.
+    pub fn new(offset: usize, seq: usize, head_dim: usize, theta: f64, device: &B::Device) -> Self {
+        assert!(head_dim % 2 == 0, "RoPE needs an even head_dim, got {head_dim}");
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(seq * half);
+        let mut sin = Vec::with_capacity(seq * half);
+        for position in offset..offset + seq {
+            for i in 0..half {
+                let inv_freq = theta.powf(-((2 * i) as f64) / head_dim as f64);
+                let angle = position as f64 * inv_freq;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let table = |values| Tensor::from_data(TensorData::new(values, [1, 1, seq, half]), device);
+        Self { cos: table(cos), sin: table(sin) }
+    }
+
+    /// Rotates `x: [batch, heads, seq, head_dim]` (the two halves of the head dim form the
+    /// pairs, as in Hugging Face's Llama).
+    pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [b, h, s, d] = x.dims();
+        let half = d / 2;
+        let x1 = x.clone().slice([0..b, 0..h, 0..s, 0..half]);
+        let x2 = x.slice([0..b, 0..h, 0..s, half..d]);
+        let rotated_1 = x1.clone() * self.cos.clone() - x2.clone() * self.sin.clone();
+        let rotated_2 = x2 * self.cos.clone() + x1 * self.sin.clone();
+        Tensor::cat(vec![rotated_1, rotated_2], 3)
+    }
+}

@@ -1,0 +1,169 @@
+//! `burn::tensor::module::attention` called directly under `UlyssesBackend`: key-padding
+//! masks gathered across ranks, and the bytes each rank sends per call.
+
+use std::time::Duration;
+
+use burn::{
+    backend::{Autodiff, NdArray},
+    tensor::{
+        Bool, Tensor, TensorData,
+        backend::{AutodiffBackend, Backend},
+        module::attention,
+        ops::AttentionModuleOptions,
+    },
+};
+use burn_ulysses::{
+    UlyssesBackend,
+    comm::{Communicator, ThreadGroup},
+};
+use ulysses_suite::{max_abs_diff, shard, uniform_tensor, values, with_deadline};
+
+type Inner = NdArray<f32>;
+type Reference = Autodiff<Inner>;
+type Sp = UlyssesBackend<Autodiff<Inner>>;
+
+const TOLERANCE: f32 = 1e-5;
+const CAUSAL: AttentionModuleOptions = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+
+/// q, k, v `[batch, heads, seq, dim]` and the loss weights.
+fn qkvw<B: Backend>(shape: [usize; 4], device: &B::Device) -> [Tensor<B, 4>; 4] {
+    [1, 2, 3, 4].map(|stream| uniform_tensor(shape, stream, device))
+}
+
+/// Key-padding mask `[batch, mask_heads, 1, seq]`: true masks the key. Batch 0 masks key 5
+/// (and per head, key 2·h), batch 1 masks its last three keys (right padding).
+fn padding_mask<B: Backend>(batch: usize, mask_heads: usize, seq: usize, device: &B::Device) -> Tensor<B, 4, Bool> {
+    let mut masked = Vec::new();
+    for b in 0..batch {
+        for h in 0..mask_heads {
+            for s in 0..seq {
+                masked.push(if b == 0 { s == 5 || (mask_heads > 1 && s == 2 * h) } else { s >= seq - 3 });
+            }
+        }
+    }
+    Tensor::from_data(TensorData::new(masked, [batch, mask_heads, 1, seq]), device)
+}
+
+struct Grads {
+    output: Vec<f32>,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+fn attend<B: AutodiffBackend>(
+    [q, k, v, w]: [Tensor<B, 4>; 4],
+    mask: Option<Tensor<B, 4, Bool>>,
+) -> Grads {
+    let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
+    let output = attention(q.clone(), k.clone(), v.clone(), mask, None, CAUSAL);
+    let grads = (output.clone() * w).sum().backward();
+    Grads {
+        output: values(output),
+        dq: values(q.grad(&grads).unwrap()),
+        dk: values(k.grad(&grads).unwrap()),
+        dv: values(v.grad(&grads).unwrap()),
+    }
+}
+
+fn key_padding_mask_matches_single_device(sp: usize, mask_heads: usize) {
+    let shape @ [batch, heads, seq, _] = [2, 4, 16, 8];
+    let device = Default::default();
+    // Burn's attention takes the mask at full score shape.
+    let full_mask = padding_mask::<Reference>(batch, mask_heads, seq, &device).expand([batch, heads, seq, seq]);
+    let reference = attend(qkvw::<Reference>(shape, &device), Some(full_mask));
+    let reference_shard = |values: &[f32], rank: usize| {
+        let t = Tensor::<Inner, 4>::from_data(TensorData::new(values.to_vec(), shape), &device);
+        ulysses_suite::values(shard(t, 2, rank, sp))
+    };
+
+    let per_rank = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(sp).run(|rank| {
+            let _sp = Sp::enter_thread(rank.communicator());
+            let device = Default::default();
+            let (r, p) = (rank.rank(), rank.size());
+            let tensors = qkvw::<Sp>(shape, &device).map(|t| shard(t, 2, r, p));
+            let mask = shard(padding_mask::<Sp>(batch, mask_heads, seq, &device), 3, r, p);
+            attend(tensors, Some(mask))
+        })
+    });
+    let mut worst = 0.0f32;
+    for (r, grads) in per_rank.into_iter().enumerate() {
+        let grads = grads.unwrap();
+        for (name, got, want) in [
+            ("output", &grads.output, &reference.output),
+            ("dq", &grads.dq, &reference.dq),
+            ("dk", &grads.dk, &reference.dk),
+            ("dv", &grads.dv, &reference.dv),
+        ] {
+            let diff = max_abs_diff(got, &reference_shard(want, r));
+            assert!(diff <= TOLERANCE, "sp={sp}: {name} of rank {r} differs by {diff:e}");
+            worst = worst.max(diff);
+        }
+    }
+    println!("key-padding mask [b, {mask_heads}, 1, s/p], sp={sp}: max |Δ| over output, dq, dk, dv {worst:.2e}");
+}
+
+#[test]
+fn key_padding_mask_over_two_ranks() {
+    key_padding_mask_matches_single_device(2, 1);
+}
+
+#[test]
+fn key_padding_mask_over_four_ranks() {
+    key_padding_mask_matches_single_device(4, 1);
+}
+
+#[test]
+fn per_head_key_padding_mask_over_two_ranks() {
+    key_padding_mask_matches_single_device(2, 4);
+}
+
+/// Bytes one rank hands to all-to-alls in one attention call, forward and backward.
+fn traffic_of_one_call(sp: usize, [batch, heads, seq, dim]: [usize; 4], kv_heads: usize) -> (u64, u64, u64, u64) {
+    let per_rank = ThreadGroup::new(sp).run(|rank| {
+        let comm = rank.communicator();
+        let _sp = Sp::enter_thread(comm.clone());
+        let device = Default::default();
+        let (r, p) = (rank.rank(), rank.size());
+        let local = |shape, stream| shard(uniform_tensor::<Sp, 4>(shape, stream, &device), 2, r, p).require_grad();
+        let q = local([batch, heads, seq, dim], 1);
+        let k = local([batch, kv_heads, seq, dim], 2);
+        let v = local([batch, kv_heads, seq, dim], 3);
+        let traffic = || Communicator::<Inner>::traffic(&*comm);
+        let before = traffic();
+        let output = attention(q, k, v, None, None, CAUSAL);
+        let forward = traffic().since(&before);
+        let _grads = output.sum().backward();
+        let total = traffic().since(&before);
+        (forward.all_to_all_bytes, forward.all_to_all_remote_bytes, forward.all_to_all_calls, total.all_to_all_bytes)
+    });
+    let first = per_rank[0].as_ref().unwrap().clone();
+    assert!(per_rank.iter().all(|r| r.as_ref().unwrap() == &first), "ranks sent different volumes");
+    first
+}
+
+#[test]
+fn each_rank_sends_4_bsdh_over_p_bytes_per_call() {
+    let (sp, batch, heads, seq, dim) = (4u64, 2u64, 8u64, 32u64, 16u64);
+    let f32_bytes = 4;
+    let (sent, remote, calls, with_backward) =
+        traffic_of_one_call(sp as usize, [2, 8, 32, 16], heads as usize);
+    let formula = 4 * batch * seq * heads * dim / sp * f32_bytes;
+    println!("no GQA, P={sp}: {sent} bytes per rank per call, formula 4·B·S·H·D/P·4 = {formula}");
+    assert_eq!(sent, formula);
+    assert_eq!(remote, formula / sp * (sp - 1), "the slice a rank keeps is not remote traffic");
+    assert_eq!(calls, 2, "q, k and v travel in one all-to-all, the output in another");
+    assert_eq!(with_backward, 2 * formula, "the backward pass exchanges the same volume");
+}
+
+#[test]
+fn grouped_kv_heads_send_fewer_bytes() {
+    // 2 kv heads over 4 ranks: each is replicated onto 2 ranks, so 4 kv heads travel.
+    let (sp, batch, heads, seq, dim) = (4u64, 2u64, 8u64, 32u64, 16u64);
+    let exchanged_kv_heads = 4;
+    let (sent, _, _, _) = traffic_of_one_call(sp as usize, [2, 8, 32, 16], 2);
+    let formula = (2 * heads + 2 * exchanged_kv_heads) * batch * (seq / sp) * dim * 4;
+    println!("GQA 8q/2kv, P={sp}: {sent} bytes per rank per call, formula (2H+2H_kv')·B·S/P·D·4 = {formula}");
+    assert_eq!(sent, formula);
+}

@@ -1,0 +1,137 @@
+//! Bad input to sequence-parallel attention gets an error that names the problem and the fix,
+//! on every rank, and nothing hangs: each test runs under a 50 s deadline with a 20 s
+//! collective timeout, and checks it finished well before either.
+
+use std::time::{Duration, Instant};
+
+use burn::{
+    backend::{Autodiff, NdArray},
+    tensor::{Bool, Tensor, module::attention, ops::AttentionModuleOptions},
+};
+use burn_ulysses::{
+    UlyssesBackend,
+    comm::{ThreadGroup, ThreadGroupConfig, ThreadRank},
+};
+use ulysses_suite::{uniform_tensor, with_deadline};
+
+type Sp = UlyssesBackend<Autodiff<NdArray<f32>>>;
+
+const OPTIONS: AttentionModuleOptions = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+
+/// Runs `work` on `sp` ranks and returns every rank's panic message; fails if a rank
+/// succeeded or the whole run took longer than a few seconds.
+fn errors_on_every_rank(sp: usize, work: impl Fn(&ThreadRank) + Sync + Send + 'static) -> Vec<String> {
+    let started = Instant::now();
+    let results = with_deadline(Duration::from_secs(50), move || {
+        let group = ThreadGroup::from_config(&ThreadGroupConfig::new(sp).with_timeout_secs(20.0));
+        group.run(|rank| {
+            let _sp = Sp::enter_thread(rank.communicator());
+            work(rank)
+        })
+    });
+    assert!(started.elapsed() < Duration::from_secs(10), "errors took {:?}", started.elapsed());
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, result)| match result {
+            Ok(()) => panic!("rank {rank} succeeded on bad input"),
+            Err(panic) => panic.message,
+        })
+        .collect()
+}
+
+fn assert_all_contain(messages: &[String], needles: &[&str]) {
+    println!("{}", messages[0]);
+    for message in messages {
+        for needle in needles {
+            assert!(message.contains(needle), "missing {needle:?} in: {message}");
+        }
+    }
+}
+
+fn qkv(shape: [usize; 4], kv_heads: usize) -> [Tensor<Sp, 4>; 3] {
+    let device = Default::default();
+    let [b, _, s, d] = shape;
+    [
+        uniform_tensor(shape, 1, &device),
+        uniform_tensor([b, kv_heads, s, d], 2, &device),
+        uniform_tensor([b, kv_heads, s, d], 3, &device),
+    ]
+}
+
+#[test]
+fn local_sequence_lengths_that_differ_across_ranks() {
+    let messages = errors_on_every_rank(2, |rank| {
+        let seq = if rank.rank() == 0 { 8 } else { 7 };
+        let [q, k, v] = qkv([1, 4, seq, 8], 4);
+        attention(q, k, v, None, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["local query sequence length", "rank 0 has 8, rank 1 has 7", "multiple of sp_size"]);
+}
+
+#[test]
+fn q_heads_not_divisible_by_the_sp_degree() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, v] = qkv([1, 3, 8, 8], 3);
+        attention(q, k, v, None, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["q has 3 heads", "not divisible", "degree 2", "divisors of 3: [1, 3]"]);
+}
+
+#[test]
+fn kv_heads_that_neither_divide_nor_are_divisible_by_the_sp_degree() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, v] = qkv([1, 6, 8, 8], 3);
+        attention(q, k, v, None, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["k/v have 3 heads", "neither divide nor", "sp_size"]);
+}
+
+#[test]
+fn an_explicit_score_mask_built_from_local_shapes() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        let mask = Tensor::<Sp, 2, Bool>::tril_mask([8, 8], 0, &Default::default())
+            .unsqueeze::<4>()
+            .expand([1, 4, 8, 8]);
+        attention(q, k, v, Some(mask), None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["mask of shape [1, 4, 8, 8] cannot be resharded", "is_causal", "key-padding mask"]);
+}
+
+#[test]
+fn an_attention_bias() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        let bias = uniform_tensor::<Sp, 4>([1, 4, 8, 8], 9, &Default::default());
+        attention(q, k, v, None, Some(bias), OPTIONS);
+    });
+    assert_all_contain(&messages, &["attention bias of shape [1, 4, 8, 8] cannot be resharded", "RoPE"]);
+}
+
+#[test]
+fn wrong_tensor_ranks() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, _] = qkv([1, 4, 8, 8], 4);
+        let v = uniform_tensor::<Sp, 4>([1, 4, 8, 4], 3, &Default::default());
+        let k_short = k.narrow(3, 0, 4);
+        attention(q, k_short, v, None, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["k must have q's head_dim", "got q [1, 4, 8, 8], k [1, 4, 8, 4]"]);
+}
+
+#[test]
+fn a_rank_that_dies_before_attention_stops_the_others() {
+    let messages = errors_on_every_rank(3, |rank| {
+        if rank.rank() == 1 {
+            panic!("rank 1 ran out of memory");
+        }
+        let [q, k, v] = qkv([1, 3, 8, 8], 3);
+        attention(q, k, v, None, None, OPTIONS);
+    });
+    assert!(messages[1].contains("rank 1 ran out of memory"));
+    for rank in [0, 2] {
+        assert!(messages[rank].contains("rank 1 left the group"), "{}", messages[rank]);
+    }
+    println!("{}", messages[0]);
+}
