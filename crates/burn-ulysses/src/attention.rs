@@ -36,62 +36,52 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
     attn_bias: Option<FloatTensor<X>>,
     options: AttentionModuleOptions,
 ) -> FloatTensor<X> {
-    try_sequence_parallel_attention::<X>(query, key, value, mask, attn_bias, options)
-        .unwrap_or_else(|error| panic!("{error}"))
-}
+    let attend_or_explain = || -> Result<FloatTensor<X>, UlyssesError> {
+        let layout = local_layout::<X>(&query, &key, &value, mask.as_ref(), attn_bias.as_ref(), &options)?;
+        let context = context::current::<X::Wire>()?;
+        let Some(context) = context.filter(|c| c.communicator.size() > 1) else {
+            HeadPlan::new(layout.q_heads, layout.kv_heads, 1)?;
+            let output = attend::<X>(
+                float_tensor(query),
+                float_tensor(key),
+                float_tensor(value),
+                mask.map(bool_tensor::<X>),
+                attn_bias.map(float_tensor),
+                options,
+            );
+            return Ok(float_primitive(output));
+        };
+        let communicator = &context.communicator;
 
-/// The fallible body of [`sequence_parallel_attention`].
-pub fn try_sequence_parallel_attention<X: ExchangeBackend>(
-    query: FloatTensor<X>,
-    key: FloatTensor<X>,
-    value: FloatTensor<X>,
-    mask: Option<BoolTensor<X>>,
-    attn_bias: Option<FloatTensor<X>>,
-    options: AttentionModuleOptions,
-) -> Result<FloatTensor<X>, UlyssesError> {
-    let layout = local_layout::<X>(&query, &key, &value, mask.as_ref(), attn_bias.as_ref(), &options)?;
-    let context = context::current::<X::Wire>()?;
-    let Some(context) = context.filter(|c| c.communicator.size() > 1) else {
-        HeadPlan::new(layout.q_heads, layout.kv_heads, 1)?;
-        let output = attend::<X>(
-            float_tensor(query),
-            float_tensor(key),
-            float_tensor(value),
-            mask.map(bool_tensor::<X>),
-            attn_bias.map(float_tensor),
-            options,
-        );
-        return Ok(float_primitive(output));
-    };
-    let communicator = &context.communicator;
-
-    if context.config.verify_layout {
-        let per_rank = communicator.all_gather_host(&layout.encode())?;
-        AttentionLayout::check_agreement(&per_rank)?;
-    }
-    match (layout.mask, attn_bias) {
-        (MaskKind::Unshardable, _) => {
-            return Err(UlyssesError::UnshardableMask { shape: dims(mask.as_ref().unwrap()) });
+        if context.config.verify_layout {
+            let per_rank = communicator.all_gather_host(&layout.encode())?;
+            AttentionLayout::check_agreement(&per_rank)?;
         }
-        (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: dims(&bias) }),
-        _ => {}
-    }
-    let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, communicator.size())?;
-    tracing::trace!(?layout, ?plan, "sequence-parallel attention");
+        match (layout.mask, attn_bias) {
+            (MaskKind::Unshardable, _) => {
+                return Err(UlyssesError::UnshardableMask { shape: dims(mask.as_ref().unwrap()) });
+            }
+            (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: dims(&bias) }),
+            _ => {}
+        }
+        let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, communicator.size())?;
+        tracing::trace!(?layout, ?plan, "sequence-parallel attention");
 
-    let key = repeat_heads(float_tensor::<X, 4>(key), plan.kv_replication);
-    let value = repeat_heads(float_tensor::<X, 4>(value), plan.kv_replication);
-    let mut exchanged = sequence_to_heads(vec![float_tensor(query), key, value], communicator)?;
-    let value = exchanged.pop().unwrap();
-    let key = exchanged.pop().unwrap();
-    let query = exchanged.pop().unwrap();
+        let key = repeat_heads(float_tensor::<X, 4>(key), plan.kv_replication);
+        let value = repeat_heads(float_tensor::<X, 4>(value), plan.kv_replication);
+        let mut exchanged = sequence_to_heads(vec![float_tensor(query), key, value], communicator)?;
+        let value = exchanged.pop().unwrap();
+        let key = exchanged.pop().unwrap();
+        let query = exchanged.pop().unwrap();
 
-    let mask = match mask {
-        Some(mask) => Some(gather_key_padding_mask::<X>(bool_tensor(mask), &query, &key, &plan, communicator)?),
-        None => None,
+        let mask = match mask {
+            Some(mask) => Some(gather_key_padding_mask::<X>(bool_tensor(mask), &query, &key, &plan, communicator)?),
+            None => None,
+        };
+        let output = attend::<X>(query, key, value, mask, None, options);
+        Ok(float_primitive(heads_to_sequence(output, communicator)?))
     };
-    let output = attend::<X>(query, key, value, mask, None, options);
-    Ok(float_primitive(heads_to_sequence(output, communicator)?))
+    attend_or_explain().unwrap_or_else(|error| panic!("{error}"))
 }
 
 /// Checks shapes that need no peer, and describes the call for the cross-rank check.

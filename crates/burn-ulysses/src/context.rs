@@ -59,45 +59,41 @@ static PROCESS_CONTEXT: RwLock<Option<StoredContext>> = RwLock::new(None);
 /// Restores the previous context of its scope when dropped.
 #[must_use = "the rank context is left as soon as the guard is dropped"]
 pub struct RankGuard {
-    scope: Scope,
+    scope: RankScope,
     previous: Option<StoredContext>,
     // A thread guard must be dropped on the thread that created it.
     _not_send: PhantomData<*const ()>,
 }
 
-#[derive(Clone, Copy)]
-enum Scope {
+/// Where a rank context is visible.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankScope {
+    /// The current thread only: ranks that are threads of one process.
     Thread,
+    /// Every thread of the process: one process per rank (per GPU).
     Process,
 }
 
-fn store<W: Backend>(context: RankContext<W>) -> StoredContext {
-    StoredContext {
+/// Makes `context` the rank context of `scope` until the guard is dropped.
+pub fn enter<W: Backend>(scope: RankScope, context: RankContext<W>) -> RankGuard {
+    let stored = StoredContext {
         wire: TypeId::of::<W>(),
         wire_name: type_name::<W>(),
         context: Arc::new(context),
-    }
-}
-
-/// Makes `context` the rank context of the current thread until the guard is dropped.
-pub fn enter_thread<W: Backend>(context: RankContext<W>) -> RankGuard {
-    let previous = THREAD_CONTEXT.with(|slot| slot.replace(Some(store(context))));
-    RankGuard { scope: Scope::Thread, previous, _not_send: PhantomData }
-}
-
-/// Makes `context` the rank context of the whole process until the guard is dropped.
-pub fn enter_process<W: Backend>(context: RankContext<W>) -> RankGuard {
-    let mut slot = PROCESS_CONTEXT.write().unwrap_or_else(|p| p.into_inner());
-    let previous = slot.replace(store(context));
-    RankGuard { scope: Scope::Process, previous, _not_send: PhantomData }
+    };
+    let previous = match scope {
+        RankScope::Thread => THREAD_CONTEXT.with(|slot| slot.replace(Some(stored))),
+        RankScope::Process => PROCESS_CONTEXT.write().unwrap_or_else(|p| p.into_inner()).replace(stored),
+    };
+    RankGuard { scope, previous, _not_send: PhantomData }
 }
 
 impl Drop for RankGuard {
     fn drop(&mut self) {
         let previous = self.previous.take();
         match self.scope {
-            Scope::Thread => THREAD_CONTEXT.with(|slot| *slot.borrow_mut() = previous),
-            Scope::Process => {
+            RankScope::Thread => THREAD_CONTEXT.with(|slot| *slot.borrow_mut() = previous),
+            RankScope::Process => {
                 *PROCESS_CONTEXT.write().unwrap_or_else(|p| p.into_inner()) = previous
             }
         }

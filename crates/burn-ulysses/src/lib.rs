@@ -41,6 +41,6 @@ pub mod layout;
 mod primitive;
 
 pub use backend::UlyssesBackend;
-pub use context::{RankGuard, UlyssesConfig};
+pub use context::{RankGuard, RankScope, UlyssesConfig};
 pub use error::UlyssesError;
 pub use exchange::ExchangeBackend;

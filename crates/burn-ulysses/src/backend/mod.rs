@@ -21,7 +21,7 @@ use burn::tensor::{
 
 use crate::{
     comm::Communicator,
-    context::{self, RankContext, RankGuard, UlyssesConfig},
+    context::{self, RankContext, RankGuard, RankScope, UlyssesConfig},
     exchange::ExchangeBackend,
 };
 
@@ -33,30 +33,20 @@ pub struct UlyssesBackend<Inner> {
 }
 
 impl<Inner: ExchangeBackend> UlyssesBackend<Inner> {
-    /// Makes this thread a rank of `communicator`'s group until the guard is dropped. Use
-    /// this when ranks are threads of one process.
+    /// Makes this thread a rank of `communicator`'s group until the guard is dropped, with
+    /// the default [`UlyssesConfig`]. Use this when ranks are threads of one process.
     pub fn enter_thread(communicator: Arc<dyn Communicator<Inner::Wire>>) -> RankGuard {
-        Self::enter_thread_with(communicator, UlyssesConfig::new())
+        Self::enter(RankScope::Thread, communicator, UlyssesConfig::new())
     }
 
-    pub fn enter_thread_with(
+    /// Makes this thread ([`RankScope::Thread`]) or this process ([`RankScope::Process`], one
+    /// process per GPU) a rank of `communicator`'s group until the guard is dropped.
+    pub fn enter(
+        scope: RankScope,
         communicator: Arc<dyn Communicator<Inner::Wire>>,
         config: UlyssesConfig,
     ) -> RankGuard {
-        context::enter_thread(RankContext { communicator, config })
-    }
-
-    /// Makes this process a rank of `communicator`'s group until the guard is dropped. Use
-    /// this with one process per GPU.
-    pub fn enter_process(communicator: Arc<dyn Communicator<Inner::Wire>>) -> RankGuard {
-        Self::enter_process_with(communicator, UlyssesConfig::new())
-    }
-
-    pub fn enter_process_with(
-        communicator: Arc<dyn Communicator<Inner::Wire>>,
-        config: UlyssesConfig,
-    ) -> RankGuard {
-        context::enter_process(RankContext { communicator, config })
+        context::enter(scope, RankContext { communicator, config })
     }
 }
 
