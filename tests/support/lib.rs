@@ -6,6 +6,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use ulysses_llama::corpus::splitmix64;
+
 use burn::{
     module::{Module, ModuleMapper, ModuleVisitor, Param},
     tensor::{
@@ -46,12 +48,9 @@ pub fn deterministic_params<B: Backend, M: Module<B>>(module: M, seed: u64) -> M
     module.map(&mut Mapper::<B> { seed, index: 0, device: &device })
 }
 
-/// A uniform value in [-1, 1) from (stream, index), by splitmix64.
+/// A uniform value in [-1, 1) from (stream, index).
 pub fn uniform(stream: u64, index: u64) -> f64 {
-    let mut z = stream.wrapping_add(index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
+    let z = splitmix64(stream.wrapping_add(index.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
     (z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
 }
 
@@ -66,17 +65,19 @@ pub fn uniform_tensor<B: Backend, const D: usize>(
     Tensor::from_data(TensorData::new(values, shape), device)
 }
 
-/// Every float parameter's gradient, flattened, with its path in the module.
-pub fn parameter_grads<B: AutodiffBackend, M: Module<B>>(
-    module: &M,
-    grads: &B::Gradients,
-) -> Vec<(String, Vec<f32>)> {
-    struct Visitor<'a, B: AutodiffBackend> {
-        grads: &'a B::Gradients,
+/// Reads one float parameter as a flat vector.
+trait ReadParam<B: Backend> {
+    fn read<const D: usize>(&self, name: &str, param: &Param<Tensor<B, D>>) -> Vec<f32>;
+}
+
+/// Every float parameter of `module`, read by `reader`, with its path in the module.
+fn named_params<B: Backend, M: Module<B>, R: ReadParam<B>>(module: &M, reader: &R) -> Vec<(String, Vec<f32>)> {
+    struct Visitor<'a, R> {
+        reader: &'a R,
         path: Vec<String>,
         out: Vec<(String, Vec<f32>)>,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Visitor<'_, B> {
+    impl<B: Backend, R: ReadParam<B>> ModuleVisitor<B> for Visitor<'_, R> {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
             self.path.push(name.to_string());
         }
@@ -85,16 +86,39 @@ pub fn parameter_grads<B: AutodiffBackend, M: Module<B>>(
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let name = self.path.join(".");
-            let grad = param
-                .val()
-                .grad(self.grads)
-                .unwrap_or_else(|| panic!("parameter {name} has no gradient"));
-            self.out.push((name, values(grad)));
+            let values = self.reader.read(&name, param);
+            self.out.push((name, values));
         }
     }
-    let mut visitor = Visitor::<B> { grads, path: Vec::new(), out: Vec::new() };
+    let mut visitor = Visitor { reader, path: Vec::new(), out: Vec::new() };
     module.visit(&mut visitor);
     visitor.out
+}
+
+/// Every float parameter's values, flattened, with its path in the module.
+pub fn parameter_values<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<f32>)> {
+    struct Values;
+    impl<B: Backend> ReadParam<B> for Values {
+        fn read<const D: usize>(&self, _name: &str, param: &Param<Tensor<B, D>>) -> Vec<f32> {
+            values(param.val())
+        }
+    }
+    named_params(module, &Values)
+}
+
+/// Every float parameter's gradient, flattened, with its path in the module.
+pub fn parameter_grads<B: AutodiffBackend, M: Module<B>>(
+    module: &M,
+    grads: &B::Gradients,
+) -> Vec<(String, Vec<f32>)> {
+    struct Grads<'a, B: AutodiffBackend>(&'a B::Gradients);
+    impl<B: AutodiffBackend> ReadParam<B> for Grads<'_, B> {
+        fn read<const D: usize>(&self, name: &str, param: &Param<Tensor<B, D>>) -> Vec<f32> {
+            let grad = param.val().grad(self.0);
+            values(grad.unwrap_or_else(|| panic!("parameter {name} has no gradient")))
+        }
+    }
+    named_params(module, &Grads::<B>(grads))
 }
 
 /// A tensor's values, flattened, as f32.

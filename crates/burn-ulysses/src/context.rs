@@ -7,7 +7,8 @@
 //!   rank; the thread can.
 //! - **process**: one process per GPU (NCCL); background threads see it too.
 //!
-//! The thread scope wins when both are set. With neither, attention runs on one device.
+//! The thread scope wins when both are set. With neither, attention runs on one device, as
+//! it does inside [`enter_single_device`].
 
 use std::{
     any::{Any, TypeId, type_name},
@@ -51,16 +52,25 @@ struct StoredContext {
     context: Arc<dyn Any + Send + Sync>,
 }
 
-thread_local! {
-    static THREAD_CONTEXT: RefCell<Option<StoredContext>> = const { RefCell::new(None) };
+/// What a scope says about the rank context.
+#[derive(Clone)]
+enum Entry {
+    Rank(StoredContext),
+    /// Explicitly single-device, shadowing any process-wide group (evaluation that bypasses
+    /// sequence parallelism).
+    SingleDevice,
 }
-static PROCESS_CONTEXT: RwLock<Option<StoredContext>> = RwLock::new(None);
+
+thread_local! {
+    static THREAD_CONTEXT: RefCell<Option<Entry>> = const { RefCell::new(None) };
+}
+static PROCESS_CONTEXT: RwLock<Option<Entry>> = RwLock::new(None);
 
 /// Restores the previous context of its scope when dropped.
 #[must_use = "the rank context is left as soon as the guard is dropped"]
 pub struct RankGuard {
     scope: RankScope,
-    previous: Option<StoredContext>,
+    previous: Option<Entry>,
     // A thread guard must be dropped on the thread that created it.
     _not_send: PhantomData<*const ()>,
 }
@@ -81,9 +91,19 @@ pub fn enter<W: Backend>(scope: RankScope, context: RankContext<W>) -> RankGuard
         wire_name: type_name::<W>(),
         context: Arc::new(context),
     };
+    replace(scope, Entry::Rank(stored))
+}
+
+/// Makes this thread run attention on a single device until the guard is dropped, even
+/// inside a group: to evaluate a whole, unsharded batch on one rank.
+pub fn enter_single_device() -> RankGuard {
+    replace(RankScope::Thread, Entry::SingleDevice)
+}
+
+fn replace(scope: RankScope, entry: Entry) -> RankGuard {
     let previous = match scope {
-        RankScope::Thread => THREAD_CONTEXT.with(|slot| slot.replace(Some(stored))),
-        RankScope::Process => PROCESS_CONTEXT.write().unwrap_or_else(|p| p.into_inner()).replace(stored),
+        RankScope::Thread => THREAD_CONTEXT.with(|slot| slot.replace(Some(entry))),
+        RankScope::Process => PROCESS_CONTEXT.write().unwrap_or_else(|p| p.into_inner()).replace(entry),
     };
     RankGuard { scope, previous, _not_send: PhantomData }
 }
@@ -103,10 +123,10 @@ impl Drop for RankGuard {
 /// The rank context for wire backend `W`: the thread's, else the process's, else `None`
 /// (a single-device run).
 pub fn current<W: Backend>() -> Result<Option<RankContext<W>>, UlyssesError> {
-    let stored = THREAD_CONTEXT.with(|slot| slot.borrow().clone()).or_else(|| {
+    let entry = THREAD_CONTEXT.with(|slot| slot.borrow().clone()).or_else(|| {
         PROCESS_CONTEXT.read().unwrap_or_else(|p| p.into_inner()).clone()
     });
-    let Some(stored) = stored else {
+    let Some(Entry::Rank(stored)) = entry else {
         return Ok(None);
     };
     if stored.wire != TypeId::of::<W>() {

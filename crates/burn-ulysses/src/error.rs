@@ -61,6 +61,21 @@ pub enum UlyssesError {
     )]
     WrongWireBackend { entered: &'static str, used: &'static str },
 
-    #[error("sequence-parallel attention: {0}")]
+    #[error(
+        "the world has {world} ranks but the layout asks for sp_size {sp_size} × dp_size \
+         {dp_size}. Launch sp_size × dp_size ranks, or change the layout."
+    )]
+    WorldSize { world: usize, sp_size: usize, dp_size: usize },
+
+    #[error(
+        "parameter `{parameter}` differs on ranks {ranks:?} from rank 0. Ranks must start from \
+         the same parameters (broadcast_parameters) and apply the same all-reduced gradients."
+    )]
+    ParametersDiverged { parameter: String, ranks: Vec<usize> },
+
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+
+    #[error("sequence-parallel collective failed: {0}")]
     Comm(#[from] CommError),
 }

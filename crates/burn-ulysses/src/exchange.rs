@@ -81,6 +81,20 @@ where
 {
 }
 
+#[cfg(feature = "cubecl")]
+impl<R, F, I, BT> PlainBackend for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+    Self: Backend,
+{
+}
+
+#[cfg(feature = "cubecl")]
+impl<B: burn_fusion::FusionBackend> PlainBackend for burn_fusion::Fusion<B> {}
+
 impl<B: Backend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> {
     type Wire = B;
 

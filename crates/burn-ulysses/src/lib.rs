@@ -35,10 +35,12 @@ pub mod attention;
 pub mod backend;
 pub mod comm;
 pub mod context;
+pub mod data;
 pub mod error;
 pub mod exchange;
 pub mod layout;
 mod primitive;
+pub mod train;
 
 pub use backend::UlyssesBackend;
 pub use context::{RankGuard, RankScope, UlyssesConfig};

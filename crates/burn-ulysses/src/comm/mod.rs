@@ -13,7 +13,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use burn::tensor::{backend::Backend, ops::FloatTensor};
 
-pub use thread::{RankPanic, ThreadGroup, ThreadGroupConfig, ThreadRank};
+pub use thread::{RankPanic, ThreadCommunicator, ThreadGroup, ThreadGroupConfig, ThreadRank};
 pub use traffic::{Traffic, TrafficCounter};
 
 /// Reduction applied by [`Communicator::all_reduce`].

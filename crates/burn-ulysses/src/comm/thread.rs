@@ -27,7 +27,10 @@ use burn::{
 };
 
 use super::{Collective, CommError, Communicator, ReduceOp, Traffic, TrafficCounter};
-use crate::primitive::{as_rows, byte_size, float_primitive};
+use crate::{
+    primitive::{as_rows, byte_size, float_primitive},
+    train::GroupSplit,
+};
 
 /// Settings of an in-process group.
 #[derive(Config, Debug)]
@@ -463,6 +466,24 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
     }
 
     fn split(&self, color: u32, key: u32) -> Result<Arc<dyn Communicator<B>>, CommError> {
+        Ok(self.split_group(color, key)?)
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.traffic.snapshot()
+    }
+}
+
+impl GroupSplit for ThreadCommunicator {
+    fn group_rank(&self) -> usize {
+        self.rank
+    }
+
+    fn group_size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
         let values = [u64::from(color), u64::from(key)];
         let (seq, gathered) = self.round(Collective::Split, Box::new(values), |deposits| {
             deposits
@@ -499,10 +520,6 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
             next_seq: AtomicU64::new(0),
             traffic: TrafficCounter::default(),
         }))
-    }
-
-    fn traffic(&self) -> Traffic {
-        self.traffic.snapshot()
     }
 }
 

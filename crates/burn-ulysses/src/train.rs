@@ -1,0 +1,363 @@
+//! Training with sequence parallelism (SP) and data parallelism (DP), equal to one device.
+//!
+//! One optimizer step on one rank ([`train_step`]):
+//! 1. **shard** each of its micro-batches ([`SequenceSharder`]): labels shifted, padded,
+//!    this rank's slice of every sequence with its global positions;
+//! 2. **count** the valid (non-ignored) labels of the whole step over every rank, so the loss
+//!    is averaged over tokens, not over ranks or micro-batches;
+//! 3. **forward/backward** each micro-batch with loss `Σ_shard CE / max(valid_tokens, 1)`.
+//!    A rank whose shard holds only ignored labels still runs both passes: its attention
+//!    exchanges are collectives that its peers wait for;
+//! 4. **all-reduce** the accumulated gradients over the SP group, then the DP group (sum):
+//!    every rank now holds the gradient of the global token-averaged loss;
+//! 5. **step** the optimizer; every rank takes the same step, so parameters stay identical
+//!    ([`check_parameters_identical`] verifies it on request).
+
+use std::{marker::PhantomData, sync::Arc};
+
+use burn::{
+    config::Config,
+    module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param},
+    optim::{GradientsAccumulator, GradientsParams, Optimizer},
+    tensor::{
+        ElementConversion, Int, Tensor, TensorPrimitive,
+        activation::log_softmax,
+        backend::{AutodiffBackend, Backend},
+    },
+};
+
+use crate::{
+    comm::{CommError, Communicator, ReduceOp},
+    data::SequenceSharder,
+    error::UlyssesError,
+};
+
+/// A model that maps a shard of token ids to next-token logits. `position_offset` is the
+/// global position of the shard's first token.
+pub trait CausalLm<B: AutodiffBackend>: AutodiffModule<B> {
+    fn logits(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3>;
+}
+
+/// How the ranks of the world form groups: `world = sp_size × dp_size`, and consecutive
+/// ranks form an SP group (so an SP group shares a node, where the all-to-alls are cheap).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub struct ParallelLayout {
+    #[config(default = 1)]
+    pub sp_size: usize,
+    #[config(default = 1)]
+    pub dp_size: usize,
+}
+
+impl ParallelLayout {
+    pub fn world_size(&self) -> usize {
+        self.sp_size * self.dp_size
+    }
+
+    /// `(dp_rank, sp_rank)` of a world rank.
+    pub fn coordinates(&self, world_rank: usize) -> (usize, usize) {
+        (world_rank / self.sp_size, world_rank % self.sp_size)
+    }
+}
+
+/// A communicator that can make sub-groups of its own kind (to serve as the SP and DP groups
+/// and still move the tensors of every backend it supports).
+pub trait GroupSplit: Send + Sync + 'static {
+    fn group_rank(&self) -> usize;
+    fn group_size(&self) -> usize;
+    /// Collective: ranks passing the same `color` form a group, ordered by `key`.
+    fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError>;
+}
+
+/// This rank's world, SP and DP groups.
+pub struct ParallelGroups<C> {
+    pub layout: ParallelLayout,
+    pub world: Arc<C>,
+    pub sp: Arc<C>,
+    pub dp: Arc<C>,
+}
+
+impl<C: GroupSplit> ParallelGroups<C> {
+    /// Collective over `world`: splits it into SP and DP groups.
+    pub fn new(world: Arc<C>, layout: ParallelLayout) -> Result<Self, UlyssesError> {
+        if world.group_size() != layout.world_size() {
+            return Err(UlyssesError::WorldSize {
+                world: world.group_size(),
+                sp_size: layout.sp_size,
+                dp_size: layout.dp_size,
+            });
+        }
+        let (dp_rank, sp_rank) = layout.coordinates(world.group_rank());
+        let sp = world.split_group(dp_rank as u32, sp_rank as u32)?;
+        let dp = world.split_group(sp_rank as u32, dp_rank as u32)?;
+        Ok(Self { layout, world, sp, dp })
+    }
+
+    pub fn sp_rank(&self) -> usize {
+        self.sp.group_rank()
+    }
+
+    pub fn dp_rank(&self) -> usize {
+        self.dp.group_rank()
+    }
+}
+
+/// What one optimizer step did, over all ranks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Cross-entropy averaged over every valid label of the step, on every rank.
+    pub loss: f64,
+    /// Valid labels of the step over all ranks.
+    pub valid_tokens: usize,
+    /// Token positions processed over all ranks, padding included.
+    pub processed_tokens: usize,
+}
+
+/// One optimizer step on this rank: `micro_batches` are this DP rank's sequences for the
+/// step, one entry per gradient-accumulation micro-batch.
+pub fn train_step<B, M, O, C>(
+    model: M,
+    optimizer: &mut O,
+    learning_rate: f64,
+    micro_batches: &[Vec<Vec<i64>>],
+    sharder: &SequenceSharder,
+    groups: &ParallelGroups<C>,
+    device: &B::Device,
+) -> Result<(M, StepReport), UlyssesError>
+where
+    B: AutodiffBackend,
+    M: CausalLm<B>,
+    O: Optimizer<M, B>,
+    C: GroupSplit + Communicator<B::InnerBackend>,
+{
+    let sp_rank = groups.sp_rank();
+    let shards: Vec<_> = micro_batches.iter().map(|batch| sharder.shard(batch, sp_rank)).collect();
+    let local_valid: usize = shards.iter().map(|s| s.valid_tokens).sum();
+    let local_processed: usize = shards.iter().map(|s| s.batch * s.local_len).sum();
+    let [valid_tokens, processed_tokens] = sum_over_ranks(&*groups.world, [local_valid, local_processed])?;
+    // Guard: a step whose labels are all ignored contributes zero loss, not NaN.
+    let weight = 1.0 / valid_tokens.max(1) as f64;
+
+    let mut accumulator = GradientsAccumulator::<M>::new();
+    let mut local_loss = 0.0;
+    for shard in &shards {
+        let logits = model.logits(shard.tokens(device), shard.position_offset);
+        let loss = masked_cross_entropy_sum(logits, shard.labels(device), sharder.ignore_index) * weight;
+        local_loss += loss.clone().into_scalar().elem::<f64>();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        accumulator.accumulate(&model, grads);
+    }
+    let grads = all_reduce_gradients(&model, accumulator.grads(), &*groups.sp)?;
+    let grads = all_reduce_gradients(&model, grads, &*groups.dp)?;
+    let model = optimizer.step(learning_rate, model, grads);
+
+    let loss = sum_f64_over_ranks(&*groups.world, local_loss)?;
+    Ok((model, StepReport { loss, valid_tokens, processed_tokens }))
+}
+
+/// Token-averaged cross-entropy of `batch`, evaluated with sequence parallelism: this rank
+/// runs `forward` on its shard, and the SP group sums losses and valid tokens.
+pub fn evaluate<B: Backend, G: Backend>(
+    forward: impl Fn(Tensor<B, 2, Int>, usize) -> Tensor<B, 3>,
+    batch: &[Vec<i64>],
+    sharder: &SequenceSharder,
+    sp_rank: usize,
+    sp_group: &dyn Communicator<G>,
+    device: &B::Device,
+) -> Result<f64, UlyssesError> {
+    let shard = sharder.shard(batch, sp_rank);
+    let loss = masked_cross_entropy_sum(forward(shard.tokens(device), shard.position_offset), shard.labels(device), sharder.ignore_index);
+    let loss = sum_f64_over_ranks(sp_group, loss.into_scalar().elem::<f64>())?;
+    let [valid] = sum_over_ranks(sp_group, [shard.valid_tokens])?;
+    Ok(loss / valid.max(1) as f64)
+}
+
+/// Token-averaged cross-entropy of the whole, unsharded `batch` on this rank alone,
+/// bypassing sequence parallelism even inside a group (no collective is issued).
+pub fn evaluate_single_device<B: Backend>(
+    forward: impl Fn(Tensor<B, 2, Int>, usize) -> Tensor<B, 3>,
+    batch: &[Vec<i64>],
+    ignore_index: i64,
+    device: &B::Device,
+) -> f64 {
+    let _single_device = crate::context::enter_single_device();
+    let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard(batch, 0);
+    let loss = masked_cross_entropy_sum(forward(whole.tokens(device), 0), whole.labels(device), ignore_index);
+    loss.into_scalar().elem::<f64>() / whole.valid_tokens.max(1) as f64
+}
+
+/// `Σ -log p(label)` over the labels that are not `ignore_index`: `logits [B, S, V]`,
+/// `labels [B, S]`. The graph stays connected when every label is ignored.
+pub fn masked_cross_entropy_sum<B: Backend>(
+    logits: Tensor<B, 3>,
+    labels: Tensor<B, 2, Int>,
+    ignore_index: i64,
+) -> Tensor<B, 1> {
+    let ignored = labels.clone().equal_elem(ignore_index);
+    let targets = labels.mask_fill(ignored.clone(), 0);
+    let log_probs = log_softmax(logits, 2);
+    let picked = log_probs.gather(2, targets.unsqueeze_dim(2)).squeeze_dim::<2>(2);
+    let valid = ignored.bool_not().float();
+    (picked * valid).sum().neg()
+}
+
+/// Sums a few counters over the ranks of `communicator` (a host collective).
+pub fn sum_over_ranks<G: Backend, const N: usize>(
+    communicator: &dyn Communicator<G>,
+    values: [usize; N],
+) -> Result<[usize; N], CommError> {
+    let gathered = communicator.all_gather_host(&values.map(|v| v as u64))?;
+    Ok(std::array::from_fn(|i| gathered.iter().map(|v| v[i] as usize).sum()))
+}
+
+/// Sums an f64 over the ranks, in rank order, so every rank gets the same bits.
+pub fn sum_f64_over_ranks<G: Backend>(
+    communicator: &dyn Communicator<G>,
+    value: f64,
+) -> Result<f64, CommError> {
+    let gathered = communicator.all_gather_host(&[value.to_bits()])?;
+    Ok(gathered.iter().map(|v| f64::from_bits(v[0])).sum())
+}
+
+/// Sums every parameter gradient over the ranks of `communicator`.
+///
+/// Parameters are visited in module order (parameter ids differ between ranks), flattened
+/// into one buffer and reduced in a single all-reduce. A parameter that has a gradient on
+/// any rank gets the sum on every rank; ranks without one contribute zeros, so all ranks
+/// always issue the same collectives.
+pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    mut grads: GradientsParams,
+    communicator: &dyn Communicator<B::InnerBackend>,
+) -> Result<GradientsParams, CommError> {
+    if communicator.size() == 1 {
+        return Ok(grads);
+    }
+    struct Collect<'a, B: AutodiffBackend> {
+        grads: &'a mut GradientsParams,
+        flat: Vec<Tensor<B::InnerBackend, 1>>,
+        present: Vec<u64>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let grad = self.grads.remove::<B::InnerBackend, D>(param.id);
+            self.present.push(grad.is_some() as u64);
+            let grad = grad.unwrap_or_else(|| param.val().inner().zeros_like());
+            self.flat.push(grad.flatten(0, D - 1));
+        }
+    }
+    let mut collect = Collect::<B> { grads: &mut grads, flat: Vec::new(), present: Vec::new() };
+    module.visit(&mut collect);
+    let Collect { flat, present, .. } = collect;
+    if flat.is_empty() {
+        return Ok(grads);
+    }
+
+    let present_anywhere: Vec<bool> = {
+        let gathered = communicator.all_gather_host(&present)?;
+        (0..present.len()).map(|i| gathered.iter().any(|p| p[i] == 1)).collect()
+    };
+    let lengths: Vec<usize> = flat.iter().map(|t| t.dims()[0]).collect();
+    let bucket = Tensor::cat(flat, 0).into_primitive().tensor();
+    let reduced: Tensor<B::InnerBackend, 1> =
+        Tensor::from_primitive(TensorPrimitive::Float(communicator.all_reduce(bucket, ReduceOp::Sum)?));
+
+    struct Register<'a, B: AutodiffBackend> {
+        grads: &'a mut GradientsParams,
+        reduced: Tensor<B::InnerBackend, 1>,
+        lengths: Vec<usize>,
+        present_anywhere: Vec<bool>,
+        index: usize,
+        offset: usize,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Register<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let (i, len) = (self.index, self.lengths[self.index]);
+            if self.present_anywhere[i] {
+                let flat = self.reduced.clone().narrow(0, self.offset, len);
+                let shape = param.val().shape();
+                self.grads.register::<B::InnerBackend, D>(param.id, flat.reshape(shape));
+            }
+            self.index += 1;
+            self.offset += len;
+        }
+    }
+    module.visit(&mut Register::<B> { grads: &mut grads, reduced, lengths, present_anywhere, index: 0, offset: 0 });
+    Ok(grads)
+}
+
+/// Makes every rank's parameters equal to world rank 0's (call once before training). Each
+/// parameter becomes a fresh autodiff leaf, so in-process ranks share no graph.
+pub fn broadcast_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: M,
+    communicator: &dyn Communicator<B::InnerBackend>,
+) -> Result<M, CommError> {
+    struct Broadcast<'a, B: AutodiffBackend> {
+        communicator: &'a dyn Communicator<B::InnerBackend>,
+        error: Option<CommError>,
+        _backend: PhantomData<B>,
+    }
+    impl<B: AutodiffBackend> ModuleMapper<B> for Broadcast<'_, B> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            if self.error.is_some() {
+                return Param::from_mapped_value(id, tensor, mapper);
+            }
+            let require_grad = tensor.is_require_grad();
+            let inner = tensor.inner().into_primitive().tensor();
+            let value = match self.communicator.broadcast(inner, 0) {
+                Ok(value) => Tensor::from_inner(Tensor::from_primitive(TensorPrimitive::Float(value))),
+                Err(error) => {
+                    self.error = Some(error);
+                    return Param::from_mapped_value(id, Tensor::empty([0; D], &Default::default()), mapper);
+                }
+            };
+            Param::from_mapped_value(id, value.set_require_grad(require_grad), mapper)
+        }
+    }
+    let mut broadcast = Broadcast::<B> { communicator, error: None, _backend: PhantomData };
+    let module = module.map(&mut broadcast);
+    match broadcast.error {
+        Some(error) => Err(error),
+        None => Ok(module),
+    }
+}
+
+/// Fails, naming the first parameter that differs and the ranks that disagree, unless every
+/// rank of `communicator` holds bit-identical parameters. Costs a device-to-host copy of
+/// every parameter: run it every few hundred steps, or when debugging.
+pub fn check_parameters_identical<B: Backend, M: Module<B>, G: Backend>(
+    module: &M,
+    communicator: &dyn Communicator<G>,
+) -> Result<(), UlyssesError> {
+    struct Fingerprints {
+        path: Vec<String>,
+        names: Vec<String>,
+        hashes: Vec<u64>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Fingerprints {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.names.push(self.path.join("."));
+            self.hashes.push(fnv1a(param.val().into_data().as_bytes()));
+        }
+    }
+    let mut fingerprints = Fingerprints { path: Vec::new(), names: Vec::new(), hashes: Vec::new() };
+    module.visit(&mut fingerprints);
+    let gathered = communicator.all_gather_host(&fingerprints.hashes)?;
+    for (i, name) in fingerprints.names.iter().enumerate() {
+        if gathered.iter().any(|h| h[i] != gathered[0][i]) {
+            let differing = (0..gathered.len()).filter(|&r| gathered[r][i] != gathered[0][i]).collect();
+            return Err(UlyssesError::ParametersDiverged { parameter: name.clone(), ranks: differing });
+        }
+    }
+    Ok(())
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| (hash ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}

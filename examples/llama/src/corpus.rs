@@ -1,0 +1,92 @@
+//! A byte-level text corpus: token `t` is byte `t` (vocabulary 256), so no tokenizer has to
+//! be trained or downloaded.
+//!
+//! The default corpus is the licence texts in `/usr/share/common-licenses` (GPL, LGPL, GFDL,
+//! Apache, MPL, Artistic, ...): about 260 KB of English prose that every Debian and Ubuntu
+//! machine has offline (package `base-files`). Any other text file or folder can be given.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+/// Vocabulary of byte tokens.
+pub const BYTE_VOCAB: usize = 256;
+
+pub const DEFAULT_CORPUS: &str = "/usr/share/common-licenses";
+
+pub struct ByteCorpus {
+    pub files: Vec<PathBuf>,
+    train: Vec<u8>,
+    eval: Vec<u8>,
+}
+
+impl ByteCorpus {
+    /// Reads a file, or every file under a folder (sorted, links followed), and holds out the
+    /// last `eval_fraction` of the bytes for evaluation.
+    pub fn load(path: &Path, eval_fraction: f64) -> Result<Self, String> {
+        let mut files = Vec::new();
+        collect_files(path, &mut files)
+            .map_err(|e| format!("cannot read corpus {}: {e}. Pass --corpus with a text file or folder.", path.display()))?;
+        files.sort();
+        let mut bytes = Vec::new();
+        for file in &files {
+            bytes.extend(fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?);
+            bytes.push(b'\n');
+        }
+        if bytes.len() < 4096 {
+            return Err(format!(
+                "corpus {} has only {} bytes; give at least 4 KB of text with --corpus",
+                path.display(),
+                bytes.len()
+            ));
+        }
+        let split = ((1.0 - eval_fraction) * bytes.len() as f64) as usize;
+        let eval = bytes.split_off(split);
+        Ok(Self { files, train: bytes, eval })
+    }
+
+    pub fn train_bytes(&self) -> usize {
+        self.train.len()
+    }
+
+    /// `count` training sequences of `len` tokens for `step`, at pseudo-random offsets that
+    /// depend only on `(seed, step)`, so every rank draws the same global batch.
+    pub fn train_batch(&self, seed: u64, step: usize, count: usize, len: usize) -> Vec<Vec<i64>> {
+        sample(&self.train, seed ^ 0x7261_696e, step, count, len)
+    }
+
+    /// A fixed evaluation batch from the held-out bytes.
+    pub fn eval_batch(&self, count: usize, len: usize) -> Vec<Vec<i64>> {
+        sample(&self.eval, 0x6576_616c, 0, count, len)
+    }
+}
+
+fn collect_files(path: &Path, files: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    if fs::metadata(path)?.is_dir() {
+        for entry in fs::read_dir(path)? {
+            collect_files(&entry?.path(), files)?;
+        }
+    } else {
+        files.push(path.to_path_buf());
+    }
+    Ok(())
+}
+
+fn sample(bytes: &[u8], seed: u64, step: usize, count: usize, len: usize) -> Vec<Vec<i64>> {
+    assert!(bytes.len() > len, "the corpus split has {} bytes, fewer than a sequence of {len}", bytes.len());
+    (0..count)
+        .map(|i| {
+            let start = (splitmix64(seed ^ ((step as u64) << 20) ^ i as u64) % (bytes.len() - len) as u64) as usize;
+            bytes[start..start + len].iter().map(|&b| i64::from(b)).collect()
+        })
+        .collect()
+}
+
+/// A well-mixed 64-bit hash of `z` (splitmix64's finaliser).
+pub fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}

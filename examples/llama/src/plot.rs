@@ -1,0 +1,67 @@
+//! The loss curve as a PNG.
+//!
+//! plotters renders text with a TrueType font that has to be registered at run time; the
+//! plot uses DejaVu Sans when a system has it (Debian's `fonts-dejavu-core`) and is drawn
+//! without labels otherwise.
+
+use std::{path::Path, sync::OnceLock};
+
+use plotters::prelude::*;
+
+const FONT_PATHS: [&str; 2] = [
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+];
+
+/// Registers a font once; false when none was found.
+fn font_available() -> bool {
+    static REGISTERED: OnceLock<bool> = OnceLock::new();
+    *REGISTERED.get_or_init(|| {
+        FONT_PATHS.iter().any(|path| {
+            std::fs::read(path).is_ok_and(|bytes| {
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
+            })
+        })
+    })
+}
+
+/// Draws training loss per step and evaluation loss at its steps into `path`.
+pub fn loss_curve(path: &Path, title: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<(), String> {
+    draw(path, title, train, eval).map_err(|e| format!("cannot draw {}: {e}", path.display()))
+}
+
+fn draw(path: &Path, title: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<(), Box<dyn std::error::Error>> {
+    let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let last_step = train.iter().chain(eval).map(|p| p.0).max().unwrap_or(1).max(1);
+    let highest = train.iter().chain(eval).map(|p| p.1).fold(0.0, f64::max).max(1e-3) * 1.05;
+    let labels = font_available();
+
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(20);
+    if labels {
+        builder.caption(title, ("sans-serif", 24)).x_label_area_size(45).y_label_area_size(60);
+    }
+    let mut chart = builder.build_cartesian_2d(0..last_step, 0.0..highest)?;
+    let mut mesh = chart.configure_mesh();
+    if labels {
+        mesh.x_desc("optimizer step").y_desc("cross-entropy (nats / byte)");
+    } else {
+        mesh.disable_x_axis().disable_y_axis();
+    }
+    mesh.draw()?;
+
+    let series = [("train", train, BLUE.stroke_width(2)), ("held-out", eval, RED.stroke_width(3))];
+    for (name, points, style) in series {
+        let drawn = chart.draw_series(LineSeries::new(points.iter().copied(), style))?;
+        if labels {
+            drawn.label(name).legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], style));
+        }
+    }
+    if labels {
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    }
+    root.present()?;
+    Ok(())
+}
