@@ -29,7 +29,7 @@ use ulysses_llama::{
     LlamaConfig,
     train::{StepData, TrainConfig, train_rank},
 };
-use ulysses_suite::{deterministic_params, max_abs_diff, parameter_values, with_deadline};
+use ulysses_suite::{VariedLengths, deterministic_params, max_abs_diff, parameter_values, with_deadline};
 
 type Inner = NdArray<f32>;
 type Reference = Autodiff<Inner>;
@@ -38,30 +38,6 @@ type Sp = UlyssesBackend<Autodiff<Inner>>;
 const TOLERANCE: f32 = 1e-5;
 const STEPS: usize = 5;
 const VOCAB: usize = 32;
-
-/// Four sequences per step with varied lengths.
-struct Batches;
-
-impl StepData for Batches {
-    fn train_batch(&self, step: usize) -> Vec<Vec<i64>> {
-        let lengths: [usize; 4] = match step {
-            0 => [13, 9, 13, 5],
-            1 => [32, 29, 17, 20],
-            2 => [24, 24, 24, 24],
-            3 => [7, 31, 12, 3],
-            _ => [16, 15, 2, 30],
-        };
-        lengths
-            .iter()
-            .enumerate()
-            .map(|(i, &len)| (0..len).map(|t| ((step * 7 + i * 5 + t * t + 3 * t) % VOCAB) as i64).collect())
-            .collect()
-    }
-
-    fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
-        None
-    }
-}
 
 fn config(layout: ParallelLayout, grad_accumulation: usize) -> TrainConfig {
     let model = LlamaConfig::new(VOCAB)
@@ -94,7 +70,7 @@ fn train<B: AutodiffBackend>(config: TrainConfig, enter: fn(&Arc<ThreadCommunica
         let device = Default::default();
         // Every run starts from the same values; rank 0's are broadcast anyway.
         let model = deterministic_params(config.model.init::<B>(&device), 11);
-        let (model, reports) = train_rank::<B, _>(config, model, &Batches, &groups, &device, None).unwrap();
+        let (model, reports) = train_rank::<B, _>(config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, None).unwrap();
         check_parameters_identical::<B, _, Inner>(&model, &*groups.world).unwrap();
         Outcome { reports, params: parameter_values(&model) }
     });
@@ -130,7 +106,7 @@ fn one_device_dp_sp_and_accumulation_take_the_same_steps() {
     });
 
     let (_, reference) = &runs[0];
-    let valid: Vec<usize> = (0..STEPS).map(|s| SequenceSharder::valid_tokens(&Batches.train_batch(s))).collect();
+    let valid: Vec<usize> = (0..STEPS).map(|s| SequenceSharder::valid_tokens(&VariedLengths { vocab: VOCAB }.train_batch(s))).collect();
     assert_eq!(reference.reports.iter().map(|r| r.valid_tokens).collect::<Vec<_>>(), valid);
     assert!(reference.reports[STEPS - 1].loss < reference.reports[0].loss, "the loss should fall");
     for (name, run) in &runs[1..] {

@@ -6,7 +6,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ulysses_llama::corpus::splitmix64;
+use ulysses_llama::{corpus::splitmix64, train::StepData};
 
 use burn::{
     module::{Module, ModuleMapper, ModuleVisitor, Param},
@@ -166,5 +166,33 @@ pub fn with_deadline<T: Send + 'static>(limit: Duration, work: impl FnOnce() -> 
         Ok(Ok(value)) => value,
         Ok(Err(panic)) => std::panic::resume_unwind(panic),
         Err(_) => panic!("test did not finish within {limit:?} (started {:?} ago): it hangs", started.elapsed()),
+    }
+}
+
+/// Four sequences per step with varied lengths, so shorter ones are padded. Step 0's
+/// longest sequence has 13 tokens: padded to 16 for SP=4, rank 3's shard (positions 12..16)
+/// holds only ignored labels.
+pub struct VariedLengths {
+    pub vocab: usize,
+}
+
+impl StepData for VariedLengths {
+    fn train_batch(&self, step: usize) -> Vec<Vec<i64>> {
+        let lengths: [usize; 4] = match step {
+            0 => [13, 9, 13, 5],
+            1 => [32, 29, 17, 20],
+            2 => [24, 24, 24, 24],
+            3 => [7, 31, 12, 3],
+            _ => [16, 15, 2, 30],
+        };
+        lengths
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| (0..len).map(|t| ((step * 7 + i * 5 + t * t + 3 * t) % self.vocab) as i64).collect())
+            .collect()
+    }
+
+    fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
+        Some(self.train_batch(1))
     }
 }

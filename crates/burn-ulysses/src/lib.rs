@@ -39,6 +39,7 @@ pub mod data;
 pub mod error;
 pub mod exchange;
 pub mod layout;
+pub mod nn;
 mod primitive;
 pub mod train;
 

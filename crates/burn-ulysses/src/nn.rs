@@ -1,0 +1,168 @@
+//! A drop-in for burn-nn's `MultiHeadAttention` that calls the attention op.
+//!
+//! burn-nn's module multiplies and softmaxes by hand, so `UlyssesBackend` never sees its
+//! attention. This one has the same config fields (and defaults) and the same record, so a
+//! model switches by changing one import, and checkpoints of either load into the other:
+//!
+//! ```ignore
+//! // use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+//! use burn_ulysses::nn::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+//! ```
+//!
+//! What differs, because the fused op never builds the `[S, S]` score matrix:
+//! - [`MhaOutput`] has no `weights` (the attention probabilities);
+//! - `dropout` is not applied to the scores (it is kept in the record);
+//! - masked scores are `-inf`, not `min_float`: a row whose keys are all masked yields zeros
+//!   instead of a uniform average;
+//! - `quiet_softmax` is not supported and is rejected at `init`.
+//!
+//! Under sequence parallelism `mask_pad` (a key-padding mask) is gathered across ranks;
+//! `mask_attn` (a full `[S_q, S_k]` mask) is rejected with an explanation.
+
+use burn::{
+    config::Config,
+    module::{Initializer, Module},
+    nn::{Dropout, DropoutConfig, Gelu, Linear, LinearConfig},
+    tensor::{Bool, Tensor, backend::Backend, module::attention, ops::AttentionModuleOptions},
+};
+
+/// Same fields and defaults as `burn::nn::attention::MultiHeadAttentionConfig`.
+#[derive(Config, Debug)]
+pub struct MultiHeadAttentionConfig {
+    pub d_model: usize,
+    pub n_heads: usize,
+    /// Kept for record compatibility; the fused attention applies no dropout to scores.
+    #[config(default = 0.1)]
+    pub dropout: f64,
+    /// Kept for record compatibility; masked scores are `-inf`.
+    #[config(default = -1.0e4)]
+    pub min_float: f64,
+    /// Not supported: `init` panics when set.
+    #[config(default = false)]
+    pub quiet_softmax: bool,
+    #[config(default = "Initializer::KaimingUniform{gain:1.0/3.0f64.sqrt(), fan_out_only:false}")]
+    pub initializer: Initializer,
+}
+
+/// Same fields, hence the same record, as `burn::nn::attention::MultiHeadAttention`.
+#[derive(Module, Debug)]
+pub struct MultiHeadAttention<B: Backend> {
+    pub query: Linear<B>,
+    pub key: Linear<B>,
+    pub value: Linear<B>,
+    pub output: Linear<B>,
+    pub dropout: Dropout,
+    pub activation: Gelu,
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub d_k: usize,
+    pub min_float: f64,
+    pub quiet_softmax: bool,
+}
+
+impl MultiHeadAttentionConfig {
+    pub fn init<B: Backend>(&self, device: &B::Device) -> MultiHeadAttention<B> {
+        assert!(
+            !self.quiet_softmax,
+            "burn_ulysses::nn::MultiHeadAttention runs the fused attention op, which has no quiet \
+             softmax; set quiet_softmax = false or keep burn-nn's module for this layer"
+        );
+        assert!(
+            self.d_model % self.n_heads == 0,
+            "d_model {} must be divisible by n_heads {}",
+            self.d_model,
+            self.n_heads
+        );
+        if self.dropout > 0.0 {
+            tracing::debug!(
+                dropout = self.dropout,
+                "MultiHeadAttention: the fused attention op applies no dropout to attention scores"
+            );
+        }
+        let linear = || {
+            LinearConfig::new(self.d_model, self.d_model)
+                .with_initializer(self.initializer.clone())
+                .init(device)
+        };
+        MultiHeadAttention {
+            query: linear(),
+            key: linear(),
+            value: linear(),
+            output: linear(),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            activation: Gelu::new(),
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            d_k: self.d_model / self.n_heads,
+            min_float: self.min_float,
+            quiet_softmax: self.quiet_softmax,
+        }
+    }
+}
+
+/// Same builder as burn-nn's `MhaInput`.
+#[derive(Debug, Clone)]
+pub struct MhaInput<B: Backend> {
+    query: Tensor<B, 3>,
+    key: Tensor<B, 3>,
+    value: Tensor<B, 3>,
+    mask_pad: Option<Tensor<B, 2, Bool>>,
+    mask_attn: Option<Tensor<B, 3, Bool>>,
+}
+
+impl<B: Backend> MhaInput<B> {
+    pub fn self_attn(tensor: Tensor<B, 3>) -> Self {
+        Self::new(tensor.clone(), tensor.clone(), tensor)
+    }
+
+    pub fn new(query: Tensor<B, 3>, key: Tensor<B, 3>, value: Tensor<B, 3>) -> Self {
+        Self { query, key, value, mask_pad: None, mask_attn: None }
+    }
+
+    /// `[batch, seq_k]`, true where a key is padding.
+    pub fn mask_pad(mut self, mask_pad: Tensor<B, 2, Bool>) -> Self {
+        self.mask_pad = Some(mask_pad);
+        self
+    }
+
+    /// `[batch, seq_q, seq_k]`, true where a score is masked.
+    pub fn mask_attn(mut self, mask_attn: Tensor<B, 3, Bool>) -> Self {
+        self.mask_attn = Some(mask_attn);
+        self
+    }
+}
+
+/// burn-nn's `MhaOutput` without the attention weights, which are never materialised.
+#[derive(Debug, Clone)]
+pub struct MhaOutput<B: Backend> {
+    pub context: Tensor<B, 3>,
+}
+
+impl<B: Backend> MultiHeadAttention<B> {
+    pub fn forward(&self, input: MhaInput<B>) -> MhaOutput<B> {
+        let [batch, seq_q, _] = input.query.dims();
+        let seq_k = input.key.dims()[1];
+        let query = self.heads(input.query, &self.query);
+        let key = self.heads(input.key, &self.key);
+        let value = self.heads(input.value, &self.value);
+
+        let pad = input.mask_pad.map(|m| m.reshape([batch, 1, 1, seq_k]));
+        let full = input.mask_attn.map(|m| m.reshape([batch, 1, seq_q, seq_k]).expand([batch, self.n_heads, seq_q, seq_k]));
+        let mask = match (pad, full) {
+            (pad, None) => pad,
+            (None, full) => full,
+            (Some(pad), Some(full)) => Some(full.bool_or(pad.expand([batch, self.n_heads, seq_q, seq_k]))),
+        };
+        let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
+        let context = attention(query, key, value, mask, None, options)
+            .swap_dims(1, 2)
+            .reshape([batch, seq_q, self.d_model]);
+        MhaOutput { context: self.output.forward(context) }
+    }
+
+    /// `[batch, seq, d_model]` → `[batch, heads, seq, d_k]`.
+    fn heads(&self, x: Tensor<B, 3>, linear: &Linear<B>) -> Tensor<B, 4> {
+        let [batch, seq, _] = x.dims();
+        linear.forward(x).reshape([batch, seq, self.n_heads, self.d_k]).swap_dims(1, 2)
+    }
+}

@@ -1,0 +1,90 @@
+//! A checkpoint saved by an SP=4 run loads at SP=1 (and on a plain backend) and gives the
+//! same held-out loss; evaluation that bypasses SP agrees with evaluation under SP.
+
+use std::{path::PathBuf, time::Duration};
+
+use burn::{
+    backend::{Autodiff, NdArray},
+    optim::AdamWConfig,
+};
+use burn_ulysses::{
+    UlyssesBackend,
+    comm::{ThreadCommunicator, ThreadGroup},
+    train::{ParallelGroups, ParallelLayout},
+};
+use ulysses_llama::{
+    LlamaConfig,
+    train::{StepData, TrainConfig, evaluate_model, load_checkpoint, save_checkpoint, train_rank},
+};
+use ulysses_suite::{VariedLengths, with_deadline};
+
+type Inner = NdArray<f32>;
+type Reference = Autodiff<Inner>;
+type Sp = UlyssesBackend<Autodiff<Inner>>;
+
+const TOLERANCE: f64 = 1e-5;
+const VOCAB: usize = 32;
+
+fn config(sp_size: usize) -> TrainConfig {
+    let model = LlamaConfig::new(VOCAB).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_repeat_kv(false);
+    TrainConfig::new(model, AdamWConfig::new(), ParallelLayout::new().with_sp_size(sp_size))
+        .with_batch_size(4)
+        .with_steps(3)
+        .with_learning_rate(1e-2)
+        .with_warmup_steps(1)
+        .with_eval_every(0)
+}
+
+/// Held-out loss of `config`'s layout, with the model from `checkpoint` or, without one,
+/// trained for a few steps and saved there. Returns (loss under SP, loss bypassing SP).
+fn evaluate_at(config: TrainConfig, checkpoint: PathBuf, train_first: bool) -> (f64, f64) {
+    let config = &config;
+    let checkpoint = &checkpoint;
+    let per_rank = ThreadGroup::new(config.layout.world_size()).run(|rank| {
+        let groups: ParallelGroups<ThreadCommunicator> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
+        let _sp = Sp::enter_thread(groups.sp.clone());
+        let device = Default::default();
+        let model = if train_first {
+            let (model, _) = train_rank::<Sp, _>(config, config.model.init(&device), &VariedLengths { vocab: VOCAB }, &groups, &device, None).unwrap();
+            if rank.rank() == 0 {
+                save_checkpoint(&model, checkpoint).unwrap();
+            }
+            model
+        } else {
+            load_checkpoint::<Sp>(&config.model, checkpoint, &device).unwrap()
+        };
+        let batch = VariedLengths { vocab: VOCAB }.eval_batch().unwrap();
+        let with_sp = evaluate_model::<Sp, _>(config, &burn::module::AutodiffModule::valid(&model), &batch, &groups, &device).unwrap();
+        let bypass_config = config.clone().with_eval_single_device(true);
+        let bypass = evaluate_model::<Sp, _>(&bypass_config, &burn::module::AutodiffModule::valid(&model), &batch, &groups, &device).unwrap();
+        (with_sp.unwrap(), bypass)
+    });
+    let results: Vec<(f64, Option<f64>)> = per_rank.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
+    assert!(results.iter().all(|r| r.0 == results[0].0), "SP ranks disagree on the held-out loss");
+    assert!(results[1..].iter().all(|r| r.1.is_none()), "only rank 0 evaluates when bypassing SP");
+    (results[0].0, results[0].1.expect("rank 0 evaluates when bypassing SP"))
+}
+
+#[test]
+fn a_checkpoint_saved_at_sp4_loads_at_sp1_with_the_same_loss() {
+    let checkpoint = std::env::temp_dir().join(format!("burn-ulysses-checkpoint-{}", std::process::id()));
+    let (sp4, sp4_bypass, sp1, plain) = with_deadline(Duration::from_secs(55), {
+        let checkpoint = checkpoint.clone();
+        move || {
+            let (sp4, sp4_bypass) = evaluate_at(config(4), checkpoint.clone(), true);
+            let (sp1, _) = evaluate_at(config(1), checkpoint.clone(), false);
+            // No decorator at all: burn's attention, kv heads expanded by the model.
+            let model_config = config(1).model.with_repeat_kv(true);
+            let plain_model = load_checkpoint::<Reference>(&model_config, &checkpoint, &Default::default()).unwrap();
+            let batch = VariedLengths { vocab: VOCAB }.eval_batch().unwrap();
+            let forward = |tokens, offset| plain_model.forward(tokens, offset);
+            let plain = burn_ulysses::train::evaluate_single_device::<Reference>(forward, &batch, -100, &Default::default());
+            (sp4, sp4_bypass, sp1, plain)
+        }
+    });
+    let _ = std::fs::remove_file(checkpoint.with_extension("mpk"));
+    println!("held-out loss: SP=4 {sp4:.7}, SP=4 bypassing SP {sp4_bypass:.7}, SP=1 from checkpoint {sp1:.7}, plain backend {plain:.7}");
+    assert!((sp4 - sp1).abs() <= TOLERANCE, "SP=1 after loading: {sp1} vs SP=4: {sp4}");
+    assert!((sp4 - sp4_bypass).abs() <= TOLERANCE, "bypassing SP: {sp4_bypass} vs SP=4: {sp4}");
+    assert!((sp4 - plain).abs() <= TOLERANCE, "plain backend: {plain} vs SP=4: {sp4}");
+}
