@@ -175,3 +175,8 @@ fn four_ranks_with_fewer_kv_heads_than_ranks() {
 fn four_ranks_with_a_model_that_expands_kv_itself() {
     check(Case { model_repeats_kv: true, ..Case::new(4, 8, 2) });
 }
+
+#[test]
+fn eight_ranks_with_a_single_kv_head() {
+    check(Case::new(8, 8, 1));
+}

@@ -556,17 +556,21 @@ mod tests {
     }
 
     #[test]
-    fn all_to_all_transposes_rank_and_slice() {
-        let results = ThreadGroup::new(3).run(|rank| {
-            let comm = rank.communicator();
-            let r = rank.rank() as f32;
-            // Slice j of rank r holds 10 r + j.
-            let send = tensor((0..3).map(|j| 10.0 * r + j as f32).collect(), [3, 1]);
-            values(Communicator::<B>::all_to_all(&*comm, send).unwrap())
-        });
-        for (r, got) in results.into_iter().enumerate() {
-            let want: Vec<f32> = (0..3).map(|i| 10.0 * i as f32 + r as f32).collect();
-            assert_eq!(got.unwrap(), want);
+    fn all_to_all_transposes_rank_and_slice_for_1_to_8_ranks() {
+        for size in 1..=8 {
+            let results = ThreadGroup::new(size).run(|rank| {
+                let comm = rank.communicator();
+                let r = rank.rank() as f32;
+                // Slice j of rank r holds [100 r + 10 j, 100 r + 10 j + 1].
+                let send = (0..size).flat_map(|j| [100.0 * r + 10.0 * j as f32, 100.0 * r + 10.0 * j as f32 + 1.0]);
+                values(Communicator::<B>::all_to_all(&*comm, tensor(send.collect(), [size, 2])).unwrap())
+            });
+            for (r, got) in results.into_iter().enumerate() {
+                let want: Vec<f32> = (0..size)
+                    .flat_map(|i| [100.0 * i as f32 + 10.0 * r as f32, 100.0 * i as f32 + 10.0 * r as f32 + 1.0])
+                    .collect();
+                assert_eq!(got.unwrap(), want, "group of {size}, rank {r}");
+            }
         }
     }
 
