@@ -7,11 +7,13 @@ use std::time::Instant;
 
 use burn::{
     backend::{Autodiff, NdArray},
-    tensor::{Int, Tensor, TensorData, activation::log_softmax, backend::AutodiffBackend},
+    tensor::{Int, Tensor, TensorData, backend::AutodiffBackend},
 };
 use burn_ulysses::{
     UlyssesBackend,
     comm::{Communicator, ReduceOp, ThreadGroup},
+    data::IGNORE_INDEX,
+    train::masked_cross_entropy_sum,
 };
 use ulysses_llama::LlamaConfig;
 use ulysses_suite::{deterministic_params, max_abs_diff, parameter_grads, shard, sum_vectors, values};
@@ -44,9 +46,7 @@ fn tokens_and_targets<B: AutodiffBackend>(device: &B::Device) -> (Tensor<B, 2, I
 /// Σ over this shard's tokens of -log p(target), divided by the tokens of the whole batch,
 /// so that the ranks' losses add up to the single-device mean.
 fn shard_loss<B: AutodiffBackend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-    let log_probs = log_softmax(logits, 2);
-    let picked = log_probs.gather(2, targets.unsqueeze_dim(2));
-    picked.sum().neg() / (BATCH * SEQ) as f64
+    masked_cross_entropy_sum(logits, targets, IGNORE_INDEX) / (BATCH * SEQ) as f64
 }
 
 struct Run {
@@ -65,7 +65,11 @@ fn run<B: AutodiffBackend>(tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>
 }
 
 fn main() {
-    let sp: usize = std::env::args().nth(1).map_or(4, |a| a.parse().expect("SP_SIZE must be a number"));
+    let sp: usize = std::env::args().nth(1).map_or(4, |a| a.parse().unwrap_or(0));
+    if sp == 0 || SEQ % sp != 0 || config().n_heads % sp != 0 {
+        eprintln!("SP_SIZE must divide both the {SEQ} tokens and the {} heads: 1, 2, 4 or 8", config().n_heads);
+        std::process::exit(2);
+    }
     let device = Default::default();
 
     let started = Instant::now();

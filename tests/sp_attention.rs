@@ -14,7 +14,9 @@ use burn::{
 };
 use burn_ulysses::{
     UlyssesBackend,
+    attention::repeat_kv_heads,
     comm::{Communicator, ThreadGroup},
+    layout::{AttentionLayout, HeadPlan, MaskKind},
 };
 use ulysses_suite::{max_abs_diff, shard, uniform_tensor, values, with_deadline};
 
@@ -25,9 +27,9 @@ type Sp = UlyssesBackend<Autodiff<Inner>>;
 const TOLERANCE: f32 = 1e-5;
 const CAUSAL: AttentionModuleOptions = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
 
-/// q, k, v `[batch, heads, seq, dim]` and the loss weights.
-fn qkvw<B: Backend>(shape: [usize; 4], device: &B::Device) -> [Tensor<B, 4>; 4] {
-    [1, 2, 3, 4].map(|stream| uniform_tensor(shape, stream, device))
+/// q `[batch, heads, seq, dim]`, k and v with `kv_heads`, and the loss weights.
+fn qkvw<B: Backend>([b, h, s, d]: [usize; 4], kv_heads: usize, device: &B::Device) -> [Tensor<B, 4>; 4] {
+    [(1, h), (2, kv_heads), (3, kv_heads), (4, h)].map(|(stream, heads)| uniform_tensor([b, heads, s, d], stream, device))
 }
 
 /// Key-padding mask `[batch, mask_heads, 1, seq]`: true masks the key. Batch 0 masks key 5
@@ -51,12 +53,17 @@ struct Grads {
     dv: Vec<f32>,
 }
 
+/// Attention and its gradients; `expand_kv` expands grouped kv heads first (burn's own
+/// attention needs that; UlyssesBackend takes them grouped).
 fn attend<B: AutodiffBackend>(
     [q, k, v, w]: [Tensor<B, 4>; 4],
     mask: Option<Tensor<B, 4, Bool>>,
+    expand_kv: bool,
 ) -> Grads {
     let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
-    let output = attention(q.clone(), k.clone(), v.clone(), mask, None, CAUSAL);
+    let group = if expand_kv { q.dims()[1] / k.dims()[1] } else { 1 };
+    let (k_used, v_used) = (repeat_kv_heads(k.clone(), group), repeat_kv_heads(v.clone(), group));
+    let output = attention(q.clone(), k_used, v_used, mask, None, CAUSAL);
     let grads = (output.clone() * w).sum().backward();
     Grads {
         output: values(output),
@@ -66,14 +73,14 @@ fn attend<B: AutodiffBackend>(
     }
 }
 
-fn key_padding_mask_matches_single_device(sp: usize, mask_heads: usize) {
-    let shape @ [batch, heads, seq, _] = [2, 4, 16, 8];
+fn key_padding_mask_matches_single_device(sp: usize, mask_heads: usize, kv_heads: usize) {
+    let shape @ [batch, heads, seq, dim] = [2, 4, 16, 8];
     let device = Default::default();
     // Burn's attention takes the mask at full score shape.
     let full_mask = padding_mask::<Reference>(batch, mask_heads, seq, &device).expand([batch, heads, seq, seq]);
-    let reference = attend(qkvw::<Reference>(shape, &device), Some(full_mask));
-    let reference_shard = |values: &[f32], rank: usize| {
-        let t = Tensor::<Inner, 4>::from_data(TensorData::new(values.to_vec(), shape), &device);
+    let reference = attend(qkvw::<Reference>(shape, kv_heads, &device), Some(full_mask), true);
+    let reference_shard = |values: &[f32], rank: usize, heads: usize| {
+        let t = Tensor::<Inner, 4>::from_data(TensorData::new(values.to_vec(), [batch, heads, seq, dim]), &device);
         ulysses_suite::values(shard(t, 2, rank, sp))
     };
 
@@ -82,46 +89,54 @@ fn key_padding_mask_matches_single_device(sp: usize, mask_heads: usize) {
             let _sp = Sp::enter_thread(rank.communicator());
             let device = Default::default();
             let (r, p) = (rank.rank(), rank.size());
-            let tensors = qkvw::<Sp>(shape, &device).map(|t| shard(t, 2, r, p));
+            let tensors = qkvw::<Sp>(shape, kv_heads, &device).map(|t| shard(t, 2, r, p));
             let mask = shard(padding_mask::<Sp>(batch, mask_heads, seq, &device), 3, r, p);
-            attend(tensors, Some(mask))
+            attend(tensors, Some(mask), false)
         })
     });
     let mut worst = 0.0f32;
     for (r, grads) in per_rank.into_iter().enumerate() {
         let grads = grads.unwrap();
-        for (name, got, want) in [
-            ("output", &grads.output, &reference.output),
-            ("dq", &grads.dq, &reference.dq),
-            ("dk", &grads.dk, &reference.dk),
-            ("dv", &grads.dv, &reference.dv),
+        for (name, got, want, heads) in [
+            ("output", &grads.output, &reference.output, heads),
+            ("dq", &grads.dq, &reference.dq, heads),
+            ("dk", &grads.dk, &reference.dk, kv_heads),
+            ("dv", &grads.dv, &reference.dv, kv_heads),
         ] {
-            let diff = max_abs_diff(got, &reference_shard(want, r));
+            let diff = max_abs_diff(got, &reference_shard(want, r, heads));
             assert!(diff <= TOLERANCE, "sp={sp}: {name} of rank {r} differs by {diff:e}");
             worst = worst.max(diff);
         }
     }
-    println!("key-padding mask [b, {mask_heads}, 1, s/p], sp={sp}: max |Δ| over output, dq, dk, dv {worst:.2e}");
+    println!(
+        "key-padding mask [b, {mask_heads}, 1, s/p], {heads} q / {kv_heads} kv heads, sp={sp}: \
+         max |Δ| over output, dq, dk, dv {worst:.2e}"
+    );
 }
 
 #[test]
 fn key_padding_mask_over_two_ranks() {
-    key_padding_mask_matches_single_device(2, 1);
+    key_padding_mask_matches_single_device(2, 1, 4);
 }
 
 #[test]
-fn key_padding_mask_over_four_ranks() {
-    key_padding_mask_matches_single_device(4, 1);
+fn key_padding_mask_over_four_ranks_with_one_kv_head() {
+    key_padding_mask_matches_single_device(4, 1, 1);
 }
 
 #[test]
 fn per_head_key_padding_mask_over_two_ranks() {
-    key_padding_mask_matches_single_device(2, 4);
+    key_padding_mask_matches_single_device(2, 4, 4);
+}
+
+#[test]
+fn per_head_key_padding_mask_over_four_ranks_with_grouped_kv_heads() {
+    key_padding_mask_matches_single_device(4, 4, 2);
 }
 
 /// Bytes one rank hands to all-to-alls in one attention call, forward and backward.
 fn traffic_of_one_call(sp: usize, [batch, heads, seq, dim]: [usize; 4], kv_heads: usize) -> (u64, u64, u64, u64) {
-    let per_rank = ThreadGroup::new(sp).run(|rank| {
+    let per_rank = with_deadline(Duration::from_secs(50), move || ThreadGroup::new(sp).run(|rank| {
         let comm = rank.communicator();
         let _sp = Sp::enter_thread(comm.clone());
         let device = Default::default();
@@ -137,7 +152,7 @@ fn traffic_of_one_call(sp: usize, [batch, heads, seq, dim]: [usize; 4], kv_heads
         let _grads = output.sum().backward();
         let total = traffic().since(&before);
         (forward.all_to_all_bytes, forward.all_to_all_remote_bytes, forward.all_to_all_calls, total.all_to_all_bytes)
-    });
+    }));
     let first = per_rank[0].as_ref().unwrap().clone();
     assert!(per_rank.iter().all(|r| r.as_ref().unwrap() == &first), "ranks sent different volumes");
     first
@@ -166,4 +181,13 @@ fn grouped_kv_heads_send_fewer_bytes() {
     let formula = (2 * heads + 2 * exchanged_kv_heads) * batch * (seq / sp) * dim * 4;
     println!("GQA 8q/2kv, P={sp}: {sent} bytes per rank per call, formula (2H+2H_kv')·B·S/P·D·4 = {formula}");
     assert_eq!(sent, formula);
+    let (without_grouping, _, _, _) = traffic_of_one_call(sp as usize, [2, 8, 32, 16], 8);
+    assert_eq!(sent * 4, without_grouping * 3, "grouped kv heads (4 of 8 travel) send 3/4 of the bytes");
+    // The library's own accounting agrees.
+    let layout = AttentionLayout {
+        batch: 2, q_heads: 8, kv_heads: 2, q_seq: 8, kv_seq: 8, head_dim: 16, value_dim: 16,
+        is_causal: true, scale: None, softcap: None, mask: MaskKind::None, has_bias: false,
+    };
+    let plan = HeadPlan::new(8, 2, 4).unwrap();
+    assert_eq!(plan.elements_per_call(&layout) as u64 * 4, sent);
 }

@@ -180,3 +180,8 @@ fn four_ranks_with_a_model_that_expands_kv_itself() {
 fn eight_ranks_with_a_single_kv_head() {
     check(Case::new(8, 8, 1));
 }
+
+#[test]
+fn two_ranks_with_two_local_kv_heads_per_rank() {
+    check(Case::new(2, 8, 4));
+}

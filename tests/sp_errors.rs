@@ -110,14 +110,55 @@ fn an_attention_bias() {
 }
 
 #[test]
-fn wrong_tensor_ranks() {
+fn a_key_head_dim_that_differs_from_the_query_head_dim() {
     let messages = errors_on_every_rank(2, |_| {
-        let [q, k, _] = qkv([1, 4, 8, 8], 4);
-        let v = uniform_tensor::<Sp, 4>([1, 4, 8, 4], 3, &Default::default());
-        let k_short = k.narrow(3, 0, 4);
-        attention(q, k_short, v, None, None, OPTIONS);
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        attention(q, k.narrow(3, 0, 4), v, None, None, OPTIONS);
     });
     assert_all_contain(&messages, &["k must have q's head_dim", "got q [1, 4, 8, 8], k [1, 4, 8, 4]"]);
+}
+
+#[test]
+fn a_bad_shape_on_one_rank_only() {
+    let messages = errors_on_every_rank(3, |rank| {
+        let [q, k, v] = qkv([1, 3, 8, 8], 3);
+        let k = if rank.rank() == 2 { k.narrow(3, 0, 4) } else { k };
+        attention(q, k, v, None, None, OPTIONS);
+    });
+    assert!(messages[2].contains("k must have q's head_dim"), "{}", messages[2]);
+    for rank in [0, 1] {
+        assert!(messages[rank].contains("left the group (world rank 2)"), "{}", messages[rank]);
+    }
+}
+
+#[test]
+fn kv_heads_that_do_not_divide_the_q_heads() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 3);
+        attention(q, k, v, None, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["k/v have 3 heads and q has 4", "grouped-query"]);
+}
+
+#[test]
+fn ranks_that_disagree_on_the_mask() {
+    let messages = errors_on_every_rank(2, |rank| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        let mask = (rank.rank() == 0).then(|| Tensor::<Sp, 4, Bool>::empty([1, 1, 1, 8], &Default::default()));
+        attention(q, k, v, mask, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["mask kind differs across ranks", "rank 0 has 2, rank 1 has 0"]);
+}
+
+#[test]
+fn a_context_entered_for_another_backend() {
+    let messages = errors_on_every_rank(1, |rank| {
+        // Entered for NdArray<f64>, but the model runs on NdArray<f32>.
+        let _wrong = UlyssesBackend::<NdArray<f64>>::enter_thread(rank.communicator());
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        attention(q, k, v, None, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["entered for tensors of backend", "NdArray<f64>", "attention ran on `burn_ndarray::backend::NdArray`"]);
 }
 
 #[test]

@@ -16,8 +16,9 @@ use std::{sync::Arc, time::Duration};
 
 use burn::{
     backend::{Autodiff, NdArray},
+    nn::loss::CrossEntropyLossConfig,
     optim::AdamWConfig,
-    tensor::backend::AutodiffBackend,
+    tensor::{Int, Tensor, TensorData, backend::AutodiffBackend},
 };
 use burn_ulysses::{
     RankGuard, UlyssesBackend,
@@ -38,6 +39,7 @@ type Sp = UlyssesBackend<Autodiff<Inner>>;
 const TOLERANCE: f32 = 1e-5;
 const STEPS: usize = 5;
 const VOCAB: usize = 32;
+const INIT_SEED: u64 = 11;
 
 fn config(layout: ParallelLayout, grad_accumulation: usize) -> TrainConfig {
     let model = LlamaConfig::new(VOCAB)
@@ -68,8 +70,9 @@ fn train<B: AutodiffBackend>(config: TrainConfig, enter: fn(&Arc<ThreadCommunica
         let groups: ParallelGroups<ThreadCommunicator> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
         let _sp = enter(&groups.sp);
         let device = Default::default();
-        // Every run starts from the same values; rank 0's are broadcast anyway.
-        let model = deterministic_params(config.model.init::<B>(&device), 11);
+        // Ranks start from different values: training must broadcast rank 0's, which are the
+        // same in every run.
+        let model = deterministic_params(config.model.init::<B>(&device), INIT_SEED + rank.rank() as u64);
         let (model, reports) = train_rank::<B, _>(config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, None).unwrap();
         check_parameters_identical::<B, _, Inner>(&model, &*groups.world).unwrap();
         Outcome { reports, params: parameter_values(&model) }
@@ -106,8 +109,12 @@ fn one_device_dp_sp_and_accumulation_take_the_same_steps() {
     });
 
     let (_, reference) = &runs[0];
-    let valid: Vec<usize> = (0..STEPS).map(|s| SequenceSharder::valid_tokens(&VariedLengths { vocab: VOCAB }.train_batch(s))).collect();
+    let valid: Vec<usize> = (0..STEPS).map(|s| SequenceSharder::labels_in(&VariedLengths { vocab: VOCAB }.train_batch(s))).collect();
     assert_eq!(reference.reports.iter().map(|r| r.valid_tokens).collect::<Vec<_>>(), valid);
+    let independent = first_step_loss_with_burn_cross_entropy();
+    let diff = (reference.reports[0].loss - independent).abs();
+    println!("step 0 loss {:.6}, burn's CrossEntropyLoss per unpadded sequence {independent:.6}", reference.reports[0].loss);
+    assert!(diff <= TOLERANCE as f64, "the trainer's step-0 loss differs from burn's cross-entropy by {diff:e}");
     assert!(reference.reports[STEPS - 1].loss < reference.reports[0].loss, "the loss should fall");
     for (name, run) in &runs[1..] {
         let loss_diff = run
@@ -132,5 +139,44 @@ fn one_device_dp_sp_and_accumulation_take_the_same_steps() {
         println!("{name:>10}: losses [{}], max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e}", losses.join(", "));
         assert!(loss_diff <= TOLERANCE, "{name}: step loss differs from one device by {loss_diff:e}");
         assert!(param_diff <= TOLERANCE, "{name}: parameters differ from one device by {param_diff:e}");
+    }
+}
+
+/// Step 0's token-averaged loss computed without the trainer: each sequence alone (no
+/// padding, no sharding), burn's `CrossEntropyLoss` against the next tokens.
+fn first_step_loss_with_burn_cross_entropy() -> f64 {
+    let device = Default::default();
+    let model_config = config(ParallelLayout::new(), 1).model.with_repeat_kv(true);
+    let model = deterministic_params(model_config.init::<Inner>(&device), INIT_SEED);
+    let loss = CrossEntropyLossConfig::new().init::<Inner>(&device);
+    let (mut total, mut count) = (0.0, 0);
+    for sequence in (VariedLengths { vocab: VOCAB }).train_batch(0) {
+        let n = sequence.len() - 1;
+        let inputs = Tensor::<Inner, 2, Int>::from_data(TensorData::new(sequence[..n].to_vec(), [1, n]), &device);
+        let targets = Tensor::<Inner, 1, Int>::from_data(TensorData::new(sequence[1..].to_vec(), [n]), &device);
+        let logits = model.forward(inputs, 0).reshape([n, VOCAB]);
+        let mean: f32 = loss.forward(logits, targets).into_scalar();
+        total += mean as f64 * n as f64;
+        count += n;
+    }
+    total / count as f64
+}
+
+#[test]
+fn training_refuses_sequence_parallelism_that_attention_never_reached() {
+    let config = config(ParallelLayout::new().with_sp_size(2), 1);
+    let results = with_deadline(Duration::from_secs(50), move || {
+        let config = &config;
+        ThreadGroup::new(2).run(|rank| {
+            let groups: ParallelGroups<ThreadCommunicator> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
+            // No rank context entered: attention would silently stay within each shard.
+            let device = Default::default();
+            let model = config.model.init::<Sp>(&device);
+            train_rank::<Sp, _>(config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, None).err().map(|e| e.to_string())
+        })
+    });
+    for result in results {
+        let message = result.unwrap().expect("training without a rank context must fail");
+        assert!(message.contains("did not exchange through the SP group") && message.contains("enter_thread"), "{message}");
     }
 }

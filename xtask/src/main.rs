@@ -120,6 +120,15 @@ fn generate() -> Result<Vec<(String, String)>, String> {
                 _ => None,
             })
             .ok_or_else(|| format!("trait {trait_name} not found in {}", path.display()))?;
+        for (intercepted_trait, method, _) in INTERCEPTED.iter().filter(|(t, _, _)| t == trait_name) {
+            let found = item.items.iter().any(|i| matches!(i, TraitItem::Fn(f) if f.sig.ident == method));
+            if !found {
+                return Err(format!(
+                    "{intercepted_trait}::{method} is listed in INTERCEPTED but burn-backend has no \
+                     such method: the interception would silently disappear"
+                ));
+            }
+        }
         let tokens = forwarding_impl(item)?;
         files.push((out_file.to_string(), render(tokens)?));
         module_lines.push(format!("mod {};", out_file.trim_end_matches(".rs")));
@@ -268,11 +277,18 @@ fn write(files: &[(String, String)]) -> Result<(), String> {
 
 fn check(files: &[(String, String)]) -> Result<(), String> {
     let dir = workspace_root().join(OUT_DIR);
-    let stale: Vec<&str> = files
+    let mut stale: Vec<String> = files
         .iter()
         .filter(|(name, content)| fs::read_to_string(dir.join(name)).ok().as_ref() != Some(content))
-        .map(|(name, _)| name.as_str())
+        .map(|(name, _)| name.clone())
         .collect();
+    let entries = fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for entry in entries {
+        let name = entry.map_err(|e| e.to_string())?.file_name().to_string_lossy().into_owned();
+        if !files.iter().any(|(generated, _)| *generated == name) {
+            stale.push(format!("{name} (not generated)"));
+        }
+    }
     if stale.is_empty() {
         println!("forwarding impls are up to date with burn-backend {BURN_BACKEND_VERSION}");
         Ok(())

@@ -14,11 +14,12 @@ use std::sync::Arc;
 
 use burn::tensor::{
     Bool, Tensor, TensorMetadata,
+    backend::Backend,
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
 };
 
 use crate::{
-    comm::Communicator,
+    comm::{Communicator, all_gather_host_checked},
     context,
     error::UlyssesError,
     exchange::{ExchangeBackend, heads_to_sequence, sequence_to_heads},
@@ -54,7 +55,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let communicator = &context.communicator;
 
         if context.config.verify_layout {
-            let per_rank = communicator.all_gather_host(&layout.encode())?;
+            let per_rank = all_gather_host_checked(&**communicator, &layout.encode(), "attention layout fields")?;
             AttentionLayout::check_agreement(&per_rank)?;
         }
         match (layout.mask, attn_bias) {
@@ -67,8 +68,8 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, communicator.size())?;
         tracing::trace!(?layout, ?plan, "sequence-parallel attention");
 
-        let key = repeat_heads(float_tensor::<X, 4>(key), plan.kv_replication);
-        let value = repeat_heads(float_tensor::<X, 4>(value), plan.kv_replication);
+        let key = repeat_kv_heads(float_tensor::<X, 4>(key), plan.kv_replication);
+        let value = repeat_kv_heads(float_tensor::<X, 4>(value), plan.kv_replication);
         let mut exchanged = sequence_to_heads(vec![float_tensor(query), key, value], communicator)?;
         let value = exchanged.pop().unwrap();
         let key = exchanged.pop().unwrap();
@@ -141,8 +142,8 @@ fn attend<X: ExchangeBackend>(
     let group = query.dims()[1] / key.dims()[1];
     let output = X::attention(
         float_primitive(query),
-        float_primitive(repeat_heads(key, group)),
-        float_primitive(repeat_heads(value, group)),
+        float_primitive(repeat_kv_heads(key, group)),
+        float_primitive(repeat_kv_heads(value, group)),
         mask.map(Tensor::into_primitive),
         attn_bias.map(float_primitive),
         options,
@@ -150,9 +151,10 @@ fn attend<X: ExchangeBackend>(
     float_tensor(output)
 }
 
-/// Repeats each head `times` times in place (`[h0, h0, h1, h1, ..]`), as grouped-query
-/// attention pairs q heads with kv heads. Under autodiff the copies' gradients are summed.
-fn repeat_heads<X: ExchangeBackend>(tensor: Tensor<X, 4>, times: usize) -> Tensor<X, 4> {
+/// Repeats each head of `[batch, heads, seq, dim]` `times` times in place
+/// (`[h0, h0, h1, h1, ..]`), as grouped-query attention pairs q heads with kv heads. Under
+/// autodiff the copies' gradients are summed.
+pub fn repeat_kv_heads<B: Backend>(tensor: Tensor<B, 4>, times: usize) -> Tensor<B, 4> {
     if times == 1 {
         return tensor;
     }

@@ -7,6 +7,10 @@
 //!   rank; the thread can.
 //! - **process**: one process per GPU (NCCL); background threads see it too.
 //!
+//! Either way, one thread per rank issues attention (and so collectives): collectives are
+//! numbered per communicator, and two threads of one rank calling attention concurrently
+//! would interleave them.
+//!
 //! The thread scope wins when both are set. With neither, attention runs on one device, as
 //! it does inside [`enter_single_device`].
 

@@ -42,8 +42,6 @@ pub struct SequenceShard {
     pub local_len: usize,
     /// Global position of this shard's first token.
     pub position_offset: usize,
-    /// Padded length of the whole sequence (`sp_size · local_len`).
-    pub global_len: usize,
     /// Labels that are not `ignore_index`.
     pub valid_tokens: usize,
 }
@@ -76,14 +74,13 @@ impl SequenceSharder {
             batch: sequences.len(),
             local_len,
             position_offset: start,
-            global_len,
             valid_tokens,
         }
     }
 
-    /// Labels that are not ignored in `sequences`, summed over all ranks' shards: what the
-    /// loss of this batch is averaged over.
-    pub fn valid_tokens(sequences: &[Vec<i64>]) -> usize {
+    /// Labels in `sequences` (every token but each sequence's last predicts its successor):
+    /// what the loss of this batch is averaged over, summed over all ranks' shards.
+    pub fn labels_in(sequences: &[Vec<i64>]) -> usize {
         sequences.iter().map(|s| s.len().saturating_sub(1)).sum()
     }
 }
@@ -121,8 +118,8 @@ mod tests {
         assert_eq!(second.tokens, vec![13, 14, 0, 0, 0, 0]);
         assert_eq!(second.labels, vec![14, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]);
         assert_eq!((first.position_offset, second.position_offset), (0, 3));
-        assert_eq!((first.global_len, first.local_len), (6, 3));
-        assert_eq!(first.valid_tokens + second.valid_tokens, SequenceSharder::valid_tokens(&batch));
+        assert_eq!(first.local_len, 3);
+        assert_eq!(first.valid_tokens + second.valid_tokens, SequenceSharder::labels_in(&batch));
         assert_eq!((first.valid_tokens, second.valid_tokens), (5, 1));
     }
 

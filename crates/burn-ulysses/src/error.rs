@@ -73,6 +73,17 @@ pub enum UlyssesError {
     )]
     ParametersDiverged { parameter: String, ranks: Vec<usize> },
 
+    #[error(
+        "sequence parallelism is configured (sp_size {sp_size}) but the model's attention did \
+         not exchange through the SP group during this step, so every rank attended only \
+         within its shard. Enter the rank context with the SP group \
+         (`UlyssesBackend::<Autodiff<B>>::enter_thread(groups.sp.clone())`), stack \
+         `UlyssesBackend<Autodiff<B>>` (not `Autodiff<UlyssesBackend<B>>`), and make the model \
+         call `burn::tensor::module::attention` (burn-nn's MultiHeadAttention does not: use \
+         burn_ulysses::nn::MultiHeadAttention)."
+    )]
+    NotSequenceParallel { sp_size: usize },
+
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
 

@@ -29,7 +29,11 @@ use crate::{
 ///
 /// Implemented for `Autodiff<B>` (the exchange becomes an autodiff node) and, through
 /// [`PlainBackend`], for backends without autodiff. Rust has no specialisation, so a
-/// backend has to say which of the two it is: `impl PlainBackend for MyBackend {}`.
+/// backend has to say which of the two it is. This crate does so for NdArray (feature
+/// `ndarray`) and for burn's CubeCL backends, fused or not (feature `cubecl`: CUDA, wgpu);
+/// a backend type of your own needs `impl PlainBackend for MyBackend {}`. Other burn
+/// backends (Candle, LibTorch, Router) need that line here, behind a feature: the orphan
+/// rule forbids writing it outside this crate.
 pub trait ExchangeBackend: Backend {
     /// The backend whose tensors the communicator moves: `Self` for a plain backend, the
     /// inner backend for `Autodiff<B>`.

@@ -4,7 +4,7 @@
 //! attention. This one has the same config fields (and defaults) and the same record, so a
 //! model switches by changing one import, and checkpoints of either load into the other:
 //!
-//! ```ignore
+//! ```text
 //! // use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 //! use burn_ulysses::nn::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 //! ```
@@ -14,7 +14,8 @@
 //! - `dropout` is not applied to the scores (it is kept in the record);
 //! - masked scores are `-inf`, not `min_float`: a row whose keys are all masked yields zeros
 //!   instead of a uniform average;
-//! - `quiet_softmax` is not supported and is rejected at `init`.
+//! - `quiet_softmax` is not supported and is rejected at `init`;
+//! - there is no `forward_cache` (autoregressive decoding with a KV cache).
 //!
 //! Under sequence parallelism `mask_pad` (a key-padding mask) is gathered across ranks;
 //! `mask_attn` (a full `[S_q, S_k]` mask) is rejected with an explanation.

@@ -32,10 +32,15 @@ use crate::{
     error::UlyssesError,
 };
 
-/// A model that maps a shard of token ids to next-token logits. `position_offset` is the
-/// global position of the shard's first token.
+/// A model that maps a shard of token ids to next-token logits.
 pub trait CausalLm<B: AutodiffBackend>: AutodiffModule<B> {
+    /// `tokens: [batch, seq]` at global positions `position_offset..` → `[batch, seq, vocab]`.
     fn logits(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3>;
+    /// Token ids must lie in `0..vocab_size()`.
+    fn vocab_size(&self) -> usize;
+    /// Training pads sequences at the end, which only causal attention leaves invisible to
+    /// real tokens; [`train_step`] refuses a model that is not causal.
+    fn is_causal(&self) -> bool;
 }
 
 /// How the ranks of the world form groups: `world = sp_size × dp_size`, and consecutive
@@ -129,6 +134,7 @@ where
     O: Optimizer<M, B>,
     C: GroupSplit + Communicator<B::InnerBackend>,
 {
+    check_step_inputs::<B, M, C>(&model, micro_batches, sharder, groups)?;
     let sp_rank = groups.sp_rank();
     let shards: Vec<_> = micro_batches.iter().map(|batch| sharder.shard(batch, sp_rank)).collect();
     let local_valid: usize = shards.iter().map(|s| s.valid_tokens).sum();
@@ -139,6 +145,7 @@ where
 
     let mut accumulator = GradientsAccumulator::<M>::new();
     let mut local_loss = 0.0;
+    let exchanges_before = Communicator::<B::InnerBackend>::traffic(&*groups.sp).all_to_all_calls;
     for shard in &shards {
         let logits = model.logits(shard.tokens(device), shard.position_offset);
         let loss = masked_cross_entropy_sum(logits, shard.labels(device), sharder.ignore_index) * weight;
@@ -146,12 +153,61 @@ where
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         accumulator.accumulate(&model, grads);
     }
+    let exchanges = Communicator::<B::InnerBackend>::traffic(&*groups.sp).all_to_all_calls - exchanges_before;
+    if groups.layout.sp_size > 1 && exchanges == 0 {
+        return Err(UlyssesError::NotSequenceParallel { sp_size: groups.layout.sp_size });
+    }
     let grads = all_reduce_gradients(&model, accumulator.grads(), &*groups.sp)?;
     let grads = all_reduce_gradients(&model, grads, &*groups.dp)?;
     let model = optimizer.step(learning_rate, model, grads);
 
     let loss = sum_f64_over_ranks(&*groups.world, local_loss)?;
     Ok((model, StepReport { loss, valid_tokens, processed_tokens }))
+}
+
+/// Refuses a step that would train silently wrong.
+fn check_step_inputs<B, M, C>(
+    model: &M,
+    micro_batches: &[Vec<Vec<i64>>],
+    sharder: &SequenceSharder,
+    groups: &ParallelGroups<C>,
+) -> Result<(), UlyssesError>
+where
+    B: AutodiffBackend,
+    M: CausalLm<B>,
+    C: GroupSplit,
+{
+    let invalid = |message: String| Err(UlyssesError::InvalidConfig(message));
+    if sharder.sp_size != groups.sp.group_size() {
+        return invalid(format!(
+            "the sharder cuts sequences into {} shards but the SP group has {} ranks; use \
+             SequenceSharder::new(layout.sp_size)",
+            sharder.sp_size,
+            groups.sp.group_size()
+        ));
+    }
+    if !model.is_causal() {
+        return invalid(
+            "train_step pads sequences at the end, which only causal attention ignores; this \
+             model is not causal"
+                .into(),
+        );
+    }
+    if micro_batches.is_empty() || micro_batches.iter().any(|b| b.is_empty() || b.iter().any(Vec::is_empty)) {
+        return invalid("every step needs at least one micro-batch of non-empty sequences".into());
+    }
+    let vocab = model.vocab_size() as i64;
+    for (m, batch) in micro_batches.iter().enumerate() {
+        for (i, sequence) in batch.iter().enumerate() {
+            if let Some((p, t)) = sequence.iter().enumerate().find(|(_, t)| !(0..vocab).contains(*t)) {
+                return invalid(format!(
+                    "token {t} (micro-batch {m}, sequence {i}, position {p}) is outside the \
+                     model's vocabulary 0..{vocab}"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Token-averaged cross-entropy of `batch`, evaluated with sequence parallelism: this rank
@@ -228,7 +284,7 @@ pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     mut grads: GradientsParams,
     communicator: &dyn Communicator<B::InnerBackend>,
-) -> Result<GradientsParams, CommError> {
+) -> Result<GradientsParams, UlyssesError> {
     if communicator.size() == 1 {
         return Ok(grads);
     }
@@ -253,7 +309,7 @@ pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
 
     let present_anywhere: Vec<bool> = {
-        let gathered = communicator.all_gather_host(&present)?;
+        let gathered = crate::comm::all_gather_host_checked(communicator, &present, "float parameters")?;
         (0..present.len()).map(|i| gathered.iter().any(|p| p[i] == 1)).collect()
     };
     let lengths: Vec<usize> = flat.iter().map(|t| t.dims()[0]).collect();
@@ -348,7 +404,7 @@ pub fn check_parameters_identical<B: Backend, M: Module<B>, G: Backend>(
     }
     let mut fingerprints = Fingerprints { path: Vec::new(), names: Vec::new(), hashes: Vec::new() };
     module.visit(&mut fingerprints);
-    let gathered = communicator.all_gather_host(&fingerprints.hashes)?;
+    let gathered = crate::comm::all_gather_host_checked(communicator, &fingerprints.hashes, "float parameters")?;
     for (i, name) in fingerprints.names.iter().enumerate() {
         if gathered.iter().any(|h| h[i] != gathered[0][i]) {
             let differing = (0..gathered.len()).filter(|&r| gathered[r][i] != gathered[0][i]).collect();

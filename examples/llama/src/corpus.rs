@@ -2,7 +2,7 @@
 //! be trained or downloaded.
 //!
 //! The default corpus is the licence texts in `/usr/share/common-licenses` (GPL, LGPL, GFDL,
-//! Apache, MPL, Artistic, ...): about 260 KB of English prose that every Debian and Ubuntu
+//! Apache, MPL, Artistic, ...): about 270 KB of English prose that every Debian and Ubuntu
 //! machine has offline (package `base-files`). Any other text file or folder can be given.
 
 use std::{
@@ -44,6 +44,19 @@ impl ByteCorpus {
         let split = ((1.0 - eval_fraction) * bytes.len() as f64) as usize;
         let eval = bytes.split_off(split);
         Ok(Self { files, train: bytes, eval })
+    }
+
+    /// Fails unless both splits hold more than one sequence of `len` bytes.
+    pub fn check_sequence_length(&self, len: usize) -> Result<(), String> {
+        let shortest = self.train.len().min(self.eval.len());
+        if len >= shortest {
+            return Err(format!(
+                "--seq-len {len} does not fit the corpus: its held-out split has {} bytes; use a \
+                 shorter --seq-len or a larger --corpus",
+                self.eval.len()
+            ));
+        }
+        Ok(())
     }
 
     pub fn train_bytes(&self) -> usize {

@@ -97,7 +97,9 @@ fn run(args: Args) -> Result<(), String> {
         .with_eval_single_device(args.eval_single_device)
         .with_check_parameters_every(args.check_parameters_every);
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
+    config.validate()?;
     let corpus = ByteCorpus::load(&args.corpus, 0.1)?;
+    corpus.check_sequence_length(config.seq_len)?;
     tracing::info!(
         corpus = %args.corpus.display(),
         files = corpus.files.len(),

@@ -18,6 +18,8 @@ use burn::{
     },
 };
 
+use burn_ulysses::attention::repeat_kv_heads;
+
 use crate::rope::RopeTables;
 
 #[derive(Config, Debug)]
@@ -129,6 +131,15 @@ impl<B: Backend> Llama<B> {
         self.lm_head.forward(self.norm.forward(x))
     }
 
+    pub fn vocab_size(&self) -> usize {
+        self.lm_head.weight.dims()[1]
+    }
+
+    /// Whether every attention layer is causal.
+    pub fn is_causal(&self) -> bool {
+        self.blocks.iter().all(|block| block.attention.causal)
+    }
+
     /// Switches every attention layer between grouped kv heads and kv heads expanded to the
     /// q head count (see [`LlamaConfig::repeat_kv`]).
     pub fn with_repeat_kv(mut self, repeat_kv: bool) -> Self {
@@ -177,7 +188,7 @@ impl<B: Backend> Attention<B> {
         let v = heads(self.wv.forward(x), self.n_kv_heads);
         let (k, v) = if self.repeat_kv {
             let group = self.n_heads / self.n_kv_heads;
-            (repeat_kv(k, group), repeat_kv(v, group))
+            (repeat_kv_heads(k, group), repeat_kv_heads(v, group))
         } else {
             (k, v)
         };
@@ -185,16 +196,6 @@ impl<B: Backend> Attention<B> {
         let output = attention(q, k, v, None, None, options);
         self.wo.forward(output.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]))
     }
-}
-
-/// `[b, kv_heads, s, d]` → `[b, kv_heads · group, s, d]`, each kv head serving `group`
-/// consecutive q heads.
-fn repeat_kv<B: Backend>(x: Tensor<B, 4>, group: usize) -> Tensor<B, 4> {
-    if group == 1 {
-        return x;
-    }
-    let [b, h, s, d] = x.dims();
-    x.reshape([b, h, 1, s, d]).expand([b, h, group, s, d]).reshape([b, h * group, s, d])
 }
 
 #[derive(Module, Debug)]

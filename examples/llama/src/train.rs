@@ -38,7 +38,7 @@ pub struct TrainConfig {
     /// Tokens per sequence.
     #[config(default = 256)]
     pub seq_len: usize,
-    #[config(default = 200)]
+    #[config(default = 300)]
     pub steps: usize,
     #[config(default = 3e-3)]
     pub learning_rate: f64,
@@ -64,6 +64,31 @@ impl TrainConfig {
         Self::new(LlamaConfig::new(BYTE_VOCAB).with_repeat_kv(false), AdamWConfig::new().with_weight_decay(0.01), layout)
     }
 
+    /// Fails with the name of the first setting that cannot work.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("sp_size (--sp)", self.layout.sp_size),
+            ("dp_size (--dp)", self.layout.dp_size),
+            ("grad_accumulation (--grad-accumulation)", self.grad_accumulation),
+            ("batch_size (--batch-size)", self.batch_size),
+            ("steps (--steps)", self.steps),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, value)| *value == 0) {
+            return Err(format!("{name} must be at least 1"));
+        }
+        if self.seq_len < 2 {
+            return Err(format!("seq_len (--seq-len) must be at least 2 tokens to have a label, got {}", self.seq_len));
+        }
+        let parts = self.layout.dp_size * self.grad_accumulation;
+        if self.batch_size % parts != 0 {
+            return Err(format!(
+                "batch_size (--batch-size) {} must be a multiple of dp_size × grad_accumulation = {parts}",
+                self.batch_size
+            ));
+        }
+        Ok(())
+    }
+
     pub fn learning_rate_at(&self, step: usize) -> f64 {
         if step < self.warmup_steps {
             return self.learning_rate * (step + 1) as f64 / self.warmup_steps as f64;
@@ -73,24 +98,25 @@ impl TrainConfig {
         self.learning_rate * (0.1 + 0.9 * cosine)
     }
 
-    /// This DP rank's micro-batches of the step's global batch.
-    pub fn micro_batches(&self, global: Vec<Vec<i64>>, dp_rank: usize) -> Result<Vec<Vec<Vec<i64>>>, String> {
-        let parts = self.layout.dp_size * self.grad_accumulation;
-        if global.len() % parts != 0 {
-            return Err(format!(
-                "batch_size {} must be a multiple of dp_size × grad_accumulation = {parts}",
-                global.len()
-            ));
-        }
+    /// This DP rank's micro-batches of the step's global batch (`validate` first).
+    pub fn micro_batches(&self, global: &[Vec<i64>], dp_rank: usize) -> Vec<Vec<Vec<i64>>> {
         let per_rank = global.len() / self.layout.dp_size;
         let mine = &global[dp_rank * per_rank..(dp_rank + 1) * per_rank];
-        Ok(mine.chunks(per_rank / self.grad_accumulation).map(<[_]>::to_vec).collect())
+        mine.chunks(per_rank / self.grad_accumulation).map(<[_]>::to_vec).collect()
     }
 }
 
 impl<B: AutodiffBackend> CausalLm<B> for Llama<B> {
     fn logits(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3> {
         self.forward(tokens, position_offset)
+    }
+
+    fn vocab_size(&self) -> usize {
+        Llama::vocab_size(self)
+    }
+
+    fn is_causal(&self) -> bool {
+        Llama::is_causal(self)
     }
 }
 
@@ -138,6 +164,7 @@ where
     B: AutodiffBackend,
     C: GroupSplit + Communicator<B::InnerBackend>,
 {
+    config.validate().map_err(UlyssesError::InvalidConfig)?;
     let sharder = SequenceSharder::new(config.layout.sp_size);
     let mut model = broadcast_parameters(model, &*groups.world)?;
     let mut optimizer = config.optimizer.init::<B, Llama<B>>();
@@ -146,7 +173,12 @@ where
 
     for step in 0..config.steps {
         let started = Instant::now();
-        let micro_batches = config.micro_batches(data.train_batch(step), groups.dp_rank()).map_err(UlyssesError::InvalidConfig)?;
+        let global = data.train_batch(step);
+        if global.len() != config.batch_size {
+            let message = format!("step {step} has {} sequences, the config says {}", global.len(), config.batch_size);
+            return Err(UlyssesError::InvalidConfig(message));
+        }
+        let micro_batches = config.micro_batches(&global, groups.dp_rank());
         let learning_rate = config.learning_rate_at(step);
         let (next, report) = train_step(model, &mut optimizer, learning_rate, &micro_batches, &sharder, groups, device)?;
         model = next;

@@ -56,13 +56,16 @@ impl fmt::Display for Collective {
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CommError {
     #[error(
-        "rank {peer} left the group before joining collective #{seq} ({op}); it failed or \
-         returned early, so this rank stops too. Look at rank {peer}'s own error first."
+        "rank {peer} left the group (world rank {world_peer}) before joining collective #{seq} \
+         ({op}); it failed or returned early, so this rank stops too. Look at world rank \
+         {world_peer}'s own error first."
     )]
-    PeerLeft { peer: usize, op: Collective, seq: u64 },
+    PeerLeft { peer: usize, world_peer: usize, op: Collective, seq: u64 },
     #[error(
-        "collective #{seq} ({op}) timed out after {after:?} waiting for ranks {waiting_for:?}. \
-         A rank is stuck or skipped a collective; raise the timeout if it is only slow."
+        "collective #{seq} ({op}) timed out after {after:?} waiting for ranks {waiting_for:?} of \
+         this group. A rank is stuck or skipped a collective; raise the timeout if it is only \
+         slow. With ranks as threads, also check that no two ranks share parameter tensors: \
+         their autodiff graphs merge and one rank's backward blocks the other's."
     )]
     Timeout { op: Collective, seq: u64, waiting_for: Vec<usize>, after: Duration },
     #[error(
@@ -72,6 +75,11 @@ pub enum CommError {
     Mismatch { seq: u64, op: Collective, peer: usize, peer_op: Collective },
     #[error("{op}: {reason}")]
     InvalidArgument { op: Collective, reason: String },
+    #[error(
+        "ranks diverged: this rank sent {mine} {what} but rank {rank} sent {theirs}. Every rank \
+         must run the same model and issue the same collectives in the same order."
+    )]
+    Diverged { what: &'static str, mine: usize, rank: usize, theirs: usize },
     #[error("communicator backend error: {0}")]
     Backend(String),
 }
@@ -108,4 +116,18 @@ pub trait Communicator<B: Backend>: Send + Sync + 'static {
     fn split(&self, color: u32, key: u32) -> Result<Arc<dyn Communicator<B>>, CommError>;
     /// Bytes this rank has handed to each collective so far.
     fn traffic(&self) -> Traffic;
+}
+
+/// All-gathers `values` on the host and fails, naming `what`, when ranks sent different
+/// numbers of values: they are running different models, or different host collectives met.
+pub fn all_gather_host_checked<B: Backend>(
+    communicator: &dyn Communicator<B>,
+    values: &[u64],
+    what: &'static str,
+) -> Result<Vec<Vec<u64>>, CommError> {
+    let gathered = communicator.all_gather_host(values)?;
+    match gathered.iter().position(|v| v.len() != values.len()) {
+        None => Ok(gathered),
+        Some(rank) => Err(CommError::Diverged { what, mine: values.len(), rank, theirs: gathered[rank].len() }),
+    }
 }

@@ -276,19 +276,18 @@ impl ThreadCommunicator {
             let missing: Vec<usize> =
                 (0..size).filter(|&r| round.deposits[r].is_none()).collect();
             if let Some(&peer) = missing.iter().find(|&&r| state.departed[self.members[r]]) {
-                let failure = CommError::PeerLeft { peer, op, seq };
+                let failure = CommError::PeerLeft { peer, world_peer: self.members[peer], op, seq };
                 state.rounds.get_mut(&key).unwrap().failure = Some(failure.clone());
                 self.family.changed.notify_all();
                 return Err(failure);
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(CommError::Timeout {
-                    op,
-                    seq,
-                    waiting_for: missing,
-                    after: self.family.timeout,
-                });
+                let failure = CommError::Timeout { op, seq, waiting_for: missing, after: self.family.timeout };
+                // The ranks that did arrive fail now too, instead of each at its own deadline.
+                state.rounds.get_mut(&key).unwrap().failure = Some(failure.clone());
+                self.family.changed.notify_all();
+                return Err(failure);
             }
             state = self
                 .family
@@ -344,10 +343,13 @@ impl ThreadCommunicator {
     }
 }
 
+/// A rank found a deposit of another type than its own in the same round.
 fn mixed_backends(op: Collective) -> CommError {
     CommError::InvalidArgument {
         op,
-        reason: "ranks passed tensors of different backend types to the same collective".into(),
+        reason: "ranks passed different kinds of values to the same collective (tensors of \
+                 different backends, or different element types)"
+            .into(),
     }
 }
 
@@ -617,7 +619,7 @@ mod tests {
         assert!(results[1].as_ref().unwrap_err().message.contains("rank 1 exploded"));
         for r in [0, 2] {
             let err = results[r].as_ref().unwrap().as_ref().unwrap_err();
-            assert!(matches!(err, CommError::PeerLeft { peer: 1, .. }), "{err}");
+            assert!(matches!(err, CommError::PeerLeft { peer: 1, world_peer: 1, .. }), "{err}");
         }
     }
 
