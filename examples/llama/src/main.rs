@@ -197,8 +197,9 @@ impl RunLog {
         plot::loss_curve(&self.out.join("loss.png"), &self.title, &self.train, &self.eval)?;
         let first = self.train.first().map_or(f64::NAN, |p| p.1);
         let last = self.train.last().map_or(f64::NAN, |p| p.1);
+        let held_out = self.eval.last().map_or("-".to_string(), |p| format!("{:.3}", p.1));
         println!(
-            "loss {first:.3} -> {last:.3} in {} steps ({:.1?}); wrote {}/{{metrics.csv, loss.png, config.json, model.mpk}}",
+            "loss {first:.3} -> {last:.3} in {} steps ({:.1?}), held-out {held_out}; wrote {}/{{metrics.csv, loss.png, config.json, model.mpk}}",
             self.train.len(),
             self.started.elapsed(),
             self.out.display()
