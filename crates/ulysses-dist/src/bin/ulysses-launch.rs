@@ -1,0 +1,73 @@
+//! Starts one node's ranks of a burn-ulysses job, like torchrun.
+//!
+//! ulysses-launch --nproc-per-node 4 -- ./train --sp 4
+//! ulysses-launch --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- ./train
+
+use std::{process::ExitCode, time::Duration};
+
+use clap::Parser;
+use ulysses_dist::{
+    config::ENV_TOKEN,
+    env::DEFAULT_MASTER_PORT,
+    launch::{LaunchPlan, run},
+    rendezvous::new_token,
+};
+
+#[derive(Parser, Debug)]
+#[command(about = "Start one node's ranks of a burn-ulysses job (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set like torchrun)")]
+struct Args {
+    /// Ranks (processes, usually one per GPU) to start on this node.
+    #[arg(long)]
+    nproc_per_node: usize,
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index, 0..nnodes.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address of node 0, where rank 0 serves the rendezvous.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    #[arg(long, default_value_t = DEFAULT_MASTER_PORT)]
+    master_port: u16,
+    /// Seconds the other ranks get to exit after one failed, before they are killed.
+    #[arg(long, default_value_t = 10.0)]
+    kill_grace_secs: f64,
+    /// The program and its arguments.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let token = match (std::env::var(ENV_TOKEN).ok().filter(|t| !t.is_empty()), args.nnodes) {
+        (Some(token), _) => token,
+        (None, 1) => new_token(),
+        (None, _) => {
+            eprintln!(
+                "ulysses-launch: with several nodes every node must pass the same token: export \
+                 {ENV_TOKEN}=<secret> on each node (e.g. $(openssl rand -hex 16), shared through \
+                 your job script)"
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut command = args.command.into_iter();
+    let plan = LaunchPlan {
+        nproc_per_node: args.nproc_per_node,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master_addr: args.master_addr,
+        master_port: args.master_port,
+        token,
+        program: command.next().unwrap_or_default(),
+        args: command.collect(),
+        kill_grace: Duration::from_secs_f64(args.kill_grace_secs.max(0.0)),
+    };
+    match run(&plan) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("{error}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! Settings of a distributed job, in Burn's config style, each overridable from the
+//! environment so a launch script can change them without rebuilding.
+
+use std::time::Duration;
+
+use burn::config::Config;
+
+use crate::DistError;
+
+/// Environment variables that override [`DistributedConfig`] fields.
+pub const ENV_SP_SIZE: &str = "ULYSSES_SP_SIZE";
+pub const ENV_RENDEZVOUS_TIMEOUT: &str = "ULYSSES_RENDEZVOUS_TIMEOUT";
+pub const ENV_COLLECTIVE_TIMEOUT: &str = "ULYSSES_COLLECTIVE_TIMEOUT";
+pub const ENV_MAX_MESSAGE_BYTES: &str = "ULYSSES_MAX_MESSAGE_BYTES";
+pub const ENV_TOKEN: &str = "ULYSSES_RENDEZVOUS_TOKEN";
+
+#[derive(Config, Debug)]
+pub struct DistributedConfig {
+    /// Ranks per sequence-parallel group; the data-parallel size is `world / sp_size`.
+    /// Consecutive ranks form an SP group, so keep `sp_size` within a node.
+    #[config(default = 1)]
+    pub sp_size: usize,
+    /// How long a rank waits for rank 0's rendezvous and for the other ranks to join.
+    #[config(default = 300.0)]
+    pub rendezvous_timeout_secs: f64,
+    /// How long a collective may take before the communicator is aborted.
+    #[config(default = 600.0)]
+    pub collective_timeout_secs: f64,
+    /// Largest rendezvous message accepted; larger ones close the connection.
+    #[config(default = 65536)]
+    pub max_message_bytes: usize,
+    /// The job's shared secret; `None` reads `ULYSSES_RENDEZVOUS_TOKEN`.
+    pub token: Option<String>,
+}
+
+impl DistributedConfig {
+    /// Applies the `ULYSSES_*` variables of the process environment.
+    pub fn with_env_overrides(self) -> Result<Self, DistError> {
+        self.with_overrides(|name| std::env::var(name).ok())
+    }
+
+    pub fn with_overrides(mut self, lookup: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
+        fn parse<T: std::str::FromStr>(name: &str, value: String) -> Result<T, DistError> {
+            value.trim().parse().map_err(|_| DistError::Env(format!("{name}={value:?} is not a valid value")))
+        }
+        if let Some(value) = lookup(ENV_SP_SIZE) {
+            self.sp_size = parse(ENV_SP_SIZE, value)?;
+        }
+        if let Some(value) = lookup(ENV_RENDEZVOUS_TIMEOUT) {
+            self.rendezvous_timeout_secs = parse(ENV_RENDEZVOUS_TIMEOUT, value)?;
+        }
+        if let Some(value) = lookup(ENV_COLLECTIVE_TIMEOUT) {
+            self.collective_timeout_secs = parse(ENV_COLLECTIVE_TIMEOUT, value)?;
+        }
+        if let Some(value) = lookup(ENV_MAX_MESSAGE_BYTES) {
+            self.max_message_bytes = parse(ENV_MAX_MESSAGE_BYTES, value)?;
+        }
+        if self.token.is_none() {
+            self.token = lookup(ENV_TOKEN).filter(|t| !t.is_empty());
+        }
+        self.validate()?;
+        Ok(self)
+    }
+
+    pub fn validate(&self) -> Result<(), DistError> {
+        let positive = |name: &str, value: f64| {
+            if value > 0.0 && value.is_finite() { Ok(()) } else { Err(DistError::Env(format!("{name} must be positive, got {value}"))) }
+        };
+        positive("rendezvous_timeout_secs", self.rendezvous_timeout_secs)?;
+        positive("collective_timeout_secs", self.collective_timeout_secs)?;
+        if self.sp_size == 0 {
+            return Err(DistError::Env("sp_size must be at least 1".into()));
+        }
+        if self.max_message_bytes < 1024 {
+            return Err(DistError::Env(format!("max_message_bytes must be at least 1024, got {}", self.max_message_bytes)));
+        }
+        Ok(())
+    }
+
+    pub fn rendezvous_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.rendezvous_timeout_secs)
+    }
+
+    pub fn collective_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.collective_timeout_secs)
+    }
+
+    /// The token, or the error that says how to provide one.
+    pub fn require_token(&self) -> Result<&str, DistError> {
+        self.token.as_deref().ok_or(DistError::NoToken)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn environment_overrides_fields() {
+        let config = DistributedConfig::new()
+            .with_overrides(|name| match name {
+                ENV_SP_SIZE => Some("4".into()),
+                ENV_COLLECTIVE_TIMEOUT => Some("30".into()),
+                ENV_TOKEN => Some("secret".into()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(config.sp_size, 4);
+        assert_eq!(config.collective_timeout(), Duration::from_secs(30));
+        assert_eq!(config.rendezvous_timeout(), Duration::from_secs(300));
+        assert_eq!(config.require_token().unwrap(), "secret");
+    }
+
+    #[test]
+    fn bad_overrides_and_a_missing_token_are_explained() {
+        let err = DistributedConfig::new().with_overrides(|n| (n == ENV_SP_SIZE).then(|| "two".into())).unwrap_err();
+        assert!(err.to_string().contains("ULYSSES_SP_SIZE=\"two\""), "{err}");
+        let err = DistributedConfig::new().with_overrides(|n| (n == ENV_RENDEZVOUS_TIMEOUT).then(|| "0".into())).unwrap_err();
+        assert!(err.to_string().contains("rendezvous_timeout_secs must be positive"), "{err}");
+        let config = DistributedConfig::new().with_overrides(|_| None).unwrap();
+        assert!(config.require_token().unwrap_err().to_string().contains("ULYSSES_RENDEZVOUS_TOKEN"));
+    }
+}

@@ -1,0 +1,201 @@
+//! `ulysses-launch`: starts one node's ranks like torchrun does, with the environment set,
+//! their output prefixed by rank, and the whole job failed as soon as one rank fails.
+
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    os::unix::process::CommandExt,
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::atomic::{AtomicBool, Ordering},
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use crate::{DistError, config::ENV_TOKEN};
+
+/// One node's part of a job.
+#[derive(Debug, Clone)]
+pub struct LaunchPlan {
+    pub nproc_per_node: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// The job's rendezvous token, passed to every rank.
+    pub token: String,
+    pub program: String,
+    pub args: Vec<String>,
+    /// After one rank fails, how long the others get to exit after SIGTERM before SIGKILL.
+    pub kill_grace: Duration,
+}
+
+impl LaunchPlan {
+    pub fn validate(&self) -> Result<(), DistError> {
+        let fail = |message: String| Err(DistError::Launch(message));
+        if self.nproc_per_node == 0 || self.nnodes == 0 {
+            return fail("--nproc-per-node and --nnodes must be at least 1".into());
+        }
+        if self.node_rank >= self.nnodes {
+            return fail(format!("--node-rank {} is out of range for --nnodes {}", self.node_rank, self.nnodes));
+        }
+        if self.program.is_empty() {
+            return fail("no program to launch: ulysses-launch [options] -- <program> [args]".into());
+        }
+        Ok(())
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.nproc_per_node * self.nnodes
+    }
+
+    /// The environment of local rank `local_rank`, as torchrun sets it.
+    pub fn rank_env(&self, local_rank: usize) -> Vec<(&'static str, String)> {
+        vec![
+            ("RANK", (self.node_rank * self.nproc_per_node + local_rank).to_string()),
+            ("WORLD_SIZE", self.world_size().to_string()),
+            ("LOCAL_RANK", local_rank.to_string()),
+            ("LOCAL_WORLD_SIZE", self.nproc_per_node.to_string()),
+            ("GROUP_RANK", self.node_rank.to_string()),
+            ("MASTER_ADDR", self.master_addr.clone()),
+            ("MASTER_PORT", self.master_port.to_string()),
+            (ENV_TOKEN, self.token.clone()),
+        ]
+    }
+}
+
+struct Rank {
+    rank: usize,
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+/// Runs the node's ranks to completion. Fails, naming the rank, when one exits unsuccessfully;
+/// the others are stopped (SIGTERM, then SIGKILL after the grace period).
+pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
+    plan.validate()?;
+    let mut ranks = Vec::new();
+    let mut forwarders = Vec::new();
+    for local_rank in 0..plan.nproc_per_node {
+        let env = plan.rank_env(local_rank);
+        let rank = plan.node_rank * plan.nproc_per_node + local_rank;
+        // Each rank leads a process group, so stopping it reaches the processes it started.
+        let spawned = Command::new(&plan.program)
+            .args(&plan.args)
+            .envs(env)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .spawn();
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(error) => {
+                stop(&mut ranks, plan.kill_grace);
+                return Err(DistError::Launch(format!("cannot start {:?} for rank {rank}: {error}", plan.program)));
+            }
+        };
+        forwarders.push(forward(child.stdout.take().unwrap(), rank, false));
+        forwarders.push(forward(child.stderr.take().unwrap(), rank, true));
+        ranks.push(Rank { rank, child, status: None });
+    }
+
+    forward_interrupts();
+    let failure = loop {
+        if INTERRUPTED.load(Ordering::Relaxed) {
+            eprintln!("ulysses-launch: interrupted; stopping {} rank(s)", ranks.iter().filter(|r| r.status.is_none()).count());
+            stop(&mut ranks, plan.kill_grace);
+            forwarders.into_iter().for_each(|f| drop(f.join()));
+            return Err(DistError::Launch("interrupted".into()));
+        }
+        let mut failure = None;
+        for rank in ranks.iter_mut().filter(|r| r.status.is_none()) {
+            if let Ok(Some(status)) = rank.child.try_wait() {
+                rank.status = Some(status);
+                if !status.success() {
+                    failure = Some((rank.rank, status));
+                    break;
+                }
+            }
+        }
+        if failure.is_some() || ranks.iter().all(|r| r.status.is_some()) {
+            break failure;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    if let Some((rank, status)) = failure {
+        let running = ranks.iter().filter(|r| r.status.is_none()).count();
+        eprintln!("ulysses-launch: rank {rank} {}; stopping the other {running} rank(s)", describe(status));
+        stop(&mut ranks, plan.kill_grace);
+        forwarders.into_iter().for_each(|f| drop(f.join()));
+        return Err(DistError::Launch(format!("rank {rank} {}", describe(status))));
+    }
+    forwarders.into_iter().for_each(|f| drop(f.join()));
+    Ok(())
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_signal: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+/// The ranks run in their own process groups, out of reach of the terminal's Ctrl-C: the
+/// launcher catches SIGINT and SIGTERM and stops them itself.
+fn forward_interrupts() {
+    let handler = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, handler);
+        libc::signal(libc::SIGTERM, handler);
+    }
+}
+
+/// Signals a rank's whole process group.
+fn signal_group(rank: &Rank, signal: libc::c_int) {
+    // SAFETY: kill(2) on the process group our unreaped child leads.
+    unsafe { libc::kill(-(rank.child.id() as libc::pid_t), signal) };
+}
+
+/// SIGTERM to every rank's process group, SIGKILL to those still running after `grace`.
+fn stop(ranks: &mut [Rank], grace: Duration) {
+    // Only groups of ranks not yet reaped: a reaped rank's pid may belong to someone else.
+    let running: Vec<usize> = (0..ranks.len()).filter(|&i| ranks[i].status.is_none()).collect();
+    for &i in &running {
+        signal_group(&ranks[i], libc::SIGTERM);
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline && running.iter().any(|&i| !matches!(ranks[i].child.try_wait(), Ok(Some(_)))) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for &i in &running {
+        // Also reaches what the rank started and left behind (it holds the output pipes).
+        signal_group(&ranks[i], libc::SIGKILL);
+        ranks[i].status = ranks[i].child.wait().ok();
+    }
+}
+
+fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(signal)) => format!("was killed by signal {signal}"),
+        _ => format!("ended with {status}"),
+    }
+}
+
+/// Copies a rank's output line by line, prefixed with its rank.
+fn forward(stream: impl Read + Send + 'static, rank: usize, to_stderr: bool) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(stream);
+        let mut line = Vec::new();
+        while reader.read_until(b'\n', &mut line).is_ok_and(|n| n > 0) {
+            let text = String::from_utf8_lossy(&line);
+            let text = text.trim_end_matches(['\n', '\r']);
+            let _ = if to_stderr {
+                writeln!(std::io::stderr().lock(), "[rank {rank}] {text}")
+            } else {
+                writeln!(std::io::stdout().lock(), "[rank {rank}] {text}")
+            };
+            line.clear();
+        }
+    })
+}

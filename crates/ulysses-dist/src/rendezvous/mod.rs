@@ -1,0 +1,110 @@
+//! The rendezvous: rank 0 serves a key-value store on `MASTER_ADDR:MASTER_PORT`; every rank
+//! (rank 0 included) connects to it with the job's token. The ranks use it to share the
+//! NCCL unique id, to meet at barriers, and to learn which rank died when a collective
+//! stalls.
+
+mod client;
+pub mod protocol;
+mod server;
+
+use std::{sync::Mutex, time::Duration};
+
+pub use client::RendezvousClient;
+pub use server::{RendezvousServer, ServerSettings};
+
+use crate::{DistError, DistributedConfig, LaunchEnv};
+
+/// This rank's membership of the job's rendezvous.
+pub struct Rendezvous {
+    client: Option<Mutex<RendezvousClient>>,
+    world_size: usize,
+    linger: Duration,
+    server: Option<RendezvousServer>,
+}
+
+impl Rendezvous {
+    /// Joins the job described by `env`; rank 0 also starts the server. Returns once every
+    /// rank has joined, or fails after the rendezvous timeout.
+    pub fn join(env: &LaunchEnv, config: &DistributedConfig) -> Result<Self, DistError> {
+        let token = config.require_token()?;
+        let timeout = config.rendezvous_timeout();
+        let server = (env.rank == 0)
+            .then(|| {
+                let settings = ServerSettings {
+                    world_size: env.world_size,
+                    token: token.to_string(),
+                    max_message_bytes: config.max_message_bytes,
+                    handshake_timeout: Duration::from_secs(10),
+                };
+                RendezvousServer::start(&env.master_addr, env.master_port, settings)
+            })
+            .transpose()?;
+        let mut client = RendezvousClient::connect(
+            &env.master_addr,
+            env.master_port,
+            env.rank,
+            env.world_size,
+            token,
+            timeout,
+            config.max_message_bytes,
+        )?;
+        client.barrier("joined", env.world_size).map_err(|error| match error {
+            DistError::RendezvousTimeout { addr, after, .. } => DistError::RendezvousTimeout {
+                addr,
+                after,
+                waiting_for: format!("waiting for all {} ranks to join", env.world_size),
+            },
+            other => other,
+        })?;
+        Ok(Self { client: Some(Mutex::new(client)), world_size: env.world_size, linger: timeout, server })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.client().rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Rank `root` publishes `value` under `key`; every rank returns it.
+    pub fn broadcast(&self, key: &str, value: Option<&[u8]>, root: usize) -> Result<Vec<u8>, DistError> {
+        let mut client = self.client();
+        if client.rank() == root {
+            let value = value.ok_or_else(|| DistError::Protocol(format!("rank {root} broadcasts {key:?} but gave no value")))?;
+            client.set(key, value)?;
+        }
+        client.get(key)
+    }
+
+    pub fn barrier(&self, name: &str) -> Result<(), DistError> {
+        self.client().barrier(name, self.world_size)
+    }
+
+    /// Ranks that died (their connection closed without a goodbye).
+    pub fn departed(&self) -> Result<Vec<usize>, DistError> {
+        self.client().departed()
+    }
+
+    fn client(&self) -> std::sync::MutexGuard<'_, RendezvousClient> {
+        let client = self.client.as_ref().expect("the client lives until drop");
+        client.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for Rendezvous {
+    fn drop(&mut self) {
+        // Say goodbye first; rank 0 then serves until the others have too.
+        drop(self.client.take());
+        if let Some(server) = self.server.take() {
+            server.wait_until_all_left(self.linger);
+        }
+    }
+}
+
+/// A fresh random token (32 hex digits) for a job.
+pub fn new_token() -> String {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).expect("the operating system has no random source");
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,93 @@
+//! Wire format: each message is a frame, a big-endian `u32` length then that many bytes of
+//! JSON. Frames above the configured limit are refused before they are read.
+
+use std::io::{Read, Write};
+
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Client to server.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Request {
+    /// First message of every connection.
+    Hello { token: String, rank: usize, world_size: usize },
+    Set { key: String, value: Vec<u8> },
+    /// Answered once the key is set.
+    Get { key: String },
+    /// Ranks whose connection closed without a goodbye.
+    Departed,
+    /// A clean disconnect: this rank is done, not dead.
+    Goodbye,
+}
+
+/// Server to client.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Response {
+    Welcome,
+    Rejected { reason: String },
+    Stored,
+    Value { value: Vec<u8> },
+    Departed { ranks: Vec<usize> },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("connection closed")]
+    Closed,
+    #[error("frame of {size} bytes exceeds the limit of {limit}")]
+    TooLarge { size: usize, limit: usize },
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+fn encode<T: Serialize>(message: &T) -> Vec<u8> {
+    let body = serde_json::to_vec(message).expect("protocol messages serialize");
+    let mut frame = (body.len() as u32).to_be_bytes().to_vec();
+    frame.extend(body);
+    frame
+}
+
+fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
+    serde_json::from_slice(body).map_err(|e| FrameError::Malformed(e.to_string()))
+}
+
+fn check_size(header: [u8; 4], limit: usize) -> Result<usize, FrameError> {
+    let size = u32::from_be_bytes(header) as usize;
+    if size > limit { Err(FrameError::TooLarge { size, limit }) } else { Ok(size) }
+}
+
+pub async fn read_async<T: DeserializeOwned>(reader: &mut (impl AsyncRead + Unpin), limit: usize) -> Result<T, FrameError> {
+    let mut header = [0u8; 4];
+    match reader.read_exact(&mut header).await {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
+        other => other?,
+    };
+    let mut body = vec![0u8; check_size(header, limit)?];
+    reader.read_exact(&mut body).await?;
+    decode(&body)
+}
+
+pub async fn write_async<T: Serialize>(writer: &mut (impl AsyncWrite + Unpin), message: &T) -> Result<(), FrameError> {
+    writer.write_all(&encode(message)).await?;
+    Ok(())
+}
+
+pub fn read_blocking<T: DeserializeOwned>(reader: &mut impl Read, limit: usize) -> Result<T, FrameError> {
+    let mut header = [0u8; 4];
+    match reader.read_exact(&mut header) {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
+        other => other?,
+    };
+    let mut body = vec![0u8; check_size(header, limit)?];
+    reader.read_exact(&mut body)?;
+    decode(&body)
+}
+
+pub fn write_blocking<T: Serialize>(writer: &mut impl Write, message: &T) -> Result<(), FrameError> {
+    writer.write_all(&encode(message))?;
+    Ok(())
+}

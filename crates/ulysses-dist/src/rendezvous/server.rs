@@ -1,0 +1,233 @@
+//! The store that rank 0 serves, on a tokio runtime of its own thread.
+//!
+//! Every connection must open with a `Hello` that carries the job's token, a rank in range
+//! and the server's world size; anything else is refused with a logged reason. Frames are
+//! capped. A welcomed rank whose connection closes without `Goodbye` is recorded as
+//! departed, so the others can name it when a collective stalls.
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use tokio::{net::TcpStream, sync::watch};
+
+use super::protocol::{FrameError, Request, Response, read_async, write_async};
+use crate::DistError;
+
+/// Limits of the server.
+#[derive(Debug, Clone)]
+pub struct ServerSettings {
+    pub world_size: usize,
+    pub token: String,
+    pub max_message_bytes: usize,
+    /// A connection that sends no `Hello` within this time is dropped.
+    pub handshake_timeout: Duration,
+}
+
+pub struct RendezvousServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct State {
+    store: HashMap<String, Vec<u8>>,
+    /// Welcomed ranks and their peer address.
+    joined: HashMap<usize, SocketAddr>,
+    departed: BTreeSet<usize>,
+    /// Ranks that said goodbye.
+    finished: BTreeSet<usize>,
+}
+
+struct Shared {
+    settings: ServerSettings,
+    state: Mutex<State>,
+    /// Bumped on every `Set`, so `Get` waiters re-check the store.
+    version: watch::Sender<u64>,
+}
+
+impl RendezvousServer {
+    /// Binds `addr:port` (the address rank 0 is reached at, not every interface) and serves
+    /// until dropped. Port 0 picks a free port; see [`local_addr`](Self::local_addr).
+    pub fn start(addr: &str, port: u16, settings: ServerSettings) -> Result<Self, DistError> {
+        let bind_error = |reason: String| DistError::Bind { addr: format!("{addr}:{port}"), reason };
+        let listener = std::net::TcpListener::bind((addr, port)).map_err(|e| bind_error(e.to_string()))?;
+        listener.set_nonblocking(true).map_err(|e| bind_error(e.to_string()))?;
+        let local = listener.local_addr().map_err(|e| bind_error(e.to_string()))?;
+        let (shutdown, stop) = tokio::sync::oneshot::channel();
+        let shared = Arc::new(Shared { settings, state: Mutex::default(), version: watch::channel(0).0 });
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| bind_error(e.to_string()))?;
+        let thread = std::thread::Builder::new()
+            .name("ulysses-rendezvous".into())
+            .spawn({
+                let shared = shared.clone();
+                move || runtime.block_on(serve(listener, shared, stop))
+            })
+            .map_err(|e| bind_error(e.to_string()))?;
+        tracing::info!(addr = %local, "rendezvous serving");
+        Ok(Self { addr: local, shared, shutdown: Some(shutdown), thread: Some(thread) })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Waits until every rank that joined has said goodbye or died, at most `timeout`, so
+    /// that rank 0 does not close the store under ranks still reading from it.
+    pub fn wait_until_all_left(&self, timeout: Duration) {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let remaining: Vec<usize> = {
+                let state = self.shared.state.lock().unwrap();
+                state.joined.keys().filter(|r| !state.finished.contains(r) && !state.departed.contains(r)).copied().collect()
+            };
+            if remaining.is_empty() {
+                return;
+            }
+            if std::time::Instant::now() >= deadline {
+                return tracing::warn!(?remaining, "rendezvous closing while ranks are still connected");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for RendezvousServer {
+    fn drop(&mut self) {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+async fn serve(listener: std::net::TcpListener, shared: Arc<Shared>, mut stop: tokio::sync::oneshot::Receiver<()>) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(listener) => listener,
+        Err(error) => return tracing::error!(%error, "rendezvous cannot listen"),
+    };
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    tokio::spawn(connection(stream, peer, shared.clone()));
+                }
+                Err(error) => tracing::warn!(%error, "rendezvous accept failed"),
+            },
+        }
+    }
+}
+
+/// Checks a `Hello`; the reason is sent to the peer and logged.
+fn admit(shared: &Shared, hello: Request, peer: SocketAddr) -> Result<usize, String> {
+    let Request::Hello { token, rank, world_size } = hello else {
+        return Err("the first message must be a hello".into());
+    };
+    let settings = &shared.settings;
+    if !constant_time_eq(token.as_bytes(), settings.token.as_bytes()) {
+        return Err("wrong job token (ULYSSES_RENDEZVOUS_TOKEN differs from rank 0's)".into());
+    }
+    if world_size != settings.world_size {
+        return Err(format!(
+            "this rank was launched with WORLD_SIZE={world_size} but rank 0 with WORLD_SIZE={}",
+            settings.world_size
+        ));
+    }
+    if rank >= world_size {
+        return Err(format!("rank {rank} is out of range for WORLD_SIZE={world_size}"));
+    }
+    let mut state = shared.state.lock().unwrap();
+    let gone = state.departed.contains(&rank) || state.finished.contains(&rank);
+    if let Some(previous) = state.joined.get(&rank).filter(|_| !gone) {
+        return Err(format!("rank {rank} already joined from {previous}: two processes have RANK={rank}"));
+    }
+    state.departed.remove(&rank);
+    state.finished.remove(&rank);
+    state.joined.insert(rank, peer);
+    Ok(rank)
+}
+
+async fn connection(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
+    let limit = shared.settings.max_message_bytes;
+    let hello = match tokio::time::timeout(shared.settings.handshake_timeout, read_async::<Request>(&mut stream, limit)).await {
+        Ok(Ok(hello)) => hello,
+        Ok(Err(error)) => return tracing::warn!(%peer, %error, "rendezvous refused a connection"),
+        Err(_) => return tracing::warn!(%peer, "rendezvous refused a connection: no hello in time"),
+    };
+    let rank = match admit(&shared, hello, peer) {
+        Ok(rank) => rank,
+        Err(reason) => {
+            tracing::warn!(%peer, %reason, "rendezvous refused a connection");
+            let _ = write_async(&mut stream, &Response::Rejected { reason }).await;
+            return;
+        }
+    };
+    if write_async(&mut stream, &Response::Welcome).await.is_err() {
+        return;
+    }
+    tracing::debug!(%peer, rank, "rank joined the rendezvous");
+
+    let clean = serve_rank(&mut stream, &shared).await;
+    let mut state = shared.state.lock().unwrap();
+    match clean {
+        Ok(()) => {
+            state.finished.insert(rank);
+        }
+        Err(error) => {
+            state.departed.insert(rank);
+            tracing::warn!(%peer, rank, %error, "rank left the rendezvous without saying goodbye");
+        }
+    }
+}
+
+/// Answers one rank's requests; `Ok` after a goodbye, `Err` when the connection broke.
+async fn serve_rank(stream: &mut TcpStream, shared: &Shared) -> Result<(), FrameError> {
+    let limit = shared.settings.max_message_bytes;
+    loop {
+        let response = match read_async::<Request>(stream, limit).await? {
+            Request::Goodbye => return Ok(()),
+            Request::Hello { .. } => Response::Rejected { reason: "already joined".into() },
+            Request::Set { key, value } => {
+                shared.state.lock().unwrap().store.insert(key, value);
+                shared.version.send_modify(|v| *v += 1);
+                Response::Stored
+            }
+            Request::Get { key } => {
+                let mut changes = shared.version.subscribe();
+                loop {
+                    if let Some(value) = shared.state.lock().unwrap().store.get(&key).cloned() {
+                        break Response::Value { value };
+                    }
+                    // A waiting client sends nothing, so a readable socket means it closed:
+                    // notice a rank that dies while it waits.
+                    let mut probe = [0u8; 1];
+                    tokio::select! {
+                        changed = changes.changed() => if changed.is_err() { return Err(FrameError::Closed) },
+                        peeked = stream.peek(&mut probe) => return Err(match peeked {
+                            Ok(0) => FrameError::Closed,
+                            Ok(_) => FrameError::Malformed("request sent while waiting for a key".into()),
+                            Err(error) => error.into(),
+                        }),
+                    }
+                }
+            }
+            Request::Departed => {
+                let ranks = shared.state.lock().unwrap().departed.iter().copied().collect();
+                Response::Departed { ranks }
+            }
+        };
+        write_async(stream, &response).await?;
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

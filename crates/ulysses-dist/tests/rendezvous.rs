@@ -1,0 +1,169 @@
+//! The rendezvous and the launcher on 127.0.0.1: four processes meet, a peer without the
+//! job's token is refused, timeouts and wrong world sizes fail with their reason, a departed
+//! rank is reported, and the launcher fails the job when one rank fails.
+
+use std::{
+    io::Write,
+    net::{TcpListener, TcpStream},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use ulysses_dist::{
+    DistError,
+    rendezvous::{
+        RendezvousClient, RendezvousServer, ServerSettings,
+        protocol::{Request, Response, read_blocking, write_blocking},
+    },
+};
+
+const LIMIT: usize = 65536;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn server(world_size: usize) -> RendezvousServer {
+    let settings = ServerSettings {
+        world_size,
+        token: "job-secret".into(),
+        max_message_bytes: LIMIT,
+        handshake_timeout: Duration::from_secs(5),
+    };
+    RendezvousServer::start("127.0.0.1", 0, settings).unwrap()
+}
+
+fn client(server: &RendezvousServer, rank: usize, world_size: usize, token: &str) -> Result<RendezvousClient, DistError> {
+    let port = server.local_addr().port();
+    RendezvousClient::connect("127.0.0.1", port, rank, world_size, token, Duration::from_secs(5), LIMIT)
+}
+
+#[test]
+fn four_processes_meet_through_the_launcher() {
+    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+        .args(["--nproc-per-node", "4", "--master-port", &free_port().to_string(), "--"])
+        .arg(env!("CARGO_BIN_EXE_ulysses-hello"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    print!("{stdout}");
+    assert!(output.status.success(), "launch failed: {}", String::from_utf8_lossy(&output.stderr));
+    let mut ids = Vec::new();
+    for rank in 0..4 {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("[rank {rank}] rank {rank}/4 (local {rank}/4)")))
+            .unwrap_or_else(|| panic!("no line from rank {rank}"));
+        ids.push(line.rsplit("job id ").next().unwrap().to_string());
+    }
+    assert!(ids.iter().all(|id| id == &ids[0] && id.len() == 32), "ranks saw different job ids: {ids:?}");
+}
+
+#[test]
+fn a_peer_without_the_token_is_refused() {
+    let server = server(2);
+    let err = client(&server, 1, 2, "guess").err().expect("a wrong token must be refused");
+    assert!(err.to_string().contains("wrong job token"), "{err}");
+
+    // A raw connection that skips the hello is refused too.
+    let mut raw = TcpStream::connect(server.local_addr()).unwrap();
+    write_blocking(&mut raw, &Request::Get { key: "nccl-id".into() }).unwrap();
+    let response: Response = read_blocking(&mut raw, LIMIT).unwrap();
+    assert!(matches!(response, Response::Rejected { ref reason } if reason.contains("first message must be a hello")), "{response:?}");
+
+    // An oversized frame is not read at all: the connection is closed.
+    let mut raw = TcpStream::connect(server.local_addr()).unwrap();
+    raw.write_all(&(u32::MAX).to_be_bytes()).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert!(read_blocking::<Response>(&mut raw, LIMIT).is_err());
+
+    // The right token still gets in, and the store works.
+    let mut good = client(&server, 0, 2, "job-secret").unwrap();
+    good.set("nccl-id", b"abc").unwrap();
+    assert_eq!(good.get("nccl-id").unwrap(), b"abc");
+}
+
+#[test]
+fn a_wrong_world_size_or_a_duplicate_rank_is_refused() {
+    let server = server(4);
+    let err = client(&server, 1, 3, "job-secret").err().unwrap();
+    assert!(err.to_string().contains("WORLD_SIZE=3 but rank 0 with WORLD_SIZE=4"), "{err}");
+    let _first = client(&server, 2, 4, "job-secret").unwrap();
+    let err = client(&server, 2, 4, "job-secret").err().unwrap();
+    assert!(err.to_string().contains("two processes have RANK=2"), "{err}");
+}
+
+#[test]
+fn joining_without_a_server_times_out_with_the_address() {
+    let port = free_port();
+    let started = Instant::now();
+    let err = RendezvousClient::connect("127.0.0.1", port, 1, 2, "job-secret", Duration::from_secs(1), LIMIT)
+        .err()
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    let message = err.to_string();
+    assert!(message.contains(&format!("127.0.0.1:{port} timed out after 1s")) && message.contains("MASTER_ADDR"), "{message}");
+}
+
+#[test]
+fn waiting_for_a_key_that_never_comes_times_out() {
+    let server = server(2);
+    let port = server.local_addr().port();
+    let mut waiting = RendezvousClient::connect("127.0.0.1", port, 0, 2, "job-secret", Duration::from_millis(500), LIMIT).unwrap();
+    let err = waiting.get("never-set").err().unwrap();
+    assert!(err.to_string().contains("for key \"never-set\""), "{err}");
+}
+
+#[test]
+fn a_rank_that_dies_is_reported_departed_and_one_that_finishes_is_not() {
+    let server = server(3);
+    let mut survivor = client(&server, 0, 3, "job-secret").unwrap();
+    drop(client(&server, 2, 3, "job-secret").unwrap()); // says goodbye
+    {
+        // Joins, then vanishes without a goodbye, as a crashed process does.
+        let mut raw = TcpStream::connect(server.local_addr()).unwrap();
+        write_blocking(&mut raw, &Request::Hello { token: "job-secret".into(), rank: 1, world_size: 3 }).unwrap();
+        assert_eq!(read_blocking::<Response>(&mut raw, LIMIT).unwrap(), Response::Welcome);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let departed = survivor.departed().unwrap();
+        if departed == [1] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "departed ranks: {departed:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn the_launcher_fails_the_job_when_one_rank_fails() {
+    let started = Instant::now();
+    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+        .args(["--nproc-per-node", "3", "--kill-grace-secs", "2", "--"])
+        .args(["sh", "-c", r#"if [ "$RANK" = 1 ]; then echo "rank one fails"; exit 3; fi; sleep 60"#])
+        .output()
+        .unwrap();
+    let elapsed = started.elapsed();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    println!("{stdout}{stderr}");
+    assert!(!output.status.success());
+    assert!(elapsed < Duration::from_secs(20), "the other ranks kept the job alive for {elapsed:?}");
+    assert!(stdout.contains("[rank 1] rank one fails"), "{stdout}");
+    assert!(stderr.contains("rank 1 exited with status 3; stopping the other 2 rank(s)"), "{stderr}");
+}
+
+#[test]
+fn the_launcher_sets_torchrun_variables() {
+    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+        .args(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.9.8.7", "--master-port", "4242", "--"])
+        .args(["sh", "-c", "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT ${#ULYSSES_RENDEZVOUS_TOKEN}"])
+        .env("ULYSSES_RENDEZVOUS_TOKEN", "shared-by-the-job-script")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    assert!(stdout.contains("[rank 2] 2 4 0 2 10.9.8.7 4242 24"), "{stdout}");
+    assert!(stdout.contains("[rank 3] 3 4 1 2 10.9.8.7 4242 24"), "{stdout}");
+}
