@@ -1,0 +1,314 @@
+//! Backward kernels: FlashAttention-2's backward without atomics, in three launches.
+//!
+//! 1. [`row_delta_kernel`]: `delta_i = Σ_d dO_id · O_id`, one unit per query row;
+//! 2. [`key_value_grad_kernel`]: one unit per key row `j` of one kv head accumulates
+//!    `dV_j = Σ_i p_ij dO_i` and `dK_j = scale · Σ_i ds_ij q_i` over the query rows of every
+//!    q head it serves (grouped-query attention sums over the group here, so no atomics);
+//! 3. [`query_grad_kernel`]: one unit per query row accumulates `dQ_i = scale · Σ_j ds_ij k_j`.
+//!
+//! with `p_ij = exp(scale · q_i·k_j - lse_i)` recomputed from the forward's log-sum-exp and
+//! `ds_ij = p_ij (dO_i·v_j - delta_i)`. No S×S matrix exists at any point. Splitting dK/dV
+//! from dQ recomputes the scores twice, in exchange for deterministic, atomic-free sums that
+//! run the same on WGSL and CUDA.
+
+use cubecl::prelude::*;
+
+use super::forward::MASKED;
+
+#[cube(launch)]
+pub(crate) fn row_delta_kernel<F: Float>(
+    output: &Tensor<F>,
+    output_grad: &Tensor<F>,
+    delta: &mut Tensor<f32>,
+    #[comptime] value_dim: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let heads = output.shape(1);
+    let seq = output.shape(2);
+    let rows = output.shape(0) * heads * seq;
+    let index = ABSOLUTE_POS;
+    if index < rows {
+        let batch = index / (heads * seq);
+        let head = (index / seq) % heads;
+        let row = index % seq;
+        let o_base = batch * output.stride(0) + head * output.stride(1) + row * output.stride(2);
+        let g_base = batch * output_grad.stride(0) + head * output_grad.stride(1) + row * output_grad.stride(2);
+        let mut sum = 0.0f32;
+        for d in 0..value_dim {
+            sum += f32::cast_from(output[o_base + d * output.stride(3)])
+                * f32::cast_from(output_grad[g_base + d * output_grad.stride(3)]);
+        }
+        delta[batch * delta.stride(0) + head * delta.stride(1) + row * delta.stride(2)] = sum;
+    }
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn key_value_grad_kernel<F: Float>(
+    query: &Tensor<F>,
+    key: &Tensor<F>,
+    value: &Tensor<F>,
+    output_grad: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    key_grad: &mut Tensor<F>,
+    value_grad: &mut Tensor<F>,
+    scale: f32,
+    #[comptime] block_q: usize,
+    #[comptime] block_kv: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] value_dim: usize,
+    #[comptime] causal: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let q_heads = query.shape(1);
+    let kv_heads = key.shape(1);
+    let group = q_heads / kv_heads;
+    let seq_q = query.shape(2);
+    let seq_kv = key.shape(2);
+    let batch_head = CUBE_POS_Y as usize;
+    let batch = batch_head / kv_heads;
+    let kv_head = batch_head % kv_heads;
+    let first_col = CUBE_POS_X as usize * block_kv;
+    let col = first_col + UNIT_POS_X as usize;
+    let col_valid = col < seq_kv;
+
+    let mut q_tile = SharedMemory::<f32>::new(block_q * head_dim);
+    let mut g_tile = SharedMemory::<f32>::new(block_q * value_dim);
+    let mut lse_tile = SharedMemory::<f32>::new(block_q);
+    let mut delta_tile = SharedMemory::<f32>::new(block_q);
+    let mut k_row = Array::<f32>::new(head_dim);
+    let mut v_row = Array::<f32>::new(value_dim);
+    let mut dk = Array::<f32>::new(head_dim);
+    let mut dv = Array::<f32>::new(value_dim);
+
+    let k_base = batch * key.stride(0) + kv_head * key.stride(1) + col * key.stride(2);
+    let v_base = batch * value.stride(0) + kv_head * value.stride(1) + col * value.stride(2);
+    for d in 0..head_dim {
+        let mut x = 0.0f32;
+        if col_valid {
+            x = f32::cast_from(key[k_base + d * key.stride(3)]);
+        }
+        k_row[d] = x;
+        dk[d] = 0.0f32;
+    }
+    for d in 0..value_dim {
+        let mut x = 0.0f32;
+        if col_valid {
+            x = f32::cast_from(value[v_base + d * value.stride(3)]);
+        }
+        v_row[d] = x;
+        dv[d] = 0.0f32;
+    }
+
+    // Causal: the first query row that sees this cube's first key (bottom-right aligned).
+    let mut first_row = 0usize;
+    if causal {
+        first_row = select(first_col + seq_q > seq_kv, first_col + seq_q - seq_kv, 0);
+    }
+    let first_tile = first_row / block_q;
+    let tiles = (seq_q + block_q - 1) / block_q;
+
+    for member in 0..group {
+        let head = kv_head * group + member;
+        let q_base = batch * query.stride(0) + head * query.stride(1);
+        let g_base = batch * output_grad.stride(0) + head * output_grad.stride(1);
+        let lse_base = batch * lse.stride(0) + head * lse.stride(1);
+        let delta_base = batch * delta.stride(0) + head * delta.stride(1);
+        for tile in first_tile..tiles {
+            let q0 = tile * block_q;
+            let mut i = UNIT_POS_X as usize;
+            while i < block_q * head_dim {
+                let r = i / head_dim;
+                let mut x = 0.0f32;
+                if q0 + r < seq_q {
+                    x = f32::cast_from(query[q_base + (q0 + r) * query.stride(2) + (i % head_dim) * query.stride(3)]);
+                }
+                q_tile[i] = x;
+                i += CUBE_DIM_X as usize;
+            }
+            let mut i = UNIT_POS_X as usize;
+            while i < block_q * value_dim {
+                let r = i / value_dim;
+                let mut x = 0.0f32;
+                if q0 + r < seq_q {
+                    x = f32::cast_from(output_grad[g_base + (q0 + r) * output_grad.stride(2) + (i % value_dim) * output_grad.stride(3)]);
+                }
+                g_tile[i] = x;
+                i += CUBE_DIM_X as usize;
+            }
+            let mut i = UNIT_POS_X as usize;
+            while i < block_q {
+                let mut lse_x = f32::new(MASKED);
+                let mut delta_x = 0.0f32;
+                if q0 + i < seq_q {
+                    lse_x = lse[lse_base + (q0 + i) * lse.stride(2)];
+                    delta_x = delta[delta_base + (q0 + i) * delta.stride(2)];
+                }
+                lse_tile[i] = lse_x;
+                delta_tile[i] = delta_x;
+                i += CUBE_DIM_X as usize;
+            }
+            sync_cube();
+
+            for r in 0..block_q {
+                let query_row = q0 + r;
+                let mut masked = query_row >= seq_q || !col_valid;
+                if causal {
+                    masked = masked || col + seq_q > query_row + seq_kv;
+                }
+                let mut s = 0.0f32;
+                for d in 0..head_dim {
+                    s += q_tile[r * head_dim + d] * k_row[d];
+                }
+                let p = select(masked, 0.0f32, (s * scale - lse_tile[r]).exp());
+                let mut dp = 0.0f32;
+                for d in 0..value_dim {
+                    let g = g_tile[r * value_dim + d];
+                    dv[d] += p * g;
+                    dp += g * v_row[d];
+                }
+                let ds = p * (dp - delta_tile[r]);
+                for d in 0..head_dim {
+                    dk[d] += ds * q_tile[r * head_dim + d];
+                }
+            }
+            sync_cube();
+        }
+    }
+
+    if col_valid {
+        let dk_base = batch * key_grad.stride(0) + kv_head * key_grad.stride(1) + col * key_grad.stride(2);
+        for d in 0..head_dim {
+            key_grad[dk_base + d * key_grad.stride(3)] = F::cast_from(dk[d] * scale);
+        }
+        let dv_base = batch * value_grad.stride(0) + kv_head * value_grad.stride(1) + col * value_grad.stride(2);
+        for d in 0..value_dim {
+            value_grad[dv_base + d * value_grad.stride(3)] = F::cast_from(dv[d]);
+        }
+    }
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn query_grad_kernel<F: Float>(
+    query: &Tensor<F>,
+    key: &Tensor<F>,
+    value: &Tensor<F>,
+    output_grad: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    query_grad: &mut Tensor<F>,
+    scale: f32,
+    #[comptime] block_q: usize,
+    #[comptime] block_kv: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] value_dim: usize,
+    #[comptime] causal: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let q_heads = query.shape(1);
+    let seq_q = query.shape(2);
+    let seq_kv = key.shape(2);
+    let group = q_heads / key.shape(1);
+    let batch_head = CUBE_POS_Y as usize;
+    let batch = batch_head / q_heads;
+    let head = batch_head % q_heads;
+    let kv_head = head / group;
+    let first_row = CUBE_POS_X as usize * block_q;
+    let row = first_row + UNIT_POS_X as usize;
+    let row_valid = row < seq_q;
+
+    let mut k_tile = SharedMemory::<f32>::new(block_kv * head_dim);
+    let mut v_tile = SharedMemory::<f32>::new(block_kv * value_dim);
+    let mut q_row = Array::<f32>::new(head_dim);
+    let mut g_row = Array::<f32>::new(value_dim);
+    let mut dq = Array::<f32>::new(head_dim);
+
+    let q_base = batch * query.stride(0) + head * query.stride(1) + row * query.stride(2);
+    let g_base = batch * output_grad.stride(0) + head * output_grad.stride(1) + row * output_grad.stride(2);
+    for d in 0..head_dim {
+        let mut x = 0.0f32;
+        if row_valid {
+            x = f32::cast_from(query[q_base + d * query.stride(3)]);
+        }
+        q_row[d] = x;
+        dq[d] = 0.0f32;
+    }
+    for d in 0..value_dim {
+        let mut x = 0.0f32;
+        if row_valid {
+            x = f32::cast_from(output_grad[g_base + d * output_grad.stride(3)]);
+        }
+        g_row[d] = x;
+    }
+    let mut row_lse = f32::new(MASKED);
+    let mut row_delta = 0.0f32;
+    if row_valid {
+        row_lse = lse[batch * lse.stride(0) + head * lse.stride(1) + row * lse.stride(2)];
+        row_delta = delta[batch * delta.stride(0) + head * delta.stride(1) + row * delta.stride(2)];
+    }
+
+    let mut visible = seq_kv;
+    if causal {
+        let rows_end = min(first_row + block_q, seq_q);
+        visible = min(seq_kv, select(rows_end + seq_kv > seq_q, rows_end + seq_kv - seq_q, 0));
+    }
+    let tiles = (visible + block_kv - 1) / block_kv;
+    let k_base = batch * key.stride(0) + kv_head * key.stride(1);
+    let v_base = batch * value.stride(0) + kv_head * value.stride(1);
+
+    for tile in 0..tiles {
+        let kv0 = tile * block_kv;
+        let mut i = UNIT_POS_X as usize;
+        while i < block_kv * head_dim {
+            let r = i / head_dim;
+            let mut x = 0.0f32;
+            if kv0 + r < seq_kv {
+                x = f32::cast_from(key[k_base + (kv0 + r) * key.stride(2) + (i % head_dim) * key.stride(3)]);
+            }
+            k_tile[i] = x;
+            i += CUBE_DIM_X as usize;
+        }
+        let mut i = UNIT_POS_X as usize;
+        while i < block_kv * value_dim {
+            let r = i / value_dim;
+            let mut x = 0.0f32;
+            if kv0 + r < seq_kv {
+                x = f32::cast_from(value[v_base + (kv0 + r) * value.stride(2) + (i % value_dim) * value.stride(3)]);
+            }
+            v_tile[i] = x;
+            i += CUBE_DIM_X as usize;
+        }
+        sync_cube();
+
+        for j in 0..block_kv {
+            let col = kv0 + j;
+            let mut masked = col >= seq_kv || !row_valid;
+            if causal {
+                masked = masked || col + seq_q > row + seq_kv;
+            }
+            let mut s = 0.0f32;
+            for d in 0..head_dim {
+                s += q_row[d] * k_tile[j * head_dim + d];
+            }
+            let p = select(masked, 0.0f32, (s * scale - row_lse).exp());
+            let mut dp = 0.0f32;
+            for d in 0..value_dim {
+                dp += g_row[d] * v_tile[j * value_dim + d];
+            }
+            let ds = p * (dp - row_delta);
+            for d in 0..head_dim {
+                dq[d] += ds * k_tile[j * head_dim + d];
+            }
+        }
+        sync_cube();
+    }
+
+    if row_valid {
+        let dq_base = batch * query_grad.stride(0) + head * query_grad.stride(1) + row * query_grad.stride(2);
+        for d in 0..head_dim {
+            query_grad[dq_base + d * query_grad.stride(3)] = F::cast_from(dq[d] * scale);
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! Forward kernel: FlashAttention-2's loop, one unit per query row.
+//!
+//! A cube owns `block_q` consecutive query rows of one (batch, q head). It walks the keys in
+//! tiles of `block_kv`: the cube loads a K and a V tile into shared memory, then each unit
+//! scores its row against the tile, keeps the running max `m` and sum `l` of the online
+//! softmax, and rescales its output accumulator once per tile. Everything is accumulated in
+//! f32 whatever the storage type. It writes the output and the per-row log-sum-exp
+//! `lse = m + ln(l)`, which the backward kernels use to recompute probabilities.
+//!
+//! Why these choices:
+//! - one unit per row needs no cross-unit reduction, hence no plane operations (a software
+//!   Vulkan driver has none) and no assumption on the plane size;
+//! - K/V tiles in shared memory are read by every row of the cube, which is where the
+//!   memory traffic goes from O(S²·D) to O(S²·D / block_q);
+//! - finite sentinels instead of ±infinity, which WGSL cannot spell.
+
+use cubecl::prelude::*;
+
+/// Stand-in for -infinity in running maxima and masked scores.
+pub(crate) const MASKED: f32 = -1.0e30;
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_forward_kernel<F: Float>(
+    query: &Tensor<F>,
+    key: &Tensor<F>,
+    value: &Tensor<F>,
+    output: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    #[comptime] block_q: usize,
+    #[comptime] block_kv: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] value_dim: usize,
+    #[comptime] causal: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let q_heads = query.shape(1);
+    let seq_q = query.shape(2);
+    let seq_kv = key.shape(2);
+    let group = q_heads / key.shape(1);
+    let batch_head = CUBE_POS_Y as usize;
+    let batch = batch_head / q_heads;
+    let head = batch_head % q_heads;
+    let kv_head = head / group;
+    let first_row = CUBE_POS_X as usize * block_q;
+    let row = first_row + UNIT_POS_X as usize;
+    let row_valid = row < seq_q;
+
+    let mut k_tile = SharedMemory::<f32>::new(block_kv * head_dim);
+    let mut v_tile = SharedMemory::<f32>::new(block_kv * value_dim);
+    let mut q_row = Array::<f32>::new(head_dim);
+    let mut acc = Array::<f32>::new(value_dim);
+    let mut scores = Array::<f32>::new(block_kv);
+
+    let q_base = batch * query.stride(0) + head * query.stride(1) + row * query.stride(2);
+    for d in 0..head_dim {
+        let mut x = 0.0f32;
+        if row_valid {
+            x = f32::cast_from(query[q_base + d * query.stride(3)]) * scale;
+        }
+        q_row[d] = x;
+    }
+    for d in 0..value_dim {
+        acc[d] = 0.0f32;
+    }
+    let mut m = f32::new(MASKED);
+    let mut l = 0.0f32;
+
+    // Keys the cube's last row may see; causal attention is aligned bottom-right, as burn's
+    // `is_causal`: row i sees keys j with j + seq_q <= i + seq_kv.
+    let mut visible = seq_kv;
+    if causal {
+        let rows_end = min(first_row + block_q, seq_q);
+        visible = min(seq_kv, select(rows_end + seq_kv > seq_q, rows_end + seq_kv - seq_q, 0));
+    }
+    let tiles = (visible + block_kv - 1) / block_kv;
+    let k_base = batch * key.stride(0) + kv_head * key.stride(1);
+    let v_base = batch * value.stride(0) + kv_head * value.stride(1);
+
+    for tile in 0..tiles {
+        let kv0 = tile * block_kv;
+        // Every unit loads, valid row or not: the barrier needs the whole cube.
+        let mut i = UNIT_POS_X as usize;
+        while i < block_kv * head_dim {
+            let r = i / head_dim;
+            let mut x = 0.0f32;
+            if kv0 + r < seq_kv {
+                x = f32::cast_from(key[k_base + (kv0 + r) * key.stride(2) + (i % head_dim) * key.stride(3)]);
+            }
+            k_tile[i] = x;
+            i += CUBE_DIM_X as usize;
+        }
+        let mut i = UNIT_POS_X as usize;
+        while i < block_kv * value_dim {
+            let r = i / value_dim;
+            let mut x = 0.0f32;
+            if kv0 + r < seq_kv {
+                x = f32::cast_from(value[v_base + (kv0 + r) * value.stride(2) + (i % value_dim) * value.stride(3)]);
+            }
+            v_tile[i] = x;
+            i += CUBE_DIM_X as usize;
+        }
+        sync_cube();
+
+        let mut tile_max = m;
+        for j in 0..block_kv {
+            let mut s = 0.0f32;
+            for d in 0..head_dim {
+                s += q_row[d] * k_tile[j * head_dim + d];
+            }
+            let col = kv0 + j;
+            let mut masked = col >= seq_kv;
+            if causal {
+                masked = masked || col + seq_q > row + seq_kv;
+            }
+            s = select(masked, f32::new(MASKED), s);
+            scores[j] = s;
+            tile_max = max(tile_max, s);
+        }
+        let rescale = (m - tile_max).exp();
+        l *= rescale;
+        for d in 0..value_dim {
+            acc[d] *= rescale;
+        }
+        for j in 0..block_kv {
+            let p = select(scores[j] > f32::new(0.5 * MASKED), (scores[j] - tile_max).exp(), 0.0f32);
+            l += p;
+            for d in 0..value_dim {
+                acc[d] += p * v_tile[j * value_dim + d];
+            }
+        }
+        m = tile_max;
+        sync_cube();
+    }
+
+    if row_valid {
+        let has_keys = l > 0.0f32;
+        let inverse = select(has_keys, 1.0f32 / l, 0.0f32);
+        let o_base = batch * output.stride(0) + head * output.stride(1) + row * output.stride(2);
+        for d in 0..value_dim {
+            output[o_base + d * output.stride(3)] = F::cast_from(acc[d] * inverse);
+        }
+        let lse_index = batch * lse.stride(0) + head * lse.stride(1) + row * lse.stride(2);
+        lse[lse_index] = select(has_keys, m + l.ln(), f32::new(MASKED));
+    }
+}

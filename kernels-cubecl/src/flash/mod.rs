@@ -1,0 +1,231 @@
+//! Host side of the flash-attention kernels: checks, tile sizes and launches on burn's
+//! CubeCL tensors.
+
+mod backward;
+mod forward;
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::{
+    CubeRuntime,
+    kernel::into_contiguous,
+    ops::numeric::empty_device_contiguous_dtype,
+    tensor::CubeTensor,
+};
+use cubecl::prelude::*;
+
+use crate::FlashError;
+
+/// Largest head dim (and value dim) the kernels accept.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Options of one attention call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FlashOptions {
+    /// Multiplies `q·k`; `None` is `1/sqrt(head_dim)`.
+    pub scale: Option<f64>,
+    /// Bottom-right aligned causal mask, as burn's `is_causal`.
+    pub causal: bool,
+}
+
+/// Shapes of one call, checked.
+#[derive(Debug, Clone, Copy)]
+struct Problem {
+    batch: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    seq_q: usize,
+    seq_kv: usize,
+    head_dim: usize,
+    value_dim: usize,
+    scale: f32,
+}
+
+impl Problem {
+    fn new<R: CubeRuntime>(
+        query: &CubeTensor<R>,
+        key: &CubeTensor<R>,
+        value: &CubeTensor<R>,
+        options: &FlashOptions,
+    ) -> Result<Self, FlashError> {
+        let dims = |t: &CubeTensor<R>| t.meta.shape().to_vec();
+        let (q, k, v) = (dims(query), dims(key), dims(value));
+        if q.len() != 4 || k.len() != 4 || v.len() != 4 {
+            return Err(FlashError::Shape(format!("q, k and v must be 4-D [batch, heads, seq, dim]; got {q:?}, {k:?}, {v:?}")));
+        }
+        if k[0] != q[0] || v[0] != q[0] || k[1] != v[1] || k[2] != v[2] || k[3] != q[3] {
+            return Err(FlashError::Shape(format!(
+                "k and v must be [batch, kv_heads, kv_seq, _] with q's batch, and k must have q's head dim; got q {q:?}, k {k:?}, v {v:?}"
+            )));
+        }
+        if k[1] == 0 || q[1] % k[1] != 0 {
+            return Err(FlashError::Shape(format!("kv heads ({}) must divide q heads ({})", k[1], q[1])));
+        }
+        for (name, dim) in [("head dim", q[3]), ("value dim", v[3])] {
+            if dim == 0 || dim > MAX_HEAD_DIM {
+                return Err(FlashError::HeadDim { name, dim });
+            }
+        }
+        for (name, dtype) in [("q", query.dtype), ("k", key.dtype), ("v", value.dtype)] {
+            if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || dtype != query.dtype {
+                return Err(FlashError::DType { name, dtype, query: query.dtype });
+            }
+        }
+        let scale = options.scale.unwrap_or(1.0 / (q[3] as f64).sqrt()) as f32;
+        Ok(Self { batch: q[0], q_heads: q[1], kv_heads: k[1], seq_q: q[2], seq_kv: k[2], head_dim: q[3], value_dim: v[3], scale })
+    }
+}
+
+/// Tile sizes. Every kernel gives each unit one row (a query row, or a key row in the
+/// key-value gradient kernel), so `rows_per_cube` is the cube size; the other side streams
+/// through f32 shared memory `tile_rows` rows at a time. A tile row costs
+/// `(head_dim + value_dim) · 4` bytes plus two f32 of row statistics, and tiles stay within
+/// 32 KiB, under every target's limit (Metal's is 32 KiB).
+#[derive(Debug, Clone, Copy)]
+struct Tiles {
+    rows_per_cube: usize,
+    tile_rows: usize,
+}
+
+impl Tiles {
+    const SHARED_BYTES: usize = 32 * 1024;
+
+    fn for_problem<R: CubeRuntime>(problem: &Problem, client: &ComputeClient<R>) -> Result<Self, FlashError> {
+        let limit = client.properties().hardware.max_shared_memory_size.min(Self::SHARED_BYTES);
+        let per_row = (problem.head_dim + problem.value_dim + 2) * 4;
+        // The largest power of two from 1 to 64 that fits.
+        let tile_rows = (0..=6).rev().map(|p| 1 << p).find(|rows| rows * per_row <= limit);
+        let tile_rows = tile_rows.ok_or(FlashError::SharedMemory { needed: per_row, available: limit })?;
+        Ok(Self { rows_per_cube: 32, tile_rows })
+    }
+}
+
+fn grid(rows: usize, block: usize, planes: usize) -> CubeCount {
+    CubeCount::Static(rows.div_ceil(block) as u32, planes as u32, 1)
+}
+
+/// Attention output `[B, Hq, Sq, Dv]` and the log-sum-exp of every row `[B, Hq, Sq]` (f32).
+pub fn flash_attention_forward<R: CubeRuntime>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    options: FlashOptions,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
+    let problem = Problem::new(&query, &key, &value, &options)?;
+    let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
+    let client = query.client.clone();
+    let device = query.device.clone();
+    let tiles = Tiles::for_problem(&problem, &client)?;
+    let p = problem;
+    let output = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, p.seq_q, p.value_dim]), query.dtype);
+    let lse = empty_device_contiguous_dtype(client.clone(), device, Shape::new([p.batch, p.q_heads, p.seq_q]), DType::F32);
+    let dtype = query.dtype;
+    forward::flash_forward_kernel::launch::<R>(
+        &client,
+        grid(p.seq_q, tiles.rows_per_cube, p.batch * p.q_heads),
+        CubeDim::new_1d(tiles.rows_per_cube as u32),
+        query.into_tensor_arg(),
+        key.into_tensor_arg(),
+        value.into_tensor_arg(),
+        output.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        p.scale,
+        tiles.rows_per_cube,
+        tiles.tile_rows,
+        p.head_dim,
+        p.value_dim,
+        options.causal,
+        dtype.into(),
+    );
+    Ok((output, lse))
+}
+
+/// Gradients `(dQ, dK, dV)` from the forward's inputs, output and log-sum-exp.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward<R: CubeRuntime>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    output: CubeTensor<R>,
+    output_grad: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    options: FlashOptions,
+) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
+    let problem = Problem::new(&query, &key, &value, &options)?;
+    let p = problem;
+    let expected_output = [p.batch, p.q_heads, p.seq_q, p.value_dim];
+    for (name, tensor) in [("output", &output), ("output gradient", &output_grad)] {
+        if tensor.meta.shape().to_vec() != expected_output || tensor.dtype != query.dtype {
+            return Err(FlashError::Shape(format!(
+                "the {name} must be {expected_output:?} of q's dtype, got {:?} {:?}",
+                tensor.meta.shape().to_vec(),
+                tensor.dtype
+            )));
+        }
+    }
+    let contiguous = |t| into_contiguous(t);
+    let (query, key, value) = (contiguous(query), contiguous(key), contiguous(value));
+    let (output, output_grad, lse) = (contiguous(output), contiguous(output_grad), contiguous(lse));
+    let client = query.client.clone();
+    let device = query.device.clone();
+    let dtype = query.dtype;
+    let tiles = Tiles::for_problem(&problem, &client)?;
+    let empty = |shape: [usize; 4]| empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new(shape), dtype);
+
+    let delta = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, p.seq_q]), DType::F32);
+    let rows = p.batch * p.q_heads * p.seq_q;
+    backward::row_delta_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(rows.div_ceil(64) as u32, 1, 1),
+        CubeDim::new_1d(64),
+        output.into_tensor_arg(),
+        output_grad.clone().into_tensor_arg(),
+        delta.clone().into_tensor_arg(),
+        p.value_dim,
+        dtype.into(),
+    );
+
+    let key_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.head_dim]);
+    let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
+    backward::key_value_grad_kernel::launch::<R>(
+        &client,
+        grid(p.seq_kv, tiles.rows_per_cube, p.batch * p.kv_heads),
+        CubeDim::new_1d(tiles.rows_per_cube as u32),
+        query.clone().into_tensor_arg(),
+        key.clone().into_tensor_arg(),
+        value.clone().into_tensor_arg(),
+        output_grad.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        delta.clone().into_tensor_arg(),
+        key_grad.clone().into_tensor_arg(),
+        value_grad.clone().into_tensor_arg(),
+        p.scale,
+        tiles.tile_rows,
+        tiles.rows_per_cube,
+        p.head_dim,
+        p.value_dim,
+        options.causal,
+        dtype.into(),
+    );
+
+    let query_grad = empty([p.batch, p.q_heads, p.seq_q, p.head_dim]);
+    backward::query_grad_kernel::launch::<R>(
+        &client,
+        grid(p.seq_q, tiles.rows_per_cube, p.batch * p.q_heads),
+        CubeDim::new_1d(tiles.rows_per_cube as u32),
+        query.into_tensor_arg(),
+        key.into_tensor_arg(),
+        value.into_tensor_arg(),
+        output_grad.into_tensor_arg(),
+        lse.into_tensor_arg(),
+        delta.into_tensor_arg(),
+        query_grad.clone().into_tensor_arg(),
+        p.scale,
+        tiles.rows_per_cube,
+        tiles.tile_rows,
+        p.head_dim,
+        p.value_dim,
+        options.causal,
+        dtype.into(),
+    );
+    Ok((query_grad, key_grad, value_grad))
+}

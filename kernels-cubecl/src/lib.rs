@@ -1,0 +1,38 @@
+//! FlashAttention-2 style attention kernels in CubeCL: a forward that writes the output and
+//! the log-sum-exp of every row, and a backward (dQ, dK, dV) that recomputes probabilities
+//! from it. Neither materialises the `S × S` score matrix, so memory grows linearly with
+//! the sequence.
+//!
+//! They run on burn's CubeCL tensors (`CubeBackend<R, ..>`, for any CubeCL runtime `R`:
+//! CUDA, or wgpu, which is how the tests run on a CPU through a software Vulkan driver).
+//! Supported: causal (bottom-right aligned, as burn's `is_causal`) and non-causal attention,
+//! a custom scale, grouped-query attention (a kv head serves `q_heads / kv_heads` q heads),
+//! head dims up to 256, any sequence length, f32, f16 and bf16 (f32 accumulation).
+
+pub mod flash;
+
+pub use flash::{FlashOptions, MAX_HEAD_DIM, flash_attention_backward, flash_attention_forward};
+
+use burn::tensor::DType;
+
+/// Why the kernels refused a call.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum FlashError {
+    #[error("flash attention: {0}")]
+    Shape(String),
+    #[error(
+        "flash attention: {name} {dim} is not supported; the kernels take head dims from 1 to \
+         {MAX_HEAD_DIM}"
+    )]
+    HeadDim { name: &'static str, dim: usize },
+    #[error(
+        "flash attention: one tile row needs {needed} bytes of shared memory but the device \
+         offers {available}; lower the head dim"
+    )]
+    SharedMemory { needed: usize, available: usize },
+    #[error(
+        "flash attention: {name} has dtype {dtype:?} and q {query:?}; the kernels take f32, f16 or \
+         bf16, the same for q, k and v"
+    )]
+    DType { name: &'static str, dtype: DType, query: DType },
+}

@@ -1,0 +1,315 @@
+//! The flash-attention kernels against a naive attention computed in f64 on the host: output,
+//! log-sum-exp, dQ, dK and dV, causal and not, grouped-query ratios 1, 2 and 4, odd and
+//! unequal sequence lengths, head dims 16 to 256, and each dtype the device supports.
+//!
+//! On the CPU they run through wgpu on a software Vulkan driver (lavapipe: Debian's
+//! `mesa-vulkan-drivers`); with `--features cuda` on an NVIDIA GPU. Without a usable device
+//! the tests say so and skip, unless `ULYSSES_REQUIRE_GPU_RUNTIME=1` (set by CI, which
+//! installs lavapipe) makes that a failure.
+//!
+//! Tolerances, relative to the largest reference magnitude: f32 2e-5 (summation order),
+//! f16 1e-2 and bf16 4e-2 (the kernels round their outputs to the storage type; inputs are
+//! rounded before the reference sees them).
+
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensorOps};
+use burn_cubecl::CubeBackend;
+use ulysses_kernels::{FlashError, FlashOptions, flash_attention_backward, flash_attention_forward};
+
+#[cfg(feature = "cuda")]
+type Runtime = cubecl::cuda::CudaRuntime;
+#[cfg(not(feature = "cuda"))]
+type Runtime = cubecl::wgpu::WgpuRuntime;
+
+type B = CubeBackend<Runtime, f32, i32, u32>;
+type Device = <Runtime as cubecl::Runtime>::Device;
+
+/// The device, or `None` (with the reason printed) when this machine has none.
+fn device() -> Option<Device> {
+    let device = Device::default();
+    let probe = std::panic::catch_unwind(|| {
+        let _ = <Runtime as cubecl::Runtime>::client(&Device::default());
+    });
+    match probe {
+        Ok(()) => Some(device),
+        Err(_) if std::env::var("ULYSSES_REQUIRE_GPU_RUNTIME").as_deref() == Ok("1") => {
+            panic!("no CubeCL device (wgpu needs a Vulkan driver: apt-get install mesa-vulkan-drivers libvulkan1)")
+        }
+        Err(_) => {
+            eprintln!("SKIPPED: no CubeCL device (wgpu needs a Vulkan driver: apt-get install mesa-vulkan-drivers libvulkan1)");
+            None
+        }
+    }
+}
+
+fn supports(device: &Device, dtype: DType) -> bool {
+    let client = <Runtime as cubecl::Runtime>::client(device);
+    let elem = match dtype {
+        DType::F16 => cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::F16),
+        DType::BF16 => cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::BF16),
+        _ => return true,
+    };
+    client.properties().supports_type(elem)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    batch: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    seq_q: usize,
+    seq_kv: usize,
+    head_dim: usize,
+    value_dim: usize,
+    causal: bool,
+    scale: Option<f64>,
+    dtype: DType,
+}
+
+impl Case {
+    fn new(q_heads: usize, kv_heads: usize, seq: usize, head_dim: usize, causal: bool) -> Self {
+        Self { batch: 2, q_heads, kv_heads, seq_q: seq, seq_kv: seq, head_dim, value_dim: head_dim, causal, scale: None, dtype: DType::F32 }
+    }
+    fn q_shape(&self) -> [usize; 4] {
+        [self.batch, self.q_heads, self.seq_q, self.head_dim]
+    }
+    fn k_shape(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.seq_kv, self.head_dim]
+    }
+    fn v_shape(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.seq_kv, self.value_dim]
+    }
+    fn o_shape(&self) -> [usize; 4] {
+        [self.batch, self.q_heads, self.seq_q, self.value_dim]
+    }
+    fn scale(&self) -> f64 {
+        self.scale.unwrap_or(1.0 / (self.head_dim as f64).sqrt())
+    }
+    fn tolerance(&self) -> f64 {
+        match self.dtype {
+            DType::F16 => 1e-2,
+            DType::BF16 => 4e-2,
+            _ => 2e-5,
+        }
+    }
+}
+
+/// Deterministic values in [-1, 1), rounded to `dtype`.
+fn values(count: usize, stream: u64, dtype: DType) -> Vec<f64> {
+    (0..count as u64)
+        .map(|i| {
+            let mut z = stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            let x = ((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32;
+            match dtype {
+                DType::F16 => half::f16::from_f32(x).to_f64(),
+                DType::BF16 => half::bf16::from_f32(x).to_f64(),
+                _ => x as f64,
+            }
+        })
+        .collect()
+}
+
+fn upload(values: &[f64], shape: [usize; 4], dtype: DType, device: &Device) -> burn_cubecl::tensor::CubeTensor<Runtime> {
+    let data = TensorData::new(values.iter().map(|&v| v as f32).collect::<Vec<_>>(), shape).convert_dtype(dtype);
+    let tensor = B::float_from_data(data, device);
+    assert_eq!(tensor.dtype, dtype);
+    tensor
+}
+
+fn download<const D: usize>(tensor: burn_cubecl::tensor::CubeTensor<Runtime>) -> Vec<f64> {
+    Tensor::<B, D>::from_primitive(TensorPrimitive::Float(tensor)).into_data().convert::<f64>().to_vec().unwrap()
+}
+
+struct Reference {
+    output: Vec<f64>,
+    lse: Vec<Option<f64>>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+}
+
+/// Naive attention and its gradients in f64: softmax over the visible keys of each row.
+fn reference(case: &Case, q: &[f64], k: &[f64], v: &[f64], d_out: &[f64]) -> Reference {
+    let Case { batch, q_heads, kv_heads, seq_q, seq_kv, head_dim: d, value_dim: dv, causal, .. } = *case;
+    let scale = case.scale();
+    let group = q_heads / kv_heads;
+    let q_at = |b: usize, h: usize, i: usize| ((b * q_heads + h) * seq_q + i) * d;
+    let k_at = |b: usize, h: usize, j: usize| ((b * kv_heads + h) * seq_kv + j) * d;
+    let v_at = |b: usize, h: usize, j: usize| ((b * kv_heads + h) * seq_kv + j) * dv;
+    let o_at = |b: usize, h: usize, i: usize| ((b * q_heads + h) * seq_q + i) * dv;
+    let mut r = Reference {
+        output: vec![0.0; batch * q_heads * seq_q * dv],
+        lse: vec![None; batch * q_heads * seq_q],
+        dq: vec![0.0; q.len()],
+        dk: vec![0.0; k.len()],
+        dv: vec![0.0; v.len()],
+    };
+    for b in 0..batch {
+        for h in 0..q_heads {
+            let kh = h / group;
+            for i in 0..seq_q {
+                let visible: Vec<usize> = (0..seq_kv).filter(|&j| !causal || j + seq_q <= i + seq_kv).collect();
+                if visible.is_empty() {
+                    continue;
+                }
+                let scores: Vec<f64> = visible
+                    .iter()
+                    .map(|&j| scale * (0..d).map(|x| q[q_at(b, h, i) + x] * k[k_at(b, kh, j) + x]).sum::<f64>())
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let l: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                let probs: Vec<f64> = scores.iter().map(|s| (s - m).exp() / l).collect();
+                r.lse[(b * q_heads + h) * seq_q + i] = Some(m + l.ln());
+                for (p, &j) in probs.iter().zip(&visible) {
+                    for x in 0..dv {
+                        r.output[o_at(b, h, i) + x] += p * v[v_at(b, kh, j) + x];
+                    }
+                }
+                let g = &d_out[o_at(b, h, i)..o_at(b, h, i) + dv];
+                let delta: f64 = (0..dv).map(|x| g[x] * r.output[o_at(b, h, i) + x]).sum();
+                for (p, &j) in probs.iter().zip(&visible) {
+                    let dp: f64 = (0..dv).map(|x| g[x] * v[v_at(b, kh, j) + x]).sum();
+                    let ds = p * (dp - delta);
+                    for x in 0..dv {
+                        r.dv[v_at(b, kh, j) + x] += p * g[x];
+                    }
+                    for x in 0..d {
+                        r.dq[q_at(b, h, i) + x] += scale * ds * k[k_at(b, kh, j) + x];
+                        r.dk[k_at(b, kh, j) + x] += scale * ds * q[q_at(b, h, i) + x];
+                    }
+                }
+            }
+        }
+    }
+    r
+}
+
+fn relative_error(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let magnitude = want.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max) / magnitude
+}
+
+fn check(case: Case) {
+    let Some(device) = device() else { return };
+    if !supports(&device, case.dtype) {
+        eprintln!("SKIPPED {case:?}: the device has no {:?}", case.dtype);
+        return;
+    }
+    let q = values(case.q_shape().iter().product(), 1, case.dtype);
+    let k = values(case.k_shape().iter().product(), 2, case.dtype);
+    let v = values(case.v_shape().iter().product(), 3, case.dtype);
+    let g = values(case.o_shape().iter().product(), 4, case.dtype);
+    let want = reference(&case, &q, &k, &v, &g);
+
+    let options = FlashOptions { scale: case.scale, causal: case.causal };
+    let upload4 = |x: &[f64], shape| upload(x, shape, case.dtype, &device);
+    let (output, lse) = flash_attention_forward(upload4(&q, case.q_shape()), upload4(&k, case.k_shape()), upload4(&v, case.v_shape()), options).unwrap();
+    let (dq, dk, dv) = flash_attention_backward(
+        upload4(&q, case.q_shape()),
+        upload4(&k, case.k_shape()),
+        upload4(&v, case.v_shape()),
+        output.clone(),
+        upload4(&g, case.o_shape()),
+        lse.clone(),
+        options,
+    )
+    .unwrap();
+
+    let lse_got = download::<3>(lse);
+    let (lse_got, lse_want): (Vec<f64>, Vec<f64>) =
+        lse_got.iter().zip(&want.lse).filter_map(|(got, want)| want.map(|w| (*got, w))).unzip();
+    let errors = [
+        ("output", relative_error(&download::<4>(output), &want.output)),
+        ("lse", relative_error(&lse_got, &lse_want)),
+        ("dq", relative_error(&download::<4>(dq), &want.dq)),
+        ("dk", relative_error(&download::<4>(dk), &want.dk)),
+        ("dv", relative_error(&download::<4>(dv), &want.dv)),
+    ];
+    println!("{case:?}: relative max |Δ| {}", errors.iter().map(|(n, e)| format!("{n} {e:.1e}")).collect::<Vec<_>>().join(", "));
+    for (name, error) in errors {
+        assert!(error <= case.tolerance(), "{case:?}: {name} differs from the f64 reference by {error:e} (tolerance {:e})", case.tolerance());
+    }
+}
+
+#[test]
+fn non_causal_multi_head() {
+    check(Case::new(4, 4, 37, 64, false));
+}
+
+#[test]
+fn causal_multi_head() {
+    check(Case::new(4, 4, 37, 64, true));
+}
+
+#[test]
+fn causal_grouped_query_ratio_2() {
+    check(Case::new(4, 2, 37, 64, true));
+}
+
+#[test]
+fn non_causal_grouped_query_ratio_4() {
+    check(Case::new(8, 2, 29, 32, false));
+}
+
+#[test]
+fn causal_grouped_query_ratio_4_with_a_longer_value_dim() {
+    check(Case { value_dim: 48, ..Case::new(4, 1, 33, 32, true) });
+}
+
+#[test]
+fn causal_with_more_keys_than_queries_is_aligned_bottom_right() {
+    check(Case { seq_q: 20, seq_kv: 45, ..Case::new(4, 2, 20, 32, true) });
+}
+
+#[test]
+fn causal_with_more_queries_than_keys_leaves_early_rows_empty() {
+    check(Case { seq_q: 45, seq_kv: 20, ..Case::new(2, 1, 45, 32, true) });
+}
+
+#[test]
+fn a_custom_scale() {
+    check(Case { scale: Some(0.3), ..Case::new(2, 2, 21, 16, true) });
+}
+
+#[test]
+fn head_dim_16_and_one_row() {
+    check(Case { seq_q: 1, seq_kv: 1, ..Case::new(2, 1, 1, 16, true) });
+}
+
+#[test]
+fn head_dim_128() {
+    check(Case::new(2, 1, 19, 128, true));
+}
+
+#[test]
+fn head_dim_256() {
+    check(Case::new(2, 2, 17, 256, false));
+}
+
+#[test]
+fn f16_causal_grouped_query() {
+    check(Case { dtype: DType::F16, ..Case::new(4, 2, 37, 64, true) });
+}
+
+#[test]
+fn bf16_causal_grouped_query() {
+    check(Case { dtype: DType::BF16, ..Case::new(4, 2, 37, 64, true) });
+}
+
+#[test]
+fn bad_inputs_are_refused_with_a_reason() {
+    let Some(device) = device() else { return };
+    let tensor = |shape: [usize; 4], dtype| upload(&vec![0.0; shape.iter().product()], shape, dtype, &device);
+    let options = FlashOptions { scale: None, causal: true };
+    let forward = |q, k, v| flash_attention_forward(q, k, v, options).map(|_| ()).unwrap_err();
+
+    let err = forward(tensor([1, 2, 4, 300], DType::F32), tensor([1, 2, 4, 300], DType::F32), tensor([1, 2, 4, 300], DType::F32));
+    assert!(matches!(err, FlashError::HeadDim { dim: 300, .. }), "{err}");
+    let err = forward(tensor([1, 2, 4, 8], DType::F32), tensor([1, 2, 4, 16], DType::F32), tensor([1, 2, 4, 8], DType::F32));
+    assert!(err.to_string().contains("k must have q's head dim"), "{err}");
+    let err = forward(tensor([1, 3, 4, 8], DType::F32), tensor([1, 2, 4, 8], DType::F32), tensor([1, 2, 4, 8], DType::F32));
+    assert!(err.to_string().contains("kv heads (2) must divide q heads (3)"), "{err}");
+    let err = forward(tensor([1, 2, 4, 8], DType::F32), tensor([1, 2, 4, 8], DType::F32), tensor([1, 2, 5, 8], DType::F32));
+    assert!(err.to_string().contains("kv_seq"), "{err}");
+}
