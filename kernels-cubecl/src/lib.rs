@@ -36,3 +36,47 @@ pub enum FlashError {
     )]
     DType { name: &'static str, dtype: DType, query: DType },
 }
+
+pub use stats::{backward_launches, forward_launches};
+
+/// Launch counters, so tests can tell the fused kernels from a fallback.
+mod stats {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    pub(crate) static FORWARD: AtomicU64 = AtomicU64::new(0);
+    pub(crate) static BACKWARD: AtomicU64 = AtomicU64::new(0);
+
+    /// Forward launches so far in this process.
+    pub fn forward_launches() -> u64 {
+        FORWARD.load(Ordering::Relaxed)
+    }
+
+    /// Backward launches (each is three kernels) so far in this process.
+    pub fn backward_launches() -> u64 {
+        BACKWARD.load(Ordering::Relaxed)
+    }
+}
+
+/// For tests: whether a CubeCL runtime has a device here.
+pub mod testing {
+    /// Whether runtime `R` can create a client on its default device. When it cannot, this
+    /// prints why and returns false, unless `ULYSSES_REQUIRE_GPU_RUNTIME=1` (CI sets it after
+    /// installing lavapipe), where it panics.
+    pub fn runtime_available<R: cubecl::Runtime>() -> bool
+    where
+        R::Device: Default,
+    {
+        let probe = std::panic::catch_unwind(|| {
+            let _ = R::client(&R::Device::default());
+        });
+        let hint = "no CubeCL device (wgpu needs a Vulkan driver: apt-get install mesa-vulkan-drivers libvulkan1)";
+        match probe {
+            Ok(()) => true,
+            Err(_) if std::env::var("ULYSSES_REQUIRE_GPU_RUNTIME").as_deref() == Ok("1") => panic!("{hint}"),
+            Err(_) => {
+                eprintln!("SKIPPED: {hint}");
+                false
+            }
+        }
+    }
+}

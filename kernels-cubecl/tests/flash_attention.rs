@@ -13,7 +13,7 @@
 
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensorOps};
 use burn_cubecl::CubeBackend;
-use ulysses_kernels::{FlashError, FlashOptions, flash_attention_backward, flash_attention_forward};
+use ulysses_kernels::{FlashError, FlashOptions, flash_attention_backward, flash_attention_forward, testing::runtime_available};
 
 #[cfg(feature = "cuda")]
 type Runtime = cubecl::cuda::CudaRuntime;
@@ -25,20 +25,7 @@ type Device = <Runtime as cubecl::Runtime>::Device;
 
 /// The device, or `None` (with the reason printed) when this machine has none.
 fn device() -> Option<Device> {
-    let device = Device::default();
-    let probe = std::panic::catch_unwind(|| {
-        let _ = <Runtime as cubecl::Runtime>::client(&Device::default());
-    });
-    match probe {
-        Ok(()) => Some(device),
-        Err(_) if std::env::var("ULYSSES_REQUIRE_GPU_RUNTIME").as_deref() == Ok("1") => {
-            panic!("no CubeCL device (wgpu needs a Vulkan driver: apt-get install mesa-vulkan-drivers libvulkan1)")
-        }
-        Err(_) => {
-            eprintln!("SKIPPED: no CubeCL device (wgpu needs a Vulkan driver: apt-get install mesa-vulkan-drivers libvulkan1)");
-            None
-        }
-    }
+    runtime_available::<Runtime>().then(Device::default)
 }
 
 fn supports(device: &Device, dtype: DType) -> bool {

@@ -1,6 +1,8 @@
 //! Shared helpers of the integration tests and benches (the `ulysses-suite` library):
 //! deterministic parameters, gradient collection, sharding and comparison.
 
+pub mod block;
+
 use std::{
     sync::mpsc,
     time::{Duration, Instant},

@@ -4,7 +4,8 @@
 //! 2. replicate kv heads when there are fewer than ranks ([`HeadPlan`]);
 //! 3. exchange q/k/v: sequence shard → head shard ([`sequence_to_heads`]);
 //! 4. gather a key-padding mask along the key dimension;
-//! 5. attend over the whole sequence with the inner backend's attention;
+//! 5. attend over the whole sequence with the inner backend's best attention (the
+//!    flash-attention kernels on CubeCL backends, burn's attention elsewhere);
 //! 6. exchange the output back: head shard → sequence shard ([`heads_to_sequence`]).
 //!
 //! Without a rank context (or with a group of one) it is a single-device attention that
@@ -22,7 +23,8 @@ use crate::{
     comm::{Communicator, all_gather_host_checked},
     context,
     error::UlyssesError,
-    exchange::{ExchangeBackend, heads_to_sequence, sequence_to_heads},
+    exchange::{heads_to_sequence, sequence_to_heads},
+    inner::ExchangeBackend,
     layout::{AttentionLayout, HeadPlan, MaskKind},
     primitive::{float_primitive, float_tensor},
 };
@@ -129,8 +131,8 @@ fn local_layout<X: ExchangeBackend>(
     })
 }
 
-/// Attention over whole sequences with the inner backend's kernel; k/v with fewer heads
-/// than q (grouped-query attention) are expanded to q's heads first.
+/// Attention over whole sequences with the inner backend's best kernel (a fused one takes
+/// grouped kv heads as they are; burn's attention gets them expanded).
 fn attend<X: ExchangeBackend>(
     query: Tensor<X, 4>,
     key: Tensor<X, 4>,
@@ -139,11 +141,10 @@ fn attend<X: ExchangeBackend>(
     attn_bias: Option<Tensor<X, 4>>,
     options: AttentionModuleOptions,
 ) -> Tensor<X, 4> {
-    let group = query.dims()[1] / key.dims()[1];
-    let output = X::attention(
+    let output = X::sequence_attention(
         float_primitive(query),
-        float_primitive(repeat_kv_heads(key, group)),
-        float_primitive(repeat_kv_heads(value, group)),
+        float_primitive(key),
+        float_primitive(value),
         mask.map(Tensor::into_primitive),
         attn_bias.map(float_primitive),
         options,

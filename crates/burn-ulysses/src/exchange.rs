@@ -11,123 +11,23 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{Tensor, backend::Backend, ops::FloatTensor};
+use burn::tensor::{Tensor, backend::Backend};
 use burn_autodiff::{
-    Autodiff,
-    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    checkpoint::base::Checkpointer,
     grads::Gradients,
-    ops::{Backward, Ops, OpsKind, unary},
+    ops::{Backward, Ops, unary},
 };
 
 use crate::{
     comm::{CommError, Communicator},
     error::UlyssesError,
+    inner::ExchangeBackend,
     primitive::{float_primitive, float_tensor},
 };
 
-/// A backend whose float tensors Ulysses can exchange between ranks.
-///
-/// Implemented for `Autodiff<B>` (the exchange becomes an autodiff node) and, through
-/// [`PlainBackend`], for backends without autodiff. Rust has no specialisation, so a
-/// backend has to say which of the two it is. This crate does so for NdArray (feature
-/// `ndarray`) and for burn's CubeCL backends, fused or not (feature `cubecl`: CUDA, wgpu);
-/// a backend type of your own needs `impl PlainBackend for MyBackend {}`. Other burn
-/// backends (Candle, LibTorch, Router) need that line here, behind a feature: the orphan
-/// rule forbids writing it outside this crate.
-pub trait ExchangeBackend: Backend {
-    /// The backend whose tensors the communicator moves: `Self` for a plain backend, the
-    /// inner backend for `Autodiff<B>`.
-    type Wire: Backend<Device = Self::Device>;
-
-    /// All-to-all over dim 0 (row `j` goes to rank `j`). On an autodiff backend the
-    /// gradient flows back through the same exchange.
-    fn all_to_all(
-        tensor: FloatTensor<Self>,
-        communicator: &Arc<dyn Communicator<Self::Wire>>,
-    ) -> Result<FloatTensor<Self>, CommError>;
-
-    /// All-gather along a new leading dim, without gradient (masks).
-    fn all_gather_untracked(
-        tensor: FloatTensor<Self>,
-        communicator: &Arc<dyn Communicator<Self::Wire>>,
-    ) -> Result<FloatTensor<Self>, CommError>;
-}
-
-/// A backend without autodiff: its tensors are exchanged as they are.
-pub trait PlainBackend: Backend {}
-
-impl<B: PlainBackend> ExchangeBackend for B {
-    type Wire = B;
-
-    fn all_to_all(
-        tensor: FloatTensor<B>,
-        communicator: &Arc<dyn Communicator<B>>,
-    ) -> Result<FloatTensor<B>, CommError> {
-        communicator.all_to_all(tensor)
-    }
-
-    fn all_gather_untracked(
-        tensor: FloatTensor<B>,
-        communicator: &Arc<dyn Communicator<B>>,
-    ) -> Result<FloatTensor<B>, CommError> {
-        communicator.all_gather(tensor)
-    }
-}
-
-#[cfg(feature = "ndarray")]
-impl<E, I, Q> PlainBackend for burn_ndarray::NdArray<E, I, Q>
-where
-    E: burn_ndarray::FloatNdArrayElement,
-    I: burn_ndarray::IntNdArrayElement,
-    Q: burn_ndarray::QuantElement,
-    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
-    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
-{
-}
-
-#[cfg(feature = "cubecl")]
-impl<R, F, I, BT> PlainBackend for burn_cubecl::CubeBackend<R, F, I, BT>
-where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
-    Self: Backend,
-{
-}
-
-#[cfg(feature = "cubecl")]
-impl<B: burn_fusion::FusionBackend> PlainBackend for burn_fusion::Fusion<B> {}
-
-impl<B: Backend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> {
-    type Wire = B;
-
-    fn all_to_all(
-        tensor: FloatTensor<Self>,
-        communicator: &Arc<dyn Communicator<B>>,
-    ) -> Result<FloatTensor<Self>, CommError> {
-        let output = communicator.all_to_all(tensor.primitive)?;
-        let node = AllToAllBackward { communicator: communicator.clone() };
-        // Compute bound: the exchange is never recomputed by checkpointing. A recomputed
-        // collective would run on some ranks and not others, and they would deadlock.
-        Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((), output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        })
-    }
-
-    fn all_gather_untracked(
-        tensor: FloatTensor<Self>,
-        communicator: &Arc<dyn Communicator<B>>,
-    ) -> Result<FloatTensor<Self>, CommError> {
-        let gathered = communicator.all_gather(tensor.primitive)?;
-        Ok(<Self as burn::tensor::backend::AutodiffBackend>::from_inner(gathered))
-    }
-}
-
 /// Backward of the all-to-all: the same all-to-all on the gradient.
-struct AllToAllBackward<B: Backend> {
-    communicator: Arc<dyn Communicator<B>>,
+pub(crate) struct AllToAllBackward<B: Backend> {
+    pub(crate) communicator: Arc<dyn Communicator<B>>,
 }
 
 impl<B: Backend> std::fmt::Debug for AllToAllBackward<B> {

@@ -119,6 +119,7 @@ pub fn flash_attention_forward<R: CubeRuntime>(
     let output = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, p.seq_q, p.value_dim]), query.dtype);
     let lse = empty_device_contiguous_dtype(client.clone(), device, Shape::new([p.batch, p.q_heads, p.seq_q]), DType::F32);
     let dtype = query.dtype;
+    crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     forward::flash_forward_kernel::launch::<R>(
         &client,
         grid(p.seq_q, tiles.rows_per_cube, p.batch * p.q_heads),
@@ -171,6 +172,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     let tiles = Tiles::for_problem(&problem, &client)?;
     let empty = |shape: [usize; 4]| empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new(shape), dtype);
 
+    crate::stats::BACKWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let delta = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, p.seq_q]), DType::F32);
     let rows = p.batch * p.q_heads * p.seq_q;
     backward::row_delta_kernel::launch::<R>(

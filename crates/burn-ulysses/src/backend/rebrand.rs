@@ -12,7 +12,7 @@ use burn::tensor::{
 };
 
 use super::UlyssesBackend;
-use crate::exchange::ExchangeBackend;
+use crate::inner::ExchangeBackend;
 
 pub(crate) trait Rebrand<T> {
     fn rebrand(self) -> T;

@@ -313,6 +313,7 @@ impl ThreadCommunicator {
         tensor: FloatTensor<B>,
     ) -> Result<Vec<FloatTensor<B>>, CommError> {
         let device = B::float_device(&tensor);
+        settle::<B>(&device, op)?;
         let (_, tensors) = self.round(op, Box::new(tensor), |deposits| {
             deposits
                 .iter()
@@ -341,6 +342,21 @@ impl ThreadCommunicator {
             }),
         }
     }
+}
+
+/// Waits for this thread's queued work on `device`. Tensors cross threads here, and a
+/// backend with a stream per thread (CubeCL) would otherwise let another rank read a
+/// buffer before this rank's kernels have written it.
+fn settle<B: Backend>(device: &B::Device, op: Collective) -> Result<(), CommError> {
+    B::sync(device).map_err(|error| CommError::Backend(format!("{op}: cannot finish the rank's queued work: {error}")))
+}
+
+/// Returns a collective's result once this thread's stream has finished computing it, so
+/// every read of the other ranks' buffers is done before their handles are dropped (on a
+/// backend with a stream per thread, a dropped buffer may be reused by its owner's stream).
+fn adopt<B: Backend>(result: FloatTensor<B>, device: &B::Device, op: Collective) -> Result<FloatTensor<B>, CommError> {
+    settle::<B>(device, op)?;
+    Ok(result)
 }
 
 /// A rank found a deposit of another type than its own in the same round.
@@ -382,6 +398,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
             .into_iter()
             .map(|slice| Some(float_primitive(slice)))
             .collect();
+        settle::<B>(&device, op)?;
 
         let me = self.rank;
         let (_, received) = self.round(op, Box::new(slices), |deposits| {
@@ -400,7 +417,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
             .into_iter()
             .map(|t| crate::primitive::float_tensor(B::float_to_device(t, &device)))
             .collect();
-        Ok(B::float_reshape(float_primitive(Tensor::cat(rows, 0)), shape))
+        adopt::<B>(B::float_reshape(float_primitive(Tensor::cat(rows, 0)), shape), &device, op)
     }
 
     fn all_reduce(&self, tensor: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError> {
@@ -420,7 +437,8 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
             ReduceOp::Mean => reduced / size as f64,
             _ => reduced,
         };
-        Ok(B::float_reshape(float_primitive(reduced), shape))
+        let device = reduced.device();
+        adopt::<B>(B::float_reshape(float_primitive(reduced), shape), &device, Collective::AllReduce)
     }
 
     fn all_gather(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> {
@@ -430,7 +448,8 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         Self::check_same_shapes::<B>(Collective::AllGather, &tensors)?;
         shape.insert(0, tensors.len());
         let rows: Vec<Tensor<B, 2>> = tensors.into_iter().map(|t| as_rows::<B>(t, 1)).collect();
-        Ok(B::float_reshape(float_primitive(Tensor::cat(rows, 0)), shape))
+        let device = rows[0].device();
+        adopt::<B>(B::float_reshape(float_primitive(Tensor::cat(rows, 0)), shape), &device, Collective::AllGather)
     }
 
     fn broadcast(&self, tensor: FloatTensor<B>, root: usize) -> Result<FloatTensor<B>, CommError> {
@@ -449,7 +468,10 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         let mut tensors = self.gather_tensors::<B>(op, tensor)?;
         Self::check_same_shapes::<B>(op, &tensors)?;
         debug_assert_eq!(tensors[root].shape(), shape);
-        Ok(tensors.swap_remove(root))
+        let root_tensor = tensors.swap_remove(root);
+        let device = B::float_device(&root_tensor);
+        // A copy of our own: the root's buffer stays the root's.
+        adopt::<B>(B::float_mul_scalar(root_tensor, 1.0.into()), &device, op)
     }
 
     fn barrier(&self) -> Result<(), CommError> {

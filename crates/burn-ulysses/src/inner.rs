@@ -1,0 +1,196 @@
+//! What `UlyssesBackend<Inner>` needs from the backend it wraps: a way to exchange tensors
+//! between ranks, and the best attention it has over whole sequences.
+//!
+//! Rust has no specialisation, so a backend says which kind it is: `Autodiff<B>` (the
+//! exchange and the fused attention become autodiff nodes) or a [`PlainBackend`] (no
+//! autodiff: tensors are exchanged as they are). This crate implements [`PlainBackend`] for
+//! NdArray (feature `ndarray`) and for burn's CubeCL backends, fused or not (feature
+//! `cubecl`: CUDA, wgpu); a backend type of your own needs `impl PlainBackend for MyBackend
+//! {}`. Other burn backends (Candle, LibTorch, Router) need that line here, behind a
+//! feature: the orphan rule forbids writing it outside this crate.
+
+use std::sync::Arc;
+
+use burn::tensor::{
+    backend::{AutodiffBackend, Backend},
+    ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
+};
+use burn_autodiff::{
+    Autodiff,
+    checkpoint::strategy::CheckpointStrategy,
+    ops::{Backward, OpsKind},
+};
+
+use crate::{
+    comm::{CommError, Communicator},
+    exchange::AllToAllBackward,
+    fused::{FusedAttentionBackward, FusedAttentionState, reference_attention},
+};
+
+/// A backend that `UlyssesBackend` can wrap.
+pub trait ExchangeBackend: Backend {
+    /// The backend whose tensors the communicator moves: `Self` for a plain backend, the
+    /// inner backend for `Autodiff<B>`.
+    type Wire: Backend<Device = Self::Device>;
+
+    /// All-to-all over dim 0 (row `j` goes to rank `j`). On an autodiff backend the
+    /// gradient flows back through the same exchange.
+    fn all_to_all(
+        tensor: FloatTensor<Self>,
+        communicator: &Arc<dyn Communicator<Self::Wire>>,
+    ) -> Result<FloatTensor<Self>, CommError>;
+
+    /// All-gather along a new leading dim, without gradient (masks).
+    fn all_gather_untracked(
+        tensor: FloatTensor<Self>,
+        communicator: &Arc<dyn Communicator<Self::Wire>>,
+    ) -> Result<FloatTensor<Self>, CommError>;
+
+    /// Attention over whole sequences: the backend's fused kernel when it has one for these
+    /// inputs (no mask, bias or softcap), else burn's attention. k and v may have fewer heads
+    /// than q (grouped-query attention, kv heads dividing q heads).
+    fn sequence_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        attn_bias: Option<FloatTensor<Self>>,
+        options: AttentionModuleOptions,
+    ) -> FloatTensor<Self>;
+}
+
+/// A backend without autodiff. A backend with its own attention kernels overrides the two
+/// `fused_attention_*` hooks (burn's CubeCL backends do, with `ulysses-kernels`).
+pub trait PlainBackend: Backend {
+    /// Output and per-row log-sum-exp (`[B, H, S_q]`, f32) of attention with grouped kv
+    /// heads allowed, or `None` when this backend has no kernel for these inputs.
+    fn fused_attention_forward(
+        _query: FloatTensor<Self>,
+        _key: FloatTensor<Self>,
+        _value: FloatTensor<Self>,
+        _options: &AttentionModuleOptions,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        None
+    }
+
+    /// `(dQ, dK, dV)` from the inputs, output, output gradient and log-sum-exp of a
+    /// [`fused_attention_forward`](Self::fused_attention_forward) that returned `Some`.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_attention_backward(
+        _query: FloatTensor<Self>,
+        _key: FloatTensor<Self>,
+        _value: FloatTensor<Self>,
+        _output: FloatTensor<Self>,
+        _output_grad: FloatTensor<Self>,
+        _lse: FloatTensor<Self>,
+        _options: &AttentionModuleOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        unreachable!("fused_attention_backward without a fused forward on {}", std::any::type_name::<Self>())
+    }
+}
+
+/// Whether a call can go to a fused kernel at all.
+fn fusable(mask: bool, bias: bool, options: &AttentionModuleOptions) -> bool {
+    !mask && !bias && options.softcap.is_none()
+}
+
+impl<B: PlainBackend> ExchangeBackend for B {
+    type Wire = B;
+
+    fn all_to_all(
+        tensor: FloatTensor<B>,
+        communicator: &Arc<dyn Communicator<B>>,
+    ) -> Result<FloatTensor<B>, CommError> {
+        communicator.all_to_all(tensor)
+    }
+
+    fn all_gather_untracked(
+        tensor: FloatTensor<B>,
+        communicator: &Arc<dyn Communicator<B>>,
+    ) -> Result<FloatTensor<B>, CommError> {
+        communicator.all_gather(tensor)
+    }
+
+    fn sequence_attention(
+        query: FloatTensor<B>,
+        key: FloatTensor<B>,
+        value: FloatTensor<B>,
+        mask: Option<BoolTensor<B>>,
+        attn_bias: Option<FloatTensor<B>>,
+        options: AttentionModuleOptions,
+    ) -> FloatTensor<B> {
+        if fusable(mask.is_some(), attn_bias.is_some(), &options)
+            && let Some((output, _lse)) = B::fused_attention_forward(query.clone(), key.clone(), value.clone(), &options)
+        {
+            return output;
+        }
+        reference_attention::<B>(query, key, value, mask, attn_bias, options)
+    }
+}
+
+impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> {
+    type Wire = B;
+
+    fn all_to_all(
+        tensor: FloatTensor<Self>,
+        communicator: &Arc<dyn Communicator<B>>,
+    ) -> Result<FloatTensor<Self>, CommError> {
+        let output = communicator.all_to_all(tensor.primitive)?;
+        let node = AllToAllBackward { communicator: communicator.clone() };
+        // Compute bound: the exchange is never recomputed by checkpointing. A recomputed
+        // collective would run on some ranks and not others, and they would deadlock.
+        Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((), output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        })
+    }
+
+    fn all_gather_untracked(
+        tensor: FloatTensor<Self>,
+        communicator: &Arc<dyn Communicator<B>>,
+    ) -> Result<FloatTensor<Self>, CommError> {
+        let gathered = communicator.all_gather(tensor.primitive)?;
+        Ok(<Self as AutodiffBackend>::from_inner(gathered))
+    }
+
+    fn sequence_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        attn_bias: Option<FloatTensor<Self>>,
+        options: AttentionModuleOptions,
+    ) -> FloatTensor<Self> {
+        if fusable(mask.is_some(), attn_bias.is_some(), &options) {
+            let (q, k, v) = (query.primitive.clone(), key.primitive.clone(), value.primitive.clone());
+            if let Some((output, lse)) = B::fused_attention_forward(q.clone(), k.clone(), v.clone(), &options) {
+                let nodes = [query.node, key.node, value.node];
+                // Compute bound: recomputing attention would cost what the kernel saves.
+                return match FusedAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
+                    OpsKind::Tracked(prep) => {
+                        let state = FusedAttentionState { query: q, key: k, value: v, output: output.clone(), lse, options };
+                        prep.finish(state, output)
+                    }
+                    OpsKind::UnTracked(prep) => prep.finish(output),
+                };
+            }
+        }
+        reference_attention::<Self>(query, key, value, mask, attn_bias, options)
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl<E, I, Q> PlainBackend for burn_ndarray::NdArray<E, I, Q>
+where
+    E: burn_ndarray::FloatNdArrayElement,
+    I: burn_ndarray::IntNdArrayElement,
+    Q: burn_ndarray::QuantElement,
+    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
+    burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
+{
+}
+
+/// Fused backends fall back to burn's attention: running a custom kernel on a fusion
+/// stream would need its tensors resolved first (not done yet).
+#[cfg(feature = "cubecl")]
+impl<B: burn_fusion::FusionBackend> PlainBackend for burn_fusion::Fusion<B> {}

@@ -1,0 +1,85 @@
+//! The flash-attention path on a CubeCL backend (wgpu; on the CPU through lavapipe):
+//! `flash_attention` is differentiable on `Autodiff<CubeBackend>`, and `UlyssesBackend`
+//! runs it after the exchange. Both are compared with burn's attention on NdArray, and the
+//! kernel launch counters prove the fused kernels ran rather than the fallback.
+//!
+//! Tolerance 2e-5 (f32): wgpu and NdArray round differently, nothing else differs.
+
+use burn::{
+    backend::{Autodiff, NdArray},
+    tensor::{Tensor, backend::AutodiffBackend, module::attention, ops::AttentionModuleOptions},
+};
+use burn_ulysses::{attention::repeat_kv_heads, fused::flash_attention};
+use ulysses_kernels::{backward_launches, forward_launches, testing::runtime_available};
+use ulysses_suite::{
+    block::{BlockCase, check_block_equivalence},
+    max_abs_diff, uniform_tensor, values,
+};
+
+type Runtime = cubecl::wgpu::WgpuRuntime;
+type Wgpu = burn_cubecl::CubeBackend<Runtime, f32, i32, u32>;
+type Reference = Autodiff<NdArray<f32>>;
+
+const TOLERANCE: f32 = 2e-5;
+const CAUSAL: AttentionModuleOptions = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+
+/// Output and gradients of q, k, v with loss `Σ output · W`; `fused` picks the op.
+fn run<B: AutodiffBackend + burn_ulysses::ExchangeBackend>(fused: bool) -> [Vec<f32>; 4] {
+    let device = Default::default();
+    let q = uniform_tensor::<B, 4>([2, 4, 29, 16], 1, &device).require_grad();
+    let k = uniform_tensor::<B, 4>([2, 2, 29, 16], 2, &device).require_grad();
+    let v = uniform_tensor::<B, 4>([2, 2, 29, 16], 3, &device).require_grad();
+    let w = uniform_tensor::<B, 4>([2, 4, 29, 16], 4, &device);
+    let output = if fused {
+        flash_attention(q.clone(), k.clone(), v.clone(), CAUSAL)
+    } else {
+        attention(q.clone(), repeat_kv_heads(k.clone(), 2), repeat_kv_heads(v.clone(), 2), None, None, CAUSAL)
+    };
+    let grads = (output.clone() * w).sum().backward();
+    [values(output), values(q.grad(&grads).unwrap()), values(k.grad(&grads).unwrap()), values(v.grad(&grads).unwrap())]
+}
+
+#[test]
+fn flash_attention_is_differentiable_on_autodiff_cube_backend() {
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let (forwards, backwards) = (forward_launches(), backward_launches());
+    let fused = run::<Autodiff<Wgpu>>(true);
+    assert!(forward_launches() > forwards && backward_launches() > backwards, "the fused kernels did not run");
+    let reference = run::<Reference>(false);
+    for (name, (got, want)) in ["output", "dq", "dk", "dv"].iter().zip(fused.iter().zip(&reference)) {
+        let diff = max_abs_diff(got, want);
+        println!("{name}: max |Δ| {diff:.2e}");
+        assert!(diff <= TOLERANCE, "{name} differs from burn's attention by {diff:e}");
+    }
+}
+
+#[test]
+fn flash_attention_runs_on_the_plain_cube_backend() {
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let device = Default::default();
+    let inputs = |stream, heads| uniform_tensor::<Wgpu, 4>([1, heads, 33, 32], stream, &device);
+    let before = forward_launches();
+    let output: Tensor<Wgpu, 4> = flash_attention(inputs(1, 4), inputs(2, 4), inputs(3, 4), CAUSAL);
+    assert!(forward_launches() > before);
+    let device = Default::default();
+    let inputs = |stream| uniform_tensor::<NdArray<f32>, 4>([1, 4, 33, 32], stream, &device);
+    let want = attention(inputs(1), inputs(2), inputs(3), None, None, CAUSAL);
+    let diff = max_abs_diff(&values(output), &values(want));
+    println!("plain CubeBackend: max |Δ| {diff:.2e}");
+    assert!(diff <= TOLERANCE);
+}
+
+#[test]
+fn ulysses_runs_the_flash_kernels_after_the_exchange() {
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let (forwards, backwards) = (forward_launches(), backward_launches());
+    check_block_equivalence::<Autodiff<Wgpu>>(BlockCase::new(2, 4, 2), 1e-5);
+    check_block_equivalence::<Autodiff<Wgpu>>(BlockCase::new(4, 8, 2), 1e-5);
+    assert!(forward_launches() >= forwards + 6 && backward_launches() >= backwards + 6, "each rank's attention ran the flash kernels");
+}
