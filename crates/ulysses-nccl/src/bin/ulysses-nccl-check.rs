@@ -1,0 +1,166 @@
+//! Checks NCCL on GPUs: every collective against the values it must produce, sequence-parallel
+//! attention against the same attention on one device, and the time of an all-to-all at a
+//! realistic size (64K tokens × 4096 hidden, bf16) with its host synchronisations.
+//!
+//! ulysses-launch --nproc-per-node 2 -- ulysses-nccl-check
+//! (two ranks on one GPU: give each a different NCCL_HOSTID, e.g. through a wrapper script)
+//!
+//! Exits non-zero on the first mismatch.
+
+use std::{process::ExitCode, sync::Arc, time::Instant};
+
+use burn::{
+    backend::Autodiff,
+    tensor::{DType, Tensor, TensorData, TensorPrimitive, module::attention, ops::AttentionModuleOptions},
+};
+use burn_cubecl::CubeBackend;
+use burn_ulysses::{
+    RankScope, UlyssesBackend, UlyssesConfig,
+    comm::{Communicator, ReduceOp},
+    context::enter_single_device,
+    train::GroupSplit,
+};
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use ulysses_dist::{DistributedConfig, LaunchEnv};
+use ulysses_nccl::NcclCommunicator;
+
+type Cuda = CubeBackend<CudaRuntime, f32, i32, u8>;
+type Train = UlyssesBackend<Autodiff<Cuda>>;
+
+fn tensor<const D: usize>(values: Vec<f32>, shape: [usize; D], device: &CudaDevice) -> Tensor<Cuda, D> {
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+fn host<const D: usize>(tensor: Tensor<Cuda, D>) -> Vec<f32> {
+    tensor.into_data().convert::<f32>().to_vec().unwrap()
+}
+
+fn check(name: &str, got: &[f32], want: &[f32], tolerance: f32) -> Result<(), String> {
+    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    if got.len() != want.len() || diff > tolerance {
+        return Err(format!("{name}: max |Δ| {diff:e} (lengths {} vs {})", got.len(), want.len()));
+    }
+    println!("ok   {name} (max |Δ| {diff:.1e})");
+    Ok(())
+}
+
+fn collectives(comm: &Arc<NcclCommunicator>, device: &CudaDevice) -> Result<(), String> {
+    let c: &dyn Communicator<Cuda> = &**comm;
+    let (r, p) = (c.rank() as f32, c.size());
+    let wrap = |t: Tensor<Cuda, 2>| t.into_primitive().tensor();
+    let unwrap = |t| host(Tensor::<Cuda, 2>::from_primitive(TensorPrimitive::Float(t)));
+
+    // Slice j of rank r holds 100 r + 10 j + k; afterwards slice i holds 100 i + 10 r + k.
+    let send: Vec<f32> = (0..p).flat_map(|j| (0..3).map(move |k| 100.0 * r + 10.0 * j as f32 + k as f32)).collect();
+    let got = unwrap(c.all_to_all(wrap(tensor(send, [p, 3], device))).map_err(|e| e.to_string())?);
+    let want: Vec<f32> = (0..p).flat_map(|i| (0..3).map(move |k| 100.0 * i as f32 + 10.0 * r + k as f32)).collect();
+    check("all_to_all", &got, &want, 0.0)?;
+
+    let mine = || wrap(tensor(vec![r + 1.0, 2.0 * r], [1, 2], device));
+    let total: f32 = (1..=p).map(|i| i as f32).sum();
+    let got = unwrap(c.all_reduce(mine(), ReduceOp::Sum).map_err(|e| e.to_string())?);
+    check("all_reduce sum", &got, &[total, 2.0 * (total - p as f32)], 1e-5)?;
+    let got = unwrap(c.all_reduce(mine(), ReduceOp::Mean).map_err(|e| e.to_string())?);
+    check("all_reduce mean", &got, &[total / p as f32, 2.0 * (total - p as f32) / p as f32], 1e-5)?;
+    let got = unwrap(c.all_reduce(mine(), ReduceOp::Max).map_err(|e| e.to_string())?);
+    check("all_reduce max", &got, &[p as f32, 2.0 * (p as f32 - 1.0)], 0.0)?;
+    let got = host(Tensor::<Cuda, 3>::from_primitive(TensorPrimitive::Float(c.all_gather(mine()).map_err(|e| e.to_string())?)));
+    let want: Vec<f32> = (0..p).flat_map(|i| [i as f32 + 1.0, 2.0 * i as f32]).collect();
+    check("all_gather", &got, &want, 0.0)?;
+    let got = unwrap(c.broadcast(mine(), 0).map_err(|e| e.to_string())?);
+    check("broadcast", &got, &[1.0, 0.0], 0.0)?;
+    c.barrier().map_err(|e| e.to_string())?;
+    let gathered = c.all_gather_host(&[c.rank() as u64, 7]).map_err(|e| e.to_string())?;
+    let want: Vec<Vec<u64>> = (0..p as u64).map(|i| vec![i, 7]).collect();
+    if gathered != want {
+        return Err(format!("all_gather_host: {gathered:?}"));
+    }
+    println!("ok   barrier, all_gather_host");
+    Ok(())
+}
+
+/// SP attention (causal, GQA) with its gradients against one device, on this rank.
+fn sequence_parallel_attention(comm: &Arc<NcclCommunicator>, device: &CudaDevice) -> Result<(), String> {
+    let (r, p) = (comm.group_rank(), comm.group_size());
+    let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+    let (h, kv, s, d) = (8, 2, 256 * p, 64);
+    let input = |stream: u64, heads: usize| {
+        let n = heads * s * d;
+        let values: Vec<f32> = (0..n as u64).map(|i| ((i * 2654435761 + stream * 97) % 1000) as f32 / 1000.0 - 0.5).collect();
+        Tensor::<Train, 4>::from_data(TensorData::new(values, [1, heads, s, d]), device)
+    };
+    // Output and gradients of q, k, v, on this rank's shard or on the whole sequence.
+    let run = |shard: bool| -> Vec<Vec<f32>> {
+        let take = |t: Tensor<Train, 4>| if shard { t.narrow(2, r * s / p, s / p) } else { t };
+        let (q, k, v) = (take(input(1, h)).require_grad(), take(input(2, kv)).require_grad(), take(input(3, kv)).require_grad());
+        let output = attention(q.clone(), k.clone(), v.clone(), None, None, options);
+        let grads = (output.clone() * take(input(4, h))).sum().backward();
+        let values = |t: Tensor<UlyssesBackend<Cuda>, 4>| t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+        vec![
+            output.into_data().convert::<f32>().to_vec().unwrap(),
+            values(q.grad(&grads).unwrap()),
+            values(k.grad(&grads).unwrap()),
+            values(v.grad(&grads).unwrap()),
+        ]
+    };
+    let sharded = run(true);
+    let whole = {
+        let _one_device = enter_single_device();
+        run(false)
+    };
+    let rows = s / p;
+    let slice = |values: &[f32], heads: usize| -> Vec<f32> {
+        (0..heads).flat_map(|head| values[(head * s + r * rows) * d..(head * s + (r + 1) * rows) * d].to_vec()).collect()
+    };
+    for (i, (name, heads)) in [("output", h), ("dq", h), ("dk", kv), ("dv", kv)].into_iter().enumerate() {
+        check(&format!("SP attention {name}"), &sharded[i], &slice(&whole[i], heads), 1e-4)?;
+    }
+    Ok(())
+}
+
+/// Time of an all-to-all of 64K tokens × 4096 hidden (bf16) spread over the ranks.
+fn all_to_all_timing(comm: &Arc<NcclCommunicator>, device: &CudaDevice) -> Result<(), String> {
+    let c: &dyn Communicator<Cuda> = &**comm;
+    let p = c.size();
+    let elements = 65536 * 4096 / p;
+    let data = TensorData::new(vec![0.5f32; elements], [p, elements / p]).convert_dtype(DType::BF16);
+    let send = Tensor::<Cuda, 2>::from_data(data, device).into_primitive().tensor();
+    let mut samples = Vec::new();
+    for _ in 0..10 {
+        let started = Instant::now();
+        let out = c.all_to_all(send.clone()).map_err(|e| e.to_string())?;
+        drop(out);
+        samples.push(started.elapsed().as_secs_f64());
+    }
+    samples.sort_by(f64::total_cmp);
+    let median = samples[samples.len() / 2];
+    let bytes = (elements * 2) as f64;
+    println!(
+        "all_to_all of {:.0} MiB per rank (64K tokens x 4096 bf16 / {p}): median {:.3} ms, {:.1} GB/s, host sync {:.3} ms per call",
+        bytes / 1048576.0,
+        median * 1e3,
+        bytes / median / 1e9,
+        comm.host_sync_seconds_per_collective() * 1e3
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let run = || -> Result<(), String> {
+        let env = LaunchEnv::from_env().map_err(|e| e.to_string())?;
+        let config = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
+        let comm = NcclCommunicator::from_env(&config).map_err(|e| e.to_string())?;
+        let device = CudaDevice { index: env.local_rank };
+        let _sp = Train::enter(RankScope::Process, comm.clone(), UlyssesConfig::new());
+        collectives(&comm, &device)?;
+        sequence_parallel_attention(&comm, &device)?;
+        all_to_all_timing(&comm, &device)
+    };
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("FAILED: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,518 @@
+//! The communicator: joining, collectives on CubeCL CUDA buffers, splitting, aborting.
+
+use std::{
+    ffi::{CStr, c_int, c_void},
+    ptr,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use burn::tensor::{DType, Shape, TensorMetadata, backend::Backend};
+use burn_cubecl::{
+    BoolElement, CubeBackend, FloatElement, IntElement, kernel::into_contiguous,
+    ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
+};
+use burn_ulysses::{
+    comm::{CommError, Communicator, ReduceOp, Traffic, TrafficCounter},
+    train::GroupSplit,
+};
+use cubecl::{
+    Runtime,
+    cuda::{CudaDevice, CudaRuntime},
+};
+use cudarc::{
+    driver::{result as cuda, sys as cuda_sys},
+    nccl::sys as nccl,
+};
+use ulysses_dist::{DistributedConfig, LaunchEnv, Rendezvous};
+
+use crate::{
+    NcclError,
+    library::{check_driver, check_library},
+};
+
+type CudaTensor = CubeTensor<CudaRuntime>;
+
+/// What every communicator of a process shares: the device, its context, NCCL's stream and
+/// the rendezvous (to name dead ranks).
+struct Process {
+    device: CudaDevice,
+    context: Raw<cuda_sys::CUcontext>,
+    stream: Raw<cuda_sys::CUstream>,
+    rendezvous: Rendezvous,
+    timeout: Duration,
+}
+
+/// A raw CUDA or NCCL handle. NCCL and CUDA handles may be used from any thread; the
+/// communicator serialises its own calls.
+#[derive(Clone, Copy)]
+struct Raw<T>(T);
+unsafe impl<T> Send for Raw<T> {}
+unsafe impl<T> Sync for Raw<T> {}
+
+/// One rank's NCCL communicator over a group (the world, or a split of it).
+pub struct NcclCommunicator {
+    comm: Mutex<Raw<nccl::ncclComm_t>>,
+    aborted: AtomicBool,
+    rank: usize,
+    size: usize,
+    process: Arc<Process>,
+    traffic: TrafficCounter,
+    /// Time spent waiting on the host for CubeCL's queue before collectives, and their count.
+    host_sync_nanos: AtomicU64,
+    collectives: AtomicU64,
+}
+
+impl NcclCommunicator {
+    /// Mean seconds per collective spent waiting for CubeCL's queue on the host: the cost of
+    /// ordering collectives by host synchronisation instead of stream events.
+    pub fn host_sync_seconds_per_collective(&self) -> f64 {
+        let count = self.collectives.load(Ordering::Relaxed).max(1);
+        self.host_sync_nanos.load(Ordering::Relaxed) as f64 / count as f64 / 1e9
+    }
+
+    /// Joins the job described by the launcher's environment (`RANK`, `WORLD_SIZE`,
+    /// `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, `ULYSSES_RENDEZVOUS_TOKEN`, or Slurm's) on
+    /// GPU `LOCAL_RANK`. Fails, without panicking, when libnccl or the CUDA driver is missing.
+    pub fn from_env(config: &DistributedConfig) -> Result<Arc<Self>, NcclError> {
+        check_library()?;
+        check_driver()?;
+        let env = LaunchEnv::from_env()?;
+        let rendezvous = Rendezvous::join(&env, config)?;
+
+        cuda::init().map_err(cuda_error)?;
+        let ordinal = env.local_rank as c_int;
+        let device = cuda::device::get(ordinal).map_err(cuda_error)?;
+        // SAFETY: `device` is a valid device; the primary context is the one CubeCL uses.
+        let context = unsafe { cuda::primary_ctx::retain(device) }.map_err(cuda_error)?;
+        unsafe { cuda::ctx::set_current(context) }.map_err(cuda_error)?;
+        let stream = cuda::stream::create(cuda::stream::StreamKind::NonBlocking).map_err(cuda_error)?;
+        let process = Arc::new(Process {
+            device: CudaDevice { index: env.local_rank },
+            context: Raw(context),
+            stream: Raw(stream),
+            rendezvous,
+            timeout: config.collective_timeout(),
+        });
+
+        let id = if env.rank == 0 {
+            let id = cudarc::nccl::result::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e.0, ptr::null_mut()))?;
+            Some(id.internal.iter().map(|&b| b as u8).collect::<Vec<u8>>())
+        } else {
+            None
+        };
+        let id_bytes = process.rendezvous.broadcast("nccl/unique-id", id.as_deref(), 0)?;
+        let mut unique_id = nccl::ncclUniqueId { internal: [0; 128] };
+        if id_bytes.len() != unique_id.internal.len() {
+            return Err(NcclError::Cuda(format!("the NCCL unique id from rank 0 has {} bytes, not 128", id_bytes.len())));
+        }
+        for (dst, src) in unique_id.internal.iter_mut().zip(&id_bytes) {
+            *dst = *src as _;
+        }
+
+        let mut comm: nccl::ncclComm_t = ptr::null_mut();
+        let mut nccl_config = non_blocking_config();
+        // SAFETY: valid out-pointer, id and config; a non-blocking init returns at once.
+        let started = unsafe {
+            nccl::ncclCommInitRankConfig(&mut comm, env.world_size as c_int, unique_id, env.rank as c_int, &mut nccl_config)
+        };
+        let communicator = Self {
+            comm: Mutex::new(Raw(comm)),
+            aborted: AtomicBool::new(false),
+            rank: env.rank,
+            size: env.world_size,
+            process,
+            traffic: TrafficCounter::default(),
+            host_sync_nanos: AtomicU64::new(0),
+            collectives: AtomicU64::new(0),
+        };
+        communicator.accept(started, "ncclCommInitRankConfig", comm)?;
+        communicator.wait_ready("ncclCommInitRankConfig", comm)?;
+        tracing::info!(rank = env.rank, world = env.world_size, gpu = env.local_rank, "NCCL communicator ready");
+        Ok(Arc::new(communicator))
+    }
+
+    fn current_context(&self) -> Result<(), NcclError> {
+        // SAFETY: the primary context retained at creation stays alive for the process.
+        unsafe { cuda::ctx::set_current(self.process.context.0) }.map_err(cuda_error)
+    }
+
+    /// `ncclSuccess` and (non-blocking) `ncclInProgress` are fine; anything else is an error.
+    fn accept(&self, result: nccl::ncclResult_t, call: &'static str, comm: nccl::ncclComm_t) -> Result<(), NcclError> {
+        match result {
+            nccl::ncclResult_t::ncclSuccess | nccl::ncclResult_t::ncclInProgress => Ok(()),
+            code => Err(nccl_error(call, code, comm)),
+        }
+    }
+
+    /// Waits until a non-blocking NCCL call on `comm` has been issued.
+    fn wait_ready(&self, call: &'static str, comm: nccl::ncclComm_t) -> Result<(), NcclError> {
+        let deadline = Instant::now() + self.process.timeout;
+        let mut next_check = Instant::now();
+        loop {
+            let mut state = nccl::ncclResult_t::ncclSuccess;
+            // SAFETY: `comm` is a live communicator.
+            let queried = unsafe { nccl::ncclCommGetAsyncError(comm, &mut state) };
+            self.accept(queried, "ncclCommGetAsyncError", comm)?;
+            match state {
+                nccl::ncclResult_t::ncclSuccess => return Ok(()),
+                nccl::ncclResult_t::ncclInProgress => {}
+                code => return Err(nccl_error(call, code, comm)),
+            }
+            self.check_peers(call, comm, deadline, &mut next_check)?;
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Fails (and aborts `comm`) when a peer died or the deadline passed.
+    fn check_peers(&self, op: &'static str, comm: nccl::ncclComm_t, deadline: Instant, next_check: &mut Instant) -> Result<(), NcclError> {
+        let now = Instant::now();
+        if now < *next_check && now < deadline {
+            return Ok(());
+        }
+        *next_check = now + Duration::from_secs(1);
+        let departed = self.process.rendezvous.departed().unwrap_or_default();
+        if !departed.is_empty() {
+            self.abort(comm);
+            return Err(NcclError::PeerDied { op, ranks: departed });
+        }
+        if now >= deadline {
+            self.abort(comm);
+            return Err(NcclError::Timeout { op, after: self.process.timeout, departed });
+        }
+        Ok(())
+    }
+
+    fn abort(&self, comm: nccl::ncclComm_t) {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
+            tracing::error!(rank = self.rank, "aborting the NCCL communicator");
+            // SAFETY: `comm` is live; abort is the documented way out of a stuck collective.
+            unsafe { nccl::ncclCommAbort(comm) };
+        }
+    }
+
+    /// Runs one collective: CubeCL's queued work is finished first (it wrote the inputs),
+    /// then `launch` enqueues NCCL work on NCCL's stream, which is waited for (with the
+    /// timeout and the dead-peer check) before the outputs are handed back.
+    fn collective(
+        &self,
+        op: &'static str,
+        client: &cubecl::client::ComputeClient<CudaRuntime>,
+        launch: impl FnOnce(nccl::ncclComm_t, nccl::cudaStream_t) -> nccl::ncclResult_t,
+    ) -> Result<(), NcclError> {
+        let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner()).0;
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(NcclError::Cuda(format!("{op}: this communicator was aborted after an earlier failure")));
+        }
+        let waited = Instant::now();
+        cubecl::future::block_on(client.sync()).map_err(|e| NcclError::Cuda(format!("CubeCL work before {op} failed: {e:?}")))?;
+        self.host_sync_nanos.fetch_add(waited.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.collectives.fetch_add(1, Ordering::Relaxed);
+        self.current_context()?;
+        let stream = self.process.stream.0 as nccl::cudaStream_t;
+        self.accept(launch(comm, stream), op, comm)?;
+        self.wait_ready(op, comm)?;
+
+        let deadline = Instant::now() + self.process.timeout;
+        let mut next_check = Instant::now();
+        loop {
+            // SAFETY: our stream lives as long as the process.
+            match unsafe { cuda_sys::cuStreamQuery(self.process.stream.0) } {
+                cuda_sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                cuda_sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                error => return Err(NcclError::Cuda(format!("{op}: {error:?}"))),
+            }
+            let mut state = nccl::ncclResult_t::ncclSuccess;
+            // SAFETY: live communicator.
+            unsafe { nccl::ncclCommGetAsyncError(comm, &mut state) };
+            if !matches!(state, nccl::ncclResult_t::ncclSuccess | nccl::ncclResult_t::ncclInProgress) {
+                self.abort(comm);
+                return Err(nccl_error(op, state, comm));
+            }
+            self.check_peers(op, comm, deadline, &mut next_check)?;
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    fn client(&self) -> cubecl::client::ComputeClient<CudaRuntime> {
+        CudaRuntime::client(&self.process.device)
+    }
+}
+
+impl Drop for NcclCommunicator {
+    fn drop(&mut self) {
+        if !self.aborted.load(Ordering::SeqCst) {
+            let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner()).0;
+            // SAFETY: the communicator is live and no collective is in flight (we own it).
+            unsafe { nccl::ncclCommDestroy(comm) };
+        }
+    }
+}
+
+/// The NCCL version whose `ncclConfig_t` layout cudarc's bindings describe (2.30).
+const CONFIG_LAYOUT_VERSION: u32 = 23000;
+
+/// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`. The version field tells NCCL which fields
+/// exist: the older of the library's version and the bindings' layout.
+fn non_blocking_config() -> nccl::ncclConfig_t {
+    const UNDEF: c_int = c_int::MIN;
+    let runtime = cudarc::nccl::result::get_nccl_version().map_or(CONFIG_LAYOUT_VERSION, |v| v as u32);
+    nccl::ncclConfig_t {
+        size: std::mem::size_of::<nccl::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: runtime.min(CONFIG_LAYOUT_VERSION),
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+    }
+}
+
+fn nccl_error(call: &'static str, code: nccl::ncclResult_t, comm: nccl::ncclComm_t) -> NcclError {
+    // SAFETY: NCCL returns a static, NUL-terminated string.
+    let message = unsafe { nccl::ncclGetLastError(comm) };
+    let message = if message.is_null() {
+        String::new()
+    } else {
+        unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned()
+    };
+    NcclError::Nccl { call, code, message }
+}
+
+fn cuda_error(error: cuda::DriverError) -> NcclError {
+    NcclError::Cuda(format!("{error:?}"))
+}
+
+fn data_type(dtype: DType) -> Result<nccl::ncclDataType_t, NcclError> {
+    Ok(match dtype {
+        DType::F32 => nccl::ncclDataType_t::ncclFloat32,
+        DType::F16 => nccl::ncclDataType_t::ncclFloat16,
+        DType::BF16 => nccl::ncclDataType_t::ncclBfloat16,
+        DType::F64 => nccl::ncclDataType_t::ncclFloat64,
+        other => return Err(NcclError::DType(other)),
+    })
+}
+
+/// A tensor's device address, valid while the returned guard lives.
+fn device_pointer(tensor: &CudaTensor) -> Result<(u64, impl Sized + use<>), NcclError> {
+    let resource = tensor
+        .client
+        .get_resource(tensor.handle.clone())
+        .map_err(|e| NcclError::Cuda(format!("cannot reach a tensor's buffer: {e:?}")))?;
+    Ok((resource.resource().ptr, resource))
+}
+
+fn to_comm_error(error: NcclError) -> CommError {
+    CommError::Backend(error.to_string())
+}
+
+/// An empty contiguous tensor like `like`, with `shape`.
+fn empty_like(like: &CudaTensor, shape: Shape) -> CudaTensor {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, like.dtype)
+}
+
+impl NcclCommunicator {
+    /// The collective shape shared by every tensor op: contiguous input, fresh output,
+    /// pointers held for the duration of the call.
+    fn tensor_collective(
+        &self,
+        op: &'static str,
+        input: CudaTensor,
+        output_shape: Shape,
+        launch: impl FnOnce(*const c_void, *mut c_void, usize, nccl::ncclDataType_t, nccl::ncclComm_t, nccl::cudaStream_t) -> nccl::ncclResult_t,
+    ) -> Result<CudaTensor, CommError> {
+        let input = into_contiguous(input);
+        let output = empty_like(&input, output_shape);
+        let dtype = data_type(input.dtype).map_err(to_comm_error)?;
+        let count = input.shape().num_elements();
+        let (send, _send_guard) = device_pointer(&input).map_err(to_comm_error)?;
+        let (recv, _recv_guard) = device_pointer(&output).map_err(to_comm_error)?;
+        self.collective(op, &input.client, |comm, stream| {
+            launch(send as *const c_void, recv as *mut c_void, count, dtype, comm, stream)
+        })
+        .map_err(to_comm_error)?;
+        Ok(output)
+    }
+}
+
+impl<F, I, BT> Communicator<CubeBackend<CudaRuntime, F, I, BT>> for NcclCommunicator
+where
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    CubeBackend<CudaRuntime, F, I, BT>: Backend<FloatTensorPrimitive = CudaTensor>,
+{
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_to_all(&self, tensor: CudaTensor) -> Result<CudaTensor, CommError> {
+        let shape = tensor.shape();
+        if shape.num_dims() == 0 || shape[0] != self.size {
+            return Err(CommError::InvalidArgument {
+                op: burn_ulysses::comm::Collective::AllToAll,
+                reason: format!("dim 0 must equal the group size {}, got shape {:?}", self.size, shape.to_vec()),
+            });
+        }
+        let bytes = (shape.num_elements() * tensor.dtype.size()) as u64;
+        let size = self.size;
+        let element = tensor.dtype.size();
+        let output = self.tensor_collective("all_to_all", tensor, shape, |send, recv, count, dtype, comm, stream| {
+            let chunk = count / size;
+            // SAFETY: the buffers hold `count` elements and outlive the call (guards above).
+            unsafe {
+                let started = nccl::ncclGroupStart();
+                if started != nccl::ncclResult_t::ncclSuccess {
+                    return started;
+                }
+                for peer in 0..size {
+                    let offset = peer * chunk * element;
+                    nccl::ncclSend((send as *const u8).add(offset) as *const c_void, chunk, dtype, peer as c_int, comm, stream);
+                    nccl::ncclRecv((recv as *mut u8).add(offset) as *mut c_void, chunk, dtype, peer as c_int, comm, stream);
+                }
+                nccl::ncclGroupEnd()
+            }
+        })?;
+        self.traffic.record_all_to_all(bytes, self.size);
+        Ok(output)
+    }
+
+    fn all_reduce(&self, tensor: CudaTensor, op: ReduceOp) -> Result<CudaTensor, CommError> {
+        self.traffic.record_all_reduce((tensor.shape().num_elements() * tensor.dtype.size()) as u64);
+        let reduce = match op {
+            ReduceOp::Sum => nccl::ncclRedOp_t::ncclSum,
+            ReduceOp::Mean => nccl::ncclRedOp_t::ncclAvg,
+            ReduceOp::Max => nccl::ncclRedOp_t::ncclMax,
+        };
+        let shape = tensor.shape();
+        self.tensor_collective("all_reduce", tensor, shape, |send, recv, count, dtype, comm, stream| unsafe {
+            nccl::ncclAllReduce(send, recv, count, dtype, reduce, comm, stream)
+        })
+    }
+
+    fn all_gather(&self, tensor: CudaTensor) -> Result<CudaTensor, CommError> {
+        self.traffic.record_all_gather((tensor.shape().num_elements() * tensor.dtype.size()) as u64);
+        let mut shape = tensor.shape();
+        shape.insert(0, self.size);
+        self.tensor_collective("all_gather", tensor, shape, |send, recv, count, dtype, comm, stream| unsafe {
+            nccl::ncclAllGather(send, recv, count, dtype, comm, stream)
+        })
+    }
+
+    fn broadcast(&self, tensor: CudaTensor, root: usize) -> Result<CudaTensor, CommError> {
+        if self.rank == root {
+            self.traffic.record_broadcast((tensor.shape().num_elements() * tensor.dtype.size()) as u64);
+        }
+        let shape = tensor.shape();
+        self.tensor_collective("broadcast", tensor, shape, |send, recv, count, dtype, comm, stream| unsafe {
+            nccl::ncclBroadcast(send, recv, count, dtype, root as c_int, comm, stream)
+        })
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        Communicator::<CubeBackend<CudaRuntime, F, I, BT>>::all_gather_host(self, &[]).map(|_| ())
+    }
+
+    fn all_gather_host(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+        // Lengths first, so that ranks sending different numbers still run matching
+        // collectives; then the values, padded to the longest.
+        let lengths = self.gather_u64(&[values.len() as u64]).map_err(to_comm_error)?;
+        let longest = lengths.iter().copied().max().unwrap_or(0) as usize;
+        let mut padded = values.to_vec();
+        padded.resize(longest, 0);
+        let gathered = self.gather_u64(&padded).map_err(to_comm_error)?;
+        Ok(lengths
+            .iter()
+            .enumerate()
+            .map(|(rank, &len)| gathered[rank * longest..rank * longest + len as usize].to_vec())
+            .collect())
+    }
+
+    fn split(&self, color: u32, key: u32) -> Result<Arc<dyn Communicator<CubeBackend<CudaRuntime, F, I, BT>>>, CommError> {
+        Ok(self.split_group(color, key)?)
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.traffic.snapshot()
+    }
+}
+
+impl NcclCommunicator {
+    /// All-gathers `values.len()` u64 per rank through a device buffer.
+    fn gather_u64(&self, values: &[u64]) -> Result<Vec<u64>, NcclError> {
+        let count = values.len().max(1);
+        let client = self.client();
+        let bytes: Vec<u8> = values.iter().chain(std::iter::repeat(&0)).take(count).flat_map(|v| v.to_le_bytes()).collect();
+        let input = client.create_from_slice(&bytes);
+        let output = client.empty(count * 8 * self.size);
+        let input_resource = client.get_resource(input.clone()).map_err(|e| NcclError::Cuda(format!("{e:?}")))?;
+        let output_resource = client.get_resource(output.clone()).map_err(|e| NcclError::Cuda(format!("{e:?}")))?;
+        let (send, recv) = (input_resource.resource().ptr, output_resource.resource().ptr);
+        self.collective("all_gather_host", &client, |comm, stream| unsafe {
+            nccl::ncclAllGather(send as *const c_void, recv as *mut c_void, count, nccl::ncclDataType_t::ncclUint64, comm, stream)
+        })?;
+        drop((input_resource, output_resource));
+        let bytes = client.read_one(output).map_err(|e| NcclError::Cuda(format!("{e:?}")))?;
+        let all: Vec<u64> = bytes.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect();
+        // Drop the padding of empty inputs.
+        Ok(if values.is_empty() { Vec::new() } else { all })
+    }
+}
+
+impl GroupSplit for NcclCommunicator {
+    fn group_rank(&self) -> usize {
+        self.rank
+    }
+
+    fn group_size(&self) -> usize {
+        self.size
+    }
+
+    fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
+        let parent = self.comm.lock().unwrap_or_else(|p| p.into_inner()).0;
+        let mut child: nccl::ncclComm_t = ptr::null_mut();
+        let mut config = non_blocking_config();
+        self.current_context().map_err(to_comm_error)?;
+        // SAFETY: live parent communicator, valid out-pointer and config.
+        let started = unsafe { nccl::ncclCommSplit(parent, color as c_int, key as c_int, &mut child, &mut config) };
+        self.accept(started, "ncclCommSplit", parent).map_err(to_comm_error)?;
+        self.wait_ready("ncclCommSplit", parent).map_err(to_comm_error)?;
+        self.wait_ready("ncclCommSplit", child).map_err(to_comm_error)?;
+        let (mut rank, mut size) = (0 as c_int, 0 as c_int);
+        // SAFETY: `child` is a ready communicator.
+        unsafe {
+            nccl::ncclCommUserRank(child, &mut rank);
+            nccl::ncclCommCount(child, &mut size);
+        }
+        Ok(Arc::new(Self {
+            comm: Mutex::new(Raw(child)),
+            aborted: AtomicBool::new(false),
+            rank: rank as usize,
+            size: size as usize,
+            process: self.process.clone(),
+            traffic: TrafficCounter::default(),
+            host_sync_nanos: AtomicU64::new(0),
+            collectives: AtomicU64::new(0),
+        }))
+    }
+}

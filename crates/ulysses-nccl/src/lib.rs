@@ -1,0 +1,55 @@
+//! NCCL for burn-ulysses: one process per GPU, on one node or many.
+//!
+//! [`NcclCommunicator`] implements `burn_ulysses::comm::Communicator` on the CUDA buffers of
+//! burn's `CubeBackend<CudaRuntime, ..>` tensors, and `GroupSplit` through `ncclCommSplit`,
+//! so `ParallelGroups` builds the SP and DP groups from it. It joins the job through
+//! `ulysses_dist::Rendezvous` (rank 0 hands out the NCCL unique id) and uses NCCL's
+//! non-blocking communicators, so that no call waits forever: a collective that outlives its
+//! timeout, or whose peer died (its rendezvous connection closed), aborts the communicator
+//! and returns an error that names the rank.
+//!
+//! Ordering against CubeCL's own work: CubeCL does not expose its CUDA stream, so each
+//! collective synchronises CubeCL's queue on the host before NCCL reads the inputs, and
+//! waits for NCCL's stream before handing back the outputs. A stream-ordered version would
+//! record an event on CubeCL's stream and make NCCL's stream wait on it (and the reverse),
+//! which needs CubeCL to expose the stream of a client.
+//!
+//! Status: this crate builds and its CPU-side behaviour (no libnccl) is tested; it has not
+//! yet run on a GPU. Every cudarc NCCL call panics when libnccl is absent, so the library is
+//! checked first ([`check_library`]).
+
+mod comm;
+mod library;
+
+pub use comm::NcclCommunicator;
+pub use library::{NcclVersion, check_library};
+
+use burn::tensor::DType;
+
+/// Why an NCCL operation failed. Each variant names the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum NcclError {
+    #[error(
+        "libnccl is not loadable: cudarc looks for `libnccl.so` (not `libnccl.so.2`) on the \
+         library path. Install NCCL (Debian: libnccl2, pip: nvidia-nccl-cu12/13), then make a \
+         `libnccl.so` symlink to its `libnccl.so.2` in a folder on LD_LIBRARY_PATH, e.g. \
+         `ln -s $(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))')/lib/libnccl.so.2 \
+         ~/lib/libnccl.so && export LD_LIBRARY_PATH=~/lib:$LD_LIBRARY_PATH`. \
+         In-process ranks (ThreadGroup) keep working without it."
+    )]
+    LibraryMissing,
+    #[error("no CUDA driver: libcuda is not loadable, so NCCL cannot run on this machine")]
+    DriverMissing,
+    #[error("{call} failed: {code:?} ({message})")]
+    Nccl { call: &'static str, code: cudarc::nccl::sys::ncclResult_t, message: String },
+    #[error("CUDA: {0}")]
+    Cuda(String),
+    #[error("{op} did not complete within {after:?}; ranks {departed:?} have left the job. The communicator was aborted.")]
+    Timeout { op: &'static str, after: std::time::Duration, departed: Vec<usize> },
+    #[error("{op} aborted: rank(s) {ranks:?} died (their rendezvous connection closed). Look at their own errors first.")]
+    PeerDied { op: &'static str, ranks: Vec<usize> },
+    #[error("NCCL has no type for {0:?}; use f32, f16, bf16 or f64 tensors")]
+    DType(DType),
+    #[error(transparent)]
+    Dist(#[from] ulysses_dist::DistError),
+}

@@ -1,0 +1,34 @@
+//! Finding libnccl without panicking: every cudarc NCCL entry point panics when the library
+//! cannot be loaded, so it is probed first.
+
+use crate::NcclError;
+
+/// NCCL's version code (`major · 10000 + minor · 100 + patch` since 2.9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NcclVersion(pub i32);
+
+impl std::fmt::Display for NcclVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.0 / 10000, self.0 / 100 % 100, self.0 % 100)
+    }
+}
+
+/// Loads libnccl and returns its version, or the error that says how to make it loadable.
+pub fn check_library() -> Result<NcclVersion, NcclError> {
+    // SAFETY: only tries to dlopen the candidate names; nothing is called.
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Err(NcclError::LibraryMissing);
+    }
+    let version = cudarc::nccl::result::get_nccl_version().map_err(|e| NcclError::Nccl {
+        call: "ncclGetVersion",
+        code: e.0,
+        message: "the library loaded but does not answer".into(),
+    })?;
+    Ok(NcclVersion(version))
+}
+
+/// Checks that the CUDA driver can be loaded (cudarc's driver calls panic otherwise).
+pub(crate) fn check_driver() -> Result<(), NcclError> {
+    // SAFETY: only tries to dlopen the candidate names.
+    if unsafe { cudarc::driver::sys::is_culib_present() } { Ok(()) } else { Err(NcclError::DriverMissing) }
+}

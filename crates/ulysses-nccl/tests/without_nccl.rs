@@ -1,0 +1,42 @@
+//! On a machine without libnccl (CI, and any CPU-only machine), asking for NCCL fails with an
+//! error that says how to make libnccl loadable, nothing panics, and in-process ranks keep
+//! working. On a machine that has libnccl the test reports its version instead.
+
+use burn::backend::NdArray;
+use burn_ulysses::comm::{Communicator, ReduceOp, ThreadGroup};
+use ulysses_dist::DistributedConfig;
+use ulysses_nccl::{NcclCommunicator, NcclError, check_library};
+
+#[test]
+fn a_missing_libnccl_is_a_clear_error_and_the_cpu_path_keeps_working() {
+    match check_library() {
+        Ok(version) => {
+            println!("libnccl {version} is loadable here; the missing-library path is not exercised");
+            return;
+        }
+        Err(error) => {
+            let message = error.to_string();
+            println!("{message}");
+            assert!(matches!(error, NcclError::LibraryMissing));
+            for needle in ["libnccl.so", "libnccl.so.2", "LD_LIBRARY_PATH", "ThreadGroup"] {
+                assert!(message.contains(needle), "missing {needle:?} in: {message}");
+            }
+        }
+    }
+    let from_env = NcclCommunicator::from_env(&DistributedConfig::new().with_token(Some("t".into())));
+    assert!(matches!(from_env, Err(NcclError::LibraryMissing)), "from_env must fail before touching the job");
+
+    type B = NdArray<f32>;
+    let sums = ThreadGroup::new(2).run(|rank| {
+        let comm = rank.communicator();
+        let t = burn::tensor::Tensor::<B, 1>::from_floats([rank.rank() as f32 + 1.0], &Default::default());
+        let sum = Communicator::<B>::all_reduce(&*comm, t.into_primitive().tensor(), ReduceOp::Sum).unwrap();
+        burn::tensor::Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(sum)).into_scalar()
+    });
+    assert!(sums.into_iter().all(|s| s.unwrap() == 3.0));
+}
+
+#[test]
+fn nccl_versions_read_as_major_minor_patch() {
+    assert_eq!(ulysses_nccl::NcclVersion(22803).to_string(), "2.28.3");
+}
