@@ -13,7 +13,10 @@
 
 use cubecl::prelude::*;
 
-use super::forward::MASKED;
+use super::{
+    forward::MASKED,
+    tiles::{load_row, load_tile, visible_keys},
+};
 
 #[cube(launch)]
 pub(crate) fn row_delta_kernel<F: Float>(
@@ -84,20 +87,12 @@ pub(crate) fn key_value_grad_kernel<F: Float>(
 
     let k_base = batch * key.stride(0) + kv_head * key.stride(1) + col * key.stride(2);
     let v_base = batch * value.stride(0) + kv_head * value.stride(1) + col * value.stride(2);
+    load_row(key, k_base, col_valid, &mut k_row, head_dim);
+    load_row(value, v_base, col_valid, &mut v_row, value_dim);
     for d in 0..head_dim {
-        let mut x = 0.0f32;
-        if col_valid {
-            x = f32::cast_from(key[k_base + d * key.stride(3)]);
-        }
-        k_row[d] = x;
         dk[d] = 0.0f32;
     }
     for d in 0..value_dim {
-        let mut x = 0.0f32;
-        if col_valid {
-            x = f32::cast_from(value[v_base + d * value.stride(3)]);
-        }
-        v_row[d] = x;
         dv[d] = 0.0f32;
     }
 
@@ -117,26 +112,8 @@ pub(crate) fn key_value_grad_kernel<F: Float>(
         let delta_base = batch * delta.stride(0) + head * delta.stride(1);
         for tile in first_tile..tiles {
             let q0 = tile * block_q;
-            let mut i = UNIT_POS_X as usize;
-            while i < block_q * head_dim {
-                let r = i / head_dim;
-                let mut x = 0.0f32;
-                if q0 + r < seq_q {
-                    x = f32::cast_from(query[q_base + (q0 + r) * query.stride(2) + (i % head_dim) * query.stride(3)]);
-                }
-                q_tile[i] = x;
-                i += CUBE_DIM_X as usize;
-            }
-            let mut i = UNIT_POS_X as usize;
-            while i < block_q * value_dim {
-                let r = i / value_dim;
-                let mut x = 0.0f32;
-                if q0 + r < seq_q {
-                    x = f32::cast_from(output_grad[g_base + (q0 + r) * output_grad.stride(2) + (i % value_dim) * output_grad.stride(3)]);
-                }
-                g_tile[i] = x;
-                i += CUBE_DIM_X as usize;
-            }
+            load_tile(query, q_base, q0, seq_q, &mut q_tile, block_q, head_dim);
+            load_tile(output_grad, g_base, q0, seq_q, &mut g_tile, block_q, value_dim);
             let mut i = UNIT_POS_X as usize;
             while i < block_q {
                 let mut lse_x = f32::new(MASKED);
@@ -227,20 +204,10 @@ pub(crate) fn query_grad_kernel<F: Float>(
 
     let q_base = batch * query.stride(0) + head * query.stride(1) + row * query.stride(2);
     let g_base = batch * output_grad.stride(0) + head * output_grad.stride(1) + row * output_grad.stride(2);
+    load_row(query, q_base, row_valid, &mut q_row, head_dim);
+    load_row(output_grad, g_base, row_valid, &mut g_row, value_dim);
     for d in 0..head_dim {
-        let mut x = 0.0f32;
-        if row_valid {
-            x = f32::cast_from(query[q_base + d * query.stride(3)]);
-        }
-        q_row[d] = x;
         dq[d] = 0.0f32;
-    }
-    for d in 0..value_dim {
-        let mut x = 0.0f32;
-        if row_valid {
-            x = f32::cast_from(output_grad[g_base + d * output_grad.stride(3)]);
-        }
-        g_row[d] = x;
     }
     let mut row_lse = f32::new(MASKED);
     let mut row_delta = 0.0f32;
@@ -249,37 +216,15 @@ pub(crate) fn query_grad_kernel<F: Float>(
         row_delta = delta[batch * delta.stride(0) + head * delta.stride(1) + row * delta.stride(2)];
     }
 
-    let mut visible = seq_kv;
-    if causal {
-        let rows_end = min(first_row + block_q, seq_q);
-        visible = min(seq_kv, select(rows_end + seq_kv > seq_q, rows_end + seq_kv - seq_q, 0));
-    }
+    let visible = visible_keys(first_row, seq_q, seq_kv, block_q, causal);
     let tiles = (visible + block_kv - 1) / block_kv;
     let k_base = batch * key.stride(0) + kv_head * key.stride(1);
     let v_base = batch * value.stride(0) + kv_head * value.stride(1);
 
     for tile in 0..tiles {
         let kv0 = tile * block_kv;
-        let mut i = UNIT_POS_X as usize;
-        while i < block_kv * head_dim {
-            let r = i / head_dim;
-            let mut x = 0.0f32;
-            if kv0 + r < seq_kv {
-                x = f32::cast_from(key[k_base + (kv0 + r) * key.stride(2) + (i % head_dim) * key.stride(3)]);
-            }
-            k_tile[i] = x;
-            i += CUBE_DIM_X as usize;
-        }
-        let mut i = UNIT_POS_X as usize;
-        while i < block_kv * value_dim {
-            let r = i / value_dim;
-            let mut x = 0.0f32;
-            if kv0 + r < seq_kv {
-                x = f32::cast_from(value[v_base + (kv0 + r) * value.stride(2) + (i % value_dim) * value.stride(3)]);
-            }
-            v_tile[i] = x;
-            i += CUBE_DIM_X as usize;
-        }
+        load_tile(key, k_base, kv0, seq_kv, &mut k_tile, block_kv, head_dim);
+        load_tile(value, v_base, kv0, seq_kv, &mut v_tile, block_kv, value_dim);
         sync_cube();
 
         for j in 0..block_kv {

@@ -16,6 +16,8 @@
 
 use cubecl::prelude::*;
 
+use super::tiles::{load_row, load_tile, visible_keys};
+
 /// Stand-in for -infinity in running maxima and masked scores.
 pub(crate) const MASKED: f32 = -1.0e30;
 
@@ -54,12 +56,9 @@ pub(crate) fn flash_forward_kernel<F: Float>(
     let mut scores = Array::<f32>::new(block_kv);
 
     let q_base = batch * query.stride(0) + head * query.stride(1) + row * query.stride(2);
+    load_row(query, q_base, row_valid, &mut q_row, head_dim);
     for d in 0..head_dim {
-        let mut x = 0.0f32;
-        if row_valid {
-            x = f32::cast_from(query[q_base + d * query.stride(3)]) * scale;
-        }
-        q_row[d] = x;
+        q_row[d] *= scale;
     }
     for d in 0..value_dim {
         acc[d] = 0.0f32;
@@ -67,13 +66,8 @@ pub(crate) fn flash_forward_kernel<F: Float>(
     let mut m = f32::new(MASKED);
     let mut l = 0.0f32;
 
-    // Keys the cube's last row may see; causal attention is aligned bottom-right, as burn's
-    // `is_causal`: row i sees keys j with j + seq_q <= i + seq_kv.
-    let mut visible = seq_kv;
-    if causal {
-        let rows_end = min(first_row + block_q, seq_q);
-        visible = min(seq_kv, select(rows_end + seq_kv > seq_q, rows_end + seq_kv - seq_q, 0));
-    }
+    // Causal attention is aligned bottom-right, as burn's `is_causal`.
+    let visible = visible_keys(first_row, seq_q, seq_kv, block_q, causal);
     let tiles = (visible + block_kv - 1) / block_kv;
     let k_base = batch * key.stride(0) + kv_head * key.stride(1);
     let v_base = batch * value.stride(0) + kv_head * value.stride(1);
@@ -81,26 +75,8 @@ pub(crate) fn flash_forward_kernel<F: Float>(
     for tile in 0..tiles {
         let kv0 = tile * block_kv;
         // Every unit loads, valid row or not: the barrier needs the whole cube.
-        let mut i = UNIT_POS_X as usize;
-        while i < block_kv * head_dim {
-            let r = i / head_dim;
-            let mut x = 0.0f32;
-            if kv0 + r < seq_kv {
-                x = f32::cast_from(key[k_base + (kv0 + r) * key.stride(2) + (i % head_dim) * key.stride(3)]);
-            }
-            k_tile[i] = x;
-            i += CUBE_DIM_X as usize;
-        }
-        let mut i = UNIT_POS_X as usize;
-        while i < block_kv * value_dim {
-            let r = i / value_dim;
-            let mut x = 0.0f32;
-            if kv0 + r < seq_kv {
-                x = f32::cast_from(value[v_base + (kv0 + r) * value.stride(2) + (i % value_dim) * value.stride(3)]);
-            }
-            v_tile[i] = x;
-            i += CUBE_DIM_X as usize;
-        }
+        load_tile(key, k_base, kv0, seq_kv, &mut k_tile, block_kv, head_dim);
+        load_tile(value, v_base, kv0, seq_kv, &mut v_tile, block_kv, value_dim);
         sync_cube();
 
         let mut tile_max = m;

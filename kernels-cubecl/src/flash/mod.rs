@@ -3,6 +3,7 @@
 
 mod backward;
 mod forward;
+mod tiles;
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
