@@ -118,8 +118,12 @@ fn run(args: Args) -> Result<(), String> {
 
     match args.backend {
         BackendKind::Cpu => train::<Autodiff<NdArray>>(&config, &corpus, &args, Default::default()),
+        // CubeBackend itself rather than burn's fused `Cuda`: the flash kernels run on it.
         #[cfg(feature = "cuda")]
-        BackendKind::Cuda => train::<Autodiff<burn::backend::Cuda>>(&config, &corpus, &args, Default::default()),
+        BackendKind::Cuda => {
+            type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+            train::<Autodiff<Cuda>>(&config, &corpus, &args, Default::default())
+        }
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda => Err("this binary was built without CUDA: rebuild with `--features cuda`".into()),
     }
