@@ -33,6 +33,11 @@ pub fn flash_attention<B: ExchangeBackend>(
     value: Tensor<B, 4>,
     options: AttentionModuleOptions,
 ) -> Tensor<B, 4> {
+    let (q_heads, kv_heads) = (query.dims()[1], key.dims()[1]);
+    assert!(
+        kv_heads > 0 && q_heads % kv_heads == 0,
+        "flash_attention: k/v have {kv_heads} heads and q has {q_heads}; grouped-query attention needs the kv head count to divide the q head count"
+    );
     let output = B::sequence_attention(float_primitive(query), float_primitive(key), float_primitive(value), None, None, options);
     float_tensor(output)
 }
@@ -128,7 +133,11 @@ mod cube {
             options: &AttentionModuleOptions,
         ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
             flash_attention_forward(query, key, value, flash_options(options))
-                .inspect_err(|error| tracing::warn!(%error, "flash attention unavailable, using burn's attention"))
+                .inspect_err(|error| {
+                    // Once per process: a refusal repeats at every layer of every step.
+                    static WARNED: std::sync::Once = std::sync::Once::new();
+                    WARNED.call_once(|| tracing::warn!(%error, "flash attention unavailable, using burn's attention (which builds the score matrix)"));
+                })
                 .ok()
         }
 

@@ -55,7 +55,9 @@ unsafe impl<T> Sync for Raw<T> {}
 
 /// One rank's NCCL communicator over a group (the world, or a split of it).
 pub struct NcclCommunicator {
-    comm: Mutex<Raw<nccl::ncclComm_t>>,
+    comm: Raw<nccl::ncclComm_t>,
+    /// Held for the whole of a collective: NCCL calls on one communicator must not interleave.
+    calls: Mutex<()>,
     aborted: AtomicBool,
     rank: usize,
     size: usize,
@@ -84,14 +86,19 @@ impl NcclCommunicator {
         let rendezvous = Rendezvous::join(&env, config)?;
 
         cuda::init().map_err(cuda_error)?;
-        let ordinal = env.local_rank as c_int;
+        // ULYSSES_GPU overrides the GPU (several ranks on one GPU, for tests).
+        let gpu = match std::env::var("ULYSSES_GPU") {
+            Ok(value) => value.trim().parse().map_err(|_| NcclError::Cuda(format!("ULYSSES_GPU={value:?} is not a GPU index")))?,
+            Err(_) => env.local_rank,
+        };
+        let ordinal = gpu as c_int;
         let device = cuda::device::get(ordinal).map_err(cuda_error)?;
         // SAFETY: `device` is a valid device; the primary context is the one CubeCL uses.
         let context = unsafe { cuda::primary_ctx::retain(device) }.map_err(cuda_error)?;
         unsafe { cuda::ctx::set_current(context) }.map_err(cuda_error)?;
         let stream = cuda::stream::create(cuda::stream::StreamKind::NonBlocking).map_err(cuda_error)?;
         let process = Arc::new(Process {
-            device: CudaDevice { index: env.local_rank },
+            device: CudaDevice { index: gpu },
             context: Raw(context),
             stream: Raw(stream),
             rendezvous,
@@ -119,20 +126,25 @@ impl NcclCommunicator {
         let started = unsafe {
             nccl::ncclCommInitRankConfig(&mut comm, env.world_size as c_int, unique_id, env.rank as c_int, &mut nccl_config)
         };
-        let communicator = Self {
-            comm: Mutex::new(Raw(comm)),
+        let communicator = Self::wrap(comm, env.rank, env.world_size, process);
+        communicator.accept(started, "ncclCommInitRankConfig")?;
+        communicator.wait_ready("ncclCommInitRankConfig")?;
+        tracing::info!(rank = env.rank, world = env.world_size, gpu, "NCCL communicator ready");
+        Ok(Arc::new(communicator))
+    }
+
+    fn wrap(comm: nccl::ncclComm_t, rank: usize, size: usize, process: Arc<Process>) -> Self {
+        Self {
+            comm: Raw(comm),
+            calls: Mutex::new(()),
             aborted: AtomicBool::new(false),
-            rank: env.rank,
-            size: env.world_size,
+            rank,
+            size,
             process,
             traffic: TrafficCounter::default(),
             host_sync_nanos: AtomicU64::new(0),
             collectives: AtomicU64::new(0),
-        };
-        communicator.accept(started, "ncclCommInitRankConfig", comm)?;
-        communicator.wait_ready("ncclCommInitRankConfig", comm)?;
-        tracing::info!(rank = env.rank, world = env.world_size, gpu = env.local_rank, "NCCL communicator ready");
-        Ok(Arc::new(communicator))
+        }
     }
 
     fn current_context(&self) -> Result<(), NcclError> {
@@ -140,58 +152,78 @@ impl NcclCommunicator {
         unsafe { cuda::ctx::set_current(self.process.context.0) }.map_err(cuda_error)
     }
 
-    /// `ncclSuccess` and (non-blocking) `ncclInProgress` are fine; anything else is an error.
-    fn accept(&self, result: nccl::ncclResult_t, call: &'static str, comm: nccl::ncclComm_t) -> Result<(), NcclError> {
+    /// `ncclSuccess` and (non-blocking) `ncclInProgress` are fine; anything else aborts the
+    /// communicator and is an error.
+    fn accept(&self, result: nccl::ncclResult_t, call: &'static str) -> Result<(), NcclError> {
         match result {
             nccl::ncclResult_t::ncclSuccess | nccl::ncclResult_t::ncclInProgress => Ok(()),
-            code => Err(nccl_error(call, code, comm)),
+            code => Err(self.fail(call, code)),
         }
     }
 
-    /// Waits until a non-blocking NCCL call on `comm` has been issued.
-    fn wait_ready(&self, call: &'static str, comm: nccl::ncclComm_t) -> Result<(), NcclError> {
+    /// The error for a failed call, with NCCL's last message, after aborting.
+    fn fail(&self, call: &'static str, code: nccl::ncclResult_t) -> NcclError {
+        let error = nccl_error(call, code, self.comm.0);
+        self.abort();
+        error
+    }
+
+    /// Waits until this communicator's pending non-blocking call has been issued.
+    fn wait_ready(&self, call: &'static str) -> Result<(), NcclError> {
         let deadline = Instant::now() + self.process.timeout;
-        let mut next_check = Instant::now();
+        let mut next_check = Instant::now() + Duration::from_secs(1);
         loop {
-            let mut state = nccl::ncclResult_t::ncclSuccess;
-            // SAFETY: `comm` is a live communicator.
-            let queried = unsafe { nccl::ncclCommGetAsyncError(comm, &mut state) };
-            self.accept(queried, "ncclCommGetAsyncError", comm)?;
-            match state {
+            match self.async_state() {
                 nccl::ncclResult_t::ncclSuccess => return Ok(()),
                 nccl::ncclResult_t::ncclInProgress => {}
-                code => return Err(nccl_error(call, code, comm)),
+                code => return Err(self.fail(call, code)),
             }
-            self.check_peers(call, comm, deadline, &mut next_check)?;
+            self.check_peers(call, deadline, &mut next_check)?;
             std::thread::sleep(Duration::from_micros(200));
         }
     }
 
-    /// Fails (and aborts `comm`) when a peer died or the deadline passed.
-    fn check_peers(&self, op: &'static str, comm: nccl::ncclComm_t, deadline: Instant, next_check: &mut Instant) -> Result<(), NcclError> {
+    /// The communicator's asynchronous state (`ncclInProgress` while a call is pending).
+    fn async_state(&self) -> nccl::ncclResult_t {
+        let mut state = nccl::ncclResult_t::ncclSuccess;
+        // SAFETY: live communicator and a valid out-pointer.
+        let queried = unsafe { nccl::ncclCommGetAsyncError(self.comm.0, &mut state) };
+        if queried == nccl::ncclResult_t::ncclSuccess { state } else { queried }
+    }
+
+    /// Fails (and aborts) when a peer died or the deadline passed; asks the rendezvous at
+    /// most once a second. An unreachable rendezvous means rank 0, which serves it, is gone.
+    fn check_peers(&self, op: &'static str, deadline: Instant, next_check: &mut Instant) -> Result<(), NcclError> {
         let now = Instant::now();
         if now < *next_check && now < deadline {
             return Ok(());
         }
         *next_check = now + Duration::from_secs(1);
-        let departed = self.process.rendezvous.departed().unwrap_or_default();
+        let departed = self.process.rendezvous.departed().unwrap_or_else(|_| vec![0]);
         if !departed.is_empty() {
-            self.abort(comm);
+            self.abort();
             return Err(NcclError::PeerDied { op, ranks: departed });
         }
         if now >= deadline {
-            self.abort(comm);
+            self.abort();
             return Err(NcclError::Timeout { op, after: self.process.timeout, departed });
         }
         Ok(())
     }
 
-    fn abort(&self, comm: nccl::ncclComm_t) {
+    fn abort(&self) {
         if !self.aborted.swap(true, Ordering::SeqCst) {
             tracing::error!(rank = self.rank, "aborting the NCCL communicator");
-            // SAFETY: `comm` is live; abort is the documented way out of a stuck collective.
-            unsafe { nccl::ncclCommAbort(comm) };
+            // SAFETY: live communicator; abort is the documented way out of a stuck collective.
+            unsafe { nccl::ncclCommAbort(self.comm.0) };
         }
+    }
+
+    fn check_usable(&self, op: &'static str) -> Result<(), NcclError> {
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(NcclError::Cuda(format!("{op}: this communicator was aborted after an earlier failure")));
+        }
+        Ok(())
     }
 
     /// Runs one collective: CubeCL's queued work is finished first (it wrote the inputs),
@@ -203,36 +235,34 @@ impl NcclCommunicator {
         client: &cubecl::client::ComputeClient<CudaRuntime>,
         launch: impl FnOnce(nccl::ncclComm_t, nccl::cudaStream_t) -> nccl::ncclResult_t,
     ) -> Result<(), NcclError> {
-        let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner()).0;
-        if self.aborted.load(Ordering::SeqCst) {
-            return Err(NcclError::Cuda(format!("{op}: this communicator was aborted after an earlier failure")));
-        }
+        let _exclusive = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        self.check_usable(op)?;
         let waited = Instant::now();
         cubecl::future::block_on(client.sync()).map_err(|e| NcclError::Cuda(format!("CubeCL work before {op} failed: {e:?}")))?;
         self.host_sync_nanos.fetch_add(waited.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.collectives.fetch_add(1, Ordering::Relaxed);
         self.current_context()?;
         let stream = self.process.stream.0 as nccl::cudaStream_t;
-        self.accept(launch(comm, stream), op, comm)?;
-        self.wait_ready(op, comm)?;
+        self.accept(launch(self.comm.0, stream), op)?;
+        self.wait_ready(op)?;
 
         let deadline = Instant::now() + self.process.timeout;
-        let mut next_check = Instant::now();
+        let mut next_check = Instant::now() + Duration::from_secs(1);
         loop {
             // SAFETY: our stream lives as long as the process.
             match unsafe { cuda_sys::cuStreamQuery(self.process.stream.0) } {
                 cuda_sys::CUresult::CUDA_SUCCESS => return Ok(()),
                 cuda_sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                error => return Err(NcclError::Cuda(format!("{op}: {error:?}"))),
+                error => {
+                    self.abort();
+                    return Err(NcclError::Cuda(format!("{op}: {error:?}")));
+                }
             }
-            let mut state = nccl::ncclResult_t::ncclSuccess;
-            // SAFETY: live communicator.
-            unsafe { nccl::ncclCommGetAsyncError(comm, &mut state) };
-            if !matches!(state, nccl::ncclResult_t::ncclSuccess | nccl::ncclResult_t::ncclInProgress) {
-                self.abort(comm);
-                return Err(nccl_error(op, state, comm));
+            match self.async_state() {
+                nccl::ncclResult_t::ncclSuccess | nccl::ncclResult_t::ncclInProgress => {}
+                code => return Err(self.fail(op, code)),
             }
-            self.check_peers(op, comm, deadline, &mut next_check)?;
+            self.check_peers(op, deadline, &mut next_check)?;
             std::thread::sleep(Duration::from_micros(50));
         }
     }
@@ -243,11 +273,27 @@ impl NcclCommunicator {
 }
 
 impl Drop for NcclCommunicator {
+    /// Non-blocking teardown: finalize, wait for it (bounded), destroy; abort on any failure.
     fn drop(&mut self) {
-        if !self.aborted.load(Ordering::SeqCst) {
-            let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner()).0;
-            // SAFETY: the communicator is live and no collective is in flight (we own it).
-            unsafe { nccl::ncclCommDestroy(comm) };
+        if self.aborted.load(Ordering::SeqCst) || self.current_context().is_err() {
+            return;
+        }
+        // SAFETY: live communicator, no collective in flight (we are its last owner).
+        let finalized = unsafe { nccl::ncclCommFinalize(self.comm.0) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut state = finalized;
+        while state == nccl::ncclResult_t::ncclInProgress || (state == nccl::ncclResult_t::ncclSuccess && self.async_state() == nccl::ncclResult_t::ncclInProgress) {
+            if Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+            state = self.async_state();
+        }
+        if state == nccl::ncclResult_t::ncclSuccess {
+            // SAFETY: finalized communicator.
+            unsafe { nccl::ncclCommDestroy(self.comm.0) };
+        } else {
+            self.abort();
         }
     }
 }
@@ -374,10 +420,10 @@ where
                 reason: format!("dim 0 must equal the group size {}, got shape {:?}", self.size, shape.to_vec()),
             });
         }
-        let bytes = (shape.num_elements() * tensor.dtype.size()) as u64;
+        self.traffic.record_all_to_all((shape.num_elements() * tensor.dtype.size()) as u64, self.size);
         let size = self.size;
         let element = tensor.dtype.size();
-        let output = self.tensor_collective("all_to_all", tensor, shape, |send, recv, count, dtype, comm, stream| {
+        self.tensor_collective("all_to_all", tensor, shape, |send, recv, count, dtype, comm, stream| {
             let chunk = count / size;
             // SAFETY: the buffers hold `count` elements and outlive the call (guards above).
             unsafe {
@@ -385,16 +431,24 @@ where
                 if started != nccl::ncclResult_t::ncclSuccess {
                     return started;
                 }
+                // The group is always ended (a peer's matching calls depend on it); the first
+                // failure is reported.
+                let mut first_error = nccl::ncclResult_t::ncclSuccess;
                 for peer in 0..size {
                     let offset = peer * chunk * element;
-                    nccl::ncclSend((send as *const u8).add(offset) as *const c_void, chunk, dtype, peer as c_int, comm, stream);
-                    nccl::ncclRecv((recv as *mut u8).add(offset) as *mut c_void, chunk, dtype, peer as c_int, comm, stream);
+                    let sent = nccl::ncclSend((send as *const u8).add(offset) as *const c_void, chunk, dtype, peer as c_int, comm, stream);
+                    let received = nccl::ncclRecv((recv as *mut u8).add(offset) as *mut c_void, chunk, dtype, peer as c_int, comm, stream);
+                    for result in [sent, received] {
+                        let failed = !matches!(result, nccl::ncclResult_t::ncclSuccess | nccl::ncclResult_t::ncclInProgress);
+                        if failed && first_error == nccl::ncclResult_t::ncclSuccess {
+                            first_error = result;
+                        }
+                    }
                 }
-                nccl::ncclGroupEnd()
+                let ended = nccl::ncclGroupEnd();
+                if first_error == nccl::ncclResult_t::ncclSuccess { ended } else { first_error }
             }
-        })?;
-        self.traffic.record_all_to_all(bytes, self.size);
-        Ok(output)
+        })
     }
 
     fn all_reduce(&self, tensor: CudaTensor, op: ReduceOp) -> Result<CudaTensor, CommError> {
@@ -489,30 +543,32 @@ impl GroupSplit for NcclCommunicator {
     }
 
     fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
-        let parent = self.comm.lock().unwrap_or_else(|p| p.into_inner()).0;
+        if color > i32::MAX as u32 || key > i32::MAX as u32 {
+            return Err(CommError::InvalidArgument {
+                op: burn_ulysses::comm::Collective::Split,
+                reason: format!("color {color} and key {key} must fit in an i32 (NCCL's NOCOLOR is -1)"),
+            });
+        }
+        let _exclusive = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        self.check_usable("ncclCommSplit").map_err(to_comm_error)?;
+        self.current_context().map_err(to_comm_error)?;
         let mut child: nccl::ncclComm_t = ptr::null_mut();
         let mut config = non_blocking_config();
-        self.current_context().map_err(to_comm_error)?;
         // SAFETY: live parent communicator, valid out-pointer and config.
-        let started = unsafe { nccl::ncclCommSplit(parent, color as c_int, key as c_int, &mut child, &mut config) };
-        self.accept(started, "ncclCommSplit", parent).map_err(to_comm_error)?;
-        self.wait_ready("ncclCommSplit", parent).map_err(to_comm_error)?;
-        self.wait_ready("ncclCommSplit", child).map_err(to_comm_error)?;
+        let started = unsafe { nccl::ncclCommSplit(self.comm.0, color as c_int, key as c_int, &mut child, &mut config) };
+        self.accept(started, "ncclCommSplit").map_err(to_comm_error)?;
+        self.wait_ready("ncclCommSplit").map_err(to_comm_error)?;
+        // The child has its own abort flag: a failure while it gets ready aborts it alone.
+        let mut child = Self::wrap(child, 0, 0, self.process.clone());
+        child.wait_ready("ncclCommSplit").map_err(to_comm_error)?;
         let (mut rank, mut size) = (0 as c_int, 0 as c_int);
         // SAFETY: `child` is a ready communicator.
         unsafe {
-            nccl::ncclCommUserRank(child, &mut rank);
-            nccl::ncclCommCount(child, &mut size);
+            nccl::ncclCommUserRank(child.comm.0, &mut rank);
+            nccl::ncclCommCount(child.comm.0, &mut size);
         }
-        Ok(Arc::new(Self {
-            comm: Mutex::new(Raw(child)),
-            aborted: AtomicBool::new(false),
-            rank: rank as usize,
-            size: size as usize,
-            process: self.process.clone(),
-            traffic: TrafficCounter::default(),
-            host_sync_nanos: AtomicU64::new(0),
-            collectives: AtomicU64::new(0),
-        }))
+        child.rank = rank as usize;
+        child.size = size as usize;
+        Ok(Arc::new(child))
     }
 }

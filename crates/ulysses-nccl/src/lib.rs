@@ -22,7 +22,7 @@ mod comm;
 mod library;
 
 pub use comm::NcclCommunicator;
-pub use library::{NcclVersion, check_library};
+pub use library::{MINIMUM as MINIMUM_NCCL, NcclVersion, check_library};
 
 use burn::tensor::DType;
 
@@ -38,6 +38,8 @@ pub enum NcclError {
          In-process ranks (ThreadGroup) keep working without it."
     )]
     LibraryMissing,
+    #[error("libnccl {found} is too old: burn-ulysses needs NCCL {needed} or newer (ncclCommSplit, non-blocking communicators)")]
+    TooOld { found: NcclVersion, needed: NcclVersion },
     #[error("no CUDA driver: libcuda is not loadable, so NCCL cannot run on this machine")]
     DriverMissing,
     #[error("{call} failed: {code:?} ({message})")]

@@ -4,7 +4,7 @@
 use crate::NcclError;
 
 /// NCCL's version code (`major · 10000 + minor · 100 + patch` since 2.9).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct NcclVersion(pub i32);
 
 impl std::fmt::Display for NcclVersion {
@@ -24,8 +24,15 @@ pub fn check_library() -> Result<NcclVersion, NcclError> {
         code: e.0,
         message: "the library loaded but does not answer".into(),
     })?;
-    Ok(NcclVersion(version))
+    let version = NcclVersion(version);
+    if version < MINIMUM {
+        return Err(NcclError::TooOld { found: version, needed: MINIMUM });
+    }
+    Ok(version)
 }
+
+/// ncclCommSplit and non-blocking communicators with `ncclConfig_t` need NCCL 2.18.
+pub const MINIMUM: NcclVersion = NcclVersion(21800);
 
 /// Checks that the CUDA driver can be loaded (cudarc's driver calls panic otherwise).
 pub(crate) fn check_driver() -> Result<(), NcclError> {

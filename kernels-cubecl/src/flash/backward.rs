@@ -29,7 +29,7 @@ pub(crate) fn row_delta_kernel<F: Float>(
     let heads = output.shape(1);
     let seq = output.shape(2);
     let rows = output.shape(0) * heads * seq;
-    let index = ABSOLUTE_POS;
+    let index = (CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize) * CUBE_DIM_X as usize + UNIT_POS_X as usize;
     if index < rows {
         let batch = index / (heads * seq);
         let head = (index / seq) % heads;

@@ -12,7 +12,10 @@ use burn_cubecl::{
     ops::numeric::empty_device_contiguous_dtype,
     tensor::CubeTensor,
 };
-use cubecl::prelude::*;
+use cubecl::{
+    ir::{ElemType, FloatKind},
+    prelude::*,
+};
 
 use crate::FlashError;
 
@@ -71,6 +74,17 @@ impl Problem {
                 return Err(FlashError::DType { name, dtype, query: query.dtype });
             }
         }
+        if q[0] == 0 || q[1] == 0 || q[2] == 0 || k[2] == 0 {
+            return Err(FlashError::Shape(format!("empty attention: q {q:?}, k {k:?}")));
+        }
+        let float_kind = match query.dtype {
+            DType::F16 => FloatKind::F16,
+            DType::BF16 => FloatKind::BF16,
+            _ => FloatKind::F32,
+        };
+        if !query.client.properties().supports_type(ElemType::Float(float_kind)) {
+            return Err(FlashError::DType { name: "q", dtype: query.dtype, query: query.dtype });
+        }
         let scale = options.scale.unwrap_or(1.0 / (q[3] as f64).sqrt()) as f32;
         Ok(Self { batch: q[0], q_heads: q[1], kv_heads: k[1], seq_q: q[2], seq_kv: k[2], head_dim: q[3], value_dim: v[3], scale })
     }
@@ -104,7 +118,9 @@ fn grid(rows: usize, block: usize, planes: usize) -> CubeCount {
     CubeCount::Static(rows.div_ceil(block) as u32, planes as u32, 1)
 }
 
-/// Attention output `[B, Hq, Sq, Dv]` and the log-sum-exp of every row `[B, Hq, Sq]` (f32).
+/// Attention output `[B, Hq, Sq, Dv]` and the log-sum-exp of every row `[B, Hq, Sq]` (f32;
+/// a row that sees no key, under causal attention with more queries than keys, gets output
+/// zeros and log-sum-exp `-1e30`, which stands in for -infinity).
 pub fn flash_attention_forward<R: CubeRuntime>(
     query: CubeTensor<R>,
     key: CubeTensor<R>,
@@ -164,6 +180,14 @@ pub fn flash_attention_backward<R: CubeRuntime>(
             )));
         }
     }
+    let expected_lse = [p.batch, p.q_heads, p.seq_q];
+    if lse.meta.shape().to_vec() != expected_lse || lse.dtype != DType::F32 {
+        return Err(FlashError::Shape(format!(
+            "the log-sum-exp must be {expected_lse:?} f32, as the forward returns it; got {:?} {:?}",
+            lse.meta.shape().to_vec(),
+            lse.dtype
+        )));
+    }
     let contiguous = |t| into_contiguous(t);
     let (query, key, value) = (contiguous(query), contiguous(key), contiguous(value));
     let (output, output_grad, lse) = (contiguous(output), contiguous(output_grad), contiguous(lse));
@@ -175,10 +199,12 @@ pub fn flash_attention_backward<R: CubeRuntime>(
 
     crate::stats::BACKWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let delta = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, p.seq_q]), DType::F32);
-    let rows = p.batch * p.q_heads * p.seq_q;
+    // Rows can outnumber one grid dimension (65 535 cubes on wgpu): spread them over two.
+    let cubes = (p.batch * p.q_heads * p.seq_q).div_ceil(64);
+    let (cubes_x, cubes_y) = (cubes.min(65_535), cubes.div_ceil(65_535));
     backward::row_delta_kernel::launch::<R>(
         &client,
-        CubeCount::Static(rows.div_ceil(64) as u32, 1, 1),
+        CubeCount::Static(cubes_x as u32, cubes_y as u32, 1),
         CubeDim::new_1d(64),
         output.into_tensor_arg(),
         output_grad.clone().into_tensor_arg(),

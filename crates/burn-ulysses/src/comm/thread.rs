@@ -351,11 +351,19 @@ fn settle<B: Backend>(device: &B::Device, op: Collective) -> Result<(), CommErro
     B::sync(device).map_err(|error| CommError::Backend(format!("{op}: cannot finish the rank's queued work: {error}")))
 }
 
-/// Returns a collective's result once this thread's stream has finished computing it, so
-/// every read of the other ranks' buffers is done before their handles are dropped (on a
-/// backend with a stream per thread, a dropped buffer may be reused by its owner's stream).
-fn adopt<B: Backend>(result: FloatTensor<B>, device: &B::Device, op: Collective) -> Result<FloatTensor<B>, CommError> {
+/// Returns a collective's result once this thread's stream has finished computing it from
+/// `received` (the other ranks' tensors). `received` is held until then: on a backend with a
+/// stream per thread, a buffer whose last handle is dropped may be reused by its owner's
+/// stream while ours still has reads of it queued, and an operation holding the last handle
+/// may write in place.
+fn adopt<B: Backend>(
+    result: FloatTensor<B>,
+    device: &B::Device,
+    op: Collective,
+    received: Vec<FloatTensor<B>>,
+) -> Result<FloatTensor<B>, CommError> {
     settle::<B>(device, op)?;
+    drop(received);
     Ok(result)
 }
 
@@ -414,10 +422,10 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         let received = received.ok_or_else(|| mixed_backends(op))?;
         Self::check_same_shapes::<B>(op, &received)?;
         let rows: Vec<Tensor<B, 2>> = received
-            .into_iter()
-            .map(|t| crate::primitive::float_tensor(B::float_to_device(t, &device)))
+            .iter()
+            .map(|t| crate::primitive::float_tensor(B::float_to_device(t.clone(), &device)))
             .collect();
-        adopt::<B>(B::float_reshape(float_primitive(Tensor::cat(rows, 0)), shape), &device, op)
+        adopt::<B>(B::float_reshape(float_primitive(Tensor::cat(rows, 0)), shape), &device, op, received)
     }
 
     fn all_reduce(&self, tensor: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError> {
@@ -427,7 +435,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         Self::check_same_shapes::<B>(Collective::AllReduce, &tensors)?;
         // Reduce in rank order on every rank, so all ranks get bit-identical results.
         let size = tensors.len();
-        let mut rows = tensors.into_iter().map(|t| as_rows::<B>(t, 1));
+        let mut rows = tensors.iter().map(|t| as_rows::<B>(t.clone(), 1));
         let first = rows.next().unwrap();
         let reduced = rows.fold(first, |acc, t| match op {
             ReduceOp::Sum | ReduceOp::Mean => acc + t,
@@ -438,7 +446,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
             _ => reduced,
         };
         let device = reduced.device();
-        adopt::<B>(B::float_reshape(float_primitive(reduced), shape), &device, Collective::AllReduce)
+        adopt::<B>(B::float_reshape(float_primitive(reduced), shape), &device, Collective::AllReduce, tensors)
     }
 
     fn all_gather(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> {
@@ -447,9 +455,9 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         let tensors = self.gather_tensors::<B>(Collective::AllGather, tensor)?;
         Self::check_same_shapes::<B>(Collective::AllGather, &tensors)?;
         shape.insert(0, tensors.len());
-        let rows: Vec<Tensor<B, 2>> = tensors.into_iter().map(|t| as_rows::<B>(t, 1)).collect();
+        let rows: Vec<Tensor<B, 2>> = tensors.iter().map(|t| as_rows::<B>(t.clone(), 1)).collect();
         let device = rows[0].device();
-        adopt::<B>(B::float_reshape(float_primitive(Tensor::cat(rows, 0)), shape), &device, Collective::AllGather)
+        adopt::<B>(B::float_reshape(float_primitive(Tensor::cat(rows, 0)), shape), &device, Collective::AllGather, tensors)
     }
 
     fn broadcast(&self, tensor: FloatTensor<B>, root: usize) -> Result<FloatTensor<B>, CommError> {
@@ -471,7 +479,8 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         let root_tensor = tensors.swap_remove(root);
         let device = B::float_device(&root_tensor);
         // A copy of our own: the root's buffer stays the root's.
-        adopt::<B>(B::float_mul_scalar(root_tensor, 1.0.into()), &device, op)
+        let copy = B::float_mul_scalar(root_tensor.clone(), 1.0.into());
+        adopt::<B>(copy, &device, op, vec![root_tensor])
     }
 
     fn barrier(&self) -> Result<(), CommError> {

@@ -3,7 +3,10 @@
 //! realistic size (64K tokens × 4096 hidden, bf16) with its host synchronisations.
 //!
 //! ulysses-launch --nproc-per-node 2 -- ulysses-nccl-check
-//! (two ranks on one GPU: give each a different NCCL_HOSTID, e.g. through a wrapper script)
+//!
+//! Two ranks on one GPU (NCCL refuses two ranks of a communicator on one GPU unless each
+//! believes it is on another host):
+//! ULYSSES_GPU=0 ulysses-launch --nproc-per-node 2 -- sh -c 'NCCL_HOSTID=host$RANK exec ulysses-nccl-check'
 //!
 //! Exits non-zero on the first mismatch.
 
