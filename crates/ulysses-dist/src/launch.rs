@@ -37,6 +37,12 @@ impl LaunchPlan {
         if self.node_rank >= self.nnodes {
             return fail(format!("--node-rank {} is out of range for --nnodes {}", self.node_rank, self.nnodes));
         }
+        if self.nnodes > 1 && matches!(self.master_addr.as_str(), "127.0.0.1" | "localhost" | "::1") {
+            return fail(format!(
+                "with --nnodes {} the ranks of other nodes cannot reach {}: pass --master-addr with node 0's address",
+                self.nnodes, self.master_addr
+            ));
+        }
         if self.program.is_empty() {
             return fail("no program to launch: ulysses-launch [options] -- <program> [args]".into());
         }
@@ -72,6 +78,8 @@ struct Rank {
 /// the others are stopped (SIGTERM, then SIGKILL after the grace period).
 pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
     plan.validate()?;
+    // Before spawning: an interrupt during the spawn loop must stop what was started.
+    forward_interrupts();
     let mut ranks = Vec::new();
     let mut forwarders = Vec::new();
     for local_rank in 0..plan.nproc_per_node {
@@ -98,12 +106,11 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
         ranks.push(Rank { rank, child, status: None });
     }
 
-    forward_interrupts();
     let failure = loop {
         if INTERRUPTED.load(Ordering::Relaxed) {
             eprintln!("ulysses-launch: interrupted; stopping {} rank(s)", ranks.iter().filter(|r| r.status.is_none()).count());
             stop(&mut ranks, plan.kill_grace);
-            forwarders.into_iter().for_each(|f| drop(f.join()));
+            join_for(forwarders, plan.kill_grace);
             return Err(DistError::Launch("interrupted".into()));
         }
         let mut failure = None;
@@ -125,11 +132,25 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
         let running = ranks.iter().filter(|r| r.status.is_none()).count();
         eprintln!("ulysses-launch: rank {rank} {}; stopping the other {running} rank(s)", describe(status));
         stop(&mut ranks, plan.kill_grace);
-        forwarders.into_iter().for_each(|f| drop(f.join()));
+        join_for(forwarders, plan.kill_grace);
         return Err(DistError::Launch(format!("rank {rank} {}", describe(status))));
     }
     forwarders.into_iter().for_each(|f| drop(f.join()));
     Ok(())
+}
+
+/// Joins the output forwarders, but gives up after `limit`: a process that a failed rank
+/// started may outlive it and keep its output pipe open.
+fn join_for(forwarders: Vec<JoinHandle<()>>, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    for forwarder in forwarders {
+        while !forwarder.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if forwarder.is_finished() {
+            let _ = forwarder.join();
+        }
+    }
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);

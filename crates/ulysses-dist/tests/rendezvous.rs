@@ -167,3 +167,55 @@ fn the_launcher_sets_torchrun_variables() {
     assert!(stdout.contains("[rank 2] 2 4 0 2 10.9.8.7 4242 24"), "{stdout}");
     assert!(stdout.contains("[rank 3] 3 4 1 2 10.9.8.7 4242 24"), "{stdout}");
 }
+
+#[test]
+fn a_barrier_name_can_be_reused() {
+    let server = server(2);
+    let port = server.local_addr().port();
+    let other = std::thread::spawn(move || {
+        let mut client = RendezvousClient::connect("127.0.0.1", port, 1, 2, "job-secret", Duration::from_secs(5), LIMIT).unwrap();
+        client.barrier("step", 2).unwrap();
+        client.barrier("step", 2).unwrap();
+    });
+    let mut client = client(&server, 0, 2, "job-secret").unwrap();
+    client.barrier("step", 2).unwrap();
+    client.barrier("step", 2).unwrap();
+    other.join().unwrap();
+}
+
+#[test]
+fn a_client_is_not_reused_after_a_timeout() {
+    let server = server(2);
+    let port = server.local_addr().port();
+    let mut client = RendezvousClient::connect("127.0.0.1", port, 0, 2, "job-secret", Duration::from_millis(300), LIMIT).unwrap();
+    assert!(client.get("never-set").is_err());
+    // A late answer could still arrive on that connection: the client refuses to use it.
+    let err = client.departed().unwrap_err();
+    assert!(err.to_string().contains("failed earlier"), "{err}");
+    let err = client.set("x", b"1").unwrap_err();
+    assert!(err.to_string().contains("failed earlier"), "{err}");
+}
+
+#[test]
+fn an_oversized_value_is_refused_before_it_is_sent() {
+    let server = server(1);
+    let mut client = client(&server, 0, 1, "job-secret").unwrap();
+    let err = client.set("big", &vec![0u8; LIMIT]).unwrap_err();
+    assert!(err.to_string().contains("exceeds the rendezvous message limit"), "{err}");
+    // The connection is still good, and the rank was not reported departed.
+    client.set("small", b"ok").unwrap();
+    assert_eq!(client.departed().unwrap(), Vec::<usize>::new());
+}
+
+#[test]
+fn the_launcher_does_not_wait_for_processes_a_failed_rank_left_behind() {
+    let started = Instant::now();
+    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+        .args(["--nproc-per-node", "2", "--kill-grace-secs", "1", "--"])
+        .args(["sh", "-c", r#"if [ "$RANK" = 1 ]; then sleep 60 & exit 4; fi; sleep 60"#])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("rank 1 exited with status 4"));
+}

@@ -15,6 +15,11 @@ pub struct RendezvousClient {
     rank: usize,
     max_message_bytes: usize,
     timeout: Duration,
+    /// Set after a timeout or an i/o error: the stream may hold a late answer, so it is not
+    /// used again.
+    broken: bool,
+    /// Times each barrier name was used, so a name can be reused.
+    barriers: std::collections::HashMap<String, u64>,
 }
 
 impl RendezvousClient {
@@ -48,7 +53,7 @@ impl RendezvousClient {
             }
         };
         let _ = stream.set_nodelay(true);
-        let mut client = Self { stream, addr: target, rank, max_message_bytes, timeout };
+        let mut client = Self { stream, addr: target, rank, max_message_bytes, timeout, broken: false, barriers: Default::default() };
         let hello = Request::Hello { token: token.to_string(), rank, world_size };
         match client.request(&hello, "for rank 0's welcome")? {
             Response::Welcome => Ok(client),
@@ -62,6 +67,14 @@ impl RendezvousClient {
     }
 
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), DistError> {
+        // JSON spells bytes as numbers of up to four characters; stay well inside the limit.
+        if (key.len() + value.len()) * 4 + 64 > self.max_message_bytes {
+            return Err(DistError::Protocol(format!(
+                "a value of {} bytes for {key:?} exceeds the rendezvous message limit of {} bytes (ULYSSES_MAX_MESSAGE_BYTES)",
+                value.len(),
+                self.max_message_bytes
+            )));
+        }
         match self.request(&Request::Set { key: key.into(), value: value.to_vec() }, "to store a key")? {
             Response::Stored => Ok(()),
             other => Err(DistError::Protocol(format!("expected stored, got {other:?}"))),
@@ -84,20 +97,37 @@ impl RendezvousClient {
         }
     }
 
-    /// Returns once every rank of the world has reached the barrier `name`.
+    /// Returns once every rank of the world has reached the barrier `name` (as often as each
+    /// rank calls it: the n-th call of a name meets the others' n-th call).
     pub fn barrier(&mut self, name: &str, world_size: usize) -> Result<(), DistError> {
-        self.set(&format!("barrier/{name}/{}", self.rank), &[])?;
+        let generation = self.barriers.entry(name.to_string()).or_insert(0);
+        let key = format!("barrier/{name}/{generation}");
+        *generation += 1;
+        self.set(&format!("{key}/{}", self.rank), &[])?;
         for rank in 0..world_size {
-            self.get(&format!("barrier/{name}/{rank}"))?;
+            self.get(&format!("{key}/{rank}"))?;
         }
         Ok(())
     }
 
     fn request(&mut self, request: &Request, waiting_for: &str) -> Result<Response, DistError> {
+        if self.broken {
+            return Err(DistError::Protocol(format!("the connection to {} failed earlier and is closed", self.addr)));
+        }
+        let result = self.exchange(request, waiting_for);
+        if result.is_err() {
+            self.broken = true;
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        }
+        result
+    }
+
+    fn exchange(&mut self, request: &Request, waiting_for: &str) -> Result<Response, DistError> {
         let protocol = |e: FrameError| DistError::Protocol(format!("{} ({})", e, self.addr));
         self.stream.set_read_timeout(Some(self.timeout)).map_err(|e| protocol(e.into()))?;
         write_blocking(&mut self.stream, request).map_err(protocol)?;
-        match read_blocking(&mut self.stream, self.max_message_bytes) {
+        // Answers carry JSON framing on top of the value: allow for it.
+        match read_blocking(&mut self.stream, self.max_message_bytes * 5) {
             Ok(response) => Ok(response),
             Err(FrameError::Io(e)) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
                 Err(DistError::RendezvousTimeout { addr: self.addr.clone(), after: self.timeout, waiting_for: waiting_for.into() })
@@ -114,6 +144,8 @@ impl RendezvousClient {
 impl Drop for RendezvousClient {
     fn drop(&mut self) {
         // A goodbye tells the server this rank finished rather than died.
-        let _ = write_blocking(&mut self.stream, &Request::Goodbye);
+        if !self.broken {
+            let _ = write_blocking(&mut self.stream, &Request::Goodbye);
+        }
     }
 }

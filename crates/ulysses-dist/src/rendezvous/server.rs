@@ -155,9 +155,11 @@ fn admit(shared: &Shared, hello: Request, peer: SocketAddr) -> Result<usize, Str
     Ok(rank)
 }
 
+/// Largest hello: before the token is checked, a peer gets no more than this.
+const HELLO_LIMIT: usize = 4096;
+
 async fn connection(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
-    let limit = shared.settings.max_message_bytes;
-    let hello = match tokio::time::timeout(shared.settings.handshake_timeout, read_async::<Request>(&mut stream, limit)).await {
+    let hello = match tokio::time::timeout(shared.settings.handshake_timeout, read_async::<Request>(&mut stream, HELLO_LIMIT)).await {
         Ok(Ok(hello)) => hello,
         Ok(Err(error)) => return tracing::warn!(%peer, %error, "rendezvous refused a connection"),
         Err(_) => return tracing::warn!(%peer, "rendezvous refused a connection: no hello in time"),
