@@ -55,8 +55,6 @@ def main() -> int:
         fn()
         torch.cuda.synchronize()
         samples = []
-        start_all = torch.cuda.Event(enable_timing=True)
-        start_all.record()
         while True:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
