@@ -15,6 +15,7 @@ use std::{
 use burn::{
     backend::{Autodiff, NdArray},
     config::Config,
+    module::Module,
     tensor::backend::AutodiffBackend,
 };
 use burn_ulysses::{
@@ -136,6 +137,10 @@ where
     Inner: AutodiffBackend + ExchangeBackend,
     Inner::InnerBackend: ExchangeBackend,
 {
+    // Seeded parameters, initialised here (fork forces burn's lazy initialisation) so that
+    // runs repeat; each rank forks its own copy, with its own autodiff leaves.
+    <UlyssesBackend<Inner> as burn::tensor::backend::Backend>::seed(&device, config.seed);
+    let template = config.model.init::<UlyssesBackend<Inner>>(&device).fork(&device);
     let world = ThreadGroup::new(config.layout.world_size());
     let results = world.run(|rank| -> Result<(), String> {
         let groups: ParallelGroups<ThreadCommunicator> =
@@ -144,7 +149,7 @@ where
         let mut log = (rank.rank() == 0).then(|| RunLog::new(config, args)).transpose()?;
         let progress = log.as_mut().map(|log| log as &mut dyn Progress);
         let data = CorpusData { corpus, config };
-        let model = config.model.init(&device);
+        let model = template.clone().fork(&device);
         let (model, _) = train_rank::<UlyssesBackend<Inner>, _>(config, model, &data, &groups, &device, progress)
             .map_err(|e| e.to_string())?;
         if let Some(log) = log {
