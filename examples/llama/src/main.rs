@@ -74,6 +74,9 @@ struct Args {
     /// Verify every this many steps that all ranks hold identical parameters (0: never).
     #[arg(long, default_value_t = 50)]
     check_parameters_every: usize,
+    /// Seed of the initial parameters and of the batches.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
 }
 
 fn main() {
@@ -96,7 +99,8 @@ fn run(args: Args) -> Result<(), String> {
         .with_steps(args.steps)
         .with_learning_rate(args.learning_rate)
         .with_eval_single_device(args.eval_single_device)
-        .with_check_parameters_every(args.check_parameters_every);
+        .with_check_parameters_every(args.check_parameters_every)
+        .with_seed(args.seed);
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;
     let corpus = ByteCorpus::load(&args.corpus, 0.1)?;
