@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the folder made by scripts/gpu-bundle.sh. Writes logs to
+# ${OUT:-.}. Needs libnccl.so on LD_LIBRARY_PATH for the NCCL check (see README).
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-.}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+
+# libnccl.so from the PyTorch wheel (cudarc looks for the unversioned name).
+nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) + "/lib")' 2>/dev/null || true)
+if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/libnccl.so.2" ]; then
+    mkdir -p /tmp/ncclib && ln -sf "$nccl_dir/libnccl.so.2" /tmp/ncclib/libnccl.so
+    export LD_LIBRARY_PATH="/tmp/ncclib:${LD_LIBRARY_PATH:-}"
+fi
+
+"$here/flash-attention-tests" --nocapture 2>&1 | tee "$out/kernel-tests.log"
+mkdir -p "$here/benches" && cp "$here/sdpa_reference.py" "$here/benches/" 2>/dev/null
+"$here/flash-attention-bench" 2>&1 | tee "$out/flash-bench.log"
+ULYSSES_GPU=0 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "NCCL_HOSTID=host\$RANK exec $here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check.log"
