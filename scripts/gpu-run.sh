@@ -14,6 +14,5 @@ if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/libnccl.so.2" ]; then
 fi
 
 "$here/flash-attention-tests" --nocapture 2>&1 | tee "$out/kernel-tests.log"
-mkdir -p "$here/benches" && cp "$here/sdpa_reference.py" "$here/benches/" 2>/dev/null
-"$here/flash-attention-bench" 2>&1 | tee "$out/flash-bench.log"
+ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" 2>&1 | tee "$out/flash-bench.log"
 ULYSSES_GPU=0 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "NCCL_HOSTID=host\$RANK exec $here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check.log"

@@ -108,9 +108,14 @@ fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration) -> (Timi
 
 /// PyTorch's timings for the same shape, when torch is importable.
 fn sdpa(shape: Shape) -> Option<Timing> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../benches/sdpa_reference.py");
+    // ULYSSES_SDPA_SCRIPT, else next to this executable (a carried bundle), else the source tree.
+    let beside = std::env::current_exe().ok().and_then(|exe| Some(exe.parent()?.join("sdpa_reference.py"))).filter(|p| p.exists());
+    let script = std::env::var("ULYSSES_SDPA_SCRIPT").ok().map(std::path::PathBuf::from).or(beside).unwrap_or_else(|| {
+        std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../benches/sdpa_reference.py"))
+    });
     let output = Command::new("python3")
-        .args([script, "--batch", &shape.batch.to_string(), "--heads", &shape.heads.to_string()])
+        .arg(&script)
+        .args(["--batch", &shape.batch.to_string(), "--heads", &shape.heads.to_string()])
         .args(["--seq", &shape.seq.to_string(), "--head-dim", &shape.head_dim.to_string()])
         .args(if shape.causal { &["--causal"][..] } else { &[][..] })
         .output()
