@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Builds the CUDA binaries that a GPU machine (no Rust toolchain there) runs, strips them and
-# puts them in .gpu-bundle/ (git-ignored) with the scripts they need. Carry that folder to the
-# GPU machine and run scripts/gpu-run.sh there.
+# puts them in .gpu-bundle/{kernels,nccl,train} (git-ignored), each under the 64 MiB a device
+# call carries (kernels ~19 MB, nccl ~25 MB, train ~30 MB). Carry one folder per call and run
+# its gpu-run.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=.gpu-bundle
-rm -rf "$bundle" && mkdir -p "$bundle"
+rm -rf "$bundle" && mkdir -p "$bundle"/{kernels,nccl,train}
 
 # Test and bench executables: cargo prints their paths as JSON messages.
 executables() {
@@ -17,15 +18,17 @@ for line in sys.stdin:
         print(m["executable"])'
 }
 for exe in $(executables test --release --no-run -p ulysses-kernels --features cuda --test flash_attention); do
-    cp "$exe" "$bundle/flash-attention-tests"
+    cp "$exe" "$bundle/kernels/flash-attention-tests"
 done
 for exe in $(executables bench --no-run -p ulysses-kernels --features cuda --bench flash_attention); do
-    cp "$exe" "$bundle/flash-attention-bench"
+    cp "$exe" "$bundle/kernels/flash-attention-bench"
 done
 cargo build --release -p ulysses-nccl --bin ulysses-nccl-check
 cargo build --release -p ulysses-dist --bin ulysses-launch
 cargo build --release -p ulysses-llama --features cuda
-cp target/release/ulysses-nccl-check target/release/ulysses-launch target/release/ulysses-llama "$bundle/"
-strip "$bundle"/* 2>/dev/null || true
-cp benches/sdpa_reference.py scripts/gpu-run.sh "$bundle/"
+cp target/release/ulysses-nccl-check target/release/ulysses-launch "$bundle/nccl/"
+cp target/release/ulysses-llama target/release/ulysses-launch "$bundle/train/"
+strip "$bundle"/*/* 2>/dev/null || true
+cp benches/sdpa_reference.py "$bundle/kernels/"
+for part in kernels nccl train; do cp scripts/gpu-run.sh "$bundle/$part/"; done
 du -ah "$bundle"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine, from the folder made by scripts/gpu-bundle.sh. Writes logs to
-# ${OUT:-.}. Needs libnccl.so on LD_LIBRARY_PATH for the NCCL check (see README).
+# Runs on the GPU machine, from one folder made by scripts/gpu-bundle.sh (kernels, nccl or
+# train: it runs what the folder holds). Writes logs to ${OUT:-.}.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-.}"
@@ -13,6 +13,15 @@ if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/libnccl.so.2" ]; then
     export LD_LIBRARY_PATH="/tmp/ncclib:${LD_LIBRARY_PATH:-}"
 fi
 
-"$here/flash-attention-tests" --nocapture 2>&1 | tee "$out/kernel-tests.log"
-ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" 2>&1 | tee "$out/flash-bench.log"
-ULYSSES_GPU=0 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "NCCL_HOSTID=host\$RANK exec $here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check.log"
+if [ -x "$here/flash-attention-tests" ]; then
+    "$here/flash-attention-tests" --nocapture 2>&1 | tee "$out/kernel-tests.log"
+    ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" 2>&1 | tee "$out/flash-bench.log"
+fi
+if [ -x "$here/ulysses-nccl-check" ]; then
+    ULYSSES_GPU=0 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "NCCL_HOSTID=host\$RANK exec $here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check.log"
+fi
+if [ -x "$here/ulysses-llama" ]; then
+    for sp in 1 2; do
+        "$here/ulysses-llama" --backend cuda --sp "$sp" --steps 50 --seq-len 2048 --batch-size 2 --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/train-sp$sp" 2>&1 | tail -3 | tee -a "$out/train.log"
+    done
+fi
