@@ -15,7 +15,7 @@ use cubecl::prelude::*;
 
 use super::{
     forward::MASKED,
-    tiles::{load_row, load_tile, visible_keys},
+    tiles::{load_row, load_tile, query_row, visible_keys},
 };
 
 #[cube(launch)]
@@ -184,17 +184,10 @@ pub(crate) fn query_grad_kernel<F: Float>(
     #[comptime] causal: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let q_heads = query.shape(1);
-    let seq_q = query.shape(2);
-    let seq_kv = key.shape(2);
-    let group = q_heads / key.shape(1);
-    let batch_head = CUBE_POS_Y as usize;
-    let batch = batch_head / q_heads;
-    let head = batch_head % q_heads;
-    let kv_head = head / group;
-    let first_row = CUBE_POS_X as usize * block_q;
-    let row = first_row + UNIT_POS_X as usize;
-    let row_valid = row < seq_q;
+    let position = query_row(query, key, block_q);
+    let (seq_q, seq_kv) = (position.seq_q, position.seq_kv);
+    let (batch, head, kv_head) = (position.batch, position.head, position.kv_head);
+    let (first_row, row, row_valid) = (position.first_row, position.row, position.valid);
 
     let mut k_tile = SharedMemory::<f32>::new(block_kv * head_dim);
     let mut v_tile = SharedMemory::<f32>::new(block_kv * value_dim);

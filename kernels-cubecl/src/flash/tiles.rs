@@ -3,6 +3,42 @@
 
 use cubecl::prelude::*;
 
+/// Where a unit's query row sits, for the kernels that give each unit one query row: the
+/// cube covers rows `first_row..first_row + block_q` of one (batch, q head), and q head `h`
+/// reads kv head `h / (q_heads / kv_heads)` (grouped-query attention).
+#[derive(CubeType, Clone)]
+pub(crate) struct QueryRow {
+    pub batch: usize,
+    pub head: usize,
+    pub kv_head: usize,
+    pub first_row: usize,
+    pub row: usize,
+    pub valid: bool,
+    pub seq_q: usize,
+    pub seq_kv: usize,
+}
+
+#[cube]
+pub(crate) fn query_row<F: Float>(query: &Tensor<F>, key: &Tensor<F>, #[comptime] block_q: usize) -> QueryRow {
+    let q_heads = query.shape(1);
+    let seq_q = query.shape(2);
+    let group = q_heads / key.shape(1);
+    let batch_head = CUBE_POS_Y as usize;
+    let head = batch_head % q_heads;
+    let first_row = CUBE_POS_X as usize * block_q;
+    let row = first_row + UNIT_POS_X as usize;
+    QueryRow {
+        batch: batch_head / q_heads,
+        head,
+        kv_head: head / group,
+        first_row,
+        row,
+        valid: row < seq_q,
+        seq_q,
+        seq_kv: key.shape(2),
+    }
+}
+
 /// Rows `first..first + rows` of a `[batch, heads, seq, width]` tensor (rows past `len`
 /// read as zeros) into `tile`, `rows × width` f32, the whole cube cooperating. `base` is the
 /// offset of the (batch, head) plane.
