@@ -1,6 +1,7 @@
-//! The flash-attention path on a CubeCL backend (wgpu; on the CPU through lavapipe):
-//! `flash_attention` is differentiable on `Autodiff<CubeBackend>`, and `UlyssesBackend`
-//! runs it after the exchange. Both are compared with burn's attention on NdArray, and the
+//! The flash-attention path on a CubeCL backend (wgpu; on the CPU through lavapipe), plain
+//! and fused (`Fusion<CubeBackend>`, what burn's `Wgpu` and `Cuda` types are):
+//! `flash_attention` is differentiable on both under `Autodiff`, and `UlyssesBackend` runs it
+//! after the exchange. Both are compared with burn's attention on NdArray, and the
 //! kernel launch counters prove the fused kernels ran rather than the fallback.
 //!
 //! Tolerance 2e-5 (f32): wgpu and NdArray round differently, nothing else differs.
@@ -18,9 +19,18 @@ use ulysses_suite::{
 
 type Runtime = cubecl::wgpu::WgpuRuntime;
 type Wgpu = burn_cubecl::CubeBackend<Runtime, f32, i32, u32>;
+type FusedWgpu = burn_fusion::Fusion<Wgpu>;
 type Reference = Autodiff<NdArray<f32>>;
 
 const TOLERANCE: f32 = 2e-5;
+
+/// The launch counters are global and tests run on parallel threads (and fused kernels on
+/// the device's own thread), so each test holds this lock while it counts.
+static COUNTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn counting() -> std::sync::MutexGuard<'static, ()> {
+    COUNTING.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 const CAUSAL: AttentionModuleOptions = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
 
 /// Output and gradients of q, k, v with loss `Σ output · W`; `fused` picks the op.
@@ -39,13 +49,10 @@ fn run<B: AutodiffBackend + burn_ulysses::ExchangeBackend>(fused: bool) -> [Vec<
     [values(output), values(q.grad(&grads).unwrap()), values(k.grad(&grads).unwrap()), values(v.grad(&grads).unwrap())]
 }
 
-#[test]
-fn flash_attention_is_differentiable_on_autodiff_cube_backend() {
-    if !runtime_available::<Runtime>() {
-        return;
-    }
+/// The fused op on `B` runs the kernels and matches burn's attention on NdArray.
+fn check_differentiable<B: AutodiffBackend + burn_ulysses::ExchangeBackend>() {
     let (forwards, backwards) = (forward_launches(), backward_launches());
-    let fused = run::<Autodiff<Wgpu>>(true);
+    let fused = run::<B>(true);
     assert!(forward_launches() > forwards && backward_launches() > backwards, "the fused kernels did not run");
     let reference = run::<Reference>(false);
     for (name, (got, want)) in ["output", "dq", "dk", "dv"].iter().zip(fused.iter().zip(&reference)) {
@@ -56,7 +63,48 @@ fn flash_attention_is_differentiable_on_autodiff_cube_backend() {
 }
 
 #[test]
+fn flash_attention_is_differentiable_on_autodiff_cube_backend() {
+    let _counting = counting();
+    if runtime_available::<Runtime>() {
+        check_differentiable::<Autodiff<Wgpu>>();
+    }
+}
+
+#[test]
+fn flash_attention_is_differentiable_on_autodiff_fused_cube_backend() {
+    let _counting = counting();
+    if runtime_available::<Runtime>() {
+        check_differentiable::<Autodiff<FusedWgpu>>();
+    }
+}
+
+/// A call the kernels refuse (head dim over 256) on a fused backend is decided before it is
+/// recorded on the stream, so it falls back to burn's attention. Recorded unchecked, the
+/// kernel would refuse it when the stream runs, and that panics.
+#[test]
+fn a_refused_call_on_a_fused_backend_falls_back_to_burns_attention() {
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let shape = [1, 2, 7, 272];
+    let device = Default::default();
+    let before = forward_launches();
+    let inputs = |stream| uniform_tensor::<FusedWgpu, 4>(shape, stream, &device);
+    let output: Tensor<FusedWgpu, 4> = flash_attention(inputs(1), inputs(2), inputs(3), CAUSAL);
+    let output = values(output);
+    assert_eq!(forward_launches(), before, "a head dim of 272 must not reach the kernels");
+    let device = Default::default();
+    let inputs = |stream| uniform_tensor::<NdArray<f32>, 4>(shape, stream, &device);
+    let want = attention(inputs(1), inputs(2), inputs(3), None, None, CAUSAL);
+    let diff = max_abs_diff(&output, &values(want));
+    println!("fallback on Fusion<CubeBackend>: max |Δ| {diff:.2e}");
+    assert!(diff <= TOLERANCE);
+}
+
+#[test]
 fn flash_attention_runs_on_the_plain_cube_backend() {
+    let _counting = counting();
     if !runtime_available::<Runtime>() {
         return;
     }
@@ -75,6 +123,7 @@ fn flash_attention_runs_on_the_plain_cube_backend() {
 
 #[test]
 fn ulysses_runs_the_flash_kernels_after_the_exchange() {
+    let _counting = counting();
     if !runtime_available::<Runtime>() {
         return;
     }
@@ -82,4 +131,15 @@ fn ulysses_runs_the_flash_kernels_after_the_exchange() {
     check_block_equivalence::<Autodiff<Wgpu>>(BlockCase::new(2, 4, 2), 1e-5);
     check_block_equivalence::<Autodiff<Wgpu>>(BlockCase::new(4, 8, 2), 1e-5);
     assert!(forward_launches() >= forwards + 6 && backward_launches() >= backwards + 6, "each rank's attention ran the flash kernels");
+}
+
+#[test]
+fn ulysses_runs_the_flash_kernels_on_a_fused_backend() {
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let (forwards, backwards) = (forward_launches(), backward_launches());
+    check_block_equivalence::<Autodiff<FusedWgpu>>(BlockCase::new(2, 4, 2), 1e-5);
+    assert!(forward_launches() >= forwards + 2 && backward_launches() >= backwards + 2, "each rank's attention ran the flash kernels");
 }

@@ -5,13 +5,14 @@
 //! exchange and the fused attention become autodiff nodes) or a [`PlainBackend`] (no
 //! autodiff: tensors are exchanged as they are). This crate implements [`PlainBackend`] for
 //! NdArray (feature `ndarray`) and for burn's CubeCL backends, fused or not (feature
-//! `cubecl`: CUDA, wgpu); a backend type of your own needs `impl PlainBackend for MyBackend
-//! {}`. Other burn backends (Candle, LibTorch, Router) need that line here, behind a
+//! `cubecl`: CUDA, wgpu; both run the flash kernels of `ulysses-kernels`); a backend type of
+//! your own needs `impl PlainBackend for MyBackend {}`. Other burn backends (Candle, LibTorch, Router) need that line here, behind a
 //! feature: the orphan rule forbids writing it outside this crate.
 
 use std::sync::Arc;
 
 use burn::tensor::{
+    DType,
     backend::{AutodiffBackend, Backend},
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
 };
@@ -62,6 +63,17 @@ pub trait ExchangeBackend: Backend {
 /// A backend without autodiff. A backend with its own attention kernels overrides the two
 /// `fused_attention_*` hooks (burn's CubeCL backends do, with `ulysses-kernels`).
 pub trait PlainBackend: Backend {
+    /// `Ok` when [`fused_attention_forward`](Self::fused_attention_forward) would return
+    /// `Some` for q, k and v of these shapes and dtypes on `device`, else why not. Asked by
+    /// backends that record work to run later (fusion), before they record.
+    fn fused_attention_check(
+        _operands: [(&[usize], DType); 3],
+        _device: &Self::Device,
+        _options: &AttentionModuleOptions,
+    ) -> Result<(), String> {
+        Err(format!("{} has no fused attention kernel", std::any::type_name::<Self>()))
+    }
+
     /// Output and per-row log-sum-exp (`[B, H, S_q]`, f32) of attention with grouped kv
     /// heads allowed, or `None` when this backend has no kernel for these inputs.
     fn fused_attention_forward(
@@ -190,7 +202,3 @@ where
 {
 }
 
-/// Fused backends fall back to burn's attention: running a custom kernel on a fusion
-/// stream would need its tensors resolved first (not done yet).
-#[cfg(feature = "cubecl")]
-impl<B: burn_fusion::FusionBackend> PlainBackend for burn_fusion::Fusion<B> {}

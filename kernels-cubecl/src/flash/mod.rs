@@ -44,15 +44,47 @@ struct Problem {
     scale: f32,
 }
 
+/// Shape and dtype of an operand, all the checks need: a fusion stream records work before
+/// it runs, so it asks [`check_flash_attention`] before it records a kernel.
+#[derive(Debug, Clone, Copy)]
+pub struct OperandInfo<'a> {
+    pub shape: &'a [usize],
+    pub dtype: DType,
+}
+
+/// `Ok` when [`flash_attention_forward`] and [`flash_attention_backward`] accept q, k and v of
+/// these shapes and dtype on `client`'s device; otherwise the error they would return.
+pub fn check_flash_attention<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    query: OperandInfo,
+    key: OperandInfo,
+    value: OperandInfo,
+    options: &FlashOptions,
+) -> Result<(), FlashError> {
+    let problem = Problem::new(client, query, key, value, options)?;
+    Tiles::for_problem(&problem, client).map(|_| ())
+}
+
 impl Problem {
-    fn new<R: CubeRuntime>(
+    fn of_tensors<R: CubeRuntime>(
         query: &CubeTensor<R>,
         key: &CubeTensor<R>,
         value: &CubeTensor<R>,
         options: &FlashOptions,
     ) -> Result<Self, FlashError> {
-        let dims = |t: &CubeTensor<R>| t.meta.shape().to_vec();
-        let (q, k, v) = (dims(query), dims(key), dims(value));
+        let (q, k, v) = (query.meta.shape().to_vec(), key.meta.shape().to_vec(), value.meta.shape().to_vec());
+        let info = |shape, tensor: &CubeTensor<R>| OperandInfo { shape, dtype: tensor.dtype };
+        Self::new(&query.client, info(&q, query), info(&k, key), info(&v, value), options)
+    }
+
+    fn new<R: CubeRuntime>(
+        client: &ComputeClient<R>,
+        query: OperandInfo,
+        key: OperandInfo,
+        value: OperandInfo,
+        options: &FlashOptions,
+    ) -> Result<Self, FlashError> {
+        let (q, k, v) = (query.shape, key.shape, value.shape);
         if q.len() != 4 || k.len() != 4 || v.len() != 4 {
             return Err(FlashError::Shape(format!("q, k and v must be 4-D [batch, heads, seq, dim]; got {q:?}, {k:?}, {v:?}")));
         }
@@ -82,7 +114,7 @@ impl Problem {
             DType::BF16 => FloatKind::BF16,
             _ => FloatKind::F32,
         };
-        if !query.client.properties().supports_type(ElemType::Float(float_kind)) {
+        if !client.properties().supports_type(ElemType::Float(float_kind)) {
             return Err(FlashError::DType { name: "q", dtype: query.dtype, query: query.dtype });
         }
         let scale = options.scale.unwrap_or(1.0 / (q[3] as f64).sqrt()) as f32;
@@ -127,7 +159,7 @@ pub fn flash_attention_forward<R: CubeRuntime>(
     value: CubeTensor<R>,
     options: FlashOptions,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
-    let problem = Problem::new(&query, &key, &value, &options)?;
+    let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
     let client = query.client.clone();
     let device = query.device.clone();
@@ -168,7 +200,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     lse: CubeTensor<R>,
     options: FlashOptions,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
-    let problem = Problem::new(&query, &key, &value, &options)?;
+    let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     let p = problem;
     let expected_output = [p.batch, p.q_heads, p.seq_q, p.value_dim];
     for (name, tensor) in [("output", &output), ("output gradient", &output_grad)] {

@@ -104,54 +104,14 @@ impl<B: PlainBackend> Backward<B, 3> for FusedAttentionBackward {
 }
 
 #[cfg(feature = "cubecl")]
-mod cube {
-    use burn::tensor::{
-        backend::Backend,
-        ops::{AttentionModuleOptions, FloatTensor},
-    };
-    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-    use ulysses_kernels::{FlashOptions, flash_attention_backward, flash_attention_forward};
+mod cube;
+#[cfg(feature = "cubecl")]
+mod fusion;
 
-    use crate::inner::PlainBackend;
-
-    fn flash_options(options: &AttentionModuleOptions) -> FlashOptions {
-        FlashOptions { scale: options.scale, causal: options.is_causal }
-    }
-
-    impl<R, F, I, BT> PlainBackend for CubeBackend<R, F, I, BT>
-    where
-        R: CubeRuntime,
-        F: FloatElement,
-        I: IntElement,
-        BT: BoolElement,
-        Self: Backend<FloatTensorPrimitive = burn_cubecl::tensor::CubeTensor<R>>,
-    {
-        fn fused_attention_forward(
-            query: FloatTensor<Self>,
-            key: FloatTensor<Self>,
-            value: FloatTensor<Self>,
-            options: &AttentionModuleOptions,
-        ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-            flash_attention_forward(query, key, value, flash_options(options))
-                .inspect_err(|error| {
-                    // Once per process: a refusal repeats at every layer of every step.
-                    static WARNED: std::sync::Once = std::sync::Once::new();
-                    WARNED.call_once(|| tracing::warn!(%error, "flash attention unavailable, using burn's attention (which builds the score matrix)"));
-                })
-                .ok()
-        }
-
-        fn fused_attention_backward(
-            query: FloatTensor<Self>,
-            key: FloatTensor<Self>,
-            value: FloatTensor<Self>,
-            output: FloatTensor<Self>,
-            output_grad: FloatTensor<Self>,
-            lse: FloatTensor<Self>,
-            options: &AttentionModuleOptions,
-        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-            flash_attention_backward(query, key, value, output, output_grad, lse, flash_options(options))
-                .unwrap_or_else(|error| panic!("the forward accepted these inputs, the backward refused them: {error}"))
-        }
-    }
+/// Logs, once per process, why attention falls back to burn's: a refusal repeats at every
+/// layer of every step.
+#[cfg(feature = "cubecl")]
+fn warn_fallback_once(reason: &dyn std::fmt::Display) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| tracing::warn!(%reason, "flash attention unavailable, using burn's attention (which builds the score matrix)"));
 }

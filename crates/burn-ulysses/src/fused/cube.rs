@@ -1,0 +1,58 @@
+//! burn's CubeCL backends run the flash-attention kernels of `ulysses-kernels`.
+
+use burn::tensor::{
+    DType,
+    backend::Backend,
+    ops::{AttentionModuleOptions, FloatTensor},
+};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use ulysses_kernels::{FlashOptions, OperandInfo, check_flash_attention, flash_attention_backward, flash_attention_forward};
+
+use super::warn_fallback_once;
+use crate::inner::PlainBackend;
+
+fn flash_options(options: &AttentionModuleOptions) -> FlashOptions {
+    FlashOptions { scale: options.scale, causal: options.is_causal }
+}
+
+impl<R, F, I, BT> PlainBackend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    Self: Backend<FloatTensorPrimitive = burn_cubecl::tensor::CubeTensor<R>, Device = R::Device>,
+{
+    fn fused_attention_check(
+        operands: [(&[usize], DType); 3],
+        device: &Self::Device,
+        options: &AttentionModuleOptions,
+    ) -> Result<(), String> {
+        let [query, key, value] = operands.map(|(shape, dtype)| OperandInfo { shape, dtype });
+        check_flash_attention(&R::client(device), query, key, value, &flash_options(options)).map_err(|error| error.to_string())
+    }
+
+    fn fused_attention_forward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        options: &AttentionModuleOptions,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        flash_attention_forward(query, key, value, flash_options(options))
+            .inspect_err(|error| warn_fallback_once(error))
+            .ok()
+    }
+
+    fn fused_attention_backward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        options: &AttentionModuleOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        flash_attention_backward(query, key, value, output, output_grad, lse, flash_options(options))
+            .unwrap_or_else(|error| panic!("the forward accepted these inputs, the backward refused them: {error}"))
+    }
+}

@@ -1,0 +1,130 @@
+//! burn's fused backends (`Fusion<B>`: burn's default `Cuda` and `Wgpu` types) run the
+//! kernels of the backend they wrap.
+//!
+//! A fusion stream records operations and runs them later, so a kernel joins it as a custom
+//! operation. Whether the kernel accepts the call is decided before recording, from shapes
+//! and dtypes alone: once recorded, the operation can no longer fall back to burn's attention.
+
+use std::marker::PhantomData;
+
+use burn::tensor::{
+    DType, Shape,
+    ops::{AttentionModuleOptions, FloatTensor},
+};
+use burn_fusion::{
+    Fusion, FusionBackend, FusionRuntime, FusionTensor,
+    stream::{Operation, OperationStreams},
+};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+
+use super::warn_fallback_once;
+use crate::inner::PlainBackend;
+
+/// Which kernel a recorded operation runs.
+#[derive(Debug, Clone, Copy)]
+enum Pass {
+    /// Inputs q, k, v; outputs the output and the log-sum-exp.
+    Forward,
+    /// Inputs q, k, v, output, output gradient, log-sum-exp; outputs dQ, dK, dV.
+    Backward,
+}
+
+#[derive(Debug)]
+struct FlashOperation<B> {
+    desc: CustomOpIr,
+    pass: Pass,
+    options: AttentionModuleOptions,
+    backend: PhantomData<fn() -> B>,
+}
+
+impl<B: FusionBackend + PlainBackend> Operation<B::FusionRuntime> for FlashOperation<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let mut input = |ir: &TensorIr| handles.get_float_tensor::<B>(ir);
+        let outputs = match self.pass {
+            Pass::Forward => {
+                let ([q, k, v], _) = self.desc.as_fixed::<3, 2>();
+                let (output, lse) = B::fused_attention_forward(input(q), input(k), input(v), &self.options)
+                    .expect("fused_attention_check accepted this call before it was recorded");
+                vec![output, lse]
+            }
+            Pass::Backward => {
+                let ([q, k, v, output, output_grad, lse], _) = self.desc.as_fixed::<6, 3>();
+                let (q, k, v) = (input(q), input(k), input(v));
+                let (output, output_grad, lse) = (input(output), input(output_grad), input(lse));
+                let (dq, dk, dv) = B::fused_attention_backward(q, k, v, output, output_grad, lse, &self.options);
+                vec![dq, dk, dv]
+            }
+        };
+        for (ir, tensor) in self.desc.outputs.iter().zip(outputs) {
+            handles.register_float_tensor::<B>(&ir.id, tensor);
+        }
+    }
+}
+
+/// Records one kernel on the inputs' streams; `outputs` are the shapes and dtypes it writes.
+fn record<B: FusionBackend + PlainBackend>(
+    pass: Pass,
+    inputs: Vec<FusionTensor<B::FusionRuntime>>,
+    outputs: Vec<(Shape, DType)>,
+    options: &AttentionModuleOptions,
+) -> Vec<FusionTensor<B::FusionRuntime>> {
+    let client = inputs[0].client.clone();
+    let streams = OperationStreams::with_inputs(&inputs);
+    let outputs: Vec<_> = outputs.into_iter().map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype)).collect();
+    let inputs: Vec<_> = inputs.into_iter().map(|tensor| tensor.into_ir()).collect();
+    let name = match pass {
+        Pass::Forward => "ulysses_flash_attention_forward",
+        Pass::Backward => "ulysses_flash_attention_backward",
+    };
+    let desc = CustomOpIr::new(name, &inputs, &outputs);
+    let operation = FlashOperation::<B> { desc: desc.clone(), pass, options: *options, backend: PhantomData };
+    client.register(streams, OperationIr::Custom(desc), operation)
+}
+
+fn shape_and_dtype<R: FusionRuntime>(tensor: &FusionTensor<R>) -> (Shape, DType) {
+    (tensor.shape.clone(), tensor.dtype)
+}
+
+impl<B: FusionBackend + PlainBackend> PlainBackend for Fusion<B> {
+    fn fused_attention_check(
+        operands: [(&[usize], DType); 3],
+        device: &Self::Device,
+        options: &AttentionModuleOptions,
+    ) -> Result<(), String> {
+        B::fused_attention_check(operands, device, options)
+    }
+
+    fn fused_attention_forward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        options: &AttentionModuleOptions,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        let operands = [&query, &key, &value].map(|tensor| (&tensor.shape[..], tensor.dtype));
+        if let Err(reason) = B::fused_attention_check(operands, query.client.device(), options) {
+            warn_fallback_once(&reason);
+            return None;
+        }
+        let (q, v) = (&query.shape, &value.shape);
+        let output = (Shape::new([q[0], q[1], q[2], v[3]]), query.dtype);
+        let lse = (Shape::new([q[0], q[1], q[2]]), DType::F32);
+        let [output, lse] = record::<B>(Pass::Forward, vec![query, key, value], vec![output, lse], options).outputs();
+        Some((output, lse))
+    }
+
+    fn fused_attention_backward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        output_grad: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        options: &AttentionModuleOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        // Gradients have the shapes and dtypes of what they differentiate.
+        let grads = [&query, &key, &value].map(shape_and_dtype).to_vec();
+        let inputs = vec![query, key, value, output, output_grad, lse];
+        let [dq, dk, dv] = record::<B>(Pass::Backward, inputs, grads, options).outputs();
+        (dq, dk, dv)
+    }
+}
