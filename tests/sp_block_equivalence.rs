@@ -65,3 +65,12 @@ fn eight_ranks_with_a_single_kv_head() {
 fn two_ranks_with_two_local_kv_heads_per_rank() {
     check(Case::new(2, 8, 4));
 }
+
+/// Activation checkpointing (burn's `BalancedCheckpointing` recomputes memory-bound ops in
+/// the backward) keeps the exchange and the attention: they are compute-bound nodes, never
+/// recomputed, so no rank re-enters a collective that the others do not.
+#[test]
+fn four_ranks_with_activation_checkpointing() {
+    use burn_autodiff::checkpoint::strategy::BalancedCheckpointing;
+    check_block_equivalence::<Autodiff<NdArray<f32>, BalancedCheckpointing>>(Case::new(4, 8, 2), TOLERANCE);
+}
