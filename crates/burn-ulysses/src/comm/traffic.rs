@@ -12,6 +12,7 @@ pub struct Traffic {
     pub all_to_all_remote_bytes: u64,
     pub all_to_all_calls: u64,
     pub all_reduce_bytes: u64,
+    pub all_reduce_calls: u64,
     pub all_gather_bytes: u64,
     pub broadcast_bytes: u64,
 }
@@ -24,6 +25,7 @@ impl Traffic {
             all_to_all_remote_bytes: self.all_to_all_remote_bytes - earlier.all_to_all_remote_bytes,
             all_to_all_calls: self.all_to_all_calls - earlier.all_to_all_calls,
             all_reduce_bytes: self.all_reduce_bytes - earlier.all_reduce_bytes,
+            all_reduce_calls: self.all_reduce_calls - earlier.all_reduce_calls,
             all_gather_bytes: self.all_gather_bytes - earlier.all_gather_bytes,
             broadcast_bytes: self.broadcast_bytes - earlier.broadcast_bytes,
         }
@@ -37,6 +39,7 @@ pub struct TrafficCounter {
     all_to_all_remote_bytes: AtomicU64,
     all_to_all_calls: AtomicU64,
     all_reduce_bytes: AtomicU64,
+    all_reduce_calls: AtomicU64,
     all_gather_bytes: AtomicU64,
     broadcast_bytes: AtomicU64,
 }
@@ -52,6 +55,7 @@ impl TrafficCounter {
 
     pub fn record_all_reduce(&self, bytes: u64) {
         self.all_reduce_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.all_reduce_calls.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn record_all_gather(&self, bytes: u64) {
@@ -68,6 +72,7 @@ impl TrafficCounter {
             all_to_all_remote_bytes: self.all_to_all_remote_bytes.load(Ordering::Relaxed),
             all_to_all_calls: self.all_to_all_calls.load(Ordering::Relaxed),
             all_reduce_bytes: self.all_reduce_bytes.load(Ordering::Relaxed),
+            all_reduce_calls: self.all_reduce_calls.load(Ordering::Relaxed),
             all_gather_bytes: self.all_gather_bytes.load(Ordering::Relaxed),
             broadcast_bytes: self.broadcast_bytes.load(Ordering::Relaxed),
         }

@@ -26,8 +26,12 @@ use burn::{
     },
 };
 
+mod gradients;
+
+pub use gradients::{GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets};
+
 use crate::{
-    comm::{CommError, Communicator, ReduceOp},
+    comm::{CommError, Communicator},
     data::SequenceSharder,
     error::UlyssesError,
 };
@@ -272,73 +276,6 @@ pub fn sum_f64_over_ranks<G: Backend>(
 ) -> Result<f64, CommError> {
     let gathered = communicator.all_gather_host(&[value.to_bits()])?;
     Ok(gathered.iter().map(|v| f64::from_bits(v[0])).sum())
-}
-
-/// Sums every parameter gradient over the ranks of `communicator`.
-///
-/// Parameters are visited in module order (parameter ids differ between ranks), flattened
-/// into one buffer and reduced in a single all-reduce. A parameter that has a gradient on
-/// any rank gets the sum on every rank; ranks without one contribute zeros, so all ranks
-/// always issue the same collectives.
-pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
-    module: &M,
-    mut grads: GradientsParams,
-    communicator: &dyn Communicator<B::InnerBackend>,
-) -> Result<GradientsParams, UlyssesError> {
-    if communicator.size() == 1 {
-        return Ok(grads);
-    }
-    struct Collect<'a, B: AutodiffBackend> {
-        grads: &'a mut GradientsParams,
-        flat: Vec<Tensor<B::InnerBackend, 1>>,
-        present: Vec<u64>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let grad = self.grads.remove::<B::InnerBackend, D>(param.id);
-            self.present.push(grad.is_some() as u64);
-            let grad = grad.unwrap_or_else(|| param.val().inner().zeros_like());
-            self.flat.push(grad.flatten(0, D - 1));
-        }
-    }
-    let mut collect = Collect::<B> { grads: &mut grads, flat: Vec::new(), present: Vec::new() };
-    module.visit(&mut collect);
-    let Collect { flat, present, .. } = collect;
-    if flat.is_empty() {
-        return Ok(grads);
-    }
-
-    let present_anywhere: Vec<bool> = {
-        let gathered = crate::comm::all_gather_host_checked(communicator, &present, "float parameters")?;
-        (0..present.len()).map(|i| gathered.iter().any(|p| p[i] == 1)).collect()
-    };
-    let lengths: Vec<usize> = flat.iter().map(|t| t.dims()[0]).collect();
-    let bucket = Tensor::cat(flat, 0).into_primitive().tensor();
-    let reduced: Tensor<B::InnerBackend, 1> =
-        Tensor::from_primitive(TensorPrimitive::Float(communicator.all_reduce(bucket, ReduceOp::Sum)?));
-
-    struct Register<'a, B: AutodiffBackend> {
-        grads: &'a mut GradientsParams,
-        reduced: Tensor<B::InnerBackend, 1>,
-        lengths: Vec<usize>,
-        present_anywhere: Vec<bool>,
-        index: usize,
-        offset: usize,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Register<'_, B> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let (i, len) = (self.index, self.lengths[self.index]);
-            if self.present_anywhere[i] {
-                let flat = self.reduced.clone().narrow(0, self.offset, len);
-                let shape = param.val().shape();
-                self.grads.register::<B::InnerBackend, D>(param.id, flat.reshape(shape));
-            }
-            self.index += 1;
-            self.offset += len;
-        }
-    }
-    module.visit(&mut Register::<B> { grads: &mut grads, reduced, lengths, present_anywhere, index: 0, offset: 0 });
-    Ok(grads)
 }
 
 /// Makes every rank's parameters equal to world rank 0's (call once before training). Each

@@ -1,0 +1,168 @@
+//! Gradient synchronisation: every parameter's gradient summed over a group of ranks, in
+//! bounded buckets.
+//!
+//! Reducing each parameter on its own would cost one collective per tensor (hundreds per
+//! step); concatenating all of them into one buffer would hold a second copy of every
+//! gradient. Buckets of at most [`GRADIENT_BUCKET_BYTES`] (like PyTorch DDP's) bound the extra
+//! memory to one bucket and the collectives to `total / bucket` calls.
+
+use burn::{
+    module::{AutodiffModule, ModuleVisitor, Param},
+    optim::GradientsParams,
+    tensor::{DType, Tensor, TensorPrimitive, backend::AutodiffBackend},
+};
+
+use crate::{
+    comm::{Communicator, ReduceOp},
+    error::UlyssesError,
+};
+
+/// Default bucket size of [`all_reduce_gradients`].
+pub const GRADIENT_BUCKET_BYTES: usize = 32 * 1024 * 1024;
+
+/// Sums every parameter gradient over the ranks of `communicator`, in buckets of at most
+/// [`GRADIENT_BUCKET_BYTES`].
+pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: GradientsParams,
+    communicator: &dyn Communicator<B::InnerBackend>,
+) -> Result<GradientsParams, UlyssesError> {
+    all_reduce_gradients_in_buckets(module, grads, communicator, GRADIENT_BUCKET_BYTES)
+}
+
+/// Sums every parameter gradient over the ranks of `communicator`, one all-reduce per bucket.
+///
+/// Parameters are visited in module order (parameter ids differ between ranks). A bucket
+/// holds consecutive parameters of one dtype and at most `bucket_bytes` (a larger parameter
+/// travels alone). A parameter that has a gradient on any rank gets the sum on every rank;
+/// ranks without one contribute zeros, and parameters without a gradient anywhere are left
+/// out, so all ranks always issue the same collectives.
+pub fn all_reduce_gradients_in_buckets<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    mut grads: GradientsParams,
+    communicator: &dyn Communicator<B::InnerBackend>,
+    bucket_bytes: usize,
+) -> Result<GradientsParams, UlyssesError> {
+    if communicator.size() == 1 {
+        return Ok(grads);
+    }
+    let mut take = TakeGradients::<B> { grads: &mut grads, local: Vec::new() };
+    module.visit(&mut take);
+    let mut local = take.local;
+    if local.is_empty() {
+        return Ok(grads);
+    }
+
+    let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
+    let gathered = crate::comm::all_gather_host_checked(communicator, &present, "float parameters")?;
+    let present_anywhere: Vec<bool> = (0..present.len()).map(|i| gathered.iter().any(|p| p[i] == 1)).collect();
+    let sizes: Vec<_> = local.iter().map(|l| (l.numel * l.dtype.size(), l.dtype)).collect();
+
+    let mut reduced: Vec<Option<Tensor<B::InnerBackend, 1>>> = vec![None; local.len()];
+    for bucket in plan_buckets(&sizes, &present_anywhere, bucket_bytes) {
+        let members: Vec<_> = bucket.iter().map(|&i| local[i].take_or_zeros()).collect();
+        let lengths: Vec<usize> = bucket.iter().map(|&i| local[i].numel).collect();
+        let flat = Tensor::cat(members, 0).into_primitive().tensor();
+        let flat: Tensor<B::InnerBackend, 1> =
+            Tensor::from_primitive(TensorPrimitive::Float(communicator.all_reduce(flat, ReduceOp::Sum)?));
+        let mut offset = 0;
+        for (&i, len) in bucket.iter().zip(lengths) {
+            reduced[i] = Some(flat.clone().narrow(0, offset, len));
+            offset += len;
+        }
+    }
+
+    module.visit(&mut RegisterGradients::<B> { grads: &mut grads, reduced: reduced.into_iter() });
+    Ok(grads)
+}
+
+/// One float parameter's gradient on this rank, flattened, or the parameter itself (for the
+/// shape, dtype and device of zeros) when this rank has none.
+struct LocalGradient<B: AutodiffBackend> {
+    grad: Option<Tensor<B::InnerBackend, 1>>,
+    parameter: Tensor<B::InnerBackend, 1>,
+    numel: usize,
+    dtype: DType,
+}
+
+impl<B: AutodiffBackend> LocalGradient<B> {
+    fn take_or_zeros(&mut self) -> Tensor<B::InnerBackend, 1> {
+        self.grad.take().unwrap_or_else(|| self.parameter.zeros_like())
+    }
+}
+
+struct TakeGradients<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    local: Vec<LocalGradient<B>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGradients<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let grad = self.grads.remove::<B::InnerBackend, D>(param.id).map(|g| g.flatten(0, D - 1));
+        let parameter = param.val().inner().flatten(0, D - 1);
+        let (numel, dtype) = (parameter.dims()[0], parameter.dtype());
+        self.local.push(LocalGradient { grad, parameter, numel, dtype });
+    }
+}
+
+struct RegisterGradients<'a, B: AutodiffBackend> {
+    grads: &'a mut GradientsParams,
+    reduced: std::vec::IntoIter<Option<Tensor<B::InnerBackend, 1>>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for RegisterGradients<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(Some(flat)) = self.reduced.next() {
+            self.grads.register::<B::InnerBackend, D>(param.id, flat.reshape(param.val().shape()));
+        }
+    }
+}
+
+/// Buckets of parameter indices: consecutive parameters present on some rank, of one dtype,
+/// at most `bucket_bytes` together unless a single parameter is larger. `sizes` are each
+/// parameter's gradient bytes and dtype.
+fn plan_buckets(sizes: &[(usize, DType)], present_anywhere: &[bool], bucket_bytes: usize) -> Vec<Vec<usize>> {
+    let mut buckets: Vec<Vec<usize>> = Vec::new();
+    let mut current: Vec<usize> = Vec::new();
+    let mut current_bytes = 0;
+    for (i, &(bytes, dtype)) in sizes.iter().enumerate().filter(|&(i, _)| present_anywhere[i]) {
+        let same_dtype = current.first().is_none_or(|&first| sizes[first].1 == dtype);
+        if !current.is_empty() && (!same_dtype || current_bytes + bytes > bucket_bytes) {
+            buckets.push(std::mem::take(&mut current));
+            current_bytes = 0;
+        }
+        current.push(i);
+        current_bytes += bytes;
+    }
+    if !current.is_empty() {
+        buckets.push(current);
+    }
+    buckets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const F32: DType = DType::F32;
+
+    #[test]
+    fn buckets_fill_up_to_the_cap_and_keep_order() {
+        let sizes = [(40, F32), (40, F32), (30, F32), (100, F32), (10, F32)];
+        assert_eq!(plan_buckets(&sizes, &[true; 5], 100), vec![vec![0, 1], vec![2], vec![3], vec![4]]);
+        assert_eq!(plan_buckets(&sizes, &[true; 5], 1 << 20), vec![vec![0, 1, 2, 3, 4]]);
+    }
+
+    #[test]
+    fn a_parameter_larger_than_the_cap_travels_alone() {
+        let sizes = [(10, F32), (500, F32), (10, F32)];
+        assert_eq!(plan_buckets(&sizes, &[true; 3], 100), vec![vec![0], vec![1], vec![2]]);
+    }
+
+    #[test]
+    fn dtypes_never_share_a_bucket_and_absent_gradients_are_left_out() {
+        let sizes = [(4, F32), (2, DType::BF16), (2, DType::BF16), (4, F32), (4, F32)];
+        let present = [true, true, true, false, true];
+        assert_eq!(plan_buckets(&sizes, &present, 1 << 20), vec![vec![0], vec![1, 2], vec![4]]);
+    }
+}

@@ -1,0 +1,138 @@
+//! Gradient synchronisation over 3 in-process ranks: every parameter's gradient becomes the
+//! sum of the ranks' gradients, whatever the bucket size, and the bucket size sets how many
+//! all-reduces run. A layer that only rank 0 uses still gets the sum on every rank; a layer
+//! no rank uses gets no gradient and costs no traffic.
+
+use burn::{
+    backend::{Autodiff, NdArray},
+    module::{Module, ModuleVisitor, Param},
+    nn::{Linear, LinearConfig},
+    optim::GradientsParams,
+    tensor::{Tensor, backend::Backend},
+};
+use burn_ulysses::{
+    comm::{Communicator, ThreadGroup},
+    train::all_reduce_gradients_in_buckets,
+};
+use ulysses_suite::{max_abs_diff, uniform_tensor, values};
+
+type Inner = NdArray<f32>;
+/// The autodiff backend the ranks train on.
+type Ad = Autodiff<Inner>;
+
+const RANKS: usize = 3;
+/// f32 sums of three values in a different order than the reference's.
+const TOLERANCE: f32 = 1e-6;
+
+// burn's Module derive expects the backend parameter to be called `B`.
+#[derive(Module, Debug)]
+struct Net<B: Backend> {
+    first: Linear<B>,
+    second: Linear<B>,
+    only_rank_0: Linear<B>,
+    unused: Linear<B>,
+}
+
+impl<B: Backend> Net<B> {
+    fn new(device: &B::Device) -> Self {
+        let linear = |d_in, d_out| LinearConfig::new(d_in, d_out).init(device);
+        // Each rank initialises its own values: the reference is the sum of the ranks' own gradients.
+        Self { first: linear(8, 16), second: linear(16, 4), only_rank_0: linear(4, 4), unused: linear(4, 4) }
+    }
+
+    fn loss(&self, rank: usize) -> Tensor<B, 1> {
+        let device = self.first.weight.val().device();
+        let x = uniform_tensor::<B, 2>([5, 8], 100 + rank as u64, &device);
+        let mut y = self.second.forward(self.first.forward(x).tanh());
+        if rank == 0 {
+            y = self.only_rank_0.forward(y);
+        }
+        (y.clone() * y).sum()
+    }
+}
+
+/// Each parameter's gradient (None when it has none), in module order.
+fn grads_in_order(net: &Net<Ad>, grads: &GradientsParams) -> Vec<Option<Vec<f32>>> {
+    struct Read<'a>(&'a GradientsParams, Vec<Option<Vec<f32>>>);
+    impl ModuleVisitor<Ad> for Read<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Ad, D>>) {
+            self.1.push(self.0.get::<Inner, D>(param.id).map(values));
+        }
+    }
+    let mut read = Read(grads, Vec::new());
+    net.visit(&mut read);
+    read.1
+}
+
+struct RankOutcome {
+    local: Vec<Option<Vec<f32>>>,
+    reduced: Vec<Option<Vec<f32>>>,
+    all_reduce_calls: u64,
+}
+
+fn run(bucket_bytes: usize) -> Vec<RankOutcome> {
+    ThreadGroup::new(RANKS)
+        .run(|rank| {
+            let communicator = rank.communicator();
+            let net = Net::<Ad>::new(&Default::default());
+            let grads = GradientsParams::from_grads::<Ad, _>(net.loss(rank.rank()).backward(), &net);
+            let local = grads_in_order(&net, &grads);
+            let before = Communicator::<Inner>::traffic(&*communicator);
+            let grads = all_reduce_gradients_in_buckets::<Ad, _>(&net, grads, &*communicator, bucket_bytes).unwrap();
+            let all_reduce_calls = Communicator::<Inner>::traffic(&*communicator).since(&before).all_reduce_calls;
+            RankOutcome { local, reduced: grads_in_order(&net, &grads), all_reduce_calls }
+        })
+        .into_iter()
+        .map(|outcome| outcome.unwrap())
+        .collect()
+}
+
+/// The reference: each parameter's local gradients summed over ranks on the host.
+fn check_sums(outcomes: &[RankOutcome]) {
+    let parameters = outcomes[0].local.len();
+    for p in 0..parameters {
+        let locals: Vec<&Vec<f32>> = outcomes.iter().filter_map(|o| o.local[p].as_ref()).collect();
+        if locals.is_empty() {
+            for outcome in outcomes {
+                assert!(outcome.reduced[p].is_none(), "parameter {p} has no gradient on any rank but got one");
+            }
+            continue;
+        }
+        let sum = ulysses_suite::sum_vectors(locals);
+        for (rank, outcome) in outcomes.iter().enumerate() {
+            let got = outcome.reduced[p].as_ref().unwrap_or_else(|| panic!("rank {rank} lost parameter {p}'s gradient"));
+            let diff = max_abs_diff(got, &sum);
+            assert!(diff <= TOLERANCE, "rank {rank}, parameter {p}: |Δ| {diff:e} from the sum of the ranks' gradients");
+        }
+    }
+}
+
+#[test]
+fn one_large_bucket_sums_every_gradient_in_one_all_reduce() {
+    let outcomes = run(1 << 20);
+    check_sums(&outcomes);
+    assert!(outcomes.iter().all(|o| o.all_reduce_calls == 1), "one bucket, one all-reduce");
+}
+
+#[test]
+fn small_buckets_give_the_same_sums_in_more_all_reduces() {
+    // Gradient bytes in module order: first 512 + 64, second 256 + 16, only_rank_0 64 + 16;
+    // the unused layer has none anywhere. A 300-byte cap fills [512] [64] [256, 16] [64, 16].
+    let outcomes = run(300);
+    check_sums(&outcomes);
+    assert!(outcomes.iter().all(|o| o.all_reduce_calls == 4), "calls: {:?}", outcomes.iter().map(|o| o.all_reduce_calls).collect::<Vec<_>>());
+    let one_per_parameter = run(1);
+    check_sums(&one_per_parameter);
+    assert!(one_per_parameter.iter().all(|o| o.all_reduce_calls == 6), "six parameters with a gradient somewhere, one all-reduce each");
+}
+
+#[test]
+fn a_layer_used_on_one_rank_only_gets_the_sum_on_every_rank() {
+    let outcomes = run(1 << 20);
+    // only_rank_0 (parameters 4 and 5) has a local gradient on rank 0 alone.
+    assert!(outcomes[0].local[4].is_some() && outcomes[1].local[4].is_none());
+    assert!(outcomes.iter().all(|o| o.reduced[4].is_some() && o.reduced[5].is_some()));
+    // The unused layer (6 and 7): no gradient anywhere, none invented.
+    assert!(outcomes.iter().all(|o| o.reduced[6].is_none() && o.reduced[7].is_none()));
+    check_sums(&outcomes);
+}
