@@ -122,13 +122,19 @@ impl<B: Backend> Llama<B> {
     /// `tokens: [batch, seq]` holding positions `position_offset..position_offset + seq` of
     /// each sequence → logits `[batch, seq, vocab]`.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3> {
+        self.lm_head.forward(self.hidden(tokens, position_offset))
+    }
+
+    /// The normalised last hidden states `[batch, seq, d_model]` that `lm_head` projects to
+    /// logits (training computes the loss from them in chunks).
+    pub fn hidden(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3> {
         let seq = tokens.dims()[1];
         let rope = RopeTables::new(position_offset, seq, self.head_dim, self.rope_theta, &tokens.device());
         let mut x = self.embedding.forward(tokens);
         for block in &self.blocks {
             x = block.forward(x, &rope);
         }
-        self.lm_head.forward(self.norm.forward(x))
+        self.norm.forward(x)
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -14,7 +14,7 @@ use burn_ulysses::{
     comm::Communicator,
     data::SequenceSharder,
     train::{
-        CausalLm, GroupSplit, ParallelGroups, ParallelLayout, StepReport, broadcast_parameters,
+        CausalLm, GroupSplit, LmOutput, OutputHead, ParallelGroups, ParallelLayout, StepReport, broadcast_parameters,
         check_parameters_identical, evaluate, evaluate_single_device, train_step,
     },
 };
@@ -109,6 +109,12 @@ impl TrainConfig {
 impl<B: AutodiffBackend> CausalLm<B> for Llama<B> {
     fn logits(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3> {
         self.forward(tokens, position_offset)
+    }
+
+    /// The loss runs over the hidden states in chunks of rows, never holding all logits.
+    fn lm_output(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> LmOutput<B> {
+        let head = OutputHead { weight: self.lm_head.weight.val(), bias: self.lm_head.bias.as_ref().map(|b| b.val()) };
+        LmOutput::Hidden { hidden: self.hidden(tokens, position_offset), head }
     }
 
     fn vocab_size(&self) -> usize {

@@ -21,14 +21,15 @@ use burn::{
     optim::{GradientsAccumulator, GradientsParams, Optimizer},
     tensor::{
         ElementConversion, Int, Tensor, TensorPrimitive,
-        activation::log_softmax,
         backend::{AutodiffBackend, Backend},
     },
 };
 
 mod gradients;
+mod loss;
 
 pub use gradients::{GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets};
+pub use loss::{LmOutput, OutputHead, chunked_linear_cross_entropy_sum, default_chunk_rows, lm_loss_sum, masked_cross_entropy_sum};
 
 use crate::{
     comm::{CommError, Communicator},
@@ -40,6 +41,14 @@ use crate::{
 pub trait CausalLm<B: AutodiffBackend>: AutodiffModule<B> {
     /// `tokens: [batch, seq]` at global positions `position_offset..` → `[batch, seq, vocab]`.
     fn logits(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3>;
+    /// What training computes the loss from. The default is [`logits`](Self::logits). A
+    /// model that returns [`LmOutput::Hidden`] (its last hidden states and output projection)
+    /// gets a loss computed a chunk of rows at a time, which never holds all
+    /// `tokens × vocab` logits: at long context with a large vocabulary they are the largest
+    /// activation of the step.
+    fn lm_output(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> LmOutput<B> {
+        LmOutput::Logits(self.logits(tokens, position_offset))
+    }
     /// Token ids must lie in `0..vocab_size()`.
     fn vocab_size(&self) -> usize;
     /// Training pads sequences at the end, which only causal attention leaves invisible to
@@ -151,8 +160,8 @@ where
     let mut local_loss = 0.0;
     let exchanges_before = Communicator::<B::InnerBackend>::traffic(&*groups.sp).all_to_all_calls;
     for shard in &shards {
-        let logits = model.logits(shard.tokens(device), shard.position_offset);
-        let loss = masked_cross_entropy_sum(logits, shard.labels(device), sharder.ignore_index) * weight;
+        let output = model.lm_output(shard.tokens(device), shard.position_offset);
+        let loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
         local_loss += loss.clone().into_scalar().elem::<f64>();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         accumulator.accumulate(&model, grads);
@@ -243,21 +252,6 @@ pub fn evaluate_single_device<B: Backend>(
     let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard(batch, 0);
     let loss = masked_cross_entropy_sum(forward(whole.tokens(device), 0), whole.labels(device), ignore_index);
     loss.into_scalar().elem::<f64>() / whole.valid_tokens.max(1) as f64
-}
-
-/// `Σ -log p(label)` over the labels that are not `ignore_index`: `logits [B, S, V]`,
-/// `labels [B, S]`. The graph stays connected when every label is ignored.
-pub fn masked_cross_entropy_sum<B: Backend>(
-    logits: Tensor<B, 3>,
-    labels: Tensor<B, 2, Int>,
-    ignore_index: i64,
-) -> Tensor<B, 1> {
-    let ignored = labels.clone().equal_elem(ignore_index);
-    let targets = labels.mask_fill(ignored.clone(), 0);
-    let log_probs = log_softmax(logits, 2);
-    let picked = log_probs.gather(2, targets.unsqueeze_dim(2)).squeeze_dim::<2>(2);
-    let valid = ignored.bool_not().float();
-    (picked * valid).sum().neg()
 }
 
 /// Sums a few counters over the ranks of `communicator` (a host collective).

@@ -1,0 +1,131 @@
+//! The training loss: cross-entropy summed over the labels that are not ignored, from all
+//! logits at once, or from the last hidden states a chunk of rows at a time.
+//!
+//! The chunked form (ALST's "tiled loss") matters at long context: a rank's logits are
+//! `tokens × vocab` (32K tokens × 128K vocab is 16 GiB in f32), and autodiff would keep them,
+//! and their softmax, until the backward. Here each chunk's logits live only while the chunk
+//! is computed: the forward also computes the gradients of the loss with respect to the
+//! hidden states and the output projection, and hands them to autodiff through a surrogate
+//! term whose value is exactly zero.
+
+use burn::tensor::{
+    Int, Tensor,
+    activation::log_softmax,
+    backend::{AutodiffBackend, Backend},
+    IndexingUpdateOp,
+};
+
+/// What a [`CausalLm`](super::CausalLm) gives the loss.
+pub enum LmOutput<B: Backend> {
+    /// `[batch, seq, vocab]` logits.
+    Logits(Tensor<B, 3>),
+    /// `[batch, seq, d_model]` last hidden states and the projection that makes them logits.
+    Hidden { hidden: Tensor<B, 3>, head: OutputHead<B> },
+}
+
+/// An output projection `logits = hidden · weight + bias`, laid out as burn's `Linear`
+/// (`weight: [d_model, vocab]`, `bias: [vocab]`).
+pub struct OutputHead<B: Backend> {
+    pub weight: Tensor<B, 2>,
+    pub bias: Option<Tensor<B, 1>>,
+}
+
+/// Rows per chunk: each chunk's logits hold at most 2^24 values (64 MiB in f32).
+pub fn default_chunk_rows(vocab: usize) -> usize {
+    ((1 << 24) / vocab.max(1)).max(1)
+}
+
+/// `Σ -log p(label)` over the labels of `labels: [batch, seq]` that are not `ignore_index`,
+/// from either kind of [`LmOutput`].
+pub fn lm_loss_sum<B: AutodiffBackend>(output: LmOutput<B>, labels: Tensor<B, 2, Int>, ignore_index: i64) -> Tensor<B, 1> {
+    match output {
+        LmOutput::Logits(logits) => masked_cross_entropy_sum(logits, labels, ignore_index),
+        LmOutput::Hidden { hidden, head } => {
+            let [batch, seq, d_model] = hidden.dims();
+            let chunk_rows = default_chunk_rows(head.weight.dims()[1]);
+            let hidden = hidden.reshape([batch * seq, d_model]);
+            chunked_linear_cross_entropy_sum(hidden, head, labels.reshape([batch * seq]), ignore_index, chunk_rows)
+        }
+    }
+}
+
+/// `Σ -log p(label)` over the labels that are not `ignore_index`: `logits [B, S, V]`,
+/// `labels [B, S]`. The graph stays connected when every label is ignored.
+pub fn masked_cross_entropy_sum<B: Backend>(
+    logits: Tensor<B, 3>,
+    labels: Tensor<B, 2, Int>,
+    ignore_index: i64,
+) -> Tensor<B, 1> {
+    let ignored = labels.clone().equal_elem(ignore_index);
+    let targets = labels.mask_fill(ignored.clone(), 0);
+    let log_probs = log_softmax(logits, 2);
+    let picked = log_probs.gather(2, targets.unsqueeze_dim(2)).squeeze_dim::<2>(2);
+    let valid = ignored.bool_not().float();
+    (picked * valid).sum().neg()
+}
+
+/// The same sum as [`masked_cross_entropy_sum`] of `hidden · weight + bias`
+/// (`hidden: [rows, d_model]`, `labels: [rows]`), computed `chunk_rows` rows at a time.
+///
+/// Gradients reach `hidden`, `weight` and `bias` as with the unchunked loss. Autodiff keeps
+/// two tensors the size of `hidden` and one of `weight` instead of the logits. The price:
+/// the forward does the work of the backward's two matmuls per chunk.
+pub fn chunked_linear_cross_entropy_sum<B: AutodiffBackend>(
+    hidden: Tensor<B, 2>,
+    head: OutputHead<B>,
+    labels: Tensor<B, 1, Int>,
+    ignore_index: i64,
+    chunk_rows: usize,
+) -> Tensor<B, 1> {
+    assert!(chunk_rows > 0, "chunked_linear_cross_entropy_sum: chunk_rows must be positive");
+    let [rows, d_model] = hidden.dims();
+    let [weight_rows, vocab] = head.weight.dims();
+    assert!(
+        weight_rows == d_model && labels.dims()[0] == rows && head.bias.as_ref().is_none_or(|b| b.dims()[0] == vocab),
+        "chunked_linear_cross_entropy_sum: hidden {:?}, weight {:?}, bias {:?} and labels {:?} do not fit \
+         (expected [rows, d], [d, vocab], [vocab], [rows])",
+        hidden.dims(),
+        head.weight.dims(),
+        head.bias.as_ref().map(|b| b.dims()),
+        labels.dims()
+    );
+    let device = hidden.device();
+    let (all_hidden, weight) = (hidden.clone().inner(), head.weight.clone().inner());
+    let bias = head.bias.clone().map(|b| b.inner().unsqueeze_dim::<2>(0));
+    let labels = labels.inner();
+
+    let mut loss = Tensor::<B::InnerBackend, 1>::zeros([1], &device);
+    let mut hidden_grads = Vec::with_capacity(rows.div_ceil(chunk_rows));
+    let mut weight_grad = weight.zeros_like();
+    let mut bias_grad = Tensor::<B::InnerBackend, 2>::zeros([1, vocab], &device);
+    for start in (0..rows).step_by(chunk_rows) {
+        let end = (start + chunk_rows).min(rows);
+        let chunk = all_hidden.clone().slice([start..end]);
+        let chunk_labels = labels.clone().slice([start..end]);
+        let mut logits = chunk.clone().matmul(weight.clone());
+        if let Some(bias) = &bias {
+            logits = logits + bias.clone();
+        }
+        let ignored = chunk_labels.clone().equal_elem(ignore_index);
+        let targets = chunk_labels.mask_fill(ignored.clone(), 0).unsqueeze_dim::<2>(1);
+        let valid = ignored.bool_not().float().unsqueeze_dim::<2>(1);
+        let log_probs = log_softmax(logits, 1);
+        let picked = log_probs.clone().gather(1, targets.clone());
+        loss = loss - (picked * valid.clone()).sum();
+        // d loss / d logits = softmax - one_hot(label), zero on ignored rows.
+        let minus_one = Tensor::full([end - start, 1], -1.0, &device);
+        let logits_grad = log_probs.exp().scatter(1, targets, minus_one, IndexingUpdateOp::Add) * valid;
+        hidden_grads.push(logits_grad.clone().matmul(weight.clone().transpose()));
+        weight_grad = weight_grad + chunk.transpose().matmul(logits_grad.clone());
+        bias_grad = bias_grad + logits_grad.sum_dim(0);
+    }
+
+    // `surrogate`'s gradient is the one computed above; `surrogate - surrogate.detach()` is
+    // exactly zero, so the result's value is the loss and its gradient the surrogate's.
+    let hidden_grad = Tensor::from_inner(Tensor::cat(hidden_grads, 0));
+    let mut surrogate = (hidden * hidden_grad).sum() + (head.weight * Tensor::from_inner(weight_grad)).sum();
+    if let Some(bias) = head.bias {
+        surrogate = surrogate + (bias * Tensor::from_inner(bias_grad.squeeze_dim::<1>(0))).sum();
+    }
+    Tensor::from_inner(loss) + (surrogate.clone() - surrogate.detach())
+}

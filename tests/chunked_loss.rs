@@ -1,0 +1,66 @@
+//! The chunked loss (`chunked_linear_cross_entropy_sum`) against burn's autodiff through the
+//! whole logits (`masked_cross_entropy_sum` of `hidden · weight + bias`): same value, same
+//! gradients of the hidden states, the weight and the bias, for chunks of 1 row to more than
+//! all rows, with ignored labels (a chunk of only ignored labels included).
+
+use burn::{
+    backend::{Autodiff, NdArray},
+    tensor::{Int, Tensor, TensorData},
+};
+use burn_ulysses::{
+    data::IGNORE_INDEX,
+    train::{OutputHead, chunked_linear_cross_entropy_sum, masked_cross_entropy_sum},
+};
+use ulysses_suite::{max_abs_diff, uniform_tensor, values};
+
+type B = Autodiff<NdArray<f32>>;
+
+const ROWS: usize = 11;
+const D_MODEL: usize = 6;
+const VOCAB: usize = 9;
+/// f32, sums over at most 11 rows reordered.
+const TOLERANCE: f32 = 2e-6;
+
+/// Loss, then gradients of hidden, weight and bias.
+fn run(chunk_rows: Option<usize>, with_bias: bool) -> [Vec<f32>; 4] {
+    let device = Default::default();
+    let hidden = uniform_tensor::<B, 2>([ROWS, D_MODEL], 1, &device).require_grad();
+    let weight = uniform_tensor::<B, 2>([D_MODEL, VOCAB], 2, &device).require_grad();
+    let bias = uniform_tensor::<B, 1>([VOCAB], 3, &device).require_grad();
+    // Rows 3, 4 and 5 ignored: with chunks of 3 rows, the second chunk has no valid label.
+    let labels: Vec<i64> = (0..ROWS as i64).map(|i| if (3..6).contains(&i) { IGNORE_INDEX } else { (i * 5) % VOCAB as i64 }).collect();
+    let labels = Tensor::<B, 1, Int>::from_data(TensorData::new(labels, [ROWS]), &device);
+    let head_bias = with_bias.then(|| bias.clone());
+    let loss = match chunk_rows {
+        Some(rows) => {
+            let head = OutputHead { weight: weight.clone(), bias: head_bias };
+            chunked_linear_cross_entropy_sum(hidden.clone(), head, labels, IGNORE_INDEX, rows)
+        }
+        None => {
+            let mut logits = hidden.clone().matmul(weight.clone());
+            if let Some(bias) = head_bias {
+                logits = logits + bias.unsqueeze_dim(0);
+            }
+            masked_cross_entropy_sum(logits.unsqueeze_dim(0), labels.unsqueeze_dim(0), IGNORE_INDEX)
+        }
+    };
+    // A non-unit upstream gradient, as train_step's token weighting gives.
+    let grads = (loss.clone() * 0.37).backward();
+    let bias_grad = if with_bias { values(bias.grad(&grads).unwrap()) } else { Vec::new() };
+    [values(loss), values(hidden.grad(&grads).unwrap()), values(weight.grad(&grads).unwrap()), bias_grad]
+}
+
+#[test]
+fn chunked_loss_matches_the_whole_logits_loss_and_its_gradients() {
+    for with_bias in [false, true] {
+        let reference = run(None, with_bias);
+        for chunk_rows in [1, 3, 4, ROWS, ROWS + 5] {
+            let chunked = run(Some(chunk_rows), with_bias);
+            for (name, (got, want)) in ["loss", "d hidden", "d weight", "d bias"].iter().zip(chunked.iter().zip(&reference)) {
+                let diff = max_abs_diff(got, want);
+                assert!(diff <= TOLERANCE, "{name}, chunks of {chunk_rows}, bias {with_bias}: |Δ| {diff:e}");
+            }
+        }
+        println!("bias {with_bias}: loss {:?}, chunked equal within {TOLERANCE:e}", reference[0]);
+    }
+}
