@@ -10,7 +10,7 @@ use burn::{
 use burn_ulysses::{
     UlyssesBackend,
     comm::{ThreadCommunicator, ThreadGroup},
-    train::{ParallelGroups, ParallelLayout},
+    train::{LmOutput, ParallelGroups, ParallelLayout},
 };
 use ulysses_llama::{
     LlamaConfig,
@@ -73,11 +73,12 @@ fn a_checkpoint_saved_at_sp4_loads_at_sp1_with_the_same_loss() {
         move || {
             let (sp4, sp4_bypass) = evaluate_at(config(4), checkpoint.clone(), true);
             let (sp1, _) = evaluate_at(config(1), checkpoint.clone(), false);
-            // No decorator at all: burn's attention, kv heads expanded by the model.
+            // No decorator at all: burn's attention, kv heads expanded by the model, and the
+            // loss from whole logits (the SP runs compute it in chunks of hidden states).
             let model_config = config(1).model.with_repeat_kv(true);
             let plain_model = load_checkpoint::<Reference>(&model_config, &checkpoint, &Default::default()).unwrap();
             let batch = VariedLengths { vocab: VOCAB }.eval_batch().unwrap();
-            let forward = |tokens, offset| plain_model.forward(tokens, offset);
+            let forward = |tokens, offset| LmOutput::Logits(plain_model.forward(tokens, offset));
             let plain = burn_ulysses::train::evaluate_single_device::<Reference>(forward, &batch, -100, &Default::default());
             (sp4, sp4_bypass, sp1, plain)
         }

@@ -64,3 +64,23 @@ fn chunked_loss_matches_the_whole_logits_loss_and_its_gradients() {
         println!("bias {with_bias}: loss {:?}, chunked equal within {TOLERANCE:e}", reference[0]);
     }
 }
+
+/// Evaluation's loss (`linear_cross_entropy_sum`, no gradients, any backend) equals the
+/// whole-logits loss on a plain backend.
+#[test]
+fn evaluation_loss_in_chunks_matches_the_whole_logits_loss() {
+    use burn_ulysses::train::linear_cross_entropy_sum;
+    type Plain = NdArray<f32>;
+    let device = Default::default();
+    let hidden = uniform_tensor::<Plain, 2>([ROWS, D_MODEL], 1, &device);
+    let weight = uniform_tensor::<Plain, 2>([D_MODEL, VOCAB], 2, &device);
+    let labels: Vec<i64> = (0..ROWS as i64).map(|i| if i == 4 { IGNORE_INDEX } else { (i * 7) % VOCAB as i64 }).collect();
+    let labels = Tensor::<Plain, 1, Int>::from_data(TensorData::new(labels, [ROWS]), &device);
+    let whole = masked_cross_entropy_sum(hidden.clone().matmul(weight.clone()).unsqueeze_dim(0), labels.clone().unsqueeze_dim(0), IGNORE_INDEX);
+    for chunk_rows in [1, 2, ROWS] {
+        let head = OutputHead { weight: weight.clone(), bias: None };
+        let chunked = linear_cross_entropy_sum(hidden.clone(), head, labels.clone(), IGNORE_INDEX, chunk_rows);
+        let diff = max_abs_diff(&values(chunked), &values(whole.clone()));
+        assert!(diff <= TOLERANCE, "chunks of {chunk_rows}: |Δ| {diff:e}");
+    }
+}

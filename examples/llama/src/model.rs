@@ -18,7 +18,10 @@ use burn::{
     },
 };
 
-use burn_ulysses::attention::repeat_kv_heads;
+use burn_ulysses::{
+    attention::repeat_kv_heads,
+    train::{LmOutput, OutputHead},
+};
 
 use crate::rope::RopeTables;
 
@@ -125,8 +128,15 @@ impl<B: Backend> Llama<B> {
         self.lm_head.forward(self.hidden(tokens, position_offset))
     }
 
+    /// The last hidden states and the output head, from which the loss is computed a chunk of
+    /// rows at a time (never holding all `tokens × vocab` logits).
+    pub fn lm_output(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> LmOutput<B> {
+        let head = OutputHead { weight: self.lm_head.weight.val(), bias: self.lm_head.bias.as_ref().map(|b| b.val()) };
+        LmOutput::Hidden { hidden: self.hidden(tokens, position_offset), head }
+    }
+
     /// The normalised last hidden states `[batch, seq, d_model]` that `lm_head` projects to
-    /// logits (training computes the loss from them in chunks).
+    /// logits.
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3> {
         let seq = tokens.dims()[1];
         let rope = RopeTables::new(position_offset, seq, self.head_dim, self.rope_theta, &tokens.device());

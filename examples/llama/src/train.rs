@@ -14,7 +14,7 @@ use burn_ulysses::{
     comm::Communicator,
     data::SequenceSharder,
     train::{
-        CausalLm, GroupSplit, LmOutput, OutputHead, ParallelGroups, ParallelLayout, StepReport, broadcast_parameters,
+        CausalLm, GroupSplit, LmOutput, ParallelGroups, ParallelLayout, StepReport, broadcast_parameters,
         check_parameters_identical, evaluate, evaluate_single_device, train_step,
     },
 };
@@ -113,8 +113,7 @@ impl<B: AutodiffBackend> CausalLm<B> for Llama<B> {
 
     /// The loss runs over the hidden states in chunks of rows, never holding all logits.
     fn lm_output(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> LmOutput<B> {
-        let head = OutputHead { weight: self.lm_head.weight.val(), bias: self.lm_head.bias.as_ref().map(|b| b.val()) };
-        LmOutput::Hidden { hidden: self.hidden(tokens, position_offset), head }
+        Llama::lm_output(self, tokens, position_offset)
     }
 
     fn vocab_size(&self) -> usize {
@@ -219,7 +218,7 @@ where
     B: AutodiffBackend,
     C: GroupSplit + Communicator<B::InnerBackend>,
 {
-    let forward = |tokens, offset| model.forward(tokens, offset);
+    let forward = |tokens, offset| model.lm_output(tokens, offset);
     let sharder = SequenceSharder::new(config.layout.sp_size);
     if config.eval_single_device {
         let is_first = groups.world.group_rank() == 0;

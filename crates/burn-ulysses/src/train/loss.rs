@@ -36,17 +36,33 @@ pub fn default_chunk_rows(vocab: usize) -> usize {
 }
 
 /// `Σ -log p(label)` over the labels of `labels: [batch, seq]` that are not `ignore_index`,
-/// from either kind of [`LmOutput`].
+/// from either kind of [`LmOutput`], differentiable.
 pub fn lm_loss_sum<B: AutodiffBackend>(output: LmOutput<B>, labels: Tensor<B, 2, Int>, ignore_index: i64) -> Tensor<B, 1> {
     match output {
         LmOutput::Logits(logits) => masked_cross_entropy_sum(logits, labels, ignore_index),
         LmOutput::Hidden { hidden, head } => {
-            let [batch, seq, d_model] = hidden.dims();
-            let chunk_rows = default_chunk_rows(head.weight.dims()[1]);
-            let hidden = hidden.reshape([batch * seq, d_model]);
-            chunked_linear_cross_entropy_sum(hidden, head, labels.reshape([batch * seq]), ignore_index, chunk_rows)
+            let (hidden, labels, chunk_rows) = rows_of(hidden, &head, labels);
+            chunked_linear_cross_entropy_sum(hidden, head, labels, ignore_index, chunk_rows)
         }
     }
+}
+
+/// [`lm_loss_sum`] without gradients, on any backend (evaluation).
+pub fn lm_loss_sum_inference<B: Backend>(output: LmOutput<B>, labels: Tensor<B, 2, Int>, ignore_index: i64) -> Tensor<B, 1> {
+    match output {
+        LmOutput::Logits(logits) => masked_cross_entropy_sum(logits, labels, ignore_index),
+        LmOutput::Hidden { hidden, head } => {
+            let (hidden, labels, chunk_rows) = rows_of(hidden, &head, labels);
+            linear_cross_entropy_sum(hidden, head, labels, ignore_index, chunk_rows)
+        }
+    }
+}
+
+/// `[batch, seq, d]` hidden states and `[batch, seq]` labels as rows, and the chunk size.
+fn rows_of<B: Backend>(hidden: Tensor<B, 3>, head: &OutputHead<B>, labels: Tensor<B, 2, Int>) -> (Tensor<B, 2>, Tensor<B, 1, Int>, usize) {
+    let [batch, seq, d_model] = hidden.dims();
+    let chunk_rows = default_chunk_rows(head.weight.dims()[1]);
+    (hidden.reshape([batch * seq, d_model]), labels.reshape([batch * seq]), chunk_rows)
 }
 
 /// `Σ -log p(label)` over the labels that are not `ignore_index`: `logits [B, S, V]`,
@@ -77,12 +93,53 @@ pub fn chunked_linear_cross_entropy_sum<B: AutodiffBackend>(
     ignore_index: i64,
     chunk_rows: usize,
 ) -> Tensor<B, 1> {
-    assert!(chunk_rows > 0, "chunked_linear_cross_entropy_sum: chunk_rows must be positive");
+    let inner_head = OutputHead { weight: head.weight.clone().inner(), bias: head.bias.clone().map(|b| b.inner()) };
+    let (loss, grads) = chunked_loss(hidden.clone().inner(), inner_head, labels.inner(), ignore_index, chunk_rows, true);
+    let HeadGrads { hidden: hidden_grad, weight: weight_grad, bias: bias_grad } = grads.expect("asked for gradients");
+
+    // `surrogate`'s gradient is the one computed above; `surrogate - surrogate.detach()` is
+    // exactly zero, so the result's value is the loss and its gradient the surrogate's.
+    let mut surrogate = (hidden * Tensor::from_inner(hidden_grad)).sum() + (head.weight * Tensor::from_inner(weight_grad)).sum();
+    if let Some(bias) = head.bias {
+        surrogate = surrogate + (bias * Tensor::from_inner(bias_grad)).sum();
+    }
+    Tensor::from_inner(loss) + (surrogate.clone() - surrogate.detach())
+}
+
+/// The loss of [`chunked_linear_cross_entropy_sum`] without gradients, on any backend (for
+/// evaluation at long context, where whole logits would not fit either).
+pub fn linear_cross_entropy_sum<B: Backend>(
+    hidden: Tensor<B, 2>,
+    head: OutputHead<B>,
+    labels: Tensor<B, 1, Int>,
+    ignore_index: i64,
+    chunk_rows: usize,
+) -> Tensor<B, 1> {
+    chunked_loss(hidden, head, labels, ignore_index, chunk_rows, false).0
+}
+
+/// Gradients of the summed loss with respect to the hidden states and the head.
+struct HeadGrads<B: Backend> {
+    hidden: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    bias: Tensor<B, 1>,
+}
+
+/// The chunk loop: the summed loss, and its gradients when `with_grads`.
+fn chunked_loss<B: Backend>(
+    hidden: Tensor<B, 2>,
+    head: OutputHead<B>,
+    labels: Tensor<B, 1, Int>,
+    ignore_index: i64,
+    chunk_rows: usize,
+    with_grads: bool,
+) -> (Tensor<B, 1>, Option<HeadGrads<B>>) {
+    assert!(chunk_rows > 0, "chunked cross-entropy: chunk_rows must be positive");
     let [rows, d_model] = hidden.dims();
     let [weight_rows, vocab] = head.weight.dims();
     assert!(
         weight_rows == d_model && labels.dims()[0] == rows && head.bias.as_ref().is_none_or(|b| b.dims()[0] == vocab),
-        "chunked_linear_cross_entropy_sum: hidden {:?}, weight {:?}, bias {:?} and labels {:?} do not fit \
+        "chunked cross-entropy: hidden {:?}, weight {:?}, bias {:?} and labels {:?} do not fit \
          (expected [rows, d], [d, vocab], [vocab], [rows])",
         hidden.dims(),
         head.weight.dims(),
@@ -90,17 +147,16 @@ pub fn chunked_linear_cross_entropy_sum<B: AutodiffBackend>(
         labels.dims()
     );
     let device = hidden.device();
-    let (all_hidden, weight) = (hidden.clone().inner(), head.weight.clone().inner());
-    let bias = head.bias.clone().map(|b| b.inner().unsqueeze_dim::<2>(0));
-    let labels = labels.inner();
+    let weight = head.weight;
+    let bias = head.bias.map(|b| b.unsqueeze_dim::<2>(0));
 
-    let mut loss = Tensor::<B::InnerBackend, 1>::zeros([1], &device);
-    let mut hidden_grads = Vec::with_capacity(rows.div_ceil(chunk_rows));
+    let mut loss = Tensor::<B, 1>::zeros([1], &device);
+    let mut hidden_grads = Vec::with_capacity(if with_grads { rows.div_ceil(chunk_rows) } else { 0 });
     let mut weight_grad = weight.zeros_like();
-    let mut bias_grad = Tensor::<B::InnerBackend, 2>::zeros([1, vocab], &device);
+    let mut bias_grad = Tensor::<B, 2>::zeros([1, vocab], &device);
     for start in (0..rows).step_by(chunk_rows) {
         let end = (start + chunk_rows).min(rows);
-        let chunk = all_hidden.clone().slice([start..end]);
+        let chunk = hidden.clone().slice([start..end]);
         let chunk_labels = labels.clone().slice([start..end]);
         let mut logits = chunk.clone().matmul(weight.clone());
         if let Some(bias) = &bias {
@@ -112,6 +168,9 @@ pub fn chunked_linear_cross_entropy_sum<B: AutodiffBackend>(
         let log_probs = log_softmax(logits, 1);
         let picked = log_probs.clone().gather(1, targets.clone());
         loss = loss - (picked * valid.clone()).sum();
+        if !with_grads {
+            continue;
+        }
         // d loss / d logits = softmax - one_hot(label), zero on ignored rows.
         let minus_one = Tensor::full([end - start, 1], -1.0, &device);
         let logits_grad = log_probs.exp().scatter(1, targets, minus_one, IndexingUpdateOp::Add) * valid;
@@ -119,13 +178,10 @@ pub fn chunked_linear_cross_entropy_sum<B: AutodiffBackend>(
         weight_grad = weight_grad + chunk.transpose().matmul(logits_grad.clone());
         bias_grad = bias_grad + logits_grad.sum_dim(0);
     }
-
-    // `surrogate`'s gradient is the one computed above; `surrogate - surrogate.detach()` is
-    // exactly zero, so the result's value is the loss and its gradient the surrogate's.
-    let hidden_grad = Tensor::from_inner(Tensor::cat(hidden_grads, 0));
-    let mut surrogate = (hidden * hidden_grad).sum() + (head.weight * Tensor::from_inner(weight_grad)).sum();
-    if let Some(bias) = head.bias {
-        surrogate = surrogate + (bias * Tensor::from_inner(bias_grad.squeeze_dim::<1>(0))).sum();
-    }
-    Tensor::from_inner(loss) + (surrogate.clone() - surrogate.detach())
+    let grads = with_grads.then(|| HeadGrads {
+        hidden: Tensor::cat(hidden_grads, 0),
+        weight: weight_grad,
+        bias: bias_grad.squeeze_dim::<1>(0),
+    });
+    (loss, grads)
 }

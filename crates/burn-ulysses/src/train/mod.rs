@@ -29,7 +29,10 @@ mod gradients;
 mod loss;
 
 pub use gradients::{GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets};
-pub use loss::{LmOutput, OutputHead, chunked_linear_cross_entropy_sum, default_chunk_rows, lm_loss_sum, masked_cross_entropy_sum};
+pub use loss::{
+    LmOutput, OutputHead, chunked_linear_cross_entropy_sum, default_chunk_rows, linear_cross_entropy_sum, lm_loss_sum,
+    lm_loss_sum_inference, masked_cross_entropy_sum,
+};
 
 use crate::{
     comm::{CommError, Communicator},
@@ -224,9 +227,10 @@ where
 }
 
 /// Token-averaged cross-entropy of `batch`, evaluated with sequence parallelism: this rank
-/// runs `forward` on its shard, and the SP group sums losses and valid tokens.
+/// runs `forward` on its shard, and the SP group sums losses and valid tokens. `forward`
+/// returns logits, or hidden states and head for a loss computed in chunks.
 pub fn evaluate<B: Backend, G: Backend>(
-    forward: impl Fn(Tensor<B, 2, Int>, usize) -> Tensor<B, 3>,
+    forward: impl Fn(Tensor<B, 2, Int>, usize) -> LmOutput<B>,
     batch: &[Vec<i64>],
     sharder: &SequenceSharder,
     sp_rank: usize,
@@ -234,7 +238,7 @@ pub fn evaluate<B: Backend, G: Backend>(
     device: &B::Device,
 ) -> Result<f64, UlyssesError> {
     let shard = sharder.shard(batch, sp_rank);
-    let loss = masked_cross_entropy_sum(forward(shard.tokens(device), shard.position_offset), shard.labels(device), sharder.ignore_index);
+    let loss = lm_loss_sum_inference(forward(shard.tokens(device), shard.position_offset), shard.labels(device), sharder.ignore_index);
     let loss = sum_f64_over_ranks(sp_group, loss.into_scalar().elem::<f64>())?;
     let [valid] = sum_over_ranks(sp_group, [shard.valid_tokens])?;
     Ok(loss / valid.max(1) as f64)
@@ -243,14 +247,14 @@ pub fn evaluate<B: Backend, G: Backend>(
 /// Token-averaged cross-entropy of the whole, unsharded `batch` on this rank alone,
 /// bypassing sequence parallelism even inside a group (no collective is issued).
 pub fn evaluate_single_device<B: Backend>(
-    forward: impl Fn(Tensor<B, 2, Int>, usize) -> Tensor<B, 3>,
+    forward: impl Fn(Tensor<B, 2, Int>, usize) -> LmOutput<B>,
     batch: &[Vec<i64>],
     ignore_index: i64,
     device: &B::Device,
 ) -> f64 {
     let _single_device = crate::context::enter_single_device();
     let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard(batch, 0);
-    let loss = masked_cross_entropy_sum(forward(whole.tokens(device), 0), whole.labels(device), ignore_index);
+    let loss = lm_loss_sum_inference(forward(whole.tokens(device), 0), whole.labels(device), ignore_index);
     loss.into_scalar().elem::<f64>() / whole.valid_tokens.max(1) as f64
 }
 
