@@ -9,12 +9,13 @@
 use burn::{
     module::{AutodiffModule, ModuleVisitor, Param},
     optim::GradientsParams,
-    tensor::{DType, Tensor, TensorPrimitive, backend::AutodiffBackend},
+    tensor::{DType, Tensor, backend::AutodiffBackend},
 };
 
 use crate::{
     comm::{Communicator, ReduceOp},
     error::UlyssesError,
+    primitive::{float_primitive, float_tensor},
 };
 
 /// Default bucket size of [`all_reduce_gradients`].
@@ -56,17 +57,16 @@ pub fn all_reduce_gradients_in_buckets<B: AutodiffBackend, M: AutodiffModule<B>>
     let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
     let gathered = crate::comm::all_gather_host_checked(communicator, &present, "float parameters")?;
     let present_anywhere: Vec<bool> = (0..present.len()).map(|i| gathered.iter().any(|p| p[i] == 1)).collect();
-    let sizes: Vec<_> = local.iter().map(|l| (l.numel * l.dtype.size(), l.dtype)).collect();
+    let sizes: Vec<_> = local.iter().map(|l| (l.len() * l.dtype().size(), l.dtype())).collect();
 
     let mut reduced: Vec<Option<Tensor<B::InnerBackend, 1>>> = vec![None; local.len()];
     for bucket in plan_buckets(&sizes, &present_anywhere, bucket_bytes) {
         let members: Vec<_> = bucket.iter().map(|&i| local[i].take_or_zeros()).collect();
-        let lengths: Vec<usize> = bucket.iter().map(|&i| local[i].numel).collect();
-        let flat = Tensor::cat(members, 0).into_primitive().tensor();
-        let flat: Tensor<B::InnerBackend, 1> =
-            Tensor::from_primitive(TensorPrimitive::Float(communicator.all_reduce(flat, ReduceOp::Sum)?));
+        let flat = float_primitive(Tensor::cat(members, 0));
+        let flat = float_tensor::<B::InnerBackend, 1>(communicator.all_reduce(flat, ReduceOp::Sum)?);
         let mut offset = 0;
-        for (&i, len) in bucket.iter().zip(lengths) {
+        for &i in &bucket {
+            let len = local[i].len();
             reduced[i] = Some(flat.clone().narrow(0, offset, len));
             offset += len;
         }
@@ -81,11 +81,17 @@ pub fn all_reduce_gradients_in_buckets<B: AutodiffBackend, M: AutodiffModule<B>>
 struct LocalGradient<B: AutodiffBackend> {
     grad: Option<Tensor<B::InnerBackend, 1>>,
     parameter: Tensor<B::InnerBackend, 1>,
-    numel: usize,
-    dtype: DType,
 }
 
 impl<B: AutodiffBackend> LocalGradient<B> {
+    fn len(&self) -> usize {
+        self.parameter.dims()[0]
+    }
+
+    fn dtype(&self) -> DType {
+        self.parameter.dtype()
+    }
+
     fn take_or_zeros(&mut self) -> Tensor<B::InnerBackend, 1> {
         self.grad.take().unwrap_or_else(|| self.parameter.zeros_like())
     }
@@ -100,8 +106,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGradients<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let grad = self.grads.remove::<B::InnerBackend, D>(param.id).map(|g| g.flatten(0, D - 1));
         let parameter = param.val().inner().flatten(0, D - 1);
-        let (numel, dtype) = (parameter.dims()[0], parameter.dtype());
-        self.local.push(LocalGradient { grad, parameter, numel, dtype });
+        self.local.push(LocalGradient { grad, parameter });
     }
 }
 

@@ -95,13 +95,14 @@ pub fn chunked_linear_cross_entropy_sum<B: AutodiffBackend>(
 ) -> Tensor<B, 1> {
     let inner_head = OutputHead { weight: head.weight.clone().inner(), bias: head.bias.clone().map(|b| b.inner()) };
     let (loss, grads) = chunked_loss(hidden.clone().inner(), inner_head, labels.inner(), ignore_index, chunk_rows, true);
-    let HeadGrads { hidden: hidden_grad, weight: weight_grad, bias: bias_grad } = grads.expect("asked for gradients");
+    let HeadGrads { hidden: hidden_grads, weight: weight_grad, bias: bias_grad } = grads.expect("asked for gradients");
 
     // `surrogate`'s gradient is the one computed above; `surrogate - surrogate.detach()` is
     // exactly zero, so the result's value is the loss and its gradient the surrogate's.
-    let mut surrogate = (hidden * Tensor::from_inner(hidden_grad)).sum() + (head.weight * Tensor::from_inner(weight_grad)).sum();
+    let hidden_grad = Tensor::from_inner(Tensor::cat(hidden_grads, 0));
+    let mut surrogate = (hidden * hidden_grad).sum() + (head.weight * Tensor::from_inner(weight_grad)).sum();
     if let Some(bias) = head.bias {
-        surrogate = surrogate + (bias * Tensor::from_inner(bias_grad)).sum();
+        surrogate = surrogate + (bias * Tensor::from_inner(bias_grad.squeeze_dim::<1>(0))).sum();
     }
     Tensor::from_inner(loss) + (surrogate.clone() - surrogate.detach())
 }
@@ -118,11 +119,22 @@ pub fn linear_cross_entropy_sum<B: Backend>(
     chunked_loss(hidden, head, labels, ignore_index, chunk_rows, false).0
 }
 
-/// Gradients of the summed loss with respect to the hidden states and the head.
+/// Gradients of the summed loss with respect to the hidden states (one tensor per chunk of
+/// rows), the head's weight and its bias (`[1, vocab]`), summed over the chunks so far.
 struct HeadGrads<B: Backend> {
-    hidden: Tensor<B, 2>,
+    hidden: Vec<Tensor<B, 2>>,
     weight: Tensor<B, 2>,
-    bias: Tensor<B, 1>,
+    bias: Tensor<B, 2>,
+}
+
+impl<B: Backend> HeadGrads<B> {
+    /// Adds one chunk, given its hidden states and `d loss / d logits`.
+    fn add_chunk(mut self, chunk: Tensor<B, 2>, logits_grad: Tensor<B, 2>, weight: &Tensor<B, 2>) -> Self {
+        self.hidden.push(logits_grad.clone().matmul(weight.clone().transpose()));
+        self.weight = self.weight + chunk.transpose().matmul(logits_grad.clone());
+        self.bias = self.bias + logits_grad.sum_dim(0);
+        self
+    }
 }
 
 /// The chunk loop: the summed loss, and its gradients when `with_grads`.
@@ -151,9 +163,12 @@ fn chunked_loss<B: Backend>(
     let bias = head.bias.map(|b| b.unsqueeze_dim::<2>(0));
 
     let mut loss = Tensor::<B, 1>::zeros([1], &device);
-    let mut hidden_grads = Vec::with_capacity(if with_grads { rows.div_ceil(chunk_rows) } else { 0 });
-    let mut weight_grad = weight.zeros_like();
-    let mut bias_grad = Tensor::<B, 2>::zeros([1, vocab], &device);
+    // Gradient accumulators, only when asked: evaluation allocates nothing the size of the head.
+    let mut grads = with_grads.then(|| HeadGrads {
+        hidden: Vec::with_capacity(rows.div_ceil(chunk_rows)),
+        weight: weight.zeros_like(),
+        bias: Tensor::<B, 2>::zeros([1, vocab], &device),
+    });
     for start in (0..rows).step_by(chunk_rows) {
         let end = (start + chunk_rows).min(rows);
         let chunk = hidden.clone().slice([start..end]);
@@ -168,20 +183,12 @@ fn chunked_loss<B: Backend>(
         let log_probs = log_softmax(logits, 1);
         let picked = log_probs.clone().gather(1, targets.clone());
         loss = loss - (picked * valid.clone()).sum();
-        if !with_grads {
-            continue;
+        if let Some(sums) = grads.take() {
+            // d loss / d logits = softmax - one_hot(label), zero on ignored rows.
+            let minus_one = Tensor::full([end - start, 1], -1.0, &device);
+            let logits_grad = log_probs.exp().scatter(1, targets, minus_one, IndexingUpdateOp::Add) * valid;
+            grads = Some(sums.add_chunk(chunk, logits_grad, &weight));
         }
-        // d loss / d logits = softmax - one_hot(label), zero on ignored rows.
-        let minus_one = Tensor::full([end - start, 1], -1.0, &device);
-        let logits_grad = log_probs.exp().scatter(1, targets, minus_one, IndexingUpdateOp::Add) * valid;
-        hidden_grads.push(logits_grad.clone().matmul(weight.clone().transpose()));
-        weight_grad = weight_grad + chunk.transpose().matmul(logits_grad.clone());
-        bias_grad = bias_grad + logits_grad.sum_dim(0);
     }
-    let grads = with_grads.then(|| HeadGrads {
-        hidden: Tensor::cat(hidden_grads, 0),
-        weight: weight_grad,
-        bias: bias_grad.squeeze_dim::<1>(0),
-    });
     (loss, grads)
 }

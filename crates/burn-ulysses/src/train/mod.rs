@@ -20,7 +20,7 @@ use burn::{
     module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param},
     optim::{GradientsAccumulator, GradientsParams, Optimizer},
     tensor::{
-        ElementConversion, Int, Tensor, TensorPrimitive,
+        ElementConversion, Int, Tensor,
         backend::{AutodiffBackend, Backend},
     },
 };
@@ -38,6 +38,7 @@ use crate::{
     comm::{CommError, Communicator},
     data::SequenceSharder,
     error::UlyssesError,
+    primitive::{float_primitive, float_tensor},
 };
 
 /// A model that maps a shard of token ids to next-token logits.
@@ -294,9 +295,9 @@ pub fn broadcast_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
                 return Param::from_mapped_value(id, tensor, mapper);
             }
             let require_grad = tensor.is_require_grad();
-            let inner = tensor.inner().into_primitive().tensor();
+            let inner = float_primitive(tensor.inner());
             let value = match self.communicator.broadcast(inner, 0) {
-                Ok(value) => Tensor::from_inner(Tensor::from_primitive(TensorPrimitive::Float(value))),
+                Ok(value) => Tensor::from_inner(float_tensor(value)),
                 Err(error) => {
                     self.error = Some(error);
                     return Param::from_mapped_value(id, Tensor::empty([0; D], &Default::default()), mapper);
