@@ -171,8 +171,8 @@ fn chunked_loss<B: Backend>(
     });
     for start in (0..rows).step_by(chunk_rows) {
         let end = (start + chunk_rows).min(rows);
-        let chunk = hidden.clone().slice([start..end]);
-        let chunk_labels = labels.clone().slice([start..end]);
+        let chunk = hidden.clone().narrow(0, start, end - start);
+        let chunk_labels = labels.clone().narrow(0, start, end - start);
         let mut logits = chunk.clone().matmul(weight.clone());
         if let Some(bias) = &bias {
             logits = logits + bias.clone();
