@@ -15,7 +15,7 @@ use cubecl::prelude::*;
 
 use super::{
     forward::MASKED,
-    tiles::{load_row, load_tile, query_row, visible_keys},
+    tiles::{load_row, load_tile, query_row, row_offset, visible_keys},
 };
 
 #[cube(launch)]
@@ -34,14 +34,14 @@ pub(crate) fn row_delta_kernel<F: Float>(
         let batch = index / (heads * seq);
         let head = (index / seq) % heads;
         let row = index % seq;
-        let o_base = batch * output.stride(0) + head * output.stride(1) + row * output.stride(2);
-        let g_base = batch * output_grad.stride(0) + head * output_grad.stride(1) + row * output_grad.stride(2);
+        let o_base = row_offset(output, batch, head, row);
+        let g_base = row_offset(output_grad, batch, head, row);
         let mut sum = 0.0f32;
         for d in 0..value_dim {
             sum += f32::cast_from(output[o_base + d * output.stride(3)])
                 * f32::cast_from(output_grad[g_base + d * output_grad.stride(3)]);
         }
-        delta[batch * delta.stride(0) + head * delta.stride(1) + row * delta.stride(2)] = sum;
+        delta[row_offset(delta, batch, head, row)] = sum;
     }
 }
 
@@ -85,8 +85,8 @@ pub(crate) fn key_value_grad_kernel<F: Float>(
     let mut dk = Array::<f32>::new(head_dim);
     let mut dv = Array::<f32>::new(value_dim);
 
-    let k_base = batch * key.stride(0) + kv_head * key.stride(1) + col * key.stride(2);
-    let v_base = batch * value.stride(0) + kv_head * value.stride(1) + col * value.stride(2);
+    let k_base = row_offset(key, batch, kv_head, col);
+    let v_base = row_offset(value, batch, kv_head, col);
     load_row(key, k_base, col_valid, &mut k_row, head_dim);
     load_row(value, v_base, col_valid, &mut v_row, value_dim);
     for d in 0..head_dim {
@@ -106,10 +106,10 @@ pub(crate) fn key_value_grad_kernel<F: Float>(
 
     for member in 0..group {
         let head = kv_head * group + member;
-        let q_base = batch * query.stride(0) + head * query.stride(1);
-        let g_base = batch * output_grad.stride(0) + head * output_grad.stride(1);
-        let lse_base = batch * lse.stride(0) + head * lse.stride(1);
-        let delta_base = batch * delta.stride(0) + head * delta.stride(1);
+        let q_base = row_offset(query, batch, head, 0);
+        let g_base = row_offset(output_grad, batch, head, 0);
+        let lse_base = row_offset(lse, batch, head, 0);
+        let delta_base = row_offset(delta, batch, head, 0);
         for tile in first_tile..tiles {
             let q0 = tile * block_q;
             load_tile(query, q_base, q0, seq_q, &mut q_tile, block_q, head_dim);
@@ -155,11 +155,11 @@ pub(crate) fn key_value_grad_kernel<F: Float>(
     }
 
     if col_valid {
-        let dk_base = batch * key_grad.stride(0) + kv_head * key_grad.stride(1) + col * key_grad.stride(2);
+        let dk_base = row_offset(key_grad, batch, kv_head, col);
         for d in 0..head_dim {
             key_grad[dk_base + d * key_grad.stride(3)] = F::cast_from(dk[d] * scale);
         }
-        let dv_base = batch * value_grad.stride(0) + kv_head * value_grad.stride(1) + col * value_grad.stride(2);
+        let dv_base = row_offset(value_grad, batch, kv_head, col);
         for d in 0..value_dim {
             value_grad[dv_base + d * value_grad.stride(3)] = F::cast_from(dv[d]);
         }
@@ -195,8 +195,8 @@ pub(crate) fn query_grad_kernel<F: Float>(
     let mut g_row = Array::<f32>::new(value_dim);
     let mut dq = Array::<f32>::new(head_dim);
 
-    let q_base = batch * query.stride(0) + head * query.stride(1) + row * query.stride(2);
-    let g_base = batch * output_grad.stride(0) + head * output_grad.stride(1) + row * output_grad.stride(2);
+    let q_base = row_offset(query, batch, head, row);
+    let g_base = row_offset(output_grad, batch, head, row);
     load_row(query, q_base, row_valid, &mut q_row, head_dim);
     load_row(output_grad, g_base, row_valid, &mut g_row, value_dim);
     for d in 0..head_dim {
@@ -205,14 +205,14 @@ pub(crate) fn query_grad_kernel<F: Float>(
     let mut row_lse = f32::new(MASKED);
     let mut row_delta = 0.0f32;
     if row_valid {
-        row_lse = lse[batch * lse.stride(0) + head * lse.stride(1) + row * lse.stride(2)];
-        row_delta = delta[batch * delta.stride(0) + head * delta.stride(1) + row * delta.stride(2)];
+        row_lse = lse[row_offset(lse, batch, head, row)];
+        row_delta = delta[row_offset(delta, batch, head, row)];
     }
 
     let visible = visible_keys(first_row, seq_q, seq_kv, block_q, causal);
     let tiles = (visible + block_kv - 1) / block_kv;
-    let k_base = batch * key.stride(0) + kv_head * key.stride(1);
-    let v_base = batch * value.stride(0) + kv_head * value.stride(1);
+    let k_base = row_offset(key, batch, kv_head, 0);
+    let v_base = row_offset(value, batch, kv_head, 0);
 
     for tile in 0..tiles {
         let kv0 = tile * block_kv;
@@ -244,7 +244,7 @@ pub(crate) fn query_grad_kernel<F: Float>(
     }
 
     if row_valid {
-        let dq_base = batch * query_grad.stride(0) + head * query_grad.stride(1) + row * query_grad.stride(2);
+        let dq_base = row_offset(query_grad, batch, head, row);
         for d in 0..head_dim {
             query_grad[dq_base + d * query_grad.stride(3)] = F::cast_from(dq[d] * scale);
         }

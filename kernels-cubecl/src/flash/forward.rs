@@ -16,7 +16,7 @@
 
 use cubecl::prelude::*;
 
-use super::tiles::{load_row, load_tile, query_row, visible_keys};
+use super::tiles::{load_row, load_tile, query_row, row_offset, visible_keys};
 
 /// Stand-in for -infinity in running maxima and masked scores.
 pub(crate) const MASKED: f32 = -1.0e30;
@@ -48,7 +48,7 @@ pub(crate) fn flash_forward_kernel<F: Float>(
     let mut acc = Array::<f32>::new(value_dim);
     let mut scores = Array::<f32>::new(block_kv);
 
-    let q_base = batch * query.stride(0) + head * query.stride(1) + row * query.stride(2);
+    let q_base = row_offset(query, batch, head, row);
     load_row(query, q_base, row_valid, &mut q_row, head_dim);
     for d in 0..head_dim {
         q_row[d] *= scale;
@@ -62,8 +62,8 @@ pub(crate) fn flash_forward_kernel<F: Float>(
     // Causal attention is aligned bottom-right, as burn's `is_causal`.
     let visible = visible_keys(first_row, seq_q, seq_kv, block_q, causal);
     let tiles = (visible + block_kv - 1) / block_kv;
-    let k_base = batch * key.stride(0) + kv_head * key.stride(1);
-    let v_base = batch * value.stride(0) + kv_head * value.stride(1);
+    let k_base = row_offset(key, batch, kv_head, 0);
+    let v_base = row_offset(value, batch, kv_head, 0);
 
     for tile in 0..tiles {
         let kv0 = tile * block_kv;
@@ -106,11 +106,11 @@ pub(crate) fn flash_forward_kernel<F: Float>(
     if row_valid {
         let has_keys = l > 0.0f32;
         let inverse = select(has_keys, 1.0f32 / l, 0.0f32);
-        let o_base = batch * output.stride(0) + head * output.stride(1) + row * output.stride(2);
+        let o_base = row_offset(output, batch, head, row);
         for d in 0..value_dim {
             output[o_base + d * output.stride(3)] = F::cast_from(acc[d] * inverse);
         }
-        let lse_index = batch * lse.stride(0) + head * lse.stride(1) + row * lse.stride(2);
+        let lse_index = row_offset(lse, batch, head, row);
         lse[lse_index] = select(has_keys, m + l.ln(), f32::new(MASKED));
     }
 }

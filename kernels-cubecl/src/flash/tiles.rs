@@ -18,6 +18,13 @@ pub(crate) struct QueryRow {
     pub seq_kv: usize,
 }
 
+/// Index of element `[batch, head, row, 0]` of a `[batch, heads, rows, ..]` tensor (row 0 gives
+/// the start of a head, to which tile loads add `row · stride(2)`).
+#[cube]
+pub(crate) fn row_offset<T: CubePrimitive>(tensor: &Tensor<T>, batch: usize, head: usize, row: usize) -> usize {
+    batch * tensor.stride(0) + head * tensor.stride(1) + row * tensor.stride(2)
+}
+
 #[cube]
 pub(crate) fn query_row<F: Float>(query: &Tensor<F>, key: &Tensor<F>, #[comptime] block_q: usize) -> QueryRow {
     let q_heads = query.shape(1);
