@@ -39,15 +39,17 @@ pub fn default_chunk_rows(vocab: usize) -> usize {
 /// from either kind of [`LmOutput`], differentiable.
 pub fn lm_loss_sum<B: AutodiffBackend>(output: LmOutput<B>, labels: Tensor<B, 2, Int>, ignore_index: i64) -> Tensor<B, 1> {
     match output {
-        LmOutput::Logits(logits) => masked_cross_entropy_sum(logits, labels, ignore_index),
         LmOutput::Hidden { hidden, head } => {
             let (hidden, labels, chunk_rows) = rows_of(hidden, &head, labels);
             chunked_linear_cross_entropy_sum(hidden, head, labels, ignore_index, chunk_rows)
         }
+        // Whole logits are differentiable as they are.
+        logits => lm_loss_sum_inference(logits, labels, ignore_index),
     }
 }
 
-/// [`lm_loss_sum`] without gradients, on any backend (evaluation).
+/// [`lm_loss_sum`] on any backend: differentiable for logits, without gradients for hidden
+/// states (evaluation).
 pub fn lm_loss_sum_inference<B: Backend>(output: LmOutput<B>, labels: Tensor<B, 2, Int>, ignore_index: i64) -> Tensor<B, 1> {
     match output {
         LmOutput::Logits(logits) => masked_cross_entropy_sum(logits, labels, ignore_index),
