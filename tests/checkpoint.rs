@@ -9,12 +9,12 @@ use burn::{
 };
 use burn_ulysses::{
     UlyssesBackend,
-    comm::{ThreadCommunicator, ThreadGroup},
+    comm::ThreadGroup,
     train::{LmOutput, ParallelGroups, ParallelLayout},
 };
 use ulysses_llama::{
     LlamaConfig,
-    train::{StepData, TrainConfig, evaluate_model, load_checkpoint, save_checkpoint, train_rank},
+    train::{RunOptions, StepData, TrainConfig, evaluate_model, load_model, save_model, train_rank},
 };
 use ulysses_suite::{VariedLengths, with_deadline};
 
@@ -41,22 +41,23 @@ fn evaluate_at(config: TrainConfig, checkpoint: PathBuf, train_first: bool) -> (
     let config = &config;
     let checkpoint = &checkpoint;
     let per_rank = ThreadGroup::new(config.layout.world_size()).run(|rank| {
-        let groups: ParallelGroups<ThreadCommunicator> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
+        let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
         let _sp = Sp::enter_thread(groups.sp.clone());
         let device = Default::default();
         let model = if train_first {
-            let (model, _) = train_rank::<Sp, _>(config, config.model.init(&device), &VariedLengths { vocab: VOCAB }, &groups, &device, None).unwrap();
+            let data = VariedLengths { vocab: VOCAB };
+            let (model, _) = train_rank::<Sp>(config, config.model.init(&device), &data, &groups, &device, RunOptions::default()).unwrap();
             if rank.rank() == 0 {
-                save_checkpoint(&model, checkpoint).unwrap();
+                save_model(&model, checkpoint).unwrap();
             }
             model
         } else {
-            load_checkpoint::<Sp>(&config.model, checkpoint, &device).unwrap()
+            load_model::<Sp>(&config.model, checkpoint, &device).unwrap()
         };
         let batch = VariedLengths { vocab: VOCAB }.eval_batch().unwrap();
-        let with_sp = evaluate_model::<Sp, _>(config, &burn::module::AutodiffModule::valid(&model), &batch, &groups, &device).unwrap();
+        let with_sp = evaluate_model::<Sp>(config, &burn::module::AutodiffModule::valid(&model), &batch, &groups, &device).unwrap();
         let bypass_config = config.clone().with_eval_single_device(true);
-        let bypass = evaluate_model::<Sp, _>(&bypass_config, &burn::module::AutodiffModule::valid(&model), &batch, &groups, &device).unwrap();
+        let bypass = evaluate_model::<Sp>(&bypass_config, &burn::module::AutodiffModule::valid(&model), &batch, &groups, &device).unwrap();
         (with_sp.unwrap(), bypass)
     });
     let results: Vec<(f64, Option<f64>)> = per_rank.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
@@ -76,7 +77,7 @@ fn a_checkpoint_saved_at_sp4_loads_at_sp1_with_the_same_loss() {
             // No decorator at all: burn's attention, kv heads expanded by the model, and the
             // loss from whole logits (the SP runs compute it in chunks of hidden states).
             let model_config = config(1).model.with_repeat_kv(true);
-            let plain_model = load_checkpoint::<Reference>(&model_config, &checkpoint, &Default::default()).unwrap();
+            let plain_model = load_model::<Reference>(&model_config, &checkpoint, &Default::default()).unwrap();
             let batch = VariedLengths { vocab: VOCAB }.eval_batch().unwrap();
             let forward = |tokens, offset| LmOutput::Logits(plain_model.forward(tokens, offset));
             let plain = burn_ulysses::train::evaluate_single_device::<Reference>(forward, &batch, -100, &Default::default());

@@ -18,19 +18,19 @@ use burn::{
     backend::{Autodiff, NdArray},
     nn::loss::CrossEntropyLossConfig,
     optim::AdamWConfig,
-    tensor::{Int, Tensor, TensorData, backend::AutodiffBackend},
+    tensor::{Int, Tensor, TensorData},
 };
 use burn_ulysses::{
-    RankGuard, UlyssesBackend,
-    comm::{ThreadCommunicator, ThreadGroup},
+    RankGuard, TrainBackend, UlyssesBackend,
+    comm::{Communicator, ThreadGroup},
     data::SequenceSharder,
     train::{ParallelGroups, ParallelLayout, StepReport, check_parameters_identical},
 };
 use ulysses_llama::{
     LlamaConfig,
-    train::{StepData, TrainConfig, train_rank},
+    train::{RunOptions, StepData, TrainConfig, train_rank},
 };
-use ulysses_suite::{VariedLengths, deterministic_params, max_abs_diff, parameter_values, with_deadline};
+use ulysses_suite::{VariedLengths, deterministic_params, max_abs_diff, parameter_values, with_deadline, worst};
 
 type Inner = NdArray<f32>;
 type Reference = Autodiff<Inner>;
@@ -64,16 +64,17 @@ struct Outcome {
 
 /// Trains on every rank of the layout; returns world rank 0's outcome after checking that
 /// all ranks agree on the reports and hold identical parameters.
-fn train<B: AutodiffBackend>(config: TrainConfig, enter: fn(&Arc<ThreadCommunicator>) -> Option<RankGuard>) -> Outcome {
+fn train<B: TrainBackend<Wire = Inner>>(config: TrainConfig, enter: fn(&Arc<dyn Communicator<Inner>>) -> Option<RankGuard>) -> Outcome {
     let config = &config;
     let per_rank = ThreadGroup::new(config.layout.world_size()).run(|rank| {
-        let groups: ParallelGroups<ThreadCommunicator> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
+        let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
         let _sp = enter(&groups.sp);
         let device = Default::default();
         // Ranks start from different values: training must broadcast rank 0's, which are the
         // same in every run.
         let model = deterministic_params(config.model.init::<B>(&device), INIT_SEED + rank.rank() as u64);
-        let (model, reports) = train_rank::<B, _>(config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, None).unwrap();
+        let (model, reports) =
+            train_rank::<B>(config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default()).unwrap();
         check_parameters_identical::<B, _, Inner>(&model, &*groups.world).unwrap();
         Outcome { reports, params: parameter_values(&model) }
     });
@@ -82,11 +83,11 @@ fn train<B: AutodiffBackend>(config: TrainConfig, enter: fn(&Arc<ThreadCommunica
     per_rank.swap_remove(0)
 }
 
-fn enter_sp(sp: &Arc<ThreadCommunicator>) -> Option<RankGuard> {
+fn enter_sp(sp: &Arc<dyn Communicator<Inner>>) -> Option<RankGuard> {
     Some(Sp::enter_thread(sp.clone()))
 }
 
-fn no_context(_: &Arc<ThreadCommunicator>) -> Option<RankGuard> {
+fn no_context(_: &Arc<dyn Communicator<Inner>>) -> Option<RankGuard> {
     None
 }
 
@@ -117,24 +118,14 @@ fn one_device_dp_sp_and_accumulation_take_the_same_steps() {
     assert!(diff <= TOLERANCE as f64, "the trainer's step-0 loss differs from burn's cross-entropy by {diff:e}");
     assert!(reference.reports[STEPS - 1].loss < reference.reports[0].loss, "the loss should fall");
     for (name, run) in &runs[1..] {
-        let loss_diff = run
-            .reports
-            .iter()
-            .zip(&reference.reports)
-            .map(|(a, b)| {
-                assert_eq!(a.valid_tokens, b.valid_tokens, "{name}: valid tokens differ");
-                (a.loss - b.loss).abs() as f32
-            })
-            .fold(0.0, f32::max);
-        let param_diff = run
-            .params
-            .iter()
-            .zip(&reference.params)
-            .map(|((name_a, a), (name_b, b))| {
-                assert_eq!(name_a, name_b);
-                max_abs_diff(a, b)
-            })
-            .fold(0.0, f32::max);
+        let loss_diff = worst(run.reports.iter().zip(&reference.reports).map(|(a, b)| {
+            assert_eq!(a.valid_tokens, b.valid_tokens, "{name}: valid tokens differ");
+            (a.loss - b.loss).abs() as f32
+        }));
+        let param_diff = worst(run.params.iter().zip(&reference.params).map(|((name_a, a), (name_b, b))| {
+            assert_eq!(name_a, name_b);
+            max_abs_diff(a, b)
+        }));
         let losses: Vec<String> = run.reports.iter().map(|r| format!("{:.6}", r.loss)).collect();
         println!("{name:>10}: losses [{}], max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e}", losses.join(", "));
         assert!(loss_diff <= TOLERANCE, "{name}: step loss differs from one device by {loss_diff:e}");
@@ -168,11 +159,13 @@ fn training_refuses_sequence_parallelism_that_attention_never_reached() {
     let results = with_deadline(Duration::from_secs(50), move || {
         let config = &config;
         ThreadGroup::new(2).run(|rank| {
-            let groups: ParallelGroups<ThreadCommunicator> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
             // No rank context entered: attention would silently stay within each shard.
             let device = Default::default();
             let model = config.model.init::<Sp>(&device);
-            train_rank::<Sp, _>(config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, None).err().map(|e| e.to_string())
+            train_rank::<Sp>(config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default())
+                .err()
+                .map(|e| e.to_string())
         })
     });
     for result in results {

@@ -139,11 +139,9 @@ pub fn shard<B: Backend, const D: usize, K: BasicOps<B>>(
     tensor.narrow(dim, rank * len, len)
 }
 
-/// Largest absolute difference; panics when the lengths differ.
-pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "compared tensors have different sizes");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
+/// Largest absolute difference, infinite when a value is NaN or infinite; panics when the
+/// lengths differ.
+pub use burn_ulysses::compare::{max_abs_diff, worst};
 
 /// Element-wise sum of equally long vectors.
 pub fn sum_vectors<'a>(vectors: impl IntoIterator<Item = &'a Vec<f32>>) -> Vec<f32> {

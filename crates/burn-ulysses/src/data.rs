@@ -8,7 +8,8 @@
 //!   and the last token of a sequence gets [`SequenceSharder::ignore_index`]. Shifting after
 //!   sharding would lose the label at every shard edge.
 //! - The batch is padded to a multiple of `sp_size` (padding tokens are ignored), so every
-//!   rank holds the same number of tokens.
+//!   rank holds the same number of tokens; with `pad_to`, to at least that length too (fixed
+//!   shapes from step to step, so kernels are tuned and memory is reserved once).
 //! - Each shard carries its global position offset, for RoPE.
 
 use burn::{
@@ -29,6 +30,9 @@ pub struct SequenceSharder {
     /// Label of positions that carry no training signal.
     #[config(default = -100)]
     pub ignore_index: i64,
+    /// Pad every batch to at least this many tokens (then to a multiple of `sp_size`), not
+    /// only to its longest sequence.
+    pub pad_to: Option<usize>,
 }
 
 /// One rank's part of a batch of sequences, on the host.
@@ -54,7 +58,7 @@ impl SequenceSharder {
         assert!(!sequences.is_empty(), "cannot shard an empty batch");
         let longest = sequences.iter().map(Vec::len).max().unwrap();
         assert!(longest > 0, "cannot shard a batch of empty sequences");
-        let global_len = longest.div_ceil(self.sp_size) * self.sp_size;
+        let global_len = longest.max(self.pad_to.unwrap_or(0)).div_ceil(self.sp_size) * self.sp_size;
         let local_len = global_len / self.sp_size;
         let start = rank * local_len;
 
@@ -128,6 +132,17 @@ mod tests {
         let shard = SequenceSharder::new(4).shard(&[vec![1, 2, 3, 4, 5]], 3);
         assert_eq!(shard.valid_tokens, 0);
         assert_eq!(shard.tokens, vec![0, 0]);
+    }
+
+    #[test]
+    fn pad_to_fixes_the_length_and_can_leave_a_shard_without_labels() {
+        let sharder = SequenceSharder::new(2).with_pad_to(Some(10));
+        let batch = vec![vec![1, 2, 3], vec![4, 5]];
+        let (first, second) = (sharder.shard(&batch, 0), sharder.shard(&batch, 1));
+        assert_eq!((first.local_len, second.position_offset), (5, 5));
+        assert_eq!((first.valid_tokens, second.valid_tokens), (3, 0));
+        // Longer sequences than pad_to still fit.
+        assert_eq!(SequenceSharder::new(4).with_pad_to(Some(2)).shard(&batch, 0).local_len, 1);
     }
 
     #[test]

@@ -84,6 +84,28 @@ pub enum UlyssesError {
     )]
     NotSequenceParallel { sp_size: usize },
 
+    #[error(
+        "step {step}: a NaN or an infinity appeared{}{}{}. Training stopped before the \
+         optimizer step, so this step changed no parameter and the last checkpoint is \
+         intact. Lower the learning rate, clip gradients, or look at this step's \
+         data; resume from the last checkpoint.",
+        if loss_ranks.is_empty() { String::new() } else { format!(" in the loss on rank(s) {loss_ranks:?}") },
+        if gradient_ranks.is_empty() { String::new() } else { format!(" in the gradients on rank(s) {gradient_ranks:?}") },
+        local_parameter.as_ref().map_or(String::new(), |p| format!(" (on this rank first in `{p}`)"))
+    )]
+    NonFinite {
+        step: usize,
+        /// World ranks whose part of the loss is not finite.
+        loss_ranks: Vec<usize>,
+        /// World ranks with a non-finite local gradient (before the all-reduce).
+        gradient_ranks: Vec<usize>,
+        /// This rank's first parameter with a non-finite gradient.
+        local_parameter: Option<String>,
+    },
+
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint { path: String, reason: String },
+
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
 

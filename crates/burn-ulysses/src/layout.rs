@@ -124,8 +124,7 @@ impl HeadPlan {
             return Err(UlyssesError::KvHeadsNotGrouping { q_heads, kv_heads });
         }
         if q_heads % sp_size != 0 {
-            let divisors = (1..=q_heads).filter(|d| q_heads % d == 0).collect();
-            return Err(UlyssesError::HeadsNotDivisible { q_heads, sp_size, divisors });
+            return Err(UlyssesError::HeadsNotDivisible { q_heads, sp_size, divisors: divisors(q_heads) });
         }
         let kv_replication = if kv_heads % sp_size == 0 {
             1
@@ -160,6 +159,11 @@ impl HeadPlan {
         let kv_side = kv * layout.kv_seq * (layout.head_dim + layout.value_dim);
         layout.batch * (q_side + kv_side)
     }
+}
+
+/// The divisors of `n`, for messages that suggest a valid degree.
+pub fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n % d == 0).collect()
 }
 
 #[cfg(test)]

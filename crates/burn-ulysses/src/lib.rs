@@ -34,6 +34,7 @@
 pub mod attention;
 pub mod backend;
 pub mod comm;
+pub mod compare;
 pub mod context;
 pub mod data;
 pub mod error;
@@ -43,9 +44,12 @@ pub mod inner;
 pub mod layout;
 pub mod nn;
 mod primitive;
+pub mod topology;
 pub mod train;
 
 pub use backend::UlyssesBackend;
 pub use context::{RankGuard, RankScope, UlyssesConfig};
 pub use error::UlyssesError;
 pub use inner::{ExchangeBackend, PlainBackend};
+pub use topology::{ParallelGroups, ParallelLayout};
+pub use train::TrainBackend;

@@ -13,6 +13,8 @@ pub const ENV_RENDEZVOUS_TIMEOUT: &str = "ULYSSES_RENDEZVOUS_TIMEOUT";
 pub const ENV_COLLECTIVE_TIMEOUT: &str = "ULYSSES_COLLECTIVE_TIMEOUT";
 pub const ENV_MAX_MESSAGE_BYTES: &str = "ULYSSES_MAX_MESSAGE_BYTES";
 pub const ENV_TOKEN: &str = "ULYSSES_RENDEZVOUS_TOKEN";
+pub const ENV_TCP_MAX_MESSAGE_BYTES: &str = "ULYSSES_TCP_MAX_MESSAGE_BYTES";
+pub const ENV_TCP_ADDR: &str = "ULYSSES_TCP_ADDR";
 
 #[derive(Config, Debug)]
 pub struct DistributedConfig {
@@ -31,6 +33,13 @@ pub struct DistributedConfig {
     pub max_message_bytes: usize,
     /// The job's shared secret; `None` reads `ULYSSES_RENDEZVOUS_TOKEN`.
     pub token: Option<String>,
+    /// Largest message a rank accepts from a peer over the TCP transport (one rank's part of
+    /// one collective); a larger one is a protocol error that names the limit.
+    #[config(default = 8589934592)]
+    pub tcp_max_message_bytes: u64,
+    /// Address the TCP transport listens on and advertises to the other ranks; `None` uses
+    /// the address that reaches rank 0.
+    pub tcp_address: Option<String>,
 }
 
 impl DistributedConfig {
@@ -54,6 +63,12 @@ impl DistributedConfig {
         }
         if let Some(value) = lookup(ENV_MAX_MESSAGE_BYTES) {
             self.max_message_bytes = parse(ENV_MAX_MESSAGE_BYTES, value)?;
+        }
+        if let Some(value) = lookup(ENV_TCP_MAX_MESSAGE_BYTES) {
+            self.tcp_max_message_bytes = parse(ENV_TCP_MAX_MESSAGE_BYTES, value)?;
+        }
+        if let Some(value) = lookup(ENV_TCP_ADDR).filter(|a| !a.trim().is_empty()) {
+            self.tcp_address = Some(value.trim().to_string());
         }
         if self.token.is_none() {
             self.token = lookup(ENV_TOKEN).filter(|t| !t.is_empty());

@@ -24,7 +24,8 @@ pub struct LaunchPlan {
     pub token: String,
     pub program: String,
     pub args: Vec<String>,
-    /// After one rank fails, how long the others get to exit after SIGTERM before SIGKILL.
+    /// After one rank fails, how long the others get to exit on their own (they notice the
+    /// failed rank and name it), and then after SIGTERM, before SIGKILL.
     pub kill_grace: Duration,
 }
 
@@ -130,9 +131,17 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
     };
     if let Some((rank, status)) = failure {
         let running = ranks.iter().filter(|r| r.status.is_none()).count();
-        eprintln!("ulysses-launch: rank {rank} {}; stopping the other {running} rank(s)", describe(status));
+        eprintln!(
+            "ulysses-launch: rank {rank} {}; the other {running} rank(s) get {:?} to stop on their own",
+            describe(status),
+            plan.kill_grace
+        );
+        wait_for_exits(&mut ranks, plan.kill_grace);
         stop(&mut ranks, plan.kill_grace);
         join_for(forwarders, plan.kill_grace);
+        let statuses: Vec<String> =
+            ranks.iter().map(|r| format!("rank {} {}", r.rank, r.status.map_or("was not reaped".into(), describe))).collect();
+        eprintln!("ulysses-launch: {}", statuses.join(", "));
         return Err(DistError::Launch(format!("rank {rank} {}", describe(status))));
     }
     forwarders.into_iter().for_each(|f| drop(f.join()));
@@ -176,6 +185,22 @@ fn signal_group(rank: &Rank, signal: libc::c_int) {
     unsafe { libc::kill(-(rank.child.id() as libc::pid_t), signal) };
 }
 
+/// Reaps ranks as they exit, for at most `limit`.
+fn wait_for_exits(ranks: &mut [Rank], limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        for rank in ranks.iter_mut().filter(|r| r.status.is_none()) {
+            if let Ok(Some(status)) = rank.child.try_wait() {
+                rank.status = Some(status);
+            }
+        }
+        if ranks.iter().all(|r| r.status.is_some()) || Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// SIGTERM to every rank's process group, SIGKILL to those still running after `grace`.
 fn stop(ranks: &mut [Rank], grace: Duration) {
     // Only groups of ranks not yet reaped: a reaped rank's pid may belong to someone else.
@@ -198,7 +223,17 @@ fn describe(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("exited with status {code}"),
-        (None, Some(signal)) => format!("was killed by signal {signal}"),
+        (None, Some(signal)) => {
+            let name = match signal {
+                libc::SIGKILL => " (SIGKILL: killed, e.g. by the out-of-memory killer)",
+                libc::SIGTERM => " (SIGTERM)",
+                libc::SIGSEGV => " (SIGSEGV: crashed)",
+                libc::SIGABRT => " (SIGABRT: aborted)",
+                libc::SIGBUS => " (SIGBUS: crashed)",
+                _ => "",
+            };
+            format!("was killed by signal {signal}{name}")
+        }
         _ => format!("ended with {status}"),
     }
 }

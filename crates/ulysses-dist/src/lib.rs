@@ -5,14 +5,19 @@
 //! - [`rendezvous`]: rank 0 serves a small key-value store over TCP (like torch's TCPStore)
 //!   through which the ranks exchange the NCCL unique id; peers must present the job's token;
 //! - [`launch`]: the `ulysses-launch` launcher, which starts a node's ranks, prefixes their
-//!   output and fails the job when one rank fails.
+//!   output and fails the job when one rank fails;
+//! - [`tcp`]: collectives between processes over TCP (CPUs, tests), with dead ranks named;
+//! - [`job`]: starting a rank of a training job from the launch environment (or all ranks as
+//!   threads without one), for any model and any transport.
 //!
 //! None of this needs a GPU; the NCCL communicator (`ulysses-nccl`) builds on it.
 
 pub mod config;
 pub mod env;
+pub mod job;
 pub mod launch;
 pub mod rendezvous;
+pub mod tcp;
 
 pub use config::DistributedConfig;
 pub use env::LaunchEnv;
@@ -48,4 +53,8 @@ pub enum DistError {
     Protocol(String),
     #[error("ulysses-launch: {0}")]
     Launch(String),
+    #[error("TCP transport: {0}")]
+    Transport(String),
+    #[error("{0}")]
+    Job(String),
 }

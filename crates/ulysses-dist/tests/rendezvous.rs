@@ -151,7 +151,8 @@ fn the_launcher_fails_the_job_when_one_rank_fails() {
     assert!(!output.status.success());
     assert!(elapsed < Duration::from_secs(20), "the other ranks kept the job alive for {elapsed:?}");
     assert!(stdout.contains("[rank 1] rank one fails"), "{stdout}");
-    assert!(stderr.contains("rank 1 exited with status 3; stopping the other 2 rank(s)"), "{stderr}");
+    assert!(stderr.contains("rank 1 exited with status 3; the other 2 rank(s) get 2s to stop on their own"), "{stderr}");
+    assert!(stderr.contains("rank 0 was killed by signal 15 (SIGTERM), rank 1 exited with status 3"), "{stderr}");
 }
 
 #[test]

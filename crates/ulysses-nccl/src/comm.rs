@@ -15,10 +15,7 @@ use burn_cubecl::{
     BoolElement, CubeBackend, FloatElement, IntElement, kernel::into_contiguous,
     ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
-use burn_ulysses::{
-    comm::{CommError, Communicator, ReduceOp, Traffic, TrafficCounter},
-    train::GroupSplit,
-};
+use burn_ulysses::comm::{CommError, Communicator, ReduceOp, Traffic, TrafficCounter};
 use cubecl::{
     Runtime,
     cuda::{CudaDevice, CudaRuntime},
@@ -78,19 +75,22 @@ impl NcclCommunicator {
 
     /// Joins the job described by the launcher's environment (`RANK`, `WORLD_SIZE`,
     /// `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, `ULYSSES_RENDEZVOUS_TOKEN`, or Slurm's) on
-    /// GPU `LOCAL_RANK`. Fails, without panicking, when libnccl or the CUDA driver is missing.
+    /// GPU [`gpu_of`]`(env)`. Fails, without panicking, when libnccl or the CUDA driver is
+    /// missing.
     pub fn from_env(config: &DistributedConfig) -> Result<Arc<Self>, NcclError> {
+        // The library first: its absence is the likeliest problem, and says how to fix it.
+        check_library()?;
+        let env = LaunchEnv::from_env()?;
+        Self::join(&env, config, gpu_of(&env)?)
+    }
+
+    /// Joins the job described by `env` with this process's communicator on GPU `gpu`.
+    pub fn join(env: &LaunchEnv, config: &DistributedConfig, gpu: usize) -> Result<Arc<Self>, NcclError> {
         check_library()?;
         check_driver()?;
-        let env = LaunchEnv::from_env()?;
-        let rendezvous = Rendezvous::join(&env, config)?;
+        let rendezvous = Rendezvous::join(env, config)?;
 
         cuda::init().map_err(cuda_error)?;
-        // ULYSSES_GPU overrides the GPU (several ranks on one GPU, for tests).
-        let gpu = match std::env::var("ULYSSES_GPU") {
-            Ok(value) => value.trim().parse().map_err(|_| NcclError::Cuda(format!("ULYSSES_GPU={value:?} is not a GPU index")))?,
-            Err(_) => env.local_rank,
-        };
         let ordinal = gpu as c_int;
         let device = cuda::device::get(ordinal).map_err(cuda_error)?;
         // SAFETY: `device` is a valid device; the primary context is the one CubeCL uses.
@@ -131,6 +131,11 @@ impl NcclCommunicator {
         communicator.wait_ready("ncclCommInitRankConfig")?;
         tracing::info!(rank = env.rank, world = env.world_size, gpu, "NCCL communicator ready");
         Ok(Arc::new(communicator))
+    }
+
+    /// The GPU this communicator's buffers live on: allocate tensors for it there.
+    pub fn device(&self) -> CudaDevice {
+        self.process.device.clone()
     }
 
     fn wrap(comm: nccl::ncclComm_t, rank: usize, size: usize, process: Arc<Process>) -> Self {
@@ -327,6 +332,15 @@ fn non_blocking_config() -> nccl::ncclConfig_t {
         graphUsageMode: UNDEF,
         numRmaCtx: UNDEF,
         maxP2pPeers: UNDEF,
+    }
+}
+
+/// The GPU of a rank: `ULYSSES_GPU` when set (several ranks on one GPU, for tests), else
+/// `LOCAL_RANK`.
+pub fn gpu_of(env: &LaunchEnv) -> Result<usize, NcclError> {
+    match std::env::var("ULYSSES_GPU") {
+        Ok(value) => value.trim().parse().map_err(|_| NcclError::Cuda(format!("ULYSSES_GPU={value:?} is not a GPU index"))),
+        Err(_) => Ok(env.local_rank),
     }
 }
 
@@ -533,16 +547,9 @@ impl NcclCommunicator {
     }
 }
 
-impl GroupSplit for NcclCommunicator {
-    fn group_rank(&self) -> usize {
-        self.rank
-    }
-
-    fn group_size(&self) -> usize {
-        self.size
-    }
-
-    fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
+impl NcclCommunicator {
+    /// [`Communicator::split`] through `ncclCommSplit`, returning the concrete type.
+    pub fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
         if color > i32::MAX as u32 || key > i32::MAX as u32 {
             return Err(CommError::InvalidArgument {
                 op: burn_ulysses::comm::Collective::Split,

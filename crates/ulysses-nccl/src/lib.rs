@@ -1,8 +1,10 @@
 //! NCCL for burn-ulysses: one process per GPU, on one node or many.
 //!
 //! [`NcclCommunicator`] implements `burn_ulysses::comm::Communicator` on the CUDA buffers of
-//! burn's `CubeBackend<CudaRuntime, ..>` tensors, and `GroupSplit` through `ncclCommSplit`,
-//! so `ParallelGroups` builds the SP and DP groups from it. It joins the job through
+//! burn's `CubeBackend<CudaRuntime, ..>` tensors (and, through `FusionCommunicator`, of its
+//! fused form), with `split` through `ncclCommSplit`, so `ParallelGroups` builds the SP and
+//! DP groups from it; [`Nccl`] is the transport `ulysses_dist::job::run_ranks` starts CUDA
+//! ranks with. It joins the job through
 //! `ulysses_dist::Rendezvous` (rank 0 hands out the NCCL unique id) and uses NCCL's
 //! non-blocking communicators, so that no call waits forever: a collective that outlives its
 //! timeout, or whose peer died (its rendezvous connection closed), aborts the communicator
@@ -20,8 +22,10 @@
 
 mod comm;
 mod library;
+mod transport;
 
-pub use comm::NcclCommunicator;
+pub use comm::{NcclCommunicator, gpu_of};
+pub use transport::Nccl;
 pub use library::{MINIMUM as MINIMUM_NCCL, NcclVersion, check_library};
 
 use burn::tensor::DType;

@@ -1,42 +1,67 @@
 //! Trains a small Llama on byte tokens with Ulysses sequence parallelism.
 //!
-//! By default: 4 SP ranks as threads on the CPU, on the licence texts every Debian machine
-//! has. Writes `metrics.csv`, `loss.png`, `config.json` and `model.mpk` to `--out`.
+//! With no launcher: every rank is a thread of this process (by default 4 SP ranks on the
+//! CPU, on the licence texts every Debian machine has). Under `ulysses-launch`, torchrun or
+//! srun: this process is one rank, and the ranks meet over TCP (CPU) or NCCL (CUDA). Writes
+//! `metrics.csv`, `loss.png`, `config.json`, `model.mpk` and the training checkpoint
+//! `checkpoint.ulysses` to `--out`.
 //!
-//! cargo run --release -p ulysses-llama -- [--sp 4] [--dp 1] [--steps 300] [--backend cpu|cuda]
+//! cargo run --release -p ulysses-llama -- [--sp 4] [--dp 1] [--steps 300] [--backend cpu|cuda|cuda-fused]
+//! ulysses-launch --nproc-per-node 4 -- target/release/ulysses-llama --sp 2      (SP=2 × DP=2)
 
 use std::{
     fs::File,
-    io::{BufWriter, Write},
-    path::PathBuf,
+    io::{BufRead, BufReader, BufWriter, Write},
+    path::{Path, PathBuf},
     time::Instant,
 };
 
-use burn::{
-    backend::{Autodiff, NdArray},
-    config::Config,
-    module::Module,
-    tensor::backend::AutodiffBackend,
-};
+use burn::{backend::Autodiff, config::Config, module::Module, tensor::backend::Backend};
 use burn_ulysses::{
-    ExchangeBackend, UlyssesBackend,
-    comm::{ThreadCommunicator, ThreadGroup},
-    train::{ParallelGroups, ParallelLayout, StepReport},
+    ParallelLayout, PlainBackend, UlyssesBackend,
+    train::{StepReport, checkpoint::read_checkpoint_state},
 };
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use ulysses_dist::{
+    DistributedConfig,
+    job::{JobOptions, Launch, Tcp, Transport, run_ranks},
+};
 use ulysses_llama::{
-    corpus::{ByteCorpus, DEFAULT_CORPUS},
+    corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     plot,
-    train::{CorpusData, Progress, TrainConfig, save_checkpoint, train_rank},
+    tokens::TokenFile,
+    train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, save_model, train_rank},
 };
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum BackendKind {
     /// NdArray on the CPU.
     Cpu,
-    /// CubeCL CUDA on GPU 0 (build with `--features cuda`).
+    /// CubeCL CUDA (`CubeBackend`), one GPU per process (build with `--features cuda`).
     Cuda,
+    /// burn's fused CUDA backend (`Fusion<CubeBackend>`, what `burn::backend::Cuda` is).
+    CudaFused,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LaunchMode {
+    /// A process of a launched job when RANK/WORLD_SIZE or SLURM_PROCID are set, else threads.
+    Auto,
+    /// Every rank a thread of this process, whatever the environment says.
+    Threads,
+    /// One rank of a launched job; fails without a launcher's variables.
+    Process,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, ValueEnum)]
+enum TransportKind {
+    /// NCCL on CUDA, TCP on the CPU.
+    Auto,
+    /// Host copies over TCP: any backend.
+    Tcp,
+    /// NCCL (CUDA backends only).
+    Nccl,
 }
 
 #[derive(Parser, Debug)]
@@ -45,9 +70,10 @@ struct Args {
     /// Sequence-parallel degree: ranks that split each sequence.
     #[arg(long, default_value_t = 4)]
     sp: usize,
-    /// Data-parallel degree: replicas that split each batch.
-    #[arg(long, default_value_t = 1)]
-    dp: usize,
+    /// Data-parallel degree: replicas that split each batch. Default: 1 with threads, the
+    /// launched world size divided by --sp with processes.
+    #[arg(long)]
+    dp: Option<usize>,
     /// Micro-batches per optimizer step.
     #[arg(long, default_value_t = 1)]
     grad_accumulation: usize,
@@ -56,18 +82,30 @@ struct Args {
     /// Sequences per optimizer step (over all ranks).
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
-    /// Tokens (bytes) per sequence.
+    /// Tokens (bytes) per sequence; every batch is padded to it.
     #[arg(long, default_value_t = 256)]
     seq_len: usize,
     #[arg(long, default_value_t = 3e-3)]
     learning_rate: f64,
-    /// A text file, or a folder of them.
+    /// A text file, or a folder of them (byte tokens).
     #[arg(long, default_value = DEFAULT_CORPUS)]
     corpus: PathBuf,
-    #[arg(long, default_value = "runs/llama")]
-    out: PathBuf,
+    /// Pre-tokenized data instead of --corpus: JSON Lines, one array of token ids (0..256)
+    /// per line, each at most --seq-len long.
+    #[arg(long)]
+    tokens: Option<PathBuf>,
+    /// Output folder [default: runs/llama, or the --resume folder].
+    #[arg(long)]
+    out: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
+    #[arg(long, value_enum, default_value = "auto")]
+    launch: LaunchMode,
+    #[arg(long, value_enum, default_value = "auto")]
+    transport: TransportKind,
+    /// Device index of this process [default: LOCAL_RANK; threads share device 0].
+    #[arg(long)]
+    device: Option<usize>,
     /// Evaluate on one rank with the whole sequence, bypassing sequence parallelism.
     #[arg(long)]
     eval_single_device: bool,
@@ -77,6 +115,40 @@ struct Args {
     /// Seed of the initial parameters and of the batches.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    #[arg(long, default_value_t = 128)]
+    d_model: usize,
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    /// Key/value heads (grouped-query attention).
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    #[arg(long, default_value_t = 256)]
+    ffn_hidden: usize,
+    /// Write the training checkpoint every this many steps (and after the last; 0: only then).
+    #[arg(long, default_value_t = 50)]
+    checkpoint_every: usize,
+    /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
+    /// it had never stopped. Every rank reads it.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Stop after this many steps in total (writing a checkpoint), to continue later with
+    /// --resume; the schedule still follows --steps.
+    #[arg(long)]
+    stop_after: Option<usize>,
+    /// Test hook: STEP:RANK makes that rank's gradients NaN at that step.
+    #[arg(long, hide = true, value_parser = step_and_rank)]
+    fault_nan_gradient: Option<(usize, usize)>,
+    /// Test hook: STEP:RANK kills that rank's process (SIGKILL) in the middle of that step.
+    #[arg(long, hide = true, value_parser = step_and_rank)]
+    fault_kill: Option<(usize, usize)>,
+}
+
+fn step_and_rank(value: &str) -> Result<(usize, usize), String> {
+    let (step, rank) = value.split_once(':').ok_or("expected STEP:RANK")?;
+    Ok((step.parse().map_err(|_| "STEP must be a number")?, rank.parse().map_err(|_| "RANK must be a number")?))
 }
 
 fn main() {
@@ -90,8 +162,40 @@ fn main() {
     }
 }
 
+/// Everything a rank needs besides its backend.
+struct Job<'a> {
+    args: &'a Args,
+    launch: Launch,
+    config: TrainConfig,
+    data: Box<dyn StepData>,
+    out: PathBuf,
+    /// The step a resumed run starts at.
+    resumed_at: Option<usize>,
+    options: JobOptions,
+}
+
 fn run(args: Args) -> Result<(), String> {
-    let layout = ParallelLayout::new().with_sp_size(args.sp).with_dp_size(args.dp);
+    let launch = match (args.launch, Launch::from_env().map_err(|e| e.to_string())?) {
+        (LaunchMode::Threads, _) => Launch::Threads,
+        (LaunchMode::Process, Launch::Threads) => {
+            return Err("--launch process, but no launcher set RANK and WORLD_SIZE (or SLURM_PROCID): start this \
+                        program with ulysses-launch, torchrun or srun"
+                .into());
+        }
+        (_, launch) => launch,
+    };
+    let layout = match (launch.world_size(), args.dp) {
+        (None, dp) => ParallelLayout::new().with_sp_size(args.sp).with_dp_size(dp.unwrap_or(1)),
+        (Some(world), None) => ParallelLayout::for_world(world, args.sp).map_err(|e| format!("{e} (--sp)"))?,
+        (Some(_), Some(dp)) => ParallelLayout::new().with_sp_size(args.sp).with_dp_size(dp),
+    };
+    let model = ulysses_llama::LlamaConfig::new(BYTE_VOCAB)
+        .with_d_model(args.d_model)
+        .with_n_layers(args.layers)
+        .with_n_heads(args.heads)
+        .with_n_kv_heads(args.kv_heads)
+        .with_ffn_hidden(args.ffn_hidden)
+        .with_repeat_kv(false);
     let mut config = TrainConfig::small(layout)
         .with_grad_accumulation(args.grad_accumulation)
         .with_batch_size(args.batch_size)
@@ -101,69 +205,147 @@ fn run(args: Args) -> Result<(), String> {
         .with_eval_single_device(args.eval_single_device)
         .with_check_parameters_every(args.check_parameters_every)
         .with_seed(args.seed);
+    config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;
-    let corpus = ByteCorpus::load(&args.corpus, 0.1)?;
-    corpus.check_sequence_length(config.seq_len)?;
-    tracing::info!(
-        corpus = %args.corpus.display(),
-        files = corpus.files.len(),
-        train_bytes = corpus.train_bytes(),
-        sp = args.sp,
-        dp = args.dp,
-        backend = ?args.backend,
-        "training a {}-layer Llama, {} q / {} kv heads, on {} ranks",
-        config.model.n_layers,
-        config.model.n_heads,
-        config.model.n_kv_heads,
-        layout.world_size(),
-    );
-    std::fs::create_dir_all(&args.out).map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
-    config.save(args.out.join("config.json")).map_err(|e| e.to_string())?;
+    if let Some(stop) = args.stop_after.filter(|&s| s == 0 || s > args.steps) {
+        return Err(format!("--stop-after {stop} must lie in 1..=--steps {}", args.steps));
+    }
 
+    let data: Box<dyn StepData> = match &args.tokens {
+        Some(path) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, BYTE_VOCAB)?),
+        None => {
+            let corpus = ByteCorpus::load(&args.corpus, 0.1)?;
+            corpus.check_sequence_length(config.seq_len)?;
+            Box::new(OwnedCorpus { corpus, config: config.clone() })
+        }
+    };
+    let resumed_at = match &args.resume {
+        None => None,
+        Some(location) => {
+            let state: RunState = read_checkpoint_state(location).map_err(|e| e.to_string())?;
+            check_resumable(&config, &state)?;
+            Some(state.completed_steps)
+        }
+    };
+    let out = args.out.clone().or_else(|| args.resume.clone().filter(|p| p.is_dir())).unwrap_or_else(|| "runs/llama".into());
+    let is_first = matches!(&launch, Launch::Threads) || matches!(&launch, Launch::Process(env) if env.rank == 0);
+    if is_first {
+        tracing::info!(
+            data = %args.tokens.as_ref().unwrap_or(&args.corpus).display(),
+            sp = layout.sp_size,
+            dp = layout.dp_size,
+            backend = ?args.backend,
+            ranks = if matches!(launch, Launch::Threads) { "threads" } else { "processes" },
+            "training a {}-layer Llama, {} q / {} kv heads, on {} ranks",
+            config.model.n_layers,
+            config.model.n_heads,
+            config.model.n_kv_heads,
+            layout.world_size(),
+        );
+        std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+        config.save(out.join("config.json")).map_err(|e| e.to_string())?;
+    }
+    let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
+    let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
+    let job = Job { args: &args, launch, config, data, out, resumed_at, options };
+
+    let nccl_wanted = args.transport == TransportKind::Nccl;
     match args.backend {
-        BackendKind::Cpu => train::<Autodiff<NdArray>>(&config, &corpus, &args, Default::default()),
-        // CubeBackend itself rather than burn's fused `Cuda`: the flash kernels run on it.
+        BackendKind::Cpu if nccl_wanted => Err("--transport nccl needs a CUDA backend (--backend cuda)".into()),
+        BackendKind::Cpu => train::<burn::backend::NdArray, Tcp>(&job, |_| Default::default()),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-            train::<Autodiff<Cuda>>(&config, &corpus, &args, Default::default())
+            cuda::train_on::<Cuda>(&job)
+        }
+        #[cfg(feature = "cuda")]
+        BackendKind::CudaFused => {
+            type Cuda = burn_fusion::Fusion<burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>>;
+            cuda::train_on::<Cuda>(&job)
         }
         #[cfg(not(feature = "cuda"))]
-        BackendKind::Cuda => Err("this binary was built without CUDA: rebuild with `--features cuda`".into()),
+        BackendKind::Cuda | BackendKind::CudaFused => Err("this binary was built without CUDA: rebuild with `--features cuda`".into()),
     }
 }
 
-/// Runs every rank of the world as a thread; `Inner` is the autodiff backend under
-/// `UlyssesBackend`.
-fn train<Inner>(config: &TrainConfig, corpus: &ByteCorpus, args: &Args, device: Inner::Device) -> Result<(), String>
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use cubecl::cuda::CudaDevice;
+
+    /// CUDA ranks: NCCL between processes unless `--transport tcp`.
+    pub fn train_on<W>(job: &Job) -> Result<(), String>
+    where
+        W: PlainBackend<Device = CudaDevice>,
+        ulysses_nccl::Nccl: Transport<W>,
+    {
+        let device = |index| CudaDevice::new(index);
+        match job.args.transport {
+            TransportKind::Tcp => train::<W, Tcp>(job, device),
+            TransportKind::Auto | TransportKind::Nccl => train::<W, ulysses_nccl::Nccl>(job, device),
+        }
+    }
+}
+
+/// A corpus and the config that draws its batches.
+struct OwnedCorpus {
+    corpus: ByteCorpus,
+    config: TrainConfig,
+}
+
+impl StepData for OwnedCorpus {
+    fn train_batch(&self, step: usize) -> Vec<Vec<i64>> {
+        CorpusData { corpus: &self.corpus, config: &self.config }.train_batch(step)
+    }
+
+    fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
+        CorpusData { corpus: &self.corpus, config: &self.config }.eval_batch()
+    }
+}
+
+/// Runs this process's ranks (all of them as threads, or its one rank) on `UlyssesBackend`
+/// over `W`, joining other processes through `T`.
+fn train<W, T>(job: &Job, device: impl Fn(usize) -> W::Device + Sync) -> Result<(), String>
 where
-    Inner: AutodiffBackend + ExchangeBackend,
-    Inner::InnerBackend: ExchangeBackend,
+    W: PlainBackend,
+    T: Transport<W>,
 {
-    // Seeded parameters, initialised here (fork forces burn's lazy initialisation) so that
-    // runs repeat; each rank forks its own copy, with its own autodiff leaves.
-    <UlyssesBackend<Inner> as burn::tensor::backend::Backend>::seed(&device, config.seed);
-    let template = config.model.init::<UlyssesBackend<Inner>>(&device).fork(&device);
-    let world = ThreadGroup::new(config.layout.world_size());
-    let results = world.run(|rank| -> Result<(), String> {
-        let groups: ParallelGroups<ThreadCommunicator> =
-            ParallelGroups::new(rank.communicator(), config.layout).map_err(|e| e.to_string())?;
-        let _sp = UlyssesBackend::<Inner>::enter_thread(groups.sp.clone());
-        let mut log = (rank.rank() == 0).then(|| RunLog::new(config, args)).transpose()?;
-        let progress = log.as_mut().map(|log| log as &mut dyn Progress);
-        let data = CorpusData { corpus, config };
-        let model = template.clone().fork(&device);
-        let (model, _) = train_rank::<UlyssesBackend<Inner>, _>(config, model, &data, &groups, &device, progress)
+    type Sp<W> = UlyssesBackend<Autodiff<W>>;
+    let config = &job.config;
+    // Seeded parameters, initialised here once (fork forces burn's lazy initialisation), so
+    // that runs repeat; each rank forks its own copy, with its own autodiff leaves.
+    let index = job.options.device_index.unwrap_or(match &job.launch {
+        Launch::Process(env) => env.local_rank,
+        Launch::Threads => 0,
+    });
+    let template_device = device(index);
+    <Sp<W> as Backend>::seed(&template_device, config.seed);
+    let template = config.model.init::<Sp<W>>(&template_device).fork(&template_device);
+    let threads = matches!(job.launch, Launch::Threads);
+
+    let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {
+        let mut log = (rank.world_rank == 0).then(|| RunLog::new(job)).transpose()?;
+        let options = RunOptions {
+            progress: log.as_mut().map(|log| log as &mut dyn Progress),
+            checkpoint_dir: Some(job.out.clone()),
+            checkpoint_every: job.args.checkpoint_every,
+            resume: job.args.resume.clone(),
+            stop_after: job.args.stop_after,
+            faults: Faults { nan_gradient: job.args.fault_nan_gradient, kill: job.args.fault_kill },
+        };
+        let model = template.clone().fork(&rank.device);
+        let (model, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options)
             .map_err(|e| e.to_string())?;
         if let Some(log) = log {
-            save_checkpoint(&model, &args.out.join("model"))?;
+            save_model(&model, &job.out.join("model"))?;
             log.finish()?;
         }
         Ok(())
-    });
+    })
+    .map_err(|e| e.to_string())?;
     for (rank, result) in results.into_iter().enumerate() {
-        result.map_err(|panic| panic.to_string())?.map_err(|e| format!("rank {rank}: {e}"))?;
+        result.map_err(|e| if threads { format!("rank {rank}: {e}") } else { e })?;
     }
     Ok(())
 }
@@ -177,31 +359,64 @@ struct RunLog {
     train: Vec<(usize, f64)>,
     eval: Vec<(usize, f64)>,
     title: String,
+    steps: usize,
 }
 
+const CSV_HEADER: &str = "step,loss,eval_loss,learning_rate,valid_tokens,processed_tokens,tokens_per_second,elapsed_seconds";
+
 impl RunLog {
-    fn new(config: &TrainConfig, args: &Args) -> Result<Self, String> {
-        let path = args.out.join("metrics.csv");
+    /// A resumed run keeps the rows of the steps before its checkpoint (a crash may have
+    /// left rows of later steps, which the resumed run takes again).
+    fn new(job: &Job) -> Result<Self, String> {
+        let path = job.out.join("metrics.csv");
+        let kept = match job.resumed_at {
+            Some(step) => earlier_rows(&path, step),
+            None => Vec::new(),
+        };
         let mut csv = BufWriter::new(File::create(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?);
-        writeln!(csv, "step,loss,eval_loss,learning_rate,valid_tokens,processed_tokens,tokens_per_second,elapsed_seconds")
-            .map_err(|e| e.to_string())?;
+        writeln!(csv, "{CSV_HEADER}").map_err(|e| e.to_string())?;
+        let (mut train, mut eval) = (Vec::new(), Vec::new());
+        for row in &kept {
+            writeln!(csv, "{row}").map_err(|e| e.to_string())?;
+            let fields: Vec<&str> = row.split(',').collect();
+            let step = fields[0].parse().unwrap_or(0);
+            if let Ok(loss) = fields[1].parse() {
+                train.push((step, loss));
+            }
+            if let Ok(loss) = fields[2].parse() {
+                eval.push((step, loss));
+            }
+        }
+        let config = &job.config;
         let bar = ProgressBar::new(config.steps as u64);
+        bar.set_position(job.resumed_at.unwrap_or(0) as u64);
         bar.set_style(
             ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps  {msg}")
                 .unwrap()
                 .progress_chars("=> "),
         );
+        let ranks = if matches!(job.launch, Launch::Threads) { "threads" } else { "processes" };
         let title = format!(
-            "Llama on bytes, SP={} DP={} ({:?}), {} tokens/sequence",
-            config.layout.sp_size, config.layout.dp_size, args.backend, config.seq_len
+            "Llama on bytes, SP={} DP={} ({:?}, {ranks}), {} tokens/sequence",
+            config.layout.sp_size, config.layout.dp_size, job.args.backend, config.seq_len
         );
-        Ok(Self { bar, csv, out: args.out.clone(), started: Instant::now(), train: Vec::new(), eval: Vec::new(), title })
+        Ok(Self {
+            bar,
+            csv,
+            out: job.out.clone(),
+            started: Instant::now(),
+            train,
+            eval,
+            title,
+            steps: config.steps,
+        })
     }
 
     fn row(&mut self, step: usize, loss: &str, eval_loss: &str, rest: &str) {
         let elapsed = self.started.elapsed().as_secs_f64();
         // A failed write only loses a metrics row; the run goes on.
         let _ = writeln!(self.csv, "{step},{loss},{eval_loss},{rest},{elapsed:.3}");
+        let _ = self.csv.flush();
     }
 
     fn finish(mut self) -> Result<(), String> {
@@ -211,14 +426,26 @@ impl RunLog {
         let first = self.train.first().map_or(f64::NAN, |p| p.1);
         let last = self.train.last().map_or(f64::NAN, |p| p.1);
         let held_out = self.eval.last().map_or("-".to_string(), |p| format!("{:.3}", p.1));
+        let taken = self.train.last().map_or(0, |p| p.0 + 1);
+        let stopped = if taken < self.steps { format!(" (stopped at {taken} of {}; continue with --resume)", self.steps) } else { String::new() };
         println!(
-            "loss {first:.3} -> {last:.3} in {} steps ({:.1?}), held-out {held_out}; wrote {}/{{metrics.csv, loss.png, config.json, model.mpk}}",
-            self.train.len(),
+            "loss {first:.3} -> {last:.3} in {taken} steps{stopped} ({:.1?}), held-out {held_out}; wrote {}/{{metrics.csv, loss.png, config.json, model.mpk, checkpoint.ulysses}}",
             self.started.elapsed(),
             self.out.display()
         );
         Ok(())
     }
+}
+
+/// The data rows of an earlier run's metrics file for steps before `step`.
+fn earlier_rows(path: &Path, step: usize) -> Vec<String> {
+    let Ok(file) = File::open(path) else { return Vec::new() };
+    BufReader::new(file)
+        .lines()
+        .map_while(Result::ok)
+        .skip(1)
+        .filter(|line| line.split(',').next().and_then(|s| s.parse::<usize>().ok()).is_some_and(|s| s < step))
+        .collect()
 }
 
 impl Progress for RunLog {
@@ -227,7 +454,7 @@ impl Progress for RunLog {
         self.train.push((step, report.loss));
         self.row(
             step,
-            &format!("{:.6}", report.loss),
+            &format!("{:.9}", report.loss),
             "",
             &format!("{learning_rate:.6e},{},{},{tokens_per_second:.1}", report.valid_tokens, report.processed_tokens),
         );
@@ -237,7 +464,11 @@ impl Progress for RunLog {
 
     fn eval(&mut self, step: usize, loss: f64) {
         self.eval.push((step, loss));
-        self.row(step, "", &format!("{loss:.6}"), ",,,");
+        self.row(step, "", &format!("{loss:.9}"), ",,,");
         self.bar.println(format!("step {step}: held-out loss {loss:.4}"));
+    }
+
+    fn checkpoint(&mut self, step: usize, path: &Path) {
+        tracing::debug!(step, path = %path.display(), "checkpoint written");
     }
 }

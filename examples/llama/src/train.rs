@@ -1,23 +1,28 @@
-//! The training loop of one rank: Llama on byte tokens, with SP × DP through burn-ulysses.
+//! The training loop of one rank: Llama on byte tokens, with SP × DP through burn-ulysses,
+//! crash-safe checkpoints and resumption.
 
-use std::{path::Path, time::Instant};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use burn::{
     config::Config,
     module::{AutodiffModule, Module},
-    optim::AdamWConfig,
+    optim::{AdamWConfig, Optimizer},
     record::{FullPrecisionSettings, NamedMpkFileRecorder},
     tensor::{Int, Tensor, backend::AutodiffBackend},
 };
 use burn_ulysses::{
-    UlyssesError,
-    comm::Communicator,
+    ParallelGroups, ParallelLayout, TrainBackend, UlyssesError,
+    comm::all_gather_host_checked,
     data::SequenceSharder,
     train::{
-        CausalLm, GroupSplit, LmOutput, ParallelGroups, ParallelLayout, StepReport, broadcast_parameters,
-        check_parameters_identical, evaluate, evaluate_single_device, train_step,
+        CausalLm, LmOutput, LocalStep, StepInput, StepReport, apply_step, backward_step, broadcast_parameters,
+        check_parameters_identical,
+        checkpoint::{load_training_checkpoint, save_training_checkpoint},
+        evaluate, evaluate_single_device,
     },
 };
+use serde::{Deserialize, Serialize};
 
 use crate::{
     Llama, LlamaConfig,
@@ -35,7 +40,7 @@ pub struct TrainConfig {
     /// Sequences per optimizer step, over all DP ranks and micro-batches.
     #[config(default = 8)]
     pub batch_size: usize,
-    /// Tokens per sequence.
+    /// Tokens per sequence: every batch is padded to this length.
     #[config(default = 256)]
     pub seq_len: usize,
     #[config(default = 300)]
@@ -64,7 +69,8 @@ impl TrainConfig {
         Self::new(LlamaConfig::new(BYTE_VOCAB).with_repeat_kv(false), AdamWConfig::new().with_weight_decay(0.01), layout)
     }
 
-    /// Fails with the name of the first setting that cannot work.
+    /// Fails, before any work, with the name of the first setting that cannot work and
+    /// what to change.
     pub fn validate(&self) -> Result<(), String> {
         let positive = [
             ("sp_size (--sp)", self.layout.sp_size),
@@ -82,9 +88,31 @@ impl TrainConfig {
         let parts = self.layout.dp_size * self.grad_accumulation;
         if self.batch_size % parts != 0 {
             return Err(format!(
-                "batch_size (--batch-size) {} must be a multiple of dp_size × grad_accumulation = {parts}",
-                self.batch_size
+                "batch_size (--batch-size) {} must be a multiple of dp_size × grad_accumulation = {parts}: use {} or {}",
+                self.batch_size,
+                (self.batch_size / parts).max(1) * parts,
+                (self.batch_size / parts + 1) * parts
             ));
+        }
+        if self.seq_len < self.layout.sp_size {
+            return Err(format!(
+                "seq_len (--seq-len) {} is shorter than the sequence-parallel degree {}: each rank needs at least one token",
+                self.seq_len, self.layout.sp_size
+            ));
+        }
+        let model = &self.model;
+        if model.n_heads == 0 || model.d_model % model.n_heads != 0 {
+            return Err(format!("d_model (--d-model) {} must be a multiple of the head count (--heads) {}", model.d_model, model.n_heads));
+        }
+        self.layout.check_heads(model.n_heads, model.n_kv_heads).map_err(|e| format!("{e} (--sp, --heads, --kv-heads)"))?;
+        if self.seq_len % self.layout.sp_size != 0 {
+            tracing::warn!(
+                "seq_len {} is not a multiple of sp {}: every batch is padded by {} token(s); a multiple of {} wastes nothing",
+                self.seq_len,
+                self.layout.sp_size,
+                self.layout.sp_size - self.seq_len % self.layout.sp_size,
+                self.layout.sp_size
+            );
         }
         Ok(())
     }
@@ -103,6 +131,12 @@ impl TrainConfig {
         let per_rank = global.len() / self.layout.dp_size;
         let mine = &global[dp_rank * per_rank..(dp_rank + 1) * per_rank];
         mine.chunks(per_rank / self.grad_accumulation).map(<[_]>::to_vec).collect()
+    }
+
+    /// The sharder of this layout: batches padded to `seq_len`, so every step has the same
+    /// shapes.
+    pub fn sharder(&self) -> SequenceSharder {
+        SequenceSharder::new(self.layout.sp_size).with_pad_to(Some(self.seq_len))
     }
 }
 
@@ -127,6 +161,9 @@ impl<B: AutodiffBackend> CausalLm<B> for Llama<B> {
 
 /// The sequences each optimizer step trains on (the same on every rank: each rank takes its
 /// DP slice and SP shard of them), and an optional held-out batch.
+///
+/// The batch of a step must depend only on the step (and fixed settings such as the seed):
+/// that is what lets a resumed run draw exactly the batches the uninterrupted one did.
 pub trait StepData: Sync {
     fn train_batch(&self, step: usize) -> Vec<Vec<i64>>;
     fn eval_batch(&self) -> Option<Vec<Vec<i64>>>;
@@ -152,31 +189,78 @@ impl StepData for CorpusData<'_> {
 pub trait Progress {
     fn step(&mut self, step: usize, report: &StepReport, learning_rate: f64, seconds: f64);
     fn eval(&mut self, step: usize, loss: f64);
+    fn checkpoint(&mut self, _step: usize, _path: &Path) {}
 }
 
-/// Trains `model` on this rank; returns it with every step's report (the same on every
-/// rank). Rank 0's parameters are broadcast first, so ranks may start from any values.
-/// `groups` must already be entered as the rank context when `B` is a `UlyssesBackend`.
-pub fn train_rank<B, C>(
+/// Where training stands, saved in every checkpoint beside the model and the optimizer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunState {
+    /// Optimizer steps taken.
+    pub completed_steps: usize,
+    /// The index of the next training batch. Batches are a pure function of (seed, index)
+    /// (see [`StepData`]), so with the seed this is the whole state of the data order; the
+    /// model draws no random numbers after initialisation (no dropout).
+    pub data_position: usize,
+    pub seed: u64,
+    /// The run's config, to refuse a resumption that would train something else.
+    pub config: TrainConfig,
+}
+
+/// Test hooks: faults injected on purpose, to check that the run stops cleanly.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Faults {
+    /// `(step, world rank)`: that rank's gradients become NaN after the step's backward.
+    pub nan_gradient: Option<(usize, usize)>,
+    /// `(step, world rank)`: that rank's process is killed (SIGKILL) after the step's
+    /// backward, while its peers wait for its gradients.
+    pub kill: Option<(usize, usize)>,
+}
+
+/// How a rank's run is driven, beyond the config.
+#[derive(Default)]
+pub struct RunOptions<'a> {
+    /// Rank 0's progress report.
+    pub progress: Option<&'a mut dyn Progress>,
+    /// Where world rank 0 writes the training checkpoint (`None`: nowhere).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Write a checkpoint every this many steps (0: only at the end).
+    pub checkpoint_every: usize,
+    /// Continue from this checkpoint (folder or file).
+    pub resume: Option<PathBuf>,
+    /// Stop, after checkpointing, once this many steps have been taken in total: a run
+    /// interrupted on purpose (a job time limit), continued later with `resume`.
+    pub stop_after: Option<usize>,
+    pub faults: Faults,
+}
+
+/// Trains `model` on this rank; returns it with the reports of the steps it took (the same on
+/// every rank). Rank 0's parameters are broadcast first, so ranks may start from any values;
+/// with `resume`, every rank loads the checkpoint instead. `groups.sp` must already be the
+/// rank context when `B` is a `UlyssesBackend` (`ulysses_dist::job::run_ranks` does that).
+pub fn train_rank<B>(
     config: &TrainConfig,
     model: Llama<B>,
     data: &dyn StepData,
-    groups: &ParallelGroups<C>,
+    groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
-    mut progress: Option<&mut dyn Progress>,
+    mut options: RunOptions,
 ) -> Result<(Llama<B>, Vec<StepReport>), UlyssesError>
 where
-    B: AutodiffBackend,
-    C: GroupSplit + Communicator<B::InnerBackend>,
+    B: TrainBackend,
 {
     config.validate().map_err(UlyssesError::InvalidConfig)?;
-    let sharder = SequenceSharder::new(config.layout.sp_size);
-    let mut model = broadcast_parameters(model, &*groups.world)?;
-    let mut optimizer = config.optimizer.init::<B, Llama<B>>();
+    let sharder = config.sharder();
+    let optimizer = config.optimizer.init::<B, Llama<B>>();
+    let (mut model, mut optimizer, first_step) = match &options.resume {
+        None => (broadcast_parameters(model, &*groups.world)?, optimizer, 0),
+        Some(location) => resume(config, location, model, optimizer, groups, device)?,
+    };
+    let is_first = groups.world_rank() == 0;
     let eval_batch = data.eval_batch();
-    let mut reports = Vec::with_capacity(config.steps);
+    let last_step = options.stop_after.map_or(config.steps, |stop| stop.min(config.steps));
+    let mut reports = Vec::with_capacity(last_step.saturating_sub(first_step));
 
-    for step in 0..config.steps {
+    for step in first_step..last_step {
         let started = Instant::now();
         let global = data.train_batch(step);
         if global.len() != config.batch_size {
@@ -184,62 +268,143 @@ where
             return Err(UlyssesError::InvalidConfig(message));
         }
         let micro_batches = config.micro_batches(&global, groups.dp_rank());
-        let learning_rate = config.learning_rate_at(step);
-        let (next, report) = train_step(model, &mut optimizer, learning_rate, &micro_batches, &sharder, groups, device)?;
+        let input = StepInput { index: step, learning_rate: config.learning_rate_at(step), micro_batches: &micro_batches };
+        let mut local = backward_step(&model, &input, &sharder, groups, device)?;
+        inject_faults(&options.faults, step, groups.world_rank(), &model, &mut local);
+        let (next, report) = apply_step(model, &mut optimizer, &input, local, groups)?;
         model = next;
         reports.push(report);
-        if let Some(progress) = progress.as_deref_mut() {
-            progress.step(step, &report, learning_rate, started.elapsed().as_secs_f64());
+        if let Some(progress) = options.progress.as_deref_mut() {
+            progress.step(step, &report, input.learning_rate, started.elapsed().as_secs_f64());
         }
         if config.check_parameters_every > 0 && (step + 1) % config.check_parameters_every == 0 {
             check_parameters_identical(&model, &*groups.world)?;
         }
         let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
         if let (true, Some(batch)) = (eval_due, &eval_batch) {
-            let loss = evaluate_model::<B, C>(config, &model.valid(), batch, groups, device)?;
-            if let (Some(progress), Some(loss)) = (progress.as_deref_mut(), loss) {
+            let loss = evaluate_model::<B>(config, &model.valid(), batch, groups, device)?;
+            if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss) {
                 progress.eval(step, loss);
+            }
+        }
+        let done = step + 1;
+        let checkpoint_due = done == last_step || (options.checkpoint_every > 0 && done % options.checkpoint_every == 0);
+        if let (true, true, Some(dir)) = (checkpoint_due, is_first, &options.checkpoint_dir) {
+            let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone() };
+            let path = save_training_checkpoint(dir, &model, &optimizer, &state)?;
+            if let Some(progress) = options.progress.as_deref_mut() {
+                progress.checkpoint(step, &path);
             }
         }
     }
     Ok((model, reports))
 }
 
+/// Every rank loads the checkpoint (so it must be readable on every node), after checking
+/// that it continues this run; then the ranks check they loaded the same thing.
+fn resume<B, O>(
+    config: &TrainConfig,
+    location: &Path,
+    model: Llama<B>,
+    optimizer: O,
+    groups: &ParallelGroups<B::Wire>,
+    device: &B::Device,
+) -> Result<(Llama<B>, O, usize), UlyssesError>
+where
+    B: TrainBackend,
+    O: Optimizer<Llama<B>, B>,
+{
+    let (model, optimizer, state): (_, _, RunState) = load_training_checkpoint(location, model, optimizer, device)?;
+    check_resumable(config, &state).map_err(UlyssesError::InvalidConfig)?;
+    let steps = all_gather_host_checked(&*groups.world, &[state.completed_steps as u64], "checkpoint steps")?;
+    if steps.iter().any(|s| s[0] as usize != state.completed_steps) {
+        let steps: Vec<u64> = steps.iter().map(|s| s[0]).collect();
+        return Err(UlyssesError::InvalidConfig(format!(
+            "the ranks loaded checkpoints of different steps {steps:?} from {}: every rank must read the same file \
+             (a shared file system, or the same copy on every node)",
+            location.display()
+        )));
+    }
+    check_parameters_identical(&model, &*groups.world)?;
+    tracing::info!(step = state.completed_steps, from = %location.display(), "resuming");
+    Ok((model, optimizer, state.data_position))
+}
+
+/// Refuses to resume a run whose model or data would differ; warns when only the schedule does.
+pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), String> {
+    let differs = [
+        ("the model", serde_json::to_string(&config.model).ok() != serde_json::to_string(&saved.config.model).ok()),
+        ("--seed", config.seed != saved.seed),
+        ("--batch-size", config.batch_size != saved.config.batch_size),
+        ("--seq-len", config.seq_len != saved.config.seq_len),
+    ];
+    if let Some((what, _)) = differs.iter().find(|(_, differs)| *differs) {
+        return Err(format!(
+            "the checkpoint was written by a run with a different {what}; resuming would not continue that run. \
+             Resume with the settings in its config (layout and gradient accumulation may change)"
+        ));
+    }
+    if saved.completed_steps > config.steps {
+        return Err(format!("the checkpoint has already taken {} steps, more than --steps {}", saved.completed_steps, config.steps));
+    }
+    let schedule = |c: &TrainConfig| (c.steps, c.warmup_steps, c.learning_rate.to_bits());
+    if schedule(config) != schedule(&saved.config) {
+        tracing::warn!("the learning-rate schedule (--steps, warm-up, --learning-rate) differs from the checkpoint's run: later losses will differ from an uninterrupted run");
+    }
+    Ok(())
+}
+
+/// The test hooks of [`Faults`], applied between a step's backward and its all-reduce.
+fn inject_faults<B: TrainBackend>(faults: &Faults, step: usize, rank: usize, model: &Llama<B>, local: &mut LocalStep) {
+    if faults.nan_gradient == Some((step, rank)) {
+        tracing::warn!(step, rank, "test hook: making this rank's embedding gradient NaN");
+        let id = model.embedding.weight.id;
+        if let Some(grad) = local.grads.remove::<B::InnerBackend, 2>(id) {
+            local.grads.register::<B::InnerBackend, 2>(id, grad.mul_scalar(f32::NAN));
+        }
+    }
+    if faults.kill == Some((step, rank)) {
+        tracing::warn!(step, rank, "test hook: killing this process (SIGKILL) in the middle of the step");
+        // SAFETY: kill(2) on our own pid; nothing after it runs.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+}
+
 /// The held-out loss: over the SP group, or on world rank 0 alone when
 /// `eval_single_device` is set (`None` on the other ranks).
-pub fn evaluate_model<B, C>(
+pub fn evaluate_model<B>(
     config: &TrainConfig,
     model: &Llama<B::InnerBackend>,
     batch: &[Vec<i64>],
-    groups: &ParallelGroups<C>,
+    groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
 ) -> Result<Option<f64>, UlyssesError>
 where
-    B: AutodiffBackend,
-    C: GroupSplit + Communicator<B::InnerBackend>,
+    B: TrainBackend,
 {
     let forward = |tokens, offset| model.lm_output(tokens, offset);
-    let sharder = SequenceSharder::new(config.layout.sp_size);
+    let sharder = config.sharder();
     if config.eval_single_device {
-        let is_first = groups.world.group_rank() == 0;
+        let is_first = groups.world_rank() == 0;
         return Ok(is_first.then(|| evaluate_single_device(forward, batch, sharder.ignore_index, device)));
     }
     evaluate(forward, batch, &sharder, groups.sp_rank(), &*groups.sp, device).map(Some)
 }
 
-pub fn checkpoint_recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {
+pub fn model_recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {
     NamedMpkFileRecorder::new()
 }
 
-/// Saves the model's parameters; they do not depend on the SP or DP size, so a checkpoint
-/// loads under any layout.
-pub fn save_checkpoint<B: AutodiffBackend>(model: &Llama<B>, path: &Path) -> Result<(), String> {
-    model.clone().save_file(path, &checkpoint_recorder()).map_err(|e| format!("cannot save checkpoint {}: {e}", path.display()))
+/// Saves the model's parameters alone (for evaluation and inference); they do not depend on
+/// the SP or DP size, so the file loads under any layout. Training checkpoints, which also
+/// hold the optimizer and the position in the data, are written by [`train_rank`].
+pub fn save_model<B: AutodiffBackend>(model: &Llama<B>, path: &Path) -> Result<(), String> {
+    model.clone().save_file(path, &model_recorder()).map_err(|e| format!("cannot save the model to {}: {e}", path.display()))
 }
 
-pub fn load_checkpoint<B: AutodiffBackend>(config: &LlamaConfig, path: &Path, device: &B::Device) -> Result<Llama<B>, String> {
+pub fn load_model<B: AutodiffBackend>(config: &LlamaConfig, path: &Path, device: &B::Device) -> Result<Llama<B>, String> {
     config
         .init::<B>(device)
-        .load_file(path, &checkpoint_recorder(), device)
-        .map_err(|e| format!("cannot load checkpoint {}: {e}", path.display()))
+        .load_file(path, &model_recorder(), device)
+        .map_err(|e| format!("cannot load the model {}: {e}", path.display()))
 }

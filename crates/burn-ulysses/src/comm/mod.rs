@@ -6,6 +6,8 @@
 //! buffers on the backend's stream. Collectives are blocking from the caller's point of view
 //! and must be called in the same order by every rank of the group.
 
+#[cfg(feature = "cubecl")]
+mod fusion;
 mod thread;
 mod traffic;
 
@@ -13,6 +15,8 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use burn::tensor::{backend::Backend, ops::FloatTensor};
 
+#[cfg(feature = "cubecl")]
+pub use fusion::FusionCommunicator;
 pub use thread::{RankPanic, ThreadCommunicator, ThreadGroup, ThreadGroupConfig, ThreadRank};
 pub use traffic::{Traffic, TrafficCounter};
 
@@ -35,6 +39,29 @@ pub enum Collective {
     Barrier,
     AllGatherHost,
     Split,
+}
+
+impl Collective {
+    /// Every collective, in a fixed order (transports number them by position).
+    pub const ALL: [Collective; 7] = [
+        Collective::AllToAll,
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::Broadcast,
+        Collective::Barrier,
+        Collective::AllGatherHost,
+        Collective::Split,
+    ];
+
+    /// This collective's position in [`Collective::ALL`].
+    pub fn code(self) -> u8 {
+        Self::ALL.iter().position(|&c| c == self).unwrap() as u8
+    }
+
+    /// The collective at position `code` of [`Collective::ALL`].
+    pub fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.get(code as usize).copied()
+    }
 }
 
 impl fmt::Display for Collective {
@@ -62,12 +89,19 @@ pub enum CommError {
     )]
     PeerLeft { peer: usize, world_peer: usize, op: Collective, seq: u64 },
     #[error(
-        "collective #{seq} ({op}) timed out after {after:?} waiting for ranks {waiting_for:?} of \
-         this group. A rank is stuck or skipped a collective; raise the timeout if it is only \
-         slow. With ranks as threads, also check that no two ranks share parameter tensors: \
-         their autodiff graphs merge and one rank's backward blocks the other's."
+        "collective #{seq} ({op}) timed out after {after:?} waiting for world rank(s) \
+         {waiting_for:?}. A rank is stuck or skipped a collective; raise the timeout \
+         (ULYSSES_COLLECTIVE_TIMEOUT) if it is only slow. With ranks as threads, also check that \
+         no two ranks share parameter tensors: their autodiff graphs merge and one rank's \
+         backward blocks the other's."
     )]
     Timeout { op: Collective, seq: u64, waiting_for: Vec<usize>, after: Duration },
+    #[error(
+        "collective #{seq} ({op}) failed: world rank(s) {ranks:?} died ({detail}); this rank \
+         stops too. Look at how rank(s) {ranks:?} ended first (their last output, a kill \
+         signal, the out-of-memory killer)."
+    )]
+    PeersDied { op: Collective, seq: u64, ranks: Vec<usize>, detail: String },
     #[error(
         "collective #{seq}: this rank called {op} but rank {peer} called {peer_op}. Every rank \
          must issue the same collectives in the same order (same model code, same layer count)."

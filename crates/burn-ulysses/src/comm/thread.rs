@@ -27,10 +27,7 @@ use burn::{
 };
 
 use super::{Collective, CommError, Communicator, ReduceOp, Traffic, TrafficCounter};
-use crate::{
-    primitive::{as_rows, byte_size, float_primitive},
-    train::GroupSplit,
-};
+use crate::primitive::{as_rows, byte_size, float_primitive};
 
 /// Settings of an in-process group.
 #[derive(Config, Debug)]
@@ -283,7 +280,8 @@ impl ThreadCommunicator {
             }
             let now = Instant::now();
             if now >= deadline {
-                let failure = CommError::Timeout { op, seq, waiting_for: missing, after: self.family.timeout };
+                let waiting_for = missing.iter().map(|&r| self.members[r]).collect();
+                let failure = CommError::Timeout { op, seq, waiting_for, after: self.family.timeout };
                 // The ranks that did arrive fail now too, instead of each at its own deadline.
                 state.rounds.get_mut(&key).unwrap().failure = Some(failure.clone());
                 self.family.changed.notify_all();
@@ -507,16 +505,10 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
     }
 }
 
-impl GroupSplit for ThreadCommunicator {
-    fn group_rank(&self) -> usize {
-        self.rank
-    }
-
-    fn group_size(&self) -> usize {
-        self.members.len()
-    }
-
-    fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
+impl ThreadCommunicator {
+    /// [`Communicator::split`], returning the concrete type (a sub-group still moves the
+    /// tensors of every backend).
+    pub fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
         let values = [u64::from(color), u64::from(key)];
         let (seq, gathered) = self.round(Collective::Split, Box::new(values), |deposits| {
             deposits

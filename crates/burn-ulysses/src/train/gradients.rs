@@ -1,5 +1,5 @@
 //! Gradient synchronisation: every parameter's gradient summed over a group of ranks, in
-//! bounded buckets.
+//! bounded buckets, and the health check that runs before it.
 //!
 //! Reducing each parameter on its own would cost one collective per tensor (hundreds per
 //! step); concatenating all of them into one buffer would hold a second copy of every
@@ -9,9 +9,10 @@
 use burn::{
     module::{AutodiffModule, ModuleVisitor, Param},
     optim::GradientsParams,
-    tensor::{DType, Tensor, backend::AutodiffBackend},
+    tensor::{DType, Tensor},
 };
 
+use super::TrainBackend;
 use crate::{
     comm::{Communicator, ReduceOp},
     error::UlyssesError,
@@ -23,10 +24,10 @@ pub const GRADIENT_BUCKET_BYTES: usize = 32 * 1024 * 1024;
 
 /// Sums every parameter gradient over the ranks of `communicator`, in buckets of at most
 /// [`GRADIENT_BUCKET_BYTES`].
-pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn all_reduce_gradients<B: TrainBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: GradientsParams,
-    communicator: &dyn Communicator<B::InnerBackend>,
+    communicator: &dyn Communicator<B::Wire>,
 ) -> Result<GradientsParams, UlyssesError> {
     all_reduce_gradients_in_buckets(module, grads, communicator, GRADIENT_BUCKET_BYTES)
 }
@@ -38,10 +39,10 @@ pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
 /// travels alone). A parameter that has a gradient on any rank gets the sum on every rank;
 /// ranks without one contribute zeros, and parameters without a gradient anywhere are left
 /// out, so all ranks always issue the same collectives.
-pub fn all_reduce_gradients_in_buckets<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn all_reduce_gradients_in_buckets<B: TrainBackend, M: AutodiffModule<B>>(
     module: &M,
     mut grads: GradientsParams,
-    communicator: &dyn Communicator<B::InnerBackend>,
+    communicator: &dyn Communicator<B::Wire>,
     bucket_bytes: usize,
 ) -> Result<GradientsParams, UlyssesError> {
     if communicator.size() == 1 {
@@ -78,12 +79,12 @@ pub fn all_reduce_gradients_in_buckets<B: AutodiffBackend, M: AutodiffModule<B>>
 
 /// One float parameter's gradient on this rank, flattened, or the parameter itself (for the
 /// shape, dtype and device of zeros) when this rank has none.
-struct LocalGradient<B: AutodiffBackend> {
+struct LocalGradient<B: TrainBackend> {
     grad: Option<Tensor<B::InnerBackend, 1>>,
     parameter: Tensor<B::InnerBackend, 1>,
 }
 
-impl<B: AutodiffBackend> LocalGradient<B> {
+impl<B: TrainBackend> LocalGradient<B> {
     fn len(&self) -> usize {
         self.parameter.dims()[0]
     }
@@ -97,12 +98,12 @@ impl<B: AutodiffBackend> LocalGradient<B> {
     }
 }
 
-struct TakeGradients<'a, B: AutodiffBackend> {
+struct TakeGradients<'a, B: TrainBackend> {
     grads: &'a mut GradientsParams,
     local: Vec<LocalGradient<B>>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGradients<'_, B> {
+impl<B: TrainBackend> ModuleVisitor<B> for TakeGradients<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let grad = self.grads.remove::<B::InnerBackend, D>(param.id).map(|g| g.flatten(0, D - 1));
         let parameter = param.val().inner().flatten(0, D - 1);
@@ -110,17 +111,50 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGradients<'_, B> {
     }
 }
 
-struct RegisterGradients<'a, B: AutodiffBackend> {
+struct RegisterGradients<'a, B: TrainBackend> {
     grads: &'a mut GradientsParams,
     reduced: std::vec::IntoIter<Option<Tensor<B::InnerBackend, 1>>>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for RegisterGradients<'_, B> {
+impl<B: TrainBackend> ModuleVisitor<B> for RegisterGradients<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(Some(flat)) = self.reduced.next() {
             self.grads.register::<B::InnerBackend, D>(param.id, flat.reshape(param.val().shape()));
         }
     }
+}
+
+/// The path (`blocks.0.attention.wq.weight`) of the first parameter whose gradient holds a NaN
+/// or an infinity, or `None`. Each gradient is summed on the device (a NaN or an infinity
+/// survives the sum) and the sums are read back at once, so it costs one small transfer.
+pub fn first_non_finite_gradient<B: TrainBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams) -> Option<String> {
+    struct Sums<'a, B: TrainBackend> {
+        grads: &'a GradientsParams,
+        path: Vec<String>,
+        names: Vec<String>,
+        sums: Vec<Tensor<B::InnerBackend, 1>>,
+    }
+    impl<B: TrainBackend> ModuleVisitor<B> for Sums<'_, B> {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                self.names.push(self.path.join("."));
+                self.sums.push(grad.cast(DType::F32).sum());
+            }
+        }
+    }
+    let mut sums = Sums::<B> { grads, path: Vec::new(), names: Vec::new(), sums: Vec::new() };
+    module.visit(&mut sums);
+    if sums.sums.is_empty() {
+        return None;
+    }
+    let values: Vec<f32> = Tensor::cat(sums.sums, 0).into_data().convert::<f32>().to_vec().expect("f32 sums");
+    values.iter().position(|v| !v.is_finite()).map(|i| sums.names[i].clone())
 }
 
 /// Buckets of parameter indices: consecutive parameters present on some rank, of one dtype,

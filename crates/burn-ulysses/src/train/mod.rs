@@ -1,22 +1,29 @@
 //! Training with sequence parallelism (SP) and data parallelism (DP), equal to one device.
 //!
-//! One optimizer step on one rank ([`train_step`]):
+//! One optimizer step on one rank ([`train_step`]) has two halves, also callable on their
+//! own (to inspect or change the local gradients in between):
+//!
+//! [`backward_step`]:
 //! 1. **shard** each of its micro-batches ([`SequenceSharder`]): labels shifted, padded,
 //!    this rank's slice of every sequence with its global positions;
 //! 2. **count** the valid (non-ignored) labels of the whole step over every rank, so the loss
 //!    is averaged over tokens, not over ranks or micro-batches;
 //! 3. **forward/backward** each micro-batch with loss `Σ_shard CE / max(valid_tokens, 1)`.
 //!    A rank whose shard holds only ignored labels still runs both passes: its attention
-//!    exchanges are collectives that its peers wait for;
-//! 4. **all-reduce** the accumulated gradients over the SP group, then the DP group (sum):
-//!    every rank now holds the gradient of the global token-averaged loss;
-//! 5. **step** the optimizer; every rank takes the same step, so parameters stay identical
+//!    exchanges are collectives that its peers wait for.
+//!
+//! [`apply_step`]:
+//! 4. **check** every rank's loss and local gradients: a NaN or an infinity anywhere stops
+//!    the step, on every rank, before the optimizer touches the parameters;
+//! 5. **all-reduce** the gradients over the world group (sum), once: SP and DP ranks alike
+//!    contribute a part of the global token-averaged loss, so one reduction over all of them
+//!    gives every rank the whole gradient;
+//! 6. **step** the optimizer; every rank takes the same step, so parameters stay identical
 //!    ([`check_parameters_identical`] verifies it on request).
 
-use std::{marker::PhantomData, sync::Arc};
+use std::marker::PhantomData;
 
 use burn::{
-    config::Config,
     module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param},
     optim::{GradientsAccumulator, GradientsParams, Optimizer},
     tensor::{
@@ -25,15 +32,21 @@ use burn::{
     },
 };
 
+mod backend;
+pub mod checkpoint;
 mod gradients;
 mod loss;
 
-pub use gradients::{GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets};
+pub use backend::TrainBackend;
+pub use gradients::{
+    GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets, first_non_finite_gradient,
+};
 pub use loss::{
     LmOutput, OutputHead, chunked_linear_cross_entropy_sum, default_chunk_rows, linear_cross_entropy_sum, lm_loss_sum,
     lm_loss_sum_inference, masked_cross_entropy_sum,
 };
 
+pub use crate::topology::{ParallelGroups, ParallelLayout};
 use crate::{
     comm::{CommError, Communicator},
     data::SequenceSharder,
@@ -60,69 +73,6 @@ pub trait CausalLm<B: AutodiffBackend>: AutodiffModule<B> {
     fn is_causal(&self) -> bool;
 }
 
-/// How the ranks of the world form groups: `world = sp_size × dp_size`, and consecutive
-/// ranks form an SP group (so an SP group shares a node, where the all-to-alls are cheap).
-#[derive(Config, Debug, Copy, PartialEq, Eq)]
-pub struct ParallelLayout {
-    #[config(default = 1)]
-    pub sp_size: usize,
-    #[config(default = 1)]
-    pub dp_size: usize,
-}
-
-impl ParallelLayout {
-    pub fn world_size(&self) -> usize {
-        self.sp_size * self.dp_size
-    }
-
-    /// `(dp_rank, sp_rank)` of a world rank.
-    pub fn coordinates(&self, world_rank: usize) -> (usize, usize) {
-        (world_rank / self.sp_size, world_rank % self.sp_size)
-    }
-}
-
-/// A communicator that can make sub-groups of its own kind (to serve as the SP and DP groups
-/// and still move the tensors of every backend it supports).
-pub trait GroupSplit: Send + Sync + 'static {
-    fn group_rank(&self) -> usize;
-    fn group_size(&self) -> usize;
-    /// Collective: ranks passing the same `color` form a group, ordered by `key`.
-    fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError>;
-}
-
-/// This rank's world, SP and DP groups.
-pub struct ParallelGroups<C> {
-    pub layout: ParallelLayout,
-    pub world: Arc<C>,
-    pub sp: Arc<C>,
-    pub dp: Arc<C>,
-}
-
-impl<C: GroupSplit> ParallelGroups<C> {
-    /// Collective over `world`: splits it into SP and DP groups.
-    pub fn new(world: Arc<C>, layout: ParallelLayout) -> Result<Self, UlyssesError> {
-        if world.group_size() != layout.world_size() {
-            return Err(UlyssesError::WorldSize {
-                world: world.group_size(),
-                sp_size: layout.sp_size,
-                dp_size: layout.dp_size,
-            });
-        }
-        let (dp_rank, sp_rank) = layout.coordinates(world.group_rank());
-        let sp = world.split_group(dp_rank as u32, sp_rank as u32)?;
-        let dp = world.split_group(sp_rank as u32, dp_rank as u32)?;
-        Ok(Self { layout, world, sp, dp })
-    }
-
-    pub fn sp_rank(&self) -> usize {
-        self.sp.group_rank()
-    }
-
-    pub fn dp_rank(&self) -> usize {
-        self.dp.group_rank()
-    }
-}
-
 /// What one optimizer step did, over all ranks.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepReport {
@@ -134,26 +84,64 @@ pub struct StepReport {
     pub processed_tokens: usize,
 }
 
-/// One optimizer step on this rank: `micro_batches` are this DP rank's sequences for the
-/// step, one entry per gradient-accumulation micro-batch.
-pub fn train_step<B, M, O, C>(
+/// One optimizer step's data on this rank.
+#[derive(Debug, Clone, Copy)]
+pub struct StepInput<'a> {
+    /// The step's index in the run (named in errors).
+    pub index: usize,
+    pub learning_rate: f64,
+    /// This DP rank's sequences for the step, one entry per gradient-accumulation
+    /// micro-batch.
+    pub micro_batches: &'a [Vec<Vec<i64>>],
+}
+
+/// This rank's half of a step: its gradients (not yet summed over ranks) and its part of the
+/// loss. Returned by [`backward_step`], consumed by [`apply_step`].
+pub struct LocalStep {
+    /// Gradients of this rank's part of the token-averaged loss.
+    pub grads: GradientsParams,
+    /// This rank's part of the step's token-averaged loss.
+    pub loss: f64,
+    /// Valid labels of the step over all ranks.
+    pub valid_tokens: usize,
+    /// Token positions processed over all ranks, padding included.
+    pub processed_tokens: usize,
+}
+
+/// One optimizer step on this rank: [`backward_step`], then [`apply_step`].
+pub fn train_step<B, M, O>(
     model: M,
     optimizer: &mut O,
-    learning_rate: f64,
-    micro_batches: &[Vec<Vec<i64>>],
+    step: &StepInput,
     sharder: &SequenceSharder,
-    groups: &ParallelGroups<C>,
+    groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
 ) -> Result<(M, StepReport), UlyssesError>
 where
-    B: AutodiffBackend,
+    B: TrainBackend,
     M: CausalLm<B>,
     O: Optimizer<M, B>,
-    C: GroupSplit + Communicator<B::InnerBackend>,
 {
-    check_step_inputs::<B, M, C>(&model, micro_batches, sharder, groups)?;
+    let local = backward_step(&model, step, sharder, groups, device)?;
+    apply_step(model, optimizer, step, local, groups)
+}
+
+/// Shards this rank's micro-batches, counts the step's labels over all ranks, and runs
+/// forward and backward on each micro-batch. Collective: every rank of the world calls it.
+pub fn backward_step<B, M>(
+    model: &M,
+    step: &StepInput,
+    sharder: &SequenceSharder,
+    groups: &ParallelGroups<B::Wire>,
+    device: &B::Device,
+) -> Result<LocalStep, UlyssesError>
+where
+    B: TrainBackend,
+    M: CausalLm<B>,
+{
+    check_step_inputs::<B, M>(model, step.micro_batches, sharder, groups)?;
     let sp_rank = groups.sp_rank();
-    let shards: Vec<_> = micro_batches.iter().map(|batch| sharder.shard(batch, sp_rank)).collect();
+    let shards: Vec<_> = step.micro_batches.iter().map(|batch| sharder.shard(batch, sp_rank)).collect();
     let local_valid: usize = shards.iter().map(|s| s.valid_tokens).sum();
     let local_processed: usize = shards.iter().map(|s| s.batch * s.local_len).sum();
     let [valid_tokens, processed_tokens] = sum_over_ranks(&*groups.world, [local_valid, local_processed])?;
@@ -161,46 +149,79 @@ where
     let weight = 1.0 / valid_tokens.max(1) as f64;
 
     let mut accumulator = GradientsAccumulator::<M>::new();
-    let mut local_loss = 0.0;
-    let exchanges_before = Communicator::<B::InnerBackend>::traffic(&*groups.sp).all_to_all_calls;
+    let mut loss = 0.0;
+    let exchanges_before = groups.sp.traffic().all_to_all_calls;
     for shard in &shards {
         let output = model.lm_output(shard.tokens(device), shard.position_offset);
-        let loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
-        local_loss += loss.clone().into_scalar().elem::<f64>();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        accumulator.accumulate(&model, grads);
+        let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
+        loss += shard_loss.clone().into_scalar().elem::<f64>();
+        let grads = GradientsParams::from_grads(shard_loss.backward(), model);
+        accumulator.accumulate(model, grads);
     }
-    let exchanges = Communicator::<B::InnerBackend>::traffic(&*groups.sp).all_to_all_calls - exchanges_before;
+    let exchanges = groups.sp.traffic().all_to_all_calls - exchanges_before;
     if groups.layout.sp_size > 1 && exchanges == 0 {
         return Err(UlyssesError::NotSequenceParallel { sp_size: groups.layout.sp_size });
     }
-    let grads = all_reduce_gradients(&model, accumulator.grads(), &*groups.sp)?;
-    let grads = all_reduce_gradients(&model, grads, &*groups.dp)?;
-    let model = optimizer.step(learning_rate, model, grads);
+    Ok(LocalStep { grads: accumulator.grads(), loss, valid_tokens, processed_tokens })
+}
 
-    let loss = sum_f64_over_ranks(&*groups.world, local_loss)?;
-    Ok((model, StepReport { loss, valid_tokens, processed_tokens }))
+/// Checks every rank's loss and gradients, sums the gradients over the world and steps the
+/// optimizer. Collective: every rank of the world calls it. On a NaN or an infinity on any
+/// rank, every rank returns [`UlyssesError::NonFinite`] naming the step and the ranks, and
+/// the parameters are left as they were.
+pub fn apply_step<B, M, O>(
+    model: M,
+    optimizer: &mut O,
+    step: &StepInput,
+    local: LocalStep,
+    groups: &ParallelGroups<B::Wire>,
+) -> Result<(M, StepReport), UlyssesError>
+where
+    B: TrainBackend,
+    M: CausalLm<B>,
+    O: Optimizer<M, B>,
+{
+    // One host collective carries both the health verdict and the losses.
+    let bad_parameter = first_non_finite_gradient::<B, M>(&model, &local.grads);
+    let verdict = [local.loss.to_bits(), u64::from(bad_parameter.is_some())];
+    let gathered = crate::comm::all_gather_host_checked(&*groups.world, &verdict, "step health values")?;
+    let losses: Vec<f64> = gathered.iter().map(|v| f64::from_bits(v[0])).collect();
+    let non_finite_loss: Vec<usize> = (0..losses.len()).filter(|&r| !losses[r].is_finite()).collect();
+    let non_finite_grads: Vec<usize> = (0..gathered.len()).filter(|&r| gathered[r][1] == 1).collect();
+    if !non_finite_loss.is_empty() || !non_finite_grads.is_empty() {
+        return Err(UlyssesError::NonFinite {
+            step: step.index,
+            loss_ranks: non_finite_loss,
+            gradient_ranks: non_finite_grads,
+            local_parameter: bad_parameter,
+        });
+    }
+
+    let grads = all_reduce_gradients(&model, local.grads, &*groups.world)?;
+    let model = optimizer.step(step.learning_rate, model, grads);
+    // Summed in rank order on every rank, so every rank reports the same bits.
+    let loss = losses.iter().sum();
+    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens }))
 }
 
 /// Refuses a step that would train silently wrong.
-fn check_step_inputs<B, M, C>(
+fn check_step_inputs<B, M>(
     model: &M,
     micro_batches: &[Vec<Vec<i64>>],
     sharder: &SequenceSharder,
-    groups: &ParallelGroups<C>,
+    groups: &ParallelGroups<B::Wire>,
 ) -> Result<(), UlyssesError>
 where
-    B: AutodiffBackend,
+    B: TrainBackend,
     M: CausalLm<B>,
-    C: GroupSplit,
 {
     let invalid = |message: String| Err(UlyssesError::InvalidConfig(message));
-    if sharder.sp_size != groups.sp.group_size() {
+    if sharder.sp_size != groups.sp.size() {
         return invalid(format!(
             "the sharder cuts sequences into {} shards but the SP group has {} ranks; use \
              SequenceSharder::new(layout.sp_size)",
             sharder.sp_size,
-            groups.sp.group_size()
+            groups.sp.size()
         ));
     }
     if !model.is_causal() {
@@ -279,16 +300,16 @@ pub fn sum_f64_over_ranks<G: Backend>(
 
 /// Makes every rank's parameters equal to world rank 0's (call once before training). Each
 /// parameter becomes a fresh autodiff leaf, so in-process ranks share no graph.
-pub fn broadcast_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn broadcast_parameters<B: TrainBackend, M: AutodiffModule<B>>(
     module: M,
-    communicator: &dyn Communicator<B::InnerBackend>,
+    communicator: &dyn Communicator<B::Wire>,
 ) -> Result<M, CommError> {
-    struct Broadcast<'a, B: AutodiffBackend> {
-        communicator: &'a dyn Communicator<B::InnerBackend>,
+    struct Broadcast<'a, B: TrainBackend> {
+        communicator: &'a dyn Communicator<B::Wire>,
         error: Option<CommError>,
         _backend: PhantomData<B>,
     }
-    impl<B: AutodiffBackend> ModuleMapper<B> for Broadcast<'_, B> {
+    impl<B: TrainBackend> ModuleMapper<B> for Broadcast<'_, B> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, tensor, mapper) = param.consume();
             if self.error.is_some() {
@@ -335,7 +356,7 @@ pub fn check_parameters_identical<B: Backend, M: Module<B>, G: Backend>(
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             self.names.push(self.path.join("."));
-            self.hashes.push(fnv1a(param.val().into_data().as_bytes()));
+            self.hashes.push(checkpoint::fnv1a(&[param.val().into_data().as_bytes()]));
         }
     }
     let mut fingerprints = Fingerprints { path: Vec::new(), names: Vec::new(), hashes: Vec::new() };
@@ -348,8 +369,4 @@ pub fn check_parameters_identical<B: Backend, M: Module<B>, G: Backend>(
         }
     }
     Ok(())
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| (hash ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }

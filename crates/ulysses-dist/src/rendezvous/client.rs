@@ -66,6 +66,11 @@ impl RendezvousClient {
         self.rank
     }
 
+    /// The local end of the connection to rank 0.
+    pub fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
+        self.stream.local_addr()
+    }
+
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), DistError> {
         // JSON spells bytes as numbers of up to four characters; stay well inside the limit.
         if (key.len() + value.len()) * 4 + 64 > self.max_message_bytes {

@@ -77,6 +77,22 @@ impl Rendezvous {
         client.get(key)
     }
 
+    /// Stores `value` under `key` for every rank to read.
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), DistError> {
+        self.client().set(key, value)
+    }
+
+    /// The value of `key`, waiting until some rank sets it (at most the rendezvous timeout).
+    pub fn get(&self, key: &str) -> Result<Vec<u8>, DistError> {
+        self.client().get(key)
+    }
+
+    /// The IP address of this machine that reaches rank 0 (the local end of the rendezvous
+    /// connection): what other ranks can connect to.
+    pub fn local_ip(&self) -> std::io::Result<String> {
+        self.client().local_addr().map(|addr| addr.ip().to_string())
+    }
+
     pub fn barrier(&self, name: &str) -> Result<(), DistError> {
         self.client().barrier(name, self.world_size)
     }

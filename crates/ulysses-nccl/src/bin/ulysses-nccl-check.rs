@@ -20,8 +20,8 @@ use burn_cubecl::CubeBackend;
 use burn_ulysses::{
     RankScope, UlyssesBackend, UlyssesConfig,
     comm::{Communicator, ReduceOp},
+    compare::max_abs_diff,
     context::enter_single_device,
-    train::GroupSplit,
 };
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use ulysses_dist::{DistributedConfig, LaunchEnv};
@@ -39,8 +39,12 @@ fn host<const D: usize>(tensor: Tensor<Cuda, D>) -> Vec<f32> {
 }
 
 fn check(name: &str, got: &[f32], want: &[f32], tolerance: f32) -> Result<(), String> {
-    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    if got.len() != want.len() || diff > tolerance {
+    if got.len() != want.len() {
+        return Err(format!("{name}: {} values, expected {}", got.len(), want.len()));
+    }
+    // Infinite when a value is NaN or infinite: never a pass.
+    let diff = max_abs_diff(got, want);
+    if diff > tolerance {
         return Err(format!("{name}: max |Δ| {diff:e} (lengths {} vs {})", got.len(), want.len()));
     }
     println!("ok   {name} (max |Δ| {diff:.1e})");
@@ -84,7 +88,7 @@ fn collectives(comm: &Arc<NcclCommunicator>, device: &CudaDevice) -> Result<(), 
 
 /// SP attention (causal, GQA) with its gradients against one device, on this rank.
 fn sequence_parallel_attention(comm: &Arc<NcclCommunicator>, device: &CudaDevice) -> Result<(), String> {
-    let (r, p) = (comm.group_rank(), comm.group_size());
+    let (r, p) = (Communicator::<Cuda>::rank(&**comm), Communicator::<Cuda>::size(&**comm));
     let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
     let (h, kv, s, d) = (8, 2, 256 * p, 64);
     let input = |stream: u64, heads: usize| {
@@ -152,8 +156,11 @@ fn main() -> ExitCode {
     let run = || -> Result<(), String> {
         let env = LaunchEnv::from_env().map_err(|e| e.to_string())?;
         let config = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
-        let comm = NcclCommunicator::from_env(&config).map_err(|e| e.to_string())?;
-        let device = CudaDevice { index: env.local_rank };
+        let comm = NcclCommunicator::join(&env, &config, ulysses_nccl::gpu_of(&env).map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+        // The communicator's GPU (ULYSSES_GPU may put several ranks on one): tensors must
+        // live where NCCL reads them.
+        let device = comm.device();
         let _sp = Train::enter(RankScope::Process, comm.clone(), UlyssesConfig::new());
         collectives(&comm, &device)?;
         sequence_parallel_attention(&comm, &device)?;

@@ -1,0 +1,178 @@
+//! Training checkpoints that survive crashes.
+//!
+//! One file holds everything a run needs to continue: the model's parameters, the optimizer's
+//! state, and the caller's training state (step, data position, seeds), so a resumed run takes
+//! exactly the steps the uninterrupted one would have. It is written to a temporary file in
+//! the same folder, flushed to disk (`fsync`) and renamed over the previous checkpoint, then
+//! the folder is flushed so the rename itself is durable. A crash at any point leaves either
+//! the old checkpoint or the new one, never a mix; a torn file (a disk that lied about
+//! `fsync`, a copy cut short) is caught by its length and checksum when loading.
+//!
+//! Parameters and optimizer state do not depend on the SP or DP layout (every rank holds the
+//! same values), so a checkpoint loads under any layout, and without sequence parallelism.
+//!
+//! Layout of the file: the 8-byte magic `ULYCKPT1`, a little-endian `u64` header length, the
+//! header (JSON: format version, the caller's state, section lengths, checksum), then the
+//! model record and the optimizer record (burn's named MessagePack, full precision).
+
+use std::{
+    fs::{self, File},
+    io::Write,
+    path::{Path, PathBuf},
+};
+
+use burn::{
+    module::AutodiffModule,
+    optim::Optimizer,
+    record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder},
+    tensor::backend::AutodiffBackend,
+};
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+use crate::error::UlyssesError;
+
+/// The file a checkpoint folder holds.
+pub const CHECKPOINT_FILE: &str = "checkpoint.ulysses";
+
+const MAGIC: &[u8; 8] = b"ULYCKPT1";
+const FORMAT_VERSION: u32 = 1;
+
+#[derive(Serialize, Deserialize)]
+struct Header<S> {
+    format: u32,
+    state: S,
+    model_bytes: u64,
+    optimizer_bytes: u64,
+    /// FNV-1a of the model and optimizer sections.
+    checksum: u64,
+}
+
+fn recorder() -> NamedMpkBytesRecorder<FullPrecisionSettings> {
+    NamedMpkBytesRecorder::new()
+}
+
+fn error(path: &Path, reason: impl std::fmt::Display) -> UlyssesError {
+    UlyssesError::Checkpoint { path: path.display().to_string(), reason: reason.to_string() }
+}
+
+/// Writes `model`, `optimizer` and `state` to `dir/`[`CHECKPOINT_FILE`] atomically (see the
+/// module docs) and returns the file's path. Call it on one rank (world rank 0): every rank
+/// holds the same values.
+pub fn save_training_checkpoint<B, M, O, S>(dir: &Path, model: &M, optimizer: &O, state: &S) -> Result<PathBuf, UlyssesError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B>,
+    S: Serialize,
+{
+    let path = dir.join(CHECKPOINT_FILE);
+    let model_bytes = Recorder::<B>::record(&recorder(), model.clone().into_record(), ()).map_err(|e| error(&path, e))?;
+    let optimizer_bytes = Recorder::<B>::record(&recorder(), optimizer.to_record(), ()).map_err(|e| error(&path, e))?;
+    let header = Header {
+        format: FORMAT_VERSION,
+        state,
+        model_bytes: model_bytes.len() as u64,
+        optimizer_bytes: optimizer_bytes.len() as u64,
+        checksum: fnv1a(&[&model_bytes, &optimizer_bytes]),
+    };
+    let header = serde_json::to_vec(&header).map_err(|e| error(&path, e))?;
+    let length = (header.len() as u64).to_le_bytes();
+    fs::create_dir_all(dir).map_err(|e| error(&path, format!("cannot create the folder: {e}")))?;
+    write_atomically(&path, &[MAGIC, &length, &header, &model_bytes, &optimizer_bytes])
+        .map_err(|e| error(&path, format!("cannot write: {e}")))?;
+    Ok(path)
+}
+
+/// Loads a checkpoint written by [`save_training_checkpoint`] into `model` and `optimizer`
+/// (fresh ones of the same shapes) on `device`, and returns them with the saved state.
+/// `location` is the checkpoint folder or the file itself.
+pub fn load_training_checkpoint<B, M, O, S>(
+    location: &Path,
+    model: M,
+    optimizer: O,
+    device: &B::Device,
+) -> Result<(M, O, S), UlyssesError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B>,
+    S: DeserializeOwned,
+{
+    let (state, model_bytes, optimizer_bytes) = read_checkpoint::<S>(location)?;
+    let path = checkpoint_path(location);
+    let model_record = Recorder::<B>::load(&recorder(), model_bytes, device)
+        .map_err(|e| error(&path, format!("the model record does not fit this model: {e}")))?;
+    let optimizer_record = Recorder::<B>::load(&recorder(), optimizer_bytes, device)
+        .map_err(|e| error(&path, format!("the optimizer record does not fit this optimizer: {e}")))?;
+    Ok((model.load_record(model_record), optimizer.load_record(optimizer_record), state))
+}
+
+/// The training state saved in a checkpoint, without loading its records.
+pub fn read_checkpoint_state<S: DeserializeOwned>(location: &Path) -> Result<S, UlyssesError> {
+    read_checkpoint(location).map(|(state, _, _)| state)
+}
+
+/// The checkpoint file of a folder, or `location` itself when it is a file.
+pub fn checkpoint_path(location: &Path) -> PathBuf {
+    if location.is_dir() { location.join(CHECKPOINT_FILE) } else { location.to_path_buf() }
+}
+
+/// The checkpoint's bytes, checked: magic, lengths and checksum. Returns the state and the
+/// two record sections.
+fn read_checkpoint<S: DeserializeOwned>(location: &Path) -> Result<(S, Vec<u8>, Vec<u8>), UlyssesError> {
+    let path = checkpoint_path(location);
+    let bytes = fs::read(&path).map_err(|e| error(&path, format!("cannot read: {e}")))?;
+    let torn = |what: &str| {
+        error(&path, format!("{what}; the file is truncated or corrupt (a copy cut short?). Use an earlier checkpoint."))
+    };
+    if bytes.len() < 16 || &bytes[..8] != MAGIC {
+        return Err(error(&path, "not a burn-ulysses training checkpoint (wrong magic bytes)"));
+    }
+    let header_len = u64::from_le_bytes(bytes[8..16].try_into().unwrap()) as usize;
+    let header_end = 16usize.checked_add(header_len).filter(|&end| end <= bytes.len()).ok_or_else(|| torn("the header is cut off"))?;
+    let header: Header<S> =
+        serde_json::from_slice(&bytes[16..header_end]).map_err(|e| error(&path, format!("unreadable header: {e}")))?;
+    if header.format != FORMAT_VERSION {
+        return Err(error(&path, format!("format version {} is not the supported {FORMAT_VERSION}", header.format)));
+    }
+    let model_end = header_end + header.model_bytes as usize;
+    let end = model_end + header.optimizer_bytes as usize;
+    if end != bytes.len() {
+        return Err(torn(&format!("the file has {} bytes but its header describes {end}", bytes.len())));
+    }
+    let (model, optimizer) = (&bytes[header_end..model_end], &bytes[model_end..end]);
+    if fnv1a(&[model, optimizer]) != header.checksum {
+        return Err(torn("the checksum does not match"));
+    }
+    Ok((header.state, model.to_vec(), optimizer.to_vec()))
+}
+
+/// Writes `parts` to a temporary file beside `path`, flushes it, renames it to `path` and
+/// flushes the folder. The temporary file is removed if anything fails.
+fn write_atomically(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
+    let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let temporary = folder.join(format!(".{name}.tmp-{}", std::process::id()));
+    let written = (|| {
+        let mut file = File::create(&temporary)?;
+        for part in parts {
+            file.write_all(part)?;
+        }
+        file.sync_all()?;
+        fs::rename(&temporary, path)?;
+        // The rename is durable once the folder's entry is.
+        File::open(folder)?.sync_all()
+    })();
+    if written.is_err() {
+        let _ = fs::remove_file(&temporary);
+    }
+    written
+}
+
+/// FNV-1a over several byte slices, as if concatenated.
+pub(crate) fn fnv1a(parts: &[&[u8]]) -> u64 {
+    parts
+        .iter()
+        .flat_map(|part| part.iter())
+        .fold(0xcbf2_9ce4_8422_2325, |hash, &b| (hash ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}

@@ -1,0 +1,206 @@
+//! Starting the ranks of a job, the same way for any model: one process per device under a
+//! launcher (`ulysses-launch`, torchrun, srun), or, with no launcher, every rank as a thread
+//! of this process.
+//!
+//! [`run_ranks`] gives `work` a [`Rank`] whose groups are built and whose rank context is
+//! entered, so `UlyssesBackend` attention and the training API find the SP group:
+//!
+//! ```no_run
+//! use burn::backend::{Autodiff, NdArray};
+//! use burn_ulysses::{ParallelLayout, UlyssesBackend};
+//! use ulysses_dist::{DistributedConfig, job::{JobOptions, Launch, Tcp, run_ranks}};
+//!
+//! let launch = Launch::from_env().unwrap();
+//! let layout = ParallelLayout::new().with_sp_size(2).with_dp_size(launch.world_size().unwrap_or(2) / 2);
+//! let options = JobOptions::new(layout, DistributedConfig::new().with_env_overrides().unwrap());
+//! let losses = run_ranks::<NdArray, Tcp, _>(&launch, &options, |_index| Default::default(), |rank| {
+//!     // build the model on UlyssesBackend<Autodiff<NdArray>> and train with rank.groups
+//!     rank.world_rank
+//! });
+//! ```
+
+use std::sync::Arc;
+
+use burn::tensor::backend::Backend;
+use burn_ulysses::{
+    ParallelGroups, ParallelLayout, RankScope, UlyssesConfig,
+    comm::{Communicator, ThreadGroup, ThreadGroupConfig},
+    context::{self, RankContext},
+};
+
+use crate::{DistError, DistributedConfig, LaunchEnv, tcp::TcpCommunicator};
+
+/// How this process takes part in a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Launch {
+    /// No launcher: every rank is a thread of this process.
+    Threads,
+    /// One rank of a job of several processes.
+    Process(LaunchEnv),
+}
+
+/// Variables whose presence means a launcher started this process.
+const LAUNCHER_VARIABLES: [&str; 3] = ["RANK", "WORLD_SIZE", "SLURM_PROCID"];
+
+impl Launch {
+    /// [`Launch::Process`] when a launcher set `RANK`/`WORLD_SIZE` (torchrun,
+    /// `ulysses-launch`) or `SLURM_PROCID` (srun), [`Launch::Threads`] when none is set.
+    /// A launcher environment that is incomplete or wrong is an error that names the variable.
+    pub fn from_env() -> Result<Self, DistError> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
+        if LAUNCHER_VARIABLES.iter().all(|name| lookup(name).is_none()) {
+            return Ok(Launch::Threads);
+        }
+        LaunchEnv::from_lookup(lookup).map(Launch::Process)
+    }
+
+    /// The launched world's size, `None` for threads (the layout decides).
+    pub fn world_size(&self) -> Option<usize> {
+        match self {
+            Launch::Threads => None,
+            Launch::Process(env) => Some(env.world_size),
+        }
+    }
+}
+
+/// How a process joins the other processes of its job: builds this rank's world communicator
+/// over tensors of the wire backend `W`.
+pub trait Transport<W: Backend> {
+    fn connect(env: &LaunchEnv, config: &DistributedConfig, device: &W::Device) -> Result<Arc<dyn Communicator<W>>, DistError>;
+}
+
+/// Collectives over TCP through host memory ([`TcpCommunicator`]): any backend, meant for
+/// CPUs and tests.
+pub struct Tcp;
+
+impl<W: Backend> Transport<W> for Tcp {
+    fn connect(env: &LaunchEnv, config: &DistributedConfig, _device: &W::Device) -> Result<Arc<dyn Communicator<W>>, DistError> {
+        Ok(TcpCommunicator::connect(env, config)?)
+    }
+}
+
+/// What every rank of a job is started with.
+#[derive(Debug, Clone)]
+pub struct JobOptions {
+    pub layout: ParallelLayout,
+    pub dist: DistributedConfig,
+    pub ulysses: UlyssesConfig,
+    /// The device index of every rank: `None` means `LOCAL_RANK` for processes (one device
+    /// each) and device 0 for threads (which share it).
+    pub device_index: Option<usize>,
+}
+
+impl JobOptions {
+    pub fn new(layout: ParallelLayout, dist: DistributedConfig) -> Self {
+        Self { layout, dist, ulysses: UlyssesConfig::new(), device_index: None }
+    }
+}
+
+/// One rank of a running job, handed to the work of [`run_ranks`].
+pub struct Rank<W: Backend> {
+    pub world_rank: usize,
+    pub world_size: usize,
+    /// Rank among the processes (or threads) of this node.
+    pub local_rank: usize,
+    /// Whether the ranks are processes (one each) rather than threads of this process.
+    pub is_process: bool,
+    pub groups: ParallelGroups<W>,
+    pub device: W::Device,
+}
+
+/// Runs `work` on every rank this process holds, with the rank's groups built and its rank
+/// context entered (thread scope for threads, process scope for a process), and returns the
+/// results in rank order: one per thread, or the one of this process.
+///
+/// `device(index)` makes the device of an index: for processes `LOCAL_RANK` unless
+/// [`JobOptions::device_index`] says otherwise. A process rank joins its job through the
+/// transport `T`.
+pub fn run_ranks<W, T, R>(
+    launch: &Launch,
+    options: &JobOptions,
+    device: impl Fn(usize) -> W::Device + Sync,
+    work: impl Fn(&Rank<W>) -> R + Sync,
+) -> Result<Vec<R>, DistError>
+where
+    W: Backend,
+    T: Transport<W>,
+    R: Send,
+{
+    options.dist.validate()?;
+    let layout = options.layout;
+    match launch {
+        Launch::Threads => {
+            let config = ThreadGroupConfig::new(layout.world_size()).with_timeout_secs(options.dist.collective_timeout_secs);
+            let device = device(options.device_index.unwrap_or(0));
+            let results = ThreadGroup::from_config(&config).run(|thread| -> Result<R, DistError> {
+                let groups = ParallelGroups::new(thread.communicator(), layout).map_err(|e| DistError::Job(e.to_string()))?;
+                let rank = Rank {
+                    world_rank: thread.rank(),
+                    world_size: thread.size(),
+                    local_rank: thread.rank(),
+                    is_process: false,
+                    groups,
+                    device: device.clone(),
+                };
+                let _context = context::enter(RankScope::Thread, RankContext { communicator: rank.groups.sp.clone(), config: options.ulysses.clone() });
+                Ok(work(&rank))
+            });
+            results
+                .into_iter()
+                .map(|result| result.map_err(|panic| DistError::Job(panic.to_string())).and_then(|r| r))
+                .collect()
+        }
+        Launch::Process(env) => {
+            if env.world_size != layout.world_size() {
+                return Err(DistError::Job(format!(
+                    "the launcher started {} processes (WORLD_SIZE) but the layout asks for sp {} × dp {} = {}; \
+                     launch {} processes, or choose sp and dp whose product is {}",
+                    env.world_size,
+                    layout.sp_size,
+                    layout.dp_size,
+                    layout.world_size(),
+                    layout.world_size(),
+                    env.world_size
+                )));
+            }
+            let device = device(options.device_index.unwrap_or(env.local_rank));
+            let world = T::connect(env, &options.dist, &device)?;
+            let groups = ParallelGroups::new(world, layout).map_err(|e| DistError::Job(e.to_string()))?;
+            let rank = Rank {
+                world_rank: env.rank,
+                world_size: env.world_size,
+                local_rank: env.local_rank,
+                is_process: true,
+                groups,
+                device,
+            };
+            let _context = context::enter(RankScope::Process, RankContext { communicator: rank.groups.sp.clone(), config: options.ulysses.clone() });
+            Ok(vec![work(&rank)])
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn launch(pairs: &[(&str, &str)]) -> Result<Launch, DistError> {
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Launch::from_lookup(|name| map.get(name).cloned())
+    }
+
+    #[test]
+    fn no_launcher_means_threads_and_a_broken_one_is_named() {
+        assert_eq!(launch(&[]).unwrap(), Launch::Threads);
+        assert_eq!(launch(&[("RANK", "1"), ("WORLD_SIZE", "2")]).unwrap().world_size(), Some(2));
+        let message = launch(&[("RANK", "1")]).unwrap_err().to_string();
+        assert!(message.contains("WORLD_SIZE is not set"), "{message}");
+        let message = launch(&[("WORLD_SIZE", "2"), ("RANK", "two")]).unwrap_err().to_string();
+        assert!(message.contains("RANK=\"two\""), "{message}");
+    }
+}
