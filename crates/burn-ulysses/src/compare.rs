@@ -17,6 +17,19 @@ pub fn worst(differences: impl IntoIterator<Item = f32>) -> f32 {
     differences.into_iter().fold(0.0, |worst, d| if d.is_finite() { worst.max(d) } else { f32::INFINITY })
 }
 
+/// `Ok("ok   {name} (max |Δ| ..)")` when `got` matches `want` within `tolerance`, else an
+/// error that says by how much (or that the lengths differ).
+pub fn check_within(name: &str, got: &[f32], want: &[f32], tolerance: f32) -> Result<String, String> {
+    if got.len() != want.len() {
+        return Err(format!("{name}: {} values, expected {}", got.len(), want.len()));
+    }
+    let diff = max_abs_diff(got, want);
+    if diff > tolerance {
+        return Err(format!("{name}: max |Δ| {diff:e} exceeds {tolerance:e} (infinite when a value is NaN or infinite)"));
+    }
+    Ok(format!("ok   {name} (max |Δ| {diff:.1e})"))
+}
+
 /// Panics, naming `what` and both values, unless `difference` is within `tolerance`.
 #[track_caller]
 pub fn assert_within(what: &str, difference: f32, tolerance: f32) {

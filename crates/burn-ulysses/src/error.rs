@@ -6,6 +6,16 @@
 
 use crate::comm::CommError;
 
+impl UlyssesError {
+    /// This error, saying it happened during training step `step` (unless it already does).
+    pub fn at_step(self, step: usize) -> Self {
+        match self {
+            UlyssesError::NonFinite { .. } | UlyssesError::AtStep { .. } => self,
+            other => UlyssesError::AtStep { step, source: Box::new(other) },
+        }
+    }
+}
+
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum UlyssesError {
     #[error(
@@ -102,6 +112,9 @@ pub enum UlyssesError {
         /// This rank's first parameter with a non-finite gradient.
         local_parameter: Option<String>,
     },
+
+    #[error("step {step}: {source}")]
+    AtStep { step: usize, source: Box<UlyssesError> },
 
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: String, reason: String },

@@ -262,27 +262,19 @@ where
 
     for step in first_step..last_step {
         let started = Instant::now();
-        let global = data.train_batch(step);
-        if global.len() != config.batch_size {
-            let message = format!("step {step} has {} sequences, the config says {}", global.len(), config.batch_size);
-            return Err(UlyssesError::InvalidConfig(message));
-        }
-        let micro_batches = config.micro_batches(&global, groups.dp_rank());
-        let input = StepInput { index: step, learning_rate: config.learning_rate_at(step), micro_batches: &micro_batches };
-        let mut local = backward_step(&model, &input, &sharder, groups, device)?;
-        inject_faults(&options.faults, step, groups.world_rank(), &model, &mut local);
-        let (next, report) = apply_step(model, &mut optimizer, &input, local, groups)?;
+        let (next, report) = train_one_step(config, model, &mut optimizer, data, step, &sharder, groups, device, &options.faults)
+            .map_err(|e| e.at_step(step))?;
         model = next;
         reports.push(report);
         if let Some(progress) = options.progress.as_deref_mut() {
-            progress.step(step, &report, input.learning_rate, started.elapsed().as_secs_f64());
+            progress.step(step, &report, config.learning_rate_at(step), started.elapsed().as_secs_f64());
         }
         if config.check_parameters_every > 0 && (step + 1) % config.check_parameters_every == 0 {
-            check_parameters_identical(&model, &*groups.world)?;
+            check_parameters_identical(&model, &*groups.world).map_err(|e| e.at_step(step))?;
         }
         let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
         if let (true, Some(batch)) = (eval_due, &eval_batch) {
-            let loss = evaluate_model::<B>(config, &model.valid(), batch, groups, device)?;
+            let loss = evaluate_model::<B>(config, &model.valid(), batch, groups, device).map_err(|e| e.at_step(step))?;
             if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss) {
                 progress.eval(step, loss);
             }
@@ -298,6 +290,36 @@ where
         }
     }
     Ok((model, reports))
+}
+
+/// One optimizer step: this rank's micro-batches of the step's batch, forward and backward,
+/// then the world's gradients applied.
+#[allow(clippy::too_many_arguments)]
+fn train_one_step<B, O>(
+    config: &TrainConfig,
+    model: Llama<B>,
+    optimizer: &mut O,
+    data: &dyn StepData,
+    step: usize,
+    sharder: &SequenceSharder,
+    groups: &ParallelGroups<B::Wire>,
+    device: &B::Device,
+    faults: &Faults,
+) -> Result<(Llama<B>, StepReport), UlyssesError>
+where
+    B: TrainBackend,
+    O: Optimizer<Llama<B>, B>,
+{
+    let global = data.train_batch(step);
+    if global.len() != config.batch_size {
+        let message = format!("the data gave {} sequences, the config says {}", global.len(), config.batch_size);
+        return Err(UlyssesError::InvalidConfig(message));
+    }
+    let micro_batches = config.micro_batches(&global, groups.dp_rank());
+    let input = StepInput { index: step, learning_rate: config.learning_rate_at(step), micro_batches: &micro_batches };
+    let mut local = backward_step(&model, &input, sharder, groups, device)?;
+    inject_faults(faults, step, groups.world_rank(), &model, &mut local);
+    apply_step(model, optimizer, &input, local, groups)
 }
 
 /// Every rank loads the checkpoint (so it must be readable on every node), after checking

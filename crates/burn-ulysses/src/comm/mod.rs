@@ -6,6 +6,7 @@
 //! buffers on the backend's stream. Collectives are blocking from the caller's point of view
 //! and must be called in the same order by every rank of the group.
 
+pub mod check;
 #[cfg(feature = "cubecl")]
 mod fusion;
 mod thread;
@@ -97,9 +98,9 @@ pub enum CommError {
     )]
     Timeout { op: Collective, seq: u64, waiting_for: Vec<usize>, after: Duration },
     #[error(
-        "collective #{seq} ({op}) failed: world rank(s) {ranks:?} died ({detail}); this rank \
-         stops too. Look at how rank(s) {ranks:?} ended first (their last output, a kill \
-         signal, the out-of-memory killer)."
+        "collective #{seq} ({op}) failed: world rank(s) {ranks:?} died or stopped answering \
+         ({detail}); this rank stops too. Look at how rank(s) {ranks:?} ended first (their last \
+         output, a kill signal, the out-of-memory killer, a hang)."
     )]
     PeersDied { op: Collective, seq: u64, ranks: Vec<usize>, detail: String },
     #[error(

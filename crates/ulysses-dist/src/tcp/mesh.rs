@@ -227,13 +227,18 @@ impl Mesh {
             }
             state.failed = Some(error.clone());
         }
-        let blamed = match &error {
-            CommError::PeersDied { ranks, .. } => ranks.clone(),
-            CommError::Timeout { waiting_for, .. } => waiting_for.clone(),
-            CommError::PeerLeft { world_peer, .. } => vec![*world_peer],
-            _ => Vec::new(),
+        let (blamed, reason) = match &error {
+            CommError::PeersDied { ranks, .. } => (ranks.clone(), format!("it lost rank(s) {ranks:?}")),
+            CommError::Timeout { waiting_for, op, seq, after } => (
+                waiting_for.clone(),
+                format!("it timed out after {after:?} waiting for rank(s) {waiting_for:?} in collective #{seq} ({op})"),
+            ),
+            CommError::PeerLeft { world_peer, op, seq, .. } => {
+                (vec![*world_peer], format!("rank {world_peer} left before collective #{seq} ({op})"))
+            }
+            other => (Vec::new(), other.to_string()),
         };
-        let notice = serde_json::to_vec(&AbortNotice { reason: error.to_string(), blamed }).unwrap_or_default();
+        let notice = serde_json::to_vec(&AbortNotice { reason, blamed }).unwrap_or_default();
         self.tell_everyone(Kind::Abort, &notice);
         error
     }
@@ -298,6 +303,8 @@ fn failure_of(peers: &[PeerState], waiting: &[usize], op: Collective, seq: u64) 
                 culprits.insert(rank);
                 details.push(format!("rank {rank}: {detail}"));
             }
+            // A rank that stopped because of others names them; one that stopped on its
+            // own is a culprit itself.
             PeerState::Aborted(notice) => {
                 culprits.extend(notice.blamed.iter().copied());
                 if notice.blamed.is_empty() {

@@ -14,13 +14,16 @@ use std::{process::ExitCode, sync::Arc, time::Instant};
 
 use burn::{
     backend::Autodiff,
-    tensor::{DType, Tensor, TensorData, TensorPrimitive, module::attention, ops::AttentionModuleOptions},
+    tensor::{DType, Tensor, TensorData, module::attention, ops::AttentionModuleOptions},
 };
 use burn_cubecl::CubeBackend;
 use burn_ulysses::{
     RankScope, UlyssesBackend, UlyssesConfig,
-    comm::{Communicator, ReduceOp},
-    compare::max_abs_diff,
+    comm::{
+        Communicator,
+        check::{CheckSizes, check_collectives},
+    },
+    compare::check_within,
     context::enter_single_device,
 };
 use cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -30,59 +33,15 @@ use ulysses_nccl::NcclCommunicator;
 type Cuda = CubeBackend<CudaRuntime, f32, i32, u8>;
 type Train = UlyssesBackend<Autodiff<Cuda>>;
 
-fn tensor<const D: usize>(values: Vec<f32>, shape: [usize; D], device: &CudaDevice) -> Tensor<Cuda, D> {
-    Tensor::from_data(TensorData::new(values, shape), device)
-}
-
-fn host<const D: usize>(tensor: Tensor<Cuda, D>) -> Vec<f32> {
-    tensor.into_data().convert::<f32>().to_vec().unwrap()
-}
-
 fn check(name: &str, got: &[f32], want: &[f32], tolerance: f32) -> Result<(), String> {
-    if got.len() != want.len() {
-        return Err(format!("{name}: {} values, expected {}", got.len(), want.len()));
-    }
-    // Infinite when a value is NaN or infinite: never a pass.
-    let diff = max_abs_diff(got, want);
-    if diff > tolerance {
-        return Err(format!("{name}: max |Δ| {diff:e} (lengths {} vs {})", got.len(), want.len()));
-    }
-    println!("ok   {name} (max |Δ| {diff:.1e})");
+    println!("{}", check_within(name, got, want, tolerance)?);
     Ok(())
 }
 
+/// Every collective against the values it must produce (the check every transport runs).
 fn collectives(comm: &Arc<NcclCommunicator>, device: &CudaDevice) -> Result<(), String> {
-    let c: &dyn Communicator<Cuda> = &**comm;
-    let (r, p) = (c.rank() as f32, c.size());
-    let wrap = |t: Tensor<Cuda, 2>| t.into_primitive().tensor();
-    let unwrap = |t| host(Tensor::<Cuda, 2>::from_primitive(TensorPrimitive::Float(t)));
-
-    // Slice j of rank r holds 100 r + 10 j + k; afterwards slice i holds 100 i + 10 r + k.
-    let send: Vec<f32> = (0..p).flat_map(|j| (0..3).map(move |k| 100.0 * r + 10.0 * j as f32 + k as f32)).collect();
-    let got = unwrap(c.all_to_all(wrap(tensor(send, [p, 3], device))).map_err(|e| e.to_string())?);
-    let want: Vec<f32> = (0..p).flat_map(|i| (0..3).map(move |k| 100.0 * i as f32 + 10.0 * r + k as f32)).collect();
-    check("all_to_all", &got, &want, 0.0)?;
-
-    let mine = || wrap(tensor(vec![r + 1.0, 2.0 * r], [1, 2], device));
-    let total: f32 = (1..=p).map(|i| i as f32).sum();
-    let got = unwrap(c.all_reduce(mine(), ReduceOp::Sum).map_err(|e| e.to_string())?);
-    check("all_reduce sum", &got, &[total, 2.0 * (total - p as f32)], 1e-5)?;
-    let got = unwrap(c.all_reduce(mine(), ReduceOp::Mean).map_err(|e| e.to_string())?);
-    check("all_reduce mean", &got, &[total / p as f32, 2.0 * (total - p as f32) / p as f32], 1e-5)?;
-    let got = unwrap(c.all_reduce(mine(), ReduceOp::Max).map_err(|e| e.to_string())?);
-    check("all_reduce max", &got, &[p as f32, 2.0 * (p as f32 - 1.0)], 0.0)?;
-    let got = host(Tensor::<Cuda, 3>::from_primitive(TensorPrimitive::Float(c.all_gather(mine()).map_err(|e| e.to_string())?)));
-    let want: Vec<f32> = (0..p).flat_map(|i| [i as f32 + 1.0, 2.0 * i as f32]).collect();
-    check("all_gather", &got, &want, 0.0)?;
-    let got = unwrap(c.broadcast(mine(), 0).map_err(|e| e.to_string())?);
-    check("broadcast", &got, &[1.0, 0.0], 0.0)?;
-    c.barrier().map_err(|e| e.to_string())?;
-    let gathered = c.all_gather_host(&[c.rank() as u64, 7]).map_err(|e| e.to_string())?;
-    let want: Vec<Vec<u64>> = (0..p as u64).map(|i| vec![i, 7]).collect();
-    if gathered != want {
-        return Err(format!("all_gather_host: {gathered:?}"));
-    }
-    println!("ok   barrier, all_gather_host");
+    let lines = check_collectives::<Cuda>(&**comm, device, CheckSizes::default())?;
+    lines.iter().for_each(|line| println!("{line}"));
     Ok(())
 }
 

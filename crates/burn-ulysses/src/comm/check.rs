@@ -1,0 +1,97 @@
+//! A self-check of any communicator: every collective against the values it must produce.
+//! The NCCL and TCP check binaries run it on real jobs; the tests run it on every transport.
+
+use std::sync::Arc;
+
+use burn::tensor::{Shape, Tensor, TensorData, backend::Backend};
+
+use super::{Communicator, ReduceOp};
+use crate::{compare::check_within, primitive::as_rows};
+
+/// What [`check_collectives`] exchanges besides small tensors.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckSizes {
+    /// Elements per rank of the large all-to-all and all-reduce (bounded frames, chunking).
+    pub large_elements: usize,
+}
+
+impl Default for CheckSizes {
+    fn default() -> Self {
+        // 12 MiB of f32 per rank: several frames of any transport that cuts messages.
+        Self { large_elements: 3 << 20 }
+    }
+}
+
+/// Runs every collective of `comm` (collective: every rank of the group calls it) and
+/// returns one line per check, or the first mismatch. Values encode the sending rank and
+/// position, so a slice delivered to the wrong rank or in the wrong order fails.
+pub fn check_collectives<B: Backend>(comm: &dyn Communicator<B>, device: &B::Device, sizes: CheckSizes) -> Result<Vec<String>, String> {
+    let mut report = Vec::new();
+    let (r, p) = (comm.rank() as f32, comm.size());
+    let tensor = |values: Vec<f32>, shape: Vec<usize>| {
+        let flat = Tensor::<B, 1>::from_data(TensorData::new(values, [shape.iter().product::<usize>()]), device);
+        B::float_reshape(flat.into_primitive().tensor(), Shape::from(shape))
+    };
+    let host = |t| as_rows::<B>(t, 1).into_data().convert::<f32>().to_vec::<f32>().unwrap();
+    let fail = |e: super::CommError| e.to_string();
+    let check = |name: &str, got: Vec<f32>, want: Vec<f32>, tolerance: f32| check_within(name, &got, &want, tolerance);
+
+    // Slice j of rank r holds 100 r + 10 j + k; afterwards slice i holds 100 i + 10 r + k.
+    let send: Vec<f32> = (0..p).flat_map(|j| (0..3).map(move |k| 100.0 * r + 10.0 * j as f32 + k as f32)).collect();
+    let got = host(comm.all_to_all(tensor(send, vec![p, 3])).map_err(fail)?);
+    let want: Vec<f32> = (0..p).flat_map(|i| (0..3).map(move |k| 100.0 * i as f32 + 10.0 * r + k as f32)).collect();
+    report.push(check("all_to_all", got, want, 0.0)?);
+
+    let mine = || tensor(vec![r + 1.0, 2.0 * r, -r], vec![3]);
+    let total: f32 = (1..=p).map(|i| i as f32).sum();
+    let ranks_sum = total - p as f32;
+    let got = host(comm.all_reduce(mine(), ReduceOp::Sum).map_err(fail)?);
+    report.push(check("all_reduce sum", got, vec![total, 2.0 * ranks_sum, -ranks_sum], 1e-5)?);
+    let got = host(comm.all_reduce(mine(), ReduceOp::Mean).map_err(fail)?);
+    report.push(check("all_reduce mean", got, vec![total / p as f32, 2.0 * ranks_sum / p as f32, -ranks_sum / p as f32], 1e-5)?);
+    let got = host(comm.all_reduce(mine(), ReduceOp::Max).map_err(fail)?);
+    report.push(check("all_reduce max", got, vec![p as f32, 2.0 * (p as f32 - 1.0), 0.0], 0.0)?);
+    let got = host(comm.all_gather(mine()).map_err(fail)?);
+    let want: Vec<f32> = (0..p).flat_map(|i| [i as f32 + 1.0, 2.0 * i as f32, -(i as f32)]).collect();
+    report.push(check("all_gather", got, want, 0.0)?);
+    for root in [0, p - 1] {
+        let got = host(comm.broadcast(mine(), root).map_err(fail)?);
+        report.push(check(&format!("broadcast from {root}"), got, vec![root as f32 + 1.0, 2.0 * root as f32, -(root as f32)], 0.0)?);
+    }
+    comm.barrier().map_err(fail)?;
+    let gathered = comm.all_gather_host(&[comm.rank() as u64, 7]).map_err(fail)?;
+    if gathered != (0..p as u64).map(|i| vec![i, 7]).collect::<Vec<_>>() {
+        return Err(format!("all_gather_host: {gathered:?}"));
+    }
+    report.push("ok   barrier, all_gather_host".into());
+
+    // Large: many frames, and chunks of uneven length for a reduce-scatter.
+    let n = sizes.large_elements / p * p + 1;
+    let rows = n.div_ceil(p) * p;
+    let large: Vec<f32> = (0..rows).map(|i| r * 1e-3 + (i % 1000) as f32).collect();
+    let got = host(comm.all_to_all(tensor(large, vec![p, rows / p])).map_err(fail)?);
+    let want: Vec<f32> = (0..p).flat_map(|i| ((comm.rank() * rows / p)..((comm.rank() + 1) * rows / p)).map(move |x| i as f32 * 1e-3 + (x % 1000) as f32)).collect();
+    report.push(check(&format!("all_to_all of {} MiB", rows * 4 >> 20), got, want, 0.0)?);
+    let values: Vec<f32> = (0..n).map(|i| (i % 97) as f32 + r).collect();
+    let got = host(comm.all_reduce(tensor(values, vec![n]), ReduceOp::Sum).map_err(fail)?);
+    let want: Vec<f32> = (0..n).map(|i| (i % 97) as f32 * p as f32 + ranks_sum).collect();
+    report.push(check(&format!("all_reduce of {n} elements"), got, want, 1e-3)?);
+
+    // Sub-groups: even and odd ranks, the order reversed by the key.
+    let sub: Arc<dyn Communicator<B>> = comm.split(comm.rank() as u32 % 2, (p - comm.rank()) as u32).map_err(fail)?;
+    let members: Vec<usize> = (0..p).filter(|i| i % 2 == comm.rank() % 2).collect();
+    let expected_rank = members.len() - 1 - members.iter().position(|&i| i == comm.rank()).unwrap();
+    if (sub.rank(), sub.size()) != (expected_rank, members.len()) {
+        return Err(format!("split: rank {} of {}, expected {expected_rank} of {}", sub.rank(), sub.size(), members.len()));
+    }
+    let got = host(sub.all_reduce(mine(), ReduceOp::Sum).map_err(fail)?);
+    let sum: f32 = members.iter().map(|&i| i as f32).sum();
+    report.push(check("split, then all_reduce in the sub-group", got, vec![sum + members.len() as f32, 2.0 * sum, -sum], 1e-5)?);
+    let gathered = sub.all_gather_host(&[comm.rank() as u64]).map_err(fail)?;
+    let want: Vec<Vec<u64>> = members.iter().rev().map(|&i| vec![i as u64]).collect();
+    if gathered != want {
+        return Err(format!("all_gather_host in the sub-group: {gathered:?}, expected {want:?}"));
+    }
+    report.push("ok   sub-group order".into());
+    Ok(report)
+}
