@@ -48,12 +48,14 @@ fn check(args: &Args) -> Result<(), String> {
     let c: &dyn Communicator<B> = &*comm;
     let p = c.size();
     let elements = (args.mib << 20) / 4 / p * p;
-    let send = Tensor::<B, 2>::from_data(TensorData::new(vec![0.5f32; elements], [p, elements / p]), &device);
     let mut seconds = Vec::new();
     for _ in 0..5 {
+        // A tensor of its own each time, as a layer's output is (a shared one is copied
+        // element by element when read).
+        let send = Tensor::<B, 2>::from_data(TensorData::new(vec![0.5f32; elements], [p, elements / p]), &device);
         c.barrier().map_err(|e| e.to_string())?;
         let started = Instant::now();
-        drop(c.all_to_all(send.clone().into_primitive().tensor()).map_err(|e| e.to_string())?);
+        drop(c.all_to_all(send.into_primitive().tensor()).map_err(|e| e.to_string())?);
         seconds.push(started.elapsed().as_secs_f64());
     }
     seconds.sort_by(f64::total_cmp);

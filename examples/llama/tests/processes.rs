@@ -1,0 +1,299 @@
+//! The real trainer binary, one process per rank under `ulysses-launch` (ranks meet over the
+//! TCP transport), against the same binary on one device:
+//! - SP=2 (2 processes) and SP=2 × DP=2 (4 processes): the loss of each of 5 AdamW steps and
+//!   the final parameters within 1e-5, on batches with padding and, at step 0, a rank whose
+//!   shard holds only ignored labels;
+//! - a rank killed (SIGKILL) in the middle of a step: every other rank fails within seconds
+//!   naming it, the launcher fails, and the last checkpoint loads;
+//! - a NaN in one rank's gradient stops the run naming the step and the rank;
+//! - a run stopped after 3 steps and resumed for 3 more equals 6 uninterrupted steps
+//!   (losses within 1e-6, identical parameters), and the checkpoint also resumes with no SP;
+//! - layouts that cannot work fail before any work, saying what to change.
+
+use std::{
+    fs,
+    net::TcpListener,
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    time::{Duration, Instant},
+};
+
+use burn::{
+    backend::{Autodiff, NdArray},
+    config::Config,
+    module::{Module, ModuleVisitor, Param},
+    optim::AdamWConfig,
+    tensor::{Tensor, backend::Backend},
+};
+use burn_ulysses::{
+    compare::{max_abs_diff, worst},
+    train::checkpoint::{load_training_checkpoint, read_checkpoint_state},
+};
+use ulysses_llama::{
+    Llama,
+    train::{RunState, TrainConfig, load_model},
+};
+
+type Cpu = Autodiff<NdArray<f32>>;
+
+const TOLERANCE: f32 = 1e-5;
+
+/// Sequence lengths per step, 4 sequences each (batch 4, `--seq-len 16`). Every batch is
+/// padded to 16 tokens. At step 0 no sequence is longer than 8 tokens, so under SP=2 the rank
+/// holding positions 8..16 has only ignored labels (and under SP=2 × DP=2, on both DP ranks).
+const LENGTHS: [[usize; 4]; 7] = [
+    [5, 8, 3, 7],
+    [16, 11, 9, 14],
+    [12, 16, 6, 10],
+    [13, 4, 16, 15],
+    [9, 16, 12, 2],
+    [16, 7, 11, 13],
+    [16, 10, 12, 8], // held out
+];
+
+fn trainer() -> &'static str {
+    env!("CARGO_BIN_EXE_ulysses-llama")
+}
+
+/// `ulysses-launch`, built beside the trainer by `cargo test --workspace` (it is
+/// `ulysses-dist`'s binary, which the workspace's tests build).
+fn launcher() -> PathBuf {
+    let path = Path::new(trainer()).with_file_name("ulysses-launch");
+    assert!(path.exists(), "{} is missing: run `cargo test --workspace` (or `cargo build -p ulysses-dist`) first", path.display());
+    path
+}
+
+/// A fresh folder for one test, with the token file.
+fn workspace(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ulysses-llama-{name}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    let lines: Vec<String> = LENGTHS
+        .iter()
+        .enumerate()
+        .flat_map(|(step, lengths)| lengths.iter().enumerate().map(move |(i, &len)| (step, i, len)))
+        .map(|(step, i, len)| {
+            // Each token determines the next (a walk through a fixed permutation), so there
+            // is something to learn within a few steps.
+            let start = step * 37 + i * 101;
+            let tokens: Vec<String> = (0..len).map(|t| ((start + t * 77) % 256).to_string()).collect();
+            format!("[{}]", tokens.join(", "))
+        })
+        .collect();
+    fs::write(dir.join("data.jsonl"), lines.join("\n")).unwrap();
+    dir
+}
+
+/// The trainer's arguments shared by every run: a small Llama on the token file.
+fn common_args(dir: &Path, out: &str, steps: usize) -> Vec<String> {
+    let args = format!(
+        "--tokens {} --out {} --seq-len 16 --batch-size 4 --steps {steps} --learning-rate 0.01 --seed 7 \
+         --d-model 64 --layers 2 --heads 4 --kv-heads 2 --ffn-hidden 128 --check-parameters-every 1",
+        dir.join("data.jsonl").display(),
+        dir.join(out).display()
+    );
+    args.split_whitespace().map(String::from).collect()
+}
+
+fn show(output: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
+}
+
+/// The trainer alone, its ranks as threads of one process.
+fn run_alone(args: &[String], extra: &[&str]) -> Output {
+    Command::new(trainer()).args(args).args(extra).args(["--launch", "threads"]).output().unwrap()
+}
+
+/// The trainer as `processes` processes under `ulysses-launch`.
+fn run_launched(processes: usize, args: &[String], extra: &[&str]) -> Output {
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    Command::new(launcher())
+        .args(["--nproc-per-node", &processes.to_string(), "--master-port", &port, "--kill-grace-secs", "20", "--"])
+        .arg(trainer())
+        .args(args)
+        .args(extra)
+        .env("ULYSSES_COLLECTIVE_TIMEOUT", "120")
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+fn succeed(output: Output) -> Output {
+    assert!(output.status.success(), "the run failed:\n{}", show(&output));
+    output
+}
+
+/// `(step, loss)` of every training row of a run's metrics.
+fn losses(out: &Path) -> Vec<(usize, f64)> {
+    fs::read_to_string(out.join("metrics.csv"))
+        .unwrap()
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(',').collect();
+            Some((fields[0].parse().ok()?, fields[1].parse().ok()?))
+        })
+        .collect()
+}
+
+/// Every parameter of the model a run saved, flattened, with its path.
+fn parameters(out: &Path) -> Vec<(String, Vec<f32>)> {
+    let config = TrainConfig::load(out.join("config.json")).unwrap();
+    let model: Llama<Cpu> = load_model(&config.model, &out.join("model"), &Default::default()).unwrap();
+    struct Values(Vec<String>, Vec<(String, Vec<f32>)>);
+    impl<B: Backend> ModuleVisitor<B> for Values {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.into());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.1.push((self.0.join("."), param.val().into_data().convert::<f32>().to_vec().unwrap()));
+        }
+    }
+    let mut values = Values(Vec::new(), Vec::new());
+    model.visit(&mut values);
+    values.1
+}
+
+/// Largest difference of losses (same steps) and of parameters (same names) between runs.
+fn differences(a: &Path, b: &Path) -> (f32, f32) {
+    let (la, lb) = (losses(a), losses(b));
+    assert_eq!(la.iter().map(|l| l.0).collect::<Vec<_>>(), lb.iter().map(|l| l.0).collect::<Vec<_>>(), "different steps");
+    let loss = worst(la.iter().zip(&lb).map(|(x, y)| (x.1 - y.1).abs() as f32));
+    let (pa, pb) = (parameters(a), parameters(b));
+    assert_eq!(pa.len(), pb.len());
+    let params = worst(pa.iter().zip(&pb).map(|((na, va), (nb, vb))| {
+        assert_eq!(na, nb);
+        max_abs_diff(va, vb)
+    }));
+    (loss, params)
+}
+
+#[test]
+fn two_and_four_processes_train_like_one_device() {
+    let dir = workspace("equivalence");
+    succeed(run_alone(&common_args(&dir, "one", 5), &["--sp", "1"]));
+    succeed(run_launched(2, &common_args(&dir, "sp2", 5), &["--sp", "2"]));
+    succeed(run_launched(4, &common_args(&dir, "sp2dp2", 5), &["--sp", "2"]));
+
+    let reference = losses(&dir.join("one"));
+    assert_eq!(reference.len(), 5);
+    assert!(reference.iter().all(|l| l.1.is_finite()) && reference[4].1 < reference[0].1, "{reference:?}");
+    for run in ["sp2", "sp2dp2"] {
+        let (loss, params) = differences(&dir.join(run), &dir.join("one"));
+        let config = fs::read_to_string(dir.join(run).join("config.json")).unwrap();
+        println!("{run}: max |Δ| loss {loss:.2e}, parameters {params:.2e} vs one device; losses {:?}", losses(&dir.join(run)));
+        assert!(config.contains("\"sp_size\": 2"), "{config}");
+        assert!(loss <= TOLERANCE, "{run}: losses differ from one device by {loss:e}");
+        assert!(params <= TOLERANCE, "{run}: parameters differ from one device by {params:e}");
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_killed_mid_step_stops_every_rank_and_the_last_checkpoint_loads() {
+    let dir = workspace("kill");
+    let mut args = common_args(&dir, "run", 6);
+    args.extend(["--checkpoint-every", "2", "--fault-kill", "3:1"].map(String::from));
+    let started = Instant::now();
+    let output = run_launched(4, &args, &["--sp", "2"]);
+    let elapsed = started.elapsed();
+    let text = show(&output);
+    println!("{text}");
+    assert!(!output.status.success(), "the launcher must fail");
+    assert!(elapsed < Duration::from_secs(30), "the job took {elapsed:?} to stop");
+    assert!(text.contains("rank 1 was killed by signal 9"), "{text}");
+    for rank in [0, 2, 3] {
+        let error = text
+            .lines()
+            .find(|line| line.starts_with(&format!("[rank {rank}] error:")))
+            .unwrap_or_else(|| panic!("rank {rank} did not report an error:\n{text}"));
+        assert!(error.contains("step 3") && error.contains("world rank(s) [1] died"), "rank {rank}: {error}");
+        assert!(text.contains(&format!("rank {rank} exited with status 1")), "{text}");
+    }
+
+    // The checkpoint after step 2 is intact and loads.
+    let out = dir.join("run");
+    let state: RunState = read_checkpoint_state(&out).unwrap();
+    assert_eq!(state.completed_steps, 2);
+    let config = TrainConfig::load(out.join("config.json")).unwrap();
+    let model = config.model.init::<Cpu>(&Default::default());
+    let optimizer = AdamWConfig::new().init::<Cpu, Llama<Cpu>>();
+    let (_, _, loaded): (_, _, RunState) = load_training_checkpoint(&out, model, optimizer, &Default::default()).unwrap();
+    assert_eq!(loaded.data_position, 2);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_nan_in_one_ranks_gradient_stops_the_run_naming_the_step() {
+    let dir = workspace("nan");
+    let mut args = common_args(&dir, "run", 6);
+    args.extend(["--checkpoint-every", "1", "--fault-nan-gradient", "2:1"].map(String::from));
+    let output = run_launched(2, &args, &["--sp", "2"]);
+    let text = show(&output);
+    println!("{text}");
+    assert!(!output.status.success());
+    for rank in [0, 1] {
+        let error = text.lines().find(|line| line.starts_with(&format!("[rank {rank}] error:"))).unwrap_or_else(|| panic!("{text}"));
+        assert!(error.contains("step 2: a NaN or an infinity appeared in the gradients on rank(s) [1]"), "{error}");
+    }
+    // No parameter was touched by step 2: the checkpoint of step 1 is the last, and intact.
+    let state: RunState = read_checkpoint_state(&dir.join("run")).unwrap();
+    assert_eq!(state.completed_steps, 2);
+    assert_eq!(losses(&dir.join("run")).iter().map(|l| l.0).collect::<Vec<_>>(), vec![0, 1]);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_stopped_run_resumes_exactly_and_at_another_layout() {
+    let dir = workspace("resume");
+    succeed(run_launched(2, &common_args(&dir, "full", 6), &["--sp", "2"]));
+    succeed(run_launched(2, &common_args(&dir, "part", 6), &["--sp", "2", "--stop-after", "3"]));
+    assert_eq!(losses(&dir.join("part")).len(), 3);
+    // A copy to resume elsewhere: one process, no sequence parallelism.
+    fs::create_dir_all(dir.join("elsewhere")).unwrap();
+    for file in ["checkpoint.ulysses", "metrics.csv", "config.json"] {
+        fs::copy(dir.join("part").join(file), dir.join("elsewhere").join(file)).unwrap();
+    }
+    let resume = |from: &str| ["--resume".to_string(), dir.join(from).display().to_string()];
+    let mut args = common_args(&dir, "part", 6);
+    args.extend(resume("part"));
+    succeed(run_launched(2, &args, &["--sp", "2"]));
+    let mut args = common_args(&dir, "elsewhere", 6);
+    args.extend(resume("elsewhere"));
+    succeed(run_alone(&args, &["--sp", "1"]));
+
+    let (full, part) = (losses(&dir.join("full")), losses(&dir.join("part")));
+    println!("uninterrupted {full:?}\nresumed       {part:?}");
+    assert_eq!(part.iter().map(|l| l.0).collect::<Vec<_>>(), (0..6).collect::<Vec<_>>());
+    let (loss, params) = differences(&dir.join("part"), &dir.join("full"));
+    assert!(loss <= 1e-6, "resumed losses differ by {loss:e}");
+    assert_eq!(params, 0.0, "resumed parameters differ from the uninterrupted run's");
+    let (loss, params) = differences(&dir.join("elsewhere"), &dir.join("full"));
+    println!("resumed without SP: max |Δ| loss {loss:.2e}, parameters {params:.2e}");
+    assert!(loss <= TOLERANCE && params <= TOLERANCE, "resumed at SP=1: loss {loss:e}, parameters {params:e}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn layouts_that_cannot_work_fail_before_any_work_with_the_fix() {
+    let dir = workspace("validation");
+    let args = common_args(&dir, "run", 2);
+    let cases: [(Output, &str); 4] = [
+        (run_alone(&args, &["--sp", "3"]), "q has 4 heads, which is not divisible by the sequence-parallel degree 3"),
+        (run_alone(&args, &["--sp", "2", "--dp", "3"]), "must be a multiple of dp_size × grad_accumulation = 3"),
+        (run_launched(2, &args, &["--sp", "4"]), "divisors of 2: [1, 2]"),
+        (
+            Command::new(trainer()).args(&args).env("RANK", "0").env_remove("WORLD_SIZE").output().unwrap(),
+            "WORLD_SIZE is not set",
+        ),
+    ];
+    for (output, expected) in cases {
+        let text = show(&output);
+        assert!(!output.status.success() && text.contains(expected), "expected {expected:?}:\n{text}");
+        assert!(!dir.join("run").join("metrics.csv").exists(), "no step may run:\n{text}");
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
