@@ -14,14 +14,20 @@ if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/libnccl.so.2" ]; then
 fi
 
 if [ -x "$here/flash-attention-tests" ]; then
-    "$here/flash-attention-tests" --nocapture 2>&1 | tee "$out/kernel-tests.log"
+    # A CUDA start failure must fail here, not skip.
+    ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture 2>&1 | tee "$out/kernel-tests.log"
     ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" 2>&1 | tee "$out/flash-bench.log"
 fi
 if [ -x "$here/ulysses-nccl-check" ]; then
     ULYSSES_GPU=0 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "NCCL_HOSTID=host\$RANK exec $here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check.log"
 fi
 if [ -x "$here/ulysses-llama" ]; then
+    train="--steps 50 --seq-len 2048 --batch-size 2 --corpus ${CORPUS:-/usr/share/common-licenses}"
+    # One process: SP=1, and SP=2 as threads sharing the GPU; burn's fused CUDA backend too.
     for sp in 1 2; do
-        "$here/ulysses-llama" --backend cuda --sp "$sp" --steps 50 --seq-len 2048 --batch-size 2 --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/train-sp$sp" 2>&1 | tail -3 | tee -a "$out/train.log"
+        "$here/ulysses-llama" --backend cuda --sp "$sp" $train --out "$out/train-sp$sp" 2>&1 | tail -3 | tee -a "$out/train.log"
     done
+    "$here/ulysses-llama" --backend cuda-fused --sp 1 $train --out "$out/train-fused-sp1" 2>&1 | tail -3 | tee -a "$out/train.log"
+    # SP=2 as two processes over NCCL on the one GPU (a host id each, or NCCL refuses).
+    "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "NCCL_HOSTID=host\$RANK exec $here/ulysses-llama --backend cuda --device 0 --sp 2 $train --out $out/train-sp2-processes" 2>&1 | tail -5 | tee -a "$out/train.log"
 fi

@@ -143,3 +143,27 @@ fn ulysses_runs_the_flash_kernels_on_a_fused_backend() {
     check_block_equivalence::<Autodiff<FusedWgpu>>(BlockCase::new(2, 4, 2), 1e-5);
     assert!(forward_launches() >= forwards + 2 && backward_launches() >= backwards + 2, "each rank's attention ran the flash kernels");
 }
+
+/// burn's fused backends get any communicator of the backend they wrap through
+/// `FusionCommunicator` (NCCL's, on CUDA): here the threads' on wgpu, through every
+/// collective of the self-check.
+#[test]
+fn fused_tensors_travel_through_the_wrapped_backends_communicator() {
+    use burn_ulysses::comm::{
+        Communicator, FusionCommunicator, ThreadGroup,
+        check::{CheckSizes, check_collectives},
+    };
+    use std::sync::Arc;
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let reports = ThreadGroup::new(3).run(|rank| {
+        let plain: Arc<dyn Communicator<Wgpu>> = rank.communicator();
+        let fused = FusionCommunicator::new(plain);
+        check_collectives::<FusedWgpu>(&fused, &Default::default(), CheckSizes { large_elements: 1 << 14 })
+    });
+    for (rank, report) in reports.into_iter().enumerate() {
+        let lines = report.unwrap_or_else(|p| panic!("{p}")).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(lines.iter().any(|l| l.contains("sub-group order")), "{lines:?}");
+    }
+}

@@ -16,6 +16,9 @@ pub struct LaunchEnv {
     pub local_rank: usize,
     pub local_world_size: usize,
     pub master_addr: String,
+    /// The port of rank 0's rendezvous: `ULYSSES_RENDEZVOUS_PORT` when set; else, under
+    /// torchrun, `MASTER_PORT + 1` (torchrun's own agent already serves its store on
+    /// `MASTER_PORT`); else `MASTER_PORT`.
     pub master_port: u16,
     /// Which convention the values came from, for messages.
     pub source: EnvSource,
@@ -28,6 +31,9 @@ pub enum EnvSource {
 }
 
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Overrides the port of rank 0's rendezvous.
+pub const ENV_RENDEZVOUS_PORT: &str = "ULYSSES_RENDEZVOUS_PORT";
 
 impl LaunchEnv {
     /// Reads the process environment.
@@ -82,12 +88,19 @@ impl LaunchEnv {
                 .ok_or_else(|| DistError::Env("MASTER_ADDR is not set and SLURM_JOB_NODELIST has no host".into()))?,
             (None, EnvSource::Torchrun) => "127.0.0.1".to_string(),
         };
-        let master_port = match lookup("MASTER_PORT") {
-            None => DEFAULT_MASTER_PORT,
-            Some(port) => port
-                .trim()
-                .parse()
-                .map_err(|_| DistError::Env(format!("MASTER_PORT={port:?} is not a port number")))?,
+        let port = |name: &str| -> Result<Option<u16>, DistError> {
+            lookup(name)
+                .map(|port| port.trim().parse().map_err(|_| DistError::Env(format!("{name}={port:?} is not a port number"))))
+                .transpose()
+        };
+        let master_port = match (port(ENV_RENDEZVOUS_PORT)?, port("MASTER_PORT")?) {
+            (Some(port), _) => port,
+            // torchrun's agent holds MASTER_PORT (its TCPStore, shared with its workers).
+            (None, Some(port)) if lookup("TORCHELASTIC_RUN_ID").is_some() => port.checked_add(1).ok_or_else(|| {
+                DistError::Env(format!("MASTER_PORT={port} leaves no port above it for the rendezvous; set {ENV_RENDEZVOUS_PORT}"))
+            })?,
+            (None, Some(port)) => port,
+            (None, None) => DEFAULT_MASTER_PORT,
         };
         Ok(Self { rank, world_size, local_rank, local_world_size, master_addr, master_port, source })
     }
@@ -160,6 +173,16 @@ mod tests {
     fn torchrun_defaults_to_a_local_master() {
         let parsed = env(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap();
         assert_eq!((parsed.master_addr.as_str(), parsed.master_port, parsed.local_world_size), ("127.0.0.1", 29500, 1));
+    }
+
+    #[test]
+    fn under_torchrun_the_rendezvous_leaves_master_port_to_torchrun() {
+        let base = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "29500")];
+        assert_eq!(env(&base).unwrap().master_port, 29500);
+        let torchrun = [base.as_slice(), &[("TORCHELASTIC_RUN_ID", "none")]].concat();
+        assert_eq!(env(&torchrun).unwrap().master_port, 29501);
+        let chosen = [torchrun.as_slice(), &[(ENV_RENDEZVOUS_PORT, "31000")]].concat();
+        assert_eq!(env(&chosen).unwrap().master_port, 31000);
     }
 
     #[test]

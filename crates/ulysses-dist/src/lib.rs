@@ -38,7 +38,7 @@ pub enum DistError {
     NoToken,
     #[error(
         "rank 0 cannot serve the rendezvous on {addr}: {reason}. MASTER_ADDR must be an address \
-         of rank 0's machine and MASTER_PORT a free port"
+         of rank 0's machine and MASTER_PORT a free port (or set ULYSSES_RENDEZVOUS_PORT to one)"
     )]
     Bind { addr: String, reason: String },
     #[error(

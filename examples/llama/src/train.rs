@@ -348,7 +348,9 @@ where
         )));
     }
     check_parameters_identical(&model, &*groups.world)?;
-    tracing::info!(step = state.completed_steps, from = %location.display(), "resuming");
+    if groups.world_rank() == 0 {
+        tracing::info!(step = state.completed_steps, from = %location.display(), "resuming");
+    }
     Ok((model, optimizer, state.data_position))
 }
 

@@ -630,6 +630,19 @@ mod tests {
     }
 
     #[test]
+    fn every_collective_passes_the_self_check_for_1_to_4_ranks() {
+        use crate::comm::check::{CheckSizes, check_collectives};
+        for size in 1..=4 {
+            let results = ThreadGroup::new(size).run(|rank| {
+                check_collectives::<B>(&*rank.communicator(), &Default::default(), CheckSizes { large_elements: 1 << 16 })
+            });
+            for (rank, result) in results.into_iter().enumerate() {
+                result.unwrap().unwrap_or_else(|e| panic!("{size} ranks, rank {rank}: {e}"));
+            }
+        }
+    }
+
+    #[test]
     fn a_rank_that_panics_fails_its_peers_instead_of_hanging() {
         let started = Instant::now();
         let results = ThreadGroup::new(3).run(|rank| {

@@ -22,10 +22,13 @@ use std::{
 };
 
 use burn::{
-    module::AutodiffModule,
+    module::{AutodiffModule, Module, ModuleVisitor, Param},
     optim::Optimizer,
     record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder},
-    tensor::backend::AutodiffBackend,
+    tensor::{
+        Tensor,
+        backend::{AutodiffBackend, Backend},
+    },
 };
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
@@ -104,7 +107,35 @@ where
         .map_err(|e| error(&path, format!("the model record does not fit this model: {e}")))?;
     let optimizer_record = Recorder::<B>::load(&recorder(), optimizer_bytes, device)
         .map_err(|e| error(&path, format!("the optimizer record does not fit this optimizer: {e}")))?;
-    Ok((model.load_record(model_record), optimizer.load_record(optimizer_record), state))
+    // burn takes a record's tensors whatever their shape: compare, or a checkpoint of another
+    // model shape would load silently.
+    let expected = parameter_shapes(&model);
+    let model = model.load_record(model_record);
+    if let Some((name, want, got)) = expected.iter().zip(parameter_shapes(&model)).find_map(|((name, want), (_, got))| {
+        (want != &got).then(|| (name.clone(), want.clone(), got))
+    }) {
+        return Err(error(&path, format!("parameter `{name}` has shape {got:?} in the checkpoint but {want:?} in this model: it was written by another model")));
+    }
+    Ok((model, optimizer.load_record(optimizer_record), state))
+}
+
+/// Every float parameter's path and shape, in module order.
+fn parameter_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
+    struct Shapes(Vec<String>, Vec<(String, Vec<usize>)>);
+    impl<B: Backend> ModuleVisitor<B> for Shapes {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.1.push((self.0.join("."), param.shape().to_vec()));
+        }
+    }
+    let mut shapes = Shapes(Vec::new(), Vec::new());
+    module.visit(&mut shapes);
+    shapes.1
 }
 
 /// The training state saved in a checkpoint, without loading its records.
@@ -175,4 +206,118 @@ pub(crate) fn fnv1a(parts: &[&[u8]]) -> u64 {
         .iter()
         .flat_map(|part| part.iter())
         .fold(0xcbf2_9ce4_8422_2325, |hash, &b| (hash ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::{
+        backend::{Autodiff, NdArray},
+        nn::{Linear, LinearConfig},
+        optim::{AdamWConfig, GradientsParams},
+    };
+
+    use super::*;
+
+    type B = Autodiff<NdArray<f32>>;
+
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    struct State {
+        step: usize,
+    }
+
+    fn folder(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("burn-ulysses-checkpoint-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    /// A layer and an AdamW that has taken one step on it (so it has moments to save).
+    fn trained() -> (Linear<B>, impl Optimizer<Linear<B>, B>) {
+        let device = Default::default();
+        let layer = LinearConfig::new(3, 2).init::<B>(&device);
+        let mut optimizer = AdamWConfig::new().init::<B, Linear<B>>();
+        let loss = layer.forward(Tensor::<B, 2>::ones([4, 3], &device)).sum();
+        let grads = GradientsParams::from_grads(loss.backward(), &layer);
+        let layer = optimizer.step(1e-2, layer, grads);
+        (layer, optimizer)
+    }
+
+    fn weights(layer: &Linear<B>) -> Vec<f32> {
+        layer.weight.val().into_data().to_vec().unwrap()
+    }
+
+    /// One more step on the same data: equal only when the optimizer's moments and step
+    /// count came back (a fresh AdamW's differ).
+    fn step_again<O: Optimizer<Linear<B>, B>>(layer: Linear<B>, optimizer: &mut O) -> Vec<f32> {
+        let loss = layer.forward(Tensor::<B, 2>::ones([4, 3], &Default::default()) * 0.5).sum();
+        let grads = GradientsParams::from_grads(loss.backward(), &layer);
+        weights(&optimizer.step(1e-2, layer, grads))
+    }
+
+    #[test]
+    fn model_optimizer_and_state_round_trip() {
+        let dir = folder("round-trip");
+        let (layer, optimizer) = trained();
+        let path = save_training_checkpoint(&dir, &layer, &optimizer, &State { step: 7 }).unwrap();
+        assert_eq!(path, dir.join(CHECKPOINT_FILE));
+        let fresh = LinearConfig::new(3, 2).init::<B>(&Default::default());
+        let fresh_optimizer = AdamWConfig::new().init::<B, Linear<B>>();
+        let (loaded, mut loaded_optimizer, state): (_, _, State) =
+            load_training_checkpoint(&dir, fresh, fresh_optimizer, &Default::default()).unwrap();
+        assert_eq!(state, State { step: 7 });
+        assert_eq!(weights(&loaded), weights(&layer));
+        let mut optimizer = optimizer;
+        let uninterrupted = step_again(layer, &mut optimizer);
+        assert_eq!(step_again(loaded.clone(), &mut loaded_optimizer), uninterrupted);
+        let mut fresh_optimizer = AdamWConfig::new().init::<B, Linear<B>>();
+        assert_ne!(step_again(loaded, &mut fresh_optimizer), uninterrupted, "the check must tell a fresh optimizer apart");
+        assert_eq!(read_checkpoint_state::<State>(&path).unwrap(), State { step: 7 });
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_crash_while_writing_leaves_the_previous_checkpoint() {
+        let dir = folder("crash");
+        let (layer, optimizer) = trained();
+        save_training_checkpoint(&dir, &layer, &optimizer, &State { step: 1 }).unwrap();
+        // What a crash in the middle of the next save leaves: a partial temporary file.
+        fs::write(dir.join(format!(".{CHECKPOINT_FILE}.tmp-999999")), b"ULYCKPT1 half of a checkpoint").unwrap();
+        assert_eq!(read_checkpoint_state::<State>(&dir).unwrap(), State { step: 1 });
+        // The next save replaces the checkpoint whole and leaves no temporary file of its own.
+        save_training_checkpoint(&dir, &layer, &optimizer, &State { step: 2 }).unwrap();
+        assert_eq!(read_checkpoint_state::<State>(&dir).unwrap(), State { step: 2 });
+        let own = format!(".{CHECKPOINT_FILE}.tmp-{}", std::process::id());
+        assert!(!dir.join(own).exists());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn torn_corrupt_and_foreign_files_are_refused_with_the_reason() {
+        let dir = folder("torn");
+        let (layer, optimizer) = trained();
+        let path = save_training_checkpoint(&dir, &layer, &optimizer, &State { step: 3 }).unwrap();
+        let bytes = fs::read(&path).unwrap();
+        let load = |bytes: &[u8]| {
+            fs::write(&path, bytes).unwrap();
+            let fresh = LinearConfig::new(3, 2).init::<B>(&Default::default());
+            let optimizer = AdamWConfig::new().init::<B, Linear<B>>();
+            load_training_checkpoint::<B, _, _, State>(&path, fresh, optimizer, &Default::default()).map(|_| ()).unwrap_err().to_string()
+        };
+        let message = load(&bytes[..bytes.len() - 10]);
+        assert!(message.contains("truncated or corrupt") && message.contains("Use an earlier checkpoint"), "{message}");
+        let mut flipped = bytes.clone();
+        *flipped.last_mut().unwrap() ^= 0x40;
+        assert!(load(&flipped).contains("checksum"));
+        assert!(load(b"{\"not\": \"a checkpoint\"}").contains("wrong magic bytes"));
+        // A checkpoint of another model shape does not load into this one.
+        fs::write(&path, &bytes).unwrap();
+        let other = LinearConfig::new(5, 2).init::<B>(&Default::default());
+        let optimizer = AdamWConfig::new().init::<B, Linear<B>>();
+        let message = load_training_checkpoint::<B, _, _, State>(&path, other, optimizer, &Default::default())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains("parameter `weight` has shape [3, 2] in the checkpoint but [5, 2]"), "{message}");
+        let _ = fs::remove_dir_all(&dir);
+    }
 }
