@@ -16,6 +16,7 @@ pub mod config;
 pub mod env;
 pub mod job;
 pub mod launch;
+pub mod logging;
 pub mod rendezvous;
 pub mod tcp;
 

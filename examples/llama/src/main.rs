@@ -152,12 +152,7 @@ fn step_and_rank(value: &str) -> Result<(usize, usize), String> {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        // Colour codes only for a terminal, not for a launcher's pipe or a log file.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    ulysses_dist::logging::init("info");
     if let Err(message) = run(Args::parse()) {
         eprintln!("error: {message}");
         std::process::exit(1);

@@ -21,13 +21,14 @@ use std::{
 use burn::{
     backend::{Autodiff, NdArray},
     config::Config,
-    module::{Module, ModuleVisitor, Param},
     optim::AdamWConfig,
-    tensor::{Tensor, backend::Backend},
 };
 use burn_ulysses::{
     compare::{max_abs_diff, worst},
-    train::checkpoint::{load_training_checkpoint, read_checkpoint_state},
+    train::{
+        checkpoint::{load_training_checkpoint, read_checkpoint_state},
+        float_parameters,
+    },
 };
 use ulysses_llama::{
     Llama,
@@ -140,21 +141,14 @@ fn losses(out: &Path) -> Vec<(usize, f64)> {
 fn parameters(out: &Path) -> Vec<(String, Vec<f32>)> {
     let config = TrainConfig::load(out.join("config.json")).unwrap();
     let model: Llama<Cpu> = load_model(&config.model, &out.join("model"), &Default::default()).unwrap();
-    struct Values(Vec<String>, Vec<(String, Vec<f32>)>);
-    impl<B: Backend> ModuleVisitor<B> for Values {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.0.push(name.into());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.0.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.1.push((self.0.join("."), param.val().into_data().convert::<f32>().to_vec().unwrap()));
-        }
-    }
-    let mut values = Values(Vec::new(), Vec::new());
-    model.visit(&mut values);
-    values.1
+    float_parameters(&model).into_iter().map(|p| (p.path, p.values.into_data().convert::<f32>().to_vec().unwrap())).collect()
+}
+
+/// Rank `rank`'s error line in a launch's output.
+fn rank_error(text: &str, rank: usize) -> &str {
+    text.lines()
+        .find(|line| line.starts_with(&format!("[rank {rank}] error:")))
+        .unwrap_or_else(|| panic!("rank {rank} reported no error:\n{text}"))
 }
 
 /// Largest difference of losses (same steps) and of parameters (same names) between runs.
@@ -206,10 +200,7 @@ fn a_rank_killed_mid_step_stops_every_rank_and_the_last_checkpoint_loads() {
     assert!(elapsed < Duration::from_secs(30), "the job took {elapsed:?} to stop");
     assert!(text.contains("rank 1 was killed by signal 9"), "{text}");
     for rank in [0, 2, 3] {
-        let error = text
-            .lines()
-            .find(|line| line.starts_with(&format!("[rank {rank}] error:")))
-            .unwrap_or_else(|| panic!("rank {rank} did not report an error:\n{text}"));
+        let error = rank_error(&text, rank);
         assert!(error.contains("step 3") && error.contains("world rank(s) [1] died"), "rank {rank}: {error}");
         assert!(text.contains(&format!("rank {rank} exited with status 1")), "{text}");
     }
@@ -236,7 +227,7 @@ fn a_nan_in_one_ranks_gradient_stops_the_run_naming_the_step() {
     println!("{text}");
     assert!(!output.status.success());
     for rank in [0, 1] {
-        let error = text.lines().find(|line| line.starts_with(&format!("[rank {rank}] error:"))).unwrap_or_else(|| panic!("{text}"));
+        let error = rank_error(&text, rank);
         assert!(error.contains("step 2: a NaN or an infinity appeared in the gradients on rank(s) [1]"), "{error}");
     }
     // No parameter was touched by step 2: the checkpoint of step 1 is the last, and intact.

@@ -22,16 +22,14 @@ use std::{
 };
 
 use burn::{
-    module::{AutodiffModule, Module, ModuleVisitor, Param},
+    module::AutodiffModule,
     optim::Optimizer,
     record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder},
-    tensor::{
-        Tensor,
-        backend::{AutodiffBackend, Backend},
-    },
+    tensor::backend::AutodiffBackend,
 };
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
+use super::float_parameters;
 use crate::error::UlyssesError;
 
 /// The file a checkpoint folder holds.
@@ -109,33 +107,16 @@ where
         .map_err(|e| error(&path, format!("the optimizer record does not fit this optimizer: {e}")))?;
     // burn takes a record's tensors whatever their shape: compare, or a checkpoint of another
     // model shape would load silently.
-    let expected = parameter_shapes(&model);
+    let shapes = |model: &M| float_parameters(model).into_iter().map(|p| (p.path, p.shape.to_vec())).collect::<Vec<_>>();
+    let expected = shapes(&model);
     let model = model.load_record(model_record);
-    if let Some((name, want, got)) = expected.iter().zip(parameter_shapes(&model)).find_map(|((name, want), (_, got))| {
-        (want != &got).then(|| (name.clone(), want.clone(), got))
-    }) {
-        return Err(error(&path, format!("parameter `{name}` has shape {got:?} in the checkpoint but {want:?} in this model: it was written by another model")));
+    if let Some(((name, want), (_, got))) = expected.iter().zip(shapes(&model)).find(|(want, got)| want.1 != got.1) {
+        return Err(error(
+            &path,
+            format!("parameter `{name}` has shape {got:?} in the checkpoint but {want:?} in this model: it was written by another model"),
+        ));
     }
     Ok((model, optimizer.load_record(optimizer_record), state))
-}
-
-/// Every float parameter's path and shape, in module order.
-fn parameter_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
-    struct Shapes(Vec<String>, Vec<(String, Vec<usize>)>);
-    impl<B: Backend> ModuleVisitor<B> for Shapes {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.0.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.0.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.1.push((self.0.join("."), param.shape().to_vec()));
-        }
-    }
-    let mut shapes = Shapes(Vec::new(), Vec::new());
-    module.visit(&mut shapes);
-    shapes.1
 }
 
 /// The training state saved in a checkpoint, without loading its records.
@@ -214,6 +195,7 @@ mod tests {
         backend::{Autodiff, NdArray},
         nn::{Linear, LinearConfig},
         optim::{AdamWConfig, GradientsParams},
+        tensor::Tensor,
     };
 
     use super::*;

@@ -24,7 +24,7 @@
 use std::marker::PhantomData;
 
 use burn::{
-    module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param},
+    module::{AutodiffModule, Module, ModuleMapper, Param},
     optim::{GradientsAccumulator, GradientsParams, Optimizer},
     tensor::{
         ElementConversion, Int, Tensor,
@@ -36,8 +36,10 @@ mod backend;
 pub mod checkpoint;
 mod gradients;
 mod loss;
+mod parameters;
 
 pub use backend::TrainBackend;
+pub use parameters::{FloatParameter, float_parameters};
 pub use gradients::{
     GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets, first_non_finite_gradient,
 };
@@ -342,30 +344,13 @@ pub fn check_parameters_identical<B: Backend, M: Module<B>, G: Backend>(
     module: &M,
     communicator: &dyn Communicator<G>,
 ) -> Result<(), UlyssesError> {
-    struct Fingerprints {
-        path: Vec<String>,
-        names: Vec<String>,
-        hashes: Vec<u64>,
-    }
-    impl<B: Backend> ModuleVisitor<B> for Fingerprints {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.names.push(self.path.join("."));
-            self.hashes.push(checkpoint::fnv1a(&[param.val().into_data().as_bytes()]));
-        }
-    }
-    let mut fingerprints = Fingerprints { path: Vec::new(), names: Vec::new(), hashes: Vec::new() };
-    module.visit(&mut fingerprints);
-    let gathered = crate::comm::all_gather_host_checked(communicator, &fingerprints.hashes, "float parameters")?;
-    for (i, name) in fingerprints.names.iter().enumerate() {
+    let parameters = float_parameters(module);
+    let hashes: Vec<u64> = parameters.iter().map(|p| checkpoint::fnv1a(&[p.values.to_data().as_bytes()])).collect();
+    let gathered = crate::comm::all_gather_host_checked(communicator, &hashes, "float parameters")?;
+    for (i, parameter) in parameters.iter().enumerate() {
         if gathered.iter().any(|h| h[i] != gathered[0][i]) {
             let differing = (0..gathered.len()).filter(|&r| gathered[r][i] != gathered[0][i]).collect();
-            return Err(UlyssesError::ParametersDiverged { parameter: name.clone(), ranks: differing });
+            return Err(UlyssesError::ParametersDiverged { parameter: parameter.path.clone(), ranks: differing });
         }
     }
     Ok(())

@@ -28,12 +28,7 @@ fn hello() -> Result<(), DistError> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        // Colour codes only for a terminal, not for a launcher's pipe or a log file.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    ulysses_dist::logging::init("warn");
     match hello() {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

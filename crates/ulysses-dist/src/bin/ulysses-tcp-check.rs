@@ -66,11 +66,7 @@ fn check(args: &Args) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    ulysses_dist::logging::init("warn");
     match check(&Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

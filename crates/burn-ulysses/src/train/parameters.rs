@@ -1,0 +1,40 @@
+//! A module's float parameters by name, for the code that compares, hashes or checks them.
+
+use burn::{
+    module::{Module, ModuleVisitor, Param, ParamId},
+    tensor::{Shape, Tensor, backend::Backend},
+};
+
+/// One float parameter of a module.
+pub struct FloatParameter<B: Backend> {
+    /// Its path in the module, e.g. `blocks.0.attention.wq.weight`.
+    pub path: String,
+    pub id: ParamId,
+    pub shape: Shape,
+    /// Its values, flattened.
+    pub values: Tensor<B, 1>,
+}
+
+/// Every float parameter of `module`, in module order (the same on every rank: ids differ
+/// between processes, paths and order do not).
+pub fn float_parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<FloatParameter<B>> {
+    struct Collect<B: Backend> {
+        path: Vec<String>,
+        found: Vec<FloatParameter<B>>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Collect<B> {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let value = param.val();
+            self.found.push(FloatParameter { path: self.path.join("."), id: param.id, shape: value.shape(), values: value.flatten(0, D - 1) });
+        }
+    }
+    let mut collect = Collect { path: Vec::new(), found: Vec::new() };
+    module.visit(&mut collect);
+    collect.found
+}
