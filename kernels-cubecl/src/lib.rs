@@ -26,10 +26,12 @@ pub enum FlashError {
     )]
     HeadDim { name: &'static str, dim: usize },
     #[error(
-        "flash attention: one tile row needs {needed} bytes of shared memory but the device \
+        "flash attention: the smallest tiles need {needed} bytes of shared memory but the device \
          offers {available}; lower the head dim"
     )]
     SharedMemory { needed: usize, available: usize },
+    #[error("flash attention: {0}")]
+    Device(String),
     #[error(
         "flash attention: {name} has dtype {dtype:?} and q {query:?}; the kernels take f32, f16 or \
          bf16, the same for q, k and v"

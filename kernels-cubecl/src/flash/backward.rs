@@ -1,21 +1,26 @@
 //! Backward kernels: FlashAttention-2's backward without atomics, in three launches.
 //!
 //! 1. [`row_delta_kernel`]: `delta_i = Σ_d dO_id · O_id`, one unit per query row;
-//! 2. [`key_value_grad_kernel`]: one unit per key row `j` of one kv head accumulates
-//!    `dV_j = Σ_i p_ij dO_i` and `dK_j = scale · Σ_i ds_ij q_i` over the query rows of every
-//!    q head it serves (grouped-query attention sums over the group here, so no atomics);
-//! 3. [`query_grad_kernel`]: one unit per query row accumulates `dQ_i = scale · Σ_j ds_ij k_j`.
+//! 2. [`key_value_grad_kernel`]: a cube owns `planes × 16` key rows of one kv head and streams
+//!    the query rows of every q head it serves (grouped-query attention sums over the group
+//!    here, so no atomics); per query tile a plane computes, on tiles, `Sᵀ = K·Qᵀ`,
+//!    `Pᵀ = exp(scale·Sᵀ − lse)`, `dV += Pᵀ·dO`, `dPᵀ = V·dOᵀ`, `dSᵀ = Pᵀ ∘ (dPᵀ − delta)` and
+//!    `dK += dSᵀ·Q`;
+//! 3. [`query_grad_kernel`]: a cube owns `planes × 16` query rows and streams the keys:
+//!    `S = Q·Kᵀ`, `P`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − delta)`, `dQ += dS·K`.
 //!
-//! with `p_ij = exp(scale · q_i·k_j - lse_i)` recomputed from the forward's log-sum-exp and
-//! `ds_ij = p_ij (dO_i·v_j - delta_i)`. No S×S matrix exists at any point. Splitting dK/dV
-//! from dQ recomputes the scores twice, in exchange for deterministic, atomic-free sums that
-//! run the same on WGSL and CUDA.
+//! Probabilities are recomputed from the forward's log-sum-exp: no S × S matrix exists at
+//! any point. Splitting dK/dV from dQ computes the scores twice, in exchange for
+//! deterministic sums (every gradient row is summed by one plane, in a fixed order) that run
+//! the same on every runtime. Working with `Sᵀ` in the dK/dV kernel keeps every product in
+//! the form `A·B` with operands read straight (or transposed) from shared memory.
 
 use cubecl::prelude::*;
 
 use super::{
     forward::MASKED,
-    tiles::{load_row, load_tile, query_row, row_offset, visible_keys},
+    stage::{Blocks, cube_in_range, cube_place, first_row_seeing, keys_seen, row_offset, stage_row_stats, stage_tile},
+    tile_ops::{TILE, TileMma, sync_tile},
 };
 
 #[cube(launch)]
@@ -38,215 +43,383 @@ pub(crate) fn row_delta_kernel<F: Float>(
         let g_base = row_offset(output_grad, batch, head, row);
         let mut sum = 0.0f32;
         for d in 0..value_dim {
-            sum += f32::cast_from(output[o_base + d * output.stride(3)])
-                * f32::cast_from(output_grad[g_base + d * output_grad.stride(3)]);
+            sum += f32::cast_from(output[o_base + d * output.stride(3)]) * f32::cast_from(output_grad[g_base + d * output_grad.stride(3)]);
         }
         delta[row_offset(delta, batch, head, row)] = sum;
     }
 }
 
-#[cube(launch)]
+/// Writes a plane's `16 × width` gradient (accumulator tiles) times `factor` to rows
+/// `first_row..` (those before `len`) and columns before `cols` of `target`, a 16 × 16 tile at
+/// a time through `scratch`.
+#[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn key_value_grad_kernel<F: Float>(
-    query: &Tensor<F>,
-    key: &Tensor<F>,
-    value: &Tensor<F>,
-    output_grad: &Tensor<F>,
+fn write_rows<F: Float, M: TileMma>(
+    acc: &M::Tiles,
+    target: &mut Tensor<F>,
+    base: usize,
+    first_row: usize,
+    len: usize,
+    cols: usize,
+    factor: f32,
+    scratch: &mut SliceMut<f32>,
+    #[comptime] tiles: usize,
+    #[comptime] blocks: Blocks,
+) {
+    #[unroll]
+    for t in 0..tiles {
+        M::store_row(acc, t, 1usize, scratch, TILE, blocks.plane_dim);
+        sync_tile(blocks.plane_sync);
+        let mut i = UNIT_POS_X as usize;
+        while i < TILE * TILE {
+            let row = first_row + i / TILE;
+            let col = t * TILE + i % TILE;
+            if row < len && col < cols {
+                target[base + row * target.stride(2) + col * target.stride(3)] = F::cast_from(scratch[i] * factor);
+            }
+            i += blocks.plane_dim;
+        }
+        sync_tile(blocks.plane_sync);
+    }
+}
+
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
+    query: &Tensor<Vector<F, N>>,
+    key: &Tensor<Vector<F, N>>,
+    value: &Tensor<Vector<F, N>>,
+    output_grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     key_grad: &mut Tensor<F>,
     value_grad: &mut Tensor<F>,
     scale: f32,
-    #[comptime] block_q: usize,
-    #[comptime] block_kv: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] value_dim: usize,
-    #[comptime] causal: bool,
+    blocks_per_head: usize,
+    #[comptime] blocks: Blocks,
     #[define(F)] _dtype: StorageType,
 ) {
-    let q_heads = query.shape(1);
-    let kv_heads = key.shape(1);
-    let group = q_heads / kv_heads;
-    let seq_q = query.shape(2);
-    let seq_kv = key.shape(2);
-    let batch_head = CUBE_POS_Y as usize;
-    let batch = batch_head / kv_heads;
-    let kv_head = batch_head % kv_heads;
-    let first_col = CUBE_POS_X as usize * block_kv;
-    let col = first_col + UNIT_POS_X as usize;
-    let col_valid = col < seq_kv;
+    let kv_heads = key_grad.shape(1);
+    if cube_in_range(key_grad.shape(0), kv_heads, blocks_per_head) {
+        let q_heads = lse.shape(1);
+        let group = q_heads / kv_heads;
+        let (seq_q, seq_kv) = (lse.shape(2), key_grad.shape(2));
+        let (head_dim, value_dim) = (key_grad.shape(3), value_grad.shape(3));
+        let place = cube_place(kv_heads, blocks_per_head);
+        let (batch, kv_head) = (place.batch, place.head);
+        let plane_dim = comptime!(blocks.plane_dim);
+        let planes = comptime!(blocks.planes);
+        let block_q = comptime!(blocks.block_kv);
+        let dim_chunk = comptime!(blocks.dim_chunk);
+        let value_chunk = comptime!(blocks.value_chunk);
+        let block_rows = comptime!(blocks.block_rows());
+        let q_tiles = comptime!(block_q / TILE);
+        let first_col = place.block * block_rows;
+        let plane = UNIT_POS_Y as usize;
+        let lane = UNIT_POS_X as usize;
+        let plane_col = first_col + plane * TILE;
 
-    let mut q_tile = SharedMemory::<f32>::new(block_q * head_dim);
-    let mut g_tile = SharedMemory::<f32>::new(block_q * value_dim);
-    let mut lse_tile = SharedMemory::<f32>::new(block_q);
-    let mut delta_tile = SharedMemory::<f32>::new(block_q);
-    let mut k_row = Array::<f32>::new(head_dim);
-    let mut v_row = Array::<f32>::new(value_dim);
-    let mut dk = Array::<f32>::new(head_dim);
-    let mut dv = Array::<f32>::new(value_dim);
+        let mut k_tile = SharedMemory::<F>::new(block_rows * dim_chunk);
+        let mut v_tile = SharedMemory::<F>::new(block_rows * value_chunk);
+        let mut q_tile = SharedMemory::<F>::new(block_q * dim_chunk);
+        let mut g_tile = SharedMemory::<F>::new(block_q * value_chunk);
+        let mut lse_tile = SharedMemory::<f32>::new(block_q);
+        let mut delta_tile = SharedMemory::<f32>::new(block_q);
+        let mut scores = SharedMemory::<f32>::new(planes * TILE * block_q);
+        let mut dp_scores = SharedMemory::<f32>::new(planes * TILE * block_q);
+        let mut probs = SharedMemory::<F>::new(planes * TILE * block_q);
+        let scores_at = plane * TILE * block_q;
 
-    let k_base = row_offset(key, batch, kv_head, col);
-    let v_base = row_offset(value, batch, kv_head, col);
-    load_row(key, k_base, col_valid, &mut k_row, head_dim);
-    load_row(value, v_base, col_valid, &mut v_row, value_dim);
-    for d in 0..head_dim {
-        dk[d] = 0.0f32;
-    }
-    for d in 0..value_dim {
-        dv[d] = 0.0f32;
-    }
+        let mut dk_acc = M::zeros(comptime!(blocks.dim / TILE), plane_dim);
+        let mut dv_acc = M::zeros(comptime!(blocks.value_dim / TILE), plane_dim);
 
-    // Causal: the first query row that sees this cube's first key (bottom-right aligned).
-    let mut first_row = 0usize;
-    if causal {
-        first_row = select(first_col + seq_q > seq_kv, first_col + seq_q - seq_kv, 0);
-    }
-    let first_tile = first_row / block_q;
-    let tiles = (seq_q + block_q - 1) / block_q;
+        let k_base = row_offset(key, batch, kv_head, 0);
+        let v_base = row_offset(value, batch, kv_head, 0);
+        if comptime!(blocks.dim_chunks() == 1) {
+            stage_tile(key, k_base, first_col, seq_kv, 0, head_dim, &mut k_tile, 0, block_rows, dim_chunk);
+        }
+        if comptime!(blocks.value_chunks() == 1) {
+            stage_tile(value, v_base, first_col, seq_kv, 0, value_dim, &mut v_tile, 0, block_rows, value_chunk);
+        }
+        // Causal: query rows before the first that sees the cube's first key contribute nothing.
+        let mut first_q = 0usize;
+        if blocks.causal {
+            first_q = first_row_seeing(first_col, seq_q, seq_kv) / block_q * block_q;
+        }
+        let tiles = (seq_q + block_q - 1) / block_q;
 
-    for member in 0..group {
-        let head = kv_head * group + member;
-        let q_base = row_offset(query, batch, head, 0);
-        let g_base = row_offset(output_grad, batch, head, 0);
-        let lse_base = row_offset(lse, batch, head, 0);
-        let delta_base = row_offset(delta, batch, head, 0);
-        for tile in first_tile..tiles {
-            let q0 = tile * block_q;
-            load_tile(query, q_base, q0, seq_q, &mut q_tile, block_q, head_dim);
-            load_tile(output_grad, g_base, q0, seq_q, &mut g_tile, block_q, value_dim);
-            let mut i = UNIT_POS_X as usize;
-            while i < block_q {
-                let mut lse_x = f32::new(MASKED);
-                let mut delta_x = 0.0f32;
-                if q0 + i < seq_q {
-                    lse_x = lse[lse_base + (q0 + i) * lse.stride(2)];
-                    delta_x = delta[delta_base + (q0 + i) * delta.stride(2)];
+        for member in 0..group {
+            let head = kv_head * group + member;
+            let q_base = row_offset(query, batch, head, 0);
+            let g_base = row_offset(output_grad, batch, head, 0);
+            for tile in first_q / block_q..tiles {
+                let q0 = tile * block_q;
+                stage_row_stats(lse, row_offset(lse, batch, head, 0), q0, seq_q, &mut lse_tile, f32::new(MASKED), block_q);
+                stage_row_stats(delta, row_offset(delta, batch, head, 0), q0, seq_q, &mut delta_tile, 0.0f32, block_q);
+
+                // Sᵀ = K · Qᵀ: this plane's 16 keys against the tile's queries.
+                let mut s_acc = M::zeros(q_tiles, plane_dim);
+                for chunk in 0..comptime!(blocks.dim_chunks()) {
+                    let col0 = chunk * dim_chunk;
+                    if comptime!(blocks.dim_chunks() > 1) {
+                        stage_tile(key, k_base, first_col, seq_kv, col0, head_dim, &mut k_tile, 0, block_rows, dim_chunk);
+                    }
+                    stage_tile(query, q_base, q0, seq_q, col0, head_dim, &mut q_tile, 0, block_q, dim_chunk);
+                    sync_cube();
+                    for k in 0..comptime!(dim_chunk / TILE) {
+                        let a = k_tile.slice(plane * TILE * dim_chunk + k * TILE, block_rows * dim_chunk);
+                        let b = q_tile.slice(k * TILE, block_q * dim_chunk);
+                        M::mma_row::<F>(&mut s_acc, 0usize, q_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, plane_dim);
+                    }
+                    if comptime!(blocks.dim_chunks() > 1) {
+                        sync_cube();
+                    }
                 }
-                lse_tile[i] = lse_x;
-                delta_tile[i] = delta_x;
-                i += CUBE_DIM_X as usize;
+                let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_q);
+                M::store_row(&s_acc, 0usize, q_tiles, &mut out, block_q, plane_dim);
+                sync_tile(blocks.plane_sync);
+
+                // Pᵀ, masked: query rows past the end, and (causal) rows that do not see the key.
+                for r in 0..TILE {
+                    let col = plane_col + r;
+                    let mut first_seeing = 0usize;
+                    if blocks.causal {
+                        first_seeing = first_row_seeing(col, seq_q, seq_kv);
+                    }
+                    let crosses = q0 < first_seeing || q0 + block_q > seq_q || col >= seq_kv;
+                    let at = scores_at + r * block_q;
+                    let mut c = lane;
+                    while c < block_q {
+                        let row = q0 + c;
+                        let visible = !crosses || (row >= first_seeing && row < seq_q && col < seq_kv);
+                        let p = select(visible, (scores[at + c] * scale - lse_tile[c]).exp(), 0.0f32);
+                        scores[at + c] = p;
+                        probs[at + c] = F::cast_from(p);
+                        c += plane_dim;
+                    }
+                }
+                sync_tile(blocks.plane_sync);
+
+                // dV += Pᵀ · dO and dPᵀ = V · dOᵀ, the value dim a chunk at a time.
+                let mut dp_acc = M::zeros(q_tiles, plane_dim);
+                #[unroll]
+                for chunk in 0..comptime!(blocks.value_chunks()) {
+                    let col0 = chunk * value_chunk;
+                    if comptime!(blocks.value_chunks() > 1) {
+                        stage_tile(value, v_base, first_col, seq_kv, col0, value_dim, &mut v_tile, 0, block_rows, value_chunk);
+                    }
+                    stage_tile(output_grad, g_base, q0, seq_q, col0, value_dim, &mut g_tile, 0, block_q, value_chunk);
+                    sync_cube();
+                    for k in 0..q_tiles {
+                        let a = probs.slice(scores_at + k * TILE, scores_at + TILE * block_q);
+                        let b = g_tile.slice(k * TILE * value_chunk, block_q * value_chunk);
+                        let first = comptime!(chunk * value_chunk / TILE);
+                        M::mma_row::<F>(&mut dv_acc, first, comptime!(value_chunk / TILE), &a, block_q, false, &b, TILE, value_chunk, false, plane_dim);
+                    }
+                    for k in 0..comptime!(value_chunk / TILE) {
+                        let a = v_tile.slice(plane * TILE * value_chunk + k * TILE, block_rows * value_chunk);
+                        let b = g_tile.slice(k * TILE, block_q * value_chunk);
+                        M::mma_row::<F>(&mut dp_acc, 0usize, q_tiles, &a, value_chunk, false, &b, TILE * value_chunk, value_chunk, true, plane_dim);
+                    }
+                    sync_cube();
+                }
+
+                // dSᵀ = Pᵀ ∘ (dPᵀ − delta), into the storage copy of Pᵀ (dV is done with it).
+                let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * block_q);
+                M::store_row(&dp_acc, 0usize, q_tiles, &mut out, block_q, plane_dim);
+                sync_tile(blocks.plane_sync);
+                let mut i = lane;
+                while i < TILE * block_q {
+                    let c = i % block_q;
+                    probs[scores_at + i] = F::cast_from(scores[scores_at + i] * (dp_scores[scores_at + i] - delta_tile[c]));
+                    i += plane_dim;
+                }
+                sync_tile(blocks.plane_sync);
+
+                // dK += dSᵀ · Q
+                #[unroll]
+                for chunk in 0..comptime!(blocks.dim_chunks()) {
+                    if comptime!(blocks.dim_chunks() > 1) {
+                        stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
+                        sync_cube();
+                    }
+                    for k in 0..q_tiles {
+                        let a = probs.slice(scores_at + k * TILE, scores_at + TILE * block_q);
+                        let b = q_tile.slice(k * TILE * dim_chunk, block_q * dim_chunk);
+                        let first = comptime!(chunk * dim_chunk / TILE);
+                        M::mma_row::<F>(&mut dk_acc, first, comptime!(dim_chunk / TILE), &a, block_q, false, &b, TILE, dim_chunk, false, plane_dim);
+                    }
+                    sync_cube();
+                }
             }
-            sync_cube();
+        }
 
-            for r in 0..block_q {
-                let query_row = q0 + r;
-                let mut masked = query_row >= seq_q || !col_valid;
-                if causal {
-                    masked = masked || col + seq_q > query_row + seq_kv;
-                }
-                let mut s = 0.0f32;
-                for d in 0..head_dim {
-                    s += q_tile[r * head_dim + d] * k_row[d];
-                }
-                let p = select(masked, 0.0f32, (s * scale - lse_tile[r]).exp());
-                let mut dp = 0.0f32;
-                for d in 0..value_dim {
-                    let g = g_tile[r * value_dim + d];
-                    dv[d] += p * g;
-                    dp += g * v_row[d];
-                }
-                let ds = p * (dp - delta_tile[r]);
-                for d in 0..head_dim {
-                    dk[d] += ds * q_tile[r * head_dim + d];
-                }
-            }
-            sync_cube();
-        }
-    }
-
-    if col_valid {
-        let dk_base = row_offset(key_grad, batch, kv_head, col);
-        for d in 0..head_dim {
-            key_grad[dk_base + d * key_grad.stride(3)] = F::cast_from(dk[d] * scale);
-        }
-        let dv_base = row_offset(value_grad, batch, kv_head, col);
-        for d in 0..value_dim {
-            value_grad[dv_base + d * value_grad.stride(3)] = F::cast_from(dv[d]);
-        }
+        let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
+        let dk_base = row_offset(key_grad, batch, kv_head, 0);
+        write_rows::<F, M>(&dk_acc, key_grad, dk_base, plane_col, seq_kv, head_dim, scale, &mut scratch, comptime!(blocks.dim / TILE), blocks);
+        let dv_base = row_offset(value_grad, batch, kv_head, 0);
+        write_rows::<F, M>(&dv_acc, value_grad, dv_base, plane_col, seq_kv, value_dim, 1.0f32, &mut scratch, comptime!(blocks.value_dim / TILE), blocks);
     }
 }
 
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn query_grad_kernel<F: Float>(
-    query: &Tensor<F>,
-    key: &Tensor<F>,
-    value: &Tensor<F>,
-    output_grad: &Tensor<F>,
+pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
+    query: &Tensor<Vector<F, N>>,
+    key: &Tensor<Vector<F, N>>,
+    value: &Tensor<Vector<F, N>>,
+    output_grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     query_grad: &mut Tensor<F>,
     scale: f32,
-    #[comptime] block_q: usize,
-    #[comptime] block_kv: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] value_dim: usize,
-    #[comptime] causal: bool,
+    blocks_per_head: usize,
+    #[comptime] blocks: Blocks,
     #[define(F)] _dtype: StorageType,
 ) {
-    let position = query_row(query, key, block_q);
-    let (seq_q, seq_kv) = (position.seq_q, position.seq_kv);
-    let (batch, head, kv_head) = (position.batch, position.head, position.kv_head);
-    let (first_row, row, row_valid) = (position.first_row, position.row, position.valid);
+    let q_heads = query_grad.shape(1);
+    if cube_in_range(query_grad.shape(0), q_heads, blocks_per_head) {
+        let (seq_q, seq_kv) = (query_grad.shape(2), key.shape(2));
+        let (head_dim, value_dim) = (query_grad.shape(3), value.shape(3));
+        let place = cube_place(q_heads, blocks_per_head);
+        let (batch, head) = (place.batch, place.head);
+        let kv_head = head / (q_heads / key.shape(1));
+        let plane_dim = comptime!(blocks.plane_dim);
+        let planes = comptime!(blocks.planes);
+        let block_kv = comptime!(blocks.block_kv);
+        let dim_chunk = comptime!(blocks.dim_chunk);
+        let value_chunk = comptime!(blocks.value_chunk);
+        let block_rows = comptime!(blocks.block_rows());
+        let kv_tiles = comptime!(block_kv / TILE);
+        let first_row = place.block * block_rows;
+        let plane = UNIT_POS_Y as usize;
+        let lane = UNIT_POS_X as usize;
+        let plane_row = first_row + plane * TILE;
 
-    let mut k_tile = SharedMemory::<f32>::new(block_kv * head_dim);
-    let mut v_tile = SharedMemory::<f32>::new(block_kv * value_dim);
-    let mut q_row = Array::<f32>::new(head_dim);
-    let mut g_row = Array::<f32>::new(value_dim);
-    let mut dq = Array::<f32>::new(head_dim);
+        let mut q_tile = SharedMemory::<F>::new(block_rows * dim_chunk);
+        let mut g_tile = SharedMemory::<F>::new(block_rows * value_chunk);
+        let mut k_tile = SharedMemory::<F>::new(block_kv * dim_chunk);
+        let mut v_tile = SharedMemory::<F>::new(block_kv * value_chunk);
+        let mut scores = SharedMemory::<f32>::new(planes * TILE * block_kv);
+        let mut dp_scores = SharedMemory::<f32>::new(planes * TILE * block_kv);
+        let mut ds = SharedMemory::<F>::new(planes * TILE * block_kv);
+        let scores_at = plane * TILE * block_kv;
 
-    let q_base = row_offset(query, batch, head, row);
-    let g_base = row_offset(output_grad, batch, head, row);
-    load_row(query, q_base, row_valid, &mut q_row, head_dim);
-    load_row(output_grad, g_base, row_valid, &mut g_row, value_dim);
-    for d in 0..head_dim {
-        dq[d] = 0.0f32;
-    }
-    let mut row_lse = f32::new(MASKED);
-    let mut row_delta = 0.0f32;
-    if row_valid {
-        row_lse = lse[row_offset(lse, batch, head, row)];
-        row_delta = delta[row_offset(delta, batch, head, row)];
-    }
-
-    let visible = visible_keys(first_row, seq_q, seq_kv, block_q, causal);
-    let tiles = (visible + block_kv - 1) / block_kv;
-    let k_base = row_offset(key, batch, kv_head, 0);
-    let v_base = row_offset(value, batch, kv_head, 0);
-
-    for tile in 0..tiles {
-        let kv0 = tile * block_kv;
-        load_tile(key, k_base, kv0, seq_kv, &mut k_tile, block_kv, head_dim);
-        load_tile(value, v_base, kv0, seq_kv, &mut v_tile, block_kv, value_dim);
-        sync_cube();
-
-        for j in 0..block_kv {
-            let col = kv0 + j;
-            let mut masked = col >= seq_kv || !row_valid;
-            if causal {
-                masked = masked || col + seq_q > row + seq_kv;
+        let mut dq_acc = M::zeros(comptime!(blocks.dim / TILE), plane_dim);
+        // This plane's rows' statistics, in every lane.
+        let mut row_lse = Array::<f32>::new(TILE);
+        let mut row_delta = Array::<f32>::new(TILE);
+        for r in 0..TILE {
+            let row = plane_row + r;
+            let mut l = f32::new(MASKED);
+            let mut d = 0.0f32;
+            if row < seq_q {
+                l = lse[row_offset(lse, batch, head, row)];
+                d = delta[row_offset(delta, batch, head, row)];
             }
-            let mut s = 0.0f32;
-            for d in 0..head_dim {
-                s += q_row[d] * k_tile[j * head_dim + d];
+            row_lse[r] = l;
+            row_delta[r] = d;
+        }
+
+        let q_base = row_offset(query, batch, head, 0);
+        let g_base = row_offset(output_grad, batch, head, 0);
+        let k_base = row_offset(key, batch, kv_head, 0);
+        let v_base = row_offset(value, batch, kv_head, 0);
+        if comptime!(blocks.dim_chunks() == 1) {
+            stage_tile(query, q_base, first_row, seq_q, 0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
+        }
+        if comptime!(blocks.value_chunks() == 1) {
+            stage_tile(output_grad, g_base, first_row, seq_q, 0, value_dim, &mut g_tile, 0, block_rows, value_chunk);
+        }
+        let last_row = min(first_row + block_rows, seq_q) - 1;
+        let mut visible = seq_kv;
+        if blocks.causal {
+            visible = keys_seen(last_row, seq_q, seq_kv);
+        }
+        let tiles = (visible + block_kv - 1) / block_kv;
+
+        for tile in 0..tiles {
+            let kv0 = tile * block_kv;
+
+            // S = Q · Kᵀ
+            let mut s_acc = M::zeros(kv_tiles, plane_dim);
+            for chunk in 0..comptime!(blocks.dim_chunks()) {
+                let col0 = chunk * dim_chunk;
+                if comptime!(blocks.dim_chunks() > 1) {
+                    stage_tile(query, q_base, first_row, seq_q, col0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
+                }
+                stage_tile(key, k_base, kv0, seq_kv, col0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+                sync_cube();
+                for k in 0..comptime!(dim_chunk / TILE) {
+                    let a = q_tile.slice(plane * TILE * dim_chunk + k * TILE, block_rows * dim_chunk);
+                    let b = k_tile.slice(k * TILE, block_kv * dim_chunk);
+                    M::mma_row::<F>(&mut s_acc, 0usize, kv_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, plane_dim);
+                }
+                if comptime!(blocks.dim_chunks() > 1) {
+                    sync_cube();
+                }
             }
-            let p = select(masked, 0.0f32, (s * scale - row_lse).exp());
-            let mut dp = 0.0f32;
-            for d in 0..value_dim {
-                dp += g_row[d] * v_tile[j * value_dim + d];
+            let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_kv);
+            M::store_row(&s_acc, 0usize, kv_tiles, &mut out, block_kv, plane_dim);
+
+            // dP = dO · Vᵀ, the value dim a chunk at a time.
+            let mut dp_acc = M::zeros(kv_tiles, plane_dim);
+            for chunk in 0..comptime!(blocks.value_chunks()) {
+                let col0 = chunk * value_chunk;
+                if comptime!(blocks.value_chunks() > 1) {
+                    stage_tile(output_grad, g_base, first_row, seq_q, col0, value_dim, &mut g_tile, 0, block_rows, value_chunk);
+                }
+                stage_tile(value, v_base, kv0, seq_kv, col0, value_dim, &mut v_tile, 0, block_kv, value_chunk);
+                sync_cube();
+                for k in 0..comptime!(value_chunk / TILE) {
+                    let a = g_tile.slice(plane * TILE * value_chunk + k * TILE, block_rows * value_chunk);
+                    let b = v_tile.slice(k * TILE, block_kv * value_chunk);
+                    M::mma_row::<F>(&mut dp_acc, 0usize, kv_tiles, &a, value_chunk, false, &b, TILE * value_chunk, value_chunk, true, plane_dim);
+                }
+                sync_cube();
             }
-            let ds = p * (dp - row_delta);
-            for d in 0..head_dim {
-                dq[d] += ds * k_tile[j * head_dim + d];
+            let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * block_kv);
+            M::store_row(&dp_acc, 0usize, kv_tiles, &mut out, block_kv, plane_dim);
+            sync_tile(blocks.plane_sync);
+
+            // P and dS = P ∘ (dP − delta), masked on tiles that cross the diagonal or the end.
+            for r in 0..TILE {
+                let row = plane_row + r;
+                let mut seen = seq_kv;
+                if blocks.causal {
+                    seen = keys_seen(row, seq_q, seq_kv);
+                }
+                let crosses = kv0 + block_kv > seen || row >= seq_q;
+                let at = scores_at + r * block_kv;
+                let mut c = lane;
+                while c < block_kv {
+                    let visible = !crosses || (kv0 + c < seen && row < seq_q);
+                    let p = select(visible, (scores[at + c] * scale - row_lse[r]).exp(), 0.0f32);
+                    ds[at + c] = F::cast_from(p * (dp_scores[at + c] - row_delta[r]));
+                    c += plane_dim;
+                }
+            }
+            sync_tile(blocks.plane_sync);
+
+            // dQ += dS · K
+            #[unroll]
+            for chunk in 0..comptime!(blocks.dim_chunks()) {
+                if comptime!(blocks.dim_chunks() > 1) {
+                    stage_tile(key, k_base, kv0, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+                    sync_cube();
+                }
+                for k in 0..kv_tiles {
+                    let a = ds.slice(scores_at + k * TILE, scores_at + TILE * block_kv);
+                    let b = k_tile.slice(k * TILE * dim_chunk, block_kv * dim_chunk);
+                    let first = comptime!(chunk * dim_chunk / TILE);
+                    M::mma_row::<F>(&mut dq_acc, first, comptime!(dim_chunk / TILE), &a, block_kv, false, &b, TILE, dim_chunk, false, plane_dim);
+                }
+                sync_cube();
             }
         }
-        sync_cube();
-    }
 
-    if row_valid {
-        let dq_base = row_offset(query_grad, batch, head, row);
-        for d in 0..head_dim {
-            query_grad[dq_base + d * query_grad.stride(3)] = F::cast_from(dq[d] * scale);
-        }
+        let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
+        let dq_base = row_offset(query_grad, batch, head, 0);
+        write_rows::<F, M>(&dq_acc, query_grad, dq_base, plane_row, seq_q, head_dim, scale, &mut scratch, comptime!(blocks.dim / TILE), blocks);
     }
 }

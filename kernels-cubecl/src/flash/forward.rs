@@ -1,116 +1,215 @@
-//! Forward kernel: FlashAttention-2's loop, one unit per query row.
+//! Forward kernel: FlashAttention-2's loop, a plane per 16 query rows.
 //!
-//! A cube owns `block_q` consecutive query rows of one (batch, q head). It walks the keys in
-//! tiles of `block_kv`: the cube loads a K and a V tile into shared memory, then each unit
-//! scores its row against the tile, keeps the running max `m` and sum `l` of the online
-//! softmax, and rescales its output accumulator once per tile. Everything is accumulated in
-//! f32 whatever the storage type. It writes the output and the per-row log-sum-exp
-//! `lse = m + ln(l)`, which the backward kernels use to recompute probabilities.
+//! A cube owns `planes × 16` consecutive query rows of one (batch, q head), plane `p` rows
+//! `16p..16p + 16`. It walks the keys in tiles of `block_kv` (only those its last row can see
+//! under causal attention); for each tile:
+//! 1. the cube stages K (and Q, unless it stays staged) into shared memory, `dim_chunk`
+//!    columns at a time, and each plane computes its `16 × block_kv` scores `S = Q·Kᵀ` on
+//!    tiles (tensor cores where there are some);
+//! 2. the scores go to the plane's shared memory, where the online softmax runs a row at a
+//!    time with the lanes across the columns, row maxima and sums by plane reductions; only a
+//!    tile that crosses the causal diagonal or the end of the keys is masked per element;
+//! 3. `P` (in the storage type) and V feed `O += P·V`, the output staying in accumulator
+//!    tiles for the whole loop.
 //!
-//! Why these choices:
-//! - one unit per row needs no cross-unit reduction, hence no plane operations (a software
-//!   Vulkan driver has none) and no assumption on the plane size;
-//! - K/V tiles in shared memory are read by every row of the cube, which is where the
-//!   memory traffic goes from O(S²·D) to O(S²·D / block_q);
-//! - finite sentinels instead of ±infinity, which WGSL cannot spell.
+//! The row maximum is only moved (and `O` rescaled) when a new maximum exceeds it by more
+//! than [`RESCALE_THRESHOLD`]: the result is exact either way, since `O` and the row sum are
+//! always relative to the same maximum, and probabilities stay below e^8, which f16 holds. So
+//! after the first tiles `O` is rarely rescaled, which on tensor cores is a round trip
+//! through shared memory.
+//!
+//! It writes the output and the per-row log-sum-exp `lse = m + ln(l)`, which the backward
+//! kernels use to recompute probabilities.
 
 use cubecl::prelude::*;
 
-use super::tiles::{load_row, load_tile, query_row, row_offset, visible_keys};
+use super::{
+    stage::{Blocks, cube_in_range, cube_place, keys_seen, row_offset, stage_tile},
+    tile_ops::{TILE, TileMma, sync_tile},
+};
 
-/// Stand-in for -infinity in running maxima and masked scores.
+/// Stand-in for -infinity in running maxima and masked scores (WGSL cannot spell infinity).
 pub(crate) const MASKED: f32 = -1.0e30;
 
-#[cube(launch)]
+/// How far (natural log) a new row maximum may exceed the one `O` is relative to before
+/// `O` is rescaled to it.
+pub(crate) const RESCALE_THRESHOLD: f32 = 8.0;
+
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn flash_forward_kernel<F: Float>(
-    query: &Tensor<F>,
-    key: &Tensor<F>,
-    value: &Tensor<F>,
+pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
+    query: &Tensor<Vector<F, N>>,
+    key: &Tensor<Vector<F, N>>,
+    value: &Tensor<Vector<F, N>>,
     output: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     scale: f32,
-    #[comptime] block_q: usize,
-    #[comptime] block_kv: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] value_dim: usize,
-    #[comptime] causal: bool,
+    blocks_per_head: usize,
+    #[comptime] blocks: Blocks,
     #[define(F)] _dtype: StorageType,
 ) {
-    let position = query_row(query, key, block_q);
-    let (seq_q, seq_kv) = (position.seq_q, position.seq_kv);
-    let (batch, head, kv_head) = (position.batch, position.head, position.kv_head);
-    let (first_row, row, row_valid) = (position.first_row, position.row, position.valid);
+    let q_heads = output.shape(1);
+    if cube_in_range(output.shape(0), q_heads, blocks_per_head) {
+        let (seq_q, seq_kv) = (output.shape(2), key.shape(2));
+        let (head_dim, value_dim) = (query.shape(3), value.shape(3));
+        let place = cube_place(q_heads, blocks_per_head);
+        let (batch, head) = (place.batch, place.head);
+        let kv_head = head / (q_heads / key.shape(1));
+        let (plane_dim, planes, block_kv) = comptime!((blocks.plane_dim, blocks.planes, blocks.block_kv));
+        let (dim_chunk, value_chunk) = comptime!((blocks.dim_chunk, blocks.value_chunk));
+        let block_rows = comptime!(blocks.block_rows());
+        let kv_tiles = comptime!(block_kv / TILE);
+        let first_row = place.block * block_rows;
+        let plane = UNIT_POS_Y as usize;
+        let lane = UNIT_POS_X as usize;
+        let plane_row = first_row + plane * TILE;
 
-    let mut k_tile = SharedMemory::<f32>::new(block_kv * head_dim);
-    let mut v_tile = SharedMemory::<f32>::new(block_kv * value_dim);
-    let mut q_row = Array::<f32>::new(head_dim);
-    let mut acc = Array::<f32>::new(value_dim);
-    let mut scores = Array::<f32>::new(block_kv);
+        let mut q_tile = SharedMemory::<F>::new(block_rows * dim_chunk);
+        let mut k_tile = SharedMemory::<F>::new(block_kv * dim_chunk);
+        let mut v_tile = SharedMemory::<F>::new(block_kv * value_chunk);
+        let mut scores = SharedMemory::<f32>::new(planes * TILE * block_kv);
+        let mut probs = SharedMemory::<F>::new(planes * TILE * block_kv);
+        let scores_at = plane * TILE * block_kv;
 
-    let q_base = row_offset(query, batch, head, row);
-    load_row(query, q_base, row_valid, &mut q_row, head_dim);
-    for d in 0..head_dim {
-        q_row[d] *= scale;
-    }
-    for d in 0..value_dim {
-        acc[d] = 0.0f32;
-    }
-    let mut m = f32::new(MASKED);
-    let mut l = 0.0f32;
+        let value_tiles = comptime!(blocks.value_dim / TILE);
+        let mut out_acc = M::zeros(value_tiles, plane_dim);
+        let mut row_max = Array::<f32>::new(TILE);
+        let mut row_sum = Array::<f32>::new(TILE);
+        let mut factors = Array::<f32>::new(TILE);
+        for r in 0..TILE {
+            row_max[r] = f32::new(MASKED);
+            row_sum[r] = 0.0f32;
+        }
 
-    // Causal attention is aligned bottom-right, as burn's `is_causal`.
-    let visible = visible_keys(first_row, seq_q, seq_kv, block_q, causal);
-    let tiles = (visible + block_kv - 1) / block_kv;
-    let k_base = row_offset(key, batch, kv_head, 0);
-    let v_base = row_offset(value, batch, kv_head, 0);
+        let q_base = row_offset(query, batch, head, 0);
+        let k_base = row_offset(key, batch, kv_head, 0);
+        let v_base = row_offset(value, batch, kv_head, 0);
+        // Causal: no key past what the cube's last row sees.
+        let last_row = min(first_row + block_rows, seq_q) - 1;
+        let mut visible = seq_kv;
+        if blocks.causal {
+            visible = keys_seen(last_row, seq_q, seq_kv);
+        }
+        let tiles = visible.div_ceil(block_kv);
+        if comptime!(blocks.dim_chunks() == 1) {
+            // Staged once; the first tile's barrier makes it visible.
+            stage_tile(query, q_base, first_row, seq_q, 0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
+        }
 
-    for tile in 0..tiles {
-        let kv0 = tile * block_kv;
-        // Every unit loads, valid row or not: the barrier needs the whole cube.
-        load_tile(key, k_base, kv0, seq_kv, &mut k_tile, block_kv, head_dim);
-        load_tile(value, v_base, kv0, seq_kv, &mut v_tile, block_kv, value_dim);
-        sync_cube();
+        for tile in 0..tiles {
+            let kv0 = tile * block_kv;
 
-        let mut tile_max = m;
-        for j in 0..block_kv {
-            let mut s = 0.0f32;
-            for d in 0..head_dim {
-                s += q_row[d] * k_tile[j * head_dim + d];
+            // S = Q · Kᵀ for this plane's 16 rows.
+            let mut s_acc = M::zeros(kv_tiles, plane_dim);
+            for chunk in 0..comptime!(blocks.dim_chunks()) {
+                let col0 = chunk * dim_chunk;
+                if comptime!(blocks.dim_chunks() > 1) {
+                    stage_tile(query, q_base, first_row, seq_q, col0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
+                }
+                stage_tile(key, k_base, kv0, seq_kv, col0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+                sync_cube();
+                for k in 0..comptime!(dim_chunk / TILE) {
+                    let a = q_tile.slice(plane * TILE * dim_chunk + k * TILE, block_rows * dim_chunk);
+                    let b = k_tile.slice(k * TILE, block_kv * dim_chunk);
+                    M::mma_row::<F>(&mut s_acc, 0usize, kv_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, plane_dim);
+                }
+                sync_cube();
             }
-            let col = kv0 + j;
-            let mut masked = col >= seq_kv;
-            if causal {
-                masked = masked || col + seq_q > row + seq_kv;
-            }
-            s = select(masked, f32::new(MASKED), s);
-            scores[j] = s;
-            tile_max = max(tile_max, s);
-        }
-        let rescale = (m - tile_max).exp();
-        l *= rescale;
-        for d in 0..value_dim {
-            acc[d] *= rescale;
-        }
-        for j in 0..block_kv {
-            let p = select(scores[j] > f32::new(0.5 * MASKED), (scores[j] - tile_max).exp(), 0.0f32);
-            l += p;
-            for d in 0..value_dim {
-                acc[d] += p * v_tile[j * value_dim + d];
-            }
-        }
-        m = tile_max;
-        sync_cube();
-    }
+            let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_kv);
+            M::store_row(&s_acc, 0usize, kv_tiles, &mut out, block_kv, plane_dim);
+            sync_tile(blocks.plane_sync);
 
-    if row_valid {
-        let has_keys = l > 0.0f32;
-        let inverse = select(has_keys, 1.0f32 / l, 0.0f32);
-        let o_base = row_offset(output, batch, head, row);
-        for d in 0..value_dim {
-            output[o_base + d * output.stride(3)] = F::cast_from(acc[d] * inverse);
+            // Online softmax, a row at a time, the lanes across the columns.
+            let mut rescale = false;
+            for r in 0..TILE {
+                let mut seen = seq_kv;
+                if blocks.causal {
+                    seen = keys_seen(plane_row + r, seq_q, seq_kv);
+                }
+                // Only a tile that reaches past what the row sees is masked per element.
+                let crosses = kv0 + block_kv > seen;
+                let row_at = scores_at + r * block_kv;
+                let mut local_max = f32::new(MASKED);
+                let mut c = lane;
+                while c < block_kv {
+                    let mut s = scores[row_at + c] * scale;
+                    if crosses && kv0 + c >= seen {
+                        s = f32::new(MASKED);
+                    }
+                    scores[row_at + c] = s;
+                    local_max = max(local_max, s);
+                    c += plane_dim;
+                }
+                let tile_max = plane_max(local_max);
+                let mut factor = 1.0f32;
+                if tile_max > row_max[r] + RESCALE_THRESHOLD {
+                    factor = (row_max[r] - tile_max).exp();
+                    row_max[r] = tile_max;
+                    rescale = true;
+                }
+                let reference = row_max[r];
+                let mut local_sum = 0.0f32;
+                c = lane;
+                while c < block_kv {
+                    let s = scores[row_at + c];
+                    let p = select(s > f32::new(0.5 * MASKED), (s - reference).exp(), 0.0f32);
+                    probs[row_at + c] = F::cast_from(p);
+                    local_sum += p;
+                    c += plane_dim;
+                }
+                row_sum[r] = row_sum[r] * factor + plane_sum(local_sum);
+                factors[r] = factor;
+            }
+            sync_tile(blocks.plane_sync);
+            // Uniform over the plane: every lane holds the same maxima.
+            if rescale {
+                let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
+                M::scale_rows(&mut out_acc, value_tiles, &factors, &mut scratch, plane_dim, blocks.plane_sync);
+            }
+
+            // O += P · V
+            #[unroll]
+            for chunk in 0..comptime!(blocks.value_chunks()) {
+                stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
+                sync_cube();
+                for k in 0..kv_tiles {
+                    let a = probs.slice(scores_at + k * TILE, scores_at + TILE * block_kv);
+                    let b = v_tile.slice(k * TILE * value_chunk, block_kv * value_chunk);
+                    let first = comptime!(chunk * value_chunk / TILE);
+                    M::mma_row::<F>(&mut out_acc, first, comptime!(value_chunk / TILE), &a, block_kv, false, &b, TILE, value_chunk, false, plane_dim);
+                }
+                sync_cube();
+            }
         }
-        let lse_index = row_offset(lse, batch, head, row);
-        lse[lse_index] = select(has_keys, m + l.ln(), f32::new(MASKED));
+
+        // O / l, written a 16 × 16 tile at a time through the plane's shared memory.
+        let o_base = row_offset(output, batch, head, 0);
+        let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
+        #[unroll]
+        for t in 0..value_tiles {
+            M::store_row(&out_acc, t, 1usize, &mut scratch, TILE, plane_dim);
+            sync_tile(blocks.plane_sync);
+            let mut i = lane;
+            while i < TILE * TILE {
+                let row = plane_row + i / TILE;
+                let col = t * TILE + i % TILE;
+                if row < seq_q && col < value_dim {
+                    let sum = row_sum[i / TILE];
+                    let inverse = select(sum > 0.0f32, 1.0f32 / sum, 0.0f32);
+                    output[o_base + row * output.stride(2) + col * output.stride(3)] = F::cast_from(scratch[i] * inverse);
+                }
+                i += plane_dim;
+            }
+            sync_tile(blocks.plane_sync);
+        }
+        let mut r = lane;
+        while r < TILE {
+            let row = plane_row + r;
+            if row < seq_q {
+                let sum = row_sum[r];
+                lse[row_offset(lse, batch, head, row)] = select(sum > 0.0f32, row_max[r] + sum.ln(), f32::new(MASKED));
+            }
+            r += plane_dim;
+        }
     }
 }

@@ -3,7 +3,9 @@
 
 mod backward;
 mod forward;
-mod tiles;
+mod plan;
+mod stage;
+pub mod tile_ops;
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
@@ -18,6 +20,11 @@ use cubecl::{
 };
 
 use crate::FlashError;
+use backward::{key_value_grad_kernel, query_grad_kernel};
+use forward::flash_forward_kernel;
+pub use plan::{Engine, Plan};
+use stage::Blocks;
+use tile_ops::TILE;
 
 /// Largest head dim (and value dim) the kernels accept.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -33,15 +40,15 @@ pub struct FlashOptions {
 
 /// Shapes of one call, checked.
 #[derive(Debug, Clone, Copy)]
-struct Problem {
-    batch: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    seq_q: usize,
-    seq_kv: usize,
-    head_dim: usize,
-    value_dim: usize,
-    scale: f32,
+pub struct Problem {
+    pub batch: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub seq_q: usize,
+    pub seq_kv: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    pub scale: f32,
 }
 
 /// Shape and dtype of an operand, all the checks need: a fusion stream records work before
@@ -62,7 +69,7 @@ pub fn check_flash_attention<R: CubeRuntime>(
     options: &FlashOptions,
 ) -> Result<(), FlashError> {
     let problem = Problem::new(client, query, key, value, options)?;
-    Tiles::for_problem(&problem, client).map(|_| ())
+    Plan::new(&problem, query.dtype, options.causal, client).map(|_| ())
 }
 
 impl Problem {
@@ -122,32 +129,44 @@ impl Problem {
     }
 }
 
-/// Tile sizes. Every kernel gives each unit one row (a query row, or a key row in the
-/// key-value gradient kernel), so `rows_per_cube` is the cube size; the other side streams
-/// through f32 shared memory `tile_rows` rows at a time. A tile row costs
-/// `(head_dim + value_dim) · 4` bytes plus two f32 of row statistics, and tiles stay within
-/// 32 KiB, under every target's limit (Metal's is 32 KiB).
-#[derive(Debug, Clone, Copy)]
-struct Tiles {
-    rows_per_cube: usize,
-    tile_rows: usize,
-}
-
-impl Tiles {
-    const SHARED_BYTES: usize = 32 * 1024;
-
-    fn for_problem<R: CubeRuntime>(problem: &Problem, client: &ComputeClient<R>) -> Result<Self, FlashError> {
-        let limit = client.properties().hardware.max_shared_memory_size.min(Self::SHARED_BYTES);
-        let per_row = (problem.head_dim + problem.value_dim + 2) * 4;
-        // The largest power of two from 1 to 64 that fits.
-        let tile_rows = (0..=6).rev().map(|p| 1 << p).find(|rows| rows * per_row <= limit);
-        let tile_rows = tile_rows.ok_or(FlashError::SharedMemory { needed: per_row, available: limit })?;
-        Ok(Self { rows_per_cube: 32, tile_rows })
+/// A grid of `cubes` cubes that no dimension overflows: X up to the device's limit, the rest
+/// in Y. Kernels recover their index as `y · count_x + x` and skip indices past `cubes`.
+fn grid<R: CubeRuntime>(client: &ComputeClient<R>, cubes: usize) -> Result<CubeCount, FlashError> {
+    let (max_x, max_y, _) = client.properties().hardware.max_cube_count;
+    let x = cubes.clamp(1, max_x as usize);
+    let y = cubes.div_ceil(x);
+    if y > max_y as usize {
+        return Err(FlashError::Shape(format!("{cubes} blocks of rows exceed the device's grid")));
     }
+    Ok(CubeCount::Static(x as u32, y as u32, 1))
 }
 
-fn grid(rows: usize, block: usize, planes: usize) -> CubeCount {
-    CubeCount::Static(rows.div_ceil(block) as u32, planes as u32, 1)
+/// The widest vectorised read that every tensor allows along its last dimension.
+fn vector_size<R: CubeRuntime>(client: &ComputeClient<R>, tensors: &[&CubeTensor<R>]) -> usize {
+    tensors
+        .iter()
+        .map(|t| {
+            cubecl::tensor_vector_size_parallel(client.io_optimized_vector_sizes(t.dtype.size()), &t.meta.shape().clone(), &t.meta.strides().clone(), 3)
+        })
+        .min()
+        .unwrap_or(1)
+        .min(TILE)
+}
+
+fn cube_dim(blocks: &Blocks) -> CubeDim {
+    CubeDim::new_2d(blocks.plane_dim as u32, blocks.planes as u32)
+}
+
+/// Launches `kernel` with the tile engine of `plan`.
+macro_rules! launch_with_engine {
+    ($plan:expr, $kernel:ident, $client:expr, $($arg:expr),* $(,)?) => {
+        match $plan.engine {
+            // SAFETY: every index is bounded by the staging checks against the shapes (the
+            // tests compare every output with a host reference, masks and ragged ends included).
+            Engine::TensorCores => unsafe { $kernel::launch_unchecked::<tile_ops::CmmaTiles, R>($client, $($arg),*) },
+            Engine::Plane => unsafe { $kernel::launch_unchecked::<tile_ops::PlaneTiles, R>($client, $($arg),*) },
+        }
+    };
 }
 
 /// Attention output `[B, Hq, Sq, Dv]` and the log-sum-exp of every row `[B, Hq, Sq]` (f32;
@@ -163,27 +182,31 @@ pub fn flash_attention_forward<R: CubeRuntime>(
     let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
     let client = query.client.clone();
     let device = query.device.clone();
-    let tiles = Tiles::for_problem(&problem, &client)?;
+    let plan = Plan::new(&problem, query.dtype, options.causal, &client)?;
     let p = problem;
+    let blocks = plan.forward;
+    let blocks_per_head = p.seq_q.div_ceil(blocks.block_rows());
+    let count = grid(&client, p.batch * p.q_heads * blocks_per_head)?;
+    let vectors = vector_size(&client, &[&query, &key, &value]);
     let output = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, p.seq_q, p.value_dim]), query.dtype);
     let lse = empty_device_contiguous_dtype(client.clone(), device, Shape::new([p.batch, p.q_heads, p.seq_q]), DType::F32);
     let dtype = query.dtype;
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    forward::flash_forward_kernel::launch::<R>(
+    launch_with_engine!(
+        plan,
+        flash_forward_kernel,
         &client,
-        grid(p.seq_q, tiles.rows_per_cube, p.batch * p.q_heads),
-        CubeDim::new_1d(tiles.rows_per_cube as u32),
+        count,
+        cube_dim(&blocks),
+        vectors,
         query.into_tensor_arg(),
         key.into_tensor_arg(),
         value.into_tensor_arg(),
         output.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
         p.scale,
-        tiles.rows_per_cube,
-        tiles.tile_rows,
-        p.head_dim,
-        p.value_dim,
-        options.causal,
+        blocks_per_head,
+        blocks,
         dtype.into(),
     );
     Ok((output, lse))
@@ -226,17 +249,16 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     let client = query.client.clone();
     let device = query.device.clone();
     let dtype = query.dtype;
-    let tiles = Tiles::for_problem(&problem, &client)?;
+    let plan = Plan::new(&problem, dtype, options.causal, &client)?;
+    let vectors = vector_size(&client, &[&query, &key, &value, &output_grad]);
     let empty = |shape: [usize; 4]| empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new(shape), dtype);
 
     crate::stats::BACKWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let delta = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, p.seq_q]), DType::F32);
-    // Rows can outnumber one grid dimension (65 535 cubes on wgpu): spread them over two.
-    let cubes = (p.batch * p.q_heads * p.seq_q).div_ceil(64);
-    let (cubes_x, cubes_y) = (cubes.min(65_535), cubes.div_ceil(65_535));
+    let rows = p.batch * p.q_heads * p.seq_q;
     backward::row_delta_kernel::launch::<R>(
         &client,
-        CubeCount::Static(cubes_x as u32, cubes_y as u32, 1),
+        grid(&client, rows.div_ceil(64))?,
         CubeDim::new_1d(64),
         output.into_tensor_arg(),
         output_grad.clone().into_tensor_arg(),
@@ -247,10 +269,15 @@ pub fn flash_attention_backward<R: CubeRuntime>(
 
     let key_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.head_dim]);
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
-    backward::key_value_grad_kernel::launch::<R>(
+    let blocks = plan.key_value;
+    let blocks_per_head = p.seq_kv.div_ceil(blocks.block_rows());
+    launch_with_engine!(
+        plan,
+        key_value_grad_kernel,
         &client,
-        grid(p.seq_kv, tiles.rows_per_cube, p.batch * p.kv_heads),
-        CubeDim::new_1d(tiles.rows_per_cube as u32),
+        grid(&client, p.batch * p.kv_heads * blocks_per_head)?,
+        cube_dim(&blocks),
+        vectors,
         query.clone().into_tensor_arg(),
         key.clone().into_tensor_arg(),
         value.clone().into_tensor_arg(),
@@ -260,19 +287,21 @@ pub fn flash_attention_backward<R: CubeRuntime>(
         key_grad.clone().into_tensor_arg(),
         value_grad.clone().into_tensor_arg(),
         p.scale,
-        tiles.tile_rows,
-        tiles.rows_per_cube,
-        p.head_dim,
-        p.value_dim,
-        options.causal,
+        blocks_per_head,
+        blocks,
         dtype.into(),
     );
 
     let query_grad = empty([p.batch, p.q_heads, p.seq_q, p.head_dim]);
-    backward::query_grad_kernel::launch::<R>(
+    let blocks = plan.query;
+    let blocks_per_head = p.seq_q.div_ceil(blocks.block_rows());
+    launch_with_engine!(
+        plan,
+        query_grad_kernel,
         &client,
-        grid(p.seq_q, tiles.rows_per_cube, p.batch * p.q_heads),
-        CubeDim::new_1d(tiles.rows_per_cube as u32),
+        grid(&client, p.batch * p.q_heads * blocks_per_head)?,
+        cube_dim(&blocks),
+        vectors,
         query.into_tensor_arg(),
         key.into_tensor_arg(),
         value.into_tensor_arg(),
@@ -281,11 +310,8 @@ pub fn flash_attention_backward<R: CubeRuntime>(
         delta.into_tensor_arg(),
         query_grad.clone().into_tensor_arg(),
         p.scale,
-        tiles.rows_per_cube,
-        tiles.tile_rows,
-        p.head_dim,
-        p.value_dim,
-        options.causal,
+        blocks_per_head,
+        blocks,
         dtype.into(),
     );
     Ok((query_grad, key_grad, value_grad))

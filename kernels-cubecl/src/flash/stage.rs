@@ -1,0 +1,143 @@
+//! What the kernels share besides the tile products: the comptime block sizes, where a cube
+//! sits, copying tiles from global to shared memory, and causal visibility.
+
+use cubecl::prelude::*;
+
+use super::tile_ops::TILE;
+
+/// The comptime shape of a launch. A cube owns `planes × 16` rows of one (batch, head): the
+/// query rows of the forward and dQ kernels, the key rows of the dK/dV kernel; plane `p`
+/// owns rows `16p..16p + 16` of it. The other side streams through shared memory
+/// `block_kv` rows at a time (keys, or queries for dK/dV), and the head dims
+/// `dim_chunk` (`value_chunk`) columns at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Blocks {
+    pub plane_dim: usize,
+    pub planes: usize,
+    pub block_kv: usize,
+    /// Head dim and value dim, rounded up to a multiple of 16 (the padding reads as zeros).
+    pub dim: usize,
+    pub value_dim: usize,
+    pub dim_chunk: usize,
+    pub value_chunk: usize,
+    /// Whether a plane may synchronise alone (CUDA); elsewhere the whole cube does.
+    pub plane_sync: bool,
+    pub causal: bool,
+}
+
+impl Blocks {
+    /// Rows a cube owns.
+    pub fn block_rows(&self) -> usize {
+        self.planes * TILE
+    }
+
+    pub fn dim_chunks(&self) -> usize {
+        self.dim / self.dim_chunk
+    }
+
+    pub fn value_chunks(&self) -> usize {
+        self.value_dim / self.value_chunk
+    }
+}
+
+/// The (batch, head) and first row of this cube, from a grid of
+/// `blocks_per_head × batch·heads` cubes spread over X and Y so that no dimension exceeds
+/// `max_x` (65 535 on wgpu) whatever the sequence length.
+#[derive(CubeType, Clone)]
+pub struct CubePlace {
+    pub batch: usize,
+    pub head: usize,
+    pub block: usize,
+}
+
+#[cube]
+pub fn cube_place(heads: usize, blocks_per_head: usize) -> CubePlace {
+    let cube = CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize;
+    let batch_head = cube / blocks_per_head;
+    CubePlace { batch: batch_head / heads, head: batch_head % heads, block: cube % blocks_per_head }
+}
+
+/// Whether this cube has work: the grid may hold a few more cubes than blocks.
+#[cube]
+pub fn cube_in_range(batch: usize, heads: usize, blocks_per_head: usize) -> bool {
+    let cube = CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize;
+    cube < batch * heads * blocks_per_head
+}
+
+/// Index of element `[batch, head, row, 0]` of a `[batch, heads, rows, ..]` tensor.
+#[cube]
+pub fn row_offset<T: CubePrimitive>(tensor: &Tensor<T>, batch: usize, head: usize, row: usize) -> usize {
+    batch * tensor.stride(0) + head * tensor.stride(1) + row * tensor.stride(2)
+}
+
+/// Copies rows `first..first + rows` and columns `col0..col0 + width` of the (batch, head)
+/// plane at element offset `base` of a `[batch, heads, len, dim]` tensor into `tile` at
+/// `tile_offset` (`rows × width`, row-major, in the storage type). Rows past `len` and
+/// columns past `dim` read as zeros. The whole cube cooperates, `N` elements per read
+/// (`dim` is a multiple of `N`, and the tensor contiguous in its last dimension).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_tile<F: Float, N: Size>(
+    source: &Tensor<Vector<F, N>>,
+    base: usize,
+    first: usize,
+    len: usize,
+    col0: usize,
+    dim: usize,
+    tile: &mut SharedMemory<F>,
+    tile_offset: usize,
+    #[comptime] rows: usize,
+    #[comptime] width: usize,
+) {
+    let n = N::value();
+    let vectors_per_row = comptime!(width / n);
+    let units = CUBE_DIM as usize;
+    let mut i = UNIT_POS as usize;
+    let row_stride = source.stride(2);
+    while i < rows * vectors_per_row {
+        let r = i / vectors_per_row;
+        let col = col0 + (i % vectors_per_row) * n;
+        let at = tile_offset + r * width + (i % vectors_per_row) * n;
+        if first + r < len && col < dim {
+            let vector = source[(base + (first + r) * row_stride + col) / n];
+            #[unroll]
+            for e in 0..n {
+                tile[at + e] = vector[e];
+            }
+        } else {
+            #[unroll]
+            for e in 0..n {
+                tile[at + e] = F::from_int(0);
+            }
+        }
+        i += units;
+    }
+}
+
+/// Copies `count` f32 row statistics (log-sum-exp, or delta) of rows `first..` into `tile`;
+/// rows past `len` get `fill`.
+#[cube]
+pub fn stage_row_stats(source: &Tensor<f32>, base: usize, first: usize, len: usize, tile: &mut SharedMemory<f32>, fill: f32, #[comptime] count: usize) {
+    let mut i = UNIT_POS as usize;
+    while i < count {
+        let mut x = fill;
+        if first + i < len {
+            x = source[base + (first + i) * source.stride(2)];
+        }
+        tile[i] = x;
+        i += CUBE_DIM as usize;
+    }
+}
+
+/// Under bottom-right aligned causal attention (burn's `is_causal`), query row `i` sees key
+/// `j` when `j + seq_q <= i + seq_kv`: the number of keys row `row` sees (capped at `seq_kv`).
+#[cube]
+pub fn keys_seen(row: usize, seq_q: usize, seq_kv: usize) -> usize {
+    min(seq_kv, select(row + 1 + seq_kv > seq_q, row + 1 + seq_kv - seq_q, 0))
+}
+
+/// The first query row that sees key `col` (bottom-right aligned causal attention).
+#[cube]
+pub fn first_row_seeing(col: usize, seq_q: usize, seq_kv: usize) -> usize {
+    select(col + seq_q > seq_kv, col + seq_q - seq_kv, 0)
+}
