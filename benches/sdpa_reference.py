@@ -1,12 +1,17 @@
-"""PyTorch's scaled_dot_product_attention on one shape, timed like the Rust flash bench.
+"""PyTorch's scaled_dot_product_attention on many shapes, timed like the Rust flash bench.
 
-Called by kernels-cubecl/benches/flash_attention.rs for the same shapes in the same run:
+Called by kernels-cubecl/benches/flash_attention.rs with every shape of its sweep, in one
+process (importing torch once):
 
-    python3 benches/sdpa_reference.py --batch 1 --heads 16 --seq 4096 --head-dim 128 [--causal]
+    python3 benches/sdpa_reference.py --shapes 1x16x4096x128c,1x32x8192x128 [--budget 1.0]
 
-Prints `seconds <forward> <backward> <forward+backward>` (medians) and the peak memory of a
-forward + backward. bf16 on CUDA; PyTorch picks its fastest SDPA kernel (flash attention on
-Hopper).
+Each shape is BATCHxHEADSxSEQxHEAD_DIM, with a trailing `c` for causal. For shape i it prints
+
+    shape i <forward seconds> <backward seconds> <forward+backward seconds> <backend> <peak bytes>
+
+(medians; bf16 on CUDA) where <backend> names the SDPA kernel PyTorch chose for that shape
+(flash, cudnn, efficient or math), read from the CUDA kernels a profiled forward + backward
+launched. A shape that fails (out of memory) prints `shape i failed <reason>`.
 """
 
 import argparse
@@ -14,14 +19,21 @@ import statistics
 import sys
 
 
+def backend_of(kernel_names) -> str:
+    names = " ".join(kernel_names).lower()
+    if "cudnn" in names:
+        return "cudnn"
+    if "flash" in names:
+        return "flash"
+    if "fmha" in names or "cutlass" in names or "mem_eff" in names:
+        return "efficient"
+    return "math"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--budget", type=float, default=2.0, help="seconds per measurement")
+    parser.add_argument("--shapes", required=True)
+    parser.add_argument("--budget", type=float, default=1.0, help="seconds per measurement")
     args = parser.parse_args()
 
     try:
@@ -34,23 +46,6 @@ def main() -> int:
         print("no CUDA device", file=sys.stderr)
         return 1
 
-    shape = (args.batch, args.heads, args.seq, args.head_dim)
-    q, k, v, g = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_(True)
-
-    def forward():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
-
-    out = forward()
-
-    def backward():
-        torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
-
-    def both():
-        o = forward()
-        torch.autograd.grad(o, (q, k, v), g)
-
     def median_seconds(fn) -> float:
         fn()
         torch.cuda.synchronize()
@@ -62,15 +57,46 @@ def main() -> int:
             end.record()
             torch.cuda.synchronize()
             samples.append(start.elapsed_time(end) / 1000.0)
-            if len(samples) >= 50 or (len(samples) >= 3 and sum(samples) > args.budget):
+            if len(samples) >= 20 or sum(samples) > args.budget:
                 return statistics.median(samples)
 
-    timings = [median_seconds(forward), median_seconds(backward), median_seconds(both)]
-    torch.cuda.reset_peak_memory_stats()
-    both()
-    torch.cuda.synchronize()
-    print("seconds " + " ".join(f"{t:.9f}" for t in timings))
-    print(f"peak_bytes {torch.cuda.max_memory_allocated()}")
+    for i, spec in enumerate(args.shapes.split(",")):
+        causal = spec.endswith("c")
+        batch, heads, seq, head_dim = (int(x) for x in spec.rstrip("c").split("x"))
+        try:
+            shape = (batch, heads, seq, head_dim)
+            q, k, v, g = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            for t in (q, k, v):
+                t.requires_grad_(True)
+
+            def forward():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            out = forward()
+
+            def backward():
+                torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+
+            def both():
+                o = forward()
+                torch.autograd.grad(o, (q, k, v), g)
+
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+                both()
+                torch.cuda.synchronize()
+            backend = backend_of(event.key for event in profile.key_averages())
+
+            timings = [median_seconds(forward), median_seconds(backward), median_seconds(both)]
+            torch.cuda.reset_peak_memory_stats()
+            both()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+            print(f"shape {i} " + " ".join(f"{t:.9f}" for t in timings) + f" {backend} {peak}", flush=True)
+            del q, k, v, g, out
+            torch.cuda.empty_cache()
+        except RuntimeError as error:
+            print(f"shape {i} failed {str(error).splitlines()[0]}", flush=True)
+            torch.cuda.empty_cache()
     return 0
 
 

@@ -3,18 +3,22 @@
 //!
 //! On a GPU:   cargo bench -p ulysses-kernels --features cuda --bench flash_attention
 //! On the CPU: cargo bench -p ulysses-kernels --bench flash_attention -- --quick
-//!             (wgpu on lavapipe: checks the bench runs; the numbers mean nothing)
+//!             (wgpu on lavapipe: small f32 shapes; compares designs, not devices)
 //!
-//! For each shape it times the forward, the backward and both, reports TFLOP/s with the
-//! usual attention count (forward `4·B·H·S²·D`, halved when causal; backward 2.5 times the
-//! forward), and runs `benches/sdpa_reference.py` (next to this crate's workspace root) for
-//! PyTorch's numbers when `python3 -c "import torch"` works, printing ours / PyTorch's. It
-//! also reports the device memory in use after forward + backward, for S and 2S, which
-//! grows linearly when no S×S buffer exists.
+//! For each shape (bf16 where the device has it, head dim 128, batch 1, 16 and 32 heads,
+//! 1K to 64K tokens, causal and not) it times the forward, the backward and both, and reports
+//! TFLOP/s with the usual attention count (forward `4·B·H·S²·D`, halved when causal; backward
+//! 2.5 times the forward). `benches/sdpa_reference.py` times PyTorch's SDPA on every shape in
+//! one Python process, names the backend PyTorch ran (flash, cuDNN, efficient, math) from the
+//! kernels it launched, and the table prints ours / PyTorch's.
 //!
-//! Our times are wall-clock from launch to the end of a device synchronisation (which adds
-//! tens of microseconds); PyTorch's come from CUDA events. At the sequence lengths that
-//! matter here (milliseconds per call) the difference is below the noise.
+//! Every shape gets a time budget (`--budget-secs`, 4 s), and a shape whose single forward +
+//! backward would not fit it (extrapolated from the previous shape) is skipped and said so:
+//! the whole sweep fits one 10-minute GPU call.
+//!
+//! It also prints the device memory in use after forward + backward at S and 2S (linear
+//! growth means no S×S buffer) and, from the tile sizes the kernels chose, how many
+//! shared-memory reads each FLOP of `Q·Kᵀ` costs.
 
 use std::{
     process::Command,
@@ -23,7 +27,10 @@ use std::{
 
 use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
-use ulysses_kernels::{FlashOptions, flash_attention_backward, flash_attention_forward};
+use ulysses_kernels::{
+    FlashOptions, OperandInfo, Plan, flash_attention_backward, flash_attention_forward,
+    flash::{Engine, Problem},
+};
 
 #[cfg(feature = "cuda")]
 type Runtime = cubecl::cuda::CudaRuntime;
@@ -66,13 +73,11 @@ fn tensor(shape: [usize; 4], dtype: DType, device: &Device) -> CubeTensor<Runtim
     B::float_from_data(TensorData::new(values, shape).convert_dtype(dtype), device)
 }
 
-/// Median seconds of `run` over enough repetitions to fill about `budget`.
+/// Median seconds of `run`: at least one sample, more while the budget lasts (at most 20).
 fn time(device: &Device, budget: Duration, mut run: impl FnMut()) -> f64 {
-    run();
-    sync(device);
     let mut samples = Vec::new();
     let started = Instant::now();
-    while samples.len() < 3 || (started.elapsed() < budget && samples.len() < 50) {
+    while samples.is_empty() || (started.elapsed() < budget && samples.len() < 20) {
         let t = Instant::now();
         run();
         sync(device);
@@ -87,12 +92,16 @@ fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration) -> (Timi
     let (q, k, v, g) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
     let options = FlashOptions { scale: None, causal: shape.causal };
     let forward = || flash_attention_forward(q.clone(), k.clone(), v.clone(), options).unwrap();
+    // Warm-up: compiles the kernels.
     let (output, lse) = forward();
     let backward = || flash_attention_backward(q.clone(), k.clone(), v.clone(), output.clone(), g.clone(), lse.clone(), options).unwrap();
+    drop(backward());
+    sync(device);
+    let each = budget / 3;
     let timing = Timing {
-        forward: time(device, budget, || drop(forward())),
-        backward: time(device, budget, || drop(backward())),
-        both: time(device, budget, || {
+        forward: time(device, each, || drop(forward())),
+        backward: time(device, each, || drop(backward())),
+        both: time(device, each, || {
             let (o, l) = forward();
             drop(flash_attention_backward(q.clone(), k.clone(), v.clone(), o, g.clone(), l, options).unwrap());
         }),
@@ -106,66 +115,124 @@ fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration) -> (Timi
     (timing, in_use)
 }
 
-/// PyTorch's timings for the same shape, when torch is importable.
-fn sdpa(shape: Shape) -> Option<Timing> {
+/// PyTorch's timing of one shape and the SDPA backend it used.
+#[derive(Debug, Clone)]
+struct Sdpa {
+    timing: Timing,
+    backend: String,
+}
+
+/// Runs the SDPA script once for every shape; `None` per shape when torch is missing.
+fn sdpa(shapes: &[Shape], budget: Duration) -> Vec<Option<Sdpa>> {
     // ULYSSES_SDPA_SCRIPT, else next to this executable (a carried bundle), else the source tree.
     let beside = std::env::current_exe().ok().and_then(|exe| Some(exe.parent()?.join("sdpa_reference.py"))).filter(|p| p.exists());
     let script = std::env::var("ULYSSES_SDPA_SCRIPT").ok().map(std::path::PathBuf::from).or(beside).unwrap_or_else(|| {
         std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../benches/sdpa_reference.py"))
     });
+    let list: Vec<String> = shapes.iter().map(|s| format!("{}x{}x{}x{}{}", s.batch, s.heads, s.seq, s.head_dim, if s.causal { "c" } else { "" })).collect();
     let output = Command::new("python3")
         .arg(&script)
-        .args(["--batch", &shape.batch.to_string(), "--heads", &shape.heads.to_string()])
-        .args(["--seq", &shape.seq.to_string(), "--head-dim", &shape.head_dim.to_string()])
-        .args(if shape.causal { &["--causal"][..] } else { &[][..] })
-        .output()
-        .ok()?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    let line = text.lines().find(|l| l.starts_with("seconds "))?;
-    let mut numbers = line.split_whitespace().skip(1).filter_map(|x| x.parse::<f64>().ok());
-    Some(Timing { forward: numbers.next()?, backward: numbers.next()?, both: numbers.next()? })
+        .args(["--shapes", &list.join(","), "--budget", &format!("{}", budget.as_secs_f64() / 3.0)])
+        .output();
+    let text = output.as_ref().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    if let Ok(output) = &output
+        && !output.status.success()
+    {
+        eprintln!("SDPA reference unavailable: {}", String::from_utf8_lossy(&output.stderr).trim());
+    }
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, _)| {
+            let line = text.lines().find(|l| l.starts_with(&format!("shape {i} ")))?;
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let number = |at: usize| fields.get(at)?.parse::<f64>().ok();
+            Some(Sdpa { timing: Timing { forward: number(2)?, backward: number(3)?, both: number(4)? }, backend: fields.get(5)?.to_string() })
+        })
+        .collect()
+}
+
+/// Shared-memory reads per FLOP of `Q·Kᵀ` for a plan: what the tile sizes buy.
+fn reads_per_flop(plan: &Plan) -> f64 {
+    let blocks = plan.forward;
+    match plan.engine {
+        // Per 16×16×16 step a plane reads the A tile once for the row's tiles and a B tile
+        // for each: (256 + n·256) elements for n·8192 FLOPs.
+        Engine::TensorCores => {
+            let n = (blocks.block_kv / 16) as f64;
+            (256.0 + n * 256.0) / (n * 8192.0)
+        }
+        // Per k a lane reads `rows + cols` values for `rows × cols` multiply-adds.
+        Engine::Plane => {
+            let (rows, cols) = ulysses_kernels::flash::tile_ops::lane_block(blocks.plane_dim);
+            (rows + cols) as f64 / (2.0 * (rows * cols) as f64)
+        }
+    }
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let budget_secs: f64 = args.iter().position(|a| a == "--budget-secs").and_then(|i| args.get(i + 1)?.parse().ok()).unwrap_or(4.0);
+    let budget = Duration::from_secs_f64(budget_secs);
     let device = Device::default();
     let client = <Runtime as cubecl::Runtime>::client(&device);
     let bf16 = client.properties().supports_type(cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::BF16));
-    let dtype = if bf16 { DType::BF16 } else { DType::F32 };
-    let (seqs, heads, budget) = if quick { (vec![256, 512], vec![2], Duration::from_millis(200)) } else {
-        (vec![1024, 2048, 4096, 8192, 16384, 32768, 65536], vec![16, 32], Duration::from_secs(2))
-    };
+    let dtype = if bf16 && !quick { DType::BF16 } else { DType::F32 };
+    let (seqs, heads) = if quick { (vec![256, 512], vec![2]) } else { (vec![1024, 2048, 4096, 8192, 16384, 32768, 65536], vec![16, 32]) };
+    let shapes: Vec<Shape> = heads
+        .iter()
+        .flat_map(|&h| seqs.iter().flat_map(move |&seq| [false, true].map(|causal| Shape { batch: 1, heads: h, seq, head_dim: 128, causal })))
+        .collect();
+
+    let info = |shape: &[usize; 4]| OperandInfo { shape, dtype };
+    let q_shape = [1, 2, 512, 128];
+    let problem = Problem::new(&client, info(&q_shape), info(&q_shape), info(&q_shape), &FlashOptions { scale: None, causal: true }).unwrap();
+    let plan = Plan::new(&problem, dtype, true, &client).unwrap();
     println!("flash attention, {dtype:?}, batch 1, head dim 128 ({})", std::any::type_name::<Runtime>());
+    println!("plan: {:?} engine; forward blocks {:?}", plan.engine, plan.forward);
     println!(
-        "{:>5} {:>6} {:>6} | {:>8} {:>8} {:>8} TFLOP/s | {:>8} {:>8} {:>8} SDPA | {:>5} {:>5} {:>5} ratio",
-        "heads", "seq", "causal", "fwd", "bwd", "fwd+bwd", "fwd", "bwd", "fwd+bwd", "fwd", "bwd", "both"
+        "shared-memory reads per FLOP of Q·Kᵀ: {:.3} here; the scalar kernels before read one K value per multiply-add: 0.500",
+        reads_per_flop(&plan)
+    );
+
+    let theirs = if quick { vec![None; shapes.len()] } else { sdpa(&shapes, budget) };
+    println!(
+        "{:>5} {:>6} {:>6} | {:>8} {:>8} {:>8} TFLOP/s | {:>8} {:>8} {:>8} SDPA ({:>9}) | {:>5} {:>5} {:>5} ratio",
+        "heads", "seq", "causal", "fwd", "bwd", "fwd+bwd", "fwd", "bwd", "fwd+bwd", "backend", "fwd", "bwd", "both"
     );
     let mut memory = Vec::new();
-    for &h in &heads {
-        for &seq in &seqs {
-            for causal in [false, true] {
-                let shape = Shape { batch: 1, heads: h, seq, head_dim: 128, causal };
-                let (ours, in_use) = bench(shape, dtype, &device, budget);
-                let flops = shape.forward_flops();
-                let tflops = |flops: f64, seconds: f64| flops / seconds / 1e12;
-                let mine = [tflops(flops, ours.forward), tflops(2.5 * flops, ours.backward), tflops(3.5 * flops, ours.both)];
-                let (theirs, ratio) = match sdpa(shape) {
-                    Some(t) => {
-                        let theirs = [tflops(flops, t.forward), tflops(2.5 * flops, t.backward), tflops(3.5 * flops, t.both)];
-                        let ratio = [0, 1, 2].map(|i| format!("{:.2}", mine[i] / theirs[i]));
-                        (theirs.map(|x| format!("{x:.1}")), ratio)
-                    }
-                    None => (["-".to_string(), "-".to_string(), "-".to_string()], ["-".to_string(), "-".to_string(), "-".to_string()]),
-                };
-                let mine = mine.map(|x| if x < 0.1 { format!("{x:.1e}") } else { format!("{x:.2}") });
-                println!(
-                    "{h:>5} {seq:>6} {causal:>6} | {:>8} {:>8} {:>8}         | {:>8} {:>8} {:>8}      | {:>5} {:>5} {:>5}",
-                    mine[0], mine[1], mine[2], theirs[0], theirs[1], theirs[2], ratio[0], ratio[1], ratio[2]
-                );
-                if !causal {
-                    memory.push((h, seq, in_use));
-                }
+    let mut seconds_per_flop: Option<f64> = None;
+    for (shape, sdpa) in shapes.iter().zip(theirs) {
+        let flops = shape.forward_flops();
+        let tflops = |flops: f64, seconds: f64| flops / seconds / 1e12;
+        // Skip what one forward + backward could not finish within the budget.
+        if let Some(rate) = seconds_per_flop
+            && rate * 3.5 * flops > budget_secs
+        {
+            println!("{:>5} {:>6} {:>6} | skipped: one forward + backward would take about {:.0} s", shape.heads, shape.seq, shape.causal, rate * 3.5 * flops);
+            continue;
+        }
+        let (ours, in_use) = bench(*shape, dtype, &device, budget);
+        seconds_per_flop = Some(ours.both / (3.5 * flops));
+        let mine = [tflops(flops, ours.forward), tflops(2.5 * flops, ours.backward), tflops(3.5 * flops, ours.both)];
+        let (theirs, backend, ratio) = match sdpa {
+            Some(sdpa) => {
+                let t = sdpa.timing;
+                let theirs = [tflops(flops, t.forward), tflops(2.5 * flops, t.backward), tflops(3.5 * flops, t.both)];
+                let ratio = [0, 1, 2].map(|i| format!("{:.2}", mine[i] / theirs[i]));
+                (theirs.map(|x| format!("{x:.1}")), sdpa.backend, ratio)
             }
+            None => (["-".to_string(), "-".to_string(), "-".to_string()], "-".to_string(), ["-".to_string(), "-".to_string(), "-".to_string()]),
+        };
+        let mine = mine.map(|x| if x < 0.1 { format!("{x:.1e}") } else { format!("{x:.2}") });
+        println!(
+            "{:>5} {:>6} {:>6} | {:>8} {:>8} {:>8}         | {:>8} {:>8} {:>8}      ({backend:>9}) | {:>5} {:>5} {:>5}",
+            shape.heads, shape.seq, shape.causal, mine[0], mine[1], mine[2], theirs[0], theirs[1], theirs[2], ratio[0], ratio[1], ratio[2]
+        );
+        println!("  seconds: forward {:.4e}, backward {:.4e}, both {:.4e}", ours.forward, ours.backward, ours.both);
+        if !shape.causal {
+            memory.push((shape.heads, shape.seq, in_use));
         }
     }
     println!("\ndevice memory in use with a forward + backward alive (non-causal):");

@@ -11,7 +11,7 @@
 
 pub mod flash;
 
-pub use flash::{FlashOptions, MAX_HEAD_DIM, OperandInfo, check_flash_attention, flash_attention_backward, flash_attention_forward};
+pub use flash::{FlashOptions, MAX_HEAD_DIM, OperandInfo, Plan, check_flash_attention, flash_attention_backward, flash_attention_forward};
 
 use burn::tensor::DType;
 

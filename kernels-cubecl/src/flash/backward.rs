@@ -49,37 +49,32 @@ pub(crate) fn row_delta_kernel<F: Float>(
     }
 }
 
-/// Writes a plane's `16 × width` gradient (accumulator tiles) times `factor` to rows
-/// `first_row..` (those before `len`) and columns before `cols` of `target`, a 16 × 16 tile at
-/// a time through `scratch`.
+/// Writes a plane's gradient rows (accumulator tiles) times `factor` to rows `first_row..`
+/// of `target` (those before `len`), columns before `cols`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn write_rows<F: Float, M: TileMma>(
-    acc: &M::Tiles,
+fn write_gradient<F: Float, M: TileMma>(
+    tiles: &M::Tiles,
     target: &mut Tensor<F>,
-    base: usize,
+    batch: usize,
+    head: usize,
     first_row: usize,
     len: usize,
     cols: usize,
     factor: f32,
     scratch: &mut SliceMut<f32>,
-    #[comptime] tiles: usize,
+    #[comptime] count: usize,
     #[comptime] blocks: Blocks,
 ) {
-    #[unroll]
-    for t in 0..tiles {
-        M::store_row(acc, t, 1usize, scratch, TILE, blocks.plane_dim);
-        sync_tile(blocks.plane_sync);
-        let mut i = UNIT_POS_X as usize;
-        while i < TILE * TILE {
-            let row = first_row + i / TILE;
-            let col = t * TILE + i % TILE;
-            if row < len && col < cols {
-                target[base + row * target.stride(2) + col * target.stride(3)] = F::cast_from(scratch[i] * factor);
-            }
-            i += blocks.plane_dim;
+    if first_row < len {
+        let mut factors = Array::<f32>::new(TILE);
+        for r in 0..TILE {
+            factors[r] = factor;
         }
-        sync_tile(blocks.plane_sync);
+        let at = row_offset(target, batch, head, first_row);
+        let stride = target.stride(2);
+        let mut out = target.slice_mut(at, target.len());
+        M::write_rows::<F>(tiles, count, &mut out, stride, len - first_row, cols, &factors, scratch, blocks.plane_dim, blocks.plane_sync);
     }
 }
 
@@ -96,6 +91,10 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
     value_grad: &mut Tensor<F>,
     scale: f32,
     blocks_per_head: usize,
+    // 16 (a tile's rows), as a runtime value so that the loops over a tile's rows stay
+    // loops: a software Vulkan driver unrolls constant ones into shaders it takes minutes to
+    // compile.
+    tile_rows: usize,
     #[comptime] blocks: Blocks,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -114,6 +113,8 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
         let value_chunk = comptime!(blocks.value_chunk);
         let block_rows = comptime!(blocks.block_rows());
         let q_tiles = comptime!(block_q / TILE);
+        let whole_dims = comptime!(blocks.dim_chunks() == 1);
+        let whole_values = comptime!(blocks.value_chunks() == 1);
         let first_col = place.block * block_rows;
         let plane = UNIT_POS_Y as usize;
         let lane = UNIT_POS_X as usize;
@@ -135,10 +136,11 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
 
         let k_base = row_offset(key, batch, kv_head, 0);
         let v_base = row_offset(value, batch, kv_head, 0);
-        if comptime!(blocks.dim_chunks() == 1) {
+        // The cube's own keys and values, staged once when whole head dims fit.
+        if whole_dims {
             stage_tile(key, k_base, first_col, seq_kv, 0, head_dim, &mut k_tile, 0, block_rows, dim_chunk);
         }
-        if comptime!(blocks.value_chunks() == 1) {
+        if whole_values {
             stage_tile(value, v_base, first_col, seq_kv, 0, value_dim, &mut v_tile, 0, block_rows, value_chunk);
         }
         // Causal: query rows before the first that sees the cube's first key contribute nothing.
@@ -154,25 +156,32 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
             let g_base = row_offset(output_grad, batch, head, 0);
             for tile in first_q / block_q..tiles {
                 let q0 = tile * block_q;
+                // Every plane is done with the previous tile before it is overwritten.
+                sync_cube();
                 stage_row_stats(lse, row_offset(lse, batch, head, 0), q0, seq_q, &mut lse_tile, f32::new(MASKED), block_q);
                 stage_row_stats(delta, row_offset(delta, batch, head, 0), q0, seq_q, &mut delta_tile, 0.0f32, block_q);
+                if whole_dims {
+                    stage_tile(query, q_base, q0, seq_q, 0, head_dim, &mut q_tile, 0, block_q, dim_chunk);
+                }
+                if whole_values {
+                    stage_tile(output_grad, g_base, q0, seq_q, 0, value_dim, &mut g_tile, 0, block_q, value_chunk);
+                }
+                sync_cube();
 
                 // Sᵀ = K · Qᵀ: this plane's 16 keys against the tile's queries.
                 let mut s_acc = M::zeros(q_tiles, plane_dim);
+                #[unroll]
                 for chunk in 0..comptime!(blocks.dim_chunks()) {
-                    let col0 = chunk * dim_chunk;
-                    if comptime!(blocks.dim_chunks() > 1) {
-                        stage_tile(key, k_base, first_col, seq_kv, col0, head_dim, &mut k_tile, 0, block_rows, dim_chunk);
+                    if !whole_dims {
+                        sync_cube();
+                        stage_tile(key, k_base, first_col, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_rows, dim_chunk);
+                        stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
+                        sync_cube();
                     }
-                    stage_tile(query, q_base, q0, seq_q, col0, head_dim, &mut q_tile, 0, block_q, dim_chunk);
-                    sync_cube();
-                    for k in 0..comptime!(dim_chunk / TILE) {
+                    for k in 0..dim_chunk / tile_rows {
                         let a = k_tile.slice(plane * TILE * dim_chunk + k * TILE, block_rows * dim_chunk);
                         let b = q_tile.slice(k * TILE, block_q * dim_chunk);
-                        M::mma_row::<F>(&mut s_acc, 0usize, q_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, plane_dim);
-                    }
-                    if comptime!(blocks.dim_chunks() > 1) {
-                        sync_cube();
+                        M::mma_row::<F>(&mut s_acc, 0usize, q_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, tile_rows, plane_dim);
                     }
                 }
                 let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_q);
@@ -180,7 +189,7 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                 sync_tile(blocks.plane_sync);
 
                 // Pᵀ, masked: query rows past the end, and (causal) rows that do not see the key.
-                for r in 0..TILE {
+                for r in 0..tile_rows {
                     let col = plane_col + r;
                     let mut first_seeing = 0usize;
                     if blocks.causal {
@@ -204,24 +213,23 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                 let mut dp_acc = M::zeros(q_tiles, plane_dim);
                 #[unroll]
                 for chunk in 0..comptime!(blocks.value_chunks()) {
-                    let col0 = chunk * value_chunk;
-                    if comptime!(blocks.value_chunks() > 1) {
-                        stage_tile(value, v_base, first_col, seq_kv, col0, value_dim, &mut v_tile, 0, block_rows, value_chunk);
+                    if !whole_values {
+                        sync_cube();
+                        stage_tile(value, v_base, first_col, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_rows, value_chunk);
+                        stage_tile(output_grad, g_base, q0, seq_q, chunk * value_chunk, value_dim, &mut g_tile, 0, block_q, value_chunk);
+                        sync_cube();
                     }
-                    stage_tile(output_grad, g_base, q0, seq_q, col0, value_dim, &mut g_tile, 0, block_q, value_chunk);
-                    sync_cube();
-                    for k in 0..q_tiles {
+                    for k in 0..block_q / tile_rows {
                         let a = probs.slice(scores_at + k * TILE, scores_at + TILE * block_q);
                         let b = g_tile.slice(k * TILE * value_chunk, block_q * value_chunk);
                         let first = comptime!(chunk * value_chunk / TILE);
-                        M::mma_row::<F>(&mut dv_acc, first, comptime!(value_chunk / TILE), &a, block_q, false, &b, TILE, value_chunk, false, plane_dim);
+                        M::mma_row::<F>(&mut dv_acc, first, comptime!(value_chunk / TILE), &a, block_q, false, &b, TILE, value_chunk, false, tile_rows, plane_dim);
                     }
-                    for k in 0..comptime!(value_chunk / TILE) {
+                    for k in 0..value_chunk / tile_rows {
                         let a = v_tile.slice(plane * TILE * value_chunk + k * TILE, block_rows * value_chunk);
                         let b = g_tile.slice(k * TILE, block_q * value_chunk);
-                        M::mma_row::<F>(&mut dp_acc, 0usize, q_tiles, &a, value_chunk, false, &b, TILE * value_chunk, value_chunk, true, plane_dim);
+                        M::mma_row::<F>(&mut dp_acc, 0usize, q_tiles, &a, value_chunk, false, &b, TILE * value_chunk, value_chunk, true, tile_rows, plane_dim);
                     }
-                    sync_cube();
                 }
 
                 // dSᵀ = Pᵀ ∘ (dPᵀ − delta), into the storage copy of Pᵀ (dV is done with it).
@@ -239,26 +247,26 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                 // dK += dSᵀ · Q
                 #[unroll]
                 for chunk in 0..comptime!(blocks.dim_chunks()) {
-                    if comptime!(blocks.dim_chunks() > 1) {
+                    if !whole_dims {
+                        sync_cube();
                         stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
                         sync_cube();
                     }
-                    for k in 0..q_tiles {
+                    for k in 0..block_q / tile_rows {
                         let a = probs.slice(scores_at + k * TILE, scores_at + TILE * block_q);
                         let b = q_tile.slice(k * TILE * dim_chunk, block_q * dim_chunk);
                         let first = comptime!(chunk * dim_chunk / TILE);
-                        M::mma_row::<F>(&mut dk_acc, first, comptime!(dim_chunk / TILE), &a, block_q, false, &b, TILE, dim_chunk, false, plane_dim);
+                        M::mma_row::<F>(&mut dk_acc, first, comptime!(dim_chunk / TILE), &a, block_q, false, &b, TILE, dim_chunk, false, tile_rows, plane_dim);
                     }
-                    sync_cube();
                 }
             }
         }
 
         let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
-        let dk_base = row_offset(key_grad, batch, kv_head, 0);
-        write_rows::<F, M>(&dk_acc, key_grad, dk_base, plane_col, seq_kv, head_dim, scale, &mut scratch, comptime!(blocks.dim / TILE), blocks);
-        let dv_base = row_offset(value_grad, batch, kv_head, 0);
-        write_rows::<F, M>(&dv_acc, value_grad, dv_base, plane_col, seq_kv, value_dim, 1.0f32, &mut scratch, comptime!(blocks.value_dim / TILE), blocks);
+        let dim_tiles = comptime!(blocks.dim / TILE);
+        let value_tiles = comptime!(blocks.value_dim / TILE);
+        write_gradient::<F, M>(&dk_acc, key_grad, batch, kv_head, plane_col, seq_kv, head_dim, scale, &mut scratch, dim_tiles, blocks);
+        write_gradient::<F, M>(&dv_acc, value_grad, batch, kv_head, plane_col, seq_kv, value_dim, 1.0f32, &mut scratch, value_tiles, blocks);
     }
 }
 
@@ -274,6 +282,8 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
     query_grad: &mut Tensor<F>,
     scale: f32,
     blocks_per_head: usize,
+    // 16, at run time (see the dK/dV kernel).
+    tile_rows: usize,
     #[comptime] blocks: Blocks,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -291,6 +301,8 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
         let value_chunk = comptime!(blocks.value_chunk);
         let block_rows = comptime!(blocks.block_rows());
         let kv_tiles = comptime!(block_kv / TILE);
+        let whole_dims = comptime!(blocks.dim_chunks() == 1);
+        let whole_values = comptime!(blocks.value_chunks() == 1);
         let first_row = place.block * block_rows;
         let plane = UNIT_POS_Y as usize;
         let lane = UNIT_POS_X as usize;
@@ -309,7 +321,7 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
         // This plane's rows' statistics, in every lane.
         let mut row_lse = Array::<f32>::new(TILE);
         let mut row_delta = Array::<f32>::new(TILE);
-        for r in 0..TILE {
+        for r in 0..tile_rows {
             let row = plane_row + r;
             let mut l = f32::new(MASKED);
             let mut d = 0.0f32;
@@ -325,10 +337,11 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
         let g_base = row_offset(output_grad, batch, head, 0);
         let k_base = row_offset(key, batch, kv_head, 0);
         let v_base = row_offset(value, batch, kv_head, 0);
-        if comptime!(blocks.dim_chunks() == 1) {
+        // The cube's own query rows and their output gradients, staged once when they fit.
+        if whole_dims {
             stage_tile(query, q_base, first_row, seq_q, 0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
         }
-        if comptime!(blocks.value_chunks() == 1) {
+        if whole_values {
             stage_tile(output_grad, g_base, first_row, seq_q, 0, value_dim, &mut g_tile, 0, block_rows, value_chunk);
         }
         let last_row = min(first_row + block_rows, seq_q) - 1;
@@ -340,23 +353,30 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
 
         for tile in 0..tiles {
             let kv0 = tile * block_kv;
+            // Every plane is done with the previous tile before it is overwritten.
+            sync_cube();
+            if whole_dims {
+                stage_tile(key, k_base, kv0, seq_kv, 0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+            }
+            if whole_values {
+                stage_tile(value, v_base, kv0, seq_kv, 0, value_dim, &mut v_tile, 0, block_kv, value_chunk);
+            }
+            sync_cube();
 
             // S = Q · Kᵀ
             let mut s_acc = M::zeros(kv_tiles, plane_dim);
+            #[unroll]
             for chunk in 0..comptime!(blocks.dim_chunks()) {
-                let col0 = chunk * dim_chunk;
-                if comptime!(blocks.dim_chunks() > 1) {
-                    stage_tile(query, q_base, first_row, seq_q, col0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
+                if !whole_dims {
+                    sync_cube();
+                    stage_tile(query, q_base, first_row, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
+                    stage_tile(key, k_base, kv0, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+                    sync_cube();
                 }
-                stage_tile(key, k_base, kv0, seq_kv, col0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
-                sync_cube();
-                for k in 0..comptime!(dim_chunk / TILE) {
+                for k in 0..dim_chunk / tile_rows {
                     let a = q_tile.slice(plane * TILE * dim_chunk + k * TILE, block_rows * dim_chunk);
                     let b = k_tile.slice(k * TILE, block_kv * dim_chunk);
-                    M::mma_row::<F>(&mut s_acc, 0usize, kv_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, plane_dim);
-                }
-                if comptime!(blocks.dim_chunks() > 1) {
-                    sync_cube();
+                    M::mma_row::<F>(&mut s_acc, 0usize, kv_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, tile_rows, plane_dim);
                 }
             }
             let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_kv);
@@ -364,26 +384,26 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
 
             // dP = dO · Vᵀ, the value dim a chunk at a time.
             let mut dp_acc = M::zeros(kv_tiles, plane_dim);
+            #[unroll]
             for chunk in 0..comptime!(blocks.value_chunks()) {
-                let col0 = chunk * value_chunk;
-                if comptime!(blocks.value_chunks() > 1) {
-                    stage_tile(output_grad, g_base, first_row, seq_q, col0, value_dim, &mut g_tile, 0, block_rows, value_chunk);
+                if !whole_values {
+                    sync_cube();
+                    stage_tile(output_grad, g_base, first_row, seq_q, chunk * value_chunk, value_dim, &mut g_tile, 0, block_rows, value_chunk);
+                    stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
+                    sync_cube();
                 }
-                stage_tile(value, v_base, kv0, seq_kv, col0, value_dim, &mut v_tile, 0, block_kv, value_chunk);
-                sync_cube();
-                for k in 0..comptime!(value_chunk / TILE) {
+                for k in 0..value_chunk / tile_rows {
                     let a = g_tile.slice(plane * TILE * value_chunk + k * TILE, block_rows * value_chunk);
                     let b = v_tile.slice(k * TILE, block_kv * value_chunk);
-                    M::mma_row::<F>(&mut dp_acc, 0usize, kv_tiles, &a, value_chunk, false, &b, TILE * value_chunk, value_chunk, true, plane_dim);
+                    M::mma_row::<F>(&mut dp_acc, 0usize, kv_tiles, &a, value_chunk, false, &b, TILE * value_chunk, value_chunk, true, tile_rows, plane_dim);
                 }
-                sync_cube();
             }
             let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * block_kv);
             M::store_row(&dp_acc, 0usize, kv_tiles, &mut out, block_kv, plane_dim);
             sync_tile(blocks.plane_sync);
 
             // P and dS = P ∘ (dP − delta), masked on tiles that cross the diagonal or the end.
-            for r in 0..TILE {
+            for r in 0..tile_rows {
                 let row = plane_row + r;
                 let mut seen = seq_kv;
                 if blocks.causal {
@@ -404,22 +424,22 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
             // dQ += dS · K
             #[unroll]
             for chunk in 0..comptime!(blocks.dim_chunks()) {
-                if comptime!(blocks.dim_chunks() > 1) {
+                if !whole_dims {
+                    sync_cube();
                     stage_tile(key, k_base, kv0, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
                     sync_cube();
                 }
-                for k in 0..kv_tiles {
+                for k in 0..block_kv / tile_rows {
                     let a = ds.slice(scores_at + k * TILE, scores_at + TILE * block_kv);
                     let b = k_tile.slice(k * TILE * dim_chunk, block_kv * dim_chunk);
                     let first = comptime!(chunk * dim_chunk / TILE);
-                    M::mma_row::<F>(&mut dq_acc, first, comptime!(dim_chunk / TILE), &a, block_kv, false, &b, TILE, dim_chunk, false, plane_dim);
+                    M::mma_row::<F>(&mut dq_acc, first, comptime!(dim_chunk / TILE), &a, block_kv, false, &b, TILE, dim_chunk, false, tile_rows, plane_dim);
                 }
-                sync_cube();
             }
         }
 
         let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
-        let dq_base = row_offset(query_grad, batch, head, 0);
-        write_rows::<F, M>(&dq_acc, query_grad, dq_base, plane_row, seq_q, head_dim, scale, &mut scratch, comptime!(blocks.dim / TILE), blocks);
+        let dim_tiles = comptime!(blocks.dim / TILE);
+        write_gradient::<F, M>(&dq_acc, query_grad, batch, head, plane_row, seq_q, head_dim, scale, &mut scratch, dim_tiles, blocks);
     }
 }

@@ -45,6 +45,10 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
     lse: &mut Tensor<f32>,
     scale: f32,
     blocks_per_head: usize,
+    // 16 (a tile's rows), as a runtime value so that the loops over a tile's rows stay
+    // loops: a software Vulkan driver unrolls constant ones into shaders it takes minutes to
+    // compile.
+    tile_rows: usize,
     #[comptime] blocks: Blocks,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -76,7 +80,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
         let mut row_max = Array::<f32>::new(TILE);
         let mut row_sum = Array::<f32>::new(TILE);
         let mut factors = Array::<f32>::new(TILE);
-        for r in 0..TILE {
+        for r in 0..tile_rows {
             row_max[r] = f32::new(MASKED);
             row_sum[r] = 0.0f32;
         }
@@ -92,28 +96,42 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
         }
         let tiles = visible.div_ceil(block_kv);
         if comptime!(blocks.dim_chunks() == 1) {
-            // Staged once; the first tile's barrier makes it visible.
+            // Staged once; the first tile's barriers make it visible.
             stage_tile(query, q_base, first_row, seq_q, 0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
         }
 
         for tile in 0..tiles {
             let kv0 = tile * block_kv;
 
-            // S = Q · Kᵀ for this plane's 16 rows.
+            // S = Q · Kᵀ for this plane's 16 rows. With whole head dims, K and V are staged
+            // together behind one barrier (the one before it keeps a slower plane's reads of
+            // the previous tiles from being overwritten).
             let mut s_acc = M::zeros(kv_tiles, plane_dim);
-            for chunk in 0..comptime!(blocks.dim_chunks()) {
-                let col0 = chunk * dim_chunk;
-                if comptime!(blocks.dim_chunks() > 1) {
-                    stage_tile(query, q_base, first_row, seq_q, col0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
-                }
-                stage_tile(key, k_base, kv0, seq_kv, col0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+            if comptime!(blocks.dim_chunks() == 1) {
                 sync_cube();
-                for k in 0..comptime!(dim_chunk / TILE) {
+                stage_tile(key, k_base, kv0, seq_kv, 0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+                if comptime!(blocks.value_chunks() == 1) {
+                    stage_tile(value, v_base, kv0, seq_kv, 0, value_dim, &mut v_tile, 0, block_kv, value_chunk);
+                }
+                sync_cube();
+                for k in 0..dim_chunk / tile_rows {
                     let a = q_tile.slice(plane * TILE * dim_chunk + k * TILE, block_rows * dim_chunk);
                     let b = k_tile.slice(k * TILE, block_kv * dim_chunk);
-                    M::mma_row::<F>(&mut s_acc, 0usize, kv_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, plane_dim);
+                    M::mma_row::<F>(&mut s_acc, 0usize, kv_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, tile_rows, plane_dim);
                 }
-                sync_cube();
+            } else {
+                for chunk in 0..comptime!(blocks.dim_chunks()) {
+                    let col0 = chunk * dim_chunk;
+                    sync_cube();
+                    stage_tile(query, q_base, first_row, seq_q, col0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
+                    stage_tile(key, k_base, kv0, seq_kv, col0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+                    sync_cube();
+                    for k in 0..dim_chunk / tile_rows {
+                        let a = q_tile.slice(plane * TILE * dim_chunk + k * TILE, block_rows * dim_chunk);
+                        let b = k_tile.slice(k * TILE, block_kv * dim_chunk);
+                        M::mma_row::<F>(&mut s_acc, 0usize, kv_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, tile_rows, plane_dim);
+                    }
+                }
             }
             let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_kv);
             M::store_row(&s_acc, 0usize, kv_tiles, &mut out, block_kv, plane_dim);
@@ -121,7 +139,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
 
             // Online softmax, a row at a time, the lanes across the columns.
             let mut rescale = false;
-            for r in 0..TILE {
+            for r in 0..tile_rows {
                 let mut seen = seq_kv;
                 if blocks.causal {
                     seen = keys_seen(plane_row + r, seq_q, seq_kv);
@@ -168,39 +186,40 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
             }
 
             // O += P · V
-            #[unroll]
-            for chunk in 0..comptime!(blocks.value_chunks()) {
-                stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
-                sync_cube();
-                for k in 0..kv_tiles {
+            if comptime!(blocks.dim_chunks() == 1 && blocks.value_chunks() == 1) {
+                for k in 0..block_kv / tile_rows {
                     let a = probs.slice(scores_at + k * TILE, scores_at + TILE * block_kv);
                     let b = v_tile.slice(k * TILE * value_chunk, block_kv * value_chunk);
-                    let first = comptime!(chunk * value_chunk / TILE);
-                    M::mma_row::<F>(&mut out_acc, first, comptime!(value_chunk / TILE), &a, block_kv, false, &b, TILE, value_chunk, false, plane_dim);
+                    M::mma_row::<F>(&mut out_acc, 0usize, value_tiles, &a, block_kv, false, &b, TILE, value_chunk, false, tile_rows, plane_dim);
                 }
-                sync_cube();
+            } else {
+                #[unroll]
+                for chunk in 0..comptime!(blocks.value_chunks()) {
+                    sync_cube();
+                    stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
+                    sync_cube();
+                    for k in 0..block_kv / tile_rows {
+                        let a = probs.slice(scores_at + k * TILE, scores_at + TILE * block_kv);
+                        let b = v_tile.slice(k * TILE * value_chunk, block_kv * value_chunk);
+                        let first = comptime!(chunk * value_chunk / TILE);
+                        M::mma_row::<F>(&mut out_acc, first, comptime!(value_chunk / TILE), &a, block_kv, false, &b, TILE, value_chunk, false, tile_rows, plane_dim);
+                    }
+                }
             }
         }
 
-        // O / l, written a 16 × 16 tile at a time through the plane's shared memory.
-        let o_base = row_offset(output, batch, head, 0);
+        // O / l, and the log-sum-exp.
+        let mut inverse = Array::<f32>::new(TILE);
+        for r in 0..tile_rows {
+            let sum = row_sum[r];
+            inverse[r] = select(sum > 0.0f32, 1.0f32 / sum, 0.0f32);
+        }
         let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
-        #[unroll]
-        for t in 0..value_tiles {
-            M::store_row(&out_acc, t, 1usize, &mut scratch, TILE, plane_dim);
-            sync_tile(blocks.plane_sync);
-            let mut i = lane;
-            while i < TILE * TILE {
-                let row = plane_row + i / TILE;
-                let col = t * TILE + i % TILE;
-                if row < seq_q && col < value_dim {
-                    let sum = row_sum[i / TILE];
-                    let inverse = select(sum > 0.0f32, 1.0f32 / sum, 0.0f32);
-                    output[o_base + row * output.stride(2) + col * output.stride(3)] = F::cast_from(scratch[i] * inverse);
-                }
-                i += plane_dim;
-            }
-            sync_tile(blocks.plane_sync);
+        if plane_row < seq_q {
+            let o_row = row_offset(output, batch, head, plane_row);
+            let mut out = output.slice_mut(o_row, output.len());
+            let rows = seq_q - plane_row;
+            M::write_rows::<F>(&out_acc, value_tiles, &mut out, output.stride(2), rows, value_dim, &inverse, &mut scratch, plane_dim, blocks.plane_sync);
         }
         let mut r = lane;
         while r < TILE {

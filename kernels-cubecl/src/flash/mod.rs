@@ -84,7 +84,8 @@ impl Problem {
         Self::new(&query.client, info(&q, query), info(&k, key), info(&v, value), options)
     }
 
-    fn new<R: CubeRuntime>(
+    /// Checks q, k and v of these shapes and dtypes for `client`'s device.
+    pub fn new<R: CubeRuntime>(
         client: &ComputeClient<R>,
         query: OperandInfo,
         key: OperandInfo,
@@ -206,6 +207,7 @@ pub fn flash_attention_forward<R: CubeRuntime>(
         lse.clone().into_tensor_arg(),
         p.scale,
         blocks_per_head,
+        TILE,
         blocks,
         dtype.into(),
     );
@@ -288,6 +290,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
         value_grad.clone().into_tensor_arg(),
         p.scale,
         blocks_per_head,
+        TILE,
         blocks,
         dtype.into(),
     );
@@ -311,6 +314,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
         query_grad.clone().into_tensor_arg(),
         p.scale,
         blocks_per_head,
+        TILE,
         blocks,
         dtype.into(),
     );

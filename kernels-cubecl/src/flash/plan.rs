@@ -104,8 +104,9 @@ struct Budget {
 }
 
 impl Budget {
-    /// The first blocks that fit, trying whole head dims before chunks of them, then more
-    /// planes (rows per cube: more reuse of every staged tile) before longer streamed tiles.
+    /// The first blocks that fit, trying whole head dims before chunks of them, then longer
+    /// streamed tiles (fewer loop iterations and barriers per row) before more planes (rows
+    /// per cube: more reuse of every staged tile). A large device fits the largest of both.
     fn blocks(&self, kernel: Kernel) -> Result<Blocks, FlashError> {
         let chunks = |dim: usize| -> Vec<usize> {
             let tiles = dim / TILE;
@@ -116,8 +117,8 @@ impl Budget {
         for level in 0..dim_chunks.len().max(value_chunks.len()) {
             let dim_chunk = dim_chunks[level.min(dim_chunks.len() - 1)];
             let value_chunk = value_chunks[level.min(value_chunks.len() - 1)];
-            for planes in [8, 4, 2, 1].into_iter().filter(|p| p * self.plane_dim <= self.max_units) {
-                for block_kv in [64, 32, 16] {
+            for block_kv in [64, 32, 16] {
+                for planes in [8, 4, 2, 1].into_iter().filter(|p| p * self.plane_dim <= self.max_units) {
                     let blocks = Blocks {
                         plane_dim: self.plane_dim,
                         planes,

@@ -36,7 +36,8 @@ pub trait TileMma: Send + Sync + 'static {
     /// `tiles[first + t] += A · B_t` for `t` in `0..count`: `A` a 16 × 16 tile at `a`, `B_t`
     /// the 16 × 16 tile `t · b_step` elements after `b`. Operands are read from shared memory
     /// with the given row stride, row-major or column-major (a column-major `B` is the
-    /// transpose of the row-major tile at the same place).
+    /// transpose of the row-major tile at the same place). `depth` is 16 passed at run time:
+    /// the plane engine's loops run to it, so that shader compilers keep them rolled.
     #[allow(clippy::too_many_arguments)]
     fn mma_row<E: Float>(
         tiles: &mut Self::Tiles,
@@ -49,6 +50,7 @@ pub trait TileMma: Send + Sync + 'static {
         b_step: usize,
         b_stride: usize,
         #[comptime] b_col_major: bool,
+        depth: usize,
         #[comptime] plane_dim: usize,
     );
 
@@ -61,6 +63,24 @@ pub trait TileMma: Send + Sync + 'static {
         out: &mut SliceMut<f32>,
         stride: usize,
         #[comptime] plane_dim: usize,
+    );
+
+    /// Writes `tiles[t]` for `t` in `0..count`, row `r` times `factors[r]`, to `out` in its
+    /// storage type (tile `t` at column `16t`, row stride `stride`), skipping rows from
+    /// `rows` on and columns from `cols` on (the ends of the sequence and of the head dim).
+    /// `scratch` and `plane_sync` as for [`scale_rows`](Self::scale_rows).
+    #[allow(clippy::too_many_arguments)]
+    fn write_rows<F: Float>(
+        tiles: &Self::Tiles,
+        #[comptime] count: usize,
+        out: &mut SliceMut<F>,
+        stride: usize,
+        rows: usize,
+        cols: usize,
+        factors: &Array<f32>,
+        scratch: &mut SliceMut<f32>,
+        #[comptime] plane_dim: usize,
+        #[comptime] plane_sync: bool,
     );
 
     /// Multiplies row `r` of each of the `count` tiles by `factors[r]` (every lane holds all
@@ -104,6 +124,7 @@ impl TileMma for CmmaTiles {
         b_step: usize,
         b_stride: usize,
         #[comptime] b_col_major: bool,
+        _depth: usize,
         #[comptime] _plane_dim: usize,
     ) {
         let a_layout = if a_col_major { cmma::MatrixLayout::ColMajor } else { cmma::MatrixLayout::RowMajor };
@@ -129,6 +150,34 @@ impl TileMma for CmmaTiles {
         for t in 0..count {
             let mut tile_out = out.slice_mut(t * TILE, out.len());
             cmma::store(&mut tile_out, tiles.index(first + t), stride as u32, cmma::MatrixLayout::RowMajor);
+        }
+    }
+
+    fn write_rows<F: Float>(
+        tiles: &Sequence<cmma::Matrix<f32>>,
+        #[comptime] count: usize,
+        out: &mut SliceMut<F>,
+        stride: usize,
+        rows: usize,
+        cols: usize,
+        factors: &Array<f32>,
+        scratch: &mut SliceMut<f32>,
+        #[comptime] plane_dim: usize,
+        #[comptime] _plane_sync: bool,
+    ) {
+        #[unroll]
+        for t in 0..count {
+            cmma::store(scratch, tiles.index(t), TILE as u32, cmma::MatrixLayout::RowMajor);
+            sync_plane();
+            let mut i = UNIT_POS_X as usize;
+            while i < TILE * TILE {
+                let (r, c) = (i / TILE, t * TILE + i % TILE);
+                if r < rows && c < cols {
+                    out[r * stride + c] = F::cast_from(scratch[i] * factors[r]);
+                }
+                i += plane_dim;
+            }
+            sync_plane();
         }
     }
 
@@ -198,6 +247,7 @@ impl TileMma for PlaneTiles {
         b_step: usize,
         b_stride: usize,
         #[comptime] b_col_major: bool,
+        depth: usize,
         #[comptime] plane_dim: usize,
     ) {
         let (rows, cols) = comptime!(lane_block(plane_dim));
@@ -208,10 +258,12 @@ impl TileMma for PlaneTiles {
         let col0 = (lane % lanes_c) * cols;
         let mut a_values = Array::<f32>::new(rows);
         let mut b_values = Array::<f32>::new(cols);
-        for t in 0..count {
+        // Runtime bounds: a software Vulkan driver unrolls constant loops, and these unrolled
+        // take it minutes to compile.
+        for t in 0..count * depth / TILE {
             let b_at = t * b_step;
             let acc_at = (first + t) * per_tile;
-            for k in 0..TILE {
+            for k in 0..depth {
                 #[unroll]
                 for i in 0..rows {
                     let index = if a_col_major { k * a_stride + row0 + i } else { (row0 + i) * a_stride + k };
@@ -252,6 +304,39 @@ impl TileMma for PlaneTiles {
                 #[unroll]
                 for j in 0..cols {
                     out[(row0 + i) * stride + t * TILE + col0 + j] = tiles[(first + t) * per_tile + i * cols + j];
+                }
+            }
+        }
+    }
+
+    fn write_rows<F: Float>(
+        tiles: &Array<f32>,
+        #[comptime] count: usize,
+        out: &mut SliceMut<F>,
+        stride: usize,
+        rows: usize,
+        cols: usize,
+        factors: &Array<f32>,
+        _scratch: &mut SliceMut<f32>,
+        #[comptime] plane_dim: usize,
+        #[comptime] _plane_sync: bool,
+    ) {
+        // Straight from the registers: each lane knows where its values go.
+        let (block_rows, block_cols) = comptime!(lane_block(plane_dim));
+        let lanes_c = comptime!(TILE / block_cols);
+        let per_tile = comptime!(block_rows * block_cols);
+        let lane = UNIT_POS_X as usize;
+        let row0 = (lane / lanes_c) * block_rows;
+        let col0 = (lane % lanes_c) * block_cols;
+        for t in 0..count {
+            for i in 0..block_rows {
+                let r = row0 + i;
+                #[unroll]
+                for j in 0..block_cols {
+                    let c = t * TILE + col0 + j;
+                    if r < rows && c < cols {
+                        out[r * stride + c] = F::cast_from(tiles[t * per_tile + i * block_cols + j] * factors[r]);
+                    }
                 }
             }
         }
