@@ -185,9 +185,9 @@ fn main() {
         .flat_map(|&h| seqs.iter().flat_map(move |&seq| [false, true].map(|causal| Shape { batch: 1, heads: h, seq, head_dim: 128, causal })))
         .collect();
 
-    let info = |shape: &[usize; 4]| OperandInfo { shape, dtype };
     let q_shape = [1, 2, 512, 128];
-    let problem = Problem::new(&client, info(&q_shape), info(&q_shape), info(&q_shape), &FlashOptions { scale: None, causal: true }).unwrap();
+    let info = OperandInfo { shape: &q_shape, dtype };
+    let problem = Problem::new(&client, info, info, info, &FlashOptions { scale: None, causal: true }).unwrap();
     let plan = Plan::new(&problem, dtype, true, &client).unwrap();
     println!("flash attention, {dtype:?}, batch 1, head dim 128 ({})", std::any::type_name::<Runtime>());
     println!("plan: {:?} engine; forward blocks {:?}", plan.engine, plan.forward);

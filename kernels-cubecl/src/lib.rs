@@ -8,6 +8,11 @@
 //! Supported: causal (bottom-right aligned, as burn's `is_causal`) and non-causal attention,
 //! a custom scale, grouped-query attention (a kv head serves `q_heads / kv_heads` q heads),
 //! head dims up to 256, any sequence length, f32, f16 and bf16 (f32 accumulation).
+//!
+//! Layout of `flash/`: `plan` picks the engine and tile sizes from the device, `stage`
+//! places cubes on the grid and stages tiles into shared memory, `tile_ops` multiplies
+//! 16 × 16 tiles (tensor cores, or the plane's lanes where there are none: the CPU tests),
+//! and `forward` / `backward` hold the kernels; `mod.rs` checks shapes and launches.
 
 pub mod flash;
 

@@ -20,7 +20,7 @@ use cubecl::prelude::*;
 use super::{
     forward::MASKED,
     stage::{Blocks, cube_in_range, cube_place, first_row_seeing, keys_seen, row_offset, stage_row_stats, stage_tile},
-    tile_ops::{TILE, TileMma, sync_tile},
+    tile_ops::{TILE, TileMma, accumulate_a_b, accumulate_a_bt, sync_tile},
 };
 
 #[cube(launch)]
@@ -178,11 +178,7 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                         stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
                         sync_cube();
                     }
-                    for k in 0..dim_chunk / tile_rows {
-                        let a = k_tile.slice(plane * TILE * dim_chunk + k * TILE, block_rows * dim_chunk);
-                        let b = q_tile.slice(k * TILE, block_q * dim_chunk);
-                        M::mma_row::<F>(&mut s_acc, 0usize, q_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, tile_rows, plane_dim);
-                    }
+                    accumulate_a_bt::<F, M>(&mut s_acc, q_tiles, &k_tile.to_slice(), plane * TILE * dim_chunk, &q_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
                 }
                 let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_q);
                 M::store_row(&s_acc, 0usize, q_tiles, &mut out, block_q, plane_dim);
@@ -219,17 +215,9 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                         stage_tile(output_grad, g_base, q0, seq_q, chunk * value_chunk, value_dim, &mut g_tile, 0, block_q, value_chunk);
                         sync_cube();
                     }
-                    for k in 0..block_q / tile_rows {
-                        let a = probs.slice(scores_at + k * TILE, scores_at + TILE * block_q);
-                        let b = g_tile.slice(k * TILE * value_chunk, block_q * value_chunk);
-                        let first = comptime!(chunk * value_chunk / TILE);
-                        M::mma_row::<F>(&mut dv_acc, first, comptime!(value_chunk / TILE), &a, block_q, false, &b, TILE, value_chunk, false, tile_rows, plane_dim);
-                    }
-                    for k in 0..value_chunk / tile_rows {
-                        let a = v_tile.slice(plane * TILE * value_chunk + k * TILE, block_rows * value_chunk);
-                        let b = g_tile.slice(k * TILE, block_q * value_chunk);
-                        M::mma_row::<F>(&mut dp_acc, 0usize, q_tiles, &a, value_chunk, false, &b, TILE * value_chunk, value_chunk, true, tile_rows, plane_dim);
-                    }
+                    let first = comptime!(chunk * value_chunk / TILE);
+                    accumulate_a_b::<F, M>(&mut dv_acc, first, comptime!(value_chunk / TILE), &probs.to_slice(), scores_at, block_q, &g_tile.to_slice(), value_chunk, tile_rows, plane_dim);
+                    accumulate_a_bt::<F, M>(&mut dp_acc, q_tiles, &v_tile.to_slice(), plane * TILE * value_chunk, &g_tile.to_slice(), value_chunk, tile_rows, plane_dim);
                 }
 
                 // dSᵀ = Pᵀ ∘ (dPᵀ − delta), into the storage copy of Pᵀ (dV is done with it).
@@ -252,12 +240,8 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                         stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
                         sync_cube();
                     }
-                    for k in 0..block_q / tile_rows {
-                        let a = probs.slice(scores_at + k * TILE, scores_at + TILE * block_q);
-                        let b = q_tile.slice(k * TILE * dim_chunk, block_q * dim_chunk);
-                        let first = comptime!(chunk * dim_chunk / TILE);
-                        M::mma_row::<F>(&mut dk_acc, first, comptime!(dim_chunk / TILE), &a, block_q, false, &b, TILE, dim_chunk, false, tile_rows, plane_dim);
-                    }
+                    let first = comptime!(chunk * dim_chunk / TILE);
+                    accumulate_a_b::<F, M>(&mut dk_acc, first, comptime!(dim_chunk / TILE), &probs.to_slice(), scores_at, block_q, &q_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
                 }
             }
         }
@@ -373,11 +357,7 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
                     stage_tile(key, k_base, kv0, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
                     sync_cube();
                 }
-                for k in 0..dim_chunk / tile_rows {
-                    let a = q_tile.slice(plane * TILE * dim_chunk + k * TILE, block_rows * dim_chunk);
-                    let b = k_tile.slice(k * TILE, block_kv * dim_chunk);
-                    M::mma_row::<F>(&mut s_acc, 0usize, kv_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, tile_rows, plane_dim);
-                }
+                accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
             }
             let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_kv);
             M::store_row(&s_acc, 0usize, kv_tiles, &mut out, block_kv, plane_dim);
@@ -392,11 +372,7 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
                     stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
                     sync_cube();
                 }
-                for k in 0..value_chunk / tile_rows {
-                    let a = g_tile.slice(plane * TILE * value_chunk + k * TILE, block_rows * value_chunk);
-                    let b = v_tile.slice(k * TILE, block_kv * value_chunk);
-                    M::mma_row::<F>(&mut dp_acc, 0usize, kv_tiles, &a, value_chunk, false, &b, TILE * value_chunk, value_chunk, true, tile_rows, plane_dim);
-                }
+                accumulate_a_bt::<F, M>(&mut dp_acc, kv_tiles, &g_tile.to_slice(), plane * TILE * value_chunk, &v_tile.to_slice(), value_chunk, tile_rows, plane_dim);
             }
             let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * block_kv);
             M::store_row(&dp_acc, 0usize, kv_tiles, &mut out, block_kv, plane_dim);
@@ -429,12 +405,8 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
                     stage_tile(key, k_base, kv0, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
                     sync_cube();
                 }
-                for k in 0..block_kv / tile_rows {
-                    let a = ds.slice(scores_at + k * TILE, scores_at + TILE * block_kv);
-                    let b = k_tile.slice(k * TILE * dim_chunk, block_kv * dim_chunk);
-                    let first = comptime!(chunk * dim_chunk / TILE);
-                    M::mma_row::<F>(&mut dq_acc, first, comptime!(dim_chunk / TILE), &a, block_kv, false, &b, TILE, dim_chunk, false, tile_rows, plane_dim);
-                }
+                let first = comptime!(chunk * dim_chunk / TILE);
+                accumulate_a_b::<F, M>(&mut dq_acc, first, comptime!(dim_chunk / TILE), &ds.to_slice(), scores_at, block_kv, &k_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
             }
         }
 

@@ -25,7 +25,7 @@ use cubecl::prelude::*;
 
 use super::{
     stage::{Blocks, cube_in_range, cube_place, keys_seen, row_offset, stage_tile},
-    tile_ops::{TILE, TileMma, sync_tile},
+    tile_ops::{TILE, TileMma, accumulate_a_b, accumulate_a_bt, sync_tile},
 };
 
 /// Stand-in for -infinity in running maxima and masked scores (WGSL cannot spell infinity).
@@ -114,11 +114,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
                     stage_tile(value, v_base, kv0, seq_kv, 0, value_dim, &mut v_tile, 0, block_kv, value_chunk);
                 }
                 sync_cube();
-                for k in 0..dim_chunk / tile_rows {
-                    let a = q_tile.slice(plane * TILE * dim_chunk + k * TILE, block_rows * dim_chunk);
-                    let b = k_tile.slice(k * TILE, block_kv * dim_chunk);
-                    M::mma_row::<F>(&mut s_acc, 0usize, kv_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, tile_rows, plane_dim);
-                }
+                accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
             } else {
                 for chunk in 0..comptime!(blocks.dim_chunks()) {
                     let col0 = chunk * dim_chunk;
@@ -126,11 +122,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
                     stage_tile(query, q_base, first_row, seq_q, col0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
                     stage_tile(key, k_base, kv0, seq_kv, col0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
                     sync_cube();
-                    for k in 0..dim_chunk / tile_rows {
-                        let a = q_tile.slice(plane * TILE * dim_chunk + k * TILE, block_rows * dim_chunk);
-                        let b = k_tile.slice(k * TILE, block_kv * dim_chunk);
-                        M::mma_row::<F>(&mut s_acc, 0usize, kv_tiles, &a, dim_chunk, false, &b, TILE * dim_chunk, dim_chunk, true, tile_rows, plane_dim);
-                    }
+                    accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
                 }
             }
             let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_kv);
@@ -187,23 +179,15 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
 
             // O += P · V
             if comptime!(blocks.dim_chunks() == 1 && blocks.value_chunks() == 1) {
-                for k in 0..block_kv / tile_rows {
-                    let a = probs.slice(scores_at + k * TILE, scores_at + TILE * block_kv);
-                    let b = v_tile.slice(k * TILE * value_chunk, block_kv * value_chunk);
-                    M::mma_row::<F>(&mut out_acc, 0usize, value_tiles, &a, block_kv, false, &b, TILE, value_chunk, false, tile_rows, plane_dim);
-                }
+                accumulate_a_b::<F, M>(&mut out_acc, 0usize, value_tiles, &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice(), value_chunk, tile_rows, plane_dim);
             } else {
                 #[unroll]
                 for chunk in 0..comptime!(blocks.value_chunks()) {
                     sync_cube();
                     stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
                     sync_cube();
-                    for k in 0..block_kv / tile_rows {
-                        let a = probs.slice(scores_at + k * TILE, scores_at + TILE * block_kv);
-                        let b = v_tile.slice(k * TILE * value_chunk, block_kv * value_chunk);
-                        let first = comptime!(chunk * value_chunk / TILE);
-                        M::mma_row::<F>(&mut out_acc, first, comptime!(value_chunk / TILE), &a, block_kv, false, &b, TILE, value_chunk, false, tile_rows, plane_dim);
-                    }
+                    let first = comptime!(chunk * value_chunk / TILE);
+                    accumulate_a_b::<F, M>(&mut out_acc, first, comptime!(value_chunk / TILE), &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice(), value_chunk, tile_rows, plane_dim);
                 }
             }
         }

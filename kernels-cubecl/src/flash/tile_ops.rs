@@ -366,6 +366,52 @@ impl TileMma for PlaneTiles {
     }
 }
 
+/// `tiles[0..count] += A · Bᵀ` over a staged dim of `width` columns: A the plane's 16 rows
+/// starting at `a_at` of a row-major tile, B the `count × 16` rows of a row-major tile
+/// (`S = Q·Kᵀ`, `dP = dO·Vᵀ` and their transposes).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn accumulate_a_bt<F: Float, M: TileMma>(
+    tiles: &mut M::Tiles,
+    #[comptime] count: usize,
+    a: &Slice<F>,
+    a_at: usize,
+    b: &Slice<F>,
+    #[comptime] width: usize,
+    tile_rows: usize,
+    #[comptime] plane_dim: usize,
+) {
+    for k in 0..width / tile_rows {
+        let a_k = a.slice(a_at + k * TILE, a.len());
+        let b_k = b.slice(k * TILE, b.len());
+        M::mma_row::<F>(tiles, 0usize, count, &a_k, width, false, &b_k, TILE * width, width, true, tile_rows, plane_dim);
+    }
+}
+
+/// `tiles[first..first + count] += A · B` over `depth` streamed rows: A the plane's 16 rows
+/// starting at `a_at`, row stride `depth` (probabilities or dS), B a row-major tile of
+/// `depth` rows and `width` columns (`O += P·V`, `dV += Pᵀ·dO`, `dK += dSᵀ·Q`, `dQ += dS·K`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn accumulate_a_b<F: Float, M: TileMma>(
+    tiles: &mut M::Tiles,
+    #[comptime] first: usize,
+    #[comptime] count: usize,
+    a: &Slice<F>,
+    a_at: usize,
+    #[comptime] depth: usize,
+    b: &Slice<F>,
+    #[comptime] width: usize,
+    tile_rows: usize,
+    #[comptime] plane_dim: usize,
+) {
+    for k in 0..depth / tile_rows {
+        let a_k = a.slice(a_at + k * TILE, a.len());
+        let b_k = b.slice(k * TILE * width, b.len());
+        M::mma_row::<F>(tiles, first, count, &a_k, depth, false, &b_k, TILE, width, false, tile_rows, plane_dim);
+    }
+}
+
 /// Waits until every lane of this plane has reached this point (and, where the plane cannot
 /// synchronise alone, every lane of the cube: all planes reach it the same number of times).
 #[cube]
