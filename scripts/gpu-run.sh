@@ -19,6 +19,7 @@ if [ -x "$here/flash-attention-tests" ]; then
     ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" 2>&1 | tee "$out/flash-bench.log"
 fi
 if [ -x "$here/ulysses-nccl-check" ]; then
+    "$here/ulysses-launch" --nproc-per-node 1 -- "$here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check-1.log"
     ULYSSES_GPU=0 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "NCCL_HOSTID=host\$RANK exec $here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check.log"
 fi
 if [ -x "$here/ulysses-llama" ]; then
