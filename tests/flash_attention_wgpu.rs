@@ -167,3 +167,35 @@ fn fused_tensors_travel_through_the_wrapped_backends_communicator() {
         assert!(lines.iter().any(|l| l.contains("sub-group order")), "{lines:?}");
     }
 }
+
+/// With `forbid_dense_fallback`, a call the kernels take runs on them, and one they do not
+/// (a key-padding mask) fails naming why instead of building the score matrix.
+#[test]
+fn a_forbidden_dense_fallback_fails_only_where_the_kernels_cannot_run() {
+    use burn::tensor::Bool;
+    use burn_ulysses::{RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup};
+    type Sp = UlyssesBackend<Autodiff<Wgpu>>;
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let forbid = UlyssesConfig::new().with_forbid_dense_fallback(true);
+    let forwards = forward_launches();
+    let results = ThreadGroup::new(2).run(move |rank| {
+        let _sp = Sp::enter(RankScope::Thread, rank.communicator(), forbid.clone());
+        let device = Default::default();
+        let qkv = |seed| uniform_tensor::<Sp, 4>([1, 4, 16, 16], seed, &device);
+        let output = attention(qkv(1), qkv(2), qkv(3), None, None, CAUSAL);
+        assert!(values(output).iter().all(|x| x.is_finite()));
+        let mask = Tensor::<Sp, 4, Bool>::empty([1, 1, 1, 16], &device);
+        attention(qkv(1), qkv(2), qkv(3), Some(mask), None, CAUSAL);
+    });
+    assert!(forward_launches() >= forwards + 2, "the unmasked call ran the kernels on both ranks");
+    for (rank, result) in results.into_iter().enumerate() {
+        let message = match result {
+            Ok(()) => panic!("rank {rank}: the masked call fell back to dense attention although it was forbidden"),
+            Err(panic) => panic.message,
+        };
+        assert!(message.contains("has a mask") && message.contains("forbid_dense_fallback"), "rank {rank}: {message}");
+    }
+}

@@ -9,7 +9,7 @@ use burn::{
     tensor::{Bool, Tensor, module::attention, ops::AttentionModuleOptions},
 };
 use burn_ulysses::{
-    UlyssesBackend,
+    RankScope, UlyssesBackend, UlyssesConfig,
     comm::{ThreadGroup, ThreadGroupConfig, ThreadRank},
 };
 use ulysses_suite::{uniform_tensor, with_deadline};
@@ -21,11 +21,16 @@ const OPTIONS: AttentionModuleOptions = AttentionModuleOptions { scale: None, so
 /// Runs `work` on `sp` ranks and returns every rank's panic message; fails if a rank
 /// succeeded or the whole run took longer than a few seconds.
 fn errors_on_every_rank(sp: usize, work: impl Fn(&ThreadRank) + Sync + Send + 'static) -> Vec<String> {
+    errors_on_every_rank_with(sp, UlyssesConfig::new(), work)
+}
+
+/// [`errors_on_every_rank`] with the ranks entered under `config`.
+fn errors_on_every_rank_with(sp: usize, config: UlyssesConfig, work: impl Fn(&ThreadRank) + Sync + Send + 'static) -> Vec<String> {
     let started = Instant::now();
     let results = with_deadline(Duration::from_secs(50), move || {
         let group = ThreadGroup::from_config(&ThreadGroupConfig::new(sp).with_timeout_secs(20.0));
         group.run(|rank| {
-            let _sp = Sp::enter_thread(rank.communicator());
+            let _sp = Sp::enter(RankScope::Thread, rank.communicator(), config.clone());
             work(rank)
         })
     });
@@ -175,4 +180,23 @@ fn a_rank_that_dies_before_attention_stops_the_others() {
         assert!(messages[rank].contains("rank 1 left the group"), "{}", messages[rank]);
     }
     println!("{}", messages[0]);
+}
+
+/// NdArray has no fused kernel: with `forbid_dense_fallback` the call fails naming that (or
+/// the mask, which no kernel takes), instead of building the S x S score matrix.
+#[test]
+fn a_forbidden_fallback_to_dense_attention_names_its_reason() {
+    let forbid = UlyssesConfig::new().with_forbid_dense_fallback(true);
+    let messages = errors_on_every_rank_with(2, forbid.clone(), |_| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        attention(q, k, v, None, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["dense attention", "NdArray", "has no fused attention kernel", "forbid_dense_fallback"]);
+
+    let messages = errors_on_every_rank_with(2, forbid, |_| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        let mask = Tensor::<Sp, 4, Bool>::empty([1, 1, 1, 8], &Default::default());
+        attention(q, k, v, Some(mask), None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["dense attention", "has a mask", "forbid_dense_fallback"]);
 }

@@ -24,6 +24,7 @@ use crate::{
     context,
     error::UlyssesError,
     exchange::{heads_to_sequence, sequence_to_heads},
+    fused::DenseFallback,
     inner::ExchangeBackend,
     layout::{AttentionLayout, HeadPlan, MaskKind},
     primitive::{float_primitive, float_tensor},
@@ -42,6 +43,8 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
     let attend_or_explain = || -> Result<FloatTensor<X>, UlyssesError> {
         let layout = local_layout::<X>(&query, &key, &value, mask.as_ref(), attn_bias.as_ref(), &options)?;
         let context = context::current::<X::Wire>()?;
+        let forbid = context.as_ref().is_some_and(|c| c.config.forbid_dense_fallback);
+        let fallback = if forbid { DenseFallback::Forbid } else { DenseFallback::Allow };
         let Some(context) = context.filter(|c| c.communicator.size() > 1) else {
             HeadPlan::new(layout.q_heads, layout.kv_heads, 1)?;
             let output = attend::<X>(
@@ -51,7 +54,8 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
                 mask.map(bool_tensor::<X>),
                 attn_bias.map(float_tensor),
                 options,
-            );
+                fallback,
+            )?;
             return Ok(float_primitive(output));
         };
         let communicator = &context.communicator;
@@ -81,7 +85,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             Some(mask) => Some(gather_key_padding_mask::<X>(bool_tensor(mask), &query, &key, &plan, communicator)?),
             None => None,
         };
-        let output = attend::<X>(query, key, value, mask, None, options);
+        let output = attend::<X>(query, key, value, mask, None, options, fallback)?;
         Ok(float_primitive(heads_to_sequence(output, communicator)?))
     };
     attend_or_explain().unwrap_or_else(|error| panic!("{error}"))
@@ -132,7 +136,8 @@ fn local_layout<X: ExchangeBackend>(
 }
 
 /// Attention over whole sequences with the inner backend's best kernel (a fused one takes
-/// grouped kv heads as they are; burn's attention gets them expanded).
+/// grouped kv heads as they are; burn's attention gets them expanded), falling back to
+/// burn's dense attention as `fallback` allows.
 fn attend<X: ExchangeBackend>(
     query: Tensor<X, 4>,
     key: Tensor<X, 4>,
@@ -140,7 +145,8 @@ fn attend<X: ExchangeBackend>(
     mask: Option<Tensor<X, 4, Bool>>,
     attn_bias: Option<Tensor<X, 4>>,
     options: AttentionModuleOptions,
-) -> Tensor<X, 4> {
+    fallback: DenseFallback,
+) -> Result<Tensor<X, 4>, UlyssesError> {
     let output = X::sequence_attention(
         float_primitive(query),
         float_primitive(key),
@@ -148,8 +154,9 @@ fn attend<X: ExchangeBackend>(
         mask.map(Tensor::into_primitive),
         attn_bias.map(float_primitive),
         options,
-    );
-    float_tensor(output)
+        fallback,
+    )?;
+    Ok(float_tensor(output))
 }
 
 /// Repeats each head of `[batch, heads, seq, dim]` `times` times in place

@@ -34,6 +34,12 @@ pub struct UlyssesConfig {
     /// surfaces later as a shape error or, on NCCL, as corrupted data.
     #[config(default = true)]
     pub verify_layout: bool,
+    /// Fail, naming the reason, where attention would fall back to burn's dense attention
+    /// (a mask, a bias, a softcap, or a backend or shape the flash kernels do not take):
+    /// it builds the `S × S` score matrix, which at long sequences is an out-of-memory
+    /// error rather than a slowdown. Off, each fallback is logged with its reason.
+    #[config(default = false)]
+    pub forbid_dense_fallback: bool,
 }
 
 /// The group a rank belongs to, for tensors of the wire backend `W`.

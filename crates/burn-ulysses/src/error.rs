@@ -65,6 +65,13 @@ pub enum UlyssesError {
     UnshardableBias { shape: Vec<usize> },
 
     #[error(
+        "attention would fall back to burn's dense attention, which builds the S x S score \
+         matrix, because {reason}. UlyssesConfig::forbid_dense_fallback makes that an error; \
+         remove the cause, or turn the switch off to accept the fallback (it is then logged)."
+    )]
+    DenseFallback { reason: String },
+
+    #[error(
         "the rank context was entered for tensors of backend `{entered}`, but attention ran on \
          `{used}`. Enter the context through the UlyssesBackend type the model runs on \
          (e.g. `UlyssesBackend::<Autodiff<NdArray>>::enter_thread`)."

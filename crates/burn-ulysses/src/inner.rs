@@ -25,7 +25,8 @@ use burn_autodiff::{
 use crate::{
     comm::{CommError, Communicator},
     exchange::AllToAllBackward,
-    fused::{FusedAttentionBackward, FusedAttentionState, reference_attention},
+    error::UlyssesError,
+    fused::{DenseFallback, FusedAttentionBackward, FusedAttentionState, dense_fallback, fused_forward, reference_attention},
 };
 
 /// A backend that `UlyssesBackend` can wrap.
@@ -48,8 +49,8 @@ pub trait ExchangeBackend: Backend {
     ) -> Result<FloatTensor<Self>, CommError>;
 
     /// Attention over whole sequences: the backend's fused kernel when it has one for these
-    /// inputs (no mask, bias or softcap), else burn's attention. k and v may have fewer heads
-    /// than q (grouped-query attention, kv heads dividing q heads).
+    /// inputs (no mask, bias or softcap), else burn's attention, as `fallback` allows. k and v
+    /// may have fewer heads than q (grouped-query attention, kv heads dividing q heads).
     fn sequence_attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
@@ -57,7 +58,8 @@ pub trait ExchangeBackend: Backend {
         mask: Option<BoolTensor<Self>>,
         attn_bias: Option<FloatTensor<Self>>,
         options: AttentionModuleOptions,
-    ) -> FloatTensor<Self>;
+        fallback: DenseFallback,
+    ) -> Result<FloatTensor<Self>, UlyssesError>;
 }
 
 /// A backend without autodiff. A backend with its own attention kernels overrides the two
@@ -71,18 +73,18 @@ pub trait PlainBackend: Backend {
         _device: &Self::Device,
         _options: &AttentionModuleOptions,
     ) -> Result<(), String> {
-        Err(format!("{} has no fused attention kernel", std::any::type_name::<Self>()))
+        Err(no_fused_kernel::<Self>())
     }
 
     /// Output and per-row log-sum-exp (`[B, H, S_q]`, f32) of attention with grouped kv
-    /// heads allowed, or `None` when this backend has no kernel for these inputs.
+    /// heads allowed, or why this backend has no kernel for these inputs.
     fn fused_attention_forward(
         _query: FloatTensor<Self>,
         _key: FloatTensor<Self>,
         _value: FloatTensor<Self>,
         _options: &AttentionModuleOptions,
-    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        None
+    ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
+        Err(no_fused_kernel::<Self>())
     }
 
     /// `(dQ, dK, dV)` from the inputs, output, output gradient and log-sum-exp of a
@@ -101,9 +103,8 @@ pub trait PlainBackend: Backend {
     }
 }
 
-/// Whether a call can go to a fused kernel at all.
-fn fusable(mask: bool, bias: bool, options: &AttentionModuleOptions) -> bool {
-    !mask && !bias && options.softcap.is_none()
+fn no_fused_kernel<B>() -> String {
+    format!("{} has no fused attention kernel", std::any::type_name::<B>())
 }
 
 impl<B: PlainBackend> ExchangeBackend for B {
@@ -130,13 +131,15 @@ impl<B: PlainBackend> ExchangeBackend for B {
         mask: Option<BoolTensor<B>>,
         attn_bias: Option<FloatTensor<B>>,
         options: AttentionModuleOptions,
-    ) -> FloatTensor<B> {
-        if fusable(mask.is_some(), attn_bias.is_some(), &options)
-            && let Some((output, _lse)) = B::fused_attention_forward(query.clone(), key.clone(), value.clone(), &options)
-        {
-            return output;
+        fallback: DenseFallback,
+    ) -> Result<FloatTensor<B>, UlyssesError> {
+        match fused_forward::<B>(&query, &key, &value, mask.is_some(), attn_bias.is_some(), &options) {
+            Ok((output, _lse)) => Ok(output),
+            Err(reason) => {
+                dense_fallback(reason, fallback)?;
+                Ok(reference_attention::<B>(query, key, value, mask, attn_bias, options))
+            }
         }
-        reference_attention::<B>(query, key, value, mask, attn_bias, options)
     }
 }
 
@@ -172,22 +175,27 @@ impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> 
         mask: Option<BoolTensor<Self>>,
         attn_bias: Option<FloatTensor<Self>>,
         options: AttentionModuleOptions,
-    ) -> FloatTensor<Self> {
-        if fusable(mask.is_some(), attn_bias.is_some(), &options) {
-            let (q, k, v) = (query.primitive.clone(), key.primitive.clone(), value.primitive.clone());
-            if let Some((output, lse)) = B::fused_attention_forward(q.clone(), k.clone(), v.clone(), &options) {
+        fallback: DenseFallback,
+    ) -> Result<FloatTensor<Self>, UlyssesError> {
+        let (q, k, v) = (&query.primitive, &key.primitive, &value.primitive);
+        match fused_forward::<B>(q, k, v, mask.is_some(), attn_bias.is_some(), &options) {
+            Ok((output, lse)) => {
+                let (q, k, v) = (q.clone(), k.clone(), v.clone());
                 let nodes = [query.node, key.node, value.node];
                 // Compute bound: recomputing attention would cost what the kernel saves.
-                return match FusedAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
+                Ok(match FusedAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
                     OpsKind::Tracked(prep) => {
                         let state = FusedAttentionState { query: q, key: k, value: v, output: output.clone(), lse, options };
                         prep.finish(state, output)
                     }
                     OpsKind::UnTracked(prep) => prep.finish(output),
-                };
+                })
+            }
+            Err(reason) => {
+                dense_fallback(reason, fallback)?;
+                Ok(reference_attention::<Self>(query, key, value, mask, attn_bias, options))
             }
         }
-        reference_attention::<Self>(query, key, value, mask, attn_bias, options)
     }
 }
 

@@ -8,7 +8,6 @@ use burn::tensor::{
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use ulysses_kernels::{FlashOptions, OperandInfo, check_flash_attention, flash_attention_backward, flash_attention_forward};
 
-use super::warn_fallback_once;
 use crate::inner::PlainBackend;
 
 fn flash_options(options: &AttentionModuleOptions) -> FlashOptions {
@@ -37,10 +36,8 @@ where
         key: FloatTensor<Self>,
         value: FloatTensor<Self>,
         options: &AttentionModuleOptions,
-    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
-        flash_attention_forward(query, key, value, flash_options(options))
-            .inspect_err(|error| warn_fallback_once(error))
-            .ok()
+    ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
+        flash_attention_forward(query, key, value, flash_options(options)).map_err(|error| error.to_string())
     }
 
     fn fused_attention_backward(

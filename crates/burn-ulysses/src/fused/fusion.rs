@@ -17,7 +17,6 @@ use burn_fusion::{
 };
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
 
-use super::warn_fallback_once;
 use crate::inner::PlainBackend;
 
 /// Which kernel a recorded operation runs.
@@ -44,7 +43,7 @@ impl<B: FusionBackend + PlainBackend> Operation<B::FusionRuntime> for FlashOpera
             Pass::Forward => {
                 let ([q, k, v], _) = self.desc.as_fixed::<3, 2>();
                 let (output, lse) = B::fused_attention_forward(input(q), input(k), input(v), &self.options)
-                    .expect("fused_attention_check accepted this call before it was recorded");
+                    .unwrap_or_else(|reason| panic!("fused_attention_check accepted this call before it was recorded, then: {reason}"));
                 vec![output, lse]
             }
             Pass::Backward => {
@@ -99,17 +98,14 @@ impl<B: FusionBackend + PlainBackend> PlainBackend for Fusion<B> {
         key: FloatTensor<Self>,
         value: FloatTensor<Self>,
         options: &AttentionModuleOptions,
-    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+    ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
         let operands = [&query, &key, &value].map(|tensor| (&tensor.shape[..], tensor.dtype));
-        if let Err(reason) = B::fused_attention_check(operands, query.client.device(), options) {
-            warn_fallback_once(&reason);
-            return None;
-        }
+        B::fused_attention_check(operands, query.client.device(), options)?;
         let (q, v) = (&query.shape, &value.shape);
         let output = (Shape::new([q[0], q[1], q[2], v[3]]), query.dtype);
         let lse = (Shape::new([q[0], q[1], q[2]]), DType::F32);
         let [output, lse] = record::<B>(Pass::Forward, vec![query, key, value], vec![output, lse], options).outputs();
-        Some((output, lse))
+        Ok((output, lse))
     }
 
     fn fused_attention_backward(

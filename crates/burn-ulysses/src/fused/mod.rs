@@ -19,6 +19,7 @@ use burn_autodiff::{
 
 use crate::{
     attention::repeat_kv_heads,
+    error::UlyssesError,
     inner::{ExchangeBackend, PlainBackend},
     primitive::{float_primitive, float_tensor},
 };
@@ -38,7 +39,8 @@ pub fn flash_attention<B: ExchangeBackend>(
         kv_heads > 0 && q_heads % kv_heads == 0,
         "flash_attention: k/v have {kv_heads} heads and q has {q_heads}; grouped-query attention needs the kv head count to divide the q head count"
     );
-    let output = B::sequence_attention(float_primitive(query), float_primitive(key), float_primitive(value), None, None, options);
+    let output = B::sequence_attention(float_primitive(query), float_primitive(key), float_primitive(value), None, None, options, DenseFallback::Allow)
+        .expect("an allowed fallback is not an error");
     float_tensor(output)
 }
 
@@ -108,10 +110,58 @@ mod cube;
 #[cfg(feature = "cubecl")]
 mod fusion;
 
-/// Logs, once per process, why attention falls back to burn's: a refusal repeats at every
-/// layer of every step.
-#[cfg(feature = "cubecl")]
-fn warn_fallback_once(reason: &dyn std::fmt::Display) {
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    WARNED.call_once(|| tracing::warn!(%reason, "flash attention unavailable, using burn's attention (which builds the score matrix)"));
+/// What attention does when no fused kernel takes a call and burn's dense attention, which
+/// builds the `S × S` score matrix, would run instead (`UlyssesConfig::forbid_dense_fallback`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenseFallback {
+    /// Run burn's attention and log why.
+    Allow,
+    /// Fail with [`UlyssesError::DenseFallback`], naming why.
+    Forbid,
+}
+
+/// Why a call cannot go to a fused kernel whatever the backend: what the kernels do not take.
+pub(crate) fn unfusable_reason(mask: bool, attn_bias: bool, options: &AttentionModuleOptions) -> Option<String> {
+    if mask {
+        Some("the call has a mask (the flash kernels take none yet)".into())
+    } else if attn_bias {
+        Some("the call has an attention bias (the flash kernels take none)".into())
+    } else if options.softcap.is_some() {
+        Some("the call has a softcap (the flash kernels have none)".into())
+    } else {
+        None
+    }
+}
+
+/// The fused forward (output and log-sum-exp) of `B` for this call, or why not.
+pub(crate) fn fused_forward<B: PlainBackend>(
+    query: &FloatTensor<B>,
+    key: &FloatTensor<B>,
+    value: &FloatTensor<B>,
+    mask: bool,
+    attn_bias: bool,
+    options: &AttentionModuleOptions,
+) -> Result<(FloatTensor<B>, FloatTensor<B>), String> {
+    if let Some(reason) = unfusable_reason(mask, attn_bias, options) {
+        return Err(reason);
+    }
+    B::fused_attention_forward(query.clone(), key.clone(), value.clone(), options)
+}
+
+/// Applies `policy` to a fallback: an error, or a log line with the reason. The reason is
+/// a warning the first time it occurs in the process (it repeats at every layer of every
+/// step) and a debug line every time.
+pub(crate) fn dense_fallback(reason: String, policy: DenseFallback) -> Result<(), UlyssesError> {
+    if policy == DenseFallback::Forbid {
+        return Err(UlyssesError::DenseFallback { reason });
+    }
+    static WARNED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut warned = WARNED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if warned.contains(&reason) {
+        tracing::debug!(%reason, "dense attention fallback");
+    } else {
+        tracing::warn!(%reason, "flash attention unavailable, using burn's dense attention (it builds the S x S score matrix)");
+        warned.push(reason);
+    }
+    Ok(())
 }
