@@ -173,3 +173,36 @@ fn training_refuses_sequence_parallelism_that_attention_never_reached() {
         assert!(message.contains("did not exchange through the SP group") && message.contains("enter_thread"), "{message}");
     }
 }
+
+/// A failure inside a rank's forward comes back from training as that step's error on every
+/// rank, not as a panic that tears the rank down: here rank 1 forbids the dense attention
+/// NdArray needs, and rank 0's next exchange finds rank 1 gone.
+#[test]
+fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
+    use burn_ulysses::{RankScope, UlyssesConfig};
+    let config = config(ParallelLayout::new().with_sp_size(2), 1);
+    let results = with_deadline(Duration::from_secs(50), move || {
+        let config = &config;
+        ThreadGroup::new(2).run(|rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
+            let forbid = UlyssesConfig::new().with_forbid_dense_fallback(rank.rank() == 1);
+            let _sp = Sp::enter(RankScope::Thread, groups.sp.clone(), forbid);
+            let device = Default::default();
+            let model = config.model.init::<Sp>(&device);
+            train_rank::<Sp>(config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default())
+                .err()
+                .map(|e| e.to_string())
+        })
+    });
+    let messages: Vec<String> = results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, result)| {
+            let error = result.unwrap_or_else(|p| panic!("rank {rank} panicked instead of returning an error: {p}"));
+            error.unwrap_or_else(|| panic!("rank {rank} trained although rank 1 cannot attend"))
+        })
+        .collect();
+    println!("{messages:#?}");
+    assert!(messages[1].starts_with("step 0") && messages[1].contains("forbid_dense_fallback"), "{}", messages[1]);
+    assert!(messages[0].starts_with("step 0") && messages[0].contains("rank 1 left"), "{}", messages[0]);
+}

@@ -15,17 +15,16 @@ use std::sync::Arc;
 
 use burn::tensor::{
     Bool, Tensor, TensorMetadata,
-    backend::Backend,
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
 };
 
+pub use crate::fused::repeat_kv_heads;
 use crate::{
     comm::{Communicator, all_gather_host_checked},
     context,
     error::UlyssesError,
     exchange::{heads_to_sequence, sequence_to_heads},
-    fused::DenseFallback,
-    inner::ExchangeBackend,
+    inner::{DenseFallback, ExchangeBackend},
     layout::{AttentionLayout, HeadPlan, MaskKind},
     primitive::{float_primitive, float_tensor},
 };
@@ -157,20 +156,6 @@ fn attend<X: ExchangeBackend>(
         fallback,
     )?;
     Ok(float_tensor(output))
-}
-
-/// Repeats each head of `[batch, heads, seq, dim]` `times` times in place
-/// (`[h0, h0, h1, h1, ..]`), as grouped-query attention pairs q heads with kv heads. Under
-/// autodiff the copies' gradients are summed.
-pub fn repeat_kv_heads<B: Backend>(tensor: Tensor<B, 4>, times: usize) -> Tensor<B, 4> {
-    if times == 1 {
-        return tensor;
-    }
-    let [b, h, s, d] = tensor.dims();
-    tensor
-        .reshape([b, h, 1, s, d])
-        .expand([b, h, times, s, d])
-        .reshape([b, h * times, s, d])
 }
 
 /// Gathers a `[B, 1 | H, 1, S_k/P]` key-padding mask from every rank into this rank's

@@ -123,6 +123,12 @@ pub enum UlyssesError {
     #[error("step {step}: {source}")]
     AtStep { step: usize, source: Box<UlyssesError> },
 
+    /// A failure inside the model's forward or backward (a collective whose peer died, a bad
+    /// shape): backend ops cannot return errors, so it travelled as a panic and was caught
+    /// at the step's boundary.
+    #[error("{message}")]
+    InModel { message: String },
+
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: String, reason: String },
 

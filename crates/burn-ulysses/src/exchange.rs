@@ -11,17 +11,22 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{Tensor, backend::Backend};
+use burn::tensor::{
+    Tensor,
+    backend::{AutodiffBackend, Backend},
+    ops::FloatTensor,
+};
 use burn_autodiff::{
-    checkpoint::base::Checkpointer,
+    Autodiff,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
-    ops::{Backward, Ops, unary},
+    ops::{Backward, Ops, OpsKind, unary},
 };
 
 use crate::{
     comm::{CommError, Communicator},
     error::UlyssesError,
-    inner::ExchangeBackend,
+    inner::{ExchangeBackend, PlainBackend},
     primitive::{float_primitive, float_tensor},
 };
 
@@ -45,6 +50,50 @@ impl<B: Backend> Backward<B, 1> for AllToAllBackward<B> {
                 .all_to_all(grad)
                 .unwrap_or_else(|error| panic!("{}", UlyssesError::from(error)))
         });
+    }
+}
+
+impl<B: PlainBackend> ExchangeBackend for B {
+    type Wire = B;
+
+    fn all_to_all(
+        tensor: FloatTensor<B>,
+        communicator: &Arc<dyn Communicator<B>>,
+    ) -> Result<FloatTensor<B>, CommError> {
+        communicator.all_to_all(tensor)
+    }
+
+    fn all_gather_untracked(
+        tensor: FloatTensor<B>,
+        communicator: &Arc<dyn Communicator<B>>,
+    ) -> Result<FloatTensor<B>, CommError> {
+        communicator.all_gather(tensor)
+    }
+}
+
+impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> {
+    type Wire = B;
+
+    fn all_to_all(
+        tensor: FloatTensor<Self>,
+        communicator: &Arc<dyn Communicator<B>>,
+    ) -> Result<FloatTensor<Self>, CommError> {
+        let output = communicator.all_to_all(tensor.primitive)?;
+        let node = AllToAllBackward { communicator: communicator.clone() };
+        // Compute bound: the exchange is never recomputed by checkpointing. A recomputed
+        // collective would run on some ranks and not others, and they would deadlock.
+        Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((), output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        })
+    }
+
+    fn all_gather_untracked(
+        tensor: FloatTensor<Self>,
+        communicator: &Arc<dyn Communicator<B>>,
+    ) -> Result<FloatTensor<Self>, CommError> {
+        let gathered = communicator.all_gather(tensor.primitive)?;
+        Ok(<Self as AutodiffBackend>::from_inner(gathered))
     }
 }
 

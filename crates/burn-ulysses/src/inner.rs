@@ -1,36 +1,35 @@
 //! What `UlyssesBackend<Inner>` needs from the backend it wraps: a way to exchange tensors
-//! between ranks, and the best attention it has over whole sequences.
+//! between ranks ([`ExchangeBackend`]), and the best attention it has over whole sequences
+//! ([`SequenceAttention`]). The traits only: their implementations live beside the autodiff
+//! node each one builds (`exchange` for the all-to-all, `fused` for the fused attention), so
+//! this module, like `comm`, imports nothing above it.
 //!
 //! Rust has no specialisation, so a backend says which kind it is: `Autodiff<B>` (the
 //! exchange and the fused attention become autodiff nodes) or a [`PlainBackend`] (no
 //! autodiff: tensors are exchanged as they are). This crate implements [`PlainBackend`] for
 //! NdArray (feature `ndarray`) and for burn's CubeCL backends, fused or not (feature
 //! `cubecl`: CUDA, wgpu; both run the flash kernels of `ulysses-kernels`); a backend type of
-//! your own needs `impl PlainBackend for MyBackend {}`. Other burn backends (Candle, LibTorch, Router) need that line here, behind a
-//! feature: the orphan rule forbids writing it outside this crate.
+//! your own needs `impl PlainBackend for MyBackend {}`. Other burn backends (Candle,
+//! LibTorch, Router) need that line here, behind a feature: the orphan rule forbids writing
+//! it outside this crate.
 
 use std::sync::Arc;
 
 use burn::tensor::{
     DType,
-    backend::{AutodiffBackend, Backend},
+    backend::Backend,
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
-};
-use burn_autodiff::{
-    Autodiff,
-    checkpoint::strategy::CheckpointStrategy,
-    ops::{Backward, OpsKind},
 };
 
 use crate::{
     comm::{CommError, Communicator},
-    exchange::AllToAllBackward,
     error::UlyssesError,
-    fused::{DenseFallback, FusedAttentionBackward, FusedAttentionState, dense_fallback, fused_forward, reference_attention},
 };
 
-/// A backend that `UlyssesBackend` can wrap.
-pub trait ExchangeBackend: Backend {
+/// A backend that `UlyssesBackend` can wrap: it exchanges tensors (implemented in
+/// `exchange`, beside the all-to-all's autodiff node) and attends over whole sequences
+/// (implemented in `fused`, beside the fused attention's autodiff node).
+pub trait ExchangeBackend: SequenceAttention {
     /// The backend whose tensors the communicator moves: `Self` for a plain backend, the
     /// inner backend for `Autodiff<B>`.
     type Wire: Backend<Device = Self::Device>;
@@ -48,6 +47,10 @@ pub trait ExchangeBackend: Backend {
         communicator: &Arc<dyn Communicator<Self::Wire>>,
     ) -> Result<FloatTensor<Self>, CommError>;
 
+}
+
+/// Attention over whole sequences, with the backend's best kernel.
+pub trait SequenceAttention: Backend {
     /// Attention over whole sequences: the backend's fused kernel when it has one for these
     /// inputs (no mask, bias or softcap), else burn's attention, as `fallback` allows. k and v
     /// may have fewer heads than q (grouped-query attention, kv heads dividing q heads).
@@ -60,6 +63,16 @@ pub trait ExchangeBackend: Backend {
         options: AttentionModuleOptions,
         fallback: DenseFallback,
     ) -> Result<FloatTensor<Self>, UlyssesError>;
+}
+
+/// What attention does when no fused kernel takes a call and burn's dense attention, which
+/// builds the `S × S` score matrix, would run instead (`UlyssesConfig::forbid_dense_fallback`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenseFallback {
+    /// Run burn's attention and log why.
+    Allow,
+    /// Fail with [`UlyssesError::DenseFallback`], naming why.
+    Forbid,
 }
 
 /// A backend without autodiff. A backend with its own attention kernels overrides the two
@@ -105,98 +118,6 @@ pub trait PlainBackend: Backend {
 
 fn no_fused_kernel<B>() -> String {
     format!("{} has no fused attention kernel", std::any::type_name::<B>())
-}
-
-impl<B: PlainBackend> ExchangeBackend for B {
-    type Wire = B;
-
-    fn all_to_all(
-        tensor: FloatTensor<B>,
-        communicator: &Arc<dyn Communicator<B>>,
-    ) -> Result<FloatTensor<B>, CommError> {
-        communicator.all_to_all(tensor)
-    }
-
-    fn all_gather_untracked(
-        tensor: FloatTensor<B>,
-        communicator: &Arc<dyn Communicator<B>>,
-    ) -> Result<FloatTensor<B>, CommError> {
-        communicator.all_gather(tensor)
-    }
-
-    fn sequence_attention(
-        query: FloatTensor<B>,
-        key: FloatTensor<B>,
-        value: FloatTensor<B>,
-        mask: Option<BoolTensor<B>>,
-        attn_bias: Option<FloatTensor<B>>,
-        options: AttentionModuleOptions,
-        fallback: DenseFallback,
-    ) -> Result<FloatTensor<B>, UlyssesError> {
-        match fused_forward::<B>(&query, &key, &value, mask.is_some(), attn_bias.is_some(), &options) {
-            Ok((output, _lse)) => Ok(output),
-            Err(reason) => {
-                dense_fallback(reason, fallback)?;
-                Ok(reference_attention::<B>(query, key, value, mask, attn_bias, options))
-            }
-        }
-    }
-}
-
-impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> {
-    type Wire = B;
-
-    fn all_to_all(
-        tensor: FloatTensor<Self>,
-        communicator: &Arc<dyn Communicator<B>>,
-    ) -> Result<FloatTensor<Self>, CommError> {
-        let output = communicator.all_to_all(tensor.primitive)?;
-        let node = AllToAllBackward { communicator: communicator.clone() };
-        // Compute bound: the exchange is never recomputed by checkpointing. A recomputed
-        // collective would run on some ranks and not others, and they would deadlock.
-        Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((), output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        })
-    }
-
-    fn all_gather_untracked(
-        tensor: FloatTensor<Self>,
-        communicator: &Arc<dyn Communicator<B>>,
-    ) -> Result<FloatTensor<Self>, CommError> {
-        let gathered = communicator.all_gather(tensor.primitive)?;
-        Ok(<Self as AutodiffBackend>::from_inner(gathered))
-    }
-
-    fn sequence_attention(
-        query: FloatTensor<Self>,
-        key: FloatTensor<Self>,
-        value: FloatTensor<Self>,
-        mask: Option<BoolTensor<Self>>,
-        attn_bias: Option<FloatTensor<Self>>,
-        options: AttentionModuleOptions,
-        fallback: DenseFallback,
-    ) -> Result<FloatTensor<Self>, UlyssesError> {
-        let (q, k, v) = (&query.primitive, &key.primitive, &value.primitive);
-        match fused_forward::<B>(q, k, v, mask.is_some(), attn_bias.is_some(), &options) {
-            Ok((output, lse)) => {
-                let (q, k, v) = (q.clone(), k.clone(), v.clone());
-                let nodes = [query.node, key.node, value.node];
-                // Compute bound: recomputing attention would cost what the kernel saves.
-                Ok(match FusedAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
-                    OpsKind::Tracked(prep) => {
-                        let state = FusedAttentionState { query: q, key: k, value: v, output: output.clone(), lse, options };
-                        prep.finish(state, output)
-                    }
-                    OpsKind::UnTracked(prep) => prep.finish(output),
-                })
-            }
-            Err(reason) => {
-                dense_fallback(reason, fallback)?;
-                Ok(reference_attention::<Self>(query, key, value, mask, attn_bias, options))
-            }
-        }
-    }
 }
 
 #[cfg(feature = "ndarray")]

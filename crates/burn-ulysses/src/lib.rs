@@ -50,6 +50,6 @@ pub mod train;
 pub use backend::UlyssesBackend;
 pub use context::{RankGuard, RankScope, UlyssesConfig};
 pub use error::UlyssesError;
-pub use inner::{ExchangeBackend, PlainBackend};
+pub use inner::{ExchangeBackend, PlainBackend, SequenceAttention};
 pub use topology::{ParallelGroups, ParallelLayout};
 pub use train::TrainBackend;

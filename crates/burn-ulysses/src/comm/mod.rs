@@ -19,6 +19,7 @@ use burn::tensor::{backend::Backend, ops::FloatTensor};
 #[cfg(feature = "cubecl")]
 pub use fusion::FusionCommunicator;
 pub use thread::{RankPanic, ThreadCommunicator, ThreadGroup, ThreadGroupConfig, ThreadRank};
+pub(crate) use thread::panic_message;
 pub use traffic::{Traffic, TrafficCounter};
 
 /// Reduction applied by [`Communicator::all_reduce`].

@@ -548,7 +548,8 @@ impl ThreadCommunicator {
     }
 }
 
-fn panic_message(payload: &(dyn Any + Send)) -> String {
+/// The text of a panic's payload.
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     if let Some(message) = payload.downcast_ref::<String>() {
         message.clone()
     } else if let Some(message) = payload.downcast_ref::<&str>() {

@@ -12,15 +12,15 @@ use burn::tensor::{
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
 };
 use burn_autodiff::{
-    checkpoint::base::Checkpointer,
+    Autodiff,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
-    ops::{Backward, Ops},
+    ops::{Backward, Ops, OpsKind},
 };
 
 use crate::{
-    attention::repeat_kv_heads,
     error::UlyssesError,
-    inner::{ExchangeBackend, PlainBackend},
+    inner::{DenseFallback, PlainBackend, SequenceAttention},
     primitive::{float_primitive, float_tensor},
 };
 
@@ -28,7 +28,7 @@ use crate::{
 /// `Autodiff<CubeBackend<R, ..>>` and `CubeBackend<R, ..>` (feature `cubecl`) the
 /// flash-attention kernels of `ulysses-kernels`, differentiable, without a score matrix.
 /// k and v may have fewer heads than q (grouped-query attention).
-pub fn flash_attention<B: ExchangeBackend>(
+pub fn flash_attention<B: SequenceAttention>(
     query: Tensor<B, 4>,
     key: Tensor<B, 4>,
     value: Tensor<B, 4>,
@@ -110,14 +110,72 @@ mod cube;
 #[cfg(feature = "cubecl")]
 mod fusion;
 
-/// What attention does when no fused kernel takes a call and burn's dense attention, which
-/// builds the `S × S` score matrix, would run instead (`UlyssesConfig::forbid_dense_fallback`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DenseFallback {
-    /// Run burn's attention and log why.
-    Allow,
-    /// Fail with [`UlyssesError::DenseFallback`], naming why.
-    Forbid,
+impl<B: PlainBackend> SequenceAttention for B {
+    fn sequence_attention(
+        query: FloatTensor<B>,
+        key: FloatTensor<B>,
+        value: FloatTensor<B>,
+        mask: Option<BoolTensor<B>>,
+        attn_bias: Option<FloatTensor<B>>,
+        options: AttentionModuleOptions,
+        fallback: DenseFallback,
+    ) -> Result<FloatTensor<B>, UlyssesError> {
+        match fused_forward::<B>(&query, &key, &value, mask.is_some(), attn_bias.is_some(), &options) {
+            Ok((output, _lse)) => Ok(output),
+            Err(reason) => {
+                dense_fallback(reason, fallback)?;
+                Ok(reference_attention::<B>(query, key, value, mask, attn_bias, options))
+            }
+        }
+    }
+}
+
+
+impl<B: PlainBackend, C: CheckpointStrategy> SequenceAttention for Autodiff<B, C> {
+    fn sequence_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        attn_bias: Option<FloatTensor<Self>>,
+        options: AttentionModuleOptions,
+        fallback: DenseFallback,
+    ) -> Result<FloatTensor<Self>, UlyssesError> {
+        let (q, k, v) = (&query.primitive, &key.primitive, &value.primitive);
+        match fused_forward::<B>(q, k, v, mask.is_some(), attn_bias.is_some(), &options) {
+            Ok((output, lse)) => {
+                let (q, k, v) = (q.clone(), k.clone(), v.clone());
+                let nodes = [query.node, key.node, value.node];
+                // Compute bound: recomputing attention would cost what the kernel saves.
+                Ok(match FusedAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
+                    OpsKind::Tracked(prep) => {
+                        let state = FusedAttentionState { query: q, key: k, value: v, output: output.clone(), lse, options };
+                        prep.finish(state, output)
+                    }
+                    OpsKind::UnTracked(prep) => prep.finish(output),
+                })
+            }
+            Err(reason) => {
+                dense_fallback(reason, fallback)?;
+                Ok(reference_attention::<Self>(query, key, value, mask, attn_bias, options))
+            }
+        }
+    }
+}
+
+
+/// Repeats each head of `[batch, heads, seq, dim]` `times` times in place
+/// (`[h0, h0, h1, h1, ..]`), as grouped-query attention pairs q heads with kv heads. Under
+/// autodiff the copies' gradients are summed.
+pub fn repeat_kv_heads<B: Backend>(tensor: Tensor<B, 4>, times: usize) -> Tensor<B, 4> {
+    if times == 1 {
+        return tensor;
+    }
+    let [b, h, s, d] = tensor.dims();
+    tensor
+        .reshape([b, h, 1, s, d])
+        .expand([b, h, times, s, d])
+        .reshape([b, h * times, s, d])
 }
 
 /// Why a call cannot go to a fused kernel whatever the backend: what the kernels do not take.

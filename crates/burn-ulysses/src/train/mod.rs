@@ -50,7 +50,7 @@ pub use loss::{
 
 pub use crate::topology::{ParallelGroups, ParallelLayout};
 use crate::{
-    comm::{CommError, Communicator},
+    comm::{CommError, Communicator, panic_message},
     data::SequenceSharder,
     error::UlyssesError,
     primitive::{float_primitive, float_tensor},
@@ -154,10 +154,13 @@ where
     let mut loss = 0.0;
     let exchanges_before = groups.sp.traffic().all_to_all_calls;
     for shard in &shards {
-        let output = model.lm_output(shard.tokens(device), shard.position_offset);
-        let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
-        loss += shard_loss.clone().into_scalar().elem::<f64>();
-        let grads = GradientsParams::from_grads(shard_loss.backward(), model);
+        let (shard_loss, grads) = model_failure_as_error(|| {
+            let output = model.lm_output(shard.tokens(device), shard.position_offset);
+            let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
+            let shard_loss_value = shard_loss.clone().into_scalar().elem::<f64>();
+            (shard_loss_value, GradientsParams::from_grads(shard_loss.backward(), model))
+        })?;
+        loss += shard_loss;
         accumulator.accumulate(model, grads);
     }
     let exchanges = groups.sp.traffic().all_to_all_calls - exchanges_before;
@@ -262,8 +265,11 @@ pub fn evaluate<B: Backend, G: Backend>(
     device: &B::Device,
 ) -> Result<f64, UlyssesError> {
     let shard = sharder.shard(batch, sp_rank);
-    let loss = lm_loss_sum_inference(forward(shard.tokens(device), shard.position_offset), shard.labels(device), sharder.ignore_index);
-    let loss = sum_f64_over_ranks(sp_group, loss.into_scalar().elem::<f64>())?;
+    let loss = model_failure_as_error(|| {
+        let output = forward(shard.tokens(device), shard.position_offset);
+        lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>()
+    })?;
+    let loss = sum_f64_over_ranks(sp_group, loss)?;
     let [valid] = sum_over_ranks(sp_group, [shard.valid_tokens])?;
     Ok(loss / valid.max(1) as f64)
 }
@@ -280,6 +286,14 @@ pub fn evaluate_single_device<B: Backend>(
     let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard(batch, 0);
     let loss = lm_loss_sum_inference(forward(whole.tokens(device), 0), whole.labels(device), ignore_index);
     loss.into_scalar().elem::<f64>() / whole.valid_tokens.max(1) as f64
+}
+
+/// Runs a model's forward (and backward): a collective that fails inside attention or its
+/// backward (a peer died), or any other failure there, can only panic, since backend ops
+/// return no errors. Caught here, it becomes an error like every other of the step.
+fn model_failure_as_error<T>(run: impl FnOnce() -> T) -> Result<T, UlyssesError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
+        .map_err(|payload| UlyssesError::InModel { message: panic_message(payload.as_ref()) })
 }
 
 /// Sums a few counters over the ranks of `communicator` (a host collective).
