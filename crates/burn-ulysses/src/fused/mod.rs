@@ -130,7 +130,6 @@ impl<B: PlainBackend> SequenceAttention for B {
     }
 }
 
-
 impl<B: PlainBackend, C: CheckpointStrategy> SequenceAttention for Autodiff<B, C> {
     fn sequence_attention(
         query: FloatTensor<Self>,
@@ -162,7 +161,6 @@ impl<B: PlainBackend, C: CheckpointStrategy> SequenceAttention for Autodiff<B, C
         }
     }
 }
-
 
 /// Repeats each head of `[batch, heads, seq, dim]` `times` times in place
 /// (`[h0, h0, h1, h1, ..]`), as grouped-query attention pairs q heads with kv heads. Under
