@@ -46,7 +46,6 @@ pub trait ExchangeBackend: SequenceAttention {
         tensor: FloatTensor<Self>,
         communicator: &Arc<dyn Communicator<Self::Wire>>,
     ) -> Result<FloatTensor<Self>, CommError>;
-
 }
 
 /// Attention over whole sequences, with the backend's best kernel.

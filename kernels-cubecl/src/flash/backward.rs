@@ -19,7 +19,7 @@ use cubecl::prelude::*;
 
 use super::{
     forward::MASKED,
-    stage::{Blocks, cube_in_range, cube_place, first_row_seeing, keys_seen, row_offset, stage_row_stats, stage_tile},
+    stage::{Blocks, cube_in_range, cube_index, cube_place, first_row_seeing, keys_seen, keys_seen_by_rows, row_offset, stage_row_stats, stage_tile},
     tile_ops::{TILE, TileMma, accumulate_a_b, accumulate_a_bt, sync_tile},
 };
 
@@ -34,7 +34,7 @@ pub(crate) fn row_delta_kernel<F: Float>(
     let heads = output.shape(1);
     let seq = output.shape(2);
     let rows = output.shape(0) * heads * seq;
-    let index = (CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize) * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    let index = cube_index() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
     if index < rows {
         let batch = index / (heads * seq);
         let head = (index / seq) % heads;
@@ -328,12 +328,7 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
         if whole_values {
             stage_tile(output_grad, g_base, first_row, seq_q, 0, value_dim, &mut g_tile, 0, block_rows, value_chunk);
         }
-        let last_row = min(first_row + block_rows, seq_q) - 1;
-        let mut visible = seq_kv;
-        if blocks.causal {
-            visible = keys_seen(last_row, seq_q, seq_kv);
-        }
-        let tiles = (visible + block_kv - 1) / block_kv;
+        let tiles = keys_seen_by_rows(first_row, block_rows, seq_q, seq_kv, blocks.causal).div_ceil(block_kv);
 
         for tile in 0..tiles {
             let kv0 = tile * block_kv;

@@ -24,7 +24,7 @@
 use cubecl::prelude::*;
 
 use super::{
-    stage::{Blocks, cube_in_range, cube_place, keys_seen, row_offset, stage_tile},
+    stage::{Blocks, cube_in_range, cube_place, keys_seen, keys_seen_by_rows, row_offset, stage_tile},
     tile_ops::{TILE, TileMma, accumulate_a_b, accumulate_a_bt, sync_tile},
 };
 
@@ -89,12 +89,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
         let k_base = row_offset(key, batch, kv_head, 0);
         let v_base = row_offset(value, batch, kv_head, 0);
         // Causal: no key past what the cube's last row sees.
-        let last_row = min(first_row + block_rows, seq_q) - 1;
-        let mut visible = seq_kv;
-        if blocks.causal {
-            visible = keys_seen(last_row, seq_q, seq_kv);
-        }
-        let tiles = visible.div_ceil(block_kv);
+        let tiles = keys_seen_by_rows(first_row, block_rows, seq_q, seq_kv, blocks.causal).div_ceil(block_kv);
         if comptime!(blocks.dim_chunks() == 1) {
             // Staged once; the first tile's barriers make it visible.
             stage_tile(query, q_base, first_row, seq_q, 0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);

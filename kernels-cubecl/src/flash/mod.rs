@@ -14,10 +14,7 @@ use burn_cubecl::{
     ops::numeric::empty_device_contiguous_dtype,
     tensor::CubeTensor,
 };
-use cubecl::{
-    ir::{ElemType, FloatKind},
-    prelude::*,
-};
+use cubecl::prelude::*;
 
 use crate::FlashError;
 use backward::{key_value_grad_kernel, query_grad_kernel};
@@ -117,12 +114,7 @@ impl Problem {
         if q[0] == 0 || q[1] == 0 || q[2] == 0 || k[2] == 0 {
             return Err(FlashError::Shape(format!("empty attention: q {q:?}, k {k:?}")));
         }
-        let float_kind = match query.dtype {
-            DType::F16 => FloatKind::F16,
-            DType::BF16 => FloatKind::BF16,
-            _ => FloatKind::F32,
-        };
-        if !client.properties().supports_type(ElemType::Float(float_kind)) {
+        if !client.properties().supports_type(plan::float_storage(query.dtype)) {
             return Err(FlashError::DType { name: "q", dtype: query.dtype, query: query.dtype });
         }
         let scale = options.scale.unwrap_or(1.0 / (q[3] as f64).sqrt()) as f32;

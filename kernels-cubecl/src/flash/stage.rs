@@ -52,7 +52,7 @@ pub struct CubePlace {
 
 #[cube]
 pub fn cube_place(heads: usize, blocks_per_head: usize) -> CubePlace {
-    let cube = CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize;
+    let cube = cube_index();
     let batch_head = cube / blocks_per_head;
     CubePlace { batch: batch_head / heads, head: batch_head % heads, block: cube % blocks_per_head }
 }
@@ -60,8 +60,13 @@ pub fn cube_place(heads: usize, blocks_per_head: usize) -> CubePlace {
 /// Whether this cube has work: the grid may hold a few more cubes than blocks.
 #[cube]
 pub fn cube_in_range(batch: usize, heads: usize, blocks_per_head: usize) -> bool {
-    let cube = CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize;
-    cube < batch * heads * blocks_per_head
+    cube_index() < batch * heads * blocks_per_head
+}
+
+/// This cube's index in a grid spread over X and Y (see `grid` on the host side).
+#[cube]
+pub fn cube_index() -> usize {
+    CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize
 }
 
 /// Index of element `[batch, head, row, 0]` of a `[batch, heads, rows, ..]` tensor.
@@ -134,6 +139,17 @@ pub fn stage_row_stats(source: &Tensor<f32>, base: usize, first: usize, len: usi
 #[cube]
 pub fn keys_seen(row: usize, seq_q: usize, seq_kv: usize) -> usize {
     min(seq_kv, select(row + 1 + seq_kv > seq_q, row + 1 + seq_kv - seq_q, 0))
+}
+
+/// How many keys the query rows `first_row..first_row + rows` see together: all of them,
+/// or under causal attention those the last row (before `seq_q`) sees.
+#[cube]
+pub fn keys_seen_by_rows(first_row: usize, #[comptime] rows: usize, seq_q: usize, seq_kv: usize, #[comptime] causal: bool) -> usize {
+    let mut visible = seq_kv;
+    if causal {
+        visible = keys_seen(min(first_row + rows, seq_q) - 1, seq_q, seq_kv);
+    }
+    visible
 }
 
 /// The first query row that sees key `col` (bottom-right aligned causal attention).

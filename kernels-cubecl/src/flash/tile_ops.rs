@@ -223,6 +223,21 @@ pub fn lane_block(plane_dim: usize) -> (usize, usize) {
     (TILE / lanes_r, TILE / lanes_c)
 }
 
+/// Where this lane's block of the plane engine starts in a 16 × 16 tile.
+#[derive(CubeType, Clone)]
+struct LaneOrigin {
+    row: usize,
+    col: usize,
+}
+
+#[cube]
+fn lane_origin(#[comptime] plane_dim: usize) -> LaneOrigin {
+    let (rows, cols) = comptime!(lane_block(plane_dim));
+    let lanes_c = comptime!(TILE / cols);
+    let lane = UNIT_POS_X as usize;
+    LaneOrigin { row: (lane / lanes_c) * rows, col: (lane % lanes_c) * cols }
+}
+
 #[cube]
 impl TileMma for PlaneTiles {
     type Tiles = Array<f32>;
@@ -251,11 +266,9 @@ impl TileMma for PlaneTiles {
         #[comptime] plane_dim: usize,
     ) {
         let (rows, cols) = comptime!(lane_block(plane_dim));
-        let lanes_c = comptime!(TILE / cols);
         let per_tile = comptime!(rows * cols);
-        let lane = UNIT_POS_X as usize;
-        let row0 = (lane / lanes_c) * rows;
-        let col0 = (lane % lanes_c) * cols;
+        let origin = lane_origin(plane_dim);
+        let (row0, col0) = (origin.row, origin.col);
         let mut a_values = Array::<f32>::new(rows);
         let mut b_values = Array::<f32>::new(cols);
         // Runtime bounds: a software Vulkan driver unrolls constant loops, and these unrolled
@@ -294,11 +307,9 @@ impl TileMma for PlaneTiles {
         #[comptime] plane_dim: usize,
     ) {
         let (rows, cols) = comptime!(lane_block(plane_dim));
-        let lanes_c = comptime!(TILE / cols);
         let per_tile = comptime!(rows * cols);
-        let lane = UNIT_POS_X as usize;
-        let row0 = (lane / lanes_c) * rows;
-        let col0 = (lane % lanes_c) * cols;
+        let origin = lane_origin(plane_dim);
+        let (row0, col0) = (origin.row, origin.col);
         for t in 0..count {
             for i in 0..rows {
                 #[unroll]
@@ -323,11 +334,9 @@ impl TileMma for PlaneTiles {
     ) {
         // Straight from the registers: each lane knows where its values go.
         let (block_rows, block_cols) = comptime!(lane_block(plane_dim));
-        let lanes_c = comptime!(TILE / block_cols);
         let per_tile = comptime!(block_rows * block_cols);
-        let lane = UNIT_POS_X as usize;
-        let row0 = (lane / lanes_c) * block_rows;
-        let col0 = (lane % lanes_c) * block_cols;
+        let origin = lane_origin(plane_dim);
+        let (row0, col0) = (origin.row, origin.col);
         for t in 0..count {
             for i in 0..block_rows {
                 let r = row0 + i;
@@ -352,8 +361,7 @@ impl TileMma for PlaneTiles {
     ) {
         // The lane knows its rows: scale in registers.
         let (rows, cols) = comptime!(lane_block(plane_dim));
-        let lanes_c = comptime!(TILE / cols);
-        let row0 = (UNIT_POS_X as usize / lanes_c) * rows;
+        let row0 = lane_origin(plane_dim).row;
         for t in 0..count {
             for i in 0..rows {
                 let factor = factors[row0 + i];

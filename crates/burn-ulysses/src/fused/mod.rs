@@ -177,7 +177,7 @@ pub fn repeat_kv_heads<B: Backend>(tensor: Tensor<B, 4>, times: usize) -> Tensor
 }
 
 /// Why a call cannot go to a fused kernel whatever the backend: what the kernels do not take.
-pub(crate) fn unfusable_reason(mask: bool, attn_bias: bool, options: &AttentionModuleOptions) -> Option<String> {
+fn unfusable_reason(mask: bool, attn_bias: bool, options: &AttentionModuleOptions) -> Option<String> {
     if mask {
         Some("the call has a mask (the flash kernels take none yet)".into())
     } else if attn_bias {
@@ -190,7 +190,7 @@ pub(crate) fn unfusable_reason(mask: bool, attn_bias: bool, options: &AttentionM
 }
 
 /// The fused forward (output and log-sum-exp) of `B` for this call, or why not.
-pub(crate) fn fused_forward<B: PlainBackend>(
+fn fused_forward<B: PlainBackend>(
     query: &FloatTensor<B>,
     key: &FloatTensor<B>,
     value: &FloatTensor<B>,
@@ -207,7 +207,7 @@ pub(crate) fn fused_forward<B: PlainBackend>(
 /// Applies `policy` to a fallback: an error, or a log line with the reason. The reason is
 /// a warning the first time it occurs in the process (it repeats at every layer of every
 /// step) and a debug line every time.
-pub(crate) fn dense_fallback(reason: String, policy: DenseFallback) -> Result<(), UlyssesError> {
+fn dense_fallback(reason: String, policy: DenseFallback) -> Result<(), UlyssesError> {
     if policy == DenseFallback::Forbid {
         return Err(UlyssesError::DenseFallback { reason });
     }
