@@ -91,10 +91,10 @@ fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration) -> (Timi
     let q_shape = [shape.batch, shape.heads, shape.seq, shape.head_dim];
     let (q, k, v, g) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
     let options = FlashOptions { scale: None, causal: shape.causal };
-    let forward = || flash_attention_forward(q.clone(), k.clone(), v.clone(), options).unwrap();
+    let forward = || flash_attention_forward(q.clone(), k.clone(), v.clone(), options, None).unwrap();
     // Warm-up: compiles the kernels.
     let (output, lse) = forward();
-    let backward = || flash_attention_backward(q.clone(), k.clone(), v.clone(), output.clone(), g.clone(), lse.clone(), options).unwrap();
+    let backward = || flash_attention_backward(q.clone(), k.clone(), v.clone(), output.clone(), g.clone(), lse.clone(), options, None).unwrap();
     drop(backward());
     sync(device);
     let each = budget / 3;
@@ -103,7 +103,7 @@ fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration) -> (Timi
         backward: time(device, each, || drop(backward())),
         both: time(device, each, || {
             let (o, l) = forward();
-            drop(flash_attention_backward(q.clone(), k.clone(), v.clone(), o, g.clone(), l, options).unwrap());
+            drop(flash_attention_backward(q.clone(), k.clone(), v.clone(), o, g.clone(), l, options, None).unwrap());
         }),
     };
     // Memory in use with every tensor of a forward + backward alive.

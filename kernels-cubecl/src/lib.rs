@@ -7,7 +7,9 @@
 //! CUDA, or wgpu, which is how the tests run on a CPU through a software Vulkan driver).
 //! Supported: causal (bottom-right aligned, as burn's `is_causal`) and non-causal attention,
 //! a custom scale, grouped-query attention (a kv head serves `q_heads / kv_heads` q heads),
-//! head dims up to 256, any sequence length, f32, f16 and bf16 (f32 accumulation).
+//! head dims up to 256, any sequence length, f32, f16 and bf16 (f32 accumulation), and
+//! [`VisibleRanges`]: documents packed into one sequence and key padding, as runs of keys per
+//! row (whole tiles outside every row's run are skipped).
 //!
 //! Layout of `flash/`: `plan` picks the engine and tile sizes from the device, `stage`
 //! places cubes on the grid and stages tiles into shared memory, `tile_ops` multiplies
@@ -16,7 +18,7 @@
 
 pub mod flash;
 
-pub use flash::{FlashOptions, MAX_HEAD_DIM, OperandInfo, Plan, check_flash_attention, flash_attention_backward, flash_attention_forward};
+pub use flash::{FlashOptions, MAX_HEAD_DIM, OperandInfo, Plan, VisibleRanges, check_flash_attention, flash_attention_backward, flash_attention_forward};
 
 use burn::tensor::DType;
 

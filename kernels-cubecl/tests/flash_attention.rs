@@ -1,7 +1,8 @@
 //! The flash-attention kernels against a naive attention computed in f64 on the host: output,
 //! log-sum-exp, dQ, dK and dV, causal and not, grouped-query ratios 1, 2 and 4, odd and
 //! unequal sequence lengths, head dims 16, 64, 128, 256 and an odd one, 4096 tokens, and f32,
-//! f16 (and bf16 where the device has it). On the CPU the plane engine runs them (lavapipe has
+//! f16 (and bf16 where the device has it); documents packed into a sequence (1, 2 and 5 per
+//! sequence, at lengths that are no multiple of a tile) and key padding, causal and not. On the CPU the plane engine runs them (lavapipe has
 //! no tensor cores); on CUDA, f16 and bf16 run on tensor cores.
 //!
 //! On the CPU they run through wgpu on a software Vulkan driver (lavapipe: Debian's
@@ -14,9 +15,11 @@
 //! storage type, as FlashAttention does; inputs are rounded before the reference sees them).
 //! Rounding the probabilities of an f16 kernel to bf16 fails them.
 
+use std::ops::Range;
+
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensorOps};
 use burn_cubecl::CubeBackend;
-use ulysses_kernels::{FlashError, FlashOptions, flash_attention_backward, flash_attention_forward, testing::runtime_available};
+use ulysses_kernels::{FlashError, FlashOptions, VisibleRanges, flash_attention_backward, flash_attention_forward, testing::runtime_available};
 
 #[cfg(feature = "cuda")]
 type Runtime = cubecl::cuda::CudaRuntime;
@@ -41,7 +44,7 @@ fn supports(device: &Device, dtype: DType) -> bool {
     client.properties().supports_type(elem)
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Case {
     batch: usize,
     q_heads: usize,
@@ -53,11 +56,52 @@ struct Case {
     causal: bool,
     scale: Option<f64>,
     dtype: DType,
+    /// Per sequence, the lengths of the documents packed into it.
+    documents: Option<Vec<Vec<usize>>>,
+    /// Per sequence, the keys that are not padding.
+    key_runs: Option<Vec<Range<usize>>>,
 }
 
 impl Case {
     fn new(q_heads: usize, kv_heads: usize, seq: usize, head_dim: usize, causal: bool) -> Self {
-        Self { batch: 2, q_heads, kv_heads, seq_q: seq, seq_kv: seq, head_dim, value_dim: head_dim, causal, scale: None, dtype: DType::F32 }
+        Self {
+            batch: 2,
+            q_heads,
+            kv_heads,
+            seq_q: seq,
+            seq_kv: seq,
+            head_dim,
+            value_dim: head_dim,
+            causal,
+            scale: None,
+            dtype: DType::F32,
+            documents: None,
+            key_runs: None,
+        }
+    }
+    /// Whether query row `i` of sequence `b` sees key `j`, from the case's own description
+    /// (not from `VisibleRanges`).
+    fn sees(&self, b: usize, i: usize, j: usize) -> bool {
+        let document_of = |position: usize| -> usize {
+            let lengths = &self.documents.as_ref().unwrap()[b];
+            lengths.iter().scan(0, |end, length| { *end += length; Some(*end) }).take_while(|&end| end <= position).count()
+        };
+        (!self.causal || j + self.seq_q <= i + self.seq_kv)
+            && self.key_runs.as_ref().is_none_or(|runs| runs[b].contains(&j))
+            && (self.documents.is_none() || document_of(i) == document_of(j))
+    }
+    fn ranges(&self) -> Option<VisibleRanges> {
+        if self.documents.is_none() && self.key_runs.is_none() {
+            return None;
+        }
+        let mut ranges = VisibleRanges::all(self.batch, self.seq_q, self.seq_kv).unwrap();
+        if let Some(documents) = &self.documents {
+            ranges = ranges.with_documents(documents).unwrap();
+        }
+        if let Some(runs) = &self.key_runs {
+            ranges = ranges.with_key_runs(runs).unwrap();
+        }
+        Some(ranges)
     }
     fn q_shape(&self) -> [usize; 4] {
         [self.batch, self.q_heads, self.seq_q, self.head_dim]
@@ -122,7 +166,7 @@ struct Reference {
 
 /// Naive attention and its gradients in f64: softmax over the visible keys of each row.
 fn reference(case: &Case, q: &[f64], k: &[f64], v: &[f64], d_out: &[f64]) -> Reference {
-    let Case { batch, q_heads, kv_heads, seq_q, seq_kv, head_dim: d, value_dim: dv, causal, .. } = *case;
+    let Case { batch, q_heads, kv_heads, seq_q, seq_kv, head_dim: d, value_dim: dv, .. } = *case;
     let scale = case.scale();
     let group = q_heads / kv_heads;
     let q_at = |b: usize, h: usize, i: usize| ((b * q_heads + h) * seq_q + i) * d;
@@ -140,7 +184,7 @@ fn reference(case: &Case, q: &[f64], k: &[f64], v: &[f64], d_out: &[f64]) -> Ref
         for h in 0..q_heads {
             let kh = h / group;
             for i in 0..seq_q {
-                let visible: Vec<usize> = (0..seq_kv).filter(|&j| !causal || j + seq_q <= i + seq_kv).collect();
+                let visible: Vec<usize> = (0..seq_kv).filter(|&j| case.sees(b, i, j)).collect();
                 if visible.is_empty() {
                     continue;
                 }
@@ -200,8 +244,10 @@ fn check(case: Case) {
     let want = reference(&case, &q, &k, &v, &g);
 
     let options = FlashOptions { scale: case.scale, causal: case.causal };
+    let ranges = case.ranges();
     let upload4 = |x: &[f64], shape| upload(x, shape, case.dtype, &device);
-    let (output, lse) = flash_attention_forward(upload4(&q, case.q_shape()), upload4(&k, case.k_shape()), upload4(&v, case.v_shape()), options).unwrap();
+    let (output, lse) =
+        flash_attention_forward(upload4(&q, case.q_shape()), upload4(&k, case.k_shape()), upload4(&v, case.v_shape()), options, ranges.as_ref()).unwrap();
     let (dq, dk, dv) = flash_attention_backward(
         upload4(&q, case.q_shape()),
         upload4(&k, case.k_shape()),
@@ -210,6 +256,7 @@ fn check(case: Case) {
         upload4(&g, case.o_shape()),
         lse.clone(),
         options,
+        ranges.as_ref(),
     )
     .unwrap();
 
@@ -318,12 +365,59 @@ fn bf16_causal_grouped_query() {
     check(Case { dtype: DType::BF16, ..Case::new(4, 2, 37, 64, true) });
 }
 
+// Documents and key padding: per sequence, runs of visible keys. Sequences of 150 tokens span
+// several query and key tiles, so whole tiles are skipped and crossing ones masked; lengths
+// are no multiple of 16.
+
+#[test]
+fn f32_causal_documents_one_two_and_five_per_sequence_grouped_query() {
+    let case = |documents: Vec<Vec<usize>>| Case { documents: Some(documents), ..Case::new(4, 2, 150, 64, true) };
+    check(case(vec![vec![150], vec![37, 113]]));
+    check(case(vec![vec![20, 33, 1, 64, 32], vec![149, 1]]));
+}
+
+#[test]
+fn f32_non_causal_documents_block_diagonal() {
+    check(Case { documents: Some(vec![vec![70, 80], vec![5, 17, 100, 3, 25]]), ..Case::new(4, 1, 150, 64, false) });
+}
+
+#[test]
+fn f32_key_padding_alone_and_with_documents() {
+    // Right padding, and left padding (the run starts late); non-causal so every row sees
+    // the run; a sequence whose keys are all padding gets zeros and the -1e30 log-sum-exp.
+    check(Case { key_runs: Some(vec![0..101, 30..150]), ..Case::new(2, 2, 150, 64, false) });
+    check(Case { key_runs: Some(vec![0..0, 0..7]), ..Case::new(2, 2, 40, 64, false) });
+    check(Case { key_runs: Some(vec![0..120, 0..150]), documents: Some(vec![vec![60, 90], vec![150]]), ..Case::new(2, 2, 150, 64, true) });
+}
+
+#[test]
+fn f16_causal_documents() {
+    check(Case { dtype: DType::F16, documents: Some(vec![vec![50, 45, 55], vec![3, 147]]), ..Case::new(4, 2, 150, 64, true) });
+}
+
+#[test]
+fn f32_causal_documents_over_4096_tokens() {
+    // Head dim 16, as the 4096-token case.
+    check(Case { batch: 1, documents: Some(vec![vec![1000, 96, 2999, 1]]), ..Case::new(2, 2, 4096, 16, true) });
+}
+
+#[test]
+fn ranges_for_another_shape_are_refused() {
+    let Some(device) = device() else { return };
+    let tensor = |shape: [usize; 4]| upload(&vec![0.0; shape.iter().product()], shape, DType::F32, &device);
+    let ranges = VisibleRanges::all(1, 8, 8).unwrap();
+    let error = flash_attention_forward(tensor([1, 2, 9, 16]), tensor([1, 2, 9, 16]), tensor([1, 2, 9, 16]), FlashOptions { scale: None, causal: true }, Some(&ranges))
+        .map(|_| ())
+        .unwrap_err();
+    assert!(error.to_string().contains("built for"), "{error}");
+}
+
 #[test]
 fn bad_inputs_are_refused_with_a_reason() {
     let Some(device) = device() else { return };
     let tensor = |shape: [usize; 4], dtype| upload(&vec![0.0; shape.iter().product()], shape, dtype, &device);
     let options = FlashOptions { scale: None, causal: true };
-    let forward = |q, k, v| flash_attention_forward(q, k, v, options).map(|_| ()).unwrap_err();
+    let forward = |q, k, v| flash_attention_forward(q, k, v, options, None).map(|_| ()).unwrap_err();
 
     let err = forward(tensor([1, 2, 4, 300], DType::F32), tensor([1, 2, 4, 300], DType::F32), tensor([1, 2, 4, 300], DType::F32));
     assert!(matches!(err, FlashError::HeadDim { dim: 300, .. }), "{err}");
@@ -338,7 +432,7 @@ fn bad_inputs_are_refused_with_a_reason() {
     if !supports(&device, DType::BF16) {
         let bf16 = || tensor([1, 2, 4, 8], DType::F32);
         // Uploaded as f32 and cast on the host side of the check: the device has no bf16.
-        let err = flash_attention_forward(cast(bf16(), DType::BF16), cast(bf16(), DType::BF16), cast(bf16(), DType::BF16), options);
+        let err = flash_attention_forward(cast(bf16(), DType::BF16), cast(bf16(), DType::BF16), cast(bf16(), DType::BF16), options, None);
         assert!(matches!(err, Err(FlashError::DType { dtype: DType::BF16, .. })), "a device without bf16 must refuse it");
     }
 }

@@ -19,7 +19,7 @@ use cubecl::prelude::*;
 
 use super::{
     forward::MASKED,
-    stage::{Blocks, cube_in_range, cube_index, cube_place, first_row_seeing, keys_seen, keys_seen_by_rows, row_offset, stage_row_stats, stage_tile},
+    stage::{Blocks, cube_in_range, cube_index, cube_place, cube_run, key_rows, row_keys, row_offset, stage_row_stats, stage_tile},
     tile_ops::{TILE, TileMma, accumulate_a_b, accumulate_a_bt, sync_tile},
 };
 
@@ -89,6 +89,9 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
     delta: &Tensor<f32>,
     key_grad: &mut Tensor<F>,
     value_grad: &mut Tensor<F>,
+    // `[start, end]` of the query rows that see each key (`VisibleRanges`), read when
+    // `blocks.ranged`.
+    ranges: &Tensor<u32>,
     scale: f32,
     blocks_per_head: usize,
     // 16 (a tile's rows), as a runtime value so that the loops over a tile's rows stay
@@ -143,18 +146,15 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
         if whole_values {
             stage_tile(value, v_base, first_col, seq_kv, 0, value_dim, &mut v_tile, 0, block_rows, value_chunk);
         }
-        // Causal: query rows before the first that sees the cube's first key contribute nothing.
-        let mut first_q = 0usize;
-        if blocks.causal {
-            first_q = first_row_seeing(first_col, seq_q, seq_kv) / block_q * block_q;
-        }
-        let tiles = (seq_q + block_q - 1) / block_q;
+        // Only the tiles holding query rows that see some key of the cube.
+        let rows = cube_run(ranges, batch, first_col, seq_q, seq_kv, block_rows, true, blocks);
+        let (first_tile, end_tile) = (rows.start / block_q, rows.end.div_ceil(block_q));
 
         for member in 0..group {
             let head = kv_head * group + member;
             let q_base = row_offset(query, batch, head, 0);
             let g_base = row_offset(output_grad, batch, head, 0);
-            for tile in first_q / block_q..tiles {
+            for tile in first_tile..end_tile {
                 let q0 = tile * block_q;
                 // Every plane is done with the previous tile before it is overwritten.
                 sync_cube();
@@ -184,19 +184,15 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                 M::store_row(&s_acc, 0usize, q_tiles, &mut out, block_q, plane_dim);
                 sync_tile(blocks.plane_sync);
 
-                // Pᵀ, masked: query rows past the end, and (causal) rows that do not see the key.
+                // Pᵀ, masked on tiles that cross the edge of the rows that see the key.
                 for r in 0..tile_rows {
-                    let col = plane_col + r;
-                    let mut first_seeing = 0usize;
-                    if blocks.causal {
-                        first_seeing = first_row_seeing(col, seq_q, seq_kv);
-                    }
-                    let crosses = q0 < first_seeing || q0 + block_q > seq_q || col >= seq_kv;
+                    let seeing = key_rows(ranges, batch, plane_col + r, seq_q, seq_kv, blocks);
+                    let crosses = q0 < seeing.start || q0 + block_q > seeing.end;
                     let at = scores_at + r * block_q;
                     let mut c = lane;
                     while c < block_q {
                         let row = q0 + c;
-                        let visible = !crosses || (row >= first_seeing && row < seq_q && col < seq_kv);
+                        let visible = !crosses || (row >= seeing.start && row < seeing.end);
                         let p = select(visible, (scores[at + c] * scale - lse_tile[c]).exp(), 0.0f32);
                         scores[at + c] = p;
                         probs[at + c] = F::cast_from(p);
@@ -264,6 +260,8 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     query_grad: &mut Tensor<F>,
+    // `[start, end]` of the keys each query row sees, read when `blocks.ranged`.
+    ranges: &Tensor<u32>,
     scale: f32,
     blocks_per_head: usize,
     // 16, at run time (see the dK/dV kernel).
@@ -328,9 +326,10 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
         if whole_values {
             stage_tile(output_grad, g_base, first_row, seq_q, 0, value_dim, &mut g_tile, 0, block_rows, value_chunk);
         }
-        let tiles = keys_seen_by_rows(first_row, block_rows, seq_q, seq_kv, blocks.causal).div_ceil(block_kv);
+        let keys = cube_run(ranges, batch, first_row, seq_q, seq_kv, block_rows, false, blocks);
+        let (first_tile, end_tile) = (keys.start / block_kv, keys.end.div_ceil(block_kv));
 
-        for tile in 0..tiles {
+        for tile in first_tile..end_tile {
             let kv0 = tile * block_kv;
             // Every plane is done with the previous tile before it is overwritten.
             sync_cube();
@@ -373,18 +372,14 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
             M::store_row(&dp_acc, 0usize, kv_tiles, &mut out, block_kv, plane_dim);
             sync_tile(blocks.plane_sync);
 
-            // P and dS = P ∘ (dP − delta), masked on tiles that cross the diagonal or the end.
+            // P and dS = P ∘ (dP − delta), masked on tiles that cross the edge of the row's keys.
             for r in 0..tile_rows {
-                let row = plane_row + r;
-                let mut seen = seq_kv;
-                if blocks.causal {
-                    seen = keys_seen(row, seq_q, seq_kv);
-                }
-                let crosses = kv0 + block_kv > seen || row >= seq_q;
+                let seen = row_keys(ranges, batch, plane_row + r, seq_q, seq_kv, blocks);
+                let crosses = kv0 < seen.start || kv0 + block_kv > seen.end;
                 let at = scores_at + r * block_kv;
                 let mut c = lane;
                 while c < block_kv {
-                    let visible = !crosses || (kv0 + c < seen && row < seq_q);
+                    let visible = !crosses || (kv0 + c >= seen.start && kv0 + c < seen.end);
                     let p = select(visible, (scores[at + c] * scale - row_lse[r]).exp(), 0.0f32);
                     ds[at + c] = F::cast_from(p * (dp_scores[at + c] - row_delta[r]));
                     c += plane_dim;

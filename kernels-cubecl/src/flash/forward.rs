@@ -1,14 +1,15 @@
 //! Forward kernel: FlashAttention-2's loop, a plane per 16 query rows.
 //!
 //! A cube owns `planes × 16` consecutive query rows of one (batch, q head), plane `p` rows
-//! `16p..16p + 16`. It walks the keys in tiles of `block_kv` (only those its last row can see
-//! under causal attention); for each tile:
+//! `16p..16p + 16`. It walks the keys in tiles of `block_kv`, only those its rows can see
+//! (causality, and the runs of keys of documents or key padding); for each tile:
 //! 1. the cube stages K (and Q, unless it stays staged) into shared memory, `dim_chunk`
 //!    columns at a time, and each plane computes its `16 × block_kv` scores `S = Q·Kᵀ` on
 //!    tiles (tensor cores where there are some);
 //! 2. the scores go to the plane's shared memory, where the online softmax runs a row at a
 //!    time with the lanes across the columns, row maxima and sums by plane reductions; only a
-//!    tile that crosses the causal diagonal or the end of the keys is masked per element;
+//!    tile that crosses the edge of a row's visible keys (the causal diagonal, a document's
+//!    edge, the end of the keys) is masked per element;
 //! 3. `P` (in the storage type) and V feed `O += P·V`, the output staying in accumulator
 //!    tiles for the whole loop.
 //!
@@ -24,7 +25,7 @@
 use cubecl::prelude::*;
 
 use super::{
-    stage::{Blocks, cube_in_range, cube_place, keys_seen, keys_seen_by_rows, row_offset, stage_tile},
+    stage::{Blocks, cube_in_range, cube_place, cube_run, row_keys, row_offset, stage_tile},
     tile_ops::{TILE, TileMma, accumulate_a_b, accumulate_a_bt, sync_tile},
 };
 
@@ -43,6 +44,9 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
     value: &Tensor<Vector<F, N>>,
     output: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
+    // `[start, end]` of the keys each query row sees (`VisibleRanges`), read when
+    // `blocks.ranged`.
+    ranges: &Tensor<u32>,
     scale: f32,
     blocks_per_head: usize,
     // 16 (a tile's rows), as a runtime value so that the loops over a tile's rows stay
@@ -88,14 +92,15 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
         let q_base = row_offset(query, batch, head, 0);
         let k_base = row_offset(key, batch, kv_head, 0);
         let v_base = row_offset(value, batch, kv_head, 0);
-        // Causal: no key past what the cube's last row sees.
-        let tiles = keys_seen_by_rows(first_row, block_rows, seq_q, seq_kv, blocks.causal).div_ceil(block_kv);
+        // Only the tiles holding keys that some row of the cube sees.
+        let keys = cube_run(ranges, batch, first_row, seq_q, seq_kv, block_rows, false, blocks);
+        let (first_tile, end_tile) = (keys.start / block_kv, keys.end.div_ceil(block_kv));
         if comptime!(blocks.dim_chunks() == 1) {
             // Staged once; the first tile's barriers make it visible.
             stage_tile(query, q_base, first_row, seq_q, 0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
         }
 
-        for tile in 0..tiles {
+        for tile in first_tile..end_tile {
             let kv0 = tile * block_kv;
 
             // S = Q · Kᵀ for this plane's 16 rows. With whole head dims, K and V are staged
@@ -127,18 +132,15 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
             // Online softmax, a row at a time, the lanes across the columns.
             let mut rescale = false;
             for r in 0..tile_rows {
-                let mut seen = seq_kv;
-                if blocks.causal {
-                    seen = keys_seen(plane_row + r, seq_q, seq_kv);
-                }
+                let seen = row_keys(ranges, batch, plane_row + r, seq_q, seq_kv, blocks);
                 // Only a tile that reaches past what the row sees is masked per element.
-                let crosses = kv0 + block_kv > seen;
+                let crosses = kv0 < seen.start || kv0 + block_kv > seen.end;
                 let row_at = scores_at + r * block_kv;
                 let mut local_max = f32::new(MASKED);
                 let mut c = lane;
                 while c < block_kv {
                     let mut s = scores[row_at + c] * scale;
-                    if crosses && kv0 + c >= seen {
+                    if crosses && (kv0 + c < seen.start || kv0 + c >= seen.end) {
                         s = f32::new(MASKED);
                     }
                     scores[row_at + c] = s;

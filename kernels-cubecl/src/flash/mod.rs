@@ -6,6 +6,7 @@ mod forward;
 mod plan;
 mod stage;
 pub mod tile_ops;
+mod visibility;
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{
@@ -22,6 +23,7 @@ use forward::flash_forward_kernel;
 pub use plan::{Engine, Plan};
 use stage::Blocks;
 use tile_ops::TILE;
+pub use visibility::VisibleRanges;
 
 /// Largest head dim (and value dim) the kernels accept.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -162,14 +164,27 @@ macro_rules! launch_with_engine {
     };
 }
 
+/// The device tables of `ranges` (checked against the call), or placeholders without.
+fn range_tables<R: CubeRuntime>(ranges: Option<&VisibleRanges>, p: &Problem, client: &ComputeClient<R>, device: &R::Device) -> Result<[CubeTensor<R>; 2], FlashError> {
+    Ok(match ranges {
+        Some(ranges) => {
+            ranges.check(p.batch, p.seq_q, p.seq_kv)?;
+            ranges.upload(client, device)
+        }
+        None => [visibility::no_ranges(client, device), visibility::no_ranges(client, device)],
+    })
+}
+
 /// Attention output `[B, Hq, Sq, Dv]` and the log-sum-exp of every row `[B, Hq, Sq]` (f32;
-/// a row that sees no key, under causal attention with more queries than keys, gets output
-/// zeros and log-sum-exp `-1e30`, which stands in for -infinity).
+/// a row that sees no key, under causal attention with more queries than keys or a run of
+/// keys that is empty, gets output zeros and log-sum-exp `-1e30`, which stands in for
+/// -infinity). `ranges` restricts each row to a run of keys (documents, key padding).
 pub fn flash_attention_forward<R: CubeRuntime>(
     query: CubeTensor<R>,
     key: CubeTensor<R>,
     value: CubeTensor<R>,
     options: FlashOptions,
+    ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
@@ -177,7 +192,8 @@ pub fn flash_attention_forward<R: CubeRuntime>(
     let device = query.device.clone();
     let plan = Plan::new(&problem, query.dtype, options.causal, &client)?;
     let p = problem;
-    let blocks = plan.forward;
+    let [row_keys, _] = range_tables(ranges, &p, &client, &device)?;
+    let blocks = Blocks { ranged: ranges.is_some(), ..plan.forward };
     let blocks_per_head = p.seq_q.div_ceil(blocks.block_rows());
     let count = grid(&client, p.batch * p.q_heads * blocks_per_head)?;
     let vectors = vector_size(&client, &[&query, &key, &value]);
@@ -197,6 +213,7 @@ pub fn flash_attention_forward<R: CubeRuntime>(
         value.into_tensor_arg(),
         output.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
+        row_keys.into_tensor_arg(),
         p.scale,
         blocks_per_head,
         TILE,
@@ -206,7 +223,8 @@ pub fn flash_attention_forward<R: CubeRuntime>(
     Ok((output, lse))
 }
 
-/// Gradients `(dQ, dK, dV)` from the forward's inputs, output and log-sum-exp.
+/// Gradients `(dQ, dK, dV)` from the forward's inputs, output and log-sum-exp; `options`
+/// and `ranges` as the forward had them.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward<R: CubeRuntime>(
     query: CubeTensor<R>,
@@ -216,6 +234,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     output_grad: CubeTensor<R>,
     lse: CubeTensor<R>,
     options: FlashOptions,
+    ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     let p = problem;
@@ -244,6 +263,8 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     let device = query.device.clone();
     let dtype = query.dtype;
     let plan = Plan::new(&problem, dtype, options.causal, &client)?;
+    let [row_keys, key_rows] = range_tables(ranges, &p, &client, &device)?;
+    let ranged = ranges.is_some();
     let vectors = vector_size(&client, &[&query, &key, &value, &output_grad]);
     let empty = |shape: [usize; 4]| empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new(shape), dtype);
 
@@ -263,7 +284,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
 
     let key_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.head_dim]);
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
-    let blocks = plan.key_value;
+    let blocks = Blocks { ranged, ..plan.key_value };
     let blocks_per_head = p.seq_kv.div_ceil(blocks.block_rows());
     launch_with_engine!(
         plan,
@@ -280,6 +301,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
         delta.clone().into_tensor_arg(),
         key_grad.clone().into_tensor_arg(),
         value_grad.clone().into_tensor_arg(),
+        key_rows.into_tensor_arg(),
         p.scale,
         blocks_per_head,
         TILE,
@@ -288,7 +310,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     );
 
     let query_grad = empty([p.batch, p.q_heads, p.seq_q, p.head_dim]);
-    let blocks = plan.query;
+    let blocks = Blocks { ranged, ..plan.query };
     let blocks_per_head = p.seq_q.div_ceil(blocks.block_rows());
     launch_with_engine!(
         plan,
@@ -304,6 +326,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
         lse.into_tensor_arg(),
         delta.into_tensor_arg(),
         query_grad.clone().into_tensor_arg(),
+        row_keys.into_tensor_arg(),
         p.scale,
         blocks_per_head,
         TILE,

@@ -129,6 +129,7 @@ impl Budget {
                         value_chunk,
                         plane_sync: self.plane_sync,
                         causal: self.causal,
+                        ranged: false,
                     };
                     let bytes = self.shared_bytes_of(kernel, &blocks);
                     smallest = smallest.min(bytes);

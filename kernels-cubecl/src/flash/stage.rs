@@ -23,6 +23,9 @@ pub struct Blocks {
     /// Whether a plane may synchronise alone (CUDA); elsewhere the whole cube does.
     pub plane_sync: bool,
     pub causal: bool,
+    /// Whether the call restricts rows to runs of keys ([`VisibleRanges`](super::VisibleRanges):
+    /// documents, key padding); without, the range arguments are never read.
+    pub ranged: bool,
 }
 
 impl Blocks {
@@ -156,4 +159,115 @@ pub fn keys_seen_by_rows(first_row: usize, #[comptime] rows: usize, seq_q: usize
 #[cube]
 pub fn first_row_seeing(col: usize, seq_q: usize, seq_kv: usize) -> usize {
     select(col + seq_q > seq_kv, col + seq_q - seq_kv, 0)
+}
+
+/// A run `start..end` of positions; empty when `start >= end`.
+#[derive(CubeType, Clone)]
+pub struct Run {
+    pub start: usize,
+    pub end: usize,
+}
+
+/// The keys query row `row` sees: its run of the call's ranges (all keys without), cut by
+/// causality; empty past the last row.
+#[cube]
+pub fn row_keys(row_keys: &Tensor<u32>, batch: usize, row: usize, seq_q: usize, seq_kv: usize, #[comptime] blocks: Blocks) -> Run {
+    let mut start = 0usize;
+    let mut end = seq_kv;
+    if blocks.ranged {
+        if row < seq_q {
+            let at = 2 * (batch * seq_q + row);
+            start = usize::cast_from(row_keys[at]);
+            end = usize::cast_from(row_keys[at + 1]);
+        }
+    }
+    if blocks.causal {
+        end = min(end, keys_seen(row, seq_q, seq_kv));
+    }
+    if row >= seq_q {
+        end = 0usize;
+    }
+    Run { start, end }
+}
+
+/// The query rows that see key `key`: its run of the call's ranges (all rows without), cut
+/// by causality; empty past the last key.
+#[cube]
+pub fn key_rows(key_rows: &Tensor<u32>, batch: usize, key: usize, seq_q: usize, seq_kv: usize, #[comptime] blocks: Blocks) -> Run {
+    let mut start = 0usize;
+    let mut end = seq_q;
+    if blocks.ranged {
+        if key < seq_kv {
+            let at = 2 * (batch * seq_kv + key);
+            start = usize::cast_from(key_rows[at]);
+            end = usize::cast_from(key_rows[at + 1]);
+        }
+    }
+    if blocks.causal {
+        start = max(start, first_row_seeing(key, seq_q, seq_kv));
+    }
+    if key >= seq_kv {
+        end = 0usize;
+    }
+    Run { start, end }
+}
+
+/// What the cube's `count` rows starting at `first` (query rows, or key rows when
+/// `of_keys`) see together: a run covering each one's run, the same in every plane (each
+/// reduces over all of the cube's rows), so loops bounded by it keep the cube's barriers
+/// uniform. Without ranges it is the causal bound alone, as before ranges existed.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn cube_run(
+    table: &Tensor<u32>,
+    batch: usize,
+    first: usize,
+    seq_q: usize,
+    seq_kv: usize,
+    #[comptime] count: usize,
+    #[comptime] of_keys: bool,
+    #[comptime] blocks: Blocks,
+) -> Run {
+    let mut start = 0usize;
+    let mut end = seq_q;
+    if blocks.ranged {
+        let mut own = seq_q;
+        let mut other = seq_kv;
+        if of_keys {
+            own = seq_kv;
+            other = seq_q;
+        }
+        let mut lowest = u32::cast_from(other);
+        let mut highest = 0u32;
+        let mut i = UNIT_POS_X as usize;
+        while i < count {
+            if first + i < own {
+                let one = select_run(table, batch, first + i, seq_q, seq_kv, of_keys, blocks);
+                if one.start < one.end {
+                    lowest = min(lowest, u32::cast_from(one.start));
+                    highest = max(highest, u32::cast_from(one.end));
+                }
+            }
+            i += CUBE_DIM_X as usize;
+        }
+        start = usize::cast_from(plane_min(lowest));
+        end = usize::cast_from(plane_max(highest));
+    } else if of_keys {
+        if blocks.causal {
+            start = first_row_seeing(first, seq_q, seq_kv);
+        }
+    } else {
+        end = keys_seen_by_rows(first, count, seq_q, seq_kv, blocks.causal);
+    }
+    Run { start, end }
+}
+
+/// [`key_rows`] or [`row_keys`], chosen at compile time.
+#[cube]
+fn select_run(table: &Tensor<u32>, batch: usize, index: usize, seq_q: usize, seq_kv: usize, #[comptime] of_keys: bool, #[comptime] blocks: Blocks) -> Run {
+    if of_keys {
+        key_rows(table, batch, index, seq_q, seq_kv, blocks)
+    } else {
+        row_keys(table, batch, index, seq_q, seq_kv, blocks)
+    }
 }
