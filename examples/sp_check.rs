@@ -58,7 +58,8 @@ struct Run {
 fn run<B: AutodiffBackend>(tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>, offset: usize, repeat_kv: bool) -> Run {
     let device = tokens.device();
     let model = deterministic_params(config().with_repeat_kv(repeat_kv).init::<B>(&device), 3);
-    let logits = model.forward(tokens, offset);
+    let [rows, len] = tokens.dims();
+    let logits = model.forward(tokens, &burn_ulysses::data::ShardPositions::consecutive(rows, offset, len));
     let loss = shard_loss(logits.clone(), targets);
     let grads = loss.backward();
     Run { loss: values(loss)[0], logits: values(logits), grads: parameter_grads(&model, &grads) }

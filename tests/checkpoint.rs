@@ -79,7 +79,7 @@ fn a_checkpoint_saved_at_sp4_loads_at_sp1_with_the_same_loss() {
             let model_config = config(1).model.with_repeat_kv(true);
             let plain_model = load_model::<Reference>(&model_config, &checkpoint, &Default::default()).unwrap();
             let batch = VariedLengths { vocab: VOCAB }.eval_batch().unwrap();
-            let forward = |tokens, offset| LmOutput::Logits(plain_model.forward(tokens, offset));
+            let forward = |tokens, positions: &_| LmOutput::Logits(plain_model.forward(tokens, positions));
             let plain = burn_ulysses::train::evaluate_single_device::<Reference>(forward, &batch, -100, &Default::default());
             (sp4, sp4_bypass, sp1, plain)
         }

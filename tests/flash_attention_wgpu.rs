@@ -187,7 +187,9 @@ fn a_forbidden_dense_fallback_fails_only_where_the_kernels_cannot_run() {
         let qkv = |seed| uniform_tensor::<Sp, 4>([1, 4, 16, 16], seed, &device);
         let output = attention(qkv(1), qkv(2), qkv(3), None, None, CAUSAL);
         assert!(values(output).iter().all(|x| x.is_finite()));
-        let mask = Tensor::<Sp, 4, Bool>::empty([1, 1, 1, 16], &device);
+        // Real keys that are not one run (every other key): no kernel takes that.
+        let alternate: Vec<bool> = (0..16).map(|key| key % 2 == 1).collect();
+        let mask = Tensor::<Sp, 4, Bool>::from_data(burn::tensor::TensorData::new(alternate, [1, 1, 1, 16]), &device);
         attention(qkv(1), qkv(2), qkv(3), Some(mask), None, CAUSAL);
     });
     assert!(forward_launches() >= forwards + 2, "the unmasked call ran the kernels on both ranks");
@@ -197,5 +199,61 @@ fn a_forbidden_dense_fallback_fails_only_where_the_kernels_cannot_run() {
             Err(panic) => panic.message,
         };
         assert!(message.contains("has a mask") && message.contains("forbid_dense_fallback"), "rank {rank}: {message}");
+    }
+}
+
+/// Packed documents (boundaries on shard edges and inside shards) on the flash path, plain and
+/// fused, at SP 2 and 4: equal to the documents run one by one on NdArray, and the kernels ran.
+#[test]
+fn packed_documents_run_on_the_flash_kernels() {
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let (forwards, backwards) = (forward_launches(), backward_launches());
+    check_block_equivalence::<Autodiff<Wgpu>>(BlockCase::packed(2, 4, 2), 1e-5);
+    check_block_equivalence::<Autodiff<Wgpu>>(BlockCase::packed(4, 8, 2), 1e-5);
+    check_block_equivalence::<Autodiff<FusedWgpu>>(BlockCase::packed(2, 4, 2), 1e-5);
+    assert!(forward_launches() >= forwards + 8 && backward_launches() >= backwards + 8, "each rank's attention ran the flash kernels");
+}
+
+/// A key-padding mask whose real keys are one run per sequence (right padding, left padding)
+/// reaches the kernels as that run, with dense fallbacks forbidden, at SP 2: equal to burn's
+/// attention with the dense mask on NdArray.
+#[test]
+fn key_padding_reaches_the_kernels_as_one_run_per_sequence() {
+    use burn::tensor::{Bool, TensorData};
+    use burn_ulysses::{RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup};
+    use ulysses_suite::shard;
+    type Sp = UlyssesBackend<Autodiff<Wgpu>>;
+    const NON_CAUSAL: AttentionModuleOptions = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    // Sequence 0: keys 0..20 real; sequence 1: keys 5..32 real.
+    let masked: Vec<bool> = (0..2).flat_map(|b| (0..32).map(move |key| if b == 0 { key >= 20 } else { key < 5 })).collect();
+    let mask_data = TensorData::new(masked.clone(), [2, 1, 1, 32]);
+    let device = Default::default();
+    let reference = {
+        let qkv = |seed| uniform_tensor::<NdArray<f32>, 4>([2, 4, 32, 16], seed, &device);
+        let dense = Tensor::<NdArray<f32>, 4, Bool>::from_data(TensorData::new(masked.clone(), [2, 1, 1, 32]), &device).expand([2, 4, 32, 32]);
+        attention(qkv(1), qkv(2), qkv(3), Some(dense), None, NON_CAUSAL)
+    };
+    let forwards = forward_launches();
+    let forbid = UlyssesConfig::new().with_forbid_dense_fallback(true);
+    let outputs = ThreadGroup::new(2).run(move |rank| {
+        let _sp = Sp::enter(RankScope::Thread, rank.communicator(), forbid.clone());
+        let device = Default::default();
+        let (r, p) = (rank.rank(), rank.size());
+        let qkv = |seed| shard(uniform_tensor::<Sp, 4>([2, 4, 32, 16], seed, &device), 2, r, p);
+        values(attention(qkv(1), qkv(2), qkv(3), Some(shard(Tensor::<Sp, 4, Bool>::from_data(mask_data.clone(), &device), 3, r, p)), None, NON_CAUSAL))
+    });
+    assert!(forward_launches() >= forwards + 2, "both ranks ran the kernels");
+    for (rank, output) in outputs.into_iter().enumerate() {
+        let output = output.unwrap_or_else(|panic| panic!("rank {rank}: {panic}"));
+        let diff = max_abs_diff(&output, &values(shard(reference.clone(), 2, rank, 2)));
+        println!("key padding, rank {rank}: max |Δ| {diff:.2e}");
+        assert!(diff <= TOLERANCE, "rank {rank}: output differs by {diff:e}");
     }
 }

@@ -186,7 +186,7 @@ fn grouped_kv_heads_send_fewer_bytes() {
     // The library's own accounting agrees.
     let layout = AttentionLayout {
         batch: 2, q_heads: 8, kv_heads: 2, q_seq: 8, kv_seq: 8, head_dim: 16, value_dim: 16,
-        is_causal: true, scale: None, softcap: None, mask: MaskKind::None, has_bias: false,
+        is_causal: true, scale: None, softcap: None, mask: MaskKind::None, has_bias: false, has_documents: false,
     };
     let plan = HeadPlan::new(8, 2, 4).unwrap();
     assert_eq!(plan.elements_per_call(&layout) as u64 * 4, sent);

@@ -74,3 +74,17 @@ fn four_ranks_with_activation_checkpointing() {
     use burn_autodiff::checkpoint::strategy::BalancedCheckpointing;
     check_block_equivalence::<Autodiff<NdArray<f32>, BalancedCheckpointing>>(Case::new(4, 8, 2), TOLERANCE);
 }
+
+/// Packed documents (3 and 4 per sequence, boundaries on shard edges and inside shards) equal
+/// the same documents run one by one on one device, output and every gradient.
+#[test]
+fn packed_documents_on_one_two_and_four_ranks() {
+    for sp in [1, 2, 4] {
+        check(Case::packed(sp, 8, 2));
+    }
+}
+
+#[test]
+fn packed_documents_non_causal_on_two_ranks() {
+    check(Case { causal: false, ..Case::packed(2, 4, 2) });
+}

@@ -23,7 +23,7 @@ use burn::{
 use burn_ulysses::{
     RankGuard, TrainBackend, UlyssesBackend,
     comm::{Communicator, ThreadGroup},
-    data::SequenceSharder,
+    data::{SequenceSharder, ShardPositions},
     train::{ParallelGroups, ParallelLayout, StepReport, check_parameters_identical},
 };
 use ulysses_llama::{
@@ -145,7 +145,8 @@ fn first_step_loss_with_burn_cross_entropy() -> f64 {
         let n = sequence.len() - 1;
         let inputs = Tensor::<Inner, 2, Int>::from_data(TensorData::new(sequence[..n].to_vec(), [1, n]), &device);
         let targets = Tensor::<Inner, 1, Int>::from_data(TensorData::new(sequence[1..].to_vec(), [n]), &device);
-        let logits = model.forward(inputs, 0).reshape([n, VOCAB]);
+        let [rows, len] = inputs.dims();
+        let logits = model.forward(inputs, &ShardPositions::consecutive(rows, 0, len)).reshape([n, VOCAB]);
         let mean: f32 = loss.forward(logits, targets).into_scalar();
         total += mean as f64 * n as f64;
         count += n;

@@ -4,6 +4,10 @@
 //! Each rank's loss is `Σ output · W` over its shard, so the ranks' losses add up to the
 //! single-device loss: input gradients must match shard by shard, parameter gradients once
 //! summed over ranks.
+//!
+//! With packed documents the reference is independent of the packing code: each document
+//! runs alone through the block on one device (positions from 0, plain causal attention),
+//! and the packed run must equal the documents' outputs and summed gradients.
 
 use std::time::Duration;
 
@@ -11,7 +15,7 @@ use burn::{
     backend::{Autodiff, NdArray},
     tensor::{Tensor, TensorData, backend::AutodiffBackend},
 };
-use burn_ulysses::{ExchangeBackend, UlyssesBackend, comm::ThreadGroup};
+use burn_ulysses::{ExchangeBackend, UlyssesBackend, comm::ThreadGroup, visibility::PositionIds};
 use ulysses_llama::{LlamaConfig, RopeTables};
 
 use crate::{deterministic_params, max_abs_diff, parameter_grads, shard, sum_vectors, uniform_tensor, values, with_deadline};
@@ -32,11 +36,26 @@ pub struct BlockCase {
     /// The model expands kv heads itself (what a plain burn model does) instead of passing
     /// grouped kv heads to attention.
     pub model_repeats_kv: bool,
+    /// Per sequence (2 of 24 tokens), the lengths of the documents packed into it.
+    pub documents: Option<[&'static [usize]; BATCH]>,
 }
 
 impl BlockCase {
     pub fn new(sp: usize, heads: usize, kv_heads: usize) -> Self {
-        Self { sp, heads, kv_heads, causal: true, model_repeats_kv: false }
+        Self { sp, heads, kv_heads, causal: true, model_repeats_kv: false, documents: None }
+    }
+
+    /// Documents whose boundaries fall on shard edges (6, 12 at SP 2 and 4) and inside shards,
+    /// 3 and 4 per sequence, one of a single token.
+    pub fn packed(sp: usize, heads: usize, kv_heads: usize) -> Self {
+        Self { documents: Some([&[6, 6, 12], &[5, 1, 13, 5]]), ..Self::new(sp, heads, kv_heads) }
+    }
+
+    /// Position ids of the whole batch: restarting at each document.
+    fn position_ids(&self) -> Option<PositionIds> {
+        let documents = self.documents?;
+        let ids = documents.iter().flat_map(|lengths| lengths.iter().flat_map(|&len| 0..len as u64)).collect();
+        Some(PositionIds::new(ids, BATCH, SEQ).unwrap())
     }
 
     fn config(&self) -> LlamaConfig {
@@ -55,18 +74,47 @@ struct Outcome {
     param_grads: Vec<(String, Vec<f32>)>,
 }
 
-/// Runs the block on `x` (positions `offset..`), with loss `Σ output · weights`.
-fn run_block<B: AutodiffBackend>(config: &LlamaConfig, x: Tensor<B, 3>, weights: Tensor<B, 3>, offset: usize) -> Outcome {
+/// Runs the block on `x` at `positions` (attention within documents when `packed`), with
+/// loss `Σ output · weights`.
+fn run_block<B: AutodiffBackend>(config: &LlamaConfig, x: Tensor<B, 3>, weights: Tensor<B, 3>, positions: &PositionIds, packed: bool) -> Outcome {
     let device = x.device();
     let block = deterministic_params(config.init_block::<B>(&device), SEED);
     let x = x.require_grad();
-    let rope = RopeTables::new(offset, x.dims()[1], config.head_dim(), config.rope_theta, &device);
-    let output = block.forward(x.clone(), &rope);
+    let rope = RopeTables::at(positions, config.head_dim(), config.rope_theta, &device);
+    let output = block.forward(x.clone(), &rope, packed.then_some(positions));
     let grads = (output.clone() * weights).sum().backward();
     Outcome {
         output: output.into_data().convert::<f32>(),
         input_grad: x.grad(&grads).expect("input has a gradient").into_data().convert::<f32>(),
         param_grads: parameter_grads(&block, &grads),
+    }
+}
+
+/// Each document of `documents` alone through the block on one device; outputs and input
+/// gradients put back in place, parameter gradients summed.
+fn run_documents_one_by_one(config: &LlamaConfig, x: Tensor<Reference, 3>, weights: Tensor<Reference, 3>, documents: [&[usize]; BATCH]) -> Outcome {
+    let (mut outputs, mut input_grads, mut param_grads): (Vec<Tensor<NdArray<f32>, 3>>, Vec<_>, Vec<Vec<(String, Vec<f32>)>>) = (vec![], vec![], vec![]);
+    for (b, lengths) in documents.iter().enumerate() {
+        let (mut row_outputs, mut row_grads) = (vec![], vec![]);
+        let mut start = 0;
+        for &len in lengths.iter() {
+            let piece = |t: &Tensor<Reference, 3>| t.clone().inner().narrow(0, b, 1).narrow(1, start, len);
+            let (x, weights) = (Tensor::<Reference, 3>::from_inner(piece(&x)), Tensor::<Reference, 3>::from_inner(piece(&weights)));
+            let outcome = run_block(config, x, weights, &PositionIds::consecutive(1, 0, len), false);
+            let device = Default::default();
+            row_outputs.push(Tensor::<NdArray<f32>, 3>::from_data(outcome.output, &device));
+            row_grads.push(Tensor::<NdArray<f32>, 3>::from_data(outcome.input_grad, &device));
+            param_grads.push(outcome.param_grads);
+            start += len;
+        }
+        outputs.push(Tensor::cat(row_outputs, 1));
+        input_grads.push(Tensor::cat(row_grads, 1));
+    }
+    let names: Vec<String> = param_grads[0].iter().map(|(name, _)| name.clone()).collect();
+    Outcome {
+        output: Tensor::cat(outputs, 0).into_data(),
+        input_grad: Tensor::cat(input_grads, 0).into_data(),
+        param_grads: names.into_iter().enumerate().map(|(i, name)| (name, sum_vectors(param_grads.iter().map(|p| &p[i].1)))).collect(),
     }
 }
 
@@ -85,7 +133,11 @@ where
     let device = Default::default();
     let (x, weights) = inputs::<Reference>(&case, &device);
     // Burn's own attention needs kv heads expanded to the q head count.
-    let reference = run_block(&case.config().with_repeat_kv(true), x, weights, 0);
+    let reference_config = case.config().with_repeat_kv(true);
+    let reference = match case.documents {
+        None => run_block(&reference_config, x, weights, &PositionIds::consecutive(BATCH, 0, SEQ), false),
+        Some(documents) => run_documents_one_by_one(&reference_config, x, weights, documents),
+    };
 
     let per_rank = with_deadline(Duration::from_secs(50), move || {
         ThreadGroup::new(case.sp).run(|rank| {
@@ -94,7 +146,13 @@ where
             let (x, weights) = inputs::<UlyssesBackend<Inner>>(&case, &device);
             let (r, p) = (rank.rank(), rank.size());
             let config = case.config().with_repeat_kv(case.model_repeats_kv);
-            run_block(&config, shard(x, 1, r, p), shard(weights, 1, r, p), r * SEQ / p)
+            let local = SEQ / p;
+            let positions = match case.position_ids() {
+                // This rank's shard of the packed ids.
+                Some(ids) => PositionIds::new((0..BATCH).flat_map(|b| ids.row(b)[r * local..(r + 1) * local].to_vec()).collect(), BATCH, local).unwrap(),
+                None => PositionIds::consecutive(BATCH, r * local, local),
+            };
+            run_block(&config, shard(x, 1, r, p), shard(weights, 1, r, p), &positions, case.documents.is_some())
         })
     });
     let per_rank: Vec<Outcome> = per_rank.into_iter().map(|r| r.unwrap_or_else(|panic| panic!("{panic}"))).collect();

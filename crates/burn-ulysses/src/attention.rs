@@ -3,7 +3,9 @@
 //! 1. check the call locally, then across ranks ([`AttentionLayout`]);
 //! 2. replicate kv heads when there are fewer than ranks ([`HeadPlan`]);
 //! 3. exchange q/k/v: sequence shard → head shard ([`sequence_to_heads`]);
-//! 4. gather a key-padding mask along the key dimension;
+//! 4. gather what restricts the keys a row sees, for the whole sequence: a key-padding mask
+//!    along the key dimension (read as one run of real keys per sequence), and the position
+//!    ids of packed documents ([`attention_in_documents`]);
 //! 5. attend over the whole sequence with the inner backend's best attention (the
 //!    flash-attention kernels on CubeCL backends, burn's attention elsewhere);
 //! 6. exchange the output back: head shard → sequence shard ([`heads_to_sequence`]).
@@ -11,10 +13,12 @@
 //! Without a rank context (or with a group of one) it is a single-device attention that
 //! also accepts grouped-query k/v.
 
-use std::sync::Arc;
+use std::{cell::RefCell, ops::Range, sync::Arc};
 
 use burn::tensor::{
     Bool, Tensor, TensorMetadata,
+    backend::Backend,
+    module::attention,
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
 };
 
@@ -24,10 +28,75 @@ use crate::{
     context,
     error::UlyssesError,
     exchange::{heads_to_sequence, sequence_to_heads},
+    fused::dense_fallback,
     inner::{DenseFallback, ExchangeBackend},
     layout::{AttentionLayout, HeadPlan, MaskKind},
     primitive::{float_primitive, float_tensor},
+    visibility::{PositionIds, Visibility},
 };
+
+thread_local! {
+    /// Position ids handed by [`attention_in_documents`] to the attention op it calls: burn's
+    /// op has no argument for them.
+    static DOCUMENTS: RefCell<Option<PositionIds>> = const { RefCell::new(None) };
+}
+
+/// Clears [`DOCUMENTS`] however the call ends, so no ids outlive it.
+struct DocumentsHandOver;
+
+impl Drop for DocumentsHandOver {
+    fn drop(&mut self) {
+        DOCUMENTS.with(|documents| documents.borrow_mut().take());
+    }
+}
+
+/// `burn::tensor::module::attention` over documents packed into each sequence: a token sees
+/// only tokens of its own document (and, with `is_causal`, none after it). `positions` are
+/// the position ids of the query tokens, `[batch, seq]`, restarting at 0 at each document
+/// (the Hugging Face / ALST convention); under sequence parallelism, those of this rank's
+/// shard: the attention gathers them, so a document may cross a shard edge.
+///
+/// On `UlyssesBackend` (with or without a group) the flash kernels skip every tile outside a
+/// document: no `S × S` mask exists. On any other backend the documents become a dense mask
+/// (logged as a dense fallback; the attention then also runs once without them, which is
+/// discarded).
+pub fn attention_in_documents<B: Backend>(
+    query: Tensor<B, 4>,
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    positions: &PositionIds,
+    options: AttentionModuleOptions,
+) -> Tensor<B, 4> {
+    let hand_over = DocumentsHandOver;
+    DOCUMENTS.with(|documents| *documents.borrow_mut() = Some(positions.clone()));
+    let output = attention(query.clone(), key.clone(), value.clone(), None, None, options);
+    let unclaimed = DOCUMENTS.with(|documents| documents.borrow_mut().take());
+    drop(hand_over);
+    let Some(positions) = unclaimed else { return output };
+    // Not a UlyssesBackend: burn's attention did not see the documents.
+    let [batch, heads, seq, _] = query.dims();
+    if (positions.batch(), positions.len()) != (batch, seq) || key.dims()[2] != seq {
+        panic!("{}", documents_shape_error(&positions, batch, seq, key.dims()[2]));
+    }
+    dense_fallback(format!("{} does not intercept attention, so documents become a dense mask", std::any::type_name::<B>()), DenseFallback::Allow)
+        .expect("an allowed fallback is not an error");
+    let mask = Visibility::documents(&positions).dense_mask::<B>(&query.device()).expand([batch, heads, seq, seq]);
+    attention(query, key, value, Some(mask), None, options)
+}
+
+/// Takes the ids [`attention_in_documents`] handed over, if this call came from it.
+fn take_documents() -> Option<PositionIds> {
+    DOCUMENTS.with(|documents| documents.borrow_mut().take())
+}
+
+fn documents_shape_error(positions: &PositionIds, batch: usize, q_seq: usize, kv_seq: usize) -> UlyssesError {
+    UlyssesError::Shape(format!(
+        "attention_in_documents: position ids for {} rows of {} tokens, but q has {batch} rows of {q_seq} tokens and k {kv_seq}; \
+         pass the ids of the tokens q was computed from (this rank's shard), for self-attention",
+        positions.batch(),
+        positions.len()
+    ))
+}
 
 /// `UlyssesBackend::attention`. Panics with a [`UlyssesError`] message on bad input: backend
 /// ops cannot return errors, and every rank reaches the same verdict.
@@ -39,22 +108,27 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
     attn_bias: Option<FloatTensor<X>>,
     options: AttentionModuleOptions,
 ) -> FloatTensor<X> {
+    // Taken before anything can fail, so that they never reach a later call.
+    let positions = take_documents();
     let attend_or_explain = || -> Result<FloatTensor<X>, UlyssesError> {
-        let layout = local_layout::<X>(&query, &key, &value, mask.as_ref(), attn_bias.as_ref(), &options)?;
+        let layout = local_layout::<X>(&query, &key, &value, mask.as_ref(), attn_bias.as_ref(), &options, positions.is_some())?;
+        if let Some(positions) = &positions
+            && ((positions.batch(), positions.len()) != (layout.batch, layout.q_seq) || layout.kv_seq != layout.q_seq)
+        {
+            return Err(documents_shape_error(positions, layout.batch, layout.q_seq, layout.kv_seq));
+        }
         let context = context::current::<X::Wire>()?;
         let forbid = context.as_ref().is_some_and(|c| c.config.forbid_dense_fallback);
         let fallback = if forbid { DenseFallback::Forbid } else { DenseFallback::Allow };
         let Some(context) = context.filter(|c| c.communicator.size() > 1) else {
             HeadPlan::new(layout.q_heads, layout.kv_heads, 1)?;
-            let output = attend::<X>(
-                float_tensor(query),
-                float_tensor(key),
-                float_tensor(value),
-                mask.map(bool_tensor::<X>),
-                attn_bias.map(float_tensor),
-                options,
-                fallback,
-            )?;
+            let query = float_tensor::<X, 4>(query);
+            let visibility = positions.as_ref().map(Visibility::documents);
+            let (mask, visibility) = match (layout.mask, mask.map(bool_tensor::<X>)) {
+                (MaskKind::KeyPadding { .. }, Some(mask)) => key_padding_as_runs::<X>(mask, visibility, &query, key_len::<X>(&key))?,
+                (_, mask) => (mask, visibility),
+            };
+            let output = attend::<X>(query, float_tensor(key), float_tensor(value), mask, attn_bias.map(float_tensor), options, visibility, fallback)?;
             return Ok(float_primitive(output));
         };
         let communicator = &context.communicator;
@@ -80,14 +154,73 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let key = exchanged.pop().unwrap();
         let query = exchanged.pop().unwrap();
 
-        let mask = match mask {
-            Some(mask) => Some(gather_key_padding_mask::<X>(bool_tensor(mask), &query, &key, &plan, communicator)?),
+        let visibility = match &positions {
+            Some(positions) => {
+                let gathered = all_gather_host_checked(&**communicator, positions.ids(), "document position ids")?;
+                let shards = gathered.into_iter().map(|ids| PositionIds::new(ids, layout.batch, layout.q_seq)).collect::<Result<Vec<_>, _>>()?;
+                Some(Visibility::documents(&PositionIds::concat(&shards)?))
+            }
             None => None,
         };
-        let output = attend::<X>(query, key, value, mask, None, options, fallback)?;
+        let (mask, visibility) = match mask {
+            Some(mask) => {
+                let mask = gather_key_padding_mask::<X>(bool_tensor(mask), &plan, communicator)?;
+                let s_k = key.dims()[2];
+                key_padding_as_runs::<X>(mask, visibility, &query, s_k)?
+            }
+            None => (None, visibility),
+        };
+        let output = attend::<X>(query, key, value, mask, None, options, visibility, fallback)?;
         Ok(float_primitive(heads_to_sequence(output, communicator)?))
     };
     attend_or_explain().unwrap_or_else(|error| panic!("{error}"))
+}
+
+fn key_len<X: ExchangeBackend>(key: &FloatTensor<X>) -> usize {
+    key.shape()[2]
+}
+
+/// A `[B, 1 | H, 1, S_k]` key-padding mask as one run of real keys per sequence (added to
+/// `visibility`), which the flash kernels take; a mask whose real keys are not one run per
+/// sequence, or differ between heads, stays a dense mask expanded to `[B, H, S_q, S_k]`.
+/// Reading the mask costs one copy of `B × S_k` booleans to the host.
+fn key_padding_as_runs<X: ExchangeBackend>(
+    mask: Tensor<X, 4, Bool>,
+    visibility: Option<Visibility>,
+    query: &Tensor<X, 4>,
+    s_k: usize,
+) -> Result<(Option<Tensor<X, 4, Bool>>, Option<Visibility>), UlyssesError> {
+    let [b, mask_heads, _, _] = mask.dims();
+    let [_, heads, s_q, _] = query.dims();
+    // Through floats: backends store booleans differently (u8, u32).
+    let masked: Vec<bool> = mask
+        .clone()
+        .float()
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .map_err(|error| UlyssesError::Shape(format!("reading the key-padding mask: {error:?}")))?
+        .into_iter()
+        .map(|x| x > 0.5)
+        .collect();
+    let run_of = |row: &[bool]| -> Option<Range<usize>> {
+        let start = row.iter().position(|&m| !m).unwrap_or(0);
+        let end = row.iter().rposition(|&m| !m).map_or(0, |last| last + 1);
+        row[start..end.max(start)].iter().all(|&m| !m).then_some(start..end.max(start))
+    };
+    let runs: Option<Vec<Range<usize>>> = (0..b)
+        .map(|batch| {
+            let rows: Vec<&[bool]> = (0..mask_heads).map(|h| &masked[(batch * mask_heads + h) * s_k..][..s_k]).collect();
+            rows.iter().all(|row| row == &rows[0]).then(|| run_of(rows[0])).flatten()
+        })
+        .collect();
+    match runs {
+        Some(runs) => {
+            let visibility = visibility.unwrap_or_else(|| Visibility::all(b, s_q, s_k)).with_key_runs(runs)?;
+            Ok((None, Some(visibility)))
+        }
+        None => Ok((Some(mask.expand([b, heads, s_q, s_k])), visibility)),
+    }
 }
 
 /// Checks shapes that need no peer, and describes the call for the cross-rank check.
@@ -98,6 +231,7 @@ fn local_layout<X: ExchangeBackend>(
     mask: Option<&BoolTensor<X>>,
     attn_bias: Option<&FloatTensor<X>>,
     options: &AttentionModuleOptions,
+    has_documents: bool,
 ) -> Result<AttentionLayout, UlyssesError> {
     let (q, k, v) = (dims(query), dims(key), dims(value));
     if q.len() != 4 || k.len() != 4 || v.len() != 4 {
@@ -131,12 +265,14 @@ fn local_layout<X: ExchangeBackend>(
         softcap: options.softcap,
         mask: mask_kind,
         has_bias: attn_bias.is_some(),
+        has_documents,
     })
 }
 
 /// Attention over whole sequences with the inner backend's best kernel (a fused one takes
 /// grouped kv heads as they are; burn's attention gets them expanded), falling back to
 /// burn's dense attention as `fallback` allows.
+#[allow(clippy::too_many_arguments)]
 fn attend<X: ExchangeBackend>(
     query: Tensor<X, 4>,
     key: Tensor<X, 4>,
@@ -144,6 +280,7 @@ fn attend<X: ExchangeBackend>(
     mask: Option<Tensor<X, 4, Bool>>,
     attn_bias: Option<Tensor<X, 4>>,
     options: AttentionModuleOptions,
+    visibility: Option<Visibility>,
     fallback: DenseFallback,
 ) -> Result<Tensor<X, 4>, UlyssesError> {
     let output = X::sequence_attention(
@@ -153,17 +290,16 @@ fn attend<X: ExchangeBackend>(
         mask.map(Tensor::into_primitive),
         attn_bias.map(float_primitive),
         options,
+        visibility.map(Arc::new),
         fallback,
     )?;
     Ok(float_tensor(output))
 }
 
 /// Gathers a `[B, 1 | H, 1, S_k/P]` key-padding mask from every rank into this rank's
-/// `[B, H/P, S_q, S_k]` mask.
+/// `[B, 1 | H/P, 1, S_k]` mask.
 fn gather_key_padding_mask<X: ExchangeBackend>(
     mask: Tensor<X, 4, Bool>,
-    query: &Tensor<X, 4>,
-    key: &Tensor<X, 4>,
     plan: &HeadPlan,
     communicator: &Arc<dyn Communicator<X::Wire>>,
 ) -> Result<Tensor<X, 4, Bool>, UlyssesError> {
@@ -180,9 +316,7 @@ fn gather_key_padding_mask<X: ExchangeBackend>(
         let first = communicator.rank() * local;
         full.slice([0..b, first..first + local, 0..1, 0..p * s_k_local])
     };
-    let [_, heads, s_q, _] = query.dims();
-    let s_k = key.dims()[2];
-    Ok(full.greater_elem(0.5).expand([b, heads, s_q, s_k]))
+    Ok(full.greater_elem(0.5))
 }
 
 fn bool_tensor<X: ExchangeBackend>(primitive: BoolTensor<X>) -> Tensor<X, 4, Bool> {

@@ -10,12 +10,17 @@
 //! - The batch is padded to a multiple of `sp_size` (padding tokens are ignored), so every
 //!   rank holds the same number of tokens; with `pad_to`, to at least that length too (fixed
 //!   shapes from step to step, so kernels are tuned and memory is reserved once).
-//! - Each shard carries its global position offset, for RoPE.
+//! - Each shard carries its tokens' position ids, for RoPE: global positions, or, when
+//!   documents are packed into a sequence ([`pack_documents`]), positions that restart at 0
+//!   at each document (the Hugging Face / ALST convention). Packed labels never cross a
+//!   document's end, and padding after the last document is a document of its own.
 
 use burn::{
     config::Config,
     tensor::{Int, Tensor, TensorData, backend::Backend},
 };
+
+use crate::visibility::PositionIds;
 
 /// Label value that the loss skips (as in PyTorch's `ignore_index`).
 pub const IGNORE_INDEX: i64 = -100;
@@ -46,13 +51,61 @@ pub struct SequenceShard {
     pub local_len: usize,
     /// Global position of this shard's first token.
     pub position_offset: usize,
+    /// Where the shard's tokens sit in their sequences.
+    pub positions: ShardPositions,
     /// Labels that are not `ignore_index`.
     pub valid_tokens: usize,
+}
+
+/// Where a shard's tokens sit in their sequences: what a model needs for RoPE and attention.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardPositions {
+    /// `[batch, local_len]`: global positions, or positions within each packed document.
+    pub ids: PositionIds,
+    /// Whether the rows pack several documents: attention must then stay inside each
+    /// (`burn_ulysses::attention::attention_in_documents` with `ids`).
+    pub packed: bool,
+}
+
+impl ShardPositions {
+    /// Unpacked rows whose tokens sit at positions `offset..offset + len`.
+    pub fn consecutive(batch: usize, offset: usize, len: usize) -> Self {
+        Self { ids: PositionIds::consecutive(batch, offset, len), packed: false }
+    }
+}
+
+/// Packs `documents` in order, whole, into sequences of at most `max_len` tokens (a document
+/// longer than that is cut into pieces, each a document of its own). Returns the sequences
+/// and, for each, the lengths of the documents in it, as [`SequenceSharder::shard_documents`]
+/// takes them.
+pub fn pack_documents(documents: &[Vec<i64>], max_len: usize) -> (Vec<Vec<i64>>, Vec<Vec<usize>>) {
+    assert!(max_len > 0, "pack_documents: max_len must be at least 1");
+    let (mut sequences, mut lengths) = (vec![], vec![]);
+    let (mut tokens, mut current) = (Vec::new(), Vec::new());
+    for piece in documents.iter().flat_map(|document| document.chunks(max_len)) {
+        if tokens.len() + piece.len() > max_len {
+            sequences.push(std::mem::take(&mut tokens));
+            lengths.push(std::mem::take(&mut current));
+        }
+        tokens.extend_from_slice(piece);
+        current.push(piece.len());
+    }
+    if !tokens.is_empty() {
+        sequences.push(tokens);
+        lengths.push(current);
+    }
+    (sequences, lengths)
 }
 
 impl SequenceSharder {
     /// Rank `rank`'s shard of `sequences` (token ids, any lengths ≥ 1).
     pub fn shard(&self, sequences: &[Vec<i64>], rank: usize) -> SequenceShard {
+        self.shard_documents(sequences, None, rank)
+    }
+
+    /// Rank `rank`'s shard of `sequences`, each packing documents of lengths `documents[i]`
+    /// (summing to its length; `None`: one document per sequence, unpacked).
+    pub fn shard_documents(&self, sequences: &[Vec<i64>], documents: Option<&[Vec<usize>]>, rank: usize) -> SequenceShard {
         assert!(self.sp_size > 0, "sp_size must be at least 1");
         assert!(rank < self.sp_size, "rank {rank} is out of range for sp_size {}", self.sp_size);
         assert!(!sequences.is_empty(), "cannot shard an empty batch");
@@ -62,22 +115,44 @@ impl SequenceSharder {
         let local_len = global_len / self.sp_size;
         let start = rank * local_len;
 
+        if let Some(documents) = documents {
+            assert_eq!(documents.len(), sequences.len(), "document lengths for {} sequences, but the batch holds {}", documents.len(), sequences.len());
+            for (i, (lengths, sequence)) in documents.iter().zip(sequences).enumerate() {
+                assert!(
+                    lengths.iter().sum::<usize>() == sequence.len() && !lengths.contains(&0),
+                    "sequence {i}: document lengths {lengths:?} must be positive and sum to its {} tokens",
+                    sequence.len()
+                );
+            }
+        }
+
         let mut tokens = Vec::with_capacity(sequences.len() * local_len);
         let mut labels = Vec::with_capacity(sequences.len() * local_len);
-        for sequence in sequences {
+        let mut ids = Vec::with_capacity(sequences.len() * local_len);
+        for (i, sequence) in sequences.iter().enumerate() {
+            // Where each document of the whole padded sequence starts; padding is one more.
+            let lengths = documents.map_or_else(|| vec![global_len], |documents| documents[i].clone());
+            let starts = document_starts(&lengths, global_len);
             for position in start..start + local_len {
                 tokens.push(sequence.get(position).copied().unwrap_or(self.pad_token));
-                // The label of position i is token i + 1 of the *whole* sequence.
-                labels.push(sequence.get(position + 1).copied().unwrap_or(self.ignore_index));
+                // The label of position i is token i + 1 of the *whole* sequence, within its
+                // document.
+                let document_start = starts[starts.partition_point(|&s| s <= position) - 1];
+                let same_document = !starts.contains(&(position + 1));
+                let label = if same_document { sequence.get(position + 1).copied() } else { None };
+                labels.push(label.unwrap_or(self.ignore_index));
+                ids.push((position - document_start) as u64);
             }
         }
         let valid_tokens = labels.iter().filter(|&&l| l != self.ignore_index).count();
+        let ids = PositionIds::new(ids, sequences.len(), local_len).expect("one id per token");
         SequenceShard {
             tokens,
             labels,
             batch: sequences.len(),
             local_len,
             position_offset: start,
+            positions: ShardPositions { ids, packed: documents.is_some() },
             valid_tokens,
         }
     }
@@ -87,6 +162,20 @@ impl SequenceSharder {
     pub fn labels_in(sequences: &[Vec<i64>]) -> usize {
         sequences.iter().map(|s| s.len().saturating_sub(1)).sum()
     }
+}
+
+/// First position of each document of a sequence padded to `padded_len`, the padding after
+/// the last one being one more.
+fn document_starts(lengths: &[usize], padded_len: usize) -> Vec<usize> {
+    let mut starts = vec![0];
+    let mut end = 0;
+    for length in lengths {
+        end += length;
+        if end < padded_len {
+            starts.push(end);
+        }
+    }
+    starts
 }
 
 impl SequenceShard {
@@ -125,6 +214,26 @@ mod tests {
         assert_eq!(first.local_len, 3);
         assert_eq!(first.valid_tokens + second.valid_tokens, SequenceSharder::labels_in(&batch));
         assert_eq!((first.valid_tokens, second.valid_tokens), (5, 1));
+    }
+
+    #[test]
+    fn packed_labels_stop_at_each_document_and_positions_restart() {
+        let (sequences, lengths) = pack_documents(&[vec![1, 2, 3], vec![4, 5], vec![6, 7, 8, 9, 10, 11, 12]], 6);
+        // The third document is longer than a sequence: cut into 6 + 1.
+        assert_eq!(sequences, vec![vec![1, 2, 3, 4, 5], vec![6, 7, 8, 9, 10, 11], vec![12]]);
+        assert_eq!(lengths, vec![vec![3, 2], vec![6], vec![1]]);
+        let sharder = SequenceSharder::new(2).with_pad_to(Some(6));
+        let shards: Vec<_> = (0..2).map(|rank| sharder.shard_documents(&sequences[..1], Some(&lengths[..1]), rank)).collect();
+        let labels: Vec<i64> = shards.iter().flat_map(|s| s.labels.clone()).collect();
+        let ids: Vec<u64> = shards.iter().flat_map(|s| s.positions.ids.ids().to_vec()).collect();
+        // Tokens 1 2 3 | 4 5 | pad: no label crosses a document's end, padding has none.
+        assert_eq!(labels, vec![2, 3, IGNORE_INDEX, 5, IGNORE_INDEX, IGNORE_INDEX]);
+        assert_eq!(ids, vec![0, 1, 2, 0, 1, 0]);
+        assert!(shards[0].positions.packed);
+        assert_eq!(shards[0].valid_tokens + shards[1].valid_tokens, 3);
+        // Unpacked: global positions, padding included.
+        let unpacked = SequenceSharder::new(2).with_pad_to(Some(6)).shard(&sequences[..1], 1);
+        assert_eq!((unpacked.positions.ids.ids(), unpacked.positions.packed), (&[3u64, 4, 5][..], false));
     }
 
     #[test]

@@ -24,6 +24,7 @@ use burn::tensor::{
 use crate::{
     comm::{CommError, Communicator},
     error::UlyssesError,
+    visibility::Visibility,
 };
 
 /// A backend that `UlyssesBackend` can wrap: it exchanges tensors (implemented in
@@ -51,8 +52,10 @@ pub trait ExchangeBackend: SequenceAttention {
 /// Attention over whole sequences, with the backend's best kernel.
 pub trait SequenceAttention: Backend {
     /// Attention over whole sequences: the backend's fused kernel when it has one for these
-    /// inputs (no mask, bias or softcap), else burn's attention, as `fallback` allows. k and v
-    /// may have fewer heads than q (grouped-query attention, kv heads dividing q heads).
+    /// inputs (no mask, bias or softcap; documents and key padding as `visibility`), else
+    /// burn's attention, as `fallback` allows. k and v may have fewer heads than q
+    /// (grouped-query attention, kv heads dividing q heads).
+    #[allow(clippy::too_many_arguments)]
     fn sequence_attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
@@ -60,6 +63,7 @@ pub trait SequenceAttention: Backend {
         mask: Option<BoolTensor<Self>>,
         attn_bias: Option<FloatTensor<Self>>,
         options: AttentionModuleOptions,
+        visibility: Option<Arc<Visibility>>,
         fallback: DenseFallback,
     ) -> Result<FloatTensor<Self>, UlyssesError>;
 }
@@ -89,12 +93,14 @@ pub trait PlainBackend: Backend {
     }
 
     /// Output and per-row log-sum-exp (`[B, H, S_q]`, f32) of attention with grouped kv
-    /// heads allowed, or why this backend has no kernel for these inputs.
+    /// heads allowed, each row seeing the keys `visibility` gives it, or why this backend has
+    /// no kernel for these inputs.
     fn fused_attention_forward(
         _query: FloatTensor<Self>,
         _key: FloatTensor<Self>,
         _value: FloatTensor<Self>,
         _options: &AttentionModuleOptions,
+        _visibility: Option<&Visibility>,
     ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
         Err(no_fused_kernel::<Self>())
     }
@@ -110,6 +116,7 @@ pub trait PlainBackend: Backend {
         _output_grad: FloatTensor<Self>,
         _lse: FloatTensor<Self>,
         _options: &AttentionModuleOptions,
+        _visibility: Option<&Visibility>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         unreachable!("fused_attention_backward without a fused forward on {}", std::any::type_name::<Self>())
     }

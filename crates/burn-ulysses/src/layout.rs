@@ -32,6 +32,8 @@ pub struct AttentionLayout {
     pub softcap: Option<f64>,
     pub mask: MaskKind,
     pub has_bias: bool,
+    /// Called through `attention_in_documents` (position ids to gather).
+    pub has_documents: bool,
 }
 
 const SEQ_HINT: &str = "Every rank must hold the same number of tokens: pad each sequence to a \
@@ -39,7 +41,7 @@ const SEQ_HINT: &str = "Every rank must hold the same number of tokens: pad each
 const MODEL_HINT: &str = "Every rank must run the same model on the same batch layout.";
 
 /// (field name, hint) in the order of [`AttentionLayout::encode`].
-const FIELDS: [(&str, &str); 12] = [
+const FIELDS: [(&str, &str); 13] = [
     ("batch size", MODEL_HINT),
     ("q head count", MODEL_HINT),
     ("kv head count", MODEL_HINT),
@@ -52,6 +54,7 @@ const FIELDS: [(&str, &str); 12] = [
     ("softcap", MODEL_HINT),
     ("mask kind", "Pass the same kind of mask (or none) on every rank."),
     ("attention bias presence", MODEL_HINT),
+    ("document position ids presence", "Call attention_in_documents on every rank of the group, or on none."),
 ];
 
 impl AttentionLayout {
@@ -76,6 +79,7 @@ impl AttentionLayout {
             optional(self.softcap),
             mask,
             self.has_bias as u64,
+            self.has_documents as u64,
         ];
         debug_assert_eq!(encoded.len(), FIELDS.len());
         encoded
@@ -205,6 +209,7 @@ mod tests {
             softcap: None,
             mask: MaskKind::None,
             has_bias: false,
+            has_documents: false,
         };
         let short = AttentionLayout { q_seq: 7, kv_seq: 7, ..layout.clone() };
         let err = AttentionLayout::check_agreement(&[layout.encode(), short.encode()])

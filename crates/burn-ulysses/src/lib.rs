@@ -46,6 +46,7 @@ pub mod nn;
 mod primitive;
 pub mod topology;
 pub mod train;
+pub mod visibility;
 
 pub use backend::UlyssesBackend;
 pub use context::{RankGuard, RankScope, UlyssesConfig};

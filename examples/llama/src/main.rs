@@ -115,6 +115,10 @@ struct Args {
     /// Seed of the initial parameters and of the batches.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Train on packed documents: the paragraphs of each sequence (ending in a blank line)
+    /// are separate documents; attention and labels stay inside each, positions restart.
+    #[arg(long)]
+    pack: bool,
     #[arg(long, default_value_t = 128)]
     d_model: usize,
     #[arg(long, default_value_t = 2)]
@@ -201,7 +205,8 @@ fn run(args: Args) -> Result<(), String> {
         .with_learning_rate(args.learning_rate)
         .with_eval_single_device(args.eval_single_device)
         .with_check_parameters_every(args.check_parameters_every)
-        .with_seed(args.seed);
+        .with_seed(args.seed)
+        .with_pack(args.pack);
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;

@@ -2,8 +2,10 @@
 //! through `burn::tensor::module::attention`, SwiGLU feed-forward.
 //!
 //! Nothing here knows about sequence parallelism. Under `UlyssesBackend` each rank runs the
-//! model on its shard of the sequence; the only thing the caller supplies is where that shard
-//! starts (`position_offset`), so that positions are global.
+//! model on its shard of the sequence; the caller supplies the shard's position ids
+//! ([`ShardPositions`]), global so that RoPE sees where each token sits. When the rows pack
+//! several documents, positions restart at each one and attention goes through
+//! `attention_in_documents`, which keeps every token inside its document.
 
 use burn::{
     config::Config,
@@ -19,8 +21,10 @@ use burn::{
 };
 
 use burn_ulysses::{
-    attention::repeat_kv_heads,
+    attention::{attention_in_documents, repeat_kv_heads},
+    data::ShardPositions,
     train::{LmOutput, OutputHead},
+    visibility::PositionIds,
 };
 
 use crate::rope::RopeTables;
@@ -122,27 +126,26 @@ pub struct Llama<B: Backend> {
 }
 
 impl<B: Backend> Llama<B> {
-    /// `tokens: [batch, seq]` holding positions `position_offset..position_offset + seq` of
-    /// each sequence → logits `[batch, seq, vocab]`.
-    pub fn forward(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3> {
-        self.lm_head.forward(self.hidden(tokens, position_offset))
+    /// `tokens: [batch, seq]` at `positions` → logits `[batch, seq, vocab]`.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
+        self.lm_head.forward(self.hidden(tokens, positions))
     }
 
     /// The last hidden states and the output head, from which the loss is computed a chunk of
     /// rows at a time (never holding all `tokens × vocab` logits).
-    pub fn lm_output(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> LmOutput<B> {
+    pub fn lm_output(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> LmOutput<B> {
         let head = OutputHead { weight: self.lm_head.weight.val(), bias: self.lm_head.bias.as_ref().map(|b| b.val()) };
-        LmOutput::Hidden { hidden: self.hidden(tokens, position_offset), head }
+        LmOutput::Hidden { hidden: self.hidden(tokens, positions), head }
     }
 
     /// The normalised last hidden states `[batch, seq, d_model]` that `lm_head` projects to
     /// logits.
-    pub fn hidden(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3> {
-        let seq = tokens.dims()[1];
-        let rope = RopeTables::new(position_offset, seq, self.head_dim, self.rope_theta, &tokens.device());
+    pub fn hidden(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
+        let rope = RopeTables::at(&positions.ids, self.head_dim, self.rope_theta, &tokens.device());
+        let documents = positions.packed.then_some(&positions.ids);
         let mut x = self.embedding.forward(tokens);
         for block in &self.blocks {
-            x = block.forward(x, &rope);
+            x = block.forward(x, &rope, documents);
         }
         self.norm.forward(x)
     }
@@ -175,9 +178,10 @@ pub struct Block<B: Backend> {
 }
 
 impl<B: Backend> Block<B> {
-    /// `x: [batch, seq, d_model]`, with `rope` built for the same positions.
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>) -> Tensor<B, 3> {
-        let x = x.clone() + self.attention.forward(self.attention_norm.forward(x), rope);
+    /// `x: [batch, seq, d_model]`, with `rope` built for the same positions; `documents`:
+    /// the position ids of rows that pack several documents.
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, documents: Option<&PositionIds>) -> Tensor<B, 3> {
+        let x = x.clone() + self.attention.forward(self.attention_norm.forward(x), rope, documents);
         x.clone() + self.feed_forward.forward(self.ffn_norm.forward(x))
     }
 }
@@ -196,7 +200,7 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, documents: Option<&PositionIds>) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
         let heads = |t: Tensor<B, 3>, n| t.reshape([b, s, n, self.head_dim]).swap_dims(1, 2);
         let q = rope.apply(heads(self.wq.forward(x.clone()), self.n_heads));
@@ -209,7 +213,10 @@ impl<B: Backend> Attention<B> {
             (k, v)
         };
         let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: self.causal };
-        let output = attention(q, k, v, None, None, options);
+        let output = match documents {
+            Some(positions) => attention_in_documents(q, k, v, positions, options),
+            None => attention(q, k, v, None, None, options),
+        };
         self.wo.forward(output.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]))
     }
 }

@@ -6,8 +6,9 @@
 //! (no `max_sequence_length` cache either, which would cost memory at long contexts).
 
 use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn_ulysses::visibility::PositionIds;
 
-/// cos/sin tables `[1, 1, seq, head_dim / 2]` for a run of consecutive positions.
+/// cos/sin tables `[batch | 1, 1, seq, head_dim / 2]`.
 #[derive(Debug, Clone)]
 pub struct RopeTables<B: Backend> {
     cos: Tensor<B, 4>,
@@ -15,13 +16,19 @@ pub struct RopeTables<B: Backend> {
 }
 
 impl<B: Backend> RopeTables<B> {
-    /// Tables for positions `offset..offset + seq`.
+    /// Tables for positions `offset..offset + seq`, the same in every row.
     pub fn new(offset: usize, seq: usize, head_dim: usize, theta: f64, device: &B::Device) -> Self {
+        Self::at(&PositionIds::consecutive(1, offset, seq), head_dim, theta, device)
+    }
+
+    /// Tables for each row's own position ids (packed documents restart at 0).
+    pub fn at(positions: &PositionIds, head_dim: usize, theta: f64, device: &B::Device) -> Self {
         assert!(head_dim % 2 == 0, "RoPE needs an even head_dim, got {head_dim}");
         let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(seq * half);
-        let mut sin = Vec::with_capacity(seq * half);
-        for position in offset..offset + seq {
+        let (batch, seq) = (positions.batch(), positions.len());
+        let mut cos = Vec::with_capacity(batch * seq * half);
+        let mut sin = Vec::with_capacity(batch * seq * half);
+        for &position in positions.ids() {
             for i in 0..half {
                 let inv_freq = theta.powf(-((2 * i) as f64) / head_dim as f64);
                 let angle = position as f64 * inv_freq;
@@ -29,7 +36,7 @@ impl<B: Backend> RopeTables<B> {
                 sin.push(angle.sin() as f32);
             }
         }
-        let table = |values| Tensor::from_data(TensorData::new(values, [1, 1, seq, half]), device);
+        let table = |values| Tensor::from_data(TensorData::new(values, [batch, 1, seq, half]), device);
         Self { cos: table(cos), sin: table(sin) }
     }
 

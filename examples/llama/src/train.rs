@@ -14,7 +14,7 @@ use burn::{
 use burn_ulysses::{
     ParallelGroups, ParallelLayout, TrainBackend, UlyssesError,
     comm::all_gather_host_checked,
-    data::SequenceSharder,
+    data::{SequenceSharder, ShardPositions},
     train::{
         CausalLm, LmOutput, LocalStep, StepInput, StepReport, apply_step, backward_step, broadcast_parameters,
         check_parameters_identical,
@@ -61,6 +61,11 @@ pub struct TrainConfig {
     pub check_parameters_every: usize,
     #[config(default = 42)]
     pub seed: u64,
+    /// Train on packed documents: each sequence's paragraphs (runs of text ending in a blank
+    /// line) are separate documents, attention and labels stay inside each and positions
+    /// restart at each (the held-out loss stays on unpacked windows, comparable across runs).
+    #[config(default = false)]
+    pub pack: bool,
 }
 
 impl TrainConfig {
@@ -141,13 +146,13 @@ impl TrainConfig {
 }
 
 impl<B: AutodiffBackend> CausalLm<B> for Llama<B> {
-    fn logits(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3> {
-        self.forward(tokens, position_offset)
+    fn logits(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
+        self.forward(tokens, positions)
     }
 
     /// The loss runs over the hidden states in chunks of rows, never holding all logits.
-    fn lm_output(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> LmOutput<B> {
-        Llama::lm_output(self, tokens, position_offset)
+    fn lm_output(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> LmOutput<B> {
+        Llama::lm_output(self, tokens, positions)
     }
 
     fn vocab_size(&self) -> usize {
@@ -316,10 +321,30 @@ where
         return Err(UlyssesError::InvalidConfig(message));
     }
     let micro_batches = config.micro_batches(&global, groups.dp_rank());
-    let input = StepInput { index: step, learning_rate: config.learning_rate_at(step), micro_batches: &micro_batches };
+    let documents: Option<Vec<Vec<Vec<usize>>>> =
+        config.pack.then(|| micro_batches.iter().map(|batch| batch.iter().map(|sequence| paragraph_lengths(sequence)).collect()).collect());
+    let input = StepInput { index: step, learning_rate: config.learning_rate_at(step), micro_batches: &micro_batches, documents: documents.as_deref() };
     let mut local = backward_step(&model, &input, sharder, groups, device)?;
     inject_faults(faults, step, groups.world_rank(), &model, &mut local);
     apply_step(model, optimizer, &input, local, groups)
+}
+
+/// The lengths of the paragraphs of a byte sequence: each ends after a blank line (`\n\n`),
+/// the last at the sequence's end. They are the documents `--pack` trains on.
+pub fn paragraph_lengths(sequence: &[i64]) -> Vec<usize> {
+    let newline = i64::from(b'\n');
+    let mut lengths = vec![];
+    let mut start = 0;
+    for end in 1..sequence.len() {
+        if sequence[end] == newline && sequence[end - 1] == newline {
+            lengths.push(end + 1 - start);
+            start = end + 1;
+        }
+    }
+    if start < sequence.len() {
+        lengths.push(sequence.len() - start);
+    }
+    lengths
 }
 
 /// Every rank loads the checkpoint (so it must be readable on every node), after checking
@@ -361,6 +386,7 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
         ("--seed", config.seed != saved.seed),
         ("--batch-size", config.batch_size != saved.config.batch_size),
         ("--seq-len", config.seq_len != saved.config.seq_len),
+        ("--pack", config.pack != saved.config.pack),
     ];
     if let Some((what, _)) = differs.iter().find(|(_, differs)| *differs) {
         return Err(format!(
@@ -406,7 +432,7 @@ pub fn evaluate_model<B>(
 where
     B: TrainBackend,
 {
-    let forward = |tokens, offset| model.lm_output(tokens, offset);
+    let forward = |tokens, positions: &ShardPositions| model.lm_output(tokens, positions);
     let sharder = config.sharder();
     if config.eval_single_device {
         let is_first = groups.world_rank() == 0;

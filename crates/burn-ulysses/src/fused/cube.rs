@@ -6,12 +6,25 @@ use burn::tensor::{
     ops::{AttentionModuleOptions, FloatTensor},
 };
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use ulysses_kernels::{FlashOptions, OperandInfo, check_flash_attention, flash_attention_backward, flash_attention_forward};
+use ulysses_kernels::{FlashError, FlashOptions, OperandInfo, VisibleRanges, check_flash_attention, flash_attention_backward, flash_attention_forward};
 
-use crate::inner::PlainBackend;
+use crate::{inner::PlainBackend, visibility::Visibility};
 
 fn flash_options(options: &AttentionModuleOptions) -> FlashOptions {
     FlashOptions { scale: options.scale, causal: options.is_causal }
+}
+
+/// The kernels' tables for `visibility`.
+fn visible_ranges(visibility: &Visibility) -> Result<VisibleRanges, FlashError> {
+    let (batch, seq_q, seq_kv) = visibility.dims();
+    let mut ranges = VisibleRanges::all(batch, seq_q, seq_kv)?;
+    if let Some(lengths) = visibility.document_lengths() {
+        ranges = ranges.with_documents(lengths)?;
+    }
+    if let Some(runs) = visibility.key_runs() {
+        ranges = ranges.with_key_runs(runs)?;
+    }
+    Ok(ranges)
 }
 
 impl<R, F, I, BT> PlainBackend for CubeBackend<R, F, I, BT>
@@ -36,8 +49,10 @@ where
         key: FloatTensor<Self>,
         value: FloatTensor<Self>,
         options: &AttentionModuleOptions,
+        visibility: Option<&Visibility>,
     ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
-        flash_attention_forward(query, key, value, flash_options(options)).map_err(|error| error.to_string())
+        let ranges = visibility.map(visible_ranges).transpose().map_err(|error| error.to_string())?;
+        flash_attention_forward(query, key, value, flash_options(options), ranges.as_ref()).map_err(|error| error.to_string())
     }
 
     fn fused_attention_backward(
@@ -48,8 +63,10 @@ where
         output_grad: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         options: &AttentionModuleOptions,
+        visibility: Option<&Visibility>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        flash_attention_backward(query, key, value, output, output_grad, lse, flash_options(options))
+        let ranges = visibility.map(|visibility| visible_ranges(visibility).expect("the forward built these ranges"));
+        flash_attention_backward(query, key, value, output, output_grad, lse, flash_options(options), ranges.as_ref())
             .unwrap_or_else(|error| panic!("the forward accepted these inputs, the backward refused them: {error}"))
     }
 }

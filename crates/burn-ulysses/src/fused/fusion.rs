@@ -5,7 +5,7 @@
 //! operation. Whether the kernel accepts the call is decided before recording, from shapes
 //! and dtypes alone: once recorded, the operation can no longer fall back to burn's attention.
 
-use std::marker::PhantomData;
+use std::{marker::PhantomData, sync::Arc};
 
 use burn::tensor::{
     DType, Shape,
@@ -17,7 +17,7 @@ use burn_fusion::{
 };
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
 
-use crate::inner::PlainBackend;
+use crate::{inner::PlainBackend, visibility::Visibility};
 
 /// Which kernel a recorded operation runs.
 #[derive(Debug, Clone, Copy)]
@@ -33,6 +33,7 @@ struct FlashOperation<B> {
     desc: CustomOpIr,
     pass: Pass,
     options: AttentionModuleOptions,
+    visibility: Option<Arc<Visibility>>,
     backend: PhantomData<fn() -> B>,
 }
 
@@ -42,7 +43,7 @@ impl<B: FusionBackend + PlainBackend> Operation<B::FusionRuntime> for FlashOpera
         let outputs = match self.pass {
             Pass::Forward => {
                 let ([q, k, v], _) = self.desc.as_fixed::<3, 2>();
-                let (output, lse) = B::fused_attention_forward(input(q), input(k), input(v), &self.options)
+                let (output, lse) = B::fused_attention_forward(input(q), input(k), input(v), &self.options, self.visibility.as_deref())
                     .unwrap_or_else(|reason| panic!("fused_attention_check accepted this call before it was recorded, then: {reason}"));
                 vec![output, lse]
             }
@@ -50,7 +51,7 @@ impl<B: FusionBackend + PlainBackend> Operation<B::FusionRuntime> for FlashOpera
                 let ([q, k, v, output, output_grad, lse], _) = self.desc.as_fixed::<6, 3>();
                 let (q, k, v) = (input(q), input(k), input(v));
                 let (output, output_grad, lse) = (input(output), input(output_grad), input(lse));
-                let (dq, dk, dv) = B::fused_attention_backward(q, k, v, output, output_grad, lse, &self.options);
+                let (dq, dk, dv) = B::fused_attention_backward(q, k, v, output, output_grad, lse, &self.options, self.visibility.as_deref());
                 vec![dq, dk, dv]
             }
         };
@@ -66,6 +67,7 @@ fn record<B: FusionBackend + PlainBackend>(
     inputs: Vec<FusionTensor<B::FusionRuntime>>,
     outputs: Vec<(Shape, DType)>,
     options: &AttentionModuleOptions,
+    visibility: Option<&Visibility>,
 ) -> Vec<FusionTensor<B::FusionRuntime>> {
     let client = inputs[0].client.clone();
     let streams = OperationStreams::with_inputs(&inputs);
@@ -76,7 +78,8 @@ fn record<B: FusionBackend + PlainBackend>(
         Pass::Backward => "ulysses_flash_attention_backward",
     };
     let desc = CustomOpIr::new(name, &inputs, &outputs);
-    let operation = FlashOperation::<B> { desc: desc.clone(), pass, options: *options, backend: PhantomData };
+    let visibility = visibility.map(|visibility| Arc::new(visibility.clone()));
+    let operation = FlashOperation::<B> { desc: desc.clone(), pass, options: *options, visibility, backend: PhantomData };
     client.register(streams, OperationIr::Custom(desc), operation)
 }
 
@@ -98,13 +101,14 @@ impl<B: FusionBackend + PlainBackend> PlainBackend for Fusion<B> {
         key: FloatTensor<Self>,
         value: FloatTensor<Self>,
         options: &AttentionModuleOptions,
+        visibility: Option<&Visibility>,
     ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
         let operands = [&query, &key, &value].map(|tensor| (&tensor.shape[..], tensor.dtype));
         B::fused_attention_check(operands, query.client.device(), options)?;
         let (q, v) = (&query.shape, &value.shape);
         let output = (Shape::new([q[0], q[1], q[2], v[3]]), query.dtype);
         let lse = (Shape::new([q[0], q[1], q[2]]), DType::F32);
-        let [output, lse] = record::<B>(Pass::Forward, vec![query, key, value], vec![output, lse], options).outputs();
+        let [output, lse] = record::<B>(Pass::Forward, vec![query, key, value], vec![output, lse], options, visibility).outputs();
         Ok((output, lse))
     }
 
@@ -116,11 +120,12 @@ impl<B: FusionBackend + PlainBackend> PlainBackend for Fusion<B> {
         output_grad: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         options: &AttentionModuleOptions,
+        visibility: Option<&Visibility>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         // Gradients have the shapes and dtypes of what they differentiate.
         let grads = [&query, &key, &value].map(shape_and_dtype).to_vec();
         let inputs = vec![query, key, value, output, output_grad, lse];
-        let [dq, dk, dv] = record::<B>(Pass::Backward, inputs, grads, options).outputs();
+        let [dq, dk, dv] = record::<B>(Pass::Backward, inputs, grads, options, visibility).outputs();
         (dq, dk, dv)
     }
 }

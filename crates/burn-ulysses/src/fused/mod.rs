@@ -6,8 +6,10 @@
 //! kernels: no `S × S` score matrix in either pass. burn's own `Autodiff` attention, by
 //! contrast, is decomposed into matmul and softmax and keeps the whole score matrix.
 
+use std::sync::Arc;
+
 use burn::tensor::{
-    Tensor,
+    Bool, Tensor,
     backend::Backend,
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
 };
@@ -22,6 +24,7 @@ use crate::{
     error::UlyssesError,
     inner::{DenseFallback, PlainBackend, SequenceAttention},
     primitive::{float_primitive, float_tensor},
+    visibility::Visibility,
 };
 
 /// Attention over whole sequences with the best kernel `B` has: for
@@ -39,12 +42,13 @@ pub fn flash_attention<B: SequenceAttention>(
         kv_heads > 0 && q_heads % kv_heads == 0,
         "flash_attention: k/v have {kv_heads} heads and q has {q_heads}; grouped-query attention needs the kv head count to divide the q head count"
     );
-    let output = B::sequence_attention(float_primitive(query), float_primitive(key), float_primitive(value), None, None, options, DenseFallback::Allow)
+    let output = B::sequence_attention(float_primitive(query), float_primitive(key), float_primitive(value), None, None, options, None, DenseFallback::Allow)
         .expect("an allowed fallback is not an error");
     float_tensor(output)
 }
 
-/// burn's attention, with grouped kv heads expanded to the q head count first.
+/// burn's attention, with grouped kv heads expanded to the q head count first, and
+/// `visibility` as a dense mask (joined to `mask`).
 pub(crate) fn reference_attention<B: Backend>(
     query: FloatTensor<B>,
     key: FloatTensor<B>,
@@ -52,15 +56,24 @@ pub(crate) fn reference_attention<B: Backend>(
     mask: Option<BoolTensor<B>>,
     attn_bias: Option<FloatTensor<B>>,
     options: AttentionModuleOptions,
+    visibility: Option<&Visibility>,
 ) -> FloatTensor<B> {
     let query = float_tensor::<B, 4>(query);
     let (key, value) = (float_tensor::<B, 4>(key), float_tensor::<B, 4>(value));
     let group = query.dims()[1] / key.dims()[1];
+    let mask = match (mask.map(Tensor::<B, 4, Bool>::from_primitive), visibility) {
+        (mask, None) => mask,
+        (None, Some(visibility)) => Some(visibility.dense_mask::<B>(&query.device())),
+        (Some(mask), Some(visibility)) => {
+            let shape = mask.shape();
+            Some(mask.bool_or(visibility.dense_mask::<B>(&query.device()).expand(shape)))
+        }
+    };
     B::attention(
         float_primitive(query),
         float_primitive(repeat_kv_heads(key, group)),
         float_primitive(repeat_kv_heads(value, group)),
-        mask,
+        mask.map(Tensor::into_primitive),
         attn_bias,
         options,
     )
@@ -75,6 +88,7 @@ pub(crate) struct FusedAttentionState<B: Backend> {
     pub output: FloatTensor<B>,
     pub lse: FloatTensor<B>,
     pub options: AttentionModuleOptions,
+    pub visibility: Option<Arc<Visibility>>,
 }
 
 /// The autodiff node of a fused attention: its parents are q, k and v.
@@ -95,6 +109,7 @@ impl<B: PlainBackend> Backward<B, 3> for FusedAttentionBackward {
             output_grad,
             state.lse,
             &state.options,
+            state.visibility.as_deref(),
         );
         let [query, key, value] = ops.parents;
         for (parent, grad) in [(query, dq), (key, dk), (value, dv)] {
@@ -118,13 +133,14 @@ impl<B: PlainBackend> SequenceAttention for B {
         mask: Option<BoolTensor<B>>,
         attn_bias: Option<FloatTensor<B>>,
         options: AttentionModuleOptions,
+        visibility: Option<Arc<Visibility>>,
         fallback: DenseFallback,
     ) -> Result<FloatTensor<B>, UlyssesError> {
-        match fused_forward::<B>(&query, &key, &value, mask.is_some(), attn_bias.is_some(), &options) {
+        match fused_forward::<B>(&query, &key, &value, mask.is_some(), attn_bias.is_some(), &options, visibility.as_deref()) {
             Ok((output, _lse)) => Ok(output),
             Err(reason) => {
                 dense_fallback(reason, fallback)?;
-                Ok(reference_attention::<B>(query, key, value, mask, attn_bias, options))
+                Ok(reference_attention::<B>(query, key, value, mask, attn_bias, options, visibility.as_deref()))
             }
         }
     }
@@ -138,17 +154,18 @@ impl<B: PlainBackend, C: CheckpointStrategy> SequenceAttention for Autodiff<B, C
         mask: Option<BoolTensor<Self>>,
         attn_bias: Option<FloatTensor<Self>>,
         options: AttentionModuleOptions,
+        visibility: Option<Arc<Visibility>>,
         fallback: DenseFallback,
     ) -> Result<FloatTensor<Self>, UlyssesError> {
         let (q, k, v) = (&query.primitive, &key.primitive, &value.primitive);
-        match fused_forward::<B>(q, k, v, mask.is_some(), attn_bias.is_some(), &options) {
+        match fused_forward::<B>(q, k, v, mask.is_some(), attn_bias.is_some(), &options, visibility.as_deref()) {
             Ok((output, lse)) => {
                 let (q, k, v) = (q.clone(), k.clone(), v.clone());
                 let nodes = [query.node, key.node, value.node];
                 // Compute bound: recomputing attention would cost what the kernel saves.
                 Ok(match FusedAttentionBackward.prepare::<C>(nodes).compute_bound().stateful() {
                     OpsKind::Tracked(prep) => {
-                        let state = FusedAttentionState { query: q, key: k, value: v, output: output.clone(), lse, options };
+                        let state = FusedAttentionState { query: q, key: k, value: v, output: output.clone(), lse, options, visibility };
                         prep.finish(state, output)
                     }
                     OpsKind::UnTracked(prep) => prep.finish(output),
@@ -156,7 +173,7 @@ impl<B: PlainBackend, C: CheckpointStrategy> SequenceAttention for Autodiff<B, C
             }
             Err(reason) => {
                 dense_fallback(reason, fallback)?;
-                Ok(reference_attention::<Self>(query, key, value, mask, attn_bias, options))
+                Ok(reference_attention::<Self>(query, key, value, mask, attn_bias, options, visibility.as_deref()))
             }
         }
     }
@@ -179,7 +196,7 @@ pub fn repeat_kv_heads<B: Backend>(tensor: Tensor<B, 4>, times: usize) -> Tensor
 /// Why a call cannot go to a fused kernel whatever the backend: what the kernels do not take.
 fn unfusable_reason(mask: bool, attn_bias: bool, options: &AttentionModuleOptions) -> Option<String> {
     if mask {
-        Some("the call has a mask (the flash kernels take none yet)".into())
+        Some("the call has a mask that is neither causal, nor key padding with one run of real keys per sequence, nor documents (attention_in_documents); the flash kernels take only those".into())
     } else if attn_bias {
         Some("the call has an attention bias (the flash kernels take none)".into())
     } else if options.softcap.is_some() {
@@ -197,17 +214,18 @@ fn fused_forward<B: PlainBackend>(
     mask: bool,
     attn_bias: bool,
     options: &AttentionModuleOptions,
+    visibility: Option<&Visibility>,
 ) -> Result<(FloatTensor<B>, FloatTensor<B>), String> {
     if let Some(reason) = unfusable_reason(mask, attn_bias, options) {
         return Err(reason);
     }
-    B::fused_attention_forward(query.clone(), key.clone(), value.clone(), options)
+    B::fused_attention_forward(query.clone(), key.clone(), value.clone(), options, visibility)
 }
 
 /// Applies `policy` to a fallback: an error, or a log line with the reason. The reason is
 /// a warning the first time it occurs in the process (it repeats at every layer of every
 /// step) and a debug line every time.
-fn dense_fallback(reason: String, policy: DenseFallback) -> Result<(), UlyssesError> {
+pub(crate) fn dense_fallback(reason: String, policy: DenseFallback) -> Result<(), UlyssesError> {
     if policy == DenseFallback::Forbid {
         return Err(UlyssesError::DenseFallback { reason });
     }

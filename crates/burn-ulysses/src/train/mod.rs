@@ -51,22 +51,24 @@ pub use loss::{
 pub use crate::topology::{ParallelGroups, ParallelLayout};
 use crate::{
     comm::{CommError, Communicator, panic_message},
-    data::SequenceSharder,
+    data::{SequenceSharder, ShardPositions},
     error::UlyssesError,
     primitive::{float_primitive, float_tensor},
 };
 
 /// A model that maps a shard of token ids to next-token logits.
 pub trait CausalLm<B: AutodiffBackend>: AutodiffModule<B> {
-    /// `tokens: [batch, seq]` at global positions `position_offset..` → `[batch, seq, vocab]`.
-    fn logits(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> Tensor<B, 3>;
+    /// `tokens: [batch, seq]` at `positions` → `[batch, seq, vocab]`. When
+    /// `positions.packed`, each row packs several documents and attention must stay inside
+    /// each (`burn_ulysses::attention::attention_in_documents` with `positions.ids`).
+    fn logits(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3>;
     /// What training computes the loss from. The default is [`logits`](Self::logits). A
     /// model that returns [`LmOutput::Hidden`] (its last hidden states and output projection)
     /// gets a loss computed a chunk of rows at a time, which never holds all
     /// `tokens × vocab` logits: at long context with a large vocabulary they are the largest
     /// activation of the step.
-    fn lm_output(&self, tokens: Tensor<B, 2, Int>, position_offset: usize) -> LmOutput<B> {
-        LmOutput::Logits(self.logits(tokens, position_offset))
+    fn lm_output(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> LmOutput<B> {
+        LmOutput::Logits(self.logits(tokens, positions))
     }
     /// Token ids must lie in `0..vocab_size()`.
     fn vocab_size(&self) -> usize;
@@ -95,6 +97,10 @@ pub struct StepInput<'a> {
     /// This DP rank's sequences for the step, one entry per gradient-accumulation
     /// micro-batch.
     pub micro_batches: &'a [Vec<Vec<i64>>],
+    /// For packed data: per micro-batch, per sequence, the lengths of the documents packed
+    /// into it ([`pack_documents`](crate::data::pack_documents)). `None`: one document per
+    /// sequence.
+    pub documents: Option<&'a [Vec<Vec<usize>>]>,
 }
 
 /// This rank's half of a step: its gradients (not yet summed over ranks) and its part of the
@@ -143,7 +149,21 @@ where
 {
     check_step_inputs::<B, M>(model, step.micro_batches, sharder, groups)?;
     let sp_rank = groups.sp_rank();
-    let shards: Vec<_> = step.micro_batches.iter().map(|batch| sharder.shard(batch, sp_rank)).collect();
+    if let Some(documents) = step.documents
+        && documents.len() != step.micro_batches.len()
+    {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "document lengths for {} micro-batches, but the step has {}",
+            documents.len(),
+            step.micro_batches.len()
+        )));
+    }
+    let shards: Vec<_> = step
+        .micro_batches
+        .iter()
+        .enumerate()
+        .map(|(m, batch)| sharder.shard_documents(batch, step.documents.map(|d| &d[m][..]), sp_rank))
+        .collect();
     let local_valid: usize = shards.iter().map(|s| s.valid_tokens).sum();
     let local_processed: usize = shards.iter().map(|s| s.batch * s.local_len).sum();
     let [valid_tokens, processed_tokens] = sum_over_ranks(&*groups.world, [local_valid, local_processed])?;
@@ -155,7 +175,7 @@ where
     let exchanges_before = groups.sp.traffic().all_to_all_calls;
     for shard in &shards {
         let (shard_loss, grads) = model_failure_as_error(|| {
-            let output = model.lm_output(shard.tokens(device), shard.position_offset);
+            let output = model.lm_output(shard.tokens(device), &shard.positions);
             let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
             let shard_loss_value = shard_loss.clone().into_scalar().elem::<f64>();
             (shard_loss_value, GradientsParams::from_grads(shard_loss.backward(), model))
@@ -257,7 +277,7 @@ where
 /// runs `forward` on its shard, and the SP group sums losses and valid tokens. `forward`
 /// returns logits, or hidden states and head for a loss computed in chunks.
 pub fn evaluate<B: Backend, G: Backend>(
-    forward: impl Fn(Tensor<B, 2, Int>, usize) -> LmOutput<B>,
+    forward: impl Fn(Tensor<B, 2, Int>, &ShardPositions) -> LmOutput<B>,
     batch: &[Vec<i64>],
     sharder: &SequenceSharder,
     sp_rank: usize,
@@ -266,7 +286,7 @@ pub fn evaluate<B: Backend, G: Backend>(
 ) -> Result<f64, UlyssesError> {
     let shard = sharder.shard(batch, sp_rank);
     let loss = model_failure_as_error(|| {
-        let output = forward(shard.tokens(device), shard.position_offset);
+        let output = forward(shard.tokens(device), &shard.positions);
         lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>()
     })?;
     let loss = sum_f64_over_ranks(sp_group, loss)?;
@@ -277,14 +297,14 @@ pub fn evaluate<B: Backend, G: Backend>(
 /// Token-averaged cross-entropy of the whole, unsharded `batch` on this rank alone,
 /// bypassing sequence parallelism even inside a group (no collective is issued).
 pub fn evaluate_single_device<B: Backend>(
-    forward: impl Fn(Tensor<B, 2, Int>, usize) -> LmOutput<B>,
+    forward: impl Fn(Tensor<B, 2, Int>, &ShardPositions) -> LmOutput<B>,
     batch: &[Vec<i64>],
     ignore_index: i64,
     device: &B::Device,
 ) -> f64 {
     let _single_device = crate::context::enter_single_device();
     let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard(batch, 0);
-    let loss = lm_loss_sum_inference(forward(whole.tokens(device), 0), whole.labels(device), ignore_index);
+    let loss = lm_loss_sum_inference(forward(whole.tokens(device), &whole.positions), whole.labels(device), ignore_index);
     loss.into_scalar().elem::<f64>() / whole.valid_tokens.max(1) as f64
 }
 

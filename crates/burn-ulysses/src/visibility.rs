@@ -1,0 +1,205 @@
+//! Which keys a query may see besides causality, described without an `S × S` matrix:
+//! documents packed back to back into one sequence (attention never crosses a document's
+//! edge) and key padding (a run of real keys per sequence).
+//!
+//! Documents come from position ids, the Hugging Face / ALST convention for packed
+//! sequences: a document starts wherever a position does not continue the one before it
+//! (positions restart at 0 at each document). Under sequence parallelism each rank holds the
+//! ids of its shard; the attention gathers them, so every rank knows the boundaries of the
+//! whole sequence wherever they fall, shard edges included.
+
+use std::{ops::Range, sync::Arc};
+
+use burn::tensor::{Bool, Tensor, TensorData, backend::Backend};
+
+use crate::error::UlyssesError;
+
+/// Position ids of a batch of token rows, on the host: `[batch, len]`, row-major.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PositionIds {
+    batch: usize,
+    len: usize,
+    ids: Arc<[u64]>,
+}
+
+impl PositionIds {
+    /// `ids` of `batch` rows of `len` tokens each.
+    pub fn new(ids: Vec<u64>, batch: usize, len: usize) -> Result<Self, UlyssesError> {
+        if ids.len() != batch * len || len == 0 {
+            return Err(UlyssesError::Shape(format!("position ids: {} ids cannot be {batch} rows of {len} tokens", ids.len())));
+        }
+        Ok(Self { batch, len, ids: ids.into() })
+    }
+
+    /// One document per row: positions `offset..offset + len` in every row (an unpacked
+    /// shard that starts at global position `offset`).
+    pub fn consecutive(batch: usize, offset: usize, len: usize) -> Self {
+        let row = (offset as u64..(offset + len) as u64).collect::<Vec<_>>();
+        Self { batch, len, ids: row.repeat(batch).into() }
+    }
+
+    /// Rows are `[rows[0], rows[1], ..]` concatenated along the sequence, as the shards of
+    /// an SP group concatenate into the whole sequence.
+    pub fn concat(parts: &[PositionIds]) -> Result<Self, UlyssesError> {
+        let batch = parts.first().map_or(0, |p| p.batch);
+        if parts.is_empty() || parts.iter().any(|p| p.batch != batch) {
+            return Err(UlyssesError::Shape("position ids: the parts to concatenate must share a batch size".into()));
+        }
+        let len: usize = parts.iter().map(|p| p.len).sum();
+        let mut ids = Vec::with_capacity(batch * len);
+        for b in 0..batch {
+            for part in parts {
+                ids.extend_from_slice(part.row(b));
+            }
+        }
+        Self::new(ids, batch, len)
+    }
+
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// All ids, row-major.
+    pub fn ids(&self) -> &[u64] {
+        &self.ids
+    }
+
+    /// Row `b`'s ids.
+    pub fn row(&self, b: usize) -> &[u64] {
+        &self.ids[b * self.len..(b + 1) * self.len]
+    }
+
+    /// Per row, the lengths of its documents: a document ends where the next position does
+    /// not continue it.
+    pub fn document_lengths(&self) -> Vec<Vec<usize>> {
+        (0..self.batch)
+            .map(|b| {
+                let row = self.row(b);
+                let mut lengths = vec![1usize];
+                for pair in row.windows(2) {
+                    if pair[1] == pair[0] + 1 {
+                        *lengths.last_mut().unwrap() += 1;
+                    } else {
+                        lengths.push(1);
+                    }
+                }
+                lengths
+            })
+            .collect()
+    }
+}
+
+/// Which keys each query row sees besides causality, per sequence of a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Visibility {
+    batch: usize,
+    seq_q: usize,
+    seq_kv: usize,
+    /// Per sequence, the lengths of its documents (self-attention only).
+    documents: Option<Vec<Vec<usize>>>,
+    /// Per sequence, its keys that are not padding.
+    key_runs: Option<Vec<Range<usize>>>,
+}
+
+impl Visibility {
+    /// Every row sees every key.
+    pub fn all(batch: usize, seq_q: usize, seq_kv: usize) -> Self {
+        Self { batch, seq_q, seq_kv, documents: None, key_runs: None }
+    }
+
+    /// Documents of `positions` (the whole sequences, self-attention).
+    pub fn documents(positions: &PositionIds) -> Self {
+        let (batch, seq) = (positions.batch(), positions.len());
+        Self { documents: Some(positions.document_lengths()), ..Self::all(batch, seq, seq) }
+    }
+
+    /// Keys of sequence `b` outside `runs[b]` are padding: no row sees them.
+    pub fn with_key_runs(mut self, runs: Vec<Range<usize>>) -> Result<Self, UlyssesError> {
+        if runs.len() != self.batch || runs.iter().any(|run| run.start > run.end || run.end > self.seq_kv) {
+            return Err(UlyssesError::Shape(format!("key runs {runs:?} for {} sequences of {} keys", self.batch, self.seq_kv)));
+        }
+        self.key_runs = Some(runs);
+        Ok(self)
+    }
+
+    /// `(batch, seq_q, seq_kv)`.
+    pub fn dims(&self) -> (usize, usize, usize) {
+        (self.batch, self.seq_q, self.seq_kv)
+    }
+
+    pub fn document_lengths(&self) -> Option<&[Vec<usize>]> {
+        self.documents.as_deref()
+    }
+
+    pub fn key_runs(&self) -> Option<&[Range<usize>]> {
+        self.key_runs.as_deref()
+    }
+
+    /// Whether query row `row` of sequence `b` sees key `key` (causality aside).
+    pub fn sees(&self, b: usize, row: usize, key: usize) -> bool {
+        let in_run = self.key_runs.as_ref().is_none_or(|runs| runs[b].contains(&key));
+        in_run && self.documents.as_ref().is_none_or(|documents| document_of(&documents[b], row) == document_of(&documents[b], key))
+    }
+
+    /// `[batch, 1, seq_q, seq_kv]`, `true` where a row must not see a key (burn's mask
+    /// convention): for backends without the flash kernels, which build the `S × S` scores
+    /// anyway.
+    pub fn dense_mask<B: Backend>(&self, device: &B::Device) -> Tensor<B, 4, Bool> {
+        let mut mask = Vec::with_capacity(self.batch * self.seq_q * self.seq_kv);
+        for b in 0..self.batch {
+            for row in 0..self.seq_q {
+                mask.extend((0..self.seq_kv).map(|key| !self.sees(b, row, key)));
+            }
+        }
+        Tensor::from_data(TensorData::new(mask, [self.batch, 1, self.seq_q, self.seq_kv]), device)
+    }
+}
+
+/// Index of the document holding `position`.
+fn document_of(lengths: &[usize], position: usize) -> usize {
+    let mut end = 0;
+    for (index, length) in lengths.iter().enumerate() {
+        end += length;
+        if position < end {
+            return index;
+        }
+    }
+    lengths.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn documents_start_where_positions_restart() {
+        let positions = PositionIds::new(vec![0, 1, 2, 0, 1, 0, /**/ 5, 6, 7, 8, 9, 10], 2, 6).unwrap();
+        assert_eq!(positions.document_lengths(), vec![vec![3, 2, 1], vec![6]]);
+        let visibility = Visibility::documents(&positions);
+        assert!(visibility.sees(0, 2, 0) && !visibility.sees(0, 3, 2) && !visibility.sees(0, 5, 4) && visibility.sees(1, 0, 5));
+    }
+
+    #[test]
+    fn shards_concatenate_and_a_boundary_on_a_shard_edge_is_kept() {
+        let first = PositionIds::new(vec![0, 1, 2, 3], 1, 4).unwrap();
+        let second = PositionIds::new(vec![0, 1, 0, 1], 1, 4).unwrap();
+        let whole = PositionIds::concat(&[first, second]).unwrap();
+        assert_eq!(whole.document_lengths(), vec![vec![4, 2, 2]]);
+        assert_eq!(PositionIds::consecutive(2, 3, 2).ids(), &[3, 4, 3, 4]);
+    }
+
+    #[test]
+    fn key_runs_hide_padding() {
+        let visibility = Visibility::all(1, 3, 5).with_key_runs(vec![1..4]).unwrap();
+        assert!(!visibility.sees(0, 0, 0) && visibility.sees(0, 2, 3) && !visibility.sees(0, 1, 4));
+        assert!(Visibility::all(1, 3, 5).with_key_runs(vec![1..6]).is_err());
+    }
+}
