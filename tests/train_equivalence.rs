@@ -65,6 +65,10 @@ struct Outcome {
 /// Trains on every rank of the layout; returns world rank 0's outcome after checking that
 /// all ranks agree on the reports and hold identical parameters.
 fn train<B: TrainBackend<Wire = Inner>>(config: TrainConfig, enter: fn(&Arc<dyn Communicator<Inner>>) -> Option<RankGuard>) -> Outcome {
+    train_on::<B>(config, enter, &VariedLengths { vocab: VOCAB })
+}
+
+fn train_on<B: TrainBackend<Wire = Inner>>(config: TrainConfig, enter: fn(&Arc<dyn Communicator<Inner>>) -> Option<RankGuard>, data: &dyn StepData) -> Outcome {
     let config = &config;
     let per_rank = ThreadGroup::new(config.layout.world_size()).run(|rank| {
         let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
@@ -74,7 +78,7 @@ fn train<B: TrainBackend<Wire = Inner>>(config: TrainConfig, enter: fn(&Arc<dyn 
         // same in every run.
         let model = deterministic_params(config.model.init::<B>(&device), INIT_SEED + rank.rank() as u64);
         let (model, reports) =
-            train_rank::<B>(config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default()).unwrap();
+            train_rank::<B>(config, model, data, &groups, &device, RunOptions::default()).unwrap();
         check_parameters_identical::<B, _, Inner>(&model, &*groups.world).unwrap();
         Outcome { reports, params: parameter_values(&model) }
     });
@@ -130,6 +134,76 @@ fn one_device_dp_sp_and_accumulation_take_the_same_steps() {
         println!("{name:>10}: losses [{}], max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e}", losses.join(", "));
         assert!(loss_diff <= TOLERANCE, "{name}: step loss differs from one device by {loss_diff:e}");
         assert!(param_diff <= TOLERANCE, "{name}: parameters differ from one device by {param_diff:e}");
+    }
+}
+
+/// Two paragraphs (the first ends in a blank line, `\n\n` = tokens 10 10) per sequence of up
+/// to 32 tokens, with boundaries on shard edges (8, 16) and inside shards; `split` gives each
+/// paragraph as a sequence of its own instead.
+struct Paragraphs {
+    split: bool,
+}
+
+impl Paragraphs {
+    const FIRST: [[usize; 4]; 2] = [[8, 16, 5, 13], [16, 3, 24, 9]];
+    const SECOND: [[usize; 4]; 2] = [[24, 16, 20, 2], [10, 29, 8, 23]];
+}
+
+impl StepData for Paragraphs {
+    fn train_batch(&self, step: usize) -> Vec<Vec<i64>> {
+        let text = |seed: usize, len: usize| -> Vec<i64> {
+            // Content tokens avoid 10, so the only blank line is the one that ends a paragraph.
+            (0..len).map(|t| match ((seed * 13 + t * t + 5 * t) % VOCAB) as i64 { 10 => 11, token => token }).collect()
+        };
+        let mut sequences = vec![];
+        for i in 0..4 {
+            let (first_len, second_len) = (Self::FIRST[step % 2][i], Self::SECOND[step % 2][i]);
+            let mut first = text(step * 8 + i, first_len - 2);
+            first.extend([10, 10]);
+            let second = text(step * 8 + i + 4, second_len);
+            if self.split {
+                sequences.extend([first, second]);
+            } else {
+                sequences.push([first, second].concat());
+            }
+        }
+        sequences
+    }
+
+    fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
+        None
+    }
+}
+
+/// Packed training (`pack`: paragraphs are documents) gives, at SP 2 and 4, the steps of one
+/// device, and those equal training on the same paragraphs as separate sequences: the
+/// packing changes nothing but the layout.
+#[test]
+fn packed_documents_train_like_one_device_and_like_the_documents_one_by_one() {
+    let packed = |layout: ParallelLayout| {
+        let mut c = config(layout, 1).with_seq_len(32).with_pack(true);
+        c.model.repeat_kv = layout.sp_size == 1;
+        c
+    };
+    let runs = with_deadline(Duration::from_secs(55), move || {
+        let single = train_on::<Reference>(packed(ParallelLayout::new()), no_context, &Paragraphs { split: false });
+        let mut split = config(ParallelLayout::new(), 1).with_seq_len(32).with_batch_size(8);
+        split.model.repeat_kv = true;
+        let one_by_one = train_on::<Reference>(split, no_context, &Paragraphs { split: true });
+        let sp2 = train_on::<Sp>(packed(ParallelLayout::new().with_sp_size(2)), enter_sp, &Paragraphs { split: false });
+        let sp4 = train_on::<Sp>(packed(ParallelLayout::new().with_sp_size(4)), enter_sp, &Paragraphs { split: false });
+        [("packed, one device", single), ("documents one by one", one_by_one), ("packed SP=2", sp2), ("packed SP=4", sp4)]
+    });
+    let (_, reference) = &runs[0];
+    for (name, run) in &runs[1..] {
+        let loss_diff = worst(run.reports.iter().zip(&reference.reports).map(|(a, b)| {
+            assert_eq!(a.valid_tokens, b.valid_tokens, "{name}: valid tokens differ");
+            (a.loss - b.loss).abs() as f32
+        }));
+        let param_diff = worst(run.params.iter().zip(&reference.params).map(|((_, a), (_, b))| max_abs_diff(a, b)));
+        println!("{name:>22}: max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e} against packed on one device");
+        assert!(loss_diff <= TOLERANCE, "{name}: step loss differs by {loss_diff:e}");
+        assert!(param_diff <= TOLERANCE, "{name}: parameters differ by {param_diff:e}");
     }
 }
 
