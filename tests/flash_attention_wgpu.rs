@@ -257,3 +257,43 @@ fn key_padding_reaches_the_kernels_as_one_run_per_sequence() {
         assert!(diff <= TOLERANCE, "rank {rank}: output differs by {diff:e}");
     }
 }
+
+/// Device memory held after the forward of attention over packed documents (what the backward
+/// keeps, under autodiff) at S and 2S: on the flash path it doubles (q, k, v, output, log-sum-
+/// exp, the runs), with burn's dense attention and the documents as an `S × S` mask it
+/// quadruples, which shows the measurement sees a score matrix when there is one.
+#[test]
+fn memory_over_packed_documents_grows_linearly_on_the_flash_path() {
+    use burn_ulysses::{UlyssesBackend, attention::attention_in_documents, visibility::PositionIds};
+    type Flash = UlyssesBackend<Autodiff<Wgpu>>;
+    type Dense = Autodiff<Wgpu>;
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    fn held_after_forward<B: AutodiffBackend>(seq: usize) -> u64 {
+        let device: B::Device = Default::default();
+        let client = <Runtime as cubecl::Runtime>::client(&Default::default());
+        // Documents of 300 tokens (the last one shorter).
+        let ids: Vec<u64> = (0..seq as u64).map(|t| t % 300).collect();
+        let positions = PositionIds::new(ids, 1, seq).unwrap();
+        let qkv = |seed| uniform_tensor::<B, 4>([1, 2, seq, 16], seed, &device).require_grad();
+        let (q, k, v) = (qkv(1), qkv(2), qkv(3));
+        let before = client.memory_usage().unwrap().bytes_in_use;
+        let output = attention_in_documents(q.clone(), k.clone(), v.clone(), &positions, CAUSAL);
+        let _ = values(output.clone().slice([0..1, 0..1, 0..1, 0..1]));
+        let held = client.memory_usage().unwrap().bytes_in_use - before;
+        let grads = output.sum().backward();
+        assert!(values(q.grad(&grads).unwrap()).iter().all(|x| x.is_finite()));
+        held
+    }
+    let forwards = forward_launches();
+    let flash = [held_after_forward::<Flash>(1024), held_after_forward::<Flash>(2048)];
+    assert!(forward_launches() >= forwards + 2, "the flash kernels ran");
+    let dense = [held_after_forward::<Dense>(1024), held_after_forward::<Dense>(2048)];
+    let ratio = |held: [u64; 2]| held[1] as f64 / held[0] as f64;
+    println!("bytes held after the forward at S = 1024, 2048: flash {flash:?} (x{:.2}), dense {dense:?} (x{:.2})", ratio(flash), ratio(dense));
+    assert!(ratio(flash) <= 2.1, "flash attention over documents held {flash:?} bytes: not linear in S");
+    assert!(ratio(dense) >= 3.0, "the dense path should hold an S x S matrix; the measurement missed it: {dense:?}");
+    assert!(flash[1] * 4 < dense[1], "at S = 2048 the flash path should hold far less than the dense one");
+}
