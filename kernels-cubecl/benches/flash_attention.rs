@@ -17,8 +17,10 @@
 //! the whole sweep fits one 10-minute GPU call.
 //!
 //! It also prints the device memory in use after forward + backward at S and 2S (linear
-//! growth means no S×S buffer) and, from the tile sizes the kernels chose, how many
-//! shared-memory reads each FLOP of `Q·Kᵀ` costs.
+//! growth means no S×S buffer), from the tile sizes the kernels chose, how many
+//! shared-memory reads each FLOP of `Q·Kᵀ` costs, and for causal shapes of the first head
+//! count the time of forward + backward over packed documents (`VisibleRanges`) against the
+//! same shape without them: the tiles the kernels skip.
 
 use std::{
     process::Command,
@@ -28,7 +30,7 @@ use std::{
 use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use ulysses_kernels::{
-    FlashOptions, OperandInfo, Plan, flash_attention_backward, flash_attention_forward,
+    FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_forward,
     flash::{Engine, Problem},
 };
 
@@ -87,14 +89,14 @@ fn time(device: &Device, budget: Duration, mut run: impl FnMut()) -> f64 {
     samples[samples.len() / 2]
 }
 
-fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration) -> (Timing, u64) {
+fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration, ranges: Option<&VisibleRanges>) -> (Timing, u64) {
     let q_shape = [shape.batch, shape.heads, shape.seq, shape.head_dim];
     let (q, k, v, g) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
     let options = FlashOptions { scale: None, causal: shape.causal };
-    let forward = || flash_attention_forward(q.clone(), k.clone(), v.clone(), options, None).unwrap();
+    let forward = || flash_attention_forward(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
     // Warm-up: compiles the kernels.
     let (output, lse) = forward();
-    let backward = || flash_attention_backward(q.clone(), k.clone(), v.clone(), output.clone(), g.clone(), lse.clone(), options, None).unwrap();
+    let backward = || flash_attention_backward(q.clone(), k.clone(), v.clone(), output.clone(), g.clone(), lse.clone(), options, ranges).unwrap();
     drop(backward());
     sync(device);
     let each = budget / 3;
@@ -103,7 +105,7 @@ fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration) -> (Timi
         backward: time(device, each, || drop(backward())),
         both: time(device, each, || {
             let (o, l) = forward();
-            drop(flash_attention_backward(q.clone(), k.clone(), v.clone(), o, g.clone(), l, options, None).unwrap());
+            drop(flash_attention_backward(q.clone(), k.clone(), v.clone(), o, g.clone(), l, options, ranges).unwrap());
         }),
     };
     // Memory in use with every tensor of a forward + backward alive.
@@ -202,6 +204,7 @@ fn main() {
         "heads", "seq", "causal", "fwd", "bwd", "fwd+bwd", "fwd", "bwd", "fwd+bwd", "backend", "fwd", "bwd", "both"
     );
     let mut memory = Vec::new();
+    let mut plain_causal = Vec::new();
     let mut seconds_per_flop: Option<f64> = None;
     for (shape, sdpa) in shapes.iter().zip(theirs) {
         let flops = shape.forward_flops();
@@ -213,7 +216,10 @@ fn main() {
             println!("{:>5} {:>6} {:>6} | skipped: one forward + backward would take about {:.0} s", shape.heads, shape.seq, shape.causal, rate * 3.5 * flops);
             continue;
         }
-        let (ours, in_use) = bench(*shape, dtype, &device, budget);
+        let (ours, in_use) = bench(*shape, dtype, &device, budget, None);
+        if shape.causal && shape.heads == heads[0] {
+            plain_causal.push((*shape, ours.both));
+        }
         seconds_per_flop = Some(ours.both / (3.5 * flops));
         let mine = [tflops(flops, ours.forward), tflops(2.5 * flops, ours.backward), tflops(3.5 * flops, ours.both)];
         let (theirs, backend, ratio) = match sdpa {
@@ -241,5 +247,24 @@ fn main() {
         if h0 == h1 {
             println!("heads {h0}: S {s0} -> {s1}: {m0} -> {m1} bytes (x{:.2} for x{:.0} tokens)", m1 as f64 / m0.max(1) as f64, s1 as f64 / s0 as f64);
         }
+    }
+
+    // Documents of `document` tokens: causal attention does document/S of the work of the
+    // whole sequence (a little more at tile edges), if whole tiles are skipped.
+    let document = if quick { 64 } else { 2048 };
+    println!("\npacked documents of {document} tokens, causal: forward + backward seconds with documents / without, same run");
+    for (shape, without) in plain_causal.into_iter().filter(|(shape, _)| shape.seq >= 4 * document) {
+        let lengths: Vec<usize> = (0..shape.seq).step_by(document).map(|start| document.min(shape.seq - start)).collect();
+        let ranges = VisibleRanges::all(1, shape.seq, shape.seq).and_then(|r| r.with_documents(&[lengths])).unwrap();
+        let (with, _) = bench(shape, dtype, &device, budget, Some(&ranges));
+        println!(
+            "heads {} seq {:>6}: {:.4e} s / {:.4e} s = {:.3} (work ratio {:.3})",
+            shape.heads,
+            shape.seq,
+            with.both,
+            without,
+            with.both / without,
+            document as f64 / shape.seq as f64
+        );
     }
 }
