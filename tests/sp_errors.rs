@@ -195,8 +195,10 @@ fn a_forbidden_fallback_to_dense_attention_names_its_reason() {
 
     let messages = errors_on_every_rank_with(2, forbid, |_| {
         let [q, k, v] = qkv([1, 4, 8, 8], 4);
-        let mask = Tensor::<Sp, 4, Bool>::empty([1, 1, 1, 8], &Default::default());
+        // Real keys that are not one run per sequence (every other key): no kernel takes it.
+        let alternate: Vec<bool> = (0..8).map(|key| key % 2 == 1).collect();
+        let mask = Tensor::<Sp, 4, Bool>::from_data(burn::tensor::TensorData::new(alternate, [1, 1, 1, 8]), &Default::default());
         attention(q, k, v, Some(mask), None, OPTIONS);
     });
-    assert_all_contain(&messages, &["dense attention", "has a mask", "forbid_dense_fallback"]);
+    assert_all_contain(&messages, &["dense attention", "has a mask", "one run of real keys", "forbid_dense_fallback"]);
 }

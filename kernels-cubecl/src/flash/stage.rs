@@ -171,42 +171,43 @@ pub struct Run {
 /// The keys query row `row` sees: its run of the call's ranges (all keys without), cut by
 /// causality; empty past the last row.
 #[cube]
-pub fn row_keys(row_keys: &Tensor<u32>, batch: usize, row: usize, seq_q: usize, seq_kv: usize, #[comptime] blocks: Blocks) -> Run {
-    let mut start = 0usize;
-    let mut end = seq_kv;
-    if blocks.ranged {
-        if row < seq_q {
-            let at = 2 * (batch * seq_q + row);
-            start = usize::cast_from(row_keys[at]);
-            end = usize::cast_from(row_keys[at + 1]);
-        }
-    }
-    if blocks.causal {
-        end = min(end, keys_seen(row, seq_q, seq_kv));
-    }
-    if row >= seq_q {
-        end = 0usize;
-    }
-    Run { start, end }
+pub fn row_keys(table: &Tensor<u32>, batch: usize, row: usize, seq_q: usize, seq_kv: usize, #[comptime] blocks: Blocks) -> Run {
+    visible_run(table, batch, row, seq_q, seq_kv, false, blocks)
 }
 
 /// The query rows that see key `key`: its run of the call's ranges (all rows without), cut
 /// by causality; empty past the last key.
 #[cube]
-pub fn key_rows(key_rows: &Tensor<u32>, batch: usize, key: usize, seq_q: usize, seq_kv: usize, #[comptime] blocks: Blocks) -> Run {
+pub fn key_rows(table: &Tensor<u32>, batch: usize, key: usize, seq_q: usize, seq_kv: usize, #[comptime] blocks: Blocks) -> Run {
+    visible_run(table, batch, key, seq_q, seq_kv, true, blocks)
+}
+
+/// [`row_keys`] of query row `index`, or with `of_keys` [`key_rows`] of key `index`.
+#[cube]
+fn visible_run(table: &Tensor<u32>, batch: usize, index: usize, seq_q: usize, seq_kv: usize, #[comptime] of_keys: bool, #[comptime] blocks: Blocks) -> Run {
+    let mut own = seq_q;
+    let mut other = seq_kv;
+    if of_keys {
+        own = seq_kv;
+        other = seq_q;
+    }
     let mut start = 0usize;
-    let mut end = seq_q;
+    let mut end = other;
     if blocks.ranged {
-        if key < seq_kv {
-            let at = 2 * (batch * seq_kv + key);
-            start = usize::cast_from(key_rows[at]);
-            end = usize::cast_from(key_rows[at + 1]);
+        if index < own {
+            let at = 2 * (batch * own + index);
+            start = usize::cast_from(table[at]);
+            end = usize::cast_from(table[at + 1]);
         }
     }
     if blocks.causal {
-        start = max(start, first_row_seeing(key, seq_q, seq_kv));
+        if of_keys {
+            start = max(start, first_row_seeing(index, seq_q, seq_kv));
+        } else {
+            end = min(end, keys_seen(index, seq_q, seq_kv));
+        }
     }
-    if key >= seq_kv {
+    if index >= own {
         end = 0usize;
     }
     Run { start, end }
@@ -242,7 +243,7 @@ pub fn cube_run(
         let mut i = UNIT_POS_X as usize;
         while i < count {
             if first + i < own {
-                let one = select_run(table, batch, first + i, seq_q, seq_kv, of_keys, blocks);
+                let one = visible_run(table, batch, first + i, seq_q, seq_kv, of_keys, blocks);
                 if one.start < one.end {
                     lowest = min(lowest, u32::cast_from(one.start));
                     highest = max(highest, u32::cast_from(one.end));
@@ -262,12 +263,3 @@ pub fn cube_run(
     Run { start, end }
 }
 
-/// [`key_rows`] or [`row_keys`], chosen at compile time.
-#[cube]
-fn select_run(table: &Tensor<u32>, batch: usize, index: usize, seq_q: usize, seq_kv: usize, #[comptime] of_keys: bool, #[comptime] blocks: Blocks) -> Run {
-    if of_keys {
-        key_rows(table, batch, index, seq_q, seq_kv, blocks)
-    } else {
-        row_keys(table, batch, index, seq_q, seq_kv, blocks)
-    }
-}
