@@ -14,7 +14,7 @@ executables() {
         | python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("flash_attention",):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("flash_attention", "training_memory"):
         print(m["executable"])'
 }
 for exe in $(executables test --release --no-run -p ulysses-kernels --features cuda --test flash_attention); do
@@ -22,6 +22,9 @@ for exe in $(executables test --release --no-run -p ulysses-kernels --features c
 done
 for exe in $(executables bench --no-run -p ulysses-kernels --features cuda --bench flash_attention); do
     cp "$exe" "$bundle/kernels/flash-attention-bench"
+done
+for exe in $(executables bench --no-run -p ulysses-suite --features cuda --bench training_memory); do
+    cp "$exe" "$bundle/kernels/training-memory-bench"
 done
 cargo build --release -p ulysses-nccl --bin ulysses-nccl-check
 cargo build --release -p ulysses-dist --bin ulysses-launch

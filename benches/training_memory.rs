@@ -1,0 +1,151 @@
+//! Device memory of one training step (forward, loss, backward) of the Llama example against
+//! the sequence length, on a CubeCL device: wgpu (on the CPU through lavapipe) by default,
+//! CUDA with `--features cuda`. Attention runs the flash kernels (`UlyssesBackend` without a
+//! group), f32.
+//!
+//! cargo bench --bench training_memory -- [--seqs 512,1024,2048,4096] [--shape small|llama-8b]
+//!     [--layers N] [--documents LEN] [--longest-under BYTES --max-seq S]
+//!
+//! Per S (ascending), one step at batch 1, printing:
+//! - `activations`: bytes in use once the forward and the loss are done, less the parameters
+//!   (what the backward keeps alive: the dominant term at long context);
+//! - `peak sampled`: the largest of that and the bytes in use right after the backward with
+//!   every gradient alive (CubeCL reports no true peak, so this is sampled at the two points
+//!   where a step's memory is highest);
+//! - `reserved`: the allocator's reservation after the step (pools grow and never shrink in a
+//!   run, so it is a high-water mark over every S so far);
+//! - the ratio of `peak sampled` to the previous S's, against the ratio of the lengths
+//!   (linear growth: equal ratios).
+//!
+//! `--documents LEN` packs documents of `LEN` tokens (attention within each, RoPE positions
+//! restarting). `--longest-under BYTES` bisects (in multiples of 256 tokens, up to
+//! `--max-seq`) the longest S whose sampled peak fits in `BYTES`: on a GPU, the longest
+//! sequence per device for a model shape (`--shape llama-8b --layers N`).
+//!
+//! lavapipe stops kernels past about 4 096 tokens (Mesa's loop limiter), so on the CPU keep S
+//! at or below that.
+
+use burn::module::Module;
+use burn_ulysses::{UlyssesBackend, data::SequenceSharder, train::lm_loss_sum};
+use ulysses_llama::LlamaConfig;
+
+#[cfg(feature = "cuda")]
+type Runtime = cubecl::cuda::CudaRuntime;
+#[cfg(not(feature = "cuda"))]
+type Runtime = cubecl::wgpu::WgpuRuntime;
+type Device = <Runtime as cubecl::Runtime>::Device;
+type Train = UlyssesBackend<burn_autodiff::Autodiff<burn_cubecl::CubeBackend<Runtime, f32, i32, u32>>>;
+
+struct Args {
+    seqs: Vec<usize>,
+    shape: String,
+    layers: Option<usize>,
+    documents: Option<usize>,
+    longest_under: Option<u64>,
+    max_seq: usize,
+}
+
+fn args() -> Args {
+    let argv: Vec<String> = std::env::args().collect();
+    let value = |name: &str| argv.iter().position(|a| a == name).and_then(|i| argv.get(i + 1)).cloned();
+    let number = |name: &str| value(name).map(|v| v.parse::<usize>().unwrap_or_else(|_| panic!("{name} takes a number, got {v}")));
+    Args {
+        seqs: value("--seqs").map_or(vec![512, 1024, 2048, 4096], |list| list.split(',').map(|s| s.parse().expect("--seqs takes numbers")).collect()),
+        shape: value("--shape").unwrap_or_else(|| "small".into()),
+        layers: number("--layers"),
+        documents: number("--documents"),
+        longest_under: number("--longest-under").map(|b| b as u64),
+        max_seq: number("--max-seq").unwrap_or(4096),
+    }
+}
+
+/// The model shapes the bench knows: the example's, and Llama-3.1-8B's (without tied
+/// embeddings), with as many layers as asked for.
+fn model(args: &Args) -> LlamaConfig {
+    let config = match args.shape.as_str() {
+        "small" => LlamaConfig::new(256),
+        "llama-8b" => LlamaConfig::new(128_256).with_d_model(4096).with_n_heads(32).with_n_kv_heads(8).with_ffn_hidden(14_336).with_rope_theta(500_000.0).with_n_layers(32),
+        other => panic!("--shape takes small or llama-8b, got {other}"),
+    };
+    let config = config.with_repeat_kv(false);
+    match args.layers {
+        Some(layers) => config.with_n_layers(layers),
+        None => config,
+    }
+}
+
+fn in_use(device: &Device) -> u64 {
+    let client = <Runtime as cubecl::Runtime>::client(device);
+    cubecl::future::block_on(client.sync()).expect("the device failed");
+    client.memory_usage().expect("memory usage").bytes_in_use
+}
+
+fn reserved(device: &Device) -> u64 {
+    <Runtime as cubecl::Runtime>::client(device).memory_usage().expect("memory usage").bytes_reserved
+}
+
+/// Bytes of one step at `seq` tokens: (activations, sampled peak), both above the parameters.
+fn step(config: &LlamaConfig, seq: usize, documents: Option<usize>, device: &Device) -> (u64, u64) {
+    let model = config.init::<Train>(device);
+    let vocab = config.vocab_size as i64;
+    let tokens: Vec<i64> = (0..seq as i64).map(|t| (t * 7919 + 13) % vocab).collect();
+    let lengths = documents.map(|len| vec![(0..seq).step_by(len).map(|start| len.min(seq - start)).collect::<Vec<_>>()]);
+    let shard = SequenceSharder::new(1).shard_documents(&[tokens], lengths.as_deref(), 0);
+    let base = in_use(device);
+    let output = model.lm_output(shard.tokens::<Train>(device), &shard.positions);
+    let loss = lm_loss_sum(output, shard.labels::<Train>(device), -100);
+    let activations = in_use(device) - base;
+    let grads = loss.backward();
+    let with_gradients = in_use(device) - base;
+    drop(grads);
+    drop(model);
+    (activations, activations.max(with_gradients))
+}
+
+fn main() {
+    let args = args();
+    let config = model(&args);
+    let device = Device::default();
+    let parameters: usize = config.init::<Train>(&device).num_params();
+    println!(
+        "one training step, batch 1, f32, flash attention ({}): {} layers, d_model {}, {} q / {} kv heads, ffn {}, vocab {}: {:.1} M parameters{}",
+        std::any::type_name::<Runtime>(),
+        config.n_layers,
+        config.d_model,
+        config.n_heads,
+        config.n_kv_heads,
+        config.ffn_hidden,
+        config.vocab_size,
+        parameters as f64 / 1e6,
+        args.documents.map_or(String::new(), |len| format!(", packed documents of {len} tokens"))
+    );
+
+    if let Some(budget) = args.longest_under {
+        // Largest multiple of 256 in [256, max_seq] whose step fits the budget.
+        let fits = |seq: usize| {
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(&config, seq, args.documents, &device)));
+            let fits = matches!(outcome, Ok((_, peak)) if peak <= budget);
+            println!("  S {seq:>8}: {}", match outcome {
+                Ok((_, peak)) => format!("peak sampled {peak} bytes: {}", if fits { "fits" } else { "over the budget" }),
+                Err(_) => "failed (out of memory)".into(),
+            });
+            fits
+        };
+        let (mut low, mut high) = (0usize, args.max_seq / 256 + 1);
+        while high - low > 1 {
+            let middle = (low + high) / 2;
+            if fits(middle * 256) { low = middle } else { high = middle }
+        }
+        println!("longest sequence under {budget} bytes: {} tokens", low * 256);
+        return;
+    }
+
+    println!("{:>8} | {:>14} {:>14} {:>14} | {:>14}", "S", "activations", "peak sampled", "reserved", "peak ratio");
+    let mut previous: Option<(usize, u64)> = None;
+    for &seq in &args.seqs {
+        let (activations, peak) = step(&config, seq, args.documents, &device);
+        let ratio = previous.map_or(String::new(), |(s, p)| format!("x{:.2} for x{:.1}", peak as f64 / p as f64, seq as f64 / s as f64));
+        println!("{seq:>8} | {activations:>14} {peak:>14} {:>14} | {ratio:>14}", reserved(&device));
+        previous = Some((seq, peak));
+    }
+}
