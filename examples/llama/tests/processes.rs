@@ -66,6 +66,13 @@ fn launcher() -> PathBuf {
 
 /// A fresh folder for one test, with the token file.
 fn workspace(name: &str) -> PathBuf {
+    workspace_with(name, false)
+}
+
+/// With `paragraphs`, each sequence of 6 tokens or more holds a blank line (tokens 10 10) at a
+/// position that varies with the sequence, so `--pack` cuts it into two documents, the edge
+/// falling on the shard edge (8) or inside a shard.
+fn workspace_with(name: &str, paragraphs: bool) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ulysses-llama-{name}-{}", std::process::id()));
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir).unwrap();
@@ -77,7 +84,14 @@ fn workspace(name: &str) -> PathBuf {
             // Each token determines the next (a walk through a fixed permutation), so there
             // is something to learn within a few steps.
             let start = step * 37 + i * 101;
-            let tokens: Vec<String> = (0..len).map(|t| ((start + t * 77) % 256).to_string()).collect();
+            let blank_line = if paragraphs && len >= 6 { Some(2 + (step + i) % (len - 4)) } else { None };
+            let tokens: Vec<String> = (0..len)
+                .map(|t| match blank_line {
+                    Some(at) if t == at || t == at + 1 => 10,
+                    _ => (start + t * 77) % 256,
+                })
+                .map(|token| token.to_string())
+                .collect();
             format!("[{}]", tokens.join(", "))
         })
         .collect();
@@ -183,6 +197,23 @@ fn two_and_four_processes_train_like_one_device() {
         assert!(loss <= TOLERANCE, "{run}: losses differ from one device by {loss:e}");
         assert!(params <= TOLERANCE, "{run}: parameters differ from one device by {params:e}");
     }
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// `--pack` across processes: the documents' position ids travel over TCP to every rank of
+/// the group; two processes at SP=2 take the steps of one device, and packing changes them
+/// (it is not silently off).
+#[test]
+fn packed_paragraphs_train_alike_in_two_processes_and_on_one_device() {
+    let dir = workspace_with("packed", true);
+    succeed(run_alone(&common_args(&dir, "one", 5), &["--sp", "1", "--pack"]));
+    succeed(run_launched(2, &common_args(&dir, "sp2", 5), &["--sp", "2", "--pack"]));
+    succeed(run_alone(&common_args(&dir, "unpacked", 5), &["--sp", "1"]));
+    let (loss, params) = differences(&dir.join("sp2"), &dir.join("one"));
+    println!("packed sp2: max |Δ| loss {loss:.2e}, parameters {params:.2e} vs one device");
+    assert!(loss <= TOLERANCE && params <= TOLERANCE, "packed SP=2 differs from one device: loss {loss:e}, parameters {params:e}");
+    let (packed, unpacked) = (losses(&dir.join("one")), losses(&dir.join("unpacked")));
+    assert!((packed[0].1 - unpacked[0].1).abs() > 1e-3, "--pack changed nothing: {packed:?} against {unpacked:?}");
     let _ = fs::remove_dir_all(&dir);
 }
 
