@@ -497,6 +497,31 @@ where
         })
     }
 
+    fn send_recv(&self, tensor: CudaTensor, to: usize, from: usize) -> Result<CudaTensor, CommError> {
+        burn_ulysses::comm::check_send_recv(self.rank, self.size, to, from)?;
+        let shape = tensor.shape();
+        let bytes = (shape.num_elements() * tensor.dtype.size()) as u64;
+        self.traffic.record_send_recv(bytes, to != self.rank);
+        if to == self.rank {
+            return Ok(tensor);
+        }
+        // Grouped, so that every rank's send and receive progress together (a ring of blocking
+        // sends would deadlock). The shapes must agree: NCCL cannot check them.
+        self.tensor_collective("send_recv", tensor, shape, |send, recv, count, dtype, comm, stream| unsafe {
+            let started = nccl::ncclGroupStart();
+            if started != nccl::ncclResult_t::ncclSuccess {
+                return started;
+            }
+            let sent = nccl::ncclSend(send, count, dtype, to as c_int, comm, stream);
+            let received = nccl::ncclRecv(recv, count, dtype, from as c_int, comm, stream);
+            let ended = nccl::ncclGroupEnd();
+            [sent, received]
+                .into_iter()
+                .find(|result| !matches!(result, nccl::ncclResult_t::ncclSuccess | nccl::ncclResult_t::ncclInProgress))
+                .unwrap_or(ended)
+        })
+    }
+
     fn barrier(&self) -> Result<(), CommError> {
         Communicator::<CubeBackend<CudaRuntime, F, I, BT>>::all_gather_host(self, &[]).map(|_| ())
     }

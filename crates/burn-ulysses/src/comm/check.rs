@@ -58,6 +58,11 @@ pub fn check_collectives<B: Backend>(comm: &dyn Communicator<B>, device: &B::Dev
         let got = host(comm.broadcast(mine(), root).map_err(fail)?);
         report.push(check(&format!("broadcast from {root}"), got, vec![root as f32 + 1.0, 2.0 * root as f32, -(root as f32)], 0.0)?);
     }
+    // A ring shift forward, as ring attention passes k/v: rank r receives rank r - 1's.
+    let (next, previous) = ((comm.rank() + 1) % p, (comm.rank() + p - 1) % p);
+    let got = host(comm.send_recv(mine(), next, previous).map_err(fail)?);
+    let q = previous as f32;
+    report.push(check("send_recv around the ring", got, vec![q + 1.0, 2.0 * q, -q], 0.0)?);
     comm.barrier().map_err(fail)?;
     let gathered = comm.all_gather_host(&[comm.rank() as u64, 7]).map_err(fail)?;
     if gathered != (0..p as u64).map(|i| vec![i, 7]).collect::<Vec<_>>() {

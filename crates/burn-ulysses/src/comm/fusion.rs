@@ -79,6 +79,10 @@ impl<B: FusionBackend> Communicator<Fusion<B>> for FusionCommunicator<B> {
         self.through(tensor, |buffer| self.inner.broadcast(buffer, root))
     }
 
+    fn send_recv(&self, tensor: FloatTensor<Fusion<B>>, to: usize, from: usize) -> Result<FloatTensor<Fusion<B>>, CommError> {
+        self.through(tensor, |buffer| self.inner.send_recv(buffer, to, from))
+    }
+
     fn barrier(&self) -> Result<(), CommError> {
         self.inner.barrier()
     }

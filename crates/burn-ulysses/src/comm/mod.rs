@@ -41,11 +41,12 @@ pub enum Collective {
     Barrier,
     AllGatherHost,
     Split,
+    SendRecv,
 }
 
 impl Collective {
     /// Every collective, in a fixed order (transports number them by position).
-    pub const ALL: [Collective; 7] = [
+    pub const ALL: [Collective; 8] = [
         Collective::AllToAll,
         Collective::AllReduce,
         Collective::AllGather,
@@ -53,6 +54,7 @@ impl Collective {
         Collective::Barrier,
         Collective::AllGatherHost,
         Collective::Split,
+        Collective::SendRecv,
     ];
 
     /// This collective's position in [`Collective::ALL`].
@@ -76,6 +78,7 @@ impl fmt::Display for Collective {
             Collective::Barrier => "barrier",
             Collective::AllGatherHost => "all_gather_host",
             Collective::Split => "split",
+            Collective::SendRecv => "send_recv",
         };
         f.write_str(name)
     }
@@ -142,6 +145,12 @@ pub trait Communicator<B: Backend>: Send + Sync + 'static {
     fn all_gather(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, CommError>;
     /// Every rank receives `root`'s tensor; the others pass a tensor of the same shape.
     fn broadcast(&self, tensor: FloatTensor<B>, root: usize) -> Result<FloatTensor<B>, CommError>;
+    /// Point to point, every rank of the group at once (a collective permute: what ring
+    /// attention does when it passes k/v blocks around): sends `tensor` to rank `to` and
+    /// returns what rank `from` sent, of the same shape and dtype. The `to`s of all ranks form
+    /// a permutation, and rank `from`'s `to` is this rank; `to == rank()` keeps the tensor
+    /// (then `from == rank()` too). NCCL runs it as grouped send/recv.
+    fn send_recv(&self, tensor: FloatTensor<B>, to: usize, from: usize) -> Result<FloatTensor<B>, CommError>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), CommError>;
     /// Control-plane exchange of a few integers (shapes, token counts): returns every rank's
@@ -152,6 +161,18 @@ pub trait Communicator<B: Backend>: Send + Sync + 'static {
     fn split(&self, color: u32, key: u32) -> Result<Arc<dyn Communicator<B>>, CommError>;
     /// Bytes this rank has handed to each collective so far.
     fn traffic(&self) -> Traffic;
+}
+
+/// The arguments of [`Communicator::send_recv`] that no peer is needed to refuse.
+pub fn check_send_recv(rank: usize, size: usize, to: usize, from: usize) -> Result<(), CommError> {
+    let invalid = |reason: String| Err(CommError::InvalidArgument { op: Collective::SendRecv, reason });
+    if to >= size || from >= size {
+        return invalid(format!("to {to} and from {from} must be ranks of this group of {size}"));
+    }
+    if (to == rank) != (from == rank) {
+        return invalid(format!("rank {rank} sends to {to} but receives from {from}: a rank that keeps its tensor receives only its own"));
+    }
+    Ok(())
 }
 
 /// All-gathers `values` on the host and fails, naming `what`, when ranks sent different

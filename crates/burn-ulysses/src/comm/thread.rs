@@ -481,6 +481,37 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         adopt::<B>(copy, &device, op, vec![root_tensor])
     }
 
+    fn send_recv(&self, tensor: FloatTensor<B>, to: usize, from: usize) -> Result<FloatTensor<B>, CommError> {
+        let op = Collective::SendRecv;
+        let size = self.members.len();
+        super::check_send_recv(self.rank, size, to, from)?;
+        self.traffic.record_send_recv(byte_size::<B>(&tensor), to != self.rank);
+        let shape = tensor.shape();
+        let device = B::float_device(&tensor);
+        settle::<B>(&device, op)?;
+        let me = self.rank;
+        let (_, received) = self.round(op, Box::new((to, tensor)), |deposits| {
+            let deposit = deposits[from].as_ref()?.downcast_ref::<(usize, FloatTensor<B>)>()?;
+            Some(deposit.clone())
+        })?;
+        let (their_to, received) = received.ok_or_else(|| mixed_backends(op))?;
+        if their_to != me {
+            return Err(CommError::InvalidArgument {
+                op,
+                reason: format!("rank {me} receives from rank {from}, which sends to rank {their_to}; the ranks' to and from must pair up"),
+            });
+        }
+        if received.shape() != shape {
+            return Err(CommError::InvalidArgument {
+                op,
+                reason: format!("rank {from} sent shape {:?}, rank {me} passed {:?}; send_recv moves tensors of one shape", received.shape().to_vec(), shape.to_vec()),
+            });
+        }
+        // A copy of our own: the sender's buffer stays the sender's.
+        let copy = B::float_mul_scalar(B::float_to_device(received.clone(), &device), 1.0.into());
+        adopt::<B>(copy, &device, op, vec![received])
+    }
+
     fn barrier(&self) -> Result<(), CommError> {
         self.round(Collective::Barrier, Box::new(()), |_| ()).map(|_| ())
     }
@@ -579,6 +610,46 @@ mod tests {
         .into_data()
         .to_vec()
         .unwrap()
+    }
+
+    #[test]
+    fn send_recv_shifts_around_the_ring_and_swaps_pairs_for_1_to_8_ranks() {
+        for size in 1..=8 {
+            let results = ThreadGroup::new(size).run(|rank| {
+                let comm = rank.communicator();
+                let r = rank.rank();
+                let mine = || tensor(vec![r as f32, 10.0 * r as f32], [1, 2]);
+                let shifted = values(Communicator::<B>::send_recv(&*comm, mine(), (r + 1) % size, (r + size - 1) % size).unwrap());
+                // Pairs (0 1) (2 3) ..; a last rank without a partner keeps its own.
+                let partner = if r ^ 1 < size { r ^ 1 } else { r };
+                let swapped = values(Communicator::<B>::send_recv(&*comm, mine(), partner, partner).unwrap());
+                (shifted, swapped, Communicator::<B>::traffic(&*comm).send_recv_bytes)
+            });
+            for (r, result) in results.into_iter().enumerate() {
+                let (shifted, swapped, bytes) = result.unwrap();
+                let previous = ((r + size - 1) % size) as f32;
+                assert_eq!(shifted, vec![previous, 10.0 * previous], "group of {size}, rank {r}");
+                let partner = if r ^ 1 < size { r ^ 1 } else { r } as f32;
+                assert_eq!(swapped, vec![partner, 10.0 * partner], "group of {size}, rank {r}");
+                let remote_calls = u64::from(size > 1) + u64::from(r ^ 1 < size);
+                assert_eq!(bytes, remote_calls * 8, "group of {size}, rank {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn send_recv_refuses_pairs_that_do_not_match() {
+        let results = ThreadGroup::new(3).run(|rank| {
+            let comm = rank.communicator();
+            let r = rank.rank();
+            // Everyone sends to rank 0 and receives from rank 1.
+            let (to, from) = if r == 0 { (0, 0) } else { (0, 1) };
+            Communicator::<B>::send_recv(&*comm, tensor(vec![1.0], [1, 1]), to, from).err().map(|e| e.to_string())
+        });
+        let messages: Vec<String> = results.into_iter().filter_map(|r| r.unwrap()).collect();
+        assert!(messages.iter().any(|m| m.contains("must pair up") || m.contains("keeps its tensor")), "{messages:?}");
+        let error = super::super::check_send_recv(0, 2, 1, 0).unwrap_err().to_string();
+        assert!(error.contains("keeps its tensor") || error.contains("receives only its own"), "{error}");
     }
 
     #[test]

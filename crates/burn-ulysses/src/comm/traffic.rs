@@ -15,6 +15,9 @@ pub struct Traffic {
     pub all_reduce_calls: u64,
     pub all_gather_bytes: u64,
     pub broadcast_bytes: u64,
+    /// Bytes `send_recv` sent to another rank.
+    pub send_recv_bytes: u64,
+    pub send_recv_calls: u64,
 }
 
 impl Traffic {
@@ -28,6 +31,8 @@ impl Traffic {
             all_reduce_calls: self.all_reduce_calls - earlier.all_reduce_calls,
             all_gather_bytes: self.all_gather_bytes - earlier.all_gather_bytes,
             broadcast_bytes: self.broadcast_bytes - earlier.broadcast_bytes,
+            send_recv_bytes: self.send_recv_bytes - earlier.send_recv_bytes,
+            send_recv_calls: self.send_recv_calls - earlier.send_recv_calls,
         }
     }
 }
@@ -42,6 +47,8 @@ pub struct TrafficCounter {
     all_reduce_calls: AtomicU64,
     all_gather_bytes: AtomicU64,
     broadcast_bytes: AtomicU64,
+    send_recv_bytes: AtomicU64,
+    send_recv_calls: AtomicU64,
 }
 
 impl TrafficCounter {
@@ -66,6 +73,14 @@ impl TrafficCounter {
         self.broadcast_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// Records a `send_recv` of `bytes`, which stay on this rank when `remote` is false.
+    pub fn record_send_recv(&self, bytes: u64, remote: bool) {
+        if remote {
+            self.send_recv_bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+        self.send_recv_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn snapshot(&self) -> Traffic {
         Traffic {
             all_to_all_bytes: self.all_to_all_bytes.load(Ordering::Relaxed),
@@ -75,6 +90,8 @@ impl TrafficCounter {
             all_reduce_calls: self.all_reduce_calls.load(Ordering::Relaxed),
             all_gather_bytes: self.all_gather_bytes.load(Ordering::Relaxed),
             broadcast_bytes: self.broadcast_bytes.load(Ordering::Relaxed),
+            send_recv_bytes: self.send_recv_bytes.load(Ordering::Relaxed),
+            send_recv_calls: self.send_recv_calls.load(Ordering::Relaxed),
         }
     }
 }

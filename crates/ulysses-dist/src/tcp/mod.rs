@@ -292,6 +292,27 @@ impl<W: Backend> Communicator<W> for TcpCommunicator {
         Ok(theirs.upload::<W>(&device))
     }
 
+    fn send_recv(&self, tensor: FloatTensor<W>, to: usize, from: usize) -> Result<FloatTensor<W>, CommError> {
+        let op = Collective::SendRecv;
+        burn_ulysses::comm::check_send_recv(self.rank, self.size_(), to, from)?;
+        let seq = self.begin();
+        if to == self.rank {
+            self.traffic.record_send_recv(0, false);
+            return Ok(tensor);
+        }
+        let (shape, dtype) = (tensor.shape().to_vec(), tensor.dtype());
+        let device = W::float_device(&tensor);
+        let host = HostTensor::read::<W>(tensor, op)?;
+        self.traffic.record_send_recv(host.bytes.len() as u64, true);
+        self.mesh.send(self.members[to], self.group, seq, op, &host.encode())?;
+        let message = self.mesh.receive(&[self.members[from]], self.group, seq, op)?.remove(0);
+        let theirs = HostTensor::decode(&message, op)?;
+        if theirs.shape != shape || theirs.dtype != dtype {
+            return Err(self.mismatch(op, from, format!("{:?} of shape {:?} (this rank: {dtype:?} of {shape:?})", theirs.dtype, theirs.shape)));
+        }
+        Ok(theirs.upload::<W>(&device))
+    }
+
     fn barrier(&self) -> Result<(), CommError> {
         self.host_gather(Collective::Barrier, &[]).map(|_| ())
     }
