@@ -217,6 +217,20 @@ fn packed_documents_run_on_the_flash_kernels() {
     assert!(forward_launches() >= forwards + 8 && backward_launches() >= backwards + 8, "each rank's attention ran the flash kernels");
 }
 
+/// Uneven heads (14 on 4 ranks, 6 q / 2 kv on 4) on the flash path: the padded heads run
+/// through the kernels with the real ones.
+#[test]
+fn uneven_heads_run_on_the_flash_kernels() {
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let forwards = forward_launches();
+    check_block_equivalence::<Autodiff<Wgpu>>(BlockCase::new(4, 14, 14), 1e-5);
+    check_block_equivalence::<Autodiff<Wgpu>>(BlockCase::new(4, 6, 2), 1e-5);
+    assert!(forward_launches() >= forwards + 8, "each rank's attention ran the flash kernels");
+}
+
 /// A key-padding mask whose real keys are one run per sequence (right padding, left padding)
 /// reaches the kernels as that run, with dense fallbacks forbidden, at SP 2: equal to burn's
 /// attention with the dense mask on NdArray.

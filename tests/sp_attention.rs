@@ -191,3 +191,18 @@ fn grouped_kv_heads_send_fewer_bytes() {
     let plan = HeadPlan::new(8, 2, 4).unwrap();
     assert_eq!(plan.elements_per_call(&layout) as u64 * 4, sent);
 }
+
+#[test]
+fn uneven_heads_send_their_padding() {
+    // 6 heads on 4 ranks travel as 8 (two zero heads), q and kv alike.
+    let (sp, batch, seq, dim) = (4u64, 2u64, 32u64, 16u64);
+    let (sent, _, calls, with_backward) = traffic_of_one_call(sp as usize, [2, 6, 32, 16], 6);
+    let formula = (2 * 8 + 2 * 8) * batch * (seq / sp) * dim * 4;
+    println!("6 heads on P={sp}: {sent} bytes per rank per call, formula (2·8 + 2·8)·B·S/P·D·4 = {formula}");
+    assert_eq!((sent, calls, with_backward), (formula, 2, 2 * formula));
+    let layout = AttentionLayout {
+        batch: 2, q_heads: 6, kv_heads: 6, q_seq: 8, kv_seq: 8, head_dim: 16, value_dim: 16,
+        is_causal: true, scale: None, softcap: None, mask: MaskKind::None, has_bias: false, has_documents: false,
+    };
+    assert_eq!(HeadPlan::new(6, 6, 4).unwrap().elements_per_call(&layout) as u64 * 4, sent);
+}

@@ -88,3 +88,26 @@ fn packed_documents_on_one_two_and_four_ranks() {
 fn packed_documents_non_causal_on_two_ranks() {
     check(Case { causal: false, ..Case::packed(2, 4, 2) });
 }
+
+/// Uneven heads: the degree divides neither the q nor the kv heads; zero heads pad the
+/// exchange and every q head still meets its own kv head.
+#[test]
+fn uneven_heads_fourteen_on_four_ranks() {
+    check(Case::new(4, 14, 14));
+    check(Case::new(4, 14, 7));
+}
+
+#[test]
+fn uneven_heads_six_on_four_ranks_with_three_and_two_kv_heads() {
+    check(Case::new(4, 6, 6));
+    check(Case::new(4, 6, 3));
+    check(Case::new(4, 6, 2));
+}
+
+#[test]
+fn uneven_heads_on_two_and_three_ranks() {
+    check(Case::new(2, 3, 3));
+    check(Case::new(2, 12, 3));
+    check(Case::new(3, 8, 2));
+    check(Case { causal: false, ..Case::packed(3, 4, 2) });
+}

@@ -147,9 +147,10 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, communicator.size())?;
         tracing::trace!(?layout, ?plan, "sequence-parallel attention");
 
-        let key = repeat_kv_heads(float_tensor::<X, 4>(key), plan.kv_replication);
-        let value = repeat_kv_heads(float_tensor::<X, 4>(value), plan.kv_replication);
-        let mut exchanged = sequence_to_heads(vec![float_tensor(query), key, value], communicator)?;
+        let key = pad_heads(repeat_kv_heads(float_tensor::<X, 4>(key), plan.kv_replication), plan.kv_padding);
+        let value = pad_heads(repeat_kv_heads(float_tensor::<X, 4>(value), plan.kv_replication), plan.kv_padding);
+        let query = pad_heads(float_tensor::<X, 4>(query), plan.q_padding);
+        let mut exchanged = sequence_to_heads(vec![query, key, value], communicator)?;
         let value = exchanged.pop().unwrap();
         let key = exchanged.pop().unwrap();
         let query = exchanged.pop().unwrap();
@@ -171,9 +172,22 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             None => (None, visibility),
         };
         let output = attend::<X>(query, key, value, mask, None, options, visibility, fallback)?;
-        Ok(float_primitive(heads_to_sequence(output, communicator)?))
+        let output = heads_to_sequence(output, communicator)?;
+        // The padding heads' outputs are dropped (their gradient is zero).
+        let output = if plan.q_padding > 0 { output.narrow(1, 0, plan.q_heads) } else { output };
+        Ok(float_primitive(output))
     };
     attend_or_explain().unwrap_or_else(|error| panic!("{error}"))
+}
+
+/// `tensor` `[B, H, S, D]` with `count` zero heads appended (uneven heads, see [`HeadPlan`]).
+fn pad_heads<X: ExchangeBackend>(tensor: Tensor<X, 4>, count: usize) -> Tensor<X, 4> {
+    if count == 0 {
+        return tensor;
+    }
+    let [b, _, s, d] = tensor.dims();
+    let zeros = Tensor::zeros([b, count, s, d], &tensor.device());
+    Tensor::cat(vec![tensor, zeros], 1)
 }
 
 fn key_len<X: ExchangeBackend>(key: &FloatTensor<X>) -> usize {
@@ -312,6 +326,8 @@ fn gather_key_padding_mask<X: ExchangeBackend>(
     let full = if mask_heads == 1 {
         full
     } else {
+        // Padding heads (uneven heads) mask nothing.
+        let full = pad_heads(full, plan.q_padding);
         let local = plan.local_q_heads();
         let first = communicator.rank() * local;
         full.slice([0..b, first..first + local, 0..1, 0..p * s_k_local])

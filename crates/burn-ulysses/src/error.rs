@@ -19,19 +19,11 @@ impl UlyssesError {
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum UlyssesError {
     #[error(
-        "sequence-parallel attention: q has {q_heads} heads, which is not divisible by the \
-         sequence-parallel degree {sp_size}. Each rank attends over whole heads, so choose an \
-         sp_size that divides the head count (divisors of {q_heads}: {divisors:?})."
+        "sequence-parallel attention: q has {q_heads} heads but the sequence-parallel group has \
+         {sp_size} ranks. Ulysses gives every rank at least one whole head, so sp_size can be at \
+         most {q_heads}; use a smaller group (and data parallelism for the other ranks)."
     )]
-    HeadsNotDivisible { q_heads: usize, sp_size: usize, divisors: Vec<usize> },
-
-    #[error(
-        "sequence-parallel attention: k/v have {kv_heads} heads, which neither divide nor are \
-         divisible by the sequence-parallel degree {sp_size}. With fewer kv heads than ranks, \
-         each kv head is replicated onto sp_size / kv_heads ranks, which needs sp_size % \
-         kv_heads == 0; with more, kv_heads % sp_size == 0. Choose sp_size accordingly."
-    )]
-    KvHeadsIncompatible { kv_heads: usize, sp_size: usize },
+    MoreRanksThanHeads { q_heads: usize, sp_size: usize },
 
     #[error(
         "attention: k/v have {kv_heads} heads and q has {q_heads}; grouped-query attention \

@@ -112,14 +112,25 @@ fn describe(field: usize, value: u64) -> String {
 }
 
 /// How q and kv heads are split across `sp_size` ranks.
+///
+/// Every rank attends over the same number of whole heads. When the degree does not divide
+/// the heads (14 heads on 4 ranks), zero heads are appended so that it does (16: two ranks
+/// attend over one empty head each, whose output is dropped), as DeepSpeed's uneven-heads
+/// path gives ranks unequal shares: the all-to-all stays one equal-sized collective on every
+/// transport, at the cost of moving the padding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadPlan {
     pub sp_size: usize,
     pub q_heads: usize,
     pub kv_heads: usize,
-    /// Copies made of each kv head before the exchange, so that every rank receives whole kv
-    /// heads: 1 when `kv_heads % sp_size == 0`, else `sp_size / kv_heads`.
+    /// Copies made of each kv head before the exchange, so that every rank receives the kv
+    /// heads of its q heads: 1 when the kv heads split evenly, `sp_size / kv_heads` when
+    /// fewer kv heads than ranks divide the degree, the group size (plain multi-head
+    /// attention) when neither works.
     pub kv_replication: usize,
+    /// Zero heads appended to q, and to k/v after replication.
+    pub q_padding: usize,
+    pub kv_padding: usize,
 }
 
 impl HeadPlan {
@@ -127,27 +138,39 @@ impl HeadPlan {
         if kv_heads == 0 || q_heads % kv_heads != 0 {
             return Err(UlyssesError::KvHeadsNotGrouping { q_heads, kv_heads });
         }
-        if q_heads % sp_size != 0 {
-            return Err(UlyssesError::HeadsNotDivisible { q_heads, sp_size, divisors: divisors(q_heads) });
+        if sp_size > q_heads {
+            return Err(UlyssesError::MoreRanksThanHeads { q_heads, sp_size });
         }
-        let kv_replication = if kv_heads % sp_size == 0 {
-            1
-        } else if sp_size % kv_heads == 0 {
-            sp_size / kv_heads
+        let group = q_heads / kv_heads;
+        let even = |kv_replication| Self { sp_size, q_heads, kv_heads, kv_replication, q_padding: 0, kv_padding: 0 };
+        Ok(if q_heads % sp_size == 0 && kv_heads % sp_size == 0 {
+            even(1)
+        } else if q_heads % sp_size == 0 && sp_size % kv_heads == 0 {
+            even(sp_size / kv_heads)
+        } else if kv_heads >= sp_size {
+            // Whole kv groups per rank: pad the kv heads, and their q heads with them.
+            let kv_padding = kv_heads.div_ceil(sp_size) * sp_size - kv_heads;
+            Self { q_padding: kv_padding * group, kv_padding, ..even(1) }
         } else {
-            return Err(UlyssesError::KvHeadsIncompatible { kv_heads, sp_size });
-        };
-        Ok(Self { sp_size, q_heads, kv_heads, kv_replication })
+            // Too few kv heads to split: one per q head, then pad both.
+            let padding = q_heads.div_ceil(sp_size) * sp_size - q_heads;
+            Self { q_padding: padding, kv_padding: padding, ..even(group) }
+        })
     }
 
-    /// kv heads sent through the exchange, replicas included.
+    /// kv heads sent through the exchange, replicas and padding included.
     pub fn exchanged_kv_heads(&self) -> usize {
-        self.kv_heads * self.kv_replication
+        self.kv_heads * self.kv_replication + self.kv_padding
     }
 
-    /// q heads each rank attends over.
+    /// q heads sent through the exchange, padding included.
+    pub fn exchanged_q_heads(&self) -> usize {
+        self.q_heads + self.q_padding
+    }
+
+    /// q heads each rank attends over (padding included).
     pub fn local_q_heads(&self) -> usize {
-        self.q_heads / self.sp_size
+        self.exchanged_q_heads() / self.sp_size
     }
 
     /// kv heads each rank receives.
@@ -156,11 +179,10 @@ impl HeadPlan {
     }
 
     /// Elements one rank hands to the all-to-alls of one attention call (forward pass): q, k
-    /// and v going out, the output coming back. Equals `4·B·S·H·D/P` without GQA.
+    /// and v going out, the output coming back. Equals `4·B·S·H·D/P` without GQA or padding.
     pub fn elements_per_call(&self, layout: &AttentionLayout) -> usize {
-        let kv = self.exchanged_kv_heads();
-        let q_side = self.q_heads * layout.q_seq * (layout.head_dim + layout.value_dim);
-        let kv_side = kv * layout.kv_seq * (layout.head_dim + layout.value_dim);
+        let q_side = self.exchanged_q_heads() * layout.q_seq * (layout.head_dim + layout.value_dim);
+        let kv_side = self.exchanged_kv_heads() * layout.kv_seq * (layout.head_dim + layout.value_dim);
         layout.batch * (q_side + kv_side)
     }
 }
@@ -185,11 +207,35 @@ mod tests {
     }
 
     #[test]
+    fn uneven_heads_are_padded_keeping_each_q_head_with_its_kv_head() {
+        // (q, kv, P) -> (replication, q padding, kv padding)
+        for ((q, kv, p), want) in [
+            ((14, 14, 4), (1, 2, 2)),
+            ((6, 6, 4), (1, 2, 2)),
+            ((12, 3, 2), (1, 4, 1)),
+            ((6, 3, 4), (2, 2, 2)),
+            ((6, 2, 4), (3, 2, 2)),
+            ((14, 7, 4), (1, 2, 1)),
+        ] {
+            let plan = HeadPlan::new(q, kv, p).unwrap();
+            assert_eq!((plan.kv_replication, plan.q_padding, plan.kv_padding), want, "{q} q / {kv} kv heads on {p} ranks");
+            let (local_q, local_kv) = (plan.local_q_heads(), plan.local_kv_heads());
+            assert_eq!((plan.exchanged_q_heads() % p, plan.exchanged_kv_heads() % p), (0, 0));
+            // Every real q head's kv head (after replication) lands on the q head's rank.
+            let group = plan.exchanged_q_heads() / plan.exchanged_kv_heads();
+            for head in 0..q {
+                let kv_index = head / group;
+                assert_eq!(head / local_q, kv_index / local_kv, "{q}/{kv} on {p}: q head {head}");
+                assert!(kv_index < kv * plan.kv_replication, "{q}/{kv} on {p}: q head {head} meets a padding kv head");
+                assert_eq!(kv_index / plan.kv_replication, head / (q / kv), "{q}/{kv} on {p}: q head {head} meets another kv head");
+            }
+        }
+    }
+
+    #[test]
     fn bad_head_counts_name_the_fix() {
-        let err = HeadPlan::new(6, 6, 4).unwrap_err().to_string();
-        assert!(err.contains("6 heads") && err.contains("divisors of 6: [1, 2, 3, 6]"), "{err}");
-        let err = HeadPlan::new(12, 3, 2).unwrap_err().to_string();
-        assert!(err.contains("3 heads") && err.contains("neither divide nor"), "{err}");
+        let err = HeadPlan::new(3, 3, 4).unwrap_err().to_string();
+        assert!(err.contains("3 heads") && err.contains("4 ranks") && err.contains("at most 3"), "{err}");
         let err = HeadPlan::new(8, 3, 2).unwrap_err().to_string();
         assert!(err.contains("grouped-query"), "{err}");
     }

@@ -110,6 +110,14 @@ impl TrainConfig {
             return Err(format!("d_model (--d-model) {} must be a multiple of the head count (--heads) {}", model.d_model, model.n_heads));
         }
         self.layout.check_heads(model.n_heads, model.n_kv_heads).map_err(|e| format!("{e} (--sp, --heads, --kv-heads)"))?;
+        if model.n_heads % self.layout.sp_size != 0 {
+            tracing::warn!(
+                "{} heads over sp {}: padded with zero heads to {} (that share of the exchange and of attention is padding); an sp that divides the heads wastes nothing",
+                model.n_heads,
+                self.layout.sp_size,
+                model.n_heads.div_ceil(self.layout.sp_size) * self.layout.sp_size
+            );
+        }
         if self.seq_len % self.layout.sp_size != 0 {
             tracing::warn!(
                 "seq_len {} is not a multiple of sp {}: every batch is padded by {} token(s); a multiple of {} wastes nothing",
