@@ -53,6 +53,32 @@ impl<B: Backend> Backward<B, 1> for AllToAllBackward<B> {
     }
 }
 
+/// Backward of a `send_recv` from this rank to `to` and from `from` to this rank: the
+/// gradient travels back, to `from` and from `to`.
+pub(crate) struct SendRecvBackward<B: Backend> {
+    pub(crate) communicator: Arc<dyn Communicator<B>>,
+    pub(crate) to: usize,
+    pub(crate) from: usize,
+}
+
+impl<B: Backend> std::fmt::Debug for SendRecvBackward<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SendRecvBackward(rank {}: to {}, from {})", self.communicator.rank(), self.to, self.from)
+    }
+}
+
+impl<B: Backend> Backward<B, 1> for SendRecvBackward<B> {
+    type State = ();
+
+    fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            self.communicator
+                .send_recv(grad, self.from, self.to)
+                .unwrap_or_else(|error| panic!("{}", UlyssesError::from(error)))
+        });
+    }
+}
+
 impl<B: PlainBackend> ExchangeBackend for B {
     type Wire = B;
 
@@ -61,6 +87,10 @@ impl<B: PlainBackend> ExchangeBackend for B {
         communicator: &Arc<dyn Communicator<B>>,
     ) -> Result<FloatTensor<B>, CommError> {
         communicator.all_to_all(tensor)
+    }
+
+    fn send_recv(tensor: FloatTensor<B>, to: usize, from: usize, communicator: &Arc<dyn Communicator<B>>) -> Result<FloatTensor<B>, CommError> {
+        communicator.send_recv(tensor, to, from)
     }
 
     fn all_gather_untracked(
@@ -82,6 +112,16 @@ impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> 
         let node = AllToAllBackward { communicator: communicator.clone() };
         // Compute bound: the exchange is never recomputed by checkpointing. A recomputed
         // collective would run on some ranks and not others, and they would deadlock.
+        Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((), output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        })
+    }
+
+    fn send_recv(tensor: FloatTensor<Self>, to: usize, from: usize, communicator: &Arc<dyn Communicator<B>>) -> Result<FloatTensor<Self>, CommError> {
+        let output = communicator.send_recv(tensor.primitive, to, from)?;
+        let node = SendRecvBackward { communicator: communicator.clone(), to, from };
+        // Compute bound, as the all-to-all: never recomputed.
         Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish((), output),
             OpsKind::UnTracked(prep) => prep.finish(output),

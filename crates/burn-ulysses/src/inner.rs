@@ -42,6 +42,16 @@ pub trait ExchangeBackend: SequenceAttention {
         communicator: &Arc<dyn Communicator<Self::Wire>>,
     ) -> Result<FloatTensor<Self>, CommError>;
 
+    /// Sends `tensor` to rank `to` and returns rank `from`'s (every rank at once, see
+    /// [`Communicator::send_recv`]). On an autodiff backend the gradient goes back the way
+    /// the tensor came.
+    fn send_recv(
+        tensor: FloatTensor<Self>,
+        to: usize,
+        from: usize,
+        communicator: &Arc<dyn Communicator<Self::Wire>>,
+    ) -> Result<FloatTensor<Self>, CommError>;
+
     /// All-gather along a new leading dim, without gradient (masks).
     fn all_gather_untracked(
         tensor: FloatTensor<Self>,
