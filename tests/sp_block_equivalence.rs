@@ -111,3 +111,29 @@ fn uneven_heads_on_two_and_three_ranks() {
     check(Case::new(3, 8, 2));
     check(Case { causal: false, ..Case::packed(3, 4, 2) });
 }
+
+/// Ulysses × Ring: `sp` ranks as Ulysses groups of `sp / ring` consecutive ranks, rings
+/// across them; the block equals one device, causal and not, GQA and MQA.
+fn hybrid(ulysses: usize, ring: usize, kv_heads: usize, causal: bool) -> Case {
+    Case { ring, causal, ..Case::new(ulysses * ring, 8, kv_heads) }
+}
+
+#[test]
+fn ulysses_by_ring_one_by_four_is_a_pure_ring() {
+    check(hybrid(1, 4, 2, true));
+    check(hybrid(1, 4, 2, false));
+}
+
+#[test]
+fn ulysses_by_ring_two_by_two_and_two_by_four() {
+    check(hybrid(2, 2, 2, true));
+    check(hybrid(2, 2, 1, false));
+    check(hybrid(2, 4, 2, true));
+}
+
+#[test]
+fn ulysses_by_ring_four_by_two_on_eight_ranks() {
+    check(hybrid(4, 2, 2, true));
+    check(hybrid(4, 2, 1, true));
+    check(hybrid(4, 2, 8, false));
+}

@@ -15,7 +15,13 @@ use burn::{
     backend::{Autodiff, NdArray},
     tensor::{Tensor, TensorData, backend::AutodiffBackend},
 };
-use burn_ulysses::{ExchangeBackend, UlyssesBackend, comm::ThreadGroup, visibility::PositionIds};
+use std::sync::Arc;
+
+use burn_ulysses::{
+    ExchangeBackend, RankScope, UlyssesBackend, UlyssesConfig,
+    comm::{Communicator, ThreadGroup},
+    visibility::PositionIds,
+};
 use ulysses_llama::{LlamaConfig, RopeTables};
 
 use crate::{deterministic_params, max_abs_diff, parameter_grads, shard, sum_vectors, uniform_tensor, values, with_deadline};
@@ -38,11 +44,14 @@ pub struct BlockCase {
     pub model_repeats_kv: bool,
     /// Per sequence (2 of 24 tokens), the lengths of the documents packed into it.
     pub documents: Option<[&'static [usize]; BATCH]>,
+    /// Ring degree of Ulysses × Ring: `sp` ranks in `sp / ring` Ulysses groups of
+    /// consecutive ranks, and `sp / ring` rings (1: Ulysses alone).
+    pub ring: usize,
 }
 
 impl BlockCase {
     pub fn new(sp: usize, heads: usize, kv_heads: usize) -> Self {
-        Self { sp, heads, kv_heads, causal: true, model_repeats_kv: false, documents: None }
+        Self { sp, heads, kv_heads, causal: true, model_repeats_kv: false, documents: None, ring: 1 }
     }
 
     /// Documents whose boundaries fall on shard edges (6, 12 at SP 2 and 4) and inside shards,
@@ -141,7 +150,17 @@ where
 
     let per_rank = with_deadline(Duration::from_secs(50), move || {
         ThreadGroup::new(case.sp).run(|rank| {
-            let _sp = UlyssesBackend::<Inner>::enter_thread(rank.communicator());
+            let _sp = if case.ring == 1 {
+                UlyssesBackend::<Inner>::enter_thread(rank.communicator())
+            } else {
+                // Ulysses groups of consecutive ranks (together: one chunk), rings across them.
+                let world: Arc<dyn Communicator<<Inner as ExchangeBackend>::Wire>> = rank.communicator();
+                let ulysses_size = case.sp / case.ring;
+                let (chunk, member) = ((rank.rank() / ulysses_size) as u32, (rank.rank() % ulysses_size) as u32);
+                let ulysses = world.split(chunk, member).unwrap();
+                let ring = world.split(member, chunk).unwrap();
+                UlyssesBackend::<Inner>::enter_hybrid(RankScope::Thread, ulysses, ring, UlyssesConfig::new())
+            };
             let device = Default::default();
             let (x, weights) = inputs::<UlyssesBackend<Inner>>(&case, &device);
             let (r, p) = (rank.rank(), rank.size());

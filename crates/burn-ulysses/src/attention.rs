@@ -32,6 +32,7 @@ use crate::{
     inner::{DenseFallback, ExchangeBackend},
     layout::{AttentionLayout, HeadPlan, MaskKind},
     primitive::{float_primitive, float_tensor},
+    ring::ring_attention,
     visibility::{PositionIds, Visibility},
 };
 
@@ -120,7 +121,8 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let context = context::current::<X::Wire>()?;
         let forbid = context.as_ref().is_some_and(|c| c.config.forbid_dense_fallback);
         let fallback = if forbid { DenseFallback::Forbid } else { DenseFallback::Allow };
-        let Some(context) = context.filter(|c| c.communicator.size() > 1) else {
+        let ring = context.as_ref().and_then(|c| c.ring.clone()).filter(|ring| ring.size() > 1);
+        let Some(context) = context.filter(|c| c.communicator.size() > 1 || ring.is_some()) else {
             HeadPlan::new(layout.q_heads, layout.kv_heads, 1)?;
             let query = float_tensor::<X, 4>(query);
             let visibility = positions.as_ref().map(Visibility::documents);
@@ -171,7 +173,17 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             }
             None => (None, visibility),
         };
-        let output = attend::<X>(query, key, value, mask, None, options, visibility, fallback)?;
+        let output = match &ring {
+            None => attend::<X>(query, key, value, mask, None, options, visibility, fallback)?,
+            Some(ring) => {
+                if mask.is_some() || visibility.is_some() {
+                    return Err(UlyssesError::Shape(
+                        "Ulysses × Ring does not take masks or packed documents yet; run them with Ulysses alone".into(),
+                    ));
+                }
+                ring_attention::<X>(query, key, value, options, ring)?
+            }
+        };
         let output = heads_to_sequence(output, communicator)?;
         // The padding heads' outputs are dropped (their gradient is zero).
         let output = if plan.q_padding > 0 { output.narrow(1, 0, plan.q_heads) } else { output };

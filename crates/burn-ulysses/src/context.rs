@@ -44,13 +44,25 @@ pub struct UlyssesConfig {
 
 /// The group a rank belongs to, for tensors of the wire backend `W`.
 pub struct RankContext<W: Backend> {
+    /// The Ulysses group: attention exchanges sequence shards for head shards within it.
     pub communicator: Arc<dyn Communicator<W>>,
+    /// The ring group of Ulysses × Ring (`None`: Ulysses alone): after the exchange, each
+    /// Ulysses group holds one chunk of the sequence, and attention passes keys and values
+    /// around the ranks of this group.
+    pub ring: Option<Arc<dyn Communicator<W>>>,
     pub config: UlyssesConfig,
+}
+
+impl<W: Backend> RankContext<W> {
+    /// Ulysses alone over `communicator`.
+    pub fn ulysses(communicator: Arc<dyn Communicator<W>>, config: UlyssesConfig) -> Self {
+        Self { communicator, ring: None, config }
+    }
 }
 
 impl<W: Backend> Clone for RankContext<W> {
     fn clone(&self) -> Self {
-        Self { communicator: self.communicator.clone(), config: self.config.clone() }
+        Self { communicator: self.communicator.clone(), ring: self.ring.clone(), config: self.config.clone() }
     }
 }
 

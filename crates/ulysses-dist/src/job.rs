@@ -145,7 +145,7 @@ where
                     groups,
                     device: device.clone(),
                 };
-                let _context = context::enter(RankScope::Thread, RankContext { communicator: rank.groups.sp.clone(), config: options.ulysses.clone() });
+                let _context = context::enter(RankScope::Thread, RankContext::ulysses(rank.groups.sp.clone(), options.ulysses.clone()));
                 Ok(work(&rank))
             });
             results
@@ -177,7 +177,7 @@ where
                 groups,
                 device,
             };
-            let _context = context::enter(RankScope::Process, RankContext { communicator: rank.groups.sp.clone(), config: options.ulysses.clone() });
+            let _context = context::enter(RankScope::Process, RankContext::ulysses(rank.groups.sp.clone(), options.ulysses.clone()));
             Ok(vec![work(&rank)])
         }
     }

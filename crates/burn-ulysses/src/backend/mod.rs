@@ -46,7 +46,21 @@ impl<Inner: ExchangeBackend> UlyssesBackend<Inner> {
         communicator: Arc<dyn Communicator<Inner::Wire>>,
         config: UlyssesConfig,
     ) -> RankGuard {
-        context::enter(scope, RankContext { communicator, config })
+        context::enter(scope, RankContext::ulysses(communicator, config))
+    }
+
+    /// Ulysses × Ring: exchanges within `ulysses`, then ring attention across `ring`. The
+    /// sequence shards of a Ulysses group must be consecutive (together they are the group's
+    /// chunk of the sequence), and ring rank `r`'s group must hold chunk `r`: with shard
+    /// index `ring_rank · ulysses_size + ulysses_rank`, split the world by `rank / U` for
+    /// the Ulysses groups and by `rank % U` for the rings.
+    pub fn enter_hybrid(
+        scope: RankScope,
+        ulysses: Arc<dyn Communicator<Inner::Wire>>,
+        ring: Arc<dyn Communicator<Inner::Wire>>,
+        config: UlyssesConfig,
+    ) -> RankGuard {
+        context::enter(scope, RankContext { communicator: ulysses, ring: Some(ring), config })
     }
 }
 
