@@ -10,7 +10,7 @@ use burn::{
     backend::{Autodiff, NdArray},
     tensor::{Tensor, backend::AutodiffBackend, module::attention, ops::AttentionModuleOptions},
 };
-use burn_ulysses::{attention::repeat_kv_heads, comm::ThreadGroup, ring::ring_attention};
+use burn_ulysses::{attention::repeat_kv_heads, comm::ThreadGroup, ring::{RingSharding, ring_attention}};
 use ulysses_suite::{max_abs_diff, shard, uniform_tensor, values, with_deadline};
 
 type Reference = Autodiff<NdArray<f32>>;
@@ -45,7 +45,7 @@ fn check(ranks: usize, heads: usize, kv_heads: usize, causal: bool) {
             let (r, p) = (rank.rank(), rank.size());
             let comm: std::sync::Arc<dyn burn_ulysses::comm::Communicator<NdArray<f32>>> = rank.communicator();
             let chunk = |t| shard(t, 2, r, p);
-            run(chunk(q), chunk(k), chunk(v), chunk(w), |q, k, v| ring_attention(q, k, v, options, &comm).unwrap())
+            run(chunk(q), chunk(k), chunk(v), chunk(w), |q, k, v| ring_attention(q, k, v, options, RingSharding::Contiguous, &comm).unwrap())
         })
     });
     let full = |values: &[f32], h: usize| Tensor::<NdArray<f32>, 4>::from_data(burn::tensor::TensorData::new(values.to_vec(), [2, h, SEQ, HEAD_DIM]), &device);

@@ -137,3 +137,14 @@ fn ulysses_by_ring_four_by_two_on_eight_ranks() {
     check(hybrid(4, 2, 1, true));
     check(hybrid(4, 2, 8, false));
 }
+
+/// Zigzag sharding: ring rank r holds chunks r and 2R − 1 − r of the sequence (each split
+/// over its Ulysses group), positions stay global, causal and not.
+#[test]
+fn ulysses_by_ring_with_zigzag_sharding() {
+    use burn_ulysses::ring::RingSharding;
+    let zigzag = |ulysses, ring, kv_heads, causal| Case { ring_sharding: RingSharding::Zigzag, ..hybrid(ulysses, ring, kv_heads, causal) };
+    check(zigzag(1, 4, 2, true));
+    check(zigzag(2, 2, 2, true));
+    check(zigzag(2, 2, 1, false));
+}

@@ -20,6 +20,8 @@ use std::sync::Arc;
 use burn_ulysses::{
     ExchangeBackend, RankScope, UlyssesBackend, UlyssesConfig,
     comm::{Communicator, ThreadGroup},
+    data::SequenceSharder,
+    ring::RingSharding,
     visibility::PositionIds,
 };
 use ulysses_llama::{LlamaConfig, RopeTables};
@@ -47,17 +49,24 @@ pub struct BlockCase {
     /// Ring degree of Ulysses × Ring: `sp` ranks in `sp / ring` Ulysses groups of
     /// consecutive ranks, and `sp / ring` rings (1: Ulysses alone).
     pub ring: usize,
+    /// How the sequence is cut over the ring.
+    pub ring_sharding: RingSharding,
 }
 
 impl BlockCase {
     pub fn new(sp: usize, heads: usize, kv_heads: usize) -> Self {
-        Self { sp, heads, kv_heads, causal: true, model_repeats_kv: false, documents: None, ring: 1 }
+        Self { sp, heads, kv_heads, causal: true, model_repeats_kv: false, documents: None, ring: 1, ring_sharding: RingSharding::Contiguous }
     }
 
     /// Documents whose boundaries fall on shard edges (6, 12 at SP 2 and 4) and inside shards,
     /// 3 and 4 per sequence, one of a single token.
     pub fn packed(sp: usize, heads: usize, kv_heads: usize) -> Self {
         Self { documents: Some([&[6, 6, 12], &[5, 1, 13, 5]]), ..Self::new(sp, heads, kv_heads) }
+    }
+
+    /// The positions of the sequence rank `rank` holds, as the sharder places them.
+    fn positions_of(&self, rank: usize) -> Vec<usize> {
+        SequenceSharder::new(self.sp).with_ring_size(self.ring).with_ring_sharding(self.ring_sharding).positions_of(rank, SEQ)
     }
 
     /// Position ids of the whole batch: restarting at each document.
@@ -127,6 +136,13 @@ fn run_documents_one_by_one(config: &LlamaConfig, x: Tensor<Reference, 3>, weigh
     }
 }
 
+/// The rows of `[B, S, D]` at `positions`, in that order.
+fn take_positions<B: burn::tensor::backend::Backend>(tensor: Tensor<B, 3>, positions: &[usize]) -> Tensor<B, 3> {
+    let indices: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+    let device = tensor.device();
+    tensor.select(1, Tensor::<B, 1, burn::tensor::Int>::from_data(TensorData::new(indices.clone(), [indices.len()]), &device))
+}
+
 fn inputs<B: AutodiffBackend>(case: &BlockCase, device: &B::Device) -> (Tensor<B, 3>, Tensor<B, 3>) {
     let shape = [BATCH, SEQ, case.heads * HEAD_DIM];
     (uniform_tensor(shape, 1, device), uniform_tensor(shape, 2, device))
@@ -159,19 +175,20 @@ where
                 let (chunk, member) = ((rank.rank() / ulysses_size) as u32, (rank.rank() % ulysses_size) as u32);
                 let ulysses = world.split(chunk, member).unwrap();
                 let ring = world.split(member, chunk).unwrap();
-                UlyssesBackend::<Inner>::enter_hybrid(RankScope::Thread, ulysses, ring, UlyssesConfig::new())
+                UlyssesBackend::<Inner>::enter_hybrid(RankScope::Thread, ulysses, ring, UlyssesConfig::new().with_ring_sharding(case.ring_sharding))
             };
             let device = Default::default();
             let (x, weights) = inputs::<UlyssesBackend<Inner>>(&case, &device);
             let (r, p) = (rank.rank(), rank.size());
             let config = case.config().with_repeat_kv(case.model_repeats_kv);
-            let local = SEQ / p;
+            let mine = case.positions_of(r);
             let positions = match case.position_ids() {
                 // This rank's shard of the packed ids.
-                Some(ids) => PositionIds::new((0..BATCH).flat_map(|b| ids.row(b)[r * local..(r + 1) * local].to_vec()).collect(), BATCH, local).unwrap(),
-                None => PositionIds::consecutive(BATCH, r * local, local),
+                Some(ids) => PositionIds::new((0..BATCH).flat_map(|b| mine.iter().map(|&at| ids.row(b)[at]).collect::<Vec<_>>()).collect(), BATCH, mine.len()).unwrap(),
+                None => PositionIds::new(mine.iter().map(|&at| at as u64).collect::<Vec<_>>().repeat(BATCH), BATCH, mine.len()).unwrap(),
             };
-            run_block(&config, shard(x, 1, r, p), shard(weights, 1, r, p), &positions, case.documents.is_some())
+            let _ = p;
+            run_block(&config, take_positions(x, &mine), take_positions(weights, &mine), &positions, case.documents.is_some())
         })
     });
     let per_rank: Vec<Outcome> = per_rank.into_iter().map(|r| r.unwrap_or_else(|panic| panic!("{panic}"))).collect();
@@ -180,9 +197,10 @@ where
     let mut output_diff = 0.0f32;
     let mut input_grad_diff = 0.0f32;
     for (r, outcome) in per_rank.iter().enumerate() {
-        let want = values(shard(full(&reference.output), 1, r, case.sp));
+        let mine = case.positions_of(r);
+        let want = values(take_positions(full(&reference.output), &mine));
         output_diff = output_diff.max(max_abs_diff(&values(full(&outcome.output)), &want));
-        let want = values(shard(full(&reference.input_grad), 1, r, case.sp));
+        let want = values(take_positions(full(&reference.input_grad), &mine));
         input_grad_diff = input_grad_diff.max(max_abs_diff(&values(full(&outcome.input_grad)), &want));
     }
     let mut param_grad_diff = 0.0f32;

@@ -181,7 +181,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
                         "Ulysses × Ring does not take masks or packed documents yet; run them with Ulysses alone".into(),
                     ));
                 }
-                ring_attention::<X>(query, key, value, options, ring)?
+                ring_attention::<X>(query, key, value, options, context.config.ring_sharding, ring)?
             }
         };
         let output = heads_to_sequence(output, communicator)?;

@@ -23,7 +23,7 @@ use std::{
 
 use burn::{config::Config, tensor::backend::Backend};
 
-use crate::{comm::Communicator, error::UlyssesError};
+use crate::{comm::Communicator, error::UlyssesError, layout::RingSharding};
 
 /// Behaviour of the attention interception.
 #[derive(Config, Debug)]
@@ -40,6 +40,10 @@ pub struct UlyssesConfig {
     /// error rather than a slowdown. Off, each fallback is logged with its reason.
     #[config(default = false)]
     pub forbid_dense_fallback: bool,
+    /// How the sequence is cut over the ring of Ulysses × Ring: the data adapter must shard
+    /// the same way (`SequenceSharder::with_ring`).
+    #[config(default = "RingSharding::Contiguous")]
+    pub ring_sharding: RingSharding,
 }
 
 /// The group a rank belongs to, for tensors of the wire backend `W`.

@@ -20,7 +20,7 @@ use burn::{
     tensor::{Int, Tensor, TensorData, backend::Backend},
 };
 
-use crate::visibility::PositionIds;
+use crate::{layout::RingSharding, visibility::PositionIds};
 
 /// Label value that the loss skips (as in PyTorch's `ignore_index`).
 pub const IGNORE_INDEX: i64 = -100;
@@ -38,6 +38,13 @@ pub struct SequenceSharder {
     /// Pad every batch to at least this many tokens (then to a multiple of `sp_size`), not
     /// only to its longest sequence.
     pub pad_to: Option<usize>,
+    /// Ring degree of Ulysses × Ring (1: Ulysses alone). Rank `ring_rank · U + u`, with
+    /// `U = sp_size / ring_size`, holds the `u`-th part of ring rank `ring_rank`'s chunks.
+    #[config(default = 1)]
+    pub ring_size: usize,
+    /// How the sequence is cut over the ring (as `UlyssesConfig::ring_sharding`).
+    #[config(default = "RingSharding::Contiguous")]
+    pub ring_sharding: RingSharding,
 }
 
 /// One rank's part of a batch of sequences, on the host.
@@ -111,9 +118,12 @@ impl SequenceSharder {
         assert!(!sequences.is_empty(), "cannot shard an empty batch");
         let longest = sequences.iter().map(Vec::len).max().unwrap();
         assert!(longest > 0, "cannot shard a batch of empty sequences");
-        let global_len = longest.max(self.pad_to.unwrap_or(0)).div_ceil(self.sp_size) * self.sp_size;
+        // Zigzag cuts each ring rank's share in two chunks.
+        let multiple = if self.ring_sharding == RingSharding::Zigzag { 2 * self.sp_size } else { self.sp_size };
+        let global_len = longest.max(self.pad_to.unwrap_or(0)).div_ceil(multiple) * multiple;
         let local_len = global_len / self.sp_size;
-        let start = rank * local_len;
+        let positions = self.positions_of(rank, global_len);
+        let start = positions[0];
 
         if let Some(documents) = documents {
             assert_eq!(documents.len(), sequences.len(), "document lengths for {} sequences, but the batch holds {}", documents.len(), sequences.len());
@@ -133,7 +143,7 @@ impl SequenceSharder {
             // Where each document of the whole padded sequence starts; padding is one more.
             let lengths = documents.map_or_else(|| vec![global_len], |documents| documents[i].clone());
             let starts = document_starts(&lengths, global_len);
-            for position in start..start + local_len {
+            for &position in &positions {
                 tokens.push(sequence.get(position).copied().unwrap_or(self.pad_token));
                 // The label of position i is token i + 1 of the *whole* sequence, within its
                 // document.
@@ -155,6 +165,23 @@ impl SequenceSharder {
             positions: ShardPositions { ids, packed: documents.is_some() },
             valid_tokens,
         }
+    }
+
+    /// The global positions rank `rank` holds in a sequence of `global_len` tokens, in order.
+    pub fn positions_of(&self, rank: usize, global_len: usize) -> Vec<usize> {
+        assert!(
+            self.ring_size > 0 && self.sp_size % self.ring_size == 0,
+            "the ring degree {} must divide sp_size {}",
+            self.ring_size,
+            self.sp_size
+        );
+        let ulysses = self.sp_size / self.ring_size;
+        let (ring_rank, member) = (rank / ulysses, rank % ulysses);
+        let (chunks, count) = self.ring_sharding.chunks(ring_rank, self.ring_size);
+        let chunk_len = global_len / count;
+        let share: Vec<usize> = chunks.iter().flat_map(|&c| c * chunk_len..(c + 1) * chunk_len).collect();
+        let part = share.len() / ulysses;
+        share[member * part..(member + 1) * part].to_vec()
     }
 
     /// Labels in `sequences` (every token but each sequence's last predicts its successor):
@@ -234,6 +261,26 @@ mod tests {
         // Unpacked: global positions, padding included.
         let unpacked = SequenceSharder::new(2).with_pad_to(Some(6)).shard(&sequences[..1], 1);
         assert_eq!((unpacked.positions.ids.ids(), unpacked.positions.packed), (&[3u64, 4, 5][..], false));
+    }
+
+    #[test]
+    fn zigzag_shards_hold_an_early_and_a_late_chunk_and_cover_the_sequence() {
+        // 4 ranks as 2 (Ulysses) × 2 (ring): chunks of 16 / 4 = 4 tokens; ring rank 0 holds
+        // chunks 0 and 3, ring rank 1 chunks 1 and 2, each split over its 2 Ulysses ranks.
+        let sharder = SequenceSharder::new(4).with_ring_size(2).with_ring_sharding(RingSharding::Zigzag);
+        let positions: Vec<Vec<usize>> = (0..4).map(|rank| sharder.positions_of(rank, 16)).collect();
+        assert_eq!(positions, vec![vec![0, 1, 2, 3], vec![12, 13, 14, 15], vec![4, 5, 6, 7], vec![8, 9, 10, 11]]);
+        let batch = vec![(0..13).collect::<Vec<i64>>()];
+        let shards: Vec<_> = (0..4).map(|rank| sharder.shard(&batch, rank)).collect();
+        // Padded to a multiple of 2 · 4; labels are the next token of the whole sequence.
+        assert_eq!(shards[1].local_len, 4);
+        assert_eq!(shards[2].tokens, vec![4, 5, 6, 7]);
+        assert_eq!(shards[2].labels, vec![5, 6, 7, 8]);
+        assert_eq!(shards[1].positions.ids.ids(), &[12, 13, 14, 15]);
+        assert_eq!(shards.iter().map(|s| s.valid_tokens).sum::<usize>(), 12);
+        // Contiguous with a ring is plain contiguous sharding.
+        let contiguous = SequenceSharder::new(4).with_ring_size(2);
+        assert_eq!(contiguous.positions_of(3, 16), vec![12, 13, 14, 15]);
     }
 
     #[test]

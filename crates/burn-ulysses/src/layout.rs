@@ -1,4 +1,5 @@
-//! The layout contract of one attention call, and how heads are split across ranks.
+//! The layout contract of one attention call, how heads are split across ranks, and how
+//! the sequence is cut over a ring.
 //!
 //! Pure integer logic, kept apart from tensors so it can be read and tested on its own.
 
@@ -187,6 +188,72 @@ impl HeadPlan {
     }
 }
 
+/// How the sequence is cut over the ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum RingSharding {
+    /// Ring rank `r` holds chunk `r` of `R`. Under causal attention the last rank does `R`
+    /// times the first one's work.
+    #[default]
+    Contiguous,
+    /// The sequence is cut in `2R` chunks and ring rank `r` holds chunks `r` and
+    /// `2R − 1 − r`, in that order: every rank does the same causal work.
+    Zigzag,
+}
+
+impl RingSharding {
+    /// The chunks ring rank `rank` of `size` holds, in order, and how many chunks the
+    /// sequence is cut into.
+    pub fn chunks(self, rank: usize, size: usize) -> (Vec<usize>, usize) {
+        match self {
+            RingSharding::Contiguous => (vec![rank], size),
+            RingSharding::Zigzag => (vec![rank, 2 * size - 1 - rank], 2 * size),
+        }
+    }
+}
+
+/// What one query chunk does with one key chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockKind {
+    /// Every query sees every key.
+    Full,
+    /// The same chunk under causal attention: keys up to the query.
+    Diagonal,
+    /// A later chunk under causal attention: nothing.
+    Hidden,
+}
+
+impl BlockKind {
+    pub fn of(query_chunk: usize, key_chunk: usize, causal: bool) -> Self {
+        match (causal, key_chunk.cmp(&query_chunk)) {
+            (false, _) | (true, std::cmp::Ordering::Less) => BlockKind::Full,
+            (true, std::cmp::Ordering::Equal) => BlockKind::Diagonal,
+            (true, std::cmp::Ordering::Greater) => BlockKind::Hidden,
+        }
+    }
+}
+
+/// Query-key pairs each ring rank attends over for a sequence of `chunks · chunk_len`
+/// tokens (`chunks` from [`RingSharding::chunks`]), by the same block rules as
+/// `ring::ring_attention`: the work balance of a sharding.
+pub fn pairs_per_rank(sharding: RingSharding, size: usize, chunk_len: usize, causal: bool) -> Vec<usize> {
+    (0..size)
+        .map(|rank| {
+            let (mine, total) = sharding.chunks(rank, size);
+            let mut pairs = 0;
+            for &q in &mine {
+                for k in 0..total {
+                    pairs += match BlockKind::of(q, k, causal) {
+                        BlockKind::Full => chunk_len * chunk_len,
+                        BlockKind::Diagonal => chunk_len * (chunk_len + 1) / 2,
+                        BlockKind::Hidden => 0,
+                    };
+                }
+            }
+            pairs
+        })
+        .collect()
+}
+
 /// The divisors of `n`, for messages that suggest a valid degree.
 pub fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n % d == 0).collect()
@@ -264,5 +331,17 @@ mod tests {
         assert!(err.contains("local query sequence length"), "{err}");
         assert!(err.contains("rank 0 has 8, rank 1 has 7") && err.contains("pad"), "{err}");
         assert!(AttentionLayout::check_agreement(&[layout.encode(), layout.encode()]).is_ok());
+    }
+
+    #[test]
+    fn zigzag_gives_every_rank_the_same_causal_work() {
+        for size in [2, 3, 4, 8] {
+            let zigzag = pairs_per_rank(RingSharding::Zigzag, size, 64, true);
+            assert!(zigzag.iter().all(|&p| p == zigzag[0]), "zigzag over {size}: {zigzag:?}");
+            // Contiguous chunks of twice the length: the last rank does far more.
+            let contiguous = pairs_per_rank(RingSharding::Contiguous, size, 128, true);
+            assert_eq!(contiguous.iter().sum::<usize>(), zigzag.iter().sum::<usize>());
+            assert!(contiguous[size - 1] > contiguous[0] * (2 * size - 1) / 2, "{contiguous:?}");
+        }
     }
 }

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use burn::tensor::{Tensor, ops::AttentionModuleOptions};
 
+pub use crate::layout::{BlockKind, RingSharding, pairs_per_rank};
 use crate::{
     comm::Communicator,
     error::UlyssesError,
@@ -26,49 +27,74 @@ use crate::{
 /// Stand-in for -infinity in masked scores (exact zeros after `exp`, no NaN from `-inf - -inf`).
 const MASKED: f32 = -1.0e30;
 
-/// Attention of this ring rank's chunk of queries `[B, H, S/R, D]` over the whole sequence,
-/// whose keys and values `[B, H_kv, S/R, D]` are held a chunk per ring rank, in ring order.
-/// Collective over `ring`: every rank calls it with chunks of the same shape.
+/// Attention of this ring rank's queries `[B, H, S/R, D]` over the whole sequence, whose
+/// keys and values `[B, H_kv, S/R, D]` are held by the ring's ranks as `sharding` places
+/// them (each rank's tensors are its chunks, concatenated in order). Collective over
+/// `ring`: every rank calls it with tensors of the same shape.
 pub fn ring_attention<X: ExchangeBackend>(
     query: Tensor<X, 4>,
     key: Tensor<X, 4>,
     value: Tensor<X, 4>,
     options: AttentionModuleOptions,
+    sharding: RingSharding,
     ring: &Arc<dyn Communicator<X::Wire>>,
 ) -> Result<Tensor<X, 4>, UlyssesError> {
-    let [_, q_heads, chunk, head_dim] = query.dims();
-    let [_, kv_heads, kv_chunk, _] = key.dims();
+    let [_, q_heads, local, head_dim] = query.dims();
+    let [_, kv_heads, kv_local, _] = key.dims();
     if kv_heads == 0 || q_heads % kv_heads != 0 {
         return Err(UlyssesError::KvHeadsNotGrouping { q_heads, kv_heads });
     }
-    if kv_chunk != chunk {
-        return Err(UlyssesError::Shape(format!("ring attention: chunks of {chunk} queries and {kv_chunk} keys; the ring needs self-attention chunks")));
+    if kv_local != local {
+        return Err(UlyssesError::Shape(format!("ring attention: {local} queries and {kv_local} keys per rank; the ring needs self-attention chunks")));
     }
     if options.softcap.is_some() {
         return Err(UlyssesError::Shape("ring attention: softcap is not supported".into()));
     }
     let (rank, size) = (ring.rank(), ring.size());
+    let (my_chunks, _) = sharding.chunks(rank, size);
+    if local % my_chunks.len() != 0 {
+        return Err(UlyssesError::Shape(format!(
+            "ring attention: {local} tokens per rank do not split into its {} chunks; pad the sequence to a multiple of {}",
+            my_chunks.len(),
+            2 * size
+        )));
+    }
     let (next, previous) = ((rank + 1) % size, (rank + size - 1) % size);
     let scale = options.scale.unwrap_or(1.0 / (head_dim as f64).sqrt());
     let group = q_heads / kv_heads;
     let value_dim = value.dims()[3];
+    let part = local / my_chunks.len();
+    let parts = |t: &Tensor<X, 4>| -> Vec<Tensor<X, 4>> { (0..my_chunks.len()).map(|i| t.clone().narrow(2, i * part, part)).collect() };
+    let queries = parts(&query);
 
-    // Own block first: for causal attention it is the diagonal one, where every row sees
-    // at least itself, so the running log-sum-exp is finite from the start.
-    let (mut output, mut lse) = block_attention(query.clone(), key.clone(), value.clone(), group, scale, options.is_causal);
-    // Keys and values travel together, one send per step.
+    // Per query chunk, the running (output, log-sum-exp) over the key chunks seen so far.
+    let mut partial: Vec<Option<(Tensor<X, 4>, Tensor<X, 4>)>> = vec![None; queries.len()];
+    // Keys and values travel together, one send per step; our own come first.
     let mut block = Tensor::cat(vec![key, value], 3);
-    for step in 1..size {
-        block = float_tensor(X::send_recv(float_primitive(block), next, previous, ring)?);
-        let source = (rank + size - step) % size;
-        if options.is_causal && source > rank {
-            continue; // a later chunk: invisible, only passed on
+    for step in 0..size {
+        if step > 0 {
+            block = float_tensor(X::send_recv(float_primitive(block), next, previous, ring)?);
         }
-        let key = block.clone().narrow(3, 0, head_dim);
-        let value = block.clone().narrow(3, head_dim, value_dim);
-        let (block_output, block_lse) = block_attention(query.clone(), key, value, group, scale, false);
-        (output, lse) = merge(output, lse, block_output, block_lse);
+        let (key_chunks, _) = sharding.chunks((rank + size - step) % size, size);
+        let keys = parts(&block.clone().narrow(3, 0, head_dim));
+        let values = parts(&block.clone().narrow(3, head_dim, value_dim));
+        for (q, query_chunk) in my_chunks.iter().enumerate() {
+            for (k, key_chunk) in key_chunks.iter().enumerate() {
+                let kind = BlockKind::of(*query_chunk, *key_chunk, options.is_causal);
+                if kind == BlockKind::Hidden {
+                    continue;
+                }
+                let (output, lse) = block_attention(queries[q].clone(), keys[k].clone(), values[k].clone(), group, scale, kind == BlockKind::Diagonal);
+                partial[q] = Some(match partial[q].take() {
+                    None => (output, lse),
+                    Some((before, before_lse)) => merge(before, before_lse, output, lse),
+                });
+            }
+        }
     }
+    // Every chunk sees at least itself (its diagonal block), so every part is set.
+    let outputs: Vec<Tensor<X, 4>> = partial.into_iter().map(|p| p.expect("a chunk sees itself").0).collect();
+    let output = if outputs.len() == 1 { outputs.into_iter().next().unwrap() } else { Tensor::cat(outputs, 2) };
     // Every rank's backward must run every pass in reverse, or a rank whose last blocks
     // were invisible (causal) would skip collectives its peers wait in: a zero-weighted use
     // of the last block keeps the whole chain of passes in the graph on every rank.
