@@ -12,7 +12,7 @@
 //! has 13 tokens: padded to 16 for SP=4, rank 3's shard (positions 12..16) holds only ignored
 //! labels, yet that rank must run forward and backward for its peers' exchanges.
 
-use std::{sync::Arc, time::Duration};
+use std::time::Duration;
 
 use burn::{
     backend::{Autodiff, NdArray},
@@ -21,8 +21,8 @@ use burn::{
     tensor::{Int, Tensor, TensorData},
 };
 use burn_ulysses::{
-    RankGuard, TrainBackend, UlyssesBackend,
-    comm::{Communicator, ThreadGroup},
+    RankGuard, RankScope, TrainBackend, UlyssesBackend, UlyssesConfig,
+    comm::ThreadGroup,
     data::{SequenceSharder, ShardPositions},
     train::{ParallelGroups, ParallelLayout, StepReport, check_parameters_identical},
 };
@@ -64,15 +64,15 @@ struct Outcome {
 
 /// Trains on every rank of the layout; returns world rank 0's outcome after checking that
 /// all ranks agree on the reports and hold identical parameters.
-fn train<B: TrainBackend<Wire = Inner>>(config: TrainConfig, enter: fn(&Arc<dyn Communicator<Inner>>) -> Option<RankGuard>) -> Outcome {
+fn train<B: TrainBackend<Wire = Inner>>(config: TrainConfig, enter: fn(&ParallelGroups<Inner>) -> Option<RankGuard>) -> Outcome {
     train_on::<B>(config, enter, &VariedLengths { vocab: VOCAB })
 }
 
-fn train_on<B: TrainBackend<Wire = Inner>>(config: TrainConfig, enter: fn(&Arc<dyn Communicator<Inner>>) -> Option<RankGuard>, data: &dyn StepData) -> Outcome {
+fn train_on<B: TrainBackend<Wire = Inner>>(config: TrainConfig, enter: fn(&ParallelGroups<Inner>) -> Option<RankGuard>, data: &dyn StepData) -> Outcome {
     let config = &config;
     let per_rank = ThreadGroup::new(config.layout.world_size()).run(|rank| {
         let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
-        let _sp = enter(&groups.sp);
+        let _sp = enter(&groups);
         let device = Default::default();
         // Ranks start from different values: training must broadcast rank 0's, which are the
         // same in every run.
@@ -87,11 +87,11 @@ fn train_on<B: TrainBackend<Wire = Inner>>(config: TrainConfig, enter: fn(&Arc<d
     per_rank.swap_remove(0)
 }
 
-fn enter_sp(sp: &Arc<dyn Communicator<Inner>>) -> Option<RankGuard> {
-    Some(Sp::enter_thread(sp.clone()))
+fn enter_sp(groups: &ParallelGroups<Inner>) -> Option<RankGuard> {
+    Some(burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new())))
 }
 
-fn no_context(_: &Arc<dyn Communicator<Inner>>) -> Option<RankGuard> {
+fn no_context(_: &ParallelGroups<Inner>) -> Option<RankGuard> {
     None
 }
 
@@ -202,6 +202,35 @@ fn packed_documents_train_like_one_device_and_like_the_documents_one_by_one() {
         }));
         let param_diff = worst(run.params.iter().zip(&reference.params).map(|((_, a), (_, b))| max_abs_diff(a, b)));
         println!("{name:>22}: max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e} against packed on one device");
+        assert!(loss_diff <= TOLERANCE, "{name}: step loss differs by {loss_diff:e}");
+        assert!(param_diff <= TOLERANCE, "{name}: parameters differ by {param_diff:e}");
+    }
+}
+
+/// Ulysses × Ring training: SP=4 as 2 × 2 (contiguous and zigzag) and as a pure ring 1 × 4,
+/// 5 AdamW steps with padding, against one device.
+#[test]
+fn ulysses_by_ring_trains_like_one_device() {
+    use burn_ulysses::ring::RingSharding;
+    let hybrid = |ring: usize, sharding: RingSharding| {
+        let layout = ParallelLayout::new().with_sp_size(4).with_ring_size(ring).with_ring_sharding(sharding);
+        // Zigzag cuts the sequence in 2 · 4 · ... pieces: pad to a length they divide.
+        config(layout, 1).with_seq_len(32)
+    };
+    let runs = with_deadline(Duration::from_secs(55), move || {
+        let mut single = config(ParallelLayout::new(), 1).with_seq_len(32);
+        single.model.repeat_kv = true;
+        let single = train::<Reference>(single, no_context);
+        let two_by_two = train::<Sp>(hybrid(2, RingSharding::Contiguous), enter_sp);
+        let zigzag = train::<Sp>(hybrid(2, RingSharding::Zigzag), enter_sp);
+        let ring = train::<Sp>(hybrid(4, RingSharding::Zigzag), enter_sp);
+        [("one device", single), ("2 x 2", two_by_two), ("2 x 2 zigzag", zigzag), ("1 x 4 zigzag", ring)]
+    });
+    let (_, reference) = &runs[0];
+    for (name, run) in &runs[1..] {
+        let loss_diff = worst(run.reports.iter().zip(&reference.reports).map(|(a, b)| (a.loss - b.loss).abs() as f32));
+        let param_diff = worst(run.params.iter().zip(&reference.params).map(|((_, a), (_, b))| max_abs_diff(a, b)));
+        println!("{name:>14}: max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e} against one device");
         assert!(loss_diff <= TOLERANCE, "{name}: step loss differs by {loss_diff:e}");
         assert!(param_diff <= TOLERANCE, "{name}: parameters differ by {param_diff:e}");
     }

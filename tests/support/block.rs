@@ -26,7 +26,7 @@ use burn_ulysses::{
 };
 use ulysses_llama::{LlamaConfig, RopeTables};
 
-use crate::{deterministic_params, max_abs_diff, parameter_grads, shard, sum_vectors, uniform_tensor, values, with_deadline};
+use crate::{deterministic_params, max_abs_diff, parameter_grads, sum_vectors, uniform_tensor, values, with_deadline};
 
 type Reference = Autodiff<NdArray<f32>>;
 
@@ -179,7 +179,7 @@ where
             };
             let device = Default::default();
             let (x, weights) = inputs::<UlyssesBackend<Inner>>(&case, &device);
-            let (r, p) = (rank.rank(), rank.size());
+            let r = rank.rank();
             let config = case.config().with_repeat_kv(case.model_repeats_kv);
             let mine = case.positions_of(r);
             let positions = match case.position_ids() {
@@ -187,7 +187,6 @@ where
                 Some(ids) => PositionIds::new((0..BATCH).flat_map(|b| mine.iter().map(|&at| ids.row(b)[at]).collect::<Vec<_>>()).collect(), BATCH, mine.len()).unwrap(),
                 None => PositionIds::new(mine.iter().map(|&at| at as u64).collect::<Vec<_>>().repeat(BATCH), BATCH, mine.len()).unwrap(),
             };
-            let _ = p;
             run_block(&config, take_positions(x, &mine), take_positions(weights, &mine), &positions, case.documents.is_some())
         })
     });

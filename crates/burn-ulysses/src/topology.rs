@@ -1,6 +1,8 @@
 //! How the ranks of a job form groups: `world = sp_size × dp_size`, consecutive ranks form a
 //! sequence-parallel (SP) group, and ranks with the same SP rank form a data-parallel (DP)
-//! group.
+//! group. Within an SP group, `sp_size = ulysses × ring_size` (Ulysses × Ring): consecutive
+//! SP ranks form a Ulysses group (the all-to-all), and SP ranks with the same Ulysses rank
+//! form a ring.
 
 use std::sync::Arc;
 
@@ -8,8 +10,9 @@ use burn::{config::Config, tensor::backend::Backend};
 
 use crate::{
     comm::Communicator,
+    context::{RankContext, UlyssesConfig},
     error::UlyssesError,
-    layout::{HeadPlan, divisors},
+    layout::{HeadPlan, RingSharding, divisors},
 };
 
 /// The parallel layout of a job. Consecutive ranks form an SP group, so an SP group shares a
@@ -20,9 +23,34 @@ pub struct ParallelLayout {
     pub sp_size: usize,
     #[config(default = 1)]
     pub dp_size: usize,
+    /// Ring degree within the SP group (Ulysses × Ring); it divides `sp_size`.
+    #[config(default = 1)]
+    pub ring_size: usize,
+    /// How the sequence is cut over the ring.
+    #[config(default = "RingSharding::Contiguous")]
+    pub ring_sharding: RingSharding,
 }
 
 impl ParallelLayout {
+    /// Ranks of a Ulysses group: the all-to-all's degree.
+    pub fn ulysses_size(&self) -> usize {
+        self.sp_size / self.ring_size.max(1)
+    }
+
+    /// Fails, saying what to change, when the degrees do not fit together.
+    pub fn check(&self) -> Result<(), UlyssesError> {
+        if self.sp_size == 0 || self.dp_size == 0 || self.ring_size == 0 || self.sp_size % self.ring_size != 0 {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "sp {} = ulysses × ring needs a ring degree that divides it; ring {} does not (ring degrees of sp {}: {:?})",
+                self.sp_size,
+                self.ring_size,
+                self.sp_size,
+                divisors(self.sp_size.max(1))
+            )));
+        }
+        Ok(())
+    }
+
     pub fn world_size(&self) -> usize {
         self.sp_size * self.dp_size
     }
@@ -44,13 +72,14 @@ impl ParallelLayout {
                 divisors(world_size)
             )));
         }
-        Ok(Self { sp_size, dp_size: world_size / sp_size })
+        Ok(Self { sp_size, dp_size: world_size / sp_size, ring_size: 1, ring_sharding: RingSharding::Contiguous })
     }
 
     /// Fails before any work when the model's attention heads cannot be split over the SP
     /// group (every rank would otherwise fail at the first forward).
     pub fn check_heads(&self, q_heads: usize, kv_heads: usize) -> Result<(), UlyssesError> {
-        HeadPlan::new(q_heads, kv_heads, self.sp_size).map(|_| ())
+        self.check()?;
+        HeadPlan::new(q_heads, kv_heads, self.ulysses_size()).map(|_| ())
     }
 }
 
@@ -61,11 +90,22 @@ pub struct ParallelGroups<W: Backend> {
     pub world: Arc<dyn Communicator<W>>,
     pub sp: Arc<dyn Communicator<W>>,
     pub dp: Arc<dyn Communicator<W>>,
+    /// The all-to-all's group: `sp` itself without a ring.
+    pub ulysses: Arc<dyn Communicator<W>>,
+    /// The ring within the SP group (`None` without one).
+    pub ring: Option<Arc<dyn Communicator<W>>>,
 }
 
 impl<W: Backend> Clone for ParallelGroups<W> {
     fn clone(&self) -> Self {
-        Self { layout: self.layout, world: self.world.clone(), sp: self.sp.clone(), dp: self.dp.clone() }
+        Self {
+            layout: self.layout,
+            world: self.world.clone(),
+            sp: self.sp.clone(),
+            dp: self.dp.clone(),
+            ulysses: self.ulysses.clone(),
+            ring: self.ring.clone(),
+        }
     }
 }
 
@@ -75,10 +115,30 @@ impl<W: Backend> ParallelGroups<W> {
         if world.size() != layout.world_size() {
             return Err(UlyssesError::WorldSize { world: world.size(), sp_size: layout.sp_size, dp_size: layout.dp_size });
         }
+        layout.check()?;
         let (dp_rank, sp_rank) = layout.coordinates(world.rank());
         let sp = world.split(dp_rank as u32, sp_rank as u32)?;
         let dp = world.split(sp_rank as u32, dp_rank as u32)?;
-        Ok(Self { layout, world, sp, dp })
+        let (ulysses, ring) = if layout.ring_size > 1 {
+            let u = layout.ulysses_size();
+            let (ring_rank, member) = ((sp_rank / u) as u32, (sp_rank % u) as u32);
+            (sp.split(ring_rank, member)?, Some(sp.split(member, ring_rank)?))
+        } else {
+            (sp.clone(), None)
+        };
+        Ok(Self { layout, world, sp, dp, ulysses, ring })
+    }
+
+    /// The rank context attention needs: the Ulysses group, the ring, and how the sequence
+    /// is cut over it.
+    pub fn rank_context(&self, config: UlyssesConfig) -> RankContext<W> {
+        RankContext { communicator: self.ulysses.clone(), ring: self.ring.clone(), config: config.with_ring_sharding(self.layout.ring_sharding) }
+    }
+
+    /// Exchanges attention made so far (all-to-alls in the Ulysses group, passes around the
+    /// ring): zero after a step means the model's attention never reached the group.
+    pub fn attention_exchanges(&self) -> u64 {
+        self.ulysses.traffic().all_to_all_calls + self.ring.as_ref().map_or(0, |ring| ring.traffic().send_recv_calls)
     }
 
     pub fn world_rank(&self) -> usize {
@@ -100,7 +160,7 @@ mod tests {
 
     #[test]
     fn the_dp_degree_is_what_the_sp_degree_leaves_of_the_world() {
-        assert_eq!(ParallelLayout::for_world(8, 2).unwrap(), ParallelLayout { sp_size: 2, dp_size: 4 });
+        assert_eq!(ParallelLayout::for_world(8, 2).unwrap(), ParallelLayout::new().with_sp_size(2).with_dp_size(4));
         let message = ParallelLayout::for_world(6, 4).unwrap_err().to_string();
         assert!(message.contains("6 ranks") && message.contains("[1, 2, 3, 6]"), "{message}");
     }
@@ -113,5 +173,9 @@ mod tests {
         ParallelLayout::new().with_sp_size(4).check_heads(8, 2).unwrap();
         // Uneven: padded.
         ParallelLayout::new().with_sp_size(3).check_heads(8, 2).unwrap();
+        // Ulysses × Ring: the heads split over the Ulysses degree only.
+        ParallelLayout::new().with_sp_size(32).with_ring_size(4).check_heads(8, 2).unwrap();
+        let message = ParallelLayout::new().with_sp_size(6).with_ring_size(4).check_heads(8, 2).unwrap_err().to_string();
+        assert!(message.contains("ring 4 does not") && message.contains("[1, 2, 3, 6]"), "{message}");
     }
 }

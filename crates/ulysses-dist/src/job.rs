@@ -25,7 +25,7 @@ use burn::tensor::backend::Backend;
 use burn_ulysses::{
     ParallelGroups, ParallelLayout, RankScope, UlyssesConfig,
     comm::{Communicator, ThreadGroup, ThreadGroupConfig},
-    context::{self, RankContext},
+    context,
 };
 
 use crate::{DistError, DistributedConfig, LaunchEnv, tcp::TcpCommunicator};
@@ -145,7 +145,7 @@ where
                     groups,
                     device: device.clone(),
                 };
-                let _context = context::enter(RankScope::Thread, RankContext::ulysses(rank.groups.sp.clone(), options.ulysses.clone()));
+                let _context = context::enter(RankScope::Thread, rank.groups.rank_context(options.ulysses.clone()));
                 Ok(work(&rank))
             });
             results
@@ -177,7 +177,7 @@ where
                 groups,
                 device,
             };
-            let _context = context::enter(RankScope::Process, RankContext::ulysses(rank.groups.sp.clone(), options.ulysses.clone()));
+            let _context = context::enter(RankScope::Process, rank.groups.rank_context(options.ulysses.clone()));
             Ok(vec![work(&rank)])
         }
     }

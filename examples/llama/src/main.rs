@@ -70,6 +70,14 @@ struct Args {
     /// Sequence-parallel degree: ranks that split each sequence.
     #[arg(long, default_value_t = 4)]
     sp: usize,
+    /// Ring degree within the SP group (Ulysses × Ring: sp = ulysses × ring); it lets sp go
+    /// past the head count.
+    #[arg(long, default_value_t = 1)]
+    ring: usize,
+    /// Cut the sequence zigzag over the ring (ring rank r holds chunks r and 2·ring − 1 − r):
+    /// equal causal work on every ring rank.
+    #[arg(long)]
+    zigzag: bool,
     /// Data-parallel degree: replicas that split each batch. Default: 1 with threads, the
     /// launched world size divided by --sp with processes.
     #[arg(long)]
@@ -190,6 +198,9 @@ fn run(args: Args) -> Result<(), String> {
         (Some(world), None) => ParallelLayout::for_world(world, args.sp).map_err(|e| format!("{e} (--sp)"))?,
         (Some(_), Some(dp)) => ParallelLayout::new().with_sp_size(args.sp).with_dp_size(dp),
     };
+    let sharding = if args.zigzag { burn_ulysses::ring::RingSharding::Zigzag } else { burn_ulysses::ring::RingSharding::Contiguous };
+    let layout = layout.with_ring_size(args.ring).with_ring_sharding(sharding);
+    layout.check().map_err(|e| format!("{e} (--sp, --ring)"))?;
     let model = ulysses_llama::LlamaConfig::new(BYTE_VOCAB)
         .with_d_model(args.d_model)
         .with_n_layers(args.layers)

@@ -172,7 +172,7 @@ where
 
     let mut accumulator = GradientsAccumulator::<M>::new();
     let mut loss = 0.0;
-    let exchanges_before = groups.sp.traffic().all_to_all_calls;
+    let exchanges_before = groups.attention_exchanges();
     for shard in &shards {
         let (shard_loss, grads) = model_failure_as_error(|| {
             let output = model.lm_output(shard.tokens(device), &shard.positions);
@@ -183,7 +183,7 @@ where
         loss += shard_loss;
         accumulator.accumulate(model, grads);
     }
-    let exchanges = groups.sp.traffic().all_to_all_calls - exchanges_before;
+    let exchanges = groups.attention_exchanges() - exchanges_before;
     if groups.layout.sp_size > 1 && exchanges == 0 {
         return Err(UlyssesError::NotSequenceParallel { sp_size: groups.layout.sp_size });
     }
