@@ -206,3 +206,39 @@ fn uneven_heads_send_their_padding() {
     };
     assert_eq!(HeadPlan::new(6, 6, 4).unwrap().elements_per_call(&layout) as u64 * 4, sent);
 }
+
+/// Ulysses × Ring, 2 × 2: per rank and attention call, the Ulysses all-to-alls move
+/// `4·B·(S/P)·H·D` (the same as Ulysses over `P` ranks would), and the ring passes
+/// `(R − 1)` blocks of k and v for this rank's `H/U` heads over `S/R` tokens; the backward
+/// moves as much again.
+#[test]
+fn ulysses_by_ring_bytes_per_rank_match_their_formula() {
+    use burn_ulysses::{ParallelGroups, ParallelLayout, RankScope, UlyssesConfig};
+    let (ulysses, ring, batch, heads, seq, dim) = (2usize, 2usize, 2usize, 8usize, 32usize, 16usize);
+    let sp = ulysses * ring;
+    let per_rank = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(sp).run(move |rank| {
+            let layout = ParallelLayout::new().with_sp_size(sp).with_ring_size(ring);
+            let groups = ParallelGroups::<Inner>::new(rank.communicator(), layout).unwrap();
+            let _context = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
+            let device = Default::default();
+            let r = rank.rank();
+            let local = |stream| shard(uniform_tensor::<Sp, 4>([batch, heads, seq, dim], stream, &device), 2, r, sp).require_grad();
+            let ring_group = groups.ring.clone().unwrap();
+            let traffic = || (Communicator::<Inner>::traffic(&*groups.ulysses).all_to_all_bytes, Communicator::<Inner>::traffic(&*ring_group).send_recv_bytes);
+            let before = traffic();
+            let output = attention(local(1), local(2), local(3), None, None, CAUSAL);
+            let forward = traffic();
+            let _grads = output.sum().backward();
+            let total = traffic();
+            [forward.0 - before.0, forward.1 - before.1, total.0 - before.0, total.1 - before.1]
+        })
+    });
+    let all_to_all = 4 * batch * (seq / sp) * heads * dim * 4;
+    let passes = (ring - 1) * batch * (heads / ulysses) * (seq / ring) * (2 * dim) * 4;
+    for (r, bytes) in per_rank.into_iter().enumerate() {
+        let bytes = bytes.unwrap_or_else(|panic| panic!("rank {r}: {panic}"));
+        println!("2 x 2, rank {r}: all-to-all {} bytes (formula {all_to_all}), ring {} bytes (formula {passes}); with the backward {} and {}", bytes[0], bytes[1], bytes[2], bytes[3]);
+        assert_eq!(bytes.map(|b| b as usize), [all_to_all, passes, 2 * all_to_all, 2 * passes], "rank {r}");
+    }
+}
