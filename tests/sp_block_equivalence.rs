@@ -148,3 +148,14 @@ fn ulysses_by_ring_with_zigzag_sharding() {
     check(zigzag(2, 2, 2, true));
     check(zigzag(2, 2, 1, false));
 }
+
+/// Zigzag over 8 ranks: 32 tokens cut in 2 · 4 (or 2 · 2) chunks, each split over its
+/// Ulysses group.
+#[test]
+fn ulysses_by_ring_with_zigzag_sharding_on_eight_ranks() {
+    use burn_ulysses::ring::RingSharding;
+    let zigzag = |ulysses, ring, kv_heads, causal| Case { ring_sharding: RingSharding::Zigzag, seq: 32, ..hybrid(ulysses, ring, kv_heads, causal) };
+    check(zigzag(2, 4, 2, true));
+    check(zigzag(4, 2, 1, true));
+    check(zigzag(4, 2, 2, false));
+}

@@ -44,18 +44,20 @@ pub struct BlockCase {
     /// The model expands kv heads itself (what a plain burn model does) instead of passing
     /// grouped kv heads to attention.
     pub model_repeats_kv: bool,
-    /// Per sequence (2 of 24 tokens), the lengths of the documents packed into it.
+    /// Per sequence (2 of 24 tokens, `seq` must stay 24), the lengths of the documents packed into it.
     pub documents: Option<[&'static [usize]; BATCH]>,
     /// Ring degree of Ulysses × Ring: `sp` ranks in `sp / ring` Ulysses groups of
     /// consecutive ranks, and `sp / ring` rings (1: Ulysses alone).
     pub ring: usize,
     /// How the sequence is cut over the ring.
     pub ring_sharding: RingSharding,
+    /// Tokens per sequence (24; documents are laid out for 24).
+    pub seq: usize,
 }
 
 impl BlockCase {
     pub fn new(sp: usize, heads: usize, kv_heads: usize) -> Self {
-        Self { sp, heads, kv_heads, causal: true, model_repeats_kv: false, documents: None, ring: 1, ring_sharding: RingSharding::Contiguous }
+        Self { sp, heads, kv_heads, causal: true, model_repeats_kv: false, documents: None, ring: 1, ring_sharding: RingSharding::Contiguous, seq: SEQ }
     }
 
     /// Documents whose boundaries fall on shard edges (6, 12 at SP 2 and 4) and inside shards,
@@ -66,7 +68,7 @@ impl BlockCase {
 
     /// The positions of the sequence rank `rank` holds, as the sharder places them.
     fn positions_of(&self, rank: usize) -> Vec<usize> {
-        SequenceSharder::new(self.sp).with_ring_size(self.ring).with_ring_sharding(self.ring_sharding).positions_of(rank, SEQ)
+        SequenceSharder::new(self.sp).with_ring_size(self.ring).with_ring_sharding(self.ring_sharding).positions_of(rank, self.seq)
     }
 
     /// Position ids of the whole batch: restarting at each document.
@@ -144,7 +146,7 @@ fn take_positions<B: burn::tensor::backend::Backend>(tensor: Tensor<B, 3>, posit
 }
 
 fn inputs<B: AutodiffBackend>(case: &BlockCase, device: &B::Device) -> (Tensor<B, 3>, Tensor<B, 3>) {
-    let shape = [BATCH, SEQ, case.heads * HEAD_DIM];
+    let shape = [BATCH, case.seq, case.heads * HEAD_DIM];
     (uniform_tensor(shape, 1, device), uniform_tensor(shape, 2, device))
 }
 
@@ -160,7 +162,7 @@ where
     // Burn's own attention needs kv heads expanded to the q head count.
     let reference_config = case.config().with_repeat_kv(true);
     let reference = match case.documents {
-        None => run_block(&reference_config, x, weights, &PositionIds::consecutive(BATCH, 0, SEQ), false),
+        None => run_block(&reference_config, x, weights, &PositionIds::consecutive(BATCH, 0, case.seq), false),
         Some(documents) => run_documents_one_by_one(&reference_config, x, weights, documents),
     };
 
