@@ -232,22 +232,16 @@ pub fn cube_run(
     let mut start = 0usize;
     let mut end = seq_q;
     if blocks.ranged {
-        let mut own = seq_q;
-        let mut other = seq_kv;
-        if of_keys {
-            own = seq_kv;
-            other = seq_q;
-        }
-        let mut lowest = u32::cast_from(other);
+        // Rows past the end have empty runs, so they add nothing; with no run at all the
+        // result is empty too (`start > end`: above any position, below any end).
+        let mut lowest = u32::cast_from(seq_q + seq_kv);
         let mut highest = 0u32;
         let mut i = UNIT_POS_X as usize;
         while i < count {
-            if first + i < own {
-                let one = visible_run(table, batch, first + i, seq_q, seq_kv, of_keys, blocks);
-                if one.start < one.end {
-                    lowest = min(lowest, u32::cast_from(one.start));
-                    highest = max(highest, u32::cast_from(one.end));
-                }
+            let one = visible_run(table, batch, first + i, seq_q, seq_kv, of_keys, blocks);
+            if one.start < one.end {
+                lowest = min(lowest, u32::cast_from(one.start));
+                highest = max(highest, u32::cast_from(one.end));
             }
             i += CUBE_DIM_X as usize;
         }
