@@ -173,10 +173,9 @@ where
             } else {
                 // Ulysses groups of consecutive ranks (together: one chunk), rings across them.
                 let world: Arc<dyn Communicator<<Inner as ExchangeBackend>::Wire>> = rank.communicator();
-                let ulysses_size = case.sp / case.ring;
-                let (chunk, member) = ((rank.rank() / ulysses_size) as u32, (rank.rank() % ulysses_size) as u32);
-                let ulysses = world.split(chunk, member).unwrap();
-                let ring = world.split(member, chunk).unwrap();
+                let (chunk, member) = burn_ulysses::layout::ring_coordinates(rank.rank(), case.sp / case.ring);
+                let ulysses = world.split(chunk as u32, member as u32).unwrap();
+                let ring = world.split(member as u32, chunk as u32).unwrap();
                 UlyssesBackend::<Inner>::enter_hybrid(RankScope::Thread, ulysses, ring, UlyssesConfig::new().with_ring_sharding(case.ring_sharding))
             };
             let device = Default::default();

@@ -20,7 +20,10 @@ use burn::{
     tensor::{Int, Tensor, TensorData, backend::Backend},
 };
 
-use crate::{layout::RingSharding, visibility::PositionIds};
+use crate::{
+    layout::{RingSharding, ring_coordinates},
+    visibility::PositionIds,
+};
 
 /// Label value that the loss skips (as in PyTorch's `ignore_index`).
 pub const IGNORE_INDEX: i64 = -100;
@@ -148,7 +151,7 @@ impl SequenceSharder {
                 // The label of position i is token i + 1 of the *whole* sequence, within its
                 // document.
                 let document_start = starts[starts.partition_point(|&s| s <= position) - 1];
-                let same_document = !starts.contains(&(position + 1));
+                let same_document = starts.binary_search(&(position + 1)).is_err();
                 let label = if same_document { sequence.get(position + 1).copied() } else { None };
                 labels.push(label.unwrap_or(self.ignore_index));
                 ids.push((position - document_start) as u64);
@@ -176,7 +179,7 @@ impl SequenceSharder {
             self.sp_size
         );
         let ulysses = self.sp_size / self.ring_size;
-        let (ring_rank, member) = (rank / ulysses, rank % ulysses);
+        let (ring_rank, member) = ring_coordinates(rank, ulysses);
         let (chunks, count) = self.ring_sharding.chunks(ring_rank, self.ring_size);
         let chunk_len = global_len / count;
         let share: Vec<usize> = chunks.iter().flat_map(|&c| c * chunk_len..(c + 1) * chunk_len).collect();

@@ -211,6 +211,13 @@ impl RingSharding {
     }
 }
 
+/// `(ring rank, Ulysses rank)` of SP rank `sp_rank` with Ulysses groups of `ulysses_size`
+/// consecutive ranks: the one convention that the groups, the sharder and the data layout
+/// of a Ulysses group's chunk all follow.
+pub fn ring_coordinates(sp_rank: usize, ulysses_size: usize) -> (usize, usize) {
+    (sp_rank / ulysses_size, sp_rank % ulysses_size)
+}
+
 /// What one query chunk does with one key chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockKind {

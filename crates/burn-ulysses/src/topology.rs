@@ -12,7 +12,7 @@ use crate::{
     comm::Communicator,
     context::{RankContext, UlyssesConfig},
     error::UlyssesError,
-    layout::{HeadPlan, RingSharding, divisors},
+    layout::{HeadPlan, RingSharding, divisors, ring_coordinates},
 };
 
 /// The parallel layout of a job. Consecutive ranks form an SP group, so an SP group shares a
@@ -120,8 +120,8 @@ impl<W: Backend> ParallelGroups<W> {
         let sp = world.split(dp_rank as u32, sp_rank as u32)?;
         let dp = world.split(sp_rank as u32, dp_rank as u32)?;
         let (ulysses, ring) = if layout.ring_size > 1 {
-            let u = layout.ulysses_size();
-            let (ring_rank, member) = ((sp_rank / u) as u32, (sp_rank % u) as u32);
+            let (ring_rank, member) = ring_coordinates(sp_rank, layout.ulysses_size());
+            let (ring_rank, member) = (ring_rank as u32, member as u32);
             (sp.split(ring_rank, member)?, Some(sp.split(member, ring_rank)?))
         } else {
             (sp.clone(), None)
