@@ -193,3 +193,19 @@ fn a_forbidden_fallback_to_dense_attention_names_its_reason() {
     });
     assert_all_contain(&messages, &["dense attention", "has a mask", "one run of real keys", "forbid_dense_fallback"]);
 }
+
+/// Ulysses × Ring takes no mask yet: refused on every rank.
+#[test]
+fn a_ring_refuses_a_mask() {
+    use burn_ulysses::{ParallelGroups, ParallelLayout};
+    let messages = errors_on_every_rank(4, |rank| {
+        let layout = ParallelLayout::new().with_sp_size(4).with_ring_size(2);
+        let groups = ParallelGroups::<NdArray<f32>>::new(rank.communicator(), layout).unwrap();
+        let _hybrid = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        let real_keys = burn::tensor::TensorData::new(vec![false; 8], [1, 1, 1, 8]);
+        let mask = Tensor::<Sp, 4, Bool>::from_data(real_keys, &Default::default());
+        attention(q, k, v, Some(mask), None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["Ulysses × Ring does not take masks"]);
+}

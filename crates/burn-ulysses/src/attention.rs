@@ -47,7 +47,7 @@ struct DocumentsHandOver;
 
 impl Drop for DocumentsHandOver {
     fn drop(&mut self) {
-        DOCUMENTS.with(|documents| documents.borrow_mut().take());
+        take_documents();
     }
 }
 
@@ -71,14 +71,12 @@ pub fn attention_in_documents<B: Backend>(
     let hand_over = DocumentsHandOver;
     DOCUMENTS.with(|documents| *documents.borrow_mut() = Some(positions.clone()));
     let output = attention(query.clone(), key.clone(), value.clone(), None, None, options);
-    let unclaimed = DOCUMENTS.with(|documents| documents.borrow_mut().take());
+    let unclaimed = take_documents();
     drop(hand_over);
     let Some(positions) = unclaimed else { return output };
     // Not a UlyssesBackend: burn's attention did not see the documents.
     let [batch, heads, seq, _] = query.dims();
-    if (positions.batch(), positions.len()) != (batch, seq) || key.dims()[2] != seq {
-        panic!("{}", documents_shape_error(&positions, batch, seq, key.dims()[2]));
-    }
+    check_document_ids(&positions, batch, seq, key.dims()[2]).unwrap_or_else(|error| panic!("{error}"));
     dense_fallback(format!("{} does not intercept attention, so documents become a dense mask", std::any::type_name::<B>()), DenseFallback::Allow)
         .expect("an allowed fallback is not an error");
     let mask = Visibility::documents(&positions).dense_mask::<B>(&query.device()).expand([batch, heads, seq, seq]);
@@ -90,13 +88,17 @@ fn take_documents() -> Option<PositionIds> {
     DOCUMENTS.with(|documents| documents.borrow_mut().take())
 }
 
-fn documents_shape_error(positions: &PositionIds, batch: usize, q_seq: usize, kv_seq: usize) -> UlyssesError {
-    UlyssesError::Shape(format!(
+/// Fails unless `positions` are one id per query token of a self-attention call.
+fn check_document_ids(positions: &PositionIds, batch: usize, q_seq: usize, kv_seq: usize) -> Result<(), UlyssesError> {
+    if (positions.batch(), positions.len()) == (batch, q_seq) && kv_seq == q_seq {
+        return Ok(());
+    }
+    Err(UlyssesError::Shape(format!(
         "attention_in_documents: position ids for {} rows of {} tokens, but q has {batch} rows of {q_seq} tokens and k {kv_seq}; \
          pass the ids of the tokens q was computed from (this rank's shard), for self-attention",
         positions.batch(),
         positions.len()
-    ))
+    )))
 }
 
 /// `UlyssesBackend::attention`. Panics with a [`UlyssesError`] message on bad input: backend
@@ -113,10 +115,8 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
     let positions = take_documents();
     let attend_or_explain = || -> Result<FloatTensor<X>, UlyssesError> {
         let layout = local_layout::<X>(&query, &key, &value, mask.as_ref(), attn_bias.as_ref(), &options, positions.is_some())?;
-        if let Some(positions) = &positions
-            && ((positions.batch(), positions.len()) != (layout.batch, layout.q_seq) || layout.kv_seq != layout.q_seq)
-        {
-            return Err(documents_shape_error(positions, layout.batch, layout.q_seq, layout.kv_seq));
+        if let Some(positions) = &positions {
+            check_document_ids(positions, layout.batch, layout.q_seq, layout.kv_seq)?;
         }
         let context = context::current::<X::Wire>()?;
         let forbid = context.as_ref().is_some_and(|c| c.config.forbid_dense_fallback);
@@ -127,7 +127,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             let query = float_tensor::<X, 4>(query);
             let visibility = positions.as_ref().map(Visibility::documents);
             let (mask, visibility) = match (layout.mask, mask.map(bool_tensor::<X>)) {
-                (MaskKind::KeyPadding { .. }, Some(mask)) => key_padding_as_runs::<X>(mask, visibility, &query, key_len::<X>(&key))?,
+                (MaskKind::KeyPadding { .. }, Some(mask)) => key_padding_as_runs::<X>(mask, visibility, &query, layout.kv_seq)?,
                 (_, mask) => (mask, visibility),
             };
             let output = attend::<X>(query, float_tensor(key), float_tensor(value), mask, attn_bias.map(float_tensor), options, visibility, fallback)?;
@@ -145,6 +145,9 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             }
             (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: dims(&bias) }),
             _ => {}
+        }
+        if ring.is_some() && (layout.mask != MaskKind::None || positions.is_some()) {
+            return Err(UlyssesError::Shape("Ulysses × Ring does not take masks or packed documents yet; run them with Ulysses alone".into()));
         }
         let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, communicator.size())?;
         tracing::trace!(?layout, ?plan, "sequence-parallel attention");
@@ -175,14 +178,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         };
         let output = match &ring {
             None => attend::<X>(query, key, value, mask, None, options, visibility, fallback)?,
-            Some(ring) => {
-                if mask.is_some() || visibility.is_some() {
-                    return Err(UlyssesError::Shape(
-                        "Ulysses × Ring does not take masks or packed documents yet; run them with Ulysses alone".into(),
-                    ));
-                }
-                ring_attention::<X>(query, key, value, options, context.config.ring_sharding, ring)?
-            }
+            Some(ring) => ring_attention::<X>(query, key, value, options, context.config.ring_sharding, ring)?,
         };
         let output = heads_to_sequence(output, communicator)?;
         // The padding heads' outputs are dropped (their gradient is zero).
@@ -200,10 +196,6 @@ fn pad_heads<X: ExchangeBackend>(tensor: Tensor<X, 4>, count: usize) -> Tensor<X
     let [b, _, s, d] = tensor.dims();
     let zeros = Tensor::zeros([b, count, s, d], &tensor.device());
     Tensor::cat(vec![tensor, zeros], 1)
-}
-
-fn key_len<X: ExchangeBackend>(key: &FloatTensor<X>) -> usize {
-    key.shape()[2]
 }
 
 /// A `[B, 1 | H, 1, S_k]` key-padding mask as one run of real keys per sequence (added to
