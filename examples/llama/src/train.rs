@@ -15,6 +15,7 @@ use burn_ulysses::{
     ParallelGroups, ParallelLayout, TrainBackend, UlyssesError,
     comm::all_gather_host_checked,
     data::{SequenceSharder, ShardPositions},
+    layout::HeadPlan,
     train::{
         CausalLm, LmOutput, LocalStep, StepInput, StepReport, apply_step, backward_step, broadcast_parameters,
         check_parameters_identical,
@@ -110,12 +111,13 @@ impl TrainConfig {
             return Err(format!("d_model (--d-model) {} must be a multiple of the head count (--heads) {}", model.d_model, model.n_heads));
         }
         self.layout.check_heads(model.n_heads, model.n_kv_heads).map_err(|e| format!("{e} (--sp, --heads, --kv-heads)"))?;
-        if model.n_heads % self.layout.sp_size != 0 {
+        let heads = HeadPlan::new(model.n_heads, model.n_kv_heads, self.layout.ulysses_size()).map_err(|e| e.to_string())?;
+        if heads.q_padding > 0 {
             tracing::warn!(
-                "{} heads over sp {}: padded with zero heads to {} (that share of the exchange and of attention is padding); an sp that divides the heads wastes nothing",
+                "{} heads over a Ulysses degree of {}: padded with zero heads to {} (that share of the exchange and of attention is padding); a degree that divides the heads wastes nothing",
                 model.n_heads,
-                self.layout.sp_size,
-                model.n_heads.div_ceil(self.layout.sp_size) * self.layout.sp_size
+                self.layout.ulysses_size(),
+                heads.exchanged_q_heads()
             );
         }
         if self.seq_len % self.layout.sp_size != 0 {
