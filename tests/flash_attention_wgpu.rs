@@ -311,3 +311,67 @@ fn memory_over_packed_documents_grows_linearly_on_the_flash_path() {
     assert!(ratio(dense) >= 3.0, "the dense path should hold an S x S matrix; the measurement missed it: {dense:?}");
     assert!(flash[1] * 4 < dense[1], "at S = 2048 the flash path should hold far less than the dense one");
 }
+
+/// Ulysses × Ring on the flash path: every block of the ring runs the fused kernels (the
+/// ring is one autodiff node whose backward runs the ring again with the merged output and
+/// log-sum-exp), equal to one device on NdArray: 1×4 (pure ring), 2×2 with GQA, 2×4 with
+/// zigzag, 4×2 with MQA, causal and not, and 2×2 on the fused backend.
+#[test]
+fn ulysses_by_ring_runs_its_blocks_on_the_flash_kernels() {
+    use burn_ulysses::ring::RingSharding;
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let hybrid = |ulysses: usize, ring: usize, kv_heads, causal, ring_sharding, seq| BlockCase { ring, causal, ring_sharding, seq, ..BlockCase::new(ulysses * ring, 8, kv_heads) };
+    let (forwards, backwards) = (forward_launches(), backward_launches());
+    check_block_equivalence::<Autodiff<Wgpu>>(hybrid(1, 4, 8, true, RingSharding::Contiguous, 24), 1e-5);
+    check_block_equivalence::<Autodiff<Wgpu>>(hybrid(1, 4, 8, false, RingSharding::Zigzag, 32), 1e-5);
+    check_block_equivalence::<Autodiff<Wgpu>>(hybrid(2, 2, 2, true, RingSharding::Zigzag, 24), 1e-5);
+    check_block_equivalence::<Autodiff<Wgpu>>(hybrid(2, 4, 4, true, RingSharding::Zigzag, 32), 1e-5);
+    check_block_equivalence::<Autodiff<Wgpu>>(hybrid(4, 2, 1, false, RingSharding::Contiguous, 24), 1e-5);
+    check_block_equivalence::<Autodiff<FusedWgpu>>(hybrid(2, 2, 4, true, RingSharding::Contiguous, 24), 1e-5);
+    // The fewest blocks: 1×4 causal contiguous, 10 visible blocks over the 4 ranks.
+    assert!(forward_launches() >= forwards + 10 && backward_launches() >= backwards + 10, "the ring's blocks ran the flash kernels");
+}
+
+/// The fused ring without autodiff (plain `CubeBackend`, inference): each ring rank's output
+/// equals burn's attention on NdArray over the whole sequence, contiguous and zigzag.
+#[test]
+fn the_ring_runs_the_flash_kernels_without_autodiff() {
+    use burn_ulysses::{
+        comm::{Communicator, ThreadGroup},
+        ring::{RingSharding, ring_attention},
+    };
+    use ulysses_suite::shard;
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let shape = |heads| [2, heads, 32, 16];
+    let device = Default::default();
+    let t = |heads, stream| uniform_tensor::<NdArray<f32>, 4>(shape(heads), stream, &device);
+    let want = attention(t(4, 1), repeat_kv_heads(t(2, 2), 2), repeat_kv_heads(t(2, 3), 2), None, None, CAUSAL);
+    for sharding in [RingSharding::Contiguous, RingSharding::Zigzag] {
+        let forwards = forward_launches();
+        let outputs = ThreadGroup::new(4).run(move |rank| {
+            let device = Default::default();
+            let t = |heads, stream| uniform_tensor::<Wgpu, 4>(shape(heads), stream, &device);
+            let comm: std::sync::Arc<dyn Communicator<Wgpu>> = rank.communicator();
+            // This rank's chunks, as the sharding places them.
+            let (chunks, total) = sharding.chunks(rank.rank(), rank.size());
+            let mine = |tensor: Tensor<Wgpu, 4>| Tensor::cat(chunks.iter().map(|&c| shard(tensor.clone(), 2, c, total)).collect(), 2);
+            values(ring_attention(mine(t(4, 1)), mine(t(2, 2)), mine(t(2, 3)), CAUSAL, sharding, &comm).unwrap())
+        });
+        assert!(forward_launches() >= forwards + 4, "{sharding:?}: the ring's blocks ran the flash kernels");
+        let mut worst = 0.0f32;
+        for (rank, output) in outputs.into_iter().enumerate() {
+            let output = output.unwrap_or_else(|panic| panic!("rank {rank}: {panic}"));
+            let (chunks, total) = sharding.chunks(rank, 4);
+            let expected = Tensor::cat(chunks.iter().map(|&c| shard(want.clone(), 2, c, total)).collect(), 2);
+            worst = ulysses_suite::worst([worst, max_abs_diff(&output, &values(expected))]);
+        }
+        println!("plain ring of 4, {sharding:?}: max |Δ| {worst:.2e}");
+        assert!(worst <= TOLERANCE, "{sharding:?}: the plain fused ring differs from one device by {worst:e}");
+    }
+}

@@ -27,7 +27,9 @@ use crate::{
     comm::{CommError, Communicator},
     error::UlyssesError,
     inner::{ExchangeBackend, PlainBackend},
+    layout::RingPlan,
     primitive::{float_primitive, float_tensor},
+    ring::{fused_ring_attention, fused_ring_attention_tracked},
 };
 
 /// Backward of the all-to-all: the same all-to-all on the gradient.
@@ -93,6 +95,10 @@ impl<B: PlainBackend> ExchangeBackend for B {
         communicator.send_recv(tensor, to, from)
     }
 
+    fn fused_ring_attention(query: FloatTensor<B>, key: FloatTensor<B>, value: FloatTensor<B>, plan: &RingPlan, ring: &Arc<dyn Communicator<B>>) -> Result<FloatTensor<B>, UlyssesError> {
+        fused_ring_attention::<B>(query, key, value, plan, ring)
+    }
+
     fn all_gather_untracked(
         tensor: FloatTensor<B>,
         communicator: &Arc<dyn Communicator<B>>,
@@ -126,6 +132,16 @@ impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> 
             OpsKind::Tracked(prep) => prep.finish((), output),
             OpsKind::UnTracked(prep) => prep.finish(output),
         })
+    }
+
+    fn fused_ring_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        plan: &RingPlan,
+        ring: &Arc<dyn Communicator<B>>,
+    ) -> Result<FloatTensor<Self>, UlyssesError> {
+        fused_ring_attention_tracked::<B, C>(query, key, value, plan, ring)
     }
 
     fn all_gather_untracked(

@@ -24,6 +24,7 @@ use burn::tensor::{
 use crate::{
     comm::{CommError, Communicator},
     error::UlyssesError,
+    layout::RingPlan,
     visibility::Visibility,
 };
 
@@ -33,7 +34,7 @@ use crate::{
 pub trait ExchangeBackend: SequenceAttention {
     /// The backend whose tensors the communicator moves: `Self` for a plain backend, the
     /// inner backend for `Autodiff<B>`.
-    type Wire: Backend<Device = Self::Device>;
+    type Wire: PlainBackend<Device = Self::Device>;
 
     /// All-to-all over dim 0 (row `j` goes to rank `j`). On an autodiff backend the
     /// gradient flows back through the same exchange.
@@ -51,6 +52,17 @@ pub trait ExchangeBackend: SequenceAttention {
         from: usize,
         communicator: &Arc<dyn Communicator<Self::Wire>>,
     ) -> Result<FloatTensor<Self>, CommError>;
+
+    /// Ring attention whose blocks run the wire backend's fused kernels (`ring::fused`;
+    /// the caller has checked that they take the blocks of `plan`). On `Autodiff<B>` it is
+    /// one autodiff node whose backward runs the ring again.
+    fn fused_ring_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        plan: &RingPlan,
+        ring: &Arc<dyn Communicator<Self::Wire>>,
+    ) -> Result<FloatTensor<Self>, UlyssesError>;
 
     /// All-gather along a new leading dim, without gradient (masks).
     fn all_gather_untracked(

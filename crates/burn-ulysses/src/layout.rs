@@ -209,6 +209,118 @@ impl RingSharding {
             RingSharding::Zigzag => (vec![rank, 2 * size - 1 - rank], 2 * size),
         }
     }
+
+    /// The blocks ring rank `rank` of `size` attends at `step` of the ring, when it holds the
+    /// keys of ring rank `rank − step`: every pair of its query chunks and that rank's key
+    /// chunks that is not hidden, as indices into the two ranks' chunk lists. The one place
+    /// both ring paths (reference and fused) and the work count take their blocks from.
+    pub fn visible_blocks(self, rank: usize, size: usize, step: usize, causal: bool) -> Vec<RingBlock> {
+        let (queries, _) = self.chunks(rank, size);
+        let (keys, _) = self.chunks((rank + size - step % size) % size, size);
+        let mut blocks = Vec::new();
+        for (query, &query_chunk) in queries.iter().enumerate() {
+            for (key, &key_chunk) in keys.iter().enumerate() {
+                match BlockKind::of(query_chunk, key_chunk, causal) {
+                    BlockKind::Hidden => {}
+                    kind => blocks.push(RingBlock { query, key, diagonal: kind == BlockKind::Diagonal }),
+                }
+            }
+        }
+        blocks
+    }
+}
+
+/// One ring rank's share of a ring attention call, checked: what both ring paths need.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RingPlan {
+    pub batch: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub rank: usize,
+    pub size: usize,
+    pub sharding: RingSharding,
+    pub causal: bool,
+    /// Multiplies `q·k` (`1/sqrt(head_dim)` unless the call set it).
+    pub scale: f64,
+    /// Chunks this rank holds (1, or 2 under zigzag).
+    pub chunks: usize,
+    /// Tokens per chunk.
+    pub chunk_len: usize,
+    pub head_dim: usize,
+    pub value_dim: usize,
+    /// q heads per kv head.
+    pub group: usize,
+}
+
+impl RingPlan {
+    /// Checks q `[B, H, S/R, D]`, k and v `[B, H_kv, S/R, D|Dv]` of ring rank `rank` of `size`.
+    pub fn new(
+        query: [usize; 4],
+        key: [usize; 4],
+        value: [usize; 4],
+        options: &burn::tensor::ops::AttentionModuleOptions,
+        sharding: RingSharding,
+        rank: usize,
+        size: usize,
+    ) -> Result<Self, UlyssesError> {
+        let [batch, q_heads, local, head_dim] = query;
+        let [_, kv_heads, kv_local, _] = key;
+        if kv_heads == 0 || q_heads % kv_heads != 0 {
+            return Err(UlyssesError::KvHeadsNotGrouping { q_heads, kv_heads });
+        }
+        if kv_local != local || value[2] != local {
+            return Err(UlyssesError::Shape(format!(
+                "ring attention: {local} queries and {kv_local} keys per rank; the ring needs self-attention chunks"
+            )));
+        }
+        if options.softcap.is_some() {
+            return Err(UlyssesError::Shape("ring attention: softcap is not supported".into()));
+        }
+        let (mine, _) = sharding.chunks(rank, size);
+        if local % mine.len() != 0 {
+            return Err(UlyssesError::Shape(format!(
+                "ring attention: {local} tokens per rank do not split into its {} chunks; pad the sequence to a multiple of {}",
+                mine.len(),
+                2 * size
+            )));
+        }
+        Ok(Self {
+            batch,
+            q_heads,
+            kv_heads,
+            rank,
+            size,
+            sharding,
+            causal: options.is_causal,
+            scale: options.scale.unwrap_or(1.0 / (head_dim as f64).sqrt()),
+            chunks: mine.len(),
+            chunk_len: local / mine.len(),
+            head_dim,
+            value_dim: value[3],
+            group: q_heads / kv_heads,
+        })
+    }
+
+    /// The blocks this rank attends at `step` (see [`RingSharding::visible_blocks`]).
+    pub fn blocks(&self, step: usize) -> Vec<RingBlock> {
+        self.sharding.visible_blocks(self.rank, self.size, step, self.causal)
+    }
+
+    /// Ring neighbours: the rank blocks go to and the rank they come from.
+    pub fn next_and_previous(&self) -> (usize, usize) {
+        ((self.rank + 1) % self.size, (self.rank + self.size - 1) % self.size)
+    }
+}
+
+/// One block of ring attention (see [`RingSharding::visible_blocks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingBlock {
+    /// Index of the query chunk among this rank's chunks.
+    pub query: usize,
+    /// Index of the key chunk among the chunks of the block that arrived.
+    pub key: usize,
+    /// The chunk with itself under causal attention: keys up to the query.
+    pub diagonal: bool,
 }
 
 /// `(ring rank, Ulysses rank)` of SP rank `sp_rank` with Ulysses groups of `ulysses_size`
@@ -240,23 +352,15 @@ impl BlockKind {
 }
 
 /// Query-key pairs each ring rank attends over for a sequence of `chunks · chunk_len`
-/// tokens (`chunks` from [`RingSharding::chunks`]), by the same block rules as
-/// `ring::ring_attention`: the work balance of a sharding.
+/// tokens (`chunks` from [`RingSharding::chunks`]), from the blocks ring attention runs
+/// ([`RingSharding::visible_blocks`]): the work balance of a sharding.
 pub fn pairs_per_rank(sharding: RingSharding, size: usize, chunk_len: usize, causal: bool) -> Vec<usize> {
     (0..size)
         .map(|rank| {
-            let (mine, total) = sharding.chunks(rank, size);
-            let mut pairs = 0;
-            for &q in &mine {
-                for k in 0..total {
-                    pairs += match BlockKind::of(q, k, causal) {
-                        BlockKind::Full => chunk_len * chunk_len,
-                        BlockKind::Diagonal => chunk_len * (chunk_len + 1) / 2,
-                        BlockKind::Hidden => 0,
-                    };
-                }
-            }
-            pairs
+            (0..size)
+                .flat_map(|step| sharding.visible_blocks(rank, size, step, causal))
+                .map(|block| if block.diagonal { chunk_len * (chunk_len + 1) / 2 } else { chunk_len * chunk_len })
+                .sum()
         })
         .collect()
 }

@@ -1,0 +1,69 @@
+//! The reference ring: every block is ordinary tensor ops (a `chunk × chunk` score matrix),
+//! and the passes are [`ExchangeBackend::send_recv`], whose autodiff node sends gradients
+//! back the way the blocks came, so the backward is the ring run in reverse by autodiff.
+
+use std::sync::Arc;
+
+use burn::tensor::Tensor;
+
+use super::{chunks_of, join, merge, pass};
+use crate::{comm::Communicator, error::UlyssesError, fused::repeat_kv_heads, inner::ExchangeBackend, layout::RingPlan};
+
+/// Stand-in for -infinity in masked scores (exact zeros after `exp`, no NaN from `-inf - -inf`).
+const MASKED: f32 = -1.0e30;
+
+/// [`super::ring_attention`] on tensor-op blocks.
+pub(super) fn ring_attention<X: ExchangeBackend>(
+    query: Tensor<X, 4>,
+    key: Tensor<X, 4>,
+    value: Tensor<X, 4>,
+    plan: &RingPlan,
+    ring: &Arc<dyn Communicator<X::Wire>>,
+) -> Result<Tensor<X, 4>, UlyssesError> {
+    let queries = chunks_of(&query, plan.chunks);
+    // Per query chunk, the running (output, log-sum-exp) over the key chunks seen so far.
+    let mut partial: Vec<Option<(Tensor<X, 4>, Tensor<X, 4>)>> = vec![None; plan.chunks];
+    // Keys and values travel together, one send per step; our own come first.
+    let mut block = Tensor::cat(vec![key, value], 3);
+    for step in 0..plan.size {
+        if step > 0 {
+            block = pass(block, ring)?;
+        }
+        let keys = chunks_of(&block.clone().narrow(3, 0, plan.head_dim), plan.chunks);
+        let values = chunks_of(&block.clone().narrow(3, plan.head_dim, plan.value_dim), plan.chunks);
+        for b in plan.blocks(step) {
+            let (output, lse) = block_attention(queries[b.query].clone(), keys[b.key].clone(), values[b.key].clone(), plan, b.diagonal);
+            partial[b.query] = Some(match partial[b.query].take() {
+                None => (output, lse),
+                Some((before, before_lse)) => merge(before, before_lse, output, lse),
+            });
+        }
+    }
+    // Every chunk sees at least itself (its diagonal block), so every part is set.
+    let output = join(partial.into_iter().map(|p| p.expect("a chunk sees itself").0).collect());
+    // Every rank's backward must run every pass in reverse, or a rank whose last blocks
+    // were invisible (causal) would skip collectives its peers wait in: a zero-weighted use
+    // of the last block keeps the whole chain of passes in the graph on every rank.
+    let keep = (block.sum() * 0.0).reshape([1, 1, 1, 1]);
+    Ok(output + keep)
+}
+
+/// Softmax attention of `query` over one block of keys, normalised within the block, and
+/// each row's log-sum-exp `[B, H, S_q, 1]`; `diagonal` masks keys after the query
+/// (the block of a chunk with itself).
+fn block_attention<X: ExchangeBackend>(query: Tensor<X, 4>, key: Tensor<X, 4>, value: Tensor<X, 4>, plan: &RingPlan, diagonal: bool) -> (Tensor<X, 4>, Tensor<X, 4>) {
+    let (key, value) = (repeat_kv_heads(key, plan.group), repeat_kv_heads(value, plan.group));
+    let scores = query.matmul(key.swap_dims(2, 3)) * plan.scale;
+    let scores = if diagonal {
+        let [b, h, rows, cols] = scores.dims();
+        let later = Tensor::<X, 2, burn::tensor::Bool>::tril_mask([rows, cols], 0, &scores.device()).reshape([1, 1, rows, cols]).expand([b, h, rows, cols]);
+        scores.mask_fill(later, MASKED)
+    } else {
+        scores
+    };
+    let max = scores.clone().max_dim(3).detach();
+    let weights = (scores - max.clone()).exp();
+    let sum = weights.clone().sum_dim(3);
+    let output = weights.matmul(value) / sum.clone();
+    (output, max + sum.log())
+}
