@@ -217,8 +217,8 @@ fn packed_documents_run_on_the_flash_kernels() {
     assert!(forward_launches() >= forwards + 8 && backward_launches() >= backwards + 8, "each rank's attention ran the flash kernels");
 }
 
-/// Uneven heads (14 on 4 ranks, 6 q / 2 kv on 4) on the flash path: the padded heads run
-/// through the kernels with the real ones.
+/// Uneven heads (14 on 4 ranks, 6 q / 2 kv on 4, 6 q / 3 kv on 4 fused) on the flash path:
+/// ranks attend over unequal head counts after the uneven all-to-all.
 #[test]
 fn uneven_heads_run_on_the_flash_kernels() {
     let _counting = counting();
@@ -228,7 +228,8 @@ fn uneven_heads_run_on_the_flash_kernels() {
     let forwards = forward_launches();
     check_block_equivalence::<Autodiff<Wgpu>>(BlockCase::new(4, 14, 14), 1e-5);
     check_block_equivalence::<Autodiff<Wgpu>>(BlockCase::new(4, 6, 2), 1e-5);
-    assert!(forward_launches() >= forwards + 8, "each rank's attention ran the flash kernels");
+    check_block_equivalence::<Autodiff<FusedWgpu>>(BlockCase::new(4, 6, 3), 1e-5);
+    assert!(forward_launches() >= forwards + 12, "each rank's attention ran the flash kernels");
 }
 
 /// A key-padding mask whose real keys are one run per sequence (right padding, left padding)

@@ -74,7 +74,11 @@ fn attend<B: AutodiffBackend>(
 }
 
 fn key_padding_mask_matches_single_device(sp: usize, mask_heads: usize, kv_heads: usize) {
-    let shape @ [batch, heads, seq, dim] = [2, 4, 16, 8];
+    key_padding_mask_case(sp, 4, mask_heads, kv_heads);
+}
+
+fn key_padding_mask_case(sp: usize, heads: usize, mask_heads: usize, kv_heads: usize) {
+    let shape @ [batch, heads, seq, dim] = [2, heads, 16, 8];
     let device = Default::default();
     // Burn's attention takes the mask at full score shape.
     let full_mask = padding_mask::<Reference>(batch, mask_heads, seq, &device).expand([batch, heads, seq, seq]);
@@ -114,6 +118,13 @@ fn key_padding_mask_matches_single_device(sp: usize, mask_heads: usize, kv_heads
     );
 }
 
+/// Uneven heads (6 on 4 ranks: 2, 2, 1, 1) with a mask per head: each rank gathers the
+/// mask rows of its own heads.
+#[test]
+fn per_head_key_padding_mask_with_uneven_heads() {
+    key_padding_mask_case(4, 6, 6, 3);
+}
+
 #[test]
 fn key_padding_mask_over_two_ranks() {
     key_padding_mask_matches_single_device(2, 1, 4);
@@ -134,8 +145,17 @@ fn per_head_key_padding_mask_over_four_ranks_with_grouped_kv_heads() {
     key_padding_mask_matches_single_device(4, 4, 2);
 }
 
-/// Bytes one rank hands to all-to-alls in one attention call, forward and backward.
-fn traffic_of_one_call(sp: usize, [batch, heads, seq, dim]: [usize; 4], kv_heads: usize) -> (u64, u64, u64, u64) {
+/// Bytes one rank hands to all-to-alls in one attention call, forward and backward; every
+/// rank hands the same.
+fn traffic_of_one_call(sp: usize, shape: [usize; 4], kv_heads: usize) -> (u64, u64, u64, u64) {
+    let per_rank = traffic_per_rank(sp, shape, kv_heads);
+    assert!(per_rank.iter().all(|r| r == &per_rank[0]), "ranks sent different volumes: {per_rank:?}");
+    per_rank[0]
+}
+
+/// Per rank: bytes handed to all-to-alls in one attention call (forward), of them remote,
+/// all-to-all calls, bytes forward and backward.
+fn traffic_per_rank(sp: usize, [batch, heads, seq, dim]: [usize; 4], kv_heads: usize) -> Vec<(u64, u64, u64, u64)> {
     let per_rank = with_deadline(Duration::from_secs(50), move || ThreadGroup::new(sp).run(|rank| {
         let comm = rank.communicator();
         let _sp = Sp::enter_thread(comm.clone());
@@ -153,9 +173,7 @@ fn traffic_of_one_call(sp: usize, [batch, heads, seq, dim]: [usize; 4], kv_heads
         let total = traffic().since(&before);
         (forward.all_to_all_bytes, forward.all_to_all_remote_bytes, forward.all_to_all_calls, total.all_to_all_bytes)
     }));
-    let first = per_rank[0].as_ref().unwrap().clone();
-    assert!(per_rank.iter().all(|r| r.as_ref().unwrap() == &first), "ranks sent different volumes");
-    first
+    per_rank.into_iter().enumerate().map(|(r, bytes)| bytes.unwrap_or_else(|panic| panic!("rank {r}: {panic}"))).collect()
 }
 
 #[test]
@@ -189,22 +207,38 @@ fn grouped_kv_heads_send_fewer_bytes() {
         is_causal: true, scale: None, softcap: None, mask: MaskKind::None, has_bias: false, has_documents: false,
     };
     let plan = HeadPlan::new(8, 2, 4).unwrap();
-    assert_eq!(plan.elements_per_call(&layout) as u64 * 4, sent);
+    assert_eq!(plan.elements_per_call(0, &layout) as u64 * 4, sent);
 }
 
+/// 6 heads on 4 ranks: ranks attend over 2, 2, 1 and 1 heads and the uneven all-to-all
+/// moves exactly those (no padding heads): per rank `B·(S/P)·(H·D + Σkv·2D) + B·h_r·S·D`
+/// elements, over all ranks `4·B·S·H·D`, as if the degree divided the heads.
 #[test]
-fn uneven_heads_send_their_padding() {
-    // 6 heads on 4 ranks travel as 8 (two zero heads), q and kv alike.
-    let (sp, batch, seq, dim) = (4u64, 2u64, 32u64, 16u64);
-    let (sent, _, calls, with_backward) = traffic_of_one_call(sp as usize, [2, 6, 32, 16], 6);
-    let formula = (2 * 8 + 2 * 8) * batch * (seq / sp) * dim * 4;
-    println!("6 heads on P={sp}: {sent} bytes per rank per call, formula (2·8 + 2·8)·B·S/P·D·4 = {formula}");
-    assert_eq!((sent, calls, with_backward), (formula, 2, 2 * formula));
+fn uneven_heads_move_no_padding() {
+    let (sp, batch, heads, seq, dim) = (4usize, 2usize, 6usize, 32usize, 16usize);
+    let per_rank = traffic_per_rank(sp, [batch, heads, seq, dim], heads);
+    let plan = HeadPlan::new(heads, heads, sp).unwrap();
     let layout = AttentionLayout {
-        batch: 2, q_heads: 6, kv_heads: 6, q_seq: 8, kv_seq: 8, head_dim: 16, value_dim: 16,
+        batch, q_heads: heads, kv_heads: heads, q_seq: seq / sp, kv_seq: seq / sp, head_dim: dim, value_dim: dim,
         is_causal: true, scale: None, softcap: None, mask: MaskKind::None, has_bias: false, has_documents: false,
     };
-    assert_eq!(HeadPlan::new(6, 6, 4).unwrap().elements_per_call(&layout) as u64 * 4, sent);
+    for (rank, &(sent, _, calls, with_backward)) in per_rank.iter().enumerate() {
+        let local_heads = plan.q_heads_of(rank).len();
+        let formula = (batch * (seq / sp) * (heads * dim + heads * 2 * dim) + batch * local_heads * seq * dim) * 4;
+        // The backward sends back what the forward received: this rank's heads of q, k, v
+        // over the whole sequence, and every rank's heads of the output for its tokens.
+        let local_kv = plan.kv_heads_of(rank).len();
+        let backward = (batch * seq * (local_heads * dim + local_kv * 2 * dim) + batch * (seq / sp) * heads * dim) * 4;
+        println!("6 heads on P={sp}, rank {rank} ({local_heads} heads): {sent} bytes, formula {formula}; backward {} formula {backward}", with_backward - sent);
+        assert_eq!((sent, calls, with_backward), (formula as u64, 2, (formula + backward) as u64), "rank {rank}");
+        assert_eq!(plan.elements_per_call(rank, &layout) * 4, formula, "rank {rank}: the plan's own count");
+    }
+    let total: u64 = per_rank.iter().map(|r| r.0).sum();
+    let unpadded = (4 * batch * seq * heads * dim * 4) as u64;
+    let padded = (4 * batch * seq * 8 * dim * 4) as u64;
+    println!("all ranks: {total} bytes; 6 heads unpadded {unpadded}, padded to 8 {padded}");
+    assert_eq!(total, unpadded);
+    assert_eq!(per_rank.iter().map(|r| r.3).sum::<u64>(), 2 * unpadded, "the backward moves as much again over all ranks");
 }
 
 /// Ulysses × Ring, 2 × 2: per rank and attention call, the Ulysses all-to-alls move

@@ -89,8 +89,8 @@ fn packed_documents_non_causal_on_two_ranks() {
     check(Case { causal: false, ..Case::packed(2, 4, 2) });
 }
 
-/// Uneven heads: the degree divides neither the q nor the kv heads; zero heads pad the
-/// exchange and every q head still meets its own kv head.
+/// Uneven heads: the degree divides neither the q nor the kv heads; ranks get unequal head
+/// counts through an uneven all-to-all and every q head still meets its own kv head.
 #[test]
 fn uneven_heads_fourteen_on_four_ranks() {
     check(Case::new(4, 14, 14));
@@ -110,6 +110,12 @@ fn uneven_heads_on_two_and_three_ranks() {
     check(Case::new(2, 12, 3));
     check(Case::new(3, 8, 2));
     check(Case { causal: false, ..Case::packed(3, 4, 2) });
+}
+
+/// Uneven heads under Ulysses × Ring: 6 heads over a Ulysses degree of 4, rings of 2.
+#[test]
+fn uneven_heads_with_a_ring() {
+    check(Case { ring: 2, ..Case::new(8, 6, 3) });
 }
 
 /// Ulysses × Ring: `sp` ranks as Ulysses groups of `sp / ring` consecutive ranks, rings

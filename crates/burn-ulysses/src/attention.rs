@@ -152,13 +152,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, communicator.size())?;
         tracing::trace!(?layout, ?plan, "sequence-parallel attention");
 
-        let key = pad_heads(repeat_kv_heads(float_tensor::<X, 4>(key), plan.kv_replication), plan.kv_padding);
-        let value = pad_heads(repeat_kv_heads(float_tensor::<X, 4>(value), plan.kv_replication), plan.kv_padding);
-        let query = pad_heads(float_tensor::<X, 4>(query), plan.q_padding);
-        let mut exchanged = sequence_to_heads(vec![query, key, value], communicator)?;
-        let value = exchanged.pop().unwrap();
-        let key = exchanged.pop().unwrap();
-        let query = exchanged.pop().unwrap();
+        let [query, key, value] = sequence_to_heads(float_tensor(query), float_tensor(key), float_tensor(value), &plan, communicator)?;
 
         let visibility = match &positions {
             Some(positions) => {
@@ -180,22 +174,10 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             None => attend::<X>(query, key, value, mask, None, options, visibility, fallback)?,
             Some(ring) => ring_attention::<X>(query, key, value, options, context.config.ring_sharding, ring)?,
         };
-        let output = heads_to_sequence(output, communicator)?;
-        // The padding heads' outputs are dropped (their gradient is zero).
-        let output = if plan.q_padding > 0 { output.narrow(1, 0, plan.q_heads) } else { output };
+        let output = heads_to_sequence(output, &plan, communicator)?;
         Ok(float_primitive(output))
     };
     attend_or_explain().unwrap_or_else(|error| panic!("{error}"))
-}
-
-/// `tensor` `[B, H, S, D]` with `count` zero heads appended (uneven heads, see [`HeadPlan`]).
-fn pad_heads<X: ExchangeBackend>(tensor: Tensor<X, 4>, count: usize) -> Tensor<X, 4> {
-    if count == 0 {
-        return tensor;
-    }
-    let [b, _, s, d] = tensor.dims();
-    let zeros = Tensor::zeros([b, count, s, d], &tensor.device());
-    Tensor::cat(vec![tensor, zeros], 1)
 }
 
 /// A `[B, 1 | H, 1, S_k]` key-padding mask as one run of real keys per sequence (added to
@@ -315,7 +297,7 @@ fn attend<X: ExchangeBackend>(
 }
 
 /// Gathers a `[B, 1 | H, 1, S_k/P]` key-padding mask from every rank into this rank's
-/// `[B, 1 | H/P, 1, S_k]` mask.
+/// `[B, 1 | h, 1, S_k]` mask (`h`: its q heads).
 fn gather_key_padding_mask<X: ExchangeBackend>(
     mask: Tensor<X, 4, Bool>,
     plan: &HeadPlan,
@@ -330,11 +312,8 @@ fn gather_key_padding_mask<X: ExchangeBackend>(
     let full = if mask_heads == 1 {
         full
     } else {
-        // Padding heads (uneven heads) mask nothing.
-        let full = pad_heads(full, plan.q_padding);
-        let local = plan.local_q_heads();
-        let first = communicator.rank() * local;
-        full.slice([0..b, first..first + local, 0..1, 0..p * s_k_local])
+        let heads = plan.q_heads_of(communicator.rank());
+        full.slice([0..b, heads, 0..1, 0..p * s_k_local])
     };
     Ok(full.greater_elem(0.5))
 }

@@ -2,9 +2,10 @@
 //!
 //! [`sequence_to_heads`] turns tensors `[B, H, S/P, D]` (all heads of this rank's sequence
 //! shard) into `[B, H/P, S, D]` (this rank's heads over the whole sequence);
-//! [`heads_to_sequence`] is its inverse. Both pack their tensors into one `[P, n]` buffer
-//! whose row `j` goes to rank `j`, so q, k and v travel in a single collective, and unpack
-//! with reshapes and permutes. The packing is made of ordinary tensor ops, which autodiff
+//! [`heads_to_sequence`] is its inverse. Both pack their tensors into one buffer whose part
+//! `j` goes to rank `j`, so q, k and v travel in a single collective, and unpack with
+//! reshapes and permutes. When the degree does not divide the heads the parts differ in
+//! size (an uneven all-to-all), see [`HeadPlan`]. The packing is made of ordinary tensor ops, which autodiff
 //! tracks; the all-to-all itself is the one custom autodiff node. An all-to-all over rows is
 //! its own inverse (row `i` of rank `j` becomes row `j` of rank `i`), so that node's backward
 //! is the same exchange applied to the gradient.
@@ -26,8 +27,9 @@ use burn_autodiff::{
 use crate::{
     comm::{CommError, Communicator},
     error::UlyssesError,
+    fused::repeat_kv_heads,
     inner::{ExchangeBackend, PlainBackend},
-    layout::RingPlan,
+    layout::{HeadPlan, RingPlan},
     primitive::{float_primitive, float_tensor},
     ring::{fused_ring_attention, fused_ring_attention_tracked},
 };
@@ -50,6 +52,32 @@ impl<B: Backend> Backward<B, 1> for AllToAllBackward<B> {
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
             self.communicator
                 .all_to_all(grad)
+                .unwrap_or_else(|error| panic!("{}", UlyssesError::from(error)))
+        });
+    }
+}
+
+/// Backward of an uneven all-to-all: the same exchange the other way (what this rank
+/// received from rank `i` goes back to it).
+pub(crate) struct AllToAllUnevenBackward<B: Backend> {
+    pub(crate) communicator: Arc<dyn Communicator<B>>,
+    pub(crate) send_counts: Vec<usize>,
+    pub(crate) recv_counts: Vec<usize>,
+}
+
+impl<B: Backend> std::fmt::Debug for AllToAllUnevenBackward<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AllToAllUnevenBackward(rank {} of {}: sent {:?}, received {:?})", self.communicator.rank(), self.communicator.size(), self.send_counts, self.recv_counts)
+    }
+}
+
+impl<B: Backend> Backward<B, 1> for AllToAllUnevenBackward<B> {
+    type State = ();
+
+    fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            self.communicator
+                .all_to_all_uneven(grad, &self.recv_counts, &self.send_counts)
                 .unwrap_or_else(|error| panic!("{}", UlyssesError::from(error)))
         });
     }
@@ -91,6 +119,10 @@ impl<B: PlainBackend> ExchangeBackend for B {
         communicator.all_to_all(tensor)
     }
 
+    fn all_to_all_uneven(tensor: FloatTensor<B>, send_counts: &[usize], recv_counts: &[usize], communicator: &Arc<dyn Communicator<B>>) -> Result<FloatTensor<B>, CommError> {
+        communicator.all_to_all_uneven(tensor, send_counts, recv_counts)
+    }
+
     fn send_recv(tensor: FloatTensor<B>, to: usize, from: usize, communicator: &Arc<dyn Communicator<B>>) -> Result<FloatTensor<B>, CommError> {
         communicator.send_recv(tensor, to, from)
     }
@@ -118,6 +150,21 @@ impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> 
         let node = AllToAllBackward { communicator: communicator.clone() };
         // Compute bound: the exchange is never recomputed by checkpointing. A recomputed
         // collective would run on some ranks and not others, and they would deadlock.
+        Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((), output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        })
+    }
+
+    fn all_to_all_uneven(
+        tensor: FloatTensor<Self>,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        communicator: &Arc<dyn Communicator<B>>,
+    ) -> Result<FloatTensor<Self>, CommError> {
+        let output = communicator.all_to_all_uneven(tensor.primitive, send_counts, recv_counts)?;
+        let node = AllToAllUnevenBackward { communicator: communicator.clone(), send_counts: send_counts.to_vec(), recv_counts: recv_counts.to_vec() };
+        // Compute bound, as the all-to-all: never recomputed.
         Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish((), output),
             OpsKind::UnTracked(prep) => prep.finish(output),
@@ -153,35 +200,75 @@ impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> 
     }
 }
 
-/// `[B, H_t, S/P, D_t]` per tensor → `[B, H_t/P, S, D_t]` per tensor, in one exchange.
+/// q `[B, H, S/P, D]`, k and v `[B, H_kv, S/P, D]` (all heads of this rank's tokens) →
+/// this rank's heads of q, k and v over the whole sequence, `[B, h, S, D]`, as `plan`
+/// splits the heads, in one exchange: an equal all-to-all when the degree divides the
+/// heads, an uneven one otherwise.
 pub fn sequence_to_heads<X: ExchangeBackend>(
-    tensors: Vec<Tensor<X, 4>>,
+    query: Tensor<X, 4>,
+    key: Tensor<X, 4>,
+    value: Tensor<X, 4>,
+    plan: &HeadPlan,
     communicator: &Arc<dyn Communicator<X::Wire>>,
-) -> Result<Vec<Tensor<X, 4>>, CommError> {
+) -> Result<[Tensor<X, 4>; 3], CommError> {
     let p = communicator.size();
-    let shapes: Vec<[usize; 4]> = tensors.iter().map(|t| t.dims()).collect();
-    // Row j of each tensor holds heads [j·H/P, (j+1)·H/P) of every local token.
-    let rows = tensors
-        .into_iter()
-        .map(|t| {
-            let [b, h, s, d] = t.dims();
-            t.reshape([b, p, h / p, s, d]).permute([1, 0, 2, 3, 4]).reshape([p as i32, -1])
-        })
-        .collect();
-    let received = exchange_rows::<X>(rows, communicator)?;
-    // Row i now holds our heads for rank i's tokens: put the tokens in rank order.
-    Ok(split_columns(received, &shapes, |[b, h, s, d]| [b, h / p, s, d])
-        .into_iter()
-        .zip(&shapes)
-        .map(|(t, &[b, h, s, d])| {
-            t.reshape([p, b, h / p, s, d]).permute([1, 2, 0, 3, 4]).reshape([b, h / p, p * s, d])
-        })
-        .collect())
+    let me = communicator.rank();
+    if plan.even {
+        let key = repeat_kv_heads(key, plan.kv_replication);
+        let value = repeat_kv_heads(value, plan.kv_replication);
+        let tensors = [query, key, value];
+        let shapes = tensors.clone().map(|t| t.dims());
+        // Row j of each tensor holds heads [j·H/P, (j+1)·H/P) of every local token.
+        let rows = tensors
+            .into_iter()
+            .map(|t| {
+                let [b, h, s, d] = t.dims();
+                t.reshape([b, p, h / p, s, d]).permute([1, 0, 2, 3, 4]).reshape([p as i32, -1])
+            })
+            .collect();
+        let received = exchange_rows::<X>(rows, communicator)?;
+        let local = shapes.map(|[b, h, s, d]| [b, h / p, s, d]);
+        return Ok(tokens_in_rank_order(received, local));
+    }
+    // Uneven: rank j's part is its q heads, then its kv heads (repeats included), flattened.
+    let [b, _, s, d] = query.dims();
+    let d_v = value.dims()[3];
+    let heads = |tensor: &Tensor<X, 4>, list: &[usize]| -> Tensor<X, 1> {
+        Tensor::cat(list.iter().map(|&h| tensor.clone().narrow(1, h, 1)).collect(), 1).reshape([-1])
+    };
+    let part_len = |rank: usize| b * s * (plan.q_heads_of(rank).len() * d + plan.kv_heads_of(rank).len() * (d + d_v));
+    let mut parts = Vec::with_capacity(3 * p);
+    for rank in 0..p {
+        let kv = plan.kv_heads_of(rank);
+        parts.push(query.clone().narrow(1, plan.q_heads_of(rank).start, plan.q_heads_of(rank).len()).reshape([-1]));
+        parts.push(heads(&key, &kv));
+        parts.push(heads(&value, &kv));
+    }
+    let send_counts: Vec<usize> = (0..p).map(part_len).collect();
+    let recv_counts = vec![part_len(me); p];
+    let received = X::all_to_all_uneven(float_primitive(Tensor::cat(parts, 0)), &send_counts, &recv_counts, communicator)?;
+    let received = float_tensor::<X, 1>(received).reshape([p, part_len(me)]);
+    let (q_local, kv_local) = (plan.q_heads_of(me).len(), plan.kv_heads_of(me).len());
+    Ok(tokens_in_rank_order(received, [[b, q_local, s, d], [b, kv_local, s, d], [b, kv_local, s, d_v]]))
 }
 
-/// `[B, H/P, S, D]` → `[B, H, S/P, D]`: the inverse of [`sequence_to_heads`].
+/// `[P, Σn_t]` received rows (row `i` holds rank `i`'s tokens of tensors of shapes `local`,
+/// `[B, h, S/P, D]`, flattened one after the other) → each tensor over the whole sequence,
+/// `[B, h, S, D]`, tokens in rank order.
+fn tokens_in_rank_order<X: Backend>(received: Tensor<X, 2>, local: [[usize; 4]; 3]) -> [Tensor<X, 4>; 3] {
+    let p = received.dims()[0];
+    let mut columns = split_columns(received, &local).into_iter();
+    local.map(|[b, h, s, d]| {
+        let t = columns.next().unwrap();
+        t.reshape([p, b, h, s, d]).permute([1, 2, 0, 3, 4]).reshape([b, h, p * s, d])
+    })
+}
+
+/// `[B, h, S, D]` (this rank's heads over the whole sequence) → `[B, H, S/P, D]`: the
+/// inverse of [`sequence_to_heads`] for the output.
 pub fn heads_to_sequence<X: ExchangeBackend>(
     tensor: Tensor<X, 4>,
+    plan: &HeadPlan,
     communicator: &Arc<dyn Communicator<X::Wire>>,
 ) -> Result<Tensor<X, 4>, CommError> {
     let p = communicator.size();
@@ -192,6 +279,23 @@ pub fn heads_to_sequence<X: ExchangeBackend>(
         .reshape([b, h_local, p, s_local, d])
         .permute([2, 0, 1, 3, 4])
         .reshape([p as i32, -1]);
+    if !plan.even {
+        // Rank i sends its own heads for our tokens: unequal parts.
+        let send_counts = vec![b * h_local * s_local * d; p];
+        let recv_counts: Vec<usize> = (0..p).map(|rank| b * plan.q_heads_of(rank).len() * s_local * d).collect();
+        let received = X::all_to_all_uneven(float_primitive(rows.reshape([-1])), &send_counts, &recv_counts, communicator)?;
+        let received = float_tensor::<X, 1>(received);
+        let mut offset = 0;
+        let per_rank = (0..p)
+            .map(|rank| {
+                let heads = plan.q_heads_of(rank).len();
+                let part = received.clone().narrow(0, offset, recv_counts[rank]).reshape([b, heads, s_local, d]);
+                offset += recv_counts[rank];
+                part
+            })
+            .collect();
+        return Ok(Tensor::cat(per_rank, 1));
+    }
     let received = exchange_rows::<X>(vec![rows], communicator)?;
     // Row i now holds rank i's heads for our tokens: put the heads in rank order.
     Ok(received
@@ -211,18 +315,14 @@ fn exchange_rows<X: ExchangeBackend>(
 }
 
 /// Splits `[P, Σn_t]` back into one `[P, n_t]` block per tensor, where `n_t` is the element
-/// count of `local_shape(shape_t)`.
-fn split_columns<X: Backend>(
-    received: Tensor<X, 2>,
-    shapes: &[[usize; 4]],
-    local_shape: impl Fn([usize; 4]) -> [usize; 4],
-) -> Vec<Tensor<X, 2>> {
+/// count of `shapes[t]`.
+fn split_columns<X: Backend>(received: Tensor<X, 2>, shapes: &[[usize; 4]]) -> Vec<Tensor<X, 2>> {
     let p = received.dims()[0];
     let mut offset = 0;
     shapes
         .iter()
         .map(|&shape| {
-            let len: usize = local_shape(shape).iter().product();
+            let len: usize = shape.iter().product();
             let block = received.clone().slice([0..p, offset..offset + len]);
             offset += len;
             block

@@ -43,6 +43,16 @@ pub trait ExchangeBackend: SequenceAttention {
         communicator: &Arc<dyn Communicator<Self::Wire>>,
     ) -> Result<FloatTensor<Self>, CommError>;
 
+    /// All-to-all of unequal parts of a 1-D tensor (see
+    /// [`Communicator::all_to_all_uneven`]). On an autodiff backend the gradient flows back
+    /// through the same exchange with the counts swapped.
+    fn all_to_all_uneven(
+        tensor: FloatTensor<Self>,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+        communicator: &Arc<dyn Communicator<Self::Wire>>,
+    ) -> Result<FloatTensor<Self>, CommError>;
+
     /// Sends `tensor` to rank `to` and returns rank `from`'s (every rank at once, see
     /// [`Communicator::send_recv`]). On an autodiff backend the gradient goes back the way
     /// the tensor came.

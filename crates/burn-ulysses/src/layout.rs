@@ -3,6 +3,8 @@
 //!
 //! Pure integer logic, kept apart from tensors so it can be read and tested on its own.
 
+use std::ops::Range;
+
 use crate::error::UlyssesError;
 
 /// How a rank's mask argument can be treated after the exchange.
@@ -114,24 +116,23 @@ fn describe(field: usize, value: u64) -> String {
 
 /// How q and kv heads are split across `sp_size` ranks.
 ///
-/// Every rank attends over the same number of whole heads. When the degree does not divide
-/// the heads (14 heads on 4 ranks), zero heads are appended so that it does (16: two ranks
-/// attend over one empty head each, whose output is dropped), as DeepSpeed's uneven-heads
-/// path gives ranks unequal shares: the all-to-all stays one equal-sized collective on every
-/// transport, at the cost of moving the padding.
+/// When the degree divides the q heads, every rank attends over `H/P` heads and q, k and v
+/// travel in one equal-sized all-to-all (kv heads replicated first when there are too few to
+/// split). When it does not (14 heads on 4 ranks), ranks get `⌈H/P⌉` or `⌊H/P⌋` heads (4, 4,
+/// 3, 3) and the exchange is an uneven all-to-all (DeepSpeed's uneven heads): nothing is
+/// padded, and the slowest rank does what it would with `⌈H/P⌉` heads anyway.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadPlan {
     pub sp_size: usize,
     pub q_heads: usize,
     pub kv_heads: usize,
-    /// Copies made of each kv head before the exchange, so that every rank receives the kv
-    /// heads of its q heads: 1 when the kv heads split evenly, `sp_size / kv_heads` when
-    /// fewer kv heads than ranks divide the degree, the group size (plain multi-head
-    /// attention) when neither works.
+    /// The degree divides the q heads: one equal all-to-all.
+    pub even: bool,
+    /// Even split only: copies made of each kv head before the exchange, so that every rank
+    /// receives the kv heads of its q heads: 1 when the kv heads split evenly,
+    /// `sp_size / kv_heads` when fewer kv heads than ranks divide the degree, the group size
+    /// (plain multi-head attention) when neither works.
     pub kv_replication: usize,
-    /// Zero heads appended to q, and to k/v after replication.
-    pub q_padding: usize,
-    pub kv_padding: usize,
 }
 
 impl HeadPlan {
@@ -143,48 +144,59 @@ impl HeadPlan {
             return Err(UlyssesError::MoreRanksThanHeads { q_heads, sp_size });
         }
         let group = q_heads / kv_heads;
-        let even = |kv_replication| Self { sp_size, q_heads, kv_heads, kv_replication, q_padding: 0, kv_padding: 0 };
-        Ok(if q_heads % sp_size == 0 && kv_heads % sp_size == 0 {
-            even(1)
-        } else if q_heads % sp_size == 0 && sp_size % kv_heads == 0 {
-            even(sp_size / kv_heads)
-        } else if kv_heads >= sp_size {
-            // Whole kv groups per rank: pad the kv heads, and their q heads with them.
-            let kv_padding = kv_heads.div_ceil(sp_size) * sp_size - kv_heads;
-            Self { q_padding: kv_padding * group, kv_padding, ..even(1) }
+        let kv_replication = if kv_heads % sp_size == 0 {
+            1
+        } else if sp_size % kv_heads == 0 {
+            sp_size / kv_heads
         } else {
-            // Too few kv heads to split: one per q head, then pad both.
-            let padding = q_heads.div_ceil(sp_size) * sp_size - q_heads;
-            Self { q_padding: padding, kv_padding: padding, ..even(group) }
-        })
+            group
+        };
+        Ok(Self { sp_size, q_heads, kv_heads, even: q_heads % sp_size == 0, kv_replication })
     }
 
-    /// kv heads sent through the exchange, replicas and padding included.
-    pub fn exchanged_kv_heads(&self) -> usize {
-        self.kv_heads * self.kv_replication + self.kv_padding
+    /// The q heads rank `rank` attends over: `H/P` of them, or under an uneven split
+    /// `⌈H/P⌉` on the first `H mod P` ranks and `⌊H/P⌋` on the others.
+    pub fn q_heads_of(&self, rank: usize) -> Range<usize> {
+        let (base, extra) = (self.q_heads / self.sp_size, self.q_heads % self.sp_size);
+        let start = rank * base + rank.min(extra);
+        start..start + base + usize::from(rank < extra)
     }
 
-    /// q heads sent through the exchange, padding included.
-    pub fn exchanged_q_heads(&self) -> usize {
-        self.q_heads + self.q_padding
+    /// The kv heads rank `rank` receives, in the order its q heads use them (q head `i` of
+    /// the rank uses entry `i / (local q heads / local kv heads)`), repeated where a kv head
+    /// is sent more than once. Even split: the rank's share of the replicated kv heads.
+    /// Uneven: each kv head of its q heads once when every one serves the same number of
+    /// them, else one per q head.
+    pub fn kv_heads_of(&self, rank: usize) -> Vec<usize> {
+        let group = self.q_heads / self.kv_heads;
+        if self.even {
+            let per_rank = self.kv_heads * self.kv_replication / self.sp_size;
+            return (rank * per_rank..(rank + 1) * per_rank).map(|slot| slot / self.kv_replication).collect();
+        }
+        let per_q_head: Vec<usize> = self.q_heads_of(rank).map(|head| head / group).collect();
+        let mut distinct = per_q_head.clone();
+        distinct.dedup();
+        let uniform = per_q_head.len() % distinct.len() == 0 && {
+            let local_group = per_q_head.len() / distinct.len();
+            per_q_head.iter().enumerate().all(|(i, &kv)| distinct[i / local_group] == kv)
+        };
+        if uniform { distinct } else { per_q_head }
     }
 
-    /// q heads each rank attends over (padding included).
+    /// q heads each rank attends over, the most of any rank.
     pub fn local_q_heads(&self) -> usize {
-        self.exchanged_q_heads() / self.sp_size
+        self.q_heads.div_ceil(self.sp_size)
     }
 
-    /// kv heads each rank receives.
-    pub fn local_kv_heads(&self) -> usize {
-        self.exchanged_kv_heads() / self.sp_size
-    }
-
-    /// Elements one rank hands to the all-to-alls of one attention call (forward pass): q, k
-    /// and v going out, the output coming back. Equals `4·B·S·H·D/P` without GQA or padding.
-    pub fn elements_per_call(&self, layout: &AttentionLayout) -> usize {
-        let q_side = self.exchanged_q_heads() * layout.q_seq * (layout.head_dim + layout.value_dim);
-        let kv_side = self.exchanged_kv_heads() * layout.kv_seq * (layout.head_dim + layout.value_dim);
-        layout.batch * (q_side + kv_side)
+    /// Elements rank `rank` hands to the all-to-alls of one attention call (forward pass):
+    /// q, k and v going out (every rank's share of its tokens), its heads' output over the
+    /// whole sequence coming back. Equals `4·B·S·H·D/P` without GQA or uneven heads.
+    pub fn elements_per_call(&self, rank: usize, layout: &AttentionLayout) -> usize {
+        let kv_sent: usize = (0..self.sp_size).map(|j| self.kv_heads_of(j).len()).sum();
+        let q_side = self.q_heads * layout.q_seq * layout.head_dim;
+        let kv_side = kv_sent * layout.kv_seq * (layout.head_dim + layout.value_dim);
+        let output_side = self.q_heads_of(rank).len() * self.sp_size * layout.q_seq * layout.value_dim;
+        layout.batch * (q_side + kv_side + output_side)
     }
 }
 
@@ -377,37 +389,44 @@ mod tests {
     #[test]
     fn kv_heads_are_split_or_replicated() {
         let plan = HeadPlan::new(8, 4, 2).unwrap();
-        assert_eq!((plan.kv_replication, plan.local_q_heads(), plan.local_kv_heads()), (1, 4, 2));
+        assert_eq!((plan.even, plan.kv_replication, plan.kv_heads_of(1)), (true, 1, vec![2, 3]));
         let plan = HeadPlan::new(8, 2, 4).unwrap();
-        assert_eq!((plan.kv_replication, plan.local_q_heads(), plan.local_kv_heads()), (2, 2, 1));
+        assert_eq!((plan.kv_replication, plan.kv_heads_of(0), plan.kv_heads_of(3)), (2, vec![0], vec![1]));
         let plan = HeadPlan::new(8, 1, 8).unwrap();
-        assert_eq!((plan.kv_replication, plan.local_kv_heads()), (8, 1));
+        assert_eq!((plan.kv_replication, plan.kv_heads_of(5)), (8, vec![0]));
+        // 12 q / 6 kv on 4: neither splits; one kv head per q head.
+        let plan = HeadPlan::new(12, 6, 4).unwrap();
+        assert_eq!((plan.even, plan.kv_heads_of(1)), (true, vec![1, 2, 2]));
     }
 
     #[test]
-    fn uneven_heads_are_padded_keeping_each_q_head_with_its_kv_head() {
-        // (q, kv, P) -> (replication, q padding, kv padding)
+    fn uneven_heads_give_every_q_head_its_kv_head_and_nothing_more() {
+        // (q, kv, P) -> q heads per rank
         for ((q, kv, p), want) in [
-            ((14, 14, 4), (1, 2, 2)),
-            ((6, 6, 4), (1, 2, 2)),
-            ((12, 3, 2), (1, 4, 1)),
-            ((6, 3, 4), (2, 2, 2)),
-            ((6, 2, 4), (3, 2, 2)),
-            ((14, 7, 4), (1, 2, 1)),
+            ((14, 14, 4), vec![4, 4, 3, 3]),
+            ((6, 6, 4), vec![2, 2, 1, 1]),
+            ((6, 3, 4), vec![2, 2, 1, 1]),
+            ((6, 2, 4), vec![2, 2, 1, 1]),
+            ((14, 7, 4), vec![4, 4, 3, 3]),
+            ((8, 2, 3), vec![3, 3, 2]),
         ] {
             let plan = HeadPlan::new(q, kv, p).unwrap();
-            assert_eq!((plan.kv_replication, plan.q_padding, plan.kv_padding), want, "{q} q / {kv} kv heads on {p} ranks");
-            let (local_q, local_kv) = (plan.local_q_heads(), plan.local_kv_heads());
-            assert_eq!((plan.exchanged_q_heads() % p, plan.exchanged_kv_heads() % p), (0, 0));
-            // Every real q head's kv head (after replication) lands on the q head's rank.
-            let group = plan.exchanged_q_heads() / plan.exchanged_kv_heads();
-            for head in 0..q {
-                let kv_index = head / group;
-                assert_eq!(head / local_q, kv_index / local_kv, "{q}/{kv} on {p}: q head {head}");
-                assert!(kv_index < kv * plan.kv_replication, "{q}/{kv} on {p}: q head {head} meets a padding kv head");
-                assert_eq!(kv_index / plan.kv_replication, head / (q / kv), "{q}/{kv} on {p}: q head {head} meets another kv head");
+            assert!(!plan.even, "{q}/{kv} on {p}");
+            let counts: Vec<usize> = (0..p).map(|r| plan.q_heads_of(r).len()).collect();
+            assert_eq!(counts, want, "{q}/{kv} on {p}");
+            assert_eq!(plan.q_heads_of(p - 1).end, q, "{q}/{kv} on {p}: every head placed");
+            for rank in 0..p {
+                let (heads, kv_list) = (plan.q_heads_of(rank), plan.kv_heads_of(rank));
+                assert_eq!(heads.len() % kv_list.len(), 0, "{q}/{kv} on {p}, rank {rank}: the kernel needs whole groups");
+                let local_group = heads.len() / kv_list.len();
+                for (i, head) in heads.enumerate() {
+                    assert_eq!(kv_list[i / local_group], head / (q / kv), "{q}/{kv} on {p}, rank {rank}: q head {head} meets another kv head");
+                }
             }
         }
+        // 14 q / 7 kv: rank 0 takes kv heads 0 and 1 whole; rank 2 (q 8, 9, 10) one per q head.
+        let plan = HeadPlan::new(14, 7, 4).unwrap();
+        assert_eq!((plan.kv_heads_of(0), plan.kv_heads_of(2)), (vec![0, 1], vec![4, 4, 5]));
     }
 
     #[test]

@@ -465,6 +465,47 @@ where
         })
     }
 
+    fn all_to_all_uneven(&self, tensor: CudaTensor, send_counts: &[usize], recv_counts: &[usize]) -> Result<CudaTensor, CommError> {
+        let shape = tensor.shape();
+        burn_ulysses::comm::check_uneven_counts(self.size, shape.num_elements(), shape.num_dims(), send_counts, recv_counts)?;
+        let element = tensor.dtype.size();
+        let total: usize = send_counts.iter().sum();
+        self.traffic.record_all_to_all_parts((total * element) as u64, ((total - send_counts[self.rank]) * element) as u64);
+        let offsets = |counts: &[usize]| counts.iter().scan(0, |at, &c| { let start = *at; *at += c; Some(start) }).collect::<Vec<_>>();
+        let (send_at, recv_at) = (offsets(send_counts), offsets(recv_counts));
+        let (send_counts, recv_counts) = (send_counts.to_vec(), recv_counts.to_vec());
+        // NCCL cannot check that the counts pair up (rank i's send_counts[j] is rank j's
+        // recv_counts[i]): callers derive both from one plan.
+        let output = Shape::new([recv_counts.iter().sum::<usize>()]);
+        self.tensor_collective("all_to_all_uneven", tensor, output, |send, recv, _count, dtype, comm, stream| unsafe {
+            let started = nccl::ncclGroupStart();
+            if started != nccl::ncclResult_t::ncclSuccess {
+                return started;
+            }
+            let mut first_error = nccl::ncclResult_t::ncclSuccess;
+            for peer in 0..send_counts.len() {
+                // Empty parts are skipped on both sides alike (the counts pair up).
+                let mut results = Vec::with_capacity(2);
+                if send_counts[peer] > 0 {
+                    let from = (send as *const u8).add(send_at[peer] * element) as *const c_void;
+                    results.push(nccl::ncclSend(from, send_counts[peer], dtype, peer as c_int, comm, stream));
+                }
+                if recv_counts[peer] > 0 {
+                    let into = (recv as *mut u8).add(recv_at[peer] * element) as *mut c_void;
+                    results.push(nccl::ncclRecv(into, recv_counts[peer], dtype, peer as c_int, comm, stream));
+                }
+                for result in results {
+                    let failed = !matches!(result, nccl::ncclResult_t::ncclSuccess | nccl::ncclResult_t::ncclInProgress);
+                    if failed && first_error == nccl::ncclResult_t::ncclSuccess {
+                        first_error = result;
+                    }
+                }
+            }
+            let ended = nccl::ncclGroupEnd();
+            if first_error == nccl::ncclResult_t::ncclSuccess { ended } else { first_error }
+        })
+    }
+
     fn all_reduce(&self, tensor: CudaTensor, op: ReduceOp) -> Result<CudaTensor, CommError> {
         self.traffic.record_all_reduce((tensor.shape().num_elements() * tensor.dtype.size()) as u64);
         let reduce = match op {

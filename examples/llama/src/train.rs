@@ -112,12 +112,14 @@ impl TrainConfig {
         }
         self.layout.check_heads(model.n_heads, model.n_kv_heads).map_err(|e| format!("{e} (--sp, --heads, --kv-heads)"))?;
         let heads = HeadPlan::new(model.n_heads, model.n_kv_heads, self.layout.ulysses_size()).map_err(|e| e.to_string())?;
-        if heads.q_padding > 0 {
-            tracing::warn!(
-                "{} heads over a Ulysses degree of {}: padded with zero heads to {} (that share of the exchange and of attention is padding); a degree that divides the heads wastes nothing",
+        if !heads.even {
+            tracing::info!(
+                "{} heads over a Ulysses degree of {}: ranks attend over {} or {} heads (an uneven all-to-all); the busiest sets the pace, as with {} heads per rank",
                 model.n_heads,
                 self.layout.ulysses_size(),
-                heads.exchanged_q_heads()
+                heads.local_q_heads(),
+                heads.local_q_heads() - 1,
+                heads.local_q_heads()
             );
         }
         if self.seq_len % self.layout.sp_size != 0 {

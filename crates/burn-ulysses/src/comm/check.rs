@@ -42,6 +42,16 @@ pub fn check_collectives<B: Backend>(comm: &dyn Communicator<B>, device: &B::Dev
     let want: Vec<f32> = (0..p).flat_map(|i| (0..3).map(move |k| 100.0 * i as f32 + 10.0 * r + k as f32)).collect();
     report.push(check("all_to_all", got, want, 0.0)?);
 
+    // Uneven parts: rank r sends (r + j + 1) % 3 values to rank j (some empty), 1000 r + 10 j + k.
+    let count = |from: usize, to: usize| (from + to + 1) % 3;
+    let me = comm.rank();
+    let send: Vec<f32> = (0..p).flat_map(|j| (0..count(me, j)).map(move |k| 1000.0 * r + 10.0 * j as f32 + k as f32)).collect();
+    let (send_counts, recv_counts): (Vec<usize>, Vec<usize>) = (0..p).map(|j| (count(me, j), count(j, me))).unzip();
+    let len = send.len();
+    let got = host(comm.all_to_all_uneven(tensor(send, vec![len]), &send_counts, &recv_counts).map_err(fail)?);
+    let want: Vec<f32> = (0..p).flat_map(|i| (0..count(i, me)).map(move |k| 1000.0 * i as f32 + 10.0 * r + k as f32)).collect();
+    report.push(check("all_to_all_uneven", got, want, 0.0)?);
+
     let mine = || tensor(vec![r + 1.0, 2.0 * r, -r], vec![3]);
     let total: f32 = (1..=p).map(|i| i as f32).sum();
     let ranks_sum = total - p as f32;

@@ -83,6 +83,10 @@ impl<B: FusionBackend> Communicator<Fusion<B>> for FusionCommunicator<B> {
         self.through(tensor, |buffer| self.inner.send_recv(buffer, to, from))
     }
 
+    fn all_to_all_uneven(&self, tensor: FloatTensor<Fusion<B>>, send_counts: &[usize], recv_counts: &[usize]) -> Result<FloatTensor<Fusion<B>>, CommError> {
+        self.through(tensor, |buffer| self.inner.all_to_all_uneven(buffer, send_counts, recv_counts))
+    }
+
     fn barrier(&self) -> Result<(), CommError> {
         self.inner.barrier()
     }

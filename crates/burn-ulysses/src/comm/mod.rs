@@ -14,7 +14,7 @@ mod traffic;
 
 use std::{fmt, sync::Arc, time::Duration};
 
-use burn::tensor::{backend::Backend, ops::FloatTensor};
+use burn::tensor::{Tensor, TensorMetadata, backend::Backend, ops::FloatTensor};
 
 #[cfg(feature = "cubecl")]
 pub use fusion::FusionCommunicator;
@@ -42,11 +42,12 @@ pub enum Collective {
     AllGatherHost,
     Split,
     SendRecv,
+    AllToAllUneven,
 }
 
 impl Collective {
     /// Every collective, in a fixed order (transports number them by position).
-    pub const ALL: [Collective; 8] = [
+    pub const ALL: [Collective; 9] = [
         Collective::AllToAll,
         Collective::AllReduce,
         Collective::AllGather,
@@ -55,6 +56,7 @@ impl Collective {
         Collective::AllGatherHost,
         Collective::Split,
         Collective::SendRecv,
+        Collective::AllToAllUneven,
     ];
 
     /// This collective's position in [`Collective::ALL`].
@@ -79,6 +81,7 @@ impl fmt::Display for Collective {
             Collective::AllGatherHost => "all_gather_host",
             Collective::Split => "split",
             Collective::SendRecv => "send_recv",
+            Collective::AllToAllUneven => "all_to_all_uneven",
         };
         f.write_str(name)
     }
@@ -151,6 +154,31 @@ pub trait Communicator<B: Backend>: Send + Sync + 'static {
     /// a permutation, and rank `from`'s `to` is this rank; `to == rank()` keeps the tensor
     /// (then `from == rank()` too). NCCL runs it as grouped send/recv.
     fn send_recv(&self, tensor: FloatTensor<B>, to: usize, from: usize) -> Result<FloatTensor<B>, CommError>;
+    /// All-to-all of unequal parts (`MPI_Alltoallv`; what uneven heads need): `tensor` is
+    /// 1-D, its first `send_counts[0]` elements go to rank 0, the next `send_counts[1]` to
+    /// rank 1, and so on; the result is 1-D, `recv_counts[i]` elements from rank `i` in rank
+    /// order. `recv_counts[i]` must be rank `i`'s `send_counts[rank()]`.
+    ///
+    /// This default pads every part to the largest part of any rank and runs
+    /// [`all_to_all`](Self::all_to_all), after one host all-gather of the counts (which
+    /// also checks that they pair up): correct on any transport, at the padding's cost.
+    /// Transports that move unequal parts natively override it (threads, NCCL).
+    fn all_to_all_uneven(&self, tensor: FloatTensor<B>, send_counts: &[usize], recv_counts: &[usize]) -> Result<FloatTensor<B>, CommError> {
+        let (rank, size) = (self.rank(), self.size());
+        check_uneven_counts(size, tensor.shape().num_elements(), tensor.shape().num_dims(), send_counts, recv_counts)?;
+        let counts: Vec<u64> = send_counts.iter().map(|&c| c as u64).collect();
+        let every_rank = self.all_gather_host(&counts)?;
+        let sent_here: Vec<usize> = every_rank.iter().map(|counts| counts.get(rank).map_or(usize::MAX, |&c| c as usize)).collect();
+        check_counts_pair_up(rank, &sent_here, recv_counts)?;
+        let widest = every_rank.iter().flatten().copied().max().unwrap_or(0) as usize;
+        let tensor = crate::primitive::float_tensor::<B, 1>(tensor);
+        let padded: Vec<_> = split_parts(&tensor, send_counts).into_iter().map(|part| pad_part(part, widest, &tensor)).collect();
+        let rows = Tensor::stack::<2>(padded, 0);
+        let received = crate::primitive::float_tensor::<B, 2>(self.all_to_all(crate::primitive::float_primitive(rows))?);
+        let parts: Vec<Tensor<B, 1>> =
+            (0..size).filter(|&i| recv_counts[i] > 0).map(|i| received.clone().slice([i..i + 1, 0..recv_counts[i]]).reshape([recv_counts[i]])).collect();
+        Ok(crate::primitive::float_primitive(Tensor::cat(parts, 0)))
+    }
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), CommError>;
     /// Control-plane exchange of a few integers (shapes, token counts): returns every rank's
@@ -173,6 +201,62 @@ pub fn check_send_recv(rank: usize, size: usize, to: usize, from: usize) -> Resu
         return invalid(format!("rank {rank} sends to {to} but receives from {from}: a rank that keeps its tensor receives only its own"));
     }
     Ok(())
+}
+
+/// The arguments of [`Communicator::all_to_all_uneven`] that no peer is needed to refuse.
+pub fn check_uneven_counts(size: usize, elements: usize, dims: usize, send_counts: &[usize], recv_counts: &[usize]) -> Result<(), CommError> {
+    let invalid = |reason: String| Err(CommError::InvalidArgument { op: Collective::AllToAllUneven, reason });
+    if send_counts.len() != size || recv_counts.len() != size {
+        return invalid(format!("{} send counts and {} receive counts for a group of {size}: one of each per rank", send_counts.len(), recv_counts.len()));
+    }
+    if send_counts.iter().sum::<usize>() == 0 || recv_counts.iter().sum::<usize>() == 0 {
+        return invalid("every rank must send and receive at least one element (burn has no empty tensors)".into());
+    }
+    if dims != 1 || elements != send_counts.iter().sum::<usize>() {
+        return invalid(format!("the tensor must be 1-D with the send counts' sum ({}) elements; it has {dims} dims and {elements} elements", send_counts.iter().sum::<usize>()));
+    }
+    Ok(())
+}
+
+/// Fails unless what each rank sends this one (`sent_here[i]` elements from rank `i`) is
+/// what this rank expects from it (`recv_counts[i]`).
+pub fn check_counts_pair_up(rank: usize, sent_here: &[usize], recv_counts: &[usize]) -> Result<(), CommError> {
+    match (0..sent_here.len()).find(|&i| sent_here[i] != recv_counts[i]) {
+        None => Ok(()),
+        Some(i) => Err(CommError::InvalidArgument {
+            op: Collective::AllToAllUneven,
+            reason: format!(
+                "rank {rank} expects {} elements from rank {i}, which sends it {}; every rank must derive its counts from the same plan",
+                recv_counts[i], sent_here[i]
+            ),
+        }),
+    }
+}
+
+/// `tensor` cut into consecutive parts of `counts` elements (`None` for an empty part:
+/// burn has no empty slices).
+pub(crate) fn split_parts<B: Backend>(tensor: &Tensor<B, 1>, counts: &[usize]) -> Vec<Option<Tensor<B, 1>>> {
+    let mut offset = 0;
+    counts
+        .iter()
+        .map(|&count| {
+            let part = (count > 0).then(|| tensor.clone().narrow(0, offset, count));
+            offset += count;
+            part
+        })
+        .collect()
+}
+
+/// `part` (`None`: empty) with zeros appended up to `len` elements.
+fn pad_part<B: Backend>(part: Option<Tensor<B, 1>>, len: usize, like: &Tensor<B, 1>) -> Tensor<B, 1> {
+    let have = part.as_ref().map_or(0, |p| p.dims()[0]);
+    let zeros = (len > have).then(|| Tensor::zeros([len - have], (&like.device(), like.dtype())));
+    match (part, zeros) {
+        (Some(part), Some(zeros)) => Tensor::cat(vec![part, zeros], 0),
+        (Some(part), None) => part,
+        (None, Some(zeros)) => zeros,
+        (None, None) => unreachable!("an empty part of an empty all-to-all"),
+    }
 }
 
 /// All-gathers `values` on the host and fails, naming `what`, when ranks sent different

@@ -426,6 +426,34 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         adopt::<B>(B::float_reshape(float_primitive(Tensor::cat(rows, 0)), shape), &device, op, received)
     }
 
+    fn all_to_all_uneven(&self, tensor: FloatTensor<B>, send_counts: &[usize], recv_counts: &[usize]) -> Result<FloatTensor<B>, CommError> {
+        let op = Collective::AllToAllUneven;
+        let size = self.members.len();
+        let shape = tensor.shape();
+        super::check_uneven_counts(size, shape.num_elements(), shape.num_dims(), send_counts, recv_counts)?;
+        let me = self.rank;
+        let element = tensor.dtype().size() as u64;
+        let total: usize = send_counts.iter().sum();
+        self.traffic.record_all_to_all_parts(total as u64 * element, (total - send_counts[me]) as u64 * element);
+        let device = B::float_device(&tensor);
+        // Slot j holds the part for rank j (`None` when empty, and once taken).
+        let parts: Vec<Option<Option<FloatTensor<B>>>> =
+            super::split_parts(&crate::primitive::float_tensor::<B, 1>(tensor), send_counts).into_iter().map(|part| Some(part.map(float_primitive))).collect();
+        settle::<B>(&device, op)?;
+        let (_, received) = self.round(op, Box::new(parts), |deposits| {
+            deposits
+                .iter_mut()
+                .map(|d| d.as_mut().and_then(|d| d.downcast_mut::<Vec<Option<Option<FloatTensor<B>>>>>()).and_then(|parts| parts[me].take()))
+                .collect::<Option<Vec<_>>>()
+        })?;
+        let received = received.ok_or_else(|| mixed_backends(op))?;
+        let sent_here: Vec<usize> = received.iter().map(|part| part.as_ref().map_or(0, |p| p.shape().num_elements())).collect();
+        super::check_counts_pair_up(me, &sent_here, recv_counts)?;
+        let received: Vec<FloatTensor<B>> = received.into_iter().flatten().collect();
+        let parts: Vec<Tensor<B, 1>> = received.iter().map(|t| crate::primitive::float_tensor(B::float_to_device(t.clone(), &device))).collect();
+        adopt::<B>(float_primitive(Tensor::cat(parts, 0)), &device, op, received)
+    }
+
     fn all_reduce(&self, tensor: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError> {
         self.traffic.record_all_reduce(byte_size::<B>(&tensor));
         let shape = tensor.shape();
@@ -602,6 +630,11 @@ mod tests {
         B::float_from_data(TensorData::new(values, shape), &Default::default())
     }
 
+    fn flat(values: Vec<f32>) -> FloatTensor<B> {
+        let len = values.len();
+        B::float_from_data(TensorData::new(values, [len]), &Default::default())
+    }
+
     fn values(t: FloatTensor<B>) -> Vec<f32> {
         crate::primitive::float_tensor::<B, 1>(B::float_reshape(
             t.clone(),
@@ -650,6 +683,44 @@ mod tests {
         assert!(messages.iter().any(|m| m.contains("must pair up") || m.contains("keeps its tensor")), "{messages:?}");
         let error = super::super::check_send_recv(0, 2, 1, 0).unwrap_err().to_string();
         assert!(error.contains("keeps its tensor") || error.contains("receives only its own"), "{error}");
+    }
+
+    /// Counts that do not pair up fail on the thread transport and on the padded default
+    /// (reached through a communicator that does not override it), naming both ranks.
+    #[test]
+    fn all_to_all_uneven_refuses_counts_that_do_not_pair_up() {
+        struct DefaultOnly(Arc<dyn Communicator<B>>);
+        impl Communicator<B> for DefaultOnly {
+            fn rank(&self) -> usize { self.0.rank() }
+            fn size(&self) -> usize { self.0.size() }
+            fn all_to_all(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> { self.0.all_to_all(t) }
+            fn all_reduce(&self, t: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError> { self.0.all_reduce(t, op) }
+            fn all_gather(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> { self.0.all_gather(t) }
+            fn broadcast(&self, t: FloatTensor<B>, root: usize) -> Result<FloatTensor<B>, CommError> { self.0.broadcast(t, root) }
+            fn send_recv(&self, t: FloatTensor<B>, to: usize, from: usize) -> Result<FloatTensor<B>, CommError> { self.0.send_recv(t, to, from) }
+            fn barrier(&self) -> Result<(), CommError> { self.0.barrier() }
+            fn all_gather_host(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> { self.0.all_gather_host(values) }
+            fn split(&self, color: u32, key: u32) -> Result<Arc<dyn Communicator<B>>, CommError> { self.0.split(color, key) }
+            fn traffic(&self) -> Traffic { self.0.traffic() }
+        }
+        for padded_default in [false, true] {
+            let results = ThreadGroup::new(2).run(move |rank| {
+                let threads: Arc<dyn Communicator<B>> = rank.communicator();
+                let comm: Arc<dyn Communicator<B>> = if padded_default { Arc::new(DefaultOnly(threads)) } else { threads };
+                // Both send 1 to rank 0 and 2 to rank 1; then rank 1 expects 3 from rank 0.
+                let expected = if rank.rank() == 0 { [1, 1] } else { [2, 2] };
+                let good = values(comm.all_to_all_uneven(flat(vec![1.0, 2.0, 3.0]), &[1, 2], &expected).unwrap());
+                let wrong_expected = if rank.rank() == 0 { [1, 1] } else { [3, 2] };
+                let wrong = comm.all_to_all_uneven(flat(vec![1.0, 2.0, 3.0]), &[1, 2], &wrong_expected);
+                (good, wrong.err().map(|e| e.to_string()))
+            });
+            let outcomes: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+            // Rank 0 keeps its first value and gets rank 1's first; rank 1 gets two of each.
+            assert_eq!(outcomes[0].0, vec![1.0, 1.0], "padded default {padded_default}");
+            assert_eq!(outcomes[1].0, vec![2.0, 3.0, 2.0, 3.0], "padded default {padded_default}");
+            let message = outcomes[1].1.clone().expect("rank 1 expected more than rank 0 sent");
+            assert!(message.contains("rank 1 expects 3 elements from rank 0, which sends it 2"), "{message}");
+        }
     }
 
     #[test]

@@ -54,8 +54,13 @@ pub struct TrafficCounter {
 impl TrafficCounter {
     /// Records an all-to-all of `bytes` over a group of `size` ranks.
     pub fn record_all_to_all(&self, bytes: u64, size: usize) {
+        self.record_all_to_all_parts(bytes, bytes / size as u64 * (size as u64 - 1));
+    }
+
+    /// Records an all-to-all (equal parts or not) that hands over `bytes`, of which
+    /// `remote` go to other ranks.
+    pub fn record_all_to_all_parts(&self, bytes: u64, remote: u64) {
         self.all_to_all_bytes.fetch_add(bytes, Ordering::Relaxed);
-        let remote = bytes / size as u64 * (size as u64 - 1);
         self.all_to_all_remote_bytes.fetch_add(remote, Ordering::Relaxed);
         self.all_to_all_calls.fetch_add(1, Ordering::Relaxed);
     }
