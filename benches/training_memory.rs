@@ -5,6 +5,7 @@
 //!
 //! cargo bench --bench training_memory -- [--seqs 512,1024,2048,4096] [--shape small|llama-8b]
 //!     [--layers N] [--documents LEN] [--longest-under BYTES --max-seq S]
+//!     [--checkpoint-layers [--offload-to-host]]
 //!
 //! Per S (ascending), one step at batch 1, printing:
 //! - `activations`: bytes in use once the forward and the loss are done, less the parameters
@@ -26,7 +27,11 @@
 //! at or below that.
 
 use burn::module::Module;
-use burn_ulysses::{UlyssesBackend, data::SequenceSharder, train::lm_loss_sum};
+use burn_ulysses::{
+    UlyssesBackend,
+    data::SequenceSharder,
+    train::{LayerCheckpointing, checkpointed_backward, lm_loss_sum},
+};
 use ulysses_llama::LlamaConfig;
 
 #[cfg(feature = "cuda")]
@@ -43,12 +48,15 @@ struct Args {
     documents: Option<usize>,
     longest_under: Option<u64>,
     max_seq: usize,
+    /// `None`: the plain backward; else whole-layer checkpointing, offloaded or not.
+    checkpointing: Option<LayerCheckpointing>,
 }
 
 fn args() -> Args {
     let argv: Vec<String> = std::env::args().collect();
     let value = |name: &str| argv.iter().position(|a| a == name).and_then(|i| argv.get(i + 1)).cloned();
     let number = |name: &str| value(name).map(|v| v.parse::<usize>().unwrap_or_else(|_| panic!("{name} takes a number, got {v}")));
+    let flag = |name: &str| argv.iter().any(|a| a == name);
     Args {
         seqs: value("--seqs").map_or(vec![512, 1024, 2048, 4096], |list| list.split(',').map(|s| s.parse().expect("--seqs takes numbers")).collect()),
         shape: value("--shape").unwrap_or_else(|| "small".into()),
@@ -56,6 +64,7 @@ fn args() -> Args {
         documents: number("--documents"),
         longest_under: number("--longest-under").map(|b| b as u64),
         max_seq: number("--max-seq").unwrap_or(4096),
+        checkpointing: flag("--checkpoint-layers").then(|| LayerCheckpointing::new().with_offload_to_host(flag("--offload-to-host"))),
     }
 }
 
@@ -85,13 +94,26 @@ fn reserved(device: &Device) -> u64 {
 }
 
 /// Bytes of one step at `seq` tokens: (activations, sampled peak), both above the parameters.
-fn step(config: &LlamaConfig, seq: usize, documents: Option<usize>, device: &Device) -> (u64, u64) {
+/// Activations: what the plain step holds after its forward; with checkpointing, the most
+/// held at any piece's backward (its graph and every kept input).
+fn step(config: &LlamaConfig, seq: usize, documents: Option<usize>, checkpointing: Option<&LayerCheckpointing>, device: &Device) -> (u64, u64) {
     let model = config.init::<Train>(device);
     let vocab = config.vocab_size as i64;
     let tokens: Vec<i64> = (0..seq as i64).map(|t| (t * 7919 + 13) % vocab).collect();
     let lengths = documents.map(|len| vec![(0..seq).step_by(len).map(|start| len.min(seq - start)).collect::<Vec<_>>()]);
     let shard = SequenceSharder::new(1).shard_documents(&[tokens], lengths.as_deref(), 0);
     let base = in_use(device);
+    if let Some(checkpointing) = checkpointing {
+        let mut most = 0;
+        let (_, grads) = checkpointed_backward(&model, shard.tokens::<Train>(device), shard.labels::<Train>(device), &shard.positions, 1.0, -100, checkpointing, || {
+            most = most.max(in_use(device) - base)
+        })
+        .expect("the checkpointed step");
+        let with_gradients = in_use(device) - base;
+        drop(grads);
+        drop(model);
+        return (most, most.max(with_gradients));
+    }
     let output = model.lm_output(shard.tokens::<Train>(device), &shard.positions);
     let loss = lm_loss_sum(output, shard.labels::<Train>(device), -100);
     let activations = in_use(device) - base;
@@ -118,12 +140,13 @@ fn main() {
         config.vocab_size,
         parameters as f64 / 1e6,
         args.documents.map_or(String::new(), |len| format!(", packed documents of {len} tokens"))
+            + &args.checkpointing.as_ref().map_or(String::new(), |c| format!(", layer checkpointing (inputs on the {})", if c.offload_to_host { "host" } else { "device" }))
     );
 
     if let Some(budget) = args.longest_under {
         // Largest multiple of 256 in [256, max_seq] whose step fits the budget.
         let fits = |seq: usize| {
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(&config, seq, args.documents, &device)));
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(&config, seq, args.documents, args.checkpointing.as_ref(), &device)));
             let fits = matches!(outcome, Ok((_, peak)) if peak <= budget);
             println!("  S {seq:>8}: {}", match outcome {
                 Ok((_, peak)) => format!("peak sampled {peak} bytes: {}", if fits { "fits" } else { "over the budget" }),
@@ -143,7 +166,7 @@ fn main() {
     println!("{:>8} | {:>14} {:>14} {:>14} | {:>14}", "S", "activations", "peak sampled", "reserved", "peak ratio");
     let mut previous: Option<(usize, u64)> = None;
     for &seq in &args.seqs {
-        let (activations, peak) = step(&config, seq, args.documents, &device);
+        let (activations, peak) = step(&config, seq, args.documents, args.checkpointing.as_ref(), &device);
         let ratio = previous.map_or(String::new(), |(s, p)| format!("x{:.2} for x{:.1}", peak as f64 / p as f64, seq as f64 / s as f64));
         println!("{seq:>8} | {activations:>14} {peak:>14} {:>14} | {ratio:>14}", reserved(&device));
         previous = Some((seq, peak));

@@ -310,3 +310,35 @@ fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
     assert!(messages[1].starts_with("step 0") && messages[1].contains("forbid_dense_fallback"), "{}", messages[1]);
     assert!(messages[0].starts_with("step 0") && messages[0].contains("rank 1 left"), "{}", messages[0]);
 }
+
+/// Whole-layer activation checkpointing (layers re-run in the backward from their kept
+/// inputs, on the device and offloaded to the host) takes the same 5 AdamW steps as the
+/// plain backward at SP 1, 2 and 4, and with packed documents at SP 2.
+#[test]
+fn layer_checkpointing_trains_like_the_plain_backward() {
+    use burn_ulysses::train::LayerCheckpointing;
+    let checkpointed = |config: TrainConfig, offload: bool| config.with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(offload)));
+    let runs = with_deadline(Duration::from_secs(55), move || {
+        let mut single = config(ParallelLayout::new(), 1);
+        single.model.repeat_kv = true;
+        let plain = train::<Reference>(single.clone(), no_context);
+        let one = train::<Reference>(checkpointed(single, false), no_context);
+        let sp2 = train::<Sp>(checkpointed(config(ParallelLayout::new().with_sp_size(2), 1), true), enter_sp);
+        let sp4 = train::<Sp>(checkpointed(config(ParallelLayout::new().with_sp_size(4), 1), false), enter_sp);
+        let packed = |config: TrainConfig| config.with_seq_len(32).with_pack(true);
+        let packed_plain = train_on::<Sp>(packed(config(ParallelLayout::new().with_sp_size(2), 1)), enter_sp, &Paragraphs { split: false });
+        let packed_checkpointed =
+            train_on::<Sp>(checkpointed(packed(config(ParallelLayout::new().with_sp_size(2), 1)), true), enter_sp, &Paragraphs { split: false });
+        [(("plain, one device", plain), vec![("checkpointed, one device", one), ("checkpointed SP=2, offloaded", sp2), ("checkpointed SP=4", sp4)]),
+         (("packed SP=2 plain", packed_plain), vec![("packed SP=2 checkpointed, offloaded", packed_checkpointed)])]
+    });
+    for ((reference_name, reference), others) in &runs {
+        for (name, run) in others {
+            let loss_diff = worst(run.reports.iter().zip(&reference.reports).map(|(a, b)| (a.loss - b.loss).abs() as f32));
+            let param_diff = worst(run.params.iter().zip(&reference.params).map(|((_, a), (_, b))| max_abs_diff(a, b)));
+            println!("{name:>36}: max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e} against {reference_name}");
+            assert!(loss_diff <= TOLERANCE, "{name}: step loss differs by {loss_diff:e}");
+            assert!(param_diff <= TOLERANCE, "{name}: parameters differ by {param_diff:e}");
+        }
+    }
+}

@@ -19,7 +19,7 @@ use std::{
 use burn::{backend::Autodiff, config::Config, module::Module, tensor::backend::Backend};
 use burn_ulysses::{
     ParallelLayout, PlainBackend, UlyssesBackend,
-    train::{StepReport, checkpoint::read_checkpoint_state},
+    train::{LayerCheckpointing, StepReport, checkpoint::read_checkpoint_state},
 };
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -127,6 +127,13 @@ struct Args {
     /// are separate documents; attention and labels stay inside each, positions restart.
     #[arg(long)]
     pack: bool,
+    /// Whole-layer activation checkpointing: each layer keeps only its input and runs again
+    /// in the backward (less memory, one more forward).
+    #[arg(long)]
+    checkpoint_layers: bool,
+    /// With --checkpoint-layers, keep the layer inputs in host memory.
+    #[arg(long, requires = "checkpoint_layers")]
+    offload_to_host: bool,
     #[arg(long, default_value_t = 128)]
     d_model: usize,
     #[arg(long, default_value_t = 2)]
@@ -217,7 +224,8 @@ fn run(args: Args) -> Result<(), String> {
         .with_eval_single_device(args.eval_single_device)
         .with_check_parameters_every(args.check_parameters_every)
         .with_seed(args.seed)
-        .with_pack(args.pack);
+        .with_pack(args.pack)
+        .with_layer_checkpointing(args.checkpoint_layers.then(|| LayerCheckpointing::new().with_offload_to_host(args.offload_to_host)));
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;

@@ -23,7 +23,7 @@ use burn::{
 use burn_ulysses::{
     attention::{attention_in_documents, repeat_kv_heads},
     data::ShardPositions,
-    train::{LmOutput, OutputHead},
+    train::{LayeredLm, LmOutput, OutputHead},
     visibility::PositionIds,
 };
 
@@ -115,6 +115,41 @@ impl LlamaConfig {
     }
 }
 
+/// What every block needs besides its input, built once per shard.
+pub struct LlamaContext<B: Backend> {
+    rope: RopeTables<B>,
+    /// The position ids, when the shard packs several documents per row.
+    documents: Option<PositionIds>,
+}
+
+/// The model in the pieces that whole-layer checkpointing runs one at a time; the forward
+/// above is made of the same pieces.
+impl<B: Backend> LayeredLm<B> for Llama<B> {
+    type Context = LlamaContext<B>;
+
+    fn context(&self, positions: &ShardPositions, device: &B::Device) -> LlamaContext<B> {
+        let rope = RopeTables::at(&positions.ids, self.head_dim, self.rope_theta, device);
+        LlamaContext { rope, documents: positions.packed.then(|| positions.ids.clone()) }
+    }
+
+    fn embed(&self, tokens: Tensor<B, 2, Int>, _context: &LlamaContext<B>) -> Tensor<B, 3> {
+        self.embedding.forward(tokens)
+    }
+
+    fn layer_count(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn layer(&self, index: usize, hidden: Tensor<B, 3>, context: &LlamaContext<B>) -> Tensor<B, 3> {
+        self.blocks[index].forward(hidden, &context.rope, context.documents.as_ref())
+    }
+
+    fn head(&self, hidden: Tensor<B, 3>) -> LmOutput<B> {
+        let head = OutputHead { weight: self.lm_head.weight.val(), bias: self.lm_head.bias.as_ref().map(|b| b.val()) };
+        LmOutput::Hidden { hidden: self.norm.forward(hidden), head }
+    }
+}
+
 #[derive(Module, Debug)]
 pub struct Llama<B: Backend> {
     pub embedding: Embedding<B>,
@@ -134,20 +169,22 @@ impl<B: Backend> Llama<B> {
     /// The last hidden states and the output head, from which the loss is computed a chunk of
     /// rows at a time (never holding all `tokens × vocab` logits).
     pub fn lm_output(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> LmOutput<B> {
-        let head = OutputHead { weight: self.lm_head.weight.val(), bias: self.lm_head.bias.as_ref().map(|b| b.val()) };
-        LmOutput::Hidden { hidden: self.hidden(tokens, positions), head }
+        let context = self.context(positions, &tokens.device());
+        self.head(self.layers(self.embed(tokens, &context), &context))
     }
 
     /// The normalised last hidden states `[batch, seq, d_model]` that `lm_head` projects to
     /// logits.
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
-        let rope = RopeTables::at(&positions.ids, self.head_dim, self.rope_theta, &tokens.device());
-        let documents = positions.packed.then_some(&positions.ids);
-        let mut x = self.embedding.forward(tokens);
-        for block in &self.blocks {
-            x = block.forward(x, &rope, documents);
+        let context = self.context(positions, &tokens.device());
+        self.norm.forward(self.layers(self.embed(tokens, &context), &context))
+    }
+
+    fn layers(&self, mut x: Tensor<B, 3>, context: &LlamaContext<B>) -> Tensor<B, 3> {
+        for index in 0..self.blocks.len() {
+            x = self.layer(index, x, context);
         }
-        self.norm.forward(x)
+        x
     }
 
     pub fn vocab_size(&self) -> usize {

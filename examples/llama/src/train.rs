@@ -17,7 +17,8 @@ use burn_ulysses::{
     data::{SequenceSharder, ShardPositions},
     layout::HeadPlan,
     train::{
-        CausalLm, LmOutput, LocalStep, StepInput, StepReport, apply_step, backward_step, broadcast_parameters,
+        CausalLm, LayerCheckpointing, LmOutput, LocalStep, StepInput, StepReport, apply_step, backward_step, backward_step_checkpointed,
+        broadcast_parameters,
         check_parameters_identical,
         checkpoint::{load_training_checkpoint, save_training_checkpoint},
         evaluate, evaluate_single_device,
@@ -67,6 +68,9 @@ pub struct TrainConfig {
     /// restart at each (the held-out loss stays on unpacked windows, comparable across runs).
     #[config(default = false)]
     pub pack: bool,
+    /// Whole-layer activation checkpointing (`None`: off).
+    #[config(default = "None")]
+    pub layer_checkpointing: Option<LayerCheckpointing>,
 }
 
 impl TrainConfig {
@@ -339,7 +343,10 @@ where
     let documents: Option<Vec<Vec<Vec<usize>>>> =
         config.pack.then(|| micro_batches.iter().map(|batch| batch.iter().map(|sequence| paragraph_lengths(sequence)).collect()).collect());
     let input = StepInput { index: step, learning_rate: config.learning_rate_at(step), micro_batches: &micro_batches, documents: documents.as_deref() };
-    let mut local = backward_step(&model, &input, sharder, groups, device)?;
+    let mut local = match &config.layer_checkpointing {
+        None => backward_step(&model, &input, sharder, groups, device)?,
+        Some(checkpointing) => backward_step_checkpointed(&model, &input, sharder, groups, device, checkpointing)?,
+    };
     inject_faults(faults, step, groups.world_rank(), &model, &mut local);
     apply_step(model, optimizer, &input, local, groups)
 }

@@ -35,10 +35,12 @@ use burn::{
 mod backend;
 pub mod checkpoint;
 mod gradients;
+mod layers;
 mod loss;
 mod parameters;
 
 pub use backend::TrainBackend;
+pub use layers::{LayerCheckpointing, LayeredLm, checkpointed_backward};
 pub use parameters::{FloatParameter, float_parameters};
 pub use gradients::{
     GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets, first_non_finite_gradient,
@@ -51,7 +53,7 @@ pub use loss::{
 pub use crate::topology::{ParallelGroups, ParallelLayout};
 use crate::{
     comm::{CommError, Communicator, panic_message},
-    data::{SequenceSharder, ShardPositions},
+    data::{SequenceShard, SequenceSharder, ShardPositions},
     error::UlyssesError,
     primitive::{float_primitive, float_tensor},
 };
@@ -147,6 +149,52 @@ where
     B: TrainBackend,
     M: CausalLm<B>,
 {
+    backward_step_with(model, step, sharder, groups, |shard, weight| {
+        model_failure_as_error(|| {
+            let output = model.lm_output(shard.tokens(device), &shard.positions);
+            let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
+            let shard_loss_value = shard_loss.clone().into_scalar().elem::<f64>();
+            (shard_loss_value, GradientsParams::from_grads(shard_loss.backward(), model))
+        })
+    })
+}
+
+/// [`backward_step`] with whole-layer activation checkpointing ([`LayerCheckpointing`]):
+/// each layer keeps only its input and runs again in the backward. The same loss and
+/// gradients; less memory, one more forward.
+pub fn backward_step_checkpointed<B, M>(
+    model: &M,
+    step: &StepInput,
+    sharder: &SequenceSharder,
+    groups: &ParallelGroups<B::Wire>,
+    device: &B::Device,
+    checkpointing: &LayerCheckpointing,
+) -> Result<LocalStep, UlyssesError>
+where
+    B: TrainBackend,
+    M: CausalLm<B> + LayeredLm<B>,
+    M::InnerModule: LayeredLm<B::InnerBackend>,
+{
+    backward_step_with(model, step, sharder, groups, |shard, weight| {
+        model_failure_as_error(|| {
+            layers::checkpointed_backward(model, shard.tokens(device), shard.labels(device), &shard.positions, weight, sharder.ignore_index, checkpointing, || {})
+        })?
+    })
+}
+
+/// The body of both backward steps; `shard_backward` gives one shard's weighted loss and
+/// gradients.
+fn backward_step_with<B, M>(
+    model: &M,
+    step: &StepInput,
+    sharder: &SequenceSharder,
+    groups: &ParallelGroups<B::Wire>,
+    mut shard_backward: impl FnMut(&SequenceShard, f64) -> Result<(f64, GradientsParams), UlyssesError>,
+) -> Result<LocalStep, UlyssesError>
+where
+    B: TrainBackend,
+    M: CausalLm<B>,
+{
     check_step_inputs::<B, M>(model, step.micro_batches, sharder, groups)?;
     let sp_rank = groups.sp_rank();
     if let Some(documents) = step.documents
@@ -174,12 +222,7 @@ where
     let mut loss = 0.0;
     let exchanges_before = groups.attention_exchanges();
     for shard in &shards {
-        let (shard_loss, grads) = model_failure_as_error(|| {
-            let output = model.lm_output(shard.tokens(device), &shard.positions);
-            let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
-            let shard_loss_value = shard_loss.clone().into_scalar().elem::<f64>();
-            (shard_loss_value, GradientsParams::from_grads(shard_loss.backward(), model))
-        })?;
+        let (shard_loss, grads) = shard_backward(shard, weight)?;
         loss += shard_loss;
         accumulator.accumulate(model, grads);
     }
