@@ -19,10 +19,13 @@ if [ -x "$here/flash-attention-tests" ]; then
     ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" 2>&1 | tee "$out/flash-bench.log"
 fi
 if [ -x "$here/training-memory-bench" ]; then
-    # Memory of one training step against S (the example's shape), then the longest sequence
-    # of a Llama-3.1-8B-shaped stack of 4 layers under 70 GB.
+    # Memory of one training step against S (the example's shape), plain and with whole-layer
+    # checkpointing offloaded to the host; then the longest sequence of a Llama-3.1-8B-shaped
+    # stack of 4 layers under 70 GB, plain and checkpointed.
     "$here/training-memory-bench" --seqs 4096,8192,16384,32768,65536 2>&1 | tee "$out/training-memory.log"
+    "$here/training-memory-bench" --seqs 4096,8192,16384,32768,65536 --checkpoint-layers --offload-to-host 2>&1 | tee -a "$out/training-memory.log"
     "$here/training-memory-bench" --shape llama-8b --layers 4 --longest-under 70000000000 --max-seq 1048576 2>&1 | tee -a "$out/training-memory.log"
+    "$here/training-memory-bench" --shape llama-8b --layers 4 --longest-under 70000000000 --max-seq 1048576 --checkpoint-layers --offload-to-host 2>&1 | tee -a "$out/training-memory.log"
 fi
 if [ -x "$here/ulysses-nccl-check" ]; then
     "$here/ulysses-launch" --nproc-per-node 1 -- "$here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check-1.log"
