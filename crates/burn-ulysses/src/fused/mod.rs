@@ -222,20 +222,24 @@ fn fused_forward<B: PlainBackend>(
     B::fused_attention_forward(query.clone(), key.clone(), value.clone(), options, visibility)
 }
 
-/// Applies `policy` to a fallback: an error, or a log line with the reason. The reason is
-/// a warning the first time it occurs in the process (it repeats at every layer of every
-/// step) and a debug line every time.
+/// Applies `policy` to a fallback: an error, or a log line with the reason.
 pub(crate) fn dense_fallback(reason: String, policy: DenseFallback) -> Result<(), UlyssesError> {
     if policy == DenseFallback::Forbid {
         return Err(UlyssesError::DenseFallback { reason });
     }
+    warn_once_per_reason(&reason, "flash attention unavailable, using burn's dense attention (it builds the S x S score matrix)");
+    Ok(())
+}
+
+/// Logs `what` with `reason`: a warning the first time this reason occurs in the process
+/// (fallbacks repeat at every layer of every step), a debug line every time after.
+pub(crate) fn warn_once_per_reason(reason: &str, what: &'static str) {
     static WARNED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut warned = WARNED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if warned.contains(&reason) {
-        tracing::debug!(%reason, "dense attention fallback");
+    if warned.iter().any(|seen| seen == reason) {
+        tracing::debug!(%reason, "{what}");
     } else {
-        tracing::warn!(%reason, "flash attention unavailable, using burn's dense attention (it builds the S x S score matrix)");
-        warned.push(reason);
+        tracing::warn!(%reason, "{what}");
+        warned.push(reason.to_string());
     }
-    Ok(())
 }

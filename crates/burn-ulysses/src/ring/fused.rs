@@ -21,7 +21,7 @@ use burn_autodiff::{
     ops::{Backward, Ops, OpsKind},
 };
 
-use super::{chunks_of, join, merge, pass};
+use super::{attend_around_ring, chunks_of, join, key_value_chunks, pass};
 use crate::{
     comm::Communicator,
     error::UlyssesError,
@@ -59,34 +59,13 @@ fn forward<B: PlainBackend>(
     ring: &Arc<dyn Communicator<B>>,
 ) -> Result<(Tensor<B, 4>, Tensor<B, 3>), UlyssesError> {
     let dtype = query.dtype();
-    let queries = chunks_of(&query, plan.chunks);
-    let mut partial: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>> = vec![None; plan.chunks];
-    let mut block = Tensor::cat(vec![key, value], 3);
-    for step in 0..plan.size {
-        if step > 0 {
-            block = pass::<B, 4>(block, ring)?;
-        }
-        let keys = chunks_of(&block.clone().narrow(3, 0, plan.head_dim), plan.chunks);
-        let values = chunks_of(&block.clone().narrow(3, plan.head_dim, plan.value_dim), plan.chunks);
-        for b in plan.blocks(step) {
-            let (output, lse) = B::fused_attention_forward(
-                float_primitive(queries[b.query].clone()),
-                float_primitive(keys[b.key].clone()),
-                float_primitive(values[b.key].clone()),
-                &block_options(plan, &b),
-                None,
-            )
+    let forward = attend_around_ring(query, key, value, plan, ring, |[query, key, value], block| {
+        let (output, lse) = B::fused_attention_forward(float_primitive(query), float_primitive(key), float_primitive(value), &block_options(plan, block), None)
             .map_err(|reason| UlyssesError::Shape(format!("ring attention: the fused kernels refused a block they had accepted: {reason}")))?;
-            let output = float_tensor::<B, 4>(output).cast(DType::F32);
-            let lse = float_tensor::<B, 3>(lse).unsqueeze_dim(3);
-            partial[b.query] = Some(match partial[b.query].take() {
-                None => (output, lse),
-                Some((before, before_lse)) => merge(before, before_lse, output, lse),
-            });
-        }
-    }
-    let (outputs, lses): (Vec<_>, Vec<_>) = partial.into_iter().map(|p| p.expect("a chunk sees itself")).unzip();
-    Ok((join(outputs).cast(dtype), join(lses).squeeze_dim(3)))
+        // Merged in f32, whatever the inputs' dtype.
+        Ok((float_tensor::<B, 4>(output).cast(DType::F32), float_tensor::<B, 3>(lse).unsqueeze_dim(3)))
+    })?;
+    Ok((forward.output.cast(dtype), forward.lse.squeeze_dim(3)))
 }
 
 /// What the ring's backward needs, saved by the forward.
@@ -114,11 +93,10 @@ fn backward<B: PlainBackend>(state: RingState<B>, output_grad: Tensor<B, 4>, rin
         (0..plan.chunks).map(|_| Tensor::zeros([plan.batch, plan.kv_heads, plan.chunk_len, kv_width], (&block.device(), DType::F32))).collect();
     for step in 0..plan.size {
         if step > 0 {
-            block = pass::<B, 4>(block, ring)?;
-            block_grads = chunks_of(&pass::<B, 4>(join(block_grads), ring)?, plan.chunks);
+            block = pass::<B, 4>(block, &plan, ring)?;
+            block_grads = chunks_of(&pass::<B, 4>(join(block_grads), &plan, ring)?, plan.chunks);
         }
-        let keys = chunks_of(&block.clone().narrow(3, 0, plan.head_dim), plan.chunks);
-        let values = chunks_of(&block.clone().narrow(3, plan.head_dim, plan.value_dim), plan.chunks);
+        let (keys, values) = key_value_chunks(&block, &plan);
         for b in plan.blocks(step) {
             let (dq, dk, dv) = B::fused_attention_backward(
                 float_primitive(queries[b.query].clone()),
@@ -141,7 +119,7 @@ fn backward<B: PlainBackend>(state: RingState<B>, output_grad: Tensor<B, 4>, rin
     }
     // The gradients held now are those of the next rank's keys and values: one more pass
     // takes every rank's home.
-    let kv_grad = if plan.size > 1 { pass::<B, 4>(join(block_grads), ring)? } else { join(block_grads) };
+    let kv_grad = if plan.size > 1 { pass::<B, 4>(join(block_grads), &plan, ring)? } else { join(block_grads) };
     let query_grad = join(query_grads.into_iter().map(|g| g.expect("a chunk sees itself")).collect());
     Ok([
         query_grad.cast(dtype),

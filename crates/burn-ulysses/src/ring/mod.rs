@@ -23,6 +23,7 @@ pub use crate::layout::{BlockKind, RingBlock, RingPlan, RingSharding, pairs_per_
 use crate::{
     comm::Communicator,
     error::UlyssesError,
+    fused::warn_once_per_reason,
     inner::ExchangeBackend,
     primitive::{float_primitive, float_tensor},
 };
@@ -48,22 +49,9 @@ pub fn ring_attention<X: ExchangeBackend>(
             Ok(float_tensor(output))
         }
         Err(reason) => {
-            log_reference_blocks(reason);
+            warn_once_per_reason(&reason, "ring attention runs its blocks as tensor ops (chunk x chunk scores), not on fused kernels");
             reference::ring_attention(query, key, value, &plan, ring)
         }
-    }
-}
-
-/// The reason the blocks run as tensor ops: a warning the first time in the process, a
-/// debug line after (it repeats at every layer of every step).
-fn log_reference_blocks(reason: String) {
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    let mut first = false;
-    WARNED.call_once(|| first = true);
-    if first {
-        tracing::warn!(%reason, "ring attention runs its blocks as tensor ops (chunk x chunk scores), not on fused kernels");
-    } else {
-        tracing::debug!(%reason, "ring attention on tensor-op blocks");
     }
 }
 
@@ -90,7 +78,56 @@ fn merge<B: Backend>(output: Tensor<B, 4>, lse: Tensor<B, 4>, other: Tensor<B, 4
 }
 
 /// The one pass of the ring (to the next rank, from the previous one) on any backend.
-fn pass<X: ExchangeBackend, const D: usize>(tensor: Tensor<X, D>, ring: &Arc<dyn Communicator<X::Wire>>) -> Result<Tensor<X, D>, UlyssesError> {
-    let (rank, size) = (ring.rank(), ring.size());
-    Ok(float_tensor(X::send_recv(float_primitive(tensor), (rank + 1) % size, (rank + size - 1) % size, ring)?))
+fn pass<X: ExchangeBackend, const D: usize>(tensor: Tensor<X, D>, plan: &RingPlan, ring: &Arc<dyn Communicator<X::Wire>>) -> Result<Tensor<X, D>, UlyssesError> {
+    let (next, previous) = plan.next_and_previous();
+    Ok(float_tensor(X::send_recv(float_primitive(tensor), next, previous, ring)?))
+}
+
+/// The keys and values of a block (`[B, H_kv, S/R, D + Dv]`, as they travel), each cut into
+/// the chunks of the rank they came from.
+fn key_value_chunks<X: Backend>(block: &Tensor<X, 4>, plan: &RingPlan) -> (Vec<Tensor<X, 4>>, Vec<Tensor<X, 4>>) {
+    let keys = chunks_of(&block.clone().narrow(3, 0, plan.head_dim), plan.chunks);
+    let values = chunks_of(&block.clone().narrow(3, plan.head_dim, plan.value_dim), plan.chunks);
+    (keys, values)
+}
+
+/// What the ring's forward gives: this rank's output and log-sum-exp `[B, H, S/R, 1]`
+/// (chunks in order), and the last block of keys and values it held.
+struct RingForward<X: Backend> {
+    output: Tensor<X, 4>,
+    lse: Tensor<X, 4>,
+    last_block: Tensor<X, 4>,
+}
+
+/// The ring's forward, one traversal for both paths: keys and values travel together, one
+/// pass per step, our own first; `attend` gives every visible block's output and
+/// log-sum-exp (`[B, H, S_c, 1]`), merged into its query chunk's running result.
+fn attend_around_ring<X: ExchangeBackend>(
+    query: Tensor<X, 4>,
+    key: Tensor<X, 4>,
+    value: Tensor<X, 4>,
+    plan: &RingPlan,
+    ring: &Arc<dyn Communicator<X::Wire>>,
+    mut attend: impl FnMut([Tensor<X, 4>; 3], &RingBlock) -> Result<(Tensor<X, 4>, Tensor<X, 4>), UlyssesError>,
+) -> Result<RingForward<X>, UlyssesError> {
+    let queries = chunks_of(&query, plan.chunks);
+    // Per query chunk, the running (output, log-sum-exp) over the key chunks seen so far.
+    let mut partial: Vec<Option<(Tensor<X, 4>, Tensor<X, 4>)>> = vec![None; plan.chunks];
+    let mut block = Tensor::cat(vec![key, value], 3);
+    for step in 0..plan.size {
+        if step > 0 {
+            block = pass(block, plan, ring)?;
+        }
+        let (keys, values) = key_value_chunks(&block, plan);
+        for b in plan.blocks(step) {
+            let (output, lse) = attend([queries[b.query].clone(), keys[b.key].clone(), values[b.key].clone()], &b)?;
+            partial[b.query] = Some(match partial[b.query].take() {
+                None => (output, lse),
+                Some((before, before_lse)) => merge(before, before_lse, output, lse),
+            });
+        }
+    }
+    // Every chunk sees at least itself (its diagonal block), so every part is set.
+    let (outputs, lses): (Vec<_>, Vec<_>) = partial.into_iter().map(|p| p.expect("a chunk sees itself")).unzip();
+    Ok(RingForward { output: join(outputs), lse: join(lses), last_block: block })
 }

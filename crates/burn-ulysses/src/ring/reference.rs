@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use burn::tensor::Tensor;
 
-use super::{chunks_of, join, merge, pass};
+use super::attend_around_ring;
 use crate::{comm::Communicator, error::UlyssesError, fused::repeat_kv_heads, inner::ExchangeBackend, layout::RingPlan};
 
 /// Stand-in for -infinity in masked scores (exact zeros after `exp`, no NaN from `-inf - -inf`).
@@ -20,32 +20,14 @@ pub(super) fn ring_attention<X: ExchangeBackend>(
     plan: &RingPlan,
     ring: &Arc<dyn Communicator<X::Wire>>,
 ) -> Result<Tensor<X, 4>, UlyssesError> {
-    let queries = chunks_of(&query, plan.chunks);
-    // Per query chunk, the running (output, log-sum-exp) over the key chunks seen so far.
-    let mut partial: Vec<Option<(Tensor<X, 4>, Tensor<X, 4>)>> = vec![None; plan.chunks];
-    // Keys and values travel together, one send per step; our own come first.
-    let mut block = Tensor::cat(vec![key, value], 3);
-    for step in 0..plan.size {
-        if step > 0 {
-            block = pass(block, ring)?;
-        }
-        let keys = chunks_of(&block.clone().narrow(3, 0, plan.head_dim), plan.chunks);
-        let values = chunks_of(&block.clone().narrow(3, plan.head_dim, plan.value_dim), plan.chunks);
-        for b in plan.blocks(step) {
-            let (output, lse) = block_attention(queries[b.query].clone(), keys[b.key].clone(), values[b.key].clone(), plan, b.diagonal);
-            partial[b.query] = Some(match partial[b.query].take() {
-                None => (output, lse),
-                Some((before, before_lse)) => merge(before, before_lse, output, lse),
-            });
-        }
-    }
-    // Every chunk sees at least itself (its diagonal block), so every part is set.
-    let output = join(partial.into_iter().map(|p| p.expect("a chunk sees itself").0).collect());
+    let forward = attend_around_ring(query, key, value, plan, ring, |[query, key, value], block| {
+        Ok(block_attention(query, key, value, plan, block.diagonal))
+    })?;
     // Every rank's backward must run every pass in reverse, or a rank whose last blocks
     // were invisible (causal) would skip collectives its peers wait in: a zero-weighted use
     // of the last block keeps the whole chain of passes in the graph on every rank.
-    let keep = (block.sum() * 0.0).reshape([1, 1, 1, 1]);
-    Ok(output + keep)
+    let keep = (forward.last_block.sum() * 0.0).reshape([1, 1, 1, 1]);
+    Ok(forward.output + keep)
 }
 
 /// Softmax attention of `query` over one block of keys, normalised within the block, and
