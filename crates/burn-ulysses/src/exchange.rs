@@ -5,10 +5,10 @@
 //! [`heads_to_sequence`] is its inverse. Both pack their tensors into one buffer whose part
 //! `j` goes to rank `j`, so q, k and v travel in a single collective, and unpack with
 //! reshapes and permutes. When the degree does not divide the heads the parts differ in
-//! size (an uneven all-to-all), see [`HeadPlan`]. The packing is made of ordinary tensor ops, which autodiff
-//! tracks; the all-to-all itself is the one custom autodiff node. An all-to-all over rows is
-//! its own inverse (row `i` of rank `j` becomes row `j` of rank `i`), so that node's backward
-//! is the same exchange applied to the gradient.
+//! size (an uneven all-to-all), see [`HeadPlan`]. The packing is made of ordinary tensor
+//! ops, which autodiff tracks; each exchange (the all-to-alls, and the ring's `send_recv`)
+//! is one custom autodiff node whose backward runs the reverse exchange on the gradient. An
+//! all-to-all over rows is its own inverse (row `i` of rank `j` becomes row `j` of rank `i`).
 
 use std::sync::Arc;
 
@@ -25,7 +25,7 @@ use burn_autodiff::{
 };
 
 use crate::{
-    comm::{CommError, Communicator},
+    comm::{CommError, Communicator, split_parts},
     error::UlyssesError,
     fused::repeat_kv_heads,
     inner::{ExchangeBackend, PlainBackend},
@@ -34,77 +34,71 @@ use crate::{
     ring::{fused_ring_attention, fused_ring_attention_tracked},
 };
 
-/// Backward of the all-to-all: the same all-to-all on the gradient.
-pub(crate) struct AllToAllBackward<B: Backend> {
-    pub(crate) communicator: Arc<dyn Communicator<B>>,
+/// A movement of a tensor between the ranks of a group, as its autodiff node must undo it.
+#[derive(Debug, Clone)]
+enum Exchange {
+    /// All-to-all over dim 0: its own inverse.
+    AllToAll,
+    /// Unequal parts of a 1-D tensor; undone with the counts swapped.
+    Uneven { send_counts: Vec<usize>, recv_counts: Vec<usize> },
+    /// To rank `to`, from rank `from`; undone the other way round.
+    SendRecv { to: usize, from: usize },
 }
 
-impl<B: Backend> std::fmt::Debug for AllToAllBackward<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "AllToAllBackward(rank {} of {})", self.communicator.rank(), self.communicator.size())
+impl Exchange {
+    fn run<B: Backend>(&self, tensor: FloatTensor<B>, communicator: &dyn Communicator<B>) -> Result<FloatTensor<B>, CommError> {
+        match self {
+            Exchange::AllToAll => communicator.all_to_all(tensor),
+            Exchange::Uneven { send_counts, recv_counts } => communicator.all_to_all_uneven(tensor, send_counts, recv_counts),
+            Exchange::SendRecv { to, from } => communicator.send_recv(tensor, *to, *from),
+        }
+    }
+
+    /// The exchange that sends a gradient back the way the tensor came.
+    fn reversed(self) -> Self {
+        match self {
+            Exchange::AllToAll => Exchange::AllToAll,
+            Exchange::Uneven { send_counts, recv_counts } => Exchange::Uneven { send_counts: recv_counts, recv_counts: send_counts },
+            Exchange::SendRecv { to, from } => Exchange::SendRecv { to: from, from: to },
+        }
+    }
+
+    /// Runs the exchange on an autodiff tensor, as a node whose backward runs
+    /// [`reversed`](Self::reversed) on the gradient.
+    fn tracked<B: PlainBackend, C: CheckpointStrategy>(
+        self,
+        tensor: FloatTensor<Autodiff<B, C>>,
+        communicator: &Arc<dyn Communicator<B>>,
+    ) -> Result<FloatTensor<Autodiff<B, C>>, CommError> {
+        let output = self.run(tensor.primitive, &**communicator)?;
+        let node = ExchangeBackward { communicator: communicator.clone(), reverse: self.reversed() };
+        // Compute bound: an exchange is never recomputed by checkpointing. A recomputed
+        // collective would run on some ranks and not others, and they would deadlock.
+        Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((), output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        })
     }
 }
 
-impl<B: Backend> Backward<B, 1> for AllToAllBackward<B> {
+/// Backward of an exchange: the reverse exchange on the gradient.
+struct ExchangeBackward<B: Backend> {
+    communicator: Arc<dyn Communicator<B>>,
+    reverse: Exchange,
+}
+
+impl<B: Backend> std::fmt::Debug for ExchangeBackward<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ExchangeBackward(rank {} of {}: {:?})", self.communicator.rank(), self.communicator.size(), self.reverse)
+    }
+}
+
+impl<B: Backend> Backward<B, 1> for ExchangeBackward<B> {
     type State = ();
 
     fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            self.communicator
-                .all_to_all(grad)
-                .unwrap_or_else(|error| panic!("{}", UlyssesError::from(error)))
-        });
-    }
-}
-
-/// Backward of an uneven all-to-all: the same exchange the other way (what this rank
-/// received from rank `i` goes back to it).
-pub(crate) struct AllToAllUnevenBackward<B: Backend> {
-    pub(crate) communicator: Arc<dyn Communicator<B>>,
-    pub(crate) send_counts: Vec<usize>,
-    pub(crate) recv_counts: Vec<usize>,
-}
-
-impl<B: Backend> std::fmt::Debug for AllToAllUnevenBackward<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "AllToAllUnevenBackward(rank {} of {}: sent {:?}, received {:?})", self.communicator.rank(), self.communicator.size(), self.send_counts, self.recv_counts)
-    }
-}
-
-impl<B: Backend> Backward<B, 1> for AllToAllUnevenBackward<B> {
-    type State = ();
-
-    fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            self.communicator
-                .all_to_all_uneven(grad, &self.recv_counts, &self.send_counts)
-                .unwrap_or_else(|error| panic!("{}", UlyssesError::from(error)))
-        });
-    }
-}
-
-/// Backward of a `send_recv` from this rank to `to` and from `from` to this rank: the
-/// gradient travels back, to `from` and from `to`.
-pub(crate) struct SendRecvBackward<B: Backend> {
-    pub(crate) communicator: Arc<dyn Communicator<B>>,
-    pub(crate) to: usize,
-    pub(crate) from: usize,
-}
-
-impl<B: Backend> std::fmt::Debug for SendRecvBackward<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SendRecvBackward(rank {}: to {}, from {})", self.communicator.rank(), self.to, self.from)
-    }
-}
-
-impl<B: Backend> Backward<B, 1> for SendRecvBackward<B> {
-    type State = ();
-
-    fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            self.communicator
-                .send_recv(grad, self.from, self.to)
-                .unwrap_or_else(|error| panic!("{}", UlyssesError::from(error)))
+            self.reverse.run(grad, &*self.communicator).unwrap_or_else(|error| panic!("{}", UlyssesError::from(error)))
         });
     }
 }
@@ -142,18 +136,8 @@ impl<B: PlainBackend> ExchangeBackend for B {
 impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> {
     type Wire = B;
 
-    fn all_to_all(
-        tensor: FloatTensor<Self>,
-        communicator: &Arc<dyn Communicator<B>>,
-    ) -> Result<FloatTensor<Self>, CommError> {
-        let output = communicator.all_to_all(tensor.primitive)?;
-        let node = AllToAllBackward { communicator: communicator.clone() };
-        // Compute bound: the exchange is never recomputed by checkpointing. A recomputed
-        // collective would run on some ranks and not others, and they would deadlock.
-        Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((), output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        })
+    fn all_to_all(tensor: FloatTensor<Self>, communicator: &Arc<dyn Communicator<B>>) -> Result<FloatTensor<Self>, CommError> {
+        Exchange::AllToAll.tracked::<B, C>(tensor, communicator)
     }
 
     fn all_to_all_uneven(
@@ -162,23 +146,11 @@ impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> 
         recv_counts: &[usize],
         communicator: &Arc<dyn Communicator<B>>,
     ) -> Result<FloatTensor<Self>, CommError> {
-        let output = communicator.all_to_all_uneven(tensor.primitive, send_counts, recv_counts)?;
-        let node = AllToAllUnevenBackward { communicator: communicator.clone(), send_counts: send_counts.to_vec(), recv_counts: recv_counts.to_vec() };
-        // Compute bound, as the all-to-all: never recomputed.
-        Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((), output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        })
+        Exchange::Uneven { send_counts: send_counts.to_vec(), recv_counts: recv_counts.to_vec() }.tracked::<B, C>(tensor, communicator)
     }
 
     fn send_recv(tensor: FloatTensor<Self>, to: usize, from: usize, communicator: &Arc<dyn Communicator<B>>) -> Result<FloatTensor<Self>, CommError> {
-        let output = communicator.send_recv(tensor.primitive, to, from)?;
-        let node = SendRecvBackward { communicator: communicator.clone(), to, from };
-        // Compute bound, as the all-to-all: never recomputed.
-        Ok(match node.prepare::<C>([tensor.node]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((), output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        })
+        Exchange::SendRecv { to, from }.tracked::<B, C>(tensor, communicator)
     }
 
     fn fused_ring_attention(
@@ -236,19 +208,20 @@ pub fn sequence_to_heads<X: ExchangeBackend>(
     let heads = |tensor: &Tensor<X, 4>, list: &[usize]| -> Tensor<X, 1> {
         Tensor::cat(list.iter().map(|&h| tensor.clone().narrow(1, h, 1)).collect(), 1).reshape([-1])
     };
-    let part_len = |rank: usize| b * s * (plan.q_heads_of(rank).len() * d + plan.kv_heads_of(rank).len() * (d + d_v));
+    // Each rank's q heads and the kv heads they use, once.
+    let shares: Vec<(std::ops::Range<usize>, Vec<usize>)> = (0..p).map(|rank| (plan.q_heads_of(rank), plan.kv_heads_of(rank))).collect();
+    let part_len = |(q, kv): &(std::ops::Range<usize>, Vec<usize>)| b * s * (q.len() * d + kv.len() * (d + d_v));
     let mut parts = Vec::with_capacity(3 * p);
-    for rank in 0..p {
-        let kv = plan.kv_heads_of(rank);
-        parts.push(query.clone().narrow(1, plan.q_heads_of(rank).start, plan.q_heads_of(rank).len()).reshape([-1]));
-        parts.push(heads(&key, &kv));
-        parts.push(heads(&value, &kv));
+    for (q, kv) in &shares {
+        parts.push(query.clone().narrow(1, q.start, q.len()).reshape([-1]));
+        parts.push(heads(&key, kv));
+        parts.push(heads(&value, kv));
     }
-    let send_counts: Vec<usize> = (0..p).map(part_len).collect();
-    let recv_counts = vec![part_len(me); p];
-    let received = X::all_to_all_uneven(float_primitive(Tensor::cat(parts, 0)), &send_counts, &recv_counts, communicator)?;
-    let received = float_tensor::<X, 1>(received).reshape([p, part_len(me)]);
-    let (q_local, kv_local) = (plan.q_heads_of(me).len(), plan.kv_heads_of(me).len());
+    let send_counts: Vec<usize> = shares.iter().map(part_len).collect();
+    let mine = part_len(&shares[me]);
+    let received = X::all_to_all_uneven(float_primitive(Tensor::cat(parts, 0)), &send_counts, &vec![mine; p], communicator)?;
+    let received = float_tensor::<X, 1>(received).reshape([p, mine]);
+    let (q_local, kv_local) = (shares[me].0.len(), shares[me].1.len());
     Ok(tokens_in_rank_order(received, [[b, q_local, s, d], [b, kv_local, s, d], [b, kv_local, s, d_v]]))
 }
 
@@ -284,15 +257,10 @@ pub fn heads_to_sequence<X: ExchangeBackend>(
         let send_counts = vec![b * h_local * s_local * d; p];
         let recv_counts: Vec<usize> = (0..p).map(|rank| b * plan.q_heads_of(rank).len() * s_local * d).collect();
         let received = X::all_to_all_uneven(float_primitive(rows.reshape([-1])), &send_counts, &recv_counts, communicator)?;
-        let received = float_tensor::<X, 1>(received);
-        let mut offset = 0;
-        let per_rank = (0..p)
-            .map(|rank| {
-                let heads = plan.q_heads_of(rank).len();
-                let part = received.clone().narrow(0, offset, recv_counts[rank]).reshape([b, heads, s_local, d]);
-                offset += recv_counts[rank];
-                part
-            })
+        let per_rank = split_parts(&float_tensor::<X, 1>(received), &recv_counts)
+            .into_iter()
+            .zip(0..p)
+            .map(|(part, rank)| part.expect("every rank attends over a head").reshape([b, plan.q_heads_of(rank).len(), s_local, d]))
             .collect();
         return Ok(Tensor::cat(per_rank, 1));
     }
