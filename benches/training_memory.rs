@@ -5,7 +5,7 @@
 //!
 //! cargo bench --bench training_memory -- [--seqs 512,1024,2048,4096] [--shape small|llama-8b]
 //!     [--layers N] [--documents LEN] [--longest-under BYTES --max-seq S]
-//!     [--checkpoint-layers [--offload-to-host]]
+//!     [--checkpoint-layers [--offload-to-host] [--mlp-tile-tokens N]]
 //!
 //! Per S (ascending), one step at batch 1, printing:
 //! - `activations`: bytes in use once the forward and the loss are done, less the parameters
@@ -30,7 +30,7 @@ use burn::module::Module;
 use burn_ulysses::{
     UlyssesBackend,
     data::SequenceSharder,
-    train::{LayerCheckpointing, checkpointed_backward, lm_loss_sum},
+    train::{LayerCheckpointing, ShardLengths, checkpointed_backward, lm_loss_sum},
 };
 use ulysses_llama::LlamaConfig;
 
@@ -48,7 +48,8 @@ struct Args {
     documents: Option<usize>,
     longest_under: Option<u64>,
     max_seq: usize,
-    /// `None`: the plain backward; else whole-layer checkpointing, offloaded or not.
+    /// `None`: the plain backward; else whole-layer checkpointing, offloaded or not, the
+    /// MLP tiled or not.
     checkpointing: Option<LayerCheckpointing>,
 }
 
@@ -64,7 +65,17 @@ fn args() -> Args {
         documents: number("--documents"),
         longest_under: number("--longest-under").map(|b| b as u64),
         max_seq: number("--max-seq").unwrap_or(4096),
-        checkpointing: flag("--checkpoint-layers").then(|| LayerCheckpointing::new().with_offload_to_host(flag("--offload-to-host"))),
+        checkpointing: {
+            let tile_tokens = number("--mlp-tile-tokens");
+            let checkpointing = flag("--checkpoint-layers").then(|| LayerCheckpointing::new().with_offload_to_host(flag("--offload-to-host")).with_mlp_tile_tokens(tile_tokens));
+            if checkpointing.is_none() && (tile_tokens.is_some() || flag("--offload-to-host")) {
+                panic!("--offload-to-host and --mlp-tile-tokens work inside --checkpoint-layers: add it");
+            }
+            if let Some(checkpointing) = &checkpointing {
+                checkpointing.check().unwrap_or_else(|e| panic!("{e}"));
+            }
+            checkpointing
+        },
     }
 }
 
@@ -105,7 +116,9 @@ fn step(config: &LlamaConfig, seq: usize, documents: Option<usize>, checkpointin
     let base = in_use(device);
     if let Some(checkpointing) = checkpointing {
         let mut most = 0;
-        let (_, grads) = checkpointed_backward(&model, shard.tokens::<Train>(device), shard.labels::<Train>(device), &shard.positions, 1.0, -100, checkpointing, || {
+        let tiles = checkpointing.mlp_tiles(ShardLengths { shortest: seq, longest: seq }).expect("checked in args");
+        let (tokens, labels) = (shard.tokens::<Train>(device), shard.labels::<Train>(device));
+        let (_, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, || {
             most = most.max(in_use(device) - base)
         })
         .expect("the checkpointed step");
@@ -140,7 +153,10 @@ fn main() {
         config.vocab_size,
         parameters as f64 / 1e6,
         args.documents.map_or(String::new(), |len| format!(", packed documents of {len} tokens"))
-            + &args.checkpointing.as_ref().map_or(String::new(), |c| format!(", layer checkpointing (inputs on the {})", if c.offload_to_host { "host" } else { "device" }))
+            + &args.checkpointing.as_ref().map_or(String::new(), |c| {
+                let tiling = c.mlp_tile_tokens.map_or(String::new(), |tokens| format!(", MLP in tiles of {tokens} tokens"));
+                format!(", layer checkpointing (inputs on the {}{tiling})", if c.offload_to_host { "host" } else { "device" })
+            })
     );
 
     if let Some(budget) = args.longest_under {

@@ -312,33 +312,116 @@ fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
 }
 
 /// Whole-layer activation checkpointing (layers re-run in the backward from their kept
-/// inputs, on the device and offloaded to the host) takes the same 5 AdamW steps as the
-/// plain backward at SP 1, 2 and 4, and with packed documents at SP 2.
+/// inputs, on the device and offloaded to the host), alone and with the MLP in sequence
+/// tiles, takes the same 5 AdamW steps as the plain backward at SP 1, 2 and 4, and with
+/// packed documents at SP 2. Tiles of 3 tokens cut shards of 16, 8 and 4 tokens unevenly.
 #[test]
 fn layer_checkpointing_trains_like_the_plain_backward() {
     use burn_ulysses::train::LayerCheckpointing;
-    let checkpointed = |config: TrainConfig, offload: bool| config.with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(offload)));
-    let runs = with_deadline(Duration::from_secs(55), move || {
+    let checkpointed = |config: TrainConfig, offload: bool, tile_tokens: Option<usize>| {
+        config.with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(offload).with_mlp_tile_tokens(tile_tokens)))
+    };
+    let runs = with_deadline(Duration::from_secs(100), move || {
         let mut single = config(ParallelLayout::new(), 1);
         single.model.repeat_kv = true;
         let plain = train::<Reference>(single.clone(), no_context);
-        let one = train::<Reference>(checkpointed(single, false), no_context);
-        let sp2 = train::<Sp>(checkpointed(config(ParallelLayout::new().with_sp_size(2), 1), true), enter_sp);
-        let sp4 = train::<Sp>(checkpointed(config(ParallelLayout::new().with_sp_size(4), 1), false), enter_sp);
+        let one = train::<Reference>(checkpointed(single.clone(), false, None), no_context);
+        let one_tiled = train::<Reference>(checkpointed(single, false, Some(3)), no_context);
+        let sp2 = train::<Sp>(checkpointed(config(ParallelLayout::new().with_sp_size(2), 1), true, None), enter_sp);
+        let sp2_tiled = train::<Sp>(checkpointed(config(ParallelLayout::new().with_sp_size(2), 2), true, Some(3)), enter_sp);
+        let sp4 = train::<Sp>(checkpointed(config(ParallelLayout::new().with_sp_size(4), 1), false, None), enter_sp);
+        let sp4_tiled = train::<Sp>(checkpointed(config(ParallelLayout::new().with_sp_size(4), 1), false, Some(3)), enter_sp);
         let packed = |config: TrainConfig| config.with_seq_len(32).with_pack(true);
         let packed_plain = train_on::<Sp>(packed(config(ParallelLayout::new().with_sp_size(2), 1)), enter_sp, &Paragraphs { split: false });
         let packed_checkpointed =
-            train_on::<Sp>(checkpointed(packed(config(ParallelLayout::new().with_sp_size(2), 1)), true), enter_sp, &Paragraphs { split: false });
-        [(("plain, one device", plain), vec![("checkpointed, one device", one), ("checkpointed SP=2, offloaded", sp2), ("checkpointed SP=4", sp4)]),
-         (("packed SP=2 plain", packed_plain), vec![("packed SP=2 checkpointed, offloaded", packed_checkpointed)])]
+            train_on::<Sp>(checkpointed(packed(config(ParallelLayout::new().with_sp_size(2), 1)), true, Some(5)), enter_sp, &Paragraphs { split: false });
+        [
+            (
+                ("plain, one device", plain),
+                vec![
+                    ("checkpointed, one device", one),
+                    ("checkpointed + tiled MLP, one device", one_tiled),
+                    ("checkpointed SP=2, offloaded", sp2),
+                    ("checkpointed + tiled SP=2 GAS=2, offloaded", sp2_tiled),
+                    ("checkpointed SP=4", sp4),
+                    ("checkpointed + tiled SP=4", sp4_tiled),
+                ],
+            ),
+            (("packed SP=2 plain", packed_plain), vec![("packed SP=2 checkpointed + tiled, offloaded", packed_checkpointed)]),
+        ]
     });
     for ((reference_name, reference), others) in &runs {
         for (name, run) in others {
             let loss_diff = worst(run.reports.iter().zip(&reference.reports).map(|(a, b)| (a.loss - b.loss).abs() as f32));
             let param_diff = worst(run.params.iter().zip(&reference.params).map(|((_, a), (_, b))| max_abs_diff(a, b)));
-            println!("{name:>36}: max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e} against {reference_name}");
+            println!("{name:>44}: max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e} against {reference_name}");
             assert!(loss_diff <= TOLERANCE, "{name}: step loss differs by {loss_diff:e}");
             assert!(param_diff <= TOLERANCE, "{name}: parameters differ by {param_diff:e}");
         }
     }
+}
+
+/// The gradients of one checkpointed backward (every layer re-run from its input; the MLP
+/// whole, in 4 uneven tiles of a 13-token shard, and in 13 one-token tiles; inputs on the
+/// device and on the host) equal those of one plain backward through the same model,
+/// parameter by parameter.
+#[test]
+fn checkpointed_gradients_equal_the_plain_backward() {
+    use burn_ulysses::train::{LayerCheckpointing, checkpointed_backward, lm_loss_sum};
+    use ulysses_suite::{gradient_params_values, parameter_grads};
+    let device = Default::default();
+    let model = deterministic_params(config(ParallelLayout::new(), 1).model.with_repeat_kv(true).init::<Reference>(&device), INIT_SEED);
+    let batch = VariedLengths { vocab: VOCAB }.train_batch(0);
+    let shard = SequenceSharder::new(1).shard(&batch, 0);
+    assert_eq!(shard.local_len, 13, "the batch's longest sequence sets the shard length");
+    let weight = 1.0 / shard.valid_tokens as f64;
+
+    let loss = lm_loss_sum(model.lm_output(shard.tokens::<Reference>(&device), &shard.positions), shard.labels(&device), -100) * weight;
+    let plain_loss = loss.clone().into_scalar() as f64;
+    let plain = parameter_grads(&model, &loss.backward());
+
+    for (offload, tiles) in [(false, 1), (true, 4), (false, 13)] {
+        let checkpointing = LayerCheckpointing::new().with_offload_to_host(offload);
+        let (loss, grads) =
+            checkpointed_backward(&model, shard.tokens(&device), shard.labels(&device), &shard.positions, weight, -100, &checkpointing, tiles, || {}).unwrap();
+        let checkpointed = gradient_params_values(&model, &grads);
+        assert_eq!(checkpointed.len(), plain.len());
+        let loss_diff = (loss - plain_loss).abs() as f32;
+        assert!(loss_diff <= TOLERANCE, "{tiles} tiles: loss differs by {loss_diff:e}");
+        for ((name, got), (_, want)) in checkpointed.iter().zip(&plain) {
+            let diff = max_abs_diff(got, want);
+            assert!(diff <= TOLERANCE, "{tiles} tiles, offload {offload}: the gradient of {name} differs by {diff:e}");
+        }
+        println!("{tiles:>2} MLP tile(s), offload {offload:>5}: {} parameter gradients within {TOLERANCE:e}", plain.len());
+    }
+}
+
+/// Tile settings that cannot work are refused with the reason, before any layer runs: a
+/// tile of 0 tokens, and more tiles than the shard has tokens.
+#[test]
+fn impossible_mlp_tiles_are_refused_before_the_step() {
+    use burn_ulysses::train::{LayerCheckpointing, ShardLengths, checkpointed_backward};
+    let zero = LayerCheckpointing::new().with_mlp_tile_tokens(Some(0));
+    let message = zero.check().unwrap_err().to_string();
+    assert!(message.contains("mlp_tile_tokens is 0"), "{message}");
+    let mut config = config(ParallelLayout::new(), 1);
+    config.layer_checkpointing = Some(zero);
+    let message = config.validate().unwrap_err();
+    assert!(message.contains("--mlp-tile-tokens"), "{message}");
+
+    // The agreed count never exceeds the shortest shard.
+    let tiling = LayerCheckpointing::new().with_mlp_tile_tokens(Some(2));
+    assert_eq!(tiling.mlp_tiles(ShardLengths { shortest: 3, longest: 40 }).unwrap(), 3);
+    assert_eq!(tiling.mlp_tiles(ShardLengths { shortest: 40, longest: 41 }).unwrap(), 21);
+    assert_eq!(LayerCheckpointing::new().mlp_tiles(ShardLengths { shortest: 1, longest: 9 }).unwrap(), 1);
+
+    let device = Default::default();
+    let model = config.model.with_repeat_kv(true).init::<Reference>(&device);
+    let shard = SequenceSharder::new(1).shard(&[vec![1, 2, 3, 4, 5]], 0);
+    let tiles = shard.local_len + 1;
+    let error = checkpointed_backward(&model, shard.tokens(&device), shard.labels(&device), &shard.positions, 1.0, -100, &tiling, tiles, || {})
+        .err()
+        .expect("more tiles than tokens");
+    let expected = format!("{tiles} MLP tiles for a shard of {} tokens", shard.local_len);
+    assert!(error.to_string().contains(&expected), "{error}");
 }

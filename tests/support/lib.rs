@@ -12,6 +12,7 @@ use ulysses_llama::{corpus::splitmix64, train::StepData};
 
 use burn::{
     module::{Module, ModuleMapper, ModuleVisitor, Param},
+    optim::GradientsParams,
     tensor::{
         BasicOps, Tensor, TensorData,
         backend::{AutodiffBackend, Backend},
@@ -121,6 +122,19 @@ pub fn parameter_grads<B: AutodiffBackend, M: Module<B>>(
         }
     }
     named_params(module, &Grads::<B>(grads))
+}
+
+/// Every float parameter's gradient in `grads` (as an optimizer receives them), flattened,
+/// with its path in the module.
+pub fn gradient_params_values<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &GradientsParams) -> Vec<(String, Vec<f32>)> {
+    struct Grads<'a>(&'a GradientsParams);
+    impl<B: AutodiffBackend> ReadParam<B> for Grads<'_> {
+        fn read<const D: usize>(&self, name: &str, param: &Param<Tensor<B, D>>) -> Vec<f32> {
+            let grad = self.0.get::<B::InnerBackend, D>(param.id);
+            values(grad.unwrap_or_else(|| panic!("parameter {name} has no gradient")))
+        }
+    }
+    named_params(module, &Grads(grads))
 }
 
 /// A tensor's values, flattened, as f32.

@@ -152,6 +152,27 @@ pub fn current<W: Backend>() -> Result<Option<RankContext<W>>, UlyssesError> {
     let entry = THREAD_CONTEXT.with(|slot| slot.borrow().clone()).or_else(|| {
         PROCESS_CONTEXT.read().unwrap_or_else(|p| p.into_inner()).clone()
     });
+    rank_context_of(entry)
+}
+
+/// When this thread is one of several ranks that are threads of this process (a
+/// thread-scoped context), waits until every rank of its group (Ulysses and ring) gets
+/// here; otherwise returns at once. Burn's autodiff ends every `backward` by locking each
+/// graph of the process in turn, so a rank that runs a collective-free backward while a
+/// peer thread holds its own graph's lock inside a backward whose collectives wait for this
+/// rank deadlocks both; a barrier before such a backward rules it out (see `train::layers`).
+pub fn sync_thread_ranks<W: Backend>() -> Result<(), UlyssesError> {
+    let Some(context) = rank_context_of::<W>(THREAD_CONTEXT.with(|slot| slot.borrow().clone()))? else {
+        return Ok(());
+    };
+    context.communicator.barrier()?;
+    if let Some(ring) = &context.ring {
+        ring.barrier()?;
+    }
+    Ok(())
+}
+
+fn rank_context_of<W: Backend>(entry: Option<Entry>) -> Result<Option<RankContext<W>>, UlyssesError> {
     let Some(Entry::Rank(stored)) = entry else {
         return Ok(None);
     };

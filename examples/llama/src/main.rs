@@ -134,6 +134,10 @@ struct Args {
     /// With --checkpoint-layers, keep the layer inputs in host memory.
     #[arg(long, requires = "checkpoint_layers")]
     offload_to_host: bool,
+    /// With --checkpoint-layers, run each MLP over sequence tiles of about this many tokens
+    /// of the local shard (ALST's tiled MLP; ALST uses d_model).
+    #[arg(long, requires = "checkpoint_layers", value_name = "TOKENS")]
+    mlp_tile_tokens: Option<usize>,
     #[arg(long, default_value_t = 128)]
     d_model: usize,
     #[arg(long, default_value_t = 2)]
@@ -225,7 +229,9 @@ fn run(args: Args) -> Result<(), String> {
         .with_check_parameters_every(args.check_parameters_every)
         .with_seed(args.seed)
         .with_pack(args.pack)
-        .with_layer_checkpointing(args.checkpoint_layers.then(|| LayerCheckpointing::new().with_offload_to_host(args.offload_to_host)));
+        .with_layer_checkpointing(args.checkpoint_layers.then(|| {
+            LayerCheckpointing::new().with_offload_to_host(args.offload_to_host).with_mlp_tile_tokens(args.mlp_tile_tokens)
+        }));
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;

@@ -140,8 +140,12 @@ impl<B: Backend> LayeredLm<B> for Llama<B> {
         self.blocks.len()
     }
 
-    fn layer(&self, index: usize, hidden: Tensor<B, 3>, context: &LlamaContext<B>) -> Tensor<B, 3> {
-        self.blocks[index].forward(hidden, &context.rope, context.documents.as_ref())
+    fn sequence_mixing(&self, index: usize, hidden: Tensor<B, 3>, context: &LlamaContext<B>) -> Tensor<B, 3> {
+        self.blocks[index].attention_half(hidden, &context.rope, context.documents.as_ref())
+    }
+
+    fn token_wise(&self, index: usize, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.blocks[index].feed_forward_half(hidden)
     }
 
     fn head(&self, hidden: Tensor<B, 3>) -> LmOutput<B> {
@@ -218,7 +222,16 @@ impl<B: Backend> Block<B> {
     /// `x: [batch, seq, d_model]`, with `rope` built for the same positions; `documents`:
     /// the position ids of rows that pack several documents.
     pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, documents: Option<&PositionIds>) -> Tensor<B, 3> {
-        let x = x.clone() + self.attention.forward(self.attention_norm.forward(x), rope, documents);
+        self.feed_forward_half(self.attention_half(x, rope, documents))
+    }
+
+    /// `x + attention(norm(x))`: the half that mixes tokens.
+    pub fn attention_half(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, documents: Option<&PositionIds>) -> Tensor<B, 3> {
+        x.clone() + self.attention.forward(self.attention_norm.forward(x), rope, documents)
+    }
+
+    /// `x + feed_forward(norm(x))`: token by token, so it may run on a slice of the sequence.
+    pub fn feed_forward_half(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         x.clone() + self.feed_forward.forward(self.ffn_norm.forward(x))
     }
 }

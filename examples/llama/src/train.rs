@@ -135,6 +135,9 @@ impl TrainConfig {
                 self.layout.sp_size
             );
         }
+        if let Some(checkpointing) = &self.layer_checkpointing {
+            checkpointing.check().map_err(|e| format!("{e} (--mlp-tile-tokens)"))?;
+        }
         Ok(())
     }
 

@@ -40,7 +40,7 @@ mod loss;
 mod parameters;
 
 pub use backend::TrainBackend;
-pub use layers::{LayerCheckpointing, LayeredLm, checkpointed_backward};
+pub use layers::{LayerCheckpointing, LayeredLm, ShardLengths, checkpointed_backward};
 pub use parameters::{FloatParameter, float_parameters};
 pub use gradients::{
     GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets, first_non_finite_gradient,
@@ -149,7 +149,7 @@ where
     B: TrainBackend,
     M: CausalLm<B>,
 {
-    backward_step_with(model, step, sharder, groups, |shard, weight| {
+    backward_step_with(model, step, sharder, groups, |shard, weight, _| {
         model_failure_as_error(|| {
             let output = model.lm_output(shard.tokens(device), &shard.positions);
             let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
@@ -160,8 +160,8 @@ where
 }
 
 /// [`backward_step`] with whole-layer activation checkpointing ([`LayerCheckpointing`]):
-/// each layer keeps only its input and runs again in the backward. The same loss and
-/// gradients; less memory, one more forward.
+/// each layer keeps only its input and runs again in the backward, its MLP in sequence
+/// tiles when asked. The same loss and gradients; less memory, one more forward.
 pub fn backward_step_checkpointed<B, M>(
     model: &M,
     step: &StepInput,
@@ -175,21 +175,24 @@ where
     M: CausalLm<B> + LayeredLm<B>,
     M::InnerModule: LayeredLm<B::InnerBackend>,
 {
-    backward_step_with(model, step, sharder, groups, |shard, weight| {
+    checkpointing.check()?;
+    backward_step_with(model, step, sharder, groups, |shard, weight, lengths| {
+        let mlp_tiles = checkpointing.mlp_tiles(lengths)?;
         model_failure_as_error(|| {
-            layers::checkpointed_backward(model, shard.tokens(device), shard.labels(device), &shard.positions, weight, sharder.ignore_index, checkpointing, || {})
+            let (tokens, labels) = (shard.tokens(device), shard.labels(device));
+            layers::checkpointed_backward(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, mlp_tiles, || {})
         })?
     })
 }
 
 /// The body of both backward steps; `shard_backward` gives one shard's weighted loss and
-/// gradients.
+/// gradients, given the step's shard lengths over every rank.
 fn backward_step_with<B, M>(
     model: &M,
     step: &StepInput,
     sharder: &SequenceSharder,
     groups: &ParallelGroups<B::Wire>,
-    mut shard_backward: impl FnMut(&SequenceShard, f64) -> Result<(f64, GradientsParams), UlyssesError>,
+    mut shard_backward: impl FnMut(&SequenceShard, f64, ShardLengths) -> Result<(f64, GradientsParams), UlyssesError>,
 ) -> Result<LocalStep, UlyssesError>
 where
     B: TrainBackend,
@@ -214,7 +217,13 @@ where
         .collect();
     let local_valid: usize = shards.iter().map(|s| s.valid_tokens).sum();
     let local_processed: usize = shards.iter().map(|s| s.batch * s.local_len).sum();
-    let [valid_tokens, processed_tokens] = sum_over_ranks(&*groups.world, [local_valid, local_processed])?;
+    let local_longest = shards.iter().map(|s| s.local_len).max().unwrap_or(0);
+    let local_shortest = shards.iter().map(|s| s.local_len).min().unwrap_or(0);
+    // One host collective for the token counts and the shard lengths.
+    let gathered = groups.world.all_gather_host(&[local_valid, local_processed, local_longest, local_shortest].map(|v| v as u64))?;
+    let over_ranks = |i: usize| gathered.iter().map(move |v| v[i] as usize);
+    let (valid_tokens, processed_tokens) = (over_ranks(0).sum::<usize>(), over_ranks(1).sum::<usize>());
+    let lengths = ShardLengths { longest: over_ranks(2).max().unwrap_or(0), shortest: over_ranks(3).min().unwrap_or(0) };
     // Guard: a step whose labels are all ignored contributes zero loss, not NaN.
     let weight = 1.0 / valid_tokens.max(1) as f64;
 
@@ -222,7 +231,7 @@ where
     let mut loss = 0.0;
     let exchanges_before = groups.attention_exchanges();
     for shard in &shards {
-        let (shard_loss, grads) = shard_backward(shard, weight)?;
+        let (shard_loss, grads) = shard_backward(shard, weight, lengths)?;
         loss += shard_loss;
         accumulator.accumulate(model, grads);
     }
