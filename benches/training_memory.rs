@@ -1,11 +1,13 @@
 //! Device memory of one training step (forward, loss, backward) of the Llama example against
 //! the sequence length, on a CubeCL device: wgpu (on the CPU through lavapipe) by default,
 //! CUDA with `--features cuda`. Attention runs the flash kernels (`UlyssesBackend` without a
-//! group), f32.
+//! group); f32, or with `--precision bf16` the layers in bf16 (f16 where the device has no
+//! bf16, as lavapipe) with f32 parameters.
 //!
 //! cargo bench --bench training_memory -- [--seqs 512,1024,2048,4096] [--shape small|llama-8b]
 //!     [--layers N] [--documents LEN] [--longest-under BYTES --max-seq S]
-//!     [--checkpoint-layers [--offload-to-host] [--mlp-tile-tokens N]]
+//!     [--checkpoint-layers [--offload-to-host] [--mlp-tile-tokens N]] [--precision f32|bf16]
+//!     [--ffn N]
 //!
 //! Per S (ascending), one step at batch 1, printing:
 //! - `activations`: bytes in use once the forward and the loss are done, less the parameters
@@ -30,6 +32,7 @@ use burn::module::Module;
 use burn_ulysses::{
     UlyssesBackend,
     data::SequenceSharder,
+    precision::Precision,
     train::{LayerCheckpointing, ShardLengths, checkpointed_backward, lm_loss_sum},
 };
 use ulysses_llama::LlamaConfig;
@@ -45,6 +48,9 @@ struct Args {
     seqs: Vec<usize>,
     shape: String,
     layers: Option<usize>,
+    /// The MLP's hidden width, instead of the shape's.
+    ffn: Option<usize>,
+    precision: Precision,
     documents: Option<usize>,
     longest_under: Option<u64>,
     max_seq: usize,
@@ -62,6 +68,12 @@ fn args() -> Args {
         seqs: value("--seqs").map_or(vec![512, 1024, 2048, 4096], |list| list.split(',').map(|s| s.parse().expect("--seqs takes numbers")).collect()),
         shape: value("--shape").unwrap_or_else(|| "small".into()),
         layers: number("--layers"),
+        ffn: number("--ffn"),
+        precision: match value("--precision").as_deref() {
+            None | Some("f32") => Precision::F32,
+            Some("bf16") => Precision::Bf16,
+            Some(other) => panic!("--precision takes f32 or bf16, got {other}"),
+        },
         documents: number("--documents"),
         longest_under: number("--longest-under").map(|b| b as u64),
         max_seq: number("--max-seq").unwrap_or(4096),
@@ -88,6 +100,10 @@ fn model(args: &Args) -> LlamaConfig {
         other => panic!("--shape takes small or llama-8b, got {other}"),
     };
     let config = config.with_repeat_kv(false);
+    let config = match args.ffn {
+        Some(ffn) => config.with_ffn_hidden(ffn),
+        None => config,
+    };
     match args.layers {
         Some(layers) => config.with_n_layers(layers),
         None => config,
@@ -107,8 +123,10 @@ fn reserved(device: &Device) -> u64 {
 /// Bytes of one step at `seq` tokens: (activations, sampled peak), both above the parameters.
 /// Activations: what the plain step holds after its forward; with checkpointing, the most
 /// held at any piece's backward (its graph and every kept input).
-fn step(config: &LlamaConfig, seq: usize, documents: Option<usize>, checkpointing: Option<&LayerCheckpointing>, device: &Device) -> (u64, u64) {
-    let model = config.init::<Train>(device);
+fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> (u64, u64) {
+    let (documents, checkpointing) = (args.documents, args.checkpointing.as_ref());
+    let dtype = args.precision.compute_dtype::<Train>(device).unwrap_or_else(|e| panic!("{e}"));
+    let model = config.init::<Train>(device).with_compute_dtype(dtype);
     let vocab = config.vocab_size as i64;
     let tokens: Vec<i64> = (0..seq as i64).map(|t| (t * 7919 + 13) % vocab).collect();
     let lengths = documents.map(|len| vec![(0..seq).step_by(len).map(|start| len.min(seq - start)).collect::<Vec<_>>()]);
@@ -143,7 +161,8 @@ fn main() {
     let device = Device::default();
     let parameters: usize = config.init::<Train>(&device).num_params();
     println!(
-        "one training step, batch 1, f32, flash attention ({}): {} layers, d_model {}, {} q / {} kv heads, ffn {}, vocab {}: {:.1} M parameters{}",
+        "one training step, batch 1, {:?} compute, flash attention ({}): {} layers, d_model {}, {} q / {} kv heads, ffn {}, vocab {}: {:.1} M parameters{}",
+        args.precision.compute_dtype::<Train>(&device).unwrap_or_else(|e| panic!("{e}")),
         std::any::type_name::<Runtime>(),
         config.n_layers,
         config.d_model,
@@ -162,7 +181,7 @@ fn main() {
     if let Some(budget) = args.longest_under {
         // Largest multiple of 256 in [256, max_seq] whose step fits the budget.
         let fits = |seq: usize| {
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(&config, seq, args.documents, args.checkpointing.as_ref(), &device)));
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(&config, seq, &args, &device)));
             let fits = matches!(outcome, Ok((_, peak)) if peak <= budget);
             println!("  S {seq:>8}: {}", match outcome {
                 Ok((_, peak)) => format!("peak sampled {peak} bytes: {}", if fits { "fits" } else { "over the budget" }),
@@ -182,7 +201,7 @@ fn main() {
     println!("{:>8} | {:>14} {:>14} {:>14} | {:>14}", "S", "activations", "peak sampled", "reserved", "peak ratio");
     let mut previous: Option<(usize, u64)> = None;
     for &seq in &args.seqs {
-        let (activations, peak) = step(&config, seq, args.documents, args.checkpointing.as_ref(), &device);
+        let (activations, peak) = step(&config, seq, &args, &device);
         let ratio = previous.map_or(String::new(), |(s, p)| format!("x{:.2} for x{:.1}", peak as f64 / p as f64, seq as f64 / s as f64));
         println!("{seq:>8} | {activations:>14} {peak:>14} {:>14} | {ratio:>14}", reserved(&device));
         previous = Some((seq, peak));

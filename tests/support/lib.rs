@@ -14,7 +14,7 @@ use burn::{
     module::{Module, ModuleMapper, ModuleVisitor, Param},
     optim::GradientsParams,
     tensor::{
-        BasicOps, Tensor, TensorData,
+        BasicOps, DType, Tensor, TensorData,
         backend::{AutodiffBackend, Backend},
     },
 };
@@ -135,6 +135,20 @@ pub fn gradient_params_values<B: AutodiffBackend, M: Module<B>>(module: &M, grad
         }
     }
     named_params(module, &Grads(grads))
+}
+
+/// The dtype of every float parameter's gradient in `grads`, in module order.
+pub fn gradient_params_dtypes<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &GradientsParams) -> Vec<DType> {
+    struct Dtypes<'a, B: AutodiffBackend>(&'a GradientsParams, Vec<DType>, std::marker::PhantomData<B>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Dtypes<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let grad = self.0.get::<B::InnerBackend, D>(param.id).expect("every parameter has a gradient");
+            self.1.push(grad.dtype());
+        }
+    }
+    let mut visitor = Dtypes::<B>(grads, Vec::new(), std::marker::PhantomData);
+    module.visit(&mut visitor);
+    visitor.1
 }
 
 /// A tensor's values, flattened, as f32.

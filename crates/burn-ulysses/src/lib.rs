@@ -43,6 +43,7 @@ pub mod fused;
 pub mod inner;
 pub mod layout;
 pub mod nn;
+pub mod precision;
 pub mod ring;
 mod primitive;
 pub mod topology;

@@ -19,6 +19,7 @@ use std::{
 use burn::{backend::Autodiff, config::Config, module::Module, tensor::backend::Backend};
 use burn_ulysses::{
     ParallelLayout, PlainBackend, UlyssesBackend,
+    precision::Precision,
     train::{LayerCheckpointing, StepReport, checkpoint::read_checkpoint_state},
 };
 use clap::{Parser, ValueEnum};
@@ -138,6 +139,10 @@ struct Args {
     /// of the local shard (ALST's tiled MLP; ALST uses d_model).
     #[arg(long, requires = "checkpoint_layers", value_name = "TOKENS")]
     mlp_tile_tokens: Option<usize>,
+    /// What the layers compute in: f32, or bf16 (f16 where the device has no bf16; not on
+    /// NdArray) with f32 master weights, norms, softmax statistics and loss.
+    #[arg(long, default_value = "f32", value_parser = parse_precision)]
+    precision: Precision,
     #[arg(long, default_value_t = 128)]
     d_model: usize,
     #[arg(long, default_value_t = 2)]
@@ -231,7 +236,8 @@ fn run(args: Args) -> Result<(), String> {
         .with_pack(args.pack)
         .with_layer_checkpointing(args.checkpoint_layers.then(|| {
             LayerCheckpointing::new().with_offload_to_host(args.offload_to_host).with_mlp_tile_tokens(args.mlp_tile_tokens)
-        }));
+        }))
+        .with_precision(args.precision);
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;
@@ -497,5 +503,13 @@ impl Progress for RunLog {
 
     fn checkpoint(&mut self, step: usize, path: &Path) {
         tracing::debug!(step, path = %path.display(), "checkpoint written");
+    }
+}
+
+fn parse_precision(value: &str) -> Result<Precision, String> {
+    match value {
+        "f32" => Ok(Precision::F32),
+        "bf16" => Ok(Precision::Bf16),
+        other => Err(format!("{other}: the precisions are f32 and bf16")),
     }
 }

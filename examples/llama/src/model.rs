@@ -6,13 +6,17 @@
 //! ([`ShardPositions`]), global so that RoPE sees where each token sits. When the rows pack
 //! several documents, positions restart at each one and attention goes through
 //! `attention_in_documents`, which keeps every token inside its document.
+//!
+//! Mixed precision ([`Llama::with_compute_dtype`]): the hidden states are cast to the compute
+//! dtype after the embedding and every op follows them (`burn_ulysses::precision`); norms
+//! and RoPE run in f32, and the final hidden states go back to f32 for the head and the loss.
 
 use burn::{
     config::Config,
     module::Module,
     nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig},
     tensor::{
-        Int, Tensor,
+        FloatDType, Int, Tensor,
         activation::silu,
         backend::Backend,
         module::attention,
@@ -23,6 +27,7 @@ use burn::{
 use burn_ulysses::{
     attention::{attention_in_documents, repeat_kv_heads},
     data::ShardPositions,
+    precision::{linear, rms_norm},
     train::{LayeredLm, LmOutput, OutputHead},
     visibility::PositionIds,
 };
@@ -85,6 +90,7 @@ impl LlamaConfig {
             lm_head: LinearConfig::new(self.d_model, self.vocab_size).with_bias(false).init(device),
             head_dim: self.head_dim(),
             rope_theta: self.rope_theta,
+            compute_dtype: FloatDType::F32,
         }
     }
 
@@ -133,7 +139,7 @@ impl<B: Backend> LayeredLm<B> for Llama<B> {
     }
 
     fn embed(&self, tokens: Tensor<B, 2, Int>, _context: &LlamaContext<B>) -> Tensor<B, 3> {
-        self.embedding.forward(tokens)
+        self.embedding.forward(tokens).cast(self.compute_dtype)
     }
 
     fn layer_count(&self) -> usize {
@@ -150,7 +156,7 @@ impl<B: Backend> LayeredLm<B> for Llama<B> {
 
     fn head(&self, hidden: Tensor<B, 3>) -> LmOutput<B> {
         let head = OutputHead { weight: self.lm_head.weight.val(), bias: self.lm_head.bias.as_ref().map(|b| b.val()) };
-        LmOutput::Hidden { hidden: self.norm.forward(hidden), head }
+        LmOutput::Hidden { hidden: self.final_norm(hidden), head }
     }
 }
 
@@ -162,6 +168,9 @@ pub struct Llama<B: Backend> {
     pub lm_head: Linear<B>,
     head_dim: usize,
     rope_theta: f64,
+    /// What the layers compute in (the parameters stay f32); not part of the record.
+    #[module(skip)]
+    compute_dtype: FloatDType,
 }
 
 impl<B: Backend> Llama<B> {
@@ -181,7 +190,12 @@ impl<B: Backend> Llama<B> {
     /// logits.
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
         let context = self.context(positions, &tokens.device());
-        self.norm.forward(self.layers(self.embed(tokens, &context), &context))
+        self.final_norm(self.layers(self.embed(tokens, &context), &context))
+    }
+
+    /// The last norm, in f32 like the head and the loss after it.
+    fn final_norm(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.norm.forward(hidden.cast(FloatDType::F32))
     }
 
     fn layers(&self, mut x: Tensor<B, 3>, context: &LlamaContext<B>) -> Tensor<B, 3> {
@@ -189,6 +203,17 @@ impl<B: Backend> Llama<B> {
             x = self.layer(index, x, context);
         }
         x
+    }
+
+    /// Computes the layers in `dtype` (f32 master weights; see the module doc). Resolve it
+    /// with `burn_ulysses::precision::Precision::compute_dtype`.
+    pub fn with_compute_dtype(mut self, dtype: FloatDType) -> Self {
+        self.compute_dtype = dtype;
+        self
+    }
+
+    pub fn compute_dtype(&self) -> FloatDType {
+        self.compute_dtype
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -227,12 +252,12 @@ impl<B: Backend> Block<B> {
 
     /// `x + attention(norm(x))`: the half that mixes tokens.
     pub fn attention_half(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, documents: Option<&PositionIds>) -> Tensor<B, 3> {
-        x.clone() + self.attention.forward(self.attention_norm.forward(x), rope, documents)
+        x.clone() + self.attention.forward(rms_norm(&self.attention_norm, x), rope, documents)
     }
 
     /// `x + feed_forward(norm(x))`: token by token, so it may run on a slice of the sequence.
     pub fn feed_forward_half(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        x.clone() + self.feed_forward.forward(self.ffn_norm.forward(x))
+        x.clone() + self.feed_forward.forward(rms_norm(&self.ffn_norm, x))
     }
 }
 
@@ -253,9 +278,9 @@ impl<B: Backend> Attention<B> {
     pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, documents: Option<&PositionIds>) -> Tensor<B, 3> {
         let [b, s, _] = x.dims();
         let heads = |t: Tensor<B, 3>, n| t.reshape([b, s, n, self.head_dim]).swap_dims(1, 2);
-        let q = rope.apply(heads(self.wq.forward(x.clone()), self.n_heads));
-        let k = rope.apply(heads(self.wk.forward(x.clone()), self.n_kv_heads));
-        let v = heads(self.wv.forward(x), self.n_kv_heads);
+        let q = rope.apply(heads(linear(&self.wq, x.clone()), self.n_heads));
+        let k = rope.apply(heads(linear(&self.wk, x.clone()), self.n_kv_heads));
+        let v = heads(linear(&self.wv, x), self.n_kv_heads);
         let (k, v) = if self.repeat_kv {
             let group = self.n_heads / self.n_kv_heads;
             (repeat_kv_heads(k, group), repeat_kv_heads(v, group))
@@ -267,7 +292,7 @@ impl<B: Backend> Attention<B> {
             Some(positions) => attention_in_documents(q, k, v, positions, options),
             None => attention(q, k, v, None, None, options),
         };
-        self.wo.forward(output.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]))
+        linear(&self.wo, output.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]))
     }
 }
 
@@ -281,6 +306,6 @@ pub struct FeedForward<B: Backend> {
 impl<B: Backend> FeedForward<B> {
     /// SwiGLU: `down(silu(gate(x)) · up(x))`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down.forward(silu(self.gate.forward(x.clone())) * self.up.forward(x))
+        linear(&self.down, silu(linear(&self.gate, x.clone())) * linear(&self.up, x))
     }
 }

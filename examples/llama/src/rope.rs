@@ -5,7 +5,7 @@
 //! integer positions, in f64, so every rank gets bit-identical angles for the same position
 //! (no `max_sequence_length` cache either, which would cost memory at long contexts).
 
-use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn::tensor::{FloatDType, Tensor, TensorData, backend::Backend};
 use burn_ulysses::visibility::PositionIds;
 
 /// cos/sin tables `[batch | 1, 1, seq, head_dim / 2]`.
@@ -41,14 +41,17 @@ impl<B: Backend> RopeTables<B> {
     }
 
     /// Rotates `x: [batch, heads, seq, head_dim]` (the two halves of the head dim form the
-    /// pairs, as in Hugging Face's Llama).
+    /// pairs, as in Hugging Face's Llama), in f32 whatever `x`'s dtype (angles at long
+    /// context need f32's precision), returned in `x`'s dtype.
     pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let dtype = FloatDType::from(x.dtype());
+        let x = x.cast(FloatDType::F32);
         let [b, h, s, d] = x.dims();
         let half = d / 2;
         let x1 = x.clone().slice([0..b, 0..h, 0..s, 0..half]);
         let x2 = x.slice([0..b, 0..h, 0..s, half..d]);
         let rotated_1 = x1.clone() * self.cos.clone() - x2.clone() * self.sin.clone();
         let rotated_2 = x2 * self.cos.clone() + x1 * self.sin.clone();
-        Tensor::cat(vec![rotated_1, rotated_2], 3)
+        Tensor::cat(vec![rotated_1, rotated_2], 3).cast(dtype)
     }
 }

@@ -16,6 +16,7 @@ use burn_ulysses::{
     comm::all_gather_host_checked,
     data::{SequenceSharder, ShardPositions},
     layout::HeadPlan,
+    precision::Precision,
     train::{
         CausalLm, LayerCheckpointing, LmOutput, LocalStep, StepInput, StepReport, apply_step, backward_step, backward_step_checkpointed,
         broadcast_parameters,
@@ -71,6 +72,9 @@ pub struct TrainConfig {
     /// Whole-layer activation checkpointing (`None`: off).
     #[config(default = "None")]
     pub layer_checkpointing: Option<LayerCheckpointing>,
+    /// What the layers compute in; parameters and optimizer state are f32 either way.
+    #[config(default = "Precision::F32")]
+    pub precision: Precision,
 }
 
 impl TrainConfig {
@@ -276,6 +280,7 @@ where
     B: TrainBackend,
 {
     config.validate().map_err(UlyssesError::InvalidConfig)?;
+    let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?);
     let sharder = config.sharder();
     let optimizer = config.optimizer.init::<B, Llama<B>>();
     let (mut model, mut optimizer, first_step) = match &options.resume {
