@@ -5,7 +5,8 @@
 //! - one backward step: the loss within 1e-3 relative and every parameter's gradient within
 //!   1e-2 relative (L2) of f32's, yet not equal to them (the layers really ran in half
 //!   precision); every gradient f32; the attention exchanges moved exactly half the bytes;
-//! - three AdamW steps: losses within 1e-3 relative, parameters still f32 afterwards.
+//! - three AdamW steps, also with whole-layer checkpointing (offloaded) and the MLP in tiles
+//!   of 3 tokens: losses within 1e-3 relative, parameters still f32 afterwards.
 //!
 //! The tolerances are f16's: 11 significant bits (4.9e-4 per rounding) through two layers,
 //! the norms, RoPE, softmax statistics and loss being f32.
@@ -19,7 +20,7 @@ use burn_ulysses::{
     RankScope, UlyssesBackend, UlyssesConfig,
     comm::ThreadGroup,
     precision::Precision,
-    train::{ParallelGroups, ParallelLayout, StepInput, backward_step, float_parameters},
+    train::{LayerCheckpointing, ParallelGroups, ParallelLayout, StepInput, backward_step, float_parameters},
 };
 use ulysses_kernels::testing::runtime_available;
 use ulysses_llama::{
@@ -124,8 +125,7 @@ fn half_precision_training_keeps_f32_parameters_and_follows_f32_losses() {
     if !runtime_available::<Runtime>() {
         return;
     }
-    let run = |precision: Precision| {
-        let config = config(precision);
+    let run = |config: TrainConfig| {
         let mut ranks = ThreadGroup::new(2).run(|rank| {
             let groups: ParallelGroups<Wgpu> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
             let _sp = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
@@ -137,12 +137,16 @@ fn half_precision_training_keeps_f32_parameters_and_follows_f32_losses() {
         });
         ranks.swap_remove(0).unwrap_or_else(|p| panic!("{p}"))
     };
-    let ((full, _), (half, dtypes)) = with_deadline(std::time::Duration::from_secs(300), move || (run(Precision::F32), run(Precision::Bf16)));
-    for (step, (h, f)) in half.iter().zip(&full).enumerate() {
-        let error = ((h - f) / f).abs();
-        println!("step {step}: loss f32 {f:.6}, half {h:.6}: relative {error:.2e}");
+    let checkpointed = config(Precision::Bf16).with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(true).with_mlp_tile_tokens(Some(3))));
+    let ((full, _), (half, dtypes), (half_checkpointed, checkpointed_dtypes)) =
+        with_deadline(std::time::Duration::from_secs(300), move || (run(config(Precision::F32)), run(config(Precision::Bf16)), run(checkpointed)));
+    for (step, ((h, c), f)) in half.iter().zip(&half_checkpointed).zip(&full).enumerate() {
+        let (error, checkpointed_error) = (((h - f) / f).abs(), ((c - f) / f).abs());
+        println!("step {step}: loss f32 {f:.6}, half {h:.6} ({error:.2e}), half checkpointed + tiled {c:.6} ({checkpointed_error:.2e})");
         assert!(error <= LOSS_TOLERANCE, "step {step}: the loss differs by {error:e} relative");
+        assert!(checkpointed_error <= LOSS_TOLERANCE, "step {step}: checkpointed, the loss differs by {checkpointed_error:e} relative");
     }
+    assert_eq!(checkpointed_dtypes, dtypes);
     assert!(!dtypes.is_empty() && dtypes.iter().all(|&d| d == DType::F32), "parameters after training in half precision: {dtypes:?}");
 }
 

@@ -146,7 +146,11 @@ impl<B: Backend> Kept<B> {
     fn restore(self, device: &B::Device) -> Tensor<B, 3> {
         match self {
             Kept::Device(tensor) => tensor,
-            Kept::Host(data) => Tensor::from_data(data, device),
+            // In its own dtype: `from_data` alone would make an f32 tensor of a bf16 input.
+            Kept::Host(data) => {
+                let dtype = data.dtype;
+                Tensor::from_data(data, (device, dtype))
+            }
         }
     }
 }
