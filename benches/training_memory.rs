@@ -7,7 +7,7 @@
 //! cargo bench --bench training_memory -- [--seqs 512,1024,2048,4096] [--shape small|llama-8b]
 //!     [--layers N] [--documents LEN] [--longest-under BYTES --max-seq S]
 //!     [--checkpoint-layers [--offload-to-host] [--mlp-tile-tokens N]] [--precision f32|bf16]
-//!     [--ffn N]
+//!     [--ffn N] [--vocab N] [--pieces]
 //!
 //! Per S (ascending), one step at batch 1, printing:
 //! - `activations`: bytes in use once the forward and the loss are done, less the parameters
@@ -19,6 +19,9 @@
 //!   run, so it is a high-water mark over every S so far);
 //! - the ratio of `peak sampled` to the previous S's, against the ratio of the lengths
 //!   (linear growth: equal ratios).
+//!
+//! `--pieces` (with checkpointing) also prints the bytes held before each piece's backward:
+//! the head, then per layer the MLP tiles and the attention half.
 //!
 //! `--documents LEN` packs documents of `LEN` tokens (attention within each, RoPE positions
 //! restarting). `--longest-under BYTES` bisects (in multiples of 256 tokens, up to
@@ -50,6 +53,9 @@ struct Args {
     layers: Option<usize>,
     /// The MLP's hidden width, instead of the shape's.
     ffn: Option<usize>,
+    /// The vocabulary size, instead of the shape's (lavapipe cannot hold Llama-3's 128K
+    /// vocabulary's embedding in one buffer).
+    vocab: Option<usize>,
     precision: Precision,
     documents: Option<usize>,
     longest_under: Option<u64>,
@@ -57,6 +63,8 @@ struct Args {
     /// `None`: the plain backward; else whole-layer checkpointing, offloaded or not, the
     /// MLP tiled or not.
     checkpointing: Option<LayerCheckpointing>,
+    /// Print what is held before each piece's backward, not only the most.
+    pieces: bool,
 }
 
 fn args() -> Args {
@@ -69,6 +77,8 @@ fn args() -> Args {
         shape: value("--shape").unwrap_or_else(|| "small".into()),
         layers: number("--layers"),
         ffn: number("--ffn"),
+        vocab: number("--vocab"),
+        pieces: flag("--pieces"),
         precision: match value("--precision").as_deref() {
             None | Some("f32") => Precision::F32,
             Some("bf16") => Precision::Bf16,
@@ -104,6 +114,10 @@ fn model(args: &Args) -> LlamaConfig {
         Some(ffn) => config.with_ffn_hidden(ffn),
         None => config,
     };
+    let config = match args.vocab {
+        Some(vocab) => LlamaConfig { vocab_size: vocab, ..config },
+        None => config,
+    };
     match args.layers {
         Some(layers) => config.with_n_layers(layers),
         None => config,
@@ -137,7 +151,11 @@ fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> (u64,
         let tiles = checkpointing.mlp_tiles(ShardLengths { shortest: seq, longest: seq }).expect("checked in args");
         let (tokens, labels) = (shard.tokens::<Train>(device), shard.labels::<Train>(device));
         let (_, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, || {
-            most = most.max(in_use(device) - base)
+            let held = in_use(device) - base;
+            if args.pieces {
+                println!("    S {seq}: {held} bytes held before a piece's backward");
+            }
+            most = most.max(held)
         })
         .expect("the checkpointed step");
         let with_gradients = in_use(device) - base;

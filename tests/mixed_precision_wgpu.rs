@@ -8,8 +8,11 @@
 //! - three AdamW steps, also with whole-layer checkpointing (offloaded) and the MLP in tiles
 //!   of 3 tokens: losses within 1e-3 relative, parameters still f32 afterwards.
 //!
+//! - the norm alone against f64, where f16 squares would overflow; and what autodiff keeps of
+//!   it, measured on the device.
+//!
 //! The tolerances are f16's: 11 significant bits (4.9e-4 per rounding) through two layers,
-//! the norms, RoPE, softmax statistics and loss being f32.
+//! the norm and softmax statistics and the loss being f32.
 
 use burn::{
     backend::{Autodiff, NdArray},
@@ -31,7 +34,8 @@ use ulysses_suite::{VariedLengths, deterministic_params, gradient_params_dtypes,
 
 type Runtime = cubecl::wgpu::WgpuRuntime;
 type Wgpu = burn_cubecl::CubeBackend<Runtime, f32, i32, u32>;
-type Sp = UlyssesBackend<Autodiff<Wgpu>>;
+type Ad = Autodiff<Wgpu>;
+type Sp = UlyssesBackend<Ad>;
 
 const VOCAB: usize = 32;
 const LOSS_TOLERANCE: f64 = 1e-3;
@@ -155,4 +159,105 @@ fn bf16_on_a_backend_without_half_precision_is_refused_by_name() {
     let error = Precision::Bf16.compute_dtype::<NdArray>(&Default::default()).unwrap_err().to_string();
     assert!(error.contains("neither bf16 nor f16") && error.contains("--precision f32"), "{error}");
     assert_eq!(Precision::F32.compute_dtype::<NdArray>(&Default::default()).unwrap(), FloatDType::F32);
+}
+
+/// `precision::rms_norm` in f16 (what the layers run) against RMSNorm in f64: output, input
+/// gradient and gamma gradient within f16's tolerance, on rows of ordinary values, of values
+/// whose squares overflow f16 (|x| up to 3000: x² > 65504), of values below epsilon's scale,
+/// and of zeros. The input and gamma are f32 leaves cast inside, as in training.
+#[test]
+fn half_precision_rms_norm_follows_f64_where_f16_squares_would_overflow() {
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    const D: usize = 64;
+    const EPSILON: f64 = 1e-5;
+    let magnitudes = [1.0f64, 3.0e3, 2.0e-4, 0.0];
+    let x: Vec<f64> =
+        magnitudes.iter().enumerate().flat_map(|(row, m)| (0..D).map(move |i| m * (((i * 7 + row * 3) % 11) as f64 / 5.0 - 1.0))).collect();
+    let gamma: Vec<f64> = (0..D).map(|i| 0.5 + i as f64 / D as f64).collect();
+    let upstream: Vec<f64> = (0..x.len()).map(|i| ((i * 5) % 9) as f64 / 4.0 - 1.0).collect();
+
+    // f64 reference: y = x g r, r = (mean(x²) + eps)^-1/2;
+    // dx = r g u - x r³/D Σ_j u_j g_j x_j; dg = Σ_rows u x r.
+    let (mut want_y, mut want_dx, mut want_dg) = (vec![0.0; x.len()], vec![0.0; x.len()], vec![0.0; D]);
+    for row in 0..magnitudes.len() {
+        let xs = &x[row * D..(row + 1) * D];
+        let us = &upstream[row * D..(row + 1) * D];
+        let r = (xs.iter().map(|v| v * v).sum::<f64>() / D as f64 + EPSILON).powf(-0.5);
+        let dot: f64 = (0..D).map(|j| us[j] * gamma[j] * xs[j]).sum();
+        for j in 0..D {
+            want_y[row * D + j] = xs[j] * gamma[j] * r;
+            want_dx[row * D + j] = r * gamma[j] * us[j] - xs[j] * r.powi(3) / D as f64 * dot;
+            want_dg[j] += us[j] * xs[j] * r;
+        }
+    }
+
+    let device = Default::default();
+    let data = |values: &[f64], shape: Vec<usize>| burn::tensor::TensorData::new(values.iter().map(|&v| v as f32).collect::<Vec<_>>(), shape);
+    let mut norm = burn::nn::RmsNormConfig::new(D).with_epsilon(EPSILON).init::<Ad>(&device);
+    norm.gamma = norm.gamma.map(|_| burn::tensor::Tensor::from_data(data(&gamma, vec![D]), &device).require_grad());
+    let input = burn::tensor::Tensor::<Ad, 2>::from_data(data(&x, vec![magnitudes.len(), D]), &device).require_grad();
+    let y = burn_ulysses::precision::rms_norm(&norm, input.clone().cast(FloatDType::F16));
+    assert_eq!(y.dtype(), DType::F16);
+    let y = y.cast(FloatDType::F32);
+    let grads = (y.clone() * burn::tensor::Tensor::from_data(data(&upstream, vec![magnitudes.len(), D]), &device)).sum().backward();
+    let values = |t: burn::tensor::Tensor<Wgpu, 2>| t.into_data().to_vec::<f32>().unwrap();
+    let got_y = values(y.inner());
+    let got_dx = values(input.grad(&grads).unwrap());
+    let got_dg: Vec<f32> = norm.gamma.grad(&grads).unwrap().into_data().to_vec().unwrap();
+
+    let f32s = |v: &[f64]| v.iter().map(|&v| v as f32).collect::<Vec<_>>();
+    // Row by row: each row's error against its own scale (the rows differ by 10^7).
+    for (what, got, want) in [("output", &got_y, &want_y), ("input gradient", &got_dx, &want_dx)] {
+        for row in 0..magnitudes.len() {
+            let (got, want) = (&got[row * D..(row + 1) * D], f32s(&want[row * D..(row + 1) * D]));
+            let error = if want.iter().all(|&w| w == 0.0) {
+                // The zero row's output is 0; its input gradient is r·g·u, checked like the rest.
+                if got.iter().all(|&g| g == 0.0) { 0.0 } else { f64::INFINITY }
+            } else {
+                relative_l2(got, &want)
+            };
+            println!("{what}, rows of magnitude {:e}: relative L2 error {error:.2e}", magnitudes[row]);
+            assert!(error <= GRADIENT_TOLERANCE, "{what}, row {row} (magnitude {:e}): relative L2 error {error:e}", magnitudes[row]);
+        }
+    }
+    let error = relative_l2(&got_dg, &f32s(&want_dg));
+    println!("gamma gradient: relative L2 error {error:.2e}");
+    assert!(error <= GRADIENT_TOLERANCE, "gamma gradient: relative L2 error {error:e}");
+}
+
+/// What autodiff keeps of `precision::rms_norm` in f16, per token, measured on the device:
+/// the input, its pre-scaled copy, the normalised rows and the output, all f16 (4 × 2 bytes
+/// per feature), and a few bytes of per-row statistics. Computing the norm in f32 kept 48 bytes per feature (6 f16 tensors' worth),
+/// and so did a pre-scaling whose statistics formed a graph of their own.
+#[test]
+fn half_precision_rms_norm_keeps_only_half_precision_copies_for_the_backward() {
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    const D: usize = 512;
+    let device: <Runtime as cubecl::Runtime>::Device = Default::default();
+    let in_use = || {
+        let client = <Runtime as cubecl::Runtime>::client(&device);
+        cubecl::future::block_on(client.sync()).expect("the device failed");
+        client.memory_usage().expect("memory usage").bytes_in_use
+    };
+    let norm = burn::nn::RmsNormConfig::new(D).init::<Ad>(&device);
+    let held = |tokens: usize| {
+        let base = in_use();
+        let input = burn::tensor::Tensor::<Ad, 3>::random([1, tokens, D], burn::tensor::Distribution::Default, &device)
+            .cast(FloatDType::F16)
+            .require_grad();
+        let output = burn_ulysses::precision::rms_norm(&norm, input.clone());
+        let held = in_use() - base;
+        let _ = output.cast(FloatDType::F32).sum().backward();
+        held
+    };
+    let (short, long) = (held(1024), held(2048));
+    let per_token = (long - short) as f64 / 1024.0;
+    println!("held per token: {per_token} bytes ({} bytes per feature)", per_token / D as f64);
+    // Besides the four rows, a few per-row statistics (scales, inverse RMS: bytes per token).
+    let rows = (4 * 2 * D) as f64;
+    assert!(per_token >= rows && per_token <= rows + 32.0, "the f16 norm keeps {per_token} bytes per token for its backward, not {rows} and a few statistics");
 }

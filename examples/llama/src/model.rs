@@ -8,8 +8,9 @@
 //! `attention_in_documents`, which keeps every token inside its document.
 //!
 //! Mixed precision ([`Llama::with_compute_dtype`]): the hidden states are cast to the compute
-//! dtype after the embedding and every op follows them (`burn_ulysses::precision`); norms
-//! and RoPE run in f32, and the final hidden states go back to f32 for the head and the loss.
+//! dtype after the embedding and every op follows them (`burn_ulysses::precision`; norm
+//! statistics in f32). The head and the loss compute in f32 from the last hidden states, a
+//! chunk of rows at a time (`lm_output`), or all at once (`forward`, `hidden`).
 
 use burn::{
     config::Config,
@@ -134,7 +135,7 @@ impl<B: Backend> LayeredLm<B> for Llama<B> {
     type Context = LlamaContext<B>;
 
     fn context(&self, positions: &ShardPositions, device: &B::Device) -> LlamaContext<B> {
-        let rope = RopeTables::at(&positions.ids, self.head_dim, self.rope_theta, device);
+        let rope = RopeTables::at(&positions.ids, self.head_dim, self.rope_theta, device).in_dtype(self.compute_dtype);
         LlamaContext { rope, documents: positions.packed.then(|| positions.ids.clone()) }
     }
 
@@ -187,15 +188,16 @@ impl<B: Backend> Llama<B> {
     }
 
     /// The normalised last hidden states `[batch, seq, d_model]` that `lm_head` projects to
-    /// logits.
+    /// logits, in f32 like the head.
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
         let context = self.context(positions, &tokens.device());
-        self.final_norm(self.layers(self.embed(tokens, &context), &context))
+        self.final_norm(self.layers(self.embed(tokens, &context), &context)).cast(FloatDType::F32)
     }
 
-    /// The last norm, in f32 like the head and the loss after it.
+    /// The last norm, in the compute dtype (the chunked loss computes each chunk's logits in
+    /// the head's f32).
     fn final_norm(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.norm.forward(hidden.cast(FloatDType::F32))
+        rms_norm(&self.norm, hidden)
     }
 
     fn layers(&self, mut x: Tensor<B, 3>, context: &LlamaContext<B>) -> Tensor<B, 3> {

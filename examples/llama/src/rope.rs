@@ -40,18 +40,26 @@ impl<B: Backend> RopeTables<B> {
         Self { cos: table(cos), sin: table(sin) }
     }
 
+    /// The tables in `dtype` (the compute dtype), cast once rather than at every use.
+    pub fn in_dtype(self, dtype: FloatDType) -> Self {
+        Self { cos: self.cos.cast(dtype), sin: self.sin.cast(dtype) }
+    }
+
     /// Rotates `x: [batch, heads, seq, head_dim]` (the two halves of the head dim form the
-    /// pairs, as in Hugging Face's Llama), in f32 whatever `x`'s dtype (angles at long
-    /// context need f32's precision), returned in `x`'s dtype.
+    /// pairs, as in Hugging Face's Llama) in `x`'s dtype, as Hugging Face does: the angles
+    /// are exact (f64 on the host), and in bf16 only their cos and sin are rounded. In f32
+    /// the backward would keep nothing more, but the forward would make f32 copies of q,
+    /// several at a time: at long context, a peak of its own.
     pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        // No-op casts when the tables are already in x's dtype (`in_dtype`).
         let dtype = FloatDType::from(x.dtype());
-        let x = x.cast(FloatDType::F32);
+        let (cos, sin) = (self.cos.clone().cast(dtype), self.sin.clone().cast(dtype));
         let [b, h, s, d] = x.dims();
         let half = d / 2;
         let x1 = x.clone().slice([0..b, 0..h, 0..s, 0..half]);
         let x2 = x.slice([0..b, 0..h, 0..s, half..d]);
-        let rotated_1 = x1.clone() * self.cos.clone() - x2.clone() * self.sin.clone();
-        let rotated_2 = x2 * self.cos.clone() + x1 * self.sin.clone();
-        Tensor::cat(vec![rotated_1, rotated_2], 3).cast(dtype)
+        let rotated_1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
+        let rotated_2 = x2 * cos + x1 * sin;
+        Tensor::cat(vec![rotated_1, rotated_2], 3)
     }
 }

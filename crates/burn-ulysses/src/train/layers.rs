@@ -228,11 +228,14 @@ where
             mixed_upstream.push(upstream_of(&tile, &grads, "a layer's token-wise half")?);
             accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
         }
-        drop(mixed_values);
+        // The layer's output gradient is in the tiles' now: not kept through the backward.
+        drop((mixed_values, upstream));
+        let seed = (mixed * Tensor::from_inner(Tensor::cat(mixed_upstream, 1))).sum();
+        probe();
         // The tiles' backwards had no collective; this one has. Peers that are threads of
         // this process must not be inside it while this rank still runs tiles.
         crate::context::sync_thread_ranks::<B::Wire>()?;
-        let grads = (mixed * Tensor::from_inner(Tensor::cat(mixed_upstream, 1))).sum().backward();
+        let grads = seed.backward();
         upstream = upstream_of(&input, &grads, "a layer's sequence-mixing half")?;
         accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
     }

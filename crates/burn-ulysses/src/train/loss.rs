@@ -9,7 +9,7 @@
 //! term whose value is exactly zero.
 
 use burn::tensor::{
-    Int, Tensor,
+    FloatDType, Int, Tensor,
     activation::log_softmax,
     backend::{AutodiffBackend, Backend},
     IndexingUpdateOp,
@@ -20,6 +20,9 @@ pub enum LmOutput<B: Backend> {
     /// `[batch, seq, vocab]` logits.
     Logits(Tensor<B, 3>),
     /// `[batch, seq, d_model]` last hidden states and the projection that makes them logits.
+    /// The hidden states may be in a half dtype: the logits, the softmax and the loss are
+    /// computed in the head's dtype a chunk at a time, and what the backward keeps of them
+    /// stays in the hidden states' dtype.
     Hidden { hidden: Tensor<B, 3>, head: OutputHead<B> },
 }
 
@@ -100,9 +103,10 @@ pub fn chunked_linear_cross_entropy_sum<B: AutodiffBackend>(
     let HeadGrads { hidden: hidden_grads, weight: weight_grad, bias: bias_grad } = grads.expect("asked for gradients");
 
     // `surrogate`'s gradient is the one computed above; `surrogate - surrogate.detach()` is
-    // exactly zero, so the result's value is the loss and its gradient the surrogate's.
+    // exactly zero, so the result's value is the loss and its gradient the surrogate's. The
+    // products are summed in f32: a half-precision sum could overflow, and inf - inf is NaN.
     let hidden_grad = Tensor::from_inner(Tensor::cat(hidden_grads, 0));
-    let mut surrogate = (hidden * hidden_grad).sum() + (head.weight * Tensor::from_inner(weight_grad)).sum();
+    let mut surrogate = (hidden * hidden_grad).cast(FloatDType::F32).sum() + (head.weight * Tensor::from_inner(weight_grad)).sum();
     if let Some(bias) = head.bias {
         surrogate = surrogate + (bias * Tensor::from_inner(bias_grad.squeeze_dim::<1>(0))).sum();
     }
@@ -122,7 +126,8 @@ pub fn linear_cross_entropy_sum<B: Backend>(
 }
 
 /// Gradients of the summed loss with respect to the hidden states (one tensor per chunk of
-/// rows), the head's weight and its bias (`[1, vocab]`), summed over the chunks so far.
+/// rows, in the hidden states' dtype), the head's weight and its bias (`[1, vocab]`), summed
+/// over the chunks so far.
 struct HeadGrads<B: Backend> {
     hidden: Vec<Tensor<B, 2>>,
     weight: Tensor<B, 2>,
@@ -130,9 +135,10 @@ struct HeadGrads<B: Backend> {
 }
 
 impl<B: Backend> HeadGrads<B> {
-    /// Adds one chunk, given its hidden states and `d loss / d logits`.
-    fn add_chunk(mut self, chunk: Tensor<B, 2>, logits_grad: Tensor<B, 2>, weight: &Tensor<B, 2>) -> Self {
-        self.hidden.push(logits_grad.clone().matmul(weight.clone().transpose()));
+    /// Adds one chunk, given its hidden states (in the head's dtype), `d loss / d logits` and
+    /// the hidden states' own dtype.
+    fn add_chunk(mut self, chunk: Tensor<B, 2>, logits_grad: Tensor<B, 2>, weight: &Tensor<B, 2>, hidden_dtype: FloatDType) -> Self {
+        self.hidden.push(logits_grad.clone().matmul(weight.clone().transpose()).cast(hidden_dtype));
         self.weight = self.weight + chunk.transpose().matmul(logits_grad.clone());
         self.bias = self.bias + logits_grad.sum_dim(0);
         self
@@ -161,6 +167,7 @@ fn chunked_loss<B: Backend>(
         labels.dims()
     );
     let device = hidden.device();
+    let (hidden_dtype, head_dtype) = (FloatDType::from(hidden.dtype()), FloatDType::from(head.weight.dtype()));
     let weight = head.weight;
     let bias = head.bias.map(|b| b.unsqueeze_dim::<2>(0));
 
@@ -173,7 +180,7 @@ fn chunked_loss<B: Backend>(
     });
     for start in (0..rows).step_by(chunk_rows) {
         let end = (start + chunk_rows).min(rows);
-        let chunk = hidden.clone().narrow(0, start, end - start);
+        let chunk = hidden.clone().narrow(0, start, end - start).cast(head_dtype);
         let chunk_labels = labels.clone().narrow(0, start, end - start);
         let mut logits = chunk.clone().matmul(weight.clone());
         if let Some(bias) = &bias {
@@ -189,7 +196,7 @@ fn chunked_loss<B: Backend>(
             // d loss / d logits = softmax - one_hot(label), zero on ignored rows.
             let minus_one = Tensor::full([end - start, 1], -1.0, &device);
             let logits_grad = log_probs.exp().scatter(1, targets, minus_one, IndexingUpdateOp::Add) * valid;
-            grads = Some(sums.add_chunk(chunk, logits_grad, &weight));
+            grads = Some(sums.add_chunk(chunk, logits_grad, &weight, hidden_dtype));
         }
     }
     (loss, grads)
