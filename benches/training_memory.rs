@@ -79,11 +79,7 @@ fn args() -> Args {
         ffn: number("--ffn"),
         vocab: number("--vocab"),
         pieces: flag("--pieces"),
-        precision: match value("--precision").as_deref() {
-            None | Some("f32") => Precision::F32,
-            Some("bf16") => Precision::Bf16,
-            Some(other) => panic!("--precision takes f32 or bf16, got {other}"),
-        },
+        precision: value("--precision").map_or(Precision::F32, |v| v.parse().unwrap_or_else(|e| panic!("--precision: {e}"))),
         documents: number("--documents"),
         longest_under: number("--longest-under").map(|b| b as u64),
         max_seq: number("--max-seq").unwrap_or(4096),
@@ -125,9 +121,7 @@ fn model(args: &Args) -> LlamaConfig {
 }
 
 fn in_use(device: &Device) -> u64 {
-    let client = <Runtime as cubecl::Runtime>::client(device);
-    cubecl::future::block_on(client.sync()).expect("the device failed");
-    client.memory_usage().expect("memory usage").bytes_in_use
+    ulysses_kernels::testing::bytes_in_use::<Runtime>(device)
 }
 
 fn reserved(device: &Device) -> u64 {

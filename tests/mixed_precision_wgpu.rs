@@ -25,7 +25,7 @@ use burn_ulysses::{
     precision::Precision,
     train::{LayerCheckpointing, ParallelGroups, ParallelLayout, StepInput, backward_step, float_parameters},
 };
-use ulysses_kernels::testing::runtime_available;
+use ulysses_kernels::testing::{bytes_in_use, runtime_available};
 use ulysses_llama::{
     LlamaConfig,
     train::{RunOptions, StepData, TrainConfig, train_rank},
@@ -238,11 +238,7 @@ fn half_precision_rms_norm_keeps_only_half_precision_copies_for_the_backward() {
     }
     const D: usize = 512;
     let device: <Runtime as cubecl::Runtime>::Device = Default::default();
-    let in_use = || {
-        let client = <Runtime as cubecl::Runtime>::client(&device);
-        cubecl::future::block_on(client.sync()).expect("the device failed");
-        client.memory_usage().expect("memory usage").bytes_in_use
-    };
+    let in_use = || bytes_in_use::<Runtime>(&device);
     let norm = burn::nn::RmsNormConfig::new(D).init::<Ad>(&device);
     let held = |tokens: usize| {
         let base = in_use();

@@ -66,8 +66,16 @@ mod stats {
     }
 }
 
-/// For tests: whether a CubeCL runtime has a device here.
+/// For tests and benches: whether a CubeCL runtime has a device here, and its memory in use.
 pub mod testing {
+    /// Bytes the allocator of runtime `R` has handed out on `device`, once the work queued
+    /// so far has run (freed buffers then count no more).
+    pub fn bytes_in_use<R: cubecl::Runtime>(device: &R::Device) -> u64 {
+        let client = R::client(device);
+        cubecl::future::block_on(client.sync()).expect("the device failed");
+        client.memory_usage().expect("memory usage").bytes_in_use
+    }
+
     /// Whether runtime `R` can create a client on its default device. When it cannot, this
     /// prints why and returns false, unless `ULYSSES_REQUIRE_GPU_RUNTIME=1` (CI sets it after
     /// installing lavapipe), where it panics.

@@ -36,6 +36,19 @@ pub enum Precision {
     Bf16,
 }
 
+/// `f32` or `bf16`, as the trainer's and the memory bench's `--precision` take it.
+impl std::str::FromStr for Precision {
+    type Err = String;
+
+    fn from_str(value: &str) -> Result<Self, String> {
+        match value {
+            "f32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            other => Err(format!("{other}: the precisions are f32 and bf16")),
+        }
+    }
+}
+
 impl Precision {
     /// The compute dtype on `device`, or an error naming the device when it has neither
     /// bf16 nor f16 (NdArray, for one).
@@ -70,12 +83,13 @@ pub fn linear<B: Backend, const D: usize>(linear: &Linear<B>, x: Tensor<B, D>) -
 /// In f32 this is burn's norm. In bf16/f16 what autodiff keeps matters at long context: per
 /// token and feature, input and output included, the norm computed in f32 keeps 12 bytes
 /// (f32 copies of the input and of the normalised rows), burn's norm 10 (an f32 copy for its
-/// squares), this form 8 (`tests/mixed_precision_wgpu.rs` measures it on the device). Here
-/// the input is first scaled, per row, by a constant `s ≈
-/// 1 / rms(x)` computed in f32 outside the graph, so its squares are near 1 (no f16
-/// overflow, no bf16 loss of range); then RMSNorm of `x · s` with `eps · s²` in place of
-/// `eps` is exactly RMSNorm of `x`, values and gradients (`mean((x s)²) + eps s² = s² (mean(x²)
-/// + eps)`), while the graph keeps only `x · s` and the normalised rows, both in `x`'s dtype.
+/// squares), this form 8 (`tests/mixed_precision_wgpu.rs` measures it on the device).
+///
+/// Here the input is first scaled, per row, by a constant `s ≈ 1 / rms(x)` computed in f32
+/// outside the graph, so its squares are near 1 (no f16 overflow, no bf16 loss of range);
+/// then RMSNorm of `x · s` with `eps · s²` in place of `eps` is exactly RMSNorm of `x`,
+/// values and gradients (`mean((x s)²) + eps s² = s² (mean(x²) + eps)`), while the graph
+/// keeps only `x · s` and the normalised rows, both in `x`'s dtype.
 pub fn rms_norm<B: Backend, const D: usize>(norm: &RmsNorm<B>, x: Tensor<B, D>) -> Tensor<B, D> {
     match FloatDType::from(x.dtype()) {
         FloatDType::F32 | FloatDType::F64 => norm.forward(x),

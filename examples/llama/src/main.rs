@@ -140,8 +140,8 @@ struct Args {
     #[arg(long, requires = "checkpoint_layers", value_name = "TOKENS")]
     mlp_tile_tokens: Option<usize>,
     /// What the layers compute in: f32, or bf16 (f16 where the device has no bf16; not on
-    /// NdArray) with f32 master weights, norms, softmax statistics and loss.
-    #[arg(long, default_value = "f32", value_parser = parse_precision)]
+    /// NdArray) with f32 master weights, norm and softmax statistics and loss.
+    #[arg(long, default_value = "f32")]
     precision: Precision,
     #[arg(long, default_value_t = 128)]
     d_model: usize,
@@ -503,13 +503,5 @@ impl Progress for RunLog {
 
     fn checkpoint(&mut self, step: usize, path: &Path) {
         tracing::debug!(step, path = %path.display(), "checkpoint written");
-    }
-}
-
-fn parse_precision(value: &str) -> Result<Precision, String> {
-    match value {
-        "f32" => Ok(Precision::F32),
-        "bf16" => Ok(Precision::Bf16),
-        other => Err(format!("{other}: the precisions are f32 and bf16")),
     }
 }
