@@ -6,7 +6,7 @@
 //!
 //! cargo bench --bench training_memory -- [--seqs 512,1024,2048,4096] [--shape small|llama-8b]
 //!     [--layers N] [--documents LEN] [--longest-under BYTES --max-seq S]
-//!     [--checkpoint-layers [--offload-to-host] [--mlp-tile-tokens N]] [--precision f32|bf16]
+//!     [--checkpoint-layers [--offload-to-host] [--tile-tokens N]] [--precision f32|bf16]
 //!     [--ffn N] [--vocab N] [--pieces]
 //!
 //! Per S (ascending), one step at batch 1, printing:
@@ -21,7 +21,8 @@
 //!   (linear growth: equal ratios).
 //!
 //! `--pieces` (with checkpointing) also prints the bytes held before each piece's backward:
-//! the head, then per layer the MLP tiles and the attention half.
+//! the head, then per layer its after-core tiles, its attention core and its before-core
+//! tiles (`burn_ulysses::train::Piece`), then the embedding.
 //!
 //! `--documents LEN` packs documents of `LEN` tokens (attention within each, RoPE positions
 //! restarting). `--longest-under BYTES` bisects (in multiples of 256 tokens, up to
@@ -36,7 +37,7 @@ use burn_ulysses::{
     UlyssesBackend,
     data::SequenceSharder,
     precision::Precision,
-    train::{LayerCheckpointing, ShardLengths, checkpointed_backward, lm_loss_sum},
+    train::{LayerCheckpointing, Piece, ShardLengths, checkpointed_backward, lm_loss_sum},
 };
 use ulysses_llama::LlamaConfig;
 
@@ -61,7 +62,7 @@ struct Args {
     longest_under: Option<u64>,
     max_seq: usize,
     /// `None`: the plain backward; else whole-layer checkpointing, offloaded or not, the
-    /// MLP tiled or not.
+    /// token-wise parts tiled or not.
     checkpointing: Option<LayerCheckpointing>,
     /// Print what is held before each piece's backward, not only the most.
     pieces: bool,
@@ -84,10 +85,10 @@ fn args() -> Args {
         longest_under: number("--longest-under").map(|b| b as u64),
         max_seq: number("--max-seq").unwrap_or(4096),
         checkpointing: {
-            let tile_tokens = number("--mlp-tile-tokens");
-            let checkpointing = flag("--checkpoint-layers").then(|| LayerCheckpointing::new().with_offload_to_host(flag("--offload-to-host")).with_mlp_tile_tokens(tile_tokens));
+            let tile_tokens = number("--tile-tokens");
+            let checkpointing = flag("--checkpoint-layers").then(|| LayerCheckpointing::new().with_offload_to_host(flag("--offload-to-host")).with_tile_tokens(tile_tokens));
             if checkpointing.is_none() && (tile_tokens.is_some() || flag("--offload-to-host")) {
-                panic!("--offload-to-host and --mlp-tile-tokens work inside --checkpoint-layers: add it");
+                panic!("--offload-to-host and --tile-tokens work inside --checkpoint-layers: add it");
             }
             if let Some(checkpointing) = &checkpointing {
                 checkpointing.check().unwrap_or_else(|e| panic!("{e}"));
@@ -142,16 +143,24 @@ fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> (u64,
     let base = in_use(device);
     if let Some(checkpointing) = checkpointing {
         let mut most = 0;
-        let tiles = checkpointing.mlp_tiles(ShardLengths { shortest: seq, longest: seq }).expect("checked in args");
+        let tiles = checkpointing.tiles(ShardLengths { shortest: seq, longest: seq }).expect("checked in args");
         let (tokens, labels) = (shard.tokens::<Train>(device), shard.labels::<Train>(device));
-        let (_, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, || {
+        // The most held before each piece's backward, a piece's tiles as one.
+        let mut pieces: Vec<(Piece, u64)> = Vec::new();
+        let (_, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, |piece| {
             let held = in_use(device) - base;
-            if args.pieces {
-                println!("    S {seq}: {held} bytes held before a piece's backward");
+            match pieces.last_mut() {
+                Some((last, most)) if *last == piece => *most = (*most).max(held),
+                _ => pieces.push((piece, held)),
             }
             most = most.max(held)
         })
         .expect("the checkpointed step");
+        if args.pieces {
+            for (piece, held) in pieces {
+                println!("    S {seq}: {held:>14} bytes held before the backward of {piece:?}");
+            }
+        }
         let with_gradients = in_use(device) - base;
         drop(grads);
         drop(model);
@@ -185,7 +194,7 @@ fn main() {
         parameters as f64 / 1e6,
         args.documents.map_or(String::new(), |len| format!(", packed documents of {len} tokens"))
             + &args.checkpointing.as_ref().map_or(String::new(), |c| {
-                let tiling = c.mlp_tile_tokens.map_or(String::new(), |tokens| format!(", MLP in tiles of {tokens} tokens"));
+                let tiling = c.tile_tokens.map_or(String::new(), |tokens| format!(", token-wise parts in tiles of {tokens} tokens"));
                 format!(", layer checkpointing (inputs on the {}{tiling})", if c.offload_to_host { "host" } else { "device" })
             })
     );

@@ -26,8 +26,8 @@ if [ -x "$here/training-memory-bench" ]; then
     "$here/training-memory-bench" --seqs 4096,8192,16384,32768,65536 --checkpoint-layers --offload-to-host 2>&1 | tee -a "$out/training-memory.log"
     "$here/training-memory-bench" --shape llama-8b --layers 4 --longest-under 70000000000 --max-seq 1048576 2>&1 | tee -a "$out/training-memory.log"
     "$here/training-memory-bench" --shape llama-8b --layers 4 --longest-under 70000000000 --max-seq 1048576 --checkpoint-layers --offload-to-host 2>&1 | tee -a "$out/training-memory.log"
-    # Everything ALST uses: checkpointing offloaded, the MLP in tiles of d_model tokens, bf16.
-    "$here/training-memory-bench" --shape llama-8b --layers 2 --longest-under 70000000000 --max-seq 2097152 --checkpoint-layers --offload-to-host --mlp-tile-tokens 4096 --precision bf16 2>&1 | tee -a "$out/training-memory.log"
+    # Everything ALST uses: checkpointing offloaded, the token-wise parts in tiles of d_model tokens, bf16.
+    "$here/training-memory-bench" --shape llama-8b --layers 2 --longest-under 70000000000 --max-seq 2097152 --checkpoint-layers --offload-to-host --tile-tokens 4096 --precision bf16 2>&1 | tee -a "$out/training-memory.log"
 fi
 if [ -x "$here/ulysses-nccl-check" ]; then
     "$here/ulysses-launch" --nproc-per-node 1 -- "$here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check-1.log"

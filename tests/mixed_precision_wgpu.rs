@@ -5,8 +5,8 @@
 //! - one backward step: the loss within 1e-3 relative and every parameter's gradient within
 //!   1e-2 relative (L2) of f32's, yet not equal to them (the layers really ran in half
 //!   precision); every gradient f32; the attention exchanges moved exactly half the bytes;
-//! - three AdamW steps, also with whole-layer checkpointing (offloaded) and the MLP in tiles
-//!   of 3 tokens: losses within 1e-3 relative, parameters still f32 afterwards.
+//! - three AdamW steps, also with whole-layer checkpointing (offloaded) and the token-wise
+//!   parts in tiles of 3 tokens: losses within 1e-3 relative, parameters still f32 afterwards.
 //!
 //! - the norm alone against f64, where f16 squares would overflow; and what autodiff keeps of
 //!   it, measured on the device.
@@ -141,7 +141,7 @@ fn half_precision_training_keeps_f32_parameters_and_follows_f32_losses() {
         });
         ranks.swap_remove(0).unwrap_or_else(|p| panic!("{p}"))
     };
-    let checkpointed = config(Precision::Bf16).with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(true).with_mlp_tile_tokens(Some(3))));
+    let checkpointed = config(Precision::Bf16).with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(true).with_tile_tokens(Some(3))));
     let ((full, _), (half, dtypes), (half_checkpointed, checkpointed_dtypes)) =
         with_deadline(std::time::Duration::from_secs(300), move || (run(config(Precision::F32)), run(config(Precision::Bf16)), run(checkpointed)));
     for (step, ((h, c), f)) in half.iter().zip(&half_checkpointed).zip(&full).enumerate() {

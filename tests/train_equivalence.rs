@@ -312,14 +312,14 @@ fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
 }
 
 /// Whole-layer activation checkpointing (layers re-run in the backward from their kept
-/// inputs, on the device and offloaded to the host), alone and with the MLP in sequence
-/// tiles, takes the same 5 AdamW steps as the plain backward at SP 1, 2 and 4, and with
+/// inputs, on the device and offloaded to the host), alone and with the token-wise parts
+/// (all but the attention core) in sequence tiles, takes the same 5 AdamW steps as the plain backward at SP 1, 2 and 4, and with
 /// packed documents at SP 2. Tiles of 3 tokens cut shards of 16, 8 and 4 tokens unevenly.
 #[test]
 fn layer_checkpointing_trains_like_the_plain_backward() {
     use burn_ulysses::train::LayerCheckpointing;
     let checkpointed = |config: TrainConfig, offload: bool, tile_tokens: Option<usize>| {
-        config.with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(offload).with_mlp_tile_tokens(tile_tokens)))
+        config.with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(offload).with_tile_tokens(tile_tokens)))
     };
     let runs = with_deadline(Duration::from_secs(100), move || {
         let mut single = config(ParallelLayout::new(), 1);
@@ -340,7 +340,7 @@ fn layer_checkpointing_trains_like_the_plain_backward() {
                 ("plain, one device", plain),
                 vec![
                     ("checkpointed, one device", one),
-                    ("checkpointed + tiled MLP, one device", one_tiled),
+                    ("checkpointed + tiled, one device", one_tiled),
                     ("checkpointed SP=2, offloaded", sp2),
                     ("checkpointed + tiled SP=2 GAS=2, offloaded", sp2_tiled),
                     ("checkpointed SP=4", sp4),
@@ -361,8 +361,8 @@ fn layer_checkpointing_trains_like_the_plain_backward() {
     }
 }
 
-/// The gradients of one checkpointed backward (every layer re-run from its input; the MLP
-/// whole, in 4 uneven tiles of a 13-token shard, and in 13 one-token tiles; inputs on the
+/// The gradients of one checkpointed backward (every layer re-run from its input; its
+/// token-wise parts whole, in 4 uneven tiles of a 13-token shard, and in 13 one-token tiles; inputs on the
 /// device and on the host) equal those of one plain backward through the same model,
 /// parameter by parameter.
 #[test]
@@ -383,7 +383,7 @@ fn checkpointed_gradients_equal_the_plain_backward() {
     for (offload, tiles) in [(false, 1), (true, 4), (false, 13)] {
         let checkpointing = LayerCheckpointing::new().with_offload_to_host(offload);
         let (loss, grads) =
-            checkpointed_backward(&model, shard.tokens(&device), shard.labels(&device), &shard.positions, weight, -100, &checkpointing, tiles, || {}).unwrap();
+            checkpointed_backward(&model, shard.tokens(&device), shard.labels(&device), &shard.positions, weight, -100, &checkpointing, tiles, |_| {}).unwrap();
         let checkpointed = gradient_params_values(&model, &grads);
         assert_eq!(checkpointed.len(), plain.len());
         let loss_diff = (loss - plain_loss).abs() as f32;
@@ -392,36 +392,36 @@ fn checkpointed_gradients_equal_the_plain_backward() {
             let diff = max_abs_diff(got, want);
             assert!(diff <= TOLERANCE, "{tiles} tiles, offload {offload}: the gradient of {name} differs by {diff:e}");
         }
-        println!("{tiles:>2} MLP tile(s), offload {offload:>5}: {} parameter gradients within {TOLERANCE:e}", plain.len());
+        println!("{tiles:>2} tile(s), offload {offload:>5}: {} parameter gradients within {TOLERANCE:e}", plain.len());
     }
 }
 
 /// Tile settings that cannot work are refused with the reason, before any layer runs: a
 /// tile of 0 tokens, and more tiles than the shard has tokens.
 #[test]
-fn impossible_mlp_tiles_are_refused_before_the_step() {
+fn impossible_tiles_are_refused_before_the_step() {
     use burn_ulysses::train::{LayerCheckpointing, ShardLengths, checkpointed_backward};
-    let zero = LayerCheckpointing::new().with_mlp_tile_tokens(Some(0));
+    let zero = LayerCheckpointing::new().with_tile_tokens(Some(0));
     let message = zero.check().unwrap_err().to_string();
-    assert!(message.contains("mlp_tile_tokens is 0"), "{message}");
+    assert!(message.contains("tile_tokens is 0"), "{message}");
     let mut config = config(ParallelLayout::new(), 1);
     config.layer_checkpointing = Some(zero);
     let message = config.validate().unwrap_err();
-    assert!(message.contains("--mlp-tile-tokens"), "{message}");
+    assert!(message.contains("--tile-tokens"), "{message}");
 
     // The agreed count never exceeds the shortest shard.
-    let tiling = LayerCheckpointing::new().with_mlp_tile_tokens(Some(2));
-    assert_eq!(tiling.mlp_tiles(ShardLengths { shortest: 3, longest: 40 }).unwrap(), 3);
-    assert_eq!(tiling.mlp_tiles(ShardLengths { shortest: 40, longest: 41 }).unwrap(), 21);
-    assert_eq!(LayerCheckpointing::new().mlp_tiles(ShardLengths { shortest: 1, longest: 9 }).unwrap(), 1);
+    let tiling = LayerCheckpointing::new().with_tile_tokens(Some(2));
+    assert_eq!(tiling.tiles(ShardLengths { shortest: 3, longest: 40 }).unwrap(), 3);
+    assert_eq!(tiling.tiles(ShardLengths { shortest: 40, longest: 41 }).unwrap(), 21);
+    assert_eq!(LayerCheckpointing::new().tiles(ShardLengths { shortest: 1, longest: 9 }).unwrap(), 1);
 
     let device = Default::default();
     let model = config.model.with_repeat_kv(true).init::<Reference>(&device);
     let shard = SequenceSharder::new(1).shard(&[vec![1, 2, 3, 4, 5]], 0);
     let tiles = shard.local_len + 1;
-    let error = checkpointed_backward(&model, shard.tokens(&device), shard.labels(&device), &shard.positions, 1.0, -100, &tiling, tiles, || {})
+    let error = checkpointed_backward(&model, shard.tokens(&device), shard.labels(&device), &shard.positions, 1.0, -100, &tiling, tiles, |_| {})
         .err()
         .expect("more tiles than tokens");
-    let expected = format!("{tiles} MLP tiles for a shard of {} tokens", shard.local_len);
+    let expected = format!("{tiles} tiles for a shard of {} tokens", shard.local_len);
     assert!(error.to_string().contains(&expected), "{error}");
 }

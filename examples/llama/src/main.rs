@@ -135,10 +135,11 @@ struct Args {
     /// With --checkpoint-layers, keep the layer inputs in host memory.
     #[arg(long, requires = "checkpoint_layers")]
     offload_to_host: bool,
-    /// With --checkpoint-layers, run each MLP over sequence tiles of about this many tokens
-    /// of the local shard (ALST's tiled MLP; ALST uses d_model).
+    /// With --checkpoint-layers, run each layer's token-wise parts (everything but the
+    /// attention core: norms, projections, RoPE, the MLP) over sequence tiles of about this
+    /// many tokens of the local shard (ALST's tiled MLP, wider; ALST uses d_model).
     #[arg(long, requires = "checkpoint_layers", value_name = "TOKENS")]
-    mlp_tile_tokens: Option<usize>,
+    tile_tokens: Option<usize>,
     /// What the layers compute in: f32, or bf16 (f16 where the device has no bf16; not on
     /// NdArray) with f32 master weights, norm and softmax statistics and loss.
     #[arg(long, default_value = "f32")]
@@ -235,7 +236,7 @@ fn run(args: Args) -> Result<(), String> {
         .with_seed(args.seed)
         .with_pack(args.pack)
         .with_layer_checkpointing(args.checkpoint_layers.then(|| {
-            LayerCheckpointing::new().with_offload_to_host(args.offload_to_host).with_mlp_tile_tokens(args.mlp_tile_tokens)
+            LayerCheckpointing::new().with_offload_to_host(args.offload_to_host).with_tile_tokens(args.tile_tokens)
         }))
         .with_precision(args.precision);
     config.model = model;

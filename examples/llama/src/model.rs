@@ -12,6 +12,8 @@
 //! statistics in f32). The head and the loss compute in f32 from the last hidden states, a
 //! chunk of rows at a time (`lm_output`), or all at once (`forward`, `hidden`).
 
+use std::ops::Range;
+
 use burn::{
     config::Config,
     module::Module,
@@ -147,12 +149,17 @@ impl<B: Backend> LayeredLm<B> for Llama<B> {
         self.blocks.len()
     }
 
-    fn sequence_mixing(&self, index: usize, hidden: Tensor<B, 3>, context: &LlamaContext<B>) -> Tensor<B, 3> {
-        self.blocks[index].attention_half(hidden, &context.rope, context.documents.as_ref())
+    fn before_core(&self, index: usize, hidden: Tensor<B, 3>, rows: Range<usize>, context: &LlamaContext<B>) -> Vec<Tensor<B, 4>> {
+        self.blocks[index].attention_inputs(hidden, &context.rope.rows(rows)).into()
     }
 
-    fn token_wise(&self, index: usize, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.blocks[index].feed_forward_half(hidden)
+    fn core(&self, index: usize, inputs: Vec<Tensor<B, 4>>, context: &LlamaContext<B>) -> Tensor<B, 4> {
+        let [q, k, v] = inputs.try_into().unwrap_or_else(|inputs: Vec<_>| panic!("the attention core takes q, k and v, got {} tensors", inputs.len()));
+        self.blocks[index].attention.core(q, k, v, context.documents.as_ref())
+    }
+
+    fn after_core(&self, index: usize, hidden: Tensor<B, 3>, core: Tensor<B, 4>) -> Tensor<B, 3> {
+        self.blocks[index].after_attention(hidden, core)
     }
 
     fn head(&self, hidden: Tensor<B, 3>) -> LmOutput<B> {
@@ -249,17 +256,21 @@ impl<B: Backend> Block<B> {
     /// `x: [batch, seq, d_model]`, with `rope` built for the same positions; `documents`:
     /// the position ids of rows that pack several documents.
     pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, documents: Option<&PositionIds>) -> Tensor<B, 3> {
-        self.feed_forward_half(self.attention_half(x, rope, documents))
+        let [q, k, v] = self.attention_inputs(x.clone(), rope);
+        self.after_attention(x, self.attention.core(q, k, v, documents))
     }
 
-    /// `x + attention(norm(x))`: the half that mixes tokens.
-    pub fn attention_half(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, documents: Option<&PositionIds>) -> Tensor<B, 3> {
-        x.clone() + self.attention.forward(rms_norm(&self.attention_norm, x), rope, documents)
+    /// q, k and v of `norm(x)`: token by token, so it may run on a slice of the sequence
+    /// (with `rope` for that slice).
+    pub fn attention_inputs(&self, x: Tensor<B, 3>, rope: &RopeTables<B>) -> [Tensor<B, 4>; 3] {
+        self.attention.inputs(rms_norm(&self.attention_norm, x), rope)
     }
 
-    /// `x + feed_forward(norm(x))`: token by token, so it may run on a slice of the sequence.
-    pub fn feed_forward_half(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        x.clone() + self.feed_forward.forward(rms_norm(&self.ffn_norm, x))
+    /// `h = x + wo(attended)`, then `h + feed_forward(norm(h))`, given the block's input `x`
+    /// and the attention core's output for the same rows: token by token.
+    pub fn after_attention(&self, x: Tensor<B, 3>, attended: Tensor<B, 4>) -> Tensor<B, 3> {
+        let h = x + self.attention.output(attended);
+        h.clone() + self.feed_forward.forward(rms_norm(&self.ffn_norm, h))
     }
 }
 
@@ -277,12 +288,25 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
+    /// `x: [batch, seq, d_model]` (normalised) → `[batch, seq, d_model]`.
     pub fn forward(&self, x: Tensor<B, 3>, rope: &RopeTables<B>, documents: Option<&PositionIds>) -> Tensor<B, 3> {
+        let [q, k, v] = self.inputs(x, rope);
+        self.output(self.core(q, k, v, documents))
+    }
+
+    /// The projections, with RoPE on q and k: `[batch, heads, seq, head_dim]` each (k and v
+    /// with the kv head count).
+    pub fn inputs(&self, x: Tensor<B, 3>, rope: &RopeTables<B>) -> [Tensor<B, 4>; 3] {
         let [b, s, _] = x.dims();
         let heads = |t: Tensor<B, 3>, n| t.reshape([b, s, n, self.head_dim]).swap_dims(1, 2);
         let q = rope.apply(heads(linear(&self.wq, x.clone()), self.n_heads));
         let k = rope.apply(heads(linear(&self.wk, x.clone()), self.n_kv_heads));
         let v = heads(linear(&self.wv, x), self.n_kv_heads);
+        [q, k, v]
+    }
+
+    /// Attention itself, the only part that mixes tokens: `[batch, heads, seq, head_dim]`.
+    pub fn core(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, documents: Option<&PositionIds>) -> Tensor<B, 4> {
         let (k, v) = if self.repeat_kv {
             let group = self.n_heads / self.n_kv_heads;
             (repeat_kv_heads(k, group), repeat_kv_heads(v, group))
@@ -290,11 +314,16 @@ impl<B: Backend> Attention<B> {
             (k, v)
         };
         let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: self.causal };
-        let output = match documents {
+        match documents {
             Some(positions) => attention_in_documents(q, k, v, positions, options),
             None => attention(q, k, v, None, None, options),
-        };
-        linear(&self.wo, output.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]))
+        }
+    }
+
+    /// The output projection of the core's output `[batch, heads, seq, head_dim]`.
+    pub fn output(&self, attended: Tensor<B, 4>) -> Tensor<B, 3> {
+        let [b, _, s, _] = attended.dims();
+        linear(&self.wo, attended.swap_dims(1, 2).reshape([b, s, self.n_heads * self.head_dim]))
     }
 }
 

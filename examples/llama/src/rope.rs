@@ -45,6 +45,12 @@ impl<B: Backend> RopeTables<B> {
         Self { cos: self.cos.cast(dtype), sin: self.sin.cast(dtype) }
     }
 
+    /// The tables of rows `rows` of the sequence (a view: no copy).
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> Self {
+        let narrow = |table: &Tensor<B, 4>| table.clone().narrow(2, rows.start, rows.len());
+        Self { cos: narrow(&self.cos), sin: narrow(&self.sin) }
+    }
+
     /// Rotates `x: [batch, heads, seq, head_dim]` (the two halves of the head dim form the
     /// pairs, as in Hugging Face's Llama) in `x`'s dtype, as Hugging Face does: the angles
     /// are exact (f64 on the host), and in bf16 only their cos and sin are rounded. In f32

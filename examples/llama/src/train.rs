@@ -140,7 +140,7 @@ impl TrainConfig {
             );
         }
         if let Some(checkpointing) = &self.layer_checkpointing {
-            checkpointing.check().map_err(|e| format!("{e} (--mlp-tile-tokens)"))?;
+            checkpointing.check().map_err(|e| format!("{e} (--tile-tokens)"))?;
         }
         Ok(())
     }

@@ -5,30 +5,48 @@
 //! custom node that re-ran its layer under autodiff and called `backward` would deadlock:
 //! `backward` ends by locking every graph of the process, the running one included), and
 //! its checkpoint strategies only recompute memory-bound ops, so every matmul output of
-//! every layer stays alive. So the step itself does it, layer by layer, with top-level
+//! every layer stays alive. So the step itself does it, piece by piece, with top-level
 //! backwards only:
 //! 1. forward on the inner backend (no autodiff graph at all), keeping each layer's input;
-//! 2. the head and the loss on the autodiff backend from the last hidden state (a leaf):
-//!    `backward` gives the head's gradients and the hidden state's;
-//! 3. from the last layer to the first: the layer re-run from its kept input (a leaf), and
-//!    `backward` of `Σ output · upstream` gives its parameters' gradients and its input's,
-//!    the next layer's upstream;
+//! 2. the head and the loss on the autodiff backend from the last hidden state (a leaf), a
+//!    sequence tile at a time (both are token-wise): `backward` gives the head's gradients
+//!    and the hidden state's;
+//! 3. from the last layer to the first, the layer re-run from its kept input, in three
+//!    pieces (below), each a graph of its own whose `backward` gives its parameters'
+//!    gradients and its inputs', the upstream of the piece before it;
 //! 4. the embedding likewise.
 //!
-//! Every rank runs the same layers in the same order in both passes, so the collectives
-//! inside them (the attention exchanges) stay in step. Peak activation memory is the kept
-//! inputs (`layers × B × S × d`) plus one layer's graph, instead of every layer's graph.
+//! **The pieces of a layer** ([`LayeredLm`]): only the attention core mixes tokens along the
+//! sequence; what comes before it (the norm, the q/k/v projections, RoPE) and after it (the
+//! output projection, the residuals, the MLP) treats every token alone. So the token-wise
+//! parts run on sequence tiles of about [`LayerCheckpointing::tile_tokens`] tokens, one tile
+//! at a time, each tile a leaf with its own `backward`: their intermediates, the MLP's
+//! `S × ffn` ones above all (ALST's TiledMLP), exist for one tile at a time. The core runs on
+//! the whole shard from leaves (q, k, v) and keeps only what its own backward needs. Per
+//! layer in step 3:
+//! - the core's inputs recomputed tile by tile without a graph, joined;
+//! - the core with its graph, from those as leaves;
+//! - the after-core tiles, from leaves cut from the layer's input and the core's output:
+//!   their `backward`s give the core output's gradient and the residual part of the
+//!   input's;
+//! - the core's `backward` (the only one with collectives: the attention exchanges);
+//! - the before-core tiles again, with graphs: their `backward`s give the rest of the input's
+//!   gradient.
 //!
-//! **Tiled MLP** (ALST's TiledMLP, [`LayerCheckpointing::mlp_tile_tokens`]): a layer is its
-//! sequence-mixing half (attention) then its token-wise half (the MLP), and the token-wise
-//! half treats every token alone, so it can run on slices of the sequence. In both passes it
-//! runs one tile at a time; in step 3 each tile is a leaf cut from the re-run attention
-//! half's output, with its own top-level `backward`, and the tiles' input gradients,
-//! joined, are the upstream of the attention half's `backward`. The `S × ffn`
-//! intermediates then exist for one tile at a time. The tile count is the same on every
-//! rank ([`LayerCheckpointing::mlp_tiles`] over the step's shard lengths of all ranks).
-//! Where ranks are threads of one process, they meet at a barrier before the attention
-//! half's backward ([`crate::context::sync_thread_ranks`] says why).
+//! With [`LayerCheckpointing::offload_to_host`], every `[batch, seq, d_model]` tensor that
+//! waits between pieces (the layers' inputs, the upstream and residual gradients) waits in
+//! host memory and comes back a tile of rows at a time. Then the only whole-sequence
+//! tensors on the device are the cores': at a core's backward, the most a layer holds, q, k,
+//! v, the core's output, its softmax statistics and their gradients; no projection's,
+//! norm's or MLP's intermediates, no hidden state.
+//!
+//! Every rank runs the same pieces in the same order in both passes, so the collectives
+//! inside the cores stay in step; the tile count is the same on every rank
+//! ([`LayerCheckpointing::tiles`] over the step's shard lengths of all ranks). Where ranks are
+//! threads of one process, they meet at a barrier before each core's backward
+//! ([`crate::context::sync_thread_ranks`] says why).
+
+use std::ops::Range;
 
 use burn::{
     config::Config,
@@ -43,6 +61,10 @@ use crate::{data::ShardPositions, error::UlyssesError};
 /// A causal LM cut into the pieces whole-layer checkpointing runs one at a time. Implement
 /// it for every backend (`impl<B: Backend> LayeredLm<B> for MyModel<B>`): the forward runs
 /// on the inner backend, the recomputation on the autodiff one.
+///
+/// A layer is `after_core(x, core(before_core(x)))`: `before_core` and `after_core` treat
+/// every token alone (they may run on any slice of the sequence), `core` mixes tokens and
+/// runs on the whole shard. Every piece must be deterministic: the backward runs it again.
 pub trait LayeredLm<B: Backend>: Module<B> {
     /// What every layer needs besides its input (rotary tables, document boundaries),
     /// built once per shard.
@@ -51,35 +73,43 @@ pub trait LayeredLm<B: Backend>: Module<B> {
     /// The hidden states before the first layer, `[batch, seq, d_model]`.
     fn embed(&self, tokens: Tensor<B, 2, Int>, context: &Self::Context) -> Tensor<B, 3>;
     fn layer_count(&self) -> usize;
-    /// The first half of layer `index`, whatever mixes tokens along the sequence (attention,
-    /// with its norm and residual): `[batch, seq, d_model]` in and out, on the whole shard.
-    /// Must be deterministic: the backward runs it again.
-    fn sequence_mixing(&self, index: usize, hidden: Tensor<B, 3>, context: &Self::Context) -> Tensor<B, 3>;
-    /// The second half of layer `index` (the MLP, with its norm and residual): every token
-    /// on its own, so that it may run on any slice `[batch, tile, d_model]` of the sequence.
-    /// A layer with nothing token-wise after its mixing returns `hidden`.
-    fn token_wise(&self, index: usize, hidden: Tensor<B, 3>) -> Tensor<B, 3>;
-    /// Layer `index`: its token-wise half after its sequence-mixing one.
+    /// Token-wise, before layer `index`'s core: the layer's input at rows `rows` of the
+    /// shard (`hidden: [batch, rows.len(), d_model]`) → the core's inputs there (q, k and v
+    /// after RoPE, for attention), each `[batch, heads, rows.len(), head_dim]`.
+    fn before_core(&self, index: usize, hidden: Tensor<B, 3>, rows: Range<usize>, context: &Self::Context) -> Vec<Tensor<B, 4>>;
+    /// Layer `index`'s core, the only piece that mixes tokens (attention), on the whole
+    /// shard: [`before_core`](Self::before_core)'s tensors for every row in,
+    /// `[batch, heads, seq, head_dim]` out.
+    fn core(&self, index: usize, inputs: Vec<Tensor<B, 4>>, context: &Self::Context) -> Tensor<B, 4>;
+    /// Token-wise, after layer `index`'s core: the layer's output at some rows, given its
+    /// input there (`[batch, rows, d_model]`) and the core's output there
+    /// (`[batch, heads, rows, head_dim]`): the output projection, the residuals, the MLP.
+    fn after_core(&self, index: usize, hidden: Tensor<B, 3>, core: Tensor<B, 4>) -> Tensor<B, 3>;
+    /// Layer `index` on the whole shard.
     fn layer(&self, index: usize, hidden: Tensor<B, 3>, context: &Self::Context) -> Tensor<B, 3> {
-        self.token_wise(index, self.sequence_mixing(index, hidden, context))
+        let rows = 0..hidden.dims()[1];
+        let core = self.core(index, self.before_core(index, hidden.clone(), rows, context), context);
+        self.after_core(index, hidden, core)
     }
-    /// What the loss is computed from, given the last layer's output.
+    /// What the loss is computed from, given the last layer's output: token-wise too, it
+    /// may run on any slice of the sequence.
     fn head(&self, hidden: Tensor<B, 3>) -> LmOutput<B>;
 }
 
 /// Whole-layer activation checkpointing (see the module doc).
 #[derive(Config, Debug)]
 pub struct LayerCheckpointing {
-    /// Keep the layer inputs in host memory between the passes (copied back one layer at a
-    /// time in the backward), not on the device.
+    /// Keep the layer inputs, and the gradients passed between pieces, in host memory, not
+    /// on the device; they come back one tile of rows at a time (see the module doc).
     #[config(default = false)]
     pub offload_to_host: bool,
-    /// Run each layer's token-wise half (the MLP) over sequence tiles of about this many
-    /// tokens of the local shard, so its `S × ffn` intermediates exist one tile at a time
-    /// (ALST uses `d_model`: a tile's intermediates then weigh about one MLP weight).
-    /// `None`: the whole shard at once.
+    /// Run each layer's token-wise parts (everything but the attention core: norms,
+    /// projections, RoPE, the MLP) over sequence tiles of about this many tokens of the local
+    /// shard, so their intermediates (the MLP's `S × ffn` above all) exist one tile at a time
+    /// (ALST tiles its MLP by `d_model` tokens: a tile's intermediates then weigh about one
+    /// MLP weight). `None`: the whole shard as one tile.
     #[config(default = "None")]
-    pub mlp_tile_tokens: Option<usize>,
+    pub tile_tokens: Option<usize>,
 }
 
 /// The shortest and the longest local shard (tokens per sequence) of one step, over every
@@ -93,46 +123,89 @@ pub struct ShardLengths {
 impl LayerCheckpointing {
     /// Refuses settings that cannot work, before any step runs.
     pub fn check(&self) -> Result<(), UlyssesError> {
-        if self.mlp_tile_tokens == Some(0) {
+        if self.tile_tokens == Some(0) {
             return Err(UlyssesError::InvalidConfig(
-                "mlp_tile_tokens is 0, but a tile holds at least one token: use a positive count (ALST uses \
-                 d_model) or None for an untiled MLP"
+                "tile_tokens is 0, but a tile holds at least one token: use a positive count (ALST uses \
+                 d_model) or None for untiled layers"
                     .into(),
             ));
         }
         Ok(())
     }
 
-    /// How many tiles the token-wise halves run in, in a step whose shards span `lengths`
-    /// over every rank: `⌈longest / mlp_tile_tokens⌉`, but no more than the shortest shard
-    /// has tokens (no tile is empty); 1 without tiling. Every rank gets the same count, so
-    /// a collective inside a token-wise half would stay in step.
-    pub fn mlp_tiles(&self, lengths: ShardLengths) -> Result<usize, UlyssesError> {
+    /// How many tiles the token-wise parts run in, in a step whose shards span `lengths` over
+    /// every rank: `⌈longest / tile_tokens⌉`, but no more than the shortest shard has tokens
+    /// (no tile is empty); 1 without tiling. Every rank gets the same count, so a collective
+    /// inside a token-wise part would stay in step.
+    pub fn tiles(&self, lengths: ShardLengths) -> Result<usize, UlyssesError> {
         self.check()?;
-        Ok(match self.mlp_tile_tokens {
+        Ok(match self.tile_tokens {
             None => 1,
             Some(tokens) => lengths.longest.div_ceil(tokens).clamp(1, lengths.shortest.max(1)),
         })
     }
 }
 
+/// The piece of a checkpointed step whose backward is about to run (see
+/// [`checkpointed_backward`]'s `probe`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Piece {
+    /// The head and the loss.
+    Head,
+    /// One tile of layer `layer`'s token-wise part after its core.
+    AfterCore { layer: usize },
+    /// Layer `layer`'s core, on the whole shard.
+    Core { layer: usize },
+    /// One tile of layer `layer`'s token-wise part before its core.
+    BeforeCore { layer: usize },
+    Embedding,
+}
+
 /// `tiles` near-equal consecutive ranges covering `0..len`, none empty (`tiles ≤ len`).
-fn tile_ranges(len: usize, tiles: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+fn tile_ranges(len: usize, tiles: usize) -> impl Iterator<Item = Range<usize>> {
     (0..tiles).map(move |t| t * len / tiles..(t + 1) * len / tiles)
 }
 
-/// Layer `index`'s token-wise half on `hidden`, one sequence tile at a time (no graph is
-/// kept here: the forward of step 1).
-fn token_wise_in_tiles<B: Backend, M: LayeredLm<B>>(model: &M, index: usize, hidden: Tensor<B, 3>, tiles: usize) -> Tensor<B, 3> {
-    if tiles == 1 {
-        return model.token_wise(index, hidden);
-    }
-    let len = hidden.dims()[1];
-    let outputs = tile_ranges(len, tiles).map(|range| model.token_wise(index, hidden.clone().narrow(1, range.start, range.len()))).collect();
-    Tensor::cat(outputs, 1)
+/// Rows `rows` of a tensor whose sequence runs along `dim`.
+fn rows_of<B: Backend, const D: usize>(tensor: &Tensor<B, D>, dim: usize, rows: &Range<usize>) -> Tensor<B, D> {
+    tensor.clone().narrow(dim, rows.start, rows.len())
 }
 
-/// A layer input kept between the passes.
+/// Layer `index`'s core inputs for the whole shard, computed tile by tile from `hidden`'s
+/// rows (no graph is kept here: it runs on the inner backend) and joined along the sequence.
+fn core_inputs_in_tiles<B: Backend, M: LayeredLm<B>>(model: &M, index: usize, hidden: &Kept<B>, tiles: usize, context: &M::Context, device: &B::Device) -> Vec<Tensor<B, 4>> {
+    let per_tile: Vec<Vec<Tensor<B, 4>>> =
+        tile_ranges(hidden.rows(), tiles).map(|rows| model.before_core(index, hidden.restore_rows(&rows, device), rows, context)).collect();
+    let count = per_tile[0].len();
+    let mut joined: Vec<Vec<Tensor<B, 4>>> = (0..count).map(|_| Vec::with_capacity(tiles)).collect();
+    for tile in per_tile {
+        assert_eq!(tile.len(), count, "LayeredLm::before_core returned a different number of tensors for another tile");
+        for (parts, part) in joined.iter_mut().zip(tile) {
+            parts.push(part);
+        }
+    }
+    joined.into_iter().map(|parts| if parts.len() == 1 { parts.into_iter().next().unwrap() } else { Tensor::cat(parts, 2) }).collect()
+}
+
+/// Layer `index` on `hidden` with its token-wise parts in `tiles` tiles, no graph kept (the
+/// forward of step 1); the output kept like the input, on the host a tile at a time when
+/// `offload`.
+fn layer_in_tiles<B: Backend, M: LayeredLm<B>>(model: &M, index: usize, hidden: &Kept<B>, tiles: usize, context: &M::Context, offload: bool, device: &B::Device) -> Kept<B> {
+    let core = model.core(index, core_inputs_in_tiles(model, index, hidden, tiles, context, device), context);
+    let mut output = KeptTiles::new(offload);
+    for rows in tile_ranges(hidden.rows(), tiles) {
+        output.push(model.after_core(index, hidden.restore_rows(&rows, device), rows_of(&core, 2, &rows)));
+    }
+    output.finish()
+}
+
+/// Row tiles `[batch, rows, d]` joined along the sequence.
+fn join_rows<B: Backend>(mut tiles: Vec<Tensor<B, 3>>) -> Tensor<B, 3> {
+    if tiles.len() == 1 { tiles.pop().unwrap() } else { Tensor::cat(tiles, 1) }
+}
+
+/// A `[batch, seq, d]` tensor kept between pieces: on the device, or in host memory, whence
+/// it comes back whole or a tile of rows at a time.
 enum Kept<B: Backend> {
     Device(Tensor<B, 3>),
     Host(TensorData),
@@ -143,13 +216,78 @@ impl<B: Backend> Kept<B> {
         if offload { Kept::Host(tensor.into_data()) } else { Kept::Device(tensor) }
     }
 
-    fn restore(self, device: &B::Device) -> Tensor<B, 3> {
+    /// The sequence length.
+    fn rows(&self) -> usize {
         match self {
-            Kept::Device(tensor) => tensor,
-            // In its own dtype: `from_data` alone would make an f32 tensor of a bf16 input.
+            Kept::Device(tensor) => tensor.dims()[1],
+            Kept::Host(data) => data.shape[1],
+        }
+    }
+
+    /// The whole tensor on `device`; a host copy stays kept, to be restored again.
+    fn restore(&self, device: &B::Device) -> Tensor<B, 3> {
+        self.restore_rows(&(0..self.rows()), device)
+    }
+
+    /// Rows `rows` on `device`: a view of a device tensor, a copy of just those rows of a
+    /// host one.
+    fn restore_rows(&self, rows: &Range<usize>, device: &B::Device) -> Tensor<B, 3> {
+        match self {
+            Kept::Device(tensor) => rows_of(tensor, 1, rows),
             Kept::Host(data) => {
-                let dtype = data.dtype;
-                Tensor::from_data(data, (device, dtype))
+                let [batch, len, width] = [data.shape[0], data.shape[1], data.shape[2]];
+                let row_bytes = data.as_bytes().len() / (batch * len);
+                let bytes = if rows.len() == len {
+                    data.as_bytes().to_vec()
+                } else {
+                    let mut bytes = Vec::with_capacity(batch * rows.len() * row_bytes);
+                    for b in 0..batch {
+                        bytes.extend_from_slice(&data.as_bytes()[(b * len + rows.start) * row_bytes..(b * len + rows.end) * row_bytes]);
+                    }
+                    bytes
+                };
+                // In its own dtype: `from_data` alone would make an f32 tensor of a bf16 one.
+                Tensor::from_data(TensorData::from_bytes_vec(bytes, [batch, rows.len(), width], data.dtype), (device, data.dtype))
+            }
+        }
+    }
+}
+
+/// Consecutive row tiles `[batch, rows, d]` gathered into one [`Kept`] tensor; offloaded,
+/// each tile leaves the device as it comes.
+enum KeptTiles<B: Backend> {
+    Device(Vec<Tensor<B, 3>>),
+    Host(Vec<TensorData>),
+}
+
+impl<B: Backend> KeptTiles<B> {
+    fn new(offload: bool) -> Self {
+        if offload { KeptTiles::Host(Vec::new()) } else { KeptTiles::Device(Vec::new()) }
+    }
+
+    fn push(&mut self, tile: Tensor<B, 3>) {
+        match self {
+            KeptTiles::Device(tiles) => tiles.push(tile),
+            KeptTiles::Host(tiles) => tiles.push(tile.into_data()),
+        }
+    }
+
+    fn finish(self) -> Kept<B> {
+        match self {
+            KeptTiles::Device(tiles) => Kept::Device(join_rows(tiles)),
+            KeptTiles::Host(mut tiles) if tiles.len() == 1 => Kept::Host(tiles.pop().unwrap()),
+            KeptTiles::Host(tiles) => {
+                let (batch, width, dtype) = (tiles[0].shape[0], tiles[0].shape[2], tiles[0].dtype);
+                let len: usize = tiles.iter().map(|tile| tile.shape[1]).sum();
+                let mut bytes = Vec::with_capacity(tiles.iter().map(|tile| tile.as_bytes().len()).sum());
+                // Row-major `[batch, seq, d]`: each batch row's tiles one after the other.
+                for b in 0..batch {
+                    for tile in &tiles {
+                        let per_batch = tile.as_bytes().len() / batch;
+                        bytes.extend_from_slice(&tile.as_bytes()[b * per_batch..(b + 1) * per_batch]);
+                    }
+                }
+                Kept::Host(TensorData::from_bytes_vec(bytes, [batch, len, width], dtype))
             }
         }
     }
@@ -157,10 +295,9 @@ impl<B: Backend> Kept<B> {
 
 /// Loss `Σ_shard CE · weight` of one shard and the gradients of every parameter, with
 /// whole-layer checkpointing: the same values as `backward` through the whole model.
-/// `mlp_tiles` (from [`LayerCheckpointing::mlp_tiles`], at most the shard's length) is the
-/// token-wise halves' tile count. `probe` runs whenever a piece's graph is complete, just
-/// before its backward (the points where the step holds the most; the memory bench samples
-/// there).
+/// `tiles` (from [`LayerCheckpointing::tiles`], at most the shard's length) is the token-wise
+/// parts' tile count. `probe` runs whenever a piece's graph is complete, just before its
+/// backward (the points where the step holds the most; the memory bench samples there).
 #[allow(clippy::too_many_arguments)]
 pub fn checkpointed_backward<B, M>(
     model: &M,
@@ -170,8 +307,8 @@ pub fn checkpointed_backward<B, M>(
     weight: f64,
     ignore_index: i64,
     checkpointing: &LayerCheckpointing,
-    mlp_tiles: usize,
-    mut probe: impl FnMut(),
+    tiles: usize,
+    mut probe: impl FnMut(Piece),
 ) -> Result<(f64, GradientsParams), UlyssesError>
 where
     B: TrainBackend,
@@ -181,10 +318,11 @@ where
     let device = tokens.device();
     let layers = model.layer_count();
     let shard_len = tokens.dims()[1];
-    if mlp_tiles == 0 || mlp_tiles > shard_len {
+    let offload = checkpointing.offload_to_host;
+    if tiles == 0 || tiles > shard_len {
         return Err(UlyssesError::InvalidConfig(format!(
-            "{mlp_tiles} MLP tiles for a shard of {shard_len} tokens: each tile needs at least one token \
-             (LayerCheckpointing::mlp_tiles gives a count that fits)"
+            "{tiles} tiles for a shard of {shard_len} tokens: each tile needs at least one token \
+             (LayerCheckpointing::tiles gives a count that fits)"
         )));
     }
 
@@ -192,64 +330,104 @@ where
     let inner = model.valid();
     let inner_context = inner.context(positions, &device);
     let mut kept = Vec::with_capacity(layers);
-    let mut hidden = inner.embed(tokens.clone().inner(), &inner_context);
+    let mut hidden = Kept::keep(inner.embed(tokens.clone().inner(), &inner_context), offload);
     for index in 0..layers {
-        kept.push(Kept::keep(hidden.clone(), checkpointing.offload_to_host));
-        let mixed = inner.sequence_mixing(index, hidden, &inner_context);
-        hidden = token_wise_in_tiles(&inner, index, mixed, mlp_tiles);
+        let output = layer_in_tiles(&inner, index, &hidden, tiles, &inner_context, offload, &device);
+        kept.push(std::mem::replace(&mut hidden, output));
     }
-    drop((inner, inner_context));
 
-    // 2. Head and loss.
+    // 2. Head and loss, token-wise too: tile by tile, the loss summed.
     let mut accumulator = GradientsAccumulator::<M>::new();
-    let last = Tensor::<B, 3>::from_inner(hidden).require_grad();
-    let loss = lm_loss_sum(model.head(last.clone()), labels, ignore_index) * weight;
-    let loss_value = loss.clone().into_scalar().elem::<f64>();
-    probe();
-    let grads = loss.backward();
-    let mut upstream = upstream_of(&last, &grads, "the head")?;
-    accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+    let mut loss_value = 0.0;
+    let mut upstream = KeptTiles::new(offload);
+    for rows in tile_ranges(shard_len, tiles) {
+        let last = leaf(hidden.restore_rows(&rows, &device));
+        let loss = lm_loss_sum(model.head(last.clone()), labels.clone().narrow(1, rows.start, rows.len()), ignore_index) * weight;
+        loss_value += loss.clone().into_scalar().elem::<f64>();
+        probe(Piece::Head);
+        let grads = loss.backward();
+        upstream.push(upstream_of(&last, &grads, "the head")?);
+        accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+    }
+    drop(hidden);
+    let mut upstream = upstream.finish();
 
-    // 3. Layers, last first, each re-run from its input: the sequence-mixing half with its
-    //    graph kept, then the token-wise half tile by tile from leaves cut from its output,
-    //    then the mixing half's backward with the tiles' input gradients joined.
+    // 3. Layers, last first, each re-run from its input in three pieces (see the module doc).
+    //    With offload, the input, the upstream gradient and the residual one come from the
+    //    host a tile at a time: whole on the device, only the core's tensors.
     let context = model.context(positions, &device);
     for index in (0..layers).rev() {
-        let input = Tensor::<B, 3>::from_inner(kept.pop().expect("one kept input per layer").restore(&device)).require_grad();
-        let mixed = model.sequence_mixing(index, input.clone(), &context);
-        let mixed_values = mixed.clone().inner();
-        let mut mixed_upstream = Vec::with_capacity(mlp_tiles);
-        for range in tile_ranges(shard_len, mlp_tiles) {
-            let tile = Tensor::<B, 3>::from_inner(mixed_values.clone().narrow(1, range.start, range.len())).require_grad();
-            let output = model.token_wise(index, tile.clone());
-            probe();
-            let tile_upstream = upstream.clone().narrow(1, range.start, range.len());
-            let grads = (output * Tensor::from_inner(tile_upstream)).sum().backward();
-            mixed_upstream.push(upstream_of(&tile, &grads, "a layer's token-wise half")?);
+        let input = kept.pop().expect("one kept input per layer");
+
+        // The core with its graph, from its inputs recomputed without one.
+        let core_inputs: Vec<Tensor<B, 4>> =
+            core_inputs_in_tiles(&inner, index, &input, tiles, &inner_context, &device).into_iter().map(leaf).collect();
+        let core = model.core(index, core_inputs.clone(), &context);
+
+        // After-core tiles: the core output's gradient, and the residual part of the input's.
+        let core_values = core.clone().inner();
+        let (mut core_grad, mut residual_grad) = (Vec::with_capacity(tiles), KeptTiles::new(offload));
+        for rows in tile_ranges(shard_len, tiles) {
+            let (hidden, attended) = (leaf(input.restore_rows(&rows, &device)), leaf(rows_of(&core_values, 2, &rows)));
+            let output = model.after_core(index, hidden.clone(), attended.clone());
+            probe(Piece::AfterCore { layer: index });
+            let grads = (output * Tensor::from_inner(upstream.restore_rows(&rows, &device))).sum().backward();
+            core_grad.push(upstream_of(&attended, &grads, "a layer's after-core part (its core output)")?);
+            residual_grad.push(upstream_of(&hidden, &grads, "a layer's after-core part (its input)")?);
             accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
         }
-        // The layer's output gradient is in the tiles' now: not kept through the backward.
-        drop((mixed_values, upstream));
-        let seed = (mixed * Tensor::from_inner(Tensor::cat(mixed_upstream, 1))).sum();
-        probe();
+        // The layer's output gradient is in the tiles' now.
+        drop(core_values);
+        let residual_grad = residual_grad.finish();
+
+        // The core's backward.
+        let seed = (core * Tensor::from_inner(Tensor::cat(core_grad, 2))).sum();
+        probe(Piece::Core { layer: index });
         // The tiles' backwards had no collective; this one has. Peers that are threads of
         // this process must not be inside it while this rank still runs tiles.
         crate::context::sync_thread_ranks::<B::Wire>()?;
         let grads = seed.backward();
-        upstream = upstream_of(&input, &grads, "a layer's sequence-mixing half")?;
+        let input_grads =
+            core_inputs.iter().map(|input| upstream_of(input, &grads, "a layer's core (one of its inputs)")).collect::<Result<Vec<_>, _>>()?;
         accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+        drop(core_inputs);
+
+        // Before-core tiles, with graphs this time: the rest of the input's gradient.
+        let mut input_grad = KeptTiles::new(offload);
+        for rows in tile_ranges(shard_len, tiles) {
+            let hidden = leaf(input.restore_rows(&rows, &device));
+            let outputs = model.before_core(index, hidden.clone(), rows.clone(), &context);
+            let seed = outputs
+                .into_iter()
+                .zip(&input_grads)
+                .map(|(output, grad)| (output * Tensor::from_inner(rows_of(grad, 2, &rows))).sum())
+                .reduce(|a, b| a + b)
+                .expect("a core has inputs");
+            probe(Piece::BeforeCore { layer: index });
+            let grads = seed.backward();
+            input_grad.push(upstream_of(&hidden, &grads, "a layer's before-core part")? + residual_grad.restore_rows(&rows, &device));
+            accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+        }
+        upstream = input_grad.finish();
     }
 
     // 4. Embedding.
     let embedded = model.embed(tokens, &context);
-    let grads = (embedded * Tensor::from_inner(upstream)).sum().backward();
+    let seed = (embedded * Tensor::from_inner(upstream.restore(&device))).sum();
+    probe(Piece::Embedding);
+    let grads = seed.backward();
     accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
     Ok((loss_value, accumulator.grads()))
 }
 
+/// A leaf of a piece's graph, holding `values`.
+fn leaf<B: AutodiffBackend, const D: usize>(values: Tensor<B::InnerBackend, D>) -> Tensor<B, D> {
+    Tensor::from_inner(values).require_grad()
+}
+
 /// The gradient of `input` (a leaf) in `grads`: what flows on to the piece before it.
-fn upstream_of<B: AutodiffBackend>(input: &Tensor<B, 3>, grads: &B::Gradients, piece: &str) -> Result<Tensor<B::InnerBackend, 3>, UlyssesError> {
+fn upstream_of<B: AutodiffBackend, const D: usize>(input: &Tensor<B, D>, grads: &B::Gradients, piece: &str) -> Result<Tensor<B::InnerBackend, D>, UlyssesError> {
     input.grad(grads).ok_or_else(|| UlyssesError::InModel {
-        message: format!("layer checkpointing: {piece} does not depend on its input (LayeredLm must chain embed, layer 0..n and head)"),
+        message: format!("layer checkpointing: {piece} does not depend on its input (LayeredLm must chain embed, before_core, core and after_core of layers 0..n, and head)"),
     })
 }

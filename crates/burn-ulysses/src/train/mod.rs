@@ -40,7 +40,7 @@ mod loss;
 mod parameters;
 
 pub use backend::TrainBackend;
-pub use layers::{LayerCheckpointing, LayeredLm, ShardLengths, checkpointed_backward};
+pub use layers::{LayerCheckpointing, LayeredLm, Piece, ShardLengths, checkpointed_backward};
 pub use parameters::{FloatParameter, float_parameters};
 pub use gradients::{
     GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets, first_non_finite_gradient,
@@ -160,8 +160,8 @@ where
 }
 
 /// [`backward_step`] with whole-layer activation checkpointing ([`LayerCheckpointing`]):
-/// each layer keeps only its input and runs again in the backward, its MLP in sequence
-/// tiles when asked. The same loss and gradients; less memory, one more forward.
+/// each layer keeps only its input and runs again in the backward, its token-wise parts in
+/// sequence tiles when asked. The same loss and gradients; less memory, one more forward.
 pub fn backward_step_checkpointed<B, M>(
     model: &M,
     step: &StepInput,
@@ -177,10 +177,10 @@ where
 {
     checkpointing.check()?;
     backward_step_with(model, step, sharder, groups, |shard, weight, lengths| {
-        let mlp_tiles = checkpointing.mlp_tiles(lengths)?;
+        let tiles = checkpointing.tiles(lengths)?;
         model_failure_as_error(|| {
             let (tokens, labels) = (shard.tokens(device), shard.labels(device));
-            layers::checkpointed_backward(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, mlp_tiles, || {})
+            layers::checkpointed_backward(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, tiles, |_| {})
         })?
     })
 }
