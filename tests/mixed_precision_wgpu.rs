@@ -9,7 +9,9 @@
 //!   parts in tiles of 3 tokens: losses within 1e-3 relative, parameters still f32 afterwards.
 //!
 //! - the norm alone against f64, where f16 squares would overflow; and what autodiff keeps of
-//!   it, measured on the device.
+//!   it, measured on the device;
+//! - what a checkpointed step (offloaded, tiled) keeps per token before each piece's
+//!   backward: the attention core's tensors, and no hidden state.
 //!
 //! The tolerances are f16's: 11 significant bits (4.9e-4 per rounding) through two layers,
 //! the norm and softmax statistics and the loss being f32.
@@ -256,4 +258,75 @@ fn half_precision_rms_norm_keeps_only_half_precision_copies_for_the_backward() {
     // Besides the four rows, a few per-row statistics (scales, inverse RMS: bytes per token).
     let rows = (4 * 2 * D) as f64;
     assert!(per_token >= rows && per_token <= rows + 32.0, "the f16 norm keeps {per_token} bytes per token for its backward, not {rows} and a few statistics");
+}
+
+/// What a checkpointed step keeps per token in f16, inputs offloaded and the token-wise
+/// parts tiled, measured on the device before each piece's backward (bytes at 512 tokens
+/// less bytes at 256, over 256): only the attention core's tensors grow with the sequence.
+/// The core holds q, k, v, its output, the output's gradient and the softmax statistics;
+/// no piece holds a hidden state (`d_model` f16 values per token) beside them, and the head
+/// holds no whole-sequence tensor at all. Keeping the layer input or a gradient of it on the
+/// device, or the head untiled, adds 256 bytes per token and fails this.
+#[test]
+fn checkpointed_layers_keep_only_the_attention_core_per_token() {
+    use burn_ulysses::{
+        data::SequenceSharder,
+        train::{Piece, checkpointed_backward},
+    };
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let (d_model, heads, kv_heads) = (128, 8, 2);
+    let head_dim = d_model / heads;
+    let device: <Runtime as cubecl::Runtime>::Device = Default::default();
+    let dtype = Precision::Bf16.compute_dtype::<Sp>(&device).unwrap();
+    let config = LlamaConfig::new(VOCAB).with_d_model(d_model).with_n_heads(heads).with_n_kv_heads(kv_heads).with_ffn_hidden(512).with_repeat_kv(false);
+    let model = config.init::<Sp>(&device).with_compute_dtype(dtype);
+    let checkpointing = LayerCheckpointing::new().with_offload_to_host(true);
+    let held = |tokens: usize| -> Vec<(Piece, u64)> {
+        let sequence: Vec<i64> = (0..tokens as i64).map(|t| (t * 7 + 3) % VOCAB as i64).collect();
+        let shard = SequenceSharder::new(1).shard(&[sequence], 0);
+        let base = bytes_in_use::<Runtime>(&device);
+        let mut pieces: Vec<(Piece, u64)> = Vec::new();
+        let tiles = tokens / 64;
+        let (tokens, labels) = (shard.tokens::<Sp>(&device), shard.labels::<Sp>(&device));
+        let (loss, _grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, &checkpointing, tiles, |piece| {
+            let held = bytes_in_use::<Runtime>(&device) - base;
+            match pieces.last_mut() {
+                Some((last, most)) if *last == piece => *most = (*most).max(held),
+                _ => pieces.push((piece, held)),
+            }
+        })
+        .unwrap();
+        assert!(loss.is_finite(), "loss {loss}");
+        pieces
+    };
+    // The first step allocates what every later one reuses (kernel state, pools): not counted.
+    held(128);
+    let (short, long) = (held(256), held(512));
+    assert_eq!(short.iter().map(|p| p.0).collect::<Vec<_>>(), long.iter().map(|p| p.0).collect::<Vec<_>>());
+    // q (all heads), k and v (kv heads), the output and its gradient in f16; the softmax
+    // statistics in f32.
+    let f16 = 2.0;
+    let core = (3 * heads * head_dim + 2 * kv_heads * head_dim) as f64 * f16 + heads as f64 * 4.0;
+    let hidden = d_model as f64 * f16;
+    let mut core_seen = 0;
+    for ((piece, short), (_, long)) in short.iter().zip(&long) {
+        let per_token = (*long as f64 - *short as f64) / 256.0;
+        println!("{piece:?}: {per_token} bytes per token (the core's tensors: {core}, a hidden state: {hidden})");
+        // Slack for what is not a hidden state: rotary tables (32 bytes per token, in the
+        // first pass's context and the backward's), token ids and labels.
+        let slack = hidden / 2.0;
+        let bound = match piece {
+            Piece::Head => slack,
+            Piece::Core { .. } => {
+                core_seen += 1;
+                assert!(per_token >= core, "{piece:?} holds {per_token} bytes per token: less than its own tensors ({core})?");
+                core + slack
+            }
+            _ => core + slack,
+        };
+        assert!(per_token <= bound, "{piece:?} holds {per_token} bytes per token before its backward, more than {bound}");
+    }
+    assert_eq!(core_seen, config.n_layers);
 }
