@@ -37,9 +37,10 @@ use burn_ulysses::{
     UlyssesBackend,
     data::SequenceSharder,
     precision::Precision,
-    train::{LayerCheckpointing, Piece, ShardLengths, checkpointed_backward, lm_loss_sum},
+    train::{LayerCheckpointing, ShardLengths, checkpointed_backward, lm_loss_sum},
 };
 use ulysses_llama::LlamaConfig;
+use ulysses_suite::HeldPerPiece;
 
 #[cfg(feature = "cuda")]
 type Runtime = cubecl::cuda::CudaRuntime;
@@ -142,25 +143,19 @@ fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> (u64,
     let shard = SequenceSharder::new(1).shard_documents(&[tokens], lengths.as_deref(), 0);
     let base = in_use(device);
     if let Some(checkpointing) = checkpointing {
-        let mut most = 0;
         let tiles = checkpointing.tiles(ShardLengths { shortest: seq, longest: seq }).expect("checked in args");
         let (tokens, labels) = (shard.tokens::<Train>(device), shard.labels::<Train>(device));
-        // The most held before each piece's backward, a piece's tiles as one.
-        let mut pieces: Vec<(Piece, u64)> = Vec::new();
+        let mut pieces = HeldPerPiece::default();
         let (_, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, |piece| {
-            let held = in_use(device) - base;
-            match pieces.last_mut() {
-                Some((last, most)) if *last == piece => *most = (*most).max(held),
-                _ => pieces.push((piece, held)),
-            }
-            most = most.max(held)
+            pieces.record(piece, in_use(device) - base)
         })
         .expect("the checkpointed step");
         if args.pieces {
-            for (piece, held) in pieces {
+            for (piece, held) in &pieces.0 {
                 println!("    S {seq}: {held:>14} bytes held before the backward of {piece:?}");
             }
         }
+        let most = pieces.most();
         let with_gradients = in_use(device) - base;
         drop(grads);
         drop(model);

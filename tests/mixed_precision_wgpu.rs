@@ -32,7 +32,7 @@ use ulysses_llama::{
     LlamaConfig,
     train::{RunOptions, StepData, TrainConfig, train_rank},
 };
-use ulysses_suite::{VariedLengths, deterministic_params, gradient_params_dtypes, gradient_params_values, with_deadline};
+use ulysses_suite::{HeldPerPiece, VariedLengths, deterministic_params, gradient_params_dtypes, gradient_params_values, with_deadline};
 
 type Runtime = cubecl::wgpu::WgpuRuntime;
 type Wgpu = burn_cubecl::CubeBackend<Runtime, f32, i32, u32>;
@@ -287,19 +287,15 @@ fn checkpointed_layers_keep_only_the_attention_core_per_token() {
         let sequence: Vec<i64> = (0..tokens as i64).map(|t| (t * 7 + 3) % VOCAB as i64).collect();
         let shard = SequenceSharder::new(1).shard(&[sequence], 0);
         let base = bytes_in_use::<Runtime>(&device);
-        let mut pieces: Vec<(Piece, u64)> = Vec::new();
+        let mut pieces = HeldPerPiece::default();
         let tiles = tokens / 64;
         let (tokens, labels) = (shard.tokens::<Sp>(&device), shard.labels::<Sp>(&device));
         let (loss, _grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, &checkpointing, tiles, |piece| {
-            let held = bytes_in_use::<Runtime>(&device) - base;
-            match pieces.last_mut() {
-                Some((last, most)) if *last == piece => *most = (*most).max(held),
-                _ => pieces.push((piece, held)),
-            }
+            pieces.record(piece, bytes_in_use::<Runtime>(&device) - base)
         })
         .unwrap();
         assert!(loss.is_finite(), "loss {loss}");
-        pieces
+        pieces.0
     };
     // The first step allocates what every later one reuses (kernel state, pools): not counted.
     held(128);

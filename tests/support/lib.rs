@@ -181,6 +181,27 @@ pub fn sum_vectors<'a>(vectors: impl IntoIterator<Item = &'a Vec<f32>>) -> Vec<f
     sum
 }
 
+/// The most bytes held before each piece's backward of a checkpointed step
+/// (`checkpointed_backward`'s probe), in the order the pieces ran, a piece's tiles as one.
+#[derive(Debug, Default)]
+pub struct HeldPerPiece(pub Vec<(burn_ulysses::train::Piece, u64)>);
+
+impl HeldPerPiece {
+    /// Records `held` bytes before the backward of `piece`: a probe of the same piece as the
+    /// last one (its next tile) keeps the larger figure.
+    pub fn record(&mut self, piece: burn_ulysses::train::Piece, held: u64) {
+        match self.0.last_mut() {
+            Some((last, most)) if *last == piece => *most = (*most).max(held),
+            _ => self.0.push((piece, held)),
+        }
+    }
+
+    /// The most held before any piece's backward.
+    pub fn most(&self) -> u64 {
+        self.0.iter().map(|&(_, held)| held).max().unwrap_or(0)
+    }
+}
+
 /// Runs `work` on another thread and panics if it has not finished within `limit`, so a
 /// test that would hang fails instead.
 pub fn with_deadline<T: Send + 'static>(limit: Duration, work: impl FnOnce() -> T + Send + 'static) -> T {

@@ -52,7 +52,7 @@ use burn::{
     config::Config,
     module::{AutodiffModule, Module},
     optim::{GradientsAccumulator, GradientsParams},
-    tensor::{ElementConversion, Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}},
+    tensor::{BasicOps, ElementConversion, Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}},
 };
 
 use super::{LmOutput, TrainBackend, lm_loss_sum};
@@ -167,7 +167,7 @@ fn tile_ranges(len: usize, tiles: usize) -> impl Iterator<Item = Range<usize>> {
 }
 
 /// Rows `rows` of a tensor whose sequence runs along `dim`.
-fn rows_of<B: Backend, const D: usize>(tensor: &Tensor<B, D>, dim: usize, rows: &Range<usize>) -> Tensor<B, D> {
+fn rows_of<B: Backend, const D: usize, K: BasicOps<B>>(tensor: &Tensor<B, D, K>, dim: usize, rows: &Range<usize>) -> Tensor<B, D, K> {
     tensor.clone().narrow(dim, rows.start, rows.len())
 }
 
@@ -184,7 +184,7 @@ fn core_inputs_in_tiles<B: Backend, M: LayeredLm<B>>(model: &M, index: usize, hi
             parts.push(part);
         }
     }
-    joined.into_iter().map(|parts| if parts.len() == 1 { parts.into_iter().next().unwrap() } else { Tensor::cat(parts, 2) }).collect()
+    joined.into_iter().map(|parts| join(parts, 2)).collect()
 }
 
 /// Layer `index` on `hidden` with its token-wise parts in `tiles` tiles, no graph kept (the
@@ -199,9 +199,9 @@ fn layer_in_tiles<B: Backend, M: LayeredLm<B>>(model: &M, index: usize, hidden: 
     output.finish()
 }
 
-/// Row tiles `[batch, rows, d]` joined along the sequence.
-fn join_rows<B: Backend>(mut tiles: Vec<Tensor<B, 3>>) -> Tensor<B, 3> {
-    if tiles.len() == 1 { tiles.pop().unwrap() } else { Tensor::cat(tiles, 1) }
+/// Tiles joined along the sequence, which runs along `dim` (no copy of a single tile).
+fn join<B: Backend, const D: usize>(mut tiles: Vec<Tensor<B, D>>, dim: usize) -> Tensor<B, D> {
+    if tiles.len() == 1 { tiles.pop().unwrap() } else { Tensor::cat(tiles, dim) }
 }
 
 /// A `[batch, seq, d]` tensor kept between pieces: on the device, or in host memory, whence
@@ -274,7 +274,7 @@ impl<B: Backend> KeptTiles<B> {
 
     fn finish(self) -> Kept<B> {
         match self {
-            KeptTiles::Device(tiles) => Kept::Device(join_rows(tiles)),
+            KeptTiles::Device(tiles) => Kept::Device(join(tiles, 1)),
             KeptTiles::Host(mut tiles) if tiles.len() == 1 => Kept::Host(tiles.pop().unwrap()),
             KeptTiles::Host(tiles) => {
                 let (batch, width, dtype) = (tiles[0].shape[0], tiles[0].shape[2], tiles[0].dtype);
@@ -342,7 +342,7 @@ where
     let mut upstream = KeptTiles::new(offload);
     for rows in tile_ranges(shard_len, tiles) {
         let last = leaf(hidden.restore_rows(&rows, &device));
-        let loss = lm_loss_sum(model.head(last.clone()), labels.clone().narrow(1, rows.start, rows.len()), ignore_index) * weight;
+        let loss = lm_loss_sum(model.head(last.clone()), rows_of(&labels, 1, &rows), ignore_index) * weight;
         loss_value += loss.clone().into_scalar().elem::<f64>();
         probe(Piece::Head);
         let grads = loss.backward();
@@ -381,7 +381,7 @@ where
         let residual_grad = residual_grad.finish();
 
         // The core's backward.
-        let seed = (core * Tensor::from_inner(Tensor::cat(core_grad, 2))).sum();
+        let seed = (core * Tensor::from_inner(join(core_grad, 2))).sum();
         probe(Piece::Core { layer: index });
         // The tiles' backwards had no collective; this one has. Peers that are threads of
         // this process must not be inside it while this rank still runs tiles.
