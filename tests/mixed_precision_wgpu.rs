@@ -11,7 +11,9 @@
 //! - the norm alone against f64, where f16 squares would overflow; and what autodiff keeps of
 //!   it, measured on the device;
 //! - what a checkpointed step (offloaded, tiled) keeps per token before each piece's
-//!   backward: the attention core's tensors, and no hidden state.
+//!   backward: the attention core's tensors, and no hidden state;
+//! - that a step's memory does not depend on the mask (packed documents against one), which
+//!   the memory bench's longest-sequence mode relies on.
 //!
 //! The tolerances are f16's: 11 significant bits (4.9e-4 per rounding) through two layers,
 //! the norm and softmax statistics and the loss being f32.
@@ -269,10 +271,7 @@ fn half_precision_rms_norm_keeps_only_half_precision_copies_for_the_backward() {
 /// device, or the head untiled, adds 256 bytes per token and fails this.
 #[test]
 fn checkpointed_layers_keep_only_the_attention_core_per_token() {
-    use burn_ulysses::{
-        data::SequenceSharder,
-        train::{Piece, checkpointed_backward},
-    };
+    use burn_ulysses::train::Piece;
     if !runtime_available::<Runtime>() {
         return;
     }
@@ -283,20 +282,7 @@ fn checkpointed_layers_keep_only_the_attention_core_per_token() {
     let config = LlamaConfig::new(VOCAB).with_d_model(d_model).with_n_heads(heads).with_n_kv_heads(kv_heads).with_ffn_hidden(512).with_repeat_kv(false);
     let model = config.init::<Sp>(&device).with_compute_dtype(dtype);
     let checkpointing = LayerCheckpointing::new().with_offload_to_host(true);
-    let held = |tokens: usize| -> Vec<(Piece, u64)> {
-        let sequence: Vec<i64> = (0..tokens as i64).map(|t| (t * 7 + 3) % VOCAB as i64).collect();
-        let shard = SequenceSharder::new(1).shard(&[sequence], 0);
-        let base = bytes_in_use::<Runtime>(&device);
-        let mut pieces = HeldPerPiece::default();
-        let tiles = tokens / 64;
-        let (tokens, labels) = (shard.tokens::<Sp>(&device), shard.labels::<Sp>(&device));
-        let (loss, _grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, &checkpointing, tiles, |piece| {
-            pieces.record(piece, bytes_in_use::<Runtime>(&device) - base)
-        })
-        .unwrap();
-        assert!(loss.is_finite(), "loss {loss}");
-        pieces.0
-    };
+    let held = |tokens: usize| held_per_piece(&model, &checkpointing, tokens, None, &device);
     // The first step allocates what every later one reuses (kernel state, pools): not counted.
     held(128);
     let (short, long) = (held(256), held(512));
@@ -325,4 +311,78 @@ fn checkpointed_layers_keep_only_the_attention_core_per_token() {
         assert!(per_token <= bound, "{piece:?} holds {per_token} bytes per token before its backward, more than {bound}");
     }
     assert_eq!(core_seen, config.n_layers);
+}
+
+/// One checkpointed step of `tokens` tokens (packed in documents of `documents` tokens, or
+/// one document) in tiles of 64: the bytes held before each piece's backward, above what was
+/// in use before the step.
+fn held_per_piece(
+    model: &ulysses_llama::Llama<Sp>,
+    checkpointing: &LayerCheckpointing,
+    tokens: usize,
+    documents: Option<usize>,
+    device: &<Runtime as cubecl::Runtime>::Device,
+) -> Vec<(burn_ulysses::train::Piece, u64)> {
+    use burn_ulysses::train::checkpointed_backward;
+    let shard = one_sequence(tokens, documents);
+    let base = bytes_in_use::<Runtime>(device);
+    let mut pieces = HeldPerPiece::default();
+    let (ids, labels) = (shard.tokens::<Sp>(device), shard.labels::<Sp>(device));
+    let (loss, _grads) = checkpointed_backward(model, ids, labels, &shard.positions, 1.0, -100, checkpointing, tokens / 64, |piece| {
+        pieces.record(piece, bytes_in_use::<Runtime>(device) - base)
+    })
+    .unwrap();
+    assert!(loss.is_finite(), "loss {loss}");
+    pieces.0
+}
+
+/// One sequence of `tokens` tokens at SP=1, packed in documents of `documents` tokens or one
+/// document.
+fn one_sequence(tokens: usize, documents: Option<usize>) -> burn_ulysses::data::SequenceShard {
+    let sequence: Vec<i64> = (0..tokens as i64).map(|t| (t * 7 + 3) % VOCAB as i64).collect();
+    let lengths = documents.map(|len| vec![vec![len; tokens / len]]);
+    burn_ulysses::data::SequenceSharder::new(1).shard_documents(&[sequence], lengths.as_deref(), 0)
+}
+
+/// The longest-sequence mode of the memory bench (`--longest-under` with `--documents`)
+/// packs short documents so that a trial at a million tokens costs seconds, not the minutes
+/// of causal attention over all of them. That measures the right bytes only if a step's
+/// memory does not depend on which keys a query sees; on the flash path it must not (no
+/// `S × S` buffer; the visible runs are `2 × (S_q + S_kv)` integers). Documents of 64 tokens
+/// against one document of 512, in bf16 (f16 where the device lacks it): the checkpointed step piece by piece, and the plain
+/// step after its forward and after its backward.
+#[test]
+fn training_memory_does_not_depend_on_the_mask() {
+    use burn_ulysses::train::lm_loss_sum;
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let tokens = 512;
+    let device: <Runtime as cubecl::Runtime>::Device = Default::default();
+    let dtype = Precision::Bf16.compute_dtype::<Sp>(&device).unwrap();
+    let config = LlamaConfig::new(VOCAB).with_d_model(128).with_n_heads(8).with_n_kv_heads(2).with_ffn_hidden(512).with_repeat_kv(false);
+    let model = config.init::<Sp>(&device).with_compute_dtype(dtype);
+    let checkpointing = LayerCheckpointing::new().with_offload_to_host(true);
+    let plain = |documents: Option<usize>| -> (u64, u64) {
+        let shard = one_sequence(tokens, documents);
+        let base = bytes_in_use::<Runtime>(&device);
+        let output = model.lm_output(shard.tokens::<Sp>(&device), &shard.positions);
+        let loss = lm_loss_sum(output, shard.labels::<Sp>(&device), -100);
+        let after_forward = bytes_in_use::<Runtime>(&device) - base;
+        let grads = loss.backward();
+        let after_backward = bytes_in_use::<Runtime>(&device) - base;
+        drop(grads);
+        (after_forward, after_backward)
+    };
+    // The first steps allocate what every later one reuses (kernel state, pools): not counted.
+    held_per_piece(&model, &checkpointing, tokens, Some(64), &device);
+    plain(Some(64));
+    let (one, packed) = (held_per_piece(&model, &checkpointing, tokens, None, &device), held_per_piece(&model, &checkpointing, tokens, Some(64), &device));
+    println!("checkpointed, one document: {one:?}\ncheckpointed, documents of 64: {packed:?}");
+    assert_eq!(packed, one, "a checkpointed step holds other bytes with documents of 64 tokens than with one document");
+    assert!(one.iter().all(|&(_, held)| held > 0), "nothing measured: {one:?}");
+    let (one, packed) = (plain(None), plain(Some(64)));
+    println!("plain (after forward, after backward), one document: {one:?}; documents of 64: {packed:?}");
+    assert!(one.0 > 0 && one.1 > 0, "nothing measured: {one:?}");
+    assert_eq!(packed, one, "a plain step holds other bytes with documents of 64 tokens than with one document");
 }
