@@ -7,14 +7,17 @@
 //! cargo bench --bench training_memory -- [--seqs 512,1024,2048,4096] [--shape small|llama-8b]
 //!     [--layers N] [--documents LEN] [--longest-under BYTES --max-seq S]
 //!     [--checkpoint-layers [--offload-to-host] [--tile-tokens N]] [--precision f32|bf16]
-//!     [--ffn N] [--vocab N] [--pieces]
+//!     [--ffn N] [--vocab N] [--pieces] [--min-seq S] [--step-tokens N] [--trial-timeout SECS]
 //!
 //! Per S (ascending), one step at batch 1, printing:
-//! - `activations`: bytes in use once the forward and the loss are done, less the parameters
-//!   (what the backward keeps alive: the dominant term at long context);
-//! - `peak sampled`: the largest of that and the bytes in use right after the backward with
-//!   every gradient alive (CubeCL reports no true peak, so this is sampled at the two points
-//!   where a step's memory is highest);
+//! - `parameters`: bytes in use before the step, every parameter created (burn creates one on
+//!   its first use) and the rotary tables;
+//! - `activations`: above `parameters`, bytes in use once the forward and the loss are done
+//!   (what the backward keeps alive: the dominant term at long context); with checkpointing,
+//!   the most held just before any piece's backward;
+//! - `peak sampled`: above `parameters`, the largest of that and the bytes in use right after
+//!   the backward with every gradient alive (CubeCL reports no true peak, so this is sampled
+//!   at the points where a step's memory is highest);
 //! - `reserved`: the allocator's reservation after the step (pools grow and never shrink in a
 //!   run, so it is a high-water mark over every S so far);
 //! - the ratio of `peak sampled` to the previous S's, against the ratio of the lengths
@@ -25,22 +28,43 @@
 //! tiles (`burn_ulysses::train::Piece`), then the embedding.
 //!
 //! `--documents LEN` packs documents of `LEN` tokens (attention within each, RoPE positions
-//! restarting). `--longest-under BYTES` bisects (in multiples of 256 tokens, up to
-//! `--max-seq`) the longest S whose sampled peak fits in `BYTES`: on a GPU, the longest
-//! sequence per device for a model shape (`--shape llama-8b --layers N`).
+//! restarting).
+//!
+//! `--longest-under BYTES` bisects the longest S whose step completes with its sampled peak,
+//! parameters included, within `BYTES`: on a GPU, the longest sequence per device for a model
+//! shape (`--shape llama-8b --layers N`). The lengths tried are `--min-seq` (default
+//! `--step-tokens`) up to `--max-seq` in steps of `--step-tokens` (default 256). Each length
+//! runs in a child process of this bench, so a step that runs out of memory fails alone:
+//! CubeCL catches a failed allocation on its device thread and goes on with the buffer
+//! unbound, which leaves that process's results untrustworthy (the child reports any panic,
+//! on any thread, as a failed step). `--trial-timeout SECS` kills a child that runs longer.
+//! The step's memory does not depend on which keys a query sees (no `S × S` buffer on the
+//! flash path; the `training_memory_does_not_depend_on_the_mask` test checks it to the byte),
+//! so with `--documents LEN` a trial measures the same bytes as one long document at a cost
+//! linear in S: on a GPU, seconds a trial at a million tokens instead of many minutes.
 //!
 //! lavapipe stops kernels past about 4 096 tokens (Mesa's loop limiter), so on the CPU keep S
 //! at or below that.
+
+use std::{
+    io::Read,
+    process::{Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use burn::module::Module;
 use burn_ulysses::{
     UlyssesBackend,
     data::SequenceSharder,
     precision::Precision,
-    train::{LayerCheckpointing, ShardLengths, checkpointed_backward, lm_loss_sum},
+    train::{LayerCheckpointing, ShardLengths, checkpointed_backward, float_parameters, lm_loss_sum},
 };
 use ulysses_llama::LlamaConfig;
-use ulysses_suite::HeldPerPiece;
+use ulysses_suite::{HeldPerPiece, longest_fitting};
 
 #[cfg(feature = "cuda")]
 type Runtime = cubecl::cuda::CudaRuntime;
@@ -61,7 +85,13 @@ struct Args {
     precision: Precision,
     documents: Option<usize>,
     longest_under: Option<u64>,
+    min_seq: Option<usize>,
     max_seq: usize,
+    step_tokens: usize,
+    trial_timeout: Option<Duration>,
+    /// Set in the child process of one `--longest-under` trial: run one step of this many
+    /// tokens and print its figures as one `trial:` line.
+    trial: Option<usize>,
     /// `None`: the plain backward; else whole-layer checkpointing, offloaded or not, the
     /// token-wise parts tiled or not.
     checkpointing: Option<LayerCheckpointing>,
@@ -84,7 +114,11 @@ fn args() -> Args {
         precision: value("--precision").map_or(Precision::F32, |v| v.parse().unwrap_or_else(|e| panic!("--precision: {e}"))),
         documents: number("--documents"),
         longest_under: number("--longest-under").map(|b| b as u64),
+        min_seq: number("--min-seq"),
         max_seq: number("--max-seq").unwrap_or(4096),
+        step_tokens: number("--step-tokens").unwrap_or(256),
+        trial_timeout: number("--trial-timeout").map(|seconds| Duration::from_secs(seconds as u64)),
+        trial: number("--trial"),
         checkpointing: {
             let tile_tokens = number("--tile-tokens");
             let checkpointing = flag("--checkpoint-layers").then(|| LayerCheckpointing::new().with_offload_to_host(flag("--offload-to-host")).with_tile_tokens(tile_tokens));
@@ -130,23 +164,37 @@ fn reserved(device: &Device) -> u64 {
     <Runtime as cubecl::Runtime>::client(device).memory_usage().expect("memory usage").bytes_reserved
 }
 
-/// Bytes of one step at `seq` tokens: (activations, sampled peak), both above the parameters.
-/// Activations: what the plain step holds after its forward; with checkpointing, the most
-/// held at any piece's backward (its graph and every kept input).
-fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> (u64, u64) {
+/// Device memory of one training step, in bytes.
+struct StepMemory {
+    /// In use once the model is built, before the step: the parameters (and rotary tables).
+    parameters: u64,
+    /// Above `parameters`: what the plain step holds after its forward; with checkpointing,
+    /// the most held before any piece's backward (its graph and every kept input).
+    activations: u64,
+    /// Above `parameters`: the larger of `activations` and what is in use after the backward
+    /// with every gradient alive.
+    peak: u64,
+}
+
+/// One step at `seq` tokens. Panics if the loss is not finite: a step that computed garbage
+/// measured nothing.
+fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> StepMemory {
     let (documents, checkpointing) = (args.documents, args.checkpointing.as_ref());
     let dtype = args.precision.compute_dtype::<Train>(device).unwrap_or_else(|e| panic!("{e}"));
     let model = config.init::<Train>(device).with_compute_dtype(dtype);
+    // burn creates a parameter's tensor on its first use: create them all now, so that the
+    // bytes in use before the step count them and the figures above that do not.
+    drop(float_parameters(&model));
     let vocab = config.vocab_size as i64;
     let tokens: Vec<i64> = (0..seq as i64).map(|t| (t * 7919 + 13) % vocab).collect();
     let lengths = documents.map(|len| vec![(0..seq).step_by(len).map(|start| len.min(seq - start)).collect::<Vec<_>>()]);
     let shard = SequenceSharder::new(1).shard_documents(&[tokens], lengths.as_deref(), 0);
     let base = in_use(device);
-    if let Some(checkpointing) = checkpointing {
+    let (loss, activations, with_gradients) = if let Some(checkpointing) = checkpointing {
         let tiles = checkpointing.tiles(ShardLengths { shortest: seq, longest: seq }).expect("checked in args");
         let (tokens, labels) = (shard.tokens::<Train>(device), shard.labels::<Train>(device));
         let mut pieces = HeldPerPiece::default();
-        let (_, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, |piece| {
+        let (loss, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, |piece| {
             pieces.record(piece, in_use(device) - base)
         })
         .expect("the checkpointed step");
@@ -155,71 +203,198 @@ fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> (u64,
                 println!("    S {seq}: {held:>14} bytes held before the backward of {piece:?}");
             }
         }
-        let most = pieces.most();
         let with_gradients = in_use(device) - base;
         drop(grads);
-        drop(model);
-        return (most, most.max(with_gradients));
-    }
-    let output = model.lm_output(shard.tokens::<Train>(device), &shard.positions);
-    let loss = lm_loss_sum(output, shard.labels::<Train>(device), -100);
-    let activations = in_use(device) - base;
-    let grads = loss.backward();
-    let with_gradients = in_use(device) - base;
-    drop(grads);
+        (loss, pieces.most(), with_gradients)
+    } else {
+        let output = model.lm_output(shard.tokens::<Train>(device), &shard.positions);
+        let loss = lm_loss_sum(output, shard.labels::<Train>(device), -100);
+        let activations = in_use(device) - base;
+        let value = loss.clone().into_scalar() as f64;
+        let grads = loss.backward();
+        let with_gradients = in_use(device) - base;
+        drop(grads);
+        (value, activations, with_gradients)
+    };
+    assert!(loss.is_finite(), "S {seq}: the step's loss is {loss}");
     drop(model);
-    (activations, activations.max(with_gradients))
+    StepMemory { parameters: base, activations, peak: activations.max(with_gradients) }
 }
 
-fn main() {
-    let args = args();
-    let config = model(&args);
+/// The child process of one `--longest-under` trial: one step of `seq` tokens, then one line
+/// `trial: <peak with parameters> <parameters> <reserved> <seconds>`; exits with 1 when any
+/// thread panicked meanwhile. CubeCL's device thread catches a panic of its own (a failed
+/// allocation) and goes on, so only the panic hook sees it.
+fn run_trial(config: &LlamaConfig, seq: usize, args: &Args) {
+    let panicked = Arc::new(AtomicBool::new(false));
+    let default_hook = std::panic::take_hook();
+    let flag = panicked.clone();
+    std::panic::set_hook(Box::new(move |info| {
+        flag.store(true, Ordering::SeqCst);
+        default_hook(info)
+    }));
     let device = Device::default();
-    let parameters: usize = config.init::<Train>(&device).num_params();
-    println!(
-        "one training step, batch 1, {:?} compute, flash attention ({}): {} layers, d_model {}, {} q / {} kv heads, ffn {}, vocab {}: {:.1} M parameters{}",
-        args.precision.compute_dtype::<Train>(&device).unwrap_or_else(|e| panic!("{e}")),
-        std::any::type_name::<Runtime>(),
+    let started = Instant::now();
+    let memory = step(config, seq, args, &device);
+    let seconds = started.elapsed().as_secs_f64();
+    if panicked.load(Ordering::SeqCst) {
+        eprintln!("a thread panicked during the step of {seq} tokens (above): its figures cannot be trusted");
+        std::process::exit(1);
+    }
+    println!("trial: {} {} {} {seconds:.1}", memory.parameters + memory.peak, memory.parameters, reserved(&device));
+}
+
+/// What a trial's child process reported.
+struct Trial {
+    /// The sampled peak, parameters included.
+    peak: u64,
+    parameters: u64,
+    reserved: u64,
+    seconds: f64,
+}
+
+/// Runs one step of `seq` tokens in a child process of this bench (same arguments, plus
+/// `--trial seq`), killed past `args.trial_timeout`. `Err` says why it gave no figures.
+fn trial(seq: usize, args: &Args) -> Result<Trial, String> {
+    let mut child = Command::new(std::env::current_exe().map_err(|e| format!("cannot find this bench's executable: {e}"))?)
+        .args(std::env::args().skip(1))
+        .args(["--trial", &seq.to_string()])
+        .env("RUST_BACKTRACE", "0")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start a trial process: {e}"))?;
+    // Drained on threads, so a child that writes much never blocks on a full pipe.
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_string(&mut text);
+            }
+            text
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().map_err(|e| format!("cannot wait for the trial process: {e}"))? {
+            break Some(status);
+        }
+        if args.trial_timeout.is_some_and(|limit| started.elapsed() > limit) {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
+    let Some(status) = status else {
+        return Err(format!("timed out after {:.0} s (--trial-timeout)", started.elapsed().as_secs_f64()));
+    };
+    let report = stdout.lines().find_map(|line| line.strip_prefix("trial: "));
+    match (status.success(), report) {
+        (true, Some(report)) => {
+            let fields: Vec<&str> = report.split_whitespace().collect();
+            let number = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).ok_or_else(|| format!("unreadable trial report {report:?}"));
+            Ok(Trial { peak: number(0)? as u64, parameters: number(1)? as u64, reserved: number(2)? as u64, seconds: number(3)? })
+        }
+        _ => Err(format!("{status}: {}", first_panic(&stderr))),
+    }
+}
+
+/// The first panic's message in a child's stderr (the cause: later panics are its echoes on
+/// other threads), and how many there were; else stderr's last lines.
+fn first_panic(stderr: &str) -> String {
+    let lines: Vec<&str> = stderr.lines().map(str::trim).filter(|line| !line.is_empty()).collect();
+    let panics: Vec<usize> = lines.iter().enumerate().filter(|(_, line)| line.contains(" panicked at ")).map(|(i, _)| i).collect();
+    let text = match panics.first() {
+        Some(&first) => {
+            let message = lines[first + 1..].iter().take_while(|line| !line.contains(" panicked at ") && !line.starts_with("stack backtrace") && !line.starts_with("note:"));
+            format!("{} ({} panics in all)", message.take(3).copied().collect::<Vec<_>>().join(" "), panics.len())
+        }
+        None => lines[lines.len().saturating_sub(3)..].join(" | "),
+    };
+    text.chars().take(400).collect()
+}
+
+/// The model, dtype and features of a run, for the first line it prints.
+fn describe(config: &LlamaConfig, args: &Args) -> String {
+    format!(
+        "{} layers, d_model {}, {} q / {} kv heads, ffn {}, vocab {}, {:?} precision{}{}",
         config.n_layers,
         config.d_model,
         config.n_heads,
         config.n_kv_heads,
         config.ffn_hidden,
         config.vocab_size,
-        parameters as f64 / 1e6,
-        args.documents.map_or(String::new(), |len| format!(", packed documents of {len} tokens"))
-            + &args.checkpointing.as_ref().map_or(String::new(), |c| {
-                let tiling = c.tile_tokens.map_or(String::new(), |tokens| format!(", token-wise parts in tiles of {tokens} tokens"));
-                format!(", layer checkpointing (inputs on the {}{tiling})", if c.offload_to_host { "host" } else { "device" })
-            })
-    );
+        args.precision,
+        args.documents.map_or(String::new(), |len| format!(", packed documents of {len} tokens")),
+        args.checkpointing.as_ref().map_or(String::new(), |c| {
+            let tiling = c.tile_tokens.map_or(String::new(), |tokens| format!(", token-wise parts in tiles of {tokens} tokens"));
+            format!(", layer checkpointing (inputs on the {}{tiling})", if c.offload_to_host { "host" } else { "device" })
+        })
+    )
+}
+
+fn main() {
+    let args = args();
+    let config = model(&args);
+    if let Some(seq) = args.trial {
+        return run_trial(&config, seq, &args);
+    }
 
     if let Some(budget) = args.longest_under {
-        // Largest multiple of 256 in [256, max_seq] whose step fits the budget.
-        let fits = |seq: usize| {
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(&config, seq, &args, &device)));
-            let fits = matches!(outcome, Ok((_, peak)) if peak <= budget);
-            println!("  S {seq:>8}: {}", match outcome {
-                Ok((_, peak)) => format!("peak sampled {peak} bytes: {}", if fits { "fits" } else { "over the budget" }),
-                Err(_) => "failed (out of memory)".into(),
-            });
-            fits
+        // No device in this process: the trials' children have it to themselves.
+        let step_tokens = args.step_tokens;
+        let shortest = args.min_seq.unwrap_or(step_tokens);
+        println!(
+            "longest sequence whose training step (batch 1, flash attention, {}) fits {budget} bytes: {}; trying {shortest}..={} tokens in steps of {step_tokens}, one child process each",
+            std::any::type_name::<Runtime>(),
+            describe(&config, &args),
+            args.max_seq,
+        );
+        let fits = |seq: usize| match trial(seq, &args) {
+            Ok(trial) => {
+                let fits = trial.peak <= budget;
+                println!(
+                    "  S {seq:>8}: peak sampled {} bytes ({} of parameters), reserved {}, {:.1} s: {}",
+                    trial.peak,
+                    trial.parameters,
+                    trial.reserved,
+                    trial.seconds,
+                    if fits { "fits" } else { "over the budget" }
+                );
+                fits
+            }
+            Err(why) => {
+                println!("  S {seq:>8}: failed: {why}");
+                false
+            }
         };
-        let (mut low, mut high) = (0usize, args.max_seq / 256 + 1);
-        while high - low > 1 {
-            let middle = (low + high) / 2;
-            if fits(middle * 256) { low = middle } else { high = middle }
+        match longest_fitting(shortest, args.max_seq, step_tokens, fits) {
+            Some(longest) => println!("longest sequence under {budget} bytes: {longest} tokens"),
+            None => println!("longest sequence under {budget} bytes: none (not even {shortest} tokens)"),
         }
-        println!("longest sequence under {budget} bytes: {} tokens", low * 256);
         return;
     }
 
-    println!("{:>8} | {:>14} {:>14} {:>14} | {:>14}", "S", "activations", "peak sampled", "reserved", "peak ratio");
+    let device = Device::default();
+    let parameters: usize = config.init::<Train>(&device).num_params();
+    println!(
+        "one training step, batch 1, {:?} compute, flash attention ({}): {}: {:.1} M parameters",
+        args.precision.compute_dtype::<Train>(&device).unwrap_or_else(|e| panic!("{e}")),
+        std::any::type_name::<Runtime>(),
+        describe(&config, &args),
+        parameters as f64 / 1e6,
+    );
+    println!("{:>8} | {:>14} | {:>14} {:>14} {:>14} | {:>14}", "S", "parameters", "activations", "peak sampled", "reserved", "peak ratio");
     let mut previous: Option<(usize, u64)> = None;
     for &seq in &args.seqs {
-        let (activations, peak) = step(&config, seq, &args, &device);
+        let memory = step(&config, seq, &args, &device);
+        let peak = memory.peak;
         let ratio = previous.map_or(String::new(), |(s, p)| format!("x{:.2} for x{:.1}", peak as f64 / p as f64, seq as f64 / s as f64));
-        println!("{seq:>8} | {activations:>14} {peak:>14} {:>14} | {ratio:>14}", reserved(&device));
+        println!("{seq:>8} | {:>14} | {:>14} {peak:>14} {:>14} | {ratio:>14}", memory.parameters, memory.activations, reserved(&device));
         previous = Some((seq, peak));
     }
 }
