@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Builds the CUDA binaries that a GPU machine (no Rust toolchain there) runs, strips them and
-# puts them in .gpu-bundle/{kernels,nccl,train} (git-ignored), each under the 64 MiB a device
-# call carries (kernels ~19 MB, nccl ~25 MB, train ~30 MB). Carry one folder per call and run
-# its gpu-run.sh there.
+# puts them in .gpu-bundle/{kernels,memory,nccl,train} (git-ignored), each under the 64 MiB a
+# device call carries (kernels ~19 MB, nccl ~25 MB, train ~30 MB). Carry one folder per call
+# and run its gpu-run.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=.gpu-bundle
-rm -rf "$bundle" && mkdir -p "$bundle"/{kernels,nccl,train}
+rm -rf "$bundle" && mkdir -p "$bundle"/{kernels,memory,nccl,train}
 
 # Test and bench executables: cargo prints their paths as JSON messages.
 executables() {
@@ -24,7 +24,7 @@ for exe in $(executables bench --no-run -p ulysses-kernels --features cuda --ben
     cp "$exe" "$bundle/kernels/flash-attention-bench"
 done
 for exe in $(executables bench --no-run -p ulysses-suite --features cuda --bench training_memory); do
-    cp "$exe" "$bundle/kernels/training-memory-bench"
+    cp "$exe" "$bundle/memory/training-memory-bench"
 done
 cargo build --release -p ulysses-nccl --bin ulysses-nccl-check
 cargo build --release -p ulysses-dist --bin ulysses-launch
@@ -33,5 +33,5 @@ cp target/release/ulysses-nccl-check target/release/ulysses-launch "$bundle/nccl
 cp target/release/ulysses-llama target/release/ulysses-launch "$bundle/train/"
 strip "$bundle"/*/* 2>/dev/null || true
 cp benches/sdpa_reference.py "$bundle/kernels/"
-for part in kernels nccl train; do cp scripts/gpu-run.sh "$bundle/$part/"; done
+for part in kernels memory nccl train; do cp scripts/gpu-run.sh "$bundle/$part/"; done
 du -ah "$bundle"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine, from one folder made by scripts/gpu-bundle.sh (kernels, nccl or
-# train: it runs what the folder holds). Writes logs to ${OUT:-.}.
+# Runs on the GPU machine, from one folder made by scripts/gpu-bundle.sh (kernels, memory, nccl
+# or train: it runs what the folder holds). Writes logs to ${OUT:-.}.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-.}"
@@ -19,15 +19,29 @@ if [ -x "$here/flash-attention-tests" ]; then
     ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" 2>&1 | tee "$out/flash-bench.log"
 fi
 if [ -x "$here/training-memory-bench" ]; then
-    # Memory of one training step against S (the example's shape), plain and with whole-layer
-    # checkpointing offloaded to the host; then the longest sequence of a Llama-3.1-8B-shaped
-    # stack of 4 layers under 70 GB, plain and checkpointed, and of 2 with every ALST feature.
-    "$here/training-memory-bench" --seqs 4096,8192,16384,32768,65536 2>&1 | tee "$out/training-memory.log"
-    "$here/training-memory-bench" --seqs 4096,8192,16384,32768,65536 --checkpoint-layers --offload-to-host 2>&1 | tee -a "$out/training-memory.log"
-    "$here/training-memory-bench" --shape llama-8b --layers 4 --longest-under 70000000000 --max-seq 1048576 2>&1 | tee -a "$out/training-memory.log"
-    "$here/training-memory-bench" --shape llama-8b --layers 4 --longest-under 70000000000 --max-seq 1048576 --checkpoint-layers --offload-to-host 2>&1 | tee -a "$out/training-memory.log"
-    # Everything ALST uses: checkpointing offloaded, the token-wise parts in tiles of d_model tokens, bf16.
-    "$here/training-memory-bench" --shape llama-8b --layers 2 --longest-under 70000000000 --max-seq 2097152 --checkpoint-layers --offload-to-host --tile-tokens 4096 --precision bf16 2>&1 | tee -a "$out/training-memory.log"
+    # A device call lasts at most 10 minutes: MEMORY_RUN picks what this one measures.
+    # Longest-sequence trials pack documents of 4096 tokens: the step's memory does not depend
+    # on the mask (tested), and attention then costs linear time instead of many minutes per
+    # trial. The budget includes the parameters; each trial is a child process, killed past
+    # --trial-timeout.
+    bench="$here/training-memory-bench"
+    longest="--shape llama-8b --longest-under 80000000000 --documents 4096 --trial-timeout 150"
+    case "${MEMORY_RUN:-alst}" in
+    alst)
+        # Everything ALST uses, on a Llama-3.1-8B-shaped stack of 2 layers: checkpointing
+        # offloaded, the token-wise parts in tiles of d_model tokens, bf16. Goal: 1M tokens.
+        "$bench" $longest --layers 2 --min-seq 524288 --max-seq 2097152 --step-tokens 65536 \
+            --checkpoint-layers --offload-to-host --tile-tokens 4096 --precision bf16 2>&1 | tee -a "$out/training-memory.log" ;;
+    layers4)
+        # 4 layers in f32, plain and checkpointed (offloaded).
+        "$bench" $longest --layers 4 --min-seq 8192 --max-seq 262144 --step-tokens 8192 2>&1 | tee -a "$out/training-memory.log"
+        "$bench" $longest --layers 4 --min-seq 65536 --max-seq 1048576 --step-tokens 32768 --checkpoint-layers --offload-to-host 2>&1 | tee -a "$out/training-memory.log" ;;
+    table)
+        # Memory of one step against S (the example's shape), plain and checkpointed.
+        "$bench" --seqs 4096,8192,16384,32768,65536 2>&1 | tee -a "$out/training-memory.log"
+        "$bench" --seqs 4096,8192,16384,32768,65536 --checkpoint-layers --offload-to-host 2>&1 | tee -a "$out/training-memory.log" ;;
+    *) echo "MEMORY_RUN must be alst, layers4 or table, not ${MEMORY_RUN}" >&2; exit 2 ;;
+    esac
 fi
 if [ -x "$here/ulysses-nccl-check" ]; then
     "$here/ulysses-launch" --nproc-per-node 1 -- "$here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check-1.log"
