@@ -264,18 +264,7 @@ fn trial(seq: usize, args: &Args) -> Result<Trial, String> {
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot start a trial process: {e}"))?;
-    // Drained on threads, so a child that writes much never blocks on a full pipe.
-    let drain = |pipe: Option<Box<dyn Read + Send>>| {
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            if let Some(mut pipe) = pipe {
-                let _ = pipe.read_to_string(&mut text);
-            }
-            text
-        })
-    };
-    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
-    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let (stdout, stderr) = (drain(child.stdout.take()), drain(child.stderr.take()));
     let started = Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().map_err(|e| format!("cannot wait for the trial process: {e}"))? {
@@ -301,6 +290,18 @@ fn trial(seq: usize, args: &Args) -> Result<Trial, String> {
         }
         _ => Err(format!("{status}: {}", first_panic(&stderr))),
     }
+}
+
+/// Reads a child's pipe to its end on a thread of its own, so a child that writes much never
+/// blocks on a full pipe while its parent waits for it.
+fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_string(&mut text);
+        }
+        text
+    })
 }
 
 /// The first panic's message in a child's stderr (the cause: later panics are its echoes on

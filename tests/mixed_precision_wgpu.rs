@@ -369,9 +369,13 @@ fn training_memory_does_not_depend_on_the_mask() {
         let output = model.lm_output(shard.tokens::<Sp>(&device), &shard.positions);
         let loss = lm_loss_sum(output, shard.labels::<Sp>(&device), -100);
         let after_forward = bytes_in_use::<Runtime>(&device) - base;
+        // A handle on the same tensor (no bytes of its own), read once the bytes are counted.
+        let loss_value = loss.clone();
         let grads = loss.backward();
         let after_backward = bytes_in_use::<Runtime>(&device) - base;
         drop(grads);
+        let loss_value = loss_value.into_scalar() as f64;
+        assert!(loss_value.is_finite(), "plain step, documents {documents:?}: loss {loss_value}");
         (after_forward, after_backward)
     };
     // The first steps allocate what every later one reuses (kernel state, pools): not counted.
