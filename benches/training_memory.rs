@@ -341,6 +341,12 @@ fn describe(config: &LlamaConfig, args: &Args) -> String {
 fn main() {
     let args = args();
     let config = model(&args);
+    // CubeCL would fail on its device thread, and each trial child with it, far from the cause.
+    #[cfg(feature = "cuda")]
+    if let Err(error) = ulysses_nccl::check_cuda_device(0) {
+        eprintln!("error: the CUDA device cannot start: {error}");
+        std::process::exit(2);
+    }
     if let Some(seq) = args.trial {
         return run_trial(&config, seq, &args);
     }

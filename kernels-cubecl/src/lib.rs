@@ -86,7 +86,11 @@ pub mod testing {
         let probe = std::panic::catch_unwind(|| {
             let _ = R::client(&R::Device::default());
         });
-        let hint = "no CubeCL device (wgpu needs a Vulkan driver: apt-get install mesa-vulkan-drivers libvulkan1)";
+        let hint = format!(
+            "no CubeCL device for {}: wgpu needs a Vulkan driver (apt-get install mesa-vulkan-drivers libvulkan1), \
+             CUDA the NVIDIA driver's libcuda.so on the library path",
+            std::any::type_name::<R>()
+        );
         match probe {
             Ok(()) => true,
             Err(_) if std::env::var("ULYSSES_REQUIRE_GPU_RUNTIME").as_deref() == Ok("1") => panic!("{hint}"),

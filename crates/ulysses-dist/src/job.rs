@@ -97,6 +97,14 @@ impl JobOptions {
     pub fn new(layout: ParallelLayout, dist: DistributedConfig) -> Self {
         Self { layout, dist, ulysses: UlyssesConfig::new(), device_index: None }
     }
+
+    /// The device index this process's ranks run on under `launch`.
+    pub fn device_index_of(&self, launch: &Launch) -> usize {
+        self.device_index.unwrap_or(match launch {
+            Launch::Process(env) => env.local_rank,
+            Launch::Threads => 0,
+        })
+    }
 }
 
 /// One rank of a running job, handed to the work of [`run_ranks`].
@@ -134,7 +142,7 @@ where
     match launch {
         Launch::Threads => {
             let config = ThreadGroupConfig::new(layout.world_size()).with_timeout_secs(options.dist.collective_timeout_secs);
-            let device = device(options.device_index.unwrap_or(0));
+            let device = device(options.device_index_of(launch));
             let results = ThreadGroup::from_config(&config).run(|thread| -> Result<R, DistError> {
                 let groups = ParallelGroups::new(thread.communicator(), layout).map_err(|e| DistError::Job(e.to_string()))?;
                 let rank = Rank {
@@ -166,7 +174,7 @@ where
                     env.world_size
                 )));
             }
-            let device = device(options.device_index.unwrap_or(env.local_rank));
+            let device = device(options.device_index_of(launch));
             let world = T::connect(env, &options.dist, &device)?;
             let groups = ParallelGroups::new(world, layout).map_err(|e| DistError::Job(e.to_string()))?;
             let rank = Rank {

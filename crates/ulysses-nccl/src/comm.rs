@@ -28,7 +28,7 @@ use ulysses_dist::{DistributedConfig, LaunchEnv, Rendezvous};
 
 use crate::{
     NcclError,
-    library::{check_driver, check_library},
+    library::{check_cuda_device, check_library},
 };
 
 type CudaTensor = CubeTensor<CudaRuntime>;
@@ -87,10 +87,9 @@ impl NcclCommunicator {
     /// Joins the job described by `env` with this process's communicator on GPU `gpu`.
     pub fn join(env: &LaunchEnv, config: &DistributedConfig, gpu: usize) -> Result<Arc<Self>, NcclError> {
         check_library()?;
-        check_driver()?;
+        check_cuda_device(gpu)?;
         let rendezvous = Rendezvous::join(env, config)?;
 
-        cuda::init().map_err(cuda_error)?;
         let ordinal = gpu as c_int;
         let device = cuda::device::get(ordinal).map_err(cuda_error)?;
         // SAFETY: `device` is a valid device; the primary context is the one CubeCL uses.

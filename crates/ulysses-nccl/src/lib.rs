@@ -18,7 +18,8 @@
 //!
 //! Status: this crate builds and its CPU-side behaviour (no libnccl) is tested; it has not
 //! yet run on a GPU. Every cudarc NCCL call panics when libnccl is absent, so the library is
-//! checked first ([`check_library`]).
+//! checked first ([`check_library`]), and so are the driver and the GPU ([`check_cuda_device`]),
+//! which callers of CubeCL's CUDA runtime use too: CubeCL fails on its device thread.
 
 mod comm;
 mod library;
@@ -26,7 +27,7 @@ mod transport;
 
 pub use comm::{NcclCommunicator, gpu_of};
 pub use transport::Nccl;
-pub use library::{MINIMUM as MINIMUM_NCCL, NcclVersion, check_library};
+pub use library::{MINIMUM as MINIMUM_NCCL, NcclVersion, check_cuda_device, check_library};
 
 use burn::tensor::DType;
 
@@ -44,8 +45,18 @@ pub enum NcclError {
     LibraryMissing,
     #[error("libnccl {found} is too old: burn-ulysses needs NCCL {needed} or newer (ncclCommSplit, non-blocking communicators)")]
     TooOld { found: NcclVersion, needed: NcclVersion },
-    #[error("no CUDA driver: libcuda is not loadable, so NCCL cannot run on this machine")]
+    #[error(
+        "no CUDA driver: libcuda.so is not loadable (no NVIDIA driver on this machine, or its folder is \
+         not on LD_LIBRARY_PATH), so neither CUDA nor NCCL can run here. On a machine without an NVIDIA \
+         GPU, train on a CPU backend; in-process ranks (ThreadGroup) need no driver."
+    )]
     DriverMissing,
+    #[error(
+        "GPU {ordinal} does not exist: this process sees {count} CUDA device(s), 0..{count}. Pick one \
+         of them (the launcher's LOCAL_RANK, ULYSSES_GPU or the trainer's --device), or widen \
+         CUDA_VISIBLE_DEVICES"
+    )]
+    NoSuchGpu { ordinal: usize, count: usize },
     #[error("{call} failed: {code:?} ({message})")]
     Nccl { call: &'static str, code: cudarc::nccl::sys::ncclResult_t, message: String },
     #[error("CUDA: {0}")]

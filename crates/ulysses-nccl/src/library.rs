@@ -34,8 +34,22 @@ pub fn check_library() -> Result<NcclVersion, NcclError> {
 /// ncclCommSplit and non-blocking communicators with `ncclConfig_t` need NCCL 2.18.
 pub const MINIMUM: NcclVersion = NcclVersion(21800);
 
-/// Checks that the CUDA driver can be loaded (cudarc's driver calls panic otherwise).
-pub(crate) fn check_driver() -> Result<(), NcclError> {
-    // SAFETY: only tries to dlopen the candidate names.
-    if unsafe { cudarc::driver::sys::is_culib_present() } { Ok(()) } else { Err(NcclError::DriverMissing) }
+/// Checks that CUDA can run on GPU `ordinal` here: the driver library loads, starts, and has
+/// that device. Without this, CubeCL fails on its device thread and the caller sees only a
+/// closed channel (`RecvError`), far from the cause.
+pub fn check_cuda_device(ordinal: usize) -> Result<(), NcclError> {
+    // SAFETY: only tries to dlopen the candidate names (cudarc's driver calls panic otherwise).
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(NcclError::DriverMissing);
+    }
+    let driver_error = |call: &str, error: cudarc::driver::DriverError| {
+        NcclError::Cuda(format!("{call} failed: {error:?} (the NVIDIA driver loaded but has no usable GPU for this process; see nvidia-smi and CUDA_VISIBLE_DEVICES)"))
+    };
+    cudarc::driver::result::init().map_err(|e| driver_error("cuInit", e))?;
+    let count = cudarc::driver::result::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", e))?;
+    let count = usize::try_from(count).unwrap_or(0);
+    if ordinal >= count {
+        return Err(NcclError::NoSuchGpu { ordinal, count });
+    }
+    Ok(())
 }

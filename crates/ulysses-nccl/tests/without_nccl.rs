@@ -5,7 +5,7 @@
 use burn::backend::NdArray;
 use burn_ulysses::comm::{Communicator, ReduceOp, ThreadGroup};
 use ulysses_dist::DistributedConfig;
-use ulysses_nccl::{NcclCommunicator, NcclError, check_library};
+use ulysses_nccl::{NcclCommunicator, NcclError, check_cuda_device, check_library};
 
 #[test]
 fn a_missing_libnccl_is_a_clear_error_and_the_cpu_path_keeps_working() {
@@ -34,6 +34,32 @@ fn a_missing_libnccl_is_a_clear_error_and_the_cpu_path_keeps_working() {
         burn::tensor::Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(sum)).into_scalar()
     });
     assert!(sums.into_iter().all(|s| s.unwrap() == 3.0));
+}
+
+/// Asking for a GPU is a clear error before CubeCL starts: on a machine without the NVIDIA
+/// driver (CI) it says so; where the driver is, a device index past the last says how many
+/// there are.
+#[test]
+fn a_missing_driver_or_gpu_is_named_before_cuda_starts() {
+    match check_cuda_device(0) {
+        Err(NcclError::DriverMissing) => {
+            let message = check_cuda_device(3).unwrap_err().to_string();
+            println!("{message}");
+            for needle in ["libcuda.so", "LD_LIBRARY_PATH", "CPU backend"] {
+                assert!(message.contains(needle), "missing {needle:?} in: {message}");
+            }
+        }
+        Ok(()) => {
+            let error = check_cuda_device(4096).expect_err("no machine has 4097 GPUs");
+            println!("{error}");
+            assert!(matches!(error, NcclError::NoSuchGpu { ordinal: 4096, count } if count > 0), "{error}");
+            assert!(error.to_string().contains("GPU 4096 does not exist"), "{error}");
+        }
+        Err(other) => {
+            println!("the driver loads but CUDA cannot start here: {other}");
+            assert!(matches!(other, NcclError::Cuda(ref m) if m.contains("cuInit") || m.contains("cuDeviceGetCount")), "{other}");
+        }
+    }
 }
 
 #[test]

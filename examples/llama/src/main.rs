@@ -314,6 +314,9 @@ mod cuda {
         W: PlainBackend<Device = CudaDevice>,
         ulysses_nccl::Nccl: Transport<W>,
     {
+        // Without a driver or with a device index out of range, CubeCL would fail on its
+        // device thread and leave this one a closed channel to report.
+        ulysses_nccl::check_cuda_device(job.options.device_index_of(&job.launch)).map_err(|e| format!("the CUDA backend cannot start: {e}"))?;
         let device = |index| CudaDevice::new(index);
         match job.args.transport {
             TransportKind::Tcp => train::<W, Tcp>(job, device),
@@ -349,11 +352,7 @@ where
     let config = &job.config;
     // Seeded parameters, initialised here once (fork forces burn's lazy initialisation), so
     // that runs repeat; each rank forks its own copy, with its own autodiff leaves.
-    let index = job.options.device_index.unwrap_or(match &job.launch {
-        Launch::Process(env) => env.local_rank,
-        Launch::Threads => 0,
-    });
-    let template_device = device(index);
+    let template_device = device(job.options.device_index_of(&job.launch));
     <Sp<W> as Backend>::seed(&template_device, config.seed);
     let template = config.model.init::<Sp<W>>(&template_device).fork(&template_device);
     let threads = matches!(job.launch, Launch::Threads);
