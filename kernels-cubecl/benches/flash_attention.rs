@@ -160,7 +160,7 @@ fn reads_per_flop(plan: &Plan) -> f64 {
     match plan.engine {
         // Per 16×16×16 step a plane reads the A tile once for the row's tiles and a B tile
         // for each: (256 + n·256) elements for n·8192 FLOPs.
-        Engine::TensorCores => {
+        Engine::TensorCores { .. } => {
             let n = (blocks.block_kv / 16) as f64;
             (256.0 + n * 256.0) / (n * 8192.0)
         }

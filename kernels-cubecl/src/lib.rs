@@ -13,12 +13,13 @@
 //!
 //! Layout of `flash/`: `plan` picks the engine and tile sizes from the device, `stage`
 //! places cubes on the grid and stages tiles into shared memory, `tile_ops` multiplies
-//! 16 × 16 tiles (tensor cores, or the plane's lanes where there are none: the CPU tests),
+//! 16 × 16 tiles (tensor cores in the device's fragment size, or the plane's lanes where
+//! there are none),
 //! and `forward` / `backward` hold the kernels; `mod.rs` checks shapes and launches.
 
 pub mod flash;
 
-pub use flash::{FlashOptions, MAX_HEAD_DIM, OperandInfo, Plan, VisibleRanges, check_flash_attention, flash_attention_backward, flash_attention_forward};
+pub use flash::{Engine, FlashOptions, MAX_HEAD_DIM, MAX_SEQUENCE, OperandInfo, Plan, VisibleRanges, check_flash_attention, flash_attention_backward, flash_attention_forward, plan_flash_attention};
 
 use burn::tensor::DType;
 
@@ -37,6 +38,18 @@ pub enum FlashError {
          offers {available}; lower the head dim"
     )]
     SharedMemory { needed: usize, available: usize },
+    #[error(
+        "flash attention: the largest tensor of this call holds {elements} elements, which needs \
+         64-bit indexing, and {runtime} offers none; give each rank fewer tokens or heads (a larger \
+         sequence-parallel group, or shorter sequences), or run on CUDA"
+    )]
+    Indexing { elements: usize, runtime: &'static str },
+    #[error(
+        "flash attention: sequences of {seq} tokens are too long: the kernels index positions with \
+         32 bits and take at most {MAX_SEQUENCE} tokens of q or of k per rank; split the sequence \
+         over more ranks"
+    )]
+    SequenceLength { seq: usize },
     #[error("flash attention: {0}")]
     Device(String),
     #[error(

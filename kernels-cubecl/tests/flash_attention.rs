@@ -10,6 +10,13 @@
 //! the tests say so and skip, unless `ULYSSES_REQUIRE_GPU_RUNTIME=1` (set by CI, which
 //! installs lavapipe) makes that a failure.
 //!
+//! The engine: f16 and bf16 run on tensor cores where the device has them (CUDA; with
+//! `--features spirv`, lavapipe 26.1's 8³ cooperative matrices, or 16³ with
+//! `ULYSSES_FLASH_FRAGMENT=16`), the plane engine elsewhere. `ULYSSES_EXPECT_ENGINE`
+//! (`plane`, `tensor-cores-8`, `tensor-cores-16`) makes every f16/bf16 case check that its
+//! plan runs that engine, so a run meant for the tensor cores cannot pass on the plane
+//! engine.
+//!
 //! Tolerances, relative to the largest reference magnitude: f32 1e-5 (summation order),
 //! f16 1.5e-3 and bf16 5e-3 (the kernels round probabilities, dS and their outputs to the
 //! storage type, as FlashAttention does; inputs are rounded before the reference sees them).
@@ -19,7 +26,10 @@ use std::ops::Range;
 
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensorOps};
 use burn_cubecl::CubeBackend;
-use ulysses_kernels::{FlashError, FlashOptions, VisibleRanges, flash_attention_backward, flash_attention_forward, testing::runtime_available};
+use ulysses_kernels::{
+    Engine, FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention,
+    testing::runtime_available,
+};
 
 #[cfg(feature = "cuda")]
 type Runtime = cubecl::cuda::CudaRuntime;
@@ -244,6 +254,7 @@ fn check(case: Case) {
     let want = reference(&case, &q, &k, &v, &g);
 
     let options = FlashOptions { scale: case.scale, causal: case.causal };
+    let engine = engine_of(&case, &device, &options);
     let ranges = case.ranges();
     let upload4 = |x: &[f64], shape| upload(x, shape, case.dtype, &device);
     let (output, lse) =
@@ -273,10 +284,30 @@ fn check(case: Case) {
         ("dk", relative_error(&download::<4>(dk), &want.dk)),
         ("dv", relative_error(&download::<4>(dv), &want.dv)),
     ];
-    println!("{case:?}: relative max |Δ| {}", errors.iter().map(|(n, e)| format!("{n} {e:.1e}")).collect::<Vec<_>>().join(", "));
+    println!("{case:?} on {engine}: relative max |Δ| {}", errors.iter().map(|(n, e)| format!("{n} {e:.1e}")).collect::<Vec<_>>().join(", "));
     for (name, error) in errors {
         assert!(error <= case.tolerance(), "{case:?}: {name} differs from the f64 reference by {error:e} (tolerance {:e})", case.tolerance());
     }
+}
+
+/// The engine the kernels plan for `case` (`plane`, `tensor-cores-F` for F³ fragments),
+/// checked against `ULYSSES_EXPECT_ENGINE` for f16 and bf16 cases.
+fn engine_of(case: &Case, device: &Device, options: &FlashOptions) -> String {
+    let client = <Runtime as cubecl::Runtime>::client(device);
+    let (q, k, v) = (case.q_shape(), case.k_shape(), case.v_shape());
+    let dtype = case.dtype;
+    let (q, k, v) = (OperandInfo { shape: &q, dtype }, OperandInfo { shape: &k, dtype }, OperandInfo { shape: &v, dtype });
+    let plan = plan_flash_attention(&client, q, k, v, options).expect("the case is accepted");
+    let engine = match plan.engine {
+        Engine::TensorCores { fragment } => format!("tensor-cores-{fragment}"),
+        Engine::Plane => "plane".to_string(),
+    };
+    if let Ok(expected) = std::env::var("ULYSSES_EXPECT_ENGINE")
+        && matches!(case.dtype, DType::F16 | DType::BF16)
+    {
+        assert_eq!(engine, expected, "{case:?} must run on the engine ULYSSES_EXPECT_ENGINE names");
+    }
+    engine
 }
 
 // Each (dtype, head dim, value dim, causal) is one set of compiled kernels (a software
@@ -441,4 +472,58 @@ fn bad_inputs_are_refused_with_a_reason() {
 fn cast(mut tensor: burn_cubecl::tensor::CubeTensor<Runtime>, dtype: DType) -> burn_cubecl::tensor::CubeTensor<Runtime> {
     tensor.dtype = dtype;
     tensor
+}
+
+/// For the GPU run: 1 × 32 heads × 1.1M tokens × 128 in bf16, so q, the output, dO and dQ hold
+/// 4.5e9 elements each, past 2^32 (32-bit offsets would wrap); 8 kv heads; documents of 4 096
+/// tokens (linear cost, about 45 GB on the device). The reference is chunked: each document
+/// attends only within itself, so a document of one kv head's group, run alone as a small
+/// call (32-bit indices, the path the f64 tests check), must give the same output and
+/// gradients as the big call gives it. Checked where offsets pass 2^32 (the last group's last
+/// documents, one of them shorter than a tile multiple) and at the start.
+#[cfg(feature = "cuda")]
+#[test]
+fn bf16_past_2_pow_32_elements_per_tensor_against_chunks() {
+    use burn::tensor::{Distribution, backend::Backend};
+    let Some(device) = device() else { return };
+    let (heads, kv_heads, seq, dim, document) = (32usize, 8usize, 1_100_000usize, 128usize, 4096usize);
+    let group = heads / kv_heads;
+    assert!(heads * seq * dim > u32::MAX as usize);
+    let random = |heads: usize, seed: u64| {
+        B::seed(&device, seed);
+        // Drawn in f32 on the device, kept in bf16 (the f32 draft is dropped at once).
+        Tensor::<B, 4>::random([1, heads, seq, dim], Distribution::Uniform(-1.0, 1.0), &device).cast(DType::BF16)
+    };
+    let (q, k, v, g) = (random(heads, 1), random(kv_heads, 2), random(kv_heads, 3), random(heads, 4));
+    let mut lengths = vec![document; seq / document];
+    lengths.push(seq % document);
+    let ranges = VisibleRanges::all(1, seq, seq).unwrap().with_documents(&[lengths]).unwrap();
+    let options = FlashOptions { scale: None, causal: true };
+    let prim = |t: &Tensor<B, 4>| t.clone().into_primitive().tensor();
+    let (output, lse) = flash_attention_forward(prim(&q), prim(&k), prim(&v), options, Some(&ranges)).unwrap();
+    let (dq, dk, dv) = flash_attention_backward(prim(&q), prim(&k), prim(&v), output.clone(), prim(&g), lse, options, Some(&ranges)).unwrap();
+    let big = |t: burn_cubecl::tensor::CubeTensor<Runtime>| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+    let (output, dq, dk, dv) = (big(output), big(dq), big(dk), big(dv));
+
+    let last_full = (seq / document - 1) * document;
+    for (kv_head, rows) in [(kv_heads - 1, last_full..last_full + document), (kv_heads - 1, last_full + document..seq), (0, 0..document)] {
+        let q_heads = kv_head * group..(kv_head + 1) * group;
+        let kv = kv_head..kv_head + 1;
+        let chunk = |t: &Tensor<B, 4>, heads: std::ops::Range<usize>| t.clone().slice([0..1, heads, rows.clone(), 0..dim]);
+        let (cq, ck, cv, cg) = (chunk(&q, q_heads.clone()), chunk(&k, kv.clone()), chunk(&v, kv.clone()), chunk(&g, q_heads.clone()));
+        let (c_out, c_lse) = flash_attention_forward(prim(&cq), prim(&ck), prim(&cv), options, None).unwrap();
+        let (c_dq, c_dk, c_dv) = flash_attention_backward(prim(&cq), prim(&ck), prim(&cv), c_out.clone(), prim(&cg), c_lse, options, None).unwrap();
+        let host = |t: Tensor<B, 4>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
+        let first_offset = ((q_heads.start * seq + rows.start) * dim) as f64;
+        for (name, got, want) in [
+            ("output", chunk(&output, q_heads.clone()), big(c_out)),
+            ("dq", chunk(&dq, q_heads.clone()), big(c_dq)),
+            ("dk", chunk(&dk, kv.clone()), big(c_dk)),
+            ("dv", chunk(&dv, kv.clone()), big(c_dv)),
+        ] {
+            let error = relative_error(&host(got), &host(want));
+            println!("rows {rows:?} of kv head {kv_head} (q offsets from {first_offset:.2e}): {name} differs from the chunk by {error:.1e}");
+            assert!(error <= 5e-3, "{name} of rows {rows:?}, kv head {kv_head}: {error:e} against the chunked reference");
+        }
+    }
 }

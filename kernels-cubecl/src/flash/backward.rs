@@ -23,7 +23,7 @@ use super::{
     tile_ops::{TILE, TileMma, accumulate_a_b, accumulate_a_bt, sync_tile},
 };
 
-#[cube(launch)]
+#[cube(launch, address_type = "dynamic")]
 pub(crate) fn row_delta_kernel<F: Float>(
     output: &Tensor<F>,
     output_grad: &Tensor<F>,
@@ -66,19 +66,19 @@ fn write_gradient<F: Float, M: TileMma>(
     #[comptime] count: usize,
     #[comptime] blocks: Blocks,
 ) {
-    if first_row < len {
-        let mut factors = Array::<f32>::new(TILE);
-        for r in 0..TILE {
-            factors[r] = factor;
-        }
-        let at = row_offset(target, batch, head, first_row);
-        let stride = target.stride(2);
-        let mut out = target.slice_mut(at, target.len());
-        M::write_rows::<F>(tiles, count, &mut out, stride, len - first_row, cols, &factors, scratch, blocks.plane_dim, blocks.plane_sync);
+    // Every plane writes (a plane past the end writes no row): barriers stay uniform.
+    let mut factors = Array::<f32>::new(TILE);
+    for r in 0..TILE {
+        factors[r] = factor;
     }
+    let rows = len - min(first_row, len);
+    let at = row_offset(target, batch, head, min(first_row, len - 1));
+    let stride = target.stride(2);
+    let mut out = target.slice_mut(at, target.len());
+    M::write_rows::<F>(tiles, count, &mut out, stride, rows, cols, &factors, scratch, comptime!(blocks.unit()));
 }
 
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
     query: &Tensor<Vector<F, N>>,
@@ -110,6 +110,7 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
         let place = cube_place(kv_heads, blocks_per_head);
         let (batch, kv_head) = (place.batch, place.head);
         let plane_dim = comptime!(blocks.plane_dim);
+        let unit = comptime!(blocks.unit());
         let planes = comptime!(blocks.planes);
         let block_q = comptime!(blocks.block_kv);
         let dim_chunk = comptime!(blocks.dim_chunk);
@@ -134,8 +135,8 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
         let mut probs = SharedMemory::<F>::new(planes * TILE * block_q);
         let scores_at = plane * TILE * block_q;
 
-        let mut dk_acc = M::zeros(comptime!(blocks.dim / TILE), plane_dim);
-        let mut dv_acc = M::zeros(comptime!(blocks.value_dim / TILE), plane_dim);
+        let mut dk_acc = M::zeros(comptime!(blocks.dim / TILE), unit);
+        let mut dv_acc = M::zeros(comptime!(blocks.value_dim / TILE), unit);
 
         let k_base = row_offset(key, batch, kv_head, 0);
         let v_base = row_offset(value, batch, kv_head, 0);
@@ -169,7 +170,7 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                 sync_cube();
 
                 // Sᵀ = K · Qᵀ: this plane's 16 keys against the tile's queries.
-                let mut s_acc = M::zeros(q_tiles, plane_dim);
+                let mut s_acc = M::zeros(q_tiles, unit);
                 #[unroll]
                 for chunk in 0..comptime!(blocks.dim_chunks()) {
                     if !whole_dims {
@@ -178,10 +179,10 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                         stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
                         sync_cube();
                     }
-                    accumulate_a_bt::<F, M>(&mut s_acc, q_tiles, &k_tile.to_slice(), plane * TILE * dim_chunk, &q_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
+                    accumulate_a_bt::<F, M>(&mut s_acc, q_tiles, &k_tile.to_slice(), plane * TILE * dim_chunk, &q_tile.to_slice(), dim_chunk, tile_rows, unit);
                 }
                 let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_q);
-                M::store_row(&s_acc, 0usize, q_tiles, &mut out, block_q, plane_dim);
+                M::store_row(&s_acc, 0usize, q_tiles, &mut out, block_q, unit);
                 sync_tile(blocks.plane_sync);
 
                 // Pᵀ, masked on tiles that cross the edge of the rows that see the key.
@@ -202,7 +203,7 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                 sync_tile(blocks.plane_sync);
 
                 // dV += Pᵀ · dO and dPᵀ = V · dOᵀ, the value dim a chunk at a time.
-                let mut dp_acc = M::zeros(q_tiles, plane_dim);
+                let mut dp_acc = M::zeros(q_tiles, unit);
                 #[unroll]
                 for chunk in 0..comptime!(blocks.value_chunks()) {
                     if !whole_values {
@@ -212,13 +213,13 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                         sync_cube();
                     }
                     let first = comptime!(chunk * value_chunk / TILE);
-                    accumulate_a_b::<F, M>(&mut dv_acc, first, comptime!(value_chunk / TILE), &probs.to_slice(), scores_at, block_q, &g_tile.to_slice(), value_chunk, tile_rows, plane_dim);
-                    accumulate_a_bt::<F, M>(&mut dp_acc, q_tiles, &v_tile.to_slice(), plane * TILE * value_chunk, &g_tile.to_slice(), value_chunk, tile_rows, plane_dim);
+                    accumulate_a_b::<F, M>(&mut dv_acc, first, comptime!(value_chunk / TILE), &probs.to_slice(), scores_at, block_q, &g_tile.to_slice(), value_chunk, tile_rows, unit);
+                    accumulate_a_bt::<F, M>(&mut dp_acc, q_tiles, &v_tile.to_slice(), plane * TILE * value_chunk, &g_tile.to_slice(), value_chunk, tile_rows, unit);
                 }
 
                 // dSᵀ = Pᵀ ∘ (dPᵀ − delta), into the storage copy of Pᵀ (dV is done with it).
                 let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * block_q);
-                M::store_row(&dp_acc, 0usize, q_tiles, &mut out, block_q, plane_dim);
+                M::store_row(&dp_acc, 0usize, q_tiles, &mut out, block_q, unit);
                 sync_tile(blocks.plane_sync);
                 let mut i = lane;
                 while i < TILE * block_q {
@@ -237,7 +238,7 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                         sync_cube();
                     }
                     let first = comptime!(chunk * dim_chunk / TILE);
-                    accumulate_a_b::<F, M>(&mut dk_acc, first, comptime!(dim_chunk / TILE), &probs.to_slice(), scores_at, block_q, &q_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
+                    accumulate_a_b::<F, M>(&mut dk_acc, first, comptime!(dim_chunk / TILE), &probs.to_slice(), scores_at, block_q, &q_tile.to_slice(), dim_chunk, tile_rows, unit);
                 }
             }
         }
@@ -250,7 +251,7 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
     }
 }
 
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
     query: &Tensor<Vector<F, N>>,
@@ -277,6 +278,7 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
         let (batch, head) = (place.batch, place.head);
         let kv_head = head / (q_heads / key.shape(1));
         let plane_dim = comptime!(blocks.plane_dim);
+        let unit = comptime!(blocks.unit());
         let planes = comptime!(blocks.planes);
         let block_kv = comptime!(blocks.block_kv);
         let dim_chunk = comptime!(blocks.dim_chunk);
@@ -299,7 +301,7 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
         let mut ds = SharedMemory::<F>::new(planes * TILE * block_kv);
         let scores_at = plane * TILE * block_kv;
 
-        let mut dq_acc = M::zeros(comptime!(blocks.dim / TILE), plane_dim);
+        let mut dq_acc = M::zeros(comptime!(blocks.dim / TILE), unit);
         // This plane's rows' statistics, in every lane.
         let mut row_lse = Array::<f32>::new(TILE);
         let mut row_delta = Array::<f32>::new(TILE);
@@ -342,7 +344,7 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
             sync_cube();
 
             // S = Q · Kᵀ
-            let mut s_acc = M::zeros(kv_tiles, plane_dim);
+            let mut s_acc = M::zeros(kv_tiles, unit);
             #[unroll]
             for chunk in 0..comptime!(blocks.dim_chunks()) {
                 if !whole_dims {
@@ -351,13 +353,13 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
                     stage_tile(key, k_base, kv0, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
                     sync_cube();
                 }
-                accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
+                accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, unit);
             }
             let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_kv);
-            M::store_row(&s_acc, 0usize, kv_tiles, &mut out, block_kv, plane_dim);
+            M::store_row(&s_acc, 0usize, kv_tiles, &mut out, block_kv, unit);
 
             // dP = dO · Vᵀ, the value dim a chunk at a time.
-            let mut dp_acc = M::zeros(kv_tiles, plane_dim);
+            let mut dp_acc = M::zeros(kv_tiles, unit);
             #[unroll]
             for chunk in 0..comptime!(blocks.value_chunks()) {
                 if !whole_values {
@@ -366,10 +368,10 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
                     stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
                     sync_cube();
                 }
-                accumulate_a_bt::<F, M>(&mut dp_acc, kv_tiles, &g_tile.to_slice(), plane * TILE * value_chunk, &v_tile.to_slice(), value_chunk, tile_rows, plane_dim);
+                accumulate_a_bt::<F, M>(&mut dp_acc, kv_tiles, &g_tile.to_slice(), plane * TILE * value_chunk, &v_tile.to_slice(), value_chunk, tile_rows, unit);
             }
             let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * block_kv);
-            M::store_row(&dp_acc, 0usize, kv_tiles, &mut out, block_kv, plane_dim);
+            M::store_row(&dp_acc, 0usize, kv_tiles, &mut out, block_kv, unit);
             sync_tile(blocks.plane_sync);
 
             // P and dS = P ∘ (dP − delta), masked on tiles that cross the edge of the row's keys.
@@ -396,7 +398,7 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
                     sync_cube();
                 }
                 let first = comptime!(chunk * dim_chunk / TILE);
-                accumulate_a_b::<F, M>(&mut dq_acc, first, comptime!(dim_chunk / TILE), &ds.to_slice(), scores_at, block_kv, &k_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
+                accumulate_a_b::<F, M>(&mut dq_acc, first, comptime!(dim_chunk / TILE), &ds.to_slice(), scores_at, block_kv, &k_tile.to_slice(), dim_chunk, tile_rows, unit);
             }
         }
 

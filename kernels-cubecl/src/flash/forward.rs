@@ -36,7 +36,7 @@ pub(crate) const MASKED: f32 = -1.0e30;
 /// `O` is rescaled to it.
 pub(crate) const RESCALE_THRESHOLD: f32 = 8.0;
 
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
     query: &Tensor<Vector<F, N>>,
@@ -64,6 +64,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
         let (batch, head) = (place.batch, place.head);
         let kv_head = head / (q_heads / key.shape(1));
         let (plane_dim, planes, block_kv) = comptime!((blocks.plane_dim, blocks.planes, blocks.block_kv));
+        let unit = comptime!(blocks.unit());
         let (dim_chunk, value_chunk) = comptime!((blocks.dim_chunk, blocks.value_chunk));
         let block_rows = comptime!(blocks.block_rows());
         let kv_tiles = comptime!(block_kv / TILE);
@@ -77,10 +78,12 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
         let mut v_tile = SharedMemory::<F>::new(block_kv * value_chunk);
         let mut scores = SharedMemory::<f32>::new(planes * TILE * block_kv);
         let mut probs = SharedMemory::<F>::new(planes * TILE * block_kv);
+        // Whether each plane rescales its output this tile (read where the cube synchronises).
+        let mut rescaling = SharedMemory::<u32>::new(planes);
         let scores_at = plane * TILE * block_kv;
 
         let value_tiles = comptime!(blocks.value_dim / TILE);
-        let mut out_acc = M::zeros(value_tiles, plane_dim);
+        let mut out_acc = M::zeros(value_tiles, unit);
         let mut row_max = Array::<f32>::new(TILE);
         let mut row_sum = Array::<f32>::new(TILE);
         let mut factors = Array::<f32>::new(TILE);
@@ -106,7 +109,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
             // S = Q · Kᵀ for this plane's 16 rows. With whole head dims, K and V are staged
             // together behind one barrier (the one before it keeps a slower plane's reads of
             // the previous tiles from being overwritten).
-            let mut s_acc = M::zeros(kv_tiles, plane_dim);
+            let mut s_acc = M::zeros(kv_tiles, unit);
             if comptime!(blocks.dim_chunks() == 1) {
                 sync_cube();
                 stage_tile(key, k_base, kv0, seq_kv, 0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
@@ -114,7 +117,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
                     stage_tile(value, v_base, kv0, seq_kv, 0, value_dim, &mut v_tile, 0, block_kv, value_chunk);
                 }
                 sync_cube();
-                accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
+                accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, unit);
             } else {
                 for chunk in 0..comptime!(blocks.dim_chunks()) {
                     let col0 = chunk * dim_chunk;
@@ -122,11 +125,11 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
                     stage_tile(query, q_base, first_row, seq_q, col0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
                     stage_tile(key, k_base, kv0, seq_kv, col0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
                     sync_cube();
-                    accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, plane_dim);
+                    accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, unit);
                 }
             }
             let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_kv);
-            M::store_row(&s_acc, 0usize, kv_tiles, &mut out, block_kv, plane_dim);
+            M::store_row(&s_acc, 0usize, kv_tiles, &mut out, block_kv, unit);
             sync_tile(blocks.plane_sync);
 
             // Online softmax, a row at a time, the lanes across the columns.
@@ -167,16 +170,29 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
                 row_sum[r] = row_sum[r] * factor + plane_sum(local_sum);
                 factors[r] = factor;
             }
+            if comptime!(!blocks.plane_sync) {
+                if lane == 0 {
+                    rescaling[plane] = u32::cast_from(rescale);
+                }
+            }
             sync_tile(blocks.plane_sync);
-            // Uniform over the plane: every lane holds the same maxima.
+            // Uniform over the plane: every lane holds the same maxima. Where barriers are the
+            // cube's, every plane rescales when one does (by 1 where it need not), since
+            // `scale_rows` may hold barriers. The flags are rewritten only after the next
+            // tile's first barrier, when every plane has read them.
+            if comptime!(!blocks.plane_sync) {
+                for p in 0..planes {
+                    rescale = rescale || rescaling[p] != 0;
+                }
+            }
             if rescale {
                 let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
-                M::scale_rows(&mut out_acc, value_tiles, &factors, &mut scratch, plane_dim, blocks.plane_sync);
+                M::scale_rows(&mut out_acc, value_tiles, &factors, &mut scratch, unit);
             }
 
             // O += P · V
             if comptime!(blocks.dim_chunks() == 1 && blocks.value_chunks() == 1) {
-                accumulate_a_b::<F, M>(&mut out_acc, 0usize, value_tiles, &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice(), value_chunk, tile_rows, plane_dim);
+                accumulate_a_b::<F, M>(&mut out_acc, 0usize, value_tiles, &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice(), value_chunk, tile_rows, unit);
             } else {
                 #[unroll]
                 for chunk in 0..comptime!(blocks.value_chunks()) {
@@ -184,7 +200,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
                     stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
                     sync_cube();
                     let first = comptime!(chunk * value_chunk / TILE);
-                    accumulate_a_b::<F, M>(&mut out_acc, first, comptime!(value_chunk / TILE), &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice(), value_chunk, tile_rows, plane_dim);
+                    accumulate_a_b::<F, M>(&mut out_acc, first, comptime!(value_chunk / TILE), &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice(), value_chunk, tile_rows, unit);
                 }
             }
         }
@@ -196,12 +212,11 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
             inverse[r] = select(sum > 0.0f32, 1.0f32 / sum, 0.0f32);
         }
         let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
-        if plane_row < seq_q {
-            let o_row = row_offset(output, batch, head, plane_row);
-            let mut out = output.slice_mut(o_row, output.len());
-            let rows = seq_q - plane_row;
-            M::write_rows::<F>(&out_acc, value_tiles, &mut out, output.stride(2), rows, value_dim, &inverse, &mut scratch, plane_dim, blocks.plane_sync);
-        }
+        // Every plane writes (a plane past the end writes no row): barriers stay uniform.
+        let rows = seq_q - min(plane_row, seq_q);
+        let o_row = row_offset(output, batch, head, min(plane_row, seq_q - 1));
+        let mut out = output.slice_mut(o_row, output.len());
+        M::write_rows::<F>(&out_acc, value_tiles, &mut out, output.stride(2), rows, value_dim, &inverse, &mut scratch, unit);
         let mut r = lane;
         while r < TILE {
             let row = plane_row + r;

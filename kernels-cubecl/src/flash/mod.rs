@@ -28,6 +28,10 @@ pub use visibility::VisibleRanges;
 /// Largest head dim (and value dim) the kernels accept.
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// Longest sequence (of q, or of k and v) the kernels accept: positions and the runs of
+/// [`VisibleRanges`] are 32-bit, and the kernels add two of them (2^31 − 1).
+pub const MAX_SEQUENCE: usize = i32::MAX as usize;
+
 /// Options of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FlashOptions {
@@ -67,8 +71,20 @@ pub fn check_flash_attention<R: CubeRuntime>(
     value: OperandInfo,
     options: &FlashOptions,
 ) -> Result<(), FlashError> {
+    plan_flash_attention(client, query, key, value, options).map(|_| ())
+}
+
+/// The engine and blocks the kernels would run for these operands on `client`'s device
+/// (what [`check_flash_attention`] checks; tests assert the engine with it).
+pub fn plan_flash_attention<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    query: OperandInfo,
+    key: OperandInfo,
+    value: OperandInfo,
+    options: &FlashOptions,
+) -> Result<Plan, FlashError> {
     let problem = Problem::new(client, query, key, value, options)?;
-    Plan::new(&problem, query.dtype, options.causal, client).map(|_| ())
+    Plan::new(&problem, query.dtype, options.causal, client)
 }
 
 impl Problem {
@@ -120,7 +136,39 @@ impl Problem {
             return Err(FlashError::DType { name: "q", dtype: query.dtype, query: query.dtype });
         }
         let scale = options.scale.unwrap_or(1.0 / (q[3] as f64).sqrt()) as f32;
-        Ok(Self { batch: q[0], q_heads: q[1], kv_heads: k[1], seq_q: q[2], seq_kv: k[2], head_dim: q[3], value_dim: v[3], scale })
+        let problem = Self { batch: q[0], q_heads: q[1], kv_heads: k[1], seq_q: q[2], seq_kv: k[2], head_dim: q[3], value_dim: v[3], scale };
+        problem.check_indexing(client.properties().supports_address(AddressType::U64), R::name(client))?;
+        Ok(problem)
+    }
+
+    /// Elements of the call's largest tensor: q, k, v, the output or one of their gradients.
+    pub fn largest_tensor(&self) -> usize {
+        let rows_q = self.batch * self.q_heads * self.seq_q;
+        let rows_kv = self.batch * self.kv_heads * self.seq_kv;
+        [rows_q * self.head_dim, rows_q * self.value_dim, rows_kv * self.head_dim, rows_kv * self.value_dim].into_iter().max().unwrap_or(0)
+    }
+
+    /// The index width the kernels are compiled with: 32 bits while every tensor holds fewer
+    /// than 2^31 elements, 64 beyond. Offsets into a tensor stay below its length, but the
+    /// kernels also form sums past one (a row's offset plus a column, two table entries per
+    /// row), which the factor of two leaves room for; 32-bit indices are kept where they
+    /// suffice because they are cheaper (registers, and integer multiplies).
+    pub fn address_type(&self) -> AddressType {
+        AddressType::from_len_signed(self.largest_tensor())
+    }
+
+    /// `Ok` when the kernels can index this call on a device that has (or lacks) 64-bit
+    /// indices; otherwise which limit it passes.
+    pub fn check_indexing(&self, device_has_u64: bool, runtime: &'static str) -> Result<(), FlashError> {
+        for seq in [self.seq_q, self.seq_kv] {
+            if seq > MAX_SEQUENCE {
+                return Err(FlashError::SequenceLength { seq });
+            }
+        }
+        if self.address_type() == AddressType::U64 && !device_has_u64 {
+            return Err(FlashError::Indexing { elements: self.largest_tensor(), runtime });
+        }
+        Ok(())
     }
 }
 
@@ -158,7 +206,7 @@ macro_rules! launch_with_engine {
         match $plan.engine {
             // SAFETY: every index is bounded by the staging checks against the shapes (the
             // tests compare every output with a host reference, masks and ragged ends included).
-            Engine::TensorCores => unsafe { $kernel::launch_unchecked::<tile_ops::CmmaTiles, R>($client, $($arg),*) },
+            Engine::TensorCores { .. } => unsafe { $kernel::launch_unchecked::<tile_ops::CmmaTiles, R>($client, $($arg),*) },
             Engine::Plane => unsafe { $kernel::launch_unchecked::<tile_ops::PlaneTiles, R>($client, $($arg),*) },
         }
     };
@@ -207,6 +255,7 @@ pub fn flash_attention_forward<R: CubeRuntime>(
         &client,
         count,
         cube_dim(&blocks),
+        p.address_type(),
         vectors,
         query.into_tensor_arg(),
         key.into_tensor_arg(),
@@ -275,6 +324,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
         &client,
         grid(&client, rows.div_ceil(64))?,
         CubeDim::new_1d(64),
+        p.address_type(),
         output.into_tensor_arg(),
         output_grad.clone().into_tensor_arg(),
         delta.clone().into_tensor_arg(),
@@ -292,6 +342,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
         &client,
         grid(&client, p.batch * p.kv_heads * blocks_per_head)?,
         cube_dim(&blocks),
+        p.address_type(),
         vectors,
         query.clone().into_tensor_arg(),
         key.clone().into_tensor_arg(),
@@ -318,6 +369,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
         &client,
         grid(&client, p.batch * p.q_heads * blocks_per_head)?,
         cube_dim(&blocks),
+        p.address_type(),
         vectors,
         query.into_tensor_arg(),
         key.into_tensor_arg(),
@@ -335,3 +387,48 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     );
     Ok((query_grad, key_grad, value_grad))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problem(batch: usize, q_heads: usize, kv_heads: usize, seq: usize, head_dim: usize) -> Problem {
+        Problem { batch, q_heads, kv_heads, seq_q: seq, seq_kv: seq, head_dim, value_dim: head_dim, scale: 1.0 }
+    }
+
+    #[test]
+    fn a_million_tokens_of_32_heads_are_indexed_with_64_bits() {
+        // 1 × 32 × 1.1M × 128: 4.5e9 elements, past 2^32 (u32 offsets would wrap).
+        let past = problem(1, 32, 8, 1_100_000, 128);
+        assert!(past.largest_tensor() > u32::MAX as usize);
+        assert_eq!(past.address_type(), AddressType::U64);
+        assert!(past.check_indexing(true, "cuda").is_ok());
+        let error = past.check_indexing(false, "wgpu<wgsl>").unwrap_err().to_string();
+        assert!(error.contains("4505600000 elements") && error.contains("64-bit") && error.contains("wgpu<wgsl>"), "{error}");
+        // The kv tensors alone (8 heads) cross 2^31 too: the largest of all decides.
+        let kv_heavy = Problem { q_heads: 1, kv_heads: 1, value_dim: 256, ..problem(1, 1, 1, 9_000_000, 16) };
+        assert_eq!(kv_heavy.largest_tensor(), 9_000_000 * 256);
+        assert_eq!(kv_heavy.address_type(), AddressType::U64);
+    }
+
+    #[test]
+    fn small_calls_keep_32_bit_indices_up_to_2_pow_31_elements() {
+        // 2^31 − 1 elements at most with 32 bits: room for the sums past an offset.
+        let last = problem(1, 1, 1, (i32::MAX as usize) / 128, 128);
+        assert!(last.largest_tensor() <= i32::MAX as usize);
+        assert_eq!(last.address_type(), AddressType::U32);
+        assert!(last.check_indexing(false, "wgpu<wgsl>").is_ok());
+        let next = problem(1, 1, 1, (i32::MAX as usize) / 128 + 1, 128);
+        assert_eq!(next.address_type(), AddressType::U64);
+        assert!(matches!(next.check_indexing(false, "wgpu<wgsl>"), Err(FlashError::Indexing { .. })));
+    }
+
+    #[test]
+    fn sequences_past_32_bit_positions_are_refused_by_name() {
+        let long = problem(1, 1, 1, MAX_SEQUENCE + 1, 1);
+        let error = long.check_indexing(true, "cuda").unwrap_err();
+        assert!(matches!(error, FlashError::SequenceLength { seq } if seq == MAX_SEQUENCE + 1), "{error}");
+        assert!(error.to_string().contains("2147483647"), "{error}");
+    }
+}
+

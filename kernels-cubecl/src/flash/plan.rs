@@ -15,9 +15,10 @@ use crate::FlashError;
 /// What multiplies the tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Engine {
-    /// Tensor cores (`cmma`): f16 and bf16 where the device has 16 × 16 × 16 fragments with
-    /// f32 accumulation and 32-lane planes.
-    TensorCores,
+    /// Tensor cores (`cmma`): f16 and bf16 where the device reports `fragment`³ fragments
+    /// (16 or 8) of the dtype with f32 accumulation, on a runtime whose barriers order
+    /// shared memory for them (see [`tensor_core_runtime`]).
+    TensorCores { fragment: usize },
     /// The plane's lanes, from shared memory: f32, and devices without tensor cores.
     Plane,
 }
@@ -43,6 +44,29 @@ pub enum Kernel {
 /// (to compare them on one GPU).
 const ENGINE_VARIABLE: &str = "ULYSSES_FLASH_ENGINE";
 
+/// For tests only: `ULYSSES_FLASH_FRAGMENT=16` runs 16³ fragments (CUDA's) on a device that
+/// reports another size for the dtype (lavapipe reports 8³ and executes 16³ correctly, though
+/// Vulkan leaves an unreported size undefined).
+const FRAGMENT_VARIABLE: &str = "ULYSSES_FLASH_FRAGMENT";
+
+/// Whether the tensor-core engine's synchronisation is sound on the runtime called `name`.
+/// It moves fragments through shared memory between lanes, so each barrier must order
+/// memory. CUDA's `__syncwarp` and `__syncthreads` do, and there a plane may synchronise
+/// alone. SPIR-V (wgpu on Vulkan) runs it with the cube's barrier only, which CubeCL emits with
+/// workgroup memory semantics (its plane barrier is a relaxed one). WGSL has no cooperative
+/// matrices; other runtimes run the plane engine.
+pub fn tensor_core_runtime(name: &str) -> bool {
+    matches!(name, "cuda" | "wgpu<spirv>")
+}
+
+/// The fragment edge for `dtype` on a device with these cmma configurations: 16 where there
+/// are 16³ fragments with f32 accumulation, else 8, else none.
+pub fn fragment_for(configurations: &[MmaConfig], dtype: DType) -> Option<usize> {
+    let storage = float_storage(dtype);
+    let offered = |edge: u32| configurations.contains(&MmaConfig { a_type: storage, b_type: storage, cd_type: float_storage(DType::F32), m: edge, n: edge, k: edge });
+    [16, 8].into_iter().find(|&edge| offered(edge)).map(|edge| edge as usize)
+}
+
 impl Plan {
     pub fn new<R: CubeRuntime>(problem: &Problem, dtype: DType, causal: bool, client: &ComputeClient<R>) -> Result<Self, FlashError> {
         let properties = client.properties();
@@ -54,15 +78,20 @@ impl Plan {
                 hardware.plane_size_min, hardware.plane_size_max
             )));
         }
-        let storage = float_storage(dtype);
-        let tensor_cores = matches!(dtype, DType::F16 | DType::BF16)
-            && plane_dim == 32
-            && properties.features.matmul.cmma.contains(&MmaConfig { a_type: storage, b_type: storage, cd_type: float_storage(DType::F32), m: 16, n: 16, k: 16 })
-            && std::env::var(ENGINE_VARIABLE).as_deref() != Ok("plane");
-        let engine = if tensor_cores { Engine::TensorCores } else { Engine::Plane };
-        // A plane synchronises alone on CUDA only (WGSL has no such barrier).
-        let plane_sync = R::name(client) == "cuda";
+        let runtime = R::name(client);
+        let configurations: Vec<MmaConfig> = properties.features.matmul.cmma.iter().copied().collect();
+        let fragment = fragment_for(&configurations, dtype)
+            .filter(|_| matches!(dtype, DType::F16 | DType::BF16) && tensor_core_runtime(runtime))
+            .filter(|_| std::env::var(ENGINE_VARIABLE).as_deref() != Ok("plane"))
+            .map(|edge| if std::env::var(FRAGMENT_VARIABLE).as_deref() == Ok("16") { 16 } else { edge });
+        let engine = match fragment {
+            Some(fragment) => Engine::TensorCores { fragment },
+            None => Engine::Plane,
+        };
+        // A plane synchronises alone on CUDA only (WGSL has no such barrier, SPIR-V's is relaxed).
+        let plane_sync = runtime == "cuda";
         let budget = Budget {
+            fragment: fragment.unwrap_or(TILE),
             shared_bytes: hardware.max_shared_memory_size,
             max_units: hardware.max_units_per_cube as usize,
             element_bytes: dtype.size(),
@@ -93,6 +122,7 @@ pub(crate) fn float_storage(dtype: DType) -> StorageType {
 /// What a device allows a cube.
 #[derive(Debug, Clone, Copy)]
 struct Budget {
+    fragment: usize,
     shared_bytes: usize,
     max_units: usize,
     element_bytes: usize,
@@ -128,6 +158,7 @@ impl Budget {
                         dim_chunk,
                         value_chunk,
                         plane_sync: self.plane_sync,
+                        fragment: self.fragment,
                         causal: self.causal,
                         ranged: false,
                     };
@@ -149,8 +180,9 @@ impl Budget {
         let (dc, vc) = (blocks.dim_chunk, blocks.value_chunk);
         let plane_tile = blocks.planes * TILE * kv;
         match kernel {
-            // Q, K, V tiles; scores (f32) and probabilities (storage type) per plane.
-            Kernel::Forward => (rows * dc + kv * dc + kv * vc) * e + plane_tile * (4 + e),
+            // Q, K, V tiles; scores (f32) and probabilities (storage type) per plane; a
+            // rescale flag (u32) per plane.
+            Kernel::Forward => (rows * dc + kv * dc + kv * vc) * e + plane_tile * (4 + e) + blocks.planes * 4,
             // K, V (own rows), Q, dO (streamed); lse and delta; scores and dPᵀ (f32), Pᵀ/dSᵀ.
             Kernel::KeyValueGrad => (rows * dc + rows * vc + kv * dc + kv * vc) * e + 2 * kv * 4 + plane_tile * (8 + e),
             // Q, dO (own rows), K, V (streamed); scores and dP (f32), dS.
@@ -164,7 +196,7 @@ mod tests {
     use super::*;
 
     fn budget(shared_bytes: usize, element_bytes: usize, plane_dim: usize, dim: usize) -> Budget {
-        Budget { shared_bytes, max_units: 1024, element_bytes, plane_dim, plane_sync: false, causal: true, dim, value_dim: dim }
+        Budget { fragment: TILE, shared_bytes, max_units: 1024, element_bytes, plane_dim, plane_sync: false, causal: true, dim, value_dim: dim }
     }
 
     #[test]
@@ -188,6 +220,33 @@ mod tests {
         }
         let blocks = budget(32 * 1024, 4, 8, 256).blocks(Kernel::Forward).unwrap();
         assert!(blocks.dim_chunk < 256, "{blocks:?}");
+    }
+
+    fn cmma(dtype: DType, edge: u32) -> MmaConfig {
+        MmaConfig { a_type: float_storage(dtype), b_type: float_storage(dtype), cd_type: float_storage(DType::F32), m: edge, n: edge, k: edge }
+    }
+
+    #[test]
+    fn fragments_are_the_devices_own_16_before_8() {
+        // NVIDIA reports 16³ (among others), lavapipe 26.1 only 8³ and only for f16.
+        let nvidia = [cmma(DType::F16, 16), cmma(DType::BF16, 16), cmma(DType::F16, 8)];
+        assert_eq!(fragment_for(&nvidia, DType::BF16), Some(16));
+        assert_eq!(fragment_for(&nvidia, DType::F16), Some(16));
+        let lavapipe = [cmma(DType::F16, 8)];
+        assert_eq!(fragment_for(&lavapipe, DType::F16), Some(8));
+        assert_eq!(fragment_for(&lavapipe, DType::BF16), None);
+        // f16 accumulation is not what the kernels need.
+        let f16_accumulator = [MmaConfig { cd_type: float_storage(DType::F16), ..cmma(DType::F16, 16) }];
+        assert_eq!(fragment_for(&f16_accumulator, DType::F16), None);
+    }
+
+    #[test]
+    fn tensor_cores_only_where_barriers_order_memory() {
+        assert!(tensor_core_runtime("cuda"));
+        assert!(tensor_core_runtime("wgpu<spirv>"));
+        for other in ["wgpu<wgsl>", "wgpu<msl>", "hip", "cpu"] {
+            assert!(!tensor_core_runtime(other), "{other}");
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use cubecl::prelude::*;
 
-use super::tile_ops::TILE;
+use super::tile_ops::{TILE, TileUnit};
 
 /// The comptime shape of a launch. A cube owns `planes × 16` rows of one (batch, head): the
 /// query rows of the forward and dQ kernels, the key rows of the dK/dV kernel; plane `p`
@@ -22,6 +22,9 @@ pub struct Blocks {
     pub value_chunk: usize,
     /// Whether a plane may synchronise alone (CUDA); elsewhere the whole cube does.
     pub plane_sync: bool,
+    /// Edge of the tensor-core fragments (16 or 8), from the device's; the plane engine
+    /// ignores it.
+    pub fragment: usize,
     pub causal: bool,
     /// Whether the call restricts rows to runs of keys ([`VisibleRanges`](super::VisibleRanges):
     /// documents, key padding); without, the range arguments are never read.
@@ -32,6 +35,11 @@ impl Blocks {
     /// Rows a cube owns.
     pub fn block_rows(&self) -> usize {
         self.planes * TILE
+    }
+
+    /// How the planes multiply tiles.
+    pub fn unit(&self) -> TileUnit {
+        TileUnit { plane_dim: self.plane_dim, fragment: self.fragment, plane_sync: self.plane_sync }
     }
 
     pub fn dim_chunks(&self) -> usize {

@@ -2,8 +2,9 @@
 //! `16 × 16 += 16 × 16 · 16 × 16` step, with f32 accumulation.
 //!
 //! Two implementations behind one trait, chosen when the kernel is launched:
-//! - [`CmmaTiles`]: tensor cores (`cmma`, CUDA's wmma) for f16 and bf16 operands; the
-//!   accumulator is an opaque fragment.
+//! - [`CmmaTiles`]: tensor cores (`cmma`: CUDA's wmma, Vulkan's cooperative matrices) for
+//!   f16 and bf16 operands, in fragments of the size the device offers; the accumulator is
+//!   opaque.
 //! - [`PlaneTiles`]: the same product done by the plane's lanes from shared memory, for
 //!   devices without tensor cores (a software Vulkan driver: the CPU tests) and for f32.
 //!   Each lane owns a `rows × cols` block of the 16 × 16 accumulator in registers, so each
@@ -18,6 +19,25 @@ use cubecl::{cmma, prelude::*};
 /// Rows and columns of a tile (and the depth of one product step).
 pub const TILE: usize = 16;
 
+/// How a plane multiplies tiles, fixed at launch (a comptime argument).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TileUnit {
+    /// Lanes of a plane.
+    pub plane_dim: usize,
+    /// Edge of a tensor-core fragment, 16 or 8 (dividing [`TILE`]); unused by the plane engine.
+    pub fragment: usize,
+    /// Whether a plane may synchronise alone (CUDA). Elsewhere every barrier is the cube's,
+    /// with memory ordered: each plane must then reach each barrier as often as the others.
+    pub plane_sync: bool,
+}
+
+impl TileUnit {
+    /// Fragments in one 16 × 16 tile.
+    pub fn fragments_per_tile(&self) -> usize {
+        (TILE / self.fragment) * (TILE / self.fragment)
+    }
+}
+
 /// One plane's tile products, on a row of accumulator tiles: the plane's 16 rows by
 /// `count × 16` columns (scores against a tile of keys, an output row block...).
 ///
@@ -31,7 +51,7 @@ pub trait TileMma: Send + Sync + 'static {
     type Tiles: CubeType;
 
     /// `count` zeroed tiles.
-    fn zeros(#[comptime] count: usize, #[comptime] plane_dim: usize) -> Self::Tiles;
+    fn zeros(#[comptime] count: usize, #[comptime] unit: TileUnit) -> Self::Tiles;
 
     /// `tiles[first + t] += A · B_t` for `t` in `0..count`: `A` a 16 × 16 tile at `a`, `B_t`
     /// the 16 × 16 tile `t · b_step` elements after `b`. Operands are read from shared memory
@@ -51,7 +71,7 @@ pub trait TileMma: Send + Sync + 'static {
         b_stride: usize,
         #[comptime] b_col_major: bool,
         depth: usize,
-        #[comptime] plane_dim: usize,
+        #[comptime] unit: TileUnit,
     );
 
     /// Writes `tiles[first + t]` for `t` in `0..count` row-major into `out`, side by side
@@ -62,13 +82,14 @@ pub trait TileMma: Send + Sync + 'static {
         #[comptime] count: usize,
         out: &mut SliceMut<f32>,
         stride: usize,
-        #[comptime] plane_dim: usize,
+        #[comptime] unit: TileUnit,
     );
 
     /// Writes `tiles[t]` for `t` in `0..count`, row `r` times `factors[r]`, to `out` in its
     /// storage type (tile `t` at column `16t`, row stride `stride`), skipping rows from
     /// `rows` on and columns from `cols` on (the ends of the sequence and of the head dim).
-    /// `scratch` and `plane_sync` as for [`scale_rows`](Self::scale_rows).
+    /// `scratch` as for [`scale_rows`](Self::scale_rows). Every plane of the cube calls it
+    /// (with `rows` 0 past the sequence end), since implementations may hold barriers.
     #[allow(clippy::too_many_arguments)]
     fn write_rows<F: Float>(
         tiles: &Self::Tiles,
@@ -79,36 +100,38 @@ pub trait TileMma: Send + Sync + 'static {
         cols: usize,
         factors: &Array<f32>,
         scratch: &mut SliceMut<f32>,
-        #[comptime] plane_dim: usize,
-        #[comptime] plane_sync: bool,
+        #[comptime] unit: TileUnit,
     );
 
     /// Multiplies row `r` of each of the `count` tiles by `factors[r]` (every lane holds all
     /// 16 factors). `scratch` (256 f32 of this plane's shared memory) is for implementations
-    /// that go through shared memory; they may synchronise the plane alone only where
-    /// `plane_sync` (CUDA).
+    /// that go through shared memory; they synchronise with [`sync_tile`], so where the plane
+    /// cannot synchronise alone every plane of the cube must call it.
     fn scale_rows(
         tiles: &mut Self::Tiles,
         #[comptime] count: usize,
         factors: &Array<f32>,
         scratch: &mut SliceMut<f32>,
-        #[comptime] plane_dim: usize,
-        #[comptime] plane_sync: bool,
+        #[comptime] unit: TileUnit,
     );
 }
 
-/// Tensor cores: `cmma` fragments of 16 × 16 × 16, f16 or bf16 operands, f32 accumulator.
+/// Tensor cores: `cmma` fragments of `f × f × f` (`unit.fragment`: 16 on NVIDIA, 8 on
+/// lavapipe), f16 or bf16 operands, f32 accumulator. A 16 × 16 tile is `(16/f)²` fragments,
+/// fragment `(i, j)` of tile `t` at `(t · s + i) · s + j` with `s = 16/f`, so the kernels keep
+/// their 16-row tiles whatever the device's fragment.
 pub struct CmmaTiles;
 
 #[cube]
 impl TileMma for CmmaTiles {
     type Tiles = Sequence<cmma::Matrix<f32>>;
 
-    fn zeros(#[comptime] count: usize, #[comptime] _plane_dim: usize) -> Sequence<cmma::Matrix<f32>> {
+    fn zeros(#[comptime] count: usize, #[comptime] unit: TileUnit) -> Sequence<cmma::Matrix<f32>> {
+        let f = comptime!(unit.fragment);
         let mut tiles = Sequence::new();
         #[unroll]
-        for _ in 0..count {
-            tiles.push(cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, TILE, TILE, TILE, cmma::MatrixLayout::Undefined, 0.0));
+        for _ in 0..comptime!(count * unit.fragments_per_tile()) {
+            tiles.push(cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, f, f, f, cmma::MatrixLayout::Undefined, 0.0));
         }
         tiles
     }
@@ -125,16 +148,38 @@ impl TileMma for CmmaTiles {
         b_stride: usize,
         #[comptime] b_col_major: bool,
         _depth: usize,
-        #[comptime] _plane_dim: usize,
+        #[comptime] unit: TileUnit,
     ) {
+        let f = comptime!(unit.fragment);
+        let s = comptime!(TILE / unit.fragment);
         let a_layout = if a_col_major { cmma::MatrixLayout::ColMajor } else { cmma::MatrixLayout::RowMajor };
         let b_layout = if b_col_major { cmma::MatrixLayout::ColMajor } else { cmma::MatrixLayout::RowMajor };
-        let lhs = cmma::Matrix::<E>::from_slice(cmma::MatrixIdent::A, TILE, TILE, TILE, a_layout, a, a_stride as u32);
+        // A's fragments (i, k), loaded once for the row: fragment (r, c) of a row-major
+        // operand starts at r·f rows and c·f columns, of a column-major one transposed.
+        let mut lhs = Sequence::<cmma::Matrix<E>>::new();
+        #[unroll]
+        for i in 0..s {
+            #[unroll]
+            for k in 0..s {
+                let at = comptime!(if a_col_major { k * f } else { i * f }) * a_stride + comptime!(if a_col_major { i * f } else { k * f });
+                lhs.push(cmma::Matrix::<E>::from_slice(cmma::MatrixIdent::A, f, f, f, a_layout, &a.slice(at, a.len()), a_stride as u32));
+            }
+        }
         #[unroll]
         for t in 0..count {
-            let rhs = cmma::Matrix::<E>::from_slice(cmma::MatrixIdent::B, TILE, TILE, TILE, b_layout, &b.slice(t * b_step, b.len()), b_stride as u32);
-            let acc = tiles.index_mut(first + t);
-            cmma::execute::<E, E, f32, f32>(&lhs, &rhs, acc, acc);
+            #[unroll]
+            for k in 0..s {
+                #[unroll]
+                for j in 0..s {
+                    let at = t * b_step + comptime!(if b_col_major { j * f } else { k * f }) * b_stride + comptime!(if b_col_major { k * f } else { j * f });
+                    let rhs = cmma::Matrix::<E>::from_slice(cmma::MatrixIdent::B, f, f, f, b_layout, &b.slice(at, b.len()), b_stride as u32);
+                    #[unroll]
+                    for i in 0..s {
+                        let acc = tiles.index_mut(comptime!(((first + t) * s + i) * s + j));
+                        cmma::execute::<E, E, f32, f32>(lhs.index(comptime!(i * s + k)), &rhs, acc, acc);
+                    }
+                }
+            }
         }
     }
 
@@ -144,12 +189,20 @@ impl TileMma for CmmaTiles {
         #[comptime] count: usize,
         out: &mut SliceMut<f32>,
         stride: usize,
-        #[comptime] _plane_dim: usize,
+        #[comptime] unit: TileUnit,
     ) {
+        let f = comptime!(unit.fragment);
+        let s = comptime!(TILE / unit.fragment);
         #[unroll]
         for t in 0..count {
-            let mut tile_out = out.slice_mut(t * TILE, out.len());
-            cmma::store(&mut tile_out, tiles.index(first + t), stride as u32, cmma::MatrixLayout::RowMajor);
+            #[unroll]
+            for i in 0..s {
+                #[unroll]
+                for j in 0..s {
+                    let mut fragment_out = out.slice_mut(comptime!(i * f) * stride + comptime!(t * TILE + j * f), out.len());
+                    cmma::store(&mut fragment_out, tiles.index(comptime!(((first + t) * s + i) * s + j)), stride as u32, cmma::MatrixLayout::RowMajor);
+                }
+            }
         }
     }
 
@@ -162,13 +215,14 @@ impl TileMma for CmmaTiles {
         cols: usize,
         factors: &Array<f32>,
         scratch: &mut SliceMut<f32>,
-        #[comptime] plane_dim: usize,
-        #[comptime] _plane_sync: bool,
+        #[comptime] unit: TileUnit,
     ) {
+        // Every plane runs the same barriers (`rows` may be 0): only the writes are masked.
+        let plane_dim = comptime!(unit.plane_dim);
         #[unroll]
         for t in 0..count {
-            cmma::store(scratch, tiles.index(t), TILE as u32, cmma::MatrixLayout::RowMajor);
-            sync_plane();
+            Self::store_row(tiles, t, 1usize, scratch, TILE, unit);
+            sync_tile(unit.plane_sync);
             let mut i = UNIT_POS_X as usize;
             while i < TILE * TILE {
                 let (r, c) = (i / TILE, t * TILE + i % TILE);
@@ -177,33 +231,34 @@ impl TileMma for CmmaTiles {
                 }
                 i += plane_dim;
             }
-            sync_plane();
+            sync_tile(unit.plane_sync);
         }
     }
 
-    fn scale_rows(
-        tiles: &mut Sequence<cmma::Matrix<f32>>,
-        #[comptime] count: usize,
-        factors: &Array<f32>,
-        scratch: &mut SliceMut<f32>,
-        #[comptime] plane_dim: usize,
-        #[comptime] _plane_sync: bool,
-    ) {
-        // The fragments' layout is opaque: through shared memory and back. Only on CUDA,
-        // where the plane synchronises alone.
+    fn scale_rows(tiles: &mut Sequence<cmma::Matrix<f32>>, #[comptime] count: usize, factors: &Array<f32>, scratch: &mut SliceMut<f32>, #[comptime] unit: TileUnit) {
+        // The fragments' layout is opaque: through shared memory and back.
+        let f = comptime!(unit.fragment);
+        let s = comptime!(TILE / unit.fragment);
+        let plane_dim = comptime!(unit.plane_dim);
         #[unroll]
         for t in 0..count {
-            let acc = tiles.index_mut(t);
-            cmma::store(scratch, acc, TILE as u32, cmma::MatrixLayout::RowMajor);
-            sync_plane();
+            Self::store_row(tiles, t, 1usize, scratch, TILE, unit);
+            sync_tile(unit.plane_sync);
             let mut i = UNIT_POS_X as usize;
             while i < TILE * TILE {
                 scratch[i] = scratch[i] * factors[i / TILE];
                 i += plane_dim;
             }
-            sync_plane();
-            cmma::load_with_layout(acc, &scratch.to_slice(), TILE as u32, cmma::MatrixLayout::RowMajor);
-            sync_plane();
+            sync_tile(unit.plane_sync);
+            #[unroll]
+            for i in 0..s {
+                #[unroll]
+                for j in 0..s {
+                    let acc = tiles.index_mut(comptime!((t * s + i) * s + j));
+                    cmma::load_with_layout(acc, &scratch.slice(comptime!(i * f * TILE + j * f), scratch.len()), TILE as u32, cmma::MatrixLayout::RowMajor);
+                }
+            }
+            sync_tile(unit.plane_sync);
         }
     }
 }
@@ -242,7 +297,8 @@ fn lane_origin(#[comptime] plane_dim: usize) -> LaneOrigin {
 impl TileMma for PlaneTiles {
     type Tiles = Array<f32>;
 
-    fn zeros(#[comptime] count: usize, #[comptime] plane_dim: usize) -> Array<f32> {
+    fn zeros(#[comptime] count: usize, #[comptime] unit: TileUnit) -> Array<f32> {
+        let plane_dim = comptime!(unit.plane_dim);
         let elements = comptime!(count * TILE * TILE / plane_dim);
         let mut tiles = Array::<f32>::new(elements);
         for i in 0..elements {
@@ -263,8 +319,9 @@ impl TileMma for PlaneTiles {
         b_stride: usize,
         #[comptime] b_col_major: bool,
         depth: usize,
-        #[comptime] plane_dim: usize,
+        #[comptime] unit: TileUnit,
     ) {
+        let plane_dim = comptime!(unit.plane_dim);
         let (rows, cols) = comptime!(lane_block(plane_dim));
         let per_tile = comptime!(rows * cols);
         let origin = lane_origin(plane_dim);
@@ -304,8 +361,9 @@ impl TileMma for PlaneTiles {
         #[comptime] count: usize,
         out: &mut SliceMut<f32>,
         stride: usize,
-        #[comptime] plane_dim: usize,
+        #[comptime] unit: TileUnit,
     ) {
+        let plane_dim = comptime!(unit.plane_dim);
         let (rows, cols) = comptime!(lane_block(plane_dim));
         let per_tile = comptime!(rows * cols);
         let origin = lane_origin(plane_dim);
@@ -329,9 +387,9 @@ impl TileMma for PlaneTiles {
         cols: usize,
         factors: &Array<f32>,
         _scratch: &mut SliceMut<f32>,
-        #[comptime] plane_dim: usize,
-        #[comptime] _plane_sync: bool,
+        #[comptime] unit: TileUnit,
     ) {
+        let plane_dim = comptime!(unit.plane_dim);
         // Straight from the registers: each lane knows where its values go.
         let (block_rows, block_cols) = comptime!(lane_block(plane_dim));
         let per_tile = comptime!(block_rows * block_cols);
@@ -356,9 +414,9 @@ impl TileMma for PlaneTiles {
         #[comptime] count: usize,
         factors: &Array<f32>,
         _scratch: &mut SliceMut<f32>,
-        #[comptime] plane_dim: usize,
-        #[comptime] _plane_sync: bool,
+        #[comptime] unit: TileUnit,
     ) {
+        let plane_dim = comptime!(unit.plane_dim);
         // The lane knows its rows: scale in registers.
         let (rows, cols) = comptime!(lane_block(plane_dim));
         let row0 = lane_origin(plane_dim).row;
@@ -387,12 +445,12 @@ pub fn accumulate_a_bt<F: Float, M: TileMma>(
     b: &Slice<F>,
     #[comptime] width: usize,
     tile_rows: usize,
-    #[comptime] plane_dim: usize,
+    #[comptime] unit: TileUnit,
 ) {
     for k in 0..width / tile_rows {
         let a_k = a.slice(a_at + k * TILE, a.len());
         let b_k = b.slice(k * TILE, b.len());
-        M::mma_row::<F>(tiles, 0usize, count, &a_k, width, false, &b_k, TILE * width, width, true, tile_rows, plane_dim);
+        M::mma_row::<F>(tiles, 0usize, count, &a_k, width, false, &b_k, TILE * width, width, true, tile_rows, unit);
     }
 }
 
@@ -411,12 +469,12 @@ pub fn accumulate_a_b<F: Float, M: TileMma>(
     b: &Slice<F>,
     #[comptime] width: usize,
     tile_rows: usize,
-    #[comptime] plane_dim: usize,
+    #[comptime] unit: TileUnit,
 ) {
     for k in 0..depth / tile_rows {
         let a_k = a.slice(a_at + k * TILE, a.len());
         let b_k = b.slice(k * TILE * width, b.len());
-        M::mma_row::<F>(tiles, first, count, &a_k, depth, false, &b_k, TILE, width, false, tile_rows, plane_dim);
+        M::mma_row::<F>(tiles, first, count, &a_k, depth, false, &b_k, TILE, width, false, tile_rows, unit);
     }
 }
 

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Runs the flash kernels' f16 tests on the tensor-core engine (`cmma` fragments) on a CPU:
+# host-built test binaries, run through a Debian trixie root's loader and Mesa 26.1's lavapipe,
+# which has Vulkan cooperative matrices (scripts/lavapipe-trixie.sh makes the root). Every
+# f16 case checks that its plan runs the tensor cores (ULYSSES_EXPECT_ENGINE), so a fallback
+# to the plane engine fails. Two fragment shapes:
+#   - 8³, what lavapipe reports: every f16 test (causal, documents, GQA, ragged lengths that are
+#     no multiple of a tile, several planes per cube, head dims 40 to 256);
+#   - 16³, what CUDA uses, forced (ULYSSES_FLASH_FRAGMENT=16; lavapipe executes it though it does
+#     not report it): the case that covers most at once (causal, documents, GQA, 150 tokens).
+# A cmma shader takes lavapipe 10-60 s to compile: these ~8 minutes are mostly that.
+# Prints one line per run with the count and the largest error against the f64 reference.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(scripts/lavapipe-trixie.sh --runner)
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
+export ULYSSES_REQUIRE_GPU_RUNTIME=1
+
+exe=$(cargo test -p ulysses-kernels --features spirv --test flash_attention --no-run --message-format=json \
+    | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "flash_attention":
+        print(m["executable"])')
+[ -x "$exe" ] || { echo "tensor-cores-on-cpu: the kernel test binary was not built" >&2; exit 1; }
+
+# `run NAME FRAGMENT FILTER...`: the filtered tests with FRAGMENT³ fragments expected.
+run() {
+    local name=$1 fragment=$2; shift 2
+    local log
+    log=$(mktemp)
+    local status=0
+    ULYSSES_EXPECT_ENGINE="tensor-cores-$fragment" "$root/ulysses-run" "$exe" --test-threads 1 --nocapture "$@" >"$log" 2>&1 || status=$?
+    grep -v "XDG_RUNTIME_DIR" "$log" | grep -E "relative max|panicked|test result" || true
+    # Cases run, and the largest error of the forward (output, lse) and of the backward.
+    awk -v name="$name" '
+        /on tensor-cores-[0-9]+: relative max/ {
+            cases++
+            for (i = 1; i <= NF; i++) {
+                v = $(i + 1); sub(/,$/, "", v)
+                if ($i == "output" || $i == "lse") { if (v + 0 > fwd) fwd = v + 0 }
+                if ($i == "dq" || $i == "dk" || $i == "dv") { if (v + 0 > bwd) bwd = v + 0 }
+            }
+        }
+        END { printf "tensor cores %s: %d cases, largest error against f64: forward %.1e, backward %.1e\n", name, cases, fwd, bwd }' "$log"
+    if [ "$status" -ne 0 ] || ! grep -q "on tensor-cores-$fragment" "$log"; then
+        echo "tensor-cores-on-cpu: the $name run failed (exit $status)" >&2
+        exit 1
+    fi
+}
+run "8x8x8 (lavapipe's own)" 8 f16_
+ULYSSES_FLASH_FRAGMENT=16 run "16x16x16 (CUDA's, forced)" 16 f16_causal_documents
