@@ -253,9 +253,21 @@ struct Trial {
     seconds: f64,
 }
 
+/// Why a trial gave no figures.
+enum TrialFailure {
+    /// Killed past `--trial-timeout`: whether the step fits is not known.
+    TimedOut(String),
+    /// The step failed (out of memory among others), with the first panic's message.
+    Failed(String),
+}
+
 /// Runs one step of `seq` tokens in a child process of this bench (same arguments, plus
-/// `--trial seq`), killed past `args.trial_timeout`. `Err` says why it gave no figures.
-fn trial(seq: usize, args: &Args) -> Result<Trial, String> {
+/// `--trial seq`), killed past `args.trial_timeout`.
+fn trial(seq: usize, args: &Args) -> Result<Trial, TrialFailure> {
+    trial_process(seq, args).map_err(TrialFailure::Failed)?
+}
+
+fn trial_process(seq: usize, args: &Args) -> Result<Result<Trial, TrialFailure>, String> {
     let mut child = Command::new(std::env::current_exe().map_err(|e| format!("cannot find this bench's executable: {e}"))?)
         .args(std::env::args().skip(1))
         .args(["--trial", &seq.to_string()])
@@ -279,14 +291,14 @@ fn trial(seq: usize, args: &Args) -> Result<Trial, String> {
     };
     let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
     let Some(status) = status else {
-        return Err(format!("timed out after {:.0} s (--trial-timeout)", started.elapsed().as_secs_f64()));
+        return Ok(Err(TrialFailure::TimedOut(format!("timed out after {:.0} s (--trial-timeout)", started.elapsed().as_secs_f64()))));
     };
     let report = stdout.lines().find_map(|line| line.strip_prefix("trial: "));
     match (status.success(), report) {
         (true, Some(report)) => {
             let fields: Vec<&str> = report.split_whitespace().collect();
             let number = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).ok_or_else(|| format!("unreadable trial report {report:?}"));
-            Ok(Trial { peak: number(0)? as u64, parameters: number(1)? as u64, reserved: number(2)? as u64, seconds: number(3)? })
+            Ok(Ok(Trial { peak: number(0)? as u64, parameters: number(1)? as u64, reserved: number(2)? as u64, seconds: number(3)? }))
         }
         _ => Err(format!("{status}: {}", first_panic(&stderr))),
     }
@@ -361,6 +373,7 @@ fn main() {
             describe(&config, &args),
             args.max_seq,
         );
+        let timed_out = std::cell::RefCell::new(Vec::new());
         let fits = |seq: usize| match trial(seq, &args) {
             Ok(trial) => {
                 let fits = trial.peak <= budget;
@@ -374,14 +387,25 @@ fn main() {
                 );
                 fits
             }
-            Err(why) => {
+            Err(TrialFailure::Failed(why)) => {
                 println!("  S {seq:>8}: failed: {why}");
                 false
             }
+            Err(TrialFailure::TimedOut(why)) => {
+                // Searched as if it did not fit, but said: the answer is then a lower bound.
+                println!("  S {seq:>8}: {why}: not known whether it fits");
+                timed_out.borrow_mut().push(seq);
+                false
+            }
         };
-        match longest_fitting(shortest, args.max_seq, step_tokens, fits) {
-            Some(longest) => println!("longest sequence under {budget} bytes: {longest} tokens"),
-            None => println!("longest sequence under {budget} bytes: none (not even {shortest} tokens)"),
+        let longest = longest_fitting(shortest, args.max_seq, step_tokens, fits);
+        let caveat = match timed_out.borrow().as_slice() {
+            [] => String::new(),
+            lengths => format!(" (a lower bound: the trials at {lengths:?} tokens timed out; raise --trial-timeout)"),
+        };
+        match longest {
+            Some(longest) => println!("longest sequence under {budget} bytes: {longest} tokens{caveat}"),
+            None => println!("longest sequence under {budget} bytes: none (not even {shortest} tokens){caveat}"),
         }
         return;
     }

@@ -1,59 +1,170 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from one folder made by scripts/gpu-bundle.sh (kernels, memory, nccl
-# or train: it runs what the folder holds). Writes logs to ${OUT:-.}.
+# or train: it runs what the folder holds). Every step's whole output goes to $OUT/<step>.log
+# (panics and NCCL warnings included), its status to $OUT/status.txt; the script goes on after
+# a failed step and exits 1 at the end if any failed, naming them.
+#
+# One device call lasts at most 10 minutes, so a folder's work is split by variables:
+#   KERNELS_RUN = tests (default) | bench | big      (kernels folder)
+#   MEMORY_RUN  = alst (default) | layers4 | table   (memory folder)
+# DRY_RUN=1 prints the steps instead of running them (any machine: `DRY_RUN=1 OUT=/tmp/x
+# scripts/gpu-run.sh` from a bundle folder, or from scripts/ to see every step).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-.}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+mkdir -p "$out"
+: >"$out/status.txt"
+failed=()
+# Whether the folder holds a part (a dry run lists every part).
+has() { [ "${DRY_RUN:-0}" = 1 ] || [ -x "$here/$1" ]; }
 
-# libnccl.so from the PyTorch wheel (cudarc looks for the unversioned name).
-nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) + "/lib")' 2>/dev/null || true)
-if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/libnccl.so.2" ]; then
-    mkdir -p /tmp/ncclib && ln -sf "$nccl_dir/libnccl.so.2" /tmp/ncclib/libnccl.so
-    export LD_LIBRARY_PATH="/tmp/ncclib:${LD_LIBRARY_PATH:-}"
+# `step NAME COMMAND...`: runs COMMAND, its output in full to $OUT/NAME.log and the last
+# lines on the console; records the status.
+step() {
+    local name=$1; shift
+    if [ "${DRY_RUN:-0}" = 1 ]; then
+        printf '%s: %s\n' "$name" "$*"
+        return 0
+    fi
+    echo "== $name"
+    "$@" >"$out/$name.log" 2>&1
+    local status=$?
+    tail -n 15 "$out/$name.log"
+    echo "$name $status" >>"$out/status.txt"
+    if [ "$status" -ne 0 ]; then
+        echo "== $name FAILED with status $status (log: $out/$name.log)"
+        failed+=("$name")
+    fi
+}
+
+# What the run links against, before anything else: the driver, CUDA's NVRTC (CubeCL compiles
+# every kernel with it at run time) and NCCL, with their versions. Python finds the pip
+# wheels' folders by their package paths (namespace packages have no __file__).
+libraries() {
+    python3 - <<'PY'
+import ctypes, glob, importlib, os, sys
+def folders(package):
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        return []
+    return [os.path.join(p, "lib") for p in getattr(module, "__path__", [])]
+found = {}
+for name, packages, patterns in [
+    ("nccl", ["nvidia.nccl"], ["libnccl.so.2", "libnccl.so"]),
+    ("nvrtc", ["nvidia.cuda_nvrtc", "nvidia.cu13", "nvidia.cu12"], ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]),
+]:
+    cuda = os.environ.get("CUDA_PATH", "")
+    candidates = [f for p in packages for f in folders(p)] + ([os.path.join(cuda, "lib64")] if cuda else [])
+    for folder in candidates:
+        hits = [f for pattern in patterns for f in glob.glob(os.path.join(folder, pattern))]
+        if hits:
+            found[name] = hits[0]
+            break
+for name, path in found.items():
+    print(f"{name}={path}")
+PY
+}
+if [ "${DRY_RUN:-0}" != 1 ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$out/gpu.txt"
+    # The toolkit, where the image has one (nvcc, NVRTC): CubeCL and cudarc read CUDA_PATH.
+    if [ -z "${CUDA_PATH:-}" ]; then
+        for candidate in /usr/local/cuda /usr/local/cuda-13.0 /usr/local/cuda-12; do
+            [ -d "$candidate" ] && { export CUDA_PATH="$candidate"; break; }
+        done
+    fi
+    [ -n "${CUDA_PATH:-}" ] && export LD_LIBRARY_PATH="$CUDA_PATH/lib64:${LD_LIBRARY_PATH:-}"
+    # cudarc looks for libnccl.so and libnvrtc.so by their unversioned names: link them.
+    mkdir -p /tmp/gpu-libs
+    while IFS='=' read -r name path; do
+        [ -n "$path" ] || continue
+        ln -sf "$path" "/tmp/gpu-libs/lib$name.so"
+        ln -sf "$path" "/tmp/gpu-libs/$(basename "$path")"
+    done < <(libraries)
+    export LD_LIBRARY_PATH="/tmp/gpu-libs:${LD_LIBRARY_PATH:-}"
+    python3 - <<'PY' 2>&1 | tee "$out/libraries.txt"
+import ctypes, os
+def version(library, symbol, parts):
+    try:
+        handle = ctypes.CDLL(library)
+    except OSError as e:
+        return f"not loadable ({e})"
+    values = [ctypes.c_int() for _ in range(parts)]
+    getattr(handle, symbol)(*[ctypes.byref(v) for v in values])
+    linked = f"/tmp/gpu-libs/{library}"
+    where = os.path.realpath(linked) if os.path.exists(linked) else "(system)"
+    return ".".join(str(v.value) for v in values) + "  " + where
+print("driver (CUDA API):", version("libcuda.so.1", "cuDriverGetVersion", 1))
+print("NVRTC:", version("libnvrtc.so", "nvrtcVersion", 2))
+print("NCCL:", version("libnccl.so", "ncclGetVersion", 1))
+print("CUDA_PATH:", os.environ.get("CUDA_PATH", "(unset)"))
+PY
 fi
 
-if [ -x "$here/flash-attention-tests" ]; then
-    # A CUDA start failure must fail here, not skip.
-    ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture 2>&1 | tee "$out/kernel-tests.log"
-    ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" 2>&1 | tee "$out/flash-bench.log"
+if has flash-attention-tests; then
+    case "${KERNELS_RUN:-tests}" in
+    tests)
+        # A CUDA start failure must fail here, not skip. The >2^32-element case has its call.
+        step kernel-tests env ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture --skip past_2_pow_32 ;;
+    big)
+        # q, the output, dO and dQ of 4.5e9 elements each (about 45 GB): 64-bit indexing.
+        step kernel-test-past-2-pow-32 env ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture --exact bf16_past_2_pow_32_elements_per_tensor_against_chunks ;;
+    bench)
+        step flash-bench env ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" ;;
+    *) echo "KERNELS_RUN must be tests, big or bench, not ${KERNELS_RUN}" >&2; exit 2 ;;
+    esac
 fi
-if [ -x "$here/training-memory-bench" ]; then
-    # A device call lasts at most 10 minutes: MEMORY_RUN picks what this one measures.
+if has training-memory-bench; then
     # Longest-sequence trials pack documents of 4096 tokens: the step's memory does not depend
     # on the mask (tested), and attention then costs linear time instead of many minutes per
     # trial. The budget includes the parameters; each trial is a child process, killed past
-    # --trial-timeout.
+    # --trial-timeout. CubeCL's compilation cache (configured by a cubecl.toml in the working
+    # folder or above) spares every trial after the first the kernels' compilation.
+    mkdir -p /tmp/memory-run
+    printf '[compilation]\ncache = { file = "/tmp/memory-run/cubecl-cache" }\n' >/tmp/memory-run/cubecl.toml
+    pushd /tmp/memory-run >/dev/null
     bench="$here/training-memory-bench"
-    longest="--shape llama-8b --longest-under 80000000000 --documents 4096 --trial-timeout 150"
+    longest="--shape llama-8b --longest-under 80000000000 --documents 4096 --trial-timeout 100"
     case "${MEMORY_RUN:-alst}" in
     alst)
         # Everything ALST uses, on a Llama-3.1-8B-shaped stack of 2 layers: checkpointing
         # offloaded, the token-wise parts in tiles of d_model tokens, bf16. Goal: 1M tokens.
-        "$bench" $longest --layers 2 --min-seq 524288 --max-seq 2097152 --step-tokens 65536 \
-            --checkpoint-layers --offload-to-host --tile-tokens 4096 --precision bf16 2>&1 | tee -a "$out/training-memory.log" ;;
+        # Bisection from 512K to 2M in steps of 128K: at most 4 trials of 100 s.
+        step memory-alst "$bench" $longest --layers 2 --min-seq 524288 --max-seq 2097152 --step-tokens 131072 \
+            --checkpoint-layers --offload-to-host --tile-tokens 4096 --precision bf16 ;;
     layers4)
         # 4 layers in f32, plain and checkpointed (offloaded).
-        "$bench" $longest --layers 4 --min-seq 8192 --max-seq 262144 --step-tokens 8192 2>&1 | tee -a "$out/training-memory.log"
-        "$bench" $longest --layers 4 --min-seq 65536 --max-seq 1048576 --step-tokens 32768 --checkpoint-layers --offload-to-host 2>&1 | tee -a "$out/training-memory.log" ;;
+        step memory-layers4-plain "$bench" $longest --layers 4 --min-seq 8192 --max-seq 262144 --step-tokens 8192
+        step memory-layers4-checkpointed "$bench" $longest --layers 4 --min-seq 65536 --max-seq 1048576 --step-tokens 32768 --checkpoint-layers --offload-to-host ;;
     table)
         # Memory of one step against S (the example's shape), plain and checkpointed.
-        "$bench" --seqs 4096,8192,16384,32768,65536 2>&1 | tee -a "$out/training-memory.log"
-        "$bench" --seqs 4096,8192,16384,32768,65536 --checkpoint-layers --offload-to-host 2>&1 | tee -a "$out/training-memory.log" ;;
+        step memory-table-plain "$bench" --seqs 4096,8192,16384,32768,65536
+        step memory-table-checkpointed "$bench" --seqs 4096,8192,16384,32768,65536 --checkpoint-layers --offload-to-host ;;
     *) echo "MEMORY_RUN must be alst, layers4 or table, not ${MEMORY_RUN}" >&2; exit 2 ;;
     esac
+    popd >/dev/null
 fi
-if [ -x "$here/ulysses-nccl-check" ]; then
-    "$here/ulysses-launch" --nproc-per-node 1 -- "$here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check-1.log"
-    ULYSSES_GPU=0 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "NCCL_HOSTID=host\$RANK exec $here/ulysses-nccl-check" 2>&1 | tee "$out/nccl-check.log"
+# Two ranks on the one GPU: a host id each (or NCCL refuses a duplicate GPU), so NCCL talks
+# over sockets; on loopback, with InfiniBand off.
+two_ranks_on_one_gpu="NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_HOSTID=host\$RANK"
+if has ulysses-nccl-check; then
+    step nccl-check-1 "$here/ulysses-launch" --nproc-per-node 1 -- "$here/ulysses-nccl-check"
+    step nccl-check-2 env ULYSSES_GPU=0 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "$two_ranks_on_one_gpu exec $here/ulysses-nccl-check"
 fi
-if [ -x "$here/ulysses-llama" ]; then
+if has ulysses-llama; then
     train="--steps 50 --seq-len 2048 --batch-size 2 --corpus ${CORPUS:-/usr/share/common-licenses}"
     # One process: SP=1, and SP=2 as threads sharing the GPU; burn's fused CUDA backend too.
     for sp in 1 2; do
-        "$here/ulysses-llama" --backend cuda --sp "$sp" $train --out "$out/train-sp$sp" 2>&1 | tail -3 | tee -a "$out/train.log"
+        step "train-sp$sp" "$here/ulysses-llama" --backend cuda --sp "$sp" $train --out "$out/train-sp$sp"
     done
-    "$here/ulysses-llama" --backend cuda-fused --sp 1 $train --out "$out/train-fused-sp1" 2>&1 | tail -3 | tee -a "$out/train.log"
-    # SP=2 as two processes over NCCL on the one GPU (a host id each, or NCCL refuses).
-    "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "NCCL_HOSTID=host\$RANK exec $here/ulysses-llama --backend cuda --device 0 --sp 2 $train --out $out/train-sp2-processes" 2>&1 | tail -5 | tee -a "$out/train.log"
+    step train-fused-sp1 "$here/ulysses-llama" --backend cuda-fused --sp 1 $train --out "$out/train-fused-sp1"
+    # SP=2 as two processes over NCCL on the one GPU.
+    step train-sp2-processes "$here/ulysses-launch" --nproc-per-node 2 -- sh -c \
+        "$two_ranks_on_one_gpu exec $here/ulysses-llama --backend cuda --device 0 --sp 2 $train --out $out/train-sp2-processes"
 fi
+
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "gpu-run: ${#failed[@]} step(s) failed: ${failed[*]} (logs in $out)"
+    exit 1
+fi
+echo "gpu-run: every step passed (logs in $out)"

@@ -16,13 +16,7 @@ root=$(scripts/lavapipe-trixie.sh --runner)
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 export ULYSSES_REQUIRE_GPU_RUNTIME=1
 
-exe=$(cargo test -p ulysses-kernels --features spirv --test flash_attention --no-run --message-format=json \
-    | python3 -c 'import json,sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "flash_attention":
-        print(m["executable"])')
-[ -x "$exe" ] || { echo "tensor-cores-on-cpu: the kernel test binary was not built" >&2; exit 1; }
+exe=$(scripts/test-executable.sh flash_attention test -p ulysses-kernels --features spirv --test flash_attention --no-run)
 
 # `run NAME FRAGMENT FILTER...`: the filtered tests with FRAGMENT³ fragments expected.
 run() {

@@ -39,6 +39,11 @@ struct Process {
     device: CudaDevice,
     context: Raw<cuda_sys::CUcontext>,
     stream: Raw<cuda_sys::CUstream>,
+    /// Held for the whole of a collective on any of the process's communicators: they share
+    /// `stream`, so two collectives (SP and DP from two threads) must not be enqueued on it in
+    /// an order that differs between ranks. One at a time, each done before the next starts,
+    /// the order on every rank is the order of its calls.
+    calls: Mutex<()>,
     rendezvous: Rendezvous,
     timeout: Duration,
 }
@@ -53,8 +58,6 @@ unsafe impl<T> Sync for Raw<T> {}
 /// One rank's NCCL communicator over a group (the world, or a split of it).
 pub struct NcclCommunicator {
     comm: Raw<nccl::ncclComm_t>,
-    /// Held for the whole of a collective: NCCL calls on one communicator must not interleave.
-    calls: Mutex<()>,
     aborted: AtomicBool,
     rank: usize,
     size: usize,
@@ -100,6 +103,7 @@ impl NcclCommunicator {
             device: CudaDevice { index: gpu },
             context: Raw(context),
             stream: Raw(stream),
+            calls: Mutex::new(()),
             rendezvous,
             timeout: config.collective_timeout(),
         });
@@ -140,7 +144,6 @@ impl NcclCommunicator {
     fn wrap(comm: nccl::ncclComm_t, rank: usize, size: usize, process: Arc<Process>) -> Self {
         Self {
             comm: Raw(comm),
-            calls: Mutex::new(()),
             aborted: AtomicBool::new(false),
             rank,
             size,
@@ -239,7 +242,7 @@ impl NcclCommunicator {
         client: &cubecl::client::ComputeClient<CudaRuntime>,
         launch: impl FnOnce(nccl::ncclComm_t, nccl::cudaStream_t) -> nccl::ncclResult_t,
     ) -> Result<(), NcclError> {
-        let _exclusive = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        let _exclusive = self.process.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.check_usable(op)?;
         let waited = Instant::now();
         cubecl::future::block_on(client.sync()).map_err(|e| NcclError::Cuda(format!("CubeCL work before {op} failed: {e:?}")))?;
@@ -621,7 +624,7 @@ impl NcclCommunicator {
                 reason: format!("color {color} and key {key} must fit in an i32 (NCCL's NOCOLOR is -1)"),
             });
         }
-        let _exclusive = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        let _exclusive = self.process.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.check_usable("ncclCommSplit").map_err(to_comm_error)?;
         self.current_context().map_err(to_comm_error)?;
         let mut child: nccl::ncclComm_t = ptr::null_mut();

@@ -141,9 +141,11 @@ struct Args {
     #[arg(long, requires = "checkpoint_layers", value_name = "TOKENS")]
     tile_tokens: Option<usize>,
     /// What the layers compute in: f32, or bf16 (f16 where the device has no bf16; not on
-    /// NdArray) with f32 master weights, norm and softmax statistics and loss.
-    #[arg(long, default_value = "f32")]
-    precision: Precision,
+    /// NdArray) with f32 master weights, norm and softmax statistics and loss [default: bf16
+    /// on CUDA, as ALST and Hugging Face train, where attention runs on tensor cores; f32 on
+    /// the CPU].
+    #[arg(long)]
+    precision: Option<Precision>,
     #[arg(long, default_value_t = 128)]
     d_model: usize,
     #[arg(long, default_value_t = 2)]
@@ -238,7 +240,10 @@ fn run(args: Args) -> Result<(), String> {
         .with_layer_checkpointing(args.checkpoint_layers.then(|| {
             LayerCheckpointing::new().with_offload_to_host(args.offload_to_host).with_tile_tokens(args.tile_tokens)
         }))
-        .with_precision(args.precision);
+        .with_precision(args.precision.unwrap_or(match args.backend {
+            BackendKind::Cpu => Precision::F32,
+            BackendKind::Cuda | BackendKind::CudaFused => Precision::Bf16,
+        }));
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{Shape, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Shape, Tensor, TensorData, backend::Backend};
 
 use super::{Communicator, ReduceOp};
 use crate::{compare::check_within, primitive::as_rows};
@@ -91,6 +91,31 @@ pub fn check_collectives<B: Backend>(comm: &dyn Communicator<B>, device: &B::Dev
     let got = host(comm.all_reduce(tensor(values, vec![n]), ReduceOp::Sum).map_err(fail)?);
     let want: Vec<f32> = (0..n).map(|i| (i % 97) as f32 * p as f32 + ranks_sum).collect();
     report.push(check(&format!("all_reduce of {n} elements"), got, want, 1e-3)?);
+
+    // Half precision, as mixed-precision training exchanges it: the collectives must move
+    // 2-byte elements of the dtype asked for (a transport that sent f32, or NCCL told another
+    // type, gives other values or other bytes). bf16 where the device has it, else f16.
+    match [DType::BF16, DType::F16].into_iter().find(|&dtype| B::supports_dtype(device, dtype)) {
+        Some(dtype) => {
+            let half = |values: Vec<f32>, shape: Vec<usize>| {
+                let flat = Tensor::<B, 1>::from_data(TensorData::new(values, [shape.iter().product::<usize>()]).convert_dtype(dtype), (device, dtype));
+                B::float_reshape(flat.into_primitive().tensor(), Shape::from(shape))
+            };
+            // Small integers: exact in bf16 and f16.
+            let send: Vec<f32> = (0..p).flat_map(|j| (0..3).map(move |k| 16.0 * r + 4.0 * j as f32 + k as f32)).collect();
+            let exchanged = comm.all_to_all(half(send, vec![p, 3])).map_err(fail)?;
+            let got_dtype = burn::tensor::TensorMetadata::dtype(&exchanged);
+            let got = host(exchanged);
+            let want: Vec<f32> = (0..p).flat_map(|i| (0..3).map(move |k| 16.0 * i as f32 + 4.0 * r + k as f32)).collect();
+            if got_dtype != dtype {
+                return Err(format!("all_to_all of {dtype:?} returned {got_dtype:?}"));
+            }
+            report.push(check(&format!("all_to_all in {dtype:?}"), got, want, 0.0)?);
+            let got = host(comm.all_reduce(half(vec![r + 1.0, 2.0 * r, -r], vec![3]), ReduceOp::Sum).map_err(fail)?);
+            report.push(check(&format!("all_reduce sum in {dtype:?}"), got, vec![total, 2.0 * ranks_sum, -ranks_sum], 0.0)?);
+        }
+        None => report.push("skip all_to_all and all_reduce in bf16/f16: the device has neither".into()),
+    }
 
     // Sub-groups: even and odd ranks, the order reversed by the key.
     let sub: Arc<dyn Communicator<B>> = comm.split(comm.rank() as u32 % 2, (p - comm.rank()) as u32).map_err(fail)?;

@@ -90,7 +90,11 @@ fn all_to_all_timing(comm: &Arc<NcclCommunicator>, device: &CudaDevice) -> Resul
     let p = c.size();
     let elements = 65536 * 4096 / p;
     let data = TensorData::new(vec![0.5f32; elements], [p, elements / p]).convert_dtype(DType::BF16);
-    let send = Tensor::<Cuda, 2>::from_data(data, device).into_primitive().tensor();
+    // The dtype named: `from_data` with a device alone makes the backend's default (f32).
+    let send = Tensor::<Cuda, 2>::from_data(data, (device, DType::BF16)).into_primitive().tensor();
+    if send.dtype != DType::BF16 {
+        return Err(format!("the all-to-all timing must exchange bf16, got {:?}", send.dtype));
+    }
     let mut samples = Vec::new();
     for _ in 0..10 {
         let started = Instant::now();
@@ -100,7 +104,7 @@ fn all_to_all_timing(comm: &Arc<NcclCommunicator>, device: &CudaDevice) -> Resul
     }
     samples.sort_by(f64::total_cmp);
     let median = samples[samples.len() / 2];
-    let bytes = (elements * 2) as f64;
+    let bytes = (elements * DType::BF16.size()) as f64;
     println!(
         "all_to_all of {:.0} MiB per rank (64K tokens x 4096 bf16 / {p}): median {:.3} ms, {:.1} GB/s, host sync {:.3} ms per call",
         bytes / 1048576.0,

@@ -1,0 +1,184 @@
+//! The flash kernels as NVIDIA GPUs would compile them, on a machine without one.
+//!
+//! [`runtime::CompileOnly`] is a CubeCL runtime with an H100's, an A100's or an L40's device
+//! properties that compiles every launch with cubecl-cuda's compiler and keeps the CUDA C++
+//! source. [`collect`] runs the kernels' real host code on it (checks, planner, launches) for
+//! every case of a [`Plan`](ulysses_kernels::Plan) the planner can choose: dtypes, head dims,
+//! causal or not, with or without visible ranges, forward and backward. The sources then go
+//! through NVRTC, ptxas and the disassembler (`scripts/cuda-machine-code.py`): registers,
+//! spills, shared memory, blocks per SM and tensor-core instructions per kernel.
+
+pub mod runtime;
+
+use std::{collections::BTreeMap, fs, path::Path};
+
+use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
+use burn_cubecl::CubeBackend;
+use cubecl::Runtime as _;
+use serde::Serialize;
+use ulysses_kernels::{Engine, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
+
+use runtime::{CompileOnly, TARGETS, TargetDevice};
+
+type Backend = CubeBackend<CompileOnly, f32, i32, u32>;
+
+/// One case of the kernels' launches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct Case {
+    pub dtype: &'static str,
+    pub head_dim: usize,
+    pub causal: bool,
+    /// With [`VisibleRanges`] (packed documents, key padding).
+    pub ranged: bool,
+}
+
+/// A kernel source and every case that launches it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Kernel {
+    pub target: &'static str,
+    /// `forward`, `row_delta`, `key_value_grad` or `query_grad`.
+    pub kernel: String,
+    pub entrypoint: String,
+    /// `tensor-cores-16` or `plane`.
+    pub engine: String,
+    pub dynamic_shared_bytes: usize,
+    pub block: (u32, u32, u32),
+    pub cases: Vec<Case>,
+    #[serde(skip)]
+    pub source: String,
+}
+
+/// Which of the kernels a compiled entry point is.
+fn kernel_of(entrypoint: &str) -> String {
+    ["row_delta", "key_value_grad", "query_grad", "flash_forward"]
+        .into_iter()
+        .find(|name| entrypoint.contains(name))
+        .map(|name| name.trim_start_matches("flash_").to_string())
+        .unwrap_or_else(|| entrypoint.to_string())
+}
+
+/// The cases of the H100 plan: every dtype, head dims 64, 128 and 256, causal or not, with and
+/// without ranges.
+pub fn full_plan() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for dtype in ["bf16", "f16", "f32"] {
+        for head_dim in [64, 128, 256] {
+            for causal in [false, true] {
+                for ranged in [false, true] {
+                    cases.push(Case { dtype, head_dim, causal, ranged });
+                }
+            }
+        }
+    }
+    cases
+}
+
+/// A subset that still reaches every kernel shape of a smaller GPU: each dtype at each head
+/// dim, causal with ranges (the variant with the most code), plus bf16 without either.
+pub fn representative_plan() -> Vec<Case> {
+    let mut cases: Vec<Case> = full_plan().into_iter().filter(|c| c.causal && c.ranged).collect();
+    cases.extend([64, 128, 256].map(|head_dim| Case { dtype: "bf16", head_dim, causal: false, ranged: false }));
+    cases
+}
+
+fn dtype_of(name: &str) -> DType {
+    match name {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        _ => DType::F32,
+    }
+}
+
+/// Runs the forward and backward of every case on target `target` (an index of
+/// [`runtime::TARGETS`]) and returns each distinct kernel source once, with its cases.
+pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
+    let device = TargetDevice(target);
+    let client = CompileOnly::client(&device);
+    cubecl::future::block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
+    runtime::take_compiled();
+    let mut kernels: BTreeMap<String, Kernel> = BTreeMap::new();
+    for &case in cases {
+        // Small shapes: tile sizes depend on head dims and dtype, not on lengths. GQA (2 q
+        // heads per kv head) and a length that is no multiple of a tile.
+        let (batch, q_heads, kv_heads, seq, d) = (1, 2, 1, 80, case.head_dim);
+        let dtype = dtype_of(case.dtype);
+        let options = FlashOptions { scale: None, causal: case.causal };
+        let (q_shape, kv_shape) = ([batch, q_heads, seq, d], [batch, kv_heads, seq, d]);
+        let (q_info, kv_info) = (OperandInfo { shape: &q_shape, dtype }, OperandInfo { shape: &kv_shape, dtype });
+        let plan = plan_flash_attention(&client, q_info, kv_info, kv_info, &options).map_err(|e| format!("{case:?}: {e}"))?;
+        let engine = match plan.engine {
+            Engine::TensorCores { fragment } => format!("tensor-cores-{fragment}"),
+            Engine::Plane => "plane".to_string(),
+        };
+        let tensor = |shape: [usize; 4]| {
+            let data = TensorData::new(vec![0.25f32; shape.iter().product()], shape).convert_dtype(dtype);
+            Backend::float_from_data(data, &device)
+        };
+        let ranges = case.ranged.then(|| VisibleRanges::all(batch, seq, seq).and_then(|r| r.with_documents(&[vec![30, 50]]))).transpose().map_err(|e| e.to_string())?;
+        let (output, lse) = flash_attention_forward(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options, ranges.as_ref()).map_err(|e| format!("{case:?}: {e}"))?;
+        flash_attention_backward(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), output, tensor(q_shape), lse, options, ranges.as_ref()).map_err(|e| format!("{case:?}: {e}"))?;
+        // Launches reach the server through a queue: every one of this case's is compiled
+        // once the queue is drained.
+        cubecl::future::block_on(client.sync()).map_err(|e| format!("{case:?}: {e:?}"))?;
+        for compiled in runtime::take_compiled() {
+            let compiled = compiled.map_err(|e| format!("{case:?}: a kernel failed to compile: {e}"))?;
+            // burn's own kernels (casts on upload) are not ours to check.
+            let kernel = kernel_of(&compiled.entrypoint);
+            if !["forward", "row_delta", "key_value_grad", "query_grad"].contains(&kernel.as_str()) {
+                continue;
+            }
+            let entry = kernels.entry(compiled.source.clone()).or_insert_with(|| Kernel {
+                target: compiled.target,
+                kernel,
+                entrypoint: compiled.entrypoint.clone(),
+                engine: if compiled.entrypoint.contains("row_delta") { "-".into() } else { engine.clone() },
+                dynamic_shared_bytes: compiled.dynamic_shared_bytes,
+                block: compiled.block,
+                cases: Vec::new(),
+                source: compiled.source.clone(),
+            });
+            if !entry.cases.contains(&case) {
+                entry.cases.push(case);
+            }
+        }
+    }
+    Ok(kernels.into_values().collect())
+}
+
+/// Which cases to compile for which target: `sm_90a:full,sm_80:representative,...`.
+pub const DEFAULT_TARGETS: &str = "sm_90a:full,sm_80:representative,sm_89:representative";
+
+/// Collects the kernels of every target of `spec` (see [`DEFAULT_TARGETS`]) and writes them to
+/// `out`: `index.json` (the targets' limits, and per kernel its target, kernel, engine, dynamic
+/// shared memory, block, cases and file) and `<target>/<n>-<kernel>.cu`. Returns a line per
+/// target.
+pub fn write_sources(out: &Path, spec: &str) -> Result<Vec<String>, String> {
+    let mut index = Vec::new();
+    let mut lines = Vec::new();
+    for part in spec.split(',') {
+        let (name, plan) = part.split_once(':').unwrap_or((part, "full"));
+        let target = TARGETS
+            .iter()
+            .position(|t| t.name == name)
+            .ok_or_else(|| format!("unknown target {name}: one of {:?}", TARGETS.iter().map(|t| t.name).collect::<Vec<_>>()))?;
+        let cases = match plan {
+            "full" => full_plan(),
+            "representative" => representative_plan(),
+            other => return Err(format!("unknown plan {other}: full or representative")),
+        };
+        let kernels = collect(target, &cases)?;
+        let folder = out.join(name);
+        fs::create_dir_all(&folder).map_err(|e| format!("cannot create {}: {e}", folder.display()))?;
+        lines.push(format!("{name} ({plan} plan, {} cases): {} distinct kernel sources", cases.len(), kernels.len()));
+        for (n, kernel) in kernels.into_iter().enumerate() {
+            let file = format!("{name}/{n:03}-{}.cu", kernel.kernel);
+            fs::write(out.join(&file), &kernel.source).map_err(|e| format!("cannot write {file}: {e}"))?;
+            let mut entry = serde_json::to_value(&kernel).map_err(|e| e.to_string())?;
+            entry["file"] = serde_json::Value::String(file);
+            index.push(entry);
+        }
+    }
+    let text = serde_json::to_string_pretty(&serde_json::json!({ "targets": TARGETS, "kernels": index })).map_err(|e| e.to_string())?;
+    fs::write(out.join("index.json"), text).map_err(|e| format!("cannot write the index: {e}"))?;
+    Ok(lines)
+}

@@ -1,0 +1,46 @@
+//! The flash kernels as an H100 (the whole plan), an A100 and an L40 (a representative subset)
+//! would compile them: every case the planner accepts must compile to CUDA C++ here, and,
+//! with NVIDIA's compilers at hand (`ULYSSES_CUDA_TOOLS`: a venv with the PyPI wheels, which
+//! `.ci/run` installs), to machine code that spills nothing, fits the shared memory and an SM,
+//! and uses the tensor cores in every kernel of the tensor-core engine
+//! (`scripts/cuda-machine-code.py`). Without the tools that half says SKIPPED, unless
+//! `ULYSSES_REQUIRE_CUDA_TOOLS=1` makes it a failure.
+
+use std::{path::PathBuf, process::Command};
+
+use ulysses_cuda_check::{DEFAULT_TARGETS, runtime::TARGETS, write_sources};
+
+#[test]
+fn every_planned_kernel_compiles_to_machine_code_that_fits_and_uses_tensor_cores() {
+    let out = std::env::temp_dir().join(format!("ulysses-cuda-sources-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let lines = write_sources(&out, DEFAULT_TARGETS).unwrap_or_else(|e| panic!("{e}"));
+    lines.iter().for_each(|line| println!("{line}"));
+    assert_eq!(lines.len(), TARGETS.len());
+
+    let Ok(tools) = std::env::var("ULYSSES_CUDA_TOOLS") else {
+        let hint = "SKIPPED: the machine-code half needs NVIDIA's compilers: ULYSSES_CUDA_TOOLS=<venv with nvidia-cuda-nvrtc-cu12, \
+                    nvidia-cuda-nvcc-cu12, nvidia-cuda-runtime-cu12, nvidia-cuda-cuobjdump> (scripts/cuda-tools.sh makes one)";
+        assert_ne!(std::env::var("ULYSSES_REQUIRE_CUDA_TOOLS").as_deref(), Ok("1"), "{hint}");
+        eprintln!("{hint}");
+        let _ = std::fs::remove_dir_all(&out);
+        return;
+    };
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/cuda-machine-code.py");
+    let table = out.join("tables.txt");
+    let output = Command::new(PathBuf::from(&tools).join("bin/python"))
+        .arg(&script)
+        .arg(&out)
+        .arg("--table")
+        .arg(&table)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {} with {tools}/bin/python: {e}", script.display()));
+    let report = String::from_utf8_lossy(&output.stdout);
+    println!("{report}{}", std::fs::read_to_string(&table).unwrap_or_default());
+    eprintln!("{}", String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "the machine-code check failed:\n{report}");
+    for target in TARGETS {
+        assert!(report.contains(&format!("{} (", target.name)), "no line for {}:\n{report}", target.name);
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""The flash kernels' CUDA sources through NVIDIA's own compilers, without a GPU.
+
+    python cuda-machine-code.py SOURCES [--cache DIR] [--table FILE] [--jobs N]
+
+SOURCES is what `ulysses-cuda-sources` wrote (index.json and the .cu files). Each source goes
+through NVRTC (to PTX, with the options cubecl-cuda 0.10 uses at run time), ptxas -v (to a
+cubin: registers, spills, stack frame, static shared memory) and cuobjdump -sass (tensor-core
+instructions: HMMA, and HGMMA should wgmma ever appear). Shared memory per block is static +
+dynamic (CubeCL's `extern __shared__`, from the index) + the 1 KiB the driver reserves; blocks
+per SM follow from threads, registers and shared memory against the target's limits.
+
+It fails (exit 1) on any compile error, any spill, shared memory over the target's opt-in
+limit, zero blocks per SM, or a kernel of the tensor-core engine without a tensor-core
+instruction, except the known defects listed in --known (scripts/cuda-known-defects.txt), which
+it prints as such; a line there that no longer matches anything fails too, so the list only
+shrinks. It prints one line per target and, with --table, writes a table per target grouped by
+(kernel, engine, dtype, head dim).
+
+Results are cached by a hash of the source, target and compiler versions in --cache
+(default ~/.cache/ulysses-cuda-machine-code), so a rerun with unchanged kernels is fast.
+The tools come from the PyPI wheels installed in this interpreter's environment
+(nvidia-cuda-nvrtc-cu12, nvidia-cuda-nvcc-cu12, nvidia-cuda-runtime-cu12,
+nvidia-cuda-nvdisasm, nvidia-cuda-cuobjdump): run it with that venv's python.
+"""
+
+import argparse
+import concurrent.futures
+import ctypes
+import glob
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+
+
+def wheel_folders():
+    """Every folder of the `nvidia` namespace package (one per wheel)."""
+    import nvidia  # noqa: F401  (namespace package: __path__ only)
+
+    folders = []
+    for root in nvidia.__path__:
+        folders.extend(sorted(glob.glob(os.path.join(root, "*"))))
+    return folders
+
+
+def find(pattern):
+    hits = [hit for folder in wheel_folders() for hit in glob.glob(os.path.join(folder, pattern))]
+    if not hits:
+        sys.exit(f"cuda-machine-code: {pattern} not found in the nvidia wheels of {sys.prefix}; "
+                 "pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12 nvidia-cuda-runtime-cu12 "
+                 "nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump")
+    return sorted(hits)[-1]
+
+
+class Tools:
+    def __init__(self):
+        self.nvrtc_path = find("lib/libnvrtc.so.*[0-9]")
+        self.nvrtc = ctypes.CDLL(self.nvrtc_path)
+        self.ptxas = find("bin/ptxas")
+        self.cuobjdump = find("bin/cuobjdump")
+        # cuda_runtime.h, mma.h (runtime wheel) and crt/mma.h (nvcc wheel).
+        self.includes = sorted({os.path.dirname(os.path.dirname(h)) if h.endswith("crt/mma.h") else os.path.dirname(h)
+                                for h in [find("include/mma.h"), find("include/crt/mma.h"), find("include/cuda_runtime.h")]})
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        ptxas_version = subprocess.run([self.ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        self.versions = f"nvrtc {major.value}.{minor.value}; {ptxas_version}"
+
+    def to_ptx(self, source, target):
+        program = ctypes.c_void_p()
+        check = lambda code, what: code == 0 or (_ for _ in ()).throw(RuntimeError(f"{what} failed with NVRTC status {code}"))
+        check(self.nvrtc.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"kernel.cu", 0, None, None), "nvrtcCreateProgram")
+        options = [f"--gpu-architecture={target}", "-lineinfo"] + [f"--include-path={p}" for p in self.includes]
+        array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        status = self.nvrtc.nvrtcCompileProgram(program, len(options), array)
+        if status != 0:
+            size = ctypes.c_size_t()
+            self.nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            self.nvrtc.nvrtcGetProgramLog(program, log)
+            raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace')[-2000:]}")
+        size = ctypes.c_size_t()
+        self.nvrtc.nvrtcGetPTXSize(program, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        self.nvrtc.nvrtcGetPTX(program, ptx)
+        self.nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+        return ptx.value.decode()
+
+
+def machine_code(tools, source, target):
+    """Registers, spills, stack, static shared memory and tensor-core instructions of one source."""
+    ptx = tools.to_ptx(source, target)
+    with tempfile.TemporaryDirectory() as folder:
+        ptx_path, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([tools.ptxas, f"-arch={target}", "-v", "-o", cubin, ptx_path], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"ptxas: {done.stderr[-2000:]}")
+        info = done.stderr
+        sass = subprocess.run([tools.cuobjdump, "-sass", cubin], capture_output=True, text=True)
+        if sass.returncode != 0:
+            raise RuntimeError(f"cuobjdump: {sass.stderr[-2000:]}")
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, info)) else 0
+    return {
+        "registers": number(r"Used (\d+) registers"),
+        "stack_bytes": number(r"(\d+) bytes stack frame"),
+        "spill_stores": number(r"(\d+) bytes spill stores"),
+        "spill_loads": number(r"(\d+) bytes spill loads"),
+        "static_shared_bytes": number(r"(\d+) bytes smem"),
+        "hmma": len(re.findall(r"\bHMMA\b", sass.stdout)),
+        "hgmma": len(re.findall(r"\bHGMMA\b", sass.stdout)),
+    }
+
+
+def blocks_per_sm(target, threads, registers, shared):
+    warps = -(-threads // 32)
+    # Registers are allocated per warp in units of 256.
+    per_warp = -(-registers * 32 // 256) * 256
+    limits = [target["max_blocks_per_sm"], target["max_threads_per_sm"] // threads]
+    if per_warp:
+        limits.append(target["registers_per_sm"] // (per_warp * warps))
+    if shared:
+        limits.append(target["shared_per_sm"] // shared)
+    return min(limits)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("sources")
+    parser.add_argument("--cache", default=os.path.expanduser("~/.cache/ulysses-cuda-machine-code"))
+    parser.add_argument("--table", help="write per-target tables (markdown) to this file")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--known", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda-known-defects.txt"))
+    args = parser.parse_args()
+    known = read_known(args.known)
+
+    with open(os.path.join(args.sources, "index.json")) as f:
+        index = json.load(f)
+    targets = {t["name"]: t for t in index["targets"]}
+    tools = Tools()
+    print(f"cuda-machine-code: {tools.versions}; NVRTC {tools.nvrtc_path}")
+    os.makedirs(args.cache, exist_ok=True)
+
+    def one(kernel):
+        with open(os.path.join(args.sources, kernel["file"])) as f:
+            source = f.read()
+        key = hashlib.sha256(f"{tools.versions}\n{kernel['target']}\n{source}".encode()).hexdigest()
+        cached = os.path.join(args.cache, key + ".json")
+        if os.path.exists(cached):
+            with open(cached) as f:
+                return json.load(f), True
+        try:
+            result = machine_code(tools, source, kernel["target"])
+        except RuntimeError as error:
+            return {"error": str(error)}, False
+        with open(cached, "w") as f:
+            json.dump(result, f)
+        return result, False
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(one, index["kernels"]))
+
+    failures = []
+    rows = defaultdict(list)
+    summary = defaultdict(lambda: {"kernels": 0, "cached": 0, "registers": 0, "spills": 0, "shared": 0, "blocks": None})
+    for kernel, (result, was_cached) in zip(index["kernels"], results):
+        name = f"{kernel['target']} {kernel['file']} ({kernel['entrypoint']})"
+        def fail(kind, text):
+            failures.append((kernel, kind, f"{name}: {text}"))
+
+        if "error" in result:
+            fail("compile", result["error"])
+            continue
+        target = targets[kernel["target"]]
+        threads = kernel["block"][0] * kernel["block"][1] * kernel["block"][2]
+        shared = result["static_shared_bytes"] + kernel["dynamic_shared_bytes"] + 1024
+        blocks = blocks_per_sm(target, threads, result["registers"], shared)
+        spills = result["spill_stores"] + result["spill_loads"]
+        tensor_core_instructions = result["hmma"] + result["hgmma"]
+        if spills:
+            fail("spill", f"spills {result['spill_stores']} bytes stored, {result['spill_loads']} loaded ({result['registers']} registers)")
+        if shared > target["max_shared_per_block"] + 1024:
+            fail("shared", f"{shared} bytes of shared memory, over {target['max_shared_per_block']}")
+        if blocks == 0:
+            fail("blocks", f"no block fits an SM ({threads} threads, {result['registers']} registers, {shared} bytes shared)")
+        if kernel["engine"].startswith("tensor-cores") and tensor_core_instructions == 0:
+            fail("no-tensor-cores", "a tensor-core kernel without a tensor-core instruction")
+        s = summary[kernel["target"]]
+        s["kernels"] += 1
+        s["cached"] += was_cached
+        s["registers"] = max(s["registers"], result["registers"])
+        s["spills"] += spills
+        s["shared"] = max(s["shared"], shared)
+        s["blocks"] = blocks if s["blocks"] is None else min(s["blocks"], blocks)
+        for case in kernel["cases"]:
+            group = (kernel["kernel"], kernel["engine"], case["dtype"], case["head_dim"])
+            rows[kernel["target"]].append((group, result, shared, blocks, tensor_core_instructions))
+
+    for target, s in summary.items():
+        print(f"{target} ({targets[target]['gpu']}): {s['kernels']} kernels compiled ({s['cached']} cached), "
+              f"largest register count {s['registers']}, spills {s['spills']} bytes, largest shared memory "
+              f"{s['shared']} bytes (limit {targets[target]['max_shared_per_block']}), smallest blocks per SM {s['blocks']}")
+
+    if args.table:
+        with open(args.table, "w") as out:
+            out.write(f"Compilers: {tools.versions}\n")
+            for target in summary:
+                out.write(f"\n{target} ({targets[target]['gpu']})\n\n")
+                out.write("kernel          engine           dtype  head dim     cases  registers  spills (B)  stack (B)  shared (B)  blocks/SM  tensor-core instr.\n")
+                grouped = defaultdict(list)
+                for group, result, shared, blocks, tc in rows[target]:
+                    grouped[group].append((result, shared, blocks, tc))
+                for group in sorted(grouped):
+                    items = grouped[group]
+                    span = lambda values: f"{min(values)}" if min(values) == max(values) else f"{min(values)}-{max(values)}"
+                    out.write(f"{group[0]:<15} {group[1]:<16} {group[2]:<6} {group[3]:>8}  {len(items):>8}  "
+                              f"{span([r['registers'] for r, *_ in items]):>9}  {span([r['spill_stores'] + r['spill_loads'] for r, *_ in items]):>10}  "
+                              f"{span([r['stack_bytes'] for r, *_ in items]):>9}  {span([s for _, s, _, _ in items]):>10}  "
+                              f"{span([b for _, _, b, _ in items]):>9}  {span([t for *_, t in items]):>18}\n")
+        print(f"cuda-machine-code: tables in {args.table}")
+
+    used = set()
+    unknown = []
+    for kernel, kind, text in failures:
+        line = next((line for line in known if matches(line, kernel, kind)), None)
+        if line is None:
+            unknown.append(text)
+        else:
+            used.add(line)
+            print(f"  known ({line[-1]}): {text}")
+    stale = [line for line in known if line not in used]
+    for line in stale:
+        unknown.append(f"{args.known}: `{' '.join(line[:6])}` matches no failure any more: remove it")
+    if unknown:
+        print(f"cuda-machine-code: {len(unknown)} failure(s):")
+        for failure in unknown:
+            print(f"  {failure}")
+        return 1
+    print(f"cuda-machine-code: every kernel compiles, fits and uses tensor cores where it should; "
+          f"{len(failures)} known defect(s) reported above, none new")
+    return 0
+
+
+def read_known(path):
+    """Lines `TARGET KERNEL ENGINE DTYPE HEAD_DIM KIND  # reason`, `*` matching anything."""
+    known = []
+    if not os.path.exists(path):
+        return known
+    with open(path) as f:
+        for raw in f:
+            text, _, reason = raw.partition("#")
+            fields = text.split()
+            if not fields:
+                continue
+            if len(fields) != 6:
+                sys.exit(f"{path}: `{raw.strip()}` needs 6 fields: TARGET KERNEL ENGINE DTYPE HEAD_DIM KIND")
+            known.append(tuple(fields) + (reason.strip() or "known",))
+    return known
+
+
+def matches(line, kernel, kind):
+    target, name, engine, dtype, head_dim, expected_kind, _ = line
+    same = lambda pattern, value: pattern == "*" or pattern == str(value)
+    return (same(target, kernel["target"]) and same(name, kernel["kernel"]) and same(engine, kernel["engine"])
+            and same(expected_kind, kind)
+            and any(same(dtype, case["dtype"]) and same(head_dim, case["head_dim"]) for case in kernel["cases"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
