@@ -10,7 +10,8 @@
 //!    `S = Q·Kᵀ`, `P`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − delta)`, `dQ += dS·K`.
 //!
 //! Probabilities are recomputed from the forward's log-sum-exp: no S × S matrix exists at
-//! any point. Splitting dK/dV from dQ computes the scores twice, in exchange for
+//! any point. Where dK's and dV's accumulators would not fit the registers together (head
+//! dim 256 on tensor cores), the dK/dV kernel runs twice, dV then dK (`KeyValuePass`). Splitting dK/dV from dQ computes the scores twice, in exchange for
 //! deterministic sums (every gradient row is summed by one plane, in a fixed order) that run
 //! the same on every runtime. Working with `Sᵀ` in the dK/dV kernel keeps every product in
 //! the form `A·B` with operands read straight (or transposed) from shared memory.
@@ -135,8 +136,10 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
         let mut probs = SharedMemory::<F>::new(planes * TILE * block_q);
         let scores_at = plane * TILE * block_q;
 
-        let mut dk_acc = M::zeros(comptime!(blocks.dim / TILE), unit);
-        let mut dv_acc = M::zeros(comptime!(blocks.value_dim / TILE), unit);
+        // A pass without one of the gradients keeps one unused tile in its place.
+        let pass = comptime!(blocks.key_value_pass);
+        let mut dk_acc = M::zeros(comptime!(if pass.keys() { blocks.dim / TILE } else { 1 }), unit);
+        let mut dv_acc = M::zeros(comptime!(if pass.values() { blocks.value_dim / TILE } else { 1 }), unit);
 
         let k_base = row_offset(key, batch, kv_head, 0);
         let v_base = row_offset(value, batch, kv_head, 0);
@@ -213,32 +216,38 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                         sync_cube();
                     }
                     let first = comptime!(chunk * value_chunk / TILE);
-                    accumulate_a_b::<F, M>(&mut dv_acc, first, comptime!(value_chunk / TILE), &probs.to_slice(), scores_at, block_q, &g_tile.to_slice(), value_chunk, tile_rows, unit);
-                    accumulate_a_bt::<F, M>(&mut dp_acc, q_tiles, &v_tile.to_slice(), plane * TILE * value_chunk, &g_tile.to_slice(), value_chunk, tile_rows, unit);
-                }
-
-                // dSᵀ = Pᵀ ∘ (dPᵀ − delta), into the storage copy of Pᵀ (dV is done with it).
-                let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * block_q);
-                M::store_row(&dp_acc, 0usize, q_tiles, &mut out, block_q, unit);
-                sync_tile(blocks.plane_sync);
-                let mut i = lane;
-                while i < TILE * block_q {
-                    let c = i % block_q;
-                    probs[scores_at + i] = F::cast_from(scores[scores_at + i] * (dp_scores[scores_at + i] - delta_tile[c]));
-                    i += plane_dim;
-                }
-                sync_tile(blocks.plane_sync);
-
-                // dK += dSᵀ · Q
-                #[unroll]
-                for chunk in 0..comptime!(blocks.dim_chunks()) {
-                    if !whole_dims {
-                        sync_cube();
-                        stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
-                        sync_cube();
+                    if comptime!(pass.values()) {
+                        accumulate_a_b::<F, M>(&mut dv_acc, first, comptime!(value_chunk / TILE), &probs.to_slice(), scores_at, block_q, &g_tile.to_slice(), value_chunk, tile_rows, unit);
                     }
-                    let first = comptime!(chunk * dim_chunk / TILE);
-                    accumulate_a_b::<F, M>(&mut dk_acc, first, comptime!(dim_chunk / TILE), &probs.to_slice(), scores_at, block_q, &q_tile.to_slice(), dim_chunk, tile_rows, unit);
+                    if comptime!(pass.keys()) {
+                        accumulate_a_bt::<F, M>(&mut dp_acc, q_tiles, &v_tile.to_slice(), plane * TILE * value_chunk, &g_tile.to_slice(), value_chunk, tile_rows, unit);
+                    }
+                }
+
+                if comptime!(pass.keys()) {
+                    // dSᵀ = Pᵀ ∘ (dPᵀ − delta), into the storage copy of Pᵀ (dV is done with it).
+                    let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * block_q);
+                    M::store_row(&dp_acc, 0usize, q_tiles, &mut out, block_q, unit);
+                    sync_tile(blocks.plane_sync);
+                    let mut i = lane;
+                    while i < TILE * block_q {
+                        let c = i % block_q;
+                        probs[scores_at + i] = F::cast_from(scores[scores_at + i] * (dp_scores[scores_at + i] - delta_tile[c]));
+                        i += plane_dim;
+                    }
+                    sync_tile(blocks.plane_sync);
+
+                    // dK += dSᵀ · Q
+                    #[unroll]
+                    for chunk in 0..comptime!(blocks.dim_chunks()) {
+                        if !whole_dims {
+                            sync_cube();
+                            stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
+                            sync_cube();
+                        }
+                        let first = comptime!(chunk * dim_chunk / TILE);
+                        accumulate_a_b::<F, M>(&mut dk_acc, first, comptime!(dim_chunk / TILE), &probs.to_slice(), scores_at, block_q, &q_tile.to_slice(), dim_chunk, tile_rows, unit);
+                    }
                 }
             }
         }
@@ -246,8 +255,12 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
         let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
         let dim_tiles = comptime!(blocks.dim / TILE);
         let value_tiles = comptime!(blocks.value_dim / TILE);
-        write_gradient::<F, M>(&dk_acc, key_grad, batch, kv_head, plane_col, seq_kv, head_dim, scale, &mut scratch, dim_tiles, blocks);
-        write_gradient::<F, M>(&dv_acc, value_grad, batch, kv_head, plane_col, seq_kv, value_dim, 1.0f32, &mut scratch, value_tiles, blocks);
+        if comptime!(pass.keys()) {
+            write_gradient::<F, M>(&dk_acc, key_grad, batch, kv_head, plane_col, seq_kv, head_dim, scale, &mut scratch, dim_tiles, blocks);
+        }
+        if comptime!(pass.values()) {
+            write_gradient::<F, M>(&dv_acc, value_grad, batch, kv_head, plane_col, seq_kv, value_dim, 1.0f32, &mut scratch, value_tiles, blocks);
+        }
     }
 }
 

@@ -21,7 +21,7 @@ use crate::FlashError;
 use backward::{key_value_grad_kernel, query_grad_kernel};
 use forward::flash_forward_kernel;
 pub use plan::{Engine, Plan};
-use stage::Blocks;
+use stage::{Blocks, KeyValuePass};
 use tile_ops::TILE;
 pub use visibility::VisibleRanges;
 
@@ -334,31 +334,34 @@ pub fn flash_attention_backward<R: CubeRuntime>(
 
     let key_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.head_dim]);
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
-    let blocks = Blocks { ranged, ..plan.key_value };
-    let blocks_per_head = p.seq_kv.div_ceil(blocks.block_rows());
-    launch_with_engine!(
-        plan,
-        key_value_grad_kernel,
-        &client,
-        grid(&client, p.batch * p.kv_heads * blocks_per_head)?,
-        cube_dim(&blocks),
-        p.address_type(),
-        vectors,
-        query.clone().into_tensor_arg(),
-        key.clone().into_tensor_arg(),
-        value.clone().into_tensor_arg(),
-        output_grad.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
-        delta.clone().into_tensor_arg(),
-        key_grad.clone().into_tensor_arg(),
-        value_grad.clone().into_tensor_arg(),
-        key_rows.into_tensor_arg(),
-        p.scale,
-        blocks_per_head,
-        TILE,
-        blocks,
-        dtype.into(),
-    );
+    let passes: &[KeyValuePass] = if plan.split_key_value { &[KeyValuePass::Values, KeyValuePass::Keys] } else { &[KeyValuePass::Both] };
+    for &key_value_pass in passes {
+        let blocks = Blocks { ranged, key_value_pass, ..plan.key_value };
+        let blocks_per_head = p.seq_kv.div_ceil(blocks.block_rows());
+        launch_with_engine!(
+            plan,
+            key_value_grad_kernel,
+            &client,
+            grid(&client, p.batch * p.kv_heads * blocks_per_head)?,
+            cube_dim(&blocks),
+            p.address_type(),
+            vectors,
+            query.clone().into_tensor_arg(),
+            key.clone().into_tensor_arg(),
+            value.clone().into_tensor_arg(),
+            output_grad.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            key_grad.clone().into_tensor_arg(),
+            value_grad.clone().into_tensor_arg(),
+            key_rows.clone().into_tensor_arg(),
+            p.scale,
+            blocks_per_head,
+            TILE,
+            blocks,
+            dtype.into(),
+        );
+    }
 
     let query_grad = empty([p.batch, p.q_heads, p.seq_q, p.head_dim]);
     let blocks = Blocks { ranged, ..plan.query };

@@ -9,7 +9,11 @@ use cubecl::{
     prelude::*,
 };
 
-use super::{Problem, stage::Blocks, tile_ops::TILE};
+use super::{
+    Problem,
+    stage::{Blocks, KeyValuePass},
+    tile_ops::TILE,
+};
 use crate::FlashError;
 
 /// What multiplies the tiles.
@@ -30,6 +34,24 @@ pub struct Plan {
     pub forward: Blocks,
     pub key_value: Blocks,
     pub query: Blocks,
+    /// Whether dK and dV take a launch each (see [`split_key_value`]).
+    pub split_key_value: bool,
+}
+
+/// Accumulator tiles of 16 × 16 f32 a warp's registers hold for dK and dV together before
+/// the compiler spills: each is 8 registers per lane on tensor cores, so 16 tiles are 128 of
+/// the 255 a thread may use, next to the scores', dP's and the addresses' (head dims 128 + 128
+/// compile to 236-252 registers on sm_90a, without spills; 256 + 256 to 255 with 1.2-2.2 KB
+/// spilled: `cargo test -p ulysses-cuda-check`).
+const KEY_VALUE_TILES_IN_REGISTERS: usize = 16;
+
+/// Whether the dK/dV kernel runs as two launches, dV then dK, each recomputing the
+/// probabilities (one more `Q·Kᵀ` for the pair: about a quarter more work in that kernel)
+/// rather than spilling both accumulators to local memory. Only the tensor-core engine keeps
+/// its accumulators in registers; the plane engine indexes its own at run time (local memory
+/// either way).
+pub fn split_key_value(engine: Engine, dim: usize, value_dim: usize) -> bool {
+    matches!(engine, Engine::TensorCores { .. }) && dim.div_ceil(TILE) + value_dim.div_ceil(TILE) > KEY_VALUE_TILES_IN_REGISTERS
 }
 
 /// Which kernel a budget is for: each stages different tiles.
@@ -106,6 +128,7 @@ impl Plan {
             forward: budget.blocks(Kernel::Forward)?,
             key_value: budget.blocks(Kernel::KeyValueGrad)?,
             query: budget.blocks(Kernel::QueryGrad)?,
+            split_key_value: split_key_value(engine, problem.head_dim, problem.value_dim),
         })
     }
 }
@@ -161,6 +184,7 @@ impl Budget {
                         fragment: self.fragment,
                         causal: self.causal,
                         ranged: false,
+                        key_value_pass: KeyValuePass::Both,
                     };
                     let bytes = self.shared_bytes_of(kernel, &blocks);
                     smallest = smallest.min(bytes);
@@ -247,6 +271,16 @@ mod tests {
         for other in ["wgpu<wgsl>", "wgpu<msl>", "hip", "cpu"] {
             assert!(!tensor_core_runtime(other), "{other}");
         }
+    }
+
+    #[test]
+    fn dk_and_dv_take_a_launch_each_only_where_their_accumulators_would_spill() {
+        let cores = Engine::TensorCores { fragment: 16 };
+        assert!(!split_key_value(cores, 128, 128));
+        assert!(!split_key_value(cores, 64, 128));
+        assert!(split_key_value(cores, 256, 256));
+        assert!(split_key_value(cores, 256, 64));
+        assert!(!split_key_value(Engine::Plane, 256, 256));
     }
 
     #[test]

@@ -29,6 +29,28 @@ pub struct Blocks {
     /// Whether the call restricts rows to runs of keys ([`VisibleRanges`](super::VisibleRanges):
     /// documents, key padding); without, the range arguments are never read.
     pub ranged: bool,
+    /// Which gradients a launch of the dK/dV kernel computes (the other kernels ignore it).
+    pub key_value_pass: KeyValuePass,
+}
+
+/// The gradients one launch of the dK/dV kernel computes: both, or (where the two
+/// accumulators would not fit the registers together) dV in one launch and dK in another,
+/// each recomputing the probabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KeyValuePass {
+    Both,
+    Values,
+    Keys,
+}
+
+impl KeyValuePass {
+    pub fn keys(self) -> bool {
+        self != KeyValuePass::Values
+    }
+
+    pub fn values(self) -> bool {
+        self != KeyValuePass::Keys
+    }
 }
 
 impl Blocks {
