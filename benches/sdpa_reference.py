@@ -87,12 +87,16 @@ def main() -> int:
             backend = backend_of(event.key for event in profile.key_averages())
 
             timings = [median_seconds(forward), median_seconds(backward), median_seconds(both)]
+            # The backward timing's output and graph go before the peak is read: the peak is
+            # then one forward + backward's, as the Rust bench measures its own.
+            del out
+            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             both()
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
             print(f"shape {i} " + " ".join(f"{t:.9f}" for t in timings) + f" {backend} {peak}", flush=True)
-            del q, k, v, g, out
+            del q, k, v, g
             torch.cuda.empty_cache()
         except RuntimeError as error:
             print(f"shape {i} failed {str(error).splitlines()[0]}", flush=True)

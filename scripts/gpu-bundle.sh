@@ -22,5 +22,6 @@ cp target/release/ulysses-nccl-check target/release/ulysses-launch "$bundle/nccl
 cp target/release/ulysses-llama target/release/ulysses-launch "$bundle/train/"
 for file in "$bundle"/*/*; do strip "$file"; done
 cp benches/sdpa_reference.py "$bundle/kernels/"
+cp benches/torch_llama_reference.py "$bundle/train/"
 for part in kernels memory nccl train; do cp scripts/gpu-run.sh "$bundle/$part/"; done
 du -ah "$bundle"

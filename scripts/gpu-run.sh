@@ -5,7 +5,7 @@
 # a failed step and exits 1 at the end if any failed, naming them.
 #
 # One device call lasts at most 10 minutes, so a folder's work is split by variables:
-#   KERNELS_RUN = tests (default) | bench | big      (kernels folder)
+#   KERNELS_RUN = tests (default) | big | bench | ncu (kernels folder)
 #   MEMORY_RUN  = alst (default) | layers4 | table   (memory folder)
 # DRY_RUN=1 prints the steps instead of running them (any machine: `DRY_RUN=1 OUT=/tmp/x
 # scripts/gpu-run.sh` from a bundle folder, or from scripts/ to see every step).
@@ -111,7 +111,16 @@ if has flash-attention-tests; then
         step kernel-test-past-2-pow-32 env ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture --exact bf16_past_2_pow_32_elements_per_tensor_against_chunks ;;
     bench)
         step flash-bench env ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" ;;
-    *) echo "KERNELS_RUN must be tests, big or bench, not ${KERNELS_RUN}" >&2; exit 2 ;;
+    ncu)
+        # Nsight Compute on one launch of each kernel (forward, dK/dV, dQ) of the bench's first
+        # shape: the figures that name the limit (memory or compute throughput, occupancy).
+        if [ "${DRY_RUN:-0}" = 1 ] || command -v ncu >/dev/null; then
+            step ncu ncu --set full --launch-count 3 -k 'regex:flash_forward_kernel|key_value_grad_kernel|query_grad_kernel' \
+                "$here/flash-attention-bench" --quick --budget-secs 0.2
+        else
+            echo "SKIPPED ncu: Nsight Compute (ncu) is not in this image"
+        fi ;;
+    *) echo "KERNELS_RUN must be tests, big, bench or ncu, not ${KERNELS_RUN}" >&2; exit 2 ;;
     esac
 fi
 if has training-memory-bench; then
@@ -161,6 +170,9 @@ if has ulysses-llama; then
     # SP=2 as two processes over NCCL on the one GPU.
     step train-sp2-processes "$here/ulysses-launch" --nproc-per-node 2 -- sh -c \
         "$two_ranks_on_one_gpu exec $here/ulysses-llama --backend cuda --device 0 --sp 2 $train --out $out/train-sp2-processes"
+    # The same model in PyTorch (transformers' LlamaForCausalLM, SDPA, bf16 as the trainer's
+    # CUDA default), same batch and length: tokens/s and peak memory beside ours.
+    step torch-llama python3 "$here/torch_llama_reference.py" --seq-len 2048 --batch-size 2 --dtype bf16 --steps 50
 fi
 
 if [ "${#failed[@]}" -gt 0 ]; then

@@ -1,0 +1,113 @@
+"""The same Llama in PyTorch, for a side-by-side with the trainer on the same GPU.
+
+transformers' `LlamaForCausalLM` built from the trainer's shape (random weights, SDPA
+attention, no tied embeddings, RoPE theta 10000, RMSNorm eps 1e-5, vocabulary 256), trained
+with AdamW on random tokens at the same dtype, batch and sequence length. Prints one line per
+measurement:
+
+    torch <device> <dtype> d_model=.. layers=.. heads=.. kv_heads=.. ffn=.. batch=.. seq=..: \
+        <tokens/s> tokens/s, peak <bytes> bytes, loss <first> -> <last>
+
+(tokens/s over the timed steps after --warmup steps; peak memory as
+`torch.cuda.max_memory_allocated`, with nothing of a previous step kept alive, on CUDA; on the
+CPU the peak is not measured and prints as -.)
+
+    python benches/torch_llama_reference.py --seq-len 2048 --batch-size 2 --dtype bf16
+    python benches/torch_llama_reference.py --device cpu --dtype f32 --seq-len 64 --steps 3   # dry run
+"""
+
+import argparse
+import sys
+import time
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--ffn-hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="bf16")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    if args.steps <= args.warmup:
+        print(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})", file=sys.stderr)
+        return 2
+
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as error:
+        print(f"torch and transformers are needed: {error}", file=sys.stderr)
+        return 1
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device (pass --device cpu for a dry run)", file=sys.stderr)
+        return 1
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.d_model,
+        intermediate_size=args.ffn_hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.seq_len,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(42)
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator(device="cpu").manual_seed(7)
+
+    def step() -> float:
+        tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=generator).to(device)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.item()
+        del loss  # nothing of this step's graph outlives it
+        return value
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    losses = [step() for _ in range(args.warmup)]
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for _ in range(args.steps - args.warmup):
+        losses.append(step())
+    sync()
+    elapsed = time.perf_counter() - started
+    tokens_per_second = (args.steps - args.warmup) * args.batch_size * args.seq_len / elapsed
+    peak = str(torch.cuda.max_memory_allocated()) if device.type == "cuda" else "-"
+    if not all(map(lambda x: x == x and abs(x) != float("inf"), losses)):
+        print(f"non-finite loss: {losses}", file=sys.stderr)
+        return 1
+    print(
+        f"torch {device.type} {args.dtype} d_model={args.d_model} layers={args.layers} heads={args.heads} "
+        f"kv_heads={args.kv_heads} ffn={args.ffn_hidden} batch={args.batch_size} seq={args.seq_len}: "
+        f"{tokens_per_second:.0f} tokens/s, peak {peak} bytes, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
