@@ -4,6 +4,7 @@ Called by kernels-cubecl/benches/flash_attention.rs with every shape of its swee
 process (importing torch once):
 
     python3 benches/sdpa_reference.py --shapes 1x16x4096x128c,1x32x8192x128 [--budget 1.0]
+    python3 benches/sdpa_reference.py --shapes 1x2x128x64c --device cpu   # dry run
 
 Each shape is BATCHxHEADSxSEQxHEAD_DIM, with a trailing `c` for causal. For shape i it prints
 
@@ -17,6 +18,7 @@ launched. A shape that fails (out of memory) prints `shape i failed <reason>`.
 import argparse
 import statistics
 import sys
+import time
 
 
 def backend_of(kernel_names) -> str:
@@ -34,6 +36,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", required=True)
     parser.add_argument("--budget", type=float, default=1.0, help="seconds per measurement")
+    parser.add_argument("--device", default="cuda", help="cpu for a dry run (f32, host timing, no peak)")
     args = parser.parse_args()
 
     try:
@@ -42,21 +45,29 @@ def main() -> int:
     except ImportError:
         print("torch is not installed", file=sys.stderr)
         return 1
-    if not torch.cuda.is_available():
-        print("no CUDA device", file=sys.stderr)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("no CUDA device (pass --device cpu for a dry run)", file=sys.stderr)
         return 1
+    dtype = torch.bfloat16 if cuda else torch.float32
 
     def median_seconds(fn) -> float:
         fn()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         samples = []
         while True:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) / 1000.0)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) / 1000.0)
+            else:
+                started = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - started)
             if len(samples) >= 20 or sum(samples) > args.budget:
                 return statistics.median(samples)
 
@@ -65,7 +76,7 @@ def main() -> int:
         batch, heads, seq, head_dim = (int(x) for x in spec.rstrip("c").split("x"))
         try:
             shape = (batch, heads, seq, head_dim)
-            q, k, v, g = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            q, k, v, g = (torch.randn(shape, device=args.device, dtype=dtype) for _ in range(4))
             for t in (q, k, v):
                 t.requires_grad_(True)
 
@@ -81,26 +92,33 @@ def main() -> int:
                 o = forward()
                 torch.autograd.grad(o, (q, k, v), g)
 
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-                both()
-                torch.cuda.synchronize()
-            backend = backend_of(event.key for event in profile.key_averages())
+            if cuda:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+                    both()
+                    torch.cuda.synchronize()
+                backend = backend_of(event.key for event in profile.key_averages())
+            else:
+                backend = "cpu"
 
             timings = [median_seconds(forward), median_seconds(backward), median_seconds(both)]
             # The backward timing's output and graph go before the peak is read: the peak is
             # then one forward + backward's, as the Rust bench measures its own.
             del out
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            both()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
+            peak = "-"
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                both()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated()
             print(f"shape {i} " + " ".join(f"{t:.9f}" for t in timings) + f" {backend} {peak}", flush=True)
             del q, k, v, g
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
         except RuntimeError as error:
             print(f"shape {i} failed {str(error).splitlines()[0]}", flush=True)
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
     return 0
 
 
