@@ -8,7 +8,8 @@
 #     no multiple of a tile, several planes per cube, head dims 40 to 256);
 #   - 16³, what CUDA uses, forced (ULYSSES_FLASH_FRAGMENT=16; lavapipe executes it though it does
 #     not report it): the case that covers most at once (causal, documents, GQA, 150 tokens).
-# A cmma shader takes lavapipe 10-60 s to compile: these ~8 minutes are mostly that.
+# A cmma shader takes lavapipe 10-60 s to compile: these minutes are mostly that (two tests at
+# a time, one per core).
 # Prints one line per run with the count and the largest error against the f64 reference.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ run() {
     local log
     log=$(mktemp)
     local status=0
-    ULYSSES_EXPECT_ENGINE="tensor-cores-$fragment" "$root/ulysses-run" "$exe" --test-threads 1 --nocapture "$@" >"$log" 2>&1 || status=$?
+    ULYSSES_EXPECT_ENGINE="tensor-cores-$fragment" "$root/ulysses-run" "$exe" --test-threads 2 --nocapture "$@" >"$log" 2>&1 || status=$?
     grep -v "XDG_RUNTIME_DIR" "$log" | grep -E "relative max|panicked|test result" || true
     # Cases run, and the largest error of the forward (output, lse) and of the backward.
     awk -v name="$name" '
