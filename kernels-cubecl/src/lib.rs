@@ -19,7 +19,7 @@
 
 pub mod flash;
 
-pub use flash::{Engine, FlashOptions, MAX_HEAD_DIM, MAX_SEQUENCE, OperandInfo, Plan, VisibleRanges, check_flash_attention, flash_attention_backward, flash_attention_forward, plan_flash_attention};
+pub use flash::{Engine, FlashOptions, MAX_HEAD_DIM, MAX_SEQUENCE, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
 
 use burn::tensor::DType;
 

@@ -55,27 +55,16 @@ pub struct Problem {
 }
 
 /// Shape and dtype of an operand, all the checks need: a fusion stream records work before
-/// it runs, so it asks [`check_flash_attention`] before it records a kernel.
+/// it runs, so it asks [`plan_flash_attention`] before it records a kernel.
 #[derive(Debug, Clone, Copy)]
 pub struct OperandInfo<'a> {
     pub shape: &'a [usize],
     pub dtype: DType,
 }
 
-/// `Ok` when [`flash_attention_forward`] and [`flash_attention_backward`] accept q, k and v of
-/// these shapes and dtype on `client`'s device; otherwise the error they would return.
-pub fn check_flash_attention<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    query: OperandInfo,
-    key: OperandInfo,
-    value: OperandInfo,
-    options: &FlashOptions,
-) -> Result<(), FlashError> {
-    plan_flash_attention(client, query, key, value, options).map(|_| ())
-}
-
-/// The engine and blocks the kernels would run for these operands on `client`'s device
-/// (what [`check_flash_attention`] checks; tests assert the engine with it).
+/// The engine and blocks [`flash_attention_forward`] and [`flash_attention_backward`] would run
+/// for q, k and v of these shapes and dtype on `client`'s device, or the error they would
+/// return (a fusion stream asks before it records a kernel; tests assert the engine with it).
 pub fn plan_flash_attention<R: CubeRuntime>(
     client: &ComputeClient<R>,
     query: OperandInfo,

@@ -6,7 +6,7 @@ use burn::tensor::{
     ops::{AttentionModuleOptions, FloatTensor},
 };
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use ulysses_kernels::{FlashError, FlashOptions, OperandInfo, VisibleRanges, check_flash_attention, flash_attention_backward, flash_attention_forward};
+use ulysses_kernels::{FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
 
 use crate::{inner::PlainBackend, visibility::Visibility};
 
@@ -41,7 +41,7 @@ where
         options: &AttentionModuleOptions,
     ) -> Result<(), String> {
         let [query, key, value] = operands.map(|(shape, dtype)| OperandInfo { shape, dtype });
-        check_flash_attention(&R::client(device), query, key, value, &flash_options(options)).map_err(|error| error.to_string())
+        plan_flash_attention(&R::client(device), query, key, value, &flash_options(options)).map(|_| ()).map_err(|error| error.to_string())
     }
 
     fn fused_attention_forward(
