@@ -8,8 +8,8 @@
 #     no multiple of a tile, several planes per cube, head dims 40 to 256);
 #   - 16³, what CUDA uses, forced (ULYSSES_FLASH_FRAGMENT=16; lavapipe executes it though it does
 #     not report it): the case that covers most at once (causal, documents, GQA, 150 tokens).
-# A cmma shader takes lavapipe 10-60 s to compile: these minutes are mostly that (two tests at
-# a time, one per core).
+# A cmma shader takes lavapipe 10-60 s to compile: these minutes are mostly that. Two tests at a
+# time did not shorten them (243 s against 244 s one at a time, 2026-11-25).
 # Prints one line per run with the count and the largest error against the f64 reference.
 set -euo pipefail
 cd "$(dirname "$0")/.."
