@@ -261,13 +261,15 @@ enum TrialFailure {
     Failed(String),
 }
 
+impl From<String> for TrialFailure {
+    fn from(why: String) -> Self {
+        TrialFailure::Failed(why)
+    }
+}
+
 /// Runs one step of `seq` tokens in a child process of this bench (same arguments, plus
 /// `--trial seq`), killed past `args.trial_timeout`.
 fn trial(seq: usize, args: &Args) -> Result<Trial, TrialFailure> {
-    trial_process(seq, args).map_err(TrialFailure::Failed)?
-}
-
-fn trial_process(seq: usize, args: &Args) -> Result<Result<Trial, TrialFailure>, String> {
     let mut child = Command::new(std::env::current_exe().map_err(|e| format!("cannot find this bench's executable: {e}"))?)
         .args(std::env::args().skip(1))
         .args(["--trial", &seq.to_string()])
@@ -291,16 +293,16 @@ fn trial_process(seq: usize, args: &Args) -> Result<Result<Trial, TrialFailure>,
     };
     let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
     let Some(status) = status else {
-        return Ok(Err(TrialFailure::TimedOut(format!("timed out after {:.0} s (--trial-timeout)", started.elapsed().as_secs_f64()))));
+        return Err(TrialFailure::TimedOut(format!("timed out after {:.0} s (--trial-timeout)", started.elapsed().as_secs_f64())));
     };
     let report = stdout.lines().find_map(|line| line.strip_prefix("trial: "));
     match (status.success(), report) {
         (true, Some(report)) => {
             let fields: Vec<&str> = report.split_whitespace().collect();
             let number = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).ok_or_else(|| format!("unreadable trial report {report:?}"));
-            Ok(Ok(Trial { peak: number(0)? as u64, parameters: number(1)? as u64, reserved: number(2)? as u64, seconds: number(3)? }))
+            Ok(Trial { peak: number(0)? as u64, parameters: number(1)? as u64, reserved: number(2)? as u64, seconds: number(3)? })
         }
-        _ => Err(format!("{status}: {}", first_panic(&stderr))),
+        _ => Err(TrialFailure::Failed(format!("{status}: {}", first_panic(&stderr)))),
     }
 }
 

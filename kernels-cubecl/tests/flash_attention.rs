@@ -27,7 +27,7 @@ use std::ops::Range;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensorOps};
 use burn_cubecl::CubeBackend;
 use ulysses_kernels::{
-    Engine, FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention,
+    FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention,
     testing::runtime_available,
 };
 
@@ -298,10 +298,7 @@ fn engine_of(case: &Case, device: &Device, options: &FlashOptions) -> String {
     let dtype = case.dtype;
     let (q, k, v) = (OperandInfo { shape: &q, dtype }, OperandInfo { shape: &k, dtype }, OperandInfo { shape: &v, dtype });
     let plan = plan_flash_attention(&client, q, k, v, options).expect("the case is accepted");
-    let engine = match plan.engine {
-        Engine::TensorCores { fragment } => format!("tensor-cores-{fragment}"),
-        Engine::Plane => "plane".to_string(),
-    };
+    let engine = plan.engine.to_string();
     if let Ok(expected) = std::env::var("ULYSSES_EXPECT_ENGINE")
         && matches!(case.dtype, DType::F16 | DType::BF16)
     {

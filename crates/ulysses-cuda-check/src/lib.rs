@@ -16,7 +16,7 @@ use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
 use burn_cubecl::CubeBackend;
 use cubecl::Runtime as _;
 use serde::Serialize;
-use ulysses_kernels::{Engine, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
+use ulysses_kernels::{FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
 
 use runtime::{CompileOnly, TARGETS, TargetDevice};
 
@@ -48,13 +48,13 @@ pub struct Kernel {
     pub source: String,
 }
 
-/// Which of the kernels a compiled entry point is.
-fn kernel_of(entrypoint: &str) -> String {
-    ["row_delta", "key_value_grad", "query_grad", "flash_forward"]
+/// Which of the flash kernels a compiled entry point is, or `None` for another (burn's casts
+/// on upload are not ours to check).
+fn kernel_of(entrypoint: &str) -> Option<&'static str> {
+    [("row_delta", "row_delta"), ("key_value_grad", "key_value_grad"), ("query_grad", "query_grad"), ("flash_forward", "forward")]
         .into_iter()
-        .find(|name| entrypoint.contains(name))
-        .map(|name| name.trim_start_matches("flash_").to_string())
-        .unwrap_or_else(|| entrypoint.to_string())
+        .find(|(prefix, _)| entrypoint.contains(prefix))
+        .map(|(_, kernel)| kernel)
 }
 
 /// The cases of the H100 plan: every dtype, head dims 64, 128 and 256, causal or not, with and
@@ -106,10 +106,6 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
         let (q_shape, kv_shape) = ([batch, q_heads, seq, d], [batch, kv_heads, seq, d]);
         let (q_info, kv_info) = (OperandInfo { shape: &q_shape, dtype }, OperandInfo { shape: &kv_shape, dtype });
         let plan = plan_flash_attention(&client, q_info, kv_info, kv_info, &options).map_err(|e| format!("{case:?}: {e}"))?;
-        let engine = match plan.engine {
-            Engine::TensorCores { fragment } => format!("tensor-cores-{fragment}"),
-            Engine::Plane => "plane".to_string(),
-        };
         let tensor = |shape: [usize; 4]| {
             let data = TensorData::new(vec![0.25f32; shape.iter().product()], shape).convert_dtype(dtype);
             Backend::float_from_data(data, &device)
@@ -122,16 +118,13 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
         cubecl::future::block_on(client.sync()).map_err(|e| format!("{case:?}: {e:?}"))?;
         for compiled in runtime::take_compiled() {
             let compiled = compiled.map_err(|e| format!("{case:?}: a kernel failed to compile: {e}"))?;
-            // burn's own kernels (casts on upload) are not ours to check.
-            let kernel = kernel_of(&compiled.entrypoint);
-            if !["forward", "row_delta", "key_value_grad", "query_grad"].contains(&kernel.as_str()) {
-                continue;
-            }
+            let Some(kernel) = kernel_of(&compiled.entrypoint) else { continue };
             let entry = kernels.entry(compiled.source.clone()).or_insert_with(|| Kernel {
                 target: compiled.target,
-                kernel,
+                kernel: kernel.to_string(),
                 entrypoint: compiled.entrypoint.clone(),
-                engine: if compiled.entrypoint.contains("row_delta") { "-".into() } else { engine.clone() },
+                // The row pre-pass of the backward multiplies no tiles.
+                engine: if kernel == "row_delta" { "-".into() } else { plan.engine.to_string() },
                 dynamic_shared_bytes: compiled.dynamic_shared_bytes,
                 block: compiled.block,
                 cases: Vec::new(),

@@ -11,9 +11,10 @@
 //!
 //! Probabilities are recomputed from the forward's log-sum-exp: no S × S matrix exists at
 //! any point. Where dK's and dV's accumulators would not fit the registers together (head
-//! dim 256 on tensor cores), the dK/dV kernel runs twice, dV then dK (`KeyValuePass`). Splitting dK/dV from dQ computes the scores twice, in exchange for
-//! deterministic sums (every gradient row is summed by one plane, in a fixed order) that run
-//! the same on every runtime. Working with `Sᵀ` in the dK/dV kernel keeps every product in
+//! dim 256 on tensor cores), the dK/dV kernel runs twice, dV then dK (`KeyValuePass`).
+//! Splitting dK/dV from dQ computes the scores twice, in exchange for deterministic sums
+//! (every gradient row is summed by one plane, in a fixed order) that run the same on every
+//! runtime. Working with `Sᵀ` in the dK/dV kernel keeps every product in
 //! the form `A·B` with operands read straight (or transposed) from shared memory.
 
 use cubecl::prelude::*;

@@ -27,6 +27,17 @@ pub enum Engine {
     Plane,
 }
 
+/// `tensor-cores-16`, `tensor-cores-8` or `plane`: what tests expect
+/// (`ULYSSES_EXPECT_ENGINE`) and the machine-code check reports.
+impl std::fmt::Display for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Engine::TensorCores { fragment } => write!(f, "tensor-cores-{fragment}"),
+            Engine::Plane => f.write_str("plane"),
+        }
+    }
+}
+
 /// The three kernels' blocks for one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Plan {
