@@ -7,7 +7,10 @@
 #   - 8³, what lavapipe reports: every f16 test (causal, documents, GQA, ragged lengths that are
 #     no multiple of a tile, several planes per cube, head dims 40 to 256);
 #   - 16³, what CUDA uses, forced (ULYSSES_FLASH_FRAGMENT=16; lavapipe executes it though it does
-#     not report it): the case that covers most at once (causal, documents, GQA, 150 tokens).
+#     not report it): the case that covers most at once (causal, documents, GQA, 150 tokens);
+#   - 16 x 16 x 8, TF32's shape on CUDA (f32 runs on it there; lavapipe has no TF32), forced
+#     with f16 operands (ULYSSES_FLASH_FRAGMENT=16x16x8): two product steps per tile, the same
+#     case.
 # A cmma shader takes lavapipe 10-60 s to compile: these minutes are mostly that. Two tests at a
 # time did not shorten them (243 s against 244 s one at a time, 2026-11-25).
 # Prints one line per run with the count and the largest error against the f64 reference.
@@ -19,7 +22,7 @@ export ULYSSES_REQUIRE_GPU_RUNTIME=1
 
 exe=$(scripts/test-executable.sh flash_attention test -p ulysses-kernels --features spirv --test flash_attention --no-run)
 
-# `run NAME FRAGMENT FILTER...`: the filtered tests with FRAGMENT³ fragments expected.
+# `run NAME ENGINE FILTER...`: the filtered tests, each expected on tensor-cores-ENGINE.
 run() {
     local name=$1 fragment=$2; shift 2
     local log
@@ -29,7 +32,7 @@ run() {
     grep -v "XDG_RUNTIME_DIR" "$log" | grep -E "relative max|panicked|test result" || true
     # Cases run, and the largest error of the forward (output, lse) and of the backward.
     awk -v name="$name" '
-        /on tensor-cores-[0-9]+: relative max/ {
+        /on tensor-cores-[0-9x]+: relative max/ {
             cases++
             for (i = 1; i <= NF; i++) {
                 v = $(i + 1); sub(/,$/, "", v)
@@ -45,3 +48,4 @@ run() {
 }
 run "8x8x8 (lavapipe's own)" 8 f16_
 ULYSSES_FLASH_FRAGMENT=16 run "16x16x16 (CUDA's, forced)" 16 f16_causal_documents
+ULYSSES_FLASH_FRAGMENT=16x16x8 run "16x16x8 (TF32's shape, f16 operands, forced)" 16x16x8 f16_causal_documents

@@ -7,7 +7,8 @@
 //! CUDA, or wgpu, which is how the tests run on a CPU through a software Vulkan driver).
 //! Supported: causal (bottom-right aligned, as burn's `is_causal`) and non-causal attention,
 //! a custom scale, grouped-query attention (a kv head serves `q_heads / kv_heads` q heads),
-//! head dims up to 256, any sequence length, f32, f16 and bf16 (f32 accumulation), and
+//! head dims up to 256, any sequence length, f32 (on TF32 tensor cores where the device has
+//! them), f16 and bf16 (f32 accumulation), and
 //! [`VisibleRanges`]: documents packed into one sequence and key padding, as runs of keys per
 //! row (whole tiles outside every row's run are skipped).
 //!
@@ -19,7 +20,7 @@
 
 pub mod flash;
 
-pub use flash::{Engine, FlashOptions, MAX_HEAD_DIM, MAX_SEQUENCE, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
+pub use flash::{Engine, FlashOptions, Fragment, MAX_HEAD_DIM, MAX_SEQUENCE, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
 
 use burn::tensor::DType;
 

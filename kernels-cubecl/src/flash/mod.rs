@@ -21,6 +21,7 @@ use crate::FlashError;
 use backward::{key_value_grad_kernel, query_grad_kernel};
 use forward::flash_forward_kernel;
 pub use plan::{Engine, Plan};
+pub use tile_ops::Fragment;
 use stage::{Blocks, KeyValuePass};
 use tile_ops::TILE;
 pub use visibility::VisibleRanges;

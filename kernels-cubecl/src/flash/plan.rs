@@ -12,27 +12,30 @@ use cubecl::{
 use super::{
     Problem,
     stage::{Blocks, KeyValuePass},
-    tile_ops::TILE,
+    tile_ops::{Fragment, TILE},
 };
 use crate::FlashError;
 
 /// What multiplies the tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Engine {
-    /// Tensor cores (`cmma`): f16 and bf16 where the device reports `fragment`³ fragments
-    /// (16 or 8) of the dtype with f32 accumulation, on a runtime whose barriers order
-    /// shared memory for them (see [`tensor_core_runtime`]).
-    TensorCores { fragment: usize },
-    /// The plane's lanes, from shared memory: f32, and devices without tensor cores.
+    /// Tensor cores (`cmma`) where the device reports fragments for the dtype with f32
+    /// accumulation (see [`fragment_for`]), on a runtime whose barriers order shared memory
+    /// for them (see [`tensor_core_runtime`]).
+    TensorCores { fragment: Fragment },
+    /// The plane's lanes, from shared memory: devices without tensor cores, and f32 in full
+    /// precision (`ULYSSES_FLASH_ENGINE=plane`).
     Plane,
 }
 
-/// `tensor-cores-16`, `tensor-cores-8` or `plane`: what tests expect
+/// `tensor-cores-16`, `tensor-cores-8`, `tensor-cores-tf32` or `plane`: what tests expect
 /// (`ULYSSES_EXPECT_ENGINE`) and the machine-code check reports.
 impl std::fmt::Display for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Engine::TensorCores { fragment } => write!(f, "tensor-cores-{fragment}"),
+            Engine::TensorCores { fragment } if fragment.tf32 => f.write_str("tensor-cores-tf32"),
+            Engine::TensorCores { fragment } if fragment.depth == fragment.edge => write!(f, "tensor-cores-{}", fragment.edge),
+            Engine::TensorCores { fragment } => write!(f, "tensor-cores-{0}x{0}x{1}", fragment.edge, fragment.depth),
             Engine::Plane => f.write_str("plane"),
         }
     }
@@ -53,8 +56,12 @@ pub struct Plan {
 /// the compiler spills: each is 8 registers per lane on tensor cores, so 16 tiles are 128 of
 /// the 255 a thread may use, next to the scores', dP's and the addresses' (head dims 128 + 128
 /// compile to 236-252 registers on sm_90a, without spills; 256 + 256 to 255 with 1.2-2.2 KB
-/// spilled: `cargo test -p ulysses-cuda-check`).
-const KEY_VALUE_TILES_IN_REGISTERS: usize = 16;
+/// spilled: `cargo test -p ulysses-cuda-check`). TF32 takes two product steps per tile, each
+/// with its own operand fragments, and the f32 addresses and staging cost more: 128 + 128
+/// spill 16-32 B together, 64 + 128 do not.
+fn key_value_tiles_in_registers(fragment: Fragment) -> usize {
+    if fragment.tf32 { 12 } else { 16 }
+}
 
 /// Whether the dK/dV kernel runs as two launches, dV then dK, each recomputing the
 /// probabilities (one more `Q·Kᵀ` for the pair: about a quarter more work in that kernel)
@@ -62,7 +69,10 @@ const KEY_VALUE_TILES_IN_REGISTERS: usize = 16;
 /// its accumulators in registers; the plane engine indexes its own at run time (local memory
 /// either way).
 pub fn split_key_value(engine: Engine, dim: usize, value_dim: usize) -> bool {
-    matches!(engine, Engine::TensorCores { .. }) && dim.div_ceil(TILE) + value_dim.div_ceil(TILE) > KEY_VALUE_TILES_IN_REGISTERS
+    match engine {
+        Engine::TensorCores { fragment } => dim.div_ceil(TILE) + value_dim.div_ceil(TILE) > key_value_tiles_in_registers(fragment),
+        Engine::Plane => false,
+    }
 }
 
 /// Which kernel a budget is for: each stages different tiles.
@@ -73,14 +83,24 @@ pub enum Kernel {
     QueryGrad,
 }
 
-/// Sets `ULYSSES_FLASH_ENGINE=plane` to run the plane engine where tensor cores would be used
-/// (to compare them on one GPU).
+/// Sets `ULYSSES_FLASH_ENGINE=plane` to run the plane engine where tensor cores would be used:
+/// to compare them on one GPU, or to keep f32 attention in full precision rather than TF32.
 const ENGINE_VARIABLE: &str = "ULYSSES_FLASH_ENGINE";
 
-/// For tests only: `ULYSSES_FLASH_FRAGMENT=16` runs 16³ fragments (CUDA's) on a device that
-/// reports another size for the dtype (lavapipe reports 8³ and executes 16³ correctly, though
-/// Vulkan leaves an unreported size undefined).
+/// For tests only: `ULYSSES_FLASH_FRAGMENT=16` runs 16³ fragments (CUDA's f16/bf16 shape) on a
+/// device that reports another size for the dtype, and `16x16x8` TF32's shape with the
+/// storage type's operands (two product steps per tile, as TF32 takes). lavapipe reports 8³
+/// and executes both correctly, though Vulkan leaves an unreported size undefined.
 const FRAGMENT_VARIABLE: &str = "ULYSSES_FLASH_FRAGMENT";
+
+/// The fragment [`FRAGMENT_VARIABLE`] forces on f16/bf16, if any.
+fn forced_fragment() -> Option<Fragment> {
+    match std::env::var(FRAGMENT_VARIABLE).as_deref() {
+        Ok("16") => Some(Fragment::cube(16)),
+        Ok("16x16x8") => Some(Fragment { depth: 8, ..Fragment::cube(16) }),
+        _ => None,
+    }
+}
 
 /// Whether the tensor-core engine's synchronisation is sound on the runtime called `name`.
 /// It moves fragments through shared memory between lanes, so each barrier must order
@@ -92,12 +112,21 @@ pub fn tensor_core_runtime(name: &str) -> bool {
     matches!(name, "cuda" | "wgpu<spirv>")
 }
 
-/// The fragment edge for `dtype` on a device with these cmma configurations: 16 where there
-/// are 16³ fragments with f32 accumulation, else 8, else none.
-pub fn fragment_for(configurations: &[MmaConfig], dtype: DType) -> Option<usize> {
-    let storage = float_storage(dtype);
-    let offered = |edge: u32| configurations.contains(&MmaConfig { a_type: storage, b_type: storage, cd_type: float_storage(DType::F32), m: edge, n: edge, k: edge });
-    [16, 8].into_iter().find(|&edge| offered(edge)).map(|edge| edge as usize)
+/// The fragment for `dtype` on a device with these cmma configurations, accumulating in f32:
+/// for f16 and bf16, 16³ where offered, else 8³; for f32, TF32's 16 × 16 × 8 (CUDA from
+/// sm_80: 10 bits of mantissa in the products, as PyTorch's `allow_tf32`; the plane engine
+/// keeps full precision). None: the plane engine.
+pub fn fragment_for(configurations: &[MmaConfig], dtype: DType) -> Option<Fragment> {
+    let accumulator = float_storage(DType::F32);
+    let offered = |operand: StorageType, fragment: Fragment| {
+        let (edge, depth) = (fragment.edge as u32, fragment.depth as u32);
+        configurations.contains(&MmaConfig { a_type: operand, b_type: operand, cd_type: accumulator, m: edge, n: edge, k: depth })
+    };
+    match dtype {
+        DType::F16 | DType::BF16 => [16, 8].into_iter().map(Fragment::cube).find(|&fragment| offered(float_storage(dtype), fragment)),
+        DType::F32 => Some(Fragment::TF32).filter(|&fragment| offered(StorageType::Scalar(ElemType::Float(FloatKind::TF32)), fragment)),
+        _ => None,
+    }
 }
 
 impl Plan {
@@ -114,9 +143,9 @@ impl Plan {
         let runtime = R::name(client);
         let configurations: Vec<MmaConfig> = properties.features.matmul.cmma.iter().copied().collect();
         let fragment = fragment_for(&configurations, dtype)
-            .filter(|_| matches!(dtype, DType::F16 | DType::BF16) && tensor_core_runtime(runtime))
+            .filter(|_| tensor_core_runtime(runtime))
             .filter(|_| std::env::var(ENGINE_VARIABLE).as_deref() != Ok("plane"))
-            .map(|edge| if std::env::var(FRAGMENT_VARIABLE).as_deref() == Ok("16") { 16 } else { edge });
+            .map(|fragment| if fragment.tf32 { fragment } else { forced_fragment().unwrap_or(fragment) });
         let engine = match fragment {
             Some(fragment) => Engine::TensorCores { fragment },
             None => Engine::Plane,
@@ -124,7 +153,7 @@ impl Plan {
         // A plane synchronises alone on CUDA only (WGSL has no such barrier, SPIR-V's is relaxed).
         let plane_sync = runtime == "cuda";
         let budget = Budget {
-            fragment: fragment.unwrap_or(TILE),
+            fragment: fragment.unwrap_or(Fragment::cube(TILE)),
             shared_bytes: hardware.max_shared_memory_size,
             max_units: hardware.max_units_per_cube as usize,
             element_bytes: dtype.size(),
@@ -156,7 +185,7 @@ pub(crate) fn float_storage(dtype: DType) -> StorageType {
 /// What a device allows a cube.
 #[derive(Debug, Clone, Copy)]
 struct Budget {
-    fragment: usize,
+    fragment: Fragment,
     shared_bytes: usize,
     max_units: usize,
     element_bytes: usize,
@@ -231,7 +260,7 @@ mod tests {
     use super::*;
 
     fn budget(shared_bytes: usize, element_bytes: usize, plane_dim: usize, dim: usize) -> Budget {
-        Budget { fragment: TILE, shared_bytes, max_units: 1024, element_bytes, plane_dim, plane_sync: false, causal: true, dim, value_dim: dim }
+        Budget { fragment: Fragment::cube(TILE), shared_bytes, max_units: 1024, element_bytes, plane_dim, plane_sync: false, causal: true, dim, value_dim: dim }
     }
 
     #[test]
@@ -265,14 +294,25 @@ mod tests {
     fn fragments_are_the_devices_own_16_before_8() {
         // NVIDIA reports 16³ (among others), lavapipe 26.1 only 8³ and only for f16.
         let nvidia = [cmma(DType::F16, 16), cmma(DType::BF16, 16), cmma(DType::F16, 8)];
-        assert_eq!(fragment_for(&nvidia, DType::BF16), Some(16));
-        assert_eq!(fragment_for(&nvidia, DType::F16), Some(16));
+        assert_eq!(fragment_for(&nvidia, DType::BF16), Some(Fragment::cube(16)));
+        assert_eq!(fragment_for(&nvidia, DType::F16), Some(Fragment::cube(16)));
         let lavapipe = [cmma(DType::F16, 8)];
-        assert_eq!(fragment_for(&lavapipe, DType::F16), Some(8));
+        assert_eq!(fragment_for(&lavapipe, DType::F16), Some(Fragment::cube(8)));
         assert_eq!(fragment_for(&lavapipe, DType::BF16), None);
+        assert_eq!(fragment_for(&lavapipe, DType::F32), None);
         // f16 accumulation is not what the kernels need.
         let f16_accumulator = [MmaConfig { cd_type: float_storage(DType::F16), ..cmma(DType::F16, 16) }];
         assert_eq!(fragment_for(&f16_accumulator, DType::F16), None);
+    }
+
+    #[test]
+    fn f32_runs_on_tf32_fragments_where_the_device_offers_them() {
+        let tf32 = StorageType::Scalar(ElemType::Float(FloatKind::TF32));
+        let ampere = [cmma(DType::F16, 16), MmaConfig { a_type: tf32, b_type: tf32, cd_type: float_storage(DType::F32), m: 16, n: 16, k: 8 }];
+        assert_eq!(fragment_for(&ampere, DType::F32), Some(Fragment::TF32));
+        assert_eq!(Engine::TensorCores { fragment: Fragment::TF32 }.to_string(), "tensor-cores-tf32");
+        // A device without TF32 (before sm_80) runs f32 on the plane engine.
+        assert_eq!(fragment_for(&ampere[..1], DType::F32), None);
     }
 
     #[test]
@@ -286,12 +326,15 @@ mod tests {
 
     #[test]
     fn dk_and_dv_take_a_launch_each_only_where_their_accumulators_would_spill() {
-        let cores = Engine::TensorCores { fragment: 16 };
+        let cores = Engine::TensorCores { fragment: Fragment::cube(16) };
         assert!(!split_key_value(cores, 128, 128));
         assert!(!split_key_value(cores, 64, 128));
         assert!(split_key_value(cores, 256, 256));
         assert!(split_key_value(cores, 256, 64));
         assert!(!split_key_value(Engine::Plane, 256, 256));
+        let tf32 = Engine::TensorCores { fragment: Fragment::TF32 };
+        assert!(split_key_value(tf32, 128, 128));
+        assert!(!split_key_value(tf32, 64, 128));
     }
 
     #[test]

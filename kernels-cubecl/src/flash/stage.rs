@@ -3,7 +3,7 @@
 
 use cubecl::prelude::*;
 
-use super::tile_ops::{TILE, TileUnit};
+use super::tile_ops::{Fragment, TILE, TileUnit};
 
 /// The comptime shape of a launch. A cube owns `planes × 16` rows of one (batch, head): the
 /// query rows of the forward and dQ kernels, the key rows of the dK/dV kernel; plane `p`
@@ -22,9 +22,8 @@ pub struct Blocks {
     pub value_chunk: usize,
     /// Whether a plane may synchronise alone (CUDA); elsewhere the whole cube does.
     pub plane_sync: bool,
-    /// Edge of the tensor-core fragments (16 or 8), from the device's; the plane engine
-    /// ignores it.
-    pub fragment: usize,
+    /// The tensor-core fragment, from the device's; the plane engine ignores it.
+    pub fragment: Fragment,
     pub causal: bool,
     /// Whether the call restricts rows to runs of keys ([`VisibleRanges`](super::VisibleRanges):
     /// documents, key padding); without, the range arguments are never read.

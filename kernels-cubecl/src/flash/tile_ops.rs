@@ -2,13 +2,14 @@
 //! `16 × 16 += 16 × 16 · 16 × 16` step, with f32 accumulation.
 //!
 //! Two implementations behind one trait, chosen when the kernel is launched:
-//! - [`CmmaTiles`]: tensor cores (`cmma`: CUDA's wmma, Vulkan's cooperative matrices) for
-//!   f16 and bf16 operands, in fragments of the size the device offers; the accumulator is
-//!   opaque.
+//! - [`CmmaTiles`]: tensor cores (`cmma`: CUDA's wmma, Vulkan's cooperative matrices) in
+//!   fragments of the shape the device offers: f16 and bf16 operands as they are, f32 ones as
+//!   TF32 (CUDA from sm_80, as PyTorch's `allow_tf32`); the accumulator is opaque and f32.
 //! - [`PlaneTiles`]: the same product done by the plane's lanes from shared memory, for
-//!   devices without tensor cores (a software Vulkan driver: the CPU tests) and for f32.
-//!   Each lane owns a `rows × cols` block of the 16 × 16 accumulator in registers, so each
-//!   operand value it reads from shared memory serves `cols` (or `rows`) multiply-adds.
+//!   devices without tensor cores (a software Vulkan driver: the CPU tests) and for f32 in
+//!   full precision. Each lane owns a `rows × cols` block of the 16 × 16 accumulator in
+//!   registers, so each operand value it reads from shared memory serves `cols` (or `rows`)
+//!   multiply-adds.
 //!
 //! Everything else in the kernels (tiling, online softmax, masking, causal skipping, GQA,
 //! the backward's products) is the same code for both, so the CPU tests cover all of it but
@@ -19,22 +20,44 @@ use cubecl::{cmma, prelude::*};
 /// Rows and columns of a tile (and the depth of one product step).
 pub const TILE: usize = 16;
 
+/// One tensor-core product: an `edge × edge` accumulator += `edge × depth` · `depth × edge`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fragment {
+    /// 16 (NVIDIA) or 8 (lavapipe), dividing [`TILE`].
+    pub edge: usize,
+    /// `edge` for f16 and bf16; 8 for TF32 (CUDA's only TF32 shape is 16 × 16 × 8).
+    pub depth: usize,
+    /// Whether the operands are f32 read by the tensor cores as TF32 (their top 19 bits:
+    /// 10 of mantissa, as f16, with f32's range); otherwise they are the storage type.
+    pub tf32: bool,
+}
+
+impl Fragment {
+    /// `edge³` fragments of the storage type.
+    pub const fn cube(edge: usize) -> Self {
+        Self { edge, depth: edge, tf32: false }
+    }
+
+    /// CUDA's TF32 shape.
+    pub const TF32: Self = Self { edge: 16, depth: 8, tf32: true };
+}
+
 /// How a plane multiplies tiles, fixed at launch (a comptime argument).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TileUnit {
     /// Lanes of a plane.
     pub plane_dim: usize,
-    /// Edge of a tensor-core fragment, 16 or 8 (dividing [`TILE`]); unused by the plane engine.
-    pub fragment: usize,
+    /// The tensor-core fragment; unused by the plane engine.
+    pub fragment: Fragment,
     /// Whether a plane may synchronise alone (CUDA). Elsewhere every barrier is the cube's,
     /// with memory ordered: each plane must then reach each barrier as often as the others.
     pub plane_sync: bool,
 }
 
 impl TileUnit {
-    /// Fragments in one 16 × 16 tile.
+    /// Accumulator fragments in one 16 × 16 tile.
     pub fn fragments_per_tile(&self) -> usize {
-        (TILE / self.fragment) * (TILE / self.fragment)
+        (TILE / self.fragment.edge) * (TILE / self.fragment.edge)
     }
 }
 
@@ -116,10 +139,10 @@ pub trait TileMma: Send + Sync + 'static {
     );
 }
 
-/// Tensor cores: `cmma` fragments of `f × f × f` (`unit.fragment`: 16 on NVIDIA, 8 on
-/// lavapipe), f16 or bf16 operands, f32 accumulator. A 16 × 16 tile is `(16/f)²` fragments,
-/// fragment `(i, j)` of tile `t` at `(t · s + i) · s + j` with `s = 16/f`, so the kernels keep
-/// their 16-row tiles whatever the device's fragment.
+/// Tensor cores: `cmma` fragments of `unit.fragment` (16³ on NVIDIA, 8³ on lavapipe, 16 × 16
+/// × 8 for TF32), f32 accumulator. A 16 × 16 tile is `(16/edge)²` accumulator fragments,
+/// fragment `(i, j)` of tile `t` at `(t · s + i) · s + j` with `s = 16/edge`, so the kernels
+/// keep their 16-row tiles whatever the device's fragment.
 pub struct CmmaTiles;
 
 #[cube]
@@ -127,11 +150,11 @@ impl TileMma for CmmaTiles {
     type Tiles = Sequence<cmma::Matrix<f32>>;
 
     fn zeros(#[comptime] count: usize, #[comptime] unit: TileUnit) -> Sequence<cmma::Matrix<f32>> {
-        let f = comptime!(unit.fragment);
+        let (f, d) = comptime!((unit.fragment.edge, unit.fragment.depth));
         let mut tiles = Sequence::new();
         #[unroll]
         for _ in 0..comptime!(count * unit.fragments_per_tile()) {
-            tiles.push(cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, f, f, f, cmma::MatrixLayout::Undefined, 0.0));
+            tiles.push(cmma::Matrix::<f32>::from_value(cmma::MatrixIdent::Accumulator, f, f, d, cmma::MatrixLayout::Undefined, 0.0));
         }
         tiles
     }
@@ -150,36 +173,10 @@ impl TileMma for CmmaTiles {
         _depth: usize,
         #[comptime] unit: TileUnit,
     ) {
-        let f = comptime!(unit.fragment);
-        let s = comptime!(TILE / unit.fragment);
-        let a_layout = if a_col_major { cmma::MatrixLayout::ColMajor } else { cmma::MatrixLayout::RowMajor };
-        let b_layout = if b_col_major { cmma::MatrixLayout::ColMajor } else { cmma::MatrixLayout::RowMajor };
-        // A's fragments (i, k), loaded once for the row: fragment (r, c) of a row-major
-        // operand starts at r·f rows and c·f columns, of a column-major one transposed.
-        let mut lhs = Sequence::<cmma::Matrix<E>>::new();
-        #[unroll]
-        for i in 0..s {
-            #[unroll]
-            for k in 0..s {
-                let at = comptime!(if a_col_major { k * f } else { i * f }) * a_stride + comptime!(if a_col_major { i * f } else { k * f });
-                lhs.push(cmma::Matrix::<E>::from_slice(cmma::MatrixIdent::A, f, f, f, a_layout, &a.slice(at, a.len()), a_stride as u32));
-            }
-        }
-        #[unroll]
-        for t in 0..count {
-            #[unroll]
-            for k in 0..s {
-                #[unroll]
-                for j in 0..s {
-                    let at = t * b_step + comptime!(if b_col_major { j * f } else { k * f }) * b_stride + comptime!(if b_col_major { k * f } else { j * f });
-                    let rhs = cmma::Matrix::<E>::from_slice(cmma::MatrixIdent::B, f, f, f, b_layout, &b.slice(at, b.len()), b_stride as u32);
-                    #[unroll]
-                    for i in 0..s {
-                        let acc = tiles.index_mut(comptime!(((first + t) * s + i) * s + j));
-                        cmma::execute::<E, E, f32, f32>(lhs.index(comptime!(i * s + k)), &rhs, acc, acc);
-                    }
-                }
-            }
+        if comptime!(unit.fragment.tf32) {
+            cmma_row::<E, tf32>(tiles, first, count, a, a_stride, a_col_major, b, b_step, b_stride, b_col_major, unit);
+        } else {
+            cmma_row::<E, E>(tiles, first, count, a, a_stride, a_col_major, b, b_step, b_stride, b_col_major, unit);
         }
     }
 
@@ -191,8 +188,8 @@ impl TileMma for CmmaTiles {
         stride: usize,
         #[comptime] unit: TileUnit,
     ) {
-        let f = comptime!(unit.fragment);
-        let s = comptime!(TILE / unit.fragment);
+        let f = comptime!(unit.fragment.edge);
+        let s = comptime!(TILE / unit.fragment.edge);
         #[unroll]
         for t in 0..count {
             #[unroll]
@@ -237,8 +234,8 @@ impl TileMma for CmmaTiles {
 
     fn scale_rows(tiles: &mut Sequence<cmma::Matrix<f32>>, #[comptime] count: usize, factors: &Array<f32>, scratch: &mut SliceMut<f32>, #[comptime] unit: TileUnit) {
         // The fragments' layout is opaque: through shared memory and back.
-        let f = comptime!(unit.fragment);
-        let s = comptime!(TILE / unit.fragment);
+        let f = comptime!(unit.fragment.edge);
+        let s = comptime!(TILE / unit.fragment.edge);
         let plane_dim = comptime!(unit.plane_dim);
         #[unroll]
         for t in 0..count {
@@ -259,6 +256,60 @@ impl TileMma for CmmaTiles {
                 }
             }
             sync_tile(unit.plane_sync);
+        }
+    }
+}
+
+/// [`CmmaTiles::mma_row`] with operand fragments of type `O`, loaded from shared memory of
+/// the storage type `E` (the same type, or f32 read as TF32).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn cmma_row<E: Float, O: Float>(
+    tiles: &mut Sequence<cmma::Matrix<f32>>,
+    #[comptime] first: usize,
+    #[comptime] count: usize,
+    a: &Slice<E>,
+    a_stride: usize,
+    #[comptime] a_col_major: bool,
+    b: &Slice<E>,
+    b_step: usize,
+    b_stride: usize,
+    #[comptime] b_col_major: bool,
+    #[comptime] unit: TileUnit,
+) {
+    let (f, d) = comptime!((unit.fragment.edge, unit.fragment.depth));
+    let (s, steps) = comptime!((TILE / f, TILE / d));
+    let a_layout = if a_col_major { cmma::MatrixLayout::ColMajor } else { cmma::MatrixLayout::RowMajor };
+    let b_layout = if b_col_major { cmma::MatrixLayout::ColMajor } else { cmma::MatrixLayout::RowMajor };
+    // One product step of depth `d` at a time, so that only that step's A fragments (i, k),
+    // `f × d` at row i·f and column k·d, are live: TF32 takes two steps per tile.
+    #[unroll]
+    for k in 0..steps {
+        let mut lhs = Sequence::<cmma::Matrix<O>>::new();
+        #[unroll]
+        for i in 0..s {
+            // Of a column-major operand, the transposed place.
+            let at = comptime!(if a_col_major { k * d } else { i * f }) * a_stride + comptime!(if a_col_major { i * f } else { k * d });
+            // SAFETY: loaded on the next line, before any use.
+            let fragment = unsafe { cmma::Matrix::<O>::uninitialized(cmma::MatrixIdent::A, f, f, d, a_layout) };
+            cmma::load(&fragment, &a.slice(at, a.len()), a_stride as u32);
+            lhs.push(fragment);
+        }
+        #[unroll]
+        for t in 0..count {
+            #[unroll]
+            for j in 0..s {
+                // B's fragment (k, j): `d × f` at row k·d and column j·f.
+                let at = t * b_step + comptime!(if b_col_major { j * f } else { k * d }) * b_stride + comptime!(if b_col_major { k * d } else { j * f });
+                // SAFETY: loaded on the next line, before any use.
+                let rhs = unsafe { cmma::Matrix::<O>::uninitialized(cmma::MatrixIdent::B, f, f, d, b_layout) };
+                cmma::load(&rhs, &b.slice(at, b.len()), b_stride as u32);
+                #[unroll]
+                for i in 0..s {
+                    let acc = tiles.index_mut(comptime!(((first + t) * s + i) * s + j));
+                    cmma::execute::<O, O, f32, f32>(lhs.index(i), &rhs, acc, acc);
+                }
+            }
         }
     }
 }
