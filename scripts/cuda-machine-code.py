@@ -60,6 +60,10 @@ def find(pattern):
 class Tools:
     def __init__(self):
         self.nvrtc_path = find("lib/libnvrtc.so.*[0-9]")
+        # NVRTC 13 dlopens its builtins by name, and the wheel's folder is on no search path:
+        # loaded first, they are found already resident.
+        for builtins in glob.glob(os.path.join(os.path.dirname(self.nvrtc_path), "libnvrtc-builtins.so.*")):
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
         self.nvrtc = ctypes.CDLL(self.nvrtc_path)
         self.ptxas = find("bin/ptxas")
         self.cuobjdump = find("bin/cuobjdump")
@@ -234,7 +238,9 @@ def main():
         else:
             used.add(line)
             print(f"  known ({line[-1]}): {text}")
-    stale = [line for line in known if line not in used]
+    # An intermittent line (KIND ending in `?`) is never stale: CubeCL's CUDA sources differ from
+    # run to run (the order of shared-memory allocations), and some defects with them.
+    stale = [line for line in known if line not in used and not line[5].endswith("?")]
     for line in stale:
         unknown.append(f"{args.known}: `{' '.join(line[:6])}` matches no failure any more: remove it")
     if unknown:
@@ -248,7 +254,8 @@ def main():
 
 
 def read_known(path):
-    """Lines `TARGET KERNEL ENGINE DTYPE HEAD_DIM KIND  # reason`, `*` matching anything."""
+    """Lines `TARGET KERNEL ENGINE DTYPE HEAD_DIM KIND  # reason`, `*` matching anything; KIND
+    ending in `?` for a defect that only some runs' sources have."""
     known = []
     if not os.path.exists(path):
         return known
@@ -268,7 +275,7 @@ def matches(line, kernel, kind):
     target, name, engine, dtype, head_dim, expected_kind, _ = line
     same = lambda pattern, value: pattern == "*" or pattern == str(value)
     return (same(target, kernel["target"]) and same(name, kernel["kernel"]) and same(engine, kernel["engine"])
-            and same(expected_kind, kind)
+            and same(expected_kind.removesuffix("?"), kind)
             and any(same(dtype, case["dtype"]) and same(head_dim, case["head_dim"]) for case in kernel["cases"]))
 
 

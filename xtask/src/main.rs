@@ -30,11 +30,11 @@ const TRAITS: &[(&str, &str, &str)] = &[
 ];
 
 /// Ops that UlyssesBackend handles itself: (trait, method, hand-written function).
-const INTERCEPTED: &[(&str, &str, &str)] = &[(
-    "ModuleOps",
-    "attention",
-    "crate::attention::sequence_parallel_attention",
-)];
+const INTERCEPTED: &[(&str, &str, &str)] = &[
+    ("ModuleOps", "attention", "crate::attention::sequence_parallel_attention"),
+    // Refuses attention done by hand under SP (scores of a shard against itself).
+    ("FloatTensorOps", "float_matmul", "crate::hand_attention::guarded_matmul"),
+];
 
 /// Types named after a backend (`TensorPrimitive<B>`, ...). `TensorPrimitive<Inner>` and
 /// `TensorPrimitive<UlyssesBackend<Inner>>` are different types with the same fields, so the

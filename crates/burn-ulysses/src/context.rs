@@ -16,9 +16,12 @@
 
 use std::{
     any::{Any, TypeId, type_name},
-    cell::RefCell,
+    cell::{Cell, RefCell},
     marker::PhantomData,
-    sync::{Arc, RwLock},
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicUsize, Ordering},
+    },
 };
 
 use burn::{config::Config, tensor::backend::Backend};
@@ -44,6 +47,11 @@ pub struct UlyssesConfig {
     /// the same way (`SequenceSharder::with_ring`).
     #[config(default = "RingSharding::Contiguous")]
     pub ring_sharding: RingSharding,
+    /// For a model that attends within each rank's shard on purpose (say, local windows that
+    /// never cross a shard): lets its hand-written score matmuls through the guard against
+    /// attention done by hand ([`crate::hand_attention`]), which otherwise refuses them.
+    #[config(default = false)]
+    pub shard_local_attention_on_purpose: bool,
 }
 
 /// The group a rank belongs to, for tensors of the wire backend `W`.
@@ -76,6 +84,18 @@ struct StoredContext {
     wire: TypeId,
     wire_name: &'static str,
     context: Arc<dyn Any + Send + Sync>,
+    /// What the guard against attention done by hand reads on every matmul, without the
+    /// wire type the model's backend does not name.
+    sharding: Sharding,
+}
+
+/// How a rank context cuts sequences: what [`crate::hand_attention`] needs to know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sharding {
+    /// Ranks a sequence is spread over (Ulysses × ring).
+    pub ranks: usize,
+    /// [`UlyssesConfig::shard_local_attention_on_purpose`].
+    pub shard_local_attention_on_purpose: bool,
 }
 
 /// What a scope says about the rank context.
@@ -89,8 +109,11 @@ enum Entry {
 
 thread_local! {
     static THREAD_CONTEXT: RefCell<Option<Entry>> = const { RefCell::new(None) };
+    static THREAD_LOCAL_SEQUENCE: Cell<Option<usize>> = const { Cell::new(None) };
 }
 static PROCESS_CONTEXT: RwLock<Option<Entry>> = RwLock::new(None);
+/// The last local sequence length recorded by any thread; 0 for none.
+static PROCESS_LOCAL_SEQUENCE: AtomicUsize = AtomicUsize::new(0);
 
 /// Restores the previous context of its scope when dropped.
 #[must_use = "the rank context is left as soon as the guard is dropped"]
@@ -112,10 +135,15 @@ pub enum RankScope {
 
 /// Makes `context` the rank context of `scope` until the guard is dropped.
 pub fn enter<W: Backend>(scope: RankScope, context: RankContext<W>) -> RankGuard {
+    let sharding = Sharding {
+        ranks: context.communicator.size() * context.ring.as_ref().map_or(1, |ring| ring.size()),
+        shard_local_attention_on_purpose: context.config.shard_local_attention_on_purpose,
+    };
     let stored = StoredContext {
         wire: TypeId::of::<W>(),
         wire_name: type_name::<W>(),
         context: Arc::new(context),
+        sharding,
     };
     replace(scope, Entry::Rank(stored))
 }
@@ -153,6 +181,35 @@ pub fn current<W: Backend>() -> Result<Option<RankContext<W>>, UlyssesError> {
         PROCESS_CONTEXT.read().unwrap_or_else(|p| p.into_inner()).clone()
     });
     rank_context_of(entry)
+}
+
+/// How the current rank context (the thread's, else the process's) cuts sequences; `None`
+/// outside any group or inside [`enter_single_device`]. No wire type needed: cheap enough to
+/// ask on every op.
+pub fn current_sharding() -> Option<Sharding> {
+    let from = |entry: &Option<Entry>| match entry {
+        Some(Entry::Rank(stored)) => Some(Some(stored.sharding)),
+        Some(Entry::SingleDevice) => Some(None),
+        None => None,
+    };
+    THREAD_CONTEXT
+        .with(|slot| from(&slot.borrow()))
+        .or_else(|| from(&PROCESS_CONTEXT.read().unwrap_or_else(|p| p.into_inner())))
+        .flatten()
+}
+
+/// Records that this rank's model input holds `len` tokens of each sequence: the sharding
+/// step calls it ([`crate::data::SequenceShard::tokens`]), and a trainer that shards by
+/// itself should too, so that [`crate::hand_attention`] can recognise scores of a shard
+/// against itself. Kept for this thread and, for threads that never record, the process.
+pub fn record_local_sequence(len: usize) {
+    THREAD_LOCAL_SEQUENCE.with(|slot| slot.set(Some(len)));
+    PROCESS_LOCAL_SEQUENCE.store(len, Ordering::Relaxed);
+}
+
+/// The local sequence length this thread recorded, else the process's last, if any.
+pub fn local_sequence() -> Option<usize> {
+    THREAD_LOCAL_SEQUENCE.with(Cell::get).or_else(|| Some(PROCESS_LOCAL_SEQUENCE.load(Ordering::Relaxed)).filter(|&len| len > 0))
 }
 
 /// When this thread is one of several ranks that are threads of this process (a

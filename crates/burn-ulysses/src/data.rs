@@ -209,8 +209,10 @@ fn document_starts(lengths: &[usize], padded_len: usize) -> Vec<usize> {
 }
 
 impl SequenceShard {
-    /// `[batch, local_len]` token tensor on `device`.
+    /// `[batch, local_len]` token tensor on `device`. Records the shard's length as this rank's local sequence
+    /// ([`crate::context::record_local_sequence`]), for the guard against attention by hand.
     pub fn tokens<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2, Int> {
+        crate::context::record_local_sequence(self.local_len);
         self.int_tensor(&self.tokens, device)
     }
 

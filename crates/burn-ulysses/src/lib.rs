@@ -40,6 +40,7 @@ pub mod data;
 pub mod error;
 pub mod exchange;
 pub mod fused;
+pub mod hand_attention;
 pub mod inner;
 pub mod layout;
 pub mod nn;

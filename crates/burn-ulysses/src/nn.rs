@@ -17,8 +17,10 @@
 //! - `quiet_softmax` is not supported and is rejected at `init`;
 //! - there is no `forward_cache` (autoregressive decoding with a KV cache).
 //!
-//! Under sequence parallelism `mask_pad` (a key-padding mask) is gathered across ranks;
-//! `mask_attn` (a full `[S_q, S_k]` mask) is rejected with an explanation.
+//! Causal attention is [`MhaInput::causal`] (burn-nn models pass an autoregressive
+//! `mask_attn` instead). Under sequence parallelism `mask_pad` (a key-padding mask) is
+//! gathered across ranks; `mask_attn` (a full `[S_q, S_k]` mask) is rejected with an
+//! explanation.
 
 use burn::{
     config::Config,
@@ -109,6 +111,7 @@ pub struct MhaInput<B: Backend> {
     value: Tensor<B, 3>,
     mask_pad: Option<Tensor<B, 2, Bool>>,
     mask_attn: Option<Tensor<B, 3, Bool>>,
+    causal: bool,
 }
 
 impl<B: Backend> MhaInput<B> {
@@ -117,7 +120,7 @@ impl<B: Backend> MhaInput<B> {
     }
 
     pub fn new(query: Tensor<B, 3>, key: Tensor<B, 3>, value: Tensor<B, 3>) -> Self {
-        Self { query, key, value, mask_pad: None, mask_attn: None }
+        Self { query, key, value, mask_pad: None, mask_attn: None, causal: false }
     }
 
     /// `[batch, seq_k]`, true where a key is padding.
@@ -129,6 +132,15 @@ impl<B: Backend> MhaInput<B> {
     /// `[batch, seq_q, seq_k]`, true where a score is masked.
     pub fn mask_attn(mut self, mask_attn: Tensor<B, 3, Bool>) -> Self {
         self.mask_attn = Some(mask_attn);
+        self
+    }
+
+    /// Causal attention (each query sees the keys up to its own position, bottom-right
+    /// aligned), sent to the kernels as `is_causal`: what burn-nn models express with
+    /// `mask_attn(generate_autoregressive_mask(..))`. Under sequence parallelism a mask built
+    /// from a shard's shapes would be wrong; this flag is right at any sharding.
+    pub fn causal(mut self) -> Self {
+        self.causal = true;
         self
     }
 }
@@ -154,7 +166,7 @@ impl<B: Backend> MultiHeadAttention<B> {
             (None, full) => full,
             (Some(pad), Some(full)) => Some(full.bool_or(pad.expand([batch, self.n_heads, seq_q, seq_k]))),
         };
-        let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
+        let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: input.causal };
         let context = attention(query, key, value, mask, None, options)
             .swap_dims(1, 2)
             .reshape([batch, seq_q, self.d_model]);

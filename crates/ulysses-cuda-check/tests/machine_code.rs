@@ -1,9 +1,9 @@
 //! The flash kernels as an H100 (the whole plan), an A100 and an L40 (a representative subset)
 //! would compile them: every case the planner accepts must compile to CUDA C++ here, and,
-//! with NVIDIA's compilers at hand (`ULYSSES_CUDA_TOOLS`: a venv with the PyPI wheels, which
-//! `.ci/run` installs), to machine code that spills nothing, fits the shared memory and an SM,
-//! and uses the tensor cores in every kernel of the tensor-core engine
-//! (`scripts/cuda-machine-code.py`). Without the tools that half says SKIPPED, unless
+//! with NVIDIA's compilers at hand (`ULYSSES_CUDA_TOOLS`: venvs with the PyPI wheels, separated
+//! by `:`, each checked; `.ci/run` installs CUDA 12.9's and 13.0's, the GPU image's), to machine
+//! code that spills nothing, fits the shared memory and an SM, and uses the tensor cores in
+//! every kernel of the tensor-core engine (`scripts/cuda-machine-code.py`). Without the tools that half says SKIPPED, unless
 //! `ULYSSES_REQUIRE_CUDA_TOOLS=1` makes it a failure.
 
 use std::{path::PathBuf, process::Command};
@@ -27,20 +27,22 @@ fn every_planned_kernel_compiles_to_machine_code_that_fits_and_uses_tensor_cores
         return;
     };
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/cuda-machine-code.py");
-    let table = out.join("tables.txt");
-    let output = Command::new(PathBuf::from(&tools).join("bin/python"))
-        .arg(&script)
-        .arg(&out)
-        .arg("--table")
-        .arg(&table)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {} with {tools}/bin/python: {e}", script.display()));
-    let report = String::from_utf8_lossy(&output.stdout);
-    println!("{report}{}", std::fs::read_to_string(&table).unwrap_or_default());
-    eprintln!("{}", String::from_utf8_lossy(&output.stderr));
-    assert!(output.status.success(), "the machine-code check failed:\n{report}");
-    for target in TARGETS {
-        assert!(report.contains(&format!("{} (", target.name)), "no line for {}:\n{report}", target.name);
+    for (index, tools) in tools.split(':').filter(|t| !t.is_empty()).enumerate() {
+        let table = out.join(format!("tables-{index}.txt"));
+        let output = Command::new(PathBuf::from(tools).join("bin/python"))
+            .arg(&script)
+            .arg(&out)
+            .arg("--table")
+            .arg(&table)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {} with {tools}/bin/python: {e}", script.display()));
+        let report = String::from_utf8_lossy(&output.stdout);
+        println!("{report}{}", std::fs::read_to_string(&table).unwrap_or_default());
+        eprintln!("{}", String::from_utf8_lossy(&output.stderr));
+        assert!(output.status.success(), "the machine-code check with {tools} failed:\n{report}");
+        for target in TARGETS {
+            assert!(report.contains(&format!("{} (", target.name)), "no line for {} with {tools}:\n{report}", target.name);
+        }
     }
     let _ = std::fs::remove_dir_all(&out);
 }

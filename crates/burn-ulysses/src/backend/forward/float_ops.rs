@@ -122,7 +122,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_matmul(lhs, rhs)
+        crate::hand_attention::guarded_matmul::<Inner>(lhs, rhs)
     }
     fn float_cross(
         lhs: FloatTensor<Self>,

@@ -1,0 +1,265 @@
+//! Attention done by hand is refused under sequence parallelism, and the port is short.
+//!
+//! - burn-nn's `MultiHeadAttention` and a Llama attention written the usual Burn way (`q·kᵀ`
+//!   by matmul, a causal mask from local shapes, RoPE from position 0) under SP = 2: every
+//!   rank stops with the guard's message (no hang, no result); at SP = 1 and without a group
+//!   they run unchanged.
+//! - The same Llama ported as the README's porting guide shows (the attention op, `is_causal`,
+//!   RoPE at the shard's global offset) equals the hand-written one on one device at SP = 2
+//!   and 4; the README's diff is checked against this file.
+//! - The drop-in `burn_ulysses::nn::MultiHeadAttention` with `MhaInput::causal()` gives
+//!   burn-nn's output with an autoregressive mask from the same record (≤ 1e-6) and is
+//!   sequence parallel at SP = 2 and 4.
+//! - A linear layer as wide as the local sequence, and the opt-out, pass the guard.
+
+use std::time::Duration;
+
+use burn::{
+    backend::{Autodiff, NdArray},
+    module::Module,
+    nn::{
+        Linear, LinearConfig, RotaryEncoding, RotaryEncodingConfig,
+        attention::{self as burn_nn, generate_autoregressive_mask},
+    },
+    record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder},
+    tensor::{
+        Tensor, activation::softmax, backend::Backend, module::attention, ops::AttentionModuleOptions,
+    },
+};
+use burn_ulysses::{RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup, context::record_local_sequence, nn};
+use ulysses_suite::{deterministic_params, max_abs_diff, shard, uniform_tensor, values, with_deadline};
+
+type Inner = NdArray<f32>;
+type Sp = UlyssesBackend<Autodiff<Inner>>;
+
+const BATCH: usize = 2;
+const SEQ: usize = 16;
+const D_MODEL: usize = 32;
+const HEADS: usize = 4;
+const TOLERANCE: f32 = 1e-5;
+
+/// What every rank must say when it refuses.
+const REFUSAL: &str = "attention done by hand under sequence parallelism";
+
+fn input<B: Backend>(device: &B::Device) -> Tensor<B, 3> {
+    uniform_tensor::<B, 3>([BATCH, SEQ, D_MODEL], 5, device)
+}
+
+/// `work` on each of `sp` rank threads with its shard of the input (and its length recorded,
+/// as the sharding step does); each rank's output, or its panic message.
+fn on_ranks(sp: usize, config: UlyssesConfig, work: impl Fn(Tensor<Sp, 3>, usize) -> Tensor<Sp, 3> + Send + Sync + 'static) -> Vec<Result<Vec<f32>, String>> {
+    with_deadline(Duration::from_secs(60), move || {
+        ThreadGroup::new(sp)
+            .run(|rank| {
+                let _sp = Sp::enter(RankScope::Thread, rank.communicator(), config.clone());
+                let (r, p) = (rank.rank(), rank.size());
+                record_local_sequence(SEQ / p);
+                let x = shard(input::<Sp>(&Default::default()), 1, r, p);
+                values(work(x, r * SEQ / p))
+            })
+            .into_iter()
+            .map(|result| result.map_err(|panic| panic.message))
+            .collect()
+    })
+}
+
+fn assert_refused_on_every_rank(results: &[Result<Vec<f32>, String>]) {
+    for (rank, result) in results.iter().enumerate() {
+        match result {
+            Ok(_) => panic!("rank {rank} attended by hand under SP and returned a result"),
+            Err(message) => assert!(message.contains(REFUSAL) && message.contains("module::attention"), "rank {rank}: {message}"),
+        }
+    }
+}
+
+/// Each rank's output against its shard of `want` (the whole sequence on one device).
+fn assert_sequence_parallel(results: Vec<Result<Vec<f32>, String>>, want: Tensor<Inner, 3>) {
+    let p = results.len();
+    for (rank, got) in results.into_iter().enumerate() {
+        let got = got.unwrap_or_else(|message| panic!("rank {rank} of {p}: {message}"));
+        let diff = max_abs_diff(&got, &values(shard(want.clone(), 1, rank, p)));
+        println!("rank {rank} of {p} vs one device: max |Δ| {diff:.2e}");
+        assert!(diff <= TOLERANCE, "rank {rank} of {p} differs from one device by {diff:e}");
+    }
+}
+
+fn burn_nn_mha<B: Backend>(device: &B::Device) -> burn_nn::MultiHeadAttention<B> {
+    deterministic_params(burn_nn::MultiHeadAttentionConfig::new(D_MODEL, HEADS).with_dropout(0.0).init::<B>(device), 7)
+}
+
+#[test]
+fn burn_nn_multi_head_attention_is_refused_on_every_rank_under_sp() {
+    let results = on_ranks(2, UlyssesConfig::new(), |x, _| burn_nn_mha::<Sp>(&x.device()).forward(burn_nn::MhaInput::self_attn(x)).context);
+    assert_refused_on_every_rank(&results);
+}
+
+#[test]
+fn burn_nn_multi_head_attention_runs_unchanged_at_sp_1_and_without_a_group() {
+    let device = Default::default();
+    let want = burn_nn_mha::<Inner>(&device).forward(burn_nn::MhaInput::self_attn(input::<Inner>(&device))).context;
+    let alone = burn_nn_mha::<Sp>(&device).forward(burn_nn::MhaInput::self_attn(input::<Sp>(&device))).context;
+    let diff = max_abs_diff(&values(alone), &values(want.clone()));
+    assert!(diff <= TOLERANCE, "without a group: {diff:e}");
+    assert_sequence_parallel(on_ranks(1, UlyssesConfig::new(), |x, _| burn_nn_mha::<Sp>(&x.device()).forward(burn_nn::MhaInput::self_attn(x)).context), want);
+}
+
+/// A Llama attention block, written the usual Burn way, and ported.
+#[derive(Module, Debug)]
+struct LlamaAttention<B: Backend> {
+    wq: Linear<B>,
+    wk: Linear<B>,
+    wv: Linear<B>,
+    wo: Linear<B>,
+    rope: RotaryEncoding<B>,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl<B: Backend> LlamaAttention<B> {
+    fn new(device: &B::Device) -> Self {
+        let linear = || LinearConfig::new(D_MODEL, D_MODEL).with_bias(false).init(device);
+        let module = Self {
+            wq: linear(),
+            wk: linear(),
+            wv: linear(),
+            wo: linear(),
+            rope: RotaryEncodingConfig::new(4 * SEQ, D_MODEL / HEADS).init(device),
+            heads: HEADS,
+            head_dim: D_MODEL / HEADS,
+        };
+        deterministic_params(module, 11)
+    }
+
+    /// `[batch, seq, d_model]` → `[batch, heads, seq, head_dim]`.
+    fn split_heads(&self, x: Tensor<B, 3>) -> Tensor<B, 4> {
+        let [batch, seq, _] = x.dims();
+        x.reshape([batch, seq, self.heads, self.head_dim]).swap_dims(1, 2)
+    }
+
+    fn merge_heads(&self, x: Tensor<B, 4>) -> Tensor<B, 3> {
+        let [batch, _, seq, _] = x.dims();
+        self.wo.forward(x.swap_dims(1, 2).reshape([batch, seq, self.heads * self.head_dim]))
+    }
+
+    /// Attention by hand: scores by matmul, a causal mask from the input's own length, RoPE
+    /// from position 0.
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, seq, _] = x.dims();
+        let q = self.rope.forward(self.split_heads(self.wq.forward(x.clone())));
+        let k = self.rope.forward(self.split_heads(self.wk.forward(x.clone())));
+        let v = self.split_heads(self.wv.forward(x.clone()));
+        let scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f64).sqrt();
+        let mask = generate_autoregressive_mask::<B>(batch, seq, &x.device()).unsqueeze_dim::<4>(1);
+        let scores = scores.mask_fill(mask, f32::NEG_INFINITY);
+        self.merge_heads(softmax(scores, 3).matmul(v))
+    }
+
+    /// The same block made sequence parallel (the README's porting guide): the attention op,
+    /// `is_causal` for the mask, RoPE at the shard's first global position.
+    fn forward_ported(&self, x: Tensor<B, 3>, position_offset: usize) -> Tensor<B, 3> {
+        let q = self.rope.apply(self.split_heads(self.wq.forward(x.clone())), position_offset);
+        let k = self.rope.apply(self.split_heads(self.wk.forward(x.clone())), position_offset);
+        let v = self.split_heads(self.wv.forward(x.clone()));
+        let causal = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+        self.merge_heads(attention(q, k, v, None, None, causal))
+    }
+}
+
+#[test]
+fn a_hand_written_llama_attention_is_refused_on_every_rank_under_sp() {
+    assert_refused_on_every_rank(&on_ranks(2, UlyssesConfig::new(), |x, _| LlamaAttention::<Sp>::new(&x.device()).forward(x)));
+}
+
+#[test]
+fn the_ported_llama_attention_equals_one_device_at_sp_2_and_4() {
+    let device = Default::default();
+    let want = LlamaAttention::<Inner>::new(&device).forward(input::<Inner>(&device));
+    let ported = LlamaAttention::<Inner>::new(&device).forward_ported(input::<Inner>(&device), 0);
+    let diff = max_abs_diff(&values(ported), &values(want.clone()));
+    assert!(diff <= TOLERANCE, "the port changes the single-device output by {diff:e}");
+    for sp in [2, 4] {
+        assert_sequence_parallel(on_ranks(sp, UlyssesConfig::new(), |x, offset| LlamaAttention::<Sp>::new(&x.device()).forward_ported(x, offset)), want.clone());
+    }
+}
+
+#[test]
+fn the_opt_out_lets_shard_local_attention_through() {
+    let config = UlyssesConfig::new().with_shard_local_attention_on_purpose(true);
+    let results = on_ranks(2, config, |x, _| LlamaAttention::<Sp>::new(&x.device()).forward(x));
+    // Each rank attends within its shard, as the model asked: rank r equals the hand-written
+    // block run on shard r alone.
+    let device = Default::default();
+    for (rank, got) in results.into_iter().enumerate() {
+        let alone = LlamaAttention::<Inner>::new(&device).forward(shard(input::<Inner>(&device), 1, rank, 2));
+        let diff = max_abs_diff(&got.unwrap(), &values(alone));
+        assert!(diff <= TOLERANCE, "rank {rank}: {diff:e}");
+    }
+}
+
+#[test]
+fn a_linear_layer_as_wide_as_the_local_sequence_is_not_refused() {
+    // Per-head features [B, H, S/P, d] through a Linear of width S/P: a [.., S/P, S/P] result
+    // of a broadcast weight, not scores.
+    let results = on_ranks(2, UlyssesConfig::new(), |x, _| {
+        let [batch, seq, _] = x.dims();
+        let per_head = x.reshape([batch, seq, HEADS, D_MODEL / HEADS]).swap_dims(1, 2);
+        let linear = LinearConfig::new(D_MODEL / HEADS, seq).init::<Sp>(&per_head.device());
+        linear.forward(per_head).sum_dim(1).squeeze_dim(1)
+    });
+    for (rank, result) in results.iter().enumerate() {
+        assert!(result.is_ok(), "rank {rank}: {result:?}");
+    }
+}
+
+fn causal_mha_record() -> (Tensor<Inner, 3>, Vec<u8>) {
+    let device = Default::default();
+    let mha = burn_nn_mha::<Inner>(&device);
+    let mask = generate_autoregressive_mask::<Inner>(BATCH, SEQ, &device);
+    let output = mha.forward(burn_nn::MhaInput::self_attn(input::<Inner>(&device)).mask_attn(mask)).context;
+    let bytes = NamedMpkBytesRecorder::<FullPrecisionSettings>::default().record(mha.into_record(), ()).unwrap();
+    (output, bytes)
+}
+
+fn load_drop_in<B: Backend>(bytes: Vec<u8>, device: &B::Device) -> nn::MultiHeadAttention<B> {
+    let record = NamedMpkBytesRecorder::<FullPrecisionSettings>::default().load(bytes, device).unwrap();
+    nn::MultiHeadAttentionConfig::new(D_MODEL, HEADS).with_dropout(0.0).init::<B>(device).load_record(record)
+}
+
+#[test]
+fn the_causal_drop_in_matches_burn_nn_with_an_autoregressive_mask() {
+    let (want, bytes) = causal_mha_record();
+    let device = Default::default();
+    let got = load_drop_in::<Inner>(bytes, &device).forward(nn::MhaInput::self_attn(input::<Inner>(&device)).causal()).context;
+    let diff = max_abs_diff(&values(got), &values(want));
+    println!("causal drop-in vs burn-nn with an autoregressive mask: max |Δ| {diff:.2e}");
+    assert!(diff <= 1e-6, "the causal drop-in differs from burn-nn by {diff:e}");
+}
+
+#[test]
+fn the_causal_drop_in_is_sequence_parallel_at_sp_2_and_4() {
+    let (want, bytes) = causal_mha_record();
+    for sp in [2, 4] {
+        let bytes = bytes.clone();
+        let results = on_ranks(sp, UlyssesConfig::new(), move |x, _| load_drop_in::<Sp>(bytes.clone(), &x.device()).forward(nn::MhaInput::self_attn(x).causal()).context);
+        assert_sequence_parallel(results, want.clone());
+    }
+}
+
+#[test]
+fn the_readme_porting_guide_shows_this_files_port() {
+    let readme = include_str!("../README.md");
+    let start = readme.find("```diff\n").expect("the README's porting guide has a diff");
+    let diff = &readme[start + 8..];
+    let diff = &diff[..diff.find("```").unwrap()];
+    let this_file: String = include_str!("hand_attention.rs").split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut changed = 0;
+    for line in diff.lines() {
+        let Some(code) = line.strip_prefix('+').or_else(|| line.strip_prefix('-')) else { continue };
+        let code = code.split_whitespace().collect::<Vec<_>>().join(" ");
+        if !code.is_empty() {
+            changed += 1;
+            assert!(this_file.contains(&code), "the README's porting diff has `{code}`, which tests/hand_attention.rs does not");
+        }
+    }
+    assert!(changed >= 6, "the porting diff should show the three changes, found {changed} changed lines");
+}
