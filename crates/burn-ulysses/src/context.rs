@@ -49,7 +49,7 @@ pub struct UlyssesConfig {
     pub ring_sharding: RingSharding,
     /// For a model that attends within each rank's shard on purpose (say, local windows that
     /// never cross a shard): lets its hand-written score matmuls through the guard against
-    /// attention done by hand ([`crate::hand_attention`]), which otherwise refuses them.
+    /// attention done by hand (`hand_attention`, a layer above), which otherwise refuses them.
     #[config(default = false)]
     pub shard_local_attention_on_purpose: bool,
 }
@@ -89,7 +89,7 @@ struct StoredContext {
     sharding: Sharding,
 }
 
-/// How a rank context cuts sequences: what [`crate::hand_attention`] needs to know.
+/// How a rank context cuts sequences: what the guard in `hand_attention` needs to know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sharding {
     /// Ranks a sequence is spread over (Ulysses × ring).
@@ -199,8 +199,8 @@ pub fn current_sharding() -> Option<Sharding> {
 }
 
 /// Records that this rank's model input holds `len` tokens of each sequence: the sharding
-/// step calls it ([`crate::data::SequenceShard::tokens`]), and a trainer that shards by
-/// itself should too, so that [`crate::hand_attention`] can recognise scores of a shard
+/// step calls it (`SequenceShard::tokens`), and a trainer that shards by
+/// itself should too, so that the guard in `hand_attention` can recognise scores of a shard
 /// against itself. Kept for this thread and, for threads that never record, the process.
 pub fn record_local_sequence(len: usize) {
     THREAD_LOCAL_SEQUENCE.with(|slot| slot.set(Some(len)));

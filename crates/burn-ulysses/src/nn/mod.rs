@@ -1,4 +1,5 @@
-//! A drop-in for burn-nn's `MultiHeadAttention` that calls the attention op.
+//! Drop-ins for burn-nn's attention users that call the attention op: `MultiHeadAttention`
+//! here, `TransformerEncoder` and `TransformerDecoder` in [`transformer`].
 //!
 //! burn-nn's module multiplies and softmaxes by hand, so `UlyssesBackend` never sees its
 //! attention. This one has the same config fields (and defaults) and the same record, so a
@@ -21,6 +22,13 @@
 //! `mask_attn` instead). Under sequence parallelism `mask_pad` (a key-padding mask) is
 //! gathered across ranks; `mask_attn` (a full `[S_q, S_k]` mask) is rejected with an
 //! explanation.
+
+pub mod transformer;
+
+pub use transformer::{
+    TransformerDecoder, TransformerDecoderConfig, TransformerDecoderInput, TransformerDecoderLayer, TransformerEncoder, TransformerEncoderConfig,
+    TransformerEncoderInput, TransformerEncoderLayer,
+};
 
 use burn::{
     config::Config,

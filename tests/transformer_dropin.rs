@@ -1,0 +1,157 @@
+//! `burn_ulysses::nn::{TransformerEncoder, TransformerDecoder}` are drop-ins for burn-nn's: a
+//! burn-nn record loads into them and they give burn-nn's output (≤ 1e-6 of its largest value; causal through the
+//! flag where burn-nn takes an autoregressive mask; pre- and post-norm), and under
+//! `UlyssesBackend` at SP = 2 and 4 each rank gives its shard of the one-device output. burn-nn's
+//! own encoder under SP = 2 is refused by the guard against attention by hand.
+
+use std::time::Duration;
+
+use burn::{
+    backend::{Autodiff, NdArray},
+    module::Module,
+    nn::{attention::generate_autoregressive_mask, transformer as burn_nn},
+    record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder},
+    tensor::{Tensor, backend::Backend},
+};
+use burn_ulysses::{UlyssesBackend, comm::ThreadGroup, context::record_local_sequence, nn};
+use ulysses_suite::{deterministic_params, max_abs_diff, shard, uniform_tensor, values, with_deadline};
+
+type Inner = NdArray<f32>;
+type Sp = UlyssesBackend<Autodiff<Inner>>;
+
+const BATCH: usize = 2;
+const SEQ: usize = 16;
+/// The decoder's memory is longer than its target: cross-attention with unequal lengths.
+const MEMORY: usize = 24;
+const D_MODEL: usize = 32;
+const D_FF: usize = 48;
+const HEADS: usize = 4;
+const LAYERS: usize = 2;
+
+fn target<B: Backend>(device: &B::Device) -> Tensor<B, 3> {
+    uniform_tensor::<B, 3>([BATCH, SEQ, D_MODEL], 5, device)
+}
+
+fn memory<B: Backend>(device: &B::Device) -> Tensor<B, 3> {
+    uniform_tensor::<B, 3>([BATCH, MEMORY, D_MODEL], 6, device)
+}
+
+fn recorder() -> NamedMpkBytesRecorder<FullPrecisionSettings> {
+    NamedMpkBytesRecorder::default()
+}
+
+/// burn-nn's encoder (causal through an autoregressive mask): its output and record.
+fn burn_nn_encoder(norm_first: bool) -> (Tensor<Inner, 3>, Vec<u8>) {
+    let device = Default::default();
+    let config = burn_nn::TransformerEncoderConfig::new(D_MODEL, D_FF, HEADS, LAYERS).with_dropout(0.0).with_norm_first(norm_first);
+    let encoder = deterministic_params(config.init::<Inner>(&device), 3);
+    let mask = generate_autoregressive_mask::<Inner>(BATCH, SEQ, &device);
+    let output = encoder.forward(burn_nn::TransformerEncoderInput::new(target(&device)).mask_attn(mask));
+    (output, recorder().record(encoder.into_record(), ()).unwrap())
+}
+
+fn drop_in_encoder<B: Backend>(bytes: Vec<u8>, norm_first: bool, device: &B::Device) -> nn::TransformerEncoder<B> {
+    let config = nn::TransformerEncoderConfig::new(D_MODEL, D_FF, HEADS, LAYERS).with_dropout(0.0).with_norm_first(norm_first);
+    config.init::<B>(device).load_record(recorder().load(bytes, device).unwrap())
+}
+
+fn burn_nn_decoder(norm_first: bool) -> (Tensor<Inner, 3>, Vec<u8>) {
+    let device = Default::default();
+    let config = burn_nn::TransformerDecoderConfig::new(D_MODEL, D_FF, HEADS, LAYERS).with_dropout(0.0).with_norm_first(norm_first);
+    let decoder = deterministic_params(config.init::<Inner>(&device), 4);
+    let mask = generate_autoregressive_mask::<Inner>(BATCH, SEQ, &device);
+    let output = decoder.forward(burn_nn::TransformerDecoderInput::new(target(&device), memory(&device)).target_mask_attn(mask));
+    (output, recorder().record(decoder.into_record(), ()).unwrap())
+}
+
+fn drop_in_decoder<B: Backend>(bytes: Vec<u8>, norm_first: bool, device: &B::Device) -> nn::TransformerDecoder<B> {
+    let config = nn::TransformerDecoderConfig::new(D_MODEL, D_FF, HEADS, LAYERS).with_dropout(0.0).with_norm_first(norm_first);
+    config.init::<B>(device).load_record(recorder().load(bytes, device).unwrap())
+}
+
+/// Within 1e-6 of burn-nn relative to the output's largest magnitude (a pre-norm stack's
+/// output is not normalised: f32 rounding grows with it).
+fn assert_close(got: Tensor<Inner, 3>, want: Tensor<Inner, 3>, what: &str) {
+    let want = values(want);
+    let scale = want.iter().fold(1.0f32, |m, v| if v.abs() > m { v.abs() } else { m });
+    let diff = max_abs_diff(&values(got), &want) / scale;
+    println!("{what}: max |Δ| relative to the largest value ({scale:.2}) {diff:.2e}");
+    assert!(diff <= 1e-6, "{what} differs from burn-nn by {diff:e} of its largest value");
+}
+
+#[test]
+fn the_encoder_loads_burn_nn_records_and_gives_its_output() {
+    let device = Default::default();
+    for norm_first in [false, true] {
+        let (want, bytes) = burn_nn_encoder(norm_first);
+        let got = drop_in_encoder::<Inner>(bytes, norm_first, &device).forward(nn::TransformerEncoderInput::new(target(&device)).causal());
+        assert_close(got, want, &format!("encoder, norm_first {norm_first}"));
+    }
+}
+
+#[test]
+fn the_decoder_loads_burn_nn_records_and_gives_its_output() {
+    let device = Default::default();
+    for norm_first in [false, true] {
+        let (want, bytes) = burn_nn_decoder(norm_first);
+        let input = nn::TransformerDecoderInput::new(target(&device), memory(&device)).target_causal();
+        let got = drop_in_decoder::<Inner>(bytes, norm_first, &device).forward(input);
+        assert_close(got, want, &format!("decoder, norm_first {norm_first}"));
+    }
+}
+
+/// Each rank of `sp` runs `work` on its shards of the target and the memory; its output, or
+/// its panic message.
+fn on_ranks(sp: usize, work: impl Fn(Tensor<Sp, 3>, Tensor<Sp, 3>) -> Tensor<Sp, 3> + Send + Sync + 'static) -> Vec<Result<Vec<f32>, String>> {
+    with_deadline(Duration::from_secs(90), move || {
+        ThreadGroup::new(sp)
+            .run(|rank| {
+                let _sp = Sp::enter_thread(rank.communicator());
+                let (r, p) = (rank.rank(), rank.size());
+                record_local_sequence(SEQ / p);
+                let device = Default::default();
+                values(work(shard(target::<Sp>(&device), 1, r, p), shard(memory::<Sp>(&device), 1, r, p)))
+            })
+            .into_iter()
+            .map(|result| result.map_err(|panic| panic.message))
+            .collect()
+    })
+}
+
+fn assert_sequence_parallel(results: Vec<Result<Vec<f32>, String>>, want: &Tensor<Inner, 3>, what: &str) {
+    let p = results.len();
+    for (rank, got) in results.into_iter().enumerate() {
+        let got = got.unwrap_or_else(|message| panic!("{what}, rank {rank} of {p}: {message}"));
+        let diff = max_abs_diff(&got, &values(shard(want.clone(), 1, rank, p)));
+        println!("{what}, rank {rank} of {p} vs one device: max |Δ| {diff:.2e}");
+        assert!(diff <= 1e-5, "{what}: rank {rank} of {p} differs from one device by {diff:e}");
+    }
+}
+
+#[test]
+fn the_encoder_and_decoder_are_sequence_parallel_at_sp_2_and_4() {
+    let (encoded, encoder) = burn_nn_encoder(true);
+    let (decoded, decoder) = burn_nn_decoder(false);
+    for sp in [2, 4] {
+        let bytes = encoder.clone();
+        let results = on_ranks(sp, move |x, _| drop_in_encoder::<Sp>(bytes.clone(), true, &x.device()).forward(nn::TransformerEncoderInput::new(x).causal()));
+        assert_sequence_parallel(results, &encoded, "encoder");
+        let bytes = decoder.clone();
+        let results = on_ranks(sp, move |x, memory| {
+            drop_in_decoder::<Sp>(bytes.clone(), false, &x.device()).forward(nn::TransformerDecoderInput::new(x, memory).target_causal())
+        });
+        assert_sequence_parallel(results, &decoded, "decoder");
+    }
+}
+
+#[test]
+fn burn_nns_encoder_is_refused_on_every_rank_under_sp() {
+    let results = on_ranks(2, |x, _| {
+        let config = burn_nn::TransformerEncoderConfig::new(D_MODEL, D_FF, HEADS, LAYERS).with_dropout(0.0);
+        config.init::<Sp>(&x.device()).forward(burn_nn::TransformerEncoderInput::new(x))
+    });
+    for (rank, result) in results.iter().enumerate() {
+        let message = result.as_ref().err().unwrap_or_else(|| panic!("rank {rank} returned a result"));
+        assert!(message.contains("attention done by hand"), "rank {rank}: {message}");
+    }
+}
