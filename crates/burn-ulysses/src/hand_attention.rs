@@ -12,6 +12,8 @@
 //! when its width equals the local length. The attention op's own products run on the inner
 //! backend and never reach this guard.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use burn::tensor::{
     TensorMetadata,
     ops::FloatTensor,
@@ -38,11 +40,20 @@ pub fn scores_within_shard(lhs: &[usize], rhs: &[usize], local_seq: Option<usize
     })
 }
 
+static GUARD_ON: AtomicBool = AtomicBool::new(true);
+
+/// Turns the guard on or off for the whole process: for measuring what it costs
+/// (`cargo bench --bench matmul_guard`). A model that attends within each shard on purpose sets
+/// [`UlyssesConfig::shard_local_attention_on_purpose`](crate::UlyssesConfig) instead.
+pub fn set_guard(on: bool) {
+    GUARD_ON.store(on, Ordering::Relaxed);
+}
+
 /// `UlyssesBackend`'s matmul: the inner backend's, after the guard.
 pub fn guarded_matmul<X: ExchangeBackend>(lhs: FloatTensor<X>, rhs: FloatTensor<X>) -> FloatTensor<X> {
     // The shape test first: most matmuls end there, before any lookup.
     let (lhs_shape, rhs_shape) = (lhs.shape(), rhs.shape());
-    if lhs_shape.num_dims() == 4 && rhs_shape.num_dims() == 4 && lhs_shape[2] == rhs_shape[3] {
+    if lhs_shape.num_dims() == 4 && rhs_shape.num_dims() == 4 && lhs_shape[2] == rhs_shape[3] && GUARD_ON.load(Ordering::Relaxed) {
         if let Some(error) = scores_within_shard(&lhs_shape, &rhs_shape, context::local_sequence(), context::current_sharding()) {
             panic!("{error}");
         }
