@@ -39,7 +39,12 @@ impl ParallelLayout {
 
     /// Fails, saying what to change, when the degrees do not fit together.
     pub fn check(&self) -> Result<(), UlyssesError> {
-        if self.sp_size == 0 || self.dp_size == 0 || self.ring_size == 0 || self.sp_size % self.ring_size != 0 {
+        for (name, degree) in [("sp_size", self.sp_size), ("dp_size", self.dp_size), ("ring_size", self.ring_size)] {
+            if degree == 0 {
+                return Err(UlyssesError::InvalidConfig(format!("{name} must be at least 1, got 0")));
+            }
+        }
+        if self.sp_size % self.ring_size != 0 {
             return Err(UlyssesError::InvalidConfig(format!(
                 "sp {} = ulysses × ring needs a ring degree that divides it; ring {} does not (ring degrees of sp {}: {:?})",
                 self.sp_size,

@@ -6,6 +6,7 @@ pub mod corpus;
 pub mod model;
 pub mod plot;
 pub mod rope;
+pub mod run_folder;
 pub mod tokens;
 pub mod train;
 

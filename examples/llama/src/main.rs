@@ -31,6 +31,7 @@ use ulysses_dist::{
 use ulysses_llama::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     plot,
+    run_folder::{Claim, RunFolder},
     tokens::TokenFile,
     train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, save_model, train_rank},
 };
@@ -101,11 +102,15 @@ struct Args {
     corpus: PathBuf,
     /// Pre-tokenized data instead of --corpus: JSON Lines, one array of token ids (0..256)
     /// per line, each at most --seq-len long.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "corpus")]
     tokens: Option<PathBuf>,
-    /// Output folder [default: runs/llama, or the --resume folder].
+    /// Output folder [default: runs/llama, or the --resume folder]. One run at a time holds
+    /// it (a lock); a fresh run refuses a folder with an earlier run's checkpoint.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Start a fresh run in an --out folder that holds an earlier run's checkpoint.
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
     #[arg(long, value_enum, default_value = "auto")]
@@ -200,6 +205,8 @@ struct Job<'a> {
     /// The step a resumed run starts at.
     resumed_at: Option<usize>,
     options: JobOptions,
+    /// Held by world rank 0 for the whole run.
+    _run_folder: Option<RunFolder>,
 }
 
 fn run(args: Args) -> Result<(), String> {
@@ -282,12 +289,20 @@ fn run(args: Args) -> Result<(), String> {
             config.model.n_kv_heads,
             layout.world_size(),
         );
-        std::fs::create_dir_all(&out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
-        config.save(out.join("config.json")).map_err(|e| e.to_string())?;
+    }
+    // Before anything is written into the folder.
+    let run_folder = if is_first {
+        let claim = if args.resume.is_some() || args.overwrite { Claim::Continue } else { Claim::Fresh };
+        Some(RunFolder::claim(&out, claim)?)
+    } else {
+        None
+    };
+    if is_first {
+        config.save(out.join("config.json")).map_err(|e| format!("cannot write {}: {e}", out.join("config.json").display()))?;
     }
     let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
-    let job = Job { args: &args, launch, config, data, out, resumed_at, options };
+    let job = Job { args: &args, launch, config, data, out, resumed_at, options, _run_folder: run_folder };
 
     let nccl_wanted = args.transport == TransportKind::Nccl;
     match args.backend {

@@ -86,15 +86,28 @@ impl TrainConfig {
     /// Fails, before any work, with the name of the first setting that cannot work and
     /// what to change.
     pub fn validate(&self) -> Result<(), String> {
+        let model = &self.model;
         let positive = [
             ("sp_size (--sp)", self.layout.sp_size),
             ("dp_size (--dp)", self.layout.dp_size),
             ("grad_accumulation (--grad-accumulation)", self.grad_accumulation),
             ("batch_size (--batch-size)", self.batch_size),
             ("steps (--steps)", self.steps),
+            ("d_model (--d-model)", model.d_model),
+            ("n_layers (--layers)", model.n_layers),
+            ("n_heads (--heads)", model.n_heads),
+            ("n_kv_heads (--kv-heads)", model.n_kv_heads),
+            ("ffn_hidden (--ffn-hidden)", model.ffn_hidden),
+            ("vocab_size", model.vocab_size),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, value)| *value == 0) {
-            return Err(format!("{name} must be at least 1"));
+            return Err(format!("{name} must be at least 1, got 0"));
+        }
+        if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
+            return Err(format!(
+                "learning_rate (--learning-rate) must be a finite number above 0 (3e-3 is the default), got {}",
+                self.learning_rate
+            ));
         }
         if self.seq_len < 2 {
             return Err(format!("seq_len (--seq-len) must be at least 2 tokens to have a label, got {}", self.seq_len));
@@ -114,8 +127,7 @@ impl TrainConfig {
                 self.seq_len, self.layout.sp_size
             ));
         }
-        let model = &self.model;
-        if model.n_heads == 0 || model.d_model % model.n_heads != 0 {
+        if model.d_model % model.n_heads != 0 {
             return Err(format!("d_model (--d-model) {} must be a multiple of the head count (--heads) {}", model.d_model, model.n_heads));
         }
         self.layout.check_heads(model.n_heads, model.n_kv_heads).map_err(|e| format!("{e} (--sp, --heads, --kv-heads)"))?;

@@ -8,13 +8,18 @@
 //! - a NaN in one rank's gradient stops the run naming the step and the rank;
 //! - a run stopped after 3 steps and resumed for 3 more equals 6 uninterrupted steps
 //!   (losses within 1e-6, identical parameters), and the checkpoint also resumes with no SP;
-//! - layouts that cannot work fail before any work, saying what to change.
+//! - layouts that cannot work fail before any work, saying what to change; so do settings
+//!   that cannot train (a learning rate that is negative, NaN or infinite; a zero size), each
+//!   naming its flag before any file is written;
+//! - the run folder has one writer: a second trainer on it stops at once naming the first's pid
+//!   while the first finishes intact; a fresh run leaves an earlier run's folder byte for byte
+//!   as it was.
 
 use std::{
     fs,
     net::TcpListener,
     path::{Path, PathBuf},
-    process::{Command, Output},
+    process::{Command, Output, Stdio},
     time::{Duration, Instant},
 };
 
@@ -317,5 +322,95 @@ fn layouts_that_cannot_work_fail_before_any_work_with_the_fix() {
         assert!(!output.status.success() && text.contains(expected), "expected {expected:?}:\n{text}");
         assert!(!dir.join("run").join("metrics.csv").exists(), "no step may run:\n{text}");
     }
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
+    let dir = workspace("settings");
+    let cases: [(&str, &str, &str); 8] = [
+        ("--learning-rate", "-1", "learning_rate (--learning-rate) must be a finite number above 0"),
+        ("--learning-rate", "nan", "learning_rate (--learning-rate) must be a finite number above 0"),
+        ("--learning-rate", "inf", "learning_rate (--learning-rate) must be a finite number above 0"),
+        ("--d-model", "0", "d_model (--d-model) must be at least 1"),
+        ("--ffn-hidden", "0", "ffn_hidden (--ffn-hidden) must be at least 1"),
+        ("--layers", "0", "n_layers (--layers) must be at least 1"),
+        ("--sp", "0", "sp_size must be at least 1, got 0"),
+        ("--corpus", "README.md", "cannot be used with"),
+    ];
+    for (flag, value, expected) in cases {
+        // The shared arguments with this flag's value replaced (or added).
+        let mut args = common_args(&dir, "run", 2);
+        match args.iter().position(|arg| arg == flag) {
+            Some(at) => args[at + 1] = value.to_string(),
+            None => args.extend([flag.to_string(), value.to_string()]),
+        }
+        let output = Command::new(trainer()).args(merge_flag_values(&args)).args(["--launch", "threads"]).output().unwrap();
+        let text = show(&output);
+        assert!(!output.status.success() && text.contains(expected), "{flag} {value}: expected {expected:?}:\n{text}");
+        assert!(!text.contains("panicked"), "{flag} {value} panicked:\n{text}");
+        assert!(!dir.join("run").exists(), "{flag} {value} wrote into the run folder:\n{text}");
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// `--flag value` pairs as `--flag=value`, so that values such as `-1` read as values.
+fn merge_flag_values(args: &[String]) -> Vec<String> {
+    let mut merged = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        if args[i].starts_with("--") && i + 1 < args.len() && !args[i + 1].starts_with("--") {
+            merged.push(format!("{}={}", args[i], args[i + 1]));
+            i += 2;
+        } else {
+            merged.push(args[i].clone());
+            i += 1;
+        }
+    }
+    merged
+}
+
+/// Every file of `folder` with its bytes, sorted by name.
+fn snapshot(folder: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<_> = fs::read_dir(folder)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.is_file())
+        .map(|path| (path.file_name().unwrap().to_string_lossy().into_owned(), fs::read(&path).unwrap()))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn one_writer_per_run_folder_and_an_earlier_run_is_never_overwritten() {
+    let dir = workspace("folder");
+    let steps = 150;
+    let args = common_args(&dir, "run", steps);
+    let out = dir.join("run");
+    let mut first = Command::new(trainer()).args(&args).args(["--launch", "threads", "--sp", "2"]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    // The first run holds the folder once its pid is in the lock file.
+    let started = Instant::now();
+    while fs::read_to_string(out.join(".lock")).map_or(true, |pid| pid.trim() != first.id().to_string()) {
+        assert!(started.elapsed() < Duration::from_secs(60), "the first run never locked {}", out.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let second = run_alone(&args, &["--sp", "2", "--overwrite"]);
+    let text = show(&second);
+    assert!(!second.status.success() && text.contains(&format!("in use by another run (pid {})", first.id())), "{text}");
+    let first = first.wait_with_output().unwrap();
+    assert!(first.status.success(), "the first run failed:\n{}", show(&first));
+    // Its folder agrees with itself: one row per step, the checkpoint after the last.
+    assert_eq!(losses(&out).iter().map(|l| l.0).collect::<Vec<_>>(), (0..steps).collect::<Vec<_>>());
+    let state: RunState = read_checkpoint_state(&out).unwrap();
+    assert_eq!(state.completed_steps, steps);
+    assert_eq!(TrainConfig::load(out.join("config.json")).unwrap().steps, steps);
+
+    // A fresh run on the finished folder is refused and changes nothing.
+    let before = snapshot(&out);
+    let refused = run_alone(&args, &["--sp", "2"]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("holds the checkpoint of an earlier run"), "{text}");
+    assert!(snapshot(&out) == before, "a refused run changed {}", out.display());
     let _ = fs::remove_dir_all(&dir);
 }
