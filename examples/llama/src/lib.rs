@@ -3,6 +3,7 @@
 //! `burn_ulysses::UlyssesBackend` it becomes sequence parallel without any change.
 
 pub mod corpus;
+pub mod data_identity;
 pub mod model;
 pub mod plot;
 pub mod rope;

@@ -30,6 +30,7 @@ use ulysses_dist::{
 };
 use ulysses_llama::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
+    data_identity::DataIdentity,
     plot,
     run_folder::{Claim, RunFolder},
     tokens::TokenFile,
@@ -108,6 +109,10 @@ struct Args {
     /// it (a lock); a fresh run refuses a folder with an earlier run's checkpoint.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// With --resume: continue on data other than the checkpoint's run trained on (its path,
+    /// size and digest are recorded in the checkpoint).
+    #[arg(long, requires = "resume")]
+    allow_new_data: bool,
     /// Start a fresh run in an --out folder that holds an earlier run's checkpoint.
     #[arg(long, conflicts_with = "resume")]
     overwrite: bool,
@@ -201,6 +206,7 @@ struct Job<'a> {
     launch: Launch,
     config: TrainConfig,
     data: Box<dyn StepData>,
+    data_identity: DataIdentity,
     out: PathBuf,
     /// The step a resumed run starts at.
     resumed_at: Option<usize>,
@@ -266,11 +272,15 @@ fn run(args: Args) -> Result<(), String> {
             Box::new(OwnedCorpus { corpus, config: config.clone() })
         }
     };
+    let data_identity = DataIdentity::of(args.tokens.as_ref().unwrap_or(&args.corpus))?;
     let resumed_at = match &args.resume {
         None => None,
         Some(location) => {
             let state: RunState = read_checkpoint_state(location).map_err(|e| e.to_string())?;
             check_resumable(&config, &state)?;
+            if let Some(why) = state.data.as_ref().and_then(|saved| data_identity.differs_from(saved)).filter(|_| !args.allow_new_data) {
+                return Err(why);
+            }
             Some(state.completed_steps)
         }
     };
@@ -302,7 +312,7 @@ fn run(args: Args) -> Result<(), String> {
     }
     let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
-    let job = Job { args: &args, launch, config, data, out, resumed_at, options, _run_folder: run_folder };
+    let job = Job { args: &args, launch, config, data, data_identity, out, resumed_at, options, _run_folder: run_folder };
 
     let nccl_wanted = args.transport == TransportKind::Nccl;
     match args.backend {
@@ -385,6 +395,7 @@ where
             checkpoint_every: job.args.checkpoint_every,
             resume: job.args.resume.clone(),
             stop_after: job.args.stop_after,
+            data_identity: Some(job.data_identity.clone()),
             faults: Faults { nan_gradient: job.args.fault_nan_gradient, kill: job.args.fault_kill },
         };
         let model = template.clone().fork(&rank.device);

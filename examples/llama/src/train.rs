@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     Llama, LlamaConfig,
     corpus::{BYTE_VOCAB, ByteCorpus},
+    data_identity::DataIdentity,
 };
 
 #[derive(Config, Debug)]
@@ -247,6 +248,10 @@ pub struct RunState {
     pub seed: u64,
     /// The run's config, to refuse a resumption that would train something else.
     pub config: TrainConfig,
+    /// The data it trained on, to refuse a resumption on other data (absent in checkpoints
+    /// written before it was recorded).
+    #[serde(default)]
+    pub data: Option<DataIdentity>,
 }
 
 /// Test hooks: faults injected on purpose, to check that the run stops cleanly.
@@ -273,6 +278,8 @@ pub struct RunOptions<'a> {
     /// Stop, after checkpointing, once this many steps have been taken in total: a run
     /// interrupted on purpose (a job time limit), continued later with `resume`.
     pub stop_after: Option<usize>,
+    /// The training data's identity, recorded in each checkpoint.
+    pub data_identity: Option<DataIdentity>,
     pub faults: Faults,
 }
 
@@ -326,7 +333,7 @@ where
         let done = step + 1;
         let checkpoint_due = done == last_step || (options.checkpoint_every > 0 && done % options.checkpoint_every == 0);
         if let (true, true, Some(dir)) = (checkpoint_due, is_first, &options.checkpoint_dir) {
-            let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone() };
+            let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone(), data: options.data_identity.clone() };
             let path = save_training_checkpoint(dir, &model, &optimizer, &state)?;
             if let Some(progress) = options.progress.as_deref_mut() {
                 progress.checkpoint(step, &path);
@@ -423,17 +430,23 @@ where
 
 /// Refuses to resume a run whose model or data would differ; warns when only the schedule does.
 pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), String> {
-    let differs = [
-        ("the model", serde_json::to_string(&config.model).ok() != serde_json::to_string(&saved.config.model).ok()),
-        ("--seed", config.seed != saved.seed),
-        ("--batch-size", config.batch_size != saved.config.batch_size),
-        ("--seq-len", config.seq_len != saved.config.seq_len),
-        ("--pack", config.pack != saved.config.pack),
+    // (setting, the checkpoint's value, this run's).
+    let mut settings = vec![
+        ("--seed".to_string(), saved.seed.to_string(), config.seed.to_string()),
+        ("--batch-size".to_string(), saved.config.batch_size.to_string(), config.batch_size.to_string()),
+        ("--seq-len".to_string(), saved.config.seq_len.to_string(), config.seq_len.to_string()),
+        ("--pack".to_string(), saved.config.pack.to_string(), config.pack.to_string()),
     ];
-    if let Some((what, _)) = differs.iter().find(|(_, differs)| *differs) {
+    let fields = |model: &LlamaConfig| match serde_json::to_value(model) {
+        Ok(serde_json::Value::Object(fields)) => fields,
+        _ => Default::default(),
+    };
+    let (was, now) = (fields(&saved.config.model), fields(&config.model));
+    settings.extend(was.iter().map(|(name, value)| (format!("model.{name}"), value.to_string(), now.get(name).map_or("-".into(), |v| v.to_string()))));
+    if let Some((what, was, now)) = settings.iter().find(|(_, was, now)| was != now) {
         return Err(format!(
-            "the checkpoint was written by a run with a different {what}; resuming would not continue that run. \
-             Resume with the settings in its config (layout and gradient accumulation may change)"
+            "the checkpoint was written by a run with {what} {was}, this one has {now}; resuming would not continue that \
+             run. Resume with the settings in its config.json (layout and gradient accumulation may change)"
         ));
     }
     if saved.completed_steps > config.steps {

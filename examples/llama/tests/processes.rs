@@ -13,7 +13,8 @@
 //!   naming its flag before any file is written;
 //! - the run folder has one writer: a second trainer on it stops at once naming the first's pid
 //!   while the first finishes intact; a fresh run leaves an earlier run's folder byte for byte
-//!   as it was.
+//!   as it was; a resume on other data (or with another model shape) is refused naming what
+//!   changed, unless `--allow-new-data`.
 
 use std::{
     fs,
@@ -412,5 +413,32 @@ fn one_writer_per_run_folder_and_an_earlier_run_is_never_overwritten() {
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("holds the checkpoint of an earlier run"), "{text}");
     assert!(snapshot(&out) == before, "a refused run changed {}", out.display());
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_resume_on_other_data_or_another_model_is_refused_naming_what_changed() {
+    let dir = workspace("resume-checks");
+    succeed(run_alone(&common_args(&dir, "run", 4), &["--sp", "2", "--stop-after", "2"]));
+    // The same token file with one token changed: the same size, other bytes.
+    let other = dir.join("other.jsonl");
+    fs::write(&other, fs::read_to_string(dir.join("data.jsonl")).unwrap().replacen('1', "2", 1)).unwrap();
+    let resume_with = |flag: &str, value: &str, extra: &[&str]| {
+        let mut args = common_args(&dir, "run", 4);
+        let at = args.iter().position(|arg| arg == flag).unwrap();
+        args[at + 1] = value.to_string();
+        args.extend(["--resume".to_string(), dir.join("run").display().to_string()]);
+        run_alone(&args, &[&["--sp", "2"], extra].concat())
+    };
+    let before = snapshot(&dir.join("run"));
+    let refused = resume_with("--tokens", &other.display().to_string(), &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("other.jsonl") && text.contains("--allow-new-data"), "{text}");
+    let refused = resume_with("--d-model", "32", &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("model.d_model 64, this one has 32"), "{text}");
+    assert!(snapshot(&dir.join("run")) == before, "a refused resume changed the run folder");
+    succeed(resume_with("--tokens", &other.display().to_string(), &["--allow-new-data"]));
+    assert_eq!(losses(&dir.join("run")).len(), 4);
     let _ = fs::remove_dir_all(&dir);
 }

@@ -1,0 +1,114 @@
+//! What a run trained on, recorded in its checkpoint so that `--resume` can refuse other
+//! data: the path, the size in bytes and an FNV-1a digest of the first and last 64 KiB of each
+//! file (a folder: of each file in name order, with its name and size). Cheap on any size; a
+//! change confined to the middle of a large file goes unseen.
+
+use std::{
+    fs::File,
+    io::{Read, Seek, SeekFrom},
+    path::{Path, PathBuf},
+};
+
+use serde::{Deserialize, Serialize};
+
+/// Bytes read at each end of a file.
+const BLOCK: u64 = 64 * 1024;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataIdentity {
+    pub path: String,
+    pub bytes: u64,
+    pub digest: String,
+}
+
+impl DataIdentity {
+    /// The identity of the file or folder at `path`.
+    pub fn of(path: &Path) -> Result<Self, String> {
+        let mut files = Vec::new();
+        collect(path, &mut files).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        files.sort();
+        let mut digest = Fnv::new();
+        let mut bytes = 0;
+        for file in &files {
+            let (size, ends) = ends_of(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+            digest.write(file.strip_prefix(path).unwrap_or(file).to_string_lossy().as_bytes());
+            digest.write(&size.to_le_bytes());
+            digest.write(&ends);
+            bytes += size;
+        }
+        Ok(Self { path: path.display().to_string(), bytes, digest: format!("{:016x}", digest.0) })
+    }
+
+    /// Why `self` (now) is not the data `saved` recorded, or `None` when it is.
+    pub fn differs_from(&self, saved: &DataIdentity) -> Option<String> {
+        (self.bytes != saved.bytes || self.digest != saved.digest).then(|| {
+            format!(
+                "the checkpoint's run trained on {} ({} bytes, digest {}), this one would train on {} ({} bytes, digest {}); \
+                 resuming would continue on other data. Resume with that data, or pass --allow-new-data to continue on this",
+                saved.path, saved.bytes, saved.digest, self.path, self.bytes, self.digest
+            )
+        })
+    }
+}
+
+fn collect(path: &Path, files: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    if path.is_dir() {
+        for entry in std::fs::read_dir(path)? {
+            collect(&entry?.path(), files)?;
+        }
+    } else {
+        files.push(path.to_path_buf());
+    }
+    Ok(())
+}
+
+/// A file's size and its first and last [`BLOCK`] bytes (the whole file when shorter).
+fn ends_of(path: &Path) -> std::io::Result<(u64, Vec<u8>)> {
+    let mut file = File::open(path)?;
+    let size = file.metadata()?.len();
+    let mut ends = Vec::new();
+    (&mut file).take(BLOCK).read_to_end(&mut ends)?;
+    if size > BLOCK {
+        file.seek(SeekFrom::Start(size.saturating_sub(BLOCK).max(BLOCK)))?;
+        file.take(BLOCK).read_to_end(&mut ends)?;
+    }
+    Ok((size, ends))
+}
+
+/// FNV-1a, 64 bits: stable across Rust versions, unlike std's hasher.
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0 ^ byte as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn another_file_or_an_edited_one_differs_and_the_same_does_not() {
+        let dir = std::env::temp_dir().join(format!("ulysses-data-identity-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b) = (dir.join("a.jsonl"), dir.join("b.jsonl"));
+        std::fs::write(&a, "[1, 2, 3]\n").unwrap();
+        std::fs::write(&b, "[1, 2, 4]\n").unwrap();
+        let saved = DataIdentity::of(&a).unwrap();
+        assert_eq!(DataIdentity::of(&a).unwrap().differs_from(&saved), None);
+        let message = DataIdentity::of(&b).unwrap().differs_from(&saved).expect("same size, other bytes");
+        assert!(message.contains("a.jsonl") && message.contains("b.jsonl") && message.contains("--allow-new-data"), "{message}");
+        std::fs::write(&a, "[1, 2, 3]\n[4]\n").unwrap();
+        assert!(DataIdentity::of(&a).unwrap().differs_from(&saved).is_some(), "an appended line");
+        // A folder: its files in name order.
+        assert_eq!(DataIdentity::of(&dir).unwrap(), DataIdentity::of(&dir).unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
