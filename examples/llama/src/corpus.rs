@@ -46,6 +46,30 @@ impl ByteCorpus {
         Ok(Self { files, train: bytes, eval })
     }
 
+    /// Fails unless every file is text: valid UTF-8 with under 1% control bytes other than
+    /// whitespace. A binary file trains, as bytes, a model of nothing useful; the trainer's
+    /// `--bytes-ok` skips this.
+    pub fn check_text(&self) -> Result<(), String> {
+        for file in &self.files {
+            let bytes = fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+            let why = match std::str::from_utf8(&bytes) {
+                Err(e) => Some(format!("it is not UTF-8 (byte {})", e.valid_up_to())),
+                Ok(_) => {
+                    let control = bytes.iter().filter(|&&b| b < 0x20 && !b"\n\r\t\x0c".contains(&b) || b == 0x7f).count();
+                    (control * 100 >= bytes.len().max(1)).then(|| format!("{control} of its {} bytes are control characters", bytes.len()))
+                }
+            };
+            if let Some(why) = why {
+                return Err(format!(
+                    "the corpus file {} does not look like text: {why}. Pass text with --corpus, pre-tokenized data with \
+                     --tokens, or --bytes-ok to train on its bytes anyway",
+                    file.display()
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Fails unless both splits hold more than one sequence of `len` bytes.
     pub fn check_sequence_length(&self, len: usize) -> Result<(), String> {
         let shortest = self.train.len().min(self.eval.len());

@@ -101,6 +101,9 @@ struct Args {
     /// A text file, or a folder of them (byte tokens).
     #[arg(long, default_value = DEFAULT_CORPUS)]
     corpus: PathBuf,
+    /// Train on a --corpus that does not look like text (not UTF-8, or over 1% control bytes).
+    #[arg(long)]
+    bytes_ok: bool,
     /// Pre-tokenized data instead of --corpus: JSON Lines, one array of token ids (0..256)
     /// per line, each at most --seq-len long.
     #[arg(long, conflicts_with = "corpus")]
@@ -268,6 +271,9 @@ fn run(args: Args) -> Result<(), String> {
         Some(path) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, BYTE_VOCAB)?),
         None => {
             let corpus = ByteCorpus::load(&args.corpus, 0.1)?;
+            if !args.bytes_ok {
+                corpus.check_text()?;
+            }
             corpus.check_sequence_length(config.seq_len)?;
             Box::new(OwnedCorpus { corpus, config: config.clone() })
         }

@@ -39,6 +39,13 @@ impl TokenFile {
             ));
         }
         let eval = (sequences.len() >= 2 * batch_size).then(|| sequences.split_off(sequences.len() - batch_size));
+        if sequences.iter().all(|sequence| sequence.len() < 2) {
+            return Err(format!(
+                "{}: every training sequence holds one token, so no position has a label (the next token) to learn: \
+                 the loss would be 0 and nothing would train. Give sequences of at least 2 tokens",
+                path.display()
+            ));
+        }
         Ok(Self { train: sequences, eval, batch_size })
     }
 }

@@ -14,7 +14,8 @@
 //! - the run folder has one writer: a second trainer on it stops at once naming the first's pid
 //!   while the first finishes intact; a fresh run leaves an earlier run's folder byte for byte
 //!   as it was; a resume on other data (or with another model shape) is refused naming what
-//!   changed, unless `--allow-new-data`.
+//!   changed, unless `--allow-new-data`; a binary corpus (unless `--bytes-ok`) and token
+//!   sequences that leave no label are refused before step 1.
 
 use std::{
     fs,
@@ -440,5 +441,36 @@ fn a_resume_on_other_data_or_another_model_is_refused_naming_what_changed() {
     assert!(snapshot(&dir.join("run")) == before, "a refused resume changed the run folder");
     succeed(resume_with("--tokens", &other.display().to_string(), &["--allow-new-data"]));
     assert_eq!(losses(&dir.join("run")).len(), 4);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn data_that_cannot_train_is_refused_before_step_1() {
+    let dir = workspace("untrainable");
+    // A binary file as the corpus: refused, unless --bytes-ok.
+    let binary = dir.join("binary.bin");
+    fs::write(&binary, (0..16 * 1024).map(|i| (i * 7 % 256) as u8).collect::<Vec<u8>>()).unwrap();
+    let corpus_args = |extra: &[&str]| {
+        let mut args = common_args(&dir, "corpus-run", 1);
+        let at = args.iter().position(|arg| arg == "--tokens").unwrap();
+        args.drain(at..at + 2);
+        args.extend(["--corpus".to_string(), binary.display().to_string()]);
+        run_alone(&args, extra)
+    };
+    let refused = corpus_args(&[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("does not look like text") && text.contains("--bytes-ok"), "{text}");
+    assert!(!dir.join("corpus-run").exists(), "{text}");
+    succeed(corpus_args(&["--bytes-ok"]));
+    // Sequences of one token: no label anywhere.
+    let single = dir.join("single.jsonl");
+    fs::write(&single, (0..8).map(|i| format!("[{i}]")).collect::<Vec<_>>().join("\n")).unwrap();
+    let mut args = common_args(&dir, "single-run", 1);
+    let at = args.iter().position(|arg| arg == "--tokens").unwrap();
+    args[at + 1] = single.display().to_string();
+    let refused = run_alone(&args, &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("no position has a label"), "{text}");
+    assert!(!dir.join("single-run").exists(), "{text}");
     let _ = fs::remove_dir_all(&dir);
 }
