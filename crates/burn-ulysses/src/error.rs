@@ -107,9 +107,9 @@ pub enum UlyssesError {
 
     #[error(
         "step {step}: a NaN or an infinity appeared{}{}{}. Training stopped before the \
-         optimizer step, so this step changed no parameter and the last checkpoint is \
-         intact. Lower the learning rate, clip gradients, or look at this step's \
-         data; resume from the last checkpoint.",
+         optimizer step, so this step changed no parameter and any checkpoint already \
+         written is intact. Lower the learning rate, clip gradients, or look at this step's \
+         data; resume from the last checkpoint if there is one.",
         if loss_ranks.is_empty() { String::new() } else { format!(" in the loss on rank(s) {loss_ranks:?}") },
         if gradient_ranks.is_empty() { String::new() } else { format!(" in the gradients on rank(s) {gradient_ranks:?}") },
         local_parameter.as_ref().map_or(String::new(), |p| format!(" (on this rank first in `{p}`)"))

@@ -4,7 +4,8 @@
 //! by `:`, each checked; `.ci/run` installs CUDA 12.9's and 13.0's, the GPU image's), to machine
 //! code that spills nothing, fits the shared memory and an SM, and uses the tensor cores in
 //! every kernel of the tensor-core engine (`scripts/cuda-machine-code.py`). Without the tools that half says SKIPPED, unless
-//! `ULYSSES_REQUIRE_CUDA_TOOLS=1` makes it a failure.
+//! `ULYSSES_REQUIRE_CUDA_TOOLS=1` makes it a failure. `ULYSSES_CUDA_REPORT=FILE` appends the
+//! reports and tables to FILE (CI prints it after the workspace's tests).
 
 use std::{path::PathBuf, process::Command};
 
@@ -37,7 +38,14 @@ fn every_planned_kernel_compiles_to_machine_code_that_fits_and_uses_tensor_cores
             .output()
             .unwrap_or_else(|e| panic!("cannot run {} with {tools}/bin/python: {e}", script.display()));
         let report = String::from_utf8_lossy(&output.stdout);
-        println!("{report}{}", std::fs::read_to_string(&table).unwrap_or_default());
+        let shown = format!("{report}{}", std::fs::read_to_string(&table).unwrap_or_default());
+        println!("{shown}");
+        // For CI to print after the workspace's tests, without compiling everything again.
+        if let Ok(path) = std::env::var("ULYSSES_CUDA_REPORT") {
+            use std::io::Write;
+            let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&path).unwrap_or_else(|e| panic!("cannot write {path}: {e}"));
+            writeln!(file, "{shown}").unwrap_or_else(|e| panic!("cannot write {path}: {e}"));
+        }
         eprintln!("{}", String::from_utf8_lossy(&output.stderr));
         assert!(output.status.success(), "the machine-code check with {tools} failed:\n{report}");
         for target in TARGETS {

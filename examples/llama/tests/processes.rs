@@ -15,7 +15,8 @@
 //!   while the first finishes intact; a fresh run leaves an earlier run's folder byte for byte
 //!   as it was; a resume on other data (or with another model shape) is refused naming what
 //!   changed, unless `--allow-new-data`; a binary corpus (unless `--bytes-ok`) and token
-//!   sequences that leave no label are refused before step 1.
+//!   sequences that leave no label are refused before step 1; a killed run leaves a folder the
+//!   next run can lock.
 
 use std::{
     fs,
@@ -472,5 +473,26 @@ fn data_that_cannot_train_is_refused_before_step_1() {
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("no position has a label"), "{text}");
     assert!(!dir.join("single-run").exists(), "{text}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_killed_run_leaves_a_folder_the_next_run_can_lock() {
+    let dir = workspace("killed");
+    let args = common_args(&dir, "run", 400);
+    let out = dir.join("run");
+    let mut first = Command::new(trainer()).args(&args).args(["--launch", "threads"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let started = Instant::now();
+    while fs::read_to_string(out.join(".lock")).map_or(true, |pid| pid.trim() != first.id().to_string()) {
+        assert!(started.elapsed() < Duration::from_secs(60), "the first run never locked {}", out.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    // The lock died with its holder; the pid it left behind does not block.
+    let mut args = common_args(&dir, "run", 2);
+    args.push("--overwrite".into());
+    succeed(run_alone(&args, &[]));
+    assert_eq!(losses(&out).len(), 2);
     let _ = fs::remove_dir_all(&dir);
 }
