@@ -344,10 +344,7 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     for (flag, value, expected) in cases {
         // The shared arguments with this flag's value replaced (or added).
         let mut args = common_args(&dir, "run", 2);
-        match args.iter().position(|arg| arg == flag) {
-            Some(at) => args[at + 1] = value.to_string(),
-            None => args.extend([flag.to_string(), value.to_string()]),
-        }
+        set_flag(&mut args, flag, value);
         let output = Command::new(trainer()).args(merge_flag_values(&args)).args(["--launch", "threads"]).output().unwrap();
         let text = show(&output);
         assert!(!output.status.success() && text.contains(expected), "{flag} {value}: expected {expected:?}:\n{text}");
@@ -373,6 +370,23 @@ fn merge_flag_values(args: &[String]) -> Vec<String> {
     merged
 }
 
+/// Waits until the run of process `pid` holds `out`: its pid is in the lock file.
+fn wait_until_locked_by(out: &Path, pid: u32) {
+    let started = Instant::now();
+    while fs::read_to_string(out.join(".lock")).map_or(true, |holder| holder.trim() != pid.to_string()) {
+        assert!(started.elapsed() < Duration::from_secs(60), "process {pid} never locked {}", out.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `args` with `flag`'s value set to `value` (the flag added when absent).
+fn set_flag(args: &mut Vec<String>, flag: &str, value: &str) {
+    match args.iter().position(|arg| arg == flag) {
+        Some(at) => args[at + 1] = value.to_string(),
+        None => args.extend([flag.to_string(), value.to_string()]),
+    }
+}
+
 /// Every file of `folder` with its bytes, sorted by name.
 fn snapshot(folder: &Path) -> Vec<(String, Vec<u8>)> {
     let mut files: Vec<_> = fs::read_dir(folder)
@@ -391,13 +405,8 @@ fn one_writer_per_run_folder_and_an_earlier_run_is_never_overwritten() {
     let steps = 150;
     let args = common_args(&dir, "run", steps);
     let out = dir.join("run");
-    let mut first = Command::new(trainer()).args(&args).args(["--launch", "threads", "--sp", "2"]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    // The first run holds the folder once its pid is in the lock file.
-    let started = Instant::now();
-    while fs::read_to_string(out.join(".lock")).map_or(true, |pid| pid.trim() != first.id().to_string()) {
-        assert!(started.elapsed() < Duration::from_secs(60), "the first run never locked {}", out.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let first = Command::new(trainer()).args(&args).args(["--launch", "threads", "--sp", "2"]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    wait_until_locked_by(&out, first.id());
     let second = run_alone(&args, &["--sp", "2", "--overwrite"]);
     let text = show(&second);
     assert!(!second.status.success() && text.contains(&format!("in use by another run (pid {})", first.id())), "{text}");
@@ -427,8 +436,7 @@ fn a_resume_on_other_data_or_another_model_is_refused_naming_what_changed() {
     fs::write(&other, fs::read_to_string(dir.join("data.jsonl")).unwrap().replacen('1', "2", 1)).unwrap();
     let resume_with = |flag: &str, value: &str, extra: &[&str]| {
         let mut args = common_args(&dir, "run", 4);
-        let at = args.iter().position(|arg| arg == flag).unwrap();
-        args[at + 1] = value.to_string();
+        set_flag(&mut args, flag, value);
         args.extend(["--resume".to_string(), dir.join("run").display().to_string()]);
         run_alone(&args, &[&["--sp", "2"], extra].concat())
     };
@@ -467,8 +475,7 @@ fn data_that_cannot_train_is_refused_before_step_1() {
     let single = dir.join("single.jsonl");
     fs::write(&single, (0..8).map(|i| format!("[{i}]")).collect::<Vec<_>>().join("\n")).unwrap();
     let mut args = common_args(&dir, "single-run", 1);
-    let at = args.iter().position(|arg| arg == "--tokens").unwrap();
-    args[at + 1] = single.display().to_string();
+    set_flag(&mut args, "--tokens", &single.display().to_string());
     let refused = run_alone(&args, &[]);
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("no position has a label"), "{text}");
@@ -482,11 +489,7 @@ fn a_killed_run_leaves_a_folder_the_next_run_can_lock() {
     let args = common_args(&dir, "run", 400);
     let out = dir.join("run");
     let mut first = Command::new(trainer()).args(&args).args(["--launch", "threads"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    let started = Instant::now();
-    while fs::read_to_string(out.join(".lock")).map_or(true, |pid| pid.trim() != first.id().to_string()) {
-        assert!(started.elapsed() < Duration::from_secs(60), "the first run never locked {}", out.display());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until_locked_by(&out, first.id());
     first.kill().unwrap();
     first.wait().unwrap();
     // The lock died with its holder; the pid it left behind does not block.
