@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One device call's work: runs parts of the GPU bundle one after another, each under its own time
+# limit, then packs every log into $OUT/logs.tar.gz (a call brings back at most 8 files, and
+# gpu-run.sh writes one log per step).
+#
+#   scripts/gpu-call.sh kernels:tests=240 nccl=60 train=240
+#
+# A part is FOLDER[:RUN][=SECONDS]: FOLDER one of scripts/gpu-bundle.sh's folders (kernels,
+# memory, nccl, train), RUN its KERNELS_RUN or MEMORY_RUN, SECONDS its limit (default 120; a
+# part still running then is killed and recorded as status 124). The bundle comes either as the
+# folders in .gpu-bundle or as the compressed .gpu-carry/bundle.tar.xz (all four folders in one
+# carry, under the 64 MiB a call takes), unpacked with Python (no xz binary needed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:?OUT must name the folder whose files come back}"
+bundle=.gpu-bundle
+if [ ! -d "$bundle/kernels" ] && [ -f .gpu-carry/bundle.tar.xz ]; then
+    python3 -m tarfile -e .gpu-carry/bundle.tar.xz . || { echo "gpu-call: cannot unpack the bundle" >&2; exit 1; }
+fi
+[ -d "$bundle" ] || { echo "gpu-call: no bundle (run scripts/gpu-bundle.sh here, carry .gpu-carry)" >&2; exit 1; }
+logs=/tmp/gpu-call-logs
+rm -rf "$logs" && mkdir -p "$logs"
+# The trainer's corpus: the system's licence texts where the image has them, else this
+# project's own sources (text either way).
+if [ -z "${CORPUS:-}" ]; then
+    if [ -d /usr/share/common-licenses ]; then
+        export CORPUS=/usr/share/common-licenses
+    else
+        cat $(find crates kernels-cubecl examples -name '*.rs' | sort) >/tmp/gpu-call-corpus.txt
+        export CORPUS=/tmp/gpu-call-corpus.txt
+    fi
+fi
+for part in "$@"; do
+    spec=${part%%=*}
+    seconds=120
+    [ "$spec" != "$part" ] && seconds=${part#*=}
+    folder=${spec%%:*}
+    run=""
+    [ "$spec" != "$folder" ] && run=${spec#*:}
+    name=${spec/:/-}
+    mkdir -p "$logs/$name"
+    echo "== part $name (limit ${seconds} s)"
+    started=$(date +%s)
+    # timeout signals its whole process group: a part's children (launched ranks) end too.
+    KERNELS_RUN=${run:-tests} MEMORY_RUN=${run:-alst} OUT="$logs/$name" \
+        timeout --kill-after=10 "$seconds" "$bundle/$folder/gpu-run.sh" 2>&1 | tee "$logs/$name/console.log" | tail -n 40
+    status=${PIPESTATUS[0]}
+    echo "$name $status $(( $(date +%s) - started ))s" | tee -a "$logs/parts.txt"
+done
+nvidia-smi >"$logs/nvidia-smi.txt" 2>&1
+tar czf "$out/logs.tar.gz" -C "$logs" .
+cp "$logs/parts.txt" "$out/parts.txt"
