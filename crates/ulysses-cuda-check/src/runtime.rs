@@ -198,7 +198,9 @@ fn properties(target: &Target, memory: MemoryDeviceProperties) -> DeviceProperti
 impl DeviceService for CompileOnlyServer {
     fn init(device_id: DeviceId) -> Self {
         let target = TargetDevice::from_id(device_id).target();
-        let memory_properties = MemoryDeviceProperties { max_page_size: 1 << 30, alignment: 512 };
+        // Pages up to 16 GiB: a buffer past 2^32 bf16 elements (64-bit indexing) fits one. The
+        // host maps the zeroed pages lazily; nothing runs, so they stay untouched.
+        let memory_properties = MemoryDeviceProperties { max_page_size: 1 << 34, alignment: 512 };
         let logger = Arc::new(ServerLogger::default());
         let memory = MemoryManagement::from_configuration(
             BytesStorage::default(),
