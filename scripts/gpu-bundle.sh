@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the CUDA binaries that a GPU machine (no Rust toolchain there) runs, strips them and
 # puts them in .gpu-bundle/{kernels,memory,nccl,train} (git-ignored), each under the 64 MiB a
-# device call carries (kernels 21 MB, memory 26, nccl 26, train 44 on 2026-11-24). Carry one
-# folder per call and run its gpu-run.sh there (KERNELS_RUN / MEMORY_RUN pick a call's work).
+# device call carries (kernels 21 MB, memory 26, nccl 26, train 44 on 2026-11-24), and all of
+# them compressed in .gpu-carry/bundle.tar.xz (20 MB): carry .gpu-carry and run
+# scripts/gpu-call.sh there, which runs gpu-run.sh's parts (KERNELS_RUN / MEMORY_RUN / TRAIN_RUN).
 # Any failed build stops it with cargo's messages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,3 +26,7 @@ cp benches/sdpa_reference.py "$bundle/kernels/"
 cp benches/torch_llama_reference.py "$bundle/train/"
 for part in kernels memory nccl train; do cp scripts/gpu-run.sh "$bundle/$part/"; done
 du -ah "$bundle"
+# All four folders in one carry (about 20 MB; scripts/gpu-call.sh unpacks it on the GPU machine).
+mkdir -p .gpu-carry
+tar cf - "$bundle" | xz -T2 -6 >.gpu-carry/bundle.tar.xz
+du -h .gpu-carry/bundle.tar.xz

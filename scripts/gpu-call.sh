@@ -6,7 +6,7 @@
 #   scripts/gpu-call.sh kernels:tests=240 nccl=60 train=240
 #
 # A part is FOLDER[:RUN][=SECONDS]: FOLDER one of scripts/gpu-bundle.sh's folders (kernels,
-# memory, nccl, train), RUN its KERNELS_RUN or MEMORY_RUN, SECONDS its limit (default 120; a
+# memory, nccl, train), RUN its KERNELS_RUN, MEMORY_RUN or TRAIN_RUN, SECONDS its limit (default 120; a
 # part still running then is killed and recorded as status 124). The bundle comes either as the
 # folders in .gpu-bundle or as the compressed .gpu-carry/bundle.tar.xz (all four folders in one
 # carry, under the 64 MiB a call takes), unpacked with Python (no xz binary needed).
@@ -18,6 +18,8 @@ if [ ! -d "$bundle/kernels" ] && [ -f .gpu-carry/bundle.tar.xz ]; then
     python3 -m tarfile -e .gpu-carry/bundle.tar.xz . || { echo "gpu-call: cannot unpack the bundle" >&2; exit 1; }
 fi
 [ -d "$bundle" ] || { echo "gpu-call: no bundle (run scripts/gpu-bundle.sh here, carry .gpu-carry)" >&2; exit 1; }
+# This checkout's gpu-run.sh, not the bundle's copy: the steps may have changed since the build.
+for folder in "$bundle"/*/; do cp scripts/gpu-run.sh "$folder"; done
 logs=/tmp/gpu-call-logs
 rm -rf "$logs" && mkdir -p "$logs"
 # The trainer's corpus: the system's licence texts where the image has them, else this
@@ -42,11 +44,12 @@ for part in "$@"; do
     echo "== part $name (limit ${seconds} s)"
     started=$(date +%s)
     # timeout signals its whole process group: a part's children (launched ranks) end too.
-    KERNELS_RUN=${run:-tests} MEMORY_RUN=${run:-alst} OUT="$logs/$name" \
+    KERNELS_RUN=${run:-tests} MEMORY_RUN=${run:-alst} TRAIN_RUN=${run:-check} OUT="$logs/$name" \
         timeout --kill-after=10 "$seconds" "$bundle/$folder/gpu-run.sh" 2>&1 | tee "$logs/$name/console.log" | tail -n 40
     status=${PIPESTATUS[0]}
     echo "$name $status $(( $(date +%s) - started ))s" | tee -a "$logs/parts.txt"
 done
 nvidia-smi >"$logs/nvidia-smi.txt" 2>&1
-tar czf "$out/logs.tar.gz" -C "$logs" .
+# Logs only: the trainer's checkpoints and weights would pass the 16 MiB a returned file may have.
+tar czf "$out/logs.tar.gz" --exclude='*.ulysses' --exclude='*.mpk' --exclude='*.ulysses.*' -C "$logs" .
 cp "$logs/parts.txt" "$out/parts.txt"

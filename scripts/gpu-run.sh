@@ -5,8 +5,10 @@
 # a failed step and exits 1 at the end if any failed, naming them.
 #
 # One device call lasts at most 10 minutes, so a folder's work is split by variables:
-#   KERNELS_RUN = tests (default) | big | bench | ncu (kernels folder)
-#   MEMORY_RUN  = alst (default) | layers4 | table   (memory folder)
+#   KERNELS_RUN = tests (default) | named | big | bench | ncu (kernels folder)
+#   MEMORY_RUN  = alst (default) | layers4 | table   (memory folder; alst's range and trial limit:
+#                 MEMORY_MIN_SEQ, MEMORY_MAX_SEQ, MEMORY_TRIAL_TIMEOUT)
+#   TRAIN_RUN   = check (default) | scale             (train folder)
 # DRY_RUN=1 prints the steps instead of running them (any machine: `DRY_RUN=1 OUT=/tmp/x
 # scripts/gpu-run.sh` from a bundle folder, or from scripts/ to see every step).
 set -uo pipefail
@@ -106,6 +108,9 @@ if has flash-attention-tests; then
     tests)
         # A CUDA start failure must fail here, not skip. The >2^32-element case has its call.
         step kernel-tests env ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture --skip past_2_pow_32 ;;
+    named)
+        # The tests named in KERNEL_TESTS (space-separated), alone: a failure's whole message.
+        step kernel-tests-named env ULYSSES_REQUIRE_GPU_RUNTIME=1 RUST_BACKTRACE=1 "$here/flash-attention-tests" --nocapture --exact ${KERNEL_TESTS:?} ;;
     big)
         # q, the output, dO and dQ of 4.5e9 elements each (about 45 GB): 64-bit indexing.
         step kernel-test-past-2-pow-32 env ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture --exact bf16_past_2_pow_32_elements_per_tensor_against_chunks ;;
@@ -113,14 +118,17 @@ if has flash-attention-tests; then
         step flash-bench env ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" ;;
     ncu)
         # Nsight Compute on one launch of each kernel (forward, dK/dV, dQ) of the bench's first
-        # shape: the figures that name the limit (memory or compute throughput, occupancy).
+        # shape (S 1024, 16 heads, bf16, head dim 128): the figures that name the limit (memory
+        # or compute throughput, occupancy). A 0.2 s budget skips the long shapes; no SDPA.
         if [ "${DRY_RUN:-0}" = 1 ] || command -v ncu >/dev/null; then
-            step ncu ncu --set full --launch-count 3 -k 'regex:flash_forward_kernel|key_value_grad_kernel|query_grad_kernel' \
-                "$here/flash-attention-bench" --quick --budget-secs 0.2
+            for kernel in flash_forward_kernel key_value_grad_kernel query_grad_kernel; do
+                step "ncu-$kernel" env ULYSSES_SDPA_SCRIPT=/nonexistent/sdpa.py ncu --set full --launch-count 1 \
+                    -k "regex:$kernel" "$here/flash-attention-bench" --budget-secs 0.2
+            done
         else
             echo "SKIPPED ncu: Nsight Compute (ncu) is not in this image"
         fi ;;
-    *) echo "KERNELS_RUN must be tests, big, bench or ncu, not ${KERNELS_RUN}" >&2; exit 2 ;;
+    *) echo "KERNELS_RUN must be tests, named, big, bench or ncu, not ${KERNELS_RUN}" >&2; exit 2 ;;
     esac
 fi
 if has training-memory-bench; then
@@ -130,16 +138,26 @@ if has training-memory-bench; then
     # --trial-timeout. CubeCL's compilation cache (configured by a cubecl.toml in the working
     # folder or above) spares every trial after the first the kernels' compilation.
     mkdir -p /tmp/memory-run
-    printf '[compilation]\ncache = { file = "/tmp/memory-run/cubecl-cache" }\n' >/tmp/memory-run/cubecl.toml
+    # Autotune (burn's matmuls try several kernels per new shape) at its least effort, cached
+    # across trials too; both logs come back with the step's, to show where a trial's time goes.
+    cat >/tmp/memory-run/cubecl.toml <<'TOML'
+[compilation]
+cache = { file = "/tmp/memory-run/cubecl-cache" }
+logger = { level = "basic", file = "/tmp/memory-run/compilation.log" }
+[autotune]
+level = "minimal"
+cache = { file = "/tmp/memory-run/autotune-cache" }
+logger = { level = "minimal", file = "/tmp/memory-run/autotune.log" }
+TOML
     pushd /tmp/memory-run >/dev/null
     bench="$here/training-memory-bench"
-    longest="--shape llama-8b --longest-under 80000000000 --documents 4096 --trial-timeout 100"
+    longest="--shape llama-8b --longest-under 80000000000 --documents ${MEMORY_DOCUMENTS:-4096} --trial-timeout ${MEMORY_TRIAL_TIMEOUT:-100}"
     case "${MEMORY_RUN:-alst}" in
     alst)
         # Everything ALST uses, on a Llama-3.1-8B-shaped stack of 2 layers: checkpointing
         # offloaded, the token-wise parts in tiles of d_model tokens, bf16. Goal: 1M tokens.
         # Bisection from 512K to 2M in steps of 128K: at most 4 trials of 100 s.
-        step memory-alst "$bench" $longest --layers 2 --min-seq 524288 --max-seq 2097152 --step-tokens 131072 \
+        step memory-alst "$bench" $longest --layers 2 --min-seq "${MEMORY_MIN_SEQ:-524288}" --max-seq "${MEMORY_MAX_SEQ:-2097152}" --step-tokens 131072 \
             --checkpoint-layers --offload-to-host --tile-tokens 4096 --precision bf16 ;;
     layers4)
         # 4 layers in f32, plain and checkpointed (offloaded).
@@ -152,6 +170,7 @@ if has training-memory-bench; then
     *) echo "MEMORY_RUN must be alst, layers4 or table, not ${MEMORY_RUN}" >&2; exit 2 ;;
     esac
     popd >/dev/null
+    [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/memory-run/*.log "$out/" 2>/dev/null
 fi
 # Two ranks on the one GPU: a host id each (or NCCL refuses a duplicate GPU), so NCCL talks
 # over sockets; on loopback, with InfiniBand off.
@@ -161,18 +180,30 @@ if has ulysses-nccl-check; then
     step nccl-check-2 env ULYSSES_GPU=0 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "$two_ranks_on_one_gpu exec $here/ulysses-nccl-check"
 fi
 if has ulysses-llama; then
-    train="--steps 50 --seq-len 2048 --batch-size 2 --corpus ${CORPUS:-/usr/share/common-licenses}"
-    # One process: SP=1, and SP=2 as threads sharing the GPU; burn's fused CUDA backend too.
-    for sp in 1 2; do
-        step "train-sp$sp" "$here/ulysses-llama" --backend cuda --sp "$sp" $train --out "$out/train-sp$sp"
-    done
-    step train-fused-sp1 "$here/ulysses-llama" --backend cuda-fused --sp 1 $train --out "$out/train-fused-sp1"
-    # SP=2 as two processes over NCCL on the one GPU.
-    step train-sp2-processes "$here/ulysses-launch" --nproc-per-node 2 -- sh -c \
-        "$two_ranks_on_one_gpu exec $here/ulysses-llama --backend cuda --device 0 --sp 2 $train --out $out/train-sp2-processes"
-    # The same model in PyTorch (transformers' LlamaForCausalLM, SDPA, bf16 as the trainer's
-    # CUDA default), same batch and length: tokens/s and peak memory beside ours.
-    step torch-llama python3 "$here/torch_llama_reference.py" --seq-len 2048 --batch-size 2 --dtype bf16 --steps 50
+    case "${TRAIN_RUN:-check}" in
+    check)
+        train="--steps 50 --seq-len 2048 --batch-size 2 --corpus ${CORPUS:-/usr/share/common-licenses}"
+        # One process: SP=1, and SP=2 as threads sharing the GPU; burn's fused CUDA backend too.
+        for sp in 1 2; do
+            step "train-sp$sp" "$here/ulysses-llama" --backend cuda --sp "$sp" $train --out "$out/train-sp$sp"
+        done
+        step train-fused-sp1 "$here/ulysses-llama" --backend cuda-fused --sp 1 $train --out "$out/train-fused-sp1"
+        # SP=2 as two processes over NCCL on the one GPU.
+        step train-sp2-processes "$here/ulysses-launch" --nproc-per-node 2 -- sh -c \
+            "$two_ranks_on_one_gpu exec $here/ulysses-llama --backend cuda --device 0 --sp 2 $train --out $out/train-sp2-processes"
+        # The same model in PyTorch (transformers' LlamaForCausalLM, SDPA, bf16 as the trainer's
+        # CUDA default), same batch and length: tokens/s and peak memory beside ours.
+        step torch-llama python3 "$here/torch_llama_reference.py" --seq-len 2048 --batch-size 2 --dtype bf16 --steps 50 ;;
+    scale)
+        # Tokens/s against S at batch 1, ours (metrics.csv's per-step rate) and PyTorch's on the
+        # same model; the first steps compile kernels, so both runs take 16 and time the last.
+        for seq in ${TRAIN_SEQS:-4096 16384 65536}; do
+            step "train-scale-$seq" "$here/ulysses-llama" --backend cuda --sp 1 --steps 16 --seq-len "$seq" --batch-size 1 \
+                --checkpoint-every 0 --check-parameters-every 0 --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/train-scale-$seq"
+            step "torch-scale-$seq" python3 "$here/torch_llama_reference.py" --seq-len "$seq" --batch-size 1 --dtype bf16 --steps 16 --warmup 4
+        done ;;
+    *) echo "TRAIN_RUN must be check or scale, not ${TRAIN_RUN}" >&2; exit 2 ;;
+    esac
 fi
 
 if [ "${#failed[@]}" -gt 0 ]; then

@@ -1,7 +1,8 @@
 //! `scripts/gpu-run.sh` on this machine, with stand-ins for the bundle's binaries: a lent GPU's
 //! minutes must not go to a run whose failures read as success. A failing step must fail the
 //! run (exit 1, named), its whole output (a panic's message) must reach `$OUT`, and the run must
-//! go on to the next step; a passing run exits 0.
+//! go on to the next step; a passing run exits 0. `scripts/gpu-call.sh` must end a part at its
+//! time limit and go on, and bring the logs back in one file without the trainer's checkpoints.
 
 use std::{fs, os::unix::fs::PermissionsExt, path::Path, process::Command};
 
@@ -49,6 +50,46 @@ fn a_passing_run_exits_zero_and_keeps_each_steps_status() {
     assert_eq!(status.trim(), "kernel-tests 0");
     let log = fs::read_to_string(dir.path().join("out/kernel-tests.log")).unwrap();
     assert!(log.contains("21 passed"), "{log:?}");
+}
+
+#[test]
+fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoints() {
+    let dir = tempfile_dir::Dir::new("gpu-call");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    fs::create_dir_all(dir.path().join("scripts")).unwrap();
+    for script in ["gpu-call.sh", "gpu-run.sh"] {
+        fs::copy(root.join("scripts").join(script), dir.path().join("scripts").join(script)).unwrap();
+    }
+    let kernels = dir.path().join(".gpu-bundle/kernels");
+    fs::create_dir_all(&kernels).unwrap();
+    // The named tests pass and leave a run folder behind; the whole suite hangs.
+    let stand_in = "#!/bin/sh\ncase \"$*\" in\n*--exact*) mkdir -p \"$OUT/run\"; echo 5.5 >\"$OUT/run/metrics.csv\"; \
+                    head -c 100000 /dev/zero >\"$OUT/run/checkpoint.ulysses\"; echo 'test result: ok. 1 passed' ;;\n*) sleep 60 ;;\nesac\n";
+    fs::write(kernels.join("flash-attention-tests"), stand_in).unwrap();
+    fs::set_permissions(kernels.join("flash-attention-tests"), fs::Permissions::from_mode(0o755)).unwrap();
+    let out = dir.path().join("out");
+    fs::create_dir(&out).unwrap();
+
+    let started = std::time::Instant::now();
+    let output = Command::new("bash")
+        .arg(dir.path().join("scripts/gpu-call.sh"))
+        .args(["kernels:tests=2", "kernels:named=30"])
+        .env("OUT", &out)
+        .env("KERNEL_TESTS", "one_test")
+        .env("CORPUS", "/dev/null")
+        .output()
+        .expect("bash runs gpu-call.sh");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(started.elapsed().as_secs() < 30, "the hung part was not ended at its 2 s limit:\n{stdout}");
+    let parts = fs::read_to_string(out.join("parts.txt")).unwrap();
+    let statuses: Vec<(&str, &str)> = parts.lines().map(|l| { let f: Vec<&str> = l.split(' ').collect(); (f[0], f[1]) }).collect();
+    assert_eq!(statuses, [("kernels-tests", "124"), ("kernels-named", "0")], "{parts}\n{stdout}");
+
+    let listing = Command::new("tar").arg("tzvf").arg(out.join("logs.tar.gz")).output().expect("tar lists the logs");
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    assert!(listing.contains("kernels-named/kernel-tests-named.log"), "{listing}");
+    assert!(listing.contains("kernels-named/run/metrics.csv"), "{listing}");
+    assert!(!listing.contains("checkpoint.ulysses"), "a checkpoint went into the logs:\n{listing}");
 }
 
 /// A temporary folder removed on drop (no extra dependency for two tests).
