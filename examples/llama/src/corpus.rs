@@ -15,6 +15,9 @@ pub const BYTE_VOCAB: usize = 256;
 
 pub const DEFAULT_CORPUS: &str = "/usr/share/common-licenses";
 
+/// The smallest corpus the trainer takes, in bytes of its files.
+pub const MIN_CORPUS_BYTES: usize = 4096;
+
 pub struct ByteCorpus {
     pub files: Vec<PathBuf>,
     train: Vec<u8>,
@@ -34,11 +37,12 @@ impl ByteCorpus {
             bytes.extend(fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?);
             bytes.push(b'\n');
         }
-        if bytes.len() < 4096 {
+        // What the files hold, without the line break added after each.
+        let file_bytes = bytes.len() - files.len();
+        if file_bytes < MIN_CORPUS_BYTES {
             return Err(format!(
-                "corpus {} has only {} bytes; give at least 4 KB of text with --corpus",
+                "corpus {} has only {file_bytes} bytes; give at least {MIN_CORPUS_BYTES} bytes (4 KiB) of text with --corpus",
                 path.display(),
-                bytes.len()
             ));
         }
         let split = ((1.0 - eval_fraction) * bytes.len() as f64) as usize;
@@ -70,14 +74,17 @@ impl ByteCorpus {
         Ok(())
     }
 
-    /// Fails unless both splits hold more than one sequence of `len` bytes.
+    /// Fails unless both splits hold a sequence of `len` bytes and one more: the sequences are
+    /// drawn at offsets below `split − len`.
     pub fn check_sequence_length(&self, len: usize) -> Result<(), String> {
         let shortest = self.train.len().min(self.eval.len());
         if len >= shortest {
+            let which = if self.eval.len() <= self.train.len() { "held-out" } else { "training" };
             return Err(format!(
-                "--seq-len {len} does not fit the corpus: its held-out split has {} bytes; use a \
-                 shorter --seq-len or a larger --corpus",
-                self.eval.len()
+                "--seq-len {len} does not fit the corpus: its {which} split has {shortest} bytes, and a sequence of {len} \
+                 needs {} (the longest that fits is {}); use a shorter --seq-len or a larger --corpus",
+                len + 1,
+                shortest.saturating_sub(1)
             ));
         }
         Ok(())
@@ -126,4 +133,34 @@ pub fn splitmix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn corpus_of(name: &str, bytes: usize) -> Result<ByteCorpus, String> {
+        let path = std::env::temp_dir().join(format!("ulysses-corpus-{name}-{}.txt", std::process::id()));
+        fs::write(&path, "a".repeat(bytes)).unwrap();
+        let corpus = ByteCorpus::load(&path, 0.1);
+        let _ = fs::remove_file(&path);
+        corpus
+    }
+
+    #[test]
+    fn sizes_in_messages_are_the_files_bytes_and_what_fits() {
+        // 4095 bytes in the file (4096 with the line break the loader adds): too small, by
+        // the file's own count.
+        let error = corpus_of("small", MIN_CORPUS_BYTES - 1).err().expect("refused");
+        assert!(error.contains("has only 4095 bytes") && error.contains("at least 4096"), "{error}");
+        let corpus = corpus_of("exact", MIN_CORPUS_BYTES).expect("4096 bytes are enough");
+        // The held-out split holds the last 10% (410 bytes of 4097): a sequence of 409 is the
+        // longest that fits, with its last label.
+        let held_out = corpus.eval.len();
+        assert_eq!(held_out, 410);
+        corpus.check_sequence_length(held_out - 1).expect("fits");
+        assert_eq!(corpus.eval_batch(2, held_out - 1)[0].len(), held_out - 1);
+        let error = corpus.check_sequence_length(held_out).unwrap_err();
+        assert!(error.contains("held-out split has 410 bytes") && error.contains("needs 411") && error.contains("longest that fits is 409"), "{error}");
+    }
 }

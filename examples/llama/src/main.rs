@@ -11,12 +11,12 @@
 
 use std::{
     fs::File,
-    io::{BufRead, BufReader, BufWriter, Write},
+    io::{BufRead, BufReader},
     path::{Path, PathBuf},
     time::Instant,
 };
 
-use burn::{backend::Autodiff, config::Config, module::Module, tensor::backend::Backend};
+use burn::{backend::Autodiff, module::Module, tensor::backend::Backend};
 use burn_ulysses::{
     ParallelLayout, PlainBackend, UlyssesBackend,
     precision::Precision,
@@ -32,7 +32,7 @@ use ulysses_llama::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     data_identity::DataIdentity,
     plot,
-    run_folder::{Claim, RunFolder},
+    run_folder::{Claim, METRICS_FILE, RunFolder, RunRecord},
     tokens::TokenFile,
     train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, save_model, train_rank},
 };
@@ -313,9 +313,6 @@ fn run(args: Args) -> Result<(), String> {
     } else {
         None
     };
-    if is_first {
-        config.save(out.join("config.json")).map_err(|e| format!("cannot write {}: {e}", out.join("config.json").display()))?;
-    }
     let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
     let job = Job { args: &args, launch, config, data, data_identity, out, resumed_at, options, _run_folder: run_folder };
@@ -394,7 +391,7 @@ where
     let threads = matches!(job.launch, Launch::Threads);
 
     let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {
-        let mut log = (rank.world_rank == 0).then(|| RunLog::new(job)).transpose()?;
+        let mut log = (rank.world_rank == 0).then(|| RunLog::new(job));
         let options = RunOptions {
             progress: log.as_mut().map(|log| log as &mut dyn Progress),
             checkpoint_dir: Some(job.out.clone()),
@@ -423,7 +420,7 @@ where
 /// World rank 0's view of the run: progress bar, CSV and loss curve.
 struct RunLog {
     bar: ProgressBar,
-    csv: BufWriter<File>,
+    record: Record,
     out: PathBuf,
     started: Instant,
     train: Vec<(usize, f64)>,
@@ -432,28 +429,35 @@ struct RunLog {
     steps: usize,
 }
 
+/// The run's `config.json` and `metrics.csv`: nothing is written before the first step has
+/// succeeded, so a run that fails earlier leaves an earlier run's record as it was.
+enum Record {
+    /// No step yet: what will be written then.
+    Pending { config_json: String, kept: Vec<String> },
+    Open(RunRecord),
+    /// Writing it failed: the run goes on (its checkpoints are written on their own), and
+    /// ends with this error.
+    Failed(String),
+}
+
 const CSV_HEADER: &str = "step,loss,eval_loss,learning_rate,valid_tokens,processed_tokens,tokens_per_second,elapsed_seconds";
 
 impl RunLog {
     /// A resumed run keeps the rows of the steps before its checkpoint (a crash may have
     /// left rows of later steps, which the resumed run takes again).
-    fn new(job: &Job) -> Result<Self, String> {
-        let path = job.out.join("metrics.csv");
+    fn new(job: &Job) -> Self {
         let kept = match job.resumed_at {
-            Some(step) => earlier_rows(&path, step),
+            Some(step) => earlier_rows(&job.out.join(METRICS_FILE), step),
             None => Vec::new(),
         };
-        let mut csv = BufWriter::new(File::create(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?);
-        writeln!(csv, "{CSV_HEADER}").map_err(|e| e.to_string())?;
         let (mut train, mut eval) = (Vec::new(), Vec::new());
         for row in &kept {
-            writeln!(csv, "{row}").map_err(|e| e.to_string())?;
             let fields: Vec<&str> = row.split(',').collect();
             let step = fields[0].parse().unwrap_or(0);
-            if let Ok(loss) = fields[1].parse() {
+            if let Some(Ok(loss)) = fields.get(1).map(|f| f.parse()) {
                 train.push((step, loss));
             }
-            if let Ok(loss) = fields[2].parse() {
+            if let Some(Ok(loss)) = fields.get(2).map(|f| f.parse()) {
                 eval.push((step, loss));
             }
         }
@@ -470,28 +474,40 @@ impl RunLog {
             "Llama on bytes, SP={} DP={} ({:?}, {ranks}), {} tokens/sequence",
             config.layout.sp_size, config.layout.dp_size, job.args.backend, config.seq_len
         );
-        Ok(Self {
+        Self {
             bar,
-            csv,
+            record: Record::Pending { config_json: burn::config::config_to_json(config), kept },
             out: job.out.clone(),
             started: Instant::now(),
             train,
             eval,
             title,
             steps: config.steps,
-        })
+        }
     }
 
     fn row(&mut self, step: usize, loss: &str, eval_loss: &str, rest: &str) {
+        if let Record::Pending { config_json, kept } = &self.record {
+            self.record = match RunRecord::open(&self.out, config_json, CSV_HEADER, kept) {
+                Ok(record) => Record::Open(record),
+                Err(message) => {
+                    self.bar.println(format!("error: {message}; training goes on"));
+                    Record::Failed(message)
+                }
+            };
+        }
         let elapsed = self.started.elapsed().as_secs_f64();
-        // A failed write only loses a metrics row; the run goes on.
-        let _ = writeln!(self.csv, "{step},{loss},{eval_loss},{rest},{elapsed:.3}");
-        let _ = self.csv.flush();
+        if let Record::Open(record) = &mut self.record {
+            // A failed write only loses a metrics row; the run goes on.
+            let _ = record.append(&format!("{step},{loss},{eval_loss},{rest},{elapsed:.3}"));
+        }
     }
 
-    fn finish(mut self) -> Result<(), String> {
+    fn finish(self) -> Result<(), String> {
         self.bar.finish();
-        self.csv.flush().map_err(|e| e.to_string())?;
+        if let Record::Failed(message) = self.record {
+            return Err(message);
+        }
         plot::loss_curve(&self.out.join("loss.png"), &self.title, &self.train, &self.eval)?;
         let first = self.train.first().map_or(f64::NAN, |p| p.1);
         let last = self.train.last().map_or(f64::NAN, |p| p.1);

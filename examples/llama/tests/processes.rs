@@ -16,7 +16,9 @@
 //!   as it was; a resume on other data (or with another model shape) is refused naming what
 //!   changed, unless `--allow-new-data`; a binary corpus (unless `--bytes-ok`) and token
 //!   sequences that leave no label are refused before step 1; a killed run leaves a folder the
-//!   next run can lock.
+//!   next run can lock; `config.json` and `metrics.csv` are written only once a step has
+//!   succeeded (a run that fails before leaves the folder's record byte for byte as it was),
+//!   and a resumed run appends to the rows it continues from.
 
 use std::{
     fs,
@@ -497,5 +499,45 @@ fn a_killed_run_leaves_a_folder_the_next_run_can_lock() {
     args.push("--overwrite".into());
     succeed(run_alone(&args, &[]));
     assert_eq!(losses(&out).len(), 2);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// `snapshot` without the lock file (which names its latest holder).
+fn record_of(folder: &Path) -> Vec<(String, Vec<u8>)> {
+    snapshot(folder).into_iter().filter(|(name, _)| name != ".lock").collect()
+}
+
+#[test]
+fn the_run_record_is_written_only_once_a_step_has_succeeded() {
+    let dir = workspace("record");
+    let out = dir.join("run");
+    let failing_at = |step: usize, extra: &[&str]| {
+        let mut args = common_args(&dir, "run", 4);
+        args.extend(["--fault-nan-gradient".to_string(), format!("{step}:1")]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let output = run_alone(&args, &["--sp", "2"]);
+        let text = show(&output);
+        assert!(!output.status.success() && text.contains(&format!("step {step}: a NaN")), "{text}");
+    };
+    // A fresh run whose first step fails leaves no record.
+    failing_at(0, &[]);
+    assert_eq!(record_of(&out), Vec::new(), "a run without a step wrote into its folder");
+
+    // Two steps, then a resume whose first step fails: the record is as it was.
+    succeed(run_alone(&common_args(&dir, "run", 4), &["--sp", "2", "--stop-after", "2"]));
+    let before = record_of(&out);
+    let metrics_before = fs::read_to_string(out.join("metrics.csv")).unwrap();
+    assert_eq!(losses(&out).iter().map(|l| l.0).collect::<Vec<_>>(), [0, 1]);
+    let resume = ["--resume", out.to_str().unwrap()];
+    failing_at(2, &resume);
+    assert!(record_of(&out) == before, "a resume that took no step changed the run's record");
+
+    // The resume proper appends the rows of steps 2 and 3 to those of steps 0 and 1.
+    let mut args = common_args(&dir, "run", 4);
+    args.extend(resume.map(String::from));
+    succeed(run_alone(&args, &["--sp", "2"]));
+    assert_eq!(losses(&out).iter().map(|l| l.0).collect::<Vec<_>>(), [0, 1, 2, 3]);
+    let metrics = fs::read_to_string(out.join("metrics.csv")).unwrap();
+    assert!(metrics.starts_with(&metrics_before), "the earlier rows changed:\n{metrics_before}\n---\n{metrics}");
     let _ = fs::remove_dir_all(&dir);
 }

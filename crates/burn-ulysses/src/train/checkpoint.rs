@@ -160,8 +160,9 @@ fn read_checkpoint<S: DeserializeOwned>(location: &Path) -> Result<(S, Vec<u8>, 
 }
 
 /// Writes `parts` to a temporary file beside `path`, flushes it, renames it to `path` and
-/// flushes the folder. The temporary file is removed if anything fails.
-fn write_atomically(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
+/// flushes the folder: a reader sees the old file or the new one, never a torn one. The
+/// temporary file is removed if anything fails.
+pub fn write_atomically(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
     let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let temporary = folder.join(format!(".{name}.tmp-{}", std::process::id()));
