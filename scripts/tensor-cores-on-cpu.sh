@@ -10,7 +10,8 @@
 #     not report it): the case that covers most at once (causal, documents, GQA, 150 tokens);
 #   - 16 x 16 x 8, TF32's shape on CUDA (f32 runs on it there; lavapipe has no TF32), forced
 #     with f16 operands (ULYSSES_FLASH_FRAGMENT=16x16x8): two product steps per tile, the same
-#     case.
+#     case, and head dim 256, where the forward, dQ, dV and dK each take two launches of 128
+#     columns (plan::part_width: the registers of two-step fragments hold 12 accumulator tiles).
 # A cmma shader takes lavapipe 10-60 s to compile: these minutes are mostly that. Two tests at a
 # time did not shorten them (243 s against 244 s one at a time, 2026-11-25).
 # Prints one line per run with the count and the largest error against the f64 reference.
@@ -48,4 +49,4 @@ run() {
 }
 run "8x8x8 (lavapipe's own)" 8 f16_
 ULYSSES_FLASH_FRAGMENT=16 run "16x16x16 (CUDA's, forced)" 16 f16_causal_documents
-ULYSSES_FLASH_FRAGMENT=16x16x8 run "16x16x8 (TF32's shape, f16 operands, forced)" 16x16x8 f16_causal_documents
+ULYSSES_FLASH_FRAGMENT=16x16x8 run "16x16x8 (TF32's shape, f16 operands, forced)" 16x16x8 f16_causal_documents f16_causal_head_dim_256

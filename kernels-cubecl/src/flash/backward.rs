@@ -11,7 +11,9 @@
 //!
 //! Probabilities are recomputed from the forward's log-sum-exp: no S × S matrix exists at
 //! any point. Where dK's and dV's accumulators would not fit the registers together (head
-//! dim 256 on tensor cores), the dK/dV kernel runs twice, dV then dK (`KeyValuePass`).
+//! dim 256 on tensor cores), the dK/dV kernel runs twice, dV then dK (`KeyValuePass`); where
+//! even one gradient's would not (head dim 256 on TF32), each launch takes a part of its
+//! columns (`ColumnPart`), as the forward's and dQ's launches do.
 //! Splitting dK/dV from dQ computes the scores twice, in exchange for deterministic sums
 //! (every gradient row is summed by one plane, in a fixed order) that run the same on every
 //! runtime. Working with `Sᵀ` in the dK/dV kernel keeps every product in
@@ -51,8 +53,9 @@ pub(crate) fn row_delta_kernel<F: Float>(
     }
 }
 
-/// Writes a plane's gradient rows (accumulator tiles) times `factor` to rows `first_row..`
-/// of `target` (those before `len`), columns before `cols`.
+/// Writes a plane's gradient rows (accumulator tiles, `count` of them: the launch's part)
+/// times `factor` to rows `first_row..` of `target` (those before `len`), from the part's
+/// first column to `cols`, the tensor's width.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn write_gradient<F: Float, M: TileMma>(
@@ -74,10 +77,12 @@ fn write_gradient<F: Float, M: TileMma>(
         factors[r] = factor;
     }
     let rows = len - min(first_row, len);
-    let at = row_offset(target, batch, head, min(first_row, len - 1));
+    let part_first = comptime!(blocks.part_first());
+    let at = row_offset(target, batch, head, min(first_row, len - 1)) + part_first;
     let stride = target.stride(2);
     let mut out = target.slice_mut(at, target.len());
-    M::write_rows::<F>(tiles, count, &mut out, stride, rows, cols, &factors, scratch, comptime!(blocks.unit()));
+    let part_cols = min(cols - part_first, count * TILE);
+    M::write_rows::<F>(tiles, count, &mut out, stride, rows, part_cols, &factors, scratch, comptime!(blocks.unit()));
 }
 
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -139,8 +144,10 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
 
         // A pass without one of the gradients keeps one unused tile in its place.
         let pass = comptime!(blocks.key_value_pass);
-        let mut dk_acc = M::zeros(comptime!(if pass.keys() { blocks.dim / TILE } else { 1 }), unit);
-        let mut dv_acc = M::zeros(comptime!(if pass.values() { blocks.value_dim / TILE } else { 1 }), unit);
+        let dim_tiles = comptime!(if pass.keys() { blocks.part_tiles(blocks.dim) } else { 1 });
+        let value_tiles = comptime!(if pass.values() { blocks.part_tiles(blocks.value_dim) } else { 1 });
+        let mut dk_acc = M::zeros(dim_tiles, unit);
+        let mut dv_acc = M::zeros(value_tiles, unit);
 
         let k_base = row_offset(key, batch, kv_head, 0);
         let v_base = row_offset(value, batch, kv_head, 0);
@@ -210,18 +217,24 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                 let mut dp_acc = M::zeros(q_tiles, unit);
                 #[unroll]
                 for chunk in 0..comptime!(blocks.value_chunks()) {
-                    if !whole_values {
-                        sync_cube();
-                        stage_tile(value, v_base, first_col, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_rows, value_chunk);
-                        stage_tile(output_grad, g_base, q0, seq_q, chunk * value_chunk, value_dim, &mut g_tile, 0, block_q, value_chunk);
-                        sync_cube();
-                    }
-                    let first = comptime!(chunk * value_chunk / TILE);
-                    if comptime!(pass.values()) {
-                        accumulate_a_b::<F, M>(&mut dv_acc, first, comptime!(value_chunk / TILE), &probs.to_slice(), scores_at, block_q, &g_tile.to_slice(), value_chunk, tile_rows, unit);
-                    }
-                    if comptime!(pass.keys()) {
-                        accumulate_a_bt::<F, M>(&mut dp_acc, q_tiles, &v_tile.to_slice(), plane * TILE * value_chunk, &g_tile.to_slice(), value_chunk, tile_rows, unit);
+                    // dV needs the chunks in its part; dP (for dK) needs every chunk.
+                    let meets = comptime!(blocks.chunk_in_part(chunk, value_chunk).filter(|_| pass.values()));
+                    if comptime!(meets.is_some() || pass.keys()) {
+                        if !whole_values {
+                            sync_cube();
+                            stage_tile(value, v_base, first_col, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_rows, value_chunk);
+                            stage_tile(output_grad, g_base, q0, seq_q, chunk * value_chunk, value_dim, &mut g_tile, 0, block_q, value_chunk);
+                            sync_cube();
+                        }
+                        if comptime!(meets.is_some()) {
+                            let first = comptime!(meets.unwrap().first_tile);
+                            let column = comptime!(meets.unwrap().column);
+                            let tiles = comptime!(meets.unwrap().tiles);
+                            accumulate_a_b::<F, M>(&mut dv_acc, first, tiles, &probs.to_slice(), scores_at, block_q, &g_tile.to_slice().slice(column, g_tile.len()), value_chunk, tile_rows, unit);
+                        }
+                        if comptime!(pass.keys()) {
+                            accumulate_a_bt::<F, M>(&mut dp_acc, q_tiles, &v_tile.to_slice(), plane * TILE * value_chunk, &g_tile.to_slice(), value_chunk, tile_rows, unit);
+                        }
                     }
                 }
 
@@ -238,24 +251,27 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                     }
                     sync_tile(blocks.plane_sync);
 
-                    // dK += dSᵀ · Q
+                    // dK += dSᵀ · Q, over this launch's columns of dK.
                     #[unroll]
                     for chunk in 0..comptime!(blocks.dim_chunks()) {
-                        if !whole_dims {
-                            sync_cube();
-                            stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
-                            sync_cube();
+                        let meets = comptime!(blocks.chunk_in_part(chunk, dim_chunk));
+                        if comptime!(meets.is_some()) {
+                            let first = comptime!(meets.unwrap().first_tile);
+                            let column = comptime!(meets.unwrap().column);
+                            let tiles = comptime!(meets.unwrap().tiles);
+                            if !whole_dims {
+                                sync_cube();
+                                stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
+                                sync_cube();
+                            }
+                            accumulate_a_b::<F, M>(&mut dk_acc, first, tiles, &probs.to_slice(), scores_at, block_q, &q_tile.to_slice().slice(column, q_tile.len()), dim_chunk, tile_rows, unit);
                         }
-                        let first = comptime!(chunk * dim_chunk / TILE);
-                        accumulate_a_b::<F, M>(&mut dk_acc, first, comptime!(dim_chunk / TILE), &probs.to_slice(), scores_at, block_q, &q_tile.to_slice(), dim_chunk, tile_rows, unit);
                     }
                 }
             }
         }
 
         let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
-        let dim_tiles = comptime!(blocks.dim / TILE);
-        let value_tiles = comptime!(blocks.value_dim / TILE);
         if comptime!(pass.keys()) {
             write_gradient::<F, M>(&dk_acc, key_grad, batch, kv_head, plane_col, seq_kv, head_dim, scale, &mut scratch, dim_tiles, blocks);
         }
@@ -315,7 +331,9 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
         let mut ds = SharedMemory::<F>::new(planes * TILE * block_kv);
         let scores_at = plane * TILE * block_kv;
 
-        let mut dq_acc = M::zeros(comptime!(blocks.dim / TILE), unit);
+        // This launch's columns of dQ (all of them, or its part).
+        let dim_tiles = comptime!(blocks.part_tiles(blocks.dim));
+        let mut dq_acc = M::zeros(dim_tiles, unit);
         // This plane's rows' statistics, in every lane.
         let mut row_lse = Array::<f32>::new(TILE);
         let mut row_delta = Array::<f32>::new(TILE);
@@ -403,21 +421,25 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
             }
             sync_tile(blocks.plane_sync);
 
-            // dQ += dS · K
+            // dQ += dS · K, over this launch's columns of dQ.
             #[unroll]
             for chunk in 0..comptime!(blocks.dim_chunks()) {
-                if !whole_dims {
-                    sync_cube();
-                    stage_tile(key, k_base, kv0, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
-                    sync_cube();
+                let meets = comptime!(blocks.chunk_in_part(chunk, dim_chunk));
+                if comptime!(meets.is_some()) {
+                    let first = comptime!(meets.unwrap().first_tile);
+                    let column = comptime!(meets.unwrap().column);
+                    let tiles = comptime!(meets.unwrap().tiles);
+                    if !whole_dims {
+                        sync_cube();
+                        stage_tile(key, k_base, kv0, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+                        sync_cube();
+                    }
+                    accumulate_a_b::<F, M>(&mut dq_acc, first, tiles, &ds.to_slice(), scores_at, block_kv, &k_tile.to_slice().slice(column, k_tile.len()), dim_chunk, tile_rows, unit);
                 }
-                let first = comptime!(chunk * dim_chunk / TILE);
-                accumulate_a_b::<F, M>(&mut dq_acc, first, comptime!(dim_chunk / TILE), &ds.to_slice(), scores_at, block_kv, &k_tile.to_slice(), dim_chunk, tile_rows, unit);
             }
         }
 
         let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
-        let dim_tiles = comptime!(blocks.dim / TILE);
         write_gradient::<F, M>(&dq_acc, query_grad, batch, head, plane_row, seq_q, head_dim, scale, &mut scratch, dim_tiles, blocks);
     }
 }

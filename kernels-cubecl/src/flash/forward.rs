@@ -82,7 +82,8 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
         let mut rescaling = SharedMemory::<u32>::new(planes);
         let scores_at = plane * TILE * block_kv;
 
-        let value_tiles = comptime!(blocks.value_dim / TILE);
+        // This launch's output columns (all of them, or its part).
+        let value_tiles = comptime!(blocks.part_tiles(blocks.value_dim));
         let mut out_acc = M::zeros(value_tiles, unit);
         let mut row_max = Array::<f32>::new(TILE);
         let mut row_sum = Array::<f32>::new(TILE);
@@ -190,17 +191,23 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
                 M::scale_rows(&mut out_acc, value_tiles, &factors, &mut scratch, unit);
             }
 
-            // O += P · V
+            // O += P · V, over this launch's output columns.
             if comptime!(blocks.dim_chunks() == 1 && blocks.value_chunks() == 1) {
-                accumulate_a_b::<F, M>(&mut out_acc, 0usize, value_tiles, &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice(), value_chunk, tile_rows, unit);
+                let column = comptime!(blocks.chunk_in_part(0, value_chunk).unwrap().column);
+                accumulate_a_b::<F, M>(&mut out_acc, 0usize, value_tiles, &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice().slice(column, v_tile.len()), value_chunk, tile_rows, unit);
             } else {
                 #[unroll]
                 for chunk in 0..comptime!(blocks.value_chunks()) {
-                    sync_cube();
-                    stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
-                    sync_cube();
-                    let first = comptime!(chunk * value_chunk / TILE);
-                    accumulate_a_b::<F, M>(&mut out_acc, first, comptime!(value_chunk / TILE), &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice(), value_chunk, tile_rows, unit);
+                    let meets = comptime!(blocks.chunk_in_part(chunk, value_chunk));
+                    if comptime!(meets.is_some()) {
+                        let first = comptime!(meets.unwrap().first_tile);
+                        let column = comptime!(meets.unwrap().column);
+                        let tiles = comptime!(meets.unwrap().tiles);
+                        sync_cube();
+                        stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
+                        sync_cube();
+                        accumulate_a_b::<F, M>(&mut out_acc, first, tiles, &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice().slice(column, v_tile.len()), value_chunk, tile_rows, unit);
+                    }
                 }
             }
         }
@@ -214,10 +221,16 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
         let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
         // Every plane writes (a plane past the end writes no row): barriers stay uniform.
         let rows = seq_q - min(plane_row, seq_q);
-        let o_row = row_offset(output, batch, head, min(plane_row, seq_q - 1));
+        let part_first = comptime!(blocks.part_first());
+        let o_row = row_offset(output, batch, head, min(plane_row, seq_q - 1)) + part_first;
         let mut out = output.slice_mut(o_row, output.len());
-        M::write_rows::<F>(&out_acc, value_tiles, &mut out, output.stride(2), rows, value_dim, &inverse, &mut scratch, unit);
+        let cols = min(value_dim - part_first, value_tiles * TILE);
+        M::write_rows::<F>(&out_acc, value_tiles, &mut out, output.stride(2), rows, cols, &inverse, &mut scratch, unit);
+        // The log-sum-exp once, by the launch of the first part.
         let mut r = lane;
+        if comptime!(part_first != 0) {
+            r = TILE;
+        }
         while r < TILE {
             let row = plane_row + r;
             if row < seq_q {

@@ -22,7 +22,7 @@ use backward::{key_value_grad_kernel, query_grad_kernel};
 use forward::flash_forward_kernel;
 pub use plan::{Engine, Plan};
 pub use tile_ops::Fragment;
-use stage::{Blocks, KeyValuePass};
+use stage::{Blocks, ColumnPart, KeyValuePass};
 use tile_ops::TILE;
 pub use visibility::VisibleRanges;
 
@@ -239,26 +239,29 @@ pub fn flash_attention_forward<R: CubeRuntime>(
     let lse = empty_device_contiguous_dtype(client.clone(), device, Shape::new([p.batch, p.q_heads, p.seq_q]), DType::F32);
     let dtype = query.dtype;
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    launch_with_engine!(
-        plan,
-        flash_forward_kernel,
-        &client,
-        count,
-        cube_dim(&blocks),
-        p.address_type(),
-        vectors,
-        query.into_tensor_arg(),
-        key.into_tensor_arg(),
-        value.into_tensor_arg(),
-        output.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
-        row_keys.into_tensor_arg(),
-        p.scale,
-        blocks_per_head,
-        TILE,
-        blocks,
-        dtype.into(),
-    );
+    for part in ColumnPart::cover(blocks.value_dim, plan::part_width(plan.engine, blocks.value_dim)) {
+        let blocks = Blocks { part, ..blocks };
+        launch_with_engine!(
+            plan,
+            flash_forward_kernel,
+            &client,
+            count.clone(),
+            cube_dim(&blocks),
+            p.address_type(),
+            vectors,
+            query.clone().into_tensor_arg(),
+            key.clone().into_tensor_arg(),
+            value.clone().into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            row_keys.clone().into_tensor_arg(),
+            p.scale,
+            blocks_per_head,
+            TILE,
+            blocks,
+            dtype.into(),
+        );
+    }
     Ok((output, lse))
 }
 
@@ -324,9 +327,18 @@ pub fn flash_attention_backward<R: CubeRuntime>(
 
     let key_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.head_dim]);
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
-    let passes: &[KeyValuePass] = if plan.split_key_value { &[KeyValuePass::Values, KeyValuePass::Keys] } else { &[KeyValuePass::Both] };
-    for &key_value_pass in passes {
-        let blocks = Blocks { ranged, key_value_pass, ..plan.key_value };
+    // dV's launches then dK's where their accumulators do not fit together, each in parts
+    // where one alone does not.
+    let (key_width, value_width) = (plan.key_value.dim, plan.key_value.value_dim);
+    let passes: Vec<(KeyValuePass, Option<ColumnPart>)> = if plan.split_key_value {
+        let values = ColumnPart::cover(value_width, plan::part_width(plan.engine, value_width)).into_iter().map(|part| (KeyValuePass::Values, part));
+        let keys = ColumnPart::cover(key_width, plan::part_width(plan.engine, key_width)).into_iter().map(|part| (KeyValuePass::Keys, part));
+        values.chain(keys).collect()
+    } else {
+        vec![(KeyValuePass::Both, None)]
+    };
+    for (key_value_pass, part) in passes {
+        let blocks = Blocks { ranged, key_value_pass, part, ..plan.key_value };
         let blocks_per_head = p.seq_kv.div_ceil(blocks.block_rows());
         launch_with_engine!(
             plan,
@@ -356,28 +368,31 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     let query_grad = empty([p.batch, p.q_heads, p.seq_q, p.head_dim]);
     let blocks = Blocks { ranged, ..plan.query };
     let blocks_per_head = p.seq_q.div_ceil(blocks.block_rows());
-    launch_with_engine!(
-        plan,
-        query_grad_kernel,
-        &client,
-        grid(&client, p.batch * p.q_heads * blocks_per_head)?,
-        cube_dim(&blocks),
-        p.address_type(),
-        vectors,
-        query.into_tensor_arg(),
-        key.into_tensor_arg(),
-        value.into_tensor_arg(),
-        output_grad.into_tensor_arg(),
-        lse.into_tensor_arg(),
-        delta.into_tensor_arg(),
-        query_grad.clone().into_tensor_arg(),
-        row_keys.into_tensor_arg(),
-        p.scale,
-        blocks_per_head,
-        TILE,
-        blocks,
-        dtype.into(),
-    );
+    for part in ColumnPart::cover(blocks.dim, plan::part_width(plan.engine, blocks.dim)) {
+        let blocks = Blocks { part, ..blocks };
+        launch_with_engine!(
+            plan,
+            query_grad_kernel,
+            &client,
+            grid(&client, p.batch * p.q_heads * blocks_per_head)?,
+            cube_dim(&blocks),
+            p.address_type(),
+            vectors,
+            query.clone().into_tensor_arg(),
+            key.clone().into_tensor_arg(),
+            value.clone().into_tensor_arg(),
+            output_grad.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            query_grad.clone().into_tensor_arg(),
+            row_keys.clone().into_tensor_arg(),
+            p.scale,
+            blocks_per_head,
+            TILE,
+            blocks,
+            dtype.into(),
+        );
+    }
     Ok((query_grad, key_grad, value_grad))
 }
 

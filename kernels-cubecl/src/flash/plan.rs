@@ -52,15 +52,16 @@ pub struct Plan {
     pub split_key_value: bool,
 }
 
-/// Accumulator tiles of 16 × 16 f32 a warp's registers hold for dK and dV together before
-/// the compiler spills: each is 8 registers per lane on tensor cores, so 16 tiles are 128 of
-/// the 255 a thread may use, next to the scores', dP's and the addresses' (head dims 128 + 128
+/// Accumulator tiles of 16 × 16 f32 a warp's registers hold before the compiler spills: each
+/// is 8 registers per lane on tensor cores, so 16 tiles are 128 of the 255 a thread may use,
+/// next to the scores', dP's and the addresses' (head dims 128 + 128 for dK and dV together
 /// compile to 236-252 registers on sm_90a, without spills; 256 + 256 to 255 with 1.2-2.2 KB
-/// spilled: `cargo test -p ulysses-cuda-check`). TF32 takes two product steps per tile, each
-/// with its own operand fragments, and the f32 addresses and staging cost more: 128 + 128
-/// spill 16-32 B together, 64 + 128 do not.
-fn key_value_tiles_in_registers(fragment: Fragment) -> usize {
-    if fragment.tf32 { 12 } else { 16 }
+/// spilled: `cargo test -p ulysses-cuda-check`). Fragments that take two product steps per
+/// 16-deep tile (TF32's 16 × 16 × 8) hold each step's operand fragments, and f32 addresses and
+/// staging cost more: dK + dV at 128 + 128 spill 16-32 B together, 64 + 128 do not; one output
+/// of 256 columns (16 tiles) spills 16-120 B in every kernel, 128 columns nothing.
+fn accumulator_tiles_in_registers(fragment: Fragment) -> usize {
+    if fragment.depth < fragment.edge { 12 } else { 16 }
 }
 
 /// Whether the dK/dV kernel runs as two launches, dV then dK, each recomputing the
@@ -70,8 +71,24 @@ fn key_value_tiles_in_registers(fragment: Fragment) -> usize {
 /// either way).
 pub fn split_key_value(engine: Engine, dim: usize, value_dim: usize) -> bool {
     match engine {
-        Engine::TensorCores { fragment } => dim.div_ceil(TILE) + value_dim.div_ceil(TILE) > key_value_tiles_in_registers(fragment),
+        Engine::TensorCores { fragment } => dim.div_ceil(TILE) + value_dim.div_ceil(TILE) > accumulator_tiles_in_registers(fragment),
         Engine::Plane => false,
+    }
+}
+
+/// The columns one launch accumulates of an output `width` wide (a multiple of 16): all of
+/// them where their accumulator tiles fit the registers, else the widest equal parts of whole
+/// tiles that do, each part a launch of its own that recomputes the scores (head dim 256 on
+/// TF32: two launches of 128 columns, the forward's and dQ's work about 1.5 times, dK's and
+/// dV's passes likewise). The plane engine's accumulators are in local memory either way.
+pub fn part_width(engine: Engine, width: usize) -> usize {
+    match engine {
+        Engine::TensorCores { fragment } => {
+            let tiles = width / TILE;
+            let limit = accumulator_tiles_in_registers(fragment);
+            (1..=tiles).find(|parts| tiles % parts == 0 && tiles / parts <= limit).map_or(TILE, |parts| width / parts)
+        }
+        Engine::Plane => width,
     }
 }
 
@@ -225,6 +242,7 @@ impl Budget {
                         causal: self.causal,
                         ranged: false,
                         key_value_pass: KeyValuePass::Both,
+                        part: None,
                     };
                     let bytes = self.shared_bytes_of(kernel, &blocks);
                     smallest = smallest.min(bytes);
@@ -335,6 +353,25 @@ mod tests {
         let tf32 = Engine::TensorCores { fragment: Fragment::TF32 };
         assert!(split_key_value(tf32, 128, 128));
         assert!(!split_key_value(tf32, 64, 128));
+    }
+
+    #[test]
+    fn outputs_too_wide_for_the_registers_take_a_launch_per_part() {
+        let cores = Engine::TensorCores { fragment: Fragment::cube(16) };
+        let tf32 = Engine::TensorCores { fragment: Fragment::TF32 };
+        for width in [16, 64, 128, 256] {
+            assert_eq!(part_width(cores, width), width);
+            assert_eq!(part_width(Engine::Plane, width), width);
+        }
+        assert_eq!(part_width(tf32, 128), 128);
+        assert_eq!(part_width(tf32, 192), 192);
+        assert_eq!(part_width(tf32, 256), 128);
+        assert_eq!(part_width(cores, 512), 256);
+        // 20 tiles: two parts of 10 on TF32 (12 at most per launch).
+        assert_eq!(part_width(tf32, 320), 160);
+        // TF32's shape with f16 operands, as the tensor-core tests on the CPU force it.
+        let two_steps = Engine::TensorCores { fragment: Fragment { depth: 8, ..Fragment::cube(16) } };
+        assert_eq!(part_width(two_steps, 256), 128);
     }
 
     #[test]

@@ -30,6 +30,38 @@ pub struct Blocks {
     pub ranged: bool,
     /// Which gradients a launch of the dK/dV kernel computes (the other kernels ignore it).
     pub key_value_pass: KeyValuePass,
+    /// The output columns this launch accumulates (the forward's O, dQ, and dV or dK in a
+    /// pass of one of them); `None`: all of them.
+    pub part: Option<ColumnPart>,
+}
+
+/// Output columns `first..first + width` (multiples of 16): where a kernel's accumulators for
+/// every column would not fit the registers (head dim 256 on TF32), it runs once per part,
+/// each launch recomputing the scores (see `plan::part_width`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ColumnPart {
+    pub first: usize,
+    pub width: usize,
+}
+
+impl ColumnPart {
+    /// The parts of `part_width` columns covering an output `width` wide (`None` alone when
+    /// one part covers it).
+    pub fn cover(width: usize, part_width: usize) -> Vec<Option<ColumnPart>> {
+        if part_width >= width {
+            return vec![None];
+        }
+        (0..width.div_ceil(part_width)).map(|i| Some(ColumnPart { first: i * part_width, width: part_width.min(width - i * part_width) })).collect()
+    }
+}
+
+/// Where a chunk of staged columns meets a launch's part: the first accumulator tile it adds
+/// to, its first column inside the chunk, and the tiles it covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkInPart {
+    pub first_tile: usize,
+    pub column: usize,
+    pub tiles: usize,
 }
 
 /// The gradients one launch of the dK/dV kernel computes: both, or (where the two
@@ -69,6 +101,67 @@ impl Blocks {
 
     pub fn value_chunks(&self) -> usize {
         self.value_dim / self.value_chunk
+    }
+
+    /// Accumulator tiles of an output `width` columns wide in this launch's part.
+    pub fn part_tiles(&self, width: usize) -> usize {
+        self.part.map_or(width, |part| part.width) / TILE
+    }
+
+    /// Where chunk `index` (of `chunk` columns) of an output meets this launch's part, if it
+    /// does.
+    pub fn chunk_in_part(&self, index: usize, chunk: usize) -> Option<ChunkInPart> {
+        let (start, end) = (index * chunk, (index + 1) * chunk);
+        let (first, last) = self.part.map_or((0, usize::MAX), |part| (part.first, part.first + part.width));
+        let (from, to) = (start.max(first), end.min(last));
+        (from < to).then(|| ChunkInPart { first_tile: (from - first) / TILE, column: from - start, tiles: (to - from) / TILE })
+    }
+
+    /// The part's first column (0 without a part).
+    pub fn part_first(&self) -> usize {
+        self.part.map_or(0, |part| part.first)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_meet_parts_tile_by_tile() {
+        assert_eq!(ColumnPart::cover(256, 256), vec![None]);
+        assert_eq!(
+            ColumnPart::cover(256, 128),
+            vec![Some(ColumnPart { first: 0, width: 128 }), Some(ColumnPart { first: 128, width: 128 })]
+        );
+        let blocks = |part| Blocks {
+            plane_dim: 32,
+            planes: 4,
+            block_kv: 64,
+            dim: 256,
+            value_dim: 256,
+            dim_chunk: 256,
+            value_chunk: 256,
+            plane_sync: true,
+            fragment: Fragment::cube(16),
+            causal: false,
+            ranged: false,
+            key_value_pass: KeyValuePass::Both,
+            part,
+        };
+        let whole = blocks(None);
+        assert_eq!(whole.part_tiles(256), 16);
+        assert_eq!(whole.chunk_in_part(0, 256), Some(ChunkInPart { first_tile: 0, column: 0, tiles: 16 }));
+        // Without a part, chunk 2 of 64 columns adds to tiles 8..12.
+        assert_eq!(whole.chunk_in_part(2, 64), Some(ChunkInPart { first_tile: 8, column: 0, tiles: 4 }));
+        let second = blocks(Some(ColumnPart { first: 128, width: 128 }));
+        assert_eq!(second.part_tiles(256), 8);
+        // One staged chunk of every column: the part's half of it.
+        assert_eq!(second.chunk_in_part(0, 256), Some(ChunkInPart { first_tile: 0, column: 128, tiles: 8 }));
+        // Chunks of 64: the first two lie outside, the last two fill the part.
+        assert_eq!(second.chunk_in_part(1, 64), None);
+        assert_eq!(second.chunk_in_part(2, 64), Some(ChunkInPart { first_tile: 0, column: 0, tiles: 4 }));
+        assert_eq!(second.chunk_in_part(3, 64), Some(ChunkInPart { first_tile: 4, column: 0, tiles: 4 }));
     }
 }
 
