@@ -7,6 +7,7 @@
 
 use burn::tensor::{FloatDType, Tensor, TensorData, backend::Backend};
 use burn_ulysses::visibility::PositionIds;
+use ulysses_models::rope::{RopeScaling, inverse_frequencies};
 
 /// cos/sin tables `[batch | 1, 1, seq, head_dim / 2]`.
 #[derive(Debug, Clone)]
@@ -28,9 +29,9 @@ impl<B: Backend> RopeTables<B> {
         let (batch, seq) = (positions.batch(), positions.len());
         let mut cos = Vec::with_capacity(batch * seq * half);
         let mut sin = Vec::with_capacity(batch * seq * half);
+        let frequencies = inverse_frequencies(head_dim, theta, RopeScaling::Default);
         for &position in positions.ids() {
-            for i in 0..half {
-                let inv_freq = theta.powf(-((2 * i) as f64) / head_dim as f64);
+            for &inv_freq in &frequencies {
                 let angle = position as f64 * inv_freq;
                 cos.push(angle.cos() as f32);
                 sin.push(angle.sin() as f32);

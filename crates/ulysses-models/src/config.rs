@@ -1,0 +1,448 @@
+//! A checkpoint's `config.json`: read into a [`DecoderConfig`], checked, and written back.
+//!
+//! The four families differ only in configuration: Qwen2 adds biases to q, k and v; Qwen3
+//! normalises each head of q and k (RMSNorm over the head dim) before RoPE; Mistral may
+//! restrict each query to the last `sliding_window` keys; any of them may tie the output
+//! head to the embeddings. Defaults are transformers' own for each family, where the file
+//! leaves a key out. Whatever the decoder cannot represent is refused here, naming the key
+//! and the file, before a weight is read.
+
+use std::{fmt, path::Path};
+
+use serde_json::{Map, Value, json};
+
+use crate::rope::RopeScaling;
+
+/// The architectures this decoder represents (`model_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Family {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+}
+
+impl Family {
+    pub const ALL: [Family; 4] = [Family::Llama, Family::Mistral, Family::Qwen2, Family::Qwen3];
+
+    /// `model_type` in `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+        }
+    }
+
+    /// The causal-LM class transformers builds (`architectures`).
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+
+    fn from_model_type(model_type: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|family| family.model_type() == model_type)
+    }
+}
+
+/// A decoder of one of the four families, as its checkpoint describes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecoderConfig {
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Biases on the q, k and v projections (Qwen2 always; Llama and Qwen3 by
+    /// `attention_bias`).
+    pub qkv_bias: bool,
+    /// Biases on the attention's output projection (`attention_bias` on Llama).
+    pub output_bias: bool,
+    /// RMSNorm over each head of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Each query sees only the last this many keys (itself included).
+    pub sliding_window: Option<usize>,
+    pub bos_token_id: Option<u64>,
+    pub eos_token_id: Option<u64>,
+}
+
+/// Why a `config.json` cannot be used: the file, the key and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    pub file: String,
+    pub key: String,
+    pub problem: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: `{}` {}", self.file, self.key, self.problem)
+    }
+}
+
+/// Reads keys of one file, naming it and the key in every error.
+struct Keys<'a> {
+    object: &'a Map<String, Value>,
+    file: &'a str,
+}
+
+impl<'a> Keys<'a> {
+    fn error(&self, key: &str, problem: impl Into<String>) -> ConfigError {
+        ConfigError { file: self.file.to_string(), key: key.to_string(), problem: problem.into() }
+    }
+
+    /// The value of `key`, `None` when it is absent or `null`.
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.object.get(key).filter(|value| !value.is_null())
+    }
+
+    fn count(&self, key: &str, default: Option<usize>) -> Result<usize, ConfigError> {
+        match self.get(key) {
+            None => default.ok_or_else(|| self.error(key, "is missing")),
+            Some(value) => match value.as_u64() {
+                Some(n) if n > 0 => Ok(n as usize),
+                _ => Err(self.error(key, format!("must be a whole number above 0, got {value}"))),
+            },
+        }
+    }
+
+    fn optional_count(&self, key: &str) -> Result<Option<usize>, ConfigError> {
+        self.get(key).map(|_| self.count(key, None)).transpose()
+    }
+
+    fn positive(&self, key: &str, default: f64) -> Result<f64, ConfigError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(value) => match value.as_f64() {
+                Some(x) if x.is_finite() && x > 0.0 => Ok(x),
+                _ => Err(self.error(key, format!("must be a finite number above 0, got {value}"))),
+            },
+        }
+    }
+
+    fn flag(&self, key: &str, default: bool) -> Result<bool, ConfigError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(value) => value.as_bool().ok_or_else(|| self.error(key, format!("must be true or false, got {value}"))),
+        }
+    }
+
+    /// A token id; a list of them (several end tokens) gives the first.
+    fn token(&self, key: &str) -> Result<Option<u64>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(ids)) => Ok(ids.first().and_then(Value::as_u64)),
+            Some(value) => value.as_u64().map(Some).ok_or_else(|| self.error(key, format!("must be a token id, got {value}"))),
+        }
+    }
+}
+
+impl DecoderConfig {
+    /// Reads a checkpoint folder's `config.json` (or the file itself).
+    pub fn from_hf(path: &Path) -> Result<Self, ConfigError> {
+        let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let name = file.display().to_string();
+        let text = std::fs::read_to_string(&file).map_err(|e| ConfigError { file: name.clone(), key: "config.json".into(), problem: format!("cannot be read: {e}") })?;
+        Self::from_hf_json(&text, &name)
+    }
+
+    /// Parses the text of a `config.json`; `file` names it in errors.
+    pub fn from_hf_json(text: &str, file: &str) -> Result<Self, ConfigError> {
+        let value: Value = serde_json::from_str(text).map_err(|e| ConfigError { file: file.into(), key: "config.json".into(), problem: format!("is not JSON: {e}") })?;
+        let object = value.as_object().ok_or_else(|| ConfigError { file: file.into(), key: "config.json".into(), problem: "is not a JSON object".into() })?;
+        let keys = Keys { object, file };
+
+        let model_type = keys.get("model_type").and_then(Value::as_str).ok_or_else(|| keys.error("model_type", "is missing"))?;
+        let family = Family::from_model_type(model_type).ok_or_else(|| {
+            let known: Vec<_> = Family::ALL.iter().map(|f| f.model_type()).collect();
+            keys.error("model_type", format!("is {model_type:?}; this decoder represents {}", known.join(", ")))
+        })?;
+        if let Some(architectures) = keys.get("architectures") {
+            let names: Vec<&str> = architectures.as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+            if !names.contains(&family.architecture()) {
+                return Err(keys.error("architectures", format!("is {architectures}; a {model_type} causal LM is {}", family.architecture())));
+            }
+        }
+        if let Some(activation) = keys.get("hidden_act") {
+            if activation.as_str() != Some("silu") {
+                return Err(keys.error("hidden_act", format!("is {activation}; the four families' MLP is SwiGLU (\"silu\")")));
+            }
+        }
+        for key in ["mlp_bias"] {
+            if keys.flag(key, false)? {
+                return Err(keys.error(key, "is true; biases on the MLP are not represented"));
+            }
+        }
+        if let Some(factor) = keys.get("partial_rotary_factor").and_then(Value::as_f64).filter(|&f| f != 1.0) {
+            return Err(keys.error("partial_rotary_factor", format!("is {factor}; only RoPE over the whole head (1.0) is represented")));
+        }
+
+        let hidden_size = keys.count("hidden_size", None)?;
+        let num_attention_heads = keys.count("num_attention_heads", None)?;
+        let num_key_value_heads = keys.count("num_key_value_heads", Some(num_attention_heads))?;
+        if num_attention_heads % num_key_value_heads != 0 {
+            return Err(keys.error(
+                "num_key_value_heads",
+                format!("is {num_key_value_heads}, which does not divide num_attention_heads {num_attention_heads}"),
+            ));
+        }
+        // Qwen3's default head dim is 128 whatever the width; the others' is hidden / heads.
+        let head_dim = match (keys.get("head_dim"), family) {
+            (None, Family::Qwen3) => 128,
+            (None, _) if hidden_size % num_attention_heads != 0 => {
+                return Err(keys.error("head_dim", format!("is missing and hidden_size {hidden_size} is no multiple of num_attention_heads {num_attention_heads}")));
+            }
+            (None, _) => hidden_size / num_attention_heads,
+            (Some(_), _) => keys.count("head_dim", None)?,
+        };
+        if head_dim % 2 != 0 {
+            return Err(keys.error("head_dim", format!("is {head_dim}; RoPE rotates pairs, so it must be even")));
+        }
+
+        let (rope_theta, rope_scaling) = rope(&keys)?;
+        let attention_bias = keys.flag("attention_bias", false)?;
+        let (qkv_bias, output_bias) = match family {
+            Family::Qwen2 => (true, false),
+            Family::Llama => (attention_bias, attention_bias),
+            Family::Qwen3 => (attention_bias, attention_bias),
+            Family::Mistral => (false, false),
+        };
+        let sliding_window = match family {
+            Family::Mistral => keys.optional_count("sliding_window")?,
+            Family::Qwen2 | Family::Qwen3 if keys.flag("use_sliding_window", false)? => {
+                return Err(keys.error("use_sliding_window", "is true; Qwen's per-layer sliding window (max_window_layers) is not represented"));
+            }
+            _ => None,
+        };
+        Ok(Self {
+            family,
+            vocab_size: keys.count("vocab_size", None)?,
+            hidden_size,
+            intermediate_size: keys.count("intermediate_size", None)?,
+            num_hidden_layers: keys.count("num_hidden_layers", None)?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: keys.positive("rms_norm_eps", 1e-6)?,
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: keys.count("max_position_embeddings", Some(2048))?,
+            tie_word_embeddings: keys.flag("tie_word_embeddings", false)?,
+            qkv_bias,
+            output_bias,
+            qk_norm: family == Family::Qwen3,
+            sliding_window,
+            bos_token_id: keys.token("bos_token_id")?,
+            eos_token_id: keys.token("eos_token_id")?,
+        })
+    }
+
+    /// The `config.json` transformers reads back: the family's `model_type` and
+    /// `architectures`, every size, RoPE as `rope_theta` and `rope_scaling` (transformers 4's
+    /// form, which transformers 5 also reads), in f32 weights' `torch_dtype`.
+    pub fn to_hf_json(&self, dtype: &str) -> Value {
+        let rope_scaling = match self.rope_scaling {
+            RopeScaling::Default => Value::Null,
+            RopeScaling::Linear { factor } => json!({ "rope_type": "linear", "factor": factor }),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings as u64,
+            }),
+        };
+        let mut config = json!({
+            "model_type": self.family.model_type(),
+            "architectures": [self.family.architecture()],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        });
+        let object = config.as_object_mut().expect("an object");
+        match self.family {
+            Family::Llama | Family::Qwen3 => {
+                object.insert("attention_bias".into(), json!(self.qkv_bias));
+            }
+            Family::Mistral => {
+                object.insert("sliding_window".into(), json!(self.sliding_window));
+            }
+            Family::Qwen2 => {}
+        }
+        if matches!(self.family, Family::Qwen2 | Family::Qwen3) {
+            object.insert("use_sliding_window".into(), json!(false));
+        }
+        config
+    }
+}
+
+/// `rope_theta` and the scaling, from `rope_parameters` (transformers 5) or `rope_theta` and
+/// `rope_scaling` (transformers 4).
+fn rope(keys: &Keys) -> Result<(f64, RopeScaling), ConfigError> {
+    let (section, scaling) = match (keys.get("rope_parameters"), keys.get("rope_scaling")) {
+        (Some(parameters), _) => ("rope_parameters", Some(parameters)),
+        (None, scaling) => ("rope_scaling", scaling),
+    };
+    let Some(scaling) = scaling else { return Ok((keys.positive("rope_theta", 10_000.0)?, RopeScaling::Default)) };
+    let inner = scaling.as_object().ok_or_else(|| keys.error(section, format!("must be an object, got {scaling}")))?;
+    let inner_keys = Keys { object: inner, file: keys.file };
+    let field = |name: &str| format!("{section}.{name}");
+    let number = |name: &str| -> Result<f64, ConfigError> {
+        match inner_keys.get(name).and_then(Value::as_f64) {
+            Some(x) if x.is_finite() && x > 0.0 => Ok(x),
+            Some(x) => Err(keys.error(&field(name), format!("must be a finite number above 0, got {x}"))),
+            None => Err(keys.error(&field(name), "is missing")),
+        }
+    };
+    // `rope_parameters` holds rope_theta itself; `rope_scaling` sits beside it.
+    let theta = match inner_keys.get("rope_theta") {
+        Some(_) => number("rope_theta")?,
+        None => keys.positive("rope_theta", 10_000.0)?,
+    };
+    let rope_type = inner_keys.get("rope_type").or_else(|| inner_keys.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let scaling = match rope_type {
+        "default" => RopeScaling::Default,
+        "linear" => RopeScaling::Linear { factor: number("factor")? },
+        "llama3" => {
+            let (low, high) = (number("low_freq_factor")?, number("high_freq_factor")?);
+            if high <= low {
+                return Err(keys.error(&field("high_freq_factor"), format!("is {high}, not above low_freq_factor {low}")));
+            }
+            RopeScaling::Llama3 {
+                factor: number("factor")?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: number("original_max_position_embeddings")?,
+            }
+        }
+        other => {
+            return Err(keys.error(&field("rope_type"), format!("is {other:?}; the RoPE types represented are \"default\", \"linear\" and \"llama3\"")));
+        }
+    };
+    Ok((theta, scaling))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LLAMA: &str = r#"{
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "hidden_act": "silu",
+        "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": true, "attention_bias": false, "mlp_bias": false,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16"
+    }"#;
+
+    fn with(base: &str, key: &str, value: Value) -> String {
+        let mut config: Value = serde_json::from_str(base).unwrap();
+        if value.is_null() {
+            config.as_object_mut().unwrap().remove(key);
+        } else {
+            config[key] = value;
+        }
+        config.to_string()
+    }
+
+    fn refused(text: &str) -> ConfigError {
+        DecoderConfig::from_hf_json(text, "ckpt/config.json").expect_err("refused")
+    }
+
+    #[test]
+    fn a_llama_3_2_config_reads_with_its_llama3_rope() {
+        let config = DecoderConfig::from_hf_json(LLAMA, "ckpt/config.json").unwrap();
+        assert_eq!(config.family, Family::Llama);
+        assert_eq!((config.num_attention_heads, config.num_key_value_heads, config.head_dim), (32, 8, 64));
+        assert_eq!(config.rope_scaling, RopeScaling::Llama3 { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192.0 });
+        assert_eq!((config.rope_theta, config.rms_norm_eps), (500_000.0, 1e-5));
+        assert!(config.tie_word_embeddings && !config.qkv_bias && !config.qk_norm);
+        assert_eq!((config.bos_token_id, config.eos_token_id), (Some(128000), Some(128001)));
+    }
+
+    #[test]
+    fn written_back_it_reads_the_same() {
+        for text in [LLAMA.to_string(), with(LLAMA, "rope_scaling", json!({"type": "linear", "factor": 2.0}))] {
+            let config = DecoderConfig::from_hf_json(&text, "a").unwrap();
+            let again = DecoderConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "b").unwrap();
+            assert_eq!(config, again);
+        }
+    }
+
+    #[test]
+    fn family_defaults_are_transformers_own() {
+        let qwen3 = r#"{"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#;
+        let config = DecoderConfig::from_hf_json(qwen3, "q").unwrap();
+        assert_eq!(config.head_dim, 128, "Qwen3's head_dim defaults to 128, not hidden / heads");
+        assert!(config.qk_norm && !config.qkv_bias);
+        let qwen2 = DecoderConfig::from_hf_json(&with(qwen3, "model_type", json!("qwen2")), "q").unwrap();
+        assert_eq!(qwen2.head_dim, 16);
+        assert!(qwen2.qkv_bias && !qwen2.output_bias && !qwen2.qk_norm);
+        let mistral = DecoderConfig::from_hf_json(&with(&with(qwen3, "model_type", json!("mistral")), "sliding_window", json!(4096)), "m").unwrap();
+        assert_eq!(mistral.sliding_window, Some(4096));
+        assert_eq!((mistral.rope_theta, mistral.rms_norm_eps, mistral.tie_word_embeddings), (10_000.0, 1e-6, false));
+        let no_window = DecoderConfig::from_hf_json(&with(&with(qwen3, "model_type", json!("mistral")), "sliding_window", Value::Null), "m").unwrap();
+        assert_eq!(no_window.sliding_window, None);
+    }
+
+    #[test]
+    fn transformers_5_rope_parameters_hold_theta_and_type() {
+        let text = with(&with(LLAMA, "rope_scaling", Value::Null), "rope_parameters", json!({"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}));
+        let config = DecoderConfig::from_hf_json(&text, "c").unwrap();
+        assert_eq!((config.rope_theta, config.rope_scaling), (1e6, RopeScaling::Linear { factor: 4.0 }));
+        let default = with(&with(LLAMA, "rope_scaling", Value::Null), "rope_parameters", json!({"rope_type": "default", "rope_theta": 5e5}));
+        assert_eq!(DecoderConfig::from_hf_json(&default, "c").unwrap().rope_scaling, RopeScaling::Default);
+    }
+
+    #[test]
+    fn what_the_decoder_cannot_represent_is_refused_naming_key_and_file() {
+        let cases = [
+            (with(LLAMA, "model_type", json!("gemma2")), "`model_type` is \"gemma2\"; this decoder represents llama, mistral, qwen2, qwen3"),
+            (with(LLAMA, "architectures", json!(["LlamaForSequenceClassification"])), "`architectures`"),
+            (with(LLAMA, "rope_scaling", json!({"rope_type": "yarn", "factor": 4.0})), "`rope_scaling.rope_type` is \"yarn\""),
+            (with(LLAMA, "rope_scaling", json!({"rope_type": "llama3", "factor": 8.0})), "`rope_scaling.low_freq_factor` is missing"),
+            (with(LLAMA, "num_key_value_heads", json!(5)), "`num_key_value_heads` is 5, which does not divide num_attention_heads 32"),
+            (with(LLAMA, "hidden_size", Value::Null), "`hidden_size` is missing"),
+            (with(LLAMA, "hidden_size", json!(0)), "`hidden_size` must be a whole number above 0, got 0"),
+            (with(LLAMA, "rms_norm_eps", json!(-1.0)), "`rms_norm_eps` must be a finite number above 0"),
+            (with(LLAMA, "hidden_act", json!("gelu")), "`hidden_act` is \"gelu\""),
+            (with(LLAMA, "mlp_bias", json!(true)), "`mlp_bias` is true"),
+            (with(LLAMA, "head_dim", json!(63)), "`head_dim` is 63; RoPE rotates pairs"),
+            (with(&with(&with(LLAMA, "model_type", json!("qwen2")), "architectures", Value::Null), "use_sliding_window", json!(true)), "`use_sliding_window` is true"),
+            ("[1, 2]".to_string(), "`config.json` is not a JSON object"),
+        ];
+        for (text, expected) in cases {
+            let error = refused(&text).to_string();
+            assert!(error.starts_with("ckpt/config.json: ") && error.contains(expected), "expected {expected:?}, got {error}");
+        }
+    }
+}

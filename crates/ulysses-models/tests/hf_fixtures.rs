@@ -1,0 +1,46 @@
+//! Configs as transformers saves them, read here as transformers reads them: for each family
+//! (and Llama with linear and llama3 RoPE), `tests/fixtures/NAME/config.json` is what the
+//! family's config class wrote and `resolved.json` what transformers made of it, written by
+//! `scripts/hf-fixtures.py` (transformers' version inside). Head dim, kv heads, norm epsilon,
+//! tied embeddings and the sliding window equal transformers'; the RoPE inverse frequencies
+//! equal those its rotary embedding holds within 1e-6 relative (transformers computes them in
+//! f32, this crate in f64); and a config written back reads the same.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use ulysses_models::{DecoderConfig, rope::inverse_frequencies};
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut folders: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("resolved.json").exists()).collect();
+    folders.sort();
+    assert_eq!(folders.len(), 6, "the fixtures of scripts/hf-fixtures.py in {}", root.display());
+    folders
+}
+
+#[test]
+fn every_family_reads_as_transformers_reads_it() {
+    for folder in fixtures() {
+        let name = folder.file_name().unwrap().to_string_lossy().into_owned();
+        let want: Value = serde_json::from_str(&std::fs::read_to_string(folder.join("resolved.json")).unwrap()).unwrap();
+        let config = DecoderConfig::from_hf(&folder).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(config.family.model_type(), want["model_type"], "{name}");
+        assert_eq!(config.head_dim as u64, want["head_dim"].as_u64().unwrap(), "{name}: head_dim");
+        assert_eq!(config.num_key_value_heads as u64, want["num_key_value_heads"].as_u64().unwrap(), "{name}: kv heads");
+        assert_eq!(config.rms_norm_eps, want["rms_norm_eps"].as_f64().unwrap(), "{name}: rms_norm_eps");
+        assert_eq!(config.tie_word_embeddings, want["tie_word_embeddings"].as_bool().unwrap(), "{name}: tied embeddings");
+        assert_eq!(config.sliding_window.map(|w| w as u64), want["sliding_window"].as_u64(), "{name}: sliding window");
+        assert_eq!(want["attention_scaling"].as_f64(), Some(1.0), "{name}: a RoPE type that scales attention is not represented");
+
+        let expected: Vec<f64> = want["inv_freq"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        let got = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling);
+        assert_eq!(got.len(), expected.len(), "{name}");
+        let worst = got.iter().zip(&expected).map(|(g, e)| ((g - e) / e).abs()).fold(0.0f64, |a, b| if b.is_nan() || b > a { b } else { a });
+        println!("{name} (transformers {}): {} frequencies, largest relative difference {worst:.1e}", want["transformers"], got.len());
+        assert!(worst <= 1e-6, "{name}: RoPE frequencies differ from transformers' by {worst:e} (relative)");
+
+        let again = DecoderConfig::from_hf_json(&config.to_hf_json("float32").to_string(), "written back").unwrap();
+        assert_eq!(again, config, "{name}: written back and read again");
+    }
+}

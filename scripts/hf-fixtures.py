@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Fixtures for crates/ulysses-models from the real reference, transformers.
+
+Writes, for each family (llama, mistral, qwen2, qwen3), a tiny config as transformers saves it
+(`config.json`, from the family's own config class) and what transformers makes of it
+(`resolved.json`: head_dim, kv heads, RoPE theta and type, biases, the rotary embedding's
+inverse frequencies as its model holds them), plus RoPE variants (linear, llama3) on Llama.
+The tests in crates/ulysses-models/tests/hf_fixtures.rs read them; CI never runs this.
+
+    python3 -m venv /var/tmp/hf-venv && /var/tmp/hf-venv/bin/pip install torch transformers
+    /var/tmp/hf-venv/bin/python scripts/hf-fixtures.py crates/ulysses-models/tests/fixtures
+"""
+import json
+import os
+import sys
+
+import torch
+import transformers
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 256}
+
+CASES = {
+    "llama": (LlamaConfig, dict(rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "llama-linear": (LlamaConfig, dict(rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "llama-llama3": (LlamaConfig, dict(rope_theta=500000.0, rope_scaling=LLAMA3, head_dim=32)),
+    "mistral": (MistralConfig, dict(sliding_window=64, rope_theta=1e6)),
+    "qwen2": (Qwen2Config, dict(rope_theta=1e6, tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, dict(head_dim=32, rope_theta=1e6)),
+}
+
+
+def rotary(config):
+    """The inverse frequencies the family's model holds for this config."""
+    modeling = sys.modules[type(config).__module__.replace("configuration_", "modeling_")]
+    name = type(config).__name__.replace("Config", "RotaryEmbedding")
+    embedding = getattr(modeling, name)(config=config)
+    return embedding.inv_freq.double().tolist(), float(getattr(embedding, "attention_scaling", 1.0))
+
+
+def main(out):
+    import importlib
+    for family in ("llama", "mistral", "qwen2", "qwen3"):
+        importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    for name, (cls, extra) in CASES.items():
+        config = cls(**SHAPE, **extra)
+        folder = os.path.join(out, name)
+        os.makedirs(folder, exist_ok=True)
+        config.save_pretrained(folder)
+        inv_freq, attention_scaling = rotary(config)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        resolved = {
+            "transformers": transformers.__version__,
+            "model_type": config.model_type,
+            "head_dim": head_dim,
+            "num_key_value_heads": config.num_key_value_heads,
+            "rms_norm_eps": config.rms_norm_eps,
+            "tie_word_embeddings": config.tie_word_embeddings,
+            "sliding_window": getattr(config, "sliding_window", None) if name == "mistral" else None,
+            "inv_freq": inv_freq,
+            "attention_scaling": attention_scaling,
+        }
+        with open(os.path.join(folder, "resolved.json"), "w") as f:
+            json.dump(resolved, f, indent=1)
+        print(f"{name}: head_dim {head_dim}, {len(inv_freq)} frequencies, transformers {transformers.__version__}")
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main(sys.argv[1] if len(sys.argv) > 1 else "crates/ulysses-models/tests/fixtures")
