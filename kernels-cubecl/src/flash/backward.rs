@@ -23,7 +23,7 @@ use cubecl::prelude::*;
 
 use super::{
     forward::MASKED,
-    stage::{Blocks, cube_in_range, cube_index, cube_place, cube_run, key_rows, row_keys, row_offset, stage_row_stats, stage_tile},
+    stage::{Blocks, accumulate_part, cube_in_range, cube_index, cube_place, cube_run, key_rows, row_keys, row_offset, stage_row_stats, stage_tile},
     tile_ops::{TILE, TileMma, accumulate_a_b, accumulate_a_bt, sync_tile},
 };
 
@@ -252,21 +252,8 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                     sync_tile(blocks.plane_sync);
 
                     // dK += dSᵀ · Q, over this launch's columns of dK.
-                    #[unroll]
-                    for chunk in 0..comptime!(blocks.dim_chunks()) {
-                        let meets = comptime!(blocks.chunk_in_part(chunk, dim_chunk));
-                        if comptime!(meets.is_some()) {
-                            let first = comptime!(meets.unwrap().first_tile);
-                            let column = comptime!(meets.unwrap().column);
-                            let tiles = comptime!(meets.unwrap().tiles);
-                            if !whole_dims {
-                                sync_cube();
-                                stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
-                                sync_cube();
-                            }
-                            accumulate_a_b::<F, M>(&mut dk_acc, first, tiles, &probs.to_slice(), scores_at, block_q, &q_tile.to_slice().slice(column, q_tile.len()), dim_chunk, tile_rows, unit);
-                        }
-                    }
+                    let chunks = comptime!(blocks.dim_chunks());
+                    accumulate_part::<F, M, N>(&mut dk_acc, &probs, scores_at, query, q_base, q0, seq_q, head_dim, &mut q_tile, tile_rows, block_q, dim_chunk, chunks, whole_dims, blocks);
                 }
             }
         }
@@ -422,21 +409,8 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
             sync_tile(blocks.plane_sync);
 
             // dQ += dS · K, over this launch's columns of dQ.
-            #[unroll]
-            for chunk in 0..comptime!(blocks.dim_chunks()) {
-                let meets = comptime!(blocks.chunk_in_part(chunk, dim_chunk));
-                if comptime!(meets.is_some()) {
-                    let first = comptime!(meets.unwrap().first_tile);
-                    let column = comptime!(meets.unwrap().column);
-                    let tiles = comptime!(meets.unwrap().tiles);
-                    if !whole_dims {
-                        sync_cube();
-                        stage_tile(key, k_base, kv0, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
-                        sync_cube();
-                    }
-                    accumulate_a_b::<F, M>(&mut dq_acc, first, tiles, &ds.to_slice(), scores_at, block_kv, &k_tile.to_slice().slice(column, k_tile.len()), dim_chunk, tile_rows, unit);
-                }
-            }
+            let chunks = comptime!(blocks.dim_chunks());
+            accumulate_part::<F, M, N>(&mut dq_acc, &ds, scores_at, key, k_base, kv0, seq_kv, head_dim, &mut k_tile, tile_rows, block_kv, dim_chunk, chunks, whole_dims, blocks);
         }
 
         let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);

@@ -25,8 +25,8 @@
 use cubecl::prelude::*;
 
 use super::{
-    stage::{Blocks, cube_in_range, cube_place, cube_run, row_keys, row_offset, stage_tile},
-    tile_ops::{TILE, TileMma, accumulate_a_b, accumulate_a_bt, sync_tile},
+    stage::{Blocks, accumulate_part, cube_in_range, cube_place, cube_run, row_keys, row_offset, stage_tile},
+    tile_ops::{TILE, TileMma, accumulate_a_bt, sync_tile},
 };
 
 /// Stand-in for -infinity in running maxima and masked scores (WGSL cannot spell infinity).
@@ -191,25 +191,11 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
                 M::scale_rows(&mut out_acc, value_tiles, &factors, &mut scratch, unit);
             }
 
-            // O += P · V, over this launch's output columns.
-            if comptime!(blocks.dim_chunks() == 1 && blocks.value_chunks() == 1) {
-                let column = comptime!(blocks.chunk_in_part(0, value_chunk).unwrap().column);
-                accumulate_a_b::<F, M>(&mut out_acc, 0usize, value_tiles, &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice().slice(column, v_tile.len()), value_chunk, tile_rows, unit);
-            } else {
-                #[unroll]
-                for chunk in 0..comptime!(blocks.value_chunks()) {
-                    let meets = comptime!(blocks.chunk_in_part(chunk, value_chunk));
-                    if comptime!(meets.is_some()) {
-                        let first = comptime!(meets.unwrap().first_tile);
-                        let column = comptime!(meets.unwrap().column);
-                        let tiles = comptime!(meets.unwrap().tiles);
-                        sync_cube();
-                        stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
-                        sync_cube();
-                        accumulate_a_b::<F, M>(&mut out_acc, first, tiles, &probs.to_slice(), scores_at, block_kv, &v_tile.to_slice().slice(column, v_tile.len()), value_chunk, tile_rows, unit);
-                    }
-                }
-            }
+            // O += P · V, over this launch's output columns; V is staged already where K and
+            // V went in together.
+            let staged = comptime!(blocks.dim_chunks() == 1 && blocks.value_chunks() == 1);
+            let chunks = comptime!(blocks.value_chunks());
+            accumulate_part::<F, M, N>(&mut out_acc, &probs, scores_at, value, v_base, kv0, seq_kv, value_dim, &mut v_tile, tile_rows, block_kv, value_chunk, chunks, staged, blocks);
         }
 
         // O / l, and the log-sum-exp.

@@ -3,7 +3,7 @@
 
 use cubecl::prelude::*;
 
-use super::tile_ops::{Fragment, TILE, TileUnit};
+use super::tile_ops::{Fragment, TILE, TileMma, TileUnit, accumulate_a_b};
 
 /// The comptime shape of a launch. A cube owns `planes × 16` rows of one (batch, head): the
 /// query rows of the forward and dQ kernels, the key rows of the dK/dV kernel; plane `p`
@@ -241,6 +241,47 @@ pub fn stage_tile<F: Float, N: Size>(
             }
         }
         i += units;
+    }
+}
+
+/// `acc += A · B` over this launch's part of an output (all of it without one): `B` is
+/// `depth` rows of `source` from row `first` (`len` of them), its columns in `chunks` chunks
+/// of `chunk`, each staged into `b_tile` (unless `staged`: one chunk, in `b_tile` already)
+/// only where it meets the part. `A` is the plane's 16 rows at `a_at` (probabilities or dS,
+/// row stride `depth`): `O += P·V`, `dK += dSᵀ·Q`, `dQ += dS·K`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn accumulate_part<F: Float, M: TileMma, N: Size>(
+    acc: &mut M::Tiles,
+    a: &SharedMemory<F>,
+    a_at: usize,
+    source: &Tensor<Vector<F, N>>,
+    base: usize,
+    first: usize,
+    len: usize,
+    dim: usize,
+    b_tile: &mut SharedMemory<F>,
+    tile_rows: usize,
+    #[comptime] depth: usize,
+    #[comptime] chunk: usize,
+    #[comptime] chunks: usize,
+    #[comptime] staged: bool,
+    #[comptime] blocks: Blocks,
+) {
+    #[unroll]
+    for index in 0..chunks {
+        let meets = comptime!(blocks.chunk_in_part(index, chunk));
+        if comptime!(meets.is_some()) {
+            let first_tile = comptime!(meets.unwrap().first_tile);
+            let column = comptime!(meets.unwrap().column);
+            let tiles = comptime!(meets.unwrap().tiles);
+            if comptime!(!staged) {
+                sync_cube();
+                stage_tile(source, base, first, len, index * chunk, dim, b_tile, 0, depth, chunk);
+                sync_cube();
+            }
+            accumulate_a_b::<F, M>(acc, first_tile, tiles, &a.to_slice(), a_at, depth, &b_tile.to_slice().slice(column, b_tile.len()), chunk, tile_rows, comptime!(blocks.unit()));
+        }
     }
 }
 
