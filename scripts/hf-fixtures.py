@@ -4,7 +4,9 @@
 Writes, for each family (llama, mistral, qwen2, qwen3), a tiny config as transformers saves it
 (`config.json`, from the family's own config class) and what transformers makes of it
 (`resolved.json`: head_dim, kv heads, RoPE theta and type, biases, the rotary embedding's
-inverse frequencies as its model holds them), plus RoPE variants (linear, llama3) on Llama.
+inverse frequencies as its model holds them), plus RoPE variants (linear, llama3) on Llama;
+and a small byte-level BPE `tokenizer/tokenizer.json` with the `tokenizers` package's ids for a
+few texts (`encodings.json`).
 The tests in crates/ulysses-models/tests/hf_fixtures.rs read them; CI never runs this.
 
     python3 -m venv /var/tmp/hf-venv && /var/tmp/hf-venv/bin/pip install torch transformers
@@ -42,6 +44,35 @@ def rotary(config):
     return embedding.inv_freq.double().tolist(), float(getattr(embedding, "attention_scaling", 1.0))
 
 
+TEXTS = [
+    "Sequence parallelism splits a sequence across the GPUs of a group.",
+    "  Leading spaces, tabs\tand\nnew lines  ",
+    "Unicode: naïve café, 東京, emoji 🙂, and numbers 1234567890.",
+    "<|endoftext|>A special token inside the text<|endoftext|>",
+    "",
+]
+
+
+def tokenizer(out):
+    """A small byte-level BPE, as Llama 3 and Qwen use, trained on the texts above, and its
+    ids for them (special tokens parsed, none added)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(TEXTS * 20, trainer)
+    folder = os.path.join(out, "tokenizer")
+    os.makedirs(folder, exist_ok=True)
+    bpe.save(os.path.join(folder, "tokenizer.json"))
+    encodings = [{"text": t, "ids": bpe.encode(t, add_special_tokens=False).ids} for t in TEXTS]
+    import tokenizers
+    with open(os.path.join(folder, "encodings.json"), "w") as f:
+        json.dump({"tokenizers": tokenizers.__version__, "encodings": encodings}, f, indent=1, ensure_ascii=False)
+    print(f"tokenizer: {bpe.get_vocab_size()} tokens, tokenizers {tokenizers.__version__}")
+
+
 def main(out):
     import importlib
     for family in ("llama", "mistral", "qwen2", "qwen3"):
@@ -67,6 +98,7 @@ def main(out):
         with open(os.path.join(folder, "resolved.json"), "w") as f:
             json.dump(resolved, f, indent=1)
         print(f"{name}: head_dim {head_dim}, {len(inv_freq)} frequencies, transformers {transformers.__version__}")
+    tokenizer(out)
 
 
 if __name__ == "__main__":

@@ -44,3 +44,26 @@ fn every_family_reads_as_transformers_reads_it() {
         assert_eq!(again, config, "{name}: written back and read again");
     }
 }
+
+/// `tests/fixtures/tokenizer`: a byte-level BPE the `tokenizers` Python package trained and
+/// saved, and its ids for texts with spaces, tabs, new lines, non-ASCII text, an emoji, a
+/// special token written in the text, and nothing at all.
+#[test]
+fn the_tokenizer_gives_the_python_packages_ids() {
+    let folder = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    let tokenizer = ulysses_models::TextTokenizer::from_file(&folder).unwrap();
+    let want: Value = serde_json::from_str(&std::fs::read_to_string(folder.join("encodings.json")).unwrap()).unwrap();
+    let encodings = want["encodings"].as_array().unwrap();
+    assert_eq!(encodings.len(), 5);
+    for case in encodings {
+        let text = case["text"].as_str().unwrap();
+        let expected: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(tokenizer.encode(text).unwrap(), expected, "{text:?} (tokenizers {})", want["tokenizers"]);
+    }
+    let eos = tokenizer.token_id("<|endoftext|>").expect("the special token");
+    let document = tokenizer.encode_document("a group.", eos).unwrap();
+    assert_eq!(document.last(), Some(&eos));
+    assert_eq!(&document[..document.len() - 1], tokenizer.encode("a group.").unwrap().as_slice());
+    let missing = ulysses_models::TextTokenizer::from_file(&folder.join("absent")).err().expect("refused").to_string();
+    assert!(missing.contains("absent") && missing.contains("tokenizer.json"), "{missing}");
+}

@@ -1,0 +1,54 @@
+//! A checkpoint's `tokenizer.json`, through Hugging Face's own `tokenizers` crate: the same
+//! ids as the Python package on the same file.
+
+use std::path::Path;
+
+/// A tokenizer read from `tokenizer.json`.
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    /// The file it was read from, for messages.
+    file: String,
+}
+
+/// Why a tokenizer cannot be read or used, naming the file.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {problem}")]
+pub struct TokenizerError {
+    pub file: String,
+    pub problem: String,
+}
+
+impl TextTokenizer {
+    /// Reads a checkpoint folder's `tokenizer.json` (or the file itself).
+    pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
+        let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
+        let file = file.display().to_string();
+        let inner = tokenizers::Tokenizer::from_file(&file)
+            .map_err(|e| TokenizerError { file: file.clone(), problem: format!("cannot be read as a Hugging Face tokenizer.json: {e}") })?;
+        Ok(Self { inner, file })
+    }
+
+    /// The ids of `text`, special tokens written in it parsed as such, none added.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let encoding = self.inner.encode(text, false).map_err(|e| TokenizerError { file: self.file.clone(), problem: format!("cannot encode: {e}") })?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The ids of one document followed by `eos`, so that packed documents end where the
+    /// model learnt that text ends.
+    pub fn encode_document(&self, text: &str, eos: u32) -> Result<Vec<u32>, TokenizerError> {
+        let mut ids = self.encode(text)?;
+        ids.push(eos);
+        Ok(ids)
+    }
+
+    /// The id of a token written out (e.g. `<|endoftext|>`), if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Tokens in the vocabulary, added ones included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
