@@ -11,7 +11,7 @@ use cubecl::{
 
 use super::{
     Problem,
-    stage::{Blocks, KeyValuePass},
+    stage::{Blocks, ColumnPart, KeyValuePass},
     tile_ops::{Fragment, TILE},
 };
 use crate::FlashError;
@@ -187,6 +187,14 @@ impl Plan {
             query: budget.blocks(Kernel::QueryGrad)?,
             split_key_value: split_key_value(engine, problem.head_dim, problem.value_dim),
         })
+    }
+}
+
+impl Plan {
+    /// The launches' column parts of an output `width` wide (padded to 16): `[None]` where one
+    /// launch takes every column (see [`part_width`]).
+    pub fn column_parts(&self, width: usize) -> Vec<Option<ColumnPart>> {
+        ColumnPart::cover(width, part_width(self.engine, width))
     }
 }
 
