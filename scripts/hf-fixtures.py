@@ -73,6 +73,42 @@ def tokenizer(out):
     print(f"tokenizer: {bpe.get_vocab_size()} tokens, tokenizers {tokenizers.__version__}")
 
 
+MODELS = ("llama", "llama-llama3", "mistral", "qwen2", "qwen3")
+SEQ = 24
+DOCUMENTS = (7, 10, 7)
+
+
+def model_outputs(config, folder):
+    """A random model of `config` saved in f32, and its logits and loss."""
+    from safetensors.torch import save_file
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (2, SEQ), generator=generator)
+    packed = torch.randint(0, config.vocab_size, (1, SEQ), generator=generator)
+    positions = torch.cat([torch.arange(n) for n in DOCUMENTS]).unsqueeze(0)
+    with torch.no_grad():
+        # No cache: transformers derives the document mask from restarting positions only then.
+        plain = model(input_ids=tokens, labels=tokens, use_cache=False)
+        packed_logits = model(input_ids=packed, position_ids=positions, use_cache=False).logits
+        # The same documents one at a time: what the packed row must equal.
+        alone = torch.cat([model(input_ids=d, use_cache=False).logits for d in packed.split(list(DOCUMENTS), dim=1)], dim=1)
+    assert (packed_logits - alone).abs().max() < 1e-4, "transformers did not keep the packed documents apart"
+    save_file({
+        "input_ids": tokens.to(torch.int64).contiguous(),
+        "logits": plain.logits.float().contiguous(),
+        "loss": plain.loss.float().reshape(1),
+        "packed_input_ids": packed.to(torch.int64).contiguous(),
+        "packed_position_ids": positions.to(torch.int64).contiguous(),
+        "packed_logits": packed_logits.float().contiguous(),
+    }, os.path.join(folder, "expected.safetensors"), metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    return plain.loss.item()
+
+
 def main(out):
     import importlib
     for family in ("llama", "mistral", "qwen2", "qwen3"):
@@ -98,6 +134,10 @@ def main(out):
         with open(os.path.join(folder, "resolved.json"), "w") as f:
             json.dump(resolved, f, indent=1)
         print(f"{name}: head_dim {head_dim}, {len(inv_freq)} frequencies, transformers {transformers.__version__}")
+        if name in MODELS:
+            torch.manual_seed(0)
+            loss = model_outputs(config, folder)
+            print(f"{name}: a model of {os.path.getsize(os.path.join(folder, 'model.safetensors'))} bytes, loss {loss:.4f}")
     tokenizer(out)
 
 

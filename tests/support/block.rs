@@ -100,7 +100,7 @@ fn run_block<B: AutodiffBackend>(config: &LlamaConfig, x: Tensor<B, 3>, weights:
     let device = x.device();
     let block = deterministic_params(config.init_block::<B>(&device), SEED);
     let x = x.require_grad();
-    let rope = RopeTables::at(positions, config.head_dim(), config.rope_theta, &device);
+    let rope = RopeTables::at(positions, config.head_dim(), config.rope_theta, config.rope_scaling, &device);
     let output = block.forward(x.clone(), &rope, packed.then_some(positions));
     let grads = (output.clone() * weights).sum().backward();
     Outcome {

@@ -1,17 +1,24 @@
 //! Hugging Face decoder checkpoints for burn-ulysses: one decoder with the four families
 //! people fine-tune at long context (Llama, Mistral, Qwen2, Qwen3) as configuration.
 //!
-//! This first layer is independent of Burn: [`config`] reads a checkpoint's `config.json`
-//! into a [`DecoderConfig`], checks everything the decoder cannot represent before any
-//! weight is read (each error names the key and the file), and writes it back in Hugging
-//! Face's form; [`rope`] computes the rotary frequencies of the `default`, `linear` and
-//! `llama3` RoPE types as transformers does; [`tokenizer`] reads `tokenizer.json` with the
-//! `tokenizers` crate.
+//! [`config`] reads a checkpoint's `config.json` into a [`DecoderConfig`], checks everything
+//! the decoder cannot represent before any weight is read (each error names the key and the
+//! file), and writes it back in Hugging Face's form; [`rope`] computes the rotary frequencies
+//! of the `default`, `linear` and `llama3` RoPE types as transformers does, and
+//! [`rope_tables`] the rotations at each token's global position; [`llama`] is the decoder,
+//! generic over the backend, calling burn's attention op (so sequence parallel under
+//! `burn_ulysses::UlyssesBackend`); [`pretrained`] loads a checkpoint folder's weights into
+//! it; [`tokenizer`] reads `tokenizer.json` with the `tokenizers` crate.
 
 pub mod config;
+pub mod llama;
+pub mod pretrained;
 pub mod rope;
+pub mod rope_tables;
 pub mod tokenizer;
 
 pub use config::{ConfigError, DecoderConfig, Family};
+pub use llama::{Llama, LlamaConfig};
+pub use pretrained::{CheckpointError, Pretrained, from_pretrained, save_pretrained};
 pub use rope::RopeScaling;
 pub use tokenizer::{TextTokenizer, TokenizerError};

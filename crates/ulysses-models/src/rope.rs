@@ -7,7 +7,7 @@
 
 /// How a checkpoint stretches RoPE beyond the context it was pre-trained on
 /// (`rope_scaling`, or `rope_parameters` in transformers 5).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum RopeScaling {
     /// `rope_type: "default"` (or no scaling at all).
     Default,

@@ -9,7 +9,7 @@ use burn::{
     module::{AutodiffModule, Module},
     optim::{AdamWConfig, Optimizer},
     record::{FullPrecisionSettings, NamedMpkFileRecorder},
-    tensor::{Int, Tensor, backend::AutodiffBackend},
+    tensor::backend::AutodiffBackend,
 };
 use burn_ulysses::{
     ParallelGroups, ParallelLayout, TrainBackend, UlyssesError,
@@ -18,7 +18,7 @@ use burn_ulysses::{
     layout::HeadPlan,
     precision::Precision,
     train::{
-        CausalLm, LayerCheckpointing, LmOutput, LocalStep, StepInput, StepReport, apply_step, backward_step, backward_step_checkpointed,
+        LayerCheckpointing, LocalStep, StepInput, StepReport, apply_step, backward_step, backward_step_checkpointed,
         broadcast_parameters,
         check_parameters_identical,
         checkpoint::{load_training_checkpoint, save_training_checkpoint},
@@ -181,25 +181,6 @@ impl TrainConfig {
             .with_pad_to(Some(self.seq_len))
             .with_ring_size(self.layout.ring_size)
             .with_ring_sharding(self.layout.ring_sharding)
-    }
-}
-
-impl<B: AutodiffBackend> CausalLm<B> for Llama<B> {
-    fn logits(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
-        self.forward(tokens, positions)
-    }
-
-    /// The loss runs over the hidden states in chunks of rows, never holding all logits.
-    fn lm_output(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> LmOutput<B> {
-        Llama::lm_output(self, tokens, positions)
-    }
-
-    fn vocab_size(&self) -> usize {
-        Llama::vocab_size(self)
-    }
-
-    fn is_causal(&self) -> bool {
-        Llama::is_causal(self)
     }
 }
 

@@ -1,5 +1,8 @@
-//! A Llama-shaped decoder: RMSNorm, RoPE at global positions, grouped-query causal attention
-//! through `burn::tensor::module::attention`, SwiGLU feed-forward.
+//! The decoder of the four families (Llama, Mistral, Qwen2, Qwen3): RMSNorm, RoPE at global
+//! positions, grouped-query causal attention through `burn::tensor::module::attention`, SwiGLU
+//! feed-forward; as configuration, biases on q, k and v (Qwen2), RMSNorm over each head of q
+//! and k (Qwen3), an output head tied to the embeddings, RoPE scaling. [`LlamaConfig::from_hf`]
+//! builds the configuration of a checkpoint's `config.json`.
 //!
 //! Nothing here knows about sequence parallelism. Under `UlyssesBackend` each rank runs the
 //! model on its shard of the sequence; the caller supplies the shard's position ids
@@ -21,7 +24,7 @@ use burn::{
     tensor::{
         FloatDType, Int, Tensor,
         activation::silu,
-        backend::Backend,
+        backend::{AutodiffBackend, Backend},
         module::attention,
         ops::AttentionModuleOptions,
     },
@@ -31,11 +34,11 @@ use burn_ulysses::{
     attention::{attention_in_documents, repeat_kv_heads},
     data::ShardPositions,
     precision::{linear, rms_norm},
-    train::{LayeredLm, LmOutput, OutputHead},
+    train::{CausalLm, LayeredLm, LmOutput, OutputHead},
     visibility::PositionIds,
 };
 
-use crate::rope::RopeTables;
+use crate::{DecoderConfig, rope::RopeScaling, rope_tables::RopeTables};
 
 #[derive(Config, Debug)]
 pub struct LlamaConfig {
@@ -50,10 +53,29 @@ pub struct LlamaConfig {
     pub n_kv_heads: usize,
     #[config(default = 256)]
     pub ffn_hidden: usize,
+    /// Each head's width; `None`: `d_model / n_heads` (Qwen3 and some Mistrals set their own).
+    pub head_dim: Option<usize>,
     #[config(default = 10000.0)]
     pub rope_theta: f64,
+    #[config(default = "RopeScaling::Default")]
+    pub rope_scaling: RopeScaling,
     #[config(default = 1e-5)]
     pub norm_eps: f64,
+    /// Biases on the q, k and v projections (Qwen2).
+    #[config(default = false)]
+    pub qkv_bias: bool,
+    /// A bias on the attention's output projection.
+    #[config(default = false)]
+    pub output_bias: bool,
+    /// RMSNorm over each head of q and k, before RoPE (Qwen3).
+    #[config(default = false)]
+    pub qk_norm: bool,
+    /// The output head is the embedding matrix: no `lm_head` of its own.
+    #[config(default = false)]
+    pub tie_embeddings: bool,
+    /// Mistral's window: each query sees only the last this many keys. Not applied by the
+    /// attention yet, so a position at or past it is refused (see [`Llama::context`]).
+    pub sliding_window: Option<usize>,
     /// Expand kv heads to the q head count before calling attention. Burn's own attention
     /// needs equal head counts; `UlyssesBackend` accepts grouped kv heads natively and then
     /// exchanges `n_heads / n_kv_heads` times fewer kv bytes. It changes no parameter.
@@ -65,13 +87,33 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
+    /// The model of a Hugging Face checkpoint's configuration (its `config.json`, read and
+    /// checked by [`DecoderConfig::from_hf`]).
+    pub fn from_hf(config: &DecoderConfig) -> Self {
+        Self::new(config.vocab_size)
+            .with_d_model(config.hidden_size)
+            .with_n_layers(config.num_hidden_layers)
+            .with_n_heads(config.num_attention_heads)
+            .with_n_kv_heads(config.num_key_value_heads)
+            .with_head_dim(Some(config.head_dim))
+            .with_ffn_hidden(config.intermediate_size)
+            .with_rope_theta(config.rope_theta)
+            .with_rope_scaling(config.rope_scaling)
+            .with_norm_eps(config.rms_norm_eps)
+            .with_qkv_bias(config.qkv_bias)
+            .with_output_bias(config.output_bias)
+            .with_qk_norm(config.qk_norm)
+            .with_tie_embeddings(config.tie_word_embeddings)
+            .with_sliding_window(config.sliding_window)
+    }
+
     pub fn head_dim(&self) -> usize {
-        self.d_model / self.n_heads
+        self.head_dim.unwrap_or(self.d_model / self.n_heads)
     }
 
     fn check(&self) {
         assert!(
-            self.d_model % self.n_heads == 0,
+            self.head_dim.is_some() || self.d_model % self.n_heads == 0,
             "d_model {} must be divisible by n_heads {}",
             self.d_model,
             self.n_heads
@@ -90,24 +132,29 @@ impl LlamaConfig {
             embedding: EmbeddingConfig::new(self.vocab_size, self.d_model).init(device),
             blocks: (0..self.n_layers).map(|_| self.init_block(device)).collect(),
             norm: RmsNormConfig::new(self.d_model).with_epsilon(self.norm_eps).init(device),
-            lm_head: LinearConfig::new(self.d_model, self.vocab_size).with_bias(false).init(device),
+            lm_head: (!self.tie_embeddings).then(|| LinearConfig::new(self.d_model, self.vocab_size).with_bias(false).init(device)),
             head_dim: self.head_dim(),
             rope_theta: self.rope_theta,
+            rope_scaling: self.rope_scaling,
+            sliding_window: self.sliding_window,
             compute_dtype: FloatDType::F32,
         }
     }
 
     pub fn init_block<B: Backend>(&self, device: &B::Device) -> Block<B> {
         self.check();
-        let linear = |d_in, d_out| LinearConfig::new(d_in, d_out).with_bias(false).init(device);
+        let linear = |d_in, d_out, bias| LinearConfig::new(d_in, d_out).with_bias(bias).init(device);
         let head_dim = self.head_dim();
+        let head_norm = || self.qk_norm.then(|| RmsNormConfig::new(head_dim).with_epsilon(self.norm_eps).init(device));
         Block {
             attention_norm: RmsNormConfig::new(self.d_model).with_epsilon(self.norm_eps).init(device),
             attention: Attention {
-                wq: linear(self.d_model, self.n_heads * head_dim),
-                wk: linear(self.d_model, self.n_kv_heads * head_dim),
-                wv: linear(self.d_model, self.n_kv_heads * head_dim),
-                wo: linear(self.n_heads * head_dim, self.d_model),
+                wq: linear(self.d_model, self.n_heads * head_dim, self.qkv_bias),
+                wk: linear(self.d_model, self.n_kv_heads * head_dim, self.qkv_bias),
+                wv: linear(self.d_model, self.n_kv_heads * head_dim, self.qkv_bias),
+                wo: linear(self.n_heads * head_dim, self.d_model, self.output_bias),
+                q_norm: head_norm(),
+                k_norm: head_norm(),
                 n_heads: self.n_heads,
                 n_kv_heads: self.n_kv_heads,
                 head_dim,
@@ -116,9 +163,9 @@ impl LlamaConfig {
             },
             ffn_norm: RmsNormConfig::new(self.d_model).with_epsilon(self.norm_eps).init(device),
             feed_forward: FeedForward {
-                gate: linear(self.d_model, self.ffn_hidden),
-                up: linear(self.d_model, self.ffn_hidden),
-                down: linear(self.ffn_hidden, self.d_model),
+                gate: linear(self.d_model, self.ffn_hidden, false),
+                up: linear(self.d_model, self.ffn_hidden, false),
+                down: linear(self.ffn_hidden, self.d_model, false),
             },
         }
     }
@@ -136,8 +183,17 @@ pub struct LlamaContext<B: Backend> {
 impl<B: Backend> LayeredLm<B> for Llama<B> {
     type Context = LlamaContext<B>;
 
+    /// Panics, naming the window, where a token sits at or past the sliding window (Mistral):
+    /// the window would hide keys from it, and the attention does not apply one yet.
     fn context(&self, positions: &ShardPositions, device: &B::Device) -> LlamaContext<B> {
-        let rope = RopeTables::at(&positions.ids, self.head_dim, self.rope_theta, device).in_dtype(self.compute_dtype);
+        if let Some(window) = self.sliding_window {
+            let last = positions.ids.ids().iter().copied().max().unwrap_or(0);
+            assert!(
+                (last as usize) < window,
+                "a token at position {last} is past this model's sliding window of {window} (config.json `sliding_window`), which burn-ulysses does not apply yet: train on sequences (or packed documents) of at most {window} tokens"
+            );
+        }
+        let rope = RopeTables::at(&positions.ids, self.head_dim, self.rope_theta, self.rope_scaling, device).in_dtype(self.compute_dtype);
         LlamaContext { rope, documents: positions.packed.then(|| positions.ids.clone()) }
     }
 
@@ -163,8 +219,27 @@ impl<B: Backend> LayeredLm<B> for Llama<B> {
     }
 
     fn head(&self, hidden: Tensor<B, 3>) -> LmOutput<B> {
-        let head = OutputHead { weight: self.lm_head.weight.val(), bias: self.lm_head.bias.as_ref().map(|b| b.val()) };
-        LmOutput::Hidden { hidden: self.final_norm(hidden), head }
+        LmOutput::Hidden { hidden: self.final_norm(hidden), head: self.output_head() }
+    }
+}
+
+/// What the training step needs of the model.
+impl<B: AutodiffBackend> CausalLm<B> for Llama<B> {
+    fn logits(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
+        self.forward(tokens, positions)
+    }
+
+    /// The loss runs over the hidden states in chunks of rows, never holding all logits.
+    fn lm_output(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> LmOutput<B> {
+        Llama::lm_output(self, tokens, positions)
+    }
+
+    fn vocab_size(&self) -> usize {
+        Llama::vocab_size(self)
+    }
+
+    fn is_causal(&self) -> bool {
+        Llama::is_causal(self)
     }
 }
 
@@ -173,9 +248,15 @@ pub struct Llama<B: Backend> {
     pub embedding: Embedding<B>,
     pub blocks: Vec<Block<B>>,
     pub norm: RmsNorm<B>,
-    pub lm_head: Linear<B>,
+    /// `None`: tied to the embeddings.
+    pub lm_head: Option<Linear<B>>,
     head_dim: usize,
     rope_theta: f64,
+    /// From the configuration, like the head dim; not part of the record.
+    #[module(skip)]
+    rope_scaling: RopeScaling,
+    #[module(skip)]
+    sliding_window: Option<usize>,
     /// What the layers compute in (the parameters stay f32); not part of the record.
     #[module(skip)]
     compute_dtype: FloatDType,
@@ -184,7 +265,21 @@ pub struct Llama<B: Backend> {
 impl<B: Backend> Llama<B> {
     /// `tokens: [batch, seq]` at `positions` → logits `[batch, seq, vocab]`.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
-        self.lm_head.forward(self.hidden(tokens, positions))
+        let head = self.output_head();
+        let logits = self.hidden(tokens, positions).matmul(head.weight.unsqueeze());
+        match head.bias {
+            Some(bias) => logits + bias.unsqueeze(),
+            None => logits,
+        }
+    }
+
+    /// The projection from the last hidden states to logits: `lm_head`, or the embedding
+    /// matrix transposed where the two are tied.
+    pub fn output_head(&self) -> OutputHead<B> {
+        match &self.lm_head {
+            Some(head) => OutputHead { weight: head.weight.val(), bias: head.bias.as_ref().map(|b| b.val()) },
+            None => OutputHead { weight: self.embedding.weight.val().transpose(), bias: None },
+        }
     }
 
     /// The last hidden states and the output head, from which the loss is computed a chunk of
@@ -226,7 +321,7 @@ impl<B: Backend> Llama<B> {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.lm_head.weight.dims()[1]
+        self.embedding.weight.dims()[0]
     }
 
     /// Whether every attention layer is causal.
@@ -280,6 +375,9 @@ pub struct Attention<B: Backend> {
     pub wk: Linear<B>,
     pub wv: Linear<B>,
     pub wo: Linear<B>,
+    /// RMSNorm over each head of q and of k (Qwen3).
+    pub q_norm: Option<RmsNorm<B>>,
+    pub k_norm: Option<RmsNorm<B>>,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -298,10 +396,17 @@ impl<B: Backend> Attention<B> {
     /// with the kv head count).
     pub fn inputs(&self, x: Tensor<B, 3>, rope: &RopeTables<B>) -> [Tensor<B, 4>; 3] {
         let [b, s, _] = x.dims();
-        let heads = |t: Tensor<B, 3>, n| t.reshape([b, s, n, self.head_dim]).swap_dims(1, 2);
-        let q = rope.apply(heads(linear(&self.wq, x.clone()), self.n_heads));
-        let k = rope.apply(heads(linear(&self.wk, x.clone()), self.n_kv_heads));
-        let v = heads(linear(&self.wv, x), self.n_kv_heads);
+        let heads = |t: Tensor<B, 3>, n, norm: Option<&RmsNorm<B>>| {
+            let t = t.reshape([b, s, n, self.head_dim]);
+            let t = match norm {
+                Some(norm) => rms_norm(norm, t),
+                None => t,
+            };
+            t.swap_dims(1, 2)
+        };
+        let q = rope.apply(heads(linear(&self.wq, x.clone()), self.n_heads, self.q_norm.as_ref()));
+        let k = rope.apply(heads(linear(&self.wk, x.clone()), self.n_kv_heads, self.k_norm.as_ref()));
+        let v = heads(linear(&self.wv, x), self.n_kv_heads, None);
         [q, k, v]
     }
 

@@ -7,7 +7,8 @@
 
 use burn::tensor::{FloatDType, Tensor, TensorData, backend::Backend};
 use burn_ulysses::visibility::PositionIds;
-use ulysses_models::rope::{RopeScaling, inverse_frequencies};
+
+use crate::rope::{RopeScaling, inverse_frequencies};
 
 /// cos/sin tables `[batch | 1, 1, seq, head_dim / 2]`.
 #[derive(Debug, Clone)]
@@ -18,18 +19,18 @@ pub struct RopeTables<B: Backend> {
 
 impl<B: Backend> RopeTables<B> {
     /// Tables for positions `offset..offset + seq`, the same in every row.
-    pub fn new(offset: usize, seq: usize, head_dim: usize, theta: f64, device: &B::Device) -> Self {
-        Self::at(&PositionIds::consecutive(1, offset, seq), head_dim, theta, device)
+    pub fn new(offset: usize, seq: usize, head_dim: usize, theta: f64, scaling: RopeScaling, device: &B::Device) -> Self {
+        Self::at(&PositionIds::consecutive(1, offset, seq), head_dim, theta, scaling, device)
     }
 
     /// Tables for each row's own position ids (packed documents restart at 0).
-    pub fn at(positions: &PositionIds, head_dim: usize, theta: f64, device: &B::Device) -> Self {
+    pub fn at(positions: &PositionIds, head_dim: usize, theta: f64, scaling: RopeScaling, device: &B::Device) -> Self {
         assert!(head_dim % 2 == 0, "RoPE needs an even head_dim, got {head_dim}");
         let half = head_dim / 2;
         let (batch, seq) = (positions.batch(), positions.len());
         let mut cos = Vec::with_capacity(batch * seq * half);
         let mut sin = Vec::with_capacity(batch * seq * half);
-        let frequencies = inverse_frequencies(head_dim, theta, RopeScaling::Default);
+        let frequencies = inverse_frequencies(head_dim, theta, scaling);
         for &position in positions.ids() {
             for &inv_freq in &frequencies {
                 let angle = position as f64 * inv_freq;

@@ -1,0 +1,218 @@
+//! Hugging Face checkpoint folders in and out, through burn-store: `config.json` and
+//! `model.safetensors` (or the shards that `model.safetensors.index.json` lists) into a
+//! [`Llama`] ([`from_pretrained`]), and a `Llama` back into such a folder that transformers
+//! loads ([`save_pretrained`]).
+//!
+//! Hugging Face names each tensor after its module path (`model.layers.3.self_attn.q_proj.weight`)
+//! and stores linear weights `[out, in]`; the decoder's record names them after its own fields
+//! and holds `[in, out]`. [`HF_TO_DECODER`] renames, burn-store's PyTorch adapter transposes, and
+//! every tensor becomes f32 (the master weights) whatever the file holds (bf16, f16, f32).
+//! Every tensor the decoder has must come from the files with its shape, and every tensor in
+//! the files must be used: otherwise the error names the tensor and the file, before training.
+
+use std::{
+    collections::BTreeSet,
+    fmt,
+    path::{Path, PathBuf},
+    rc::Rc,
+};
+
+use burn::tensor::{DType, backend::Backend};
+use burn_store::{ApplyError, BurnToPyTorchAdapter, ModuleAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore, TensorSnapshot};
+
+use crate::{
+    ConfigError, DecoderConfig,
+    llama::{Llama, LlamaConfig},
+};
+
+/// Hugging Face's tensor names (regular expressions) and the decoder's, in the order applied.
+/// `lm_head.weight` keeps its name; anything else keeps its own, stays unused and is refused.
+pub const HF_TO_DECODER: [(&str, &str); 7] = [
+    (r"^model\.embed_tokens\.weight$", "embedding.weight"),
+    (r"^model\.norm\.weight$", "norm.gamma"),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.weight$", "blocks.$1.attention_norm.gamma"),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.weight$", "blocks.$1.ffn_norm.gamma"),
+    (r"^model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight$", "blocks.$1.attention.${2}_norm.gamma"),
+    (r"^model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.", "blocks.$1.attention.w$2."),
+    (r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.", "blocks.$1.feed_forward.$2."),
+];
+
+/// The decoder's tensor names and Hugging Face's: [`HF_TO_DECODER`] backwards.
+pub const DECODER_TO_HF: [(&str, &str); 7] = [
+    (r"^embedding\.weight$", "model.embed_tokens.weight"),
+    (r"^norm\.gamma$", "model.norm.weight"),
+    (r"^blocks\.(\d+)\.attention_norm\.gamma$", "model.layers.$1.input_layernorm.weight"),
+    (r"^blocks\.(\d+)\.ffn_norm\.gamma$", "model.layers.$1.post_attention_layernorm.weight"),
+    (r"^blocks\.(\d+)\.attention\.(q|k)_norm\.gamma$", "model.layers.$1.self_attn.${2}_norm.weight"),
+    (r"^blocks\.(\d+)\.attention\.w(q|k|v|o)\.", "model.layers.$1.self_attn.${2}_proj."),
+    (r"^blocks\.(\d+)\.feed_forward\.(gate|up|down)\.", "model.layers.$1.mlp.${2}_proj."),
+];
+
+const WEIGHTS_FILE: &str = "model.safetensors";
+const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Why a checkpoint folder cannot be loaded: what, and in which file.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{file}: {problem}")]
+    File { file: String, problem: String },
+    #[error("{file}: tensor `{tensor}` {problem}")]
+    Tensor { file: String, tensor: String, problem: String },
+}
+
+impl CheckpointError {
+    fn file(file: &Path, problem: impl fmt::Display) -> Self {
+        CheckpointError::File { file: file.display().to_string(), problem: problem.to_string() }
+    }
+}
+
+/// A checkpoint's configuration and its model, with f32 weights.
+pub struct Pretrained<B: Backend> {
+    pub config: DecoderConfig,
+    pub model: Llama<B>,
+}
+
+/// Loads the checkpoint folder `dir` (see the module doc).
+pub fn from_pretrained<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pretrained<B>, CheckpointError> {
+    let config = DecoderConfig::from_hf(dir)?;
+    let mut model = LlamaConfig::from_hf(&config).init::<B>(device);
+    let expected: BTreeSet<String> = model.collect(None, None, false).iter().map(TensorSnapshot::full_path).collect();
+    let mut loaded = BTreeSet::new();
+    for file in weight_files(dir)? {
+        let mut store = SafetensorsStore::from_file(&file).with_from_adapter(PyTorchToBurnAdapter.chain(CastFloats(DType::F32))).allow_partial(true).validate(false);
+        for (from, to) in HF_TO_DECODER {
+            store = store.with_key_remapping(from, to);
+        }
+        let result = model.load_from(&mut store).map_err(|e| CheckpointError::file(&file, e))?;
+        let tensor_error = |tensor: &str, problem: String| CheckpointError::Tensor { file: file.display().to_string(), tensor: hf_name(tensor), problem };
+        if let Some(error) = result.errors.first() {
+            return Err(match error {
+                ApplyError::ShapeMismatch { path, expected, found } => tensor_error(path, format!("has shape {found:?}; config.json makes it {expected:?}")),
+                other => CheckpointError::file(&file, format!("{other:?}")),
+            });
+        }
+        if let Some(unused) = result.unused.first() {
+            let why = if unused.starts_with("lm_head") { "config.json ties the word embeddings (tie_word_embeddings)" } else { "this decoder has no such tensor" };
+            return Err(tensor_error(unused, format!("is not used: {why}")));
+        }
+        for tensor in result.applied {
+            if !loaded.insert(tensor.clone()) {
+                return Err(tensor_error(&tensor, "is in more than one file".into()));
+            }
+        }
+    }
+    if let Some(missing) = expected.difference(&loaded).next() {
+        return Err(CheckpointError::Tensor { file: dir.display().to_string(), tensor: hf_name(missing), problem: "is missing from the weight files".into() });
+    }
+    Ok(Pretrained { config, model })
+}
+
+/// The weight files of a checkpoint folder: the shards its index lists, or the single file.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let index = dir.join(INDEX_FILE);
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|e| CheckpointError::file(&index, e))?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| CheckpointError::file(&index, e))?;
+        let map = json["weight_map"].as_object().ok_or_else(|| CheckpointError::file(&index, "has no `weight_map` object"))?;
+        let files: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+        return Ok(files.into_iter().map(|file| dir.join(file)).collect());
+    }
+    let single = dir.join(WEIGHTS_FILE);
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    Err(CheckpointError::file(dir, format!("holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")))
+}
+
+/// The Hugging Face name of one of the decoder's tensor paths, for messages.
+fn hf_name(path: &str) -> String {
+    let parts: Vec<&str> = path.split('.').collect();
+    let layer = |rest: &str| format!("model.layers.{}.{rest}", parts.get(1).unwrap_or(&"?"));
+    match parts.as_slice() {
+        ["embedding", "weight"] => "model.embed_tokens.weight".into(),
+        ["norm", "gamma"] => "model.norm.weight".into(),
+        ["blocks", _, "attention_norm", "gamma"] => layer("input_layernorm.weight"),
+        ["blocks", _, "ffn_norm", "gamma"] => layer("post_attention_layernorm.weight"),
+        ["blocks", _, "attention", norm, "gamma"] => layer(&format!("self_attn.{norm}.weight")),
+        ["blocks", _, "attention", projection, param] => layer(&format!("self_attn.{}_proj.{param}", projection.trim_start_matches('w'))),
+        ["blocks", _, "feed_forward", projection, param] => layer(&format!("mlp.{projection}_proj.{param}")),
+        _ => path.to_string(),
+    }
+}
+
+/// Writes `model` with `config` as a Hugging Face checkpoint folder `dir`: `config.json`
+/// and `model.safetensors` with Hugging Face's names and `[out, in]` linear weights, in
+/// `dtype` (f32, bf16 or f16). The folder is written beside `dir` and renamed into place, so
+/// a crash leaves the earlier folder whole (for the instant between two renames, beside `dir`
+/// as `.NAME.earlier-PID`).
+pub fn save_pretrained<B: Backend>(model: &Llama<B>, config: &DecoderConfig, dir: &Path, dtype: DType) -> Result<(), CheckpointError> {
+    let torch_dtype = match dtype {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        other => return Err(CheckpointError::file(dir, format!("weights are saved as f32, bf16 or f16, not {other:?}"))),
+    };
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
+    let partial = dir.with_file_name(format!(".{name}.partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&partial);
+    std::fs::create_dir_all(&partial).map_err(io(&partial))?;
+
+    let config_file = partial.join("config.json");
+    let text = serde_json::to_string_pretty(&config.to_hf_json(torch_dtype)).expect("a JSON value serializes");
+    std::fs::write(&config_file, text + "\n").map_err(io(&config_file))?;
+    let weights = partial.join(WEIGHTS_FILE);
+    // transformers refuses safetensors whose `format` is not `pt` (burn-store writes `safetensors`).
+    let mut store = SafetensorsStore::from_file(&weights).with_to_adapter(BurnToPyTorchAdapter.chain(CastFloats(dtype))).metadata("format", "pt");
+    for (from, to) in DECODER_TO_HF {
+        store = store.with_key_remapping(from, to);
+    }
+    model.save_into(&mut store).map_err(|e| CheckpointError::file(&weights, e))?;
+    for file in [&config_file, &weights] {
+        std::fs::File::open(file).and_then(|f| f.sync_all()).map_err(io(file))?;
+    }
+
+    // Into place: the earlier folder aside, the new one in, the earlier one removed.
+    let earlier = dir.with_file_name(format!(".{name}.earlier-{}", std::process::id()));
+    let had_earlier = dir.exists();
+    if had_earlier {
+        std::fs::rename(dir, &earlier).map_err(io(dir))?;
+    }
+    std::fs::rename(&partial, dir).map_err(io(dir))?;
+    if had_earlier {
+        std::fs::remove_dir_all(&earlier).map_err(io(&earlier))?;
+    }
+    Ok(())
+}
+
+/// An I/O error on `path`, as a [`CheckpointError`].
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |e| CheckpointError::file(path, e)
+}
+
+/// Every floating-point tensor to one dtype: f32 master weights in, the dtype asked for out.
+#[derive(Debug, Clone)]
+struct CastFloats(DType);
+
+impl ModuleAdapter for CastFloats {
+    fn adapt(&self, snapshot: &TensorSnapshot) -> TensorSnapshot {
+        let target = self.0;
+        if snapshot.dtype == target || !matches!(snapshot.dtype, DType::F32 | DType::BF16 | DType::F16 | DType::F64) {
+            return snapshot.clone();
+        }
+        let data = snapshot.clone_data_fn();
+        TensorSnapshot::from_closure(
+            Rc::new(move || Ok(data()?.convert_dtype(target))),
+            target,
+            snapshot.shape.clone(),
+            snapshot.path_stack.clone().unwrap_or_default(),
+            snapshot.container_stack.clone().unwrap_or_default(),
+            snapshot.tensor_id.unwrap_or_default(),
+        )
+    }
+
+    fn clone_box(&self) -> Box<dyn ModuleAdapter> {
+        Box::new(self.clone())
+    }
+}
