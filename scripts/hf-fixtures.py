@@ -6,8 +6,15 @@ Writes, for each family (llama, mistral, qwen2, qwen3), a tiny config as transfo
 (`resolved.json`: head_dim, kv heads, RoPE theta and type, biases, the rotary embedding's
 inverse frequencies as its model holds them), plus RoPE variants (linear, llama3) on Llama;
 and a small byte-level BPE `tokenizer/tokenizer.json` with the `tokenizers` package's ids for a
-few texts (`encodings.json`).
-The tests in crates/ulysses-models/tests/hf_fixtures.rs read them; CI never runs this.
+few texts (`encodings.json`). For the four families (and Llama with llama3 RoPE), also a tiny
+model with random weights (`model.safetensors`, f32, q and k projections scaled up so that
+attention is peaked: transformers' default init makes it nearly uniform, which would hide a
+wrong RoPE or a missing document mask) and transformers' outputs for it: logits and loss of a
+batch of two plain rows, and logits of a row packing three documents (positions restart at
+each; transformers derives the document mask from them) in `expected.safetensors`; the
+gradients of that loss with respect to every parameter in `gradients.safetensors` (Hugging
+Face's names and shapes).
+The tests in crates/ulysses-models/tests/ read them; CI never runs this.
 
     python3 -m venv /var/tmp/hf-venv && /var/tmp/hf-venv/bin/pip install torch transformers
     /var/tmp/hf-venv/bin/python scripts/hf-fixtures.py crates/ulysses-models/tests/fixtures
@@ -98,6 +105,11 @@ def model_outputs(config, folder):
         # The same documents one at a time: what the packed row must equal.
         alone = torch.cat([model(input_ids=d, use_cache=False).logits for d in packed.split(list(DOCUMENTS), dim=1)], dim=1)
     assert (packed_logits - alone).abs().max() < 1e-4, "transformers did not keep the packed documents apart"
+    model.zero_grad()
+    model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
+    # Tied weights are one parameter (listed once, as the embedding), as in the files.
+    save_file({name: p.grad.float().contiguous() for name, p in model.named_parameters()},
+              os.path.join(folder, "gradients.safetensors"), metadata={"transformers": transformers.__version__})
     save_file({
         "input_ids": tokens.to(torch.int64).contiguous(),
         "logits": plain.logits.float().contiguous(),

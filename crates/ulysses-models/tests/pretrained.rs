@@ -4,8 +4,10 @@
 //! Mistral, Qwen2 (q/k/v biases, tied) and Qwen3 (q/k norms, head dim 32), a tiny model with
 //! random weights (q and k scaled up, so attention is peaked) in `model.safetensors`, and
 //! transformers' logits and loss for two plain rows and a row packing three documents in
-//! `expected.safetensors`. Each loads with `from_pretrained` and gives the same logits
-//! (within 1e-4) and loss (within 1e-5), f32 on the CPU.
+//! `expected.safetensors`, and the gradients of that loss in `gradients.safetensors`. Each
+//! loads with `from_pretrained` and gives the same logits (within 1e-4, at SP=1 and SP=2), loss
+//! (within 1e-5) and gradients (within 1e-4 relative), f32 on the CPU; saved back with
+//! `save_pretrained`, it is the file transformers wrote; what does not fit is refused by name.
 
 use std::{
     collections::HashMap,
@@ -279,6 +281,61 @@ fn a_saved_checkpoint_is_the_one_transformers_wrote() {
         if let Ok(keep) = std::env::var("ULYSSES_SAVED_HF_DIR") {
             save_pretrained(&pretrained.model, &pretrained.config, &Path::new(&keep).join(&name), DType::BF16).unwrap();
         }
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}
+
+/// A module's parameters replaced by their gradients, so that `save_pretrained` writes the
+/// gradients with Hugging Face's names and layouts.
+struct GradientsAsParameters<'a, B: burn::tensor::backend::AutodiffBackend>(&'a B::Gradients);
+
+impl<B: burn::tensor::backend::AutodiffBackend> burn::module::ModuleMapper<B> for GradientsAsParameters<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: burn::module::Param<Tensor<B, D>>) -> burn::module::Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let gradient = tensor.grad(self.0).expect("every parameter has a gradient");
+        burn::module::Param::from_mapped_value(id, Tensor::from_inner(gradient), mapper)
+    }
+}
+
+fn f32_values(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+}
+
+/// The gradients of the loss (the trainer's chunked loss over two plain rows) with respect to
+/// every parameter equal transformers' within 1e-4 of each tensor's largest gradient.
+#[test]
+fn every_family_gives_transformers_gradients() {
+    use burn::{backend::Autodiff, module::{AutodiffModule, Module}, tensor::DType};
+    use burn_ulysses::train::lm_loss_sum;
+    use ulysses_models::save_pretrained;
+    type Train = Autodiff<Cpu>;
+    const GRADIENT_TOLERANCE: f64 = 1e-4;
+    for folder in model_fixtures() {
+        let name = folder.file_name().unwrap().to_string_lossy().into_owned();
+        let pretrained = from_pretrained::<Train>(&folder, &Default::default()).unwrap();
+        let input = tokens::<Train>(&expected(&folder)["input_ids"]);
+        let [batch, seq] = input.dims();
+        let ignore = -100;
+        let labels = Tensor::cat(vec![input.clone().slice([0..batch, 1..seq]), Tensor::full([batch, 1], ignore, &Default::default())], 1);
+        let loss = lm_loss_sum(pretrained.model.lm_output(input, &ShardPositions::consecutive(batch, 0, seq)), labels, ignore) / (batch * (seq - 1)) as f64;
+        let grads = loss.backward();
+        let gradients = pretrained.model.clone().map(&mut GradientsAsParameters::<Train>(&grads)).valid();
+        let out = std::env::temp_dir().join(format!("ulysses-models-{}-gradients-{name}", std::process::id()));
+        save_pretrained(&gradients, &pretrained.config, &out, DType::F32).unwrap();
+        let (want, got) = (tensors_of(&folder.join("gradients.safetensors")), tensors_of(&out.join("model.safetensors")));
+        assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>(), "{name}: gradient names");
+        let mut worst = (0.0f64, String::new());
+        for (tensor, (_, shape, bytes)) in &want {
+            assert_eq!(shape, &got[tensor].1, "{name}: {tensor}");
+            let (want_values, got_values) = (f32_values(bytes), f32_values(&got[tensor].2));
+            let scale = want_values.iter().fold(0.0f64, |a, &v| a.max((v as f64).abs()));
+            let relative = largest_difference(&got_values, &want_values.iter().map(|&v| v as f64).collect::<Vec<_>>()) / scale;
+            assert!(relative <= GRADIENT_TOLERANCE, "{name}: the gradient of {tensor} differs from transformers' by {relative:e} of its largest value");
+            if relative > worst.0 {
+                worst = (relative, tensor.clone());
+            }
+        }
+        println!("{name}: {} gradients, within {:.1e} of transformers' relative to each one's largest (worst {})", want.len(), worst.0, worst.1);
         std::fs::remove_dir_all(&out).unwrap();
     }
 }
