@@ -16,13 +16,18 @@ use std::{
     time::Instant,
 };
 
-use burn::{backend::Autodiff, module::Module, tensor::backend::Backend};
+use burn::{
+    backend::Autodiff,
+    module::Module,
+    tensor::{DType, backend::Backend},
+};
 use burn_ulysses::{
     ParallelLayout, PlainBackend, UlyssesBackend,
     precision::Precision,
     train::{LayerCheckpointing, StepReport, checkpoint::read_checkpoint_state},
 };
 use clap::{Parser, ValueEnum};
+use ulysses_models::{DecoderConfig, from_pretrained, save_pretrained};
 use indicatif::{ProgressBar, ProgressStyle};
 use ulysses_dist::{
     DistributedConfig,
@@ -104,10 +109,19 @@ struct Args {
     /// Train on a --corpus that does not look like text (not UTF-8, or over 1% control bytes).
     #[arg(long)]
     bytes_ok: bool,
-    /// Pre-tokenized data instead of --corpus: JSON Lines, one array of token ids (0..256)
-    /// per line, each at most --seq-len long.
+    /// Pre-tokenized data instead of --corpus: JSON Lines, one array of token ids (0..256,
+    /// or the --model's vocabulary) per line, each at most --seq-len long.
     #[arg(long, conflicts_with = "corpus")]
     tokens: Option<PathBuf>,
+    /// Fine-tune this Hugging Face checkpoint folder (config.json and model.safetensors of a
+    /// Llama, Mistral, Qwen2 or Qwen3) rather than train a model from scratch; needs --tokens
+    /// (ids of the checkpoint's tokenizer).
+    #[arg(long, requires = "tokens", conflicts_with_all = ["d_model", "layers", "heads", "kv_heads", "ffn_hidden"])]
+    model: Option<PathBuf>,
+    /// With --model: write the trained model to this folder in Hugging Face's format (bf16
+    /// safetensors and config.json), which transformers loads.
+    #[arg(long)]
+    save_hf: Option<PathBuf>,
     /// Output folder [default: runs/llama, or the --resume folder]. One run at a time holds
     /// it (a lock); a fresh run refuses a folder with an earlier run's checkpoint.
     #[arg(long)]
@@ -208,6 +222,8 @@ struct Job<'a> {
     args: &'a Args,
     launch: Launch,
     config: TrainConfig,
+    /// The --model checkpoint's configuration.
+    pretrained: Option<DecoderConfig>,
     data: Box<dyn StepData>,
     data_identity: DataIdentity,
     out: PathBuf,
@@ -236,13 +252,23 @@ fn run(args: Args) -> Result<(), String> {
     let sharding = if args.zigzag { burn_ulysses::ring::RingSharding::Zigzag } else { burn_ulysses::ring::RingSharding::Contiguous };
     let layout = layout.with_ring_size(args.ring).with_ring_sharding(sharding);
     layout.check().map_err(|e| format!("{e} (--sp, --ring)"))?;
-    let model = ulysses_llama::LlamaConfig::new(BYTE_VOCAB)
-        .with_d_model(args.d_model)
-        .with_n_layers(args.layers)
-        .with_n_heads(args.heads)
-        .with_n_kv_heads(args.kv_heads)
-        .with_ffn_hidden(args.ffn_hidden)
-        .with_repeat_kv(false);
+    // Checked here: clap skips `requires` when an argument that conflicts with the required
+    // one (--d-model and the other shape flags) is given.
+    if args.save_hf.is_some() && args.model.is_none() {
+        return Err("--save-hf writes a Hugging Face checkpoint of a --model run: give --model DIR (the checkpoint to fine-tune)".into());
+    }
+    let pretrained = args.model.as_ref().map(|dir| DecoderConfig::from_hf(dir).map_err(|e| format!("--model: {e}"))).transpose()?;
+    let model = match &pretrained {
+        Some(checkpoint) => ulysses_llama::LlamaConfig::from_hf(checkpoint),
+        None => ulysses_llama::LlamaConfig::new(BYTE_VOCAB)
+            .with_d_model(args.d_model)
+            .with_n_layers(args.layers)
+            .with_n_heads(args.heads)
+            .with_n_kv_heads(args.kv_heads)
+            .with_ffn_hidden(args.ffn_hidden),
+    }
+    .with_repeat_kv(false);
+    let vocab = model.vocab_size;
     let mut config = TrainConfig::small(layout)
         .with_grad_accumulation(args.grad_accumulation)
         .with_batch_size(args.batch_size)
@@ -268,7 +294,7 @@ fn run(args: Args) -> Result<(), String> {
     }
 
     let data: Box<dyn StepData> = match &args.tokens {
-        Some(path) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, BYTE_VOCAB)?),
+        Some(path) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab)?),
         None => {
             let corpus = ByteCorpus::load(&args.corpus, 0.1)?;
             if !args.bytes_ok {
@@ -315,7 +341,7 @@ fn run(args: Args) -> Result<(), String> {
     };
     let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
-    let job = Job { args: &args, launch, config, data, data_identity, out, resumed_at, options, _run_folder: run_folder };
+    let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at, options, _run_folder: run_folder };
 
     let nccl_wanted = args.transport == TransportKind::Nccl;
     match args.backend {
@@ -387,7 +413,11 @@ where
     // that runs repeat; each rank forks its own copy, with its own autodiff leaves.
     let template_device = device(job.options.device_index_of(&job.launch));
     <Sp<W> as Backend>::seed(&template_device, config.seed);
-    let template = config.model.init::<Sp<W>>(&template_device).fork(&template_device);
+    let template = match &job.args.model {
+        Some(dir) => from_pretrained::<Sp<W>>(dir, &template_device).map_err(|e| format!("--model: {e}"))?.model.with_repeat_kv(config.model.repeat_kv),
+        None => config.model.init::<Sp<W>>(&template_device),
+    }
+    .fork(&template_device);
     let threads = matches!(job.launch, Launch::Threads);
 
     let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {
@@ -406,6 +436,10 @@ where
             .map_err(|e| e.to_string())?;
         if let Some(log) = log {
             save_model(&model, &job.out.join("model"))?;
+            if let (Some(dir), Some(checkpoint)) = (&job.args.save_hf, &job.pretrained) {
+                save_pretrained(&model, checkpoint, dir, DType::BF16).map_err(|e| format!("--save-hf: {e}"))?;
+                tracing::info!(folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+            }
             log.finish()?;
         }
         Ok(())

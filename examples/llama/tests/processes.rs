@@ -541,3 +541,49 @@ fn the_run_record_is_written_only_once_a_step_has_succeeded() {
     assert!(metrics.starts_with(&metrics_before), "the earlier rows changed:\n{metrics_before}\n---\n{metrics}");
     let _ = fs::remove_dir_all(&dir);
 }
+
+/// `--model` fine-tunes a Hugging Face checkpoint (the Qwen3 fixture transformers wrote: q/k
+/// norms, head dim 32, vocabulary 320) at SP=2 on token ids, and `--save-hf` writes the result
+/// back in Hugging Face's format: it loads with the checkpoint's configuration, every weight
+/// finite, and training moved them. What cannot combine is refused by flag.
+#[test]
+fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
+    use burn::backend::NdArray;
+    use ulysses_models::from_pretrained;
+    let dir = workspace("hugging-face");
+    let checkpoint = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../crates/ulysses-models/tests/fixtures/qwen3");
+    let args = |out: &str| -> Vec<String> {
+        format!(
+            "--tokens {} --out {} --seq-len 16 --batch-size 4 --steps 3 --learning-rate 0.01 --seed 7 --check-parameters-every 1 --sp 2 --model {}",
+            dir.join("data.jsonl").display(),
+            dir.join(out).display(),
+            checkpoint.display()
+        )
+        .split_whitespace()
+        .map(String::from)
+        .collect()
+    };
+    let saved = dir.join("saved-hf");
+    succeed(run_alone(&args("tuned"), &["--save-hf", &saved.display().to_string()]));
+    assert_eq!(losses(&dir.join("tuned")).len(), 3);
+
+    let original = from_pretrained::<NdArray>(&checkpoint, &Default::default()).unwrap();
+    let tuned = from_pretrained::<NdArray>(&saved, &Default::default()).unwrap_or_else(|e| panic!("the saved folder does not load: {e}"));
+    assert_eq!(tuned.config, original.config);
+    let values = |model: &ulysses_models::Llama<NdArray>| model.embedding.weight.val().into_data().to_vec::<f32>().unwrap();
+    let (before, after) = (values(&original.model), values(&tuned.model));
+    assert!(after.iter().all(|v| v.is_finite()), "a saved weight is not finite");
+    let moved = before.iter().zip(&after).map(|(b, a)| (b - a).abs()).fold(0.0f32, |m, d| if d > m { d } else { m });
+    assert!(moved > 1e-3, "three steps at learning rate 0.01 moved the embeddings by {moved} only");
+
+    // A model shape beside --model, --save-hf without --model, --model without --tokens.
+    let refused = run_alone(&args("shaped"), &["--d-model", "64"]);
+    assert!(!refused.status.success() && show(&refused).contains("--d-model"), "{}", show(&refused));
+    let mut from_scratch = common_args(&dir, "scratch", 1);
+    from_scratch.extend(["--save-hf".into(), saved.display().to_string()]);
+    let refused = run_alone(&from_scratch, &[]);
+    assert!(!refused.status.success() && show(&refused).contains("--model"), "{}", show(&refused));
+    let refused = Command::new(trainer()).args(["--model", &checkpoint.display().to_string(), "--launch", "threads"]).output().unwrap();
+    assert!(!refused.status.success() && show(&refused).contains("--tokens"), "{}", show(&refused));
+    let _ = fs::remove_dir_all(&dir);
+}
