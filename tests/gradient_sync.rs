@@ -136,3 +136,39 @@ fn a_layer_used_on_one_rank_only_gets_the_sum_on_every_rank() {
     assert!(outcomes.iter().all(|o| o.reduced[6].is_none() && o.reduced[7].is_none()));
     check_sums(&outcomes);
 }
+
+/// Every gradient of `net` in `grads`, flattened in module order.
+fn gradient_values(net: &Net<Ad>, grads: &GradientsParams) -> Vec<f32> {
+    grads_in_order(net, grads).into_iter().flatten().flatten().collect()
+}
+
+/// The global norm is the L2 norm of every gradient as one vector (against an f64 sum of the
+/// values); clipping to a quarter of it scales every gradient by `max / (norm + 1e-6)`, as
+/// `torch.nn.utils.clip_grad_norm_`, and leaves them bit for bit when the norm is below the
+/// limit. A parameter without a gradient (`unused`) counts for nothing.
+#[test]
+fn clipping_scales_the_whole_gradient_to_the_global_norm_asked_for() {
+    use burn_ulysses::train::{clip_gradient_norm, gradient_norm};
+    let device = Default::default();
+    let net = Net::<Ad>::new(&device);
+    // Rank 0's loss: every layer but `unused` has a gradient.
+    let gradients = || GradientsParams::from_grads(net.loss(0).backward(), &net);
+    let grads = gradients();
+    let original = gradient_values(&net, &grads);
+    let expected_norm = original.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>().sqrt();
+
+    let norm = gradient_norm(&net, &grads);
+    assert!((norm - expected_norm).abs() <= 1e-6 * expected_norm, "norm {norm} against {expected_norm}");
+
+    let (kept, before) = clip_gradient_norm(&net, gradients(), 2.0 * norm);
+    assert_eq!(before, norm);
+    assert!(gradient_values(&net, &kept) == original, "a gradient below the limit changed");
+
+    let (clipped, _) = clip_gradient_norm(&net, grads, norm / 4.0);
+    let factor = (norm / 4.0) / (norm + 1e-6);
+    let scaled: Vec<f32> = original.iter().map(|&g| (g as f64 * factor) as f32).collect();
+    let difference = max_abs_diff(&gradient_values(&net, &clipped), &scaled);
+    assert!(difference <= TOLERANCE * norm as f32, "clipped gradients differ from the scaled ones by {difference}");
+    let clipped_norm = gradient_norm(&net, &clipped);
+    assert!((clipped_norm - norm / 4.0).abs() <= 1e-5 * norm, "clipped to {clipped_norm}, asked for {}", norm / 4.0);
+}

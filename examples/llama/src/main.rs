@@ -103,6 +103,10 @@ struct Args {
     seq_len: usize,
     #[arg(long, default_value_t = 3e-3)]
     learning_rate: f64,
+    /// Clip each step's gradient, summed over every rank, to this global L2 norm, as Hugging
+    /// Face's Trainer does by default (0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    max_grad_norm: f64,
     /// A text file, or a folder of them (byte tokens).
     #[arg(long, default_value = DEFAULT_CORPUS)]
     corpus: PathBuf,
@@ -278,6 +282,7 @@ fn run(args: Args) -> Result<(), String> {
         .with_eval_single_device(args.eval_single_device)
         .with_check_parameters_every(args.check_parameters_every)
         .with_seed(args.seed)
+        .with_max_grad_norm((args.max_grad_norm > 0.0).then_some(args.max_grad_norm))
         .with_pack(args.pack)
         .with_layer_checkpointing(args.checkpoint_layers.then(|| {
             LayerCheckpointing::new().with_offload_to_host(args.offload_to_host).with_tile_tokens(args.tile_tokens)
@@ -289,6 +294,9 @@ fn run(args: Args) -> Result<(), String> {
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;
+    if !(args.max_grad_norm >= 0.0 && args.max_grad_norm.is_finite()) {
+        return Err(format!("--max-grad-norm {} must be a finite number, 0 or above (0: no clipping)", args.max_grad_norm));
+    }
     if let Some(stop) = args.stop_after.filter(|&s| s == 0 || s > args.steps) {
         return Err(format!("--stop-after {stop} must lie in 1..=--steps {}", args.steps));
     }
@@ -474,7 +482,7 @@ enum Record {
     Failed(String),
 }
 
-const CSV_HEADER: &str = "step,loss,eval_loss,learning_rate,valid_tokens,processed_tokens,tokens_per_second,elapsed_seconds";
+const CSV_HEADER: &str = "step,loss,eval_loss,learning_rate,valid_tokens,processed_tokens,tokens_per_second,grad_norm,elapsed_seconds";
 
 impl RunLog {
     /// A resumed run keeps the rows of the steps before its checkpoint (a crash may have
@@ -576,15 +584,15 @@ impl Progress for RunLog {
             step,
             &format!("{:.9}", report.loss),
             "",
-            &format!("{learning_rate:.6e},{},{},{tokens_per_second:.1}", report.valid_tokens, report.processed_tokens),
+            &format!("{learning_rate:.6e},{},{},{tokens_per_second:.1},{:.6}", report.valid_tokens, report.processed_tokens, report.grad_norm),
         );
-        self.bar.set_message(format!("loss {:.4}  {tokens_per_second:.0} tok/s", report.loss));
+        self.bar.set_message(format!("loss {:.4}  grad norm {:.3}  {tokens_per_second:.0} tok/s", report.loss, report.grad_norm));
         self.bar.inc(1);
     }
 
     fn eval(&mut self, step: usize, loss: f64) {
         self.eval.push((step, loss));
-        self.row(step, "", &format!("{loss:.9}"), ",,,");
+        self.row(step, "", &format!("{loss:.9}"), ",,,,");
         self.bar.println(format!("step {step}: held-out loss {loss:.4}"));
     }
 

@@ -76,6 +76,10 @@ pub struct TrainConfig {
     /// What the layers compute in; parameters and optimizer state are f32 either way.
     #[config(default = "Precision::F32")]
     pub precision: Precision,
+    /// Clip each step's gradient, summed over all ranks, to this global L2 norm (`None`: no
+    /// clipping).
+    #[config(default = "None")]
+    pub max_grad_norm: Option<f64>,
 }
 
 impl TrainConfig {
@@ -350,7 +354,7 @@ where
     let micro_batches = config.micro_batches(&global, groups.dp_rank());
     let documents: Option<Vec<Vec<Vec<usize>>>> =
         config.pack.then(|| micro_batches.iter().map(|batch| batch.iter().map(|sequence| paragraph_lengths(sequence)).collect()).collect());
-    let input = StepInput { index: step, learning_rate: config.learning_rate_at(step), micro_batches: &micro_batches, documents: documents.as_deref() };
+    let input = StepInput { index: step, learning_rate: config.learning_rate_at(step), micro_batches: &micro_batches, documents: documents.as_deref(), max_grad_norm: config.max_grad_norm };
     let mut local = match &config.layer_checkpointing {
         None => backward_step(&model, &input, sharder, groups, device)?,
         Some(checkpointing) => backward_step_checkpointed(&model, &input, sharder, groups, device, checkpointing)?,

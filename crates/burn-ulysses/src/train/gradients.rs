@@ -9,7 +9,7 @@
 use burn::{
     module::{AutodiffModule, ModuleVisitor, Param},
     optim::GradientsParams,
-    tensor::{DType, Tensor},
+    tensor::{DType, Tensor, backend::AutodiffBackend},
 };
 
 use super::TrainBackend;
@@ -122,6 +122,54 @@ impl<B: TrainBackend> ModuleVisitor<B> for RegisterGradients<'_, B> {
             self.grads.register::<B::InnerBackend, D>(param.id, flat.reshape(param.val().shape()));
         }
     }
+}
+
+/// The L2 norm of all of `grads` together (every parameter's gradient as one vector), in f64.
+/// After [`all_reduce_gradients`] every rank holds the same sums, so each computes the norm of
+/// the whole group's gradient without another collective. Squares are summed on the device in
+/// f32 and read back once.
+pub fn gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams) -> f64 {
+    struct SquaredSum<'a, B: AutodiffBackend> {
+        grads: &'a GradientsParams,
+        total: Option<Tensor<B::InnerBackend, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredSum<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                let squares = grad.cast(DType::F32).powi_scalar(2).sum();
+                self.total = Some(match self.total.take() {
+                    Some(total) => total + squares,
+                    None => squares,
+                });
+            }
+        }
+    }
+    let mut sum = SquaredSum::<B> { grads, total: None };
+    module.visit(&mut sum);
+    sum.total.map_or(0.0, |total| total.into_data().convert::<f64>().to_vec::<f64>().expect("one f64")[0].sqrt())
+}
+
+/// Scales every gradient by `max_norm / (norm + 1e-6)` where their global norm exceeds
+/// `max_norm`, as `torch.nn.utils.clip_grad_norm_` (and Hugging Face's Trainer, whose default
+/// `max_grad_norm` is 1.0) do; returns the gradients and their norm before clipping.
+pub fn clip_gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, mut grads: GradientsParams, max_norm: f64) -> (GradientsParams, f64) {
+    struct Scale<'a> {
+        grads: &'a mut GradientsParams,
+        factor: f64,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                self.grads.register::<B::InnerBackend, D>(param.id, grad * self.factor);
+            }
+        }
+    }
+    let norm = gradient_norm(module, &grads);
+    let factor = max_norm / (norm + 1e-6);
+    if factor < 1.0 {
+        module.visit(&mut Scale { grads: &mut grads, factor });
+    }
+    (grads, norm)
 }
 
 /// The path (`blocks.0.attention.wq.weight`) of the first parameter whose gradient holds a NaN

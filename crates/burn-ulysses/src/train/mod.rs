@@ -43,7 +43,8 @@ pub use backend::TrainBackend;
 pub use layers::{LayerCheckpointing, LayeredLm, Piece, ShardLengths, checkpointed_backward};
 pub use parameters::{FloatParameter, float_parameters};
 pub use gradients::{
-    GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets, first_non_finite_gradient,
+    GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, first_non_finite_gradient,
+    gradient_norm,
 };
 pub use loss::{
     LmOutput, OutputHead, chunked_linear_cross_entropy_sum, default_chunk_rows, linear_cross_entropy_sum, lm_loss_sum,
@@ -88,6 +89,8 @@ pub struct StepReport {
     pub valid_tokens: usize,
     /// Token positions processed over all ranks, padding included.
     pub processed_tokens: usize,
+    /// The global L2 norm of the step's gradient (summed over ranks), before any clipping.
+    pub grad_norm: f64,
 }
 
 /// One optimizer step's data on this rank.
@@ -103,6 +106,9 @@ pub struct StepInput<'a> {
     /// into it ([`pack_documents`](crate::data::pack_documents)). `None`: one document per
     /// sequence.
     pub documents: Option<&'a [Vec<Vec<usize>>]>,
+    /// Clip the summed gradient to this global L2 norm ([`clip_gradient_norm`]); `None`: no
+    /// clipping.
+    pub max_grad_norm: Option<f64>,
 }
 
 /// This rank's half of a step: its gradients (not yet summed over ranks) and its part of the
@@ -275,10 +281,18 @@ where
     }
 
     let grads = all_reduce_gradients(&model, local.grads, &*groups.world)?;
+    // Every rank holds the same sums now: the same norm, the same clipping, no collective.
+    let (grads, grad_norm) = match step.max_grad_norm {
+        Some(max_norm) => clip_gradient_norm(&model, grads, max_norm),
+        None => {
+            let norm = gradient_norm(&model, &grads);
+            (grads, norm)
+        }
+    };
     let model = optimizer.step(step.learning_rate, model, grads);
     // Summed in rank order on every rank, so every rank reports the same bits.
     let loss = losses.iter().sum();
-    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens }))
+    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
 }
 
 /// Refuses a step that would train silently wrong.
