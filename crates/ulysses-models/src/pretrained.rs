@@ -18,7 +18,7 @@ use std::{
 };
 
 use burn::tensor::{DType, backend::Backend};
-use burn_store::{ApplyError, BurnToPyTorchAdapter, ModuleAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore, TensorSnapshot};
+use burn_store::{ApplyError, BurnToPyTorchAdapter, KeyRemapper, ModuleAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore, TensorSnapshot};
 
 use crate::{
     ConfigError, DecoderConfig,
@@ -126,20 +126,11 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     Err(CheckpointError::file(dir, format!("holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")))
 }
 
-/// The Hugging Face name of one of the decoder's tensor paths, for messages.
+/// The Hugging Face name of one of the decoder's tensor paths, for messages: [`DECODER_TO_HF`]
+/// applied as burn-store applies it when saving.
 fn hf_name(path: &str) -> String {
-    let parts: Vec<&str> = path.split('.').collect();
-    let layer = |rest: &str| format!("model.layers.{}.{rest}", parts.get(1).unwrap_or(&"?"));
-    match parts.as_slice() {
-        ["embedding", "weight"] => "model.embed_tokens.weight".into(),
-        ["norm", "gamma"] => "model.norm.weight".into(),
-        ["blocks", _, "attention_norm", "gamma"] => layer("input_layernorm.weight"),
-        ["blocks", _, "ffn_norm", "gamma"] => layer("post_attention_layernorm.weight"),
-        ["blocks", _, "attention", norm, "gamma"] => layer(&format!("self_attn.{norm}.weight")),
-        ["blocks", _, "attention", projection, param] => layer(&format!("self_attn.{}_proj.{param}", projection.trim_start_matches('w'))),
-        ["blocks", _, "feed_forward", projection, param] => layer(&format!("mlp.{projection}_proj.{param}")),
-        _ => path.to_string(),
-    }
+    let remapper = KeyRemapper::from_patterns(DECODER_TO_HF.to_vec()).expect("DECODER_TO_HF holds valid patterns");
+    remapper.to_regex_pairs().iter().fold(path.to_string(), |name, (pattern, to)| pattern.replace_all(&name, to.as_str()).into_owned())
 }
 
 /// Writes `model` with `config` as a Hugging Face checkpoint folder `dir`: `config.json`
