@@ -181,7 +181,17 @@ fn main() {
     let client = <Runtime as cubecl::Runtime>::client(&device);
     let bf16 = client.properties().supports_type(cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::BF16));
     let dtype = if bf16 && !quick { DType::BF16 } else { DType::F32 };
+    // `--seqs 4096,16384` and `--heads 16` narrow the sweep (a short GPU call); `--skews 0,8`
+    // times our kernels once per shared-tile padding (`ULYSSES_FLASH_SKEW`), each against
+    // the same SDPA figures: the layouts compared in one run.
+    let list = |flag: &str| -> Option<Vec<usize>> {
+        let at = args.iter().position(|a| a == flag)?;
+        let text = args.get(at + 1).unwrap_or_else(|| panic!("{flag} needs a comma-separated list of numbers"));
+        Some(text.split(',').map(|n| n.trim().parse().unwrap_or_else(|_| panic!("{flag} {text}: {n:?} is not a number"))).collect())
+    };
     let (seqs, heads) = if quick { (vec![256, 512], vec![2]) } else { (vec![1024, 2048, 4096, 8192, 16384, 32768, 65536], vec![16, 32]) };
+    let (seqs, heads) = (list("--seqs").unwrap_or(seqs), list("--heads").unwrap_or(heads));
+    let skews: Vec<Option<usize>> = list("--skews").map_or(vec![None], |skews| skews.into_iter().map(Some).collect());
     let shapes: Vec<Shape> = heads
         .iter()
         .flat_map(|&h| seqs.iter().flat_map(move |&seq| [false, true].map(|causal| Shape { batch: 1, heads: h, seq, head_dim: 128, causal })))
@@ -199,46 +209,57 @@ fn main() {
     );
 
     let theirs = if quick { vec![None; shapes.len()] } else { sdpa(&shapes, budget) };
-    println!(
-        "{:>5} {:>6} {:>6} | {:>8} {:>8} {:>8} TFLOP/s | {:>8} {:>8} {:>8} SDPA ({:>9}) | {:>5} {:>5} {:>5} ratio",
-        "heads", "seq", "causal", "fwd", "bwd", "fwd+bwd", "fwd", "bwd", "fwd+bwd", "backend", "fwd", "bwd", "both"
-    );
     let mut memory = Vec::new();
     let mut plain_causal = Vec::new();
     let mut seconds_per_flop: Option<f64> = None;
-    for (shape, sdpa) in shapes.iter().zip(theirs) {
-        let flops = shape.forward_flops();
-        let tflops = |flops: f64, seconds: f64| flops / seconds / 1e12;
-        // Skip what one forward + backward could not finish within the budget.
-        if let Some(rate) = seconds_per_flop
-            && rate * 3.5 * flops > budget_secs
-        {
-            println!("{:>5} {:>6} {:>6} | skipped: one forward + backward would take about {:.0} s", shape.heads, shape.seq, shape.causal, rate * 3.5 * flops);
-            continue;
+    for skew in skews {
+        // What follows the table (memory, packed documents) uses the last layout's runs.
+        memory.clear();
+        plain_causal.clear();
+        seconds_per_flop = None;
+        if let Some(skew) = skew {
+            // SAFETY: this bench is single-threaded; the planner reads it at each call.
+            unsafe { std::env::set_var("ULYSSES_FLASH_SKEW", skew.to_string()) };
+            println!("\nshared tiles padded by {skew} elements per row (ULYSSES_FLASH_SKEW={skew})");
         }
-        let (ours, in_use) = bench(*shape, dtype, &device, budget, None);
-        if shape.causal && shape.heads == heads[0] {
-            plain_causal.push((*shape, ours.both));
-        }
-        seconds_per_flop = Some(ours.both / (3.5 * flops));
-        let mine = [tflops(flops, ours.forward), tflops(2.5 * flops, ours.backward), tflops(3.5 * flops, ours.both)];
-        let (theirs, backend, ratio) = match sdpa {
-            Some(sdpa) => {
-                let t = sdpa.timing;
-                let theirs = [tflops(flops, t.forward), tflops(2.5 * flops, t.backward), tflops(3.5 * flops, t.both)];
-                let ratio = [0, 1, 2].map(|i| format!("{:.2}", mine[i] / theirs[i]));
-                (theirs.map(|x| format!("{x:.1}")), sdpa.backend, ratio)
-            }
-            None => (["-".to_string(), "-".to_string(), "-".to_string()], "-".to_string(), ["-".to_string(), "-".to_string(), "-".to_string()]),
-        };
-        let mine = mine.map(|x| if x < 0.1 { format!("{x:.1e}") } else { format!("{x:.2}") });
         println!(
-            "{:>5} {:>6} {:>6} | {:>8} {:>8} {:>8}         | {:>8} {:>8} {:>8}      ({backend:>9}) | {:>5} {:>5} {:>5}",
-            shape.heads, shape.seq, shape.causal, mine[0], mine[1], mine[2], theirs[0], theirs[1], theirs[2], ratio[0], ratio[1], ratio[2]
+            "{:>5} {:>6} {:>6} | {:>8} {:>8} {:>8} TFLOP/s | {:>8} {:>8} {:>8} SDPA ({:>9}) | {:>5} {:>5} {:>5} ratio",
+            "heads", "seq", "causal", "fwd", "bwd", "fwd+bwd", "fwd", "bwd", "fwd+bwd", "backend", "fwd", "bwd", "both"
         );
-        println!("  seconds: forward {:.4e}, backward {:.4e}, both {:.4e}", ours.forward, ours.backward, ours.both);
-        if !shape.causal {
-            memory.push((shape.heads, shape.seq, in_use));
+        for (shape, sdpa) in shapes.iter().zip(theirs.iter().cloned()) {
+            let flops = shape.forward_flops();
+            let tflops = |flops: f64, seconds: f64| flops / seconds / 1e12;
+            // Skip what one forward + backward could not finish within the budget.
+            if let Some(rate) = seconds_per_flop
+                && rate * 3.5 * flops > budget_secs
+            {
+                println!("{:>5} {:>6} {:>6} | skipped: one forward + backward would take about {:.0} s", shape.heads, shape.seq, shape.causal, rate * 3.5 * flops);
+                continue;
+            }
+            let (ours, in_use) = bench(*shape, dtype, &device, budget, None);
+            if shape.causal && shape.heads == heads[0] {
+                plain_causal.push((*shape, ours.both));
+            }
+            seconds_per_flop = Some(ours.both / (3.5 * flops));
+            let mine = [tflops(flops, ours.forward), tflops(2.5 * flops, ours.backward), tflops(3.5 * flops, ours.both)];
+            let (theirs, backend, ratio) = match sdpa {
+                Some(sdpa) => {
+                    let t = sdpa.timing;
+                    let theirs = [tflops(flops, t.forward), tflops(2.5 * flops, t.backward), tflops(3.5 * flops, t.both)];
+                    let ratio = [0, 1, 2].map(|i| format!("{:.2}", mine[i] / theirs[i]));
+                    (theirs.map(|x| format!("{x:.1}")), sdpa.backend, ratio)
+                }
+                None => (["-".to_string(), "-".to_string(), "-".to_string()], "-".to_string(), ["-".to_string(), "-".to_string(), "-".to_string()]),
+            };
+            let mine = mine.map(|x| if x < 0.1 { format!("{x:.1e}") } else { format!("{x:.2}") });
+            println!(
+                "{:>5} {:>6} {:>6} | {:>8} {:>8} {:>8}         | {:>8} {:>8} {:>8}      ({backend:>9}) | {:>5} {:>5} {:>5}",
+                shape.heads, shape.seq, shape.causal, mine[0], mine[1], mine[2], theirs[0], theirs[1], theirs[2], ratio[0], ratio[1], ratio[2]
+            );
+            println!("  seconds: forward {:.4e}, backward {:.4e}, both {:.4e}", ours.forward, ours.backward, ours.both);
+            if !shape.causal {
+                memory.push((shape.heads, shape.seq, in_use));
+            }
         }
     }
     println!("\ndevice memory in use with a forward + backward alive (non-causal):");

@@ -124,6 +124,8 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
         let value_chunk = comptime!(blocks.value_chunk);
         let block_rows = comptime!(blocks.block_rows());
         let q_tiles = comptime!(block_q / TILE);
+        // Row strides of the shared tiles (padded: see `TileUnit::stride`).
+        let (dim_stride, value_stride, q_stride) = comptime!((unit.stride(dim_chunk), unit.stride(value_chunk), unit.stride(block_q)));
         let whole_dims = comptime!(blocks.dim_chunks() == 1);
         let whole_values = comptime!(blocks.value_chunks() == 1);
         let first_col = place.block * block_rows;
@@ -131,16 +133,16 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
         let lane = UNIT_POS_X as usize;
         let plane_col = first_col + plane * TILE;
 
-        let mut k_tile = SharedMemory::<F>::new(block_rows * dim_chunk);
-        let mut v_tile = SharedMemory::<F>::new(block_rows * value_chunk);
-        let mut q_tile = SharedMemory::<F>::new(block_q * dim_chunk);
-        let mut g_tile = SharedMemory::<F>::new(block_q * value_chunk);
+        let mut k_tile = SharedMemory::<F>::new(block_rows * dim_stride);
+        let mut v_tile = SharedMemory::<F>::new(block_rows * value_stride);
+        let mut q_tile = SharedMemory::<F>::new(block_q * dim_stride);
+        let mut g_tile = SharedMemory::<F>::new(block_q * value_stride);
         let mut lse_tile = SharedMemory::<f32>::new(block_q);
         let mut delta_tile = SharedMemory::<f32>::new(block_q);
-        let mut scores = SharedMemory::<f32>::new(planes * TILE * block_q);
-        let mut dp_scores = SharedMemory::<f32>::new(planes * TILE * block_q);
-        let mut probs = SharedMemory::<F>::new(planes * TILE * block_q);
-        let scores_at = plane * TILE * block_q;
+        let mut scores = SharedMemory::<f32>::new(planes * TILE * q_stride);
+        let mut dp_scores = SharedMemory::<f32>::new(planes * TILE * q_stride);
+        let mut probs = SharedMemory::<F>::new(planes * TILE * q_stride);
+        let scores_at = plane * TILE * q_stride;
 
         // A pass without one of the gradients keeps one unused tile in its place.
         let pass = comptime!(blocks.key_value_pass);
@@ -153,10 +155,10 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
         let v_base = row_offset(value, batch, kv_head, 0);
         // The cube's own keys and values, staged once when whole head dims fit.
         if whole_dims {
-            stage_tile(key, k_base, first_col, seq_kv, 0, head_dim, &mut k_tile, 0, block_rows, dim_chunk);
+            stage_tile(key, k_base, first_col, seq_kv, 0, head_dim, &mut k_tile, 0, block_rows, dim_chunk, unit);
         }
         if whole_values {
-            stage_tile(value, v_base, first_col, seq_kv, 0, value_dim, &mut v_tile, 0, block_rows, value_chunk);
+            stage_tile(value, v_base, first_col, seq_kv, 0, value_dim, &mut v_tile, 0, block_rows, value_chunk, unit);
         }
         // Only the tiles holding query rows that see some key of the cube.
         let rows = cube_run(ranges, batch, first_col, seq_q, seq_kv, block_rows, true, blocks);
@@ -173,10 +175,10 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                 stage_row_stats(lse, row_offset(lse, batch, head, 0), q0, seq_q, &mut lse_tile, f32::new(MASKED), block_q);
                 stage_row_stats(delta, row_offset(delta, batch, head, 0), q0, seq_q, &mut delta_tile, 0.0f32, block_q);
                 if whole_dims {
-                    stage_tile(query, q_base, q0, seq_q, 0, head_dim, &mut q_tile, 0, block_q, dim_chunk);
+                    stage_tile(query, q_base, q0, seq_q, 0, head_dim, &mut q_tile, 0, block_q, dim_chunk, unit);
                 }
                 if whole_values {
-                    stage_tile(output_grad, g_base, q0, seq_q, 0, value_dim, &mut g_tile, 0, block_q, value_chunk);
+                    stage_tile(output_grad, g_base, q0, seq_q, 0, value_dim, &mut g_tile, 0, block_q, value_chunk, unit);
                 }
                 sync_cube();
 
@@ -186,21 +188,21 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                 for chunk in 0..comptime!(blocks.dim_chunks()) {
                     if !whole_dims {
                         sync_cube();
-                        stage_tile(key, k_base, first_col, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_rows, dim_chunk);
-                        stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk);
+                        stage_tile(key, k_base, first_col, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_rows, dim_chunk, unit);
+                        stage_tile(query, q_base, q0, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_q, dim_chunk, unit);
                         sync_cube();
                     }
-                    accumulate_a_bt::<F, M>(&mut s_acc, q_tiles, &k_tile.to_slice(), plane * TILE * dim_chunk, &q_tile.to_slice(), dim_chunk, tile_rows, unit);
+                    accumulate_a_bt::<F, M>(&mut s_acc, q_tiles, &k_tile.to_slice(), plane * TILE * dim_stride, &q_tile.to_slice(), dim_chunk, tile_rows, unit);
                 }
-                let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_q);
-                M::store_row(&s_acc, 0usize, q_tiles, &mut out, block_q, unit);
+                let mut out = scores.slice_mut(scores_at, scores_at + TILE * q_stride);
+                M::store_row(&s_acc, 0usize, q_tiles, &mut out, q_stride, unit);
                 sync_tile(blocks.plane_sync);
 
                 // Pᵀ, masked on tiles that cross the edge of the rows that see the key.
                 for r in 0..tile_rows {
                     let seeing = key_rows(ranges, batch, plane_col + r, seq_q, seq_kv, blocks);
                     let crosses = q0 < seeing.start || q0 + block_q > seeing.end;
-                    let at = scores_at + r * block_q;
+                    let at = scores_at + r * q_stride;
                     let mut c = lane;
                     while c < block_q {
                         let row = q0 + c;
@@ -222,8 +224,8 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                     if comptime!(meets.is_some() || pass.keys()) {
                         if !whole_values {
                             sync_cube();
-                            stage_tile(value, v_base, first_col, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_rows, value_chunk);
-                            stage_tile(output_grad, g_base, q0, seq_q, chunk * value_chunk, value_dim, &mut g_tile, 0, block_q, value_chunk);
+                            stage_tile(value, v_base, first_col, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_rows, value_chunk, unit);
+                            stage_tile(output_grad, g_base, q0, seq_q, chunk * value_chunk, value_dim, &mut g_tile, 0, block_q, value_chunk, unit);
                             sync_cube();
                         }
                         if comptime!(meets.is_some()) {
@@ -233,20 +235,21 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
                             accumulate_a_b::<F, M>(&mut dv_acc, first, tiles, &probs.to_slice(), scores_at, block_q, &g_tile.to_slice().slice(column, g_tile.len()), value_chunk, tile_rows, unit);
                         }
                         if comptime!(pass.keys()) {
-                            accumulate_a_bt::<F, M>(&mut dp_acc, q_tiles, &v_tile.to_slice(), plane * TILE * value_chunk, &g_tile.to_slice(), value_chunk, tile_rows, unit);
+                            accumulate_a_bt::<F, M>(&mut dp_acc, q_tiles, &v_tile.to_slice(), plane * TILE * value_stride, &g_tile.to_slice(), value_chunk, tile_rows, unit);
                         }
                     }
                 }
 
                 if comptime!(pass.keys()) {
                     // dSᵀ = Pᵀ ∘ (dPᵀ − delta), into the storage copy of Pᵀ (dV is done with it).
-                    let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * block_q);
-                    M::store_row(&dp_acc, 0usize, q_tiles, &mut out, block_q, unit);
+                    let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * q_stride);
+                    M::store_row(&dp_acc, 0usize, q_tiles, &mut out, q_stride, unit);
                     sync_tile(blocks.plane_sync);
                     let mut i = lane;
                     while i < TILE * block_q {
                         let c = i % block_q;
-                        probs[scores_at + i] = F::cast_from(scores[scores_at + i] * (dp_scores[scores_at + i] - delta_tile[c]));
+                        let at = scores_at + (i / block_q) * q_stride + c;
+                        probs[at] = F::cast_from(scores[at] * (dp_scores[at] - delta_tile[c]));
                         i += plane_dim;
                     }
                     sync_tile(blocks.plane_sync);
@@ -302,6 +305,8 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
         let value_chunk = comptime!(blocks.value_chunk);
         let block_rows = comptime!(blocks.block_rows());
         let kv_tiles = comptime!(block_kv / TILE);
+        // Row strides of the shared tiles (padded: see `TileUnit::stride`).
+        let (dim_stride, value_stride, kv_stride) = comptime!((unit.stride(dim_chunk), unit.stride(value_chunk), unit.stride(block_kv)));
         let whole_dims = comptime!(blocks.dim_chunks() == 1);
         let whole_values = comptime!(blocks.value_chunks() == 1);
         let first_row = place.block * block_rows;
@@ -309,14 +314,14 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
         let lane = UNIT_POS_X as usize;
         let plane_row = first_row + plane * TILE;
 
-        let mut q_tile = SharedMemory::<F>::new(block_rows * dim_chunk);
-        let mut g_tile = SharedMemory::<F>::new(block_rows * value_chunk);
-        let mut k_tile = SharedMemory::<F>::new(block_kv * dim_chunk);
-        let mut v_tile = SharedMemory::<F>::new(block_kv * value_chunk);
-        let mut scores = SharedMemory::<f32>::new(planes * TILE * block_kv);
-        let mut dp_scores = SharedMemory::<f32>::new(planes * TILE * block_kv);
-        let mut ds = SharedMemory::<F>::new(planes * TILE * block_kv);
-        let scores_at = plane * TILE * block_kv;
+        let mut q_tile = SharedMemory::<F>::new(block_rows * dim_stride);
+        let mut g_tile = SharedMemory::<F>::new(block_rows * value_stride);
+        let mut k_tile = SharedMemory::<F>::new(block_kv * dim_stride);
+        let mut v_tile = SharedMemory::<F>::new(block_kv * value_stride);
+        let mut scores = SharedMemory::<f32>::new(planes * TILE * kv_stride);
+        let mut dp_scores = SharedMemory::<f32>::new(planes * TILE * kv_stride);
+        let mut ds = SharedMemory::<F>::new(planes * TILE * kv_stride);
+        let scores_at = plane * TILE * kv_stride;
 
         // This launch's columns of dQ (all of them, or its part).
         let dim_tiles = comptime!(blocks.part_tiles(blocks.dim));
@@ -342,10 +347,10 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
         let v_base = row_offset(value, batch, kv_head, 0);
         // The cube's own query rows and their output gradients, staged once when they fit.
         if whole_dims {
-            stage_tile(query, q_base, first_row, seq_q, 0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
+            stage_tile(query, q_base, first_row, seq_q, 0, head_dim, &mut q_tile, 0, block_rows, dim_chunk, unit);
         }
         if whole_values {
-            stage_tile(output_grad, g_base, first_row, seq_q, 0, value_dim, &mut g_tile, 0, block_rows, value_chunk);
+            stage_tile(output_grad, g_base, first_row, seq_q, 0, value_dim, &mut g_tile, 0, block_rows, value_chunk, unit);
         }
         let keys = cube_run(ranges, batch, first_row, seq_q, seq_kv, block_rows, false, blocks);
         let (first_tile, end_tile) = (keys.start / block_kv, keys.end.div_ceil(block_kv));
@@ -355,10 +360,10 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
             // Every plane is done with the previous tile before it is overwritten.
             sync_cube();
             if whole_dims {
-                stage_tile(key, k_base, kv0, seq_kv, 0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+                stage_tile(key, k_base, kv0, seq_kv, 0, head_dim, &mut k_tile, 0, block_kv, dim_chunk, unit);
             }
             if whole_values {
-                stage_tile(value, v_base, kv0, seq_kv, 0, value_dim, &mut v_tile, 0, block_kv, value_chunk);
+                stage_tile(value, v_base, kv0, seq_kv, 0, value_dim, &mut v_tile, 0, block_kv, value_chunk, unit);
             }
             sync_cube();
 
@@ -368,14 +373,14 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
             for chunk in 0..comptime!(blocks.dim_chunks()) {
                 if !whole_dims {
                     sync_cube();
-                    stage_tile(query, q_base, first_row, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
-                    stage_tile(key, k_base, kv0, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+                    stage_tile(query, q_base, first_row, seq_q, chunk * dim_chunk, head_dim, &mut q_tile, 0, block_rows, dim_chunk, unit);
+                    stage_tile(key, k_base, kv0, seq_kv, chunk * dim_chunk, head_dim, &mut k_tile, 0, block_kv, dim_chunk, unit);
                     sync_cube();
                 }
-                accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, unit);
+                accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_stride, &k_tile.to_slice(), dim_chunk, tile_rows, unit);
             }
-            let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_kv);
-            M::store_row(&s_acc, 0usize, kv_tiles, &mut out, block_kv, unit);
+            let mut out = scores.slice_mut(scores_at, scores_at + TILE * kv_stride);
+            M::store_row(&s_acc, 0usize, kv_tiles, &mut out, kv_stride, unit);
 
             // dP = dO · Vᵀ, the value dim a chunk at a time.
             let mut dp_acc = M::zeros(kv_tiles, unit);
@@ -383,21 +388,21 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
             for chunk in 0..comptime!(blocks.value_chunks()) {
                 if !whole_values {
                     sync_cube();
-                    stage_tile(output_grad, g_base, first_row, seq_q, chunk * value_chunk, value_dim, &mut g_tile, 0, block_rows, value_chunk);
-                    stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk);
+                    stage_tile(output_grad, g_base, first_row, seq_q, chunk * value_chunk, value_dim, &mut g_tile, 0, block_rows, value_chunk, unit);
+                    stage_tile(value, v_base, kv0, seq_kv, chunk * value_chunk, value_dim, &mut v_tile, 0, block_kv, value_chunk, unit);
                     sync_cube();
                 }
-                accumulate_a_bt::<F, M>(&mut dp_acc, kv_tiles, &g_tile.to_slice(), plane * TILE * value_chunk, &v_tile.to_slice(), value_chunk, tile_rows, unit);
+                accumulate_a_bt::<F, M>(&mut dp_acc, kv_tiles, &g_tile.to_slice(), plane * TILE * value_stride, &v_tile.to_slice(), value_chunk, tile_rows, unit);
             }
-            let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * block_kv);
-            M::store_row(&dp_acc, 0usize, kv_tiles, &mut out, block_kv, unit);
+            let mut out = dp_scores.slice_mut(scores_at, scores_at + TILE * kv_stride);
+            M::store_row(&dp_acc, 0usize, kv_tiles, &mut out, kv_stride, unit);
             sync_tile(blocks.plane_sync);
 
             // P and dS = P ∘ (dP − delta), masked on tiles that cross the edge of the row's keys.
             for r in 0..tile_rows {
                 let seen = row_keys(ranges, batch, plane_row + r, seq_q, seq_kv, blocks);
                 let crosses = kv0 < seen.start || kv0 + block_kv > seen.end;
-                let at = scores_at + r * block_kv;
+                let at = scores_at + r * kv_stride;
                 let mut c = lane;
                 while c < block_kv {
                     let visible = !crosses || (kv0 + c >= seen.start && kv0 + c < seen.end);

@@ -68,19 +68,21 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
         let (dim_chunk, value_chunk) = comptime!((blocks.dim_chunk, blocks.value_chunk));
         let block_rows = comptime!(blocks.block_rows());
         let kv_tiles = comptime!(block_kv / TILE);
+        // Row strides of the shared tiles (padded: see `TileUnit::stride`).
+        let (dim_stride, value_stride, kv_stride) = comptime!((unit.stride(dim_chunk), unit.stride(value_chunk), unit.stride(block_kv)));
         let first_row = place.block * block_rows;
         let plane = UNIT_POS_Y as usize;
         let lane = UNIT_POS_X as usize;
         let plane_row = first_row + plane * TILE;
 
-        let mut q_tile = SharedMemory::<F>::new(block_rows * dim_chunk);
-        let mut k_tile = SharedMemory::<F>::new(block_kv * dim_chunk);
-        let mut v_tile = SharedMemory::<F>::new(block_kv * value_chunk);
-        let mut scores = SharedMemory::<f32>::new(planes * TILE * block_kv);
-        let mut probs = SharedMemory::<F>::new(planes * TILE * block_kv);
+        let mut q_tile = SharedMemory::<F>::new(block_rows * dim_stride);
+        let mut k_tile = SharedMemory::<F>::new(block_kv * dim_stride);
+        let mut v_tile = SharedMemory::<F>::new(block_kv * value_stride);
+        let mut scores = SharedMemory::<f32>::new(planes * TILE * kv_stride);
+        let mut probs = SharedMemory::<F>::new(planes * TILE * kv_stride);
         // Whether each plane rescales its output this tile (read where the cube synchronises).
         let mut rescaling = SharedMemory::<u32>::new(planes);
-        let scores_at = plane * TILE * block_kv;
+        let scores_at = plane * TILE * kv_stride;
 
         // This launch's output columns (all of them, or its part).
         let value_tiles = comptime!(blocks.part_tiles(blocks.value_dim));
@@ -101,7 +103,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
         let (first_tile, end_tile) = (keys.start / block_kv, keys.end.div_ceil(block_kv));
         if comptime!(blocks.dim_chunks() == 1) {
             // Staged once; the first tile's barriers make it visible.
-            stage_tile(query, q_base, first_row, seq_q, 0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
+            stage_tile(query, q_base, first_row, seq_q, 0, head_dim, &mut q_tile, 0, block_rows, dim_chunk, unit);
         }
 
         for tile in first_tile..end_tile {
@@ -113,24 +115,24 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
             let mut s_acc = M::zeros(kv_tiles, unit);
             if comptime!(blocks.dim_chunks() == 1) {
                 sync_cube();
-                stage_tile(key, k_base, kv0, seq_kv, 0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+                stage_tile(key, k_base, kv0, seq_kv, 0, head_dim, &mut k_tile, 0, block_kv, dim_chunk, unit);
                 if comptime!(blocks.value_chunks() == 1) {
-                    stage_tile(value, v_base, kv0, seq_kv, 0, value_dim, &mut v_tile, 0, block_kv, value_chunk);
+                    stage_tile(value, v_base, kv0, seq_kv, 0, value_dim, &mut v_tile, 0, block_kv, value_chunk, unit);
                 }
                 sync_cube();
-                accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, unit);
+                accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_stride, &k_tile.to_slice(), dim_chunk, tile_rows, unit);
             } else {
                 for chunk in 0..comptime!(blocks.dim_chunks()) {
                     let col0 = chunk * dim_chunk;
                     sync_cube();
-                    stage_tile(query, q_base, first_row, seq_q, col0, head_dim, &mut q_tile, 0, block_rows, dim_chunk);
-                    stage_tile(key, k_base, kv0, seq_kv, col0, head_dim, &mut k_tile, 0, block_kv, dim_chunk);
+                    stage_tile(query, q_base, first_row, seq_q, col0, head_dim, &mut q_tile, 0, block_rows, dim_chunk, unit);
+                    stage_tile(key, k_base, kv0, seq_kv, col0, head_dim, &mut k_tile, 0, block_kv, dim_chunk, unit);
                     sync_cube();
-                    accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_chunk, &k_tile.to_slice(), dim_chunk, tile_rows, unit);
+                    accumulate_a_bt::<F, M>(&mut s_acc, kv_tiles, &q_tile.to_slice(), plane * TILE * dim_stride, &k_tile.to_slice(), dim_chunk, tile_rows, unit);
                 }
             }
-            let mut out = scores.slice_mut(scores_at, scores_at + TILE * block_kv);
-            M::store_row(&s_acc, 0usize, kv_tiles, &mut out, block_kv, unit);
+            let mut out = scores.slice_mut(scores_at, scores_at + TILE * kv_stride);
+            M::store_row(&s_acc, 0usize, kv_tiles, &mut out, kv_stride, unit);
             sync_tile(blocks.plane_sync);
 
             // Online softmax, a row at a time, the lanes across the columns.
@@ -139,7 +141,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
                 let seen = row_keys(ranges, batch, plane_row + r, seq_q, seq_kv, blocks);
                 // Only a tile that reaches past what the row sees is masked per element.
                 let crosses = kv0 < seen.start || kv0 + block_kv > seen.end;
-                let row_at = scores_at + r * block_kv;
+                let row_at = scores_at + r * kv_stride;
                 let mut local_max = f32::new(MASKED);
                 let mut c = lane;
                 while c < block_kv {

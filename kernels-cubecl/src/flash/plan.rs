@@ -110,6 +110,26 @@ const ENGINE_VARIABLE: &str = "ULYSSES_FLASH_ENGINE";
 /// and executes both correctly, though Vulkan leaves an unreported size undefined.
 const FRAGMENT_VARIABLE: &str = "ULYSSES_FLASH_FRAGMENT";
 
+/// `ULYSSES_FLASH_SKEW=N` pads each row of the shared tiles by N elements instead of
+/// [`DEFAULT_SKEW`] (0: the unpadded layout), to measure the layouts against each other in one
+/// run (the flash bench's `--skews`).
+const SKEW_VARIABLE: &str = "ULYSSES_FLASH_SKEW";
+
+/// Elements of padding after each row of a shared tile (see `TileUnit::stride`).
+pub const DEFAULT_SKEW: usize = 8;
+
+/// The skew [`SKEW_VARIABLE`] asks for, or the default; a value that keeps fragments 32-byte
+/// aligned (a multiple of 8 elements) or an error naming it.
+fn skew() -> Result<usize, FlashError> {
+    match std::env::var(SKEW_VARIABLE) {
+        Err(_) => Ok(DEFAULT_SKEW),
+        Ok(text) => match text.parse::<usize>() {
+            Ok(skew) if skew % 8 == 0 && skew <= 64 => Ok(skew),
+            _ => Err(FlashError::Device(format!("{SKEW_VARIABLE}={text:?}: the padding must be a multiple of 8 elements from 0 to 64"))),
+        },
+    }
+}
+
 /// The fragment [`FRAGMENT_VARIABLE`] forces on f16/bf16, if any.
 fn forced_fragment() -> Option<Fragment> {
     match std::env::var(FRAGMENT_VARIABLE).as_deref() {
@@ -176,6 +196,7 @@ impl Plan {
             element_bytes: dtype.size(),
             plane_dim,
             plane_sync,
+            skew: skew()?,
             causal,
             dim: problem.head_dim.div_ceil(TILE) * TILE,
             value_dim: problem.value_dim.div_ceil(TILE) * TILE,
@@ -216,6 +237,7 @@ struct Budget {
     element_bytes: usize,
     plane_dim: usize,
     plane_sync: bool,
+    skew: usize,
     causal: bool,
     dim: usize,
     value_dim: usize,
@@ -246,6 +268,7 @@ impl Budget {
                         dim_chunk,
                         value_chunk,
                         plane_sync: self.plane_sync,
+                        skew: self.skew,
                         fragment: self.fragment,
                         causal: self.causal,
                         ranged: false,
@@ -266,9 +289,11 @@ impl Budget {
     /// Shared memory of one cube of `kernel`.
     fn shared_bytes_of(&self, kernel: Kernel, blocks: &Blocks) -> usize {
         let e = self.element_bytes;
+        // Every shared tile's rows are padded (`TileUnit::stride`).
+        let unit = blocks.unit();
         let (rows, kv) = (blocks.block_rows(), blocks.block_kv);
-        let (dc, vc) = (blocks.dim_chunk, blocks.value_chunk);
-        let plane_tile = blocks.planes * TILE * kv;
+        let (dc, vc) = (unit.stride(blocks.dim_chunk), unit.stride(blocks.value_chunk));
+        let plane_tile = blocks.planes * TILE * unit.stride(kv);
         match kernel {
             // Q, K, V tiles; scores (f32) and probabilities (storage type) per plane; a
             // rescale flag (u32) per plane.
@@ -286,7 +311,7 @@ mod tests {
     use super::*;
 
     fn budget(shared_bytes: usize, element_bytes: usize, plane_dim: usize, dim: usize) -> Budget {
-        Budget { fragment: Fragment::cube(TILE), shared_bytes, max_units: 1024, element_bytes, plane_dim, plane_sync: false, causal: true, dim, value_dim: dim }
+        Budget { fragment: Fragment::cube(TILE), shared_bytes, max_units: 1024, element_bytes, plane_dim, plane_sync: false, skew: DEFAULT_SKEW, causal: true, dim, value_dim: dim }
     }
 
     #[test]
@@ -294,6 +319,17 @@ mod tests {
         // 227 KiB, bf16, head dim 128.
         let blocks = budget(232_448, 2, 32, 128).blocks(Kernel::Forward).unwrap();
         assert_eq!((blocks.planes, blocks.block_kv, blocks.dim_chunk, blocks.value_chunk), (8, 64, 128, 128));
+    }
+
+    #[test]
+    fn a_bad_skew_is_refused_by_name() {
+        // The variable is read per plan; only this test sets it.
+        // SAFETY: no other test of this binary reads or writes ULYSSES_FLASH_SKEW.
+        unsafe { std::env::set_var(SKEW_VARIABLE, "4") };
+        let error = skew().unwrap_err().to_string();
+        unsafe { std::env::remove_var(SKEW_VARIABLE) };
+        assert!(error.contains("ULYSSES_FLASH_SKEW") && error.contains("multiple of 8"), "{error}");
+        assert_eq!(skew().unwrap(), DEFAULT_SKEW);
     }
 
     #[test]

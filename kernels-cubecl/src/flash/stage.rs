@@ -22,6 +22,8 @@ pub struct Blocks {
     pub value_chunk: usize,
     /// Whether a plane may synchronise alone (CUDA); elsewhere the whole cube does.
     pub plane_sync: bool,
+    /// Padding after each row of a shared tile ([`TileUnit::stride`]).
+    pub skew: usize,
     /// The tensor-core fragment, from the device's; the plane engine ignores it.
     pub fragment: Fragment,
     pub causal: bool,
@@ -92,7 +94,7 @@ impl Blocks {
 
     /// How the planes multiply tiles.
     pub fn unit(&self) -> TileUnit {
-        TileUnit { plane_dim: self.plane_dim, fragment: self.fragment, plane_sync: self.plane_sync }
+        TileUnit { plane_dim: self.plane_dim, fragment: self.fragment, plane_sync: self.plane_sync, skew: self.skew }
     }
 
     pub fn dim_chunks(&self) -> usize {
@@ -143,6 +145,7 @@ mod tests {
             dim_chunk: 256,
             value_chunk: 256,
             plane_sync: true,
+            skew: 8,
             fragment: Fragment::cube(16),
             causal: false,
             ranged: false,
@@ -202,9 +205,10 @@ pub fn row_offset<T: CubePrimitive>(tensor: &Tensor<T>, batch: usize, head: usiz
 
 /// Copies rows `first..first + rows` and columns `col0..col0 + width` of the (batch, head)
 /// plane at element offset `base` of a `[batch, heads, len, dim]` tensor into `tile` at
-/// `tile_offset` (`rows × width`, row-major, in the storage type). Rows past `len` and
-/// columns past `dim` read as zeros. The whole cube cooperates, `N` elements per read
-/// (`dim` is a multiple of `N`, and the tensor contiguous in its last dimension).
+/// `tile_offset` (`rows × width`, row-major with rows `unit.stride(width)` apart, in the
+/// storage type). Rows past `len` and columns past `dim` read as zeros. The whole cube
+/// cooperates, `N` elements per read (`dim` is a multiple of `N`, and the tensor contiguous
+/// in its last dimension).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_tile<F: Float, N: Size>(
@@ -218,16 +222,18 @@ pub fn stage_tile<F: Float, N: Size>(
     tile_offset: usize,
     #[comptime] rows: usize,
     #[comptime] width: usize,
+    #[comptime] unit: TileUnit,
 ) {
     let n = N::value();
     let vectors_per_row = comptime!(width / n);
+    let stride = comptime!(unit.stride(width));
     let units = CUBE_DIM as usize;
     let mut i = UNIT_POS as usize;
     let row_stride = source.stride(2);
     while i < rows * vectors_per_row {
         let r = i / vectors_per_row;
         let col = col0 + (i % vectors_per_row) * n;
-        let at = tile_offset + r * width + (i % vectors_per_row) * n;
+        let at = tile_offset + r * stride + (i % vectors_per_row) * n;
         if first + r < len && col < dim {
             let vector = source[(base + (first + r) * row_stride + col) / n];
             #[unroll]
@@ -277,7 +283,7 @@ pub fn accumulate_part<F: Float, M: TileMma, N: Size>(
             let tiles = comptime!(meets.unwrap().tiles);
             if comptime!(!staged) {
                 sync_cube();
-                stage_tile(source, base, first, len, index * chunk, dim, b_tile, 0, depth, chunk);
+                stage_tile(source, base, first, len, index * chunk, dim, b_tile, 0, depth, chunk, comptime!(blocks.unit()));
                 sync_cube();
             }
             accumulate_a_b::<F, M>(acc, first_tile, tiles, &a.to_slice(), a_at, depth, &b_tile.to_slice().slice(column, b_tile.len()), chunk, tile_rows, comptime!(blocks.unit()));

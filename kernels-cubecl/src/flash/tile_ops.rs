@@ -52,9 +52,20 @@ pub struct TileUnit {
     /// Whether a plane may synchronise alone (CUDA). Elsewhere every barrier is the cube's,
     /// with memory ordered: each plane must then reach each barrier as often as the others.
     pub plane_sync: bool,
+    /// Elements of padding after each row of a shared-memory tile (see [`TileUnit::stride`]).
+    pub skew: usize,
 }
 
 impl TileUnit {
+    /// The row stride in shared memory of a tile `width` elements wide: `width + skew`. Rows
+    /// of 128 or 256 bytes, unpadded, all start in bank 0, so the 16 rows a fragment load
+    /// reads collide in the same banks (the first GPU run's Nsight Compute: four of five
+    /// shared-memory wavefronts were bank conflicts); 8 elements of skew start consecutive
+    /// rows 4 (16-bit) or 8 (f32) banks apart, and keep every fragment's rows 32-byte aligned.
+    pub fn stride(&self, width: usize) -> usize {
+        width + self.skew
+    }
+
     /// Accumulator fragments in one 16 × 16 tile.
     pub fn fragments_per_tile(&self) -> usize {
         (TILE / self.fragment.edge) * (TILE / self.fragment.edge)
@@ -484,8 +495,8 @@ impl TileMma for PlaneTiles {
 }
 
 /// `tiles[0..count] += A · Bᵀ` over a staged dim of `width` columns: A the plane's 16 rows
-/// starting at `a_at` of a row-major tile, B the `count × 16` rows of a row-major tile
-/// (`S = Q·Kᵀ`, `dP = dO·Vᵀ` and their transposes).
+/// starting at `a_at` of a row-major tile, B the `count × 16` rows of a row-major tile, both
+/// with rows `unit.stride(width)` apart (`S = Q·Kᵀ`, `dP = dO·Vᵀ` and their transposes).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn accumulate_a_bt<F: Float, M: TileMma>(
@@ -498,16 +509,18 @@ pub fn accumulate_a_bt<F: Float, M: TileMma>(
     tile_rows: usize,
     #[comptime] unit: TileUnit,
 ) {
+    let stride = comptime!(unit.stride(width));
     for k in 0..width / tile_rows {
         let a_k = a.slice(a_at + k * TILE, a.len());
         let b_k = b.slice(k * TILE, b.len());
-        M::mma_row::<F>(tiles, 0usize, count, &a_k, width, false, &b_k, TILE * width, width, true, tile_rows, unit);
+        M::mma_row::<F>(tiles, 0usize, count, &a_k, stride, false, &b_k, TILE * stride, stride, true, tile_rows, unit);
     }
 }
 
 /// `tiles[first..first + count] += A · B` over `depth` streamed rows: A the plane's 16 rows
-/// starting at `a_at`, row stride `depth` (probabilities or dS), B a row-major tile of
-/// `depth` rows and `width` columns (`O += P·V`, `dV += Pᵀ·dO`, `dK += dSᵀ·Q`, `dQ += dS·K`).
+/// starting at `a_at`, row stride `unit.stride(depth)` (probabilities or dS), B a row-major
+/// tile of `depth` rows and `width` columns, row stride `unit.stride(width)` (`O += P·V`,
+/// `dV += Pᵀ·dO`, `dK += dSᵀ·Q`, `dQ += dS·K`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn accumulate_a_b<F: Float, M: TileMma>(
@@ -522,10 +535,11 @@ pub fn accumulate_a_b<F: Float, M: TileMma>(
     tile_rows: usize,
     #[comptime] unit: TileUnit,
 ) {
+    let (a_stride, b_stride) = comptime!((unit.stride(depth), unit.stride(width)));
     for k in 0..depth / tile_rows {
         let a_k = a.slice(a_at + k * TILE, a.len());
-        let b_k = b.slice(k * TILE * width, b.len());
-        M::mma_row::<F>(tiles, first, count, &a_k, depth, false, &b_k, TILE, width, false, tile_rows, unit);
+        let b_k = b.slice(k * TILE * b_stride, b.len());
+        M::mma_row::<F>(tiles, first, count, &a_k, a_stride, false, &b_k, TILE, b_stride, false, tile_rows, unit);
     }
 }
 
@@ -543,6 +557,35 @@ pub fn sync_tile(#[comptime] plane_sync: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The banks (4 bytes each, 32 of them) that row `row` of a shared tile starts in.
+    fn first_bank(unit: &TileUnit, width: usize, element_bytes: usize, row: usize) -> usize {
+        (row * unit.stride(width) * element_bytes / 4) % 32
+    }
+
+    #[test]
+    fn padded_rows_that_one_wavefront_reads_start_in_different_banks() {
+        let unit = |skew| TileUnit { plane_dim: 32, fragment: Fragment::cube(16), plane_sync: true, skew };
+        for width in [64, 128, 256] {
+            // A wavefront serves 128 bytes: 8 rows of 16 bytes (an 8 × 8 16-bit fragment
+            // piece), or 4 rows of TF32's 8 f32. Each must get banks of its own.
+            for (element_bytes, rows, banks_per_row) in [(2, 8, 4), (4, 4, 8)] {
+                let groups = |skew| -> Vec<usize> { (0..rows).map(|row| first_bank(&unit(skew), width, element_bytes, row) / banks_per_row).collect() };
+                let mut padded = groups(8);
+                padded.sort();
+                padded.dedup();
+                assert_eq!(padded.len(), rows, "width {width}, {element_bytes}-byte elements: {:?}", groups(8));
+                // Unpadded, every row starts in bank 0: the conflicts the padding removes.
+                assert!(groups(0).iter().all(|&group| group == 0), "width {width}: {:?}", groups(0));
+            }
+        }
+        // Fragments load from 32-byte aligned rows: 16 rows (or 8, TF32's depth) down.
+        for width in [16, 64, 128, 256] {
+            for element_bytes in [2, 4] {
+                assert_eq!(8 * unit(8).stride(width) * element_bytes % 32, 0);
+            }
+        }
+    }
 
     #[test]
     fn lane_blocks_cover_the_tile_squarely() {
