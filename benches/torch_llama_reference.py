@@ -8,6 +8,10 @@ measurement:
     torch <device> <dtype> d_model=.. layers=.. heads=.. kv_heads=.. ffn=.. batch=.. seq=..: \
         <tokens/s> tokens/s, peak <bytes> bytes, loss <first> -> <last>
 
+With --hf-config FILE the model is built from a Hugging Face config.json instead (any family
+transformers knows: Llama-3.2-1B's or Qwen3's shape, random weights), and --checkpointing turns
+on transformers' gradient checkpointing, as the trainer's --checkpoint-layers.
+
 (tokens/s over the timed steps after --warmup steps; peak memory as
 `torch.cuda.max_memory_allocated`, with nothing of a previous step kept alive, on CUDA; on the
 CPU the peak is not measured and prints as -.)
@@ -35,6 +39,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="bf16")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--hf-config", help="a Hugging Face config.json: the model's shape (overrides the shape flags)")
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every layer")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         print(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})", file=sys.stderr)
@@ -42,7 +48,7 @@ def main() -> int:
 
     try:
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     except ImportError as error:
         print(f"torch and transformers are needed: {error}", file=sys.stderr)
         return 1
@@ -66,9 +72,25 @@ def main() -> int:
         attention_bias=False,
         mlp_bias=False,
     )
+    shape = (
+        f"d_model={args.d_model} layers={args.layers} heads={args.heads} kv_heads={args.kv_heads} ffn={args.ffn_hidden}"
+    )
+    if args.hf_config:
+        import json
+
+        with open(args.hf_config) as file:
+            values = json.load(file)
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+        args.vocab = config.vocab_size
+        shape = f"config={args.hf_config} layers={config.num_hidden_layers} d_model={config.hidden_size} vocab={config.vocab_size}"
     config._attn_implementation = "sdpa"
     torch.manual_seed(42)
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    if args.hf_config:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device=device, dtype=dtype)
+    else:
+        model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator(device="cpu").manual_seed(7)
@@ -102,8 +124,7 @@ def main() -> int:
         print(f"non-finite loss: {losses}", file=sys.stderr)
         return 1
     print(
-        f"torch {device.type} {args.dtype} d_model={args.d_model} layers={args.layers} heads={args.heads} "
-        f"kv_heads={args.kv_heads} ffn={args.ffn_hidden} batch={args.batch_size} seq={args.seq_len}: "
+        f"torch {device.type} {args.dtype} {shape} checkpointing={args.checkpointing} batch={args.batch_size} seq={args.seq_len}: "
         f"{tokens_per_second:.0f} tokens/s, peak {peak} bytes, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
     )
     return 0

@@ -24,6 +24,7 @@ cp target/release/ulysses-llama target/release/ulysses-launch "$bundle/train/"
 for file in "$bundle"/*/*; do strip "$file"; done
 cp benches/sdpa_reference.py "$bundle/kernels/"
 cp benches/torch_llama_reference.py "$bundle/train/"
+cp -r benches/hf-shapes "$bundle/train/"
 for part in kernels memory nccl train; do cp scripts/gpu-run.sh "$bundle/$part/"; done
 du -ah "$bundle"
 # All four folders in one carry (about 20 MB; scripts/gpu-call.sh unpacks it on the GPU machine).

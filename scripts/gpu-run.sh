@@ -8,7 +8,7 @@
 #   KERNELS_RUN = tests (default) | named | big | bench | ncu (kernels folder)
 #   MEMORY_RUN  = alst (default) | layers4 | table   (memory folder; alst's range and trial limit:
 #                 MEMORY_MIN_SEQ, MEMORY_MAX_SEQ, MEMORY_TRIAL_TIMEOUT)
-#   TRAIN_RUN   = check (default) | scale             (train folder)
+#   TRAIN_RUN   = check (default) | scale | hf        (train folder)
 # DRY_RUN=1 prints the steps instead of running them (any machine: `DRY_RUN=1 OUT=/tmp/x
 # scripts/gpu-run.sh` from a bundle folder, or from scripts/ to see every step).
 set -uo pipefail
@@ -115,13 +115,14 @@ if has flash-attention-tests; then
         # q, the output, dO and dQ of 4.5e9 elements each (about 45 GB): 64-bit indexing.
         step kernel-test-past-2-pow-32 env ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture --exact bf16_past_2_pow_32_elements_per_tensor_against_chunks ;;
     bench)
-        step flash-bench env ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" ;;
+        # BENCH_ARGS narrows or extends the sweep (e.g. "--heads 16 --seqs 8192,32768 --skews 0,8").
+        step flash-bench env ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" ${BENCH_ARGS:-} ;;
     ncu)
         # Nsight Compute on one launch of each kernel (forward, dK/dV, dQ) of the bench's first
         # shape (S 1024, 16 heads, bf16, head dim 128): the figures that name the limit (memory
         # or compute throughput, occupancy). A 0.2 s budget skips the long shapes; no SDPA.
         if [ "${DRY_RUN:-0}" = 1 ] || command -v ncu >/dev/null; then
-            for kernel in flash_forward_kernel key_value_grad_kernel query_grad_kernel; do
+            for kernel in ${NCU_KERNELS:-flash_forward_kernel key_value_grad_kernel query_grad_kernel}; do
                 step "ncu-$kernel" env ULYSSES_SDPA_SCRIPT=/nonexistent/sdpa.py ncu --set full --launch-count 1 \
                     -k "regex:$kernel" "$here/flash-attention-bench" --budget-secs 0.2
             done
@@ -202,7 +203,24 @@ if has ulysses-llama; then
                 --checkpoint-every 0 --check-parameters-every 0 --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/train-scale-$seq"
             step "torch-scale-$seq" python3 "$here/torch_llama_reference.py" --seq-len "$seq" --batch-size 1 --dtype bf16 --steps 16 --warmup 4
         done ;;
-    *) echo "TRAIN_RUN must be check or scale, not ${TRAIN_RUN}" >&2; exit 2 ;;
+    hf)
+        # Hugging Face shapes from their config.json (benches/hf-shapes: Llama-3.2-1B, Qwen3-0.6B),
+        # random weights, bf16, every layer checkpointed, HF_SEQ tokens (16K) per sequence, at
+        # SP=1 and SP=2 (two rank threads sharing the one GPU, each holding a model copy), and
+        # PyTorch on the same shape (gradient checkpointing, SDPA). --no-save: a 1B model's
+        # checkpoint would be 20 GB of the disk.
+        # HF_SHAPES, HF_SPS (" ": PyTorch alone), HF_STEPS and HF_SEQ narrow it.
+        seq=${HF_SEQ:-16384}
+        for shape in ${HF_SHAPES:-llama-3.2-1b qwen3-0.6b}; do
+            for sp in ${HF_SPS:-1 2}; do
+                step "hf-$shape-sp$sp" "$here/ulysses-llama" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 \
+                    --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" \
+                    --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/hf-$shape-sp$sp"
+            done
+            step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" --checkpointing \
+                --seq-len "$seq" --batch-size 1 --dtype bf16 --steps "${HF_STEPS:-6}" --warmup 2
+        done ;;
+    *) echo "TRAIN_RUN must be check, scale or hf, not ${TRAIN_RUN}" >&2; exit 2 ;;
     esac
 fi
 

@@ -77,6 +77,9 @@ pub struct DecoderConfig {
     pub sliding_window: Option<usize>,
     pub bos_token_id: Option<u64>,
     pub eos_token_id: Option<u64>,
+    /// The standard deviation of a fresh model's weight matrices and embeddings
+    /// (transformers' `_init_weights`): only a model built from random weights uses it.
+    pub initializer_range: f64,
 }
 
 /// Why a `config.json` cannot be used: the file, the key and what is wrong with it.
@@ -247,6 +250,7 @@ impl DecoderConfig {
             sliding_window,
             bos_token_id: keys.token("bos_token_id")?,
             eos_token_id: keys.token("eos_token_id")?,
+            initializer_range: keys.positive("initializer_range", 0.02)?,
         })
     }
 
@@ -284,6 +288,7 @@ impl DecoderConfig {
             "torch_dtype": dtype,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
+            "initializer_range": self.initializer_range,
         });
         let object = config.as_object_mut().expect("an object");
         match self.family {

@@ -20,7 +20,7 @@ use std::ops::Range;
 use burn::{
     config::Config,
     module::Module,
-    nn::{Embedding, EmbeddingConfig, Linear, LinearConfig, RmsNorm, RmsNormConfig},
+    nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig, RmsNorm, RmsNormConfig},
     tensor::{
         FloatDType, Int, Tensor,
         activation::silu,
@@ -84,6 +84,11 @@ pub struct LlamaConfig {
     /// Causal (decoder) attention.
     #[config(default = true)]
     pub causal: bool,
+    /// Initialise every weight matrix and the embeddings from a normal distribution of this
+    /// standard deviation, as transformers does (`initializer_range`, 0.02); `None`: burn's
+    /// defaults (unit-variance embeddings, which tied to the output head give logits of
+    /// size √d_model: a first loss of hundreds at a Hugging Face model's width).
+    pub init_std: Option<f64>,
 }
 
 impl LlamaConfig {
@@ -105,6 +110,13 @@ impl LlamaConfig {
             .with_qk_norm(config.qk_norm)
             .with_tie_embeddings(config.tie_word_embeddings)
             .with_sliding_window(config.sliding_window)
+            .with_init_std(Some(config.initializer_range))
+    }
+
+    /// burn's initializer of weight matrices and embeddings: [`LlamaConfig::init_std`]'s normal
+    /// distribution, or `default`.
+    fn initializer(&self, default: Initializer) -> Initializer {
+        self.init_std.map_or(default, |std| Initializer::Normal { mean: 0.0, std })
     }
 
     pub fn head_dim(&self) -> usize {
@@ -129,10 +141,15 @@ impl LlamaConfig {
     pub fn init<B: Backend>(&self, device: &B::Device) -> Llama<B> {
         self.check();
         Llama {
-            embedding: EmbeddingConfig::new(self.vocab_size, self.d_model).init(device),
+            embedding: EmbeddingConfig::new(self.vocab_size, self.d_model)
+                .with_initializer(self.initializer(EmbeddingConfig::new(0, 0).initializer))
+                .init(device),
             blocks: (0..self.n_layers).map(|_| self.init_block(device)).collect(),
             norm: RmsNormConfig::new(self.d_model).with_epsilon(self.norm_eps).init(device),
-            lm_head: (!self.tie_embeddings).then(|| LinearConfig::new(self.d_model, self.vocab_size).with_bias(false).init(device)),
+            lm_head: (!self.tie_embeddings).then(|| {
+                let config = LinearConfig::new(self.d_model, self.vocab_size).with_bias(false);
+                config.clone().with_initializer(self.initializer(config.initializer)).init(device)
+            }),
             head_dim: self.head_dim(),
             rope_theta: self.rope_theta,
             rope_scaling: self.rope_scaling,
@@ -143,7 +160,10 @@ impl LlamaConfig {
 
     pub fn init_block<B: Backend>(&self, device: &B::Device) -> Block<B> {
         self.check();
-        let linear = |d_in, d_out, bias| LinearConfig::new(d_in, d_out).with_bias(bias).init(device);
+        let linear = |d_in, d_out, bias| {
+            let config = LinearConfig::new(d_in, d_out).with_bias(bias);
+            config.clone().with_initializer(self.initializer(config.initializer)).init(device)
+        };
         let head_dim = self.head_dim();
         let head_norm = || self.qk_norm.then(|| RmsNormConfig::new(head_dim).with_epsilon(self.norm_eps).init(device));
         Block {

@@ -216,6 +216,39 @@ fn weights_that_do_not_fit_the_config_are_refused_by_name() {
 
 /// Mistral's window is not applied by the attention yet: a position at or past it is refused
 /// by name rather than attended over silently.
+/// A model built from a config.json's shape alone (the trainer's `--hf-config`) starts as
+/// transformers' does: weights of standard deviation `initializer_range`, so its first loss is
+/// about ln(vocabulary). burn's unit-variance embeddings, tied to the head, would start at
+/// logits of size √hidden_size (a loss of hundreds at Qwen3-0.6B's width).
+#[test]
+fn a_model_from_a_config_alone_starts_at_transformers_initialisation() {
+    for folder in model_fixtures() {
+        let name = folder.file_name().unwrap().to_string_lossy().into_owned();
+        let config = ulysses_models::DecoderConfig::from_hf(&folder).unwrap();
+        let model = ulysses_models::LlamaConfig::from_hf(&config).init::<Cpu>(&Default::default());
+        let std_of = |values: Vec<f32>| {
+            let mean = values.iter().map(|&v| v as f64).sum::<f64>() / values.len() as f64;
+            (values.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / values.len() as f64).sqrt()
+        };
+        let embedding = std_of(model.embedding.weight.val().into_data().to_vec::<f32>().unwrap());
+        let query = std_of(model.blocks[0].attention.wq.weight.val().into_data().to_vec::<f32>().unwrap());
+        for (what, std) in [("embedding", embedding), ("q projection", query)] {
+            assert!((std / config.initializer_range - 1.0).abs() < 0.1, "{name}: {what} std {std}, initializer_range {}", config.initializer_range);
+        }
+        // Random tokens: the loss of near-uniform predictions.
+        let (batch, seq) = (2, 32);
+        let ids: Vec<i64> = (0..batch * seq).map(|i| ((i * 7919) % config.vocab_size) as i64).collect();
+        let input = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &Default::default());
+        let positions = ShardPositions::consecutive(batch, 0, seq);
+        let ignore = -100;
+        let labels = Tensor::cat(vec![input.clone().slice([0..batch, 1..seq]), Tensor::full([batch, 1], ignore, &Default::default())], 1);
+        let loss = lm_loss_sum_inference(model.lm_output(input, &positions), labels, ignore).into_scalar() as f64 / (batch * (seq - 1)) as f64;
+        let uniform = (config.vocab_size as f64).ln();
+        println!("{name}: first loss {loss:.3}, ln(vocabulary) {uniform:.3}");
+        assert!(loss.is_finite() && (loss - uniform).abs() < 0.5, "{name}: first loss {loss} against ln(vocabulary) {uniform}");
+    }
+}
+
 #[test]
 fn positions_past_the_sliding_window_are_refused() {
     let folder = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mistral");

@@ -122,8 +122,13 @@ struct Args {
     /// (ids of the checkpoint's tokenizer).
     #[arg(long, requires = "tokens", conflicts_with_all = ["d_model", "layers", "heads", "kv_heads", "ffn_hidden"])]
     model: Option<PathBuf>,
-    /// With --model: write the trained model to this folder in Hugging Face's format (bf16
-    /// safetensors and config.json), which transformers loads.
+    /// Train a model of this Hugging Face config.json's shape (or a folder holding one) from
+    /// seeded random weights, without its checkpoint: a Llama-3.2-1B- or Qwen3-shaped model to
+    /// measure. --corpus bytes are ids 0..256 of its vocabulary.
+    #[arg(long, value_name = "CONFIG_JSON", conflicts_with_all = ["model", "d_model", "layers", "heads", "kv_heads", "ffn_hidden"])]
+    hf_config: Option<PathBuf>,
+    /// With --model (or --hf-config): write the trained model to this folder in Hugging
+    /// Face's format (bf16 safetensors and config.json), which transformers loads.
     #[arg(long)]
     save_hf: Option<PathBuf>,
     /// Output folder [default: runs/llama, or the --resume folder]. One run at a time holds
@@ -192,6 +197,10 @@ struct Args {
     /// Write the training checkpoint every this many steps (and after the last; 0: only then).
     #[arg(long, default_value_t = 50)]
     checkpoint_every: usize,
+    /// A measuring run: write neither the training checkpoint nor model.mpk (a 1B model's
+    /// checkpoint is 20 GB), only metrics.csv, the plot and config.json.
+    #[arg(long, conflicts_with_all = ["resume", "stop_after"])]
+    no_save: bool,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
     /// it had never stopped. Every rank reads it.
     #[arg(long)]
@@ -226,7 +235,7 @@ struct Job<'a> {
     args: &'a Args,
     launch: Launch,
     config: TrainConfig,
-    /// The --model checkpoint's configuration.
+    /// The Hugging Face configuration of --model or --hf-config.
     pretrained: Option<DecoderConfig>,
     data: Box<dyn StepData>,
     data_identity: DataIdentity,
@@ -258,10 +267,16 @@ fn run(args: Args) -> Result<(), String> {
     layout.check().map_err(|e| format!("{e} (--sp, --ring)"))?;
     // Checked here: clap skips `requires` when an argument that conflicts with the required
     // one (--d-model and the other shape flags) is given.
-    if args.save_hf.is_some() && args.model.is_none() {
-        return Err("--save-hf writes a Hugging Face checkpoint of a --model run: give --model DIR (the checkpoint to fine-tune)".into());
+    if args.save_hf.is_some() && args.model.is_none() && args.hf_config.is_none() {
+        return Err("--save-hf writes a Hugging Face checkpoint of a --model run: give --model DIR (the checkpoint to fine-tune) \
+                    or --hf-config FILE (its shape, from random weights)"
+            .into());
     }
-    let pretrained = args.model.as_ref().map(|dir| DecoderConfig::from_hf(dir).map_err(|e| format!("--model: {e}"))).transpose()?;
+    let pretrained = match (&args.model, &args.hf_config) {
+        (Some(dir), _) => Some(DecoderConfig::from_hf(dir).map_err(|e| format!("--model: {e}"))?),
+        (None, Some(file)) => Some(DecoderConfig::from_hf(file).map_err(|e| format!("--hf-config: {e}"))?),
+        (None, None) => None,
+    };
     let model = match &pretrained {
         Some(checkpoint) => ulysses_llama::LlamaConfig::from_hf(checkpoint),
         None => ulysses_llama::LlamaConfig::new(BYTE_VOCAB)
@@ -273,6 +288,11 @@ fn run(args: Args) -> Result<(), String> {
     }
     .with_repeat_kv(false);
     let vocab = model.vocab_size;
+    if args.tokens.is_none() && vocab < BYTE_VOCAB {
+        return Err(format!(
+            "--hf-config: the vocabulary has {vocab} ids, fewer than the {BYTE_VOCAB} byte values of --corpus: give --tokens (ids below {vocab})"
+        ));
+    }
     let mut config = TrainConfig::small(layout)
         .with_grad_accumulation(args.grad_accumulation)
         .with_batch_size(args.batch_size)
@@ -432,7 +452,7 @@ where
         let mut log = (rank.world_rank == 0).then(|| RunLog::new(job));
         let options = RunOptions {
             progress: log.as_mut().map(|log| log as &mut dyn Progress),
-            checkpoint_dir: Some(job.out.clone()),
+            checkpoint_dir: (!job.args.no_save).then(|| job.out.clone()),
             checkpoint_every: job.args.checkpoint_every,
             resume: job.args.resume.clone(),
             stop_after: job.args.stop_after,
@@ -443,7 +463,9 @@ where
         let (model, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options)
             .map_err(|e| e.to_string())?;
         if let Some(log) = log {
-            save_model(&model, &job.out.join("model"))?;
+            if !job.args.no_save {
+                save_model(&model, &job.out.join("model"))?;
+            }
             if let (Some(dir), Some(checkpoint)) = (&job.args.save_hf, &job.pretrained) {
                 save_pretrained(&model, checkpoint, dir, DType::BF16).map_err(|e| format!("--save-hf: {e}"))?;
                 tracing::info!(folder = %dir.display(), "saved in Hugging Face's format (bf16)");
@@ -469,6 +491,8 @@ struct RunLog {
     eval: Vec<(usize, f64)>,
     title: String,
     steps: usize,
+    /// The files the run writes, for the last line.
+    wrote: &'static str,
 }
 
 /// The run's `config.json` and `metrics.csv`: nothing is written before the first step has
@@ -525,6 +549,7 @@ impl RunLog {
             eval,
             title,
             steps: config.steps,
+            wrote: if job.args.no_save { "metrics.csv, loss.png, config.json" } else { "metrics.csv, loss.png, config.json, model.mpk, checkpoint.ulysses" },
         }
     }
 
@@ -557,9 +582,10 @@ impl RunLog {
         let taken = self.train.last().map_or(0, |p| p.0 + 1);
         let stopped = if taken < self.steps { format!(" (stopped at {taken} of {}; continue with --resume)", self.steps) } else { String::new() };
         println!(
-            "loss {first:.3} -> {last:.3} in {taken} steps{stopped} ({:.1?}), held-out {held_out}; wrote {}/{{metrics.csv, loss.png, config.json, model.mpk, checkpoint.ulysses}}",
+            "loss {first:.3} -> {last:.3} in {taken} steps{stopped} ({:.1?}), held-out {held_out}; wrote {}/{{{}}}",
             self.started.elapsed(),
-            self.out.display()
+            self.out.display(),
+            self.wrote
         );
         Ok(())
     }

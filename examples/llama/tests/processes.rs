@@ -585,5 +585,40 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     assert!(!refused.status.success() && show(&refused).contains("--model"), "{}", show(&refused));
     let refused = Command::new(trainer()).args(["--model", &checkpoint.display().to_string(), "--launch", "threads"]).output().unwrap();
     assert!(!refused.status.success() && show(&refused).contains("--tokens"), "{}", show(&refused));
+
+    // --hf-config: the checkpoint's shape from random weights, saved with its configuration;
+    // beside --model it is refused, and a vocabulary smaller than --corpus's 256 byte values
+    // is refused by name.
+    let config = checkpoint.join("config.json");
+    let shaped = |out: &str, config: &Path, tokens: bool| -> Vec<String> {
+        let mut args: Vec<String> = format!(
+            "--out {} --seq-len 16 --batch-size 4 --steps 2 --learning-rate 0.01 --seed 7 --check-parameters-every 1 --sp 2 --hf-config {}",
+            dir.join(out).display(),
+            config.display()
+        )
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+        if tokens {
+            args.extend(["--tokens".into(), dir.join("data.jsonl").display().to_string()]);
+        }
+        args
+    };
+    succeed(run_alone(&shaped("shaped-random", &config, true), &["--save-hf", &dir.join("random-hf").display().to_string(), "--no-save"]));
+    assert_eq!(losses(&dir.join("shaped-random")).len(), 2);
+    // --no-save (a measuring run): no training checkpoint, no model.mpk.
+    for file in ["checkpoint.ulysses", "model.mpk"] {
+        assert!(!dir.join("shaped-random").join(file).exists(), "--no-save wrote {file}");
+    }
+    let random = from_pretrained::<NdArray>(&dir.join("random-hf"), &Default::default()).unwrap_or_else(|e| panic!("the saved folder does not load: {e}"));
+    assert_eq!(random.config, original.config);
+    let small = dir.join("small-vocabulary.json");
+    let text = fs::read_to_string(&config).unwrap().replace("\"vocab_size\": 320", "\"vocab_size\": 200");
+    assert!(text.contains("\"vocab_size\": 200"), "the fixture's config.json spells its vocabulary otherwise");
+    fs::write(&small, text).unwrap();
+    let refused = run_alone(&shaped("small-vocabulary", &small, false), &[]);
+    assert!(!refused.status.success() && show(&refused).contains("vocabulary has 200 ids"), "{}", show(&refused));
+    let refused = run_alone(&args("both"), &["--hf-config", &config.display().to_string()]);
+    assert!(!refused.status.success() && show(&refused).contains("--hf-config"), "{}", show(&refused));
     let _ = fs::remove_dir_all(&dir);
 }
