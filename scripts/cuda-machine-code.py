@@ -209,7 +209,8 @@ def main():
     for target, s in summary.items():
         print(f"{target} ({targets[target]['gpu']}): {s['kernels']} kernels compiled ({s['cached']} cached), "
               f"largest register count {s['registers']}, spills {s['spills']} bytes, largest shared memory "
-              f"{s['shared']} bytes (limit {targets[target]['max_shared_per_block']}), smallest blocks per SM {s['blocks']}")
+              f"{s['shared']} bytes with the 1 KB the driver reserves per block (limit {targets[target]['max_shared_per_block'] + 1024}), "
+              f"smallest blocks per SM {s['blocks']}")
 
     if args.table:
         with open(args.table, "w") as out:
