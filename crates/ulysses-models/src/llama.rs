@@ -113,10 +113,19 @@ impl LlamaConfig {
             .with_init_std(Some(config.initializer_range))
     }
 
-    /// burn's initializer of weight matrices and embeddings: [`LlamaConfig::init_std`]'s normal
-    /// distribution, or `default`.
-    fn initializer(&self, default: Initializer) -> Initializer {
-        self.init_std.map_or(default, |std| Initializer::Normal { mean: 0.0, std })
+    /// [`LlamaConfig::init_std`]'s normal distribution, if it asks for one.
+    fn normal_init(&self) -> Option<Initializer> {
+        self.init_std.map(|std| Initializer::Normal { mean: 0.0, std })
+    }
+
+    /// A linear layer whose weights follow [`LlamaConfig::init_std`] (burn's default without).
+    fn init_linear<B: Backend>(&self, d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Linear<B> {
+        let config = LinearConfig::new(d_in, d_out).with_bias(bias);
+        match self.normal_init() {
+            Some(initializer) => config.with_initializer(initializer),
+            None => config,
+        }
+        .init(device)
     }
 
     pub fn head_dim(&self) -> usize {
@@ -141,15 +150,17 @@ impl LlamaConfig {
     pub fn init<B: Backend>(&self, device: &B::Device) -> Llama<B> {
         self.check();
         Llama {
-            embedding: EmbeddingConfig::new(self.vocab_size, self.d_model)
-                .with_initializer(self.initializer(EmbeddingConfig::new(0, 0).initializer))
-                .init(device),
+            embedding: {
+                let config = EmbeddingConfig::new(self.vocab_size, self.d_model);
+                match self.normal_init() {
+                    Some(initializer) => config.with_initializer(initializer),
+                    None => config,
+                }
+                .init(device)
+            },
             blocks: (0..self.n_layers).map(|_| self.init_block(device)).collect(),
             norm: RmsNormConfig::new(self.d_model).with_epsilon(self.norm_eps).init(device),
-            lm_head: (!self.tie_embeddings).then(|| {
-                let config = LinearConfig::new(self.d_model, self.vocab_size).with_bias(false);
-                config.clone().with_initializer(self.initializer(config.initializer)).init(device)
-            }),
+            lm_head: (!self.tie_embeddings).then(|| self.init_linear(self.d_model, self.vocab_size, false, device)),
             head_dim: self.head_dim(),
             rope_theta: self.rope_theta,
             rope_scaling: self.rope_scaling,
@@ -160,10 +171,7 @@ impl LlamaConfig {
 
     pub fn init_block<B: Backend>(&self, device: &B::Device) -> Block<B> {
         self.check();
-        let linear = |d_in, d_out, bias| {
-            let config = LinearConfig::new(d_in, d_out).with_bias(bias);
-            config.clone().with_initializer(self.initializer(config.initializer)).init(device)
-        };
+        let linear = |d_in, d_out, bias| self.init_linear(d_in, d_out, bias, device);
         let head_dim = self.head_dim();
         let head_norm = || self.qk_norm.then(|| RmsNormConfig::new(head_dim).with_epsilon(self.norm_eps).init(device));
         Block {
