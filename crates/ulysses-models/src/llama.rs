@@ -301,6 +301,13 @@ impl<B: Backend> Llama<B> {
         }
     }
 
+    /// The embedding matrix (and the output head, where tied to it) kept as it is: it takes
+    /// no gradient, so no optimizer updates it.
+    pub fn with_frozen_embeddings(mut self) -> Self {
+        self.embedding.weight = self.embedding.weight.set_require_grad(false);
+        self
+    }
+
     /// The projection from the last hidden states to logits: `lm_head`, or the embedding
     /// matrix transposed where the two are tied.
     pub fn output_head(&self) -> OutputHead<B> {

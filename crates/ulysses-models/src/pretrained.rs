@@ -133,12 +133,38 @@ fn hf_name(path: &str) -> String {
     remapper.to_regex_pairs().iter().fold(path.to_string(), |name, (pattern, to)| pattern.replace_all(&name, to.as_str()).into_owned())
 }
 
-/// Writes `model` with `config` as a Hugging Face checkpoint folder `dir`: `config.json`
-/// and `model.safetensors` with Hugging Face's names and `[out, in]` linear weights, in
-/// `dtype` (f32, bf16 or f16). The folder is written beside `dir` and renamed into place, so
-/// a crash leaves the earlier folder whole (for the instant between two renames, beside `dir`
-/// as `.NAME.earlier-PID`).
+/// How [`save_pretrained_with`] writes the weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SaveOptions {
+    /// f32, bf16 or f16.
+    pub dtype: DType,
+    /// Weights of more bytes than this (in `dtype`) are split into shards
+    /// `model-0000K-of-0000N.safetensors` of at most this many bytes each (a larger tensor
+    /// alone in one), listed by `model.safetensors.index.json`, as transformers shards them.
+    pub max_shard_bytes: u64,
+}
+
+/// transformers' default `max_shard_size` ("5GB").
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
+impl SaveOptions {
+    pub fn new(dtype: DType) -> Self {
+        Self { dtype, max_shard_bytes: DEFAULT_MAX_SHARD_BYTES }
+    }
+}
+
+/// [`save_pretrained_with`] in `dtype`, sharded past transformers' default 5 GB.
 pub fn save_pretrained<B: Backend>(model: &Llama<B>, config: &DecoderConfig, dir: &Path, dtype: DType) -> Result<(), CheckpointError> {
+    save_pretrained_with(model, config, dir, SaveOptions::new(dtype))
+}
+
+/// Writes `model` with `config` as a Hugging Face checkpoint folder `dir`: `config.json`
+/// and `model.safetensors` (or shards and their index, see [`SaveOptions`]) with Hugging
+/// Face's names and `[out, in]` linear weights. The folder is written beside `dir` and renamed
+/// into place, so a crash leaves the earlier folder whole (for the instant between two
+/// renames, beside `dir` as `.NAME.earlier-PID`).
+pub fn save_pretrained_with<B: Backend>(model: &Llama<B>, config: &DecoderConfig, dir: &Path, options: SaveOptions) -> Result<(), CheckpointError> {
+    let dtype = options.dtype;
     let torch_dtype = match dtype {
         DType::F32 => "float32",
         DType::BF16 => "bfloat16",
@@ -153,14 +179,38 @@ pub fn save_pretrained<B: Backend>(model: &Llama<B>, config: &DecoderConfig, dir
     let config_file = partial.join("config.json");
     let text = serde_json::to_string_pretty(&config.to_hf_json(torch_dtype)).expect("a JSON value serializes");
     std::fs::write(&config_file, text + "\n").map_err(io(&config_file))?;
-    let weights = partial.join(WEIGHTS_FILE);
-    // transformers refuses safetensors whose `format` is not `pt` (burn-store writes `safetensors`).
-    let mut store = SafetensorsStore::from_file(&weights).with_to_adapter(BurnToPyTorchAdapter.chain(CastFloats(dtype))).metadata("format", "pt");
-    for (from, to) in DECODER_TO_HF {
-        store = store.with_key_remapping(from, to);
+    let mut written = vec![config_file];
+
+    // The decoder's tensors in order, each with its size as saved.
+    let tensors: Vec<(String, u64)> =
+        model.collect(None, None, false).iter().map(|t| (t.full_path(), (t.shape.iter().product::<usize>() * dtype.size()) as u64)).collect();
+    let shards = plan_shards(&tensors, options.max_shard_bytes);
+    let mut weight_map = serde_json::Map::new();
+    for (k, shard) in shards.iter().enumerate() {
+        let file_name = if shards.len() == 1 { WEIGHTS_FILE.to_string() } else { format!("model-{:05}-of-{:05}.safetensors", k + 1, shards.len()) };
+        let weights = partial.join(&file_name);
+        // transformers refuses safetensors whose `format` is not `pt` (burn-store writes `safetensors`).
+        let mut store = SafetensorsStore::from_file(&weights)
+            .with_full_paths(shard.iter().map(|&i| tensors[i].0.clone()))
+            .with_to_adapter(BurnToPyTorchAdapter.chain(CastFloats(dtype)))
+            .metadata("format", "pt");
+        for (from, to) in DECODER_TO_HF {
+            store = store.with_key_remapping(from, to);
+        }
+        model.save_into(&mut store).map_err(|e| CheckpointError::file(&weights, e))?;
+        for &i in shard {
+            weight_map.insert(hf_name(&tensors[i].0), file_name.clone().into());
+        }
+        written.push(weights);
     }
-    model.save_into(&mut store).map_err(|e| CheckpointError::file(&weights, e))?;
-    for file in [&config_file, &weights] {
+    if shards.len() > 1 {
+        let index_file = partial.join(INDEX_FILE);
+        let total: u64 = tensors.iter().map(|t| t.1).sum();
+        let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+        std::fs::write(&index_file, serde_json::to_string_pretty(&index).expect("a JSON value serializes") + "\n").map_err(io(&index_file))?;
+        written.push(index_file);
+    }
+    for file in &written {
         std::fs::File::open(file).and_then(|f| f.sync_all()).map_err(io(file))?;
     }
 
@@ -175,6 +225,22 @@ pub fn save_pretrained<B: Backend>(model: &Llama<B>, config: &DecoderConfig, dir
         std::fs::remove_dir_all(&earlier).map_err(io(&earlier))?;
     }
     Ok(())
+}
+
+/// Tensors (name, bytes) in order into shards of at most `max_bytes` each (a larger tensor
+/// alone in one); the indices of each shard's tensors.
+fn plan_shards(tensors: &[(String, u64)], max_bytes: u64) -> Vec<Vec<usize>> {
+    let mut shards: Vec<Vec<usize>> = vec![vec![]];
+    let mut bytes = 0;
+    for (i, (_, size)) in tensors.iter().enumerate() {
+        if bytes > 0 && bytes + size > max_bytes {
+            shards.push(vec![]);
+            bytes = 0;
+        }
+        shards.last_mut().expect("one shard at least").push(i);
+        bytes += size;
+    }
+    shards
 }
 
 /// An I/O error on `path`, as a [`CheckpointError`].

@@ -34,12 +34,27 @@ impl TextTokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
-    /// The ids of one document followed by `eos`, so that packed documents end where the
-    /// model learnt that text ends.
+    /// The ids of one document as transformers' `tokenizer(text)` gives them (the special
+    /// tokens the file's post-processor adds, e.g. Llama 3's `<|begin_of_text|>`) followed by
+    /// `eos`, so that packed documents end where the model learnt that text ends.
     pub fn encode_document(&self, text: &str, eos: u32) -> Result<Vec<u32>, TokenizerError> {
-        let mut ids = self.encode(text)?;
-        ids.push(eos);
-        Ok(ids)
+        Ok(self.encode_documents(&[text], eos)?.remove(0))
+    }
+
+    /// [`encode_document`](Self::encode_document) of each text, on every core.
+    pub fn encode_documents(&self, texts: &[&str], eos: u32) -> Result<Vec<Vec<u32>>, TokenizerError> {
+        let encodings = self
+            .inner
+            .encode_batch(texts.to_vec(), true)
+            .map_err(|e| TokenizerError { file: self.file.clone(), problem: format!("cannot encode: {e}") })?;
+        Ok(encodings
+            .iter()
+            .map(|encoding| {
+                let mut ids = encoding.get_ids().to_vec();
+                ids.push(eos);
+                ids
+            })
+            .collect())
     }
 
     /// The id of a token written out (e.g. `<|endoftext|>`), if the vocabulary has it.

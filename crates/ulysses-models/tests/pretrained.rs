@@ -318,6 +318,68 @@ fn a_saved_checkpoint_is_the_one_transformers_wrote() {
     }
 }
 
+/// Past `max_shard_bytes`, the weights are saved as transformers shards them: numbered shards
+/// of at most that size, an index naming the file of every tensor and their total size, and no
+/// `model.safetensors`; the shards hold, together, the tensors transformers wrote bit for bit,
+/// and the folder reloads to identical logits. Saved over a single-file folder, nothing of it
+/// is left. `ULYSSES_SAVED_HF_DIR=DIR` also keeps it, in bf16, in `DIR-sharded/qwen3` (for
+/// `scripts/hf-check-saved.py`).
+#[test]
+fn weights_past_the_shard_size_are_saved_in_shards_with_their_index() {
+    use burn::tensor::DType;
+    use ulysses_models::{SaveOptions, save_pretrained, save_pretrained_with};
+    let folder = model_fixtures().into_iter().find(|f| f.ends_with("qwen3")).expect("the qwen3 fixture");
+    let pretrained = from_pretrained::<Cpu>(&folder, &Default::default()).unwrap();
+    let out = std::env::temp_dir().join(format!("ulysses-models-{}-sharded", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    save_pretrained(&pretrained.model, &pretrained.config, &out, DType::F32).unwrap();
+    let max_shard_bytes = 100_000;
+    save_pretrained_with(&pretrained.model, &pretrained.config, &out, SaveOptions { dtype: DType::F32, max_shard_bytes }).unwrap();
+
+    let want = tensors_of(&folder.join("model.safetensors"));
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap()).unwrap();
+    let weight_map = index["weight_map"].as_object().expect("a weight_map");
+    let mut files: Vec<String> = weight_map.values().map(|v| v.as_str().unwrap().to_string()).collect();
+    files.sort();
+    files.dedup();
+    let count = files.len();
+    assert!(count > 3, "{count} shards of a {} KB model at 100 KB each", want.values().map(|t| t.2.len()).sum::<usize>() / 1000);
+    let names: Vec<String> = (1..=count).map(|k| format!("model-{k:05}-of-{count:05}.safetensors")).collect();
+    assert_eq!(files, names);
+    let mut on_disk: Vec<String> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    on_disk.sort();
+    let mut expected_files = names.clone();
+    expected_files.extend(["config.json".to_string(), "model.safetensors.index.json".to_string()]);
+    expected_files.sort();
+    assert_eq!(on_disk, expected_files, "the folder holds exactly the shards, their index and config.json");
+
+    let mut got = std::collections::BTreeMap::new();
+    for name in &names {
+        let shard = tensors_of(&out.join(name));
+        let bytes: usize = shard.values().map(|t| t.2.len()).sum();
+        assert!(bytes as u64 <= max_shard_bytes || shard.len() == 1, "{name}: {bytes} bytes in {} tensors", shard.len());
+        for (tensor, value) in shard {
+            assert_eq!(weight_map[&tensor].as_str(), Some(name.as_str()), "{tensor}: the index names another file");
+            assert!(got.insert(tensor.clone(), value).is_none(), "{tensor} in two shards");
+        }
+    }
+    assert!(got == want, "the shards together differ from the file transformers wrote");
+    let total: usize = want.values().map(|t| t.2.len()).sum();
+    assert_eq!(index["metadata"]["total_size"].as_u64(), Some(total as u64));
+
+    let input = tokens::<Cpu>(&expected(&folder)["input_ids"]);
+    let positions = ShardPositions::consecutive(input.dims()[0], 0, input.dims()[1]);
+    let logits = |model: &ulysses_models::Llama<Cpu>| model.forward(input.clone(), &positions).into_data().to_vec::<f32>().unwrap();
+    let reloaded = from_pretrained::<Cpu>(&out, &Default::default()).unwrap();
+    assert!(logits(&reloaded.model) == logits(&pretrained.model), "reloaded logits differ");
+    if let Ok(keep) = std::env::var("ULYSSES_SAVED_HF_DIR") {
+        // For scripts/hf-check-saved.py: a sharded bf16 folder beside the others.
+        let options = SaveOptions { dtype: DType::BF16, max_shard_bytes };
+        save_pretrained_with(&pretrained.model, &pretrained.config, &Path::new(&format!("{keep}-sharded")).join("qwen3"), options).unwrap();
+    }
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
 /// A module's parameters replaced by their gradients, so that `save_pretrained` writes the
 /// gradients with Hugging Face's names and layouts.
 struct GradientsAsParameters<'a, B: burn::tensor::backend::AutodiffBackend>(&'a B::Gradients);

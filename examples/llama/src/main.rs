@@ -19,7 +19,7 @@ use std::{
 use burn::{
     backend::Autodiff,
     module::Module,
-    tensor::{DType, backend::Backend},
+    tensor::backend::Backend,
 };
 use burn_ulysses::{
     ParallelLayout, PlainBackend, UlyssesBackend,
@@ -27,7 +27,7 @@ use burn_ulysses::{
     train::{LayerCheckpointing, StepReport, checkpoint::read_checkpoint_state},
 };
 use clap::{Parser, ValueEnum};
-use ulysses_models::{DecoderConfig, from_pretrained, save_pretrained};
+use ulysses_models::{DecoderConfig, TextTokenizer, from_pretrained};
 use indicatif::{ProgressBar, ProgressStyle};
 use ulysses_dist::{
     DistributedConfig,
@@ -36,10 +36,11 @@ use ulysses_dist::{
 use ulysses_llama::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     data_identity::DataIdentity,
+    documents::{DocumentReader, PackedDocuments},
     plot,
     run_folder::{Claim, METRICS_FILE, RunFolder, RunRecord},
     tokens::TokenFile,
-    train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, save_model, train_rank},
+    train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, save_model, train_rank},
 };
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -117,11 +118,31 @@ struct Args {
     /// or the --model's vocabulary) per line, each at most --seq-len long.
     #[arg(long, conflicts_with = "corpus")]
     tokens: Option<PathBuf>,
+    /// Documents to fine-tune a --model (or --hf-config) on: JSON Lines of {"text": ...}
+    /// (tokenized with --tokenizer) or {"input_ids": [...]}, a text file (one document), or a
+    /// folder of them. Each document ends in EOS; they are packed into sequences of --seq-len,
+    /// each a document of its own (positions restart, attention stays inside it).
+    #[arg(long, conflicts_with_all = ["corpus", "tokens"])]
+    data: Option<PathBuf>,
+    /// The tokenizer.json that tokenizes --data's text [default: the --model folder's].
+    #[arg(long, requires = "data")]
+    tokenizer: Option<PathBuf>,
+    /// The token that ends each --data document [default: config.json's eos_token_id].
+    #[arg(long, requires = "data")]
+    eos_token_id: Option<u32>,
     /// Fine-tune this Hugging Face checkpoint folder (config.json and model.safetensors of a
-    /// Llama, Mistral, Qwen2 or Qwen3) rather than train a model from scratch; needs --tokens
-    /// (ids of the checkpoint's tokenizer).
-    #[arg(long, requires = "tokens", conflicts_with_all = ["d_model", "layers", "heads", "kv_heads", "ffn_hidden"])]
+    /// Llama, Mistral, Qwen2 or Qwen3) rather than train a model from scratch; needs --data
+    /// (documents) or --tokens (ids of the checkpoint's tokenizer).
+    #[arg(long, conflicts_with_all = ["d_model", "layers", "heads", "kv_heads", "ffn_hidden"])]
     model: Option<PathBuf>,
+    /// Train nothing: print the loss and perplexity of the --model on all of --data, at any
+    /// --sp, --ring and --dp.
+    #[arg(long, requires = "model", conflicts_with_all = ["resume", "stop_after", "save_hf"])]
+    eval_only: bool,
+    /// Keep the token embeddings (and an output head tied to them) as they are: no gradient,
+    /// no update.
+    #[arg(long)]
+    freeze_embeddings: bool,
     /// Train a model of this Hugging Face config.json's shape (or a folder holding one) from
     /// seeded random weights, without its checkpoint: a Llama-3.2-1B- or Qwen3-shaped model to
     /// measure. --corpus bytes are ids 0..256 of its vocabulary.
@@ -215,6 +236,10 @@ struct Args {
     /// Test hook: STEP:RANK kills that rank's process (SIGKILL) in the middle of that step.
     #[arg(long, hide = true, value_parser = step_and_rank)]
     fault_kill: Option<(usize, usize)>,
+    /// Test hook: with --eval-only, RANK kills its process (SIGKILL) before it evaluates, while
+    /// its peers wait for it inside attention.
+    #[arg(long, hide = true)]
+    fault_kill_before_eval: Option<usize>,
 }
 
 fn step_and_rank(value: &str) -> Result<(usize, usize), String> {
@@ -224,6 +249,8 @@ fn step_and_rank(value: &str) -> Result<(usize, usize), String> {
 
 fn main() {
     ulysses_dist::logging::init("info");
+    // A failure inside the model (a peer that died) is reported once, as the rank's error.
+    burn_ulysses::train::quiet_caught_panics();
     if let Err(message) = run(Args::parse()) {
         eprintln!("error: {message}");
         std::process::exit(1);
@@ -242,6 +269,8 @@ struct Job<'a> {
     out: PathBuf,
     /// The step a resumed run starts at.
     resumed_at: Option<usize>,
+    /// With --eval-only: every sequence of --data, evaluated instead of training.
+    eval_sequences: Option<Vec<Vec<i64>>>,
     options: JobOptions,
     /// Held by world rank 0 for the whole run.
     _run_folder: Option<RunFolder>,
@@ -272,6 +301,15 @@ fn run(args: Args) -> Result<(), String> {
                     or --hf-config FILE (its shape, from random weights)"
             .into());
     }
+    if args.model.is_some() && args.data.is_none() && args.tokens.is_none() {
+        return Err("--model needs data to fine-tune on: --data FILE (JSON Lines of {\"text\"} or {\"input_ids\"}, or text) or --tokens FILE".into());
+    }
+    if args.data.is_some() && args.model.is_none() && args.hf_config.is_none() {
+        return Err("--data is tokenized for a checkpoint: give --model DIR (or --hf-config FILE), whose vocabulary and EOS it uses".into());
+    }
+    if args.eval_only && args.data.is_none() {
+        return Err("--eval-only evaluates the --model on documents: give --data FILE".into());
+    }
     let pretrained = match (&args.model, &args.hf_config) {
         (Some(dir), _) => Some(DecoderConfig::from_hf(dir).map_err(|e| format!("--model: {e}"))?),
         (None, Some(file)) => Some(DecoderConfig::from_hf(file).map_err(|e| format!("--hf-config: {e}"))?),
@@ -288,7 +326,7 @@ fn run(args: Args) -> Result<(), String> {
     }
     .with_repeat_kv(false);
     let vocab = model.vocab_size;
-    if args.tokens.is_none() && vocab < BYTE_VOCAB {
+    if args.tokens.is_none() && args.data.is_none() && vocab < BYTE_VOCAB {
         return Err(format!(
             "--hf-config: the vocabulary has {vocab} ids, fewer than the {BYTE_VOCAB} byte values of --corpus: give --tokens (ids below {vocab})"
         ));
@@ -303,7 +341,8 @@ fn run(args: Args) -> Result<(), String> {
         .with_check_parameters_every(args.check_parameters_every)
         .with_seed(args.seed)
         .with_max_grad_norm((args.max_grad_norm > 0.0).then_some(args.max_grad_norm))
-        .with_pack(args.pack)
+        .with_pack(args.pack || args.data.is_some())
+        .with_freeze_embeddings(args.freeze_embeddings)
         .with_layer_checkpointing(args.checkpoint_layers.then(|| {
             LayerCheckpointing::new().with_offload_to_host(args.offload_to_host).with_tile_tokens(args.tile_tokens)
         }))
@@ -321,9 +360,16 @@ fn run(args: Args) -> Result<(), String> {
         return Err(format!("--stop-after {stop} must lie in 1..=--steps {}", args.steps));
     }
 
-    let data: Box<dyn StepData> = match &args.tokens {
-        Some(path) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab)?),
-        None => {
+    let is_first = matches!(&launch, Launch::Threads) || matches!(&launch, Launch::Process(env) if env.rank == 0);
+    let mut eval_sequences = None;
+    let data: Box<dyn StepData> = match (&args.data, &args.tokens) {
+        (Some(path), _) => {
+            let documents = packed_documents(&args, path, pretrained.as_ref().expect("--data needs a checkpoint (checked)"), &config, is_first)?;
+            eval_sequences = args.eval_only.then(|| documents.all_sequences());
+            Box::new(documents)
+        }
+        (None, Some(path)) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab)?),
+        (None, None) => {
             let corpus = ByteCorpus::load(&args.corpus, 0.1)?;
             if !args.bytes_ok {
                 corpus.check_text()?;
@@ -332,7 +378,15 @@ fn run(args: Args) -> Result<(), String> {
             Box::new(OwnedCorpus { corpus, config: config.clone() })
         }
     };
-    let data_identity = DataIdentity::of(args.tokens.as_ref().unwrap_or(&args.corpus))?;
+    let data_path = args.data.as_ref().or(args.tokens.as_ref()).unwrap_or(&args.corpus);
+    let data_identity = DataIdentity::of(data_path)?;
+    if let Some(sequences) = eval_sequences {
+        let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
+        let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
+        let out = PathBuf::new();
+        let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at: None, options, eval_sequences: Some(sequences), _run_folder: None };
+        return on_backend(&job);
+    }
     let resumed_at = match &args.resume {
         None => None,
         Some(location) => {
@@ -345,10 +399,9 @@ fn run(args: Args) -> Result<(), String> {
         }
     };
     let out = args.out.clone().or_else(|| args.resume.clone().filter(|p| p.is_dir())).unwrap_or_else(|| "runs/llama".into());
-    let is_first = matches!(&launch, Launch::Threads) || matches!(&launch, Launch::Process(env) if env.rank == 0);
     if is_first {
         tracing::info!(
-            data = %args.tokens.as_ref().unwrap_or(&args.corpus).display(),
+            data = %data_path.display(),
             sp = layout.sp_size,
             dp = layout.dp_size,
             backend = ?args.backend,
@@ -369,21 +422,46 @@ fn run(args: Args) -> Result<(), String> {
     };
     let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
-    let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at, options, _run_folder: run_folder };
+    let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at, options, eval_sequences: None, _run_folder: run_folder };
+    on_backend(&job)
+}
 
+/// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary.
+fn packed_documents(args: &Args, path: &Path, checkpoint: &DecoderConfig, config: &TrainConfig, show_progress: bool) -> Result<PackedDocuments, String> {
+    let eos = match (args.eos_token_id, checkpoint.eos_token_id) {
+        (Some(id), _) => id,
+        (None, Some(id)) => u32::try_from(id).map_err(|_| format!("config.json's eos_token_id {id} is not a token id: give --eos-token-id"))?,
+        (None, None) => {
+            return Err("--data: the checkpoint's config.json names no eos_token_id to end each document with: give --eos-token-id ID \
+                        (the id of its end-of-text token, e.g. <|endoftext|>)"
+                .into());
+        }
+    };
+    let tokenizer_file = args.tokenizer.clone().or_else(|| args.model.as_ref().map(|dir| dir.join("tokenizer.json")).filter(|file| file.exists()));
+    let tokenizer = tokenizer_file.map(|file| TextTokenizer::from_file(&file)).transpose().map_err(|e| format!("--tokenizer: {e}"))?;
+    let reader = DocumentReader { tokenizer: tokenizer.as_ref(), eos, vocab: config.model.vocab_size, progress: show_progress };
+    let documents = reader.read(path)?;
+    // Evaluating takes every sequence, however few.
+    let batch_size = if args.eval_only { 1 } else { config.batch_size };
+    PackedDocuments::pack(&documents, eos, config.seq_len, batch_size, config.seed, !args.eval_only)
+}
+
+/// Runs the job on the --backend.
+fn on_backend(job: &Job) -> Result<(), String> {
+    let args = job.args;
     let nccl_wanted = args.transport == TransportKind::Nccl;
     match args.backend {
         BackendKind::Cpu if nccl_wanted => Err("--transport nccl needs a CUDA backend (--backend cuda)".into()),
-        BackendKind::Cpu => train::<burn::backend::NdArray, Tcp>(&job, |_| Default::default()),
+        BackendKind::Cpu => train::<burn::backend::NdArray, Tcp>(job, |_| Default::default()),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             type Cuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-            cuda::train_on::<Cuda>(&job)
+            cuda::train_on::<Cuda>(job)
         }
         #[cfg(feature = "cuda")]
         BackendKind::CudaFused => {
             type Cuda = burn_fusion::Fusion<burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>>;
-            cuda::train_on::<Cuda>(&job)
+            cuda::train_on::<Cuda>(job)
         }
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda | BackendKind::CudaFused => Err("this binary was built without CUDA: rebuild with `--features cuda`".into()),
@@ -449,6 +527,28 @@ where
     let threads = matches!(job.launch, Launch::Threads);
 
     let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {
+        if let Some(sequences) = &job.eval_sequences {
+            if job.args.fault_kill_before_eval == Some(rank.world_rank) {
+                tracing::warn!(rank = rank.world_rank, "test hook: killing this process (SIGKILL) before it evaluates");
+                // SAFETY: kill(2) on our own pid; nothing after it runs.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            }
+            let model = template.clone().fork(&rank.device);
+            let loss = evaluate_sequences::<Sp<W>>(config, model, job.data.as_ref(), sequences, &rank.groups, &rank.device).map_err(|e| e.to_string())?;
+            if rank.world_rank == 0 {
+                println!(
+                    "eval: loss {:.6}, perplexity {:.4} over {} labelled tokens in {} sequences of {} (SP={} DP={})",
+                    loss.mean(),
+                    loss.mean().exp(),
+                    loss.tokens,
+                    sequences.len(),
+                    job.data_identity.path,
+                    config.layout.sp_size,
+                    config.layout.dp_size
+                );
+            }
+            return Ok(());
+        }
         let mut log = (rank.world_rank == 0).then(|| RunLog::new(job));
         let options = RunOptions {
             progress: log.as_mut().map(|log| log as &mut dyn Progress),
@@ -457,6 +557,7 @@ where
             resume: job.args.resume.clone(),
             stop_after: job.args.stop_after,
             data_identity: Some(job.data_identity.clone()),
+            save_hf: job.args.save_hf.clone().zip(job.pretrained.clone()),
             faults: Faults { nan_gradient: job.args.fault_nan_gradient, kill: job.args.fault_kill },
         };
         let model = template.clone().fork(&rank.device);
@@ -465,10 +566,6 @@ where
         if let Some(log) = log {
             if !job.args.no_save {
                 save_model(&model, &job.out.join("model"))?;
-            }
-            if let (Some(dir), Some(checkpoint)) = (&job.args.save_hf, &job.pretrained) {
-                save_pretrained(&model, checkpoint, dir, DType::BF16).map_err(|e| format!("--save-hf: {e}"))?;
-                tracing::info!(folder = %dir.display(), "saved in Hugging Face's format (bf16)");
             }
             log.finish()?;
         }
@@ -537,8 +634,13 @@ impl RunLog {
         );
         let ranks = if matches!(job.launch, Launch::Threads) { "threads" } else { "processes" };
         let title = format!(
-            "Llama on bytes, SP={} DP={} ({:?}, {ranks}), {} tokens/sequence",
-            config.layout.sp_size, config.layout.dp_size, job.args.backend, config.seq_len
+            "{} on {}, SP={} DP={} ({:?}, {ranks}), {} tokens/sequence",
+            job.pretrained.as_ref().map_or("Llama".to_string(), |c| format!("{:?}", c.family)),
+            Path::new(&job.data_identity.path).file_name().map_or("bytes".into(), |name| name.to_string_lossy()),
+            config.layout.sp_size,
+            config.layout.dp_size,
+            job.args.backend,
+            config.seq_len
         );
         Self {
             bar,

@@ -9,7 +9,7 @@ use burn::{
     module::{AutodiffModule, Module},
     optim::{AdamWConfig, Optimizer},
     record::{FullPrecisionSettings, NamedMpkFileRecorder},
-    tensor::backend::AutodiffBackend,
+    tensor::{DType, backend::AutodiffBackend},
 };
 use burn_ulysses::{
     ParallelGroups, ParallelLayout, TrainBackend, UlyssesError,
@@ -22,10 +22,12 @@ use burn_ulysses::{
         broadcast_parameters,
         check_parameters_identical,
         checkpoint::{load_training_checkpoint, save_training_checkpoint},
-        evaluate, evaluate_single_device,
+        TokenLoss, evaluate, evaluate_single_device,
     },
 };
 use serde::{Deserialize, Serialize};
+
+use ulysses_models::{DecoderConfig, save_pretrained};
 
 use crate::{
     Llama, LlamaConfig,
@@ -80,6 +82,9 @@ pub struct TrainConfig {
     /// clipping).
     #[config(default = "None")]
     pub max_grad_norm: Option<f64>,
+    /// Keep the token embeddings (and an output head tied to them) as they are.
+    #[config(default = false)]
+    pub freeze_embeddings: bool,
 }
 
 impl TrainConfig {
@@ -156,6 +161,13 @@ impl TrainConfig {
                 self.layout.sp_size
             );
         }
+        if self.pack && self.layout.ring_size > 1 {
+            return Err(format!(
+                "packed documents (--pack, and every --data run) do not combine with Ulysses × Ring yet (--ring {}): \
+                 its attention takes no document mask. Use --ring 1, with --sp at most the head count {}",
+                self.layout.ring_size, model.n_heads
+            ));
+        }
         if let Some(checkpointing) = &self.layer_checkpointing {
             checkpointing.check().map_err(|e| format!("{e} (--tile-tokens)"))?;
         }
@@ -172,7 +184,7 @@ impl TrainConfig {
     }
 
     /// This DP rank's micro-batches of the step's global batch (`validate` first).
-    pub fn micro_batches(&self, global: &[Vec<i64>], dp_rank: usize) -> Vec<Vec<Vec<i64>>> {
+    pub fn micro_batches<T: Clone>(&self, global: &[T], dp_rank: usize) -> Vec<Vec<T>> {
         let per_rank = global.len() / self.layout.dp_size;
         let mine = &global[dp_rank * per_rank..(dp_rank + 1) * per_rank];
         mine.chunks(per_rank / self.grad_accumulation).map(<[_]>::to_vec).collect()
@@ -196,6 +208,19 @@ impl TrainConfig {
 pub trait StepData: Sync {
     fn train_batch(&self, step: usize) -> Vec<Vec<i64>>;
     fn eval_batch(&self) -> Option<Vec<Vec<i64>>>;
+
+    /// With [`TrainConfig::pack`]: the lengths of the documents packed into each sequence of
+    /// a training `batch`. By default the paragraphs of byte text ([`paragraph_lengths`]).
+    fn documents_in(&self, batch: &[Vec<i64>]) -> Vec<Vec<usize>> {
+        batch.iter().map(|sequence| paragraph_lengths(sequence)).collect()
+    }
+
+    /// With [`TrainConfig::pack`]: the documents of each held-out sequence, or `None` to
+    /// evaluate whole windows (the default: a byte corpus's held-out loss stays comparable
+    /// between packed and unpacked runs).
+    fn eval_documents_in(&self, _batch: &[Vec<i64>]) -> Option<Vec<Vec<usize>>> {
+        None
+    }
 }
 
 /// [`StepData`] drawn from a byte corpus with a config's batch shape and seed.
@@ -265,6 +290,9 @@ pub struct RunOptions<'a> {
     pub stop_after: Option<usize>,
     /// The training data's identity, recorded in each checkpoint.
     pub data_identity: Option<DataIdentity>,
+    /// Where world rank 0 writes the model in Hugging Face's format (bf16), with its
+    /// configuration, at each checkpoint and at the end (`None`: nowhere).
+    pub save_hf: Option<(PathBuf, DecoderConfig)>,
     pub faults: Faults,
 }
 
@@ -285,6 +313,7 @@ where
 {
     config.validate().map_err(UlyssesError::InvalidConfig)?;
     let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?);
+    let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
     let sharder = config.sharder();
     let optimizer = config.optimizer.init::<B, Llama<B>>();
     let (mut model, mut optimizer, first_step) = match &options.resume {
@@ -310,9 +339,10 @@ where
         }
         let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
         if let (true, Some(batch)) = (eval_due, &eval_batch) {
-            let loss = evaluate_model::<B>(config, &model.valid(), batch, groups, device).map_err(|e| e.at_step(step))?;
+            let documents = if config.pack { data.eval_documents_in(batch) } else { None };
+            let loss = evaluate_model::<B>(config, &model.valid(), batch, documents.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
             if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss) {
-                progress.eval(step, loss);
+                progress.eval(step, loss.mean());
             }
         }
         let done = step + 1;
@@ -323,6 +353,11 @@ where
             if let Some(progress) = options.progress.as_deref_mut() {
                 progress.checkpoint(step, &path);
             }
+        }
+        if let (true, true, Some((dir, checkpoint))) = (checkpoint_due, is_first, &options.save_hf) {
+            save_pretrained(&model, checkpoint, dir, DType::BF16)
+                .map_err(|e| UlyssesError::Checkpoint { path: dir.display().to_string(), reason: format!("--save-hf: {e}") })?;
+            tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
         }
     }
     Ok((model, reports))
@@ -352,8 +387,7 @@ where
         return Err(UlyssesError::InvalidConfig(message));
     }
     let micro_batches = config.micro_batches(&global, groups.dp_rank());
-    let documents: Option<Vec<Vec<Vec<usize>>>> =
-        config.pack.then(|| micro_batches.iter().map(|batch| batch.iter().map(|sequence| paragraph_lengths(sequence)).collect()).collect());
+    let documents = config.pack.then(|| config.micro_batches(&data.documents_in(&global), groups.dp_rank()));
     let input = StepInput { index: step, learning_rate: config.learning_rate_at(step), micro_batches: &micro_batches, documents: documents.as_deref(), max_grad_norm: config.max_grad_norm };
     let mut local = match &config.layer_checkpointing {
         None => backward_step(&model, &input, sharder, groups, device)?,
@@ -367,16 +401,22 @@ where
 /// the last at the sequence's end. They are the documents `--pack` trains on.
 pub fn paragraph_lengths(sequence: &[i64]) -> Vec<usize> {
     let newline = i64::from(b'\n');
+    lengths_of_pieces(sequence.len(), |i| i > 0 && sequence[i] == newline && sequence[i - 1] == newline)
+}
+
+/// The lengths of the pieces of a sequence of `len` tokens cut after each position `i` where
+/// `ends_at(i)`; the last piece ends at the sequence's end.
+pub fn lengths_of_pieces(len: usize, ends_at: impl Fn(usize) -> bool) -> Vec<usize> {
     let mut lengths = vec![];
     let mut start = 0;
-    for end in 1..sequence.len() {
-        if sequence[end] == newline && sequence[end - 1] == newline {
+    for end in 0..len {
+        if ends_at(end) {
             lengths.push(end + 1 - start);
             start = end + 1;
         }
     }
-    if start < sequence.len() {
-        lengths.push(sequence.len() - start);
+    if start < len {
+        lengths.push(len - start);
     }
     lengths
 }
@@ -421,6 +461,7 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
         ("--batch-size".to_string(), saved.config.batch_size.to_string(), config.batch_size.to_string()),
         ("--seq-len".to_string(), saved.config.seq_len.to_string(), config.seq_len.to_string()),
         ("--pack".to_string(), saved.config.pack.to_string(), config.pack.to_string()),
+        ("--freeze-embeddings".to_string(), saved.config.freeze_embeddings.to_string(), config.freeze_embeddings.to_string()),
     ];
     let fields = |model: &LlamaConfig| match serde_json::to_value(model) {
         Ok(serde_json::Value::Object(fields)) => fields,
@@ -460,15 +501,16 @@ fn inject_faults<B: TrainBackend>(faults: &Faults, step: usize, rank: usize, mod
     }
 }
 
-/// The held-out loss: over the SP group, or on world rank 0 alone when
-/// `eval_single_device` is set (`None` on the other ranks).
+/// The loss of `batch` (packing `documents`, if given): over the SP group, or on world rank 0
+/// alone when `eval_single_device` is set (`None` on the other ranks).
 pub fn evaluate_model<B>(
     config: &TrainConfig,
     model: &Llama<B::InnerBackend>,
     batch: &[Vec<i64>],
+    documents: Option<&[Vec<usize>]>,
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
-) -> Result<Option<f64>, UlyssesError>
+) -> Result<Option<TokenLoss>, UlyssesError>
 where
     B: TrainBackend,
 {
@@ -476,9 +518,37 @@ where
     let sharder = config.sharder();
     if config.eval_single_device {
         let is_first = groups.world_rank() == 0;
-        return Ok(is_first.then(|| evaluate_single_device(forward, batch, sharder.ignore_index, device)));
+        return Ok(is_first.then(|| evaluate_single_device(forward, batch, documents, sharder.ignore_index, device)));
     }
-    evaluate(forward, batch, &sharder, groups.sp_rank(), &*groups.sp, device).map(Some)
+    evaluate(forward, batch, documents, &sharder, groups.sp_rank(), &*groups.sp, device).map(Some)
+}
+
+/// The loss of `model` over `sequences` (a whole file), `batch_size` at a time: DP replica
+/// `r` evaluates batches `r`, `r + dp`, ..., each over its SP group, and the world adds them up.
+/// Every rank returns the same.
+pub fn evaluate_sequences<B: TrainBackend>(
+    config: &TrainConfig,
+    model: Llama<B>,
+    data: &dyn StepData,
+    sequences: &[Vec<i64>],
+    groups: &ParallelGroups<B::Wire>,
+    device: &B::Device,
+) -> Result<TokenLoss, UlyssesError> {
+    let config = config.clone().with_eval_single_device(false);
+    let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?).valid();
+    let mut total = TokenLoss::default();
+    for batch in sequences.chunks(config.batch_size).skip(groups.dp_rank()).step_by(config.layout.dp_size) {
+        let documents = if config.pack { data.eval_documents_in(batch) } else { None };
+        let loss = evaluate_model::<B>(&config, &model, batch, documents.as_deref(), groups, device)?.expect("evaluated over the SP group");
+        total = total.add(loss);
+    }
+    // Each SP group's ranks hold its sums; the group's first rank speaks for it.
+    let speaks = u64::from(groups.sp_rank() == 0);
+    let gathered = all_gather_host_checked(&*groups.world, &[total.sum.to_bits(), total.tokens as u64, speaks], "evaluation sums")?;
+    Ok(gathered
+        .iter()
+        .filter(|rank| rank[2] == 1)
+        .fold(TokenLoss::default(), |sum, rank| sum.add(TokenLoss { sum: f64::from_bits(rank[0]), tokens: rank[1] as usize })))
 }
 
 pub fn model_recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {

@@ -622,3 +622,153 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     assert!(!refused.status.success() && show(&refused).contains("--hf-config"), "{}", show(&refused));
     let _ = fs::remove_dir_all(&dir);
 }
+
+/// The fixtures transformers and the `tokenizers` package wrote: (Qwen3 checkpoint folder,
+/// its tokenizer.json). The checkpoint names no EOS; the tokenizer's `<|endoftext|>` is id 0.
+fn qwen3_and_tokenizer() -> (PathBuf, PathBuf) {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../crates/ulysses-models/tests/fixtures");
+    (fixtures.join("qwen3"), fixtures.join("tokenizer/tokenizer.json"))
+}
+
+/// The eval-only line's loss and labelled tokens.
+fn eval_line(output: &Output) -> (f64, usize) {
+    let text = show(output);
+    // A launched rank's lines start with "[rank N] ".
+    let line = text.lines().find_map(|l| l.find("eval: loss ").map(|at| &l[at..])).unwrap_or_else(|| panic!("no eval line:\n{text}"));
+    let field = |after: &str| line.split(after).nth(1).and_then(|rest| rest.split([',', ' ']).next()).unwrap_or_else(|| panic!("{line}"));
+    let (loss, perplexity): (f64, f64) = (field("loss ").parse().unwrap(), field("perplexity ").parse().unwrap());
+    assert!(loss.is_finite() && (perplexity - loss.exp()).abs() <= 1e-3 * perplexity, "{line}");
+    (loss, field("over ").parse().unwrap())
+}
+
+/// `--data`: JSON Lines of text (tokenized with the checkpoint's tokenizer.json) and of token
+/// ids, each document ending in EOS, packed into sequences of `--seq-len` as separate
+/// documents. `--eval-only` gives the same loss at SP=1, SP=2 (threads and two processes) and
+/// SP=2 × DP=2, over exactly the labels the documents hold (every token but each document's
+/// last, counted here with the tokenizer). Fine-tuning with `--freeze-embeddings` moves every
+/// weight but the embeddings, and `--save-hf` writes the folder at each checkpoint, not only at
+/// the end. What cannot be read is refused naming the fix, the file and the line.
+#[test]
+fn documents_are_tokenized_packed_evaluated_alike_at_every_layout_and_fine_tuned() {
+    use ulysses_models::{TextTokenizer, from_pretrained};
+    let dir = workspace("documents");
+    let (checkpoint, tokenizer_file) = qwen3_and_tokenizer();
+    let words = ["sequence", "parallel", "heads", "a", "group", "of", "GPUs", "trades", "shards", "attention", "long", "context"];
+    let texts: Vec<String> =
+        (0..24).map(|i| (0..2 + i % 8).map(|w| words[(i * 7 + w * 3) % words.len()]).collect::<Vec<_>>().join(" ")).collect();
+    let token_documents: Vec<Vec<i64>> = vec![vec![5, 6, 7], vec![40, 41, 42, 43, 0], vec![100; 9], vec![200, 201]];
+    let mut lines: Vec<String> = texts.iter().map(|t| serde_json::json!({ "text": t, "source": "test" }).to_string()).collect();
+    for (i, ids) in token_documents.iter().enumerate() {
+        lines.insert(i * 5 + 1, serde_json::json!({ "input_ids": ids }).to_string());
+    }
+    lines.insert(3, String::new());
+    lines.insert(7, r#"{"text": ""}"#.into());
+    let data = dir.join("documents.jsonl");
+    fs::write(&data, lines.join("\n")).unwrap();
+
+    // Every document's tokens (EOS included) but its last carry a label: none is cut at 64.
+    let tokenizer = TextTokenizer::from_file(&tokenizer_file).unwrap();
+    let lengths: Vec<usize> = texts
+        .iter()
+        .map(|t| tokenizer.encode_document(t, 0).unwrap().len())
+        .chain(token_documents.iter().map(|d| d.len() + usize::from(d.last() != Some(&0))))
+        .collect();
+    assert!(lengths.iter().all(|&l| l < 64), "{lengths:?}");
+    let labelled: usize = lengths.iter().map(|l| l - 1).sum();
+
+    let args = |extra: &str| -> Vec<String> {
+        format!(
+            "--model {} --tokenizer {} --eos-token-id 0 --data {} --seq-len 64 --batch-size 4 {extra}",
+            checkpoint.display(),
+            tokenizer_file.display(),
+            data.display()
+        )
+        .split_whitespace()
+        .map(String::from)
+        .collect()
+    };
+    let (reference, tokens) = eval_line(&succeed(run_alone(&args("--eval-only --sp 1"), &[])));
+    assert_eq!(tokens, labelled, "labelled tokens evaluated");
+    for (layout, output) in [
+        ("SP=2", run_alone(&args("--eval-only --sp 2"), &[])),
+        ("SP=2 x DP=2", run_alone(&args("--eval-only --sp 2 --dp 2"), &[])),
+        ("SP=2, two processes", run_launched(2, &args("--eval-only --sp 2"), &[])),
+    ] {
+        let (loss, tokens) = eval_line(&succeed(output));
+        println!("eval {layout}: loss {loss:.7} (SP=1: {reference:.7}) over {tokens} tokens");
+        assert_eq!(tokens, labelled, "{layout}");
+        assert!((loss - reference).abs() <= TOLERANCE as f64, "{layout}: loss {loss} against {reference} at SP=1");
+    }
+
+    let (out, saved) = (dir.join("tuned"), dir.join("tuned-hf"));
+    let extra = format!("--sp 2 --steps 3 --checkpoint-every 2 --learning-rate 0.01 --freeze-embeddings --out {} --save-hf {}", out.display(), saved.display());
+    let output = succeed(run_alone(&args(&extra), &[]));
+    let saves: Vec<&str> = std::str::from_utf8(&output.stderr).unwrap().lines().filter(|l| l.contains("saved in Hugging Face's format")).collect();
+    assert!(saves.len() == 2 && saves[0].contains("step=2") && saves[1].contains("step=3"), "{saves:?}");
+    assert!(losses(&out).iter().all(|l| l.1.is_finite()) && losses(&out).len() == 3);
+    let original = from_pretrained::<NdArray>(&checkpoint, &Default::default()).unwrap().model;
+    let before: Vec<(String, Vec<f32>)> =
+        float_parameters(&original).into_iter().map(|p| (p.path, p.values.into_data().convert::<f32>().to_vec().unwrap())).collect();
+    for ((name, was), (_, now)) in before.iter().zip(parameters(&out)) {
+        let moved = max_abs_diff(was, &now);
+        if name.starts_with("embedding") {
+            assert!(moved == 0.0, "{name} moved by {moved} with --freeze-embeddings");
+        } else if name.contains(".w") {
+            assert!(moved > 1e-4, "{name} moved by {moved} only in three steps");
+        }
+    }
+    from_pretrained::<NdArray>(&saved, &Default::default()).unwrap_or_else(|e| panic!("the saved folder does not load: {e}"));
+
+    // Refused, naming the fix, the file and the line.
+    let bad = dir.join("bad.jsonl");
+    let refusals = [
+        (args("--ring 2 --sp 4 --steps 1"), None, "--ring 1"),
+        (args("--steps 1").into_iter().filter(|a| a != "--eos-token-id" && a != "0").collect(), None, "--eos-token-id"),
+        (args("--steps 1").into_iter().skip(2).skip_while(|a| a != "--eos-token-id").chain(["--model".into(), checkpoint.display().to_string()]).collect(), None, "--tokenizer"),
+        (args("--steps 1"), Some("{\"text\": \"a b\"}\n{\"txt\": \"a\"}"), "bad.jsonl line 2: needs a \"text\""),
+        (args("--steps 1"), Some("{\"input_ids\": [3, 320]}"), "bad.jsonl line 1: token 320 is outside the model's vocabulary 0..320"),
+    ];
+    for (mut args, bad_lines, expected) in refusals {
+        if let Some(lines) = bad_lines {
+            fs::write(&bad, lines).unwrap();
+            let at = args.iter().position(|a| a == "--data").unwrap();
+            args[at + 1] = bad.display().to_string();
+        }
+        args.extend(["--out".into(), dir.join("refused").display().to_string()]);
+        let output = run_alone(&args, &[]);
+        assert!(!output.status.success() && show(&output).contains(expected), "{args:?}: expected {expected:?} in\n{}", show(&output));
+        assert!(!dir.join("refused").join("metrics.csv").exists(), "a refused run wrote its metrics");
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// A rank that dies while its peers wait for it inside attention (an all-to-all that can only
+/// panic) is reported by each survivor in one line naming it, with no panic message or
+/// backtrace before it, even with RUST_BACKTRACE=1.
+#[test]
+fn a_rank_that_dies_inside_attention_is_named_in_one_line_per_survivor() {
+    let dir = workspace("dies-in-attention");
+    let (checkpoint, tokenizer_file) = qwen3_and_tokenizer();
+    let data = dir.join("documents.jsonl");
+    let lines: Vec<String> = (0..40).map(|i| serde_json::json!({ "text": format!("document {i} of a group of GPUs") }).to_string()).collect();
+    fs::write(&data, lines.join("\n")).unwrap();
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let output = Command::new(launcher())
+        .args(["--nproc-per-node", "2", "--master-port", &port, "--kill-grace-secs", "20", "--"])
+        .arg(trainer())
+        .args(["--model", &checkpoint.display().to_string(), "--tokenizer", &tokenizer_file.display().to_string(), "--eos-token-id", "0"])
+        .args(["--data", &data.display().to_string(), "--seq-len", "64", "--batch-size", "2", "--sp", "2", "--eval-only", "--fault-kill-before-eval", "1"])
+        .env("ULYSSES_COLLECTIVE_TIMEOUT", "60")
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let text = show(&output);
+    println!("{text}");
+    assert!(!output.status.success(), "the launcher must fail");
+    let error = rank_error(&text, 0);
+    assert!(error.contains("[1]"), "rank 0 does not name rank 1: {error}");
+    for noise in ["panicked", "stack backtrace", "RUST_BACKTRACE"] {
+        assert!(!text.contains(noise), "{noise:?} in the output:\n{text}");
+    }
+    let _ = fs::remove_dir_all(&dir);
+}

@@ -37,10 +37,12 @@ pub mod checkpoint;
 mod gradients;
 mod layers;
 mod loss;
+mod panics;
 mod parameters;
 
 pub use backend::TrainBackend;
 pub use layers::{LayerCheckpointing, LayeredLm, Piece, ShardLengths, checkpointed_backward};
+pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters};
 pub use gradients::{
     GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, first_non_finite_gradient,
@@ -53,7 +55,7 @@ pub use loss::{
 
 pub use crate::topology::{ParallelGroups, ParallelLayout};
 use crate::{
-    comm::{CommError, Communicator, panic_message},
+    comm::{CommError, Communicator},
     data::{SequenceShard, SequenceSharder, ShardPositions},
     error::UlyssesError,
     primitive::{float_primitive, float_tensor},
@@ -339,47 +341,68 @@ where
     Ok(())
 }
 
-/// Token-averaged cross-entropy of `batch`, evaluated with sequence parallelism: this rank
-/// runs `forward` on its shard, and the SP group sums losses and valid tokens. `forward`
-/// returns logits, or hidden states and head for a loss computed in chunks.
+/// A cross-entropy summed over labelled tokens, and how many there were: what batches add up
+/// to before the average.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TokenLoss {
+    pub sum: f64,
+    pub tokens: usize,
+}
+
+impl TokenLoss {
+    /// The token-averaged loss (0 over no tokens).
+    pub fn mean(&self) -> f64 {
+        self.sum / self.tokens.max(1) as f64
+    }
+
+    pub fn add(self, other: TokenLoss) -> TokenLoss {
+        TokenLoss { sum: self.sum + other.sum, tokens: self.tokens + other.tokens }
+    }
+}
+
+/// The cross-entropy of `batch` (each sequence packing the documents of lengths
+/// `documents[i]`; `None`: one each), evaluated with sequence parallelism: this rank runs
+/// `forward` on its shard, and the SP group sums losses and valid tokens. `forward` returns
+/// logits, or hidden states and head for a loss computed in chunks.
 pub fn evaluate<B: Backend, G: Backend>(
     forward: impl Fn(Tensor<B, 2, Int>, &ShardPositions) -> LmOutput<B>,
     batch: &[Vec<i64>],
+    documents: Option<&[Vec<usize>]>,
     sharder: &SequenceSharder,
     sp_rank: usize,
     sp_group: &dyn Communicator<G>,
     device: &B::Device,
-) -> Result<f64, UlyssesError> {
-    let shard = sharder.shard(batch, sp_rank);
+) -> Result<TokenLoss, UlyssesError> {
+    let shard = sharder.shard_documents(batch, documents, sp_rank);
     let loss = model_failure_as_error(|| {
         let output = forward(shard.tokens(device), &shard.positions);
         lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>()
     })?;
-    let loss = sum_f64_over_ranks(sp_group, loss)?;
-    let [valid] = sum_over_ranks(sp_group, [shard.valid_tokens])?;
-    Ok(loss / valid.max(1) as f64)
+    let sum = sum_f64_over_ranks(sp_group, loss)?;
+    let [tokens] = sum_over_ranks(sp_group, [shard.valid_tokens])?;
+    Ok(TokenLoss { sum, tokens })
 }
 
-/// Token-averaged cross-entropy of the whole, unsharded `batch` on this rank alone,
-/// bypassing sequence parallelism even inside a group (no collective is issued).
+/// The cross-entropy of the whole, unsharded `batch` on this rank alone, bypassing sequence
+/// parallelism even inside a group (no collective is issued).
 pub fn evaluate_single_device<B: Backend>(
     forward: impl Fn(Tensor<B, 2, Int>, &ShardPositions) -> LmOutput<B>,
     batch: &[Vec<i64>],
+    documents: Option<&[Vec<usize>]>,
     ignore_index: i64,
     device: &B::Device,
-) -> f64 {
+) -> TokenLoss {
     let _single_device = crate::context::enter_single_device();
-    let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard(batch, 0);
+    let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard_documents(batch, documents, 0);
     let loss = lm_loss_sum_inference(forward(whole.tokens(device), &whole.positions), whole.labels(device), ignore_index);
-    loss.into_scalar().elem::<f64>() / whole.valid_tokens.max(1) as f64
+    TokenLoss { sum: loss.into_scalar().elem::<f64>(), tokens: whole.valid_tokens }
 }
 
 /// Runs a model's forward (and backward): a collective that fails inside attention or its
 /// backward (a peer died), or any other failure there, can only panic, since backend ops
 /// return no errors. Caught here, it becomes an error like every other of the step.
 fn model_failure_as_error<T>(run: impl FnOnce() -> T) -> Result<T, UlyssesError> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(run))
-        .map_err(|payload| UlyssesError::InModel { message: panic_message(payload.as_ref()) })
+    catch_model_failure(run).map_err(|message| UlyssesError::InModel { message })
 }
 
 /// Sums a few counters over the ranks of `communicator` (a host collective).

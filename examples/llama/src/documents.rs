@@ -1,0 +1,288 @@
+//! Documents to fine-tune on (`--data`), packed into sequences:
+//! - JSON Lines, one document per line: `{"text": "..."}`, tokenized here with the
+//!   checkpoint's `tokenizer.json`, or `{"input_ids": [...]}` (or a bare array), already
+//!   tokenized; other fields of a line are ignored;
+//! - any other file is one text document; a folder holds such files.
+//!
+//! Every document ends in EOS (appended unless it already does), as transformers' data
+//! collators do. Documents are packed whole, in order, into sequences of `--seq-len` tokens
+//! (`burn_ulysses::data::pack_documents`; a longer document is cut), and each trains as a
+//! document of its own: positions restart, attention and labels stay inside it.
+
+use std::{
+    fs,
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+};
+
+use burn_ulysses::data::pack_documents;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::Value;
+use ulysses_models::TextTokenizer;
+
+use crate::{
+    corpus::splitmix64,
+    train::{StepData, lengths_of_pieces},
+};
+
+/// Text lines tokenized together (on every core).
+const TOKENIZE_CHUNK: usize = 512;
+
+/// How documents become token ids.
+pub struct DocumentReader<'a> {
+    /// Tokenizes `{"text"}` lines and text files (`None`: only token ids can be read).
+    pub tokenizer: Option<&'a TextTokenizer>,
+    /// Ends every document.
+    pub eos: u32,
+    /// Every id must lie below it (the model's vocabulary).
+    pub vocab: usize,
+    /// Draw a progress bar over the bytes read (rank 0).
+    pub progress: bool,
+}
+
+/// A document as read, before it is tokenized.
+enum Pending {
+    Text(String),
+    Ids(Vec<i64>),
+}
+
+impl DocumentReader<'_> {
+    /// Every document of `path` (a `.jsonl` file, a text file, or a folder of them, in name
+    /// order) as token ids ending in EOS. Documents with nothing before their EOS are left out.
+    pub fn read(&self, path: &Path) -> Result<Vec<Vec<i64>>, String> {
+        let files = files_under(path).map_err(|e| format!("cannot read --data {}: {e}", path.display()))?;
+        let total: u64 = files.iter().map(|f| fs::metadata(f).map_or(0, |m| m.len())).sum();
+        let bar = if self.progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
+        bar.set_style(ProgressStyle::with_template("tokenizing {bytes}/{total_bytes} [{bar:30}] {msg}").unwrap().progress_chars("=> "));
+        let mut documents = Vec::new();
+        for file in &files {
+            bar.set_message(file.display().to_string());
+            if file.extension().is_some_and(|e| e == "jsonl") {
+                self.read_json_lines(file, &bar, &mut documents)?;
+            } else {
+                let text = fs::read_to_string(file).map_err(|e| format!("cannot read {} as UTF-8 text: {e}", file.display()))?;
+                bar.inc(text.len() as u64);
+                self.finish(file, &mut vec![(0, Pending::Text(text))], &mut documents)?;
+            }
+        }
+        bar.finish_and_clear();
+        let read = documents.len();
+        documents.retain(|document| document.len() > 1);
+        if documents.is_empty() {
+            return Err(format!("--data {}: no document holds a token (besides the EOS each ends in)", path.display()));
+        }
+        if documents.len() < read {
+            tracing::info!(skipped = read - documents.len(), "left out the empty documents");
+        }
+        Ok(documents)
+    }
+
+    fn read_json_lines(&self, file: &Path, bar: &ProgressBar, documents: &mut Vec<Vec<i64>>) -> Result<(), String> {
+        let reader = BufReader::new(fs::File::open(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?);
+        let mut pending = Vec::new();
+        for (index, line) in reader.lines().enumerate() {
+            let line = line.map_err(|e| format!("{} line {}: {e}", file.display(), index + 1))?;
+            bar.inc(line.len() as u64 + 1);
+            if line.trim().is_empty() {
+                continue;
+            }
+            let document = parse_line(&line).map_err(|why| format!("{} line {}: {why}", file.display(), index + 1))?;
+            pending.push((index + 1, document));
+            if pending.len() == TOKENIZE_CHUNK {
+                self.finish(file, &mut pending, documents)?;
+            }
+        }
+        self.finish(file, &mut pending, documents)
+    }
+
+    /// Tokenizes the pending documents (all texts at once), appends EOS and checks the ids.
+    fn finish(&self, file: &Path, pending: &mut Vec<(usize, Pending)>, documents: &mut Vec<Vec<i64>>) -> Result<(), String> {
+        let texts: Vec<&str> = pending.iter().filter_map(|(_, p)| if let Pending::Text(text) = p { Some(text.as_str()) } else { None }).collect();
+        let mut encoded = match (texts.is_empty(), self.tokenizer) {
+            (true, _) => Vec::new(),
+            (false, Some(tokenizer)) => tokenizer.encode_documents(&texts, self.eos).map_err(|e| e.to_string())?,
+            (false, None) => {
+                return Err(format!(
+                    "{}: text needs a tokenizer: give --tokenizer TOKENIZER_JSON (a --model folder's tokenizer.json is used when it has one)",
+                    file.display()
+                ));
+            }
+        }
+        .into_iter();
+        for (line, document) in pending.drain(..) {
+            let ids: Vec<i64> = match document {
+                Pending::Text(_) => encoded.next().expect("one encoding per text").into_iter().map(i64::from).collect(),
+                Pending::Ids(mut ids) => {
+                    if ids.last() != Some(&i64::from(self.eos)) {
+                        ids.push(i64::from(self.eos));
+                    }
+                    ids
+                }
+            };
+            if let Some(id) = ids.iter().find(|&&id| !(0..self.vocab as i64).contains(&id)) {
+                let at = if line == 0 { file.display().to_string() } else { format!("{} line {line}", file.display()) };
+                return Err(format!("{at}: token {id} is outside the model's vocabulary 0..{}", self.vocab));
+            }
+            documents.push(ids);
+        }
+        Ok(())
+    }
+}
+
+/// One JSON line: `{"text": ...}`, `{"input_ids": [...]}` or a bare array of ids.
+fn parse_line(line: &str) -> Result<Pending, String> {
+    let value: Value = serde_json::from_str(line).map_err(|e| format!("not JSON ({e})"))?;
+    let ids = |value: &Value| -> Result<Vec<i64>, String> {
+        serde_json::from_value(value.clone()).map_err(|_| "\"input_ids\" must be an array of integer token ids".to_string())
+    };
+    match &value {
+        Value::Array(_) => ids(&value).map(Pending::Ids),
+        Value::Object(fields) => match (fields.get("text"), fields.get("input_ids")) {
+            (Some(_), Some(_)) => Err("has both \"text\" and \"input_ids\"; give one".into()),
+            (Some(Value::String(text)), None) => Ok(Pending::Text(text.clone())),
+            (Some(_), None) => Err("\"text\" must be a string".into()),
+            (None, Some(input_ids)) => ids(input_ids).map(Pending::Ids),
+            (None, None) => Err("needs a \"text\" (a string) or an \"input_ids\" (token ids) field".into()),
+        },
+        _ => Err("expected an object with \"text\" or \"input_ids\"".into()),
+    }
+}
+
+fn files_under(path: &Path) -> std::io::Result<Vec<PathBuf>> {
+    if !fs::metadata(path)?.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut files = Vec::new();
+    for entry in fs::read_dir(path)? {
+        files.extend(files_under(&entry?.path())?);
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Documents packed into sequences of `seq_len`, drawn `batch_size` per step in a seeded
+/// order that changes each epoch; the last batch is held out when there are two or more.
+pub struct PackedDocuments {
+    train: Vec<Vec<i64>>,
+    eval: Option<Vec<Vec<i64>>>,
+    eos: i64,
+    batch_size: usize,
+    seed: u64,
+}
+
+impl PackedDocuments {
+    /// Packs `documents` (each ending in `eos`); with `hold_out`, the last batch is kept for
+    /// evaluation when there are at least two.
+    pub fn pack(documents: &[Vec<i64>], eos: u32, seq_len: usize, batch_size: usize, seed: u64, hold_out: bool) -> Result<Self, String> {
+        let (mut sequences, _) = pack_documents(documents, seq_len);
+        let tokens: usize = sequences.iter().map(Vec::len).sum();
+        if sequences.len() < batch_size {
+            return Err(format!(
+                "--data packs into {} sequence(s) of up to --seq-len {seq_len} tokens ({tokens} tokens), fewer than one batch \
+                 (--batch-size {batch_size}): give more data, or a smaller --batch-size or --seq-len",
+                sequences.len()
+            ));
+        }
+        let eval = (hold_out && sequences.len() >= 2 * batch_size).then(|| sequences.split_off(sequences.len() - batch_size));
+        tracing::info!(
+            documents = documents.len(),
+            sequences = sequences.len(),
+            tokens,
+            fill = format!("{:.1}%", 100.0 * tokens as f64 / (seq_len * (sequences.len() + eval.as_ref().map_or(0, Vec::len))) as f64),
+            held_out = eval.as_ref().map_or(0, Vec::len),
+            "packed the documents"
+        );
+        Ok(Self { train: sequences, eval, eos: i64::from(eos), batch_size, seed })
+    }
+
+    /// Every packed sequence (the held-out ones last), for evaluating the whole file.
+    pub fn all_sequences(&self) -> Vec<Vec<i64>> {
+        self.train.iter().chain(self.eval.iter().flatten()).cloned().collect()
+    }
+
+    /// The index into `train` of the `index`-th sequence drawn: a permutation of the
+    /// sequences seeded by (seed, epoch), so each epoch sees every sequence once.
+    fn drawn(&self, index: usize) -> usize {
+        let count = self.train.len();
+        let (epoch, at) = (index / count, index % count);
+        let mut order: Vec<usize> = (0..count).collect();
+        for i in (1..count).rev() {
+            let j = (splitmix64(self.seed ^ 0x646f_6373 ^ ((epoch as u64) << 32) ^ i as u64) % (i as u64 + 1)) as usize;
+            order.swap(i, j);
+        }
+        order[at]
+    }
+}
+
+impl StepData for PackedDocuments {
+    fn train_batch(&self, step: usize) -> Vec<Vec<i64>> {
+        (0..self.batch_size).map(|i| self.train[self.drawn(step * self.batch_size + i)].clone()).collect()
+    }
+
+    fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
+        self.eval.clone()
+    }
+
+    fn documents_in(&self, batch: &[Vec<i64>]) -> Vec<Vec<usize>> {
+        batch.iter().map(|sequence| documents_ending_in(sequence, self.eos)).collect()
+    }
+
+    fn eval_documents_in(&self, batch: &[Vec<i64>]) -> Option<Vec<Vec<usize>>> {
+        Some(self.documents_in(batch))
+    }
+}
+
+/// The lengths of the documents of a packed sequence: each ends after an `eos`, the last at
+/// the sequence's end (a piece of a document cut by the packing).
+pub fn documents_ending_in(sequence: &[i64], eos: i64) -> Vec<usize> {
+    lengths_of_pieces(sequence.len(), |i| sequence[i] == eos)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_of_each_kind_and_what_is_refused() {
+        assert!(matches!(parse_line(r#"{"text": "hi", "id": 3}"#), Ok(Pending::Text(t)) if t == "hi"));
+        assert!(matches!(parse_line(r#"{"input_ids": [1, 2]}"#), Ok(Pending::Ids(ids)) if ids == [1, 2]));
+        assert!(matches!(parse_line("[4, 5]"), Ok(Pending::Ids(ids)) if ids == [4, 5]));
+        for (line, expected) in [
+            (r#"{"text": "a", "input_ids": [1]}"#, "both"),
+            (r#"{"text": 3}"#, "must be a string"),
+            (r#"{"input_ids": [1.5]}"#, "integer token ids"),
+            (r#"{"content": "a"}"#, "needs a \"text\""),
+            ("\"a\"", "expected an object"),
+            ("{", "not JSON"),
+        ] {
+            let error = parse_line(line).err().unwrap_or_else(|| panic!("{line} was accepted"));
+            assert!(error.contains(expected), "{line}: {error}");
+        }
+    }
+
+    #[test]
+    fn packed_sequences_split_after_each_eos_as_they_were_packed() {
+        let eos = 0;
+        let documents = vec![vec![5, 6, 0], vec![7, 0], vec![1, 2, 3, 4, 5, 6, 7, 0], vec![9, 0]];
+        let (sequences, lengths) = pack_documents(&documents, 6);
+        for (sequence, lengths) in sequences.iter().zip(&lengths) {
+            assert_eq!(&documents_ending_in(sequence, eos), lengths, "{sequence:?}");
+        }
+        assert_eq!(documents_ending_in(&[3, 0, 4], eos), [2, 1]);
+        // Byte paragraphs are cut by the same rule, after each blank line.
+        assert_eq!(crate::train::paragraph_lengths(&[97, 10, 10, 98, 10]), [3, 2]);
+    }
+
+    #[test]
+    fn each_epoch_draws_every_sequence_once_in_a_seeded_order() {
+        let documents: Vec<Vec<i64>> = (1..=10).map(|d| vec![d, 0]).collect();
+        let data = PackedDocuments::pack(&documents, 0, 2, 2, 7, false).unwrap();
+        let epoch = |e: usize| -> Vec<usize> { (0..10).map(|i| data.drawn(e * 10 + i)).collect() };
+        let (first, second) = (epoch(0), epoch(1));
+        let mut sorted = first.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..10).collect::<Vec<_>>());
+        assert_ne!(first, second, "every epoch in the same order");
+        assert_ne!(first, (0..10).collect::<Vec<_>>(), "not shuffled");
+    }
+}
