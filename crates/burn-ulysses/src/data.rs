@@ -13,7 +13,7 @@
 //! - Each shard carries its tokens' position ids, for RoPE: global positions, or, when
 //!   documents are packed into a sequence ([`pack_documents`]), positions that restart at 0
 //!   at each document (the Hugging Face / ALST convention). Packed labels never cross a
-//!   document's end, and padding after the last document is a document of its own.
+//!   document's end, and each padding token after the last document is a document of its own.
 
 use burn::{
     config::Config,
@@ -194,8 +194,10 @@ impl SequenceSharder {
     }
 }
 
-/// First position of each document of a sequence padded to `padded_len`, the padding after
-/// the last one being one more.
+/// First position of each document of a sequence padded to `padded_len`, each padding token
+/// after the last one being a document of its own: its position id is 0 (however long the
+/// padding, no id reaches past a real document's, e.g. a sliding window) and it attends to
+/// itself alone (the kernels skip padding tiles).
 fn document_starts(lengths: &[usize], padded_len: usize) -> Vec<usize> {
     let mut starts = vec![0];
     let mut end = 0;
@@ -205,6 +207,7 @@ fn document_starts(lengths: &[usize], padded_len: usize) -> Vec<usize> {
             starts.push(end);
         }
     }
+    starts.extend(end + 1..padded_len);
     starts
 }
 
@@ -261,6 +264,10 @@ mod tests {
         // Tokens 1 2 3 | 4 5 | pad: no label crosses a document's end, padding has none.
         assert_eq!(labels, vec![2, 3, IGNORE_INDEX, 5, IGNORE_INDEX, IGNORE_INDEX]);
         assert_eq!(ids, vec![0, 1, 2, 0, 1, 0]);
+        // Three padding tokens: three documents of one, all at position 0.
+        let padded = SequenceSharder::new(2).with_pad_to(Some(8));
+        let ids: Vec<u64> = (0..2).flat_map(|rank| padded.shard_documents(&sequences[..1], Some(&lengths[..1]), rank).positions.ids.ids().to_vec()).collect();
+        assert_eq!(ids, vec![0, 1, 2, 0, 1, 0, 0, 0]);
         assert!(shards[0].positions.packed);
         assert_eq!(shards[0].valid_tokens + shards[1].valid_tokens, 3);
         // Unpacked: global positions, padding included.
