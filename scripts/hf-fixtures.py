@@ -13,7 +13,9 @@ wrong RoPE or a missing document mask) and transformers' outputs for it: logits 
 batch of two plain rows, and logits of a row packing three documents (positions restart at
 each; transformers derives the document mask from them) in `expected.safetensors`; the
 gradients of that loss with respect to every parameter in `gradients.safetensors` (Hugging
-Face's names and shapes).
+Face's names and shapes). For Mistral, also transformers' logits where its sliding window
+(64) matters, over 150 tokens plain and packed (`window.safetensors`; `--window-only` writes
+just that).
 The tests in crates/ulysses-models/tests/ read them; CI never runs this.
 
     python3 -m venv /var/tmp/hf-venv && /var/tmp/hf-venv/bin/pip install torch transformers
@@ -81,7 +83,6 @@ def tokenizer(out):
 
 
 MODELS = ("llama", "llama-llama3", "mistral", "qwen2", "qwen3")
-SEQ = 24
 DOCUMENTS = (7, 10, 7)
 
 
@@ -94,31 +95,60 @@ def model_outputs(config, folder):
             layer.self_attn.q_proj.weight.mul_(6.0)
             layer.self_attn.k_proj.weight.mul_(6.0)
     model.save_pretrained(folder, safe_serialization=True)
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, config.vocab_size, (2, SEQ), generator=generator)
-    packed = torch.randint(0, config.vocab_size, (1, SEQ), generator=generator)
-    positions = torch.cat([torch.arange(n) for n in DOCUMENTS]).unsqueeze(0)
-    with torch.no_grad():
-        # No cache: transformers derives the document mask from restarting positions only then.
-        plain = model(input_ids=tokens, labels=tokens, use_cache=False)
-        packed_logits = model(input_ids=packed, position_ids=positions, use_cache=False).logits
-        # The same documents one at a time: what the packed row must equal.
-        alone = torch.cat([model(input_ids=d, use_cache=False).logits for d in packed.split(list(DOCUMENTS), dim=1)], dim=1)
-    assert (packed_logits - alone).abs().max() < 1e-4, "transformers did not keep the packed documents apart"
+    outputs, plain = plain_and_packed(model, 2, DOCUMENTS, torch.Generator().manual_seed(1))
+    tokens = outputs["input_ids"]
     model.zero_grad()
     model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
     # Tied weights are one parameter (listed once, as the embedding), as in the files.
     save_file({name: p.grad.float().contiguous() for name, p in model.named_parameters()},
               os.path.join(folder, "gradients.safetensors"), metadata={"transformers": transformers.__version__})
-    save_file({
+    save_file(outputs, os.path.join(folder, "expected.safetensors"), metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    return plain.loss.item()
+
+
+def plain_and_packed(model, rows, documents, generator):
+    """Random tokens: `rows` plain rows and one row packing `documents`, as long as their sum;
+    transformers' logits (and loss, for the plain rows) for them, as saved; and the plain output."""
+    seq = sum(documents)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (rows, seq), generator=generator)
+    packed = torch.randint(0, vocab, (1, seq), generator=generator)
+    positions = torch.cat([torch.arange(n) for n in documents]).unsqueeze(0)
+    with torch.no_grad():
+        # No cache: transformers derives the document mask from restarting positions only then.
+        plain = model(input_ids=tokens, labels=tokens, use_cache=False)
+        packed_logits = model(input_ids=packed, position_ids=positions, use_cache=False).logits
+        # The same documents one at a time: what the packed row must equal.
+        alone = torch.cat([model(input_ids=d, use_cache=False).logits for d in packed.split(list(documents), dim=1)], dim=1)
+    assert (packed_logits - alone).abs().max() < 1e-4, "transformers did not keep the packed documents apart"
+    return {
         "input_ids": tokens.to(torch.int64).contiguous(),
         "logits": plain.logits.float().contiguous(),
         "loss": plain.loss.float().reshape(1),
         "packed_input_ids": packed.to(torch.int64).contiguous(),
         "packed_position_ids": positions.to(torch.int64).contiguous(),
         "packed_logits": packed_logits.float().contiguous(),
-    }, os.path.join(folder, "expected.safetensors"), metadata={"transformers": transformers.__version__, "torch": torch.__version__})
-    return plain.loss.item()
+    }, plain
+
+
+WINDOW_DOCUMENTS = (100, 50)
+
+
+def window_outputs(folder):
+    """Mistral's sliding window (64 in the fixture) where it matters: transformers' logits for
+    a row of 150 tokens and for a row packing documents of WINDOW_DOCUMENTS, both longer than
+    the window, from the fixture model already in `folder` (`window.safetensors`)."""
+    from safetensors.torch import save_file
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
+    assert model.config.sliding_window == 64, model.config.sliding_window
+    outputs, plain = plain_and_packed(model, 1, WINDOW_DOCUMENTS, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model.config.sliding_window = None
+        unwindowed = model(input_ids=outputs["input_ids"], use_cache=False).logits
+    effect = (plain.logits - unwindowed).abs().max().item()
+    assert effect > 1e-2, f"the window changes the logits by {effect} only: the test would not see it"
+    save_file(outputs, os.path.join(folder, "window.safetensors"), metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    print(f"mistral: sliding-window logits over {sum(WINDOW_DOCUMENTS)} tokens (the window changes them by up to {effect:.2f})")
 
 
 def main(out):
@@ -150,9 +180,15 @@ def main(out):
             torch.manual_seed(0)
             loss = model_outputs(config, folder)
             print(f"{name}: a model of {os.path.getsize(os.path.join(folder, 'model.safetensors'))} bytes, loss {loss:.4f}")
+        if name == "mistral":
+            window_outputs(folder)
     tokenizer(out)
 
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    main(sys.argv[1] if len(sys.argv) > 1 else "crates/ulysses-models/tests/fixtures")
+    if sys.argv[1:2] == ["--window-only"]:
+        # The sliding-window outputs alone, from the Mistral fixture already written.
+        window_outputs(os.path.join(sys.argv[2] if len(sys.argv) > 2 else "crates/ulysses-models/tests/fixtures", "mistral"))
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "crates/ulysses-models/tests/fixtures")

@@ -238,9 +238,7 @@ fn uneven_heads_run_on_the_flash_kernels() {
 #[test]
 fn key_padding_reaches_the_kernels_as_one_run_per_sequence() {
     use burn::tensor::{Bool, TensorData};
-    use burn_ulysses::{RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup};
     use ulysses_suite::shard;
-    type Sp = UlyssesBackend<Autodiff<Wgpu>>;
     const NON_CAUSAL: AttentionModuleOptions = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
     let _counting = counting();
     if !runtime_available::<Runtime>() {
@@ -255,22 +253,70 @@ fn key_padding_reaches_the_kernels_as_one_run_per_sequence() {
         let dense = Tensor::<NdArray<f32>, 4, Bool>::from_data(TensorData::new(masked.clone(), [2, 1, 1, 32]), &device).expand([2, 4, 32, 32]);
         attention(qkv(1), qkv(2), qkv(3), Some(dense), None, NON_CAUSAL)
     };
+    let outputs = on_two_ranks_on_the_kernels([2, 4, 32, 16], |[q, k, v], r, p| {
+        let mask = shard(Tensor::<TwoRanks, 4, Bool>::from_data(mask_data.clone(), &Default::default()), 3, r, p);
+        attention(q, k, v, Some(mask), None, NON_CAUSAL)
+    });
+    assert_shards_equal(outputs, reference, "key padding");
+}
+
+type TwoRanks = burn_ulysses::UlyssesBackend<Autodiff<Wgpu>>;
+
+/// Runs `attend` on 2 ranks of `UlyssesBackend<Autodiff<Wgpu>>` with dense fallbacks
+/// forbidden, on each rank's shard (along the sequence) of q, k and v of `shape` (seeds 1, 2,
+/// 3), given the rank and the group size; checks that both ran the kernels.
+fn on_two_ranks_on_the_kernels(
+    shape: [usize; 4],
+    attend: impl Fn([Tensor<TwoRanks, 4>; 3], usize, usize) -> Tensor<TwoRanks, 4> + Sync,
+) -> Vec<Result<Vec<f32>, burn_ulysses::comm::RankPanic>> {
+    use burn_ulysses::{RankScope, UlyssesConfig, comm::ThreadGroup};
     let forwards = forward_launches();
     let forbid = UlyssesConfig::new().with_forbid_dense_fallback(true);
-    let outputs = ThreadGroup::new(2).run(move |rank| {
-        let _sp = Sp::enter(RankScope::Thread, rank.communicator(), forbid.clone());
+    let outputs = ThreadGroup::new(2).run(|rank| {
+        let _sp = TwoRanks::enter(RankScope::Thread, rank.communicator(), forbid.clone());
         let device = Default::default();
         let (r, p) = (rank.rank(), rank.size());
-        let qkv = |seed| shard(uniform_tensor::<Sp, 4>([2, 4, 32, 16], seed, &device), 2, r, p);
-        values(attention(qkv(1), qkv(2), qkv(3), Some(shard(Tensor::<Sp, 4, Bool>::from_data(mask_data.clone(), &device), 3, r, p)), None, NON_CAUSAL))
+        let qkv = |seed| ulysses_suite::shard(uniform_tensor::<TwoRanks, 4>(shape, seed, &device), 2, r, p);
+        values(attend([qkv(1), qkv(2), qkv(3)], r, p))
     });
     assert!(forward_launches() >= forwards + 2, "both ranks ran the kernels");
+    outputs
+}
+
+/// Each rank's output equals its shard (along the sequence) of `reference`.
+fn assert_shards_equal<E: std::fmt::Display>(outputs: Vec<Result<Vec<f32>, E>>, reference: Tensor<NdArray<f32>, 4>, what: &str) {
+    let size = outputs.len();
     for (rank, output) in outputs.into_iter().enumerate() {
-        let output = output.unwrap_or_else(|panic| panic!("rank {rank}: {panic}"));
-        let diff = max_abs_diff(&output, &values(shard(reference.clone(), 2, rank, 2)));
-        println!("key padding, rank {rank}: max |Δ| {diff:.2e}");
-        assert!(diff <= TOLERANCE, "rank {rank}: output differs by {diff:e}");
+        let output = output.unwrap_or_else(|panic| panic!("{what}, rank {rank}: {panic}"));
+        let diff = max_abs_diff(&output, &values(ulysses_suite::shard(reference.clone(), 2, rank, size)));
+        println!("{what}, rank {rank}: max |Δ| {diff:.2e}");
+        assert!(diff <= TOLERANCE, "{what}, rank {rank}: output differs by {diff:e}");
     }
+}
+
+/// A sliding window (Mistral's) over a sequence split across 2 ranks reaches the kernels, with
+/// dense fallbacks forbidden: each rank's output equals burn's causal attention on NdArray with
+/// the window as a dense mask built here (a key more than 19 positions before the row hidden),
+/// the window crossing the shard edge.
+#[test]
+fn a_sliding_window_reaches_the_kernels_across_shard_edges() {
+    use burn::tensor::{Bool, TensorData};
+    use burn_ulysses::attention::attention_within;
+    const CAUSAL: AttentionModuleOptions = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+    const WINDOW: usize = 20;
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let device = Default::default();
+    let reference = {
+        let qkv = |seed| uniform_tensor::<NdArray<f32>, 4>([2, 4, 64, 16], seed, &device);
+        let hidden: Vec<bool> = (0..64).flat_map(|row| (0..64).map(move |key| key + WINDOW <= row)).collect();
+        let mask = Tensor::<NdArray<f32>, 4, Bool>::from_data(TensorData::new(hidden, [1, 1, 64, 64]), &device).expand([2, 4, 64, 64]);
+        attention(qkv(1), qkv(2), qkv(3), Some(mask), None, CAUSAL)
+    };
+    let outputs = on_two_ranks_on_the_kernels([2, 4, 64, 16], |[q, k, v], _, _| attention_within(q, k, v, None, Some(WINDOW), CAUSAL));
+    assert_shards_equal(outputs, reference, "sliding window");
 }
 
 /// Device memory held after the forward of attention over packed documents (what the backward

@@ -71,6 +71,8 @@ struct Case {
     documents: Option<Vec<Vec<usize>>>,
     /// Per sequence, the keys that are not padding.
     key_runs: Option<Vec<Range<usize>>>,
+    /// A sliding window: a row sees none of the keys more than `window - 1` before it.
+    window: Option<usize>,
 }
 
 impl Case {
@@ -88,6 +90,7 @@ impl Case {
             dtype: DType::F32,
             documents: None,
             key_runs: None,
+            window: None,
         }
     }
     /// Whether query row `i` of sequence `b` sees key `j`, from the case's own description
@@ -100,9 +103,10 @@ impl Case {
         (!self.causal || j + self.seq_q <= i + self.seq_kv)
             && self.key_runs.as_ref().is_none_or(|runs| runs[b].contains(&j))
             && (self.documents.is_none() || document_of(i) == document_of(j))
+            && self.window.is_none_or(|window| j + window > i)
     }
     fn ranges(&self) -> Option<VisibleRanges> {
-        if self.documents.is_none() && self.key_runs.is_none() {
+        if self.documents.is_none() && self.key_runs.is_none() && self.window.is_none() {
             return None;
         }
         let mut ranges = VisibleRanges::all(self.batch, self.seq_q, self.seq_kv).unwrap();
@@ -111,6 +115,9 @@ impl Case {
         }
         if let Some(runs) = &self.key_runs {
             ranges = ranges.with_key_runs(runs).unwrap();
+        }
+        if let Some(window) = self.window {
+            ranges = ranges.with_window(window).unwrap();
         }
         Some(ranges)
     }
@@ -436,6 +443,16 @@ fn f32_key_padding_alone_and_with_documents() {
     check(Case { key_runs: Some(vec![0..101, 30..150]), ..Case::new(2, 2, 150, 64, false) });
     check(Case { key_runs: Some(vec![0..0, 0..7]), ..Case::new(2, 2, 40, 64, false) });
     check(Case { key_runs: Some(vec![0..120, 0..150]), documents: Some(vec![vec![60, 90], vec![150]]), ..Case::new(2, 2, 150, 64, true) });
+}
+
+#[test]
+fn f32_sliding_window_alone_and_within_documents() {
+    // Windows of 40 over 150 tokens: every query tile holds rows whose runs start in different
+    // key tiles (a band), so tiles are skipped before the window, masked where it crosses them,
+    // and the union of a cube's rows is no single row's run. A document shorter than the
+    // window sees all of itself.
+    check(Case { window: Some(40), ..Case::new(4, 2, 150, 64, true) });
+    check(Case { window: Some(17), documents: Some(vec![vec![100, 50], vec![9, 141]]), ..Case::new(4, 2, 150, 64, true) });
 }
 
 #[test]

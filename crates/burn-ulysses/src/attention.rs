@@ -36,18 +36,24 @@ use crate::{
     visibility::{PositionIds, Visibility},
 };
 
-thread_local! {
-    /// Position ids handed by [`attention_in_documents`] to the attention op it calls: burn's
-    /// op has no argument for them.
-    static DOCUMENTS: RefCell<Option<PositionIds>> = const { RefCell::new(None) };
+/// What restricts the keys each query sees besides causality, handed by [`attention_within`]
+/// to the attention op it calls: burn's op has no argument for it.
+#[derive(Debug, Clone)]
+struct Restriction {
+    documents: Option<PositionIds>,
+    window: Option<usize>,
 }
 
-/// Clears [`DOCUMENTS`] however the call ends, so no ids outlive it.
-struct DocumentsHandOver;
+thread_local! {
+    static RESTRICTION: RefCell<Option<Restriction>> = const { RefCell::new(None) };
+}
 
-impl Drop for DocumentsHandOver {
+/// Clears [`RESTRICTION`] however the call ends, so nothing outlives it.
+struct RestrictionHandOver;
+
+impl Drop for RestrictionHandOver {
     fn drop(&mut self) {
-        take_documents();
+        take_restriction();
     }
 }
 
@@ -68,24 +74,59 @@ pub fn attention_in_documents<B: Backend>(
     positions: &PositionIds,
     options: AttentionModuleOptions,
 ) -> Tensor<B, 4> {
-    let hand_over = DocumentsHandOver;
-    DOCUMENTS.with(|documents| *documents.borrow_mut() = Some(positions.clone()));
+    attention_within(query, key, value, Some(positions), None, options)
+}
+
+/// [`attention_in_documents`] (when `documents` are given) with a sliding window of `window`
+/// keys (Mistral's `sliding_window`, when given): a token sees only the last `window` keys up
+/// to itself (self-attention; Hugging Face's convention, `query − key < window`). Under
+/// sequence parallelism the window is over the whole sequence, shard edges included; the
+/// flash kernels skip every tile outside it. With neither, it is `module::attention`.
+pub fn attention_within<B: Backend>(
+    query: Tensor<B, 4>,
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    documents: Option<&PositionIds>,
+    window: Option<usize>,
+    options: AttentionModuleOptions,
+) -> Tensor<B, 4> {
+    if documents.is_none() && window.is_none() {
+        return attention(query, key, value, None, None, options);
+    }
+    let hand_over = RestrictionHandOver;
+    RESTRICTION.with(|restriction| *restriction.borrow_mut() = Some(Restriction { documents: documents.cloned(), window }));
     let output = attention(query.clone(), key.clone(), value.clone(), None, None, options);
-    let unclaimed = take_documents();
+    let unclaimed = take_restriction();
     drop(hand_over);
-    let Some(positions) = unclaimed else { return output };
-    // Not a UlyssesBackend: burn's attention did not see the documents.
+    let Some(restriction) = unclaimed else { return output };
+    // Not a UlyssesBackend: burn's attention did not see the restriction.
     let [batch, heads, seq, _] = query.dims();
-    check_document_ids(&positions, batch, seq, key.dims()[2]).unwrap_or_else(|error| panic!("{error}"));
-    dense_fallback(format!("{} does not intercept attention, so documents become a dense mask", std::any::type_name::<B>()), DenseFallback::Allow)
+    let visibility = restricted_visibility(&restriction, batch, seq, key.dims()[2]).unwrap_or_else(|error| panic!("{error}"));
+    dense_fallback(format!("{} does not intercept attention, so documents and windows become a dense mask", std::any::type_name::<B>()), DenseFallback::Allow)
         .expect("an allowed fallback is not an error");
-    let mask = Visibility::documents(&positions).dense_mask::<B>(&query.device()).expand([batch, heads, seq, seq]);
+    let mask = visibility.dense_mask::<B>(&query.device()).expand([batch, heads, seq, seq]);
     attention(query, key, value, Some(mask), None, options)
 }
 
-/// Takes the ids [`attention_in_documents`] handed over, if this call came from it.
-fn take_documents() -> Option<PositionIds> {
-    DOCUMENTS.with(|documents| documents.borrow_mut().take())
+/// Takes what [`attention_within`] handed over, if this call came from it.
+fn take_restriction() -> Option<Restriction> {
+    RESTRICTION.with(|restriction| restriction.borrow_mut().take())
+}
+
+/// The visibility of a restriction on one device, whose ids (if any) cover the whole
+/// sequences: `[batch, q_seq]` queries, `kv_seq` keys.
+fn restricted_visibility(restriction: &Restriction, batch: usize, q_seq: usize, kv_seq: usize) -> Result<Visibility, UlyssesError> {
+    let visibility = match &restriction.documents {
+        Some(positions) => {
+            check_document_ids(positions, batch, q_seq, kv_seq)?;
+            Visibility::documents(positions)
+        }
+        None => Visibility::all(batch, q_seq, kv_seq),
+    };
+    match restriction.window {
+        Some(window) => visibility.with_window(window),
+        None => Ok(visibility),
+    }
 }
 
 /// Fails unless `positions` are one id per query token of a self-attention call.
@@ -111,12 +152,22 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
     attn_bias: Option<FloatTensor<X>>,
     options: AttentionModuleOptions,
 ) -> FloatTensor<X> {
-    // Taken before anything can fail, so that they never reach a later call.
-    let positions = take_documents();
+    // Taken before anything can fail, so that it never reaches a later call.
+    let restriction = take_restriction();
+    let positions = restriction.as_ref().and_then(|r| r.documents.clone());
+    let window = restriction.as_ref().and_then(|r| r.window);
     let attend_or_explain = || -> Result<FloatTensor<X>, UlyssesError> {
-        let layout = local_layout::<X>(&query, &key, &value, mask.as_ref(), attn_bias.as_ref(), &options, positions.is_some())?;
+        let layout = local_layout::<X>(&query, &key, &value, mask.as_ref(), attn_bias.as_ref(), &options, positions.is_some(), window)?;
         if let Some(positions) = &positions {
             check_document_ids(positions, layout.batch, layout.q_seq, layout.kv_seq)?;
+        }
+        if window == Some(0) || (window.is_some() && layout.q_seq != layout.kv_seq) {
+            return Err(UlyssesError::Shape(format!(
+                "attention_within: a sliding window needs self-attention (q and k of the same length) and at least one key; got {} queries, {} keys and a window of {}",
+                layout.q_seq,
+                layout.kv_seq,
+                window.unwrap_or(0)
+            )));
         }
         let context = context::current::<X::Wire>()?;
         let forbid = context.as_ref().is_some_and(|c| c.config.forbid_dense_fallback);
@@ -125,7 +176,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let Some(context) = context.filter(|c| c.communicator.size() > 1 || ring.is_some()) else {
             HeadPlan::new(layout.q_heads, layout.kv_heads, 1)?;
             let query = float_tensor::<X, 4>(query);
-            let visibility = positions.as_ref().map(Visibility::documents);
+            let visibility = restriction.as_ref().map(|r| restricted_visibility(r, layout.batch, layout.q_seq, layout.kv_seq)).transpose()?;
             let (mask, visibility) = match (layout.mask, mask.map(bool_tensor::<X>)) {
                 (MaskKind::KeyPadding { .. }, Some(mask)) => key_padding_as_runs::<X>(mask, visibility, &query, layout.kv_seq)?,
                 (_, mask) => (mask, visibility),
@@ -146,8 +197,8 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: dims(&bias) }),
             _ => {}
         }
-        if ring.is_some() && (layout.mask != MaskKind::None || positions.is_some()) {
-            return Err(UlyssesError::Shape("Ulysses × Ring does not take masks or packed documents yet; run them with Ulysses alone".into()));
+        if ring.is_some() && (layout.mask != MaskKind::None || positions.is_some() || window.is_some()) {
+            return Err(UlyssesError::Shape("Ulysses × Ring does not take masks, packed documents or sliding windows yet; run them with Ulysses alone".into()));
         }
         let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, communicator.size())?;
         tracing::trace!(?layout, ?plan, "sequence-parallel attention");
@@ -161,6 +212,14 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
                 Some(Visibility::documents(&PositionIds::concat(&shards)?))
             }
             None => None,
+        };
+        // Over the whole sequence, which every rank holds now (for its heads).
+        let visibility = match window {
+            Some(window) => {
+                let whole = query.dims()[2];
+                Some(visibility.unwrap_or_else(|| Visibility::all(layout.batch, whole, whole)).with_window(window)?)
+            }
+            None => visibility,
         };
         let (mask, visibility) = match mask {
             Some(mask) => {
@@ -232,6 +291,7 @@ fn local_layout<X: ExchangeBackend>(
     attn_bias: Option<&FloatTensor<X>>,
     options: &AttentionModuleOptions,
     has_documents: bool,
+    window: Option<usize>,
 ) -> Result<AttentionLayout, UlyssesError> {
     let (q, k, v) = (dims(query), dims(key), dims(value));
     if q.len() != 4 || k.len() != 4 || v.len() != 4 {
@@ -266,6 +326,7 @@ fn local_layout<X: ExchangeBackend>(
         mask: mask_kind,
         has_bias: attn_bias.is_some(),
         has_documents,
+        window,
     })
 }
 

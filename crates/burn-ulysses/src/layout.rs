@@ -37,6 +37,8 @@ pub struct AttentionLayout {
     pub has_bias: bool,
     /// Called through `attention_in_documents` (position ids to gather).
     pub has_documents: bool,
+    /// The sliding window `attention_within` was called with.
+    pub window: Option<usize>,
 }
 
 const SEQ_HINT: &str = "Every rank must hold the same number of tokens: pad each sequence to a \
@@ -44,7 +46,7 @@ const SEQ_HINT: &str = "Every rank must hold the same number of tokens: pad each
 const MODEL_HINT: &str = "Every rank must run the same model on the same batch layout.";
 
 /// (field name, hint) in the order of [`AttentionLayout::encode`].
-const FIELDS: [(&str, &str); 13] = [
+const FIELDS: [(&str, &str); 14] = [
     ("batch size", MODEL_HINT),
     ("q head count", MODEL_HINT),
     ("kv head count", MODEL_HINT),
@@ -58,6 +60,7 @@ const FIELDS: [(&str, &str); 13] = [
     ("mask kind", "Pass the same kind of mask (or none) on every rank."),
     ("attention bias presence", MODEL_HINT),
     ("document position ids presence", "Call attention_in_documents on every rank of the group, or on none."),
+    ("sliding window", "Call attention_within with the same window on every rank of the group."),
 ];
 
 impl AttentionLayout {
@@ -83,6 +86,7 @@ impl AttentionLayout {
             mask,
             self.has_bias as u64,
             self.has_documents as u64,
+            self.window.map_or(0, |window| window as u64 + 1),
         ];
         debug_assert_eq!(encoded.len(), FIELDS.len());
         encoded
@@ -453,6 +457,7 @@ mod tests {
             mask: MaskKind::None,
             has_bias: false,
             has_documents: false,
+            window: None,
         };
         let short = AttentionLayout { q_seq: 7, kv_seq: 7, ..layout.clone() };
         let err = AttentionLayout::check_agreement(&[layout.encode(), short.encode()])

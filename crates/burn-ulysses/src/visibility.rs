@@ -107,12 +107,14 @@ pub struct Visibility {
     documents: Option<Vec<Vec<usize>>>,
     /// Per sequence, its keys that are not padding.
     key_runs: Option<Vec<Range<usize>>>,
+    /// A sliding window: a row sees none of the keys more than `window - 1` before it.
+    window: Option<usize>,
 }
 
 impl Visibility {
     /// Every row sees every key.
     pub fn all(batch: usize, seq_q: usize, seq_kv: usize) -> Self {
-        Self { batch, seq_q, seq_kv, documents: None, key_runs: None }
+        Self { batch, seq_q, seq_kv, documents: None, key_runs: None, window: None }
     }
 
     /// Documents of `positions` (the whole sequences, self-attention).
@@ -128,6 +130,23 @@ impl Visibility {
         }
         self.key_runs = Some(runs);
         Ok(self)
+    }
+
+    /// A sliding window of `window` keys (Mistral's `sliding_window`): row `r` sees only keys
+    /// `r + 1 - window ..= r` of what it sees otherwise (self-attention).
+    pub fn with_window(mut self, window: usize) -> Result<Self, UlyssesError> {
+        if self.seq_q != self.seq_kv || window == 0 {
+            return Err(UlyssesError::Shape(format!(
+                "a sliding window needs self-attention (as many queries as keys) and at least one key; got {} queries, {} keys and a window of {window}",
+                self.seq_q, self.seq_kv
+            )));
+        }
+        self.window = Some(window);
+        Ok(self)
+    }
+
+    pub fn window(&self) -> Option<usize> {
+        self.window
     }
 
     /// `(batch, seq_q, seq_kv)`.
@@ -146,7 +165,8 @@ impl Visibility {
     /// Whether query row `row` of sequence `b` sees key `key` (causality aside).
     pub fn sees(&self, b: usize, row: usize, key: usize) -> bool {
         let in_run = self.key_runs.as_ref().is_none_or(|runs| runs[b].contains(&key));
-        in_run && self.documents.as_ref().is_none_or(|documents| document_of(&documents[b], row) == document_of(&documents[b], key))
+        let in_window = self.window.is_none_or(|window| key + window > row);
+        in_run && in_window && self.documents.as_ref().is_none_or(|documents| document_of(&documents[b], row) == document_of(&documents[b], key))
     }
 
     /// `[batch, 1, seq_q, seq_kv]`, `true` where a row must not see a key (burn's mask
@@ -194,6 +214,14 @@ mod tests {
         let whole = PositionIds::concat(&[first, second]).unwrap();
         assert_eq!(whole.document_lengths(), vec![vec![4, 2, 2]]);
         assert_eq!(PositionIds::consecutive(2, 3, 2).ids(), &[3, 4, 3, 4]);
+    }
+
+    #[test]
+    fn a_window_hides_keys_more_than_its_width_before_the_row() {
+        let positions = PositionIds::new(vec![0, 1, 2, 3, 4, 0, 1], 1, 7).unwrap();
+        let visibility = Visibility::documents(&positions).with_window(2).unwrap();
+        assert!(visibility.sees(0, 4, 3) && !visibility.sees(0, 4, 2) && visibility.sees(0, 6, 5) && !visibility.sees(0, 5, 4));
+        assert!(Visibility::all(1, 3, 4).with_window(2).is_err());
     }
 
     #[test]

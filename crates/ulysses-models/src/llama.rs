@@ -7,8 +7,9 @@
 //! Nothing here knows about sequence parallelism. Under `UlyssesBackend` each rank runs the
 //! model on its shard of the sequence; the caller supplies the shard's position ids
 //! ([`ShardPositions`]), global so that RoPE sees where each token sits. When the rows pack
-//! several documents, positions restart at each one and attention goes through
-//! `attention_in_documents`, which keeps every token inside its document.
+//! several documents, positions restart at each one, and attention goes through
+//! `burn_ulysses::attention::attention_within`, which keeps every token inside its document
+//! and, for Mistral, within its sliding window (otherwise it is `module::attention`).
 //!
 //! Mixed precision ([`Llama::with_compute_dtype`]): the hidden states are cast to the compute
 //! dtype after the embedding and every op follows them (`burn_ulysses::precision`; norm
@@ -25,13 +26,12 @@ use burn::{
         FloatDType, Int, Tensor,
         activation::silu,
         backend::{AutodiffBackend, Backend},
-        module::attention,
         ops::AttentionModuleOptions,
     },
 };
 
 use burn_ulysses::{
-    attention::{attention_in_documents, repeat_kv_heads},
+    attention::{attention_within, repeat_kv_heads},
     data::ShardPositions,
     precision::{linear, rms_norm},
     train::{CausalLm, LayeredLm, LmOutput, OutputHead},
@@ -73,8 +73,8 @@ pub struct LlamaConfig {
     /// The output head is the embedding matrix: no `lm_head` of its own.
     #[config(default = false)]
     pub tie_embeddings: bool,
-    /// Mistral's window: each query sees only the last this many keys. Not applied by the
-    /// attention yet, so a position at or past it is refused (see [`Llama::context`]).
+    /// Mistral's window: each query sees only the last this many keys (itself included), in
+    /// the flash kernels as in the dense attention (`burn_ulysses::attention::attention_within`).
     pub sliding_window: Option<usize>,
     /// Expand kv heads to the q head count before calling attention. Burn's own attention
     /// needs equal head counts; `UlyssesBackend` accepts grouped kv heads natively and then
@@ -164,7 +164,6 @@ impl LlamaConfig {
             head_dim: self.head_dim(),
             rope_theta: self.rope_theta,
             rope_scaling: self.rope_scaling,
-            sliding_window: self.sliding_window,
             compute_dtype: FloatDType::F32,
         }
     }
@@ -188,6 +187,7 @@ impl LlamaConfig {
                 head_dim,
                 repeat_kv: self.repeat_kv,
                 causal: self.causal,
+                sliding_window: self.sliding_window,
             },
             ffn_norm: RmsNormConfig::new(self.d_model).with_epsilon(self.norm_eps).init(device),
             feed_forward: FeedForward {
@@ -211,16 +211,7 @@ pub struct LlamaContext<B: Backend> {
 impl<B: Backend> LayeredLm<B> for Llama<B> {
     type Context = LlamaContext<B>;
 
-    /// Panics, naming the window, where a token sits at or past the sliding window (Mistral):
-    /// the window would hide keys from it, and the attention does not apply one yet.
     fn context(&self, positions: &ShardPositions, device: &B::Device) -> LlamaContext<B> {
-        if let Some(window) = self.sliding_window {
-            let last = positions.ids.ids().iter().copied().max().unwrap_or(0);
-            assert!(
-                (last as usize) < window,
-                "a token at position {last} is past this model's sliding window of {window} (config.json `sliding_window`), which burn-ulysses does not apply yet: train on sequences (or packed documents) of at most {window} tokens"
-            );
-        }
         let rope = RopeTables::at(&positions.ids, self.head_dim, self.rope_theta, self.rope_scaling, device).in_dtype(self.compute_dtype);
         LlamaContext { rope, documents: positions.packed.then(|| positions.ids.clone()) }
     }
@@ -283,8 +274,6 @@ pub struct Llama<B: Backend> {
     /// From the configuration, like the head dim; not part of the record.
     #[module(skip)]
     rope_scaling: RopeScaling,
-    #[module(skip)]
-    sliding_window: Option<usize>,
     /// What the layers compute in (the parameters stay f32); not part of the record.
     #[module(skip)]
     compute_dtype: FloatDType,
@@ -418,6 +407,9 @@ pub struct Attention<B: Backend> {
     head_dim: usize,
     repeat_kv: bool,
     causal: bool,
+    /// Mistral's sliding window; from the configuration, not part of the record.
+    #[module(skip)]
+    sliding_window: Option<usize>,
 }
 
 impl<B: Backend> Attention<B> {
@@ -454,10 +446,7 @@ impl<B: Backend> Attention<B> {
             (k, v)
         };
         let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: self.causal };
-        match documents {
-            Some(positions) => attention_in_documents(q, k, v, positions, options),
-            None => attention(q, k, v, None, None, options),
-        }
+        attention_within(q, k, v, documents, self.sliding_window, options)
     }
 
     /// The output projection of the core's output `[batch, heads, seq, head_dim]`.

@@ -195,11 +195,6 @@ impl PackedDocuments {
         Ok(Self { train: sequences, eval, eos: i64::from(eos), batch_size, seed })
     }
 
-    /// The most tokens one document holds in a sequence (a longer one is cut to `seq_len`).
-    pub fn longest_document(&self) -> usize {
-        self.train.iter().chain(self.eval.iter().flatten()).flat_map(|s| documents_ending_in(s, self.eos)).max().unwrap_or(0)
-    }
-
     /// Every packed sequence (the held-out ones last), for evaluating the whole file.
     pub fn all_sequences(&self) -> Vec<Vec<i64>> {
         self.train.iter().chain(self.eval.iter().flatten()).cloned().collect()

@@ -365,14 +365,10 @@ fn run(args: Args) -> Result<(), String> {
     let data: Box<dyn StepData> = match (&args.data, &args.tokens) {
         (Some(path), _) => {
             let documents = packed_documents(&args, path, pretrained.as_ref().expect("--data needs a checkpoint (checked)"), &config, is_first)?;
-            check_sliding_window(pretrained.as_ref(), documents.longest_document())?;
             eval_sequences = args.eval_only.then(|| documents.all_sequences());
             Box::new(documents)
         }
-        (None, Some(path)) => {
-            check_sliding_window(pretrained.as_ref(), config.seq_len)?;
-            Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab)?)
-        }
+        (None, Some(path)) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab)?),
         (None, None) => {
             let corpus = ByteCorpus::load(&args.corpus, 0.1)?;
             if !args.bytes_ok {
@@ -428,19 +424,6 @@ fn run(args: Args) -> Result<(), String> {
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
     let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at, options, eval_sequences: None, _run_folder: run_folder };
     on_backend(&job)
-}
-
-/// Refuses, before any work, documents longer than a checkpoint's sliding window (Mistral's),
-/// which the attention does not apply yet: a query past it would see keys the model never saw.
-fn check_sliding_window(checkpoint: Option<&DecoderConfig>, longest_document: usize) -> Result<(), String> {
-    match checkpoint.and_then(|c| c.sliding_window) {
-        Some(window) if longest_document > window => Err(format!(
-            "the model's sliding window is {window} tokens (config.json `sliding_window`), which burn-ulysses does not apply \
-             yet, and a document of {longest_document} tokens would reach past it: use --seq-len {window} or less (longer \
-             documents are cut to it)"
-        )),
-        _ => Ok(()),
-    }
 }
 
 /// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary.

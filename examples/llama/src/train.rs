@@ -168,6 +168,13 @@ impl TrainConfig {
                 self.layout.ring_size, model.n_heads
             ));
         }
+        if let (Some(window), true) = (model.sliding_window, self.layout.ring_size > 1) {
+            return Err(format!(
+                "the model's sliding window ({window} tokens) does not combine with Ulysses × Ring yet (--ring {}): use --ring 1, \
+                 with --sp at most the head count {}",
+                self.layout.ring_size, model.n_heads
+            ));
+        }
         if let Some(checkpointing) = &self.layer_checkpointing {
             checkpointing.check().map_err(|e| format!("{e} (--tile-tokens)"))?;
         }

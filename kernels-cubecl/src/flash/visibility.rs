@@ -77,6 +77,28 @@ impl VisibleRanges {
         Ok(self)
     }
 
+    /// A sliding window of `window` keys (Mistral's): row `r` sees no key before `r + 1 -
+    /// window`, only the last `window` keys up to itself (self-attention: as many queries as
+    /// keys). A band: each row's run and each key's rows stay one run.
+    pub fn with_window(mut self, window: usize) -> Result<Self, FlashError> {
+        if self.seq_q != self.seq_kv || window == 0 {
+            return Err(FlashError::Shape(format!(
+                "a sliding window needs self-attention (as many queries as keys) and at least one key; got {} queries, {} keys and a window of {window}",
+                self.seq_q, self.seq_kv
+            )));
+        }
+        for b in 0..self.batch {
+            for position in 0..self.seq_q {
+                let at = b * self.seq_q + position;
+                let keys = (position + 1).saturating_sub(window) as u32..self.seq_kv as u32;
+                self.row_keys[at] = intersect(&self.row_keys[at], &keys);
+                let rows = 0..(position + window).min(self.seq_q) as u32;
+                self.key_rows[at] = intersect(&self.key_rows[at], &rows);
+            }
+        }
+        Ok(self)
+    }
+
     /// Keys of sequence `b` outside `runs[b]` are padding: no row sees them.
     pub fn with_key_runs(mut self, runs: &[Range<usize>]) -> Result<Self, FlashError> {
         if runs.len() != self.batch {
@@ -179,6 +201,21 @@ mod tests {
         assert!(ranges.visible(0, 2, 0) && !ranges.visible(0, 3, 2) && ranges.visible(0, 6, 3));
         // Sequence 1: documents [0], [1..6), [6]; keys 5 and 6 are padding.
         assert!(!ranges.visible(1, 0, 1) && ranges.visible(1, 5, 4) && !ranges.visible(1, 5, 5) && !ranges.visible(1, 6, 6));
+    }
+
+    #[test]
+    fn a_window_keeps_the_last_keys_of_each_row_in_both_views() {
+        let ranges = VisibleRanges::all(1, 9, 9).unwrap().with_documents(&[vec![6, 3]]).unwrap().with_window(3).unwrap();
+        for row in 0..9 {
+            for key in 0..9 {
+                let same_document = (row < 6) == (key < 6);
+                let expected = same_document && key + 3 > row;
+                assert_eq!(ranges.visible(0, row, key), expected, "row {row} key {key}");
+                assert_eq!(ranges.key_rows[key].contains(&(row as u32)), expected, "row {row} key {key} by key");
+            }
+        }
+        assert!(VisibleRanges::all(1, 4, 5).unwrap().with_window(2).is_err());
+        assert!(VisibleRanges::all(1, 4, 4).unwrap().with_window(0).is_err());
     }
 
     #[test]

@@ -24,6 +24,9 @@ fn visible_ranges(visibility: &Visibility) -> Result<VisibleRanges, FlashError> 
     if let Some(runs) = visibility.key_runs() {
         ranges = ranges.with_key_runs(runs)?;
     }
+    if let Some(window) = visibility.window() {
+        ranges = ranges.with_window(window)?;
+    }
     Ok(ranges)
 }
 
