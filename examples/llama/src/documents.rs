@@ -20,10 +20,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 use ulysses_models::TextTokenizer;
 
-use crate::{
-    corpus::splitmix64,
-    train::{StepData, lengths_of_pieces},
-};
+use crate::{corpus::splitmix64, train::StepData};
 
 /// Text lines tokenized together (on every core).
 const TOKENIZE_CHUNK: usize = 512;
@@ -162,42 +159,52 @@ fn files_under(path: &Path) -> std::io::Result<Vec<PathBuf>> {
 
 /// Documents packed into sequences of `seq_len`, drawn `batch_size` per step in a seeded
 /// order that changes each epoch; the last batch is held out when there are two or more.
+/// Each sequence keeps the lengths of the documents packed into it: an EOS inside a document
+/// (a chat template's end of turn, when that is the checkpoint's EOS) does not end it.
 pub struct PackedDocuments {
-    train: Vec<Vec<i64>>,
-    eval: Option<Vec<Vec<i64>>>,
-    eos: i64,
+    train: Vec<Packed>,
+    eval: Option<Vec<Packed>>,
     batch_size: usize,
     seed: u64,
 }
 
+/// One packed sequence and the lengths of its documents.
+#[derive(Debug, Clone)]
+struct Packed {
+    tokens: Vec<i64>,
+    documents: Vec<usize>,
+}
+
 impl PackedDocuments {
-    /// Packs `documents` (each ending in `eos`); with `hold_out`, the last batch is kept for
-    /// evaluation when there are at least two.
-    pub fn pack(documents: &[Vec<i64>], eos: u32, seq_len: usize, batch_size: usize, seed: u64, hold_out: bool) -> Result<Self, String> {
-        let (mut sequences, _) = pack_documents(documents, seq_len);
+    /// Packs `documents`; with `hold_out`, the last batch is kept for evaluation when there are
+    /// at least two.
+    pub fn pack(documents: &[Vec<i64>], seq_len: usize, batch_size: usize, seed: u64, hold_out: bool) -> Result<Self, String> {
+        let (sequences, lengths) = pack_documents(documents, seq_len);
         let tokens: usize = sequences.iter().map(Vec::len).sum();
-        if sequences.len() < batch_size {
+        let count = sequences.len();
+        if count < batch_size {
             return Err(format!(
-                "--data packs into {} sequence(s) of up to --seq-len {seq_len} tokens ({tokens} tokens), fewer than one batch \
-                 (--batch-size {batch_size}): give more data, or a smaller --batch-size or --seq-len",
-                sequences.len()
+                "--data packs into {count} sequence(s) of up to --seq-len {seq_len} tokens ({tokens} tokens), fewer than one batch \
+                 (--batch-size {batch_size}): give more data, or a smaller --batch-size or --seq-len"
             ));
         }
-        let eval = (hold_out && sequences.len() >= 2 * batch_size).then(|| sequences.split_off(sequences.len() - batch_size));
+        let mut train: Vec<Packed> = sequences.into_iter().zip(lengths).map(|(tokens, documents)| Packed { tokens, documents }).collect();
+        let eval = (hold_out && count >= 2 * batch_size).then(|| train.split_off(count - batch_size));
         tracing::info!(
             documents = documents.len(),
-            sequences = sequences.len(),
+            sequences = count,
             tokens,
-            fill = format!("{:.1}%", 100.0 * tokens as f64 / (seq_len * (sequences.len() + eval.as_ref().map_or(0, Vec::len))) as f64),
+            fill = format!("{:.1}%", 100.0 * tokens as f64 / (seq_len * count) as f64),
             held_out = eval.as_ref().map_or(0, Vec::len),
             "packed the documents"
         );
-        Ok(Self { train: sequences, eval, eos: i64::from(eos), batch_size, seed })
+        Ok(Self { train, eval, batch_size, seed })
     }
 
-    /// Every packed sequence (the held-out ones last), for evaluating the whole file.
-    pub fn all_sequences(&self) -> Vec<Vec<i64>> {
-        self.train.iter().chain(self.eval.iter().flatten()).cloned().collect()
+    /// Every packed sequence (the held-out ones last) and its documents, for evaluating the
+    /// whole file.
+    pub fn everything(&self) -> (Vec<Vec<i64>>, Vec<Vec<usize>>) {
+        self.train.iter().chain(self.eval.iter().flatten()).map(|p| (p.tokens.clone(), p.documents.clone())).unzip()
     }
 
     /// The index into `train` of the `index`-th sequence drawn: a permutation of the
@@ -212,30 +219,28 @@ impl PackedDocuments {
         }
         order[at]
     }
+
+    fn step_sequences(&self, step: usize) -> impl Iterator<Item = &Packed> {
+        (0..self.batch_size).map(move |i| &self.train[self.drawn(step * self.batch_size + i)])
+    }
 }
 
 impl StepData for PackedDocuments {
     fn train_batch(&self, step: usize) -> Vec<Vec<i64>> {
-        (0..self.batch_size).map(|i| self.train[self.drawn(step * self.batch_size + i)].clone()).collect()
+        self.step_sequences(step).map(|p| p.tokens.clone()).collect()
     }
 
     fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
-        self.eval.clone()
+        self.eval.as_ref().map(|eval| eval.iter().map(|p| p.tokens.clone()).collect())
     }
 
-    fn documents_in(&self, batch: &[Vec<i64>]) -> Vec<Vec<usize>> {
-        batch.iter().map(|sequence| documents_ending_in(sequence, self.eos)).collect()
+    fn train_documents(&self, step: usize, _batch: &[Vec<i64>]) -> Vec<Vec<usize>> {
+        self.step_sequences(step).map(|p| p.documents.clone()).collect()
     }
 
-    fn eval_documents_in(&self, batch: &[Vec<i64>]) -> Option<Vec<Vec<usize>>> {
-        Some(self.documents_in(batch))
+    fn eval_documents(&self) -> Option<Vec<Vec<usize>>> {
+        self.eval.as_ref().map(|eval| eval.iter().map(|p| p.documents.clone()).collect())
     }
-}
-
-/// The lengths of the documents of a packed sequence: each ends after an `eos`, the last at
-/// the sequence's end (a piece of a document cut by the packing).
-pub fn documents_ending_in(sequence: &[i64], eos: i64) -> Vec<usize> {
-    lengths_of_pieces(sequence.len(), |i| sequence[i] == eos)
 }
 
 #[cfg(test)]
@@ -261,22 +266,26 @@ mod tests {
     }
 
     #[test]
-    fn packed_sequences_split_after_each_eos_as_they_were_packed() {
-        let eos = 0;
-        let documents = vec![vec![5, 6, 0], vec![7, 0], vec![1, 2, 3, 4, 5, 6, 7, 0], vec![9, 0]];
-        let (sequences, lengths) = pack_documents(&documents, 6);
-        for (sequence, lengths) in sequences.iter().zip(&lengths) {
-            assert_eq!(&documents_ending_in(sequence, eos), lengths, "{sequence:?}");
+    fn each_sequence_keeps_its_documents_even_with_eos_inside_one() {
+        // EOS is 0; the second document holds a 0 inside (an end of turn), and stays whole.
+        let documents = vec![vec![5, 6, 0], vec![7, 0, 8, 9, 0], vec![1, 2, 3, 4, 5, 6, 7, 0], vec![9, 0]];
+        let data = PackedDocuments::pack(&documents, 8, 1, 3, false).unwrap();
+        let (sequences, lengths) = data.everything();
+        assert_eq!(sequences, vec![vec![5, 6, 0, 7, 0, 8, 9, 0], vec![1, 2, 3, 4, 5, 6, 7, 0], vec![9, 0]]);
+        assert_eq!(lengths, vec![vec![3, 5], vec![8], vec![2]]);
+        for step in 0..3 {
+            let batch = data.train_batch(step);
+            let expected: Vec<Vec<usize>> = batch.iter().map(|s| lengths[sequences.iter().position(|t| t == s).unwrap()].clone()).collect();
+            assert_eq!(data.train_documents(step, &batch), expected, "step {step}");
         }
-        assert_eq!(documents_ending_in(&[3, 0, 4], eos), [2, 1]);
-        // Byte paragraphs are cut by the same rule, after each blank line.
+        // Byte paragraphs are cut after each blank line.
         assert_eq!(crate::train::paragraph_lengths(&[97, 10, 10, 98, 10]), [3, 2]);
     }
 
     #[test]
     fn each_epoch_draws_every_sequence_once_in_a_seeded_order() {
         let documents: Vec<Vec<i64>> = (1..=10).map(|d| vec![d, 0]).collect();
-        let data = PackedDocuments::pack(&documents, 0, 2, 2, 7, false).unwrap();
+        let data = PackedDocuments::pack(&documents, 2, 2, 7, false).unwrap();
         let epoch = |e: usize| -> Vec<usize> { (0..10).map(|i| data.drawn(e * 10 + i)).collect() };
         let (first, second) = (epoch(0), epoch(1));
         let mut sorted = first.clone();

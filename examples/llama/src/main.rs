@@ -269,8 +269,9 @@ struct Job<'a> {
     out: PathBuf,
     /// The step a resumed run starts at.
     resumed_at: Option<usize>,
-    /// With --eval-only: every sequence of --data, evaluated instead of training.
-    eval_sequences: Option<Vec<Vec<i64>>>,
+    /// With --eval-only: every sequence of --data and its documents, evaluated instead of
+    /// training.
+    eval_sequences: Option<(Vec<Vec<i64>>, Vec<Vec<usize>>)>,
     options: JobOptions,
     /// Held by world rank 0 for the whole run.
     _run_folder: Option<RunFolder>,
@@ -365,7 +366,7 @@ fn run(args: Args) -> Result<(), String> {
     let data: Box<dyn StepData> = match (&args.data, &args.tokens) {
         (Some(path), _) => {
             let documents = packed_documents(&args, path, pretrained.as_ref().expect("--data needs a checkpoint (checked)"), &config, is_first)?;
-            eval_sequences = args.eval_only.then(|| documents.all_sequences());
+            eval_sequences = args.eval_only.then(|| documents.everything());
             Box::new(documents)
         }
         (None, Some(path)) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab)?),
@@ -443,7 +444,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &DecoderConfig, config
     let documents = reader.read(path)?;
     // Evaluating takes every sequence, however few.
     let batch_size = if args.eval_only { 1 } else { config.batch_size };
-    PackedDocuments::pack(&documents, eos, config.seq_len, batch_size, config.seed, !args.eval_only)
+    PackedDocuments::pack(&documents, config.seq_len, batch_size, config.seed, !args.eval_only)
 }
 
 /// Runs the job on the --backend.
@@ -527,14 +528,14 @@ where
     let threads = matches!(job.launch, Launch::Threads);
 
     let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {
-        if let Some(sequences) = &job.eval_sequences {
+        if let Some((sequences, documents)) = &job.eval_sequences {
             if job.args.fault_kill_before_eval == Some(rank.world_rank) {
                 tracing::warn!(rank = rank.world_rank, "test hook: killing this process (SIGKILL) before it evaluates");
                 // SAFETY: kill(2) on our own pid; nothing after it runs.
                 unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             }
             let model = template.clone().fork(&rank.device);
-            let loss = evaluate_sequences::<Sp<W>>(config, model, job.data.as_ref(), sequences, &rank.groups, &rank.device).map_err(|e| e.to_string())?;
+            let loss = evaluate_sequences::<Sp<W>>(config, model, sequences, Some(documents), &rank.groups, &rank.device).map_err(|e| e.to_string())?;
             if rank.world_rank == 0 {
                 println!(
                     "eval: loss {:.6}, perplexity {:.4} over {} labelled tokens in {} sequences of {} (SP={} DP={})",

@@ -217,15 +217,16 @@ pub trait StepData: Sync {
     fn eval_batch(&self) -> Option<Vec<Vec<i64>>>;
 
     /// With [`TrainConfig::pack`]: the lengths of the documents packed into each sequence of
-    /// a training `batch`. By default the paragraphs of byte text ([`paragraph_lengths`]).
-    fn documents_in(&self, batch: &[Vec<i64>]) -> Vec<Vec<usize>> {
+    /// `batch`, the step's (`train_batch(step)`). By default the paragraphs of byte text
+    /// ([`paragraph_lengths`]).
+    fn train_documents(&self, _step: usize, batch: &[Vec<i64>]) -> Vec<Vec<usize>> {
         batch.iter().map(|sequence| paragraph_lengths(sequence)).collect()
     }
 
     /// With [`TrainConfig::pack`]: the documents of each held-out sequence, or `None` to
     /// evaluate whole windows (the default: a byte corpus's held-out loss stays comparable
     /// between packed and unpacked runs).
-    fn eval_documents_in(&self, _batch: &[Vec<i64>]) -> Option<Vec<Vec<usize>>> {
+    fn eval_documents(&self) -> Option<Vec<Vec<usize>>> {
         None
     }
 }
@@ -329,6 +330,7 @@ where
     };
     let is_first = groups.world_rank() == 0;
     let eval_batch = data.eval_batch();
+    let eval_documents = if config.pack { data.eval_documents() } else { None };
     let last_step = options.stop_after.map_or(config.steps, |stop| stop.min(config.steps));
     let mut reports = Vec::with_capacity(last_step.saturating_sub(first_step));
 
@@ -346,8 +348,7 @@ where
         }
         let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
         if let (true, Some(batch)) = (eval_due, &eval_batch) {
-            let documents = if config.pack { data.eval_documents_in(batch) } else { None };
-            let loss = evaluate_model::<B>(config, &model.valid(), batch, documents.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
+            let loss = evaluate_model::<B>(config, &model.valid(), batch, eval_documents.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
             if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss) {
                 progress.eval(step, loss.mean());
             }
@@ -394,7 +395,7 @@ where
         return Err(UlyssesError::InvalidConfig(message));
     }
     let micro_batches = config.micro_batches(&global, groups.dp_rank());
-    let documents = config.pack.then(|| config.micro_batches(&data.documents_in(&global), groups.dp_rank()));
+    let documents = config.pack.then(|| config.micro_batches(&data.train_documents(step, &global), groups.dp_rank()));
     let input = StepInput { index: step, learning_rate: config.learning_rate_at(step), micro_batches: &micro_batches, documents: documents.as_deref(), max_grad_norm: config.max_grad_norm };
     let mut local = match &config.layer_checkpointing {
         None => backward_step(&model, &input, sharder, groups, device)?,
@@ -408,22 +409,16 @@ where
 /// the last at the sequence's end. They are the documents `--pack` trains on.
 pub fn paragraph_lengths(sequence: &[i64]) -> Vec<usize> {
     let newline = i64::from(b'\n');
-    lengths_of_pieces(sequence.len(), |i| i > 0 && sequence[i] == newline && sequence[i - 1] == newline)
-}
-
-/// The lengths of the pieces of a sequence of `len` tokens cut after each position `i` where
-/// `ends_at(i)`; the last piece ends at the sequence's end.
-pub fn lengths_of_pieces(len: usize, ends_at: impl Fn(usize) -> bool) -> Vec<usize> {
     let mut lengths = vec![];
     let mut start = 0;
-    for end in 0..len {
-        if ends_at(end) {
+    for end in 1..sequence.len() {
+        if sequence[end] == newline && sequence[end - 1] == newline {
             lengths.push(end + 1 - start);
             start = end + 1;
         }
     }
-    if start < len {
-        lengths.push(len - start);
+    if start < sequence.len() {
+        lengths.push(sequence.len() - start);
     }
     lengths
 }
@@ -530,23 +525,26 @@ where
     evaluate(forward, batch, documents, &sharder, groups.sp_rank(), &*groups.sp, device).map(Some)
 }
 
-/// The loss of `model` over `sequences` (a whole file), `batch_size` at a time: DP replica
-/// `r` evaluates batches `r`, `r + dp`, ..., each over its SP group, and the world adds them up.
-/// Every rank returns the same.
+/// The loss of `model` over `sequences` (a whole file; each packing the documents of lengths
+/// `documents[i]`, if given), `batch_size` at a time: DP replica `r` evaluates batches `r`,
+/// `r + dp`, ..., each over its SP group, and the world adds them up. Every rank returns the
+/// same.
 pub fn evaluate_sequences<B: TrainBackend>(
     config: &TrainConfig,
     model: Llama<B>,
-    data: &dyn StepData,
     sequences: &[Vec<i64>],
+    documents: Option<&[Vec<usize>]>,
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
 ) -> Result<TokenLoss, UlyssesError> {
     let config = config.clone().with_eval_single_device(false);
     let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?).valid();
+    let size = config.batch_size;
     let mut total = TokenLoss::default();
-    for batch in sequences.chunks(config.batch_size).skip(groups.dp_rank()).step_by(config.layout.dp_size) {
-        let documents = if config.pack { data.eval_documents_in(batch) } else { None };
-        let loss = evaluate_model::<B>(&config, &model, batch, documents.as_deref(), groups, device)?.expect("evaluated over the SP group");
+    for start in (groups.dp_rank() * size..sequences.len()).step_by(size * config.layout.dp_size) {
+        let end = (start + size).min(sequences.len());
+        let batch_documents = documents.map(|documents| &documents[start..end]);
+        let loss = evaluate_model::<B>(&config, &model, &sequences[start..end], batch_documents, groups, device)?.expect("evaluated over the SP group");
         total = total.add(loss);
     }
     // Each SP group's ranks hold its sums; the group's first rank speaks for it.
