@@ -122,10 +122,15 @@ impl LlamaConfig {
     fn init_linear<B: Backend>(&self, d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Linear<B> {
         let config = LinearConfig::new(d_in, d_out).with_bias(bias);
         match self.normal_init() {
-            Some(initializer) => config.with_initializer(initializer),
-            None => config,
+            // As transformers' `_init_weights`: weights from the normal, biases zero.
+            Some(initializer) => {
+                let mut linear = config.with_initializer(initializer).init(device);
+                // A new tensor: it takes the parameter's `require_grad` over, or it would not train.
+                linear.bias = linear.bias.map(|bias| bias.map(|values| values.zeros_like().set_require_grad(values.is_require_grad())));
+                linear
+            }
+            None => config.init(device),
         }
-        .init(device)
     }
 
     pub fn head_dim(&self) -> usize {

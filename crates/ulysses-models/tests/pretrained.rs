@@ -245,6 +245,14 @@ fn a_model_from_a_config_alone_starts_at_transformers_initialisation() {
         for (what, std) in [("embedding", embedding), ("q projection", query)] {
             assert!((std / config.initializer_range - 1.0).abs() < 0.1, "{name}: {what} std {std}, initializer_range {}", config.initializer_range);
         }
+        // Biases (Qwen2's q, k, v) start at zero, as transformers' `_init_weights` sets them,
+        // and still train.
+        let trained = ulysses_models::LlamaConfig::from_hf(&config).init::<burn::backend::Autodiff<Cpu>>(&Default::default());
+        if let Some(bias) = &trained.blocks[0].attention.wq.bias {
+            let values = bias.val().into_data().to_vec::<f32>().unwrap();
+            assert!(values.iter().all(|&v| v == 0.0), "{name}: a q bias starts at {:?}", values.iter().find(|&&v| v != 0.0));
+            assert!(bias.val().is_require_grad(), "{name}: the q bias takes no gradient");
+        }
         // Random tokens: the loss of near-uniform predictions.
         let (batch, seq) = (2, 32);
         let ids: Vec<i64> = (0..batch * seq).map(|i| ((i * 7919) % config.vocab_size) as i64).collect();
