@@ -337,11 +337,16 @@ impl<M: DialectWmmaCompiler<Self>> DialectBindings<Self> for CudaDialect<M> {
         buffers: &[KernelArg<Self>],
         flags: &Flags<Self>,
     ) -> std::fmt::Result {
-        // burn-ulysses patch: blocks of up to 64 threads declare a minimum of one block per
-        // SM. Without it, ptxas keeps them to 128 registers and spills; larger blocks keep the
-        // plain bound, which lets it aim for two blocks per SM (third_party/README.md).
+        // burn-ulysses patch: blocks of up to 64 threads, and blocks whose shared memory is
+        // more than half of the largest SM's (228 KiB, the H100's; so no GPU fits two of them),
+        // declare a minimum of one block per SM. Without it, ptxas keeps them to 128-168
+        // registers for blocks that could never be resident together, and spills; the other
+        // blocks keep the plain bound, which lets it aim for two blocks per SM
+        // (third_party/README.md).
+        const HALF_THE_LARGEST_SM_SHARED_MEMORY: usize = 114 * 1024;
         let threads = flags.cube_dim.num_elems();
-        let min_blocks = if threads <= 64 { ", 1" } else { "" };
+        let one_block_fits = flags.shared_memory_bytes > HALF_THE_LARGEST_SM_SHARED_MEMORY;
+        let min_blocks = if threads <= 64 || one_block_fits { ", 1" } else { "" };
         write!(
             f,
             "

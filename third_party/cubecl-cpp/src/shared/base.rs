@@ -93,6 +93,8 @@ pub struct Flags<D: Dialect> {
     pub cube_dim: CubeDim,
     pub cluster_dim: Option<CubeDim>,
     pub address_type: Item<D>,
+    /// burn-ulysses patch: the block's shared memory, for the launch bound (cuda/dialect.rs).
+    pub shared_memory_bytes: usize,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -139,6 +141,7 @@ impl<D: Dialect> Default for Flags<D> {
             cube_dim: CubeDim::new_single(),
             cluster_dim: Default::default(),
             address_type: Item::scalar(Elem::U32, true),
+            shared_memory_bytes: 0,
         }
     }
 }
@@ -241,7 +244,7 @@ impl<D: Dialect> CppCompiler<D> {
             .collect::<Vec<_>>();
 
         // translation flags
-        let flags = Flags {
+        let mut flags = Flags {
             indexes: D::builtin_rules(&self.flags.indexes),
             inst_wmma: self.flags.inst_wmma,
             op_pipeline: self.flags.op_pipeline,
@@ -263,6 +266,7 @@ impl<D: Dialect> CppCompiler<D> {
             cube_dim: value.cube_dim,
             cluster_dim: value.options.cluster_dim,
             address_type: self.compile_type(address_type.into()),
+            shared_memory_bytes: 0,
         };
 
         let mut opt = Optimizer::shared_only(value.body, value.cube_dim);
@@ -290,7 +294,9 @@ impl<D: Dialect> CppCompiler<D> {
                     offset: alloc.offset,
                 },
             })
-            .collect();
+            .collect::<Vec<_>>();
+        // burn-ulysses patch: the launch bound depends on it (cuda/dialect.rs).
+        flags.shared_memory_bytes = shared_memories.iter().map(|smem| smem.offset() + smem.size()).max().unwrap_or_default();
 
         let body = Body {
             instructions,
