@@ -30,7 +30,7 @@ use crate::{
     exchange::{heads_to_sequence, sequence_to_heads},
     fused::dense_fallback,
     inner::{DenseFallback, ExchangeBackend},
-    layout::{AttentionLayout, HeadPlan, MaskKind},
+    layout::{AttentionLayout, CallOptions, HeadPlan, MaskKind},
     primitive::{float_primitive, float_tensor},
     ring::ring_attention,
     visibility::{PositionIds, Visibility},
@@ -282,7 +282,9 @@ fn key_padding_as_runs<X: ExchangeBackend>(
     }
 }
 
-/// Checks shapes that need no peer, and describes the call for the cross-rank check.
+/// Checks shapes that need no peer, and describes the call for the cross-rank check
+/// (ulysses-core's rule, shared with the burn 0.22 crate).
+#[allow(clippy::too_many_arguments)]
 fn local_layout<X: ExchangeBackend>(
     query: &FloatTensor<X>,
     key: &FloatTensor<X>,
@@ -293,41 +295,12 @@ fn local_layout<X: ExchangeBackend>(
     has_documents: bool,
     window: Option<usize>,
 ) -> Result<AttentionLayout, UlyssesError> {
-    let (q, k, v) = (dims(query), dims(key), dims(value));
-    if q.len() != 4 || k.len() != 4 || v.len() != 4 {
-        return Err(UlyssesError::Shape(format!(
-            "q, k and v must be 4-D [batch, heads, seq, head_dim]; got q {q:?}, k {k:?}, v {v:?}"
-        )));
-    }
-    if k[0] != q[0] || v[0] != q[0] || k[1] != v[1] || k[2] != v[2] || k[3] != q[3] {
-        return Err(UlyssesError::Shape(format!(
-            "k and v must be [batch, kv_heads, kv_seq, _] with q's batch, and k must have q's \
-             head_dim; got q {q:?}, k {k:?}, v {v:?}"
-        )));
-    }
-    let mask_kind = match mask.map(dims) {
-        None => MaskKind::None,
-        Some(m) if m.len() == 4 && m[0] == q[0] && m[2] == 1 && m[3] == k[2] && (m[1] == 1 || m[1] == q[1]) => {
-            MaskKind::KeyPadding { heads: m[1] }
-        }
-        Some(_) => MaskKind::Unshardable,
-    };
-    Ok(AttentionLayout {
-        batch: q[0],
-        q_heads: q[1],
-        kv_heads: k[1],
-        q_seq: q[2],
-        kv_seq: k[2],
-        head_dim: q[3],
-        value_dim: v[3],
-        is_causal: options.is_causal,
-        scale: options.scale,
-        softcap: options.softcap,
-        mask: mask_kind,
-        has_bias: attn_bias.is_some(),
-        has_documents,
-        window,
-    })
+    AttentionLayout::of_call(&dims(query), &dims(key), &dims(value), mask.map(dims).as_deref(), attn_bias.is_some(), call_options(options), has_documents, window)
+}
+
+/// What the layout rules read of burn's options.
+pub(crate) fn call_options(options: &AttentionModuleOptions) -> CallOptions {
+    CallOptions { scale: options.scale, softcap: options.softcap, is_causal: options.is_causal }
 }
 
 /// Attention over whole sequences with the inner backend's best kernel (a fused one takes

@@ -37,12 +37,10 @@ pub mod comm;
 pub mod compare;
 pub mod context;
 pub mod data;
-pub mod error;
 pub mod exchange;
 pub mod fused;
 pub mod hand_attention;
 pub mod inner;
-pub mod layout;
 pub mod nn;
 pub mod precision;
 pub mod ring;
@@ -50,6 +48,9 @@ mod primitive;
 pub mod topology;
 pub mod train;
 pub mod visibility;
+
+// The layout rules and errors are Burn-free (ulysses-core), shared with the burn 0.22 crate.
+pub use ulysses_core::{error, layout};
 
 pub use backend::UlyssesBackend;
 pub use context::{RankGuard, RankScope, UlyssesConfig};

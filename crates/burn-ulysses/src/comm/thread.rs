@@ -1,344 +1,39 @@
-//! In-process ranks: a group whose ranks are threads of one process.
-//!
-//! Each collective is a *round*, numbered per group by how many collectives a rank has
-//! issued. A rank deposits its contribution into the round, waits until every rank of the
-//! group has deposited, then takes what it needs. Tensors move by ownership (no copy for
-//! backends whose tensors live in host memory); a rank on another device receives them
-//! through `float_to_device`.
-//!
-//! Nothing hangs: a rank that leaves the group (its [`ThreadRank`] is dropped, normally or
-//! while unwinding from a panic) fails every round it has not joined, and every wait has a
-//! deadline.
+//! In-process ranks for burn 0.21: [`Communicator`] on ulysses-core's [`ThreadCommunicator`],
+//! whose rounds move this backend's tensors between rank threads by ownership; a rank on
+//! another device receives them through `float_to_device`.
 
-use std::{
-    any::Any,
-    collections::HashMap,
-    panic::{AssertUnwindSafe, catch_unwind},
-    sync::{
-        Arc, Condvar, Mutex, MutexGuard,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::{Duration, Instant},
-};
+use std::sync::Arc;
 
-use burn::{
-    config::Config,
-    tensor::{Shape, Tensor, TensorMetadata, backend::Backend, ops::FloatTensor},
-};
+use burn::tensor::{Shape, Tensor, TensorMetadata, backend::Backend, ops::FloatTensor};
+use ulysses_core::comm::mixed_kinds as mixed_backends;
 
-use super::{Collective, CommError, Communicator, ReduceOp, Traffic, TrafficCounter};
+use super::{Collective, CommError, Communicator, ReduceOp, ThreadCommunicator, Traffic};
 use crate::primitive::{as_rows, byte_size, float_primitive};
 
-/// Settings of an in-process group.
-#[derive(Config, Debug)]
-pub struct ThreadGroupConfig {
-    /// Number of ranks (threads).
-    pub size: usize,
-    /// How long a rank waits for the others in one collective before failing.
-    #[config(default = 600.0)]
-    pub timeout_secs: f64,
+/// Clones every rank's deposited tensor, in rank order.
+fn gather_tensors<B: Backend>(communicator: &ThreadCommunicator, op: Collective, tensor: FloatTensor<B>) -> Result<Vec<FloatTensor<B>>, CommError> {
+    let device = B::float_device(&tensor);
+    settle::<B>(&device, op)?;
+    let (_, tensors) = communicator.round(op, Box::new(tensor), |deposits| {
+        deposits.iter().map(|d| d.as_ref().and_then(|d| d.downcast_ref::<FloatTensor<B>>()).cloned()).collect::<Option<Vec<_>>>()
+    })?;
+    let tensors = tensors.ok_or_else(|| mixed_backends(op))?;
+    Ok(tensors.into_iter().map(|t| B::float_to_device(t, &device)).collect())
 }
 
-/// A group of ranks that are threads of this process. Cheap to clone.
-#[derive(Clone)]
-pub struct ThreadGroup {
-    family: Arc<Family>,
-}
-
-/// One rank's membership of a [`ThreadGroup`]. Dropping it tells the other ranks that this
-/// rank is gone, so their pending collectives fail instead of waiting.
-pub struct ThreadRank {
-    communicator: Arc<ThreadCommunicator>,
-}
-
-/// The payload of a panicked rank, as returned by [`ThreadGroup::run`].
-#[derive(Debug, Clone)]
-pub struct RankPanic {
-    pub rank: usize,
-    pub message: String,
-}
-
-impl std::fmt::Display for RankPanic {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "rank {} panicked: {}", self.rank, self.message)
-    }
-}
-
-impl ThreadGroup {
-    /// A group of `size` ranks with the default timeout.
-    pub fn new(size: usize) -> Self {
-        Self::from_config(&ThreadGroupConfig::new(size))
-    }
-
-    pub fn from_config(config: &ThreadGroupConfig) -> Self {
-        assert!(config.size > 0, "a ThreadGroup needs at least one rank, got size 0");
-        assert!(
-            config.timeout_secs > 0.0,
-            "ThreadGroupConfig::timeout_secs must be positive, got {}",
-            config.timeout_secs
-        );
-        let family = Family {
-            world_size: config.size,
-            timeout: Duration::from_secs_f64(config.timeout_secs),
-            state: Mutex::new(FamilyState {
-                joined: vec![false; config.size],
-                departed: vec![false; config.size],
-                rounds: HashMap::new(),
-                subgroups: HashMap::new(),
-                next_group: 1,
-            }),
-            changed: Condvar::new(),
-        };
-        Self { family: Arc::new(family) }
-    }
-
-    pub fn size(&self) -> usize {
-        self.family.world_size
-    }
-
-    /// Takes the membership of `rank`. Each rank can be joined once.
-    pub fn join(&self, rank: usize) -> ThreadRank {
-        let size = self.size();
-        assert!(rank < size, "rank {rank} is out of range for a group of {size} ranks");
-        {
-            let mut state = self.family.lock();
-            assert!(!state.joined[rank], "rank {rank} of this ThreadGroup was already joined");
-            state.joined[rank] = true;
-        }
-        let communicator = ThreadCommunicator {
-            family: self.family.clone(),
-            group: 0,
-            members: (0..size).collect::<Vec<_>>().into(),
-            rank,
-            next_seq: AtomicU64::new(0),
-            traffic: TrafficCounter::default(),
-        };
-        ThreadRank { communicator: Arc::new(communicator) }
-    }
-
-    /// Runs `work` on every rank, one scoped thread each, and returns each rank's result in
-    /// rank order. A rank that panics yields a [`RankPanic`]; the others see it leave and fail
-    /// their pending collectives rather than wait.
-    pub fn run<T, F>(&self, work: F) -> Vec<Result<T, RankPanic>>
-    where
-        T: Send,
-        F: Fn(&ThreadRank) -> T + Sync,
-    {
-        let work = &work;
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..self.size())
-                .map(|rank| {
-                    let membership = self.join(rank);
-                    std::thread::Builder::new()
-                        .name(format!("sp-rank-{rank}"))
-                        .spawn_scoped(scope, move || {
-                            let result = catch_unwind(AssertUnwindSafe(|| work(&membership)));
-                            // Leave the group before reporting, so peers stop waiting.
-                            drop(membership);
-                            result.map_err(|payload| RankPanic {
-                                rank,
-                                message: panic_message(payload.as_ref()),
-                            })
-                        })
-                        .expect("failed to spawn a rank thread")
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|handle| handle.join().expect("rank thread result was lost"))
-                .collect()
-        })
-    }
-}
-
-impl ThreadRank {
-    pub fn rank(&self) -> usize {
-        self.communicator.rank
-    }
-
-    pub fn size(&self) -> usize {
-        self.communicator.members.len()
-    }
-
-    /// This rank's communicator over the whole group; it implements `Communicator<B>` for
-    /// every backend `B`.
-    pub fn communicator(&self) -> Arc<ThreadCommunicator> {
-        self.communicator.clone()
-    }
-}
-
-impl Drop for ThreadRank {
-    fn drop(&mut self) {
-        let world_rank = self.communicator.members[self.communicator.rank];
-        self.communicator.family.lock().departed[world_rank] = true;
-        self.communicator.family.changed.notify_all();
-    }
-}
-
-/// A rank's communicator within a [`ThreadGroup`] or one of its splits.
-pub struct ThreadCommunicator {
-    family: Arc<Family>,
-    /// Which group of the family (0 is the whole group, splits get new ids).
-    group: u64,
-    /// World ranks of this group's members, in group-rank order.
-    members: Arc<[usize]>,
-    rank: usize,
-    next_seq: AtomicU64,
-    traffic: TrafficCounter,
-}
-
-struct Family {
-    world_size: usize,
-    timeout: Duration,
-    state: Mutex<FamilyState>,
-    changed: Condvar,
-}
-
-struct FamilyState {
-    joined: Vec<bool>,
-    /// By world rank.
-    departed: Vec<bool>,
-    /// In-flight collectives, by (group, sequence number).
-    rounds: HashMap<(u64, u64), Round>,
-    /// Group ids created by splits, by (parent group, split's sequence number, color).
-    subgroups: HashMap<(u64, u64, u32), u64>,
-    next_group: u64,
-}
-
-type Deposit = Box<dyn Any + Send>;
-
-struct Round {
-    op: Collective,
-    deposits: Vec<Option<Deposit>>,
-    arrived: usize,
-    readers_left: usize,
-    /// Set when the round can never complete; every waiting rank returns it.
-    failure: Option<CommError>,
-}
-
-impl Family {
-    fn lock(&self) -> MutexGuard<'_, FamilyState> {
-        // A rank that panicked while holding the lock leaves the state consistent: every
-        // mutation below is a single assignment.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
-impl ThreadCommunicator {
-    /// Deposits this rank's contribution to the next collective, waits for every rank, then
-    /// lets `take` extract what this rank needs (under the lock: keep it to moves and
-    /// clones). Returns the round's sequence number with the extracted value.
-    fn round<T>(
-        &self,
-        op: Collective,
-        deposit: Deposit,
-        take: impl FnOnce(&mut [Option<Deposit>]) -> T,
-    ) -> Result<(u64, T), CommError> {
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let key = (self.group, seq);
-        let size = self.members.len();
-        let deadline = Instant::now() + self.family.timeout;
-        let mut state = self.family.lock();
-
-        let round = state.rounds.entry(key).or_insert_with(|| Round {
+fn check_same_shapes<B: Backend>(op: Collective, tensors: &[FloatTensor<B>]) -> Result<(), CommError> {
+    let first = tensors[0].shape();
+    match tensors.iter().position(|t| t.shape() != first) {
+        None => Ok(()),
+        Some(rank) => Err(CommError::InvalidArgument {
             op,
-            deposits: (0..size).map(|_| None).collect(),
-            arrived: 0,
-            readers_left: size,
-            failure: None,
-        });
-        if round.op != op {
-            let first = round.deposits.iter().position(Option::is_some).unwrap_or(0);
-            round.failure = Some(CommError::Mismatch {
-                seq,
-                op: round.op,
-                peer: self.rank,
-                peer_op: op,
-            });
-            self.family.changed.notify_all();
-            return Err(CommError::Mismatch { seq, op, peer: first, peer_op: round.op });
-        }
-        round.deposits[self.rank] = Some(deposit);
-        round.arrived += 1;
-        self.family.changed.notify_all();
-
-        loop {
-            let round = state.rounds.get_mut(&key).expect("round removed before completion");
-            if let Some(failure) = &round.failure {
-                return Err(failure.clone());
-            }
-            if round.arrived == size {
-                break;
-            }
-            let missing: Vec<usize> =
-                (0..size).filter(|&r| round.deposits[r].is_none()).collect();
-            if let Some(&peer) = missing.iter().find(|&&r| state.departed[self.members[r]]) {
-                let failure = CommError::PeerLeft { peer, world_peer: self.members[peer], op, seq };
-                state.rounds.get_mut(&key).unwrap().failure = Some(failure.clone());
-                self.family.changed.notify_all();
-                return Err(failure);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                let waiting_for = missing.iter().map(|&r| self.members[r]).collect();
-                let failure = CommError::Timeout { op, seq, waiting_for, after: self.family.timeout };
-                // The ranks that did arrive fail now too, instead of each at its own deadline.
-                state.rounds.get_mut(&key).unwrap().failure = Some(failure.clone());
-                self.family.changed.notify_all();
-                return Err(failure);
-            }
-            state = self
-                .family
-                .changed
-                .wait_timeout(state, deadline - now)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
-        }
-
-        let round = state.rounds.get_mut(&key).unwrap();
-        let taken = take(&mut round.deposits);
-        round.readers_left -= 1;
-        if round.readers_left == 0 {
-            state.rounds.remove(&key);
-        }
-        Ok((seq, taken))
-    }
-
-    /// Clones every rank's deposited tensor, in rank order.
-    fn gather_tensors<B: Backend>(
-        &self,
-        op: Collective,
-        tensor: FloatTensor<B>,
-    ) -> Result<Vec<FloatTensor<B>>, CommError> {
-        let device = B::float_device(&tensor);
-        settle::<B>(&device, op)?;
-        let (_, tensors) = self.round(op, Box::new(tensor), |deposits| {
-            deposits
-                .iter()
-                .map(|d| d.as_ref().and_then(|d| d.downcast_ref::<FloatTensor<B>>()).cloned())
-                .collect::<Option<Vec<_>>>()
-        })?;
-        let tensors = tensors.ok_or_else(|| mixed_backends(op))?;
-        Ok(tensors.into_iter().map(|t| B::float_to_device(t, &device)).collect())
-    }
-
-    fn check_same_shapes<B: Backend>(
-        op: Collective,
-        tensors: &[FloatTensor<B>],
-    ) -> Result<(), CommError> {
-        let first = tensors[0].shape();
-        match tensors.iter().position(|t| t.shape() != first) {
-            None => Ok(()),
-            Some(rank) => Err(CommError::InvalidArgument {
-                op,
-                reason: format!(
-                    "rank 0 passed shape {:?} but rank {rank} passed {:?}; every rank must pass \
-                     the same shape",
-                    first.to_vec(),
-                    tensors[rank].shape().to_vec()
-                ),
-            }),
-        }
+            reason: format!(
+                "rank 0 passed shape {:?} but rank {rank} passed {:?}; every rank must pass \
+                 the same shape",
+                first.to_vec(),
+                tensors[rank].shape().to_vec()
+            ),
+        }),
     }
 }
 
@@ -365,28 +60,18 @@ fn adopt<B: Backend>(
     Ok(result)
 }
 
-/// A rank found a deposit of another type than its own in the same round.
-fn mixed_backends(op: Collective) -> CommError {
-    CommError::InvalidArgument {
-        op,
-        reason: "ranks passed different kinds of values to the same collective (tensors of \
-                 different backends, or different element types)"
-            .into(),
-    }
-}
-
 impl<B: Backend> Communicator<B> for ThreadCommunicator {
     fn rank(&self) -> usize {
-        self.rank
+        ThreadCommunicator::rank(self)
     }
 
     fn size(&self) -> usize {
-        self.members.len()
+        ThreadCommunicator::size(self)
     }
 
     fn all_to_all(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> {
         let op = Collective::AllToAll;
-        let size = self.members.len();
+        let size = self.size();
         let shape = tensor.shape();
         if shape.num_dims() == 0 || shape[0] != size {
             return Err(CommError::InvalidArgument {
@@ -397,7 +82,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
                 ),
             });
         }
-        self.traffic.record_all_to_all(byte_size::<B>(&tensor), size);
+        self.traffic_counter().record_all_to_all(byte_size::<B>(&tensor), size);
         let device = B::float_device(&tensor);
         let slices: Vec<Option<FloatTensor<B>>> = as_rows::<B>(tensor, size)
             .chunk(size, 0)
@@ -406,7 +91,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
             .collect();
         settle::<B>(&device, op)?;
 
-        let me = self.rank;
+        let me = ThreadCommunicator::rank(self);
         let (_, received) = self.round(op, Box::new(slices), |deposits| {
             deposits
                 .iter_mut()
@@ -418,7 +103,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
                 .collect::<Option<Vec<_>>>()
         })?;
         let received = received.ok_or_else(|| mixed_backends(op))?;
-        Self::check_same_shapes::<B>(op, &received)?;
+        check_same_shapes::<B>(op, &received)?;
         let rows: Vec<Tensor<B, 2>> = received
             .iter()
             .map(|t| crate::primitive::float_tensor(B::float_to_device(t.clone(), &device)))
@@ -428,13 +113,13 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
 
     fn all_to_all_uneven(&self, tensor: FloatTensor<B>, send_counts: &[usize], recv_counts: &[usize]) -> Result<FloatTensor<B>, CommError> {
         let op = Collective::AllToAllUneven;
-        let size = self.members.len();
+        let size = self.size();
         let shape = tensor.shape();
         super::check_uneven_counts(size, shape.num_elements(), shape.num_dims(), send_counts, recv_counts)?;
-        let me = self.rank;
+        let me = ThreadCommunicator::rank(self);
         let element = tensor.dtype().size() as u64;
         let total: usize = send_counts.iter().sum();
-        self.traffic.record_all_to_all_parts(total as u64 * element, (total - send_counts[me]) as u64 * element);
+        self.traffic_counter().record_all_to_all_parts(total as u64 * element, (total - send_counts[me]) as u64 * element);
         let device = B::float_device(&tensor);
         // Slot j holds the part for rank j (`None` when empty, and once taken).
         let parts: Vec<Option<Option<FloatTensor<B>>>> =
@@ -455,10 +140,10 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
     }
 
     fn all_reduce(&self, tensor: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError> {
-        self.traffic.record_all_reduce(byte_size::<B>(&tensor));
+        self.traffic_counter().record_all_reduce(byte_size::<B>(&tensor));
         let shape = tensor.shape();
-        let tensors = self.gather_tensors::<B>(Collective::AllReduce, tensor)?;
-        Self::check_same_shapes::<B>(Collective::AllReduce, &tensors)?;
+        let tensors = gather_tensors::<B>(self, Collective::AllReduce, tensor)?;
+        check_same_shapes::<B>(Collective::AllReduce, &tensors)?;
         // Reduce in rank order on every rank, so all ranks get bit-identical results.
         let size = tensors.len();
         let mut rows = tensors.iter().map(|t| as_rows::<B>(t.clone(), 1));
@@ -476,10 +161,10 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
     }
 
     fn all_gather(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> {
-        self.traffic.record_all_gather(byte_size::<B>(&tensor));
+        self.traffic_counter().record_all_gather(byte_size::<B>(&tensor));
         let mut shape = tensor.shape();
-        let tensors = self.gather_tensors::<B>(Collective::AllGather, tensor)?;
-        Self::check_same_shapes::<B>(Collective::AllGather, &tensors)?;
+        let tensors = gather_tensors::<B>(self, Collective::AllGather, tensor)?;
+        check_same_shapes::<B>(Collective::AllGather, &tensors)?;
         shape.insert(0, tensors.len());
         let rows: Vec<Tensor<B, 2>> = tensors.iter().map(|t| as_rows::<B>(t.clone(), 1)).collect();
         let device = rows[0].device();
@@ -488,19 +173,19 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
 
     fn broadcast(&self, tensor: FloatTensor<B>, root: usize) -> Result<FloatTensor<B>, CommError> {
         let op = Collective::Broadcast;
-        let size = self.members.len();
+        let size = self.size();
         if root >= size {
             return Err(CommError::InvalidArgument {
                 op,
                 reason: format!("root {root} is out of range for a group of {size} ranks"),
             });
         }
-        if self.rank == root {
-            self.traffic.record_broadcast(byte_size::<B>(&tensor));
+        if ThreadCommunicator::rank(self) == root {
+            self.traffic_counter().record_broadcast(byte_size::<B>(&tensor));
         }
         let shape: Shape = tensor.shape();
-        let mut tensors = self.gather_tensors::<B>(op, tensor)?;
-        Self::check_same_shapes::<B>(op, &tensors)?;
+        let mut tensors = gather_tensors::<B>(self, op, tensor)?;
+        check_same_shapes::<B>(op, &tensors)?;
         debug_assert_eq!(tensors[root].shape(), shape);
         let root_tensor = tensors.swap_remove(root);
         let device = B::float_device(&root_tensor);
@@ -511,13 +196,13 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
 
     fn send_recv(&self, tensor: FloatTensor<B>, to: usize, from: usize) -> Result<FloatTensor<B>, CommError> {
         let op = Collective::SendRecv;
-        let size = self.members.len();
-        super::check_send_recv(self.rank, size, to, from)?;
-        self.traffic.record_send_recv(byte_size::<B>(&tensor), to != self.rank);
+        let size = self.size();
+        super::check_send_recv(ThreadCommunicator::rank(self), size, to, from)?;
+        self.traffic_counter().record_send_recv(byte_size::<B>(&tensor), to != ThreadCommunicator::rank(self));
         let shape = tensor.shape();
         let device = B::float_device(&tensor);
         settle::<B>(&device, op)?;
-        let me = self.rank;
+        let me = ThreadCommunicator::rank(self);
         let (_, received) = self.round(op, Box::new((to, tensor)), |deposits| {
             let deposit = deposits[from].as_ref()?.downcast_ref::<(usize, FloatTensor<B>)>()?;
             Some(deposit.clone())
@@ -541,18 +226,11 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        self.round(Collective::Barrier, Box::new(()), |_| ()).map(|_| ())
+        ThreadCommunicator::barrier(self)
     }
 
     fn all_gather_host(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
-        let op = Collective::AllGatherHost;
-        let (_, gathered) = self.round(op, Box::new(values.to_vec()), |deposits| {
-            deposits
-                .iter()
-                .map(|d| d.as_ref().and_then(|d| d.downcast_ref::<Vec<u64>>()).cloned())
-                .collect::<Option<Vec<_>>>()
-        })?;
-        gathered.ok_or_else(|| mixed_backends(op))
+        ThreadCommunicator::all_gather_host(self, values)
     }
 
     fn split(&self, color: u32, key: u32) -> Result<Arc<dyn Communicator<B>>, CommError> {
@@ -560,67 +238,16 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
     }
 
     fn traffic(&self) -> Traffic {
-        self.traffic.snapshot()
-    }
-}
-
-impl ThreadCommunicator {
-    /// [`Communicator::split`], returning the concrete type (a sub-group still moves the
-    /// tensors of every backend).
-    pub fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
-        let values = [u64::from(color), u64::from(key)];
-        let (seq, gathered) = self.round(Collective::Split, Box::new(values), |deposits| {
-            deposits
-                .iter()
-                .map(|d| d.as_ref().and_then(|d| d.downcast_ref::<[u64; 2]>()).copied())
-                .collect::<Option<Vec<_>>>()
-        })?;
-        let gathered = gathered.ok_or_else(|| mixed_backends(Collective::Split))?;
-        let mut same_color: Vec<(u64, usize)> = gathered
-            .iter()
-            .enumerate()
-            .filter(|(_, [c, _])| *c == u64::from(color))
-            .map(|(rank, [_, k])| (*k, rank))
-            .collect();
-        same_color.sort();
-        let new_rank = same_color.iter().position(|&(_, r)| r == self.rank).unwrap();
-        let members: Arc<[usize]> =
-            same_color.iter().map(|&(_, r)| self.members[r]).collect::<Vec<_>>().into();
-
-        let group = {
-            let mut state = self.family.lock();
-            let next = state.next_group;
-            let id = *state.subgroups.entry((self.group, seq, color)).or_insert(next);
-            if id == next {
-                state.next_group += 1;
-            }
-            id
-        };
-        Ok(Arc::new(ThreadCommunicator {
-            family: self.family.clone(),
-            group,
-            members,
-            rank: new_rank,
-            next_seq: AtomicU64::new(0),
-            traffic: TrafficCounter::default(),
-        }))
-    }
-}
-
-/// The text of a panic's payload.
-pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(message) = payload.downcast_ref::<String>() {
-        message.clone()
-    } else if let Some(message) = payload.downcast_ref::<&str>() {
-        message.to_string()
-    } else {
-        "non-string panic payload".to_string()
+        ThreadCommunicator::traffic(self)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::{Duration, Instant};
+
     use super::*;
+    use crate::comm::{ThreadGroup, ThreadGroupConfig};
     use burn::backend::NdArray;
     use burn::tensor::{TensorData, ops::FloatTensorOps};
 

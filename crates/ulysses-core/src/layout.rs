@@ -64,6 +64,56 @@ const FIELDS: [(&str, &str); 14] = [
 ];
 
 impl AttentionLayout {
+    /// Checks the shapes of one rank's call that need no peer (q, k, v `[batch, heads, seq,
+    /// dim]` that fit together) and describes it for the cross-rank check. A mask
+    /// `[batch, 1 | q_heads, 1, kv_seq]` masks keys and can be gathered; any other cannot.
+    #[allow(clippy::too_many_arguments)]
+    pub fn of_call(
+        q: &[usize],
+        k: &[usize],
+        v: &[usize],
+        mask: Option<&[usize]>,
+        has_bias: bool,
+        options: CallOptions,
+        has_documents: bool,
+        window: Option<usize>,
+    ) -> Result<Self, UlyssesError> {
+        if q.len() != 4 || k.len() != 4 || v.len() != 4 {
+            return Err(UlyssesError::Shape(format!(
+                "q, k and v must be 4-D [batch, heads, seq, head_dim]; got q {q:?}, k {k:?}, v {v:?}"
+            )));
+        }
+        if k[0] != q[0] || v[0] != q[0] || k[1] != v[1] || k[2] != v[2] || k[3] != q[3] {
+            return Err(UlyssesError::Shape(format!(
+                "k and v must be [batch, kv_heads, kv_seq, _] with q's batch, and k must have q's \
+                 head_dim; got q {q:?}, k {k:?}, v {v:?}"
+            )));
+        }
+        let mask_kind = match mask {
+            None => MaskKind::None,
+            Some(m) if m.len() == 4 && m[0] == q[0] && m[2] == 1 && m[3] == k[2] && (m[1] == 1 || m[1] == q[1]) => {
+                MaskKind::KeyPadding { heads: m[1] }
+            }
+            Some(_) => MaskKind::Unshardable,
+        };
+        Ok(AttentionLayout {
+            batch: q[0],
+            q_heads: q[1],
+            kv_heads: k[1],
+            q_seq: q[2],
+            kv_seq: k[2],
+            head_dim: q[3],
+            value_dim: v[3],
+            is_causal: options.is_causal,
+            scale: options.scale,
+            softcap: options.softcap,
+            mask: mask_kind,
+            has_bias,
+            has_documents,
+            window,
+        })
+    }
+
     /// Integers that ranks all-gather and compare.
     pub fn encode(&self) -> Vec<u64> {
         let optional = |v: Option<f64>| v.map_or(u64::MAX, f64::to_bits);
@@ -246,6 +296,17 @@ impl RingSharding {
     }
 }
 
+/// What the layout rules read of an attention call's options: burn's
+/// `AttentionModuleOptions`, in no Burn version's type.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct CallOptions {
+    /// Multiplies `q·k`; `None` is `1/sqrt(head_dim)`.
+    pub scale: Option<f64>,
+    /// `softcap * tanh(scores / softcap)` before the softmax.
+    pub softcap: Option<f64>,
+    pub is_causal: bool,
+}
+
 /// One ring rank's share of a ring attention call, checked: what both ring paths need.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RingPlan {
@@ -274,7 +335,7 @@ impl RingPlan {
         query: [usize; 4],
         key: [usize; 4],
         value: [usize; 4],
-        options: &burn::tensor::ops::AttentionModuleOptions,
+        options: CallOptions,
         sharding: RingSharding,
         rank: usize,
         size: usize,

@@ -1,0 +1,88 @@
+//! `attention`, with `burn::tensor::module::attention`'s signature: a model switches by changing
+//! one `use`. Inside a group of more than one rank it is Ulysses; the rules of what a call
+//! may be (shapes, head counts, masks) are ulysses-core's, the same as burn-ulysses' on 0.21.
+
+use burn::tensor::{Bool, Tensor, module, ops::AttentionModuleOptions};
+use ulysses_core::{
+    comm::ThreadCommunicator,
+    error::UlyssesError,
+    layout::{AttentionLayout, CallOptions, HeadPlan, MaskKind},
+};
+
+use crate::{
+    blocked,
+    context,
+    exchange::{Direction, HeadExchange, exchange},
+};
+
+/// Attention over `[batch, heads, seq, head_dim]` tensors, as `burn::tensor::module::attention`.
+///
+/// Outside a sequence-parallel group (or in a group of one) it is burn's attention. In a group
+/// of `P` ranks, each passing its `S/P` consecutive tokens: q/k/v are exchanged to `H/P` heads
+/// over all `S` tokens (kv heads replicated when fewer than `P`; `⌈H/P⌉` or `⌊H/P⌋` heads per
+/// rank when `P` does not divide `H`), attended with [`blocked`] attention (`is_causal` over the
+/// whole sequence), and exchanged back. A mask or bias made from local shapes cannot follow the
+/// exchange and is refused, on every rank, with the same message as burn-ulysses.
+///
+/// # Panics
+///
+/// On a layout the group cannot run (every rank reaches the same verdict): burn's op has no
+/// error channel.
+pub fn attention(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    mask: Option<Tensor<4, Bool>>,
+    attn_bias: Option<Tensor<4>>,
+    options: AttentionModuleOptions,
+) -> Tensor<4> {
+    match context::current().filter(|group| group.size() > 1) {
+        None => module::attention(query, key, value, mask, attn_bias, options),
+        Some(group) => sequence_parallel(&group, query, key, value, mask, attn_bias, options).unwrap_or_else(|error| panic!("{error}")),
+    }
+}
+
+fn sequence_parallel(
+    group: &ThreadCommunicator,
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    mask: Option<Tensor<4, Bool>>,
+    attn_bias: Option<Tensor<4>>,
+    options: AttentionModuleOptions,
+) -> Result<Tensor<4>, UlyssesError> {
+    let call = CallOptions { scale: options.scale, softcap: options.softcap, is_causal: options.is_causal };
+    let mask_dims = mask.as_ref().map(|mask| mask.dims().to_vec());
+    let layout = AttentionLayout::of_call(&query.dims(), &key.dims(), &value.dims(), mask_dims.as_deref(), attn_bias.is_some(), call, false, None)?;
+    let per_rank = group.all_gather_host(&layout.encode())?;
+    AttentionLayout::check_agreement(&per_rank)?;
+    match (layout.mask, &attn_bias) {
+        (MaskKind::Unshardable, _) => return Err(UlyssesError::UnshardableMask { shape: mask_dims.unwrap_or_default() }),
+        (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: bias.dims().to_vec() }),
+        (MaskKind::KeyPadding { .. }, _) => {
+            return Err(UlyssesError::Shape(
+                "burn-ulysses-022 does not gather key-padding masks yet: pack the documents without padding, or run this model on burn 0.21 with burn-ulysses".into(),
+            ));
+        }
+        (MaskKind::None, None) => {}
+    }
+    if options.softcap.is_some() {
+        return Err(UlyssesError::Shape("burn-ulysses-022's blocked attention has no softcap yet".into()));
+    }
+    let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, group.size())?;
+    let size = group.size();
+    let q_heads = HeadExchange { heads: layout.q_heads, per_rank: (0..size).map(|rank| plan.q_heads_of(rank).collect()).collect() };
+    let kv_heads = HeadExchange { heads: layout.kv_heads, per_rank: (0..size).map(|rank| plan.kv_heads_of(rank)).collect() };
+    let to_heads = |tensor: Tensor<4>, heads: &HeadExchange| exchange(tensor, heads.clone(), Direction::ToHeads);
+    let (query, key, value) = (to_heads(query, &q_heads), to_heads(key, &kv_heads), to_heads(value, &kv_heads));
+    // Local q head i uses local kv entry i / (local q heads / local kv heads).
+    let [batch, local_q, seq, _] = query.dims();
+    let local_kv = key.dims()[1];
+    let expand = |tensor: Tensor<4>| {
+        let [_, _, _, dim] = tensor.dims();
+        let repeats = local_q / local_kv;
+        if repeats == 1 { tensor } else { tensor.unsqueeze_dim::<5>(2).repeat_dim(2, repeats).reshape([batch, local_q, seq, dim]) }
+    };
+    let output = blocked::attention(query, expand(key), expand(value), options.is_causal, options.scale);
+    Ok(exchange(output, q_heads, Direction::ToSequence))
+}

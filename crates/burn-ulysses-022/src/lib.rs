@@ -1,0 +1,41 @@
+//! Ulysses sequence parallelism for models written for burn 0.22.1, by changing one import.
+//!
+//! burn 0.22 routes every op through its closed `Dispatch` backend, so no backend decorator can
+//! sit under a model (burn-ulysses does that on 0.21). What 0.22 does allow is a new op with its
+//! own backward (`#[backend_extension]`); this crate adds two and a function with burn's
+//! attention signature on top:
+//!
+//! 1. [`exchange`]: the Ulysses all-to-all, q/k/v from `[B, H, S/P, D]` (every head, this
+//!    rank's tokens) to `[B, H/P, S, D]` (this rank's heads, every token) and back; its
+//!    backward is the inverse exchange;
+//! 2. [`blocked`]: attention over the whole sequence in blocks of queries, whose backward
+//!    recomputes the scores block by block (memory linear in S; burn 0.22's own autodiff
+//!    attention keeps an S × S matrix per head);
+//! 3. [`attention()`]: `burn::tensor::module::attention`'s signature. Outside a group it is
+//!    burn's attention; inside one ([`context::enter`]) it exchanges, attends, and exchanges
+//!    back.
+//!
+//! ```no_run
+//! // use burn::tensor::module::attention;
+//! use burn_ulysses_022::attention;
+//! # use burn::tensor::{Device, Tensor, ops::AttentionModuleOptions};
+//! use burn_ulysses_022::{comm::ThreadGroup, context};
+//!
+//! ThreadGroup::new(4).run(|rank| {
+//!     let _sp = context::enter(rank.communicator());
+//!     let device = Device::flex().autodiff();
+//!     // Each rank thread builds its own model and holds S/4 tokens of each sequence.
+//!     let q = Tensor::<4>::zeros([1, 8, 256, 64], &device);
+//!     let out = attention(q.clone(), q.clone(), q, None, None, AttentionModuleOptions { is_causal: true, ..Default::default() });
+//! });
+//! ```
+//!
+//! The group, its errors and the layout rules are ulysses-core's, shared with burn-ulysses.
+
+pub mod attention;
+pub mod blocked;
+pub mod context;
+pub mod exchange;
+
+pub use attention::attention;
+pub use ulysses_core::{comm, error, layout};

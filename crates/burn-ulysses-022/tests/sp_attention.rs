@@ -1,0 +1,225 @@
+//! burn-ulysses-022's attention at SP = 2, 3 and 4 (ranks as threads, Flex + autodiff) against
+//! a naive f64 attention and its gradients: causal and not, grouped kv heads (split and
+//! replicated), uneven heads. The exchange's backward against the inverse exchange, and bad
+//! layouts refused on every rank with ulysses-core's message (the one burn-ulysses gives).
+
+use burn::tensor::{Device, Tensor, TensorData, ops::AttentionModuleOptions};
+use burn_ulysses_022::{
+    attention,
+    comm::ThreadGroup,
+    context,
+    error::UlyssesError,
+    exchange::{Direction, HeadExchange, exchange},
+};
+
+/// f32 against the f64 reference, as burn-ulysses' SP tests.
+const TOLERANCE: f64 = 1e-5;
+
+/// Deterministic values in [-1, 1) (a 64-bit LCG), the same on every rank.
+fn uniform(len: usize, stream: u64) -> Vec<f32> {
+    let mut state = stream.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 40) as f64 / (1u64 << 24) as f64 * 2.0 - 1.0) as f32
+        })
+        .collect()
+}
+
+/// `values` `[b, h, s, d]` (row-major), tokens `range` of every head.
+fn tokens(values: &[f32], [b, h, s, d]: [usize; 4], range: std::ops::Range<usize>) -> Vec<f32> {
+    let mut out = Vec::new();
+    for bh in 0..b * h {
+        out.extend_from_slice(&values[(bh * s + range.start) * d..(bh * s + range.end) * d]);
+    }
+    out
+}
+
+/// Shards `[b, h, s/P, d]` of every rank put back together as `[b, h, s, d]`.
+fn unshard(shards: &[Vec<f32>], [b, h, s, d]: [usize; 4]) -> Vec<f32> {
+    let local = s / shards.len();
+    let mut out = vec![0.0; b * h * s * d];
+    for (rank, shard) in shards.iter().enumerate() {
+        for bh in 0..b * h {
+            let dst = (bh * s + rank * local) * d;
+            out[dst..dst + local * d].copy_from_slice(&shard[bh * local * d..(bh + 1) * local * d]);
+        }
+    }
+    out
+}
+
+/// Naive f64 attention of q `[b, hq, s, d]`, k/v `[b, hkv, s, d]` (q head i uses kv head
+/// i / (hq / hkv)) and its gradients for the loss `sum(output * w)`: (output, dq, dk, dv).
+fn reference(q: &[f32], k: &[f32], v: &[f32], w: &[f32], [b, hq, s, d]: [usize; 4], hkv: usize, causal: bool) -> [Vec<f64>; 4] {
+    let at = |t: &[f32], heads: usize, bi: usize, h: usize, i: usize, x: usize| t[((bi * heads + h) * s + i) * d + x] as f64;
+    let scale = 1.0 / (d as f64).sqrt();
+    let (mut out, mut dq) = (vec![0.0; b * hq * s * d], vec![0.0; b * hq * s * d]);
+    let (mut dk, mut dv) = (vec![0.0; b * hkv * s * d], vec![0.0; b * hkv * s * d]);
+    for bi in 0..b {
+        for h in 0..hq {
+            let kv = h / (hq / hkv);
+            for i in 0..s {
+                let visible = if causal { i + 1 } else { s };
+                let scores: Vec<f64> = (0..visible).map(|j| (0..d).map(|x| at(q, hq, bi, h, i, x) * at(k, hkv, bi, kv, j, x)).sum::<f64>() * scale).collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let exps: Vec<f64> = scores.iter().map(|&x| (x - max).exp()).collect();
+                let total: f64 = exps.iter().sum();
+                let p: Vec<f64> = exps.iter().map(|e| e / total).collect();
+                let o = |x: usize| (0..visible).map(|j| p[j] * at(v, hkv, bi, kv, j, x)).sum::<f64>();
+                let row = ((bi * hq + h) * s + i) * d;
+                for x in 0..d {
+                    out[row + x] = o(x);
+                }
+                // dP_j = w_i · v_j; dS_j = p_j (dP_j - Σ p dP).
+                let dp: Vec<f64> = (0..visible).map(|j| (0..d).map(|x| at(w, hq, bi, h, i, x) * at(v, hkv, bi, kv, j, x)).sum()).collect();
+                let mean: f64 = (0..visible).map(|j| p[j] * dp[j]).sum();
+                for j in 0..visible {
+                    let ds = p[j] * (dp[j] - mean) * scale;
+                    let kv_row = ((bi * hkv + kv) * s + j) * d;
+                    for x in 0..d {
+                        dq[row + x] += ds * at(k, hkv, bi, kv, j, x);
+                        dk[kv_row + x] += ds * at(q, hq, bi, h, i, x);
+                        dv[kv_row + x] += p[j] * at(w, hq, bi, h, i, x);
+                    }
+                }
+            }
+        }
+    }
+    [out, dq, dk, dv]
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: {} values, the reference has {}", got.len(), want.len());
+    let mut worst = 0.0f64;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let error = (g as f64 - w).abs();
+        // NaN compares false: a non-finite value fails here rather than vanishing in a max.
+        assert!(error <= TOLERANCE, "{what}: element {i} is {g}, the f64 reference {w} (error {error:e}, tolerance {TOLERANCE:e})");
+        worst = worst.max(error);
+    }
+    eprintln!("{what}: largest error {worst:.2e}");
+}
+
+fn values(tensor: Tensor<4>) -> Vec<f32> {
+    tensor.into_data().try_to_vec::<f32>().unwrap()
+}
+
+/// Every rank holds `s / sp` tokens of q, k, v and the loss weights w; returns the
+/// gathered output, dq, dk and dv.
+fn sequence_parallel(sp: usize, shape: [usize; 4], kv_heads: usize, causal: bool) -> [Vec<f32>; 4] {
+    let [b, hq, s, d] = shape;
+    let kv_shape = [b, kv_heads, s, d];
+    let (q, k, v, w) = (uniform(b * hq * s * d, 1), uniform(b * kv_heads * s * d, 2), uniform(b * kv_heads * s * d, 3), uniform(b * hq * s * d, 4));
+    let local = s / sp;
+    let results = ThreadGroup::new(sp).run(|rank| {
+        let _sp = context::enter(rank.communicator());
+        let device = Device::flex().autodiff();
+        let range = rank.rank() * local..(rank.rank() + 1) * local;
+        let shard = |values: &[f32], [b, h, s, d]: [usize; 4]| {
+            Tensor::<4>::from_data(TensorData::new(tokens(values, [b, h, s, d], range.clone()), [b, h, local, d]), &device)
+        };
+        let (q, k, v) = (shard(&q, shape).require_grad(), shard(&k, kv_shape).require_grad(), shard(&v, kv_shape).require_grad());
+        let options = AttentionModuleOptions { is_causal: causal, ..Default::default() };
+        let output = attention(q.clone(), k.clone(), v.clone(), None, None, options);
+        let grads = (output.clone() * shard(&w, shape)).sum().backward();
+        [values(output), values(q.grad(&grads).unwrap()), values(k.grad(&grads).unwrap()), values(v.grad(&grads).unwrap())]
+    });
+    let shards: Vec<[Vec<f32>; 4]> = results.into_iter().map(|r| r.unwrap_or_else(|panic| panic!("{panic}"))).collect();
+    let gather = |i: usize, shape| unshard(&shards.iter().map(|s| s[i].clone()).collect::<Vec<_>>(), shape);
+    let reference = reference(&q, &k, &v, &w, shape, kv_heads, causal);
+    let case = format!("SP={sp}, {hq} q heads, {kv_heads} kv heads, causal {causal}");
+    let got = [gather(0, shape), gather(1, shape), gather(2, kv_shape), gather(3, kv_shape)];
+    for ((name, got), want) in ["output", "dq", "dk", "dv"].iter().zip(&got).zip(&reference) {
+        assert_close(&format!("{case}: {name}"), got, want);
+    }
+    got
+}
+
+#[test]
+fn sp_2_equals_the_f64_reference_causal_and_not() {
+    for causal in [true, false] {
+        sequence_parallel(2, [2, 4, 16, 8], 4, causal);
+    }
+}
+
+#[test]
+fn sp_4_with_grouped_kv_heads_split_and_replicated() {
+    // 8 q heads over 4 kv heads (split: one kv head per rank) and over 2 (each sent to 2 ranks).
+    sequence_parallel(4, [1, 8, 16, 8], 4, true);
+    sequence_parallel(4, [1, 8, 16, 8], 2, true);
+}
+
+#[test]
+fn sp_3_with_uneven_and_grouped_heads() {
+    // 4 q heads on 3 ranks: 2, 1, 1. 6 q heads over 2 kv heads: 2 per rank, kv heads repeated.
+    sequence_parallel(3, [1, 4, 12, 8], 4, true);
+    sequence_parallel(3, [2, 6, 12, 8], 2, false);
+    // 5 heads on 4 ranks: 2, 1, 1, 1.
+    sequence_parallel(4, [1, 5, 8, 4], 5, true);
+}
+
+#[test]
+fn the_exchange_backward_is_the_inverse_exchange() {
+    // 3 kv heads over 2 ranks: ulysses-core replicates them (rank 0 gets [0, 0, 1], rank 1
+    // [1, 2, 2]), so the inverse also sums the copies.
+    let heads = HeadExchange { heads: 3, per_rank: vec![vec![0, 0, 1], vec![1, 2, 2]] };
+    let results = ThreadGroup::new(2).run(|rank| {
+        let _sp = context::enter(rank.communicator());
+        let device = Device::flex().autodiff();
+        let x = Tensor::<4>::from_data(TensorData::new(uniform(2 * 3 * 4 * 5, 10 + rank.rank() as u64), [2, 3, 4, 5]), &device).require_grad();
+        let heads_out = exchange(x.clone(), heads.clone(), Direction::ToHeads);
+        assert_eq!(heads_out.dims(), [2, 3, 8, 5], "rank {}: three heads, both ranks' tokens", rank.rank());
+        let g = Tensor::<4>::from_data(TensorData::new(uniform(2 * 3 * 8 * 5, 20 + rank.rank() as u64), [2, 3, 8, 5]), &device);
+        let grads = (heads_out * g.clone()).sum().backward();
+        let through_backward = values(x.grad(&grads).unwrap());
+        let inverse = values(exchange(g.inner(), heads.clone(), Direction::ToSequence));
+        (through_backward, inverse)
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let (backward, inverse) = result.unwrap();
+        assert!(backward.iter().all(|x| x.is_finite()));
+        assert_eq!(backward, inverse, "rank {rank}: the exchange's gradient is the inverse exchange of the output's");
+    }
+}
+
+/// Every rank's panic message, in rank order.
+fn refusals(sp: usize, work: impl Fn(usize) -> ([usize; 4], [usize; 4]) + Sync) -> Vec<String> {
+    ThreadGroup::new(sp)
+        .run(|rank| {
+            let _sp = context::enter(rank.communicator());
+            let device = Device::flex().autodiff();
+            let (q_shape, kv_shape) = work(rank.rank());
+            let q = Tensor::<4>::zeros(q_shape, &device);
+            let kv = Tensor::<4>::zeros(kv_shape, &device);
+            attention(q, kv.clone(), kv, None, None, AttentionModuleOptions::default());
+        })
+        .into_iter()
+        .map(|result| result.expect_err("a bad layout must be refused").message)
+        .collect()
+}
+
+#[test]
+fn bad_layouts_are_refused_on_every_rank_with_burn_ulysses_message() {
+    let too_few_heads = refusals(4, |_| ([1, 2, 4, 8], [1, 2, 4, 8]));
+    let expected = UlyssesError::MoreRanksThanHeads { q_heads: 2, sp_size: 4 }.to_string();
+    assert!(too_few_heads.iter().all(|m| *m == expected), "{too_few_heads:?}");
+
+    let ungrouped = refusals(2, |_| ([1, 6, 4, 8], [1, 4, 4, 8]));
+    let expected = UlyssesError::KvHeadsNotGrouping { q_heads: 6, kv_heads: 4 }.to_string();
+    assert!(ungrouped.iter().all(|m| *m == expected), "{ungrouped:?}");
+
+    // Rank 1 holds more tokens than rank 0: every rank names the field and both values.
+    let uneven_tokens = refusals(2, |rank| ([1, 2, 4 + rank, 8], [1, 2, 4 + rank, 8]));
+    assert!(uneven_tokens.iter().all(|m| m.contains("local query sequence length") && m.contains("rank 1 has 5")), "{uneven_tokens:?}");
+}
+
+#[test]
+fn outside_a_group_it_is_burns_attention() {
+    let device = Device::flex();
+    let shape = [1, 2, 6, 4];
+    let [q, k, v] = [5, 6, 7].map(|stream| Tensor::<4>::from_data(TensorData::new(uniform(48, stream), shape), &device));
+    let options = AttentionModuleOptions { is_causal: true, ..Default::default() };
+    let ours = values(attention(q.clone(), k.clone(), v.clone(), None, None, options));
+    let burns = values(burn::tensor::module::attention(q, k, v, None, None, options));
+    assert_eq!(ours, burns);
+}

@@ -1,0 +1,407 @@
+//! In-process ranks: a group whose ranks are threads of one process.
+//!
+//! Each collective is a *round*, numbered per group by how many collectives a rank has
+//! issued. A rank deposits its contribution into the round (any `Send` value: each Burn
+//! version's communicator deposits its own tensors), waits until every rank of the group has
+//! deposited, then takes what it needs. Tensors move by ownership, so backends whose tensors
+//! live in host memory copy nothing.
+//!
+//! Nothing hangs: a rank that leaves the group (its [`ThreadRank`] is dropped, normally or
+//! while unwinding from a panic) fails every round it has not joined, and every wait has a
+//! deadline.
+
+use std::{
+    any::Any,
+    collections::HashMap,
+    panic::{AssertUnwindSafe, catch_unwind},
+    sync::{
+        Arc, Condvar, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use super::{Collective, CommError, Traffic, TrafficCounter};
+
+/// Settings of an in-process group.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct ThreadGroupConfig {
+    /// Number of ranks (threads).
+    pub size: usize,
+    /// How long a rank waits for the others in one collective before failing (600 s by default).
+    pub timeout_secs: f64,
+}
+
+impl ThreadGroupConfig {
+    pub fn new(size: usize) -> Self {
+        Self { size, timeout_secs: 600.0 }
+    }
+
+    pub fn with_timeout_secs(mut self, timeout_secs: f64) -> Self {
+        self.timeout_secs = timeout_secs;
+        self
+    }
+}
+
+/// A group of ranks that are threads of this process. Cheap to clone.
+#[derive(Clone)]
+pub struct ThreadGroup {
+    family: Arc<Family>,
+}
+
+/// One rank's membership of a [`ThreadGroup`]. Dropping it tells the other ranks that this
+/// rank is gone, so their pending collectives fail instead of waiting.
+pub struct ThreadRank {
+    communicator: Arc<ThreadCommunicator>,
+}
+
+/// The payload of a panicked rank, as returned by [`ThreadGroup::run`].
+#[derive(Debug, Clone)]
+pub struct RankPanic {
+    pub rank: usize,
+    pub message: String,
+}
+
+impl std::fmt::Display for RankPanic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {} panicked: {}", self.rank, self.message)
+    }
+}
+
+impl ThreadGroup {
+    /// A group of `size` ranks with the default timeout.
+    pub fn new(size: usize) -> Self {
+        Self::from_config(&ThreadGroupConfig::new(size))
+    }
+
+    pub fn from_config(config: &ThreadGroupConfig) -> Self {
+        assert!(config.size > 0, "a ThreadGroup needs at least one rank, got size 0");
+        assert!(
+            config.timeout_secs > 0.0,
+            "ThreadGroupConfig::timeout_secs must be positive, got {}",
+            config.timeout_secs
+        );
+        let family = Family {
+            world_size: config.size,
+            timeout: Duration::from_secs_f64(config.timeout_secs),
+            state: Mutex::new(FamilyState {
+                joined: vec![false; config.size],
+                departed: vec![false; config.size],
+                rounds: HashMap::new(),
+                subgroups: HashMap::new(),
+                next_group: 1,
+            }),
+            changed: Condvar::new(),
+        };
+        Self { family: Arc::new(family) }
+    }
+
+    pub fn size(&self) -> usize {
+        self.family.world_size
+    }
+
+    /// Takes the membership of `rank`. Each rank can be joined once.
+    pub fn join(&self, rank: usize) -> ThreadRank {
+        let size = self.size();
+        assert!(rank < size, "rank {rank} is out of range for a group of {size} ranks");
+        {
+            let mut state = self.family.lock();
+            assert!(!state.joined[rank], "rank {rank} of this ThreadGroup was already joined");
+            state.joined[rank] = true;
+        }
+        let communicator = ThreadCommunicator {
+            family: self.family.clone(),
+            group: 0,
+            members: (0..size).collect::<Vec<_>>().into(),
+            rank,
+            next_seq: AtomicU64::new(0),
+            traffic: TrafficCounter::default(),
+        };
+        ThreadRank { communicator: Arc::new(communicator) }
+    }
+
+    /// Runs `work` on every rank, one scoped thread each, and returns each rank's result in
+    /// rank order. A rank that panics yields a [`RankPanic`]; the others see it leave and fail
+    /// their pending collectives rather than wait.
+    pub fn run<T, F>(&self, work: F) -> Vec<Result<T, RankPanic>>
+    where
+        T: Send,
+        F: Fn(&ThreadRank) -> T + Sync,
+    {
+        let work = &work;
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..self.size())
+                .map(|rank| {
+                    let membership = self.join(rank);
+                    std::thread::Builder::new()
+                        .name(format!("sp-rank-{rank}"))
+                        .spawn_scoped(scope, move || {
+                            let result = catch_unwind(AssertUnwindSafe(|| work(&membership)));
+                            // Leave the group before reporting, so peers stop waiting.
+                            drop(membership);
+                            result.map_err(|payload| RankPanic {
+                                rank,
+                                message: panic_message(payload.as_ref()),
+                            })
+                        })
+                        .expect("failed to spawn a rank thread")
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|handle| handle.join().expect("rank thread result was lost"))
+                .collect()
+        })
+    }
+}
+
+impl ThreadRank {
+    pub fn rank(&self) -> usize {
+        self.communicator.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.communicator.members.len()
+    }
+
+    /// This rank's communicator over the whole group; it implements each Burn version's
+    /// communicator trait (burn-ulysses' `Communicator<B>` for every backend `B`).
+    pub fn communicator(&self) -> Arc<ThreadCommunicator> {
+        self.communicator.clone()
+    }
+}
+
+impl Drop for ThreadRank {
+    fn drop(&mut self) {
+        let world_rank = self.communicator.members[self.communicator.rank];
+        self.communicator.family.lock().departed[world_rank] = true;
+        self.communicator.family.changed.notify_all();
+    }
+}
+
+/// A rank's communicator within a [`ThreadGroup`] or one of its splits.
+pub struct ThreadCommunicator {
+    family: Arc<Family>,
+    /// Which group of the family (0 is the whole group, splits get new ids).
+    group: u64,
+    /// World ranks of this group's members, in group-rank order.
+    members: Arc<[usize]>,
+    rank: usize,
+    next_seq: AtomicU64,
+    traffic: TrafficCounter,
+}
+
+struct Family {
+    world_size: usize,
+    timeout: Duration,
+    state: Mutex<FamilyState>,
+    changed: Condvar,
+}
+
+struct FamilyState {
+    joined: Vec<bool>,
+    /// By world rank.
+    departed: Vec<bool>,
+    /// In-flight collectives, by (group, sequence number).
+    rounds: HashMap<(u64, u64), Round>,
+    /// Group ids created by splits, by (parent group, split's sequence number, color).
+    subgroups: HashMap<(u64, u64, u32), u64>,
+    next_group: u64,
+}
+
+/// One rank's contribution to a round.
+pub type Deposit = Box<dyn Any + Send>;
+
+struct Round {
+    op: Collective,
+    deposits: Vec<Option<Deposit>>,
+    arrived: usize,
+    readers_left: usize,
+    /// Set when the round can never complete; every waiting rank returns it.
+    failure: Option<CommError>,
+}
+
+impl Family {
+    fn lock(&self) -> MutexGuard<'_, FamilyState> {
+        // A rank that panicked while holding the lock leaves the state consistent: every
+        // mutation below is a single assignment.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl ThreadCommunicator {
+    /// Deposits this rank's contribution to the next collective, waits for every rank, then
+    /// lets `take` extract what this rank needs (under the lock: keep it to moves and
+    /// clones). Returns the round's sequence number with the extracted value. Transports
+    /// build their collectives on it; every rank must call it with the same `op`.
+    pub fn round<T>(
+        &self,
+        op: Collective,
+        deposit: Deposit,
+        take: impl FnOnce(&mut [Option<Deposit>]) -> T,
+    ) -> Result<(u64, T), CommError> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let key = (self.group, seq);
+        let size = self.members.len();
+        let deadline = Instant::now() + self.family.timeout;
+        let mut state = self.family.lock();
+
+        let round = state.rounds.entry(key).or_insert_with(|| Round {
+            op,
+            deposits: (0..size).map(|_| None).collect(),
+            arrived: 0,
+            readers_left: size,
+            failure: None,
+        });
+        if round.op != op {
+            let first = round.deposits.iter().position(Option::is_some).unwrap_or(0);
+            round.failure = Some(CommError::Mismatch {
+                seq,
+                op: round.op,
+                peer: self.rank,
+                peer_op: op,
+            });
+            self.family.changed.notify_all();
+            return Err(CommError::Mismatch { seq, op, peer: first, peer_op: round.op });
+        }
+        round.deposits[self.rank] = Some(deposit);
+        round.arrived += 1;
+        self.family.changed.notify_all();
+
+        loop {
+            let round = state.rounds.get_mut(&key).expect("round removed before completion");
+            if let Some(failure) = &round.failure {
+                return Err(failure.clone());
+            }
+            if round.arrived == size {
+                break;
+            }
+            let missing: Vec<usize> =
+                (0..size).filter(|&r| round.deposits[r].is_none()).collect();
+            if let Some(&peer) = missing.iter().find(|&&r| state.departed[self.members[r]]) {
+                let failure = CommError::PeerLeft { peer, world_peer: self.members[peer], op, seq };
+                state.rounds.get_mut(&key).unwrap().failure = Some(failure.clone());
+                self.family.changed.notify_all();
+                return Err(failure);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let waiting_for = missing.iter().map(|&r| self.members[r]).collect();
+                let failure = CommError::Timeout { op, seq, waiting_for, after: self.family.timeout };
+                // The ranks that did arrive fail now too, instead of each at its own deadline.
+                state.rounds.get_mut(&key).unwrap().failure = Some(failure.clone());
+                self.family.changed.notify_all();
+                return Err(failure);
+            }
+            state = self
+                .family
+                .changed
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+
+        let round = state.rounds.get_mut(&key).unwrap();
+        let taken = take(&mut round.deposits);
+        round.readers_left -= 1;
+        if round.readers_left == 0 {
+            state.rounds.remove(&key);
+        }
+        Ok((seq, taken))
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    /// The byte counters that a transport built on this group records into.
+    pub fn traffic_counter(&self) -> &TrafficCounter {
+        &self.traffic
+    }
+
+    pub fn traffic(&self) -> Traffic {
+        self.traffic.snapshot()
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> Result<(), CommError> {
+        self.round(Collective::Barrier, Box::new(()), |_| ()).map(|_| ())
+    }
+
+    /// Every rank's `values`, in rank order.
+    pub fn all_gather_host(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+        let op = Collective::AllGatherHost;
+        let (_, gathered) = self.round(op, Box::new(values.to_vec()), |deposits| {
+            deposits.iter().map(|d| d.as_ref().and_then(|d| d.downcast_ref::<Vec<u64>>()).cloned()).collect::<Option<Vec<_>>>()
+        })?;
+        gathered.ok_or_else(|| mixed_kinds(op))
+    }
+}
+
+/// A rank found a deposit of another type than its own in the same round.
+pub fn mixed_kinds(op: Collective) -> CommError {
+    CommError::InvalidArgument {
+        op,
+        reason: "ranks passed different kinds of values to the same collective (tensors of \
+                 different backends, or different element types)"
+            .into(),
+    }
+}
+
+impl ThreadCommunicator {
+    /// Collectively splits the group like `MPI_Comm_split`: ranks passing the same `color` form
+    /// a new group, ordered by `key` (then by rank). A sub-group still moves any value.
+    pub fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
+        let values = [u64::from(color), u64::from(key)];
+        let (seq, gathered) = self.round(Collective::Split, Box::new(values), |deposits| {
+            deposits
+                .iter()
+                .map(|d| d.as_ref().and_then(|d| d.downcast_ref::<[u64; 2]>()).copied())
+                .collect::<Option<Vec<_>>>()
+        })?;
+        let gathered = gathered.ok_or_else(|| mixed_kinds(Collective::Split))?;
+        let mut same_color: Vec<(u64, usize)> = gathered
+            .iter()
+            .enumerate()
+            .filter(|(_, [c, _])| *c == u64::from(color))
+            .map(|(rank, [_, k])| (*k, rank))
+            .collect();
+        same_color.sort();
+        let new_rank = same_color.iter().position(|&(_, r)| r == self.rank).unwrap();
+        let members: Arc<[usize]> =
+            same_color.iter().map(|&(_, r)| self.members[r]).collect::<Vec<_>>().into();
+
+        let group = {
+            let mut state = self.family.lock();
+            let next = state.next_group;
+            let id = *state.subgroups.entry((self.group, seq, color)).or_insert(next);
+            if id == next {
+                state.next_group += 1;
+            }
+            id
+        };
+        Ok(Arc::new(ThreadCommunicator {
+            family: self.family.clone(),
+            group,
+            members,
+            rank: new_rank,
+            next_seq: AtomicU64::new(0),
+            traffic: TrafficCounter::default(),
+        }))
+    }
+}
+
+/// The text of a panic's payload.
+pub fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(message) = payload.downcast_ref::<String>() {
+        message.clone()
+    } else if let Some(message) = payload.downcast_ref::<&str>() {
+        message.to_string()
+    } else {
+        "non-string panic payload".to_string()
+    }
+}

@@ -1,0 +1,13 @@
+//! The parts of burn-ulysses that depend on no Burn version, so that the burn 0.21 decorator
+//! (`burn-ulysses`) and the burn 0.22 crate (`burn-ulysses-022`) share them rather than copy
+//! them:
+//!
+//! - [`comm`]: what a collective is called and how it fails, the in-process group of rank
+//!   threads, byte counters, the argument checks that need no peer;
+//! - [`layout`]: the contract of one attention call (heads per rank, GQA replication, masks)
+//!   and the ring's cut of the sequence;
+//! - [`error`]: every refusal, naming the problem and the fix.
+
+pub mod comm;
+pub mod error;
+pub mod layout;
