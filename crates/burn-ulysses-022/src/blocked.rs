@@ -1,7 +1,206 @@
-//! Attention in blocks of queries (placeholder: burn's attention).
+//! Attention in blocks of queries, with a backward that recomputes each block's scores: memory
+//! linear in the sequence length, where burn 0.22.1's autodiff attention (`attention_fallback`:
+//! matmul, softmax, matmul, each recorded) keeps an S × S matrix per head until the backward.
+//!
+//! Forward, for each block of `block` queries: the block's scores against the keys it can see
+//! (under `is_causal`, the keys up to its last query), an exact softmax over them, the output
+//! rows, and each row's log-sum-exp. The backward (FlashAttention's, by blocks of queries)
+//! recomputes the probabilities from the log-sum-exp: `dV += Pᵀ dO`, `dS = P ∘ (dO Vᵀ − δ)`
+//! with `δ = rowsum(dO ∘ O)`, `dQ = dS K · scale`, `dK += dSᵀ Q · scale`. At most one block's
+//! scores (`batch × heads × block × S`) exist at a time, in the forward and in the backward.
+//!
+//! It is a backend-extension op written with the backend's own float ops, so every backend
+//! this crate routes (Flex, and Autodiff over it) runs it.
 
-use burn::tensor::{Tensor, module, ops::AttentionModuleOptions};
+use burn::backend::{
+    Backend, Dispatch, Flex, TensorMetadata, backend_extension,
+    autodiff::{
+        Autodiff,
+        checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+        grads::Gradients,
+        ops::{Backward, Ops, OpsKind},
+    },
+    tensor::FloatTensor,
+};
+use burn::tensor::{FloatDType, Shape, Slice, Tensor, TensorData};
 
+/// Queries per block unless [`attention_in_blocks`] is told otherwise.
+pub const DEFAULT_BLOCK: usize = 128;
+
+/// How one call attends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockedSettings {
+    /// Query `i` sees keys `0..=i` only (q and k of one length).
+    pub causal: bool,
+    /// Multiplies `q·k`.
+    pub scale: f64,
+    /// Queries per block (at least 1).
+    pub block: usize,
+}
+
+#[backend_extension(Autodiff, Flex)]
+pub trait BlockedAttentionOps: Backend {
+    /// Attention of q `[b, h, s, d]` over k `[b, h, t, d]` and v `[b, h, t, dv]` (one kv head
+    /// per q head): `[b, h, s, dv]`.
+    fn blocked_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, settings: BlockedSettings) -> FloatTensor<Self>;
+}
+
+/// Attention of q `[b, h, s, d]` over k and v with as many heads, in blocks of
+/// [`DEFAULT_BLOCK`] queries; `scale` `None` is `1/sqrt(d)`.
 pub fn attention(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, is_causal: bool, scale: Option<f64>) -> Tensor<4> {
-    module::attention(query, key, value, None, None, AttentionModuleOptions { scale, softcap: None, is_causal })
+    attention_in_blocks(query, key, value, is_causal, scale, DEFAULT_BLOCK)
+}
+
+/// [`attention`] with `block` queries per block.
+///
+/// # Panics
+///
+/// When the shapes do not fit together (a message naming them), or `block` is 0.
+pub fn attention_in_blocks(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, is_causal: bool, scale: Option<f64>, block: usize) -> Tensor<4> {
+    let ([b, h, s, d], k, v) = (query.dims(), key.dims(), value.dims());
+    assert!(
+        k[0] == b && v[0] == b && k[1] == h && v[1] == h && k[2] == v[2] && k[3] == d,
+        "blocked attention takes q [b, h, s, d], k [b, h, t, d] and v [b, h, t, dv] (expand grouped kv heads first); got q {:?}, k {k:?}, v {v:?}",
+        [b, h, s, d]
+    );
+    assert!(!is_causal || k[2] == s, "causal blocked attention needs as many keys as queries; got {s} queries and {} keys", k[2]);
+    assert!(block > 0, "blocked attention needs at least one query per block");
+    let settings = BlockedSettings { causal: is_causal, scale: scale.unwrap_or(1.0 / (d as f64).sqrt()), block };
+    Tensor::from_dispatch(<Dispatch as BlockedAttentionOps>::blocked_attention(query.into_dispatch(), key.into_dispatch(), value.into_dispatch(), settings))
+}
+
+impl BlockedAttentionOps for Flex {
+    fn blocked_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, settings: BlockedSettings) -> FloatTensor<Self> {
+        forward::<Flex>(&query, &key, &value, settings).0
+    }
+}
+
+impl<B: BlockedAttentionOps, C: CheckpointStrategy> BlockedAttentionOps for Autodiff<B, C> {
+    fn blocked_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, settings: BlockedSettings) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct BlockedBackward {
+            settings: BlockedSettings,
+        }
+
+        impl<B: Backend> Backward<B, 3> for BlockedBackward {
+            /// q, k, v, the output and each row's log-sum-exp: linear in S.
+            type State = [FloatTensor<B>; 5];
+
+            fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+                let [query_node, key_node, value_node] = ops.parents;
+                let grad = grads.consume::<B>(&ops.node);
+                let [query, key, value, output, lse] = ops.state;
+                let [dq, dk, dv] = backward::<B>(&query, &key, &value, &output, &lse, grad, self.settings);
+                for (node, gradient) in [(query_node, dq), (key_node, dk), (value_node, dv)] {
+                    if let Some(node) = node {
+                        grads.register::<B>(node.id, gradient);
+                    }
+                }
+            }
+        }
+
+        let (query, query_node) = query.into_parts();
+        let (key, key_node) = key.into_parts();
+        let (value, value_node) = value.into_parts();
+        let (output, lse) = forward::<B>(&query, &key, &value, settings);
+        let prepared = BlockedBackward { settings }.prepare::<C>([query_node, key_node, value_node]).compute_bound().stateful();
+        match prepared {
+            OpsKind::Tracked(prep) => prep.finish([query, key, value, output.clone(), lse], output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        }
+    }
+}
+
+/// `tensor[:, :, rows, :]`.
+fn rows<B: Backend>(tensor: &FloatTensor<B>, rows: std::ops::Range<usize>) -> FloatTensor<B> {
+    let shape = tensor.shape();
+    B::float_slice(tensor.clone(), &[Slice::from(0..shape[0]), Slice::from(0..shape[1]), Slice::from(rows), Slice::from(0..shape[3])])
+}
+
+fn transpose<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    B::float_swap_dims(tensor, 2, 3)
+}
+
+/// Queries `first..first + count` against keys `0..keys`: the block's scaled scores, `-inf`
+/// where causality hides a key.
+fn scores<B: Backend>(query_block: &FloatTensor<B>, visible_keys: &FloatTensor<B>, first: usize, settings: BlockedSettings) -> FloatTensor<B> {
+    let scores = B::float_mul_scalar(B::float_matmul(query_block.clone(), transpose::<B>(visible_keys.clone())), settings.scale.into());
+    if !settings.causal {
+        return scores;
+    }
+    let (count, keys) = (query_block.shape()[2], visible_keys.shape()[2]);
+    let hidden: Vec<f32> = (0..count).flat_map(|row| (0..keys).map(move |key| if key > first + row { f32::NEG_INFINITY } else { 0.0 })).collect();
+    let mask = B::float_from_data(TensorData::new(hidden, [1, 1, count, keys]), &scores.device());
+    let mask = match FloatDType::from(scores.dtype()) {
+        FloatDType::F32 => mask,
+        dtype => B::float_cast(mask, dtype),
+    };
+    B::float_add(scores, mask)
+}
+
+/// The keys (or values) a block ending at query `end` can see.
+fn visible<B: Backend>(tensor: &FloatTensor<B>, end: usize, settings: BlockedSettings) -> FloatTensor<B> {
+    if settings.causal { rows::<B>(tensor, 0..end) } else { tensor.clone() }
+}
+
+fn blocks(queries: usize, block: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..queries).step_by(block).map(move |first| first..(first + block).min(queries))
+}
+
+/// The output `[b, h, s, dv]` and each row's log-sum-exp `[b, h, s, 1]`.
+fn forward<B: Backend>(query: &FloatTensor<B>, key: &FloatTensor<B>, value: &FloatTensor<B>, settings: BlockedSettings) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (mut outputs, mut lses) = (Vec::new(), Vec::new());
+    for block in blocks(query.shape()[2], settings.block) {
+        let scores = scores::<B>(&rows::<B>(query, block.clone()), &visible::<B>(key, block.end, settings), block.start, settings);
+        let max = B::float_max_dim(scores.clone(), 3);
+        let weights = B::float_exp(B::float_sub(scores, max.clone()));
+        let total = B::float_sum_dim(weights.clone(), 3);
+        outputs.push(B::float_div(B::float_matmul(weights, visible::<B>(value, block.end, settings)), total.clone()));
+        lses.push(B::float_add(max, B::float_log(total)));
+    }
+    (B::float_cat(outputs, 2), B::float_cat(lses, 2))
+}
+
+/// dq, dk, dv for the output gradient `grad`, recomputing each block's probabilities.
+fn backward<B: Backend>(
+    query: &FloatTensor<B>,
+    key: &FloatTensor<B>,
+    value: &FloatTensor<B>,
+    output: &FloatTensor<B>,
+    lse: &FloatTensor<B>,
+    grad: FloatTensor<B>,
+    settings: BlockedSettings,
+) -> [FloatTensor<B>; 3] {
+    let device = query.device();
+    let zeros = |like: &FloatTensor<B>| B::float_zeros(like.shape(), &device, like.dtype().into());
+    let (mut dk, mut dv) = (zeros(key), zeros(value));
+    // δ = rowsum(dO ∘ O): [b, h, s, 1].
+    let delta = B::float_sum_dim(B::float_mul(grad.clone(), output.clone()), 3);
+    let mut dq = Vec::new();
+    for block in blocks(query.shape()[2], settings.block) {
+        let (query_block, grad_block) = (rows::<B>(query, block.clone()), rows::<B>(&grad, block.clone()));
+        let (keys, values) = (visible::<B>(key, block.end, settings), visible::<B>(value, block.end, settings));
+        let scores = scores::<B>(&query_block, &keys, block.start, settings);
+        let probabilities = B::float_exp(B::float_sub(scores, rows::<B>(lse, block.clone())));
+        let dv_block = B::float_matmul(transpose::<B>(probabilities.clone()), grad_block.clone());
+        let dp = B::float_matmul(grad_block, transpose::<B>(values));
+        let ds = B::float_mul_scalar(B::float_mul(probabilities, B::float_sub(dp, rows::<B>(&delta, block.clone()))), settings.scale.into());
+        dq.push(B::float_matmul(ds.clone(), keys));
+        let dk_block = B::float_matmul(transpose::<B>(ds), query_block);
+        let seen = dk_block.shape()[2];
+        dk = add_rows::<B>(dk, dk_block, seen);
+        dv = add_rows::<B>(dv, dv_block, seen);
+    }
+    [B::float_cat(dq, 2), dk, dv]
+}
+
+/// `total[:, :, 0..count, :] += part`.
+fn add_rows<B: Backend>(total: FloatTensor<B>, part: FloatTensor<B>, count: usize) -> FloatTensor<B> {
+    let shape: Shape = total.shape();
+    if count == shape[2] {
+        return B::float_add(total, part);
+    }
+    let slices = [Slice::from(0..shape[0]), Slice::from(0..shape[1]), Slice::from(0..count), Slice::from(0..shape[3])];
+    let current = B::float_slice(total.clone(), &slices);
+    B::float_slice_assign(total, &slices, B::float_add(current, part))
 }

@@ -6,6 +6,7 @@
 use burn::tensor::{Device, Tensor, TensorData, ops::AttentionModuleOptions};
 use burn_ulysses_022::{
     attention,
+    blocked::attention_in_blocks,
     comm::ThreadGroup,
     context,
     error::UlyssesError,
@@ -222,4 +223,27 @@ fn outside_a_group_it_is_burns_attention() {
     let ours = values(attention(q.clone(), k.clone(), v.clone(), None, None, options));
     let burns = values(burn::tensor::module::attention(q, k, v, None, None, options));
     assert_eq!(ours, burns);
+}
+
+#[test]
+fn blocked_attention_equals_the_f64_reference_across_block_edges() {
+    // Blocks of 5 queries over 13 tokens: a ragged last block, and causal blocks that see
+    // different numbers of keys.
+    let shape = [2, 3, 13, 4];
+    let len = shape.iter().product();
+    let (q, k, v, w) = (uniform(len, 31), uniform(len, 32), uniform(len, 33), uniform(len, 34));
+    let device = Device::flex().autodiff();
+    for causal in [true, false] {
+        for block in [1, 5, 13, 64] {
+            let tensor = |values: &[f32]| Tensor::<4>::from_data(TensorData::new(values.to_vec(), shape), &device).require_grad();
+            let (tq, tk, tv) = (tensor(&q), tensor(&k), tensor(&v));
+            let output = attention_in_blocks(tq.clone(), tk.clone(), tv.clone(), causal, None, block);
+            let grads = (output.clone() * tensor(&w)).sum().backward();
+            let got = [values(output), values(tq.grad(&grads).unwrap()), values(tk.grad(&grads).unwrap()), values(tv.grad(&grads).unwrap())];
+            let want = reference(&q, &k, &v, &w, shape, 3, causal);
+            for ((name, got), want) in ["output", "dq", "dk", "dv"].iter().zip(&got).zip(&want) {
+                assert_close(&format!("blocks of {block}, causal {causal}: {name}"), got, want);
+            }
+        }
+    }
 }
