@@ -14,7 +14,7 @@ use burn::{
 use burn_ulysses::{
     UlyssesBackend,
     comm::{Communicator, ThreadGroup},
-    data::SequenceSharder,
+    data::{SequenceSharder, ShardTensors},
     hand_attention::set_guard,
     train::lm_loss_sum,
 };

@@ -59,7 +59,7 @@ use std::{
 use burn::module::Module;
 use burn_ulysses::{
     UlyssesBackend,
-    data::SequenceSharder,
+    data::{SequenceSharder, ShardTensors},
     precision::Precision,
     train::{LayerCheckpointing, ShardLengths, checkpointed_backward, float_parameters, lm_loss_sum},
 };

@@ -26,6 +26,7 @@ use burn::{
 use burn_ulysses::{
     RankScope, UlyssesBackend, UlyssesConfig,
     comm::ThreadGroup,
+    data::ShardTensors,
     precision::Precision,
     train::{LayerCheckpointing, ParallelGroups, ParallelLayout, StepInput, backward_step, float_parameters},
 };

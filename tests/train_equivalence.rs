@@ -23,7 +23,7 @@ use burn::{
 use burn_ulysses::{
     RankGuard, RankScope, TrainBackend, UlyssesBackend, UlyssesConfig,
     comm::ThreadGroup,
-    data::{SequenceSharder, ShardPositions},
+    data::{SequenceSharder, ShardPositions, ShardTensors},
     train::{ParallelGroups, ParallelLayout, StepReport, check_parameters_identical},
 };
 use ulysses_llama::{

@@ -199,7 +199,7 @@ pub fn current_sharding() -> Option<Sharding> {
 }
 
 /// Records that this rank's model input holds `len` tokens of each sequence: the sharding
-/// step calls it (`SequenceShard::tokens`), and a trainer that shards by
+/// step calls it (`ShardTensors::tokens`), and a trainer that shards by
 /// itself should too, so that the guard in `hand_attention` can recognise scores of a shard
 /// against itself. Kept for this thread and, for threads that never record, the process.
 pub fn record_local_sequence(len: usize) {

@@ -8,94 +8,14 @@
 //! ids of its shard; the attention gathers them, so every rank knows the boundaries of the
 //! whole sequence wherever they fall, shard edges included.
 
-use std::{ops::Range, sync::Arc};
+use std::ops::Range;
 
 use burn::tensor::{Bool, Tensor, TensorData, backend::Backend};
 
 use crate::error::UlyssesError;
+// Host position ids are Burn-free (ulysses-core), shared with the burn 0.22 crate.
+pub use ulysses_core::data::PositionIds;
 
-/// Position ids of a batch of token rows, on the host: `[batch, len]`, row-major.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PositionIds {
-    batch: usize,
-    len: usize,
-    ids: Arc<[u64]>,
-}
-
-impl PositionIds {
-    /// `ids` of `batch` rows of `len` tokens each.
-    pub fn new(ids: Vec<u64>, batch: usize, len: usize) -> Result<Self, UlyssesError> {
-        if ids.len() != batch * len || len == 0 {
-            return Err(UlyssesError::Shape(format!("position ids: {} ids cannot be {batch} rows of {len} tokens", ids.len())));
-        }
-        Ok(Self { batch, len, ids: ids.into() })
-    }
-
-    /// One document per row: positions `offset..offset + len` in every row (an unpacked
-    /// shard that starts at global position `offset`).
-    pub fn consecutive(batch: usize, offset: usize, len: usize) -> Self {
-        let row = (offset as u64..(offset + len) as u64).collect::<Vec<_>>();
-        Self { batch, len, ids: row.repeat(batch).into() }
-    }
-
-    /// Rows are `[rows[0], rows[1], ..]` concatenated along the sequence, as the shards of
-    /// an SP group concatenate into the whole sequence.
-    pub fn concat(parts: &[PositionIds]) -> Result<Self, UlyssesError> {
-        let batch = parts.first().map_or(0, |p| p.batch);
-        if parts.is_empty() || parts.iter().any(|p| p.batch != batch) {
-            return Err(UlyssesError::Shape("position ids: the parts to concatenate must share a batch size".into()));
-        }
-        let len: usize = parts.iter().map(|p| p.len).sum();
-        let mut ids = Vec::with_capacity(batch * len);
-        for b in 0..batch {
-            for part in parts {
-                ids.extend_from_slice(part.row(b));
-            }
-        }
-        Self::new(ids, batch, len)
-    }
-
-    pub fn batch(&self) -> usize {
-        self.batch
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// All ids, row-major.
-    pub fn ids(&self) -> &[u64] {
-        &self.ids
-    }
-
-    /// Row `b`'s ids.
-    pub fn row(&self, b: usize) -> &[u64] {
-        &self.ids[b * self.len..(b + 1) * self.len]
-    }
-
-    /// Per row, the lengths of its documents: a document ends where the next position does
-    /// not continue it.
-    pub fn document_lengths(&self) -> Vec<Vec<usize>> {
-        (0..self.batch)
-            .map(|b| {
-                let row = self.row(b);
-                let mut lengths = vec![1usize];
-                for pair in row.windows(2) {
-                    if pair[1] == pair[0] + 1 {
-                        *lengths.last_mut().unwrap() += 1;
-                    } else {
-                        lengths.push(1);
-                    }
-                }
-                lengths
-            })
-            .collect()
-    }
-}
 
 /// Which keys each query row sees besides causality, per sequence of a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]

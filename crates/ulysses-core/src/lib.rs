@@ -6,8 +6,11 @@
 //!   threads, byte counters, the argument checks that need no peer;
 //! - [`layout`]: the contract of one attention call (heads per rank, GQA replication, masks)
 //!   and the ring's cut of the sequence;
+//! - [`data`]: sequence sharding as ALST does it (labels shifted first, padding, positions,
+//!   packed documents), on the host;
 //! - [`error`]: every refusal, naming the problem and the fix.
 
 pub mod comm;
+pub mod data;
 pub mod error;
 pub mod layout;

@@ -56,7 +56,7 @@ pub use loss::{
 pub use crate::topology::{ParallelGroups, ParallelLayout};
 use crate::{
     comm::{CommError, Communicator},
-    data::{SequenceShard, SequenceSharder, ShardPositions},
+    data::{SequenceShard, SequenceSharder, ShardPositions, ShardTensors},
     error::UlyssesError,
     primitive::{float_primitive, float_tensor},
 };
