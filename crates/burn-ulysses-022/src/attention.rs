@@ -17,7 +17,8 @@ use crate::{
 
 /// Attention over `[batch, heads, seq, head_dim]` tensors, as `burn::tensor::module::attention`.
 ///
-/// Outside a sequence-parallel group (or in a group of one) it is burn's attention. In a group
+/// Outside a sequence-parallel group (or in a group of one) it is burn's attention, kv heads
+/// repeated for grouped-query attention (burn 0.22.1's takes as many as q heads). In a group
 /// of `P` ranks, each passing its `S/P` consecutive tokens: q/k/v are exchanged to `H/P` heads
 /// over all `S` tokens (kv heads replicated when fewer than `P`; `⌈H/P⌉` or `⌊H/P⌋` heads per
 /// rank when `P` does not divide `H`), attended with [`blocked`] attention (`is_causal` over the
@@ -37,7 +38,12 @@ pub fn attention(
     options: AttentionModuleOptions,
 ) -> Tensor<4> {
     match context::current().filter(|group| group.size() > 1) {
-        None => module::attention(query, key, value, mask, attn_bias, options),
+        None => {
+            // burn 0.22.1's attention takes as many kv heads as q heads: group them here.
+            let [q_heads, kv_heads] = [query.dims()[1], key.dims()[1]];
+            let repeats = if kv_heads > 0 && q_heads % kv_heads == 0 { q_heads / kv_heads } else { 1 };
+            module::attention(query, repeat_kv_heads(key, repeats), repeat_kv_heads(value, repeats), mask, attn_bias, options)
+        }
         Some(group) => sequence_parallel(&group, query, key, value, mask, attn_bias, options).unwrap_or_else(|error| panic!("{error}")),
     }
 }
@@ -76,13 +82,17 @@ fn sequence_parallel(
     let to_heads = |tensor: Tensor<4>, heads: &HeadExchange| exchange(tensor, heads.clone(), Direction::ToHeads);
     let (query, key, value) = (to_heads(query, &q_heads), to_heads(key, &kv_heads), to_heads(value, &kv_heads));
     // Local q head i uses local kv entry i / (local q heads / local kv heads).
-    let [batch, local_q, seq, _] = query.dims();
-    let local_kv = key.dims()[1];
-    let expand = |tensor: Tensor<4>| {
-        let [_, _, _, dim] = tensor.dims();
-        let repeats = local_q / local_kv;
-        if repeats == 1 { tensor } else { tensor.unsqueeze_dim::<5>(2).repeat_dim(2, repeats).reshape([batch, local_q, seq, dim]) }
-    };
-    let output = blocked::attention(query, expand(key), expand(value), options.is_causal, options.scale);
+    let repeats = query.dims()[1] / key.dims()[1];
+    let output = blocked::attention(query, repeat_kv_heads(key, repeats), repeat_kv_heads(value, repeats), options.is_causal, options.scale);
     Ok(exchange(output, q_heads, Direction::ToSequence))
+}
+
+/// `[b, h, s, d]` with each head repeated `repeats` times in place (`[b, h · repeats, s, d]`):
+/// kv heads for grouped-query attention, q head `i` using kv head `i / repeats`.
+pub fn repeat_kv_heads(tensor: Tensor<4>, repeats: usize) -> Tensor<4> {
+    if repeats == 1 {
+        return tensor;
+    }
+    let [batch, heads, seq, dim] = tensor.dims();
+    tensor.unsqueeze_dim::<5>(2).repeat_dim(2, repeats).reshape([batch, heads * repeats, seq, dim])
 }

@@ -30,12 +30,15 @@
 //! });
 //! ```
 //!
-//! The group, its errors and the layout rules are ulysses-core's, shared with burn-ulysses.
+//! [`train`] has the rest of a training step (the token-weighted loss, gradients summed over the
+//! group); the group, the sharding of sequences, the layout rules and the errors are
+//! ulysses-core's, shared with burn-ulysses.
 
 pub mod attention;
 pub mod blocked;
 pub mod context;
 pub mod exchange;
+pub mod train;
 
 pub use attention::attention;
-pub use ulysses_core::{comm, error, layout};
+pub use ulysses_core::{comm, data, error, layout};

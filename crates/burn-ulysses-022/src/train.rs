@@ -1,0 +1,96 @@
+//! What a sequence-parallel training step needs besides attention, for burn 0.22 models: each
+//! rank's part of the token-weighted loss, and gradients summed over the group.
+//!
+//! A step, on every rank of the group (each holding its [`SequenceShard`](crate::data::SequenceShard)
+//! of the same batch, from `SequenceSharder`):
+//!
+//! ```text
+//! let labels = SequenceSharder::labels_in(&batch);            // the whole batch's, on every rank
+//! let loss = lm_loss_sum(model.forward(tokens, positions), shard_labels, IGNORE_INDEX) / labels;
+//! let grads = all_reduce_gradients(&model, GradientsParams::from_grads(loss.backward(), &model));
+//! model = optimizer.step(lr, model, grads);                   // the same step on every rank
+//! ```
+//!
+//! Each rank's loss is its tokens' cross-entropy over the whole batch's label count, so the
+//! ranks' losses and gradients sum to the single-device ones.
+
+use std::sync::Arc;
+
+use burn::{
+    module::{Module, ModuleVisitor, Param},
+    optim::GradientsParams,
+    tensor::{Int, Tensor, TensorData, activation::log_softmax},
+};
+use ulysses_core::comm::{Collective, ThreadCommunicator, mixed_kinds};
+
+use crate::context;
+
+/// Cross-entropy of `logits` `[batch, seq, vocab]` against `labels` `[batch, seq]`, summed over
+/// the labels that are not `ignore_index`: `[1]`.
+pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64) -> Tensor<1> {
+    let [batch, seq, _] = logits.dims();
+    let ignored = labels.clone().equal_elem(ignore_index);
+    // Ignored positions read class 0, then count for nothing.
+    let classes = labels.mask_fill(ignored.clone(), 0).reshape([batch, seq, 1]);
+    let log_likelihood = log_softmax(logits, 2).gather(2, classes).reshape([batch, seq]);
+    log_likelihood.mask_fill(ignored, 0.0).sum().neg()
+}
+
+/// `grads` of `model`'s parameters summed over this thread's group, in rank order (so every
+/// rank holds bit-identical sums and takes the same optimizer step). Outside a group, or in a
+/// group of one, `grads` unchanged.
+///
+/// # Panics
+///
+/// When a collective fails (a rank died or ran another model), naming it.
+pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> GradientsParams {
+    let Some(group) = context::current().filter(|group| group.size() > 1) else { return grads };
+    let mut sum = GradientSum { group: &group, grads };
+    model.visit(&mut sum);
+    sum.grads
+}
+
+/// `value` summed over this thread's group (a loss to report), in rank order.
+pub fn all_reduce_sum(value: f64) -> f64 {
+    match context::current().filter(|group| group.size() > 1) {
+        None => value,
+        Some(group) => sum_in_rank_order(&group, Arc::new(vec![value])).unwrap_or_else(|error| panic!("summing a value over the group: {error}"))[0],
+    }
+}
+
+struct GradientSum<'a> {
+    group: &'a ThreadCommunicator,
+    grads: GradientsParams,
+}
+
+impl ModuleVisitor for GradientSum<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        // A parameter without a gradient on this rank adds zeros, so the ranks' rounds match.
+        let (gradient, device) = match self.grads.remove::<D>(param.id) {
+            Some(gradient) => (gradient.clone(), gradient.device()),
+            None => {
+                let value = param.val();
+                (Tensor::zeros(value.dims(), &value.device()), value.device())
+            }
+        };
+        let shape = gradient.dims();
+        let values: Vec<f64> = gradient.into_data().convert::<f64>().try_into_vec::<f64>().expect("a float gradient");
+        let summed = sum_in_rank_order(self.group, Arc::new(values)).unwrap_or_else(|error| panic!("summing the gradient of parameter {}: {error}", param.id));
+        let summed: Vec<f32> = summed.into_iter().map(|value| value as f32).collect();
+        self.grads.register(param.id, Tensor::<D>::from_data(TensorData::new(summed, shape), &device));
+    }
+}
+
+/// Every rank's `values` added up in rank order, in f64.
+fn sum_in_rank_order(group: &ThreadCommunicator, values: Arc<Vec<f64>>) -> Result<Vec<f64>, ulysses_core::comm::CommError> {
+    let op = Collective::AllReduce;
+    let (_, deposits) = group.round(op, Box::new(values), |deposits| {
+        deposits.iter().map(|d| d.as_ref().and_then(|d| d.downcast_ref::<Arc<Vec<f64>>>()).cloned()).collect::<Option<Vec<_>>>()
+    })?;
+    let deposits = deposits.ok_or_else(|| mixed_kinds(op))?;
+    let len = deposits[group.rank()].len();
+    if let Some(rank) = deposits.iter().position(|values| values.len() != len) {
+        return Err(ulysses_core::comm::CommError::Diverged { what: "values to sum", mine: len, rank, theirs: deposits[rank].len() });
+    }
+    Ok((0..len).map(|i| deposits.iter().map(|values| values[i]).sum()).collect())
+}

@@ -1,0 +1,91 @@
+//! A small Llama written plainly for burn 0.22.1 (`examples/model`) trained at SP = 2 and 4,
+//! ranks as threads on Flex + autodiff, against the same model on one device with burn's own
+//! attention: the loss of every step and every parameter after the last within 1e-5.
+
+#[path = "../examples/model/mod.rs"]
+mod model;
+
+use burn::{
+    module::{Module, ModuleVisitor, Param},
+    optim::{GradientsParams, SgdConfig},
+    tensor::{Device, Int, Tensor, TensorData},
+};
+use burn_ulysses_022::{
+    comm::ThreadGroup,
+    context,
+    data::{IGNORE_INDEX, SequenceSharder},
+    train::{all_reduce_gradients, all_reduce_sum, lm_loss_sum},
+};
+use model::{TinyLlamaConfig, init_seeded, uniform};
+
+const TOLERANCE: f64 = 1e-5;
+const STEPS: usize = 3;
+
+const CONFIG: TinyLlamaConfig = TinyLlamaConfig { vocab: 40, hidden: 32, heads: 4, kv_heads: 2, layers: 2, intermediate: 48, rope_theta: 10_000.0 };
+
+struct Flatten(Vec<f32>);
+
+impl ModuleVisitor for Flatten {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.0.extend(param.val().into_data().convert::<f32>().try_into_vec::<f32>().unwrap());
+    }
+}
+
+/// Two sequences of 17 and 12 tokens (padded to the group's multiple).
+fn batch() -> Vec<Vec<i64>> {
+    [(17, 50), (12, 51)].iter().map(|&(len, stream)| uniform(len, stream).iter().map(|v| ((v + 1.0) * 20.0) as i64 % CONFIG.vocab as i64).collect()).collect()
+}
+
+/// Each step's loss, and every parameter after the last step. `sp` 1 runs outside any group:
+/// burn's own attention and no reduction, the single-device reference.
+fn train(sp: usize) -> (Vec<f64>, Vec<f32>) {
+    let batch = batch();
+    let labels = SequenceSharder::labels_in(&batch) as f64;
+    let results = ThreadGroup::new(sp).run(|rank| {
+        let _sp = (sp > 1).then(|| context::enter(rank.communicator()));
+        let device = Device::flex().autodiff();
+        let mut model = init_seeded(&CONFIG, &device, 7);
+        let mut optimizer = SgdConfig::new().init();
+        let shard = SequenceSharder::new(sp).shard(&batch, rank.rank());
+        let int_tensor = |values: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(values.to_vec(), [shard.batch, shard.local_len]), &device);
+        let mut losses = Vec::new();
+        for _ in 0..STEPS {
+            let logits = model.forward(&CONFIG, int_tensor(&shard.tokens), shard.positions.ids.ids());
+            let loss = lm_loss_sum(logits, int_tensor(&shard.labels), IGNORE_INDEX) / labels;
+            losses.push(all_reduce_sum(loss.clone().into_scalar::<f64>()));
+            let grads = all_reduce_gradients(&model, GradientsParams::from_grads(loss.backward(), &model));
+            model = optimizer.step(0.5, model, grads);
+        }
+        let mut parameters = Flatten(Vec::new());
+        model.visit(&mut parameters);
+        (losses, parameters.0)
+    });
+    let mut results = results.into_iter().map(|r| r.unwrap_or_else(|panic| panic!("{panic}")));
+    let first = results.next().unwrap();
+    for (rank, other) in results.enumerate() {
+        assert_eq!(other.1, first.1, "rank {} holds other parameters than rank 0", rank + 1);
+    }
+    first
+}
+
+#[test]
+fn training_at_sp_2_and_4_equals_one_device() {
+    let (reference_losses, reference_parameters) = train(1);
+    assert!(reference_losses.iter().all(|l| l.is_finite()), "{reference_losses:?}");
+    assert!(reference_losses[STEPS - 1] < reference_losses[0], "the reference does not train: {reference_losses:?}");
+    for sp in [2, 4] {
+        let (losses, parameters) = train(sp);
+        eprintln!("SP={sp}: losses {losses:?}, one device {reference_losses:?}");
+        for (step, (got, want)) in losses.iter().zip(&reference_losses).enumerate() {
+            assert!((got - want).abs() <= TOLERANCE, "SP={sp}, step {step}: loss {got}, one device {want}");
+        }
+        assert_eq!(parameters.len(), reference_parameters.len());
+        let mut worst = 0.0f64;
+        for (i, (&got, &want)) in parameters.iter().zip(&reference_parameters).enumerate() {
+            let error = (got as f64 - want as f64).abs();
+            assert!(error <= TOLERANCE, "SP={sp}: parameter value {i} is {got}, one device {want}");
+            worst = worst.max(error);
+        }
+        eprintln!("SP={sp}: {} parameter values, largest difference {worst:.2e}", parameters.len());
+    }
+}
