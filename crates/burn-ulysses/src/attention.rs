@@ -30,7 +30,7 @@ use crate::{
     exchange::{heads_to_sequence, sequence_to_heads},
     fused::dense_fallback,
     inner::{DenseFallback, ExchangeBackend},
-    layout::{AttentionLayout, CallOptions, HeadPlan, MaskKind},
+    layout::{AttentionLayout, HeadPlan, MaskKind},
     primitive::{float_primitive, float_tensor},
     ring::ring_attention,
     visibility::{PositionIds, Visibility},
@@ -295,12 +295,7 @@ fn local_layout<X: ExchangeBackend>(
     has_documents: bool,
     window: Option<usize>,
 ) -> Result<AttentionLayout, UlyssesError> {
-    AttentionLayout::of_call(&dims(query), &dims(key), &dims(value), mask.map(dims).as_deref(), attn_bias.is_some(), call_options(options), has_documents, window)
-}
-
-/// What the layout rules read of burn's options.
-pub(crate) fn call_options(options: &AttentionModuleOptions) -> CallOptions {
-    CallOptions { scale: options.scale, softcap: options.softcap, is_causal: options.is_causal }
+    AttentionLayout::of_call(&dims(query), &dims(key), &dims(value), mask.map(dims).as_deref(), attn_bias.is_some(), crate::primitive::call_options(options), has_documents, window)
 }
 
 /// Attention over whole sequences with the inner backend's best kernel (a fused one takes

@@ -25,3 +25,8 @@ pub(crate) fn as_rows<B: Backend>(primitive: FloatTensor<B>, rows: usize) -> Ten
 pub(crate) fn byte_size<B: Backend>(primitive: &FloatTensor<B>) -> u64 {
     (primitive.shape().num_elements() * primitive.dtype().size()) as u64
 }
+
+/// What the layout rules (ulysses-core) read of burn's attention options.
+pub(crate) fn call_options(options: &burn::tensor::ops::AttentionModuleOptions) -> crate::layout::CallOptions {
+    crate::layout::CallOptions { scale: options.scale, softcap: options.softcap, is_causal: options.is_causal }
+}

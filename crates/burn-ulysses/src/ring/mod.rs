@@ -42,7 +42,7 @@ pub fn ring_attention<X: ExchangeBackend>(
     sharding: RingSharding,
     ring: &Arc<dyn Communicator<X::Wire>>,
 ) -> Result<Tensor<X, 4>, UlyssesError> {
-    let plan = RingPlan::new(query.dims(), key.dims(), value.dims(), crate::attention::call_options(&options), sharding, ring.rank(), ring.size())?;
+    let plan = RingPlan::new(query.dims(), key.dims(), value.dims(), crate::primitive::call_options(&options), sharding, ring.rank(), ring.size())?;
     match fused::check::<X::Wire>(&plan, query.dtype(), &query.device()) {
         Ok(()) => {
             let output = X::fused_ring_attention(float_primitive(query), float_primitive(key), float_primitive(value), &plan, ring)?;
