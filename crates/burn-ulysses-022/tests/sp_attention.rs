@@ -185,6 +185,10 @@ fn the_exchange_backward_is_the_inverse_exchange() {
 
 /// Every rank's panic message, in rank order.
 fn refusals(sp: usize, work: impl Fn(usize) -> ([usize; 4], [usize; 4]) + Sync) -> Vec<String> {
+    refusals_with_mask(sp, None, work)
+}
+
+fn refusals_with_mask(sp: usize, mask: Option<[usize; 4]>, work: impl Fn(usize) -> ([usize; 4], [usize; 4]) + Sync) -> Vec<String> {
     ThreadGroup::new(sp)
         .run(|rank| {
             let _sp = context::enter(rank.communicator());
@@ -192,7 +196,8 @@ fn refusals(sp: usize, work: impl Fn(usize) -> ([usize; 4], [usize; 4]) + Sync) 
             let (q_shape, kv_shape) = work(rank.rank());
             let q = Tensor::<4>::zeros(q_shape, &device);
             let kv = Tensor::<4>::zeros(kv_shape, &device);
-            attention(q, kv.clone(), kv, None, None, AttentionModuleOptions::default());
+            let mask = mask.map(|shape| Tensor::<4, burn::tensor::Bool>::empty(shape, &device));
+            attention(q, kv.clone(), kv, mask, None, AttentionModuleOptions::default());
         })
         .into_iter()
         .map(|result| result.expect_err("a bad layout must be refused").message)
@@ -210,6 +215,11 @@ fn bad_layouts_are_refused_on_every_rank_with_burn_ulysses_message() {
     assert!(ungrouped.iter().all(|m| *m == expected), "{ungrouped:?}");
 
     // Rank 1 holds more tokens than rank 0: every rank names the field and both values.
+    // A [S, S] mask made from local shapes cannot follow the exchange.
+    let square = refusals_with_mask(2, Some([1, 1, 4, 4]), |_| ([1, 2, 4, 8], [1, 2, 4, 8]));
+    let expected = UlyssesError::UnshardableMask { shape: vec![1, 1, 4, 4] }.to_string();
+    assert!(square.iter().all(|m| *m == expected), "{square:?}");
+
     let uneven_tokens = refusals(2, |rank| ([1, 2, 4 + rank, 8], [1, 2, 4 + rank, 8]));
     assert!(uneven_tokens.iter().all(|m| m.contains("local query sequence length") && m.contains("rank 1 has 5")), "{uneven_tokens:?}");
 }
