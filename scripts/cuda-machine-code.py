@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The flash kernels' CUDA sources through NVIDIA's own compilers, without a GPU.
 
-    python cuda-machine-code.py SOURCES [--cache DIR] [--table FILE] [--jobs N]
+    python cuda-machine-code.py SOURCES [--cache DIR] [--table FILE] [--jobs N] [--only sm_90a,...]
 
 SOURCES is what `ulysses-cuda-sources` wrote (index.json and the .cu files). Each source goes
 through NVRTC (to PTX, with the options cubecl-cuda 0.10 uses at run time), ptxas -v (to a
@@ -140,6 +140,7 @@ def main():
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/ulysses-cuda-machine-code"))
     parser.add_argument("--table", help="write per-target tables (markdown) to this file")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--only", help="comma-separated target names (sm_90a,...): check these of the index, not every one")
     parser.add_argument("--known", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda-known-defects.txt"))
     args = parser.parse_args()
     known = read_known(args.known)
@@ -147,6 +148,12 @@ def main():
     with open(os.path.join(args.sources, "index.json")) as f:
         index = json.load(f)
     targets = {t["name"]: t for t in index["targets"]}
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = [name for name in wanted if name not in targets]
+        if unknown:
+            sys.exit(f"cuda-machine-code: --only names unknown target(s) {unknown}; the index has {sorted(targets)}")
+        index["kernels"] = [k for k in index["kernels"] if k["target"] in wanted]
     tools = Tools()
     print(f"cuda-machine-code: {tools.versions}; NVRTC {tools.nvrtc_path}")
     os.makedirs(args.cache, exist_ok=True)

@@ -4,7 +4,7 @@
 # and ptxas 12.9; `scripts/cuda-tools.sh 13`: 13.0, the GPU image's (driver 580). Both with
 # cuobjdump and nvdisasm 13.5 (they read sm_90a cubins of either ptxas). About 350 and 540 MB.
 #
-#   ULYSSES_CUDA_TOOLS=$(scripts/cuda-tools.sh):$(scripts/cuda-tools.sh 13) \
+#   ULYSSES_CUDA_TOOLS=$(scripts/cuda-tools.sh):$(scripts/cuda-tools.sh 13)@sm_90a \
 #       cargo test -p ulysses-cuda-check -- --nocapture
 set -euo pipefail
 case "${1:-12}" in

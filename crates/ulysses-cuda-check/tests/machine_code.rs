@@ -1,7 +1,8 @@
 //! The flash kernels as an H100 (the whole plan), an A100 and an L40 (a representative subset)
 //! would compile them: every case the planner accepts must compile to CUDA C++ here, and,
 //! with NVIDIA's compilers at hand (`ULYSSES_CUDA_TOOLS`: venvs with the PyPI wheels, separated
-//! by `:`, each checked; `.ci/run` installs CUDA 12.9's and 13.0's, the GPU image's), to machine
+//! by `:`, each checked, on every target or, written `VENV@sm_90a,...`, on those; `.ci/run`
+//! checks every target with CUDA 12.9's and the H100 with 13.0's, the GPU image's), to machine
 //! code that spills nothing, fits the shared memory and an SM, and uses the tensor cores in
 //! every kernel of the tensor-core engine (`scripts/cuda-machine-code.py`). Without the tools that half says SKIPPED, unless
 //! `ULYSSES_REQUIRE_CUDA_TOOLS=1` makes it a failure. `ULYSSES_CUDA_REPORT=FILE` appends the
@@ -28,13 +29,15 @@ fn every_planned_kernel_compiles_to_machine_code_that_fits_and_uses_tensor_cores
         return;
     };
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/cuda-machine-code.py");
-    for (index, tools) in tools.split(':').filter(|t| !t.is_empty()).enumerate() {
+    for (index, entry) in tools.split(':').filter(|t| !t.is_empty()).enumerate() {
+        let (tools, only) = entry.split_once('@').map_or((entry, None), |(tools, only)| (tools, Some(only)));
         let table = out.join(format!("tables-{index}.txt"));
-        let output = Command::new(PathBuf::from(tools).join("bin/python"))
-            .arg(&script)
-            .arg(&out)
-            .arg("--table")
-            .arg(&table)
+        let mut command = Command::new(PathBuf::from(tools).join("bin/python"));
+        command.arg(&script).arg(&out).arg("--table").arg(&table);
+        if let Some(only) = only {
+            command.arg("--only").arg(only);
+        }
+        let output = command
             .output()
             .unwrap_or_else(|e| panic!("cannot run {} with {tools}/bin/python: {e}", script.display()));
         let report = String::from_utf8_lossy(&output.stdout);
@@ -48,7 +51,7 @@ fn every_planned_kernel_compiles_to_machine_code_that_fits_and_uses_tensor_cores
         }
         eprintln!("{}", String::from_utf8_lossy(&output.stderr));
         assert!(output.status.success(), "the machine-code check with {tools} failed:\n{report}");
-        for target in TARGETS {
+        for target in TARGETS.iter().filter(|target| only.is_none_or(|only| only.split(',').any(|name| name == target.name))) {
             assert!(report.contains(&format!("{} (", target.name)), "no line for {} with {tools}:\n{report}", target.name);
         }
     }
