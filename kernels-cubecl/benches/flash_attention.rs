@@ -211,12 +211,11 @@ fn main() {
     let theirs = if quick { vec![None; shapes.len()] } else { sdpa(&shapes, budget) };
     let mut memory = Vec::new();
     let mut plain_causal = Vec::new();
-    let mut seconds_per_flop: Option<f64> = None;
     for skew in skews {
         // What follows the table (memory, packed documents) uses the last layout's runs.
         memory.clear();
         plain_causal.clear();
-        seconds_per_flop = None;
+        let mut seconds_per_flop: Option<f64> = None;
         if let Some(skew) = skew {
             // SAFETY: this bench is single-threaded; the planner reads it at each call.
             unsafe { std::env::set_var("ULYSSES_FLASH_SKEW", skew.to_string()) };

@@ -161,14 +161,6 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         if let Some(positions) = &positions {
             check_document_ids(positions, layout.batch, layout.q_seq, layout.kv_seq)?;
         }
-        if window == Some(0) || (window.is_some() && layout.q_seq != layout.kv_seq) {
-            return Err(UlyssesError::Shape(format!(
-                "attention_within: a sliding window needs self-attention (q and k of the same length) and at least one key; got {} queries, {} keys and a window of {}",
-                layout.q_seq,
-                layout.kv_seq,
-                window.unwrap_or(0)
-            )));
-        }
         let context = context::current::<X::Wire>()?;
         let forbid = context.as_ref().is_some_and(|c| c.config.forbid_dense_fallback);
         let fallback = if forbid { DenseFallback::Forbid } else { DenseFallback::Allow };
@@ -205,22 +197,18 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
 
         let [query, key, value] = sequence_to_heads(float_tensor(query), float_tensor(key), float_tensor(value), &plan, communicator)?;
 
-        let visibility = match &positions {
+        // The restriction over the whole sequence, which every rank holds now (for its heads):
+        // every rank's position ids, in rank order.
+        let documents = match &positions {
             Some(positions) => {
                 let gathered = all_gather_host_checked(&**communicator, positions.ids(), "document position ids")?;
                 let shards = gathered.into_iter().map(|ids| PositionIds::new(ids, layout.batch, layout.q_seq)).collect::<Result<Vec<_>, _>>()?;
-                Some(Visibility::documents(&PositionIds::concat(&shards)?))
+                Some(PositionIds::concat(&shards)?)
             }
             None => None,
         };
-        // Over the whole sequence, which every rank holds now (for its heads).
-        let visibility = match window {
-            Some(window) => {
-                let whole = query.dims()[2];
-                Some(visibility.unwrap_or_else(|| Visibility::all(layout.batch, whole, whole)).with_window(window)?)
-            }
-            None => visibility,
-        };
+        let whole = query.dims()[2];
+        let visibility = restriction.is_some().then(|| restricted_visibility(&Restriction { documents, window }, layout.batch, whole, whole)).transpose()?;
         let (mask, visibility) = match mask {
             Some(mask) => {
                 let mask = gather_key_padding_mask::<X>(bool_tensor(mask), &plan, communicator)?;

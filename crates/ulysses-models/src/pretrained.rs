@@ -126,11 +126,17 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     Err(CheckpointError::file(dir, format!("holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")))
 }
 
-/// The Hugging Face name of one of the decoder's tensor paths, for messages: [`DECODER_TO_HF`]
-/// applied as burn-store applies it when saving.
-fn hf_name(path: &str) -> String {
+/// The Hugging Face names of the decoder's tensor paths: [`DECODER_TO_HF`] applied as
+/// burn-store applies it when saving, its patterns compiled once.
+fn hf_names<'a>(paths: impl IntoIterator<Item = &'a str>) -> Vec<String> {
     let remapper = KeyRemapper::from_patterns(DECODER_TO_HF.to_vec()).expect("DECODER_TO_HF holds valid patterns");
-    remapper.to_regex_pairs().iter().fold(path.to_string(), |name, (pattern, to)| pattern.replace_all(&name, to.as_str()).into_owned())
+    let pairs = remapper.to_regex_pairs();
+    paths.into_iter().map(|path| pairs.iter().fold(path.to_string(), |name, (pattern, to)| pattern.replace_all(&name, to.as_str()).into_owned())).collect()
+}
+
+/// The Hugging Face name of one of the decoder's tensor paths, for messages.
+fn hf_name(path: &str) -> String {
+    hf_names([path]).remove(0)
 }
 
 /// How [`save_pretrained_with`] writes the weights.
@@ -185,6 +191,7 @@ pub fn save_pretrained_with<B: Backend>(model: &Llama<B>, config: &DecoderConfig
     let tensors: Vec<(String, u64)> =
         model.collect(None, None, false).iter().map(|t| (t.full_path(), (t.shape.iter().product::<usize>() * dtype.size()) as u64)).collect();
     let shards = plan_shards(&tensors, options.max_shard_bytes);
+    let hf = hf_names(tensors.iter().map(|(path, _)| path.as_str()));
     let mut weight_map = serde_json::Map::new();
     for (k, shard) in shards.iter().enumerate() {
         let file_name = if shards.len() == 1 { WEIGHTS_FILE.to_string() } else { format!("model-{:05}-of-{:05}.safetensors", k + 1, shards.len()) };
@@ -199,7 +206,7 @@ pub fn save_pretrained_with<B: Backend>(model: &Llama<B>, config: &DecoderConfig
         }
         model.save_into(&mut store).map_err(|e| CheckpointError::file(&weights, e))?;
         for &i in shard {
-            weight_map.insert(hf_name(&tensors[i].0), file_name.clone().into());
+            weight_map.insert(hf[i].clone(), file_name.clone().into());
         }
         written.push(weights);
     }

@@ -30,8 +30,12 @@ impl TextTokenizer {
 
     /// The ids of `text`, special tokens written in it parsed as such, none added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let encoding = self.inner.encode(text, false).map_err(|e| TokenizerError { file: self.file.clone(), problem: format!("cannot encode: {e}") })?;
+        let encoding = self.inner.encode(text, false).map_err(|e| self.cannot_encode(e))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    fn cannot_encode(&self, error: impl std::fmt::Display) -> TokenizerError {
+        TokenizerError { file: self.file.clone(), problem: format!("cannot encode: {error}") }
     }
 
     /// The ids of one document as transformers' `tokenizer(text)` gives them (the special
@@ -46,7 +50,7 @@ impl TextTokenizer {
         let encodings = self
             .inner
             .encode_batch(texts.to_vec(), true)
-            .map_err(|e| TokenizerError { file: self.file.clone(), problem: format!("cannot encode: {e}") })?;
+            .map_err(|e| self.cannot_encode(e))?;
         Ok(encodings
             .iter()
             .map(|encoding| {

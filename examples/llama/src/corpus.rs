@@ -28,10 +28,8 @@ impl ByteCorpus {
     /// Reads a file, or every file under a folder (sorted, links followed), and holds out the
     /// last `eval_fraction` of the bytes for evaluation.
     pub fn load(path: &Path, eval_fraction: f64) -> Result<Self, String> {
-        let mut files = Vec::new();
-        collect_files(path, &mut files)
+        let files = crate::files::files_under(path)
             .map_err(|e| format!("cannot read corpus {}: {e}. Pass --corpus with a text file or folder.", path.display()))?;
-        files.sort();
         let mut bytes = Vec::new();
         for file in &files {
             bytes.extend(fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?);
@@ -104,17 +102,6 @@ impl ByteCorpus {
     pub fn eval_batch(&self, count: usize, len: usize) -> Vec<Vec<i64>> {
         sample(&self.eval, 0x6576_616c, 0, count, len)
     }
-}
-
-fn collect_files(path: &Path, files: &mut Vec<PathBuf>) -> std::io::Result<()> {
-    if fs::metadata(path)?.is_dir() {
-        for entry in fs::read_dir(path)? {
-            collect_files(&entry?.path(), files)?;
-        }
-    } else {
-        files.push(path.to_path_buf());
-    }
-    Ok(())
 }
 
 fn sample(bytes: &[u8], seed: u64, step: usize, count: usize, len: usize) -> Vec<Vec<i64>> {

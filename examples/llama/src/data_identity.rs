@@ -6,7 +6,7 @@
 use std::{
     fs::File,
     io::{Read, Seek, SeekFrom},
-    path::{Path, PathBuf},
+    path::Path,
 };
 
 use serde::{Deserialize, Serialize};
@@ -24,9 +24,7 @@ pub struct DataIdentity {
 impl DataIdentity {
     /// The identity of the file or folder at `path`.
     pub fn of(path: &Path) -> Result<Self, String> {
-        let mut files = Vec::new();
-        collect(path, &mut files).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        files.sort();
+        let files = crate::files::files_under(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         let mut digest = Fnv::new();
         let mut bytes = 0;
         for file in &files {
@@ -49,17 +47,6 @@ impl DataIdentity {
             )
         })
     }
-}
-
-fn collect(path: &Path, files: &mut Vec<PathBuf>) -> std::io::Result<()> {
-    if path.is_dir() {
-        for entry in std::fs::read_dir(path)? {
-            collect(&entry?.path(), files)?;
-        }
-    } else {
-        files.push(path.to_path_buf());
-    }
-    Ok(())
 }
 
 /// A file's size and its first and last [`BLOCK`] bytes (the whole file when shorter).

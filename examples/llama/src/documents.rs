@@ -12,7 +12,7 @@
 use std::{
     fs,
     io::{BufRead, BufReader},
-    path::{Path, PathBuf},
+    path::Path,
 };
 
 use burn_ulysses::data::pack_documents;
@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 use ulysses_models::TextTokenizer;
 
-use crate::{corpus::splitmix64, train::StepData};
+use crate::{corpus::splitmix64, files::files_under, train::StepData};
 
 /// Text lines tokenized together (on every core).
 const TOKENIZE_CHUNK: usize = 512;
@@ -145,18 +145,6 @@ fn parse_line(line: &str) -> Result<Pending, String> {
     }
 }
 
-fn files_under(path: &Path) -> std::io::Result<Vec<PathBuf>> {
-    if !fs::metadata(path)?.is_dir() {
-        return Ok(vec![path.to_path_buf()]);
-    }
-    let mut files = Vec::new();
-    for entry in fs::read_dir(path)? {
-        files.extend(files_under(&entry?.path())?);
-    }
-    files.sort();
-    Ok(files)
-}
-
 /// Documents packed into sequences of `seq_len`, drawn `batch_size` per step in a seeded
 /// order that changes each epoch; the last batch is held out when there are two or more.
 /// Each sequence keeps the lengths of the documents packed into it: an EOS inside a document
@@ -207,21 +195,34 @@ impl PackedDocuments {
         self.train.iter().chain(self.eval.iter().flatten()).map(|p| (p.tokens.clone(), p.documents.clone())).unzip()
     }
 
-    /// The index into `train` of the `index`-th sequence drawn: a permutation of the
-    /// sequences seeded by (seed, epoch), so each epoch sees every sequence once.
-    fn drawn(&self, index: usize) -> usize {
+    /// The order in which epoch `epoch` draws the sequences of `train`: a permutation seeded by
+    /// (seed, epoch), so each epoch sees every sequence once.
+    fn epoch_order(&self, epoch: usize) -> Vec<usize> {
         let count = self.train.len();
-        let (epoch, at) = (index / count, index % count);
         let mut order: Vec<usize> = (0..count).collect();
         for i in (1..count).rev() {
             let j = (splitmix64(self.seed ^ 0x646f_6373 ^ ((epoch as u64) << 32) ^ i as u64) % (i as u64 + 1)) as usize;
             order.swap(i, j);
         }
-        order[at]
+        order
     }
 
+    /// The sequences of step `step`: draws `step · batch_size ..` of the epochs' orders, each
+    /// order built once (a step may end one epoch and begin the next).
     fn step_sequences(&self, step: usize) -> impl Iterator<Item = &Packed> {
-        (0..self.batch_size).map(move |i| &self.train[self.drawn(step * self.batch_size + i)])
+        let count = self.train.len();
+        let first = step * self.batch_size;
+        let mut order: Option<(usize, Vec<usize>)> = None;
+        let drawn: Vec<usize> = (first..first + self.batch_size)
+            .map(|index| {
+                let epoch = index / count;
+                if order.as_ref().is_none_or(|(built, _)| *built != epoch) {
+                    order = Some((epoch, self.epoch_order(epoch)));
+                }
+                order.as_ref().unwrap().1[index % count]
+            })
+            .collect();
+        drawn.into_iter().map(move |i| &self.train[i])
     }
 }
 
@@ -286,12 +287,19 @@ mod tests {
     fn each_epoch_draws_every_sequence_once_in_a_seeded_order() {
         let documents: Vec<Vec<i64>> = (1..=10).map(|d| vec![d, 0]).collect();
         let data = PackedDocuments::pack(&documents, 2, 2, 7, false).unwrap();
-        let epoch = |e: usize| -> Vec<usize> { (0..10).map(|i| data.drawn(e * 10 + i)).collect() };
-        let (first, second) = (epoch(0), epoch(1));
+        let (first, second) = (data.epoch_order(0), data.epoch_order(1));
         let mut sorted = first.clone();
         sorted.sort();
         assert_eq!(sorted, (0..10).collect::<Vec<_>>());
         assert_ne!(first, second, "every epoch in the same order");
         assert_ne!(first, (0..10).collect::<Vec<_>>(), "not shuffled");
+        // Steps draw the epochs' orders one after the other, across the epoch's end too
+        // (batches of 3 over 10 sequences).
+        let data = PackedDocuments::pack(&documents, 2, 3, 7, false).unwrap();
+        let count = data.train.len();
+        let orders: Vec<usize> = (0..3).flat_map(|e| data.epoch_order(e)).collect();
+        let drawn: Vec<&Packed> = (0..count).flat_map(|step| data.step_sequences(step).collect::<Vec<_>>()).collect();
+        let expected: Vec<&Packed> = orders[..3 * count].iter().map(|&i| &data.train[i]).collect();
+        assert!(drawn.iter().zip(&expected).all(|(a, b)| std::ptr::eq(*a, *b)), "steps do not follow the epochs' orders");
     }
 }

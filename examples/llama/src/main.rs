@@ -381,9 +381,9 @@ fn run(args: Args) -> Result<(), String> {
     };
     let data_path = args.data.as_ref().or(args.tokens.as_ref()).unwrap_or(&args.corpus);
     let data_identity = DataIdentity::of(data_path)?;
+    let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
+    let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
     if let Some(sequences) = eval_sequences {
-        let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
-        let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
         let out = PathBuf::new();
         let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at: None, options, eval_sequences: Some(sequences), _run_folder: None };
         return on_backend(&job);
@@ -421,8 +421,6 @@ fn run(args: Args) -> Result<(), String> {
     } else {
         None
     };
-    let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
-    let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
     let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at, options, eval_sequences: None, _run_folder: run_folder };
     on_backend(&job)
 }

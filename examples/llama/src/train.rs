@@ -161,16 +161,15 @@ impl TrainConfig {
                 self.layout.sp_size
             );
         }
-        if self.pack && self.layout.ring_size > 1 {
+        // The ring's attention takes no mask: neither packed documents nor a sliding window.
+        let masked = match (self.pack, model.sliding_window) {
+            (true, _) => Some("packed documents (--pack, and every --data run)".to_string()),
+            (false, Some(window)) => Some(format!("the model's sliding window ({window} tokens)")),
+            (false, None) => None,
+        };
+        if let (Some(what), true) = (masked, self.layout.ring_size > 1) {
             return Err(format!(
-                "packed documents (--pack, and every --data run) do not combine with Ulysses × Ring yet (--ring {}): \
-                 its attention takes no document mask. Use --ring 1, with --sp at most the head count {}",
-                self.layout.ring_size, model.n_heads
-            ));
-        }
-        if let (Some(window), true) = (model.sliding_window, self.layout.ring_size > 1) {
-            return Err(format!(
-                "the model's sliding window ({window} tokens) does not combine with Ulysses × Ring yet (--ring {}): use --ring 1, \
+                "{what}: Ulysses × Ring cannot take it yet (--ring {}), its attention takes no mask. Use --ring 1, \
                  with --sp at most the head count {}",
                 self.layout.ring_size, model.n_heads
             ));
