@@ -13,19 +13,13 @@ use burn_ulysses_022::{
     exchange::{Direction, HeadExchange, exchange},
 };
 
+#[path = "../examples/model/values.rs"]
+mod values;
+
+use values::uniform;
+
 /// f32 against the f64 reference, as burn-ulysses' SP tests.
 const TOLERANCE: f64 = 1e-5;
-
-/// Deterministic values in [-1, 1) (a 64-bit LCG), the same on every rank.
-fn uniform(len: usize, stream: u64) -> Vec<f32> {
-    let mut state = stream.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((state >> 40) as f64 / (1u64 << 24) as f64 * 2.0 - 1.0) as f32
-        })
-        .collect()
-}
 
 /// `values` `[b, h, s, d]` (row-major), tokens `range` of every head.
 fn tokens(values: &[f32], [b, h, s, d]: [usize; 4], range: std::ops::Range<usize>) -> Vec<f32> {
@@ -141,6 +135,24 @@ fn sp_2_equals_the_f64_reference_causal_and_not() {
     for causal in [true, false] {
         sequence_parallel(2, [2, 4, 16, 8], 4, causal);
     }
+}
+
+#[test]
+fn sp_2_without_autodiff_equals_the_f64_reference() {
+    // Inference: the exchange and the blocked attention on plain Flex tensors.
+    let shape = [1, 4, 12, 8];
+    let len = shape.iter().product();
+    let (q, k, v) = (uniform(len, 41), uniform(len, 42), uniform(len, 43));
+    let results = ThreadGroup::new(2).run(|rank| {
+        let _sp = context::enter(rank.communicator());
+        let device = Device::flex();
+        let range = rank.rank() * 6..(rank.rank() + 1) * 6;
+        let shard = |values: &[f32]| Tensor::<4>::from_data(TensorData::new(tokens(values, shape, range.clone()), [1, 4, 6, 8]), &device);
+        values(attention(shard(&q), shard(&k), shard(&v), None, None, AttentionModuleOptions { is_causal: true, ..Default::default() }))
+    });
+    let shards: Vec<Vec<f32>> = results.into_iter().map(|r| r.unwrap_or_else(|panic| panic!("{panic}"))).collect();
+    let [output, ..] = reference(&q, &k, &v, &vec![0.0; len], shape, 4, true);
+    assert_close("SP=2 without autodiff: output", &unshard(&shards, shape), &output);
 }
 
 #[test]

@@ -11,6 +11,9 @@ use burn::{
 // was: use burn::tensor::module::attention;
 use burn_ulysses_022::attention;
 
+mod values;
+pub use values::uniform;
+
 #[derive(Debug, Clone, Copy)]
 pub struct TinyLlamaConfig {
     pub vocab: usize,
@@ -92,17 +95,6 @@ impl ModuleMapper for Seeded {
         let values = if D == 1 { vec![1.0; dims.iter().product()] } else { uniform(dims.iter().product(), self.stream).into_iter().map(|v| v * 0.3).collect() };
         Param::from_tensor(Tensor::from_data(TensorData::new(values, dims), &self.device))
     }
-}
-
-/// Values in [-1, 1) from a 64-bit LCG seeded by `stream`.
-pub fn uniform(len: usize, stream: u64) -> Vec<f32> {
-    let mut state = stream.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((state >> 40) as f64 / (1u64 << 24) as f64 * 2.0 - 1.0) as f32
-        })
-        .collect()
 }
 
 impl TinyLlama {
