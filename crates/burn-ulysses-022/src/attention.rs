@@ -2,7 +2,7 @@
 //! one `use`. Inside a group of more than one rank it is Ulysses; the rules of what a call
 //! may be (shapes, head counts, masks) are ulysses-core's, the same as burn-ulysses' on 0.21.
 
-use burn::tensor::{Bool, Tensor, module, ops::AttentionModuleOptions};
+use burn::tensor::{Bool, Tensor, TensorData, module, ops::AttentionModuleOptions};
 use ulysses_core::{
     comm::ThreadCommunicator,
     error::UlyssesError,
@@ -22,7 +22,8 @@ use crate::{
 /// of `P` ranks, each passing its `S/P` consecutive tokens: q/k/v are exchanged to `H/P` heads
 /// over all `S` tokens (kv heads replicated when fewer than `P`; `⌈H/P⌉` or `⌊H/P⌋` heads per
 /// rank when `P` does not divide `H`), attended with [`blocked`] attention (`is_causal` over the
-/// whole sequence), and exchanged back. A mask or bias made from local shapes cannot follow the
+/// whole sequence), and exchanged back. A key-padding mask `[B, 1 | H, 1, S/P]` is gathered
+/// along the keys; any other mask, or a bias, made from local shapes cannot follow the
 /// exchange and is refused, on every rank, with the same message as burn-ulysses.
 ///
 /// # Panics
@@ -65,12 +66,7 @@ fn sequence_parallel(
     match (layout.mask, &attn_bias) {
         (MaskKind::Unshardable, _) => return Err(UlyssesError::UnshardableMask { shape: mask_dims.unwrap_or_default() }),
         (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: bias.dims().to_vec() }),
-        (MaskKind::KeyPadding { .. }, _) => {
-            return Err(UlyssesError::Shape(
-                "burn-ulysses-022 does not gather key-padding masks yet: pack the documents without padding, or run this model on burn 0.21 with burn-ulysses".into(),
-            ));
-        }
-        (MaskKind::None, None) => {}
+        (MaskKind::KeyPadding { .. } | MaskKind::None, None) => {}
     }
     if options.softcap.is_some() {
         return Err(UlyssesError::Shape("burn-ulysses-022's blocked attention has no softcap yet".into()));
@@ -80,11 +76,34 @@ fn sequence_parallel(
     let q_heads = HeadExchange { heads: layout.q_heads, per_rank: (0..size).map(|rank| plan.q_heads_of(rank).collect()).collect() };
     let kv_heads = HeadExchange { heads: layout.kv_heads, per_rank: (0..size).map(|rank| plan.kv_heads_of(rank)).collect() };
     let to_heads = |tensor: Tensor<4>, heads: &HeadExchange| exchange(tensor, heads.clone(), Direction::ToHeads);
+    let key_padding = mask.map(|mask| gather_key_padding(group, mask, &q_heads.per_rank[group.rank()])).transpose()?;
     let (query, key, value) = (to_heads(query, &q_heads), to_heads(key, &kv_heads), to_heads(value, &kv_heads));
     // Local q head i uses local kv entry i / (local q heads / local kv heads).
     let repeats = query.dims()[1] / key.dims()[1];
-    let output = blocked::attention(query, repeat_kv_heads(key, repeats), repeat_kv_heads(value, repeats), options.is_causal, options.scale);
+    let output = blocked::attention(query, repeat_kv_heads(key, repeats), repeat_kv_heads(value, repeats), key_padding, options.is_causal, options.scale);
     Ok(exchange(output, q_heads, Direction::ToSequence))
+}
+
+/// Every rank's key-padding mask `[b, 1 | H, 1, S/P]`, joined along the keys in rank order,
+/// for this rank's heads `heads` (a mask per head) or for all of them (one mask): what the
+/// rank's head shard attends with. As burn-ulysses gathers it.
+fn gather_key_padding(group: &ThreadCommunicator, mask: Tensor<4, Bool>, heads: &[usize]) -> Result<Tensor<4, Bool>, UlyssesError> {
+    let [batch, mask_heads, _, local] = mask.dims();
+    let device = mask.device();
+    let hidden: Vec<u64> = mask.into_data().iter::<bool>().map(u64::from).collect();
+    let every_rank = group.all_gather_host(&hidden)?;
+    let kept: Vec<usize> = if mask_heads == 1 { vec![0] } else { heads.to_vec() };
+    let keys = local * every_rank.len();
+    let mut joined = Vec::with_capacity(batch * kept.len() * keys);
+    for b in 0..batch {
+        for &head in &kept {
+            for part in &every_rank {
+                let row = (b * mask_heads + head) * local;
+                joined.extend(part[row..row + local].iter().map(|&hidden| hidden != 0));
+            }
+        }
+    }
+    Ok(Tensor::from_data(TensorData::new(joined, [batch, kept.len(), 1, keys]), &device))
 }
 
 /// `[b, h, s, d]` with each head repeated `repeats` times in place (`[b, h · repeats, s, d]`):

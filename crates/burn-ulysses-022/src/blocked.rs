@@ -3,8 +3,9 @@
 //! matmul, softmax, matmul, each recorded) keeps an S × S matrix per head until the backward.
 //!
 //! Forward, for each block of `block` queries: the block's scores against the keys it can see
-//! (under `is_causal`, the keys up to its last query), an exact softmax over them, the output
-//! rows, and each row's log-sum-exp. The backward (FlashAttention's, by blocks of queries)
+//! (under `is_causal`, the keys up to its last query; a key-padding mask hides more), an exact
+//! softmax over them, the output rows, and each row's log-sum-exp. A row that sees no key
+//! gives zeros, as burn's attention does. The backward (FlashAttention's, by blocks of queries)
 //! recomputes the probabilities from the log-sum-exp: `dV += Pᵀ dO`, `dS = P ∘ (dO Vᵀ − δ)`
 //! with `δ = rowsum(dO ∘ O)`, `dQ = dS K · scale`, `dK += dSᵀ Q · scale`. At most one block's
 //! scores (`batch × heads × block × S`) exist at a time, in the forward and in the backward.
@@ -22,7 +23,7 @@ use burn::backend::{
     },
     tensor::FloatTensor,
 };
-use burn::tensor::{FloatDType, Shape, Slice, Tensor, TensorData};
+use burn::tensor::{Bool, FloatDType, Shape, Slice, Tensor, TensorData};
 
 /// Queries per block unless [`attention_in_blocks`] is told otherwise.
 pub const DEFAULT_BLOCK: usize = 128;
@@ -41,14 +42,22 @@ pub struct BlockedSettings {
 #[backend_extension(Autodiff, Flex)]
 pub trait BlockedAttentionOps: Backend {
     /// Attention of q `[b, h, s, d]` over k `[b, h, t, d]` and v `[b, h, t, dv]` (one kv head
-    /// per q head): `[b, h, s, dv]`.
-    fn blocked_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, settings: BlockedSettings) -> FloatTensor<Self>;
+    /// per q head), `key_bias` `[b, 1 | h, 1, t]` (0, or `-inf` for a hidden key) added to
+    /// every row's scores: `[b, h, s, dv]`.
+    fn blocked_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        key_bias: FloatTensor<Self>,
+        settings: BlockedSettings,
+    ) -> FloatTensor<Self>;
 }
 
 /// Attention of q `[b, h, s, d]` over k and v with as many heads, in blocks of
-/// [`DEFAULT_BLOCK`] queries; `scale` `None` is `1/sqrt(d)`.
-pub fn attention(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, is_causal: bool, scale: Option<f64>) -> Tensor<4> {
-    attention_in_blocks(query, key, value, is_causal, scale, DEFAULT_BLOCK)
+/// [`DEFAULT_BLOCK`] queries. `key_padding` `[b, 1 | h, 1, t]`: `true` hides that key from
+/// every query (burn's mask convention); `scale` `None` is `1/sqrt(d)`.
+pub fn attention(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, key_padding: Option<Tensor<4, Bool>>, is_causal: bool, scale: Option<f64>) -> Tensor<4> {
+    attention_in_blocks(query, key, value, key_padding, is_causal, scale, DEFAULT_BLOCK)
 }
 
 /// [`attention`] with `block` queries per block.
@@ -56,7 +65,15 @@ pub fn attention(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, is_causal: 
 /// # Panics
 ///
 /// When the shapes do not fit together (a message naming them), or `block` is 0.
-pub fn attention_in_blocks(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, is_causal: bool, scale: Option<f64>, block: usize) -> Tensor<4> {
+pub fn attention_in_blocks(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    key_padding: Option<Tensor<4, Bool>>,
+    is_causal: bool,
+    scale: Option<f64>,
+    block: usize,
+) -> Tensor<4> {
     let ([b, h, s, d], k, v) = (query.dims(), key.dims(), value.dims());
     assert!(
         k[0] == b && v[0] == b && k[1] == h && v[1] == h && k[2] == v[2] && k[3] == d,
@@ -65,32 +82,45 @@ pub fn attention_in_blocks(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, i
     );
     assert!(!is_causal || k[2] == s, "causal blocked attention needs as many keys as queries; got {s} queries and {} keys", k[2]);
     assert!(block > 0, "blocked attention needs at least one query per block");
+    let keys = k[2];
+    let key_bias = match key_padding {
+        Some(mask) => {
+            let m = mask.dims();
+            assert!(
+                m[0] == b && (m[1] == 1 || m[1] == h) && m[2] == 1 && m[3] == keys,
+                "a key-padding mask is [batch, 1 | heads, 1, keys] = [{b}, 1 | {h}, 1, {keys}]; got {m:?}"
+            );
+            Tensor::<4>::zeros(m, &query.device()).mask_fill(mask, f32::NEG_INFINITY)
+        }
+        None => Tensor::<4>::zeros([b, 1, 1, keys], &query.device()),
+    };
     let settings = BlockedSettings { causal: is_causal, scale: scale.unwrap_or(1.0 / (d as f64).sqrt()), block };
-    Tensor::from_dispatch(<Dispatch as BlockedAttentionOps>::blocked_attention(query.into_dispatch(), key.into_dispatch(), value.into_dispatch(), settings))
+    let [query, key, value, key_bias] = [query, key, value, key_bias.detach()].map(Tensor::into_dispatch);
+    Tensor::from_dispatch(<Dispatch as BlockedAttentionOps>::blocked_attention(query, key, value, key_bias, settings))
 }
 
 impl BlockedAttentionOps for Flex {
-    fn blocked_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, settings: BlockedSettings) -> FloatTensor<Self> {
-        forward::<Flex>(&query, &key, &value, settings).0
+    fn blocked_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, key_bias: FloatTensor<Self>, settings: BlockedSettings) -> FloatTensor<Self> {
+        forward::<Flex>(&query, &key, &value, &key_bias, settings).0
     }
 }
 
 impl<B: BlockedAttentionOps, C: CheckpointStrategy> BlockedAttentionOps for Autodiff<B, C> {
-    fn blocked_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, settings: BlockedSettings) -> FloatTensor<Self> {
+    fn blocked_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, key_bias: FloatTensor<Self>, settings: BlockedSettings) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct BlockedBackward {
             settings: BlockedSettings,
         }
 
         impl<B: Backend> Backward<B, 3> for BlockedBackward {
-            /// q, k, v, the output and each row's log-sum-exp: linear in S.
-            type State = [FloatTensor<B>; 5];
+            /// q, k, v, the key bias, the output and each row's log-sum-exp: linear in S.
+            type State = [FloatTensor<B>; 6];
 
             fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
                 let [query_node, key_node, value_node] = ops.parents;
                 let grad = grads.consume::<B>(&ops.node);
-                let [query, key, value, output, lse] = ops.state;
-                let [dq, dk, dv] = backward::<B>(&query, &key, &value, &output, &lse, grad, self.settings);
+                let [query, key, value, key_bias, output, lse] = ops.state;
+                let [dq, dk, dv] = backward::<B>(&query, &key, &value, &key_bias, &output, &lse, grad, self.settings);
                 for (node, gradient) in [(query_node, dq), (key_node, dk), (value_node, dv)] {
                     if let Some(node) = node {
                         grads.register::<B>(node.id, gradient);
@@ -102,10 +132,12 @@ impl<B: BlockedAttentionOps, C: CheckpointStrategy> BlockedAttentionOps for Auto
         let (query, query_node) = query.into_parts();
         let (key, key_node) = key.into_parts();
         let (value, value_node) = value.into_parts();
-        let (output, lse) = forward::<B>(&query, &key, &value, settings);
+        // A constant: the bias takes no gradient.
+        let key_bias = key_bias.into_primitive();
+        let (output, lse) = forward::<B>(&query, &key, &value, &key_bias, settings);
         let prepared = BlockedBackward { settings }.prepare::<C>([query_node, key_node, value_node]).compute_bound().stateful();
         match prepared {
-            OpsKind::Tracked(prep) => prep.finish([query, key, value, output.clone(), lse], output),
+            OpsKind::Tracked(prep) => prep.finish([query, key, value, key_bias, output.clone(), lse], output),
             OpsKind::UnTracked(prep) => prep.finish(output),
         }
     }
@@ -121,14 +153,18 @@ fn transpose<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     B::float_swap_dims(tensor, 2, 3)
 }
 
-/// Queries `first..first + count` against keys `0..keys`: the block's scaled scores, `-inf`
-/// where causality hides a key.
-fn scores<B: Backend>(query_block: &FloatTensor<B>, visible_keys: &FloatTensor<B>, first: usize, settings: BlockedSettings) -> FloatTensor<B> {
+/// Queries `first..first + count` against keys `0..keys`: the block's scaled scores plus the
+/// keys' bias, `-inf` where causality or the key-padding mask hides a key.
+fn scores<B: Backend>(query_block: &FloatTensor<B>, visible_keys: &FloatTensor<B>, key_bias: &FloatTensor<B>, first: usize, settings: BlockedSettings) -> FloatTensor<B> {
     let scores = B::float_mul_scalar(B::float_matmul(query_block.clone(), transpose::<B>(visible_keys.clone())), settings.scale.into());
+    let keys = visible_keys.shape()[2];
+    let bias = key_bias.shape();
+    let bias = B::float_slice(key_bias.clone(), &[Slice::from(0..bias[0]), Slice::from(0..bias[1]), Slice::from(0..1), Slice::from(0..keys)]);
+    let scores = B::float_add(scores, bias);
     if !settings.causal {
         return scores;
     }
-    let (count, keys) = (query_block.shape()[2], visible_keys.shape()[2]);
+    let count = query_block.shape()[2];
     let hidden: Vec<f32> = (0..count).flat_map(|row| (0..keys).map(move |key| if key > first + row { f32::NEG_INFINITY } else { 0.0 })).collect();
     let mask = B::float_from_data(TensorData::new(hidden, [1, 1, count, keys]), &scores.device());
     let mask = match FloatDType::from(scores.dtype()) {
@@ -148,13 +184,15 @@ fn blocks(queries: usize, block: usize) -> impl Iterator<Item = std::ops::Range<
 }
 
 /// The output `[b, h, s, dv]` and each row's log-sum-exp `[b, h, s, 1]`.
-fn forward<B: Backend>(query: &FloatTensor<B>, key: &FloatTensor<B>, value: &FloatTensor<B>, settings: BlockedSettings) -> (FloatTensor<B>, FloatTensor<B>) {
+fn forward<B: Backend>(query: &FloatTensor<B>, key: &FloatTensor<B>, value: &FloatTensor<B>, key_bias: &FloatTensor<B>, settings: BlockedSettings) -> (FloatTensor<B>, FloatTensor<B>) {
     let (mut outputs, mut lses) = (Vec::new(), Vec::new());
     for block in blocks(query.shape()[2], settings.block) {
-        let scores = scores::<B>(&rows::<B>(query, block.clone()), &visible::<B>(key, block.end, settings), block.start, settings);
-        let max = B::float_max_dim(scores.clone(), 3);
+        let scores = scores::<B>(&rows::<B>(query, block.clone()), &visible::<B>(key, block.end, settings), key_bias, block.start, settings);
+        // A row that sees no key (all -inf): the max clamped to the lowest finite value and the
+        // sum to the smallest positive one give it zeros, as burn's attention.
+        let max = B::float_clamp_min(B::float_max_dim(scores.clone(), 3), f32::MIN.into());
         let weights = B::float_exp(B::float_sub(scores, max.clone()));
-        let total = B::float_sum_dim(weights.clone(), 3);
+        let total = B::float_clamp_min(B::float_sum_dim(weights.clone(), 3), f32::MIN_POSITIVE.into());
         outputs.push(B::float_div(B::float_matmul(weights, visible::<B>(value, block.end, settings)), total.clone()));
         lses.push(B::float_add(max, B::float_log(total)));
     }
@@ -162,10 +200,12 @@ fn forward<B: Backend>(query: &FloatTensor<B>, key: &FloatTensor<B>, value: &Flo
 }
 
 /// dq, dk, dv for the output gradient `grad`, recomputing each block's probabilities.
+#[allow(clippy::too_many_arguments)]
 fn backward<B: Backend>(
     query: &FloatTensor<B>,
     key: &FloatTensor<B>,
     value: &FloatTensor<B>,
+    key_bias: &FloatTensor<B>,
     output: &FloatTensor<B>,
     lse: &FloatTensor<B>,
     grad: FloatTensor<B>,
@@ -180,7 +220,7 @@ fn backward<B: Backend>(
     for block in blocks(query.shape()[2], settings.block) {
         let (query_block, grad_block) = (rows::<B>(query, block.clone()), rows::<B>(&grad, block.clone()));
         let (keys, values) = (visible::<B>(key, block.end, settings), visible::<B>(value, block.end, settings));
-        let scores = scores::<B>(&query_block, &keys, block.start, settings);
+        let scores = scores::<B>(&query_block, &keys, key_bias, block.start, settings);
         let probabilities = B::float_exp(B::float_sub(scores, rows::<B>(lse, block.clone())));
         let dv_block = B::float_matmul(transpose::<B>(probabilities.clone()), grad_block.clone());
         let dp = B::float_matmul(grad_block, transpose::<B>(values));

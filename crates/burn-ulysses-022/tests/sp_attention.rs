@@ -46,6 +46,22 @@ fn unshard(shards: &[Vec<f32>], [b, h, s, d]: [usize; 4]) -> Vec<f32> {
 /// Naive f64 attention of q `[b, hq, s, d]`, k/v `[b, hkv, s, d]` (q head i uses kv head
 /// i / (hq / hkv)) and its gradients for the loss `sum(output * w)`: (output, dq, dk, dv).
 fn reference(q: &[f32], k: &[f32], v: &[f32], w: &[f32], [b, hq, s, d]: [usize; 4], hkv: usize, causal: bool) -> [Vec<f64>; 4] {
+    reference_masked(q, k, v, w, [b, hq, s, d], hkv, causal, &|_, _, _| false)
+}
+
+/// [`reference`] with keys hidden by `hidden(batch, q head, key)`; a row that sees no key
+/// gives zeros (burn's convention).
+#[allow(clippy::too_many_arguments)]
+fn reference_masked(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    w: &[f32],
+    [b, hq, s, d]: [usize; 4],
+    hkv: usize,
+    causal: bool,
+    hidden: &dyn Fn(usize, usize, usize) -> bool,
+) -> [Vec<f64>; 4] {
     let at = |t: &[f32], heads: usize, bi: usize, h: usize, i: usize, x: usize| t[((bi * heads + h) * s + i) * d + x] as f64;
     let scale = 1.0 / (d as f64).sqrt();
     let (mut out, mut dq) = (vec![0.0; b * hq * s * d], vec![0.0; b * hq * s * d]);
@@ -54,27 +70,30 @@ fn reference(q: &[f32], k: &[f32], v: &[f32], w: &[f32], [b, hq, s, d]: [usize; 
         for h in 0..hq {
             let kv = h / (hq / hkv);
             for i in 0..s {
-                let visible = if causal { i + 1 } else { s };
-                let scores: Vec<f64> = (0..visible).map(|j| (0..d).map(|x| at(q, hq, bi, h, i, x) * at(k, hkv, bi, kv, j, x)).sum::<f64>() * scale).collect();
+                let visible: Vec<usize> = (0..if causal { i + 1 } else { s }).filter(|&j| !hidden(bi, h, j)).collect();
+                if visible.is_empty() {
+                    continue;
+                }
+                let scores: Vec<f64> = visible.iter().map(|&j| (0..d).map(|x| at(q, hq, bi, h, i, x) * at(k, hkv, bi, kv, j, x)).sum::<f64>() * scale).collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let exps: Vec<f64> = scores.iter().map(|&x| (x - max).exp()).collect();
                 let total: f64 = exps.iter().sum();
                 let p: Vec<f64> = exps.iter().map(|e| e / total).collect();
-                let o = |x: usize| (0..visible).map(|j| p[j] * at(v, hkv, bi, kv, j, x)).sum::<f64>();
+                let o = |x: usize| visible.iter().enumerate().map(|(n, &j)| p[n] * at(v, hkv, bi, kv, j, x)).sum::<f64>();
                 let row = ((bi * hq + h) * s + i) * d;
                 for x in 0..d {
                     out[row + x] = o(x);
                 }
                 // dP_j = w_i · v_j; dS_j = p_j (dP_j - Σ p dP).
-                let dp: Vec<f64> = (0..visible).map(|j| (0..d).map(|x| at(w, hq, bi, h, i, x) * at(v, hkv, bi, kv, j, x)).sum()).collect();
-                let mean: f64 = (0..visible).map(|j| p[j] * dp[j]).sum();
-                for j in 0..visible {
-                    let ds = p[j] * (dp[j] - mean) * scale;
+                let dp: Vec<f64> = visible.iter().map(|&j| (0..d).map(|x| at(w, hq, bi, h, i, x) * at(v, hkv, bi, kv, j, x)).sum()).collect();
+                let mean: f64 = (0..visible.len()).map(|n| p[n] * dp[n]).sum();
+                for (n, &j) in visible.iter().enumerate() {
+                    let ds = p[n] * (dp[n] - mean) * scale;
                     let kv_row = ((bi * hkv + kv) * s + j) * d;
                     for x in 0..d {
                         dq[row + x] += ds * at(k, hkv, bi, kv, j, x);
                         dk[kv_row + x] += ds * at(q, hq, bi, h, i, x);
-                        dv[kv_row + x] += p[j] * at(w, hq, bi, h, i, x);
+                        dv[kv_row + x] += p[n] * at(w, hq, bi, h, i, x);
                     }
                 }
             }
@@ -102,6 +121,19 @@ fn values(tensor: Tensor<4>) -> Vec<f32> {
 /// Every rank holds `s / sp` tokens of q, k, v and the loss weights w; returns the
 /// gathered output, dq, dk and dv.
 fn sequence_parallel(sp: usize, shape: [usize; 4], kv_heads: usize, causal: bool) -> [Vec<f32>; 4] {
+    sequence_parallel_masked(sp, shape, kv_heads, causal, None)
+}
+
+/// Key-padding mask `[batch, mask_heads, 1, seq]`, true hiding the key: batch 0 hides key 5
+/// (and per head key 2·h), batch 1 its first two and last three keys (padding on both sides:
+/// under `is_causal` its first two queries see no key at all, and give zeros).
+fn hidden_key(mask_heads: usize, seq: usize) -> impl Fn(usize, usize, usize) -> bool {
+    move |b, h, j| if b == 0 { j == 5 || (mask_heads > 1 && j == 2 * h) } else { j < 2 || j >= seq - 3 }
+}
+
+/// [`sequence_parallel`] with that key-padding mask (`mask_heads` 1 or q heads), each rank
+/// passing its keys' part.
+fn sequence_parallel_masked(sp: usize, shape: [usize; 4], kv_heads: usize, causal: bool, mask_heads: Option<usize>) -> [Vec<f32>; 4] {
     let [b, hq, s, d] = shape;
     let kv_shape = [b, kv_heads, s, d];
     let (q, k, v, w) = (uniform(b * hq * s * d, 1), uniform(b * kv_heads * s * d, 2), uniform(b * kv_heads * s * d, 3), uniform(b * hq * s * d, 4));
@@ -115,14 +147,28 @@ fn sequence_parallel(sp: usize, shape: [usize; 4], kv_heads: usize, causal: bool
         };
         let (q, k, v) = (shard(&q, shape).require_grad(), shard(&k, kv_shape).require_grad(), shard(&v, kv_shape).require_grad());
         let options = AttentionModuleOptions { is_causal: causal, ..Default::default() };
-        let output = attention(q.clone(), k.clone(), v.clone(), None, None, options);
+        let mask = mask_heads.map(|heads| {
+            let hidden = hidden_key(heads, s);
+            let mut values = Vec::new();
+            for bi in 0..b {
+                for h in 0..heads {
+                    values.extend(range.clone().map(|j| hidden(bi, h, j)));
+                }
+            }
+            Tensor::<4, burn::tensor::Bool>::from_data(TensorData::new(values, [b, heads, 1, local]), &device)
+        });
+        let output = attention(q.clone(), k.clone(), v.clone(), mask, None, options);
         let grads = (output.clone() * shard(&w, shape)).sum().backward();
         [values(output), values(q.grad(&grads).unwrap()), values(k.grad(&grads).unwrap()), values(v.grad(&grads).unwrap())]
     });
     let shards: Vec<[Vec<f32>; 4]> = results.into_iter().map(|r| r.unwrap_or_else(|panic| panic!("{panic}"))).collect();
     let gather = |i: usize, shape| unshard(&shards.iter().map(|s| s[i].clone()).collect::<Vec<_>>(), shape);
-    let reference = reference(&q, &k, &v, &w, shape, kv_heads, causal);
-    let case = format!("SP={sp}, {hq} q heads, {kv_heads} kv heads, causal {causal}");
+    let hidden = hidden_key(mask_heads.unwrap_or(1), s);
+    let reference = match mask_heads {
+        None => reference(&q, &k, &v, &w, shape, kv_heads, causal),
+        Some(heads) => reference_masked(&q, &k, &v, &w, shape, kv_heads, causal, &|bi, h, j| hidden(bi, if heads == 1 { 0 } else { h }, j)),
+    };
+    let case = format!("SP={sp}, {hq} q heads, {kv_heads} kv heads, causal {causal}, mask heads {mask_heads:?}");
     let got = [gather(0, shape), gather(1, shape), gather(2, kv_shape), gather(3, kv_shape)];
     for ((name, got), want) in ["output", "dq", "dk", "dv"].iter().zip(&got).zip(&reference) {
         assert_close(&format!("{case}: {name}"), got, want);
@@ -169,6 +215,17 @@ fn sp_3_with_uneven_and_grouped_heads() {
     sequence_parallel(3, [2, 6, 12, 8], 2, false);
     // 5 heads on 4 ranks: 2, 1, 1, 1.
     sequence_parallel(4, [1, 5, 8, 4], 5, true);
+}
+
+#[test]
+fn key_padding_masks_are_gathered_along_the_keys() {
+    // One mask for every head and one per head, at SP=2 and 4 (GQA), causal and not: as
+    // burn-ulysses gathers them. The rank holding the last keys of batch 1 has them all hidden.
+    for causal in [true, false] {
+        sequence_parallel_masked(2, [2, 4, 12, 8], 4, causal, Some(1));
+        sequence_parallel_masked(2, [2, 4, 12, 8], 2, causal, Some(4));
+        sequence_parallel_masked(4, [2, 4, 12, 8], 2, causal, Some(4));
+    }
 }
 
 #[test]
@@ -259,7 +316,7 @@ fn blocked_attention_equals_the_f64_reference_across_block_edges() {
         for block in [1, 5, 13, 64] {
             let tensor = |values: &[f32]| Tensor::<4>::from_data(TensorData::new(values.to_vec(), shape), &device).require_grad();
             let (tq, tk, tv) = (tensor(&q), tensor(&k), tensor(&v));
-            let output = attention_in_blocks(tq.clone(), tk.clone(), tv.clone(), causal, None, block);
+            let output = attention_in_blocks(tq.clone(), tk.clone(), tv.clone(), None, causal, None, block);
             let grads = (output.clone() * tensor(&w)).sum().backward();
             let got = [values(output), values(tq.grad(&grads).unwrap()), values(tk.grad(&grads).unwrap()), values(tv.grad(&grads).unwrap())];
             let want = reference(&q, &k, &v, &w, shape, 3, causal);
