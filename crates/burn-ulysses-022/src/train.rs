@@ -37,8 +37,9 @@ pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64)
 }
 
 /// `grads` of `model`'s parameters summed over this thread's group, in rank order (so every
-/// rank holds bit-identical sums and takes the same optimizer step). Outside a group, or in a
-/// group of one, `grads` unchanged.
+/// rank holds bit-identical sums and takes the same optimizer step); a parameter no rank has a
+/// gradient for (frozen) stays without one. Outside a group, or in a group of one, `grads`
+/// unchanged.
 ///
 /// # Panics
 ///
@@ -54,7 +55,9 @@ pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> Gra
 pub fn all_reduce_sum(value: f64) -> f64 {
     match context::current().filter(|group| group.size() > 1) {
         None => value,
-        Some(group) => sum_in_rank_order(&group, Arc::new(vec![value])).unwrap_or_else(|error| panic!("summing a value over the group: {error}"))[0],
+        Some(group) => sum_in_rank_order(&group, Some(Arc::new(vec![value])))
+            .unwrap_or_else(|error| panic!("summing a value over the group: {error}"))
+            .expect("every rank gave a value")[0],
     }
 }
 
@@ -65,32 +68,33 @@ struct GradientSum<'a> {
 
 impl ModuleVisitor for GradientSum<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        // A parameter without a gradient on this rank adds zeros, so the ranks' rounds match.
-        let (gradient, device) = match self.grads.remove::<D>(param.id) {
-            Some(gradient) => (gradient.clone(), gradient.device()),
-            None => {
-                let value = param.val();
-                (Tensor::zeros(value.dims(), &value.device()), value.device())
-            }
+        let gradient = self.grads.remove::<D>(param.id);
+        let (shape, device) = match &gradient {
+            Some(gradient) => (gradient.dims(), gradient.device()),
+            None => (param.val().dims(), param.val().device()),
         };
-        let shape = gradient.dims();
-        let values: Vec<f64> = gradient.into_data().convert::<f64>().try_into_vec::<f64>().expect("a float gradient");
-        let summed = sum_in_rank_order(self.group, Arc::new(values)).unwrap_or_else(|error| panic!("summing the gradient of parameter {}: {error}", param.id));
-        let summed: Vec<f32> = summed.into_iter().map(|value| value as f32).collect();
-        self.grads.register(param.id, Tensor::<D>::from_data(TensorData::new(summed, shape), &device));
+        let values = gradient.map(|gradient| Arc::new(gradient.into_data().convert::<f64>().try_into_vec::<f64>().expect("a float gradient")));
+        let summed = sum_in_rank_order(self.group, values).unwrap_or_else(|error| panic!("summing the gradient of parameter {}: {error}", param.id));
+        // No rank has a gradient (a frozen parameter): none, as on one device.
+        if let Some(summed) = summed {
+            let summed: Vec<f32> = summed.into_iter().map(|value| value as f32).collect();
+            self.grads.register(param.id, Tensor::<D>::from_data(TensorData::new(summed, shape), &device));
+        }
     }
 }
 
-/// Every rank's `values` added up in rank order, in f64.
-fn sum_in_rank_order(group: &ThreadCommunicator, values: Arc<Vec<f64>>) -> Result<Vec<f64>, ulysses_core::comm::CommError> {
+/// Every rank's `values` added up in rank order, in f64; a rank without values adds zeros,
+/// and `None` when no rank has any.
+fn sum_in_rank_order(group: &ThreadCommunicator, values: Option<Arc<Vec<f64>>>) -> Result<Option<Vec<f64>>, ulysses_core::comm::CommError> {
     let op = Collective::AllReduce;
     let (_, deposits) = group.round(op, Box::new(values), |deposits| {
-        deposits.iter().map(|d| d.as_ref().and_then(|d| d.downcast_ref::<Arc<Vec<f64>>>()).cloned()).collect::<Option<Vec<_>>>()
+        deposits.iter().map(|d| d.as_ref().and_then(|d| d.downcast_ref::<Option<Arc<Vec<f64>>>>()).cloned()).collect::<Option<Vec<_>>>()
     })?;
     let deposits = deposits.ok_or_else(|| mixed_kinds(op))?;
-    let len = deposits[group.rank()].len();
-    if let Some(rank) = deposits.iter().position(|values| values.len() != len) {
-        return Err(ulysses_core::comm::CommError::Diverged { what: "values to sum", mine: len, rank, theirs: deposits[rank].len() });
+    let present: Vec<(usize, &Arc<Vec<f64>>)> = deposits.iter().enumerate().filter_map(|(rank, values)| values.as_ref().map(|v| (rank, v))).collect();
+    let Some(&(_, first)) = present.first() else { return Ok(None) };
+    if let Some(&(rank, other)) = present.iter().find(|(_, values)| values.len() != first.len()) {
+        return Err(ulysses_core::comm::CommError::Diverged { what: "values to sum", mine: first.len(), rank, theirs: other.len() });
     }
-    Ok((0..len).map(|i| deposits.iter().map(|values| values[i]).sum()).collect())
+    Ok(Some((0..first.len()).map(|i| present.iter().map(|(_, values)| values[i]).sum()).collect()))
 }

@@ -6,8 +6,8 @@
 mod model;
 
 use burn::{
-    module::{Module, ModuleVisitor, Param},
-    optim::{GradientsParams, SgdConfig},
+    module::{Module, ModuleMapper, ModuleVisitor, Param},
+    optim::{GradientsParams, SgdConfig, decay::WeightDecayConfig},
     tensor::{Device, Int, Tensor, TensorData},
 };
 use burn_ulysses_022::{
@@ -36,9 +36,24 @@ fn batch() -> Vec<Vec<i64>> {
     [(17, 50), (12, 51)].iter().map(|&(len, stream)| uniform(len, stream).iter().map(|v| ((v + 1.0) * 20.0) as i64 % CONFIG.vocab as i64).collect()).collect()
 }
 
+/// Freezes the token embedding (the one `[vocab, hidden]` parameter).
+struct FreezeEmbedding;
+
+impl ModuleMapper for FreezeEmbedding {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let frozen = param.val().dims()[..] == [CONFIG.vocab, CONFIG.hidden];
+        if frozen { param.set_require_grad(false) } else { param }
+    }
+}
+
 /// Each step's loss, and every parameter after the last step. `sp` 1 runs outside any group:
 /// burn's own attention and no reduction, the single-device reference.
 fn train(sp: usize) -> (Vec<f64>, Vec<f32>) {
+    train_with(sp, false)
+}
+
+/// [`train`], with the embedding frozen and weight decay when `frozen_embedding`.
+fn train_with(sp: usize, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
     let batch = batch();
     let labels = SequenceSharder::labels_in(&batch) as f64;
     let results = ThreadGroup::new(sp).run(|rank| {
@@ -46,6 +61,10 @@ fn train(sp: usize) -> (Vec<f64>, Vec<f32>) {
         let device = Device::flex().autodiff();
         let mut model = init_seeded(&CONFIG, &device, 7);
         let mut optimizer = SgdConfig::new().init();
+        if frozen_embedding {
+            model = model.map(&mut FreezeEmbedding);
+            optimizer = SgdConfig::new().with_weight_decay(Some(WeightDecayConfig::new(0.1))).init();
+        }
         let shard = SequenceSharder::new(sp).shard(&batch, rank.rank());
         let int_tensor = |values: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(values.to_vec(), [shard.batch, shard.local_len]), &device);
         let mut losses = Vec::new();
@@ -88,4 +107,24 @@ fn training_at_sp_2_and_4_equals_one_device() {
         }
         eprintln!("SP={sp}: {} parameter values, largest difference {worst:.2e}", parameters.len());
     }
+}
+
+#[test]
+fn a_frozen_parameter_stays_as_it_was_under_weight_decay() {
+    // No rank has a gradient for the frozen embedding: the sum registers none, so the
+    // optimizer's weight decay does not touch it (a zero gradient would decay it).
+    let device = Device::flex().autodiff();
+    let mut initial = Flatten(Vec::new());
+    init_seeded(&CONFIG, &device, 7).visit(&mut initial);
+    let embedding = 0..CONFIG.vocab * CONFIG.hidden;
+    let (reference_losses, reference) = train_with(1, true);
+    let (losses, parameters) = train_with(2, true);
+    let moved = |values: &[f32]| values[embedding.clone()].iter().zip(&initial.0[embedding.clone()]).filter(|(a, b)| a != b).count();
+    assert_eq!(moved(&reference), 0, "one device moved values of the frozen embedding");
+    assert_eq!(moved(&parameters), 0, "SP=2 moved values of the frozen embedding");
+    for (step, (got, want)) in losses.iter().zip(&reference_losses).enumerate() {
+        assert!((got - want).abs() <= TOLERANCE, "step {step}: loss {got}, one device {want}");
+    }
+    let worst = parameters.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0.0f32, |worst, d| if d.is_nan() || d > worst { d } else { worst });
+    assert!(worst <= TOLERANCE as f32, "SP=2 with a frozen embedding: a parameter {worst} from one device");
 }
