@@ -6,7 +6,7 @@ use burn::tensor::{Bool, Tensor, TensorData, module, ops::AttentionModuleOptions
 use ulysses_core::{
     comm::ThreadCommunicator,
     error::UlyssesError,
-    layout::{AttentionLayout, CallOptions, HeadPlan, MaskKind},
+    layout::{AttentionLayout, CallOptions, HeadPlan},
 };
 
 use crate::{
@@ -20,8 +20,8 @@ use crate::{
 /// Outside a sequence-parallel group (or in a group of one) it is burn's attention, kv heads
 /// repeated for grouped-query attention (burn 0.22.1's takes as many as q heads). In a group
 /// of `P` ranks, each passing its `S/P` consecutive tokens: q/k/v are exchanged to `H/P` heads
-/// over all `S` tokens (kv heads replicated when fewer than `P`; `⌈H/P⌉` or `⌊H/P⌋` heads per
-/// rank when `P` does not divide `H`), attended with [`blocked`] attention (`is_causal` over the
+/// over all `S` tokens (kv heads replicated when `P` does not split them, as ulysses-core's
+/// `HeadPlan` decides; `⌈H/P⌉` or `⌊H/P⌋` heads per rank when `P` does not divide `H`), attended with [`blocked`] attention (`is_causal` over the
 /// whole sequence), and exchanged back. A key-padding mask `[B, 1 | H, 1, S/P]` is gathered
 /// along the keys; any other mask, or a bias, made from local shapes cannot follow the
 /// exchange and is refused, on every rank, with the same message as burn-ulysses.
@@ -40,9 +40,11 @@ pub fn attention(
 ) -> Tensor<4> {
     match context::current().filter(|group| group.size() > 1) {
         None => {
-            // burn 0.22.1's attention takes as many kv heads as q heads: group them here.
+            // burn 0.22.1's attention takes as many kv heads as q heads: group them here, after
+            // the check burn-ulysses makes (kv heads must divide q heads).
             let [q_heads, kv_heads] = [query.dims()[1], key.dims()[1]];
-            let repeats = if kv_heads > 0 && q_heads % kv_heads == 0 { q_heads / kv_heads } else { 1 };
+            HeadPlan::new(q_heads, kv_heads, 1).unwrap_or_else(|error| panic!("{error}"));
+            let repeats = q_heads / kv_heads;
             module::attention(query, repeat_kv_heads(key, repeats), repeat_kv_heads(value, repeats), mask, attn_bias, options)
         }
         Some(group) => sequence_parallel(&group, query, key, value, mask, attn_bias, options).unwrap_or_else(|error| panic!("{error}")),
@@ -63,11 +65,7 @@ fn sequence_parallel(
     let layout = AttentionLayout::of_call(&query.dims(), &key.dims(), &value.dims(), mask_dims.as_deref(), attn_bias.is_some(), call, false, None)?;
     let per_rank = group.all_gather_host(&layout.encode())?;
     AttentionLayout::check_agreement(&per_rank)?;
-    match (layout.mask, &attn_bias) {
-        (MaskKind::Unshardable, _) => return Err(UlyssesError::UnshardableMask { shape: mask_dims.unwrap_or_default() }),
-        (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: bias.dims().to_vec() }),
-        (MaskKind::KeyPadding { .. } | MaskKind::None, None) => {}
-    }
+    layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref())?;
     if options.softcap.is_some() {
         return Err(UlyssesError::Shape("burn-ulysses-022's blocked attention has no softcap yet".into()));
     }

@@ -93,7 +93,8 @@ pub fn attention_in_blocks(
             Tensor::<4>::zeros(m, &query.device()).mask_fill(mask, f32::NEG_INFINITY)
         }
         None => Tensor::<4>::zeros([b, 1, 1, keys], &query.device()),
-    };
+    }
+    .cast(query.dtype());
     let settings = BlockedSettings { causal: is_causal, scale: scale.unwrap_or(1.0 / (d as f64).sqrt()), block };
     let [query, key, value, key_bias] = [query, key, value, key_bias.detach()].map(Tensor::into_dispatch);
     Tensor::from_dispatch(<Dispatch as BlockedAttentionOps>::blocked_attention(query, key, value, key_bias, settings))
@@ -188,11 +189,12 @@ fn forward<B: Backend>(query: &FloatTensor<B>, key: &FloatTensor<B>, value: &Flo
     let (mut outputs, mut lses) = (Vec::new(), Vec::new());
     for block in blocks(query.shape()[2], settings.block) {
         let scores = scores::<B>(&rows::<B>(query, block.clone()), &visible::<B>(key, block.end, settings), key_bias, block.start, settings);
-        // A row that sees no key (all -inf): the max clamped to the lowest finite value and the
-        // sum to the smallest positive one give it zeros, as burn's attention.
-        let max = B::float_clamp_min(B::float_max_dim(scores.clone(), 3), f32::MIN.into());
+        // A row that sees no key (all -inf): the max clamped to the dtype's lowest finite value
+        // and the sum to its smallest positive one give it zeros, as burn's attention.
+        let limits = scores.dtype().finfo().expect("attention scores are floats");
+        let max = B::float_clamp_min(B::float_max_dim(scores.clone(), 3), limits.min.into());
         let weights = B::float_exp(B::float_sub(scores, max.clone()));
-        let total = B::float_clamp_min(B::float_sum_dim(weights.clone(), 3), f32::MIN_POSITIVE.into());
+        let total = B::float_clamp_min(B::float_sum_dim(weights.clone(), 3), limits.min_positive.into());
         outputs.push(B::float_div(B::float_matmul(weights, visible::<B>(value, block.end, settings)), total.clone()));
         lses.push(B::float_add(max, B::float_log(total)));
     }

@@ -101,8 +101,8 @@ impl<B: ExchangeOps, C: CheckpointStrategy> ExchangeOps for Autodiff<B, C> {
             fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
                 let [parent] = ops.parents;
                 let grad = grads.consume::<B>(&ops.node);
-                // Every rank runs this step (the same model, the same graph), so the inverse
-                // exchange meets its peers; a rank whose input took no gradient still exchanges.
+                // Every rank runs this step in the same order only if every rank built the same
+                // graph (the same model on its shard): the inverse exchange then meets its peers.
                 let back = B::ulysses_exchange(grad, self.exchange, self.direction.inverse());
                 if let Some(node) = parent {
                     grads.register::<B>(node.id, back);
@@ -148,8 +148,10 @@ fn exchange_on<B: Backend>(tensor: FloatTensor<B>, exchange: &HeadExchange, dire
             (0..size).map(|j| Some(slice(&tensor, 0..heads, j * local..(j + 1) * local))).collect()
         }
     };
-    let element = tensor.dtype().size() as u64;
-    group.traffic_counter().record_all_to_all(shape.num_elements() as u64 * element, size);
+    // What leaves this rank: every part, the ones for other ranks over the wire.
+    let bytes = |part: &Option<FloatTensor<B>>| part.as_ref().map_or(0, |p| (p.shape().num_elements() * p.dtype().size()) as u64);
+    let total: u64 = parts.iter().map(bytes).sum();
+    group.traffic_counter().record_all_to_all_parts(total, total - bytes(&parts[rank]));
     let device = tensor.device();
     // A backend with a stream per thread must finish the parts before a peer reads them.
     B::sync(&device).unwrap_or_else(|error| panic!("the Ulysses exchange cannot finish rank {rank}'s queued work: {error}"));

@@ -69,16 +69,16 @@ struct GradientSum<'a> {
 impl ModuleVisitor for GradientSum<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let gradient = self.grads.remove::<D>(param.id);
-        let (shape, device) = match &gradient {
-            Some(gradient) => (gradient.dims(), gradient.device()),
-            None => (param.val().dims(), param.val().device()),
+        let (shape, device, dtype) = match &gradient {
+            Some(gradient) => (gradient.dims(), gradient.device(), gradient.dtype()),
+            None => (param.val().dims(), param.val().device(), param.val().dtype()),
         };
         let values = gradient.map(|gradient| Arc::new(gradient.into_data().convert::<f64>().try_into_vec::<f64>().expect("a float gradient")));
         let summed = sum_in_rank_order(self.group, values).unwrap_or_else(|error| panic!("summing the gradient of parameter {}: {error}", param.id));
         // No rank has a gradient (a frozen parameter): none, as on one device.
         if let Some(summed) = summed {
-            let summed: Vec<f32> = summed.into_iter().map(|value| value as f32).collect();
-            self.grads.register(param.id, Tensor::<D>::from_data(TensorData::new(summed, shape), &device));
+            // Back in the gradient's own dtype (summed in f64).
+            self.grads.register(param.id, Tensor::<D>::from_data(TensorData::new(summed, shape), (&device, dtype)));
         }
     }
 }

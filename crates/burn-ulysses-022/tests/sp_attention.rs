@@ -240,16 +240,22 @@ fn the_exchange_backward_is_the_inverse_exchange() {
         let heads_out = exchange(x.clone(), heads.clone(), Direction::ToHeads);
         assert_eq!(heads_out.dims(), [2, 3, 8, 5], "rank {}: three heads, both ranks' tokens", rank.rank());
         let g = Tensor::<4>::from_data(TensorData::new(uniform(2 * 3 * 8 * 5, 20 + rank.rank() as u64), [2, 3, 8, 5]), &device);
+        let forward_dot = (heads_out.clone() * g.clone()).sum().into_scalar::<f64>();
         let grads = (heads_out * g.clone()).sum().backward();
         let through_backward = values(x.grad(&grads).unwrap());
-        let inverse = values(exchange(g.inner(), heads.clone(), Direction::ToSequence));
-        (through_backward, inverse)
+        let inverse = exchange(g.inner(), heads.clone(), Direction::ToSequence);
+        let inverse_dot = (x.inner() * inverse.clone()).sum().into_scalar::<f64>();
+        (through_backward, values(inverse), forward_dot, inverse_dot)
     });
-    for (rank, result) in results.into_iter().enumerate() {
-        let (backward, inverse) = result.unwrap();
+    let results: Vec<_> = results.into_iter().map(Result::unwrap).collect();
+    for (rank, (backward, inverse, _, _)) in results.iter().enumerate() {
         assert!(backward.iter().all(|x| x.is_finite()));
         assert_eq!(backward, inverse, "rank {rank}: the exchange's gradient is the inverse exchange of the output's");
     }
+    // And the inverse is the exchange's adjoint: Σ_ranks <ToHeads x, g> = Σ_ranks <x, ToSequence g>,
+    // which a wrong head order or a copy not summed on the way back would break.
+    let (forward, inverse): (f64, f64) = results.iter().map(|(_, _, f, i)| (*f, *i)).fold((0.0, 0.0), |(a, b), (f, i)| (a + f, b + i));
+    assert!((forward - inverse).abs() <= 1e-4 * forward.abs().max(1.0), "<ToHeads x, g> = {forward}, <x, ToSequence g> = {inverse}");
 }
 
 /// Every rank's panic message, in rank order.
@@ -283,12 +289,12 @@ fn bad_layouts_are_refused_on_every_rank_with_burn_ulysses_message() {
     let expected = UlyssesError::KvHeadsNotGrouping { q_heads: 6, kv_heads: 4 }.to_string();
     assert!(ungrouped.iter().all(|m| *m == expected), "{ungrouped:?}");
 
-    // Rank 1 holds more tokens than rank 0: every rank names the field and both values.
     // A [S, S] mask made from local shapes cannot follow the exchange.
     let square = refusals_with_mask(2, Some([1, 1, 4, 4]), |_| ([1, 2, 4, 8], [1, 2, 4, 8]));
     let expected = UlyssesError::UnshardableMask { shape: vec![1, 1, 4, 4] }.to_string();
     assert!(square.iter().all(|m| *m == expected), "{square:?}");
 
+    // Rank 1 holds more tokens than rank 0: every rank names the field and both values.
     let uneven_tokens = refusals(2, |rank| ([1, 2, 4 + rank, 8], [1, 2, 4 + rank, 8]));
     assert!(uneven_tokens.iter().all(|m| m.contains("local query sequence length") && m.contains("rank 1 has 5")), "{uneven_tokens:?}");
 }
@@ -296,12 +302,22 @@ fn bad_layouts_are_refused_on_every_rank_with_burn_ulysses_message() {
 #[test]
 fn outside_a_group_it_is_burns_attention() {
     let device = Device::flex();
-    let shape = [1, 2, 6, 4];
-    let [q, k, v] = [5, 6, 7].map(|stream| Tensor::<4>::from_data(TensorData::new(uniform(48, stream), shape), &device));
     let options = AttentionModuleOptions { is_causal: true, ..Default::default() };
+    let tensor = |heads: usize, stream: u64| Tensor::<4>::from_data(TensorData::new(uniform(heads * 24, stream), [1, heads, 6, 4]), &device);
+    let (q, k, v) = (tensor(2, 5), tensor(2, 6), tensor(2, 7));
     let ours = values(attention(q.clone(), k.clone(), v.clone(), None, None, options));
     let burns = values(burn::tensor::module::attention(q, k, v, None, None, options));
     assert_eq!(ours, burns);
+    // Grouped kv heads (4 q heads over 2): as burn's attention on kv heads repeated by hand.
+    let (q, k, v) = (tensor(4, 8), tensor(2, 9), tensor(2, 10));
+    let by_hand = |t: Tensor<4>| Tensor::cat(vec![t.clone().narrow(1, 0, 1), t.clone().narrow(1, 0, 1), t.clone().narrow(1, 1, 1), t.narrow(1, 1, 1)], 1);
+    let ours = values(attention(q.clone(), k.clone(), v.clone(), None, None, options));
+    let burns = values(burn::tensor::module::attention(q, by_hand(k), by_hand(v), None, None, options));
+    assert_eq!(ours, burns);
+    // kv heads that do not divide the q heads: burn-ulysses' refusal, not a matmul panic.
+    let refusal = std::panic::catch_unwind(|| attention(tensor(3, 11), tensor(2, 12), tensor(2, 13), None, None, options)).expect_err("3 q heads over 2 kv heads");
+    let message = refusal.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert_eq!(message, UlyssesError::KvHeadsNotGrouping { q_heads: 3, kv_heads: 2 }.to_string());
 }
 
 #[test]

@@ -182,13 +182,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             let per_rank = all_gather_host_checked(&**communicator, &layout.encode(), "attention layout fields")?;
             AttentionLayout::check_agreement(&per_rank)?;
         }
-        match (layout.mask, attn_bias) {
-            (MaskKind::Unshardable, _) => {
-                return Err(UlyssesError::UnshardableMask { shape: dims(mask.as_ref().unwrap()) });
-            }
-            (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: dims(&bias) }),
-            _ => {}
-        }
+        layout.refuse_unshardable(mask.as_ref().map(dims).as_deref(), attn_bias.as_ref().map(dims).as_deref())?;
         if ring.is_some() && (layout.mask != MaskKind::None || positions.is_some() || window.is_some()) {
             return Err(UlyssesError::Shape("Ulysses × Ring does not take masks, packed documents or sliding windows yet; run them with Ulysses alone".into()));
         }
@@ -207,8 +201,8 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             }
             None => None,
         };
-        let whole = query.dims()[2];
-        let visibility = restriction.is_some().then(|| restricted_visibility(&Restriction { documents, window }, layout.batch, whole, whole)).transpose()?;
+        let (queries, keys) = (query.dims()[2], key.dims()[2]);
+        let visibility = restriction.is_some().then(|| restricted_visibility(&Restriction { documents, window }, layout.batch, queries, keys)).transpose()?;
         let (mask, visibility) = match mask {
             Some(mask) => {
                 let mask = gather_key_padding_mask::<X>(bool_tensor(mask), &plan, communicator)?;

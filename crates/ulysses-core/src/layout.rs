@@ -114,6 +114,16 @@ impl AttentionLayout {
         })
     }
 
+    /// Fails when the call's mask (`mask`'s dims) or bias (`bias`'s) was made from local shapes
+    /// and cannot follow the exchange: any mask but a key-padding one, any bias.
+    pub fn refuse_unshardable(&self, mask: Option<&[usize]>, bias: Option<&[usize]>) -> Result<(), UlyssesError> {
+        match (self.mask, bias) {
+            (MaskKind::Unshardable, _) => Err(UlyssesError::UnshardableMask { shape: mask.unwrap_or_default().to_vec() }),
+            (_, Some(bias)) => Err(UlyssesError::UnshardableBias { shape: bias.to_vec() }),
+            _ => Ok(()),
+        }
+    }
+
     /// Integers that ranks all-gather and compare.
     pub fn encode(&self) -> Vec<u64> {
         let optional = |v: Option<f64>| v.map_or(u64::MAX, f64::to_bits);

@@ -2,9 +2,9 @@
 //! called, how it fails, the byte counters, the argument checks that need no peer, and the
 //! in-process group ([`ThreadGroup`]), whose rounds move any `Send` value between rank threads.
 //!
-//! The tensor-moving traits live with each Burn version (`burn_ulysses::comm::Communicator`
-//! for burn 0.21, `burn_ulysses_022::comm` for 0.22); both implement them on
-//! [`ThreadCommunicator`].
+//! Tensors are moved by each Burn version's code on top of [`ThreadCommunicator::round`]:
+//! burn 0.21's `burn_ulysses::comm::Communicator` is implemented on it, and burn-ulysses-022's
+//! exchange and gradient sum call it directly.
 
 mod thread;
 mod traffic;

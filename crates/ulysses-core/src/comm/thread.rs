@@ -164,8 +164,9 @@ impl ThreadRank {
         self.communicator.members.len()
     }
 
-    /// This rank's communicator over the whole group; it implements each Burn version's
-    /// communicator trait (burn-ulysses' `Communicator<B>` for every backend `B`).
+    /// This rank's communicator over the whole group: burn-ulysses implements its
+    /// `Communicator<B>` on it for every backend `B`; burn-ulysses-022 enters it as the
+    /// thread's group.
     pub fn communicator(&self) -> Arc<ThreadCommunicator> {
         self.communicator.clone()
     }
