@@ -24,7 +24,7 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn_ulysses::{
     ParallelGroups, ParallelLayout, RankScope, UlyssesConfig,
-    comm::{Communicator, ThreadGroup, ThreadGroupConfig},
+    comm::{Communicator, HostStaged, ThreadGroup, ThreadGroupConfig},
     context,
 };
 
@@ -72,13 +72,13 @@ pub trait Transport<W: Backend> {
     fn connect(env: &LaunchEnv, config: &DistributedConfig, device: &W::Device) -> Result<Arc<dyn Communicator<W>>, DistError>;
 }
 
-/// Collectives over TCP through host memory ([`TcpCommunicator`]): any backend, meant for
-/// CPUs and tests.
+/// Collectives over TCP ([`TcpCommunicator`]), each tensor staged through host memory
+/// ([`HostStaged`]): any backend, meant for CPUs and tests.
 pub struct Tcp;
 
 impl<W: Backend> Transport<W> for Tcp {
     fn connect(env: &LaunchEnv, config: &DistributedConfig, _device: &W::Device) -> Result<Arc<dyn Communicator<W>>, DistError> {
-        Ok(TcpCommunicator::connect(env, config)?)
+        Ok(HostStaged::new(TcpCommunicator::connect(env, config)?))
     }
 }
 

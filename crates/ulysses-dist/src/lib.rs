@@ -10,52 +10,13 @@
 //! - [`job`]: starting a rank of a training job from the launch environment (or all ranks as
 //!   threads without one), for any model and any transport.
 //!
-//! None of this needs a GPU; the NCCL communicator (`ulysses-nccl`) builds on it.
+//! None of this needs a GPU; the NCCL communicator (`ulysses-nccl`) builds on it. The
+//! environment, configuration, rendezvous and TCP transport need no Burn either: they live in
+//! `ulysses_core::dist`, which burn 0.22 jobs use too, and are re-exported here.
 
-pub mod config;
-pub mod env;
 pub mod job;
 pub mod launch;
 pub mod logging;
-pub mod rendezvous;
-pub mod tcp;
 
-pub use config::DistributedConfig;
-pub use env::LaunchEnv;
-pub use rendezvous::Rendezvous;
-
-use std::time::Duration;
-
-/// Why launching or joining a job failed. Each variant names the fix.
-#[derive(Debug, thiserror::Error)]
-pub enum DistError {
-    #[error("launch environment: {0}")]
-    Env(String),
-    #[error(
-        "no rendezvous token: every rank must present the job's shared secret. ulysses-launch \
-         sets ULYSSES_RENDEZVOUS_TOKEN itself; with torchrun or srun, export the same value to \
-         every rank (e.g. `export ULYSSES_RENDEZVOUS_TOKEN=$(openssl rand -hex 16)`)"
-    )]
-    NoToken,
-    #[error(
-        "rank 0 cannot serve the rendezvous on {addr}: {reason}. MASTER_ADDR must be an address \
-         of rank 0's machine and MASTER_PORT a free port (or set ULYSSES_RENDEZVOUS_PORT to one)"
-    )]
-    Bind { addr: String, reason: String },
-    #[error(
-        "rendezvous with {addr} timed out after {after:?} {waiting_for}. Is rank 0 running, and \
-         are MASTER_ADDR/MASTER_PORT the same on every rank? Raise ULYSSES_RENDEZVOUS_TIMEOUT \
-         if ranks start slowly"
-    )]
-    RendezvousTimeout { addr: String, after: Duration, waiting_for: String },
-    #[error("the rendezvous on {addr} refused this rank: {reason}")]
-    Rejected { addr: String, reason: String },
-    #[error("rendezvous protocol: {0}")]
-    Protocol(String),
-    #[error("ulysses-launch: {0}")]
-    Launch(String),
-    #[error("TCP transport: {0}")]
-    Transport(String),
-    #[error("{0}")]
-    Job(String),
-}
+// Burn-free, shared with burn 0.22 (ulysses-core), at their old paths.
+pub use ulysses_core::dist::{DistError, DistributedConfig, LaunchEnv, Rendezvous, config, env, rendezvous, tcp};

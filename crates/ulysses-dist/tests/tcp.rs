@@ -18,7 +18,7 @@ use burn::{
     tensor::{Tensor, TensorData, TensorPrimitive},
 };
 use burn_ulysses::comm::{
-    CommError, Communicator, ReduceOp,
+    CommError, Communicator, HostStaged, ReduceOp,
     check::{CheckSizes, check_collectives},
 };
 use ulysses_dist::{
@@ -42,7 +42,7 @@ fn config(collective_timeout_secs: f64) -> DistributedConfig {
 
 /// Runs `work` on `size` ranks, each a thread with its own TCP communicator; returns each
 /// rank's result.
-fn with_ranks<T: Send>(size: usize, config: DistributedConfig, work: impl Fn(usize, Arc<TcpCommunicator>) -> T + Sync) -> Vec<T> {
+fn with_ranks<T: Send>(size: usize, config: DistributedConfig, work: impl Fn(usize, Arc<HostStaged>) -> T + Sync) -> Vec<T> {
     let port = free_port();
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..size)
@@ -59,7 +59,7 @@ fn with_ranks<T: Send>(size: usize, config: DistributedConfig, work: impl Fn(usi
                         source: EnvSource::Torchrun,
                     };
                     let comm = TcpCommunicator::connect(&env, config).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-                    work(rank, comm)
+                    work(rank, HostStaged::new(comm))
                 })
             })
             .collect();

@@ -9,6 +9,7 @@
 pub mod check;
 #[cfg(feature = "cubecl")]
 mod fusion;
+pub mod host;
 mod thread;
 
 use std::sync::Arc;
@@ -17,12 +18,13 @@ use burn::tensor::{Tensor, TensorMetadata, backend::Backend, ops::FloatTensor};
 
 #[cfg(feature = "cubecl")]
 pub use fusion::FusionCommunicator;
+pub use host::HostStaged;
 // The burn-free half (ulysses-core): names, errors, argument checks, counters and the
 // in-process group, shared with the burn 0.22 crate.
 pub(crate) use ulysses_core::comm::panic_message;
 pub use ulysses_core::comm::{
-    Collective, CommError, RankPanic, ReduceOp, ThreadCommunicator, ThreadGroup, ThreadGroupConfig, ThreadRank, Traffic, TrafficCounter, check_counts_pair_up,
-    check_send_recv, check_uneven_counts,
+    Collective, CommError, HostCommunicator, HostDType, HostTensor, RankPanic, ReduceOp, ThreadCommunicator, ThreadGroup, ThreadGroupConfig, ThreadRank, Traffic,
+    TrafficCounter, check_counts_pair_up, check_send_recv, check_uneven_counts, mismatched,
 };
 
 /// Collective operations of one rank within a group, over the float tensors of `B`.

@@ -1,10 +1,6 @@
 //! Gradient synchronisation: every parameter's gradient summed over a group of ranks, in
-//! bounded buckets, and the health check that runs before it.
-//!
-//! Reducing each parameter on its own would cost one collective per tensor (hundreds per
-//! step); concatenating all of them into one buffer would hold a second copy of every
-//! gradient. Buckets of at most [`GRADIENT_BUCKET_BYTES`] (like PyTorch DDP's) bound the extra
-//! memory to one bucket and the collectives to `total / bucket` calls.
+//! bounded buckets (the rules, shared with burn 0.22: `ulysses_core::gradients`), and the
+//! health check that runs before it.
 
 use burn::{
     module::{AutodiffModule, ModuleVisitor, Param},
@@ -19,8 +15,8 @@ use crate::{
     primitive::{float_primitive, float_tensor},
 };
 
-/// Default bucket size of [`all_reduce_gradients`].
-pub const GRADIENT_BUCKET_BYTES: usize = 32 * 1024 * 1024;
+pub use ulysses_core::gradients::GRADIENT_BUCKET_BYTES;
+use ulysses_core::gradients::{plan_buckets, present_anywhere};
 
 /// Sums every parameter gradient over the ranks of `communicator`, in buckets of at most
 /// [`GRADIENT_BUCKET_BYTES`].
@@ -32,13 +28,8 @@ pub fn all_reduce_gradients<B: TrainBackend, M: AutodiffModule<B>>(
     all_reduce_gradients_in_buckets(module, grads, communicator, GRADIENT_BUCKET_BYTES)
 }
 
-/// Sums every parameter gradient over the ranks of `communicator`, one all-reduce per bucket.
-///
-/// Parameters are visited in module order (parameter ids differ between ranks). A bucket
-/// holds consecutive parameters of one dtype and at most `bucket_bytes` (a larger parameter
-/// travels alone). A parameter that has a gradient on any rank gets the sum on every rank;
-/// ranks without one contribute zeros, and parameters without a gradient anywhere are left
-/// out, so all ranks always issue the same collectives.
+/// Sums every parameter gradient over the ranks of `communicator`, one all-reduce per bucket
+/// of at most `bucket_bytes` (the rules: `ulysses_core::gradients`).
 pub fn all_reduce_gradients_in_buckets<B: TrainBackend, M: AutodiffModule<B>>(
     module: &M,
     mut grads: GradientsParams,
@@ -57,7 +48,7 @@ pub fn all_reduce_gradients_in_buckets<B: TrainBackend, M: AutodiffModule<B>>(
 
     let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
     let gathered = crate::comm::all_gather_host_checked(communicator, &present, "float parameters")?;
-    let present_anywhere: Vec<bool> = (0..present.len()).map(|i| gathered.iter().any(|p| p[i] == 1)).collect();
+    let present_anywhere = present_anywhere(&gathered, present.len());
     let sizes: Vec<_> = local.iter().map(|l| (l.len() * l.dtype().size(), l.dtype())).collect();
 
     let mut reduced: Vec<Option<Tensor<B::InnerBackend, 1>>> = vec![None; local.len()];
@@ -203,53 +194,4 @@ pub fn first_non_finite_gradient<B: TrainBackend, M: AutodiffModule<B>>(module: 
     }
     let values: Vec<f32> = Tensor::cat(sums.sums, 0).into_data().convert::<f32>().to_vec().expect("f32 sums");
     values.iter().position(|v| !v.is_finite()).map(|i| sums.names[i].clone())
-}
-
-/// Buckets of parameter indices: consecutive parameters present on some rank, of one dtype,
-/// at most `bucket_bytes` together unless a single parameter is larger. `sizes` are each
-/// parameter's gradient bytes and dtype.
-fn plan_buckets(sizes: &[(usize, DType)], present_anywhere: &[bool], bucket_bytes: usize) -> Vec<Vec<usize>> {
-    let mut buckets: Vec<Vec<usize>> = Vec::new();
-    let mut current: Vec<usize> = Vec::new();
-    let mut current_bytes = 0;
-    for (i, &(bytes, dtype)) in sizes.iter().enumerate().filter(|&(i, _)| present_anywhere[i]) {
-        let same_dtype = current.first().is_none_or(|&first| sizes[first].1 == dtype);
-        if !current.is_empty() && (!same_dtype || current_bytes + bytes > bucket_bytes) {
-            buckets.push(std::mem::take(&mut current));
-            current_bytes = 0;
-        }
-        current.push(i);
-        current_bytes += bytes;
-    }
-    if !current.is_empty() {
-        buckets.push(current);
-    }
-    buckets
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const F32: DType = DType::F32;
-
-    #[test]
-    fn buckets_fill_up_to_the_cap_and_keep_order() {
-        let sizes = [(40, F32), (40, F32), (30, F32), (100, F32), (10, F32)];
-        assert_eq!(plan_buckets(&sizes, &[true; 5], 100), vec![vec![0, 1], vec![2], vec![3], vec![4]]);
-        assert_eq!(plan_buckets(&sizes, &[true; 5], 1 << 20), vec![vec![0, 1, 2, 3, 4]]);
-    }
-
-    #[test]
-    fn a_parameter_larger_than_the_cap_travels_alone() {
-        let sizes = [(10, F32), (500, F32), (10, F32)];
-        assert_eq!(plan_buckets(&sizes, &[true; 3], 100), vec![vec![0], vec![1], vec![2]]);
-    }
-
-    #[test]
-    fn dtypes_never_share_a_bucket_and_absent_gradients_are_left_out() {
-        let sizes = [(4, F32), (2, DType::BF16), (2, DType::BF16), (4, F32), (4, F32)];
-        let present = [true, true, true, false, true];
-        assert_eq!(plan_buckets(&sizes, &present, 1 << 20), vec![vec![0], vec![1, 2], vec![4]]);
-    }
 }

@@ -2,16 +2,20 @@
 //! called, how it fails, the byte counters, the argument checks that need no peer, and the
 //! in-process group ([`ThreadGroup`]), whose rounds move any `Send` value between rank threads.
 //!
-//! Tensors are moved by each Burn version's code on top of [`ThreadCommunicator::round`]:
-//! burn 0.21's `burn_ulysses::comm::Communicator` is implemented on it, and burn-ulysses-022's
-//! exchange and gradient sum call it directly.
+//! [`HostCommunicator`] is the transports' contract on host tensors: the in-process group
+//! implements it here, the TCP transport in `ulysses-dist`. burn 0.21's
+//! `burn_ulysses::comm::Communicator` moves that version's tensors (on the threads, by
+//! ownership through [`ThreadCommunicator::round`]; over TCP, staged through host tensors), and
+//! burn-ulysses-022 uses any [`HostCommunicator`] directly.
 
+mod host;
 mod thread;
 mod traffic;
 
 use std::{fmt, time::Duration};
 
 pub use thread::{RankPanic, ThreadCommunicator, ThreadGroup, ThreadGroupConfig, ThreadRank, mixed_kinds, panic_message};
+pub use host::{HostCommunicator, HostDType, HostTensor, check_parts, mismatched, reduce};
 pub use traffic::{Traffic, TrafficCounter};
 
 /// Reduction applied by an all-reduce.

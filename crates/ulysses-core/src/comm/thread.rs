@@ -21,7 +21,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{Collective, CommError, Traffic, TrafficCounter};
+use super::{Collective, CommError, HostTensor, ReduceOp, Traffic, TrafficCounter};
 
 /// Settings of an in-process group.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -404,5 +404,111 @@ pub fn panic_message(payload: &(dyn Any + Send)) -> String {
         message.to_string()
     } else {
         "non-string panic payload".to_string()
+    }
+}
+
+/// Host tensors between rank threads: parts move by ownership; reductions read every rank's
+/// tensor (shared, not copied) and each rank reduces in rank order, so all get the same bits.
+impl super::HostCommunicator for ThreadCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn all_to_all(&self, parts: Vec<HostTensor>) -> Result<Vec<HostTensor>, CommError> {
+        let op = Collective::AllToAll;
+        super::host::check_parts(&parts, self.members.len())?;
+        let total: u64 = parts.iter().map(|part| part.bytes.len() as u64).sum();
+        self.traffic.record_all_to_all_parts(total, total - parts[self.rank].bytes.len() as u64);
+        let (dtype, rank) = (parts[self.rank].dtype, self.rank);
+        let parts: Vec<Option<HostTensor>> = parts.into_iter().map(Some).collect();
+        let (_, received) = self.round(op, Box::new(parts), |deposits| {
+            deposits.iter_mut().map(|d| d.as_mut().and_then(|d| d.downcast_mut::<Vec<Option<HostTensor>>>()).and_then(|parts| parts[rank].take())).collect::<Option<Vec<_>>>()
+        })?;
+        let received = received.ok_or_else(|| mixed_kinds(op))?;
+        match received.iter().position(|part| part.dtype != dtype) {
+            None => Ok(received),
+            Some(peer) => Err(super::host::mismatched(op, peer, format!("a part of {:?} (this rank's: {dtype:?})", received[peer].dtype))),
+        }
+    }
+
+    fn all_reduce(&self, tensor: HostTensor, op: ReduceOp) -> Result<HostTensor, CommError> {
+        let collective = Collective::AllReduce;
+        self.traffic.record_all_reduce(tensor.bytes.len() as u64);
+        let every_rank = self.shared_round(collective, tensor)?;
+        let mine = &every_rank[self.rank];
+        let parts: Vec<&[u8]> = every_rank.iter().map(|t| t.bytes.as_slice()).collect();
+        Ok(HostTensor { dtype: mine.dtype, shape: mine.shape.clone(), bytes: super::host::reduce(&parts, mine.dtype, op) })
+    }
+
+    fn all_gather(&self, tensor: HostTensor) -> Result<Vec<HostTensor>, CommError> {
+        self.traffic.record_all_gather(tensor.bytes.len() as u64);
+        Ok(self.shared_round(Collective::AllGather, tensor)?.iter().map(|t| (**t).clone()).collect())
+    }
+
+    fn broadcast(&self, tensor: HostTensor, root: usize) -> Result<HostTensor, CommError> {
+        let op = Collective::Broadcast;
+        let size = self.members.len();
+        if root >= size {
+            return Err(CommError::InvalidArgument { op, reason: format!("root {root} is out of range for a group of {size} ranks") });
+        }
+        if self.rank == root {
+            self.traffic.record_broadcast(tensor.bytes.len() as u64);
+        }
+        let every_rank = self.shared_round(op, tensor)?;
+        Ok((*every_rank[root]).clone())
+    }
+
+    fn send_recv(&self, tensor: HostTensor, to: usize, from: usize) -> Result<HostTensor, CommError> {
+        let op = Collective::SendRecv;
+        super::check_send_recv(self.rank, self.members.len(), to, from)?;
+        self.traffic.record_send_recv(tensor.bytes.len() as u64, to != self.rank);
+        let (dtype, shape) = (tensor.dtype, tensor.shape.clone());
+        let (_, received) = self.round(op, Box::new(Some(tensor)), |deposits| {
+            deposits[from].as_mut().and_then(|d| d.downcast_mut::<Option<HostTensor>>()).and_then(Option::take)
+        })?;
+        let received = received.ok_or_else(|| mixed_kinds(op))?;
+        if received.dtype != dtype || received.shape != shape {
+            return Err(super::host::mismatched(op, from, format!("{:?} of shape {:?} (this rank: {dtype:?} of {shape:?})", received.dtype, received.shape)));
+        }
+        Ok(received)
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        ThreadCommunicator::barrier(self)
+    }
+
+    fn all_gather_host(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> {
+        ThreadCommunicator::all_gather_host(self, values)
+    }
+
+    fn split(&self, color: u32, key: u32) -> Result<Arc<dyn super::HostCommunicator>, CommError> {
+        Ok(self.split_group(color, key)?)
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.traffic.snapshot()
+    }
+}
+
+impl ThreadCommunicator {
+    /// Every rank's `tensor`, shared, in rank order; fails on every rank when one passed
+    /// another shape or dtype than this rank.
+    fn shared_round(&self, op: Collective, tensor: HostTensor) -> Result<Vec<Arc<HostTensor>>, CommError> {
+        let (_, every_rank) = self.round(op, Box::new(Arc::new(tensor)), |deposits| {
+            deposits.iter().map(|d| d.as_ref().and_then(|d| d.downcast_ref::<Arc<HostTensor>>()).cloned()).collect::<Option<Vec<_>>>()
+        })?;
+        let every_rank = every_rank.ok_or_else(|| mixed_kinds(op))?;
+        let mine = &every_rank[self.rank];
+        match every_rank.iter().position(|t| t.dtype != mine.dtype || t.shape != mine.shape) {
+            None => Ok(every_rank),
+            Some(peer) => {
+                let theirs = &every_rank[peer];
+                Err(super::host::mismatched(op, peer, format!("{:?} of shape {:?} (this rank: {:?} of {:?})", theirs.dtype, theirs.shape, mine.dtype, mine.shape)))
+            }
+        }
     }
 }

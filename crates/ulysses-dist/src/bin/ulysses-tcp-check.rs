@@ -13,7 +13,7 @@ use burn::{
     tensor::{Tensor, TensorData},
 };
 use burn_ulysses::comm::{
-    Communicator,
+    Communicator, HostStaged,
     check::{CheckSizes, check_collectives},
 };
 use clap::Parser;
@@ -35,7 +35,7 @@ struct Args {
 fn check(args: &Args) -> Result<(), String> {
     let env = LaunchEnv::from_env().map_err(|e| e.to_string())?;
     let config = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
-    let comm = TcpCommunicator::connect(&env, &config).map_err(|e| e.to_string())?;
+    let comm = HostStaged::new(TcpCommunicator::connect(&env, &config).map_err(|e| e.to_string())?);
     if args.die_rank == Some(env.rank) {
         eprintln!("test hook: rank {} kills itself", env.rank);
         // SAFETY: kill(2) on our own pid; nothing after it runs.

@@ -8,8 +8,9 @@
 //! bounded, a dead peer named within milliseconds (its kernel closes the socket), and
 //! timeouts that name the collective and the ranks that did not arrive.
 //!
-//! Each collective copies tensors to host memory and back, so it suits CPU backends and
-//! tests; GPUs use NCCL (`ulysses-nccl`).
+//! It moves host tensors (`ulysses_core::comm::HostCommunicator`), so every Burn version uses
+//! it: burn 0.21 through `burn_ulysses::comm::HostStaged`, burn 0.22 directly. It suits CPU
+//! backends and tests; GPUs use NCCL (`ulysses-nccl`).
 //!
 //! How each collective moves data (`P` ranks, `n` bytes per rank):
 //! - all-to-all: slice `j` straight to rank `j`;
@@ -22,7 +23,6 @@
 //!   tagged with the sub-group's id.
 
 mod frame;
-mod host;
 mod mesh;
 
 use std::sync::{
@@ -30,18 +30,16 @@ use std::sync::{
     atomic::{AtomicU64, Ordering},
 };
 
-use burn::tensor::{TensorMetadata, backend::Backend, ops::FloatTensor};
-use burn_ulysses::comm::{Collective, CommError, Communicator, ReduceOp, Traffic, TrafficCounter};
+use crate::comm::{Collective, CommError, HostCommunicator, HostTensor, ReduceOp, Traffic, TrafficCounter, check_parts, check_send_recv, mismatched, reduce};
 
 pub use frame::MAX_FRAME_BYTES;
-use host::{HostTensor, dtype_code, element_size, reduce};
 pub use mesh::MeshSettings;
 use mesh::Mesh;
 
-use crate::{DistError, DistributedConfig, LaunchEnv, Rendezvous};
+use crate::dist::{DistError, DistributedConfig, LaunchEnv, Rendezvous};
 
-/// One rank's communicator over a group of processes (the world, or a split of it). It moves
-/// the float tensors of any backend through host memory.
+/// One rank's communicator over a group of processes (the world, or a split of it), on host
+/// tensors.
 pub struct TcpCommunicator {
     mesh: Arc<Mesh>,
     /// The group's id: 0 for the world, derived from the split otherwise (the same on every
@@ -74,7 +72,7 @@ impl TcpCommunicator {
         Self { mesh, group, members, rank, next_seq: AtomicU64::new(0), traffic: TrafficCounter::default() }
     }
 
-    /// [`Communicator::split`], returning the concrete type.
+    /// [`HostCommunicator::split`], returning the concrete type.
     pub fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
         let seq = self.next_seq.load(Ordering::Relaxed);
         let gathered = self.host_gather(Collective::Split, &[u64::from(color), u64::from(key)])?;
@@ -133,10 +131,7 @@ impl TcpCommunicator {
     /// Fails every member the same way when ranks passed tensors of different shapes or
     /// dtypes (a message that does not fit what this rank expects).
     fn mismatch(&self, op: Collective, peer: usize, what: String) -> CommError {
-        self.mesh.fail(CommError::InvalidArgument {
-            op,
-            reason: format!("rank {peer} of this group passed {what}; every rank must pass the same shape and dtype"),
-        })
+        self.mesh.fail(mismatched(op, peer, what))
     }
 }
 
@@ -150,7 +145,7 @@ fn sub_group_id(parent: u64, seq: u64, color: u32) -> u64 {
         | 1 // never 0, the world's id
 }
 
-impl<W: Backend> Communicator<W> for TcpCommunicator {
+impl HostCommunicator for TcpCommunicator {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -159,53 +154,42 @@ impl<W: Backend> Communicator<W> for TcpCommunicator {
         self.size_()
     }
 
-    fn all_to_all(&self, tensor: FloatTensor<W>) -> Result<FloatTensor<W>, CommError> {
+    fn all_to_all(&self, mut parts: Vec<HostTensor>) -> Result<Vec<HostTensor>, CommError> {
         let op = Collective::AllToAll;
-        let size = self.size_();
-        let shape = tensor.shape();
-        if shape.num_dims() == 0 || shape[0] != size {
-            return Err(CommError::InvalidArgument {
-                op,
-                reason: format!("dim 0 must equal the group size {size}, got shape {:?}", shape.to_vec()),
-            });
-        }
-        let device = W::float_device(&tensor);
-        let host = HostTensor::read::<W>(tensor, op)?;
-        self.traffic.record_all_to_all(host.bytes.len() as u64, size);
-        let row = host.bytes.len() / size;
+        check_parts(&parts, self.size_())?;
+        let total: u64 = parts.iter().map(|part| part.bytes.len() as u64).sum();
+        self.traffic.record_all_to_all_parts(total, total - parts[self.rank].bytes.len() as u64);
+        let dtype = parts[self.rank].dtype;
         let seq = self.begin();
-        let tagged_row = |j: usize| {
-            let mut message = vec![dtype_code(host.dtype)];
-            message.extend_from_slice(&host.bytes[j * row..(j + 1) * row]);
-            message
-        };
-        let received = self.exchange(op, seq, tagged_row)?;
-        let mut bytes = Vec::with_capacity(host.bytes.len());
-        for (j, message) in received.iter().enumerate() {
-            match message {
-                None => bytes.extend_from_slice(&host.bytes[j * row..(j + 1) * row]),
-                Some(message) if message.len() == row + 1 && message[0] == dtype_code(host.dtype) => bytes.extend_from_slice(&message[1..]),
+        let received = self.exchange(op, seq, |j| parts[j].encode())?;
+        let mut mine = Some(std::mem::replace(&mut parts[self.rank], HostTensor { dtype, shape: vec![0], bytes: Vec::new() }));
+        received
+            .into_iter()
+            .enumerate()
+            .map(|(j, message)| match message {
+                None => Ok(mine.take().expect("this rank's own part, once")),
                 Some(message) => {
-                    return Err(self.mismatch(op, j, format!("a slice of {} bytes (this rank's: {row} bytes of {:?})", message.len().saturating_sub(1), host.dtype)));
+                    let part = HostTensor::decode(&message, op)?;
+                    if part.dtype != dtype {
+                        return Err(self.mismatch(op, j, format!("a part of {:?} (this rank's: {dtype:?})", part.dtype)));
+                    }
+                    Ok(part)
                 }
-            }
-        }
-        Ok(HostTensor { bytes, ..host }.upload::<W>(&device))
+            })
+            .collect()
     }
 
-    fn all_reduce(&self, tensor: FloatTensor<W>, op: ReduceOp) -> Result<FloatTensor<W>, CommError> {
+    fn all_reduce(&self, host: HostTensor, op: ReduceOp) -> Result<HostTensor, CommError> {
         let collective = Collective::AllReduce;
-        let device = W::float_device(&tensor);
-        let host = HostTensor::read::<W>(tensor, collective)?;
         self.traffic.record_all_reduce(host.bytes.len() as u64);
         let size = self.size_();
-        let element = element_size(host.dtype, collective)?;
+        let element = host.dtype.size();
         let elements = host.elements();
         // Chunk c (elements [c·n/P, (c+1)·n/P)) is reduced by member c.
         let chunk = |c: usize| (c * elements / size * element)..((c + 1) * elements / size * element);
         let seq = self.begin();
         let header = |len: usize| {
-            let mut message = vec![dtype_code(host.dtype)];
+            let mut message = vec![host.dtype.code()];
             message.extend((elements as u64).to_le_bytes());
             message.reserve(len);
             message
@@ -235,36 +219,32 @@ impl<W: Backend> Communicator<W> for TcpCommunicator {
             }
             bytes.extend(part);
         }
-        Ok(HostTensor { bytes, ..host }.upload::<W>(&device))
+        Ok(HostTensor { bytes, ..host })
     }
 
-    fn all_gather(&self, tensor: FloatTensor<W>) -> Result<FloatTensor<W>, CommError> {
+    fn all_gather(&self, host: HostTensor) -> Result<Vec<HostTensor>, CommError> {
         let op = Collective::AllGather;
-        let device = W::float_device(&tensor);
-        let host = HostTensor::read::<W>(tensor, op)?;
         self.traffic.record_all_gather(host.bytes.len() as u64);
         let message = host.encode();
         let seq = self.begin();
         let received = self.exchange(op, seq, |_| message.clone())?;
-        let mut bytes = Vec::with_capacity(host.bytes.len() * self.size_());
+        let mut gathered = Vec::with_capacity(self.size_());
         for (j, message) in received.into_iter().enumerate() {
             match message {
-                None => bytes.extend_from_slice(&host.bytes),
+                None => gathered.push(host.clone()),
                 Some(message) => {
                     let theirs = HostTensor::decode(&message, op)?;
                     if theirs.shape != host.shape || theirs.dtype != host.dtype {
                         return Err(self.mismatch(op, j, format!("{:?} of shape {:?} (this rank: {:?} of {:?})", theirs.dtype, theirs.shape, host.dtype, host.shape)));
                     }
-                    bytes.extend(theirs.bytes);
+                    gathered.push(theirs);
                 }
             }
         }
-        let mut shape = host.shape.clone();
-        shape.insert(0, self.size_());
-        Ok(HostTensor { dtype: host.dtype, shape, bytes }.upload::<W>(&device))
+        Ok(gathered)
     }
 
-    fn broadcast(&self, tensor: FloatTensor<W>, root: usize) -> Result<FloatTensor<W>, CommError> {
+    fn broadcast(&self, tensor: HostTensor, root: usize) -> Result<HostTensor, CommError> {
         let op = Collective::Broadcast;
         let size = self.size_();
         if root >= size {
@@ -272,9 +252,8 @@ impl<W: Backend> Communicator<W> for TcpCommunicator {
         }
         let seq = self.begin();
         if self.rank == root {
-            let host = HostTensor::read::<W>(tensor.clone(), op)?;
-            self.traffic.record_broadcast(host.bytes.len() as u64);
-            let message = host.encode();
+            self.traffic.record_broadcast(tensor.bytes.len() as u64);
+            let message = tensor.encode();
             for (j, &world) in self.members.iter().enumerate() {
                 if j != root {
                     self.mesh.send(world, self.group, seq, op, &message)?;
@@ -282,35 +261,30 @@ impl<W: Backend> Communicator<W> for TcpCommunicator {
             }
             return Ok(tensor);
         }
-        let (shape, dtype) = (tensor.shape().to_vec(), tensor.dtype());
-        let device = W::float_device(&tensor);
         let message = self.mesh.receive(&[self.members[root]], self.group, seq, op)?.remove(0);
         let theirs = HostTensor::decode(&message, op)?;
-        if theirs.shape != shape || theirs.dtype != dtype {
-            return Err(self.mismatch(op, root, format!("{:?} of shape {:?} (this rank: {dtype:?} of {shape:?})", theirs.dtype, theirs.shape)));
+        if theirs.shape != tensor.shape || theirs.dtype != tensor.dtype {
+            return Err(self.mismatch(op, root, format!("{:?} of shape {:?} (this rank: {:?} of {:?})", theirs.dtype, theirs.shape, tensor.dtype, tensor.shape)));
         }
-        Ok(theirs.upload::<W>(&device))
+        Ok(theirs)
     }
 
-    fn send_recv(&self, tensor: FloatTensor<W>, to: usize, from: usize) -> Result<FloatTensor<W>, CommError> {
+    fn send_recv(&self, tensor: HostTensor, to: usize, from: usize) -> Result<HostTensor, CommError> {
         let op = Collective::SendRecv;
-        burn_ulysses::comm::check_send_recv(self.rank, self.size_(), to, from)?;
+        check_send_recv(self.rank, self.size_(), to, from)?;
         let seq = self.begin();
         if to == self.rank {
             self.traffic.record_send_recv(0, false);
             return Ok(tensor);
         }
-        let (shape, dtype) = (tensor.shape().to_vec(), tensor.dtype());
-        let device = W::float_device(&tensor);
-        let host = HostTensor::read::<W>(tensor, op)?;
-        self.traffic.record_send_recv(host.bytes.len() as u64, true);
-        self.mesh.send(self.members[to], self.group, seq, op, &host.encode())?;
+        self.traffic.record_send_recv(tensor.bytes.len() as u64, true);
+        self.mesh.send(self.members[to], self.group, seq, op, &tensor.encode())?;
         let message = self.mesh.receive(&[self.members[from]], self.group, seq, op)?.remove(0);
         let theirs = HostTensor::decode(&message, op)?;
-        if theirs.shape != shape || theirs.dtype != dtype {
-            return Err(self.mismatch(op, from, format!("{:?} of shape {:?} (this rank: {dtype:?} of {shape:?})", theirs.dtype, theirs.shape)));
+        if theirs.shape != tensor.shape || theirs.dtype != tensor.dtype {
+            return Err(self.mismatch(op, from, format!("{:?} of shape {:?} (this rank: {:?} of {:?})", theirs.dtype, theirs.shape, tensor.dtype, tensor.shape)));
         }
-        Ok(theirs.upload::<W>(&device))
+        Ok(theirs)
     }
 
     fn barrier(&self) -> Result<(), CommError> {
@@ -321,7 +295,7 @@ impl<W: Backend> Communicator<W> for TcpCommunicator {
         self.host_gather(Collective::AllGatherHost, values)
     }
 
-    fn split(&self, color: u32, key: u32) -> Result<Arc<dyn Communicator<W>>, CommError> {
+    fn split(&self, color: u32, key: u32) -> Result<Arc<dyn HostCommunicator>, CommError> {
         Ok(self.split_group(color, key)?)
     }
 

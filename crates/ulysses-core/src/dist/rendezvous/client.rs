@@ -7,7 +7,7 @@ use std::{
 };
 
 use super::protocol::{FrameError, Request, Response, read_blocking, write_blocking};
-use crate::DistError;
+use crate::dist::DistError;
 
 pub struct RendezvousClient {
     stream: TcpStream,

@@ -1,11 +1,10 @@
-//! Settings of a distributed job, in Burn's config style, each overridable from the
-//! environment so a launch script can change them without rebuilding.
+//! Settings of a distributed job, each overridable from the environment so a launch script
+//! can change them without rebuilding. A plain serde struct with Burn-style `with_*` builders:
+//! this crate serves every Burn version, so it derives no version's `Config`.
 
 use std::time::Duration;
 
-use burn::config::Config;
-
-use crate::DistError;
+use crate::dist::DistError;
 
 /// Environment variables that override [`DistributedConfig`] fields.
 pub const ENV_SP_SIZE: &str = "ULYSSES_SP_SIZE";
@@ -16,33 +15,83 @@ pub const ENV_TOKEN: &str = "ULYSSES_RENDEZVOUS_TOKEN";
 pub const ENV_TCP_MAX_MESSAGE_BYTES: &str = "ULYSSES_TCP_MAX_MESSAGE_BYTES";
 pub const ENV_TCP_ADDR: &str = "ULYSSES_TCP_ADDR";
 
-#[derive(Config, Debug)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct DistributedConfig {
     /// Ranks per sequence-parallel group; the data-parallel size is `world / sp_size`.
-    /// Consecutive ranks form an SP group, so keep `sp_size` within a node.
-    #[config(default = 1)]
+    /// Consecutive ranks form an SP group, so keep `sp_size` within a node. Default 1.
     pub sp_size: usize,
-    /// How long a rank waits for rank 0's rendezvous and for the other ranks to join.
-    #[config(default = 300.0)]
+    /// How long a rank waits for rank 0's rendezvous and for the other ranks to join. Default 300.
     pub rendezvous_timeout_secs: f64,
-    /// How long a collective may take before the communicator is aborted.
-    #[config(default = 600.0)]
+    /// How long a collective may take before the communicator is aborted. Default 600.
     pub collective_timeout_secs: f64,
-    /// Largest rendezvous message accepted; larger ones close the connection.
-    #[config(default = 65536)]
+    /// Largest rendezvous message accepted; larger ones close the connection. Default 64 KiB.
     pub max_message_bytes: usize,
     /// The job's shared secret; `None` reads `ULYSSES_RENDEZVOUS_TOKEN`.
     pub token: Option<String>,
     /// Largest message a rank accepts from a peer over the TCP transport (one rank's part of
-    /// one collective); a larger one is a protocol error that names the limit.
-    #[config(default = 8589934592)]
+    /// one collective); a larger one is a protocol error that names the limit. Default 8 GiB.
     pub tcp_max_message_bytes: u64,
     /// Address the TCP transport listens on and advertises to the other ranks; `None` uses
     /// the address that reaches rank 0.
     pub tcp_address: Option<String>,
 }
 
+impl Default for DistributedConfig {
+    fn default() -> Self {
+        Self {
+            sp_size: 1,
+            rendezvous_timeout_secs: 300.0,
+            collective_timeout_secs: 600.0,
+            max_message_bytes: 65536,
+            token: None,
+            tcp_max_message_bytes: 8 << 30,
+            tcp_address: None,
+        }
+    }
+}
+
 impl DistributedConfig {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    // `with_<field>` builders, as Burn's `Config` derives them.
+    pub fn with_sp_size(mut self, sp_size: usize) -> Self {
+        self.sp_size = sp_size;
+        self
+    }
+
+    pub fn with_rendezvous_timeout_secs(mut self, rendezvous_timeout_secs: f64) -> Self {
+        self.rendezvous_timeout_secs = rendezvous_timeout_secs;
+        self
+    }
+
+    pub fn with_collective_timeout_secs(mut self, collective_timeout_secs: f64) -> Self {
+        self.collective_timeout_secs = collective_timeout_secs;
+        self
+    }
+
+    pub fn with_max_message_bytes(mut self, max_message_bytes: usize) -> Self {
+        self.max_message_bytes = max_message_bytes;
+        self
+    }
+
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token;
+        self
+    }
+
+    pub fn with_tcp_max_message_bytes(mut self, tcp_max_message_bytes: u64) -> Self {
+        self.tcp_max_message_bytes = tcp_max_message_bytes;
+        self
+    }
+
+    pub fn with_tcp_address(mut self, tcp_address: Option<String>) -> Self {
+        self.tcp_address = tcp_address;
+        self
+    }
+
     /// Applies the `ULYSSES_*` variables of the process environment.
     pub fn with_env_overrides(self) -> Result<Self, DistError> {
         self.with_overrides(|name| std::env::var(name).ok())

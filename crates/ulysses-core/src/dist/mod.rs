@@ -1,0 +1,56 @@
+//! Joining the other processes of a job, for every Burn version:
+//!
+//! - [`env`]: where this process sits (torchrun's and Slurm's variables);
+//! - [`config`]: timeouts, limits and the job token, overridable from the environment;
+//! - [`rendezvous`]: rank 0 serves a small key-value store over TCP (like torch's TCPStore)
+//!   through which the ranks exchange addresses and the NCCL unique id; peers must present the
+//!   job's token;
+//! - [`tcp`]: collectives between processes over TCP on host tensors (CPUs, tests), with dead
+//!   ranks named.
+//!
+//! The launcher (`ulysses-launch`) and starting a burn 0.21 job are in `ulysses-dist`.
+
+pub mod config;
+pub mod env;
+pub mod rendezvous;
+pub mod tcp;
+
+pub use config::DistributedConfig;
+pub use env::LaunchEnv;
+pub use rendezvous::Rendezvous;
+
+use std::time::Duration;
+
+/// Why launching or joining a job failed. Each variant names the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    #[error("launch environment: {0}")]
+    Env(String),
+    #[error(
+        "no rendezvous token: every rank must present the job's shared secret. ulysses-launch \
+         sets ULYSSES_RENDEZVOUS_TOKEN itself; with torchrun or srun, export the same value to \
+         every rank (e.g. `export ULYSSES_RENDEZVOUS_TOKEN=$(openssl rand -hex 16)`)"
+    )]
+    NoToken,
+    #[error(
+        "rank 0 cannot serve the rendezvous on {addr}: {reason}. MASTER_ADDR must be an address \
+         of rank 0's machine and MASTER_PORT a free port (or set ULYSSES_RENDEZVOUS_PORT to one)"
+    )]
+    Bind { addr: String, reason: String },
+    #[error(
+        "rendezvous with {addr} timed out after {after:?} {waiting_for}. Is rank 0 running, and \
+         are MASTER_ADDR/MASTER_PORT the same on every rank? Raise ULYSSES_RENDEZVOUS_TIMEOUT \
+         if ranks start slowly"
+    )]
+    RendezvousTimeout { addr: String, after: Duration, waiting_for: String },
+    #[error("the rendezvous on {addr} refused this rank: {reason}")]
+    Rejected { addr: String, reason: String },
+    #[error("rendezvous protocol: {0}")]
+    Protocol(String),
+    #[error("ulysses-launch: {0}")]
+    Launch(String),
+    #[error("TCP transport: {0}")]
+    Transport(String),
+    #[error("{0}")]
+    Job(String),
+}
