@@ -1,8 +1,12 @@
 //! Trains the small Llama of `model/` (written plainly for burn 0.22.1, attention imported from
-//! burn_ulysses_022) on a repeating byte pattern with sequence parallelism over 4 rank threads,
-//! each holding a quarter of every sequence:
+//! burn_ulysses_022) on a repeating byte pattern with sequence parallelism, each rank holding
+//! 1/SP of every sequence: SP rank threads of this process,
 //!
 //!     cargo run --release -p burn-ulysses-022 --example tiny_llama [-- SP STEPS]
+//!
+//! or one process per rank under a launcher (ranks meet over TCP; SP is the world size):
+//!
+//!     target/release/ulysses-launch --nproc-per-node 4 -- target/release/examples/tiny_llama
 
 mod model;
 
@@ -11,16 +15,17 @@ use burn::{
     tensor::{Device, Int, Tensor, TensorData},
 };
 use burn_ulysses_022::{
-    comm::ThreadGroup,
-    context,
     data::{IGNORE_INDEX, SequenceSharder},
+    job::{Launch, run_ranks},
     train::{all_reduce_gradients, all_reduce_sum, lm_loss_sum},
 };
+use ulysses_core::dist::DistributedConfig;
 use model::{TinyLlamaConfig, init_seeded};
 
 fn main() {
     let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>().expect("SP and STEPS are numbers"));
-    let sp = args.next().unwrap_or(4);
+    let launch = Launch::from_env().unwrap_or_else(|error| panic!("{error}"));
+    let sp = launch.world_size().unwrap_or(args.next().unwrap_or(4));
     let steps = args.next().unwrap_or(40);
     let config = TinyLlamaConfig { vocab: 256, hidden: 64, heads: 8, kv_heads: 4, layers: 2, intermediate: 128, rope_theta: 10_000.0 };
     // Sequences of 256 bytes of a repeated sentence, each starting elsewhere in it.
@@ -28,13 +33,13 @@ fn main() {
     let batch: Vec<Vec<i64>> = (0..4).map(|b| (0..256).map(|i| text[(i + 17 * b) % text.len()] as i64).collect()).collect();
     let labels = SequenceSharder::labels_in(&batch) as f64;
 
-    let results = ThreadGroup::new(sp).run(|rank| {
-        let _sp = context::enter(rank.communicator());
+    let dist = DistributedConfig::new().with_env_overrides().unwrap_or_else(|error| panic!("{error}"));
+    let results = run_ranks(&launch, sp, &dist, |rank| {
         let device = Device::flex().autodiff();
         // Same weights on every rank, each thread building its own model.
         let mut model = init_seeded(&config, &device, 42);
         let mut optimizer = AdamConfig::new().init();
-        let shard = SequenceSharder::new(sp).shard(&batch, rank.rank());
+        let shard = SequenceSharder::new(sp).shard(&batch, rank.rank);
         let int_tensor = |values: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(values.to_vec(), [shard.batch, shard.local_len]), &device);
         for step in 1..=steps {
             let logits = model.forward(&config, int_tensor(&shard.tokens), shard.positions.ids.ids());
@@ -42,12 +47,14 @@ fn main() {
             let whole = all_reduce_sum(loss.clone().into_scalar::<f64>());
             let grads = all_reduce_gradients(&model, GradientsParams::from_grads(loss.backward(), &model));
             model = optimizer.step(3e-3, model, grads);
-            if rank.rank() == 0 && (step == 1 || step % 10 == 0) {
-                println!("step {step:>3}: loss {whole:.4} ({sp} ranks, {} of 256 tokens each)", shard.local_len);
+            if rank.rank == 0 && (step == 1 || step % 10 == 0) {
+                let ranks = if rank.is_process { "processes" } else { "threads" };
+            println!("step {step:>3}: loss {whole:.4} ({sp} ranks as {ranks}, {} of 256 tokens each)", shard.local_len);
             }
         }
     });
-    for result in results {
-        result.unwrap_or_else(|panic| panic!("{panic}"));
+    if let Err(error) = results {
+        eprintln!("error: {error}");
+        std::process::exit(1);
     }
 }

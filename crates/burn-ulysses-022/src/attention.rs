@@ -4,7 +4,7 @@
 
 use burn::tensor::{Bool, Tensor, TensorData, module, ops::AttentionModuleOptions};
 use ulysses_core::{
-    comm::ThreadCommunicator,
+    comm::HostCommunicator,
     error::UlyssesError,
     layout::{AttentionLayout, CallOptions, HeadPlan},
 };
@@ -47,12 +47,12 @@ pub fn attention(
             let repeats = q_heads / kv_heads;
             module::attention(query, repeat_kv_heads(key, repeats), repeat_kv_heads(value, repeats), mask, attn_bias, options)
         }
-        Some(group) => sequence_parallel(&group, query, key, value, mask, attn_bias, options).unwrap_or_else(|error| panic!("{error}")),
+        Some(group) => sequence_parallel(&*group, query, key, value, mask, attn_bias, options).unwrap_or_else(|error| panic!("{error}")),
     }
 }
 
 fn sequence_parallel(
-    group: &ThreadCommunicator,
+    group: &dyn HostCommunicator,
     query: Tensor<4>,
     key: Tensor<4>,
     value: Tensor<4>,
@@ -85,7 +85,7 @@ fn sequence_parallel(
 /// Every rank's key-padding mask `[b, 1 | H, 1, S/P]`, joined along the keys in rank order,
 /// for this rank's heads `heads` (a mask per head) or for all of them (one mask): what the
 /// rank's head shard attends with. As burn-ulysses gathers it.
-fn gather_key_padding(group: &ThreadCommunicator, mask: Tensor<4, Bool>, heads: &[usize]) -> Result<Tensor<4, Bool>, UlyssesError> {
+fn gather_key_padding(group: &dyn HostCommunicator, mask: Tensor<4, Bool>, heads: &[usize]) -> Result<Tensor<4, Bool>, UlyssesError> {
     let [batch, mask_heads, _, local] = mask.dims();
     let device = mask.device();
     let hidden: Vec<u64> = mask.into_data().iter::<bool>().map(u64::from).collect();

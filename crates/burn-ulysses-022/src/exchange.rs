@@ -7,8 +7,8 @@
 //! reverse and sums the copies of a repeated head. Each is the other's adjoint, so the backward
 //! of one is the other.
 //!
-//! Tensors move between rank threads by ownership through ulysses-core's group: the CPU
-//! backends copy nothing but the concatenation.
+//! The parts travel as host tensors through the group's transport (rank threads or TCP): one
+//! copy out of the backend and one back in, as a host-memory transport needs.
 
 use std::ops::Range;
 
@@ -25,9 +25,9 @@ use burn::backend::{
 use burn::backend::TensorMetadata;
 use burn::backend::Dispatch;
 use burn::tensor::{Shape, Slice, Tensor};
-use ulysses_core::comm::{Collective, mixed_kinds};
+use ulysses_core::comm::{Collective, CommError, HostTensor};
 
-use crate::context;
+use crate::{context, host};
 
 /// Which way an exchange goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,7 +120,7 @@ impl<B: ExchangeOps, C: CheckpointStrategy> ExchangeOps for Autodiff<B, C> {
     }
 }
 
-/// The exchange on any backend's tensors, through this thread's group.
+/// The exchange on any backend's tensors, through this rank's group.
 fn exchange_on<B: Backend>(tensor: FloatTensor<B>, exchange: &HeadExchange, direction: Direction) -> FloatTensor<B> {
     let group = context::required("the Ulysses exchange");
     let (rank, size) = (group.rank(), group.size());
@@ -132,41 +132,29 @@ fn exchange_on<B: Backend>(tensor: FloatTensor<B>, exchange: &HeadExchange, dire
         B::float_slice(tensor.clone(), &[Slice::from(0..batch), Slice::from(heads), Slice::from(tokens), Slice::from(0..head_dim)])
     };
     // Part j is what rank j receives from this one.
-    let parts: Vec<Option<FloatTensor<B>>> = match direction {
+    let parts: Vec<FloatTensor<B>> = match direction {
         Direction::ToHeads => {
             assert_eq!(heads, exchange.heads, "the exchange expects {} heads, the tensor has {heads}", exchange.heads);
             let heads_of = |heads: &[usize]| {
                 let runs: Vec<FloatTensor<B>> = HeadExchange::runs(heads).into_iter().map(|(_, run)| slice(&tensor, run, 0..tokens)).collect();
                 if runs.len() == 1 { runs.into_iter().next().unwrap() } else { B::float_cat(runs, 1) }
             };
-            exchange.per_rank.iter().map(|heads| Some(heads_of(heads))).collect()
+            exchange.per_rank.iter().map(|heads| heads_of(heads)).collect()
         }
         Direction::ToSequence => {
             assert_eq!(heads, exchange.per_rank[rank].len(), "rank {rank} attends {} heads, the tensor has {heads}", exchange.per_rank[rank].len());
             assert_eq!(tokens % size, 0, "{tokens} tokens do not split over {size} ranks");
             let local = tokens / size;
-            (0..size).map(|j| Some(slice(&tensor, 0..heads, j * local..(j + 1) * local))).collect()
+            (0..size).map(|j| slice(&tensor, 0..heads, j * local..(j + 1) * local)).collect()
         }
     };
-    // What leaves this rank: every part, the ones for other ranks over the wire.
-    let bytes = |part: &Option<FloatTensor<B>>| part.as_ref().map_or(0, |p| (p.shape().num_elements() * p.dtype().size()) as u64);
-    let total: u64 = parts.iter().map(bytes).sum();
-    group.traffic_counter().record_all_to_all_parts(total, total - bytes(&parts[rank]));
     let device = tensor.device();
-    // A backend with a stream per thread must finish the parts before a peer reads them.
-    B::sync(&device).unwrap_or_else(|error| panic!("the Ulysses exchange cannot finish rank {rank}'s queued work: {error}"));
     let op = Collective::AllToAll;
-    let received = group
-        .round(op, Box::new(parts), |deposits| {
-            deposits
-                .iter_mut()
-                .map(|d| d.as_mut().and_then(|d| d.downcast_mut::<Vec<Option<FloatTensor<B>>>>()).and_then(|parts| parts[rank].take()))
-                .collect::<Option<Vec<_>>>()
-        })
-        .and_then(|(_, received)| received.ok_or_else(|| mixed_kinds(op)))
-        .unwrap_or_else(|error| panic!("the Ulysses exchange failed on rank {rank}: {error}"));
-    let received: Vec<FloatTensor<B>> = received.into_iter().map(|part| B::float_to_device(part, &device)).collect();
-    let result = match direction {
+    let fail = |error: CommError| -> ! { panic!("the Ulysses exchange failed on rank {rank}: {error}") };
+    let parts: Vec<HostTensor> = parts.into_iter().map(|part| host::read::<B>(part, op).unwrap_or_else(|e| fail(e))).collect();
+    let received = group.all_to_all(parts).unwrap_or_else(|e| fail(e));
+    let received: Vec<FloatTensor<B>> = received.into_iter().map(|part| host::upload::<B>(part, &device)).collect();
+    match direction {
         // Every rank's tokens of this rank's heads, in rank (= sequence) order.
         Direction::ToHeads => B::float_cat(received, 2),
         // This rank's tokens of every rank's heads; a head several ranks attended is summed.
@@ -183,8 +171,5 @@ fn exchange_on<B: Backend>(tensor: FloatTensor<B>, exchange: &HeadExchange, dire
             }
             sum
         }
-    };
-    // Our stream must be done reading the peers' buffers before they may reuse them.
-    B::sync(&device).unwrap_or_else(|error| panic!("the Ulysses exchange cannot finish rank {rank}'s queued work: {error}"));
-    result
+    }
 }

@@ -31,13 +31,17 @@
 //! ```
 //!
 //! [`train`] has the rest of a training step (the token-weighted loss, gradients summed over the
-//! group); the group, the sharding of sequences, the layout rules and the errors are
-//! ulysses-core's, shared with burn-ulysses.
+//! group); [`job`] starts the ranks, as threads or as one process per rank under a launcher
+//! (torchrun's variables; the ranks meet over TCP). The transports (any
+//! `ulysses_core::comm::HostCommunicator`), the sharding of sequences, the layout rules, the
+//! gradient-sum rules and the errors are ulysses-core's, shared with burn-ulysses.
 
 pub mod attention;
 pub mod blocked;
 pub mod context;
 pub mod exchange;
+pub mod host;
+pub mod job;
 pub mod train;
 
 pub use attention::attention;

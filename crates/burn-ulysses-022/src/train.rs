@@ -14,16 +14,17 @@
 //! Each rank's loss is its tokens' cross-entropy over the whole batch's label count, so the
 //! ranks' losses and gradients sum to the single-device ones.
 
-use std::sync::Arc;
-
 use burn::{
     module::{Module, ModuleVisitor, Param},
     optim::GradientsParams,
-    tensor::{Int, Tensor, TensorData, activation::log_softmax},
+    tensor::{Device, Int, Tensor, activation::log_softmax},
 };
-use ulysses_core::comm::{Collective, ThreadCommunicator, mixed_kinds};
+use ulysses_core::{
+    comm::{Collective, CommError, HostCommunicator, HostDType, HostTensor, ReduceOp},
+    gradients::{GRADIENT_BUCKET_BYTES, plan_buckets, present_anywhere},
+};
 
-use crate::context;
+use crate::{context, host};
 
 /// Cross-entropy of `logits` `[batch, seq, vocab]` against `labels` `[batch, seq]`, summed over
 /// the labels that are not `ignore_index`: `[1]`.
@@ -36,65 +37,113 @@ pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64)
     log_likelihood.mask_fill(ignored, 0.0).sum().neg()
 }
 
-/// `grads` of `model`'s parameters summed over this thread's group, in rank order (so every
-/// rank holds bit-identical sums and takes the same optimizer step); a parameter no rank has a
-/// gradient for (frozen) stays without one. Outside a group, or in a group of one, `grads`
-/// unchanged.
+/// `grads` of `model`'s parameters summed over this rank's group, by the same rules as
+/// burn-ulysses (`ulysses_core::gradients`: module order, buckets of one dtype, a parameter with
+/// a gradient on any rank summed on every rank, a frozen one left without). Sums are computed
+/// in rank order by the transport, so every rank holds the same bits and takes the same
+/// optimizer step. Outside a group, or in a group of one, `grads` unchanged.
 ///
 /// # Panics
 ///
 /// When a collective fails (a rank died or ran another model), naming it.
 pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> GradientsParams {
     let Some(group) = context::current().filter(|group| group.size() > 1) else { return grads };
-    let mut sum = GradientSum { group: &group, grads };
-    model.visit(&mut sum);
-    sum.grads
+    all_reduce_gradients_in_buckets(model, grads, &*group, GRADIENT_BUCKET_BYTES).unwrap_or_else(|error| panic!("summing the gradients over the group: {error}"))
 }
 
-/// `value` summed over this thread's group (a loss to report), in rank order.
+/// [`all_reduce_gradients`] over `group`, in buckets of at most `bucket_bytes`.
+pub fn all_reduce_gradients_in_buckets<M: Module>(model: &M, mut grads: GradientsParams, group: &dyn HostCommunicator, bucket_bytes: usize) -> Result<GradientsParams, CommError> {
+    let op = Collective::AllReduce;
+    let mut take = TakeGradients { grads: &mut grads, local: Vec::new() };
+    model.visit(&mut take);
+    let mut local = take.local;
+    let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
+    let every_rank = group.all_gather_host(&present)?;
+    if let Some(rank) = every_rank.iter().position(|flags| flags.len() != present.len()) {
+        return Err(CommError::Diverged { what: "float parameters", mine: present.len(), rank, theirs: every_rank[rank].len() });
+    }
+    let present_anywhere = present_anywhere(&every_rank, present.len());
+    let mut sizes = Vec::with_capacity(local.len());
+    for l in &local {
+        sizes.push((l.elements * l.dtype.size(), l.dtype));
+    }
+    for bucket in plan_buckets(&sizes, &present_anywhere, bucket_bytes) {
+        let dtype = local[bucket[0]].dtype;
+        let mut bytes = Vec::new();
+        for &i in &bucket {
+            match local[i].grad.take() {
+                Some(grad) => bytes.extend(grad.bytes),
+                // This rank has none: zeros of the parameter's size.
+                None => bytes.resize(bytes.len() + local[i].elements * dtype.size(), 0),
+            }
+        }
+        let elements = bytes.len() / dtype.size();
+        let summed = group.all_reduce(HostTensor::new(dtype, vec![elements], bytes, op)?, ReduceOp::Sum)?;
+        let mut offset = 0;
+        for &i in &bucket {
+            let len = local[i].elements * dtype.size();
+            local[i].grad = Some(HostTensor { dtype, shape: local[i].shape.clone(), bytes: summed.bytes[offset..offset + len].to_vec() });
+            offset += len;
+        }
+    }
+    let mut register = RegisterGradients { grads: &mut grads, summed: local.into_iter() };
+    model.visit(&mut register);
+    Ok(grads)
+}
+
+/// `value` summed over this rank's group (a loss to report), in rank order.
 pub fn all_reduce_sum(value: f64) -> f64 {
     match context::current().filter(|group| group.size() > 1) {
         None => value,
-        Some(group) => sum_in_rank_order(&group, Some(Arc::new(vec![value])))
+        Some(group) => group
+            .all_reduce(HostTensor::from_f64(&[value]), ReduceOp::Sum)
             .unwrap_or_else(|error| panic!("summing a value over the group: {error}"))
-            .expect("every rank gave a value")[0],
+            .to_f64()[0],
     }
 }
 
-struct GradientSum<'a> {
-    group: &'a ThreadCommunicator,
-    grads: GradientsParams,
+/// One float parameter's gradient on this rank, on the host (`None`: this rank has none), with
+/// the parameter's shape, size and dtype; after the sum, the summed gradient.
+struct LocalGradient {
+    grad: Option<HostTensor>,
+    shape: Vec<usize>,
+    elements: usize,
+    dtype: HostDType,
+    device: Device,
 }
 
-impl ModuleVisitor for GradientSum<'_> {
+struct TakeGradients<'a> {
+    grads: &'a mut GradientsParams,
+    local: Vec<LocalGradient>,
+}
+
+impl ModuleVisitor for TakeGradients<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let gradient = self.grads.remove::<D>(param.id);
-        let (shape, device, dtype) = match &gradient {
-            Some(gradient) => (gradient.dims(), gradient.device(), gradient.dtype()),
-            None => (param.val().dims(), param.val().device(), param.val().dtype()),
+        let op = Collective::AllReduce;
+        let value = param.val();
+        let grad = self.grads.remove::<D>(param.id).map(|grad| host::from_data(grad.into_data(), op).unwrap_or_else(|error| panic!("parameter {}: {error}", param.id)));
+        let dtype = match &grad {
+            Some(grad) => grad.dtype,
+            None => host::host_dtype(value.dtype(), op).unwrap_or_else(|error| panic!("parameter {}: {error}", param.id)),
         };
-        let values = gradient.map(|gradient| Arc::new(gradient.into_data().convert::<f64>().try_into_vec::<f64>().expect("a float gradient")));
-        let summed = sum_in_rank_order(self.group, values).unwrap_or_else(|error| panic!("summing the gradient of parameter {}: {error}", param.id));
+        let shape = value.dims().to_vec();
+        self.local.push(LocalGradient { grad, elements: shape.iter().product(), shape, dtype, device: value.device() });
+    }
+}
+
+struct RegisterGradients<'a> {
+    grads: &'a mut GradientsParams,
+    summed: std::vec::IntoIter<LocalGradient>,
+}
+
+impl ModuleVisitor for RegisterGradients<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let local = self.summed.next().expect("the same parameters on the second visit");
         // No rank has a gradient (a frozen parameter): none, as on one device.
-        if let Some(summed) = summed {
-            // Back in the gradient's own dtype (summed in f64).
-            self.grads.register(param.id, Tensor::<D>::from_data(TensorData::new(summed, shape), (&device, dtype)));
+        if let Some(summed) = local.grad {
+            let data = host::to_data(summed);
+            let dtype = data.dtype();
+            self.grads.register(param.id, Tensor::<D>::from_data(data, (&local.device, dtype)));
         }
     }
-}
-
-/// Every rank's `values` added up in rank order, in f64; a rank without values adds zeros,
-/// and `None` when no rank has any.
-fn sum_in_rank_order(group: &ThreadCommunicator, values: Option<Arc<Vec<f64>>>) -> Result<Option<Vec<f64>>, ulysses_core::comm::CommError> {
-    let op = Collective::AllReduce;
-    let (_, deposits) = group.round(op, Box::new(values), |deposits| {
-        deposits.iter().map(|d| d.as_ref().and_then(|d| d.downcast_ref::<Option<Arc<Vec<f64>>>>()).cloned()).collect::<Option<Vec<_>>>()
-    })?;
-    let deposits = deposits.ok_or_else(|| mixed_kinds(op))?;
-    let present: Vec<(usize, &Arc<Vec<f64>>)> = deposits.iter().enumerate().filter_map(|(rank, values)| values.as_ref().map(|v| (rank, v))).collect();
-    let Some(&(_, first)) = present.first() else { return Ok(None) };
-    if let Some(&(rank, other)) = present.iter().find(|(_, values)| values.len() != first.len()) {
-        return Err(ulysses_core::comm::CommError::Diverged { what: "values to sum", mine: first.len(), rank, theirs: other.len() });
-    }
-    Ok(Some((0..first.len()).map(|i| present.iter().map(|(_, values)| values[i]).sum()).collect()))
 }

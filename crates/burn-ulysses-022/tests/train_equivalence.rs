@@ -1,6 +1,8 @@
 //! A small Llama written plainly for burn 0.22.1 (`examples/model`) trained at SP = 2 and 4,
 //! ranks as threads on Flex + autodiff, against the same model on one device with burn's own
-//! attention: the loss of every step and every parameter after the last within 1e-5.
+//! attention: the loss of every step and every parameter after the last within 1e-5. And SP = 2
+//! as two processes meeting over TCP (this test binary, started again as each rank), which
+//! must give the threads' bits.
 
 #[path = "../examples/model/mod.rs"]
 mod model;
@@ -14,8 +16,10 @@ use burn_ulysses_022::{
     comm::ThreadGroup,
     context,
     data::{IGNORE_INDEX, SequenceSharder},
+    job::{Launch, run_ranks},
     train::{all_reduce_gradients, all_reduce_sum, lm_loss_sum},
 };
+use ulysses_core::dist::DistributedConfig;
 use model::{TinyLlamaConfig, init_seeded, uniform};
 
 const TOLERANCE: f64 = 1e-5;
@@ -54,30 +58,9 @@ fn train(sp: usize) -> (Vec<f64>, Vec<f32>) {
 
 /// [`train`], with the embedding frozen and weight decay when `frozen_embedding`.
 fn train_with(sp: usize, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
-    let batch = batch();
-    let labels = SequenceSharder::labels_in(&batch) as f64;
     let results = ThreadGroup::new(sp).run(|rank| {
         let _sp = (sp > 1).then(|| context::enter(rank.communicator()));
-        let device = Device::flex().autodiff();
-        let mut model = init_seeded(&CONFIG, &device, 7);
-        let mut optimizer = SgdConfig::new().init();
-        if frozen_embedding {
-            model = model.map(&mut FreezeEmbedding);
-            optimizer = SgdConfig::new().with_weight_decay(Some(WeightDecayConfig::new(0.1))).init();
-        }
-        let shard = SequenceSharder::new(sp).shard(&batch, rank.rank());
-        let int_tensor = |values: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(values.to_vec(), [shard.batch, shard.local_len]), &device);
-        let mut losses = Vec::new();
-        for _ in 0..STEPS {
-            let logits = model.forward(&CONFIG, int_tensor(&shard.tokens), shard.positions.ids.ids());
-            let loss = lm_loss_sum(logits, int_tensor(&shard.labels), IGNORE_INDEX) / labels;
-            losses.push(all_reduce_sum(loss.clone().into_scalar::<f64>()));
-            let grads = all_reduce_gradients(&model, GradientsParams::from_grads(loss.backward(), &model));
-            model = optimizer.step(0.5, model, grads);
-        }
-        let mut parameters = Flatten(Vec::new());
-        model.visit(&mut parameters);
-        (losses, parameters.0)
+        train_rank(sp, rank.rank(), frozen_embedding)
     });
     let mut results = results.into_iter().map(|r| r.unwrap_or_else(|panic| panic!("{panic}")));
     let first = results.next().unwrap();
@@ -85,6 +68,104 @@ fn train_with(sp: usize, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
         assert_eq!(other.1, first.1, "rank {} holds other parameters than rank 0", rank + 1);
     }
     first
+}
+
+/// Rank `rank` of `sp` (its group entered, if any): each step's loss, and every parameter
+/// after the last step.
+fn train_rank(sp: usize, rank: usize, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
+    let batch = batch();
+    let labels = SequenceSharder::labels_in(&batch) as f64;
+    let device = Device::flex().autodiff();
+    let mut model = init_seeded(&CONFIG, &device, 7);
+    let mut optimizer = SgdConfig::new().init();
+    if frozen_embedding {
+        model = model.map(&mut FreezeEmbedding);
+        optimizer = SgdConfig::new().with_weight_decay(Some(WeightDecayConfig::new(0.1))).init();
+    }
+    let shard = SequenceSharder::new(sp).shard(&batch, rank);
+    let int_tensor = |values: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(values.to_vec(), [shard.batch, shard.local_len]), &device);
+    let mut losses = Vec::new();
+    for _ in 0..STEPS {
+        let logits = model.forward(&CONFIG, int_tensor(&shard.tokens), shard.positions.ids.ids());
+        let loss = lm_loss_sum(logits, int_tensor(&shard.labels), IGNORE_INDEX) / labels;
+        losses.push(all_reduce_sum(loss.clone().into_scalar::<f64>()));
+        let grads = all_reduce_gradients(&model, GradientsParams::from_grads(loss.backward(), &model));
+        model = optimizer.step(0.5, model, grads);
+    }
+    let mut parameters = Flatten(Vec::new());
+    model.visit(&mut parameters);
+    (losses, parameters.0)
+}
+
+/// Set on the processes [`sp_2_as_two_processes_over_tcp_equals_the_threads`] starts.
+const RANK_PROCESS: &str = "ULYSSES_022_TEST_RANK_PROCESS";
+
+/// One rank of [`sp_2_as_two_processes_over_tcp_equals_the_threads`]: prints its losses and
+/// parameters (as f32 bits).
+#[test]
+#[ignore = "a rank process of sp_2_as_two_processes_over_tcp_equals_the_threads, which starts it"]
+fn rank_process() {
+    assert!(std::env::var_os(RANK_PROCESS).is_some(), "started by sp_2_as_two_processes_over_tcp_equals_the_threads, with a launcher's environment");
+    let launch = Launch::from_env().unwrap();
+    let mut results = run_ranks(&launch, 0, &DistributedConfig::new().with_env_overrides().unwrap(), |rank| {
+        assert!(rank.is_process);
+        train_rank(rank.size, rank.rank, false)
+    })
+    .unwrap();
+    let (losses, parameters) = results.remove(0);
+    println!("LOSSES {}", losses.iter().map(|l| format!("{:x}", l.to_bits())).collect::<Vec<_>>().join(" "));
+    println!("PARAMETERS {}", parameters.iter().map(|p| format!("{:x}", p.to_bits())).collect::<Vec<_>>().join(" "));
+}
+
+/// A rank process's output without its (long) parameter line.
+fn without_parameters(text: &str) -> String {
+    text.lines().filter(|l| !l.contains("PARAMETERS ")).collect::<Vec<_>>().join("\n")
+}
+
+#[test]
+fn sp_2_as_two_processes_over_tcp_equals_the_threads() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "rank_process", "--include-ignored", "--nocapture", "--test-threads", "1"])
+                .env(RANK_PROCESS, "1")
+                .envs([("RANK", rank.to_string()), ("WORLD_SIZE", "2".into()), ("LOCAL_RANK", rank.to_string()), ("LOCAL_WORLD_SIZE", "2".into())])
+                .envs([("MASTER_ADDR", "127.0.0.1".to_string()), ("MASTER_PORT", port.clone()), ("ULYSSES_RENDEZVOUS_TOKEN", "test-token".into())])
+                .env("ULYSSES_COLLECTIVE_TIMEOUT", "120")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<String> = ranks
+        .into_iter()
+        .enumerate()
+        .map(|(rank, child)| {
+            let output = child.wait_with_output().unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+            assert!(output.status.success(), "rank process {rank} failed:\n{}", without_parameters(&text));
+            text
+        })
+        .collect();
+    let line = |text: &str, key: &str| -> Vec<u64> {
+        // The harness may print "test rank_process ... " before it on the same line.
+        let line = text.lines().find_map(|l| l.split_once(key).map(|(_, rest)| rest)).unwrap_or_else(|| panic!("no {key}line in:\n{}", without_parameters(text)));
+        line.split_whitespace().map(|v| u64::from_str_radix(v, 16).unwrap()).collect()
+    };
+    let (losses, parameters) = train(2);
+    let want_losses: Vec<u64> = losses.iter().map(|l| l.to_bits()).collect();
+    let want_parameters: Vec<u64> = parameters.iter().map(|p| u64::from(p.to_bits())).collect();
+    for (rank, text) in outputs.iter().enumerate() {
+        assert_eq!(line(text, "LOSSES "), want_losses, "rank process {rank}: losses differ from SP=2 as threads");
+        let got = line(text, "PARAMETERS ");
+        assert_eq!(got.len(), want_parameters.len(), "rank process {rank}");
+        if let Some(i) = got.iter().zip(&want_parameters).position(|(a, b)| a != b) {
+            panic!("rank process {rank}: parameter value {i} is {}, SP=2 as threads {}", f32::from_bits(got[i] as u32), f32::from_bits(want_parameters[i] as u32));
+        }
+    }
+    eprintln!("SP=2 over TCP: {} losses and {} parameter values, bit for bit those of SP=2 as threads", want_losses.len(), want_parameters.len());
 }
 
 #[test]

@@ -28,43 +28,8 @@ use burn_ulysses::{
     context,
 };
 
+pub use crate::env::Launch;
 use crate::{DistError, DistributedConfig, LaunchEnv, tcp::TcpCommunicator};
-
-/// How this process takes part in a job.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Launch {
-    /// No launcher: every rank is a thread of this process.
-    Threads,
-    /// One rank of a job of several processes.
-    Process(LaunchEnv),
-}
-
-/// Variables whose presence means a launcher started this process.
-const LAUNCHER_VARIABLES: [&str; 3] = ["RANK", "WORLD_SIZE", "SLURM_PROCID"];
-
-impl Launch {
-    /// [`Launch::Process`] when a launcher set `RANK`/`WORLD_SIZE` (torchrun,
-    /// `ulysses-launch`) or `SLURM_PROCID` (srun), [`Launch::Threads`] when none is set.
-    /// A launcher environment that is incomplete or wrong is an error that names the variable.
-    pub fn from_env() -> Result<Self, DistError> {
-        Self::from_lookup(|name| std::env::var(name).ok())
-    }
-
-    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
-        if LAUNCHER_VARIABLES.iter().all(|name| lookup(name).is_none()) {
-            return Ok(Launch::Threads);
-        }
-        LaunchEnv::from_lookup(lookup).map(Launch::Process)
-    }
-
-    /// The launched world's size, `None` for threads (the layout decides).
-    pub fn world_size(&self) -> Option<usize> {
-        match self {
-            Launch::Threads => None,
-            Launch::Process(env) => Some(env.world_size),
-        }
-    }
-}
 
 /// How a process joins the other processes of its job: builds this rank's world communicator
 /// over tensors of the wire backend `W`.
@@ -188,27 +153,5 @@ where
             let _context = context::enter(RankScope::Process, rank.groups.rank_context(options.ulysses.clone()));
             Ok(vec![work(&rank)])
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::collections::HashMap;
-
-    use super::*;
-
-    fn launch(pairs: &[(&str, &str)]) -> Result<Launch, DistError> {
-        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        Launch::from_lookup(|name| map.get(name).cloned())
-    }
-
-    #[test]
-    fn no_launcher_means_threads_and_a_broken_one_is_named() {
-        assert_eq!(launch(&[]).unwrap(), Launch::Threads);
-        assert_eq!(launch(&[("RANK", "1"), ("WORLD_SIZE", "2")]).unwrap().world_size(), Some(2));
-        let message = launch(&[("RANK", "1")]).unwrap_err().to_string();
-        assert!(message.contains("WORLD_SIZE is not set"), "{message}");
-        let message = launch(&[("WORLD_SIZE", "2"), ("RANK", "two")]).unwrap_err().to_string();
-        assert!(message.contains("RANK=\"two\""), "{message}");
     }
 }

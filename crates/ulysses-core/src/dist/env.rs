@@ -134,6 +134,42 @@ pub fn first_host(node_list: &str) -> Option<String> {
     (!host.is_empty()).then_some(host)
 }
 
+/// How this process takes part in a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Launch {
+    /// No launcher: every rank is a thread of this process.
+    Threads,
+    /// One rank of a job of several processes.
+    Process(LaunchEnv),
+}
+
+/// Variables whose presence means a launcher started this process.
+const LAUNCHER_VARIABLES: [&str; 3] = ["RANK", "WORLD_SIZE", "SLURM_PROCID"];
+
+impl Launch {
+    /// [`Launch::Process`] when a launcher set `RANK`/`WORLD_SIZE` (torchrun,
+    /// `ulysses-launch`) or `SLURM_PROCID` (srun), [`Launch::Threads`] when none is set.
+    /// A launcher environment that is incomplete or wrong is an error that names the variable.
+    pub fn from_env() -> Result<Self, DistError> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
+        if LAUNCHER_VARIABLES.iter().all(|name| lookup(name).is_none()) {
+            return Ok(Launch::Threads);
+        }
+        LaunchEnv::from_lookup(lookup).map(Launch::Process)
+    }
+
+    /// The launched world's size, `None` for threads (the layout decides).
+    pub fn world_size(&self) -> Option<usize> {
+        match self {
+            Launch::Threads => None,
+            Launch::Process(env) => Some(env.world_size),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,5 +257,19 @@ mod tests {
         assert_eq!(first_host("node7,node8").as_deref(), Some("node7"));
         assert_eq!(first_host("a[1,2],b[3-4]").as_deref(), Some("a1"));
         assert_eq!(first_host("").as_deref(), None);
+    }
+
+    #[test]
+    fn no_launcher_means_threads_and_a_broken_one_is_named() {
+        let launch = |pairs: &[(&str, &str)]| {
+            let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            Launch::from_lookup(|name| map.get(name).cloned())
+        };
+        assert_eq!(launch(&[]).unwrap(), Launch::Threads);
+        assert_eq!(launch(&[("RANK", "1"), ("WORLD_SIZE", "2")]).unwrap().world_size(), Some(2));
+        let message = launch(&[("RANK", "1")]).unwrap_err().to_string();
+        assert!(message.contains("WORLD_SIZE is not set"), "{message}");
+        let message = launch(&[("WORLD_SIZE", "2"), ("RANK", "two")]).unwrap_err().to_string();
+        assert!(message.contains("RANK=\"two\""), "{message}");
     }
 }

@@ -16,7 +16,7 @@ pub mod rendezvous;
 pub mod tcp;
 
 pub use config::DistributedConfig;
-pub use env::LaunchEnv;
+pub use env::{Launch, LaunchEnv};
 pub use rendezvous::Rendezvous;
 
 use std::time::Duration;
