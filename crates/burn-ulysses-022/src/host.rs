@@ -3,29 +3,9 @@
 
 use burn::backend::{Backend, tensor::FloatTensor};
 use burn::tensor::{DType, TensorData};
-use ulysses_core::comm::{Collective, CommError, HostDType, HostTensor};
+use ulysses_core::comm::{Collective, CommError, HostTensor};
 
-/// The host dtype of a burn float dtype, or the error naming the ones a transport carries.
-pub fn host_dtype(dtype: DType, op: Collective) -> Result<HostDType, CommError> {
-    Ok(match dtype {
-        DType::F64 => HostDType::F64,
-        DType::F32 => HostDType::F32,
-        DType::Flex32 => HostDType::Flex32,
-        DType::F16 => HostDType::F16,
-        DType::BF16 => HostDType::BF16,
-        other => return Err(CommError::InvalidArgument { op, reason: format!("tensors of {other:?} cannot be exchanged; use f64, f32, f16 or bf16") }),
-    })
-}
-
-fn burn_dtype(dtype: HostDType) -> DType {
-    match dtype {
-        HostDType::F64 => DType::F64,
-        HostDType::F32 => DType::F32,
-        HostDType::Flex32 => DType::Flex32,
-        HostDType::F16 => DType::F16,
-        HostDType::BF16 => DType::BF16,
-    }
-}
+ulysses_core::host_dtype_conversions!(DType);
 
 /// `data` as a host tensor.
 pub fn from_data(data: TensorData, op: Collective) -> Result<HostTensor, CommError> {

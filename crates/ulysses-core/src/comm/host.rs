@@ -47,6 +47,44 @@ impl HostDType {
     }
 }
 
+/// `host_dtype` and `burn_dtype`: a Burn version's `DType` (burn 0.21's and 0.22's have the
+/// same float variants) to [`HostDType`] and back. Each Burn crate calls it with its `DType`.
+#[macro_export]
+macro_rules! host_dtype_conversions {
+    ($dtype:ty) => {
+        /// The host dtype of a burn float dtype, or the error naming the ones a transport
+        /// carries.
+        pub fn host_dtype(dtype: $dtype, op: $crate::comm::Collective) -> Result<$crate::comm::HostDType, $crate::comm::CommError> {
+            type D = $dtype;
+            Ok(match dtype {
+                D::F64 => $crate::comm::HostDType::F64,
+                D::F32 => $crate::comm::HostDType::F32,
+                D::Flex32 => $crate::comm::HostDType::Flex32,
+                D::F16 => $crate::comm::HostDType::F16,
+                D::BF16 => $crate::comm::HostDType::BF16,
+                other => {
+                    return Err($crate::comm::CommError::InvalidArgument {
+                        op,
+                        reason: format!("tensors of {other:?} cannot be exchanged; use f64, f32, f16 or bf16"),
+                    });
+                }
+            })
+        }
+
+        /// The burn dtype of a host dtype.
+        pub fn burn_dtype(dtype: $crate::comm::HostDType) -> $dtype {
+            type D = $dtype;
+            match dtype {
+                $crate::comm::HostDType::F64 => D::F64,
+                $crate::comm::HostDType::F32 => D::F32,
+                $crate::comm::HostDType::Flex32 => D::Flex32,
+                $crate::comm::HostDType::F16 => D::F16,
+                $crate::comm::HostDType::BF16 => D::BF16,
+            }
+        }
+    };
+}
+
 /// A tensor in host memory: `bytes` holds `shape`'s elements of `dtype`, little-endian, in
 /// row-major order.
 #[derive(Debug, Clone, PartialEq)]
