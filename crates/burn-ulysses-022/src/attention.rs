@@ -66,9 +66,6 @@ fn sequence_parallel(
     let per_rank = group.all_gather_host(&layout.encode())?;
     AttentionLayout::check_agreement(&per_rank)?;
     layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref())?;
-    if options.softcap.is_some() {
-        return Err(UlyssesError::Shape("burn-ulysses-022's blocked attention has no softcap yet".into()));
-    }
     let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, group.size())?;
     let size = group.size();
     let q_heads = HeadExchange { heads: layout.q_heads, per_rank: (0..size).map(|rank| plan.q_heads_of(rank).collect()).collect() };
@@ -78,7 +75,11 @@ fn sequence_parallel(
     let (query, key, value) = (to_heads(query, &q_heads), to_heads(key, &kv_heads), to_heads(value, &kv_heads));
     // Local q head i uses local kv entry i / (local q heads / local kv heads).
     let repeats = query.dims()[1] / key.dims()[1];
-    let output = blocked::attention(query, repeat_kv_heads(key, repeats), repeat_kv_heads(value, repeats), key_padding, options.is_causal, options.scale);
+    if let Some(softcap) = options.softcap.filter(|c| !(*c > 0.0 && c.is_finite())) {
+        return Err(UlyssesError::Shape(format!("the softcap must be positive and finite, got {softcap}")));
+    }
+    let settings = blocked::BlockedOptions { is_causal: options.is_causal, scale: options.scale, softcap: options.softcap };
+    let output = blocked::attention(query, repeat_kv_heads(key, repeats), repeat_kv_heads(value, repeats), key_padding, settings);
     Ok(exchange(output, q_heads, Direction::ToSequence))
 }
 

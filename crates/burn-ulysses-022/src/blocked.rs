@@ -5,9 +5,11 @@
 //! Forward, for each block of `block` queries: the block's scores against the keys it can see
 //! (under `is_causal`, the keys up to its last query; a key-padding mask hides more), an exact
 //! softmax over them, the output rows, and each row's log-sum-exp. A row that sees no key
-//! gives zeros, as burn's attention does. The backward (FlashAttention's, by blocks of queries)
-//! recomputes the probabilities from the log-sum-exp: `dV += Pᵀ dO`, `dS = P ∘ (dO Vᵀ − δ)`
-//! with `δ = rowsum(dO ∘ O)`, `dQ = dS K · scale`, `dK += dSᵀ Q · scale`. At most one block's
+//! gives zeros, as burn's attention does. A softcap `c` turns the scaled scores `x` into
+//! `c · tanh(x / c)` before any key is hidden, as burn's attention does. The backward
+//! (FlashAttention's, by blocks of queries) recomputes the probabilities from the log-sum-exp:
+//! `dV += Pᵀ dO`, `dS = P ∘ (dO Vᵀ − δ)` with `δ = rowsum(dO ∘ O)` (times `1 − tanh²(x / c)`
+//! under a softcap), `dQ = dS K · scale`, `dK += dSᵀ Q · scale`. At most one block's
 //! scores (`batch × heads × block × S`) exist at a time, in the forward and in the backward.
 //!
 //! It is a backend-extension op written with the backend's own float ops, so every backend
@@ -35,6 +37,8 @@ pub struct BlockedSettings {
     pub causal: bool,
     /// Multiplies `q·k`.
     pub scale: f64,
+    /// `softcap · tanh(scores / softcap)` on the scaled scores (positive).
+    pub softcap: Option<f64>,
     /// Queries per block (at least 1).
     pub block: usize,
 }
@@ -53,27 +57,31 @@ pub trait BlockedAttentionOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
+/// How [`attention`] attends, as burn's `AttentionModuleOptions` say it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct BlockedOptions {
+    pub is_causal: bool,
+    /// `None`: `1/sqrt(d)`.
+    pub scale: Option<f64>,
+    /// `softcap · tanh(scores / softcap)` before keys are hidden; must be positive.
+    pub softcap: Option<f64>,
+}
+
 /// Attention of q `[b, h, s, d]` over k and v with as many heads, in blocks of
 /// [`DEFAULT_BLOCK`] queries. `key_padding` `[b, 1 | h, 1, t]`: `true` hides that key from
-/// every query (burn's mask convention); `scale` `None` is `1/sqrt(d)`.
-pub fn attention(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, key_padding: Option<Tensor<4, Bool>>, is_causal: bool, scale: Option<f64>) -> Tensor<4> {
-    attention_in_blocks(query, key, value, key_padding, is_causal, scale, DEFAULT_BLOCK)
+/// every query (burn's mask convention).
+pub fn attention(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, key_padding: Option<Tensor<4, Bool>>, options: BlockedOptions) -> Tensor<4> {
+    attention_in_blocks(query, key, value, key_padding, options, DEFAULT_BLOCK)
 }
 
 /// [`attention`] with `block` queries per block.
 ///
 /// # Panics
 ///
-/// When the shapes do not fit together (a message naming them), or `block` is 0.
-pub fn attention_in_blocks(
-    query: Tensor<4>,
-    key: Tensor<4>,
-    value: Tensor<4>,
-    key_padding: Option<Tensor<4, Bool>>,
-    is_causal: bool,
-    scale: Option<f64>,
-    block: usize,
-) -> Tensor<4> {
+/// When the shapes do not fit together (a message naming them), `block` is 0, or the softcap
+/// is not positive.
+pub fn attention_in_blocks(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, key_padding: Option<Tensor<4, Bool>>, options: BlockedOptions, block: usize) -> Tensor<4> {
+    let BlockedOptions { is_causal, scale, softcap } = options;
     let ([b, h, s, d], k, v) = (query.dims(), key.dims(), value.dims());
     assert!(
         k[0] == b && v[0] == b && k[1] == h && v[1] == h && k[2] == v[2] && k[3] == d,
@@ -82,6 +90,9 @@ pub fn attention_in_blocks(
     );
     assert!(!is_causal || k[2] == s, "causal blocked attention needs as many keys as queries; got {s} queries and {} keys", k[2]);
     assert!(block > 0, "blocked attention needs at least one query per block");
+    if let Some(softcap) = softcap {
+        assert!(softcap > 0.0 && softcap.is_finite(), "the softcap must be positive and finite, got {softcap}");
+    }
     let keys = k[2];
     let key_bias = match key_padding {
         Some(mask) => {
@@ -95,7 +106,7 @@ pub fn attention_in_blocks(
         None => Tensor::<4>::zeros([b, 1, 1, keys], &query.device()),
     }
     .cast(query.dtype());
-    let settings = BlockedSettings { causal: is_causal, scale: scale.unwrap_or(1.0 / (d as f64).sqrt()), block };
+    let settings = BlockedSettings { causal: is_causal, scale: scale.unwrap_or(1.0 / (d as f64).sqrt()), softcap, block };
     let [query, key, value, key_bias] = [query, key, value, key_bias.detach()].map(Tensor::into_dispatch);
     Tensor::from_dispatch(<Dispatch as BlockedAttentionOps>::blocked_attention(query, key, value, key_bias, settings))
 }
@@ -154,16 +165,25 @@ fn transpose<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     B::float_swap_dims(tensor, 2, 3)
 }
 
-/// Queries `first..first + count` against keys `0..keys`: the block's scaled scores plus the
-/// keys' bias, `-inf` where causality or the key-padding mask hides a key.
-fn scores<B: Backend>(query_block: &FloatTensor<B>, visible_keys: &FloatTensor<B>, key_bias: &FloatTensor<B>, first: usize, settings: BlockedSettings) -> FloatTensor<B> {
+/// Queries `first..first + count` against keys `0..keys`: the block's scaled (and capped)
+/// scores plus the keys' bias, `-inf` where causality or the key-padding mask hides a key;
+/// under a softcap also `tanh(x / softcap)` of the scaled scores `x`, for the backward.
+fn scores<B: Backend>(query_block: &FloatTensor<B>, visible_keys: &FloatTensor<B>, key_bias: &FloatTensor<B>, first: usize, settings: BlockedSettings) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
     let scores = B::float_mul_scalar(B::float_matmul(query_block.clone(), transpose::<B>(visible_keys.clone())), settings.scale.into());
+    // Capped before any key is hidden: tanh would turn -inf into a finite score.
+    let (scores, tanh) = match settings.softcap {
+        None => (scores, None),
+        Some(softcap) => {
+            let tanh = B::float_tanh(B::float_div_scalar(scores, softcap.into()));
+            (B::float_mul_scalar(tanh.clone(), softcap.into()), Some(tanh))
+        }
+    };
     let keys = visible_keys.shape()[2];
     let bias = key_bias.shape();
     let bias = B::float_slice(key_bias.clone(), &[Slice::from(0..bias[0]), Slice::from(0..bias[1]), Slice::from(0..1), Slice::from(0..keys)]);
     let scores = B::float_add(scores, bias);
     if !settings.causal {
-        return scores;
+        return (scores, tanh);
     }
     let count = query_block.shape()[2];
     let hidden: Vec<f32> = (0..count).flat_map(|row| (0..keys).map(move |key| if key > first + row { f32::NEG_INFINITY } else { 0.0 })).collect();
@@ -172,7 +192,7 @@ fn scores<B: Backend>(query_block: &FloatTensor<B>, visible_keys: &FloatTensor<B
         FloatDType::F32 => mask,
         dtype => B::float_cast(mask, dtype),
     };
-    B::float_add(scores, mask)
+    (B::float_add(scores, mask), tanh)
 }
 
 /// The keys (or values) a block ending at query `end` can see.
@@ -188,7 +208,7 @@ fn blocks(queries: usize, block: usize) -> impl Iterator<Item = std::ops::Range<
 fn forward<B: Backend>(query: &FloatTensor<B>, key: &FloatTensor<B>, value: &FloatTensor<B>, key_bias: &FloatTensor<B>, settings: BlockedSettings) -> (FloatTensor<B>, FloatTensor<B>) {
     let (mut outputs, mut lses) = (Vec::new(), Vec::new());
     for block in blocks(query.shape()[2], settings.block) {
-        let scores = scores::<B>(&rows::<B>(query, block.clone()), &visible::<B>(key, block.end, settings), key_bias, block.start, settings);
+        let (scores, _) = scores::<B>(&rows::<B>(query, block.clone()), &visible::<B>(key, block.end, settings), key_bias, block.start, settings);
         // A row that sees no key (all -inf): the max clamped to the dtype's lowest finite value
         // and the sum to its smallest positive one give it zeros, as burn's attention.
         let limits = scores.dtype().finfo().expect("attention scores are floats");
@@ -222,11 +242,17 @@ fn backward<B: Backend>(
     for block in blocks(query.shape()[2], settings.block) {
         let (query_block, grad_block) = (rows::<B>(query, block.clone()), rows::<B>(&grad, block.clone()));
         let (keys, values) = (visible::<B>(key, block.end, settings), visible::<B>(value, block.end, settings));
-        let scores = scores::<B>(&query_block, &keys, key_bias, block.start, settings);
+        let (scores, tanh) = scores::<B>(&query_block, &keys, key_bias, block.start, settings);
         let probabilities = B::float_exp(B::float_sub(scores, rows::<B>(lse, block.clone())));
         let dv_block = B::float_matmul(transpose::<B>(probabilities.clone()), grad_block.clone());
         let dp = B::float_matmul(grad_block, transpose::<B>(values));
-        let ds = B::float_mul_scalar(B::float_mul(probabilities, B::float_sub(dp, rows::<B>(&delta, block.clone()))), settings.scale.into());
+        let ds = B::float_mul(probabilities, B::float_sub(dp, rows::<B>(&delta, block.clone())));
+        // Through the cap: d(c · tanh(x / c))/dx = 1 − tanh².
+        let ds = match tanh {
+            None => ds,
+            Some(tanh) => B::float_mul(ds, B::float_neg(B::float_sub_scalar(B::float_mul(tanh.clone(), tanh), 1.0f64.into()))),
+        };
+        let ds = B::float_mul_scalar(ds, settings.scale.into());
         dq.push(B::float_matmul(ds.clone(), keys));
         let dk_block = B::float_matmul(transpose::<B>(ds), query_block);
         let seen = dk_block.shape()[2];

@@ -53,7 +53,7 @@ fn forward_backward(seq: usize, blocked: bool) -> usize {
     let (q, k, v) = (tensor(), tensor(), tensor());
     peak_bytes(|| {
         let output = if blocked {
-            blocked::attention(q.clone(), k.clone(), v.clone(), None, true, None)
+            blocked::attention(q.clone(), k.clone(), v.clone(), None, blocked::BlockedOptions { is_causal: true, ..Default::default() })
         } else {
             module::attention(q.clone(), k.clone(), v.clone(), None, None, AttentionModuleOptions { is_causal: true, ..Default::default() })
         };

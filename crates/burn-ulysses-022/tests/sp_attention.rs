@@ -6,7 +6,7 @@
 use burn::tensor::{Device, Tensor, TensorData, ops::AttentionModuleOptions};
 use burn_ulysses_022::{
     attention,
-    blocked::attention_in_blocks,
+    blocked::{BlockedOptions, attention_in_blocks},
     comm::ThreadGroup,
     context,
     error::UlyssesError,
@@ -46,11 +46,12 @@ fn unshard(shards: &[Vec<f32>], [b, h, s, d]: [usize; 4]) -> Vec<f32> {
 /// Naive f64 attention of q `[b, hq, s, d]`, k/v `[b, hkv, s, d]` (q head i uses kv head
 /// i / (hq / hkv)) and its gradients for the loss `sum(output * w)`: (output, dq, dk, dv).
 fn reference(q: &[f32], k: &[f32], v: &[f32], w: &[f32], [b, hq, s, d]: [usize; 4], hkv: usize, causal: bool) -> [Vec<f64>; 4] {
-    reference_masked(q, k, v, w, [b, hq, s, d], hkv, causal, &|_, _, _| false)
+    reference_masked(q, k, v, w, [b, hq, s, d], hkv, causal, &|_, _, _| false, None)
 }
 
-/// [`reference`] with keys hidden by `hidden(batch, q head, key)`; a row that sees no key
-/// gives zeros (burn's convention).
+/// [`reference`] with keys hidden by `hidden(batch, q head, key)` (a row that sees no key
+/// gives zeros, burn's convention) and the scaled scores `x` capped to `c · tanh(x / c)` by a
+/// softcap `c`.
 #[allow(clippy::too_many_arguments)]
 fn reference_masked(
     q: &[f32],
@@ -61,6 +62,7 @@ fn reference_masked(
     hkv: usize,
     causal: bool,
     hidden: &dyn Fn(usize, usize, usize) -> bool,
+    softcap: Option<f64>,
 ) -> [Vec<f64>; 4] {
     let at = |t: &[f32], heads: usize, bi: usize, h: usize, i: usize, x: usize| t[((bi * heads + h) * s + i) * d + x] as f64;
     let scale = 1.0 / (d as f64).sqrt();
@@ -74,7 +76,12 @@ fn reference_masked(
                 if visible.is_empty() {
                     continue;
                 }
-                let scores: Vec<f64> = visible.iter().map(|&j| (0..d).map(|x| at(q, hq, bi, h, i, x) * at(k, hkv, bi, kv, j, x)).sum::<f64>() * scale).collect();
+                let raw: Vec<f64> = visible.iter().map(|&j| (0..d).map(|x| at(q, hq, bi, h, i, x) * at(k, hkv, bi, kv, j, x)).sum::<f64>() * scale).collect();
+                // d(score)/d(raw): 1, or 1 - tanh² under the cap.
+                let (scores, slope): (Vec<f64>, Vec<f64>) = match softcap {
+                    None => (raw.clone(), vec![1.0; raw.len()]),
+                    Some(c) => raw.iter().map(|&x| ((x / c).tanh() * c, 1.0 - (x / c).tanh().powi(2))).unzip(),
+                };
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let exps: Vec<f64> = scores.iter().map(|&x| (x - max).exp()).collect();
                 let total: f64 = exps.iter().sum();
@@ -88,7 +95,7 @@ fn reference_masked(
                 let dp: Vec<f64> = visible.iter().map(|&j| (0..d).map(|x| at(w, hq, bi, h, i, x) * at(v, hkv, bi, kv, j, x)).sum()).collect();
                 let mean: f64 = (0..visible.len()).map(|n| p[n] * dp[n]).sum();
                 for (n, &j) in visible.iter().enumerate() {
-                    let ds = p[n] * (dp[n] - mean) * scale;
+                    let ds = p[n] * (dp[n] - mean) * slope[n] * scale;
                     let kv_row = ((bi * hkv + kv) * s + j) * d;
                     for x in 0..d {
                         dq[row + x] += ds * at(k, hkv, bi, kv, j, x);
@@ -121,7 +128,7 @@ fn values(tensor: Tensor<4>) -> Vec<f32> {
 /// Every rank holds `s / sp` tokens of q, k, v and the loss weights w; returns the
 /// gathered output, dq, dk and dv.
 fn sequence_parallel(sp: usize, shape: [usize; 4], kv_heads: usize, causal: bool) -> [Vec<f32>; 4] {
-    sequence_parallel_masked(sp, shape, kv_heads, causal, None)
+    sequence_parallel_masked(sp, shape, kv_heads, causal, None, None)
 }
 
 /// Key-padding mask `[batch, mask_heads, 1, seq]`, true hiding the key: batch 0 hides key 5
@@ -133,7 +140,7 @@ fn hidden_key(mask_heads: usize, seq: usize) -> impl Fn(usize, usize, usize) -> 
 
 /// [`sequence_parallel`] with that key-padding mask (`mask_heads` 1 or q heads), each rank
 /// passing its keys' part.
-fn sequence_parallel_masked(sp: usize, shape: [usize; 4], kv_heads: usize, causal: bool, mask_heads: Option<usize>) -> [Vec<f32>; 4] {
+fn sequence_parallel_masked(sp: usize, shape: [usize; 4], kv_heads: usize, causal: bool, mask_heads: Option<usize>, softcap: Option<f64>) -> [Vec<f32>; 4] {
     let [b, hq, s, d] = shape;
     let kv_shape = [b, kv_heads, s, d];
     let (q, k, v, w) = (uniform(b * hq * s * d, 1), uniform(b * kv_heads * s * d, 2), uniform(b * kv_heads * s * d, 3), uniform(b * hq * s * d, 4));
@@ -146,7 +153,7 @@ fn sequence_parallel_masked(sp: usize, shape: [usize; 4], kv_heads: usize, causa
             Tensor::<4>::from_data(TensorData::new(tokens(values, [b, h, s, d], range.clone()), [b, h, local, d]), &device)
         };
         let (q, k, v) = (shard(&q, shape).require_grad(), shard(&k, kv_shape).require_grad(), shard(&v, kv_shape).require_grad());
-        let options = AttentionModuleOptions { is_causal: causal, ..Default::default() };
+        let options = AttentionModuleOptions { is_causal: causal, softcap, ..Default::default() };
         let mask = mask_heads.map(|heads| {
             let hidden = hidden_key(heads, s);
             let mut values = Vec::new();
@@ -165,10 +172,10 @@ fn sequence_parallel_masked(sp: usize, shape: [usize; 4], kv_heads: usize, causa
     let gather = |i: usize, shape| unshard(&shards.iter().map(|s| s[i].clone()).collect::<Vec<_>>(), shape);
     let hidden = hidden_key(mask_heads.unwrap_or(1), s);
     let reference = match mask_heads {
-        None => reference(&q, &k, &v, &w, shape, kv_heads, causal),
-        Some(heads) => reference_masked(&q, &k, &v, &w, shape, kv_heads, causal, &|bi, h, j| hidden(bi, if heads == 1 { 0 } else { h }, j)),
+        None => reference_masked(&q, &k, &v, &w, shape, kv_heads, causal, &|_, _, _| false, softcap),
+        Some(heads) => reference_masked(&q, &k, &v, &w, shape, kv_heads, causal, &|bi, h, j| hidden(bi, if heads == 1 { 0 } else { h }, j), softcap),
     };
-    let case = format!("SP={sp}, {hq} q heads, {kv_heads} kv heads, causal {causal}, mask heads {mask_heads:?}");
+    let case = format!("SP={sp}, {hq} q heads, {kv_heads} kv heads, causal {causal}, mask heads {mask_heads:?}, softcap {softcap:?}");
     let got = [gather(0, shape), gather(1, shape), gather(2, kv_shape), gather(3, kv_shape)];
     for ((name, got), want) in ["output", "dq", "dk", "dv"].iter().zip(&got).zip(&reference) {
         assert_close(&format!("{case}: {name}"), got, want);
@@ -222,9 +229,9 @@ fn key_padding_masks_are_gathered_along_the_keys() {
     // One mask for every head and one per head, at SP=2 and 4 (GQA), causal and not: as
     // burn-ulysses gathers them. The rank holding the last keys of batch 1 has them all hidden.
     for causal in [true, false] {
-        sequence_parallel_masked(2, [2, 4, 12, 8], 4, causal, Some(1));
-        sequence_parallel_masked(2, [2, 4, 12, 8], 2, causal, Some(4));
-        sequence_parallel_masked(4, [2, 4, 12, 8], 2, causal, Some(4));
+        sequence_parallel_masked(2, [2, 4, 12, 8], 4, causal, Some(1), None);
+        sequence_parallel_masked(2, [2, 4, 12, 8], 2, causal, Some(4), None);
+        sequence_parallel_masked(4, [2, 4, 12, 8], 2, causal, Some(4), None);
     }
 }
 
@@ -321,6 +328,15 @@ fn outside_a_group_it_is_burns_attention() {
 }
 
 #[test]
+fn a_softcap_is_applied_before_masking_and_through_the_backward() {
+    // Scaled scores reach about ±1: a cap of 0.5 bends most of them.
+    for causal in [true, false] {
+        sequence_parallel_masked(2, [2, 4, 12, 8], 2, causal, None, Some(0.5));
+        sequence_parallel_masked(3, [1, 3, 12, 8], 3, causal, Some(3), Some(0.5));
+    }
+}
+
+#[test]
 fn blocked_attention_equals_the_f64_reference_across_block_edges() {
     // Blocks of 5 queries over 13 tokens: a ragged last block, and causal blocks that see
     // different numbers of keys.
@@ -332,7 +348,8 @@ fn blocked_attention_equals_the_f64_reference_across_block_edges() {
         for block in [1, 5, 13, 64] {
             let tensor = |values: &[f32]| Tensor::<4>::from_data(TensorData::new(values.to_vec(), shape), &device).require_grad();
             let (tq, tk, tv) = (tensor(&q), tensor(&k), tensor(&v));
-            let output = attention_in_blocks(tq.clone(), tk.clone(), tv.clone(), None, causal, None, block);
+            let options = BlockedOptions { is_causal: causal, ..Default::default() };
+            let output = attention_in_blocks(tq.clone(), tk.clone(), tv.clone(), None, options, block);
             let grads = (output.clone() * tensor(&w)).sum().backward();
             let got = [values(output), values(tq.grad(&grads).unwrap()), values(tk.grad(&grads).unwrap()), values(tv.grad(&grads).unwrap())];
             let want = reference(&q, &k, &v, &w, shape, 3, causal);
