@@ -49,7 +49,7 @@ fn main() {
             model = optimizer.step(3e-3, model, grads);
             if rank.rank == 0 && (step == 1 || step % 10 == 0) {
                 let ranks = if rank.is_process { "processes" } else { "threads" };
-            println!("step {step:>3}: loss {whole:.4} ({sp} ranks as {ranks}, {} of 256 tokens each)", shard.local_len);
+                println!("step {step:>3}: loss {whole:.4} ({sp} ranks as {ranks}, {} of 256 tokens each)", shard.local_len);
             }
         }
     });

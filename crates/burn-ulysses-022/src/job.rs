@@ -47,6 +47,9 @@ pub fn run_ranks<R: Send>(launch: &Launch, threads: usize, dist: &DistributedCon
     };
     match launch {
         Launch::Threads => {
+            if threads == 0 {
+                return Err(DistError::Job("a job of rank threads needs at least one rank; ask for 1 or more".into()));
+            }
             let config = ThreadGroupConfig::new(threads).with_timeout_secs(dist.collective_timeout_secs);
             ThreadGroup::from_config(&config)
                 .run(|thread| run(thread.communicator(), false))

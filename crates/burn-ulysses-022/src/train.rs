@@ -121,13 +121,17 @@ impl ModuleVisitor for TakeGradients<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let op = Collective::AllReduce;
         let value = param.val();
-        let grad = self.grads.remove::<D>(param.id).map(|grad| host::from_data(grad.into_data(), op).unwrap_or_else(|error| panic!("parameter {}: {error}", param.id)));
-        let dtype = match &grad {
-            Some(grad) => grad.dtype,
-            None => host::host_dtype(value.dtype(), op).unwrap_or_else(|error| panic!("parameter {}: {error}", param.id)),
-        };
+        // The parameter's dtype, on every rank alike (a gradient's could differ from rank to
+        // rank, and with it the buckets): a gradient of another dtype is cast to it.
+        let dtype = value.dtype();
+        let grad = self.grads.remove::<D>(param.id).map(|grad| {
+            let grad = if grad.dtype() == dtype { grad } else { grad.cast(dtype) };
+            host::from_data(grad.into_data(), op).unwrap_or_else(|error| panic!("parameter {}: {error}", param.id))
+        });
+        let dtype = host::host_dtype(dtype, op).unwrap_or_else(|error| panic!("parameter {}: {error}", param.id));
         let shape = value.dims().to_vec();
-        self.local.push(LocalGradient { grad, elements: shape.iter().product(), shape, dtype, device: value.device() });
+        // Gradients live outside the autodiff graph, as the optimizer expects them.
+        self.local.push(LocalGradient { grad, elements: shape.iter().product(), shape, dtype, device: value.device().without_autodiff() });
     }
 }
 

@@ -105,7 +105,10 @@ const RANK_PROCESS: &str = "ULYSSES_022_TEST_RANK_PROCESS";
 #[test]
 #[ignore = "a rank process of sp_2_as_two_processes_over_tcp_equals_the_threads, which starts it"]
 fn rank_process() {
-    assert!(std::env::var_os(RANK_PROCESS).is_some(), "started by sp_2_as_two_processes_over_tcp_equals_the_threads, with a launcher's environment");
+    if std::env::var_os(RANK_PROCESS).is_none() {
+        eprintln!("rank_process runs only as a process started by sp_2_as_two_processes_over_tcp_equals_the_threads; nothing to do here");
+        return;
+    }
     let launch = Launch::from_env().unwrap();
     let mut results = run_ranks(&launch, 0, &DistributedConfig::new().with_env_overrides().unwrap(), |rank| {
         assert!(rank.is_process);

@@ -199,4 +199,16 @@ mod tests {
             assert!(message.contains("all_gather") && message.contains("same shape") && message.contains("[3]"), "{message}");
         }
     }
+
+    #[test]
+    fn a_send_that_is_not_to_the_receiver_is_refused_naming_both() {
+        // Rank 0 receives from rank 1, which sends to rank 2.
+        let pairs = [(1, 1), (2, 0), (0, 1)];
+        let results = ThreadGroup::new(3).run(|rank| {
+            let (to, from) = pairs[rank.rank()];
+            HostCommunicator::send_recv(&*rank.communicator(), HostTensor::from_f64(&[rank.rank() as f64]), to, from).map_err(|e| e.to_string())
+        });
+        let message = results[0].as_ref().unwrap().as_ref().unwrap_err();
+        assert!(message.contains("rank 0 receives from rank 1, which sends to rank 2"), "{message}");
+    }
 }

@@ -466,10 +466,17 @@ impl super::HostCommunicator for ThreadCommunicator {
         let op = Collective::SendRecv;
         super::check_send_recv(self.rank, self.members.len(), to, from)?;
         self.traffic.record_send_recv(tensor.bytes.len() as u64, to != self.rank);
-        let (dtype, shape) = (tensor.dtype, tensor.shape.clone());
-        let (_, received) = self.round(op, Box::new(Some(tensor)), |deposits| {
-            deposits[from].as_mut().and_then(|d| d.downcast_mut::<Option<HostTensor>>()).and_then(Option::take)
+        let (dtype, shape, rank) = (tensor.dtype, tensor.shape.clone(), self.rank);
+        let (_, received) = self.round(op, Box::new((to, Some(tensor))), |deposits| {
+            deposits[from].as_mut().and_then(|d| d.downcast_mut::<(usize, Option<HostTensor>)>()).map(|(their_to, tensor)| (*their_to, tensor.take()))
         })?;
+        let (their_to, received) = received.ok_or_else(|| mixed_kinds(op))?;
+        if their_to != rank {
+            return Err(CommError::InvalidArgument {
+                op,
+                reason: format!("rank {rank} receives from rank {from}, which sends to rank {their_to}; the sends must form a permutation"),
+            });
+        }
         let received = received.ok_or_else(|| mixed_kinds(op))?;
         if received.dtype != dtype || received.shape != shape {
             return Err(super::host::mismatched(op, from, format!("{:?} of shape {:?} (this rank: {dtype:?} of {shape:?})", received.dtype, received.shape)));
