@@ -1,10 +1,12 @@
 //! Trains the small Llama of `model/` (written plainly for burn 0.22.1, attention imported from
-//! burn_ulysses_022) on a repeating byte pattern with sequence parallelism, each rank holding
-//! 1/SP of every sequence: SP rank threads of this process,
+//! burn_ulysses_022) on 4 sequences of a repeating byte pattern with sequence parallelism, each
+//! rank holding 1/SP of its replica's sequences (DP replicas share out the 4): SP × DP rank
+//! threads of this process,
 //!
-//!     cargo run --release -p burn-ulysses-022 --example tiny_llama [-- SP STEPS]
+//!     cargo run --release -p burn-ulysses-022 --example tiny_llama [-- SP STEPS DP]
 //!
-//! or one process per rank under a launcher (ranks meet over TCP; SP is the world size):
+//! or one process per rank under a launcher (ranks meet over TCP; SP is the world size unless
+//! ULYSSES_SP_SIZE says otherwise, and DP what is left):
 //!
 //!     target/release/ulysses-launch --nproc-per-node 4 -- target/release/examples/tiny_llama
 
@@ -23,23 +25,26 @@ use ulysses_core::dist::DistributedConfig;
 use model::{TinyLlamaConfig, init_seeded};
 
 fn main() {
-    let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>().expect("SP and STEPS are numbers"));
+    let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>().expect("SP, STEPS and DP are numbers"));
     let launch = Launch::from_env().unwrap_or_else(|error| panic!("{error}"));
-    let sp = launch.world_size().unwrap_or(args.next().unwrap_or(4));
-    let steps = args.next().unwrap_or(40);
+    let (sp, steps, dp) = (args.next().unwrap_or(4), args.next().unwrap_or(40), args.next().unwrap_or(1));
+    let sp = launch.world_size().unwrap_or(sp);
     let config = TinyLlamaConfig { vocab: 256, hidden: 64, heads: 8, kv_heads: 4, layers: 2, intermediate: 128, rope_theta: 10_000.0 };
     // Sequences of 256 bytes of a repeated sentence, each starting elsewhere in it.
     let text = b"Ulysses trades a sequence shard for a head shard around attention. ";
     let batch: Vec<Vec<i64>> = (0..4).map(|b| (0..256).map(|i| text[(i + 17 * b) % text.len()] as i64).collect()).collect();
     let labels = SequenceSharder::labels_in(&batch) as f64;
 
-    let dist = DistributedConfig::new().with_env_overrides().unwrap_or_else(|error| panic!("{error}"));
-    let results = run_ranks(&launch, sp, &dist, |rank| {
+    let dist = DistributedConfig::new().with_sp_size(sp).with_env_overrides().unwrap_or_else(|error| panic!("{error}"));
+    let results = run_ranks(&launch, sp * dp, &dist, |rank| {
+        assert_eq!(batch.len() % rank.dp_size, 0, "{} replicas cannot share out {} sequences", rank.dp_size, batch.len());
+        let per_replica = batch.len() / rank.dp_size;
+        let replica = &batch[rank.dp_rank * per_replica..(rank.dp_rank + 1) * per_replica];
         let device = Device::flex().autodiff();
         // Same weights on every rank, each thread building its own model.
         let mut model = init_seeded(&config, &device, 42);
         let mut optimizer = AdamConfig::new().init();
-        let shard = SequenceSharder::new(sp).shard(&batch, rank.rank);
+        let shard = SequenceSharder::new(rank.sp_size).shard(replica, rank.sp_rank);
         let int_tensor = |values: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(values.to_vec(), [shard.batch, shard.local_len]), &device);
         for step in 1..=steps {
             let logits = model.forward(&config, int_tensor(&shard.tokens), shard.positions.ids.ids());
@@ -49,7 +54,7 @@ fn main() {
             model = optimizer.step(3e-3, model, grads);
             if rank.rank == 0 && (step == 1 || step % 10 == 0) {
                 let ranks = if rank.is_process { "processes" } else { "threads" };
-                println!("step {step:>3}: loss {whole:.4} ({sp} ranks as {ranks}, {} of 256 tokens each)", shard.local_len);
+                println!("step {step:>3}: loss {whole:.4} (SP {} × DP {} ranks as {ranks}, {} of 256 tokens each)", rank.sp_size, rank.dp_size, shard.local_len);
             }
         }
     });

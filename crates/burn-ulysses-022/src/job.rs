@@ -1,16 +1,20 @@
-//! Starting the ranks of a burn 0.22 sequence-parallel job: one process per rank under a
-//! launcher (`ulysses-launch`, torchrun, srun; the ranks meet over TCP), or, with no launcher,
-//! every rank as a thread of this process. Either way each rank runs `work` with its group
-//! entered ([`context::enter`]), so [`attention`](crate::attention()) and [`train`](crate::train)
-//! find it.
+//! Starting the ranks of a burn 0.22 job: one process per rank under a launcher
+//! (`ulysses-launch`, torchrun, srun; the ranks meet over TCP), or, with no launcher, every
+//! rank as a thread of this process. `world = sp × dp`: consecutive ranks form a
+//! sequence-parallel group (as in burn-ulysses), and each group of `sp` ranks trains on its
+//! own part of the batch. Each rank runs `work` with its groups entered
+//! ([`context::enter_groups`]), so [`attention`](crate::attention()) and [`train`](crate::train)
+//! find them.
 //!
 //! ```no_run
 //! use burn_ulysses_022::job::{Launch, run_ranks};
 //! use ulysses_core::dist::DistributedConfig;
 //!
 //! let launch = Launch::from_env().unwrap();
-//! let losses = run_ranks(&launch, 4, &DistributedConfig::new().with_env_overrides().unwrap(), |rank| {
-//!     // build the model, train on this rank's shard (rank.rank of rank.size)
+//! // SP groups of 2 (ULYSSES_SP_SIZE overrides); 4 threads without a launcher: SP 2 × DP 2.
+//! let dist = DistributedConfig::new().with_sp_size(2).with_env_overrides().unwrap();
+//! let losses = run_ranks(&launch, 4, &dist, |rank| {
+//!     // build the model, train on shard rank.sp_rank of replica rank.dp_rank's sequences
 //!     rank.rank
 //! });
 //! ```
@@ -24,42 +28,56 @@ use ulysses_core::{
 
 pub use ulysses_core::dist::Launch;
 
-use crate::context;
+use crate::context::{self, Groups};
 
 /// One rank of a running job, handed to the work of [`run_ranks`].
 pub struct Rank {
-    /// This rank's index in the sequence-parallel group.
+    /// This rank's index in the job, `0..size`.
     pub rank: usize,
     pub size: usize,
+    /// Its index in its sequence-parallel group, and the group's size.
+    pub sp_rank: usize,
+    pub sp_size: usize,
+    /// Which data-parallel replica (sequence-parallel group) it belongs to, of how many.
+    pub dp_rank: usize,
+    pub dp_size: usize,
     /// Whether the ranks are processes (one each) rather than threads of this process.
     pub is_process: bool,
-    pub communicator: Arc<dyn HostCommunicator>,
+    pub groups: Groups,
 }
 
-/// Runs `work` on every rank this process holds, with the rank's group entered, and returns
-/// the results in rank order: one per thread, or the one of this process. With threads the
-/// group has `threads` ranks; a launched job's world is one group of `WORLD_SIZE` ranks.
+/// Runs `work` on every rank this process holds, with the rank's groups entered, and returns
+/// the results in rank order: one per thread, or the one of this process. The job has
+/// `threads` ranks as threads, or `WORLD_SIZE` under a launcher; `dist.sp_size` ranks form
+/// each sequence-parallel group and must divide it.
 pub fn run_ranks<R: Send>(launch: &Launch, threads: usize, dist: &DistributedConfig, work: impl Fn(&Rank) -> R + Sync) -> Result<Vec<R>, DistError> {
     dist.validate()?;
-    let run = |communicator: Arc<dyn HostCommunicator>, is_process: bool| {
-        let _group = context::enter(communicator.clone());
-        work(&Rank { rank: communicator.rank(), size: communicator.size(), is_process, communicator })
+    let world_size = launch.world_size().unwrap_or(threads);
+    let sp = dist.sp_size;
+    if world_size == 0 || world_size % sp != 0 {
+        return Err(DistError::Job(format!(
+            "a job of {world_size} ranks cannot form sequence-parallel groups of {sp} (ULYSSES_SP_SIZE / DistributedConfig::sp_size): \
+             run a multiple of {sp} ranks, or choose an SP size that divides {world_size}"
+        )));
+    }
+    let run = |world: Arc<dyn HostCommunicator>, is_process: bool| -> Result<R, DistError> {
+        let rank = world.rank();
+        // Consecutive ranks form an SP group: the all-to-alls stay within a node.
+        let sequence = world.split((rank / sp) as u32, rank as u32).map_err(|e| DistError::Job(format!("forming the sequence-parallel groups: {e}")))?;
+        let groups = Groups { sequence, world };
+        let _groups = context::enter_groups(groups.clone());
+        let rank = Rank { rank, size: world_size, sp_rank: rank % sp, sp_size: sp, dp_rank: rank / sp, dp_size: world_size / sp, is_process, groups };
+        Ok(work(&rank))
     };
     match launch {
         Launch::Threads => {
-            if threads == 0 {
-                return Err(DistError::Job("a job of rank threads needs at least one rank; ask for 1 or more".into()));
-            }
             let config = ThreadGroupConfig::new(threads).with_timeout_secs(dist.collective_timeout_secs);
             ThreadGroup::from_config(&config)
                 .run(|thread| run(thread.communicator(), false))
                 .into_iter()
-                .map(|result| result.map_err(|panic| DistError::Job(panic.to_string())))
+                .map(|result| result.map_err(|panic| DistError::Job(panic.to_string())).and_then(|r| r))
                 .collect()
         }
-        Launch::Process(env) => {
-            let communicator = TcpCommunicator::connect(env, dist)?;
-            Ok(vec![run(communicator, true)])
-        }
+        Launch::Process(env) => Ok(vec![run(TcpCommunicator::connect(env, dist)?, true)?]),
     }
 }

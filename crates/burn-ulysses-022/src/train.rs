@@ -1,8 +1,8 @@
 //! What a sequence-parallel training step needs besides attention, for burn 0.22 models: each
-//! rank's part of the token-weighted loss, and gradients summed over the group.
+//! rank's part of the token-weighted loss, and gradients summed over the job.
 //!
-//! A step, on every rank of the group (each holding its [`SequenceShard`](crate::data::SequenceShard)
-//! of the same batch, from `SequenceSharder`):
+//! A step, on every rank (each holding its [`SequenceShard`](crate::data::SequenceShard) of its
+//! data-parallel replica's part of the batch, from `SequenceSharder`):
 //!
 //! ```text
 //! let labels = SequenceSharder::labels_in(&batch);            // the whole batch's, on every rank
@@ -12,7 +12,7 @@
 //! ```
 //!
 //! Each rank's loss is its tokens' cross-entropy over the whole batch's label count, so the
-//! ranks' losses and gradients sum to the single-device ones.
+//! ranks' losses and gradients, summed over every SP and DP rank, are the single-device ones.
 
 use burn::{
     module::{Module, ModuleVisitor, Param},
@@ -37,7 +37,8 @@ pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64)
     log_likelihood.mask_fill(ignored, 0.0).sum().neg()
 }
 
-/// `grads` of `model`'s parameters summed over this rank's group, by the same rules as
+/// `grads` of `model`'s parameters summed over this rank's job (every SP and DP rank), by the
+/// same rules as
 /// burn-ulysses (`ulysses_core::gradients`: module order, buckets of one dtype, a parameter with
 /// a gradient on any rank summed on every rank, a frozen one left without). Sums are computed
 /// in rank order by the transport, so every rank holds the same bits and takes the same
@@ -47,7 +48,7 @@ pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64)
 ///
 /// When a collective fails (a rank died or ran another model), naming it.
 pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> GradientsParams {
-    let Some(group) = context::current().filter(|group| group.size() > 1) else { return grads };
+    let Some(group) = context::world().filter(|group| group.size() > 1) else { return grads };
     all_reduce_gradients_in_buckets(model, grads, &*group, GRADIENT_BUCKET_BYTES).unwrap_or_else(|error| panic!("summing the gradients over the group: {error}"))
 }
 
@@ -91,9 +92,9 @@ pub fn all_reduce_gradients_in_buckets<M: Module>(model: &M, mut grads: Gradient
     Ok(grads)
 }
 
-/// `value` summed over this rank's group (a loss to report), in rank order.
+/// `value` summed over this rank's job (a loss to report), in rank order.
 pub fn all_reduce_sum(value: f64) -> f64 {
-    match context::current().filter(|group| group.size() > 1) {
+    match context::world().filter(|group| group.size() > 1) {
         None => value,
         Some(group) => group
             .all_reduce(HostTensor::from_f64(&[value]), ReduceOp::Sum)

@@ -1,8 +1,8 @@
 //! A small Llama written plainly for burn 0.22.1 (`examples/model`) trained at SP = 2 and 4,
 //! ranks as threads on Flex + autodiff, against the same model on one device with burn's own
-//! attention: the loss of every step and every parameter after the last within 1e-5. And SP = 2
-//! as two processes meeting over TCP (this test binary, started again as each rank), which
-//! must give the threads' bits.
+//! attention: the loss of every step and every parameter after the last within 1e-5; SP = 2 ×
+//! DP = 2 likewise. And SP = 2 as two processes meeting over TCP (this test binary, started
+//! again as each rank), which must give the threads' bits.
 
 #[path = "../examples/model/mod.rs"]
 mod model;
@@ -13,10 +13,8 @@ use burn::{
     tensor::{Device, Int, Tensor, TensorData},
 };
 use burn_ulysses_022::{
-    comm::ThreadGroup,
-    context,
     data::{IGNORE_INDEX, SequenceSharder},
-    job::{Launch, run_ranks},
+    job::{Launch, Rank, run_ranks},
     train::{all_reduce_gradients, all_reduce_sum, lm_loss_sum},
 };
 use ulysses_core::dist::DistributedConfig;
@@ -53,16 +51,18 @@ impl ModuleMapper for FreezeEmbedding {
 /// Each step's loss, and every parameter after the last step. `sp` 1 runs outside any group:
 /// burn's own attention and no reduction, the single-device reference.
 fn train(sp: usize) -> (Vec<f64>, Vec<f32>) {
-    train_with(sp, false)
+    train_with(sp, 1, false)
 }
 
-/// [`train`], with the embedding frozen and weight decay when `frozen_embedding`.
-fn train_with(sp: usize, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
-    let results = ThreadGroup::new(sp).run(|rank| {
-        let _sp = (sp > 1).then(|| context::enter(rank.communicator()));
-        train_rank(sp, rank.rank(), frozen_embedding)
-    });
-    let mut results = results.into_iter().map(|r| r.unwrap_or_else(|panic| panic!("{panic}")));
+/// [`train`] at `sp` × `dp` ranks (threads, started by `job::run_ranks`), with the embedding
+/// frozen and weight decay when `frozen_embedding`.
+fn train_with(sp: usize, dp: usize, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
+    if sp * dp == 1 {
+        return train_rank(Place { sp_rank: 0, sp_size: 1, dp_rank: 0, dp_size: 1 }, frozen_embedding);
+    }
+    let dist = DistributedConfig::new().with_sp_size(sp);
+    let results = run_ranks(&Launch::Threads, sp * dp, &dist, |rank| train_rank(Place::of(rank), frozen_embedding)).unwrap_or_else(|error| panic!("{error}"));
+    let mut results = results.into_iter();
     let first = results.next().unwrap();
     for (rank, other) in results.enumerate() {
         assert_eq!(other.1, first.1, "rank {} holds other parameters than rank 0", rank + 1);
@@ -70,11 +70,27 @@ fn train_with(sp: usize, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
     first
 }
 
-/// Rank `rank` of `sp` (its group entered, if any): each step's loss, and every parameter
-/// after the last step.
-fn train_rank(sp: usize, rank: usize, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
+/// Where a rank sits in the job.
+struct Place {
+    sp_rank: usize,
+    sp_size: usize,
+    dp_rank: usize,
+    dp_size: usize,
+}
+
+impl Place {
+    fn of(rank: &Rank) -> Self {
+        Self { sp_rank: rank.sp_rank, sp_size: rank.sp_size, dp_rank: rank.dp_rank, dp_size: rank.dp_size }
+    }
+}
+
+/// One rank (its groups entered, if any): its replica's sequences of the batch, its part of
+/// each; each step's loss, and every parameter after the last step.
+fn train_rank(place: Place, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
     let batch = batch();
     let labels = SequenceSharder::labels_in(&batch) as f64;
+    let per_replica = batch.len() / place.dp_size;
+    let replica = &batch[place.dp_rank * per_replica..(place.dp_rank + 1) * per_replica];
     let device = Device::flex().autodiff();
     let mut model = init_seeded(&CONFIG, &device, 7);
     let mut optimizer = SgdConfig::new().init();
@@ -82,7 +98,7 @@ fn train_rank(sp: usize, rank: usize, frozen_embedding: bool) -> (Vec<f64>, Vec<
         model = model.map(&mut FreezeEmbedding);
         optimizer = SgdConfig::new().with_weight_decay(Some(WeightDecayConfig::new(0.1))).init();
     }
-    let shard = SequenceSharder::new(sp).shard(&batch, rank);
+    let shard = SequenceSharder::new(place.sp_size).shard(replica, place.sp_rank);
     let int_tensor = |values: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(values.to_vec(), [shard.batch, shard.local_len]), &device);
     let mut losses = Vec::new();
     for _ in 0..STEPS {
@@ -112,7 +128,7 @@ fn rank_process() {
     let launch = Launch::from_env().unwrap();
     let mut results = run_ranks(&launch, 0, &DistributedConfig::new().with_env_overrides().unwrap(), |rank| {
         assert!(rank.is_process);
-        train_rank(rank.size, rank.rank, false)
+        train_rank(Place::of(rank), false)
     })
     .unwrap();
     let (losses, parameters) = results.remove(0);
@@ -135,7 +151,7 @@ fn sp_2_as_two_processes_over_tcp_equals_the_threads() {
                 .env(RANK_PROCESS, "1")
                 .envs([("RANK", rank.to_string()), ("WORLD_SIZE", "2".into()), ("LOCAL_RANK", rank.to_string()), ("LOCAL_WORLD_SIZE", "2".into())])
                 .envs([("MASTER_ADDR", "127.0.0.1".to_string()), ("MASTER_PORT", port.clone()), ("ULYSSES_RENDEZVOUS_TOKEN", "test-token".into())])
-                .env("ULYSSES_COLLECTIVE_TIMEOUT", "120")
+                .envs([("ULYSSES_COLLECTIVE_TIMEOUT", "120"), ("ULYSSES_SP_SIZE", "2")])
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
                 .spawn()
@@ -194,6 +210,20 @@ fn training_at_sp_2_and_4_equals_one_device() {
 }
 
 #[test]
+fn sp_2_by_dp_2_equals_one_device() {
+    // Each replica one of the two sequences, each split over its SP group of 2.
+    let (reference_losses, reference) = train(1);
+    let (losses, parameters) = train_with(2, 2, false);
+    eprintln!("SP=2 × DP=2: losses {losses:?}, one device {reference_losses:?}");
+    for (step, (got, want)) in losses.iter().zip(&reference_losses).enumerate() {
+        assert!((got - want).abs() <= TOLERANCE, "step {step}: loss {got}, one device {want}");
+    }
+    let worst = parameters.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0.0f32, |worst, d| if d.is_nan() || d > worst { d } else { worst });
+    assert!(worst <= TOLERANCE as f32, "SP=2 × DP=2: a parameter {worst} from one device");
+    eprintln!("SP=2 × DP=2: {} parameter values, largest difference {worst:.2e}", parameters.len());
+}
+
+#[test]
 fn a_frozen_parameter_stays_as_it_was_under_weight_decay() {
     // No rank has a gradient for the frozen embedding: the sum registers none, so the
     // optimizer's weight decay does not touch it (a zero gradient would decay it).
@@ -201,8 +231,8 @@ fn a_frozen_parameter_stays_as_it_was_under_weight_decay() {
     let mut initial = Flatten(Vec::new());
     init_seeded(&CONFIG, &device, 7).visit(&mut initial);
     let embedding = 0..CONFIG.vocab * CONFIG.hidden;
-    let (reference_losses, reference) = train_with(1, true);
-    let (losses, parameters) = train_with(2, true);
+    let (reference_losses, reference) = train_with(1, 1, true);
+    let (losses, parameters) = train_with(2, 1, true);
     let moved = |values: &[f32]| values[embedding.clone()].iter().zip(&initial.0[embedding.clone()]).filter(|(a, b)| a != b).count();
     assert_eq!(moved(&reference), 0, "one device moved values of the frozen embedding");
     assert_eq!(moved(&parameters), 0, "SP=2 moved values of the frozen embedding");
