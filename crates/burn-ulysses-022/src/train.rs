@@ -20,7 +20,7 @@ use burn::{
     tensor::{Device, Int, Tensor, activation::log_softmax},
 };
 use ulysses_core::{
-    comm::{Collective, CommError, HostCommunicator, HostDType, HostTensor, ReduceOp},
+    comm::{Collective, CommError, HostCommunicator, HostDType, HostTensor, ReduceOp, check_gathered_lengths},
     gradients::{GRADIENT_BUCKET_BYTES, plan_buckets, present_anywhere},
 };
 
@@ -59,10 +59,7 @@ pub fn all_reduce_gradients_in_buckets<M: Module>(model: &M, mut grads: Gradient
     model.visit(&mut take);
     let mut local = take.local;
     let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
-    let every_rank = group.all_gather_host(&present)?;
-    if let Some(rank) = every_rank.iter().position(|flags| flags.len() != present.len()) {
-        return Err(CommError::Diverged { what: "float parameters", mine: present.len(), rank, theirs: every_rank[rank].len() });
-    }
+    let every_rank = check_gathered_lengths(group.all_gather_host(&present)?, present.len(), "float parameters")?;
     let present_anywhere = present_anywhere(&every_rank, present.len());
     let mut sizes = Vec::with_capacity(local.len());
     for l in &local {

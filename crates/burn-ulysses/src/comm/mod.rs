@@ -24,7 +24,7 @@ pub use host::HostStaged;
 pub(crate) use ulysses_core::comm::panic_message;
 pub use ulysses_core::comm::{
     Collective, CommError, HostCommunicator, HostDType, HostTensor, RankPanic, ReduceOp, ThreadCommunicator, ThreadGroup, ThreadGroupConfig, ThreadRank, Traffic,
-    TrafficCounter, check_counts_pair_up, check_send_recv, check_uneven_counts, mismatched,
+    TrafficCounter, check_counts_pair_up, check_gathered_lengths, check_send_recv, check_sender_pairs, check_uneven_counts, mismatched,
 };
 
 /// Collective operations of one rank within a group, over the float tensors of `B`.
@@ -125,9 +125,5 @@ pub fn all_gather_host_checked<B: Backend>(
     values: &[u64],
     what: &'static str,
 ) -> Result<Vec<Vec<u64>>, CommError> {
-    let gathered = communicator.all_gather_host(values)?;
-    match gathered.iter().position(|v| v.len() != values.len()) {
-        None => Ok(gathered),
-        Some(rank) => Err(CommError::Diverged { what, mine: values.len(), rank, theirs: gathered[rank].len() }),
-    }
+    check_gathered_lengths(communicator.all_gather_host(values)?, values.len(), what)
 }

@@ -208,12 +208,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
             Some(deposit.clone())
         })?;
         let (their_to, received) = received.ok_or_else(|| mixed_backends(op))?;
-        if their_to != me {
-            return Err(CommError::InvalidArgument {
-                op,
-                reason: format!("rank {me} receives from rank {from}, which sends to rank {their_to}; the ranks' to and from must pair up"),
-            });
-        }
+        super::check_sender_pairs(me, from, their_to)?;
         if received.shape() != shape {
             return Err(CommError::InvalidArgument {
                 op,

@@ -134,6 +134,28 @@ pub fn check_send_recv(rank: usize, size: usize, to: usize, from: usize) -> Resu
     Ok(())
 }
 
+/// Fails unless rank `from`, which this rank receives from, sends to this rank (`their_to`):
+/// the ranks' to and from must form a permutation.
+pub fn check_sender_pairs(rank: usize, from: usize, their_to: usize) -> Result<(), CommError> {
+    if their_to == rank {
+        return Ok(());
+    }
+    Err(CommError::InvalidArgument {
+        op: Collective::SendRecv,
+        reason: format!("rank {rank} receives from rank {from}, which sends to rank {their_to}; the ranks' to and from must pair up"),
+    })
+}
+
+/// `gathered` (every rank's values of a host all-gather) if every rank sent as many values as
+/// this one (`mine`); otherwise the error naming `what` and the first rank that differs: the
+/// ranks run different models, or different host collectives met.
+pub fn check_gathered_lengths(gathered: Vec<Vec<u64>>, mine: usize, what: &'static str) -> Result<Vec<Vec<u64>>, CommError> {
+    match gathered.iter().position(|v| v.len() != mine) {
+        None => Ok(gathered),
+        Some(rank) => Err(CommError::Diverged { what, mine, rank, theirs: gathered[rank].len() }),
+    }
+}
+
 /// The arguments of an uneven all-to-all that no peer is needed to refuse.
 pub fn check_uneven_counts(size: usize, elements: usize, dims: usize, send_counts: &[usize], recv_counts: &[usize]) -> Result<(), CommError> {
     let invalid = |reason: String| Err(CommError::InvalidArgument { op: Collective::AllToAllUneven, reason });

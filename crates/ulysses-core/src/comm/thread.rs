@@ -471,12 +471,7 @@ impl super::HostCommunicator for ThreadCommunicator {
             deposits[from].as_mut().and_then(|d| d.downcast_mut::<(usize, Option<HostTensor>)>()).map(|(their_to, tensor)| (*their_to, tensor.take()))
         })?;
         let (their_to, received) = received.ok_or_else(|| mixed_kinds(op))?;
-        if their_to != rank {
-            return Err(CommError::InvalidArgument {
-                op,
-                reason: format!("rank {rank} receives from rank {from}, which sends to rank {their_to}; the sends must form a permutation"),
-            });
-        }
+        super::check_sender_pairs(rank, from, their_to)?;
         let received = received.ok_or_else(|| mixed_kinds(op))?;
         if received.dtype != dtype || received.shape != shape {
             return Err(super::host::mismatched(op, from, format!("{:?} of shape {:?} (this rank: {dtype:?} of {shape:?})", received.dtype, received.shape)));
