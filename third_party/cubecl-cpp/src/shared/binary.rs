@@ -491,7 +491,25 @@ impl<D: Dialect> Binary<D> for Max {
         item: Item<D>,
     ) -> std::fmt::Result {
         D::compile_instruction_max_function_name(f, item)?;
-        write!(f, "({lhs}, {rhs})")
+        write_integer_operands(f, lhs, rhs, item)
+    }
+}
+
+// burn-ulysses patch: CUDA's integer `min`/`max` are overloads, and with 64-bit indices CubeCL
+// 0.10 pairs a 64-bit index with a 32-bit constant (`min(l_651, uint32(128))`), which NVRTC
+// rejects as ambiguous. Integer operands are written as the output's type.
+fn write_integer_operands<D: Dialect, Lhs: Display, Rhs: Display>(
+    f: &mut std::fmt::Formatter<'_>,
+    lhs: Lhs,
+    rhs: Rhs,
+    item: Item<D>,
+) -> std::fmt::Result {
+    let elem = item.elem;
+    match elem {
+        Elem::I8 | Elem::I16 | Elem::I32 | Elem::I64 | Elem::U8 | Elem::U16 | Elem::U32 | Elem::U64 => {
+            write!(f, "({elem}({lhs}), {elem}({rhs}))")
+        }
+        _ => write!(f, "({lhs}, {rhs})"),
     }
 }
 
@@ -505,7 +523,7 @@ impl<D: Dialect> Binary<D> for Min {
         item: Item<D>,
     ) -> std::fmt::Result {
         D::compile_instruction_min_function_name(f, item)?;
-        write!(f, "({lhs}, {rhs})")
+        write_integer_operands(f, lhs, rhs, item)
     }
 }
 
