@@ -84,3 +84,19 @@ fn evaluation_loss_in_chunks_matches_the_whole_logits_loss() {
         assert!(diff <= TOLERANCE, "chunks of {chunk_rows}: |Δ| {diff:e}");
     }
 }
+
+/// The default chunk: a multiple of 64 rows (a tensor-core tile's M and K), at least 64, whose
+/// logits hold at most 2^26 values wherever 64 rows do; Llama-3's vocabulary gets 512 rows.
+#[test]
+fn default_chunks_are_whole_tiles_within_the_logits_budget() {
+    use burn_ulysses::train::default_chunk_rows;
+    assert_eq!(default_chunk_rows(128_256), 512);
+    for vocab in [1, 256, 320, 32_000, 128_256, 151_936, 262_144, 1 << 20, 1 << 21, 1 << 30] {
+        let rows = default_chunk_rows(vocab);
+        assert!(rows >= 64 && rows % 64 == 0, "vocab {vocab}: {rows} rows, not a positive multiple of 64");
+        if 64 * vocab <= 1 << 26 {
+            assert!(rows * vocab <= 1 << 26, "vocab {vocab}: {rows} rows hold {} logits, past 2^26", rows * vocab);
+            assert!((rows + 64) * vocab > 1 << 26, "vocab {vocab}: {rows} rows, though {} would fit", rows + 64);
+        }
+    }
+}
