@@ -8,6 +8,7 @@
 //!     [--layers N] [--documents LEN] [--longest-under BYTES --max-seq S]
 //!     [--checkpoint-layers [--offload-to-host] [--tile-tokens N]] [--precision f32|bf16]
 //!     [--ffn N] [--vocab N] [--pieces] [--min-seq S] [--step-tokens N] [--trial-timeout SECS]
+//!     [--phases] [--trial-steps N]
 //!
 //! Per S (ascending), one step at batch 1, printing:
 //! - `parameters`: bytes in use before the step, every parameter created (burn creates one on
@@ -26,6 +27,14 @@
 //! `--pieces` (with checkpointing) also prints the bytes held before each piece's backward:
 //! the head, then per layer its after-core tiles, its attention core and its before-core
 //! tiles (`burn_ulysses::train::Piece`), then the embedding.
+//!
+//! `--phases` prints the wall time of each phase of a step as it ends (the device synchronised
+//! first): the model built, the forward and loss, then each piece's backward (with
+//! checkpointing: its recomputation and backward over every tile), the first step's kernel
+//! compilation included. `--trial-steps N` runs N steps in each trial's child (the peak is the
+//! largest): the second step's phases are the step itself, without compilation or autotuning.
+//! A trial's phase lines are printed under its result, also when it timed out: where its time
+//! went.
 //!
 //! `--documents LEN` packs documents of `LEN` tokens (attention within each, RoPE positions
 //! restarting).
@@ -97,6 +106,10 @@ struct Args {
     checkpointing: Option<LayerCheckpointing>,
     /// Print what is held before each piece's backward, not only the most.
     pieces: bool,
+    /// Print each phase's wall time as it ends.
+    phases: bool,
+    /// Steps per trial child.
+    trial_steps: usize,
 }
 
 fn args() -> Args {
@@ -111,6 +124,8 @@ fn args() -> Args {
         ffn: number("--ffn"),
         vocab: number("--vocab"),
         pieces: flag("--pieces"),
+        phases: flag("--phases"),
+        trial_steps: number("--trial-steps").unwrap_or(1).max(1),
         precision: value("--precision").map_or(Precision::F32, |v| v.parse().unwrap_or_else(|e| panic!("--precision: {e}"))),
         documents: number("--documents"),
         longest_under: number("--longest-under").map(|b| b as u64),
@@ -176,10 +191,36 @@ struct StepMemory {
     peak: u64,
 }
 
+/// The wall time of a step's phases, printed as each ends (`--phases`), one line each:
+/// `phase: <seconds since the step began> (+<seconds of this phase>) <what ended>`. Callers
+/// synchronise the device first (`in_use` does), so a phase holds its kernels' time.
+struct Phases {
+    enabled: bool,
+    started: Instant,
+    last: Instant,
+}
+
+impl Phases {
+    fn new(enabled: bool) -> Self {
+        let now = Instant::now();
+        Phases { enabled, started: now, last: now }
+    }
+
+    fn ended(&mut self, what: std::fmt::Arguments) {
+        let now = Instant::now();
+        if self.enabled {
+            let (total, phase) = ((now - self.started).as_secs_f64(), (now - self.last).as_secs_f64());
+            println!("phase: {total:>8.1} s (+{phase:>7.1} s) {what}");
+        }
+        self.last = now;
+    }
+}
+
 /// One step at `seq` tokens. Panics if the loss is not finite: a step that computed garbage
 /// measured nothing.
 fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> StepMemory {
     let (documents, checkpointing) = (args.documents, args.checkpointing.as_ref());
+    let mut phases = Phases::new(args.phases);
     let dtype = args.precision.compute_dtype::<Train>(device).unwrap_or_else(|e| panic!("{e}"));
     let model = config.init::<Train>(device).with_compute_dtype(dtype);
     // burn creates a parameter's tensor on its first use: create them all now, so that the
@@ -190,29 +231,42 @@ fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> StepM
     let lengths = documents.map(|len| vec![(0..seq).step_by(len).map(|start| len.min(seq - start)).collect::<Vec<_>>()]);
     let shard = SequenceSharder::new(1).shard_documents(&[tokens], lengths.as_deref(), 0);
     let base = in_use(device);
+    phases.ended(format_args!("the model built, its parameters created, the tokens sharded"));
     let (loss, activations, with_gradients) = if let Some(checkpointing) = checkpointing {
         let tiles = checkpointing.tiles(ShardLengths { shortest: seq, longest: seq }).expect("checked in args");
         let (tokens, labels) = (shard.tokens::<Train>(device), shard.labels::<Train>(device));
         let mut pieces = HeldPerPiece::default();
         let (loss, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, |piece| {
-            pieces.record(piece, in_use(device) - base)
+            let held = in_use(device) - base;
+            // The first probe of a piece ends the previous piece's backward (every tile of it).
+            match pieces.0.last() {
+                None => phases.ended(format_args!("the checkpointed forward and loss")),
+                Some((last, _)) if *last != piece => phases.ended(format_args!("the backward of {last:?}")),
+                _ => {}
+            }
+            pieces.record(piece, held)
         })
         .expect("the checkpointed step");
+        let with_gradients = in_use(device) - base;
+        if let Some((last, _)) = pieces.0.last() {
+            phases.ended(format_args!("the backward of {last:?}"));
+        }
         if args.pieces {
             for (piece, held) in &pieces.0 {
                 println!("    S {seq}: {held:>14} bytes held before the backward of {piece:?}");
             }
         }
-        let with_gradients = in_use(device) - base;
         drop(grads);
         (loss, pieces.most(), with_gradients)
     } else {
         let output = model.lm_output(shard.tokens::<Train>(device), &shard.positions);
         let loss = lm_loss_sum(output, shard.labels::<Train>(device), -100);
         let activations = in_use(device) - base;
+        phases.ended(format_args!("the forward and loss"));
         let value = loss.clone().into_scalar() as f64;
         let grads = loss.backward();
         let with_gradients = in_use(device) - base;
+        phases.ended(format_args!("the backward"));
         drop(grads);
         (value, activations, with_gradients)
     };
@@ -235,8 +289,15 @@ fn run_trial(config: &LlamaConfig, seq: usize, args: &Args) {
     }));
     let device = Device::default();
     let started = Instant::now();
-    let memory = step(config, seq, args, &device);
+    let mut memory = step(config, seq, args, &device);
     let seconds = started.elapsed().as_secs_f64();
+    for step_number in 2..=args.trial_steps {
+        if args.phases {
+            println!("phase: step {step_number} (kernels compiled, autotuning done)");
+        }
+        let again = step(config, seq, args, &device);
+        memory.peak = memory.peak.max(again.peak);
+    }
     if panicked.load(Ordering::SeqCst) {
         eprintln!("a thread panicked during the step of {seq} tokens (above): its figures cannot be trusted");
         std::process::exit(1);
@@ -292,6 +353,9 @@ fn trial(seq: usize, args: &Args) -> Result<Trial, TrialFailure> {
         std::thread::sleep(Duration::from_millis(100));
     };
     let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
+    for phase in stdout.lines().filter(|line| line.starts_with("phase: ")) {
+        println!("    S {seq:>8}: {phase}");
+    }
     let Some(status) = status else {
         return Err(TrialFailure::TimedOut(format!("timed out after {:.0} s (--trial-timeout)", started.elapsed().as_secs_f64())));
     };
@@ -302,7 +366,15 @@ fn trial(seq: usize, args: &Args) -> Result<Trial, TrialFailure> {
             let number = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).ok_or_else(|| format!("unreadable trial report {report:?}"));
             Ok(Trial { peak: number(0)? as u64, parameters: number(1)? as u64, reserved: number(2)? as u64, seconds: number(3)? })
         }
-        _ => Err(TrialFailure::Failed(format!("{status}: {}", first_panic(&stderr)))),
+        _ => {
+            // CubeCL reports a device error where it surfaces, often later than its cause: the
+            // child's last words, whatever they are, help find it.
+            let lines: Vec<&str> = stderr.lines().collect();
+            for line in &lines[lines.len().saturating_sub(20)..] {
+                println!("    S {seq:>8}: stderr: {line}");
+            }
+            Err(TrialFailure::Failed(format!("{status}: {}", first_panic(&stderr))))
+        }
     }
 }
 

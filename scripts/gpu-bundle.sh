@@ -13,9 +13,11 @@ rm -rf "$bundle" && mkdir -p "$bundle"/{kernels,memory,nccl,train}
 tests=$(scripts/test-executable.sh flash_attention test --release --no-run -p ulysses-kernels --features cuda --test flash_attention)
 bench=$(scripts/test-executable.sh flash_attention bench --no-run -p ulysses-kernels --features cuda --bench flash_attention)
 memory=$(scripts/test-executable.sh training_memory bench --no-run -p ulysses-suite --features cuda --bench training_memory)
+overhead=$(scripts/test-executable.sh decorator_overhead bench --no-run -p ulysses-suite --features cuda --bench decorator_overhead)
 cp "$tests" "$bundle/kernels/flash-attention-tests"
 cp "$bench" "$bundle/kernels/flash-attention-bench"
 cp "$memory" "$bundle/memory/training-memory-bench"
+cp "$overhead" "$bundle/memory/decorator-overhead-bench"
 cargo build --release -p ulysses-nccl --bin ulysses-nccl-check
 cargo build --release -p ulysses-dist --bin ulysses-launch
 cargo build --release -p ulysses-llama --features cuda

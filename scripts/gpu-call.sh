@@ -32,6 +32,13 @@ if [ -z "${CORPUS:-}" ]; then
         export CORPUS=/tmp/gpu-call-corpus.txt
     fi
 fi
+# Logs only: the trainer's checkpoints and weights would pass the 16 MiB a returned file may have.
+# Packed again after every part, so a call stopped at the device's limit still returns the
+# parts that ended.
+pack() {
+    tar czf "$out/logs.tar.gz" --exclude='*.ulysses' --exclude='*.mpk' --exclude='*.ulysses.*' -C "$logs" .
+    cp "$logs/parts.txt" "$out/parts.txt" 2>/dev/null
+}
 for part in "$@"; do
     spec=${part%%=*}
     seconds=120
@@ -48,8 +55,7 @@ for part in "$@"; do
         timeout --kill-after=10 "$seconds" "$bundle/$folder/gpu-run.sh" 2>&1 | tee "$logs/$name/console.log" | tail -n 40
     status=${PIPESTATUS[0]}
     echo "$name $status $(( $(date +%s) - started ))s" | tee -a "$logs/parts.txt"
+    pack
 done
 nvidia-smi >"$logs/nvidia-smi.txt" 2>&1
-# Logs only: the trainer's checkpoints and weights would pass the 16 MiB a returned file may have.
-tar czf "$out/logs.tar.gz" --exclude='*.ulysses' --exclude='*.mpk' --exclude='*.ulysses.*' -C "$logs" .
-cp "$logs/parts.txt" "$out/parts.txt"
+pack

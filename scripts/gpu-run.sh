@@ -6,8 +6,10 @@
 #
 # One device call lasts at most 10 minutes, so a folder's work is split by variables:
 #   KERNELS_RUN = tests (default) | named | big | bench | ncu (kernels folder)
-#   MEMORY_RUN  = alst (default) | layers4 | table   (memory folder; alst's range and trial limit:
-#                 MEMORY_MIN_SEQ, MEMORY_MAX_SEQ, MEMORY_TRIAL_TIMEOUT)
+#   MEMORY_RUN  = alst (default) | layers4 | table | overhead   (memory folder; alst's range, trial
+#                 limit and steps per trial: MEMORY_MIN_SEQ, MEMORY_MAX_SEQ, MEMORY_TRIAL_TIMEOUT,
+#                 MEMORY_TRIAL_STEPS; overhead: the UlyssesBackend decorator against the plain
+#                 backend, OVERHEAD_ARGS)
 #   TRAIN_RUN   = check (default) | scale | hf        (train folder)
 # DRY_RUN=1 prints the steps instead of running them (any machine: `DRY_RUN=1 OUT=/tmp/x
 # scripts/gpu-run.sh` from a bundle folder, or from scripts/ to see every step).
@@ -152,7 +154,10 @@ logger = { level = "minimal", file = "/tmp/memory-run/autotune.log" }
 TOML
     pushd /tmp/memory-run >/dev/null
     bench="$here/training-memory-bench"
+    # Each phase's wall time is printed under its trial, also when the trial timed out; a second
+    # step per trial (MEMORY_TRIAL_STEPS=2) times the step without compilation and autotuning.
     longest="--shape llama-8b --longest-under 80000000000 --documents ${MEMORY_DOCUMENTS:-4096} --trial-timeout ${MEMORY_TRIAL_TIMEOUT:-100}"
+    longest="$longest --phases --trial-steps ${MEMORY_TRIAL_STEPS:-1}"
     case "${MEMORY_RUN:-alst}" in
     alst)
         # Everything ALST uses, on a Llama-3.1-8B-shaped stack of 2 layers: checkpointing
@@ -168,7 +173,11 @@ TOML
         # Memory of one step against S (the example's shape), plain and checkpointed.
         step memory-table-plain "$bench" --seqs 4096,8192,16384,32768,65536
         step memory-table-checkpointed "$bench" --seqs 4096,8192,16384,32768,65536 --checkpoint-layers --offload-to-host ;;
-    *) echo "MEMORY_RUN must be alst, layers4 or table, not ${MEMORY_RUN}" >&2; exit 2 ;;
+    overhead)
+        # The UlyssesBackend decorator without a group against the plain autodiff backend: the
+        # same MLP steps interleaved, equal losses to the bit, the ratio (goal: at most 1.02).
+        step decorator-overhead "$here/decorator-overhead-bench" ${OVERHEAD_ARGS:-} ;;
+    *) echo "MEMORY_RUN must be alst, layers4, table or overhead, not ${MEMORY_RUN}" >&2; exit 2 ;;
     esac
     popd >/dev/null
     [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/memory-run/*.log "$out/" 2>/dev/null

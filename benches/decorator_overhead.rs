@@ -1,0 +1,177 @@
+//! What the `UlyssesBackend` decorator costs without a group: the same training steps (forward,
+//! loss, backward) on the plain autodiff backend and on `UlyssesBackend` over it, interleaved
+//! in one process, from the same weights. The model is a stack of Llama MLP blocks (RMS norm,
+//! SwiGLU, residual) and no attention, so both run the same kernels and the difference is the
+//! decorator's own work per op: delegation, and the attention check it does not reach here. The
+//! losses must be equal to the bit (the decorator delegates every op): the bench refuses to
+//! print a ratio otherwise.
+//!
+//! cargo bench --bench decorator_overhead [--features cuda] -- [--shapes 256x2048,1024x8192]
+//!     [--layers 4] [--steps 20] [--rounds 7]
+//!
+//! `--shapes DxT`: d_model D (the MLP 4·D wide) over T tokens; small shapes are launch-bound,
+//! where a per-op cost would show most. Per shape: `--rounds` rounds, each timing `--steps`
+//! steps of one backend and then the other (their order alternates between rounds), after one
+//! warm-up step each; the table prints the median step of each and the ratio decorated /
+//! plain (goal: at most 1.02). On CUDA with `--features cuda`, else on NdArray (the CPU).
+
+use std::time::{Duration, Instant};
+
+use burn::tensor::{ElementConversion, Tensor, TensorData, activation::silu, backend::AutodiffBackend};
+use burn_ulysses::UlyssesBackend;
+
+#[cfg(feature = "cuda")]
+type Plain = burn_autodiff::Autodiff<burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u32>>;
+#[cfg(not(feature = "cuda"))]
+type Plain = burn_autodiff::Autodiff<burn::backend::NdArray<f32>>;
+type Decorated = UlyssesBackend<Plain>;
+
+struct Args {
+    shapes: Vec<(usize, usize)>,
+    layers: usize,
+    steps: usize,
+    rounds: usize,
+}
+
+fn args() -> Args {
+    let argv: Vec<String> = std::env::args().collect();
+    let value = |name: &str| argv.iter().position(|a| a == name).and_then(|i| argv.get(i + 1)).cloned();
+    let number = |name: &str, default: usize| value(name).map_or(default, |v| v.parse().unwrap_or_else(|_| panic!("{name} takes a number, got {v}")));
+    let shape = |text: &str| {
+        let (d, t) = text.split_once('x').unwrap_or_else(|| panic!("--shapes takes DxT pairs (d_model x tokens), got {text}"));
+        let parse = |n: &str| n.parse::<usize>().unwrap_or_else(|_| panic!("--shapes takes DxT pairs of numbers, got {text}"));
+        (parse(d), parse(t))
+    };
+    Args {
+        shapes: value("--shapes").map_or(vec![(256, 2048), (1024, 8192)], |list| list.split(',').map(shape).collect()),
+        layers: number("--layers", 4).max(1),
+        steps: number("--steps", 20).max(1),
+        rounds: number("--rounds", 7).max(1),
+    }
+}
+
+/// Deterministic weights in [-scale, scale), the same numbers for both backends.
+fn values(count: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..count)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// One MLP block's parameters: the norm's gain, gate and up projections, down projection.
+struct Block<B: AutodiffBackend> {
+    gain: Tensor<B, 1>,
+    gate: Tensor<B, 2>,
+    up: Tensor<B, 2>,
+    down: Tensor<B, 2>,
+}
+
+struct Model<B: AutodiffBackend> {
+    blocks: Vec<Block<B>>,
+    input: Tensor<B, 2>,
+}
+
+impl<B: AutodiffBackend> Model<B> {
+    fn new(d_model: usize, tokens: usize, layers: usize, device: &B::Device) -> Self {
+        let hidden = 4 * d_model;
+        let matrix = |rows: usize, cols: usize, seed: u64| {
+            let scale = (1.0 / rows as f32).sqrt();
+            Tensor::<B, 2>::from_data(TensorData::new(values(rows * cols, seed, scale), [rows, cols]), device).require_grad()
+        };
+        let blocks = (0..layers as u64)
+            .map(|layer| Block {
+                gain: Tensor::from_data(TensorData::new(vec![1.0f32; d_model], [d_model]), device).require_grad(),
+                gate: matrix(d_model, hidden, 3 * layer + 1),
+                up: matrix(d_model, hidden, 3 * layer + 2),
+                down: matrix(hidden, d_model, 3 * layer + 3),
+            })
+            .collect();
+        let input = Tensor::from_data(TensorData::new(values(tokens * d_model, 999, 1.0), [tokens, d_model]), device);
+        Model { blocks, input }
+    }
+
+    /// Forward, loss (the mean square of the output), backward; waits for the device. Returns
+    /// the loss.
+    fn step(&self, device: &B::Device) -> f32 {
+        let mut x = self.input.clone();
+        for block in &self.blocks {
+            let norm = x.clone() * (x.clone().powi_scalar(2).mean_dim(1) + 1e-6).sqrt().recip() * block.gain.clone().unsqueeze();
+            let mlp = (silu(norm.clone().matmul(block.gate.clone())) * norm.matmul(block.up.clone())).matmul(block.down.clone());
+            x = x + mlp;
+        }
+        let loss = x.powi_scalar(2).mean();
+        let value = loss.clone().into_scalar().elem::<f32>();
+        let gradients = loss.backward();
+        // Every parameter's gradient read back: the backward has run to its end.
+        for block in &self.blocks {
+            assert!(block.down.grad(&gradients).is_some(), "a parameter has no gradient");
+        }
+        B::sync(device).expect("the device failed");
+        value
+    }
+}
+
+/// The median of `steps` timed steps, and the loss they give.
+fn timed<B: AutodiffBackend>(model: &Model<B>, steps: usize, device: &B::Device) -> (Duration, f32) {
+    let mut times = Vec::with_capacity(steps);
+    let mut loss = f32::NAN;
+    for _ in 0..steps {
+        let started = Instant::now();
+        loss = model.step(device);
+        times.push(started.elapsed());
+    }
+    times.sort();
+    (times[times.len() / 2], loss)
+}
+
+fn median(mut durations: Vec<Duration>) -> Duration {
+    durations.sort();
+    durations[durations.len() / 2]
+}
+
+fn main() {
+    let args = args();
+    let device = Default::default();
+    println!(
+        "decorator overhead: {} MLP blocks (RMS norm, SwiGLU 4·d wide, residual), forward + backward, f32, {} (plain) against {}; median of {} rounds of {} steps",
+        args.layers,
+        std::any::type_name::<Plain>(),
+        "UlyssesBackend<plain> without a group",
+        args.rounds,
+        args.steps,
+    );
+    println!("{:>8} {:>8} | {:>14} {:>14} | {:>8}", "d_model", "tokens", "plain ms/step", "decorated", "ratio");
+    for &(d_model, tokens) in &args.shapes {
+        let plain = Model::<Plain>::new(d_model, tokens, args.layers, &device);
+        let decorated = Model::<Decorated>::new(d_model, tokens, args.layers, &device);
+        // Warm-up: kernels compiled, autotuned and allocated for both before any timing.
+        let (plain_loss, decorated_loss) = (plain.step(&device), decorated.step(&device));
+        if !plain_loss.is_finite() || plain_loss.to_bits() != decorated_loss.to_bits() {
+            panic!("{d_model}x{tokens}: the losses differ (plain {plain_loss}, decorated {decorated_loss}): the decorator changed the computation, no ratio to print");
+        }
+        let (mut plain_times, mut decorated_times) = (Vec::new(), Vec::new());
+        for round in 0..args.rounds {
+            let mut time_plain = || plain_times.push(timed(&plain, args.steps, &device).0);
+            if round % 2 == 0 {
+                time_plain();
+                decorated_times.push(timed(&decorated, args.steps, &device).0);
+            } else {
+                decorated_times.push(timed(&decorated, args.steps, &device).0);
+                time_plain();
+            }
+        }
+        let (plain_step, decorated_step) = (median(plain_times), median(decorated_times));
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        println!(
+            "{d_model:>8} {tokens:>8} | {:>14.3} {:>14.3} | {:>8.4}",
+            ms(plain_step),
+            ms(decorated_step),
+            decorated_step.as_secs_f64() / plain_step.as_secs_f64()
+        );
+    }
+}
