@@ -3,8 +3,10 @@
 //! in one process, from the same weights. The model is a stack of Llama MLP blocks (RMS norm,
 //! SwiGLU, residual) and no attention, so both run the same kernels and the difference is the
 //! decorator's own work per op: delegation, and the attention check it does not reach here. The
-//! losses must be equal to the bit (the decorator delegates every op): the bench refuses to
-//! print a ratio otherwise.
+//! two must give losses and gradients equal to the bit (the decorator delegates every op,
+//! forward and backward): the warm-up step's loss and first gradient, and the last timed step's
+//! loss (autotuning may change a kernel in between, for both alike); the bench refuses to print
+//! a ratio otherwise.
 //!
 //! cargo bench --bench decorator_overhead [--features cuda] -- [--shapes 256x2048,1024x8192]
 //!     [--layers 4] [--steps 20] [--rounds 7]
@@ -98,6 +100,11 @@ impl<B: AutodiffBackend> Model<B> {
     /// Forward, loss (the mean square of the output), backward; waits for the device. Returns
     /// the loss.
     fn step(&self, device: &B::Device) -> f32 {
+        self.step_reading(device, false).0
+    }
+
+    /// [`Self::step`], and with `read_gradient` the first block's gate gradient as its bits.
+    fn step_reading(&self, device: &B::Device, read_gradient: bool) -> (f32, Vec<u32>) {
         let mut x = self.input.clone();
         for block in &self.blocks {
             let norm = x.clone() * (x.clone().powi_scalar(2).mean_dim(1) + 1e-6).sqrt().recip() * block.gain.clone().unsqueeze();
@@ -107,16 +114,22 @@ impl<B: AutodiffBackend> Model<B> {
         let loss = x.powi_scalar(2).mean();
         let value = loss.clone().into_scalar().elem::<f32>();
         let gradients = loss.backward();
-        // Every parameter's gradient read back: the backward has run to its end.
         for block in &self.blocks {
             assert!(block.down.grad(&gradients).is_some(), "a parameter has no gradient");
         }
+        let gradient = match read_gradient {
+            true => {
+                let gate = self.blocks[0].gate.grad(&gradients).expect("the gate has a gradient");
+                gate.into_data().to_vec::<f32>().expect("f32 gradient").iter().map(|g| g.to_bits()).collect()
+            }
+            false => Vec::new(),
+        };
         B::sync(device).expect("the device failed");
-        value
+        (value, gradient)
     }
 }
 
-/// The median of `steps` timed steps, and the loss they give.
+/// The median of `steps` timed steps, and the last one's loss.
 fn timed<B: AutodiffBackend>(model: &Model<B>, steps: usize, device: &B::Device) -> (Duration, f32) {
     let mut times = Vec::with_capacity(steps);
     let mut loss = f32::NAN;
@@ -150,20 +163,35 @@ fn main() {
         let plain = Model::<Plain>::new(d_model, tokens, args.layers, &device);
         let decorated = Model::<Decorated>::new(d_model, tokens, args.layers, &device);
         // Warm-up: kernels compiled, autotuned and allocated for both before any timing.
-        let (plain_loss, decorated_loss) = (plain.step(&device), decorated.step(&device));
-        if !plain_loss.is_finite() || plain_loss.to_bits() != decorated_loss.to_bits() {
-            panic!("{d_model}x{tokens}: the losses differ (plain {plain_loss}, decorated {decorated_loss}): the decorator changed the computation, no ratio to print");
+        let ((plain_loss, plain_gradient), (decorated_loss, decorated_gradient)) = (plain.step_reading(&device, true), decorated.step_reading(&device, true));
+        if !plain_loss.is_finite() || plain_loss.to_bits() != decorated_loss.to_bits() || plain_gradient != decorated_gradient {
+            panic!(
+                "{d_model}x{tokens}: the losses (plain {plain_loss}, decorated {decorated_loss}) or the gate gradients differ: the decorator changed the computation, no ratio to print"
+            );
         }
         let (mut plain_times, mut decorated_times) = (Vec::new(), Vec::new());
+        let (mut plain_last, mut decorated_last) = (f32::NAN, f32::NAN);
         for round in 0..args.rounds {
-            let mut time_plain = || plain_times.push(timed(&plain, args.steps, &device).0);
+            let mut time_plain = || {
+                let (time, loss) = timed(&plain, args.steps, &device);
+                plain_times.push(time);
+                plain_last = loss;
+            };
+            let mut time_decorated = || {
+                let (time, loss) = timed(&decorated, args.steps, &device);
+                decorated_times.push(time);
+                decorated_last = loss;
+            };
             if round % 2 == 0 {
                 time_plain();
-                decorated_times.push(timed(&decorated, args.steps, &device).0);
+                time_decorated();
             } else {
-                decorated_times.push(timed(&decorated, args.steps, &device).0);
+                time_decorated();
                 time_plain();
             }
+        }
+        if !plain_last.is_finite() || plain_last.to_bits() != decorated_last.to_bits() {
+            panic!("{d_model}x{tokens}: the last timed losses differ (plain {plain_last}, decorated {decorated_last}): no ratio to print");
         }
         let (plain_step, decorated_step) = (median(plain_times), median(decorated_times));
         let ms = |d: Duration| d.as_secs_f64() * 1e3;

@@ -28,13 +28,16 @@
 //! the head, then per layer its after-core tiles, its attention core and its before-core
 //! tiles (`burn_ulysses::train::Piece`), then the embedding.
 //!
-//! `--phases` prints the wall time of each phase of a step as it ends (the device synchronised
-//! first): the model built, the forward and loss, then each piece's backward (with
-//! checkpointing: its recomputation and backward over every tile), the first step's kernel
-//! compilation included. `--trial-steps N` runs N steps in each trial's child (the peak is the
-//! largest): the second step's phases are the step itself, without compilation or autotuning.
-//! A trial's phase lines are printed under its result, also when it timed out: where its time
-//! went.
+//! `--phases` prints the wall time of a step's phases as they end (the device synchronised
+//! first), the first step's kernel compilation included: the model built; without
+//! checkpointing, the forward and loss, then the backward; with it, the time up to the first
+//! tile of each piece's backward (the probe before it): up to the head's first tile is the
+//! forward through every layer and that tile's loss; up to the first tile of the next piece is
+//! the rest of the previous piece's tiles (forward and backward) and the next piece's
+//! recomputation; then the end of the backward. `--trial-steps N` runs N steps in each trial's
+//! child (the peak is the largest; `--trial-timeout` covers all of them): the second step's
+//! phases are the step without compilation or autotuning. A trial's phase lines are printed
+//! above its result, also when it timed out: where its time went.
 //!
 //! `--documents LEN` packs documents of `LEN` tokens (attention within each, RoPE positions
 //! restarting).
@@ -238,10 +241,10 @@ fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> StepM
         let mut pieces = HeldPerPiece::default();
         let (loss, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, |piece| {
             let held = in_use(device) - base;
-            // The first probe of a piece ends the previous piece's backward (every tile of it).
+            // A piece's first tile ends a phase: see the module doc for what each one holds.
             match pieces.0.last() {
-                None => phases.ended(format_args!("the checkpointed forward and loss")),
-                Some((last, _)) if *last != piece => phases.ended(format_args!("the backward of {last:?}")),
+                None => phases.ended(format_args!("up to the first tile of {piece:?}: the forward through every layer, that tile's loss")),
+                Some((last, _)) if *last != piece => phases.ended(format_args!("up to the first tile of {piece:?}: the rest of {last:?}, {piece:?}'s recomputation")),
                 _ => {}
             }
             pieces.record(piece, held)
@@ -249,7 +252,7 @@ fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> StepM
         .expect("the checkpointed step");
         let with_gradients = in_use(device) - base;
         if let Some((last, _)) = pieces.0.last() {
-            phases.ended(format_args!("the backward of {last:?}"));
+            phases.ended(format_args!("the end of the backward: the rest of {last:?}"));
         }
         if args.pieces {
             for (piece, held) in &pieces.0 {
@@ -275,7 +278,8 @@ fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> StepM
     StepMemory { parameters: base, activations, peak: activations.max(with_gradients) }
 }
 
-/// The child process of one `--longest-under` trial: one step of `seq` tokens, then one line
+/// The child process of one `--longest-under` trial: `--trial-steps` steps of `seq` tokens
+/// (the peak the largest, the seconds all of them), then one line
 /// `trial: <peak with parameters> <parameters> <reserved> <seconds>`; exits with 1 when any
 /// thread panicked meanwhile. CubeCL's device thread catches a panic of its own (a failed
 /// allocation) and goes on, so only the panic hook sees it.
@@ -290,7 +294,6 @@ fn run_trial(config: &LlamaConfig, seq: usize, args: &Args) {
     let device = Device::default();
     let started = Instant::now();
     let mut memory = step(config, seq, args, &device);
-    let seconds = started.elapsed().as_secs_f64();
     for step_number in 2..=args.trial_steps {
         if args.phases {
             println!("phase: step {step_number} (kernels compiled, autotuning done)");
@@ -298,6 +301,7 @@ fn run_trial(config: &LlamaConfig, seq: usize, args: &Args) {
         let again = step(config, seq, args, &device);
         memory.peak = memory.peak.max(again.peak);
     }
+    let seconds = started.elapsed().as_secs_f64();
     if panicked.load(Ordering::SeqCst) {
         eprintln!("a thread panicked during the step of {seq} tokens (above): its figures cannot be trusted");
         std::process::exit(1);
@@ -368,9 +372,11 @@ fn trial(seq: usize, args: &Args) -> Result<Trial, TrialFailure> {
         }
         _ => {
             // CubeCL reports a device error where it surfaces, often later than its cause: the
-            // child's last words, whatever they are, help find it.
+            // child's error lines (a compiler's among them, buried in the kernel source it
+            // prints) and its last words help find it.
             let lines: Vec<&str> = stderr.lines().collect();
-            for line in &lines[lines.len().saturating_sub(20)..] {
+            let errors = lines.iter().filter(|line| line.contains("error")).take(10);
+            for line in errors.chain(&lines[lines.len().saturating_sub(20)..]) {
                 println!("    S {seq:>8}: stderr: {line}");
             }
             Err(TrialFailure::Failed(format!("{status}: {}", first_panic(&stderr))))

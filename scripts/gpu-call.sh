@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call's work: runs parts of the GPU bundle one after another, each under its own time
-# limit, then packs every log into $OUT/logs.tar.gz (a call brings back at most 8 files, and
-# gpu-run.sh writes one log per step).
+# limit, packing every log into $OUT/logs.tar.gz after each part (a call brings back at most 8
+# files, and gpu-run.sh writes one log per step; a call stopped at the device's limit still
+# returns the parts that ended).
 #
 #   scripts/gpu-call.sh kernels:tests=240 nccl=60 train=240
 #
@@ -35,8 +36,10 @@ fi
 # Logs only: the trainer's checkpoints and weights would pass the 16 MiB a returned file may have.
 # Packed again after every part, so a call stopped at the device's limit still returns the
 # parts that ended.
+# Written beside, then renamed: a call stopped while packing keeps the previous archive whole.
 pack() {
-    tar czf "$out/logs.tar.gz" --exclude='*.ulysses' --exclude='*.mpk' --exclude='*.ulysses.*' -C "$logs" .
+    tar czf "$out/logs.tar.gz.part" --exclude='*.ulysses' --exclude='*.mpk' --exclude='*.ulysses.*' -C "$logs" . &&
+        mv "$out/logs.tar.gz.part" "$out/logs.tar.gz"
     cp "$logs/parts.txt" "$out/parts.txt" 2>/dev/null
 }
 for part in "$@"; do

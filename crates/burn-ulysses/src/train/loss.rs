@@ -38,10 +38,10 @@ pub struct OutputHead<B: Backend> {
 ///
 /// Each chunk costs, besides its matmuls, one pass over the head's whole weight gradient
 /// (`d_model × vocab`), and its rows are the M and K of those matmuls: with 2^24 values and no
-/// rounding, Llama-3's vocabulary of 128 256 gave chunks of 130 rows, 8 066 chunks for a
-/// million tokens, each through matmuls whose sizes fit no tensor-core tile (on an H100 the
-/// head's backward of an 8B-shaped million-token step had not ended after 223 s). Now that
-/// vocabulary gets 512 rows.
+/// rounding, Llama-3's vocabulary of 128 256 gave chunks of 130 rows, 8 192 chunks for a
+/// million tokens in tiles of 4096, each through matmuls whose sizes fit no tensor-core tile
+/// (on an H100, an 8B-shaped million-token step spent more than 223 s past the head's first
+/// tile without reaching the last layer). Now that vocabulary gets 512 rows.
 pub fn default_chunk_rows(vocab: usize) -> usize {
     const ALIGN: usize = 64;
     ((1 << 26) / vocab.max(1) / ALIGN).max(1) * ALIGN
