@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{ElementConversion, Tensor, TensorData, activation::silu, backend::AutodiffBackend};
 use burn_ulysses::UlyssesBackend;
+use ulysses_suite::uniform_tensor;
 
 #[cfg(feature = "cuda")]
 type Plain = burn_autodiff::Autodiff<burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u32>>;
@@ -52,19 +53,6 @@ fn args() -> Args {
     }
 }
 
-/// Deterministic weights in [-scale, scale), the same numbers for both backends.
-fn values(count: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..count)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
-}
-
 /// One MLP block's parameters: the norm's gain, gate and up projections, down projection.
 struct Block<B: AutodiffBackend> {
     gain: Tensor<B, 1>,
@@ -81,10 +69,8 @@ struct Model<B: AutodiffBackend> {
 impl<B: AutodiffBackend> Model<B> {
     fn new(d_model: usize, tokens: usize, layers: usize, device: &B::Device) -> Self {
         let hidden = 4 * d_model;
-        let matrix = |rows: usize, cols: usize, seed: u64| {
-            let scale = (1.0 / rows as f32).sqrt();
-            Tensor::<B, 2>::from_data(TensorData::new(values(rows * cols, seed, scale), [rows, cols]), device).require_grad()
-        };
+        // The suite's deterministic values: the same weights for both backends.
+        let matrix = |rows: usize, cols: usize, stream: u64| (uniform_tensor::<B, 2>([rows, cols], stream, device) * (1.0 / rows as f32).sqrt()).require_grad();
         let blocks = (0..layers as u64)
             .map(|layer| Block {
                 gain: Tensor::from_data(TensorData::new(vec![1.0f32; d_model], [d_model]), device).require_grad(),
@@ -93,7 +79,7 @@ impl<B: AutodiffBackend> Model<B> {
                 down: matrix(hidden, d_model, 3 * layer + 3),
             })
             .collect();
-        let input = Tensor::from_data(TensorData::new(values(tokens * d_model, 999, 1.0), [tokens, d_model]), device);
+        let input = uniform_tensor([tokens, d_model], 999, device);
         Model { blocks, input }
     }
 
