@@ -24,6 +24,7 @@ use std::sync::Arc;
 use ulysses_core::{
     comm::{HostCommunicator, ThreadGroup, ThreadGroupConfig},
     dist::{DistError, DistributedConfig, tcp::TcpCommunicator},
+    layout::{dp_size_of_world, sp_dp_coordinates},
 };
 
 pub use ulysses_core::dist::Launch;
@@ -54,19 +55,14 @@ pub fn run_ranks<R: Send>(launch: &Launch, threads: usize, dist: &DistributedCon
     dist.validate()?;
     let world_size = launch.world_size().unwrap_or(threads);
     let sp = dist.sp_size;
-    if world_size == 0 || world_size % sp != 0 {
-        return Err(DistError::Job(format!(
-            "a job of {world_size} ranks cannot form sequence-parallel groups of {sp} (ULYSSES_SP_SIZE / DistributedConfig::sp_size): \
-             run a multiple of {sp} ranks, or choose an SP size that divides {world_size}"
-        )));
-    }
+    let dp = dp_size_of_world(world_size, sp).map_err(|e| DistError::Job(e.to_string()))?;
     let run = |world: Arc<dyn HostCommunicator>, is_process: bool| -> Result<R, DistError> {
         let rank = world.rank();
-        // Consecutive ranks form an SP group: the all-to-alls stay within a node.
-        let sequence = world.split((rank / sp) as u32, rank as u32).map_err(|e| DistError::Job(format!("forming the sequence-parallel groups: {e}")))?;
+        let (dp_rank, sp_rank) = sp_dp_coordinates(rank, sp);
+        let sequence = world.split(dp_rank as u32, sp_rank as u32).map_err(|e| DistError::Job(format!("forming the sequence-parallel groups: {e}")))?;
         let groups = Groups { sequence, world };
         let _groups = context::enter_groups(groups.clone());
-        let rank = Rank { rank, size: world_size, sp_rank: rank % sp, sp_size: sp, dp_rank: rank / sp, dp_size: world_size / sp, is_process, groups };
+        let rank = Rank { rank, size: world_size, sp_rank, sp_size: sp, dp_rank, dp_size: dp, is_process, groups };
         Ok(work(&rank))
     };
     match launch {
@@ -79,5 +75,23 @@ pub fn run_ranks<R: Send>(launch: &Launch, threads: usize, dist: &DistributedCon
                 .collect()
         }
         Launch::Process(env) => Ok(vec![run(TcpCommunicator::connect(env, dist)?, true)?]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_world_the_sp_size_does_not_divide_is_refused_with_the_rule_of_burn_ulysses() {
+        let dist = DistributedConfig::new().with_sp_size(2);
+        let error = run_ranks(&Launch::Threads, 3, &dist, |rank| rank.rank).unwrap_err().to_string();
+        // The message of ulysses-core's rule, which burn-ulysses' ParallelLayout::for_world returns.
+        let rule = ulysses_core::layout::dp_size_of_world(3, 2).unwrap_err().to_string();
+        assert_eq!(error, rule);
+        assert!(error.contains("3 ranks") && error.contains("[1, 3]"), "{error}");
+
+        let ranks = run_ranks(&Launch::Threads, 4, &dist, |rank| (rank.rank, rank.sp_rank, rank.dp_rank, rank.dp_size)).unwrap();
+        assert_eq!(ranks, [(0, 0, 0, 2), (1, 1, 0, 2), (2, 0, 1, 2), (3, 1, 1, 2)]);
     }
 }

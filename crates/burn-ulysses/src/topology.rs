@@ -12,7 +12,7 @@ use crate::{
     comm::Communicator,
     context::{RankContext, UlyssesConfig},
     error::UlyssesError,
-    layout::{HeadPlan, RingSharding, divisors, ring_coordinates},
+    layout::{HeadPlan, RingSharding, divisors, dp_size_of_world, ring_coordinates, sp_dp_coordinates},
 };
 
 /// The parallel layout of a job. Consecutive ranks form an SP group, so an SP group shares a
@@ -60,24 +60,17 @@ impl ParallelLayout {
         self.sp_size * self.dp_size
     }
 
-    /// `(dp_rank, sp_rank)` of a world rank.
+    /// `(dp_rank, sp_rank)` of a world rank (ulysses-core's rule).
     pub fn coordinates(&self, world_rank: usize) -> (usize, usize) {
-        (world_rank / self.sp_size, world_rank % self.sp_size)
+        sp_dp_coordinates(world_rank, self.sp_size)
     }
 
     /// The layout of a launched world of `world_size` processes with SP degree `sp_size`:
-    /// the DP degree is what is left. Fails, saying what to change, when `sp_size` does not
-    /// divide the world.
+    /// the DP degree is what is left (ulysses-core's rule, which burn 0.22 jobs apply too).
+    /// Fails, saying what to change, when `sp_size` does not divide the world.
     pub fn for_world(world_size: usize, sp_size: usize) -> Result<Self, UlyssesError> {
-        if sp_size == 0 || world_size % sp_size != 0 {
-            return Err(UlyssesError::InvalidConfig(format!(
-                "the job has {world_size} ranks (WORLD_SIZE), which the sequence-parallel degree \
-                 {sp_size} does not divide: launch a multiple of {sp_size} ranks, or choose an SP \
-                 degree among the divisors of {world_size}: {:?}",
-                divisors(world_size)
-            )));
-        }
-        Ok(Self { sp_size, dp_size: world_size / sp_size, ring_size: 1, ring_sharding: RingSharding::Contiguous })
+        let dp_size = dp_size_of_world(world_size, sp_size)?;
+        Ok(Self { sp_size, dp_size, ring_size: 1, ring_sharding: RingSharding::Contiguous })
     }
 
     /// Fails before any work when the model's attention heads cannot be split over the SP

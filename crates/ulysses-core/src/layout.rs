@@ -417,6 +417,29 @@ pub fn ring_coordinates(sp_rank: usize, ulysses_size: usize) -> (usize, usize) {
     (sp_rank / ulysses_size, sp_rank % ulysses_size)
 }
 
+/// The data-parallel degree of a job of `world_size` ranks in sequence-parallel groups of
+/// `sp_size`: the number of groups. The one rule the jobs of both Burn versions apply
+/// (burn-ulysses' `ParallelLayout::for_world`, burn-ulysses-022's `run_ranks`); it fails,
+/// saying what to change, when `sp_size` does not divide the world.
+pub fn dp_size_of_world(world_size: usize, sp_size: usize) -> Result<usize, UlyssesError> {
+    if world_size == 0 || sp_size == 0 || world_size % sp_size != 0 {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "the job has {world_size} ranks (WORLD_SIZE, or the rank threads), which the \
+             sequence-parallel degree {sp_size} (the SP size, ULYSSES_SP_SIZE) does not divide: \
+             launch a multiple of {sp_size} ranks, or choose an SP degree among the divisors of \
+             {world_size}: {:?}",
+            divisors(world_size)
+        )));
+    }
+    Ok(world_size / sp_size)
+}
+
+/// `(dp_rank, sp_rank)` of world rank `world_rank`: consecutive ranks form an SP group, so an
+/// SP group shares a node, where the all-to-alls are cheap.
+pub fn sp_dp_coordinates(world_rank: usize, sp_size: usize) -> (usize, usize) {
+    (world_rank / sp_size, world_rank % sp_size)
+}
+
 /// What one query chunk does with one key chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BlockKind {
@@ -460,6 +483,18 @@ pub fn divisors(n: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_dp_degree_is_what_the_sp_degree_leaves_of_the_world() {
+        assert_eq!(dp_size_of_world(8, 2).unwrap(), 4);
+        assert_eq!(dp_size_of_world(3, 3).unwrap(), 1);
+        let message = dp_size_of_world(6, 4).unwrap_err().to_string();
+        assert!(message.contains("6 ranks") && message.contains("degree 4") && message.contains("[1, 2, 3, 6]"), "{message}");
+        for (world, sp) in [(0, 1), (4, 0)] {
+            assert!(dp_size_of_world(world, sp).is_err(), "{world} ranks in groups of {sp}");
+        }
+        assert_eq!((0..6).map(|rank| sp_dp_coordinates(rank, 3)).collect::<Vec<_>>(), [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]);
+    }
 
     #[test]
     fn kv_heads_are_split_or_replicated() {
