@@ -2,7 +2,7 @@
 //! would compile them: every case the planner accepts must compile to CUDA C++ here, and,
 //! with NVIDIA's compilers at hand (`ULYSSES_CUDA_TOOLS`: venvs with the PyPI wheels, separated
 //! by `:`, each checked, on every target or, written `VENV@sm_90a,...`, on those; `.ci/run`
-//! checks every target with CUDA 12.9's and the H100 with 13.0's, the GPU image's), to machine
+//! checks the A100 and the L40 with CUDA 12.9's and the H100 with 13.0's, the GPU image's), to machine
 //! code that spills nothing, fits the shared memory and an SM, and uses the tensor cores in
 //! every kernel of the tensor-core engine (`scripts/cuda-machine-code.py`). Without the tools that half says SKIPPED, unless
 //! `ULYSSES_REQUIRE_CUDA_TOOLS=1` makes it a failure. `ULYSSES_CUDA_REPORT=FILE` appends the
