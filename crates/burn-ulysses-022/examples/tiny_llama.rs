@@ -9,12 +9,15 @@
 //! ULYSSES_SP_SIZE says otherwise, and DP what is left):
 //!
 //!     target/release/ulysses-launch --nproc-per-node 4 -- target/release/examples/tiny_llama
+//!
+//! On Flex (burn 0.22's CPU backend), or on wgpu with `--features wgpu` and
+//! `ULYSSES_022_DEVICE=wgpu`.
 
 mod model;
 
 use burn::{
     optim::{AdamConfig, GradientsParams},
-    tensor::{Device, Int, Tensor, TensorData},
+    tensor::{Int, Tensor, TensorData},
 };
 use burn_ulysses_022::{
     data::{IGNORE_INDEX, SequenceSharder},
@@ -22,7 +25,7 @@ use burn_ulysses_022::{
     train::{all_reduce_gradients, all_reduce_sum, lm_loss_sum},
 };
 use ulysses_core::dist::DistributedConfig;
-use model::{TinyLlamaConfig, init_seeded};
+use model::{TinyLlamaConfig, init_seeded, plain_device};
 
 fn main() {
     let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>().expect("SP, STEPS and DP are numbers"));
@@ -40,7 +43,7 @@ fn main() {
         assert_eq!(batch.len() % rank.dp_size, 0, "{} replicas cannot share out {} sequences", rank.dp_size, batch.len());
         let per_replica = batch.len() / rank.dp_size;
         let replica = &batch[rank.dp_rank * per_replica..(rank.dp_rank + 1) * per_replica];
-        let device = Device::flex().autodiff();
+        let device = plain_device().autodiff();
         // Same weights on every rank, each thread building its own model.
         let mut model = init_seeded(&config, &device, 42);
         let mut optimizer = AdamConfig::new().init();

@@ -13,7 +13,8 @@
 //! scores (`batch × heads × block × S`) exist at a time, in the forward and in the backward.
 //!
 //! It is a backend-extension op written with the backend's own float ops, so every backend
-//! this crate routes (Flex, and Autodiff over it) runs it.
+//! this crate routes (Flex, burn's CubeCL backend with the `cube` feature, and Autodiff over
+//! either) runs it.
 
 use burn::backend::{
     Backend, Dispatch, Flex, TensorMetadata, backend_extension,
@@ -43,7 +44,7 @@ pub struct BlockedSettings {
     pub block: usize,
 }
 
-#[backend_extension(Autodiff, Flex)]
+#[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cube"))]
 pub trait BlockedAttentionOps: Backend {
     /// Attention of q `[b, h, s, d]` over k `[b, h, t, d]` and v `[b, h, t, dv]` (one kv head
     /// per q head), `key_bias` `[b, 1 | h, 1, t]` (0, or `-inf` for a hidden key) added to
@@ -114,6 +115,14 @@ pub fn attention_in_blocks(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, k
 impl BlockedAttentionOps for Flex {
     fn blocked_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, key_bias: FloatTensor<Self>, settings: BlockedSettings) -> FloatTensor<Self> {
         forward::<Flex>(&query, &key, &value, &key_bias, settings).0
+    }
+}
+
+/// burn's CubeCL backend (every CubeCL runtime; wgpu here), as [`ExchangeOps`](crate::exchange::ExchangeOps).
+#[cfg(feature = "cube")]
+impl BlockedAttentionOps for burn::backend::Cube {
+    fn blocked_attention(query: FloatTensor<Self>, key: FloatTensor<Self>, value: FloatTensor<Self>, key_bias: FloatTensor<Self>, settings: BlockedSettings) -> FloatTensor<Self> {
+        forward::<Self>(&query, &key, &value, &key_bias, settings).0
     }
 }
 

@@ -8,7 +8,9 @@
 //! of one is the other.
 //!
 //! The parts travel as host tensors through the group's transport (rank threads or TCP): one
-//! copy out of the backend and one back in, as a host-memory transport needs.
+//! copy out of the backend and one back in, as a host-memory transport needs. Routed for Flex,
+//! for burn's CubeCL backend with the `cube` feature (`wgpu` brings it), and for `Autodiff`
+//! over either.
 
 use std::ops::Range;
 
@@ -75,7 +77,7 @@ pub fn exchange(tensor: Tensor<4>, heads: HeadExchange, direction: Direction) ->
     Tensor::from_dispatch(<Dispatch as ExchangeOps>::ulysses_exchange(tensor.into_dispatch(), heads, direction))
 }
 
-#[backend_extension(Autodiff, Flex)]
+#[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cube"))]
 pub trait ExchangeOps: Backend {
     /// The Ulysses all-to-all of this rank's group (see the module's documentation).
     fn ulysses_exchange(tensor: FloatTensor<Self>, exchange: HeadExchange, direction: Direction) -> FloatTensor<Self>;
@@ -84,6 +86,15 @@ pub trait ExchangeOps: Backend {
 impl ExchangeOps for Flex {
     fn ulysses_exchange(tensor: FloatTensor<Self>, exchange: HeadExchange, direction: Direction) -> FloatTensor<Self> {
         exchange_on::<Flex>(tensor, &exchange, direction)
+    }
+}
+
+/// burn's CubeCL backend, one type for every CubeCL runtime (wgpu here; CUDA would need only
+/// its burn feature, which this project's machines cannot build: README, "Using burn 0.22").
+#[cfg(feature = "cube")]
+impl ExchangeOps for burn::backend::Cube {
+    fn ulysses_exchange(tensor: FloatTensor<Self>, exchange: HeadExchange, direction: Direction) -> FloatTensor<Self> {
+        exchange_on::<Self>(tensor, &exchange, direction)
     }
 }
 

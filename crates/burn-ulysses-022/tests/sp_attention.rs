@@ -3,7 +3,7 @@
 //! replicated), uneven heads. The exchange's backward against the inverse exchange, and bad
 //! layouts refused on every rank with ulysses-core's message (the one burn-ulysses gives).
 
-use burn::tensor::{Device, Tensor, TensorData, ops::AttentionModuleOptions};
+use burn::tensor::{Tensor, TensorData, ops::AttentionModuleOptions};
 use burn_ulysses_022::{
     attention,
     blocked::{BlockedOptions, attention_in_blocks},
@@ -13,8 +13,12 @@ use burn_ulysses_022::{
     exchange::{Direction, HeadExchange, exchange},
 };
 
+#[path = "../examples/model/device.rs"]
+mod device;
 #[path = "../examples/model/values.rs"]
 mod values;
+
+use device::plain_device;
 
 use values::uniform;
 
@@ -147,7 +151,7 @@ fn sequence_parallel_masked(sp: usize, shape: [usize; 4], kv_heads: usize, causa
     let local = s / sp;
     let results = ThreadGroup::new(sp).run(|rank| {
         let _sp = context::enter(rank.communicator());
-        let device = Device::flex().autodiff();
+        let device = plain_device().autodiff();
         let range = rank.rank() * local..(rank.rank() + 1) * local;
         let shard = |values: &[f32], [b, h, s, d]: [usize; 4]| {
             Tensor::<4>::from_data(TensorData::new(tokens(values, [b, h, s, d], range.clone()), [b, h, local, d]), &device)
@@ -198,7 +202,7 @@ fn sp_2_without_autodiff_equals_the_f64_reference() {
     let (q, k, v) = (uniform(len, 41), uniform(len, 42), uniform(len, 43));
     let results = ThreadGroup::new(2).run(|rank| {
         let _sp = context::enter(rank.communicator());
-        let device = Device::flex();
+        let device = plain_device();
         let range = rank.rank() * 6..(rank.rank() + 1) * 6;
         let shard = |values: &[f32]| Tensor::<4>::from_data(TensorData::new(tokens(values, shape, range.clone()), [1, 4, 6, 8]), &device);
         values(attention(shard(&q), shard(&k), shard(&v), None, None, AttentionModuleOptions { is_causal: true, ..Default::default() }))
@@ -242,7 +246,7 @@ fn the_exchange_backward_is_the_inverse_exchange() {
     let heads = HeadExchange { heads: 3, per_rank: vec![vec![0, 0, 1], vec![1, 2, 2]] };
     let results = ThreadGroup::new(2).run(|rank| {
         let _sp = context::enter(rank.communicator());
-        let device = Device::flex().autodiff();
+        let device = plain_device().autodiff();
         let x = Tensor::<4>::from_data(TensorData::new(uniform(2 * 3 * 4 * 5, 10 + rank.rank() as u64), [2, 3, 4, 5]), &device).require_grad();
         let heads_out = exchange(x.clone(), heads.clone(), Direction::ToHeads);
         assert_eq!(heads_out.dims(), [2, 3, 8, 5], "rank {}: three heads, both ranks' tokens", rank.rank());
@@ -274,7 +278,7 @@ fn refusals_with_mask(sp: usize, mask: Option<[usize; 4]>, work: impl Fn(usize) 
     ThreadGroup::new(sp)
         .run(|rank| {
             let _sp = context::enter(rank.communicator());
-            let device = Device::flex().autodiff();
+            let device = plain_device().autodiff();
             let (q_shape, kv_shape) = work(rank.rank());
             let q = Tensor::<4>::zeros(q_shape, &device);
             let kv = Tensor::<4>::zeros(kv_shape, &device);
@@ -308,7 +312,7 @@ fn bad_layouts_are_refused_on_every_rank_with_burn_ulysses_message() {
 
 #[test]
 fn outside_a_group_it_is_burns_attention() {
-    let device = Device::flex();
+    let device = plain_device();
     let options = AttentionModuleOptions { is_causal: true, ..Default::default() };
     let tensor = |heads: usize, stream: u64| Tensor::<4>::from_data(TensorData::new(uniform(heads * 24, stream), [1, heads, 6, 4]), &device);
     let (q, k, v) = (tensor(2, 5), tensor(2, 6), tensor(2, 7));
@@ -343,7 +347,7 @@ fn blocked_attention_equals_the_f64_reference_across_block_edges() {
     let shape = [2, 3, 13, 4];
     let len = shape.iter().product();
     let (q, k, v, w) = (uniform(len, 31), uniform(len, 32), uniform(len, 33), uniform(len, 34));
-    let device = Device::flex().autodiff();
+    let device = plain_device().autodiff();
     for causal in [true, false] {
         for block in [1, 5, 13, 64] {
             let tensor = |values: &[f32]| Tensor::<4>::from_data(TensorData::new(values.to_vec(), shape), &device).require_grad();

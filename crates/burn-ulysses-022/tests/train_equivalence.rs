@@ -10,7 +10,7 @@ mod model;
 use burn::{
     module::{Module, ModuleMapper, ModuleVisitor, Param},
     optim::{GradientsParams, SgdConfig, decay::WeightDecayConfig},
-    tensor::{Device, Int, Tensor, TensorData},
+    tensor::{Int, Tensor, TensorData},
 };
 use burn_ulysses_022::{
     data::{IGNORE_INDEX, SequenceSharder},
@@ -18,7 +18,7 @@ use burn_ulysses_022::{
     train::{all_reduce_gradients, all_reduce_sum, lm_loss_sum},
 };
 use ulysses_core::dist::DistributedConfig;
-use model::{TinyLlamaConfig, init_seeded, uniform};
+use model::{TinyLlamaConfig, init_seeded, plain_device, uniform};
 
 const TOLERANCE: f64 = 1e-5;
 const STEPS: usize = 3;
@@ -91,7 +91,7 @@ fn train_rank(place: Place, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
     let labels = SequenceSharder::labels_in(&batch) as f64;
     let per_replica = batch.len() / place.dp_size;
     let replica = &batch[place.dp_rank * per_replica..(place.dp_rank + 1) * per_replica];
-    let device = Device::flex().autodiff();
+    let device = plain_device().autodiff();
     let mut model = init_seeded(&CONFIG, &device, 7);
     let mut optimizer = SgdConfig::new().init();
     if frozen_embedding {
@@ -227,7 +227,7 @@ fn sp_2_by_dp_2_equals_one_device() {
 fn a_frozen_parameter_stays_as_it_was_under_weight_decay() {
     // No rank has a gradient for the frozen embedding: the sum registers none, so the
     // optimizer's weight decay does not touch it (a zero gradient would decay it).
-    let device = Device::flex().autodiff();
+    let device = plain_device().autodiff();
     let mut initial = Flatten(Vec::new());
     init_seeded(&CONFIG, &device, 7).visit(&mut initial);
     let embedding = 0..CONFIG.vocab * CONFIG.hidden;

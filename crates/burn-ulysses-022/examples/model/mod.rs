@@ -11,7 +11,9 @@ use burn::{
 // was: use burn::tensor::module::attention;
 use burn_ulysses_022::attention;
 
+mod device;
 mod values;
+pub use device::plain_device;
 pub use values::uniform;
 
 #[derive(Debug, Clone, Copy)]
