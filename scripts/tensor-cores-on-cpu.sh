@@ -3,20 +3,21 @@
 # host-built test binaries, run through a Debian trixie root's loader and Mesa 26.1's lavapipe,
 # which has Vulkan cooperative matrices (scripts/lavapipe-trixie.sh makes the root). Every
 # f16 case checks that its plan runs the tensor cores (ULYSSES_EXPECT_ENGINE), so a fallback
-# to the plane engine fails. Two fragment shapes:
+# to the plane engine fails. Three fragment shapes:
 #   - 8³, what lavapipe reports: the f16 tests (causal, documents, GQA, ragged lengths that are
 #     no multiple of a tile, several planes per cube, head dims 40 to 128) but the grouped-query
 #     one, whose shape the documents case covers (a cmma shader compiles in minutes here), and
-#     head dim 256, which the 16 x 16 x 8 run below covers with the shape CUDA uses (at 8³ it
-#     took 195 of CI's seconds, 2026-11-27);
-#   - 16³, what CUDA uses, forced (ULYSSES_FLASH_FRAGMENT=16; lavapipe executes it though it does
-#     not report it): the case that covers most at once (causal, documents, GQA, 150 tokens);
+#     head dim 256, which the two runs below cover with the shapes CUDA uses;
+#   - 16³, what CUDA uses for f16 and bf16, forced (ULYSSES_FLASH_FRAGMENT=16; lavapipe executes
+#     it though it does not report it): the case that covers most at once (causal, documents,
+#     GQA, 150 tokens), and head dim 256, where each kernel is one launch;
 #   - 16 x 16 x 8, TF32's shape on CUDA (f32 runs on it there; lavapipe has no TF32), forced
 #     with f16 operands (ULYSSES_FLASH_FRAGMENT=16x16x8): two product steps per tile, the same
 #     case, and head dim 256, where the forward, dQ, dV and dK each take two launches of 128
 #     columns (plan::part_width: the registers of two-step fragments hold 12 accumulator tiles).
-# A cmma shader takes lavapipe 10-60 s to compile: these minutes are mostly that. Two tests at a
-# time did not shorten them (243 s against 244 s one at a time, 2026-11-25).
+# A cmma shader takes lavapipe 10-60 s to compile: these minutes are mostly that. The three runs
+# go at once, as a run's last shaders leave a core idle: without 16³'s head dim 256, 551 s one
+# after the other (CI), 294 s at once; with it, 400 s at once (2 cores, 2026-11-27).
 # Prints one line per run with the count and the largest error against the f64 reference.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,13 +49,41 @@ run() {
             }
         }
         END { printf "tensor cores %s: %d cases, largest error against f64: forward %.1e, backward %.1e\n", name, cases, fwd, bwd }' "$log"
-    if [ "$status" -ne 0 ] || ! grep -q "on tensor-cores-$fragment" "$log"; then
+    local ran=0
+    grep -q "on tensor-cores-$fragment" "$log" && ran=1
+    rm -f "$log"
+    if [ "$status" -ne 0 ] || [ "$ran" -ne 1 ]; then
         echo "tensor-cores-on-cpu: the $name run failed (exit $status)" >&2
         exit 1
     fi
 }
+# The three runs at once, each printed in turn once it and those before it are done.
+outputs=()
+pids=()
+# Interrupted: stop every run's test binary too (a background run ignores the terminal's ^C).
+stop_runs() {
+    for pid in "${pids[@]}"; do
+        pkill -TERM -P "$pid" 2>/dev/null || true
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+}
+trap 'stop_runs; exit 130' INT TERM
+trap 'rm -f "${outputs[@]}"' EXIT
+start() {
+    local output
+    output=$(mktemp)
+    outputs+=("$output")
+    run "$@" >"$output" 2>&1 &
+    pids+=($!)
+}
 # Every f16 case but the grouped-query one, whose shape f16_causal_documents covers, and head
-# dim 256, which the 16x16x8 run covers.
-run "8x8x8 (lavapipe's own)" 8 f16_non_causal f16_causal_documents
-ULYSSES_FLASH_FRAGMENT=16 run "16x16x16 (CUDA's, forced)" 16 f16_causal_documents
-ULYSSES_FLASH_FRAGMENT=16x16x8 run "16x16x8 (TF32's shape, f16 operands, forced)" 16x16x8 f16_causal_documents f16_causal_head_dim_256
+# dim 256, which the other two runs cover.
+start "8x8x8 (lavapipe's own)" 8 f16_non_causal f16_causal_documents
+ULYSSES_FLASH_FRAGMENT=16 start "16x16x16 (CUDA's, forced)" 16 f16_causal_documents f16_causal_head_dim_256
+ULYSSES_FLASH_FRAGMENT=16x16x8 start "16x16x8 (TF32's shape, f16 operands, forced)" 16x16x8 f16_causal_documents f16_causal_head_dim_256
+failed=0
+for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || failed=1
+    cat "${outputs[$i]}"
+done
+exit "$failed"

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use ulysses_core::{
     comm::{HostCommunicator, ThreadGroup, ThreadGroupConfig},
     dist::{DistError, DistributedConfig, tcp::TcpCommunicator},
-    layout::{dp_size_of_world, sp_dp_coordinates},
+    layout::{dp_size_of_world, dp_sp_coordinates},
 };
 
 pub use ulysses_core::dist::Launch;
@@ -55,10 +55,10 @@ pub fn run_ranks<R: Send>(launch: &Launch, threads: usize, dist: &DistributedCon
     dist.validate()?;
     let world_size = launch.world_size().unwrap_or(threads);
     let sp = dist.sp_size;
-    let dp = dp_size_of_world(world_size, sp).map_err(|e| DistError::Job(e.to_string()))?;
+    let dp = dp_size_of_world(world_size, sp).map_err(|e| DistError::Job(format!("{e} (ULYSSES_SP_SIZE / DistributedConfig::sp_size)")))?;
     let run = |world: Arc<dyn HostCommunicator>, is_process: bool| -> Result<R, DistError> {
         let rank = world.rank();
-        let (dp_rank, sp_rank) = sp_dp_coordinates(rank, sp);
+        let (dp_rank, sp_rank) = dp_sp_coordinates(rank, sp);
         let sequence = world.split(dp_rank as u32, sp_rank as u32).map_err(|e| DistError::Job(format!("forming the sequence-parallel groups: {e}")))?;
         let groups = Groups { sequence, world };
         let _groups = context::enter_groups(groups.clone());
@@ -86,9 +86,10 @@ mod tests {
     fn a_world_the_sp_size_does_not_divide_is_refused_with_the_rule_of_burn_ulysses() {
         let dist = DistributedConfig::new().with_sp_size(2);
         let error = run_ranks(&Launch::Threads, 3, &dist, |rank| rank.rank).unwrap_err().to_string();
-        // The message of ulysses-core's rule, which burn-ulysses' ParallelLayout::for_world returns.
+        // The message of ulysses-core's rule, which burn-ulysses' ParallelLayout::for_world returns,
+        // and where this job's SP size comes from.
         let rule = ulysses_core::layout::dp_size_of_world(3, 2).unwrap_err().to_string();
-        assert_eq!(error, rule);
+        assert!(error.starts_with(&rule) && error.ends_with("(ULYSSES_SP_SIZE / DistributedConfig::sp_size)"), "{error}");
         assert!(error.contains("3 ranks") && error.contains("[1, 3]"), "{error}");
 
         let ranks = run_ranks(&Launch::Threads, 4, &dist, |rank| (rank.rank, rank.sp_rank, rank.dp_rank, rank.dp_size)).unwrap();

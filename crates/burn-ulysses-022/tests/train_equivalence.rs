@@ -1,5 +1,5 @@
 //! A small Llama written plainly for burn 0.22.1 (`examples/model`) trained at SP = 2 and 4,
-//! ranks as threads on Flex + autodiff, against the same model on one device with burn's own
+//! ranks as threads on Flex + autodiff (or wgpu: `ULYSSES_022_DEVICE=wgpu`, `--features wgpu`), against the same model on one device with burn's own
 //! attention: the loss of every step and every parameter after the last within 1e-5; SP = 2 ×
 //! DP = 2 likewise. And SP = 2 as two processes meeting over TCP (this test binary, started
 //! again as each rank), which must give the threads' bits.

@@ -12,7 +12,7 @@ use crate::{
     comm::Communicator,
     context::{RankContext, UlyssesConfig},
     error::UlyssesError,
-    layout::{HeadPlan, RingSharding, divisors, dp_size_of_world, ring_coordinates, sp_dp_coordinates},
+    layout::{HeadPlan, RingSharding, divisors, dp_size_of_world, ring_coordinates, dp_sp_coordinates},
 };
 
 /// The parallel layout of a job. Consecutive ranks form an SP group, so an SP group shares a
@@ -62,7 +62,7 @@ impl ParallelLayout {
 
     /// `(dp_rank, sp_rank)` of a world rank (ulysses-core's rule).
     pub fn coordinates(&self, world_rank: usize) -> (usize, usize) {
-        sp_dp_coordinates(world_rank, self.sp_size)
+        dp_sp_coordinates(world_rank, self.sp_size)
     }
 
     /// The layout of a launched world of `world_size` processes with SP degree `sp_size`:

@@ -422,12 +422,14 @@ pub fn ring_coordinates(sp_rank: usize, ulysses_size: usize) -> (usize, usize) {
 /// (burn-ulysses' `ParallelLayout::for_world`, burn-ulysses-022's `run_ranks`); it fails,
 /// saying what to change, when `sp_size` does not divide the world.
 pub fn dp_size_of_world(world_size: usize, sp_size: usize) -> Result<usize, UlyssesError> {
-    if world_size == 0 || sp_size == 0 || world_size % sp_size != 0 {
+    if world_size == 0 {
+        return Err(UlyssesError::InvalidConfig("the job has 0 ranks: it needs at least one".into()));
+    }
+    if sp_size == 0 || world_size % sp_size != 0 {
         return Err(UlyssesError::InvalidConfig(format!(
-            "the job has {world_size} ranks (WORLD_SIZE, or the rank threads), which the \
-             sequence-parallel degree {sp_size} (the SP size, ULYSSES_SP_SIZE) does not divide: \
-             launch a multiple of {sp_size} ranks, or choose an SP degree among the divisors of \
-             {world_size}: {:?}",
+            "the job has {world_size} ranks, which the sequence-parallel degree {sp_size} does not \
+             divide: launch a multiple of {sp_size} ranks, or choose an SP degree among the \
+             divisors of {world_size}: {:?}",
             divisors(world_size)
         )));
     }
@@ -436,7 +438,7 @@ pub fn dp_size_of_world(world_size: usize, sp_size: usize) -> Result<usize, Ulys
 
 /// `(dp_rank, sp_rank)` of world rank `world_rank`: consecutive ranks form an SP group, so an
 /// SP group shares a node, where the all-to-alls are cheap.
-pub fn sp_dp_coordinates(world_rank: usize, sp_size: usize) -> (usize, usize) {
+pub fn dp_sp_coordinates(world_rank: usize, sp_size: usize) -> (usize, usize) {
     (world_rank / sp_size, world_rank % sp_size)
 }
 
@@ -490,10 +492,9 @@ mod tests {
         assert_eq!(dp_size_of_world(3, 3).unwrap(), 1);
         let message = dp_size_of_world(6, 4).unwrap_err().to_string();
         assert!(message.contains("6 ranks") && message.contains("degree 4") && message.contains("[1, 2, 3, 6]"), "{message}");
-        for (world, sp) in [(0, 1), (4, 0)] {
-            assert!(dp_size_of_world(world, sp).is_err(), "{world} ranks in groups of {sp}");
-        }
-        assert_eq!((0..6).map(|rank| sp_dp_coordinates(rank, 3)).collect::<Vec<_>>(), [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]);
+        assert!(dp_size_of_world(0, 2).unwrap_err().to_string().contains("at least one"));
+        assert!(dp_size_of_world(4, 0).is_err());
+        assert_eq!((0..6).map(|rank| dp_sp_coordinates(rank, 3)).collect::<Vec<_>>(), [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]);
     }
 
     #[test]
