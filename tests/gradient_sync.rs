@@ -172,3 +172,34 @@ fn clipping_scales_the_whole_gradient_to_the_global_norm_asked_for() {
     let clipped_norm = gradient_norm(&net, &clipped);
     assert!((clipped_norm - norm / 4.0).abs() <= 1e-5 * norm, "clipped to {clipped_norm}, asked for {}", norm / 4.0);
 }
+
+/// After the all-reduce every rank holds the same gradient bits, but a GPU's sum of their
+/// squares can differ in its last bits from rank to rank (burn's CubeCL sum adds partial sums
+/// with atomics, in f32), and clipping factors that far apart made an H100's SP=2 ranks'
+/// parameters part ways. Every rank clips with rank 0's norm: here rank `r` measured rank 0's
+/// norm times `1 + r·1e-6` (an f32 sum in another order), and every rank gets rank 0's, so the
+/// clipped gradients are bit-identical.
+#[test]
+fn every_rank_clips_with_rank_0s_gradient_norm() {
+    use burn_ulysses::train::{agreed_gradient_norm, clip_to_norm, gradient_norm};
+    let outcomes = ThreadGroup::new(RANKS)
+        .run(|rank| {
+            let communicator = rank.communicator();
+            // The same parameters and gradients on every rank, as after the all-reduce.
+            let net = burn_ulysses::train::broadcast_parameters(Net::<Ad>::new(&Default::default()), &*communicator).unwrap();
+            let grads = GradientsParams::from_grads::<Ad, _>(net.loss(0).backward(), &net);
+            let measured = gradient_norm(&net, &grads) * (1.0 + 1e-6 * rank.rank() as f64);
+            let agreed = agreed_gradient_norm::<Inner>(measured, &*communicator).unwrap();
+            let clipped = clip_to_norm(&net, grads, agreed, agreed / 4.0);
+            (measured, agreed, gradient_values(&net, &clipped))
+        })
+        .into_iter()
+        .map(|outcome| outcome.unwrap())
+        .collect::<Vec<_>>();
+    let (rank_0_norm, _, rank_0_clipped) = &outcomes[0];
+    assert!(outcomes[1].0 != *rank_0_norm, "the ranks were meant to measure different norms");
+    for (rank, (_, agreed, clipped)) in outcomes.iter().enumerate() {
+        assert_eq!(agreed.to_bits(), rank_0_norm.to_bits(), "rank {rank} clips with {agreed}, rank 0 with {rank_0_norm}");
+        assert!(clipped.iter().zip(rank_0_clipped).all(|(a, b)| a.to_bits() == b.to_bits()), "rank {rank}'s clipped gradients differ from rank 0's");
+    }
+}

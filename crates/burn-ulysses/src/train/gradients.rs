@@ -5,7 +5,7 @@
 use burn::{
     module::{AutodiffModule, ModuleVisitor, Param},
     optim::GradientsParams,
-    tensor::{DType, Tensor, backend::AutodiffBackend},
+    tensor::{DType, Tensor, backend::{AutodiffBackend, Backend}},
 };
 
 use super::TrainBackend;
@@ -142,8 +142,16 @@ pub fn gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads
 
 /// Scales every gradient by `max_norm / (norm + 1e-6)` where their global norm exceeds
 /// `max_norm`, as `torch.nn.utils.clip_grad_norm_` (and Hugging Face's Trainer, whose default
-/// `max_grad_norm` is 1.0) do; returns the gradients and their norm before clipping.
-pub fn clip_gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, mut grads: GradientsParams, max_norm: f64) -> (GradientsParams, f64) {
+/// `max_grad_norm` is 1.0) do; returns the gradients and their norm before clipping. One rank's
+/// clipping: ranks of a group clip with [`agreed_gradient_norm`] and [`clip_to_norm`].
+pub fn clip_gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: GradientsParams, max_norm: f64) -> (GradientsParams, f64) {
+    let norm = gradient_norm(module, &grads);
+    (clip_to_norm(module, grads, norm, max_norm), norm)
+}
+
+/// Scales every gradient by `max_norm / (norm + 1e-6)` when `norm` (their global norm,
+/// measured by the caller) exceeds `max_norm`; leaves them as they are otherwise.
+pub fn clip_to_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, mut grads: GradientsParams, norm: f64, max_norm: f64) -> GradientsParams {
     struct Scale<'a> {
         grads: &'a mut GradientsParams,
         factor: f64,
@@ -155,12 +163,22 @@ pub fn clip_gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, 
             }
         }
     }
-    let norm = gradient_norm(module, &grads);
     let factor = max_norm / (norm + 1e-6);
     if factor < 1.0 {
         module.visit(&mut Scale { grads: &mut grads, factor });
     }
-    (grads, norm)
+    grads
+}
+
+/// The gradient norm every rank of `communicator` clips with: rank 0's `local_norm`, one host
+/// collective of one value per rank. After [`all_reduce_gradients`] every rank holds the same
+/// gradient bits, but a GPU sums their squares in an order that varies from run to run (burn's
+/// CubeCL sum adds partial sums with atomics, and autotunes its kernel per process), so the
+/// ranks' norms can differ in their last bits, and a clipping factor one ulp apart is enough
+/// for their parameters to part ways (SP=2 as threads on an H100, 2026-11-27).
+pub fn agreed_gradient_norm<G: Backend>(local_norm: f64, communicator: &dyn Communicator<G>) -> Result<f64, UlyssesError> {
+    let gathered = crate::comm::all_gather_host_checked(communicator, &[local_norm.to_bits()], "gradient norms")?;
+    Ok(f64::from_bits(gathered[0][0]))
 }
 
 /// The path (`blocks.0.attention.wq.weight`) of the first parameter whose gradient holds a NaN

@@ -45,8 +45,8 @@ pub use layers::{LayerCheckpointing, LayeredLm, Piece, ShardLengths, checkpointe
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters};
 pub use gradients::{
-    GRADIENT_BUCKET_BYTES, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, first_non_finite_gradient,
-    gradient_norm,
+    GRADIENT_BUCKET_BYTES, agreed_gradient_norm, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, clip_to_norm,
+    first_non_finite_gradient, gradient_norm,
 };
 pub use loss::{
     LmOutput, OutputHead, chunked_linear_cross_entropy_sum, default_chunk_rows, linear_cross_entropy_sum, lm_loss_sum,
@@ -283,13 +283,15 @@ where
     }
 
     let grads = all_reduce_gradients(&model, local.grads, &*groups.world)?;
-    // Every rank holds the same sums now: the same norm, the same clipping, no collective.
+    // Every rank holds the same sums now, but not always the same norm of them (a GPU's sum
+    // is not bit-reproducible): every rank clips with rank 0's.
+    let local_norm = gradient_norm(&model, &grads);
     let (grads, grad_norm) = match step.max_grad_norm {
-        Some(max_norm) => clip_gradient_norm(&model, grads, max_norm),
-        None => {
-            let norm = gradient_norm(&model, &grads);
-            (grads, norm)
+        Some(max_norm) => {
+            let norm = agreed_gradient_norm(local_norm, &*groups.world)?;
+            (clip_to_norm(&model, grads, norm, max_norm), norm)
         }
+        None => (grads, local_norm),
     };
     let model = optimizer.step(step.learning_rate, model, grads);
     // Summed in rank order on every rank, so every rank reports the same bits.
