@@ -152,6 +152,16 @@ level = "minimal"
 cache = { file = "/tmp/memory-run/autotune-cache" }
 logger = { level = "minimal", file = "/tmp/memory-run/autotune.log" }
 TOML
+    # MEMORY_PROFILE=1: CubeCL times every kernel on the device and, at each device sync (the
+    # bench's --phases syncs at every phase), writes a table of kernel time by kernel name to
+    # profile.log: a phase's kernel time against its wall time says whether the GPU or the
+    # host holds it up. Each kernel is timed alone, so the step runs slower.
+    if [ "${MEMORY_PROFILE:-0}" = 1 ]; then
+        cat >>/tmp/memory-run/cubecl.toml <<'TOML'
+[profiling]
+logger = { level = "basic", file = "/tmp/memory-run/profile.log" }
+TOML
+    fi
     pushd /tmp/memory-run >/dev/null
     bench="$here/training-memory-bench"
     # Each phase's wall time is printed under its trial, also when the trial timed out; a second
