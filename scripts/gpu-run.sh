@@ -8,8 +8,10 @@
 #   KERNELS_RUN = tests (default) | named | big | bench | ncu (kernels folder)
 #   MEMORY_RUN  = alst (default) | layers4 | table | overhead   (memory folder; alst's range, trial
 #                 limit and steps per trial: MEMORY_MIN_SEQ, MEMORY_MAX_SEQ, MEMORY_TRIAL_TIMEOUT,
-#                 MEMORY_TRIAL_STEPS; overhead: the UlyssesBackend decorator against the plain
-#                 backend, OVERHEAD_ARGS)
+#                 MEMORY_TRIAL_STEPS; alst's tiles and offload, to find what a piece's time is
+#                 made of: MEMORY_TILE_TOKENS (4096), MEMORY_OFFLOAD=0 keeps the checkpointed
+#                 inputs on the device; MEMORY_PROFILE=1 logs every kernel's time; overhead:
+#                 the UlyssesBackend decorator against the plain backend, OVERHEAD_ARGS)
 #   TRAIN_RUN   = check (default) | scale | hf        (train folder)
 # DRY_RUN=1 prints the steps instead of running them (any machine: `DRY_RUN=1 OUT=/tmp/x
 # scripts/gpu-run.sh` from a bundle folder, or from scripts/ to see every step).
@@ -173,8 +175,10 @@ TOML
         # Everything ALST uses, on a Llama-3.1-8B-shaped stack of 2 layers: checkpointing
         # offloaded, the token-wise parts in tiles of d_model tokens, bf16. Goal: 1M tokens.
         # Bisection from 512K to 2M in steps of 128K: at most 4 trials of 100 s.
+        offload="--offload-to-host"
+        [ "${MEMORY_OFFLOAD:-1}" = 0 ] && offload=""
         step memory-alst "$bench" $longest --layers 2 --min-seq "${MEMORY_MIN_SEQ:-524288}" --max-seq "${MEMORY_MAX_SEQ:-2097152}" --step-tokens 131072 \
-            --checkpoint-layers --offload-to-host --tile-tokens 4096 --precision bf16 ;;
+            --checkpoint-layers $offload --tile-tokens "${MEMORY_TILE_TOKENS:-4096}" --precision bf16 ;;
     layers4)
         # 4 layers in f32, plain and checkpointed (offloaded).
         step memory-layers4-plain "$bench" $longest --layers 4 --min-seq 8192 --max-seq 262144 --step-tokens 8192
