@@ -32,7 +32,8 @@ fn sp_ranks_keep_identical_parameters_while_clipping_on_a_cubecl_device() {
     // More lavapipe threads than cores: the atomic adds land in more orders (with the ranks'
     // own norms, 7 runs of 8 parted here, against 2 of 4 with lavapipe's default). Set before
     // the device exists; the only test of this binary.
-    // SAFETY: no other thread of this test binary reads the environment yet.
+    // SAFETY: this file's only test (a second one would run beside it and break this): libtest
+    // has read its own variables before starting it, and no thread of the test has started.
     unsafe { std::env::set_var("LP_NUM_THREADS", "8") };
     if !runtime_available::<Runtime>() {
         return;

@@ -425,3 +425,35 @@ fn impossible_tiles_are_refused_before_the_step() {
     let expected = format!("{tiles} tiles for a shard of {} tokens", shard.local_len);
     assert!(error.to_string().contains(&expected), "{error}");
 }
+
+/// Settings that would make ranks clip apart are refused: burn's own norm clipping (each
+/// rank's norm, measured alone) at validation, and ranks given different clipping limits at
+/// their first step, on every rank, naming the setting.
+#[test]
+fn clipping_that_would_part_the_ranks_is_refused() {
+    use burn::optim::grad_clipping::GradientClippingConfig;
+    let mut burns = config(ParallelLayout::new(), 1);
+    burns.optimizer = AdamWConfig::new().with_grad_clipping(Some(GradientClippingConfig::Norm(1.0)));
+    let message = burns.validate().unwrap_err();
+    assert!(message.contains("grad_clipping is Norm") && message.contains("--max-grad-norm"), "{message}");
+    let mut by_value = config(ParallelLayout::new(), 1);
+    by_value.optimizer = AdamWConfig::new().with_grad_clipping(Some(GradientClippingConfig::Value(1.0)));
+    by_value.validate().expect("clipping by value is element-wise: the same on every rank");
+
+    let base = config(ParallelLayout::new().with_sp_size(2), 1);
+    let results = with_deadline(Duration::from_secs(50), move || {
+        let base = &base;
+        ThreadGroup::new(2).run(|rank| {
+            let config = base.clone().with_max_grad_norm(if rank.rank() == 0 { Some(1.0) } else { None });
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
+            let _sp = enter_sp(&groups);
+            let device = Default::default();
+            let model = config.model.init::<Sp>(&device);
+            train_rank::<Sp>(&config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default()).err().map(|e| e.to_string())
+        })
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let message = result.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}")).unwrap_or_else(|| panic!("rank {rank} trained with limits that differ"));
+        assert!(message.contains("step 0") && message.contains("max_grad_norm") && message.contains("is 1 on rank 0 but NaN on rank 1"), "rank {rank}: {message}");
+    }
+}

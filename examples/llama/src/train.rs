@@ -122,6 +122,15 @@ impl TrainConfig {
         if self.seq_len < 2 {
             return Err(format!("seq_len (--seq-len) must be at least 2 tokens to have a label, got {}", self.seq_len));
         }
+        // burn's norm clipping measures each parameter's norm on each rank alone, with a
+        // device sum that is not bit-reproducible: ranks would clip apart and part ways.
+        let optimizer: serde_json::Value = serde_json::from_str(&self.optimizer.to_string()).map_err(|e| format!("the optimizer's config: {e}"))?;
+        if optimizer["grad_clipping"].get("Norm").is_some() {
+            return Err("the optimizer's grad_clipping is Norm: burn clips each rank's gradients by the norm that rank measures, \
+                        and ranks part ways; leave it None and set max_grad_norm (--max-grad-norm), which clips the summed \
+                        gradient with one norm for every rank"
+                .into());
+        }
         let parts = self.layout.dp_size * self.grad_accumulation;
         if self.batch_size % parts != 0 {
             return Err(format!(

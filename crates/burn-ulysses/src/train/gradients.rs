@@ -116,9 +116,9 @@ impl<B: TrainBackend> ModuleVisitor<B> for RegisterGradients<'_, B> {
 }
 
 /// The L2 norm of all of `grads` together (every parameter's gradient as one vector), in f64.
-/// After [`all_reduce_gradients`] every rank holds the same sums, so each computes the norm of
-/// the whole group's gradient without another collective. Squares are summed on the device in
-/// f32 and read back once.
+/// Squares are summed on the device in f32 and read back once. After [`all_reduce_gradients`]
+/// it is the norm of the whole group's gradient on every rank, but a GPU's sum may differ in its
+/// last bits from rank to rank: ranks that act on it use [`agreed_gradient_norm`].
 pub fn gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams) -> f64 {
     struct SquaredSum<'a, B: AutodiffBackend> {
         grads: &'a GradientsParams,
@@ -142,16 +142,17 @@ pub fn gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads
 
 /// Scales every gradient by `max_norm / (norm + 1e-6)` where their global norm exceeds
 /// `max_norm`, as `torch.nn.utils.clip_grad_norm_` (and Hugging Face's Trainer, whose default
-/// `max_grad_norm` is 1.0) do; returns the gradients and their norm before clipping. One rank's
-/// clipping: ranks of a group clip with [`agreed_gradient_norm`] and [`clip_to_norm`].
+/// `max_grad_norm` is 1.0) do; returns the gradients and their norm before clipping. For one
+/// process alone: the ranks of a group must clip with the same norm, [`agreed_gradient_norm`]'s,
+/// through [`clip_with_norm`] (as [`apply_step`](super::apply_step) does).
 pub fn clip_gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: GradientsParams, max_norm: f64) -> (GradientsParams, f64) {
     let norm = gradient_norm(module, &grads);
-    (clip_to_norm(module, grads, norm, max_norm), norm)
+    (clip_with_norm(module, grads, norm, max_norm), norm)
 }
 
 /// Scales every gradient by `max_norm / (norm + 1e-6)` when `norm` (their global norm,
 /// measured by the caller) exceeds `max_norm`; leaves them as they are otherwise.
-pub fn clip_to_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, mut grads: GradientsParams, norm: f64, max_norm: f64) -> GradientsParams {
+pub fn clip_with_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, mut grads: GradientsParams, norm: f64, max_norm: f64) -> GradientsParams {
     struct Scale<'a> {
         grads: &'a mut GradientsParams,
         factor: f64,

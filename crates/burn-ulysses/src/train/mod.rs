@@ -45,7 +45,7 @@ pub use layers::{LayerCheckpointing, LayeredLm, Piece, ShardLengths, checkpointe
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters};
 pub use gradients::{
-    GRADIENT_BUCKET_BYTES, agreed_gradient_norm, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, clip_to_norm,
+    GRADIENT_BUCKET_BYTES, agreed_gradient_norm, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, clip_with_norm,
     first_non_finite_gradient, gradient_norm,
 };
 pub use loss::{
@@ -91,7 +91,8 @@ pub struct StepReport {
     pub valid_tokens: usize,
     /// Token positions processed over all ranks, padding included.
     pub processed_tokens: usize,
-    /// The global L2 norm of the step's gradient (summed over ranks), before any clipping.
+    /// The global L2 norm of the step's gradient (summed over ranks), before any clipping: rank
+    /// 0's measure of it ([`agreed_gradient_norm`]), the same on every rank.
     pub grad_norm: f64,
 }
 
@@ -108,8 +109,9 @@ pub struct StepInput<'a> {
     /// into it ([`pack_documents`](crate::data::pack_documents)). `None`: one document per
     /// sequence.
     pub documents: Option<&'a [Vec<Vec<usize>>]>,
-    /// Clip the summed gradient to this global L2 norm ([`clip_gradient_norm`]); `None`: no
-    /// clipping.
+    /// Clip the summed gradient to this global L2 norm, with rank 0's measure of it
+    /// ([`agreed_gradient_norm`], [`clip_with_norm`]); `None`: no clipping. The same on every
+    /// rank (checked).
     pub max_grad_norm: Option<f64>,
 }
 
@@ -266,10 +268,12 @@ where
     M: CausalLm<B>,
     O: Optimizer<M, B>,
 {
-    // One host collective carries both the health verdict and the losses.
+    // One host collective carries the health verdict, the losses and the step's settings.
     let bad_parameter = first_non_finite_gradient::<B, M>(&model, &local.grads);
-    let verdict = [local.loss.to_bits(), u64::from(bad_parameter.is_some())];
+    let max_grad_norm = step.max_grad_norm.unwrap_or(f64::NAN);
+    let verdict = [local.loss.to_bits(), u64::from(bad_parameter.is_some()), max_grad_norm.to_bits(), step.learning_rate.to_bits()];
     let gathered = crate::comm::all_gather_host_checked(&*groups.world, &verdict, "step health values")?;
+    check_same_settings(step.index, &gathered)?;
     let losses: Vec<f64> = gathered.iter().map(|v| f64::from_bits(v[0])).collect();
     let non_finite_loss: Vec<usize> = (0..losses.len()).filter(|&r| !losses[r].is_finite()).collect();
     let non_finite_grads: Vec<usize> = (0..gathered.len()).filter(|&r| gathered[r][1] == 1).collect();
@@ -284,19 +288,34 @@ where
 
     let grads = all_reduce_gradients(&model, local.grads, &*groups.world)?;
     // Every rank holds the same sums now, but not always the same norm of them (a GPU's sum
-    // is not bit-reproducible): every rank clips with rank 0's.
-    let local_norm = gradient_norm(&model, &grads);
-    let (grads, grad_norm) = match step.max_grad_norm {
-        Some(max_norm) => {
-            let norm = agreed_gradient_norm(local_norm, &*groups.world)?;
-            (clip_to_norm(&model, grads, norm, max_norm), norm)
-        }
-        None => (grads, local_norm),
+    // is not bit-reproducible): every rank clips with, and reports, rank 0's.
+    let grad_norm = agreed_gradient_norm(gradient_norm(&model, &grads), &*groups.world)?;
+    let grads = match step.max_grad_norm {
+        Some(max_norm) => clip_with_norm(&model, grads, grad_norm, max_norm),
+        None => grads,
     };
     let model = optimizer.step(step.learning_rate, model, grads);
     // Summed in rank order on every rank, so every rank reports the same bits.
     let loss = losses.iter().sum();
     Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
+}
+
+/// Refuses a step whose ranks were given different settings (gathered as
+/// [`apply_step`]'s verdict: the clipping limit, NaN for none, and the learning rate, as bits):
+/// their parameters would part without an error.
+fn check_same_settings(step: usize, gathered: &[Vec<u64>]) -> Result<(), UlyssesError> {
+    for (index, setting) in [(2, "max_grad_norm (the clipping limit; NaN: none)"), (3, "the learning rate")] {
+        let differing: Vec<usize> = (0..gathered.len()).filter(|&r| gathered[r][index] != gathered[0][index]).collect();
+        if let Some(&rank) = differing.first() {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "step {step}: {setting} is {} on rank 0 but {} on rank {rank} (ranks {differing:?} differ); every rank \
+                 must be given the same step settings, or their parameters part",
+                f64::from_bits(gathered[0][index]),
+                f64::from_bits(gathered[rank][index])
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Refuses a step that would train silently wrong.
