@@ -13,6 +13,10 @@
 //!
 //! Each rank's loss is its tokens' cross-entropy over the whole batch's label count, so the
 //! ranks' losses and gradients, summed over every SP and DP rank, are the single-device ones.
+//! The step stays the same on every rank only if nothing in it measures the gradients per
+//! rank on a GPU: burn's norm clipping (`GradientClippingConfig::Norm`) sums squares on the
+//! device, a sum that is not bit-reproducible there, and would clip the ranks apart (burn 0.21's
+//! trainer clips with rank 0's norm instead; clipping by value is element-wise and safe).
 
 use burn::{
     module::{Module, ModuleVisitor, Param},
