@@ -305,7 +305,7 @@ where
 /// their parameters would part without an error.
 fn check_same_settings(step: usize, gathered: &[Vec<u64>]) -> Result<(), UlyssesError> {
     for (index, setting) in [(2, "max_grad_norm (the clipping limit; NaN: none)"), (3, "the learning rate")] {
-        let differing: Vec<usize> = (0..gathered.len()).filter(|&r| gathered[r][index] != gathered[0][index]).collect();
+        let differing = ranks_differing_from_rank_0(gathered, index);
         if let Some(&rank) = differing.first() {
             return Err(UlyssesError::InvalidConfig(format!(
                 "step {step}: {setting} is {} on rank 0 but {} on rank {rank} (ranks {differing:?} differ); every rank \
@@ -492,10 +492,15 @@ pub fn check_parameters_identical<B: Backend, M: Module<B>, G: Backend>(
     let hashes: Vec<u64> = parameters.iter().map(|p| checkpoint::fnv1a(&[p.values.to_data().as_bytes()])).collect();
     let gathered = crate::comm::all_gather_host_checked(communicator, &hashes, "float parameters")?;
     for (i, parameter) in parameters.iter().enumerate() {
-        if gathered.iter().any(|h| h[i] != gathered[0][i]) {
-            let differing = (0..gathered.len()).filter(|&r| gathered[r][i] != gathered[0][i]).collect();
+        let differing = ranks_differing_from_rank_0(&gathered, i);
+        if !differing.is_empty() {
             return Err(UlyssesError::ParametersDiverged { parameter: parameter.path.clone(), ranks: differing });
         }
     }
     Ok(())
+}
+
+/// The ranks whose gathered value at `index` is not rank 0's.
+fn ranks_differing_from_rank_0(gathered: &[Vec<u64>], index: usize) -> Vec<usize> {
+    (0..gathered.len()).filter(|&r| gathered[r][index] != gathered[0][index]).collect()
 }
