@@ -199,6 +199,8 @@ fn every_rank_clips_with_rank_0s_gradient_norm() {
         .map(|outcome| outcome.unwrap())
         .collect::<Vec<_>>();
     let (rank_0_norm, _, rank_0_clipped) = &outcomes[0];
+    assert!(rank_0_norm.is_finite() && *rank_0_norm > 0.0, "rank 0 measured a norm of {rank_0_norm}");
+    assert!(rank_0_clipped.iter().all(|g| g.is_finite()), "rank 0's clipped gradients hold a NaN or an infinity");
     assert!(outcomes[1].0 != *rank_0_norm, "the ranks were meant to measure different norms");
     for (rank, (_, agreed, clipped)) in outcomes.iter().enumerate() {
         assert_eq!(agreed.to_bits(), rank_0_norm.to_bits(), "rank {rank} clips with {agreed}, rank 0 with {rank_0_norm}");
