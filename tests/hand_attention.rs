@@ -1,16 +1,20 @@
-//! Attention done by hand is refused under sequence parallelism, and the port is short.
+//! Attention done by hand is refused under sequence parallelism, however the data was sharded,
+//! and the port is short.
 //!
-//! - burn-nn's `MultiHeadAttention` and a Llama attention written the usual Burn way (`q·kᵀ`
-//!   by matmul, a causal mask from local shapes, RoPE from position 0) under SP = 2: every
-//!   rank stops with the guard's message (no hang, no result); at SP = 1 and without a group
-//!   they run unchanged.
+//! - Four models that attend by hand (burn-nn's `MultiHeadAttention`, burn-nn's transformer
+//!   encoder, a Llama attention written the usual Burn way with `[B, H, S, d]` heads, the same
+//!   with heads folded into the batch, `[B·H, S, d]`) at SP = 2 and 3, each rank's input cut by
+//!   `narrow` (no sharder, nothing recorded): every rank stops with the guard's message (no
+//!   hang, no result). At SP = 1 and without a group they give one device's output.
+//! - What the guard prevents: let through (the opt-out), each rank attends within its shard
+//!   and the models' outputs are far from one device's.
 //! - The same Llama ported as the README's porting guide shows (the attention op, `is_causal`,
 //!   RoPE at the shard's global offset) equals the hand-written one on one device at SP = 2
 //!   and 4; the README's diff is checked against this file.
 //! - The drop-in `burn_ulysses::nn::MultiHeadAttention` with `MhaInput::causal()` gives
 //!   burn-nn's output with an autoregressive mask from the same record (≤ 1e-6) and is
 //!   sequence parallel at SP = 2 and 4.
-//! - A linear layer as wide as the local sequence, and the opt-out, pass the guard.
+//! - A linear layer as wide as the local sequence passes the guard.
 
 use std::time::Duration;
 
@@ -20,20 +24,22 @@ use burn::{
     nn::{
         Linear, LinearConfig, RotaryEncoding, RotaryEncodingConfig,
         attention::{self as burn_nn, generate_autoregressive_mask},
+        transformer::{TransformerEncoderConfig, TransformerEncoderInput},
     },
     record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder},
     tensor::{
         Tensor, activation::softmax, backend::Backend, module::attention, ops::AttentionModuleOptions,
     },
 };
-use burn_ulysses::{RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup, context::record_local_sequence, nn};
+use burn_ulysses::{RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup, nn};
 use ulysses_suite::{deterministic_params, max_abs_diff, shard, uniform_tensor, values, with_deadline};
 
 type Inner = NdArray<f32>;
 type Sp = UlyssesBackend<Autodiff<Inner>>;
 
 const BATCH: usize = 2;
-const SEQ: usize = 16;
+/// Divides by 2, 3 and 4: the group sizes below.
+const SEQ: usize = 12;
 const D_MODEL: usize = 32;
 const HEADS: usize = 4;
 const TOLERANCE: f32 = 1e-5;
@@ -45,15 +51,14 @@ fn input<B: Backend>(device: &B::Device) -> Tensor<B, 3> {
     uniform_tensor::<B, 3>([BATCH, SEQ, D_MODEL], 5, device)
 }
 
-/// `work` on each of `sp` rank threads with its shard of the input (and its length recorded,
-/// as the sharding step does); each rank's output, or its panic message.
+/// `work` on each of `sp` rank threads with its shard of the input, cut by `narrow` (nothing
+/// tells the backend the shard's length); each rank's output, or its panic message.
 fn on_ranks(sp: usize, config: UlyssesConfig, work: impl Fn(Tensor<Sp, 3>, usize) -> Tensor<Sp, 3> + Send + Sync + 'static) -> Vec<Result<Vec<f32>, String>> {
     with_deadline(Duration::from_secs(60), move || {
         ThreadGroup::new(sp)
             .run(|rank| {
                 let _sp = Sp::enter(RankScope::Thread, rank.communicator(), config.clone());
                 let (r, p) = (rank.rank(), rank.size());
-                record_local_sequence(SEQ / p);
                 let x = shard(input::<Sp>(&Default::default()), 1, r, p);
                 values(work(x, r * SEQ / p))
             })
@@ -63,11 +68,12 @@ fn on_ranks(sp: usize, config: UlyssesConfig, work: impl Fn(Tensor<Sp, 3>, usize
     })
 }
 
-fn assert_refused_on_every_rank(results: &[Result<Vec<f32>, String>]) {
+fn assert_refused_on_every_rank(results: &[Result<Vec<f32>, String>], what: &str) {
+    let p = results.len();
     for (rank, result) in results.iter().enumerate() {
         match result {
-            Ok(_) => panic!("rank {rank} attended by hand under SP and returned a result"),
-            Err(message) => assert!(message.contains(REFUSAL) && message.contains("module::attention"), "rank {rank}: {message}"),
+            Ok(_) => panic!("{what}: rank {rank} of {p} attended by hand under SP and returned a result"),
+            Err(message) => assert!(message.contains(REFUSAL) && message.contains("module::attention"), "{what}, rank {rank} of {p}: {message}"),
         }
     }
 }
@@ -85,22 +91,6 @@ fn assert_sequence_parallel(results: Vec<Result<Vec<f32>, String>>, want: Tensor
 
 fn burn_nn_mha<B: Backend>(device: &B::Device) -> burn_nn::MultiHeadAttention<B> {
     deterministic_params(burn_nn::MultiHeadAttentionConfig::new(D_MODEL, HEADS).with_dropout(0.0).init::<B>(device), 7)
-}
-
-#[test]
-fn burn_nn_multi_head_attention_is_refused_on_every_rank_under_sp() {
-    let results = on_ranks(2, UlyssesConfig::new(), |x, _| burn_nn_mha::<Sp>(&x.device()).forward(burn_nn::MhaInput::self_attn(x)).context);
-    assert_refused_on_every_rank(&results);
-}
-
-#[test]
-fn burn_nn_multi_head_attention_runs_unchanged_at_sp_1_and_without_a_group() {
-    let device = Default::default();
-    let want = burn_nn_mha::<Inner>(&device).forward(burn_nn::MhaInput::self_attn(input::<Inner>(&device))).context;
-    let alone = burn_nn_mha::<Sp>(&device).forward(burn_nn::MhaInput::self_attn(input::<Sp>(&device))).context;
-    let diff = max_abs_diff(&values(alone), &values(want.clone()));
-    assert!(diff <= TOLERANCE, "without a group: {diff:e}");
-    assert_sequence_parallel(on_ranks(1, UlyssesConfig::new(), |x, _| burn_nn_mha::<Sp>(&x.device()).forward(burn_nn::MhaInput::self_attn(x)).context), want);
 }
 
 /// A Llama attention block, written the usual Burn way, and ported.
@@ -154,6 +144,21 @@ impl<B: Backend> LlamaAttention<B> {
         self.merge_heads(softmax(scores, 3).matmul(v))
     }
 
+    /// The same attention with heads folded into the batch, `[B·H, S, d]`, as many hand-written
+    /// models do it.
+    fn forward_folded(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [batch, seq, _] = x.dims();
+        let fold = |t: Tensor<B, 4>| t.reshape([batch * self.heads, seq, self.head_dim]);
+        let q = fold(self.rope.forward(self.split_heads(self.wq.forward(x.clone()))));
+        let k = fold(self.rope.forward(self.split_heads(self.wk.forward(x.clone()))));
+        let v = fold(self.split_heads(self.wv.forward(x.clone())));
+        let scores = q.matmul(k.swap_dims(1, 2)) / (self.head_dim as f64).sqrt();
+        let mask = generate_autoregressive_mask::<B>(batch * self.heads, seq, &x.device());
+        let scores = scores.mask_fill(mask, f32::NEG_INFINITY);
+        let context = softmax(scores, 2).matmul(v).reshape([batch, self.heads, seq, self.head_dim]);
+        self.merge_heads(context)
+    }
+
     /// The same block made sequence parallel (the README's porting guide): the attention op,
     /// `is_causal` for the mask, RoPE at the shard's first global position.
     fn forward_ported(&self, x: Tensor<B, 3>, position_offset: usize) -> Tensor<B, 3> {
@@ -165,9 +170,81 @@ impl<B: Backend> LlamaAttention<B> {
     }
 }
 
+/// The models that attend by hand.
+#[derive(Debug, Clone, Copy)]
+enum HandWritten {
+    BurnNnMultiHeadAttention,
+    BurnNnTransformerEncoder,
+    LlamaWithHeads,
+    LlamaWithHeadsFoldedIntoTheBatch,
+}
+
+impl HandWritten {
+    const ALL: [Self; 4] = [Self::BurnNnMultiHeadAttention, Self::BurnNnTransformerEncoder, Self::LlamaWithHeads, Self::LlamaWithHeadsFoldedIntoTheBatch];
+
+    /// The model (the same parameters on every rank and device) applied to `x`.
+    fn forward<B: Backend>(self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let device = x.device();
+        match self {
+            Self::BurnNnMultiHeadAttention => burn_nn_mha::<B>(&device).forward(burn_nn::MhaInput::self_attn(x)).context,
+            Self::BurnNnTransformerEncoder => {
+                let config = TransformerEncoderConfig::new(D_MODEL, 48, HEADS, 2).with_dropout(0.0);
+                deterministic_params(config.init::<B>(&device), 3).forward(TransformerEncoderInput::new(x))
+            }
+            Self::LlamaWithHeads => LlamaAttention::<B>::new(&device).forward(x),
+            Self::LlamaWithHeadsFoldedIntoTheBatch => LlamaAttention::<B>::new(&device).forward_folded(x),
+        }
+    }
+}
+
 #[test]
-fn a_hand_written_llama_attention_is_refused_on_every_rank_under_sp() {
-    assert_refused_on_every_rank(&on_ranks(2, UlyssesConfig::new(), |x, _| LlamaAttention::<Sp>::new(&x.device()).forward(x)));
+fn attention_by_hand_is_refused_on_every_rank_at_sp_2_and_3() {
+    for model in HandWritten::ALL {
+        for sp in [2, 3] {
+            assert_refused_on_every_rank(&on_ranks(sp, UlyssesConfig::new(), move |x, _| model.forward(x)), &format!("{model:?} at SP = {sp}"));
+        }
+    }
+}
+
+#[test]
+fn attention_by_hand_runs_unchanged_at_sp_1_and_without_a_group() {
+    let device = Default::default();
+    for model in HandWritten::ALL {
+        let want = model.forward(input::<Inner>(&device));
+        let alone = model.forward(input::<Sp>(&device));
+        let diff = max_abs_diff(&values(alone), &values(want.clone()));
+        println!("{model:?} without a group vs the plain backend: max |Δ| {diff:.2e}");
+        assert!(diff <= TOLERANCE, "{model:?} without a group: {diff:e}");
+        assert_sequence_parallel(on_ranks(1, UlyssesConfig::new(), move |x, _| model.forward(x)), want);
+    }
+    // Folding the heads into the batch changes nothing but the shapes.
+    let heads = HandWritten::LlamaWithHeads.forward(input::<Inner>(&device));
+    let folded = HandWritten::LlamaWithHeadsFoldedIntoTheBatch.forward(input::<Inner>(&device));
+    let diff = max_abs_diff(&values(folded), &values(heads));
+    assert!(diff <= TOLERANCE, "the folded Llama differs from the one with heads by {diff:e}");
+}
+
+#[test]
+fn what_the_guard_prevents_every_rank_attends_within_its_shard() {
+    // Let through (the opt-out), each rank gives what the model gives on its shard alone,
+    // which is far from its shard of one device's output: the silently wrong result.
+    let device = Default::default();
+    for model in HandWritten::ALL {
+        let want = model.forward(input::<Inner>(&device));
+        for sp in [2, 3] {
+            let config = UlyssesConfig::new().with_shard_local_attention_on_purpose(true);
+            let mut worst = 0.0f32;
+            for (rank, got) in on_ranks(sp, config, move |x, _| model.forward(x)).into_iter().enumerate() {
+                let got = got.unwrap_or_else(|message| panic!("{model:?}, rank {rank} of {sp}: {message}"));
+                let alone = model.forward(shard(input::<Inner>(&device), 1, rank, sp));
+                let diff = max_abs_diff(&got, &values(alone));
+                assert!(diff <= TOLERANCE, "{model:?}, rank {rank} of {sp}: {diff:e} from its shard alone");
+                worst = worst.max(max_abs_diff(&got, &values(shard(want.clone(), 1, rank, sp))));
+            }
+            println!("{model:?} at SP = {sp}, attending within each shard: max |Δ| from one device {worst:.2e}");
+            assert!(worst > 0.05, "{model:?} at SP = {sp}: shard-local attention only {worst:e} from one device");
+        }
+    }
 }
 
 #[test]
@@ -179,20 +256,6 @@ fn the_ported_llama_attention_equals_one_device_at_sp_2_and_4() {
     assert!(diff <= TOLERANCE, "the port changes the single-device output by {diff:e}");
     for sp in [2, 4] {
         assert_sequence_parallel(on_ranks(sp, UlyssesConfig::new(), |x, offset| LlamaAttention::<Sp>::new(&x.device()).forward_ported(x, offset)), want.clone());
-    }
-}
-
-#[test]
-fn the_opt_out_lets_shard_local_attention_through() {
-    let config = UlyssesConfig::new().with_shard_local_attention_on_purpose(true);
-    let results = on_ranks(2, config, |x, _| LlamaAttention::<Sp>::new(&x.device()).forward(x));
-    // Each rank attends within its shard, as the model asked: rank r equals the hand-written
-    // block run on shard r alone.
-    let device = Default::default();
-    for (rank, got) in results.into_iter().enumerate() {
-        let alone = LlamaAttention::<Inner>::new(&device).forward(shard(input::<Inner>(&device), 1, rank, 2));
-        let diff = max_abs_diff(&got.unwrap(), &values(alone));
-        assert!(diff <= TOLERANCE, "rank {rank}: {diff:e}");
     }
 }
 

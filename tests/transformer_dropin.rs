@@ -1,8 +1,8 @@
 //! `burn_ulysses::nn::{TransformerEncoder, TransformerDecoder}` are drop-ins for burn-nn's: a
 //! burn-nn record loads into them and they give burn-nn's output (≤ 1e-6 of its largest value; causal through the
 //! flag where burn-nn takes an autoregressive mask; pre- and post-norm), and under
-//! `UlyssesBackend` at SP = 2 and 4 each rank gives its shard of the one-device output. burn-nn's
-//! own encoder under SP = 2 is refused by the guard against attention by hand.
+//! `UlyssesBackend` at SP = 2 and 4 each rank gives its shard of the one-device output. (burn-nn's
+//! own encoder under SP is refused by the guard against attention by hand: tests/hand_attention.rs.)
 
 use std::time::Duration;
 
@@ -13,7 +13,7 @@ use burn::{
     record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder},
     tensor::{Tensor, backend::Backend},
 };
-use burn_ulysses::{UlyssesBackend, comm::ThreadGroup, context::record_local_sequence, nn};
+use burn_ulysses::{UlyssesBackend, comm::ThreadGroup, nn};
 use ulysses_suite::{deterministic_params, max_abs_diff, shard, uniform_tensor, values, with_deadline};
 
 type Inner = NdArray<f32>;
@@ -108,7 +108,6 @@ fn on_ranks(sp: usize, work: impl Fn(Tensor<Sp, 3>, Tensor<Sp, 3>) -> Tensor<Sp,
             .run(|rank| {
                 let _sp = Sp::enter_thread(rank.communicator());
                 let (r, p) = (rank.rank(), rank.size());
-                record_local_sequence(SEQ / p);
                 let device = Default::default();
                 values(work(shard(target::<Sp>(&device), 1, r, p), shard(memory::<Sp>(&device), 1, r, p)))
             })
@@ -141,17 +140,5 @@ fn the_encoder_and_decoder_are_sequence_parallel_at_sp_2_and_4() {
             drop_in_decoder::<Sp>(bytes.clone(), false, &x.device()).forward(nn::TransformerDecoderInput::new(x, memory).target_causal())
         });
         assert_sequence_parallel(results, &decoded, "decoder");
-    }
-}
-
-#[test]
-fn burn_nns_encoder_is_refused_on_every_rank_under_sp() {
-    let results = on_ranks(2, |x, _| {
-        let config = burn_nn::TransformerEncoderConfig::new(D_MODEL, D_FF, HEADS, LAYERS).with_dropout(0.0);
-        config.init::<Sp>(&x.device()).forward(burn_nn::TransformerEncoderInput::new(x))
-    });
-    for (rank, result) in results.iter().enumerate() {
-        let message = result.as_ref().err().unwrap_or_else(|| panic!("rank {rank} returned a result"));
-        assert!(message.contains("attention done by hand"), "rank {rank}: {message}");
     }
 }

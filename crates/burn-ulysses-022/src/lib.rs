@@ -15,6 +15,11 @@
 //!    burn's attention; inside one ([`context::enter`]) it exchanges, attends, and exchanges
 //!    back.
 //!
+//! Nothing here can see a model's own matmuls, so, unlike burn-ulysses, **nothing refuses
+//! attention done by hand**: a model that computes `softmax(q·kᵀ)·v` itself, or calls burn's
+//! attention rather than this crate's, attends within each rank's shard without a word. Port
+//! it (README, "Using burn 0.22") and check that SP = 2 gives SP = 1's loss.
+//!
 //! ```no_run
 //! // use burn::tensor::module::attention;
 //! use burn_ulysses_022::attention;

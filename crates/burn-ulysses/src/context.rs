@@ -16,12 +16,9 @@
 
 use std::{
     any::{Any, TypeId, type_name},
-    cell::{Cell, RefCell},
+    cell::RefCell,
     marker::PhantomData,
-    sync::{
-        Arc, RwLock,
-        atomic::{AtomicUsize, Ordering},
-    },
+    sync::{Arc, RwLock},
 };
 
 use burn::{config::Config, tensor::backend::Backend};
@@ -109,11 +106,8 @@ enum Entry {
 
 thread_local! {
     static THREAD_CONTEXT: RefCell<Option<Entry>> = const { RefCell::new(None) };
-    static THREAD_LOCAL_SEQUENCE: Cell<Option<usize>> = const { Cell::new(None) };
 }
 static PROCESS_CONTEXT: RwLock<Option<Entry>> = RwLock::new(None);
-/// The last local sequence length recorded by any thread; 0 for none.
-static PROCESS_LOCAL_SEQUENCE: AtomicUsize = AtomicUsize::new(0);
 
 /// Restores the previous context of its scope when dropped.
 #[must_use = "the rank context is left as soon as the guard is dropped"]
@@ -196,20 +190,6 @@ pub fn current_sharding() -> Option<Sharding> {
         .with(|slot| from(&slot.borrow()))
         .or_else(|| from(&PROCESS_CONTEXT.read().unwrap_or_else(|p| p.into_inner())))
         .flatten()
-}
-
-/// Records that this rank's model input holds `len` tokens of each sequence: the sharding
-/// step calls it (`ShardTensors::tokens`), and a trainer that shards by
-/// itself should too, so that the guard in `hand_attention` can recognise scores of a shard
-/// against itself. Kept for this thread and, for threads that never record, the process.
-pub fn record_local_sequence(len: usize) {
-    THREAD_LOCAL_SEQUENCE.with(|slot| slot.set(Some(len)));
-    PROCESS_LOCAL_SEQUENCE.store(len, Ordering::Relaxed);
-}
-
-/// The local sequence length this thread recorded, else the process's last, if any.
-pub fn local_sequence() -> Option<usize> {
-    THREAD_LOCAL_SEQUENCE.with(Cell::get).or_else(|| Some(PROCESS_LOCAL_SEQUENCE.load(Ordering::Relaxed)).filter(|&len| len > 0))
 }
 
 /// When this thread is one of several ranks that are threads of this process (a

@@ -7,9 +7,7 @@ pub use ulysses_core::data::{IGNORE_INDEX, SequenceShard, SequenceSharder, Shard
 
 /// A shard's tokens and labels as burn 0.21 tensors.
 pub trait ShardTensors {
-    /// `[batch, local_len]` token tensor on `device`. Records the shard's length as this
-    /// rank's local sequence ([`crate::context::record_local_sequence`]), for the guard
-    /// against attention by hand.
+    /// `[batch, local_len]` token tensor on `device`.
     fn tokens<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2, Int>;
 
     /// `[batch, local_len]` label tensor on `device`.
@@ -18,7 +16,6 @@ pub trait ShardTensors {
 
 impl ShardTensors for SequenceShard {
     fn tokens<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2, Int> {
-        crate::context::record_local_sequence(self.local_len);
         int_tensor(self, &self.tokens, device)
     }
 

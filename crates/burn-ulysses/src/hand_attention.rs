@@ -1,23 +1,26 @@
 //! The guard against attention done by hand: `UlyssesBackend` refuses, inside a group that
-//! spreads each sequence over several ranks, a matmul that computes scores of a rank's shard
-//! against itself.
+//! spreads each sequence over several ranks, a matmul shaped like the scores of a rank's shard
+//! against itself, or like those scores' weights applied to values.
 //!
 //! A model that calls `burn::tensor::module::attention` is sequence parallel under
 //! `UlyssesBackend`; one that multiplies `q·kᵀ` itself (burn-nn's `MultiHeadAttention`, most
 //! hand-written Llamas) would run without a word while every rank attended only within its
-//! shard. Such scores have a recognisable shape: a 4-D `[.., S, D] · [.., D, S]` product of
-//! per-(batch, head) operands whose result is `local × local`, `local` being the length the
-//! sharding step recorded ([`context::record_local_sequence`]). A linear layer's weight is
-//! broadcast over batch and heads (its leading dims are 1), so its output never matches, even
-//! when its width equals the local length. The attention op's own products run on the inner
-//! backend and never reach this guard.
+//! shard. The guard goes by shape alone, so it does not matter how the data was sharded
+//! (the project's sharder, `narrow`, a loader of the user's own):
+//! - both operands are per-(batch, head) activations: 3-D or more, the same leading dims,
+//!   more than one matrix in all (`[B, H, ..]`, or heads folded into the batch, `[B·H, ..]`);
+//! - and the product is self-attention's: `[.., n, d] · [.., d, n]` (scores, square result)
+//!   or `[.., n, n] · [.., n, d]` (weights times values, square left operand).
+//!
+//! A linear layer never matches: its weight is broadcast over batch and heads (leading dims 1),
+//! and burn routes it through `ModuleOps::linear`, which the decorator forwards untouched.
+//! Nor do the attention op's own products, the ring's blocks or any backward: they run on the
+//! inner backend. What shape cannot tell apart stays unguarded: a single matrix (batch 1, one
+//! head: as a linear layer looks), and 2-D products.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::tensor::{
-    TensorMetadata,
-    ops::FloatTensor,
-};
+use burn::tensor::{TensorMetadata, ops::FloatTensor};
 
 use crate::{
     context::{self, Sharding},
@@ -25,25 +28,39 @@ use crate::{
     inner::ExchangeBackend,
 };
 
-/// Why a matmul of these shapes is refused, or `None`: `local_seq` the recorded local
-/// sequence length, `sharding` the rank context's.
-pub fn scores_within_shard(lhs: &[usize], rhs: &[usize], local_seq: Option<usize>, sharding: Option<Sharding>) -> Option<UlyssesError> {
+/// The size of the token × token matrix in a product of these shapes that self-attention
+/// makes (scores, or the weights applied to values), or `None`.
+fn attention_matrix_size(lhs: &[usize], rhs: &[usize]) -> Option<usize> {
+    let dims = lhs.len();
+    if dims < 3 || rhs.len() != dims {
+        return None;
+    }
+    let (lhs_leading, [m, k]) = lhs.split_at(dims - 2) else { return None };
+    let (rhs_leading, [_, n]) = rhs.split_at(dims - 2) else { return None };
+    if lhs_leading != rhs_leading || lhs_leading.iter().product::<usize>() < 2 {
+        return None;
+    }
+    if m == n {
+        Some(*m)
+    } else if m == k {
+        Some(*m)
+    } else {
+        None
+    }
+}
+
+/// Why a matmul of these shapes is refused, or `None`: `sharding` the rank context's.
+pub fn attention_by_hand(lhs: &[usize], rhs: &[usize], sharding: Option<Sharding>) -> Option<UlyssesError> {
     let sharding = sharding.filter(|s| s.ranks > 1 && !s.shard_local_attention_on_purpose)?;
-    let local_seq = local_seq?;
-    let ([.., m, _], [batch, heads, _, n]) = (lhs, rhs) else { return None };
-    let per_head_operand = *batch > 1 || *heads > 1;
-    (lhs.len() == 4 && rhs.len() == 4 && *m == local_seq && *n == local_seq && per_head_operand).then(|| UlyssesError::AttentionByHand {
-        lhs: lhs.to_vec(),
-        rhs: rhs.to_vec(),
-        local_seq,
-        ranks: sharding.ranks,
-    })
+    let tokens = attention_matrix_size(lhs, rhs)?;
+    Some(UlyssesError::AttentionByHand { lhs: lhs.to_vec(), rhs: rhs.to_vec(), tokens, ranks: sharding.ranks })
 }
 
 static GUARD_ON: AtomicBool = AtomicBool::new(true);
 
 /// Turns the guard on or off for the whole process: for measuring what it costs
-/// (`cargo bench --bench matmul_guard`). A model that attends within each shard on purpose sets
+/// (`cargo bench --bench matmul_guard`) and for showing what it prevents (the tests). A model
+/// that attends within each shard on purpose sets
 /// [`UlyssesConfig::shard_local_attention_on_purpose`](crate::UlyssesConfig) instead.
 pub fn set_guard(on: bool) {
     GUARD_ON.store(on, Ordering::Relaxed);
@@ -53,8 +70,8 @@ pub fn set_guard(on: bool) {
 pub fn guarded_matmul<X: ExchangeBackend>(lhs: FloatTensor<X>, rhs: FloatTensor<X>) -> FloatTensor<X> {
     // The shape test first: most matmuls end there, before any lookup.
     let (lhs_shape, rhs_shape) = (lhs.shape(), rhs.shape());
-    if lhs_shape.num_dims() == 4 && rhs_shape.num_dims() == 4 && lhs_shape[2] == rhs_shape[3] && GUARD_ON.load(Ordering::Relaxed) {
-        if let Some(error) = scores_within_shard(&lhs_shape, &rhs_shape, context::local_sequence(), context::current_sharding()) {
+    if attention_matrix_size(&lhs_shape, &rhs_shape).is_some() && GUARD_ON.load(Ordering::Relaxed) {
+        if let Some(error) = attention_by_hand(&lhs_shape, &rhs_shape, context::current_sharding()) {
             panic!("{error}");
         }
     }
@@ -69,25 +86,55 @@ mod tests {
 
     #[test]
     fn scores_of_a_shard_against_itself_are_refused_with_the_fix() {
-        let error = scores_within_shard(&[2, 4, 8, 16], &[2, 4, 16, 8], Some(8), SP2).expect("refused");
+        let error = attention_by_hand(&[2, 4, 8, 16], &[2, 4, 16, 8], SP2).expect("refused");
         let message = error.to_string();
-        for needle in ["[2, 4, 8, 16]", "8 x 8", "2 ranks", "module::attention", "is_causal", "MultiHeadAttention", "global positions", "shard_local_attention_on_purpose"] {
+        for needle in ["[2, 4, 8, 16]", "8 x 8", "2 ranks", "module::attention", "is_causal", "MultiHeadAttention", "global positions", "enter_single_device", "shard_local_attention_on_purpose"] {
             assert!(message.contains(needle), "`{needle}` missing from: {message}");
         }
     }
 
     #[test]
-    fn other_products_pass() {
-        // One rank, no group, the opt-out, nothing recorded.
-        assert!(scores_within_shard(&[2, 4, 8, 16], &[2, 4, 16, 8], Some(8), Some(Sharding { ranks: 1, ..SP2.unwrap() })).is_none());
-        assert!(scores_within_shard(&[2, 4, 8, 16], &[2, 4, 16, 8], Some(8), None).is_none());
-        assert!(scores_within_shard(&[2, 4, 8, 16], &[2, 4, 16, 8], Some(8), Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })).is_none());
-        assert!(scores_within_shard(&[2, 4, 8, 16], &[2, 4, 16, 8], None, SP2).is_none());
-        // Another length (the whole sequence after an exchange), a 3-D product, probabilities
-        // times values, and a linear layer as wide as the shard (a broadcast weight).
-        assert!(scores_within_shard(&[2, 4, 16, 16], &[2, 4, 16, 16], Some(8), SP2).is_none());
-        assert!(scores_within_shard(&[2, 8, 16], &[2, 16, 8], Some(8), SP2).is_none());
-        assert!(scores_within_shard(&[2, 4, 8, 8], &[2, 4, 8, 16], Some(8), SP2).is_none());
-        assert!(scores_within_shard(&[2, 4, 8, 16], &[1, 1, 16, 8], Some(8), SP2).is_none());
+    fn every_form_of_self_attention_is_refused() {
+        for (lhs, rhs, tokens) in [
+            // Scores and weights times values, 4-D heads.
+            (&[2, 4, 8, 16][..], &[2, 4, 16, 8][..], 8),
+            (&[2, 4, 8, 8], &[2, 4, 8, 16], 8),
+            // Heads folded into the batch, batch 1 with several heads, one head with a batch.
+            (&[8, 6, 16], &[8, 16, 6], 6),
+            (&[8, 6, 6], &[8, 6, 16], 6),
+            (&[1, 4, 8, 16], &[1, 4, 16, 8], 8),
+            (&[2, 1, 8, 16], &[2, 1, 16, 8], 8),
+            // A head as wide as the shard, 5-D grouped heads.
+            (&[2, 4, 8, 8], &[2, 4, 8, 8], 8),
+            (&[2, 2, 3, 8, 16], &[2, 2, 3, 16, 8], 8),
+        ] {
+            match attention_by_hand(lhs, rhs, SP2) {
+                Some(UlyssesError::AttentionByHand { tokens: got, .. }) => assert_eq!(got, tokens, "{lhs:?} · {rhs:?}"),
+                other => panic!("{lhs:?} · {rhs:?} not refused: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn other_products_and_contexts_pass() {
+        // One rank, no group, the opt-out.
+        assert!(attention_by_hand(&[2, 4, 8, 16], &[2, 4, 16, 8], Some(Sharding { ranks: 1, ..SP2.unwrap() })).is_none());
+        assert!(attention_by_hand(&[2, 4, 8, 16], &[2, 4, 16, 8], None).is_none());
+        assert!(attention_by_hand(&[2, 4, 8, 16], &[2, 4, 16, 8], Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })).is_none());
+        for (lhs, rhs) in [
+            // A linear layer as wide as the shard, or as its own input (a broadcast weight).
+            (&[2, 4, 8, 16][..], &[1, 1, 16, 8][..]),
+            (&[2, 16, 16], &[1, 16, 32]),
+            // One matrix, and 2-D: a linear layer's shapes.
+            (&[1, 8, 16], &[1, 16, 8]),
+            (&[8, 16], &[16, 8]),
+            // Cross-attention's rectangles, and a product of neither form.
+            (&[2, 4, 8, 16], &[2, 4, 16, 12]),
+            (&[2, 4, 8, 12], &[2, 4, 12, 16]),
+            // A weight per head, broadcast over the batch: leading dims that differ.
+            (&[2, 4, 8, 16], &[2, 1, 16, 8]),
+        ] {
+            assert!(attention_by_hand(lhs, rhs, SP2).is_none(), "{lhs:?} · {rhs:?} refused");
+        }
     }
 }

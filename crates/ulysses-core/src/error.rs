@@ -83,16 +83,18 @@ pub enum UlyssesError {
     ParametersDiverged { parameter: String, ranks: Vec<usize> },
 
     #[error(
-        "attention done by hand under sequence parallelism: a matmul of {lhs:?} by {rhs:?} gives \
-         {local_seq} x {local_seq} scores, this rank's {local_seq} tokens against themselves, while \
-         each sequence is spread over {ranks} ranks, so every rank would attend only within its \
-         own shard (a silently wrong result). Call `burn::tensor::module::attention` (with \
+        "attention done by hand under sequence parallelism: a matmul of {lhs:?} by {rhs:?} \
+         between per-head activations involves a {tokens} x {tokens} matrix, the scores of \
+         this rank's {tokens} tokens against themselves or the weights applied to their values, \
+         while each sequence is spread over {ranks} ranks, so every rank would attend only within \
+         its own shard (a silently wrong result). Call `burn::tensor::module::attention` (with \
          `is_causal: true` instead of a causal mask built from local shapes), or use \
          burn_ulysses::nn::MultiHeadAttention (`MhaInput::causal()`); apply RoPE at the shard's \
-         global positions (SequenceShard::positions). A model that attends within each shard on \
-         purpose sets UlyssesConfig::shard_local_attention_on_purpose."
+         global positions (SequenceShard::positions). To run a whole, unsharded sequence on one \
+         rank, do it inside burn_ulysses::context::enter_single_device(). A model that attends \
+         within each shard on purpose sets UlyssesConfig::shard_local_attention_on_purpose."
     )]
-    AttentionByHand { lhs: Vec<usize>, rhs: Vec<usize>, local_seq: usize, ranks: usize },
+    AttentionByHand { lhs: Vec<usize>, rhs: Vec<usize>, tokens: usize, ranks: usize },
 
     #[error(
         "sequence parallelism is configured (sp_size {sp_size}) but the model's attention did \
