@@ -18,7 +18,7 @@ cp "$tests" "$bundle/kernels/flash-attention-tests"
 cp "$bench" "$bundle/kernels/flash-attention-bench"
 cp "$memory" "$bundle/memory/training-memory-bench"
 cp "$overhead" "$bundle/memory/decorator-overhead-bench"
-cargo build --release -p ulysses-nccl --bin ulysses-nccl-check
+cargo build --release -p ulysses-nccl --features autotune --bin ulysses-nccl-check
 cargo build --release -p ulysses-dist --bin ulysses-launch
 cargo build --release -p ulysses-llama --features cuda
 cp target/release/ulysses-nccl-check target/release/ulysses-launch "$bundle/nccl/"

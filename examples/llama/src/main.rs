@@ -481,6 +481,8 @@ mod cuda {
         // Without a driver or with a device index out of range, CubeCL would fail on its
         // device thread and leave this one a closed channel to report.
         ulysses_nccl::check_cuda_device(job.options.device_index_of(&job.launch)).map_err(|e| format!("the CUDA backend cannot start: {e}"))?;
+        // Tuning makes the first steps slow: say so, and where the choices are kept.
+        ulysses_nccl::autotune::AutotuneCache::of_this_run().announce();
         let device = |index| CudaDevice::new(index);
         match job.args.transport {
             TransportKind::Tcp => train::<W, Tcp>(job, device),
