@@ -34,6 +34,14 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("ModuleOps", "attention", "crate::attention::sequence_parallel_attention"),
     // Refuses attention done by hand under SP (scores of a shard against itself).
     ("FloatTensorOps", "float_matmul", "crate::hand_attention::guarded_matmul"),
+    // Count what the host waits on the device for (reads, uploads): crate::device_io.
+    ("FloatTensorOps", "float_into_data", "crate::device_io::float_into_data"),
+    ("IntTensorOps", "int_into_data", "crate::device_io::int_into_data"),
+    ("BoolTensorOps", "bool_into_data", "crate::device_io::bool_into_data"),
+    ("TransactionOps", "tr_execute", "crate::device_io::tr_execute"),
+    ("FloatTensorOps", "float_from_data", "crate::device_io::float_from_data"),
+    ("IntTensorOps", "int_from_data", "crate::device_io::int_from_data"),
+    ("BoolTensorOps", "bool_from_data", "crate::device_io::bool_from_data"),
 ];
 
 /// Types named after a backend (`TensorPrimitive<B>`, ...). `TensorPrimitive<Inner>` and

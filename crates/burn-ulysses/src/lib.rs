@@ -37,6 +37,7 @@ pub mod comm;
 pub mod compare;
 pub mod context;
 pub mod data;
+pub mod device_io;
 pub mod exchange;
 pub mod fused;
 pub mod hand_attention;

@@ -23,6 +23,7 @@ use burn::{
 };
 use burn_ulysses::{
     ParallelLayout, PlainBackend, UlyssesBackend,
+    device_io::DeviceIo,
     precision::Precision,
     train::{LayerCheckpointing, StepReport, checkpoint::read_checkpoint_state},
 };
@@ -222,6 +223,10 @@ struct Args {
     /// checkpoint is 20 GB), only metrics.csv, the plot and config.json.
     #[arg(long, conflicts_with_all = ["resume", "stop_after"])]
     no_save: bool,
+    /// Print, after each step, what rank 0 waited on the device for: reads back to the host
+    /// and syncs (on a GPU each stalls until its queue drains) and uploads, with bytes.
+    #[arg(long)]
+    profile: bool,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
     /// it had never stopped. Every rank reads it.
     #[arg(long)]
@@ -595,6 +600,8 @@ struct RunLog {
     steps: usize,
     /// The files the run writes, for the last line.
     wrote: &'static str,
+    /// `--profile`: print each step's waits on the device.
+    profile: bool,
 }
 
 /// The run's `config.json` and `metrics.csv`: nothing is written before the first step has
@@ -657,6 +664,7 @@ impl RunLog {
             title,
             steps: config.steps,
             wrote: if job.args.no_save { "metrics.csv, loss.png, config.json" } else { "metrics.csv, loss.png, config.json, model.mpk, checkpoint.ulysses" },
+            profile: job.args.profile,
         }
     }
 
@@ -731,5 +739,11 @@ impl Progress for RunLog {
 
     fn checkpoint(&mut self, step: usize, path: &Path) {
         tracing::debug!(step, path = %path.display(), "checkpoint written");
+    }
+
+    fn device_io(&mut self, step: usize, io: &DeviceIo) {
+        if self.profile {
+            self.bar.println(format!("step {step}: {io}"));
+        }
     }
 }

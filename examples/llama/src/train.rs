@@ -12,6 +12,7 @@ use burn::{
     tensor::{DType, backend::AutodiffBackend},
 };
 use burn_ulysses::{
+    device_io::DeviceIo,
     ParallelGroups, ParallelLayout, TrainBackend, UlyssesError,
     comm::all_gather_host_checked,
     data::{SequenceSharder, ShardPositions},
@@ -260,6 +261,9 @@ pub trait Progress {
     fn step(&mut self, step: usize, report: &StepReport, learning_rate: f64, seconds: f64);
     fn eval(&mut self, step: usize, loss: f64);
     fn checkpoint(&mut self, _step: usize, _path: &Path) {}
+    /// What rank 0's thread waited on the device for during the step (reads back to the host
+    /// and syncs, each a stall of a GPU's queue; uploads): after [`step`](Self::step).
+    fn device_io(&mut self, _step: usize, _io: &DeviceIo) {}
 }
 
 /// Where training stands, saved in every checkpoint beside the model and the optimizer.
@@ -344,12 +348,15 @@ where
 
     for step in first_step..last_step {
         let started = Instant::now();
+        let io_before = DeviceIo::of_this_thread();
         let (next, report) = train_one_step(config, model, &mut optimizer, data, step, &sharder, groups, device, &options.faults)
             .map_err(|e| e.at_step(step))?;
+        let io = DeviceIo::of_this_thread() - io_before;
         model = next;
         reports.push(report);
         if let Some(progress) = options.progress.as_deref_mut() {
             progress.step(step, &report, config.learning_rate_at(step), started.elapsed().as_secs_f64());
+            progress.device_io(step, &io);
         }
         if config.check_parameters_every > 0 && (step + 1) % config.check_parameters_every == 0 {
             check_parameters_identical(&model, &*groups.world).map_err(|e| e.at_step(step))?;

@@ -105,6 +105,7 @@ impl<Inner: ExchangeBackend> Backend for UlyssesBackend<Inner> {
     }
 
     fn sync(device: &Self::Device) -> Result<(), ExecutionError> {
+        crate::device_io::counted_sync();
         Inner::sync(device)
     }
 

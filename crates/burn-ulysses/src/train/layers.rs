@@ -336,14 +336,16 @@ where
         kept.push(std::mem::replace(&mut hidden, output));
     }
 
-    // 2. Head and loss, token-wise too: tile by tile, the loss summed.
+    // 2. Head and loss, token-wise too: tile by tile, the loss summed on the device and read
+    //    once, at the end of the step (a read per tile would stall the device per tile).
     let mut accumulator = GradientsAccumulator::<M>::new();
-    let mut loss_value = 0.0;
+    let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
     let mut upstream = KeptTiles::new(offload);
     for rows in tile_ranges(shard_len, tiles) {
         let last = leaf(hidden.restore_rows(&rows, &device));
         let loss = lm_loss_sum(model.head(last.clone()), rows_of(&labels, 1, &rows), ignore_index) * weight;
-        loss_value += loss.clone().into_scalar().elem::<f64>();
+        let tile_loss = loss.clone().inner();
+        loss_sum = Some(loss_sum.map_or(tile_loss.clone(), |sum| sum + tile_loss));
         probe(Piece::Head);
         let grads = loss.backward();
         upstream.push(upstream_of(&last, &grads, "the head")?);
@@ -417,6 +419,7 @@ where
     probe(Piece::Embedding);
     let grads = seed.backward();
     accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+    let loss_value = loss_sum.expect("a shard has at least one tile").into_scalar().elem::<f64>();
     Ok((loss_value, accumulator.grads()))
 }
 

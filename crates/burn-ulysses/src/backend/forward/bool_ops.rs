@@ -27,10 +27,10 @@ impl<Inner: ExchangeBackend> BoolTensorOps<Self> for UlyssesBackend<Inner> {
     fn bool_into_data(
         tensor: BoolTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        <Inner as BoolTensorOps<Inner>>::bool_into_data(tensor)
+        crate::device_io::bool_into_data::<Inner>(tensor)
     }
     fn bool_from_data(data: TensorData, device: &Device<Self>) -> BoolTensor<Self> {
-        <Inner as BoolTensorOps<Inner>>::bool_from_data(data, device)
+        crate::device_io::bool_from_data::<Inner>(data, device)
     }
     fn bool_into_int(tensor: BoolTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         <Inner as BoolTensorOps<Inner>>::bool_into_int(tensor, out_dtype)

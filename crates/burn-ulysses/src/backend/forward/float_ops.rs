@@ -4,7 +4,7 @@
 use super::super::prelude::*;
 impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
     fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_from_data(data, device)
+        crate::device_io::float_from_data::<Inner>(data, device)
     }
     fn float_random(
         shape: Shape,
@@ -41,7 +41,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
     fn float_into_data(
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        <Inner as FloatTensorOps<Inner>>::float_into_data(tensor)
+        crate::device_io::float_into_data::<Inner>(tensor)
     }
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {
         <Inner as FloatTensorOps<Inner>>::float_device(tensor)

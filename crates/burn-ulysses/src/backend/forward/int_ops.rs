@@ -13,10 +13,10 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
     fn int_into_data(
         tensor: IntTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        <Inner as IntTensorOps<Inner>>::int_into_data(tensor)
+        crate::device_io::int_into_data::<Inner>(tensor)
     }
     fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_from_data(data, device)
+        crate::device_io::int_from_data::<Inner>(data, device)
     }
     fn int_device(tensor: &IntTensor<Self>) -> Device<Self> {
         <Inner as IntTensorOps<Inner>>::int_device(tensor)
