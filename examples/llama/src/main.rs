@@ -743,7 +743,8 @@ impl Progress for RunLog {
 
     fn device_io(&mut self, step: usize, io: &DeviceIo) {
         if self.profile {
-            self.bar.println(format!("step {step}: {io}"));
+            // Printed also where the bar is hidden (output not a terminal): it is asked for.
+            self.bar.suspend(|| println!("step {step}: {io}"));
         }
     }
 }
