@@ -222,7 +222,7 @@ if has ulysses-llama; then
         # Tokens/s against S at batch 1, ours (metrics.csv's per-step rate) and PyTorch's on the
         # same model; the first steps compile kernels, so both runs take 16 and time the last.
         for seq in ${TRAIN_SEQS:-4096 16384 65536}; do
-            step "train-scale-$seq" "$here/ulysses-llama" --backend cuda --sp 1 --steps 16 --seq-len "$seq" --batch-size 1 \
+            step "train-scale-$seq" "$here/ulysses-llama" --backend cuda --sp 1 --steps 16 --seq-len "$seq" --batch-size 1 --profile \
                 --checkpoint-every 0 --check-parameters-every 0 --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/train-scale-$seq"
             step "torch-scale-$seq" python3 "$here/torch_llama_reference.py" --seq-len "$seq" --batch-size 1 --dtype bf16 --steps 16 --warmup 4
         done ;;
@@ -232,11 +232,12 @@ if has ulysses-llama; then
         # SP=1 and SP=2 (two rank threads sharing the one GPU, each holding a model copy), and
         # PyTorch on the same shape (gradient checkpointing, SDPA). --no-save: a 1B model's
         # checkpoint would be 20 GB of the disk.
-        # HF_SHAPES, HF_SPS (" ": PyTorch alone), HF_STEPS and HF_SEQ narrow it.
+        # HF_SHAPES, HF_SPS (" ": PyTorch alone), HF_STEPS and HF_SEQ narrow it. --profile: each
+        # step's waits on the device (reads, syncs, uploads) in the log.
         seq=${HF_SEQ:-16384}
         for shape in ${HF_SHAPES:-llama-3.2-1b qwen3-0.6b}; do
             for sp in ${HF_SPS:-1 2}; do
-                step "hf-$shape-sp$sp" "$here/ulysses-llama" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 \
+                step "hf-$shape-sp$sp" "$here/ulysses-llama" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile \
                     --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" \
                     --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/hf-$shape-sp$sp"
             done
