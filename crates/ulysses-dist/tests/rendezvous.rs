@@ -169,6 +169,31 @@ fn the_launcher_sets_torchrun_variables() {
     assert!(stdout.contains("[rank 3] 3 4 1 2 10.9.8.7 4242 24"), "{stdout}");
 }
 
+/// MASTER_ADDR and MASTER_PORT in the launcher's environment reach the ranks (the rendezvous
+/// error tells users to set them); its flags win over them.
+#[test]
+fn the_launcher_takes_master_addr_and_port_from_its_environment() {
+    let echo = ["sh", "-c", "echo $MASTER_ADDR $MASTER_PORT"];
+    let launch = |flags: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+            .args(["--nproc-per-node", "1"])
+            .args(flags)
+            .arg("--")
+            .args(echo)
+            .env("MASTER_ADDR", "10.1.2.3")
+            .env("MASTER_PORT", "4343")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+        stdout
+    };
+    let from_environment = launch(&[]);
+    assert!(from_environment.contains("[rank 0] 10.1.2.3 4343"), "{from_environment}");
+    let from_flags = launch(&["--master-addr", "10.9.9.9", "--master-port", "4444"]);
+    assert!(from_flags.contains("[rank 0] 10.9.9.9 4444"), "{from_flags}");
+}
+
 #[test]
 fn a_barrier_name_can_be_reused() {
     let server = server(2);

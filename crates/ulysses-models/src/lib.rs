@@ -19,6 +19,6 @@ pub mod tokenizer;
 
 pub use config::{ConfigError, DecoderConfig, Family};
 pub use llama::{Llama, LlamaConfig};
-pub use pretrained::{CheckpointError, DEFAULT_MAX_SHARD_BYTES, Pretrained, SaveOptions, from_pretrained, save_pretrained, save_pretrained_with};
+pub use pretrained::{CheckpointError, DEFAULT_MAX_SHARD_BYTES, Pretrained, SaveOptions, check_save_destination, from_pretrained, save_pretrained, save_pretrained_with};
 pub use rope::RopeScaling;
 pub use tokenizer::{TextTokenizer, TokenizerError};

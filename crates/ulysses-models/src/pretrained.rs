@@ -81,6 +81,7 @@ pub fn from_pretrained<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pre
     let expected: BTreeSet<String> = model.collect(None, None, false).iter().map(TensorSnapshot::full_path).collect();
     let mut loaded = BTreeSet::new();
     for file in weight_files(dir)? {
+        check_safetensors_whole(&file)?;
         let mut store = SafetensorsStore::from_file(&file).with_from_adapter(PyTorchToBurnAdapter.chain(CastFloats(DType::F32))).allow_partial(true).validate(false);
         for (from, to) in HF_TO_DECODER {
             store = store.with_key_remapping(from, to);
@@ -124,6 +125,53 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
         return Ok(vec![single]);
     }
     Err(CheckpointError::file(dir, format!("holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")))
+}
+
+/// safetensors' limit on a header's size: past it, the first 8 bytes are not a header length.
+const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
+
+/// Refuses a safetensors file that is not whole, before burn-store reads it (whose parser
+/// would only say where it stopped): the 8-byte header length, the JSON header, and every
+/// tensor's bytes the header places must lie within the file. A download or copy cut short
+/// is the usual cause, and the fix is to fetch the file again.
+fn check_safetensors_whole(file: &Path) -> Result<(), CheckpointError> {
+    use std::io::Read;
+    let error = |problem: String| CheckpointError::file(file, problem);
+    let size = std::fs::metadata(file).map_err(|e| error(e.to_string()))?.len();
+    let cut_short = |needed: u64| {
+        error(format!(
+            "is cut short: {size} bytes, where its header places {needed}. The download or copy did not finish: fetch it \
+             again (`huggingface-cli download REPO --local-dir FOLDER` resumes one) and compare its size with the repository's"
+        ))
+    };
+    let mut reader = std::fs::File::open(file).map_err(|e| error(e.to_string()))?;
+    let mut prefix = [0u8; 8];
+    if size < 8 {
+        return Err(cut_short(8));
+    }
+    reader.read_exact(&mut prefix).map_err(|e| error(e.to_string()))?;
+    let header_len = u64::from_le_bytes(prefix);
+    let not_safetensors = |why: &str| error(format!("is not a safetensors file ({why}): give the folder a model.safetensors saved by transformers or safetensors"));
+    if header_len > MAX_SAFETENSORS_HEADER {
+        return Err(not_safetensors("its first 8 bytes are no header length"));
+    }
+    if 8 + header_len > size {
+        return Err(cut_short(8 + header_len));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    reader.read_exact(&mut header).map_err(|e| error(e.to_string()))?;
+    let header: serde_json::Value = serde_json::from_slice(&header).map_err(|_| not_safetensors("its header is not JSON"))?;
+    let tensors = header.as_object().ok_or_else(|| not_safetensors("its header is not a JSON object"))?;
+    let data_end = tensors
+        .iter()
+        .filter(|(name, _)| *name != "__metadata__")
+        .filter_map(|(_, tensor)| tensor["data_offsets"][1].as_u64())
+        .max()
+        .unwrap_or(0);
+    if 8 + header_len + data_end > size {
+        return Err(cut_short(8 + header_len + data_end));
+    }
+    Ok(())
 }
 
 /// The Hugging Face names of the decoder's tensor paths: [`DECODER_TO_HF`] applied as
@@ -232,6 +280,23 @@ pub fn save_pretrained_with<B: Backend>(model: &Llama<B>, config: &DecoderConfig
         std::fs::remove_dir_all(&earlier).map_err(io(&earlier))?;
     }
     Ok(())
+}
+
+/// Checks, before any training, that [`save_pretrained`] will be able to write the folder
+/// `dir`: that it is a folder if it exists, and that the folder beside it (where the new one is
+/// written, then renamed into place) can be made and written. A run would otherwise find out at
+/// its first save, after its training.
+pub fn check_save_destination(dir: &Path) -> Result<(), CheckpointError> {
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
+    if dir.exists() && !dir.is_dir() {
+        return Err(CheckpointError::file(dir, "exists and is not a folder: choose another path, or move the file"));
+    }
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let probe = parent.join(format!(".{name}.write-check-{}", std::process::id()));
+    std::fs::create_dir_all(parent)
+        .and_then(|()| std::fs::write(&probe, b""))
+        .and_then(|()| std::fs::remove_file(&probe))
+        .map_err(|e| CheckpointError::file(parent, format!("cannot be written ({e}), so the checkpoint could not be saved there: choose a folder you can write")))
 }
 
 /// Tensors (name, bytes) in order into shards of at most `max_bytes` each (a larger tensor

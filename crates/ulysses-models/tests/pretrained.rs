@@ -214,6 +214,24 @@ fn weights_that_do_not_fit_the_config_are_refused_by_name() {
     let error = load_error(&no_norms);
     assert!(error.contains("_norm.weight` is not used"), "{error}");
 
+    // A download cut short: the header whole, the weights not; then the header cut too. Each
+    // names the file, both sizes and the fix.
+    let cut = edited_copy("llama", "cut", |_| {});
+    let weights = cut.join("model.safetensors");
+    let whole = std::fs::metadata(&weights).unwrap().len();
+    for (keep, places) in [(whole - 1, format!("places {whole}")), (20, "places ".to_string())] {
+        std::fs::OpenOptions::new().write(true).open(&weights).unwrap().set_len(keep).unwrap();
+        let error = load_error(&cut);
+        for needle in ["model.safetensors: is cut short", &format!("{keep} bytes"), &places, "fetch it again"] {
+            assert!(error.contains(needle), "cut to {keep} of {whole} bytes: `{needle}` missing from: {error}");
+        }
+    }
+    // Not safetensors at all.
+    std::fs::write(&weights, b"<!DOCTYPE html><html>an error page saved as the weights</html>").unwrap();
+    let error = load_error(&cut);
+    assert!(error.contains("model.safetensors: is not a safetensors file"), "{error}");
+    std::fs::remove_dir_all(cut).unwrap();
+
     // No weights at all.
     std::fs::remove_file(wider.join("model.safetensors")).unwrap();
     let error = load_error(&wider);

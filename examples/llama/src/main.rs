@@ -292,6 +292,12 @@ fn run(args: Args) -> Result<(), String> {
         }
         (_, launch) => launch,
     };
+    // Each degree by its own flag (ParallelLayout::check names the field only).
+    for (field, flag, degree) in [("sp_size", "--sp", Some(args.sp)), ("dp_size", "--dp", args.dp), ("ring_size", "--ring", Some(args.ring))] {
+        if degree == Some(0) {
+            return Err(format!("{field} ({flag}) must be at least 1, got 0"));
+        }
+    }
     let layout = match (launch.world_size(), args.dp) {
         (None, dp) => ParallelLayout::new().with_sp_size(args.sp).with_dp_size(dp.unwrap_or(1)),
         (Some(world), None) => ParallelLayout::for_world(world, args.sp).map_err(|e| format!("{e} (--sp)"))?,
@@ -306,6 +312,9 @@ fn run(args: Args) -> Result<(), String> {
         return Err("--save-hf writes a Hugging Face checkpoint of a --model run: give --model DIR (the checkpoint to fine-tune) \
                     or --hf-config FILE (its shape, from random weights)"
             .into());
+    }
+    if let Some(dir) = &args.save_hf {
+        ulysses_models::check_save_destination(dir).map_err(|e| format!("--save-hf: {e}"))?;
     }
     if args.model.is_some() && args.data.is_none() && args.tokens.is_none() {
         return Err("--model needs data to fine-tune on: --data FILE (JSON Lines of {\"text\"} or {\"input_ids\"}, or text) or --tokens FILE".into());

@@ -333,14 +333,16 @@ fn layouts_that_cannot_work_fail_before_any_work_with_the_fix() {
 #[test]
 fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     let dir = workspace("settings");
-    let cases: [(&str, &str, &str); 8] = [
+    let cases: [(&str, &str, &str); 10] = [
         ("--learning-rate", "-1", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "nan", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "inf", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--d-model", "0", "d_model (--d-model) must be at least 1"),
         ("--ffn-hidden", "0", "ffn_hidden (--ffn-hidden) must be at least 1"),
         ("--layers", "0", "n_layers (--layers) must be at least 1"),
-        ("--sp", "0", "sp_size must be at least 1, got 0"),
+        ("--sp", "0", "sp_size (--sp) must be at least 1, got 0"),
+        ("--dp", "0", "dp_size (--dp) must be at least 1, got 0"),
+        ("--ring", "0", "ring_size (--ring) must be at least 1, got 0"),
         ("--corpus", "README.md", "cannot be used with"),
     ];
     for (flag, value, expected) in cases {
@@ -612,6 +614,13 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     }
     let random = from_pretrained::<NdArray>(&dir.join("random-hf"), &Default::default()).unwrap_or_else(|e| panic!("the saved folder does not load: {e}"));
     assert_eq!(random.config, original.config);
+    // A --save-hf folder that cannot be written (below a file) is refused before any step,
+    // not found at the save after training.
+    let below_a_file = dir.join("data.jsonl").join("hf");
+    let refused = run_alone(&shaped("unwritable", &config, true), &["--save-hf", &below_a_file.display().to_string()]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("--save-hf: ") && text.contains("cannot be written"), "{text}");
+    assert!(!dir.join("unwritable").join("metrics.csv").exists(), "a step ran before the refusal:\n{text}");
     let small = dir.join("small-vocabulary.json");
     let text = fs::read_to_string(&config).unwrap().replace("\"vocab_size\": 320", "\"vocab_size\": 200");
     assert!(text.contains("\"vocab_size\": 200"), "the fixture's config.json spells its vocabulary otherwise");

@@ -34,7 +34,8 @@ pub enum DistError {
     NoToken,
     #[error(
         "rank 0 cannot serve the rendezvous on {addr}: {reason}. MASTER_ADDR must be an address \
-         of rank 0's machine and MASTER_PORT a free port (or set ULYSSES_RENDEZVOUS_PORT to one)"
+         of rank 0's machine and MASTER_PORT a free port (ulysses-launch's --master-port, or \
+         MASTER_PORT in its environment; or set ULYSSES_RENDEZVOUS_PORT to one)"
     )]
     Bind { addr: String, reason: String },
     #[error(

@@ -24,10 +24,11 @@ struct Args {
     /// This node's index, 0..nnodes.
     #[arg(long, default_value_t = 0)]
     node_rank: usize,
-    /// Address of node 0, where rank 0 serves the rendezvous.
-    #[arg(long, default_value = "127.0.0.1")]
+    /// Address of node 0, where rank 0 serves the rendezvous (the ranks' MASTER_ADDR).
+    #[arg(long, env = "MASTER_ADDR", default_value = "127.0.0.1")]
     master_addr: String,
-    #[arg(long, default_value_t = DEFAULT_MASTER_PORT)]
+    /// The rendezvous' port on node 0 (the ranks' MASTER_PORT): a free one.
+    #[arg(long, env = "MASTER_PORT", default_value_t = DEFAULT_MASTER_PORT)]
     master_port: u16,
     /// Seconds the other ranks get to exit after one failed, before they are killed.
     #[arg(long, default_value_t = 10.0)]
