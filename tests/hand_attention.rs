@@ -8,9 +8,9 @@
 //!   hang, no result). At SP = 1 and without a group they give one device's output.
 //! - What the guard prevents: let through (the opt-out), each rank attends within its shard
 //!   and the models' outputs are far from one device's.
-//! - The same Llama ported as the README's porting guide shows (the attention op, `is_causal`,
+//! - The same Llama ported as the porting guide (docs/library.md) shows (the attention op, `is_causal`,
 //!   RoPE at the shard's global offset) equals the hand-written one on one device at SP = 2
-//!   and 4; the README's diff is checked against this file.
+//!   and 4; the guide's diff is checked against this file.
 //! - The drop-in `burn_ulysses::nn::MultiHeadAttention` with `MhaInput::causal()` gives
 //!   burn-nn's output with an autoregressive mask from the same record (≤ 1e-6) and is
 //!   sequence parallel at SP = 2 and 4.
@@ -159,7 +159,7 @@ impl<B: Backend> LlamaAttention<B> {
         self.merge_heads(context)
     }
 
-    /// The same block made sequence parallel (the README's porting guide): the attention op,
+    /// The same block made sequence parallel (the porting guide, docs/library.md): the attention op,
     /// `is_causal` for the mask, RoPE at the shard's first global position.
     fn forward_ported(&self, x: Tensor<B, 3>, position_offset: usize) -> Tensor<B, 3> {
         let q = self.rope.apply(self.split_heads(self.wq.forward(x.clone())), position_offset);
@@ -309,10 +309,10 @@ fn the_causal_drop_in_is_sequence_parallel_at_sp_2_and_4() {
 }
 
 #[test]
-fn the_readme_porting_guide_shows_this_files_port() {
-    let readme = include_str!("../README.md");
-    let start = readme.find("```diff\n").expect("the README's porting guide has a diff");
-    let diff = &readme[start + 8..];
+fn the_porting_guide_shows_this_files_port() {
+    let guide = include_str!("../docs/library.md");
+    let start = guide.find("```diff\n").expect("the porting guide has a diff");
+    let diff = &guide[start + 8..];
     let diff = &diff[..diff.find("```").unwrap()];
     let this_file: String = include_str!("hand_attention.rs").split_whitespace().collect::<Vec<_>>().join(" ");
     let mut changed = 0;
@@ -321,7 +321,7 @@ fn the_readme_porting_guide_shows_this_files_port() {
         let code = code.split_whitespace().collect::<Vec<_>>().join(" ");
         if !code.is_empty() {
             changed += 1;
-            assert!(this_file.contains(&code), "the README's porting diff has `{code}`, which tests/hand_attention.rs does not");
+            assert!(this_file.contains(&code), "the porting guide's diff has `{code}`, which tests/hand_attention.rs does not");
         }
     }
     assert!(changed >= 6, "the porting diff should show the three changes, found {changed} changed lines");

@@ -90,7 +90,7 @@ impl ExchangeOps for Flex {
 }
 
 /// burn's CubeCL backend, one type for every CubeCL runtime (wgpu here; CUDA would need only
-/// its burn feature, which this project's machines cannot build: README, "Using burn 0.22").
+/// its burn feature, which this project's machines cannot build: docs/library.md, "Using burn 0.22").
 #[cfg(feature = "cube")]
 impl ExchangeOps for burn::backend::Cube {
     fn ulysses_exchange(tensor: FloatTensor<Self>, exchange: HeadExchange, direction: Direction) -> FloatTensor<Self> {

@@ -18,7 +18,7 @@
 //! Nothing here can see a model's own matmuls, so, unlike burn-ulysses, **nothing refuses
 //! attention done by hand**: a model that computes `softmax(q·kᵀ)·v` itself, or calls burn's
 //! attention rather than this crate's, attends within each rank's shard without a word. Port
-//! it (README, "Using burn 0.22") and check that SP = 2 gives SP = 1's loss.
+//! it (docs/library.md, "Using burn 0.22") and check that SP = 2 gives SP = 1's loss.
 //!
 //! ```no_run
 //! // use burn::tensor::module::attention;
