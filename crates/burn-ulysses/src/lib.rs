@@ -53,6 +53,11 @@ pub mod visibility;
 // The layout rules and errors are Burn-free (ulysses-core), shared with the burn 0.22 crate.
 pub use ulysses_core::{error, layout};
 
+/// The README's library example, compiled and run as a doctest by the README's test command.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeExample;
+
 pub use backend::UlyssesBackend;
 pub use context::{RankGuard, RankScope, UlyssesConfig};
 pub use error::UlyssesError;
