@@ -18,7 +18,9 @@
 //!   sequences that leave no label are refused before step 1; a killed run leaves a folder the
 //!   next run can lock; `config.json` and `metrics.csv` are written only once a step has
 //!   succeeded (a run that fails before leaves the folder's record byte for byte as it was),
-//!   and a resumed run appends to the rows it continues from.
+//!   and a resumed run appends to the rows it continues from;
+//! - every flag the README and docs/training.md name is in the trainer's or the launcher's
+//!   `--help`.
 
 use std::{
     fs,
@@ -795,4 +797,35 @@ fn a_rank_that_dies_inside_attention_is_named_in_one_line_per_survivor() {
         assert!(!text.contains(noise), "{noise:?} in the output:\n{text}");
     }
     let _ = fs::remove_dir_all(&dir);
+}
+
+/// Every `--flag` that the README and the training guide name is one the trainer's `--help`
+/// lists, or the launcher's, or cargo's: a renamed or removed flag fails here, not in a
+/// user's first command.
+#[test]
+fn the_flags_the_guides_name_exist() {
+    let help = |program: &Path| {
+        let output = Command::new(program).arg("--help").output().unwrap();
+        assert!(output.status.success(), "{} --help failed:\n{}", program.display(), show(&output));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let known = format!("{}\n{}", help(Path::new(trainer())), help(&launcher()));
+    // Cargo's, in the guides' build and test commands.
+    const CARGO: [&str; 7] = ["--release", "--workspace", "--features", "--example", "--test", "--nocapture", "--no-run"];
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut checked = 0;
+    for guide in ["README.md", "docs/training.md"] {
+        let text = fs::read_to_string(root.join(guide)).unwrap();
+        for (at, _) in text.match_indices("--") {
+            let flag: String = text[at..].chars().take_while(|c| *c == '-' || c.is_ascii_alphanumeric()).collect();
+            let name = &flag[2..];
+            if name.is_empty() || !name.starts_with(|c: char| c.is_ascii_lowercase()) || CARGO.contains(&flag.as_str()) {
+                continue;
+            }
+            checked += 1;
+            let listed = known.match_indices(&flag).any(|(i, _)| !known[i + flag.len()..].starts_with(|c: char| c == '-' || c.is_ascii_alphanumeric()));
+            assert!(listed, "{guide} names {flag}, which neither `ulysses-llama --help` nor `ulysses-launch --help` lists");
+        }
+    }
+    assert!(checked > 40, "only {checked} flags found in the guides");
 }
