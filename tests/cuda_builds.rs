@@ -8,8 +8,9 @@
 
 use std::{path::Path, process::Command};
 
-/// `-p PACKAGE` and `--features FEATURES` of each cargo command in `script`.
-fn cargo_builds(script: &str) -> Vec<(String, Option<String>)> {
+/// `-p PACKAGE`, `--features FEATURES` and whether it builds tests or benches (which take the
+/// dev-dependencies) of each cargo command in `script`.
+fn cargo_builds(script: &str) -> Vec<(String, Option<String>, bool)> {
     script
         .lines()
         .filter(|line| !line.trim_start().starts_with('#') && (line.contains("cargo build") || line.contains("test-executable.sh")))
@@ -17,7 +18,7 @@ fn cargo_builds(script: &str) -> Vec<(String, Option<String>)> {
             let words: Vec<&str> = line.split_whitespace().collect();
             let after = |flag: &str| words.iter().position(|w| *w == flag).map(|i| words[i + 1].trim_end_matches(')').to_string());
             let package = after("-p").unwrap_or_else(|| panic!("gpu-bundle.sh builds without `-p PACKAGE`: {line}"));
-            (package, after("--features"))
+            (package, after("--features"), line.contains("test-executable.sh"))
         })
         .collect()
 }
@@ -45,8 +46,9 @@ fn every_cuda_build_autotunes_burns_kernels() {
     let script = include_str!("../scripts/gpu-bundle.sh");
     let builds = cargo_builds(script);
     let mut with_burn_cubecl = 0;
-    for (package, features) in &builds {
-        let mut selection = vec!["-p", package];
+    for (package, features, with_dev) in &builds {
+        // A binary's build has no dev-dependencies: they must not lend it the feature.
+        let mut selection = vec!["-e", if *with_dev { "normal,build,dev" } else { "normal,build" }, "-p", package];
         selection.extend(features.iter().flat_map(|features| ["--features", features.as_str()]));
         let Some(tree) = burn_cubecl_features(&selection) else { continue };
         with_burn_cubecl += 1;

@@ -10,6 +10,8 @@
 //! Counted per thread (each rank of a `ThreadGroup` is one), for every `UlyssesBackend` level
 //! (`UlyssesBackend<Autodiff<B>>` and the `UlyssesBackend<B>` beneath it). Ops that
 //! `Autodiff`'s backward runs on `B` itself never reach the decorator; they make no reads.
+//! Nor do the communicators' waits inside collectives (their syncs of the inner backend, the
+//! host-staged transport's reads): those are below the decorator and not counted.
 //! Counting costs a thread-local add per read or upload: on in every build, so that the CPU
 //! tests and `--profile` see what a GPU run would wait on.
 

@@ -7,16 +7,21 @@
 //! hand-written Llamas) would run without a word while every rank attended only within its
 //! shard. The guard goes by shape alone, so it does not matter how the data was sharded
 //! (the project's sharder, `narrow`, a loader of the user's own):
-//! - both operands are per-(batch, head) activations: 3-D or more, the same leading dims,
-//!   more than one matrix in all (`[B, H, ..]`, or heads folded into the batch, `[B·H, ..]`);
-//! - and the product is self-attention's: `[.., n, d] · [.., d, n]` (scores, square result)
-//!   or `[.., n, n] · [.., n, d]` (weights times values, square left operand).
+//! - both operands are per-(batch, head) activations: 3-D or more, more than one matrix in
+//!   all (`[B, H, ..]`, or heads folded into the batch, `[B·H, ..]`), the same leading dims
+//!   except that the right one may be broadcast past the first (grouped kv heads,
+//!   `[B, Hkv, G, ..] · [B, Hkv, 1, ..]`);
+//! - and the product is self-attention's over two tokens or more: `[.., n, d] · [.., d, n]`
+//!   (scores, square result) or `[.., n, n] · [.., n, d]` (weights times values, square left
+//!   operand), `n ≥ 2` (a per-token dot product, `1 × 1`, is not attention).
 //!
 //! A linear layer never matches: its weight is broadcast over batch and heads (leading dims 1),
 //! and burn routes it through `ModuleOps::linear`, which the decorator forwards untouched.
 //! Nor do the attention op's own products, the ring's blocks or any backward: they run on the
 //! inner backend. What shape cannot tell apart stays unguarded: a single matrix (batch 1, one
-//! head: as a linear layer looks), and 2-D products.
+//! head: as a linear layer looks), 2-D products, keys broadcast over the batch, and
+//! rectangular products (grouped queries folded into rows, `[.., G·n, d] · [.., d, n]`;
+//! cross-attention).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -37,22 +42,23 @@ fn attention_matrix_size(lhs: &[usize], rhs: &[usize]) -> Option<usize> {
     }
     let (lhs_leading, [m, k]) = lhs.split_at(dims - 2) else { return None };
     let (rhs_leading, [_, n]) = rhs.split_at(dims - 2) else { return None };
-    if lhs_leading != rhs_leading || lhs_leading.iter().product::<usize>() < 2 {
+    // The batch (first) dim shared; past it, the right operand equal or broadcast.
+    let per_head = lhs_leading[0] == rhs_leading[0] && lhs_leading.iter().zip(rhs_leading).skip(1).all(|(l, r)| l == r || *r == 1);
+    if !per_head || lhs_leading.iter().product::<usize>() < 2 || *m < 2 {
         return None;
     }
-    if m == n {
-        Some(*m)
-    } else if m == k {
-        Some(*m)
-    } else {
-        None
-    }
+    (m == n || m == k).then_some(*m)
 }
 
 /// Why a matmul of these shapes is refused, or `None`: `sharding` the rank context's.
 pub fn attention_by_hand(lhs: &[usize], rhs: &[usize], sharding: Option<Sharding>) -> Option<UlyssesError> {
+    refusal(lhs, rhs, attention_matrix_size(lhs, rhs)?, sharding)
+}
+
+/// The refusal of a product whose shapes make a `tokens × tokens` attention matrix, unless
+/// `sharding` spreads no sequence or the model opted out.
+fn refusal(lhs: &[usize], rhs: &[usize], tokens: usize, sharding: Option<Sharding>) -> Option<UlyssesError> {
     let sharding = sharding.filter(|s| s.ranks > 1 && !s.shard_local_attention_on_purpose)?;
-    let tokens = attention_matrix_size(lhs, rhs)?;
     Some(UlyssesError::AttentionByHand { lhs: lhs.to_vec(), rhs: rhs.to_vec(), tokens, ranks: sharding.ranks })
 }
 
@@ -70,10 +76,11 @@ pub fn set_guard(on: bool) {
 pub fn guarded_matmul<X: ExchangeBackend>(lhs: FloatTensor<X>, rhs: FloatTensor<X>) -> FloatTensor<X> {
     // The shape test first: most matmuls end there, before any lookup.
     let (lhs_shape, rhs_shape) = (lhs.shape(), rhs.shape());
-    if attention_matrix_size(&lhs_shape, &rhs_shape).is_some() && GUARD_ON.load(Ordering::Relaxed) {
-        if let Some(error) = attention_by_hand(&lhs_shape, &rhs_shape, context::current_sharding()) {
-            panic!("{error}");
-        }
+    if let Some(tokens) = attention_matrix_size(&lhs_shape, &rhs_shape)
+        && GUARD_ON.load(Ordering::Relaxed)
+        && let Some(error) = refusal(&lhs_shape, &rhs_shape, tokens, context::current_sharding())
+    {
+        panic!("{error}");
     }
     X::float_matmul(lhs, rhs)
 }
@@ -94,7 +101,7 @@ mod tests {
     }
 
     #[test]
-    fn every_form_of_self_attention_is_refused() {
+    fn self_attention_shapes_are_refused() {
         for (lhs, rhs, tokens) in [
             // Scores and weights times values, 4-D heads.
             (&[2, 4, 8, 16][..], &[2, 4, 16, 8][..], 8),
@@ -104,9 +111,13 @@ mod tests {
             (&[8, 6, 6], &[8, 6, 16], 6),
             (&[1, 4, 8, 16], &[1, 4, 16, 8], 8),
             (&[2, 1, 8, 16], &[2, 1, 16, 8], 8),
-            // A head as wide as the shard, 5-D grouped heads.
+            // A head as wide as the shard, 5-D grouped heads, kv heads broadcast over their
+            // group (scores and weights times values), two tokens.
             (&[2, 4, 8, 8], &[2, 4, 8, 8], 8),
             (&[2, 2, 3, 8, 16], &[2, 2, 3, 16, 8], 8),
+            (&[2, 2, 3, 8, 16], &[2, 2, 1, 16, 8], 8),
+            (&[2, 2, 3, 8, 8], &[2, 2, 1, 8, 16], 8),
+            (&[2, 4, 2, 16], &[2, 4, 16, 2], 2),
         ] {
             match attention_by_hand(lhs, rhs, SP2) {
                 Some(UlyssesError::AttentionByHand { tokens: got, .. }) => assert_eq!(got, tokens, "{lhs:?} · {rhs:?}"),
@@ -131,8 +142,11 @@ mod tests {
             // Cross-attention's rectangles, and a product of neither form.
             (&[2, 4, 8, 16], &[2, 4, 16, 12]),
             (&[2, 4, 8, 12], &[2, 4, 12, 16]),
-            // A weight per head, broadcast over the batch: leading dims that differ.
-            (&[2, 4, 8, 16], &[2, 1, 16, 8]),
+            // A weight per head, broadcast over the batch.
+            (&[2, 4, 8, 16], &[1, 4, 16, 8]),
+            // A per-token dot product (1 x 1), and a square left operand of one token.
+            (&[2, 8, 1, 16], &[2, 8, 16, 1]),
+            (&[2, 8, 1, 1], &[2, 8, 1, 16]),
         ] {
             assert!(attention_by_hand(lhs, rhs, SP2).is_none(), "{lhs:?} · {rhs:?} refused");
         }

@@ -54,7 +54,7 @@ pub mod visibility;
 pub use ulysses_core::{error, layout};
 
 /// The README's library example, compiled and run as a doctest by the README's test command.
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "ndarray"))]
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeExample;
 

@@ -168,8 +168,17 @@ fn check_safetensors_whole(file: &Path) -> Result<(), CheckpointError> {
         .filter_map(|(_, tensor)| tensor["data_offsets"][1].as_u64())
         .max()
         .unwrap_or(0);
-    if 8 + header_len + data_end > size {
-        return Err(cut_short(8 + header_len + data_end));
+    // Past u64 only in a corrupt header: then no file is that long.
+    let needed = (8 + header_len).checked_add(data_end).unwrap_or(u64::MAX);
+    if needed > size {
+        return Err(cut_short(needed));
+    }
+    if needed < size {
+        return Err(error(format!(
+            "has {} bytes past the {needed} its header places: not a file that safetensors or transformers wrote (two files \
+             joined, or a download appended to an old one): fetch it again",
+            size - needed
+        )));
     }
     Ok(())
 }
@@ -283,20 +292,23 @@ pub fn save_pretrained_with<B: Backend>(model: &Llama<B>, config: &DecoderConfig
 }
 
 /// Checks, before any training, that [`save_pretrained`] will be able to write the folder
-/// `dir`: that it is a folder if it exists, and that the folder beside it (where the new one is
-/// written, then renamed into place) can be made and written. A run would otherwise find out at
-/// its first save, after its training.
+/// `dir`: that it is a folder if it exists, and that the nearest existing folder above it (where
+/// the new one is written, then renamed into place, the missing folders between made) is a folder
+/// that can be written. Creates nothing but a probe file it removes. A run would otherwise find
+/// out at its save, after its training.
 pub fn check_save_destination(dir: &Path) -> Result<(), CheckpointError> {
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
     if dir.exists() && !dir.is_dir() {
         return Err(CheckpointError::file(dir, "exists and is not a folder: choose another path, or move the file"));
     }
     let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let probe = parent.join(format!(".{name}.write-check-{}", std::process::id()));
-    std::fs::create_dir_all(parent)
-        .and_then(|()| std::fs::write(&probe, b""))
-        .and_then(|()| std::fs::remove_file(&probe))
-        .map_err(|e| CheckpointError::file(parent, format!("cannot be written ({e}), so the checkpoint could not be saved there: choose a folder you can write")))
+    let existing = parent.ancestors().find(|a| a.as_os_str().is_empty() || a.exists()).filter(|a| !a.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let cannot = |why: String| CheckpointError::file(existing, format!("{why}, so the checkpoint could not be saved in {}: choose a folder you can write", dir.display()));
+    if !existing.is_dir() {
+        return Err(cannot("is not a folder".into()));
+    }
+    let probe = existing.join(format!(".{name}.write-check-{}", std::process::id()));
+    std::fs::write(&probe, b"").and_then(|()| std::fs::remove_file(&probe)).map_err(|e| cannot(format!("cannot be written ({e})")))
 }
 
 /// Tensors (name, bytes) in order into shards of at most `max_bytes` each (a larger tensor

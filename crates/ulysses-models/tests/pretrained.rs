@@ -11,6 +11,7 @@
 
 use std::{
     collections::HashMap,
+    io::Write,
     path::{Path, PathBuf},
 };
 
@@ -226,6 +227,11 @@ fn weights_that_do_not_fit_the_config_are_refused_by_name() {
             assert!(error.contains(needle), "cut to {keep} of {whole} bytes: `{needle}` missing from: {error}");
         }
     }
+    // Longer than its header says.
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/model.safetensors"), &weights).unwrap();
+    std::fs::OpenOptions::new().append(true).open(&weights).unwrap().write_all(b"trailing").unwrap();
+    let error = load_error(&cut);
+    assert!(error.contains(&format!("has 8 bytes past the {whole} its header places")), "{error}");
     // Not safetensors at all.
     std::fs::write(&weights, b"<!DOCTYPE html><html>an error page saved as the weights</html>").unwrap();
     let error = load_error(&cut);
@@ -488,4 +494,24 @@ fn every_family_gives_transformers_gradients() {
         println!("{name}: {} gradients, within {:.1e} of transformers' relative to each one's largest (worst {})", want.len(), worst.0, worst.1);
         std::fs::remove_dir_all(&out).unwrap();
     }
+}
+
+/// A save destination is checked before training without making anything: folders that do not
+/// exist yet pass (the save makes them) and stay absent; a path below a file is refused naming
+/// the file.
+#[test]
+fn a_save_destination_is_checked_without_making_folders() {
+    let root = std::env::temp_dir().join(format!("ulysses-models-{}-destination", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let nested = root.join("not").join("yet").join("tuned");
+    ulysses_models::check_save_destination(&nested).unwrap();
+    assert!(!root.join("not").exists(), "the check made folders");
+    assert_eq!(std::fs::read_dir(&root).unwrap().count(), 0, "the check left a file behind");
+    std::fs::write(root.join("a-file"), b"").unwrap();
+    let error = ulysses_models::check_save_destination(&root.join("a-file").join("tuned")).unwrap_err().to_string();
+    assert!(error.contains("a-file: is not a folder") && error.contains("choose a folder you can write"), "{error}");
+    let error = ulysses_models::check_save_destination(&root.join("a-file")).unwrap_err().to_string();
+    assert!(error.contains("exists and is not a folder"), "{error}");
+    std::fs::remove_dir_all(root).unwrap();
 }

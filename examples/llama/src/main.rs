@@ -224,7 +224,8 @@ struct Args {
     #[arg(long, conflicts_with_all = ["resume", "stop_after"])]
     no_save: bool,
     /// Print, after each step, what rank 0 waited on the device for: reads back to the host
-    /// and syncs (on a GPU each stalls until its queue drains) and uploads, with bytes.
+    /// and syncs (on a GPU each stalls until its queue drains) and uploads, with bytes. Waits
+    /// inside the collectives (the communicators' own syncs and reads) are not counted.
     #[arg(long)]
     profile: bool,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
@@ -313,7 +314,12 @@ fn run(args: Args) -> Result<(), String> {
                     or --hf-config FILE (its shape, from random weights)"
             .into());
     }
-    if let Some(dir) = &args.save_hf {
+    // Only world rank 0 saves, so only its node must be able to write there.
+    let saves = match &launch {
+        Launch::Threads => true,
+        Launch::Process(env) => env.rank == 0,
+    };
+    if let (Some(dir), true) = (&args.save_hf, saves) {
         ulysses_models::check_save_destination(dir).map_err(|e| format!("--save-hf: {e}"))?;
     }
     if args.model.is_some() && args.data.is_none() && args.tokens.is_none() {
