@@ -99,17 +99,21 @@ fn count(change: impl FnOnce(&mut DeviceIo)) {
     });
 }
 
-/// A read issued now; its bytes are counted when it arrives.
-fn counted_read<F>(read: F) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send
+/// A read issued now; its bytes (`bytes_of` what arrives) are counted when it arrives.
+fn counted_read<T, F>(read: F, bytes_of: fn(&T) -> usize) -> impl Future<Output = Result<T, ExecutionError>> + Send
 where
-    F: Future<Output = Result<TensorData, ExecutionError>> + Send,
+    F: Future<Output = Result<T, ExecutionError>> + Send,
 {
     count(|c| c.reads += 1);
     async move {
         let data = read.await?;
-        count(|c| c.read_bytes += data.as_bytes().len() as u64);
+        count(|c| c.read_bytes += bytes_of(&data) as u64);
         Ok(data)
     }
+}
+
+fn tensor_bytes(data: &TensorData) -> usize {
+    data.as_bytes().len()
 }
 
 fn counted_upload(data: &TensorData) {
@@ -121,29 +125,24 @@ fn counted_upload(data: &TensorData) {
 
 /// `UlyssesBackend`'s `float_into_data`: the inner backend's, counted.
 pub fn float_into_data<X: ExchangeBackend>(tensor: FloatTensor<X>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-    counted_read(X::float_into_data(tensor))
+    counted_read(X::float_into_data(tensor), tensor_bytes)
 }
 
 /// `UlyssesBackend`'s `int_into_data`: the inner backend's, counted.
 pub fn int_into_data<X: ExchangeBackend>(tensor: IntTensor<X>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-    counted_read(X::int_into_data(tensor))
+    counted_read(X::int_into_data(tensor), tensor_bytes)
 }
 
 /// `UlyssesBackend`'s `bool_into_data`: the inner backend's, counted.
 pub fn bool_into_data<X: ExchangeBackend>(tensor: BoolTensor<X>) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-    counted_read(X::bool_into_data(tensor))
+    counted_read(X::bool_into_data(tensor), tensor_bytes)
 }
 
 /// `UlyssesBackend`'s transactions (several tensors read at once): one read, counted.
 pub fn tr_execute<X: ExchangeBackend>(transaction: TransactionPrimitive<X>) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
-    count(|c| c.reads += 1);
-    let read = X::tr_execute(transaction);
-    async move {
-        let data = read.await?;
-        let bytes: usize = [&data.read_floats, &data.read_ints, &data.read_bools].into_iter().flatten().map(|d| d.as_bytes().len()).sum();
-        count(|c| c.read_bytes += bytes as u64);
-        Ok(data)
-    }
+    counted_read(X::tr_execute(transaction), |data: &TransactionPrimitiveData| {
+        [&data.read_floats, &data.read_ints, &data.read_bools].into_iter().flatten().map(tensor_bytes).sum()
+    })
 }
 
 /// `UlyssesBackend`'s `float_from_data`: the inner backend's, counted.

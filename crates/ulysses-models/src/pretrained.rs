@@ -302,7 +302,8 @@ pub fn check_save_destination(dir: &Path) -> Result<(), CheckpointError> {
         return Err(CheckpointError::file(dir, "exists and is not a folder: choose another path, or move the file"));
     }
     let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let existing = parent.ancestors().find(|a| a.as_os_str().is_empty() || a.exists()).filter(|a| !a.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    // A relative path's last ancestor is "", which does not exist: then the working folder.
+    let existing = parent.ancestors().find(|a| a.exists()).unwrap_or(Path::new("."));
     let cannot = |why: String| CheckpointError::file(existing, format!("{why}, so the checkpoint could not be saved in {}: choose a folder you can write", dir.display()));
     if !existing.is_dir() {
         return Err(cannot("is not a folder".into()));

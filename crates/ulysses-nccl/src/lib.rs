@@ -19,9 +19,10 @@
 //! Status: its CPU-side behaviour (no libnccl) is tested here; on one H100 (world size 1, and
 //! two processes on the one GPU) every collective and SP attention against one device matched
 //! (`ulysses-nccl-check`), and SP = 2 trained over two NCCL processes as SP = 1 did
-//! (benches/RESULTS.md); no run has had two GPUs (NVLink) yet. Every cudarc NCCL call panics when libnccl is absent, so the library is
-//! checked first ([`check_library`]), and so are the driver and the GPU ([`check_cuda_device`]),
-//! which callers of CubeCL's CUDA runtime use too: CubeCL fails on its device thread.
+//! (benches/RESULTS.md); no run has had two GPUs (NVLink) yet. Every cudarc NCCL call panics
+//! when libnccl is absent, so the library is checked first ([`check_library`]), and so are the
+//! driver and the GPU ([`check_cuda_device`]), which callers of CubeCL's CUDA runtime use too:
+//! CubeCL fails on its device thread.
 
 pub mod autotune;
 mod comm;

@@ -12,10 +12,10 @@ use burn::{
     tensor::{DType, backend::AutodiffBackend},
 };
 use burn_ulysses::{
-    device_io::DeviceIo,
     ParallelGroups, ParallelLayout, TrainBackend, UlyssesError,
     comm::all_gather_host_checked,
     data::{SequenceSharder, ShardPositions},
+    device_io::DeviceIo,
     layout::HeadPlan,
     precision::Precision,
     train::{

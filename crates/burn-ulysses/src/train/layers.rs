@@ -345,7 +345,10 @@ where
         let last = leaf(hidden.restore_rows(&rows, &device));
         let loss = lm_loss_sum(model.head(last.clone()), rows_of(&labels, 1, &rows), ignore_index) * weight;
         let tile_loss = loss.clone().inner();
-        loss_sum = Some(loss_sum.map_or(tile_loss.clone(), |sum| sum + tile_loss));
+        loss_sum = Some(match loss_sum.take() {
+            Some(sum) => sum + tile_loss,
+            None => tile_loss,
+        });
         probe(Piece::Head);
         let grads = loss.backward();
         upstream.push(upstream_of(&last, &grads, "the head")?);
