@@ -1,5 +1,5 @@
 //! What the guard against attention done by hand costs: one training step (forward, loss,
-//! backward) of the main job's model (`ulysses-llama`'s defaults: d_model 128, 2 layers, 8
+//! backward) of the main job's model (`ulysses-trainer`'s defaults: d_model 128, 2 layers, 8
 //! heads, 2 kv heads, batch 8 × 256 byte tokens) at SP = 1 and SP = 2 (in-process ranks), with
 //! the guard on and off, interleaved in one run; median of the repeats and the ratio.
 //!
@@ -11,14 +11,9 @@ use burn::{
     backend::{Autodiff, NdArray},
     tensor::{Int, Tensor},
 };
-use burn_ulysses::{
-    UlyssesBackend,
-    comm::{Communicator, ThreadGroup},
-    data::{SequenceSharder, ShardTensors},
-    hand_attention::set_guard,
-    train::lm_loss_sum,
-};
-use ulysses_llama::LlamaConfig;
+use burn_ulysses::{UlyssesBackend, comm::{Communicator, ThreadGroup}, data::{SequenceSharder, ShardTensors}, hand_attention::set_guard};
+use ulysses_training::lm_loss_sum;
+use ulysses_models::LlamaConfig;
 
 type Inner = NdArray<f32>;
 type Sp = UlyssesBackend<Autodiff<Inner>>;

@@ -26,7 +26,7 @@
 //!
 //! `--pieces` (with checkpointing) also prints the bytes held before each piece's backward:
 //! the head, then per layer its after-core tiles, its attention core and its before-core
-//! tiles (`burn_ulysses::train::Piece`), then the embedding.
+//! tiles (`ulysses_training::Piece`), then the embedding.
 //!
 //! `--phases` prints the wall time of a step's phases as they end (the device synchronised
 //! first), the first step's kernel compilation included: the model built; without
@@ -69,13 +69,9 @@ use std::{
 };
 
 use burn::module::Module;
-use burn_ulysses::{
-    UlyssesBackend,
-    data::{SequenceSharder, ShardTensors},
-    precision::Precision,
-    train::{LayerCheckpointing, ShardLengths, checkpointed_backward, float_parameters, lm_loss_sum},
-};
-use ulysses_llama::LlamaConfig;
+use burn_ulysses::{UlyssesBackend, data::{SequenceSharder, ShardTensors}, precision::Precision};
+use ulysses_training::{LayerCheckpointing, ShardLengths, checkpointed_backward, float_parameters, lm_loss_sum};
+use ulysses_models::LlamaConfig;
 use ulysses_suite::{HeldPerPiece, longest_fitting};
 
 #[cfg(feature = "cuda")]

@@ -9,13 +9,9 @@ use burn::{
     backend::{Autodiff, NdArray},
     tensor::{Int, Tensor, TensorData, backend::AutodiffBackend},
 };
-use burn_ulysses::{
-    UlyssesBackend,
-    comm::{Communicator, ReduceOp, ThreadGroup},
-    data::IGNORE_INDEX,
-    train::masked_cross_entropy_sum,
-};
-use ulysses_llama::LlamaConfig;
+use burn_ulysses::{UlyssesBackend, comm::{Communicator, ReduceOp, ThreadGroup}, data::IGNORE_INDEX};
+use ulysses_training::masked_cross_entropy_sum;
+use ulysses_models::LlamaConfig;
 use ulysses_suite::{deterministic_params, max_abs_diff, parameter_grads, shard, sum_vectors, values, worst};
 
 type Inner = NdArray<f32>;

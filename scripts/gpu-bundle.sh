@@ -20,9 +20,9 @@ cp "$memory" "$bundle/memory/training-memory-bench"
 cp "$overhead" "$bundle/memory/decorator-overhead-bench"
 cargo build --release -p ulysses-nccl --features autotune --bin ulysses-nccl-check
 cargo build --release -p ulysses-dist --bin ulysses-launch
-cargo build --release -p ulysses-llama --features cuda
+cargo build --release -p ulysses-trainer --features cuda
 cp target/release/ulysses-nccl-check target/release/ulysses-launch "$bundle/nccl/"
-cp target/release/ulysses-llama target/release/ulysses-launch "$bundle/train/"
+cp target/release/ulysses-trainer target/release/ulysses-launch "$bundle/train/"
 for file in "$bundle"/*/*; do strip "$file"; done
 cp benches/sdpa_reference.py "$bundle/kernels/"
 cp benches/torch_llama_reference.py "$bundle/train/"

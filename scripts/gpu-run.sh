@@ -203,18 +203,18 @@ if has ulysses-nccl-check; then
     step nccl-check-1 "$here/ulysses-launch" --nproc-per-node 1 -- "$here/ulysses-nccl-check"
     step nccl-check-2 env ULYSSES_GPU=0 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "$two_ranks_on_one_gpu exec $here/ulysses-nccl-check"
 fi
-if has ulysses-llama; then
+if has ulysses-trainer; then
     case "${TRAIN_RUN:-check}" in
     check)
         train="--steps 50 --seq-len 2048 --batch-size 2 --corpus ${CORPUS:-/usr/share/common-licenses}"
         # One process: SP=1, and SP=2 as threads sharing the GPU; burn's fused CUDA backend too.
         for sp in 1 2; do
-            step "train-sp$sp" "$here/ulysses-llama" --backend cuda --sp "$sp" $train --out "$out/train-sp$sp"
+            step "train-sp$sp" "$here/ulysses-trainer" --backend cuda --sp "$sp" $train --out "$out/train-sp$sp"
         done
-        step train-fused-sp1 "$here/ulysses-llama" --backend cuda-fused --sp 1 $train --out "$out/train-fused-sp1"
+        step train-fused-sp1 "$here/ulysses-trainer" --backend cuda-fused --sp 1 $train --out "$out/train-fused-sp1"
         # SP=2 as two processes over NCCL on the one GPU.
         step train-sp2-processes "$here/ulysses-launch" --nproc-per-node 2 -- sh -c \
-            "$two_ranks_on_one_gpu exec $here/ulysses-llama --backend cuda --device 0 --sp 2 $train --out $out/train-sp2-processes"
+            "$two_ranks_on_one_gpu exec $here/ulysses-trainer --backend cuda --device 0 --sp 2 $train --out $out/train-sp2-processes"
         # The same model in PyTorch (transformers' LlamaForCausalLM, SDPA, bf16 as the trainer's
         # CUDA default), same batch and length: tokens/s and peak memory beside ours.
         step torch-llama python3 "$here/torch_llama_reference.py" --seq-len 2048 --batch-size 2 --dtype bf16 --steps 50 ;;
@@ -222,7 +222,7 @@ if has ulysses-llama; then
         # Tokens/s against S at batch 1, ours (metrics.csv's per-step rate) and PyTorch's on the
         # same model; the first steps compile kernels, so both runs take 16 and time the last.
         for seq in ${TRAIN_SEQS:-4096 16384 65536}; do
-            step "train-scale-$seq" "$here/ulysses-llama" --backend cuda --sp 1 --steps 16 --seq-len "$seq" --batch-size 1 --profile \
+            step "train-scale-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps 16 --seq-len "$seq" --batch-size 1 --profile \
                 --checkpoint-every 0 --check-parameters-every 0 --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/train-scale-$seq"
             step "torch-scale-$seq" python3 "$here/torch_llama_reference.py" --seq-len "$seq" --batch-size 1 --dtype bf16 --steps 16 --warmup 4
         done ;;
@@ -237,7 +237,7 @@ if has ulysses-llama; then
         seq=${HF_SEQ:-16384}
         for shape in ${HF_SHAPES:-llama-3.2-1b qwen3-0.6b}; do
             for sp in ${HF_SPS:-1 2}; do
-                step "hf-$shape-sp$sp" "$here/ulysses-llama" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile \
+                step "hf-$shape-sp$sp" "$here/ulysses-trainer" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile \
                     --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" \
                     --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/hf-$shape-sp$sp"
             done

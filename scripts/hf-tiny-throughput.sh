@@ -7,11 +7,11 @@
 #
 #   bash scripts/hf-tiny-throughput.sh [TRAINER] [STEPS]
 #
-# TRAINER defaults to target/release/ulysses-llama (cargo build --release -p ulysses-llama).
+# TRAINER defaults to target/release/ulysses-trainer (cargo build --release -p ulysses-trainer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-trainer="${1:-target/release/ulysses-llama}"
+trainer="${1:-target/release/ulysses-trainer}"
 steps="${2:-30}"
 fixtures=crates/ulysses-models/tests/fixtures
 work=$(mktemp -d)

@@ -7,15 +7,10 @@ use burn::{
     backend::{Autodiff, NdArray},
     optim::AdamWConfig,
 };
-use burn_ulysses::{
-    UlyssesBackend,
-    comm::ThreadGroup,
-    train::{LmOutput, ParallelGroups, ParallelLayout},
-};
-use ulysses_llama::{
-    LlamaConfig,
-    train::{RunOptions, StepData, TrainConfig, evaluate_model, load_model, save_model, train_rank},
-};
+use burn_ulysses::{ParallelGroups, ParallelLayout, UlyssesBackend, comm::ThreadGroup};
+use ulysses_training::LmOutput;
+use ulysses_models::LlamaConfig;
+use ulysses_trainer::train::{RunOptions, StepData, TrainConfig, evaluate_model, load_model, save_model, train_rank};
 use ulysses_suite::{VariedLengths, with_deadline};
 
 type Inner = NdArray<f32>;
@@ -80,7 +75,7 @@ fn a_checkpoint_saved_at_sp4_loads_at_sp1_with_the_same_loss() {
             let plain_model = load_model::<Reference>(&model_config, &checkpoint, &Default::default()).unwrap();
             let batch = VariedLengths { vocab: VOCAB }.eval_batch().unwrap();
             let forward = |tokens, positions: &_| LmOutput::Logits(plain_model.forward(tokens, positions));
-            let plain = burn_ulysses::train::evaluate_single_device::<Reference>(forward, &batch, None, -100, &Default::default()).mean();
+            let plain = ulysses_training::evaluate_single_device::<Reference>(forward, &batch, None, -100, &Default::default()).mean();
             (sp4, sp4_bypass, sp1, plain)
         }
     });

@@ -7,10 +7,8 @@ use burn::{
     backend::{Autodiff, NdArray},
     tensor::{Int, Tensor, TensorData},
 };
-use burn_ulysses::{
-    data::IGNORE_INDEX,
-    train::{OutputHead, chunked_linear_cross_entropy_sum, masked_cross_entropy_sum},
-};
+use burn_ulysses::data::IGNORE_INDEX;
+use ulysses_training::{OutputHead, chunked_linear_cross_entropy_sum, masked_cross_entropy_sum};
 use ulysses_suite::{max_abs_diff, uniform_tensor, values};
 
 type B = Autodiff<NdArray<f32>>;
@@ -69,7 +67,7 @@ fn chunked_loss_matches_the_whole_logits_loss_and_its_gradients() {
 /// whole-logits loss on a plain backend.
 #[test]
 fn evaluation_loss_in_chunks_matches_the_whole_logits_loss() {
-    use burn_ulysses::train::linear_cross_entropy_sum;
+    use ulysses_training::linear_cross_entropy_sum;
     type Plain = NdArray<f32>;
     let device = Default::default();
     let hidden = uniform_tensor::<Plain, 2>([ROWS, D_MODEL], 1, &device);
@@ -89,7 +87,7 @@ fn evaluation_loss_in_chunks_matches_the_whole_logits_loss() {
 /// logits hold at most 2^26 values wherever 64 rows do; Llama-3's vocabulary gets 512 rows.
 #[test]
 fn default_chunks_are_whole_tiles_within_the_logits_budget() {
-    use burn_ulysses::train::default_chunk_rows;
+    use ulysses_training::default_chunk_rows;
     assert_eq!(default_chunk_rows(128_256), 512);
     for vocab in [1, 256, 320, 32_000, 128_256, 151_936, 262_144, 1 << 20, 1 << 21, 1 << 30] {
         let rows = default_chunk_rows(vocab);

@@ -10,13 +10,10 @@
 //!   Those are what an asynchronous copy into pinned memory will take off the host's path.
 
 use burn::backend::{Autodiff, NdArray};
-use burn_ulysses::{
-    UlyssesBackend,
-    data::{SequenceSharder, ShardTensors},
-    device_io::DeviceIo,
-    train::{LayerCheckpointing, checkpointed_backward},
-};
-use ulysses_llama::{LlamaConfig, train::StepData};
+use burn_ulysses::{UlyssesBackend, data::{SequenceSharder, ShardTensors}, device_io::DeviceIo};
+use ulysses_training::{LayerCheckpointing, checkpointed_backward};
+use ulysses_models::LlamaConfig;
+use ulysses_trainer::train::StepData;
 use ulysses_suite::{VariedLengths, deterministic_params};
 
 type Counted = UlyssesBackend<Autodiff<NdArray<f32>>>;

@@ -10,10 +10,8 @@ use burn::{
     optim::GradientsParams,
     tensor::{Tensor, backend::Backend},
 };
-use burn_ulysses::{
-    comm::{Communicator, ThreadGroup},
-    train::all_reduce_gradients_in_buckets,
-};
+use burn_ulysses::{comm::{Communicator, ThreadGroup}};
+use ulysses_training::all_reduce_gradients_in_buckets;
 use ulysses_suite::{max_abs_diff, uniform_tensor, values};
 
 type Inner = NdArray<f32>;
@@ -148,7 +146,7 @@ fn gradient_values(net: &Net<Ad>, grads: &GradientsParams) -> Vec<f32> {
 /// limit. A parameter without a gradient (`unused`) counts for nothing.
 #[test]
 fn clipping_scales_the_whole_gradient_to_the_global_norm_asked_for() {
-    use burn_ulysses::train::{clip_gradient_norm, gradient_norm};
+    use ulysses_training::{clip_gradient_norm, gradient_norm};
     let device = Default::default();
     let net = Net::<Ad>::new(&device);
     // Rank 0's loss: every layer but `unused` has a gradient.
@@ -181,12 +179,12 @@ fn clipping_scales_the_whole_gradient_to_the_global_norm_asked_for() {
 /// clipped gradients are bit-identical.
 #[test]
 fn every_rank_clips_with_rank_0s_gradient_norm() {
-    use burn_ulysses::train::{agreed_gradient_norm, clip_with_norm, gradient_norm};
+    use ulysses_training::{agreed_gradient_norm, clip_with_norm, gradient_norm};
     let outcomes = ThreadGroup::new(RANKS)
         .run(|rank| {
             let communicator = rank.communicator();
             // The same parameters and gradients on every rank, as after the all-reduce.
-            let net = burn_ulysses::train::broadcast_parameters(Net::<Ad>::new(&Default::default()), &*communicator).unwrap();
+            let net = ulysses_training::broadcast_parameters(Net::<Ad>::new(&Default::default()), &*communicator).unwrap();
             let grads = GradientsParams::from_grads::<Ad, _>(net.loss(0).backward(), &net);
             // The limit is the same on every rank, as a run's is.
             let exact = gradient_norm(&net, &grads);

@@ -24,17 +24,15 @@ use burn::{
     tensor::{DType, FloatDType},
 };
 use burn_ulysses::{
-    RankScope, UlyssesBackend, UlyssesConfig,
+    ParallelGroups, ParallelLayout, RankScope, UlyssesBackend, UlyssesConfig,
     comm::ThreadGroup,
     data::ShardTensors,
     precision::Precision,
-    train::{LayerCheckpointing, ParallelGroups, ParallelLayout, StepInput, backward_step, float_parameters},
 };
+use ulysses_training::{LayerCheckpointing, StepInput, backward_step, float_parameters};
 use ulysses_kernels::testing::{bytes_in_use, runtime_available};
-use ulysses_llama::{
-    LlamaConfig,
-    train::{RunOptions, StepData, TrainConfig, train_rank},
-};
+use ulysses_models::LlamaConfig;
+use ulysses_trainer::train::{RunOptions, StepData, TrainConfig, train_rank};
 use ulysses_suite::{HeldPerPiece, VariedLengths, deterministic_params, gradient_params_dtypes, gradient_params_values, with_deadline};
 
 type Runtime = cubecl::wgpu::WgpuRuntime;
@@ -272,7 +270,7 @@ fn half_precision_rms_norm_keeps_only_half_precision_copies_for_the_backward() {
 /// device, or the head untiled, adds 256 bytes per token and fails this.
 #[test]
 fn checkpointed_layers_keep_only_the_attention_core_per_token() {
-    use burn_ulysses::train::Piece;
+    use ulysses_training::Piece;
     if !runtime_available::<Runtime>() {
         return;
     }
@@ -318,13 +316,13 @@ fn checkpointed_layers_keep_only_the_attention_core_per_token() {
 /// one document) in tiles of 64: the bytes held before each piece's backward, above what was
 /// in use before the step.
 fn held_per_piece(
-    model: &ulysses_llama::Llama<Sp>,
+    model: &ulysses_models::Llama<Sp>,
     checkpointing: &LayerCheckpointing,
     tokens: usize,
     documents: Option<usize>,
     device: &<Runtime as cubecl::Runtime>::Device,
-) -> Vec<(burn_ulysses::train::Piece, u64)> {
-    use burn_ulysses::train::checkpointed_backward;
+) -> Vec<(ulysses_training::Piece, u64)> {
+    use ulysses_training::checkpointed_backward;
     let shard = one_sequence(tokens, documents);
     let base = bytes_in_use::<Runtime>(device);
     let mut pieces = HeldPerPiece::default();
@@ -354,7 +352,7 @@ fn one_sequence(tokens: usize, documents: Option<usize>) -> burn_ulysses::data::
 /// step after its forward and after its backward.
 #[test]
 fn training_memory_does_not_depend_on_the_mask() {
-    use burn_ulysses::train::lm_loss_sum;
+    use ulysses_training::lm_loss_sum;
     if !runtime_available::<Runtime>() {
         return;
     }

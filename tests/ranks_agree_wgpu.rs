@@ -8,16 +8,10 @@
 //! itself deterministically.)
 
 use burn::{backend::Autodiff, optim::AdamWConfig};
-use burn_ulysses::{
-    RankScope, UlyssesBackend, UlyssesConfig,
-    comm::ThreadGroup,
-    train::{ParallelGroups, ParallelLayout},
-};
+use burn_ulysses::{ParallelGroups, ParallelLayout, RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup};
 use ulysses_kernels::testing::runtime_available;
-use ulysses_llama::{
-    LlamaConfig,
-    train::{RunOptions, TrainConfig, train_rank},
-};
+use ulysses_models::LlamaConfig;
+use ulysses_trainer::train::{RunOptions, TrainConfig, train_rank};
 use ulysses_suite::{VariedLengths, deterministic_params, with_deadline};
 
 type Runtime = cubecl::wgpu::WgpuRuntime;

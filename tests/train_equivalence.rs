@@ -21,15 +21,13 @@ use burn::{
     tensor::{Int, Tensor, TensorData},
 };
 use burn_ulysses::{
-    RankGuard, RankScope, TrainBackend, UlyssesBackend, UlyssesConfig,
+    ParallelGroups, ParallelLayout, RankGuard, RankScope, UlyssesBackend, UlyssesConfig,
     comm::ThreadGroup,
     data::{SequenceSharder, ShardPositions, ShardTensors},
-    train::{ParallelGroups, ParallelLayout, StepReport, check_parameters_identical},
 };
-use ulysses_llama::{
-    LlamaConfig,
-    train::{RunOptions, StepData, TrainConfig, train_rank},
-};
+use ulysses_training::{StepReport, TrainBackend, check_parameters_identical};
+use ulysses_models::LlamaConfig;
+use ulysses_trainer::train::{RunOptions, StepData, TrainConfig, train_rank};
 use ulysses_suite::{VariedLengths, deterministic_params, max_abs_diff, parameter_values, with_deadline, worst};
 
 type Inner = NdArray<f32>;
@@ -317,7 +315,7 @@ fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
 /// packed documents at SP 2. Tiles of 3 tokens cut shards of 16, 8 and 4 tokens unevenly.
 #[test]
 fn layer_checkpointing_trains_like_the_plain_backward() {
-    use burn_ulysses::train::LayerCheckpointing;
+    use ulysses_training::LayerCheckpointing;
     let checkpointed = |config: TrainConfig, offload: bool, tile_tokens: Option<usize>| {
         config.with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(offload).with_tile_tokens(tile_tokens)))
     };
@@ -367,7 +365,7 @@ fn layer_checkpointing_trains_like_the_plain_backward() {
 /// parameter by parameter.
 #[test]
 fn checkpointed_gradients_equal_the_plain_backward() {
-    use burn_ulysses::train::{LayerCheckpointing, checkpointed_backward, lm_loss_sum};
+    use ulysses_training::{LayerCheckpointing, checkpointed_backward, lm_loss_sum};
     use ulysses_suite::{gradient_params_values, parameter_grads};
     let device = Default::default();
     let model = deterministic_params(config(ParallelLayout::new(), 1).model.with_repeat_kv(true).init::<Reference>(&device), INIT_SEED);
@@ -400,7 +398,7 @@ fn checkpointed_gradients_equal_the_plain_backward() {
 /// tile of 0 tokens, and more tiles than the shard has tokens.
 #[test]
 fn impossible_tiles_are_refused_before_the_step() {
-    use burn_ulysses::train::{LayerCheckpointing, ShardLengths, checkpointed_backward};
+    use ulysses_training::{LayerCheckpointing, ShardLengths, checkpointed_backward};
     let zero = LayerCheckpointing::new().with_tile_tokens(Some(0));
     let message = zero.check().unwrap_err().to_string();
     assert!(message.contains("tile_tokens is 0"), "{message}");

@@ -24,7 +24,7 @@ use burn_ulysses::{
     ring::RingSharding,
     visibility::PositionIds,
 };
-use ulysses_llama::{LlamaConfig, RopeTables};
+use ulysses_models::{LlamaConfig, rope_tables::RopeTables};
 
 use crate::{deterministic_params, max_abs_diff, parameter_grads, sum_vectors, uniform_tensor, values, with_deadline};
 

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ulysses_llama::{corpus::splitmix64, train::StepData};
+use ulysses_trainer::{corpus::splitmix64, train::StepData};
 
 use burn::{
     module::{Module, ModuleMapper, ModuleVisitor, Param},
@@ -184,12 +184,12 @@ pub fn sum_vectors<'a>(vectors: impl IntoIterator<Item = &'a Vec<f32>>) -> Vec<f
 /// The most bytes held before each piece's backward of a checkpointed step
 /// (`checkpointed_backward`'s probe), in the order the pieces ran, a piece's tiles as one.
 #[derive(Debug, Default)]
-pub struct HeldPerPiece(pub Vec<(burn_ulysses::train::Piece, u64)>);
+pub struct HeldPerPiece(pub Vec<(ulysses_training::Piece, u64)>);
 
 impl HeldPerPiece {
     /// Records `held` bytes before the backward of `piece`: a probe of the same piece as the
     /// last one (its next tile) keeps the larger figure.
-    pub fn record(&mut self, piece: burn_ulysses::train::Piece, held: u64) {
+    pub fn record(&mut self, piece: ulysses_training::Piece, held: u64) {
         match self.0.last_mut() {
             Some((last, most)) if *last == piece => *most = (*most).max(held),
             _ => self.0.push((piece, held)),

@@ -197,7 +197,7 @@ pub fn current_sharding() -> Option<Sharding> {
 /// here; otherwise returns at once. Burn's autodiff ends every `backward` by locking each
 /// graph of the process in turn, so a rank that runs a collective-free backward while a
 /// peer thread holds its own graph's lock inside a backward whose collectives wait for this
-/// rank deadlocks both; a barrier before such a backward rules it out (see `train::layers`).
+/// rank deadlocks both; a barrier before such a backward rules it out (see `ulysses_training`'s layers module).
 pub fn sync_thread_ranks<W: Backend>() -> Result<(), UlyssesError> {
     let Some(context) = rank_context_of::<W>(THREAD_CONTEXT.with(|slot| slot.borrow().clone()))? else {
         return Ok(());

@@ -45,9 +45,8 @@ pub mod inner;
 pub mod nn;
 pub mod precision;
 pub mod ring;
-mod primitive;
+pub mod primitive;
 pub mod topology;
-pub mod train;
 pub mod visibility;
 
 // The layout rules and errors are Burn-free (ulysses-core), shared with the burn 0.22 crate.
@@ -63,4 +62,3 @@ pub use context::{RankGuard, RankScope, UlyssesConfig};
 pub use error::UlyssesError;
 pub use inner::{ExchangeBackend, PlainBackend, SequenceAttention};
 pub use topology::{ParallelGroups, ParallelLayout};
-pub use train::TrainBackend;

@@ -10,7 +10,7 @@
 //!   flash kernels run their bf16/f16 paths (tensor cores on CUDA; f32 softmax statistics
 //!   and accumulators in every case);
 //! - the loss: each chunk of the last hidden states is cast to the f32 head's dtype for its
-//!   logits, softmax and loss (`train::lm_loss_sum`); what the backward keeps of them stays
+//!   logits, softmax and loss (`ulysses_training::lm_loss_sum`); what the backward keeps of them stays
 //!   in the hidden states' dtype.
 //!
 //! Every cast is an autodiff op whose backward casts the gradient back, so the gradients

@@ -4,13 +4,13 @@
 use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive, backend::Backend, ops::FloatTensor};
 
 /// Views a float primitive as a `Tensor` of rank `D`.
-pub(crate) fn float_tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
+pub fn float_tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
     debug_assert_eq!(primitive.shape().num_dims(), D);
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
 /// Unwraps a `Tensor` back into its float primitive.
-pub(crate) fn float_primitive<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> FloatTensor<B> {
+pub fn float_primitive<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> FloatTensor<B> {
     tensor.into_primitive().tensor()
 }
 

@@ -34,9 +34,9 @@ use burn_ulysses::{
     attention::{attention_within, repeat_kv_heads},
     data::ShardPositions,
     precision::{linear, rms_norm},
-    train::{CausalLm, LayeredLm, LmOutput, OutputHead},
     visibility::PositionIds,
 };
+use ulysses_training::{CausalLm, LayeredLm, LmOutput, OutputHead};
 
 use crate::{DecoderConfig, rope::RopeScaling, rope_tables::RopeTables};
 

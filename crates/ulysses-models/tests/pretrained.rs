@@ -19,11 +19,8 @@ use burn::{
     backend::NdArray,
     tensor::{Int, Tensor, TensorData, backend::Backend},
 };
-use burn_ulysses::{
-    data::ShardPositions,
-    train::lm_loss_sum_inference,
-    visibility::PositionIds,
-};
+use burn_ulysses::{data::ShardPositions, visibility::PositionIds};
+use ulysses_training::lm_loss_sum_inference;
 use ulysses_models::from_pretrained;
 
 type Cpu = NdArray<f32>;
@@ -462,7 +459,7 @@ fn f32_values(bytes: &[u8]) -> Vec<f32> {
 #[test]
 fn every_family_gives_transformers_gradients() {
     use burn::{backend::Autodiff, module::{AutodiffModule, Module}, tensor::DType};
-    use burn_ulysses::train::lm_loss_sum;
+    use ulysses_training::lm_loss_sum;
     use ulysses_models::save_pretrained;
     type Train = Autodiff<Cpu>;
     const GRADIENT_TOLERANCE: f64 = 1e-4;

@@ -21,7 +21,6 @@ pub use fusion::FusionCommunicator;
 pub use host::HostStaged;
 // The burn-free half (ulysses-core): names, errors, argument checks, counters and the
 // in-process group, shared with the burn 0.22 crate.
-pub(crate) use ulysses_core::comm::panic_message;
 pub use ulysses_core::comm::{
     Collective, CommError, HostCommunicator, HostDType, HostTensor, RankPanic, ReduceOp, ThreadCommunicator, ThreadGroup, ThreadGroupConfig, ThreadRank, Traffic,
     TrafficCounter, check_counts_pair_up, check_gathered_lengths, check_send_recv, check_sender_pairs, check_uneven_counts, mismatched,

@@ -8,12 +8,9 @@ use burn::{
     tensor::{DType, Tensor, backend::{AutodiffBackend, Backend}},
 };
 
-use super::TrainBackend;
-use crate::{
-    comm::{Communicator, ReduceOp},
-    error::UlyssesError,
-    primitive::{float_primitive, float_tensor},
-};
+use burn_ulysses::{UlyssesError, comm::{Communicator, ReduceOp}, primitive::{float_primitive, float_tensor}};
+
+use crate::TrainBackend;
 
 pub use ulysses_core::gradients::GRADIENT_BUCKET_BYTES;
 use ulysses_core::gradients::{plan_buckets, present_anywhere};
@@ -47,7 +44,7 @@ pub fn all_reduce_gradients_in_buckets<B: TrainBackend, M: AutodiffModule<B>>(
     }
 
     let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
-    let gathered = crate::comm::all_gather_host_checked(communicator, &present, "float parameters")?;
+    let gathered = burn_ulysses::comm::all_gather_host_checked(communicator, &present, "float parameters")?;
     let present_anywhere = present_anywhere(&gathered, present.len());
     let sizes: Vec<_> = local.iter().map(|l| (l.len() * l.dtype().size(), l.dtype())).collect();
 
@@ -144,7 +141,7 @@ pub fn gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads
 /// `max_norm`, as `torch.nn.utils.clip_grad_norm_` (and Hugging Face's Trainer, whose default
 /// `max_grad_norm` is 1.0) do; returns the gradients and their norm before clipping. For one
 /// process alone: the ranks of a group must clip with the same norm, [`agreed_gradient_norm`]'s,
-/// through [`clip_with_norm`] (as [`apply_step`](super::apply_step) does).
+/// through [`clip_with_norm`] (as [`apply_step`](crate::apply_step) does).
 pub fn clip_gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: GradientsParams, max_norm: f64) -> (GradientsParams, f64) {
     let norm = gradient_norm(module, &grads);
     (clip_with_norm(module, grads, norm, max_norm), norm)
@@ -178,7 +175,7 @@ pub fn clip_with_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, mut 
 /// ranks' norms can differ in their last bits, and a clipping factor one ulp apart is enough
 /// for their parameters to part ways (SP=2 as threads on an H100, 2026-11-27).
 pub fn agreed_gradient_norm<G: Backend>(local_norm: f64, communicator: &dyn Communicator<G>) -> Result<f64, UlyssesError> {
-    let gathered = crate::comm::all_gather_host_checked(communicator, &[local_norm.to_bits()], "gradient norms")?;
+    let gathered = burn_ulysses::comm::all_gather_host_checked(communicator, &[local_norm.to_bits()], "gradient norms")?;
     Ok(f64::from_bits(gathered[0][0]))
 }
 

@@ -12,26 +12,23 @@ use burn::{
     tensor::{DType, backend::AutodiffBackend},
 };
 use burn_ulysses::{
-    ParallelGroups, ParallelLayout, TrainBackend, UlyssesError,
+    ParallelGroups, ParallelLayout, UlyssesError,
     comm::all_gather_host_checked,
     data::{SequenceSharder, ShardPositions},
     device_io::DeviceIo,
     layout::HeadPlan,
     precision::Precision,
-    train::{
-        LayerCheckpointing, LocalStep, StepInput, StepReport, apply_step, backward_step, backward_step_checkpointed,
-        broadcast_parameters,
-        check_parameters_identical,
-        checkpoint::{load_training_checkpoint, save_training_checkpoint},
-        TokenLoss, evaluate, evaluate_single_device,
-    },
+};
+use ulysses_training::{
+    LayerCheckpointing, LocalStep, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, backward_step, backward_step_checkpointed,
+    broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device,
+    checkpoint::{load_training_checkpoint, save_training_checkpoint},
 };
 use serde::{Deserialize, Serialize};
 
-use ulysses_models::{DecoderConfig, save_pretrained};
+use ulysses_models::{DecoderConfig, Llama, LlamaConfig, save_pretrained};
 
 use crate::{
-    Llama, LlamaConfig,
     corpus::{BYTE_VOCAB, ByteCorpus},
     data_identity::DataIdentity,
 };

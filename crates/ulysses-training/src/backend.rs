@@ -13,7 +13,7 @@ use burn::tensor::{
 };
 use burn_autodiff::{Autodiff, checkpoint::strategy::CheckpointStrategy};
 
-use crate::{UlyssesBackend, inner::PlainBackend};
+use burn_ulysses::{PlainBackend, UlyssesBackend};
 
 /// An autodiff backend whose gradients are tensors of the plain backend [`Wire`]
 /// (`TrainBackend::Wire`), the one communicators move.

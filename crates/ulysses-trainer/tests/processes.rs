@@ -35,17 +35,10 @@ use burn::{
     config::Config,
     optim::AdamWConfig,
 };
-use burn_ulysses::{
-    compare::{max_abs_diff, worst},
-    train::{
-        checkpoint::{load_training_checkpoint, read_checkpoint_state},
-        float_parameters,
-    },
-};
-use ulysses_llama::{
-    Llama,
-    train::{RunState, TrainConfig, load_model},
-};
+use burn_ulysses::{compare::{max_abs_diff, worst}};
+use ulysses_training::{float_parameters, checkpoint::{load_training_checkpoint, read_checkpoint_state}};
+use ulysses_models::Llama;
+use ulysses_trainer::train::{RunState, TrainConfig, load_model};
 
 type Cpu = Autodiff<NdArray<f32>>;
 
@@ -65,7 +58,7 @@ const LENGTHS: [[usize; 4]; 7] = [
 ];
 
 fn trainer() -> &'static str {
-    env!("CARGO_BIN_EXE_ulysses-llama")
+    env!("CARGO_BIN_EXE_ulysses-trainer")
 }
 
 /// `ulysses-launch`, built beside the trainer by `cargo test --workspace` (it is
@@ -85,7 +78,7 @@ fn workspace(name: &str) -> PathBuf {
 /// position that varies with the sequence, so `--pack` cuts it into two documents, the edge
 /// falling on the shard edge (8) or inside a shard.
 fn workspace_with(name: &str, paragraphs: bool) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ulysses-llama-{name}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("ulysses-trainer-{name}-{}", std::process::id()));
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir).unwrap();
     let lines: Vec<String> = LENGTHS
@@ -830,7 +823,7 @@ fn the_flags_the_guides_name_exist() {
                 continue;
             }
             checked += 1;
-            assert!(known.contains(&flag), "{guide} names {flag}, which neither `ulysses-llama --help` nor `ulysses-launch --help` lists");
+            assert!(known.contains(&flag), "{guide} names {flag}, which neither `ulysses-trainer --help` nor `ulysses-launch --help` lists");
         }
     }
     assert!(checked > 40, "only {checked} flags found in the guides");

@@ -29,8 +29,9 @@ use burn::{
 };
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
-use super::float_parameters;
-use crate::error::UlyssesError;
+use burn_ulysses::UlyssesError;
+
+use crate::float_parameters;
 
 /// The file a checkpoint folder holds.
 pub const CHECKPOINT_FILE: &str = "checkpoint.ulysses";

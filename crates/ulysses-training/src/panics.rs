@@ -10,7 +10,7 @@ use std::{
     sync::Once,
 };
 
-use crate::comm::panic_message;
+use ulysses_core::comm::panic_message;
 
 thread_local! {
     /// How many [`catch_model_failure`] calls this thread is inside.

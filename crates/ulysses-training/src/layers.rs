@@ -44,7 +44,7 @@
 //! inside the cores stay in step; the tile count is the same on every rank
 //! ([`LayerCheckpointing::tiles`] over the step's shard lengths of all ranks). Where ranks are
 //! threads of one process, they meet at a barrier before each core's backward
-//! ([`crate::context::sync_thread_ranks`] says why).
+//! ([`burn_ulysses::context::sync_thread_ranks`] says why).
 
 use std::ops::Range;
 
@@ -55,8 +55,9 @@ use burn::{
     tensor::{BasicOps, ElementConversion, Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}},
 };
 
-use super::{LmOutput, TrainBackend, lm_loss_sum};
-use crate::{data::ShardPositions, error::UlyssesError};
+use burn_ulysses::{UlyssesError, data::ShardPositions};
+
+use crate::{LmOutput, TrainBackend, lm_loss_sum};
 
 /// A causal LM cut into the pieces whole-layer checkpointing runs one at a time. Implement
 /// it for every backend (`impl<B: Backend> LayeredLm<B> for MyModel<B>`): the forward runs
@@ -390,7 +391,7 @@ where
         probe(Piece::Core { layer: index });
         // The tiles' backwards had no collective; this one has. Peers that are threads of
         // this process must not be inside it while this rank still runs tiles.
-        crate::context::sync_thread_ranks::<B::Wire>()?;
+        burn_ulysses::context::sync_thread_ranks::<B::Wire>()?;
         let grads = seed.backward();
         let input_grads =
             core_inputs.iter().map(|input| upstream_of(input, &grads, "a layer's core (one of its inputs)")).collect::<Result<Vec<_>, _>>()?;

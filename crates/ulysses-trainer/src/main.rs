@@ -6,8 +6,8 @@
 //! `metrics.csv`, `loss.png`, `config.json`, `model.mpk` and the training checkpoint
 //! `checkpoint.ulysses` to `--out`.
 //!
-//! cargo run --release -p ulysses-llama -- [--sp 4] [--dp 1] [--steps 300] [--backend cpu|cuda|cuda-fused]
-//! ulysses-launch --nproc-per-node 4 -- target/release/ulysses-llama --sp 2      (SP=2 × DP=2)
+//! cargo run --release -p ulysses-trainer -- [--sp 4] [--dp 1] [--steps 300] [--backend cpu|cuda|cuda-fused]
+//! ulysses-launch --nproc-per-node 4 -- target/release/ulysses-trainer --sp 2      (SP=2 × DP=2)
 
 use std::{
     fs::File,
@@ -21,12 +21,8 @@ use burn::{
     module::Module,
     tensor::backend::Backend,
 };
-use burn_ulysses::{
-    ParallelLayout, PlainBackend, UlyssesBackend,
-    device_io::DeviceIo,
-    precision::Precision,
-    train::{LayerCheckpointing, StepReport, checkpoint::read_checkpoint_state},
-};
+use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
+use ulysses_training::{LayerCheckpointing, StepReport, checkpoint::read_checkpoint_state};
 use clap::{Parser, ValueEnum};
 use ulysses_models::{DecoderConfig, TextTokenizer, from_pretrained};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -34,7 +30,7 @@ use ulysses_dist::{
     DistributedConfig,
     job::{JobOptions, Launch, Tcp, Transport, run_ranks},
 };
-use ulysses_llama::{
+use ulysses_trainer::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     data_identity::DataIdentity,
     documents::{DocumentReader, PackedDocuments},
@@ -256,7 +252,7 @@ fn step_and_rank(value: &str) -> Result<(usize, usize), String> {
 fn main() {
     ulysses_dist::logging::init("info");
     // A failure inside the model (a peer that died) is reported once, as the rank's error.
-    burn_ulysses::train::quiet_caught_panics();
+    ulysses_training::quiet_caught_panics();
     if let Err(message) = run(Args::parse()) {
         eprintln!("error: {message}");
         std::process::exit(1);
@@ -337,8 +333,8 @@ fn run(args: Args) -> Result<(), String> {
         (None, None) => None,
     };
     let model = match &pretrained {
-        Some(checkpoint) => ulysses_llama::LlamaConfig::from_hf(checkpoint),
-        None => ulysses_llama::LlamaConfig::new(BYTE_VOCAB)
+        Some(checkpoint) => ulysses_models::LlamaConfig::from_hf(checkpoint),
+        None => ulysses_models::LlamaConfig::new(BYTE_VOCAB)
             .with_d_model(args.d_model)
             .with_n_layers(args.layers)
             .with_n_heads(args.heads)

@@ -15,7 +15,7 @@ use burn::tensor::{
     IndexingUpdateOp,
 };
 
-/// What a [`CausalLm`](super::CausalLm) gives the loss.
+/// What a [`CausalLm`](crate::CausalLm) gives the loss.
 pub enum LmOutput<B: Backend> {
     /// `[batch, seq, vocab]` logits.
     Logits(Tensor<B, 3>),

@@ -10,8 +10,3 @@ pub mod plot;
 pub mod run_folder;
 pub mod tokens;
 pub mod train;
-
-pub use ulysses_models::{
-    llama::{Attention, Block, FeedForward, Llama, LlamaConfig},
-    rope_tables::RopeTables,
-};

@@ -18,7 +18,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use burn_ulysses::train::checkpoint::write_atomically;
+use ulysses_training::checkpoint::write_atomically;
 
 /// The lock file inside a run folder.
 pub const LOCK_FILE: &str = ".lock";

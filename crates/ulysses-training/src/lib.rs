@@ -1,4 +1,6 @@
-//! Training with sequence parallelism (SP) and data parallelism (DP), equal to one device.
+//! Training any Burn model with sequence parallelism (SP) and data parallelism (DP) over
+//! `burn_ulysses::UlyssesBackend`, equal to one device. The decorator crate (`burn-ulysses`)
+//! makes attention sequence parallel; this crate is the rest of a training step around it.
 //!
 //! One optimizer step on one rank ([`train_step`]) has two halves, also callable on their
 //! own (to inspect or change the local gradients in between):
@@ -53,11 +55,10 @@ pub use loss::{
     lm_loss_sum_inference, masked_cross_entropy_sum,
 };
 
-pub use crate::topology::{ParallelGroups, ParallelLayout};
-use crate::{
+use burn_ulysses::{
+    ParallelGroups, UlyssesError,
     comm::{CommError, Communicator},
     data::{SequenceShard, SequenceSharder, ShardPositions, ShardTensors},
-    error::UlyssesError,
     primitive::{float_primitive, float_tensor},
 };
 
@@ -106,7 +107,7 @@ pub struct StepInput<'a> {
     /// micro-batch.
     pub micro_batches: &'a [Vec<Vec<i64>>],
     /// For packed data: per micro-batch, per sequence, the lengths of the documents packed
-    /// into it ([`pack_documents`](crate::data::pack_documents)). `None`: one document per
+    /// into it ([`pack_documents`](burn_ulysses::data::pack_documents)). `None`: one document per
     /// sequence.
     pub documents: Option<&'a [Vec<Vec<usize>>]>,
     /// Clip the summed gradient to this global L2 norm, with rank 0's measure of it
@@ -272,7 +273,7 @@ where
     let bad_parameter = first_non_finite_gradient::<B, M>(&model, &local.grads);
     let max_grad_norm = step.max_grad_norm.unwrap_or(f64::NAN);
     let verdict = [local.loss.to_bits(), u64::from(bad_parameter.is_some()), max_grad_norm.to_bits(), step.learning_rate.to_bits()];
-    let gathered = crate::comm::all_gather_host_checked(&*groups.world, &verdict, "step health values")?;
+    let gathered = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &verdict, "step health values")?;
     check_same_settings(step.index, &gathered)?;
     let losses: Vec<f64> = gathered.iter().map(|v| f64::from_bits(v[0])).collect();
     let non_finite_loss: Vec<usize> = (0..losses.len()).filter(|&r| !losses[r].is_finite()).collect();
@@ -413,7 +414,7 @@ pub fn evaluate_single_device<B: Backend>(
     ignore_index: i64,
     device: &B::Device,
 ) -> TokenLoss {
-    let _single_device = crate::context::enter_single_device();
+    let _single_device = burn_ulysses::context::enter_single_device();
     let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard_documents(batch, documents, 0);
     let loss = lm_loss_sum_inference(forward(whole.tokens(device), &whole.positions), whole.labels(device), ignore_index);
     TokenLoss { sum: loss.into_scalar().elem::<f64>(), tokens: whole.valid_tokens }
@@ -490,7 +491,7 @@ pub fn check_parameters_identical<B: Backend, M: Module<B>, G: Backend>(
 ) -> Result<(), UlyssesError> {
     let parameters = float_parameters(module);
     let hashes: Vec<u64> = parameters.iter().map(|p| checkpoint::fnv1a(&[p.values.to_data().as_bytes()])).collect();
-    let gathered = crate::comm::all_gather_host_checked(communicator, &hashes, "float parameters")?;
+    let gathered = burn_ulysses::comm::all_gather_host_checked(communicator, &hashes, "float parameters")?;
     for (i, parameter) in parameters.iter().enumerate() {
         let differing = ranks_differing_from_rank_0(&gathered, i);
         if !differing.is_empty() {
