@@ -112,7 +112,7 @@ fn train<B: TrainBackend>(groups: &ParallelGroups<B::Wire>, device: &B::Device) 
 /// The losses of every step at SP = 2 (rank 0's report, the same on both) and on one device.
 fn sp_and_one_device() -> (Vec<f64>, Vec<f64>) {
     let layout = ParallelLayout::new().with_sp_size(2);
-    let mut sp = ThreadGroup::new(layout.world_size()).run(|rank| {
+    let sp = ThreadGroup::new(layout.world_size()).run(|rank| {
         let groups = ParallelGroups::new(rank.communicator(), layout).expect("2 ranks make one SP group");
         // Enter the group: from here on this thread's `attention` calls are sequence parallel.
         let _sp = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));

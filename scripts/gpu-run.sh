@@ -241,6 +241,14 @@ if has ulysses-trainer; then
                     --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" \
                     --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/hf-$shape-sp$sp"
             done
+            # The head and loss as before 2026-11-27 (f32 logits, tensor-op softmax), beside the
+            # bf16 head and fused cross-entropy above; HF_OLD_HEAD=0 skips it.
+            if [ "${HF_OLD_HEAD:-1}" = 1 ]; then
+                step "hf-$shape-sp1-old-head" env ULYSSES_FUSED_CROSS_ENTROPY=0 "$here/ulysses-trainer" --backend cuda --sp 1 --f32-head \
+                    --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile --learning-rate 3e-4 --checkpoint-layers --no-save \
+                    --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "${CORPUS:-/usr/share/common-licenses}" \
+                    --out "$out/hf-$shape-sp1-old-head"
+            fi
             step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" --checkpointing \
                 --seq-len "$seq" --batch-size 1 --dtype bf16 --steps "${HF_STEPS:-6}" --warmup 2
         done ;;

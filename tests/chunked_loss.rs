@@ -1,14 +1,17 @@
 //! The chunked loss (`chunked_linear_cross_entropy_sum`) against burn's autodiff through the
 //! whole logits (`masked_cross_entropy_sum` of `hidden · weight + bias`): same value, same
 //! gradients of the hidden states, the weight and the bias, for chunks of 1 row to more than
-//! all rows, with ignored labels (a chunk of only ignored labels included).
+//! all rows, with ignored labels (a chunk of only ignored labels included). On burn's CubeCL
+//! backends (wgpu on lavapipe here) the chunks' rows go through the fused cross-entropy kernel
+//! (`ulysses_kernels::cross_entropy`), checked against NdArray's whole-logits autodiff.
 
 use burn::{
     backend::{Autodiff, NdArray},
-    tensor::{Int, Tensor, TensorData},
+    tensor::{FloatDType, Int, Tensor, TensorData},
 };
 use burn_ulysses::data::IGNORE_INDEX;
-use ulysses_training::{OutputHead, chunked_linear_cross_entropy_sum, masked_cross_entropy_sum};
+use ulysses_kernels::testing::runtime_available;
+use ulysses_training::{OutputHead, TrainBackend, chunked_linear_cross_entropy_sum, masked_cross_entropy_sum};
 use ulysses_suite::{max_abs_diff, uniform_tensor, values};
 
 type B = Autodiff<NdArray<f32>>;
@@ -19,9 +22,18 @@ const VOCAB: usize = 9;
 /// f32, sums over at most 11 rows reordered.
 const TOLERANCE: f32 = 2e-6;
 
-/// Loss, then gradients of hidden, weight and bias.
+/// Loss, then gradients of hidden, weight and bias, on NdArray.
 fn run(chunk_rows: Option<usize>, with_bias: bool) -> [Vec<f32>; 4] {
-    let device = Default::default();
+    run_on::<B>(chunk_rows, with_bias, &Default::default())
+}
+
+fn run_on<B: TrainBackend>(chunk_rows: Option<usize>, with_bias: bool, device: &B::Device) -> [Vec<f32>; 4] {
+    run_in::<B>(chunk_rows, with_bias, None, device)
+}
+
+/// `run_on` with the chunks' logits in `logits_dtype` (`None`: the weight's f32).
+fn run_in<B: TrainBackend>(chunk_rows: Option<usize>, with_bias: bool, logits_dtype: Option<FloatDType>, device: &B::Device) -> [Vec<f32>; 4] {
+    let device = device.clone();
     let hidden = uniform_tensor::<B, 2>([ROWS, D_MODEL], 1, &device).require_grad();
     let weight = uniform_tensor::<B, 2>([D_MODEL, VOCAB], 2, &device).require_grad();
     let bias = uniform_tensor::<B, 1>([VOCAB], 3, &device).require_grad();
@@ -31,7 +43,7 @@ fn run(chunk_rows: Option<usize>, with_bias: bool) -> [Vec<f32>; 4] {
     let head_bias = with_bias.then(|| bias.clone());
     let loss = match chunk_rows {
         Some(rows) => {
-            let head = OutputHead { weight: weight.clone(), bias: head_bias };
+            let head = OutputHead::new(weight.clone(), head_bias).with_logits_dtype(logits_dtype);
             chunked_linear_cross_entropy_sum(hidden.clone(), head, labels, IGNORE_INDEX, rows)
         }
         None => {
@@ -63,6 +75,56 @@ fn chunked_loss_matches_the_whole_logits_loss_and_its_gradients() {
     }
 }
 
+/// On a CubeCL backend every chunk's rows run in the fused kernel, with the loss and
+/// gradients NdArray's whole logits give.
+#[test]
+fn the_fused_kernel_gives_the_whole_logits_loss_and_its_gradients() {
+    type Runtime = cubecl::wgpu::WgpuRuntime;
+    type Cube = Autodiff<burn_cubecl::CubeBackend<Runtime, f32, i32, u32>>;
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let device = Default::default();
+    for with_bias in [false, true] {
+        let reference = run(None, with_bias);
+        for chunk_rows in [1, 3, ROWS] {
+            let before = ulysses_kernels::cross_entropy::launches();
+            let fused = run_on::<Cube>(Some(chunk_rows), with_bias, &device);
+            let launches = ulysses_kernels::cross_entropy::launches() - before;
+            assert_eq!(launches as usize, ROWS.div_ceil(chunk_rows), "chunks of {chunk_rows}: one launch per chunk");
+            for (name, (got, want)) in ["loss", "d hidden", "d weight", "d bias"].iter().zip(fused.iter().zip(&reference)) {
+                let diff = max_abs_diff(got, want);
+                assert!(diff <= TOLERANCE, "{name}, chunks of {chunk_rows}, bias {with_bias}: |Δ| {diff:e}");
+            }
+        }
+    }
+}
+
+/// A bf16 model's head: logits in the compute dtype (f16 on lavapipe, which has no bf16), the
+/// softmax, loss and gradient sums in f32. Within f16's rounding of the logits and of the
+/// gradients' products (inputs of magnitude 1, d_model 6: 4e-3), and not the f32 head's
+/// result: the logits are rounded.
+#[test]
+fn a_half_precision_head_stays_within_its_rounding() {
+    type Runtime = cubecl::wgpu::WgpuRuntime;
+    type Cube = Autodiff<burn_cubecl::CubeBackend<Runtime, f32, i32, u32>>;
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let device = Default::default();
+    let reference = run(None, true);
+    let half = run_in::<Cube>(Some(4), true, Some(FloatDType::F16), &device);
+    for (name, (got, want)) in ["loss", "d hidden", "d weight", "d bias"].iter().zip(half.iter().zip(&reference)) {
+        let scale = want.iter().fold(1.0f32, |m, x| m.max(x.abs()));
+        let diff = max_abs_diff(got, want) / scale;
+        println!("{name}: {diff:.1e} of its scale {scale}");
+        assert!(diff <= 4e-3, "{name}: |Δ| {diff:e} of its scale with f16 logits");
+        if *name == "loss" {
+            assert!(diff > 0.0, "f16 logits gave the f32 head's loss exactly: the logits were not computed in f16");
+        }
+    }
+}
+
 /// Evaluation's loss (`linear_cross_entropy_sum`, no gradients, any backend) equals the
 /// whole-logits loss on a plain backend.
 #[test]
@@ -76,7 +138,7 @@ fn evaluation_loss_in_chunks_matches_the_whole_logits_loss() {
     let labels = Tensor::<Plain, 1, Int>::from_data(TensorData::new(labels, [ROWS]), &device);
     let whole = masked_cross_entropy_sum(hidden.clone().matmul(weight.clone()).unsqueeze_dim(0), labels.clone().unsqueeze_dim(0), IGNORE_INDEX);
     for chunk_rows in [1, 2, ROWS] {
-        let head = OutputHead { weight: weight.clone(), bias: None };
+        let head = OutputHead::new(weight.clone(), None);
         let chunked = linear_cross_entropy_sum(hidden.clone(), head, labels.clone(), IGNORE_INDEX, chunk_rows);
         let diff = max_abs_diff(&values(chunked), &values(whole.clone()));
         assert!(diff <= TOLERANCE, "chunks of {chunk_rows}: |Δ| {diff:e}");

@@ -17,10 +17,16 @@
 //! 16 × 16 tiles (tensor cores in the device's fragment size, or the plane's lanes where
 //! there are none),
 //! and `forward` / `backward` hold the kernels; `mod.rs` checks shapes and launches.
+//!
+//! Beside them, [`cross_entropy`]: the training loss's rows (each row's loss and the logits'
+//! gradient) in one kernel.
 
+pub mod cross_entropy;
 pub mod flash;
 
 pub use flash::{Engine, FlashOptions, Fragment, MAX_HEAD_DIM, MAX_SEQUENCE, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
+
+pub use cross_entropy::{CrossEntropyError, fused_cross_entropy};
 
 use burn::tensor::DType;
 

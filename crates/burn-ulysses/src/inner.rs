@@ -152,6 +152,14 @@ pub trait PlainBackend: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         unreachable!("fused_attention_backward without a fused forward on {}", std::any::type_name::<Self>())
     }
+
+    /// Each row's cross-entropy (`[rows]`, f32) and the gradient of their sum with respect to
+    /// the logits (`[rows, vocab]`, the logits' dtype), in one pass over `logits: [rows,
+    /// vocab]` given `labels: [rows]` (ids as f32); rows labelled `ignore_index` give 0 and 0.
+    /// Or why this backend has no kernel for them: the training loss then uses tensor ops.
+    fn fused_cross_entropy(_logits: FloatTensor<Self>, _labels: FloatTensor<Self>, _ignore_index: i64) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
+        Err(format!("{} has no fused cross-entropy kernel", std::any::type_name::<Self>()))
+    }
 }
 
 fn no_fused_kernel<B>() -> String {

@@ -9,9 +9,10 @@
 //! - attention gets q/k/v in the compute dtype, so the exchanges move half the bytes and the
 //!   flash kernels run their bf16/f16 paths (tensor cores on CUDA; f32 softmax statistics
 //!   and accumulators in every case);
-//! - the loss: each chunk of the last hidden states is cast to the f32 head's dtype for its
-//!   logits, softmax and loss (`ulysses_training::lm_loss_sum`); what the backward keeps of them stays
-//!   in the hidden states' dtype.
+//! - the loss: each chunk of the last hidden states gets its logits in the compute dtype (the
+//!   head's weight cast once per step; f32 accumulation), then its softmax and loss in f32
+//!   (`ulysses_training::lm_loss_sum`, `OutputHead::logits_dtype`); what the backward keeps
+//!   of them stays in the hidden states' dtype.
 //!
 //! Every cast is an autodiff op whose backward casts the gradient back, so the gradients
 //! reach the f32 parameters as f32, with no master copy to keep in sync. The price is that

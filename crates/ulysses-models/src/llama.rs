@@ -13,8 +13,9 @@
 //!
 //! Mixed precision ([`Llama::with_compute_dtype`]): the hidden states are cast to the compute
 //! dtype after the embedding and every op follows them (`burn_ulysses::precision`; norm
-//! statistics in f32). The head and the loss compute in f32 from the last hidden states, a
-//! chunk of rows at a time (`lm_output`), or all at once (`forward`, `hidden`).
+//! statistics in f32). The loss's logits are computed in the compute dtype (f32 with
+//! [`Llama::with_f32_head`]), a chunk of rows at a time (`lm_output`), their softmax and the
+//! loss in f32; `forward` and `hidden` give all logits at once, in f32.
 
 use std::ops::Range;
 
@@ -170,6 +171,7 @@ impl LlamaConfig {
             rope_theta: self.rope_theta,
             rope_scaling: self.rope_scaling,
             compute_dtype: FloatDType::F32,
+            f32_head: false,
         }
     }
 
@@ -282,6 +284,9 @@ pub struct Llama<B: Backend> {
     /// What the layers compute in (the parameters stay f32); not part of the record.
     #[module(skip)]
     compute_dtype: FloatDType,
+    /// The loss's logits in f32 even when the layers compute in a half dtype.
+    #[module(skip)]
+    f32_head: bool,
 }
 
 impl<B: Backend> Llama<B> {
@@ -306,9 +311,10 @@ impl<B: Backend> Llama<B> {
     /// matrix transposed where the two are tied.
     pub fn output_head(&self) -> OutputHead<B> {
         match &self.lm_head {
-            Some(head) => OutputHead { weight: head.weight.val(), bias: head.bias.as_ref().map(|b| b.val()) },
-            None => OutputHead { weight: self.embedding.weight.val().transpose(), bias: None },
+            Some(head) => OutputHead::new(head.weight.val(), head.bias.as_ref().map(|b| b.val())),
+            None => OutputHead::new(self.embedding.weight.val().transpose(), None),
         }
+        .with_logits_dtype((!self.f32_head && self.compute_dtype != FloatDType::F32).then_some(self.compute_dtype))
     }
 
     /// The last hidden states and the output head, from which the loss is computed a chunk of
@@ -326,7 +332,7 @@ impl<B: Backend> Llama<B> {
     }
 
     /// The last norm, in the compute dtype (the chunked loss computes each chunk's logits in
-    /// the head's f32).
+    /// the head's logits dtype).
     fn final_norm(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
         rms_norm(&self.norm, hidden)
     }
@@ -347,6 +353,13 @@ impl<B: Backend> Llama<B> {
 
     pub fn compute_dtype(&self) -> FloatDType {
         self.compute_dtype
+    }
+
+    /// Computes the loss's logits in f32 rather than in the compute dtype (the head's matmuls
+    /// then run on TF32 rather than bf16 tensor cores; the softmax and loss are f32 either way).
+    pub fn with_f32_head(mut self, f32_head: bool) -> Self {
+        self.f32_head = f32_head;
+        self
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -200,6 +200,10 @@ struct Args {
     /// the CPU].
     #[arg(long)]
     precision: Option<Precision>,
+    /// Under bf16, compute the loss's logits in f32 (TF32 matmuls) rather than in bf16 with f32
+    /// accumulation; the softmax and loss are f32 either way.
+    #[arg(long)]
+    f32_head: bool,
     #[arg(long, default_value_t = 128)]
     d_model: usize,
     #[arg(long, default_value_t = 2)]
@@ -366,7 +370,8 @@ fn run(args: Args) -> Result<(), String> {
         .with_precision(args.precision.unwrap_or(match args.backend {
             BackendKind::Cpu => Precision::F32,
             BackendKind::Cuda | BackendKind::CudaFused => Precision::Bf16,
-        }));
+        }))
+        .with_f32_head(args.f32_head);
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;

@@ -76,6 +76,10 @@ pub struct TrainConfig {
     /// What the layers compute in; parameters and optimizer state are f32 either way.
     #[config(default = "Precision::F32")]
     pub precision: Precision,
+    /// The loss's logits in f32 under a half precision (the old behaviour, slower): otherwise
+    /// the head's matmuls run in the compute dtype, the softmax and loss in f32.
+    #[config(default = false)]
+    pub f32_head: bool,
     /// Clip each step's gradient, summed over all ranks, to this global L2 norm (`None`: no
     /// clipping).
     #[config(default = "None")]
@@ -329,7 +333,7 @@ where
     B: TrainBackend,
 {
     config.validate().map_err(UlyssesError::InvalidConfig)?;
-    let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?);
+    let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?).with_f32_head(config.f32_head);
     let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
     let sharder = config.sharder();
     let optimizer = config.optimizer.init::<B, Llama<B>>();
@@ -550,7 +554,7 @@ pub fn evaluate_sequences<B: TrainBackend>(
     device: &B::Device,
 ) -> Result<TokenLoss, UlyssesError> {
     let config = config.clone().with_eval_single_device(false);
-    let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?).valid();
+    let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?).with_f32_head(config.f32_head).valid();
     let size = config.batch_size;
     let mut total = TokenLoss::default();
     for start in (groups.dp_rank() * size..sequences.len()).step_by(size * config.layout.dp_size) {

@@ -23,8 +23,9 @@ use burn_ulysses::{PlainBackend, UlyssesBackend};
 pub trait TrainBackend:
     AutodiffBackend<InnerBackend: Backend<FloatTensorPrimitive = FloatTensor<Self::Wire>, Device = Self::Device>>
 {
-    /// The plain backend whose buffers the communicators of this training stack move.
-    type Wire: Backend<Device = Self::Device>;
+    /// The plain backend whose buffers the communicators of this training stack move, and
+    /// whose kernels the loss may use ([`PlainBackend::fused_cross_entropy`]).
+    type Wire: PlainBackend<Device = Self::Device>;
 }
 
 impl<W: PlainBackend, C: CheckpointStrategy> TrainBackend for Autodiff<W, C> {

@@ -8,21 +8,19 @@
 //! hidden states and the output projection, and hands them to autodiff through a surrogate
 //! term whose value is exactly zero.
 
-use burn::tensor::{
-    FloatDType, Int, Tensor,
-    activation::log_softmax,
-    backend::{AutodiffBackend, Backend},
-    IndexingUpdateOp,
-};
+use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor, TensorPrimitive, activation::log_softmax, backend::Backend};
+use burn_ulysses::PlainBackend;
+
+use crate::TrainBackend;
 
 /// What a [`CausalLm`](crate::CausalLm) gives the loss.
 pub enum LmOutput<B: Backend> {
     /// `[batch, seq, vocab]` logits.
     Logits(Tensor<B, 3>),
     /// `[batch, seq, d_model]` last hidden states and the projection that makes them logits.
-    /// The hidden states may be in a half dtype: the logits, the softmax and the loss are
-    /// computed in the head's dtype a chunk at a time, and what the backward keeps of them
-    /// stays in the hidden states' dtype.
+    /// The hidden states may be in a half dtype: the logits are computed a chunk at a time in
+    /// the head's [`logits_dtype`](OutputHead::logits_dtype), the softmax and the loss in f32,
+    /// and what the backward keeps of them stays in the hidden states' dtype.
     Hidden { hidden: Tensor<B, 3>, head: OutputHead<B> },
 }
 
@@ -31,6 +29,23 @@ pub enum LmOutput<B: Backend> {
 pub struct OutputHead<B: Backend> {
     pub weight: Tensor<B, 2>,
     pub bias: Option<Tensor<B, 1>>,
+    /// What the logits are computed in: `None`, the weight's dtype (f32); or a half dtype, the
+    /// weight cast to it once per call and each chunk's matmuls on half-precision tensor cores
+    /// (f32 accumulation), as PyTorch's autocast computes a bf16 model's head. The softmax,
+    /// the loss and the weight's gradient sums stay f32 either way.
+    pub logits_dtype: Option<FloatDType>,
+}
+
+impl<B: Backend> OutputHead<B> {
+    /// Logits in the weight's dtype.
+    pub fn new(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
+        Self { weight, bias, logits_dtype: None }
+    }
+
+    pub fn with_logits_dtype(mut self, dtype: Option<FloatDType>) -> Self {
+        self.logits_dtype = dtype;
+        self
+    }
 }
 
 /// Rows per chunk: a multiple of 64 whose logits hold at most 2^26 values (256 MiB in f32),
@@ -49,7 +64,7 @@ pub fn default_chunk_rows(vocab: usize) -> usize {
 
 /// `Σ -log p(label)` over the labels of `labels: [batch, seq]` that are not `ignore_index`,
 /// from either kind of [`LmOutput`], differentiable.
-pub fn lm_loss_sum<B: AutodiffBackend>(output: LmOutput<B>, labels: Tensor<B, 2, Int>, ignore_index: i64) -> Tensor<B, 1> {
+pub fn lm_loss_sum<B: TrainBackend>(output: LmOutput<B>, labels: Tensor<B, 2, Int>, ignore_index: i64) -> Tensor<B, 1> {
     match output {
         LmOutput::Hidden { hidden, head } => {
             let (hidden, labels, chunk_rows) = rows_of(hidden, &head, labels);
@@ -100,15 +115,21 @@ pub fn masked_cross_entropy_sum<B: Backend>(
 /// Gradients reach `hidden`, `weight` and `bias` as with the unchunked loss. Autodiff keeps
 /// two tensors the size of `hidden` and one of `weight` instead of the logits. The price:
 /// the forward does the work of the backward's two matmuls per chunk.
-pub fn chunked_linear_cross_entropy_sum<B: AutodiffBackend>(
+pub fn chunked_linear_cross_entropy_sum<B: TrainBackend>(
     hidden: Tensor<B, 2>,
     head: OutputHead<B>,
     labels: Tensor<B, 1, Int>,
     ignore_index: i64,
     chunk_rows: usize,
 ) -> Tensor<B, 1> {
-    let inner_head = OutputHead { weight: head.weight.clone().inner(), bias: head.bias.clone().map(|b| b.inner()) };
-    let (loss, grads) = chunked_loss(hidden.clone().inner(), inner_head, labels.inner(), ignore_index, chunk_rows, true);
+    let inner_head = OutputHead::new(head.weight.clone().inner(), head.bias.clone().map(|b| b.inner())).with_logits_dtype(head.logits_dtype);
+    // The rows' loss and gradient in one kernel where the wire backend has one (CubeCL).
+    let fused = |logits: Tensor<B::InnerBackend, 2>, labels: Tensor<B::InnerBackend, 1>| {
+        B::Wire::fused_cross_entropy(logits.into_primitive().tensor(), labels.into_primitive().tensor(), ignore_index)
+            .ok()
+            .map(|(losses, grads)| (Tensor::from_primitive(TensorPrimitive::Float(losses)), Tensor::from_primitive(TensorPrimitive::Float(grads))))
+    };
+    let (loss, grads) = chunked_loss(hidden.clone().inner(), inner_head, labels.inner(), ignore_index, chunk_rows, Some(&fused));
     let HeadGrads { hidden: hidden_grads, weight: weight_grad, bias: bias_grad } = grads.expect("asked for gradients");
 
     // `surrogate`'s gradient is the one computed above; `surrogate - surrogate.detach()` is
@@ -131,12 +152,16 @@ pub fn linear_cross_entropy_sum<B: Backend>(
     ignore_index: i64,
     chunk_rows: usize,
 ) -> Tensor<B, 1> {
-    chunked_loss(hidden, head, labels, ignore_index, chunk_rows, false).0
+    chunked_loss(hidden, head, labels, ignore_index, chunk_rows, None).0
 }
+
+/// A kernel for a chunk's rows: `(logits [rows, vocab], labels [rows] as f32)` to each row's
+/// loss and `d loss / d logits`, or `None` where the backend has none.
+type FusedRows<'a, B> = &'a dyn Fn(Tensor<B, 2>, Tensor<B, 1>) -> Option<(Tensor<B, 1>, Tensor<B, 2>)>;
 
 /// Gradients of the summed loss with respect to the hidden states (one tensor per chunk of
 /// rows, in the hidden states' dtype), the head's weight and its bias (`[1, vocab]`), summed
-/// over the chunks so far.
+/// over the chunks so far in the weight's dtype.
 struct HeadGrads<B: Backend> {
     hidden: Vec<Tensor<B, 2>>,
     weight: Tensor<B, 2>,
@@ -144,25 +169,28 @@ struct HeadGrads<B: Backend> {
 }
 
 impl<B: Backend> HeadGrads<B> {
-    /// Adds one chunk, given its hidden states (in the head's dtype), `d loss / d logits` and
-    /// the hidden states' own dtype.
+    /// Adds one chunk, given its hidden states and `d loss / d logits` (both in the logits'
+    /// dtype), the weight in that dtype, and the hidden states' own dtype.
     fn add_chunk(mut self, chunk: Tensor<B, 2>, logits_grad: Tensor<B, 2>, weight: &Tensor<B, 2>, hidden_dtype: FloatDType) -> Self {
+        let sum_dtype = FloatDType::from(self.weight.dtype());
         self.hidden.push(logits_grad.clone().matmul(weight.clone().transpose()).cast(hidden_dtype));
-        self.weight = self.weight + chunk.transpose().matmul(logits_grad.clone());
-        self.bias = self.bias + logits_grad.sum_dim(0);
+        self.weight = self.weight + chunk.transpose().matmul(logits_grad.clone()).cast(sum_dtype);
+        self.bias = self.bias + logits_grad.cast(sum_dtype).sum_dim(0);
         self
     }
 }
 
-/// The chunk loop: the summed loss, and its gradients when `with_grads`.
+/// The chunk loop: the summed loss, and its gradients when given `fused_rows` (which
+/// computes a chunk's rows in one kernel where the backend has one).
 fn chunked_loss<B: Backend>(
     hidden: Tensor<B, 2>,
     head: OutputHead<B>,
     labels: Tensor<B, 1, Int>,
     ignore_index: i64,
     chunk_rows: usize,
-    with_grads: bool,
+    fused_rows: Option<FusedRows<B>>,
 ) -> (Tensor<B, 1>, Option<HeadGrads<B>>) {
+    let with_grads = fused_rows.is_some();
     assert!(chunk_rows > 0, "chunked cross-entropy: chunk_rows must be positive");
     let [rows, d_model] = hidden.dims();
     let [weight_rows, vocab] = head.weight.dims();
@@ -176,36 +204,44 @@ fn chunked_loss<B: Backend>(
         labels.dims()
     );
     let device = hidden.device();
-    let (hidden_dtype, head_dtype) = (FloatDType::from(hidden.dtype()), FloatDType::from(head.weight.dtype()));
-    let weight = head.weight;
-    let bias = head.bias.map(|b| b.unsqueeze_dim::<2>(0));
+    let hidden_dtype = FloatDType::from(hidden.dtype());
+    let logits_dtype = head.logits_dtype.unwrap_or(FloatDType::from(head.weight.dtype()));
+    // The gradient sums start from the weight in its own dtype; the chunks use its cast.
+    let weight_sum = with_grads.then(|| head.weight.zeros_like());
+    let weight = head.weight.cast(logits_dtype);
+    let bias = head.bias.map(|b| b.cast(logits_dtype).unsqueeze_dim::<2>(0));
 
     let mut loss = Tensor::<B, 1>::zeros([1], &device);
     // Gradient accumulators, only when asked: evaluation allocates nothing the size of the head.
-    let mut grads = with_grads.then(|| HeadGrads {
+    let mut grads = weight_sum.map(|weight_sum| HeadGrads {
         hidden: Vec::with_capacity(rows.div_ceil(chunk_rows)),
-        weight: weight.zeros_like(),
-        bias: Tensor::<B, 2>::zeros([1, vocab], &device),
+        bias: weight_sum.clone().narrow(0, 0, 1),
+        weight: weight_sum,
     });
     for start in (0..rows).step_by(chunk_rows) {
         let end = (start + chunk_rows).min(rows);
-        let chunk = hidden.clone().narrow(0, start, end - start).cast(head_dtype);
+        let chunk = hidden.clone().narrow(0, start, end - start).cast(logits_dtype);
         let chunk_labels = labels.clone().narrow(0, start, end - start);
         let mut logits = chunk.clone().matmul(weight.clone());
         if let Some(bias) = &bias {
             logits = logits + bias.clone();
         }
+        if let Some((row_losses, logits_grad)) = fused_rows.and_then(|rows| rows(logits.clone(), chunk_labels.clone().float().cast(FloatDType::F32))) {
+            loss = loss + row_losses.sum();
+            grads = grads.take().map(|sums| sums.add_chunk(chunk, logits_grad, &weight, hidden_dtype));
+            continue;
+        }
         let ignored = chunk_labels.clone().equal_elem(ignore_index);
         let targets = chunk_labels.mask_fill(ignored.clone(), 0).unsqueeze_dim::<2>(1);
         let valid = ignored.bool_not().float().unsqueeze_dim::<2>(1);
-        let log_probs = log_softmax(logits, 1);
+        let log_probs = log_softmax(logits.cast(FloatDType::F32), 1);
         let picked = log_probs.clone().gather(1, targets.clone());
         loss = loss - (picked * valid.clone()).sum();
         if let Some(sums) = grads.take() {
             // d loss / d logits = softmax - one_hot(label), zero on ignored rows.
             let minus_one = Tensor::full([end - start, 1], -1.0, &device);
             let logits_grad = log_probs.exp().scatter(1, targets, minus_one, IndexingUpdateOp::Add) * valid;
-            grads = Some(sums.add_chunk(chunk, logits_grad, &weight, hidden_dtype));
+            grads = Some(sums.add_chunk(chunk, logits_grad.cast(logits_dtype), &weight, hidden_dtype));
         }
     }
     (loss, grads)

@@ -4,7 +4,7 @@
 mod backward;
 mod forward;
 mod plan;
-mod stage;
+pub(crate) mod stage;
 pub mod tile_ops;
 mod visibility;
 
@@ -164,7 +164,7 @@ impl Problem {
 
 /// A grid of `cubes` cubes that no dimension overflows: X up to the device's limit, the rest
 /// in Y. Kernels recover their index as `y · count_x + x` and skip indices past `cubes`.
-fn grid<R: CubeRuntime>(client: &ComputeClient<R>, cubes: usize) -> Result<CubeCount, FlashError> {
+pub(crate) fn grid<R: CubeRuntime>(client: &ComputeClient<R>, cubes: usize) -> Result<CubeCount, FlashError> {
     let (max_x, max_y, _) = client.properties().hardware.max_cube_count;
     let x = cubes.clamp(1, max_x as usize);
     let y = cubes.div_ceil(x);

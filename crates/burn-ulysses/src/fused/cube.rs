@@ -1,4 +1,5 @@
-//! burn's CubeCL backends run the flash-attention kernels of `ulysses-kernels`.
+//! burn's CubeCL backends run the flash-attention and cross-entropy kernels of
+//! `ulysses-kernels`.
 
 use burn::tensor::{
     DType,
@@ -6,8 +7,11 @@ use burn::tensor::{
     ops::{AttentionModuleOptions, FloatTensor},
 };
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use ulysses_kernels::{FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
+use ulysses_kernels::{
+    FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, fused_cross_entropy, plan_flash_attention,
+};
 
+use super::warn_once_per_reason;
 use crate::{inner::PlainBackend, visibility::Visibility};
 
 fn flash_options(options: &AttentionModuleOptions) -> FlashOptions {
@@ -71,5 +75,15 @@ where
         let ranges = visibility.map(|visibility| visible_ranges(visibility).expect("the forward built these ranges"));
         flash_attention_backward(query, key, value, output, output_grad, lse, flash_options(options), ranges.as_ref())
             .unwrap_or_else(|error| panic!("the forward accepted these inputs, the backward refused them: {error}"))
+    }
+
+    fn fused_cross_entropy(logits: FloatTensor<Self>, labels: FloatTensor<Self>, ignore_index: i64) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
+        // The tensor-op loss, for a side-by-side measurement.
+        let disabled = std::env::var("ULYSSES_FUSED_CROSS_ENTROPY").as_deref() == Ok("0");
+        let result = if disabled { Err("ULYSSES_FUSED_CROSS_ENTROPY=0".to_string()) } else { fused_cross_entropy(logits, labels, ignore_index).map_err(|e| e.to_string()) };
+        result.map_err(|reason| {
+            warn_once_per_reason(&reason, "fused cross-entropy unavailable, the loss runs as tensor ops");
+            reason
+        })
     }
 }
