@@ -11,7 +11,7 @@ use burn::{
     backend::{Autodiff, NdArray},
     tensor::{Int, Tensor},
 };
-use burn_ulysses::{UlyssesBackend, comm::{Communicator, ThreadGroup}, data::{SequenceSharder, ShardTensors}, hand_attention::set_guard};
+use burn_ulysses::{UlyssesBackend, comm::{Communicator, ThreadGroup}, data::{SequenceSharder, ShardTensors}, attention_guard::set_guard};
 use ulysses_training::lm_loss_sum;
 use ulysses_models::LlamaConfig;
 

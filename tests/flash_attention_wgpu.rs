@@ -10,7 +10,7 @@ use burn::{
     backend::{Autodiff, NdArray},
     tensor::{Tensor, backend::AutodiffBackend, module::attention, ops::AttentionModuleOptions},
 };
-use burn_ulysses::{attention::repeat_kv_heads, fused::flash_attention};
+use burn_ulysses::{attention::repeat_kv_heads, flash::flash_attention};
 use ulysses_kernels::{backward_launches, forward_launches, testing::runtime_available};
 use ulysses_suite::{
     block::{BlockCase, check_block_equivalence},

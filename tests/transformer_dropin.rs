@@ -2,7 +2,7 @@
 //! burn-nn record loads into them and they give burn-nn's output (≤ 1e-6 of its largest value; causal through the
 //! flag where burn-nn takes an autoregressive mask; pre- and post-norm), and under
 //! `UlyssesBackend` at SP = 2 and 4 each rank gives its shard of the one-device output. (burn-nn's
-//! own encoder under SP is refused by the guard against attention by hand: tests/hand_attention.rs.)
+//! own encoder under SP is refused by the guard against attention by hand: tests/attention_guard.rs.)
 
 use std::time::Duration;
 

@@ -22,14 +22,14 @@ use burn::tensor::{
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
 };
 
-pub use crate::fused::repeat_kv_heads;
+pub use crate::flash::repeat_kv_heads;
 use crate::{
     comm::{Communicator, all_gather_host_checked},
     context,
     error::UlyssesError,
     exchange::{heads_to_sequence, sequence_to_heads},
-    fused::dense_fallback,
-    inner::{DenseFallback, ExchangeBackend},
+    flash::dense_fallback,
+    capabilities::{DenseFallback, ExchangeBackend},
     layout::{AttentionLayout, HeadPlan, MaskKind},
     primitive::{float_primitive, float_tensor},
     ring::ring_attention,

@@ -46,7 +46,7 @@ pub struct UlyssesConfig {
     pub ring_sharding: RingSharding,
     /// For a model that attends within each rank's shard on purpose (say, local windows that
     /// never cross a shard): lets its hand-written score matmuls through the guard against
-    /// attention done by hand (`hand_attention`, a layer above), which otherwise refuses them.
+    /// attention done by hand (`attention_guard`, a layer above), which otherwise refuses them.
     #[config(default = false)]
     pub shard_local_attention_on_purpose: bool,
 }
@@ -86,7 +86,7 @@ struct StoredContext {
     sharding: Sharding,
 }
 
-/// How a rank context cuts sequences: what the guard in `hand_attention` needs to know.
+/// How a rank context cuts sequences: what the guard in `attention_guard` needs to know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sharding {
     /// Ranks a sequence is spread over (Ulysses × ring).

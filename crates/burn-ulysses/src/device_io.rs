@@ -28,7 +28,7 @@ use burn::tensor::{
     ops::{BoolTensor, FloatTensor, IntTensor, TransactionPrimitive, TransactionPrimitiveData},
 };
 
-use crate::inner::ExchangeBackend;
+use crate::capabilities::ExchangeBackend;
 
 /// Counts of what the host waited on the device for, on one thread (see the module doc).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

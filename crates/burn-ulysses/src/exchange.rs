@@ -27,8 +27,8 @@ use burn_autodiff::{
 use crate::{
     comm::{CommError, Communicator, split_parts},
     error::UlyssesError,
-    fused::repeat_kv_heads,
-    inner::{ExchangeBackend, PlainBackend},
+    flash::repeat_kv_heads,
+    capabilities::{ExchangeBackend, PlainBackend},
     layout::{HeadPlan, RingPlan},
     primitive::{float_primitive, float_tensor},
     ring::{fused_ring_attention, fused_ring_attention_tracked},

@@ -32,16 +32,16 @@
 //! ```
 
 pub mod attention;
+pub mod attention_guard;
 pub mod backend;
+pub mod capabilities;
 pub mod comm;
 pub mod compare;
 pub mod context;
 pub mod data;
 pub mod device_io;
 pub mod exchange;
-pub mod fused;
-pub mod hand_attention;
-pub mod inner;
+pub mod flash;
 pub mod nn;
 pub mod precision;
 pub mod ring;
@@ -60,5 +60,5 @@ pub struct ReadmeExample;
 pub use backend::UlyssesBackend;
 pub use context::{RankGuard, RankScope, UlyssesConfig};
 pub use error::UlyssesError;
-pub use inner::{ExchangeBackend, PlainBackend, SequenceAttention};
+pub use capabilities::{ExchangeBackend, PlainBackend, SequenceAttention};
 pub use topology::{ParallelGroups, ParallelLayout};

@@ -22,7 +22,7 @@ use burn::tensor::{
 use crate::{
     comm::Communicator,
     context::{self, RankContext, RankGuard, RankScope, UlyssesConfig},
-    inner::ExchangeBackend,
+    capabilities::ExchangeBackend,
 };
 
 /// Sequence parallelism as a backend: `UlyssesBackend<Autodiff<NdArray>>` trains,

@@ -12,4 +12,4 @@ pub(super) use burn::tensor::{
 };
 
 pub(super) use super::{UlyssesBackend, rebrand::Rebrand};
-pub(super) use crate::inner::ExchangeBackend;
+pub(super) use crate::capabilities::ExchangeBackend;

@@ -12,7 +12,7 @@ use burn::tensor::{
 };
 
 use super::UlyssesBackend;
-use crate::inner::ExchangeBackend;
+use crate::capabilities::ExchangeBackend;
 
 pub(crate) trait Rebrand<T> {
     fn rebrand(self) -> T;

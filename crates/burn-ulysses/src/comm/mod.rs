@@ -8,7 +8,7 @@
 
 pub mod check;
 #[cfg(feature = "cubecl")]
-mod fusion;
+mod fusion_backend;
 pub mod host;
 mod thread;
 
@@ -17,7 +17,7 @@ use std::sync::Arc;
 use burn::tensor::{Tensor, TensorMetadata, backend::Backend, ops::FloatTensor};
 
 #[cfg(feature = "cubecl")]
-pub use fusion::FusionCommunicator;
+pub use fusion_backend::FusionCommunicator;
 pub use host::HostStaged;
 // The burn-free half (ulysses-core): names, errors, argument checks, counters and the
 // in-process group, shared with the burn 0.22 crate.

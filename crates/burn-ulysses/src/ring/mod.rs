@@ -5,14 +5,14 @@
 //! the head count, where Ulysses alone stops.
 //!
 //! Two implementations of the same blocks ([`RingSharding::visible_blocks`]):
-//! - [`fused`]: every block runs the backend's fused (flash) kernels, and the whole ring is
+//! - [`flash`]: every block runs the backend's fused (flash) kernels, and the whole ring is
 //!   one autodiff node whose backward runs the ring again (ring-flash-attention's scheme);
 //!   nothing per block is saved.
 //! - [`reference`]: every block is ordinary tensor ops (a `chunk × chunk` score matrix,
 //!   never `S × S`), differentiated by autodiff through the `send_recv` nodes. It runs
 //!   where the backend has no kernel for the blocks (NdArray, an unsupported head dim).
 
-mod fused;
+mod flash;
 mod reference;
 
 use std::sync::Arc;
@@ -23,11 +23,11 @@ pub use crate::layout::{BlockKind, RingBlock, RingPlan, RingSharding, pairs_per_
 use crate::{
     comm::Communicator,
     error::UlyssesError,
-    fused::warn_once_per_reason,
-    inner::ExchangeBackend,
+    capabilities::ExchangeBackend,
+    flash::warn_once_per_reason,
     primitive::{float_primitive, float_tensor},
 };
-pub(crate) use fused::{attend as fused_ring_attention, attend_tracked as fused_ring_attention_tracked};
+pub(crate) use flash::{attend as fused_ring_attention, attend_tracked as fused_ring_attention_tracked};
 
 /// Attention of this ring rank's queries `[B, H, S/R, D]` over the whole sequence, whose
 /// keys and values `[B, H_kv, S/R, D]` are held by the ring's ranks as `sharding` places
@@ -43,7 +43,7 @@ pub fn ring_attention<X: ExchangeBackend>(
     ring: &Arc<dyn Communicator<X::Wire>>,
 ) -> Result<Tensor<X, 4>, UlyssesError> {
     let plan = RingPlan::new(query.dims(), key.dims(), value.dims(), crate::primitive::call_options(&options), sharding, ring.rank(), ring.size())?;
-    match fused::check::<X::Wire>(&plan, query.dtype(), &query.device()) {
+    match flash::check::<X::Wire>(&plan, query.dtype(), &query.device()) {
         Ok(()) => {
             let output = X::fused_ring_attention(float_primitive(query), float_primitive(key), float_primitive(value), &plan, ring)?;
             Ok(float_tensor(output))

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use burn::tensor::Tensor;
 
 use super::attend_around_ring;
-use crate::{comm::Communicator, error::UlyssesError, fused::repeat_kv_heads, inner::ExchangeBackend, layout::RingPlan};
+use crate::{comm::Communicator, error::UlyssesError, flash::repeat_kv_heads, capabilities::ExchangeBackend, layout::RingPlan};
 
 /// Stand-in for -infinity in masked scores (exact zeros after `exp`, no NaN from `-inf - -inf`).
 const MASKED: f32 = -1.0e30;

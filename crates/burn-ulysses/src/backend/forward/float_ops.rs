@@ -122,7 +122,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        crate::hand_attention::guarded_matmul::<Inner>(lhs, rhs)
+        crate::attention_guard::guarded_matmul::<Inner>(lhs, rhs)
     }
     fn float_cross(
         lhs: FloatTensor<Self>,

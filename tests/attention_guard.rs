@@ -314,14 +314,14 @@ fn the_porting_guide_shows_this_files_port() {
     let start = guide.find("```diff\n").expect("the porting guide has a diff");
     let diff = &guide[start + 8..];
     let diff = &diff[..diff.find("```").unwrap()];
-    let this_file: String = include_str!("hand_attention.rs").split_whitespace().collect::<Vec<_>>().join(" ");
+    let this_file: String = include_str!("attention_guard.rs").split_whitespace().collect::<Vec<_>>().join(" ");
     let mut changed = 0;
     for line in diff.lines() {
         let Some(code) = line.strip_prefix('+').or_else(|| line.strip_prefix('-')) else { continue };
         let code = code.split_whitespace().collect::<Vec<_>>().join(" ");
         if !code.is_empty() {
             changed += 1;
-            assert!(this_file.contains(&code), "the porting guide's diff has `{code}`, which tests/hand_attention.rs does not");
+            assert!(this_file.contains(&code), "the porting guide's diff has `{code}`, which tests/attention_guard.rs does not");
         }
     }
     assert!(changed >= 6, "the porting diff should show the three changes, found {changed} changed lines");

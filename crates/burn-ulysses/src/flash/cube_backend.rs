@@ -12,7 +12,7 @@ use ulysses_kernels::{
 };
 
 use super::warn_once_per_reason;
-use crate::{inner::PlainBackend, visibility::Visibility};
+use crate::{capabilities::PlainBackend, visibility::Visibility};
 
 fn flash_options(options: &AttentionModuleOptions) -> FlashOptions {
     FlashOptions { scale: options.scale, causal: options.is_causal }

@@ -1,7 +1,7 @@
 //! What `UlyssesBackend<Inner>` needs from the backend it wraps: a way to exchange tensors
 //! between ranks ([`ExchangeBackend`]), and the best attention it has over whole sequences
 //! ([`SequenceAttention`]). The traits only: their implementations live beside the autodiff
-//! node each one builds (`exchange` for the all-to-all, `fused` for the fused attention), so
+//! node each one builds (`exchange` for the all-to-all, `flash` for the fused attention), so
 //! this module, like `comm`, imports nothing above it.
 //!
 //! Rust has no specialisation, so a backend says which kind it is: `Autodiff<B>` (the
@@ -30,7 +30,7 @@ use crate::{
 
 /// A backend that `UlyssesBackend` can wrap: it exchanges tensors (implemented in
 /// `exchange`, beside the all-to-all's autodiff node) and attends over whole sequences
-/// (implemented in `fused`, beside the fused attention's autodiff node).
+/// (implemented in `flash`, beside the fused attention's autodiff node).
 pub trait ExchangeBackend: SequenceAttention {
     /// The backend whose tensors the communicator moves: `Self` for a plain backend, the
     /// inner backend for `Autodiff<B>`.

@@ -25,7 +25,7 @@ use super::{attend_around_ring, chunks_of, join, key_value_chunks, pass};
 use crate::{
     comm::Communicator,
     error::UlyssesError,
-    inner::PlainBackend,
+    capabilities::PlainBackend,
     layout::{RingBlock, RingPlan},
     primitive::{float_primitive, float_tensor},
 };

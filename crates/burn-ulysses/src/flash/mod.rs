@@ -22,7 +22,7 @@ use burn_autodiff::{
 
 use crate::{
     error::UlyssesError,
-    inner::{DenseFallback, PlainBackend, SequenceAttention},
+    capabilities::{DenseFallback, PlainBackend, SequenceAttention},
     primitive::{float_primitive, float_tensor},
     visibility::Visibility,
 };
@@ -121,9 +121,9 @@ impl<B: PlainBackend> Backward<B, 3> for FusedAttentionBackward {
 }
 
 #[cfg(feature = "cubecl")]
-mod cube;
+mod cube_backend;
 #[cfg(feature = "cubecl")]
-mod fusion;
+mod fusion_backend;
 
 impl<B: PlainBackend> SequenceAttention for B {
     fn sequence_attention(

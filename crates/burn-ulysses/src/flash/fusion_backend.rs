@@ -17,7 +17,7 @@ use burn_fusion::{
 };
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
 
-use crate::{inner::PlainBackend, visibility::Visibility};
+use crate::{capabilities::PlainBackend, visibility::Visibility};
 
 /// Which kernel a recorded operation runs.
 #[derive(Debug, Clone, Copy)]

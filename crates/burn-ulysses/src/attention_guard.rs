@@ -30,7 +30,7 @@ use burn::tensor::{TensorMetadata, ops::FloatTensor};
 use crate::{
     context::{self, Sharding},
     error::UlyssesError,
-    inner::ExchangeBackend,
+    capabilities::ExchangeBackend,
 };
 
 /// The size of the token × token matrix in a product of these shapes that self-attention
