@@ -29,7 +29,7 @@ fn burn_cubecl_features(selection: &[&str]) -> Option<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let output = Command::new(env!("CARGO"))
         .current_dir(root)
-        // burn 0.21's (burn-ulysses-022 builds burn 0.22's, which no CUDA build has).
+        // burn 0.21's (burn-ulysses-ops builds burn 0.22's, which no CUDA build has).
         .args(["tree", "--locked", "-e", "features", "-i", "burn-cubecl@0.21.0"])
         .args(selection)
         .output()

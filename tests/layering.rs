@@ -25,7 +25,7 @@ const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 const LAYERS: &[(&str, &[&str])] = &[
     ("the Burn-free core: groups, collectives' bookkeeping, layout rules, launch environments", &["ulysses-core"]),
     ("the flash-attention kernels (CubeCL)", &["ulysses-kernels"]),
-    ("the backends: the burn 0.21 decorator, the burn 0.22 functions, the CUDA compile check", &["burn-ulysses", "burn-ulysses-022", "ulysses-cuda-check"]),
+    ("the backends: the burn 0.21 decorator, the burn 0.22 functions, the CUDA compile check", &["burn-ulysses", "burn-ulysses-ops", "ulysses-cuda-check"]),
     ("training any model; launching ranks", &["ulysses-training", "ulysses-dist"]),
     ("the NCCL transport", &["ulysses-nccl"]),
     ("the Hugging Face decoders", &["ulysses-models"]),

@@ -419,7 +419,7 @@ pub fn ring_coordinates(sp_rank: usize, ulysses_size: usize) -> (usize, usize) {
 
 /// The data-parallel degree of a job of `world_size` ranks in sequence-parallel groups of
 /// `sp_size`: the number of groups. The one rule the jobs of both Burn versions apply
-/// (burn-ulysses' `ParallelLayout::for_world`, burn-ulysses-022's `run_ranks`); it fails,
+/// (burn-ulysses' `ParallelLayout::for_world`, burn-ulysses-ops's `run_ranks`); it fails,
 /// saying what to change, when `sp_size` does not divide the world.
 pub fn dp_size_of_world(world_size: usize, sp_size: usize) -> Result<usize, UlyssesError> {
     if world_size == 0 {

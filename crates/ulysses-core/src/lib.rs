@@ -1,5 +1,5 @@
 //! The parts of burn-ulysses that depend on no Burn version, so that the burn 0.21 decorator
-//! (`burn-ulysses`) and the burn 0.22 crate (`burn-ulysses-022`) share them rather than copy
+//! (`burn-ulysses`) and the burn 0.22 crate (`burn-ulysses-ops`) share them rather than copy
 //! them:
 //!
 //! - [`comm`]: what a collective is called and how it fails, the in-process group of rank

@@ -4,7 +4,7 @@
 //! between the ranks of a group. The TCP transport ([`dist::tcp`](crate::dist::tcp)) and the in-process group
 //! ([`ThreadCommunicator`](super::ThreadCommunicator)) implement it; each Burn version turns
 //! its tensors into host tensors and back (burn 0.21: `burn_ulysses::comm::HostStaged`; burn
-//! 0.22: `burn-ulysses-022`'s exchange and gradient sum). Device-resident transports (NCCL)
+//! 0.22: `burn-ulysses-ops`'s exchange and gradient sum). Device-resident transports (NCCL)
 //! move a backend's own buffers instead and sit beside this, in the crates of their Burn
 //! version.
 

@@ -6,7 +6,7 @@
 //! implements it here, the TCP transport in [`dist::tcp`](crate::dist::tcp). burn 0.21's
 //! `burn_ulysses::comm::Communicator` moves that version's tensors (on the threads, by
 //! ownership through [`ThreadCommunicator::round`]; over TCP, staged through host tensors), and
-//! burn-ulysses-022 uses any [`HostCommunicator`] directly.
+//! burn-ulysses-ops uses any [`HostCommunicator`] directly.
 
 mod host;
 mod thread;

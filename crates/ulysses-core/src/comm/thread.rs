@@ -165,7 +165,7 @@ impl ThreadRank {
     }
 
     /// This rank's communicator over the whole group: burn-ulysses implements its
-    /// `Communicator<B>` on it for every backend `B`; burn-ulysses-022 enters it as the
+    /// `Communicator<B>` on it for every backend `B`; burn-ulysses-ops enters it as the
     /// thread's group.
     pub fn communicator(&self) -> Arc<ThreadCommunicator> {
         self.communicator.clone()

@@ -63,6 +63,6 @@ impl Drop for GroupGuard {
 /// ops cannot return errors).
 pub(crate) fn required(what: &str) -> Arc<dyn HostCommunicator> {
     current().unwrap_or_else(|| {
-        panic!("{what} needs a sequence-parallel group: call burn_ulysses_022::context::enter(communicator) on each rank first (burn_ulysses_022::job::run_ranks does)")
+        panic!("{what} needs a sequence-parallel group: call burn_ulysses_ops::context::enter(communicator) on each rank first (burn_ulysses_ops::job::run_ranks does)")
     })
 }

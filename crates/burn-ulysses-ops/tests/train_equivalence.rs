@@ -12,7 +12,7 @@ use burn::{
     optim::{GradientsParams, SgdConfig, decay::WeightDecayConfig},
     tensor::{Int, Tensor, TensorData},
 };
-use burn_ulysses_022::{
+use burn_ulysses_ops::{
     data::{IGNORE_INDEX, SequenceSharder},
     job::{Launch, Rank, run_ranks},
     train::{all_reduce_gradients, all_reduce_sum, lm_loss_sum},

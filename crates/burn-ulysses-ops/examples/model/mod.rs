@@ -9,7 +9,7 @@ use burn::{
     tensor::{Device, Int, Tensor, TensorData, activation::silu, ops::AttentionModuleOptions},
 };
 // was: use burn::tensor::module::attention;
-use burn_ulysses_022::attention;
+use burn_ulysses_ops::attention;
 
 mod device;
 mod values;

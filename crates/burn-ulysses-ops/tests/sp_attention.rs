@@ -1,11 +1,11 @@
-//! burn-ulysses-022's attention at SP = 2, 3 and 4 (ranks as threads, Flex + autodiff, or wgpu
+//! burn-ulysses-ops's attention at SP = 2, 3 and 4 (ranks as threads, Flex + autodiff, or wgpu
 //! with `--features wgpu` and `ULYSSES_022_DEVICE=wgpu`) against
 //! a naive f64 attention and its gradients: causal and not, grouped kv heads (split and
 //! replicated), uneven heads. The exchange's backward against the inverse exchange, and bad
 //! layouts refused on every rank with ulysses-core's message (the one burn-ulysses gives).
 
 use burn::tensor::{Tensor, TensorData, ops::AttentionModuleOptions};
-use burn_ulysses_022::{
+use burn_ulysses_ops::{
     attention,
     blocked::{BlockedOptions, attention_in_blocks},
     comm::ThreadGroup,

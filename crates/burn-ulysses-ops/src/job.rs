@@ -7,7 +7,7 @@
 //! find them.
 //!
 //! ```no_run
-//! use burn_ulysses_022::job::{Launch, run_ranks};
+//! use burn_ulysses_ops::job::{Launch, run_ranks};
 //! use ulysses_core::dist::DistributedConfig;
 //!
 //! let launch = Launch::from_env().unwrap();

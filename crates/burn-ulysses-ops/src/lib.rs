@@ -1,4 +1,6 @@
-//! Ulysses sequence parallelism for models written for burn 0.22.1, by changing one import.
+//! Ulysses sequence parallelism as ops (burn backend extensions with their own backward) for
+//! models written for burn 0.22.1, by changing one import. (The crate was `burn-ulysses-022`,
+//! named for the burn version rather than for how it works.)
 //!
 //! burn 0.22 routes every op through its closed `Dispatch` backend, so no backend decorator can
 //! sit under a model (burn-ulysses does that on 0.21). What 0.22 does allow is a new op with its
@@ -22,9 +24,9 @@
 //!
 //! ```no_run
 //! // use burn::tensor::module::attention;
-//! use burn_ulysses_022::attention;
+//! use burn_ulysses_ops::attention;
 //! # use burn::tensor::{Device, Tensor, ops::AttentionModuleOptions};
-//! use burn_ulysses_022::{comm::ThreadGroup, context};
+//! use burn_ulysses_ops::{comm::ThreadGroup, context};
 //!
 //! ThreadGroup::new(4).run(|rank| {
 //!     let _sp = context::enter(rank.communicator());

@@ -1,5 +1,5 @@
 //! Peak heap memory of one attention forward + backward (Flex + autodiff, one device) at S and
-//! 2S: burn-ulysses-022's blocked attention grows linearly, burn 0.22.1's own autodiff attention
+//! 2S: burn-ulysses-ops's blocked attention grows linearly, burn 0.22.1's own autodiff attention
 //! (the decomposed fallback, S × S per head) quadratically. A counting allocator measures every
 //! byte the process holds above what it held before the call; one test, so nothing runs beside
 //! it in this binary.
@@ -10,7 +10,7 @@ use std::{
 };
 
 use burn::tensor::{Device, Distribution, Tensor, module, ops::AttentionModuleOptions};
-use burn_ulysses_022::blocked;
+use burn_ulysses_ops::blocked;
 
 struct Counting;
 

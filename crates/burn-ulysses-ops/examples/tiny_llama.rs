@@ -1,9 +1,9 @@
 //! Trains the small Llama of `model/` (written plainly for burn 0.22.1, attention imported from
-//! burn_ulysses_022) on 4 sequences of a repeating byte pattern with sequence parallelism, each
+//! burn_ulysses_ops) on 4 sequences of a repeating byte pattern with sequence parallelism, each
 //! rank holding 1/SP of its replica's sequences (DP replicas share out the 4): SP × DP rank
 //! threads of this process,
 //!
-//!     cargo run --release -p burn-ulysses-022 --example tiny_llama [-- SP STEPS DP]
+//!     cargo run --release -p burn-ulysses-ops --example tiny_llama [-- SP STEPS DP]
 //!
 //! or one process per rank under a launcher (ranks meet over TCP; SP is the world size unless
 //! ULYSSES_SP_SIZE says otherwise, and DP what is left):
@@ -19,7 +19,7 @@ use burn::{
     optim::{AdamConfig, GradientsParams},
     tensor::{Int, Tensor, TensorData},
 };
-use burn_ulysses_022::{
+use burn_ulysses_ops::{
     data::{IGNORE_INDEX, SequenceSharder},
     job::{Launch, run_ranks},
     train::{all_reduce_gradients, all_reduce_sum, lm_loss_sum},
