@@ -13,7 +13,7 @@ use burn::{
 };
 use burn_ulysses::{UlyssesBackend, comm::{Communicator, ThreadGroup}, data::{SequenceSharder, ShardTensors}, attention_guard::set_guard};
 use ulysses_training::lm_loss_sum;
-use ulysses_models::LlamaConfig;
+use ulysses_models::DecoderConfig;
 
 type Inner = NdArray<f32>;
 type Sp = UlyssesBackend<Autodiff<Inner>>;
@@ -33,7 +33,7 @@ fn step(ranks: usize) -> Duration {
         let comm = rank.communicator();
         let _sp = Sp::enter_thread(comm.clone());
         let device = Default::default();
-        let model = LlamaConfig::new(256).init::<Sp>(&device);
+        let model = DecoderConfig::new(256).init::<Sp>(&device);
         let shard = SequenceSharder::new(ranks).shard(&sequences, rank.rank());
         let labels: Tensor<Sp, 2, Int> = shard.labels(&device);
         Communicator::<Inner>::barrier(&*comm).unwrap();

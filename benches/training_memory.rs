@@ -71,7 +71,7 @@ use std::{
 use burn::module::Module;
 use burn_ulysses::{UlyssesBackend, data::{SequenceSharder, ShardTensors}, precision::Precision};
 use ulysses_training::{LayerCheckpointing, ShardLengths, checkpointed_backward, float_parameters, lm_loss_sum};
-use ulysses_models::LlamaConfig;
+use ulysses_models::DecoderConfig;
 use ulysses_suite::{HeldPerPiece, longest_fitting};
 
 #[cfg(feature = "cuda")]
@@ -149,10 +149,10 @@ fn args() -> Args {
 
 /// The model shapes the bench knows: the example's, and Llama-3.1-8B's (without tied
 /// embeddings), with as many layers as asked for.
-fn model(args: &Args) -> LlamaConfig {
+fn model(args: &Args) -> DecoderConfig {
     let config = match args.shape.as_str() {
-        "small" => LlamaConfig::new(256),
-        "llama-8b" => LlamaConfig::new(128_256).with_d_model(4096).with_n_heads(32).with_n_kv_heads(8).with_ffn_hidden(14_336).with_rope_theta(500_000.0).with_n_layers(32),
+        "small" => DecoderConfig::new(256),
+        "llama-8b" => DecoderConfig::new(128_256).with_d_model(4096).with_n_heads(32).with_n_kv_heads(8).with_ffn_hidden(14_336).with_rope_theta(500_000.0).with_n_layers(32),
         other => panic!("--shape takes small or llama-8b, got {other}"),
     };
     let config = config.with_repeat_kv(false);
@@ -161,7 +161,7 @@ fn model(args: &Args) -> LlamaConfig {
         None => config,
     };
     let config = match args.vocab {
-        Some(vocab) => LlamaConfig { vocab_size: vocab, ..config },
+        Some(vocab) => DecoderConfig { vocab_size: vocab, ..config },
         None => config,
     };
     match args.layers {
@@ -217,7 +217,7 @@ impl Phases {
 
 /// One step at `seq` tokens. Panics if the loss is not finite: a step that computed garbage
 /// measured nothing.
-fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> StepMemory {
+fn step(config: &DecoderConfig, seq: usize, args: &Args, device: &Device) -> StepMemory {
     let (documents, checkpointing) = (args.documents, args.checkpointing.as_ref());
     let mut phases = Phases::new(args.phases);
     let dtype = args.precision.compute_dtype::<Train>(device).unwrap_or_else(|e| panic!("{e}"));
@@ -279,7 +279,7 @@ fn step(config: &LlamaConfig, seq: usize, args: &Args, device: &Device) -> StepM
 /// `trial: <peak with parameters> <parameters> <reserved> <seconds>`; exits with 1 when any
 /// thread panicked meanwhile. CubeCL's device thread catches a panic of its own (a failed
 /// allocation) and goes on, so only the panic hook sees it.
-fn run_trial(config: &LlamaConfig, seq: usize, args: &Args) {
+fn run_trial(config: &DecoderConfig, seq: usize, args: &Args) {
     let panicked = Arc::new(AtomicBool::new(false));
     let default_hook = std::panic::take_hook();
     let flag = panicked.clone();
@@ -408,7 +408,7 @@ fn first_panic(stderr: &str) -> String {
 }
 
 /// The model, dtype and features of a run, for the first line it prints.
-fn describe(config: &LlamaConfig, args: &Args) -> String {
+fn describe(config: &DecoderConfig, args: &Args) -> String {
     format!(
         "{} layers, d_model {}, {} q / {} kv heads, ffn {}, vocab {}, {:?} precision{}{}",
         config.n_layers,

@@ -11,7 +11,7 @@ use burn::{
 };
 use burn_ulysses::{UlyssesBackend, comm::{Communicator, ReduceOp, ThreadGroup}, data::IGNORE_INDEX};
 use ulysses_training::masked_cross_entropy_sum;
-use ulysses_models::LlamaConfig;
+use ulysses_models::DecoderConfig;
 use ulysses_suite::{deterministic_params, max_abs_diff, parameter_grads, shard, sum_vectors, values, worst};
 
 type Inner = NdArray<f32>;
@@ -22,8 +22,8 @@ const BATCH: usize = 2;
 const SEQ: usize = 64;
 const VOCAB: usize = 64;
 
-fn config() -> LlamaConfig {
-    LlamaConfig::new(VOCAB).with_d_model(64).with_n_layers(2).with_n_heads(8).with_n_kv_heads(2)
+fn config() -> DecoderConfig {
+    DecoderConfig::new(VOCAB).with_d_model(64).with_n_layers(2).with_n_heads(8).with_n_kv_heads(2)
 }
 
 /// Token `t` of sequence `b` and the next token as its target.

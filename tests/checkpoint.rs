@@ -9,7 +9,7 @@ use burn::{
 };
 use burn_ulysses::{ParallelGroups, ParallelLayout, UlyssesBackend, comm::ThreadGroup};
 use ulysses_training::LmOutput;
-use ulysses_models::LlamaConfig;
+use ulysses_models::DecoderConfig;
 use ulysses_trainer::train::{RunOptions, StepData, TrainConfig, evaluate_model, load_model, save_model, train_rank};
 use ulysses_suite::{VariedLengths, with_deadline};
 
@@ -21,7 +21,7 @@ const TOLERANCE: f64 = 1e-5;
 const VOCAB: usize = 32;
 
 fn config(sp_size: usize) -> TrainConfig {
-    let model = LlamaConfig::new(VOCAB).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_repeat_kv(false);
+    let model = DecoderConfig::new(VOCAB).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_repeat_kv(false);
     TrainConfig::new(model, AdamWConfig::new(), ParallelLayout::new().with_sp_size(sp_size))
         .with_batch_size(4)
         .with_steps(3)

@@ -12,7 +12,7 @@
 use burn::backend::{Autodiff, NdArray};
 use burn_ulysses::{UlyssesBackend, data::{SequenceSharder, ShardTensors}, device_io::DeviceIo};
 use ulysses_training::{LayerCheckpointing, checkpointed_backward};
-use ulysses_models::LlamaConfig;
+use ulysses_models::DecoderConfig;
 use ulysses_trainer::train::StepData;
 use ulysses_suite::{VariedLengths, deterministic_params};
 
@@ -24,7 +24,7 @@ const LAYERS: u64 = 2;
 /// What one checkpointed backward of step 0's batch (a 13-token shard) waits for, in `tiles`.
 fn checkpointed_step(offload: bool, tiles: usize) -> DeviceIo {
     let device = Default::default();
-    let config = LlamaConfig::new(VOCAB).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_n_layers(LAYERS as usize);
+    let config = DecoderConfig::new(VOCAB).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_n_layers(LAYERS as usize);
     let model = deterministic_params(config.init::<Counted>(&device), 3);
     let shard = SequenceSharder::new(1).shard(&VariedLengths { vocab: VOCAB }.train_batch(0), 0);
     let (tokens, labels) = (shard.tokens(&device), shard.labels(&device));

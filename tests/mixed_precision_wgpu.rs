@@ -31,7 +31,7 @@ use burn_ulysses::{
 };
 use ulysses_training::{LayerCheckpointing, StepInput, backward_step, float_parameters};
 use ulysses_kernels::testing::{bytes_in_use, runtime_available};
-use ulysses_models::LlamaConfig;
+use ulysses_models::DecoderConfig;
 use ulysses_trainer::train::{RunOptions, StepData, TrainConfig, train_rank};
 use ulysses_suite::{HeldPerPiece, VariedLengths, deterministic_params, gradient_params_dtypes, gradient_params_values, with_deadline};
 
@@ -45,7 +45,7 @@ const LOSS_TOLERANCE: f64 = 1e-3;
 const GRADIENT_TOLERANCE: f64 = 1e-2;
 
 fn config(precision: Precision) -> TrainConfig {
-    let model = LlamaConfig::new(VOCAB).with_d_model(64).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(128).with_repeat_kv(false);
+    let model = DecoderConfig::new(VOCAB).with_d_model(64).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(128).with_repeat_kv(false);
     TrainConfig::new(model, AdamWConfig::new(), ParallelLayout::new().with_sp_size(2))
         .with_batch_size(4)
         .with_steps(3)
@@ -278,7 +278,7 @@ fn checkpointed_layers_keep_only_the_attention_core_per_token() {
     let head_dim = d_model / heads;
     let device: <Runtime as cubecl::Runtime>::Device = Default::default();
     let dtype = Precision::Bf16.compute_dtype::<Sp>(&device).unwrap();
-    let config = LlamaConfig::new(VOCAB).with_d_model(d_model).with_n_heads(heads).with_n_kv_heads(kv_heads).with_ffn_hidden(512).with_repeat_kv(false);
+    let config = DecoderConfig::new(VOCAB).with_d_model(d_model).with_n_heads(heads).with_n_kv_heads(kv_heads).with_ffn_hidden(512).with_repeat_kv(false);
     let model = config.init::<Sp>(&device).with_compute_dtype(dtype);
     let checkpointing = LayerCheckpointing::new().with_offload_to_host(true);
     let held = |tokens: usize| held_per_piece(&model, &checkpointing, tokens, None, &device);
@@ -316,7 +316,7 @@ fn checkpointed_layers_keep_only_the_attention_core_per_token() {
 /// one document) in tiles of 64: the bytes held before each piece's backward, above what was
 /// in use before the step.
 fn held_per_piece(
-    model: &ulysses_models::Llama<Sp>,
+    model: &ulysses_models::Decoder<Sp>,
     checkpointing: &LayerCheckpointing,
     tokens: usize,
     documents: Option<usize>,
@@ -359,7 +359,7 @@ fn training_memory_does_not_depend_on_the_mask() {
     let tokens = 512;
     let device: <Runtime as cubecl::Runtime>::Device = Default::default();
     let dtype = Precision::Bf16.compute_dtype::<Sp>(&device).unwrap();
-    let config = LlamaConfig::new(VOCAB).with_d_model(128).with_n_heads(8).with_n_kv_heads(2).with_ffn_hidden(512).with_repeat_kv(false);
+    let config = DecoderConfig::new(VOCAB).with_d_model(128).with_n_heads(8).with_n_kv_heads(2).with_ffn_hidden(512).with_repeat_kv(false);
     let model = config.init::<Sp>(&device).with_compute_dtype(dtype);
     let checkpointing = LayerCheckpointing::new().with_offload_to_host(true);
     let plain = |documents: Option<usize>| -> (u64, u64) {

@@ -10,7 +10,7 @@
 use burn::{backend::Autodiff, optim::AdamWConfig};
 use burn_ulysses::{ParallelGroups, ParallelLayout, RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup};
 use ulysses_kernels::testing::runtime_available;
-use ulysses_models::LlamaConfig;
+use ulysses_models::DecoderConfig;
 use ulysses_trainer::train::{RunOptions, TrainConfig, train_rank};
 use ulysses_suite::{VariedLengths, deterministic_params, with_deadline};
 
@@ -33,7 +33,7 @@ fn sp_ranks_keep_identical_parameters_while_clipping_on_a_cubecl_device() {
         return;
     }
     // A limit well under the gradients' norm, so that every step clips.
-    let model = LlamaConfig::new(VOCAB).with_d_model(64).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(128);
+    let model = DecoderConfig::new(VOCAB).with_d_model(64).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(128);
     let config = TrainConfig::new(model, AdamWConfig::new(), ParallelLayout::new().with_sp_size(2))
         .with_batch_size(4)
         .with_steps(STEPS)

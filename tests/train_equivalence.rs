@@ -26,7 +26,7 @@ use burn_ulysses::{
     data::{SequenceSharder, ShardPositions, ShardTensors},
 };
 use ulysses_training::{StepReport, TrainBackend, check_parameters_identical};
-use ulysses_models::LlamaConfig;
+use ulysses_models::DecoderConfig;
 use ulysses_trainer::train::{RunOptions, StepData, TrainConfig, train_rank};
 use ulysses_suite::{VariedLengths, deterministic_params, max_abs_diff, parameter_values, with_deadline, worst};
 
@@ -40,7 +40,7 @@ const VOCAB: usize = 32;
 const INIT_SEED: u64 = 11;
 
 fn config(layout: ParallelLayout, grad_accumulation: usize) -> TrainConfig {
-    let model = LlamaConfig::new(VOCAB)
+    let model = DecoderConfig::new(VOCAB)
         .with_d_model(32)
         .with_n_heads(4)
         .with_n_kv_heads(2)

@@ -24,7 +24,7 @@ use burn_ulysses::{
     ring::RingSharding,
     visibility::PositionIds,
 };
-use ulysses_models::{LlamaConfig, rope_tables::RopeTables};
+use ulysses_models::{DecoderConfig, rope_tables::RopeTables};
 
 use crate::{deterministic_params, max_abs_diff, parameter_grads, sum_vectors, uniform_tensor, values, with_deadline};
 
@@ -78,8 +78,8 @@ impl BlockCase {
         Some(PositionIds::new(ids, BATCH, SEQ).unwrap())
     }
 
-    fn config(&self) -> LlamaConfig {
-        LlamaConfig::new(16)
+    fn config(&self) -> DecoderConfig {
+        DecoderConfig::new(16)
             .with_d_model(self.heads * HEAD_DIM)
             .with_n_heads(self.heads)
             .with_n_kv_heads(self.kv_heads)
@@ -96,7 +96,7 @@ struct Outcome {
 
 /// Runs the block on `x` at `positions` (attention within documents when `packed`), with
 /// loss `Σ output · weights`.
-fn run_block<B: AutodiffBackend>(config: &LlamaConfig, x: Tensor<B, 3>, weights: Tensor<B, 3>, positions: &PositionIds, packed: bool) -> Outcome {
+fn run_block<B: AutodiffBackend>(config: &DecoderConfig, x: Tensor<B, 3>, weights: Tensor<B, 3>, positions: &PositionIds, packed: bool) -> Outcome {
     let device = x.device();
     let block = deterministic_params(config.init_block::<B>(&device), SEED);
     let x = x.require_grad();
@@ -112,7 +112,7 @@ fn run_block<B: AutodiffBackend>(config: &LlamaConfig, x: Tensor<B, 3>, weights:
 
 /// Each document of `documents` alone through the block on one device; outputs and input
 /// gradients put back in place, parameter gradients summed.
-fn run_documents_one_by_one(config: &LlamaConfig, x: Tensor<Reference, 3>, weights: Tensor<Reference, 3>, documents: [&[usize]; BATCH]) -> Outcome {
+fn run_documents_one_by_one(config: &DecoderConfig, x: Tensor<Reference, 3>, weights: Tensor<Reference, 3>, documents: [&[usize]; BATCH]) -> Outcome {
     let (mut outputs, mut input_grads, mut param_grads): (Vec<Tensor<NdArray<f32>, 3>>, Vec<_>, Vec<Vec<(String, Vec<f32>)>>) = (vec![], vec![], vec![]);
     for (b, lengths) in documents.iter().enumerate() {
         let (mut row_outputs, mut row_grads) = (vec![], vec![]);

@@ -1,4 +1,4 @@
-//! A checkpoint's `config.json`: read into a [`DecoderConfig`], checked, and written back.
+//! A checkpoint's `config.json`: read into a [`HfConfig`], checked, and written back.
 //!
 //! The four families differ only in configuration: Qwen2 adds biases to q, k and v; Qwen3
 //! normalises each head of q and k (RMSNorm over the head dim) before RoPE; Mistral may
@@ -52,7 +52,7 @@ impl Family {
 
 /// A decoder of one of the four families, as its checkpoint describes it.
 #[derive(Debug, Clone, PartialEq)]
-pub struct DecoderConfig {
+pub struct HfConfig {
     pub family: Family,
     pub vocab_size: usize,
     pub hidden_size: usize,
@@ -153,7 +153,7 @@ impl<'a> Keys<'a> {
     }
 }
 
-impl DecoderConfig {
+impl HfConfig {
     /// Reads a checkpoint folder's `config.json` (or the file itself).
     pub fn from_hf(path: &Path) -> Result<Self, ConfigError> {
         let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
@@ -379,12 +379,12 @@ mod tests {
     }
 
     fn refused(text: &str) -> ConfigError {
-        DecoderConfig::from_hf_json(text, "ckpt/config.json").expect_err("refused")
+        HfConfig::from_hf_json(text, "ckpt/config.json").expect_err("refused")
     }
 
     #[test]
     fn a_llama_3_2_config_reads_with_its_llama3_rope() {
-        let config = DecoderConfig::from_hf_json(LLAMA, "ckpt/config.json").unwrap();
+        let config = HfConfig::from_hf_json(LLAMA, "ckpt/config.json").unwrap();
         assert_eq!(config.family, Family::Llama);
         assert_eq!((config.num_attention_heads, config.num_key_value_heads, config.head_dim), (32, 8, 64));
         assert_eq!(config.rope_scaling, RopeScaling::Llama3 { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192.0 });
@@ -396,8 +396,8 @@ mod tests {
     #[test]
     fn written_back_it_reads_the_same() {
         for text in [LLAMA.to_string(), with(LLAMA, "rope_scaling", json!({"type": "linear", "factor": 2.0}))] {
-            let config = DecoderConfig::from_hf_json(&text, "a").unwrap();
-            let again = DecoderConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "b").unwrap();
+            let config = HfConfig::from_hf_json(&text, "a").unwrap();
+            let again = HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "b").unwrap();
             assert_eq!(config, again);
         }
     }
@@ -406,26 +406,26 @@ mod tests {
     fn family_defaults_are_transformers_own() {
         let qwen3 = r#"{"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
                         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#;
-        let config = DecoderConfig::from_hf_json(qwen3, "q").unwrap();
+        let config = HfConfig::from_hf_json(qwen3, "q").unwrap();
         assert_eq!(config.head_dim, 128, "Qwen3's head_dim defaults to 128, not hidden / heads");
         assert!(config.qk_norm && !config.qkv_bias);
-        let qwen2 = DecoderConfig::from_hf_json(&with(qwen3, "model_type", json!("qwen2")), "q").unwrap();
+        let qwen2 = HfConfig::from_hf_json(&with(qwen3, "model_type", json!("qwen2")), "q").unwrap();
         assert_eq!(qwen2.head_dim, 16);
         assert!(qwen2.qkv_bias && !qwen2.output_bias && !qwen2.qk_norm);
-        let mistral = DecoderConfig::from_hf_json(&with(&with(qwen3, "model_type", json!("mistral")), "sliding_window", json!(4096)), "m").unwrap();
+        let mistral = HfConfig::from_hf_json(&with(&with(qwen3, "model_type", json!("mistral")), "sliding_window", json!(4096)), "m").unwrap();
         assert_eq!(mistral.sliding_window, Some(4096));
         assert_eq!((mistral.rope_theta, mistral.rms_norm_eps, mistral.tie_word_embeddings), (10_000.0, 1e-6, false));
-        let no_window = DecoderConfig::from_hf_json(&with(&with(qwen3, "model_type", json!("mistral")), "sliding_window", Value::Null), "m").unwrap();
+        let no_window = HfConfig::from_hf_json(&with(&with(qwen3, "model_type", json!("mistral")), "sliding_window", Value::Null), "m").unwrap();
         assert_eq!(no_window.sliding_window, None);
     }
 
     #[test]
     fn transformers_5_rope_parameters_hold_theta_and_type() {
         let text = with(&with(LLAMA, "rope_scaling", Value::Null), "rope_parameters", json!({"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}));
-        let config = DecoderConfig::from_hf_json(&text, "c").unwrap();
+        let config = HfConfig::from_hf_json(&text, "c").unwrap();
         assert_eq!((config.rope_theta, config.rope_scaling), (1e6, RopeScaling::Linear { factor: 4.0 }));
         let default = with(&with(LLAMA, "rope_scaling", Value::Null), "rope_parameters", json!({"rope_type": "default", "rope_theta": 5e5}));
-        assert_eq!(DecoderConfig::from_hf_json(&default, "c").unwrap().rope_scaling, RopeScaling::Default);
+        assert_eq!(HfConfig::from_hf_json(&default, "c").unwrap().rope_scaling, RopeScaling::Default);
     }
 
     #[test]

@@ -1,24 +1,24 @@
 //! Hugging Face decoder checkpoints for burn-ulysses: one decoder with the four families
 //! people fine-tune at long context (Llama, Mistral, Qwen2, Qwen3) as configuration.
 //!
-//! [`config`] reads a checkpoint's `config.json` into a [`DecoderConfig`], checks everything
+//! [`config`] reads a checkpoint's `config.json` into a [`HfConfig`], checks everything
 //! the decoder cannot represent before any weight is read (each error names the key and the
 //! file), and writes it back in Hugging Face's form; [`rope`] computes the rotary frequencies
 //! of the `default`, `linear` and `llama3` RoPE types as transformers does, and
-//! [`rope_tables`] the rotations at each token's global position; [`llama`] is the decoder,
+//! [`rope_tables`] the rotations at each token's global position; [`decoder`] is the decoder,
 //! generic over the backend, calling burn's attention op (so sequence parallel under
 //! `burn_ulysses::UlyssesBackend`); [`pretrained`] loads a checkpoint folder's weights into
 //! it; [`tokenizer`] reads `tokenizer.json` with the `tokenizers` crate.
 
 pub mod config;
-pub mod llama;
+pub mod decoder;
 pub mod pretrained;
 pub mod rope;
 pub mod rope_tables;
 pub mod tokenizer;
 
-pub use config::{ConfigError, DecoderConfig, Family};
-pub use llama::{Llama, LlamaConfig};
+pub use config::{ConfigError, HfConfig, Family};
+pub use decoder::{Decoder, DecoderConfig};
 pub use pretrained::{CheckpointError, DEFAULT_MAX_SHARD_BYTES, Pretrained, SaveOptions, check_save_destination, from_pretrained, save_pretrained, save_pretrained_with};
 pub use rope::RopeScaling;
 pub use tokenizer::{TextTokenizer, TokenizerError};

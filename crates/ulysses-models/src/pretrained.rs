@@ -1,6 +1,6 @@
 //! Hugging Face checkpoint folders in and out, through burn-store: `config.json` and
 //! `model.safetensors` (or the shards that `model.safetensors.index.json` lists) into a
-//! [`Llama`] ([`from_pretrained`]), and a `Llama` back into such a folder that transformers
+//! [`Decoder`] ([`from_pretrained`]), and a `Decoder` back into such a folder that transformers
 //! loads ([`save_pretrained`]).
 //!
 //! Hugging Face names each tensor after its module path (`model.layers.3.self_attn.q_proj.weight`)
@@ -21,8 +21,8 @@ use burn::tensor::{DType, backend::Backend};
 use burn_store::{ApplyError, BurnToPyTorchAdapter, KeyRemapper, ModuleAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore, TensorSnapshot};
 
 use crate::{
-    ConfigError, DecoderConfig,
-    llama::{Llama, LlamaConfig},
+    ConfigError, HfConfig,
+    decoder::{Decoder, DecoderConfig},
 };
 
 /// Hugging Face's tensor names (regular expressions) and the decoder's, in the order applied.
@@ -70,14 +70,14 @@ impl CheckpointError {
 
 /// A checkpoint's configuration and its model, with f32 weights.
 pub struct Pretrained<B: Backend> {
-    pub config: DecoderConfig,
-    pub model: Llama<B>,
+    pub config: HfConfig,
+    pub model: Decoder<B>,
 }
 
 /// Loads the checkpoint folder `dir` (see the module doc).
 pub fn from_pretrained<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pretrained<B>, CheckpointError> {
-    let config = DecoderConfig::from_hf(dir)?;
-    let mut model = LlamaConfig::from_hf(&config).init::<B>(device);
+    let config = HfConfig::from_hf(dir)?;
+    let mut model = DecoderConfig::from_hf(&config).init::<B>(device);
     let expected: BTreeSet<String> = model.collect(None, None, false).iter().map(TensorSnapshot::full_path).collect();
     let mut loaded = BTreeSet::new();
     for file in weight_files(dir)? {
@@ -217,7 +217,7 @@ impl SaveOptions {
 }
 
 /// [`save_pretrained_with`] in `dtype`, sharded past transformers' default 5 GB.
-pub fn save_pretrained<B: Backend>(model: &Llama<B>, config: &DecoderConfig, dir: &Path, dtype: DType) -> Result<(), CheckpointError> {
+pub fn save_pretrained<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, dtype: DType) -> Result<(), CheckpointError> {
     save_pretrained_with(model, config, dir, SaveOptions::new(dtype))
 }
 
@@ -226,7 +226,7 @@ pub fn save_pretrained<B: Backend>(model: &Llama<B>, config: &DecoderConfig, dir
 /// Face's names and `[out, in]` linear weights. The folder is written beside `dir` and renamed
 /// into place, so a crash leaves the earlier folder whole (for the instant between two
 /// renames, beside `dir` as `.NAME.earlier-PID`).
-pub fn save_pretrained_with<B: Backend>(model: &Llama<B>, config: &DecoderConfig, dir: &Path, options: SaveOptions) -> Result<(), CheckpointError> {
+pub fn save_pretrained_with<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, options: SaveOptions) -> Result<(), CheckpointError> {
     let dtype = options.dtype;
     let torch_dtype = match dtype {
         DType::F32 => "float32",

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use ulysses_models::{DecoderConfig, rope::inverse_frequencies};
+use ulysses_models::{HfConfig, rope::inverse_frequencies};
 
 fn fixtures() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
@@ -24,7 +24,7 @@ fn every_family_reads_as_transformers_reads_it() {
     for folder in fixtures() {
         let name = folder.file_name().unwrap().to_string_lossy().into_owned();
         let want: Value = serde_json::from_str(&std::fs::read_to_string(folder.join("resolved.json")).unwrap()).unwrap();
-        let config = DecoderConfig::from_hf(&folder).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let config = HfConfig::from_hf(&folder).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(config.family.model_type(), want["model_type"], "{name}");
         assert_eq!(config.head_dim as u64, want["head_dim"].as_u64().unwrap(), "{name}: head_dim");
         assert_eq!(config.num_key_value_heads as u64, want["num_key_value_heads"].as_u64().unwrap(), "{name}: kv heads");
@@ -40,7 +40,7 @@ fn every_family_reads_as_transformers_reads_it() {
         println!("{name} (transformers {}): {} frequencies, largest relative difference {worst:.1e}", want["transformers"], got.len());
         assert!(worst <= 1e-6, "{name}: RoPE frequencies differ from transformers' by {worst:e} (relative)");
 
-        let again = DecoderConfig::from_hf_json(&config.to_hf_json("float32").to_string(), "written back").unwrap();
+        let again = HfConfig::from_hf_json(&config.to_hf_json("float32").to_string(), "written back").unwrap();
         assert_eq!(again, config, "{name}: written back and read again");
     }
 }

@@ -255,8 +255,8 @@ fn weights_that_do_not_fit_the_config_are_refused_by_name() {
 fn a_model_from_a_config_alone_starts_at_transformers_initialisation() {
     for folder in model_fixtures() {
         let name = folder.file_name().unwrap().to_string_lossy().into_owned();
-        let config = ulysses_models::DecoderConfig::from_hf(&folder).unwrap();
-        let model = ulysses_models::LlamaConfig::from_hf(&config).init::<Cpu>(&Default::default());
+        let config = ulysses_models::HfConfig::from_hf(&folder).unwrap();
+        let model = ulysses_models::DecoderConfig::from_hf(&config).init::<Cpu>(&Default::default());
         let std_of = |values: Vec<f32>| {
             let mean = values.iter().map(|&v| v as f64).sum::<f64>() / values.len() as f64;
             (values.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / values.len() as f64).sqrt()
@@ -268,7 +268,7 @@ fn a_model_from_a_config_alone_starts_at_transformers_initialisation() {
         }
         // Biases (Qwen2's q, k, v) start at zero, as transformers' `_init_weights` sets them,
         // and still train.
-        let trained = ulysses_models::LlamaConfig::from_hf(&config).init::<burn::backend::Autodiff<Cpu>>(&Default::default());
+        let trained = ulysses_models::DecoderConfig::from_hf(&config).init::<burn::backend::Autodiff<Cpu>>(&Default::default());
         if let Some(bias) = &trained.blocks[0].attention.wq.bias {
             let values = bias.val().into_data().to_vec::<f32>().unwrap();
             assert!(values.iter().all(|&v| v == 0.0), "{name}: a q bias starts at {:?}", values.iter().find(|&&v| v != 0.0));
@@ -352,7 +352,7 @@ fn a_saved_checkpoint_is_the_one_transformers_wrote() {
 
         let input = tokens::<Cpu>(&expected(&folder)["input_ids"]);
         let positions = ShardPositions::consecutive(input.dims()[0], 0, input.dims()[1]);
-        let logits = |model: &ulysses_models::Llama<Cpu>| model.forward(input.clone(), &positions).into_data().to_vec::<f32>().unwrap();
+        let logits = |model: &ulysses_models::Decoder<Cpu>| model.forward(input.clone(), &positions).into_data().to_vec::<f32>().unwrap();
         let reloaded = from_pretrained::<Cpu>(&out, &Default::default()).unwrap();
         assert_eq!(reloaded.config, pretrained.config, "{name}: config.json written back");
         assert!(logits(&reloaded.model) == logits(&pretrained.model), "{name}: reloaded logits differ");
@@ -427,7 +427,7 @@ fn weights_past_the_shard_size_are_saved_in_shards_with_their_index() {
 
     let input = tokens::<Cpu>(&expected(&folder)["input_ids"]);
     let positions = ShardPositions::consecutive(input.dims()[0], 0, input.dims()[1]);
-    let logits = |model: &ulysses_models::Llama<Cpu>| model.forward(input.clone(), &positions).into_data().to_vec::<f32>().unwrap();
+    let logits = |model: &ulysses_models::Decoder<Cpu>| model.forward(input.clone(), &positions).into_data().to_vec::<f32>().unwrap();
     let reloaded = from_pretrained::<Cpu>(&out, &Default::default()).unwrap();
     assert!(logits(&reloaded.model) == logits(&pretrained.model), "reloaded logits differ");
     if let Ok(keep) = std::env::var("ULYSSES_SAVED_HF_DIR") {

@@ -1,4 +1,4 @@
-//! The trainer of burn-ulysses' decoder (`ulysses_models::llama`) and its training loop with
+//! The trainer of burn-ulysses' decoder (`ulysses_models::decoder`) and its training loop with
 //! burn-ulysses. The model calls `burn::tensor::module::attention`, so under
 //! `burn_ulysses::UlyssesBackend` it becomes sequence parallel without any change.
 

@@ -24,7 +24,7 @@ use burn::{
 use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
 use ulysses_training::{LayerCheckpointing, StepReport, checkpoint::read_checkpoint_state};
 use clap::{Parser, ValueEnum};
-use ulysses_models::{DecoderConfig, TextTokenizer, from_pretrained};
+use ulysses_models::{HfConfig, TextTokenizer, from_pretrained};
 use indicatif::{ProgressBar, ProgressStyle};
 use ulysses_dist::{
     DistributedConfig,
@@ -269,7 +269,7 @@ struct Job<'a> {
     launch: Launch,
     config: TrainConfig,
     /// The Hugging Face configuration of --model or --hf-config.
-    pretrained: Option<DecoderConfig>,
+    pretrained: Option<HfConfig>,
     data: Box<dyn StepData>,
     data_identity: DataIdentity,
     out: PathBuf,
@@ -332,13 +332,13 @@ fn run(args: Args) -> Result<(), String> {
         return Err("--eval-only evaluates the --model on documents: give --data FILE".into());
     }
     let pretrained = match (&args.model, &args.hf_config) {
-        (Some(dir), _) => Some(DecoderConfig::from_hf(dir).map_err(|e| format!("--model: {e}"))?),
-        (None, Some(file)) => Some(DecoderConfig::from_hf(file).map_err(|e| format!("--hf-config: {e}"))?),
+        (Some(dir), _) => Some(HfConfig::from_hf(dir).map_err(|e| format!("--model: {e}"))?),
+        (None, Some(file)) => Some(HfConfig::from_hf(file).map_err(|e| format!("--hf-config: {e}"))?),
         (None, None) => None,
     };
     let model = match &pretrained {
-        Some(checkpoint) => ulysses_models::LlamaConfig::from_hf(checkpoint),
-        None => ulysses_models::LlamaConfig::new(BYTE_VOCAB)
+        Some(checkpoint) => ulysses_models::DecoderConfig::from_hf(checkpoint),
+        None => ulysses_models::DecoderConfig::new(BYTE_VOCAB)
             .with_d_model(args.d_model)
             .with_n_layers(args.layers)
             .with_n_heads(args.heads)
@@ -447,7 +447,7 @@ fn run(args: Args) -> Result<(), String> {
 }
 
 /// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary.
-fn packed_documents(args: &Args, path: &Path, checkpoint: &DecoderConfig, config: &TrainConfig, show_progress: bool) -> Result<PackedDocuments, String> {
+fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<PackedDocuments, String> {
     let eos = match (args.eos_token_id, checkpoint.eos_token_id) {
         (Some(id), _) => id,
         (None, Some(id)) => u32::try_from(id).map_err(|_| format!("config.json's eos_token_id {id} is not a token id: give --eos-token-id"))?,

@@ -26,7 +26,7 @@ use ulysses_training::{
 };
 use serde::{Deserialize, Serialize};
 
-use ulysses_models::{DecoderConfig, Llama, LlamaConfig, save_pretrained};
+use ulysses_models::{HfConfig, Decoder, DecoderConfig, save_pretrained};
 
 use crate::{
     corpus::{BYTE_VOCAB, ByteCorpus},
@@ -35,7 +35,7 @@ use crate::{
 
 #[derive(Config, Debug)]
 pub struct TrainConfig {
-    pub model: LlamaConfig,
+    pub model: DecoderConfig,
     pub optimizer: AdamWConfig,
     pub layout: ParallelLayout,
     /// Micro-batches per optimizer step on each DP rank.
@@ -92,7 +92,7 @@ pub struct TrainConfig {
 impl TrainConfig {
     /// A small Llama on byte tokens.
     pub fn small(layout: ParallelLayout) -> Self {
-        Self::new(LlamaConfig::new(BYTE_VOCAB).with_repeat_kv(false), AdamWConfig::new().with_weight_decay(0.01), layout)
+        Self::new(DecoderConfig::new(BYTE_VOCAB).with_repeat_kv(false), AdamWConfig::new().with_weight_decay(0.01), layout)
     }
 
     /// Fails, before any work, with the name of the first setting that cannot work and
@@ -313,7 +313,7 @@ pub struct RunOptions<'a> {
     pub data_identity: Option<DataIdentity>,
     /// Where world rank 0 writes the model in Hugging Face's format (bf16), with its
     /// configuration, at each checkpoint and at the end (`None`: nowhere).
-    pub save_hf: Option<(PathBuf, DecoderConfig)>,
+    pub save_hf: Option<(PathBuf, HfConfig)>,
     pub faults: Faults,
 }
 
@@ -323,12 +323,12 @@ pub struct RunOptions<'a> {
 /// rank context when `B` is a `UlyssesBackend` (`ulysses_dist::job::run_ranks` does that).
 pub fn train_rank<B>(
     config: &TrainConfig,
-    model: Llama<B>,
+    model: Decoder<B>,
     data: &dyn StepData,
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
     mut options: RunOptions,
-) -> Result<(Llama<B>, Vec<StepReport>), UlyssesError>
+) -> Result<(Decoder<B>, Vec<StepReport>), UlyssesError>
 where
     B: TrainBackend,
 {
@@ -336,7 +336,7 @@ where
     let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?).with_f32_head(config.f32_head);
     let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
     let sharder = config.sharder();
-    let optimizer = config.optimizer.init::<B, Llama<B>>();
+    let optimizer = config.optimizer.init::<B, Decoder<B>>();
     let (mut model, mut optimizer, first_step) = match &options.resume {
         None => (broadcast_parameters(model, &*groups.world)?, optimizer, 0),
         Some(location) => resume(config, location, model, optimizer, groups, device)?,
@@ -392,7 +392,7 @@ where
 #[allow(clippy::too_many_arguments)]
 fn train_one_step<B, O>(
     config: &TrainConfig,
-    model: Llama<B>,
+    model: Decoder<B>,
     optimizer: &mut O,
     data: &dyn StepData,
     step: usize,
@@ -400,10 +400,10 @@ fn train_one_step<B, O>(
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
     faults: &Faults,
-) -> Result<(Llama<B>, StepReport), UlyssesError>
+) -> Result<(Decoder<B>, StepReport), UlyssesError>
 where
     B: TrainBackend,
-    O: Optimizer<Llama<B>, B>,
+    O: Optimizer<Decoder<B>, B>,
 {
     let global = data.train_batch(step);
     if global.len() != config.batch_size {
@@ -444,14 +444,14 @@ pub fn paragraph_lengths(sequence: &[i64]) -> Vec<usize> {
 fn resume<B, O>(
     config: &TrainConfig,
     location: &Path,
-    model: Llama<B>,
+    model: Decoder<B>,
     optimizer: O,
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
-) -> Result<(Llama<B>, O, usize), UlyssesError>
+) -> Result<(Decoder<B>, O, usize), UlyssesError>
 where
     B: TrainBackend,
-    O: Optimizer<Llama<B>, B>,
+    O: Optimizer<Decoder<B>, B>,
 {
     let (model, optimizer, state): (_, _, RunState) = load_training_checkpoint(location, model, optimizer, device)?;
     check_resumable(config, &state).map_err(UlyssesError::InvalidConfig)?;
@@ -481,7 +481,7 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
         ("--pack".to_string(), saved.config.pack.to_string(), config.pack.to_string()),
         ("--freeze-embeddings".to_string(), saved.config.freeze_embeddings.to_string(), config.freeze_embeddings.to_string()),
     ];
-    let fields = |model: &LlamaConfig| match serde_json::to_value(model) {
+    let fields = |model: &DecoderConfig| match serde_json::to_value(model) {
         Ok(serde_json::Value::Object(fields)) => fields,
         _ => Default::default(),
     };
@@ -504,7 +504,7 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
 }
 
 /// The test hooks of [`Faults`], applied between a step's backward and its all-reduce.
-fn inject_faults<B: TrainBackend>(faults: &Faults, step: usize, rank: usize, model: &Llama<B>, local: &mut LocalStep) {
+fn inject_faults<B: TrainBackend>(faults: &Faults, step: usize, rank: usize, model: &Decoder<B>, local: &mut LocalStep) {
     if faults.nan_gradient == Some((step, rank)) {
         tracing::warn!(step, rank, "test hook: making this rank's embedding gradient NaN");
         let id = model.embedding.weight.id;
@@ -523,7 +523,7 @@ fn inject_faults<B: TrainBackend>(faults: &Faults, step: usize, rank: usize, mod
 /// alone when `eval_single_device` is set (`None` on the other ranks).
 pub fn evaluate_model<B>(
     config: &TrainConfig,
-    model: &Llama<B::InnerBackend>,
+    model: &Decoder<B::InnerBackend>,
     batch: &[Vec<i64>],
     documents: Option<&[Vec<usize>]>,
     groups: &ParallelGroups<B::Wire>,
@@ -547,7 +547,7 @@ where
 /// same.
 pub fn evaluate_sequences<B: TrainBackend>(
     config: &TrainConfig,
-    model: Llama<B>,
+    model: Decoder<B>,
     sequences: &[Vec<i64>],
     documents: Option<&[Vec<usize>]>,
     groups: &ParallelGroups<B::Wire>,
@@ -579,11 +579,11 @@ pub fn model_recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {
 /// Saves the model's parameters alone (for evaluation and inference); they do not depend on
 /// the SP or DP size, so the file loads under any layout. Training checkpoints, which also
 /// hold the optimizer and the position in the data, are written by [`train_rank`].
-pub fn save_model<B: AutodiffBackend>(model: &Llama<B>, path: &Path) -> Result<(), String> {
+pub fn save_model<B: AutodiffBackend>(model: &Decoder<B>, path: &Path) -> Result<(), String> {
     model.clone().save_file(path, &model_recorder()).map_err(|e| format!("cannot save the model to {}: {e}", path.display()))
 }
 
-pub fn load_model<B: AutodiffBackend>(config: &LlamaConfig, path: &Path, device: &B::Device) -> Result<Llama<B>, String> {
+pub fn load_model<B: AutodiffBackend>(config: &DecoderConfig, path: &Path, device: &B::Device) -> Result<Decoder<B>, String> {
     config
         .init::<B>(device)
         .load_file(path, &model_recorder(), device)

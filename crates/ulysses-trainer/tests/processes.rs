@@ -37,7 +37,7 @@ use burn::{
 };
 use burn_ulysses::{compare::{max_abs_diff, worst}};
 use ulysses_training::{float_parameters, checkpoint::{load_training_checkpoint, read_checkpoint_state}};
-use ulysses_models::Llama;
+use ulysses_models::Decoder;
 use ulysses_trainer::train::{RunState, TrainConfig, load_model};
 
 type Cpu = Autodiff<NdArray<f32>>;
@@ -159,7 +159,7 @@ fn losses(out: &Path) -> Vec<(usize, f64)> {
 /// Every parameter of the model a run saved, flattened, with its path.
 fn parameters(out: &Path) -> Vec<(String, Vec<f32>)> {
     let config = TrainConfig::load(out.join("config.json")).unwrap();
-    let model: Llama<Cpu> = load_model(&config.model, &out.join("model"), &Default::default()).unwrap();
+    let model: Decoder<Cpu> = load_model(&config.model, &out.join("model"), &Default::default()).unwrap();
     float_parameters(&model).into_iter().map(|p| (p.path, p.values.into_data().convert::<f32>().to_vec().unwrap())).collect()
 }
 
@@ -247,7 +247,7 @@ fn a_rank_killed_mid_step_stops_every_rank_and_the_last_checkpoint_loads() {
     assert_eq!(state.completed_steps, 2);
     let config = TrainConfig::load(out.join("config.json")).unwrap();
     let model = config.model.init::<Cpu>(&Default::default());
-    let optimizer = AdamWConfig::new().init::<Cpu, Llama<Cpu>>();
+    let optimizer = AdamWConfig::new().init::<Cpu, Decoder<Cpu>>();
     let (_, _, loaded): (_, _, RunState) = load_training_checkpoint(&out, model, optimizer, &Default::default()).unwrap();
     assert_eq!(loaded.data_position, 2);
     let _ = fs::remove_dir_all(&dir);
@@ -567,7 +567,7 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     let original = from_pretrained::<NdArray>(&checkpoint, &Default::default()).unwrap();
     let tuned = from_pretrained::<NdArray>(&saved, &Default::default()).unwrap_or_else(|e| panic!("the saved folder does not load: {e}"));
     assert_eq!(tuned.config, original.config);
-    let values = |model: &ulysses_models::Llama<NdArray>| model.embedding.weight.val().into_data().to_vec::<f32>().unwrap();
+    let values = |model: &ulysses_models::Decoder<NdArray>| model.embedding.weight.val().into_data().to_vec::<f32>().unwrap();
     let (before, after) = (values(&original.model), values(&tuned.model));
     assert!(after.iter().all(|v| v.is_finite()), "a saved weight is not finite");
     let moved = before.iter().zip(&after).map(|(b, a)| (b - a).abs()).fold(0.0f32, |m, d| if d > m { d } else { m });

@@ -1,7 +1,7 @@
 //! The decoder of the four families (Llama, Mistral, Qwen2, Qwen3): RMSNorm, RoPE at global
 //! positions, grouped-query causal attention through `burn::tensor::module::attention`, SwiGLU
 //! feed-forward; as configuration, biases on q, k and v (Qwen2), RMSNorm over each head of q
-//! and k (Qwen3), an output head tied to the embeddings, RoPE scaling. [`LlamaConfig::from_hf`]
+//! and k (Qwen3), an output head tied to the embeddings, RoPE scaling. [`DecoderConfig::from_hf`]
 //! builds the configuration of a checkpoint's `config.json`.
 //!
 //! Nothing here knows about sequence parallelism. Under `UlyssesBackend` each rank runs the
@@ -11,10 +11,10 @@
 //! `burn_ulysses::attention::attention_within`, which keeps every token inside its document
 //! and, for Mistral, within its sliding window (otherwise it is `module::attention`).
 //!
-//! Mixed precision ([`Llama::with_compute_dtype`]): the hidden states are cast to the compute
+//! Mixed precision ([`Decoder::with_compute_dtype`]): the hidden states are cast to the compute
 //! dtype after the embedding and every op follows them (`burn_ulysses::precision`; norm
 //! statistics in f32). The loss's logits are computed in the compute dtype (f32 with
-//! [`Llama::with_f32_head`]), a chunk of rows at a time (`lm_output`), their softmax and the
+//! [`Decoder::with_f32_head`]), a chunk of rows at a time (`lm_output`), their softmax and the
 //! loss in f32; `forward` and `hidden` give all logits at once, in f32.
 
 use std::ops::Range;
@@ -39,10 +39,10 @@ use burn_ulysses::{
 };
 use ulysses_training::{CausalLm, LayeredLm, LmOutput, OutputHead};
 
-use crate::{DecoderConfig, rope::RopeScaling, rope_tables::RopeTables};
+use crate::{HfConfig, rope::RopeScaling, rope_tables::RopeTables};
 
 #[derive(Config, Debug)]
-pub struct LlamaConfig {
+pub struct DecoderConfig {
     pub vocab_size: usize,
     #[config(default = 128)]
     pub d_model: usize,
@@ -92,10 +92,10 @@ pub struct LlamaConfig {
     pub init_std: Option<f64>,
 }
 
-impl LlamaConfig {
+impl DecoderConfig {
     /// The model of a Hugging Face checkpoint's configuration (its `config.json`, read and
-    /// checked by [`DecoderConfig::from_hf`]).
-    pub fn from_hf(config: &DecoderConfig) -> Self {
+    /// checked by [`HfConfig::from_hf`]).
+    pub fn from_hf(config: &HfConfig) -> Self {
         Self::new(config.vocab_size)
             .with_d_model(config.hidden_size)
             .with_n_layers(config.num_hidden_layers)
@@ -114,12 +114,12 @@ impl LlamaConfig {
             .with_init_std(Some(config.initializer_range))
     }
 
-    /// [`LlamaConfig::init_std`]'s normal distribution, if it asks for one.
+    /// [`DecoderConfig::init_std`]'s normal distribution, if it asks for one.
     fn normal_init(&self) -> Option<Initializer> {
         self.init_std.map(|std| Initializer::Normal { mean: 0.0, std })
     }
 
-    /// A linear layer whose weights follow [`LlamaConfig::init_std`] (burn's default without).
+    /// A linear layer whose weights follow [`DecoderConfig::init_std`] (burn's default without).
     fn init_linear<B: Backend>(&self, d_in: usize, d_out: usize, bias: bool, device: &B::Device) -> Linear<B> {
         let config = LinearConfig::new(d_in, d_out).with_bias(bias);
         match self.normal_init() {
@@ -153,9 +153,9 @@ impl LlamaConfig {
         );
     }
 
-    pub fn init<B: Backend>(&self, device: &B::Device) -> Llama<B> {
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Decoder<B> {
         self.check();
-        Llama {
+        Decoder {
             embedding: {
                 let config = EmbeddingConfig::new(self.vocab_size, self.d_model);
                 match self.normal_init() {
@@ -215,7 +215,7 @@ pub struct LlamaContext<B: Backend> {
 
 /// The model in the pieces that whole-layer checkpointing runs one at a time; the forward
 /// above is made of the same pieces.
-impl<B: Backend> LayeredLm<B> for Llama<B> {
+impl<B: Backend> LayeredLm<B> for Decoder<B> {
     type Context = LlamaContext<B>;
 
     fn context(&self, positions: &ShardPositions, device: &B::Device) -> LlamaContext<B> {
@@ -250,27 +250,27 @@ impl<B: Backend> LayeredLm<B> for Llama<B> {
 }
 
 /// What the training step needs of the model.
-impl<B: AutodiffBackend> CausalLm<B> for Llama<B> {
+impl<B: AutodiffBackend> CausalLm<B> for Decoder<B> {
     fn logits(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
         self.forward(tokens, positions)
     }
 
     /// The loss runs over the hidden states in chunks of rows, never holding all logits.
     fn lm_output(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> LmOutput<B> {
-        Llama::lm_output(self, tokens, positions)
+        Decoder::lm_output(self, tokens, positions)
     }
 
     fn vocab_size(&self) -> usize {
-        Llama::vocab_size(self)
+        Decoder::vocab_size(self)
     }
 
     fn is_causal(&self) -> bool {
-        Llama::is_causal(self)
+        Decoder::is_causal(self)
     }
 }
 
 #[derive(Module, Debug)]
-pub struct Llama<B: Backend> {
+pub struct Decoder<B: Backend> {
     pub embedding: Embedding<B>,
     pub blocks: Vec<Block<B>>,
     pub norm: RmsNorm<B>,
@@ -289,7 +289,7 @@ pub struct Llama<B: Backend> {
     f32_head: bool,
 }
 
-impl<B: Backend> Llama<B> {
+impl<B: Backend> Decoder<B> {
     /// `tokens: [batch, seq]` at `positions` → logits `[batch, seq, vocab]`.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
         let head = self.output_head();
@@ -372,7 +372,7 @@ impl<B: Backend> Llama<B> {
     }
 
     /// Switches every attention layer between grouped kv heads and kv heads expanded to the
-    /// q head count (see [`LlamaConfig::repeat_kv`]).
+    /// q head count (see [`DecoderConfig::repeat_kv`]).
     pub fn with_repeat_kv(mut self, repeat_kv: bool) -> Self {
         for block in &mut self.blocks {
             block.attention.repeat_kv = repeat_kv;
