@@ -96,6 +96,18 @@ pub mod testing {
         client.memory_usage().expect("memory usage").bytes_in_use
     }
 
+    /// Whether `device` of runtime `R` stores and computes `dtype` (f16 and bf16 vary between
+    /// devices: lavapipe has f16, not bf16; the other dtypes are taken as supported).
+    pub fn supports_dtype<R: cubecl::Runtime>(device: &R::Device, dtype: burn::tensor::DType) -> bool {
+        use cubecl::ir::{ElemType, FloatKind};
+        let elem = match dtype {
+            burn::tensor::DType::F16 => ElemType::Float(FloatKind::F16),
+            burn::tensor::DType::BF16 => ElemType::Float(FloatKind::BF16),
+            _ => return true,
+        };
+        R::client(device).properties().supports_type(elem)
+    }
+
     /// Whether runtime `R` can create a client on its default device. When it cannot, this
     /// prints why and returns false, unless `ULYSSES_REQUIRE_GPU_RUNTIME=1` (CI sets it after
     /// installing lavapipe), where it panics.

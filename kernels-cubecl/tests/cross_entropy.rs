@@ -13,7 +13,7 @@
 
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use burn_cubecl::CubeBackend;
-use ulysses_kernels::{CrossEntropyError, cross_entropy::launches, fused_cross_entropy, testing::runtime_available};
+use ulysses_kernels::{CrossEntropyError, cross_entropy::launches, fused_cross_entropy, testing::{runtime_available, supports_dtype}};
 
 #[cfg(feature = "cuda")]
 type Runtime = cubecl::cuda::CudaRuntime;
@@ -97,13 +97,7 @@ fn check(device: &Device, rows: usize, vocab: usize, dtype: DType, seed: u64) {
 }
 
 fn supports(device: &Device, dtype: DType) -> bool {
-    let client = <Runtime as cubecl::Runtime>::client(device);
-    let elem = match dtype {
-        DType::F16 => cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::F16),
-        DType::BF16 => cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::BF16),
-        _ => return true,
-    };
-    client.properties().supports_type(elem)
+    supports_dtype::<Runtime>(device, dtype)
 }
 
 #[test]

@@ -29,7 +29,7 @@ use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensorO
 use burn_cubecl::CubeBackend;
 use ulysses_kernels::{
     FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention,
-    testing::runtime_available,
+    testing::{runtime_available, supports_dtype},
 };
 
 #[cfg(feature = "cuda")]
@@ -46,13 +46,7 @@ fn device() -> Option<Device> {
 }
 
 fn supports(device: &Device, dtype: DType) -> bool {
-    let client = <Runtime as cubecl::Runtime>::client(device);
-    let elem = match dtype {
-        DType::F16 => cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::F16),
-        DType::BF16 => cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::BF16),
-        _ => return true,
-    };
-    client.properties().supports_type(elem)
+    supports_dtype::<Runtime>(device, dtype)
 }
 
 #[derive(Debug, Clone)]
