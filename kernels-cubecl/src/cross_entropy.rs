@@ -136,8 +136,12 @@ pub fn fused_cross_entropy<R: CubeRuntime>(
     let client = logits.client.clone();
     let device = logits.device.clone();
     let plane_dim = client.properties().hardware.plane_size_max;
-    if plane_dim == 0 || client.properties().hardware.plane_size_min != plane_dim {
-        return Err(CrossEntropyError::Device(format!("the kernel needs a fixed plane size; this device reports {} to {plane_dim}", client.properties().hardware.plane_size_min)));
+    let hardware = &client.properties().hardware;
+    if plane_dim == 0 || hardware.plane_size_min != plane_dim || plane_dim as usize * PLANES > hardware.max_units_per_cube as usize {
+        return Err(CrossEntropyError::Device(format!(
+            "the kernel needs a fixed plane size and {PLANES} planes per cube; this device has planes of {} to {plane_dim} units, at most {} units per cube",
+            hardware.plane_size_min, hardware.max_units_per_cube
+        )));
     }
     let dtype = logits.dtype;
     let logits = into_contiguous(logits);

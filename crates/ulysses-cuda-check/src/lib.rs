@@ -16,7 +16,7 @@ use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
 use burn_cubecl::CubeBackend;
 use cubecl::Runtime as _;
 use serde::Serialize;
-use ulysses_kernels::{FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
+use ulysses_kernels::{FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, fused_cross_entropy, plan_flash_attention};
 
 use runtime::{CompileOnly, TARGETS, TargetDevice};
 
@@ -54,7 +54,7 @@ pub struct Kernel {
 /// Which of the flash kernels a compiled entry point is, or `None` for another (burn's casts
 /// on upload are not ours to check).
 fn kernel_of(entrypoint: &str) -> Option<&'static str> {
-    [("row_delta", "row_delta"), ("key_value_grad", "key_value_grad"), ("query_grad", "query_grad"), ("flash_forward", "forward")]
+    [("row_delta", "row_delta"), ("key_value_grad", "key_value_grad"), ("query_grad", "query_grad"), ("flash_forward", "forward"), ("cross_entropy_rows", "cross_entropy")]
         .into_iter()
         .find(|(prefix, _)| entrypoint.contains(prefix))
         .map(|(_, kernel)| kernel)
@@ -128,6 +128,12 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
         let ranges = case.ranged.then(|| VisibleRanges::all(batch, seq, seq).and_then(|r| r.with_documents(&[vec![30, seq - 30]]))).transpose().map_err(|e| e.to_string())?;
         let (output, lse) = flash_attention_forward(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options, ranges.as_ref()).map_err(|e| format!("{case:?}: {e}"))?;
         flash_attention_backward(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), output, tensor(q_shape), lse, options, ranges.as_ref()).map_err(|e| format!("{case:?}: {e}"))?;
+        // The training loss's row kernel, in this case's dtype (its source depends on that alone).
+        if !case.sixty_four_bit {
+            let logits = Backend::float_from_data(TensorData::new(vec![0.25f32; 80 * 1000], [80, 1000]).convert_dtype(dtype), &device);
+            let labels = Backend::float_from_data(TensorData::new(vec![1.0f32; 80], [80]), &device);
+            fused_cross_entropy(logits, labels, -100).map_err(|e| format!("{case:?}: the cross-entropy kernel: {e}"))?;
+        }
         // Launches reach the server through a queue: every one of this case's is compiled
         // once the queue is drained.
         cubecl::future::block_on(client.sync()).map_err(|e| format!("{case:?}: {e:?}"))?;
@@ -138,8 +144,8 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
                 target: compiled.target,
                 kernel: kernel.to_string(),
                 entrypoint: compiled.entrypoint.clone(),
-                // The row pre-pass of the backward multiplies no tiles.
-                engine: if kernel == "row_delta" { "-".into() } else { plan.engine.to_string() },
+                // The row pre-pass of the backward and the loss's rows multiply no tiles.
+                engine: if matches!(kernel, "row_delta" | "cross_entropy") { "-".into() } else { plan.engine.to_string() },
                 dynamic_shared_bytes: compiled.dynamic_shared_bytes,
                 block: compiled.block,
                 cases: Vec::new(),

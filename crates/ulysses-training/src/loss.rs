@@ -137,7 +137,7 @@ pub fn chunked_linear_cross_entropy_sum<B: TrainBackend>(
     // products are summed in f32: a half-precision sum could overflow, and inf - inf is NaN.
     let hidden_grad = Tensor::from_inner(Tensor::cat(hidden_grads, 0));
     let mut surrogate = (hidden * hidden_grad).cast(FloatDType::F32).sum() + (head.weight * Tensor::from_inner(weight_grad)).sum();
-    if let Some(bias) = head.bias {
+    if let (Some(bias), Some(bias_grad)) = (head.bias, bias_grad) {
         surrogate = surrogate + (bias * Tensor::from_inner(bias_grad.squeeze_dim::<1>(0))).sum();
     }
     Tensor::from_inner(loss) + (surrogate.clone() - surrogate.detach())
@@ -165,7 +165,8 @@ type FusedRows<'a, B> = &'a dyn Fn(Tensor<B, 2>, Tensor<B, 1>) -> Option<(Tensor
 struct HeadGrads<B: Backend> {
     hidden: Vec<Tensor<B, 2>>,
     weight: Tensor<B, 2>,
-    bias: Tensor<B, 2>,
+    /// `None` for a head without a bias.
+    bias: Option<Tensor<B, 2>>,
 }
 
 impl<B: Backend> HeadGrads<B> {
@@ -174,8 +175,14 @@ impl<B: Backend> HeadGrads<B> {
     fn add_chunk(mut self, chunk: Tensor<B, 2>, logits_grad: Tensor<B, 2>, weight: &Tensor<B, 2>, hidden_dtype: FloatDType) -> Self {
         let sum_dtype = FloatDType::from(self.weight.dtype());
         self.hidden.push(logits_grad.clone().matmul(weight.clone().transpose()).cast(hidden_dtype));
-        self.weight = self.weight + chunk.transpose().matmul(logits_grad.clone()).cast(sum_dtype);
-        self.bias = self.bias + logits_grad.cast(sum_dtype).sum_dim(0);
+        // A chunk's weight gradient sums up to `chunk_rows` products per element: past f16's
+        // 65 504 for a frequent label, so f16 operands multiply into f32 (bf16 has f32's range).
+        let (chunk, rows_grad) = match FloatDType::from(logits_grad.dtype()) {
+            FloatDType::F16 => (chunk.cast(FloatDType::F32), logits_grad.clone().cast(FloatDType::F32)),
+            _ => (chunk, logits_grad.clone()),
+        };
+        self.weight = self.weight + chunk.transpose().matmul(rows_grad).cast(sum_dtype);
+        self.bias = self.bias.map(|bias| bias + logits_grad.cast(sum_dtype).sum_dim(0));
         self
     }
 }
@@ -210,12 +217,13 @@ fn chunked_loss<B: Backend>(
     let weight_sum = with_grads.then(|| head.weight.zeros_like());
     let weight = head.weight.cast(logits_dtype);
     let bias = head.bias.map(|b| b.cast(logits_dtype).unsqueeze_dim::<2>(0));
+    let with_bias = bias.is_some();
 
     let mut loss = Tensor::<B, 1>::zeros([1], &device);
     // Gradient accumulators, only when asked: evaluation allocates nothing the size of the head.
     let mut grads = weight_sum.map(|weight_sum| HeadGrads {
         hidden: Vec::with_capacity(rows.div_ceil(chunk_rows)),
-        bias: weight_sum.clone().narrow(0, 0, 1),
+        bias: with_bias.then(|| weight_sum.clone().narrow(0, 0, 1)),
         weight: weight_sum,
     });
     for start in (0..rows).step_by(chunk_rows) {
