@@ -96,6 +96,18 @@ pub mod testing {
         client.memory_usage().expect("memory usage").bytes_in_use
     }
 
+    /// `count` deterministic values in [-1, 1) from `stream` (splitmix64 of each index): the
+    /// kernel tests' inputs, the same on every run and machine.
+    pub fn uniform_values(count: usize, stream: u64) -> Vec<f64> {
+        (0..count as u64)
+            .map(|i| {
+                let mut z = stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                (z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
     /// Whether `device` of runtime `R` stores and computes `dtype` (f16 and bf16 vary between
     /// devices: lavapipe has f16, not bf16; the other dtypes are taken as supported).
     pub fn supports_dtype<R: cubecl::Runtime>(device: &R::Device, dtype: burn::tensor::DType) -> bool {

@@ -13,7 +13,7 @@
 
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use burn_cubecl::CubeBackend;
-use ulysses_kernels::{CrossEntropyError, cross_entropy::launches, fused_cross_entropy, testing::{runtime_available, supports_dtype}};
+use ulysses_kernels::{CrossEntropyError, cross_entropy::launches, fused_cross_entropy, testing::{runtime_available, supports_dtype, uniform_values}};
 
 #[cfg(feature = "cuda")]
 type Runtime = cubecl::cuda::CudaRuntime;
@@ -31,15 +31,7 @@ fn device() -> Option<Device> {
 
 /// Deterministic values in `-spread..spread`.
 fn values(count: usize, seed: u64, spread: f64) -> Vec<f64> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..count)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * spread
-        })
-        .collect()
+    uniform_values(count, seed).into_iter().map(|x| x * spread).collect()
 }
 
 /// Per row: the loss and the gradient row, in f64.

@@ -29,7 +29,7 @@ use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensorO
 use burn_cubecl::CubeBackend;
 use ulysses_kernels::{
     FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention,
-    testing::{runtime_available, supports_dtype},
+    testing::{runtime_available, supports_dtype, uniform_values},
 };
 
 #[cfg(feature = "cuda")]
@@ -146,11 +146,10 @@ impl Case {
 
 /// Deterministic values in [-1, 1), rounded to `dtype`.
 fn values(count: usize, stream: u64, dtype: DType) -> Vec<f64> {
-    (0..count as u64)
-        .map(|i| {
-            let mut z = stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            let x = ((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32;
+    uniform_values(count, stream)
+        .into_iter()
+        .map(|x| {
+            let x = x as f32;
             match dtype {
                 DType::F16 => half::f16::from_f32(x).to_f64(),
                 DType::BF16 => half::bf16::from_f32(x).to_f64(),

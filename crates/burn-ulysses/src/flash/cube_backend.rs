@@ -11,7 +11,7 @@ use ulysses_kernels::{
     FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, fused_cross_entropy, plan_flash_attention,
 };
 
-use super::warn_once_per_reason;
+use super::no_fused_cross_entropy;
 use crate::{capabilities::PlainBackend, visibility::Visibility};
 
 fn flash_options(options: &AttentionModuleOptions) -> FlashOptions {
@@ -81,9 +81,6 @@ where
         // The tensor-op loss, for a side-by-side measurement.
         let disabled = std::env::var("ULYSSES_FUSED_CROSS_ENTROPY").as_deref() == Ok("0");
         let result = if disabled { Err("ULYSSES_FUSED_CROSS_ENTROPY=0".to_string()) } else { fused_cross_entropy(logits, labels, ignore_index).map_err(|e| e.to_string()) };
-        result.map_err(|reason| {
-            warn_once_per_reason(&reason, "fused cross-entropy unavailable, the loss runs as tensor ops");
-            reason
-        })
+        result.map_err(no_fused_cross_entropy)
     }
 }

@@ -132,8 +132,6 @@ impl<B: FusionBackend + PlainBackend> PlainBackend for Fusion<B> {
     /// Not yet recorded as a custom stream operation (the attention is): the loss runs as
     /// tensor ops, said once.
     fn fused_cross_entropy(_logits: FloatTensor<Self>, _labels: FloatTensor<Self>, _ignore_index: i64) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
-        let reason = "burn's fusion backend does not run the fused cross-entropy kernel yet".to_string();
-        super::warn_once_per_reason(&reason, "fused cross-entropy unavailable, the loss runs as tensor ops");
-        Err(reason)
+        Err(super::no_fused_cross_entropy("burn's fusion backend does not run the fused cross-entropy kernel yet".to_string()))
     }
 }

@@ -231,6 +231,13 @@ pub(crate) fn dense_fallback(reason: String, policy: DenseFallback) -> Result<()
     Ok(())
 }
 
+/// The cross-entropy hook's refusal: `reason`, logged once (the training loss then runs as
+/// tensor ops), for the caller to return.
+pub(crate) fn no_fused_cross_entropy(reason: String) -> String {
+    warn_once_per_reason(&reason, "fused cross-entropy unavailable, the loss runs as tensor ops");
+    reason
+}
+
 /// Logs `what` with `reason`: a warning the first time this reason occurs in the process
 /// (fallbacks repeat at every layer of every step), a debug line every time after.
 pub(crate) fn warn_once_per_reason(reason: &str, what: &'static str) {
