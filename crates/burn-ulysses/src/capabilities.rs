@@ -13,11 +13,11 @@
 //! LibTorch, Router) need that line here, behind a feature: the orphan rule forbids writing
 //! it outside this crate.
 
-use std::sync::Arc;
+use std::{future::Future, pin::Pin, sync::Arc};
 
 use burn::tensor::{
-    DType,
-    backend::Backend,
+    DType, TensorData,
+    backend::{Backend, ExecutionError},
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
 };
 
@@ -160,6 +160,22 @@ pub trait PlainBackend: Backend {
     fn fused_cross_entropy(_logits: FloatTensor<Self>, _labels: FloatTensor<Self>, _ignore_index: i64) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
         Err(format!("{} has no fused cross-entropy kernel", std::any::type_name::<Self>()))
     }
+
+    /// Starts copying `tensor` to the host behind the work already queued on its device and
+    /// returns without waiting for it (see [`QueuedRead`]). The default cannot queue a read:
+    /// it reads now, which waits for the device.
+    fn queue_read(tensor: FloatTensor<Self>) -> QueuedRead {
+        QueuedRead::Arrived(burn::tensor::read_sync(Self::float_into_data(tensor)))
+    }
+}
+
+/// A tensor on its way to the host ([`PlainBackend::queue_read`]).
+pub enum QueuedRead {
+    /// The copy is queued on the device; awaiting this waits for it (and for everything
+    /// queued before it), nothing before.
+    Queued(Pin<Box<dyn Future<Output = Result<TensorData, ExecutionError>> + Send>>),
+    /// The backend could not queue it: the host has already waited for it.
+    Arrived(Result<TensorData, ExecutionError>),
 }
 
 fn no_fused_kernel<B>() -> String {
@@ -175,5 +191,10 @@ where
     burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<E>>,
     burn_ndarray::NdArrayTensor: From<burn_ndarray::SharedArray<I>>,
 {
+    /// NdArray has no device to wait for: its tensors are host memory already, so the copy
+    /// may run whenever the read is awaited.
+    fn queue_read(tensor: FloatTensor<Self>) -> QueuedRead {
+        QueuedRead::Queued(Box::pin(<Self as burn::tensor::ops::FloatTensorOps<Self>>::float_into_data(tensor)))
+    }
 }
 

@@ -5,7 +5,13 @@
 //! - a **read**: a tensor brought to the host (`into_data`, `into_scalar`, a transaction);
 //! - a **sync**: `Backend::sync`;
 //! - an **upload**: a tensor made from host data (`from_data`), which waits on the host side
-//!   (a pageable copy) rather than on the device's queue, counted with its bytes.
+//!   (a pageable copy) rather than on the device's queue, counted with its bytes;
+//! - a **queued read** ([`queue_read`], [`PlainBackend::queue_read`]): a copy to the host
+//!   queued behind the device's work, without waiting. The host waits for it later
+//!   ([`arrive`]); that wait idles the device only if nothing was queued after the read, so
+//!   it is counted as a wait (a **drain**) only then: when a later read has been queued on
+//!   this thread since, the device still has that read's work ahead of it, and the wait
+//!   counts as **overlapped**, not as a wait.
 //!
 //! Counted per thread (each rank of a `ThreadGroup` is one), for every `UlyssesBackend` level
 //! (`UlyssesBackend<Autodiff<B>>` and the `UlyssesBackend<B>` beneath it). Ops that
@@ -28,15 +34,21 @@ use burn::tensor::{
     ops::{BoolTensor, FloatTensor, IntTensor, TransactionPrimitive, TransactionPrimitiveData},
 };
 
-use crate::capabilities::ExchangeBackend;
+use crate::capabilities::{ExchangeBackend, PlainBackend, QueuedRead};
 
 /// Counts of what the host waited on the device for, on one thread (see the module doc).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DeviceIo {
     /// Tensors (or transactions of tensors) read back to the host.
     pub reads: u64,
-    /// Bytes those reads brought back.
+    /// Bytes those reads, and the queued ones, brought back.
     pub read_bytes: u64,
+    /// Copies to the host queued without waiting ([`queue_read`]).
+    pub queued_reads: u64,
+    /// Waits for queued reads with nothing queued after them: the device idled.
+    pub drains: u64,
+    /// Waits for queued reads with later work queued: the device kept busy.
+    pub overlapped_waits: u64,
     /// Explicit device syncs.
     pub syncs: u64,
     /// Tensors made from host data.
@@ -52,9 +64,9 @@ impl DeviceIo {
         COUNTS.with(Cell::get)
     }
 
-    /// The host's waits on the device: reads and syncs.
+    /// The host's waits that idle the device: reads, syncs, and drains.
     pub fn waits(&self) -> u64 {
-        self.reads + self.syncs
+        self.reads + self.syncs + self.drains
     }
 }
 
@@ -64,6 +76,9 @@ impl Sub for DeviceIo {
         Self {
             reads: self.reads - earlier.reads,
             read_bytes: self.read_bytes - earlier.read_bytes,
+            queued_reads: self.queued_reads - earlier.queued_reads,
+            drains: self.drains - earlier.drains,
+            overlapped_waits: self.overlapped_waits - earlier.overlapped_waits,
             syncs: self.syncs - earlier.syncs,
             uploads: self.uploads - earlier.uploads,
             upload_bytes: self.upload_bytes - earlier.upload_bytes,
@@ -74,21 +89,18 @@ impl Sub for DeviceIo {
 impl fmt::Display for DeviceIo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
-        write!(
-            f,
-            "{} waits ({} reads, {:.2} MiB; {} syncs), {} uploads ({:.2} MiB)",
-            self.waits(),
-            self.reads,
-            mib(self.read_bytes),
-            self.syncs,
-            self.uploads,
-            mib(self.upload_bytes)
-        )
+        write!(f, "{} waits ({} reads", self.waits(), self.reads)?;
+        if self.queued_reads > 0 {
+            write!(f, ", {} drains and {} overlapped waits for {} queued reads", self.drains, self.overlapped_waits, self.queued_reads)?;
+        }
+        write!(f, ", {:.2} MiB; {} syncs), {} uploads ({:.2} MiB)", mib(self.read_bytes), self.syncs, self.uploads, mib(self.upload_bytes))
     }
 }
 
 thread_local! {
-    static COUNTS: Cell<DeviceIo> = const { Cell::new(DeviceIo { reads: 0, read_bytes: 0, syncs: 0, uploads: 0, upload_bytes: 0 }) };
+    static COUNTS: Cell<DeviceIo> = const {
+        Cell::new(DeviceIo { reads: 0, read_bytes: 0, queued_reads: 0, drains: 0, overlapped_waits: 0, syncs: 0, uploads: 0, upload_bytes: 0 })
+    };
 }
 
 fn count(change: impl FnOnce(&mut DeviceIo)) {
@@ -166,4 +178,50 @@ pub fn bool_from_data<X: ExchangeBackend>(data: TensorData, device: &X::Device) 
 /// `UlyssesBackend`'s `sync`, counted.
 pub(crate) fn counted_sync() {
     count(|c| c.syncs += 1);
+}
+
+/// A tensor's copy to the host, queued on its device ([`queue_read`]); [`arrive`] waits for
+/// it.
+#[must_use = "a queued read holds its device buffer and staging memory until it arrives"]
+pub struct PendingRead {
+    read: QueuedRead,
+    /// This thread's count of queued reads when it was queued (its sequence number).
+    sequence: u64,
+}
+
+/// Queues a copy of `tensor` to the host without waiting for the device
+/// ([`PlainBackend::queue_read`]); counted as a queued read, or as a read (a wait now) where
+/// the backend cannot queue one.
+pub fn queue_read<W: PlainBackend>(tensor: FloatTensor<W>) -> PendingRead {
+    let read = W::queue_read(tensor);
+    match &read {
+        QueuedRead::Queued(_) => count(|c| c.queued_reads += 1),
+        QueuedRead::Arrived(data) => count(|c| {
+            c.reads += 1;
+            c.read_bytes += data.as_ref().map_or(0, tensor_bytes) as u64;
+        }),
+    }
+    PendingRead { read, sequence: COUNTS.with(Cell::get).queued_reads }
+}
+
+/// The data of `reads`, in order, waiting once for all of them: one drain, or one overlapped
+/// wait if a read was queued on this thread after the last of them (see the module doc);
+/// nothing if every one had arrived already.
+pub fn arrive(reads: Vec<PendingRead>) -> Result<Vec<TensorData>, ExecutionError> {
+    let newest = reads.iter().filter(|pending| matches!(pending.read, QueuedRead::Queued(_))).map(|pending| pending.sequence).max();
+    if let Some(newest) = newest {
+        let overlapped = COUNTS.with(Cell::get).queued_reads > newest;
+        count(|c| if overlapped { c.overlapped_waits += 1 } else { c.drains += 1 });
+    }
+    reads
+        .into_iter()
+        .map(|pending| match pending.read {
+            QueuedRead::Arrived(data) => data,
+            QueuedRead::Queued(future) => {
+                let data = burn::tensor::read_sync(future)?;
+                count(|c| c.read_bytes += tensor_bytes(&data) as u64);
+                Ok(data)
+            }
+        })
+        .collect()
 }

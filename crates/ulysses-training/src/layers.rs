@@ -35,7 +35,10 @@
 //!
 //! With [`LayerCheckpointing::offload_to_host`], every `[batch, seq, d_model]` tensor that
 //! waits between pieces (the layers' inputs, the upstream and residual gradients) waits in
-//! host memory and comes back a tile of rows at a time. Then the only whole-sequence
+//! host memory and comes back a tile of rows at a time. A tile leaves through a copy queued
+//! behind the work that made it, awaited once the next tile's copy is queued (the device
+//! still busy), the last when the tensor is complete: the host idles the device once per
+//! offloaded tensor, not once per tile (`tests/device_waits.rs`). Offloaded, the only whole-sequence
 //! tensors on the device are the cores': at a core's backward, the most a layer holds, q, k,
 //! v, the core's output, its softmax statistics and their gradients; no projection's,
 //! norm's or MLP's intermediates, no hidden state.
@@ -46,7 +49,7 @@
 //! threads of one process, they meet at a barrier before each core's backward
 //! ([`burn_ulysses::context::sync_thread_ranks`] says why).
 
-use std::ops::Range;
+use std::{collections::VecDeque, ops::Range};
 
 use burn::{
     config::Config,
@@ -55,7 +58,11 @@ use burn::{
     tensor::{BasicOps, ElementConversion, Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}},
 };
 
-use burn_ulysses::{UlyssesError, data::ShardPositions};
+use burn_ulysses::{
+    UlyssesError,
+    data::ShardPositions,
+    device_io::{self, PendingRead},
+};
 
 use crate::{LmOutput, TrainBackend, lm_loss_sum};
 
@@ -191,7 +198,15 @@ fn core_inputs_in_tiles<B: Backend, M: LayeredLm<B>>(model: &M, index: usize, hi
 /// Layer `index` on `hidden` with its token-wise parts in `tiles` tiles, no graph kept (the
 /// forward of step 1); the output kept like the input, on the host a tile at a time when
 /// `offload`.
-fn layer_in_tiles<B: Backend, M: LayeredLm<B>>(model: &M, index: usize, hidden: &Kept<B>, tiles: usize, context: &M::Context, offload: bool, device: &B::Device) -> Kept<B> {
+fn layer_in_tiles<B: Backend, M: LayeredLm<B>>(
+    model: &M,
+    index: usize,
+    hidden: &Kept<B>,
+    tiles: usize,
+    context: &M::Context,
+    offload: Option<QueueRead<B>>,
+    device: &B::Device,
+) -> Kept<B> {
     let core = model.core(index, core_inputs_in_tiles(model, index, hidden, tiles, context, device), context);
     let mut output = KeptTiles::new(offload);
     for rows in tile_ranges(hidden.rows(), tiles) {
@@ -205,23 +220,34 @@ fn join<B: Backend, const D: usize>(mut tiles: Vec<Tensor<B, D>>, dim: usize) ->
     if tiles.len() == 1 { tiles.pop().unwrap() } else { Tensor::cat(tiles, dim) }
 }
 
-/// A `[batch, seq, d]` tensor kept between pieces: on the device, or in host memory, whence
-/// it comes back whole or a tile of rows at a time.
+/// How an offloaded tile leaves the device: a copy to the host queued behind the work that
+/// made it ([`device_io::queue_read`]), awaited later.
+type QueueRead<B> = fn(Tensor<B, 3>) -> PendingRead;
+
+/// A tile's copy to the host is awaited once the next tile's copy has been queued: the
+/// device then still has that tile's work ahead of it, so the wait never idles it, and the
+/// device holds at most this many tiles that have left for the host.
+const TILES_IN_FLIGHT: usize = 1;
+
+/// A `[batch, seq, d]` tensor kept between pieces: on the device, or in host memory (sent
+/// there a tile of rows at a time), whence it comes back whole or a tile at a time.
 enum Kept<B: Backend> {
     Device(Tensor<B, 3>),
-    Host(TensorData),
+    Host(HostTiles),
 }
 
 impl<B: Backend> Kept<B> {
-    fn keep(tensor: Tensor<B, 3>, offload: bool) -> Self {
-        if offload { Kept::Host(tensor.into_data()) } else { Kept::Device(tensor) }
+    fn keep(tensor: Tensor<B, 3>, offload: Option<QueueRead<B>>) -> Self {
+        let mut tiles = KeptTiles::new(offload);
+        tiles.push(tensor);
+        tiles.finish()
     }
 
     /// The sequence length.
     fn rows(&self) -> usize {
         match self {
             Kept::Device(tensor) => tensor.dims()[1],
-            Kept::Host(data) => data.shape[1],
+            Kept::Host(tiles) => tiles.rows.last().map_or(0, |rows| rows.end),
         }
     }
 
@@ -235,62 +261,97 @@ impl<B: Backend> Kept<B> {
     fn restore_rows(&self, rows: &Range<usize>, device: &B::Device) -> Tensor<B, 3> {
         match self {
             Kept::Device(tensor) => rows_of(tensor, 1, rows),
-            Kept::Host(data) => {
-                let [batch, len, width] = [data.shape[0], data.shape[1], data.shape[2]];
-                let row_bytes = data.as_bytes().len() / (batch * len);
-                let bytes = if rows.len() == len {
-                    data.as_bytes().to_vec()
-                } else {
-                    let mut bytes = Vec::with_capacity(batch * rows.len() * row_bytes);
-                    for b in 0..batch {
-                        bytes.extend_from_slice(&data.as_bytes()[(b * len + rows.start) * row_bytes..(b * len + rows.end) * row_bytes]);
-                    }
-                    bytes
-                };
+            Kept::Host(tiles) => {
+                let data = tiles.rows(rows);
                 // In its own dtype: `from_data` alone would make an f32 tensor of a bf16 one.
-                Tensor::from_data(TensorData::from_bytes_vec(bytes, [batch, rows.len(), width], data.dtype), (device, data.dtype))
+                let dtype = data.dtype;
+                Tensor::from_data(data, (device, dtype))
             }
         }
     }
 }
 
 /// Consecutive row tiles `[batch, rows, d]` gathered into one [`Kept`] tensor; offloaded,
-/// each tile leaves the device as it comes.
+/// each tile's copy to the host is queued as it comes, and all have arrived once finished
+/// (so no device buffer waits on a copy past the piece that made it).
 enum KeptTiles<B: Backend> {
     Device(Vec<Tensor<B, 3>>),
-    Host(Vec<TensorData>),
+    Host { tiles: HostTiles, pending: VecDeque<PendingRead>, queue: QueueRead<B> },
 }
 
 impl<B: Backend> KeptTiles<B> {
-    fn new(offload: bool) -> Self {
-        if offload { KeptTiles::Host(Vec::new()) } else { KeptTiles::Device(Vec::new()) }
+    fn new(offload: Option<QueueRead<B>>) -> Self {
+        match offload {
+            Some(queue) => KeptTiles::Host { tiles: HostTiles::default(), pending: VecDeque::new(), queue },
+            None => KeptTiles::Device(Vec::new()),
+        }
     }
 
     fn push(&mut self, tile: Tensor<B, 3>) {
         match self {
             KeptTiles::Device(tiles) => tiles.push(tile),
-            KeptTiles::Host(tiles) => tiles.push(tile.into_data()),
+            KeptTiles::Host { tiles, pending, queue } => {
+                let start = tiles.rows.last().map_or(0, |rows| rows.end);
+                tiles.rows.push(start..start + tile.dims()[1]);
+                pending.push_back(queue(tile));
+                if pending.len() > TILES_IN_FLIGHT {
+                    tiles.arrive(pending.drain(..pending.len() - TILES_IN_FLIGHT).collect());
+                }
+            }
         }
     }
 
     fn finish(self) -> Kept<B> {
         match self {
             KeptTiles::Device(tiles) => Kept::Device(join(tiles, 1)),
-            KeptTiles::Host(mut tiles) if tiles.len() == 1 => Kept::Host(tiles.pop().unwrap()),
-            KeptTiles::Host(tiles) => {
-                let (batch, width, dtype) = (tiles[0].shape[0], tiles[0].shape[2], tiles[0].dtype);
-                let len: usize = tiles.iter().map(|tile| tile.shape[1]).sum();
-                let mut bytes = Vec::with_capacity(tiles.iter().map(|tile| tile.as_bytes().len()).sum());
-                // Row-major `[batch, seq, d]`: each batch row's tiles one after the other.
-                for b in 0..batch {
-                    for tile in &tiles {
-                        let per_batch = tile.as_bytes().len() / batch;
-                        bytes.extend_from_slice(&tile.as_bytes()[b * per_batch..(b + 1) * per_batch]);
-                    }
-                }
-                Kept::Host(TensorData::from_bytes_vec(bytes, [batch, len, width], dtype))
+            KeptTiles::Host { mut tiles, pending, .. } => {
+                tiles.arrive(pending.into());
+                Kept::Host(tiles)
             }
         }
+    }
+}
+
+/// The row tiles of a `[batch, seq, d]` tensor in host memory.
+#[derive(Default)]
+struct HostTiles {
+    /// Each tile's rows, consecutive from 0.
+    rows: Vec<Range<usize>>,
+    /// Each tile's `[batch, rows, d]` data, once arrived (all of them in a [`Kept`]).
+    data: Vec<TensorData>,
+}
+
+impl HostTiles {
+    /// The next tiles' data, waiting once for all of them.
+    fn arrive(&mut self, reads: Vec<PendingRead>) {
+        if !reads.is_empty() {
+            let data = device_io::arrive(reads).unwrap_or_else(|error| panic!("an offloaded tile could not be read back from the device: {error}"));
+            self.data.extend(data);
+        }
+    }
+
+    /// Rows `rows` (within the tiles) as one `[batch, rows, d]` tensor's data: a copy of a
+    /// tile that spans exactly those rows, else those rows cut from the tiles they span.
+    fn rows(&self, rows: &Range<usize>) -> TensorData {
+        let tiles: Vec<(&Range<usize>, &TensorData)> = self.rows.iter().zip(&self.data).collect();
+        if let Some((_, data)) = tiles.iter().find(|(range, _)| *range == rows) {
+            return (*data).clone();
+        }
+        let (batch, width, dtype) = (tiles[0].1.shape[0], tiles[0].1.shape[2], tiles[0].1.dtype);
+        let row_bytes = tiles[0].1.as_bytes().len() / (batch * tiles[0].0.len());
+        let mut bytes = Vec::with_capacity(batch * rows.len() * row_bytes);
+        // Row-major `[batch, seq, d]`: for each batch row, the wanted rows of each tile in turn.
+        for b in 0..batch {
+            for (range, data) in &tiles {
+                let (start, end) = (rows.start.max(range.start), rows.end.min(range.end));
+                if start < end {
+                    let base = b * range.len();
+                    let bytes_of_tile = data.as_bytes();
+                    bytes.extend_from_slice(&bytes_of_tile[(base + start - range.start) * row_bytes..(base + end - range.start) * row_bytes]);
+                }
+            }
+        }
+        TensorData::from_bytes_vec(bytes, [batch, rows.len(), width], dtype)
     }
 }
 
@@ -319,7 +380,8 @@ where
     let device = tokens.device();
     let layers = model.layer_count();
     let shard_len = tokens.dims()[1];
-    let offload = checkpointing.offload_to_host;
+    let queue_read: QueueRead<B::InnerBackend> = |tile| device_io::queue_read::<B::Wire>(tile.into_primitive().tensor());
+    let offload = checkpointing.offload_to_host.then_some(queue_read);
     if tiles == 0 || tiles > shard_len {
         return Err(UlyssesError::InvalidConfig(format!(
             "{tiles} tiles for a shard of {shard_len} tokens: each tile needs at least one token \

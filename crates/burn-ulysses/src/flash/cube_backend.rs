@@ -1,18 +1,27 @@
 //! burn's CubeCL backends run the flash-attention and cross-entropy kernels of
 //! `ulysses-kernels`.
 
+use std::{
+    any::{Any, TypeId},
+    collections::HashMap,
+    sync::{LazyLock, Mutex},
+};
+
 use burn::tensor::{
-    DType,
-    backend::Backend,
+    DType, TensorData,
+    backend::{Backend, ExecutionError},
     ops::{AttentionModuleOptions, FloatTensor},
 };
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement, cubecl::{client::ComputeClient, device::{Device, DeviceId}, server::CopyDescriptor}};
 use ulysses_kernels::{
     FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, fused_cross_entropy, plan_flash_attention,
 };
 
 use super::no_fused_cross_entropy;
-use crate::{capabilities::PlainBackend, visibility::Visibility};
+use crate::{
+    capabilities::{PlainBackend, QueuedRead},
+    visibility::Visibility,
+};
 
 fn flash_options(options: &AttentionModuleOptions) -> FlashOptions {
     FlashOptions { scale: options.scale, causal: options.is_causal }
@@ -83,4 +92,34 @@ where
         let result = if disabled { Err("ULYSSES_FUSED_CROSS_ENTROPY=0".to_string()) } else { fused_cross_entropy(logits, labels, ignore_index).map_err(|e| e.to_string()) };
         result.map_err(no_fused_cross_entropy)
     }
+
+    /// The copy goes into CubeCL's pinned staging memory on the device's stream, queued when
+    /// `read_one_tensor_async` is called; its future waits on a fence when first polled.
+    /// (burn's `into_data_async` cannot be split that way: its first poll both queues the
+    /// copy and waits for it.) The device buffer may be reused once queued: the copy runs
+    /// before anything queued after it.
+    fn queue_read(tensor: FloatTensor<Self>) -> QueuedRead {
+        let tensor = burn_cubecl::kernel::into_contiguous_aligned(tensor);
+        let (shape, dtype) = (tensor.meta.shape().clone(), tensor.dtype);
+        let (strides, elem_size) = (tensor.meta.strides().clone(), tensor.elem_size());
+        let descriptor = CopyDescriptor::new(tensor.handle.binding(), shape.clone(), strides, elem_size);
+        let bytes = static_client::<R>(&tensor.device).read_one_tensor_async(descriptor);
+        QueuedRead::Queued(Box::pin(async move {
+            let bytes = bytes.await.map_err(|error| ExecutionError::WithContext { reason: error.to_string() })?;
+            Ok(TensorData::from_bytes(bytes, shape, dtype))
+        }))
+    }
+}
+
+/// `device`'s compute client, kept for the life of the process. CubeCL's read futures
+/// borrow the client they came from (edition 2024 captures `&self`) though they hold nothing
+/// of it, so a read that outlives the call needs a client that lives as long. CubeCL keeps
+/// every device's server for the life of the process; one client per device and runtime
+/// more is a few bytes.
+fn static_client<R: CubeRuntime>(device: &R::Device) -> &'static ComputeClient<R> {
+    static CLIENTS: LazyLock<Mutex<HashMap<(TypeId, DeviceId), &'static (dyn Any + Send + Sync)>>> = LazyLock::new(Default::default);
+    let key = (TypeId::of::<R>(), device.to_id());
+    let mut clients = CLIENTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let client = *clients.entry(key).or_insert_with(|| Box::leak(Box::new(R::client(device))));
+    client.downcast_ref().expect("the entry of runtime R holds R's client")
 }

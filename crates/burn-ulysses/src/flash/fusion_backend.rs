@@ -17,7 +17,10 @@ use burn_fusion::{
 };
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
 
-use crate::{capabilities::PlainBackend, visibility::Visibility};
+use crate::{
+    capabilities::{PlainBackend, QueuedRead},
+    visibility::Visibility,
+};
 
 /// Which kernel a recorded operation runs.
 #[derive(Debug, Clone, Copy)]
@@ -133,5 +136,12 @@ impl<B: FusionBackend + PlainBackend> PlainBackend for Fusion<B> {
     /// tensor ops, said once.
     fn fused_cross_entropy(_logits: FloatTensor<Self>, _labels: FloatTensor<Self>, _ignore_index: i64) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
         Err(super::no_fused_cross_entropy("burn's fusion backend does not run the fused cross-entropy kernel yet".to_string()))
+    }
+
+    /// The recorded operations behind `tensor` run first (launched, not waited for), then
+    /// the wrapped backend queues the copy.
+    fn queue_read(tensor: FloatTensor<Self>) -> QueuedRead {
+        let client = tensor.client.clone();
+        B::queue_read(client.resolve_tensor_float::<B>(tensor))
     }
 }

@@ -233,6 +233,7 @@ pub(crate) fn dense_fallback(reason: String, policy: DenseFallback) -> Result<()
 
 /// The cross-entropy hook's refusal: `reason`, logged once (the training loss then runs as
 /// tensor ops), for the caller to return.
+#[cfg(feature = "cubecl")]
 pub(crate) fn no_fused_cross_entropy(reason: String) -> String {
     warn_once_per_reason(&reason, "fused cross-entropy unavailable, the loss runs as tensor ops");
     reason
