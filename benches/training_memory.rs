@@ -256,7 +256,7 @@ fn step(config: &DecoderConfig, seq: usize, args: &Args, device: &Device) -> Ste
             }
         }
         drop(grads);
-        (loss, pieces.most(), with_gradients)
+        (loss.into_scalar() as f64, pieces.most(), with_gradients)
     } else {
         let output = model.lm_output(shard.tokens::<Train>(device), &shard.positions);
         let loss = lm_loss_sum(output, shard.labels::<Train>(device), -100);

@@ -5,6 +5,10 @@
 //!
 //! - Without offload, a step's waits do not depend on how many tiles its token-wise parts run
 //!   in (1 to 13 tiles of a 13-token shard): the loss is read once per step, not per tile.
+//! - A whole training step (backward and optimizer step) waits twice however many
+//!   micro-batches it accumulates: once for its loss with its gradients' health check, once
+//!   for the gradient norm. It read each micro-batch's loss between its forward and backward
+//!   before (a wait per micro-batch).
 //! - With offload, the same holds: each offloaded tile's copy to the host is queued behind
 //!   the work that made it and awaited once the next tile's has been queued (an overlapped
 //!   wait: the device still has work), so the host idles the device once per offloaded tensor
@@ -33,6 +37,8 @@ fn checkpointed_step(offload: bool, tiles: usize) -> DeviceIo {
     let checkpointing = LayerCheckpointing::new().with_offload_to_host(offload);
     let before = DeviceIo::of_this_thread();
     let (loss, _) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0 / shard.valid_tokens as f64, -100, &checkpointing, tiles, |_| {}).unwrap();
+    // The step's one read of its loss, once everything is queued.
+    let loss = loss.into_scalar();
     let io = DeviceIo::of_this_thread() - before;
     assert!(loss.is_finite(), "{tiles} tiles, offload {offload}: loss {loss}");
     println!("{tiles:>2} tile(s), offload {offload:>5}: {io}");
@@ -90,4 +96,45 @@ fn a_queued_read_brings_back_the_tensor_as_it_was_queued() {
     assert!(second.iter().all(|read| *read == 8.0), "the second read differs from what was queued");
     assert_eq!((io.queued_reads, io.overlapped_waits, io.drains, io.reads), (2, 1, 1, 0), "{io}");
     assert_eq!(io.read_bytes, 2 * 4096 * 4, "{io}");
+}
+
+/// One training step of `micro_batches` micro-batches at SP=1 (one rank thread), with the
+/// plain backward or the checkpointed one: what it waits for, from sharding to the
+/// optimizer's update.
+fn train_step_waits(micro_batches: usize, checkpointed: bool) -> DeviceIo {
+    use burn::optim::AdamWConfig;
+    use burn_ulysses::{ParallelGroups, ParallelLayout, comm::ThreadGroup};
+    use ulysses_training::{StepInput, apply_step, backward_step, backward_step_checkpointed};
+    let io = ThreadGroup::new(1).run(|rank| {
+        let groups: ParallelGroups<NdArray<f32>> = ParallelGroups::new(rank.communicator(), ParallelLayout::new()).unwrap();
+        let device = Default::default();
+        let config = DecoderConfig::new(VOCAB).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_n_layers(LAYERS as usize);
+        let model = deterministic_params(config.init::<Counted>(&device), 3);
+        let batches: Vec<Vec<Vec<i64>>> = (0..micro_batches).map(|m| VariedLengths { vocab: VOCAB }.train_batch(m)).collect();
+        let step = StepInput { index: 0, learning_rate: 1e-3, micro_batches: &batches, documents: None, max_grad_norm: Some(1.0) };
+        let mut optimizer = AdamWConfig::new().init();
+        let sharder = SequenceSharder::new(1);
+        let before = DeviceIo::of_this_thread();
+        let local = if checkpointed {
+            backward_step_checkpointed(&model, &step, &sharder, &groups, &device, &LayerCheckpointing::new().with_tile_tokens(Some(4))).unwrap()
+        } else {
+            backward_step(&model, &step, &sharder, &groups, &device).unwrap()
+        };
+        let (_, report) = apply_step(model, &mut optimizer, &step, local, &groups).unwrap();
+        let io = DeviceIo::of_this_thread() - before;
+        assert!(report.loss.is_finite() && report.grad_norm.is_finite(), "{report:?}");
+        println!("{micro_batches} micro-batch(es), checkpointed {checkpointed:>5}: {io}");
+        io
+    });
+    io.into_iter().next().unwrap().unwrap_or_else(|panic| panic!("{panic}"))
+}
+
+#[test]
+fn a_training_step_waits_twice_whatever_its_micro_batches() {
+    for checkpointed in [false, true] {
+        for micro_batches in [1, 3] {
+            let io = train_step_waits(micro_batches, checkpointed);
+            assert_eq!(io.waits(), 2, "{micro_batches} micro-batches, checkpointed {checkpointed}: {io}: the loss with the gradients' health, and the gradient norm");
+        }
+    }
 }

@@ -79,7 +79,7 @@ fn backward(precision: Precision) -> Backward {
         let grad_dtypes = gradient_params_dtypes(&model, &local.grads);
         Backward {
             dtype,
-            loss: local.loss,
+            loss: local.read_loss(),
             grads: gradient_params_values(&model, &local.grads),
             grad_dtypes,
             exchanged_bytes: groups.ulysses.traffic().all_to_all_bytes,
@@ -331,6 +331,7 @@ fn held_per_piece(
         pieces.record(piece, bytes_in_use::<Runtime>(device) - base)
     })
     .unwrap();
+    let loss = loss.into_scalar();
     assert!(loss.is_finite(), "loss {loss}");
     pieces.0
 }

@@ -504,7 +504,7 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
 }
 
 /// The test hooks of [`Faults`], applied between a step's backward and its all-reduce.
-fn inject_faults<B: TrainBackend>(faults: &Faults, step: usize, rank: usize, model: &Decoder<B>, local: &mut LocalStep) {
+fn inject_faults<B: TrainBackend>(faults: &Faults, step: usize, rank: usize, model: &Decoder<B>, local: &mut LocalStep<B>) {
     if faults.nan_gradient == Some((step, rank)) {
         tracing::warn!(step, rank, "test hook: making this rank's embedding gradient NaN");
         let id = model.embedding.weight.id;

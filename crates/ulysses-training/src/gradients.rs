@@ -183,6 +183,29 @@ pub fn agreed_gradient_norm<G: Backend>(local_norm: f64, communicator: &dyn Comm
 /// or an infinity, or `None`. Each gradient is summed on the device (a NaN or an infinity
 /// survives the sum) and the sums are read back at once, so it costs one small transfer.
 pub fn first_non_finite_gradient<B: TrainBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams) -> Option<String> {
+    let (names, sums) = gradient_sums::<B, M>(module, grads);
+    if sums.is_empty() {
+        return None;
+    }
+    let values: Vec<f32> = Tensor::cat(sums, 0).into_data().convert::<f32>().to_vec().expect("f32 sums");
+    first_non_finite(&names, &values)
+}
+
+/// `loss`'s value (`[1]`, on the device) and [`first_non_finite_gradient`], in one read: what
+/// a training step needs from the device before its gradients are summed.
+pub fn read_loss_and_first_non_finite_gradient<B: TrainBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &GradientsParams,
+    loss: Tensor<B::InnerBackend, 1>,
+) -> (f64, Option<String>) {
+    let (names, sums) = gradient_sums::<B, M>(module, grads);
+    let values: Vec<f32> =
+        Tensor::cat([vec![loss.cast(DType::F32)], sums].concat(), 0).into_data().convert::<f32>().to_vec().expect("f32 loss and sums");
+    (values[0] as f64, first_non_finite(&names, &values[1..]))
+}
+
+/// Each gradient's path and its sum in f32 (on the device), in the module's order.
+fn gradient_sums<B: TrainBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams) -> (Vec<String>, Vec<Tensor<B::InnerBackend, 1>>) {
     struct Sums<'a, B: TrainBackend> {
         grads: &'a GradientsParams,
         path: Vec<String>,
@@ -205,9 +228,9 @@ pub fn first_non_finite_gradient<B: TrainBackend, M: AutodiffModule<B>>(module: 
     }
     let mut sums = Sums::<B> { grads, path: Vec::new(), names: Vec::new(), sums: Vec::new() };
     module.visit(&mut sums);
-    if sums.sums.is_empty() {
-        return None;
-    }
-    let values: Vec<f32> = Tensor::cat(sums.sums, 0).into_data().convert::<f32>().to_vec().expect("f32 sums");
-    values.iter().position(|v| !v.is_finite()).map(|i| sums.names[i].clone())
+    (sums.names, sums.sums)
+}
+
+fn first_non_finite(names: &[String], sums: &[f32]) -> Option<String> {
+    sums.iter().position(|v| !v.is_finite()).map(|i| names[i].clone())
 }

@@ -55,7 +55,7 @@ use burn::{
     config::Config,
     module::{AutodiffModule, Module},
     optim::{GradientsAccumulator, GradientsParams},
-    tensor::{BasicOps, ElementConversion, Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}},
+    tensor::{BasicOps, Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}},
 };
 
 use burn_ulysses::{
@@ -355,8 +355,9 @@ impl HostTiles {
     }
 }
 
-/// Loss `Σ_shard CE · weight` of one shard and the gradients of every parameter, with
-/// whole-layer checkpointing: the same values as `backward` through the whole model.
+/// Loss `Σ_shard CE · weight` of one shard (`[1]`, left on the device: the caller reads it when it
+/// needs it) and the gradients of every parameter, with whole-layer checkpointing: the same
+/// values as `backward` through the whole model.
 /// `tiles` (from [`LayerCheckpointing::tiles`], at most the shard's length) is the token-wise
 /// parts' tile count. `probe` runs whenever a piece's graph is complete, just before its
 /// backward (the points where the step holds the most; the memory bench samples there).
@@ -371,7 +372,7 @@ pub fn checkpointed_backward<B, M>(
     checkpointing: &LayerCheckpointing,
     tiles: usize,
     mut probe: impl FnMut(Piece),
-) -> Result<(f64, GradientsParams), UlyssesError>
+) -> Result<(Tensor<B::InnerBackend, 1>, GradientsParams), UlyssesError>
 where
     B: TrainBackend,
     M: AutodiffModule<B> + LayeredLm<B>,
@@ -400,7 +401,7 @@ where
     }
 
     // 2. Head and loss, token-wise too: tile by tile, the loss summed on the device and read
-    //    once, at the end of the step (a read per tile would stall the device per tile).
+    //    by the caller (a read per tile would stall the device per tile).
     let mut accumulator = GradientsAccumulator::<M>::new();
     let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
     let mut upstream = KeptTiles::new(offload);
@@ -485,8 +486,7 @@ where
     probe(Piece::Embedding);
     let grads = seed.backward();
     accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
-    let loss_value = loss_sum.expect("a shard has at least one tile").into_scalar().elem::<f64>();
-    Ok((loss_value, accumulator.grads()))
+    Ok((loss_sum.expect("a shard has at least one tile"), accumulator.grads()))
 }
 
 /// A leaf of a piece's graph, holding `values`.

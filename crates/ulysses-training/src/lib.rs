@@ -48,7 +48,7 @@ pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters};
 pub use gradients::{
     GRADIENT_BUCKET_BYTES, agreed_gradient_norm, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, clip_with_norm,
-    first_non_finite_gradient, gradient_norm,
+    first_non_finite_gradient, gradient_norm, read_loss_and_first_non_finite_gradient,
 };
 pub use loss::{
     LmOutput, OutputHead, chunked_linear_cross_entropy_sum, default_chunk_rows, linear_cross_entropy_sum, lm_loss_sum,
@@ -118,15 +118,24 @@ pub struct StepInput<'a> {
 
 /// This rank's half of a step: its gradients (not yet summed over ranks) and its part of the
 /// loss. Returned by [`backward_step`], consumed by [`apply_step`].
-pub struct LocalStep {
+pub struct LocalStep<B: TrainBackend> {
     /// Gradients of this rank's part of the token-averaged loss.
     pub grads: GradientsParams,
-    /// This rank's part of the step's token-averaged loss.
-    pub loss: f64,
+    /// This rank's part of the step's token-averaged loss, `[1]`, still on the device:
+    /// [`apply_step`] reads it with the gradients' health check, the step's one read before
+    /// the gradient sum ([`LocalStep::read_loss`] reads it alone).
+    pub loss: Tensor<B::InnerBackend, 1>,
     /// Valid labels of the step over all ranks.
     pub valid_tokens: usize,
     /// Token positions processed over all ranks, padding included.
     pub processed_tokens: usize,
+}
+
+impl<B: TrainBackend> LocalStep<B> {
+    /// The loss's value: a read from the device (a wait for everything queued).
+    pub fn read_loss(&self) -> f64 {
+        self.loss.clone().into_scalar().elem::<f64>()
+    }
 }
 
 /// One optimizer step on this rank: [`backward_step`], then [`apply_step`].
@@ -155,7 +164,7 @@ pub fn backward_step<B, M>(
     sharder: &SequenceSharder,
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
-) -> Result<LocalStep, UlyssesError>
+) -> Result<LocalStep<B>, UlyssesError>
 where
     B: TrainBackend,
     M: CausalLm<B>,
@@ -164,8 +173,7 @@ where
         model_failure_as_error(|| {
             let output = model.lm_output(shard.tokens(device), &shard.positions);
             let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
-            let shard_loss_value = shard_loss.clone().into_scalar().elem::<f64>();
-            (shard_loss_value, GradientsParams::from_grads(shard_loss.backward(), model))
+            (shard_loss.clone().inner(), GradientsParams::from_grads(shard_loss.backward(), model))
         })
     })
 }
@@ -180,7 +188,7 @@ pub fn backward_step_checkpointed<B, M>(
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
     checkpointing: &LayerCheckpointing,
-) -> Result<LocalStep, UlyssesError>
+) -> Result<LocalStep<B>, UlyssesError>
 where
     B: TrainBackend,
     M: CausalLm<B> + LayeredLm<B>,
@@ -203,8 +211,8 @@ fn backward_step_with<B, M>(
     step: &StepInput,
     sharder: &SequenceSharder,
     groups: &ParallelGroups<B::Wire>,
-    mut shard_backward: impl FnMut(&SequenceShard, f64, ShardLengths) -> Result<(f64, GradientsParams), UlyssesError>,
-) -> Result<LocalStep, UlyssesError>
+    mut shard_backward: impl FnMut(&SequenceShard, f64, ShardLengths) -> Result<(Tensor<B::InnerBackend, 1>, GradientsParams), UlyssesError>,
+) -> Result<LocalStep<B>, UlyssesError>
 where
     B: TrainBackend,
     M: CausalLm<B>,
@@ -239,13 +247,18 @@ where
     let weight = 1.0 / valid_tokens.max(1) as f64;
 
     let mut accumulator = GradientsAccumulator::<M>::new();
-    let mut loss = 0.0;
+    // Summed on the device: a read per micro-batch would wait for each one's work.
+    let mut loss: Option<Tensor<B::InnerBackend, 1>> = None;
     let exchanges_before = groups.attention_exchanges();
     for shard in &shards {
         let (shard_loss, grads) = shard_backward(shard, weight, lengths)?;
-        loss += shard_loss;
+        loss = Some(match loss.take() {
+            Some(sum) => sum + shard_loss,
+            None => shard_loss,
+        });
         accumulator.accumulate(model, grads);
     }
+    let loss = loss.ok_or_else(|| UlyssesError::InvalidConfig("a step without micro-batches: give at least one".into()))?;
     let exchanges = groups.attention_exchanges() - exchanges_before;
     if groups.layout.sp_size > 1 && exchanges == 0 {
         return Err(UlyssesError::NotSequenceParallel { sp_size: groups.layout.sp_size });
@@ -261,7 +274,7 @@ pub fn apply_step<B, M, O>(
     model: M,
     optimizer: &mut O,
     step: &StepInput,
-    local: LocalStep,
+    local: LocalStep<B>,
     groups: &ParallelGroups<B::Wire>,
 ) -> Result<(M, StepReport), UlyssesError>
 where
@@ -269,10 +282,11 @@ where
     M: CausalLm<B>,
     O: Optimizer<M, B>,
 {
-    // One host collective carries the health verdict, the losses and the step's settings.
-    let bad_parameter = first_non_finite_gradient::<B, M>(&model, &local.grads);
+    // One read brings the loss and the gradients' health; one host collective carries them
+    // and the step's settings.
+    let (local_loss, bad_parameter) = read_loss_and_first_non_finite_gradient::<B, M>(&model, &local.grads, local.loss);
     let max_grad_norm = step.max_grad_norm.unwrap_or(f64::NAN);
-    let verdict = [local.loss.to_bits(), u64::from(bad_parameter.is_some()), max_grad_norm.to_bits(), step.learning_rate.to_bits()];
+    let verdict = [local_loss.to_bits(), u64::from(bad_parameter.is_some()), max_grad_norm.to_bits(), step.learning_rate.to_bits()];
     let gathered = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &verdict, "step health values")?;
     check_same_settings(step.index, &gathered)?;
     let losses: Vec<f64> = gathered.iter().map(|v| f64::from_bits(v[0])).collect();
