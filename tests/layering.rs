@@ -1,8 +1,9 @@
 //! The workspace is layered, crate by crate and module by module.
 //!
 //! - **Crates**: each crate depends only on crates of lower layers (`LAYERS`), so the data
-//!   path reads bottom-up: the Burn-free core, the kernels, the backend decorators, training
-//!   and launching, transports, models, programs. The core has no Burn dependency at all.
+//!   path reads bottom-up: the Burn-free core and launching, the kernels, the backend
+//!   decorators, training, transports, models, programs. The core and the launching crate have
+//!   no Burn dependency at all, and the core no async runtime.
 //! - **Modules**: inside every crate, no module imports, directly or through others, a module
 //!   that imports it; in burn-ulysses the lower layers (comm, capabilities, compare, primitive)
 //!   stay usable and testable on their own: attention -> exchange / flash -> capabilities -> comm.
@@ -23,10 +24,11 @@ const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 /// layers (in every dependency section: a dev-dependency on a higher crate would let tests
 /// of a lower layer reach up too).
 const LAYERS: &[(&str, &[&str])] = &[
-    ("the Burn-free core: groups, collectives' bookkeeping, layout rules, launch environments", &["ulysses-core"]),
+    ("the Burn-free core: groups, collectives' bookkeeping, layout rules", &["ulysses-core"]),
+    ("launching, for every Burn version: launch environments, the rendezvous, the TCP transport", &["ulysses-dist"]),
     ("the flash-attention kernels (CubeCL)", &["ulysses-kernels"]),
     ("the backends: the burn 0.21 decorator, the burn 0.22 functions, the CUDA compile check", &["burn-ulysses", "burn-ulysses-ops", "ulysses-cuda-check"]),
-    ("training any model; launching ranks", &["ulysses-training", "ulysses-dist"]),
+    ("training any model", &["ulysses-training"]),
     ("the NCCL transport", &["ulysses-nccl"]),
     ("the Hugging Face decoders", &["ulysses-models"]),
     ("the trainer", &["ulysses-trainer"]),
@@ -77,9 +79,13 @@ fn each_crate_depends_only_on_lower_layers() {
                 assert!(below < layer || (section.starts_with("dev") && dependency == *name), "{name} ({from}) depends on {dependency} ({to}) in [{section}]: a lower layer must not reach a higher one or its own");
             }
         }
-        if layer == 0 {
+        if layer <= 1 {
             let burn: Vec<_> = dependencies(folder).into_iter().filter(|(_, d)| d.starts_with("burn") || d.starts_with("cubecl")).collect();
-            assert!(burn.is_empty(), "{name} is the Burn-free core, yet depends on {burn:?}");
+            assert!(burn.is_empty(), "{name} ({}) is Burn-free, yet depends on {burn:?}", LAYERS[layer].0);
+        }
+        if layer == 0 {
+            let runtime: Vec<_> = dependencies(folder).into_iter().filter(|(_, d)| d == "tokio").collect();
+            assert!(runtime.is_empty(), "{name} is the core, yet depends on {runtime:?}: async I/O belongs to ulysses-dist");
         }
     }
     assert_eq!(packages.len(), layer_of.len(), "LAYERS names a crate the workspace no longer has: {packages:?}");

@@ -24,7 +24,7 @@ use burn_ulysses_ops::{
     job::{Launch, run_ranks},
     train::{all_reduce_gradients, all_reduce_sum, lm_loss_sum},
 };
-use ulysses_core::dist::DistributedConfig;
+use ulysses_dist::DistributedConfig;
 use model::{TinyLlamaConfig, init_seeded, plain_device};
 
 fn main() {

@@ -3,7 +3,7 @@
 //! restores. Two groups: the sequence-parallel one, which attention exchanges over, and the
 //! one gradients and losses are summed over (the whole job: SP × DP ranks). The groups may use
 //! any transport: rank threads (`ThreadGroup`), or processes over TCP
-//! (`ulysses_core::dist::tcp::TcpCommunicator`).
+//! (`ulysses_dist::tcp::TcpCommunicator`).
 
 use std::{cell::RefCell, sync::Arc};
 

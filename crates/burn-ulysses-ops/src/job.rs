@@ -8,7 +8,7 @@
 //!
 //! ```no_run
 //! use burn_ulysses_ops::job::{Launch, run_ranks};
-//! use ulysses_core::dist::DistributedConfig;
+//! use ulysses_dist::DistributedConfig;
 //!
 //! let launch = Launch::from_env().unwrap();
 //! // SP groups of 2 (ULYSSES_SP_SIZE overrides); 4 threads without a launcher: SP 2 × DP 2.
@@ -23,11 +23,11 @@ use std::sync::Arc;
 
 use ulysses_core::{
     comm::{HostCommunicator, ThreadGroup, ThreadGroupConfig},
-    dist::{DistError, DistributedConfig, tcp::TcpCommunicator},
     layout::{dp_size_of_world, dp_sp_coordinates},
 };
+use ulysses_dist::{DistError, DistributedConfig, tcp::TcpCommunicator};
 
-pub use ulysses_core::dist::Launch;
+pub use ulysses_dist::Launch;
 
 use crate::context::{self, Groups};
 

@@ -42,6 +42,7 @@ pub mod data;
 pub mod device_io;
 pub mod exchange;
 pub mod flash;
+pub mod job;
 pub mod nn;
 pub mod precision;
 pub mod ring;

@@ -8,14 +8,11 @@
 //!   and the ring's cut of the sequence;
 //! - [`data`]: sequence sharding as ALST does it (labels shifted first, padding, positions,
 //!   packed documents), on the host;
-//! - [`dist`]: joining a job of several processes: launch environments, the rendezvous, and
-//!   the TCP transport;
 //! - [`gradients`]: which gradients an all-reduce sums, in which buckets;
 //! - [`error`]: every refusal, naming the problem and the fix.
 
 pub mod comm;
 pub mod data;
-pub mod dist;
 pub mod error;
 pub mod gradients;
 pub mod layout;

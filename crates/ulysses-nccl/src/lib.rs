@@ -3,7 +3,7 @@
 //! [`NcclCommunicator`] implements `burn_ulysses::comm::Communicator` on the CUDA buffers of
 //! burn's `CubeBackend<CudaRuntime, ..>` tensors (and, through `FusionCommunicator`, of its
 //! fused form), with `split` through `ncclCommSplit`, so `ParallelGroups` builds the SP and
-//! DP groups from it; [`Nccl`] is the transport `ulysses_dist::job::run_ranks` starts CUDA
+//! DP groups from it; [`Nccl`] is the transport `burn_ulysses::job::run_ranks` starts CUDA
 //! ranks with. It joins the job through
 //! `ulysses_dist::Rendezvous` (rank 0 hands out the NCCL unique id) and uses NCCL's
 //! non-blocking communicators, so that no call waits forever: a collective that outlives its

@@ -1,4 +1,4 @@
-//! [`Nccl`]: how `ulysses_dist::job::run_ranks` joins CUDA ranks of different processes, for
+//! [`Nccl`]: how `burn_ulysses::job::run_ranks` joins CUDA ranks of different processes, for
 //! burn's CubeCL CUDA backend and for its fused form (burn's `Cuda` type).
 
 use std::sync::Arc;
@@ -8,7 +8,8 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement, tensor::Cu
 use burn_fusion::Fusion;
 use burn_ulysses::comm::{Communicator, FusionCommunicator};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
-use ulysses_dist::{DistError, DistributedConfig, LaunchEnv, job::Transport};
+use burn_ulysses::job::Transport;
+use ulysses_dist::{DistError, DistributedConfig, LaunchEnv};
 
 use crate::NcclCommunicator;
 

@@ -26,10 +26,8 @@ use ulysses_training::{LayerCheckpointing, StepReport, checkpoint::read_checkpoi
 use clap::{Parser, ValueEnum};
 use ulysses_models::{HfConfig, TextTokenizer, from_pretrained};
 use indicatif::{ProgressBar, ProgressStyle};
-use ulysses_dist::{
-    DistributedConfig,
-    job::{JobOptions, Launch, Tcp, Transport, run_ranks},
-};
+use burn_ulysses::job::{JobOptions, Launch, Tcp, Transport, run_ranks};
+use ulysses_dist::DistributedConfig;
 use ulysses_trainer::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     data_identity::DataIdentity,

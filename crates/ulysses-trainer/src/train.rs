@@ -320,7 +320,7 @@ pub struct RunOptions<'a> {
 /// Trains `model` on this rank; returns it with the reports of the steps it took (the same on
 /// every rank). Rank 0's parameters are broadcast first, so ranks may start from any values;
 /// with `resume`, every rank loads the checkpoint instead. `groups.sp` must already be the
-/// rank context when `B` is a `UlyssesBackend` (`ulysses_dist::job::run_ranks` does that).
+/// rank context when `B` is a `UlyssesBackend` (`burn_ulysses::job::run_ranks` does that).
 pub fn train_rank<B>(
     config: &TrainConfig,
     model: Decoder<B>,

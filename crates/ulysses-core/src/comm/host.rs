@@ -1,7 +1,7 @@
 //! Collectives on host memory: the transports' contract, the same for every Burn version.
 //!
 //! A [`HostCommunicator`] moves [`HostTensor`]s (a dtype, a shape and little-endian bytes)
-//! between the ranks of a group. The TCP transport ([`dist::tcp`](crate::dist::tcp)) and the in-process group
+//! between the ranks of a group. The TCP transport (`ulysses_dist::tcp`) and the in-process group
 //! ([`ThreadCommunicator`](super::ThreadCommunicator)) implement it; each Burn version turns
 //! its tensors into host tensors and back (burn 0.21: `burn_ulysses::comm::HostStaged`; burn
 //! 0.22: `burn-ulysses-ops`'s exchange and gradient sum). Device-resident transports (NCCL)

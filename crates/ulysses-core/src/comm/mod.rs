@@ -3,7 +3,7 @@
 //! in-process group ([`ThreadGroup`]), whose rounds move any `Send` value between rank threads.
 //!
 //! [`HostCommunicator`] is the transports' contract on host tensors: the in-process group
-//! implements it here, the TCP transport in [`dist::tcp`](crate::dist::tcp). burn 0.21's
+//! implements it here, the TCP transport in `ulysses_dist::tcp`. burn 0.21's
 //! `burn_ulysses::comm::Communicator` moves that version's tensors (on the threads, by
 //! ownership through [`ThreadCommunicator::round`]; over TCP, staged through host tensors), and
 //! burn-ulysses-ops uses any [`HostCommunicator`] directly.

@@ -30,13 +30,13 @@ use std::sync::{
     atomic::{AtomicU64, Ordering},
 };
 
-use crate::comm::{Collective, CommError, HostCommunicator, HostTensor, ReduceOp, Traffic, TrafficCounter, check_parts, check_send_recv, mismatched, reduce};
+use ulysses_core::comm::{Collective, CommError, HostCommunicator, HostTensor, ReduceOp, Traffic, TrafficCounter, check_parts, check_send_recv, mismatched, reduce};
 
 pub use frame::MAX_FRAME_BYTES;
 pub use mesh::MeshSettings;
 use mesh::Mesh;
 
-use crate::dist::{DistError, DistributedConfig, LaunchEnv, Rendezvous};
+use crate::{DistError, DistributedConfig, LaunchEnv, Rendezvous};
 
 /// One rank's communicator over a group of processes (the world, or a split of it), on host
 /// tensors.

@@ -12,7 +12,7 @@ use std::{sync::Mutex, time::Duration};
 pub use client::RendezvousClient;
 pub use server::{RendezvousServer, ServerSettings};
 
-use crate::dist::{DistError, DistributedConfig, LaunchEnv};
+use crate::{DistError, DistributedConfig, LaunchEnv};
 
 /// This rank's membership of the job's rendezvous.
 pub struct Rendezvous {

@@ -5,7 +5,7 @@
 //! absent, `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` and `SLURM_NTASKS_PER_NODE` stand
 //! in, and `MASTER_ADDR` defaults to the first host of `SLURM_JOB_NODELIST`.
 
-use crate::dist::DistError;
+use crate::DistError;
 
 /// Rank and rendezvous address of this process.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -19,10 +19,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::comm::{Collective, CommError};
+use ulysses_core::comm::{Collective, CommError};
 
 use super::frame::{AbortNotice, FrameError, Hello, Kind, read_message, write_message};
-use crate::dist::{DistError, LaunchEnv, Rendezvous};
+use crate::{DistError, LaunchEnv, Rendezvous};
 
 /// One received message of a collective.
 struct Message {

@@ -15,7 +15,7 @@ use std::{
 use tokio::{net::TcpStream, sync::watch};
 
 use super::protocol::{FrameError, Request, Response, read_async, write_async};
-use crate::dist::DistError;
+use crate::DistError;
 
 /// Limits of the server.
 #[derive(Debug, Clone)]

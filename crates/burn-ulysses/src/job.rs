@@ -8,7 +8,8 @@
 //! ```no_run
 //! use burn::backend::{Autodiff, NdArray};
 //! use burn_ulysses::{ParallelLayout, UlyssesBackend};
-//! use ulysses_dist::{DistributedConfig, job::{JobOptions, Launch, Tcp, run_ranks}};
+//! use burn_ulysses::job::{JobOptions, Launch, Tcp, run_ranks};
+//! use ulysses_dist::DistributedConfig;
 //!
 //! let launch = Launch::from_env().unwrap();
 //! let layout = ParallelLayout::new().with_sp_size(2).with_dp_size(launch.world_size().unwrap_or(2) / 2);
@@ -22,14 +23,14 @@
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
-use burn_ulysses::{
+pub use ulysses_dist::Launch;
+use ulysses_dist::{DistError, DistributedConfig, LaunchEnv, tcp::TcpCommunicator};
+
+use crate::{
     ParallelGroups, ParallelLayout, RankScope, UlyssesConfig,
     comm::{Communicator, HostStaged, ThreadGroup, ThreadGroupConfig},
     context,
 };
-
-pub use crate::env::Launch;
-use crate::{DistError, DistributedConfig, LaunchEnv, tcp::TcpCommunicator};
 
 /// How a process joins the other processes of its job: builds this rank's world communicator
 /// over tensors of the wire backend `W`.

@@ -7,7 +7,7 @@ use std::{
 };
 
 use super::protocol::{FrameError, Request, Response, read_blocking, write_blocking};
-use crate::dist::DistError;
+use crate::DistError;
 
 pub struct RendezvousClient {
     stream: TcpStream,

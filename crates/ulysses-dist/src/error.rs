@@ -1,23 +1,4 @@
-//! Joining the other processes of a job, for every Burn version:
-//!
-//! - [`env`]: where this process sits (torchrun's and Slurm's variables);
-//! - [`config`]: timeouts, limits and the job token, overridable from the environment;
-//! - [`rendezvous`]: rank 0 serves a small key-value store over TCP (like torch's TCPStore)
-//!   through which the ranks exchange addresses and the NCCL unique id; peers must present the
-//!   job's token;
-//! - [`tcp`]: collectives between processes over TCP on host tensors (CPUs, tests), with dead
-//!   ranks named.
-//!
-//! The launcher (`ulysses-launch`) and starting a burn 0.21 job are in `ulysses-dist`.
-
-pub mod config;
-pub mod env;
-pub mod rendezvous;
-pub mod tcp;
-
-pub use config::DistributedConfig;
-pub use env::{Launch, LaunchEnv};
-pub use rendezvous::Rendezvous;
+//! Why launching or joining a job failed.
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::dist::DistError;
+use crate::DistError;
 
 /// Environment variables that override [`DistributedConfig`] fields.
 pub const ENV_SP_SIZE: &str = "ULYSSES_SP_SIZE";
