@@ -46,8 +46,8 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
 
 /// Types named after a backend (`TensorPrimitive<B>`, ...). `TensorPrimitive<Inner>` and
 /// `TensorPrimitive<UlyssesBackend<Inner>>` are different types with the same fields, so the
-/// generated code converts them with the hand-written `Rebrand` trait.
-const REBRANDED: &[&str] = &[
+/// generated code converts them with the hand-written `ConvertPrimitives` trait.
+const BACKEND_NAMED: &[&str] = &[
     "TensorPrimitive",
     "TransactionPrimitive",
     "MaxPool1dWithIndices",
@@ -196,8 +196,8 @@ fn forwarding_method(trait_ident: &Ident, sig: &Signature) -> Result<TokenStream
             }
             _ => return Err(format!("{trait_ident}::{name}: unsupported argument pattern")),
         };
-        if mentions_rebranded(&arg.ty) {
-            args.push(quote!(Rebrand::rebrand(#ident)));
+        if names_a_backend(&arg.ty) {
+            args.push(quote!(ConvertPrimitives::convert(#ident)));
         } else {
             args.push(quote!(#ident));
         }
@@ -215,11 +215,11 @@ fn forwarding_method(trait_ident: &Ident, sig: &Signature) -> Result<TokenStream
         None => quote!(<Inner as #trait_ident<Inner>>::#method_ident(#(#args),*)),
     };
     let body = match &impl_sig.output {
-        ReturnType::Type(_, ty) if mentions_rebranded(ty) => {
+        ReturnType::Type(_, ty) if names_a_backend(ty) => {
             if matches!(ty.as_ref(), Type::ImplTrait(_)) {
-                return Err(format!("{trait_ident}::{name}: cannot rebrand an impl Trait return"));
+                return Err(format!("{trait_ident}::{name}: cannot convert an impl Trait return"));
             }
-            quote!(Rebrand::rebrand(#call))
+            quote!(ConvertPrimitives::convert(#call))
         }
         _ => call,
     };
@@ -253,11 +253,11 @@ impl VisitMut for ReplaceBackendParam {
     }
 }
 
-fn mentions_rebranded(ty: &Type) -> bool {
+fn names_a_backend(ty: &Type) -> bool {
     struct Finder(bool);
     impl<'a> Visit<'a> for Finder {
         fn visit_path_segment(&mut self, segment: &'a syn::PathSegment) {
-            if REBRANDED.iter().any(|name| segment.ident == name) {
+            if BACKEND_NAMED.iter().any(|name| segment.ident == name) {
                 self.0 = true;
             }
             syn::visit::visit_path_segment(self, segment);

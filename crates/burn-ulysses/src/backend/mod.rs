@@ -9,7 +9,7 @@
 
 mod forward;
 mod prelude;
-mod rebrand;
+mod convert_primitives;
 
 use std::{marker::PhantomData, sync::Arc};
 

@@ -11,5 +11,5 @@ pub(super) use burn::tensor::{
     quantization::{QuantScheme, QuantizationParametersPrimitive},
 };
 
-pub(super) use super::{UlyssesBackend, rebrand::Rebrand};
+pub(super) use super::{UlyssesBackend, convert_primitives::ConvertPrimitives};
 pub(super) use crate::capabilities::ExchangeBackend;

@@ -8,10 +8,8 @@
 
 use std::{process::ExitCode, time::Instant};
 
-use burn::{
-    backend::NdArray,
-    tensor::{Tensor, TensorData},
-};
+use burn::tensor::{Tensor, TensorData};
+use burn_ndarray::NdArray;
 use burn_ulysses::comm::{
     Communicator, HostStaged,
     check::{CheckSizes, check_collectives},

@@ -125,7 +125,7 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         output_grad: FloatTensor<Self>,
         options: DeformConvOptions<2>,
     ) -> DeformConv2dBackward<Self> {
-        Rebrand::rebrand(
+        ConvertPrimitives::convert(
             <Inner as ModuleOps<
                 Inner,
             >>::deform_conv2d_backward(
@@ -391,7 +391,7 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         dilation: usize,
         ceil_mode: bool,
     ) -> MaxPool1dWithIndices<Self> {
-        Rebrand::rebrand(
+        ConvertPrimitives::convert(
             <Inner as ModuleOps<
                 Inner,
             >>::max_pool1d_with_indices(
@@ -414,7 +414,7 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool1dBackward<Self> {
-        Rebrand::rebrand(
+        ConvertPrimitives::convert(
             <Inner as ModuleOps<
                 Inner,
             >>::max_pool1d_with_indices_backward(
@@ -449,7 +449,7 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> MaxPool2dWithIndices<Self> {
-        Rebrand::rebrand(
+        ConvertPrimitives::convert(
             <Inner as ModuleOps<
                 Inner,
             >>::max_pool2d_with_indices(
@@ -472,7 +472,7 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool2dBackward<Self> {
-        Rebrand::rebrand(
+        ConvertPrimitives::convert(
             <Inner as ModuleOps<
                 Inner,
             >>::max_pool2d_with_indices_backward(

@@ -11,7 +11,9 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         scheme: &QuantScheme,
         qparams: QuantizationParametersPrimitive<Self>,
     ) -> QuantizedTensor<Self> {
-        <Inner as QTensorOps<Inner>>::quantize(tensor, scheme, Rebrand::rebrand(qparams))
+        <Inner as QTensorOps<
+            Inner,
+        >>::quantize(tensor, scheme, ConvertPrimitives::convert(qparams))
     }
     fn quantize_dynamic(
         tensor: FloatTensor<Self>,
@@ -107,153 +109,164 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         lhs: QuantizedTensor<Self>,
         rhs: QuantizedTensor<Self>,
     ) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_add(lhs, rhs))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_add(lhs, rhs))
     }
     fn q_add_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_add_scalar(lhs, rhs))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_add_scalar(lhs, rhs))
     }
     fn q_clamp_min(tensor: QuantizedTensor<Self>, min: Scalar) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_clamp_min(tensor, min))
+        ConvertPrimitives::convert(
+            <Inner as QTensorOps<Inner>>::q_clamp_min(tensor, min),
+        )
     }
     fn q_clamp_max(tensor: QuantizedTensor<Self>, max: Scalar) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_clamp_max(tensor, max))
+        ConvertPrimitives::convert(
+            <Inner as QTensorOps<Inner>>::q_clamp_max(tensor, max),
+        )
     }
     fn q_clamp(
         tensor: QuantizedTensor<Self>,
         min: Scalar,
         max: Scalar,
     ) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_clamp(tensor, min, max))
+        ConvertPrimitives::convert(
+            <Inner as QTensorOps<Inner>>::q_clamp(tensor, min, max),
+        )
     }
     fn q_sub(
         lhs: QuantizedTensor<Self>,
         rhs: QuantizedTensor<Self>,
     ) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_sub(lhs, rhs))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_sub(lhs, rhs))
     }
     fn q_sub_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_sub_scalar(lhs, rhs))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_sub_scalar(lhs, rhs))
     }
     fn q_mul(
         lhs: QuantizedTensor<Self>,
         rhs: QuantizedTensor<Self>,
     ) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_mul(lhs, rhs))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_mul(lhs, rhs))
     }
     fn q_mul_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_mul_scalar(lhs, rhs))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_mul_scalar(lhs, rhs))
     }
     fn q_div(
         lhs: QuantizedTensor<Self>,
         rhs: QuantizedTensor<Self>,
     ) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_div(lhs, rhs))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_div(lhs, rhs))
     }
     fn q_div_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_div_scalar(lhs, rhs))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_div_scalar(lhs, rhs))
     }
     fn q_matmul(
         lhs: TensorPrimitive<Self>,
         rhs: TensorPrimitive<Self>,
     ) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(
+        ConvertPrimitives::convert(
             <Inner as QTensorOps<
                 Inner,
-            >>::q_matmul(Rebrand::rebrand(lhs), Rebrand::rebrand(rhs)),
+            >>::q_matmul(
+                ConvertPrimitives::convert(lhs),
+                ConvertPrimitives::convert(rhs),
+            ),
         )
     }
     fn q_neg(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_neg(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_neg(tensor))
     }
     fn q_recip(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_recip(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_recip(tensor))
     }
     fn q_sum(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_sum(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_sum(tensor))
     }
     fn q_sum_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_sum_dim(tensor, dim))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_sum_dim(tensor, dim))
     }
     fn q_prod(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_prod(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_prod(tensor))
     }
     fn q_prod_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_prod_dim(tensor, dim))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_prod_dim(tensor, dim))
     }
     fn q_mean(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_mean(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_mean(tensor))
     }
     fn q_mean_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_mean_dim(tensor, dim))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_mean_dim(tensor, dim))
     }
     fn q_cumsum(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_cumsum(tensor, dim))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_cumsum(tensor, dim))
     }
     fn q_cumprod(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_cumprod(tensor, dim))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_cumprod(tensor, dim))
     }
     fn q_cummin(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_cummin(tensor, dim))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_cummin(tensor, dim))
     }
     fn q_cummax(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_cummax(tensor, dim))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_cummax(tensor, dim))
     }
     fn q_exp(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_exp(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_exp(tensor))
     }
     fn q_log(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_log(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_log(tensor))
     }
     fn q_log1p(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_log1p(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_log1p(tensor))
     }
     fn q_powf(
         lhs: QuantizedTensor<Self>,
         rhs: QuantizedTensor<Self>,
     ) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_powf(lhs, rhs))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_powf(lhs, rhs))
     }
     fn q_powi(
         lhs: QuantizedTensor<Self>,
         rhs: IntTensor<Self>,
     ) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_powi(lhs, rhs))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_powi(lhs, rhs))
     }
     fn q_powi_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_powi_scalar(lhs, rhs))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_powi_scalar(lhs, rhs))
     }
     fn q_powf_scalar(
         tensor: QuantizedTensor<Self>,
         value: Scalar,
     ) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_powf_scalar(tensor, value))
+        ConvertPrimitives::convert(
+            <Inner as QTensorOps<Inner>>::q_powf_scalar(tensor, value),
+        )
     }
     fn q_sqrt(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_sqrt(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_sqrt(tensor))
     }
     fn q_abs(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
         <Inner as QTensorOps<Inner>>::q_abs(tensor)
     }
     fn q_cos(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_cos(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_cos(tensor))
     }
     fn q_sin(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_sin(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_sin(tensor))
     }
     fn q_tan(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_tan(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_tan(tensor))
     }
     fn q_cosh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_cosh(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_cosh(tensor))
     }
     fn q_sinh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_sinh(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_sinh(tensor))
     }
     fn q_tanh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_tanh(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_tanh(tensor))
     }
     fn q_erf(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        Rebrand::rebrand(<Inner as QTensorOps<Inner>>::q_erf(tensor))
+        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_erf(tensor))
     }
     fn q_cat(tensors: Vec<QuantizedTensor<Self>>, dim: usize) -> QuantizedTensor<Self> {
         <Inner as QTensorOps<Inner>>::q_cat(tensors, dim)

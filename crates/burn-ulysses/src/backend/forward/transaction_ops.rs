@@ -6,6 +6,6 @@ impl<Inner: ExchangeBackend> TransactionOps<Self> for UlyssesBackend<Inner> {
     fn tr_execute(
         transaction: TransactionPrimitive<Self>,
     ) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
-        crate::device_io::tr_execute::<Inner>(Rebrand::rebrand(transaction))
+        crate::device_io::tr_execute::<Inner>(ConvertPrimitives::convert(transaction))
     }
 }
