@@ -3,7 +3,8 @@
 //! gradients of the hidden states, the weight and the bias, for chunks of 1 row to more than
 //! all rows, with ignored labels (a chunk of only ignored labels included). On burn's CubeCL
 //! backends (wgpu on lavapipe here) the chunks' rows go through the fused cross-entropy kernel
-//! (`ulysses_kernels::cross_entropy`), checked against NdArray's whole-logits autodiff.
+//! (`ulysses_kernels::cross_entropy`), checked against NdArray's whole-logits autodiff, plain
+//! and fused (`Fusion<CubeBackend>`, where the kernel is a recorded stream operation).
 
 use burn::{
     backend::{Autodiff, NdArray},
@@ -96,6 +97,52 @@ fn the_fused_kernel_gives_the_whole_logits_loss_and_its_gradients() {
                 let diff = max_abs_diff(got, want);
                 assert!(diff <= TOLERANCE, "{name}, chunks of {chunk_rows}, bias {with_bias}: |Δ| {diff:e}");
             }
+        }
+    }
+}
+
+/// On `Fusion<CubeBackend>` (burn's `Wgpu` and `Cuda` types) the kernel is recorded as a
+/// custom stream operation: the hook runs it (rather than refusing, which would leave the loss
+/// to tensor ops) with the losses and gradient of an f64 reference, and the chunked loss
+/// through it equals NdArray's whole logits.
+#[test]
+fn the_fused_kernel_runs_on_burns_fusion_backend() {
+    use burn::tensor::{TensorPrimitive, ops::FloatTensor};
+    use burn_ulysses::PlainBackend;
+    type Runtime = cubecl::wgpu::WgpuRuntime;
+    type Fused = burn_fusion::Fusion<burn_cubecl::CubeBackend<Runtime, f32, i32, u32>>;
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let device = Default::default();
+    let logits = uniform_tensor::<Fused, 2>([ROWS, VOCAB], 4, &device) * 3.0;
+    let labels: Vec<f32> = (0..ROWS).map(|i| if i == 2 { IGNORE_INDEX as f32 } else { ((i * 7) % VOCAB) as f32 }).collect();
+    let (logit_values, label_values) = (values(logits.clone()), labels.clone());
+    let labels = Tensor::<Fused, 1>::from_data(TensorData::new(labels, [ROWS]), &device);
+    let primitive = |tensor: FloatTensor<Fused>| values(Tensor::<Fused, 1>::from_primitive(TensorPrimitive::Float(tensor)).flatten::<1>(0, 0));
+    let (losses, grads) = <Fused as PlainBackend>::fused_cross_entropy(logits.into_primitive().tensor(), labels.into_primitive().tensor(), IGNORE_INDEX)
+        .unwrap_or_else(|reason| panic!("Fusion<CubeBackend> refused the fused cross-entropy: {reason}"));
+    let (losses, grads) = (primitive(losses), primitive(grads));
+    for row in 0..ROWS {
+        let logits = &logit_values[row * VOCAB..(row + 1) * VOCAB];
+        let max = logits.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+        let lse = max + logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+        let ignored = label_values[row] == IGNORE_INDEX as f32;
+        let target = label_values[row] as usize;
+        let want_loss = if ignored { 0.0 } else { lse - logits[target] as f64 };
+        assert!((losses[row] as f64 - want_loss).abs() <= 1e-5, "row {row}: loss {} against {want_loss}", losses[row]);
+        for (c, &x) in logits.iter().enumerate() {
+            let want = if ignored { 0.0 } else { (x as f64 - lse).exp() - f64::from(u8::from(c == target)) };
+            let got = grads[row * VOCAB + c] as f64;
+            assert!((got - want).abs() <= 1e-6, "row {row}, class {c}: gradient {got} against {want}");
+        }
+    }
+    for with_bias in [false, true] {
+        let reference = run(None, with_bias);
+        let fused = run_on::<Autodiff<Fused>>(Some(3), with_bias, &device);
+        for (name, (got, want)) in ["loss", "d hidden", "d weight", "d bias"].iter().zip(fused.iter().zip(&reference)) {
+            let diff = max_abs_diff(got, want);
+            assert!(diff <= TOLERANCE, "{name}, bias {with_bias}, on Fusion: |Δ| {diff:e}");
         }
     }
 }

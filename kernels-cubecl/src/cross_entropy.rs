@@ -112,6 +112,35 @@ pub(crate) fn cross_entropy_rows_kernel<F: Float>(
     }
 }
 
+/// Whether [`fused_cross_entropy`] takes logits and labels of these shapes and dtypes on
+/// `client`'s device, decided from them alone (backends that record work to run later ask
+/// before they record): logits `[rows, vocab]` in f32, f16 or bf16 with 1 to 2^24 − 1 classes,
+/// labels `[rows]` f32, and a device with a fixed plane size and 8 planes per cube.
+pub fn check_cross_entropy<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    (shape, dtype): (&[usize], DType),
+    (label_shape, label_dtype): (&[usize], DType),
+) -> Result<(), CrossEntropyError> {
+    let [rows, vocab] = shape[..] else {
+        return Err(CrossEntropyError::Shape(format!("logits must be [rows, vocab], got {shape:?}")));
+    };
+    if label_shape != [rows] || label_dtype != DType::F32 {
+        return Err(CrossEntropyError::Shape(format!("labels must be [{rows}] f32 for logits {shape:?}, got {label_shape:?} {label_dtype:?}")));
+    }
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || vocab == 0 || vocab >= 1 << 24 {
+        return Err(CrossEntropyError::Shape(format!("logits {shape:?} {dtype:?}: the kernel takes f32, f16 or bf16 and 1 to 2^24 − 1 classes")));
+    }
+    let hardware = &client.properties().hardware;
+    let plane_dim = hardware.plane_size_max;
+    if plane_dim == 0 || hardware.plane_size_min != plane_dim || plane_dim as usize * PLANES > hardware.max_units_per_cube as usize {
+        return Err(CrossEntropyError::Device(format!(
+            "the kernel needs a fixed plane size and {PLANES} planes per cube; this device has planes of {} to {plane_dim} units, at most {} units per cube",
+            hardware.plane_size_min, hardware.max_units_per_cube
+        )));
+    }
+    Ok(())
+}
+
 /// Each row's cross-entropy and the gradient of their sum with respect to the logits, for
 /// `logits: [rows, vocab]` (f32, f16 or bf16) and `labels: [rows]` (label ids as f32, exact
 /// below 2^24; a row whose label is `ignore_index` has loss 0 and gradient 0).
@@ -123,26 +152,12 @@ pub fn fused_cross_entropy<R: CubeRuntime>(
     labels: CubeTensor<R>,
     ignore_index: i64,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), CrossEntropyError> {
-    let (shape, label_shape) = (logits.meta.shape().to_vec(), labels.meta.shape().to_vec());
-    let [rows, vocab] = shape[..] else {
-        return Err(CrossEntropyError::Shape(format!("logits must be [rows, vocab], got {shape:?}")));
-    };
-    if label_shape != [rows] || labels.dtype != DType::F32 {
-        return Err(CrossEntropyError::Shape(format!("labels must be [{rows}] f32 for logits {shape:?}, got {label_shape:?} {:?}", labels.dtype)));
-    }
-    if !matches!(logits.dtype, DType::F32 | DType::F16 | DType::BF16) || vocab == 0 || vocab >= 1 << 24 {
-        return Err(CrossEntropyError::Shape(format!("logits {shape:?} {:?}: the kernel takes f32, f16 or bf16 and 1 to 2^24 − 1 classes", logits.dtype)));
-    }
     let client = logits.client.clone();
+    check_cross_entropy(&client, (logits.meta.shape(), logits.dtype), (labels.meta.shape(), labels.dtype))?;
+    let rows = logits.meta.shape()[0];
+    let vocab = logits.meta.shape()[1];
     let device = logits.device.clone();
     let plane_dim = client.properties().hardware.plane_size_max;
-    let hardware = &client.properties().hardware;
-    if plane_dim == 0 || hardware.plane_size_min != plane_dim || plane_dim as usize * PLANES > hardware.max_units_per_cube as usize {
-        return Err(CrossEntropyError::Device(format!(
-            "the kernel needs a fixed plane size and {PLANES} planes per cube; this device has planes of {} to {plane_dim} units, at most {} units per cube",
-            hardware.plane_size_min, hardware.max_units_per_cube
-        )));
-    }
     let dtype = logits.dtype;
     let logits = into_contiguous(logits);
     let losses = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([rows]), DType::F32);

@@ -26,7 +26,7 @@ pub mod flash;
 
 pub use flash::{Engine, FlashOptions, Fragment, MAX_HEAD_DIM, MAX_SEQUENCE, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
 
-pub use cross_entropy::{CrossEntropyError, fused_cross_entropy};
+pub use cross_entropy::{CrossEntropyError, check_cross_entropy, fused_cross_entropy};
 
 use burn::tensor::DType;
 

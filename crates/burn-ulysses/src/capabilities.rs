@@ -158,7 +158,14 @@ pub trait PlainBackend: Backend {
     /// vocab]` given `labels: [rows]` (ids as f32); rows labelled `ignore_index` give 0 and 0.
     /// Or why this backend has no kernel for them: the training loss then uses tensor ops.
     fn fused_cross_entropy(_logits: FloatTensor<Self>, _labels: FloatTensor<Self>, _ignore_index: i64) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
-        Err(format!("{} has no fused cross-entropy kernel", std::any::type_name::<Self>()))
+        Err(no_fused_cross_entropy::<Self>())
+    }
+
+    /// `Ok` when [`fused_cross_entropy`](Self::fused_cross_entropy) would run its kernel on
+    /// logits and labels of these shapes and dtypes on `device`, else why not. Asked by
+    /// backends that record work to run later (fusion), before they record.
+    fn fused_cross_entropy_check(_logits: (&[usize], DType), _labels: (&[usize], DType), _device: &Self::Device) -> Result<(), String> {
+        Err(no_fused_cross_entropy::<Self>())
     }
 
     /// Starts copying `tensor` to the host behind the work already queued on its device and
@@ -176,6 +183,10 @@ pub enum QueuedRead {
     Queued(Pin<Box<dyn Future<Output = Result<TensorData, ExecutionError>> + Send>>),
     /// The backend could not queue it: the host has already waited for it.
     Arrived(Result<TensorData, ExecutionError>),
+}
+
+fn no_fused_cross_entropy<B>() -> String {
+    format!("{} has no fused cross-entropy kernel", std::any::type_name::<B>())
 }
 
 fn no_fused_kernel<B>() -> String {

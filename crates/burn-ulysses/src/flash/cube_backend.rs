@@ -14,7 +14,8 @@ use burn::tensor::{
 };
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement, cubecl::{client::ComputeClient, device::{Device, DeviceId}, server::CopyDescriptor}};
 use ulysses_kernels::{
-    FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, fused_cross_entropy, plan_flash_attention,
+    FlashError, FlashOptions, OperandInfo, VisibleRanges, check_cross_entropy, flash_attention_backward, flash_attention_forward, fused_cross_entropy,
+    plan_flash_attention,
 };
 
 use super::no_fused_cross_entropy;
@@ -87,10 +88,15 @@ where
     }
 
     fn fused_cross_entropy(logits: FloatTensor<Self>, labels: FloatTensor<Self>, ignore_index: i64) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
-        // The tensor-op loss, for a side-by-side measurement.
-        let disabled = std::env::var("ULYSSES_FUSED_CROSS_ENTROPY").as_deref() == Ok("0");
-        let result = if disabled { Err("ULYSSES_FUSED_CROSS_ENTROPY=0".to_string()) } else { fused_cross_entropy(logits, labels, ignore_index).map_err(|e| e.to_string()) };
+        let result = if cross_entropy_disabled() { Err(DISABLED.to_string()) } else { fused_cross_entropy(logits, labels, ignore_index).map_err(|e| e.to_string()) };
         result.map_err(no_fused_cross_entropy)
+    }
+
+    fn fused_cross_entropy_check(logits: (&[usize], DType), labels: (&[usize], DType), device: &Self::Device) -> Result<(), String> {
+        if cross_entropy_disabled() {
+            return Err(DISABLED.to_string());
+        }
+        check_cross_entropy(&R::client(device), logits, labels).map_err(|e| e.to_string())
     }
 
     /// The copy goes into CubeCL's pinned staging memory on the device's stream, queued when
@@ -110,6 +116,14 @@ where
         }))
     }
 }
+
+/// `ULYSSES_FUSED_CROSS_ENTROPY=0` runs the tensor-op loss instead, for a side-by-side
+/// measurement.
+fn cross_entropy_disabled() -> bool {
+    std::env::var("ULYSSES_FUSED_CROSS_ENTROPY").as_deref() == Ok("0")
+}
+
+const DISABLED: &str = "ULYSSES_FUSED_CROSS_ENTROPY=0";
 
 /// `device`'s compute client, kept for the life of the process. CubeCL's read futures
 /// borrow the client they came from (edition 2024 captures `&self`) though they hold nothing

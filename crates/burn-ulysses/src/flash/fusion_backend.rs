@@ -2,8 +2,9 @@
 //! kernels of the backend they wrap.
 //!
 //! A fusion stream records operations and runs them later, so a kernel joins it as a custom
-//! operation. Whether the kernel accepts the call is decided before recording, from shapes
-//! and dtypes alone: once recorded, the operation can no longer fall back to burn's attention.
+//! operation: the attention kernels, and the cross-entropy kernel of the training loss.
+//! Whether the kernel accepts the call is decided before recording, from shapes and dtypes
+//! alone: once recorded, the operation can no longer fall back to tensor ops.
 
 use std::{marker::PhantomData, sync::Arc};
 
@@ -64,7 +65,8 @@ impl<B: FusionBackend + PlainBackend> Operation<B::FusionRuntime> for FlashOpera
     }
 }
 
-/// Records one kernel on the inputs' streams; `outputs` are the shapes and dtypes it writes.
+/// Records one attention kernel on the inputs' streams; `outputs` are the shapes and dtypes
+/// it writes.
 fn record<B: FusionBackend + PlainBackend>(
     pass: Pass,
     inputs: Vec<FusionTensor<B::FusionRuntime>>,
@@ -72,18 +74,48 @@ fn record<B: FusionBackend + PlainBackend>(
     options: &AttentionModuleOptions,
     visibility: Option<&Visibility>,
 ) -> Vec<FusionTensor<B::FusionRuntime>> {
-    let client = inputs[0].client.clone();
-    let streams = OperationStreams::with_inputs(&inputs);
-    let outputs: Vec<_> = outputs.into_iter().map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype)).collect();
-    let inputs: Vec<_> = inputs.into_iter().map(|tensor| tensor.into_ir()).collect();
     let name = match pass {
         Pass::Forward => "ulysses_flash_attention_forward",
         Pass::Backward => "ulysses_flash_attention_backward",
     };
-    let desc = CustomOpIr::new(name, &inputs, &outputs);
     let visibility = visibility.map(|visibility| Arc::new(visibility.clone()));
-    let operation = FlashOperation::<B> { desc: desc.clone(), pass, options: *options, visibility, backend: PhantomData };
-    client.register(streams, OperationIr::Custom(desc), operation)
+    record_custom::<B, _>(name, inputs, outputs, |desc| FlashOperation::<B> { desc, pass, options: *options, visibility, backend: PhantomData })
+}
+
+/// Records the custom operation `operation(desc)` named `name` on the inputs' streams, with
+/// outputs of these shapes and dtypes.
+fn record_custom<B: FusionBackend, O: Operation<B::FusionRuntime> + 'static>(
+    name: &'static str,
+    inputs: Vec<FusionTensor<B::FusionRuntime>>,
+    outputs: Vec<(Shape, DType)>,
+    operation: impl FnOnce(CustomOpIr) -> O,
+) -> Vec<FusionTensor<B::FusionRuntime>> {
+    let client = inputs[0].client.clone();
+    let streams = OperationStreams::with_inputs(&inputs);
+    let outputs: Vec<_> = outputs.into_iter().map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype)).collect();
+    let inputs: Vec<_> = inputs.into_iter().map(|tensor| tensor.into_ir()).collect();
+    let desc = CustomOpIr::new(name, &inputs, &outputs);
+    client.register(streams, OperationIr::Custom(desc.clone()), operation(desc))
+}
+
+/// The fused cross-entropy kernel as a recorded operation: inputs logits and labels, outputs
+/// the rows' losses and the logits' gradient.
+#[derive(Debug)]
+struct CrossEntropyOperation<B> {
+    desc: CustomOpIr,
+    ignore_index: i64,
+    backend: PhantomData<fn() -> B>,
+}
+
+impl<B: FusionBackend + PlainBackend> Operation<B::FusionRuntime> for CrossEntropyOperation<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let ([logits, labels], [losses_ir, grads_ir]) = self.desc.as_fixed::<2, 2>();
+        let (logits, labels) = (handles.get_float_tensor::<B>(logits), handles.get_float_tensor::<B>(labels));
+        let (losses, grads) = B::fused_cross_entropy(logits, labels, self.ignore_index)
+            .unwrap_or_else(|reason| panic!("fused_cross_entropy_check accepted this call before it was recorded, then: {reason}"));
+        handles.register_float_tensor::<B>(&losses_ir.id, losses);
+        handles.register_float_tensor::<B>(&grads_ir.id, grads);
+    }
 }
 
 fn shape_and_dtype<R: FusionRuntime>(tensor: &FusionTensor<R>) -> (Shape, DType) {
@@ -132,10 +164,21 @@ impl<B: FusionBackend + PlainBackend> PlainBackend for Fusion<B> {
         (dq, dk, dv)
     }
 
-    /// Not yet recorded as a custom stream operation (the attention is): the loss runs as
-    /// tensor ops, said once.
-    fn fused_cross_entropy(_logits: FloatTensor<Self>, _labels: FloatTensor<Self>, _ignore_index: i64) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
-        Err(super::no_fused_cross_entropy("burn's fusion backend does not run the fused cross-entropy kernel yet".to_string()))
+    fn fused_cross_entropy(logits: FloatTensor<Self>, labels: FloatTensor<Self>, ignore_index: i64) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
+        let (logits_of, labels_of) = ((&logits.shape[..], logits.dtype), (&labels.shape[..], labels.dtype));
+        B::fused_cross_entropy_check(logits_of, labels_of, logits.client.device()).map_err(super::no_fused_cross_entropy)?;
+        let outputs = vec![(Shape::new([logits.shape[0]]), DType::F32), shape_and_dtype(&logits)];
+        let [losses, grads] = record_custom::<B, _>("ulysses_fused_cross_entropy", vec![logits, labels], outputs, |desc| CrossEntropyOperation::<B> {
+            desc,
+            ignore_index,
+            backend: PhantomData,
+        })
+        .outputs();
+        Ok((losses, grads))
+    }
+
+    fn fused_cross_entropy_check(logits: (&[usize], DType), labels: (&[usize], DType), device: &Self::Device) -> Result<(), String> {
+        B::fused_cross_entropy_check(logits, labels, device)
     }
 
     /// The recorded operations behind `tensor` run first (launched, not waited for), then
