@@ -23,6 +23,7 @@
 
 pub mod cross_entropy;
 pub mod flash;
+pub mod mma;
 
 pub use flash::{Engine, FlashOptions, Fragment, MAX_HEAD_DIM, MAX_SEQUENCE, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention};
 

@@ -17,6 +17,9 @@
 //! plan runs that engine, so a run meant for the tensor cores cannot pass on the plane
 //! engine.
 //!
+//! `fragments` checks the register fragments of `mma.sync` (`ulysses_kernels::mma`) that the
+//! FlashAttention-2-class engine is built on.
+//!
 //! Tolerances, relative to the largest reference magnitude: f32 1e-5 (summation order), f32
 //! on TF32 tensor cores (CUDA from sm_80) 3e-3,
 //! f16 1.5e-3 and bf16 5e-3 (the kernels round probabilities, dS and their outputs to the
@@ -24,6 +27,9 @@
 //! Rounding the probabilities of an f16 kernel to bf16 fails them.
 
 use std::ops::Range;
+
+/// The mma.sync register fragments the FlashAttention-2 engine is built on.
+mod fragments;
 
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensorOps};
 use burn_cubecl::CubeBackend;

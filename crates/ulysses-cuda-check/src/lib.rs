@@ -16,7 +16,9 @@ use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
 use burn_cubecl::CubeBackend;
 use cubecl::Runtime as _;
 use serde::Serialize;
-use ulysses_kernels::{FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, fused_cross_entropy, plan_flash_attention};
+use ulysses_kernels::{
+    FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, fused_cross_entropy, mma::fragment_products, plan_flash_attention,
+};
 
 use runtime::{CompileOnly, TARGETS, TargetDevice};
 
@@ -42,7 +44,7 @@ pub struct Kernel {
     /// `forward`, `row_delta`, `key_value_grad` or `query_grad`.
     pub kernel: String,
     pub entrypoint: String,
-    /// `tensor-cores-16` or `plane`.
+    /// `tensor-cores-16` or `plane` (the flash kernels' plan), `tensor-cores-mma` (the mma.sync fragments), `-` (no tiles).
     pub engine: String,
     pub dynamic_shared_bytes: usize,
     pub block: (u32, u32, u32),
@@ -54,7 +56,14 @@ pub struct Kernel {
 /// Which of the flash kernels a compiled entry point is, or `None` for another (burn's casts
 /// on upload are not ours to check).
 fn kernel_of(entrypoint: &str) -> Option<&'static str> {
-    [("row_delta", "row_delta"), ("key_value_grad", "key_value_grad"), ("query_grad", "query_grad"), ("flash_forward", "forward"), ("cross_entropy_rows", "cross_entropy")]
+    [
+        ("row_delta", "row_delta"),
+        ("key_value_grad", "key_value_grad"),
+        ("query_grad", "query_grad"),
+        ("flash_forward", "forward"),
+        ("cross_entropy_rows", "cross_entropy"),
+        ("fragment_products", "fragments"),
+    ]
         .into_iter()
         .find(|(prefix, _)| entrypoint.contains(prefix))
         .map(|(_, kernel)| kernel)
@@ -134,6 +143,12 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
             let labels = Backend::float_from_data(TensorData::new(vec![1.0f32; 80], [80]), &device);
             fused_cross_entropy(logits, labels, -100).map_err(|e| format!("{case:?}: the cross-entropy kernel: {e}"))?;
         }
+        // The register fragments of mma.sync (FlashAttention-2's two products on one tile),
+        // in this case's half-precision dtype.
+        if !case.sixty_four_bit && matches!(dtype, DType::F16 | DType::BF16) {
+            let tile = || Backend::float_from_data(TensorData::new(vec![0.25f32; 256], [16, 16]).convert_dtype(dtype), &device);
+            fragment_products(tile(), tile(), tile()).map_err(|e| format!("{case:?}: {e}"))?;
+        }
         // Launches reach the server through a queue: every one of this case's is compiled
         // once the queue is drained.
         cubecl::future::block_on(client.sync()).map_err(|e| format!("{case:?}: {e:?}"))?;
@@ -144,8 +159,13 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
                 target: compiled.target,
                 kernel: kernel.to_string(),
                 entrypoint: compiled.entrypoint.clone(),
-                // The row pre-pass of the backward and the loss's rows multiply no tiles.
-                engine: if matches!(kernel, "row_delta" | "cross_entropy") { "-".into() } else { plan.engine.to_string() },
+                // The row pre-pass of the backward and the loss's rows multiply no tiles; the
+                // fragments multiply with mma.sync whatever the plan.
+                engine: match kernel {
+                    "row_delta" | "cross_entropy" => "-".into(),
+                    "fragments" => "tensor-cores-mma".into(),
+                    _ => plan.engine.to_string(),
+                },
                 dynamic_shared_bytes: compiled.dynamic_shared_bytes,
                 block: compiled.block,
                 cases: Vec::new(),

@@ -1,0 +1,276 @@
+//! Register fragments of `mma.sync.m16n8k16` (f16 or bf16 in, f32 accumulated), the building
+//! block of a FlashAttention-2-class kernel: every lane of a warp (32 consecutive units of a
+//! one-dimensional cube, [`lane`]) holds its part of each operand in registers, in the lane
+//! layout of the PTX ISA ("Matrix fragments for mma.m16n8k16"). With g = lane / 4 and
+//! t = lane % 4:
+//!
+//! - A (16 × 16, 8 values): `a[i]` at row g + 8·((i / 2) % 2), column 2t + i % 2 + 8·(i / 4);
+//! - B (16 × 8, 4 values): `b[i]` at row 2t + i % 2 + 8·(i / 2), column g;
+//! - C (16 × 8, 4 f32 values): `c[i]` at row g + 8·(i / 2), column 2t + i % 2.
+//!
+//! So the accumulators of two C tiles side by side (columns 0–7 and 8–15) are, value for
+//! value, the A fragment of the 16 × 16 tile they make: `a[0..4]` the left tile's `c`,
+//! `a[4..8]` the right one's ([`accumulators_as_a`]). That is how FlashAttention-2's P·V takes
+//! its probabilities from the scores' accumulators without a trip through shared memory.
+//!
+//! The product is [`FragmentMma::mma`]: on CUDA from sm_80, one `mma.sync` (SASS `HMMA.16816`)
+//! through CubeCL's `MmaDefinition` ([`MmaSync`]); on devices without manual MMA (wgpu, whose
+//! SPIR-V and WGSL backends have none), [`SharedMemoryMma`] computes the same product from the
+//! same registers through shared memory (lavapipe's planes have 8 lanes, so a warp of 32 is
+//! not one plane there, and shuffles cannot gather it). Kernels written on these fragments
+//! therefore run, and are tested, on the CPU (lavapipe) with the code path CUDA runs, the
+//! product aside.
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::{CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor};
+use cubecl::{
+    cmma::MmaDefinition,
+    ir::{ElemType, FloatKind, StorageType, features::MmaConfig},
+    prelude::*,
+};
+
+/// Values per lane of the A, B and C fragments.
+pub const A_VALUES: usize = 8;
+pub const B_VALUES: usize = 4;
+pub const C_VALUES: usize = 4;
+
+/// This unit's lane in its warp: the units of a one-dimensional cube in groups of 32 (on
+/// CUDA, with a cube whose size is a multiple of 32, the hardware lane).
+#[cube]
+pub fn lane() -> usize {
+    UNIT_POS as usize % 32
+}
+
+/// Values of the scratch [`SharedMemoryMma`] uses per warp: A (16 × 16) and B (16 × 8).
+const SCRATCH_PER_WARP: usize = 16 * 16 + 16 * 8;
+
+/// `c += a · b` on one warp's fragments (see the module doc for the layout). Every unit of the
+/// cube calls it together (the emulation synchronises the cube).
+#[cube]
+pub trait FragmentMma: Send + Sync + 'static {
+    /// Shared memory the product may use, for a cube of `warps` warps (allocated once per
+    /// kernel; `MmaSync` uses none).
+    fn scratch(#[comptime] warps: usize) -> SharedMemory<f32>;
+    fn mma<E: Float>(a: &Array<E>, b: &Array<E>, c: &mut Array<f32>, scratch: &mut SharedMemory<f32>);
+}
+
+/// One `mma.sync.aligned.m16n8k16` per product (CUDA, sm_80 and later). CubeCL's registers
+/// are vectors of one 32-bit register each: two f16/bf16 values for A and B, one f32 for C.
+pub struct MmaSync;
+
+#[cube]
+impl FragmentMma for MmaSync {
+    fn scratch(#[comptime] _warps: usize) -> SharedMemory<f32> {
+        SharedMemory::new(1usize)
+    }
+
+    fn mma<E: Float>(a: &Array<E>, b: &Array<E>, c: &mut Array<f32>, _scratch: &mut SharedMemory<f32>) {
+        let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
+        let mut a_regs = Array::<Vector<E, Const<2>>>::new(A_VALUES / 2);
+        #[unroll]
+        for r in 0..A_VALUES / 2 {
+            let mut pair = Vector::empty();
+            pair[0] = a[2 * r];
+            pair[1] = a[2 * r + 1];
+            a_regs[r] = pair;
+        }
+        let mut b_regs = Array::<Vector<E, Const<2>>>::new(B_VALUES / 2);
+        #[unroll]
+        for r in 0..B_VALUES / 2 {
+            let mut pair = Vector::empty();
+            pair[0] = b[2 * r];
+            pair[1] = b[2 * r + 1];
+            b_regs[r] = pair;
+        }
+        let mut c_regs = Array::<Vector<f32, Const<1>>>::new(C_VALUES);
+        #[unroll]
+        for r in 0..C_VALUES {
+            let mut one = Vector::empty();
+            one[0] = c[r];
+            c_regs[r] = one;
+        }
+        let d = def.execute(&a_regs, &b_regs, &c_regs);
+        #[unroll]
+        for r in 0..C_VALUES {
+            c[r] = d[r][0];
+        }
+    }
+}
+
+/// The same product from the same registers, for devices without manual MMA: each warp
+/// writes its A and B fragments into its part of the scratch at their (row, column), the cube
+/// synchronises, and each lane sums its accumulators' 16 products in f32, in k order. Slow;
+/// it exists so that kernels written on the fragments run on the CPU.
+pub struct SharedMemoryMma;
+
+#[cube]
+impl FragmentMma for SharedMemoryMma {
+    fn scratch(#[comptime] warps: usize) -> SharedMemory<f32> {
+        SharedMemory::new(SCRATCH_PER_WARP * warps)
+    }
+
+    fn mma<E: Float>(a: &Array<E>, b: &Array<E>, c: &mut Array<f32>, scratch: &mut SharedMemory<f32>) {
+        let lane = lane();
+        let (g, t) = (lane / 4, lane % 4);
+        let a_at = (UNIT_POS as usize / 32) * SCRATCH_PER_WARP;
+        let b_at = a_at + 16 * 16;
+        #[unroll]
+        for i in 0..A_VALUES {
+            scratch[a_at + (g + 8 * ((i / 2) % 2)) * 16 + 2 * t + i % 2 + 8 * (i / 4)] = f32::cast_from(a[i]);
+        }
+        #[unroll]
+        for i in 0..B_VALUES {
+            scratch[b_at + (2 * t + i % 2 + 8 * (i / 2)) * 8 + g] = f32::cast_from(b[i]);
+        }
+        sync_cube();
+        #[unroll]
+        for i in 0..C_VALUES {
+            let (row, column) = (g + 8 * (i / 2), 2 * t + i % 2);
+            let mut sum = c[i];
+            for k in 0..16usize {
+                sum += scratch[a_at + row * 16 + k] * scratch[b_at + k * 8 + column];
+            }
+            c[i] = sum;
+        }
+        // The next product writes the scratch again.
+        sync_cube();
+    }
+}
+
+/// The A fragment of the 16 × 16 tile whose left and right 16 × 8 halves are the accumulators
+/// `left` and `right`, rounded to `E` (see the module doc): registers only.
+#[cube]
+pub fn accumulators_as_a<E: Float>(left: &Array<f32>, right: &Array<f32>) -> Array<E> {
+    let mut a = Array::<E>::new(A_VALUES);
+    #[unroll]
+    for i in 0..C_VALUES {
+        a[i] = E::cast_from(left[i]);
+        a[i + C_VALUES] = E::cast_from(right[i]);
+    }
+    a
+}
+
+/// This lane's A fragment of the 16 × 16 tile of `matrix` (row-major, `stride` values a row)
+/// starting at `origin`.
+#[cube]
+pub fn load_a<E: Float>(matrix: &Tensor<E>, origin: usize, stride: usize) -> Array<E> {
+    let lane = lane();
+    let (g, t) = (lane / 4, lane % 4);
+    let mut a = Array::<E>::new(A_VALUES);
+    #[unroll]
+    for i in 0..A_VALUES {
+        let row = g + 8 * ((i / 2) % 2);
+        let column = 2 * t + i % 2 + 8 * (i / 4);
+        a[i] = matrix[origin + row * stride + column];
+    }
+    a
+}
+
+/// This lane's B fragment of the 16 × 8 tile of `matrix` at `origin`, read as B[k, n] =
+/// `matrix[origin + k · k_stride + n · n_stride]` (for Kᵀ, pass K's row stride as `n_stride`
+/// and 1 as `k_stride`).
+#[cube]
+pub fn load_b<E: Float>(matrix: &Tensor<E>, origin: usize, k_stride: usize, n_stride: usize) -> Array<E> {
+    let lane = lane();
+    let (g, t) = (lane / 4, lane % 4);
+    let mut b = Array::<E>::new(B_VALUES);
+    #[unroll]
+    for i in 0..B_VALUES {
+        let k = 2 * t + i % 2 + 8 * (i / 2);
+        b[i] = matrix[origin + k * k_stride + g * n_stride];
+    }
+    b
+}
+
+/// Writes this lane's accumulators of the 16 × 8 tile of `out` (row-major, `stride` values a
+/// row) at `origin`.
+#[cube]
+pub fn store_c(c: &Array<f32>, out: &mut Tensor<f32>, origin: usize, stride: usize) {
+    let lane = lane();
+    let (g, t) = (lane / 4, lane % 4);
+    #[unroll]
+    for i in 0..C_VALUES {
+        out[origin + (g + 8 * (i / 2)) * stride + 2 * t + i % 2] = c[i];
+    }
+}
+
+/// One plane computes FlashAttention-2's two products on 16 × 16 tiles, through fragments
+/// only: S = Q·Kᵀ (two 16 × 8 accumulator tiles), P = S rounded to `E` taken from those
+/// accumulators as an A fragment, O = P·V (two tiles). Writes S and O (f32, 16 × 16 each).
+#[cube(launch)]
+fn fragment_products_kernel<E: Float, M: FragmentMma>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    s: &mut Tensor<f32>,
+    o: &mut Tensor<f32>,
+    #[define(E)] _dtype: StorageType,
+) {
+    let mut scratch = M::scratch(1usize);
+    let q_frag = load_a::<E>(q, 0, 16);
+    let mut s_left = Array::<f32>::new(C_VALUES);
+    let mut s_right = Array::<f32>::new(C_VALUES);
+    let mut o_left = Array::<f32>::new(C_VALUES);
+    let mut o_right = Array::<f32>::new(C_VALUES);
+    #[unroll]
+    for i in 0..C_VALUES {
+        s_left[i] = 0.0;
+        s_right[i] = 0.0;
+        o_left[i] = 0.0;
+        o_right[i] = 0.0;
+    }
+    // Kᵀ[kk, n] = K[n, kk]: the left tile takes keys 0–7, the right keys 8–15.
+    M::mma::<E>(&q_frag, &load_b::<E>(k, 0, 1, 16), &mut s_left, &mut scratch);
+    M::mma::<E>(&q_frag, &load_b::<E>(k, 8 * 16, 1, 16), &mut s_right, &mut scratch);
+    let p = accumulators_as_a::<E>(&s_left, &s_right);
+    M::mma::<E>(&p, &load_b::<E>(v, 0, 16, 1), &mut o_left, &mut scratch);
+    M::mma::<E>(&p, &load_b::<E>(v, 8, 16, 1), &mut o_right, &mut scratch);
+    store_c(&s_left, s, 0, 16);
+    store_c(&s_right, s, 8, 16);
+    store_c(&o_left, o, 0, 16);
+    store_c(&o_right, o, 8, 16);
+}
+
+/// Whether `client`'s device runs `mma.sync.m16n8k16` on `dtype` (f16 or bf16) with f32
+/// accumulation: CUDA from sm_80. Elsewhere the fragments multiply through [`SharedMemoryMma`].
+pub fn has_mma_sync<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType) -> bool {
+    let kind = match dtype {
+        DType::F16 => FloatKind::F16,
+        DType::BF16 => FloatKind::BF16,
+        _ => return false,
+    };
+    let (input, output) = (StorageType::Scalar(ElemType::Float(kind)), StorageType::Scalar(ElemType::Float(FloatKind::F32)));
+    client.properties().features.matmul.mma.contains(&MmaConfig { a_type: input, b_type: input, cd_type: output, m: 16, n: 8, k: 16 })
+}
+
+/// Why [`fragment_products`] refused its inputs.
+#[derive(Debug, thiserror::Error)]
+#[error("fragment products: {0}")]
+pub struct FragmentError(String);
+
+/// FlashAttention-2's two products on one 16 × 16 tile of each of q, k and v (f16 or bf16,
+/// `[16, 16]`), by one warp of 32 units through register fragments: `(S = q·kᵀ, O = P·v)` in
+/// f32, P being S rounded to the inputs' dtype. `mma.sync` where the device has it, shared
+/// memory elsewhere. For the tests and the machine-code check of the fragments.
+pub fn fragment_products<R: CubeRuntime>(q: CubeTensor<R>, k: CubeTensor<R>, v: CubeTensor<R>) -> Result<(CubeTensor<R>, CubeTensor<R>), FragmentError> {
+    let dtype = q.dtype;
+    for tensor in [&q, &k, &v] {
+        if tensor.meta.shape().to_vec() != [16, 16] || tensor.dtype != dtype || !matches!(dtype, DType::F16 | DType::BF16) {
+            return Err(FragmentError(format!("q, k and v must be [16, 16] in f16 or bf16 alike, got {:?} {:?}", tensor.meta.shape(), tensor.dtype)));
+        }
+    }
+    let client = q.client.clone();
+    let device = q.device.clone();
+    let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+    let s = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([16, 16]), DType::F32);
+    let o = empty_device_contiguous_dtype(client.clone(), device, Shape::new([16, 16]), DType::F32);
+    let args = (q.into_tensor_arg(), k.into_tensor_arg(), v.into_tensor_arg(), s.clone().into_tensor_arg(), o.clone().into_tensor_arg());
+    let (cubes, dim) = (CubeCount::Static(1, 1, 1), CubeDim::new_1d(32));
+    let elem: StorageType = dtype.into();
+    if has_mma_sync(&client, dtype) {
+        fragment_products_kernel::launch::<MmaSync, R>(&client, cubes, dim, args.0, args.1, args.2, args.3, args.4, elem);
+    } else {
+        fragment_products_kernel::launch::<SharedMemoryMma, R>(&client, cubes, dim, args.0, args.1, args.2, args.3, args.4, elem);
+    }
+    Ok((s, o))
+}

@@ -1,0 +1,102 @@
+//! (A module of the flash-attention tests: the same binary runs on the GPU machine.)
+//!
+//! The register fragments of `mma.sync.m16n8k16` (`ulysses_kernels::mma`) as
+//! FlashAttention-2's forward uses them, on one 16 × 16 tile of q, k and v: S = q·kᵀ from two
+//! accumulator tiles, P = S rounded to the inputs' dtype and taken from those accumulators as
+//! an A fragment, O = P·v. S against f64 (q and k as the kernel saw them, rounded to f16),
+//! O against f64 from the kernel's own S rounded as the kernel rounds it (so a P value on a
+//! rounding boundary cannot flip the comparison). Distinct values everywhere: a lane or a
+//! register in the wrong place moves a product.
+//!
+//! Tolerance 1e-5: each output is a sum of 16 products of values below 1 (S) or 16 (O),
+//! accumulated in f32 (2^-24 relative per addition), against f64.
+//!
+//! Here on the CPU through wgpu and lavapipe, where the products run in `SharedMemoryMma` (wgpu has
+//! no manual MMA); under the `cuda` feature through `mma.sync`.
+
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensor};
+use burn_cubecl::CubeBackend;
+use ulysses_kernels::{
+    mma::{fragment_products, has_mma_sync},
+    testing::{runtime_available, supports_dtype, uniform_values},
+};
+
+#[cfg(feature = "cuda")]
+type Runtime = cubecl::cuda::CudaRuntime;
+#[cfg(not(feature = "cuda"))]
+type Runtime = cubecl::wgpu::WgpuRuntime;
+
+type B = CubeBackend<Runtime, f32, i32, u32>;
+
+const TOLERANCE: f64 = 1e-5;
+
+fn values_of(tensor: FloatTensor<B>) -> Vec<f64> {
+    let tensor = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(tensor));
+    tensor.cast(DType::F32).into_data().to_vec::<f32>().unwrap().into_iter().map(f64::from).collect()
+}
+
+/// A `[16, 16]` tile of `values` in `dtype`, and its values as the kernel sees them.
+fn tile(values: &[f64], dtype: DType, device: &<Runtime as cubecl::Runtime>::Device) -> (FloatTensor<B>, Vec<f64>) {
+    let tensor = Tensor::<B, 2>::from_data(TensorData::new(values.iter().map(|&x| x as f32).collect::<Vec<_>>(), [16, 16]), device).cast(dtype);
+    let primitive = tensor.into_primitive().tensor();
+    (primitive.clone(), values_of(primitive))
+}
+
+/// `x · yᵀ` (`transposed`) or `x · y` of 16 × 16 row-major matrices, in f64.
+fn product(x: &[f64], y: &[f64], transposed: bool) -> Vec<f64> {
+    let mut out = vec![0.0; 256];
+    for row in 0..16 {
+        for column in 0..16 {
+            out[row * 16 + column] = (0..16).map(|k| x[row * 16 + k] * if transposed { y[column * 16 + k] } else { y[k * 16 + column] }).sum();
+        }
+    }
+    out
+}
+
+fn largest_difference(got: &[f64], want: &[f64]) -> f64 {
+    got.iter().zip(want).map(|(g, w)| if g.is_finite() { (g - w).abs() } else { f64::INFINITY }).fold(0.0, f64::max)
+}
+
+#[test]
+fn fragments_give_flash_attentions_two_products() {
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let device = Default::default();
+    for dtype in [DType::F16, DType::BF16] {
+        if !supports_dtype::<Runtime>(&device, dtype) {
+            println!("{dtype:?}: not on this device");
+            continue;
+        }
+        let (q, q_values) = tile(&uniform_values(256, 11), dtype, &device);
+        let (k, k_values) = tile(&uniform_values(256, 12), dtype, &device);
+        let (v, v_values) = tile(&uniform_values(256, 13), dtype, &device);
+        let client = q.client.clone();
+        let (s, o) = fragment_products(q, k, v).unwrap();
+        let (s, o) = (values_of(s), values_of(o));
+
+        let s_error = largest_difference(&s, &product(&q_values, &k_values, true));
+        // P as the kernel makes it: its f32 S rounded to the inputs' dtype.
+        let (p, _) = tile(&s, dtype, &device);
+        let o_error = largest_difference(&o, &product(&values_of(p), &v_values, false));
+        let path = if has_mma_sync(&client, dtype) { "mma.sync" } else { "shared memory" };
+        println!("{dtype:?} ({path}): S within {s_error:.1e}, O within {o_error:.1e}");
+        assert!(s_error <= TOLERANCE, "{dtype:?}: S = q·kᵀ differs by {s_error:e}");
+        assert!(o_error <= TOLERANCE, "{dtype:?}: O = P·v differs by {o_error:e}");
+    }
+}
+
+#[test]
+fn fragments_refuse_other_shapes_and_dtypes() {
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let device = Default::default();
+    let square = || Tensor::<B, 2>::zeros([16, 16], &device).cast(DType::F16).into_primitive().tensor();
+    let wide = Tensor::<B, 2>::zeros([16, 32], &device).cast(DType::F16).into_primitive().tensor();
+    let error = fragment_products(square(), wide, square()).unwrap_err().to_string();
+    assert!(error.contains("[16, 16]"), "{error}");
+    let f32_tile = Tensor::<B, 2>::zeros([16, 16], &device).into_primitive().tensor();
+    let error = fragment_products(f32_tile, square(), square()).unwrap_err().to_string();
+    assert!(error.contains("f16 or bf16"), "{error}");
+}
