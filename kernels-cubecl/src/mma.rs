@@ -66,22 +66,8 @@ impl FragmentMma for MmaSync {
 
     fn mma<E: Float>(a: &Array<E>, b: &Array<E>, c: &mut Array<f32>, _scratch: &mut SharedMemory<f32>) {
         let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
-        let mut a_regs = Array::<Vector<E, Const<2>>>::new(A_VALUES / 2);
-        #[unroll]
-        for r in 0..A_VALUES / 2 {
-            let mut pair = Vector::empty();
-            pair[0] = a[2 * r];
-            pair[1] = a[2 * r + 1];
-            a_regs[r] = pair;
-        }
-        let mut b_regs = Array::<Vector<E, Const<2>>>::new(B_VALUES / 2);
-        #[unroll]
-        for r in 0..B_VALUES / 2 {
-            let mut pair = Vector::empty();
-            pair[0] = b[2 * r];
-            pair[1] = b[2 * r + 1];
-            b_regs[r] = pair;
-        }
+        let a_regs = register_pairs::<E>(a, A_VALUES / 2);
+        let b_regs = register_pairs::<E>(b, B_VALUES / 2);
         let mut c_regs = Array::<Vector<f32, Const<1>>>::new(C_VALUES);
         #[unroll]
         for r in 0..C_VALUES {
@@ -95,6 +81,20 @@ impl FragmentMma for MmaSync {
             c[r] = d[r][0];
         }
     }
+}
+
+/// `values` as `registers` 32-bit registers of two half-precision values each, in order.
+#[cube]
+fn register_pairs<E: Float>(values: &Array<E>, #[comptime] registers: usize) -> Array<Vector<E, Const<2>>> {
+    let mut pairs = Array::<Vector<E, Const<2>>>::new(registers);
+    #[unroll]
+    for r in 0..registers {
+        let mut pair = Vector::empty();
+        pair[0] = values[2 * r];
+        pair[1] = values[2 * r + 1];
+        pairs[r] = pair;
+    }
+    pairs
 }
 
 /// The same product from the same registers, for devices without manual MMA: each warp

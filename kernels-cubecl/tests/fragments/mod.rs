@@ -15,18 +15,13 @@
 //! no manual MMA); under the `cuda` feature through `mma.sync`.
 
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensor};
-use burn_cubecl::CubeBackend;
 use ulysses_kernels::{
     mma::{fragment_products, has_mma_sync},
     testing::{runtime_available, supports_dtype, uniform_values},
 };
 
-#[cfg(feature = "cuda")]
-type Runtime = cubecl::cuda::CudaRuntime;
-#[cfg(not(feature = "cuda"))]
-type Runtime = cubecl::wgpu::WgpuRuntime;
-
-type B = CubeBackend<Runtime, f32, i32, u32>;
+// The flash-attention tests' runtime: wgpu, or CUDA under the `cuda` feature.
+use super::{B, Runtime};
 
 const TOLERANCE: f64 = 1e-5;
 
