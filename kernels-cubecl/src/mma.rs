@@ -44,14 +44,23 @@ pub fn lane() -> usize {
 /// Values of the scratch [`SharedMemoryMma`] uses per warp: A (16 × 16) and B (16 × 8).
 const SCRATCH_PER_WARP: usize = 16 * 16 + 16 * 8;
 
-/// `c += a · b` on one warp's fragments (see the module doc for the layout). Every unit of the
-/// cube calls it together (the emulation synchronises the cube).
+/// `c += a · b` on one warp's fragments (see the module doc for the layout): A's 8 values at
+/// `a[a_at..]`, C's 4 at `c[c_at..]` (a kernel keeps many fragments in one register array; on
+/// CUDA its loops are unrolled, so the offsets are constants and the arrays registers).
+/// Every unit of the cube calls it together (the emulation synchronises the cube).
 #[cube]
 pub trait FragmentMma: Send + Sync + 'static {
     /// Shared memory the product may use, for a cube of `warps` warps (allocated once per
     /// kernel; `MmaSync` uses none).
     fn scratch(#[comptime] warps: usize) -> SharedMemory<f32>;
-    fn mma<E: Float>(a: &Array<E>, b: &Array<E>, c: &mut Array<f32>, scratch: &mut SharedMemory<f32>);
+    fn mma<E: Float>(
+        a: &Array<E>,
+        a_at: usize,
+        b: &Array<E>,
+        c: &mut Array<f32>,
+        c_at: usize,
+        scratch: &mut SharedMemory<f32>,
+    );
 }
 
 /// One `mma.sync.aligned.m16n8k16` per product (CUDA, sm_80 and later). CubeCL's registers
@@ -64,34 +73,41 @@ impl FragmentMma for MmaSync {
         SharedMemory::new(1usize)
     }
 
-    fn mma<E: Float>(a: &Array<E>, b: &Array<E>, c: &mut Array<f32>, _scratch: &mut SharedMemory<f32>) {
+    fn mma<E: Float>(
+        a: &Array<E>,
+        a_at: usize,
+        b: &Array<E>,
+        c: &mut Array<f32>,
+        c_at: usize,
+        _scratch: &mut SharedMemory<f32>,
+    ) {
         let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
-        let a_regs = register_pairs::<E>(a, A_VALUES / 2);
-        let b_regs = register_pairs::<E>(b, B_VALUES / 2);
+        let a_regs = register_pairs::<E>(a, a_at, A_VALUES / 2);
+        let b_regs = register_pairs::<E>(b, 0usize, B_VALUES / 2);
         let mut c_regs = Array::<Vector<f32, Const<1>>>::new(C_VALUES);
         #[unroll]
         for r in 0..C_VALUES {
             let mut one = Vector::empty();
-            one[0] = c[r];
+            one[0] = c[c_at + r];
             c_regs[r] = one;
         }
         let d = def.execute(&a_regs, &b_regs, &c_regs);
         #[unroll]
         for r in 0..C_VALUES {
-            c[r] = d[r][0];
+            c[c_at + r] = d[r][0];
         }
     }
 }
 
-/// `values` as `registers` 32-bit registers of two half-precision values each, in order.
+/// `values[at..]` as `registers` 32-bit registers of two half-precision values each, in order.
 #[cube]
-fn register_pairs<E: Float>(values: &Array<E>, #[comptime] registers: usize) -> Array<Vector<E, Const<2>>> {
+fn register_pairs<E: Float>(values: &Array<E>, at: usize, #[comptime] registers: usize) -> Array<Vector<E, Const<2>>> {
     let mut pairs = Array::<Vector<E, Const<2>>>::new(registers);
     #[unroll]
     for r in 0..registers {
         let mut pair = Vector::empty();
-        pair[0] = values[2 * r];
-        pair[1] = values[2 * r + 1];
+        pair[0] = values[at + 2 * r];
+        pair[1] = values[at + 2 * r + 1];
         pairs[r] = pair;
     }
     pairs
@@ -109,28 +125,35 @@ impl FragmentMma for SharedMemoryMma {
         SharedMemory::new(SCRATCH_PER_WARP * warps)
     }
 
-    fn mma<E: Float>(a: &Array<E>, b: &Array<E>, c: &mut Array<f32>, scratch: &mut SharedMemory<f32>) {
+    fn mma<E: Float>(
+        a: &Array<E>,
+        a_at: usize,
+        b: &Array<E>,
+        c: &mut Array<f32>,
+        c_at: usize,
+        scratch: &mut SharedMemory<f32>,
+    ) {
         let lane = lane();
         let (g, t) = (lane / 4, lane % 4);
-        let a_at = (UNIT_POS as usize / 32) * SCRATCH_PER_WARP;
-        let b_at = a_at + 16 * 16;
+        let a_base = (UNIT_POS as usize / 32) * SCRATCH_PER_WARP;
+        let b_base = a_base + 16 * 16;
         #[unroll]
         for i in 0..A_VALUES {
-            scratch[a_at + (g + 8 * ((i / 2) % 2)) * 16 + 2 * t + i % 2 + 8 * (i / 4)] = f32::cast_from(a[i]);
+            scratch[a_base + (g + 8 * ((i / 2) % 2)) * 16 + 2 * t + i % 2 + 8 * (i / 4)] = f32::cast_from(a[a_at + i]);
         }
         #[unroll]
         for i in 0..B_VALUES {
-            scratch[b_at + (2 * t + i % 2 + 8 * (i / 2)) * 8 + g] = f32::cast_from(b[i]);
+            scratch[b_base + (2 * t + i % 2 + 8 * (i / 2)) * 8 + g] = f32::cast_from(b[i]);
         }
         sync_cube();
         #[unroll]
         for i in 0..C_VALUES {
             let (row, column) = (g + 8 * (i / 2), 2 * t + i % 2);
-            let mut sum = c[i];
+            let mut sum = c[c_at + i];
             for k in 0..16usize {
-                sum += scratch[a_at + row * 16 + k] * scratch[b_at + k * 8 + column];
+                sum += scratch[a_base + row * 16 + k] * scratch[b_base + k * 8 + column];
             }
-            c[i] = sum;
+            c[c_at + i] = sum;
         }
         // The next product writes the scratch again.
         sync_cube();
@@ -220,11 +243,11 @@ fn fragment_products_kernel<E: Float, M: FragmentMma>(
         o_right[i] = 0.0;
     }
     // Kᵀ[kk, n] = K[n, kk]: the left tile takes keys 0–7, the right keys 8–15.
-    M::mma::<E>(&q_frag, &load_b::<E>(k, 0, 1, 16), &mut s_left, &mut scratch);
-    M::mma::<E>(&q_frag, &load_b::<E>(k, 8 * 16, 1, 16), &mut s_right, &mut scratch);
+    M::mma::<E>(&q_frag, 0usize, &load_b::<E>(k, 0, 1, 16), &mut s_left, 0usize, &mut scratch);
+    M::mma::<E>(&q_frag, 0usize, &load_b::<E>(k, 8 * 16, 1, 16), &mut s_right, 0usize, &mut scratch);
     let p = accumulators_as_a::<E>(&s_left, &s_right);
-    M::mma::<E>(&p, &load_b::<E>(v, 0, 16, 1), &mut o_left, &mut scratch);
-    M::mma::<E>(&p, &load_b::<E>(v, 8, 16, 1), &mut o_right, &mut scratch);
+    M::mma::<E>(&p, 0usize, &load_b::<E>(v, 0, 16, 1), &mut o_left, 0usize, &mut scratch);
+    M::mma::<E>(&p, 0usize, &load_b::<E>(v, 8, 16, 1), &mut o_right, 0usize, &mut scratch);
     store_c(&s_left, s, 0, 16);
     store_c(&s_right, s, 8, 16);
     store_c(&o_left, o, 0, 16);

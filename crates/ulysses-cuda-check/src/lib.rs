@@ -17,7 +17,8 @@ use burn_cubecl::CubeBackend;
 use cubecl::Runtime as _;
 use serde::Serialize;
 use ulysses_kernels::{
-    FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, fused_cross_entropy, mma::fragment_products, plan_flash_attention,
+    FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, flash_attention_forward_fragments, fused_cross_entropy,
+    mma::fragment_products, plan_flash_attention,
 };
 
 use runtime::{CompileOnly, TARGETS, TargetDevice};
@@ -63,6 +64,7 @@ fn kernel_of(entrypoint: &str) -> Option<&'static str> {
         ("flash_forward", "forward"),
         ("cross_entropy_rows", "cross_entropy"),
         ("fragment_products", "fragments"),
+        ("fragment_forward", "fragment_forward"),
     ]
         .into_iter()
         .find(|(prefix, _)| entrypoint.contains(prefix))
@@ -149,6 +151,10 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
             let tile = || Backend::float_from_data(TensorData::new(vec![0.25f32; 256], [16, 16]).convert_dtype(dtype), &device);
             fragment_products(tile(), tile(), tile()).map_err(|e| format!("{case:?}: {e}"))?;
         }
+        // The register-fragment engine's forward (FlashAttention-2's design), where it applies.
+        if !case.sixty_four_bit && !case.ranged && matches!(dtype, DType::F16 | DType::BF16) && case.head_dim == 64 {
+            flash_attention_forward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options).map_err(|e| format!("{case:?}: the fragment forward: {e}"))?;
+        }
         // Launches reach the server through a queue: every one of this case's is compiled
         // once the queue is drained.
         cubecl::future::block_on(client.sync()).map_err(|e| format!("{case:?}: {e:?}"))?;
@@ -163,7 +169,7 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
                 // fragments multiply with mma.sync whatever the plan.
                 engine: match kernel {
                     "row_delta" | "cross_entropy" => "-".into(),
-                    "fragments" => "tensor-cores-mma".into(),
+                    "fragments" | "fragment_forward" => "tensor-cores-mma".into(),
                     _ => plan.engine.to_string(),
                 },
                 dynamic_shared_bytes: compiled.dynamic_shared_bytes,

@@ -3,6 +3,7 @@
 
 mod backward;
 mod forward;
+mod fragment_forward;
 mod plan;
 pub(crate) mod stage;
 pub mod tile_ops;
@@ -217,6 +218,48 @@ fn range_tables<R: CubeRuntime>(ranges: Option<&VisibleRanges>, p: &Problem, cli
 /// a row that sees no key, under causal attention with more queries than keys or a run of
 /// keys that is empty, gets output zeros and log-sum-exp `-1e30`, which stands in for
 /// -infinity). `ranges` restricts each row to a run of keys (documents, key padding).
+/// Attention's forward on the register-fragment engine (FlashAttention-2's design,
+/// `fragment_forward.rs`): output `[B, Hq, Sq, D]` in the inputs' dtype and log-sum-exp
+/// `[B, Hq, Sq]` in f32, as [`flash_attention_forward`] gives them. f16 or bf16, head dim
+/// (and value dim) 64, no visible ranges. Not yet chosen by the planner: its first version,
+/// beside the engines it is to replace. (Head dim 128 compiles to 255 registers and spills on
+/// sm_80 and sm_89 while K and V fragments come straight from global memory: it waits for
+/// their staging through shared memory.)
+pub fn flash_attention_forward_fragments<R: CubeRuntime>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    options: FlashOptions,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
+    let p = Problem::of_tensors(&query, &key, &value, &options)?;
+    let dtype = query.dtype;
+    if !matches!(dtype, DType::F16 | DType::BF16) || p.head_dim != p.value_dim || p.head_dim != 64 {
+        return Err(FlashError::Shape(format!(
+            "the register-fragment forward takes f16 or bf16 with head and value dims of 64 (so far), got {dtype:?}, {} and {}",
+            p.head_dim, p.value_dim
+        )));
+    }
+    let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
+    let client = query.client.clone();
+    let device = query.device.clone();
+    let output = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, p.seq_q, p.value_dim]), dtype);
+    let lse = empty_device_contiguous_dtype(client.clone(), device, Shape::new([p.batch, p.q_heads, p.seq_q]), DType::F32);
+    if p.seq_q == 0 {
+        return Ok((output, lse));
+    }
+    let blocks = p.batch * p.q_heads * p.seq_q.div_ceil(fragment_forward::BLOCK_ROWS);
+    let count = CubeCount::Static(u32::try_from(blocks).map_err(|_| FlashError::Shape(format!("{blocks} blocks are more than one grid row holds")))?, 1, 1);
+    let dim = CubeDim::new_1d(32 * fragment_forward::WARPS as u32);
+    let args = (query.into_tensor_arg(), key.into_tensor_arg(), value.into_tensor_arg(), output.clone().into_tensor_arg(), lse.clone().into_tensor_arg());
+    let elem: StorageType = dtype.into();
+    if crate::mma::has_mma_sync(&client, dtype) {
+        fragment_forward::fragment_forward_kernel::launch::<crate::mma::MmaSync, R>(&client, count, dim, args.0, args.1, args.2, args.3, args.4, p.scale, p.head_dim, options.causal, true, elem);
+    } else {
+        fragment_forward::fragment_forward_kernel::launch::<crate::mma::SharedMemoryMma, R>(&client, count, dim, args.0, args.1, args.2, args.3, args.4, p.scale, p.head_dim, options.causal, false, elem);
+    }
+    Ok((output, lse))
+}
+
 pub fn flash_attention_forward<R: CubeRuntime>(
     query: CubeTensor<R>,
     key: CubeTensor<R>,

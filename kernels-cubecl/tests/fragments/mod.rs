@@ -95,3 +95,45 @@ fn fragments_refuse_other_shapes_and_dtypes() {
     let error = fragment_products(f32_tile, square(), square()).unwrap_err().to_string();
     assert!(error.contains("f16 or bf16"), "{error}");
 }
+
+/// The register-fragment engine's forward (`flash_attention_forward_fragments`) against the
+/// f64 reference attention of the flash-attention tests: output and log-sum-exp, causal and
+/// not, grouped-query, head dim 64, lengths that are no multiple of the 64-row blocks or
+/// 64-key steps, unequal lengths both ways (rows that see no key included), within the tests'
+/// f16 and bf16 tolerances; head dim 128 refused, naming what it takes.
+#[test]
+fn the_fragment_forward_matches_the_reference() {
+    use super::{Case, device, download, reference, relative_error, supports, upload, values};
+    use ulysses_kernels::{FlashOptions, flash_attention_forward_fragments};
+    let Some(device) = device() else { return };
+    for dtype in [DType::F16, DType::BF16] {
+        if !supports(&device, dtype) {
+            println!("{dtype:?}: not on this device");
+            continue;
+        }
+        let unequal = |seq_q, seq_kv| Case { seq_q, seq_kv, ..Case::new(2, 1, 0, 64, true) };
+        for case in [Case::new(4, 2, 150, 64, true), Case::new(2, 2, 80, 64, false), unequal(70, 150), unequal(150, 70)] {
+            let case = Case { dtype, batch: 1, ..case };
+            let q = values(case.q_shape().iter().product(), 1, dtype);
+            let k = values(case.k_shape().iter().product(), 2, dtype);
+            let v = values(case.v_shape().iter().product(), 3, dtype);
+            let want = reference(&case, &q, &k, &v, &vec![0.0; case.o_shape().iter().product()]);
+            let options = FlashOptions { scale: case.scale, causal: case.causal };
+            let (output, lse) = flash_attention_forward_fragments(upload(&q, case.q_shape(), dtype, &device), upload(&k, case.k_shape(), dtype, &device), upload(&v, case.v_shape(), dtype, &device), options).unwrap();
+            let lse = download::<3>(lse);
+            for (got, want) in lse.iter().zip(&want.lse) {
+                assert!(want.is_some() || *got <= -1e29, "{case:?}: a row without keys must get the -1e30 log-sum-exp, got {got}");
+            }
+            let (lse_got, lse_want): (Vec<f64>, Vec<f64>) = lse.iter().zip(&want.lse).filter_map(|(got, want)| want.map(|w| (*got, w))).unzip();
+            let (output_error, lse_error) = (relative_error(&download::<4>(output), &want.output), relative_error(&lse_got, &lse_want));
+            println!("{case:?}: output {output_error:.1e}, lse {lse_error:.1e}");
+            let tolerance = case.tolerance("fragments");
+            assert!(output_error <= tolerance && lse_error <= tolerance, "{case:?}: output {output_error:e}, lse {lse_error:e} (tolerance {tolerance:e})");
+        }
+        let case = Case { dtype, ..Case::new(2, 2, 80, 128, false) };
+        let tile = |shape| upload(&vec![0.0; case.q_shape().iter().product()], shape, dtype, &device);
+        let options = FlashOptions { scale: None, causal: false };
+        let error = flash_attention_forward_fragments(tile(case.q_shape()), tile(case.k_shape()), tile(case.v_shape()), options).unwrap_err().to_string();
+        assert!(error.contains("head and value dims of 64"), "{error}");
+    }
+}
