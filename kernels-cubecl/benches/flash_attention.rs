@@ -21,6 +21,11 @@
 //! shared-memory reads each FLOP of `Q·Kᵀ` costs, and for causal shapes of the first head
 //! count the time of forward + backward over packed documents (`VisibleRanges`) against the
 //! same shape without them: the tiles the kernels skip.
+//!
+//! `--fragments` instead times the forward at head dim 64 (what the register-fragment engine,
+//! FlashAttention-2's design, takes so far) three ways in one run: the planned engine
+//! (`flash_attention_forward`), the register fragments (`flash_attention_forward_fragments`)
+//! and SDPA, with the fragments' output checked against the planned engine's first.
 
 use std::{
     process::Command,
@@ -30,7 +35,7 @@ use std::{
 use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use ulysses_kernels::{
-    FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_forward,
+    FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_forward, flash_attention_forward_fragments,
     flash::{Engine, Problem},
 };
 
@@ -172,6 +177,46 @@ fn reads_per_flop(plan: &Plan) -> f64 {
     }
 }
 
+/// `--fragments`: the forward at head dim 64 on the planned engine, on the register fragments
+/// and in SDPA, same shapes, same run.
+fn fragments_forward(shapes: &[Shape], dtype: DType, device: &Device, budget: Duration, quick: bool) {
+    let theirs = if quick { vec![None; shapes.len()] } else { sdpa(shapes, budget) };
+    println!("forward, {dtype:?}, head dim 64: planned engine / register fragments (FlashAttention-2's design) / SDPA");
+    println!("{:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned", "heads", "seq", "causal", "planned", "fragments", "SDPA", "frag/plan", "frag/SDPA");
+    for (shape, sdpa) in shapes.iter().zip(theirs) {
+        let q_shape = [shape.batch, shape.heads, shape.seq, shape.head_dim];
+        let (q, k, v) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
+        let options = FlashOptions { scale: None, causal: shape.causal };
+        let planned = || flash_attention_forward(q.clone(), k.clone(), v.clone(), options, None).unwrap();
+        let fragments = || flash_attention_forward_fragments(q.clone(), k.clone(), v.clone(), options).unwrap();
+        // Warm-up (compiles both) and a check that they agree before they are timed.
+        let values = |tensor: CubeTensor<Runtime>| -> Vec<f32> {
+            burn::tensor::Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(tensor)).cast(DType::F32).into_data().to_vec().unwrap()
+        };
+        let difference = values(planned().0).iter().zip(values(fragments().0)).map(|(a, b)| if b.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0.0f32, f32::max);
+        let each = budget / 2;
+        let (planned_s, fragments_s) = (time(device, each, || drop(planned())), time(device, each, || drop(fragments())));
+        let flops = shape.forward_flops();
+        let tflops = |seconds: f64| flops / seconds / 1e12;
+        let sdpa_tflops = sdpa.map(|sdpa| tflops(sdpa.timing.forward));
+        // On the CPU the products run in the shared-memory emulation: compare there for
+        // agreement, not for speed.
+        let number = |x: f64| if x < 0.1 { format!("{x:.1e}") } else { format!("{x:.2}") };
+        let text = |x: Option<f64>| x.map_or("-".to_string(), number);
+        println!(
+            "{:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9.2} {:>9} | {difference:.1e}",
+            shape.heads,
+            shape.seq,
+            shape.causal,
+            number(tflops(planned_s)),
+            number(tflops(fragments_s)),
+            text(sdpa_tflops),
+            planned_s / fragments_s,
+            text(sdpa_tflops.map(|theirs| tflops(fragments_s) / theirs))
+        );
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
@@ -192,10 +237,17 @@ fn main() {
     let (seqs, heads) = if quick { (vec![256, 512], vec![2]) } else { (vec![1024, 2048, 4096, 8192, 16384, 32768, 65536], vec![16, 32]) };
     let (seqs, heads) = (list("--seqs").unwrap_or(seqs), list("--heads").unwrap_or(heads));
     let skews: Vec<Option<usize>> = list("--skews").map_or(vec![None], |skews| skews.into_iter().map(Some).collect());
+    let head_dim = if args.iter().any(|a| a == "--fragments") { 64 } else { 128 };
     let shapes: Vec<Shape> = heads
         .iter()
-        .flat_map(|&h| seqs.iter().flat_map(move |&seq| [false, true].map(|causal| Shape { batch: 1, heads: h, seq, head_dim: 128, causal })))
+        .flat_map(|&h| seqs.iter().flat_map(move |&seq| [false, true].map(|causal| Shape { batch: 1, heads: h, seq, head_dim, causal })))
         .collect();
+    if head_dim == 64 {
+        // The fragments take f16 and bf16 only: f16 where the device has no bf16 (lavapipe).
+        let dtype = if bf16 { DType::BF16 } else { DType::F16 };
+        fragments_forward(&shapes, dtype, &device, budget, quick);
+        return;
+    }
 
     let q_shape = [1, 2, 512, 128];
     let info = OperandInfo { shape: &q_shape, dtype };
