@@ -13,6 +13,7 @@
 
 use cubecl::prelude::*;
 
+use super::stage::{cube_in_range, cube_place};
 use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, lane};
 
 /// Warps (of 32 units) per block, each owning 16 query rows.
@@ -31,7 +32,8 @@ const MASKED: f32 = -1.0e30;
 
 /// Output `[B, Hq, Sq, D]` and log-sum-exp `[B, Hq, Sq]` (natural log, of the scaled scores)
 /// of attention over `q: [B, Hq, Sq, D]`, `k`, `v: [B, Hkv, Skv, D]` (contiguous; `Hq` a
-/// multiple of `Hkv`). One block per 64 query rows of one (batch, head): cube x.
+/// multiple of `Hkv`). One cube per 64 query rows of one (batch, head), over the grid
+/// `flash::grid` spreads.
 #[cube(launch)]
 pub(crate) fn fragment_forward_kernel<E: Float, M: FragmentMma>(
     q: &Tensor<E>,
@@ -46,11 +48,33 @@ pub(crate) fn fragment_forward_kernel<E: Float, M: FragmentMma>(
     #[define(E)] _dtype: StorageType,
 ) {
     let (q_heads, seq_q) = (q.shape(1), q.shape(2));
+    let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
+    // The grid may hold a few more cubes than blocks; a cube has work or not as a whole.
+    if cube_in_range(q.shape(0), q_heads, blocks_per_head) {
+        forward_block::<E, M>(q, k, v, out, lse, scale, head_dim, causal, unrolled);
+    }
+}
+
+/// One block of 64 query rows of one (batch, head), the cube's place in the grid.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn forward_block<E: Float, M: FragmentMma>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out: &mut Tensor<E>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+    #[comptime] unrolled: bool,
+) {
+    let (q_heads, seq_q) = (q.shape(1), q.shape(2));
     let (kv_heads, seq_kv) = (k.shape(1), k.shape(2));
     let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
-    let block = CUBE_POS_X as usize;
-    let head_index = block / blocks_per_head; // batch · Hq + head
-    let (batch, head) = (head_index / q_heads, head_index % q_heads);
+    let place = cube_place(q_heads, blocks_per_head);
+    let (batch, head, block) = (place.batch, place.head, place.block);
+    let head_index = batch * q_heads + head;
     let kv_head = head / (q_heads / kv_heads);
     let q_base = head_index * seq_q * head_dim;
     let kv_base = (batch * kv_heads + kv_head) * seq_kv * head_dim;
@@ -58,7 +82,7 @@ pub(crate) fn fragment_forward_kernel<E: Float, M: FragmentMma>(
     let warp = UNIT_POS as usize / 32;
     let lane = lane();
     let (g, t) = (lane / 4, lane % 4);
-    let row0 = (block % blocks_per_head) * BLOCK_ROWS + warp * 16;
+    let row0 = block * BLOCK_ROWS + warp * 16;
     // This lane's two rows are g and g + 8 of the warp's 16: row0 + g + 8·half.
 
     let mut scratch = M::scratch(WARPS);
@@ -91,7 +115,7 @@ pub(crate) fn fragment_forward_kernel<E: Float, M: FragmentMma>(
     }
 
     // Bottom-right aligned causal mask: key j is visible to query i when j + Sq ≤ i + Skv.
-    let block_end = (block % blocks_per_head) * BLOCK_ROWS + BLOCK_ROWS + seq_kv;
+    let block_end = block * BLOCK_ROWS + BLOCK_ROWS + seq_kv;
     let causal_keys = select(block_end > seq_q, block_end - seq_q, 0usize);
     let visible_keys = if causal { seq_kv.min(causal_keys) } else { seq_kv };
     let keys_per_step = comptime!(key_block(head_dim));

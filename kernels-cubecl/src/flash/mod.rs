@@ -214,10 +214,6 @@ fn range_tables<R: CubeRuntime>(ranges: Option<&VisibleRanges>, p: &Problem, cli
     })
 }
 
-/// Attention output `[B, Hq, Sq, Dv]` and the log-sum-exp of every row `[B, Hq, Sq]` (f32;
-/// a row that sees no key, under causal attention with more queries than keys or a run of
-/// keys that is empty, gets output zeros and log-sum-exp `-1e30`, which stands in for
-/// -infinity). `ranges` restricts each row to a run of keys (documents, key padding).
 /// Attention's forward on the register-fragment engine (FlashAttention-2's design,
 /// `fragment_forward.rs`): output `[B, Hq, Sq, D]` in the inputs' dtype and log-sum-exp
 /// `[B, Hq, Sq]` in f32, as [`flash_attention_forward`] gives them. f16 or bf16, head dim
@@ -247,8 +243,7 @@ pub fn flash_attention_forward_fragments<R: CubeRuntime>(
     if p.seq_q == 0 {
         return Ok((output, lse));
     }
-    let blocks = p.batch * p.q_heads * p.seq_q.div_ceil(fragment_forward::BLOCK_ROWS);
-    let count = CubeCount::Static(u32::try_from(blocks).map_err(|_| FlashError::Shape(format!("{blocks} blocks are more than one grid row holds")))?, 1, 1);
+    let count = grid(&client, p.batch * p.q_heads * p.seq_q.div_ceil(fragment_forward::BLOCK_ROWS))?;
     let dim = CubeDim::new_1d(32 * fragment_forward::WARPS as u32);
     let args = (query.into_tensor_arg(), key.into_tensor_arg(), value.into_tensor_arg(), output.clone().into_tensor_arg(), lse.clone().into_tensor_arg());
     let elem: StorageType = dtype.into();
@@ -260,6 +255,10 @@ pub fn flash_attention_forward_fragments<R: CubeRuntime>(
     Ok((output, lse))
 }
 
+/// Attention output `[B, Hq, Sq, Dv]` and the log-sum-exp of every row `[B, Hq, Sq]` (f32;
+/// a row that sees no key, under causal attention with more queries than keys or a run of
+/// keys that is empty, gets output zeros and log-sum-exp `-1e30`, which stands in for
+/// -infinity). `ranges` restricts each row to a run of keys (documents, key padding).
 pub fn flash_attention_forward<R: CubeRuntime>(
     query: CubeTensor<R>,
     key: CubeTensor<R>,
