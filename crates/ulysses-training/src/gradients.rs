@@ -179,20 +179,11 @@ pub fn agreed_gradient_norm<G: Backend>(local_norm: f64, communicator: &dyn Comm
     Ok(f64::from_bits(gathered[0][0]))
 }
 
-/// The path (`blocks.0.attention.wq.weight`) of the first parameter whose gradient holds a NaN
-/// or an infinity, or `None`. Each gradient is summed on the device (a NaN or an infinity
-/// survives the sum) and the sums are read back at once, so it costs one small transfer.
-pub fn first_non_finite_gradient<B: TrainBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams) -> Option<String> {
-    let (names, sums) = gradient_sums::<B, M>(module, grads);
-    if sums.is_empty() {
-        return None;
-    }
-    let values: Vec<f32> = Tensor::cat(sums, 0).into_data().convert::<f32>().to_vec().expect("f32 sums");
-    first_non_finite(&names, &values)
-}
-
-/// `loss`'s value (`[1]`, on the device) and [`first_non_finite_gradient`], in one read: what
-/// a training step needs from the device before its gradients are summed.
+/// `loss`'s value (`[1]`, on the device) and the path (`blocks.0.attention.wq.weight`) of the
+/// first parameter whose gradient holds a NaN or an infinity, or `None`, in one read: what a
+/// training step needs from the device before its gradients are summed. Each gradient is
+/// summed on the device (a NaN or an infinity survives the sum) and the sums come back with
+/// the loss, one small transfer.
 pub fn read_loss_and_first_non_finite_gradient<B: TrainBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &GradientsParams,
@@ -201,7 +192,8 @@ pub fn read_loss_and_first_non_finite_gradient<B: TrainBackend, M: AutodiffModul
     let (names, sums) = gradient_sums::<B, M>(module, grads);
     let values: Vec<f32> =
         Tensor::cat([vec![loss.cast(DType::F32)], sums].concat(), 0).into_data().convert::<f32>().to_vec().expect("f32 loss and sums");
-    (values[0] as f64, first_non_finite(&names, &values[1..]))
+    let first_non_finite = values[1..].iter().position(|v| !v.is_finite()).map(|i| names[i].clone());
+    (values[0] as f64, first_non_finite)
 }
 
 /// Each gradient's path and its sum in f32 (on the device), in the module's order.
@@ -229,8 +221,4 @@ fn gradient_sums<B: TrainBackend, M: AutodiffModule<B>>(module: &M, grads: &Grad
     let mut sums = Sums::<B> { grads, path: Vec::new(), names: Vec::new(), sums: Vec::new() };
     module.visit(&mut sums);
     (sums.names, sums.sums)
-}
-
-fn first_non_finite(names: &[String], sums: &[f32]) -> Option<String> {
-    sums.iter().position(|v| !v.is_finite()).map(|i| names[i].clone())
 }

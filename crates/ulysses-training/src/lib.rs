@@ -48,7 +48,7 @@ pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters};
 pub use gradients::{
     GRADIENT_BUCKET_BYTES, agreed_gradient_norm, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, clip_with_norm,
-    first_non_finite_gradient, gradient_norm, read_loss_and_first_non_finite_gradient,
+    gradient_norm, read_loss_and_first_non_finite_gradient,
 };
 pub use loss::{
     LmOutput, OutputHead, chunked_linear_cross_entropy_sum, default_chunk_rows, linear_cross_entropy_sum, lm_loss_sum,

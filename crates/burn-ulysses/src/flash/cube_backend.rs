@@ -88,14 +88,12 @@ where
     }
 
     fn fused_cross_entropy(logits: FloatTensor<Self>, labels: FloatTensor<Self>, ignore_index: i64) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
-        let result = if cross_entropy_disabled() { Err(DISABLED.to_string()) } else { fused_cross_entropy(logits, labels, ignore_index).map_err(|e| e.to_string()) };
+        let result = cross_entropy_switch().and_then(|()| fused_cross_entropy(logits, labels, ignore_index).map_err(|e| e.to_string()));
         result.map_err(no_fused_cross_entropy)
     }
 
     fn fused_cross_entropy_check(logits: (&[usize], DType), labels: (&[usize], DType), device: &Self::Device) -> Result<(), String> {
-        if cross_entropy_disabled() {
-            return Err(DISABLED.to_string());
-        }
+        cross_entropy_switch()?;
         check_cross_entropy(&R::client(device), logits, labels).map_err(|e| e.to_string())
     }
 
@@ -118,12 +116,13 @@ where
 }
 
 /// `ULYSSES_FUSED_CROSS_ENTROPY=0` runs the tensor-op loss instead, for a side-by-side
-/// measurement.
-fn cross_entropy_disabled() -> bool {
-    std::env::var("ULYSSES_FUSED_CROSS_ENTROPY").as_deref() == Ok("0")
+/// measurement: then the refusal that says so.
+fn cross_entropy_switch() -> Result<(), String> {
+    match std::env::var("ULYSSES_FUSED_CROSS_ENTROPY").as_deref() {
+        Ok("0") => Err("ULYSSES_FUSED_CROSS_ENTROPY=0".to_string()),
+        _ => Ok(()),
+    }
 }
-
-const DISABLED: &str = "ULYSSES_FUSED_CROSS_ENTROPY=0";
 
 /// `device`'s compute client, kept for the life of the process. CubeCL's read futures
 /// borrow the client they came from (edition 2024 captures `&self`) though they hold nothing
