@@ -174,6 +174,16 @@ pub trait PlainBackend: Backend {
     fn queue_read(tensor: FloatTensor<Self>) -> QueuedRead {
         QueuedRead::Arrived(burn::tensor::read_sync(Self::float_into_data(tensor)))
     }
+
+    /// `data` in host memory that `device` can copy from behind its queued work, the host not
+    /// waiting for it: page-locked (pinned) memory on CUDA. A copy from pageable memory may
+    /// first wait for the device's stream (CUDA stages such a copy itself), so data uploaded
+    /// often while the device is busy, such as restored offloaded tiles, goes through here.
+    /// The default returns `data` as it is: a backend without pinned memory (NdArray, wgpu)
+    /// uploads it as before.
+    fn pin_for_upload(data: TensorData, _device: &Self::Device) -> TensorData {
+        data
+    }
 }
 
 /// A tensor on its way to the host ([`PlainBackend::queue_read`]).

@@ -4,8 +4,10 @@
 //!
 //! - a **read**: a tensor brought to the host (`into_data`, `into_scalar`, a transaction);
 //! - a **sync**: `Backend::sync`;
-//! - an **upload**: a tensor made from host data (`from_data`), which waits on the host side
-//!   (a pageable copy) rather than on the device's queue, counted with its bytes;
+//! - an **upload**: a tensor made from host data (`from_data`), counted with its bytes. From
+//!   pageable memory the copy may first wait for the device's stream (CUDA stages it); from
+//!   pinned memory ([`PlainBackend::pin_for_upload`]) it is queued like a kernel, and counted
+//!   among the **pinned uploads** too;
 //! - a **queued read** ([`queue_read`], [`PlainBackend::queue_read`]): a copy to the host
 //!   queued behind the device's work, without waiting. The host waits for it later
 //!   ([`arrive`]); that wait idles the device only if nothing was queued after the read, so
@@ -29,7 +31,7 @@ use std::{
 };
 
 use burn::tensor::{
-    TensorData,
+    AllocationProperty, TensorData,
     backend::ExecutionError,
     ops::{BoolTensor, FloatTensor, IntTensor, TransactionPrimitive, TransactionPrimitiveData},
 };
@@ -55,6 +57,8 @@ pub struct DeviceIo {
     pub uploads: u64,
     /// Bytes those uploads moved.
     pub upload_bytes: u64,
+    /// Those of the uploads that came from pinned host memory: queued, not waited for.
+    pub pinned_uploads: u64,
 }
 
 impl DeviceIo {
@@ -82,6 +86,7 @@ impl Sub for DeviceIo {
             syncs: self.syncs - earlier.syncs,
             uploads: self.uploads - earlier.uploads,
             upload_bytes: self.upload_bytes - earlier.upload_bytes,
+            pinned_uploads: self.pinned_uploads - earlier.pinned_uploads,
         }
     }
 }
@@ -93,13 +98,17 @@ impl fmt::Display for DeviceIo {
         if self.queued_reads > 0 {
             write!(f, ", {} drains and {} overlapped waits for {} queued reads", self.drains, self.overlapped_waits, self.queued_reads)?;
         }
-        write!(f, ", {:.2} MiB; {} syncs), {} uploads ({:.2} MiB)", mib(self.read_bytes), self.syncs, self.uploads, mib(self.upload_bytes))
+        write!(f, ", {:.2} MiB; {} syncs), {} uploads ({:.2} MiB", mib(self.read_bytes), self.syncs, self.uploads, mib(self.upload_bytes))?;
+        if self.pinned_uploads > 0 {
+            write!(f, "; {} from pinned memory", self.pinned_uploads)?;
+        }
+        write!(f, ")")
     }
 }
 
 thread_local! {
     static COUNTS: Cell<DeviceIo> = const {
-        Cell::new(DeviceIo { reads: 0, read_bytes: 0, queued_reads: 0, drains: 0, overlapped_waits: 0, syncs: 0, uploads: 0, upload_bytes: 0 })
+        Cell::new(DeviceIo { reads: 0, read_bytes: 0, queued_reads: 0, drains: 0, overlapped_waits: 0, syncs: 0, uploads: 0, upload_bytes: 0, pinned_uploads: 0 })
     };
 }
 
@@ -132,6 +141,7 @@ fn counted_upload(data: &TensorData) {
     count(|c| {
         c.uploads += 1;
         c.upload_bytes += data.as_bytes().len() as u64;
+        c.pinned_uploads += u64::from(data.bytes.property() == AllocationProperty::Pinned);
     });
 }
 

@@ -38,7 +38,9 @@
 //! host memory and comes back a tile of rows at a time. A tile leaves through a copy queued
 //! behind the work that made it, awaited once the next tile's copy is queued (the device
 //! still busy), the last when the tensor is complete: the host idles the device once per
-//! offloaded tensor, not once per tile (`tests/device_waits.rs`). Offloaded, the only whole-sequence
+//! offloaded tensor, not once per tile (`tests/device_waits.rs`). A tile comes back from pinned
+//! memory where the backend has it (CUDA: an upload the host queues and does not wait for),
+//! one host copy of its rows away. Offloaded, the only whole-sequence
 //! tensors on the device are the cores': at a core's backward, the most a layer holds, q, k,
 //! v, the core's output, its softmax statistics and their gradients; no projection's,
 //! norm's or MLP's intermediates, no hidden state.
@@ -59,7 +61,7 @@ use burn::{
 };
 
 use burn_ulysses::{
-    UlyssesError,
+    PlainBackend, UlyssesError,
     data::ShardPositions,
     device_io::{self, PendingRead},
 };
@@ -204,7 +206,7 @@ fn layer_in_tiles<B: Backend, M: LayeredLm<B>>(
     hidden: &Kept<B>,
     tiles: usize,
     context: &M::Context,
-    offload: Option<QueueRead<B>>,
+    offload: Option<HostLink<B>>,
     device: &B::Device,
 ) -> Kept<B> {
     let core = model.core(index, core_inputs_in_tiles(model, index, hidden, tiles, context, device), context);
@@ -220,9 +222,23 @@ fn join<B: Backend, const D: usize>(mut tiles: Vec<Tensor<B, D>>, dim: usize) ->
     if tiles.len() == 1 { tiles.pop().unwrap() } else { Tensor::cat(tiles, dim) }
 }
 
-/// How an offloaded tile leaves the device: a copy to the host queued behind the work that
-/// made it ([`device_io::queue_read`]), awaited later.
-type QueueRead<B> = fn(Tensor<B, 3>) -> PendingRead;
+/// How offloaded tiles travel between the device and the host.
+struct HostLink<B: Backend> {
+    /// Out: a copy to the host queued behind the work that made the tile
+    /// ([`device_io::queue_read`]), awaited later.
+    queue_read: fn(Tensor<B, 3>) -> PendingRead,
+    /// Back: the rows put in memory the device copies from without the host waiting
+    /// ([`PlainBackend::pin_for_upload`]), then uploaded.
+    pin_for_upload: fn(TensorData, &B::Device) -> TensorData,
+}
+
+// Two fn pointers: copied like one, whatever `B` is (a derive would ask `B: Copy`).
+impl<B: Backend> Clone for HostLink<B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for HostLink<B> {}
 
 /// A tile's copy to the host is awaited once the next tile's copy has been queued: the
 /// device then still has that tile's work ahead of it, so the wait never idles it, and the
@@ -233,11 +249,11 @@ const TILES_IN_FLIGHT: usize = 1;
 /// there a tile of rows at a time), whence it comes back whole or a tile at a time.
 enum Kept<B: Backend> {
     Device(Tensor<B, 3>),
-    Host(HostTiles),
+    Host(HostTiles, HostLink<B>),
 }
 
 impl<B: Backend> Kept<B> {
-    fn keep(tensor: Tensor<B, 3>, offload: Option<QueueRead<B>>) -> Self {
+    fn keep(tensor: Tensor<B, 3>, offload: Option<HostLink<B>>) -> Self {
         let mut tiles = KeptTiles::new(offload);
         tiles.push(tensor);
         tiles.finish()
@@ -247,7 +263,7 @@ impl<B: Backend> Kept<B> {
     fn rows(&self) -> usize {
         match self {
             Kept::Device(tensor) => tensor.dims()[1],
-            Kept::Host(tiles) => tiles.rows.last().map_or(0, |rows| rows.end),
+            Kept::Host(tiles, _) => tiles.rows.last().map_or(0, |rows| rows.end),
         }
     }
 
@@ -261,8 +277,8 @@ impl<B: Backend> Kept<B> {
     fn restore_rows(&self, rows: &Range<usize>, device: &B::Device) -> Tensor<B, 3> {
         match self {
             Kept::Device(tensor) => rows_of(tensor, 1, rows),
-            Kept::Host(tiles) => {
-                let data = tiles.rows(rows);
+            Kept::Host(tiles, link) => {
+                let data = (link.pin_for_upload)(tiles.rows(rows), device);
                 // In its own dtype: `from_data` alone would make an f32 tensor of a bf16 one.
                 let dtype = data.dtype;
                 Tensor::from_data(data, (device, dtype))
@@ -276,13 +292,13 @@ impl<B: Backend> Kept<B> {
 /// (so no device buffer waits on a copy past the piece that made it).
 enum KeptTiles<B: Backend> {
     Device(Vec<Tensor<B, 3>>),
-    Host { tiles: HostTiles, pending: VecDeque<PendingRead>, queue: QueueRead<B> },
+    Host { tiles: HostTiles, pending: VecDeque<PendingRead>, link: HostLink<B> },
 }
 
 impl<B: Backend> KeptTiles<B> {
-    fn new(offload: Option<QueueRead<B>>) -> Self {
+    fn new(offload: Option<HostLink<B>>) -> Self {
         match offload {
-            Some(queue) => KeptTiles::Host { tiles: HostTiles::default(), pending: VecDeque::new(), queue },
+            Some(link) => KeptTiles::Host { tiles: HostTiles::default(), pending: VecDeque::new(), link },
             None => KeptTiles::Device(Vec::new()),
         }
     }
@@ -290,10 +306,10 @@ impl<B: Backend> KeptTiles<B> {
     fn push(&mut self, tile: Tensor<B, 3>) {
         match self {
             KeptTiles::Device(tiles) => tiles.push(tile),
-            KeptTiles::Host { tiles, pending, queue } => {
+            KeptTiles::Host { tiles, pending, link } => {
                 let start = tiles.rows.last().map_or(0, |rows| rows.end);
                 tiles.rows.push(start..start + tile.dims()[1]);
-                pending.push_back(queue(tile));
+                pending.push_back((link.queue_read)(tile));
                 if pending.len() > TILES_IN_FLIGHT {
                     tiles.arrive(pending.drain(..pending.len() - TILES_IN_FLIGHT).collect());
                 }
@@ -304,9 +320,9 @@ impl<B: Backend> KeptTiles<B> {
     fn finish(self) -> Kept<B> {
         match self {
             KeptTiles::Device(tiles) => Kept::Device(join(tiles, 1)),
-            KeptTiles::Host { mut tiles, pending, .. } => {
+            KeptTiles::Host { mut tiles, pending, link } => {
                 tiles.arrive(pending.into());
-                Kept::Host(tiles)
+                Kept::Host(tiles, link)
             }
         }
     }
@@ -381,8 +397,9 @@ where
     let device = tokens.device();
     let layers = model.layer_count();
     let shard_len = tokens.dims()[1];
-    let queue_read: QueueRead<B::InnerBackend> = |tile| device_io::queue_read::<B::Wire>(tile.into_primitive().tensor());
-    let offload = checkpointing.offload_to_host.then_some(queue_read);
+    let link: HostLink<B::InnerBackend> =
+        HostLink { queue_read: |tile| device_io::queue_read::<B::Wire>(tile.into_primitive().tensor()), pin_for_upload: B::Wire::pin_for_upload };
+    let offload = checkpointing.offload_to_host.then_some(link);
     if tiles == 0 || tiles > shard_len {
         return Err(UlyssesError::InvalidConfig(format!(
             "{tiles} tiles for a shard of {shard_len} tokens: each tile needs at least one token \

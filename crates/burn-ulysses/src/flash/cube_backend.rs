@@ -8,7 +8,7 @@ use std::{
 };
 
 use burn::tensor::{
-    DType, TensorData,
+    AllocationProperty, DType, TensorData,
     backend::{Backend, ExecutionError},
     ops::{AttentionModuleOptions, FloatTensor},
 };
@@ -112,6 +112,16 @@ where
             let bytes = bytes.await.map_err(|error| ExecutionError::WithContext { reason: error.to_string() })?;
             Ok(TensorData::from_bytes(bytes, shape, dtype))
         }))
+    }
+
+    /// One host copy into CubeCL's pinned staging pool (reused from upload to upload), from
+    /// which `from_data`'s copy is an asynchronous DMA on the device's stream. Runtimes
+    /// without staging memory (wgpu) refuse, and `data` stays as it was.
+    fn pin_for_upload(mut data: TensorData, device: &Self::Device) -> TensorData {
+        if data.bytes.property() != AllocationProperty::Pinned {
+            R::client(device).staging(std::iter::once(&mut data.bytes), false);
+        }
+        data
     }
 }
 

@@ -9,7 +9,7 @@
 use std::{marker::PhantomData, sync::Arc};
 
 use burn::tensor::{
-    DType, Shape,
+    DType, Shape, TensorData,
     ops::{AttentionModuleOptions, FloatTensor},
 };
 use burn_fusion::{
@@ -186,5 +186,10 @@ impl<B: FusionBackend + PlainBackend> PlainBackend for Fusion<B> {
     fn queue_read(tensor: FloatTensor<Self>) -> QueuedRead {
         let client = tensor.client.clone();
         B::queue_read(client.resolve_tensor_float::<B>(tensor))
+    }
+
+    /// Fusion's `from_data` hands the bytes to the wrapped backend as they are.
+    fn pin_for_upload(data: TensorData, device: &Self::Device) -> TensorData {
+        B::pin_for_upload(data, device)
     }
 }
