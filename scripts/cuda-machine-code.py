@@ -12,7 +12,10 @@ per SM follow from threads, registers and shared memory against the target's lim
 
 It fails (exit 1) on any compile error, any spill, shared memory over the target's opt-in
 limit, zero blocks per SM, or a kernel of the tensor-core engine without a tensor-core
-instruction, except the known defects listed in --known (scripts/cuda-known-defects.txt), which
+instruction; and, for the register-fragment engine (`tensor-cores-mma`), on a kernel without
+ldmatrix (LDSM), with local-memory traffic (LDL/STL), or a forward under two blocks per SM. The
+table's "loop HMMA %" is the tensor-core instructions' share of the instructions from the first
+of them to the last (the main loop, read statically). All this except the known defects listed in --known (scripts/cuda-known-defects.txt), which
 it prints as such; a line there that no longer matches anything fails too, so the list only
 shrinks. It prints one line per target and, with --table, writes a table per target grouped by
 (kernel, engine, dtype, head dim).
@@ -20,7 +23,7 @@ shrinks. It prints one line per target and, with --table, writes a table per tar
 Results are cached by a hash of the source, target and compiler versions in --cache
 (default ~/.cache/ulysses-cuda-machine-code), so a rerun with unchanged kernels is fast.
 The tools come from the PyPI wheels installed in this interpreter's environment
-(nvidia-cuda-nvrtc-cu12, nvidia-cuda-nvcc-cu12, nvidia-cuda-runtime-cu12,
+(nvidia-cuda-nvrtc-cu12, nvidia-cuda-nvcc-cu12, nvidia-cuda-runtime-cu12, nvidia-cuda-cccl-cu12,
 nvidia-cuda-nvdisasm, nvidia-cuda-cuobjdump): run it with that venv's python.
 """
 
@@ -53,8 +56,17 @@ def find(pattern):
     if not hits:
         sys.exit(f"cuda-machine-code: {pattern} not found in the nvidia wheels of {sys.prefix}; "
                  "pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12 nvidia-cuda-runtime-cu12 "
-                 "nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump")
+                 "nvidia-cuda-cccl-cu12 nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump (scripts/cuda-tools.sh)")
     return sorted(hits)[-1]
+
+
+def cccl_include():
+    """libcu++'s headers (`cuda/barrier`, `nv/target`: `cp.async` and the cube barrier), from the
+    CCCL wheel: `include/` in CUDA 12's, `include/cccl/` in 13's (where CubeCL looks too)."""
+    for pattern in ("include/cuda/barrier", "include/cccl/cuda/barrier"):
+        if any(glob.glob(os.path.join(folder, pattern)) for folder in wheel_folders()):
+            return os.path.dirname(os.path.dirname(find(pattern)))
+    return os.path.dirname(os.path.dirname(find("include/cuda/barrier")))
 
 
 class Tools:
@@ -69,7 +81,8 @@ class Tools:
         self.cuobjdump = find("bin/cuobjdump")
         # cuda_runtime.h, mma.h (runtime wheel) and crt/mma.h (nvcc wheel).
         self.includes = sorted({os.path.dirname(os.path.dirname(h)) if h.endswith("crt/mma.h") else os.path.dirname(h)
-                                for h in [find("include/mma.h"), find("include/crt/mma.h"), find("include/cuda_runtime.h")]})
+                                for h in [find("include/mma.h"), find("include/crt/mma.h"), find("include/cuda_runtime.h")]}
+                               | {cccl_include()})
         major, minor = ctypes.c_int(), ctypes.c_int()
         self.nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
         ptxas_version = subprocess.run([self.ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
@@ -111,6 +124,12 @@ def machine_code(tools, source, target):
         if sass.returncode != 0:
             raise RuntimeError(f"cuobjdump: {sass.stderr[-2000:]}")
     number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, info)) else 0
+    # SASS instructions in order (`/*0a30*/  HMMA.16816.F32.BF16 R4, ...`): the opcode after the
+    # address and any predicate. The main loop, statically: from the first tensor-core
+    # instruction to the last (the products and whatever they wait on between them).
+    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass.stdout)
+    products = [i for i, op in enumerate(opcodes) if op in ("HMMA", "HGMMA")]
+    loop = opcodes[products[0]:products[-1] + 1] if products else []
     return {
         "registers": number(r"Used (\d+) registers"),
         "stack_bytes": number(r"(\d+) bytes stack frame"),
@@ -119,7 +138,21 @@ def machine_code(tools, source, target):
         "static_shared_bytes": number(r"(\d+) bytes smem"),
         "hmma": len(re.findall(r"\bHMMA\b", sass.stdout)),
         "hgmma": len(re.findall(r"\bHGMMA\b", sass.stdout)),
+        "ldsm": len(re.findall(r"\bLDSM\b", sass.stdout)),
+        "local": len(re.findall(r"\b(?:LDL|STL)\b", sass.stdout)),
+        "loop_instructions": len(loop),
     }
+
+
+# What machine_code measures: part of the cache key, so that a result cached before a field
+# was added is measured again.
+RESULT_FIELDS = "registers stack spills shared hmma hgmma ldsm local loop_instructions"
+
+
+def density(result):
+    """Tensor-core instructions among the main loop's (first to last of them), in percent."""
+    products = result["hmma"] + result["hgmma"]
+    return round(100 * products / result["loop_instructions"]) if result["loop_instructions"] else 0
 
 
 def blocks_per_sm(target, threads, registers, shared):
@@ -161,7 +194,7 @@ def main():
     def one(kernel):
         with open(os.path.join(args.sources, kernel["file"])) as f:
             source = f.read()
-        key = hashlib.sha256(f"{tools.versions}\n{kernel['target']}\n{source}".encode()).hexdigest()
+        key = hashlib.sha256(f"{RESULT_FIELDS}\n{tools.versions}\n{kernel['target']}\n{source}".encode()).hexdigest()
         cached = os.path.join(args.cache, key + ".json")
         if os.path.exists(cached):
             with open(cached) as f:
@@ -202,6 +235,16 @@ def main():
             fail("blocks", f"no block fits an SM ({threads} threads, {result['registers']} registers, {shared} bytes shared)")
         if kernel["engine"].startswith("tensor-cores") and tensor_core_instructions == 0:
             fail("no-tensor-cores", "a tensor-core kernel without a tensor-core instruction")
+        # The register-fragment engine (FlashAttention-2's design): fragments from shared
+        # memory through ldmatrix, nothing in local memory, and its forward two blocks an SM
+        # (one block's barrier waits hidden by the other's work).
+        if kernel["engine"] == "tensor-cores-mma":
+            if result["ldsm"] == 0:
+                fail("no-ldmatrix", "a register-fragment kernel without an ldmatrix (LDSM)")
+            if result["local"]:
+                fail("local-memory", f"{result['local']} local-memory instructions (LDL/STL)")
+            if kernel["kernel"] == "fragment_forward" and blocks < 2:
+                fail("blocks", f"{blocks} block an SM for the fragment forward, which needs two ({threads} threads, {result['registers']} registers, {shared} bytes shared)")
         s = summary[kernel["target"]]
         s["kernels"] += 1
         s["cached"] += was_cached
@@ -224,7 +267,7 @@ def main():
             out.write(f"Compilers: {tools.versions}\n")
             for target in summary:
                 out.write(f"\n{target} ({targets[target]['gpu']})\n\n")
-                out.write("kernel          engine           dtype  head dim     cases  registers  spills (B)  stack (B)  shared (B)  blocks/SM  tensor-core instr.\n")
+                out.write("kernel          engine           dtype  head dim     cases  registers  spills (B)  stack (B)  shared (B)  blocks/SM  tensor-core instr.  LDSM  loop HMMA %\n")
                 grouped = defaultdict(list)
                 for group, result, shared, blocks, tc in rows[target]:
                     grouped[group].append((result, shared, blocks, tc))
@@ -234,7 +277,8 @@ def main():
                     out.write(f"{group[0]:<15} {group[1]:<16} {group[2]:<6} {group[3]:>8}  {len(items):>8}  "
                               f"{span([r['registers'] for r, *_ in items]):>9}  {span([r['spill_stores'] + r['spill_loads'] for r, *_ in items]):>10}  "
                               f"{span([r['stack_bytes'] for r, *_ in items]):>9}  {span([s for _, s, _, _ in items]):>10}  "
-                              f"{span([b for _, _, b, _ in items]):>9}  {span([t for *_, t in items]):>18}\n")
+                              f"{span([b for _, _, b, _ in items]):>9}  {span([t for *_, t in items]):>18}  "
+                              f"{span([r['ldsm'] for r, *_ in items]):>4}  {span([density(r) for r, *_ in items]):>11}\n")
         print(f"cuda-machine-code: tables in {args.table}")
 
     used = set()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes (once) a venv outside the checkout with NVIDIA's compilers from PyPI, pinned, and prints
 # its folder, for ULYSSES_CUDA_TOOLS. `scripts/cuda-tools.sh` (or `12`): NVRTC, the CUDA headers
-# and ptxas 12.9; `scripts/cuda-tools.sh 13`: 13.0, the GPU image's (driver 580). Both with
+# (libcu++'s, for cp.async and barriers, among them) and ptxas 12.9; `scripts/cuda-tools.sh 13`: 13.0, the GPU image's (driver 580). Both with
 # cuobjdump and nvdisasm 13.5 (they read sm_90a cubins of either ptxas). About 350 and 540 MB.
 #
 #   ULYSSES_CUDA_TOOLS=$(scripts/cuda-tools.sh):$(scripts/cuda-tools.sh 13)@sm_90a \
@@ -10,15 +10,21 @@ set -euo pipefail
 case "${1:-12}" in
     12)
         venv="${ULYSSES_CUDA_TOOLS_VENV:-/var/tmp/ulysses-cuda-tools}"
-        wheels=(nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-nvcc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79) ;;
+        wheels=(nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-nvcc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79 nvidia-cuda-cccl-cu12==12.9.27) ;;
     13)
         venv="${ULYSSES_CUDA_TOOLS_VENV:-/var/tmp/ulysses-cuda-tools-13}"
-        wheels=(nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88) ;;
+        wheels=(nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85) ;;
     *)
         echo "cuda-tools.sh: CUDA $1 is not pinned here; 12 or 13" >&2
         exit 2 ;;
 esac
-if ! "$venv/bin/python" -c 'import nvidia' 2>/dev/null; then
+# A venv made before a wheel was added to its list gets it too (pip skips what is there; `pip
+# show` of several names succeeds when any is there, so each is asked alone).
+missing=0
+for wheel in "${wheels[@]%%==*}"; do
+    "$venv/bin/pip" show -q "$wheel" >/dev/null 2>&1 || missing=1
+done
+if [ "$missing" = 1 ]; then
     python3 -m venv "$venv" >&2
     "$venv/bin/pip" install -q --disable-pip-version-check \
         "${wheels[@]}" nvidia-cuda-nvdisasm==13.5.37 nvidia-cuda-cuobjdump==13.5.37 >&2

@@ -22,10 +22,11 @@
 //! count the time of forward + backward over packed documents (`VisibleRanges`) against the
 //! same shape without them: the tiles the kernels skip.
 //!
-//! `--fragments` instead times the forward at head dim 64 (what the register-fragment engine,
-//! FlashAttention-2's design, takes so far) three ways in one run: the planned engine
-//! (`flash_attention_forward`), the register fragments (`flash_attention_forward_fragments`)
-//! and SDPA, with the fragments' output checked against the planned engine's first.
+//! `--fragments` instead times the forward at head dims 64 and 128 (what the register-fragment
+//! engine, FlashAttention-2's design, takes so far; `--head-dims` narrows them) three ways in one
+//! run: the planned engine (`flash_attention_forward`), the register fragments
+//! (`flash_attention_forward_fragments`) and SDPA, with the fragments' output checked against
+//! the planned engine's first; then causal packed documents of 2048 tokens on both engines.
 
 use std::{
     process::Command,
@@ -177,34 +178,30 @@ fn reads_per_flop(plan: &Plan) -> f64 {
     }
 }
 
-/// `--fragments`: the forward at head dim 64 on the planned engine, on the register fragments
-/// and in SDPA, same shapes, same run.
+/// `--fragments`: the forward on the planned engine, on the register fragments and in SDPA,
+/// same shapes, same run; then, for causal shapes, packed documents of `document` tokens on
+/// both engines (SDPA has no documents).
 fn fragments_forward(shapes: &[Shape], dtype: DType, device: &Device, budget: Duration, quick: bool) {
     let theirs = if quick { vec![None; shapes.len()] } else { sdpa(shapes, budget) };
-    println!("forward, {dtype:?}, head dim 64: planned engine / register fragments (FlashAttention-2's design) / SDPA");
-    println!("{:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned", "heads", "seq", "causal", "planned", "fragments", "SDPA", "frag/plan", "frag/SDPA");
+    println!("forward, {dtype:?}: planned engine / register fragments (FlashAttention-2's design) / SDPA");
+    println!(
+        "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned",
+        "dim", "heads", "seq", "causal", "planned", "fragments", "SDPA", "frag/plan", "frag/SDPA"
+    );
+    let number = |x: f64| if x < 0.1 { format!("{x:.1e}") } else { format!("{x:.2}") };
+    let text = |x: Option<f64>| x.map_or("-".to_string(), number);
+    // (forward seconds on the planned engine, on the fragments) of each causal shape.
+    let mut causal = Vec::new();
     for (shape, sdpa) in shapes.iter().zip(theirs) {
-        let q_shape = [shape.batch, shape.heads, shape.seq, shape.head_dim];
-        let (q, k, v) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
-        let options = FlashOptions { scale: None, causal: shape.causal };
-        let planned = || flash_attention_forward(q.clone(), k.clone(), v.clone(), options, None).unwrap();
-        let fragments = || flash_attention_forward_fragments(q.clone(), k.clone(), v.clone(), options).unwrap();
-        // Warm-up (compiles both) and a check that they agree before they are timed.
-        let values = |tensor: CubeTensor<Runtime>| -> Vec<f32> {
-            burn::tensor::Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(tensor)).cast(DType::F32).into_data().to_vec().unwrap()
-        };
-        let difference = values(planned().0).iter().zip(values(fragments().0)).map(|(a, b)| if b.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0.0f32, f32::max);
-        let each = budget / 2;
-        let (planned_s, fragments_s) = (time(device, each, || drop(planned())), time(device, each, || drop(fragments())));
+        let (planned_s, fragments_s, difference) = both_forwards(shape, dtype, device, budget, None);
         let flops = shape.forward_flops();
         let tflops = |seconds: f64| flops / seconds / 1e12;
         let sdpa_tflops = sdpa.map(|sdpa| tflops(sdpa.timing.forward));
         // On the CPU the products run in the shared-memory emulation: compare there for
         // agreement, not for speed.
-        let number = |x: f64| if x < 0.1 { format!("{x:.1e}") } else { format!("{x:.2}") };
-        let text = |x: Option<f64>| x.map_or("-".to_string(), number);
         println!(
-            "{:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9.2} {:>9} | {difference:.1e}",
+            "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9.2} {:>9} | {difference:.1e}",
+            shape.head_dim,
             shape.heads,
             shape.seq,
             shape.causal,
@@ -214,7 +211,46 @@ fn fragments_forward(shapes: &[Shape], dtype: DType, device: &Device, budget: Du
             planned_s / fragments_s,
             text(sdpa_tflops.map(|theirs| tflops(fragments_s) / theirs))
         );
+        if shape.causal {
+            causal.push((*shape, planned_s, fragments_s));
+        }
     }
+    let document = if quick { 64 } else { 2048 };
+    println!("\npacked documents of {document} tokens, causal: forward seconds, planned engine / fragments, and each against the whole sequence");
+    for (shape, planned_whole, fragments_whole) in causal.into_iter().filter(|(shape, ..)| shape.seq >= 2 * document) {
+        let lengths: Vec<usize> = (0..shape.seq).step_by(document).map(|start| document.min(shape.seq - start)).collect();
+        let ranges = VisibleRanges::all(1, shape.seq, shape.seq).and_then(|r| r.with_documents(&[lengths])).unwrap();
+        let (planned_s, fragments_s, difference) = both_forwards(&shape, dtype, device, budget, Some(&ranges));
+        println!(
+            "dim {:>3} heads {:>3} seq {:>6}: {:.3e} s / {:.3e} s = {:.2} (against the whole sequence: {:.3} / {:.3}; work {:.3}), max |Δ| {difference:.1e}",
+            shape.head_dim,
+            shape.heads,
+            shape.seq,
+            planned_s,
+            fragments_s,
+            planned_s / fragments_s,
+            planned_s / planned_whole,
+            fragments_s / fragments_whole,
+            document as f64 / shape.seq as f64
+        );
+    }
+}
+
+/// One shape's forward timed on the planned engine and on the fragments (each after a warm-up
+/// run that compiles it and checks that they agree): seconds of each, and the largest
+/// difference of their outputs.
+fn both_forwards(shape: &Shape, dtype: DType, device: &Device, budget: Duration, ranges: Option<&VisibleRanges>) -> (f64, f64, f32) {
+    let q_shape = [shape.batch, shape.heads, shape.seq, shape.head_dim];
+    let (q, k, v) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
+    let options = FlashOptions { scale: None, causal: shape.causal };
+    let planned = || flash_attention_forward(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
+    let fragments = || flash_attention_forward_fragments(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
+    let values = |tensor: CubeTensor<Runtime>| -> Vec<f32> {
+        burn::tensor::Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(tensor)).cast(DType::F32).into_data().to_vec().unwrap()
+    };
+    let difference = values(planned().0).iter().zip(values(fragments().0)).map(|(a, b)| if b.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0.0f32, f32::max);
+    let each = budget / 2;
+    (time(device, each, || drop(planned())), time(device, each, || drop(fragments())), difference)
 }
 
 fn main() {
@@ -237,17 +273,18 @@ fn main() {
     let (seqs, heads) = if quick { (vec![256, 512], vec![2]) } else { (vec![1024, 2048, 4096, 8192, 16384, 32768, 65536], vec![16, 32]) };
     let (seqs, heads) = (list("--seqs").unwrap_or(seqs), list("--heads").unwrap_or(heads));
     let skews: Vec<Option<usize>> = list("--skews").map_or(vec![None], |skews| skews.into_iter().map(Some).collect());
-    let head_dim = if args.iter().any(|a| a == "--fragments") { 64 } else { 128 };
-    let shapes: Vec<Shape> = heads
-        .iter()
-        .flat_map(|&h| seqs.iter().flat_map(move |&seq| [false, true].map(|causal| Shape { batch: 1, heads: h, seq, head_dim, causal })))
-        .collect();
-    if head_dim == 64 {
+    let shapes_of = |head_dim: usize| -> Vec<Shape> {
+        heads.iter().flat_map(|&h| seqs.iter().flat_map(move |&seq| [false, true].map(|causal| Shape { batch: 1, heads: h, seq, head_dim, causal }))).collect()
+    };
+    if args.iter().any(|a| a == "--fragments") {
+        // `--head-dims 64,128` (the dims the fragments take so far, the default).
+        let shapes: Vec<Shape> = list("--head-dims").unwrap_or(vec![64, 128]).into_iter().flat_map(shapes_of).collect();
         // The fragments take f16 and bf16 only: f16 where the device has no bf16 (lavapipe).
         let dtype = if bf16 { DType::BF16 } else { DType::F16 };
         fragments_forward(&shapes, dtype, &device, budget, quick);
         return;
     }
+    let shapes = shapes_of(128);
 
     let q_shape = [1, 2, 512, 128];
     let info = OperandInfo { shape: &q_shape, dtype };

@@ -24,9 +24,12 @@
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor};
 use cubecl::{
-    cmma::MmaDefinition,
+    cmma::{MatrixIdent, MmaDefinition},
     ir::{ElemType, FloatKind, StorageType, features::MmaConfig},
-    prelude::*,
+    prelude::{
+        barrier::{Barrier, copy_async_checked},
+        *,
+    },
 };
 
 /// Values per lane of the A, B and C fragments.
@@ -43,24 +46,71 @@ pub fn lane() -> usize {
 
 /// Values of the scratch [`SharedMemoryMma`] uses per warp: A (16 × 16) and B (16 × 8).
 const SCRATCH_PER_WARP: usize = 16 * 16 + 16 * 8;
+/// Its bytes (f32 values): what a kernel's shared memory holds beside its own on the emulation.
+pub(crate) const SCRATCH_BYTES_PER_WARP: usize = 4 * SCRATCH_PER_WARP;
 
-/// `c += a · b` on one warp's fragments (see the module doc for the layout): A's 8 values at
-/// `a[a_at..]`, C's 4 at `c[c_at..]` (a kernel keeps many fragments in one register array; on
-/// CUDA its loops are unrolled, so the offsets are constants and the arrays registers).
-/// Every unit of the cube calls it together (the emulation synchronises the cube).
+/// The fragment operations a kernel runs on the tensor cores: the product, and fragments
+/// loaded from shared memory. Every unit of the cube calls them together (the emulation
+/// synchronises the cube).
 #[cube]
 pub trait FragmentMma: Send + Sync + 'static {
     /// Shared memory the product may use, for a cube of `warps` warps (allocated once per
     /// kernel; `MmaSync` uses none).
     fn scratch(#[comptime] warps: usize) -> SharedMemory<f32>;
+
+    /// `c += a · b` on one warp's fragments (see the module doc for the layout): A's 8 values
+    /// at `a[a_at..]`, B's 4 at `b[b_at..]`, C's 4 at `c[c_at..]` (a kernel keeps many
+    /// fragments in one register array; on CUDA its loops are unrolled, so the offsets are
+    /// constants and the arrays registers).
+    #[allow(clippy::too_many_arguments)]
     fn mma<E: Float>(
         a: &Array<E>,
         a_at: usize,
         b: &Array<E>,
+        b_at: usize,
         c: &mut Array<f32>,
         c_at: usize,
         scratch: &mut SharedMemory<f32>,
     );
+
+    /// What `ldmatrix` gives this lane of `matrices` (1, 2 or 4) 8 × 8 matrices of `tile`
+    /// (row-major, `stride` values a row): matrix m is the one `8 · (m % row_blocks)` rows and
+    /// `8 · (m / row_blocks)` columns from `base`, and `values[2m..2m + 2]` are this lane's
+    /// two values of it: row g, columns 2t and 2t + 1; with `transpose`, rows 2t and 2t + 1,
+    /// column g (g = lane / 4, t = lane % 4).
+    ///
+    /// So, for a key-major tile of K at a key step, one matrix (8 keys × 8 dims) is half a B
+    /// fragment of Kᵀ and two side by side (`row_blocks` 1) are one; of V, transposed, two one
+    /// above the other (`row_blocks` 2) are a B fragment of V.
+    fn load_matrices<E: Float>(
+        tile: &SharedMemory<E>,
+        base: usize,
+        stride: usize,
+        #[comptime] matrices: usize,
+        #[comptime] row_blocks: usize,
+        #[comptime] transpose: bool,
+    ) -> Array<E>;
+
+    /// What a cube's copies into shared memory ([`copy_eight`](Self::copy_eight)) are
+    /// awaited with ([`copies_arrived`](Self::copies_arrived)); made once per kernel, by
+    /// [`copies`](Self::copies).
+    type Copies: CubeType;
+    fn copies() -> Self::Copies;
+
+    /// Starts copying the 8 values (16 bytes, 16-byte aligned at both ends) of `source` from
+    /// `from` into `tile` at `to`, or 8 zeros where not `valid` (then `source` is not read);
+    /// they are there once [`copies_arrived`](Self::copies_arrived) returns.
+    fn copy_eight<E: Float>(source: &Tensor<E>, from: usize, valid: bool, tile: &mut SharedMemory<E>, to: usize);
+
+    /// Waits until every unit of the cube has reached it and the copies every unit started
+    /// before it have arrived.
+    fn copies_arrived(copies: &mut Self::Copies);
+}
+
+/// The offset from `base` of row `row` of matrix `matrix` of a [`FragmentMma::load_matrices`].
+#[cube]
+fn matrix_row(base: usize, stride: usize, matrix: usize, row: usize, #[comptime] row_blocks: usize) -> usize {
+    base + (8 * (matrix % row_blocks) + row) * stride + 8 * (matrix / row_blocks)
 }
 
 /// One `mma.sync.aligned.m16n8k16` per product (CUDA, sm_80 and later). CubeCL's registers
@@ -77,13 +127,14 @@ impl FragmentMma for MmaSync {
         a: &Array<E>,
         a_at: usize,
         b: &Array<E>,
+        b_at: usize,
         c: &mut Array<f32>,
         c_at: usize,
         _scratch: &mut SharedMemory<f32>,
     ) {
         let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
         let a_regs = register_pairs::<E>(a, a_at, A_VALUES / 2);
-        let b_regs = register_pairs::<E>(b, 0usize, B_VALUES / 2);
+        let b_regs = register_pairs::<E>(b, b_at, B_VALUES / 2);
         let mut c_regs = Array::<Vector<f32, Const<1>>>::new(C_VALUES);
         #[unroll]
         for r in 0..C_VALUES {
@@ -96,6 +147,49 @@ impl FragmentMma for MmaSync {
         for r in 0..C_VALUES {
             c[c_at + r] = d[r][0];
         }
+    }
+
+    /// One `ldmatrix` (SASS `LDSM`): lane l supplies the address of row l % 8 of matrix l / 8
+    /// (lanes past the last matrix repeat the first ones; the instruction ignores them).
+    fn load_matrices<E: Float>(
+        tile: &SharedMemory<E>,
+        base: usize,
+        stride: usize,
+        #[comptime] matrices: usize,
+        #[comptime] row_blocks: usize,
+        #[comptime] transpose: bool,
+    ) -> Array<E> {
+        let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
+        let lane = lane();
+        let start = matrix_row(base, stride, (lane / 8) % matrices, lane % 8, row_blocks);
+        let registers = def.load_matrix::<E, Const<2>>(&tile.slice(start, start + 8), MatrixIdent::B, matrices, transpose);
+        let mut values = Array::<E>::new(2 * matrices);
+        #[unroll]
+        for m in 0..matrices {
+            values[2 * m] = registers[m][0];
+            values[2 * m + 1] = registers[m][1];
+        }
+        values
+    }
+
+    /// A cube-wide `cuda::barrier` in shared memory.
+    type Copies = Shared<Barrier>;
+    fn copies() -> Shared<Barrier> {
+        Barrier::shared(CUBE_DIM, UNIT_POS == 0)
+    }
+
+    /// One `cp.async` of 16 bytes (SASS `LDGSTS`): global to shared memory without passing
+    /// through registers; the zeros are its zero fill (a source of length 0).
+    fn copy_eight<E: Float>(source: &Tensor<E>, from: usize, valid: bool, tile: &mut SharedMemory<E>, to: usize) {
+        let start = select(valid, from, 0usize);
+        let length = select(valid, 8usize, 0usize);
+        copy_async_checked(&source.slice(start, start + length), &mut tile.slice_mut(to, to + 8), 8u32);
+    }
+
+    /// This unit's copies counted on the barrier (`cp.async.mbarrier.arrive`), then its arrival.
+    fn copies_arrived(copies: &mut Shared<Barrier>) {
+        copies.commit_copy_async();
+        copies.arrive_and_wait();
     }
 }
 
@@ -129,6 +223,7 @@ impl FragmentMma for SharedMemoryMma {
         a: &Array<E>,
         a_at: usize,
         b: &Array<E>,
+        b_at: usize,
         c: &mut Array<f32>,
         c_at: usize,
         scratch: &mut SharedMemory<f32>,
@@ -143,7 +238,7 @@ impl FragmentMma for SharedMemoryMma {
         }
         #[unroll]
         for i in 0..B_VALUES {
-            scratch[b_base + (2 * t + i % 2 + 8 * (i / 2)) * 8 + g] = f32::cast_from(b[i]);
+            scratch[b_base + (2 * t + i % 2 + 8 * (i / 2)) * 8 + g] = f32::cast_from(b[b_at + i]);
         }
         sync_cube();
         #[unroll]
@@ -156,6 +251,48 @@ impl FragmentMma for SharedMemoryMma {
             c[c_at + i] = sum;
         }
         // The next product writes the scratch again.
+        sync_cube();
+    }
+
+    /// Each lane reads its values where `ldmatrix` would put them (see the trait).
+    fn load_matrices<E: Float>(
+        tile: &SharedMemory<E>,
+        base: usize,
+        stride: usize,
+        #[comptime] matrices: usize,
+        #[comptime] row_blocks: usize,
+        #[comptime] transpose: bool,
+    ) -> Array<E> {
+        let lane = lane();
+        let (g, t) = (lane / 4, lane % 4);
+        let mut values = Array::<E>::new(2 * matrices);
+        #[unroll]
+        for m in 0..matrices {
+            #[unroll]
+            for j in 0..2usize {
+                values[2 * m + j] = if transpose {
+                    tile[matrix_row(base, stride, m, 2 * t + j, row_blocks) + g]
+                } else {
+                    tile[matrix_row(base, stride, m, g, row_blocks) + 2 * t + j]
+                };
+            }
+        }
+        values
+    }
+
+    /// Copies are plain loads and stores, there once the cube is synchronised.
+    type Copies = ();
+    fn copies() {}
+
+    fn copy_eight<E: Float>(source: &Tensor<E>, from: usize, valid: bool, tile: &mut SharedMemory<E>, to: usize) {
+        let start = select(valid, from, 0usize);
+        #[unroll]
+        for j in 0..8usize {
+            tile[to + j] = select(valid, source[start + j], E::from_int(0));
+        }
+    }
+
+    fn copies_arrived(_copies: &mut ()) {
         sync_cube();
     }
 }
@@ -189,22 +326,6 @@ pub fn load_a<E: Float>(matrix: &Tensor<E>, origin: usize, stride: usize) -> Arr
     a
 }
 
-/// This lane's B fragment of the 16 × 8 tile of `matrix` at `origin`, read as B[k, n] =
-/// `matrix[origin + k · k_stride + n · n_stride]` (for Kᵀ, pass K's row stride as `n_stride`
-/// and 1 as `k_stride`).
-#[cube]
-pub fn load_b<E: Float>(matrix: &Tensor<E>, origin: usize, k_stride: usize, n_stride: usize) -> Array<E> {
-    let lane = lane();
-    let (g, t) = (lane / 4, lane % 4);
-    let mut b = Array::<E>::new(B_VALUES);
-    #[unroll]
-    for i in 0..B_VALUES {
-        let k = 2 * t + i % 2 + 8 * (i / 2);
-        b[i] = matrix[origin + k * k_stride + g * n_stride];
-    }
-    b
-}
-
 /// Writes this lane's accumulators of the 16 × 8 tile of `out` (row-major, `stride` values a
 /// row) at `origin`.
 #[cube]
@@ -217,9 +338,17 @@ pub fn store_c(c: &Array<f32>, out: &mut Tensor<f32>, origin: usize, stride: usi
     }
 }
 
+/// Row stride of the shared tiles of [`fragment_products_kernel`]: 16 values and 8 of padding,
+/// as the attention kernels pad theirs (so the tests read fragments across a padded stride).
+const PRODUCTS_STRIDE: usize = 24;
+
 /// One plane computes FlashAttention-2's two products on 16 × 16 tiles, through fragments
 /// only: S = Q·Kᵀ (two 16 × 8 accumulator tiles), P = S rounded to `E` taken from those
-/// accumulators as an A fragment, O = P·V (two tiles). Writes S and O (f32, 16 × 16 each).
+/// accumulators as an A fragment, O = P·V (two tiles). K and V go through shared memory and
+/// come to fragments as the attention kernels copy and load them ([`FragmentMma::copy_eight`],
+/// [`FragmentMma::load_matrices`]: two
+/// matrices for each S tile, four, transposed, for both of V's). Writes S and O (f32,
+/// 16 × 16 each).
 #[cube(launch)]
 fn fragment_products_kernel<E: Float, M: FragmentMma>(
     q: &Tensor<E>,
@@ -230,6 +359,14 @@ fn fragment_products_kernel<E: Float, M: FragmentMma>(
     #[define(E)] _dtype: StorageType,
 ) {
     let mut scratch = M::scratch(1usize);
+    let mut k_tile = SharedMemory::<E>::new_aligned(16 * PRODUCTS_STRIDE, 16usize);
+    let mut v_tile = SharedMemory::<E>::new_aligned(16 * PRODUCTS_STRIDE, 16usize);
+    let mut copies = M::copies();
+    // Lane l copies the 8 values of row l / 2, columns 8·(l % 2) of each.
+    let (row, column) = (lane() / 2, 8 * (lane() % 2));
+    M::copy_eight::<E>(k, row * 16 + column, true, &mut k_tile, row * PRODUCTS_STRIDE + column);
+    M::copy_eight::<E>(v, row * 16 + column, true, &mut v_tile, row * PRODUCTS_STRIDE + column);
+    M::copies_arrived(&mut copies);
     let q_frag = load_a::<E>(q, 0, 16);
     let mut s_left = Array::<f32>::new(C_VALUES);
     let mut s_right = Array::<f32>::new(C_VALUES);
@@ -243,11 +380,15 @@ fn fragment_products_kernel<E: Float, M: FragmentMma>(
         o_right[i] = 0.0;
     }
     // Kᵀ[kk, n] = K[n, kk]: the left tile takes keys 0–7, the right keys 8–15.
-    M::mma::<E>(&q_frag, 0usize, &load_b::<E>(k, 0, 1, 16), &mut s_left, 0usize, &mut scratch);
-    M::mma::<E>(&q_frag, 0usize, &load_b::<E>(k, 8 * 16, 1, 16), &mut s_right, 0usize, &mut scratch);
+    let k_left = M::load_matrices::<E>(&k_tile, 0usize, PRODUCTS_STRIDE, 2usize, 1usize, false);
+    let k_right = M::load_matrices::<E>(&k_tile, 8 * PRODUCTS_STRIDE, PRODUCTS_STRIDE, 2usize, 1usize, false);
+    M::mma::<E>(&q_frag, 0usize, &k_left, 0usize, &mut s_left, 0usize, &mut scratch);
+    M::mma::<E>(&q_frag, 0usize, &k_right, 0usize, &mut s_right, 0usize, &mut scratch);
     let p = accumulators_as_a::<E>(&s_left, &s_right);
-    M::mma::<E>(&p, 0usize, &load_b::<E>(v, 0, 16, 1), &mut o_left, 0usize, &mut scratch);
-    M::mma::<E>(&p, 0usize, &load_b::<E>(v, 8, 16, 1), &mut o_right, 0usize, &mut scratch);
+    // V's columns 0–7 are its first B fragment (values 0–3), 8–15 its second.
+    let v_both = M::load_matrices::<E>(&v_tile, 0usize, PRODUCTS_STRIDE, 4usize, 2usize, true);
+    M::mma::<E>(&p, 0usize, &v_both, 0usize, &mut o_left, 0usize, &mut scratch);
+    M::mma::<E>(&p, 0usize, &v_both, B_VALUES, &mut o_right, 0usize, &mut scratch);
     store_c(&s_left, s, 0, 16);
     store_c(&s_right, s, 8, 16);
     store_c(&o_left, o, 0, 16);

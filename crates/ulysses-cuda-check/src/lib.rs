@@ -152,8 +152,8 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
             fragment_products(tile(), tile(), tile()).map_err(|e| format!("{case:?}: {e}"))?;
         }
         // The register-fragment engine's forward (FlashAttention-2's design), where it applies.
-        if !case.sixty_four_bit && !case.ranged && matches!(dtype, DType::F16 | DType::BF16) && case.head_dim == 64 {
-            flash_attention_forward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options).map_err(|e| format!("{case:?}: the fragment forward: {e}"))?;
+        if !case.sixty_four_bit && matches!(dtype, DType::F16 | DType::BF16) && matches!(case.head_dim, 64 | 128) {
+            flash_attention_forward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options, ranges.as_ref()).map_err(|e| format!("{case:?}: the fragment forward: {e}"))?;
         }
         // Launches reach the server through a queue: every one of this case's is compiled
         // once the queue is drained.

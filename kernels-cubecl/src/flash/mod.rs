@@ -216,22 +216,21 @@ fn range_tables<R: CubeRuntime>(ranges: Option<&VisibleRanges>, p: &Problem, cli
 
 /// Attention's forward on the register-fragment engine (FlashAttention-2's design,
 /// `fragment_forward.rs`): output `[B, Hq, Sq, D]` in the inputs' dtype and log-sum-exp
-/// `[B, Hq, Sq]` in f32, as [`flash_attention_forward`] gives them. f16 or bf16, head dim
-/// (and value dim) 64, no visible ranges. Not yet chosen by the planner: its first version,
-/// beside the engines it is to replace. (Head dim 128 compiles to 255 registers and spills on
-/// sm_80 and sm_89 while K and V fragments come straight from global memory: it waits for
-/// their staging through shared memory.)
+/// `[B, Hq, Sq]` in f32, as [`flash_attention_forward`] gives them, `ranges` restricting the
+/// keys each row sees as there. f16 or bf16, head dim (and value dim) 64 or 128. Not yet
+/// chosen by the planner: beside the engines it is to replace until it covers what they do.
 pub fn flash_attention_forward_fragments<R: CubeRuntime>(
     query: CubeTensor<R>,
     key: CubeTensor<R>,
     value: CubeTensor<R>,
     options: FlashOptions,
+    ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let p = Problem::of_tensors(&query, &key, &value, &options)?;
     let dtype = query.dtype;
-    if !matches!(dtype, DType::F16 | DType::BF16) || p.head_dim != p.value_dim || p.head_dim != 64 {
+    if !matches!(dtype, DType::F16 | DType::BF16) || p.head_dim != p.value_dim || !matches!(p.head_dim, 64 | 128) {
         return Err(FlashError::Shape(format!(
-            "the register-fragment forward takes f16 or bf16 with head and value dims of 64 (so far), got {dtype:?}, {} and {}",
+            "the register-fragment forward takes f16 or bf16 with head and value dims of 64 or 128 (so far), got {dtype:?}, {} and {}",
             p.head_dim, p.value_dim
         )));
     }
@@ -243,14 +242,19 @@ pub fn flash_attention_forward_fragments<R: CubeRuntime>(
     if p.seq_q == 0 {
         return Ok((output, lse));
     }
+    let [row_keys, _] = range_tables(ranges, &p, &client, &query.device)?;
     let count = grid(&client, p.batch * p.q_heads * p.seq_q.div_ceil(fragment_forward::BLOCK_ROWS))?;
     let dim = CubeDim::new_1d(32 * fragment_forward::WARPS as u32);
-    let args = (query.into_tensor_arg(), key.into_tensor_arg(), value.into_tensor_arg(), output.clone().into_tensor_arg(), lse.clone().into_tensor_arg());
+    let args = (query.into_tensor_arg(), key.into_tensor_arg(), value.into_tensor_arg(), output.clone().into_tensor_arg(), lse.clone().into_tensor_arg(), row_keys.into_tensor_arg());
     let elem: StorageType = dtype.into();
-    if crate::mma::has_mma_sync(&client, dtype) {
-        fragment_forward::fragment_forward_kernel::launch::<crate::mma::MmaSync, R>(&client, count, dim, args.0, args.1, args.2, args.3, args.4, p.scale, p.head_dim, options.causal, true, elem);
+    let mma_sync = crate::mma::has_mma_sync(&client, dtype);
+    let shared_limit = client.properties().hardware.max_shared_memory_size;
+    let keys = fragment_forward::key_step(p.head_dim, mma_sync, dtype.size(), shared_limit)
+        .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
+    if mma_sync {
+        fragment_forward::fragment_forward_kernel::launch::<crate::mma::MmaSync, R>(&client, count, dim, args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, keys, options.causal, ranges.is_some(), true, elem);
     } else {
-        fragment_forward::fragment_forward_kernel::launch::<crate::mma::SharedMemoryMma, R>(&client, count, dim, args.0, args.1, args.2, args.3, args.4, p.scale, p.head_dim, options.causal, false, elem);
+        fragment_forward::fragment_forward_kernel::launch::<crate::mma::SharedMemoryMma, R>(&client, count, dim, args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, keys, options.causal, ranges.is_some(), false, elem);
     }
     Ok((output, lse))
 }

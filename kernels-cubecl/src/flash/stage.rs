@@ -341,19 +341,30 @@ pub struct Run {
 /// causality; empty past the last row.
 #[cube]
 pub fn row_keys(table: &Tensor<u32>, batch: usize, row: usize, seq_q: usize, seq_kv: usize, #[comptime] blocks: Blocks) -> Run {
-    visible_run(table, batch, row, seq_q, seq_kv, false, blocks)
+    visible_run(table, batch, row, seq_q, seq_kv, false, blocks.ranged, blocks.causal)
 }
 
 /// The query rows that see key `key`: its run of the call's ranges (all rows without), cut
 /// by causality; empty past the last key.
 #[cube]
 pub fn key_rows(table: &Tensor<u32>, batch: usize, key: usize, seq_q: usize, seq_kv: usize, #[comptime] blocks: Blocks) -> Run {
-    visible_run(table, batch, key, seq_q, seq_kv, true, blocks)
+    visible_run(table, batch, key, seq_q, seq_kv, true, blocks.ranged, blocks.causal)
 }
 
-/// [`row_keys`] of query row `index`, or with `of_keys` [`key_rows`] of key `index`.
+/// [`row_keys`] of query row `index`, or with `of_keys` [`key_rows`] of key `index`, for a
+/// call with ranges (`ranged`) or without, causal or not.
 #[cube]
-fn visible_run(table: &Tensor<u32>, batch: usize, index: usize, seq_q: usize, seq_kv: usize, #[comptime] of_keys: bool, #[comptime] blocks: Blocks) -> Run {
+#[allow(clippy::too_many_arguments)]
+pub fn visible_run(
+    table: &Tensor<u32>,
+    batch: usize,
+    index: usize,
+    seq_q: usize,
+    seq_kv: usize,
+    #[comptime] of_keys: bool,
+    #[comptime] ranged: bool,
+    #[comptime] causal: bool,
+) -> Run {
     let mut own = seq_q;
     let mut other = seq_kv;
     if of_keys {
@@ -362,14 +373,14 @@ fn visible_run(table: &Tensor<u32>, batch: usize, index: usize, seq_q: usize, se
     }
     let mut start = 0usize;
     let mut end = other;
-    if blocks.ranged {
+    if ranged {
         if index < own {
             let at = 2 * (batch * own + index);
             start = usize::cast_from(table[at]);
             end = usize::cast_from(table[at + 1]);
         }
     }
-    if blocks.causal {
+    if causal {
         if of_keys {
             start = max(start, first_row_seeing(index, seq_q, seq_kv));
         } else {
@@ -407,7 +418,7 @@ pub fn cube_run(
         let mut highest = 0u32;
         let mut i = UNIT_POS_X as usize;
         while i < count {
-            let one = visible_run(table, batch, first + i, seq_q, seq_kv, of_keys, blocks);
+            let one = visible_run(table, batch, first + i, seq_q, seq_kv, of_keys, blocks.ranged, blocks.causal);
             if one.start < one.end {
                 lowest = min(lowest, u32::cast_from(one.start));
                 highest = max(highest, u32::cast_from(one.end));

@@ -98,9 +98,10 @@ fn fragments_refuse_other_shapes_and_dtypes() {
 
 /// The register-fragment engine's forward (`flash_attention_forward_fragments`) against the
 /// f64 reference attention of the flash-attention tests: output and log-sum-exp, causal and
-/// not, grouped-query, head dim 64, lengths that are no multiple of the 64-row blocks or
-/// 64-key steps, unequal lengths both ways (rows that see no key included), within the tests'
-/// f16 and bf16 tolerances; head dim 128 refused, naming what it takes.
+/// not, grouped-query, head dims 64 and 128, lengths that are no multiple of the 64-row blocks
+/// or the key steps (several steps each, so both K/V buffers in turn), unequal lengths both
+/// ways (rows that see no key included), packed documents, key runs and a sliding window,
+/// within the tests' f16 and bf16 tolerances; head dim 96 refused, naming what it takes.
 #[test]
 fn the_fragment_forward_matches_the_reference() {
     use super::{Case, device, download, reference, relative_error, supports, upload, values};
@@ -112,14 +113,32 @@ fn the_fragment_forward_matches_the_reference() {
             continue;
         }
         let unequal = |seq_q, seq_kv| Case { seq_q, seq_kv, ..Case::new(2, 1, 0, 64, true) };
-        for case in [Case::new(4, 2, 150, 64, true), Case::new(2, 2, 80, 64, false), unequal(70, 150), unequal(150, 70)] {
-            let case = Case { dtype, batch: 1, ..case };
+        let cases = [
+            Case::new(4, 2, 150, 64, true),
+            Case::new(2, 2, 80, 64, false),
+            unequal(70, 150),
+            unequal(150, 70),
+            Case::new(4, 2, 150, 128, true),
+            Case::new(2, 2, 80, 128, false),
+            // Documents (one shorter than a key step, one a block's rows apart), key runs
+            // (one empty), a window with documents: the blocks' loops start past key 0.
+            Case { documents: Some(vec![vec![70, 80], vec![5, 17, 100, 3, 25]]), ..Case::new(4, 1, 150, 64, true) },
+            Case { key_runs: Some(vec![0..101, 30..150]), ..Case::new(2, 2, 150, 64, false) },
+            Case { key_runs: Some(vec![0..0, 0..7]), ..Case::new(2, 2, 40, 128, false) },
+            Case { window: Some(17), documents: Some(vec![vec![100, 50], vec![9, 141]]), ..Case::new(4, 2, 150, 128, true) },
+        ];
+        for case in cases {
+            // Two sequences where the case packs documents or runs into each, else one.
+            let batch = if case.ranges().is_some() { 2 } else { 1 };
+            let case = Case { dtype, batch, ..case };
             let q = values(case.q_shape().iter().product(), 1, dtype);
             let k = values(case.k_shape().iter().product(), 2, dtype);
             let v = values(case.v_shape().iter().product(), 3, dtype);
             let want = reference(&case, &q, &k, &v, &vec![0.0; case.o_shape().iter().product()]);
             let options = FlashOptions { scale: case.scale, causal: case.causal };
-            let (output, lse) = flash_attention_forward_fragments(upload(&q, case.q_shape(), dtype, &device), upload(&k, case.k_shape(), dtype, &device), upload(&v, case.v_shape(), dtype, &device), options).unwrap();
+            let ranges = case.ranges();
+            let (q_tensor, k_tensor, v_tensor) = (upload(&q, case.q_shape(), dtype, &device), upload(&k, case.k_shape(), dtype, &device), upload(&v, case.v_shape(), dtype, &device));
+            let (output, lse) = flash_attention_forward_fragments(q_tensor, k_tensor, v_tensor, options, ranges.as_ref()).unwrap();
             let lse = download::<3>(lse);
             for (got, want) in lse.iter().zip(&want.lse) {
                 assert!(want.is_some() || *got <= -1e29, "{case:?}: a row without keys must get the -1e30 log-sum-exp, got {got}");
@@ -130,10 +149,10 @@ fn the_fragment_forward_matches_the_reference() {
             let tolerance = case.tolerance("fragments");
             assert!(output_error <= tolerance && lse_error <= tolerance, "{case:?}: output {output_error:e}, lse {lse_error:e} (tolerance {tolerance:e})");
         }
-        let case = Case { dtype, ..Case::new(2, 2, 80, 128, false) };
+        let case = Case { dtype, ..Case::new(2, 2, 80, 96, false) };
         let tile = |shape| upload(&vec![0.0; case.q_shape().iter().product()], shape, dtype, &device);
         let options = FlashOptions { scale: None, causal: false };
-        let error = flash_attention_forward_fragments(tile(case.q_shape()), tile(case.k_shape()), tile(case.v_shape()), options).unwrap_err().to_string();
-        assert!(error.contains("head and value dims of 64"), "{error}");
+        let error = flash_attention_forward_fragments(tile(case.q_shape()), tile(case.k_shape()), tile(case.v_shape()), options, None).unwrap_err().to_string();
+        assert!(error.contains("head and value dims of 64 or 128"), "{error}");
     }
 }
