@@ -13,7 +13,7 @@ per SM follow from threads, registers and shared memory against the target's lim
 It fails (exit 1) on any compile error, any spill, shared memory over the target's opt-in
 limit, zero blocks per SM, or a kernel of the tensor-core engine without a tensor-core
 instruction; and, for the register-fragment engine (`tensor-cores-mma`), on a kernel without
-ldmatrix (LDSM), with local-memory traffic (LDL/STL), or a forward under two blocks per SM. The
+ldmatrix (LDSM) or cp.async (LDGSTS), with local-memory traffic (LDL/STL), or a forward or dQ kernel under two blocks per SM. The
 table's "loop HMMA %" is the tensor-core instructions' share of the instructions from the first
 of them to the last (the main loop, read statically). All this except the known defects listed in --known (scripts/cuda-known-defects.txt), which
 it prints as such; a line there that no longer matches anything fails too, so the list only
@@ -139,6 +139,7 @@ def machine_code(tools, source, target):
         "hmma": len(re.findall(r"\bHMMA\b", sass.stdout)),
         "hgmma": len(re.findall(r"\bHGMMA\b", sass.stdout)),
         "ldsm": len(re.findall(r"\bLDSM\b", sass.stdout)),
+        "ldgsts": len(re.findall(r"\bLDGSTS\b", sass.stdout)),
         "local": len(re.findall(r"\b(?:LDL|STL)\b", sass.stdout)),
         "loop_instructions": len(loop),
     }
@@ -146,7 +147,7 @@ def machine_code(tools, source, target):
 
 # What machine_code measures: part of the cache key, so that a result cached before a field
 # was added is measured again.
-RESULT_FIELDS = "registers stack spills shared hmma hgmma ldsm local loop_instructions"
+RESULT_FIELDS = "registers stack spills shared hmma hgmma ldsm ldgsts local loop_instructions"
 
 
 def density(result):
@@ -241,10 +242,12 @@ def main():
         if kernel["engine"] == "tensor-cores-mma":
             if result["ldsm"] == 0:
                 fail("no-ldmatrix", "a register-fragment kernel without an ldmatrix (LDSM)")
+            if result["ldgsts"] == 0:
+                fail("no-cp-async", "a register-fragment kernel without an asynchronous copy (cp.async, LDGSTS)")
             if result["local"]:
                 fail("local-memory", f"{result['local']} local-memory instructions (LDL/STL)")
-            if kernel["kernel"] == "fragment_forward" and blocks < 2:
-                fail("blocks", f"{blocks} block an SM for the fragment forward, which needs two ({threads} threads, {result['registers']} registers, {shared} bytes shared)")
+            if kernel["kernel"] in ("fragment_forward", "fragment_query_grad") and blocks < 2:
+                fail("blocks", f"{blocks} block an SM for {kernel['kernel']}, which needs two ({threads} threads, {result['registers']} registers, {shared} bytes shared)")
         s = summary[kernel["target"]]
         s["kernels"] += 1
         s["cached"] += was_cached
@@ -267,7 +270,7 @@ def main():
             out.write(f"Compilers: {tools.versions}\n")
             for target in summary:
                 out.write(f"\n{target} ({targets[target]['gpu']})\n\n")
-                out.write("kernel          engine           dtype  head dim     cases  registers  spills (B)  stack (B)  shared (B)  blocks/SM  tensor-core instr.  LDSM  loop HMMA %\n")
+                out.write("kernel          engine           dtype  head dim     cases  registers  spills (B)  stack (B)  shared (B)  blocks/SM  tensor-core instr.  LDSM  LDGSTS  loop HMMA %\n")
                 grouped = defaultdict(list)
                 for group, result, shared, blocks, tc in rows[target]:
                     grouped[group].append((result, shared, blocks, tc))
@@ -278,7 +281,7 @@ def main():
                               f"{span([r['registers'] for r, *_ in items]):>9}  {span([r['spill_stores'] + r['spill_loads'] for r, *_ in items]):>10}  "
                               f"{span([r['stack_bytes'] for r, *_ in items]):>9}  {span([s for _, s, _, _ in items]):>10}  "
                               f"{span([b for _, _, b, _ in items]):>9}  {span([t for *_, t in items]):>18}  "
-                              f"{span([r['ldsm'] for r, *_ in items]):>4}  {span([density(r) for r, *_ in items]):>11}\n")
+                              f"{span([r['ldsm'] for r, *_ in items]):>4}  {span([r['ldgsts'] for r, *_ in items]):>6}  {span([density(r) for r, *_ in items]):>11}\n")
         print(f"cuda-machine-code: tables in {args.table}")
 
     used = set()

@@ -125,10 +125,13 @@ if has flash-attention-tests; then
         # Nsight Compute on one launch of each kernel (forward, dK/dV, dQ) of the bench's first
         # shape (S 1024, 16 heads, bf16, head dim 128): the figures that name the limit (memory
         # or compute throughput, occupancy). A 0.2 s budget skips the long shapes; no SDPA.
+        # The register-fragment forward at 8192 tokens, head dim 128 (the bench's --fragments).
         if [ "${DRY_RUN:-0}" = 1 ] || command -v ncu >/dev/null; then
-            for kernel in ${NCU_KERNELS:-flash_forward_kernel key_value_grad_kernel query_grad_kernel}; do
+            for kernel in ${NCU_KERNELS:-flash_forward_kernel key_value_grad_kernel query_grad_kernel fragment_forward_kernel}; do
+                args=""
+                [ "$kernel" = fragment_forward_kernel ] && args="--fragments --heads 16 --seqs 8192 --head-dims 128"
                 step "ncu-$kernel" env ULYSSES_SDPA_SCRIPT=/nonexistent/sdpa.py ncu --set full --launch-count 1 \
-                    -k "regex:$kernel" "$here/flash-attention-bench" --budget-secs 0.2
+                    -k "regex:$kernel" "$here/flash-attention-bench" --budget-secs 0.2 $args
             done
         else
             echo "SKIPPED ncu: Nsight Compute (ncu) is not in this image"
@@ -248,6 +251,15 @@ if has ulysses-trainer; then
                     --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile --learning-rate 3e-4 --checkpoint-layers --no-save \
                     --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "${CORPUS:-/usr/share/common-licenses}" \
                     --out "$out/hf-$shape-sp1-old-head"
+            fi
+            # The attention forward on the register-fragment engine (FlashAttention-2's design,
+            # ULYSSES_FLASH_ENGINE=fragments), beside the planned engine's above; HF_FRAGMENTS=0
+            # skips it.
+            if [ "${HF_FRAGMENTS:-1}" = 1 ]; then
+                step "hf-$shape-sp1-fragments" env ULYSSES_FLASH_ENGINE=fragments "$here/ulysses-trainer" --backend cuda --sp 1 \
+                    --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile --learning-rate 3e-4 --checkpoint-layers --no-save \
+                    --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "${CORPUS:-/usr/share/common-licenses}" \
+                    --out "$out/hf-$shape-sp1-fragments"
             fi
             step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" --checkpointing \
                 --seq-len "$seq" --batch-size 1 --dtype bf16 --steps "${HF_STEPS:-6}" --warmup 2

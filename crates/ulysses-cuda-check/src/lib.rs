@@ -17,7 +17,7 @@ use burn_cubecl::CubeBackend;
 use cubecl::Runtime as _;
 use serde::Serialize;
 use ulysses_kernels::{
-    FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, flash_attention_forward_fragments, fused_cross_entropy,
+    FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_forward, flash_attention_forward_fragments, fused_cross_entropy,
     mma::fragment_products, plan_flash_attention,
 };
 
@@ -57,7 +57,9 @@ pub struct Kernel {
 /// Which of the flash kernels a compiled entry point is, or `None` for another (burn's casts
 /// on upload are not ours to check).
 fn kernel_of(entrypoint: &str) -> Option<&'static str> {
+    // First match wins: `fragment_query_grad` before the `query_grad` it contains.
     [
+        ("fragment_query_grad", "fragment_query_grad"),
         ("row_delta", "row_delta"),
         ("key_value_grad", "key_value_grad"),
         ("query_grad", "query_grad"),
@@ -152,8 +154,14 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
             fragment_products(tile(), tile(), tile()).map_err(|e| format!("{case:?}: {e}"))?;
         }
         // The register-fragment engine's forward (FlashAttention-2's design), where it applies.
-        if !case.sixty_four_bit && matches!(dtype, DType::F16 | DType::BF16) && matches!(case.head_dim, 64 | 128) {
-            flash_attention_forward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options, ranges.as_ref()).map_err(|e| format!("{case:?}: the fragment forward: {e}"))?;
+        if matches!(dtype, DType::F16 | DType::BF16) && matches!(case.head_dim, 64 | 128) {
+            let (output, lse) = flash_attention_forward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options, ranges.as_ref())
+                .map_err(|e| format!("{case:?}: the fragment forward: {e}"))?;
+            // dQ on the fragments takes 32-bit indices only.
+            if !case.sixty_four_bit {
+                flash_attention_backward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), output, tensor(q_shape), lse, options, ranges.as_ref())
+                    .map_err(|e| format!("{case:?}: the fragment backward: {e}"))?;
+            }
         }
         // Launches reach the server through a queue: every one of this case's is compiled
         // once the queue is drained.
@@ -169,7 +177,7 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
                 // fragments multiply with mma.sync whatever the plan.
                 engine: match kernel {
                     "row_delta" | "cross_entropy" => "-".into(),
-                    "fragments" | "fragment_forward" => "tensor-cores-mma".into(),
+                    "fragments" | "fragment_forward" | "fragment_query_grad" => "tensor-cores-mma".into(),
                     _ => plan.engine.to_string(),
                 },
                 dynamic_shared_bytes: compiled.dynamic_shared_bytes,

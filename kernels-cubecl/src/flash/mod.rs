@@ -4,6 +4,8 @@
 mod backward;
 mod forward;
 mod fragment_forward;
+mod fragment_query_grad;
+mod fragment_tiles;
 mod plan;
 pub(crate) mod stage;
 pub mod tile_ops;
@@ -24,6 +26,7 @@ use forward::flash_forward_kernel;
 pub use plan::{Engine, Plan};
 pub use tile_ops::Fragment;
 use stage::{Blocks, ColumnPart, KeyValuePass};
+use fragment_tiles::FragmentKernel;
 use tile_ops::TILE;
 pub use visibility::VisibleRanges;
 
@@ -214,6 +217,19 @@ fn range_tables<R: CubeRuntime>(ranges: Option<&VisibleRanges>, p: &Problem, cli
     })
 }
 
+/// Why the register-fragment kernels ([`flash_attention_forward_fragments`],
+/// [`flash_attention_backward_fragments`]) do not take a call in `dtype` of problem `p`, if
+/// they do not.
+fn fragments_refusal(dtype: DType, p: &Problem) -> Option<String> {
+    let takes = matches!(dtype, DType::F16 | DType::BF16) && p.head_dim == p.value_dim && matches!(p.head_dim, 64 | 128);
+    (!takes).then(|| {
+        format!(
+            "the register-fragment kernels take f16 or bf16 with head and value dims of 64 or 128 (so far), got {dtype:?}, {} and {}",
+            p.head_dim, p.value_dim
+        )
+    })
+}
+
 /// Attention's forward on the register-fragment engine (FlashAttention-2's design,
 /// `fragment_forward.rs`): output `[B, Hq, Sq, D]` in the inputs' dtype and log-sum-exp
 /// `[B, Hq, Sq]` in f32, as [`flash_attention_forward`] gives them, `ranges` restricting the
@@ -228,11 +244,8 @@ pub fn flash_attention_forward_fragments<R: CubeRuntime>(
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let p = Problem::of_tensors(&query, &key, &value, &options)?;
     let dtype = query.dtype;
-    if !matches!(dtype, DType::F16 | DType::BF16) || p.head_dim != p.value_dim || !matches!(p.head_dim, 64 | 128) {
-        return Err(FlashError::Shape(format!(
-            "the register-fragment forward takes f16 or bf16 with head and value dims of 64 or 128 (so far), got {dtype:?}, {} and {}",
-            p.head_dim, p.value_dim
-        )));
+    if let Some(refusal) = fragments_refusal(dtype, &p) {
+        return Err(FlashError::Shape(refusal));
     }
     let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
     let client = query.client.clone();
@@ -243,18 +256,19 @@ pub fn flash_attention_forward_fragments<R: CubeRuntime>(
         return Ok((output, lse));
     }
     let [row_keys, _] = range_tables(ranges, &p, &client, &query.device)?;
-    let count = grid(&client, p.batch * p.q_heads * p.seq_q.div_ceil(fragment_forward::BLOCK_ROWS))?;
-    let dim = CubeDim::new_1d(32 * fragment_forward::WARPS as u32);
+    let count = grid(&client, p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS))?;
+    let dim = CubeDim::new_1d(32 * fragment_tiles::WARPS as u32);
     let args = (query.into_tensor_arg(), key.into_tensor_arg(), value.into_tensor_arg(), output.clone().into_tensor_arg(), lse.clone().into_tensor_arg(), row_keys.into_tensor_arg());
     let elem: StorageType = dtype.into();
     let mma_sync = crate::mma::has_mma_sync(&client, dtype);
     let shared_limit = client.properties().hardware.max_shared_memory_size;
-    let keys = fragment_forward::key_step(p.head_dim, mma_sync, dtype.size(), shared_limit)
+    let keys = fragment_tiles::key_step(FragmentKernel::Forward, p.head_dim, mma_sync, dtype.size(), shared_limit)
         .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
+    crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     if mma_sync {
-        fragment_forward::fragment_forward_kernel::launch::<crate::mma::MmaSync, R>(&client, count, dim, args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, keys, options.causal, ranges.is_some(), true, elem);
+        fragment_forward::fragment_forward_kernel::launch::<crate::mma::MmaSync, R>(&client, count, dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, keys, options.causal, ranges.is_some(), true, elem);
     } else {
-        fragment_forward::fragment_forward_kernel::launch::<crate::mma::SharedMemoryMma, R>(&client, count, dim, args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, keys, options.causal, ranges.is_some(), false, elem);
+        fragment_forward::fragment_forward_kernel::launch::<crate::mma::SharedMemoryMma, R>(&client, count, dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, keys, options.causal, ranges.is_some(), false, elem);
     }
     Ok((output, lse))
 }
@@ -271,6 +285,9 @@ pub fn flash_attention_forward<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
+    if plan::fragments_requested() && fragments_refusal(query.dtype, &problem).is_none() {
+        return flash_attention_forward_fragments(query, key, value, options, ranges);
+    }
     let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
     let client = query.client.clone();
     let device = query.device.clone();
@@ -323,6 +340,59 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     lse: CubeTensor<R>,
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
+) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
+    let problem = Problem::of_tensors(&query, &key, &value, &options)?;
+    let fragments = plan::fragments_requested() && fragment_query_grad_refusal(query.dtype, &problem).is_none();
+    backward(query, key, value, output, output_grad, lse, options, ranges, fragments)
+}
+
+/// [`flash_attention_backward`] with dQ on the register-fragment engine
+/// (`fragment_query_grad.rs`: query-outer like its forward, dS in registers, no atomics), dK
+/// and dV on the planned engine (so far). f16 or bf16, head dim (and value dim) 64 or 128.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward_fragments<R: CubeRuntime>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    output: CubeTensor<R>,
+    output_grad: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    options: FlashOptions,
+    ranges: Option<&VisibleRanges>,
+) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
+    let problem = Problem::of_tensors(&query, &key, &value, &options)?;
+    if let Some(refusal) = fragment_query_grad_refusal(query.dtype, &problem) {
+        return Err(FlashError::Shape(refusal));
+    }
+    backward(query, key, value, output, output_grad, lse, options, ranges, true)
+}
+
+/// Why the register-fragment dQ kernel does not take a call, if it does not: what the
+/// fragment kernels take ([`fragments_refusal`]), in 32-bit indices (with 64-bit ones it
+/// spills at head dim 128 on the H100: 255 registers).
+fn fragment_query_grad_refusal(dtype: DType, p: &Problem) -> Option<String> {
+    fragments_refusal(dtype, p).or_else(|| {
+        (p.address_type() == AddressType::U64).then(|| {
+            format!(
+                "the register-fragment dQ takes tensors under 2^31 elements (32-bit indices), got {}; the planned backward takes more",
+                p.largest_tensor()
+            )
+        })
+    })
+}
+
+/// The backward, dQ on the register fragments where `fragment_query_grad`.
+#[allow(clippy::too_many_arguments)]
+fn backward<R: CubeRuntime>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    output: CubeTensor<R>,
+    output_grad: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    options: FlashOptions,
+    ranges: Option<&VisibleRanges>,
+    fragment_query_grad: bool,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     let p = problem;
@@ -412,6 +482,12 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     }
 
     let query_grad = empty([p.batch, p.q_heads, p.seq_q, p.head_dim]);
+    if fragment_query_grad {
+        if p.seq_q > 0 {
+            launch_fragment_query_grad(&query, &key, &value, &output_grad, &lse, &delta, &query_grad, &row_keys, &p, options.causal, ranged)?;
+        }
+        return Ok((query_grad, key_grad, value_grad));
+    }
     let blocks = Blocks { ranged, ..plan.query };
     let blocks_per_head = p.seq_q.div_ceil(blocks.block_rows());
     for part in plan.column_parts(blocks.dim) {
@@ -442,12 +518,64 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     Ok((query_grad, key_grad, value_grad))
 }
 
+/// Launches the register-fragment dQ kernel into `query_grad` (see
+/// [`flash_attention_backward_fragments`]); `delta` is the backward's D.
+#[allow(clippy::too_many_arguments)]
+fn launch_fragment_query_grad<R: CubeRuntime>(
+    query: &CubeTensor<R>,
+    key: &CubeTensor<R>,
+    value: &CubeTensor<R>,
+    output_grad: &CubeTensor<R>,
+    lse: &CubeTensor<R>,
+    delta: &CubeTensor<R>,
+    query_grad: &CubeTensor<R>,
+    row_keys: &CubeTensor<R>,
+    p: &Problem,
+    causal: bool,
+    ranged: bool,
+) -> Result<(), FlashError> {
+    let client = &query.client;
+    let dtype = query.dtype;
+    let mma_sync = crate::mma::has_mma_sync(client, dtype);
+    let shared_limit = client.properties().hardware.max_shared_memory_size;
+    let keys = fragment_tiles::key_step(FragmentKernel::QueryGrad, p.head_dim, mma_sync, dtype.size(), shared_limit)
+        .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
+    let count = grid(client, p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS))?;
+    let dim = CubeDim::new_1d(32 * fragment_tiles::WARPS as u32);
+    let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
+    let args = (arg(query), arg(key), arg(value), arg(output_grad), arg(lse), arg(delta), arg(query_grad), arg(row_keys));
+    let elem: StorageType = dtype.into();
+    use fragment_query_grad::fragment_query_grad_kernel as kernel;
+    if mma_sync {
+        kernel::launch::<crate::mma::MmaSync, R>(client, count, dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, keys, causal, ranged, true, elem);
+    } else {
+        kernel::launch::<crate::mma::SharedMemoryMma, R>(client, count, dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, keys, causal, ranged, false, elem);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn problem(batch: usize, q_heads: usize, kv_heads: usize, seq: usize, head_dim: usize) -> Problem {
         Problem { batch, q_heads, kv_heads, seq_q: seq, seq_kv: seq, head_dim, value_dim: head_dim, scale: 1.0 }
+    }
+
+    #[test]
+    fn the_fragment_kernels_say_what_they_take() {
+        let small = problem(1, 16, 8, 8192, 128);
+        assert_eq!(fragments_refusal(DType::BF16, &small), None);
+        assert_eq!(fragment_query_grad_refusal(DType::F16, &small), None);
+        let f32_refusal = fragments_refusal(DType::F32, &small).unwrap();
+        assert!(f32_refusal.contains("f16 or bf16") && f32_refusal.contains("F32"), "{f32_refusal}");
+        let refusal = fragments_refusal(DType::BF16, &problem(1, 16, 8, 8192, 96)).unwrap();
+        assert!(refusal.contains("64 or 128") && refusal.contains("96"), "{refusal}");
+        // Past 2^31 elements the forward takes 64-bit indices, dQ refuses them.
+        let past = problem(1, 32, 8, 1_100_000, 128);
+        assert_eq!(fragments_refusal(DType::BF16, &past), None);
+        let refusal = fragment_query_grad_refusal(DType::BF16, &past).unwrap();
+        assert!(refusal.contains("2^31") && refusal.contains(&past.largest_tensor().to_string()), "{refusal}");
     }
 
     #[test]

@@ -156,3 +156,55 @@ fn the_fragment_forward_matches_the_reference() {
         assert!(error.contains("head and value dims of 64 or 128"), "{error}");
     }
 }
+
+/// The backward with dQ on the register fragments (`flash_attention_backward_fragments`; dK and
+/// dV on the planned engine so far) after the fragment forward, against the f64 reference's
+/// gradients with the flash tests' measure (dQ and dK relative to one P·(dP − D)·K term, which
+/// cancels where a row sees one key): causal with GQA, unequal lengths both ways (rows that see
+/// no key), documents, key runs with an empty one, a window, head dims 64 and 128.
+#[test]
+fn the_fragment_query_gradient_matches_the_reference() {
+    use super::{Case, device, download, largest, reference, relative_error, relative_error_above, supports, upload, values};
+    use ulysses_kernels::{FlashOptions, flash_attention_backward_fragments, flash_attention_forward_fragments};
+    let Some(device) = device() else { return };
+    for dtype in [DType::F16, DType::BF16] {
+        if !supports(&device, dtype) {
+            println!("{dtype:?}: not on this device");
+            continue;
+        }
+        let unequal = |seq_q, seq_kv| Case { batch: 1, seq_q, seq_kv, ..Case::new(2, 1, 0, 64, true) };
+        let cases = [
+            Case { batch: 1, ..Case::new(4, 2, 150, 64, true) },
+            unequal(70, 150),
+            unequal(150, 70),
+            Case { batch: 1, ..Case::new(2, 2, 80, 128, false) },
+            Case { documents: Some(vec![vec![70, 80], vec![5, 17, 100, 3, 25]]), ..Case::new(4, 1, 150, 64, true) },
+            Case { key_runs: Some(vec![0..0, 0..7]), ..Case::new(2, 2, 40, 128, false) },
+            Case { window: Some(17), documents: Some(vec![vec![100, 50], vec![9, 141]]), ..Case::new(4, 2, 150, 128, true) },
+        ];
+        for case in cases {
+            let case = Case { dtype, ..case };
+            let q = values(case.q_shape().iter().product(), 1, dtype);
+            let k = values(case.k_shape().iter().product(), 2, dtype);
+            let v = values(case.v_shape().iter().product(), 3, dtype);
+            let g = values(case.o_shape().iter().product(), 4, dtype);
+            let want = reference(&case, &q, &k, &v, &g);
+            let options = FlashOptions { scale: case.scale, causal: case.causal };
+            let ranges = case.ranges();
+            let up = |x: &[f64], shape| upload(x, shape, dtype, &device);
+            let (output, lse) = flash_attention_forward_fragments(up(&q, case.q_shape()), up(&k, case.k_shape()), up(&v, case.v_shape()), options, ranges.as_ref()).unwrap();
+            let (dq, dk, dv) = flash_attention_backward_fragments(up(&q, case.q_shape()), up(&k, case.k_shape()), up(&v, case.v_shape()), output, up(&g, case.o_shape()), lse, options, ranges.as_ref()).unwrap();
+            let term = case.scale() * largest(&g) * largest(&v) * largest(&q).max(largest(&k));
+            let errors = [
+                ("dq", relative_error_above(&download::<4>(dq), &want.dq, term)),
+                ("dk", relative_error_above(&download::<4>(dk), &want.dk, term)),
+                ("dv", relative_error(&download::<4>(dv), &want.dv)),
+            ];
+            println!("{case:?}: {}", errors.iter().map(|(n, e)| format!("{n} {e:.1e}")).collect::<Vec<_>>().join(", "));
+            let tolerance = case.tolerance("fragments");
+            for (name, error) in errors {
+                assert!(error <= tolerance, "{case:?}: {name} differs from the f64 reference by {error:e} (tolerance {tolerance:e})");
+            }
+        }
+    }
+}

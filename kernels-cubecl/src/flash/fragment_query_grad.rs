@@ -1,0 +1,155 @@
+//! dQ of the register-fragment engine, query-outer like the forward (`fragment_forward`): each
+//! warp owns 16 query rows and keeps their Q and dO fragments, and per key step computes, from
+//! registers to registers, S = Q·Kᵀ, P = exp(scale·S − lse) (the forward's log-sum-exp: no
+//! second softmax pass), dP = dO·Vᵀ, dS = P ∘ (dP − D) (D = rowsum(dO ∘ O), the backward's
+//! pre-pass), and dQ += dS·K with dS taken from its accumulators as the A fragment; dQ is
+//! scaled once at the end. No atomics: each block owns its rows of dQ. K and V come through
+//! the forward's double-buffered shared tiles (`fragment_tiles`).
+
+use cubecl::prelude::*;
+
+use super::{
+    fragment_tiles::{BLOCK_ROWS, PAD, WARPS, block_keys, load_row_fragments, stage_step, times_tile, times_tile_transposed, zeros},
+    stage::{cube_in_range, cube_place, visible_run},
+};
+use crate::mma::{C_VALUES, FragmentMma, lane};
+
+/// dQ `[B, Hq, Sq, D]` of attention over `q: [B, Hq, Sq, D]`, `k`, `v: [B, Hkv, Skv, D]`
+/// (contiguous; head dim = value dim) given dO (`out_grad`, like q), the forward's log-sum-exp
+/// and D (`[B, Hq, Sq]`, f32). One cube per 64 query rows of one (batch, head).
+#[cube(launch, address_type = "dynamic")]
+pub(crate) fn fragment_query_grad_kernel<E: Float, M: FragmentMma>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out_grad: &Tensor<E>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    query_grad: &mut Tensor<E>,
+    ranges: &Tensor<u32>,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] keys_per_step: usize,
+    #[comptime] causal: bool,
+    #[comptime] ranged: bool,
+    #[comptime] unrolled: bool,
+    #[define(E)] _dtype: StorageType,
+) {
+    let (q_heads, seq_q) = (q.shape(1), q.shape(2));
+    let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
+    if cube_in_range(q.shape(0), q_heads, blocks_per_head) {
+        query_grad_block::<E, M>(q, k, v, out_grad, lse, delta, query_grad, ranges, scale, head_dim, keys_per_step, causal, ranged, unrolled);
+    }
+}
+
+/// dQ of one block of 64 query rows of one (batch, head), the cube's place in the grid.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn query_grad_block<E: Float, M: FragmentMma>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out_grad: &Tensor<E>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    query_grad: &mut Tensor<E>,
+    ranges: &Tensor<u32>,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] keys_per_step: usize,
+    #[comptime] causal: bool,
+    #[comptime] ranged: bool,
+    #[comptime] unrolled: bool,
+) {
+    let (q_heads, seq_q) = (q.shape(1), q.shape(2));
+    let (kv_heads, seq_kv) = (k.shape(1), k.shape(2));
+    let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
+    let place = cube_place(q_heads, blocks_per_head);
+    let (batch, head, block) = (place.batch, place.head, place.block);
+    let head_index = batch * q_heads + head;
+    let kv_head = head / (q_heads / kv_heads);
+    let q_base = head_index * seq_q * head_dim;
+    let kv_base = (batch * kv_heads + kv_head) * seq_kv * head_dim;
+
+    let warp = UNIT_POS as usize / 32;
+    let lane = lane();
+    let (g, t) = (lane / 4, lane % 4);
+    let row0 = block * BLOCK_ROWS + warp * 16;
+
+    let mut scratch = M::scratch(WARPS);
+    let buffer_size = comptime!(keys_per_step * (head_dim + PAD));
+    let mut k_tiles = SharedMemory::<E>::new_aligned(2 * buffer_size, 16usize);
+    let mut v_tiles = SharedMemory::<E>::new_aligned(2 * buffer_size, 16usize);
+    let mut copies = M::copies();
+
+    let q_frag = load_row_fragments::<E>(q, q_base, row0, seq_q, head_dim, unrolled);
+    let out_grad_frag = load_row_fragments::<E>(out_grad, q_base, row0, seq_q, head_dim, unrolled);
+    let out_tiles = head_dim / 8;
+    let mut acc = zeros(out_tiles * C_VALUES);
+
+    let run_low = visible_run(ranges, batch, row0 + g, seq_q, seq_kv, false, ranged, causal);
+    let run_high = visible_run(ranges, batch, row0 + g + 8, seq_q, seq_kv, false, ranged, causal);
+    // This lane's two rows' log-sum-exp and D (rows past the sequence see no key: unused).
+    let (row_low, row_high) = (min(row0 + g, seq_q - 1), min(row0 + g + 8, seq_q - 1));
+    let (lse_low, lse_high) = (lse[head_index * seq_q + row_low], lse[head_index * seq_q + row_high]);
+    let (delta_low, delta_high) = (delta[head_index * seq_q + row_low], delta[head_index * seq_q + row_high]);
+    let span = block_keys(ranges, batch, block * BLOCK_ROWS, seq_q, seq_kv, keys_per_step, causal, ranged);
+
+    let score_tiles = keys_per_step / 8;
+    if span.steps > 0 {
+        stage_step::<E, M>(k, v, kv_base, span.start, seq_kv, &mut k_tiles, &mut v_tiles, 0usize, keys_per_step, head_dim, unrolled);
+    }
+    for step in 0..span.steps {
+        let key0 = span.start + step * keys_per_step;
+        let buffer = (step % 2) * buffer_size;
+        M::copies_arrived(&mut copies);
+        if step + 1 < span.steps {
+            let next = ((step + 1) % 2) * buffer_size;
+            stage_step::<E, M>(k, v, kv_base, key0 + keys_per_step, seq_kv, &mut k_tiles, &mut v_tiles, next, keys_per_step, head_dim, unrolled);
+        }
+        let mut s = zeros(score_tiles * C_VALUES);
+        let mut dp = zeros(score_tiles * C_VALUES);
+        times_tile_transposed::<E, M>(&q_frag, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, unrolled);
+        times_tile_transposed::<E, M>(&out_grad_frag, &v_tiles, buffer, &mut dp, &mut scratch, keys_per_step, head_dim, unrolled);
+
+        // dS = P ∘ (dP − D), in place of S: 0 where the row does not see the key.
+        #[unroll]
+        for half in 0..2usize {
+            let (seen_from, seen_to) = (select(half == 0, run_low.start, run_high.start), select(half == 0, run_low.end, run_high.end));
+            let (row_lse, row_delta) = (select(half == 0, lse_low, lse_high), select(half == 0, delta_low, delta_high));
+            #[unroll(unrolled)]
+            for tile in 0..score_tiles {
+                #[unroll]
+                for j in 0..2usize {
+                    let at = tile * C_VALUES + 2 * half + j;
+                    let key = key0 + 8 * tile + 2 * t + j;
+                    let visible = key >= seen_from && key < seen_to;
+                    let p = select(visible, (s[at] * scale - row_lse).exp(), 0.0f32);
+                    s[at] = p * (dp[at] - row_delta);
+                }
+            }
+        }
+
+        // dQ += dS·K, dS in registers as P is in the forward.
+        let mut ds = Array::<E>::new(score_tiles * C_VALUES);
+        #[unroll]
+        for i in 0..score_tiles * C_VALUES {
+            ds[i] = E::cast_from(s[i]);
+        }
+        times_tile::<E, M>(&ds, &k_tiles, buffer, &mut acc, &mut scratch, keys_per_step, head_dim, unrolled);
+    }
+
+    #[unroll]
+    for half in 0..2usize {
+        let row = row0 + g + 8 * half;
+        if row < seq_q {
+            #[unroll(unrolled)]
+            for tile in 0..out_tiles {
+                #[unroll]
+                for j in 0..2usize {
+                    query_grad[q_base + row * head_dim + tile * 8 + 2 * t + j] = E::cast_from(acc[tile * C_VALUES + 2 * half + j] * scale);
+                }
+            }
+        }
+    }
+}

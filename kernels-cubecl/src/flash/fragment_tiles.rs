@@ -1,0 +1,234 @@
+//! What the register-fragment kernels share (`fragment_forward`, `fragment_query_grad`): blocks
+//! of 64 query rows, 16 a warp; K and V staged a key step at a time in double-buffered shared
+//! tiles (`cp.async` on CUDA, through no register), rows padded by 8 values so that
+//! `ldmatrix`'s eight row reads fall in distinct banks; the keys a block's rows see; and the
+//! two products every kernel runs on a step's tiles, one with the tiles as Bᵀ (S = Q·Kᵀ,
+//! dP = dO·Vᵀ), one as B (O += P·V, dQ += dS·K), each from registers to registers.
+//!
+//! The loops over tiles are unrolled where the fragments are registers (`unrolled`: CUDA); the
+//! emulation keeps them loops, which a shader compiler takes in seconds rather than minutes.
+
+use cubecl::prelude::*;
+
+use super::stage::{keys_seen_by_rows, visible_run};
+use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, SCRATCH_BYTES_PER_WARP, lane};
+
+/// Warps (of 32 units) per block, each owning 16 query rows.
+pub(crate) const WARPS: usize = 4;
+/// Query rows of a block.
+pub(crate) const BLOCK_ROWS: usize = 16 * WARPS;
+/// Values of padding after each staged row of K and V: 16 bytes, which moves the next row
+/// by 4 banks.
+pub(crate) const PAD: usize = 8;
+/// A masked score: finite (WGSL has no infinity literal) and below any real one; its
+/// probability is set to 0 explicitly.
+pub(crate) const MASKED: f32 = -1.0e30;
+
+/// Which register-fragment kernel a key step is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FragmentKernel {
+    Forward,
+    QueryGrad,
+}
+
+/// Keys per step of `kernel`'s loop: 64 at head dim 64 (8 score tiles of 16 × 8 a warp); at
+/// head dim 128, where the accumulators take twice the registers, 32 for the forward and 16 for
+/// dQ, which holds dP's tiles and dO's fragments too (32 spilled there: 255 registers on sm_80
+/// and sm_89). Where the product is emulated through shared memory, the largest step up to
+/// that whose two buffers of K and V fit the device's shared memory beside the product's
+/// scratch (lavapipe's 32 KiB: 32 keys at head dim 64, 16 at 128), so that the tests run the
+/// double buffering CUDA runs. `Err` with the bytes the smallest step needs where not even it
+/// fits (a kernel over the limit would not run at all).
+pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, mma_sync: bool, element_bytes: usize, shared_limit: usize) -> Result<usize, usize> {
+    let cuda = match (head_dim > 64, kernel) {
+        (false, _) => 64,
+        (true, FragmentKernel::Forward) => 32,
+        (true, FragmentKernel::QueryGrad) => 16,
+    };
+    let fits = |keys: &usize| shared_bytes(head_dim, *keys, mma_sync, element_bytes) <= shared_limit;
+    let found = if mma_sync { Some(cuda).filter(fits) } else { [cuda, 32, 16].into_iter().filter(|&keys| keys <= cuda).find(fits) };
+    found.ok_or_else(|| shared_bytes(head_dim, if mma_sync { cuda } else { 16 }, mma_sync, element_bytes))
+}
+
+/// Shared memory of a block: two buffers of K and V tiles, and the emulated product's scratch.
+fn shared_bytes(head_dim: usize, keys: usize, mma_sync: bool, element_bytes: usize) -> usize {
+    let scratch = if mma_sync { 0 } else { WARPS * SCRATCH_BYTES_PER_WARP };
+    2 * 2 * keys * (head_dim + PAD) * element_bytes + scratch
+}
+
+/// The keys a block's loop visits: `steps` steps from `start`.
+#[derive(CubeType)]
+pub(crate) struct KeySpan {
+    pub start: usize,
+    pub steps: usize,
+}
+
+/// The keys the block of rows from `first_row` sees together: without ranges the causal
+/// bound; with, the span of its rows' runs (each unit reads them all, once).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_keys(
+    ranges: &Tensor<u32>,
+    batch: usize,
+    first_row: usize,
+    seq_q: usize,
+    seq_kv: usize,
+    #[comptime] keys_per_step: usize,
+    #[comptime] causal: bool,
+    #[comptime] ranged: bool,
+) -> KeySpan {
+    let mut start = 0usize;
+    let mut end = keys_seen_by_rows(first_row, BLOCK_ROWS, seq_q, seq_kv, causal);
+    if ranged {
+        start = seq_kv;
+        end = 0usize;
+        for r in 0..BLOCK_ROWS {
+            let run = visible_run(ranges, batch, first_row + r, seq_q, seq_kv, false, ranged, causal);
+            if run.start < run.end {
+                start = min(start, run.start);
+                end = max(end, run.end);
+            }
+        }
+    }
+    let mut steps = 0usize;
+    if end > start {
+        steps = (end - start).div_ceil(keys_per_step);
+    }
+    KeySpan { start, steps }
+}
+
+/// This lane's A fragments of the 16 rows from `row0` of `source` (`width` values a row from
+/// `base`), one per 16 columns; rows from `rows` on read as 0.
+#[cube]
+pub(crate) fn load_row_fragments<E: Float>(source: &Tensor<E>, base: usize, row0: usize, rows: usize, #[comptime] width: usize, #[comptime] unrolled: bool) -> Array<E> {
+    let lane = lane();
+    let (g, t) = (lane / 4, lane % 4);
+    let chunks = width / 16;
+    let mut fragments = Array::<E>::new(chunks * A_VALUES);
+    #[unroll(unrolled)]
+    for chunk in 0..chunks {
+        #[unroll]
+        for i in 0..A_VALUES {
+            let row = row0 + g + 8 * ((i / 2) % 2);
+            let column = chunk * 16 + 2 * t + i % 2 + 8 * (i / 4);
+            fragments[chunk * A_VALUES + i] = select(row < rows, source[base + row * width + column], E::from_int(0));
+        }
+    }
+    fragments
+}
+
+/// `count` zeros.
+#[cube]
+pub(crate) fn zeros(#[comptime] count: usize) -> Array<f32> {
+    let mut values = Array::<f32>::new(count);
+    #[unroll]
+    for i in 0..count {
+        values[i] = 0.0;
+    }
+    values
+}
+
+/// Keys `key0..key0 + keys` of `source` (`head_dim` values a key from `base`) into `tiles`
+/// from `buffer` (`head_dim + PAD` a key), keys from `seq_kv` on as 0: started, there once the
+/// cube's copies have arrived. The cube's units share the copy, 16 bytes each at a time,
+/// consecutive units on consecutive bytes.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_keys<E: Float, M: FragmentMma>(
+    source: &Tensor<E>,
+    base: usize,
+    key0: usize,
+    seq_kv: usize,
+    tiles: &mut SharedMemory<E>,
+    buffer: usize,
+    #[comptime] keys: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] unrolled: bool,
+) {
+    let chunks_per_key = comptime!(head_dim / 8);
+    let per_unit = comptime!(keys * chunks_per_key / (32 * WARPS));
+    #[unroll(unrolled)]
+    for i in 0..per_unit {
+        let at = UNIT_POS as usize + 32 * WARPS * i;
+        let (key, chunk) = (at / chunks_per_key, at % chunks_per_key);
+        let from = base + (key0 + key) * head_dim + 8 * chunk;
+        M::copy_eight::<E>(source, from, key0 + key < seq_kv, tiles, buffer + key * (head_dim + PAD) + 8 * chunk);
+    }
+}
+
+/// `out += a · tileᵀ` over a step: `a` this warp's A fragments of its 16 rows × `head_dim`,
+/// `tile` a step's `keys` rows of `head_dim` (from `buffer`); `out` its 16 × `keys` products,
+/// `keys / 8` accumulator tiles. Four matrices of 8 keys × 8 dims side by side are the B
+/// fragments of two 16-column chunks (S = Q·Kᵀ, dP = dO·Vᵀ).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn times_tile_transposed<E: Float, M: FragmentMma>(
+    a: &Array<E>,
+    tile: &SharedMemory<E>,
+    buffer: usize,
+    out: &mut Array<f32>,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] keys: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] unrolled: bool,
+) {
+    let stride = comptime!(head_dim + PAD);
+    #[unroll(unrolled)]
+    for n_tile in 0..keys / 8 {
+        #[unroll(unrolled)]
+        for pair in 0..head_dim / 32 {
+            let b = M::load_matrices::<E>(tile, buffer + 8 * n_tile * stride + 32 * pair, stride, 4usize, 1usize, false);
+            M::mma::<E>(a, 2 * pair * A_VALUES, &b, 0usize, out, n_tile * C_VALUES, scratch);
+            M::mma::<E>(a, (2 * pair + 1) * A_VALUES, &b, B_VALUES, out, n_tile * C_VALUES, scratch);
+        }
+    }
+}
+
+/// `acc += p · tile` over a step: `p` this warp's 16 rows × `keys` as A fragments (the
+/// accumulators of `keys / 8` score tiles, rounded: `crate::mma`), `tile` a step's `keys` rows
+/// of `head_dim`; `acc` its 16 × `head_dim` accumulators. V's (or K's) matrices transposed, two
+/// above each other per output tile, are its B fragments (O += P·V, dQ += dS·K).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn times_tile<E: Float, M: FragmentMma>(
+    p: &Array<E>,
+    tile: &SharedMemory<E>,
+    buffer: usize,
+    acc: &mut Array<f32>,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] keys: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] unrolled: bool,
+) {
+    let stride = comptime!(head_dim + PAD);
+    #[unroll(unrolled)]
+    for chunk in 0..keys / 16 {
+        #[unroll(unrolled)]
+        for pair in 0..head_dim / 16 {
+            let b = M::load_matrices::<E>(tile, buffer + 16 * chunk * stride + 16 * pair, stride, 4usize, 2usize, true);
+            M::mma::<E>(p, chunk * A_VALUES, &b, 0usize, acc, 2 * pair * C_VALUES, scratch);
+            M::mma::<E>(p, chunk * A_VALUES, &b, B_VALUES, acc, (2 * pair + 1) * C_VALUES, scratch);
+        }
+    }
+}
+
+/// Starts copying the step from `key0`'s K and V tiles into `buffer` of `k_tiles` and
+/// `v_tiles` (see [`stage_keys`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_step<E: Float, M: FragmentMma>(
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    kv_base: usize,
+    key0: usize,
+    seq_kv: usize,
+    k_tiles: &mut SharedMemory<E>,
+    v_tiles: &mut SharedMemory<E>,
+    buffer: usize,
+    #[comptime] keys: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] unrolled: bool,
+) {
+    stage_keys::<E, M>(k, kv_base, key0, seq_kv, k_tiles, buffer, keys, head_dim, unrolled);
+    stage_keys::<E, M>(v, kv_base, key0, seq_kv, v_tiles, buffer, keys, head_dim, unrolled);
+}
