@@ -10,8 +10,8 @@
 use cubecl::prelude::*;
 
 use super::{
-    fragment_tiles::{BLOCK_ROWS, MASKED, PAD, WARPS, block_keys, load_row_fragments, stage_step, times_tile, times_tile_transposed, zeros},
-    stage::{cube_in_range, cube_place, visible_run},
+    fragment_tiles::{BLOCK_ROWS, MASKED, WARPS, block_keys, block_rows, load_row_fragments, next_step, stage_step, step_tiles, times_tile, times_tile_transposed, zeros},
+    stage::{cube_in_range, visible_run},
 };
 use crate::mma::{C_VALUES, FragmentMma, lane};
 
@@ -62,25 +62,15 @@ fn forward_block<E: Float, M: FragmentMma>(
 ) {
     let (q_heads, seq_q) = (q.shape(1), q.shape(2));
     let (kv_heads, seq_kv) = (k.shape(1), k.shape(2));
-    let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
-    let place = cube_place(q_heads, blocks_per_head);
-    let (batch, head, block) = (place.batch, place.head, place.block);
-    let head_index = batch * q_heads + head;
-    let kv_head = head / (q_heads / kv_heads);
-    let q_base = head_index * seq_q * head_dim;
-    let kv_base = (batch * kv_heads + kv_head) * seq_kv * head_dim;
-
-    let warp = UNIT_POS as usize / 32;
+    let rows = block_rows(q_heads, seq_q, kv_heads, seq_kv, head_dim);
+    let (batch, head_index, q_base, kv_base, row0) = (rows.batch, rows.head_index, rows.q_base, rows.kv_base, rows.row0);
     let lane = lane();
     let (g, t) = (lane / 4, lane % 4);
-    let row0 = block * BLOCK_ROWS + warp * 16;
     // This lane's two rows are g and g + 8 of the warp's 16: row0 + g + 8·half.
 
     let mut scratch = M::scratch(WARPS);
-    // Two buffers each: a step's tiles arrive while the step before computes.
-    let buffer_size = comptime!(keys_per_step * (head_dim + PAD));
-    let mut k_tiles = SharedMemory::<E>::new_aligned(2 * buffer_size, 16usize);
-    let mut v_tiles = SharedMemory::<E>::new_aligned(2 * buffer_size, 16usize);
+    let mut k_tiles = step_tiles::<E>(keys_per_step, head_dim);
+    let mut v_tiles = step_tiles::<E>(keys_per_step, head_dim);
     let mut copies = M::copies();
 
     let q_frag = load_row_fragments::<E>(q, q_base, row0, seq_q, head_dim, unrolled);
@@ -98,7 +88,7 @@ fn forward_block<E: Float, M: FragmentMma>(
     // ranges folded in): every score's mask.
     let run_low = visible_run(ranges, batch, row0 + g, seq_q, seq_kv, false, ranged, causal);
     let run_high = visible_run(ranges, batch, row0 + g + 8, seq_q, seq_kv, false, ranged, causal);
-    let span = block_keys(ranges, batch, block * BLOCK_ROWS, seq_q, seq_kv, keys_per_step, causal, ranged);
+    let span = block_keys(ranges, batch, rows.first_row, seq_q, seq_kv, keys_per_step, causal, ranged);
 
     let score_tiles = keys_per_step / 8;
     if span.steps > 0 {
@@ -106,14 +96,7 @@ fn forward_block<E: Float, M: FragmentMma>(
     }
     for step in 0..span.steps {
         let key0 = span.start + step * keys_per_step;
-        let buffer = (step % 2) * buffer_size;
-        // This step's tiles have arrived, and every warp is done with the last step's, whose
-        // buffers the next step's copies, started now, overwrite.
-        M::copies_arrived(&mut copies);
-        if step + 1 < span.steps {
-            let next = ((step + 1) % 2) * buffer_size;
-            stage_step::<E, M>(k, v, kv_base, key0 + keys_per_step, seq_kv, &mut k_tiles, &mut v_tiles, next, keys_per_step, head_dim, unrolled);
-        }
+        let buffer = next_step::<E, M>(k, v, kv_base, &span, step, seq_kv, &mut k_tiles, &mut v_tiles, &mut copies, keys_per_step, head_dim, unrolled);
         let mut s = zeros(score_tiles * C_VALUES);
         times_tile_transposed::<E, M>(&q_frag, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, unrolled);
 

@@ -10,7 +10,7 @@
 
 use cubecl::prelude::*;
 
-use super::stage::{keys_seen_by_rows, visible_run};
+use super::stage::{cube_place, keys_seen_by_rows, visible_run};
 use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, SCRATCH_BYTES_PER_WARP, lane};
 
 /// Warps (of 32 units) per block, each owning 16 query rows.
@@ -54,6 +54,46 @@ pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, mma_sync: bool, 
 fn shared_bytes(head_dim: usize, keys: usize, mma_sync: bool, element_bytes: usize) -> usize {
     let scratch = if mma_sync { 0 } else { WARPS * SCRATCH_BYTES_PER_WARP };
     2 * 2 * keys * (head_dim + PAD) * element_bytes + scratch
+}
+
+/// Where a block of 64 query rows of one (batch, head) is, the cube's place in the grid.
+#[derive(CubeType)]
+pub(crate) struct BlockRows {
+    pub batch: usize,
+    /// `batch · q_heads + head`: the row of the `[B, Hq, Sq]` tensors (lse, D) times `Sq`.
+    pub head_index: usize,
+    /// Where its head starts in the `[B, Hq, Sq, D]` tensors, and its key/value head in K and V.
+    pub q_base: usize,
+    pub kv_base: usize,
+    pub first_row: usize,
+    /// This warp's first row: this lane's two rows are `row0 + lane / 4` and 8 below.
+    pub row0: usize,
+}
+
+/// The cube's block (see [`BlockRows`]) of a call with `q_heads` heads of `seq_q` queries and
+/// `kv_heads` of `seq_kv` keys.
+#[cube]
+pub(crate) fn block_rows(q_heads: usize, seq_q: usize, kv_heads: usize, seq_kv: usize, #[comptime] head_dim: usize) -> BlockRows {
+    let place = cube_place(q_heads, seq_q.div_ceil(BLOCK_ROWS));
+    let head_index = place.batch * q_heads + place.head;
+    let kv_head = place.head / (q_heads / kv_heads);
+    let first_row = place.block * BLOCK_ROWS;
+    BlockRows {
+        batch: place.batch,
+        head_index,
+        q_base: head_index * seq_q * head_dim,
+        kv_base: (place.batch * kv_heads + kv_head) * seq_kv * head_dim,
+        first_row,
+        row0: first_row + (UNIT_POS as usize / 32) * 16,
+    }
+}
+
+/// Two buffers of a step's `keys` rows of `head_dim` values (padded: [`PAD`]), 16-byte aligned
+/// for `cp.async` and `ldmatrix`: a step's tiles arrive in one while the step before computes
+/// on the other.
+#[cube]
+pub(crate) fn step_tiles<E: Float>(#[comptime] keys: usize, #[comptime] head_dim: usize) -> SharedMemory<E> {
+    SharedMemory::<E>::new_aligned(2 * keys * (head_dim + PAD), 16usize)
 }
 
 /// The keys a block's loop visits: `steps` steps from `start`.
@@ -210,6 +250,35 @@ pub(crate) fn times_tile<E: Float, M: FragmentMma>(
             M::mma::<E>(p, chunk * A_VALUES, &b, B_VALUES, acc, (2 * pair + 1) * C_VALUES, scratch);
         }
     }
+}
+
+/// Waits for step `step`'s K and V tiles of `span` (every warp is then done with the step
+/// before, whose buffers they reuse) and starts copying the next step's into the other
+/// buffers; gives this step's buffer. Step 0's copies are started by [`stage_step`] before the
+/// loop.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn next_step<E: Float, M: FragmentMma>(
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    kv_base: usize,
+    span: &KeySpan,
+    step: usize,
+    seq_kv: usize,
+    k_tiles: &mut SharedMemory<E>,
+    v_tiles: &mut SharedMemory<E>,
+    copies: &mut M::Copies,
+    #[comptime] keys: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] unrolled: bool,
+) -> usize {
+    let buffer_size = comptime!(keys * (head_dim + PAD));
+    M::copies_arrived(copies);
+    if step + 1 < span.steps {
+        let next = ((step + 1) % 2) * buffer_size;
+        stage_step::<E, M>(k, v, kv_base, span.start + (step + 1) * keys, seq_kv, k_tiles, v_tiles, next, keys, head_dim, unrolled);
+    }
+    (step % 2) * buffer_size
 }
 
 /// Starts copying the step from `key0`'s K and V tiles into `buffer` of `k_tiles` and
