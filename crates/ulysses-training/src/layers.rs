@@ -40,7 +40,9 @@
 //! still busy), the last when the tensor is complete: the host idles the device once per
 //! offloaded tensor, not once per tile (`tests/device_waits.rs`). A tile comes back from pinned
 //! memory where the backend has it (CUDA: an upload the host queues and does not wait for),
-//! one host copy of its rows away. Offloaded, the only whole-sequence
+//! after two host copies: its rows gathered, then put in pinned memory (CubeCL 0.10 stages
+//! bytes already filled, so the rows cannot be gathered into pinned memory directly).
+//! Offloaded, the only whole-sequence
 //! tensors on the device are the cores': at a core's backward, the most a layer holds, q, k,
 //! v, the core's output, its softmax statistics and their gradients; no projection's,
 //! norm's or MLP's intermediates, no hidden state.

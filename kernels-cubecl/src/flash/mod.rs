@@ -243,10 +243,22 @@ pub fn flash_attention_forward_fragments<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let p = Problem::of_tensors(&query, &key, &value, &options)?;
-    let dtype = query.dtype;
-    if let Some(refusal) = fragments_refusal(dtype, &p) {
+    if let Some(refusal) = fragments_refusal(query.dtype, &p) {
         return Err(FlashError::Shape(refusal));
     }
+    fragment_forward(p, query, key, value, options, ranges)
+}
+
+/// [`flash_attention_forward_fragments`] of a checked call `p` that the fragments take.
+fn fragment_forward<R: CubeRuntime>(
+    p: Problem,
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    options: FlashOptions,
+    ranges: Option<&VisibleRanges>,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
+    let dtype = query.dtype;
     let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
     let client = query.client.clone();
     let device = query.device.clone();
@@ -256,21 +268,38 @@ pub fn flash_attention_forward_fragments<R: CubeRuntime>(
         return Ok((output, lse));
     }
     let [row_keys, _] = range_tables(ranges, &p, &client, &query.device)?;
-    let count = grid(&client, p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS))?;
-    let dim = CubeDim::new_1d(32 * fragment_tiles::WARPS as u32);
+    let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward)?;
     let args = (query.into_tensor_arg(), key.into_tensor_arg(), value.into_tensor_arg(), output.clone().into_tensor_arg(), lse.clone().into_tensor_arg(), row_keys.into_tensor_arg());
-    let elem: StorageType = dtype.into();
-    let mma_sync = crate::mma::has_mma_sync(&client, dtype);
-    let shared_limit = client.properties().hardware.max_shared_memory_size;
-    let keys = fragment_tiles::key_step(FragmentKernel::Forward, p.head_dim, mma_sync, dtype.size(), shared_limit)
-        .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    if mma_sync {
-        fragment_forward::fragment_forward_kernel::launch::<crate::mma::MmaSync, R>(&client, count, dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, keys, options.causal, ranges.is_some(), true, elem);
+    use fragment_forward::fragment_forward_kernel as kernel;
+    if l.mma_sync {
+        kernel::launch::<crate::mma::MmaSync, R>(&client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.keys, options.causal, ranges.is_some(), true, l.elem);
     } else {
-        fragment_forward::fragment_forward_kernel::launch::<crate::mma::SharedMemoryMma, R>(&client, count, dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, keys, options.causal, ranges.is_some(), false, elem);
+        kernel::launch::<crate::mma::SharedMemoryMma, R>(&client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.keys, options.causal, ranges.is_some(), false, l.elem);
     }
     Ok((output, lse))
+}
+
+/// What a register-fragment kernel's launch takes from the device and the call: whether the
+/// product runs on `mma.sync` (else emulated, with the loops kept rolled), the key step, the
+/// grid of 64-row blocks, the cube of 4 warps and the element type.
+struct FragmentLaunch {
+    mma_sync: bool,
+    keys: usize,
+    count: CubeCount,
+    dim: CubeDim,
+    elem: StorageType,
+}
+
+impl FragmentLaunch {
+    fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, p: &Problem, kernel: FragmentKernel) -> Result<Self, FlashError> {
+        let mma_sync = crate::mma::has_mma_sync(client, dtype);
+        let shared_limit = client.properties().hardware.max_shared_memory_size;
+        let keys = fragment_tiles::key_step(kernel, p.head_dim, mma_sync, dtype.size(), shared_limit)
+            .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
+        let count = grid(client, p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS))?;
+        Ok(Self { mma_sync, keys, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
+    }
 }
 
 /// Attention output `[B, Hq, Sq, Dv]` and the log-sum-exp of every row `[B, Hq, Sq]` (f32;
@@ -286,7 +315,7 @@ pub fn flash_attention_forward<R: CubeRuntime>(
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     if plan::fragments_requested() && fragments_refusal(query.dtype, &problem).is_none() {
-        return flash_attention_forward_fragments(query, key, value, options, ranges);
+        return fragment_forward(problem, query, key, value, options, ranges);
     }
     let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
     let client = query.client.clone();
@@ -343,7 +372,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     let fragments = plan::fragments_requested() && fragment_query_grad_refusal(query.dtype, &problem).is_none();
-    backward(query, key, value, output, output_grad, lse, options, ranges, fragments)
+    backward(problem, query, key, value, output, output_grad, lse, options, ranges, fragments)
 }
 
 /// [`flash_attention_backward`] with dQ on the register-fragment engine
@@ -364,7 +393,7 @@ pub fn flash_attention_backward_fragments<R: CubeRuntime>(
     if let Some(refusal) = fragment_query_grad_refusal(query.dtype, &problem) {
         return Err(FlashError::Shape(refusal));
     }
-    backward(query, key, value, output, output_grad, lse, options, ranges, true)
+    backward(problem, query, key, value, output, output_grad, lse, options, ranges, true)
 }
 
 /// Why the register-fragment dQ kernel does not take a call, if it does not: what the
@@ -381,9 +410,11 @@ fn fragment_query_grad_refusal(dtype: DType, p: &Problem) -> Option<String> {
     })
 }
 
-/// The backward, dQ on the register fragments where `fragment_query_grad`.
+/// The backward of a checked call `problem`, dQ on the register fragments where
+/// `fragment_query_grad`.
 #[allow(clippy::too_many_arguments)]
 fn backward<R: CubeRuntime>(
+    problem: Problem,
     query: CubeTensor<R>,
     key: CubeTensor<R>,
     value: CubeTensor<R>,
@@ -394,7 +425,6 @@ fn backward<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
     fragment_query_grad: bool,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
-    let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     let p = problem;
     let expected_output = [p.batch, p.q_heads, p.seq_q, p.value_dim];
     for (name, tensor) in [("output", &output), ("output gradient", &output_grad)] {
@@ -535,21 +565,14 @@ fn launch_fragment_query_grad<R: CubeRuntime>(
     ranged: bool,
 ) -> Result<(), FlashError> {
     let client = &query.client;
-    let dtype = query.dtype;
-    let mma_sync = crate::mma::has_mma_sync(client, dtype);
-    let shared_limit = client.properties().hardware.max_shared_memory_size;
-    let keys = fragment_tiles::key_step(FragmentKernel::QueryGrad, p.head_dim, mma_sync, dtype.size(), shared_limit)
-        .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
-    let count = grid(client, p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS))?;
-    let dim = CubeDim::new_1d(32 * fragment_tiles::WARPS as u32);
+    let l = FragmentLaunch::new(client, query.dtype, p, FragmentKernel::QueryGrad)?;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     let args = (arg(query), arg(key), arg(value), arg(output_grad), arg(lse), arg(delta), arg(query_grad), arg(row_keys));
-    let elem: StorageType = dtype.into();
     use fragment_query_grad::fragment_query_grad_kernel as kernel;
-    if mma_sync {
-        kernel::launch::<crate::mma::MmaSync, R>(client, count, dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, keys, causal, ranged, true, elem);
+    if l.mma_sync {
+        kernel::launch::<crate::mma::MmaSync, R>(client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.keys, causal, ranged, true, l.elem);
     } else {
-        kernel::launch::<crate::mma::SharedMemoryMma, R>(client, count, dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, keys, causal, ranged, false, elem);
+        kernel::launch::<crate::mma::SharedMemoryMma, R>(client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.keys, causal, ranged, false, l.elem);
     }
     Ok(())
 }
