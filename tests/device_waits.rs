@@ -98,6 +98,43 @@ fn a_queued_read_brings_back_the_tensor_as_it_was_queued() {
     assert_eq!(io.read_bytes, 2 * 4096 * 4, "{io}");
 }
 
+/// The launch counter counts the kernels CubeCL launches on this thread, and nothing else:
+/// on wgpu (lavapipe), five elementwise adds are five launches; tensors made from data and a
+/// read back are none; without the counter installed nothing is counted.
+#[test]
+fn kernel_launches_are_counted_where_the_counter_is_installed() {
+    use burn::tensor::Tensor;
+    use burn_ulysses::device_io::kernel_launch_counter;
+    use tracing_subscriber::layer::SubscriberExt;
+    type Wgpu = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+    if !ulysses_kernels::testing::runtime_available::<cubecl::wgpu::WgpuRuntime>() {
+        return;
+    }
+    let device = Default::default();
+    let adds = |count: usize| {
+        let step = Tensor::<Wgpu, 1>::from_floats([0.5; 256], &device);
+        let before = DeviceIo::of_this_thread();
+        // From data: `zeros` would launch a fill kernel.
+        let mut sum = Tensor::<Wgpu, 1>::from_floats([0.0; 256], &device);
+        for _ in 0..count {
+            sum = sum + step.clone();
+        }
+        let values = sum.into_data().to_vec::<f32>().unwrap();
+        assert!(values.iter().all(|value| *value == 0.5 * count as f32), "{count} adds gave {}", values[0]);
+        DeviceIo::of_this_thread() - before
+    };
+    let uncounted = adds(5);
+    assert_eq!(uncounted.launches, 0, "no counter installed: {uncounted}");
+    let counted = tracing::subscriber::with_default(tracing_subscriber::registry().with(kernel_launch_counter()), || {
+        let made = DeviceIo::of_this_thread();
+        let _data = Tensor::<Wgpu, 1>::from_floats([1.0; 256], &device).into_data();
+        assert_eq!((DeviceIo::of_this_thread() - made).launches, 0, "a tensor from data, read back, launches nothing");
+        adds(5)
+    });
+    assert_eq!(counted.launches, 5, "five adds: {counted}");
+    assert!(counted.to_string().ends_with("5 kernel launches"), "{counted}");
+}
+
 /// One training step of `micro_batches` micro-batches at SP=1 (one rank thread), with the
 /// plain backward or the checkpointed one: what it waits for, from sharding to the
 /// optimizer's update.

@@ -15,6 +15,14 @@
 //!   this thread since, the device still has that read's work ahead of it, and the wait
 //!   counts as **overlapped**, not as a wait.
 //!
+//! - a **kernel launch**: a kernel CubeCL launches. Not a wait, but on a GPU each costs the
+//!   host a few microseconds, so a step that launches a kernel per row or per tile is host-bound
+//!   however few its waits. Counted by [`kernel_launch_counter`], a `tracing` layer over the
+//!   span CubeCL opens for each launch (its `tracing` feature, which this crate's `cubecl`
+//!   feature turns on): the trainer installs it with its logs, a test in its scoped subscriber;
+//!   without it, or on NdArray (no kernels), launches stay 0. Unlike the waits, launches are
+//!   counted below the decorator: `Autodiff`'s backward and the communicators' kernels too.
+//!
 //! Counted per thread (each rank of a `ThreadGroup` is one), for every `UlyssesBackend` level
 //! (`UlyssesBackend<Autodiff<B>>` and the `UlyssesBackend<B>` beneath it). Ops that
 //! `Autodiff`'s backward runs on `B` itself never reach the decorator; they make no reads.
@@ -35,6 +43,9 @@ use burn::tensor::{
     backend::ExecutionError,
     ops::{BoolTensor, FloatTensor, IntTensor, TransactionPrimitive, TransactionPrimitiveData},
 };
+
+use tracing::{Metadata, Subscriber, span};
+use tracing_subscriber::{Layer, filter, layer, registry::LookupSpan};
 
 use crate::capabilities::{ExchangeBackend, PlainBackend, QueuedRead};
 
@@ -59,6 +70,8 @@ pub struct DeviceIo {
     pub upload_bytes: u64,
     /// Those of the uploads that came from pinned host memory: queued, not waited for.
     pub pinned_uploads: u64,
+    /// Kernels launched by CubeCL on this thread, with [`kernel_launch_counter`] installed.
+    pub launches: u64,
 }
 
 impl DeviceIo {
@@ -87,6 +100,7 @@ impl Sub for DeviceIo {
             uploads: self.uploads - earlier.uploads,
             upload_bytes: self.upload_bytes - earlier.upload_bytes,
             pinned_uploads: self.pinned_uploads - earlier.pinned_uploads,
+            launches: self.launches - earlier.launches,
         }
     }
 }
@@ -102,13 +116,17 @@ impl fmt::Display for DeviceIo {
         if self.pinned_uploads > 0 {
             write!(f, "; {} from pinned memory", self.pinned_uploads)?;
         }
-        write!(f, ")")
+        write!(f, ")")?;
+        if self.launches > 0 {
+            write!(f, ", {} kernel launches", self.launches)?;
+        }
+        Ok(())
     }
 }
 
 thread_local! {
     static COUNTS: Cell<DeviceIo> = const {
-        Cell::new(DeviceIo { reads: 0, read_bytes: 0, queued_reads: 0, drains: 0, overlapped_waits: 0, syncs: 0, uploads: 0, upload_bytes: 0, pinned_uploads: 0 })
+        Cell::new(DeviceIo { reads: 0, read_bytes: 0, queued_reads: 0, drains: 0, overlapped_waits: 0, syncs: 0, uploads: 0, upload_bytes: 0, pinned_uploads: 0, launches: 0 })
     };
 }
 
@@ -118,6 +136,31 @@ fn count(change: impl FnOnce(&mut DeviceIo)) {
         change(&mut now);
         counts.set(now);
     });
+}
+
+/// A `tracing` layer that counts CubeCL's kernel launches into [`DeviceIo::launches`] of the
+/// launching thread. It sees only the span CubeCL opens per launch (its own filter), so it
+/// enables no other `trace` callsite and leaves the logs' filter as it is; add it beside the
+/// logging layer, e.g. `registry().with(kernel_launch_counter()).with(fmt::layer())`.
+pub fn kernel_launch_counter<S>() -> impl Layer<S> + Send + Sync + 'static
+where
+    S: Subscriber + for<'span> LookupSpan<'span>,
+{
+    LaunchCounter.with_filter(filter::filter_fn(is_kernel_launch))
+}
+
+/// The span `cubecl_runtime::client::ComputeClient::launch_inner` opens, with the `tracing`
+/// feature, for every kernel launch, checked or not (cubecl-runtime 0.10).
+fn is_kernel_launch(metadata: &Metadata<'_>) -> bool {
+    metadata.is_span() && metadata.name() == "launch_inner" && metadata.target().starts_with("cubecl_runtime")
+}
+
+struct LaunchCounter;
+
+impl<S: Subscriber> Layer<S> for LaunchCounter {
+    fn on_new_span(&self, _: &span::Attributes<'_>, _: &span::Id, _: layer::Context<'_, S>) {
+        count(|c| c.launches += 1);
+    }
 }
 
 /// A read issued now; its bytes (`bytes_of` what arrives) are counted when it arrives.

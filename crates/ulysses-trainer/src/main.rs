@@ -222,8 +222,9 @@ struct Args {
     #[arg(long, conflicts_with_all = ["resume", "stop_after"])]
     no_save: bool,
     /// Print, after each step, what rank 0 waited on the device for: reads back to the host
-    /// and syncs (on a GPU each stalls until its queue drains) and uploads, with bytes. Waits
-    /// inside the collectives (the communicators' own syncs and reads) are not counted.
+    /// and syncs (on a GPU each stalls until its queue drains) and uploads, with bytes; and,
+    /// on the CubeCL backends, the kernels launched. Waits inside the collectives (the
+    /// communicators' own syncs and reads) are not counted; their kernels are.
     #[arg(long)]
     profile: bool,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
@@ -252,7 +253,8 @@ fn step_and_rank(value: &str) -> Result<(usize, usize), String> {
 }
 
 fn main() {
-    ulysses_dist::logging::init("info");
+    // Beside the logs, the count of CubeCL's kernel launches that `--profile` prints.
+    ulysses_dist::logging::init_with("info", burn_ulysses::device_io::kernel_launch_counter());
     // A failure inside the model (a peer that died) is reported once, as the rank's error.
     ulysses_training::quiet_caught_panics();
     if let Err(message) = run(Args::parse()) {
@@ -614,7 +616,7 @@ struct RunLog {
     steps: usize,
     /// The files the run writes, for the last line.
     wrote: &'static str,
-    /// `--profile`: print each step's waits on the device.
+    /// `--profile`: print each step's waits on the device, copies and kernel launches.
     profile: bool,
 }
 
