@@ -238,7 +238,7 @@ def main():
             fail("no-tensor-cores", "a tensor-core kernel without a tensor-core instruction")
         # The register-fragment engine (FlashAttention-2's design): fragments from shared
         # memory through ldmatrix, nothing in local memory, and its forward two blocks an SM
-        # (one block's barrier waits hidden by the other's work).
+        # (one block's barrier waits hidden by the other's work), and so its backward kernels.
         if kernel["engine"] == "tensor-cores-mma":
             if result["ldsm"] == 0:
                 fail("no-ldmatrix", "a register-fragment kernel without an ldmatrix (LDSM)")
@@ -246,7 +246,7 @@ def main():
                 fail("no-cp-async", "a register-fragment kernel without an asynchronous copy (cp.async, LDGSTS)")
             if result["local"]:
                 fail("local-memory", f"{result['local']} local-memory instructions (LDL/STL)")
-            if kernel["kernel"] in ("fragment_forward", "fragment_query_grad") and blocks < 2:
+            if kernel["kernel"] in ("fragment_forward", "fragment_query_grad", "fragment_key_value_grad") and blocks < 2:
                 fail("blocks", f"{blocks} block an SM for {kernel['kernel']}, which needs two ({threads} threads, {result['registers']} registers, {shared} bytes shared)")
         s = summary[kernel["target"]]
         s["kernels"] += 1

@@ -125,11 +125,12 @@ if has flash-attention-tests; then
         # Nsight Compute on one launch of each kernel (forward, dK/dV, dQ) of the bench's first
         # shape (S 1024, 16 heads, bf16, head dim 128): the figures that name the limit (memory
         # or compute throughput, occupancy). A 0.2 s budget skips the long shapes; no SDPA.
-        # The register-fragment forward at 8192 tokens, head dim 128 (the bench's --fragments).
+        # The register-fragment kernels (forward, dK/dV, dQ) at 8192 tokens, head dim 128 (the
+        # bench's --fragments).
         if [ "${DRY_RUN:-0}" = 1 ] || command -v ncu >/dev/null; then
-            for kernel in ${NCU_KERNELS:-flash_forward_kernel key_value_grad_kernel query_grad_kernel fragment_forward_kernel}; do
+            for kernel in ${NCU_KERNELS:-flash_forward_kernel key_value_grad_kernel query_grad_kernel fragment_forward_kernel fragment_key_value_grad_kernel fragment_query_grad_kernel}; do
                 args=""
-                [ "$kernel" = fragment_forward_kernel ] && args="--fragments --heads 16 --seqs 8192 --head-dims 128"
+                case "$kernel" in fragment_*) args="--fragments --heads 16 --seqs 8192 --head-dims 128" ;; esac
                 step "ncu-$kernel" env ULYSSES_SDPA_SCRIPT=/nonexistent/sdpa.py ncu --set full --launch-count 1 \
                     -k "regex:$kernel" "$here/flash-attention-bench" --budget-secs 0.2 $args
             done
@@ -252,9 +253,9 @@ if has ulysses-trainer; then
                     --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "${CORPUS:-/usr/share/common-licenses}" \
                     --out "$out/hf-$shape-sp1-old-head"
             fi
-            # The attention forward on the register-fragment engine (FlashAttention-2's design,
-            # ULYSSES_FLASH_ENGINE=fragments), beside the planned engine's above; HF_FRAGMENTS=0
-            # skips it.
+            # Attention (forward and backward) on the register-fragment engine (FlashAttention-2's
+            # design, ULYSSES_FLASH_ENGINE=fragments), beside the planned engine's above;
+            # HF_FRAGMENTS=0 skips it.
             if [ "${HF_FRAGMENTS:-1}" = 1 ]; then
                 step "hf-$shape-sp1-fragments" env ULYSSES_FLASH_ENGINE=fragments "$here/ulysses-trainer" --backend cuda --sp 1 \
                     --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile --learning-rate 3e-4 --checkpoint-layers --no-save \

@@ -22,11 +22,12 @@
 //! count the time of forward + backward over packed documents (`VisibleRanges`) against the
 //! same shape without them: the tiles the kernels skip.
 //!
-//! `--fragments` instead times the forward at head dims 64 and 128 (what the register-fragment
-//! engine, FlashAttention-2's design, takes so far; `--head-dims` narrows them) three ways in one
-//! run: the planned engine (`flash_attention_forward`), the register fragments
-//! (`flash_attention_forward_fragments`) and SDPA, with the fragments' output checked against
-//! the planned engine's first; then causal packed documents of 2048 tokens on both engines.
+//! `--fragments` instead times the forward and the backward at head dims 64 and 128 (what the
+//! register-fragment engine, FlashAttention-2's design, takes so far; `--head-dims` narrows them)
+//! three ways in one run: the planned engine (`flash_attention_forward`, `_backward`), the
+//! register fragments (`flash_attention_forward_fragments`, `_backward_fragments`) and SDPA,
+//! with the fragments' output and gradients checked against the planned engine's first; then
+//! causal packed documents of 2048 tokens on both engines.
 
 use std::{
     process::Command,
@@ -36,7 +37,7 @@ use std::{
 use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use ulysses_kernels::{
-    FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_forward, flash_attention_forward_fragments,
+    FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_forward, flash_attention_forward_fragments,
     flash::{Engine, Problem},
 };
 
@@ -178,79 +179,113 @@ fn reads_per_flop(plan: &Plan) -> f64 {
     }
 }
 
-/// `--fragments`: the forward on the planned engine, on the register fragments and in SDPA,
-/// same shapes, same run; then, for causal shapes, packed documents of `document` tokens on
-/// both engines (SDPA has no documents).
-fn fragments_forward(shapes: &[Shape], dtype: DType, device: &Device, budget: Duration, quick: bool) {
+/// `--fragments`: the forward and the backward on the planned engine, on the register
+/// fragments and in SDPA, same shapes, same run; then, for causal shapes, packed documents of
+/// `document` tokens on both engines (SDPA has no documents).
+fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, budget: Duration, quick: bool) {
     let theirs = if quick { vec![None; shapes.len()] } else { sdpa(shapes, budget) };
-    println!("forward, {dtype:?}: planned engine / register fragments (FlashAttention-2's design) / SDPA");
-    println!(
-        "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned",
-        "dim", "heads", "seq", "causal", "planned", "fragments", "SDPA", "frag/plan", "frag/SDPA"
-    );
     let number = |x: f64| if x < 0.1 { format!("{x:.1e}") } else { format!("{x:.2}") };
     let text = |x: Option<f64>| x.map_or("-".to_string(), number);
-    // (forward seconds on the planned engine, on the fragments) of each causal shape.
-    let mut causal = Vec::new();
+    // Each shape's (planned, fragments, SDPA's) seconds, timed once, printed in two tables.
+    let mut rows = Vec::new();
     for (shape, sdpa) in shapes.iter().zip(theirs) {
-        let (planned_s, fragments_s, difference) = both_forwards(shape, dtype, device, budget, None);
-        let flops = shape.forward_flops();
-        let tflops = |seconds: f64| flops / seconds / 1e12;
-        let sdpa_tflops = sdpa.map(|sdpa| tflops(sdpa.timing.forward));
-        // On the CPU the products run in the shared-memory emulation: compare there for
-        // agreement, not for speed.
+        rows.push((*shape, both_engines(shape, dtype, device, budget, None), sdpa.map(|sdpa| sdpa.timing)));
+    }
+    for backward in [false, true] {
+        let pass = if backward { "backward" } else { "forward" };
+        println!("\n{pass}, {dtype:?}: planned engine / register fragments (FlashAttention-2's design) / SDPA");
         println!(
-            "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9.2} {:>9} | {difference:.1e}",
-            shape.head_dim,
-            shape.heads,
-            shape.seq,
-            shape.causal,
-            number(tflops(planned_s)),
-            number(tflops(fragments_s)),
-            text(sdpa_tflops),
-            planned_s / fragments_s,
-            text(sdpa_tflops.map(|theirs| tflops(fragments_s) / theirs))
+            "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned",
+            "dim", "heads", "seq", "causal", "planned", "fragments", "SDPA", "frag/plan", "frag/SDPA"
         );
-        if shape.causal {
-            causal.push((*shape, planned_s, fragments_s));
+        for (shape, compared, sdpa) in &rows {
+            let (planned_s, fragments_s, difference) = if backward {
+                (compared.planned.backward, compared.fragments.backward, compared.backward_difference)
+            } else {
+                (compared.planned.forward, compared.fragments.forward, compared.forward_difference)
+            };
+            // The backward's usual count: 2.5 times the forward's.
+            let flops = shape.forward_flops() * if backward { 2.5 } else { 1.0 };
+            let tflops = |seconds: f64| flops / seconds / 1e12;
+            let sdpa_tflops = sdpa.map(|t| tflops(if backward { t.backward } else { t.forward }));
+            // On the CPU the products run in the shared-memory emulation: compare there for
+            // agreement, not for speed.
+            println!(
+                "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9.2} {:>9} | {difference:.1e}",
+                shape.head_dim,
+                shape.heads,
+                shape.seq,
+                shape.causal,
+                number(tflops(planned_s)),
+                number(tflops(fragments_s)),
+                text(sdpa_tflops),
+                planned_s / fragments_s,
+                text(sdpa_tflops.map(|theirs| tflops(fragments_s) / theirs))
+            );
         }
     }
     let document = if quick { 64 } else { 2048 };
-    println!("\npacked documents of {document} tokens, causal: forward seconds, planned engine / fragments, and each against the whole sequence");
-    for (shape, planned_whole, fragments_whole) in causal.into_iter().filter(|(shape, ..)| shape.seq >= 2 * document) {
+    println!("\npacked documents of {document} tokens, causal: seconds, planned engine / fragments, and each against the whole sequence");
+    for (shape, whole, _) in rows.into_iter().filter(|(shape, ..)| shape.causal && shape.seq >= 2 * document) {
         let lengths: Vec<usize> = (0..shape.seq).step_by(document).map(|start| document.min(shape.seq - start)).collect();
         let ranges = VisibleRanges::all(1, shape.seq, shape.seq).and_then(|r| r.with_documents(&[lengths])).unwrap();
-        let (planned_s, fragments_s, difference) = both_forwards(&shape, dtype, device, budget, Some(&ranges));
-        println!(
-            "dim {:>3} heads {:>3} seq {:>6}: {:.3e} s / {:.3e} s = {:.2} (against the whole sequence: {:.3} / {:.3}; work {:.3}), max |Δ| {difference:.1e}",
-            shape.head_dim,
-            shape.heads,
-            shape.seq,
-            planned_s,
-            fragments_s,
-            planned_s / fragments_s,
-            planned_s / planned_whole,
-            fragments_s / fragments_whole,
-            document as f64 / shape.seq as f64
-        );
+        let packed = both_engines(&shape, dtype, device, budget, Some(&ranges));
+        for (pass, planned_s, fragments_s, planned_whole, fragments_whole, difference) in [
+            ("forward", packed.planned.forward, packed.fragments.forward, whole.planned.forward, whole.fragments.forward, packed.forward_difference),
+            ("backward", packed.planned.backward, packed.fragments.backward, whole.planned.backward, whole.fragments.backward, packed.backward_difference),
+        ] {
+            println!(
+                "dim {:>3} heads {:>3} seq {:>6} {pass:>8}: {:.3e} s / {:.3e} s = {:.2} (against the whole sequence: {:.3} / {:.3}; work {:.3}), max |Δ| {difference:.1e}",
+                shape.head_dim,
+                shape.heads,
+                shape.seq,
+                planned_s,
+                fragments_s,
+                planned_s / fragments_s,
+                planned_s / planned_whole,
+                fragments_s / fragments_whole,
+                document as f64 / shape.seq as f64
+            );
+        }
     }
 }
 
-/// One shape's forward timed on the planned engine and on the fragments (each after a warm-up
-/// run that compiles it and checks that they agree): seconds of each, and the largest
-/// difference of their outputs.
-fn both_forwards(shape: &Shape, dtype: DType, device: &Device, budget: Duration, ranges: Option<&VisibleRanges>) -> (f64, f64, f32) {
+/// One shape on both engines: seconds of each pass, and the largest differences of their
+/// outputs (forward) and of their gradients (backward, over dQ, dK and dV).
+struct Compared {
+    planned: Timing,
+    fragments: Timing,
+    forward_difference: f32,
+    backward_difference: f32,
+}
+
+/// One shape's forward and backward timed on the planned engine and on the fragments (each
+/// after a warm-up run that compiles it and checks that they agree); the backward from each
+/// engine's own forward.
+fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, ranges: Option<&VisibleRanges>) -> Compared {
     let q_shape = [shape.batch, shape.heads, shape.seq, shape.head_dim];
-    let (q, k, v) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
+    let (q, k, v, g) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
     let options = FlashOptions { scale: None, causal: shape.causal };
     let planned = || flash_attention_forward(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
     let fragments = || flash_attention_forward_fragments(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
     let values = |tensor: CubeTensor<Runtime>| -> Vec<f32> {
         burn::tensor::Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(tensor)).cast(DType::F32).into_data().to_vec().unwrap()
     };
-    let difference = values(planned().0).iter().zip(values(fragments().0)).map(|(a, b)| if b.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0.0f32, f32::max);
-    let each = budget / 2;
-    (time(device, each, || drop(planned())), time(device, each, || drop(fragments())), difference)
+    let largest_difference = |a: Vec<f32>, b: Vec<f32>| a.iter().zip(b).map(|(a, b)| if b.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0.0f32, f32::max);
+    let ((planned_out, planned_lse), (fragments_out, fragments_lse)) = (planned(), fragments());
+    let forward_difference = largest_difference(values(planned_out.clone()), values(fragments_out.clone()));
+    let planned_backward = || flash_attention_backward(q.clone(), k.clone(), v.clone(), planned_out.clone(), g.clone(), planned_lse.clone(), options, ranges).unwrap();
+    let fragments_backward = || flash_attention_backward_fragments(q.clone(), k.clone(), v.clone(), fragments_out.clone(), g.clone(), fragments_lse.clone(), options, ranges).unwrap();
+    let (want, got) = (planned_backward(), fragments_backward());
+    let backward_difference = [(want.0, got.0), (want.1, got.1), (want.2, got.2)].into_iter().map(|(a, b)| largest_difference(values(a), values(b))).fold(0.0f32, f32::max);
+    let each = budget / 4;
+    let timing = |forward: f64, backward: f64| Timing { forward, backward, both: forward + backward };
+    Compared {
+        planned: timing(time(device, each, || drop(planned())), time(device, each, || drop(planned_backward()))),
+        fragments: timing(time(device, each, || drop(fragments())), time(device, each, || drop(fragments_backward()))),
+        forward_difference,
+        backward_difference,
+    }
 }
 
 fn main() {
@@ -281,7 +316,7 @@ fn main() {
         let shapes: Vec<Shape> = list("--head-dims").unwrap_or(vec![64, 128]).into_iter().flat_map(shapes_of).collect();
         // The fragments take f16 and bf16 only: f16 where the device has no bf16 (lavapipe).
         let dtype = if bf16 { DType::BF16 } else { DType::F16 };
-        fragments_forward(&shapes, dtype, &device, budget, quick);
+        fragments_against_planned(&shapes, dtype, &device, budget, quick);
         return;
     }
     let shapes = shapes_of(128);

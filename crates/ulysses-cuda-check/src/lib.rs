@@ -57,9 +57,10 @@ pub struct Kernel {
 /// Which of the flash kernels a compiled entry point is, or `None` for another (burn's casts
 /// on upload are not ours to check).
 fn kernel_of(entrypoint: &str) -> Option<&'static str> {
-    // First match wins: `fragment_query_grad` before the `query_grad` it contains.
+    // First match wins: the fragment kernels before the planned ones their names contain.
     [
         ("fragment_query_grad", "fragment_query_grad"),
+        ("fragment_key_value_grad", "fragment_key_value_grad"),
         ("row_delta", "row_delta"),
         ("key_value_grad", "key_value_grad"),
         ("query_grad", "query_grad"),
@@ -157,7 +158,7 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
         if matches!(dtype, DType::F16 | DType::BF16) && matches!(case.head_dim, 64 | 128) {
             let (output, lse) = flash_attention_forward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options, ranges.as_ref())
                 .map_err(|e| format!("{case:?}: the fragment forward: {e}"))?;
-            // dQ on the fragments takes 32-bit indices only.
+            // The fragment backward takes 32-bit indices only.
             if !case.sixty_four_bit {
                 flash_attention_backward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), output, tensor(q_shape), lse, options, ranges.as_ref())
                     .map_err(|e| format!("{case:?}: the fragment backward: {e}"))?;
@@ -177,7 +178,7 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
                 // fragments multiply with mma.sync whatever the plan.
                 engine: match kernel {
                     "row_delta" | "cross_entropy" => "-".into(),
-                    "fragments" | "fragment_forward" | "fragment_query_grad" => "tensor-cores-mma".into(),
+                    "fragments" | "fragment_forward" | "fragment_query_grad" | "fragment_key_value_grad" => "tensor-cores-mma".into(),
                     _ => plan.engine.to_string(),
                 },
                 dynamic_shared_bytes: compiled.dynamic_shared_bytes,

@@ -10,7 +10,7 @@
 use cubecl::prelude::*;
 
 use super::{
-    fragment_tiles::{BLOCK_ROWS, MASKED, WARPS, block_keys, block_rows, load_row_fragments, next_step, stage_step, step_tiles, times_tile, times_tile_transposed, zeros},
+    fragment_tiles::{BLOCK_ROWS, MASKED, WARPS, block_span, block_rows, load_row_fragments, next_step, rounded, stage_step, step_tiles, times_tile, times_tile_transposed, zeros},
     stage::{cube_in_range, visible_run},
 };
 use crate::mma::{C_VALUES, FragmentMma, lane};
@@ -88,7 +88,7 @@ fn forward_block<E: Float, M: FragmentMma>(
     // ranges folded in): every score's mask.
     let run_low = visible_run(ranges, batch, row0 + g, seq_q, seq_kv, false, ranged, causal);
     let run_high = visible_run(ranges, batch, row0 + g + 8, seq_q, seq_kv, false, ranged, causal);
-    let span = block_keys(ranges, batch, rows.first_row, seq_q, seq_kv, keys_per_step, causal, ranged);
+    let span = block_span(ranges, batch, rows.first_row, seq_q, seq_kv, keys_per_step, false, causal, ranged);
 
     let score_tiles = keys_per_step / 8;
     if span.steps > 0 {
@@ -146,11 +146,7 @@ fn forward_block<E: Float, M: FragmentMma>(
 
         // P·V, P in registers: the score accumulators are, value for value, the A fragments
         // of P's 16-key chunks (crate::mma).
-        let mut p = Array::<E>::new(score_tiles * C_VALUES);
-        #[unroll]
-        for i in 0..score_tiles * C_VALUES {
-            p[i] = E::cast_from(s[i]);
-        }
+        let p = rounded::<E>(&s, score_tiles * C_VALUES);
         times_tile::<E, M>(&p, &v_tiles, buffer, &mut acc, &mut scratch, keys_per_step, head_dim, unrolled);
     }
 

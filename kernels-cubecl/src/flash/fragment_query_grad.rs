@@ -9,7 +9,7 @@
 use cubecl::prelude::*;
 
 use super::{
-    fragment_tiles::{BLOCK_ROWS, WARPS, block_keys, block_rows, load_row_fragments, next_step, stage_step, step_tiles, times_tile, times_tile_transposed, zeros},
+    fragment_tiles::{BLOCK_ROWS, WARPS, block_span, block_rows, load_row_fragments, next_step, rounded, stage_step, step_tiles, store_rows, times_tile, times_tile_transposed, zeros},
     stage::{cube_in_range, visible_run},
 };
 use crate::mma::{C_VALUES, FragmentMma, lane};
@@ -84,7 +84,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     let (row_low, row_high) = (min(row0 + g, seq_q - 1), min(row0 + g + 8, seq_q - 1));
     let (lse_low, lse_high) = (lse[head_index * seq_q + row_low], lse[head_index * seq_q + row_high]);
     let (delta_low, delta_high) = (delta[head_index * seq_q + row_low], delta[head_index * seq_q + row_high]);
-    let span = block_keys(ranges, batch, rows.first_row, seq_q, seq_kv, keys_per_step, causal, ranged);
+    let span = block_span(ranges, batch, rows.first_row, seq_q, seq_kv, keys_per_step, false, causal, ranged);
 
     let score_tiles = keys_per_step / 8;
     if span.steps > 0 {
@@ -117,25 +117,9 @@ fn query_grad_block<E: Float, M: FragmentMma>(
         }
 
         // dQ += dS·K, dS in registers as P is in the forward.
-        let mut ds = Array::<E>::new(score_tiles * C_VALUES);
-        #[unroll]
-        for i in 0..score_tiles * C_VALUES {
-            ds[i] = E::cast_from(s[i]);
-        }
+        let ds = rounded::<E>(&s, score_tiles * C_VALUES);
         times_tile::<E, M>(&ds, &k_tiles, buffer, &mut acc, &mut scratch, keys_per_step, head_dim, unrolled);
     }
 
-    #[unroll]
-    for half in 0..2usize {
-        let row = row0 + g + 8 * half;
-        if row < seq_q {
-            #[unroll(unrolled)]
-            for tile in 0..out_tiles {
-                #[unroll]
-                for j in 0..2usize {
-                    query_grad[q_base + row * head_dim + tile * 8 + 2 * t + j] = E::cast_from(acc[tile * C_VALUES + 2 * half + j] * scale);
-                }
-            }
-        }
-    }
+    store_rows::<E>(&acc, scale, query_grad, q_base, row0, seq_q, head_dim, unrolled);
 }

@@ -1,5 +1,6 @@
-//! What the register-fragment kernels share (`fragment_forward`, `fragment_query_grad`): blocks
-//! of 64 query rows, 16 a warp; K and V staged a key step at a time in double-buffered shared
+//! What the register-fragment kernels share (`fragment_forward`, `fragment_query_grad`,
+//! `fragment_key_value_grad`): blocks of 64 rows (queries; keys for dK/dV), 16 a warp; K and V
+//! (Q and dO for dK/dV) staged a key step at a time in double-buffered shared
 //! tiles (`cp.async` on CUDA, through no register), rows padded by 8 values so that
 //! `ldmatrix`'s eight row reads fall in distinct banks; the keys a block's rows see; and the
 //! two products every kernel runs on a step's tiles, one with the tiles as Bᵀ (S = Q·Kᵀ,
@@ -10,7 +11,7 @@
 
 use cubecl::prelude::*;
 
-use super::stage::{cube_place, keys_seen_by_rows, visible_run};
+use super::stage::{cube_place, first_row_seeing, keys_seen_by_rows, visible_run};
 use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, SCRATCH_BYTES_PER_WARP, lane};
 
 /// Warps (of 32 units) per block, each owning 16 query rows.
@@ -29,21 +30,26 @@ pub(crate) const MASKED: f32 = -1.0e30;
 pub(crate) enum FragmentKernel {
     Forward,
     QueryGrad,
+    /// dK and dV (`fragment_key_value_grad`): its step is of queries.
+    KeyValueGrad,
 }
 
-/// Keys per step of `kernel`'s loop: 64 at head dim 64 (8 score tiles of 16 × 8 a warp); at
-/// head dim 128, where the accumulators take twice the registers, 32 for the forward and 16 for
-/// dQ, which holds dP's tiles and dO's fragments too (32 spilled there: 255 registers on sm_80
-/// and sm_89). Where the product is emulated through shared memory, the largest step up to
+/// Keys (queries for dK/dV) per step of `kernel`'s loop: 64 at head dim 64 (8 score tiles of
+/// 16 × 8 a warp) for the forward and dQ, 32 for dK/dV, which holds two accumulators and both
+/// Sᵀ's and dPᵀ's tiles (64 spilled on sm_90a: 255 registers); at head dim 128, where the
+/// accumulators take twice the registers, 32 for the forward and 16 for dQ, which holds dP's
+/// tiles and dO's fragments too (32 spilled there: 255 registers on sm_80 and sm_89), and for
+/// dK/dV, which holds K's and V's. Where the product is emulated through shared memory, the largest step up to
 /// that whose two buffers of K and V fit the device's shared memory beside the product's
 /// scratch (lavapipe's 32 KiB: 32 keys at head dim 64, 16 at 128), so that the tests run the
 /// double buffering CUDA runs. `Err` with the bytes the smallest step needs where not even it
 /// fits (a kernel over the limit would not run at all).
 pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, mma_sync: bool, element_bytes: usize, shared_limit: usize) -> Result<usize, usize> {
     let cuda = match (head_dim > 64, kernel) {
-        (false, _) => 64,
+        (false, FragmentKernel::Forward | FragmentKernel::QueryGrad) => 64,
+        (false, FragmentKernel::KeyValueGrad) => 32,
         (true, FragmentKernel::Forward) => 32,
-        (true, FragmentKernel::QueryGrad) => 16,
+        (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) => 16,
     };
     let fits = |keys: &usize| shared_bytes(head_dim, *keys, mma_sync, element_bytes) <= shared_limit;
     let found = if mma_sync { Some(cuda).filter(fits) } else { [cuda, 32, 16].into_iter().filter(|&keys| keys <= cuda).find(fits) };
@@ -96,34 +102,43 @@ pub(crate) fn step_tiles<E: Float>(#[comptime] keys: usize, #[comptime] head_dim
     SharedMemory::<E>::new_aligned(2 * keys * (head_dim + PAD), 16usize)
 }
 
-/// The keys a block's loop visits: `steps` steps from `start`.
+/// The keys (queries for dK/dV) a block's loop visits: `steps` steps from `start`.
 #[derive(CubeType)]
 pub(crate) struct KeySpan {
     pub start: usize,
     pub steps: usize,
 }
 
-/// The keys the block of rows from `first_row` sees together: without ranges the causal
-/// bound; with, the span of its rows' runs (each unit reads them all, once).
+/// The keys the block of query rows from `first` sees together or, `of_keys`, the queries
+/// that see some of the block of keys from `first`: without ranges the causal bound; with,
+/// the span of its rows' (keys') runs (each unit reads them all, once).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn block_keys(
+pub(crate) fn block_span(
     ranges: &Tensor<u32>,
     batch: usize,
-    first_row: usize,
+    first: usize,
     seq_q: usize,
     seq_kv: usize,
-    #[comptime] keys_per_step: usize,
+    #[comptime] per_step: usize,
+    #[comptime] of_keys: bool,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
 ) -> KeySpan {
     let mut start = 0usize;
-    let mut end = keys_seen_by_rows(first_row, BLOCK_ROWS, seq_q, seq_kv, causal);
+    let mut end = seq_q;
+    if of_keys {
+        if causal {
+            start = first_row_seeing(first, seq_q, seq_kv);
+        }
+    } else {
+        end = keys_seen_by_rows(first, BLOCK_ROWS, seq_q, seq_kv, causal);
+    }
     if ranged {
-        start = seq_kv;
+        start = seq_q + seq_kv;
         end = 0usize;
         for r in 0..BLOCK_ROWS {
-            let run = visible_run(ranges, batch, first_row + r, seq_q, seq_kv, false, ranged, causal);
+            let run = visible_run(ranges, batch, first + r, seq_q, seq_kv, of_keys, ranged, causal);
             if run.start < run.end {
                 start = min(start, run.start);
                 end = max(end, run.end);
@@ -132,7 +147,7 @@ pub(crate) fn block_keys(
     }
     let mut steps = 0usize;
     if end > start {
-        steps = (end - start).div_ceil(keys_per_step);
+        steps = (end - start).div_ceil(per_step);
     }
     KeySpan { start, steps }
 }
@@ -166,6 +181,49 @@ pub(crate) fn zeros(#[comptime] count: usize) -> Array<f32> {
         values[i] = 0.0;
     }
     values
+}
+
+/// `values` rounded to `E`: accumulators (P, dS) taken as the A fragments of the next product.
+#[cube]
+pub(crate) fn rounded<E: Float>(values: &Array<f32>, #[comptime] count: usize) -> Array<E> {
+    let mut out = Array::<E>::new(count);
+    #[unroll]
+    for i in 0..count {
+        out[i] = E::cast_from(values[i]);
+    }
+    out
+}
+
+/// Writes this warp's 16 rows of accumulators (`head_dim / 8` tiles) times `factor` to the rows
+/// from `row0` of `target` (`head_dim` values a row from `base`); rows from `rows` on are not
+/// written. (The forward writes its own: a factor per row, and the log-sum-exp beside.)
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn store_rows<E: Float>(
+    acc: &Array<f32>,
+    factor: f32,
+    target: &mut Tensor<E>,
+    base: usize,
+    row0: usize,
+    rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] unrolled: bool,
+) {
+    let lane = lane();
+    let (g, t) = (lane / 4, lane % 4);
+    #[unroll]
+    for half in 0..2usize {
+        let row = row0 + g + 8 * half;
+        if row < rows {
+            #[unroll(unrolled)]
+            for tile in 0..head_dim / 8 {
+                #[unroll]
+                for j in 0..2usize {
+                    target[base + row * head_dim + tile * 8 + 2 * t + j] = E::cast_from(acc[tile * C_VALUES + 2 * half + j] * factor);
+                }
+            }
+        }
+    }
 }
 
 /// Keys `key0..key0 + keys` of `source` (`head_dim` values a key from `base`) into `tiles`

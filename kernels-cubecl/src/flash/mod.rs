@@ -4,6 +4,7 @@
 mod backward;
 mod forward;
 mod fragment_forward;
+mod fragment_key_value_grad;
 mod fragment_query_grad;
 mod fragment_tiles;
 mod plan;
@@ -273,19 +274,20 @@ fn fragment_forward<R: CubeRuntime>(
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     use fragment_forward::fragment_forward_kernel as kernel;
     if l.mma_sync {
-        kernel::launch::<crate::mma::MmaSync, R>(&client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.keys, options.causal, ranges.is_some(), true, l.elem);
+        kernel::launch::<crate::mma::MmaSync, R>(&client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.step, options.causal, ranges.is_some(), true, l.elem);
     } else {
-        kernel::launch::<crate::mma::SharedMemoryMma, R>(&client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.keys, options.causal, ranges.is_some(), false, l.elem);
+        kernel::launch::<crate::mma::SharedMemoryMma, R>(&client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.step, options.causal, ranges.is_some(), false, l.elem);
     }
     Ok((output, lse))
 }
 
 /// What a register-fragment kernel's launch takes from the device and the call: whether the
-/// product runs on `mma.sync` (else emulated, with the loops kept rolled), the key step, the
-/// grid of 64-row blocks, the cube of 4 warps and the element type.
+/// product runs on `mma.sync` (else emulated, with the loops kept rolled), the step of its loop
+/// (keys; queries for dK/dV), the grid of 64-row blocks (of queries; of keys for dK/dV), the
+/// cube of 4 warps and the element type.
 struct FragmentLaunch {
     mma_sync: bool,
-    keys: usize,
+    step: usize,
     count: CubeCount,
     dim: CubeDim,
     elem: StorageType,
@@ -295,10 +297,14 @@ impl FragmentLaunch {
     fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, p: &Problem, kernel: FragmentKernel) -> Result<Self, FlashError> {
         let mma_sync = crate::mma::has_mma_sync(client, dtype);
         let shared_limit = client.properties().hardware.max_shared_memory_size;
-        let keys = fragment_tiles::key_step(kernel, p.head_dim, mma_sync, dtype.size(), shared_limit)
+        let step = fragment_tiles::key_step(kernel, p.head_dim, mma_sync, dtype.size(), shared_limit)
             .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
-        let count = grid(client, p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS))?;
-        Ok(Self { mma_sync, keys, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
+        let blocks = match kernel {
+            FragmentKernel::KeyValueGrad => p.batch * p.kv_heads * p.seq_kv.div_ceil(fragment_tiles::BLOCK_ROWS),
+            FragmentKernel::Forward | FragmentKernel::QueryGrad => p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS),
+        };
+        let count = grid(client, blocks)?;
+        Ok(Self { mma_sync, step, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
     }
 }
 
@@ -371,13 +377,14 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    let fragments = plan::fragments_requested() && fragment_query_grad_refusal(query.dtype, &problem).is_none();
+    let fragments = plan::fragments_requested() && fragment_backward_refusal(query.dtype, &problem).is_none();
     backward(problem, query, key, value, output, output_grad, lse, options, ranges, fragments)
 }
 
-/// [`flash_attention_backward`] with dQ on the register-fragment engine
-/// (`fragment_query_grad.rs`: query-outer like its forward, dS in registers, no atomics), dK
-/// and dV on the planned engine (so far). f16 or bf16, head dim (and value dim) 64 or 128.
+/// [`flash_attention_backward`] on the register-fragment engine: dK and dV key-outer
+/// (`fragment_key_value_grad.rs`: a block's keys stream the queries of every head of their
+/// group), dQ query-outer like the forward (`fragment_query_grad.rs`), the scores' gradients in
+/// registers, no atomics. f16 or bf16, head dim (and value dim) 64 or 128.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward_fragments<R: CubeRuntime>(
     query: CubeTensor<R>,
@@ -390,28 +397,27 @@ pub fn flash_attention_backward_fragments<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    if let Some(refusal) = fragment_query_grad_refusal(query.dtype, &problem) {
+    if let Some(refusal) = fragment_backward_refusal(query.dtype, &problem) {
         return Err(FlashError::Shape(refusal));
     }
     backward(problem, query, key, value, output, output_grad, lse, options, ranges, true)
 }
 
-/// Why the register-fragment dQ kernel does not take a call, if it does not: what the
-/// fragment kernels take ([`fragments_refusal`]), in 32-bit indices (with 64-bit ones it
+/// Why the register-fragment backward does not take a call, if it does not: what the
+/// fragment kernels take ([`fragments_refusal`]), in 32-bit indices (with 64-bit ones dQ
 /// spills at head dim 128 on the H100: 255 registers).
-fn fragment_query_grad_refusal(dtype: DType, p: &Problem) -> Option<String> {
+fn fragment_backward_refusal(dtype: DType, p: &Problem) -> Option<String> {
     fragments_refusal(dtype, p).or_else(|| {
         (p.address_type() == AddressType::U64).then(|| {
             format!(
-                "the register-fragment dQ takes tensors under 2^31 elements (32-bit indices), got {}; the planned backward takes more",
+                "the register-fragment backward takes tensors under 2^31 elements (32-bit indices), got {}; the planned backward takes more",
                 p.largest_tensor()
             )
         })
     })
 }
 
-/// The backward of a checked call `problem`, dQ on the register fragments where
-/// `fragment_query_grad`.
+/// The backward of a checked call `problem`, on the register fragments where `fragments`.
 #[allow(clippy::too_many_arguments)]
 fn backward<R: CubeRuntime>(
     problem: Problem,
@@ -423,7 +429,7 @@ fn backward<R: CubeRuntime>(
     lse: CubeTensor<R>,
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
-    fragment_query_grad: bool,
+    fragments: bool,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let p = problem;
     let expected_output = [p.batch, p.q_heads, p.seq_q, p.value_dim];
@@ -473,6 +479,17 @@ fn backward<R: CubeRuntime>(
 
     let key_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.head_dim]);
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
+    if fragments {
+        let query_grad = empty([p.batch, p.q_heads, p.seq_q, p.head_dim]);
+        let tensors = FragmentGradients { query: &query, key: &key, value: &value, output_grad: &output_grad, lse: &lse, delta: &delta };
+        if p.seq_kv > 0 {
+            launch_fragment_key_value_grad(&tensors, &key_grad, &value_grad, &key_rows, &p, options.causal, ranged)?;
+        }
+        if p.seq_q > 0 {
+            launch_fragment_query_grad(&tensors, &query_grad, &row_keys, &p, options.causal, ranged)?;
+        }
+        return Ok((query_grad, key_grad, value_grad));
+    }
     // dV's launches then dK's where their accumulators do not fit together, each in parts
     // where one alone does not.
     let (key_width, value_width) = (plan.key_value.dim, plan.key_value.value_dim);
@@ -512,12 +529,6 @@ fn backward<R: CubeRuntime>(
     }
 
     let query_grad = empty([p.batch, p.q_heads, p.seq_q, p.head_dim]);
-    if fragment_query_grad {
-        if p.seq_q > 0 {
-            launch_fragment_query_grad(&query, &key, &value, &output_grad, &lse, &delta, &query_grad, &row_keys, &p, options.causal, ranged)?;
-        }
-        return Ok((query_grad, key_grad, value_grad));
-    }
     let blocks = Blocks { ranged, ..plan.query };
     let blocks_per_head = p.seq_q.div_ceil(blocks.block_rows());
     for part in plan.column_parts(blocks.dim) {
@@ -548,31 +559,62 @@ fn backward<R: CubeRuntime>(
     Ok((query_grad, key_grad, value_grad))
 }
 
-/// Launches the register-fragment dQ kernel into `query_grad` (see
-/// [`flash_attention_backward_fragments`]); `delta` is the backward's D.
-#[allow(clippy::too_many_arguments)]
+/// The tensors both register-fragment backward kernels read: the forward's inputs, dO, its
+/// log-sum-exp and the backward's D.
+struct FragmentGradients<'a, R: CubeRuntime> {
+    query: &'a CubeTensor<R>,
+    key: &'a CubeTensor<R>,
+    value: &'a CubeTensor<R>,
+    output_grad: &'a CubeTensor<R>,
+    lse: &'a CubeTensor<R>,
+    delta: &'a CubeTensor<R>,
+}
+
+/// Launches the register-fragment dK/dV kernel into `key_grad` and `value_grad`, once or, where
+/// it computes them apart (`fragment_key_value_grad::passes`), twice.
+fn launch_fragment_key_value_grad<R: CubeRuntime>(
+    t: &FragmentGradients<R>,
+    key_grad: &CubeTensor<R>,
+    value_grad: &CubeTensor<R>,
+    key_rows: &CubeTensor<R>,
+    p: &Problem,
+    causal: bool,
+    ranged: bool,
+) -> Result<(), FlashError> {
+    let client = &t.query.client;
+    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::KeyValueGrad)?;
+    let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
+    use fragment_key_value_grad::fragment_key_value_grad_kernel as kernel;
+    for &(keys, values) in fragment_key_value_grad::passes(p.head_dim) {
+        let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(key_grad), arg(value_grad), arg(key_rows));
+        let (count, elem) = (l.count.clone(), l.elem);
+        if l.mma_sync {
+            kernel::launch::<crate::mma::MmaSync, R>(client, count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.step, causal, ranged, keys, values, true, elem);
+        } else {
+            kernel::launch::<crate::mma::SharedMemoryMma, R>(client, count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.step, causal, ranged, keys, values, false, elem);
+        }
+    }
+    Ok(())
+}
+
+/// Launches the register-fragment dQ kernel into `query_grad`.
 fn launch_fragment_query_grad<R: CubeRuntime>(
-    query: &CubeTensor<R>,
-    key: &CubeTensor<R>,
-    value: &CubeTensor<R>,
-    output_grad: &CubeTensor<R>,
-    lse: &CubeTensor<R>,
-    delta: &CubeTensor<R>,
+    t: &FragmentGradients<R>,
     query_grad: &CubeTensor<R>,
     row_keys: &CubeTensor<R>,
     p: &Problem,
     causal: bool,
     ranged: bool,
 ) -> Result<(), FlashError> {
-    let client = &query.client;
-    let l = FragmentLaunch::new(client, query.dtype, p, FragmentKernel::QueryGrad)?;
+    let client = &t.query.client;
+    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::QueryGrad)?;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
-    let args = (arg(query), arg(key), arg(value), arg(output_grad), arg(lse), arg(delta), arg(query_grad), arg(row_keys));
+    let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(query_grad), arg(row_keys));
     use fragment_query_grad::fragment_query_grad_kernel as kernel;
     if l.mma_sync {
-        kernel::launch::<crate::mma::MmaSync, R>(client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.keys, causal, ranged, true, l.elem);
+        kernel::launch::<crate::mma::MmaSync, R>(client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.step, causal, ranged, true, l.elem);
     } else {
-        kernel::launch::<crate::mma::SharedMemoryMma, R>(client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.keys, causal, ranged, false, l.elem);
+        kernel::launch::<crate::mma::SharedMemoryMma, R>(client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.step, causal, ranged, false, l.elem);
     }
     Ok(())
 }
@@ -589,7 +631,7 @@ mod tests {
     fn the_fragment_kernels_say_what_they_take() {
         let small = problem(1, 16, 8, 8192, 128);
         assert_eq!(fragments_refusal(DType::BF16, &small), None);
-        assert_eq!(fragment_query_grad_refusal(DType::F16, &small), None);
+        assert_eq!(fragment_backward_refusal(DType::F16, &small), None);
         let f32_refusal = fragments_refusal(DType::F32, &small).unwrap();
         assert!(f32_refusal.contains("f16 or bf16") && f32_refusal.contains("F32"), "{f32_refusal}");
         let refusal = fragments_refusal(DType::BF16, &problem(1, 16, 8, 8192, 96)).unwrap();
@@ -597,8 +639,17 @@ mod tests {
         // Past 2^31 elements the forward takes 64-bit indices, dQ refuses them.
         let past = problem(1, 32, 8, 1_100_000, 128);
         assert_eq!(fragments_refusal(DType::BF16, &past), None);
-        let refusal = fragment_query_grad_refusal(DType::BF16, &past).unwrap();
+        let refusal = fragment_backward_refusal(DType::BF16, &past).unwrap();
         assert!(refusal.contains("2^31") && refusal.contains(&past.largest_tensor().to_string()), "{refusal}");
+        // Steps (keys; queries for dK/dV) with mma.sync in an H100's shared memory, which the
+        // registers bound (`key_step`); emulated, within lavapipe's 32 KiB; and over a limit.
+        use fragment_tiles::{FragmentKernel::*, key_step};
+        let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, mma_sync, 2, limit));
+        assert_eq!(steps(64, true, 227 * 1024), [Ok(64), Ok(64), Ok(32)]);
+        assert_eq!(steps(128, true, 227 * 1024), [Ok(32), Ok(16), Ok(16)]);
+        assert_eq!(steps(64, false, 32 * 1024), [Ok(32), Ok(32), Ok(32)]);
+        assert_eq!(steps(128, false, 32 * 1024), [Ok(16), Ok(16), Ok(16)]);
+        assert!(steps(128, false, 8 * 1024).iter().all(|step| matches!(step, Err(needed) if *needed > 8 * 1024)));
     }
 
     #[test]

@@ -102,14 +102,14 @@ pub enum Kernel {
 
 /// Sets `ULYSSES_FLASH_ENGINE=plane` to run the plane engine where tensor cores would be used:
 /// to compare them on one GPU, or to keep f32 attention in full precision rather than TF32.
-/// `ULYSSES_FLASH_ENGINE=fragments` runs the forward and dQ on the register-fragment engine
-/// wherever they apply ([`fragments_requested`]).
+/// `ULYSSES_FLASH_ENGINE=fragments` runs the forward and the backward on the register-fragment
+/// engine wherever they apply ([`fragments_requested`]).
 const ENGINE_VARIABLE: &str = "ULYSSES_FLASH_ENGINE";
 
-/// Whether `ULYSSES_FLASH_ENGINE=fragments` asks for the register-fragment forward and dQ
+/// Whether `ULYSSES_FLASH_ENGINE=fragments` asks for the register-fragment forward and backward
 /// (`flash_attention_forward_fragments`, `flash_attention_backward_fragments`) wherever they
-/// apply: until the planner chooses them (with dK and dV, and once measured on a GPU), the
-/// switch that puts them in a training step, to time the step with them beside one without.
+/// apply: until the planner chooses them (once measured on a GPU), the switch that puts them in
+/// a training step, to time the step with them beside one without.
 pub(crate) fn fragments_requested() -> bool {
     std::env::var(ENGINE_VARIABLE).as_deref() == Ok("fragments")
 }

@@ -157,13 +157,14 @@ fn the_fragment_forward_matches_the_reference() {
     }
 }
 
-/// The backward with dQ on the register fragments (`flash_attention_backward_fragments`; dK and
-/// dV on the planned engine so far) after the fragment forward, against the f64 reference's
-/// gradients with the flash tests' measure (dQ and dK relative to one P·(dP − D)·K term, which
-/// cancels where a row sees one key): causal with GQA, unequal lengths both ways (rows that see
-/// no key), documents, key runs with an empty one, a window, head dims 64 and 128.
+/// The backward on the register fragments (`flash_attention_backward_fragments`: dK and dV
+/// key-outer, dQ query-outer) after the fragment forward, against the f64 reference's gradients
+/// with the flash tests' measure (dQ and dK relative to one P·(dP − D)·K term, which cancels
+/// where a row sees one key): causal with GQA (dK and dV summed over each group's heads),
+/// unequal lengths both ways (rows that see no key, keys no row sees), documents, key runs with
+/// an empty one, a window, head dims 64 (dK and dV in one launch) and 128 (one each).
 #[test]
-fn the_fragment_query_gradient_matches_the_reference() {
+fn the_fragment_backward_matches_the_reference() {
     use super::{Case, device, download, largest, reference, relative_error, relative_error_above, supports, upload, values};
     use ulysses_kernels::{FlashOptions, flash_attention_backward_fragments, flash_attention_forward_fragments};
     let Some(device) = device() else { return };

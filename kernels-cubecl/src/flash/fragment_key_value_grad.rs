@@ -1,0 +1,177 @@
+//! dK and dV of the register-fragment engine, key-outer as FlashAttention-2's backward: each
+//! warp owns 16 keys and keeps their K and V fragments and their dK and dV accumulators in
+//! registers; a block's 64 keys stream the query rows of every q head of their kv head's group
+//! (grouped-query attention's sum over the group happens here, in a fixed order, without
+//! atomics), a query step at a time through the double-buffered shared tiles the forward uses
+//! for K and V (`fragment_tiles`), here Q and dO. Per step, registers to registers:
+//! Sᵀ = K·Qᵀ, Pᵀ = exp(scale·Sᵀ − lse) (the forward's log-sum-exp of each query column),
+//! dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − D), dK += dSᵀ·Q, with Pᵀ and dSᵀ taken from
+//! their accumulators as A fragments; dK is scaled once at the end. Documents, key runs and
+//! windows bound the loop to the queries the block's keys are seen by and mask each score by
+//! its key's run of queries (the `VisibleRanges` table of keys).
+//!
+//! At head dim 128 the two accumulators (128 registers a lane) beside K's and V's fragments
+//! (64) leave a step's scores too few registers, so there the kernel runs twice ([`passes`]):
+//! a launch for dV, one for dK, each recomputing Pᵀ, as the planned engine splits dK/dV at
+//! head dim 256.
+
+use cubecl::prelude::*;
+
+use super::{
+    fragment_tiles::{BLOCK_ROWS, WARPS, block_span, load_row_fragments, next_step, rounded, stage_step, step_tiles, store_rows, times_tile, times_tile_transposed, zeros},
+    stage::{cube_in_range, cube_place, visible_run},
+};
+use crate::mma::{C_VALUES, FragmentMma, lane};
+
+/// The launches of the dK/dV kernel at `head_dim`, each `(dK, dV)`: whether it computes that
+/// gradient (see the module doc).
+pub(crate) fn passes(head_dim: usize) -> &'static [(bool, bool)] {
+    if head_dim > 64 { &[(false, true), (true, false)] } else { &[(true, true)] }
+}
+
+/// dK and dV `[B, Hkv, Skv, D]` (those `keys` and `values` ask for) of attention over
+/// `q: [B, Hq, Sq, D]`, `k`, `v: [B, Hkv, Skv, D]` (contiguous; head dim = value dim) given dO
+/// (`out_grad`, like q), the forward's log-sum-exp and D (`[B, Hq, Sq]`, f32), `ranges` the
+/// query rows that see each key. One cube per 64 keys of one (batch, kv head).
+#[cube(launch, address_type = "dynamic")]
+pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out_grad: &Tensor<E>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    key_grad: &mut Tensor<E>,
+    value_grad: &mut Tensor<E>,
+    ranges: &Tensor<u32>,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] queries_per_step: usize,
+    #[comptime] causal: bool,
+    #[comptime] ranged: bool,
+    #[comptime] keys: bool,
+    #[comptime] values: bool,
+    #[comptime] unrolled: bool,
+    #[define(E)] _dtype: StorageType,
+) {
+    let blocks_per_head = k.shape(2).div_ceil(BLOCK_ROWS);
+    if cube_in_range(k.shape(0), k.shape(1), blocks_per_head) {
+        key_value_grad_block::<E, M>(q, k, v, out_grad, lse, delta, key_grad, value_grad, ranges, scale, head_dim, queries_per_step, causal, ranged, keys, values, unrolled);
+    }
+}
+
+/// dK and dV of one block of 64 keys of one (batch, kv head), the cube's place in the grid.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn key_value_grad_block<E: Float, M: FragmentMma>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out_grad: &Tensor<E>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    key_grad: &mut Tensor<E>,
+    value_grad: &mut Tensor<E>,
+    ranges: &Tensor<u32>,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] queries_per_step: usize,
+    #[comptime] causal: bool,
+    #[comptime] ranged: bool,
+    #[comptime] keys: bool,
+    #[comptime] values: bool,
+    #[comptime] unrolled: bool,
+) {
+    let (q_heads, seq_q) = (q.shape(1), q.shape(2));
+    let (kv_heads, seq_kv) = (k.shape(1), k.shape(2));
+    let group = q_heads / kv_heads;
+    let place = cube_place(kv_heads, seq_kv.div_ceil(BLOCK_ROWS));
+    let (batch, kv_index) = (place.batch, place.batch * kv_heads + place.head);
+    let kv_base = kv_index * seq_kv * head_dim;
+    let first_key = place.block * BLOCK_ROWS;
+    // This warp's first key: this lane's two keys are `key0 + lane / 4` and 8 below.
+    let key0 = first_key + (UNIT_POS as usize / 32) * 16;
+    let lane = lane();
+    let (g, t) = (lane / 4, lane % 4);
+
+    let mut scratch = M::scratch(WARPS);
+    let mut q_tiles = step_tiles::<E>(queries_per_step, head_dim);
+    let mut out_grad_tiles = step_tiles::<E>(queries_per_step, head_dim);
+    let mut copies = M::copies();
+
+    let k_frag = load_row_fragments::<E>(k, kv_base, key0, seq_kv, head_dim, unrolled);
+    let v_frag = load_row_fragments::<E>(v, kv_base, key0, seq_kv, head_dim, unrolled);
+    let out_tiles = head_dim / 8;
+    let mut key_acc = zeros(out_tiles * C_VALUES);
+    let mut value_acc = zeros(out_tiles * C_VALUES);
+
+    let run_low = visible_run(ranges, batch, key0 + g, seq_q, seq_kv, true, ranged, causal);
+    let run_high = visible_run(ranges, batch, key0 + g + 8, seq_q, seq_kv, true, ranged, causal);
+    let span = block_span(ranges, batch, first_key, seq_q, seq_kv, queries_per_step, true, causal, ranged);
+    let score_tiles = queries_per_step / 8;
+
+    for member in 0..group {
+        let head_index = kv_index * group + member;
+        let q_base = head_index * seq_q * head_dim;
+        // Every warp is done with the last head's tiles before this head's overwrite them.
+        sync_cube();
+        if span.steps > 0 {
+            stage_step::<E, M>(q, out_grad, q_base, span.start, seq_q, &mut q_tiles, &mut out_grad_tiles, 0usize, queries_per_step, head_dim, unrolled);
+        }
+        for step in 0..span.steps {
+            let query0 = span.start + step * queries_per_step;
+            let buffer = next_step::<E, M>(q, out_grad, q_base, &span, step, seq_q, &mut q_tiles, &mut out_grad_tiles, &mut copies, queries_per_step, head_dim, unrolled);
+            let mut s = zeros(score_tiles * C_VALUES);
+            times_tile_transposed::<E, M>(&k_frag, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, unrolled);
+
+            // Pᵀ in place of Sᵀ: 0 where the query does not see the key. A column past the
+            // sequence is seen by no key; its statistics are read from the last row.
+            #[unroll]
+            for half in 0..2usize {
+                let (seen_from, seen_to) = (select(half == 0, run_low.start, run_high.start), select(half == 0, run_low.end, run_high.end));
+                #[unroll(unrolled)]
+                for tile in 0..score_tiles {
+                    #[unroll]
+                    for j in 0..2usize {
+                        let at = tile * C_VALUES + 2 * half + j;
+                        let query = query0 + 8 * tile + 2 * t + j;
+                        let visible = query >= seen_from && query < seen_to;
+                        let column_lse = lse[head_index * seq_q + min(query, seq_q - 1)];
+                        s[at] = select(visible, (s[at] * scale - column_lse).exp(), 0.0f32);
+                    }
+                }
+            }
+
+            if values {
+                // dV += Pᵀ·dO.
+                let p = rounded::<E>(&s, score_tiles * C_VALUES);
+                times_tile::<E, M>(&p, &out_grad_tiles, buffer, &mut value_acc, &mut scratch, queries_per_step, head_dim, unrolled);
+            }
+
+            if keys {
+                // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of Pᵀ; dK += dSᵀ·Q.
+                let mut dp = zeros(score_tiles * C_VALUES);
+                times_tile_transposed::<E, M>(&v_frag, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, unrolled);
+                #[unroll(unrolled)]
+                for tile in 0..score_tiles {
+                    #[unroll]
+                    for i in 0..C_VALUES {
+                        let at = tile * C_VALUES + i;
+                        let query = query0 + 8 * tile + 2 * t + i % 2;
+                        let column_delta = delta[head_index * seq_q + min(query, seq_q - 1)];
+                        s[at] *= dp[at] - column_delta;
+                    }
+                }
+                let ds = rounded::<E>(&s, score_tiles * C_VALUES);
+                times_tile::<E, M>(&ds, &q_tiles, buffer, &mut key_acc, &mut scratch, queries_per_step, head_dim, unrolled);
+            }
+        }
+    }
+
+    if keys {
+        store_rows::<E>(&key_acc, scale, key_grad, kv_base, key0, seq_kv, head_dim, unrolled);
+    }
+    if values {
+        store_rows::<E>(&value_acc, 1.0f32, value_grad, kv_base, key0, seq_kv, head_dim, unrolled);
+    }
+}
