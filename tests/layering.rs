@@ -24,7 +24,7 @@ const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 /// layers (in every dependency section: a dev-dependency on a higher crate would let tests
 /// of a lower layer reach up too).
 const LAYERS: &[(&str, &[&str])] = &[
-    ("the Burn-free core: groups, collectives' bookkeeping, layout rules", &["ulysses-core"]),
+    ("the Burn-free core: groups, collectives' bookkeeping, layout rules, ZeRO's partition, the host AdamW", &["ulysses-core"]),
     ("launching, for every Burn version: launch environments, the rendezvous, the TCP transport", &["ulysses-dist"]),
     ("the flash-attention kernels (CubeCL)", &["ulysses-kernels"]),
     ("the backends: the burn 0.21 decorator, the burn 0.22 functions, the CUDA compile check", &["burn-ulysses", "burn-ulysses-ops", "ulysses-cuda-check"]),

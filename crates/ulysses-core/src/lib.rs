@@ -9,10 +9,14 @@
 //! - [`data`]: sequence sharding as ALST does it (labels shifted first, padding, positions,
 //!   packed documents), on the host;
 //! - [`gradients`]: which gradients an all-reduce sums, in which buckets;
-//! - [`error`]: every refusal, naming the problem and the fix.
+//! - [`error`]: every refusal, naming the problem and the fix;
+//! - [`zero`]: ZeRO's partition of parameters, gradients and optimizer state over the ranks;
+//! - [`host_adamw`]: AdamW on the host over a rank's part (the optimizer offloaded).
 
 pub mod comm;
 pub mod data;
 pub mod error;
 pub mod gradients;
+pub mod host_adamw;
 pub mod layout;
+pub mod zero;

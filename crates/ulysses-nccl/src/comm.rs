@@ -15,7 +15,7 @@ use burn_cubecl::{
     BoolElement, CubeBackend, FloatElement, IntElement, kernel::into_contiguous,
     ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor,
 };
-use burn_ulysses::comm::{CommError, Communicator, ReduceOp, Traffic, TrafficCounter};
+use burn_ulysses::comm::{CommError, Communicator, ReduceOp, Traffic, TrafficCounter, check_reduce_scatter};
 use cubecl::{
     Runtime,
     cuda::{CudaDevice, CudaRuntime},
@@ -380,6 +380,15 @@ fn device_pointer(tensor: &CudaTensor) -> Result<(u64, impl Sized + use<>), Nccl
     Ok((resource.resource().ptr, resource))
 }
 
+/// NCCL's reduction of `op`.
+fn reduce_op(op: ReduceOp) -> nccl::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => nccl::ncclRedOp_t::ncclSum,
+        ReduceOp::Mean => nccl::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => nccl::ncclRedOp_t::ncclMax,
+    }
+}
+
 fn to_comm_error(error: NcclError) -> CommError {
     CommError::Backend(error.to_string())
 }
@@ -510,14 +519,22 @@ where
 
     fn all_reduce(&self, tensor: CudaTensor, op: ReduceOp) -> Result<CudaTensor, CommError> {
         self.traffic.record_all_reduce((tensor.shape().num_elements() * tensor.dtype.size()) as u64);
-        let reduce = match op {
-            ReduceOp::Sum => nccl::ncclRedOp_t::ncclSum,
-            ReduceOp::Mean => nccl::ncclRedOp_t::ncclAvg,
-            ReduceOp::Max => nccl::ncclRedOp_t::ncclMax,
-        };
+        let reduce = reduce_op(op);
         let shape = tensor.shape();
         self.tensor_collective("all_reduce", tensor, shape, |send, recv, count, dtype, comm, stream| unsafe {
             nccl::ncclAllReduce(send, recv, count, dtype, reduce, comm, stream)
+        })
+    }
+
+    fn reduce_scatter(&self, tensor: CudaTensor, op: ReduceOp) -> Result<CudaTensor, CommError> {
+        let size = self.size;
+        check_reduce_scatter(&tensor.shape().to_vec(), size)?;
+        self.traffic.record_reduce_scatter((tensor.shape().num_elements() * tensor.dtype.size()) as u64);
+        let reduce = reduce_op(op);
+        let part = tensor.shape().num_elements() / size;
+        // NCCL counts a reduce-scatter's elements per rank (what each receives).
+        self.tensor_collective("reduce_scatter", tensor, Shape::new([part]), |send, recv, _, dtype, comm, stream| unsafe {
+            nccl::ncclReduceScatter(send, recv, part, dtype, reduce, comm, stream)
         })
     }
 

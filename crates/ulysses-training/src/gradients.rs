@@ -67,28 +67,30 @@ pub fn all_reduce_gradients_in_buckets<B: TrainBackend, M: AutodiffModule<B>>(
 
 /// One float parameter's gradient on this rank, flattened, or the parameter itself (for the
 /// shape, dtype and device of zeros) when this rank has none.
-struct LocalGradient<B: TrainBackend> {
-    grad: Option<Tensor<B::InnerBackend, 1>>,
-    parameter: Tensor<B::InnerBackend, 1>,
+pub(crate) struct LocalGradient<B: TrainBackend> {
+    pub(crate) grad: Option<Tensor<B::InnerBackend, 1>>,
+    pub(crate) parameter: Tensor<B::InnerBackend, 1>,
 }
 
 impl<B: TrainBackend> LocalGradient<B> {
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.parameter.dims()[0]
     }
 
-    fn dtype(&self) -> DType {
+    pub(crate) fn dtype(&self) -> DType {
         self.parameter.dtype()
     }
 
-    fn take_or_zeros(&mut self) -> Tensor<B::InnerBackend, 1> {
+    pub(crate) fn take_or_zeros(&mut self) -> Tensor<B::InnerBackend, 1> {
         self.grad.take().unwrap_or_else(|| self.parameter.zeros_like())
     }
 }
 
-struct TakeGradients<'a, B: TrainBackend> {
-    grads: &'a mut GradientsParams,
-    local: Vec<LocalGradient<B>>,
+/// Takes every float parameter's gradient out of `grads`, flattened, in the module's visit
+/// order.
+pub(crate) struct TakeGradients<'a, B: TrainBackend> {
+    pub(crate) grads: &'a mut GradientsParams,
+    pub(crate) local: Vec<LocalGradient<B>>,
 }
 
 impl<B: TrainBackend> ModuleVisitor<B> for TakeGradients<'_, B> {

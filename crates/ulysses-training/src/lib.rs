@@ -22,6 +22,9 @@
 //!    gives every rank the whole gradient;
 //! 6. **step** the optimizer; every rank takes the same step, so parameters stay identical
 //!    ([`check_parameters_identical`] verifies it on request).
+//!
+//! [`apply_step_sharded`] does 5 and 6 as ZeRO does, with the optimizer's state sharded over
+//! the ranks and updated on the host ([`ShardedAdamW`]).
 
 use std::marker::PhantomData;
 
@@ -41,11 +44,16 @@ mod layers;
 mod loss;
 mod panics;
 mod parameters;
+mod sharded;
+#[cfg(test)]
+mod host_adamw_tests;
 
 pub use backend::TrainBackend;
 pub use layers::{LayerCheckpointing, LayeredLm, Piece, ShardLengths, checkpointed_backward};
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters};
+pub use sharded::ShardedAdamW;
+pub use ulysses_core::host_adamw::HostAdamWConfig;
 pub use gradients::{
     GRADIENT_BUCKET_BYTES, agreed_gradient_norm, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, clip_with_norm,
     gradient_norm, read_loss_and_first_non_finite_gradient,
@@ -282,9 +290,53 @@ where
     M: CausalLm<B>,
     O: Optimizer<M, B>,
 {
-    // One read brings the loss and the gradients' health; one host collective carries them
-    // and the step's settings.
-    let (local_loss, bad_parameter) = read_loss_and_first_non_finite_gradient::<B, M>(&model, &local.grads, local.loss);
+    let losses = healthy_step_losses(&model, &local, step, groups)?;
+    let grads = all_reduce_gradients(&model, local.grads, &*groups.world)?;
+    // Every rank holds the same sums now, but not always the same norm of them (a GPU's sum
+    // is not bit-reproducible): every rank clips with, and reports, rank 0's.
+    let grad_norm = agreed_gradient_norm(gradient_norm(&model, &grads), &*groups.world)?;
+    let grads = match step.max_grad_norm {
+        Some(max_norm) => clip_with_norm(&model, grads, grad_norm, max_norm),
+        None => grads,
+    };
+    let model = optimizer.step(step.learning_rate, model, grads);
+    // Summed in rank order on every rank, so every rank reports the same bits.
+    let loss = losses.iter().sum();
+    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
+}
+
+/// [`apply_step`] with the optimizer's state sharded over the world's ranks and updated on the
+/// host ([`ShardedAdamW`]: ZeRO's optimizer half): the same checks, then each gradient
+/// reduce-scattered rather than all-reduced, this rank's part of the master weights updated,
+/// and every rank's parts gathered into the parameters. Trains as [`apply_step`] with burn's
+/// AdamW does.
+pub fn apply_step_sharded<B, M>(
+    model: M,
+    optimizer: &mut ShardedAdamW,
+    step: &StepInput,
+    local: LocalStep<B>,
+    groups: &ParallelGroups<B::Wire>,
+) -> Result<(M, StepReport), UlyssesError>
+where
+    B: TrainBackend,
+    M: CausalLm<B>,
+{
+    let losses = healthy_step_losses(&model, &local, step, groups)?;
+    let (model, grad_norm) = optimizer.step(step.learning_rate, model, local.grads, step.max_grad_norm, &*groups.world)?;
+    let loss = losses.iter().sum();
+    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
+}
+
+/// Every rank's loss of a step whose losses and gradients are finite everywhere and whose
+/// ranks were given the same settings; otherwise the error every rank returns. One read
+/// brings the loss and the gradients' health; one host collective carries them and the step's
+/// settings.
+fn healthy_step_losses<B, M>(model: &M, local: &LocalStep<B>, step: &StepInput, groups: &ParallelGroups<B::Wire>) -> Result<Vec<f64>, UlyssesError>
+where
+    B: TrainBackend,
+    M: CausalLm<B>,
+{
+    let (local_loss, bad_parameter) = read_loss_and_first_non_finite_gradient::<B, M>(model, &local.grads, local.loss.clone());
     let max_grad_norm = step.max_grad_norm.unwrap_or(f64::NAN);
     let verdict = [local_loss.to_bits(), u64::from(bad_parameter.is_some()), max_grad_norm.to_bits(), step.learning_rate.to_bits()];
     let gathered = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &verdict, "step health values")?;
@@ -300,19 +352,7 @@ where
             local_parameter: bad_parameter,
         });
     }
-
-    let grads = all_reduce_gradients(&model, local.grads, &*groups.world)?;
-    // Every rank holds the same sums now, but not always the same norm of them (a GPU's sum
-    // is not bit-reproducible): every rank clips with, and reports, rank 0's.
-    let grad_norm = agreed_gradient_norm(gradient_norm(&model, &grads), &*groups.world)?;
-    let grads = match step.max_grad_norm {
-        Some(max_norm) => clip_with_norm(&model, grads, grad_norm, max_norm),
-        None => grads,
-    };
-    let model = optimizer.step(step.learning_rate, model, grads);
-    // Summed in rank order on every rank, so every rank reports the same bits.
-    let loss = losses.iter().sum();
-    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
+    Ok(losses)
 }
 
 /// Refuses a step whose ranks were given different settings (gathered as

@@ -64,6 +64,17 @@ pub fn check_collectives<B: Backend>(comm: &dyn Communicator<B>, device: &B::Dev
     let got = host(comm.all_gather(mine()).map_err(fail)?);
     let want: Vec<f32> = (0..p).flat_map(|i| [i as f32 + 1.0, 2.0 * i as f32, -(i as f32)]).collect();
     report.push(check("all_gather", got, want, 0.0)?);
+    // Reduce-scatter: rank r gets part r of the reduction, bit for bit all_reduce's there
+    // (values whose f32 sum depends on the order: 1e8 beside small ones), and the maximum.
+    let parts = 4;
+    let spread = |r: f32| -> Vec<f32> { (0..parts * p).map(|i| 1e8 * (i % 3) as f32 + r + 0.25 * i as f32).collect() };
+    let whole = host(comm.all_reduce(tensor(spread(r), vec![parts * p]), ReduceOp::Sum).map_err(fail)?);
+    let got = host(comm.reduce_scatter(tensor(spread(r), vec![parts * p]), ReduceOp::Sum).map_err(fail)?);
+    report.push(check("reduce_scatter sum: all_reduce's part", got, whole[me * parts..(me + 1) * parts].to_vec(), 0.0)?);
+    let got = host(comm.reduce_scatter(tensor(spread(r), vec![parts * p]), ReduceOp::Max).map_err(fail)?);
+    report.push(check("reduce_scatter max", got, spread(p as f32 - 1.0)[me * parts..(me + 1) * parts].to_vec(), 0.0)?);
+    let got = host(comm.reduce_scatter(tensor((0..p).flat_map(|_| [r, 2.0 * r]).collect(), vec![2 * p]), ReduceOp::Mean).map_err(fail)?);
+    report.push(check("reduce_scatter mean", got, vec![ranks_sum / p as f32, 2.0 * ranks_sum / p as f32], 1e-6)?);
     for root in [0, p - 1] {
         let got = host(comm.broadcast(mine(), root).map_err(fail)?);
         report.push(check(&format!("broadcast from {root}"), got, vec![root as f32 + 1.0, 2.0 * root as f32, -(root as f32)], 0.0)?);
@@ -91,6 +102,11 @@ pub fn check_collectives<B: Backend>(comm: &dyn Communicator<B>, device: &B::Dev
     let got = host(comm.all_reduce(tensor(values, vec![n]), ReduceOp::Sum).map_err(fail)?);
     let want: Vec<f32> = (0..n).map(|i| (i % 97) as f32 * p as f32 + ranks_sum).collect();
     report.push(check(&format!("all_reduce of {n} elements"), got, want, 1e-3)?);
+    let n = sizes.large_elements / p * p;
+    let values: Vec<f32> = (0..n).map(|i| (i % 97) as f32 + r).collect();
+    let got = host(comm.reduce_scatter(tensor(values, vec![n]), ReduceOp::Sum).map_err(fail)?);
+    let want: Vec<f32> = (me * n / p..(me + 1) * n / p).map(|i| (i % 97) as f32 * p as f32 + ranks_sum).collect();
+    report.push(check(&format!("reduce_scatter of {n} elements"), got, want, 1e-3)?);
 
     // Half precision, as mixed-precision training exchanges it: the collectives must move
     // 2-byte elements of the dtype asked for (a transport that sent f32, or NCCL told another
@@ -113,6 +129,12 @@ pub fn check_collectives<B: Backend>(comm: &dyn Communicator<B>, device: &B::Dev
             report.push(check(&format!("all_to_all in {dtype:?}"), got, want, 0.0)?);
             let got = host(comm.all_reduce(half(vec![r + 1.0, 2.0 * r, -r], vec![3]), ReduceOp::Sum).map_err(fail)?);
             report.push(check(&format!("all_reduce sum in {dtype:?}"), got, vec![total, 2.0 * ranks_sum, -ranks_sum], 0.0)?);
+            let reduced = comm.reduce_scatter(half((0..p).flat_map(|j| [r + j as f32, -r]).collect(), vec![2 * p]), ReduceOp::Sum).map_err(fail)?;
+            let got_dtype = burn::tensor::TensorMetadata::dtype(&reduced);
+            if got_dtype != dtype {
+                return Err(format!("reduce_scatter of {dtype:?} returned {got_dtype:?}"));
+            }
+            report.push(check(&format!("reduce_scatter sum in {dtype:?}"), host(reduced), vec![ranks_sum + (p * me) as f32, -ranks_sum], 0.0)?);
         }
         None => report.push("skip all_to_all and all_reduce in bf16/f16: the device has neither".into()),
     }

@@ -75,6 +75,10 @@ impl<B: FusionBackend> Communicator<Fusion<B>> for FusionCommunicator<B> {
         self.through(tensor, |buffer| self.inner.all_gather(buffer))
     }
 
+    fn reduce_scatter(&self, tensor: FloatTensor<Fusion<B>>, op: ReduceOp) -> Result<FloatTensor<Fusion<B>>, CommError> {
+        self.through(tensor, |buffer| self.inner.reduce_scatter(buffer, op))
+    }
+
     fn broadcast(&self, tensor: FloatTensor<Fusion<B>>, root: usize) -> Result<FloatTensor<Fusion<B>>, CommError> {
         self.through(tensor, |buffer| self.inner.broadcast(buffer, root))
     }

@@ -118,6 +118,12 @@ impl<B: Backend> Communicator<B> for HostStaged {
         Ok(upload::<B>(stack(self.inner.all_gather(host)?, dtype, &shape), &device))
     }
 
+    fn reduce_scatter(&self, tensor: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError> {
+        let device = B::float_device(&tensor);
+        let host = read::<B>(tensor, Collective::ReduceScatter)?;
+        Ok(upload::<B>(self.inner.reduce_scatter(host, op)?, &device))
+    }
+
     fn broadcast(&self, tensor: FloatTensor<B>, root: usize) -> Result<FloatTensor<B>, CommError> {
         let device = B::float_device(&tensor);
         let host = read::<B>(tensor, Collective::Broadcast)?;

@@ -23,7 +23,7 @@ pub use host::HostStaged;
 // in-process group, shared with the burn 0.22 crate.
 pub use ulysses_core::comm::{
     Collective, CommError, HostCommunicator, HostDType, HostTensor, RankPanic, ReduceOp, ThreadCommunicator, ThreadGroup, ThreadGroupConfig, ThreadRank, Traffic,
-    TrafficCounter, check_counts_pair_up, check_gathered_lengths, check_send_recv, check_sender_pairs, check_uneven_counts, mismatched,
+    TrafficCounter, check_counts_pair_up, check_gathered_lengths, check_reduce_scatter, check_send_recv, check_sender_pairs, check_uneven_counts, mismatched,
 };
 
 /// Collective operations of one rank within a group, over the float tensors of `B`.
@@ -34,6 +34,8 @@ pub use ulysses_core::comm::{
 ///   rank `j`, and slice `i` of the result came from rank `i`.
 /// - [`all_gather`](Communicator::all_gather): the result gains a leading dim of size
 ///   `size()`; slice `i` is rank `i`'s tensor.
+/// - [`reduce_scatter`](Communicator::reduce_scatter): 1-D, rank `r` receives the `r`-th of
+///   `size()` equal parts of the reduction.
 pub trait Communicator<B: Backend>: Send + Sync + 'static {
     /// This rank's index in the group, `0..size()`.
     fn rank(&self) -> usize;
@@ -46,6 +48,21 @@ pub trait Communicator<B: Backend>: Send + Sync + 'static {
     fn all_reduce(&self, tensor: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError>;
     /// Stacks every rank's tensor along a new leading dim.
     fn all_gather(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, CommError>;
+    /// This rank's part of the element-wise reduction over all ranks (`ncclReduceScatter`,
+    /// what ZeRO sums gradients with): `tensor` is 1-D with `n` elements, `n` a multiple of
+    /// `size()` and the same on every rank; rank `r` receives elements `r·n/P..(r+1)·n/P` of
+    /// the reduction, 1-D.
+    ///
+    /// This default runs [`all_reduce`](Self::all_reduce) and keeps this rank's part: the
+    /// same bits on any transport, at twice the traffic. Transports that reduce-scatter
+    /// natively override it (threads, host transports, NCCL).
+    fn reduce_scatter(&self, tensor: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError> {
+        let (rank, size) = (self.rank(), self.size());
+        check_reduce_scatter(&tensor.shape().to_vec(), size)?;
+        let part = tensor.shape().num_elements() / size;
+        let reduced = crate::primitive::float_tensor::<B, 1>(self.all_reduce(tensor, op)?);
+        Ok(crate::primitive::float_primitive(reduced.slice([rank * part..(rank + 1) * part])))
+    }
     /// Every rank receives `root`'s tensor; the others pass a tensor of the same shape.
     fn broadcast(&self, tensor: FloatTensor<B>, root: usize) -> Result<FloatTensor<B>, CommError>;
     /// Point to point, every rank of the group at once (a collective permute: what ring

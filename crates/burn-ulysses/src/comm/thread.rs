@@ -60,6 +60,20 @@ fn adopt<B: Backend>(
     Ok(result)
 }
 
+/// Every rank's tensor (`tensors`, in rank order) reduced by `op`, in that order.
+fn reduce_in_rank_order<B: Backend, const D: usize>(mut tensors: impl ExactSizeIterator<Item = Tensor<B, D>>, op: ReduceOp) -> Tensor<B, D> {
+    let size = tensors.len() as f64;
+    let first = tensors.next().expect("a group has a rank");
+    let reduced = tensors.fold(first, |acc, t| match op {
+        ReduceOp::Sum | ReduceOp::Mean => acc + t,
+        ReduceOp::Max => acc.max_pair(t),
+    });
+    match op {
+        ReduceOp::Mean => reduced / size,
+        _ => reduced,
+    }
+}
+
 impl<B: Backend> Communicator<B> for ThreadCommunicator {
     fn rank(&self) -> usize {
         ThreadCommunicator::rank(self)
@@ -145,19 +159,24 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         let tensors = gather_tensors::<B>(self, Collective::AllReduce, tensor)?;
         check_same_shapes::<B>(Collective::AllReduce, &tensors)?;
         // Reduce in rank order on every rank, so all ranks get bit-identical results.
-        let size = tensors.len();
-        let mut rows = tensors.iter().map(|t| as_rows::<B>(t.clone(), 1));
-        let first = rows.next().unwrap();
-        let reduced = rows.fold(first, |acc, t| match op {
-            ReduceOp::Sum | ReduceOp::Mean => acc + t,
-            ReduceOp::Max => acc.max_pair(t),
-        });
-        let reduced = match op {
-            ReduceOp::Mean => reduced / size as f64,
-            _ => reduced,
-        };
+        let reduced = reduce_in_rank_order(tensors.iter().map(|t| as_rows::<B>(t.clone(), 1)), op);
         let device = reduced.device();
         adopt::<B>(B::float_reshape(float_primitive(reduced), shape), &device, Collective::AllReduce, tensors)
+    }
+
+    fn reduce_scatter(&self, tensor: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError> {
+        let collective = Collective::ReduceScatter;
+        let (rank, size) = (ThreadCommunicator::rank(self), self.size());
+        super::check_reduce_scatter(&tensor.shape().to_vec(), size)?;
+        self.traffic_counter().record_reduce_scatter(byte_size::<B>(&tensor));
+        let tensors = gather_tensors::<B>(self, collective, tensor)?;
+        check_same_shapes::<B>(collective, &tensors)?;
+        // This rank's part of every rank's tensor, reduced in rank order: all_reduce's bits.
+        let part = tensors[0].shape().num_elements() / size;
+        let parts = tensors.iter().map(|t| crate::primitive::float_tensor::<B, 1>(t.clone()).slice([rank * part..(rank + 1) * part]));
+        let reduced = reduce_in_rank_order(parts, op);
+        let device = reduced.device();
+        adopt::<B>(float_primitive(reduced), &device, collective, tensors)
     }
 
     fn all_gather(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> {
@@ -307,24 +326,65 @@ mod tests {
         assert!(error.contains("keeps its tensor") || error.contains("receives only its own"), "{error}");
     }
 
+    /// A communicator that overrides only the required collectives, so that the trait's
+    /// defaults (the padded uneven all-to-all, the reduce-scatter through all-reduce) run.
+    struct DefaultOnly(Arc<dyn Communicator<B>>);
+    impl Communicator<B> for DefaultOnly {
+        fn rank(&self) -> usize { self.0.rank() }
+        fn size(&self) -> usize { self.0.size() }
+        fn all_to_all(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> { self.0.all_to_all(t) }
+        fn all_reduce(&self, t: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError> { self.0.all_reduce(t, op) }
+        fn all_gather(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> { self.0.all_gather(t) }
+        fn broadcast(&self, t: FloatTensor<B>, root: usize) -> Result<FloatTensor<B>, CommError> { self.0.broadcast(t, root) }
+        fn send_recv(&self, t: FloatTensor<B>, to: usize, from: usize) -> Result<FloatTensor<B>, CommError> { self.0.send_recv(t, to, from) }
+        fn barrier(&self) -> Result<(), CommError> { self.0.barrier() }
+        fn all_gather_host(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> { self.0.all_gather_host(values) }
+        fn split(&self, color: u32, key: u32) -> Result<Arc<dyn Communicator<B>>, CommError> { self.0.split(color, key) }
+        fn traffic(&self) -> Traffic { self.0.traffic() }
+    }
+
+    /// The trait's defaults pass the self-check too (the reduce-scatter's part bit for bit
+    /// all_reduce's, as the native ones).
+    #[test]
+    fn the_default_collectives_pass_the_self_check() {
+        use crate::comm::check::{CheckSizes, check_collectives};
+        for size in [1, 3] {
+            let results = ThreadGroup::new(size).run(|rank| check_collectives::<B>(&DefaultOnly(rank.communicator()), &Default::default(), CheckSizes { large_elements: 1 << 12 }));
+            for (rank, result) in results.into_iter().enumerate() {
+                result.unwrap().unwrap_or_else(|e| panic!("{size} ranks, rank {rank}: {e}"));
+            }
+        }
+    }
+
+    /// A reduce-scatter is refused, on every rank, when a rank's tensor is not 1-D in equal
+    /// parts (naming the fix), when ranks pass different lengths (naming the rank), and when
+    /// another rank runs another collective (naming both).
+    #[test]
+    fn a_reduce_scatter_that_cannot_split_evenly_or_match_is_refused() {
+        let results = ThreadGroup::new(2).run(|rank| {
+            let comm = rank.communicator();
+            let uneven = Communicator::<B>::reduce_scatter(&*comm, flat(vec![1.0, 2.0, 3.0]), ReduceOp::Sum).unwrap_err().to_string();
+            let length = if rank.rank() == 0 { 2 } else { 4 };
+            let mismatched = Communicator::<B>::reduce_scatter(&*comm, flat(vec![1.0; length]), ReduceOp::Sum).unwrap_err().to_string();
+            let other = if rank.rank() == 0 {
+                Communicator::<B>::reduce_scatter(&*comm, flat(vec![1.0, 2.0]), ReduceOp::Sum).map(|_| ())
+            } else {
+                Communicator::<B>::all_reduce(&*comm, flat(vec![1.0, 2.0]), ReduceOp::Sum).map(|_| ())
+            };
+            (uneven, mismatched, other.unwrap_err().to_string())
+        });
+        for (r, result) in results.into_iter().enumerate() {
+            let (uneven, mismatched, other) = result.unwrap();
+            assert!(uneven.contains("multiple of the group size (2)") && uneven.contains("[3]") && uneven.contains("Pad it"), "{uneven}");
+            assert!(mismatched.contains(&format!("rank {}", 1 - r)) && mismatched.contains("shape"), "rank {r}: {mismatched}");
+            assert!(other.contains("reduce_scatter") && other.contains("all_reduce"), "rank {r}: {other}");
+        }
+    }
+
     /// Counts that do not pair up fail on the thread transport and on the padded default
     /// (reached through a communicator that does not override it), naming both ranks.
     #[test]
     fn all_to_all_uneven_refuses_counts_that_do_not_pair_up() {
-        struct DefaultOnly(Arc<dyn Communicator<B>>);
-        impl Communicator<B> for DefaultOnly {
-            fn rank(&self) -> usize { self.0.rank() }
-            fn size(&self) -> usize { self.0.size() }
-            fn all_to_all(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> { self.0.all_to_all(t) }
-            fn all_reduce(&self, t: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError> { self.0.all_reduce(t, op) }
-            fn all_gather(&self, t: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> { self.0.all_gather(t) }
-            fn broadcast(&self, t: FloatTensor<B>, root: usize) -> Result<FloatTensor<B>, CommError> { self.0.broadcast(t, root) }
-            fn send_recv(&self, t: FloatTensor<B>, to: usize, from: usize) -> Result<FloatTensor<B>, CommError> { self.0.send_recv(t, to, from) }
-            fn barrier(&self) -> Result<(), CommError> { self.0.barrier() }
-            fn all_gather_host(&self, values: &[u64]) -> Result<Vec<Vec<u64>>, CommError> { self.0.all_gather_host(values) }
-            fn split(&self, color: u32, key: u32) -> Result<Arc<dyn Communicator<B>>, CommError> { self.0.split(color, key) }
-            fn traffic(&self) -> Traffic { self.0.traffic() }
-        }
         for padded_default in [false, true] {
             let results = ThreadGroup::new(2).run(move |rank| {
                 let threads: Arc<dyn Communicator<B>> = rank.communicator();

@@ -160,6 +160,12 @@ pub trait HostCommunicator: Send + Sync + 'static {
     fn all_reduce(&self, tensor: HostTensor, op: ReduceOp) -> Result<HostTensor, CommError>;
     /// Every rank's tensor (same shape and dtype everywhere), in rank order.
     fn all_gather(&self, tensor: HostTensor) -> Result<Vec<HostTensor>, CommError>;
+    /// This rank's part of the element-wise reduction over all ranks: a 1-D tensor of `n`
+    /// elements (`n` a multiple of the group size, the same everywhere) reduced, rank `r`
+    /// receiving elements `r·n/P..(r+1)·n/P`, bit for bit that part of [`all_reduce`]'s result.
+    ///
+    /// [`all_reduce`]: HostCommunicator::all_reduce
+    fn reduce_scatter(&self, tensor: HostTensor, op: ReduceOp) -> Result<HostTensor, CommError>;
     /// Every rank receives `root`'s tensor; the others pass one of the same shape and dtype.
     fn broadcast(&self, tensor: HostTensor, root: usize) -> Result<HostTensor, CommError>;
     /// Sends `tensor` to rank `to` and returns what rank `from` sent (see

@@ -39,11 +39,12 @@ pub enum Collective {
     Split,
     SendRecv,
     AllToAllUneven,
+    ReduceScatter,
 }
 
 impl Collective {
     /// Every collective, in a fixed order (transports number them by position).
-    pub const ALL: [Collective; 9] = [
+    pub const ALL: [Collective; 10] = [
         Collective::AllToAll,
         Collective::AllReduce,
         Collective::AllGather,
@@ -53,6 +54,7 @@ impl Collective {
         Collective::Split,
         Collective::SendRecv,
         Collective::AllToAllUneven,
+        Collective::ReduceScatter,
     ];
 
     /// This collective's position in [`Collective::ALL`].
@@ -78,6 +80,7 @@ impl fmt::Display for Collective {
             Collective::Split => "split",
             Collective::SendRecv => "send_recv",
             Collective::AllToAllUneven => "all_to_all_uneven",
+            Collective::ReduceScatter => "reduce_scatter",
         };
         f.write_str(name)
     }
@@ -153,6 +156,20 @@ pub fn check_gathered_lengths(gathered: Vec<Vec<u64>>, mine: usize, what: &'stat
     match gathered.iter().position(|v| v.len() != mine) {
         None => Ok(gathered),
         Some(rank) => Err(CommError::Diverged { what, mine, rank, theirs: gathered[rank].len() }),
+    }
+}
+
+/// The tensor of a reduce-scatter, which no peer is needed to refuse unless it is 1-D with
+/// one equal part per rank of a group of `size`.
+pub fn check_reduce_scatter(shape: &[usize], size: usize) -> Result<(), CommError> {
+    match shape {
+        [elements] if *elements > 0 && elements % size == 0 => Ok(()),
+        _ => Err(CommError::InvalidArgument {
+            op: Collective::ReduceScatter,
+            reason: format!(
+                "the tensor must be 1-D with a multiple of the group size ({size}) elements, one equal part per rank; got shape {shape:?}. Pad it to a multiple of {size}"
+            ),
+        }),
     }
 }
 

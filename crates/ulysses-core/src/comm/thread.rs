@@ -444,6 +444,19 @@ impl super::HostCommunicator for ThreadCommunicator {
         Ok(HostTensor { dtype: mine.dtype, shape: mine.shape.clone(), bytes: super::host::reduce(&parts, mine.dtype, op) })
     }
 
+    fn reduce_scatter(&self, tensor: HostTensor, op: ReduceOp) -> Result<HostTensor, CommError> {
+        let collective = Collective::ReduceScatter;
+        let size = self.members.len();
+        super::check_reduce_scatter(&tensor.shape, size)?;
+        self.traffic.record_reduce_scatter(tensor.bytes.len() as u64);
+        let every_rank = self.shared_round(collective, tensor)?;
+        let mine = &every_rank[self.rank];
+        let part = mine.bytes.len() / size;
+        let at = self.rank * part..(self.rank + 1) * part;
+        let parts: Vec<&[u8]> = every_rank.iter().map(|t| &t.bytes[at.clone()]).collect();
+        Ok(HostTensor { dtype: mine.dtype, shape: vec![mine.elements() / size], bytes: super::host::reduce(&parts, mine.dtype, op) })
+    }
+
     fn all_gather(&self, tensor: HostTensor) -> Result<Vec<HostTensor>, CommError> {
         self.traffic.record_all_gather(tensor.bytes.len() as u64);
         Ok(self.shared_round(Collective::AllGather, tensor)?.iter().map(|t| (**t).clone()).collect())

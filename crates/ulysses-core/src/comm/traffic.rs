@@ -14,6 +14,9 @@ pub struct Traffic {
     pub all_reduce_bytes: u64,
     pub all_reduce_calls: u64,
     pub all_gather_bytes: u64,
+    /// Bytes passed to `reduce_scatter` (the whole tensor, every rank's part included).
+    pub reduce_scatter_bytes: u64,
+    pub reduce_scatter_calls: u64,
     pub broadcast_bytes: u64,
     /// Bytes `send_recv` sent to another rank.
     pub send_recv_bytes: u64,
@@ -30,6 +33,8 @@ impl Traffic {
             all_reduce_bytes: self.all_reduce_bytes - earlier.all_reduce_bytes,
             all_reduce_calls: self.all_reduce_calls - earlier.all_reduce_calls,
             all_gather_bytes: self.all_gather_bytes - earlier.all_gather_bytes,
+            reduce_scatter_bytes: self.reduce_scatter_bytes - earlier.reduce_scatter_bytes,
+            reduce_scatter_calls: self.reduce_scatter_calls - earlier.reduce_scatter_calls,
             broadcast_bytes: self.broadcast_bytes - earlier.broadcast_bytes,
             send_recv_bytes: self.send_recv_bytes - earlier.send_recv_bytes,
             send_recv_calls: self.send_recv_calls - earlier.send_recv_calls,
@@ -46,6 +51,8 @@ pub struct TrafficCounter {
     all_reduce_bytes: AtomicU64,
     all_reduce_calls: AtomicU64,
     all_gather_bytes: AtomicU64,
+    reduce_scatter_bytes: AtomicU64,
+    reduce_scatter_calls: AtomicU64,
     broadcast_bytes: AtomicU64,
     send_recv_bytes: AtomicU64,
     send_recv_calls: AtomicU64,
@@ -74,6 +81,11 @@ impl TrafficCounter {
         self.all_gather_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    pub fn record_reduce_scatter(&self, bytes: u64) {
+        self.reduce_scatter_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.reduce_scatter_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn record_broadcast(&self, bytes: u64) {
         self.broadcast_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
@@ -94,6 +106,8 @@ impl TrafficCounter {
             all_reduce_bytes: self.all_reduce_bytes.load(Ordering::Relaxed),
             all_reduce_calls: self.all_reduce_calls.load(Ordering::Relaxed),
             all_gather_bytes: self.all_gather_bytes.load(Ordering::Relaxed),
+            reduce_scatter_bytes: self.reduce_scatter_bytes.load(Ordering::Relaxed),
+            reduce_scatter_calls: self.reduce_scatter_calls.load(Ordering::Relaxed),
             broadcast_bytes: self.broadcast_bytes.load(Ordering::Relaxed),
             send_recv_bytes: self.send_recv_bytes.load(Ordering::Relaxed),
             send_recv_calls: self.send_recv_calls.load(Ordering::Relaxed),

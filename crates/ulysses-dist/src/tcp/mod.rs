@@ -30,7 +30,7 @@ use std::sync::{
     atomic::{AtomicU64, Ordering},
 };
 
-use ulysses_core::comm::{Collective, CommError, HostCommunicator, HostTensor, ReduceOp, Traffic, TrafficCounter, check_parts, check_send_recv, mismatched, reduce};
+use ulysses_core::comm::{Collective, CommError, HostCommunicator, HostTensor, ReduceOp, Traffic, TrafficCounter, check_parts, check_reduce_scatter, check_send_recv, mismatched, reduce};
 
 pub use frame::MAX_FRAME_BYTES;
 pub use mesh::MeshSettings;
@@ -53,6 +53,41 @@ pub struct TcpCommunicator {
 }
 
 impl TcpCommunicator {
+    /// The bytes of part `c` of `host` (elements `c·n/P..(c+1)·n/P`), the part member `c`
+    /// reduces.
+    fn part_bytes(&self, host: &HostTensor, c: usize) -> std::ops::Range<usize> {
+        let (size, element, elements) = (self.size_(), host.dtype.size(), host.elements());
+        (c * elements / size * element)..((c + 1) * elements / size * element)
+    }
+
+    /// The first half of an all-reduce, a reduce-scatter: every member sends each other its
+    /// part of `host` and reduces its own part over the members in rank order (every rank of
+    /// an all-reduce then receives the same bits).
+    fn reduce_part(&self, collective: Collective, seq: u64, host: &HostTensor, op: ReduceOp) -> Result<Vec<u8>, CommError> {
+        let elements = host.elements();
+        let header = |len: usize| {
+            let mut message = vec![host.dtype.code()];
+            message.extend((elements as u64).to_le_bytes());
+            message.reserve(len);
+            message
+        };
+        let scatter = self.exchange(collective, seq, |j| {
+            let mut message = header(self.part_bytes(host, j).len());
+            message.extend_from_slice(&host.bytes[self.part_bytes(host, j)]);
+            message
+        })?;
+        let mine = self.part_bytes(host, self.rank);
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(self.size_());
+        for (j, message) in scatter.iter().enumerate() {
+            match message {
+                None => parts.push(&host.bytes[mine.clone()]),
+                Some(message) if message.len() == 9 + mine.len() && message[..9] == header(0)[..] => parts.push(&message[9..]),
+                Some(_) => return Err(self.mismatch(collective, j, format!("a tensor that is not {elements} elements of {:?}", host.dtype))),
+            }
+        }
+        Ok(reduce(&parts, host.dtype, op))
+    }
+
     /// Joins the job described by `env`: the rendezvous, then a connection to every rank.
     pub fn connect(env: &LaunchEnv, config: &DistributedConfig) -> Result<Arc<Self>, DistError> {
         let token = config.require_token()?.to_string();
@@ -182,44 +217,28 @@ impl HostCommunicator for TcpCommunicator {
     fn all_reduce(&self, host: HostTensor, op: ReduceOp) -> Result<HostTensor, CommError> {
         let collective = Collective::AllReduce;
         self.traffic.record_all_reduce(host.bytes.len() as u64);
-        let size = self.size_();
-        let element = host.dtype.size();
-        let elements = host.elements();
-        // Chunk c (elements [c·n/P, (c+1)·n/P)) is reduced by member c.
-        let chunk = |c: usize| (c * elements / size * element)..((c + 1) * elements / size * element);
         let seq = self.begin();
-        let header = |len: usize| {
-            let mut message = vec![host.dtype.code()];
-            message.extend((elements as u64).to_le_bytes());
-            message.reserve(len);
-            message
-        };
-        let scatter = self.exchange(collective, seq, |j| {
-            let mut message = header(chunk(j).len());
-            message.extend_from_slice(&host.bytes[chunk(j)]);
-            message
-        })?;
-        let mine = chunk(self.rank);
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(size);
-        for (j, message) in scatter.iter().enumerate() {
-            match message {
-                None => parts.push(&host.bytes[mine.clone()]),
-                Some(message) if message.len() == 9 + mine.len() && message[..9] == header(0)[..] => parts.push(&message[9..]),
-                Some(_) => return Err(self.mismatch(collective, j, format!("a tensor that is not {elements} elements of {:?}", host.dtype))),
-            }
-        }
-        // Rank order, on the one rank that owns the chunk: every rank receives the same bits.
-        let reduced = reduce(&parts, host.dtype, op);
+        let reduced = self.reduce_part(collective, seq, &host, op)?;
         let gathered = self.exchange(collective, seq, |_| reduced.clone())?;
         let mut bytes = Vec::with_capacity(host.bytes.len());
         for (j, message) in gathered.into_iter().enumerate() {
             let part = message.unwrap_or_else(|| reduced.clone());
-            if part.len() != chunk(j).len() {
-                return Err(self.mismatch(collective, j, format!("a reduced chunk of {} bytes, not {}", part.len(), chunk(j).len())));
+            let expected = self.part_bytes(&host, j);
+            if part.len() != expected.len() {
+                return Err(self.mismatch(collective, j, format!("a reduced chunk of {} bytes, not {}", part.len(), expected.len())));
             }
             bytes.extend(part);
         }
         Ok(HostTensor { bytes, ..host })
+    }
+
+    fn reduce_scatter(&self, host: HostTensor, op: ReduceOp) -> Result<HostTensor, CommError> {
+        let collective = Collective::ReduceScatter;
+        check_reduce_scatter(&host.shape, self.size_())?;
+        self.traffic.record_reduce_scatter(host.bytes.len() as u64);
+        let seq = self.begin();
+        let bytes = self.reduce_part(collective, seq, &host, op)?;
+        Ok(HostTensor { dtype: host.dtype, shape: vec![host.elements() / self.size_()], bytes })
     }
 
     fn all_gather(&self, host: HostTensor) -> Result<Vec<HostTensor>, CommError> {

@@ -1,0 +1,132 @@
+//! AdamW on the host, over a rank's part of the parameters (ZeRO with the optimizer offloaded:
+//! the f32 master weights and both moments live in host memory, 12 bytes a parameter that the
+//! device never holds). The update is burn's `AdamW` (burn-optim 0.21) operation for operation,
+//! in f32 and in the same order, so it equals burn's on the same inputs within f32 rounding
+//! (bit for bit against NdArray); the loop over elements is split across threads, each a plain
+//! loop over slices that the compiler vectorises (no branch but none).
+
+use std::num::NonZeroUsize;
+
+/// AdamW's settings, burn's `AdamWConfig` defaults.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct HostAdamWConfig {
+    pub beta_1: f32,
+    pub beta_2: f32,
+    pub epsilon: f32,
+    pub weight_decay: f32,
+}
+
+impl Default for HostAdamWConfig {
+    fn default() -> Self {
+        Self { beta_1: 0.9, beta_2: 0.999, epsilon: 1e-5, weight_decay: 1e-4 }
+    }
+}
+
+/// The moments of one parameter (part), and how many updates made them.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AdamWMoments {
+    pub moment_1: Vec<f32>,
+    pub moment_2: Vec<f32>,
+    /// Updates so far: 0 before the first.
+    pub time: u32,
+}
+
+/// AdamW over host slices, on `threads` threads.
+#[derive(Debug, Clone, Copy)]
+pub struct HostAdamW {
+    config: HostAdamWConfig,
+    threads: NonZeroUsize,
+}
+
+/// Elements below which a thread of its own costs more than it saves.
+const ELEMENTS_PER_THREAD: usize = 1 << 15;
+
+impl HostAdamW {
+    /// On as many threads as the machine has cores.
+    pub fn new(config: HostAdamWConfig) -> Self {
+        Self::with_threads(config, std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN))
+    }
+
+    pub fn with_threads(config: HostAdamWConfig, threads: NonZeroUsize) -> Self {
+        Self { config, threads }
+    }
+
+    pub fn config(&self) -> &HostAdamWConfig {
+        &self.config
+    }
+
+    /// One update of `params` by `grads` at `learning_rate`, `moments` starting empty (zeros
+    /// of the parameter's length at the first update).
+    ///
+    /// # Panics
+    ///
+    /// When `grads` or non-empty moments differ in length from `params`: the caller's
+    /// partition is wrong, and no update could be right.
+    pub fn step(&self, learning_rate: f64, params: &mut [f32], grads: &[f32], moments: &mut AdamWMoments) {
+        let len = params.len();
+        assert_eq!(grads.len(), len, "AdamW: {} gradients for {len} parameters", grads.len());
+        if moments.time == 0 {
+            moments.moment_1 = vec![0.0; len];
+            moments.moment_2 = vec![0.0; len];
+        }
+        assert!(moments.moment_1.len() == len && moments.moment_2.len() == len, "AdamW: moments of {} for {len} parameters", moments.moment_1.len());
+        moments.time += 1;
+        let update = Update::new(&self.config, learning_rate, moments.time);
+        let threads = self.threads.get().min(len.div_ceil(ELEMENTS_PER_THREAD)).max(1);
+        if threads == 1 {
+            update.apply(params, grads, &mut moments.moment_1, &mut moments.moment_2);
+            return;
+        }
+        let chunk = len.div_ceil(threads);
+        std::thread::scope(|scope| {
+            let parts = params.chunks_mut(chunk).zip(grads.chunks(chunk)).zip(moments.moment_1.chunks_mut(chunk)).zip(moments.moment_2.chunks_mut(chunk));
+            for (((params, grads), moment_1), moment_2) in parts {
+                scope.spawn(move || update.apply(params, grads, moment_1, moment_2));
+            }
+        });
+    }
+}
+
+/// One step's scalars, rounded to f32 as burn's tensor ops round them.
+#[derive(Debug, Clone, Copy)]
+struct Update {
+    beta_1: f32,
+    beta_2: f32,
+    factor_1: f32,
+    factor_2: f32,
+    correction_1: f32,
+    correction_2: f32,
+    epsilon: f32,
+    decay: f32,
+    learning_rate: f32,
+}
+
+impl Update {
+    fn new(config: &HostAdamWConfig, learning_rate: f64, time: u32) -> Self {
+        let time = time as i32;
+        Self {
+            beta_1: config.beta_1,
+            beta_2: config.beta_2,
+            factor_1: 1.0 - config.beta_1,
+            factor_2: 1.0 - config.beta_2,
+            // Bias corrections: 1 − βᵗ, in f32 (burn: `1f32 - beta.powi(time)`).
+            correction_1: 1.0 - config.beta_1.powi(time),
+            correction_2: 1.0 - config.beta_2.powi(time),
+            epsilon: config.epsilon,
+            // Decoupled weight decay: the parameter times 1 − lr·λ, computed in f64.
+            decay: (1.0 - learning_rate * config.weight_decay as f64) as f32,
+            learning_rate: learning_rate as f32,
+        }
+    }
+
+    /// burn's order: m = β₁m + (1−β₁)g; v = β₂v + (1−β₂)g²; δ = (m / c₁) / (√(v / c₂) + ε);
+    /// p = p·(1 − lr·λ) − δ·lr.
+    fn apply(&self, params: &mut [f32], grads: &[f32], moment_1: &mut [f32], moment_2: &mut [f32]) {
+        for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(moment_1.iter_mut()).zip(moment_2.iter_mut()) {
+            *m = *m * self.beta_1 + g * self.factor_1;
+            *v = *v * self.beta_2 + g * g * self.factor_2;
+            let delta = (*m / self.correction_1) / ((*v / self.correction_2).sqrt() + self.epsilon);
+            *p = *p * self.decay - delta * self.learning_rate;
+        }
+    }
+}

@@ -1,0 +1,455 @@
+//! ZeRO's optimizer half over a world of ranks (SP × DP: SP ranks hold identical parameters,
+//! so they share the state too): each rank keeps, in host memory, only its part
+//! (`ulysses_core::zero::Partition`) of every float parameter's f32 master weights and AdamW
+//! moments, 12 bytes a parameter divided by the world, where replicated training keeps both
+//! moments of every parameter on every rank's device. A step
+//!
+//! 1. reduce-scatters each parameter's gradient, padded to the partition: every rank receives
+//!    its part of the sum, the bits an all-reduce gives there;
+//! 2. clips with the norm of the whole gradient, its parts' squares summed in f64 on each rank
+//!    and over the ranks in rank order (the same on every rank);
+//! 3. updates its part of the master weights with the host AdamW (`ulysses_core::host_adamw`,
+//!    burn's AdamW operation for operation);
+//! 4. all-gathers the updated parts into the model's parameters.
+//!
+//! So it trains as replicated AdamW does (the same sums, the same update), up to the clipping
+//! norm's rounding. Its state is saved as one file per rank ([`ShardedAdamW::save`], each
+//! atomic) and loaded at any world size ([`ShardedAdamW::load`] re-partitions it). The model (its compute copy) stays whole on every rank, and each part
+//! crosses to the host and back through a read and an upload per parameter: releasing the
+//! compute copy between layers (ZeRO stage 3) and overlapping the copies are still to come.
+
+use std::{
+    fs,
+    io::{Read, Seek, SeekFrom},
+    path::{Path, PathBuf},
+};
+
+use burn::{
+    module::{AutodiffModule, ModuleMapper, Param},
+    optim::GradientsParams,
+    tensor::{DType, Tensor, TensorData},
+};
+use burn_ulysses::{
+    UlyssesError,
+    comm::{Communicator, ReduceOp},
+    primitive::{float_primitive, float_tensor},
+};
+use ulysses_core::{
+    gradients::present_anywhere,
+    host_adamw::{AdamWMoments, HostAdamW, HostAdamWConfig},
+    zero::Partition,
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    TrainBackend,
+    checkpoint::{fnv1a, write_atomically},
+    gradients::{LocalGradient, TakeGradients},
+};
+
+/// AdamW with its state sharded over the world's ranks and updated on the host (see the module
+/// doc).
+pub struct ShardedAdamW {
+    adamw: HostAdamW,
+    /// Per float parameter of the model, in its visit order; filled at the first step.
+    parts: Vec<ParameterPart>,
+}
+
+/// This rank's part of one parameter's master weights and moments.
+struct ParameterPart {
+    /// The parameter's elements (unpadded), to check that the model is the one partitioned.
+    elements: usize,
+    master: Vec<f32>,
+    moments: AdamWMoments,
+}
+
+impl ShardedAdamW {
+    pub fn new(config: HostAdamWConfig) -> Self {
+        Self { adamw: HostAdamW::new(config), parts: Vec::new() }
+    }
+
+    /// Bytes of optimizer state (master weights and both moments) this rank holds on the host.
+    pub fn host_bytes(&self) -> usize {
+        self.parts.iter().map(|part| 4 * (part.master.len() + part.moments.moment_1.len() + part.moments.moment_2.len())).sum()
+    }
+
+    /// One optimizer step of `model` by this rank's `grads` (not yet summed over the ranks) at
+    /// `learning_rate`, clipping to `max_grad_norm`; collective over `world`, the ranks that
+    /// share the parameters. Returns the updated model and the gradient norm before clipping.
+    pub fn step<B: TrainBackend, M: AutodiffModule<B>>(
+        &mut self,
+        learning_rate: f64,
+        model: M,
+        mut grads: GradientsParams,
+        max_grad_norm: Option<f64>,
+        world: &dyn Communicator<B::Wire>,
+    ) -> Result<(M, f64), UlyssesError> {
+        let partition = Partition::new(world.size()).expect("a world has a rank");
+        let rank = world.rank();
+        let mut take = TakeGradients::<B> { grads: &mut grads, local: Vec::new() };
+        model.visit(&mut take);
+        let mut local = take.local;
+        if self.parts.is_empty() {
+            self.parts = local.iter().map(|l| ParameterPart { elements: l.len(), master: host_part(&partition, rank, &l.parameter), moments: AdamWMoments::default() }).collect();
+        }
+        let shapes: Vec<usize> = local.iter().map(LocalGradient::len).collect();
+        if shapes != self.parts.iter().map(|part| part.elements).collect::<Vec<_>>() {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "the sharded optimizer holds parts of {} parameters ({} elements) but the model has {} ({} elements): one ShardedAdamW per model",
+                self.parts.len(),
+                self.parts.iter().map(|part| part.elements).sum::<usize>(),
+                local.len(),
+                shapes.iter().sum::<usize>()
+            )));
+        }
+        if let Some(l) = local.iter().find(|l| l.dtype() != DType::F32) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "the sharded optimizer keeps f32 master weights of f32 parameters; a parameter is {:?} (half precision computes in the layers, its parameters stay f32)",
+                l.dtype()
+            )));
+        }
+
+        let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
+        let gathered = burn_ulysses::comm::all_gather_host_checked(world, &present, "float parameters")?;
+        let updated_anywhere = present_anywhere(&gathered, present.len());
+
+        // 1. This rank's part of every gradient's sum.
+        let mut grad_parts: Vec<Option<Vec<f32>>> = Vec::with_capacity(local.len());
+        for (l, updated) in local.iter_mut().zip(&updated_anywhere) {
+            grad_parts.push(if *updated {
+                let padded = padded(&partition, l.take_or_zeros());
+                let part = float_tensor::<B::InnerBackend, 1>(world.reduce_scatter(float_primitive(padded), ReduceOp::Sum)?);
+                Some(part.into_data().to_vec::<f32>().expect("an f32 gradient"))
+            } else {
+                None
+            });
+        }
+
+        // 2. The whole gradient's norm, the same on every rank; the clipping factor as
+        //    `clip_with_norm` computes it.
+        let squares: f64 = grad_parts.iter().flatten().flatten().map(|&g| f64::from(g) * f64::from(g)).sum();
+        let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[squares.to_bits()], "squared gradient sums")?;
+        let grad_norm = every_rank.iter().map(|bits| f64::from_bits(bits[0])).sum::<f64>().sqrt();
+        let factor = max_grad_norm.map(|max_norm| max_norm / (grad_norm + 1e-6)).filter(|&factor| factor < 1.0);
+
+        // 3. The update of this rank's parts, and 4. every rank's parts into the parameters.
+        let mut values: Vec<Option<Tensor<B::InnerBackend, 1>>> = Vec::with_capacity(local.len());
+        for ((part, grad), l) in self.parts.iter_mut().zip(grad_parts).zip(&local) {
+            values.push(match grad {
+                Some(mut grad) => {
+                    if let Some(factor) = factor {
+                        let factor = factor as f32;
+                        grad.iter_mut().for_each(|g| *g *= factor);
+                    }
+                    self.adamw.step(learning_rate, &mut part.master, &grad, &mut part.moments);
+                    let updated = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(part.master.clone(), [part.master.len()]), &l.parameter.device());
+                    let whole = float_tensor::<B::InnerBackend, 2>(world.all_gather(float_primitive(updated))?);
+                    Some(whole.reshape([partition.padded_len(part.elements)]).narrow(0, 0, part.elements))
+                }
+                None => None,
+            });
+        }
+        let model = model.map(&mut SetParameters::<B> { values: values.into_iter() });
+        Ok((model, grad_norm))
+    }
+}
+
+/// The file in a checkpoint folder that holds world rank `rank`'s part of a [`ShardedAdamW`]'s
+/// state, of a world of `world` ranks.
+pub fn sharded_state_file(rank: usize, world: usize) -> String {
+    format!("optimizer-{rank:05}-of-{world:05}.ulysses")
+}
+
+const SHARD_MAGIC: &[u8; 8] = b"ULYSHRD1";
+const SHARD_FORMAT: u32 = 1;
+
+/// What a rank's state file says about itself and each parameter's section of its payload.
+#[derive(Serialize, Deserialize)]
+struct ShardHeader {
+    format: u32,
+    rank: usize,
+    world: usize,
+    config: HostAdamWConfig,
+    parameters: Vec<SectionHeader>,
+}
+
+/// One parameter's section: its part of the master weights, then of each moment (f32,
+/// little-endian, the partition's part length each), and their FNV-1a.
+#[derive(Serialize, Deserialize, Clone, Copy)]
+struct SectionHeader {
+    elements: usize,
+    time: u32,
+    checksum: u64,
+}
+
+impl ShardedAdamW {
+    /// Writes this rank's part of the state (rank `rank` of `world`, the world it steps over)
+    /// to `dir`/[`sharded_state_file`], atomically: every rank writes its own file, and
+    /// together they are the state. Nothing to write before the first step.
+    pub fn save(&self, dir: &Path, rank: usize, world: usize) -> Result<PathBuf, UlyssesError> {
+        let path = dir.join(sharded_state_file(rank, world));
+        let sections: Vec<Vec<u8>> = self.parts.iter().map(ParameterPart::section).collect();
+        let header = ShardHeader {
+            format: SHARD_FORMAT,
+            rank,
+            world,
+            config: *self.adamw.config(),
+            parameters: self.parts.iter().zip(&sections).map(|(part, bytes)| SectionHeader { elements: part.elements, time: part.moments.time, checksum: fnv1a(&[bytes]) }).collect(),
+        };
+        let header = serde_json::to_vec(&header).map_err(|e| shard_error(&path, format!("cannot encode the header: {e}")))?;
+        let length = (header.len() as u64).to_le_bytes();
+        let mut parts: Vec<&[u8]> = vec![SHARD_MAGIC, &length, &header];
+        parts.extend(sections.iter().map(Vec::as_slice));
+        write_atomically(&path, &parts).map_err(|e| shard_error(&path, format!("cannot write: {e}")))?;
+        Ok(path)
+    }
+
+    /// The state a world of any size saved in `dir` ([`save`](Self::save) on each of its
+    /// ranks), re-partitioned for rank `rank` of a world of `world`: each rank reads, of every
+    /// parameter, the sections of the saved ranks whose parts overlap its own. Refused, naming
+    /// the file, when a saved rank's file is missing, torn or of another run.
+    pub fn load(dir: &Path, rank: usize, world: usize) -> Result<Self, UlyssesError> {
+        let saved_world = saved_world(dir)?;
+        let (old, new) = (Partition::new(saved_world).expect("a saved world has a rank"), Partition::new(world).expect("a world has a rank"));
+        let mut files: Vec<ShardFile> = (0..saved_world).map(|r| ShardFile::open(&dir.join(sharded_state_file(r, saved_world)), r, saved_world)).collect::<Result<_, _>>()?;
+        let layout: Vec<(usize, u32)> = files[0].header.parameters.iter().map(|p| (p.elements, p.time)).collect();
+        if let Some(file) = files.iter().find(|f| f.header.parameters.iter().map(|p| (p.elements, p.time)).ne(layout.iter().copied())) {
+            return Err(shard_error(&file.path, "its parameters or step counts differ from rank 0's file: the files are of different runs or steps"));
+        }
+        let config = files[0].header.config;
+        let mut parts = Vec::with_capacity(layout.len());
+        for (index, &(elements, time)) in layout.iter().enumerate() {
+            // This rank's new part, assembled from the old parts that overlap it.
+            let mine = new.owned(elements, rank);
+            let mut values = [vec![0.0f32; new.part_len(elements)], vec![0.0; new.part_len(elements)], vec![0.0; new.part_len(elements)]];
+            for (r, file) in files.iter_mut().enumerate() {
+                let theirs = old.owned(elements, r);
+                let (from, to) = (mine.start.max(theirs.start), mine.end.min(theirs.end));
+                if from >= to {
+                    continue;
+                }
+                let section = file.section(index, old.part_len(elements))?;
+                for (which, target) in values.iter_mut().enumerate() {
+                    let source = &section[which * old.part_len(elements)..];
+                    target[from - mine.start..to - mine.start].copy_from_slice(&source[from - theirs.start..to - theirs.start]);
+                }
+            }
+            let [master, moment_1, moment_2] = values;
+            let moments = if time == 0 { AdamWMoments::default() } else { AdamWMoments { moment_1, moment_2, time } };
+            parts.push(ParameterPart { elements, master, moments });
+        }
+        Ok(Self { adamw: HostAdamW::new(config), parts })
+    }
+}
+
+impl ParameterPart {
+    /// Master weights, then both moments (zeros before the first update), as f32 bytes.
+    fn section(&self) -> Vec<u8> {
+        let zeros = vec![0.0f32; self.master.len()];
+        let moment = |values: &Vec<f32>| if values.is_empty() { zeros.clone() } else { values.clone() };
+        [self.master.clone(), moment(&self.moments.moment_1), moment(&self.moments.moment_2)].concat().iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+}
+
+/// One saved rank's state file, its header checked and its sections read on demand.
+struct ShardFile {
+    path: PathBuf,
+    file: fs::File,
+    header: ShardHeader,
+    /// Where the payload starts.
+    payload: u64,
+}
+
+impl ShardFile {
+    fn open(path: &Path, rank: usize, world: usize) -> Result<Self, UlyssesError> {
+        let mut file = fs::File::open(path).map_err(|e| shard_error(path, format!("cannot open ({e}): every rank of the saved world of {world} writes one, and all are needed")))?;
+        let mut start = [0u8; 16];
+        file.read_exact(&mut start).map_err(|_| shard_error(path, "too short to be a sharded optimizer state"))?;
+        if &start[..8] != SHARD_MAGIC {
+            return Err(shard_error(path, "not a burn-ulysses sharded optimizer state (wrong magic bytes)"));
+        }
+        let header_len = u64::from_le_bytes(start[8..].try_into().unwrap());
+        let mut header = vec![0u8; usize::try_from(header_len).unwrap_or(usize::MAX).min(1 << 30)];
+        file.read_exact(&mut header).map_err(|_| shard_error(path, "the header is cut off; the file is truncated"))?;
+        let header: ShardHeader = serde_json::from_slice(&header).map_err(|e| shard_error(path, format!("unreadable header: {e}")))?;
+        if header.format != SHARD_FORMAT || header.rank != rank || header.world != world {
+            return Err(shard_error(path, format!("holds rank {} of {} in format {}, not rank {rank} of {world} in format {SHARD_FORMAT}", header.rank, header.world, header.format)));
+        }
+        let payload = 16 + header_len;
+        let expected: u64 = header.parameters.iter().map(|p| 12 * Partition::new(world).unwrap().part_len(p.elements) as u64).sum();
+        let length = file.metadata().map_err(|e| shard_error(path, e))?.len();
+        if length != payload + expected {
+            return Err(shard_error(path, format!("has {length} bytes but its header describes {}; the file is truncated or corrupt", payload + expected)));
+        }
+        Ok(Self { path: path.to_path_buf(), file, header, payload })
+    }
+
+    /// Parameter `index`'s section (`part_len` values of each of master, moment 1, moment 2),
+    /// checked against its checksum.
+    fn section(&mut self, index: usize, part_len: usize) -> Result<Vec<f32>, UlyssesError> {
+        let world = Partition::new(self.header.world).unwrap();
+        let offset: u64 = self.header.parameters[..index].iter().map(|p| 12 * world.part_len(p.elements) as u64).sum();
+        let mut bytes = vec![0u8; 12 * part_len];
+        self.file.seek(SeekFrom::Start(self.payload + offset)).and_then(|_| self.file.read_exact(&mut bytes)).map_err(|e| shard_error(&self.path, format!("cannot read: {e}")))?;
+        if fnv1a(&[&bytes]) != self.header.parameters[index].checksum {
+            return Err(shard_error(&self.path, format!("parameter {index}'s section does not match its checksum; the file is corrupt. Use an earlier checkpoint.")));
+        }
+        Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
+    }
+}
+
+/// The world size the state in `dir` was saved by, from its rank 0 file.
+fn saved_world(dir: &Path) -> Result<usize, UlyssesError> {
+    let entries = fs::read_dir(dir).map_err(|e| shard_error(dir, format!("cannot list the folder: {e}")))?;
+    let worlds: Vec<usize> = entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.strip_prefix("optimizer-00000-of-")?.strip_suffix(".ulysses")?.parse().ok())
+        .collect();
+    match worlds.as_slice() {
+        [world] if *world > 0 => Ok(*world),
+        [] => Err(shard_error(dir, "holds no sharded optimizer state (no optimizer-00000-of-*.ulysses)")),
+        _ => Err(shard_error(dir, format!("holds the states of several world sizes ({worlds:?}); keep one run's files per folder"))),
+    }
+}
+
+fn shard_error(path: &Path, reason: impl std::fmt::Display) -> UlyssesError {
+    UlyssesError::Checkpoint { path: path.display().to_string(), reason: reason.to_string() }
+}
+
+/// `flat` padded with zeros to the partition's length.
+fn padded<B: burn::tensor::backend::Backend>(partition: &Partition, flat: Tensor<B, 1>) -> Tensor<B, 1> {
+    let (len, target) = (flat.dims()[0], partition.padded_len(flat.dims()[0]));
+    if target == len {
+        return flat;
+    }
+    let zeros = Tensor::zeros([target - len], &flat.device());
+    Tensor::cat(vec![flat, zeros], 0)
+}
+
+/// Rank `rank`'s part of `parameter` (flat), padded, on the host.
+fn host_part<B: burn::tensor::backend::Backend>(partition: &Partition, rank: usize, parameter: &Tensor<B, 1>) -> Vec<f32> {
+    let elements = parameter.dims()[0];
+    let owned = partition.owned(elements, rank);
+    let mut part = vec![0.0; partition.part_len(elements)];
+    if !owned.is_empty() {
+        let values = parameter.clone().narrow(0, owned.start, owned.len()).into_data().convert::<f32>().to_vec::<f32>().expect("f32 values");
+        part[..values.len()].copy_from_slice(&values);
+    }
+    part
+}
+
+/// Puts the gathered values (flat, in visit order; `None`: unchanged) into the parameters,
+/// keeping their ids and whether they require gradients.
+struct SetParameters<B: TrainBackend> {
+    values: std::vec::IntoIter<Option<Tensor<B::InnerBackend, 1>>>,
+}
+
+impl<B: TrainBackend> ModuleMapper<B> for SetParameters<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(Some(flat)) = self.values.next() else { return param };
+        let (id, tensor, mapper) = param.consume();
+        let requires_grad = tensor.is_require_grad();
+        let mut updated = Tensor::<B, D>::from_inner(flat.reshape(tensor.shape()));
+        if requires_grad {
+            updated = updated.require_grad();
+        }
+        Param::from_mapped_value(id, updated, mapper)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Per parameter: elements, step count, and the whole master weights and moments.
+    type Whole = Vec<(usize, u32, [Vec<f32>; 3])>;
+
+    fn whole() -> Whole {
+        [(10usize, 3u32), (1, 3), (7, 0), (16, 3)]
+            .into_iter()
+            .enumerate()
+            .map(|(p, (elements, time))| {
+                let values = |which: usize| (0..elements).map(|i| (100 * p + 10 * which + i) as f32 + 0.5).collect::<Vec<f32>>();
+                (elements, time, [values(0), values(1), values(2)])
+            })
+            .collect()
+    }
+
+    /// Rank `rank`'s parts of `whole` over a world of `world`, as a step would hold them.
+    fn of_rank(whole: &Whole, rank: usize, world: usize) -> ShardedAdamW {
+        let partition = Partition::new(world).unwrap();
+        let part = |values: &Vec<f32>, elements: usize| {
+            let owned = partition.owned(elements, rank);
+            let mut part = vec![0.0; partition.part_len(elements)];
+            part[..owned.len()].copy_from_slice(&values[owned]);
+            part
+        };
+        let parts = whole
+            .iter()
+            .map(|(elements, time, [master, m1, m2])| ParameterPart {
+                elements: *elements,
+                master: part(master, *elements),
+                moments: if *time == 0 { AdamWMoments::default() } else { AdamWMoments { moment_1: part(m1, *elements), moment_2: part(m2, *elements), time: *time } },
+            })
+            .collect();
+        ShardedAdamW { adamw: HostAdamW::new(HostAdamWConfig { weight_decay: 0.03, ..HostAdamWConfig::default() }), parts }
+    }
+
+    fn same(a: &ShardedAdamW, b: &ShardedAdamW) -> bool {
+        a.adamw.config() == b.adamw.config()
+            && a.parts.len() == b.parts.len()
+            && a.parts.iter().zip(&b.parts).all(|(a, b)| a.elements == b.elements && a.master == b.master && a.moments == b.moments)
+    }
+
+    /// Saved by 4 ranks, the state loads at 4 (each rank its own part back), at 3, 2 and 1
+    /// (each rank the parts the partition gives it at that size, from the saved ones that
+    /// overlap it), parameters that never stepped included.
+    #[test]
+    fn the_state_saved_by_each_rank_loads_at_any_world_size() {
+        let dir = std::env::temp_dir().join(format!("ulysses-sharded-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let whole = whole();
+        for rank in 0..4 {
+            of_rank(&whole, rank, 4).save(&dir, rank, 4).unwrap();
+        }
+        for world in [4, 3, 2, 1] {
+            for rank in 0..world {
+                let loaded = ShardedAdamW::load(&dir, rank, world).unwrap();
+                assert!(same(&loaded, &of_rank(&whole, rank, world)), "rank {rank} of {world}");
+            }
+        }
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A missing rank's file, a corrupt section, a torn file and two runs' files in one
+    /// folder are refused, naming the file and what to do.
+    #[test]
+    fn incomplete_or_corrupt_state_is_refused_naming_the_file() {
+        let dir = std::env::temp_dir().join(format!("ulysses-sharded-bad-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let whole = whole();
+        let saved: Vec<PathBuf> = (0..2).map(|rank| of_rank(&whole, rank, 2).save(&dir, rank, 2).unwrap()).collect();
+        let error = |world| ShardedAdamW::load(&dir, 0, world).err().map(|e| e.to_string()).unwrap_or_default();
+
+        let bytes = fs::read(&saved[1]).unwrap();
+        fs::remove_file(&saved[1]).unwrap();
+        let missing = error(2);
+        assert!(missing.contains("optimizer-00001-of-00002.ulysses") && missing.contains("all are needed"), "{missing}");
+
+        let mut flipped = bytes.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        fs::write(&saved[1], &flipped).unwrap();
+        let corrupt = error(1);
+        assert!(corrupt.contains("checksum") && corrupt.contains("optimizer-00001-of-00002"), "{corrupt}");
+
+        fs::write(&saved[1], &bytes[..bytes.len() - 4]).unwrap();
+        let torn = error(2);
+        assert!(torn.contains("truncated"), "{torn}");
+
+        fs::write(&saved[1], &bytes).unwrap();
+        of_rank(&whole, 0, 3).save(&dir, 0, 3).unwrap();
+        let mixed = error(2);
+        assert!(mixed.contains("several world sizes"), "{mixed}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}
