@@ -463,6 +463,8 @@ struct Qwen3Run {
     norms: Vec<f64>,
     params: Vec<(String, Vec<f32>)>,
     host_bytes: Vec<usize>,
+    /// Reduce-scatters world rank 0 ran.
+    reduce_scatters: u64,
 }
 
 /// `steps` steps of SP=2 × DP=2 on the tiny Qwen3 fixture (transformers' weights), each rank
@@ -500,20 +502,21 @@ fn qwen3_sp_dp(sharded: bool, steps: usize, max_grad_norm: Option<f64>) -> Qwen3
             norms.push(report.grad_norm);
         }
         check_parameters_identical::<Sp, _, Inner>(&model, &*groups.world).unwrap();
-        (losses, norms, parameter_values(&model), sharded_state.host_bytes())
+        (losses, norms, parameter_values(&model), sharded_state.host_bytes(), groups.world.traffic().reduce_scatter_calls)
     });
     let per_rank: Vec<_> = per_rank.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
-    let host_bytes = per_rank.iter().map(|(.., bytes)| *bytes).collect();
-    let (losses, norms, params, _) = per_rank.into_iter().next().unwrap();
-    Qwen3Run { losses, norms, params, host_bytes }
+    let host_bytes = per_rank.iter().map(|(_, _, _, bytes, _)| *bytes).collect();
+    let (losses, norms, params, _, reduce_scatters) = per_rank.into_iter().next().unwrap();
+    Qwen3Run { losses, norms, params, host_bytes, reduce_scatters }
 }
 
 /// ZeRO's optimizer half (`apply_step_sharded`: each gradient reduce-scattered, AdamW's state
 /// sharded over the 4 ranks and updated on the host, the parts all-gathered) trains the tiny
 /// Qwen3 fixture at SP=2 × DP=2 for 20 steps as replicated AdamW does: without clipping, the
 /// same losses and parameters bit for bit (the reduce-scatter's parts are the all-reduce's
-/// bits, the host AdamW burn's operations); each rank holds a quarter of the 12 bytes a
-/// parameter of master weights and moments (the partition's padding aside).
+/// bits, the host AdamW burn's operations), in one reduce-scatter a step (the gradients' one
+/// bucket); each rank holds a quarter of the 12 bytes a parameter of master weights and
+/// moments (the partition's padding aside).
 ///
 /// With clipping, the norm is summed another way (f64 over the parts, against burn's f32 sum
 /// of the whole): 2e-8 apart at step 0, which Adam's steps amplify (parameters 1e-4 apart of
@@ -532,6 +535,8 @@ fn sharded_optimizer_state_trains_like_replicated_adamw() {
         for (rank, bytes) in sharded.host_bytes.iter().enumerate() {
             assert!(*bytes >= 12 * parameters / 4 && *bytes <= 12 * (parameters / 4 + replicated.params.len()), "rank {rank} holds {bytes} bytes for {parameters} parameters");
         }
+        // The model's 0.5 MB of gradients fit one bucket: one reduce-scatter a step.
+        assert_eq!((sharded.reduce_scatters, replicated.reduce_scatters), (20, 0), "reduce-scatters of 20 steps, sharded and replicated");
         println!("losses {:.6} .. {:.6}; host state per rank {:?} bytes, of {} replicated", sharded.losses[0], sharded.losses[19], sharded.host_bytes, 12 * parameters);
 
         let (replicated, sharded) = (qwen3_sp_dp(false, 20, Some(1.0)), qwen3_sp_dp(true, 20, Some(1.0)));

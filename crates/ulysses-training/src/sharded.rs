@@ -4,19 +4,22 @@
 //! moments, 12 bytes a parameter divided by the world, where replicated training keeps both
 //! moments of every parameter on every rank's device. A step
 //!
-//! 1. reduce-scatters each parameter's gradient, padded to the partition: every rank receives
-//!    its part of the sum, the bits an all-reduce gives there;
+//! 1. reduce-scatters the gradients, each padded to the partition, in buckets laid out
+//!    rank-major (one collective and one read a bucket): every rank receives its part of each
+//!    sum, the bits an all-reduce gives there;
 //! 2. clips with the norm of the whole gradient, its parts' squares summed in f64 on each rank
 //!    and over the ranks in rank order (the same on every rank);
 //! 3. updates its part of the master weights with the host AdamW (`ulysses_core::host_adamw`,
 //!    burn's AdamW operation for operation);
-//! 4. all-gathers the updated parts into the model's parameters.
+//! 4. all-gathers the updated parts into the model's parameters, a bucket at a time.
 //!
 //! So it trains as replicated AdamW does (the same sums, the same update), up to the clipping
 //! norm's rounding. Its state is saved as one file per rank ([`ShardedAdamW::save`], each
-//! atomic) and loaded at any world size ([`ShardedAdamW::load`] re-partitions it). The model (its compute copy) stays whole on every rank, and each part
-//! crosses to the host and back through a read and an upload per parameter: releasing the
-//! compute copy between layers (ZeRO stage 3) and overlapping the copies are still to come.
+//! atomic) and loaded at any world size ([`ShardedAdamW::load`] re-partitions it).
+//!
+//! The model (its compute copy) stays whole on every rank, and each bucket's parts cross to
+//! the host and back through a read and an upload the device waits for: releasing the compute
+//! copy between layers (ZeRO stage 3) and overlapping the copies are still to come.
 
 use std::{
     fs,
@@ -35,7 +38,7 @@ use burn_ulysses::{
     primitive::{float_primitive, float_tensor},
 };
 use ulysses_core::{
-    gradients::present_anywhere,
+    gradients::{GRADIENT_BUCKET_BYTES, plan_buckets, present_anywhere},
     host_adamw::{AdamWMoments, HostAdamW, HostAdamWConfig},
     zero::Partition,
 };
@@ -114,16 +117,24 @@ impl ShardedAdamW {
         let gathered = burn_ulysses::comm::all_gather_host_checked(world, &present, "float parameters")?;
         let updated_anywhere = present_anywhere(&gathered, present.len());
 
-        // 1. This rank's part of every gradient's sum.
-        let mut grad_parts: Vec<Option<Vec<f32>>> = Vec::with_capacity(local.len());
-        for (l, updated) in local.iter_mut().zip(&updated_anywhere) {
-            grad_parts.push(if *updated {
-                let padded = padded(&partition, l.take_or_zeros());
-                let part = float_tensor::<B::InnerBackend, 1>(world.reduce_scatter(float_primitive(padded), ReduceOp::Sum)?);
-                Some(part.into_data().to_vec::<f32>().expect("an f32 gradient"))
-            } else {
-                None
-            });
+        // Buckets of consecutive parameters (as the all-reduce's, `GRADIENT_BUCKET_BYTES`),
+        // each laid out rank-major: row r holds every member's part r, so one reduce-scatter
+        // hands each rank its parts of the whole bucket, and one all-gather returns them all.
+        let padded_bytes: Vec<_> = local.iter().map(|l| (4 * partition.padded_len(l.len()), l.dtype())).collect();
+        let buckets = plan_buckets(&padded_bytes, &updated_anywhere, GRADIENT_BUCKET_BYTES);
+        let device = local.first().map(|l| l.parameter.device());
+
+        // 1. This rank's part of every gradient's sum: one reduce-scatter and one read a bucket.
+        let mut grad_parts: Vec<Option<Vec<f32>>> = vec![None; local.len()];
+        for bucket in &buckets {
+            let rows: Vec<Tensor<B::InnerBackend, 2>> =
+                bucket.iter().map(|&i| padded(&partition, local[i].take_or_zeros()).reshape([partition.world() as i32, -1])).collect();
+            let flat = Tensor::cat(rows, 1).reshape([-1]);
+            let mine = float_tensor::<B::InnerBackend, 1>(world.reduce_scatter(float_primitive(flat), ReduceOp::Sum)?);
+            let mut values = mine.into_data().to_vec::<f32>().expect("f32 gradients").into_iter();
+            for &i in bucket {
+                grad_parts[i] = Some(values.by_ref().take(partition.part_len(local[i].len())).collect());
+            }
         }
 
         // 2. The whole gradient's norm, the same on every rank; the clipping factor as
@@ -133,22 +144,30 @@ impl ShardedAdamW {
         let grad_norm = every_rank.iter().map(|bits| f64::from_bits(bits[0])).sum::<f64>().sqrt();
         let factor = max_grad_norm.map(|max_norm| max_norm / (grad_norm + 1e-6)).filter(|&factor| factor < 1.0);
 
-        // 3. The update of this rank's parts, and 4. every rank's parts into the parameters.
-        let mut values: Vec<Option<Tensor<B::InnerBackend, 1>>> = Vec::with_capacity(local.len());
-        for ((part, grad), l) in self.parts.iter_mut().zip(grad_parts).zip(&local) {
-            values.push(match grad {
-                Some(mut grad) => {
-                    if let Some(factor) = factor {
-                        let factor = factor as f32;
-                        grad.iter_mut().for_each(|g| *g *= factor);
-                    }
-                    self.adamw.step(learning_rate, &mut part.master, &grad, &mut part.moments);
-                    let updated = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(part.master.clone(), [part.master.len()]), &l.parameter.device());
-                    let whole = float_tensor::<B::InnerBackend, 2>(world.all_gather(float_primitive(updated))?);
-                    Some(whole.reshape([partition.padded_len(part.elements)]).narrow(0, 0, part.elements))
+        // 3. The update of this rank's parts.
+        for (part, grad) in self.parts.iter_mut().zip(&mut grad_parts) {
+            if let Some(grad) = grad {
+                if let Some(factor) = factor {
+                    let factor = factor as f32;
+                    grad.iter_mut().for_each(|g| *g *= factor);
                 }
-                None => None,
-            });
+                self.adamw.step(learning_rate, &mut part.master, grad, &mut part.moments);
+            }
+        }
+
+        // 4. Every rank's parts into the parameters: one upload and one all-gather a bucket.
+        let mut values: Vec<Option<Tensor<B::InnerBackend, 1>>> = vec![None; local.len()];
+        for bucket in &buckets {
+            let mine: Vec<f32> = bucket.iter().flat_map(|&i| self.parts[i].master.iter().copied()).collect();
+            let len = mine.len();
+            let device = device.as_ref().expect("a bucket holds a parameter");
+            let rows = float_tensor::<B::InnerBackend, 2>(world.all_gather(float_primitive(Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(mine, [len]), device)))?);
+            let mut column = 0;
+            for &i in bucket {
+                let (part_len, elements) = (partition.part_len(local[i].len()), local[i].len());
+                values[i] = Some(rows.clone().narrow(1, column, part_len).reshape([-1]).narrow(0, 0, elements));
+                column += part_len;
+            }
         }
         let model = model.map(&mut SetParameters::<B> { values: values.into_iter() });
         Ok((model, grad_norm))
