@@ -57,6 +57,8 @@ pub struct ShardedAdamW {
     adamw: HostAdamW,
     /// Per float parameter of the model, in its visit order; filled at the first step.
     parts: Vec<ParameterPart>,
+    /// The rank and world the parts are of (set at the first step, or by `load`).
+    place: Option<(usize, usize)>,
 }
 
 /// This rank's part of one parameter's master weights and moments.
@@ -69,7 +71,7 @@ struct ParameterPart {
 
 impl ShardedAdamW {
     pub fn new(config: HostAdamWConfig) -> Self {
-        Self { adamw: HostAdamW::new(config), parts: Vec::new() }
+        Self { adamw: HostAdamW::new(config), parts: Vec::new(), place: None }
     }
 
     /// Bytes of optimizer state (master weights and both moments) this rank holds on the host.
@@ -95,6 +97,14 @@ impl ShardedAdamW {
         let mut local = take.local;
         if self.parts.is_empty() {
             self.parts = local.iter().map(|l| ParameterPart { elements: l.len(), master: host_part(&partition, rank, &l.parameter), moments: AdamWMoments::default() }).collect();
+            self.place = Some((rank, world.size()));
+        }
+        if let Some((held_rank, held_world)) = self.place.filter(|&place| place != (rank, world.size())) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "the sharded optimizer holds rank {held_rank}'s parts of a world of {held_world}, but steps as rank {rank} of {}: load the saved state for this place with ShardedAdamW::load(dir, {rank}, {})",
+                world.size(),
+                world.size()
+            )));
         }
         let shapes: Vec<usize> = local.iter().map(LocalGradient::len).collect();
         if shapes != self.parts.iter().map(|part| part.elements).collect::<Vec<_>>() {
@@ -258,7 +268,7 @@ impl ShardedAdamW {
             let moments = if time == 0 { AdamWMoments::default() } else { AdamWMoments { moment_1, moment_2, time } };
             parts.push(ParameterPart { elements, master, moments });
         }
-        Ok(Self { adamw: HostAdamW::new(config), parts })
+        Ok(Self { adamw: HostAdamW::new(config), parts, place: Some((rank, world)) })
     }
 }
 
@@ -411,11 +421,12 @@ mod tests {
                 moments: if *time == 0 { AdamWMoments::default() } else { AdamWMoments { moment_1: part(m1, *elements), moment_2: part(m2, *elements), time: *time } },
             })
             .collect();
-        ShardedAdamW { adamw: HostAdamW::new(HostAdamWConfig { weight_decay: 0.03, ..HostAdamWConfig::default() }), parts }
+        ShardedAdamW { adamw: HostAdamW::new(HostAdamWConfig { weight_decay: 0.03, ..HostAdamWConfig::default() }), parts, place: Some((rank, world)) }
     }
 
     fn same(a: &ShardedAdamW, b: &ShardedAdamW) -> bool {
         a.adamw.config() == b.adamw.config()
+            && a.place == b.place
             && a.parts.len() == b.parts.len()
             && a.parts.iter().zip(&b.parts).all(|(a, b)| a.elements == b.elements && a.master == b.master && a.moments == b.moments)
     }
@@ -438,6 +449,25 @@ mod tests {
             }
         }
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// State partitioned for another rank or world (loaded for the wrong place) is refused at
+    /// the step, naming the load that fits, before any collective or update.
+    #[test]
+    fn state_of_another_place_is_refused_at_the_step() {
+        use burn::{backend::{Autodiff, NdArray}, nn::LinearConfig};
+        type Ad = Autodiff<NdArray<f32>>;
+        let outcome = burn_ulysses::comm::ThreadGroup::new(1).run(|rank| {
+            let comm = rank.communicator();
+            let device = Default::default();
+            let linear = LinearConfig::new(3, 2).init::<Ad>(&device);
+            let loss = linear.forward(Tensor::<Ad, 2>::ones([1, 3], &device)).sum();
+            let grads = GradientsParams::from_grads(loss.backward(), &linear);
+            let mut optimizer = of_rank(&whole(), 1, 2);
+            optimizer.step::<Ad, _>(1e-3, linear, grads, None, &*comm).err().map(|e| e.to_string())
+        });
+        let message = outcome.into_iter().next().unwrap().unwrap().unwrap_or_default();
+        assert!(message.contains("rank 1's parts of a world of 2") && message.contains("ShardedAdamW::load(dir, 0, 1)"), "{message}");
     }
 
     /// A missing rank's file, a corrupt section, a torn file and two runs' files in one
