@@ -47,13 +47,17 @@ struct Header<S> {
     optimizer_bytes: u64,
     /// FNV-1a of the model and optimizer sections.
     checksum: u64,
+    /// Where the optimizer state is sharded over the ranks (`ShardedAdamW`): the folder beside
+    /// this file that holds every rank's part; the optimizer section is then empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    optimizer_shards: Option<String>,
 }
 
 fn recorder() -> NamedMpkBytesRecorder<FullPrecisionSettings> {
     NamedMpkBytesRecorder::new()
 }
 
-fn error(path: &Path, reason: impl std::fmt::Display) -> UlyssesError {
+pub(crate) fn error(path: &Path, reason: impl std::fmt::Display) -> UlyssesError {
     UlyssesError::Checkpoint { path: path.display().to_string(), reason: reason.to_string() }
 }
 
@@ -68,19 +72,32 @@ where
     S: Serialize,
 {
     let path = dir.join(CHECKPOINT_FILE);
-    let model_bytes = Recorder::<B>::record(&recorder(), model.clone().into_record(), ()).map_err(|e| error(&path, e))?;
     let optimizer_bytes = Recorder::<B>::record(&recorder(), optimizer.to_record(), ()).map_err(|e| error(&path, e))?;
+    write_checkpoint::<B, M, S>(dir, model, &optimizer_bytes, None, state)
+}
+
+/// Writes `dir/`[`CHECKPOINT_FILE`] atomically: `model`, the optimizer's record (empty when
+/// its state is sharded in the folder `optimizer_shards` beside the file) and `state`.
+pub(crate) fn write_checkpoint<B, M, S>(dir: &Path, model: &M, optimizer_bytes: &[u8], optimizer_shards: Option<&str>, state: &S) -> Result<PathBuf, UlyssesError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    S: Serialize,
+{
+    let path = dir.join(CHECKPOINT_FILE);
+    let model_bytes = Recorder::<B>::record(&recorder(), model.clone().into_record(), ()).map_err(|e| error(&path, e))?;
     let header = Header {
         format: FORMAT_VERSION,
         state,
         model_bytes: model_bytes.len() as u64,
         optimizer_bytes: optimizer_bytes.len() as u64,
-        checksum: fnv1a(&[&model_bytes, &optimizer_bytes]),
+        checksum: fnv1a(&[&model_bytes, optimizer_bytes]),
+        optimizer_shards: optimizer_shards.map(str::to_string),
     };
     let header = serde_json::to_vec(&header).map_err(|e| error(&path, e))?;
     let length = (header.len() as u64).to_le_bytes();
     fs::create_dir_all(dir).map_err(|e| error(&path, format!("cannot create the folder: {e}")))?;
-    write_atomically(&path, &[MAGIC, &length, &header, &model_bytes, &optimizer_bytes])
+    write_atomically(&path, &[MAGIC, &length, &header, &model_bytes, optimizer_bytes])
         .map_err(|e| error(&path, format!("cannot write: {e}")))?;
     Ok(path)
 }
@@ -100,12 +117,28 @@ where
     O: Optimizer<M, B>,
     S: DeserializeOwned,
 {
-    let (state, model_bytes, optimizer_bytes) = read_checkpoint::<S>(location)?;
+    let contents = read_checkpoint::<S>(location)?;
     let path = checkpoint_path(location);
-    let model_record = Recorder::<B>::load(&recorder(), model_bytes, device)
-        .map_err(|e| error(&path, format!("the model record does not fit this model: {e}")))?;
-    let optimizer_record = Recorder::<B>::load(&recorder(), optimizer_bytes, device)
+    if let Some(folder) = &contents.optimizer_shards {
+        return Err(error(
+            &path,
+            format!(
+                "its optimizer state is sharded over the ranks, in the folder {folder} beside it (a run with the optimizer on the \
+                 host): load it with load_sharded_training_checkpoint (the trainer: --offload-optimizer)"
+            ),
+        ));
+    }
+    let model = load_model_record(&path, contents.model, model, device)?;
+    let optimizer_record = Recorder::<B>::load(&recorder(), contents.optimizer, device)
         .map_err(|e| error(&path, format!("the optimizer record does not fit this optimizer: {e}")))?;
+    Ok((model, optimizer.load_record(optimizer_record), contents.state))
+}
+
+/// `model` (a fresh one of the same shapes) with the parameters of a checkpoint's model
+/// section `bytes`, read from `path`; refused when a parameter's shape differs.
+pub(crate) fn load_model_record<B: AutodiffBackend, M: AutodiffModule<B>>(path: &Path, bytes: Vec<u8>, model: M, device: &B::Device) -> Result<M, UlyssesError> {
+    let model_record = Recorder::<B>::load(&recorder(), bytes, device)
+        .map_err(|e| error(path, format!("the model record does not fit this model: {e}")))?;
     // burn takes a record's tensors whatever their shape: compare, or a checkpoint of another
     // model shape would load silently.
     let shapes = |model: &M| float_parameters(model).into_iter().map(|p| (p.path, p.shape.to_vec())).collect::<Vec<_>>();
@@ -113,16 +146,16 @@ where
     let model = model.load_record(model_record);
     if let Some(((name, want), (_, got))) = expected.iter().zip(shapes(&model)).find(|(want, got)| want.1 != got.1) {
         return Err(error(
-            &path,
+            path,
             format!("parameter `{name}` has shape {got:?} in the checkpoint but {want:?} in this model: it was written by another model"),
         ));
     }
-    Ok((model, optimizer.load_record(optimizer_record), state))
+    Ok(model)
 }
 
 /// The training state saved in a checkpoint, without loading its records.
 pub fn read_checkpoint_state<S: DeserializeOwned>(location: &Path) -> Result<S, UlyssesError> {
-    read_checkpoint(location).map(|(state, _, _)| state)
+    read_checkpoint(location).map(|contents| contents.state)
 }
 
 /// The checkpoint file of a folder, or `location` itself when it is a file.
@@ -130,9 +163,18 @@ pub fn checkpoint_path(location: &Path) -> PathBuf {
     if location.is_dir() { location.join(CHECKPOINT_FILE) } else { location.to_path_buf() }
 }
 
-/// The checkpoint's bytes, checked: magic, lengths and checksum. Returns the state and the
-/// two record sections.
-fn read_checkpoint<S: DeserializeOwned>(location: &Path) -> Result<(S, Vec<u8>, Vec<u8>), UlyssesError> {
+/// What a checkpoint file holds.
+pub(crate) struct Contents<S> {
+    pub state: S,
+    pub model: Vec<u8>,
+    /// The optimizer's record; empty when its state is sharded (`optimizer_shards`).
+    pub optimizer: Vec<u8>,
+    /// The folder beside the file that holds the sharded optimizer state.
+    pub optimizer_shards: Option<String>,
+}
+
+/// The checkpoint's bytes, checked: magic, lengths and checksum.
+pub(crate) fn read_checkpoint<S: DeserializeOwned>(location: &Path) -> Result<Contents<S>, UlyssesError> {
     let path = checkpoint_path(location);
     let bytes = fs::read(&path).map_err(|e| error(&path, format!("cannot read: {e}")))?;
     let torn = |what: &str| {
@@ -157,7 +199,7 @@ fn read_checkpoint<S: DeserializeOwned>(location: &Path) -> Result<(S, Vec<u8>, 
     if fnv1a(&[model, optimizer]) != header.checksum {
         return Err(torn("the checksum does not match"));
     }
-    Ok((header.state, model.to_vec(), optimizer.to_vec()))
+    Ok(Contents { state: header.state, model: model.to_vec(), optimizer: optimizer.to_vec(), optimizer_shards: header.optimizer_shards })
 }
 
 /// Writes `parts` to a temporary file beside `path`, flushes it, renames it to `path` and

@@ -52,7 +52,7 @@ pub use backend::TrainBackend;
 pub use layers::{LayerCheckpointing, LayeredLm, Piece, ShardLengths, checkpointed_backward};
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters};
-pub use sharded::ShardedAdamW;
+pub use sharded::{ShardedAdamW, host_adamw_config, load_sharded_training_checkpoint, save_sharded_training_checkpoint, sharded_state_folder};
 pub use ulysses_core::host_adamw::HostAdamWConfig;
 pub use gradients::{
     GRADIENT_BUCKET_BYTES, agreed_gradient_norm, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, clip_with_norm,

@@ -184,6 +184,23 @@ impl ShardedAdamW {
     }
 }
 
+/// The host AdamW's settings from burn's `AdamWConfig`, the same update; refused, naming the
+/// setting, where burn's config asks for what the host AdamW does not do (AMSGrad, cautious
+/// weight decay, clipping inside the optimizer: clip the summed gradient with `max_grad_norm`).
+pub fn host_adamw_config(config: &burn::optim::AdamWConfig) -> Result<HostAdamWConfig, UlyssesError> {
+    // burn's fields are private; its config serialises them all.
+    let fields: serde_json::Value = serde_json::from_str(&config.to_string()).map_err(|e| UlyssesError::InvalidConfig(format!("the AdamW config: {e}")))?;
+    for (setting, unsupported) in [("amsgrad", fields["amsgrad"] == true), ("cautious_weight_decay", fields["cautious_weight_decay"] == true), ("grad_clipping", !fields["grad_clipping"].is_null())] {
+        if unsupported {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "the AdamW config sets {setting}, which the optimizer on the host does not do: leave it unset (clip the summed gradient with max_grad_norm, --max-grad-norm), or keep the optimizer on the device"
+            )));
+        }
+    }
+    let number = |name: &str| fields[name].as_f64().map(|v| v as f32).ok_or_else(|| UlyssesError::InvalidConfig(format!("the AdamW config has no number {name}")));
+    Ok(HostAdamWConfig { beta_1: number("beta_1")?, beta_2: number("beta_2")?, epsilon: number("epsilon")?, weight_decay: number("weight_decay")? })
+}
+
 /// The file in a checkpoint folder that holds world rank `rank`'s part of a [`ShardedAdamW`]'s
 /// state, of a world of `world` ranks.
 pub fn sharded_state_file(rank: usize, world: usize) -> String {
@@ -214,10 +231,11 @@ struct SectionHeader {
 
 impl ShardedAdamW {
     /// Writes this rank's part of the state (rank `rank` of `world`, the world it steps over)
-    /// to `dir`/[`sharded_state_file`], atomically: every rank writes its own file, and
+    /// to `dir`/[`sharded_state_file`] (the folder made if need be), atomically: every rank writes its own file, and
     /// together they are the state. Nothing to write before the first step.
     pub fn save(&self, dir: &Path, rank: usize, world: usize) -> Result<PathBuf, UlyssesError> {
         let path = dir.join(sharded_state_file(rank, world));
+        fs::create_dir_all(dir).map_err(|e| shard_error(dir, format!("cannot create the folder: {e}")))?;
         let sections: Vec<Vec<u8>> = self.parts.iter().map(ParameterPart::section).collect();
         let header = ShardHeader {
             format: SHARD_FORMAT,
@@ -339,6 +357,108 @@ fn saved_world(dir: &Path) -> Result<usize, UlyssesError> {
         [] => Err(shard_error(dir, "holds no sharded optimizer state (no optimizer-00000-of-*.ulysses)")),
         _ => Err(shard_error(dir, format!("holds the states of several world sizes ({worlds:?}); keep one run's files per folder"))),
     }
+}
+
+/// The folder, inside a checkpoint folder, that holds every rank's part of the sharded
+/// optimizer state of the checkpoint taken after `step` steps.
+pub fn sharded_state_folder(step: u64) -> String {
+    format!("optimizer-step-{step:09}")
+}
+
+const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
+
+/// A training checkpoint whose optimizer state is sharded over `world` (a [`ShardedAdamW`]):
+/// collective, every rank of `world` calls it with the same `step` and the same folder (shared
+/// by every node). The commit:
+/// 1. every rank writes its part, atomically, into `dir/`[`sharded_state_folder`]`(step)`, a
+///    folder no earlier checkpoint uses;
+/// 2. the ranks agree that every part is written (one host collective);
+/// 3. rank 0 writes `dir/checkpoint.ulysses` (the model and `state`, naming that folder),
+///    atomically: the checkpoint switches to the new state here, all of it at once;
+/// 4. rank 0 removes the state folders no checkpoint names (the previous one, and any left by
+///    a crash between 1 and 3), and every rank learns whether 3 succeeded.
+///
+/// A crash anywhere leaves `checkpoint.ulysses` naming a complete set of parts: the previous
+/// checkpoint's or this one's. Returns the checkpoint file's path on rank 0.
+pub fn save_sharded_training_checkpoint<B, M, S>(
+    dir: &Path,
+    model: &M,
+    optimizer: &ShardedAdamW,
+    state: &S,
+    step: u64,
+    world: &dyn Communicator<B::Wire>,
+) -> Result<Option<PathBuf>, UlyssesError>
+where
+    B: TrainBackend,
+    M: AutodiffModule<B>,
+    S: Serialize,
+{
+    let (rank, size) = (world.rank(), world.size());
+    let folder_name = sharded_state_folder(step);
+    let folder = dir.join(&folder_name);
+    let written = optimizer.save(&folder, rank, size);
+    let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[written.is_ok() as u64], "optimizer state parts written")?;
+    written?;
+    let failed: Vec<usize> = every_rank.iter().enumerate().filter(|(_, ok)| ok[0] == 0).map(|(r, _)| r).collect();
+    if !failed.is_empty() {
+        return Err(shard_error(&folder, format!("rank(s) {failed:?} could not write their part of the optimizer state; the previous checkpoint stays the one to resume from")));
+    }
+    let committed = if rank == 0 {
+        let path = crate::checkpoint::write_checkpoint::<B, M, S>(dir, model, &[], Some(&folder_name), state);
+        if path.is_ok() {
+            remove_unnamed_state_folders(dir, &folder_name);
+        }
+        Some(path)
+    } else {
+        None
+    };
+    let ok = committed.as_ref().is_none_or(Result::is_ok);
+    let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[ok as u64], "checkpoint written")?;
+    if let Some(path) = committed {
+        return path.map(Some);
+    }
+    if every_rank[0][0] == 0 {
+        return Err(shard_error(dir, "rank 0 could not write the checkpoint file (its error says why); the previous checkpoint stays the one to resume from"));
+    }
+    Ok(None)
+}
+
+/// Removes every sharded-state folder in `dir` but `keep` (what a crash or the previous
+/// checkpoint left); a folder that cannot be removed is a warning.
+fn remove_unnamed_state_folders(dir: &Path, keep: &str) {
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(STATE_FOLDER_PREFIX) && name != keep {
+            if let Err(error) = fs::remove_dir_all(entry.path()) {
+                tracing::warn!(folder = %entry.path().display(), %error, "cannot remove an optimizer state folder no checkpoint names");
+            }
+        }
+    }
+}
+
+/// Loads a checkpoint written by [`save_sharded_training_checkpoint`] into `model` (a fresh
+/// one of the same shapes) on `device`, with the optimizer state re-partitioned for rank
+/// `rank` of a world of `world` (any size: [`ShardedAdamW::load`]), and the saved state.
+pub fn load_sharded_training_checkpoint<B, M, S>(location: &Path, model: M, device: &B::Device, rank: usize, world: usize) -> Result<(M, ShardedAdamW, S), UlyssesError>
+where
+    B: burn::tensor::backend::AutodiffBackend,
+    M: AutodiffModule<B>,
+    S: serde::de::DeserializeOwned,
+{
+    let path = crate::checkpoint::checkpoint_path(location);
+    let contents = crate::checkpoint::read_checkpoint::<S>(location)?;
+    let Some(folder) = contents.optimizer_shards else {
+        return Err(crate::checkpoint::error(
+            &path,
+            "it holds a replicated optimizer's state, not a sharded one (a run without the optimizer on the host): load it with \
+             load_training_checkpoint (the trainer: without --offload-optimizer)",
+        ));
+    };
+    let model = crate::checkpoint::load_model_record(&path, contents.model, model, device)?;
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let optimizer = ShardedAdamW::load(&dir.join(folder), rank, world)?;
+    Ok((model, optimizer, contents.state))
 }
 
 fn shard_error(path: &Path, reason: impl std::fmt::Display) -> UlyssesError {
@@ -468,6 +588,74 @@ mod tests {
         });
         let message = outcome.into_iter().next().unwrap().unwrap().unwrap_or_default();
         assert!(message.contains("rank 1's parts of a world of 2") && message.contains("ShardedAdamW::load(dir, 0, 1)"), "{message}");
+    }
+
+    /// burn's AdamW settings carry over (its defaults are the host AdamW's); what the host
+    /// AdamW does not do is refused by name.
+    #[test]
+    fn burns_adamw_settings_carry_over_and_the_rest_is_refused() {
+        use burn::optim::{AdamWConfig, grad_clipping::GradientClippingConfig};
+        assert_eq!(host_adamw_config(&AdamWConfig::new()).unwrap(), HostAdamWConfig::default());
+        let set = AdamWConfig::new().with_beta_1(0.8).with_beta_2(0.95).with_epsilon(1e-8).with_weight_decay(0.1);
+        assert_eq!(host_adamw_config(&set).unwrap(), HostAdamWConfig { beta_1: 0.8, beta_2: 0.95, epsilon: 1e-8, weight_decay: 0.1 });
+        for (config, setting) in [
+            (AdamWConfig::new().with_amsgrad(true), "amsgrad"),
+            (AdamWConfig::new().with_cautious_weight_decay(true), "cautious_weight_decay"),
+            (AdamWConfig::new().with_grad_clipping(Some(GradientClippingConfig::Value(1.0))), "grad_clipping"),
+        ] {
+            let message = host_adamw_config(&config).unwrap_err().to_string();
+            assert!(message.contains(setting) && message.contains("max_grad_norm"), "{message}");
+        }
+    }
+
+    /// The sharded checkpoint's commit: two ranks step twice and checkpoint after each step;
+    /// the folder then holds the last checkpoint's parts alone (the first's, and a crash's
+    /// leftover, removed), and loads at world 1 with the master weights equal to the model's
+    /// parameters and both steps in the moments. Parts written for a later step that no
+    /// checkpoint file names (a crash before the commit) change nothing; a replicated load
+    /// is refused, naming the flag.
+    #[test]
+    fn a_sharded_checkpoint_commits_every_part_at_once_and_loads_at_another_world() {
+        use burn::{
+            backend::{Autodiff, NdArray},
+            nn::{Initializer, Linear, LinearConfig},
+            optim::AdamWConfig,
+        };
+        type Ad = Autodiff<NdArray<f32>>;
+        let dir = std::env::temp_dir().join(format!("ulysses-sharded-commit-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join(sharded_state_folder(7))).unwrap();
+        let layer = || LinearConfig::new(3, 2).with_initializer(Initializer::Constant { value: 0.5 }).init::<Ad>(&Default::default());
+        let shared = dir.clone();
+        let outcome = burn_ulysses::comm::ThreadGroup::new(2).run(move |rank| {
+            let comm = rank.communicator();
+            let (mut linear, mut optimizer) = (layer(), ShardedAdamW::new(HostAdamWConfig::default()));
+            for step in 1..=2u64 {
+                let input = Tensor::<Ad, 2>::ones([1, 3], &Default::default()) * (comm.rank() + step as usize) as f32;
+                let grads = GradientsParams::from_grads(linear.forward(input).sum().backward(), &linear);
+                linear = optimizer.step::<Ad, _>(1e-2, linear, grads, None, &*comm).unwrap().0;
+                save_sharded_training_checkpoint::<Ad, _, _>(&shared, &linear, &optimizer, &step, step, &*comm).unwrap();
+            }
+            let weights: Vec<f32> = linear.weight.val().into_data().to_vec().unwrap();
+            // A crash after every part of step 3 was written, before the checkpoint file was.
+            optimizer.save(&shared.join(sharded_state_folder(3)), comm.rank(), 2).map(|_| weights)
+        });
+        let weights: Vec<Vec<f32>> = outcome.into_iter().map(|r| r.unwrap().unwrap()).collect();
+        assert_eq!(weights[0], weights[1], "the ranks' parameters parted");
+
+        let mut folders: Vec<String> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(STATE_FOLDER_PREFIX)).collect();
+        folders.sort();
+        assert_eq!(folders, [sharded_state_folder(2), sharded_state_folder(3)], "the first checkpoint's parts and the crash's leftover are removed");
+        let (loaded, optimizer, step): (Linear<Ad>, ShardedAdamW, u64) = load_sharded_training_checkpoint(&dir, layer(), &Default::default(), 0, 1).unwrap();
+        assert_eq!(step, 2, "the checkpoint file names the last committed step");
+        assert_eq!(loaded.weight.val().into_data().to_vec::<f32>().unwrap(), weights[0]);
+        assert_eq!(optimizer.parts[0].master, weights[0], "rank 0 of 1 holds the whole master weights, as the parameters");
+        assert!(optimizer.parts.iter().all(|part| part.moments.time == 2));
+
+        let replicated = crate::checkpoint::load_training_checkpoint::<Ad, _, _, u64>(&dir, layer(), AdamWConfig::new().init::<Ad, Linear<Ad>>(), &Default::default());
+        let message = replicated.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(message.contains("sharded") && message.contains("--offload-optimizer"), "{message}");
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A missing rank's file, a corrupt section, a torn file and two runs' files in one
