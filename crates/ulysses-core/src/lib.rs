@@ -11,12 +11,14 @@
 //! - [`gradients`]: which gradients an all-reduce sums, in which buckets;
 //! - [`error`]: every refusal, naming the problem and the fix;
 //! - [`zero`]: ZeRO's partition of parameters, gradients and optimizer state over the ranks;
-//! - [`host_adamw`]: AdamW on the host over a rank's part (the optimizer offloaded).
+//! - [`host_adamw`]: AdamW on the host over a rank's part (the optimizer offloaded);
+//! - [`host_memory`]: the host memory available, to refuse state that would not fit.
 
 pub mod comm;
 pub mod data;
 pub mod error;
 pub mod gradients;
 pub mod host_adamw;
+pub mod host_memory;
 pub mod layout;
 pub mod zero;

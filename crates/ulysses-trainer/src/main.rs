@@ -198,6 +198,12 @@ struct Args {
     /// the CPU].
     #[arg(long)]
     precision: Option<Precision>,
+    /// The optimizer on the host: AdamW's f32 master weights and moments in host memory, each
+    /// rank holding 1/world of them (12 bytes a parameter over the world) and updating them on
+    /// the CPU; the devices keep the parameters and gradients alone (ZeRO's optimizer half with
+    /// the optimizer offloaded). Checkpoints hold one file of optimizer state per rank.
+    #[arg(long)]
+    offload_optimizer: bool,
     /// Under bf16, compute the loss's logits in f32 (TF32 matmuls) rather than in bf16 with f32
     /// accumulation; the softmax and loss are f32 either way.
     #[arg(long)]
@@ -371,7 +377,8 @@ fn run(args: Args) -> Result<(), String> {
             BackendKind::Cpu => Precision::F32,
             BackendKind::Cuda | BackendKind::CudaFused => Precision::Bf16,
         }))
-        .with_f32_head(args.f32_head);
+        .with_f32_head(args.f32_head)
+        .with_offload_optimizer(args.offload_optimizer);
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;
@@ -547,6 +554,14 @@ where
     }
     .fork(&template_device);
     let threads = matches!(job.launch, Launch::Threads);
+    if config.offload_optimizer {
+        let elements: Vec<usize> = ulysses_training::float_parameters(&template).iter().map(|p| p.shape.iter().product()).collect();
+        let ranks_here = match &job.launch {
+            Launch::Threads => config.layout.world_size(),
+            Launch::Process(env) => env.local_world_size,
+        };
+        ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here).map_err(|e| format!("--offload-optimizer: {e}"))?;
+    }
 
     let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {
         if let Some((sequences, documents)) = &job.eval_sequences {

@@ -20,8 +20,9 @@ use burn_ulysses::{
     precision::Precision,
 };
 use ulysses_training::{
-    LayerCheckpointing, LocalStep, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, backward_step, backward_step_checkpointed,
-    broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device,
+    LayerCheckpointing, LocalStep, ShardedAdamW, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded, backward_step,
+    backward_step_checkpointed, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters,
+    host_adamw_config, load_sharded_training_checkpoint, save_sharded_training_checkpoint,
     checkpoint::{load_training_checkpoint, save_training_checkpoint},
 };
 use serde::{Deserialize, Serialize};
@@ -87,6 +88,12 @@ pub struct TrainConfig {
     /// Keep the token embeddings (and an output head tied to them) as they are.
     #[config(default = false)]
     pub freeze_embeddings: bool,
+    /// The optimizer on the host, its state sharded over the world (ZeRO's optimizer half):
+    /// AdamW's f32 master weights and moments in host memory, each world rank holding 1/world
+    /// of them and updating them on the CPU; gradients reduce-scattered, the updated parameters
+    /// all-gathered ([`ShardedAdamW`]). The devices keep the parameters and gradients alone.
+    #[config(default = false)]
+    pub offload_optimizer: bool,
 }
 
 impl TrainConfig {
@@ -132,6 +139,9 @@ impl TrainConfig {
                         and ranks part ways; leave it None and set max_grad_norm (--max-grad-norm), which clips the summed \
                         gradient with one norm for every rank"
                 .into());
+        }
+        if self.offload_optimizer {
+            host_adamw_config(&self.optimizer).map_err(|e| format!("--offload-optimizer: {e}"))?;
         }
         let parts = self.layout.dp_size * self.grad_accumulation;
         if self.batch_size % parts != 0 {
@@ -300,7 +310,9 @@ pub struct Faults {
 pub struct RunOptions<'a> {
     /// Rank 0's progress report.
     pub progress: Option<&'a mut dyn Progress>,
-    /// Where world rank 0 writes the training checkpoint (`None`: nowhere).
+    /// Where world rank 0 writes the training checkpoint (`None`: nowhere). With the optimizer
+    /// on the host every rank writes its part of the state there too: give every rank the
+    /// same folder (shared by every node).
     pub checkpoint_dir: Option<PathBuf>,
     /// Write a checkpoint every this many steps (0: only at the end).
     pub checkpoint_every: usize,
@@ -336,12 +348,18 @@ where
     let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?).with_f32_head(config.f32_head);
     let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
     let sharder = config.sharder();
-    let optimizer = config.optimizer.init::<B, Decoder<B>>();
+    let optimizer = match config.offload_optimizer {
+        false => RankOptimizer::Replicated(config.optimizer.init::<B, Decoder<B>>()),
+        true => RankOptimizer::OnHost(ShardedAdamW::new(host_adamw_config(&config.optimizer)?)),
+    };
+    let is_first = groups.world_rank() == 0;
+    if is_first {
+        log_memory(&model, &optimizer, groups.world.size());
+    }
     let (mut model, mut optimizer, first_step) = match &options.resume {
         None => (broadcast_parameters(model, &*groups.world)?, optimizer, 0),
         Some(location) => resume(config, location, model, optimizer, groups, device)?,
     };
-    let is_first = groups.world_rank() == 0;
     let eval_batch = data.eval_batch();
     let eval_documents = if config.pack { data.eval_documents() } else { None };
     let last_step = options.stop_after.map_or(config.steps, |stop| stop.min(config.steps));
@@ -371,10 +389,14 @@ where
         }
         let done = step + 1;
         let checkpoint_due = done == last_step || (options.checkpoint_every > 0 && done % options.checkpoint_every == 0);
-        if let (true, true, Some(dir)) = (checkpoint_due, is_first, &options.checkpoint_dir) {
+        if let (true, Some(dir)) = (checkpoint_due, &options.checkpoint_dir) {
             let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone(), data: options.data_identity.clone() };
-            let path = save_training_checkpoint(dir, &model, &optimizer, &state)?;
-            if let Some(progress) = options.progress.as_deref_mut() {
+            // Replicated: rank 0 writes it all; sharded: every rank its part (a collective).
+            let path = match &optimizer {
+                RankOptimizer::Replicated(optimizer) => is_first.then(|| save_training_checkpoint(dir, &model, optimizer, &state)).transpose()?,
+                RankOptimizer::OnHost(optimizer) => save_sharded_training_checkpoint::<B, _, _>(dir, &model, optimizer, &state, done as u64, &*groups.world)?,
+            };
+            if let (Some(progress), Some(path)) = (options.progress.as_deref_mut(), path) {
                 progress.checkpoint(step, &path);
             }
         }
@@ -387,13 +409,40 @@ where
     Ok((model, reports))
 }
 
+/// A rank's optimizer: burn's AdamW on the device, its state replicated on every rank, or
+/// its state sharded over the world on the host ([`TrainConfig::offload_optimizer`]).
+enum RankOptimizer<O> {
+    Replicated(O),
+    OnHost(ShardedAdamW),
+}
+
+/// What a rank holds for training, on world rank 0's log: parameters and gradients on the
+/// device, the optimizer's state on the device (replicated AdamW's two moments) or the host
+/// (master weights and moments, this rank's part).
+fn log_memory<B: TrainBackend, O>(model: &Decoder<B>, optimizer: &RankOptimizer<O>, world: usize) {
+    let elements: Vec<usize> = float_parameters(model).iter().map(|p| p.shape.iter().product()).collect();
+    let count: usize = elements.iter().sum();
+    let gb = |bytes: usize| format!("{:.3} GB", bytes as f64 / 1e9);
+    let (where_, state) = match optimizer {
+        RankOptimizer::Replicated(_) => ("device", 8 * count),
+        RankOptimizer::OnHost(_) => ("host", ShardedAdamW::host_bytes_of(&elements, world)),
+    };
+    tracing::info!(
+        parameters = count,
+        "memory per rank: parameters {} and gradients {} on the device (f32), AdamW's state {} on the {where_}",
+        gb(4 * count),
+        gb(4 * count),
+        gb(state)
+    );
+}
+
 /// One optimizer step: this rank's micro-batches of the step's batch, forward and backward,
 /// then the world's gradients applied.
 #[allow(clippy::too_many_arguments)]
 fn train_one_step<B, O>(
     config: &TrainConfig,
     model: Decoder<B>,
-    optimizer: &mut O,
+    optimizer: &mut RankOptimizer<O>,
     data: &dyn StepData,
     step: usize,
     sharder: &SequenceSharder,
@@ -418,7 +467,10 @@ where
         Some(checkpointing) => backward_step_checkpointed(&model, &input, sharder, groups, device, checkpointing)?,
     };
     inject_faults(faults, step, groups.world_rank(), &model, &mut local);
-    apply_step(model, optimizer, &input, local, groups)
+    match optimizer {
+        RankOptimizer::Replicated(optimizer) => apply_step(model, optimizer, &input, local, groups),
+        RankOptimizer::OnHost(optimizer) => apply_step_sharded(model, optimizer, &input, local, groups),
+    }
 }
 
 /// The lengths of the paragraphs of a byte sequence: each ends after a blank line (`\n\n`),
@@ -445,15 +497,24 @@ fn resume<B, O>(
     config: &TrainConfig,
     location: &Path,
     model: Decoder<B>,
-    optimizer: O,
+    optimizer: RankOptimizer<O>,
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
-) -> Result<(Decoder<B>, O, usize), UlyssesError>
+) -> Result<(Decoder<B>, RankOptimizer<O>, usize), UlyssesError>
 where
     B: TrainBackend,
     O: Optimizer<Decoder<B>, B>,
 {
-    let (model, optimizer, state): (_, _, RunState) = load_training_checkpoint(location, model, optimizer, device)?;
+    let (model, optimizer, state): (_, _, RunState) = match optimizer {
+        RankOptimizer::Replicated(optimizer) => {
+            let (model, optimizer, state) = load_training_checkpoint(location, model, optimizer, device)?;
+            (model, RankOptimizer::Replicated(optimizer), state)
+        }
+        RankOptimizer::OnHost(_) => {
+            let (model, optimizer, state) = load_sharded_training_checkpoint(location, model, device, groups.world_rank(), groups.world.size())?;
+            (model, RankOptimizer::OnHost(optimizer), state)
+        }
+    };
     check_resumable(config, &state).map_err(UlyssesError::InvalidConfig)?;
     let steps = all_gather_host_checked(&*groups.world, &[state.completed_steps as u64], "checkpoint steps")?;
     if steps.iter().any(|s| s[0] as usize != state.completed_steps) {
@@ -480,6 +541,7 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
         ("--seq-len".to_string(), saved.config.seq_len.to_string(), config.seq_len.to_string()),
         ("--pack".to_string(), saved.config.pack.to_string(), config.pack.to_string()),
         ("--freeze-embeddings".to_string(), saved.config.freeze_embeddings.to_string(), config.freeze_embeddings.to_string()),
+        ("--offload-optimizer".to_string(), saved.config.offload_optimizer.to_string(), config.offload_optimizer.to_string()),
     ];
     let fields = |model: &DecoderConfig| match serde_json::to_value(model) {
         Ok(serde_json::Value::Object(fields)) => fields,

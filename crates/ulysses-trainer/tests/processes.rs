@@ -8,6 +8,11 @@
 //! - a NaN in one rank's gradient stops the run naming the step and the rank;
 //! - a run stopped after 3 steps and resumed for 3 more equals 6 uninterrupted steps
 //!   (losses within 1e-6, identical parameters), and the checkpoint also resumes with no SP;
+//! - the optimizer on the host (`--offload-optimizer`, its state sharded over the 4 ranks of
+//!   SP=2 × DP=2) trains like the replicated optimizer (losses within 1e-6, parameters within
+//!   1e-5: the clipping norm's sum is ordered otherwise), its checkpoint holds one state file per
+//!   rank, and, stopped after 3 steps, it resumes on 2 ranks (the state re-partitioned) with
+//!   the same losses; a resume without the flag is refused naming it;
 //! - layouts that cannot work fail before any work, saying what to change; so do settings
 //!   that cannot train (a learning rate that is negative, NaN or infinite; a zero size), each
 //!   naming its flag before any file is written;
@@ -301,6 +306,30 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let (loss, params) = differences(&dir.join("elsewhere"), &dir.join("full"));
     println!("resumed without SP: max |Δ| loss {loss:.2e}, parameters {params:.2e}");
     assert!(loss <= TOLERANCE && params <= TOLERANCE, "resumed at SP=1: loss {loss:e}, parameters {params:e}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_optimizer_on_the_host_trains_like_the_replicated_one_and_resumes_at_another_world() {
+    let dir = workspace("offload-optimizer");
+    let host = ["--sp", "2", "--offload-optimizer"];
+    succeed(run_launched(4, &common_args(&dir, "replicated", 6), &["--sp", "2"]));
+    succeed(run_launched(4, &common_args(&dir, "host", 6), &host));
+    succeed(run_launched(4, &common_args(&dir, "part", 6), &[&host[..], &["--stop-after", "3"]].concat()));
+    let parts: Vec<String> = fs::read_dir(dir.join("part/optimizer-step-000000003")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(parts.len(), 4, "one state file per rank of 4: {parts:?}");
+    let mut args = common_args(&dir, "part", 6);
+    args.extend(["--resume".to_string(), dir.join("part").display().to_string()]);
+    let refused = run_launched(2, &args, &["--sp", "2"]);
+    assert!(!refused.status.success() && show(&refused).contains("--offload-optimizer true, this one has false"), "{}", show(&refused));
+    succeed(run_launched(2, &args, &host));
+
+    println!("replicated {:?}\nhost       {:?}\nresumed    {:?}", losses(&dir.join("replicated")), losses(&dir.join("host")), losses(&dir.join("part")));
+    for run in ["host", "part"] {
+        let (loss, params) = differences(&dir.join(run), &dir.join("replicated"));
+        println!("{run} against replicated: max |Δ| loss {loss:.2e}, parameters {params:.2e}");
+        assert!(loss <= 1e-6 && params <= TOLERANCE, "{run}: losses differ by {loss:e}, parameters by {params:e}");
+    }
     let _ = fs::remove_dir_all(&dir);
 }
 

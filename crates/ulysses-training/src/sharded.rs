@@ -74,6 +74,25 @@ impl ShardedAdamW {
         Self { adamw: HostAdamW::new(config), parts: Vec::new(), place: None }
     }
 
+    /// Bytes of optimizer state (master weights and both moments) each rank of a world of
+    /// `world` holds on the host for parameters of `elements` elements each, once they have
+    /// stepped: 12 bytes an element of its parts.
+    pub fn host_bytes_of(elements: &[usize], world: usize) -> usize {
+        let partition = Partition::new(world.max(1)).expect("a world has a rank");
+        elements.iter().map(|&n| 12 * partition.part_len(n)).sum()
+    }
+
+    /// Refuses, before any step, a host without the memory for the state of
+    /// `ranks_on_this_host` ranks (rank threads of one process, or processes on one node) of
+    /// a world of `world`, for parameters of `elements` elements: the bytes needed and
+    /// available, and what to change.
+    pub fn check_host_memory(elements: &[usize], world: usize, ranks_on_this_host: usize) -> Result<(), UlyssesError> {
+        let needed = Self::host_bytes_of(elements, world) as u64 * ranks_on_this_host as u64;
+        let what = format!("the optimizer on the host ({} parameters, 12 bytes each over a world of {world}, for {ranks_on_this_host} rank(s) on this host)", elements.iter().sum::<usize>());
+        ulysses_core::host_memory::check_fits(needed, ulysses_core::host_memory::available_bytes(), &what, "spread the ranks over more nodes (a larger world divides the state), or keep the optimizer on the device")
+            .map_err(UlyssesError::InvalidConfig)
+    }
+
     /// Bytes of optimizer state (master weights and both moments) this rank holds on the host.
     pub fn host_bytes(&self) -> usize {
         self.parts.iter().map(|part| 4 * (part.master.len() + part.moments.moment_1.len() + part.moments.moment_2.len())).sum()
