@@ -9,7 +9,7 @@ use burn::{
     module::{AutodiffModule, Module},
     optim::{AdamWConfig, Optimizer},
     record::{FullPrecisionSettings, NamedMpkFileRecorder},
-    tensor::{DType, backend::AutodiffBackend},
+    tensor::{DType, FloatDType, backend::AutodiffBackend},
 };
 use burn_ulysses::{
     ParallelGroups, ParallelLayout, UlyssesError,
@@ -22,7 +22,7 @@ use burn_ulysses::{
 use ulysses_training::{
     LayerCheckpointing, LocalStep, ShardedAdamW, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded, backward_step,
     backward_step_checkpointed, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters,
-    host_adamw_config, load_sharded_training_checkpoint, save_sharded_training_checkpoint,
+    host_adamw_config, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
     checkpoint::{load_training_checkpoint, save_training_checkpoint},
 };
 use serde::{Deserialize, Serialize};
@@ -74,7 +74,9 @@ pub struct TrainConfig {
     /// Whole-layer activation checkpointing (`None`: off).
     #[config(default = "None")]
     pub layer_checkpointing: Option<LayerCheckpointing>,
-    /// What the layers compute in; parameters and optimizer state are f32 either way.
+    /// What the layers compute in; the parameters and optimizer state are f32 either way, but
+    /// with [`offload_optimizer`](Self::offload_optimizer) the f32 master weights are on the
+    /// host and the device holds the parameters (and gets their gradients) in this dtype.
     #[config(default = "Precision::F32")]
     pub precision: Precision,
     /// The loss's logits in f32 under a half precision (the old behaviour, slower): otherwise
@@ -91,7 +93,8 @@ pub struct TrainConfig {
     /// The optimizer on the host, its state sharded over the world (ZeRO's optimizer half):
     /// AdamW's f32 master weights and moments in host memory, each world rank holding 1/world
     /// of them and updating them on the CPU; gradients reduce-scattered, the updated parameters
-    /// all-gathered ([`ShardedAdamW`]). The devices keep the parameters and gradients alone.
+    /// all-gathered ([`ShardedAdamW`]). The devices keep the parameters and gradients alone, in
+    /// the compute dtype (bf16: 4 bytes a parameter for both, against 16 with AdamW on the device).
     #[config(default = false)]
     pub offload_optimizer: bool,
 }
@@ -345,7 +348,8 @@ where
     B: TrainBackend,
 {
     config.validate().map_err(UlyssesError::InvalidConfig)?;
-    let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?).with_f32_head(config.f32_head);
+    let compute_dtype = config.precision.compute_dtype::<B>(device)?;
+    let model = model.with_compute_dtype(compute_dtype).with_f32_head(config.f32_head);
     let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
     let sharder = config.sharder();
     let optimizer = match config.offload_optimizer {
@@ -353,13 +357,22 @@ where
         true => RankOptimizer::OnHost(ShardedAdamW::new(host_adamw_config(&config.optimizer)?)),
     };
     let is_first = groups.world_rank() == 0;
-    if is_first {
-        log_memory(&model, &optimizer, groups.world.size());
-    }
     let (mut model, mut optimizer, first_step) = match &options.resume {
         None => (broadcast_parameters(model, &*groups.world)?, optimizer, 0),
         Some(location) => resume(config, location, model, optimizer, groups, device)?,
     };
+    if let RankOptimizer::OnHost(host) = &mut optimizer {
+        if first_step == 0 {
+            host.keep_master_weights(&model, groups.world_rank(), groups.world.size());
+        }
+        // The f32 master weights are on the host: the device keeps the compute copy alone.
+        if compute_dtype != FloatDType::F32 {
+            model = with_parameters_in(model, compute_dtype);
+        }
+    }
+    if is_first {
+        log_memory(&model, &optimizer, groups.world.size());
+    }
     let eval_batch = data.eval_batch();
     let eval_documents = if config.pack { data.eval_documents() } else { None };
     let last_step = options.stop_after.map_or(config.steps, |stop| stop.min(config.steps));
@@ -420,8 +433,11 @@ enum RankOptimizer<O> {
 /// device, the optimizer's state on the device (replicated AdamW's two moments) or the host
 /// (master weights and moments, this rank's part).
 fn log_memory<B: TrainBackend, O>(model: &Decoder<B>, optimizer: &RankOptimizer<O>, world: usize) {
-    let elements: Vec<usize> = float_parameters(model).iter().map(|p| p.shape.iter().product()).collect();
+    let parameters = float_parameters(model);
+    let elements: Vec<usize> = parameters.iter().map(|p| p.shape.iter().product()).collect();
     let count: usize = elements.iter().sum();
+    // Gradients come in their parameter's dtype.
+    let bytes: usize = parameters.iter().zip(&elements).map(|(p, n)| n * p.values.dtype().size()).sum();
     let gb = |bytes: usize| format!("{:.3} GB", bytes as f64 / 1e9);
     let (where_, state) = match optimizer {
         RankOptimizer::Replicated(_) => ("device", 8 * count),
@@ -429,9 +445,10 @@ fn log_memory<B: TrainBackend, O>(model: &Decoder<B>, optimizer: &RankOptimizer<
     };
     tracing::info!(
         parameters = count,
-        "memory per rank: parameters {} and gradients {} on the device (f32), AdamW's state {} on the {where_}",
-        gb(4 * count),
-        gb(4 * count),
+        "memory per rank: parameters {} and gradients {} on the device ({:?}), AdamW's state {} on the {where_}",
+        gb(bytes),
+        gb(bytes),
+        parameters.first().map(|p| p.values.dtype()),
         gb(state)
     );
 }

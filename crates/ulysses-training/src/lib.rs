@@ -51,7 +51,7 @@ mod host_adamw_tests;
 pub use backend::TrainBackend;
 pub use layers::{LayerCheckpointing, LayeredLm, Piece, ShardLengths, checkpointed_backward};
 pub use panics::{catch_model_failure, quiet_caught_panics};
-pub use parameters::{FloatParameter, float_parameters};
+pub use parameters::{FloatParameter, float_parameters, with_parameters_in};
 pub use sharded::{ShardedAdamW, host_adamw_config, load_sharded_training_checkpoint, save_sharded_training_checkpoint, sharded_state_folder};
 pub use ulysses_core::host_adamw::HostAdamWConfig;
 pub use gradients::{

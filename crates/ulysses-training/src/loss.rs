@@ -136,9 +136,11 @@ pub fn chunked_linear_cross_entropy_sum<B: TrainBackend>(
     // exactly zero, so the result's value is the loss and its gradient the surrogate's. The
     // products are summed in f32: a half-precision sum could overflow, and inf - inf is NaN.
     let hidden_grad = Tensor::from_inner(Tensor::cat(hidden_grads, 0));
-    let mut surrogate = (hidden * hidden_grad).cast(FloatDType::F32).sum() + (head.weight * Tensor::from_inner(weight_grad)).sum();
+    // The head's parameters are half precision too when they are a compute copy (the
+    // optimizer on the host keeps the f32 master weights).
+    let mut surrogate = (hidden * hidden_grad).cast(FloatDType::F32).sum() + (head.weight * Tensor::from_inner(weight_grad)).cast(FloatDType::F32).sum();
     if let (Some(bias), Some(bias_grad)) = (head.bias, bias_grad) {
-        surrogate = surrogate + (bias * Tensor::from_inner(bias_grad.squeeze_dim::<1>(0))).sum();
+        surrogate = surrogate + (bias * Tensor::from_inner(bias_grad.squeeze_dim::<1>(0))).cast(FloatDType::F32).sum();
     }
     Tensor::from_inner(loss) + (surrogate.clone() - surrogate.detach())
 }

@@ -1,8 +1,8 @@
 //! A module's float parameters by name, for the code that compares, hashes or checks them.
 
 use burn::{
-    module::{Module, ModuleVisitor, Param, ParamId},
-    tensor::{Shape, Tensor, backend::Backend},
+    module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId},
+    tensor::{FloatDType, Shape, Tensor, backend::Backend},
 };
 
 /// One float parameter of a module.
@@ -37,4 +37,19 @@ pub fn float_parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<FloatParame
     let mut collect = Collect { path: Vec::new(), found: Vec::new() };
     module.visit(&mut collect);
     collect.found
+}
+
+/// `module` with every float parameter cast to `dtype`, each keeping its id and whether it
+/// requires a gradient (a leaf again, not a cast inside a graph): the compute copy of a model
+/// whose f32 master weights live elsewhere (the optimizer on the host).
+pub fn with_parameters_in<B: Backend, M: Module<B>>(module: M, dtype: FloatDType) -> M {
+    struct Cast(FloatDType);
+    impl<B: Backend> ModuleMapper<B> for Cast {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let requires_grad = tensor.is_require_grad();
+            Param::from_mapped_value(id, tensor.cast(self.0).detach().set_require_grad(requires_grad), mapper)
+        }
+    }
+    module.map(&mut Cast(dtype))
 }

@@ -30,7 +30,7 @@ use std::{
 use burn::{
     module::{AutodiffModule, ModuleMapper, Param},
     optim::GradientsParams,
-    tensor::{DType, Tensor, TensorData},
+    tensor::{FloatDType, Tensor, TensorData},
 };
 use burn_ulysses::{
     UlyssesError,
@@ -72,6 +72,19 @@ struct ParameterPart {
 impl ShardedAdamW {
     pub fn new(config: HostAdamWConfig) -> Self {
         Self { adamw: HostAdamW::new(config), parts: Vec::new(), place: None }
+    }
+
+    /// Takes this rank's part of `model`'s parameters (rank `rank` of a world of `world`) as the
+    /// f32 master weights, replacing any state: call it before the model becomes a
+    /// half-precision compute copy ([`crate::with_parameters_in`]), or the first step takes
+    /// the master weights from the copy's rounded values.
+    pub fn keep_master_weights<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(&mut self, model: &M, rank: usize, world: usize) {
+        let partition = Partition::new(world).expect("a world has a rank");
+        self.parts = crate::float_parameters(model)
+            .iter()
+            .map(|p| ParameterPart { elements: p.values.dims()[0], master: host_part(&partition, rank, &p.values), moments: AdamWMoments::default() })
+            .collect();
+        self.place = Some((rank, world));
     }
 
     /// Bytes of optimizer state (master weights and both moments) each rank of a world of
@@ -135,12 +148,6 @@ impl ShardedAdamW {
                 shapes.iter().sum::<usize>()
             )));
         }
-        if let Some(l) = local.iter().find(|l| l.dtype() != DType::F32) {
-            return Err(UlyssesError::InvalidConfig(format!(
-                "the sharded optimizer keeps f32 master weights of f32 parameters; a parameter is {:?} (half precision computes in the layers, its parameters stay f32)",
-                l.dtype()
-            )));
-        }
 
         let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
         let gathered = burn_ulysses::comm::all_gather_host_checked(world, &present, "float parameters")?;
@@ -157,7 +164,7 @@ impl ShardedAdamW {
         let mut grad_parts: Vec<Option<Vec<f32>>> = vec![None; local.len()];
         for bucket in &buckets {
             let rows: Vec<Tensor<B::InnerBackend, 2>> =
-                bucket.iter().map(|&i| padded(&partition, local[i].take_or_zeros()).reshape([partition.world() as i32, -1])).collect();
+                bucket.iter().map(|&i| padded(&partition, local[i].take_or_zeros().cast(FloatDType::F32)).reshape([partition.world() as i32, -1])).collect();
             let flat = Tensor::cat(rows, 1).reshape([-1]);
             let mine = float_tensor::<B::InnerBackend, 1>(world.reduce_scatter(float_primitive(flat), ReduceOp::Sum)?);
             let mut values = mine.into_data().to_vec::<f32>().expect("f32 gradients").into_iter();
@@ -190,7 +197,9 @@ impl ShardedAdamW {
             let mine: Vec<f32> = bucket.iter().flat_map(|&i| self.parts[i].master.iter().copied()).collect();
             let len = mine.len();
             let device = device.as_ref().expect("a bucket holds a parameter");
-            let rows = float_tensor::<B::InnerBackend, 2>(world.all_gather(float_primitive(Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(mine, [len]), device)))?);
+            // In the parameters' dtype (one per bucket): a half-precision compute copy gathers half the bytes.
+            let mine = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(mine, [len]), device).cast(FloatDType::from(local[bucket[0]].dtype()));
+            let rows = float_tensor::<B::InnerBackend, 2>(world.all_gather(float_primitive(mine))?);
             let mut column = 0;
             for &i in bucket {
                 let (part_len, elements) = (partition.part_len(local[i].len()), local[i].len());
