@@ -12,7 +12,7 @@
 #                 made of: MEMORY_TILE_TOKENS (4096), MEMORY_OFFLOAD=0 keeps the checkpointed
 #                 inputs on the device; MEMORY_PROFILE=1 logs every kernel's time; overhead:
 #                 the UlyssesBackend decorator against the plain backend, OVERHEAD_ARGS)
-#   TRAIN_RUN   = check (default) | scale | hf        (train folder)
+#   TRAIN_RUN   = check (default) | scale | hf | 8b   (train folder)
 # DRY_RUN=1 prints the steps instead of running them (any machine: `DRY_RUN=1 OUT=/tmp/x
 # scripts/gpu-run.sh` from a bundle folder, or from scripts/ to see every step).
 set -uo pipefail
@@ -265,7 +265,22 @@ if has ulysses-trainer; then
             step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" --checkpointing \
                 --seq-len "$seq" --batch-size 1 --dtype bf16 --steps "${HF_STEPS:-6}" --warmup 2
         done ;;
-    *) echo "TRAIN_RUN must be check, scale or hf, not ${TRAIN_RUN}" >&2; exit 2 ;;
+    8b)
+        # The whole Llama-3.1-8B shape (benches/hf-shapes, 32 layers, random weights) on the one
+        # GPU with the optimizer on the host (--offload-optimizer: 12 bytes a parameter, 96 GB of
+        # the host; the device keeps bf16 parameters and gradients, 32 GB), every layer
+        # checkpointed, the token-wise parts in tiles of 4096. EIGHT_B_SEQS: one run per length
+        # (65 536 first); EIGHT_B_OFFLOAD=1 also keeps the layer inputs on the host (32 layers ×
+        # 8 KB a token: 17 GB at 64K, so the host's 128 GB limits the length). The log holds the
+        # memory line (per rank, before step 1), each step's seconds and waits (--profile).
+        offload=""
+        [ "${EIGHT_B_OFFLOAD:-0}" = 1 ] && offload="--offload-to-host"
+        for seq in ${EIGHT_B_SEQS:-65536}; do
+            step "llama-8b-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps "${EIGHT_B_STEPS:-2}" --seq-len "$seq" --batch-size 1 --profile \
+                --offload-optimizer --checkpoint-layers $offload --tile-tokens 4096 --learning-rate 1e-5 --no-save --check-parameters-every 0 \
+                --hf-config "$here/hf-shapes/llama-3.1-8b.json" --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/llama-8b-$seq"
+        done ;;
+    *) echo "TRAIN_RUN must be check, scale, hf or 8b, not ${TRAIN_RUN}" >&2; exit 2 ;;
     esac
 fi
 

@@ -535,6 +535,26 @@ impl StepData for OwnedCorpus {
     }
 }
 
+/// The initial model each of this process's ranks starts from: the last rank to ask takes it
+/// rather than a clone, so no copy outlives the ranks' own (an 8B model's f32 parameters are
+/// 32 GB of the device, which the rank's bf16 compute copy under --offload-optimizer replaces).
+struct Template<M> {
+    model: std::sync::Mutex<Option<M>>,
+    ranks_left: std::sync::atomic::AtomicUsize,
+}
+
+impl<M: Clone> Template<M> {
+    fn new(model: M, ranks: usize) -> Self {
+        Self { model: std::sync::Mutex::new(Some(model)), ranks_left: ranks.into() }
+    }
+
+    fn take_or_clone(&self) -> M {
+        let mut model = self.model.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let last = self.ranks_left.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) <= 1;
+        if last { model.take() } else { model.clone() }.expect("every rank of this process asks for the initial model once")
+    }
+}
+
 /// Runs this process's ranks (all of them as threads, or its one rank) on `UlyssesBackend`
 /// over `W`, joining other processes through `T`.
 fn train<W, T>(job: &Job, device: impl Fn(usize) -> W::Device + Sync) -> Result<(), String>
@@ -560,8 +580,11 @@ where
             Launch::Threads => config.layout.world_size(),
             Launch::Process(env) => env.local_world_size,
         };
-        ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here).map_err(|e| format!("--offload-optimizer: {e}"))?;
+        // On the CPU backend the devices' parameters and gradients (f32) are host memory too.
+        let device_bytes = if matches!(job.args.backend, BackendKind::Cpu) { 8 * elements.iter().sum::<usize>() as u64 * ranks_here as u64 } else { 0 };
+        ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here, device_bytes).map_err(|e| format!("--offload-optimizer: {e}"))?;
     }
+    let template = Template::new(template, if threads { config.layout.world_size() } else { 1 });
 
     let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {
         if let Some((sequences, documents)) = &job.eval_sequences {
@@ -570,7 +593,7 @@ where
                 // SAFETY: kill(2) on our own pid; nothing after it runs.
                 unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             }
-            let model = template.clone().fork(&rank.device);
+            let model = template.take_or_clone().fork(&rank.device);
             let loss = evaluate_sequences::<Sp<W>>(config, model, sequences, Some(documents), &rank.groups, &rank.device).map_err(|e| e.to_string())?;
             if rank.world_rank == 0 {
                 println!(
@@ -597,7 +620,7 @@ where
             save_hf: job.args.save_hf.clone().zip(job.pretrained.clone()),
             faults: Faults { nan_gradient: job.args.fault_nan_gradient, kill: job.args.fault_kill },
         };
-        let model = template.clone().fork(&rank.device);
+        let model = template.take_or_clone().fork(&rank.device);
         let (model, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options)
             .map_err(|e| e.to_string())?;
         if let Some(log) = log {

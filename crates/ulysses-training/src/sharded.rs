@@ -97,11 +97,16 @@ impl ShardedAdamW {
 
     /// Refuses, before any step, a host without the memory for the state of
     /// `ranks_on_this_host` ranks (rank threads of one process, or processes on one node) of
-    /// a world of `world`, for parameters of `elements` elements: the bytes needed and
-    /// available, and what to change.
-    pub fn check_host_memory(elements: &[usize], world: usize, ranks_on_this_host: usize) -> Result<(), UlyssesError> {
-        let needed = Self::host_bytes_of(elements, world) as u64 * ranks_on_this_host as u64;
-        let what = format!("the optimizer on the host ({} parameters, 12 bytes each over a world of {world}, for {ranks_on_this_host} rank(s) on this host)", elements.iter().sum::<usize>());
+    /// a world of `world`, for parameters of `elements` elements, beside `device_bytes_on_host`
+    /// (what the ranks' devices hold, where their memory is the host's: a CPU backend): the
+    /// bytes needed and available, and what to change.
+    pub fn check_host_memory(elements: &[usize], world: usize, ranks_on_this_host: usize, device_bytes_on_host: u64) -> Result<(), UlyssesError> {
+        let needed = Self::host_bytes_of(elements, world) as u64 * ranks_on_this_host as u64 + device_bytes_on_host;
+        let what = format!(
+            "the optimizer on the host ({} parameters, 12 bytes each over a world of {world}, for {ranks_on_this_host} rank(s) on this host{})",
+            elements.iter().sum::<usize>(),
+            if device_bytes_on_host > 0 { format!(", beside {:.2} GB the ranks' devices keep in host memory", device_bytes_on_host as f64 / 1e9) } else { String::new() }
+        );
         ulysses_core::host_memory::check_fits(needed, ulysses_core::host_memory::available_bytes(), &what, "spread the ranks over more nodes (a larger world divides the state), or keep the optimizer on the device")
             .map_err(UlyssesError::InvalidConfig)
     }

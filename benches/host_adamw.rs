@@ -1,0 +1,73 @@
+//! AdamW on the host (`ulysses_core::host_adamw`, the optimizer `--offload-optimizer` runs)
+//! against burn's own AdamW update (burn-optim's `SimpleOptimizer` on NdArray, the same f32
+//! operations) on the same parameters and gradients: parameters updated per second, the
+//! host's on one thread and on every core, and the largest difference after the timed steps
+//! (0: bit for bit, as `host_adamw_tests` asserts).
+//!
+//!     cargo bench -p ulysses-suite --bench host_adamw [-- --params 16777216 --steps 5]
+
+use std::{num::NonZeroUsize, time::Instant};
+
+use burn::{
+    backend::NdArray,
+    optim::{AdamWConfig, SimpleOptimizer},
+    tensor::{Tensor, TensorData},
+};
+use ulysses_core::host_adamw::{AdamWMoments, HostAdamW, HostAdamWConfig};
+
+type B = NdArray<f32>;
+
+/// Seeded values in (-1, 1).
+fn values(count: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..count)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let flag = |name: &str, default: usize| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)?.parse().ok()).unwrap_or(default);
+    let (len, steps) = (flag("--params", 1 << 24), flag("--steps", 5));
+    let config = HostAdamWConfig { weight_decay: 0.01, ..HostAdamWConfig::default() };
+    let start = values(len, 1);
+    let grads: Vec<Vec<f32>> = (0..steps as u64).map(|s| values(len, 10 + s)).collect();
+    let learning_rate = 1e-4;
+
+    // burn's update, one step untimed first (its moments' allocation).
+    let burn_adamw = AdamWConfig::new().with_weight_decay(config.weight_decay).build();
+    let device = Default::default();
+    let tensor = |v: &[f32]| Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [len]), &device);
+    let (mut theirs, mut state) = burn_adamw.step(learning_rate, tensor(&start), tensor(&grads[0]), None);
+    let timed: Vec<Tensor<B, 1>> = grads.iter().map(|g| tensor(g)).collect();
+    let began = Instant::now();
+    for grad in timed {
+        let (updated, next) = burn_adamw.step(learning_rate, theirs, grad, state);
+        (theirs, state) = (updated, next);
+    }
+    let burn_seconds = began.elapsed().as_secs_f64() / steps as f64;
+    let want = theirs.into_data().to_vec::<f32>().unwrap();
+
+    let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+    println!("AdamW over {len} f32 parameters, the mean of {steps} timed steps after an untimed one, {cores} core(s)");
+    println!("{:<36} {:>12} {:>16} {:>10} {:>14}", "update", "s / step", "parameters / s", "vs burn", "max |Δ| vs burn");
+    println!("{:<36} {:>12.4} {:>16.3e} {:>10} {:>14}", "burn's AdamW (NdArray, SimpleOptimizer)", burn_seconds, len as f64 / burn_seconds, "1.00", "-");
+    for threads in [1, cores] {
+        let host = HostAdamW::with_threads(config, NonZeroUsize::new(threads).unwrap());
+        let (mut ours, mut moments) = (start.clone(), AdamWMoments::default());
+        host.step(learning_rate, &mut ours, &grads[0], &mut moments);
+        let began = Instant::now();
+        for grad in &grads {
+            host.step(learning_rate, &mut ours, grad, &mut moments);
+        }
+        let seconds = began.elapsed().as_secs_f64() / steps as f64;
+        let difference = ours.iter().zip(&want).map(|(a, b)| if a.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0f32, f32::max);
+        let name = format!("host AdamW, {threads} thread(s)");
+        println!("{name:<36} {seconds:>12.4} {:>16.3e} {:>10.2} {difference:>14.1e}", len as f64 / seconds, burn_seconds / seconds);
+    }
+}
