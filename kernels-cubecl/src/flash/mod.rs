@@ -456,10 +456,8 @@ fn backward<R: CubeRuntime>(
     let client = query.client.clone();
     let device = query.device.clone();
     let dtype = query.dtype;
-    let plan = Plan::new(&problem, dtype, options.causal, &client)?;
     let [row_keys, key_rows] = range_tables(ranges, &p, &client, &device)?;
     let ranged = ranges.is_some();
-    let vectors = vector_size(&client, &[&query, &key, &value, &output_grad]);
     let empty = |shape: [usize; 4]| empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new(shape), dtype);
 
     crate::stats::BACKWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -490,6 +488,9 @@ fn backward<R: CubeRuntime>(
         }
         return Ok((query_grad, key_grad, value_grad));
     }
+    // The planned engine's blocks; the fragment kernels above take none of them.
+    let plan = Plan::new(&problem, dtype, options.causal, &client)?;
+    let vectors = vector_size(&client, &[&query, &key, &value, &output_grad]);
     // dV's launches then dK's where their accumulators do not fit together, each in parts
     // where one alone does not.
     let (key_width, value_width) = (plan.key_value.dim, plan.key_value.value_dim);
