@@ -101,7 +101,7 @@ fn train<B: TrainBackend>(groups: &ParallelGroups<B::Wire>, device: &B::Device) 
     (0..STEPS)
         .map(|index| {
             let micro_batches = [batch(index)];
-            let step = StepInput { index, learning_rate: 1e-2, micro_batches: &micro_batches, documents: None, max_grad_norm: Some(1.0) };
+            let step = StepInput { index, learning_rate: 1e-2, micro_batches: &micro_batches, documents: None, targets: None, max_grad_norm: Some(1.0) };
             let (trained, report) = train_step(model.clone(), &mut optimizer, &step, &sharder, groups, device).expect("a training step");
             model = trained;
             report.loss

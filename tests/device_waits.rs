@@ -148,7 +148,7 @@ fn train_step_waits(micro_batches: usize, checkpointed: bool) -> DeviceIo {
         let config = DecoderConfig::new(VOCAB).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_n_layers(LAYERS as usize);
         let model = deterministic_params(config.init::<Counted>(&device), 3);
         let batches: Vec<Vec<Vec<i64>>> = (0..micro_batches).map(|m| VariedLengths { vocab: VOCAB }.train_batch(m)).collect();
-        let step = StepInput { index: 0, learning_rate: 1e-3, micro_batches: &batches, documents: None, max_grad_norm: Some(1.0) };
+        let step = StepInput { index: 0, learning_rate: 1e-3, micro_batches: &batches, documents: None, targets: None, max_grad_norm: Some(1.0) };
         let mut optimizer = AdamWConfig::new().init();
         let sharder = SequenceSharder::new(1);
         let before = DeviceIo::of_this_thread();

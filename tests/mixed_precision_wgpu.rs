@@ -77,7 +77,7 @@ fn backward(precision: Precision) -> Backward {
         let dtype = precision.compute_dtype::<Sp>(&device).unwrap();
         let model = deterministic_params(config.model.init::<Sp>(&device), 5).with_compute_dtype(dtype);
         let micro_batches = [batch.clone()];
-        let step = StepInput { index: 0, learning_rate: 0.0, micro_batches: &micro_batches, documents: None, max_grad_norm: None };
+        let step = StepInput { index: 0, learning_rate: 0.0, micro_batches: &micro_batches, documents: None, targets: None, max_grad_norm: None };
         let local = backward_step(&model, &step, &config.sharder(), &groups, &device).unwrap();
         let grad_dtypes = gradient_params_dtypes(&model, &local.grads);
         Backward {

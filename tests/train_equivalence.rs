@@ -190,16 +190,22 @@ fn packed_documents_train_like_one_device_and_like_the_documents_one_by_one() {
         let one_by_one = train_on::<Reference>(split, no_context, &Paragraphs { split: true });
         let sp2 = train_on::<Sp>(packed(ParallelLayout::new().with_sp_size(2)), enter_sp, &Paragraphs { split: false });
         let sp4 = train_on::<Sp>(packed(ParallelLayout::new().with_sp_size(4)), enter_sp, &Paragraphs { split: false });
-        [("packed, one device", single), ("documents one by one", one_by_one), ("packed SP=2", sp2), ("packed SP=4", sp4)]
+        [("packed on one device", single), ("documents one by one", one_by_one), ("packed SP=2", sp2), ("packed SP=4", sp4)]
     });
-    let (_, reference) = &runs[0];
+    assert_like_the_first(&runs);
+}
+
+/// Every run after the first took the first's steps: the same valid tokens each step, losses
+/// and final parameters within [`TOLERANCE`].
+fn assert_like_the_first(runs: &[(&str, Outcome)]) {
+    let (first, reference) = &runs[0];
     for (name, run) in &runs[1..] {
         let loss_diff = worst(run.reports.iter().zip(&reference.reports).map(|(a, b)| {
             assert_eq!(a.valid_tokens, b.valid_tokens, "{name}: valid tokens differ");
             (a.loss - b.loss).abs() as f32
         }));
         let param_diff = worst(run.params.iter().zip(&reference.params).map(|((_, a), (_, b))| max_abs_diff(a, b)));
-        println!("{name:>22}: max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e} against packed on one device");
+        println!("{name:>22}: max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e} against {first}");
         assert!(loss_diff <= TOLERANCE, "{name}: step loss differs by {loss_diff:e}");
         assert!(param_diff <= TOLERANCE, "{name}: parameters differ by {param_diff:e}");
     }
@@ -232,6 +238,69 @@ fn ulysses_by_ring_trains_like_one_device() {
         assert!(loss_diff <= TOLERANCE, "{name}: step loss differs by {loss_diff:e}");
         assert!(param_diff <= TOLERANCE, "{name}: parameters differ by {param_diff:e}");
     }
+}
+
+/// Supervised fine-tuning data: `VariedLengths`' sequences, each a prompt (its first third)
+/// and an answer (the rest): only the answer's tokens are targets.
+struct Answers;
+
+impl Answers {
+    fn targets(sequence: &[i64]) -> Vec<bool> {
+        (0..sequence.len()).map(|j| j >= sequence.len() / 3).collect()
+    }
+}
+
+impl StepData for Answers {
+    fn train_batch(&self, step: usize) -> Vec<Vec<i64>> {
+        VariedLengths { vocab: VOCAB }.train_batch(step)
+    }
+    fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
+        None
+    }
+    fn train_targets(&self, _step: usize, batch: &[Vec<i64>]) -> Option<Vec<Vec<bool>>> {
+        Some(batch.iter().map(|s| Answers::targets(s)).collect())
+    }
+}
+
+/// Trained on the answers alone, SP=2 and SP=2 × DP=2 take the steps one device takes, and
+/// step 0's loss is the mean cross-entropy over exactly the answers' tokens, computed without
+/// the trainer (the model's logits over each whole sequence, log-softmax in f64, the answer
+/// positions picked by hand); the valid tokens are the answers' token count. Broken once
+/// (targets ignored by the sharder): every run's loss and count move.
+#[test]
+fn answers_alone_train_alike_at_every_layout_and_step_0_is_their_mean_loss() {
+    let runs = with_deadline(Duration::from_secs(55), || {
+        let mut single = config(ParallelLayout::new(), 1);
+        single.model.repeat_kv = true;
+        let single = train_on::<Reference>(single, no_context, &Answers);
+        let sp2 = train_on::<Sp>(config(ParallelLayout::new().with_sp_size(2), 1), enter_sp, &Answers);
+        let sp2dp2 = train_on::<Sp>(config(ParallelLayout::new().with_sp_size(2).with_dp_size(2), 1), enter_sp, &Answers);
+        [("one device", single), ("SP=2", sp2), ("SP=2 x DP=2", sp2dp2)]
+    });
+
+    let device = Default::default();
+    let model = deterministic_params(config(ParallelLayout::new(), 1).model.with_repeat_kv(true).init::<Inner>(&device), INIT_SEED);
+    let (mut total, mut count) = (0.0f64, 0usize);
+    for sequence in Answers.train_batch(0) {
+        let (n, targets) = (sequence.len(), Answers::targets(&sequence));
+        let inputs = Tensor::<Inner, 2, Int>::from_data(TensorData::new(sequence.clone(), [1, n]), &device);
+        let logits: Vec<f32> = model.forward(inputs, &ShardPositions::consecutive(1, 0, n)).into_data().to_vec().unwrap();
+        for position in 0..n - 1 {
+            if targets[position + 1] {
+                let row: Vec<f64> = logits[position * VOCAB..(position + 1) * VOCAB].iter().map(|&x| f64::from(x)).collect();
+                let largest = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let log_sum = largest + row.iter().map(|x| (x - largest).exp()).sum::<f64>().ln();
+                total += log_sum - row[sequence[position + 1] as usize];
+                count += 1;
+            }
+        }
+    }
+    let expected = total / count as f64;
+    let (_, reference) = &runs[0];
+    println!("step 0: {count} answer tokens, mean loss {expected:.7} by hand, {:.7} trained", reference.reports[0].loss);
+    assert_eq!(reference.reports[0].valid_tokens, count, "the step's labels are not exactly the answers' tokens");
+    assert!((reference.reports[0].loss - expected).abs() <= 1e-5, "step 0's loss {} is not the answers' mean {expected}", reference.reports[0].loss);
+    assert_like_the_first(&runs);
 }
 
 /// Step 0's token-averaged loss computed without the trainer: each sequence alone (no
@@ -490,7 +559,7 @@ fn qwen3_sp_dp(sharded: bool, steps: usize, max_grad_norm: Option<f64>) -> Qwen3
             // Each DP rank its half of the step's four sequences.
             let batch = VariedLengths { vocab: 320 }.train_batch(index);
             let mine = vec![batch[2 * dp_rank..2 * dp_rank + 2].to_vec()];
-            let step = StepInput { index, learning_rate: 1e-2, micro_batches: &mine, documents: None, max_grad_norm };
+            let step = StepInput { index, learning_rate: 1e-2, micro_batches: &mine, documents: None, targets: None, max_grad_norm };
             let local = backward_step(&model, &step, &sharder, &groups, &device).unwrap();
             let (next, report) = if sharded {
                 apply_step_sharded(model, &mut sharded_state, &step, local, &groups).unwrap()

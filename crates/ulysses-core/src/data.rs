@@ -223,6 +223,14 @@ impl SequenceSharder {
     /// Rank `rank`'s shard of `sequences`, each packing documents of lengths `documents[i]`
     /// (summing to its length; `None`: one document per sequence, unpacked).
     pub fn shard_documents(&self, sequences: &[Vec<i64>], documents: Option<&[Vec<usize>]>, rank: usize) -> SequenceShard {
+        self.shard_targets(sequences, documents, None, rank)
+    }
+
+    /// [`shard_documents`](Self::shard_documents) where only some tokens are trained on:
+    /// `targets[i][j]` says whether token `j` of sequence `i` is a target, the label of
+    /// position `j − 1` (supervised fine-tuning: the answers, not the prompts; Hugging Face's
+    /// labels of -100 are the tokens that are not). `None`: every token.
+    pub fn shard_targets(&self, sequences: &[Vec<i64>], documents: Option<&[Vec<usize>]>, targets: Option<&[Vec<bool>]>, rank: usize) -> SequenceShard {
         assert!(self.sp_size > 0, "sp_size must be at least 1");
         assert!(rank < self.sp_size, "rank {rank} is out of range for sp_size {}", self.sp_size);
         assert!(!sequences.is_empty(), "cannot shard an empty batch");
@@ -246,6 +254,13 @@ impl SequenceSharder {
             }
         }
 
+        if let Some(targets) = targets {
+            assert_eq!(targets.len(), sequences.len(), "targets for {} sequences, but the batch holds {}", targets.len(), sequences.len());
+            for (i, (targets, sequence)) in targets.iter().zip(sequences).enumerate() {
+                assert_eq!(targets.len(), sequence.len(), "sequence {i}: {} targets for its {} tokens", targets.len(), sequence.len());
+            }
+        }
+
         let mut tokens = Vec::with_capacity(sequences.len() * local_len);
         let mut labels = Vec::with_capacity(sequences.len() * local_len);
         let mut ids = Vec::with_capacity(sequences.len() * local_len);
@@ -259,7 +274,8 @@ impl SequenceSharder {
                 // document.
                 let document_start = starts[starts.partition_point(|&s| s <= position) - 1];
                 let same_document = starts.binary_search(&(position + 1)).is_err();
-                let label = if same_document { sequence.get(position + 1).copied() } else { None };
+                let target = targets.is_none_or(|targets| targets[i].get(position + 1).copied().unwrap_or(false));
+                let label = if same_document && target { sequence.get(position + 1).copied() } else { None };
                 labels.push(label.unwrap_or(self.ignore_index));
                 ids.push((position - document_start) as u64);
             }
@@ -382,6 +398,26 @@ mod tests {
         // Contiguous with a ring is plain contiguous sharding.
         let contiguous = SequenceSharder::new(4).with_ring_size(2);
         assert_eq!(contiguous.positions_of(3, 16), vec![12, 13, 14, 15]);
+    }
+
+    #[test]
+    fn only_targets_are_labels_on_every_rank() {
+        // Two documents packed: a prompt (7, 8) and its answer (9, 10), then another (4 | 5, 6).
+        let batch = vec![vec![7, 8, 9, 10, 4, 5, 6, 0]];
+        let documents = vec![vec![4, 4]];
+        let targets = vec![vec![false, false, true, true, false, true, true, false]];
+        let sharder = SequenceSharder::new(2);
+        let shards: Vec<SequenceShard> = (0..2).map(|rank| sharder.shard_targets(&batch, Some(&documents), Some(&targets), rank)).collect();
+        let labels: Vec<i64> = shards.iter().flat_map(|s| s.labels.clone()).collect();
+        // Position 1 predicts 9 (a target); 2 predicts 10; 3 would cross into the next
+        // document; 4 predicts 5, 5 predicts 6; 6 predicts 0 (not a target).
+        assert_eq!(labels, vec![IGNORE_INDEX, 9, 10, IGNORE_INDEX, 5, 6, IGNORE_INDEX, IGNORE_INDEX]);
+        assert_eq!(shards.iter().map(|s| s.valid_tokens).sum::<usize>(), 4);
+        // Every token a target: the labels of shard_documents.
+        let all = vec![vec![true; 8]];
+        for rank in 0..2 {
+            assert_eq!(sharder.shard_targets(&batch, Some(&documents), Some(&all), rank).labels, sharder.shard_documents(&batch, Some(&documents), rank).labels);
+        }
     }
 
     #[test]

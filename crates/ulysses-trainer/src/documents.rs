@@ -2,6 +2,11 @@
 //! - JSON Lines, one document per line: `{"text": "..."}`, tokenized here with the
 //!   checkpoint's `tokenizer.json`, or `{"input_ids": [...]}` (or a bare array), already
 //!   tokenized; other fields of a line are ignored;
+//! - supervised fine-tuning, where only the answers are trained on (the other tokens are
+//!   context: no label, no loss): `{"prompt": "...", "completion": "..."}`, tokenized as TRL's
+//!   `SFTTrainer` does (the prompt alone, then prompt and completion together; the tokens past
+//!   the prompt's are the targets), or `{"input_ids": [...], "labels": [...]}` as transformers'
+//!   collators make them (a label is the token's id, or -100 where it is not trained on);
 //! - any other file is one text document; a folder holds such files.
 //!
 //! Every document ends in EOS (appended unless it already does), as transformers' data
@@ -41,12 +46,23 @@ pub struct DocumentReader<'a> {
 enum Pending {
     Text(String),
     Ids(Vec<i64>),
+    /// Token ids and whether each is a target (its label is not -100).
+    Labelled(Vec<i64>, Vec<bool>),
+    /// A prompt and its completion: the completion's tokens are the targets.
+    PromptCompletion(String, String),
+}
+
+/// Documents as token ids, each ending in EOS, and, where some line marks answers, whether
+/// each token is a target (every token of the documents that mark none).
+pub struct Documents {
+    pub ids: Vec<Vec<i64>>,
+    pub targets: Option<Vec<Vec<bool>>>,
 }
 
 impl DocumentReader<'_> {
     /// Every document of `path` (a `.jsonl` file, a text file, or a folder of them, in name
     /// order) as token ids ending in EOS. Documents with nothing before their EOS are left out.
-    pub fn read(&self, path: &Path) -> Result<Vec<Vec<i64>>, String> {
+    pub fn read(&self, path: &Path) -> Result<Documents, String> {
         let files = files_under(path).map_err(|e| format!("cannot read --data {}: {e}", path.display()))?;
         let total: u64 = files.iter().map(|f| fs::metadata(f).map_or(0, |m| m.len())).sum();
         let bar = if self.progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
@@ -64,17 +80,20 @@ impl DocumentReader<'_> {
         }
         bar.finish_and_clear();
         let read = documents.len();
-        documents.retain(|document| document.len() > 1);
+        documents.retain(|(document, _)| document.len() > 1);
         if documents.is_empty() {
             return Err(format!("--data {}: no document holds a token (besides the EOS each ends in)", path.display()));
         }
         if documents.len() < read {
             tracing::info!(skipped = read - documents.len(), "left out the empty documents");
         }
-        Ok(documents)
+        let marked = documents.iter().any(|(_, targets)| targets.is_some());
+        let (ids, targets): (Vec<Vec<i64>>, Vec<Option<Vec<bool>>>) = documents.into_iter().unzip();
+        let targets = marked.then(|| targets.into_iter().zip(&ids).map(|(targets, ids)| targets.unwrap_or_else(|| vec![true; ids.len()])).collect());
+        Ok(Documents { ids, targets })
     }
 
-    fn read_json_lines(&self, file: &Path, bar: &ProgressBar, documents: &mut Vec<Vec<i64>>) -> Result<(), String> {
+    fn read_json_lines(&self, file: &Path, bar: &ProgressBar, documents: &mut Vec<Read>) -> Result<(), String> {
         let reader = BufReader::new(fs::File::open(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?);
         let mut pending = Vec::new();
         for (index, line) in reader.lines().enumerate() {
@@ -93,8 +112,18 @@ impl DocumentReader<'_> {
     }
 
     /// Tokenizes the pending documents (all texts at once), appends EOS and checks the ids.
-    fn finish(&self, file: &Path, pending: &mut Vec<(usize, Pending)>, documents: &mut Vec<Vec<i64>>) -> Result<(), String> {
-        let texts: Vec<&str> = pending.iter().filter_map(|(_, p)| if let Pending::Text(text) = p { Some(text.as_str()) } else { None }).collect();
+    fn finish(&self, file: &Path, pending: &mut Vec<(usize, Pending)>, documents: &mut Vec<Read>) -> Result<(), String> {
+        let joined: Vec<String> = pending.iter().filter_map(|(_, p)| if let Pending::PromptCompletion(prompt, completion) = p { Some(format!("{prompt}{completion}")) } else { None }).collect();
+        let mut joined_texts = joined.iter();
+        let texts: Vec<&str> = pending
+            .iter()
+            .flat_map(|(_, p)| match p {
+                Pending::Text(text) => vec![text.as_str()],
+                // The prompt alone, then prompt and completion together (TRL's way).
+                Pending::PromptCompletion(prompt, _) => vec![prompt.as_str(), joined_texts.next().expect("one joined text per prompt").as_str()],
+                Pending::Ids(_) | Pending::Labelled(..) => vec![],
+            })
+            .collect();
         let mut encoded = match (texts.is_empty(), self.tokenizer) {
             (true, _) => Vec::new(),
             (false, Some(tokenizer)) => tokenizer.encode_documents(&texts, self.eos).map_err(|e| e.to_string())?,
@@ -106,42 +135,91 @@ impl DocumentReader<'_> {
             }
         }
         .into_iter();
+        let eos = i64::from(self.eos);
         for (line, document) in pending.drain(..) {
-            let ids: Vec<i64> = match document {
-                Pending::Text(_) => encoded.next().expect("one encoding per text").into_iter().map(i64::from).collect(),
+            let mut next = || -> Vec<i64> { encoded.next().expect("one encoding per text").into_iter().map(i64::from).collect() };
+            let (ids, targets): (Vec<i64>, Option<Vec<bool>>) = match document {
+                Pending::Text(_) => (next(), None),
+                Pending::PromptCompletion(..) => {
+                    // Without the EOS the encoder appended to the prompt.
+                    let prompt = next().len() - 1;
+                    let ids = next();
+                    let targets = (0..ids.len()).map(|i| i >= prompt).collect();
+                    (ids, Some(targets))
+                }
                 Pending::Ids(mut ids) => {
-                    if ids.last() != Some(&i64::from(self.eos)) {
-                        ids.push(i64::from(self.eos));
+                    if ids.last() != Some(&eos) {
+                        ids.push(eos);
                     }
-                    ids
+                    (ids, None)
+                }
+                Pending::Labelled(mut ids, mut targets) => {
+                    // The appended EOS ends the answer when the document ends in one.
+                    if ids.last() != Some(&eos) {
+                        ids.push(eos);
+                        targets.push(targets.last().copied().unwrap_or(false));
+                    }
+                    (ids, Some(targets))
                 }
             };
             if let Some(id) = ids.iter().find(|&&id| !(0..self.vocab as i64).contains(&id)) {
                 let at = if line == 0 { file.display().to_string() } else { format!("{} line {line}", file.display()) };
                 return Err(format!("{at}: token {id} is outside the model's vocabulary 0..{}", self.vocab));
             }
-            documents.push(ids);
+            documents.push((ids, targets));
         }
         Ok(())
     }
 }
 
-/// One JSON line: `{"text": ...}`, `{"input_ids": [...]}` or a bare array of ids.
+/// A document read: its token ids, and whether each is a target where the line says.
+type Read = (Vec<i64>, Option<Vec<bool>>);
+
+/// The label transformers' collators give a token that is not trained on.
+const NOT_TRAINED: i64 = -100;
+
+/// One JSON line: `{"text": ...}`, `{"input_ids": [...]}` (with `"labels"` or without), a
+/// bare array of ids, or `{"prompt": ..., "completion": ...}`.
 fn parse_line(line: &str) -> Result<Pending, String> {
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not JSON ({e})"))?;
-    let ids = |value: &Value| -> Result<Vec<i64>, String> {
-        serde_json::from_value(value.clone()).map_err(|_| "\"input_ids\" must be an array of integer token ids".to_string())
+    let ids = |value: &Value, field: &str| -> Result<Vec<i64>, String> {
+        serde_json::from_value(value.clone()).map_err(|_| format!("\"{field}\" must be an array of integer token ids"))
     };
-    match &value {
-        Value::Array(_) => ids(&value).map(Pending::Ids),
-        Value::Object(fields) => match (fields.get("text"), fields.get("input_ids")) {
-            (Some(_), Some(_)) => Err("has both \"text\" and \"input_ids\"; give one".into()),
-            (Some(Value::String(text)), None) => Ok(Pending::Text(text.clone())),
-            (Some(_), None) => Err("\"text\" must be a string".into()),
-            (None, Some(input_ids)) => ids(input_ids).map(Pending::Ids),
-            (None, None) => Err("needs a \"text\" (a string) or an \"input_ids\" (token ids) field".into()),
+    let Value::Object(fields) = &value else {
+        return match &value {
+            Value::Array(_) => ids(&value, "input_ids").map(Pending::Ids),
+            _ => Err("expected an object with \"text\", \"input_ids\" or \"prompt\" and \"completion\"".into()),
+        };
+    };
+    let kinds: Vec<&str> = ["text", "input_ids", "prompt"].into_iter().filter(|k| fields.contains_key(*k)).collect();
+    match kinds.as_slice() {
+        ["text"] => match &fields["text"] {
+            Value::String(text) => Ok(Pending::Text(text.clone())),
+            _ => Err("\"text\" must be a string".into()),
         },
-        _ => Err("expected an object with \"text\" or \"input_ids\"".into()),
+        ["input_ids"] => {
+            let input_ids = ids(&fields["input_ids"], "input_ids")?;
+            let Some(labels) = fields.get("labels") else { return Ok(Pending::Ids(input_ids)) };
+            let labels = ids(labels, "labels")?;
+            if labels.len() != input_ids.len() {
+                return Err(format!("\"labels\" has {} entries and \"input_ids\" {}: one label per token", labels.len(), input_ids.len()));
+            }
+            if let Some((at, (label, id))) = labels.iter().zip(&input_ids).enumerate().find(|(_, (label, id))| **label != NOT_TRAINED && label != id) {
+                return Err(format!(
+                    "label {label} at position {at} is neither {NOT_TRAINED} nor the token there ({id}): labels say which tokens are trained on, \
+                     as transformers' collators make them (the model shifts them itself)"
+                ));
+            }
+            let targets = labels.iter().map(|&label| label != NOT_TRAINED).collect();
+            Ok(Pending::Labelled(input_ids, targets))
+        }
+        ["prompt"] => match (&fields["prompt"], fields.get("completion")) {
+            (Value::String(prompt), Some(Value::String(completion))) => Ok(Pending::PromptCompletion(prompt.clone(), completion.clone())),
+            (_, None) => Err("has a \"prompt\" but no \"completion\": give both (the completion is what is trained on)".into()),
+            _ => Err("\"prompt\" and \"completion\" must be strings".into()),
+        },
+        [] => Err("needs a \"text\" (a string), an \"input_ids\" (token ids) or a \"prompt\" and \"completion\" field".into()),
+        several => Err(format!("has {}; give one kind of document", several.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(" and "))),
     }
 }
 
@@ -156,18 +234,29 @@ pub struct PackedDocuments {
     seed: u64,
 }
 
-/// One packed sequence and the lengths of its documents.
+/// One packed sequence, the lengths of its documents and, for supervised fine-tuning, whether
+/// each token is a target.
 #[derive(Debug, Clone)]
 struct Packed {
     tokens: Vec<i64>,
     documents: Vec<usize>,
+    targets: Option<Vec<bool>>,
 }
 
 impl PackedDocuments {
     /// Packs `documents`; with `hold_out`, the last batch is kept for evaluation when there are
     /// at least two.
     pub fn pack(documents: &[Vec<i64>], seq_len: usize, batch_size: usize, seed: u64, hold_out: bool) -> Result<Self, String> {
+        Self::pack_with_targets(documents, None, seq_len, batch_size, seed, hold_out)
+    }
+
+    /// [`pack`](Self::pack) with each token's target flag (`targets[d]` for document `d`),
+    /// which follows its token into the packed sequences.
+    pub fn pack_with_targets(documents: &[Vec<i64>], targets: Option<&[Vec<bool>]>, seq_len: usize, batch_size: usize, seed: u64, hold_out: bool) -> Result<Self, String> {
         let (sequences, lengths) = pack_documents(documents, seq_len);
+        // Packing keeps every token in order: the flags, concatenated, cut as the tokens were.
+        let mut flags = targets.map(|targets| targets.iter().flatten().copied());
+        let mut packed_targets: Vec<Option<Vec<bool>>> = sequences.iter().map(|s| flags.as_mut().map(|flags| flags.by_ref().take(s.len()).collect())).collect();
         let tokens: usize = sequences.iter().map(Vec::len).sum();
         let count = sequences.len();
         if count < batch_size {
@@ -176,7 +265,8 @@ impl PackedDocuments {
                  (--batch-size {batch_size}): give more data, or a smaller --batch-size or --seq-len"
             ));
         }
-        let mut train: Vec<Packed> = sequences.into_iter().zip(lengths).map(|(tokens, documents)| Packed { tokens, documents }).collect();
+        let mut train: Vec<Packed> =
+            sequences.into_iter().zip(lengths).zip(packed_targets.drain(..)).map(|((tokens, documents), targets)| Packed { tokens, documents, targets }).collect();
         let eval = (hold_out && count >= 2 * batch_size).then(|| train.split_off(count - batch_size));
         tracing::info!(
             documents = documents.len(),
@@ -239,6 +329,10 @@ impl StepData for PackedDocuments {
         self.step_sequences(step).map(|p| p.documents.clone()).collect()
     }
 
+    fn train_targets(&self, step: usize, _batch: &[Vec<i64>]) -> Option<Vec<Vec<bool>>> {
+        self.step_sequences(step).map(|p| p.targets.clone()).collect()
+    }
+
     fn eval_documents(&self) -> Option<Vec<Vec<usize>>> {
         self.eval.as_ref().map(|eval| eval.iter().map(|p| p.documents.clone()).collect())
     }
@@ -253,10 +347,16 @@ mod tests {
         assert!(matches!(parse_line(r#"{"text": "hi", "id": 3}"#), Ok(Pending::Text(t)) if t == "hi"));
         assert!(matches!(parse_line(r#"{"input_ids": [1, 2]}"#), Ok(Pending::Ids(ids)) if ids == [1, 2]));
         assert!(matches!(parse_line("[4, 5]"), Ok(Pending::Ids(ids)) if ids == [4, 5]));
+        assert!(matches!(parse_line(r#"{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}"#), Ok(Pending::Labelled(ids, targets)) if ids == [1, 2, 3] && targets == [false, true, true]));
+        assert!(matches!(parse_line(r#"{"prompt": "Q: ", "completion": "A"}"#), Ok(Pending::PromptCompletion(p, c)) if p == "Q: " && c == "A"));
         for (line, expected) in [
-            (r#"{"text": "a", "input_ids": [1]}"#, "both"),
+            (r#"{"text": "a", "input_ids": [1]}"#, "has \"text\" and \"input_ids\""),
             (r#"{"text": 3}"#, "must be a string"),
             (r#"{"input_ids": [1.5]}"#, "integer token ids"),
+            (r#"{"input_ids": [1, 2], "labels": [1]}"#, "one label per token"),
+            (r#"{"input_ids": [1, 2], "labels": [1, 7]}"#, "label 7 at position 1 is neither -100 nor the token there (2)"),
+            (r#"{"prompt": "Q"}"#, "no \"completion\""),
+            (r#"{"prompt": "Q", "completion": 3}"#, "must be strings"),
             (r#"{"content": "a"}"#, "needs a \"text\""),
             ("\"a\"", "expected an object"),
             ("{", "not JSON"),
@@ -281,6 +381,33 @@ mod tests {
         }
         // Byte paragraphs are cut after each blank line.
         assert_eq!(crate::train::paragraph_lengths(&[97, 10, 10, 98, 10]), [3, 2]);
+    }
+
+    /// Labelled ids keep their targets (the appended EOS ends an answer that ends the
+    /// document); the flags follow their tokens through packing, a cut document included.
+    #[test]
+    fn targets_follow_their_tokens_into_the_packed_sequences() {
+        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false };
+        let dir = std::env::temp_dir().join(format!("ulysses-targets-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("data.jsonl");
+        fs::write(&file, "{\"input_ids\": [5, 6, 7], \"labels\": [-100, 6, 7]}\n[8, 9]\n{\"input_ids\": [1, 2, 3, 4, 0], \"labels\": [-100, -100, 3, -100, -100]}\n").unwrap();
+        let documents = reader.read(&file).unwrap();
+        fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(documents.ids, vec![vec![5, 6, 7, 0], vec![8, 9, 0], vec![1, 2, 3, 4, 0]]);
+        let targets = documents.targets.unwrap();
+        assert_eq!(targets, vec![vec![false, true, true, true], vec![true; 3], vec![false, false, true, false, false]]);
+        let data = PackedDocuments::pack_with_targets(&documents.ids, Some(&targets), 4, 1, 3, false).unwrap();
+        let packed: Vec<(Vec<i64>, Vec<bool>)> = data.train.iter().map(|p| (p.tokens.clone(), p.targets.clone().unwrap())).collect();
+        assert_eq!(
+            packed,
+            vec![
+                (vec![5, 6, 7, 0], vec![false, true, true, true]),
+                (vec![8, 9, 0], vec![true; 3]),
+                (vec![1, 2, 3, 4], vec![false, false, true, false]),
+                (vec![0], vec![false]),
+            ]
+        );
     }
 
     #[test]

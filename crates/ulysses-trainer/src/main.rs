@@ -38,6 +38,13 @@ use ulysses_trainer::{
     train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, save_model, train_rank},
 };
 
+/// What supervised fine-tuning data trains on (`--loss-on`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LossOn {
+    Assistant,
+    All,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum BackendKind {
     /// NdArray on the CPU.
@@ -116,9 +123,16 @@ struct Args {
     /// Documents to fine-tune a --model (or --hf-config) on: JSON Lines of {"text": ...}
     /// (tokenized with --tokenizer) or {"input_ids": [...]}, a text file (one document), or a
     /// folder of them. Each document ends in EOS; they are packed into sequences of --seq-len,
-    /// each a document of its own (positions restart, attention stays inside it).
+    /// each a document of its own (positions restart, attention stays inside it). Supervised
+    /// fine-tuning: {"prompt": ..., "completion": ...} or {"input_ids": [...], "labels": [...]}
+    /// (-100: not trained on) lines, where only the answers are trained on (--loss-on).
     #[arg(long, conflicts_with_all = ["corpus", "tokens"])]
     data: Option<PathBuf>,
+    /// What --data's prompt/completion and labelled lines train on: `assistant`, the answers
+    /// alone (the completions, the tokens with a label), as TRL's SFTTrainer does; `all`, every
+    /// token.
+    #[arg(long, value_enum, default_value = "assistant", requires = "data")]
+    loss_on: LossOn,
     /// The tokenizer.json that tokenizes --data's text [default: the --model folder's].
     #[arg(long, requires = "data")]
     tokenizer: Option<PathBuf>,
@@ -468,9 +482,14 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     let tokenizer = tokenizer_file.map(|file| TextTokenizer::from_file(&file)).transpose().map_err(|e| format!("--tokenizer: {e}"))?;
     let reader = DocumentReader { tokenizer: tokenizer.as_ref(), eos, vocab: config.model.vocab_size, progress: show_progress };
     let documents = reader.read(path)?;
+    let targets = documents.targets.as_deref().filter(|_| args.loss_on == LossOn::Assistant);
+    if let Some(targets) = targets {
+        let (trained, total) = (targets.iter().flatten().filter(|&&t| t).count(), targets.iter().map(Vec::len).sum::<usize>());
+        tracing::info!("training on the answers alone: {trained} of {total} tokens are targets (--loss-on all: every token)");
+    }
     // Evaluating takes every sequence, however few.
     let batch_size = if args.eval_only { 1 } else { config.batch_size };
-    PackedDocuments::pack(&documents, config.seq_len, batch_size, config.seed, !args.eval_only)
+    PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, batch_size, config.seed, !args.eval_only)
 }
 
 /// Runs the job on the --backend.

@@ -246,6 +246,11 @@ pub trait StepData: Sync {
         batch.iter().map(|sequence| paragraph_lengths(sequence)).collect()
     }
 
+    /// For supervised fine-tuning, which tokens of step `step`'s sequences (`batch`) are
+    /// targets, per sequence and token ([`StepInput::targets`]); `None` (the default): all.
+    fn train_targets(&self, _step: usize, _batch: &[Vec<i64>]) -> Option<Vec<Vec<bool>>> {
+        None
+    }
     /// With [`TrainConfig::pack`]: the documents of each held-out sequence, or `None` to
     /// evaluate whole windows (the default: a byte corpus's held-out loss stays comparable
     /// between packed and unpacked runs).
@@ -478,7 +483,15 @@ where
     }
     let micro_batches = config.micro_batches(&global, groups.dp_rank());
     let documents = config.pack.then(|| config.micro_batches(&data.train_documents(step, &global), groups.dp_rank()));
-    let input = StepInput { index: step, learning_rate: config.learning_rate_at(step), micro_batches: &micro_batches, documents: documents.as_deref(), max_grad_norm: config.max_grad_norm };
+    let targets = data.train_targets(step, &global).map(|targets| config.micro_batches(&targets, groups.dp_rank()));
+    let input = StepInput {
+        index: step,
+        learning_rate: config.learning_rate_at(step),
+        micro_batches: &micro_batches,
+        documents: documents.as_deref(),
+        targets: targets.as_deref(),
+        max_grad_norm: config.max_grad_norm,
+    };
     let mut local = match &config.layer_checkpointing {
         None => backward_step(&model, &input, sharder, groups, device)?,
         Some(checkpointing) => backward_step_checkpointed(&model, &input, sharder, groups, device, checkpointing)?,

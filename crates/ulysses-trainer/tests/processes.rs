@@ -663,6 +663,57 @@ fn qwen3_and_tokenizer() -> (PathBuf, PathBuf) {
     (fixtures.join("qwen3"), fixtures.join("tokenizer/tokenizer.json"))
 }
 
+/// `{"prompt", "completion"}` lines train on the completions alone, as TRL's SFTTrainer
+/// does: the targets are the tokens past the prompt's (counted here with the tokenizer, the
+/// EOS included), the same at SP=1 and SP=2 (losses within 1e-5), and `--loss-on all` trains
+/// on every token instead (another loss from step 0).
+#[test]
+fn prompt_completion_lines_train_on_the_completions_alike_at_sp_1_and_2() {
+    use ulysses_models::TextTokenizer;
+    let dir = workspace("prompt-completion");
+    let (checkpoint, tokenizer_file) = qwen3_and_tokenizer();
+    let words = ["sequence", "parallel", "heads", "group", "GPUs", "trades", "shards", "attention", "long", "context"];
+    let pairs: Vec<(String, String)> = (0..12)
+        .map(|i| {
+            let prompt = format!("Question {i}: {}?", (0..2 + i % 4).map(|w| words[(i * 3 + w) % words.len()]).collect::<Vec<_>>().join(" "));
+            let completion = format!(" Answer: {}.", (0..1 + i % 5).map(|w| words[(i * 7 + w * 3) % words.len()]).collect::<Vec<_>>().join(" "));
+            (prompt, completion)
+        })
+        .collect();
+    let data = dir.join("sft.jsonl");
+    fs::write(&data, pairs.iter().map(|(p, c)| serde_json::json!({ "prompt": p, "completion": c }).to_string()).collect::<Vec<_>>().join("\n")).unwrap();
+    let tokenizer = TextTokenizer::from_file(&tokenizer_file).unwrap();
+    let (mut targets, mut total) = (0, 0);
+    for (prompt, completion) in &pairs {
+        let prompt_len = tokenizer.encode_document(prompt, 0).unwrap().len() - 1;
+        let whole = tokenizer.encode_document(&format!("{prompt}{completion}"), 0).unwrap().len();
+        assert!(whole < 128, "a document would be cut at --seq-len 128");
+        (targets, total) = (targets + whole - prompt_len, total + whole);
+    }
+    let run = |name: &str, extra: &str| {
+        let args: Vec<String> = format!(
+            "--model {} --tokenizer {} --eos-token-id 0 --data {} --seq-len 128 --batch-size 2 --steps 2 --learning-rate 0.01 --out {} {extra}",
+            checkpoint.display(),
+            tokenizer_file.display(),
+            data.display(),
+            dir.join(name).display()
+        )
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+        let output = succeed(run_alone(&args, &[]));
+        (show(&output), losses(&dir.join(name)))
+    };
+    let (log, one) = run("sp1", "--sp 1");
+    let (_, two) = run("sp2", "--sp 2");
+    let (_, all) = run("all", "--sp 1 --loss-on all");
+    println!("SP=1 {one:?}\nSP=2 {two:?}\nall tokens {all:?}");
+    assert!(log.contains(&format!("training on the answers alone: {targets} of {total} tokens are targets")), "{log}");
+    assert!(one.iter().zip(&two).all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() <= TOLERANCE as f64), "SP=2 {two:?} against SP=1 {one:?}");
+    assert!((one[0].1 - all[0].1).abs() > 1e-3, "--loss-on all trained on the same tokens: {all:?} against {one:?}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// The eval-only line's loss and labelled tokens.
 fn eval_line(output: &Output) -> (f64, usize) {
     let text = show(output);

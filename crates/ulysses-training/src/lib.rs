@@ -118,6 +118,11 @@ pub struct StepInput<'a> {
     /// into it ([`pack_documents`](burn_ulysses::data::pack_documents)). `None`: one document per
     /// sequence.
     pub documents: Option<&'a [Vec<Vec<usize>>]>,
+    /// For supervised fine-tuning: per micro-batch, per sequence, whether each token is a
+    /// target (trained on: an answer's tokens, not its prompt's;
+    /// [`SequenceSharder::shard_targets`](burn_ulysses::data::SequenceSharder::shard_targets)).
+    /// The loss is the mean over the targets alone, over every rank. `None`: every token.
+    pub targets: Option<&'a [Vec<Vec<bool>>]>,
     /// Clip the summed gradient to this global L2 norm, with rank 0's measure of it
     /// ([`agreed_gradient_norm`], [`clip_with_norm`]); `None`: no clipping. The same on every
     /// rank (checked).
@@ -227,20 +232,26 @@ where
 {
     check_step_inputs::<B, M>(model, step.micro_batches, sharder, groups)?;
     let sp_rank = groups.sp_rank();
-    if let Some(documents) = step.documents
-        && documents.len() != step.micro_batches.len()
-    {
-        return Err(UlyssesError::InvalidConfig(format!(
-            "document lengths for {} micro-batches, but the step has {}",
-            documents.len(),
-            step.micro_batches.len()
-        )));
+    for (what, count) in [("document lengths", step.documents.map(<[_]>::len)), ("targets", step.targets.map(<[_]>::len))] {
+        if let Some(count) = count.filter(|&count| count != step.micro_batches.len()) {
+            return Err(UlyssesError::InvalidConfig(format!("{what} for {count} micro-batches, but the step has {}", step.micro_batches.len())));
+        }
+    }
+    if let Some((m, i, want, got)) = step.targets.and_then(|targets| {
+        targets.iter().zip(step.micro_batches).enumerate().find_map(|(m, (targets, batch))| {
+            (targets.len() != batch.len()).then(|| (m, usize::MAX, batch.len(), targets.len())).or_else(|| {
+                targets.iter().zip(batch).enumerate().find(|(_, (t, s))| t.len() != s.len()).map(|(i, (t, s))| (m, i, s.len(), t.len()))
+            })
+        })
+    }) {
+        let at = if i == usize::MAX { format!("micro-batch {m}: targets for {got} sequences") } else { format!("micro-batch {m}, sequence {i}: {got} targets") };
+        return Err(UlyssesError::InvalidConfig(format!("{at}, but it has {want}: one target flag per token")));
     }
     let shards: Vec<_> = step
         .micro_batches
         .iter()
         .enumerate()
-        .map(|(m, batch)| sharder.shard_documents(batch, step.documents.map(|d| &d[m][..]), sp_rank))
+        .map(|(m, batch)| sharder.shard_targets(batch, step.documents.map(|d| &d[m][..]), step.targets.map(|t| &t[m][..]), sp_rank))
         .collect();
     let local_valid: usize = shards.iter().map(|s| s.valid_tokens).sum();
     let local_processed: usize = shards.iter().map(|s| s.batch * s.local_len).sum();
