@@ -50,9 +50,9 @@ fn evaluate_at(config: TrainConfig, checkpoint: PathBuf, train_first: bool) -> (
             load_model::<Sp>(&config.model, checkpoint, &device).unwrap()
         };
         let batch = VariedLengths { vocab: VOCAB }.eval_batch().unwrap();
-        let with_sp = evaluate_model::<Sp>(config, &burn::module::AutodiffModule::valid(&model), &batch, None, &groups, &device).unwrap().map(|l| l.mean());
+        let with_sp = evaluate_model::<Sp>(config, &burn::module::AutodiffModule::valid(&model), &batch, None, None, &groups, &device).unwrap().map(|l| l.mean());
         let bypass_config = config.clone().with_eval_single_device(true);
-        let bypass = evaluate_model::<Sp>(&bypass_config, &burn::module::AutodiffModule::valid(&model), &batch, None, &groups, &device).unwrap().map(|l| l.mean());
+        let bypass = evaluate_model::<Sp>(&bypass_config, &burn::module::AutodiffModule::valid(&model), &batch, None, None, &groups, &device).unwrap().map(|l| l.mean());
         (with_sp.unwrap(), bypass)
     });
     let results: Vec<(f64, Option<f64>)> = per_rank.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
@@ -75,7 +75,7 @@ fn a_checkpoint_saved_at_sp4_loads_at_sp1_with_the_same_loss() {
             let plain_model = load_model::<Reference>(&model_config, &checkpoint, &Default::default()).unwrap();
             let batch = VariedLengths { vocab: VOCAB }.eval_batch().unwrap();
             let forward = |tokens, positions: &_| LmOutput::Logits(plain_model.forward(tokens, positions));
-            let plain = ulysses_training::evaluate_single_device::<Reference>(forward, &batch, None, -100, &Default::default()).mean();
+            let plain = ulysses_training::evaluate_single_device::<Reference>(forward, &batch, None, None, -100, &Default::default()).mean();
             (sp4, sp4_bypass, sp1, plain)
         }
     });

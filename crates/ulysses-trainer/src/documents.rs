@@ -285,6 +285,12 @@ impl PackedDocuments {
         self.train.iter().chain(self.eval.iter().flatten()).map(|p| (p.tokens.clone(), p.documents.clone())).unzip()
     }
 
+    /// The target flags of [`everything`](Self::everything)'s sequences, where the data marks
+    /// answers.
+    pub fn every_target(&self) -> Option<Vec<Vec<bool>>> {
+        self.train.iter().chain(self.eval.iter().flatten()).map(|p| p.targets.clone()).collect()
+    }
+
     /// The order in which epoch `epoch` draws the sequences of `train`: a permutation seeded by
     /// (seed, epoch), so each epoch sees every sequence once.
     fn epoch_order(&self, epoch: usize) -> Vec<usize> {
@@ -335,6 +341,10 @@ impl StepData for PackedDocuments {
 
     fn eval_documents(&self) -> Option<Vec<Vec<usize>>> {
         self.eval.as_ref().map(|eval| eval.iter().map(|p| p.documents.clone()).collect())
+    }
+
+    fn eval_targets(&self) -> Option<Vec<Vec<bool>>> {
+        self.eval.as_ref()?.iter().map(|p| p.targets.clone()).collect()
     }
 }
 

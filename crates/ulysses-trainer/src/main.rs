@@ -297,7 +297,8 @@ struct Job<'a> {
     resumed_at: Option<usize>,
     /// With --eval-only: every sequence of --data and its documents, evaluated instead of
     /// training.
-    eval_sequences: Option<(Vec<Vec<i64>>, Vec<Vec<usize>>)>,
+    /// `--eval-only`: every sequence, its documents and, where the data marks answers, its targets.
+    eval_sequences: Option<(Vec<Vec<i64>>, Vec<Vec<usize>>, Option<Vec<Vec<bool>>>)>,
     options: JobOptions,
     /// Held by world rank 0 for the whole run.
     _run_folder: Option<RunFolder>,
@@ -408,7 +409,10 @@ fn run(args: Args) -> Result<(), String> {
     let data: Box<dyn StepData> = match (&args.data, &args.tokens) {
         (Some(path), _) => {
             let documents = packed_documents(&args, path, pretrained.as_ref().expect("--data needs a checkpoint (checked)"), &config, is_first)?;
-            eval_sequences = args.eval_only.then(|| documents.everything());
+            eval_sequences = args.eval_only.then(|| {
+                let (sequences, lengths) = documents.everything();
+                (sequences, lengths, documents.every_target())
+            });
             Box::new(documents)
         }
         (None, Some(path)) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab)?),
@@ -606,14 +610,14 @@ where
     let template = Template::new(template, if threads { config.layout.world_size() } else { 1 });
 
     let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {
-        if let Some((sequences, documents)) = &job.eval_sequences {
+        if let Some((sequences, documents, targets)) = &job.eval_sequences {
             if job.args.fault_kill_before_eval == Some(rank.world_rank) {
                 tracing::warn!(rank = rank.world_rank, "test hook: killing this process (SIGKILL) before it evaluates");
                 // SAFETY: kill(2) on our own pid; nothing after it runs.
                 unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             }
             let model = template.take_or_clone().fork(&rank.device);
-            let loss = evaluate_sequences::<Sp<W>>(config, model, sequences, Some(documents), &rank.groups, &rank.device).map_err(|e| e.to_string())?;
+            let loss = evaluate_sequences::<Sp<W>>(config, model, sequences, Some(documents), targets.as_deref(), &rank.groups, &rank.device).map_err(|e| e.to_string())?;
             if rank.world_rank == 0 {
                 println!(
                     "eval: loss {:.6}, perplexity {:.4} over {} labelled tokens in {} sequences of {} (SP={} DP={})",

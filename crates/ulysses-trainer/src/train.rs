@@ -251,6 +251,10 @@ pub trait StepData: Sync {
     fn train_targets(&self, _step: usize, _batch: &[Vec<i64>]) -> Option<Vec<Vec<bool>>> {
         None
     }
+    /// Which tokens of the held-out sequences are targets, as [`train_targets`](Self::train_targets).
+    fn eval_targets(&self) -> Option<Vec<Vec<bool>>> {
+        None
+    }
     /// With [`TrainConfig::pack`]: the documents of each held-out sequence, or `None` to
     /// evaluate whole windows (the default: a byte corpus's held-out loss stays comparable
     /// between packed and unpacked runs).
@@ -380,6 +384,7 @@ where
     }
     let eval_batch = data.eval_batch();
     let eval_documents = if config.pack { data.eval_documents() } else { None };
+    let eval_targets = data.eval_targets();
     let last_step = options.stop_after.map_or(config.steps, |stop| stop.min(config.steps));
     let mut reports = Vec::with_capacity(last_step.saturating_sub(first_step));
 
@@ -400,7 +405,7 @@ where
         }
         let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
         if let (true, Some(batch)) = (eval_due, &eval_batch) {
-            let loss = evaluate_model::<B>(config, &model.valid(), batch, eval_documents.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
+            let loss = evaluate_model::<B>(config, &model.valid(), batch, eval_documents.as_deref(), eval_targets.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
             if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss) {
                 progress.eval(step, loss.mean());
             }
@@ -611,13 +616,15 @@ fn inject_faults<B: TrainBackend>(faults: &Faults, step: usize, rank: usize, mod
     }
 }
 
-/// The loss of `batch` (packing `documents`, if given): over the SP group, or on world rank 0
-/// alone when `eval_single_device` is set (`None` on the other ranks).
+/// The loss of `batch` (packing `documents`, if given; over its `targets`, if given): over the
+/// SP group, or on world rank 0 alone when `eval_single_device` is set (`None` on the other
+/// ranks).
 pub fn evaluate_model<B>(
     config: &TrainConfig,
     model: &Decoder<B::InnerBackend>,
     batch: &[Vec<i64>],
     documents: Option<&[Vec<usize>]>,
+    targets: Option<&[Vec<bool>]>,
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
 ) -> Result<Option<TokenLoss>, UlyssesError>
@@ -628,13 +635,13 @@ where
     let sharder = config.sharder();
     if config.eval_single_device {
         let is_first = groups.world_rank() == 0;
-        return Ok(is_first.then(|| evaluate_single_device(forward, batch, documents, sharder.ignore_index, device)));
+        return Ok(is_first.then(|| evaluate_single_device(forward, batch, documents, targets, sharder.ignore_index, device)));
     }
-    evaluate(forward, batch, documents, &sharder, groups.sp_rank(), &*groups.sp, device).map(Some)
+    evaluate(forward, batch, documents, targets, &sharder, groups.sp_rank(), &*groups.sp, device).map(Some)
 }
 
 /// The loss of `model` over `sequences` (a whole file; each packing the documents of lengths
-/// `documents[i]`, if given), `batch_size` at a time: DP replica `r` evaluates batches `r`,
+/// `documents[i]`, if given; over its `targets[i]`, if given), `batch_size` at a time: DP replica `r` evaluates batches `r`,
 /// `r + dp`, ..., each over its SP group, and the world adds them up. Every rank returns the
 /// same.
 pub fn evaluate_sequences<B: TrainBackend>(
@@ -642,6 +649,7 @@ pub fn evaluate_sequences<B: TrainBackend>(
     model: Decoder<B>,
     sequences: &[Vec<i64>],
     documents: Option<&[Vec<usize>]>,
+    targets: Option<&[Vec<bool>]>,
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
 ) -> Result<TokenLoss, UlyssesError> {
@@ -652,7 +660,8 @@ pub fn evaluate_sequences<B: TrainBackend>(
     for start in (groups.dp_rank() * size..sequences.len()).step_by(size * config.layout.dp_size) {
         let end = (start + size).min(sequences.len());
         let batch_documents = documents.map(|documents| &documents[start..end]);
-        let loss = evaluate_model::<B>(&config, &model, &sequences[start..end], batch_documents, groups, device)?.expect("evaluated over the SP group");
+        let batch_targets = targets.map(|targets| &targets[start..end]);
+        let loss = evaluate_model::<B>(&config, &model, &sequences[start..end], batch_documents, batch_targets, groups, device)?.expect("evaluated over the SP group");
         total = total.add(loss);
     }
     // Each SP group's ranks hold its sums; the group's first rank speaks for it.

@@ -666,7 +666,8 @@ fn qwen3_and_tokenizer() -> (PathBuf, PathBuf) {
 /// `{"prompt", "completion"}` lines train on the completions alone, as TRL's SFTTrainer
 /// does: the targets are the tokens past the prompt's (counted here with the tokenizer, the
 /// EOS included), the same at SP=1 and SP=2 (losses within 1e-5), and `--loss-on all` trains
-/// on every token instead (another loss from step 0).
+/// on every token instead (another loss from step 0); `--eval-only` evaluates the same
+/// targets at SP=1 and 2 (or every label, with `--loss-on all`).
 #[test]
 fn prompt_completion_lines_train_on_the_completions_alike_at_sp_1_and_2() {
     use ulysses_models::TextTokenizer;
@@ -711,6 +712,22 @@ fn prompt_completion_lines_train_on_the_completions_alike_at_sp_1_and_2() {
     assert!(log.contains(&format!("training on the answers alone: {targets} of {total} tokens are targets")), "{log}");
     assert!(one.iter().zip(&two).all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() <= TOLERANCE as f64), "SP=2 {two:?} against SP=1 {one:?}");
     assert!((one[0].1 - all[0].1).abs() > 1e-3, "--loss-on all trained on the same tokens: {all:?} against {one:?}");
+    // --eval-only counts the same targets (every one has a token before it in its document).
+    let eval = |extra: &str| {
+        let args: Vec<String> = format!(
+            "--model {} --tokenizer {} --eos-token-id 0 --data {} --seq-len 128 --batch-size 2 --eval-only {extra}",
+            checkpoint.display(),
+            tokenizer_file.display(),
+            data.display()
+        )
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+        eval_line(&succeed(run_alone(&args, &[])))
+    };
+    let ((answers_one, answers), (answers_two, answers_sp2), (_, every)) = (eval("--sp 1"), eval("--sp 2"), eval("--sp 1 --loss-on all"));
+    assert_eq!((answers, answers_sp2, every), (targets, targets, total - pairs.len()), "tokens evaluated: answers at SP=1 and 2, then every label");
+    assert!((answers_one - answers_two).abs() <= TOLERANCE as f64, "eval at SP=2 {answers_two} against SP=1 {answers_one}");
     let _ = fs::remove_dir_all(&dir);
 }
 

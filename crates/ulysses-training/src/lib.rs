@@ -448,19 +448,21 @@ impl TokenLoss {
 }
 
 /// The cross-entropy of `batch` (each sequence packing the documents of lengths
-/// `documents[i]`; `None`: one each), evaluated with sequence parallelism: this rank runs
+/// `documents[i]`; `None`: one each) over its `targets` (all tokens: `None`; see
+/// [`StepInput::targets`]), evaluated with sequence parallelism: this rank runs
 /// `forward` on its shard, and the SP group sums losses and valid tokens. `forward` returns
 /// logits, or hidden states and head for a loss computed in chunks.
 pub fn evaluate<B: Backend, G: Backend>(
     forward: impl Fn(Tensor<B, 2, Int>, &ShardPositions) -> LmOutput<B>,
     batch: &[Vec<i64>],
     documents: Option<&[Vec<usize>]>,
+    targets: Option<&[Vec<bool>]>,
     sharder: &SequenceSharder,
     sp_rank: usize,
     sp_group: &dyn Communicator<G>,
     device: &B::Device,
 ) -> Result<TokenLoss, UlyssesError> {
-    let shard = sharder.shard_documents(batch, documents, sp_rank);
+    let shard = sharder.shard_targets(batch, documents, targets, sp_rank);
     let loss = model_failure_as_error(|| {
         let output = forward(shard.tokens(device), &shard.positions);
         lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>()
@@ -476,11 +478,12 @@ pub fn evaluate_single_device<B: Backend>(
     forward: impl Fn(Tensor<B, 2, Int>, &ShardPositions) -> LmOutput<B>,
     batch: &[Vec<i64>],
     documents: Option<&[Vec<usize>]>,
+    targets: Option<&[Vec<bool>]>,
     ignore_index: i64,
     device: &B::Device,
 ) -> TokenLoss {
     let _single_device = burn_ulysses::context::enter_single_device();
-    let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard_documents(batch, documents, 0);
+    let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard_targets(batch, documents, targets, 0);
     let loss = lm_loss_sum_inference(forward(whole.tokens(device), &whole.positions), whole.labels(device), ignore_index);
     TokenLoss { sum: loss.into_scalar().elem::<f64>(), tokens: whole.valid_tokens }
 }
