@@ -10,6 +10,7 @@
 //! `burn_ulysses::UlyssesBackend`); [`pretrained`] loads a checkpoint folder's weights into
 //! it; [`tokenizer`] reads `tokenizer.json` with the `tokenizers` crate.
 
+pub mod chat;
 pub mod config;
 pub mod decoder;
 pub mod pretrained;
@@ -17,6 +18,7 @@ pub mod rope;
 pub mod rope_tables;
 pub mod tokenizer;
 
+pub use chat::{ChatError, ChatTemplate, RenderedChat};
 pub use config::{ConfigError, HfConfig, Family};
 pub use decoder::{Decoder, DecoderConfig};
 pub use pretrained::{CheckpointError, DEFAULT_MAX_SHARD_BYTES, Pretrained, SaveOptions, check_save_destination, from_pretrained, save_pretrained, save_pretrained_with};

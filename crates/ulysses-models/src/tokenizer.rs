@@ -28,6 +28,13 @@ impl TextTokenizer {
         Ok(Self { inner, file })
     }
 
+    /// [`encode`](Self::encode) with each token's characters (`start..end`, in characters as
+    /// Python indexes strings).
+    pub fn encode_with_char_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<(usize, usize)>), TokenizerError> {
+        let encoding = self.inner.encode_char_offsets(text, false).map_err(|e| self.cannot_encode(e))?;
+        Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
+    }
+
     /// The ids of `text`, special tokens written in it parsed as such, none added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let encoding = self.inner.encode(text, false).map_err(|e| self.cannot_encode(e))?;

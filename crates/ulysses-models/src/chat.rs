@@ -1,0 +1,207 @@
+//! A checkpoint's chat template, rendered as transformers' `apply_chat_template` renders it:
+//! Jinja with `trim_blocks` and `lstrip_blocks`, loop controls, `raise_exception`, Python's
+//! string methods (`minijinja-contrib`'s pycompat), the special tokens of
+//! `tokenizer_config.json` as variables; the text then tokenized with no special tokens added
+//! (the template writes its own). `{% generation %}…{% endgeneration %}` marks the assistant's
+//! answers, as transformers' `AssistantTracker` does: each token that holds a character of one
+//! is an assistant token (`return_assistant_tokens_mask`), the tokens supervised fine-tuning
+//! trains on.
+
+use std::{collections::BTreeMap, fs, ops::Range, path::Path};
+
+use minijinja::{Environment, Error, ErrorKind, Value};
+
+use crate::tokenizer::{TextTokenizer, TokenizerError};
+
+/// Why a chat template cannot be read or rendered, naming the file.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {problem}")]
+pub struct ChatError {
+    pub file: String,
+    pub problem: String,
+}
+
+/// A chat template and the special tokens it may name.
+pub struct ChatTemplate {
+    /// The source with each generation block's tags replaced by markers (see [`marked`]).
+    source: String,
+    generation_blocks: bool,
+    /// `bos_token`, `eos_token`, ... as `tokenizer_config.json` has them.
+    special_tokens: BTreeMap<String, String>,
+    file: String,
+}
+
+/// A conversation rendered: the text, and the character ranges of the assistant's answers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RenderedChat {
+    pub text: String,
+    /// In characters (as Python indexes strings), each a `{% generation %}` block's output.
+    pub generations: Vec<Range<usize>>,
+}
+
+/// The private-use characters that stand for a generation block's start and end in the
+/// rendered text (taken out again before anything sees it).
+const GENERATION_START: char = '\u{E000}';
+const GENERATION_END: char = '\u{E001}';
+
+impl ChatTemplate {
+    /// The chat template of a checkpoint folder: `chat_template` in `tokenizer_config.json` (a
+    /// string, or a list of named templates: the one named `default`), else
+    /// `chat_template.jinja`; `None` when it has neither.
+    pub fn from_checkpoint(dir: &Path) -> Result<Option<Self>, ChatError> {
+        let config_file = dir.join("tokenizer_config.json");
+        let config: serde_json::Value = match fs::read_to_string(&config_file) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| error(&config_file, format!("is not JSON: {e}")))?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let special_tokens = ["bos_token", "eos_token", "unk_token", "pad_token"]
+            .into_iter()
+            .filter_map(|name| {
+                let token = &config[name];
+                // A string, or an added token's {"content": ...}.
+                let text = token.as_str().or_else(|| token["content"].as_str())?;
+                Some((name.to_string(), text.to_string()))
+            })
+            .collect();
+        let (source, file) = match &config["chat_template"] {
+            serde_json::Value::String(source) => (source.clone(), config_file),
+            serde_json::Value::Array(named) => {
+                let default = named.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str());
+                let source = default.ok_or_else(|| error(&config_file, "its chat_template list has no template named \"default\""))?;
+                (source.to_string(), config_file)
+            }
+            _ => {
+                let jinja = dir.join("chat_template.jinja");
+                match fs::read_to_string(&jinja) {
+                    Ok(source) => (source, jinja),
+                    Err(_) => return Ok(None),
+                }
+            }
+        };
+        Self::new(&source, special_tokens, &file.display().to_string()).map(Some)
+    }
+
+    /// A template from its source; `special_tokens` are the variables `bos_token`, ...
+    pub fn new(source: &str, special_tokens: BTreeMap<String, String>, file: &str) -> Result<Self, ChatError> {
+        let (source, generation_blocks) = marked(source);
+        let template = Self { source, generation_blocks, special_tokens, file: file.to_string() };
+        // Parsed once here, so that a template that cannot parse is refused before any data.
+        template.environment().template_from_str(&template.source).map_err(|e| template.error(format!("its chat template does not parse: {e:#}")))?;
+        Ok(template)
+    }
+
+    /// Whether the template marks the assistant's answers (`{% generation %}`), which
+    /// training on the answers alone needs.
+    pub fn marks_answers(&self) -> bool {
+        self.generation_blocks
+    }
+
+    fn environment(&self) -> Environment<'static> {
+        let mut env = Environment::new();
+        // jinja2's settings in transformers (keep_trailing_newline stays off, as there).
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |message: String| -> Result<Value, Error> { Err(Error::new(ErrorKind::InvalidOperation, message)) });
+        env
+    }
+
+    /// `messages` (each an object with `role` and `content`, and whatever else the template
+    /// reads) rendered, with the prompt for the next answer when `add_generation_prompt`.
+    pub fn render(&self, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<RenderedChat, ChatError> {
+        let env = self.environment();
+        let template = env.template_from_str(&self.source).map_err(|e| self.error(format!("its chat template does not parse: {e:#}")))?;
+        let mut context: BTreeMap<String, Value> = self.special_tokens.iter().map(|(name, text)| (name.clone(), Value::from(text.as_str()))).collect();
+        context.insert("messages".into(), Value::from_serialize(messages));
+        context.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
+        let rendered = template.render(&context).map_err(|e| self.error(format!("the chat template failed on a conversation: {e:#}")))?;
+        Ok(unmarked(&rendered))
+    }
+
+    /// The conversation's token ids (the rendered text, no special tokens added) and which are
+    /// the assistant's: each token holding a character of a generation block.
+    pub fn tokenize(&self, tokenizer: &TextTokenizer, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<(Vec<u32>, Vec<bool>), ChatError> {
+        let rendered = self.render(messages, add_generation_prompt)?;
+        let (ids, offsets) = tokenizer.encode_with_char_offsets(&rendered.text).map_err(|e: TokenizerError| ChatError { file: e.file, problem: e.problem })?;
+        let mut answers = vec![false; ids.len()];
+        // transformers: the tokens from the one holding a block's first character to the one
+        // holding its last.
+        let token_of = |c: usize| offsets.iter().position(|&(start, end)| start <= c && c < end);
+        for block in rendered.generations.iter().filter(|block| !block.is_empty()) {
+            let (Some(first), last) = (token_of(block.start), token_of(block.end - 1)) else { continue };
+            let last = last.unwrap_or(ids.len() - 1);
+            answers[first..=last].iter_mut().for_each(|answer| *answer = true);
+        }
+        Ok((ids, answers))
+    }
+
+    fn error(&self, problem: String) -> ChatError {
+        ChatError { file: self.file.clone(), problem }
+    }
+}
+
+fn error(path: &Path, problem: impl Into<String>) -> ChatError {
+    ChatError { file: path.display().to_string(), problem: problem.into() }
+}
+
+/// `source` with `{% generation %}` and `{% endgeneration %}` (any whitespace control)
+/// replaced by block tags that keep their whitespace handling (lstrip before the first,
+/// trim after the last) and print a marker between them: `{% if true %}{{ START }}{% if true
+/// %}` and `{% endif %}{{ END }}{% endif %}`. Whether any was found.
+fn marked(source: &str) -> (String, bool) {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    let mut found = false;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        let Some(close) = tag.find("%}") else {
+            out.push_str(tag);
+            return (out, found);
+        };
+        let inner = &tag[2..close];
+        let (left, body, right) = (inner.starts_with('-'), inner.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace()), inner.ends_with('-'));
+        let (l, r) = (if left { "-" } else { "" }, if right { "-" } else { "" });
+        match body {
+            "generation" => {
+                found = true;
+                out.push_str(&format!("{{%{l} if true %}}{{{{ \"\\uE000\" }}}}{{% if true {r}%}}"));
+            }
+            "endgeneration" => out.push_str(&format!("{{%{l} endif %}}{{{{ \"\\uE001\" }}}}{{% endif {r}%}}")),
+            _ => out.push_str(&tag[..close + 2]),
+        }
+        rest = &tag[close + 2..];
+    }
+    out.push_str(rest);
+    (out, found)
+}
+
+/// The rendered text without its markers, and the character ranges between them.
+fn unmarked(rendered: &str) -> RenderedChat {
+    let (mut text, mut generations, mut open, mut chars) = (String::with_capacity(rendered.len()), Vec::new(), None, 0);
+    for c in rendered.chars() {
+        match c {
+            GENERATION_START => open = Some(chars),
+            GENERATION_END => generations.extend(open.take().map(|start| start..chars)),
+            _ => {
+                text.push(c);
+                chars += 1;
+            }
+        }
+    }
+    RenderedChat { text, generations }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_tags_become_markers_with_their_whitespace_control() {
+        let (source, found) = marked("a{%- generation %}b{% endgeneration -%}c{% if x %}d{% endif %}");
+        assert!(found);
+        assert_eq!(source, "a{%- if true %}{{ \"\\uE000\" }}{% if true %}b{% endif %}{{ \"\\uE001\" }}{% endif -%}c{% if x %}d{% endif %}");
+        let rendered = unmarked("x\u{E000}ü東\u{E001}y");
+        assert_eq!(rendered, RenderedChat { text: "xü東y".into(), generations: vec![1..3] });
+    }
+}

@@ -1,0 +1,53 @@
+//! Chat templates against transformers' `apply_chat_template` (`scripts/chat-fixtures.py`, with
+//! transformers 5.24): two templates of the kinds Llama 3 and Qwen ship (written for the
+//! fixture: special tokens, a system prompt, multi-turn, `{% generation %}` around the answers,
+//! whitespace control, `trim`, `loop.first`), four conversations each (one with the generation
+//! prompt, one with non-ASCII text), rendered and tokenized with the fixture tokenizer and the
+//! special tokens transformers added (each folder as `save_pretrained` wrote it; the template in
+//! `tokenizer_config.json` for one, `chat_template.jinja` for the other): the text, the ids and
+//! the assistant-token mask (`return_assistant_tokens_mask`) equal to transformers', exactly.
+
+use std::path::{Path, PathBuf};
+
+use ulysses_models::{ChatTemplate, TextTokenizer};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+#[test]
+fn rendered_text_ids_and_assistant_masks_equal_transformers() {
+    for name in ["llama3", "qwen"] {
+        // The checkpoint's own tokenizer.json: the fixture tokenizer with the template's special
+        // tokens added, as transformers saved it.
+        let folder = fixtures().join("chat").join(name);
+        let tokenizer = TextTokenizer::from_file(&folder).unwrap();
+        let template = ChatTemplate::from_checkpoint(&folder).unwrap().expect("the fixture has a chat template");
+        assert!(template.marks_answers(), "{name}: the fixture's template marks the answers");
+        let expected: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(folder.join("expected.json")).unwrap()).unwrap();
+        for (i, case) in expected["cases"].as_array().unwrap().iter().enumerate() {
+            let messages = case["messages"].as_array().unwrap();
+            let add_generation_prompt = case["add_generation_prompt"].as_bool().unwrap();
+            let rendered = template.render(messages, add_generation_prompt).unwrap();
+            assert_eq!(rendered.text, case["text"].as_str().unwrap(), "{name} case {i}: the rendered text");
+            let (ids, answers) = template.tokenize(&tokenizer, messages, add_generation_prompt).unwrap();
+            let want_ids: Vec<u32> = serde_json::from_value(case["input_ids"].clone()).unwrap();
+            let want_mask: Vec<u8> = serde_json::from_value(case["assistant_masks"].clone()).unwrap();
+            assert_eq!(ids, want_ids, "{name} case {i}: the token ids");
+            assert_eq!(answers.iter().map(|&a| u8::from(a)).collect::<Vec<_>>(), want_mask, "{name} case {i}: the assistant mask");
+            println!("{name} case {i}: {} tokens, {} of them the assistant's, as transformers", ids.len(), answers.iter().filter(|&&a| a).count());
+        }
+    }
+}
+
+/// A role the template refuses (its `raise_exception`) is an error naming the template's file
+/// and the template's own message; a folder without a template has none.
+#[test]
+fn a_refused_role_names_the_file_and_a_folder_without_a_template_has_none() {
+    let folder = fixtures().join("chat/llama3");
+    let template = ChatTemplate::from_checkpoint(&folder).unwrap().unwrap();
+    let messages = [serde_json::json!({"role": "tool", "content": "42"})];
+    let message = template.render(&messages, false).unwrap_err().to_string();
+    assert!(message.contains("tokenizer_config.json") && message.contains("Unknown role: tool"), "{message}");
+    assert!(ChatTemplate::from_checkpoint(&fixtures().join("tokenizer")).unwrap().is_none());
+}
