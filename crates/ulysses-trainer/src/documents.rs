@@ -6,7 +6,11 @@
 //!   context: no label, no loss): `{"prompt": "...", "completion": "..."}`, tokenized as TRL's
 //!   `SFTTrainer` does (the prompt alone, then prompt and completion together; the tokens past
 //!   the prompt's are the targets), or `{"input_ids": [...], "labels": [...]}` as transformers'
-//!   collators make them (a label is the token's id, or -100 where it is not trained on);
+//!   collators make them (a label is the token's id, or -100 where it is not trained on), or
+//!   `{"messages": [{"role", "content"}, ...]}` rendered with the checkpoint's chat template as
+//!   transformers' `apply_chat_template` renders it (`ulysses_models::ChatTemplate`; the
+//!   assistant's answers, its `{% generation %}` blocks, are the targets; no EOS is appended:
+//!   the template ends each turn itself, as TRL leaves conversations);
 //! - any other file is one text document; a folder holds such files.
 //!
 //! Every document ends in EOS (appended unless it already does), as transformers' data
@@ -23,7 +27,7 @@ use std::{
 use burn_ulysses::data::pack_documents;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
-use ulysses_models::TextTokenizer;
+use ulysses_models::{ChatTemplate, TextTokenizer};
 
 use crate::{corpus::splitmix64, files::files_under, train::StepData};
 
@@ -40,6 +44,11 @@ pub struct DocumentReader<'a> {
     pub vocab: usize,
     /// Draw a progress bar over the bytes read (rank 0).
     pub progress: bool,
+    /// Renders `{"messages"}` lines (`None`: the checkpoint has no chat template).
+    pub chat: Option<&'a ChatTemplate>,
+    /// Whether chat lines train on the answers alone (`--loss-on assistant`), which needs a
+    /// template that marks them.
+    pub answers_only: bool,
 }
 
 /// A document as read, before it is tokenized.
@@ -50,6 +59,8 @@ enum Pending {
     Labelled(Vec<i64>, Vec<bool>),
     /// A prompt and its completion: the completion's tokens are the targets.
     PromptCompletion(String, String),
+    /// A conversation, rendered with the chat template: the answers are the targets.
+    Messages(Vec<Value>),
 }
 
 /// Documents as token ids, each ending in EOS, and, where some line marks answers, whether
@@ -121,7 +132,7 @@ impl DocumentReader<'_> {
                 Pending::Text(text) => vec![text.as_str()],
                 // The prompt alone, then prompt and completion together (TRL's way).
                 Pending::PromptCompletion(prompt, _) => vec![prompt.as_str(), joined_texts.next().expect("one joined text per prompt").as_str()],
-                Pending::Ids(_) | Pending::Labelled(..) => vec![],
+                Pending::Ids(_) | Pending::Labelled(..) | Pending::Messages(_) => vec![],
             })
             .collect();
         let mut encoded = match (texts.is_empty(), self.tokenizer) {
@@ -137,6 +148,7 @@ impl DocumentReader<'_> {
         .into_iter();
         let eos = i64::from(self.eos);
         for (line, document) in pending.drain(..) {
+            let at = || if line == 0 { file.display().to_string() } else { format!("{} line {line}", file.display()) };
             let mut next = || -> Vec<i64> { encoded.next().expect("one encoding per text").into_iter().map(i64::from).collect() };
             let (ids, targets): (Vec<i64>, Option<Vec<bool>>) = match document {
                 Pending::Text(_) => (next(), None),
@@ -153,6 +165,28 @@ impl DocumentReader<'_> {
                     }
                     (ids, None)
                 }
+                Pending::Messages(messages) => {
+                    let (chat, tokenizer) = match (self.chat, self.tokenizer) {
+                        (Some(chat), Some(tokenizer)) => (chat, tokenizer),
+                        (None, _) => {
+                            return Err(format!(
+                                "{}: a \"messages\" line needs the checkpoint's chat template (chat_template in tokenizer_config.json, \
+                                 or chat_template.jinja, in the --model folder or beside --tokenizer)",
+                                at()
+                            ));
+                        }
+                        (_, None) => return Err(format!("{}: a \"messages\" line needs a tokenizer: give --tokenizer TOKENIZER_JSON", at())),
+                    };
+                    if self.answers_only && !chat.marks_answers() {
+                        return Err(format!(
+                            "{}: the chat template marks no answers ({{% generation %}} blocks), so the answers alone cannot be told \
+                             from the prompts: train on every token with --loss-on all, or use a template that marks them",
+                            at()
+                        ));
+                    }
+                    let (ids, answers) = chat.tokenize(tokenizer, &messages, false).map_err(|e| format!("{}: {e}", at()))?;
+                    (ids.into_iter().map(i64::from).collect(), Some(answers))
+                }
                 Pending::Labelled(mut ids, mut targets) => {
                     // The appended EOS ends the answer when the document ends in one.
                     if ids.last() != Some(&eos) {
@@ -163,8 +197,7 @@ impl DocumentReader<'_> {
                 }
             };
             if let Some(id) = ids.iter().find(|&&id| !(0..self.vocab as i64).contains(&id)) {
-                let at = if line == 0 { file.display().to_string() } else { format!("{} line {line}", file.display()) };
-                return Err(format!("{at}: token {id} is outside the model's vocabulary 0..{}", self.vocab));
+                return Err(format!("{}: token {id} is outside the model's vocabulary 0..{}", at(), self.vocab));
             }
             documents.push((ids, targets));
         }
@@ -191,7 +224,7 @@ fn parse_line(line: &str) -> Result<Pending, String> {
             _ => Err("expected an object with \"text\", \"input_ids\" or \"prompt\" and \"completion\"".into()),
         };
     };
-    let kinds: Vec<&str> = ["text", "input_ids", "prompt"].into_iter().filter(|k| fields.contains_key(*k)).collect();
+    let kinds: Vec<&str> = ["text", "input_ids", "prompt", "messages"].into_iter().filter(|k| fields.contains_key(*k)).collect();
     match kinds.as_slice() {
         ["text"] => match &fields["text"] {
             Value::String(text) => Ok(Pending::Text(text.clone())),
@@ -218,7 +251,11 @@ fn parse_line(line: &str) -> Result<Pending, String> {
             (_, None) => Err("has a \"prompt\" but no \"completion\": give both (the completion is what is trained on)".into()),
             _ => Err("\"prompt\" and \"completion\" must be strings".into()),
         },
-        [] => Err("needs a \"text\" (a string), an \"input_ids\" (token ids) or a \"prompt\" and \"completion\" field".into()),
+        ["messages"] => match &fields["messages"] {
+            Value::Array(messages) if !messages.is_empty() && messages.iter().all(|m| m["role"].is_string() && m.get("content").is_some()) => Ok(Pending::Messages(messages.clone())),
+            _ => Err("\"messages\" must be a non-empty array of {\"role\": ..., \"content\": ...} objects".into()),
+        },
+        [] => Err("needs a \"text\" (a string), an \"input_ids\" (token ids), a \"prompt\" and \"completion\", or a \"messages\" field".into()),
         several => Err(format!("has {}; give one kind of document", several.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(" and "))),
     }
 }
@@ -359,6 +396,7 @@ mod tests {
         assert!(matches!(parse_line("[4, 5]"), Ok(Pending::Ids(ids)) if ids == [4, 5]));
         assert!(matches!(parse_line(r#"{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}"#), Ok(Pending::Labelled(ids, targets)) if ids == [1, 2, 3] && targets == [false, true, true]));
         assert!(matches!(parse_line(r#"{"prompt": "Q: ", "completion": "A"}"#), Ok(Pending::PromptCompletion(p, c)) if p == "Q: " && c == "A"));
+        assert!(matches!(parse_line(r#"{"messages": [{"role": "user", "content": "hi"}]}"#), Ok(Pending::Messages(m)) if m.len() == 1));
         for (line, expected) in [
             (r#"{"text": "a", "input_ids": [1]}"#, "has \"text\" and \"input_ids\""),
             (r#"{"text": 3}"#, "must be a string"),
@@ -367,6 +405,8 @@ mod tests {
             (r#"{"input_ids": [1, 2], "labels": [1, 7]}"#, "label 7 at position 1 is neither -100 nor the token there (2)"),
             (r#"{"prompt": "Q"}"#, "no \"completion\""),
             (r#"{"prompt": "Q", "completion": 3}"#, "must be strings"),
+            (r#"{"messages": []}"#, "non-empty array"),
+            (r#"{"messages": [{"content": "hi"}]}"#, "non-empty array"),
             (r#"{"content": "a"}"#, "needs a \"text\""),
             ("\"a\"", "expected an object"),
             ("{", "not JSON"),
@@ -397,7 +437,7 @@ mod tests {
     /// document); the flags follow their tokens through packing, a cut document included.
     #[test]
     fn targets_follow_their_tokens_into_the_packed_sequences() {
-        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false };
+        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: true };
         let dir = std::env::temp_dir().join(format!("ulysses-targets-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let file = dir.join("data.jsonl");

@@ -24,7 +24,7 @@ use burn::{
 use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
 use ulysses_training::{LayerCheckpointing, StepReport, checkpoint::read_checkpoint_state};
 use clap::{Parser, ValueEnum};
-use ulysses_models::{HfConfig, TextTokenizer, from_pretrained};
+use ulysses_models::{ChatTemplate, HfConfig, TextTokenizer, from_pretrained};
 use indicatif::{ProgressBar, ProgressStyle};
 use burn_ulysses::job::{JobOptions, Launch, Tcp, Transport, run_ranks};
 use ulysses_dist::DistributedConfig;
@@ -124,13 +124,15 @@ struct Args {
     /// (tokenized with --tokenizer) or {"input_ids": [...]}, a text file (one document), or a
     /// folder of them. Each document ends in EOS; they are packed into sequences of --seq-len,
     /// each a document of its own (positions restart, attention stays inside it). Supervised
-    /// fine-tuning: {"prompt": ..., "completion": ...} or {"input_ids": [...], "labels": [...]}
-    /// (-100: not trained on) lines, where only the answers are trained on (--loss-on).
+    /// fine-tuning: {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the
+    /// checkpoint's chat template), {"prompt": ..., "completion": ...} or {"input_ids": [...],
+    /// "labels": [...]} (-100: not trained on) lines, where only the answers are trained on
+    /// (--loss-on).
     #[arg(long, conflicts_with_all = ["corpus", "tokens"])]
     data: Option<PathBuf>,
-    /// What --data's prompt/completion and labelled lines train on: `assistant`, the answers
-    /// alone (the completions, the tokens with a label), as TRL's SFTTrainer does; `all`, every
-    /// token.
+    /// What --data's chat, prompt/completion and labelled lines train on: `assistant`, the
+    /// answers alone (the template's {% generation %} blocks, the completions, the tokens with
+    /// a label), as TRL's SFTTrainer does; `all`, every token.
     #[arg(long, value_enum, default_value = "assistant", requires = "data")]
     loss_on: LossOn,
     /// The tokenizer.json that tokenizes --data's text [default: the --model folder's].
@@ -484,7 +486,23 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     };
     let tokenizer_file = args.tokenizer.clone().or_else(|| args.model.as_ref().map(|dir| dir.join("tokenizer.json")).filter(|file| file.exists()));
     let tokenizer = tokenizer_file.map(|file| TextTokenizer::from_file(&file)).transpose().map_err(|e| format!("--tokenizer: {e}"))?;
-    let reader = DocumentReader { tokenizer: tokenizer.as_ref(), eos, vocab: config.model.vocab_size, progress: show_progress };
+    // The chat template of {"messages"} lines: the checkpoint's, else the one beside --tokenizer.
+    let folders = args.model.iter().cloned().chain(args.tokenizer.iter().filter_map(|file| file.parent().map(Path::to_path_buf)));
+    let mut chat = None;
+    for folder in folders {
+        if let Some(template) = ChatTemplate::from_checkpoint(&folder).map_err(|e| format!("--data's chat template: {e}"))? {
+            chat = Some(template);
+            break;
+        }
+    }
+    let reader = DocumentReader {
+        tokenizer: tokenizer.as_ref(),
+        eos,
+        vocab: config.model.vocab_size,
+        progress: show_progress,
+        chat: chat.as_ref(),
+        answers_only: args.loss_on == LossOn::Assistant,
+    };
     let documents = reader.read(path)?;
     let targets = documents.targets.as_deref().filter(|_| args.loss_on == LossOn::Assistant);
     if let Some(targets) = targets {

@@ -731,6 +731,66 @@ fn prompt_completion_lines_train_on_the_completions_alike_at_sp_1_and_2() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// `{"messages"}` lines rendered with the chat template beside `--tokenizer` (the Qwen-kind
+/// fixture, whose text, ids and answers equal transformers': ulysses-models' chat test) train
+/// on the answers alone: the targets counted with the template, the same losses at SP=1 and
+/// SP=2, another with `--loss-on all`; a message without a role is refused naming the file and
+/// line.
+#[test]
+fn chat_messages_train_on_the_answers_alike_at_sp_1_and_2() {
+    use ulysses_models::{ChatTemplate, TextTokenizer};
+    let dir = workspace("chat");
+    let (checkpoint, _) = qwen3_and_tokenizer();
+    let chat_folder = checkpoint.join("../chat/qwen");
+    let (template, tokenizer) = (ChatTemplate::from_checkpoint(&chat_folder).unwrap().unwrap(), TextTokenizer::from_file(&chat_folder).unwrap());
+    let conversations: Vec<Vec<serde_json::Value>> = (0..10)
+        .map(|i| {
+            let mut messages = vec![serde_json::json!({"role": "user", "content": format!("Question {i}: how many heads?")})];
+            messages.push(serde_json::json!({"role": "assistant", "content": format!("{} heads.", 2 + i % 3)}));
+            if i % 2 == 0 {
+                messages.push(serde_json::json!({"role": "user", "content": "And the groups?"}));
+                messages.push(serde_json::json!({"role": "assistant", "content": "One per rank."}));
+            }
+            messages
+        })
+        .collect();
+    let (mut targets, mut total) = (0, 0);
+    for messages in &conversations {
+        let (ids, answers) = template.tokenize(&tokenizer, messages, false).unwrap();
+        assert!(ids.len() < 256, "a conversation would be cut at --seq-len 256");
+        (targets, total) = (targets + answers.iter().filter(|&&a| a).count(), total + ids.len());
+    }
+    let data = dir.join("chat.jsonl");
+    fs::write(&data, conversations.iter().map(|m| serde_json::json!({ "messages": m }).to_string()).collect::<Vec<_>>().join("\n")).unwrap();
+    let args = |data: &Path, out: &str, extra: &str| -> Vec<String> {
+        format!(
+            "--model {} --tokenizer {} --eos-token-id 300 --data {} --seq-len 256 --batch-size 2 --steps 2 --learning-rate 0.01 --out {} {extra}",
+            checkpoint.display(),
+            chat_folder.join("tokenizer.json").display(),
+            data.display(),
+            dir.join(out).display()
+        )
+        .split_whitespace()
+        .map(String::from)
+        .collect()
+    };
+    let log = show(&succeed(run_alone(&args(&data, "sp1", "--sp 1"), &[])));
+    succeed(run_alone(&args(&data, "sp2", "--sp 2"), &[]));
+    succeed(run_alone(&args(&data, "all", "--sp 1 --loss-on all"), &[]));
+    let (one, two, all) = (losses(&dir.join("sp1")), losses(&dir.join("sp2")), losses(&dir.join("all")));
+    println!("SP=1 {one:?}\nSP=2 {two:?}\nall tokens {all:?}");
+    assert!(log.contains(&format!("training on the answers alone: {targets} of {total} tokens are targets")), "{log}");
+    assert!(one.iter().zip(&two).all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() <= TOLERANCE as f64), "SP=2 {two:?} against SP=1 {one:?}");
+    assert!((one[0].1 - all[0].1).abs() > 1e-3, "--loss-on all trained on the same tokens: {all:?} against {one:?}");
+
+    let bad = dir.join("bad.jsonl");
+    fs::write(&bad, format!("{}\n{}", serde_json::json!({"messages": conversations[0]}), serde_json::json!({"messages": [{"content": "who speaks?"}]}))).unwrap();
+    let refused = run_alone(&args(&bad, "bad", "--sp 1"), &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("bad.jsonl line 2") && text.contains("{\"role\": ..., \"content\": ...}"), "{text}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// The eval-only line's loss and labelled tokens.
 fn eval_line(output: &Output) -> (f64, usize) {
     let text = show(output);
