@@ -7,9 +7,20 @@ pub fn available_bytes() -> Option<u64> {
     mem_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
 }
 
+/// The most memory this process has held resident so far (`VmHWM` of `/proc/self/status`), in
+/// bytes; `None` where there is no such file (not Linux).
+pub fn peak_resident_bytes() -> Option<u64> {
+    kib_field(&std::fs::read_to_string("/proc/self/status").ok()?, "VmHWM:")
+}
+
 /// `MemAvailable` of a `/proc/meminfo` text, in bytes.
 fn mem_available(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|line| line.starts_with("MemAvailable:"))?;
+    kib_field(meminfo, "MemAvailable:")
+}
+
+/// A `NAME: N kB` line's value in bytes.
+fn kib_field(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|line| line.starts_with(name))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }
@@ -39,7 +50,8 @@ mod tests {
         let message = check_fits(30_000_000_000, Some(21_474_836_480), "the optimizer state", "use more ranks").unwrap_err();
         assert!(message.contains("30.00 GB") && message.contains("21.47 GB") && message.contains("use more ranks"), "{message}");
         assert!(check_fits(1, Some(1), "x", "y").is_ok() && check_fits(u64::MAX, None, "x", "y").is_ok());
-        // This machine's own figure is read (CI runs on Linux).
+        // This machine's own figures are read (CI runs on Linux).
         assert!(cfg!(not(target_os = "linux")) || available_bytes().is_some_and(|bytes| bytes > 0));
+        assert!(cfg!(not(target_os = "linux")) || peak_resident_bytes().is_some_and(|bytes| bytes > 0));
     }
 }

@@ -49,6 +49,9 @@ pub struct DocumentReader<'a> {
     /// Whether chat lines train on the answers alone (`--loss-on assistant`), which needs a
     /// template that marks them.
     pub answers_only: bool,
+    /// Refuse a document longer than this (`--too-long refuse`), naming its line, rather than
+    /// cut it into pieces when packing (`None`).
+    pub refuse_longer_than: Option<usize>,
 }
 
 /// A document as read, before it is tokenized.
@@ -198,6 +201,14 @@ impl DocumentReader<'_> {
             };
             if let Some(id) = ids.iter().find(|&&id| !(0..self.vocab as i64).contains(&id)) {
                 return Err(format!("{}: token {id} is outside the model's vocabulary 0..{}", at(), self.vocab));
+            }
+            if let Some(limit) = self.refuse_longer_than.filter(|&limit| ids.len() > limit) {
+                return Err(format!(
+                    "{}: the document has {} tokens, more than --seq-len {limit} (--too-long refuse): give a longer --seq-len, \
+                     or --too-long cut to train on it in pieces",
+                    at(),
+                    ids.len()
+                ));
             }
             documents.push((ids, targets));
         }
@@ -437,12 +448,15 @@ mod tests {
     /// document); the flags follow their tokens through packing, a cut document included.
     #[test]
     fn targets_follow_their_tokens_into_the_packed_sequences() {
-        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: true };
+        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: true, refuse_longer_than: None };
         let dir = std::env::temp_dir().join(format!("ulysses-targets-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let file = dir.join("data.jsonl");
         fs::write(&file, "{\"input_ids\": [5, 6, 7], \"labels\": [-100, 6, 7]}\n[8, 9]\n{\"input_ids\": [1, 2, 3, 4, 0], \"labels\": [-100, -100, 3, -100, -100]}\n").unwrap();
         let documents = reader.read(&file).unwrap();
+        let strict = DocumentReader { refuse_longer_than: Some(4), ..reader };
+        let refused = strict.read(&file).err().unwrap_or_default();
+        assert!(refused.contains("data.jsonl line 3") && refused.contains("5 tokens, more than --seq-len 4"), "{refused}");
         fs::remove_dir_all(&dir).unwrap();
         assert_eq!(documents.ids, vec![vec![5, 6, 7, 0], vec![8, 9, 0], vec![1, 2, 3, 4, 0]]);
         let targets = documents.targets.unwrap();

@@ -38,6 +38,13 @@ use ulysses_trainer::{
     train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, save_model, train_rank},
 };
 
+/// What becomes of a document longer than --seq-len (`--too-long`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TooLong {
+    Cut,
+    Refuse,
+}
+
 /// What supervised fine-tuning data trains on (`--loss-on`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum LossOn {
@@ -135,6 +142,10 @@ struct Args {
     /// a label), as TRL's SFTTrainer does; `all`, every token.
     #[arg(long, value_enum, default_value = "assistant", requires = "data")]
     loss_on: LossOn,
+    /// A --data document (a conversation) longer than --seq-len: `cut` into pieces, each
+    /// trained as a document of its own, or `refuse`, naming its file and line.
+    #[arg(long, value_enum, default_value = "cut", requires = "data")]
+    too_long: TooLong,
     /// The tokenizer.json that tokenizes --data's text [default: the --model folder's].
     #[arg(long, requires = "data")]
     tokenizer: Option<PathBuf>,
@@ -502,6 +513,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         progress: show_progress,
         chat: chat.as_ref(),
         answers_only: args.loss_on == LossOn::Assistant,
+        refuse_longer_than: (args.too_long == TooLong::Refuse).then_some(config.seq_len),
     };
     let documents = reader.read(path)?;
     let targets = documents.targets.as_deref().filter(|_| args.loss_on == LossOn::Assistant);

@@ -429,6 +429,9 @@ where
             tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
         }
     }
+    if is_first && let Some(peak) = ulysses_core::host_memory::peak_resident_bytes() {
+        tracing::info!("host memory at its peak in this process (every rank thread of it): {:.3} GB", peak as f64 / 1e9);
+    }
     Ok((model, reports))
 }
 
