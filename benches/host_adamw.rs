@@ -17,17 +17,9 @@ use ulysses_core::host_adamw::{AdamWMoments, HostAdamW, HostAdamWConfig};
 
 type B = NdArray<f32>;
 
-/// Seeded values in (-1, 1).
+/// Seeded values in [-1, 1), as the kernel tests draw them.
 fn values(count: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..count)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+    ulysses_kernels::testing::uniform_values(count, seed).into_iter().map(|v| v as f32).collect()
 }
 
 fn main() {

@@ -23,8 +23,9 @@ pub struct ChatError {
 
 /// A chat template and the special tokens it may name.
 pub struct ChatTemplate {
-    /// The source with each generation block's tags replaced by markers (see [`marked`]).
-    source: String,
+    /// The environment holding the template (its source with each generation block's tags
+    /// replaced by markers, see [`marked`]), parsed once.
+    env: Environment<'static>,
     generation_blocks: bool,
     /// `bos_token`, `eos_token`, ... as `tokenizer_config.json` has them.
     special_tokens: BTreeMap<String, String>,
@@ -84,10 +85,11 @@ impl ChatTemplate {
     /// A template from its source; `special_tokens` are the variables `bos_token`, ...
     pub fn new(source: &str, special_tokens: BTreeMap<String, String>, file: &str) -> Result<Self, ChatError> {
         let (source, generation_blocks) = marked(source);
-        let template = Self { source, generation_blocks, special_tokens, file: file.to_string() };
-        // Parsed once here, so that a template that cannot parse is refused before any data.
-        template.environment().template_from_str(&template.source).map_err(|e| template.error(format!("its chat template does not parse: {e:#}")))?;
-        Ok(template)
+        let mut env = environment();
+        // Parsed once, here: a template that cannot parse is refused before any data.
+        env.add_template_owned(TEMPLATE_NAME, source)
+            .map_err(|e| ChatError { file: file.to_string(), problem: format!("its chat template does not parse: {e:#}") })?;
+        Ok(Self { env, generation_blocks, special_tokens, file: file.to_string() })
     }
 
     /// Whether the template marks the assistant's answers (`{% generation %}`), which
@@ -96,21 +98,10 @@ impl ChatTemplate {
         self.generation_blocks
     }
 
-    fn environment(&self) -> Environment<'static> {
-        let mut env = Environment::new();
-        // jinja2's settings in transformers (keep_trailing_newline stays off, as there).
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |message: String| -> Result<Value, Error> { Err(Error::new(ErrorKind::InvalidOperation, message)) });
-        env
-    }
-
     /// `messages` (each an object with `role` and `content`, and whatever else the template
     /// reads) rendered, with the prompt for the next answer when `add_generation_prompt`.
     pub fn render(&self, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<RenderedChat, ChatError> {
-        let env = self.environment();
-        let template = env.template_from_str(&self.source).map_err(|e| self.error(format!("its chat template does not parse: {e:#}")))?;
+        let template = self.env.get_template(TEMPLATE_NAME).expect("added at construction");
         let mut context: BTreeMap<String, Value> = self.special_tokens.iter().map(|(name, text)| (name.clone(), Value::from(text.as_str()))).collect();
         context.insert("messages".into(), Value::from_serialize(messages));
         context.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
@@ -138,6 +129,20 @@ impl ChatTemplate {
     fn error(&self, problem: String) -> ChatError {
         ChatError { file: self.file.clone(), problem }
     }
+}
+
+/// The name the template is held under in its environment.
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// An environment with jinja2's settings in transformers (keep_trailing_newline stays off, as
+/// there), its `raise_exception` and Python's string methods.
+fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |message: String| -> Result<Value, Error> { Err(Error::new(ErrorKind::InvalidOperation, message)) });
+    env
 }
 
 fn error(path: &Path, problem: impl Into<String>) -> ChatError {
