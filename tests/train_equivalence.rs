@@ -532,16 +532,34 @@ struct Qwen3Run {
     norms: Vec<f64>,
     params: Vec<(String, Vec<f32>)>,
     host_bytes: Vec<usize>,
+    /// Per rank: bytes of the parameters' compute copy it holds between steps.
+    device_bytes: Vec<usize>,
     /// Reduce-scatters world rank 0 ran.
     reduce_scatters: u64,
 }
 
+/// How a rank of [`qwen3_sp_dp`] holds its training state.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Zero {
+    /// burn's AdamW on every rank, every moment on every rank.
+    Replicated,
+    /// The same, with whole-layer checkpointing.
+    ReplicatedCheckpointed,
+    /// `ShardedAdamW`: a quarter of the state each, on the host (ZeRO's optimizer half).
+    ShardedOptimizer,
+    /// The same, with whole-layer checkpointing (what ZeRO-3 runs on).
+    ShardedOptimizerCheckpointed,
+    /// ZeRO-3: the compute copy in quarters too, each layer gathered for its pieces.
+    Stage3,
+}
+
 /// `steps` steps of SP=2 × DP=2 on the tiny Qwen3 fixture (transformers' weights), each rank
-/// stepping with burn's AdamW (replicated: every rank holds every moment) or with
-/// `ShardedAdamW` (ZeRO's optimizer half: a quarter of the state each, on the host), clipping
-/// to `max_grad_norm`.
-fn qwen3_sp_dp(sharded: bool, steps: usize, max_grad_norm: Option<f64>) -> Qwen3Run {
-    use ulysses_training::{HostAdamWConfig, ShardedAdamW, StepInput, apply_step, apply_step_sharded, backward_step};
+/// holding its state as `zero` says, clipping to `max_grad_norm`.
+fn qwen3_sp_dp(zero: Zero, steps: usize, max_grad_norm: Option<f64>) -> Qwen3Run {
+    use ulysses_training::{
+        HostAdamWConfig, LayerCheckpointing, ShardedAdamW, ShardedParameters, StepInput, apply_step, apply_step_sharded, apply_step_zero3,
+        backward_step, backward_step_checkpointed, backward_step_zero3,
+    };
     const WEIGHT_DECAY: f32 = 0.01;
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/ulysses-models/tests/fixtures/qwen3");
     let layout = ParallelLayout::new().with_sp_size(2).with_dp_size(2);
@@ -550,33 +568,64 @@ fn qwen3_sp_dp(sharded: bool, steps: usize, max_grad_norm: Option<f64>) -> Qwen3
         let _sp = enter_sp(&groups);
         let device = Default::default();
         let mut model = ulysses_models::from_pretrained::<Sp>(&fixture, &device).unwrap().model;
+        let whole_bytes: usize = parameter_values(&model).iter().map(|(_, v)| 4 * v.len()).sum();
         let (dp_rank, _) = layout.coordinates(rank.rank());
         let sharder = SequenceSharder::new(2);
+        let checkpointing = LayerCheckpointing::new();
         let mut replicated = AdamWConfig::new().with_weight_decay(WEIGHT_DECAY).init::<Sp, ulysses_models::Decoder<Sp>>();
         let mut sharded_state = ShardedAdamW::new(HostAdamWConfig { weight_decay: WEIGHT_DECAY, ..HostAdamWConfig::default() });
+        let mut parts = None;
+        if zero == Zero::Stage3 {
+            sharded_state.keep_master_weights(&model, rank.rank(), 4);
+            let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), 4).unwrap();
+            (model, parts) = (placeholders, Some(sharded));
+        }
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for index in 0..steps {
             // Each DP rank its half of the step's four sequences.
             let batch = VariedLengths { vocab: 320 }.train_batch(index);
             let mine = vec![batch[2 * dp_rank..2 * dp_rank + 2].to_vec()];
             let step = StepInput { index, learning_rate: 1e-2, micro_batches: &mine, documents: None, targets: None, max_grad_norm };
-            let local = backward_step(&model, &step, &sharder, &groups, &device).unwrap();
-            let (next, report) = if sharded {
-                apply_step_sharded(model, &mut sharded_state, &step, local, &groups).unwrap()
-            } else {
-                apply_step(model, &mut replicated, &step, local, &groups).unwrap()
-            };
+            let (next, report) = match (zero, parts.as_mut()) {
+                (Zero::Replicated, _) => {
+                    let local = backward_step(&model, &step, &sharder, &groups, &device).unwrap();
+                    apply_step(model, &mut replicated, &step, local, &groups)
+                }
+                (Zero::ReplicatedCheckpointed, _) => {
+                    let local = backward_step_checkpointed(&model, &step, &sharder, &groups, &device, &checkpointing).unwrap();
+                    apply_step(model, &mut replicated, &step, local, &groups)
+                }
+                (Zero::ShardedOptimizer, _) => {
+                    let local = backward_step(&model, &step, &sharder, &groups, &device).unwrap();
+                    apply_step_sharded(model, &mut sharded_state, &step, local, &groups)
+                }
+                (Zero::ShardedOptimizerCheckpointed, _) => {
+                    let local = backward_step_checkpointed(&model, &step, &sharder, &groups, &device, &checkpointing).unwrap();
+                    apply_step_sharded(model, &mut sharded_state, &step, local, &groups)
+                }
+                (Zero::Stage3, Some(parts)) => {
+                    let local = backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap();
+                    apply_step_zero3(model, &mut sharded_state, parts, &step, local, &groups)
+                }
+                (Zero::Stage3, None) => unreachable!("ZeRO-3 shards the model first"),
+            }
+            .unwrap();
             model = next;
             losses.push(report.loss);
             norms.push(report.grad_norm);
         }
+        let device_bytes = parts.as_ref().map_or(whole_bytes, ShardedParameters::device_bytes);
+        if let Some(parts) = &parts {
+            model = parts.gather_all(model, &*groups.world).unwrap();
+        }
         check_parameters_identical::<Sp, _, Inner>(&model, &*groups.world).unwrap();
-        (losses, norms, parameter_values(&model), sharded_state.host_bytes(), groups.world.traffic().reduce_scatter_calls)
+        (losses, norms, parameter_values(&model), sharded_state.host_bytes(), device_bytes, groups.world.traffic().reduce_scatter_calls)
     });
     let per_rank: Vec<_> = per_rank.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
-    let host_bytes = per_rank.iter().map(|(_, _, _, bytes, _)| *bytes).collect();
-    let (losses, norms, params, _, reduce_scatters) = per_rank.into_iter().next().unwrap();
-    Qwen3Run { losses, norms, params, host_bytes, reduce_scatters }
+    let host_bytes = per_rank.iter().map(|r| r.3).collect();
+    let device_bytes = per_rank.iter().map(|r| r.4).collect();
+    let (losses, norms, params, _, _, reduce_scatters) = per_rank.into_iter().next().unwrap();
+    Qwen3Run { losses, norms, params, host_bytes, device_bytes, reduce_scatters }
 }
 
 /// ZeRO's optimizer half (`apply_step_sharded`: each gradient reduce-scattered, AdamW's state
@@ -594,7 +643,7 @@ fn qwen3_sp_dp(sharded: bool, steps: usize, max_grad_norm: Option<f64>) -> Qwen3
 #[test]
 fn sharded_optimizer_state_trains_like_replicated_adamw() {
     with_deadline(Duration::from_secs(600), || {
-        let (replicated, sharded) = (qwen3_sp_dp(false, 20, None), qwen3_sp_dp(true, 20, None));
+        let (replicated, sharded) = (qwen3_sp_dp(Zero::Replicated, 20, None), qwen3_sp_dp(Zero::ShardedOptimizer, 20, None));
         assert_eq!(sharded.losses, replicated.losses, "losses without clipping");
         assert!(replicated.losses[19] < replicated.losses[0] && replicated.losses.iter().all(|l| l.is_finite()), "the runs must train: {:?}", replicated.losses);
         let parameters: usize = replicated.params.iter().map(|(_, v)| v.len()).sum();
@@ -608,7 +657,7 @@ fn sharded_optimizer_state_trains_like_replicated_adamw() {
         assert_eq!((sharded.reduce_scatters, replicated.reduce_scatters), (20, 0), "reduce-scatters of 20 steps, sharded and replicated");
         println!("losses {:.6} .. {:.6}; host state per rank {:?} bytes, of {} replicated", sharded.losses[0], sharded.losses[19], sharded.host_bytes, 12 * parameters);
 
-        let (replicated, sharded) = (qwen3_sp_dp(false, 20, Some(1.0)), qwen3_sp_dp(true, 20, Some(1.0)));
+        let (replicated, sharded) = (qwen3_sp_dp(Zero::Replicated, 20, Some(1.0)), qwen3_sp_dp(Zero::ShardedOptimizer, 20, Some(1.0)));
         assert!(replicated.norms.iter().all(|&n| n > 1.0), "clipping must engage: {:?}", replicated.norms);
         for step in 0..20 {
             let (loss, norm) = ((sharded.losses[step] / replicated.losses[step] - 1.0).abs(), (sharded.norms[step] / replicated.norms[step] - 1.0).abs());
@@ -616,5 +665,46 @@ fn sharded_optimizer_state_trains_like_replicated_adamw() {
             let norm_tolerance = if step == 0 { 1e-7 } else { 1e-4 };
             assert!(loss <= 1e-6 && norm <= norm_tolerance, "step {step}: loss {loss:e} and norm {norm:e} apart (relative), clipping to 1");
         }
+    });
+}
+
+/// ZeRO-3 (`ShardedParameters`: each rank holds a quarter of the compute copy too, every layer
+/// all-gathered for its forward and again for its backward, its gradients reduce-scattered as
+/// soon as the layer's backward is done, the optimizer's quarter on the host) trains the tiny
+/// Qwen3 fixture at SP=2 × DP=2 for 20 steps:
+/// - bit for bit as the sharded optimizer on the same checkpointed step (the same sums in the
+///   same order: gathering moves values, it adds nothing), and
+/// - as replicated AdamW (burn's, on every rank) on the same checkpointed step within 1e-6:
+///   the losses, and every parameter of its largest value.
+///
+/// Between steps each rank holds a quarter of the compute copy (the partition's padding aside).
+#[test]
+fn zero_3_trains_like_replicated_adamw() {
+    with_deadline(Duration::from_secs(600), || {
+        let zero3 = qwen3_sp_dp(Zero::Stage3, 20, None);
+        let checkpointed = qwen3_sp_dp(Zero::ShardedOptimizerCheckpointed, 20, None);
+        let replicated = qwen3_sp_dp(Zero::ReplicatedCheckpointed, 20, None);
+        assert!(zero3.losses.iter().all(|l| l.is_finite()) && zero3.losses[19] < zero3.losses[0], "the run must train: {:?}", zero3.losses);
+        assert_eq!(zero3.losses, checkpointed.losses, "ZeRO-3's losses against the sharded optimizer's on the same step");
+        for ((name, want), (_, got)) in checkpointed.params.iter().zip(&zero3.params) {
+            assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: {:e} apart from the sharded optimizer's", max_abs_diff(got, want));
+        }
+        let loss_diff = worst(zero3.losses.iter().zip(&replicated.losses).map(|(a, b)| (a - b).abs() as f32));
+        assert!(loss_diff <= 1e-6, "losses {loss_diff:e} apart from replicated training");
+        let mut relative = 0.0f32;
+        for ((name, want), (_, got)) in replicated.params.iter().zip(&zero3.params) {
+            let largest = want.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
+            let diff = max_abs_diff(got, want) / largest;
+            assert!(diff <= 1e-6, "{name}: {diff:e} of its largest value apart from replicated training");
+            relative = relative.max(diff);
+        }
+        let whole = replicated.device_bytes[0];
+        for (rank, bytes) in zero3.device_bytes.iter().enumerate() {
+            assert!(*bytes >= whole / 4 && *bytes <= whole / 4 + 4 * zero3.params.len(), "rank {rank} holds {bytes} bytes of a {whole}-byte compute copy");
+        }
+        println!(
+            "ZeRO-3: losses {:.6} .. {:.6}, {loss_diff:.1e} and parameters {relative:.1e} (of their largest) from replicated; compute copy per rank {:?} of {whole} bytes",
+            zero3.losses[0], zero3.losses[19], zero3.device_bytes
+        );
     });
 }

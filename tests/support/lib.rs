@@ -2,6 +2,7 @@
 //! deterministic parameters, gradient collection, sharding and comparison.
 
 pub mod block;
+pub mod rank_memory;
 
 use std::{
     sync::mpsc,

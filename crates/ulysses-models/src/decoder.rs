@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use burn::{
     config::Config,
-    module::Module,
+    module::{Module, ModuleVisitor},
     nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig, RmsNorm, RmsNormConfig},
     tensor::{
         FloatDType, Int, Tensor,
@@ -172,6 +172,7 @@ impl DecoderConfig {
             rope_scaling: self.rope_scaling,
             compute_dtype: FloatDType::F32,
             f32_head: false,
+            vocab_size: self.vocab_size,
         }
     }
 
@@ -231,6 +232,10 @@ impl<B: Backend> LayeredLm<B> for Decoder<B> {
         self.blocks.len()
     }
 
+    fn visit_layer<V: ModuleVisitor<B>>(&self, index: usize, visitor: &mut V) {
+        self.blocks[index].visit(visitor);
+    }
+
     fn before_core(&self, index: usize, hidden: Tensor<B, 3>, rows: Range<usize>, context: &LlamaContext<B>) -> Vec<Tensor<B, 4>> {
         self.blocks[index].attention_inputs(hidden, &context.rope.rows(rows)).into()
     }
@@ -287,6 +292,10 @@ pub struct Decoder<B: Backend> {
     /// The loss's logits in f32 even when the layers compute in a half dtype.
     #[module(skip)]
     f32_head: bool,
+    /// Kept apart from the embedding's shape: under ZeRO-3 a parameter between its gathers is
+    /// a placeholder (`ulysses_training::ShardedParameters`).
+    #[module(skip)]
+    vocab_size: usize,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -363,7 +372,7 @@ impl<B: Backend> Decoder<B> {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.embedding.weight.dims()[0]
+        self.vocab_size
     }
 
     /// Whether every attention layer is causal.

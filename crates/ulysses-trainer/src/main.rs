@@ -231,6 +231,11 @@ struct Args {
     /// the optimizer offloaded). Checkpoints hold one file of optimizer state per rank.
     #[arg(long)]
     offload_optimizer: bool,
+    /// ZeRO's stage: 0, each rank holds the whole model; 3, each rank holds 1/world of the
+    /// parameters and gradients too, a layer gathered just before it runs and its gradients
+    /// reduce-scattered after its backward (needs --checkpoint-layers and --offload-optimizer).
+    #[arg(long, default_value_t = 0, value_name = "STAGE")]
+    zero: usize,
     /// Under bf16, compute the loss's logits in f32 (TF32 matmuls) rather than in bf16 with f32
     /// accumulation; the softmax and loss are f32 either way.
     #[arg(long)]
@@ -406,7 +411,8 @@ fn run(args: Args) -> Result<(), String> {
             BackendKind::Cuda | BackendKind::CudaFused => Precision::Bf16,
         }))
         .with_f32_head(args.f32_head)
-        .with_offload_optimizer(args.offload_optimizer);
+        .with_offload_optimizer(args.offload_optimizer)
+        .with_zero_stage(args.zero);
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;

@@ -20,8 +20,8 @@ use burn_ulysses::{
     precision::Precision,
 };
 use ulysses_training::{
-    LayerCheckpointing, LocalStep, ShardedAdamW, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded, backward_step,
-    backward_step_checkpointed, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters,
+    LayerCheckpointing, LocalStep, ShardedAdamW, ShardedParameters, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
+    apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters,
     host_adamw_config, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
     checkpoint::{load_training_checkpoint, save_training_checkpoint},
 };
@@ -97,6 +97,15 @@ pub struct TrainConfig {
     /// the compute dtype (bf16: 4 bytes a parameter for both, against 16 with AdamW on the device).
     #[config(default = false)]
     pub offload_optimizer: bool,
+    /// ZeRO's stage: 0, every rank holds the whole model (with
+    /// [`offload_optimizer`](Self::offload_optimizer), the optimizer's state in parts); 3, each
+    /// world rank holds 1/world of the parameters' compute copy and of the gradients too, each
+    /// layer all-gathered just before it runs and its gradients reduce-scattered as soon as its
+    /// backward is done ([`ShardedParameters`]). Stage 3 runs on layer checkpointing (a layer
+    /// is gathered for its forward, then again for its recomputation) with the optimizer on the
+    /// host.
+    #[config(default = 0)]
+    pub zero_stage: usize,
 }
 
 impl TrainConfig {
@@ -145,6 +154,26 @@ impl TrainConfig {
         }
         if self.offload_optimizer {
             host_adamw_config(&self.optimizer).map_err(|e| format!("--offload-optimizer: {e}"))?;
+        }
+        match self.zero_stage {
+            0 => {}
+            3 if self.layer_checkpointing.is_none() => {
+                return Err("--zero 3 gathers each layer's parameters for its forward and again for its backward, which runs a layer \
+                            at a time under layer checkpointing: add --checkpoint-layers"
+                    .into());
+            }
+            3 if !self.offload_optimizer => {
+                return Err("--zero 3 keeps the optimizer's parts (f32 master weights and AdamW's moments) on the host: add \
+                            --offload-optimizer (a sharded optimizer on the device is not built yet)"
+                    .into());
+            }
+            3 => {}
+            stage => {
+                return Err(format!(
+                    "zero_stage (--zero) {stage}: use 0 (each rank holds the whole model; --offload-optimizer shards the optimizer's \
+                     state, ZeRO's stages 1 and 2) or 3 (parameters and gradients sharded too)"
+                ));
+            }
         }
         let parts = self.layout.dp_size * self.grad_accumulation;
         if self.batch_size % parts != 0 {
@@ -379,9 +408,20 @@ where
             model = with_parameters_in(model, compute_dtype);
         }
     }
-    if is_first {
-        log_memory(&model, &optimizer, groups.world.size());
+    let mut parts = None;
+    if config.zero_stage == 3 {
+        let (placeholders, sharded) = ShardedParameters::shard(model, groups.world_rank(), groups.world.size())?;
+        (model, parts) = (placeholders, Some(sharded));
     }
+    if is_first {
+        log_memory(&model, &optimizer, parts.as_ref(), groups.world.size());
+    }
+    // The model whole, for what needs all of it (evaluation, checkpoints, the result):
+    // under ZeRO-3 all-gathered (a collective), else the model itself.
+    let whole = |model: &Decoder<B>, parts: Option<&ShardedParameters<B>>| match parts {
+        Some(parts) => parts.gather_all(model.clone(), &*groups.world),
+        None => Ok(model.clone()),
+    };
     let eval_batch = data.eval_batch();
     let eval_documents = if config.pack { data.eval_documents() } else { None };
     let eval_targets = data.eval_targets();
@@ -391,7 +431,7 @@ where
     for step in first_step..last_step {
         let started = Instant::now();
         let io_before = DeviceIo::of_this_thread();
-        let (next, report) = train_one_step(config, model, &mut optimizer, data, step, &sharder, groups, device, &options.faults)
+        let (next, report) = train_one_step(config, model, &mut optimizer, parts.as_mut(), data, step, &sharder, groups, device, &options.faults)
             .map_err(|e| e.at_step(step))?;
         let io = DeviceIo::of_this_thread() - io_before;
         model = next;
@@ -400,31 +440,36 @@ where
             progress.step(step, &report, config.learning_rate_at(step), started.elapsed().as_secs_f64());
             progress.device_io(step, &io);
         }
-        if config.check_parameters_every > 0 && (step + 1) % config.check_parameters_every == 0 {
+        if config.check_parameters_every > 0 && (step + 1) % config.check_parameters_every == 0 && parts.is_none() {
             check_parameters_identical(&model, &*groups.world).map_err(|e| e.at_step(step))?;
         }
         let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
         if let (true, Some(batch)) = (eval_due, &eval_batch) {
-            let loss = evaluate_model::<B>(config, &model.valid(), batch, eval_documents.as_deref(), eval_targets.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
+            let loss = evaluate_model::<B>(config, &whole(&model, parts.as_ref())?.valid(), batch, eval_documents.as_deref(), eval_targets.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
             if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss) {
                 progress.eval(step, loss.mean());
             }
         }
         let done = step + 1;
         let checkpoint_due = done == last_step || (options.checkpoint_every > 0 && done % options.checkpoint_every == 0);
+        let saves = checkpoint_due && (options.checkpoint_dir.is_some() || options.save_hf.is_some());
+        let saved_model = if saves { Some(whole(&model, parts.as_ref())?) } else { None };
         if let (true, Some(dir)) = (checkpoint_due, &options.checkpoint_dir) {
             let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone(), data: options.data_identity.clone() };
             // Replicated: rank 0 writes it all; sharded: every rank its part (a collective).
             let path = match &optimizer {
                 RankOptimizer::Replicated(optimizer) => is_first.then(|| save_training_checkpoint(dir, &model, optimizer, &state)).transpose()?,
-                RankOptimizer::OnHost(optimizer) => save_sharded_training_checkpoint::<B, _, _>(dir, &model, optimizer, &state, done as u64, &*groups.world)?,
+                RankOptimizer::OnHost(optimizer) => {
+                    let model = saved_model.as_ref().expect("gathered for the checkpoint");
+                    save_sharded_training_checkpoint::<B, _, _>(dir, model, optimizer, &state, done as u64, &*groups.world)?
+                }
             };
             if let (Some(progress), Some(path)) = (options.progress.as_deref_mut(), path) {
                 progress.checkpoint(step, &path);
             }
         }
         if let (true, true, Some((dir, checkpoint))) = (checkpoint_due, is_first, &options.save_hf) {
-            save_pretrained(&model, checkpoint, dir, DType::BF16)
+            save_pretrained(saved_model.as_ref().expect("gathered for --save-hf"), checkpoint, dir, DType::BF16)
                 .map_err(|e| UlyssesError::Checkpoint { path: dir.display().to_string(), reason: format!("--save-hf: {e}") })?;
             tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
         }
@@ -432,7 +477,7 @@ where
     if is_first && let Some(peak) = ulysses_core::host_memory::peak_resident_bytes() {
         tracing::info!("host memory at its peak in this process (every rank thread of it): {:.3} GB", peak as f64 / 1e9);
     }
-    Ok((model, reports))
+    Ok((whole(&model, parts.as_ref())?, reports))
 }
 
 /// A rank's optimizer: burn's AdamW on the device, its state replicated on every rank, or
@@ -443,15 +488,28 @@ enum RankOptimizer<O> {
 }
 
 /// What a rank holds for training, on world rank 0's log: parameters and gradients on the
-/// device, the optimizer's state on the device (replicated AdamW's two moments) or the host
-/// (master weights and moments, this rank's part).
-fn log_memory<B: TrainBackend, O>(model: &Decoder<B>, optimizer: &RankOptimizer<O>, world: usize) {
+/// device (whole, or under ZeRO-3 this rank's parts), the optimizer's state on the device
+/// (replicated AdamW's two moments) or the host (master weights and moments, this rank's
+/// part).
+fn log_memory<B: TrainBackend, O>(model: &Decoder<B>, optimizer: &RankOptimizer<O>, parts: Option<&ShardedParameters<B>>, world: usize) {
+    let gb = |bytes: usize| format!("{:.3} GB", bytes as f64 / 1e9);
+    if let Some(parts) = parts {
+        let elements = parts.elements();
+        tracing::info!(
+            parameters = elements.iter().sum::<usize>(),
+            "memory per rank (ZeRO-3 over {world}): its part of the parameters {} on the device, of the gradients {} on the host (f32), \
+             AdamW's state {} on the host; during a step one layer (or the embeddings and head) whole on the device besides",
+            gb(parts.device_bytes()),
+            gb(ShardedAdamW::host_bytes_of(&elements, world) / 3),
+            gb(ShardedAdamW::host_bytes_of(&elements, world))
+        );
+        return;
+    }
     let parameters = float_parameters(model);
     let elements: Vec<usize> = parameters.iter().map(|p| p.shape.iter().product()).collect();
     let count: usize = elements.iter().sum();
     // Gradients come in their parameter's dtype.
     let bytes: usize = parameters.iter().zip(&elements).map(|(p, n)| n * p.values.dtype().size()).sum();
-    let gb = |bytes: usize| format!("{:.3} GB", bytes as f64 / 1e9);
     let (where_, state) = match optimizer {
         RankOptimizer::Replicated(_) => ("device", 8 * count),
         RankOptimizer::OnHost(_) => ("host", ShardedAdamW::host_bytes_of(&elements, world)),
@@ -473,6 +531,7 @@ fn train_one_step<B, O>(
     config: &TrainConfig,
     model: Decoder<B>,
     optimizer: &mut RankOptimizer<O>,
+    parts: Option<&mut ShardedParameters<B>>,
     data: &dyn StepData,
     step: usize,
     sharder: &SequenceSharder,
@@ -500,6 +559,13 @@ where
         targets: targets.as_deref(),
         max_grad_norm: config.max_grad_norm,
     };
+    if let Some(parts) = parts {
+        let (Some(checkpointing), RankOptimizer::OnHost(optimizer)) = (&config.layer_checkpointing, optimizer) else {
+            unreachable!("TrainConfig::validate: ZeRO-3 runs on layer checkpointing with the optimizer on the host")
+        };
+        let local = backward_step_zero3(&model, &input, sharder, groups, device, checkpointing, parts)?;
+        return apply_step_zero3(model, optimizer, parts, &input, local, groups);
+    }
     let mut local = match &config.layer_checkpointing {
         None => backward_step(&model, &input, sharder, groups, device)?,
         Some(checkpointing) => backward_step_checkpointed(&model, &input, sharder, groups, device, checkpointing)?,

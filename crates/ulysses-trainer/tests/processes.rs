@@ -309,23 +309,36 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// The optimizer on the host (`--offload-optimizer`) and ZeRO-3 (`--zero 3`: parameters and
+/// gradients in parts too, each layer gathered for its pieces) train as replicated AdamW does,
+/// over 4 processes (SP=2 × DP=2, TCP); ZeRO-3 stopped after 3 steps on 4 ranks resumes on 2
+/// with the uninterrupted run's losses; a checkpoint of sharded state is refused to a run
+/// without the optimizer on the host, naming the flag.
 #[test]
-fn the_optimizer_on_the_host_trains_like_the_replicated_one_and_resumes_at_another_world() {
+fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume_at_another_world() {
     let dir = workspace("offload-optimizer");
     let host = ["--sp", "2", "--offload-optimizer"];
+    let zero3 = ["--sp", "2", "--offload-optimizer", "--checkpoint-layers", "--zero", "3"];
     succeed(run_launched(4, &common_args(&dir, "replicated", 6), &["--sp", "2"]));
     succeed(run_launched(4, &common_args(&dir, "host", 6), &host));
-    succeed(run_launched(4, &common_args(&dir, "part", 6), &[&host[..], &["--stop-after", "3"]].concat()));
+    succeed(run_launched(4, &common_args(&dir, "zero3", 6), &zero3));
+    succeed(run_launched(4, &common_args(&dir, "part", 6), &[&zero3[..], &["--stop-after", "3"]].concat()));
     let parts: Vec<String> = fs::read_dir(dir.join("part/optimizer-step-000000003")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(parts.len(), 4, "one state file per rank of 4: {parts:?}");
     let mut args = common_args(&dir, "part", 6);
     args.extend(["--resume".to_string(), dir.join("part").display().to_string()]);
     let refused = run_launched(2, &args, &["--sp", "2"]);
     assert!(!refused.status.success() && show(&refused).contains("--offload-optimizer true, this one has false"), "{}", show(&refused));
-    succeed(run_launched(2, &args, &host));
+    succeed(run_launched(2, &args, &zero3));
 
-    println!("replicated {:?}\nhost       {:?}\nresumed    {:?}", losses(&dir.join("replicated")), losses(&dir.join("host")), losses(&dir.join("part")));
-    for run in ["host", "part"] {
+    println!(
+        "replicated {:?}\nhost       {:?}\nZeRO-3     {:?}\nresumed    {:?}",
+        losses(&dir.join("replicated")),
+        losses(&dir.join("host")),
+        losses(&dir.join("zero3")),
+        losses(&dir.join("part"))
+    );
+    for run in ["host", "zero3", "part"] {
         let (loss, params) = differences(&dir.join(run), &dir.join("replicated"));
         println!("{run} against replicated: max |Δ| loss {loss:.2e}, parameters {params:.2e}");
         assert!(loss <= 1e-6 && params <= TOLERANCE, "{run}: losses differ by {loss:e}, parameters by {params:e}");
@@ -357,7 +370,7 @@ fn layouts_that_cannot_work_fail_before_any_work_with_the_fix() {
 #[test]
 fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     let dir = workspace("settings");
-    let cases: [(&str, &str, &str); 10] = [
+    let cases: [(&str, &str, &str); 12] = [
         ("--learning-rate", "-1", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "nan", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "inf", "learning_rate (--learning-rate) must be a finite number above 0"),
@@ -368,6 +381,8 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
         ("--dp", "0", "dp_size (--dp) must be at least 1, got 0"),
         ("--ring", "0", "ring_size (--ring) must be at least 1, got 0"),
         ("--corpus", "README.md", "cannot be used with"),
+        ("--zero", "2", "zero_stage (--zero) 2: use 0"),
+        ("--zero", "3", "add --checkpoint-layers"),
     ];
     for (flag, value, expected) in cases {
         // The shared arguments with this flag's value replaced (or added).

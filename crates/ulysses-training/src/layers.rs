@@ -57,7 +57,7 @@ use std::{collections::VecDeque, ops::Range};
 
 use burn::{
     config::Config,
-    module::{AutodiffModule, Module},
+    module::{AutodiffModule, Module, ModuleVisitor},
     optim::{GradientsAccumulator, GradientsParams},
     tensor::{BasicOps, Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}},
 };
@@ -85,6 +85,11 @@ pub trait LayeredLm<B: Backend>: Module<B> {
     /// The hidden states before the first layer, `[batch, seq, d_model]`.
     fn embed(&self, tokens: Tensor<B, 2, Int>, context: &Self::Context) -> Tensor<B, 3>;
     fn layer_count(&self) -> usize;
+    /// Visits layer `index`'s parameters, and only them: ZeRO-3
+    /// ([`ShardedParameters`](crate::ShardedParameters)) gathers them just before the layer
+    /// runs. Every parameter no layer visits (embeddings, final norm, head) is gathered for
+    /// the embedding and the head.
+    fn visit_layer<V: ModuleVisitor<B>>(&self, index: usize, visitor: &mut V);
     /// Token-wise, before layer `index`'s core: the layer's input at rows `rows` of the
     /// shard (`hidden: [batch, rows.len(), d_model]`) → the core's inputs there (q, k and v
     /// after RoPE, for attention), each `[batch, heads, rows.len(), head_dim]`.
@@ -155,6 +160,42 @@ impl LayerCheckpointing {
             None => 1,
             Some(tokens) => lengths.longest.div_ceil(tokens).clamp(1, lengths.shortest.max(1)),
         })
+    }
+}
+
+/// A set of a model's parameters that a checkpointed step needs together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParameterGroup {
+    /// Layer `index`'s ([`LayeredLm::visit_layer`]).
+    Layer(usize),
+    /// Every parameter no layer holds: embeddings, final norm, head.
+    Rest,
+}
+
+/// Where a checkpointed step finds the parameters of each piece it runs, and leaves their
+/// gradients: the model itself (every parameter whole on every rank, the gradients returned
+/// whole), or ZeRO-3's parts ([`ShardedParameters`](crate::ShardedParameters): a group's
+/// parameters all-gathered just before its pieces run and released after, its gradients
+/// reduce-scattered as soon as they are complete). Collective where it gathers or scatters:
+/// every rank asks for the same groups in the same order.
+pub trait LayerParameters<B: AutodiffBackend, M> {
+    /// `model` with `group`'s parameters whole, for the pieces that use them.
+    fn gather(&mut self, model: &M, group: ParameterGroup) -> Result<M, UlyssesError>;
+    /// `group`'s gradients of one shard, complete (of the model [`gather`](Self::gather)
+    /// gave): returned to go on with the step's others, or taken (`None`).
+    fn gradients_done(&mut self, gathered: &M, group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, UlyssesError>;
+}
+
+/// Every parameter whole in the model on every rank (no ZeRO-3): nothing to gather, the
+/// gradients returned with the step's.
+pub struct WholeParameters;
+
+impl<B: AutodiffBackend, M: Clone> LayerParameters<B, M> for WholeParameters {
+    fn gather(&mut self, model: &M, _group: ParameterGroup) -> Result<M, UlyssesError> {
+        Ok(model.clone())
+    }
+    fn gradients_done(&mut self, _gathered: &M, _group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, UlyssesError> {
+        Ok(Some(grads))
     }
 }
 
@@ -389,6 +430,30 @@ pub fn checkpointed_backward<B, M>(
     ignore_index: i64,
     checkpointing: &LayerCheckpointing,
     tiles: usize,
+    probe: impl FnMut(Piece),
+) -> Result<(Tensor<B::InnerBackend, 1>, GradientsParams), UlyssesError>
+where
+    B: TrainBackend,
+    M: AutodiffModule<B> + LayeredLm<B>,
+    M::InnerModule: LayeredLm<B::InnerBackend>,
+{
+    checkpointed_backward_with(model, tokens, labels, positions, weight, ignore_index, checkpointing, tiles, &mut WholeParameters, probe)
+}
+
+/// [`checkpointed_backward`] with each piece's parameters from `parameters` (ZeRO-3: gathered
+/// a group at a time): the gradients it takes ([`LayerParameters::gradients_done`]) are not
+/// among those returned.
+#[allow(clippy::too_many_arguments)]
+pub fn checkpointed_backward_with<B, M>(
+    model: &M,
+    tokens: Tensor<B, 2, Int>,
+    labels: Tensor<B, 2, Int>,
+    positions: &ShardPositions,
+    weight: f64,
+    ignore_index: i64,
+    checkpointing: &LayerCheckpointing,
+    tiles: usize,
+    parameters: &mut impl LayerParameters<B, M>,
     mut probe: impl FnMut(Piece),
 ) -> Result<(Tensor<B::InnerBackend, 1>, GradientsParams), UlyssesError>
 where
@@ -409,13 +474,15 @@ where
         )));
     }
 
-    // 1. Forward without a graph, keeping each layer's input.
-    let inner = model.valid();
-    let inner_context = inner.context(positions, &device);
+    // 1. Forward without a graph, keeping each layer's input; each layer's parameters
+    //    gathered for it alone.
+    let inner_context = model.valid().context(positions, &device);
     let mut kept = Vec::with_capacity(layers);
-    let mut hidden = Kept::keep(inner.embed(tokens.clone().inner(), &inner_context), offload);
+    let embedded = parameters.gather(model, ParameterGroup::Rest)?.valid().embed(tokens.clone().inner(), &inner_context);
+    let mut hidden = Kept::keep(embedded, offload);
     for index in 0..layers {
-        let output = layer_in_tiles(&inner, index, &hidden, tiles, &inner_context, offload, &device);
+        let layer = parameters.gather(model, ParameterGroup::Layer(index))?.valid();
+        let output = layer_in_tiles(&layer, index, &hidden, tiles, &inner_context, offload, &device);
         kept.push(std::mem::replace(&mut hidden, output));
     }
 
@@ -424,9 +491,10 @@ where
     let mut accumulator = GradientsAccumulator::<M>::new();
     let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
     let mut upstream = KeptTiles::new(offload);
+    let rest = parameters.gather(model, ParameterGroup::Rest)?;
     for rows in tile_ranges(shard_len, tiles) {
         let last = leaf(hidden.restore_rows(&rows, &device));
-        let loss = lm_loss_sum(model.head(last.clone()), rows_of(&labels, 1, &rows), ignore_index) * weight;
+        let loss = lm_loss_sum(rest.head(last.clone()), rows_of(&labels, 1, &rows), ignore_index) * weight;
         let tile_loss = loss.clone().inner();
         loss_sum = Some(match loss_sum.take() {
             Some(sum) => sum + tile_loss,
@@ -435,9 +503,9 @@ where
         probe(Piece::Head);
         let grads = loss.backward();
         upstream.push(upstream_of(&last, &grads, "the head")?);
-        accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+        accumulator.accumulate(model, GradientsParams::from_grads(grads, &rest));
     }
-    drop(hidden);
+    drop((hidden, rest));
     let mut upstream = upstream.finish();
 
     // 3. Layers, last first, each re-run from its input in three pieces (see the module doc).
@@ -446,23 +514,26 @@ where
     let context = model.context(positions, &device);
     for index in (0..layers).rev() {
         let input = kept.pop().expect("one kept input per layer");
+        let layer = parameters.gather(model, ParameterGroup::Layer(index))?;
+        let inner = layer.valid();
+        let mut layer_grads = GradientsAccumulator::<M>::new();
 
         // The core with its graph, from its inputs recomputed without one.
         let core_inputs: Vec<Tensor<B, 4>> =
             core_inputs_in_tiles(&inner, index, &input, tiles, &inner_context, &device).into_iter().map(leaf).collect();
-        let core = model.core(index, core_inputs.clone(), &context);
+        let core = layer.core(index, core_inputs.clone(), &context);
 
         // After-core tiles: the core output's gradient, and the residual part of the input's.
         let core_values = core.clone().inner();
         let (mut core_grad, mut residual_grad) = (Vec::with_capacity(tiles), KeptTiles::new(offload));
         for rows in tile_ranges(shard_len, tiles) {
             let (hidden, attended) = (leaf(input.restore_rows(&rows, &device)), leaf(rows_of(&core_values, 2, &rows)));
-            let output = model.after_core(index, hidden.clone(), attended.clone());
+            let output = layer.after_core(index, hidden.clone(), attended.clone());
             probe(Piece::AfterCore { layer: index });
             let grads = (output * Tensor::from_inner(upstream.restore_rows(&rows, &device))).sum().backward();
             core_grad.push(upstream_of(&attended, &grads, "a layer's after-core part (its core output)")?);
             residual_grad.push(upstream_of(&hidden, &grads, "a layer's after-core part (its input)")?);
-            accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+            layer_grads.accumulate(&layer, GradientsParams::from_grads(grads, &layer));
         }
         // The layer's output gradient is in the tiles' now.
         drop(core_values);
@@ -477,14 +548,14 @@ where
         let grads = seed.backward();
         let input_grads =
             core_inputs.iter().map(|input| upstream_of(input, &grads, "a layer's core (one of its inputs)")).collect::<Result<Vec<_>, _>>()?;
-        accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+        layer_grads.accumulate(&layer, GradientsParams::from_grads(grads, &layer));
         drop(core_inputs);
 
         // Before-core tiles, with graphs this time: the rest of the input's gradient.
         let mut input_grad = KeptTiles::new(offload);
         for rows in tile_ranges(shard_len, tiles) {
             let hidden = leaf(input.restore_rows(&rows, &device));
-            let outputs = model.before_core(index, hidden.clone(), rows.clone(), &context);
+            let outputs = layer.before_core(index, hidden.clone(), rows.clone(), &context);
             let seed = outputs
                 .into_iter()
                 .zip(&input_grads)
@@ -494,18 +565,24 @@ where
             probe(Piece::BeforeCore { layer: index });
             let grads = seed.backward();
             input_grad.push(upstream_of(&hidden, &grads, "a layer's before-core part")? + residual_grad.restore_rows(&rows, &device));
-            accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
+            layer_grads.accumulate(&layer, GradientsParams::from_grads(grads, &layer));
         }
         upstream = input_grad.finish();
+        if let Some(grads) = parameters.gradients_done(&layer, ParameterGroup::Layer(index), layer_grads.grads())? {
+            accumulator.accumulate(model, grads);
+        }
     }
 
-    // 4. Embedding.
-    let embedded = model.embed(tokens, &context);
+    // 4. Embedding; then the rest's gradients (the head's too: a tied head's weight is the
+    //    embedding's, its two gradients summed before they leave).
+    let rest = parameters.gather(model, ParameterGroup::Rest)?;
+    let embedded = rest.embed(tokens, &context);
     let seed = (embedded * Tensor::from_inner(upstream.restore(&device))).sum();
     probe(Piece::Embedding);
     let grads = seed.backward();
-    accumulator.accumulate(model, GradientsParams::from_grads(grads, model));
-    Ok((loss_sum.expect("a shard has at least one tile"), accumulator.grads()))
+    accumulator.accumulate(&rest, GradientsParams::from_grads(grads, &rest));
+    let grads = parameters.gradients_done(&rest, ParameterGroup::Rest, accumulator.grads())?.unwrap_or_else(GradientsParams::new);
+    Ok((loss_sum.expect("a shard has at least one tile"), grads))
 }
 
 /// A leaf of a piece's graph, holding `values`.

@@ -45,11 +45,13 @@ mod loss;
 mod panics;
 mod parameters;
 mod sharded;
+mod zero3;
 #[cfg(test)]
 mod host_adamw_tests;
 
 pub use backend::TrainBackend;
-pub use layers::{LayerCheckpointing, LayeredLm, Piece, ShardLengths, checkpointed_backward};
+pub use layers::{LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with};
+pub use zero3::{ShardedParameters, Zero3Step};
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters, with_parameters_in};
 pub use sharded::{ShardedAdamW, host_adamw_config, load_sharded_training_checkpoint, save_sharded_training_checkpoint, sharded_state_folder};
@@ -207,12 +209,51 @@ where
     M: CausalLm<B> + LayeredLm<B>,
     M::InnerModule: LayeredLm<B::InnerBackend>,
 {
+    backward_step_layered(model, step, sharder, groups, device, checkpointing, &mut WholeParameters)
+}
+
+/// [`backward_step_checkpointed`] under ZeRO-3: each layer's parameters (and the rest's)
+/// all-gathered from `parameters` just before its pieces run, its gradients reduce-scattered
+/// into `parameters` as soon as they are complete ([`ShardedParameters`]). The returned
+/// [`LocalStep`] holds no gradients; [`apply_step_zero3`] takes them from `parameters`.
+pub fn backward_step_zero3<B, M>(
+    model: &M,
+    step: &StepInput,
+    sharder: &SequenceSharder,
+    groups: &ParallelGroups<B::Wire>,
+    device: &B::Device,
+    checkpointing: &LayerCheckpointing,
+    parameters: &mut ShardedParameters<B>,
+) -> Result<LocalStep<B>, UlyssesError>
+where
+    B: TrainBackend,
+    M: CausalLm<B> + LayeredLm<B>,
+    M::InnerModule: LayeredLm<B::InnerBackend>,
+{
+    backward_step_layered(model, step, sharder, groups, device, checkpointing, &mut parameters.over(&*groups.world))
+}
+
+/// The body of the checkpointed backward steps, each piece's parameters from `parameters`.
+fn backward_step_layered<B, M>(
+    model: &M,
+    step: &StepInput,
+    sharder: &SequenceSharder,
+    groups: &ParallelGroups<B::Wire>,
+    device: &B::Device,
+    checkpointing: &LayerCheckpointing,
+    parameters: &mut impl LayerParameters<B, M>,
+) -> Result<LocalStep<B>, UlyssesError>
+where
+    B: TrainBackend,
+    M: CausalLm<B> + LayeredLm<B>,
+    M::InnerModule: LayeredLm<B::InnerBackend>,
+{
     checkpointing.check()?;
     backward_step_with(model, step, sharder, groups, |shard, weight, lengths| {
         let tiles = checkpointing.tiles(lengths)?;
         model_failure_as_error(|| {
             let (tokens, labels) = (shard.tokens(device), shard.labels(device));
-            layers::checkpointed_backward(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, tiles, |_| {})
+            layers::checkpointed_backward_with(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, tiles, &mut *parameters, |_| {})
         })?
     })
 }
@@ -301,7 +342,7 @@ where
     M: CausalLm<B>,
     O: Optimizer<M, B>,
 {
-    let losses = healthy_step_losses(&model, &local, step, groups)?;
+    let losses = step_losses_if_healthy(&model, &local, None, step, groups)?;
     let grads = all_reduce_gradients(&model, local.grads, &*groups.world)?;
     // Every rank holds the same sums now, but not always the same norm of them (a GPU's sum
     // is not bit-reproducible): every rank clips with, and reports, rank 0's.
@@ -332,8 +373,40 @@ where
     B: TrainBackend,
     M: CausalLm<B>,
 {
-    let losses = healthy_step_losses(&model, &local, step, groups)?;
+    let losses = step_losses_if_healthy(&model, &local, None, step, groups)?;
     let (model, grad_norm) = optimizer.step(step.learning_rate, model, local.grads, step.max_grad_norm, &*groups.world)?;
+    let loss = losses.iter().sum();
+    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
+}
+
+/// [`apply_step_sharded`] under ZeRO-3: the step's gradient parts, reduce-scattered during
+/// [`backward_step_zero3`], update this rank's part of the master weights on the host, which
+/// become its parts of the compute copy; `model` (placeholders) is returned as it came. The
+/// same checks: a NaN or an infinity in any rank's loss or gradient parts stops every rank
+/// (a rank named for its gradients holds the non-finite part of a sum, which any rank may
+/// have fed).
+pub fn apply_step_zero3<B, M>(
+    model: M,
+    optimizer: &mut ShardedAdamW,
+    parameters: &mut ShardedParameters<B>,
+    step: &StepInput,
+    local: LocalStep<B>,
+    groups: &ParallelGroups<B::Wire>,
+) -> Result<(M, StepReport), UlyssesError>
+where
+    B: TrainBackend,
+    M: CausalLm<B>,
+{
+    let (rank, world) = parameters.place();
+    optimizer.check_holds(rank, world, &parameters.elements()).map_err(|e| match e {
+        UlyssesError::InvalidConfig(message) => UlyssesError::InvalidConfig(format!("{message} (ZeRO-3: ShardedAdamW::keep_master_weights before ShardedParameters::shard, or ShardedAdamW::load)")),
+        other => other,
+    })?;
+    let losses = step_losses_if_healthy(&model, &local, parameters.first_non_finite_gradient(), step, groups)?;
+    let mut grad_parts = parameters.take_gradient_parts();
+    let updated: Vec<bool> = grad_parts.iter().map(Option::is_some).collect();
+    let grad_norm = optimizer.update(step.learning_rate, &mut grad_parts, step.max_grad_norm, &*groups.world)?;
+    parameters.update_from(optimizer, &updated);
     let loss = losses.iter().sum();
     Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
 }
@@ -342,12 +415,15 @@ where
 /// ranks were given the same settings; otherwise the error every rank returns. One read
 /// brings the loss and the gradients' health; one host collective carries them and the step's
 /// settings.
-fn healthy_step_losses<B, M>(model: &M, local: &LocalStep<B>, step: &StepInput, groups: &ParallelGroups<B::Wire>) -> Result<Vec<f64>, UlyssesError>
+/// `bad_part`: a parameter whose gradient already left `local` (ZeRO-3), found non-finite,
+/// counted as a non-finite gradient of this rank.
+fn step_losses_if_healthy<B, M>(model: &M, local: &LocalStep<B>, bad_part: Option<String>, step: &StepInput, groups: &ParallelGroups<B::Wire>) -> Result<Vec<f64>, UlyssesError>
 where
     B: TrainBackend,
     M: CausalLm<B>,
 {
     let (local_loss, bad_parameter) = read_loss_and_first_non_finite_gradient::<B, M>(model, &local.grads, local.loss.clone());
+    let bad_parameter = bad_parameter.or(bad_part);
     let max_grad_norm = step.max_grad_norm.unwrap_or(f64::NAN);
     let verdict = [local_loss.to_bits(), u64::from(bad_parameter.is_some()), max_grad_norm.to_bits(), step.learning_rate.to_bits()];
     let gathered = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &verdict, "step health values")?;

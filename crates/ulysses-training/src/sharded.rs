@@ -17,9 +17,10 @@
 //! norm's rounding. Its state is saved as one file per rank ([`ShardedAdamW::save`], each
 //! atomic) and loaded at any world size ([`ShardedAdamW::load`] re-partitions it).
 //!
-//! The model (its compute copy) stays whole on every rank, and each bucket's parts cross to
-//! the host and back through a read and an upload the device waits for: releasing the compute
-//! copy between layers (ZeRO stage 3) and overlapping the copies are still to come.
+//! The model (its compute copy) stays whole on every rank (ZeRO-3, `crate::zero3`, cuts it
+//! into parts too, and uses the pieces of this step), and each bucket's parts cross to the
+//! host and back through a read and an upload the device waits for: overlapping the copies is
+//! still to come.
 
 use std::{
     fs,
@@ -30,7 +31,7 @@ use std::{
 use burn::{
     module::{AutodiffModule, ModuleMapper, Param},
     optim::GradientsParams,
-    tensor::{FloatDType, Tensor, TensorData},
+    tensor::{DType, FloatDType, Tensor, TensorData},
 };
 use burn_ulysses::{
     UlyssesError,
@@ -136,57 +137,55 @@ impl ShardedAdamW {
             self.parts = local.iter().map(|l| ParameterPart { elements: l.len(), master: host_part(&partition, rank, &l.parameter), moments: AdamWMoments::default() }).collect();
             self.place = Some((rank, world.size()));
         }
-        if let Some((held_rank, held_world)) = self.place.filter(|&place| place != (rank, world.size())) {
+        self.check_holds(rank, world.size(), &local.iter().map(LocalGradient::len).collect::<Vec<_>>())?;
+
+        // 1. This rank's part of every gradient's sum.
+        let mut grad_parts = reduce_scatter_parts::<B>(&mut local, &partition, world)?;
+        // 2. and 3. The norm, and the update of this rank's parts.
+        let grad_norm = self.update(learning_rate, &mut grad_parts, max_grad_norm, world)?;
+        // 4. Every rank's parts into the parameters.
+        let updated: Vec<(usize, DType)> = local.iter().enumerate().filter(|&(i, _)| grad_parts[i].is_some()).map(|(i, l)| (i, l.dtype())).collect();
+        let device = local.first().map(|l| l.parameter.device());
+        let mut values: Vec<Option<Tensor<B::InnerBackend, 1>>> = vec![None; local.len()];
+        if let Some(device) = device {
+            for (i, whole) in self.all_gather_masters::<B>(&updated, world, &device)? {
+                values[i] = Some(whole);
+            }
+        }
+        let model = model.map(&mut SetParameters::<B> { values: values.into_iter() });
+        Ok((model, grad_norm))
+    }
+
+    /// Refuses to step as another rank, or another model, than the parts are of.
+    pub(crate) fn check_holds(&self, rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError> {
+        if let Some((held_rank, held_world)) = self.place.filter(|&place| place != (rank, world)) {
             return Err(UlyssesError::InvalidConfig(format!(
-                "the sharded optimizer holds rank {held_rank}'s parts of a world of {held_world}, but steps as rank {rank} of {}: load the saved state for this place with ShardedAdamW::load(dir, {rank}, {})",
-                world.size(),
-                world.size()
+                "the sharded optimizer holds rank {held_rank}'s parts of a world of {held_world}, but steps as rank {rank} of {world}: load the saved state for this place with ShardedAdamW::load(dir, {rank}, {world})"
             )));
         }
-        let shapes: Vec<usize> = local.iter().map(LocalGradient::len).collect();
-        if shapes != self.parts.iter().map(|part| part.elements).collect::<Vec<_>>() {
+        if elements != self.parts.iter().map(|part| part.elements).collect::<Vec<_>>() {
             return Err(UlyssesError::InvalidConfig(format!(
                 "the sharded optimizer holds parts of {} parameters ({} elements) but the model has {} ({} elements): one ShardedAdamW per model",
                 self.parts.len(),
                 self.parts.iter().map(|part| part.elements).sum::<usize>(),
-                local.len(),
-                shapes.iter().sum::<usize>()
+                elements.len(),
+                elements.iter().sum::<usize>()
             )));
         }
+        Ok(())
+    }
 
-        let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
-        let gathered = burn_ulysses::comm::all_gather_host_checked(world, &present, "float parameters")?;
-        let updated_anywhere = present_anywhere(&gathered, present.len());
-
-        // Buckets of consecutive parameters (as the all-reduce's, `GRADIENT_BUCKET_BYTES`),
-        // each laid out rank-major: row r holds every member's part r, so one reduce-scatter
-        // hands each rank its parts of the whole bucket, and one all-gather returns them all.
-        let padded_bytes: Vec<_> = local.iter().map(|l| (4 * partition.padded_len(l.len()), l.dtype())).collect();
-        let buckets = plan_buckets(&padded_bytes, &updated_anywhere, GRADIENT_BUCKET_BYTES);
-        let device = local.first().map(|l| l.parameter.device());
-
-        // 1. This rank's part of every gradient's sum: one reduce-scatter and one read a bucket.
-        let mut grad_parts: Vec<Option<Vec<f32>>> = vec![None; local.len()];
-        for bucket in &buckets {
-            let rows: Vec<Tensor<B::InnerBackend, 2>> =
-                bucket.iter().map(|&i| padded(&partition, local[i].take_or_zeros().cast(FloatDType::F32)).reshape([partition.world() as i32, -1])).collect();
-            let flat = Tensor::cat(rows, 1).reshape([-1]);
-            let mine = float_tensor::<B::InnerBackend, 1>(world.reduce_scatter(float_primitive(flat), ReduceOp::Sum)?);
-            let mut values = mine.into_data().to_vec::<f32>().expect("f32 gradients").into_iter();
-            for &i in bucket {
-                grad_parts[i] = Some(values.by_ref().take(partition.part_len(local[i].len())).collect());
-            }
-        }
-
-        // 2. The whole gradient's norm, the same on every rank; the clipping factor as
-        //    `clip_with_norm` computes it.
+    /// Updates this rank's parts with `grad_parts` (this rank's part of each parameter's
+    /// gradient summed over `world`, in the parts' order; `None`: no rank has a gradient, the
+    /// parameter stays), clipping to `max_grad_norm` with the norm of the whole gradient: its
+    /// parts' squares summed in f64 on each rank and over the ranks in rank order (the same on
+    /// every rank; `clip_with_norm`'s factor). Returns that norm, before clipping.
+    pub(crate) fn update<G: burn::tensor::backend::Backend>(&mut self, learning_rate: f64, grad_parts: &mut [Option<Vec<f32>>], max_grad_norm: Option<f64>, world: &dyn Communicator<G>) -> Result<f64, UlyssesError> {
         let squares: f64 = grad_parts.iter().flatten().flatten().map(|&g| f64::from(g) * f64::from(g)).sum();
         let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[squares.to_bits()], "squared gradient sums")?;
         let grad_norm = every_rank.iter().map(|bits| f64::from_bits(bits[0])).sum::<f64>().sqrt();
         let factor = max_grad_norm.map(|max_norm| max_norm / (grad_norm + 1e-6)).filter(|&factor| factor < 1.0);
-
-        // 3. The update of this rank's parts.
-        for (part, grad) in self.parts.iter_mut().zip(&mut grad_parts) {
+        for (part, grad) in self.parts.iter_mut().zip(grad_parts.iter_mut()) {
             if let Some(grad) = grad {
                 if let Some(factor) = factor {
                     let factor = factor as f32;
@@ -195,26 +194,76 @@ impl ShardedAdamW {
                 self.adamw.step(learning_rate, &mut part.master, grad, &mut part.moments);
             }
         }
-
-        // 4. Every rank's parts into the parameters: one upload and one all-gather a bucket.
-        let mut values: Vec<Option<Tensor<B::InnerBackend, 1>>> = vec![None; local.len()];
-        for bucket in &buckets {
-            let mine: Vec<f32> = bucket.iter().flat_map(|&i| self.parts[i].master.iter().copied()).collect();
-            let len = mine.len();
-            let device = device.as_ref().expect("a bucket holds a parameter");
-            // In the parameters' dtype (one per bucket): a half-precision compute copy gathers half the bytes.
-            let mine = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(mine, [len]), device).cast(FloatDType::from(local[bucket[0]].dtype()));
-            let rows = float_tensor::<B::InnerBackend, 2>(world.all_gather(float_primitive(mine))?);
-            let mut column = 0;
-            for &i in bucket {
-                let (part_len, elements) = (partition.part_len(local[i].len()), local[i].len());
-                values[i] = Some(rows.clone().narrow(1, column, part_len).reshape([-1]).narrow(0, 0, elements));
-                column += part_len;
-            }
-        }
-        let model = model.map(&mut SetParameters::<B> { values: values.into_iter() });
-        Ok((model, grad_norm))
+        Ok(grad_norm)
     }
+
+    /// This rank's part of parameter `index`'s master weights (padded to the partition).
+    pub(crate) fn master_part(&self, index: usize) -> &[f32] {
+        &self.parts[index].master
+    }
+
+    /// Parameters `which` (index in the parts' order, and the dtype to gather in) whole on
+    /// `device`, flat: every rank's part of their master weights all-gathered, one upload and
+    /// one all-gather a bucket of one dtype (a half-precision compute copy gathers half the
+    /// bytes). Collective over `world`.
+    pub(crate) fn all_gather_masters<B: TrainBackend>(&self, which: &[(usize, DType)], world: &dyn Communicator<B::Wire>, device: &burn::tensor::Device<B::InnerBackend>) -> Result<Vec<(usize, Tensor<B::InnerBackend, 1>)>, UlyssesError> {
+        let partition = Partition::new(world.size()).expect("a world has a rank");
+        let sizes: Vec<(usize, DType)> = which.iter().map(|&(i, dtype)| (4 * partition.padded_len(self.parts[i].elements), dtype)).collect();
+        let mut gathered = Vec::with_capacity(which.len());
+        for bucket in plan_buckets(&sizes, &vec![true; which.len()], GRADIENT_BUCKET_BYTES) {
+            let mine: Vec<f32> = bucket.iter().flat_map(|&b| self.parts[which[b].0].master.iter().copied()).collect();
+            let len = mine.len();
+            let mine = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(mine, [len]), device).cast(FloatDType::from(which[bucket[0]].1));
+            gathered.extend(all_gather_columns::<B>(mine, bucket.iter().map(|&b| (which[b].0, self.parts[which[b].0].elements)), &partition, world)?);
+        }
+        Ok(gathered)
+    }
+}
+
+/// This rank's part of the sum over `world` of each gradient of `local` (taken from it; f32,
+/// on the host; `None` where no rank has one), by the partition: in buckets of consecutive
+/// parameters, each laid out rank-major (row r holds every member's part r), so one
+/// reduce-scatter and one read a bucket hand each rank its parts, the bits an all-reduce gives
+/// there. Collective over `world`: one host collective for which gradients exist anywhere,
+/// then the buckets.
+pub(crate) fn reduce_scatter_parts<B: TrainBackend>(local: &mut [LocalGradient<B>], partition: &Partition, world: &dyn Communicator<B::Wire>) -> Result<Vec<Option<Vec<f32>>>, UlyssesError> {
+    let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
+    let gathered = burn_ulysses::comm::all_gather_host_checked(world, &present, "float parameters")?;
+    let updated_anywhere = present_anywhere(&gathered, present.len());
+    let padded_bytes: Vec<_> = local.iter().map(|l| (4 * partition.padded_len(l.len()), l.dtype())).collect();
+    let mut grad_parts: Vec<Option<Vec<f32>>> = vec![None; local.len()];
+    for bucket in plan_buckets(&padded_bytes, &updated_anywhere, GRADIENT_BUCKET_BYTES) {
+        let rows: Vec<Tensor<B::InnerBackend, 2>> =
+            bucket.iter().map(|&i| padded(partition, local[i].take_or_zeros().cast(FloatDType::F32)).reshape([partition.world() as i32, -1])).collect();
+        let flat = Tensor::cat(rows, 1).reshape([-1]);
+        let mine = float_tensor::<B::InnerBackend, 1>(world.reduce_scatter(float_primitive(flat), ReduceOp::Sum)?);
+        let mut values = mine.into_data().to_vec::<f32>().expect("f32 gradients").into_iter();
+        for &i in &bucket {
+            grad_parts[i] = Some(values.by_ref().take(partition.part_len(local[i].len())).collect());
+        }
+    }
+    Ok(grad_parts)
+}
+
+/// `mine` (this rank's parts of `members`, `(index, elements)` each, one after another)
+/// all-gathered over `world`: each member whole and flat, by index. Collective.
+pub(crate) fn all_gather_columns<B: TrainBackend>(
+    mine: Tensor<B::InnerBackend, 1>,
+    members: impl Iterator<Item = (usize, usize)>,
+    partition: &Partition,
+    world: &dyn Communicator<B::Wire>,
+) -> Result<Vec<(usize, Tensor<B::InnerBackend, 1>)>, UlyssesError> {
+    // Row r: rank r's parts of every member, in order.
+    let rows = float_tensor::<B::InnerBackend, 2>(world.all_gather(float_primitive(mine))?);
+    let mut column = 0;
+    Ok(members
+        .map(|(index, elements)| {
+            let part_len = partition.part_len(elements);
+            let whole = rows.clone().narrow(1, column, part_len).reshape([-1]).narrow(0, 0, elements);
+            column += part_len;
+            (index, whole)
+        })
+        .collect())
 }
 
 /// The host AdamW's settings from burn's `AdamWConfig`, the same update; refused, naming the
@@ -498,13 +547,13 @@ fn shard_error(path: &Path, reason: impl std::fmt::Display) -> UlyssesError {
     UlyssesError::Checkpoint { path: path.display().to_string(), reason: reason.to_string() }
 }
 
-/// `flat` padded with zeros to the partition's length.
-fn padded<B: burn::tensor::backend::Backend>(partition: &Partition, flat: Tensor<B, 1>) -> Tensor<B, 1> {
+/// `flat` padded with zeros (of its dtype) to the partition's length.
+pub(crate) fn padded<B: burn::tensor::backend::Backend>(partition: &Partition, flat: Tensor<B, 1>) -> Tensor<B, 1> {
     let (len, target) = (flat.dims()[0], partition.padded_len(flat.dims()[0]));
     if target == len {
         return flat;
     }
-    let zeros = Tensor::zeros([target - len], &flat.device());
+    let zeros = Tensor::zeros([target - len], (&flat.device(), flat.dtype()));
     Tensor::cat(vec![flat, zeros], 0)
 }
 

@@ -1,0 +1,286 @@
+//! ZeRO stage 3 over a world of ranks (SP × DP together: SP ranks hold identical parameters,
+//! so they share the parts too): each rank keeps only its part
+//! (`ulysses_core::zero::Partition`) of every parameter's compute copy, on the device; the
+//! model between steps holds placeholders. A checkpointed step
+//! ([`checkpointed_backward_with`](crate::checkpointed_backward_with)) asks for one
+//! [`ParameterGroup`] at a time, a layer or the rest (embeddings, final norm, head):
+//!
+//! - the group's parts are all-gathered (in the compute dtype, one collective a bucket of
+//!   [`GRADIENT_BUCKET_BYTES`]) into a copy of the model just before its pieces run, and
+//!   released with that copy after them: a layer's for its forward, again for its backward
+//!   (recomputed under layer checkpointing); the rest's for the embedding, the head, and the
+//!   embedding's backward;
+//! - a group's gradients, once complete, are reduce-scattered (cast to f32, in buckets, each
+//!   laid out rank-major as [`ShardedAdamW`]'s: the sums an all-reduce gives, in the same
+//!   order) and this rank keeps its part, on the host, summed over the step's micro-batches in
+//!   f32 in micro-batch order;
+//! - the optimizer ([`ShardedAdamW`], on the host) updates this rank's parts of the master
+//!   weights from them, and the updated parts, cast to the compute dtype, become the device's
+//!   parts ([`apply_step_zero3`](crate::apply_step_zero3)): no all-gather after the step.
+//!
+//! So a rank holds `1/world` of the compute copy and of the gradients between steps, and at
+//! most one group whole during a step (the largest: a layer, or the embedding and head).
+//! Uneven sizes are fine: a parameter is padded to a multiple of the world, so a part may be
+//! partly or wholly padding, never missing.
+
+use std::collections::HashMap;
+
+use burn::{
+    module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId},
+    optim::GradientsParams,
+    tensor::{DType, FloatDType, Shape, Tensor, TensorData},
+};
+use burn_ulysses::{UlyssesError, comm::Communicator};
+use ulysses_core::{
+    gradients::{GRADIENT_BUCKET_BYTES, plan_buckets},
+    zero::Partition,
+};
+
+use crate::{
+    LayerParameters, LayeredLm, ParameterGroup, ShardedAdamW, TrainBackend, float_parameters,
+    gradients::{LocalGradient, TakeGradients},
+    sharded::{all_gather_columns, padded, reduce_scatter_parts},
+};
+
+/// This rank's parts of a model's parameters under ZeRO-3 (see the module doc).
+pub struct ShardedParameters<B: TrainBackend> {
+    partition: Partition,
+    rank: usize,
+    /// Every float parameter of the model, in its visit order (the optimizer's order).
+    parameters: Vec<PartOf<B>>,
+    /// Indices into `parameters` of each layer's, and of the rest's.
+    layers: Vec<Vec<usize>>,
+    rest: Vec<usize>,
+    /// This rank's part of each parameter's gradient summed over the world, summed over this
+    /// step's shards so far; `None`: no rank had one yet.
+    grad_parts: Vec<Option<Vec<f32>>>,
+}
+
+/// One parameter: what it is, and this rank's part of its compute copy.
+struct PartOf<B: TrainBackend> {
+    id: ParamId,
+    path: String,
+    shape: Shape,
+    dtype: DType,
+    /// Flat, padded to the partition: `part_len` elements, on the device.
+    part: Tensor<B::InnerBackend, 1>,
+}
+
+impl<B: TrainBackend> PartOf<B> {
+    fn elements(&self) -> usize {
+        self.shape.num_elements()
+    }
+}
+
+impl<B: TrainBackend> ShardedParameters<B> {
+    /// Cuts `model`'s parameters (whole, the same on every rank) into rank `rank`'s parts of a
+    /// world of `world`; returns the model with placeholders in their place (the same ids and
+    /// gradient flags, one element each) and the parts. Refused when two layers
+    /// ([`LayeredLm::visit_layer`]) claim the same parameter.
+    pub fn shard<M: AutodiffModule<B> + LayeredLm<B>>(model: M, rank: usize, world: usize) -> Result<(M, Self), UlyssesError> {
+        let partition = Partition::new(world).ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 over a world of 0 ranks".into()))?;
+        let found = float_parameters(&model);
+        let index_of: HashMap<ParamId, usize> = found.iter().enumerate().map(|(i, p)| (p.id, i)).collect();
+        let mut owner: Vec<Option<usize>> = vec![None; found.len()];
+        let mut layers = Vec::with_capacity(model.layer_count());
+        for layer in 0..model.layer_count() {
+            let mut ids = CollectIds(Vec::new());
+            model.visit_layer(layer, &mut ids);
+            let mut indices = Vec::with_capacity(ids.0.len());
+            for id in ids.0 {
+                let index = *index_of.get(&id).ok_or_else(|| UlyssesError::InvalidConfig(format!("LayeredLm::visit_layer({layer}) visits a parameter the model does not hold")))?;
+                if let Some(other) = owner[index].replace(layer) {
+                    return Err(UlyssesError::InvalidConfig(format!(
+                        "{} is visited by layers {other} and {layer} (LayeredLm::visit_layer): ZeRO-3 gathers a parameter with one layer; share it through the rest (embeddings, head)",
+                        found[index].path
+                    )));
+                }
+                indices.push(index);
+            }
+            layers.push(indices);
+        }
+        let rest = (0..found.len()).filter(|&i| owner[i].is_none()).collect();
+        let parameters = found
+            .into_iter()
+            .map(|p| {
+                let elements = p.values.dims()[0];
+                let view = padded(&partition, p.values.inner()).narrow(0, partition.part(elements, rank).start, partition.part_len(elements));
+                // A copy of its own: a view would keep the whole parameter's buffer alive.
+                let (dtype, device) = (view.dtype(), view.device());
+                let part = Tensor::from_data(view.into_data(), (&device, dtype));
+                PartOf { id: p.id, path: p.path, dtype, shape: p.shape, part }
+            })
+            .collect::<Vec<_>>();
+        let grad_parts = vec![None; parameters.len()];
+        let model = model.map(&mut Placeholders);
+        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts }))
+    }
+
+    /// The rank and world the parts are of.
+    pub fn place(&self) -> (usize, usize) {
+        (self.rank, self.partition.world())
+    }
+
+    /// Elements of each parameter (whole, unpadded), in the model's visit order.
+    pub fn elements(&self) -> Vec<usize> {
+        self.parameters.iter().map(PartOf::elements).collect()
+    }
+
+    /// Bytes this rank holds on the device between steps: its parts of the compute copy.
+    pub fn device_bytes(&self) -> usize {
+        self.parameters.iter().map(|p| self.partition.part_len(p.elements()) * p.dtype.size()).sum()
+    }
+
+    /// `model` (with placeholders) with every parameter whole: all-gathered, for what needs
+    /// the whole model (evaluation, a checkpoint, the trained model). Collective over `world`.
+    pub fn gather_all<M: AutodiffModule<B>>(&self, model: M, world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
+        let every: Vec<usize> = (0..self.parameters.len()).collect();
+        self.gathered(model, &every, world)
+    }
+
+    /// `model` with the parameters at `indices` all-gathered into it.
+    fn gathered<M: AutodiffModule<B>>(&self, model: M, indices: &[usize], world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
+        self.check_world(world)?;
+        let sizes: Vec<(usize, DType)> = indices.iter().map(|&i| (self.parameters[i].part.dims()[0] * self.parameters[i].dtype.size(), self.parameters[i].dtype)).collect();
+        let mut values = HashMap::with_capacity(indices.len());
+        for bucket in plan_buckets(&sizes, &vec![true; indices.len()], GRADIENT_BUCKET_BYTES) {
+            let mine = Tensor::cat(bucket.iter().map(|&b| self.parameters[indices[b]].part.clone()).collect(), 0);
+            let members = bucket.iter().map(|&b| (indices[b], self.parameters[indices[b]].elements()));
+            for (index, whole) in all_gather_columns::<B>(mine, members, &self.partition, world)? {
+                let parameter = &self.parameters[index];
+                values.insert(parameter.id, (whole, parameter.shape.clone()));
+            }
+        }
+        Ok(model.map(&mut Gathered::<B> { values }))
+    }
+
+    fn check_world(&self, world: &dyn Communicator<B::Wire>) -> Result<(), UlyssesError> {
+        if (world.rank(), world.size()) != self.place() {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "ZeRO-3 parts of rank {} of a world of {}, used by rank {} of {}: shard the model for the world that trains it",
+                self.rank,
+                self.partition.world(),
+                world.rank(),
+                world.size()
+            )));
+        }
+        Ok(())
+    }
+
+    fn group(&self, group: ParameterGroup) -> &[usize] {
+        match group {
+            ParameterGroup::Layer(index) => &self.layers[index],
+            ParameterGroup::Rest => &self.rest,
+        }
+    }
+
+    /// Reduce-scatters `group`'s gradients in `grads` (of `gathered`, the model with the group
+    /// whole) and adds this rank's parts to the step's. Refused when `grads` holds a gradient
+    /// of a parameter outside the group: a piece used a parameter its group does not name.
+    fn take_group_gradients<M: AutodiffModule<B>>(&mut self, gathered: &M, group: ParameterGroup, mut grads: GradientsParams, world: &dyn Communicator<B::Wire>) -> Result<(), UlyssesError> {
+        let mut take = TakeGradients::<B> { grads: &mut grads, local: Vec::new() };
+        gathered.visit(&mut take);
+        let mut local: Vec<Option<LocalGradient<B>>> = take.local.into_iter().map(Some).collect();
+        let indices = self.group(group).to_vec();
+        let mut members: Vec<LocalGradient<B>> = indices.iter().map(|&i| local[i].take().expect("each parameter once")).collect();
+        if let Some((index, _)) = local.iter().enumerate().find(|(_, l)| l.as_ref().is_some_and(|l| l.grad.is_some())) {
+            return Err(UlyssesError::InModel {
+                message: format!(
+                    "ZeRO-3: the pieces of {group:?} gave a gradient to {}, which that group does not hold (LayeredLm::visit_layer must visit every parameter a layer's pieces use, and only the rest may use the others)",
+                    self.parameters[index].path
+                ),
+            });
+        }
+        let parts = reduce_scatter_parts::<B>(&mut members, &self.partition, world)?;
+        for (index, part) in indices.into_iter().zip(parts) {
+            let Some(part) = part else { continue };
+            match &mut self.grad_parts[index] {
+                Some(sum) => sum.iter_mut().zip(&part).for_each(|(sum, g)| *sum += g),
+                empty => *empty = Some(part),
+            }
+        }
+        Ok(())
+    }
+
+    /// The step's gradient parts so far (this rank's part of each parameter's gradient summed
+    /// over the world and the step's shards; `None`: none anywhere), leaving none.
+    pub(crate) fn take_gradient_parts(&mut self) -> Vec<Option<Vec<f32>>> {
+        std::mem::replace(&mut self.grad_parts, vec![None; self.parameters.len()])
+    }
+
+    /// The path of the first parameter whose gradient part holds a NaN or an infinity.
+    pub(crate) fn first_non_finite_gradient(&self) -> Option<String> {
+        self.grad_parts.iter().zip(&self.parameters).find(|(part, _)| part.as_ref().is_some_and(|p| p.iter().any(|g| !g.is_finite()))).map(|(_, p)| p.path.clone())
+    }
+
+    /// The parts of the parameters `updated` says changed, from `optimizer`'s master weights,
+    /// in the compute dtype (an upload each, no collective).
+    pub(crate) fn update_from(&mut self, optimizer: &ShardedAdamW, updated: &[bool]) {
+        for (index, parameter) in self.parameters.iter_mut().enumerate().filter(|&(i, _)| updated[i]) {
+            let master = optimizer.master_part(index);
+            let values = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(master.to_vec(), [master.len()]), &parameter.part.device());
+            parameter.part = values.cast(FloatDType::from(parameter.dtype));
+        }
+    }
+
+    /// This step's view of the parts, for [`checkpointed_backward_with`](crate::checkpointed_backward_with):
+    /// gathers and scatters over `world`.
+    pub fn over<'a>(&'a mut self, world: &'a dyn Communicator<B::Wire>) -> Zero3Step<'a, B> {
+        Zero3Step { parameters: self, world }
+    }
+}
+
+/// [`ShardedParameters`] at work in one step: where a checkpointed backward gets each group's
+/// parameters and leaves its gradients.
+pub struct Zero3Step<'a, B: TrainBackend> {
+    parameters: &'a mut ShardedParameters<B>,
+    world: &'a dyn Communicator<B::Wire>,
+}
+
+impl<B: TrainBackend, M: AutodiffModule<B>> LayerParameters<B, M> for Zero3Step<'_, B> {
+    fn gather(&mut self, model: &M, group: ParameterGroup) -> Result<M, UlyssesError> {
+        let indices = self.parameters.group(group).to_vec();
+        self.parameters.gathered(model.clone(), &indices, self.world)
+    }
+
+    fn gradients_done(&mut self, gathered: &M, group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, UlyssesError> {
+        self.parameters.take_group_gradients(gathered, group, grads, self.world)?;
+        Ok(None)
+    }
+}
+
+/// The ids of the float parameters visited.
+struct CollectIds(Vec<ParamId>);
+
+impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for CollectIds {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.0.push(param.id);
+    }
+}
+
+/// Every float parameter replaced by a one-element placeholder of its dtype, keeping its id
+/// and whether it requires a gradient.
+struct Placeholders;
+
+impl<B: burn::tensor::backend::AutodiffBackend> ModuleMapper<B> for Placeholders {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let requires_grad = tensor.is_require_grad();
+        let placeholder = Tensor::<B::InnerBackend, D>::zeros([1; D], (&tensor.device(), tensor.dtype()));
+        Param::from_mapped_value(id, Tensor::from_inner(placeholder).set_require_grad(requires_grad), mapper)
+    }
+}
+
+/// Gathered values (flat, with their shapes) put in place of the parameters with those ids.
+struct Gathered<B: TrainBackend> {
+    values: HashMap<ParamId, (Tensor<B::InnerBackend, 1>, Shape)>,
+}
+
+impl<B: TrainBackend> ModuleMapper<B> for Gathered<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some((flat, shape)) = self.values.remove(&param.id) else { return param };
+        let (id, placeholder, mapper) = param.consume();
+        let requires_grad = placeholder.is_require_grad();
+        Param::from_mapped_value(id, Tensor::from_inner(flat.reshape(shape)).set_require_grad(requires_grad), mapper)
+    }
+}

@@ -1,0 +1,117 @@
+//! What a rank holds between steps under ZeRO-3, counted by the allocator per rank thread
+//! (`ulysses_suite::rank_memory`): its part of the parameters' compute copy and of the
+//! optimizer's state (master weights and both moments). At world 2 and 4 a rank holds
+//! 1/world of what one rank training the same model alone holds, within 10%; replicated AdamW
+//! holds the whole model and both moments on every rank whatever the world.
+//!
+//! One test, so nothing else allocates in this binary while it counts.
+
+use std::time::Duration;
+
+use burn::{backend::{Autodiff, NdArray}, optim::AdamWConfig};
+use burn_ulysses::{
+    ParallelGroups, ParallelLayout, RankScope, UlyssesBackend, UlyssesConfig,
+    comm::ThreadGroup,
+    data::SequenceSharder,
+};
+use ulysses_models::{Decoder, DecoderConfig};
+use ulysses_suite::{
+    VariedLengths, deterministic_params,
+    rank_memory::{RankCounting, count_as_rank, live_bytes},
+    with_deadline,
+};
+use ulysses_trainer::train::StepData;
+use ulysses_training::{
+    HostAdamWConfig, LayerCheckpointing, ShardedAdamW, ShardedParameters, StepInput, apply_step, apply_step_zero3, backward_step_checkpointed,
+    backward_step_zero3, float_parameters,
+};
+
+#[global_allocator]
+static ALLOCATOR: RankCounting = RankCounting;
+
+type Inner = NdArray<f32>;
+type Sp = UlyssesBackend<Autodiff<Inner>>;
+
+const VOCAB: usize = 2048;
+const STEPS: usize = 2;
+
+fn model_config() -> DecoderConfig {
+    DecoderConfig::new(VOCAB).with_d_model(256).with_n_layers(2).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(512).with_tie_embeddings(false).with_repeat_kv(false)
+}
+
+/// Bytes each rank of a world of `world` (SP=2 × DP=world/2, or one rank) holds after
+/// [`STEPS`] steps, above what its thread held before it built its model; and the model's
+/// parameter count.
+fn held_per_rank(world: usize, zero3: bool) -> (Vec<usize>, usize) {
+    let layout = if world == 1 { ParallelLayout::new() } else { ParallelLayout::new().with_sp_size(2).with_dp_size(world / 2) };
+    let per_rank = ThreadGroup::new(world).run(|rank| {
+        count_as_rank(rank.rank());
+        let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+        let _sp = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
+        let device = Default::default();
+        let before = live_bytes(rank.rank());
+        let mut model: Decoder<Sp> = deterministic_params(model_config().init(&device), 5);
+        let parameters: usize = float_parameters(&model).iter().map(|p| p.shape.num_elements()).sum();
+        let (dp_rank, _) = layout.coordinates(rank.rank());
+        let sharder = SequenceSharder::new(layout.sp_size);
+        let checkpointing = LayerCheckpointing::new();
+        let mut replicated = AdamWConfig::new().init::<Sp, Decoder<Sp>>();
+        let mut host = ShardedAdamW::new(HostAdamWConfig::default());
+        let mut parts = None;
+        if zero3 {
+            host.keep_master_weights(&model, rank.rank(), world);
+            let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), world).unwrap();
+            (model, parts) = (placeholders, Some(sharded));
+        }
+        for index in 0..STEPS {
+            let batch = VariedLengths { vocab: VOCAB }.train_batch(index);
+            let share = batch.len() / layout.dp_size;
+            let mine = vec![batch[share * dp_rank..share * (dp_rank + 1)].to_vec()];
+            let step = StepInput { index, learning_rate: 1e-3, micro_batches: &mine, documents: None, targets: None, max_grad_norm: None };
+            model = match parts.as_mut() {
+                Some(parts) => {
+                    let local = backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap();
+                    apply_step_zero3(model, &mut host, parts, &step, local, &groups).unwrap().0
+                }
+                None => {
+                    let local = backward_step_checkpointed(&model, &step, &sharder, &groups, &device, &checkpointing).unwrap();
+                    apply_step(model, &mut replicated, &step, local, &groups).unwrap().0
+                }
+            };
+        }
+        let held = live_bytes(rank.rank()) - before;
+        drop((model, parts, replicated, host));
+        (held, parameters)
+    });
+    let per_rank: Vec<(usize, usize)> = per_rank.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
+    (per_rank.iter().map(|r| r.0).collect(), per_rank[0].1)
+}
+
+#[test]
+fn zero_3_ranks_hold_a_world_th_of_the_training_state() {
+    let results = with_deadline(Duration::from_secs(300), || {
+        [1, 2, 4].map(|world| (world, held_per_rank(world, true), held_per_rank(world, false)))
+    });
+    let (alone, parameters) = &results[0].1;
+    let mb = |bytes: usize| bytes as f64 / 1e6;
+    println!("{parameters} parameters (f32); bytes a rank holds between steps:");
+    println!("{:>6} {:>22} {:>22}", "world", "ZeRO-3 (MB per rank)", "replicated (MB)");
+    for (world, (zero3, _), (replicated, _)) in &results {
+        let show = |v: &Vec<usize>| v.iter().map(|&b| format!("{:.2}", mb(b))).collect::<Vec<_>>().join(" ");
+        println!("{world:>6} {:>22} {:>22}", show(zero3), show(replicated));
+    }
+    // Alone, a rank holds the compute copy and the master weights (f32 each) and both moments.
+    let expected_alone = 16 * parameters;
+    assert!(alone[0] >= expected_alone && alone[0] <= expected_alone + expected_alone / 10, "one rank holds {} bytes for {parameters} parameters", alone[0]);
+    for (world, (zero3, _), (replicated, _)) in &results[1..] {
+        for (rank, &held) in zero3.iter().enumerate() {
+            let ratio = held as f64 * *world as f64 / alone[0] as f64;
+            assert!((0.9..=1.1).contains(&ratio), "world {world}, rank {rank}: holds {held} bytes, {ratio:.3} x 1/{world} of one rank's {}", alone[0]);
+        }
+        // Replicated AdamW: the whole model and both moments on every rank (the measurement
+        // sees what is not sharded).
+        for (rank, &held) in replicated.iter().enumerate() {
+            assert!(held >= 12 * parameters, "world {world}, rank {rank}: replicated AdamW holds only {held} bytes");
+        }
+    }
+}
