@@ -63,7 +63,20 @@ fn three_processes_pass_the_collective_check() {
 
 #[test]
 fn a_killed_rank_is_named_by_every_other_rank_within_seconds() {
-    let (ranks, elapsed) = run_ranks(4, &["--die-rank", "2"]);
+    assert_every_other_rank_names_rank_2(&["--die-rank", "2"]);
+}
+
+/// ZeRO-3's collectives: a rank that dies instead of entering an all-gather or a
+/// reduce-scatter its peers are in is named by each of them.
+#[test]
+fn a_rank_killed_during_an_all_gather_or_a_reduce_scatter_is_named_by_the_others() {
+    for collective in ["all-gather", "reduce-scatter"] {
+        assert_every_other_rank_names_rank_2(&["--die-rank", "2", "--die-in", collective]);
+    }
+}
+
+fn assert_every_other_rank_names_rank_2(check_args: &[&str]) {
+    let (ranks, elapsed) = run_ranks(4, check_args);
     for (rank, (status, output)) in ranks.iter().enumerate() {
         println!("rank {rank}: {status}\n{output}");
     }

@@ -28,16 +28,31 @@ struct Args {
     /// Test hook: this rank kills itself (SIGKILL) once connected; the others must name it.
     #[arg(long, hide = true)]
     die_rank: Option<usize>,
+    /// Test hook, with --die-rank: that rank passes the check, then kills itself where it
+    /// would enter this collective, which the others are in (ZeRO-3's two).
+    #[arg(long, hide = true, requires = "die_rank")]
+    die_in: Option<Collective>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum Collective {
+    AllGather,
+    ReduceScatter,
+}
+
+/// SIGKILL to this process; nothing after it runs.
+fn die(rank: usize, at: &str) {
+    eprintln!("test hook: rank {rank} kills itself {at}");
+    // SAFETY: kill(2) on our own pid.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
 }
 
 fn check(args: &Args) -> Result<(), String> {
     let env = LaunchEnv::from_env().map_err(|e| e.to_string())?;
     let config = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let comm = HostStaged::new(TcpCommunicator::connect(&env, &config).map_err(|e| e.to_string())?);
-    if args.die_rank == Some(env.rank) {
-        eprintln!("test hook: rank {} kills itself", env.rank);
-        // SAFETY: kill(2) on our own pid; nothing after it runs.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    if args.die_rank == Some(env.rank) && args.die_in.is_none() {
+        die(env.rank, "once connected");
     }
     let device = Default::default();
     for line in check_collectives::<B>(&*comm, &device, CheckSizes::default())? {
@@ -45,6 +60,17 @@ fn check(args: &Args) -> Result<(), String> {
     }
     let c: &dyn Communicator<B> = &*comm;
     let p = c.size();
+    if let Some(collective) = args.die_in {
+        let values = Tensor::<B, 1>::from_data(TensorData::new(vec![1.0f32; 1 << 16], [1 << 16]), &device).into_primitive().tensor();
+        if args.die_rank == Some(env.rank) {
+            die(env.rank, &format!("instead of entering {collective:?}"));
+        }
+        match collective {
+            Collective::AllGather => drop(c.all_gather(values).map_err(|e| e.to_string())?),
+            Collective::ReduceScatter => drop(c.reduce_scatter(values, burn_ulysses::comm::ReduceOp::Sum).map_err(|e| e.to_string())?),
+        }
+        return Err(format!("{collective:?} finished although rank {:?} died before entering it", args.die_rank));
+    }
     let elements = (args.mib << 20) / 4 / p * p;
     let mut seconds = Vec::new();
     for _ in 0..5 {
