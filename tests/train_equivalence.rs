@@ -551,14 +551,16 @@ enum Zero {
     ShardedOptimizerCheckpointed,
     /// ZeRO-3: the compute copy in quarters too, each layer gathered for its pieces.
     Stage3,
+    /// ZeRO-3 with the optimizer's quarter on the device (`DeviceShardedAdamW`).
+    Stage3OnDevice,
 }
 
 /// `steps` steps of SP=2 × DP=2 on the tiny Qwen3 fixture (transformers' weights), each rank
 /// holding its state as `zero` says, clipping to `max_grad_norm`.
 fn qwen3_sp_dp(zero: Zero, steps: usize, max_grad_norm: Option<f64>) -> Qwen3Run {
     use ulysses_training::{
-        HostAdamWConfig, LayerCheckpointing, ShardedAdamW, ShardedParameters, StepInput, apply_step, apply_step_sharded, apply_step_zero3,
-        backward_step, backward_step_checkpointed, backward_step_zero3,
+        DeviceShardedAdamW, HostAdamWConfig, LayerCheckpointing, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step,
+        apply_step_sharded, apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3,
     };
     const WEIGHT_DECAY: f32 = 0.01;
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/ulysses-models/tests/fixtures/qwen3");
@@ -573,11 +575,15 @@ fn qwen3_sp_dp(zero: Zero, steps: usize, max_grad_norm: Option<f64>) -> Qwen3Run
         let sharder = SequenceSharder::new(2);
         let checkpointing = LayerCheckpointing::new();
         let mut replicated = AdamWConfig::new().with_weight_decay(WEIGHT_DECAY).init::<Sp, ulysses_models::Decoder<Sp>>();
-        let mut sharded_state = ShardedAdamW::new(HostAdamWConfig { weight_decay: WEIGHT_DECAY, ..HostAdamWConfig::default() });
+        let adamw = HostAdamWConfig { weight_decay: WEIGHT_DECAY, ..HostAdamWConfig::default() };
+        let mut sharded_state = ShardedAdamW::new(adamw);
+        let mut on_device = DeviceShardedAdamW::<Sp>::new(adamw);
         let mut parts = None;
-        if zero == Zero::Stage3 {
+        if matches!(zero, Zero::Stage3 | Zero::Stage3OnDevice) {
             sharded_state.keep_master_weights(&model, rank.rank(), 4);
-            let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), 4).unwrap();
+            on_device.keep_master_weights(&model, rank.rank(), 4);
+            let place = if zero == Zero::Stage3 { OptimizerPlace::Host } else { OptimizerPlace::Device };
+            let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), 4, place).unwrap();
             (model, parts) = (placeholders, Some(sharded));
         }
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
@@ -607,7 +613,11 @@ fn qwen3_sp_dp(zero: Zero, steps: usize, max_grad_norm: Option<f64>) -> Qwen3Run
                     let local = backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap();
                     apply_step_zero3(model, &mut sharded_state, parts, &step, local, &groups)
                 }
-                (Zero::Stage3, None) => unreachable!("ZeRO-3 shards the model first"),
+                (Zero::Stage3OnDevice, Some(parts)) => {
+                    let local = backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap();
+                    apply_step_zero3(model, &mut on_device, parts, &step, local, &groups)
+                }
+                (Zero::Stage3 | Zero::Stage3OnDevice, None) => unreachable!("ZeRO-3 shards the model first"),
             }
             .unwrap();
             model = next;
@@ -675,7 +685,9 @@ fn sharded_optimizer_state_trains_like_replicated_adamw() {
 /// - bit for bit as the sharded optimizer on the same checkpointed step (the same sums in the
 ///   same order: gathering moves values, it adds nothing), and
 /// - as replicated AdamW (burn's, on every rank) on the same checkpointed step within 1e-6:
-///   the losses, and every parameter of its largest value.
+///   the losses, and every parameter of its largest value;
+/// - with the optimizer's parts on the device (`DeviceShardedAdamW`: burn's AdamW order in
+///   tensor ops), bit for bit as replicated AdamW.
 ///
 /// Between steps each rank holds a quarter of the compute copy (the partition's padding aside).
 #[test]
@@ -684,6 +696,11 @@ fn zero_3_trains_like_replicated_adamw() {
         let zero3 = qwen3_sp_dp(Zero::Stage3, 20, None);
         let checkpointed = qwen3_sp_dp(Zero::ShardedOptimizerCheckpointed, 20, None);
         let replicated = qwen3_sp_dp(Zero::ReplicatedCheckpointed, 20, None);
+        let on_device = qwen3_sp_dp(Zero::Stage3OnDevice, 20, None);
+        assert_eq!(on_device.losses, replicated.losses, "ZeRO-3 with the optimizer on the device against replicated AdamW");
+        for ((name, want), (_, got)) in replicated.params.iter().zip(&on_device.params) {
+            assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: the optimizer on the device {:e} apart from replicated AdamW", max_abs_diff(got, want));
+        }
         assert!(zero3.losses.iter().all(|l| l.is_finite()) && zero3.losses[19] < zero3.losses[0], "the run must train: {:?}", zero3.losses);
         assert_eq!(zero3.losses, checkpointed.losses, "ZeRO-3's losses against the sharded optimizer's on the same step");
         for ((name, want), (_, got)) in checkpointed.params.iter().zip(&zero3.params) {

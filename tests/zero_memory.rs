@@ -22,7 +22,7 @@ use ulysses_suite::{
 };
 use ulysses_trainer::train::StepData;
 use ulysses_training::{
-    HostAdamWConfig, LayerCheckpointing, ShardedAdamW, ShardedParameters, StepInput, apply_step, apply_step_zero3, backward_step_checkpointed,
+    HostAdamWConfig, LayerCheckpointing, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step, apply_step_zero3, backward_step_checkpointed,
     backward_step_zero3, float_parameters,
 };
 
@@ -60,7 +60,7 @@ fn held_per_rank(world: usize, zero3: bool) -> (Vec<usize>, usize) {
         let mut parts = None;
         if zero3 {
             host.keep_master_weights(&model, rank.rank(), world);
-            let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), world).unwrap();
+            let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), world, OptimizerPlace::Host).unwrap();
             (model, parts) = (placeholders, Some(sharded));
         }
         for index in 0..STEPS {

@@ -233,7 +233,8 @@ struct Args {
     offload_optimizer: bool,
     /// ZeRO's stage: 0, each rank holds the whole model; 3, each rank holds 1/world of the
     /// parameters and gradients too, a layer gathered just before it runs and its gradients
-    /// reduce-scattered after its backward (needs --checkpoint-layers and --offload-optimizer).
+    /// reduce-scattered after its backward (needs --checkpoint-layers); the optimizer's parts
+    /// stay on the device, or go to the host with --offload-optimizer.
     #[arg(long, default_value_t = 0, value_name = "STAGE")]
     zero: usize,
     /// Under bf16, compute the loss's logits in f32 (TF32 matmuls) rather than in bf16 with f32

@@ -20,7 +20,7 @@ use burn_ulysses::{
     precision::Precision,
 };
 use ulysses_training::{
-    LayerCheckpointing, LocalStep, ShardedAdamW, ShardedParameters, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
+    DeviceShardedAdamW, LayerCheckpointing, LocalStep, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
     apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters,
     host_adamw_config, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
     checkpoint::{load_training_checkpoint, save_training_checkpoint},
@@ -102,13 +102,20 @@ pub struct TrainConfig {
     /// world rank holds 1/world of the parameters' compute copy and of the gradients too, each
     /// layer all-gathered just before it runs and its gradients reduce-scattered as soon as its
     /// backward is done ([`ShardedParameters`]). Stage 3 runs on layer checkpointing (a layer
-    /// is gathered for its forward, then again for its recomputation) with the optimizer on the
-    /// host.
+    /// is gathered for its forward, then again for its recomputation); its optimizer keeps its
+    /// parts of the state on the device ([`DeviceShardedAdamW`]), or on the host with
+    /// [`offload_optimizer`](Self::offload_optimizer).
     #[config(default = 0)]
     pub zero_stage: usize,
 }
 
 impl TrainConfig {
+    /// Whether each rank holds a part of the optimizer's state (its checkpoints hold one file
+    /// of it per rank): on the host, or on the device under ZeRO-3.
+    pub fn shards_optimizer(&self) -> bool {
+        self.offload_optimizer || self.zero_stage == 3
+    }
+
     /// A small Llama on byte tokens.
     pub fn small(layout: ParallelLayout) -> Self {
         Self::new(DecoderConfig::new(BYTE_VOCAB).with_repeat_kv(false), AdamWConfig::new().with_weight_decay(0.01), layout)
@@ -162,12 +169,10 @@ impl TrainConfig {
                             at a time under layer checkpointing: add --checkpoint-layers"
                     .into());
             }
-            3 if !self.offload_optimizer => {
-                return Err("--zero 3 keeps the optimizer's parts (f32 master weights and AdamW's moments) on the host: add \
-                            --offload-optimizer (a sharded optimizer on the device is not built yet)"
-                    .into());
+            3 => {
+                // Its optimizer updates parts, on the host or the device: the host AdamW's rules.
+                host_adamw_config(&self.optimizer).map_err(|e| format!("--zero 3: {e}"))?;
             }
-            3 => {}
             stage => {
                 return Err(format!(
                     "zero_stage (--zero) {stage}: use 0 (each rank holds the whole model; --offload-optimizer shards the optimizer's \
@@ -390,27 +395,39 @@ where
     let model = model.with_compute_dtype(compute_dtype).with_f32_head(config.f32_head);
     let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
     let sharder = config.sharder();
-    let optimizer = match config.offload_optimizer {
-        false => RankOptimizer::Replicated(config.optimizer.init::<B, Decoder<B>>()),
-        true => RankOptimizer::OnHost(ShardedAdamW::new(host_adamw_config(&config.optimizer)?)),
+    let optimizer = match (config.offload_optimizer, config.zero_stage) {
+        (true, _) => RankOptimizer::OnHost(ShardedAdamW::new(host_adamw_config(&config.optimizer)?)),
+        (false, 3) => RankOptimizer::OnDevice(DeviceShardedAdamW::new(host_adamw_config(&config.optimizer)?)),
+        (false, _) => RankOptimizer::Replicated(config.optimizer.init::<B, Decoder<B>>()),
     };
     let is_first = groups.world_rank() == 0;
     let (mut model, mut optimizer, first_step) = match &options.resume {
         None => (broadcast_parameters(model, &*groups.world)?, optimizer, 0),
         Some(location) => resume(config, location, model, optimizer, groups, device)?,
     };
-    if let RankOptimizer::OnHost(host) = &mut optimizer {
-        if first_step == 0 {
-            host.keep_master_weights(&model, groups.world_rank(), groups.world.size());
+    let (world_rank, world) = (groups.world_rank(), groups.world.size());
+    let sharded_place = match &mut optimizer {
+        RankOptimizer::Replicated(_) => None,
+        RankOptimizer::OnHost(host) => {
+            if first_step == 0 {
+                host.keep_master_weights(&model, world_rank, world);
+            }
+            Some(OptimizerPlace::Host)
         }
-        // The f32 master weights are on the host: the device keeps the compute copy alone.
-        if compute_dtype != FloatDType::F32 {
-            model = with_parameters_in(model, compute_dtype);
+        RankOptimizer::OnDevice(on_device) => {
+            if first_step == 0 {
+                on_device.keep_master_weights(&model, world_rank, world);
+            }
+            Some(OptimizerPlace::Device)
         }
+    };
+    // The f32 master weights are the optimizer's: the model keeps the compute copy alone.
+    if sharded_place.is_some() && compute_dtype != FloatDType::F32 {
+        model = with_parameters_in(model, compute_dtype);
     }
     let mut parts = None;
-    if config.zero_stage == 3 {
-        let (placeholders, sharded) = ShardedParameters::shard(model, groups.world_rank(), groups.world.size())?;
+    if let (3, Some(place)) = (config.zero_stage, sharded_place) {
+        let (placeholders, sharded) = ShardedParameters::shard(model, world_rank, world, place)?;
         (model, parts) = (placeholders, Some(sharded));
     }
     if is_first {
@@ -463,6 +480,10 @@ where
                     let model = saved_model.as_ref().expect("gathered for the checkpoint");
                     save_sharded_training_checkpoint::<B, _, _>(dir, model, optimizer, &state, done as u64, &*groups.world)?
                 }
+                RankOptimizer::OnDevice(optimizer) => {
+                    let model = saved_model.as_ref().expect("gathered for the checkpoint");
+                    save_sharded_training_checkpoint::<B, _, _>(dir, model, &optimizer.to_host(), &state, done as u64, &*groups.world)?
+                }
             };
             if let (Some(progress), Some(path)) = (options.progress.as_deref_mut(), path) {
                 progress.checkpoint(step, &path);
@@ -482,26 +503,29 @@ where
 
 /// A rank's optimizer: burn's AdamW on the device, its state replicated on every rank, or
 /// its state sharded over the world on the host ([`TrainConfig::offload_optimizer`]).
-enum RankOptimizer<O> {
+enum RankOptimizer<B: TrainBackend, O> {
     Replicated(O),
     OnHost(ShardedAdamW),
+    /// ZeRO-3's parts of the state on the device.
+    OnDevice(DeviceShardedAdamW<B>),
 }
 
 /// What a rank holds for training, on world rank 0's log: parameters and gradients on the
 /// device (whole, or under ZeRO-3 this rank's parts), the optimizer's state on the device
 /// (replicated AdamW's two moments) or the host (master weights and moments, this rank's
 /// part).
-fn log_memory<B: TrainBackend, O>(model: &Decoder<B>, optimizer: &RankOptimizer<O>, parts: Option<&ShardedParameters<B>>, world: usize) {
+fn log_memory<B: TrainBackend, O>(model: &Decoder<B>, optimizer: &RankOptimizer<B, O>, parts: Option<&ShardedParameters<B>>, world: usize) {
     let gb = |bytes: usize| format!("{:.3} GB", bytes as f64 / 1e9);
     if let Some(parts) = parts {
         let elements = parts.elements();
         tracing::info!(
             parameters = elements.iter().sum::<usize>(),
-            "memory per rank (ZeRO-3 over {world}): its part of the parameters {} on the device, of the gradients {} on the host (f32), \
-             AdamW's state {} on the host; during a step one layer (or the embeddings and head) whole on the device besides",
+            "memory per rank (ZeRO-3 over {world}): its part of the parameters {} on the device, of the gradients {} (f32) and of AdamW's \
+             state {} on the {:?}; during a step one layer (or the embeddings and head) whole on the device besides",
             gb(parts.device_bytes()),
             gb(ShardedAdamW::host_bytes_of(&elements, world) / 3),
-            gb(ShardedAdamW::host_bytes_of(&elements, world))
+            gb(ShardedAdamW::host_bytes_of(&elements, world)),
+            parts.optimizer_place()
         );
         return;
     }
@@ -513,6 +537,7 @@ fn log_memory<B: TrainBackend, O>(model: &Decoder<B>, optimizer: &RankOptimizer<
     let (where_, state) = match optimizer {
         RankOptimizer::Replicated(_) => ("device", 8 * count),
         RankOptimizer::OnHost(_) => ("host", ShardedAdamW::host_bytes_of(&elements, world)),
+        RankOptimizer::OnDevice(_) => ("device", ShardedAdamW::host_bytes_of(&elements, world)),
     };
     tracing::info!(
         parameters = count,
@@ -530,7 +555,7 @@ fn log_memory<B: TrainBackend, O>(model: &Decoder<B>, optimizer: &RankOptimizer<
 fn train_one_step<B, O>(
     config: &TrainConfig,
     model: Decoder<B>,
-    optimizer: &mut RankOptimizer<O>,
+    optimizer: &mut RankOptimizer<B, O>,
     parts: Option<&mut ShardedParameters<B>>,
     data: &dyn StepData,
     step: usize,
@@ -560,11 +585,13 @@ where
         max_grad_norm: config.max_grad_norm,
     };
     if let Some(parts) = parts {
-        let (Some(checkpointing), RankOptimizer::OnHost(optimizer)) = (&config.layer_checkpointing, optimizer) else {
-            unreachable!("TrainConfig::validate: ZeRO-3 runs on layer checkpointing with the optimizer on the host")
-        };
+        let Some(checkpointing) = &config.layer_checkpointing else { unreachable!("TrainConfig::validate: ZeRO-3 runs on layer checkpointing") };
         let local = backward_step_zero3(&model, &input, sharder, groups, device, checkpointing, parts)?;
-        return apply_step_zero3(model, optimizer, parts, &input, local, groups);
+        return match optimizer {
+            RankOptimizer::OnHost(optimizer) => apply_step_zero3(model, optimizer, parts, &input, local, groups),
+            RankOptimizer::OnDevice(optimizer) => apply_step_zero3(model, optimizer, parts, &input, local, groups),
+            RankOptimizer::Replicated(_) => unreachable!("ZeRO-3 shards the optimizer's state"),
+        };
     }
     let mut local = match &config.layer_checkpointing {
         None => backward_step(&model, &input, sharder, groups, device)?,
@@ -574,6 +601,7 @@ where
     match optimizer {
         RankOptimizer::Replicated(optimizer) => apply_step(model, optimizer, &input, local, groups),
         RankOptimizer::OnHost(optimizer) => apply_step_sharded(model, optimizer, &input, local, groups),
+        RankOptimizer::OnDevice(_) => unreachable!("the optimizer stays on the device under ZeRO-3 alone"),
     }
 }
 
@@ -601,10 +629,10 @@ fn resume<B, O>(
     config: &TrainConfig,
     location: &Path,
     model: Decoder<B>,
-    optimizer: RankOptimizer<O>,
+    optimizer: RankOptimizer<B, O>,
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
-) -> Result<(Decoder<B>, RankOptimizer<O>, usize), UlyssesError>
+) -> Result<(Decoder<B>, RankOptimizer<B, O>, usize), UlyssesError>
 where
     B: TrainBackend,
     O: Optimizer<Decoder<B>, B>,
@@ -617,6 +645,10 @@ where
         RankOptimizer::OnHost(_) => {
             let (model, optimizer, state) = load_sharded_training_checkpoint(location, model, device, groups.world_rank(), groups.world.size())?;
             (model, RankOptimizer::OnHost(optimizer), state)
+        }
+        RankOptimizer::OnDevice(_) => {
+            let (model, optimizer, state) = load_sharded_training_checkpoint(location, model, device, groups.world_rank(), groups.world.size())?;
+            (model, RankOptimizer::OnDevice(DeviceShardedAdamW::from_host(&optimizer, device)), state)
         }
     };
     check_resumable(config, &state).map_err(UlyssesError::InvalidConfig)?;
@@ -645,7 +677,7 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
         ("--seq-len".to_string(), saved.config.seq_len.to_string(), config.seq_len.to_string()),
         ("--pack".to_string(), saved.config.pack.to_string(), config.pack.to_string()),
         ("--freeze-embeddings".to_string(), saved.config.freeze_embeddings.to_string(), config.freeze_embeddings.to_string()),
-        ("--offload-optimizer".to_string(), saved.config.offload_optimizer.to_string(), config.offload_optimizer.to_string()),
+        ("a sharded optimizer state (--offload-optimizer or --zero 3)".to_string(), saved.config.shards_optimizer().to_string(), config.shards_optimizer().to_string()),
     ];
     let fields = |model: &DecoderConfig| match serde_json::to_value(model) {
         Ok(serde_json::Value::Object(fields)) => fields,

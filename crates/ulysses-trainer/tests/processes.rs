@@ -310,7 +310,8 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
 }
 
 /// The optimizer on the host (`--offload-optimizer`) and ZeRO-3 (`--zero 3`: parameters and
-/// gradients in parts too, each layer gathered for its pieces) train as replicated AdamW does,
+/// gradients in parts too, each layer gathered for its pieces; the optimizer's parts on the
+/// host or on the device) train as replicated AdamW does,
 /// over 4 processes (SP=2 × DP=2, TCP); ZeRO-3 stopped after 3 steps on 4 ranks resumes on 2
 /// with the uninterrupted run's losses; a checkpoint of sharded state is refused to a run
 /// without the optimizer on the host, naming the flag.
@@ -322,23 +323,25 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
     succeed(run_launched(4, &common_args(&dir, "replicated", 6), &["--sp", "2"]));
     succeed(run_launched(4, &common_args(&dir, "host", 6), &host));
     succeed(run_launched(4, &common_args(&dir, "zero3", 6), &zero3));
+    succeed(run_launched(4, &common_args(&dir, "zero3-device", 6), &["--sp", "2", "--checkpoint-layers", "--zero", "3"]));
     succeed(run_launched(4, &common_args(&dir, "part", 6), &[&zero3[..], &["--stop-after", "3"]].concat()));
     let parts: Vec<String> = fs::read_dir(dir.join("part/optimizer-step-000000003")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(parts.len(), 4, "one state file per rank of 4: {parts:?}");
     let mut args = common_args(&dir, "part", 6);
     args.extend(["--resume".to_string(), dir.join("part").display().to_string()]);
     let refused = run_launched(2, &args, &["--sp", "2"]);
-    assert!(!refused.status.success() && show(&refused).contains("--offload-optimizer true, this one has false"), "{}", show(&refused));
+    assert!(!refused.status.success() && show(&refused).contains("(--offload-optimizer or --zero 3) true, this one has false"), "{}", show(&refused));
     succeed(run_launched(2, &args, &zero3));
 
     println!(
-        "replicated {:?}\nhost       {:?}\nZeRO-3     {:?}\nresumed    {:?}",
+        "replicated {:?}\nhost       {:?}\nZeRO-3     {:?}\n on device {:?}\nresumed    {:?}",
         losses(&dir.join("replicated")),
         losses(&dir.join("host")),
         losses(&dir.join("zero3")),
+        losses(&dir.join("zero3-device")),
         losses(&dir.join("part"))
     );
-    for run in ["host", "zero3", "part"] {
+    for run in ["host", "zero3", "zero3-device", "part"] {
         let (loss, params) = differences(&dir.join(run), &dir.join("replicated"));
         println!("{run} against replicated: max |Δ| loss {loss:.2e}, parameters {params:.2e}");
         assert!(loss <= 1e-6 && params <= TOLERANCE, "{run}: losses differ by {loss:e}, parameters by {params:e}");

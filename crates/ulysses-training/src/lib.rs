@@ -45,13 +45,15 @@ mod loss;
 mod panics;
 mod parameters;
 mod sharded;
+mod sharded_device;
 mod zero3;
 #[cfg(test)]
 mod host_adamw_tests;
 
 pub use backend::TrainBackend;
 pub use layers::{LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with};
-pub use zero3::{ShardedParameters, Zero3Step};
+pub use sharded_device::DeviceShardedAdamW;
+pub use zero3::{GradParts, OptimizerPlace, PartOptimizer, ShardedParameters, Zero3Step};
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters, with_parameters_in};
 pub use sharded::{ShardedAdamW, host_adamw_config, load_sharded_training_checkpoint, save_sharded_training_checkpoint, sharded_state_folder};
@@ -380,14 +382,14 @@ where
 }
 
 /// [`apply_step_sharded`] under ZeRO-3: the step's gradient parts, reduce-scattered during
-/// [`backward_step_zero3`], update this rank's part of the master weights on the host, which
-/// become its parts of the compute copy; `model` (placeholders) is returned as it came. The
-/// same checks: a NaN or an infinity in any rank's loss or gradient parts stops every rank
-/// (a rank named for its gradients holds the non-finite part of a sum, which any rank may
-/// have fed).
-pub fn apply_step_zero3<B, M>(
+/// [`backward_step_zero3`], update this rank's part of the master weights (on the host with
+/// [`ShardedAdamW`], on the device with [`DeviceShardedAdamW`]), which become its parts of the
+/// compute copy; `model` (placeholders) is returned as it came. The same checks: a NaN or an
+/// infinity in any rank's loss or gradient parts stops every rank (a rank named for its
+/// gradients holds the non-finite part of a sum, which any rank may have fed).
+pub fn apply_step_zero3<B, M, O>(
     model: M,
-    optimizer: &mut ShardedAdamW,
+    optimizer: &mut O,
     parameters: &mut ShardedParameters<B>,
     step: &StepInput,
     local: LocalStep<B>,
@@ -396,16 +398,25 @@ pub fn apply_step_zero3<B, M>(
 where
     B: TrainBackend,
     M: CausalLm<B>,
+    O: PartOptimizer<B>,
 {
     let (rank, world) = parameters.place();
+    if optimizer.place() != parameters.optimizer_place() {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "the optimizer runs on the {:?} but the parameters were sharded for one on the {:?}: shard them with OptimizerPlace::{:?}",
+            optimizer.place(),
+            parameters.optimizer_place(),
+            optimizer.place()
+        )));
+    }
     optimizer.check_holds(rank, world, &parameters.elements()).map_err(|e| match e {
-        UlyssesError::InvalidConfig(message) => UlyssesError::InvalidConfig(format!("{message} (ZeRO-3: ShardedAdamW::keep_master_weights before ShardedParameters::shard, or ShardedAdamW::load)")),
+        UlyssesError::InvalidConfig(message) => UlyssesError::InvalidConfig(format!("{message} (ZeRO-3: keep_master_weights before ShardedParameters::shard, or load the state)")),
         other => other,
     })?;
     let losses = step_losses_if_healthy(&model, &local, parameters.first_non_finite_gradient(), step, groups)?;
-    let mut grad_parts = parameters.take_gradient_parts();
-    let updated: Vec<bool> = grad_parts.iter().map(Option::is_some).collect();
-    let grad_norm = optimizer.update(step.learning_rate, &mut grad_parts, step.max_grad_norm, &*groups.world)?;
+    let grads = parameters.take_gradient_parts();
+    let updated = grads.present();
+    let grad_norm = optimizer.update_parts(step.learning_rate, grads, step.max_grad_norm, &*groups.world)?;
     parameters.update_from(optimizer, &updated);
     let loss = losses.iter().sum();
     Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))

@@ -140,7 +140,7 @@ impl ShardedAdamW {
         self.check_holds(rank, world.size(), &local.iter().map(LocalGradient::len).collect::<Vec<_>>())?;
 
         // 1. This rank's part of every gradient's sum.
-        let mut grad_parts = reduce_scatter_parts::<B>(&mut local, &partition, world)?;
+        let mut grad_parts = host_parts(reduce_scatter_buckets::<B>(&mut local, &partition, world)?, local.len());
         // 2. and 3. The norm, and the update of this rank's parts.
         let grad_norm = self.update(learning_rate, &mut grad_parts, max_grad_norm, world)?;
         // 4. Every rank's parts into the parameters.
@@ -158,21 +158,7 @@ impl ShardedAdamW {
 
     /// Refuses to step as another rank, or another model, than the parts are of.
     pub(crate) fn check_holds(&self, rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError> {
-        if let Some((held_rank, held_world)) = self.place.filter(|&place| place != (rank, world)) {
-            return Err(UlyssesError::InvalidConfig(format!(
-                "the sharded optimizer holds rank {held_rank}'s parts of a world of {held_world}, but steps as rank {rank} of {world}: load the saved state for this place with ShardedAdamW::load(dir, {rank}, {world})"
-            )));
-        }
-        if elements != self.parts.iter().map(|part| part.elements).collect::<Vec<_>>() {
-            return Err(UlyssesError::InvalidConfig(format!(
-                "the sharded optimizer holds parts of {} parameters ({} elements) but the model has {} ({} elements): one ShardedAdamW per model",
-                self.parts.len(),
-                self.parts.iter().map(|part| part.elements).sum::<usize>(),
-                elements.len(),
-                elements.iter().sum::<usize>()
-            )));
-        }
-        Ok(())
+        check_parts_fit(self.place, &self.parts.iter().map(|part| part.elements).collect::<Vec<_>>(), rank, world, elements)
     }
 
     /// Updates this rank's parts with `grad_parts` (this rank's part of each parameter's
@@ -202,6 +188,18 @@ impl ShardedAdamW {
         &self.parts[index].master
     }
 
+    /// A state from its parts: per parameter, its elements, this rank's part of the master
+    /// weights and its moments; of rank and world `place`.
+    pub(crate) fn from_parts(config: HostAdamWConfig, parts: Vec<(usize, Vec<f32>, AdamWMoments)>, place: Option<(usize, usize)>) -> Self {
+        let parts = parts.into_iter().map(|(elements, master, moments)| ParameterPart { elements, master, moments }).collect();
+        Self { adamw: HostAdamW::new(config), parts, place }
+    }
+
+    /// The settings, the parts (as [`from_parts`](Self::from_parts) takes them) and the place.
+    pub(crate) fn parts(&self) -> (HostAdamWConfig, impl Iterator<Item = (usize, &[f32], &AdamWMoments)>, Option<(usize, usize)>) {
+        (*self.adamw.config(), self.parts.iter().map(|part| (part.elements, part.master.as_slice(), &part.moments)), self.place)
+    }
+
     /// Parameters `which` (index in the parts' order, and the dtype to gather in) whole on
     /// `device`, flat: every rank's part of their master weights all-gathered, one upload and
     /// one all-gather a bucket of one dtype (a half-precision compute copy gathers half the
@@ -220,29 +218,60 @@ impl ShardedAdamW {
     }
 }
 
-/// This rank's part of the sum over `world` of each gradient of `local` (taken from it; f32,
-/// on the host; `None` where no rank has one), by the partition: in buckets of consecutive
+/// One reduce-scatter's result: this rank's parts (f32, on the device) of its members,
+/// `(index, part length)` each, one after another.
+pub(crate) struct ScatteredBucket<B: TrainBackend> {
+    pub(crate) members: Vec<(usize, usize)>,
+    pub(crate) parts: Tensor<B::InnerBackend, 1>,
+}
+
+/// This rank's part of the sum over `world` of each gradient of `local` (taken from it; cast
+/// to f32; none where no rank has one), by the partition: in buckets of consecutive
 /// parameters, each laid out rank-major (row r holds every member's part r), so one
-/// reduce-scatter and one read a bucket hand each rank its parts, the bits an all-reduce gives
-/// there. Collective over `world`: one host collective for which gradients exist anywhere,
-/// then the buckets.
-pub(crate) fn reduce_scatter_parts<B: TrainBackend>(local: &mut [LocalGradient<B>], partition: &Partition, world: &dyn Communicator<B::Wire>) -> Result<Vec<Option<Vec<f32>>>, UlyssesError> {
+/// reduce-scatter a bucket hands each rank its parts, the bits an all-reduce gives there.
+/// Collective over `world`: one host collective for which gradients exist anywhere, then the
+/// buckets.
+pub(crate) fn reduce_scatter_buckets<B: TrainBackend>(local: &mut [LocalGradient<B>], partition: &Partition, world: &dyn Communicator<B::Wire>) -> Result<Vec<ScatteredBucket<B>>, UlyssesError> {
     let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
     let gathered = burn_ulysses::comm::all_gather_host_checked(world, &present, "float parameters")?;
     let updated_anywhere = present_anywhere(&gathered, present.len());
     let padded_bytes: Vec<_> = local.iter().map(|l| (4 * partition.padded_len(l.len()), l.dtype())).collect();
-    let mut grad_parts: Vec<Option<Vec<f32>>> = vec![None; local.len()];
-    for bucket in plan_buckets(&padded_bytes, &updated_anywhere, GRADIENT_BUCKET_BYTES) {
-        let rows: Vec<Tensor<B::InnerBackend, 2>> =
-            bucket.iter().map(|&i| padded(partition, local[i].take_or_zeros().cast(FloatDType::F32)).reshape([partition.world() as i32, -1])).collect();
-        let flat = Tensor::cat(rows, 1).reshape([-1]);
-        let mine = float_tensor::<B::InnerBackend, 1>(world.reduce_scatter(float_primitive(flat), ReduceOp::Sum)?);
-        let mut values = mine.into_data().to_vec::<f32>().expect("f32 gradients").into_iter();
-        for &i in &bucket {
-            grad_parts[i] = Some(values.by_ref().take(partition.part_len(local[i].len())).collect());
+    plan_buckets(&padded_bytes, &updated_anywhere, GRADIENT_BUCKET_BYTES)
+        .into_iter()
+        .map(|bucket| {
+            let rows: Vec<Tensor<B::InnerBackend, 2>> =
+                bucket.iter().map(|&i| padded(partition, local[i].take_or_zeros().cast(FloatDType::F32)).reshape([partition.world() as i32, -1])).collect();
+            let flat = Tensor::cat(rows, 1).reshape([-1]);
+            let parts = float_tensor::<B::InnerBackend, 1>(world.reduce_scatter(float_primitive(flat), ReduceOp::Sum)?);
+            Ok(ScatteredBucket { members: bucket.iter().map(|&i| (i, partition.part_len(local[i].len()))).collect(), parts })
+        })
+        .collect()
+}
+
+/// [`reduce_scatter_buckets`]' parts on the host, by index (`count` of them): one read a
+/// bucket.
+pub(crate) fn host_parts<B: TrainBackend>(buckets: Vec<ScatteredBucket<B>>, count: usize) -> Vec<Option<Vec<f32>>> {
+    let mut parts = vec![None; count];
+    for bucket in buckets {
+        let mut values = bucket.parts.into_data().to_vec::<f32>().expect("f32 gradients").into_iter();
+        for (index, len) in bucket.members {
+            parts[index] = Some(values.by_ref().take(len).collect());
         }
     }
-    Ok(grad_parts)
+    parts
+}
+
+/// [`reduce_scatter_buckets`]' parts left on the device, by index (`count` of them).
+pub(crate) fn device_parts<B: TrainBackend>(buckets: Vec<ScatteredBucket<B>>, count: usize) -> Vec<Option<Tensor<B::InnerBackend, 1>>> {
+    let mut parts = vec![None; count];
+    for bucket in buckets {
+        let mut offset = 0;
+        for (index, len) in bucket.members {
+            parts[index] = Some(bucket.parts.clone().narrow(0, offset, len));
+            offset += len;
+        }
+    }
+    parts
 }
 
 /// `mine` (this rank's parts of `members`, `(index, elements)` each, one after another)
@@ -264,6 +293,26 @@ pub(crate) fn all_gather_columns<B: TrainBackend>(
             (index, whole)
         })
         .collect())
+}
+
+/// Refuses parts of another place (`held`: rank and world) or another model (`held_elements`
+/// per parameter) than rank `rank` of `world` stepping a model of `elements`.
+pub(crate) fn check_parts_fit(held: Option<(usize, usize)>, held_elements: &[usize], rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError> {
+    if let Some((held_rank, held_world)) = held.filter(|&place| place != (rank, world)) {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "the sharded optimizer holds rank {held_rank}'s parts of a world of {held_world}, but steps as rank {rank} of {world}: load the saved state for this place with ShardedAdamW::load(dir, {rank}, {world})"
+        )));
+    }
+    if elements != held_elements {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "the sharded optimizer holds parts of {} parameters ({} elements) but the model has {} ({} elements): one sharded optimizer per model",
+            held_elements.len(),
+            held_elements.iter().sum::<usize>(),
+            elements.len(),
+            elements.iter().sum::<usize>()
+        )));
+    }
+    Ok(())
 }
 
 /// The host AdamW's settings from burn's `AdamWConfig`, the same update; refused, naming the

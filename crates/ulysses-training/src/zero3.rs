@@ -37,10 +37,101 @@ use ulysses_core::{
 };
 
 use crate::{
-    LayerParameters, LayeredLm, ParameterGroup, ShardedAdamW, TrainBackend, float_parameters,
+    DeviceShardedAdamW, LayerParameters, LayeredLm, ParameterGroup, ShardedAdamW, TrainBackend, float_parameters,
     gradients::{LocalGradient, TakeGradients},
-    sharded::{all_gather_columns, padded, reduce_scatter_parts},
+    sharded::{all_gather_columns, check_parts_fit, device_parts, host_parts, padded, reduce_scatter_buckets},
 };
+
+/// Where a ZeRO-3 optimizer keeps and updates its parts of the master weights and moments,
+/// and so where a step leaves its gradient parts for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerPlace {
+    /// [`ShardedAdamW`]: each group's gradient parts are read to the host as soon as they are
+    /// reduce-scattered (the device keeps none).
+    Host,
+    /// [`DeviceShardedAdamW`]: the gradient parts stay on the device.
+    Device,
+}
+
+/// This rank's part of each parameter's gradient summed over the world (`None`: no rank had
+/// one), where the optimizer takes them.
+pub enum GradParts<B: TrainBackend> {
+    Host(Vec<Option<Vec<f32>>>),
+    Device(Vec<Option<Tensor<B::InnerBackend, 1>>>),
+}
+
+impl<B: TrainBackend> GradParts<B> {
+    fn empty(place: OptimizerPlace, count: usize) -> Self {
+        match place {
+            OptimizerPlace::Host => GradParts::Host(vec![None; count]),
+            OptimizerPlace::Device => GradParts::Device(vec![None; count]),
+        }
+    }
+
+    /// Which parameters have a gradient part.
+    pub fn present(&self) -> Vec<bool> {
+        match self {
+            GradParts::Host(parts) => parts.iter().map(Option::is_some).collect(),
+            GradParts::Device(parts) => parts.iter().map(Option::is_some).collect(),
+        }
+    }
+}
+
+/// An optimizer over this rank's parts of the master weights, which ZeRO-3's step
+/// ([`apply_step_zero3`](crate::apply_step_zero3)) updates and takes the compute copy's parts
+/// from: [`ShardedAdamW`] on the host, [`DeviceShardedAdamW`] on the device.
+pub trait PartOptimizer<B: TrainBackend> {
+    fn place(&self) -> OptimizerPlace;
+    /// Refuses parts of another rank, world or model than rank `rank` of `world` stepping a
+    /// model of `elements` per parameter.
+    fn check_holds(&self, rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError>;
+    /// Updates the parts from `grads` (of [`place`](Self::place)), clipping to
+    /// `max_grad_norm` with the whole gradient's norm, which it returns (before clipping).
+    /// Collective over `world`.
+    fn update_parts(&mut self, learning_rate: f64, grads: GradParts<B>, max_grad_norm: Option<f64>, world: &dyn Communicator<B::Wire>) -> Result<f64, UlyssesError>;
+    /// This rank's part of parameter `index`'s master weights as the compute copy's, in
+    /// `dtype` on `device`.
+    fn compute_part(&self, index: usize, dtype: DType, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1>;
+}
+
+impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
+    fn place(&self) -> OptimizerPlace {
+        OptimizerPlace::Host
+    }
+    fn check_holds(&self, rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError> {
+        ShardedAdamW::check_holds(self, rank, world, elements)
+    }
+    fn update_parts(&mut self, learning_rate: f64, grads: GradParts<B>, max_grad_norm: Option<f64>, world: &dyn Communicator<B::Wire>) -> Result<f64, UlyssesError> {
+        let GradParts::Host(mut grads) = grads else { return Err(misplaced(OptimizerPlace::Host)) };
+        self.update(learning_rate, &mut grads, max_grad_norm, world)
+    }
+    fn compute_part(&self, index: usize, dtype: DType, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1> {
+        let master = self.master_part(index);
+        Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(master.to_vec(), [master.len()]), device).cast(FloatDType::from(dtype))
+    }
+}
+
+impl<B: TrainBackend> PartOptimizer<B> for DeviceShardedAdamW<B> {
+    fn place(&self) -> OptimizerPlace {
+        OptimizerPlace::Device
+    }
+    fn check_holds(&self, rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError> {
+        check_parts_fit(self.rank_and_world(), &self.elements(), rank, world, elements)
+    }
+    fn update_parts(&mut self, learning_rate: f64, grads: GradParts<B>, max_grad_norm: Option<f64>, world: &dyn Communicator<B::Wire>) -> Result<f64, UlyssesError> {
+        let GradParts::Device(grads) = grads else { return Err(misplaced(OptimizerPlace::Device)) };
+        self.update(learning_rate, grads, max_grad_norm, world)
+    }
+    fn compute_part(&self, index: usize, dtype: DType, _device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1> {
+        self.master_part(index, dtype)
+    }
+}
+
+fn misplaced(optimizer: OptimizerPlace) -> UlyssesError {
+    UlyssesError::InvalidConfig(format!(
+        "the ZeRO-3 parameters keep their gradient parts elsewhere than the optimizer, which runs on the {optimizer:?}: shard them with OptimizerPlace::{optimizer:?}"
+    ))
+}
 
 /// This rank's parts of a model's parameters under ZeRO-3 (see the module doc).
 pub struct ShardedParameters<B: TrainBackend> {
@@ -52,8 +143,9 @@ pub struct ShardedParameters<B: TrainBackend> {
     layers: Vec<Vec<usize>>,
     rest: Vec<usize>,
     /// This rank's part of each parameter's gradient summed over the world, summed over this
-    /// step's shards so far; `None`: no rank had one yet.
-    grad_parts: Vec<Option<Vec<f32>>>,
+    /// step's shards so far, where the optimizer runs.
+    grad_parts: GradParts<B>,
+    optimizer: OptimizerPlace,
 }
 
 /// One parameter: what it is, and this rank's part of its compute copy.
@@ -74,10 +166,10 @@ impl<B: TrainBackend> PartOf<B> {
 
 impl<B: TrainBackend> ShardedParameters<B> {
     /// Cuts `model`'s parameters (whole, the same on every rank) into rank `rank`'s parts of a
-    /// world of `world`; returns the model with placeholders in their place (the same ids and
-    /// gradient flags, one element each) and the parts. Refused when two layers
-    /// ([`LayeredLm::visit_layer`]) claim the same parameter.
-    pub fn shard<M: AutodiffModule<B> + LayeredLm<B>>(model: M, rank: usize, world: usize) -> Result<(M, Self), UlyssesError> {
+    /// world of `world`, for an optimizer that runs at `optimizer`; returns the model with
+    /// placeholders in their place (the same ids and gradient flags, one element each) and the
+    /// parts. Refused when two layers ([`LayeredLm::visit_layer`]) claim the same parameter.
+    pub fn shard<M: AutodiffModule<B> + LayeredLm<B>>(model: M, rank: usize, world: usize, optimizer: OptimizerPlace) -> Result<(M, Self), UlyssesError> {
         let partition = Partition::new(world).ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 over a world of 0 ranks".into()))?;
         let found = float_parameters(&model);
         let index_of: HashMap<ParamId, usize> = found.iter().enumerate().map(|(i, p)| (p.id, i)).collect();
@@ -111,9 +203,9 @@ impl<B: TrainBackend> ShardedParameters<B> {
                 PartOf { id: p.id, path: p.path, dtype, shape: p.shape, part }
             })
             .collect::<Vec<_>>();
-        let grad_parts = vec![None; parameters.len()];
+        let grad_parts = GradParts::empty(optimizer, parameters.len());
         let model = model.map(&mut Placeholders);
-        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts }))
+        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts, optimizer }))
     }
 
     /// The rank and world the parts are of.
@@ -191,35 +283,64 @@ impl<B: TrainBackend> ShardedParameters<B> {
                 ),
             });
         }
-        let parts = reduce_scatter_parts::<B>(&mut members, &self.partition, world)?;
-        for (index, part) in indices.into_iter().zip(parts) {
-            let Some(part) = part else { continue };
-            match &mut self.grad_parts[index] {
-                Some(sum) => sum.iter_mut().zip(&part).for_each(|(sum, g)| *sum += g),
-                empty => *empty = Some(part),
+        let buckets = reduce_scatter_buckets::<B>(&mut members, &self.partition, world)?;
+        match &mut self.grad_parts {
+            GradParts::Host(sums) => {
+                for (index, part) in indices.into_iter().zip(host_parts(buckets, members.len())) {
+                    let Some(part) = part else { continue };
+                    match &mut sums[index] {
+                        Some(sum) => sum.iter_mut().zip(&part).for_each(|(sum, g)| *sum += g),
+                        empty => *empty = Some(part),
+                    }
+                }
+            }
+            GradParts::Device(sums) => {
+                for (index, part) in indices.into_iter().zip(device_parts(buckets, members.len())) {
+                    let Some(part) = part else { continue };
+                    sums[index] = Some(match sums[index].take() {
+                        Some(sum) => sum + part,
+                        None => part,
+                    });
+                }
             }
         }
         Ok(())
     }
 
-    /// The step's gradient parts so far (this rank's part of each parameter's gradient summed
-    /// over the world and the step's shards; `None`: none anywhere), leaving none.
-    pub(crate) fn take_gradient_parts(&mut self) -> Vec<Option<Vec<f32>>> {
-        std::mem::replace(&mut self.grad_parts, vec![None; self.parameters.len()])
+    /// Where the gradient parts wait: where the optimizer they were sharded for runs.
+    pub fn optimizer_place(&self) -> OptimizerPlace {
+        self.optimizer
     }
 
-    /// The path of the first parameter whose gradient part holds a NaN or an infinity.
+    /// The step's gradient parts so far (this rank's part of each parameter's gradient summed
+    /// over the world and the step's shards), leaving none.
+    pub(crate) fn take_gradient_parts(&mut self) -> GradParts<B> {
+        std::mem::replace(&mut self.grad_parts, GradParts::empty(self.optimizer, self.parameters.len()))
+    }
+
+    /// The path of the first parameter whose gradient part holds a NaN or an infinity (on the
+    /// device: whose sum is not finite; one read for all).
     pub(crate) fn first_non_finite_gradient(&self) -> Option<String> {
-        self.grad_parts.iter().zip(&self.parameters).find(|(part, _)| part.as_ref().is_some_and(|p| p.iter().any(|g| !g.is_finite()))).map(|(_, p)| p.path.clone())
+        let bad = match &self.grad_parts {
+            GradParts::Host(parts) => parts.iter().position(|part| part.as_ref().is_some_and(|p| p.iter().any(|g| !g.is_finite()))),
+            GradParts::Device(parts) => {
+                let present: Vec<usize> = (0..parts.len()).filter(|&i| parts[i].is_some()).collect();
+                if present.is_empty() {
+                    return None;
+                }
+                let sums = Tensor::cat(present.iter().map(|&i| parts[i].clone().expect("present").sum()).collect(), 0);
+                let sums = sums.into_data().to_vec::<f32>().expect("f32 sums");
+                sums.iter().position(|s| !s.is_finite()).map(|p| present[p])
+            }
+        };
+        bad.map(|index| self.parameters[index].path.clone())
     }
 
     /// The parts of the parameters `updated` says changed, from `optimizer`'s master weights,
-    /// in the compute dtype (an upload each, no collective).
-    pub(crate) fn update_from(&mut self, optimizer: &ShardedAdamW, updated: &[bool]) {
+    /// in the compute dtype (no collective).
+    pub(crate) fn update_from(&mut self, optimizer: &impl PartOptimizer<B>, updated: &[bool]) {
         for (index, parameter) in self.parameters.iter_mut().enumerate().filter(|&(i, _)| updated[i]) {
-            let master = optimizer.master_part(index);
-            let values = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(master.to_vec(), [master.len()]), &parameter.part.device());
-            parameter.part = values.cast(FloatDType::from(parameter.dtype));
+            parameter.part = optimizer.compute_part(index, parameter.dtype, &parameter.part.device());
         }
     }
 

@@ -1,0 +1,150 @@
+//! AdamW with its state sharded over the world but kept on the device: ZeRO-3 without the
+//! optimizer on the host. Each rank holds, on its device, its part
+//! (`ulysses_core::zero::Partition`) of every parameter's f32 master weights and both moments,
+//! 12 bytes a parameter divided by the world, and updates them with tensor ops in burn's
+//! `AdamW` order (the host AdamW's, `ulysses_core::host_adamw`, whose bits equal burn's), so a
+//! step costs no copy to or from the host. Its checkpoints are [`ShardedAdamW`]'s files, so
+//! either can resume the other.
+
+use burn::{
+    module::Module,
+    tensor::{DType, FloatDType, Tensor, TensorData},
+};
+use burn_ulysses::{UlyssesError, comm::Communicator};
+use ulysses_core::{
+    host_adamw::{AdamWMoments, HostAdamWConfig},
+    zero::Partition,
+};
+
+use crate::{TrainBackend, float_parameters, sharded::padded, ShardedAdamW};
+
+/// AdamW on the device over this rank's parts (see the module doc).
+pub struct DeviceShardedAdamW<B: TrainBackend> {
+    config: HostAdamWConfig,
+    /// Per float parameter of the model, in its visit order.
+    parts: Vec<DevicePart<B>>,
+    /// The rank and world the parts are of.
+    place: Option<(usize, usize)>,
+}
+
+/// This rank's part of one parameter's master weights and moments, padded to the partition.
+struct DevicePart<B: TrainBackend> {
+    elements: usize,
+    master: Tensor<B::InnerBackend, 1>,
+    /// Both moments, from the first update on.
+    moments: Option<(Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>)>,
+    time: u32,
+}
+
+impl<B: TrainBackend> DeviceShardedAdamW<B> {
+    pub fn new(config: HostAdamWConfig) -> Self {
+        Self { config, parts: Vec::new(), place: None }
+    }
+
+    /// Takes rank `rank`'s part (of a world of `world`) of `model`'s parameters as the f32
+    /// master weights, replacing any state; call it before the model is sharded.
+    pub fn keep_master_weights<M: Module<B>>(&mut self, model: &M, rank: usize, world: usize) {
+        let partition = Partition::new(world).expect("a world has a rank");
+        self.parts = float_parameters(model)
+            .into_iter()
+            .map(|p| {
+                let elements = p.values.dims()[0];
+                let view = padded(&partition, p.values.inner().cast(FloatDType::F32)).narrow(0, partition.part(elements, rank).start, partition.part_len(elements));
+                // A copy of its own: a view would keep the whole parameter's buffer alive.
+                let device = view.device();
+                DevicePart { elements, master: Tensor::from_data(view.into_data(), (&device, DType::F32)), moments: None, time: 0 }
+            })
+            .collect();
+        self.place = Some((rank, world));
+    }
+
+    /// Bytes of state this rank holds on its device (master weights, and both moments once
+    /// they exist).
+    pub fn device_bytes(&self) -> usize {
+        self.parts.iter().map(|part| 4 * part.master.dims()[0] * if part.moments.is_some() { 3 } else { 1 }).sum()
+    }
+
+    /// The rank and world the parts are of (`None` before it holds any).
+    pub(crate) fn rank_and_world(&self) -> Option<(usize, usize)> {
+        self.place
+    }
+
+    pub(crate) fn elements(&self) -> Vec<usize> {
+        self.parts.iter().map(|part| part.elements).collect()
+    }
+
+    /// Updates the parts with `grads` (this rank's part of each gradient summed over `world`,
+    /// f32 on the device; `None`: the parameter stays), clipping to `max_grad_norm` with the
+    /// whole gradient's norm (each part's squares summed on the device, read once, added in f64
+    /// and over the ranks in rank order). Returns that norm, before clipping.
+    pub(crate) fn update(&mut self, learning_rate: f64, grads: Vec<Option<Tensor<B::InnerBackend, 1>>>, max_grad_norm: Option<f64>, world: &dyn Communicator<B::Wire>) -> Result<f64, UlyssesError> {
+        let squares: Vec<Tensor<B::InnerBackend, 1>> = grads.iter().flatten().map(|g| (g.clone() * g.clone()).sum()).collect();
+        let local: f64 = if squares.is_empty() { 0.0 } else { Tensor::cat(squares, 0).into_data().to_vec::<f32>().expect("f32 sums").iter().map(|&s| f64::from(s)).sum() };
+        let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[local.to_bits()], "squared gradient sums")?;
+        let grad_norm = every_rank.iter().map(|bits| f64::from_bits(bits[0])).sum::<f64>().sqrt();
+        let factor = max_grad_norm.map(|max_norm| max_norm / (grad_norm + 1e-6)).filter(|&factor| factor < 1.0);
+        for (part, grad) in self.parts.iter_mut().zip(grads) {
+            let Some(mut grad) = grad else { continue };
+            if let Some(factor) = factor {
+                grad = grad.mul_scalar(factor as f32);
+            }
+            part.step(&self.config, learning_rate, grad);
+        }
+        Ok(grad_norm)
+    }
+
+    /// This rank's part of parameter `index`'s master weights, in `dtype` (the same tensor in
+    /// f32: the compute copy's part then costs nothing more).
+    pub(crate) fn master_part(&self, index: usize, dtype: DType) -> Tensor<B::InnerBackend, 1> {
+        self.parts[index].master.clone().cast(FloatDType::from(dtype))
+    }
+
+    /// The state on the host, as [`ShardedAdamW`] holds it (for a checkpoint: its files).
+    pub fn to_host(&self) -> ShardedAdamW {
+        let read = |tensor: &Tensor<B::InnerBackend, 1>| tensor.clone().into_data().to_vec::<f32>().expect("f32 state");
+        let parts = self
+            .parts
+            .iter()
+            .map(|part| {
+                let moments = match &part.moments {
+                    Some((moment_1, moment_2)) => AdamWMoments { moment_1: read(moment_1), moment_2: read(moment_2), time: part.time },
+                    None => AdamWMoments::default(),
+                };
+                (part.elements, read(&part.master), moments)
+            })
+            .collect();
+        ShardedAdamW::from_parts(self.config, parts, self.place)
+    }
+
+    /// `host`'s state (loaded, re-partitioned, by [`ShardedAdamW::load`]) on `device`.
+    pub fn from_host(host: &ShardedAdamW, device: &burn::tensor::Device<B::InnerBackend>) -> Self {
+        let upload = |values: &[f32]| Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(values.to_vec(), [values.len()]), device);
+        let (config, parts, place) = host.parts();
+        let parts = parts
+            .map(|(elements, master, moments)| DevicePart {
+                elements,
+                master: upload(master),
+                moments: (moments.time > 0).then(|| (upload(&moments.moment_1), upload(&moments.moment_2))),
+                time: moments.time,
+            })
+            .collect();
+        Self { config, parts, place }
+    }
+}
+
+impl<B: TrainBackend> DevicePart<B> {
+    /// One AdamW update in burn's order (see `ulysses_core::host_adamw`): m = β₁m + (1−β₁)g;
+    /// v = β₂v + (1−β₂)g²; δ = (m / c₁) / (√(v / c₂) + ε); p = p·(1 − lr·λ) − δ·lr, with the
+    /// scalars rounded to f32 as burn rounds them.
+    fn step(&mut self, config: &HostAdamWConfig, learning_rate: f64, grad: Tensor<B::InnerBackend, 1>) {
+        let (moment_1, moment_2) = self.moments.take().unwrap_or_else(|| (grad.zeros_like(), grad.zeros_like()));
+        self.time += 1;
+        let time = self.time as i32;
+        let moment_1 = moment_1.mul_scalar(config.beta_1) + grad.clone().mul_scalar(1.0 - config.beta_1);
+        let moment_2 = moment_2.mul_scalar(config.beta_2) + (grad.clone() * grad).mul_scalar(1.0 - config.beta_2);
+        let delta = moment_1.clone().div_scalar(1.0 - config.beta_1.powi(time)) / (moment_2.clone().div_scalar(1.0 - config.beta_2.powi(time)).sqrt().add_scalar(config.epsilon));
+        let decay = (1.0 - learning_rate * config.weight_decay as f64) as f32;
+        self.master = self.master.clone().mul_scalar(decay) - delta.mul_scalar(learning_rate as f32);
+        self.moments = Some((moment_1, moment_2));
+    }
+}
