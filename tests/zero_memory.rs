@@ -4,7 +4,9 @@
 //! 1/world of what one rank training the same model alone holds, within 10%; replicated AdamW
 //! holds the whole model and both moments on every rank whatever the world.
 //!
-//! One test, so nothing else allocates in this binary while it counts.
+//! One test, so nothing else allocates in this binary while it counts. The figures for a
+//! Hugging Face shape (benches/RESULTS.md): `ZERO_MEMORY_SHAPE=benches/hf-shapes/llama-3.2-1b.json
+//! ZERO_MEMORY_LAYERS=2 cargo test -p ulysses-suite --test zero_memory -- --nocapture`.
 
 use std::time::Duration;
 
@@ -35,8 +37,18 @@ type Sp = UlyssesBackend<Autodiff<Inner>>;
 const VOCAB: usize = 2048;
 const STEPS: usize = 2;
 
+/// The test's model, or the `config.json` that `ZERO_MEMORY_SHAPE` names with
+/// `ZERO_MEMORY_LAYERS` of its layers.
 fn model_config() -> DecoderConfig {
-    DecoderConfig::new(VOCAB).with_d_model(256).with_n_layers(2).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(512).with_tie_embeddings(false).with_repeat_kv(false)
+    let Ok(shape) = std::env::var("ZERO_MEMORY_SHAPE") else {
+        return DecoderConfig::new(VOCAB).with_d_model(256).with_n_layers(2).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(512).with_tie_embeddings(false).with_repeat_kv(false);
+    };
+    let hf = ulysses_models::HfConfig::from_hf(std::path::Path::new(&shape)).unwrap_or_else(|e| panic!("ZERO_MEMORY_SHAPE: {e}"));
+    let config = DecoderConfig::from_hf(&hf).with_repeat_kv(false);
+    match std::env::var("ZERO_MEMORY_LAYERS") {
+        Ok(layers) => config.with_n_layers(layers.parse().expect("ZERO_MEMORY_LAYERS: a number of layers")),
+        Err(_) => config,
+    }
 }
 
 /// Bytes each rank of a world of `world` (SP=2 × DP=world/2, or one rank) holds after
@@ -64,7 +76,7 @@ fn held_per_rank(world: usize, zero3: bool) -> (Vec<usize>, usize) {
             (model, parts) = (placeholders, Some(sharded));
         }
         for index in 0..STEPS {
-            let batch = VariedLengths { vocab: VOCAB }.train_batch(index);
+            let batch = VariedLengths { vocab: VOCAB.min(model_config().vocab_size) }.train_batch(index);
             let share = batch.len() / layout.dp_size;
             let mine = vec![batch[share * dp_rank..share * (dp_rank + 1)].to_vec()];
             let step = StepInput { index, learning_rate: 1e-3, micro_batches: &mine, documents: None, targets: None, max_grad_norm: None };
@@ -89,7 +101,7 @@ fn held_per_rank(world: usize, zero3: bool) -> (Vec<usize>, usize) {
 
 #[test]
 fn zero_3_ranks_hold_a_world_th_of_the_training_state() {
-    let results = with_deadline(Duration::from_secs(300), || {
+    let results = with_deadline(Duration::from_secs(if std::env::var("ZERO_MEMORY_SHAPE").is_ok() { 3600 } else { 300 }), || {
         [1, 2, 4].map(|world| (world, held_per_rank(world, true), held_per_rank(world, false)))
     });
     let (alone, parameters) = &results[0].1;

@@ -7,7 +7,12 @@
 //! is an assistant token (`return_assistant_tokens_mask`), the tokens supervised fine-tuning
 //! trains on.
 
-use std::{collections::BTreeMap, fs, ops::Range, path::Path};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    ops::Range,
+    path::Path,
+};
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 
@@ -27,6 +32,10 @@ pub struct ChatTemplate {
     /// replaced by markers, see [`marked`]), parsed once.
     env: Environment<'static>,
     generation_blocks: bool,
+    /// Every quoted word of the source (`'tool'`, `"ipython"`, ...): the roles it may name.
+    quoted_words: BTreeSet<String>,
+    /// Whether the template may refuse what it does not take itself (`raise_exception`).
+    checks_itself: bool,
     /// `bos_token`, `eos_token`, ... as `tokenizer_config.json` has them.
     special_tokens: BTreeMap<String, String>,
     file: String,
@@ -84,12 +93,13 @@ impl ChatTemplate {
 
     /// A template from its source; `special_tokens` are the variables `bos_token`, ...
     pub fn new(source: &str, special_tokens: BTreeMap<String, String>, file: &str) -> Result<Self, ChatError> {
+        let (quoted_words, checks_itself) = (quoted_words(source), source.contains("raise_exception"));
         let (source, generation_blocks) = marked(source);
         let mut env = environment();
         // Parsed once, here: a template that cannot parse is refused before any data.
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| ChatError { file: file.to_string(), problem: format!("its chat template does not parse: {e:#}") })?;
-        Ok(Self { env, generation_blocks, special_tokens, file: file.to_string() })
+        Ok(Self { env, generation_blocks, quoted_words, checks_itself, special_tokens, file: file.to_string() })
     }
 
     /// Whether the template marks the assistant's answers (`{% generation %}`), which
@@ -100,7 +110,24 @@ impl ChatTemplate {
 
     /// `messages` (each an object with `role` and `content`, and whatever else the template
     /// reads) rendered, with the prompt for the next answer when `add_generation_prompt`.
+    /// Refused: a message without a string `role`, and, unless the template refuses roles
+    /// itself (`raise_exception`), a role other than system, user and assistant that the
+    /// template does not name (such a template renders any other role as it renders the
+    /// user's, so a misspelt role would train silently on a wrong prompt).
     pub fn render(&self, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<RenderedChat, ChatError> {
+        for (index, message) in messages.iter().enumerate() {
+            let Some(role) = message["role"].as_str() else {
+                return Err(self.error(format!("message {index} has no \"role\" string: each message is {{\"role\": ..., \"content\": ...}}")));
+            };
+            if !self.checks_itself && !["system", "user", "assistant"].contains(&role) && !self.quoted_words.contains(role) {
+                let named: Vec<&str> = ["tool", "ipython", "developer", "function"].into_iter().filter(|r| self.quoted_words.contains(*r)).collect();
+                return Err(self.error(format!(
+                    "message {index} has the role {role:?}, which the chat template never names (it knows system, user, assistant{}): \
+                     fix the data's role, or use a checkpoint whose template takes it",
+                    named.iter().map(|r| format!(", {r}")).collect::<String>()
+                )));
+            }
+        }
         let template = self.env.get_template(TEMPLATE_NAME).expect("added at construction");
         let mut context: BTreeMap<String, Value> = self.special_tokens.iter().map(|(name, text)| (name.clone(), Value::from(text.as_str()))).collect();
         context.insert("messages".into(), Value::from_serialize(messages));
@@ -129,6 +156,20 @@ impl ChatTemplate {
     fn error(&self, problem: String) -> ChatError {
         ChatError { file: self.file.clone(), problem }
     }
+}
+
+/// The words in quotes (`'…'` or `"…"`) in a template's source: letters, digits and `_`.
+fn quoted_words(source: &str) -> BTreeSet<String> {
+    let mut words = BTreeSet::new();
+    for quote in ['\'', '"'] {
+        for (i, piece) in source.split(quote).enumerate() {
+            // Odd pieces lie between a pair of quotes.
+            if i % 2 == 1 && !piece.is_empty() && piece.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                words.insert(piece.to_string());
+            }
+        }
+    }
+    words
 }
 
 /// The name the template is held under in its environment.

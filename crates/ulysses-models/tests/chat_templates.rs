@@ -51,3 +51,16 @@ fn a_refused_role_names_the_file_and_a_folder_without_a_template_has_none() {
     assert!(message.contains("tokenizer_config.json") && message.contains("Unknown role: tool"), "{message}");
     assert!(ChatTemplate::from_checkpoint(&fixtures().join("tokenizer")).unwrap().is_none());
 }
+
+/// A role the template never names is refused by name (the Qwen-kind template would render
+/// it as a user's turn), as is a message without a role; the three standard roles render.
+#[test]
+fn a_role_the_template_never_names_is_refused() {
+    let template = ChatTemplate::from_checkpoint(&fixtures().join("chat/qwen")).unwrap().unwrap();
+    let turn = |role: &str| serde_json::json!({"role": role, "content": "hi"});
+    let message = template.render(&[turn("user"), turn("narrator")], false).unwrap_err().to_string();
+    assert!(message.contains("message 1 has the role \"narrator\", which the chat template never names") && message.contains("chat_template.jinja"), "{message}");
+    let message = template.render(&[serde_json::json!({"content": "hi"})], false).unwrap_err().to_string();
+    assert!(message.contains("message 0 has no \"role\""), "{message}");
+    assert!(template.render(&[turn("system"), turn("user"), turn("assistant")], false).is_ok());
+}
