@@ -227,68 +227,127 @@ pub fn save_pretrained<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &
 /// into place, so a crash leaves the earlier folder whole (for the instant between two
 /// renames, beside `dir` as `.NAME.earlier-PID`).
 pub fn save_pretrained_with<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, options: SaveOptions) -> Result<(), CheckpointError> {
-    let dtype = options.dtype;
-    let torch_dtype = match dtype {
-        DType::F32 => "float32",
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        other => return Err(CheckpointError::file(dir, format!("weights are saved as f32, bf16 or f16, not {other:?}"))),
-    };
-    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
-    let partial = dir.with_file_name(format!(".{name}.partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&partial);
-    std::fs::create_dir_all(&partial).map_err(io(&partial))?;
+    let tensors = model.collect(None, None, false).iter().map(|t| (t.full_path(), t.shape.to_vec())).collect();
+    let mut writer = HfCheckpointWriter::begin(config, dir, options, tensors)?;
+    for shard in 0..writer.shard_count() {
+        writer.write_shard(shard, model)?;
+    }
+    writer.finish()
+}
 
-    let config_file = partial.join("config.json");
-    let text = serde_json::to_string_pretty(&config.to_hf_json(torch_dtype)).expect("a JSON value serializes");
-    std::fs::write(&config_file, text + "\n").map_err(io(&config_file))?;
-    let mut written = vec![config_file];
+/// A Hugging Face checkpoint folder written one safetensors shard at a time (what
+/// [`save_pretrained_with`] does), so that a model whose parameters are parts on many ranks
+/// (ZeRO-3) need only gather one shard's tensors at a time
+/// ([`shard_paths`](Self::shard_paths) names them; [`plan_shard_paths`] gives the same plan on
+/// ranks that do not write).
+pub struct HfCheckpointWriter {
+    dir: PathBuf,
+    partial: PathBuf,
+    name: String,
+    dtype: DType,
+    /// Every tensor's module path and its bytes as saved, in the model's order.
+    tensors: Vec<(String, u64)>,
+    shards: Vec<Vec<usize>>,
+    hf: Vec<String>,
+    weight_map: serde_json::Map<String, serde_json::Value>,
+    written: Vec<PathBuf>,
+}
 
-    // The decoder's tensors in order, each with its size as saved.
-    let tensors: Vec<(String, u64)> =
-        model.collect(None, None, false).iter().map(|t| (t.full_path(), (t.shape.iter().product::<usize>() * dtype.size()) as u64)).collect();
-    let shards = plan_shards(&tensors, options.max_shard_bytes);
-    let hf = hf_names(tensors.iter().map(|(path, _)| path.as_str()));
-    let mut weight_map = serde_json::Map::new();
-    for (k, shard) in shards.iter().enumerate() {
-        let file_name = if shards.len() == 1 { WEIGHTS_FILE.to_string() } else { format!("model-{:05}-of-{:05}.safetensors", k + 1, shards.len()) };
-        let weights = partial.join(&file_name);
+/// The tensors' module paths in each safetensors shard [`HfCheckpointWriter`] writes for
+/// `tensors` (module path and shape each, in the model's order).
+pub fn plan_shard_paths(tensors: &[(String, Vec<usize>)], options: SaveOptions) -> Vec<Vec<String>> {
+    let sized = sized(tensors, options.dtype);
+    plan_shards(&sized, options.max_shard_bytes).into_iter().map(|shard| shard.into_iter().map(|i| sized[i].0.clone()).collect()).collect()
+}
+
+fn sized(tensors: &[(String, Vec<usize>)], dtype: DType) -> Vec<(String, u64)> {
+    tensors.iter().map(|(path, shape)| (path.clone(), (shape.iter().product::<usize>() * dtype.size()) as u64)).collect()
+}
+
+impl HfCheckpointWriter {
+    /// Starts the folder `dir` (beside it, renamed into place by [`finish`](Self::finish)) for
+    /// a model of `tensors` (module path and shape each, in the model's order), writing
+    /// `config.json`.
+    pub fn begin(config: &HfConfig, dir: &Path, options: SaveOptions, tensors: Vec<(String, Vec<usize>)>) -> Result<Self, CheckpointError> {
+        let dtype = options.dtype;
+        let torch_dtype = match dtype {
+            DType::F32 => "float32",
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            other => return Err(CheckpointError::file(dir, format!("weights are saved as f32, bf16 or f16, not {other:?}"))),
+        };
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
+        let partial = dir.with_file_name(format!(".{name}.partial-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&partial);
+        std::fs::create_dir_all(&partial).map_err(io(&partial))?;
+        let config_file = partial.join("config.json");
+        let text = serde_json::to_string_pretty(&config.to_hf_json(torch_dtype)).expect("a JSON value serializes");
+        std::fs::write(&config_file, text + "\n").map_err(io(&config_file))?;
+        let tensors = sized(&tensors, dtype);
+        let shards = plan_shards(&tensors, options.max_shard_bytes);
+        let hf = hf_names(tensors.iter().map(|(path, _)| path.as_str()));
+        Ok(Self { dir: dir.to_path_buf(), partial, name, dtype, tensors, shards, hf, weight_map: serde_json::Map::new(), written: vec![config_file] })
+    }
+
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The module paths of shard `shard`'s tensors.
+    pub fn shard_paths(&self, shard: usize) -> Vec<String> {
+        self.shards[shard].iter().map(|&i| self.tensors[i].0.clone()).collect()
+    }
+
+    fn file_name(&self, shard: usize) -> String {
+        if self.shards.len() == 1 { WEIGHTS_FILE.to_string() } else { format!("model-{:05}-of-{:05}.safetensors", shard + 1, self.shards.len()) }
+    }
+
+    /// Writes shard `shard` from `model`, in which its tensors must be whole (the others may
+    /// be anything).
+    pub fn write_shard<B: Backend>(&mut self, shard: usize, model: &Decoder<B>) -> Result<(), CheckpointError> {
+        let file_name = self.file_name(shard);
+        let weights = self.partial.join(&file_name);
         // transformers refuses safetensors whose `format` is not `pt` (burn-store writes `safetensors`).
         let mut store = SafetensorsStore::from_file(&weights)
-            .with_full_paths(shard.iter().map(|&i| tensors[i].0.clone()))
-            .with_to_adapter(BurnToPyTorchAdapter.chain(CastFloats(dtype)))
+            .with_full_paths(self.shard_paths(shard))
+            .with_to_adapter(BurnToPyTorchAdapter.chain(CastFloats(self.dtype)))
             .metadata("format", "pt");
         for (from, to) in DECODER_TO_HF {
             store = store.with_key_remapping(from, to);
         }
         model.save_into(&mut store).map_err(|e| CheckpointError::file(&weights, e))?;
-        for &i in shard {
-            weight_map.insert(hf[i].clone(), file_name.clone().into());
+        for &i in &self.shards[shard] {
+            self.weight_map.insert(self.hf[i].clone(), file_name.clone().into());
         }
-        written.push(weights);
-    }
-    if shards.len() > 1 {
-        let index_file = partial.join(INDEX_FILE);
-        let total: u64 = tensors.iter().map(|t| t.1).sum();
-        let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
-        std::fs::write(&index_file, serde_json::to_string_pretty(&index).expect("a JSON value serializes") + "\n").map_err(io(&index_file))?;
-        written.push(index_file);
-    }
-    for file in &written {
-        std::fs::File::open(file).and_then(|f| f.sync_all()).map_err(io(file))?;
+        self.written.push(weights);
+        Ok(())
     }
 
-    // Into place: the earlier folder aside, the new one in, the earlier one removed.
-    let earlier = dir.with_file_name(format!(".{name}.earlier-{}", std::process::id()));
-    let had_earlier = dir.exists();
-    if had_earlier {
-        std::fs::rename(dir, &earlier).map_err(io(dir))?;
+    /// Writes the index (when sharded), makes every file durable and renames the folder into
+    /// place: the earlier folder aside, the new one in, the earlier one removed.
+    pub fn finish(mut self) -> Result<(), CheckpointError> {
+        if self.shards.len() > 1 {
+            let index_file = self.partial.join(INDEX_FILE);
+            let total: u64 = self.tensors.iter().map(|t| t.1).sum();
+            let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": self.weight_map });
+            std::fs::write(&index_file, serde_json::to_string_pretty(&index).expect("a JSON value serializes") + "\n").map_err(io(&index_file))?;
+            self.written.push(index_file);
+        }
+        for file in &self.written {
+            std::fs::File::open(file).and_then(|f| f.sync_all()).map_err(io(file))?;
+        }
+        let (dir, name) = (&self.dir, &self.name);
+        let earlier = dir.with_file_name(format!(".{name}.earlier-{}", std::process::id()));
+        let had_earlier = dir.exists();
+        if had_earlier {
+            std::fs::rename(dir, &earlier).map_err(io(dir))?;
+        }
+        std::fs::rename(&self.partial, dir).map_err(io(dir))?;
+        if had_earlier {
+            std::fs::remove_dir_all(&earlier).map_err(io(&earlier))?;
+        }
+        Ok(())
     }
-    std::fs::rename(&partial, dir).map_err(io(dir))?;
-    if had_earlier {
-        std::fs::remove_dir_all(&earlier).map_err(io(&earlier))?;
-    }
-    Ok(())
 }
 
 /// Checks, before any training, that [`save_pretrained`] will be able to write the folder

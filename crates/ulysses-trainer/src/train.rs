@@ -27,7 +27,7 @@ use ulysses_training::{
 };
 use serde::{Deserialize, Serialize};
 
-use ulysses_models::{HfConfig, Decoder, DecoderConfig, save_pretrained};
+use ulysses_models::{HfCheckpointWriter, HfConfig, Decoder, DecoderConfig, SaveOptions, plan_shard_paths, save_pretrained};
 
 use crate::{
     corpus::{BYTE_VOCAB, ByteCorpus},
@@ -469,8 +469,7 @@ where
         }
         let done = step + 1;
         let checkpoint_due = done == last_step || (options.checkpoint_every > 0 && done % options.checkpoint_every == 0);
-        let saves = checkpoint_due && (options.checkpoint_dir.is_some() || options.save_hf.is_some());
-        let saved_model = if saves { Some(whole(&model, parts.as_ref())?) } else { None };
+        let saved_model = if checkpoint_due && options.checkpoint_dir.is_some() { Some(whole(&model, parts.as_ref())?) } else { None };
         if let (true, Some(dir)) = (checkpoint_due, &options.checkpoint_dir) {
             let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone(), data: options.data_identity.clone() };
             // Replicated: rank 0 writes it all; sharded: every rank its part (a collective).
@@ -489,16 +488,53 @@ where
                 progress.checkpoint(step, &path);
             }
         }
-        if let (true, true, Some((dir, checkpoint))) = (checkpoint_due, is_first, &options.save_hf) {
-            save_pretrained(saved_model.as_ref().expect("gathered for --save-hf"), checkpoint, dir, DType::BF16)
-                .map_err(|e| UlyssesError::Checkpoint { path: dir.display().to_string(), reason: format!("--save-hf: {e}") })?;
-            tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+        if let (true, Some((dir, checkpoint))) = (checkpoint_due, &options.save_hf) {
+            let saved = match &parts {
+                Some(parts) => save_hf_gathered(&model, parts, checkpoint, dir, groups),
+                None => match is_first {
+                    true => save_pretrained(&model, checkpoint, dir, DType::BF16).map(Some).map_err(|e| e.to_string()),
+                    false => Ok(None),
+                },
+            }
+            .map_err(|reason| UlyssesError::Checkpoint { path: dir.display().to_string(), reason: format!("--save-hf: {reason}") })?;
+            if saved.is_some() {
+                tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+            }
         }
     }
     if is_first && let Some(peak) = ulysses_core::host_memory::peak_resident_bytes() {
         tracing::info!("host memory at its peak in this process (every rank thread of it): {:.3} GB", peak as f64 / 1e9);
     }
     Ok((whole(&model, parts.as_ref())?, reports))
+}
+
+/// `--save-hf` under ZeRO-3: every rank gathers one safetensors shard's parameters at a time
+/// (the whole model is never gathered) and world rank 0 writes it. Collective; rank 0 goes on
+/// gathering after a failed write so that no rank waits for it, and every rank learns the
+/// outcome (`Some` on rank 0 when written).
+fn save_hf_gathered<B: TrainBackend>(model: &Decoder<B>, parts: &ShardedParameters<B>, checkpoint: &HfConfig, dir: &Path, groups: &ParallelGroups<B::Wire>) -> Result<Option<()>, String> {
+    let options = SaveOptions::new(DType::BF16);
+    let plan = plan_shard_paths(&parts.tensors(), options);
+    let mut writer = match groups.world_rank() {
+        0 => Some(HfCheckpointWriter::begin(checkpoint, dir, options, parts.tensors()).map_err(|e| e.to_string())),
+        _ => None,
+    };
+    for (shard, paths) in plan.iter().enumerate() {
+        let gathered = parts.gather_paths(model.clone(), paths, &*groups.world).map_err(|e| e.to_string())?;
+        if let Some(Ok(ok)) = writer.as_mut() {
+            if let Err(error) = ok.write_shard(shard, &gathered) {
+                writer = Some(Err(error.to_string()));
+            }
+        }
+    }
+    let written = writer.map(|writer| writer.and_then(|writer| writer.finish().map_err(|e| e.to_string())));
+    let ok = written.as_ref().is_none_or(Result::is_ok);
+    let every_rank = all_gather_host_checked(&*groups.world, &[ok as u64], "--save-hf written").map_err(|e| e.to_string())?;
+    match written {
+        Some(result) => result.map(Some),
+        None if every_rank[0][0] == 0 => Err("world rank 0 could not write the folder (its error says why)".into()),
+        None => Ok(None),
+    }
 }
 
 /// A rank's optimizer: burn's AdamW on the device, its state replicated on every rank, or

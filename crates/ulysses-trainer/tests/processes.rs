@@ -620,6 +620,20 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     let moved = before.iter().zip(&after).map(|(b, a)| (b - a).abs()).fold(0.0f32, |m, d| if d > m { d } else { m });
     assert!(moved > 1e-3, "three steps at learning rate 0.01 moved the embeddings by {moved} only");
 
+    // Under ZeRO-3 the folder is written a shard at a time from the ranks' parts: it holds the
+    // trained model (the run's own, rounded to bf16), every tensor.
+    let saved_zero3 = dir.join("saved-hf-zero3");
+    succeed(run_alone(&args("zero3"), &["--checkpoint-layers", "--zero", "3", "--save-hf", &saved_zero3.display().to_string()]));
+    let from_zero3 = from_pretrained::<NdArray>(&saved_zero3, &Default::default()).unwrap_or_else(|e| panic!("the ZeRO-3 folder does not load: {e}"));
+    let trained = parameters(&dir.join("zero3"));
+    let loaded: Vec<_> = float_parameters(&from_zero3.model).into_iter().map(|p| (p.path, p.values.into_data().to_vec::<f32>().unwrap())).collect();
+    assert_eq!(loaded.len(), trained.len());
+    for ((name, got), (trained_name, want)) in loaded.iter().zip(&trained) {
+        assert_eq!(name, trained_name);
+        let rounded = want.iter().map(|&v| burn::tensor::bf16::from_f32(v).to_f32());
+        assert!(got.iter().zip(rounded).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: the ZeRO-3 folder differs from the trained model");
+    }
+
     // A model shape beside --model, --save-hf without --model, --model without --tokens.
     let refused = run_alone(&args("shaped"), &["--d-model", "64"]);
     assert!(!refused.status.success() && show(&refused).contains("--d-model"), "{}", show(&refused));

@@ -230,6 +230,25 @@ impl<B: TrainBackend> ShardedParameters<B> {
         self.gathered(model, &every, world)
     }
 
+    /// Every parameter's module path and shape, in the model's visit order (the model itself
+    /// holds placeholders).
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        self.parameters.iter().map(|p| (p.path.clone(), p.shape.iter().copied().collect())).collect()
+    }
+
+    /// `model` with the parameters at `paths` (module paths, as [`tensors`](Self::tensors)
+    /// names them) all-gathered into it, the others left as they are: one shard of a
+    /// checkpoint at a time. Collective over `world`; refused for a path no parameter has.
+    pub fn gather_paths<M: AutodiffModule<B>>(&self, model: M, paths: &[String], world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
+        let indices = paths
+            .iter()
+            .map(|path| {
+                self.parameters.iter().position(|p| &p.path == path).ok_or_else(|| UlyssesError::InvalidConfig(format!("ZeRO-3: no parameter has the path {path}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.gathered(model, &indices, world)
+    }
+
     /// `model` with the parameters at `indices` all-gathered into it.
     fn gathered<M: AutodiffModule<B>>(&self, model: M, indices: &[usize], world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
         self.check_world(world)?;
