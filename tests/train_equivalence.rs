@@ -553,6 +553,8 @@ enum Zero {
     Stage3,
     /// ZeRO-3 with the optimizer's quarter on the device (`DeviceShardedAdamW`).
     Stage3OnDevice,
+    /// ZeRO-3 with the compute copy's quarter on the host too, uploaded for each gather.
+    Stage3PartsOnHost,
 }
 
 /// `steps` steps of SP=2 × DP=2 on the tiny Qwen3 fixture (transformers' weights), each rank
@@ -579,11 +581,12 @@ fn qwen3_sp_dp(zero: Zero, steps: usize, max_grad_norm: Option<f64>) -> Qwen3Run
         let mut sharded_state = ShardedAdamW::new(adamw);
         let mut on_device = DeviceShardedAdamW::<Sp>::new(adamw);
         let mut parts = None;
-        if matches!(zero, Zero::Stage3 | Zero::Stage3OnDevice) {
+        if matches!(zero, Zero::Stage3 | Zero::Stage3OnDevice | Zero::Stage3PartsOnHost) {
             sharded_state.keep_master_weights(&model, rank.rank(), 4);
             on_device.keep_master_weights(&model, rank.rank(), 4);
-            let place = if zero == Zero::Stage3 { OptimizerPlace::Host } else { OptimizerPlace::Device };
+            let place = if zero == Zero::Stage3OnDevice { OptimizerPlace::Device } else { OptimizerPlace::Host };
             let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), 4, place).unwrap();
+            let sharded = if zero == Zero::Stage3PartsOnHost { sharded.with_parts_on_host() } else { sharded };
             (model, parts) = (placeholders, Some(sharded));
         }
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
@@ -609,7 +612,7 @@ fn qwen3_sp_dp(zero: Zero, steps: usize, max_grad_norm: Option<f64>) -> Qwen3Run
                     let local = backward_step_checkpointed(&model, &step, &sharder, &groups, &device, &checkpointing).unwrap();
                     apply_step_sharded(model, &mut sharded_state, &step, local, &groups)
                 }
-                (Zero::Stage3, Some(parts)) => {
+                (Zero::Stage3 | Zero::Stage3PartsOnHost, Some(parts)) => {
                     let local = backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap();
                     apply_step_zero3(model, &mut sharded_state, parts, &step, local, &groups)
                 }
@@ -617,7 +620,7 @@ fn qwen3_sp_dp(zero: Zero, steps: usize, max_grad_norm: Option<f64>) -> Qwen3Run
                     let local = backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap();
                     apply_step_zero3(model, &mut on_device, parts, &step, local, &groups)
                 }
-                (Zero::Stage3 | Zero::Stage3OnDevice, None) => unreachable!("ZeRO-3 shards the model first"),
+                (Zero::Stage3 | Zero::Stage3OnDevice | Zero::Stage3PartsOnHost, None) => unreachable!("ZeRO-3 shards the model first"),
             }
             .unwrap();
             model = next;
@@ -687,7 +690,9 @@ fn sharded_optimizer_state_trains_like_replicated_adamw() {
 /// - as replicated AdamW (burn's, on every rank) on the same checkpointed step within 1e-6:
 ///   the losses, and every parameter of its largest value;
 /// - with the optimizer's parts on the device (`DeviceShardedAdamW`: burn's AdamW order in
-///   tensor ops), bit for bit as replicated AdamW.
+///   tensor ops), bit for bit as replicated AdamW;
+/// - with the compute copy's parts on the host (`with_parts_on_host`, uploaded for each
+///   gather), bit for bit as with them on the device, which then hold none between steps.
 ///
 /// Between steps each rank holds a quarter of the compute copy (the partition's padding aside).
 #[test]
@@ -697,6 +702,10 @@ fn zero_3_trains_like_replicated_adamw() {
         let checkpointed = qwen3_sp_dp(Zero::ShardedOptimizerCheckpointed, 20, None);
         let replicated = qwen3_sp_dp(Zero::ReplicatedCheckpointed, 20, None);
         let on_device = qwen3_sp_dp(Zero::Stage3OnDevice, 20, None);
+        let parts_on_host = qwen3_sp_dp(Zero::Stage3PartsOnHost, 20, None);
+        assert_eq!(parts_on_host.losses, zero3.losses, "ZeRO-3 with the parameters' parts on the host");
+        assert!(parts_on_host.params.iter().zip(&zero3.params).all(|((_, a), (_, b))| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())), "the parameters' parts on the host change the parameters");
+        assert!(parts_on_host.device_bytes.iter().all(|&bytes| bytes == 0), "parts on the host, yet {:?} bytes on the devices", parts_on_host.device_bytes);
         assert_eq!(on_device.losses, replicated.losses, "ZeRO-3 with the optimizer on the device against replicated AdamW");
         for ((name, want), (_, got)) in replicated.params.iter().zip(&on_device.params) {
             assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: the optimizer on the device {:e} apart from replicated AdamW", max_abs_diff(got, want));

@@ -237,6 +237,10 @@ struct Args {
     /// stay on the device, or go to the host with --offload-optimizer.
     #[arg(long, default_value_t = 0, value_name = "STAGE")]
     zero: usize,
+    /// With --zero 3 and --offload-optimizer, keep each rank's parts of the parameters in host
+    /// memory too, uploaded for each layer's gather (a device holds no parameter between them).
+    #[arg(long)]
+    offload_parameters: bool,
     /// Under bf16, compute the loss's logits in f32 (TF32 matmuls) rather than in bf16 with f32
     /// accumulation; the softmax and loss are f32 either way.
     #[arg(long)]
@@ -413,7 +417,8 @@ fn run(args: Args) -> Result<(), String> {
         }))
         .with_f32_head(args.f32_head)
         .with_offload_optimizer(args.offload_optimizer)
-        .with_zero_stage(args.zero);
+        .with_zero_stage(args.zero)
+        .with_offload_parameters(args.offload_parameters);
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;

@@ -107,6 +107,11 @@ pub struct TrainConfig {
     /// [`offload_optimizer`](Self::offload_optimizer).
     #[config(default = 0)]
     pub zero_stage: usize,
+    /// Under ZeRO-3 with the optimizer on the host, keep each rank's parts of the parameters
+    /// in host memory too, uploaded for each gather: a device then holds no parameter between
+    /// a layer's pieces, for a world too small to hold even its parts of the compute copy.
+    #[config(default = false)]
+    pub offload_parameters: bool,
 }
 
 impl TrainConfig {
@@ -179,6 +184,11 @@ impl TrainConfig {
                      state, ZeRO's stages 1 and 2) or 3 (parameters and gradients sharded too)"
                 ));
             }
+        }
+        if self.offload_parameters && !(self.zero_stage == 3 && self.offload_optimizer) {
+            return Err("--offload-parameters keeps ZeRO-3's parts of the parameters on the host beside the optimizer's: add --zero 3 \
+                        and --offload-optimizer"
+                .into());
         }
         let parts = self.layout.dp_size * self.grad_accumulation;
         if self.batch_size % parts != 0 {
@@ -428,6 +438,7 @@ where
     let mut parts = None;
     if let (3, Some(place)) = (config.zero_stage, sharded_place) {
         let (placeholders, sharded) = ShardedParameters::shard(model, world_rank, world, place)?;
+        let sharded = if config.offload_parameters { sharded.with_parts_on_host() } else { sharded };
         (model, parts) = (placeholders, Some(sharded));
     }
     if is_first {

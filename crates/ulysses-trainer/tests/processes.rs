@@ -331,7 +331,10 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
     args.extend(["--resume".to_string(), dir.join("part").display().to_string()]);
     let refused = run_launched(2, &args, &["--sp", "2"]);
     assert!(!refused.status.success() && show(&refused).contains("(--offload-optimizer or --zero 3) true, this one has false"), "{}", show(&refused));
-    succeed(run_launched(2, &args, &zero3));
+    // Resumed with the parameters' parts on the host too; alone, that flag is refused.
+    succeed(run_launched(2, &args, &[&zero3[..], &["--offload-parameters"]].concat()));
+    let alone = run_alone(&common_args(&dir, "parameters-alone", 2), &["--sp", "2", "--offload-parameters"]);
+    assert!(!alone.status.success() && show(&alone).contains("add --zero 3 and --offload-optimizer"), "{}", show(&alone));
 
     println!(
         "replicated {:?}\nhost       {:?}\nZeRO-3     {:?}\n on device {:?}\nresumed    {:?}",

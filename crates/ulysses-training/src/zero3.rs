@@ -30,7 +30,7 @@ use burn::{
     optim::GradientsParams,
     tensor::{DType, FloatDType, Shape, Tensor, TensorData},
 };
-use burn_ulysses::{UlyssesError, comm::Communicator};
+use burn_ulysses::{PlainBackend, UlyssesError, comm::Communicator};
 use ulysses_core::{
     gradients::{GRADIENT_BUCKET_BYTES, plan_buckets},
     zero::Partition,
@@ -92,6 +92,10 @@ pub trait PartOptimizer<B: TrainBackend> {
     /// This rank's part of parameter `index`'s master weights as the compute copy's, in
     /// `dtype` on `device`.
     fn compute_part(&self, index: usize, dtype: DType, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1>;
+    /// The same in host memory (parameters kept on the host).
+    fn compute_part_on_host(&self, index: usize, dtype: DType, device: &burn::tensor::Device<B::InnerBackend>) -> TensorData {
+        self.compute_part(index, dtype, device).into_data()
+    }
 }
 
 impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
@@ -108,6 +112,10 @@ impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
     fn compute_part(&self, index: usize, dtype: DType, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1> {
         let master = self.master_part(index);
         Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(master.to_vec(), [master.len()]), device).cast(FloatDType::from(dtype))
+    }
+    fn compute_part_on_host(&self, index: usize, dtype: DType, _device: &burn::tensor::Device<B::InnerBackend>) -> TensorData {
+        let master = self.master_part(index);
+        TensorData::new(master.to_vec(), [master.len()]).convert_dtype(dtype)
     }
 }
 
@@ -146,6 +154,8 @@ pub struct ShardedParameters<B: TrainBackend> {
     /// step's shards so far, where the optimizer runs.
     grad_parts: GradParts<B>,
     optimizer: OptimizerPlace,
+    /// Where the gathered parameters go.
+    device: burn::tensor::Device<B::InnerBackend>,
 }
 
 /// One parameter: what it is, and this rank's part of its compute copy.
@@ -154,8 +164,15 @@ struct PartOf<B: TrainBackend> {
     path: String,
     shape: Shape,
     dtype: DType,
-    /// Flat, padded to the partition: `part_len` elements, on the device.
-    part: Tensor<B::InnerBackend, 1>,
+    /// Flat, padded to the partition: `part_len` elements.
+    part: Held<B>,
+}
+
+/// Where a part of the compute copy waits between its gathers.
+enum Held<B: TrainBackend> {
+    Device(Tensor<B::InnerBackend, 1>),
+    /// In host memory (`--offload-parameters`), uploaded for each gather.
+    Host(TensorData),
 }
 
 impl<B: TrainBackend> PartOf<B> {
@@ -199,13 +216,26 @@ impl<B: TrainBackend> ShardedParameters<B> {
                 let view = padded(&partition, p.values.inner()).narrow(0, partition.part(elements, rank).start, partition.part_len(elements));
                 // A copy of its own: a view would keep the whole parameter's buffer alive.
                 let (dtype, device) = (view.dtype(), view.device());
-                let part = Tensor::from_data(view.into_data(), (&device, dtype));
+                let part = Held::Device(Tensor::from_data(view.into_data(), (&device, dtype)));
                 PartOf { id: p.id, path: p.path, dtype, shape: p.shape, part }
             })
             .collect::<Vec<_>>();
         let grad_parts = GradParts::empty(optimizer, parameters.len());
+        let device = model.devices().first().cloned().ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 of a model without parameters".into()))?;
         let model = model.map(&mut Placeholders);
-        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts, optimizer }))
+        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts, optimizer, device }))
+    }
+
+    /// The parts kept in host memory between their gathers, uploaded for each
+    /// (`--offload-parameters`: for a world too small to hold even its parts of the compute
+    /// copy; every gather then crosses from the host).
+    pub fn with_parts_on_host(mut self) -> Self {
+        for parameter in &mut self.parameters {
+            if let Held::Device(part) = &parameter.part {
+                parameter.part = Held::Host(part.clone().into_data());
+            }
+        }
+        self
     }
 
     /// The rank and world the parts are of.
@@ -218,9 +248,15 @@ impl<B: TrainBackend> ShardedParameters<B> {
         self.parameters.iter().map(PartOf::elements).collect()
     }
 
-    /// Bytes this rank holds on the device between steps: its parts of the compute copy.
+    /// Bytes this rank holds on the device between steps: its parts of the compute copy
+    /// (none when they are on the host).
     pub fn device_bytes(&self) -> usize {
-        self.parameters.iter().map(|p| self.partition.part_len(p.elements()) * p.dtype.size()).sum()
+        self.parameters.iter().filter(|p| matches!(p.part, Held::Device(_))).map(|p| self.partition.part_len(p.elements()) * p.dtype.size()).sum()
+    }
+
+    /// Bytes of the compute copy's parts this rank holds in host memory.
+    pub fn host_bytes(&self) -> usize {
+        self.parameters.iter().filter(|p| matches!(p.part, Held::Host(_))).map(|p| self.partition.part_len(p.elements()) * p.dtype.size()).sum()
     }
 
     /// `model` (with placeholders) with every parameter whole: all-gathered, for what needs
@@ -252,10 +288,11 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// `model` with the parameters at `indices` all-gathered into it.
     fn gathered<M: AutodiffModule<B>>(&self, model: M, indices: &[usize], world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
         self.check_world(world)?;
-        let sizes: Vec<(usize, DType)> = indices.iter().map(|&i| (self.parameters[i].part.dims()[0] * self.parameters[i].dtype.size(), self.parameters[i].dtype)).collect();
+        let sizes: Vec<(usize, DType)> =
+            indices.iter().map(|&i| (self.partition.part_len(self.parameters[i].elements()) * self.parameters[i].dtype.size(), self.parameters[i].dtype)).collect();
         let mut values = HashMap::with_capacity(indices.len());
         for bucket in plan_buckets(&sizes, &vec![true; indices.len()], GRADIENT_BUCKET_BYTES) {
-            let mine = Tensor::cat(bucket.iter().map(|&b| self.parameters[indices[b]].part.clone()).collect(), 0);
+            let mine = Tensor::cat(bucket.iter().map(|&b| self.on_device(&self.parameters[indices[b]])).collect(), 0);
             let members = bucket.iter().map(|&b| (indices[b], self.parameters[indices[b]].elements()));
             for (index, whole) in all_gather_columns::<B>(mine, members, &self.partition, world)? {
                 let parameter = &self.parameters[index];
@@ -263,6 +300,15 @@ impl<B: TrainBackend> ShardedParameters<B> {
             }
         }
         Ok(model.map(&mut Gathered::<B> { values }))
+    }
+
+    /// A parameter's part on the device: uploaded (from memory the device copies from without
+    /// the host waiting, where the backend has it) when it waits on the host.
+    fn on_device(&self, parameter: &PartOf<B>) -> Tensor<B::InnerBackend, 1> {
+        match &parameter.part {
+            Held::Device(part) => part.clone(),
+            Held::Host(data) => Tensor::from_data(B::Wire::pin_for_upload(data.clone(), &self.device), (&self.device, parameter.dtype)),
+        }
     }
 
     fn check_world(&self, world: &dyn Communicator<B::Wire>) -> Result<(), UlyssesError> {
@@ -359,7 +405,10 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// in the compute dtype (no collective).
     pub(crate) fn update_from(&mut self, optimizer: &impl PartOptimizer<B>, updated: &[bool]) {
         for (index, parameter) in self.parameters.iter_mut().enumerate().filter(|&(i, _)| updated[i]) {
-            parameter.part = optimizer.compute_part(index, parameter.dtype, &parameter.part.device());
+            parameter.part = match parameter.part {
+                Held::Device(_) => Held::Device(optimizer.compute_part(index, parameter.dtype, &self.device)),
+                Held::Host(_) => Held::Host(optimizer.compute_part_on_host(index, parameter.dtype, &self.device)),
+            };
         }
     }
 
