@@ -271,13 +271,23 @@ if has ulysses-trainer; then
         # the host; the device keeps bf16 parameters and gradients, 32 GB), every layer
         # checkpointed, the token-wise parts in tiles of 4096. EIGHT_B_SEQS: one run per length
         # (65 536 first); EIGHT_B_OFFLOAD=1 also keeps the layer inputs on the host (32 layers ×
-        # 8 KB a token: 17 GB at 64K, so the host's 128 GB limits the length). The log holds the
-        # memory line (per rank, before step 1), each step's seconds and waits (--profile).
+        # 8 KB a token: 17 GB at 64K, so the host's 128 GB limits the length). EIGHT_B_ZERO3=1
+        # runs it under ZeRO-3 (--zero 3: each layer's gradients leave for the host as its
+        # backward ends, so the device never holds the 16 GB of bf16 gradients) and
+        # EIGHT_B_ZERO3=params keeps the bf16 parameters on the host too (--offload-parameters,
+        # each layer uploaded for its pieces). The log holds the memory line (per rank, before
+        # step 1), each step's seconds and waits (--profile).
         offload=""
         [ "${EIGHT_B_OFFLOAD:-0}" = 1 ] && offload="--offload-to-host"
+        case "${EIGHT_B_ZERO3:-0}" in
+            0) zero="" ;;
+            1) zero="--zero 3" ;;
+            params) zero="--zero 3 --offload-parameters" ;;
+            *) echo "EIGHT_B_ZERO3 must be 0, 1 or params, not ${EIGHT_B_ZERO3}" >&2; exit 2 ;;
+        esac
         for seq in ${EIGHT_B_SEQS:-65536}; do
             step "llama-8b-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps "${EIGHT_B_STEPS:-2}" --seq-len "$seq" --batch-size 1 --profile \
-                --offload-optimizer --checkpoint-layers $offload --tile-tokens 4096 --learning-rate 1e-5 --no-save --check-parameters-every 0 \
+                --offload-optimizer --checkpoint-layers $offload $zero --tile-tokens 4096 --learning-rate 1e-5 --no-save --check-parameters-every 0 \
                 --hf-config "$here/hf-shapes/llama-3.1-8b.json" --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/llama-8b-$seq"
         done ;;
     *) echo "TRAIN_RUN must be check, scale, hf or 8b, not ${TRAIN_RUN}" >&2; exit 2 ;;
