@@ -12,14 +12,18 @@
 //!   embedding's backward;
 //! - a group's gradients, once complete, are reduce-scattered (cast to f32, in buckets, each
 //!   laid out rank-major as [`ShardedAdamW`]'s: the sums an all-reduce gives, in the same
-//!   order) and this rank keeps its part, on the host, summed over the step's micro-batches in
-//!   f32 in micro-batch order;
-//! - the optimizer ([`ShardedAdamW`], on the host) updates this rank's parts of the master
-//!   weights from them, and the updated parts, cast to the compute dtype, become the device's
-//!   parts ([`apply_step_zero3`](crate::apply_step_zero3)): no all-gather after the step.
+//!   order) and this rank keeps its part where the optimizer runs ([`OptimizerPlace`]: read to
+//!   the host at once, or left on the device), summed over the step's micro-batches in f32 in
+//!   micro-batch order;
+//! - the optimizer ([`PartOptimizer`]: [`ShardedAdamW`] on the host, [`DeviceShardedAdamW`] on
+//!   the device) updates this rank's parts of the master weights from them, and the updated
+//!   parts, cast to the compute dtype, become the compute copy's parts
+//!   ([`apply_step_zero3`](crate::apply_step_zero3)): no all-gather after the step.
 //!
 //! So a rank holds `1/world` of the compute copy and of the gradients between steps, and at
-//! most one group whole during a step (the largest: a layer, or the embedding and head).
+//! most one group whole during a step (the largest: a layer, or the embedding and head). With
+//! [`ShardedParameters::with_parts_on_host`] the compute copy's parts wait in host memory and
+//! the device holds none between gathers.
 //! Uneven sizes are fine: a parameter is padded to a multiple of the world, so a part may be
 //! partly or wholly padding, never missing.
 
