@@ -48,11 +48,16 @@ fn sp_ranks_keep_identical_parameters_while_clipping_on_a_cubecl_device() {
             let _sp = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
             let device = Default::default();
             let model = deterministic_params(config.model.init::<Sp>(&device), 5);
-            train_rank::<Sp>(&config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default()).map(|(_, reports)| reports)
+            // What the device's pools hold, read while the trained model is alive.
+            train_rank::<Sp>(&config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default())
+                .map(|(_model, reports)| (reports, <Wgpu as burn_ulysses::PlainBackend>::device_memory(&device)))
         })
     });
     for (rank, outcome) in outcomes.into_iter().enumerate() {
-        let reports = outcome.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}")).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let (reports, memory) = outcome.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}")).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        // The trainer's device-memory line reads the same: CubeCL's pools account for the model.
+        let memory = memory.unwrap_or_else(|| panic!("rank {rank}: a CubeCL device reports no memory"));
+        assert!(memory.in_use > 0 && memory.reserved >= memory.in_use, "rank {rank}: {memory:?}");
         assert_eq!(reports.len(), STEPS, "rank {rank} stopped early");
         assert!(reports.iter().all(|r| r.grad_norm > 1e-3), "rank {rank}: a step did not clip: {:?}", reports.iter().map(|r| r.grad_norm).collect::<Vec<_>>());
     }

@@ -184,6 +184,22 @@ pub trait PlainBackend: Backend {
     fn pin_for_upload(data: TensorData, _device: &Self::Device) -> TensorData {
         data
     }
+
+    /// What `device`'s memory pools hold now, or `None` where the backend's memory is the
+    /// host's (NdArray) or unknown.
+    fn device_memory(_device: &Self::Device) -> Option<DeviceMemory> {
+        None
+    }
+}
+
+/// A device's memory as its pools account for it ([`PlainBackend::device_memory`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes the live tensors occupy.
+    pub in_use: u64,
+    /// Bytes the pools have taken from the device: they keep what they took, so this is the
+    /// most they ever held (CubeCL's `bytes_reserved`), at least the peak of `in_use`.
+    pub reserved: u64,
 }
 
 /// A tensor on its way to the host ([`PlainBackend::queue_read`]).

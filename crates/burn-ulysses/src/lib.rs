@@ -61,5 +61,5 @@ pub struct ReadmeExample;
 pub use backend::UlyssesBackend;
 pub use context::{RankGuard, RankScope, UlyssesConfig};
 pub use error::UlyssesError;
-pub use capabilities::{ExchangeBackend, PlainBackend, SequenceAttention};
+pub use capabilities::{DeviceMemory, ExchangeBackend, PlainBackend, SequenceAttention};
 pub use topology::{ParallelGroups, ParallelLayout};

@@ -12,7 +12,7 @@ use burn::{
     tensor::{DType, FloatDType, backend::AutodiffBackend},
 };
 use burn_ulysses::{
-    ParallelGroups, ParallelLayout, UlyssesError,
+    ParallelGroups, PlainBackend, ParallelLayout, UlyssesError,
     comm::all_gather_host_checked,
     data::{SequenceSharder, ShardPositions},
     device_io::DeviceIo,
@@ -512,6 +512,15 @@ where
                 tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
             }
         }
+    }
+    // Each rank's device, where the backend accounts for it (CubeCL's pools), and the host.
+    if let Some(memory) = B::Wire::device_memory(device) {
+        tracing::info!(
+            rank = world_rank,
+            "device memory after the last step: {:.3} GB in use, {:.3} GB reserved by the pools (the most they held)",
+            memory.in_use as f64 / 1e9,
+            memory.reserved as f64 / 1e9
+        );
     }
     if is_first && let Some(peak) = ulysses_core::host_memory::peak_resident_bytes() {
         tracing::info!("host memory at its peak in this process (every rank thread of it): {:.3} GB", peak as f64 / 1e9);

@@ -123,6 +123,11 @@ where
         }
         data
     }
+
+    fn device_memory(device: &Self::Device) -> Option<crate::capabilities::DeviceMemory> {
+        let usage = R::client(device).memory_usage().ok()?;
+        Some(crate::capabilities::DeviceMemory { in_use: usage.bytes_in_use, reserved: usage.bytes_reserved })
+    }
 }
 
 /// `ULYSSES_FUSED_CROSS_ENTROPY=0` runs the tensor-op loss instead, for a side-by-side

@@ -192,4 +192,8 @@ impl<B: FusionBackend + PlainBackend> PlainBackend for Fusion<B> {
     fn pin_for_upload(data: TensorData, device: &Self::Device) -> TensorData {
         B::pin_for_upload(data, device)
     }
+
+    fn device_memory(device: &Self::Device) -> Option<crate::capabilities::DeviceMemory> {
+        B::device_memory(device)
+    }
 }
