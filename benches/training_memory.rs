@@ -8,7 +8,7 @@
 //!     [--layers N] [--documents LEN] [--longest-under BYTES --max-seq S]
 //!     [--checkpoint-layers [--offload-to-host] [--tile-tokens N]] [--precision f32|bf16]
 //!     [--ffn N] [--vocab N] [--pieces] [--min-seq S] [--step-tokens N] [--trial-timeout SECS]
-//!     [--phases] [--trial-steps N]
+//!     [--phases] [--trial-steps N] [--memory-cleanup]
 //!
 //! Per S (ascending), one step at batch 1, printing:
 //! - `parameters`: bytes in use before the step, every parameter created (burn creates one on
@@ -20,7 +20,9 @@
 //!   the backward with every gradient alive (CubeCL reports no true peak, so this is sampled
 //!   at the points where a step's memory is highest);
 //! - `reserved`: the allocator's reservation after the step (pools grow and never shrink in a
-//!   run, so it is a high-water mark over every S so far);
+//!   run, so it is a high-water mark over every S so far), and `/ used`, it over the most the
+//!   step used (`parameters` + `peak sampled`); `--memory-cleanup` gives the device back, before
+//!   each piece's backward, every pool page no tensor holds (with checkpointing);
 //! - the ratio of `peak sampled` to the previous S's, against the ratio of the lengths
 //!   (linear growth: equal ratios).
 //!
@@ -109,6 +111,11 @@ struct Args {
     phases: bool,
     /// Steps per trial child.
     trial_steps: usize,
+    /// Before each piece's backward, give the device back every pool page no tensor holds
+    /// (`ComputeClient::memory_cleanup`): CubeCL 0.10's CUDA runtime builds its pools with
+    /// fixed options (`RuntimeOptions::default()` in its device service; cubecl.toml sets only
+    /// persistent memory and logging), and a page of a large tensor stays reserved once freed.
+    memory_cleanup: bool,
 }
 
 fn args() -> Args {
@@ -125,6 +132,7 @@ fn args() -> Args {
         pieces: flag("--pieces"),
         phases: flag("--phases"),
         trial_steps: number("--trial-steps").unwrap_or(1).max(1),
+        memory_cleanup: flag("--memory-cleanup"),
         precision: value("--precision").map_or(Precision::F32, |v| v.parse().unwrap_or_else(|e| panic!("--precision: {e}"))),
         documents: number("--documents"),
         longest_under: number("--longest-under").map(|b| b as u64),
@@ -236,6 +244,9 @@ fn step(config: &DecoderConfig, seq: usize, args: &Args, device: &Device) -> Ste
         let (tokens, labels) = (shard.tokens::<Train>(device), shard.labels::<Train>(device));
         let mut pieces = HeldPerPiece::default();
         let (loss, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, |piece| {
+            if args.memory_cleanup {
+                <Runtime as cubecl::Runtime>::client(device).memory_cleanup();
+            }
             let held = in_use(device) - base;
             // A piece's first tile ends a phase: see the module doc for what each one holds.
             match pieces.0.last() {
@@ -495,13 +506,16 @@ fn main() {
         describe(&config, &args),
         parameters as f64 / 1e6,
     );
-    println!("{:>8} | {:>14} | {:>14} {:>14} {:>14} | {:>14}", "S", "parameters", "activations", "peak sampled", "reserved", "peak ratio");
+    println!("{:>8} | {:>14} | {:>14} {:>14} {:>14} {:>9} | {:>14}", "S", "parameters", "activations", "peak sampled", "reserved", "/ used", "peak ratio");
     let mut previous: Option<(usize, u64)> = None;
     for &seq in &args.seqs {
         let memory = step(&config, seq, &args, &device);
         let peak = memory.peak;
         let ratio = previous.map_or(String::new(), |(s, p)| format!("x{:.2} for x{:.1}", peak as f64 / p as f64, seq as f64 / s as f64));
-        println!("{seq:>8} | {:>14} | {:>14} {peak:>14} {:>14} | {ratio:>14}", memory.parameters, memory.activations, reserved(&device));
+        let reserved = reserved(&device);
+        // What the pools hold against the most the step used (parameters and peak).
+        let over_used = reserved as f64 / (memory.parameters + peak).max(1) as f64;
+        println!("{seq:>8} | {:>14} | {:>14} {peak:>14} {reserved:>14} {over_used:>9.2} | {ratio:>14}", memory.parameters, memory.activations);
         previous = Some((seq, peak));
     }
 }

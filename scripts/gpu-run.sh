@@ -10,7 +10,8 @@
 #                 limit and steps per trial: MEMORY_MIN_SEQ, MEMORY_MAX_SEQ, MEMORY_TRIAL_TIMEOUT,
 #                 MEMORY_TRIAL_STEPS; alst's tiles and offload, to find what a piece's time is
 #                 made of: MEMORY_TILE_TOKENS (4096), MEMORY_OFFLOAD=0 keeps the checkpointed
-#                 inputs on the device; MEMORY_PROFILE=1 logs every kernel's time; overhead:
+#                 inputs on the device; MEMORY_PROFILE=1 logs every kernel's time;
+#                 MEMORY_CLEANUP=1 frees empty pool pages before each piece's backward; overhead:
 #                 the UlyssesBackend decorator against the plain backend, OVERHEAD_ARGS)
 #   TRAIN_RUN   = check (default) | scale | hf | 8b   (train folder)
 # DRY_RUN=1 prints the steps instead of running them (any machine: `DRY_RUN=1 OUT=/tmp/x
@@ -174,6 +175,11 @@ TOML
     # step per trial (MEMORY_TRIAL_STEPS=2) times the step without compilation and autotuning.
     longest="--shape llama-8b --longest-under 80000000000 --documents ${MEMORY_DOCUMENTS:-4096} --trial-timeout ${MEMORY_TRIAL_TIMEOUT:-100}"
     longest="$longest --phases --trial-steps ${MEMORY_TRIAL_STEPS:-1}"
+    # MEMORY_CLEANUP=1: before each piece's backward the pools give back the pages no tensor
+    # holds (CubeCL 0.10's CUDA pools take no options): reserved against used, with and without.
+    cleanup=""
+    [ "${MEMORY_CLEANUP:-0}" = 1 ] && cleanup="--memory-cleanup"
+    longest="$longest $cleanup"
     case "${MEMORY_RUN:-alst}" in
     alst)
         # Everything ALST uses, on a Llama-3.1-8B-shaped stack of 2 layers: checkpointing
@@ -190,7 +196,7 @@ TOML
     table)
         # Memory of one step against S (the example's shape), plain and checkpointed.
         step memory-table-plain "$bench" --seqs 4096,8192,16384,32768,65536
-        step memory-table-checkpointed "$bench" --seqs 4096,8192,16384,32768,65536 --checkpoint-layers --offload-to-host ;;
+        step memory-table-checkpointed "$bench" --seqs 4096,8192,16384,32768,65536 --checkpoint-layers --offload-to-host $cleanup ;;
     overhead)
         # The UlyssesBackend decorator without a group against the plain autodiff backend: the
         # same MLP steps interleaved, equal losses to the bit, the ratio (goal: at most 1.02).
