@@ -250,6 +250,20 @@ pub fn flash_attention_forward_fragments<R: CubeRuntime>(
     fragment_forward(p, query, key, value, options, ranges)
 }
 
+/// Launches register-fragment kernel `$kernel` (a module `#[cube(launch)]` made) with the
+/// arguments `($args)`, then the two the fragment implementation decides: `mma.sync`
+/// ([`MmaSync`](crate::mma::MmaSync)) where [`FragmentLaunch`] `$l` chose it, with its loops
+/// unrolled, else the emulation in shared memory with them rolled; and `$l`'s element type.
+macro_rules! launch_fragments {
+    ($kernel:ident, $runtime:ident, $l:expr, ($($arg:expr),* $(,)?)) => {
+        if $l.mma_sync {
+            $kernel::launch::<crate::mma::MmaSync, $runtime>($($arg,)* true, $l.elem)
+        } else {
+            $kernel::launch::<crate::mma::SharedMemoryMma, $runtime>($($arg,)* false, $l.elem)
+        }
+    };
+}
+
 /// [`flash_attention_forward_fragments`] of a checked call `p` that the fragments take.
 fn fragment_forward<R: CubeRuntime>(
     p: Problem,
@@ -273,11 +287,7 @@ fn fragment_forward<R: CubeRuntime>(
     let args = (query.into_tensor_arg(), key.into_tensor_arg(), value.into_tensor_arg(), output.clone().into_tensor_arg(), lse.clone().into_tensor_arg(), row_keys.into_tensor_arg());
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     use fragment_forward::fragment_forward_kernel as kernel;
-    if l.mma_sync {
-        kernel::launch::<crate::mma::MmaSync, R>(&client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.step, options.causal, ranges.is_some(), true, l.elem);
-    } else {
-        kernel::launch::<crate::mma::SharedMemoryMma, R>(&client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.step, options.causal, ranges.is_some(), false, l.elem);
-    }
+    launch_fragments!(kernel, R, l, (&client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.step, options.causal, ranges.is_some()));
     Ok((output, lse))
 }
 
@@ -588,12 +598,7 @@ fn launch_fragment_key_value_grad<R: CubeRuntime>(
     use fragment_key_value_grad::fragment_key_value_grad_kernel as kernel;
     for &(keys, values) in fragment_key_value_grad::passes(p.head_dim) {
         let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(key_grad), arg(value_grad), arg(key_rows));
-        let (count, elem) = (l.count.clone(), l.elem);
-        if l.mma_sync {
-            kernel::launch::<crate::mma::MmaSync, R>(client, count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.step, causal, ranged, keys, values, true, elem);
-        } else {
-            kernel::launch::<crate::mma::SharedMemoryMma, R>(client, count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.step, causal, ranged, keys, values, false, elem);
-        }
+        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.step, causal, ranged, keys, values));
     }
     Ok(())
 }
@@ -612,11 +617,7 @@ fn launch_fragment_query_grad<R: CubeRuntime>(
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(query_grad), arg(row_keys));
     use fragment_query_grad::fragment_query_grad_kernel as kernel;
-    if l.mma_sync {
-        kernel::launch::<crate::mma::MmaSync, R>(client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.step, causal, ranged, true, l.elem);
-    } else {
-        kernel::launch::<crate::mma::SharedMemoryMma, R>(client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.step, causal, ranged, false, l.elem);
-    }
+    launch_fragments!(kernel, R, l, (client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.step, causal, ranged));
     Ok(())
 }
 
