@@ -555,6 +555,9 @@ enum Zero {
     Stage3OnDevice,
     /// ZeRO-3 with the compute copy's quarter on the host too, uploaded for each gather.
     Stage3PartsOnHost,
+    /// ZeRO-3 after a backward whose step was abandoned (its gradient parts must not reach
+    /// the next step).
+    Stage3AfterAbandonedStep,
 }
 
 /// `steps` steps of SP=2 × DP=2 on the tiny Qwen3 fixture (transformers' weights), each rank
@@ -586,13 +589,19 @@ fn qwen3_sp_dp_accumulating(zero: Zero, steps: usize, max_grad_norm: Option<f64>
         let mut sharded_state = ShardedAdamW::new(adamw);
         let mut on_device = DeviceShardedAdamW::<Sp>::new(adamw);
         let mut parts = None;
-        if matches!(zero, Zero::Stage3 | Zero::Stage3OnDevice | Zero::Stage3PartsOnHost) {
+        if matches!(zero, Zero::Stage3 | Zero::Stage3OnDevice | Zero::Stage3PartsOnHost | Zero::Stage3AfterAbandonedStep) {
             sharded_state.keep_master_weights(&model, rank.rank(), 4);
             on_device.keep_master_weights(&model, rank.rank(), 4);
             let place = if zero == Zero::Stage3OnDevice { OptimizerPlace::Device } else { OptimizerPlace::Host };
             let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), 4, place).unwrap();
             let sharded = if zero == Zero::Stage3PartsOnHost { sharded.with_parts_on_host() } else { sharded };
             (model, parts) = (placeholders, Some(sharded));
+        }
+        if let (Zero::Stage3AfterAbandonedStep, Some(parts)) = (zero, parts.as_mut()) {
+            let batch = VariedLengths { vocab: 320 }.train_batch(3);
+            let mine = vec![batch[2 * dp_rank..2 * dp_rank + 2].to_vec()];
+            let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &mine, documents: None, targets: None, max_grad_norm };
+            drop(backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap());
         }
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for index in 0..steps {
@@ -617,7 +626,7 @@ fn qwen3_sp_dp_accumulating(zero: Zero, steps: usize, max_grad_norm: Option<f64>
                     let local = backward_step_checkpointed(&model, &step, &sharder, &groups, &device, &checkpointing).unwrap();
                     apply_step_sharded(model, &mut sharded_state, &step, local, &groups)
                 }
-                (Zero::Stage3 | Zero::Stage3PartsOnHost, Some(parts)) => {
+                (Zero::Stage3 | Zero::Stage3PartsOnHost | Zero::Stage3AfterAbandonedStep, Some(parts)) => {
                     let local = backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap();
                     apply_step_zero3(model, &mut sharded_state, parts, &step, local, &groups)
                 }
@@ -625,7 +634,7 @@ fn qwen3_sp_dp_accumulating(zero: Zero, steps: usize, max_grad_norm: Option<f64>
                     let local = backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap();
                     apply_step_zero3(model, &mut on_device, parts, &step, local, &groups)
                 }
-                (Zero::Stage3 | Zero::Stage3OnDevice | Zero::Stage3PartsOnHost, None) => unreachable!("ZeRO-3 shards the model first"),
+                (Zero::Stage3 | Zero::Stage3OnDevice | Zero::Stage3PartsOnHost | Zero::Stage3AfterAbandonedStep, None) => unreachable!("ZeRO-3 shards the model first"),
             }
             .unwrap();
             model = next;
@@ -711,6 +720,8 @@ fn zero_3_trains_like_replicated_adamw() {
         assert_eq!(parts_on_host.losses, zero3.losses, "ZeRO-3 with the parameters' parts on the host");
         assert!(parts_on_host.params.iter().zip(&zero3.params).all(|((_, a), (_, b))| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())), "the parameters' parts on the host change the parameters");
         assert!(parts_on_host.device_bytes.iter().all(|&bytes| bytes == 0), "parts on the host, yet {:?} bytes on the devices", parts_on_host.device_bytes);
+        let after_abandoned = qwen3_sp_dp(Zero::Stage3AfterAbandonedStep, 20, None);
+        assert_eq!(after_abandoned.losses, zero3.losses, "an abandoned step's gradient parts reached the next step");
         assert_eq!(on_device.losses, replicated.losses, "ZeRO-3 with the optimizer on the device against replicated AdamW");
         for ((name, want), (_, got)) in replicated.params.iter().zip(&on_device.params) {
             assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: the optimizer on the device {:e} apart from replicated AdamW", max_abs_diff(got, want));

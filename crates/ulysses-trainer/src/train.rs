@@ -499,6 +499,8 @@ where
                 progress.checkpoint(step, &path);
             }
         }
+        // The whole model of a ZeRO-3 checkpoint goes before --save-hf gathers its shards.
+        drop(saved_model);
         if let (true, Some((dir, checkpoint))) = (checkpoint_due, &options.save_hf) {
             let saved = match &parts {
                 Some(parts) => save_hf_gathered(&model, parts, checkpoint, dir, groups),

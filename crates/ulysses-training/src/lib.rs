@@ -232,6 +232,8 @@ where
     M: CausalLm<B> + LayeredLm<B>,
     M::InnerModule: LayeredLm<B::InnerBackend>,
 {
+    // Parts a failed step left behind are not this step's.
+    drop(parameters.take_gradient_parts());
     backward_step_layered(model, step, sharder, groups, device, checkpointing, &mut parameters.over(&*groups.world))
 }
 
@@ -400,21 +402,32 @@ where
     M: CausalLm<B>,
     O: PartOptimizer<B>,
 {
+    // The step's parts leave `parameters` whatever happens: a failed step must not leave its
+    // sums to the next one.
+    let bad_part = parameters.first_non_finite_gradient();
+    let grads = parameters.take_gradient_parts();
     let (rank, world) = parameters.place();
-    if optimizer.place() != parameters.optimizer_place() {
-        return Err(UlyssesError::InvalidConfig(format!(
+    let misfit = if optimizer.place() != parameters.optimizer_place() {
+        Err(UlyssesError::InvalidConfig(format!(
             "the optimizer runs on the {:?} but the parameters were sharded for one on the {:?}: shard them with OptimizerPlace::{:?}",
             optimizer.place(),
             parameters.optimizer_place(),
             optimizer.place()
-        )));
+        )))
+    } else {
+        optimizer.check_holds(rank, world, &parameters.elements()).map_err(|e| match e {
+            UlyssesError::InvalidConfig(message) => UlyssesError::InvalidConfig(format!("{message} (ZeRO-3: keep_master_weights before ShardedParameters::shard, or load the state)")),
+            other => other,
+        })
+    };
+    // Agreed before any other collective: a rank that stopped alone would leave the others
+    // waiting in the next one.
+    let every_rank = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[misfit.is_ok() as u64], "ZeRO-3 optimizer checks")?;
+    misfit?;
+    if let Some(rank) = every_rank.iter().position(|ok| ok[0] == 0) {
+        return Err(UlyssesError::InvalidConfig(format!("world rank {rank}'s optimizer does not fit its ZeRO-3 parameters (its error says why)")));
     }
-    optimizer.check_holds(rank, world, &parameters.elements()).map_err(|e| match e {
-        UlyssesError::InvalidConfig(message) => UlyssesError::InvalidConfig(format!("{message} (ZeRO-3: keep_master_weights before ShardedParameters::shard, or load the state)")),
-        other => other,
-    })?;
-    let losses = step_losses_if_healthy(&model, &local, parameters.first_non_finite_gradient(), step, groups)?;
-    let grads = parameters.take_gradient_parts();
+    let losses = step_losses_if_healthy(&model, &local, bad_part, step, groups)?;
     let updated = grads.present();
     let grad_norm = optimizer.update_parts(step.learning_rate, grads, step.max_grad_norm, &*groups.world)?;
     parameters.update_from(optimizer, &updated);

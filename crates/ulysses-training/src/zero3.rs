@@ -5,8 +5,9 @@
 //! ([`checkpointed_backward_with`](crate::checkpointed_backward_with)) asks for one
 //! [`ParameterGroup`] at a time, a layer or the rest (embeddings, final norm, head):
 //!
-//! - the group's parts are all-gathered (in the compute dtype, one collective a bucket of
-//!   [`GRADIENT_BUCKET_BYTES`]) into a copy of the model just before its pieces run, and
+//! - the group's parts are all-gathered (in the compute dtype, one collective for each
+//!   [`GRADIENT_BUCKET_BYTES`] of this rank's parts) into a copy of the model just before its
+//!   pieces run, and
 //!   released with that copy after them: a layer's for its forward, again for its backward
 //!   (recomputed under layer checkpointing); the rest's for the embedding, the head, and the
 //!   embedding's backward;
@@ -20,8 +21,10 @@
 //!   parts, cast to the compute dtype, become the compute copy's parts
 //!   ([`apply_step_zero3`](crate::apply_step_zero3)): no all-gather after the step.
 //!
-//! So a rank holds `1/world` of the compute copy and of the gradients between steps, and at
-//! most one group whole during a step (the largest: a layer, or the embedding and head). With
+//! So a rank holds `1/world` of the compute copy and of the gradients between steps; during a
+//! step, besides, one group whole (a layer, or the embedding and head) and, from the head's
+//! backward to the embedding's, the rest's whole gradients (a tied head's and embedding's are
+//! summed before they leave). With
 //! [`ShardedParameters::with_parts_on_host`] the compute copy's parts wait in host memory and
 //! the device holds none between gathers.
 //! Uneven sizes are fine: a parameter is padded to a multiple of the world, so a part may be
