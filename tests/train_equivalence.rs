@@ -609,32 +609,21 @@ fn qwen3_sp_dp_accumulating(zero: Zero, steps: usize, max_grad_norm: Option<f64>
             let batch = VariedLengths { vocab: 320 }.train_batch(index);
             let mine: Vec<Vec<Vec<i64>>> = batch[2 * dp_rank..2 * dp_rank + 2].chunks(2 / micro_batches).map(<[_]>::to_vec).collect();
             let step = StepInput { index, learning_rate: 1e-2, micro_batches: &mine, documents: None, targets: None, max_grad_norm };
+            let local = match (zero, parts.as_mut()) {
+                (Zero::Replicated | Zero::ShardedOptimizer, _) => backward_step(&model, &step, &sharder, &groups, &device),
+                (Zero::ReplicatedCheckpointed | Zero::ShardedOptimizerCheckpointed, _) => {
+                    backward_step_checkpointed(&model, &step, &sharder, &groups, &device, &checkpointing)
+                }
+                (_, Some(parts)) => backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts),
+                (_, None) => unreachable!("ZeRO-3 shards the model first"),
+            }
+            .unwrap();
             let (next, report) = match (zero, parts.as_mut()) {
-                (Zero::Replicated, _) => {
-                    let local = backward_step(&model, &step, &sharder, &groups, &device).unwrap();
-                    apply_step(model, &mut replicated, &step, local, &groups)
-                }
-                (Zero::ReplicatedCheckpointed, _) => {
-                    let local = backward_step_checkpointed(&model, &step, &sharder, &groups, &device, &checkpointing).unwrap();
-                    apply_step(model, &mut replicated, &step, local, &groups)
-                }
-                (Zero::ShardedOptimizer, _) => {
-                    let local = backward_step(&model, &step, &sharder, &groups, &device).unwrap();
-                    apply_step_sharded(model, &mut sharded_state, &step, local, &groups)
-                }
-                (Zero::ShardedOptimizerCheckpointed, _) => {
-                    let local = backward_step_checkpointed(&model, &step, &sharder, &groups, &device, &checkpointing).unwrap();
-                    apply_step_sharded(model, &mut sharded_state, &step, local, &groups)
-                }
-                (Zero::Stage3 | Zero::Stage3PartsOnHost | Zero::Stage3AfterAbandonedStep, Some(parts)) => {
-                    let local = backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap();
-                    apply_step_zero3(model, &mut sharded_state, parts, &step, local, &groups)
-                }
-                (Zero::Stage3OnDevice, Some(parts)) => {
-                    let local = backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap();
-                    apply_step_zero3(model, &mut on_device, parts, &step, local, &groups)
-                }
-                (Zero::Stage3 | Zero::Stage3OnDevice | Zero::Stage3PartsOnHost | Zero::Stage3AfterAbandonedStep, None) => unreachable!("ZeRO-3 shards the model first"),
+                (Zero::Replicated | Zero::ReplicatedCheckpointed, _) => apply_step(model, &mut replicated, &step, local, &groups),
+                (Zero::ShardedOptimizer | Zero::ShardedOptimizerCheckpointed, _) => apply_step_sharded(model, &mut sharded_state, &step, local, &groups),
+                (Zero::Stage3OnDevice, Some(parts)) => apply_step_zero3(model, &mut on_device, parts, &step, local, &groups),
+                (_, Some(parts)) => apply_step_zero3(model, &mut sharded_state, parts, &step, local, &groups),
+                (_, None) => unreachable!("ZeRO-3 shards the model first"),
             }
             .unwrap();
             model = next;

@@ -606,6 +606,15 @@ pub(crate) fn padded<B: burn::tensor::backend::Backend>(partition: &Partition, f
     Tensor::cat(vec![flat, zeros], 0)
 }
 
+/// Rank `rank`'s part of `flat` (a parameter, padded to the partition) on its device, in a
+/// buffer of its own: a view would keep the whole parameter's buffer alive.
+pub(crate) fn own_part<B: burn::tensor::backend::Backend>(partition: &Partition, rank: usize, flat: Tensor<B, 1>) -> Tensor<B, 1> {
+    let elements = flat.dims()[0];
+    let view = padded(partition, flat).narrow(0, partition.part(elements, rank).start, partition.part_len(elements));
+    let (dtype, device) = (view.dtype(), view.device());
+    Tensor::from_data(view.into_data(), (&device, dtype))
+}
+
 /// Rank `rank`'s part of `parameter` (flat), padded, on the host.
 fn host_part<B: burn::tensor::backend::Backend>(partition: &Partition, rank: usize, parameter: &Tensor<B, 1>) -> Vec<f32> {
     let elements = parameter.dims()[0];

@@ -16,7 +16,7 @@ use ulysses_core::{
     zero::Partition,
 };
 
-use crate::{TrainBackend, float_parameters, sharded::padded, ShardedAdamW};
+use crate::{ShardedAdamW, TrainBackend, float_parameters, sharded::own_part};
 
 /// AdamW on the device over this rank's parts (see the module doc).
 pub struct DeviceShardedAdamW<B: TrainBackend> {
@@ -47,13 +47,7 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
         let partition = Partition::new(world).expect("a world has a rank");
         self.parts = float_parameters(model)
             .into_iter()
-            .map(|p| {
-                let elements = p.values.dims()[0];
-                let view = padded(&partition, p.values.inner().cast(FloatDType::F32)).narrow(0, partition.part(elements, rank).start, partition.part_len(elements));
-                // A copy of its own: a view would keep the whole parameter's buffer alive.
-                let device = view.device();
-                DevicePart { elements, master: Tensor::from_data(view.into_data(), (&device, DType::F32)), moments: None, time: 0 }
-            })
+            .map(|p| DevicePart { elements: p.values.dims()[0], master: own_part(&partition, rank, p.values.inner().cast(FloatDType::F32)), moments: None, time: 0 })
             .collect();
         self.place = Some((rank, world));
     }

@@ -46,7 +46,7 @@ use ulysses_core::{
 use crate::{
     DeviceShardedAdamW, LayerParameters, LayeredLm, ParameterGroup, ShardedAdamW, TrainBackend, float_parameters,
     gradients::{LocalGradient, TakeGradients},
-    sharded::{all_gather_columns, check_parts_fit, device_parts, host_parts, padded, reduce_scatter_buckets},
+    sharded::{all_gather_columns, check_parts_fit, device_parts, host_parts, own_part, reduce_scatter_buckets},
 };
 
 /// Where a ZeRO-3 optimizer keeps and updates its parts of the master weights and moments,
@@ -219,12 +219,8 @@ impl<B: TrainBackend> ShardedParameters<B> {
         let parameters = found
             .into_iter()
             .map(|p| {
-                let elements = p.values.dims()[0];
-                let view = padded(&partition, p.values.inner()).narrow(0, partition.part(elements, rank).start, partition.part_len(elements));
-                // A copy of its own: a view would keep the whole parameter's buffer alive.
-                let (dtype, device) = (view.dtype(), view.device());
-                let part = Held::Device(Tensor::from_data(view.into_data(), (&device, dtype)));
-                PartOf { id: p.id, path: p.path, dtype, shape: p.shape, part }
+                let part = own_part(&partition, rank, p.values.inner());
+                PartOf { id: p.id, path: p.path, dtype: part.dtype(), shape: p.shape, part: Held::Device(part) }
             })
             .collect::<Vec<_>>();
         let grad_parts = GradParts::empty(optimizer, parameters.len());
