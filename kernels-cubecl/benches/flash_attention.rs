@@ -22,8 +22,8 @@
 //! count the time of forward + backward over packed documents (`VisibleRanges`) against the
 //! same shape without them: the tiles the kernels skip.
 //!
-//! `--fragments` instead times the forward and the backward at head dims 64 and 128 (what the
-//! register-fragment engine, FlashAttention-2's design, takes so far; `--head-dims` narrows them)
+//! `--fragments` instead times the forward and the backward at head dims 64 and 128 (the
+//! register-fragment engine, FlashAttention-2's design, takes 256 too: `--head-dims 64,128,256`)
 //! three ways in one run: the planned engine (`flash_attention_forward`, `_backward`), the
 //! register fragments (`flash_attention_forward_fragments`, `_backward_fragments`) and SDPA,
 //! with the fragments' output and gradients checked against the planned engine's first; then

@@ -155,7 +155,7 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
             fragment_products(tile(), tile(), tile()).map_err(|e| format!("{case:?}: {e}"))?;
         }
         // The register-fragment engine's forward (FlashAttention-2's design), where it applies.
-        if matches!(dtype, DType::F16 | DType::BF16) && matches!(case.head_dim, 64 | 128) {
+        if matches!(dtype, DType::F16 | DType::BF16) && matches!(case.head_dim, 64 | 128 | 256) {
             let (output, lse) = flash_attention_forward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options, ranges.as_ref())
                 .map_err(|e| format!("{case:?}: the fragment forward: {e}"))?;
             // The fragment backward takes 32-bit indices only.

@@ -798,6 +798,30 @@ mod tests {
         fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A rank whose optimizer does not fit its model (here rank 1's holds another model's
+    /// parts) stops with its own error before the step's collectives, and the other ranks
+    /// stop at the first of them, naming it, rather than wait for it.
+    #[test]
+    fn a_rank_whose_optimizer_does_not_fit_stops_every_rank_naming_it() {
+        use burn::{
+            backend::{Autodiff, NdArray},
+            nn::LinearConfig,
+        };
+        type Ad = Autodiff<NdArray<f32>>;
+        // A regression waits in a collective: the group's timeout fails it instead.
+        let group = burn_ulysses::comm::ThreadGroup::from_config(&burn_ulysses::comm::ThreadGroupConfig::new(2).with_timeout_secs(30.0));
+        let outcome = group.run(|rank| {
+            let comm = rank.communicator();
+            let linear = LinearConfig::new(3, 2).init::<Ad>(&Default::default());
+            let mut optimizer = if comm.rank() == 1 { of_rank(&whole(), 1, 2) } else { ShardedAdamW::new(HostAdamWConfig::default()) };
+            let grads = GradientsParams::from_grads(linear.forward(Tensor::<Ad, 2>::ones([1, 3], &Default::default())).sum().backward(), &linear);
+            optimizer.step::<Ad, _>(1e-2, linear, grads, None, &*comm).err().map(|e| e.to_string()).unwrap_or_default()
+        });
+        let messages: Vec<String> = outcome.into_iter().map(|r| r.unwrap()).collect();
+        assert!(messages[1].contains("one sharded optimizer per model"), "rank 1: {}", messages[1]);
+        assert!(messages[0].contains("rank 1 left the group") && messages[0].contains("world rank 1's own error"), "rank 0: {}", messages[0]);
+    }
+
     /// A missing rank's file, a corrupt section, a torn file and two runs' files in one
     /// folder are refused, naming the file and what to do.
     #[test]

@@ -5,20 +5,21 @@
 //! without leaving registers. Four warps a block (64 query rows), K and V a key step at a time
 //! through double-buffered shared tiles (`fragment_tiles`). Documents, key runs and windows
 //! (`VisibleRanges`) bound each block's loop to the keys its rows see and mask each score by
-//! its row's run.
+//! its row's run. Past head dim 128 a launch accumulates one part of the output's columns (see
+//! `fragment_tiles`), every part computing the same scores and writing the same log-sum-exp.
 
 use cubecl::prelude::*;
 
 use super::{
-    fragment_tiles::{BLOCK_ROWS, MASKED, WARPS, block_span, block_rows, load_row_fragments, next_step, rounded, stage_step, step_tiles, times_tile, times_tile_transposed, zeros},
-    stage::{cube_in_range, visible_run},
+    fragment_tiles::{BLOCK_ROWS, MASKED, Staging, WARPS, block_span, block_rows, next_step, rounded, row_operand, stage_step, step_tiles, times_tile, times_tile_transposed, zeros},
+    stage::{ColumnPart, cube_in_range, visible_run},
 };
 use crate::mma::{C_VALUES, FragmentMma, lane};
 
 /// Output `[B, Hq, Sq, D]` and log-sum-exp `[B, Hq, Sq]` (natural log, of the scaled scores)
 /// of attention over `q: [B, Hq, Sq, D]`, `k`, `v: [B, Hkv, Skv, D]` (contiguous; `Hq` a
-/// multiple of `Hkv`). One cube per 64 query rows of one (batch, head), over the grid
-/// `flash::grid` spreads.
+/// multiple of `Hkv`), the output's columns `part`. One cube per 64 query rows of one (batch,
+/// head), over the grid `flash::grid` spreads.
 #[cube(launch, address_type = "dynamic")]
 pub(crate) fn fragment_forward_kernel<E: Float, M: FragmentMma>(
     q: &Tensor<E>,
@@ -29,7 +30,8 @@ pub(crate) fn fragment_forward_kernel<E: Float, M: FragmentMma>(
     ranges: &Tensor<u32>,
     scale: f32,
     #[comptime] head_dim: usize,
-    #[comptime] keys_per_step: usize,
+    #[comptime] staging: Staging,
+    #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
     #[comptime] unrolled: bool,
@@ -39,7 +41,7 @@ pub(crate) fn fragment_forward_kernel<E: Float, M: FragmentMma>(
     let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
     // The grid may hold a few more cubes than blocks; a cube has work or not as a whole.
     if cube_in_range(q.shape(0), q_heads, blocks_per_head) {
-        forward_block::<E, M>(q, k, v, out, lse, ranges, scale, head_dim, keys_per_step, causal, ranged, unrolled);
+        forward_block::<E, M>(q, k, v, out, lse, ranges, scale, head_dim, staging, part, causal, ranged, unrolled);
     }
 }
 
@@ -55,7 +57,8 @@ fn forward_block<E: Float, M: FragmentMma>(
     ranges: &Tensor<u32>,
     scale: f32,
     #[comptime] head_dim: usize,
-    #[comptime] keys_per_step: usize,
+    #[comptime] staging: Staging,
+    #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
     #[comptime] unrolled: bool,
@@ -69,12 +72,15 @@ fn forward_block<E: Float, M: FragmentMma>(
     // This lane's two rows are g and g + 8 of the warp's 16: row0 + g + 8·half.
 
     let mut scratch = M::scratch(WARPS);
-    let mut k_tiles = step_tiles::<E>(keys_per_step, head_dim);
-    let mut v_tiles = step_tiles::<E>(keys_per_step, head_dim);
+    let keys_per_step = comptime!(staging.keys);
+    // V's columns of this part, staged alone.
+    let v_columns = comptime!(ColumnPart { first: 0, width: part.width });
+    let mut k_tiles = step_tiles::<E>(staging, head_dim);
+    let mut v_tiles = step_tiles::<E>(staging, comptime!(part.width));
     let mut copies = M::copies();
 
-    let q_frag = load_row_fragments::<E>(q, q_base, row0, seq_q, head_dim, unrolled);
-    let out_tiles = head_dim / 8;
+    let q_rows = row_operand::<E>(q, q_base, row0, seq_q, head_dim, unrolled);
+    let out_tiles = comptime!(part.width / 8);
     let mut acc = zeros(out_tiles * C_VALUES);
     let mut row_max = Array::<f32>::new(2usize);
     let mut row_sum = Array::<f32>::new(2usize);
@@ -92,13 +98,13 @@ fn forward_block<E: Float, M: FragmentMma>(
 
     let score_tiles = keys_per_step / 8;
     if span.steps > 0 {
-        stage_step::<E, M>(k, v, kv_base, span.start, seq_kv, &mut k_tiles, &mut v_tiles, 0usize, keys_per_step, head_dim, unrolled);
+        stage_step::<E, M>(k, v, kv_base, span.start, seq_kv, &mut k_tiles, &mut v_tiles, 0usize, keys_per_step, head_dim, part, unrolled);
     }
     for step in 0..span.steps {
         let key0 = span.start + step * keys_per_step;
-        let buffer = next_step::<E, M>(k, v, kv_base, &span, step, seq_kv, &mut k_tiles, &mut v_tiles, &mut copies, keys_per_step, head_dim, unrolled);
+        let buffer = next_step::<E, M>(k, v, kv_base, &span, step, seq_kv, &mut k_tiles, &mut v_tiles, &mut copies, staging, head_dim, part, unrolled);
         let mut s = zeros(score_tiles * C_VALUES);
-        times_tile_transposed::<E, M>(&q_frag, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, unrolled);
+        times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, unrolled);
 
         // The online softmax on the accumulators: s[4·tile + i] is row rows[i / 2], key
         // key0 + 8·tile + 2t + i % 2.
@@ -147,7 +153,7 @@ fn forward_block<E: Float, M: FragmentMma>(
         // P·V, P in registers: the score accumulators are, value for value, the A fragments
         // of P's 16-key chunks (crate::mma).
         let p = rounded::<E>(&s, score_tiles * C_VALUES);
-        times_tile::<E, M>(&p, &v_tiles, buffer, &mut acc, &mut scratch, keys_per_step, head_dim, unrolled);
+        times_tile::<E, M>(&p, &v_tiles, buffer, &mut acc, &mut scratch, keys_per_step, comptime!(part.width), v_columns, unrolled);
     }
 
     #[unroll]
@@ -161,7 +167,7 @@ fn forward_block<E: Float, M: FragmentMma>(
             for tile in 0..out_tiles {
                 #[unroll]
                 for j in 0..2usize {
-                    out[q_base + row * head_dim + tile * 8 + 2 * t + j] = E::cast_from(acc[tile * C_VALUES + 2 * half + j] * inverse);
+                    out[q_base + row * head_dim + comptime!(part.first) + tile * 8 + 2 * t + j] = E::cast_from(acc[tile * C_VALUES + 2 * half + j] * inverse);
                 }
             }
             if t == 0 {

@@ -13,26 +13,35 @@
 //! At head dim 128 the two accumulators (128 registers a lane) beside K's and V's fragments
 //! (64) leave a step's scores too few registers, so there the kernel runs twice ([`passes`]):
 //! a launch for dV, one for dK, each recomputing Pᵀ, as the planned engine splits dK/dV at
-//! head dim 256.
+//! head dim 256. Past 128 each of those runs once per part of the columns (`fragment_tiles`),
+//! K's and V's fragments read as the products need them.
 
 use cubecl::prelude::*;
 
 use super::{
-    fragment_tiles::{BLOCK_ROWS, WARPS, block_span, load_row_fragments, next_step, rounded, stage_step, step_tiles, store_rows, times_tile, times_tile_transposed, zeros},
-    stage::{cube_in_range, cube_place, visible_run},
+    fragment_tiles::{BLOCK_ROWS, Staging, WARPS, block_span, column_parts, next_step, rounded, row_operand, stage_step, step_tiles, store_rows, times_tile, times_tile_transposed, zeros},
+    stage::{ColumnPart, cube_in_range, cube_place, visible_run},
 };
 use crate::mma::{C_VALUES, FragmentMma, lane};
 
-/// The launches of the dK/dV kernel at `head_dim`, each `(dK, dV)`: whether it computes that
-/// gradient (see the module doc).
-pub(crate) fn passes(head_dim: usize) -> &'static [(bool, bool)] {
-    if head_dim > 64 { &[(false, true), (true, false)] } else { &[(true, true)] }
+/// The launches of the dK/dV kernel at `head_dim`, each `(dK, dV, columns)`: whether it
+/// computes that gradient, and which of its columns (see the module doc).
+pub(crate) fn passes(head_dim: usize) -> Vec<(bool, bool, ColumnPart)> {
+    let parts = column_parts(head_dim);
+    if head_dim > 64 {
+        let values = parts.iter().map(|&part| (false, true, part));
+        let keys = parts.iter().map(|&part| (true, false, part));
+        values.chain(keys).collect()
+    } else {
+        parts.into_iter().map(|part| (true, true, part)).collect()
+    }
 }
 
 /// dK and dV `[B, Hkv, Skv, D]` (those `keys` and `values` ask for) of attention over
 /// `q: [B, Hq, Sq, D]`, `k`, `v: [B, Hkv, Skv, D]` (contiguous; head dim = value dim) given dO
 /// (`out_grad`, like q), the forward's log-sum-exp and D (`[B, Hq, Sq]`, f32), `ranges` the
-/// query rows that see each key. One cube per 64 keys of one (batch, kv head).
+/// query rows that see each key: their columns `part`. One cube per 64 keys of one (batch, kv
+/// head).
 #[cube(launch, address_type = "dynamic")]
 pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
     q: &Tensor<E>,
@@ -46,7 +55,8 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
     ranges: &Tensor<u32>,
     scale: f32,
     #[comptime] head_dim: usize,
-    #[comptime] queries_per_step: usize,
+    #[comptime] staging: Staging,
+    #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
     #[comptime] keys: bool,
@@ -56,7 +66,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
 ) {
     let blocks_per_head = k.shape(2).div_ceil(BLOCK_ROWS);
     if cube_in_range(k.shape(0), k.shape(1), blocks_per_head) {
-        key_value_grad_block::<E, M>(q, k, v, out_grad, lse, delta, key_grad, value_grad, ranges, scale, head_dim, queries_per_step, causal, ranged, keys, values, unrolled);
+        key_value_grad_block::<E, M>(q, k, v, out_grad, lse, delta, key_grad, value_grad, ranges, scale, head_dim, staging, part, causal, ranged, keys, values, unrolled);
     }
 }
 
@@ -75,7 +85,8 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     ranges: &Tensor<u32>,
     scale: f32,
     #[comptime] head_dim: usize,
-    #[comptime] queries_per_step: usize,
+    #[comptime] staging: Staging,
+    #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
     #[comptime] keys: bool,
@@ -95,13 +106,16 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     let (g, t) = (lane / 4, lane % 4);
 
     let mut scratch = M::scratch(WARPS);
-    let mut q_tiles = step_tiles::<E>(queries_per_step, head_dim);
-    let mut out_grad_tiles = step_tiles::<E>(queries_per_step, head_dim);
+    let queries_per_step = comptime!(staging.keys);
+    // Q's and dO's every column: the score products read them all.
+    let whole = comptime!(ColumnPart { first: 0, width: head_dim });
+    let mut q_tiles = step_tiles::<E>(staging, head_dim);
+    let mut out_grad_tiles = step_tiles::<E>(staging, head_dim);
     let mut copies = M::copies();
 
-    let k_frag = load_row_fragments::<E>(k, kv_base, key0, seq_kv, head_dim, unrolled);
-    let v_frag = load_row_fragments::<E>(v, kv_base, key0, seq_kv, head_dim, unrolled);
-    let out_tiles = head_dim / 8;
+    let k_rows = row_operand::<E>(k, kv_base, key0, seq_kv, head_dim, unrolled);
+    let v_rows = row_operand::<E>(v, kv_base, key0, seq_kv, head_dim, unrolled);
+    let out_tiles = comptime!(part.width / 8);
     let mut key_acc = zeros(out_tiles * C_VALUES);
     let mut value_acc = zeros(out_tiles * C_VALUES);
 
@@ -116,13 +130,13 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
         // Every warp is done with the last head's tiles before this head's overwrite them.
         sync_cube();
         if span.steps > 0 {
-            stage_step::<E, M>(q, out_grad, q_base, span.start, seq_q, &mut q_tiles, &mut out_grad_tiles, 0usize, queries_per_step, head_dim, unrolled);
+            stage_step::<E, M>(q, out_grad, q_base, span.start, seq_q, &mut q_tiles, &mut out_grad_tiles, 0usize, queries_per_step, head_dim, whole, unrolled);
         }
         for step in 0..span.steps {
             let query0 = span.start + step * queries_per_step;
-            let buffer = next_step::<E, M>(q, out_grad, q_base, &span, step, seq_q, &mut q_tiles, &mut out_grad_tiles, &mut copies, queries_per_step, head_dim, unrolled);
+            let buffer = next_step::<E, M>(q, out_grad, q_base, &span, step, seq_q, &mut q_tiles, &mut out_grad_tiles, &mut copies, staging, head_dim, whole, unrolled);
             let mut s = zeros(score_tiles * C_VALUES);
-            times_tile_transposed::<E, M>(&k_frag, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, unrolled);
+            times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, unrolled);
 
             // Pᵀ in place of Sᵀ: 0 where the query does not see the key. A column past the
             // sequence is seen by no key; its statistics are read from the last row.
@@ -143,15 +157,15 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
             }
 
             if values {
-                // dV += Pᵀ·dO.
+                // dV[:, part] += Pᵀ·dO[:, part].
                 let p = rounded::<E>(&s, score_tiles * C_VALUES);
-                times_tile::<E, M>(&p, &out_grad_tiles, buffer, &mut value_acc, &mut scratch, queries_per_step, head_dim, unrolled);
+                times_tile::<E, M>(&p, &out_grad_tiles, buffer, &mut value_acc, &mut scratch, queries_per_step, head_dim, part, unrolled);
             }
 
             if keys {
-                // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of Pᵀ; dK += dSᵀ·Q.
+                // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of Pᵀ; dK[:, part] += dSᵀ·Q[:, part].
                 let mut dp = zeros(score_tiles * C_VALUES);
-                times_tile_transposed::<E, M>(&v_frag, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, unrolled);
+                times_tile_transposed::<E, M>(&v_rows, v, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, unrolled);
                 #[unroll(unrolled)]
                 for tile in 0..score_tiles {
                     #[unroll]
@@ -163,15 +177,15 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
                     }
                 }
                 let ds = rounded::<E>(&s, score_tiles * C_VALUES);
-                times_tile::<E, M>(&ds, &q_tiles, buffer, &mut key_acc, &mut scratch, queries_per_step, head_dim, unrolled);
+                times_tile::<E, M>(&ds, &q_tiles, buffer, &mut key_acc, &mut scratch, queries_per_step, head_dim, part, unrolled);
             }
         }
     }
 
     if keys {
-        store_rows::<E>(&key_acc, scale, key_grad, kv_base, key0, seq_kv, head_dim, unrolled);
+        store_rows::<E>(&key_acc, scale, key_grad, kv_base, key0, seq_kv, head_dim, part, unrolled);
     }
     if values {
-        store_rows::<E>(&value_acc, 1.0f32, value_grad, kv_base, key0, seq_kv, head_dim, unrolled);
+        store_rows::<E>(&value_acc, 1.0f32, value_grad, kv_base, key0, seq_kv, head_dim, part, unrolled);
     }
 }

@@ -4,19 +4,21 @@
 //! second softmax pass), dP = dO·Vᵀ, dS = P ∘ (dP − D) (D = rowsum(dO ∘ O), the backward's
 //! pre-pass), and dQ += dS·K with dS taken from its accumulators as the A fragment; dQ is
 //! scaled once at the end. No atomics: each block owns its rows of dQ. K and V come through
-//! the forward's double-buffered shared tiles (`fragment_tiles`).
+//! the forward's double-buffered shared tiles (`fragment_tiles`). Past head dim 128 a launch
+//! accumulates one part of dQ's columns, Q's and dO's fragments read as the products need them.
 
 use cubecl::prelude::*;
 
 use super::{
-    fragment_tiles::{BLOCK_ROWS, WARPS, block_span, block_rows, load_row_fragments, next_step, rounded, stage_step, step_tiles, store_rows, times_tile, times_tile_transposed, zeros},
-    stage::{cube_in_range, visible_run},
+    fragment_tiles::{BLOCK_ROWS, Staging, WARPS, block_span, block_rows, next_step, rounded, row_operand, stage_step, step_tiles, store_rows, times_tile, times_tile_transposed, zeros},
+    stage::{ColumnPart, cube_in_range, visible_run},
 };
 use crate::mma::{C_VALUES, FragmentMma, lane};
 
 /// dQ `[B, Hq, Sq, D]` of attention over `q: [B, Hq, Sq, D]`, `k`, `v: [B, Hkv, Skv, D]`
 /// (contiguous; head dim = value dim) given dO (`out_grad`, like q), the forward's log-sum-exp
-/// and D (`[B, Hq, Sq]`, f32). One cube per 64 query rows of one (batch, head).
+/// and D (`[B, Hq, Sq]`, f32): its columns `part`. One cube per 64 query rows of one (batch,
+/// head).
 #[cube(launch, address_type = "dynamic")]
 pub(crate) fn fragment_query_grad_kernel<E: Float, M: FragmentMma>(
     q: &Tensor<E>,
@@ -29,7 +31,8 @@ pub(crate) fn fragment_query_grad_kernel<E: Float, M: FragmentMma>(
     ranges: &Tensor<u32>,
     scale: f32,
     #[comptime] head_dim: usize,
-    #[comptime] keys_per_step: usize,
+    #[comptime] staging: Staging,
+    #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
     #[comptime] unrolled: bool,
@@ -38,7 +41,7 @@ pub(crate) fn fragment_query_grad_kernel<E: Float, M: FragmentMma>(
     let (q_heads, seq_q) = (q.shape(1), q.shape(2));
     let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
     if cube_in_range(q.shape(0), q_heads, blocks_per_head) {
-        query_grad_block::<E, M>(q, k, v, out_grad, lse, delta, query_grad, ranges, scale, head_dim, keys_per_step, causal, ranged, unrolled);
+        query_grad_block::<E, M>(q, k, v, out_grad, lse, delta, query_grad, ranges, scale, head_dim, staging, part, causal, ranged, unrolled);
     }
 }
 
@@ -56,7 +59,8 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     ranges: &Tensor<u32>,
     scale: f32,
     #[comptime] head_dim: usize,
-    #[comptime] keys_per_step: usize,
+    #[comptime] staging: Staging,
+    #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
     #[comptime] unrolled: bool,
@@ -69,13 +73,16 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     let (g, t) = (lane / 4, lane % 4);
 
     let mut scratch = M::scratch(WARPS);
-    let mut k_tiles = step_tiles::<E>(keys_per_step, head_dim);
-    let mut v_tiles = step_tiles::<E>(keys_per_step, head_dim);
+    let keys_per_step = comptime!(staging.keys);
+    // K's and V's every column: the score products read them all.
+    let whole = comptime!(ColumnPart { first: 0, width: head_dim });
+    let mut k_tiles = step_tiles::<E>(staging, head_dim);
+    let mut v_tiles = step_tiles::<E>(staging, head_dim);
     let mut copies = M::copies();
 
-    let q_frag = load_row_fragments::<E>(q, q_base, row0, seq_q, head_dim, unrolled);
-    let out_grad_frag = load_row_fragments::<E>(out_grad, q_base, row0, seq_q, head_dim, unrolled);
-    let out_tiles = head_dim / 8;
+    let q_rows = row_operand::<E>(q, q_base, row0, seq_q, head_dim, unrolled);
+    let out_grad_rows = row_operand::<E>(out_grad, q_base, row0, seq_q, head_dim, unrolled);
+    let out_tiles = comptime!(part.width / 8);
     let mut acc = zeros(out_tiles * C_VALUES);
 
     let run_low = visible_run(ranges, batch, row0 + g, seq_q, seq_kv, false, ranged, causal);
@@ -88,15 +95,15 @@ fn query_grad_block<E: Float, M: FragmentMma>(
 
     let score_tiles = keys_per_step / 8;
     if span.steps > 0 {
-        stage_step::<E, M>(k, v, kv_base, span.start, seq_kv, &mut k_tiles, &mut v_tiles, 0usize, keys_per_step, head_dim, unrolled);
+        stage_step::<E, M>(k, v, kv_base, span.start, seq_kv, &mut k_tiles, &mut v_tiles, 0usize, keys_per_step, head_dim, whole, unrolled);
     }
     for step in 0..span.steps {
         let key0 = span.start + step * keys_per_step;
-        let buffer = next_step::<E, M>(k, v, kv_base, &span, step, seq_kv, &mut k_tiles, &mut v_tiles, &mut copies, keys_per_step, head_dim, unrolled);
+        let buffer = next_step::<E, M>(k, v, kv_base, &span, step, seq_kv, &mut k_tiles, &mut v_tiles, &mut copies, staging, head_dim, whole, unrolled);
         let mut s = zeros(score_tiles * C_VALUES);
         let mut dp = zeros(score_tiles * C_VALUES);
-        times_tile_transposed::<E, M>(&q_frag, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, unrolled);
-        times_tile_transposed::<E, M>(&out_grad_frag, &v_tiles, buffer, &mut dp, &mut scratch, keys_per_step, head_dim, unrolled);
+        times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, unrolled);
+        times_tile_transposed::<E, M>(&out_grad_rows, out_grad, &v_tiles, buffer, &mut dp, &mut scratch, keys_per_step, head_dim, unrolled);
 
         // dS = P ∘ (dP − D), in place of S: 0 where the row does not see the key.
         #[unroll]
@@ -116,10 +123,10 @@ fn query_grad_block<E: Float, M: FragmentMma>(
             }
         }
 
-        // dQ += dS·K, dS in registers as P is in the forward.
+        // dQ[:, part] += dS·K[:, part], dS in registers as P is in the forward.
         let ds = rounded::<E>(&s, score_tiles * C_VALUES);
-        times_tile::<E, M>(&ds, &k_tiles, buffer, &mut acc, &mut scratch, keys_per_step, head_dim, unrolled);
+        times_tile::<E, M>(&ds, &k_tiles, buffer, &mut acc, &mut scratch, keys_per_step, head_dim, part, unrolled);
     }
 
-    store_rows::<E>(&acc, scale, query_grad, q_base, row0, seq_q, head_dim, unrolled);
+    store_rows::<E>(&acc, scale, query_grad, q_base, row0, seq_q, head_dim, part, unrolled);
 }

@@ -6,12 +6,18 @@
 //! two products every kernel runs on a step's tiles, one with the tiles as Bᵀ (S = Q·Kᵀ,
 //! dP = dO·Vᵀ), one as B (O += P·V, dQ += dS·K), each from registers to registers.
 //!
+//! Head dims past [`REGISTER_COLUMNS`] (256) do not fit a warp's registers whole: there the
+//! score products read each warp's row fragments from global memory 16 columns at a time as
+//! they need them ([`RowOperand`]), and each output is accumulated in column parts of
+//! [`REGISTER_COLUMNS`], a launch each, that recompute the scores (the planned engine's column
+//! parts): the forward's and dQ's work about 1.5 times, dK's and dV's likewise.
+//!
 //! The loops over tiles are unrolled where the fragments are registers (`unrolled`: CUDA); the
 //! emulation keeps them loops, which a shader compiler takes in seconds rather than minutes.
 
 use cubecl::prelude::*;
 
-use super::stage::{cube_place, first_row_seeing, keys_seen_by_rows, visible_run};
+use super::stage::{ColumnPart, cube_place, first_row_seeing, keys_seen_by_rows, visible_run};
 use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, SCRATCH_BYTES_PER_WARP, lane};
 
 /// Warps (of 32 units) per block, each owning 16 query rows.
@@ -21,6 +27,11 @@ pub(crate) const BLOCK_ROWS: usize = 16 * WARPS;
 /// Values of padding after each staged row of K and V: 16 bytes, which moves the next row
 /// by 4 banks.
 pub(crate) const PAD: usize = 8;
+/// The widest rows a warp keeps in registers, as fragments (Q, dO; K and V for dK/dV) or as
+/// accumulators (an output's columns): at head dim 128 the kernels already hold 200-255
+/// registers (benches/RESULTS.md), so wider heads stream their row fragments and split their
+/// outputs (see the module doc).
+pub(crate) const REGISTER_COLUMNS: usize = 128;
 /// A masked score: finite (WGSL has no infinity literal) and below any real one; its
 /// probability is set to 0 explicitly.
 pub(crate) const MASKED: f32 = -1.0e30;
@@ -34,32 +45,70 @@ pub(crate) enum FragmentKernel {
     KeyValueGrad,
 }
 
+/// A kernel's loop step: its keys (queries for dK/dV) and the buffers of its staged tiles: two,
+/// so that the next step's copies arrive while this step computes, or one where two do not fit
+/// an emulating device's shared memory (the copies then wait for the step before).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Staging {
+    pub keys: usize,
+    pub buffers: usize,
+}
+
 /// Keys (queries for dK/dV) per step of `kernel`'s loop: 64 at head dim 64 (8 score tiles of
 /// 16 × 8 a warp) for the forward and dQ, 32 for dK/dV, which holds two accumulators and both
-/// Sᵀ's and dPᵀ's tiles (64 spilled on sm_90a: 255 registers); at head dim 128, where the
+/// Sᵀ's and dPᵀ's tiles (64 spilled on sm_90a: 255 registers); from head dim 128, where the
 /// accumulators take twice the registers, 32 for the forward and 16 for dQ, which holds dP's
 /// tiles and dO's fragments too (32 spilled there: 255 registers on sm_80 and sm_89), and for
-/// dK/dV, which holds K's and V's. Where the product is emulated through shared memory, the largest step up to
-/// that whose two buffers of K and V fit the device's shared memory beside the product's
-/// scratch (lavapipe's 32 KiB: 32 keys at head dim 64, 16 at 128), so that the tests run the
-/// double buffering CUDA runs. `Err` with the bytes the smallest step needs where not even it
-/// fits (a kernel over the limit would not run at all).
-pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, mma_sync: bool, element_bytes: usize, shared_limit: usize) -> Result<usize, usize> {
+/// dK/dV, which holds K's and V's; always double-buffered, and 16 keys where the larger step
+/// would not let two blocks share an SM. Where the product is emulated through
+/// shared memory, the largest step up to that whose tiles fit the device's shared memory beside
+/// the product's scratch, double-buffered where any step is (lavapipe's 32 KiB: 32 keys at head
+/// dim 64, 16 at 128; at 256 16 keys, the forward double-buffered, the backward not), so that
+/// the tests run the schedule CUDA runs wherever the device allows. `Err` with the bytes the
+/// smallest step needs where not even it fits (a kernel over the limit would not run at all).
+pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, mma_sync: bool, element_bytes: usize, shared_limit: usize) -> Result<Staging, usize> {
     let cuda = match (head_dim > 64, kernel) {
         (false, FragmentKernel::Forward | FragmentKernel::QueryGrad) => 64,
         (false, FragmentKernel::KeyValueGrad) => 32,
         (true, FragmentKernel::Forward) => 32,
         (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) => 16,
     };
-    let fits = |keys: &usize| shared_bytes(head_dim, *keys, mma_sync, element_bytes) <= shared_limit;
-    let found = if mma_sync { Some(cuda).filter(fits) } else { [cuda, 32, 16].into_iter().filter(|&keys| keys <= cuda).find(fits) };
-    found.ok_or_else(|| shared_bytes(head_dim, if mma_sync { cuda } else { 16 }, mma_sync, element_bytes))
+    let fits = |staging: &Staging| shared_bytes(kernel, head_dim, *staging, mma_sync, element_bytes) <= shared_limit;
+    // Two blocks an SM, each with the driver's reserve (an SM holds a block's limit and one
+    // reserve): at head dim 256 the forward's 32-key step (51 KB) fits an H100 or an A100 twice,
+    // an L40 (99 KB a block) once, so there it takes 16 keys.
+    let twice = |staging: &Staging| 2 * (shared_bytes(kernel, head_dim, *staging, true, element_bytes) + DRIVER_RESERVED) <= shared_limit + DRIVER_RESERVED;
+    let smallest = Staging { keys: if mma_sync { cuda.min(16) } else { 16 }, buffers: if mma_sync { 2 } else { 1 } };
+    let found = if mma_sync {
+        let steps = || [cuda, 16].into_iter().filter(move |&keys| keys <= cuda).map(|keys| Staging { keys, buffers: 2 });
+        steps().find(twice).or_else(|| steps().find(fits))
+    } else {
+        let keys = [cuda, 32, 16].into_iter().filter(move |&keys| keys <= cuda);
+        [2, 1].into_iter().flat_map(|buffers| keys.clone().map(move |keys| Staging { keys, buffers })).find(fits)
+    };
+    found.ok_or_else(|| shared_bytes(kernel, head_dim, smallest, mma_sync, element_bytes))
 }
 
-/// Shared memory of a block: two buffers of K and V tiles, and the emulated product's scratch.
-fn shared_bytes(head_dim: usize, keys: usize, mma_sync: bool, element_bytes: usize) -> usize {
+/// Shared memory CUDA reserves per block beside a kernel's own.
+const DRIVER_RESERVED: usize = 1024;
+
+/// Shared memory of a block: the buffers of its two staged tiles, and the emulated product's
+/// scratch. The forward stages only its part's columns of V; the backward's tiles are read
+/// whole by the score products.
+fn shared_bytes(kernel: FragmentKernel, head_dim: usize, staging: Staging, mma_sync: bool, element_bytes: usize) -> usize {
     let scratch = if mma_sync { 0 } else { WARPS * SCRATCH_BYTES_PER_WARP };
-    2 * 2 * keys * (head_dim + PAD) * element_bytes + scratch
+    let second = if kernel == FragmentKernel::Forward { part_width(head_dim) } else { head_dim };
+    staging.buffers * staging.keys * (head_dim + PAD + second + PAD) * element_bytes + scratch
+}
+
+/// The output columns one launch accumulates (see [`REGISTER_COLUMNS`]).
+pub(crate) fn part_width(head_dim: usize) -> usize {
+    head_dim.min(REGISTER_COLUMNS)
+}
+
+/// The column parts of an output `head_dim` wide, a launch each.
+pub(crate) fn column_parts(head_dim: usize) -> Vec<ColumnPart> {
+    ColumnPart::cover(head_dim, part_width(head_dim)).into_iter().map(|part| part.unwrap_or(ColumnPart { first: 0, width: head_dim })).collect()
 }
 
 /// Where a block of 64 query rows of one (batch, head) is, the cube's place in the grid.
@@ -94,12 +143,18 @@ pub(crate) fn block_rows(q_heads: usize, seq_q: usize, kv_heads: usize, seq_kv: 
     }
 }
 
-/// Two buffers of a step's `keys` rows of `head_dim` values (padded: [`PAD`]), 16-byte aligned
-/// for `cp.async` and `ldmatrix`: a step's tiles arrive in one while the step before computes
-/// on the other.
+/// `buffers` buffers of a step's `keys` rows of `width` values (padded: [`PAD`]), 16-byte
+/// aligned for `cp.async` and `ldmatrix`: a step's tiles arrive in one while the step before
+/// computes on the other.
 #[cube]
-pub(crate) fn step_tiles<E: Float>(#[comptime] keys: usize, #[comptime] head_dim: usize) -> SharedMemory<E> {
-    SharedMemory::<E>::new_aligned(2 * keys * (head_dim + PAD), 16usize)
+pub(crate) fn step_tiles<E: Float>(#[comptime] staging: Staging, #[comptime] width: usize) -> SharedMemory<E> {
+    SharedMemory::<E>::new_aligned(comptime!(staging.buffers * staging.keys * (width + PAD)), 16usize)
+}
+
+/// Where buffer `buffer` of a tile of `keys` rows of `width` values starts.
+#[cube]
+fn buffer_start(buffer: usize, #[comptime] keys: usize, #[comptime] width: usize) -> usize {
+    buffer * comptime!(keys * (width + PAD))
 }
 
 /// The keys (queries for dK/dV) a block's loop visits: `steps` steps from `start`.
@@ -152,10 +207,20 @@ pub(crate) fn block_span(
     KeySpan { start, steps }
 }
 
-/// This lane's A fragments of the 16 rows from `row0` of `source` (`width` values a row from
-/// `base`), one per 16 columns; rows from `rows` on read as 0.
+/// This lane's A fragments of the 16 rows from `row0` of `source` (`stride` values a row from
+/// `base`), columns `first..first + width`, one per 16 columns; rows from `rows` on read as 0.
 #[cube]
-pub(crate) fn load_row_fragments<E: Float>(source: &Tensor<E>, base: usize, row0: usize, rows: usize, #[comptime] width: usize, #[comptime] unrolled: bool) -> Array<E> {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn load_row_fragments<E: Float>(
+    source: &Tensor<E>,
+    base: usize,
+    row0: usize,
+    rows: usize,
+    #[comptime] stride: usize,
+    first: usize,
+    #[comptime] width: usize,
+    #[comptime] unrolled: bool,
+) -> Array<E> {
     let lane = lane();
     let (g, t) = (lane / 4, lane % 4);
     let chunks = width / 16;
@@ -165,11 +230,34 @@ pub(crate) fn load_row_fragments<E: Float>(source: &Tensor<E>, base: usize, row0
         #[unroll]
         for i in 0..A_VALUES {
             let row = row0 + g + 8 * ((i / 2) % 2);
-            let column = chunk * 16 + 2 * t + i % 2 + 8 * (i / 4);
-            fragments[chunk * A_VALUES + i] = select(row < rows, source[base + row * width + column], E::from_int(0));
+            let column = first + chunk * 16 + 2 * t + i % 2 + 8 * (i / 4);
+            fragments[chunk * A_VALUES + i] = select(row < rows, source[base + row * stride + column], E::from_int(0));
         }
     }
     fragments
+}
+
+/// A warp's 16 rows from `row0` of a `[.., rows, head_dim]` tensor (from `base`) as the A
+/// operand of the score products ([`times_tile_transposed`]): their fragments kept in
+/// registers up to [`REGISTER_COLUMNS`] columns, else read from the tensor 16 columns at a time
+/// as each product needs them (`fragments` then unused).
+#[derive(CubeType)]
+pub(crate) struct RowOperand<E: Float> {
+    pub fragments: Array<E>,
+    pub base: usize,
+    pub row0: usize,
+    pub rows: usize,
+}
+
+/// The [`RowOperand`] of the 16 rows from `row0` of `source`.
+#[cube]
+pub(crate) fn row_operand<E: Float>(source: &Tensor<E>, base: usize, row0: usize, rows: usize, #[comptime] head_dim: usize, #[comptime] unrolled: bool) -> RowOperand<E> {
+    let fragments = if comptime!(head_dim <= REGISTER_COLUMNS) {
+        load_row_fragments::<E>(source, base, row0, rows, head_dim, 0usize, head_dim, unrolled)
+    } else {
+        Array::<E>::new(1usize)
+    };
+    RowOperand::<E> { fragments, base, row0, rows }
 }
 
 /// `count` zeros.
@@ -194,9 +282,10 @@ pub(crate) fn rounded<E: Float>(values: &Array<f32>, #[comptime] count: usize) -
     out
 }
 
-/// Writes this warp's 16 rows of accumulators (`head_dim / 8` tiles) times `factor` to the rows
-/// from `row0` of `target` (`head_dim` values a row from `base`); rows from `rows` on are not
-/// written. (The forward writes its own: a factor per row, and the log-sum-exp beside.)
+/// Writes this warp's 16 rows of accumulators (`part.width / 8` tiles) times `factor` to
+/// columns `part` of the rows from `row0` of `target` (`head_dim` values a row from `base`);
+/// rows from `rows` on are not written. (The forward writes its own: a factor per row, and the
+/// log-sum-exp beside.)
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn store_rows<E: Float>(
@@ -207,6 +296,7 @@ pub(crate) fn store_rows<E: Float>(
     row0: usize,
     rows: usize,
     #[comptime] head_dim: usize,
+    #[comptime] part: ColumnPart,
     #[comptime] unrolled: bool,
 ) {
     let lane = lane();
@@ -216,20 +306,20 @@ pub(crate) fn store_rows<E: Float>(
         let row = row0 + g + 8 * half;
         if row < rows {
             #[unroll(unrolled)]
-            for tile in 0..head_dim / 8 {
+            for tile in 0..comptime!(part.width / 8) {
                 #[unroll]
                 for j in 0..2usize {
-                    target[base + row * head_dim + tile * 8 + 2 * t + j] = E::cast_from(acc[tile * C_VALUES + 2 * half + j] * factor);
+                    target[base + row * head_dim + comptime!(part.first) + tile * 8 + 2 * t + j] = E::cast_from(acc[tile * C_VALUES + 2 * half + j] * factor);
                 }
             }
         }
     }
 }
 
-/// Keys `key0..key0 + keys` of `source` (`head_dim` values a key from `base`) into `tiles`
-/// from `buffer` (`head_dim + PAD` a key), keys from `seq_kv` on as 0: started, there once the
-/// cube's copies have arrived. The cube's units share the copy, 16 bytes each at a time,
-/// consecutive units on consecutive bytes.
+/// Columns `columns` of keys `key0..key0 + keys` of `source` (`head_dim` values a key from
+/// `base`) into buffer `buffer` of `tiles` (`columns.width + PAD` a key), keys from `seq_kv` on
+/// as 0: started, there once the cube's copies have arrived. The cube's units share the copy,
+/// 16 bytes each at a time, consecutive units on consecutive bytes.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn stage_keys<E: Float, M: FragmentMma>(
@@ -241,27 +331,32 @@ pub(crate) fn stage_keys<E: Float, M: FragmentMma>(
     buffer: usize,
     #[comptime] keys: usize,
     #[comptime] head_dim: usize,
+    #[comptime] columns: ColumnPart,
     #[comptime] unrolled: bool,
 ) {
-    let chunks_per_key = comptime!(head_dim / 8);
+    let width = comptime!(columns.width);
+    let chunks_per_key = comptime!(width / 8);
     let per_unit = comptime!(keys * chunks_per_key / (32 * WARPS));
+    let start = buffer_start(buffer, keys, width);
     #[unroll(unrolled)]
     for i in 0..per_unit {
         let at = UNIT_POS as usize + 32 * WARPS * i;
         let (key, chunk) = (at / chunks_per_key, at % chunks_per_key);
-        let from = base + (key0 + key) * head_dim + 8 * chunk;
-        M::copy_eight::<E>(source, from, key0 + key < seq_kv, tiles, buffer + key * (head_dim + PAD) + 8 * chunk);
+        let from = base + (key0 + key) * head_dim + comptime!(columns.first) + 8 * chunk;
+        M::copy_eight::<E>(source, from, key0 + key < seq_kv, tiles, start + key * (width + PAD) + 8 * chunk);
     }
 }
 
-/// `out += a · tileᵀ` over a step: `a` this warp's A fragments of its 16 rows × `head_dim`,
-/// `tile` a step's `keys` rows of `head_dim` (from `buffer`); `out` its 16 × `keys` products,
-/// `keys / 8` accumulator tiles. Four matrices of 8 keys × 8 dims side by side are the B
-/// fragments of two 16-column chunks (S = Q·Kᵀ, dP = dO·Vᵀ).
+/// `out += a · tileᵀ` over a step: `a` a warp's 16 rows × `head_dim` of `source` (see
+/// [`RowOperand`]), `tile` buffer `buffer` of a step's `keys` rows of `head_dim`; `out` its
+/// 16 × `keys` products, `keys / 8` accumulator tiles. Four matrices of 8 keys × 8 dims side by
+/// side are the B fragments of two 16-column chunks (S = Q·Kᵀ, dP = dO·Vᵀ); read rows take one
+/// chunk at a time (two matrices). Each product sums its 16-column chunks in order, kept or read.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn times_tile_transposed<E: Float, M: FragmentMma>(
-    a: &Array<E>,
+    a: &RowOperand<E>,
+    source: &Tensor<E>,
     tile: &SharedMemory<E>,
     buffer: usize,
     out: &mut Array<f32>,
@@ -271,21 +366,37 @@ pub(crate) fn times_tile_transposed<E: Float, M: FragmentMma>(
     #[comptime] unrolled: bool,
 ) {
     let stride = comptime!(head_dim + PAD);
-    #[unroll(unrolled)]
-    for n_tile in 0..keys / 8 {
+    let start = buffer_start(buffer, keys, head_dim);
+    if comptime!(head_dim <= REGISTER_COLUMNS) {
         #[unroll(unrolled)]
-        for pair in 0..head_dim / 32 {
-            let b = M::load_matrices::<E>(tile, buffer + 8 * n_tile * stride + 32 * pair, stride, 4usize, 1usize, false);
-            M::mma::<E>(a, 2 * pair * A_VALUES, &b, 0usize, out, n_tile * C_VALUES, scratch);
-            M::mma::<E>(a, (2 * pair + 1) * A_VALUES, &b, B_VALUES, out, n_tile * C_VALUES, scratch);
+        for n_tile in 0..keys / 8 {
+            #[unroll(unrolled)]
+            for pair in 0..head_dim / 32 {
+                let b = M::load_matrices::<E>(tile, start + 8 * n_tile * stride + 32 * pair, stride, 4usize, 1usize, false);
+                M::mma::<E>(&a.fragments, 2 * pair * A_VALUES, &b, 0usize, out, n_tile * C_VALUES, scratch);
+                M::mma::<E>(&a.fragments, (2 * pair + 1) * A_VALUES, &b, B_VALUES, out, n_tile * C_VALUES, scratch);
+            }
+        }
+    } else {
+        // A loop over 16-column chunks, even on CUDA: unrolled, the compiler would hoist every
+        // chunk's global loads to the top and hold the whole rows again (dQ and dK spilled at
+        // 255 registers); over 32-column pairs one dK/dV variant still spilled 8 B on sm_90a.
+        for chunk in 0..head_dim / 16 {
+            let a_chunk = load_row_fragments::<E>(source, a.base, a.row0, a.rows, head_dim, 16 * chunk, 16usize, unrolled);
+            #[unroll(unrolled)]
+            for n_tile in 0..keys / 8 {
+                let b = M::load_matrices::<E>(tile, start + 8 * n_tile * stride + 16 * chunk, stride, 2usize, 1usize, false);
+                M::mma::<E>(&a_chunk, 0usize, &b, 0usize, out, n_tile * C_VALUES, scratch);
+            }
         }
     }
 }
 
-/// `acc += p · tile` over a step: `p` this warp's 16 rows × `keys` as A fragments (the
-/// accumulators of `keys / 8` score tiles, rounded: `crate::mma`), `tile` a step's `keys` rows
-/// of `head_dim`; `acc` its 16 × `head_dim` accumulators. V's (or K's) matrices transposed, two
-/// above each other per output tile, are its B fragments (O += P·V, dQ += dS·K).
+/// `acc += p · tile[:, part]` over a step: `p` this warp's 16 rows × `keys` as A fragments (the
+/// accumulators of `keys / 8` score tiles, rounded: `crate::mma`), `tile` buffer `buffer` of a
+/// step's `keys` rows of `width` values; `acc` its 16 × `part.width` accumulators. The tile's
+/// matrices transposed, two above each other per output tile, are its B fragments (O += P·V,
+/// dQ += dS·K).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn times_tile<E: Float, M: FragmentMma>(
@@ -295,25 +406,28 @@ pub(crate) fn times_tile<E: Float, M: FragmentMma>(
     acc: &mut Array<f32>,
     scratch: &mut SharedMemory<f32>,
     #[comptime] keys: usize,
-    #[comptime] head_dim: usize,
+    #[comptime] width: usize,
+    #[comptime] part: ColumnPart,
     #[comptime] unrolled: bool,
 ) {
-    let stride = comptime!(head_dim + PAD);
+    let stride = comptime!(width + PAD);
+    let start = buffer_start(buffer, keys, width) + comptime!(part.first);
     #[unroll(unrolled)]
     for chunk in 0..keys / 16 {
         #[unroll(unrolled)]
-        for pair in 0..head_dim / 16 {
-            let b = M::load_matrices::<E>(tile, buffer + 16 * chunk * stride + 16 * pair, stride, 4usize, 2usize, true);
+        for pair in 0..comptime!(part.width / 16) {
+            let b = M::load_matrices::<E>(tile, start + 16 * chunk * stride + 16 * pair, stride, 4usize, 2usize, true);
             M::mma::<E>(p, chunk * A_VALUES, &b, 0usize, acc, 2 * pair * C_VALUES, scratch);
             M::mma::<E>(p, chunk * A_VALUES, &b, B_VALUES, acc, (2 * pair + 1) * C_VALUES, scratch);
         }
     }
 }
 
-/// Waits for step `step`'s K and V tiles of `span` (every warp is then done with the step
-/// before, whose buffers they reuse) and starts copying the next step's into the other
-/// buffers; gives this step's buffer. Step 0's copies are started by [`stage_step`] before the
-/// loop.
+/// Waits for step `step`'s tiles of `span` and, double-buffered, starts copying the next
+/// step's into the other buffer (every warp is then done with the step before, whose buffer it
+/// reuses); single-buffered, first waits for every warp to be done with the step before, then
+/// copies this step's. Gives this step's buffer. Step 0's copies are started by
+/// [`stage_step`] before the loop.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn next_step<E: Float, M: FragmentMma>(
@@ -326,21 +440,32 @@ pub(crate) fn next_step<E: Float, M: FragmentMma>(
     k_tiles: &mut SharedMemory<E>,
     v_tiles: &mut SharedMemory<E>,
     copies: &mut M::Copies,
-    #[comptime] keys: usize,
+    #[comptime] staging: Staging,
     #[comptime] head_dim: usize,
+    #[comptime] v_columns: ColumnPart,
     #[comptime] unrolled: bool,
 ) -> usize {
-    let buffer_size = comptime!(keys * (head_dim + PAD));
-    M::copies_arrived(copies);
-    if step + 1 < span.steps {
-        let next = ((step + 1) % 2) * buffer_size;
-        stage_step::<E, M>(k, v, kv_base, span.start + (step + 1) * keys, seq_kv, k_tiles, v_tiles, next, keys, head_dim, unrolled);
+    let keys = comptime!(staging.keys);
+    let mut buffer = 0usize;
+    if comptime!(staging.buffers == 2) {
+        M::copies_arrived(copies);
+        if step + 1 < span.steps {
+            stage_step::<E, M>(k, v, kv_base, span.start + (step + 1) * keys, seq_kv, k_tiles, v_tiles, (step + 1) % 2, keys, head_dim, v_columns, unrolled);
+        }
+        buffer = step % 2;
+    } else {
+        if step > 0 {
+            // No copy is in flight: this waits for the cube alone.
+            M::copies_arrived(copies);
+            stage_step::<E, M>(k, v, kv_base, span.start + step * keys, seq_kv, k_tiles, v_tiles, 0usize, keys, head_dim, v_columns, unrolled);
+        }
+        M::copies_arrived(copies);
     }
-    (step % 2) * buffer_size
+    buffer
 }
 
-/// Starts copying the step from `key0`'s K and V tiles into `buffer` of `k_tiles` and
-/// `v_tiles` (see [`stage_keys`]).
+/// Starts copying the step from `key0`'s K (every column) and V (columns `v_columns`) tiles
+/// into buffer `buffer` of `k_tiles` and `v_tiles` (see [`stage_keys`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn stage_step<E: Float, M: FragmentMma>(
@@ -354,8 +479,9 @@ pub(crate) fn stage_step<E: Float, M: FragmentMma>(
     buffer: usize,
     #[comptime] keys: usize,
     #[comptime] head_dim: usize,
+    #[comptime] v_columns: ColumnPart,
     #[comptime] unrolled: bool,
 ) {
-    stage_keys::<E, M>(k, kv_base, key0, seq_kv, k_tiles, buffer, keys, head_dim, unrolled);
-    stage_keys::<E, M>(v, kv_base, key0, seq_kv, v_tiles, buffer, keys, head_dim, unrolled);
+    stage_keys::<E, M>(k, kv_base, key0, seq_kv, k_tiles, buffer, keys, head_dim, comptime!(ColumnPart { first: 0, width: head_dim }), unrolled);
+    stage_keys::<E, M>(v, kv_base, key0, seq_kv, v_tiles, buffer, keys, head_dim, v_columns, unrolled);
 }

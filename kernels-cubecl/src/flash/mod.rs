@@ -222,10 +222,10 @@ fn range_tables<R: CubeRuntime>(ranges: Option<&VisibleRanges>, p: &Problem, cli
 /// [`flash_attention_backward_fragments`]) do not take a call in `dtype` of problem `p`, if
 /// they do not.
 fn fragments_refusal(dtype: DType, p: &Problem) -> Option<String> {
-    let takes = matches!(dtype, DType::F16 | DType::BF16) && p.head_dim == p.value_dim && matches!(p.head_dim, 64 | 128);
+    let takes = matches!(dtype, DType::F16 | DType::BF16) && p.head_dim == p.value_dim && matches!(p.head_dim, 64 | 128 | 256);
     (!takes).then(|| {
         format!(
-            "the register-fragment kernels take f16 or bf16 with head and value dims of 64 or 128 (so far), got {dtype:?}, {} and {}",
+            "the register-fragment kernels take f16 or bf16 with head and value dims of 64, 128 or 256 (so far), got {dtype:?}, {} and {}",
             p.head_dim, p.value_dim
         )
     })
@@ -234,7 +234,8 @@ fn fragments_refusal(dtype: DType, p: &Problem) -> Option<String> {
 /// Attention's forward on the register-fragment engine (FlashAttention-2's design,
 /// `fragment_forward.rs`): output `[B, Hq, Sq, D]` in the inputs' dtype and log-sum-exp
 /// `[B, Hq, Sq]` in f32, as [`flash_attention_forward`] gives them, `ranges` restricting the
-/// keys each row sees as there. f16 or bf16, head dim (and value dim) 64 or 128. Not yet
+/// keys each row sees as there. f16 or bf16, head dim (and value dim) 64, 128 or 256 (two
+/// launches of 128 output columns, each computing the scores). Not yet
 /// chosen by the planner: beside the engines it is to replace until it covers what they do.
 pub fn flash_attention_forward_fragments<R: CubeRuntime>(
     query: CubeTensor<R>,
@@ -284,20 +285,23 @@ fn fragment_forward<R: CubeRuntime>(
     }
     let [row_keys, _] = range_tables(ranges, &p, &client, &query.device)?;
     let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward)?;
-    let args = (query.into_tensor_arg(), key.into_tensor_arg(), value.into_tensor_arg(), output.clone().into_tensor_arg(), lse.clone().into_tensor_arg(), row_keys.into_tensor_arg());
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     use fragment_forward::fragment_forward_kernel as kernel;
-    launch_fragments!(kernel, R, l, (&client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.step, options.causal, ranges.is_some()));
+    let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
+    for part in fragment_tiles::column_parts(p.head_dim) {
+        let args = (arg(&query), arg(&key), arg(&value), arg(&output), arg(&lse), arg(&row_keys));
+        launch_fragments!(kernel, R, l, (&client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.staging, part, options.causal, ranges.is_some()));
+    }
     Ok((output, lse))
 }
 
 /// What a register-fragment kernel's launch takes from the device and the call: whether the
 /// product runs on `mma.sync` (else emulated, with the loops kept rolled), the step of its loop
-/// (keys; queries for dK/dV), the grid of 64-row blocks (of queries; of keys for dK/dV), the
-/// cube of 4 warps and the element type.
+/// (keys; queries for dK/dV) and its buffers, the grid of 64-row blocks (of queries; of keys
+/// for dK/dV), the cube of 4 warps and the element type.
 struct FragmentLaunch {
     mma_sync: bool,
-    step: usize,
+    staging: fragment_tiles::Staging,
     count: CubeCount,
     dim: CubeDim,
     elem: StorageType,
@@ -307,14 +311,14 @@ impl FragmentLaunch {
     fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, p: &Problem, kernel: FragmentKernel) -> Result<Self, FlashError> {
         let mma_sync = crate::mma::has_mma_sync(client, dtype);
         let shared_limit = client.properties().hardware.max_shared_memory_size;
-        let step = fragment_tiles::key_step(kernel, p.head_dim, mma_sync, dtype.size(), shared_limit)
+        let staging = fragment_tiles::key_step(kernel, p.head_dim, mma_sync, dtype.size(), shared_limit)
             .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
         let blocks = match kernel {
             FragmentKernel::KeyValueGrad => p.batch * p.kv_heads * p.seq_kv.div_ceil(fragment_tiles::BLOCK_ROWS),
             FragmentKernel::Forward | FragmentKernel::QueryGrad => p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS),
         };
         let count = grid(client, blocks)?;
-        Ok(Self { mma_sync, step, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
+        Ok(Self { mma_sync, staging, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
     }
 }
 
@@ -394,7 +398,8 @@ pub fn flash_attention_backward<R: CubeRuntime>(
 /// [`flash_attention_backward`] on the register-fragment engine: dK and dV key-outer
 /// (`fragment_key_value_grad.rs`: a block's keys stream the queries of every head of their
 /// group), dQ query-outer like the forward (`fragment_query_grad.rs`), the scores' gradients in
-/// registers, no atomics. f16 or bf16, head dim (and value dim) 64 or 128.
+/// registers, no atomics. f16 or bf16, head dim (and value dim) 64, 128 or 256 (each gradient
+/// in two launches of 128 columns there).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward_fragments<R: CubeRuntime>(
     query: CubeTensor<R>,
@@ -581,8 +586,8 @@ struct FragmentGradients<'a, R: CubeRuntime> {
     delta: &'a CubeTensor<R>,
 }
 
-/// Launches the register-fragment dK/dV kernel into `key_grad` and `value_grad`, once or, where
-/// it computes them apart (`fragment_key_value_grad::passes`), twice.
+/// Launches the register-fragment dK/dV kernel into `key_grad` and `value_grad`: once, or once
+/// per gradient and column part where it computes them apart (`fragment_key_value_grad::passes`).
 fn launch_fragment_key_value_grad<R: CubeRuntime>(
     t: &FragmentGradients<R>,
     key_grad: &CubeTensor<R>,
@@ -596,14 +601,14 @@ fn launch_fragment_key_value_grad<R: CubeRuntime>(
     let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::KeyValueGrad)?;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     use fragment_key_value_grad::fragment_key_value_grad_kernel as kernel;
-    for &(keys, values) in fragment_key_value_grad::passes(p.head_dim) {
+    for (keys, values, part) in fragment_key_value_grad::passes(p.head_dim) {
         let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(key_grad), arg(value_grad), arg(key_rows));
-        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.step, causal, ranged, keys, values));
+        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.staging, part, causal, ranged, keys, values));
     }
     Ok(())
 }
 
-/// Launches the register-fragment dQ kernel into `query_grad`.
+/// Launches the register-fragment dQ kernel into `query_grad`, once per column part.
 fn launch_fragment_query_grad<R: CubeRuntime>(
     t: &FragmentGradients<R>,
     query_grad: &CubeTensor<R>,
@@ -615,9 +620,11 @@ fn launch_fragment_query_grad<R: CubeRuntime>(
     let client = &t.query.client;
     let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::QueryGrad)?;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
-    let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(query_grad), arg(row_keys));
     use fragment_query_grad::fragment_query_grad_kernel as kernel;
-    launch_fragments!(kernel, R, l, (client, l.count, l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.step, causal, ranged));
+    for part in fragment_tiles::column_parts(p.head_dim) {
+        let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(query_grad), arg(row_keys));
+        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.staging, part, causal, ranged));
+    }
     Ok(())
 }
 
@@ -636,8 +643,9 @@ mod tests {
         assert_eq!(fragment_backward_refusal(DType::F16, &small), None);
         let f32_refusal = fragments_refusal(DType::F32, &small).unwrap();
         assert!(f32_refusal.contains("f16 or bf16") && f32_refusal.contains("F32"), "{f32_refusal}");
+        assert_eq!(fragments_refusal(DType::BF16, &problem(1, 16, 8, 8192, 256)), None);
         let refusal = fragments_refusal(DType::BF16, &problem(1, 16, 8, 8192, 96)).unwrap();
-        assert!(refusal.contains("64 or 128") && refusal.contains("96"), "{refusal}");
+        assert!(refusal.contains("64, 128 or 256") && refusal.contains("96"), "{refusal}");
         // Past 2^31 elements the forward takes 64-bit indices, dQ refuses them.
         let past = problem(1, 32, 8, 1_100_000, 128);
         assert_eq!(fragments_refusal(DType::BF16, &past), None);
@@ -645,12 +653,20 @@ mod tests {
         assert!(refusal.contains("2^31") && refusal.contains(&past.largest_tensor().to_string()), "{refusal}");
         // Steps (keys; queries for dK/dV) with mma.sync in an H100's shared memory, which the
         // registers bound (`key_step`); emulated, within lavapipe's 32 KiB; and over a limit.
-        use fragment_tiles::{FragmentKernel::*, key_step};
+        use fragment_tiles::{FragmentKernel::*, Staging, key_step};
         let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, mma_sync, 2, limit));
-        assert_eq!(steps(64, true, 227 * 1024), [Ok(64), Ok(64), Ok(32)]);
-        assert_eq!(steps(128, true, 227 * 1024), [Ok(32), Ok(16), Ok(16)]);
-        assert_eq!(steps(64, false, 32 * 1024), [Ok(32), Ok(32), Ok(32)]);
-        assert_eq!(steps(128, false, 32 * 1024), [Ok(16), Ok(16), Ok(16)]);
+        let double = |keys| Ok(Staging { keys, buffers: 2 });
+        assert_eq!(steps(64, true, 227 * 1024), [double(64), double(64), double(32)]);
+        assert_eq!(steps(128, true, 227 * 1024), [double(32), double(16), double(16)]);
+        assert_eq!(steps(256, true, 227 * 1024), [double(32), double(16), double(16)]);
+        // An L40's 99 KB a block holds the forward's 32-key step at 256 once: 16 keys, twice.
+        assert_eq!(steps(256, true, 101_376), [double(16), double(16), double(16)]);
+        assert_eq!(steps(128, true, 101_376), [double(32), double(16), double(16)]);
+        assert_eq!(steps(64, false, 32 * 1024), [double(32), double(32), double(32)]);
+        assert_eq!(steps(128, false, 32 * 1024), [double(16), double(16), double(16)]);
+        // At 256 the backward's two whole-width tiles fit lavapipe once, not twice.
+        let single = Ok(Staging { keys: 16, buffers: 1 });
+        assert_eq!(steps(256, false, 32 * 1024), [double(16), single, single]);
         assert!(steps(128, false, 8 * 1024).iter().all(|step| matches!(step, Err(needed) if *needed > 8 * 1024)));
     }
 

@@ -98,7 +98,7 @@ fn fragments_refuse_other_shapes_and_dtypes() {
 
 /// The register-fragment engine's forward (`flash_attention_forward_fragments`) against the
 /// f64 reference attention of the flash-attention tests: output and log-sum-exp, causal and
-/// not, grouped-query, head dims 64 and 128, lengths that are no multiple of the 64-row blocks
+/// not, grouped-query, head dims 64, 128 and 256 (two column parts), lengths that are no multiple of the 64-row blocks
 /// or the key steps (several steps each, so both K/V buffers in turn), unequal lengths both
 /// ways (rows that see no key included), packed documents, key runs and a sliding window,
 /// within the tests' f16 and bf16 tolerances; head dim 96 refused, naming what it takes.
@@ -126,6 +126,10 @@ fn the_fragment_forward_matches_the_reference() {
             Case { key_runs: Some(vec![0..101, 30..150]), ..Case::new(2, 2, 150, 64, false) },
             Case { key_runs: Some(vec![0..0, 0..7]), ..Case::new(2, 2, 40, 128, false) },
             Case { window: Some(17), documents: Some(vec![vec![100, 50], vec![9, 141]]), ..Case::new(4, 2, 150, 128, true) },
+            // Head dim 256: Q's fragments read as the scores need them, the output in two
+            // parts of 128 columns, each launch staging its part of V.
+            Case::new(2, 1, 80, 256, true),
+            Case { documents: Some(vec![vec![70, 80], vec![5, 17, 100, 3, 25]]), ..Case::new(2, 1, 150, 256, true) },
         ];
         for case in cases {
             // Two sequences where the case packs documents or runs into each, else one.
@@ -153,7 +157,7 @@ fn the_fragment_forward_matches_the_reference() {
         let tile = |shape| upload(&vec![0.0; case.q_shape().iter().product()], shape, dtype, &device);
         let options = FlashOptions { scale: None, causal: false };
         let error = flash_attention_forward_fragments(tile(case.q_shape()), tile(case.k_shape()), tile(case.v_shape()), options, None).unwrap_err().to_string();
-        assert!(error.contains("head and value dims of 64 or 128"), "{error}");
+        assert!(error.contains("head and value dims of 64, 128 or 256"), "{error}");
     }
 }
 
@@ -162,7 +166,8 @@ fn the_fragment_forward_matches_the_reference() {
 /// with the flash tests' measure (dQ and dK relative to one P·(dP − D)·K term, which cancels
 /// where a row sees one key): causal with GQA (dK and dV summed over each group's heads),
 /// unequal lengths both ways (rows that see no key, keys no row sees), documents, key runs with
-/// an empty one, a window, head dims 64 (dK and dV in one launch) and 128 (one each).
+/// an empty one, a window, head dims 64 (dK and dV in one launch), 128 (one each) and 256 (one
+/// per gradient and column part, the tiles single-buffered in lavapipe's shared memory).
 #[test]
 fn the_fragment_backward_matches_the_reference() {
     use super::{Case, device, download, largest, reference, relative_error, relative_error_above, supports, upload, values};
@@ -182,6 +187,8 @@ fn the_fragment_backward_matches_the_reference() {
             Case { documents: Some(vec![vec![70, 80], vec![5, 17, 100, 3, 25]]), ..Case::new(4, 1, 150, 64, true) },
             Case { key_runs: Some(vec![0..0, 0..7]), ..Case::new(2, 2, 40, 128, false) },
             Case { window: Some(17), documents: Some(vec![vec![100, 50], vec![9, 141]]), ..Case::new(4, 2, 150, 128, true) },
+            Case { batch: 1, ..Case::new(2, 1, 80, 256, true) },
+            Case { window: Some(17), documents: Some(vec![vec![100, 50], vec![9, 141]]), ..Case::new(2, 1, 150, 256, true) },
         ];
         for case in cases {
             let case = Case { dtype, ..case };
