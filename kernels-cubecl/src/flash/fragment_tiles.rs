@@ -6,9 +6,9 @@
 //! two products every kernel runs on a step's tiles, one with the tiles as Bᵀ (S = Q·Kᵀ,
 //! dP = dO·Vᵀ), one as B (O += P·V, dQ += dS·K), each from registers to registers.
 //!
-//! Head dims past [`REGISTER_COLUMNS`] (256) do not fit a warp's registers whole: there the
-//! score products read each warp's row fragments from global memory 16 columns at a time as
-//! they need them ([`RowOperand`]), and each output is accumulated in column parts of
+//! Head dims past [`REGISTER_COLUMNS`] (128; the kernels take 256) do not fit a warp's
+//! registers whole: there the score products read each warp's row fragments from global memory
+//! 16 columns at a time as they need them ([`RowOperand`]), and each output is accumulated in column parts of
 //! [`REGISTER_COLUMNS`], a launch each, that recompute the scores (the planned engine's column
 //! parts): the forward's and dQ's work about 1.5 times, dK's and dV's likewise.
 //!
@@ -78,9 +78,9 @@ pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, mma_sync: bool, 
     // reserve): at head dim 256 the forward's 32-key step (51 KB) fits an H100 or an A100 twice,
     // an L40 (99 KB a block) once, so there it takes 16 keys.
     let twice = |staging: &Staging| 2 * (shared_bytes(kernel, head_dim, *staging, true, element_bytes) + DRIVER_RESERVED) <= shared_limit + DRIVER_RESERVED;
-    let smallest = Staging { keys: if mma_sync { cuda.min(16) } else { 16 }, buffers: if mma_sync { 2 } else { 1 } };
+    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 } };
     let found = if mma_sync {
-        let steps = || [cuda, 16].into_iter().filter(move |&keys| keys <= cuda).map(|keys| Staging { keys, buffers: 2 });
+        let steps = || [cuda, 16].into_iter().map(|keys| Staging { keys, buffers: 2 });
         steps().find(twice).or_else(|| steps().find(fits))
     } else {
         let keys = [cuda, 32, 16].into_iter().filter(move |&keys| keys <= cuda);
