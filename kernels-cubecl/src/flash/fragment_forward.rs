@@ -31,6 +31,7 @@ pub(crate) fn fragment_forward_kernel<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
+    #[comptime] register_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -41,7 +42,7 @@ pub(crate) fn fragment_forward_kernel<E: Float, M: FragmentMma>(
     let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
     // The grid may hold a few more cubes than blocks; a cube has work or not as a whole.
     if cube_in_range(q.shape(0), q_heads, blocks_per_head) {
-        forward_block::<E, M>(q, k, v, out, lse, ranges, scale, head_dim, staging, part, causal, ranged, unrolled);
+        forward_block::<E, M>(q, k, v, out, lse, ranges, scale, head_dim, staging, register_columns, part, causal, ranged, unrolled);
     }
 }
 
@@ -58,6 +59,7 @@ fn forward_block<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
+    #[comptime] register_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -74,12 +76,12 @@ fn forward_block<E: Float, M: FragmentMma>(
     let mut scratch = M::scratch(WARPS);
     let keys_per_step = comptime!(staging.keys);
     // V's columns of this part, staged alone.
-    let v_columns = comptime!(ColumnPart { first: 0, width: part.width });
+    let v_columns = comptime!(ColumnPart::whole(part.width));
     let mut k_tiles = step_tiles::<E>(staging, head_dim);
     let mut v_tiles = step_tiles::<E>(staging, comptime!(part.width));
     let mut copies = M::copies();
 
-    let q_rows = row_operand::<E>(q, q_base, row0, seq_q, head_dim, unrolled);
+    let q_rows = row_operand::<E>(q, q_base, row0, seq_q, head_dim, register_columns, unrolled);
     let out_tiles = comptime!(part.width / 8);
     let mut acc = zeros(out_tiles * C_VALUES);
     let mut row_max = Array::<f32>::new(2usize);
@@ -104,7 +106,7 @@ fn forward_block<E: Float, M: FragmentMma>(
         let key0 = span.start + step * keys_per_step;
         let buffer = next_step::<E, M>(k, v, kv_base, &span, step, seq_kv, &mut k_tiles, &mut v_tiles, &mut copies, staging, head_dim, part, unrolled);
         let mut s = zeros(score_tiles * C_VALUES);
-        times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, unrolled);
+        times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, register_columns, unrolled);
 
         // The online softmax on the accumulators: s[4·tile + i] is row rows[i / 2], key
         // key0 + 8·tile + 2t + i % 2.

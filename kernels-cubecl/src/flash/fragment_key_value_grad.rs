@@ -13,22 +13,26 @@
 //! At head dim 128 the two accumulators (128 registers a lane) beside K's and V's fragments
 //! (64) leave a step's scores too few registers, so there the kernel runs twice ([`passes`]):
 //! a launch for dV, one for dK, each recomputing Pᵀ, as the planned engine splits dK/dV at
-//! head dim 256. Past 128 each of those runs once per part of the columns (`fragment_tiles`),
-//! K's and V's fragments read as the products need them.
+//! head dim 256. Past 128 (64 with 64-bit indices) the kernel runs once per part of the
+//! columns (`fragment_tiles`), K's and V's fragments read as the products need them: dV's and
+//! dK's parts apart at 256, both gradients a launch in the 64-column parts of 128 with 64-bit
+//! indices.
 
 use cubecl::prelude::*;
 
 use super::{
-    fragment_tiles::{BLOCK_ROWS, Staging, WARPS, block_span, column_parts, next_step, rounded, row_operand, stage_step, step_tiles, store_rows, times_tile, times_tile_transposed, zeros},
+    fragment_tiles::{BLOCK_ROWS, Staging, WARPS, block_span, column_parts, next_step, part_width, rounded, row_operand, stage_step, step_tiles, store_rows, times_tile, times_tile_transposed, zeros},
     stage::{ColumnPart, cube_in_range, cube_place, visible_run},
 };
 use crate::mma::{C_VALUES, FragmentMma, lane};
 
-/// The launches of the dK/dV kernel at `head_dim`, each `(dK, dV, columns)`: whether it
-/// computes that gradient, and which of its columns (see the module doc).
-pub(crate) fn passes(head_dim: usize) -> Vec<(bool, bool, ColumnPart)> {
-    let parts = column_parts(head_dim);
-    if head_dim > 64 {
+/// The launches of the dK/dV kernel at `head_dim`, keeping rows of `register_columns` (see
+/// `fragment_tiles::register_columns`), each `(dK, dV, columns)`: whether it computes that
+/// gradient, and which of its columns (see the module doc). Parts of 64 columns take both
+/// gradients in one launch, as head dim 64 does.
+pub(crate) fn passes(head_dim: usize, register_columns: usize) -> Vec<(bool, bool, ColumnPart)> {
+    let parts = column_parts(head_dim, register_columns);
+    if part_width(head_dim, register_columns) > 64 {
         let values = parts.iter().map(|&part| (false, true, part));
         let keys = parts.iter().map(|&part| (true, false, part));
         values.chain(keys).collect()
@@ -56,6 +60,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
+    #[comptime] register_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -66,7 +71,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
 ) {
     let blocks_per_head = k.shape(2).div_ceil(BLOCK_ROWS);
     if cube_in_range(k.shape(0), k.shape(1), blocks_per_head) {
-        key_value_grad_block::<E, M>(q, k, v, out_grad, lse, delta, key_grad, value_grad, ranges, scale, head_dim, staging, part, causal, ranged, keys, values, unrolled);
+        key_value_grad_block::<E, M>(q, k, v, out_grad, lse, delta, key_grad, value_grad, ranges, scale, head_dim, staging, register_columns, part, causal, ranged, keys, values, unrolled);
     }
 }
 
@@ -86,6 +91,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
+    #[comptime] register_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -108,13 +114,13 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     let mut scratch = M::scratch(WARPS);
     let queries_per_step = comptime!(staging.keys);
     // Q's and dO's every column: the score products read them all.
-    let whole = comptime!(ColumnPart { first: 0, width: head_dim });
+    let whole = comptime!(ColumnPart::whole(head_dim));
     let mut q_tiles = step_tiles::<E>(staging, head_dim);
     let mut out_grad_tiles = step_tiles::<E>(staging, head_dim);
     let mut copies = M::copies();
 
-    let k_rows = row_operand::<E>(k, kv_base, key0, seq_kv, head_dim, unrolled);
-    let v_rows = row_operand::<E>(v, kv_base, key0, seq_kv, head_dim, unrolled);
+    let k_rows = row_operand::<E>(k, kv_base, key0, seq_kv, head_dim, register_columns, unrolled);
+    let v_rows = row_operand::<E>(v, kv_base, key0, seq_kv, head_dim, register_columns, unrolled);
     let out_tiles = comptime!(part.width / 8);
     let mut key_acc = zeros(out_tiles * C_VALUES);
     let mut value_acc = zeros(out_tiles * C_VALUES);
@@ -136,7 +142,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
             let query0 = span.start + step * queries_per_step;
             let buffer = next_step::<E, M>(q, out_grad, q_base, &span, step, seq_q, &mut q_tiles, &mut out_grad_tiles, &mut copies, staging, head_dim, whole, unrolled);
             let mut s = zeros(score_tiles * C_VALUES);
-            times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, unrolled);
+            times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, register_columns, unrolled);
 
             // Pᵀ in place of Sᵀ: 0 where the query does not see the key. A column past the
             // sequence is seen by no key; its statistics are read from the last row.
@@ -165,7 +171,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
             if keys {
                 // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of Pᵀ; dK[:, part] += dSᵀ·Q[:, part].
                 let mut dp = zeros(score_tiles * C_VALUES);
-                times_tile_transposed::<E, M>(&v_rows, v, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, unrolled);
+                times_tile_transposed::<E, M>(&v_rows, v, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, register_columns, unrolled);
                 #[unroll(unrolled)]
                 for tile in 0..score_tiles {
                     #[unroll]
@@ -182,10 +188,11 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
         }
     }
 
+    // dK and dV have K's shape: K's rows' place is theirs.
     if keys {
-        store_rows::<E>(&key_acc, scale, key_grad, kv_base, key0, seq_kv, head_dim, part, unrolled);
+        store_rows::<E>(&key_acc, scale, key_grad, &k_rows.place, part, unrolled);
     }
     if values {
-        store_rows::<E>(&value_acc, 1.0f32, value_grad, kv_base, key0, seq_kv, head_dim, part, unrolled);
+        store_rows::<E>(&value_acc, 1.0f32, value_grad, &k_rows.place, part, unrolled);
     }
 }

@@ -4,8 +4,9 @@
 //! second softmax pass), dP = dO·Vᵀ, dS = P ∘ (dP − D) (D = rowsum(dO ∘ O), the backward's
 //! pre-pass), and dQ += dS·K with dS taken from its accumulators as the A fragment; dQ is
 //! scaled once at the end. No atomics: each block owns its rows of dQ. K and V come through
-//! the forward's double-buffered shared tiles (`fragment_tiles`). Past head dim 128 a launch
-//! accumulates one part of dQ's columns, Q's and dO's fragments read as the products need them.
+//! the forward's double-buffered shared tiles (`fragment_tiles`). Past head dim 128 (64 with
+//! 64-bit indices: `fragment_tiles::register_columns`) a launch accumulates one part of dQ's
+//! columns, Q's and dO's fragments read as the products need them.
 
 use cubecl::prelude::*;
 
@@ -32,6 +33,7 @@ pub(crate) fn fragment_query_grad_kernel<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
+    #[comptime] register_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -41,7 +43,7 @@ pub(crate) fn fragment_query_grad_kernel<E: Float, M: FragmentMma>(
     let (q_heads, seq_q) = (q.shape(1), q.shape(2));
     let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
     if cube_in_range(q.shape(0), q_heads, blocks_per_head) {
-        query_grad_block::<E, M>(q, k, v, out_grad, lse, delta, query_grad, ranges, scale, head_dim, staging, part, causal, ranged, unrolled);
+        query_grad_block::<E, M>(q, k, v, out_grad, lse, delta, query_grad, ranges, scale, head_dim, staging, register_columns, part, causal, ranged, unrolled);
     }
 }
 
@@ -60,6 +62,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
+    #[comptime] register_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -75,13 +78,13 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     let mut scratch = M::scratch(WARPS);
     let keys_per_step = comptime!(staging.keys);
     // K's and V's every column: the score products read them all.
-    let whole = comptime!(ColumnPart { first: 0, width: head_dim });
+    let whole = comptime!(ColumnPart::whole(head_dim));
     let mut k_tiles = step_tiles::<E>(staging, head_dim);
     let mut v_tiles = step_tiles::<E>(staging, head_dim);
     let mut copies = M::copies();
 
-    let q_rows = row_operand::<E>(q, q_base, row0, seq_q, head_dim, unrolled);
-    let out_grad_rows = row_operand::<E>(out_grad, q_base, row0, seq_q, head_dim, unrolled);
+    let q_rows = row_operand::<E>(q, q_base, row0, seq_q, head_dim, register_columns, unrolled);
+    let out_grad_rows = row_operand::<E>(out_grad, q_base, row0, seq_q, head_dim, register_columns, unrolled);
     let out_tiles = comptime!(part.width / 8);
     let mut acc = zeros(out_tiles * C_VALUES);
 
@@ -102,8 +105,8 @@ fn query_grad_block<E: Float, M: FragmentMma>(
         let buffer = next_step::<E, M>(k, v, kv_base, &span, step, seq_kv, &mut k_tiles, &mut v_tiles, &mut copies, staging, head_dim, whole, unrolled);
         let mut s = zeros(score_tiles * C_VALUES);
         let mut dp = zeros(score_tiles * C_VALUES);
-        times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, unrolled);
-        times_tile_transposed::<E, M>(&out_grad_rows, out_grad, &v_tiles, buffer, &mut dp, &mut scratch, keys_per_step, head_dim, unrolled);
+        times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, register_columns, unrolled);
+        times_tile_transposed::<E, M>(&out_grad_rows, out_grad, &v_tiles, buffer, &mut dp, &mut scratch, keys_per_step, head_dim, register_columns, unrolled);
 
         // dS = P ∘ (dP − D), in place of S: 0 where the row does not see the key.
         #[unroll]
@@ -128,5 +131,6 @@ fn query_grad_block<E: Float, M: FragmentMma>(
         times_tile::<E, M>(&ds, &k_tiles, buffer, &mut acc, &mut scratch, keys_per_step, head_dim, part, unrolled);
     }
 
-    store_rows::<E>(&acc, scale, query_grad, q_base, row0, seq_q, head_dim, part, unrolled);
+    // dQ has Q's shape: Q's rows' place is its own.
+    store_rows::<E>(&acc, scale, query_grad, &q_rows.place, part, unrolled);
 }

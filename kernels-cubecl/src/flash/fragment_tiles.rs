@@ -6,16 +6,16 @@
 //! two products every kernel runs on a step's tiles, one with the tiles as Bᵀ (S = Q·Kᵀ,
 //! dP = dO·Vᵀ), one as B (O += P·V, dQ += dS·K), each from registers to registers.
 //!
-//! Head dims past [`REGISTER_COLUMNS`] (128; the kernels take 256) do not fit a warp's
+//! Head dims past [`register_columns`] (128; 64 in the backward with 64-bit indices) do not fit a warp's
 //! registers whole: there the score products read each warp's row fragments from global memory
 //! 16 columns at a time as they need them ([`RowOperand`]), and each output is accumulated in column parts of
-//! [`REGISTER_COLUMNS`], a launch each, that recompute the scores (the planned engine's column
+//! that width, a launch each, that recompute the scores (the planned engine's column
 //! parts): the forward's and dQ's work about 1.5 times, dK's and dV's likewise.
 //!
 //! The loops over tiles are unrolled where the fragments are registers (`unrolled`: CUDA); the
 //! emulation keeps them loops, which a shader compiler takes in seconds rather than minutes.
 
-use cubecl::prelude::*;
+use cubecl::{ir::AddressType, prelude::*};
 
 use super::stage::{ColumnPart, cube_place, first_row_seeing, keys_seen_by_rows, visible_run};
 use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, SCRATCH_BYTES_PER_WARP, lane};
@@ -28,10 +28,22 @@ pub(crate) const BLOCK_ROWS: usize = 16 * WARPS;
 /// by 4 banks.
 pub(crate) const PAD: usize = 8;
 /// The widest rows a warp keeps in registers, as fragments (Q, dO; K and V for dK/dV) or as
-/// accumulators (an output's columns): at head dim 128 the kernels already hold 200-255
-/// registers (benches/RESULTS.md), so wider heads stream their row fragments and split their
-/// outputs (see the module doc).
+/// accumulators (an output's columns), with 32-bit indices: at head dim 128 the kernels already
+/// hold 200-255 registers (benches/RESULTS.md), so wider heads stream their row fragments and
+/// split their outputs (see the module doc).
 pub(crate) const REGISTER_COLUMNS: usize = 128;
+
+/// The widest rows `kernel` keeps in registers with indices of width `indices`:
+/// [`REGISTER_COLUMNS`], but 64 for the backward's kernels with 64-bit indices, whose offsets
+/// take two registers each (dQ held 255 at head dim 128 there and spilled on the H100): head
+/// dim 128 then streams its rows as 256 does and computes each gradient in two parts. The
+/// forward keeps 128 (no spill with 64-bit indices: the machine-code check).
+pub(crate) fn register_columns(kernel: FragmentKernel, indices: AddressType) -> usize {
+    match (kernel, indices) {
+        (FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad, AddressType::U64) => 64,
+        _ => REGISTER_COLUMNS,
+    }
+}
 /// A masked score: finite (WGSL has no infinity literal) and below any real one; its
 /// probability is set to 0 explicitly.
 pub(crate) const MASKED: f32 = -1.0e30;
@@ -66,18 +78,18 @@ pub(crate) struct Staging {
 /// dim 64, 16 at 128; at 256 16 keys, the forward double-buffered, the backward not), so that
 /// the tests run the schedule CUDA runs wherever the device allows. `Err` with the bytes the
 /// smallest step needs where not even it fits (a kernel over the limit would not run at all).
-pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, mma_sync: bool, element_bytes: usize, shared_limit: usize) -> Result<Staging, usize> {
+pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, register_columns: usize, mma_sync: bool, element_bytes: usize, shared_limit: usize) -> Result<Staging, usize> {
     let cuda = match (head_dim > 64, kernel) {
         (false, FragmentKernel::Forward | FragmentKernel::QueryGrad) => 64,
         (false, FragmentKernel::KeyValueGrad) => 32,
         (true, FragmentKernel::Forward) => 32,
         (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) => 16,
     };
-    let fits = |staging: &Staging| shared_bytes(kernel, head_dim, *staging, mma_sync, element_bytes) <= shared_limit;
+    let fits = |staging: &Staging| shared_bytes(kernel, head_dim, register_columns, *staging, mma_sync, element_bytes) <= shared_limit;
     // Two blocks an SM, each with the driver's reserve (an SM holds a block's limit and one
     // reserve): at head dim 256 the forward's 32-key step (51 KB) fits an H100 or an A100 twice,
     // an L40 (99 KB a block) once, so there it takes 16 keys.
-    let twice = |staging: &Staging| 2 * (shared_bytes(kernel, head_dim, *staging, true, element_bytes) + DRIVER_RESERVED) <= shared_limit + DRIVER_RESERVED;
+    let twice = |staging: &Staging| 2 * (shared_bytes(kernel, head_dim, register_columns, *staging, true, element_bytes) + DRIVER_RESERVED) <= shared_limit + DRIVER_RESERVED;
     let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 } };
     let found = if mma_sync {
         let steps = || [cuda, 16].into_iter().map(|keys| Staging { keys, buffers: 2 });
@@ -86,7 +98,7 @@ pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, mma_sync: bool, 
         let keys = [cuda, 32, 16].into_iter().filter(move |&keys| keys <= cuda);
         [2, 1].into_iter().flat_map(|buffers| keys.clone().map(move |keys| Staging { keys, buffers })).find(fits)
     };
-    found.ok_or_else(|| shared_bytes(kernel, head_dim, smallest, mma_sync, element_bytes))
+    found.ok_or_else(|| shared_bytes(kernel, head_dim, register_columns, smallest, mma_sync, element_bytes))
 }
 
 /// Shared memory CUDA reserves per block beside a kernel's own.
@@ -95,20 +107,21 @@ const DRIVER_RESERVED: usize = 1024;
 /// Shared memory of a block: the buffers of its two staged tiles, and the emulated product's
 /// scratch. The forward stages only its part's columns of V; the backward's tiles are read
 /// whole by the score products.
-fn shared_bytes(kernel: FragmentKernel, head_dim: usize, staging: Staging, mma_sync: bool, element_bytes: usize) -> usize {
+fn shared_bytes(kernel: FragmentKernel, head_dim: usize, register_columns: usize, staging: Staging, mma_sync: bool, element_bytes: usize) -> usize {
     let scratch = if mma_sync { 0 } else { WARPS * SCRATCH_BYTES_PER_WARP };
-    let second = if kernel == FragmentKernel::Forward { part_width(head_dim) } else { head_dim };
+    let second = if kernel == FragmentKernel::Forward { part_width(head_dim, register_columns) } else { head_dim };
     staging.buffers * staging.keys * (head_dim + PAD + second + PAD) * element_bytes + scratch
 }
 
-/// The output columns one launch accumulates (see [`REGISTER_COLUMNS`]).
-pub(crate) fn part_width(head_dim: usize) -> usize {
-    head_dim.min(REGISTER_COLUMNS)
+/// The output columns one launch accumulates, keeping `register_columns` (see
+/// [`register_columns`]).
+pub(crate) fn part_width(head_dim: usize, register_columns: usize) -> usize {
+    head_dim.min(register_columns)
 }
 
 /// The column parts of an output `head_dim` wide, a launch each.
-pub(crate) fn column_parts(head_dim: usize) -> Vec<ColumnPart> {
-    ColumnPart::cover(head_dim, part_width(head_dim)).into_iter().map(|part| part.unwrap_or(ColumnPart { first: 0, width: head_dim })).collect()
+pub(crate) fn column_parts(head_dim: usize, register_columns: usize) -> Vec<ColumnPart> {
+    ColumnPart::cover(head_dim, part_width(head_dim, register_columns)).into_iter().map(|part| part.unwrap_or(ColumnPart::whole(head_dim))).collect()
 }
 
 /// Where a block of 64 query rows of one (batch, head) is, the cube's place in the grid.
@@ -207,31 +220,42 @@ pub(crate) fn block_span(
     KeySpan { start, steps }
 }
 
-/// This lane's A fragments of the 16 rows from `row0` of `source` (`stride` values a row from
-/// `base`), columns `first..first + width`, one per 16 columns; rows from `rows` on read as 0.
+/// Where this lane's two rows of a warp's 16 from `row0` (`row0 + lane / 4` and 8 below) start
+/// in a tensor of `stride` values a row from `base`, and whether each is one of its `rows` (a
+/// row past them reads as 0 and is not written). Computed once and shared by the loads of
+/// streamed rows and the store of the gradient of the same shape: with 64-bit indices each
+/// offset is two registers, and ptxas spilled a second copy kept for the store (sm_90a, head
+/// dim 128: 4-20 bytes at 72-128 registers, to stay under an occupancy step).
+#[derive(CubeType)]
+pub(crate) struct RowPlace {
+    pub low: usize,
+    pub high: usize,
+    pub low_inside: bool,
+    pub high_inside: bool,
+}
+
+/// The [`RowPlace`] of this lane's rows of the 16 from `row0`.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn load_row_fragments<E: Float>(
-    source: &Tensor<E>,
-    base: usize,
-    row0: usize,
-    rows: usize,
-    #[comptime] stride: usize,
-    first: usize,
-    #[comptime] width: usize,
-    #[comptime] unrolled: bool,
-) -> Array<E> {
-    let lane = lane();
-    let (g, t) = (lane / 4, lane % 4);
+pub(crate) fn row_place(base: usize, row0: usize, rows: usize, #[comptime] stride: usize) -> RowPlace {
+    let low = row0 + lane() / 4;
+    RowPlace { low: base + low * stride, high: base + (low + 8) * stride, low_inside: low < rows, high_inside: low + 8 < rows }
+}
+
+/// This lane's A fragments of its rows `place` of `source`, columns `first..first + width`,
+/// one per 16 columns; rows outside read as 0.
+#[cube]
+pub(crate) fn load_row_fragments<E: Float>(source: &Tensor<E>, place: &RowPlace, first: usize, #[comptime] width: usize, #[comptime] unrolled: bool) -> Array<E> {
+    let t = lane() % 4;
     let chunks = width / 16;
     let mut fragments = Array::<E>::new(chunks * A_VALUES);
     #[unroll(unrolled)]
     for chunk in 0..chunks {
         #[unroll]
         for i in 0..A_VALUES {
-            let row = row0 + g + 8 * ((i / 2) % 2);
+            let high = (i / 2) % 2 == 1;
+            let inside = (high && place.high_inside) || (!high && place.low_inside);
             let column = first + chunk * 16 + 2 * t + i % 2 + 8 * (i / 4);
-            fragments[chunk * A_VALUES + i] = select(row < rows, source[base + row * stride + column], E::from_int(0));
+            fragments[chunk * A_VALUES + i] = select(inside, source[select(high, place.high, place.low) + column], E::from_int(0));
         }
     }
     fragments
@@ -239,25 +263,33 @@ pub(crate) fn load_row_fragments<E: Float>(
 
 /// A warp's 16 rows from `row0` of a `[.., rows, head_dim]` tensor (from `base`) as the A
 /// operand of the score products ([`times_tile_transposed`]): their fragments kept in
-/// registers up to [`REGISTER_COLUMNS`] columns, else read from the tensor 16 columns at a time
-/// as each product needs them (`fragments` then unused).
+/// registers up to `register_columns` columns, else read from the tensor 16 columns at a time
+/// as each product needs them (`fragments` then unused); `place` this lane's rows.
 #[derive(CubeType)]
 pub(crate) struct RowOperand<E: Float> {
     pub fragments: Array<E>,
-    pub base: usize,
-    pub row0: usize,
-    pub rows: usize,
+    pub place: RowPlace,
 }
 
 /// The [`RowOperand`] of the 16 rows from `row0` of `source`.
 #[cube]
-pub(crate) fn row_operand<E: Float>(source: &Tensor<E>, base: usize, row0: usize, rows: usize, #[comptime] head_dim: usize, #[comptime] unrolled: bool) -> RowOperand<E> {
-    let fragments = if comptime!(head_dim <= REGISTER_COLUMNS) {
-        load_row_fragments::<E>(source, base, row0, rows, head_dim, 0usize, head_dim, unrolled)
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn row_operand<E: Float>(
+    source: &Tensor<E>,
+    base: usize,
+    row0: usize,
+    rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] register_columns: usize,
+    #[comptime] unrolled: bool,
+) -> RowOperand<E> {
+    let place = row_place(base, row0, rows, head_dim);
+    let fragments = if comptime!(head_dim <= register_columns) {
+        load_row_fragments::<E>(source, &place, 0usize, head_dim, unrolled)
     } else {
         Array::<E>::new(1usize)
     };
-    RowOperand::<E> { fragments, base, row0, rows }
+    RowOperand::<E> { fragments, place }
 }
 
 /// `count` zeros.
@@ -283,33 +315,21 @@ pub(crate) fn rounded<E: Float>(values: &Array<f32>, #[comptime] count: usize) -
 }
 
 /// Writes this warp's 16 rows of accumulators (`part.width / 8` tiles) times `factor` to
-/// columns `part` of the rows from `row0` of `target` (`head_dim` values a row from `base`);
-/// rows from `rows` on are not written. (The forward writes its own: a factor per row, and the
-/// log-sum-exp beside.)
+/// columns `part` of this lane's rows `place` of `target`, those inside. (The forward writes
+/// its own: a factor per row, and the log-sum-exp beside.)
 #[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn store_rows<E: Float>(
-    acc: &Array<f32>,
-    factor: f32,
-    target: &mut Tensor<E>,
-    base: usize,
-    row0: usize,
-    rows: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] part: ColumnPart,
-    #[comptime] unrolled: bool,
-) {
-    let lane = lane();
-    let (g, t) = (lane / 4, lane % 4);
+pub(crate) fn store_rows<E: Float>(acc: &Array<f32>, factor: f32, target: &mut Tensor<E>, place: &RowPlace, #[comptime] part: ColumnPart, #[comptime] unrolled: bool) {
+    let t = lane() % 4;
     #[unroll]
     for half in 0..2usize {
-        let row = row0 + g + 8 * half;
-        if row < rows {
+        let inside = (half == 1 && place.high_inside) || (half == 0 && place.low_inside);
+        if inside {
+            let start = select(half == 1, place.high, place.low) + comptime!(part.first);
             #[unroll(unrolled)]
             for tile in 0..comptime!(part.width / 8) {
                 #[unroll]
                 for j in 0..2usize {
-                    target[base + row * head_dim + comptime!(part.first) + tile * 8 + 2 * t + j] = E::cast_from(acc[tile * C_VALUES + 2 * half + j] * factor);
+                    target[start + tile * 8 + 2 * t + j] = E::cast_from(acc[tile * C_VALUES + 2 * half + j] * factor);
                 }
             }
         }
@@ -363,11 +383,12 @@ pub(crate) fn times_tile_transposed<E: Float, M: FragmentMma>(
     scratch: &mut SharedMemory<f32>,
     #[comptime] keys: usize,
     #[comptime] head_dim: usize,
+    #[comptime] register_columns: usize,
     #[comptime] unrolled: bool,
 ) {
     let stride = comptime!(head_dim + PAD);
     let start = buffer_start(buffer, keys, head_dim);
-    if comptime!(head_dim <= REGISTER_COLUMNS) {
+    if comptime!(head_dim <= register_columns) {
         #[unroll(unrolled)]
         for n_tile in 0..keys / 8 {
             #[unroll(unrolled)]
@@ -382,7 +403,7 @@ pub(crate) fn times_tile_transposed<E: Float, M: FragmentMma>(
         // chunk's global loads to the top and hold the whole rows again (dQ and dK spilled at
         // 255 registers); over 32-column pairs one dK/dV variant still spilled 8 B on sm_90a.
         for chunk in 0..head_dim / 16 {
-            let a_chunk = load_row_fragments::<E>(source, a.base, a.row0, a.rows, head_dim, 16 * chunk, 16usize, unrolled);
+            let a_chunk = load_row_fragments::<E>(source, &a.place, 16 * chunk, 16usize, unrolled);
             #[unroll(unrolled)]
             for n_tile in 0..keys / 8 {
                 let b = M::load_matrices::<E>(tile, start + 8 * n_tile * stride + 16 * chunk, stride, 2usize, 1usize, false);
@@ -482,6 +503,6 @@ pub(crate) fn stage_step<E: Float, M: FragmentMma>(
     #[comptime] v_columns: ColumnPart,
     #[comptime] unrolled: bool,
 ) {
-    stage_keys::<E, M>(k, kv_base, key0, seq_kv, k_tiles, buffer, keys, head_dim, comptime!(ColumnPart { first: 0, width: head_dim }), unrolled);
+    stage_keys::<E, M>(k, kv_base, key0, seq_kv, k_tiles, buffer, keys, head_dim, comptime!(ColumnPart::whole(head_dim)), unrolled);
     stage_keys::<E, M>(v, kv_base, key0, seq_kv, v_tiles, buffer, keys, head_dim, v_columns, unrolled);
 }

@@ -284,41 +284,45 @@ fn fragment_forward<R: CubeRuntime>(
         return Ok((output, lse));
     }
     let [row_keys, _] = range_tables(ranges, &p, &client, &query.device)?;
-    let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward)?;
+    let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward, p.address_type())?;
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     use fragment_forward::fragment_forward_kernel as kernel;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
-    for part in fragment_tiles::column_parts(p.head_dim) {
+    for part in fragment_tiles::column_parts(p.head_dim, l.register_columns) {
         let args = (arg(&query), arg(&key), arg(&value), arg(&output), arg(&lse), arg(&row_keys));
-        launch_fragments!(kernel, R, l, (&client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.staging, part, options.causal, ranges.is_some()));
+        launch_fragments!(kernel, R, l, (&client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.staging, l.register_columns, part, options.causal, ranges.is_some()));
     }
     Ok((output, lse))
 }
 
 /// What a register-fragment kernel's launch takes from the device and the call: whether the
 /// product runs on `mma.sync` (else emulated, with the loops kept rolled), the step of its loop
-/// (keys; queries for dK/dV) and its buffers, the grid of 64-row blocks (of queries; of keys
-/// for dK/dV), the cube of 4 warps and the element type.
+/// (keys; queries for dK/dV) and its buffers, the widest rows it keeps in registers, the grid
+/// of 64-row blocks (of queries; of keys for dK/dV), the cube of 4 warps and the element type.
 struct FragmentLaunch {
     mma_sync: bool,
     staging: fragment_tiles::Staging,
+    register_columns: usize,
     count: CubeCount,
     dim: CubeDim,
     elem: StorageType,
 }
 
 impl FragmentLaunch {
-    fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, p: &Problem, kernel: FragmentKernel) -> Result<Self, FlashError> {
+    /// `layout`: the index width whose register layout the kernel takes (the call's, but for
+    /// tests: [`flash_attention_backward_fragments_laid_out_for`]).
+    fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, p: &Problem, kernel: FragmentKernel, layout: AddressType) -> Result<Self, FlashError> {
         let mma_sync = crate::mma::has_mma_sync(client, dtype);
         let shared_limit = client.properties().hardware.max_shared_memory_size;
-        let staging = fragment_tiles::key_step(kernel, p.head_dim, mma_sync, dtype.size(), shared_limit)
+        let register_columns = fragment_tiles::register_columns(kernel, layout);
+        let staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, dtype.size(), shared_limit)
             .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
         let blocks = match kernel {
             FragmentKernel::KeyValueGrad => p.batch * p.kv_heads * p.seq_kv.div_ceil(fragment_tiles::BLOCK_ROWS),
             FragmentKernel::Forward | FragmentKernel::QueryGrad => p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS),
         };
         let count = grid(client, blocks)?;
-        Ok(Self { mma_sync, staging, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
+        Ok(Self { mma_sync, staging, register_columns, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
     }
 }
 
@@ -391,7 +395,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    let fragments = plan::fragments_requested() && fragment_backward_refusal(query.dtype, &problem).is_none();
+    let fragments = (plan::fragments_requested() && fragments_refusal(query.dtype, &problem).is_none()).then(|| problem.address_type());
     backward(problem, query, key, value, output, output_grad, lse, options, ranges, fragments)
 }
 
@@ -399,7 +403,8 @@ pub fn flash_attention_backward<R: CubeRuntime>(
 /// (`fragment_key_value_grad.rs`: a block's keys stream the queries of every head of their
 /// group), dQ query-outer like the forward (`fragment_query_grad.rs`), the scores' gradients in
 /// registers, no atomics. f16 or bf16, head dim (and value dim) 64, 128 or 256 (each gradient
-/// in two launches of 128 columns there).
+/// in two launches of 128 columns there; with 64-bit indices from 128 on, in parts of 64:
+/// `fragment_tiles::register_columns`).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward_fragments<R: CubeRuntime>(
     query: CubeTensor<R>,
@@ -411,28 +416,36 @@ pub fn flash_attention_backward_fragments<R: CubeRuntime>(
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
+    flash_attention_backward_fragments_laid_out_for(query, key, value, output, output_grad, lse, options, ranges, None)
+}
+
+/// For tests: [`flash_attention_backward_fragments`] with its kernels' registers laid out as
+/// for indices of width `layout` (`fragment_tiles::register_columns`) whatever the call's
+/// (`None`: the call's), so that a device without 64-bit indices (lavapipe) runs the layout of
+/// 64-bit indices against the reference.
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward_fragments_laid_out_for<R: CubeRuntime>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    output: CubeTensor<R>,
+    output_grad: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    options: FlashOptions,
+    ranges: Option<&VisibleRanges>,
+    layout: Option<AddressType>,
+) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    if let Some(refusal) = fragment_backward_refusal(query.dtype, &problem) {
+    if let Some(refusal) = fragments_refusal(query.dtype, &problem) {
         return Err(FlashError::Shape(refusal));
     }
-    backward(problem, query, key, value, output, output_grad, lse, options, ranges, true)
+    let layout = layout.unwrap_or(problem.address_type());
+    backward(problem, query, key, value, output, output_grad, lse, options, ranges, Some(layout))
 }
 
-/// Why the register-fragment backward does not take a call, if it does not: what the
-/// fragment kernels take ([`fragments_refusal`]), in 32-bit indices (with 64-bit ones dQ
-/// spills at head dim 128 on the H100: 255 registers).
-fn fragment_backward_refusal(dtype: DType, p: &Problem) -> Option<String> {
-    fragments_refusal(dtype, p).or_else(|| {
-        (p.address_type() == AddressType::U64).then(|| {
-            format!(
-                "the register-fragment backward takes tensors under 2^31 elements (32-bit indices), got {}; the planned backward takes more",
-                p.largest_tensor()
-            )
-        })
-    })
-}
-
-/// The backward of a checked call `problem`, on the register fragments where `fragments`.
+/// The backward of a checked call `problem`, on the register fragments laid out for index
+/// width `fragments` where that is given (see [`FragmentLaunch::new`]).
 #[allow(clippy::too_many_arguments)]
 fn backward<R: CubeRuntime>(
     problem: Problem,
@@ -444,7 +457,7 @@ fn backward<R: CubeRuntime>(
     lse: CubeTensor<R>,
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
-    fragments: bool,
+    fragments: Option<AddressType>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let p = problem;
     let expected_output = [p.batch, p.q_heads, p.seq_q, p.value_dim];
@@ -492,14 +505,14 @@ fn backward<R: CubeRuntime>(
 
     let key_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.head_dim]);
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
-    if fragments {
+    if let Some(layout) = fragments {
         let query_grad = empty([p.batch, p.q_heads, p.seq_q, p.head_dim]);
         let tensors = FragmentGradients { query: &query, key: &key, value: &value, output_grad: &output_grad, lse: &lse, delta: &delta };
         if p.seq_kv > 0 {
-            launch_fragment_key_value_grad(&tensors, &key_grad, &value_grad, &key_rows, &p, options.causal, ranged)?;
+            launch_fragment_key_value_grad(&tensors, &key_grad, &value_grad, &key_rows, &p, options.causal, ranged, layout)?;
         }
         if p.seq_q > 0 {
-            launch_fragment_query_grad(&tensors, &query_grad, &row_keys, &p, options.causal, ranged)?;
+            launch_fragment_query_grad(&tensors, &query_grad, &row_keys, &p, options.causal, ranged, layout)?;
         }
         return Ok((query_grad, key_grad, value_grad));
     }
@@ -596,14 +609,15 @@ fn launch_fragment_key_value_grad<R: CubeRuntime>(
     p: &Problem,
     causal: bool,
     ranged: bool,
+    layout: AddressType,
 ) -> Result<(), FlashError> {
     let client = &t.query.client;
-    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::KeyValueGrad)?;
+    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::KeyValueGrad, layout)?;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     use fragment_key_value_grad::fragment_key_value_grad_kernel as kernel;
-    for (keys, values, part) in fragment_key_value_grad::passes(p.head_dim) {
+    for (keys, values, part) in fragment_key_value_grad::passes(p.head_dim, l.register_columns) {
         let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(key_grad), arg(value_grad), arg(key_rows));
-        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.staging, part, causal, ranged, keys, values));
+        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.staging, l.register_columns, part, causal, ranged, keys, values));
     }
     Ok(())
 }
@@ -616,14 +630,15 @@ fn launch_fragment_query_grad<R: CubeRuntime>(
     p: &Problem,
     causal: bool,
     ranged: bool,
+    layout: AddressType,
 ) -> Result<(), FlashError> {
     let client = &t.query.client;
-    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::QueryGrad)?;
+    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::QueryGrad, layout)?;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     use fragment_query_grad::fragment_query_grad_kernel as kernel;
-    for part in fragment_tiles::column_parts(p.head_dim) {
+    for part in fragment_tiles::column_parts(p.head_dim, l.register_columns) {
         let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(query_grad), arg(row_keys));
-        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.staging, part, causal, ranged));
+        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.staging, l.register_columns, part, causal, ranged));
     }
     Ok(())
 }
@@ -640,21 +655,29 @@ mod tests {
     fn the_fragment_kernels_say_what_they_take() {
         let small = problem(1, 16, 8, 8192, 128);
         assert_eq!(fragments_refusal(DType::BF16, &small), None);
-        assert_eq!(fragment_backward_refusal(DType::F16, &small), None);
         let f32_refusal = fragments_refusal(DType::F32, &small).unwrap();
         assert!(f32_refusal.contains("f16 or bf16") && f32_refusal.contains("F32"), "{f32_refusal}");
         assert_eq!(fragments_refusal(DType::BF16, &problem(1, 16, 8, 8192, 256)), None);
         let refusal = fragments_refusal(DType::BF16, &problem(1, 16, 8, 8192, 96)).unwrap();
         assert!(refusal.contains("64, 128 or 256") && refusal.contains("96"), "{refusal}");
-        // Past 2^31 elements the forward takes 64-bit indices, dQ refuses them.
+        // Past 2^31 elements both take 64-bit indices, the backward keeping rows of 64 columns
+        // in registers (the forward 128): at head dim 128 two parts a gradient, K's and V's
+        // (Q's and dO's) fragments read as the products need them, dK and dV in one launch a
+        // part as at head dim 64.
+        use fragment_tiles::{FragmentKernel::*, column_parts, register_columns};
         let past = problem(1, 32, 8, 1_100_000, 128);
         assert_eq!(fragments_refusal(DType::BF16, &past), None);
-        let refusal = fragment_backward_refusal(DType::BF16, &past).unwrap();
-        assert!(refusal.contains("2^31") && refusal.contains(&past.largest_tensor().to_string()), "{refusal}");
+        let (u32, u64) = (AddressType::U32, AddressType::U64);
+        assert_eq!([Forward, QueryGrad, KeyValueGrad].map(|kernel| register_columns(kernel, u64)), [128, 64, 64]);
+        assert_eq!([Forward, QueryGrad, KeyValueGrad].map(|kernel| register_columns(kernel, u32)), [128; 3]);
+        let halves = [ColumnPart { first: 0, width: 64 }, ColumnPart { first: 64, width: 64 }];
+        assert_eq!(column_parts(128, 64), halves);
+        assert_eq!(fragment_key_value_grad::passes(128, 64), halves.map(|part| (true, true, part)));
+        assert_eq!(fragment_key_value_grad::passes(128, 128), [(false, true, ColumnPart::whole(128)), (true, false, ColumnPart::whole(128))]);
         // Steps (keys; queries for dK/dV) with mma.sync in an H100's shared memory, which the
         // registers bound (`key_step`); emulated, within lavapipe's 32 KiB; and over a limit.
-        use fragment_tiles::{FragmentKernel::*, Staging, key_step};
-        let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, mma_sync, 2, limit));
+        use fragment_tiles::{Staging, key_step};
+        let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, 128, mma_sync, 2, limit));
         let double = |keys| Ok(Staging { keys, buffers: 2 });
         assert_eq!(steps(64, true, 227 * 1024), [double(64), double(64), double(32)]);
         assert_eq!(steps(128, true, 227 * 1024), [double(32), double(16), double(16)]);

@@ -47,6 +47,11 @@ pub struct ColumnPart {
 }
 
 impl ColumnPart {
+    /// Every column of an output `width` wide.
+    pub fn whole(width: usize) -> Self {
+        ColumnPart { first: 0, width }
+    }
+
     /// The parts of `part_width` columns covering an output `width` wide (`None` alone when
     /// one part covers it).
     pub fn cover(width: usize, part_width: usize) -> Vec<Option<ColumnPart>> {
