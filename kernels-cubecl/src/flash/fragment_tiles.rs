@@ -71,18 +71,22 @@ pub(crate) struct Staging {
 /// Sᵀ's and dPᵀ's tiles (64 spilled on sm_90a: 255 registers); from head dim 128, where the
 /// accumulators take twice the registers, 32 for the forward and 16 for dQ, which holds dP's
 /// tiles and dO's fragments too (32 spilled there: 255 registers on sm_80 and sm_89), and for
-/// dK/dV, which holds K's and V's; always double-buffered, and 16 keys where the larger step
-/// would not let two blocks share an SM. Where the product is emulated through
+/// dK/dV, which holds K's and V's; but 32 for the backward where its rows are streamed (past
+/// `register_columns`: no row fragments held), so that each 16-column chunk of a row read from
+/// memory feeds four products rather than two; always double-buffered, and 16 keys where the
+/// larger step would not let two blocks share an SM. Where the product is emulated through
 /// shared memory, the largest step up to that whose tiles fit the device's shared memory beside
 /// the product's scratch, double-buffered where any step is (lavapipe's 32 KiB: 32 keys at head
 /// dim 64, 16 at 128; at 256 16 keys, the forward double-buffered, the backward not), so that
 /// the tests run the schedule CUDA runs wherever the device allows. `Err` with the bytes the
 /// smallest step needs where not even it fits (a kernel over the limit would not run at all).
 pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, register_columns: usize, mma_sync: bool, element_bytes: usize, shared_limit: usize) -> Result<Staging, usize> {
+    let streamed = head_dim > register_columns;
     let cuda = match (head_dim > 64, kernel) {
         (false, FragmentKernel::Forward | FragmentKernel::QueryGrad) => 64,
         (false, FragmentKernel::KeyValueGrad) => 32,
         (true, FragmentKernel::Forward) => 32,
+        (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) if streamed => 32,
         (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) => 16,
     };
     let fits = |staging: &Staging| shared_bytes(kernel, head_dim, register_columns, *staging, mma_sync, element_bytes) <= shared_limit;

@@ -681,7 +681,12 @@ mod tests {
         let double = |keys| Ok(Staging { keys, buffers: 2 });
         assert_eq!(steps(64, true, 227 * 1024), [double(64), double(64), double(32)]);
         assert_eq!(steps(128, true, 227 * 1024), [double(32), double(16), double(16)]);
-        assert_eq!(steps(256, true, 227 * 1024), [double(32), double(16), double(16)]);
+        // Past the register columns the backward streams its rows: 32-step there (two blocks
+        // of 68 KB an H100 or an A100).
+        assert_eq!(steps(256, true, 227 * 1024), [double(32), double(32), double(32)]);
+        assert_eq!(steps(256, true, 164 * 1024), [double(32), double(32), double(32)]);
+        assert_eq!(key_step(QueryGrad, 128, 64, true, 2, 227 * 1024), double(32));
+        assert_eq!(key_step(KeyValueGrad, 128, 64, true, 2, 227 * 1024), double(32));
         // An L40's 99 KB a block holds the forward's 32-key step at 256 once: 16 keys, twice.
         assert_eq!(steps(256, true, 101_376), [double(16), double(16), double(16)]);
         assert_eq!(steps(128, true, 101_376), [double(32), double(16), double(16)]);
