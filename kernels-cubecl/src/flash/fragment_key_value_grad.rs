@@ -15,8 +15,8 @@
 //! a launch for dV, one for dK, each recomputing Pᵀ, as the planned engine splits dK/dV at
 //! head dim 256. Past 128 (64 with 64-bit indices) the kernel runs once per part of the
 //! columns (`fragment_tiles`), K's and V's fragments read as the products need them: dV's and
-//! dK's parts apart at 256, both gradients a launch in the 64-column parts of 128 with 64-bit
-//! indices.
+//! dK's parts of 128 apart at 256 with 32-bit indices; with 64-bit ones both gradients a launch
+//! in each part of 64 columns, at 128 and 256.
 
 use cubecl::prelude::*;
 

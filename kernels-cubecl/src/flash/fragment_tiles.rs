@@ -10,7 +10,9 @@
 //! registers whole: there the score products read each warp's row fragments from global memory
 //! 16 columns at a time as they need them ([`RowOperand`]), and each output is accumulated in column parts of
 //! that width, a launch each, that recompute the scores (the planned engine's column
-//! parts): the forward's and dQ's work about 1.5 times, dK's and dV's likewise.
+//! parts): at 256 in parts of 128 the forward's and dQ's work about 1.5 times, dK's and dV's
+//! likewise; in the backward's parts of 64 with 64-bit indices dQ's about 1.7 times at 128
+//! and 3 times at 256.
 //!
 //! The loops over tiles are unrolled where the fragments are registers (`unrolled`: CUDA); the
 //! emulation keeps them loops, which a shader compiler takes in seconds rather than minutes.
