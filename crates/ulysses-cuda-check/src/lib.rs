@@ -76,7 +76,8 @@ fn kernel_of(entrypoint: &str) -> Option<&'static str> {
 
 /// The cases of the H100 plan: every dtype, head dims 64, 128 and 256, causal or not, with and
 /// without ranges; and, indexed in 64 bits, head dim 128 in bf16 (plain, and causal with
-/// ranges) and in f32 (causal with ranges): an 8B model's attention at a million tokens.
+/// ranges) and in f32 (causal with ranges): an 8B model's attention at a million tokens; and
+/// bf16 causal with ranges at head dims 64 and 256, whose register budgets differ.
 pub fn full_plan() -> Vec<Case> {
     let mut cases = Vec::new();
     for dtype in ["bf16", "f16", "f32"] {
@@ -88,8 +89,8 @@ pub fn full_plan() -> Vec<Case> {
             }
         }
     }
-    for (dtype, causal_and_ranged) in [("bf16", false), ("bf16", true), ("f32", true)] {
-        cases.push(Case { dtype, head_dim: 128, causal: causal_and_ranged, ranged: causal_and_ranged, sixty_four_bit: true });
+    for (dtype, head_dim, causal_and_ranged) in [("bf16", 128, false), ("bf16", 128, true), ("f32", 128, true), ("bf16", 64, true), ("bf16", 256, true)] {
+        cases.push(Case { dtype, head_dim, causal: causal_and_ranged, ranged: causal_and_ranged, sixty_four_bit: true });
     }
     cases
 }

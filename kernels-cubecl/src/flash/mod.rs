@@ -355,7 +355,7 @@ pub fn flash_attention_forward<R: CubeRuntime>(
     let lse = empty_device_contiguous_dtype(client.clone(), device, Shape::new([p.batch, p.q_heads, p.seq_q]), DType::F32);
     let dtype = query.dtype;
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    for part in plan.column_parts(blocks.value_dim) {
+    for part in plan.column_parts(plan::Kernel::Forward, blocks.value_dim) {
         let blocks = Blocks { part, ..blocks };
         launch_with_engine!(
             plan,
@@ -523,8 +523,8 @@ fn backward<R: CubeRuntime>(
     // where one alone does not.
     let (key_width, value_width) = (plan.key_value.dim, plan.key_value.value_dim);
     let passes: Vec<(KeyValuePass, Option<ColumnPart>)> = if plan.split_key_value {
-        let values = plan.column_parts(value_width).into_iter().map(|part| (KeyValuePass::Values, part));
-        let keys = plan.column_parts(key_width).into_iter().map(|part| (KeyValuePass::Keys, part));
+        let values = plan.column_parts(plan::Kernel::KeyValueGrad, value_width).into_iter().map(|part| (KeyValuePass::Values, part));
+        let keys = plan.column_parts(plan::Kernel::KeyValueGrad, key_width).into_iter().map(|part| (KeyValuePass::Keys, part));
         values.chain(keys).collect()
     } else {
         vec![(KeyValuePass::Both, None)]
@@ -560,7 +560,7 @@ fn backward<R: CubeRuntime>(
     let query_grad = empty([p.batch, p.q_heads, p.seq_q, p.head_dim]);
     let blocks = Blocks { ranged, ..plan.query };
     let blocks_per_head = p.seq_q.div_ceil(blocks.block_rows());
-    for part in plan.column_parts(blocks.dim) {
+    for part in plan.column_parts(plan::Kernel::QueryGrad, blocks.dim) {
         let blocks = Blocks { part, ..blocks };
         launch_with_engine!(
             plan,

@@ -5,7 +5,7 @@ use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
 use cubecl::{
     features::MmaConfig,
-    ir::{ElemType, FloatKind, StorageType},
+    ir::{AddressType, ElemType, FloatKind, StorageType},
     prelude::*,
 };
 
@@ -50,6 +50,9 @@ pub struct Plan {
     pub query: Blocks,
     /// Whether dK and dV take a launch each (see [`split_key_value`]).
     pub split_key_value: bool,
+    /// The kernels' index width (the problem's largest tensor decides): 64-bit offsets take
+    /// two registers each, which narrows the forward's column parts (see [`part_width`]).
+    pub indices: AddressType,
 }
 
 /// Accumulator tiles of 16 × 16 f32 a warp's registers hold before the compiler spills: each
@@ -59,9 +62,12 @@ pub struct Plan {
 /// spilled: `cargo test -p ulysses-cuda-check`). Fragments that take two product steps per
 /// 16-deep tile (TF32's 16 × 16 × 8) hold each step's operand fragments, and f32 addresses and
 /// staging cost more: dK + dV at 128 + 128 spill 16-32 B together, 64 + 128 do not; one output
-/// of 256 columns (16 tiles) spills 16-120 B in every kernel, 128 columns nothing.
-fn accumulator_tiles_in_registers(fragment: Fragment) -> usize {
-    if fragment.depth < fragment.edge { 12 } else { 16 }
+/// of 256 columns (16 tiles) spills 16-120 B in every kernel, 128 columns nothing. The forward
+/// with 64-bit indices holds 12 at most: its 256 columns of f16/bf16 spill 60 B at 255
+/// registers there (sm_90a), 128 nothing; dQ's 16 tiles and dK's and dV's do not spill.
+fn accumulator_tiles_in_registers(fragment: Fragment, kernel: Kernel, indices: AddressType) -> usize {
+    let tiles = if fragment.depth < fragment.edge { 12 } else { 16 };
+    if kernel == Kernel::Forward && indices == AddressType::U64 { tiles.min(12) } else { tiles }
 }
 
 /// Whether the dK/dV kernel runs as two launches, dV then dK, each recomputing the
@@ -71,28 +77,30 @@ fn accumulator_tiles_in_registers(fragment: Fragment) -> usize {
 /// either way).
 pub fn split_key_value(engine: Engine, dim: usize, value_dim: usize) -> bool {
     match engine {
-        Engine::TensorCores { fragment } => dim.div_ceil(TILE) + value_dim.div_ceil(TILE) > accumulator_tiles_in_registers(fragment),
+        Engine::TensorCores { fragment } => dim.div_ceil(TILE) + value_dim.div_ceil(TILE) > accumulator_tiles_in_registers(fragment, Kernel::KeyValueGrad, AddressType::U32),
         Engine::Plane => false,
     }
 }
 
-/// The columns one launch accumulates of an output `width` wide (a multiple of 16): all of
-/// them where their accumulator tiles fit the registers, else the widest equal parts of whole
-/// tiles that do, each part a launch of its own that recomputes the scores (head dim 256 on
-/// TF32: two launches of 128 columns, the forward's and dQ's work about 1.5 times, dK's and
-/// dV's passes likewise). The plane engine's accumulators are in local memory either way.
-pub fn part_width(engine: Engine, width: usize) -> usize {
+/// The columns one launch of `kernel` accumulates of an output `width` wide (a multiple of 16)
+/// with `indices`: all of them where their accumulator tiles fit the registers, else the
+/// widest equal parts of whole tiles that do, each part a launch of its own that recomputes
+/// the scores (head dim 256 on TF32, or the forward's with 64-bit indices: two launches of 128
+/// columns, the forward's and dQ's work about 1.5 times, dK's and dV's passes likewise). The
+/// plane engine's accumulators are in local memory either way.
+pub fn part_width(engine: Engine, kernel: Kernel, indices: AddressType, width: usize) -> usize {
     match engine {
         Engine::TensorCores { fragment } => {
             let tiles = width / TILE;
-            let limit = accumulator_tiles_in_registers(fragment);
+            let limit = accumulator_tiles_in_registers(fragment, kernel, indices);
             (1..=tiles).find(|parts| tiles % parts == 0 && tiles / parts <= limit).map_or(TILE, |parts| width / parts)
         }
         Engine::Plane => width,
     }
 }
 
-/// Which kernel a budget is for: each stages different tiles.
+/// Which kernel a budget or a column part is for: each stages different tiles and holds
+/// different registers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kernel {
     Forward,
@@ -217,15 +225,16 @@ impl Plan {
             key_value: budget.blocks(Kernel::KeyValueGrad)?,
             query: budget.blocks(Kernel::QueryGrad)?,
             split_key_value: split_key_value(engine, problem.head_dim, problem.value_dim),
+            indices: problem.address_type(),
         })
     }
 }
 
 impl Plan {
-    /// The launches' column parts of an output `width` wide (padded to 16): `[None]` where one
-    /// launch takes every column (see [`part_width`]).
-    pub fn column_parts(&self, width: usize) -> Vec<Option<ColumnPart>> {
-        ColumnPart::cover(width, part_width(self.engine, width))
+    /// The column parts of `kernel`'s launches for an output `width` wide (padded to 16):
+    /// `[None]` where one launch takes every column (see [`part_width`]).
+    pub fn column_parts(&self, kernel: Kernel, width: usize) -> Vec<Option<ColumnPart>> {
+        ColumnPart::cover(width, part_width(self.engine, kernel, self.indices, width))
     }
 }
 
@@ -413,19 +422,26 @@ mod tests {
     fn outputs_too_wide_for_the_registers_take_a_launch_per_part() {
         let cores = Engine::TensorCores { fragment: Fragment::cube(16) };
         let tf32 = Engine::TensorCores { fragment: Fragment::TF32 };
+        let narrow = |engine, width| part_width(engine, Kernel::QueryGrad, AddressType::U32, width);
         for width in [16, 64, 128, 256] {
-            assert_eq!(part_width(cores, width), width);
-            assert_eq!(part_width(Engine::Plane, width), width);
+            assert_eq!(narrow(cores, width), width);
+            assert_eq!(narrow(Engine::Plane, width), width);
         }
-        assert_eq!(part_width(tf32, 128), 128);
-        assert_eq!(part_width(tf32, 192), 192);
-        assert_eq!(part_width(tf32, 256), 128);
-        assert_eq!(part_width(cores, 512), 256);
+        assert_eq!(narrow(tf32, 128), 128);
+        assert_eq!(narrow(tf32, 192), 192);
+        assert_eq!(narrow(tf32, 256), 128);
+        assert_eq!(narrow(cores, 512), 256);
         // 20 tiles: two parts of 10 on TF32 (12 at most per launch).
-        assert_eq!(part_width(tf32, 320), 160);
+        assert_eq!(narrow(tf32, 320), 160);
         // TF32's shape with f16 operands, as the tensor-core tests on the CPU force it.
         let two_steps = Engine::TensorCores { fragment: Fragment { depth: 8, ..Fragment::cube(16) } };
-        assert_eq!(part_width(two_steps, 256), 128);
+        assert_eq!(narrow(two_steps, 256), 128);
+        // The forward with 64-bit indices: 256 columns in two parts, 128 whole; the backward's
+        // kernels and 32-bit indices keep 256 whole.
+        assert_eq!(part_width(cores, Kernel::Forward, AddressType::U64, 256), 128);
+        assert_eq!(part_width(cores, Kernel::Forward, AddressType::U64, 128), 128);
+        assert_eq!(part_width(cores, Kernel::Forward, AddressType::U32, 256), 256);
+        assert_eq!(part_width(cores, Kernel::QueryGrad, AddressType::U64, 256), 256);
     }
 
     #[test]
