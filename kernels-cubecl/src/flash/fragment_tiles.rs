@@ -46,6 +46,13 @@ pub(crate) fn register_columns(kernel: FragmentKernel, indices: AddressType) -> 
         _ => REGISTER_COLUMNS,
     }
 }
+
+/// Whether rows of `head_dim` are read from memory 16 columns at a time as each product needs
+/// them (wider than `register_columns`) rather than kept in registers as fragments.
+pub(crate) fn rows_streamed(head_dim: usize, register_columns: usize) -> bool {
+    head_dim > register_columns
+}
+
 /// A masked score: finite (WGSL has no infinity literal) and below any real one; its
 /// probability is set to 0 explicitly.
 pub(crate) const MASKED: f32 = -1.0e30;
@@ -83,7 +90,7 @@ pub(crate) struct Staging {
 /// the tests run the schedule CUDA runs wherever the device allows. `Err` with the bytes the
 /// smallest step needs where not even it fits (a kernel over the limit would not run at all).
 pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, register_columns: usize, mma_sync: bool, element_bytes: usize, shared_limit: usize) -> Result<Staging, usize> {
-    let streamed = head_dim > register_columns;
+    let streamed = rows_streamed(head_dim, register_columns);
     let cuda = match (head_dim > 64, kernel) {
         (false, FragmentKernel::Forward | FragmentKernel::QueryGrad) => 64,
         (false, FragmentKernel::KeyValueGrad) => 32,
@@ -290,7 +297,7 @@ pub(crate) fn row_operand<E: Float>(
     #[comptime] unrolled: bool,
 ) -> RowOperand<E> {
     let place = row_place(base, row0, rows, head_dim);
-    let fragments = if comptime!(head_dim <= register_columns) {
+    let fragments = if comptime!(!rows_streamed(head_dim, register_columns)) {
         load_row_fragments::<E>(source, &place, 0usize, head_dim, unrolled)
     } else {
         Array::<E>::new(1usize)
@@ -394,7 +401,7 @@ pub(crate) fn times_tile_transposed<E: Float, M: FragmentMma>(
 ) {
     let stride = comptime!(head_dim + PAD);
     let start = buffer_start(buffer, keys, head_dim);
-    if comptime!(head_dim <= register_columns) {
+    if comptime!(!rows_streamed(head_dim, register_columns)) {
         #[unroll(unrolled)]
         for n_tile in 0..keys / 8 {
             #[unroll(unrolled)]
