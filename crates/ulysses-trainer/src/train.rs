@@ -444,7 +444,7 @@ where
     if is_first {
         log_memory(&model, &optimizer, parts.as_ref(), groups.world.size());
     }
-    // The model whole, for what needs all of it (evaluation, checkpoints, the result):
+    // The model whole, for what needs all of it (evaluation, the result):
     // under ZeRO-3 all-gathered (a collective), else the model itself.
     let whole = |model: &Decoder<B>, parts: Option<&ShardedParameters<B>>| match parts {
         Some(parts) => parts.gather_all(model.clone(), &*groups.world),
@@ -480,27 +480,19 @@ where
         }
         let done = step + 1;
         let checkpoint_due = done == last_step || (options.checkpoint_every > 0 && done % options.checkpoint_every == 0);
-        let saved_model = if checkpoint_due && options.checkpoint_dir.is_some() { Some(whole(&model, parts.as_ref())?) } else { None };
         if let (true, Some(dir)) = (checkpoint_due, &options.checkpoint_dir) {
             let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone(), data: options.data_identity.clone() };
-            // Replicated: rank 0 writes it all; sharded: every rank its part (a collective).
+            // Replicated: rank 0 writes it all; sharded: every rank its part of the optimizer's
+            // state, whose master weights are the model (a collective; nothing gathered).
             let path = match &optimizer {
                 RankOptimizer::Replicated(optimizer) => is_first.then(|| save_training_checkpoint(dir, &model, optimizer, &state)).transpose()?,
-                RankOptimizer::OnHost(optimizer) => {
-                    let model = saved_model.as_ref().expect("gathered for the checkpoint");
-                    save_sharded_training_checkpoint::<B, _, _>(dir, model, optimizer, &state, done as u64, &*groups.world)?
-                }
-                RankOptimizer::OnDevice(optimizer) => {
-                    let model = saved_model.as_ref().expect("gathered for the checkpoint");
-                    save_sharded_training_checkpoint::<B, _, _>(dir, model, &optimizer.to_host(), &state, done as u64, &*groups.world)?
-                }
+                RankOptimizer::OnHost(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, optimizer, &state, done as u64, &*groups.world)?,
+                RankOptimizer::OnDevice(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, &optimizer.to_host(), &state, done as u64, &*groups.world)?,
             };
             if let (Some(progress), Some(path)) = (options.progress.as_deref_mut(), path) {
                 progress.checkpoint(step, &path);
             }
         }
-        // The whole model of a ZeRO-3 checkpoint goes before --save-hf gathers its shards.
-        drop(saved_model);
         if let (true, Some((dir, checkpoint))) = (checkpoint_due, &options.save_hf) {
             let saved = match &parts {
                 Some(parts) => save_hf_gathered(&model, parts, checkpoint, dir, groups),
@@ -701,11 +693,11 @@ where
             (model, RankOptimizer::Replicated(optimizer), state)
         }
         RankOptimizer::OnHost(_) => {
-            let (model, optimizer, state) = load_sharded_training_checkpoint(location, model, device, groups.world_rank(), groups.world.size())?;
+            let (model, optimizer, state) = load_sharded_training_checkpoint(location, model, &*groups.world)?;
             (model, RankOptimizer::OnHost(optimizer), state)
         }
         RankOptimizer::OnDevice(_) => {
-            let (model, optimizer, state) = load_sharded_training_checkpoint(location, model, device, groups.world_rank(), groups.world.size())?;
+            let (model, optimizer, state) = load_sharded_training_checkpoint(location, model, &*groups.world)?;
             (model, RankOptimizer::OnDevice(DeviceShardedAdamW::from_host(&optimizer, device)), state)
         }
     };

@@ -10,6 +10,9 @@
 //!
 //! Parameters and optimizer state do not depend on the SP or DP layout (every rank holds the
 //! same values), so a checkpoint loads under any layout, and without sequence parallelism.
+//! Where the optimizer's state is sharded over the ranks (`crate::sharded`), each rank writes
+//! its part beside the file, and the file's model section is empty: the parts' f32 master
+//! weights are the model (under ZeRO-3 no rank holds it whole).
 //!
 //! Layout of the file: the 8-byte magic `ULYCKPT1`, a little-endian `u64` header length, the
 //! header (JSON: format version, the caller's state, section lengths, checksum), then the
@@ -72,32 +75,28 @@ where
     S: Serialize,
 {
     let path = dir.join(CHECKPOINT_FILE);
+    let model_bytes = Recorder::<B>::record(&recorder(), model.clone().into_record(), ()).map_err(|e| error(&path, e))?;
     let optimizer_bytes = Recorder::<B>::record(&recorder(), optimizer.to_record(), ()).map_err(|e| error(&path, e))?;
-    write_checkpoint::<B, M, S>(dir, model, &optimizer_bytes, None, state)
+    write_checkpoint(dir, &model_bytes, &optimizer_bytes, None, state)
 }
 
-/// Writes `dir/`[`CHECKPOINT_FILE`] atomically: `model`, the optimizer's record (empty when
-/// its state is sharded in the folder `optimizer_shards` beside the file) and `state`.
-pub(crate) fn write_checkpoint<B, M, S>(dir: &Path, model: &M, optimizer_bytes: &[u8], optimizer_shards: Option<&str>, state: &S) -> Result<PathBuf, UlyssesError>
-where
-    B: AutodiffBackend,
-    M: AutodiffModule<B>,
-    S: Serialize,
-{
+/// Writes `dir/`[`CHECKPOINT_FILE`] atomically: the model's record (empty when the optimizer's
+/// state is sharded in the folder `optimizer_shards` beside the file, whose master weights are
+/// the model), the optimizer's record (empty then too) and `state`.
+pub(crate) fn write_checkpoint<S: Serialize>(dir: &Path, model_bytes: &[u8], optimizer_bytes: &[u8], optimizer_shards: Option<&str>, state: &S) -> Result<PathBuf, UlyssesError> {
     let path = dir.join(CHECKPOINT_FILE);
-    let model_bytes = Recorder::<B>::record(&recorder(), model.clone().into_record(), ()).map_err(|e| error(&path, e))?;
     let header = Header {
         format: FORMAT_VERSION,
         state,
         model_bytes: model_bytes.len() as u64,
         optimizer_bytes: optimizer_bytes.len() as u64,
-        checksum: fnv1a(&[&model_bytes, optimizer_bytes]),
+        checksum: fnv1a(&[model_bytes, optimizer_bytes]),
         optimizer_shards: optimizer_shards.map(str::to_string),
     };
     let header = serde_json::to_vec(&header).map_err(|e| error(&path, e))?;
     let length = (header.len() as u64).to_le_bytes();
     fs::create_dir_all(dir).map_err(|e| error(&path, format!("cannot create the folder: {e}")))?;
-    write_atomically(&path, &[MAGIC, &length, &header, &model_bytes, optimizer_bytes])
+    write_atomically(&path, &[MAGIC, &length, &header, model_bytes, optimizer_bytes])
         .map_err(|e| error(&path, format!("cannot write: {e}")))?;
     Ok(path)
 }
@@ -166,6 +165,8 @@ pub fn checkpoint_path(location: &Path) -> PathBuf {
 /// What a checkpoint file holds.
 pub(crate) struct Contents<S> {
     pub state: S,
+    /// The model's record; empty when the optimizer's state is sharded (`optimizer_shards`),
+    /// whose master weights are the model (a checkpoint of an earlier version may hold one).
     pub model: Vec<u8>,
     /// The optimizer's record; empty when its state is sharded (`optimizer_shards`).
     pub optimizer: Vec<u8>,

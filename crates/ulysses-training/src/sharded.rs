@@ -156,6 +156,22 @@ impl ShardedAdamW {
         Ok((model, grad_norm))
     }
 
+    /// `model` with every float parameter set from the master weights, all-gathered in the
+    /// parameter's dtype onto its device (what a resumed run starts from). Collective over
+    /// `world`; refused when the parts are of another model.
+    pub(crate) fn model_from_masters<B: TrainBackend, M: AutodiffModule<B>>(&self, model: M, world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
+        let parameters = crate::float_parameters(&model);
+        self.check_holds(world.rank(), world.size(), &parameters.iter().map(|p| p.values.dims()[0]).collect::<Vec<_>>())?;
+        let Some(device) = model.devices().first().cloned() else { return Ok(model) };
+        let which: Vec<(usize, DType)> = parameters.iter().enumerate().map(|(i, p)| (i, p.values.dtype())).collect();
+        drop(parameters);
+        let mut values: Vec<Option<Tensor<B::InnerBackend, 1>>> = vec![None; which.len()];
+        for (i, whole) in self.all_gather_masters::<B>(&which, world, &device)? {
+            values[i] = Some(whole);
+        }
+        Ok(model.map(&mut SetParameters::<B> { values: values.into_iter() }))
+    }
+
     /// Refuses to step as another rank, or another model, than the parts are of.
     pub(crate) fn check_holds(&self, rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError> {
         check_parts_fit(self.place, &self.parts.iter().map(|part| part.elements).collect::<Vec<_>>(), rank, world, elements)
@@ -504,24 +520,18 @@ const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
 /// 1. every rank writes its part, atomically, into `dir/`[`sharded_state_folder`]`(step)`, a
 ///    folder no earlier checkpoint uses;
 /// 2. the ranks agree that every part is written (one host collective);
-/// 3. rank 0 writes `dir/checkpoint.ulysses` (the model and `state`, naming that folder),
-///    atomically: the checkpoint switches to the new state here, all of it at once;
+/// 3. rank 0 writes `dir/checkpoint.ulysses` (`state`, naming that folder), atomically: the
+///    checkpoint switches to the new state here, all of it at once;
 /// 4. rank 0 removes the state folders no checkpoint names (the previous one, and any left by
 ///    a crash between 1 and 3), and every rank learns whether 3 succeeded.
 ///
 /// A crash anywhere leaves `checkpoint.ulysses` naming a complete set of parts: the previous
-/// checkpoint's or this one's. Returns the checkpoint file's path on rank 0.
-pub fn save_sharded_training_checkpoint<B, M, S>(
-    dir: &Path,
-    model: &M,
-    optimizer: &ShardedAdamW,
-    state: &S,
-    step: u64,
-    world: &dyn Communicator<B::Wire>,
-) -> Result<Option<PathBuf>, UlyssesError>
+/// checkpoint's or this one's. The parts' master weights are the model: no rank gathers it
+/// (under ZeRO-3 none holds it whole; [`load_sharded_training_checkpoint`] sets a model from
+/// them). Returns the checkpoint file's path on rank 0.
+pub fn save_sharded_training_checkpoint<B, S>(dir: &Path, optimizer: &ShardedAdamW, state: &S, step: u64, world: &dyn Communicator<B::Wire>) -> Result<Option<PathBuf>, UlyssesError>
 where
     B: TrainBackend,
-    M: AutodiffModule<B>,
     S: Serialize,
 {
     let (rank, size) = (world.rank(), world.size());
@@ -535,7 +545,7 @@ where
         return Err(shard_error(&folder, format!("rank(s) {failed:?} could not write their part of the optimizer state; the previous checkpoint stays the one to resume from")));
     }
     let committed = if rank == 0 {
-        let path = crate::checkpoint::write_checkpoint::<B, M, S>(dir, model, &[], Some(&folder_name), state);
+        let path = crate::checkpoint::write_checkpoint(dir, &[], &[], Some(&folder_name), state);
         if path.is_ok() {
             remove_unnamed_state_folders(dir, &folder_name);
         }
@@ -568,12 +578,15 @@ fn remove_unnamed_state_folders(dir: &Path, keep: &str) {
     }
 }
 
-/// Loads a checkpoint written by [`save_sharded_training_checkpoint`] into `model` (a fresh
-/// one of the same shapes) on `device`, with the optimizer state re-partitioned for rank
-/// `rank` of a world of `world` (any size: [`ShardedAdamW::load`]), and the saved state.
-pub fn load_sharded_training_checkpoint<B, M, S>(location: &Path, model: M, device: &B::Device, rank: usize, world: usize) -> Result<(M, ShardedAdamW, S), UlyssesError>
+/// Loads a checkpoint written by [`save_sharded_training_checkpoint`]: the optimizer state
+/// re-partitioned for this rank of `world` (any size: [`ShardedAdamW::load`]), `model` (a fresh
+/// one of the same shapes, on its device) with every float parameter set from the master
+/// weights (all-gathered, in the parameter's dtype), and the saved state. Collective over
+/// `world`; refused, before the gather, when the ranks read different checkpoints or the
+/// parts are of another model.
+pub fn load_sharded_training_checkpoint<B, M, S>(location: &Path, model: M, world: &dyn Communicator<B::Wire>) -> Result<(M, ShardedAdamW, S), UlyssesError>
 where
-    B: burn::tensor::backend::AutodiffBackend,
+    B: TrainBackend,
     M: AutodiffModule<B>,
     S: serde::de::DeserializeOwned,
 {
@@ -586,9 +599,20 @@ where
              load_training_checkpoint (the trainer: without --offload-optimizer)",
         ));
     };
-    let model = crate::checkpoint::load_model_record(&path, contents.model, model, device)?;
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let optimizer = ShardedAdamW::load(&dir.join(folder), rank, world)?;
+    let optimizer = ShardedAdamW::load(&dir.join(&folder), world.rank(), world.size());
+    // Every rank must gather the same parameters from the same step's parts.
+    let mine = [optimizer.is_ok() as u64, crate::checkpoint::fnv1a(&[folder.as_bytes()])];
+    let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &mine, "sharded checkpoint loaded")?;
+    let optimizer = optimizer?;
+    if let Some(rank) = every_rank.iter().position(|r| r[0] == 0) {
+        return Err(shard_error(&path, format!("rank {rank} could not load its part of the optimizer state (its error says why)")));
+    }
+    if every_rank.iter().any(|r| r[1] != mine[1]) {
+        let folders: Vec<u64> = every_rank.iter().map(|r| r[1]).collect();
+        return Err(shard_error(&path, format!("the ranks read checkpoints naming different state folders (hashes {folders:?}): every rank must read the same file (a shared file system)")));
+    }
+    let model = optimizer.model_from_masters::<B, M>(model, world).map_err(|e| shard_error(&path, e))?;
     Ok((model, optimizer, contents.state))
 }
 
@@ -751,7 +775,8 @@ mod tests {
     /// The sharded checkpoint's commit: two ranks step twice and checkpoint after each step;
     /// the folder then holds the last checkpoint's parts alone (the first's, and a crash's
     /// leftover, removed), and loads at world 1 with the master weights equal to the model's
-    /// parameters and both steps in the moments. Parts written for a later step that no
+    /// parameters, a fresh model set from them (the file holds no model), and both steps in
+    /// the moments. Parts written for a later step that no
     /// checkpoint file names (a crash before the commit) change nothing; a replicated load
     /// is refused, naming the flag.
     #[test]
@@ -774,9 +799,9 @@ mod tests {
                 let input = Tensor::<Ad, 2>::ones([1, 3], &Default::default()) * (comm.rank() + step as usize) as f32;
                 let grads = GradientsParams::from_grads(linear.forward(input).sum().backward(), &linear);
                 linear = optimizer.step::<Ad, _>(1e-2, linear, grads, None, &*comm).unwrap().0;
-                save_sharded_training_checkpoint::<Ad, _, _>(&shared, &linear, &optimizer, &step, step, &*comm).unwrap();
+                save_sharded_training_checkpoint::<Ad, _>(&shared, &optimizer, &step, step, &*comm).unwrap();
             }
-            let weights: Vec<f32> = linear.weight.val().into_data().to_vec().unwrap();
+            let weights: Vec<f32> = [linear.weight.val().into_data().to_vec().unwrap(), linear.bias.as_ref().unwrap().val().into_data().to_vec().unwrap()].concat();
             // A crash after every part of step 3 was written, before the checkpoint file was.
             optimizer.save(&shared.join(sharded_state_folder(3)), comm.rank(), 2).map(|_| weights)
         });
@@ -786,10 +811,14 @@ mod tests {
         let mut folders: Vec<String> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(STATE_FOLDER_PREFIX)).collect();
         folders.sort();
         assert_eq!(folders, [sharded_state_folder(2), sharded_state_folder(3)], "the first checkpoint's parts and the crash's leftover are removed");
-        let (loaded, optimizer, step): (Linear<Ad>, ShardedAdamW, u64) = load_sharded_training_checkpoint(&dir, layer(), &Default::default(), 0, 1).unwrap();
+        assert!(crate::checkpoint::read_checkpoint::<u64>(&dir).unwrap().model.is_empty(), "the master weights are the model: the file holds none");
+        let shared = dir.clone();
+        let loaded = burn_ulysses::comm::ThreadGroup::new(1).run(move |rank| load_sharded_training_checkpoint::<Ad, Linear<Ad>, u64>(&shared, layer(), &*rank.communicator()).unwrap());
+        let (loaded, optimizer, step) = loaded.into_iter().next().unwrap().unwrap();
         assert_eq!(step, 2, "the checkpoint file names the last committed step");
-        assert_eq!(loaded.weight.val().into_data().to_vec::<f32>().unwrap(), weights[0]);
-        assert_eq!(optimizer.parts[0].master, weights[0], "rank 0 of 1 holds the whole master weights, as the parameters");
+        let values = [loaded.weight.val().into_data().to_vec::<f32>().unwrap(), loaded.bias.unwrap().val().into_data().to_vec::<f32>().unwrap()].concat();
+        assert_eq!(values, weights[0], "the fresh model (every value 0.5) set from the master weights");
+        assert_eq!([optimizer.parts[0].master.clone(), optimizer.parts[1].master.clone()].concat(), weights[0], "rank 0 of 1 holds the whole master weights, as the parameters");
         assert!(optimizer.parts.iter().all(|part| part.moments.time == 2));
 
         let replicated = crate::checkpoint::load_training_checkpoint::<Ad, _, _, u64>(&dir, layer(), AdamWConfig::new().init::<Ad, Linear<Ad>>(), &Default::default());
