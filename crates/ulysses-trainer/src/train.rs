@@ -21,7 +21,7 @@ use burn_ulysses::{
 };
 use ulysses_training::{
     DeviceShardedAdamW, LayerCheckpointing, LocalStep, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
-    apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters,
+    apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters, layered_output,
     host_adamw_config, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
     checkpoint::{load_training_checkpoint, save_training_checkpoint},
 };
@@ -444,7 +444,7 @@ where
     if is_first {
         log_memory(&model, &optimizer, parts.as_ref(), groups.world.size());
     }
-    // The model whole, for what needs all of it (evaluation, the result):
+    // The model whole, for the result:
     // under ZeRO-3 all-gathered (a collective), else the model itself.
     let whole = |model: &Decoder<B>, parts: Option<&ShardedParameters<B>>| match parts {
         Some(parts) => parts.gather_all(model.clone(), &*groups.world),
@@ -473,7 +473,12 @@ where
         }
         let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
         if let (true, Some(batch)) = (eval_due, &eval_batch) {
-            let loss = evaluate_model::<B>(config, &whole(&model, parts.as_ref())?.valid(), batch, eval_documents.as_deref(), eval_targets.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
+            let (documents, targets) = (eval_documents.as_deref(), eval_targets.as_deref());
+            let loss = match parts.as_mut() {
+                Some(parts) => evaluate_in_parts::<B>(config, &model, parts, batch, documents, targets, groups, device),
+                None => evaluate_model::<B>(config, &model.valid(), batch, documents, targets, groups, device),
+            }
+            .map_err(|e| e.at_step(step))?;
             if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss) {
                 progress.eval(step, loss.mean());
             }
@@ -788,7 +793,29 @@ where
         let is_first = groups.world_rank() == 0;
         return Ok(is_first.then(|| evaluate_single_device(forward, batch, documents, targets, sharder.ignore_index, device)));
     }
-    evaluate(forward, batch, documents, targets, &sharder, groups.sp_rank(), &*groups.sp, device).map(Some)
+    evaluate(|tokens, positions| Ok(forward(tokens, positions)), batch, documents, targets, &sharder, groups.sp_rank(), &*groups.sp, device).map(Some)
+}
+
+/// [`evaluate_model`] under ZeRO-3 (`model` holds placeholders, `parts` this rank's parts),
+/// each layer's parameters gathered just before it runs and dropped after it, so no rank holds
+/// the whole model; with `eval_single_device`, where world rank 0 alone runs the model, every
+/// rank gathers it whole for that. Collective over the world.
+fn evaluate_in_parts<B: TrainBackend>(
+    config: &TrainConfig,
+    model: &Decoder<B>,
+    parts: &mut ShardedParameters<B>,
+    batch: &[Vec<i64>],
+    documents: Option<&[Vec<usize>]>,
+    targets: Option<&[Vec<bool>]>,
+    groups: &ParallelGroups<B::Wire>,
+    device: &B::Device,
+) -> Result<Option<TokenLoss>, UlyssesError> {
+    if config.eval_single_device {
+        return evaluate_model::<B>(config, &parts.gather_all(model.clone(), &*groups.world)?.valid(), batch, documents, targets, groups, device);
+    }
+    let mut gathers = parts.over(&*groups.world);
+    let forward = |tokens, positions: &ShardPositions| layered_output(model, tokens, positions, &mut gathers);
+    evaluate(forward, batch, documents, targets, &config.sharder(), groups.sp_rank(), &*groups.sp, device).map(Some)
 }
 
 /// The loss of `model` over `sequences` (a whole file; each packing the documents of lengths

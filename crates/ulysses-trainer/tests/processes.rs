@@ -161,6 +161,19 @@ fn losses(out: &Path) -> Vec<(usize, f64)> {
         .collect()
 }
 
+/// The held-out losses a run logged (metrics.csv's `eval_loss`), by step.
+fn eval_losses(out: &Path) -> Vec<(usize, f64)> {
+    fs::read_to_string(out.join("metrics.csv"))
+        .unwrap()
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(',').collect();
+            Some((fields[0].parse().ok()?, fields[2].parse().ok()?))
+        })
+        .collect()
+}
+
 /// Every parameter of the model a run saved, flattened, with its path.
 fn parameters(out: &Path) -> Vec<(String, Vec<f32>)> {
     let config = TrainConfig::load(out.join("config.json")).unwrap();
@@ -312,9 +325,10 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
 /// The optimizer on the host (`--offload-optimizer`) and ZeRO-3 (`--zero 3`: parameters and
 /// gradients in parts too, each layer gathered for its pieces; the optimizer's parts on the
 /// host or on the device) train as replicated AdamW does,
-/// over 4 processes (SP=2 × DP=2, TCP); ZeRO-3 stopped after 3 steps on 4 ranks resumes on 2
-/// with the uninterrupted run's losses; a checkpoint of sharded state is refused to a run
-/// without the optimizer on the host, naming the flag.
+/// over 4 processes (SP=2 × DP=2, TCP), and evaluate the held-out batch as it does (ZeRO-3 a
+/// layer at a time); ZeRO-3 stopped after 3 steps on 4 ranks resumes on 2 with the
+/// uninterrupted run's losses; a checkpoint of sharded state is refused to a run without the
+/// optimizer on the host, naming the flag.
 #[test]
 fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume_at_another_world() {
     let dir = workspace("offload-optimizer");
@@ -348,6 +362,12 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
         let (loss, params) = differences(&dir.join(run), &dir.join("replicated"));
         println!("{run} against replicated: max |Δ| loss {loss:.2e}, parameters {params:.2e}");
         assert!(loss <= 1e-6 && params <= TOLERANCE, "{run}: losses differ by {loss:e}, parameters by {params:e}");
+        let (held_out, reference) = (eval_losses(&dir.join(run)), eval_losses(&dir.join("replicated")));
+        println!("{run} held-out {held_out:?}, replicated {reference:?}");
+        assert!(!reference.is_empty() && held_out.len() == reference.len(), "{run}: held-out losses {held_out:?}, replicated {reference:?}");
+        for ((step, loss), (reference_step, reference_loss)) in held_out.iter().zip(&reference) {
+            assert!(step == reference_step && loss.is_finite() && (loss - reference_loss).abs() <= 1e-6, "{run}: held-out loss {loss} at step {step}, replicated {reference_loss} at {reference_step}");
+        }
     }
     let _ = fs::remove_dir_all(&dir);
 }

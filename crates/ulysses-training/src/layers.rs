@@ -585,6 +585,26 @@ where
     Ok((loss_sum.expect("a shard has at least one tile"), grads))
 }
 
+/// `model`'s output on a shard without a graph (evaluation), each group's parameters from
+/// `parameters` just before its pieces run and dropped after them: under ZeRO-3 no rank holds
+/// the whole model, only one layer (or the embeddings and head) at a time. The same pieces as
+/// the checkpointed step's forward, each layer on the whole shard. Collective where
+/// `parameters` gathers: every rank of its world calls it.
+pub fn layered_output<B, M>(model: &M, tokens: Tensor<B::InnerBackend, 2, Int>, positions: &ShardPositions, parameters: &mut impl LayerParameters<B, M>) -> Result<LmOutput<B::InnerBackend>, UlyssesError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B> + LayeredLm<B>,
+    M::InnerModule: LayeredLm<B::InnerBackend>,
+{
+    let device = tokens.device();
+    let context = model.valid().context(positions, &device);
+    let mut hidden = parameters.gather(model, ParameterGroup::Rest)?.valid().embed(tokens, &context);
+    for index in 0..model.layer_count() {
+        hidden = parameters.gather(model, ParameterGroup::Layer(index))?.valid().layer(index, hidden, &context);
+    }
+    Ok(parameters.gather(model, ParameterGroup::Rest)?.valid().head(hidden))
+}
+
 /// A leaf of a piece's graph, holding `values`.
 fn leaf<B: AutodiffBackend, const D: usize>(values: Tensor<B::InnerBackend, D>) -> Tensor<B, D> {
     Tensor::from_inner(values).require_grad()

@@ -51,7 +51,7 @@ mod zero3;
 mod host_adamw_tests;
 
 pub use backend::TrainBackend;
-pub use layers::{LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with};
+pub use layers::{LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, layered_output};
 pub use sharded_device::DeviceShardedAdamW;
 pub use zero3::{GradParts, OptimizerPlace, PartOptimizer, ShardedParameters, Zero3Step};
 pub use panics::{catch_model_failure, quiet_caught_panics};
@@ -551,9 +551,10 @@ impl TokenLoss {
 /// `documents[i]`; `None`: one each) over its `targets` (all tokens: `None`; see
 /// [`StepInput::targets`]), evaluated with sequence parallelism: this rank runs
 /// `forward` on its shard, and the SP group sums losses and valid tokens. `forward` returns
-/// logits, or hidden states and head for a loss computed in chunks.
+/// logits, or hidden states and head for a loss computed in chunks, or the error of a
+/// collective of its own (ZeRO-3's gathers: [`layered_output`]).
 pub fn evaluate<B: Backend, G: Backend>(
-    forward: impl Fn(Tensor<B, 2, Int>, &ShardPositions) -> LmOutput<B>,
+    forward: impl FnOnce(Tensor<B, 2, Int>, &ShardPositions) -> Result<LmOutput<B>, UlyssesError>,
     batch: &[Vec<i64>],
     documents: Option<&[Vec<usize>]>,
     targets: Option<&[Vec<bool>]>,
@@ -564,9 +565,9 @@ pub fn evaluate<B: Backend, G: Backend>(
 ) -> Result<TokenLoss, UlyssesError> {
     let shard = sharder.shard_targets(batch, documents, targets, sp_rank);
     let loss = model_failure_as_error(|| {
-        let output = forward(shard.tokens(device), &shard.positions);
-        lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>()
-    })?;
+        let output = forward(shard.tokens(device), &shard.positions)?;
+        Ok::<_, UlyssesError>(lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>())
+    })??;
     let sum = sum_f64_over_ranks(sp_group, loss)?;
     let [tokens] = sum_over_ranks(sp_group, [shard.valid_tokens])?;
     Ok(TokenLoss { sum, tokens })
