@@ -85,9 +85,11 @@ pub(crate) struct Staging {
 /// memory feeds four products rather than two; always double-buffered, and 16 keys where the
 /// larger step would not let two blocks share an SM. Where the product is emulated through
 /// shared memory, the largest step up to that whose tiles fit the device's shared memory beside
-/// the product's scratch, double-buffered where any step is (lavapipe's 32 KiB: 32 keys at head
-/// dim 64, 16 at 128; at 256 16 keys, the forward double-buffered, the backward not), so that
-/// the tests run the schedule CUDA runs wherever the device allows. `Err` with the bytes the
+/// the product's scratch, double-buffered where any step is, but the backward's streamed step
+/// the largest before double-buffered (lavapipe's 32 KiB: 32 keys at head dim 64, 16 at 128;
+/// at 256 16 keys, the forward double-buffered, the backward not; the backward at 128 with
+/// 64-bit indices 32 keys, one buffer), so that the tests run the schedule CUDA runs wherever
+/// the device allows. `Err` with the bytes the
 /// smallest step needs where not even it fits (a kernel over the limit would not run at all).
 pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, register_columns: usize, mma_sync: bool, element_bytes: usize, shared_limit: usize) -> Result<Staging, usize> {
     let streamed = rows_streamed(head_dim, register_columns);
@@ -109,7 +111,14 @@ pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, register_columns
         steps().find(twice).or_else(|| steps().find(fits))
     } else {
         let keys = [cuda, 32, 16].into_iter().filter(move |&keys| keys <= cuda);
-        [2, 1].into_iter().flat_map(|buffers| keys.clone().map(move |keys| Staging { keys, buffers })).find(fits)
+        let mut double_buffered_first = [2, 1].into_iter().flat_map(|buffers| keys.clone().map(move |keys| Staging { keys, buffers }));
+        // The backward's streamed step: CUDA's keys before a second buffer, so that the
+        // loop CUDA runs (each chunk read feeding `keys / 8` products) runs here too.
+        let mut larger_first = keys.clone().flat_map(|keys| [2, 1].map(|buffers| Staging { keys, buffers }));
+        match streamed && kernel != FragmentKernel::Forward {
+            true => larger_first.find(fits),
+            false => double_buffered_first.find(fits),
+        }
     };
     found.ok_or_else(|| shared_bytes(kernel, head_dim, register_columns, smallest, mma_sync, element_bytes))
 }

@@ -695,6 +695,10 @@ mod tests {
         // At 256 the backward's two whole-width tiles fit lavapipe once, not twice.
         let single = Ok(Staging { keys: 16, buffers: 1 });
         assert_eq!(steps(256, false, 32 * 1024), [double(16), single, single]);
+        // The backward with 64-bit indices at 128 streams its rows: CUDA's 32-query step, one
+        // buffer, before two of 16.
+        let wide = Ok(Staging { keys: 32, buffers: 1 });
+        assert_eq!([QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, 128, 64, false, 2, 32 * 1024)), [wide, wide]);
         assert!(steps(128, false, 8 * 1024).iter().all(|step| matches!(step, Err(needed) if *needed > 8 * 1024)));
     }
 
