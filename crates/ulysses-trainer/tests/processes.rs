@@ -150,26 +150,23 @@ fn succeed(output: Output) -> Output {
 
 /// `(step, loss)` of every training row of a run's metrics.
 fn losses(out: &Path) -> Vec<(usize, f64)> {
-    fs::read_to_string(out.join("metrics.csv"))
-        .unwrap()
-        .lines()
-        .skip(1)
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split(',').collect();
-            Some((fields[0].parse().ok()?, fields[1].parse().ok()?))
-        })
-        .collect()
+    metric(out, 1)
 }
 
 /// The held-out losses a run logged (metrics.csv's `eval_loss`), by step.
 fn eval_losses(out: &Path) -> Vec<(usize, f64)> {
+    metric(out, 2)
+}
+
+/// metrics.csv's column `column`, by step, where the row has a value there.
+fn metric(out: &Path, column: usize) -> Vec<(usize, f64)> {
     fs::read_to_string(out.join("metrics.csv"))
         .unwrap()
         .lines()
         .skip(1)
         .filter_map(|line| {
             let fields: Vec<&str> = line.split(',').collect();
-            Some((fields[0].parse().ok()?, fields[2].parse().ok()?))
+            Some((fields[0].parse().ok()?, fields[column].parse().ok()?))
         })
         .collect()
 }
