@@ -194,7 +194,8 @@ struct Args {
     /// Device index of this process [default: LOCAL_RANK; threads share device 0].
     #[arg(long)]
     device: Option<usize>,
-    /// Evaluate on one rank with the whole sequence, bypassing sequence parallelism.
+    /// Evaluate on one rank with the whole sequence, bypassing sequence parallelism (under
+    /// --zero 3 every rank then gathers the whole model for it).
     #[arg(long)]
     eval_single_device: bool,
     /// Verify every this many steps that all ranks hold identical parameters (0: never).

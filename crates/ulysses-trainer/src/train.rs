@@ -9,7 +9,7 @@ use burn::{
     module::{AutodiffModule, Module},
     optim::{AdamWConfig, Optimizer},
     record::{FullPrecisionSettings, NamedMpkFileRecorder},
-    tensor::{DType, FloatDType, backend::AutodiffBackend},
+    tensor::{DType, FloatDType, Int, Tensor, backend::AutodiffBackend},
 };
 use burn_ulysses::{
     ParallelGroups, PlainBackend, ParallelLayout, UlyssesError,
@@ -20,10 +20,10 @@ use burn_ulysses::{
     precision::Precision,
 };
 use ulysses_training::{
-    DeviceShardedAdamW, LayerCheckpointing, LocalStep, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
+    DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LocalStep, OptimizerPlace, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
     apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters, layered_output,
     host_adamw_config, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
-    checkpoint::{load_training_checkpoint, save_training_checkpoint},
+    checkpoint::{load_training_checkpoint, read_checkpoint_state, save_training_checkpoint},
 };
 use serde::{Deserialize, Serialize};
 
@@ -333,7 +333,8 @@ pub trait Progress {
     fn device_io(&mut self, _step: usize, _io: &DeviceIo) {}
 }
 
-/// Where training stands, saved in every checkpoint beside the model and the optimizer.
+/// Where training stands, saved in every checkpoint beside the model and the optimizer (a
+/// sharded checkpoint's model is its optimizer parts' master weights).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunState {
     /// Optimizer steps taken.
@@ -692,6 +693,9 @@ where
     B: TrainBackend,
     O: Optimizer<Decoder<B>, B>,
 {
+    // From the header alone, before any record is read: a model of another shape is named
+    // here, not by a record that does not fit it.
+    check_resumable(config, &read_checkpoint_state::<RunState>(location)?).map_err(UlyssesError::InvalidConfig)?;
     let (model, optimizer, state): (_, _, RunState) = match optimizer {
         RankOptimizer::Replicated(optimizer) => {
             let (model, optimizer, state) = load_training_checkpoint(location, model, optimizer, device)?;
@@ -706,7 +710,6 @@ where
             (model, RankOptimizer::OnDevice(DeviceShardedAdamW::from_host(&optimizer, device)), state)
         }
     };
-    check_resumable(config, &state).map_err(UlyssesError::InvalidConfig)?;
     let steps = all_gather_host_checked(&*groups.world, &[state.completed_steps as u64], "checkpoint steps")?;
     if steps.iter().any(|s| s[0] as usize != state.completed_steps) {
         let steps: Vec<u64> = steps.iter().map(|s| s[0]).collect();
@@ -716,7 +719,12 @@ where
             location.display()
         )));
     }
-    check_parameters_identical(&model, &*groups.world)?;
+    // Each rank read a replicated checkpoint on its own; a sharded load agrees on what the
+    // ranks read and gathers one model for all (reading an 8B model to the host to compare
+    // would cost 32 GB a rank).
+    if matches!(optimizer, RankOptimizer::Replicated(_)) {
+        check_parameters_identical(&model, &*groups.world)?;
+    }
     if groups.world_rank() == 0 {
         tracing::info!(step = state.completed_steps, from = %location.display(), "resuming");
     }
@@ -787,18 +795,33 @@ pub fn evaluate_model<B>(
 where
     B: TrainBackend,
 {
-    let forward = |tokens, positions: &ShardPositions| model.lm_output(tokens, positions);
     let sharder = config.sharder();
     if config.eval_single_device {
         let is_first = groups.world_rank() == 0;
+        let forward = |tokens, positions: &ShardPositions| model.lm_output(tokens, positions);
         return Ok(is_first.then(|| evaluate_single_device(forward, batch, documents, targets, sharder.ignore_index, device)));
     }
-    evaluate(|tokens, positions| Ok(forward(tokens, positions)), batch, documents, targets, &sharder, groups.sp_rank(), &*groups.sp, device).map(Some)
+    let forward = |tokens: Tensor<B::InnerBackend, 2, Int>, positions: &ShardPositions| match &config.layer_checkpointing {
+        // As the step runs it, so that an evaluation fits where the step does.
+        Some(checkpointing) => {
+            let tiles = eval_tiles(checkpointing, &tokens)?;
+            layered_output(model, tokens, positions, tiles, |_| Ok(model.clone()))
+        }
+        None => Ok(model.lm_output(tokens, positions)),
+    };
+    evaluate(forward, batch, documents, targets, &sharder, groups.sp_rank(), &*groups.sp, device).map(Some)
+}
+
+/// The tiles of an evaluation's token-wise parts: as the step's for a shard of `tokens`' length
+/// (every rank's shard of one batch is as long).
+fn eval_tiles<B: burn::tensor::backend::Backend>(checkpointing: &LayerCheckpointing, tokens: &Tensor<B, 2, Int>) -> Result<usize, UlyssesError> {
+    let local = tokens.dims()[1];
+    checkpointing.tiles(ShardLengths { longest: local, shortest: local })
 }
 
 /// [`evaluate_model`] under ZeRO-3 (`model` holds placeholders, `parts` this rank's parts),
 /// each layer's parameters gathered just before it runs and dropped after it, so no rank holds
-/// the whole model; with `eval_single_device`, where world rank 0 alone runs the model, every
+/// the whole model ([`layered_output`]); with `eval_single_device`, where world rank 0 alone runs the model, every
 /// rank gathers it whole for that. Collective over the world.
 fn evaluate_in_parts<B: TrainBackend>(
     config: &TrainConfig,
@@ -813,8 +836,13 @@ fn evaluate_in_parts<B: TrainBackend>(
     if config.eval_single_device {
         return evaluate_model::<B>(config, &parts.gather_all(model.clone(), &*groups.world)?.valid(), batch, documents, targets, groups, device);
     }
+    let Some(checkpointing) = &config.layer_checkpointing else { unreachable!("TrainConfig::validate: ZeRO-3 runs on layer checkpointing") };
     let mut gathers = parts.over(&*groups.world);
-    let forward = |tokens, positions: &ShardPositions| layered_output(model, tokens, positions, &mut gathers);
+    let placeholders = model.valid();
+    let forward = |tokens: Tensor<B::InnerBackend, 2, Int>, positions: &ShardPositions| {
+        let tiles = eval_tiles(checkpointing, &tokens)?;
+        layered_output(&placeholders, tokens, positions, tiles, |group| gathers.gather(model, group).map(|gathered| gathered.valid()))
+    };
     evaluate(forward, batch, documents, targets, &config.sharder(), groups.sp_rank(), &*groups.sp, device).map(Some)
 }
 

@@ -323,7 +323,7 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
 /// gradients in parts too, each layer gathered for its pieces; the optimizer's parts on the
 /// host or on the device) train as replicated AdamW does,
 /// over 4 processes (SP=2 × DP=2, TCP), and evaluate the held-out batch as it does (ZeRO-3 a
-/// layer at a time); ZeRO-3 stopped after 3 steps on 4 ranks resumes on 2 with the
+/// layer at a time, or gathered whole for rank 0 alone); ZeRO-3 stopped after 3 steps on 4 ranks resumes on 2 with the
 /// uninterrupted run's losses; a checkpoint of sharded state is refused to a run without the
 /// optimizer on the host, naming the flag.
 #[test]
@@ -333,8 +333,10 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
     let zero3 = ["--sp", "2", "--offload-optimizer", "--checkpoint-layers", "--zero", "3"];
     succeed(run_launched(4, &common_args(&dir, "replicated", 6), &["--sp", "2"]));
     succeed(run_launched(4, &common_args(&dir, "host", 6), &host));
-    succeed(run_launched(4, &common_args(&dir, "zero3", 6), &zero3));
-    succeed(run_launched(4, &common_args(&dir, "zero3-device", 6), &["--sp", "2", "--checkpoint-layers", "--zero", "3"]));
+    // Shards of 8 tokens in tiles of 4: the step's token-wise parts and the evaluation's in two.
+    succeed(run_launched(4, &common_args(&dir, "zero3", 6), &[&zero3[..], &["--tile-tokens", "4"]].concat()));
+    // The optimizer on the device, and the held-out batch on world rank 0 alone (gathered whole).
+    succeed(run_launched(4, &common_args(&dir, "zero3-device", 6), &["--sp", "2", "--checkpoint-layers", "--zero", "3", "--eval-single-device"]));
     succeed(run_launched(4, &common_args(&dir, "part", 6), &[&zero3[..], &["--stop-after", "3"]].concat()));
     let parts: Vec<String> = fs::read_dir(dir.join("part/optimizer-step-000000003")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(parts.len(), 4, "one state file per rank of 4: {parts:?}");

@@ -12,7 +12,7 @@
 //! same values), so a checkpoint loads under any layout, and without sequence parallelism.
 //! Where the optimizer's state is sharded over the ranks (`crate::sharded`), each rank writes
 //! its part beside the file, and the file's model section is empty: the parts' f32 master
-//! weights are the model (under ZeRO-3 no rank holds it whole).
+//! weights are the model (so no rank gathers it to save it).
 //!
 //! Layout of the file: the 8-byte magic `ULYCKPT1`, a little-endian `u64` header length, the
 //! header (JSON: format version, the caller's state, section lengths, checksum), then the
@@ -20,7 +20,7 @@
 
 use std::{
     fs::{self, File},
-    io::Write,
+    io::{Read, Write},
     path::{Path, PathBuf},
 };
 
@@ -152,9 +152,28 @@ pub(crate) fn load_model_record<B: AutodiffBackend, M: AutodiffModule<B>>(path: 
     Ok(model)
 }
 
-/// The training state saved in a checkpoint, without loading its records.
+/// The training state saved in a checkpoint, from its header alone (the records are neither
+/// read nor checked: an 8B model's file is tens of GB).
 pub fn read_checkpoint_state<S: DeserializeOwned>(location: &Path) -> Result<S, UlyssesError> {
-    read_checkpoint(location).map(|contents| contents.state)
+    let path = checkpoint_path(location);
+    let mut file = File::open(&path).map_err(|e| error(&path, format!("cannot read: {e}")))?;
+    let mut start = [0u8; 16];
+    file.read_exact(&mut start).map_err(|_| error(&path, "not a burn-ulysses training checkpoint (shorter than its magic bytes)"))?;
+    if &start[..8] != MAGIC {
+        return Err(error(&path, "not a burn-ulysses training checkpoint (wrong magic bytes)"));
+    }
+    let mut header = vec![0u8; u64::from_le_bytes(start[8..16].try_into().unwrap()) as usize];
+    file.read_exact(&mut header).map_err(|_| error(&path, "the header is cut off; the file is truncated or corrupt (a copy cut short?). Use an earlier checkpoint."))?;
+    parse_header::<S>(&path, &header).map(|header| header.state)
+}
+
+/// A checkpoint's header, its format checked.
+fn parse_header<S: DeserializeOwned>(path: &Path, bytes: &[u8]) -> Result<Header<S>, UlyssesError> {
+    let header: Header<S> = serde_json::from_slice(bytes).map_err(|e| error(path, format!("unreadable header: {e}")))?;
+    if header.format != FORMAT_VERSION {
+        return Err(error(path, format!("format version {} is not the supported {FORMAT_VERSION}", header.format)));
+    }
+    Ok(header)
 }
 
 /// The checkpoint file of a folder, or `location` itself when it is a file.
@@ -186,11 +205,7 @@ pub(crate) fn read_checkpoint<S: DeserializeOwned>(location: &Path) -> Result<Co
     }
     let header_len = u64::from_le_bytes(bytes[8..16].try_into().unwrap()) as usize;
     let header_end = 16usize.checked_add(header_len).filter(|&end| end <= bytes.len()).ok_or_else(|| torn("the header is cut off"))?;
-    let header: Header<S> =
-        serde_json::from_slice(&bytes[16..header_end]).map_err(|e| error(&path, format!("unreadable header: {e}")))?;
-    if header.format != FORMAT_VERSION {
-        return Err(error(&path, format!("format version {} is not the supported {FORMAT_VERSION}", header.format)));
-    }
+    let header = parse_header::<S>(&path, &bytes[16..header_end])?;
     let model_end = header_end + header.model_bytes as usize;
     let end = model_end + header.optimizer_bytes as usize;
     if end != bytes.len() {

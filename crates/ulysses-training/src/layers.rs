@@ -467,12 +467,7 @@ where
     let link: HostLink<B::InnerBackend> =
         HostLink { queue_read: |tile| device_io::queue_read::<B::Wire>(tile.into_primitive().tensor()), pin_for_upload: B::Wire::pin_for_upload };
     let offload = checkpointing.offload_to_host.then_some(link);
-    if tiles == 0 || tiles > shard_len {
-        return Err(UlyssesError::InvalidConfig(format!(
-            "{tiles} tiles for a shard of {shard_len} tokens: each tile needs at least one token \
-             (LayerCheckpointing::tiles gives a count that fits)"
-        )));
-    }
+    check_tiles(tiles, shard_len)?;
 
     // 1. Forward without a graph, keeping each layer's input; each layer's parameters
     //    gathered for it alone.
@@ -585,24 +580,39 @@ where
     Ok((loss_sum.expect("a shard has at least one tile"), grads))
 }
 
-/// `model`'s output on a shard without a graph (evaluation), each group's parameters from
-/// `parameters` just before its pieces run and dropped after them: under ZeRO-3 no rank holds
-/// the whole model, only one layer (or the embeddings and head) at a time. The same pieces as
-/// the checkpointed step's forward, each layer on the whole shard. Collective where
-/// `parameters` gathers: every rank of its world calls it.
-pub fn layered_output<B, M>(model: &M, tokens: Tensor<B::InnerBackend, 2, Int>, positions: &ShardPositions, parameters: &mut impl LayerParameters<B, M>) -> Result<LmOutput<B::InnerBackend>, UlyssesError>
-where
-    B: AutodiffBackend,
-    M: AutodiffModule<B> + LayeredLm<B>,
-    M::InnerModule: LayeredLm<B::InnerBackend>,
-{
+/// `model`'s output on a shard without a graph (evaluation), run as the checkpointed step's
+/// forward runs it: the token-wise parts of each layer in `tiles` tiles of rows (the MLP's
+/// `S × ffn` intermediates exist a tile at a time, so an evaluation fits where the step does),
+/// each group's parameters from `gather` just before its pieces run and dropped after them
+/// (under ZeRO-3 all-gathered: a rank holds one layer whole at a time; else the model itself).
+/// `model` gives the layer count and the context (ZeRO-3's placeholders do). Collective where
+/// `gather` is: every rank of its world calls it with the same groups.
+pub fn layered_output<B: Backend, M: LayeredLm<B>>(
+    model: &M,
+    tokens: Tensor<B, 2, Int>,
+    positions: &ShardPositions,
+    tiles: usize,
+    mut gather: impl FnMut(ParameterGroup) -> Result<M, UlyssesError>,
+) -> Result<LmOutput<B>, UlyssesError> {
     let device = tokens.device();
-    let context = model.valid().context(positions, &device);
-    let mut hidden = parameters.gather(model, ParameterGroup::Rest)?.valid().embed(tokens, &context);
+    check_tiles(tiles, tokens.dims()[1])?;
+    let context = model.context(positions, &device);
+    let mut hidden = Kept::keep(gather(ParameterGroup::Rest)?.embed(tokens, &context), None);
     for index in 0..model.layer_count() {
-        hidden = parameters.gather(model, ParameterGroup::Layer(index))?.valid().layer(index, hidden, &context);
+        hidden = layer_in_tiles(&gather(ParameterGroup::Layer(index))?, index, &hidden, tiles, &context, None, &device);
     }
-    Ok(parameters.gather(model, ParameterGroup::Rest)?.valid().head(hidden))
+    Ok(gather(ParameterGroup::Rest)?.head(hidden.restore(&device)))
+}
+
+/// Refuses a tile count a shard of `shard_len` tokens cannot be cut into.
+fn check_tiles(tiles: usize, shard_len: usize) -> Result<(), UlyssesError> {
+    if tiles == 0 || tiles > shard_len {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "{tiles} tiles for a shard of {shard_len} tokens: each tile needs at least one token \
+             (LayerCheckpointing::tiles gives a count that fits)"
+        )));
+    }
+    Ok(())
 }
 
 /// A leaf of a piece's graph, holding `values`.

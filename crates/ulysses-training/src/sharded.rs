@@ -404,6 +404,12 @@ impl ShardedAdamW {
     /// parameter, the sections of the saved ranks whose parts overlap its own. Refused, naming
     /// the file, when a saved rank's file is missing, torn or of another run.
     pub fn load(dir: &Path, rank: usize, world: usize) -> Result<Self, UlyssesError> {
+        Self::load_with_digest(dir, rank, world).map(|(state, _)| state)
+    }
+
+    /// [`load`](Self::load), and a digest of every saved rank's file (their sections'
+    /// checksums): ranks that read the same state get the same digest.
+    pub(crate) fn load_with_digest(dir: &Path, rank: usize, world: usize) -> Result<(Self, u64), UlyssesError> {
         let saved_world = saved_world(dir)?;
         let (old, new) = (Partition::new(saved_world).expect("a saved world has a rank"), Partition::new(world).expect("a world has a rank"));
         let mut files: Vec<ShardFile> = (0..saved_world).map(|r| ShardFile::open(&dir.join(sharded_state_file(r, saved_world)), r, saved_world)).collect::<Result<_, _>>()?;
@@ -412,6 +418,8 @@ impl ShardedAdamW {
             return Err(shard_error(&file.path, "its parameters or step counts differ from rank 0's file: the files are of different runs or steps"));
         }
         let config = files[0].header.config;
+        let checksums: Vec<u8> = files.iter().flat_map(|f| f.header.parameters.iter().flat_map(|p| p.checksum.to_le_bytes())).collect();
+        let digest = fnv1a(&[&saved_world.to_le_bytes(), &checksums]);
         let mut parts = Vec::with_capacity(layout.len());
         for (index, &(elements, time)) in layout.iter().enumerate() {
             // This rank's new part, assembled from the old parts that overlap it.
@@ -433,7 +441,7 @@ impl ShardedAdamW {
             let moments = if time == 0 { AdamWMoments::default() } else { AdamWMoments { moment_1, moment_2, time } };
             parts.push(ParameterPart { elements, master, moments });
         }
-        Ok(Self { adamw: HostAdamW::new(config), parts, place: Some((rank, world)) })
+        Ok((Self { adamw: HostAdamW::new(config), parts, place: Some((rank, world)) }, digest))
     }
 }
 
@@ -526,9 +534,9 @@ const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
 ///    a crash between 1 and 3), and every rank learns whether 3 succeeded.
 ///
 /// A crash anywhere leaves `checkpoint.ulysses` naming a complete set of parts: the previous
-/// checkpoint's or this one's. The parts' master weights are the model: no rank gathers it
-/// (under ZeRO-3 none holds it whole; [`load_sharded_training_checkpoint`] sets a model from
-/// them). Returns the checkpoint file's path on rank 0.
+/// checkpoint's or this one's. The parts' master weights are the model: no rank gathers it to
+/// save it ([`load_sharded_training_checkpoint`] sets a model from them). Returns the
+/// checkpoint file's path on rank 0.
 pub fn save_sharded_training_checkpoint<B, S>(dir: &Path, optimizer: &ShardedAdamW, state: &S, step: u64, world: &dyn Communicator<B::Wire>) -> Result<Option<PathBuf>, UlyssesError>
 where
     B: TrainBackend,
@@ -582,8 +590,10 @@ fn remove_unnamed_state_folders(dir: &Path, keep: &str) {
 /// re-partitioned for this rank of `world` (any size: [`ShardedAdamW::load`]), `model` (a fresh
 /// one of the same shapes, on its device) with every float parameter set from the master
 /// weights (all-gathered, in the parameter's dtype), and the saved state. Collective over
-/// `world`; refused, before the gather, when the ranks read different checkpoints or the
-/// parts are of another model.
+/// `world`: the ranks first agree that each loaded the checkpoint and that all read the same
+/// state (a digest of every part's checksums); refused then, on every rank, when one could
+/// not or they read different states, and before the gather when the parts are of another
+/// model.
 pub fn load_sharded_training_checkpoint<B, M, S>(location: &Path, model: M, world: &dyn Communicator<B::Wire>) -> Result<(M, ShardedAdamW, S), UlyssesError>
 where
     B: TrainBackend,
@@ -591,29 +601,38 @@ where
     S: serde::de::DeserializeOwned,
 {
     let path = crate::checkpoint::checkpoint_path(location);
-    let contents = crate::checkpoint::read_checkpoint::<S>(location)?;
-    let Some(folder) = contents.optimizer_shards else {
-        return Err(crate::checkpoint::error(
-            &path,
-            "it holds a replicated optimizer's state, not a sharded one (a run without the optimizer on the host): load it with \
-             load_training_checkpoint (the trainer: without --offload-optimizer)",
-        ));
+    let loaded = || -> Result<(S, ShardedAdamW, u64), UlyssesError> {
+        let contents = crate::checkpoint::read_checkpoint::<S>(location)?;
+        let Some(folder) = contents.optimizer_shards else {
+            return Err(crate::checkpoint::error(
+                &path,
+                "it holds a replicated optimizer's state, not a sharded one (a run without the optimizer on the host): load it with \
+                 load_training_checkpoint (the trainer: without --offload-optimizer)",
+            ));
+        };
+        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let (optimizer, digest) = ShardedAdamW::load_with_digest(&dir.join(folder), world.rank(), world.size())?;
+        Ok((contents.state, optimizer, digest))
     };
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let optimizer = ShardedAdamW::load(&dir.join(&folder), world.rank(), world.size());
-    // Every rank must gather the same parameters from the same step's parts.
-    let mine = [optimizer.is_ok() as u64, crate::checkpoint::fnv1a(&[folder.as_bytes()])];
+    let loaded = loaded();
+    // Every rank must gather the same parameters from the same parts.
+    let mine = match &loaded {
+        Ok((_, _, digest)) => [1, *digest],
+        Err(_) => [0, 0],
+    };
     let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &mine, "sharded checkpoint loaded")?;
-    let optimizer = optimizer?;
+    let (state, optimizer, digest) = loaded?;
     if let Some(rank) = every_rank.iter().position(|r| r[0] == 0) {
-        return Err(shard_error(&path, format!("rank {rank} could not load its part of the optimizer state (its error says why)")));
+        return Err(shard_error(&path, format!("rank {rank} could not load the checkpoint (its error says why)")));
     }
-    if every_rank.iter().any(|r| r[1] != mine[1]) {
-        let folders: Vec<u64> = every_rank.iter().map(|r| r[1]).collect();
-        return Err(shard_error(&path, format!("the ranks read checkpoints naming different state folders (hashes {folders:?}): every rank must read the same file (a shared file system)")));
+    if let Some(rank) = every_rank.iter().position(|r| r[1] != digest) {
+        return Err(shard_error(
+            &path,
+            format!("rank {rank} read other optimizer state than rank {} (the digests of their parts differ): every rank must read the same files (a shared file system)", world.rank()),
+        ));
     }
     let model = optimizer.model_from_masters::<B, M>(model, world).map_err(|e| shard_error(&path, e))?;
-    Ok((model, optimizer, contents.state))
+    Ok((model, optimizer, state))
 }
 
 fn shard_error(path: &Path, reason: impl std::fmt::Display) -> UlyssesError {

@@ -263,7 +263,8 @@ impl<B: TrainBackend> ShardedParameters<B> {
     }
 
     /// `model` (with placeholders) with every parameter whole: all-gathered, for what needs
-    /// the whole model (evaluation, a checkpoint, the trained model). Collective over `world`.
+    /// the whole model on every rank (the trained model; an evaluation on world rank 0 alone).
+    /// Collective over `world`.
     pub fn gather_all<M: AutodiffModule<B>>(&self, model: M, world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
         let every: Vec<usize> = (0..self.parameters.len()).collect();
         self.gathered(model, &every, world)
@@ -415,15 +416,16 @@ impl<B: TrainBackend> ShardedParameters<B> {
         }
     }
 
-    /// This step's view of the parts, for [`checkpointed_backward_with`](crate::checkpointed_backward_with):
-    /// gathers and scatters over `world`.
+    /// A view of the parts that gathers and scatters over `world`, for a step's
+    /// [`checkpointed_backward_with`](crate::checkpointed_backward_with) or an evaluation's
+    /// [`layered_output`](crate::layered_output).
     pub fn over<'a>(&'a mut self, world: &'a dyn Communicator<B::Wire>) -> Zero3Step<'a, B> {
         Zero3Step { parameters: self, world }
     }
 }
 
-/// [`ShardedParameters`] at work in one step: where a checkpointed backward gets each group's
-/// parameters and leaves its gradients.
+/// [`ShardedParameters`] at work in one step or evaluation: where a checkpointed backward (or an
+/// evaluation's forward) gets each group's parameters, and the backward leaves its gradients.
 pub struct Zero3Step<'a, B: TrainBackend> {
     parameters: &'a mut ShardedParameters<B>,
     world: &'a dyn Communicator<B::Wire>,

@@ -52,7 +52,7 @@ pub struct Plan {
     pub split_key_value: bool,
     /// The kernels' index width (the problem's largest tensor decides): 64-bit offsets take
     /// two registers each, which narrows the forward's column parts (see [`part_width`]).
-    pub indices: AddressType,
+    pub address_type: AddressType,
 }
 
 /// Accumulator tiles of 16 × 16 f32 a warp's registers hold before the compiler spills: each
@@ -77,6 +77,7 @@ fn accumulator_tiles_in_registers(fragment: Fragment, kernel: Kernel, indices: A
 /// either way).
 pub fn split_key_value(engine: Engine, dim: usize, value_dim: usize) -> bool {
     match engine {
+        // dK's and dV's budget is the same with 64-bit indices (no spill there: the check).
         Engine::TensorCores { fragment } => dim.div_ceil(TILE) + value_dim.div_ceil(TILE) > accumulator_tiles_in_registers(fragment, Kernel::KeyValueGrad, AddressType::U32),
         Engine::Plane => false,
     }
@@ -225,7 +226,7 @@ impl Plan {
             key_value: budget.blocks(Kernel::KeyValueGrad)?,
             query: budget.blocks(Kernel::QueryGrad)?,
             split_key_value: split_key_value(engine, problem.head_dim, problem.value_dim),
-            indices: problem.address_type(),
+            address_type: problem.address_type(),
         })
     }
 }
@@ -234,7 +235,7 @@ impl Plan {
     /// The column parts of `kernel`'s launches for an output `width` wide (padded to 16):
     /// `[None]` where one launch takes every column (see [`part_width`]).
     pub fn column_parts(&self, kernel: Kernel, width: usize) -> Vec<Option<ColumnPart>> {
-        ColumnPart::cover(width, part_width(self.engine, kernel, self.indices, width))
+        ColumnPart::cover(width, part_width(self.engine, kernel, self.address_type, width))
     }
 }
 
