@@ -332,7 +332,8 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
     let host = ["--sp", "2", "--offload-optimizer"];
     let zero3 = ["--sp", "2", "--offload-optimizer", "--checkpoint-layers", "--zero", "3"];
     succeed(run_launched(4, &common_args(&dir, "replicated", 6), &["--sp", "2"]));
-    succeed(run_launched(4, &common_args(&dir, "host", 6), &host));
+    // Layer checkpointing without ZeRO-3: the evaluation runs the layers as the step does.
+    succeed(run_launched(4, &common_args(&dir, "host", 6), &[&host[..], &["--checkpoint-layers"]].concat()));
     // Shards of 8 tokens in tiles of 4: the step's token-wise parts and the evaluation's in two.
     succeed(run_launched(4, &common_args(&dir, "zero3", 6), &[&zero3[..], &["--tile-tokens", "4"]].concat()));
     // The optimizer on the device, and the held-out batch on world rank 0 alone (gathered whole).
