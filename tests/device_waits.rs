@@ -9,6 +9,11 @@
 //!   micro-batches it accumulates: once for its loss with its gradients' health check, once
 //!   for the gradient norm. It read each micro-batch's loss between its forward and backward
 //!   before (a wait per micro-batch).
+//! - A ZeRO-3 step with the optimizer on the host waits as often whatever its layer count: each
+//!   layer's gradient parts leave for the host through queued copies, awaited at the next
+//!   layer's (its backward queued ahead of them) or at the step's end. It read each bucket of
+//!   parts back as it was reduce-scattered before (a wait per bucket, so per layer); at world 1
+//!   the gathers and scatters are no collectives at all.
 //! - With offload, the same holds: each offloaded tile's copy to the host is queued behind
 //!   the work that made it and awaited once the next tile's has been queued (an overlapped
 //!   wait: the device still has work), so the host idles the device once per offloaded tensor
@@ -174,4 +179,40 @@ fn a_training_step_waits_twice_whatever_its_micro_batches() {
             assert_eq!(io.waits(), 2, "{micro_batches} micro-batches, checkpointed {checkpointed}: {io}: the loss with the gradients' health, and the gradient norm");
         }
     }
+}
+
+/// One ZeRO-3 step (optimizer on the host) of a `layers`-layer model at world 1, checkpointed:
+/// what it waits for, from sharding to the update of the parts.
+fn zero3_step_waits(layers: usize) -> DeviceIo {
+    use burn_ulysses::{ParallelGroups, ParallelLayout, comm::ThreadGroup};
+    use ulysses_training::{HostAdamWConfig, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step_zero3, backward_step_zero3};
+    let io = ThreadGroup::new(1).run(|rank| {
+        let groups: ParallelGroups<NdArray<f32>> = ParallelGroups::new(rank.communicator(), ParallelLayout::new()).unwrap();
+        let device = Default::default();
+        let config = DecoderConfig::new(VOCAB).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_n_layers(layers);
+        let model = deterministic_params(config.init::<Counted>(&device), 3);
+        let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
+        optimizer.keep_master_weights(&model, 0, 1);
+        let (model, mut parts) = ShardedParameters::shard(model, 0, 1, OptimizerPlace::Host).unwrap();
+        let batches = vec![VariedLengths { vocab: VOCAB }.train_batch(0)];
+        let step = StepInput { index: 0, learning_rate: 1e-3, micro_batches: &batches, documents: None, targets: None, max_grad_norm: Some(1.0) };
+        let checkpointing = LayerCheckpointing::new().with_tile_tokens(Some(4));
+        let before = DeviceIo::of_this_thread();
+        let local = backward_step_zero3(&model, &step, &SequenceSharder::new(1), &groups, &device, &checkpointing, &mut parts).unwrap();
+        let (_, report) = apply_step_zero3(model, &mut optimizer, &mut parts, &step, local, &groups).unwrap();
+        let io = DeviceIo::of_this_thread() - before;
+        assert!(report.loss.is_finite() && report.grad_norm.is_finite(), "{report:?}");
+        let traffic = groups.world.traffic();
+        assert_eq!((traffic.reduce_scatter_calls, traffic.all_gather_bytes), (0, 0), "a world of one gathers and scatters nothing: {traffic:?}");
+        println!("ZeRO-3, {layers} layers: {io}");
+        io
+    });
+    io.into_iter().next().unwrap().unwrap_or_else(|panic| panic!("{panic}"))
+}
+
+#[test]
+fn a_zero_3_step_with_the_optimizer_on_the_host_waits_as_often_whatever_its_layer_count() {
+    let (two, four) = (zero3_step_waits(2), zero3_step_waits(4));
+    assert_eq!(four.waits(), two.waits(), "4 layers: {four}; 2 layers: {two}: a wait per layer");
+    assert!(four.queued_reads > two.queued_reads, "the parts leave through queued copies: 4 layers {four}, 2 layers {two}");
 }

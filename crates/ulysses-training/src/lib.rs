@@ -404,10 +404,13 @@ where
 {
     // The step's parts leave `parameters` whatever happens: a failed step must not leave its
     // sums to the next one.
+    let arrived = parameters.arrive_gradient_parts();
     let bad_part = parameters.first_non_finite_gradient();
     let grads = parameters.take_gradient_parts();
     let (rank, world) = parameters.place();
-    let misfit = if optimizer.place() != parameters.optimizer_place() {
+    let misfit = if let Err(error) = arrived {
+        Err(error)
+    } else if optimizer.place() != parameters.optimizer_place() {
         Err(UlyssesError::InvalidConfig(format!(
             "the optimizer runs on the {:?} but the parameters were sharded for one on the {:?}: shard them with OptimizerPlace::{:?}",
             optimizer.place(),
@@ -425,7 +428,9 @@ where
     let every_rank = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[misfit.is_ok() as u64], "ZeRO-3 optimizer checks")?;
     misfit?;
     if let Some(rank) = every_rank.iter().position(|ok| ok[0] == 0) {
-        return Err(UlyssesError::InvalidConfig(format!("world rank {rank}'s optimizer does not fit its ZeRO-3 parameters (its error says why)")));
+        return Err(UlyssesError::InvalidConfig(format!(
+            "world rank {rank}'s optimizer does not fit its ZeRO-3 parameters, or its gradient parts did not arrive (its error says why)"
+        )));
     }
     let losses = step_losses_if_healthy(&model, &local, bad_part, step, groups)?;
     let updated = grads.present();

@@ -18,9 +18,9 @@
 //! atomic) and loaded at any world size ([`ShardedAdamW::load`] re-partitions it).
 //!
 //! The model (its compute copy) stays whole on every rank (ZeRO-3, `crate::zero3`, cuts it
-//! into parts too, and uses the pieces of this step), and each bucket's parts cross to the
-//! host and back through a read and an upload the device waits for: overlapping the copies is
-//! still to come.
+//! into parts too, and uses the pieces of this step). Each bucket's parts cross to the host
+//! through a copy queued behind its reduce-scatter, the step's awaited at once, and back
+//! through an upload. A world of one rank skips the collectives (its part is the whole).
 
 use std::{
     fs,
@@ -36,6 +36,7 @@ use burn::{
 use burn_ulysses::{
     UlyssesError,
     comm::{Communicator, ReduceOp},
+    device_io::{self, PendingRead},
     primitive::{float_primitive, float_tensor},
 };
 use ulysses_core::{
@@ -140,7 +141,7 @@ impl ShardedAdamW {
         self.check_holds(rank, world.size(), &local.iter().map(LocalGradient::len).collect::<Vec<_>>())?;
 
         // 1. This rank's part of every gradient's sum.
-        let mut grad_parts = host_parts(reduce_scatter_buckets::<B>(&mut local, &partition, world)?, local.len());
+        let mut grad_parts = host_parts(reduce_scatter_buckets::<B>(&mut local, &partition, world)?, local.len())?;
         // 2. and 3. The norm, and the update of this rank's parts.
         let grad_norm = self.update(learning_rate, &mut grad_parts, max_grad_norm, world)?;
         // 4. Every rank's parts into the parameters.
@@ -258,23 +259,50 @@ pub(crate) fn reduce_scatter_buckets<B: TrainBackend>(local: &mut [LocalGradient
             let rows: Vec<Tensor<B::InnerBackend, 2>> =
                 bucket.iter().map(|&i| padded(partition, local[i].take_or_zeros().cast(FloatDType::F32)).reshape([partition.world() as i32, -1])).collect();
             let flat = Tensor::cat(rows, 1).reshape([-1]);
-            let parts = float_tensor::<B::InnerBackend, 1>(world.reduce_scatter(float_primitive(flat), ReduceOp::Sum)?);
+            // A world of one: its part is the whole sum (no collective, which waits for the device).
+            let parts = match world.size() {
+                1 => flat,
+                _ => float_tensor::<B::InnerBackend, 1>(world.reduce_scatter(float_primitive(flat), ReduceOp::Sum)?),
+            };
             Ok(ScatteredBucket { members: bucket.iter().map(|&i| (i, partition.part_len(local[i].len()))).collect(), parts })
         })
         .collect()
 }
 
-/// [`reduce_scatter_buckets`]' parts on the host, by index (`count` of them): one read a
-/// bucket.
-pub(crate) fn host_parts<B: TrainBackend>(buckets: Vec<ScatteredBucket<B>>, count: usize) -> Vec<Option<Vec<f32>>> {
-    let mut parts = vec![None; count];
-    for bucket in buckets {
-        let mut values = bucket.parts.into_data().to_vec::<f32>().expect("f32 gradients").into_iter();
-        for (index, len) in bucket.members {
-            parts[index] = Some(values.by_ref().take(len).collect());
-        }
+/// A bucket of gradient parts being copied to the host: its members (index, part length), one
+/// after another, and the copy.
+pub(crate) struct PartsInFlight {
+    members: Vec<(usize, usize)>,
+    read: PendingRead,
+}
+
+impl<B: TrainBackend> ScatteredBucket<B> {
+    /// Its parts' copy to the host, queued behind the work that made them (no wait).
+    pub(crate) fn queue_to_host(self) -> PartsInFlight {
+        PartsInFlight { members: self.members, read: device_io::queue_read::<B::Wire>(float_primitive(self.parts)) }
     }
-    parts
+}
+
+/// The parts of `buckets`, `(index, values)` in order, waited for once.
+pub(crate) fn arrive_parts(buckets: Vec<PartsInFlight>) -> Result<Vec<(usize, Vec<f32>)>, UlyssesError> {
+    let (members, reads): (Vec<_>, Vec<_>) = buckets.into_iter().map(|bucket| (bucket.members, bucket.read)).unzip();
+    let data = device_io::arrive(reads).map_err(|error| UlyssesError::InModel { message: format!("gradient parts could not be read to the host: {error:?}") })?;
+    let mut parts = Vec::new();
+    for (members, data) in members.into_iter().zip(data) {
+        let mut values = data.to_vec::<f32>().expect("f32 gradient parts").into_iter();
+        parts.extend(members.into_iter().map(|(index, len)| (index, values.by_ref().take(len).collect())));
+    }
+    Ok(parts)
+}
+
+/// [`reduce_scatter_buckets`]' parts on the host, by index (`count` of them): every bucket's
+/// copy queued, then one wait for all.
+pub(crate) fn host_parts<B: TrainBackend>(buckets: Vec<ScatteredBucket<B>>, count: usize) -> Result<Vec<Option<Vec<f32>>>, UlyssesError> {
+    let mut parts = vec![None; count];
+    for (index, values) in arrive_parts(buckets.into_iter().map(ScatteredBucket::queue_to_host).collect())? {
+        parts[index] = Some(values);
+    }
+    Ok(parts)
 }
 
 /// [`reduce_scatter_buckets`]' parts left on the device, by index (`count` of them).
@@ -298,8 +326,12 @@ pub(crate) fn all_gather_columns<B: TrainBackend>(
     partition: &Partition,
     world: &dyn Communicator<B::Wire>,
 ) -> Result<Vec<(usize, Tensor<B::InnerBackend, 1>)>, UlyssesError> {
-    // Row r: rank r's parts of every member, in order.
-    let rows = float_tensor::<B::InnerBackend, 2>(world.all_gather(float_primitive(mine))?);
+    // Row r: rank r's parts of every member, in order. A world of one: its parts are the whole
+    // (no collective, which waits for the device).
+    let rows = match world.size() {
+        1 => mine.reshape([1, -1]),
+        _ => float_tensor::<B::InnerBackend, 2>(world.all_gather(float_primitive(mine))?),
+    };
     let mut column = 0;
     Ok(members
         .map(|(index, elements)| {

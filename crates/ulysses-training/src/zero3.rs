@@ -46,15 +46,15 @@ use ulysses_core::{
 use crate::{
     DeviceShardedAdamW, LayerParameters, LayeredLm, ParameterGroup, ShardedAdamW, TrainBackend, float_parameters,
     gradients::{LocalGradient, TakeGradients},
-    sharded::{all_gather_columns, check_parts_fit, device_parts, host_parts, own_part, reduce_scatter_buckets},
+    sharded::{PartsInFlight, ScatteredBucket, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
 };
 
 /// Where a ZeRO-3 optimizer keeps and updates its parts of the master weights and moments,
 /// and so where a step leaves its gradient parts for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OptimizerPlace {
-    /// [`ShardedAdamW`]: each group's gradient parts are read to the host as soon as they are
-    /// reduce-scattered (the device keeps none).
+    /// [`ShardedAdamW`]: each group's gradient parts leave for the host as soon as they are
+    /// reduce-scattered, a copy queued behind them (the device keeps none once they arrive).
     Host,
     /// [`DeviceShardedAdamW`]: the gradient parts stay on the device.
     Device,
@@ -160,6 +160,10 @@ pub struct ShardedParameters<B: TrainBackend> {
     /// This rank's part of each parameter's gradient summed over the world, summed over this
     /// step's shards so far, where the optimizer runs.
     grad_parts: GradParts<B>,
+    /// The last group's gradient parts on their way to the host (optimizer on the host): their
+    /// copies are queued behind the work that made them and awaited at the next group's, with
+    /// that group's backward queued ahead of the device, or at the step's end.
+    in_flight: Vec<PartsInFlight>,
     optimizer: OptimizerPlace,
     /// Where the gathered parameters go.
     device: burn::tensor::Device<B::InnerBackend>,
@@ -226,7 +230,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
         let grad_parts = GradParts::empty(optimizer, parameters.len());
         let device = model.devices().first().cloned().ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 of a model without parameters".into()))?;
         let model = model.map(&mut Placeholders);
-        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts, optimizer, device }))
+        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts, in_flight: Vec::new(), optimizer, device }))
     }
 
     /// The parts kept in host memory between their gathers, uploaded for each
@@ -354,14 +358,14 @@ impl<B: TrainBackend> ShardedParameters<B> {
         }
         let buckets = reduce_scatter_buckets::<B>(&mut members, &self.partition, world)?;
         match &mut self.grad_parts {
-            GradParts::Host(sums) => {
-                for (index, part) in indices.into_iter().zip(host_parts(buckets, members.len())) {
-                    let Some(part) = part else { continue };
-                    match &mut sums[index] {
-                        Some(sum) => sum.iter_mut().zip(&part).for_each(|(sum, g)| *sum += g),
-                        empty => *empty = Some(part),
-                    }
-                }
+            GradParts::Host(_) => {
+                // This group's parts leave without a wait; the last group's, queued before this
+                // group's backward, arrive with that backward still ahead of the device.
+                let queued = buckets.into_iter().map(|ScatteredBucket { members, parts }| {
+                    ScatteredBucket::<B> { members: members.into_iter().map(|(member, len)| (indices[member], len)).collect(), parts }.queue_to_host()
+                });
+                let arrived = std::mem::replace(&mut self.in_flight, queued.collect());
+                self.add_arrived(arrived)?;
             }
             GradParts::Device(sums) => {
                 for (index, part) in indices.into_iter().zip(device_parts(buckets, members.len())) {
@@ -381,9 +385,31 @@ impl<B: TrainBackend> ShardedParameters<B> {
         self.optimizer
     }
 
+    /// Adds the gradient parts of `arrived` (waited for, in order) to the step's sums, in the
+    /// order they were queued: each parameter's in micro-batch order.
+    fn add_arrived(&mut self, arrived: Vec<PartsInFlight>) -> Result<(), UlyssesError> {
+        let GradParts::Host(sums) = &mut self.grad_parts else { return Ok(()) };
+        for (index, part) in arrive_parts(arrived)? {
+            match &mut sums[index] {
+                Some(sum) => sum.iter_mut().zip(&part).for_each(|(sum, g)| *sum += g),
+                empty => *empty = Some(part),
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the gradient parts still on their way to the host and adds them: the step's
+    /// end.
+    pub(crate) fn arrive_gradient_parts(&mut self) -> Result<(), UlyssesError> {
+        let arrived = std::mem::take(&mut self.in_flight);
+        self.add_arrived(arrived)
+    }
+
     /// The step's gradient parts so far (this rank's part of each parameter's gradient summed
-    /// over the world and the step's shards), leaving none.
+    /// over the world and the step's shards), leaving none; those still on their way are
+    /// dropped (a step's end arrives them first: [`arrive_gradient_parts`](Self::arrive_gradient_parts)).
     pub(crate) fn take_gradient_parts(&mut self) -> GradParts<B> {
+        self.in_flight.clear();
         std::mem::replace(&mut self.grad_parts, GradParts::empty(self.optimizer, self.parameters.len()))
     }
 
