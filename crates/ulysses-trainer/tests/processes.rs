@@ -338,6 +338,8 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
     succeed(run_launched(4, &common_args(&dir, "zero3", 6), &[&zero3[..], &["--tile-tokens", "4"]].concat()));
     // The optimizer on the device, and the held-out batch on world rank 0 alone (gathered whole).
     succeed(run_launched(4, &common_args(&dir, "zero3-device", 6), &["--sp", "2", "--checkpoint-layers", "--zero", "3", "--eval-single-device"]));
+    // ZeRO-3 in a world of one rank: no collective gathers or scatters.
+    succeed(run_alone(&common_args(&dir, "alone", 6), &["--sp", "1", "--offload-optimizer", "--checkpoint-layers", "--zero", "3"]));
     succeed(run_launched(4, &common_args(&dir, "part", 6), &[&zero3[..], &["--stop-after", "3"]].concat()));
     let parts: Vec<String> = fs::read_dir(dir.join("part/optimizer-step-000000003")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(parts.len(), 4, "one state file per rank of 4: {parts:?}");
@@ -358,7 +360,7 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
         losses(&dir.join("zero3-device")),
         losses(&dir.join("part"))
     );
-    for run in ["host", "zero3", "zero3-device", "part"] {
+    for run in ["host", "zero3", "zero3-device", "part", "alone"] {
         let (loss, params) = differences(&dir.join(run), &dir.join("replicated"));
         println!("{run} against replicated: max |Δ| loss {loss:.2e}, parameters {params:.2e}");
         assert!(loss <= 1e-6 && params <= TOLERANCE, "{run}: losses differ by {loss:e}, parameters by {params:e}");
