@@ -13,16 +13,17 @@
 //!   embedding's backward;
 //! - a group's gradients, once complete, are reduce-scattered (cast to f32, in buckets, each
 //!   laid out rank-major as [`ShardedAdamW`]'s: the sums an all-reduce gives, in the same
-//!   order) and this rank keeps its part where the optimizer runs ([`OptimizerPlace`]: read to
-//!   the host at once, or left on the device), summed over the step's micro-batches in f32 in
-//!   micro-batch order;
+//!   order) and this rank keeps its part where the optimizer runs ([`OptimizerPlace`]: copied to
+//!   the host behind the reduce-scatter and awaited at the next group's, or left on the device),
+//!   summed over the step's micro-batches in f32 in micro-batch order;
 //! - the optimizer ([`PartOptimizer`]: [`ShardedAdamW`] on the host, [`DeviceShardedAdamW`] on
 //!   the device) updates this rank's parts of the master weights from them, and the updated
 //!   parts, cast to the compute dtype, become the compute copy's parts
 //!   ([`apply_step_zero3`](crate::apply_step_zero3)): no all-gather after the step.
 //!
 //! So a rank holds `1/world` of the compute copy and of the gradients between steps; during a
-//! step, besides, one group whole (a layer, or the embedding and head) and, from the head's
+//! step, besides, one group whole (and, with the optimizer on the host, the previous layer's
+//! gradient parts until they arrive) (a layer, or the embedding and head) and, from the head's
 //! backward to the embedding's, the rest's whole gradients (a tied head's and embedding's are
 //! summed before they leave). With
 //! [`ShardedParameters::with_parts_on_host`] the compute copy's parts wait in host memory and
@@ -366,6 +367,11 @@ impl<B: TrainBackend> ShardedParameters<B> {
                 });
                 let arrived = std::mem::replace(&mut self.in_flight, queued.collect());
                 self.add_arrived(arrived)?;
+                // The rest is a shard's last group: its parts (embeddings and head, the largest)
+                // arrive now rather than wait on the device through the next micro-batch.
+                if group == ParameterGroup::Rest {
+                    self.arrive_gradient_parts()?;
+                }
             }
             GradParts::Device(sums) => {
                 for (index, part) in indices.into_iter().zip(device_parts(buckets, members.len())) {
@@ -406,10 +412,14 @@ impl<B: TrainBackend> ShardedParameters<B> {
     }
 
     /// The step's gradient parts so far (this rank's part of each parameter's gradient summed
-    /// over the world and the step's shards), leaving none; those still on their way are
-    /// dropped (a step's end arrives them first: [`arrive_gradient_parts`](Self::arrive_gradient_parts)).
+    /// over the world and the step's shards), leaving none; those still on their way are awaited
+    /// and dropped (their pinned buffers must not be reused mid-copy; a step's end arrives them
+    /// first: [`arrive_gradient_parts`](Self::arrive_gradient_parts)).
     pub(crate) fn take_gradient_parts(&mut self) -> GradParts<B> {
-        self.in_flight.clear();
+        if !self.in_flight.is_empty() {
+            // A failed step's: only the wait matters.
+            let _ = arrive_parts(std::mem::take(&mut self.in_flight));
+        }
         std::mem::replace(&mut self.grad_parts, GradParts::empty(self.optimizer, self.parameters.len()))
     }
 

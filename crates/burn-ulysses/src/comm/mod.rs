@@ -136,10 +136,15 @@ fn pad_part<B: Backend>(part: Option<Tensor<B, 1>>, len: usize, like: &Tensor<B,
 
 /// All-gathers `values` on the host and fails, naming `what`, when ranks sent different
 /// numbers of values: they are running different models, or different host collectives met.
+/// A group of one rank gets its own values without a collective (NCCL's would wait for the
+/// device: a one-GPU ZeRO-3 step asks once a layer).
 pub fn all_gather_host_checked<B: Backend>(
     communicator: &dyn Communicator<B>,
     values: &[u64],
     what: &'static str,
 ) -> Result<Vec<Vec<u64>>, CommError> {
+    if communicator.size() == 1 {
+        return Ok(vec![values.to_vec()]);
+    }
     check_gathered_lengths(communicator.all_gather_host(values)?, values.len(), what)
 }
