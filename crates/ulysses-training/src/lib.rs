@@ -408,9 +408,7 @@ where
     let bad_part = parameters.first_non_finite_gradient();
     let grads = parameters.take_gradient_parts();
     let (rank, world) = parameters.place();
-    let misfit = if let Err(error) = arrived {
-        Err(error)
-    } else if optimizer.place() != parameters.optimizer_place() {
+    let misfit = arrived.and_then(|()| if optimizer.place() != parameters.optimizer_place() {
         Err(UlyssesError::InvalidConfig(format!(
             "the optimizer runs on the {:?} but the parameters were sharded for one on the {:?}: shard them with OptimizerPlace::{:?}",
             optimizer.place(),
@@ -422,7 +420,7 @@ where
             UlyssesError::InvalidConfig(message) => UlyssesError::InvalidConfig(format!("{message} (ZeRO-3: keep_master_weights before ShardedParameters::shard, or load the state)")),
             other => other,
         })
-    };
+    });
     // Agreed before any other collective: a rank that stopped alone would leave the others
     // waiting in the next one.
     let every_rank = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[misfit.is_ok() as u64], "ZeRO-3 optimizer checks")?;

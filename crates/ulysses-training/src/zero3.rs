@@ -22,8 +22,8 @@
 //!   ([`apply_step_zero3`](crate::apply_step_zero3)): no all-gather after the step.
 //!
 //! So a rank holds `1/world` of the compute copy and of the gradients between steps; during a
-//! step, besides, one group whole (and, with the optimizer on the host, the previous layer's
-//! gradient parts until they arrive) (a layer, or the embedding and head) and, from the head's
+//! step, besides, one group whole (a layer, or the embedding and head), with the optimizer on
+//! the host the previous layer's gradient parts until they arrive, and, from the head's
 //! backward to the embedding's, the rest's whole gradients (a tied head's and embedding's are
 //! summed before they leave). With
 //! [`ShardedParameters::with_parts_on_host`] the compute copy's parts wait in host memory and
@@ -47,7 +47,7 @@ use ulysses_core::{
 use crate::{
     DeviceShardedAdamW, LayerParameters, LayeredLm, ParameterGroup, ShardedAdamW, TrainBackend, float_parameters,
     gradients::{LocalGradient, TakeGradients},
-    sharded::{PartsInFlight, ScatteredBucket, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
+    sharded::{PartsInFlight, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
 };
 
 /// Where a ZeRO-3 optimizer keeps and updates its parts of the master weights and moments,
@@ -163,7 +163,8 @@ pub struct ShardedParameters<B: TrainBackend> {
     grad_parts: GradParts<B>,
     /// The last group's gradient parts on their way to the host (optimizer on the host): their
     /// copies are queued behind the work that made them and awaited at the next group's, with
-    /// that group's backward queued ahead of the device, or at the step's end.
+    /// that group's backward queued ahead of the device, or at once for the rest (a shard's last
+    /// group).
     in_flight: Vec<PartsInFlight>,
     optimizer: OptimizerPlace,
     /// Where the gathered parameters go.
@@ -362,8 +363,9 @@ impl<B: TrainBackend> ShardedParameters<B> {
             GradParts::Host(_) => {
                 // This group's parts leave without a wait; the last group's, queued before this
                 // group's backward, arrive with that backward still ahead of the device.
-                let queued = buckets.into_iter().map(|ScatteredBucket { members, parts }| {
-                    ScatteredBucket::<B> { members: members.into_iter().map(|(member, len)| (indices[member], len)).collect(), parts }.queue_to_host()
+                let queued = buckets.into_iter().map(|mut bucket| {
+                    bucket.members.iter_mut().for_each(|(member, _)| *member = indices[*member]);
+                    bucket.queue_to_host()
                 });
                 let arrived = std::mem::replace(&mut self.in_flight, queued.collect());
                 self.add_arrived(arrived)?;
@@ -404,8 +406,8 @@ impl<B: TrainBackend> ShardedParameters<B> {
         Ok(())
     }
 
-    /// Waits for the gradient parts still on their way to the host and adds them: the step's
-    /// end.
+    /// Waits for the gradient parts still on their way to the host and adds them (a shard's or
+    /// the step's end).
     pub(crate) fn arrive_gradient_parts(&mut self) -> Result<(), UlyssesError> {
         let arrived = std::mem::take(&mut self.in_flight);
         self.add_arrived(arrived)
@@ -416,10 +418,8 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// and dropped (their pinned buffers must not be reused mid-copy; a step's end arrives them
     /// first: [`arrive_gradient_parts`](Self::arrive_gradient_parts)).
     pub(crate) fn take_gradient_parts(&mut self) -> GradParts<B> {
-        if !self.in_flight.is_empty() {
-            // A failed step's: only the wait matters.
-            let _ = arrive_parts(std::mem::take(&mut self.in_flight));
-        }
+        // A failed step's (none after `arrive_gradient_parts`): only the wait matters.
+        let _ = arrive_parts(std::mem::take(&mut self.in_flight));
         std::mem::replace(&mut self.grad_parts, GradParts::empty(self.optimizer, self.parameters.len()))
     }
 
