@@ -2,7 +2,8 @@
 //! against burn's own AdamW update (burn-optim's `SimpleOptimizer` on NdArray, the same f32
 //! operations) on the same parameters and gradients: parameters updated per second, the
 //! host's on one thread and on every core, and the largest difference after the timed steps
-//! (0: bit for bit, as `host_adamw_tests` asserts).
+//! (0: bit for bit, as `host_adamw_tests` asserts); then clipping's squared norm of the same
+//! gradients, one running f64 sum against `HostAdamW::sum_of_squares`.
 //!
 //!     cargo bench -p ulysses-suite --bench host_adamw [-- --params 16777216 --steps 5]
 
@@ -61,5 +62,23 @@ fn main() {
         let difference = ours.iter().zip(&want).map(|(a, b)| if a.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0f32, f32::max);
         let name = format!("host AdamW, {threads} thread(s)");
         println!("{name:<36} {seconds:>12.4} {:>16.3e} {:>10.2} {difference:>14.1e}", len as f64 / seconds, burn_seconds / seconds);
+    }
+
+    // Clipping's squared norm, which every rank computes before its update can start: one
+    // running f64 sum (as it was), against `sum_of_squares`' blocks of 8 lanes on the threads.
+    println!("\nthe squared norm of {len} f32 gradients (f64), the mean of {steps} timed passes");
+    println!("{:<36} {:>12} {:>16} {:>10} {:>14}", "sum", "s / pass", "values / s", "vs one sum", "relative Δ");
+    let timed = |sum: &dyn Fn(&[f32]) -> f64| {
+        let began = Instant::now();
+        let sums: Vec<f64> = grads.iter().map(|g| sum(g)).collect();
+        (began.elapsed().as_secs_f64() / steps as f64, sums[0])
+    };
+    let (one_sum, want) = timed(&|g| g.iter().map(|&v| f64::from(v) * f64::from(v)).sum());
+    println!("{:<36} {one_sum:>12.4} {:>16.3e} {:>10} {:>14}", "one running sum", len as f64 / one_sum, "1.00", "-");
+    for threads in [1, cores] {
+        let host = HostAdamW::with_threads(config, NonZeroUsize::new(threads).unwrap());
+        let (seconds, got) = timed(&|g| host.sum_of_squares(g));
+        let name = format!("sum_of_squares, {threads} thread(s)");
+        println!("{name:<36} {seconds:>12.4} {:>16.3e} {:>10.2} {:>14.1e}", len as f64 / seconds, one_sum / seconds, ((got - want) / want).abs());
     }
 }

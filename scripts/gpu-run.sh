@@ -281,8 +281,10 @@ if has ulysses-trainer; then
         # runs it under ZeRO-3 (--zero 3: each layer's gradients leave for the host as its
         # backward ends, so the device never holds the 16 GB of bf16 gradients) and
         # EIGHT_B_ZERO3=params keeps the bf16 parameters on the host too (--offload-parameters,
-        # each layer uploaded for its pieces). The log holds the memory line (per rank, before
-        # step 1), each step's seconds and waits (--profile).
+        # each layer uploaded for its pieces). Under ZeRO-3 the host AdamW of step N runs beside
+        # step N+1's forward; ULYSSES_HOST_ADAMW_SERIAL=1 in the environment makes each step
+        # wait for it (the side-by-side: compare step 2's seconds). The log holds the memory line
+        # (per rank, before step 1), each step's seconds and waits (--profile).
         offload=""
         [ "${EIGHT_B_OFFLOAD:-0}" = 1 ] && offload="--offload-to-host"
         case "${EIGHT_B_ZERO3:-0}" in

@@ -633,11 +633,11 @@ fn qwen3_sp_dp_accumulating(zero: Zero, steps: usize, max_grad_norm: Option<f64>
             norms.push(report.grad_norm);
         }
         let device_bytes = parts.as_ref().map_or(whole_bytes, ShardedParameters::device_bytes);
-        if let Some(parts) = &parts {
+        if let Some(parts) = &mut parts {
             model = parts.gather_all(model, &*groups.world).unwrap();
         }
         check_parameters_identical::<Sp, _, Inner>(&model, &*groups.world).unwrap();
-        (losses, norms, parameter_values(&model), sharded_state.host_bytes(), device_bytes, groups.world.traffic().reduce_scatter_calls)
+        (losses, norms, parameter_values(&model), sharded_state.host_bytes().unwrap(), device_bytes, groups.world.traffic().reduce_scatter_calls)
     });
     let per_rank: Vec<_> = per_rank.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
     let host_bytes = per_rank.iter().map(|r| r.3).collect();
@@ -684,6 +684,65 @@ fn sharded_optimizer_state_trains_like_replicated_adamw() {
             assert!(loss <= 1e-6 && norm <= norm_tolerance, "step {step}: loss {loss:e} and norm {norm:e} apart (relative), clipping to 1");
         }
     });
+}
+
+/// ZeRO-3's update on the host runs beside the next step, on a thread of its own:
+/// `apply_step_zero3` returns before any group is updated, and each gather waits for its own
+/// group's new parts alone, the groups updated in the order a forward gathers them (the rest,
+/// with the embeddings, then layer 0, ...). Held to two groups (`pace_updates`), the rest and
+/// layer 0 are gathered at SP=2 while the last layer's update has not begun, and they hold
+/// the step's new values: not the old ones, and the same as once the whole update has ended.
+#[test]
+fn zero_3_gathers_each_group_once_the_host_optimizer_updated_it() {
+    use ulysses_training::{
+        HostAdamWConfig, LayerCheckpointing, LayerParameters, LayeredLm, OptimizerPlace, ParameterGroup, ShardedAdamW, ShardedParameters, StepInput, apply_step_zero3,
+        backward_step_zero3,
+    };
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/ulysses-models/tests/fixtures/qwen3");
+    let per_rank = with_deadline(Duration::from_secs(300), move || {
+        ThreadGroup::new(2).run(move |rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new().with_sp_size(2)).unwrap();
+            let _sp = enter_sp(&groups);
+            let device = Default::default();
+            let model = ulysses_models::from_pretrained::<Sp>(&fixture, &device).unwrap().model;
+            assert!(model.layer_count() >= 2, "the fixture needs a layer after layer 0");
+            let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
+            optimizer.keep_master_weights(&model, rank.rank(), 2);
+            let (pace, paced) = std::sync::mpsc::channel();
+            optimizer.pace_updates(paced);
+            let (model, mut parts) = ShardedParameters::shard(model, rank.rank(), 2, OptimizerPlace::Host).unwrap();
+            let early_groups = [ParameterGroup::Rest, ParameterGroup::Layer(0)];
+            let gather = |parts: &mut ShardedParameters<Sp>, model: &ulysses_models::Decoder<Sp>| early_groups.map(|group| parameter_values(&parts.over(&*groups.world).gather(model, group).unwrap()));
+            let before = gather(&mut parts, &model);
+
+            let batch = VariedLengths { vocab: 320 }.train_batch(0);
+            let mine = vec![batch[..2].to_vec()];
+            let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &mine, documents: None, targets: None, max_grad_norm: Some(1.0) };
+            let local = backward_step_zero3(&model, &step, &SequenceSharder::new(2), &groups, &device, &LayerCheckpointing::new(), &mut parts).unwrap();
+            // Returns with no group updated: the thread waits for its first message.
+            let (model, report) = apply_step_zero3(model, &mut optimizer, &mut parts, &step, local, &groups).unwrap();
+            assert!(report.loss.is_finite() && report.grad_norm > 1.0, "the step: loss {} and norm {} (clipping must engage)", report.loss, report.grad_norm);
+            for _ in early_groups {
+                pace.send(()).unwrap();
+            }
+            let early = gather(&mut parts, &model);
+            drop(pace);
+            optimizer.settle().unwrap();
+            parts.await_every_update().unwrap();
+            (before, early, gather(&mut parts, &model))
+        })
+    });
+    for (rank, result) in per_rank.into_iter().enumerate() {
+        let (before, early, settled) = result.unwrap_or_else(|p| panic!("rank {rank}: {p}"));
+        for (group, ((before, early), settled)) in before.iter().zip(&early).zip(&settled).enumerate() {
+            let changed = before.iter().zip(early).filter(|((_, b), (_, e))| b != e).count();
+            assert!(changed > 0, "rank {rank}, group {group}: gathered with the values from before the step");
+            for ((name, got), (_, want)) in early.iter().zip(settled) {
+                assert!(got.iter().chain(want).all(|v| v.is_finite()), "rank {rank}: {name} is not finite");
+                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "rank {rank}, {name}: {:e} apart from the whole update's", max_abs_diff(got, want));
+            }
+        }
+    }
 }
 
 /// ZeRO-3 (`ShardedParameters`: each rank holds a quarter of the compute copy too, every layer

@@ -71,6 +71,9 @@ fn held_per_rank(world: usize, zero3: bool) -> (Vec<usize>, usize) {
         let mut host = ShardedAdamW::new(HostAdamWConfig::default());
         let mut parts = None;
         if zero3 {
+            // The update runs on a thread of its own beside the rank's: its allocations are the rank's.
+            let counted_as = rank.rank();
+            host.on_update_thread(move || count_as_rank(counted_as));
             host.keep_master_weights(&model, rank.rank(), world);
             let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), world, OptimizerPlace::Host).unwrap();
             (model, parts) = (placeholders, Some(sharded));
@@ -90,6 +93,11 @@ fn held_per_rank(world: usize, zero3: bool) -> (Vec<usize>, usize) {
                     apply_step(model, &mut replicated, &step, local, &groups).unwrap().0
                 }
             };
+        }
+        // Between steps: once the last step's update has ended.
+        host.settle().unwrap();
+        if let Some(parts) = parts.as_mut() {
+            parts.await_every_update().unwrap();
         }
         let held = live_bytes(rank.rank()) - before;
         drop((model, parts, replicated, host));

@@ -63,6 +63,12 @@ impl HostAdamW {
     /// When `grads` or non-empty moments differ in length from `params`: the caller's
     /// partition is wrong, and no update could be right.
     pub fn step(&self, learning_rate: f64, params: &mut [f32], grads: &[f32], moments: &mut AdamWMoments) {
+        self.step_scaled(learning_rate, params, grads, 1.0, moments);
+    }
+
+    /// [`step`](Self::step) by the gradients times `grad_scale` (clipping's factor), each
+    /// product rounded to f32 as a pass over the gradients first would round it.
+    pub fn step_scaled(&self, learning_rate: f64, params: &mut [f32], grads: &[f32], grad_scale: f32, moments: &mut AdamWMoments) {
         let len = params.len();
         assert_eq!(grads.len(), len, "AdamW: {} gradients for {len} parameters", grads.len());
         if moments.time == 0 {
@@ -71,7 +77,7 @@ impl HostAdamW {
         }
         assert!(moments.moment_1.len() == len && moments.moment_2.len() == len, "AdamW: moments of {} for {len} parameters", moments.moment_1.len());
         moments.time += 1;
-        let update = Update::new(&self.config, learning_rate, moments.time);
+        let update = Update { grad_scale, ..Update::new(&self.config, learning_rate, moments.time) };
         let threads = self.threads.get().min(len.div_ceil(ELEMENTS_PER_THREAD)).max(1);
         if threads == 1 {
             update.apply(params, grads, &mut moments.moment_1, &mut moments.moment_2);
@@ -85,6 +91,46 @@ impl HostAdamW {
             }
         });
     }
+
+    /// The sum of the squares of `values`, in f64 (a gradient's squared norm), on the threads.
+    /// Each block of [`SQUARES_BLOCK`] elements is summed over 8 lanes (element i into lane
+    /// i mod 8, which the compiler vectorises), then the lanes and the blocks are added in
+    /// order: the result depends on the values alone, never on the threads.
+    pub fn sum_of_squares(&self, values: &[f32]) -> f64 {
+        let blocks: Vec<&[f32]> = values.chunks(SQUARES_BLOCK).collect();
+        let mut sums = vec![0f64; blocks.len()];
+        let threads = self.threads.get().min(values.len().div_ceil(ELEMENTS_PER_THREAD)).max(1);
+        let per_thread = blocks.len().div_ceil(threads).max(1);
+        let sum_blocks = |sums: &mut [f64], blocks: &[&[f32]]| sums.iter_mut().zip(blocks).for_each(|(sum, block)| *sum = block_squares(block));
+        if threads == 1 {
+            sum_blocks(&mut sums, &blocks);
+        } else {
+            std::thread::scope(|scope| {
+                for (sums, blocks) in sums.chunks_mut(per_thread).zip(blocks.chunks(per_thread)) {
+                    scope.spawn(move || sum_blocks(sums, blocks));
+                }
+            });
+        }
+        sums.iter().sum()
+    }
+}
+
+/// Elements [`HostAdamW::sum_of_squares`] sums as one block.
+pub const SQUARES_BLOCK: usize = 1 << 14;
+
+/// The squares of `block` summed in f64 over 8 lanes, then the lanes in order.
+fn block_squares(block: &[f32]) -> f64 {
+    let mut lanes = [0f64; 8];
+    let mut chunks = block.chunks_exact(8);
+    for chunk in &mut chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane += f64::from(v) * f64::from(v);
+        }
+    }
+    for (lane, &v) in lanes.iter_mut().zip(chunks.remainder()) {
+        *lane += f64::from(v) * f64::from(v);
+    }
+    lanes.iter().sum()
 }
 
 /// One step's scalars, rounded to f32 as burn's tensor ops round them.
@@ -99,6 +145,8 @@ struct Update {
     epsilon: f32,
     decay: f32,
     learning_rate: f32,
+    /// Each gradient is multiplied by it first (1: as it is).
+    grad_scale: f32,
 }
 
 impl Update {
@@ -116,6 +164,7 @@ impl Update {
             // Decoupled weight decay: the parameter times 1 − lr·λ, computed in f64.
             decay: (1.0 - learning_rate * config.weight_decay as f64) as f32,
             learning_rate: learning_rate as f32,
+            grad_scale: 1.0,
         }
     }
 
@@ -123,6 +172,7 @@ impl Update {
     /// p = p·(1 − lr·λ) − δ·lr.
     fn apply(&self, params: &mut [f32], grads: &[f32], moment_1: &mut [f32], moment_2: &mut [f32]) {
         for (((p, &g), m), v) in params.iter_mut().zip(grads).zip(moment_1.iter_mut()).zip(moment_2.iter_mut()) {
+            let g = g * self.grad_scale;
             *m = *m * self.beta_1 + g * self.factor_1;
             *v = *v * self.beta_2 + g * g * self.factor_2;
             let delta = (*m / self.correction_1) / ((*v / self.correction_2).sqrt() + self.epsilon);

@@ -447,7 +447,7 @@ where
     }
     // The model whole, for the result:
     // under ZeRO-3 all-gathered (a collective), else the model itself.
-    let whole = |model: &Decoder<B>, parts: Option<&ShardedParameters<B>>| match parts {
+    let whole = |model: &Decoder<B>, parts: Option<&mut ShardedParameters<B>>| match parts {
         Some(parts) => parts.gather_all(model.clone(), &*groups.world),
         None => Ok(model.clone()),
     };
@@ -490,17 +490,17 @@ where
             let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone(), data: options.data_identity.clone() };
             // Replicated: rank 0 writes it all; sharded: every rank its part of the optimizer's
             // state, whose master weights are the model (a collective; nothing gathered).
-            let path = match &optimizer {
+            let path = match &mut optimizer {
                 RankOptimizer::Replicated(optimizer) => is_first.then(|| save_training_checkpoint(dir, &model, optimizer, &state)).transpose()?,
                 RankOptimizer::OnHost(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, optimizer, &state, done as u64, &*groups.world)?,
-                RankOptimizer::OnDevice(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, &optimizer.to_host(), &state, done as u64, &*groups.world)?,
+                RankOptimizer::OnDevice(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, &mut optimizer.to_host(), &state, done as u64, &*groups.world)?,
             };
             if let (Some(progress), Some(path)) = (options.progress.as_deref_mut(), path) {
                 progress.checkpoint(step, &path);
             }
         }
         if let (true, Some((dir, checkpoint))) = (checkpoint_due, &options.save_hf) {
-            let saved = match &parts {
+            let saved = match &mut parts {
                 Some(parts) => save_hf_gathered(&model, parts, checkpoint, dir, groups),
                 None => match is_first {
                     true => save_pretrained(&model, checkpoint, dir, DType::BF16).map(Some).map_err(|e| e.to_string()),
@@ -525,14 +525,14 @@ where
     if is_first && let Some(peak) = ulysses_core::host_memory::peak_resident_bytes() {
         tracing::info!("host memory at its peak in this process (every rank thread of it): {:.3} GB", peak as f64 / 1e9);
     }
-    Ok((whole(&model, parts.as_ref())?, reports))
+    Ok((whole(&model, parts.as_mut())?, reports))
 }
 
 /// `--save-hf` under ZeRO-3: every rank gathers one safetensors shard's parameters at a time
 /// (the whole model is never gathered) and world rank 0 writes it. Collective; rank 0 goes on
 /// gathering after a failed write so that no rank waits for it, and every rank learns the
 /// outcome (`Some` on rank 0 when written).
-fn save_hf_gathered<B: TrainBackend>(model: &Decoder<B>, parts: &ShardedParameters<B>, checkpoint: &HfConfig, dir: &Path, groups: &ParallelGroups<B::Wire>) -> Result<Option<()>, String> {
+fn save_hf_gathered<B: TrainBackend>(model: &Decoder<B>, parts: &mut ShardedParameters<B>, checkpoint: &HfConfig, dir: &Path, groups: &ParallelGroups<B::Wire>) -> Result<Option<()>, String> {
     let options = SaveOptions::new(DType::BF16);
     let plan = plan_shard_paths(&parts.tensors(), options);
     let mut writer = match groups.world_rank() {

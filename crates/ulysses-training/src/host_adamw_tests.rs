@@ -75,3 +75,36 @@ fn the_host_adamw_equals_burns() {
         }
     }
 }
+
+/// Clipping's factor folded into the update (`step_scaled`) is a pass over the gradients
+/// first, then `step`, bit for bit, on one thread and on three.
+#[test]
+fn a_scaled_step_equals_scaling_the_gradients_first() {
+    let (len, scale) = (70_001, 0.37f32);
+    for threads in [1, 3] {
+        let host = HostAdamW::with_threads(HostAdamWConfig { weight_decay: 0.05, ..HostAdamWConfig::default() }, NonZeroUsize::new(threads).unwrap());
+        let (mut scaled, mut first) = ((values(len, 1), AdamWMoments::default()), (values(len, 1), AdamWMoments::default()));
+        for step in 0..3u64 {
+            let grads = values(len, 20 + step);
+            host.step_scaled(1e-3, &mut scaled.0, &grads, scale, &mut scaled.1);
+            let multiplied: Vec<f32> = grads.iter().map(|g| g * scale).collect();
+            host.step(1e-3, &mut first.0, &multiplied, &mut first.1);
+        }
+        assert!(scaled.0.iter().zip(&first.0).all(|(a, b)| a.to_bits() == b.to_bits()), "{threads} thread(s): the scaled step parts from scaling first");
+        assert_eq!(scaled.1, first.1, "{threads} thread(s): the moments");
+    }
+}
+
+/// The squared norm (`sum_of_squares`, clipping's): within 1e-13 of a plain f64 sum, and the
+/// same bits whatever the threads (its blocks are summed in order), at lengths that are no
+/// multiple of its lanes or blocks.
+#[test]
+fn the_sum_of_squares_is_the_f64_sum_whatever_the_threads() {
+    for len in [0, 7, 16_385, 200_003] {
+        let values = values(len, 3);
+        let plain: f64 = values.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let sums: Vec<f64> = [1, 3, 4].iter().map(|&t| HostAdamW::with_threads(HostAdamWConfig::default(), NonZeroUsize::new(t).unwrap()).sum_of_squares(&values)).collect();
+        assert!(sums.iter().all(|s| s.to_bits() == sums[0].to_bits()), "{len} values: {sums:?} on 1, 3 and 4 threads");
+        assert!((sums[0] - plain).abs() <= 1e-13 * plain, "{len} values: {} against the plain sum {plain}", sums[0]);
+    }
+}

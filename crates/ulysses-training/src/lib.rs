@@ -386,7 +386,10 @@ where
 /// [`apply_step_sharded`] under ZeRO-3: the step's gradient parts, reduce-scattered during
 /// [`backward_step_zero3`], update this rank's part of the master weights (on the host with
 /// [`ShardedAdamW`], on the device with [`DeviceShardedAdamW`]), which become its parts of the
-/// compute copy; `model` (placeholders) is returned as it came. The same checks: a NaN or an
+/// compute copy; `model` (placeholders) is returned as it came. On the host the update goes on
+/// after this returns, on a thread of its own, while the device runs the next step: each of
+/// that step's gathers waits for its own group's parts alone, and the next `apply_step_zero3`
+/// (or [`ShardedAdamW::settle`], before reading the state) for the rest. The same checks: a NaN or an
 /// infinity in any rank's loss or gradient parts stops every rank (a rank named for its
 /// gradients holds the non-finite part of a sum, which any rank may have fed).
 pub fn apply_step_zero3<B, M, O>(
@@ -403,8 +406,9 @@ where
     O: PartOptimizer<B>,
 {
     // The step's parts leave `parameters` whatever happens: a failed step must not leave its
-    // sums to the next one.
-    let arrived = parameters.arrive_gradient_parts();
+    // sums to the next one. The last step's update (on the host, beside this step's work)
+    // ends here, if its groups' gathers have not yet taken all of it.
+    let arrived = parameters.arrive_gradient_parts().and_then(|()| optimizer.settle()).and_then(|()| parameters.await_every_update());
     let bad_part = parameters.first_non_finite_gradient();
     let grads = parameters.take_gradient_parts();
     let (rank, world) = parameters.place();
@@ -431,9 +435,7 @@ where
         )));
     }
     let losses = step_losses_if_healthy(&model, &local, bad_part, step, groups)?;
-    let updated = grads.present();
-    let grad_norm = optimizer.update_parts(step.learning_rate, grads, step.max_grad_norm, &*groups.world)?;
-    parameters.update_from(optimizer, &updated);
+    let grad_norm = optimizer.update_parts(step.learning_rate, grads, step.max_grad_norm, &*groups.world, parameters)?;
     let loss = losses.iter().sum();
     Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
 }

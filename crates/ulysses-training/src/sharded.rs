@@ -26,6 +26,11 @@ use std::{
     fs,
     io::{Read, Seek, SeekFrom},
     path::{Path, PathBuf},
+    sync::{
+        Arc,
+        mpsc::{Receiver, Sender},
+    },
+    thread::JoinHandle,
 };
 
 use burn::{
@@ -57,10 +62,19 @@ use crate::{
 /// doc).
 pub struct ShardedAdamW {
     adamw: HostAdamW,
-    /// Per float parameter of the model, in its visit order; filled at the first step.
+    /// Per float parameter of the model, in its visit order; filled at the first step. Held by
+    /// `updating` while it runs: read through [`settled`](Self::settled).
     parts: Vec<ParameterPart>,
     /// The rank and world the parts are of (set at the first step, or by `load`).
     place: Option<(usize, usize)>,
+    /// A ZeRO-3 step's update, running on a thread of its own while the device goes on
+    /// ([`update_in_order`](Self::update_in_order)); it gives the parts back when it ends
+    /// ([`settle`](Self::settle)).
+    updating: Option<JoinHandle<(Vec<ParameterPart>, Option<Receiver<()>>)>>,
+    /// A test's hold on that thread: one message lets it update one group.
+    pace: Option<Receiver<()>>,
+    /// Run first on each update thread ([`on_update_thread`](Self::on_update_thread)).
+    thread_start: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 /// This rank's part of one parameter's master weights and moments.
@@ -73,7 +87,41 @@ struct ParameterPart {
 
 impl ShardedAdamW {
     pub fn new(config: HostAdamWConfig) -> Self {
-        Self { adamw: HostAdamW::new(config), parts: Vec::new(), place: None }
+        Self { adamw: HostAdamW::new(config), parts: Vec::new(), place: None, updating: None, pace: None, thread_start: None }
+    }
+
+    /// Runs `start` first on each thread a ZeRO-3 step's update runs on: to pin it to cores,
+    /// or to count its allocations as the rank's.
+    pub fn on_update_thread(&mut self, start: impl Fn() + Send + Sync + 'static) {
+        self.thread_start = Some(Arc::new(start));
+    }
+
+    /// Waits for a step's update still running on its thread (ZeRO-3 with the optimizer on the
+    /// host), so that the state is this step's. Refused when that thread failed: the state is
+    /// then lost (resume from the last checkpoint).
+    pub fn settle(&mut self) -> Result<(), UlyssesError> {
+        let Some(updating) = self.updating.take() else { return Ok(()) };
+        let (parts, pace) = updating.join().map_err(|panic| UlyssesError::InModel {
+            message: format!(
+                "the host optimizer's update thread failed: {}; its state is lost (resume from the last checkpoint)",
+                ulysses_core::comm::panic_message(panic.as_ref())
+            ),
+        })?;
+        (self.parts, self.pace) = (parts, pace);
+        Ok(())
+    }
+
+    /// The parts, which no update holds: every reader [`settle`](Self::settle)s first.
+    fn settled(&self) -> &[ParameterPart] {
+        assert!(self.updating.is_none(), "ShardedAdamW read while a step's update still runs on its thread: settle() first");
+        &self.parts
+    }
+
+    /// Holds the update thread of each later [`update_in_order`](Self::update_in_order): it
+    /// updates a group only for each message `pace` brings (a test's view of the pipeline).
+    #[doc(hidden)]
+    pub fn pace_updates(&mut self, pace: Receiver<()>) {
+        self.pace = Some(pace);
     }
 
     /// Takes this rank's part of `model`'s parameters (rank `rank` of a world of `world`) as the
@@ -81,6 +129,8 @@ impl ShardedAdamW {
     /// half-precision compute copy ([`crate::with_parameters_in`]), or the first step takes
     /// the master weights from the copy's rounded values.
     pub fn keep_master_weights<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(&mut self, model: &M, rank: usize, world: usize) {
+        // A running update's state is replaced whatever it became.
+        let _ = self.settle();
         let partition = Partition::new(world).expect("a world has a rank");
         self.parts = crate::float_parameters(model)
             .iter()
@@ -113,9 +163,11 @@ impl ShardedAdamW {
             .map_err(UlyssesError::InvalidConfig)
     }
 
-    /// Bytes of optimizer state (master weights and both moments) this rank holds on the host.
-    pub fn host_bytes(&self) -> usize {
-        self.parts.iter().map(|part| 4 * (part.master.len() + part.moments.moment_1.len() + part.moments.moment_2.len())).sum()
+    /// Bytes of optimizer state (master weights and both moments) this rank holds on the host
+    /// (once a running update ends).
+    pub fn host_bytes(&mut self) -> Result<usize, UlyssesError> {
+        self.settle()?;
+        Ok(self.parts.iter().map(|part| 4 * (part.master.len() + part.moments.moment_1.len() + part.moments.moment_2.len())).sum())
     }
 
     /// One optimizer step of `model` by this rank's `grads` (not yet summed over the ranks) at
@@ -129,6 +181,7 @@ impl ShardedAdamW {
         max_grad_norm: Option<f64>,
         world: &dyn Communicator<B::Wire>,
     ) -> Result<(M, f64), UlyssesError> {
+        self.settle()?;
         let partition = Partition::new(world.size()).expect("a world has a rank");
         let rank = world.rank();
         let mut take = TakeGradients::<B> { grads: &mut grads, local: Vec::new() };
@@ -141,9 +194,9 @@ impl ShardedAdamW {
         self.check_holds(rank, world.size(), &local.iter().map(LocalGradient::len).collect::<Vec<_>>())?;
 
         // 1. This rank's part of every gradient's sum.
-        let mut grad_parts = host_parts(reduce_scatter_buckets::<B>(&mut local, &partition, world)?, local.len())?;
+        let grad_parts = host_parts(reduce_scatter_buckets::<B>(&mut local, &partition, world)?, local.len())?;
         // 2. and 3. The norm, and the update of this rank's parts.
-        let grad_norm = self.update(learning_rate, &mut grad_parts, max_grad_norm, world)?;
+        let grad_norm = self.update(learning_rate, &grad_parts, max_grad_norm, world)?;
         // 4. Every rank's parts into the parameters.
         let updated: Vec<(usize, DType)> = local.iter().enumerate().filter(|&(i, _)| grad_parts[i].is_some()).map(|(i, l)| (i, l.dtype())).collect();
         let device = local.first().map(|l| l.parameter.device());
@@ -175,7 +228,7 @@ impl ShardedAdamW {
 
     /// Refuses to step as another rank, or another model, than the parts are of.
     pub(crate) fn check_holds(&self, rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError> {
-        check_parts_fit(self.place, &self.parts.iter().map(|part| part.elements).collect::<Vec<_>>(), rank, world, elements)
+        check_parts_fit(self.place, &self.settled().iter().map(|part| part.elements).collect::<Vec<_>>(), rank, world, elements)
     }
 
     /// Updates this rank's parts with `grad_parts` (this rank's part of each parameter's
@@ -183,38 +236,68 @@ impl ShardedAdamW {
     /// parameter stays), clipping to `max_grad_norm` with the norm of the whole gradient: its
     /// parts' squares summed in f64 on each rank and over the ranks in rank order (the same on
     /// every rank; `clip_with_norm`'s factor). Returns that norm, before clipping.
-    pub(crate) fn update<G: burn::tensor::backend::Backend>(&mut self, learning_rate: f64, grad_parts: &mut [Option<Vec<f32>>], max_grad_norm: Option<f64>, world: &dyn Communicator<G>) -> Result<f64, UlyssesError> {
-        let squares: f64 = grad_parts.iter().flatten().flatten().map(|&g| f64::from(g) * f64::from(g)).sum();
-        let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[squares.to_bits()], "squared gradient sums")?;
-        let grad_norm = every_rank.iter().map(|bits| f64::from_bits(bits[0])).sum::<f64>().sqrt();
-        let factor = max_grad_norm.map(|max_norm| max_norm / (grad_norm + 1e-6)).filter(|&factor| factor < 1.0);
-        for (part, grad) in self.parts.iter_mut().zip(grad_parts.iter_mut()) {
+    pub(crate) fn update<G: burn::tensor::backend::Backend>(&mut self, learning_rate: f64, grad_parts: &[Option<Vec<f32>>], max_grad_norm: Option<f64>, world: &dyn Communicator<G>) -> Result<f64, UlyssesError> {
+        self.settle()?;
+        let (grad_norm, factor) = clipping(&self.adamw, grad_parts, max_grad_norm, world)?;
+        for (part, grad) in self.parts.iter_mut().zip(grad_parts.iter()) {
             if let Some(grad) = grad {
-                if let Some(factor) = factor {
-                    let factor = factor as f32;
-                    grad.iter_mut().for_each(|g| *g *= factor);
-                }
-                self.adamw.step(learning_rate, &mut part.master, grad, &mut part.moments);
+                part.update(&self.adamw, learning_rate, grad, factor);
             }
         }
         Ok(grad_norm)
     }
 
-    /// This rank's part of parameter `index`'s master weights (padded to the partition).
-    pub(crate) fn master_part(&self, index: usize) -> &[f32] {
-        &self.parts[index].master
+    /// [`update`](Self::update) on a thread of its own, so that the device goes on meanwhile
+    /// (ZeRO-3's next forward): the norm first (collective), then `order`'s groups of
+    /// parameters one after another, each updated parameter's part of the compute copy (its
+    /// master weights in `dtypes[index]`) sent to `updated` as soon as it is made. The state is
+    /// the step's once [`settle`](Self::settle)d, which every later use of it does first.
+    pub(crate) fn update_in_order<G: burn::tensor::backend::Backend>(
+        &mut self,
+        learning_rate: f64,
+        grad_parts: Vec<Option<Vec<f32>>>,
+        max_grad_norm: Option<f64>,
+        world: &dyn Communicator<G>,
+        order: Vec<Vec<usize>>,
+        dtypes: Vec<DType>,
+        updated: Sender<(usize, TensorData)>,
+    ) -> Result<f64, UlyssesError> {
+        self.settle()?;
+        let (grad_norm, factor) = clipping(&self.adamw, &grad_parts, max_grad_norm, world)?;
+        let (mut parts, pace, adamw, start) = (std::mem::take(&mut self.parts), self.pace.take(), self.adamw, self.thread_start.clone());
+        let update = move || {
+            if let Some(start) = start {
+                start();
+            }
+            for group in order {
+                if let Some(pace) = &pace {
+                    let _ = pace.recv();
+                }
+                for index in group {
+                    let Some(grad) = &grad_parts[index] else { continue };
+                    parts[index].update(&adamw, learning_rate, grad, factor);
+                    let master = &parts[index].master;
+                    // Nobody waits any more after a failed step; the state is updated all the same.
+                    let _ = updated.send((index, TensorData::new(master.clone(), [master.len()]).convert_dtype(dtypes[index])));
+                }
+            }
+            (parts, pace)
+        };
+        let thread = std::thread::Builder::new().name("host-adamw".into()).spawn(update);
+        self.updating = Some(thread.map_err(|e| UlyssesError::InModel { message: format!("cannot start the host optimizer's update thread: {e}") })?);
+        Ok(grad_norm)
     }
 
     /// A state from its parts: per parameter, its elements, this rank's part of the master
     /// weights and its moments; of rank and world `place`.
     pub(crate) fn from_parts(config: HostAdamWConfig, parts: Vec<(usize, Vec<f32>, AdamWMoments)>, place: Option<(usize, usize)>) -> Self {
         let parts = parts.into_iter().map(|(elements, master, moments)| ParameterPart { elements, master, moments }).collect();
-        Self { adamw: HostAdamW::new(config), parts, place }
+        Self { parts, place, ..Self::new(config) }
     }
 
     /// The settings, the parts (as [`from_parts`](Self::from_parts) takes them) and the place.
     pub(crate) fn parts(&self) -> (HostAdamWConfig, impl Iterator<Item = (usize, &[f32], &AdamWMoments)>, Option<(usize, usize)>) {
-        (*self.adamw.config(), self.parts.iter().map(|part| (part.elements, part.master.as_slice(), &part.moments)), self.place)
+        (*self.adamw.config(), self.settled().iter().map(|part| (part.elements, part.master.as_slice(), &part.moments)), self.place)
     }
 
     /// Parameters `which` (index in the parts' order, and the dtype to gather in) whole on
@@ -223,16 +306,29 @@ impl ShardedAdamW {
     /// bytes). Collective over `world`.
     pub(crate) fn all_gather_masters<B: TrainBackend>(&self, which: &[(usize, DType)], world: &dyn Communicator<B::Wire>, device: &burn::tensor::Device<B::InnerBackend>) -> Result<Vec<(usize, Tensor<B::InnerBackend, 1>)>, UlyssesError> {
         let partition = Partition::new(world.size()).expect("a world has a rank");
-        let sizes: Vec<(usize, DType)> = which.iter().map(|&(i, dtype)| (4 * partition.padded_len(self.parts[i].elements), dtype)).collect();
+        let parts = self.settled();
+        let sizes: Vec<(usize, DType)> = which.iter().map(|&(i, dtype)| (4 * partition.padded_len(parts[i].elements), dtype)).collect();
         let mut gathered = Vec::with_capacity(which.len());
         for bucket in plan_buckets(&sizes, &vec![true; which.len()], GRADIENT_BUCKET_BYTES) {
-            let mine: Vec<f32> = bucket.iter().flat_map(|&b| self.parts[which[b].0].master.iter().copied()).collect();
+            let mine: Vec<f32> = bucket.iter().flat_map(|&b| parts[which[b].0].master.iter().copied()).collect();
             let len = mine.len();
             let mine = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(mine, [len]), device).cast(FloatDType::from(which[bucket[0]].1));
-            gathered.extend(all_gather_columns::<B>(mine, bucket.iter().map(|&b| (which[b].0, self.parts[which[b].0].elements)), &partition, world)?);
+            gathered.extend(all_gather_columns::<B>(mine, bucket.iter().map(|&b| (which[b].0, parts[which[b].0].elements)), &partition, world)?);
         }
         Ok(gathered)
     }
+}
+
+/// The norm of the whole gradient whose parts (this rank's of each parameter, summed over
+/// `world`) are `grad_parts`: their squares summed in f64 on each rank (on its threads, by
+/// parameter in order: `HostAdamW::sum_of_squares`) and over the ranks in rank order (the same
+/// on every rank; collective), and the factor that clips it to
+/// `max_grad_norm` (`clip_with_norm`'s), where it must be clipped.
+fn clipping<G: burn::tensor::backend::Backend>(adamw: &HostAdamW, grad_parts: &[Option<Vec<f32>>], max_grad_norm: Option<f64>, world: &dyn Communicator<G>) -> Result<(f64, Option<f64>), UlyssesError> {
+    let squares: f64 = grad_parts.iter().flatten().map(|part| adamw.sum_of_squares(part)).sum();
+    let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[squares.to_bits()], "squared gradient sums")?;
+    let grad_norm = every_rank.iter().map(|bits| f64::from_bits(bits[0])).sum::<f64>().sqrt();
+    Ok((grad_norm, max_grad_norm.map(|max_norm| max_norm / (grad_norm + 1e-6)).filter(|&factor| factor < 1.0)))
 }
 
 /// One reduce-scatter's result: this rank's parts (f32, on the device) of its members,
@@ -412,7 +508,8 @@ impl ShardedAdamW {
     /// Writes this rank's part of the state (rank `rank` of `world`, the world it steps over)
     /// to `dir`/[`sharded_state_file`] (the folder made if need be), atomically: every rank writes its own file, and
     /// together they are the state. Nothing to write before the first step.
-    pub fn save(&self, dir: &Path, rank: usize, world: usize) -> Result<PathBuf, UlyssesError> {
+    pub fn save(&mut self, dir: &Path, rank: usize, world: usize) -> Result<PathBuf, UlyssesError> {
+        self.settle()?;
         let path = dir.join(sharded_state_file(rank, world));
         fs::create_dir_all(dir).map_err(|e| shard_error(dir, format!("cannot create the folder: {e}")))?;
         let sections: Vec<Vec<u8>> = self.parts.iter().map(ParameterPart::section).collect();
@@ -473,11 +570,17 @@ impl ShardedAdamW {
             let moments = if time == 0 { AdamWMoments::default() } else { AdamWMoments { moment_1, moment_2, time } };
             parts.push(ParameterPart { elements, master, moments });
         }
-        Ok((Self { adamw: HostAdamW::new(config), parts, place: Some((rank, world)) }, digest))
+        Ok((Self { parts, place: Some((rank, world)), ..Self::new(config) }, digest))
     }
 }
 
 impl ParameterPart {
+    /// One AdamW update by `grad` (this rank's part of the summed gradient), scaled first by
+    /// the clipping `factor` where there is one.
+    fn update(&mut self, adamw: &HostAdamW, learning_rate: f64, grad: &[f32], factor: Option<f64>) {
+        adamw.step_scaled(learning_rate, &mut self.master, grad, factor.map_or(1.0, |factor| factor as f32), &mut self.moments);
+    }
+
     /// Master weights, then both moments (zeros before the first update), as f32 bytes.
     fn section(&self) -> Vec<u8> {
         let zeros = vec![0.0f32; self.master.len()];
@@ -569,7 +672,7 @@ const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
 /// checkpoint's or this one's. The parts' master weights are the model: no rank gathers it to
 /// save it ([`load_sharded_training_checkpoint`] sets a model from them). Returns the
 /// checkpoint file's path on rank 0.
-pub fn save_sharded_training_checkpoint<B, S>(dir: &Path, optimizer: &ShardedAdamW, state: &S, step: u64, world: &dyn Communicator<B::Wire>) -> Result<Option<PathBuf>, UlyssesError>
+pub fn save_sharded_training_checkpoint<B, S>(dir: &Path, optimizer: &mut ShardedAdamW, state: &S, step: u64, world: &dyn Communicator<B::Wire>) -> Result<Option<PathBuf>, UlyssesError>
 where
     B: TrainBackend,
     S: Serialize,
@@ -756,7 +859,7 @@ mod tests {
                 moments: if *time == 0 { AdamWMoments::default() } else { AdamWMoments { moment_1: part(m1, *elements), moment_2: part(m2, *elements), time: *time } },
             })
             .collect();
-        ShardedAdamW { adamw: HostAdamW::new(HostAdamWConfig { weight_decay: 0.03, ..HostAdamWConfig::default() }), parts, place: Some((rank, world)) }
+        ShardedAdamW { parts, place: Some((rank, world)), ..ShardedAdamW::new(HostAdamWConfig { weight_decay: 0.03, ..HostAdamWConfig::default() }) }
     }
 
     fn same(a: &ShardedAdamW, b: &ShardedAdamW) -> bool {
@@ -850,7 +953,7 @@ mod tests {
                 let input = Tensor::<Ad, 2>::ones([1, 3], &Default::default()) * (comm.rank() + step as usize) as f32;
                 let grads = GradientsParams::from_grads(linear.forward(input).sum().backward(), &linear);
                 linear = optimizer.step::<Ad, _>(1e-2, linear, grads, None, &*comm).unwrap().0;
-                save_sharded_training_checkpoint::<Ad, _>(&shared, &optimizer, &step, step, &*comm).unwrap();
+                save_sharded_training_checkpoint::<Ad, _>(&shared, &mut optimizer, &step, step, &*comm).unwrap();
             }
             let weights: Vec<f32> = [linear.weight.val().into_data().to_vec().unwrap(), linear.bias.as_ref().unwrap().val().into_data().to_vec().unwrap()].concat();
             // A crash after every part of step 3 was written, before the checkpoint file was.

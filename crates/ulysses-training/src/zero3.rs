@@ -19,7 +19,10 @@
 //! - the optimizer ([`PartOptimizer`]: [`ShardedAdamW`] on the host, [`DeviceShardedAdamW`] on
 //!   the device) updates this rank's parts of the master weights from them, and the updated
 //!   parts, cast to the compute dtype, become the compute copy's parts
-//!   ([`apply_step_zero3`](crate::apply_step_zero3)): no all-gather after the step.
+//!   ([`apply_step_zero3`](crate::apply_step_zero3)): no all-gather after the step. On the host
+//!   the update runs on a thread of its own while the device goes on with the next step: it
+//!   takes the groups in the order the next forward gathers them (the rest, with the
+//!   embeddings, then the layers), and each gather waits only for its own group's parts.
 //!
 //! So a rank holds `1/world` of the compute copy and of the gradients between steps; during a
 //! step, besides, one group whole (a layer, or the embedding and head), with the optimizer on
@@ -31,12 +34,15 @@
 //! Uneven sizes are fine: a parameter is padded to a multiple of the world, so a part may be
 //! partly or wholly padding, never missing.
 
-use std::collections::HashMap;
+use std::{
+    collections::HashMap,
+    sync::mpsc::{Receiver, channel},
+};
 
 use burn::{
     module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId},
     optim::GradientsParams,
-    tensor::{DType, FloatDType, Shape, Tensor, TensorData},
+    tensor::{DType, Shape, Tensor, TensorData},
 };
 use burn_ulysses::{PlainBackend, UlyssesError, comm::Communicator};
 use ulysses_core::{
@@ -94,15 +100,21 @@ pub trait PartOptimizer<B: TrainBackend> {
     /// model of `elements` per parameter.
     fn check_holds(&self, rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError>;
     /// Updates the parts from `grads` (of [`place`](Self::place)), clipping to
-    /// `max_grad_norm` with the whole gradient's norm, which it returns (before clipping).
+    /// `max_grad_norm` with the whole gradient's norm, which it returns (before clipping), and
+    /// hands `parameters` their compute copy's new parts (at once, or as they are made).
     /// Collective over `world`.
-    fn update_parts(&mut self, learning_rate: f64, grads: GradParts<B>, max_grad_norm: Option<f64>, world: &dyn Communicator<B::Wire>) -> Result<f64, UlyssesError>;
-    /// This rank's part of parameter `index`'s master weights as the compute copy's, in
-    /// `dtype` on `device`.
-    fn compute_part(&self, index: usize, dtype: DType, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1>;
-    /// The same in host memory (parameters kept on the host).
-    fn compute_part_on_host(&self, index: usize, dtype: DType, device: &burn::tensor::Device<B::InnerBackend>) -> TensorData {
-        self.compute_part(index, dtype, device).into_data()
+    fn update_parts(
+        &mut self,
+        learning_rate: f64,
+        grads: GradParts<B>,
+        max_grad_norm: Option<f64>,
+        world: &dyn Communicator<B::Wire>,
+        parameters: &mut ShardedParameters<B>,
+    ) -> Result<f64, UlyssesError>;
+    /// Waits for an update still running (on the host, beside the device), so that the state
+    /// is the last step's.
+    fn settle(&mut self) -> Result<(), UlyssesError> {
+        Ok(())
     }
 }
 
@@ -113,18 +125,36 @@ impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
     fn check_holds(&self, rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError> {
         ShardedAdamW::check_holds(self, rank, world, elements)
     }
-    fn update_parts(&mut self, learning_rate: f64, grads: GradParts<B>, max_grad_norm: Option<f64>, world: &dyn Communicator<B::Wire>) -> Result<f64, UlyssesError> {
-        let GradParts::Host(mut grads) = grads else { return Err(misplaced(OptimizerPlace::Host)) };
-        self.update(learning_rate, &mut grads, max_grad_norm, world)
+    fn update_parts(
+        &mut self,
+        learning_rate: f64,
+        grads: GradParts<B>,
+        max_grad_norm: Option<f64>,
+        world: &dyn Communicator<B::Wire>,
+        parameters: &mut ShardedParameters<B>,
+    ) -> Result<f64, UlyssesError> {
+        let GradParts::Host(grads) = grads else { return Err(misplaced(OptimizerPlace::Host)) };
+        let waiting: Vec<bool> = grads.iter().map(Option::is_some).collect();
+        let (order, dtypes) = (parameters.forward_order(), parameters.parameters.iter().map(|p| p.dtype).collect());
+        let (updated, arriving) = channel();
+        let grad_norm = self.update_in_order(learning_rate, grads, max_grad_norm, world, order, dtypes, updated)?;
+        parameters.updates = Some(PartUpdates { arriving, waiting });
+        if serial_host_update() {
+            self.settle()?;
+            parameters.await_every_update()?;
+        }
+        Ok(grad_norm)
     }
-    fn compute_part(&self, index: usize, dtype: DType, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1> {
-        let master = self.master_part(index);
-        Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(master.to_vec(), [master.len()]), device).cast(FloatDType::from(dtype))
+    fn settle(&mut self) -> Result<(), UlyssesError> {
+        ShardedAdamW::settle(self)
     }
-    fn compute_part_on_host(&self, index: usize, dtype: DType, _device: &burn::tensor::Device<B::InnerBackend>) -> TensorData {
-        let master = self.master_part(index);
-        TensorData::new(master.to_vec(), [master.len()]).convert_dtype(dtype)
-    }
+}
+
+/// `ULYSSES_HOST_ADAMW_SERIAL=1`: the step waits for the host optimizer's whole update, as
+/// before it ran beside the device (for measuring the two side by side).
+fn serial_host_update() -> bool {
+    static SERIAL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SERIAL.get_or_init(|| std::env::var("ULYSSES_HOST_ADAMW_SERIAL").is_ok_and(|v| v == "1"))
 }
 
 impl<B: TrainBackend> PartOptimizer<B> for DeviceShardedAdamW<B> {
@@ -134,12 +164,19 @@ impl<B: TrainBackend> PartOptimizer<B> for DeviceShardedAdamW<B> {
     fn check_holds(&self, rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError> {
         check_parts_fit(self.rank_and_world(), &self.elements(), rank, world, elements)
     }
-    fn update_parts(&mut self, learning_rate: f64, grads: GradParts<B>, max_grad_norm: Option<f64>, world: &dyn Communicator<B::Wire>) -> Result<f64, UlyssesError> {
+    fn update_parts(
+        &mut self,
+        learning_rate: f64,
+        grads: GradParts<B>,
+        max_grad_norm: Option<f64>,
+        world: &dyn Communicator<B::Wire>,
+        parameters: &mut ShardedParameters<B>,
+    ) -> Result<f64, UlyssesError> {
         let GradParts::Device(grads) = grads else { return Err(misplaced(OptimizerPlace::Device)) };
-        self.update(learning_rate, grads, max_grad_norm, world)
-    }
-    fn compute_part(&self, index: usize, dtype: DType, _device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1> {
-        self.master_part(index, dtype)
+        let updated: Vec<bool> = grads.iter().map(Option::is_some).collect();
+        let grad_norm = self.update(learning_rate, grads, max_grad_norm, world)?;
+        parameters.update_from(self, &updated);
+        Ok(grad_norm)
     }
 }
 
@@ -167,8 +204,17 @@ pub struct ShardedParameters<B: TrainBackend> {
     /// group).
     in_flight: Vec<PartsInFlight>,
     optimizer: OptimizerPlace,
+    /// The last step's new parts still being made by the optimizer on the host.
+    updates: Option<PartUpdates>,
     /// Where the gathered parameters go.
     device: burn::tensor::Device<B::InnerBackend>,
+}
+
+/// The compute copy's new parts as the host optimizer's update thread makes them (index and
+/// values, in the parameter's dtype), and which of them have not arrived.
+struct PartUpdates {
+    arriving: Receiver<(usize, TensorData)>,
+    waiting: Vec<bool>,
 }
 
 /// One parameter: what it is, and this rank's part of its compute copy.
@@ -232,7 +278,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
         let grad_parts = GradParts::empty(optimizer, parameters.len());
         let device = model.devices().first().cloned().ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 of a model without parameters".into()))?;
         let model = model.map(&mut Placeholders);
-        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts, in_flight: Vec::new(), optimizer, device }))
+        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts, in_flight: Vec::new(), optimizer, updates: None, device }))
     }
 
     /// The parts kept in host memory between their gathers, uploaded for each
@@ -271,7 +317,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// `model` (with placeholders) with every parameter whole: all-gathered, for what needs
     /// the whole model on every rank (the trained model; an evaluation on world rank 0 alone).
     /// Collective over `world`.
-    pub fn gather_all<M: AutodiffModule<B>>(&self, model: M, world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
+    pub fn gather_all<M: AutodiffModule<B>>(&mut self, model: M, world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
         let every: Vec<usize> = (0..self.parameters.len()).collect();
         self.gathered(model, &every, world)
     }
@@ -285,7 +331,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// `model` with the parameters at `paths` (module paths, as [`tensors`](Self::tensors)
     /// names them) all-gathered into it, the others left as they are: one shard of a
     /// checkpoint at a time. Collective over `world`; refused for a path no parameter has.
-    pub fn gather_paths<M: AutodiffModule<B>>(&self, model: M, paths: &[String], world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
+    pub fn gather_paths<M: AutodiffModule<B>>(&mut self, model: M, paths: &[String], world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
         let indices = paths
             .iter()
             .map(|path| {
@@ -295,9 +341,11 @@ impl<B: TrainBackend> ShardedParameters<B> {
         self.gathered(model, &indices, world)
     }
 
-    /// `model` with the parameters at `indices` all-gathered into it.
-    fn gathered<M: AutodiffModule<B>>(&self, model: M, indices: &[usize], world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
+    /// `model` with the parameters at `indices` all-gathered into it (their parts from the last
+    /// step's update, once they arrive).
+    fn gathered<M: AutodiffModule<B>>(&mut self, model: M, indices: &[usize], world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
         self.check_world(world)?;
+        self.await_updates(indices)?;
         let sizes: Vec<(usize, DType)> =
             indices.iter().map(|&i| (self.partition.part_len(self.parameters[i].elements()) * self.parameters[i].dtype.size(), self.parameters[i].dtype)).collect();
         let mut values = HashMap::with_capacity(indices.len());
@@ -441,15 +489,50 @@ impl<B: TrainBackend> ShardedParameters<B> {
         bad.map(|index| self.parameters[index].path.clone())
     }
 
-    /// The parts of the parameters `updated` says changed, from `optimizer`'s master weights,
-    /// in the compute dtype (no collective).
-    pub(crate) fn update_from(&mut self, optimizer: &impl PartOptimizer<B>, updated: &[bool]) {
+    /// The parts of the parameters `updated` says changed, from `optimizer`'s master weights
+    /// on the device, in the compute dtype (no collective).
+    fn update_from(&mut self, optimizer: &DeviceShardedAdamW<B>, updated: &[bool]) {
         for (index, parameter) in self.parameters.iter_mut().enumerate().filter(|&(i, _)| updated[i]) {
+            let part = optimizer.master_part(index, parameter.dtype);
             parameter.part = match parameter.part {
-                Held::Device(_) => Held::Device(optimizer.compute_part(index, parameter.dtype, &self.device)),
-                Held::Host(_) => Held::Host(optimizer.compute_part_on_host(index, parameter.dtype, &self.device)),
+                Held::Device(_) => Held::Device(part),
+                Held::Host(_) => Held::Host(part.into_data()),
             };
         }
+    }
+
+    /// The groups in the order a forward gathers them: the rest (the embeddings come first),
+    /// then the layers. The host optimizer updates them in this order.
+    fn forward_order(&self) -> Vec<Vec<usize>> {
+        std::iter::once(self.rest.clone()).chain(self.layers.iter().cloned()).collect()
+    }
+
+    /// Puts in place the new parts of `indices` that the last step's update has not yet handed
+    /// over, waiting for each on the update thread (the others may still be in the making).
+    fn await_updates(&mut self, indices: &[usize]) -> Result<(), UlyssesError> {
+        let Some(updates) = &mut self.updates else { return Ok(()) };
+        while let Some(&wanted) = indices.iter().find(|&&i| updates.waiting[i]) {
+            let (index, values) = updates.arriving.recv().map_err(|_| UlyssesError::InModel {
+                message: format!("the host optimizer's update thread ended before it updated {} (settle the optimizer for its error)", self.parameters[wanted].path),
+            })?;
+            let parameter = &mut self.parameters[index];
+            parameter.part = match parameter.part {
+                Held::Device(_) => Held::Device(Tensor::from_data(B::Wire::pin_for_upload(values, &self.device), (&self.device, parameter.dtype))),
+                Held::Host(_) => Held::Host(values),
+            };
+            updates.waiting[index] = false;
+        }
+        if !updates.waiting.contains(&true) {
+            self.updates = None;
+        }
+        Ok(())
+    }
+
+    /// Puts every new part of the last step's update in place (waiting for those still in the
+    /// making).
+    pub fn await_every_update(&mut self) -> Result<(), UlyssesError> {
+        let every: Vec<usize> = (0..self.parameters.len()).collect();
+        self.await_updates(&every)
     }
 
     /// A view of the parts that gathers and scatters over `world`, for a step's
