@@ -11,7 +11,8 @@
 #                 MEMORY_TRIAL_STEPS; alst's tiles and offload, to find what a piece's time is
 #                 made of: MEMORY_TILE_TOKENS (4096), MEMORY_OFFLOAD=0 keeps the checkpointed
 #                 inputs on the device; MEMORY_PROFILE=1 logs every kernel's time;
-#                 MEMORY_CLEANUP=1 frees empty pool pages before each piece's backward; overhead:
+#                 MEMORY_CLEANUP=1 frees empty pool pages before each piece's backward;
+#                 MEMORY_POOLS=exact gives each tensor a buffer of its own size; overhead:
 #                 the UlyssesBackend decorator against the plain backend, OVERHEAD_ARGS)
 #   TRAIN_RUN   = check (default) | scale | hf | 8b   (train folder)
 # DRY_RUN=1 prints the steps instead of running them (any machine: `DRY_RUN=1 OUT=/tmp/x
@@ -169,6 +170,16 @@ TOML
 logger = { level = "basic", file = "/tmp/memory-run/profile.log" }
 TOML
     fi
+    # MEMORY_POOLS=exact: CubeCL's persistent pool for every allocation (cubecl.toml's
+    # persistent_memory = "enforced": a buffer of each tensor's own size, reused only by a
+    # tensor of that size; with MEMORY_CLEANUP=1 the free ones are given back before each
+    # piece's backward), against its default sliced pages (pages up to a quarter of the
+    # device, shared by tensors of many sizes): reserved against used, side by side.
+    case "${MEMORY_POOLS:-sliced}" in
+        sliced) ;;
+        exact) printf '[memory]\npersistent_memory = "enforced"\n' >>/tmp/memory-run/cubecl.toml ;;
+        *) echo "MEMORY_POOLS must be sliced or exact, not ${MEMORY_POOLS}" >&2; exit 2 ;;
+    esac
     pushd /tmp/memory-run >/dev/null
     bench="$here/training-memory-bench"
     # Each phase's wall time is printed under its trial, also when the trial timed out; a second
