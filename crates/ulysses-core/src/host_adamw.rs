@@ -51,6 +51,10 @@ impl HostAdamW {
         Self { config, threads }
     }
 
+    pub fn threads(&self) -> NonZeroUsize {
+        self.threads
+    }
+
     pub fn config(&self) -> &HostAdamWConfig {
         &self.config
     }

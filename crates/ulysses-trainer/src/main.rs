@@ -640,12 +640,13 @@ where
     }
     .fork(&template_device);
     let threads = matches!(job.launch, Launch::Threads);
+    let ranks_here = match &job.launch {
+        Launch::Threads => config.layout.world_size(),
+        Launch::Process(env) => env.local_world_size,
+    };
+    let host_optimizer_threads = ulysses_trainer::train::host_threads_per_rank(std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get), ranks_here);
     if config.offload_optimizer {
         let elements: Vec<usize> = ulysses_training::float_parameters(&template).iter().map(|p| p.shape.iter().product()).collect();
-        let ranks_here = match &job.launch {
-            Launch::Threads => config.layout.world_size(),
-            Launch::Process(env) => env.local_world_size,
-        };
         // On the CPU backend the devices' parameters and gradients (f32) are host memory too.
         let device_bytes = if matches!(job.args.backend, BackendKind::Cpu) { 8 * elements.iter().sum::<usize>() as u64 * ranks_here as u64 } else { 0 };
         ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here, device_bytes).map_err(|e| format!("--offload-optimizer: {e}"))?;
@@ -685,6 +686,7 @@ where
             data_identity: Some(job.data_identity.clone()),
             save_hf: job.args.save_hf.clone().zip(job.pretrained.clone()),
             faults: Faults { nan_gradient: job.args.fault_nan_gradient, kill: job.args.fault_kill },
+            host_optimizer_threads: Some(host_optimizer_threads),
         };
         let model = template.take_or_clone().fork(&rank.device);
         let (model, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options)

@@ -1,6 +1,7 @@
 //! The training loop of one rank: Llama on byte tokens, with SP × DP through burn-ulysses,
 //! crash-safe checkpoints and resumption.
 
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -384,6 +385,16 @@ pub struct RunOptions<'a> {
     /// configuration, at each checkpoint and at the end (`None`: nowhere).
     pub save_hf: Option<(PathBuf, HfConfig)>,
     pub faults: Faults,
+    /// Threads of this rank's optimizer on the host (`None`: every core): the host's cores
+    /// divided among the ranks it runs ([`host_threads_per_rank`]).
+    pub host_optimizer_threads: Option<NonZeroUsize>,
+}
+
+/// Each of `ranks` ranks on a host with `cores` cores takes an equal share for its host
+/// optimizer, at least one: the update runs beside the rank's device work (ZeRO-3), whose
+/// launches need a core too, and `ranks` updates at once would otherwise each take every core.
+pub fn host_threads_per_rank(cores: usize, ranks: usize) -> NonZeroUsize {
+    NonZeroUsize::new(cores / ranks.max(1)).unwrap_or(NonZeroUsize::MIN)
 }
 
 /// Trains `model` on this rank; returns it with the reports of the steps it took (the same on
@@ -407,7 +418,10 @@ where
     let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
     let sharder = config.sharder();
     let optimizer = match (config.offload_optimizer, config.zero_stage) {
-        (true, _) => RankOptimizer::OnHost(ShardedAdamW::new(host_adamw_config(&config.optimizer)?)),
+        (true, _) => {
+            let config = host_adamw_config(&config.optimizer)?;
+            RankOptimizer::OnHost(options.host_optimizer_threads.map_or_else(|| ShardedAdamW::new(config), |threads| ShardedAdamW::with_threads(config, threads)))
+        }
         (false, 3) => RankOptimizer::OnDevice(DeviceShardedAdamW::new(host_adamw_config(&config.optimizer)?)),
         (false, _) => RankOptimizer::Replicated(config.optimizer.init::<B, Decoder<B>>()),
     };
@@ -444,6 +458,9 @@ where
     }
     if is_first {
         log_memory(&model, &optimizer, parts.as_ref(), groups.world.size());
+        if let RankOptimizer::OnHost(host) = &optimizer {
+            tracing::info!("the optimizer on the host updates on {} thread(s) a rank", host.threads());
+        }
     }
     // The model whole, for the result:
     // under ZeRO-3 all-gathered (a collective), else the model itself.
@@ -701,8 +718,9 @@ where
             let (model, optimizer, state) = load_training_checkpoint(location, model, optimizer, device)?;
             (model, RankOptimizer::Replicated(optimizer), state)
         }
-        RankOptimizer::OnHost(_) => {
-            let (model, optimizer, state) = load_sharded_training_checkpoint(location, model, &*groups.world)?;
+        RankOptimizer::OnHost(fresh) => {
+            let (model, mut optimizer, state) = load_sharded_training_checkpoint(location, model, &*groups.world)?;
+            optimizer.set_threads(fresh.threads());
             (model, RankOptimizer::OnHost(optimizer), state)
         }
         RankOptimizer::OnDevice(_) => {
@@ -895,4 +913,18 @@ pub fn load_model<B: AutodiffBackend>(config: &DecoderConfig, path: &Path, devic
         .init::<B>(device)
         .load_file(path, &model_recorder(), device)
         .map_err(|e| format!("cannot load the model {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_threads_per_rank;
+
+    /// A host's cores shared among its ranks' host optimizers: 8 GPUs' ranks on 16 cores take
+    /// 2 each (not 16 each, 128 threads on 16 cores); never none.
+    #[test]
+    fn the_host_optimizer_takes_its_share_of_the_cores() {
+        for (cores, ranks, each) in [(16, 8, 2), (16, 1, 16), (2, 4, 1), (3, 2, 1), (8, 0, 8)] {
+            assert_eq!(host_threads_per_rank(cores, ranks).get(), each, "{cores} cores, {ranks} ranks");
+        }
+    }
 }

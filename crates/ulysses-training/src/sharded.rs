@@ -86,8 +86,25 @@ struct ParameterPart {
 }
 
 impl ShardedAdamW {
+    /// On every core of the host.
     pub fn new(config: HostAdamWConfig) -> Self {
-        Self { adamw: HostAdamW::new(config), parts: Vec::new(), place: None, updating: None, pace: None, thread_start: None }
+        Self::with_threads(config, std::thread::available_parallelism().unwrap_or(std::num::NonZeroUsize::MIN))
+    }
+
+    /// On `threads` threads: a host's cores divided among the ranks it runs, so that one
+    /// rank's update leaves the others' (and their devices' launches) their cores.
+    pub fn with_threads(config: HostAdamWConfig, threads: std::num::NonZeroUsize) -> Self {
+        Self { adamw: HostAdamW::with_threads(config, threads), parts: Vec::new(), place: None, updating: None, pace: None, thread_start: None }
+    }
+
+    /// The threads its update takes (a loaded state takes every core until told otherwise).
+    pub fn threads(&self) -> std::num::NonZeroUsize {
+        self.adamw.threads()
+    }
+
+    /// Takes `threads` threads for its updates from now on.
+    pub fn set_threads(&mut self, threads: std::num::NonZeroUsize) {
+        self.adamw = HostAdamW::with_threads(*self.adamw.config(), threads);
     }
 
     /// Runs `start` first on each thread a ZeRO-3 step's update runs on: to pin it to cores,
