@@ -41,7 +41,8 @@ fn evaluate_at(config: TrainConfig, checkpoint: PathBuf, train_first: bool) -> (
         let device = Default::default();
         let model = if train_first {
             let data = VariedLengths { vocab: VOCAB };
-            let (model, _) = train_rank::<Sp>(config, config.model.init(&device), &data, &groups, &device, RunOptions::default()).unwrap();
+            let (trained, _) = train_rank::<Sp>(config, config.model.init(&device), &data, &groups, &device, RunOptions::default()).unwrap();
+            let model = trained.whole(&*groups.world).unwrap();
             if rank.rank() == 0 {
                 save_model(&model, checkpoint).unwrap();
             }
@@ -84,4 +85,41 @@ fn a_checkpoint_saved_at_sp4_loads_at_sp1_with_the_same_loss() {
     assert!((sp4 - sp1).abs() <= TOLERANCE, "SP=1 after loading: {sp1} vs SP=4: {sp4}");
     assert!((sp4 - sp4_bypass).abs() <= TOLERANCE, "bypassing SP: {sp4_bypass} vs SP=4: {sp4}");
     assert!((sp4 - plain).abs() <= TOLERANCE, "plain backend: {plain} vs SP=4: {sp4}");
+}
+
+/// Under ZeRO-3 (SP=2, the optimizer on the host) the trained model is written from its parts
+/// a layer at a time (`TrainedModel::save`: the ranks gather the rest, then each layer, and rank
+/// 0 turns each into host data before the next): the file is byte for byte the one
+/// `save_model` writes of the model gathered whole, and it loads.
+#[test]
+fn a_zero_3_model_is_saved_a_layer_at_a_time_as_the_whole_model_would_be() {
+    let dir = std::env::temp_dir().join(format!("burn-ulysses-zero3-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (by_layers, whole) = (dir.join("by-layers"), dir.join("whole"));
+    let run = {
+        let (by_layers, whole) = (by_layers.clone(), whole.clone());
+        move || {
+            let config = config(2).with_zero_stage(3).with_offload_optimizer(true).with_layer_checkpointing(Some(ulysses_training::LayerCheckpointing::new()));
+            let config = &config;
+            ThreadGroup::new(2).run(|rank| {
+                let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
+                let _sp = Sp::enter_thread(groups.sp.clone());
+                let device = Default::default();
+                let (mut trained, _) = train_rank::<Sp>(config, config.model.init(&device), &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default()).unwrap();
+                trained.save(&by_layers, &*groups.world).unwrap();
+                let model = trained.whole(&*groups.world).unwrap();
+                if rank.rank() == 0 {
+                    save_model(&model, &whole).unwrap();
+                    load_model::<Sp>(&config.model, &by_layers, &device).unwrap();
+                }
+            })
+        }
+    };
+    for (rank, result) in with_deadline(Duration::from_secs(120), run).into_iter().enumerate() {
+        result.unwrap_or_else(|p| panic!("rank {rank}: {p}"));
+    }
+    let (by_layers, whole) = (std::fs::read(by_layers.with_extension("mpk")).unwrap(), std::fs::read(whole.with_extension("mpk")).unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(whole.len() > 10_000, "the whole model's file holds {} bytes", whole.len());
+    assert!(by_layers == whole, "the file saved a layer at a time ({} bytes) differs from the whole model's ({} bytes)", by_layers.len(), whole.len());
 }

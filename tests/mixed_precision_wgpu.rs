@@ -141,7 +141,8 @@ fn half_precision_training_keeps_f32_parameters_and_follows_f32_losses() {
             let _sp = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
             let device = Default::default();
             let model = deterministic_params(config.model.init::<Sp>(&device), 5);
-            let (model, reports) = train_rank::<Sp>(&config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default()).unwrap();
+            let (trained, reports) = train_rank::<Sp>(&config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default()).unwrap();
+            let model = trained.whole(&*groups.world).unwrap();
             let dtypes: Vec<DType> = float_parameters(&model).iter().map(|p| p.values.dtype()).collect();
             (reports.iter().map(|r| r.loss).collect::<Vec<_>>(), dtypes)
         });

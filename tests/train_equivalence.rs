@@ -75,8 +75,8 @@ fn train_on<B: TrainBackend<Wire = Inner>>(config: TrainConfig, enter: fn(&Paral
         // Ranks start from different values: training must broadcast rank 0's, which are the
         // same in every run.
         let model = deterministic_params(config.model.init::<B>(&device), INIT_SEED + rank.rank() as u64);
-        let (model, reports) =
-            train_rank::<B>(config, model, data, &groups, &device, RunOptions::default()).unwrap();
+        let (trained, reports) = train_rank::<B>(config, model, data, &groups, &device, RunOptions::default()).unwrap();
+        let model = trained.whole(&*groups.world).unwrap();
         check_parameters_identical::<B, _, Inner>(&model, &*groups.world).unwrap();
         Outcome { reports, params: parameter_values(&model) }
     });

@@ -22,6 +22,7 @@ use std::ops::Range;
 use burn::{
     config::Config,
     module::{Module, ModuleVisitor},
+    record::{PrecisionSettings, Record},
     nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig, RmsNorm, RmsNormConfig},
     tensor::{
         FloatDType, Int, Tensor,
@@ -299,6 +300,21 @@ pub struct Decoder<B: Backend> {
 }
 
 impl<B: Backend> Decoder<B> {
+    /// The record item of a model whose parameters are never whole in one place (ZeRO-3), what
+    /// a recorder writes of the whole model, assembled a layer at a time: `rest` is the model
+    /// with its embeddings, final norm and head whole, `layer(i)` the model with block `i`
+    /// whole; each becomes host data (`S`'s precision) before the next is asked for, so at
+    /// most one of them is on the device at once.
+    pub fn record_item_by_layers<S: PrecisionSettings, E>(rest: Self, mut layer: impl FnMut(usize) -> Result<Self, E>) -> Result<DecoderRecordItem<B, S>, E> {
+        let blocks = rest.blocks.len();
+        let mut item = rest.into_record().into_item::<S>();
+        for index in 0..blocks {
+            let block = layer(index)?.blocks.swap_remove(index);
+            item.blocks[index] = block.into_record().into_item::<S>();
+        }
+        Ok(item)
+    }
+
     /// `tokens: [batch, seq]` at `positions` → logits `[batch, seq, vocab]`.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
         let head = self.output_head();

@@ -35,7 +35,7 @@ use ulysses_trainer::{
     plot,
     run_folder::{Claim, METRICS_FILE, RunFolder, RunRecord},
     tokens::TokenFile,
-    train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, save_model, train_rank},
+    train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
 };
 
 /// What becomes of a document longer than --seq-len (`--too-long`).
@@ -689,12 +689,13 @@ where
             host_optimizer_threads: Some(host_optimizer_threads),
         };
         let model = template.take_or_clone().fork(&rank.device);
-        let (model, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options)
+        let (mut trained, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options)
             .map_err(|e| e.to_string())?;
+        if !job.args.no_save {
+            // Every rank: under ZeRO-3 the ranks gather it a layer at a time for rank 0.
+            trained.save(&job.out.join("model"), &*rank.groups.world)?;
+        }
         if let Some(log) = log {
-            if !job.args.no_save {
-                save_model(&model, &job.out.join("model"))?;
-            }
             log.finish()?;
         }
         Ok(())

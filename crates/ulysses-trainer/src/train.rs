@@ -9,19 +9,19 @@ use burn::{
     config::Config,
     module::{AutodiffModule, Module},
     optim::{AdamWConfig, Optimizer},
-    record::{FullPrecisionSettings, NamedMpkFileRecorder},
+    record::{BurnRecord, FullPrecisionSettings, NamedMpkFileRecorder, Recorder},
     tensor::{DType, FloatDType, Int, Tensor, backend::AutodiffBackend},
 };
 use burn_ulysses::{
     ParallelGroups, PlainBackend, ParallelLayout, UlyssesError,
-    comm::all_gather_host_checked,
+    comm::{Communicator, all_gather_host_checked},
     data::{SequenceSharder, ShardPositions},
     device_io::DeviceIo,
     layout::HeadPlan,
     precision::Precision,
 };
 use ulysses_training::{
-    DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LocalStep, OptimizerPlace, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
+    DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, OptimizerPlace, ParameterGroup, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
     apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters, layered_output,
     host_adamw_config, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
     checkpoint::{load_training_checkpoint, read_checkpoint_state, save_training_checkpoint},
@@ -397,8 +397,8 @@ pub fn host_threads_per_rank(cores: usize, ranks: usize) -> NonZeroUsize {
     NonZeroUsize::new(cores / ranks.max(1)).unwrap_or(NonZeroUsize::MIN)
 }
 
-/// Trains `model` on this rank; returns it with the reports of the steps it took (the same on
-/// every rank). Rank 0's parameters are broadcast first, so ranks may start from any values;
+/// Trains `model` on this rank; returns it ([`TrainedModel`]: under ZeRO-3 in this rank's
+/// parts) with the reports of the steps it took (the same on every rank). Rank 0's parameters are broadcast first, so ranks may start from any values;
 /// with `resume`, every rank loads the checkpoint instead. `groups.sp` must already be the
 /// rank context when `B` is a `UlyssesBackend` (`burn_ulysses::job::run_ranks` does that).
 pub fn train_rank<B>(
@@ -408,7 +408,7 @@ pub fn train_rank<B>(
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
     mut options: RunOptions,
-) -> Result<(Decoder<B>, Vec<StepReport>), UlyssesError>
+) -> Result<(TrainedModel<B>, Vec<StepReport>), UlyssesError>
 where
     B: TrainBackend,
 {
@@ -462,12 +462,6 @@ where
             tracing::info!("the optimizer on the host updates on {} thread(s) a rank", host.threads());
         }
     }
-    // The model whole, for the result:
-    // under ZeRO-3 all-gathered (a collective), else the model itself.
-    let whole = |model: &Decoder<B>, parts: Option<&mut ShardedParameters<B>>| match parts {
-        Some(parts) => parts.gather_all(model.clone(), &*groups.world),
-        None => Ok(model.clone()),
-    };
     let eval_batch = data.eval_batch();
     let eval_documents = if config.pack { data.eval_documents() } else { None };
     let eval_targets = data.eval_targets();
@@ -542,7 +536,60 @@ where
     if is_first && let Some(peak) = ulysses_core::host_memory::peak_resident_bytes() {
         tracing::info!("host memory at its peak in this process (every rank thread of it): {:.3} GB", peak as f64 / 1e9);
     }
-    Ok((whole(&model, parts.as_mut())?, reports))
+    Ok((TrainedModel { model, parts }, reports))
+}
+
+/// A rank's model after [`train_rank`]: whole, or under ZeRO-3 this rank's parts of it (the
+/// model itself holding placeholders), gathered only as far as what is asked of it needs.
+pub struct TrainedModel<B: TrainBackend> {
+    model: Decoder<B>,
+    parts: Option<ShardedParameters<B>>,
+}
+
+impl<B: TrainBackend> TrainedModel<B> {
+    /// The model whole on this rank: under ZeRO-3 every parameter all-gathered (collective over
+    /// `world`, and the whole model on every device).
+    pub fn whole(self, world: &dyn Communicator<B::Wire>) -> Result<Decoder<B>, UlyssesError> {
+        let Self { model, parts } = self;
+        match parts {
+            Some(mut parts) => parts.gather_all(model, world),
+            None => Ok(model),
+        }
+    }
+
+    /// Writes the model ([`save_model`]'s file, Burn's record) from world rank 0; every rank
+    /// calls it. Under ZeRO-3 the ranks gather it a layer at a time (collective over `world`):
+    /// rank 0 turns each into host data before the next, so no device holds the whole model,
+    /// and every rank learns whether the file was written. Otherwise rank 0 writes its model.
+    pub fn save(&mut self, path: &Path, world: &dyn Communicator<B::Wire>) -> Result<(), String> {
+        let Self { model, parts } = self;
+        let Some(parts) = parts else {
+            return if world.rank() == 0 { save_model(model, path) } else { Ok(()) };
+        };
+        let layers = model.layer_count();
+        let mut gathers = parts.over(world);
+        let mut gather = |group| gathers.gather(model, group).map_err(|e| format!("cannot gather the model to save it: {e}"));
+        // Rank 0 gathers on after a failed write is found, so that no rank waits for it.
+        let written = if world.rank() == 0 {
+            let item = Decoder::record_item_by_layers::<FullPrecisionSettings, _>(gather(ParameterGroup::Rest)?, |layer| gather(ParameterGroup::Layer(layer)))?;
+            let recorder = model_recorder();
+            let record = BurnRecord::<_, B>::new::<NamedMpkFileRecorder<FullPrecisionSettings>>(item);
+            Some(Recorder::<B>::save_item(&recorder, record, path.to_path_buf()).map(drop).map_err(|e| format!("cannot save the model to {}: {e}", path.display())))
+        } else {
+            gather(ParameterGroup::Rest)?;
+            for layer in 0..layers {
+                gather(ParameterGroup::Layer(layer))?;
+            }
+            None
+        };
+        let ok = written.as_ref().is_none_or(Result::is_ok);
+        let every_rank = all_gather_host_checked(world, &[ok as u64], "model written").map_err(|e| e.to_string())?;
+        match written {
+            Some(result) => result,
+            None if every_rank[0][0] == 0 => Err("world rank 0 could not write the model (its error says why)".into()),
+            None => Ok(()),
+        }
+    }
 }
 
 /// `--save-hf` under ZeRO-3: every rank gathers one safetensors shard's parameters at a time

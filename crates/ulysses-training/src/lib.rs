@@ -389,7 +389,9 @@ where
 /// compute copy; `model` (placeholders) is returned as it came. On the host the update goes on
 /// after this returns, on a thread of its own, while the device runs the next step: each of
 /// that step's gathers waits for its own group's parts alone, and the next `apply_step_zero3`
-/// (or [`ShardedAdamW::settle`], before reading the state) for the rest. The same checks: a NaN or an
+/// (or [`ShardedAdamW::settle`], before reading the state) for the rest
+/// (`ULYSSES_HOST_ADAMW_SERIAL=1`: here, as before). A failed update thread fails this rank's
+/// next gather or step; the others then stop in their next collective, naming it. The same checks: a NaN or an
 /// infinity in any rank's loss or gradient parts stops every rank (a rank named for its
 /// gradients holds the non-finite part of a sum, which any rank may have fed).
 pub fn apply_step_zero3<B, M, O>(
@@ -431,7 +433,7 @@ where
     misfit?;
     if let Some(rank) = every_rank.iter().position(|ok| ok[0] == 0) {
         return Err(UlyssesError::InvalidConfig(format!(
-            "world rank {rank}'s optimizer does not fit its ZeRO-3 parameters, or its gradient parts did not arrive (its error says why)"
+            "world rank {rank}'s optimizer does not fit its ZeRO-3 parameters, its gradient parts did not arrive, or its last update failed (its error says why)"
         )));
     }
     let losses = step_losses_if_healthy(&model, &local, bad_part, step, groups)?;

@@ -75,6 +75,9 @@ pub struct ShardedAdamW {
     pace: Option<Receiver<()>>,
     /// Run first on each update thread ([`on_update_thread`](Self::on_update_thread)).
     thread_start: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// Why the state was lost (its update thread failed, or never started): every later use
+    /// is refused, rather than meet an empty state.
+    lost: Option<String>,
 }
 
 /// This rank's part of one parameter's master weights and moments.
@@ -94,7 +97,7 @@ impl ShardedAdamW {
     /// On `threads` threads: a host's cores divided among the ranks it runs, so that one
     /// rank's update leaves the others' (and their devices' launches) their cores.
     pub fn with_threads(config: HostAdamWConfig, threads: std::num::NonZeroUsize) -> Self {
-        Self { adamw: HostAdamW::with_threads(config, threads), parts: Vec::new(), place: None, updating: None, pace: None, thread_start: None }
+        Self { adamw: HostAdamW::with_threads(config, threads), parts: Vec::new(), place: None, updating: None, pace: None, thread_start: None, lost: None }
     }
 
     /// The threads its update takes (a loaded state takes every core until told otherwise).
@@ -114,18 +117,19 @@ impl ShardedAdamW {
     }
 
     /// Waits for a step's update still running on its thread (ZeRO-3 with the optimizer on the
-    /// host), so that the state is this step's. Refused when that thread failed: the state is
-    /// then lost (resume from the last checkpoint).
+    /// host), so that the state is this step's. Refused, now and at every later call, when
+    /// that thread failed: the state is then lost (resume from the last checkpoint).
     pub fn settle(&mut self) -> Result<(), UlyssesError> {
-        let Some(updating) = self.updating.take() else { return Ok(()) };
-        let (parts, pace) = updating.join().map_err(|panic| UlyssesError::InModel {
-            message: format!(
-                "the host optimizer's update thread failed: {}; its state is lost (resume from the last checkpoint)",
-                ulysses_core::comm::panic_message(panic.as_ref())
-            ),
-        })?;
-        (self.parts, self.pace) = (parts, pace);
-        Ok(())
+        if let Some(updating) = self.updating.take() {
+            match updating.join() {
+                Ok((parts, pace)) => (self.parts, self.pace) = (parts, pace),
+                Err(panic) => self.lost = Some(format!("its update thread failed: {}", ulysses_core::comm::panic_message(panic.as_ref()))),
+            }
+        }
+        match &self.lost {
+            None => Ok(()),
+            Some(why) => Err(UlyssesError::InModel { message: format!("the host optimizer's state is lost ({why}): resume from the last checkpoint") }),
+        }
     }
 
     /// The parts, which no update holds: every reader [`settle`](Self::settle)s first.
@@ -146,8 +150,9 @@ impl ShardedAdamW {
     /// half-precision compute copy ([`crate::with_parameters_in`]), or the first step takes
     /// the master weights from the copy's rounded values.
     pub fn keep_master_weights<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(&mut self, model: &M, rank: usize, world: usize) {
-        // A running update's state is replaced whatever it became.
+        // A running update's state is replaced whatever it became, a lost one too.
         let _ = self.settle();
+        self.lost = None;
         let partition = Partition::new(world).expect("a world has a rank");
         self.parts = crate::float_parameters(model)
             .iter()
@@ -300,8 +305,14 @@ impl ShardedAdamW {
             }
             (parts, pace)
         };
-        let thread = std::thread::Builder::new().name("host-adamw".into()).spawn(update);
-        self.updating = Some(thread.map_err(|e| UlyssesError::InModel { message: format!("cannot start the host optimizer's update thread: {e}") })?);
+        match std::thread::Builder::new().name("host-adamw".into()).spawn(update) {
+            Ok(thread) => self.updating = Some(thread),
+            // The state went with the thread that never started.
+            Err(e) => self.lost = Some(format!("its update thread could not start: {e}")),
+        }
+        if self.lost.is_some() {
+            self.settle()?;
+        }
         Ok(grad_norm)
     }
 
@@ -877,6 +888,36 @@ mod tests {
             })
             .collect();
         ShardedAdamW { parts, place: Some((rank, world)), ..ShardedAdamW::new(HostAdamWConfig { weight_decay: 0.03, ..HostAdamWConfig::default() }) }
+    }
+
+    /// An update thread that fails loses the state for good: the settle after it and every
+    /// later use (another settle, a save, the bytes it holds, a step) are refused, naming the
+    /// failure, rather than meet the empty state the thread took with it. A fresh state
+    /// (`keep_master_weights`) ends that.
+    #[test]
+    fn a_failed_update_thread_loses_the_state_for_good() {
+        let outcome = burn_ulysses::comm::ThreadGroup::new(1).run(|rank| {
+            let comm = rank.communicator();
+            let mut optimizer = of_rank(&whole(), 0, 1);
+            optimizer.on_update_thread(|| panic!("a test's failing update thread"));
+            let grads: Vec<Option<Vec<f32>>> = whole().iter().map(|(elements, _, _)| Some(vec![0.25; *elements])).collect();
+            let (sent, _arriving) = std::sync::mpsc::channel();
+            optimizer.update_in_order::<burn::backend::NdArray>(1e-2, grads, None, &*comm, vec![(0..4).collect()], vec![DType::F32; 4], sent).unwrap();
+            let first = optimizer.settle().unwrap_err().to_string();
+            let dir = std::env::temp_dir().join(format!("ulysses-lost-state-{}", std::process::id()));
+            let later = [optimizer.settle().map(drop), optimizer.save(&dir, 0, 1).map(drop), optimizer.host_bytes().map(drop)].map(|r| r.unwrap_err().to_string());
+            let saved = dir.join(sharded_state_file(0, 1)).exists();
+            let model = burn::nn::LinearConfig::new(2, 2).init::<burn::backend::NdArray>(&Default::default());
+            optimizer.keep_master_weights(&model, 0, 1);
+            (first, later, saved, optimizer.settle().is_ok())
+        });
+        let (first, later, saved, fresh) = outcome.into_iter().next().unwrap().unwrap();
+        assert!(first.contains("a test's failing update thread") && first.contains("resume from the last checkpoint"), "{first}");
+        for message in later {
+            assert!(message.contains("state is lost") && message.contains("a test's failing update thread"), "a later use: {message}");
+        }
+        assert!(!saved, "a lost state was saved");
+        assert!(fresh, "keep_master_weights gives it a state again");
     }
 
     fn same(a: &ShardedAdamW, b: &ShardedAdamW) -> bool {
