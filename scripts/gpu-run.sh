@@ -291,7 +291,9 @@ if has ulysses-trainer; then
         # 8 KB a token: 17 GB at 64K, so the host's 128 GB limits the length). EIGHT_B_ZERO3=1
         # runs it under ZeRO-3 (--zero 3: each layer's gradients leave for the host as its
         # backward ends, so the device never holds the 16 GB of bf16 gradients) and
-        # EIGHT_B_ZERO3=params keeps the bf16 parameters on the host too (--offload-parameters,
+        # EIGHT_B_ZERO3=params keeps the bf16 parameters on the host too (at world 1: 18 bytes a
+        # parameter on the host, 144.5 GB, more than a 128 GiB machine: refused before step 1;
+        # --offload-parameters,
         # each layer uploaded for its pieces). Under ZeRO-3 the host AdamW of step N runs beside
         # step N+1's forward; ULYSSES_HOST_ADAMW_SERIAL=1 in the environment makes each step
         # wait for it (the side-by-side: compare step 2's seconds). The log holds the memory line

@@ -649,7 +649,9 @@ where
         let elements: Vec<usize> = ulysses_training::float_parameters(&template).iter().map(|p| p.shape.iter().product()).collect();
         // On the CPU backend the devices' parameters and gradients (f32) are host memory too.
         let device_bytes = if matches!(job.args.backend, BackendKind::Cpu) { 8 * elements.iter().sum::<usize>() as u64 * ranks_here as u64 } else { 0 };
-        ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here, device_bytes).map_err(|e| format!("--offload-optimizer: {e}"))?;
+        // The compute copy's parts wait on the host too with --offload-parameters.
+        let parameter_bytes = if config.offload_parameters { burn::tensor::DType::from(config.precision.compute_dtype::<Sp<W>>(&template_device).map_err(|e| e.to_string())?).size() } else { 0 };
+        ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here, parameter_bytes, device_bytes).map_err(|e| format!("--offload-optimizer: {e}"))?;
     }
     let template = Template::new(template, if threads { config.layout.world_size() } else { 1 });
 

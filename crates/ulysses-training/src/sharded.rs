@@ -169,20 +169,36 @@ impl ShardedAdamW {
         elements.iter().map(|&n| 12 * partition.part_len(n)).sum()
     }
 
-    /// Refuses, before any step, a host without the memory for the state of
-    /// `ranks_on_this_host` ranks (rank threads of one process, or processes on one node) of
-    /// a world of `world`, for parameters of `elements` elements, beside `device_bytes_on_host`
-    /// (what the ranks' devices hold, where their memory is the host's: a CPU backend): the
-    /// bytes needed and available, and what to change.
-    pub fn check_host_memory(elements: &[usize], world: usize, ranks_on_this_host: usize, device_bytes_on_host: u64) -> Result<(), UlyssesError> {
-        let needed = Self::host_bytes_of(elements, world) as u64 * ranks_on_this_host as u64 + device_bytes_on_host;
+    /// Refuses, before any step, a host without the memory that `ranks_on_this_host` ranks
+    /// (rank threads of one process, or processes on one node) of a world of `world` hold there
+    /// at a step's end, for parameters of `elements` elements: of each element of a rank's
+    /// parts, 12 bytes of state, 4 of the step's gradient (f32, all arrived before the update
+    /// may start: the clipping norm and the NaN guard need every part), and
+    /// `parameter_bytes` of the compute copy where its parts wait on the host
+    /// (`--offload-parameters`); beside `device_bytes_on_host` (what the ranks' devices hold,
+    /// where their memory is the host's: a CPU backend). Says the bytes needed and available,
+    /// and what to change.
+    pub fn check_host_memory(elements: &[usize], world: usize, ranks_on_this_host: usize, parameter_bytes: usize, device_bytes_on_host: u64) -> Result<(), UlyssesError> {
+        Self::check_host_memory_of(ulysses_core::host_memory::available_bytes(), elements, world, ranks_on_this_host, parameter_bytes, device_bytes_on_host)
+    }
+
+    /// [`check_host_memory`](Self::check_host_memory) on a host with `available` bytes.
+    fn check_host_memory_of(available: Option<u64>, elements: &[usize], world: usize, ranks_on_this_host: usize, parameter_bytes: usize, device_bytes_on_host: u64) -> Result<(), UlyssesError> {
+        let per_element = 16 + parameter_bytes;
+        let part_elements = Self::host_bytes_of(elements, world) / 12;
+        let needed = (part_elements * per_element) as u64 * ranks_on_this_host as u64 + device_bytes_on_host;
         let what = format!(
-            "the optimizer on the host ({} parameters, 12 bytes each over a world of {world}, for {ranks_on_this_host} rank(s) on this host{})",
+            "the optimizer on the host ({} parameters over a world of {world}: {per_element} bytes each of a rank's part, 12 of state, 4 of the step's gradient{}; for {ranks_on_this_host} rank(s) on this host{})",
             elements.iter().sum::<usize>(),
+            if parameter_bytes > 0 { format!(", {parameter_bytes} of the parameters kept on the host") } else { String::new() },
             if device_bytes_on_host > 0 { format!(", beside {:.2} GB the ranks' devices keep in host memory", device_bytes_on_host as f64 / 1e9) } else { String::new() }
         );
-        ulysses_core::host_memory::check_fits(needed, ulysses_core::host_memory::available_bytes(), &what, "spread the ranks over more nodes (a larger world divides the state), or keep the optimizer on the device")
-            .map_err(UlyssesError::InvalidConfig)
+        let fix = if parameter_bytes > 0 {
+            "keep the parameters on the device (without --offload-parameters), spread the ranks over more nodes (a larger world divides the state), or keep the optimizer on the device"
+        } else {
+            "spread the ranks over more nodes (a larger world divides the state), or keep the optimizer on the device"
+        };
+        ulysses_core::host_memory::check_fits(needed, available, &what, fix).map_err(UlyssesError::InvalidConfig)
     }
 
     /// Bytes of optimizer state (master weights and both moments) this rank holds on the host
@@ -277,7 +293,7 @@ impl ShardedAdamW {
     pub(crate) fn update_in_order<G: burn::tensor::backend::Backend>(
         &mut self,
         learning_rate: f64,
-        grad_parts: Vec<Option<Vec<f32>>>,
+        mut grad_parts: Vec<Option<Vec<f32>>>,
         max_grad_norm: Option<f64>,
         world: &dyn Communicator<G>,
         order: Vec<Vec<usize>>,
@@ -296,8 +312,10 @@ impl ShardedAdamW {
                     let _ = pace.recv();
                 }
                 for index in group {
-                    let Some(grad) = &grad_parts[index] else { continue };
-                    parts[index].update(&adamw, learning_rate, grad, factor);
+                    // Each gradient part goes as soon as it is used: the host's peak is the step's end.
+                    let Some(grad) = grad_parts[index].take() else { continue };
+                    parts[index].update(&adamw, learning_rate, &grad, factor);
+                    drop(grad);
                     let master = &parts[index].master;
                     // Nobody waits any more after a failed step; the state is updated all the same.
                     let _ = updated.send((index, TensorData::new(master.clone(), [master.len()]).convert_dtype(dtypes[index])));
@@ -918,6 +936,21 @@ mod tests {
         }
         assert!(!saved, "a lost state was saved");
         assert!(fresh, "keep_master_weights gives it a state again");
+    }
+
+    /// The full Llama-3.1-8B shape (8.03e9 parameters) with the optimizer on the host of a GPU
+    /// machine (137 GB, 128 GiB): alone it needs 128.5 GB at a step's end (state and the
+    /// step's f32 gradient), which fits; with its bf16 parameters on the host too, 144.5 GB,
+    /// refused before step 1 naming both figures and the flag to drop; over a world of 2 half.
+    #[test]
+    fn the_host_check_counts_the_gradient_and_the_parameters_kept_there() {
+        let (eight_b, machine) = ([8_030_261_248usize], Some(137_438_953_472u64));
+        assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 0, 0).is_ok(), "state and gradient: 128.5 GB");
+        let refused = ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 2, 0).unwrap_err().to_string();
+        assert!(refused.contains("needs 144.54 GB") && refused.contains("137.44 GB available") && refused.contains("--offload-parameters"), "{refused}");
+        assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 1, 2, 0).is_ok(), "a world of 2 holds half each");
+        let two_ranks = ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 2, 2, 0).unwrap_err().to_string();
+        assert!(two_ranks.contains("needs 144.54 GB") && two_ranks.contains("2 rank(s) on this host"), "{two_ranks}");
     }
 
     fn same(a: &ShardedAdamW, b: &ShardedAdamW) -> bool {
