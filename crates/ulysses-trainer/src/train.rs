@@ -559,8 +559,10 @@ impl<B: TrainBackend> TrainedModel<B> {
 
     /// Writes the model ([`save_model`]'s file, Burn's record) from world rank 0; every rank
     /// calls it. Under ZeRO-3 the ranks gather it a layer at a time (collective over `world`):
-    /// rank 0 turns each into host data before the next, so no device holds the whole model,
-    /// and every rank learns whether the file was written. Otherwise rank 0 writes its model.
+    /// rank 0 turns each into host data before the next, so no device holds the whole model
+    /// (rank 0's host holds its f32 record while it writes). Otherwise rank 0 writes its model.
+    /// Rank 0 alone learns whether the file was written: the others do not wait through the
+    /// write (of 280 GB for 70B), which would outlast the collectives' timeout.
     pub fn save(&mut self, path: &Path, world: &dyn Communicator<B::Wire>) -> Result<(), String> {
         let Self { model, parts } = self;
         let Some(parts) = parts else {
@@ -569,25 +571,14 @@ impl<B: TrainBackend> TrainedModel<B> {
         let layers = model.layer_count();
         let mut gathers = parts.over(world);
         let mut gather = |group| gathers.gather(model, group).map_err(|e| format!("cannot gather the model to save it: {e}"));
-        // Rank 0 gathers on after a failed write is found, so that no rank waits for it.
-        let written = if world.rank() == 0 {
+        if world.rank() == 0 {
             let item = Decoder::record_item_by_layers::<FullPrecisionSettings, _>(gather(ParameterGroup::Rest)?, |layer| gather(ParameterGroup::Layer(layer)))?;
             let recorder = model_recorder();
             let record = BurnRecord::<_, B>::new::<NamedMpkFileRecorder<FullPrecisionSettings>>(item);
-            Some(Recorder::<B>::save_item(&recorder, record, path.to_path_buf()).map(drop).map_err(|e| format!("cannot save the model to {}: {e}", path.display())))
+            Recorder::<B>::save_item(&recorder, record, path.to_path_buf()).map(drop).map_err(|e| format!("cannot save the model to {}: {e}", path.display()))
         } else {
             gather(ParameterGroup::Rest)?;
-            for layer in 0..layers {
-                gather(ParameterGroup::Layer(layer))?;
-            }
-            None
-        };
-        let ok = written.as_ref().is_none_or(Result::is_ok);
-        let every_rank = all_gather_host_checked(world, &[ok as u64], "model written").map_err(|e| e.to_string())?;
-        match written {
-            Some(result) => result,
-            None if every_rank[0][0] == 0 => Err("world rank 0 could not write the model (its error says why)".into()),
-            None => Ok(()),
+            (0..layers).try_for_each(|layer| gather(ParameterGroup::Layer(layer)).map(drop))
         }
     }
 }

@@ -222,14 +222,19 @@ pub(crate) fn read_checkpoint<S: DeserializeOwned>(location: &Path) -> Result<Co
 /// flushes the folder: a reader sees the old file or the new one, never a torn one. The
 /// temporary file is removed if anything fails.
 pub fn write_atomically(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
+    write_atomically_with(path, |file| parts.iter().try_for_each(|part| file.write_all(part)))
+}
+
+/// [`write_atomically`] with the contents written by `write`, piece by piece (a file larger
+/// than what should be held in memory at once).
+pub(crate) fn write_atomically_with(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<File>) -> std::io::Result<()>) -> std::io::Result<()> {
     let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let temporary = folder.join(format!(".{name}.tmp-{}", std::process::id()));
     let written = (|| {
-        let mut file = File::create(&temporary)?;
-        for part in parts {
-            file.write_all(part)?;
-        }
+        let mut writer = std::io::BufWriter::with_capacity(1 << 20, File::create(&temporary)?);
+        write(&mut writer)?;
+        let file = writer.into_inner().map_err(std::io::IntoInnerError::into_error)?;
         file.sync_all()?;
         fs::rename(&temporary, path)?;
         // The rename is durable once the folder's entry is.
@@ -243,10 +248,15 @@ pub fn write_atomically(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
 
 /// FNV-1a over several byte slices, as if concatenated.
 pub(crate) fn fnv1a(parts: &[&[u8]]) -> u64 {
-    parts
-        .iter()
-        .flat_map(|part| part.iter())
-        .fold(0xcbf2_9ce4_8422_2325, |hash, &b| (hash ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    parts.iter().fold(FNV1A_START, |hash, part| fnv1a_more(hash, part))
+}
+
+/// FNV-1a's hash before any byte.
+pub(crate) const FNV1A_START: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a's `hash` so far, continued over `bytes` (a long input hashed piece by piece).
+pub(crate) fn fnv1a_more(hash: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(hash, |hash, &b| (hash ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@
 
 use std::{
     fs,
-    io::{Read, Seek, SeekFrom},
+    io::{Read, Seek, SeekFrom, Write},
     path::{Path, PathBuf},
     sync::{
         Arc,
@@ -54,7 +54,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     TrainBackend,
-    checkpoint::{fnv1a, write_atomically},
+    checkpoint::{FNV1A_START, fnv1a, fnv1a_more, write_atomically_with},
     gradients::{LocalGradient, TakeGradients},
 };
 
@@ -94,8 +94,8 @@ impl ShardedAdamW {
         Self::with_threads(config, std::thread::available_parallelism().unwrap_or(std::num::NonZeroUsize::MIN))
     }
 
-    /// On `threads` threads: a host's cores divided among the ranks it runs, so that one
-    /// rank's update leaves the others' (and their devices' launches) their cores.
+    /// On `threads` threads: a host's cores divided among the ranks it runs, so that the ranks'
+    /// updates together take about the host's cores rather than each all of them.
     pub fn with_threads(config: HostAdamWConfig, threads: std::num::NonZeroUsize) -> Self {
         Self { adamw: HostAdamW::with_threads(config, threads), parts: Vec::new(), place: None, updating: None, pace: None, thread_start: None, lost: None }
     }
@@ -110,8 +110,10 @@ impl ShardedAdamW {
         self.adamw = HostAdamW::with_threads(*self.adamw.config(), threads);
     }
 
-    /// Runs `start` first on each thread a ZeRO-3 step's update runs on: to pin it to cores,
-    /// or to count its allocations as the rank's.
+    /// Runs `start` first on the thread each ZeRO-3 step's update is driven from (the norm's
+    /// and the AdamW's worker threads it spawns per parameter do not run it): to count the
+    /// update's allocations (the moments, the compute copy's new parts) as the rank's, or to
+    /// set that thread's affinity.
     pub fn on_update_thread(&mut self, start: impl Fn() + Send + Sync + 'static) {
         self.thread_start = Some(Arc::new(start));
     }
@@ -558,19 +560,39 @@ impl ShardedAdamW {
         self.settle()?;
         let path = dir.join(sharded_state_file(rank, world));
         fs::create_dir_all(dir).map_err(|e| shard_error(dir, format!("cannot create the folder: {e}")))?;
-        let sections: Vec<Vec<u8>> = self.parts.iter().map(ParameterPart::section).collect();
+        // Each section is hashed, then written, a piece at a time: the state is never copied
+        // whole (at 8B it is 96 GB of a 137 GB host).
+        let mut bytes = Vec::with_capacity(SECTION_PIECE_BYTES);
+        let checksum = |part: &ParameterPart, bytes: &mut Vec<u8>| {
+            let mut hash = FNV1A_START;
+            part.section_pieces(bytes, |piece| hash = fnv1a_more(hash, piece));
+            hash
+        };
         let header = ShardHeader {
             format: SHARD_FORMAT,
             rank,
             world,
             config: *self.adamw.config(),
-            parameters: self.parts.iter().zip(&sections).map(|(part, bytes)| SectionHeader { elements: part.elements, time: part.moments.time, checksum: fnv1a(&[bytes]) }).collect(),
+            parameters: self.parts.iter().map(|part| SectionHeader { elements: part.elements, time: part.moments.time, checksum: checksum(part, &mut bytes) }).collect(),
         };
         let header = serde_json::to_vec(&header).map_err(|e| shard_error(&path, format!("cannot encode the header: {e}")))?;
         let length = (header.len() as u64).to_le_bytes();
-        let mut parts: Vec<&[u8]> = vec![SHARD_MAGIC, &length, &header];
-        parts.extend(sections.iter().map(Vec::as_slice));
-        write_atomically(&path, &parts).map_err(|e| shard_error(&path, format!("cannot write: {e}")))?;
+        write_atomically_with(&path, |file| {
+            for piece in [SHARD_MAGIC.as_slice(), &length, &header] {
+                file.write_all(piece)?;
+            }
+            for part in &self.parts {
+                let mut written = Ok(());
+                part.section_pieces(&mut bytes, |piece| {
+                    if written.is_ok() {
+                        written = file.write_all(piece);
+                    }
+                });
+                written?;
+            }
+            Ok(())
+        })
+        .map_err(|e| shard_error(&path, format!("cannot write: {e}")))?;
         Ok(path)
     }
 
@@ -627,13 +649,33 @@ impl ParameterPart {
         adamw.step_scaled(learning_rate, &mut self.master, grad, factor.map_or(1.0, |factor| factor as f32), &mut self.moments);
     }
 
-    /// Master weights, then both moments (zeros before the first update), as f32 bytes.
-    fn section(&self) -> Vec<u8> {
-        let zeros = vec![0.0f32; self.master.len()];
-        let moment = |values: &Vec<f32>| if values.is_empty() { zeros.clone() } else { values.clone() };
-        [self.master.clone(), moment(&self.moments.moment_1), moment(&self.moments.moment_2)].concat().iter().flat_map(|v| v.to_le_bytes()).collect()
+    /// Its section of a state file, master weights then both moments (zeros before the first
+    /// update) as f32 little-endian bytes, handed to `take` in pieces of at most
+    /// [`SECTION_PIECE_BYTES`] made in `bytes`.
+    fn section_pieces(&self, bytes: &mut Vec<u8>, mut take: impl FnMut(&[u8])) {
+        let zeros = [0.0f32; SECTION_PIECE_BYTES / 4];
+        for values in [&self.master, &self.moments.moment_1, &self.moments.moment_2] {
+            let mut left = self.master.len();
+            for chunk in values.chunks(SECTION_PIECE_BYTES / 4) {
+                bytes.clear();
+                bytes.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+                take(bytes);
+                left -= chunk.len();
+            }
+            // A moment before the first update: zeros of the master's length.
+            while left > 0 {
+                let count = left.min(zeros.len());
+                bytes.clear();
+                bytes.extend(zeros[..count].iter().flat_map(|v| v.to_le_bytes()));
+                take(bytes);
+                left -= count;
+            }
+        }
     }
 }
+
+/// The largest piece of a section a save holds at once.
+const SECTION_PIECE_BYTES: usize = 1 << 20;
 
 /// One saved rank's state file, its header checked and its sections read on demand.
 struct ShardFile {
@@ -951,6 +993,29 @@ mod tests {
         assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 1, 2, 0).is_ok(), "a world of 2 holds half each");
         let two_ranks = ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 2, 2, 0).unwrap_err().to_string();
         assert!(two_ranks.contains("needs 144.54 GB") && two_ranks.contains("2 rank(s) on this host"), "{two_ranks}");
+    }
+
+    /// A section handed out in pieces (a save holds one piece at a time) is, end to end, the
+    /// master weights and both moments as f32 little-endian bytes, zeros for the moments
+    /// before the first update; across pieces of 1 MiB and a tail.
+    #[test]
+    fn a_section_in_pieces_is_the_whole_section() {
+        let len = 600_001;
+        let values = |seed: f32| (0..len).map(|i| seed + i as f32 * 0.25).collect::<Vec<f32>>();
+        let whole = |arrays: [&[f32]; 3]| arrays.concat().iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+        let stepped = ParameterPart { elements: len, master: values(1.0), moments: AdamWMoments { moment_1: values(2.0), moment_2: values(3.0), time: 4 } };
+        let fresh = ParameterPart { elements: len, master: values(1.0), moments: AdamWMoments::default() };
+        let zeros = vec![0.0f32; len];
+        for (part, want) in [(&stepped, whole([&values(1.0), &values(2.0), &values(3.0)])), (&fresh, whole([&values(1.0), &zeros, &zeros]))] {
+            let (mut got, mut pieces, mut bytes) = (Vec::new(), 0, Vec::new());
+            part.section_pieces(&mut bytes, |piece| {
+                assert!(piece.len() <= SECTION_PIECE_BYTES);
+                got.extend_from_slice(piece);
+                pieces += 1;
+            });
+            assert_eq!(pieces, 9, "three arrays of 2.4 MB in pieces of 1 MiB");
+            assert!(got == want, "the pieces differ from the section");
+        }
     }
 
     fn same(a: &ShardedAdamW, b: &ShardedAdamW) -> bool {

@@ -513,7 +513,10 @@ impl<B: TrainBackend> ShardedParameters<B> {
         let Some(updates) = &mut self.updates else { return Ok(()) };
         while let Some(&wanted) = indices.iter().find(|&&i| updates.waiting[i]) {
             let (index, values) = updates.arriving.recv().map_err(|_| UlyssesError::InModel {
-                message: format!("the host optimizer's update thread ended before it updated {} (settle the optimizer for its error)", self.parameters[wanted].path),
+                message: format!(
+                    "the host optimizer's update thread failed before it updated {} (its panic is printed above; the optimizer refuses every later use)",
+                    self.parameters[wanted].path
+                ),
             })?;
             let parameter = &mut self.parameters[index];
             parameter.part = match parameter.part {
