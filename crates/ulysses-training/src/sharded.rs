@@ -91,13 +91,18 @@ struct ParameterPart {
 impl ShardedAdamW {
     /// On every core of the host.
     pub fn new(config: HostAdamWConfig) -> Self {
-        Self::with_threads(config, std::thread::available_parallelism().unwrap_or(std::num::NonZeroUsize::MIN))
+        Self::updating_with(HostAdamW::new(config))
     }
 
     /// On `threads` threads: a host's cores divided among the ranks it runs, so that the ranks'
     /// updates together take about the host's cores rather than each all of them.
     pub fn with_threads(config: HostAdamWConfig, threads: std::num::NonZeroUsize) -> Self {
-        Self { adamw: HostAdamW::with_threads(config, threads), parts: Vec::new(), place: None, updating: None, pace: None, thread_start: None, lost: None }
+        Self::updating_with(HostAdamW::with_threads(config, threads))
+    }
+
+    /// No state yet, updated by `adamw`.
+    fn updating_with(adamw: HostAdamW) -> Self {
+        Self { adamw, parts: Vec::new(), place: None, updating: None, pace: None, thread_start: None, lost: None }
     }
 
     /// The threads its update takes (a loaded state takes every core until told otherwise).
@@ -167,8 +172,7 @@ impl ShardedAdamW {
     /// `world` holds on the host for parameters of `elements` elements each, once they have
     /// stepped: 12 bytes an element of its parts.
     pub fn host_bytes_of(elements: &[usize], world: usize) -> usize {
-        let partition = Partition::new(world.max(1)).expect("a world has a rank");
-        elements.iter().map(|&n| 12 * partition.part_len(n)).sum()
+        12 * part_elements(elements, world)
     }
 
     /// Refuses, before any step, a host without the memory that `ranks_on_this_host` ranks
@@ -187,20 +191,18 @@ impl ShardedAdamW {
     /// [`check_host_memory`](Self::check_host_memory) on a host with `available` bytes.
     fn check_host_memory_of(available: Option<u64>, elements: &[usize], world: usize, ranks_on_this_host: usize, parameter_bytes: usize, device_bytes_on_host: u64) -> Result<(), UlyssesError> {
         let per_element = 16 + parameter_bytes;
-        let part_elements = Self::host_bytes_of(elements, world) / 12;
-        let needed = (part_elements * per_element) as u64 * ranks_on_this_host as u64 + device_bytes_on_host;
+        let needed = (part_elements(elements, world) * per_element) as u64 * ranks_on_this_host as u64 + device_bytes_on_host;
         let what = format!(
             "the optimizer on the host ({} parameters over a world of {world}: {per_element} bytes each of a rank's part, 12 of state, 4 of the step's gradient{}; for {ranks_on_this_host} rank(s) on this host{})",
             elements.iter().sum::<usize>(),
             if parameter_bytes > 0 { format!(", {parameter_bytes} of the parameters kept on the host") } else { String::new() },
             if device_bytes_on_host > 0 { format!(", beside {:.2} GB the ranks' devices keep in host memory", device_bytes_on_host as f64 / 1e9) } else { String::new() }
         );
-        let fix = if parameter_bytes > 0 {
-            "keep the parameters on the device (without --offload-parameters), spread the ranks over more nodes (a larger world divides the state), or keep the optimizer on the device"
-        } else {
-            "spread the ranks over more nodes (a larger world divides the state), or keep the optimizer on the device"
-        };
-        ulysses_core::host_memory::check_fits(needed, available, &what, fix).map_err(UlyssesError::InvalidConfig)
+        let fix = format!(
+            "{}spread the ranks over more nodes (a larger world divides the state), or keep the optimizer on the device",
+            if parameter_bytes > 0 { "keep the parameters on the device (without --offload-parameters), " } else { "" }
+        );
+        ulysses_core::host_memory::check_fits(needed, available, &what, &fix).map_err(UlyssesError::InvalidConfig)
     }
 
     /// Bytes of optimizer state (master weights and both moments) this rank holds on the host
@@ -365,6 +367,13 @@ impl ShardedAdamW {
         }
         Ok(gathered)
     }
+}
+
+/// Elements of a rank's parts of parameters of `elements` elements each over a world of
+/// `world` (the partition's padding included).
+fn part_elements(elements: &[usize], world: usize) -> usize {
+    let partition = Partition::new(world.max(1)).expect("a world has a rank");
+    elements.iter().map(|&n| partition.part_len(n)).sum()
 }
 
 /// The norm of the whole gradient whose parts (this rank's of each parameter, summed over
