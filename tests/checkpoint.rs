@@ -10,7 +10,7 @@ use burn::{
 use burn_ulysses::{ParallelGroups, ParallelLayout, UlyssesBackend, comm::ThreadGroup};
 use ulysses_training::LmOutput;
 use ulysses_models::DecoderConfig;
-use ulysses_trainer::train::{RunOptions, StepData, TrainConfig, evaluate_model, load_model, save_model, train_rank};
+use ulysses_trainer::train::{RunOptions, StepData, TrainConfig, evaluate_model, load_model, model_recorder, save_model, train_rank};
 use ulysses_suite::{VariedLengths, with_deadline};
 
 type Inner = NdArray<f32>;
@@ -88,16 +88,16 @@ fn a_checkpoint_saved_at_sp4_loads_at_sp1_with_the_same_loss() {
 }
 
 /// Under ZeRO-3 (SP=2, the optimizer on the host) the trained model is written from its parts
-/// a layer at a time (`TrainedModel::save`: the ranks gather the rest, then each layer, and rank
-/// 0 turns each into host data before the next): the file is byte for byte the one
-/// `save_model` writes of the model gathered whole, and it loads.
+/// a layer at a time (`TrainedModel::save`: the ranks gather the rest, then each layer as rank
+/// 0's writer reaches it): the file is byte for byte the one burn's recorder writes of the model
+/// gathered whole, as `save_model`'s is, and it loads.
 #[test]
 fn a_zero_3_model_is_saved_a_layer_at_a_time_as_the_whole_model_would_be() {
     let dir = std::env::temp_dir().join(format!("burn-ulysses-zero3-model-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let (by_layers, whole) = (dir.join("by-layers"), dir.join("whole"));
+    let (by_layers, whole, by_burn) = (dir.join("by-layers"), dir.join("whole"), dir.join("by-burn"));
     let run = {
-        let (by_layers, whole) = (by_layers.clone(), whole.clone());
+        let (by_layers, whole, by_burn) = (by_layers.clone(), whole.clone(), by_burn.clone());
         move || {
             let config = config(2).with_zero_stage(3).with_offload_optimizer(true).with_layer_checkpointing(Some(ulysses_training::LayerCheckpointing::new()));
             let config = &config;
@@ -110,6 +110,7 @@ fn a_zero_3_model_is_saved_a_layer_at_a_time_as_the_whole_model_would_be() {
                 let model = trained.whole(&*groups.world).unwrap();
                 if rank.rank() == 0 {
                     save_model(&model, &whole).unwrap();
+                    burn::module::Module::save_file(model, &by_burn, &model_recorder()).unwrap();
                     load_model::<Sp>(&config.model, &by_layers, &device).unwrap();
                 }
             })
@@ -118,8 +119,10 @@ fn a_zero_3_model_is_saved_a_layer_at_a_time_as_the_whole_model_would_be() {
     for (rank, result) in with_deadline(Duration::from_secs(120), run).into_iter().enumerate() {
         result.unwrap_or_else(|p| panic!("rank {rank}: {p}"));
     }
-    let (by_layers, whole) = (std::fs::read(by_layers.with_extension("mpk")).unwrap(), std::fs::read(whole.with_extension("mpk")).unwrap());
+    let read = |path: &PathBuf| std::fs::read(path.with_extension("mpk")).unwrap();
+    let (by_layers, whole, by_burn) = (read(&by_layers), read(&whole), read(&by_burn));
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(whole.len() > 10_000, "the whole model's file holds {} bytes", whole.len());
-    assert!(by_layers == whole, "the file saved a layer at a time ({} bytes) differs from the whole model's ({} bytes)", by_layers.len(), whole.len());
+    assert!(by_burn.len() > 10_000, "burn's file of the whole model holds {} bytes", by_burn.len());
+    assert!(whole == by_burn, "save_model's file ({} bytes) differs from burn's recorder's ({} bytes)", whole.len(), by_burn.len());
+    assert!(by_layers == by_burn, "the file saved a layer at a time ({} bytes) differs from burn's of the whole model ({} bytes)", by_layers.len(), by_burn.len());
 }

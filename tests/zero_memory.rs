@@ -2,13 +2,18 @@
 //! (`ulysses_suite::rank_memory`): its part of the parameters' compute copy and of the
 //! optimizer's state (master weights and both moments). At world 2 and 4 a rank holds
 //! 1/world of what one rank training the same model alone holds, within 10%; replicated AdamW
-//! holds the whole model and both moments on every rank whatever the world.
-//!
-//! One test, so nothing else allocates in this binary while it counts. The figures for a
+//! holds the whole model and both moments on every rank whatever the world. The figures for a
 //! Hugging Face shape (benches/RESULTS.md): `ZERO_MEMORY_SHAPE=benches/hf-shapes/llama-3.2-1b.json
 //! ZERO_MEMORY_LAYERS=2 cargo test -p ulysses-suite --test zero_memory -- --nocapture`.
+//!
+//! A second test counts what the process holds while rank 0 writes the ZeRO-3 model
+//! (`TrainedModel::save`). The two run one after the other, so nothing else allocates while
+//! either counts.
 
-use std::time::Duration;
+use std::{
+    sync::{Barrier, Mutex, atomic::{AtomicUsize, Ordering}},
+    time::Duration,
+};
 
 use burn::{backend::{Autodiff, NdArray}, optim::AdamWConfig};
 use burn_ulysses::{
@@ -19,10 +24,10 @@ use burn_ulysses::{
 use ulysses_models::{Decoder, DecoderConfig};
 use ulysses_suite::{
     VariedLengths, deterministic_params,
-    rank_memory::{RankCounting, count_as_rank, live_bytes},
+    rank_memory::{RankCounting, count_as_rank, live_bytes, process_live_bytes, process_peak_bytes, reset_process_peak},
     with_deadline,
 };
-use ulysses_trainer::train::StepData;
+use ulysses_trainer::train::{StepData, TrainedModel};
 use ulysses_training::{
     HostAdamWConfig, LayerCheckpointing, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step, apply_step_zero3, backward_step_checkpointed,
     backward_step_zero3, float_parameters,
@@ -109,6 +114,7 @@ fn held_per_rank(world: usize, zero3: bool) -> (Vec<usize>, usize) {
 
 #[test]
 fn zero_3_ranks_hold_a_world_th_of_the_training_state() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let results = with_deadline(Duration::from_secs(if std::env::var("ZERO_MEMORY_SHAPE").is_ok() { 3600 } else { 300 }), || {
         [1, 2, 4].map(|world| (world, held_per_rank(world, true), held_per_rank(world, false)))
     });
@@ -134,4 +140,50 @@ fn zero_3_ranks_hold_a_world_th_of_the_training_state() {
             assert!(held >= 12 * parameters, "world {world}, rank {rank}: replicated AdamW holds only {held} bytes");
         }
     }
+}
+
+/// The two tests one after the other: the second counts every thread of the process.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Under ZeRO-3 rank 0 writes the model while the ranks gather it a layer at a time
+/// (`TrainedModel::save`): the most the process holds during the save, above what it held
+/// before, is what a layer and the rest take (gathered on each rank, and as rank 0's record),
+/// with the writer's buffer: under a quarter of the model's f32 record for 64 layers. Building the whole
+/// record before writing it held all of it.
+#[test]
+fn zero_3_writes_the_model_holding_a_layer_at_a_time() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let config = DecoderConfig::new(256).with_d_model(128).with_n_layers(64).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(512).with_repeat_kv(false);
+    let path = std::env::temp_dir().join(format!("burn-ulysses-zero3-save-memory-{}", std::process::id()));
+    let run = {
+        let path = path.clone();
+        move || {
+            let (config, path) = (&config, &path);
+            let (before, parameters) = (AtomicUsize::new(0), AtomicUsize::new(0));
+            let ready = Barrier::new(2);
+            let (before, ready) = (&before, &ready);
+            let parameters = &parameters;
+            ThreadGroup::new(2).run(|rank| {
+                let device = Default::default();
+                let model: Decoder<Sp> = deterministic_params(config.init(&device), 7);
+                parameters.store(float_parameters(&model).iter().map(|p| p.shape.num_elements()).sum(), Ordering::Relaxed);
+                let (placeholders, parts) = ShardedParameters::shard(model, rank.rank(), 2, OptimizerPlace::Host).unwrap();
+                let mut trained = TrainedModel::new(placeholders, Some(parts));
+                if ready.wait().is_leader() {
+                    before.store(process_live_bytes(), Ordering::Relaxed);
+                    reset_process_peak();
+                }
+                ready.wait();
+                trained.save(path, &*rank.communicator()).unwrap();
+            });
+            (process_peak_bytes().saturating_sub(before.load(Ordering::Relaxed)), parameters.load(Ordering::Relaxed))
+        }
+    };
+    let (held, parameters) = with_deadline(Duration::from_secs(300), run);
+    let written = std::fs::metadata(path.with_extension("mpk")).map(|m| m.len());
+    let _ = std::fs::remove_file(path.with_extension("mpk"));
+    let record = 4 * parameters;
+    println!("the process held at most {held} bytes more while it wrote a model of {parameters} parameters ({record} bytes in f32; the file: {written:?})");
+    assert!(written.as_ref().is_ok_and(|&bytes| bytes as usize > record), "the model's file: {written:?} for a record of {record} bytes");
+    assert!(held < record / 4, "the process held up to {held} bytes more while rank 0 wrote the model, of a record of {record} bytes");
 }

@@ -13,6 +13,10 @@ use std::{
 pub const MAX_RANKS: usize = 63;
 
 static LIVE: [AtomicUsize; MAX_RANKS + 1] = [const { AtomicUsize::new(0) }; MAX_RANKS + 1];
+/// Every thread's together (the ranks', their helpers', the backend's pools'), and its most since
+/// [`reset_process_peak`].
+static PROCESS: AtomicUsize = AtomicUsize::new(0);
+static PROCESS_PEAK: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     static SLOT: Cell<usize> = const { Cell::new(0) };
@@ -27,6 +31,21 @@ pub fn count_as_rank(rank: usize) {
 /// Bytes allocated by threads counting as rank `rank` and not freed yet.
 pub fn live_bytes(rank: usize) -> usize {
     LIVE[rank + 1].load(Ordering::Relaxed)
+}
+
+/// Bytes allocated by every thread of the process and not freed yet.
+pub fn process_live_bytes() -> usize {
+    PROCESS.load(Ordering::Relaxed)
+}
+
+/// The most the process has held at once since [`reset_process_peak`].
+pub fn process_peak_bytes() -> usize {
+    PROCESS_PEAK.load(Ordering::Relaxed)
+}
+
+/// Starts [`process_peak_bytes`] again from what the process holds now.
+pub fn reset_process_peak() {
+    PROCESS_PEAK.store(process_live_bytes(), Ordering::Relaxed);
 }
 
 /// The counting allocator (see the module doc). Each block carries its rank in a header
@@ -51,6 +70,8 @@ unsafe impl GlobalAlloc for RankCounting {
         // `try_with`: a thread being torn down has no slot any more; it counts as no rank.
         let slot = SLOT.try_with(Cell::get).unwrap_or(0);
         LIVE[slot].fetch_add(layout.size(), Ordering::Relaxed);
+        let process = PROCESS.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+        PROCESS_PEAK.fetch_max(process, Ordering::Relaxed);
         unsafe {
             let pointer = base.add(header(layout));
             (pointer as *mut usize).sub(1).write(slot);
@@ -62,6 +83,7 @@ unsafe impl GlobalAlloc for RankCounting {
         unsafe {
             let slot = (pointer as *mut usize).sub(1).read();
             LIVE[slot].fetch_sub(layout.size(), Ordering::Relaxed);
+            PROCESS.fetch_sub(layout.size(), Ordering::Relaxed);
             System.dealloc(pointer.sub(header(layout)), with_header(layout));
         }
     }

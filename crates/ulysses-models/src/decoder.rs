@@ -17,12 +17,13 @@
 //! [`Decoder::with_f32_head`]), a chunk of rows at a time (`lm_output`), their softmax and the
 //! loss in f32; `forward` and `hidden` give all logits at once, in f32.
 
-use std::ops::Range;
+use std::{cell::RefCell, marker::PhantomData, ops::Range};
 
 use burn::{
     config::Config,
     module::{Module, ModuleVisitor},
     record::{PrecisionSettings, Record},
+    serde::{Serialize, Serializer, ser::{Error as _, SerializeSeq, SerializeStruct}},
     nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig, RmsNorm, RmsNormConfig},
     tensor::{
         FloatDType, Int, Tensor,
@@ -275,6 +276,50 @@ impl<B: AutodiffBackend> CausalLm<B> for Decoder<B> {
     }
 }
 
+/// [`Decoder::record_item_by_layers`]: the rest's record item, and where each block's comes from.
+pub struct DecoderItemByLayers<B: Backend, S: PrecisionSettings, F> {
+    rest: DecoderRecordItem<B, S>,
+    layer: RefCell<F>,
+}
+
+impl<B: Backend, S: PrecisionSettings, F: FnMut(usize) -> Result<Decoder<B>, String>> Serialize for DecoderItemByLayers<B, S, F> {
+    /// As the Record derive's `DecoderRecordItem` serializes (its fields, in the struct's order),
+    /// `blocks` made one at a time: tests/checkpoint.rs holds the file to burn's byte for byte.
+    fn serialize<Z: Serializer>(&self, serializer: Z) -> Result<Z::Ok, Z::Error> {
+        let DecoderRecordItem { embedding, blocks, norm, lm_head, head_dim, rope_theta, rope_scaling, compute_dtype, f32_head, vocab_size } = &self.rest;
+        let mut item = serializer.serialize_struct("DecoderRecordItem", 10)?;
+        item.serialize_field("embedding", embedding)?;
+        item.serialize_field("blocks", &BlocksByLayer::<B, S, F> { count: blocks.len(), layer: &self.layer, precision: PhantomData })?;
+        item.serialize_field("norm", norm)?;
+        item.serialize_field("lm_head", lm_head)?;
+        item.serialize_field("head_dim", head_dim)?;
+        item.serialize_field("rope_theta", rope_theta)?;
+        item.serialize_field("rope_scaling", rope_scaling)?;
+        item.serialize_field("compute_dtype", compute_dtype)?;
+        item.serialize_field("f32_head", f32_head)?;
+        item.serialize_field("vocab_size", vocab_size)?;
+        item.end()
+    }
+}
+
+/// The blocks of a [`DecoderItemByLayers`], each asked for as the serializer reaches it.
+struct BlocksByLayer<'a, B, S, F> {
+    count: usize,
+    layer: &'a RefCell<F>,
+    precision: PhantomData<(B, S)>,
+}
+
+impl<B: Backend, S: PrecisionSettings, F: FnMut(usize) -> Result<Decoder<B>, String>> Serialize for BlocksByLayer<'_, B, S, F> {
+    fn serialize<Z: Serializer>(&self, serializer: Z) -> Result<Z::Ok, Z::Error> {
+        let mut blocks = serializer.serialize_seq(Some(self.count))?;
+        for index in 0..self.count {
+            let mut whole = (self.layer.borrow_mut())(index).map_err(Z::Error::custom)?;
+            blocks.serialize_element(&whole.blocks.swap_remove(index).into_record().into_item::<S>())?;
+        }
+        blocks.end()
+    }
+}
+
 #[derive(Module, Debug)]
 pub struct Decoder<B: Backend> {
     pub embedding: Embedding<B>,
@@ -300,19 +345,14 @@ pub struct Decoder<B: Backend> {
 }
 
 impl<B: Backend> Decoder<B> {
-    /// The record item of a model whose parameters are never whole in one place (ZeRO-3), what
-    /// a recorder writes of the whole model, assembled a layer at a time: `rest` is the model
+    /// What a recorder writes of the whole model (it serializes as the model's record item),
+    /// for a model whose parameters are never whole in one place (ZeRO-3): `rest` is the model
     /// with its embeddings, final norm and head whole, `layer(i)` the model with block `i`
-    /// whole; each becomes host data (`S`'s precision) before the next is asked for, so at
-    /// most one of them is on the device at once.
-    pub fn record_item_by_layers<S: PrecisionSettings, E>(rest: Self, mut layer: impl FnMut(usize) -> Result<Self, E>) -> Result<DecoderRecordItem<B, S>, E> {
-        let blocks = rest.blocks.len();
-        let mut item = rest.into_record().into_item::<S>();
-        for index in 0..blocks {
-            let block = layer(index)?.blocks.swap_remove(index);
-            item.blocks[index] = block.into_record().into_item::<S>();
-        }
-        Ok(item)
+    /// whole, asked for when the serializer reaches block `i` and dropped once it is written.
+    /// So one block's record (`S`'s precision) is in memory at a time beside the rest's, never
+    /// the whole model's; an `Err` from `layer` stops the serializer with its message.
+    pub fn record_item_by_layers<S: PrecisionSettings, F: FnMut(usize) -> Result<Self, String>>(rest: Self, layer: F) -> DecoderItemByLayers<B, S, F> {
+        DecoderItemByLayers { rest: rest.into_record().into_item::<S>(), layer: RefCell::new(layer) }
     }
 
     /// `tokens: [batch, seq]` at `positions` → logits `[batch, seq, vocab]`.

@@ -9,7 +9,7 @@ use burn::{
     config::Config,
     module::{AutodiffModule, Module},
     optim::{AdamWConfig, Optimizer},
-    record::{BurnRecord, FullPrecisionSettings, NamedMpkFileRecorder, Recorder},
+    record::{BurnRecord, FileRecorder, FullPrecisionSettings, NamedMpkFileRecorder, Record},
     tensor::{DType, FloatDType, Int, Tensor, backend::AutodiffBackend},
 };
 use burn_ulysses::{
@@ -24,7 +24,7 @@ use ulysses_training::{
     DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, OptimizerPlace, ParameterGroup, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
     apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters, layered_output,
     host_adamw_config, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
-    checkpoint::{load_training_checkpoint, read_checkpoint_state, save_training_checkpoint},
+    checkpoint::{load_training_checkpoint, read_checkpoint_state, save_training_checkpoint, write_atomically_with},
 };
 use serde::{Deserialize, Serialize};
 
@@ -547,6 +547,12 @@ pub struct TrainedModel<B: TrainBackend> {
 }
 
 impl<B: TrainBackend> TrainedModel<B> {
+    /// A model a loop of one's own trained: whole (`parts: None`), or under ZeRO-3 holding
+    /// placeholders, with this rank's `parts` ([`ShardedParameters::shard`]).
+    pub fn new(model: Decoder<B>, parts: Option<ShardedParameters<B>>) -> Self {
+        Self { model, parts }
+    }
+
     /// The model whole on this rank: under ZeRO-3 every parameter all-gathered (collective over
     /// `world`, and the whole model on every device).
     pub fn whole(self, world: &dyn Communicator<B::Wire>) -> Result<Decoder<B>, UlyssesError> {
@@ -558,11 +564,11 @@ impl<B: TrainBackend> TrainedModel<B> {
     }
 
     /// Writes the model ([`save_model`]'s file, Burn's record) from world rank 0; every rank
-    /// calls it. Under ZeRO-3 the ranks gather it a layer at a time (collective over `world`):
-    /// rank 0 turns each into host data before the next, so no device holds the whole model
-    /// (rank 0's host holds its f32 record while it writes). Otherwise rank 0 writes its model.
-    /// Rank 0 alone learns whether the file was written: the others do not wait through the
-    /// write (of 280 GB for 70B), which would outlast the collectives' timeout.
+    /// calls it. Under ZeRO-3 the ranks gather it a layer at a time (collective over `world`)
+    /// as rank 0 writes it: rank 0 holds the rest's record (embeddings, final norm, head) and
+    /// one layer's at a time, so no device and no host holds the whole model. Otherwise rank 0
+    /// writes its model. Rank 0 alone learns whether the file was written: the others do not
+    /// wait through the write (of 280 GB for 70B), which would outlast the collectives' timeout.
     pub fn save(&mut self, path: &Path, world: &dyn Communicator<B::Wire>) -> Result<(), String> {
         let Self { model, parts } = self;
         let Some(parts) = parts else {
@@ -571,15 +577,25 @@ impl<B: TrainBackend> TrainedModel<B> {
         let layers = model.layer_count();
         let mut gathers = parts.over(world);
         let mut gather = |group| gathers.gather(model, group).map_err(|e| format!("cannot gather the model to save it: {e}"));
+        let rest = gather(ParameterGroup::Rest)?;
+        let mut asked = 0;
         if world.rank() == 0 {
-            let item = Decoder::record_item_by_layers::<FullPrecisionSettings, _>(gather(ParameterGroup::Rest)?, |layer| gather(ParameterGroup::Layer(layer)))?;
-            let recorder = model_recorder();
-            let record = BurnRecord::<_, B>::new::<NamedMpkFileRecorder<FullPrecisionSettings>>(item);
-            Recorder::<B>::save_item(&recorder, record, path.to_path_buf()).map(drop).map_err(|e| format!("cannot save the model to {}: {e}", path.display()))
-        } else {
-            gather(ParameterGroup::Rest)?;
-            (0..layers).try_for_each(|layer| gather(ParameterGroup::Layer(layer)).map(drop))
+            let mut gather_failed = None;
+            let written = {
+                let layer = |index| {
+                    asked = index + 1;
+                    gather(ParameterGroup::Layer(index)).inspect_err(|e| gather_failed = Some(e.clone()))
+                };
+                write_model_record::<B, _>(path, Decoder::record_item_by_layers::<FullPrecisionSettings, _>(rest, layer))
+            };
+            if let Some(error) = gather_failed {
+                return Err(error);
+            }
+            // A write that failed part way asked for fewer layers: the others' gathers need rank 0's.
+            (asked..layers).try_for_each(|index| gather(ParameterGroup::Layer(index)).map(drop))?;
+            return written;
         }
+        (asked..layers).try_for_each(|index| gather(ParameterGroup::Layer(index)).map(drop))
     }
 }
 
@@ -943,7 +959,19 @@ pub fn model_recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {
 /// the SP or DP size, so the file loads under any layout. Training checkpoints, which also
 /// hold the optimizer and the position in the data, are written by [`train_rank`].
 pub fn save_model<B: AutodiffBackend>(model: &Decoder<B>, path: &Path) -> Result<(), String> {
-    model.clone().save_file(path, &model_recorder()).map_err(|e| format!("cannot save the model to {}: {e}", path.display()))
+    write_model_record::<B, _>(path, model.clone().into_record().into_item::<FullPrecisionSettings>())
+}
+
+/// Writes a model's record `item` as [`model_recorder`] does (Burn's record of it in named
+/// MessagePack, at `path` with the extension `mpk`), atomically: an earlier file stays whole
+/// until the new one is, where Burn's recorder deletes it first.
+fn write_model_record<B: AutodiffBackend, I: Serialize>(path: &Path, item: I) -> Result<(), String> {
+    let path = path.with_extension(<NamedMpkFileRecorder<FullPrecisionSettings> as FileRecorder<B>>::file_extension());
+    let record = BurnRecord::<I, B>::new::<NamedMpkFileRecorder<FullPrecisionSettings>>(item);
+    if let Some(folder) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(folder).map_err(|e| format!("cannot create {} for the model: {e}", folder.display()))?;
+    }
+    write_atomically_with(&path, |file| rmp_serde::encode::write_named(file, &record).map_err(std::io::Error::other)).map_err(|e| format!("cannot save the model to {}: {e}", path.display()))
 }
 
 pub fn load_model<B: AutodiffBackend>(config: &DecoderConfig, path: &Path, device: &B::Device) -> Result<Decoder<B>, String> {

@@ -227,7 +227,7 @@ pub fn write_atomically(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
 
 /// [`write_atomically`] with the contents written by `write`, piece by piece (a file larger
 /// than what should be held in memory at once).
-pub(crate) fn write_atomically_with(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<File>) -> std::io::Result<()>) -> std::io::Result<()> {
+pub fn write_atomically_with(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<File>) -> std::io::Result<()>) -> std::io::Result<()> {
     let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let temporary = folder.join(format!(".{name}.tmp-{}", std::process::id()));
