@@ -10,7 +10,8 @@ use burn::{
 use burn_ulysses::{ParallelGroups, ParallelLayout, UlyssesBackend, comm::ThreadGroup};
 use ulysses_training::LmOutput;
 use ulysses_models::DecoderConfig;
-use ulysses_trainer::train::{RunOptions, StepData, TrainConfig, evaluate_model, load_model, model_recorder, save_model, train_rank};
+use ulysses_trainer::train::{RunOptions, StepData, TrainConfig, TrainedModel, evaluate_model, load_model, model_recorder, save_model, train_rank};
+use ulysses_training::{OptimizerPlace, ShardedParameters};
 use ulysses_suite::{VariedLengths, with_deadline};
 
 type Inner = NdArray<f32>;
@@ -125,4 +126,28 @@ fn a_zero_3_model_is_saved_a_layer_at_a_time_as_the_whole_model_would_be() {
     assert!(by_burn.len() > 10_000, "burn's file of the whole model holds {} bytes", by_burn.len());
     assert!(whole == by_burn, "save_model's file ({} bytes) differs from burn's recorder's ({} bytes)", whole.len(), by_burn.len());
     assert!(by_layers == by_burn, "the file saved a layer at a time ({} bytes) differs from burn's of the whole model ({} bytes)", by_layers.len(), by_burn.len());
+}
+
+/// Under ZeRO-3 a model rank 0 cannot write (its folder is a file) fails on rank 0 alone, with
+/// the path; rank 0 still joins every gather, so the other rank's save ends as it should rather
+/// than at a rank that left.
+#[test]
+fn a_zero_3_model_rank_0_cannot_write_fails_on_rank_0_alone() {
+    let blocker = std::env::temp_dir().join(format!("burn-ulysses-zero3-unwritable-{}", std::process::id()));
+    std::fs::write(&blocker, b"a file where the model's folder would be").unwrap();
+    let path = blocker.join("model");
+    let run = move || {
+        ThreadGroup::new(2).run(|rank| {
+            let device = Default::default();
+            let model = DecoderConfig::new(VOCAB).with_d_model(32).with_n_layers(3).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).init::<Sp>(&device);
+            let (placeholders, parts) = ShardedParameters::shard(model, rank.rank(), 2, OptimizerPlace::Host).unwrap();
+            TrainedModel::new(placeholders, Some(parts)).save(&path, &*rank.communicator())
+        })
+    };
+    let results = with_deadline(Duration::from_secs(60), run);
+    let _ = std::fs::remove_file(&blocker);
+    let results: Vec<Result<(), String>> = results.into_iter().enumerate().map(|(rank, r)| r.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}"))).collect();
+    let error = results[0].as_ref().expect_err("rank 0 wrote into a folder that is a file");
+    assert!(error.contains("burn-ulysses-zero3-unwritable"), "rank 0's error names no path: {error}");
+    assert_eq!(results[1], Ok(()), "rank 1's save");
 }
