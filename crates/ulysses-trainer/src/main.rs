@@ -195,7 +195,7 @@ struct Args {
     #[arg(long)]
     device: Option<usize>,
     /// Evaluate on one rank with the whole sequence, bypassing sequence parallelism (under
-    /// --zero 3 every rank then gathers the whole model for it).
+    /// --zero 3 the other ranks join its gathers, a layer at a time).
     #[arg(long)]
     eval_single_device: bool,
     /// Verify every this many steps that all ranks hold identical parameters (0: never).

@@ -22,7 +22,7 @@ use burn_ulysses::{
 };
 use ulysses_training::{
     DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, OptimizerPlace, ParameterGroup, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
-    apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters, layered_output,
+    apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters, join_layered_output_gathers, layered_output,
     host_adamw_config, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
     checkpoint::{load_training_checkpoint, read_checkpoint_state, save_training_checkpoint, write_atomically_with},
 };
@@ -871,7 +871,8 @@ where
     if config.eval_single_device {
         let is_first = groups.world_rank() == 0;
         let forward = |tokens, positions: &ShardPositions| model.lm_output(tokens, positions);
-        return Ok(is_first.then(|| evaluate_single_device(forward, batch, documents, targets, sharder.ignore_index, device)));
+        let forward = |tokens, positions: &ShardPositions| Ok(forward(tokens, positions));
+        return is_first.then(|| evaluate_single_device(forward, batch, documents, targets, sharder.ignore_index, device)).transpose();
     }
     let forward = |tokens: Tensor<B::InnerBackend, 2, Int>, positions: &ShardPositions| match &config.layer_checkpointing {
         // As the step runs it, so that an evaluation fits where the step does.
@@ -893,8 +894,8 @@ fn eval_tiles<B: burn::tensor::backend::Backend>(checkpointing: &LayerCheckpoint
 
 /// [`evaluate_model`] under ZeRO-3 (`model` holds placeholders, `parts` this rank's parts),
 /// each layer's parameters gathered just before it runs and dropped after it, so no rank holds
-/// the whole model ([`layered_output`]); with `eval_single_device`, where world rank 0 alone runs the model, every
-/// rank gathers it whole for that. Collective over the world.
+/// the whole model ([`layered_output`]); with `eval_single_device` world rank 0 alone runs the
+/// model over the whole batch so, the other ranks joining its gathers. Collective over the world.
 fn evaluate_in_parts<B: TrainBackend>(
     config: &TrainConfig,
     model: &Decoder<B>,
@@ -905,9 +906,6 @@ fn evaluate_in_parts<B: TrainBackend>(
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
 ) -> Result<Option<TokenLoss>, UlyssesError> {
-    if config.eval_single_device {
-        return evaluate_model::<B>(config, &parts.gather_all(model.clone(), &*groups.world)?.valid(), batch, documents, targets, groups, device);
-    }
     let Some(checkpointing) = &config.layer_checkpointing else { unreachable!("TrainConfig::validate: ZeRO-3 runs on layer checkpointing") };
     let mut gathers = parts.over(&*groups.world);
     let placeholders = model.valid();
@@ -915,6 +913,14 @@ fn evaluate_in_parts<B: TrainBackend>(
         let tiles = eval_tiles(checkpointing, &tokens)?;
         layered_output(&placeholders, tokens, positions, tiles, |group| gathers.gather(model, group).map(|gathered| gathered.valid()))
     };
+    if config.eval_single_device {
+        if groups.world_rank() == 0 {
+            return evaluate_single_device(forward, batch, documents, targets, config.sharder().ignore_index, device).map(Some);
+        }
+        drop(forward);
+        join_layered_output_gathers(model.layer_count(), |group| gathers.gather(model, group).map(drop))?;
+        return Ok(None);
+    }
     evaluate(forward, batch, documents, targets, &config.sharder(), groups.sp_rank(), &*groups.sp, device).map(Some)
 }
 

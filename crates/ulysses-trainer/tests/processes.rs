@@ -323,7 +323,7 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
 /// gradients in parts too, each layer gathered for its pieces; the optimizer's parts on the
 /// host or on the device) train as replicated AdamW does,
 /// over 4 processes (SP=2 × DP=2, TCP), and evaluate the held-out batch as it does (ZeRO-3 a
-/// layer at a time, or gathered whole for rank 0 alone); ZeRO-3 stopped after 3 steps on 4 ranks resumes on 2 with the
+/// layer at a time, or a layer at a time for rank 0 alone); ZeRO-3 stopped after 3 steps on 4 ranks resumes on 2 with the
 /// uninterrupted run's losses; a checkpoint of sharded state is refused to a run without the
 /// optimizer on the host, naming the flag.
 #[test]

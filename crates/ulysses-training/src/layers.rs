@@ -604,6 +604,15 @@ pub fn layered_output<B: Backend, M: LayeredLm<B>>(
     Ok(gather(ParameterGroup::Rest)?.head(hidden.restore(&device)))
 }
 
+/// The gathers [`layered_output`] makes, in its order (the rest for the embeddings, each layer,
+/// the rest for the head), for a rank that only joins them while another runs the model alone
+/// (an evaluation on world rank 0: `evaluate_single_device`).
+pub fn join_layered_output_gathers(layer_count: usize, mut gather: impl FnMut(ParameterGroup) -> Result<(), UlyssesError>) -> Result<(), UlyssesError> {
+    gather(ParameterGroup::Rest)?;
+    (0..layer_count).try_for_each(|index| gather(ParameterGroup::Layer(index)))?;
+    gather(ParameterGroup::Rest)
+}
+
 /// Refuses a tile count a shard of `shard_len` tokens cannot be cut into.
 fn check_tiles(tiles: usize, shard_len: usize) -> Result<(), UlyssesError> {
     if tiles == 0 || tiles > shard_len {

@@ -51,7 +51,7 @@ mod zero3;
 mod host_adamw_tests;
 
 pub use backend::TrainBackend;
-pub use layers::{LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, layered_output};
+pub use layers::{LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
 pub use sharded_device::DeviceShardedAdamW;
 pub use zero3::{GradParts, OptimizerPlace, PartOptimizer, ShardedParameters, Zero3Step};
 pub use panics::{catch_model_failure, quiet_caught_panics};
@@ -581,19 +581,23 @@ pub fn evaluate<B: Backend, G: Backend>(
 }
 
 /// The cross-entropy of the whole, unsharded `batch` on this rank alone, bypassing sequence
-/// parallelism even inside a group (no collective is issued).
+/// parallelism even inside a group: no collective but those `forward` issues itself (ZeRO-3's
+/// gathers, which the other ranks join: [`join_layered_output_gathers`]).
 pub fn evaluate_single_device<B: Backend>(
-    forward: impl Fn(Tensor<B, 2, Int>, &ShardPositions) -> LmOutput<B>,
+    forward: impl FnOnce(Tensor<B, 2, Int>, &ShardPositions) -> Result<LmOutput<B>, UlyssesError>,
     batch: &[Vec<i64>],
     documents: Option<&[Vec<usize>]>,
     targets: Option<&[Vec<bool>]>,
     ignore_index: i64,
     device: &B::Device,
-) -> TokenLoss {
+) -> Result<TokenLoss, UlyssesError> {
     let _single_device = burn_ulysses::context::enter_single_device();
     let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard_targets(batch, documents, targets, 0);
-    let loss = lm_loss_sum_inference(forward(whole.tokens(device), &whole.positions), whole.labels(device), ignore_index);
-    TokenLoss { sum: loss.into_scalar().elem::<f64>(), tokens: whole.valid_tokens }
+    let loss = model_failure_as_error(|| {
+        let output = forward(whole.tokens(device), &whole.positions)?;
+        Ok::<_, UlyssesError>(lm_loss_sum_inference(output, whole.labels(device), ignore_index).into_scalar().elem::<f64>())
+    })??;
+    Ok(TokenLoss { sum: loss, tokens: whole.valid_tokens })
 }
 
 /// Runs a model's forward (and backward): a collective that fails inside attention or its
