@@ -287,8 +287,9 @@ if has ulysses-trainer; then
         # GPU with the optimizer on the host (--offload-optimizer: 12 bytes a parameter, 96 GB of
         # the host; the device keeps bf16 parameters and gradients, 32 GB), every layer
         # checkpointed, the token-wise parts in tiles of 4096. EIGHT_B_SEQS: one run per length
-        # (65 536 first); EIGHT_B_OFFLOAD=1 also keeps the layer inputs on the host (32 layers ×
-        # 8 KB a token: 17 GB at 64K, so the host's 128 GB limits the length). EIGHT_B_ZERO3=1
+        # (65 536 first); EIGHT_B_OFFLOAD=1 also keeps the layer inputs on the host (34 × 8 KB a
+        # token: 18.3 GB at 64K beside the optimizer's 128.5 GB, more than a 128 GiB machine:
+        # refused before step 1, the figures named). EIGHT_B_ZERO3=1
         # runs it under ZeRO-3 (--zero 3: each layer's gradients leave for the host as its
         # backward ends, so the device never holds the 16 GB of bf16 gradients) and
         # EIGHT_B_ZERO3=params keeps the bf16 parameters on the host too (at world 1: 18 bytes a

@@ -22,9 +22,9 @@ use burn::{
     tensor::backend::Backend,
 };
 use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
-use ulysses_training::{LayerCheckpointing, StepReport, checkpoint::read_checkpoint_state};
+use ulysses_training::{LayerCheckpointing, StepReport, TrainBackend, checkpoint::read_checkpoint_state};
 use clap::{Parser, ValueEnum};
-use ulysses_models::{ChatTemplate, HfConfig, TextTokenizer, from_pretrained};
+use ulysses_models::{ChatTemplate, Decoder, HfConfig, TextTokenizer, from_pretrained};
 use indicatif::{ProgressBar, ProgressStyle};
 use burn_ulysses::job::{JobOptions, Launch, Tcp, Transport, run_ranks};
 use ulysses_dist::DistributedConfig;
@@ -621,6 +621,32 @@ impl<M: Clone> Template<M> {
     }
 }
 
+/// Refuses, before step 1, a host without the memory this process's `ranks_here` ranks keep
+/// there: the optimizer's state and gradient parts (`--offload-optimizer`; with the compute
+/// copy's parts under `--offload-parameters`), the layer inputs `--offload-to-host` keeps, and on
+/// the CPU backend (`on_cpu`) the devices' parameters and gradients.
+fn check_host_memory<B: TrainBackend>(config: &TrainConfig, model: &Decoder<B>, ranks_here: usize, on_cpu: bool, device: &B::Device) -> Result<(), String> {
+    let elements: Vec<usize> = ulysses_training::float_parameters(model).iter().map(|p| p.shape.iter().product()).collect();
+    let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<B>(device).map_err(|e| e.to_string())?).size();
+    // Every rank of a step runs micro-batches of as many rows, each row's shard as long.
+    let rows = config.batch_size / config.layout.dp_size / config.grad_accumulation;
+    let shard_tokens = config.seq_len.div_ceil(config.layout.sp_size);
+    let d_model = model.embedding.weight.dims()[1];
+    let offloaded = config.layer_checkpointing.as_ref().map_or(0, |c| c.offloaded_host_bytes(model.blocks.len(), rows, shard_tokens, d_model, compute_bytes)) * ranks_here as u64;
+    // On the CPU backend the devices' parameters and gradients (f32) are host memory too.
+    let device_bytes = if on_cpu { 8 * elements.iter().sum::<usize>() as u64 * ranks_here as u64 } else { 0 };
+    let offloaded_what = "of layer inputs --offload-to-host keeps there";
+    if config.offload_optimizer {
+        // The compute copy's parts wait on the host too with --offload-parameters.
+        let parameter_bytes = if config.offload_parameters { compute_bytes } else { 0 };
+        let beside = [(device_bytes, "the ranks' devices keep in host memory"), (offloaded, offloaded_what)];
+        return ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here, parameter_bytes, &beside).map_err(|e| format!("--offload-optimizer: {e}"));
+    }
+    let what = format!("--offload-to-host ({:.2} GB {offloaded_what}, for {ranks_here} rank(s) on this host)", offloaded as f64 / 1e9);
+    let fix = "spread the sequence over more ranks (a larger --sp), or keep the layer inputs on the device (without --offload-to-host)";
+    ulysses_core::host_memory::check_fits(offloaded, ulysses_core::host_memory::available_bytes(), &what, fix)
+}
+
 /// Runs this process's ranks (all of them as threads, or its one rank) on `UlyssesBackend`
 /// over `W`, joining other processes through `T`.
 fn train<W, T>(job: &Job, device: impl Fn(usize) -> W::Device + Sync) -> Result<(), String>
@@ -645,14 +671,7 @@ where
         Launch::Process(env) => env.local_world_size,
     };
     let host_optimizer_threads = ulysses_trainer::train::host_threads_per_rank(std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get), ranks_here);
-    if config.offload_optimizer {
-        let elements: Vec<usize> = ulysses_training::float_parameters(&template).iter().map(|p| p.shape.iter().product()).collect();
-        // On the CPU backend the devices' parameters and gradients (f32) are host memory too.
-        let device_bytes = if matches!(job.args.backend, BackendKind::Cpu) { 8 * elements.iter().sum::<usize>() as u64 * ranks_here as u64 } else { 0 };
-        // The compute copy's parts wait on the host too with --offload-parameters.
-        let parameter_bytes = if config.offload_parameters { burn::tensor::DType::from(config.precision.compute_dtype::<Sp<W>>(&template_device).map_err(|e| e.to_string())?).size() } else { 0 };
-        ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here, parameter_bytes, device_bytes).map_err(|e| format!("--offload-optimizer: {e}"))?;
-    }
+    check_host_memory::<Sp<W>>(config, &template, ranks_here, matches!(job.args.backend, BackendKind::Cpu), &template_device)?;
     let template = Template::new(template, if threads { config.layout.world_size() } else { 1 });
 
     let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {

@@ -181,22 +181,23 @@ impl ShardedAdamW {
     /// parts, 12 bytes of state, 4 of the step's gradient (f32, all arrived before the update
     /// may start: the clipping norm and the NaN guard need every part), and
     /// `parameter_bytes` of the compute copy where its parts wait on the host
-    /// (`--offload-parameters`); beside `device_bytes_on_host` (what the ranks' devices hold,
-    /// where their memory is the host's: a CPU backend). Says the bytes needed and available,
-    /// and what to change.
-    pub fn check_host_memory(elements: &[usize], world: usize, ranks_on_this_host: usize, parameter_bytes: usize, device_bytes_on_host: u64) -> Result<(), UlyssesError> {
-        Self::check_host_memory_of(ulysses_core::host_memory::available_bytes(), elements, world, ranks_on_this_host, parameter_bytes, device_bytes_on_host)
+    /// (`--offload-parameters`); `beside` that, what else those ranks keep on the host (bytes,
+    /// and what they are: the devices' memory where it is the host's, offloaded activations).
+    /// Says the bytes needed and available, and what to change.
+    pub fn check_host_memory(elements: &[usize], world: usize, ranks_on_this_host: usize, parameter_bytes: usize, beside: &[(u64, &str)]) -> Result<(), UlyssesError> {
+        Self::check_host_memory_of(ulysses_core::host_memory::available_bytes(), elements, world, ranks_on_this_host, parameter_bytes, beside)
     }
 
     /// [`check_host_memory`](Self::check_host_memory) on a host with `available` bytes.
-    fn check_host_memory_of(available: Option<u64>, elements: &[usize], world: usize, ranks_on_this_host: usize, parameter_bytes: usize, device_bytes_on_host: u64) -> Result<(), UlyssesError> {
+    fn check_host_memory_of(available: Option<u64>, elements: &[usize], world: usize, ranks_on_this_host: usize, parameter_bytes: usize, beside: &[(u64, &str)]) -> Result<(), UlyssesError> {
         let per_element = 16 + parameter_bytes;
-        let needed = (part_elements(elements, world) * per_element) as u64 * ranks_on_this_host as u64 + device_bytes_on_host;
+        let beside: Vec<(u64, &str)> = beside.iter().copied().filter(|&(bytes, _)| bytes > 0).collect();
+        let needed = (part_elements(elements, world) * per_element) as u64 * ranks_on_this_host as u64 + beside.iter().map(|(bytes, _)| bytes).sum::<u64>();
         let what = format!(
             "the optimizer on the host ({} parameters over a world of {world}: {per_element} bytes each of a rank's part, 12 of state, 4 of the step's gradient{}; for {ranks_on_this_host} rank(s) on this host{})",
             elements.iter().sum::<usize>(),
             if parameter_bytes > 0 { format!(", {parameter_bytes} of the parameters kept on the host") } else { String::new() },
-            if device_bytes_on_host > 0 { format!(", beside {:.2} GB the ranks' devices keep in host memory", device_bytes_on_host as f64 / 1e9) } else { String::new() }
+            beside.iter().map(|(bytes, what)| format!(", beside {:.2} GB {what}", *bytes as f64 / 1e9)).collect::<String>()
         );
         let fix = format!(
             "{}spread the ranks over more nodes (a larger world divides the state), or keep the optimizer on the device",
@@ -992,16 +993,23 @@ mod tests {
     /// The full Llama-3.1-8B shape (8.03e9 parameters) with the optimizer on the host of a GPU
     /// machine (137 GB, 128 GiB): alone it needs 128.5 GB at a step's end (state and the
     /// step's f32 gradient), which fits; with its bf16 parameters on the host too, 144.5 GB,
-    /// refused before step 1 naming both figures and the flag to drop; over a world of 2 half.
+    /// refused before step 1 naming both figures and the flag to drop; over a world of 2 half;
+    /// with its layer inputs of 64K tokens offloaded beside the state, 146.7 GB, refused.
     #[test]
     fn the_host_check_counts_the_gradient_and_the_parameters_kept_there() {
         let (eight_b, machine) = ([8_030_261_248usize], Some(137_438_953_472u64));
-        assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 0, 0).is_ok(), "state and gradient: 128.5 GB");
-        let refused = ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 2, 0).unwrap_err().to_string();
+        assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 0, &[]).is_ok(), "state and gradient: 128.5 GB");
+        let refused = ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 2, &[]).unwrap_err().to_string();
         assert!(refused.contains("needs 144.54 GB") && refused.contains("137.44 GB available") && refused.contains("--offload-parameters"), "{refused}");
-        assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 1, 2, 0).is_ok(), "a world of 2 holds half each");
-        let two_ranks = ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 2, 2, 0).unwrap_err().to_string();
+        assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 1, 2, &[]).is_ok(), "a world of 2 holds half each");
+        let two_ranks = ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 2, 2, &[]).unwrap_err().to_string();
         assert!(two_ranks.contains("needs 144.54 GB") && two_ranks.contains("2 rank(s) on this host"), "{two_ranks}");
+        // Its 32 layers' inputs of 65 536 tokens (bf16, 4096 wide) kept on the host too: 18.25 GB more.
+        let inputs = crate::LayerCheckpointing::new().with_offload_to_host(true).offloaded_host_bytes(32, 1, 65_536, 4096, 2);
+        assert_eq!(inputs, 34 * 65_536 * 4096 * 2);
+        let offloaded = ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 0, &[(inputs, "of layer inputs (--offload-to-host)")]).unwrap_err().to_string();
+        assert!(offloaded.contains("needs 146.74 GB") && offloaded.contains("beside 18.25 GB of layer inputs (--offload-to-host)"), "{offloaded}");
+        assert_eq!(crate::LayerCheckpointing::new().offloaded_host_bytes(32, 1, 65_536, 4096, 2), 0, "nothing offloaded without offload_to_host");
     }
 
     /// A section handed out in pieces (a save holds one piece at a time) is, end to end, the
