@@ -356,10 +356,13 @@ pub struct RunState {
 /// Test hooks: faults injected on purpose, to check that the run stops cleanly.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Faults {
-    /// `(step, world rank)`: that rank's gradients become NaN after the step's backward.
+    /// `(step, world rank)`: that rank's gradients become NaN after the step's backward (not
+    /// under ZeRO-3, whose gradients leave during the backward: refused there).
     pub nan_gradient: Option<(usize, usize)>,
     /// `(step, world rank)`: that rank's process is killed (SIGKILL) after the step's
-    /// backward, while its peers wait for its gradients.
+    /// backward, while its peers wait for its gradients; under ZeRO-3 as the step starts,
+    /// while its peers wait in the step's first collective (the shard lengths, before the
+    /// first parameter gather).
     pub kill: Option<(usize, usize)>,
 }
 
@@ -713,6 +716,10 @@ where
     };
     if let Some(parts) = parts {
         let Some(checkpointing) = &config.layer_checkpointing else { unreachable!("TrainConfig::validate: ZeRO-3 runs on layer checkpointing") };
+        if faults.nan_gradient.is_some() {
+            return Err(UlyssesError::InvalidConfig("the NaN-gradient test hook runs without --zero 3 (ZeRO-3's gradients leave during the backward)".into()));
+        }
+        kill_if_asked(faults, step, groups.world_rank());
         let local = backward_step_zero3(&model, &input, sharder, groups, device, checkpointing, parts)?;
         return match optimizer {
             RankOptimizer::OnHost(optimizer) => apply_step_zero3(model, optimizer, parts, &input, local, groups),
@@ -845,6 +852,11 @@ fn inject_faults<B: TrainBackend>(faults: &Faults, step: usize, rank: usize, mod
             local.grads.register::<B::InnerBackend, 2>(id, grad.mul_scalar(f32::NAN));
         }
     }
+    kill_if_asked(faults, step, rank);
+}
+
+/// The test hook [`Faults::kill`]: kills this process if it is rank `rank` at step `step`.
+fn kill_if_asked(faults: &Faults, step: usize, rank: usize) {
     if faults.kill == Some((step, rank)) {
         tracing::warn!(step, rank, "test hook: killing this process (SIGKILL) in the middle of the step");
         // SAFETY: kill(2) on our own pid; nothing after it runs.
