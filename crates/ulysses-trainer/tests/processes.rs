@@ -256,7 +256,7 @@ fn a_rank_killed_mid_step_stops_every_rank_and_the_last_checkpoint_loads() {
 /// tests/tcp_processes.rs): they stop naming it, and the sharded checkpoint after step 2
 /// resumes on the 4 ranks and finishes the run.
 #[test]
-fn a_rank_killed_during_a_zero_3_gather_stops_every_rank_and_the_run_resumes() {
+fn a_rank_killed_in_a_zero_3_step_stops_every_rank_and_the_run_resumes() {
     let dir = workspace("kill-zero3");
     let zero3 = ["--sp", "2", "--offload-optimizer", "--checkpoint-layers", "--zero", "3"];
     let out = killed_at_step_3(&dir, &zero3);
