@@ -12,7 +12,8 @@
 #                 made of: MEMORY_TILE_TOKENS (4096), MEMORY_OFFLOAD=0 keeps the checkpointed
 #                 inputs on the device; MEMORY_PROFILE=1 logs every kernel's time;
 #                 MEMORY_CLEANUP=1 frees empty pool pages before each piece's backward;
-#                 MEMORY_POOLS=exact gives each tensor a buffer of its own size; overhead:
+#                 MEMORY_POOLS=exact gives each tensor a buffer of its own size, =exclusive a
+#                 buffer per tensor in size classes, unused ones given back; overhead:
 #                 the UlyssesBackend decorator against the plain backend, OVERHEAD_ARGS)
 #   TRAIN_RUN   = check (default) | scale | hf | 8b   (train folder)
 # DRY_RUN=1 prints the steps instead of running them (any machine: `DRY_RUN=1 OUT=/tmp/x
@@ -175,10 +176,13 @@ TOML
     # tensor of that size; with MEMORY_CLEANUP=1 the free ones are given back before each
     # piece's backward), against its default sliced pages (pages up to a quarter of the
     # device, shared by tensors of many sizes): reserved against used, side by side.
+    # MEMORY_POOLS=exclusive: CubeCL's exclusive pages (a buffer per tensor in 24 size classes,
+    # unused ones given back; ULYSSES_MEMORY_POOLS, through the patched cubecl-cuda).
     case "${MEMORY_POOLS:-sliced}" in
         sliced) ;;
         exact) printf '[memory]\npersistent_memory = "enforced"\n' >>/tmp/memory-run/cubecl.toml ;;
-        *) echo "MEMORY_POOLS must be sliced or exact, not ${MEMORY_POOLS}" >&2; exit 2 ;;
+        exclusive) export ULYSSES_MEMORY_POOLS=exclusive ;;
+        *) echo "MEMORY_POOLS must be sliced, exact or exclusive, not ${MEMORY_POOLS}" >&2; exit 2 ;;
     esac
     pushd /tmp/memory-run >/dev/null
     bench="$here/training-memory-bench"

@@ -25,6 +25,7 @@
 //! CubeCL fails on its device thread.
 
 pub mod autotune;
+pub mod memory_pools;
 mod comm;
 mod library;
 mod transport;

@@ -577,6 +577,7 @@ mod cuda {
         ulysses_nccl::check_cuda_device(job.options.device_index_of(&job.launch)).map_err(|e| format!("the CUDA backend cannot start: {e}"))?;
         // Tuning makes the first steps slow: say so, and where the choices are kept.
         ulysses_nccl::autotune::AutotuneCache::of_this_run().announce();
+        ulysses_nccl::memory_pools::configure_from_env()?;
         let device = |index| CudaDevice::new(index);
         match job.args.transport {
             TransportKind::Tcp => train::<W, Tcp>(job, device),
