@@ -296,10 +296,9 @@ if has ulysses-trainer; then
         # refused before step 1, the figures named). EIGHT_B_ZERO3=1
         # runs it under ZeRO-3 (--zero 3: each layer's gradients leave for the host as its
         # backward ends, so the device never holds the 16 GB of bf16 gradients) and
-        # EIGHT_B_ZERO3=params keeps the bf16 parameters on the host too (at world 1: 18 bytes a
-        # parameter on the host, 144.5 GB, more than a 128 GiB machine: refused before step 1;
-        # --offload-parameters,
-        # each layer uploaded for its pieces). Under ZeRO-3 the host AdamW of step N runs beside
+        # EIGHT_B_ZERO3=params keeps the parameters on the host too (--offload-parameters: each
+        # layer cast from the host optimizer's f32 master weights as it is uploaded for its
+        # pieces, so the host holds 16 bytes a parameter, 128.5 GB, and the device none). Under ZeRO-3 the host AdamW of step N runs beside
         # step N+1's forward; ULYSSES_HOST_ADAMW_SERIAL=1 in the environment makes each step
         # wait for it (the side-by-side: compare step 2's seconds). The log holds the memory line
         # (per rank, before step 1), each step's seconds and waits (--profile).

@@ -2,7 +2,9 @@
 //! (`ulysses_suite::rank_memory`): its part of the parameters' compute copy and of the
 //! optimizer's state (master weights and both moments). At world 2 and 4 a rank holds
 //! 1/world of what one rank training the same model alone holds, within 10%; replicated AdamW
-//! holds the whole model and both moments on every rank whatever the world. The figures for a
+//! holds the whole model and both moments on every rank whatever the world. With the compute
+//! copy's parts on the host, a rank alone holds 12 bytes a parameter: those parts are the host
+//! optimizer's master weights. The figures for a
 //! Hugging Face shape (benches/RESULTS.md): `ZERO_MEMORY_SHAPE=benches/hf-shapes/llama-3.2-1b.json
 //! ZERO_MEMORY_LAYERS=2 cargo test -p ulysses-suite --test zero_memory -- --nocapture`.
 //!
@@ -58,8 +60,9 @@ fn model_config() -> DecoderConfig {
 
 /// Bytes each rank of a world of `world` (SP=2 × DP=world/2, or one rank) holds after
 /// [`STEPS`] steps, above what its thread held before it built its model; and the model's
-/// parameter count.
-fn held_per_rank(world: usize, zero3: bool) -> (Vec<usize>, usize) {
+/// parameter count. `Parts::OnHost`: ZeRO-3 with the compute copy's parts on the host.
+fn held_per_rank(world: usize, parts_at: Parts) -> (Vec<usize>, usize) {
+    let zero3 = parts_at != Parts::Replicated;
     let layout = if world == 1 { ParallelLayout::new() } else { ParallelLayout::new().with_sp_size(2).with_dp_size(world / 2) };
     let per_rank = ThreadGroup::new(world).run(|rank| {
         count_as_rank(rank.rank());
@@ -81,6 +84,7 @@ fn held_per_rank(world: usize, zero3: bool) -> (Vec<usize>, usize) {
             host.on_update_thread(move || count_as_rank(counted_as));
             host.keep_master_weights(&model, rank.rank(), world);
             let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), world, OptimizerPlace::Host).unwrap();
+            let sharded = if parts_at == Parts::OnHost { sharded.with_parts_on_host() } else { sharded };
             (model, parts) = (placeholders, Some(sharded));
         }
         for index in 0..STEPS {
@@ -112,12 +116,29 @@ fn held_per_rank(world: usize, zero3: bool) -> (Vec<usize>, usize) {
     (per_rank.iter().map(|r| r.0).collect(), per_rank[0].1)
 }
 
+/// Where a run of [`held_per_rank`] keeps the compute copy.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Parts {
+    /// Replicated training: the whole model on every rank.
+    Replicated,
+    /// ZeRO-3, the rank's parts on its device.
+    OnDevice,
+    /// ZeRO-3, the rank's parts in host memory (`--offload-parameters`).
+    OnHost,
+}
+
 #[test]
 fn zero_3_ranks_hold_a_world_th_of_the_training_state() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let results = with_deadline(Duration::from_secs(if std::env::var("ZERO_MEMORY_SHAPE").is_ok() { 3600 } else { 300 }), || {
-        [1, 2, 4].map(|world| (world, held_per_rank(world, true), held_per_rank(world, false)))
+        [1, 2, 4].map(|world| (world, held_per_rank(world, Parts::OnDevice), held_per_rank(world, Parts::Replicated)))
     });
+    // The parts on the host are the optimizer's master weights after the first update: the
+    // host holds those and both moments, no copy beside them.
+    let (on_host, parameters_on_host) = with_deadline(Duration::from_secs(300), || held_per_rank(1, Parts::OnHost));
+    let expected_on_host = 12 * parameters_on_host;
+    println!("ZeRO-3 alone with its parts on the host: {:.2} MB for {parameters_on_host} parameters", on_host[0] as f64 / 1e6);
+    assert!(on_host[0] >= expected_on_host && on_host[0] <= expected_on_host + expected_on_host / 10, "with its parts on the host one rank holds {} bytes for {parameters_on_host} parameters (12 a parameter expected)", on_host[0]);
     let (alone, parameters) = &results[0].1;
     let mb = |bytes: usize| bytes as f64 / 1e6;
     println!("{parameters} parameters (f32); bytes a rank holds between steps:");

@@ -623,9 +623,10 @@ impl<M: Clone> Template<M> {
 }
 
 /// Refuses, before step 1, a host without the memory this process's `ranks_here` ranks keep
-/// there: the optimizer's state and gradient parts (`--offload-optimizer`; with the compute
-/// copy's parts under `--offload-parameters`), the layer inputs `--offload-to-host` keeps, and on
-/// the CPU backend (`on_cpu`) the devices' parameters and gradients.
+/// there: the optimizer's state and gradient parts (`--offload-optimizer`; under
+/// `--offload-parameters` the compute copy's parts are its master weights), the layer inputs
+/// `--offload-to-host` keeps, and on the CPU backend (`on_cpu`) the devices' parameters and
+/// gradients.
 fn check_host_memory<B: TrainBackend>(config: &TrainConfig, model: &Decoder<B>, ranks_here: usize, on_cpu: bool, device: &B::Device) -> Result<(), String> {
     let elements: Vec<usize> = ulysses_training::float_parameters(model).iter().map(|p| p.shape.iter().product()).collect();
     let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<B>(device).map_err(|e| e.to_string())?).size();
@@ -638,8 +639,10 @@ fn check_host_memory<B: TrainBackend>(config: &TrainConfig, model: &Decoder<B>, 
     let device_bytes = if on_cpu { 8 * elements.iter().sum::<usize>() as u64 * ranks_here as u64 } else { 0 };
     let offloaded_what = "of layer inputs --offload-to-host keeps there";
     if config.offload_optimizer {
-        // The compute copy's parts wait on the host too with --offload-parameters.
-        let parameter_bytes = if config.offload_parameters { compute_bytes } else { 0 };
+        // With --offload-parameters the compute copy's parts on the host are the optimizer's
+        // master weights once it has stepped (cast for each upload), so they add nothing; before
+        // the first update their copy stands where the moments will be.
+        let parameter_bytes = 0;
         let beside = [(device_bytes, "the ranks' devices keep in host memory"), (offloaded, offloaded_what)];
         return ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here, parameter_bytes, &beside).map_err(|e| format!("--offload-optimizer: {e}"));
     }

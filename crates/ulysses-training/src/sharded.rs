@@ -84,8 +84,28 @@ pub struct ShardedAdamW {
 struct ParameterPart {
     /// The parameter's elements (unpadded), to check that the model is the one partitioned.
     elements: usize,
-    master: Vec<f32>,
+    /// Shared with ZeRO-3's parameters where they keep their parts on the host
+    /// ([`PartForm::Master`]): they let go of it before each update, which then writes it in
+    /// place (`Arc::make_mut`: a copy only if one were still held).
+    master: Arc<Vec<f32>>,
     moments: AdamWMoments,
+}
+
+/// The form in which [`ShardedAdamW::update_in_order`] hands over a parameter's new part of the
+/// compute copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PartForm {
+    /// Cast to the compute dtype on the update thread (for a part kept on the device).
+    Compute(DType),
+    /// The master weights themselves, shared (for a part kept on the host, cast as each
+    /// gather uploads it: the host then holds the master weights once, not beside a copy).
+    Master,
+}
+
+/// A parameter's new part of the compute copy, as [`PartForm`] asked.
+pub(crate) enum NewPart {
+    Compute(TensorData),
+    Master(Arc<Vec<f32>>),
 }
 
 impl ShardedAdamW {
@@ -163,7 +183,7 @@ impl ShardedAdamW {
         let partition = Partition::new(world).expect("a world has a rank");
         self.parts = crate::float_parameters(model)
             .iter()
-            .map(|p| ParameterPart { elements: p.values.dims()[0], master: host_part(&partition, rank, &p.values), moments: AdamWMoments::default() })
+            .map(|p| ParameterPart { elements: p.values.dims()[0], master: Arc::new(host_part(&partition, rank, &p.values)), moments: AdamWMoments::default() })
             .collect();
         self.place = Some((rank, world));
     }
@@ -231,7 +251,7 @@ impl ShardedAdamW {
         model.visit(&mut take);
         let mut local = take.local;
         if self.parts.is_empty() {
-            self.parts = local.iter().map(|l| ParameterPart { elements: l.len(), master: host_part(&partition, rank, &l.parameter), moments: AdamWMoments::default() }).collect();
+            self.parts = local.iter().map(|l| ParameterPart { elements: l.len(), master: Arc::new(host_part(&partition, rank, &l.parameter)), moments: AdamWMoments::default() }).collect();
             self.place = Some((rank, world.size()));
         }
         self.check_holds(rank, world.size(), &local.iter().map(LocalGradient::len).collect::<Vec<_>>())?;
@@ -292,9 +312,9 @@ impl ShardedAdamW {
 
     /// [`update`](Self::update) on a thread of its own, so that the device goes on meanwhile
     /// (ZeRO-3's next forward): the norm first (collective), then `order`'s groups of
-    /// parameters one after another, each updated parameter's part of the compute copy (its
-    /// master weights in `dtypes[index]`) sent to `updated` as soon as it is made. The state is
-    /// the step's once [`settle`](Self::settle)d, which every later use of it does first.
+    /// parameters one after another, each updated parameter's part of the compute copy sent to
+    /// `updated` as soon as it is made, in the form `forms[index]` asks for. The state is the
+    /// step's once [`settle`](Self::settle)d, which every later use of it does first.
     pub(crate) fn update_in_order<G: burn::tensor::backend::Backend>(
         &mut self,
         learning_rate: f64,
@@ -302,8 +322,8 @@ impl ShardedAdamW {
         max_grad_norm: Option<f64>,
         world: &dyn Communicator<G>,
         order: Vec<Vec<usize>>,
-        dtypes: Vec<DType>,
-        updated: Sender<(usize, TensorData)>,
+        forms: Vec<PartForm>,
+        updated: Sender<(usize, NewPart)>,
     ) -> Result<f64, UlyssesError> {
         self.settle()?;
         let (grad_norm, factor) = clipping(&self.adamw, &grad_parts, max_grad_norm, world)?;
@@ -322,8 +342,12 @@ impl ShardedAdamW {
                     parts[index].update(&adamw, learning_rate, &grad, factor);
                     drop(grad);
                     let master = &parts[index].master;
+                    let new = match forms[index] {
+                        PartForm::Compute(dtype) => NewPart::Compute(TensorData::new(master.to_vec(), [master.len()]).convert_dtype(dtype)),
+                        PartForm::Master => NewPart::Master(Arc::clone(master)),
+                    };
                     // Nobody waits any more after a failed step; the state is updated all the same.
-                    let _ = updated.send((index, TensorData::new(master.clone(), [master.len()]).convert_dtype(dtypes[index])));
+                    let _ = updated.send((index, new));
                 }
             }
             (parts, pace)
@@ -342,7 +366,7 @@ impl ShardedAdamW {
     /// A state from its parts: per parameter, its elements, this rank's part of the master
     /// weights and its moments; of rank and world `place`.
     pub(crate) fn from_parts(config: HostAdamWConfig, parts: Vec<(usize, Vec<f32>, AdamWMoments)>, place: Option<(usize, usize)>) -> Self {
-        let parts = parts.into_iter().map(|(elements, master, moments)| ParameterPart { elements, master, moments }).collect();
+        let parts = parts.into_iter().map(|(elements, master, moments)| ParameterPart { elements, master: Arc::new(master), moments }).collect();
         Self { parts, place, ..Self::new(config) }
     }
 
@@ -646,7 +670,7 @@ impl ShardedAdamW {
             }
             let [master, moment_1, moment_2] = values;
             let moments = if time == 0 { AdamWMoments::default() } else { AdamWMoments { moment_1, moment_2, time } };
-            parts.push(ParameterPart { elements, master, moments });
+            parts.push(ParameterPart { elements, master: Arc::new(master), moments });
         }
         Ok((Self { parts, place: Some((rank, world)), ..Self::new(config) }, digest))
     }
@@ -656,7 +680,7 @@ impl ParameterPart {
     /// One AdamW update by `grad` (this rank's part of the summed gradient), scaled first by
     /// the clipping `factor` where there is one.
     fn update(&mut self, adamw: &HostAdamW, learning_rate: f64, grad: &[f32], factor: Option<f64>) {
-        adamw.step_scaled(learning_rate, &mut self.master, grad, factor.map_or(1.0, |factor| factor as f32), &mut self.moments);
+        adamw.step_scaled(learning_rate, Arc::<Vec<f32>>::make_mut(&mut self.master), grad, factor.map_or(1.0, |factor| factor as f32), &mut self.moments);
     }
 
     /// Its section of a state file, master weights then both moments (zeros before the first
@@ -664,7 +688,7 @@ impl ParameterPart {
     /// [`SECTION_PIECE_BYTES`] made in `bytes`.
     fn section_pieces(&self, bytes: &mut Vec<u8>, mut take: impl FnMut(&[u8])) {
         let zeros = [0.0f32; SECTION_PIECE_BYTES / 4];
-        for values in [&self.master, &self.moments.moment_1, &self.moments.moment_2] {
+        for values in [self.master.as_slice(), &self.moments.moment_1, &self.moments.moment_2] {
             let mut left = self.master.len();
             for chunk in values.chunks(SECTION_PIECE_BYTES / 4) {
                 bytes.clear();
@@ -953,7 +977,7 @@ mod tests {
             .iter()
             .map(|(elements, time, [master, m1, m2])| ParameterPart {
                 elements: *elements,
-                master: part(master, *elements),
+                master: Arc::new(part(master, *elements)),
                 moments: if *time == 0 { AdamWMoments::default() } else { AdamWMoments { moment_1: part(m1, *elements), moment_2: part(m2, *elements), time: *time } },
             })
             .collect();
@@ -972,7 +996,7 @@ mod tests {
             optimizer.on_update_thread(|| panic!("a test's failing update thread"));
             let grads: Vec<Option<Vec<f32>>> = whole().iter().map(|(elements, _, _)| Some(vec![0.25; *elements])).collect();
             let (sent, _arriving) = std::sync::mpsc::channel();
-            optimizer.update_in_order::<burn::backend::NdArray>(1e-2, grads, None, &*comm, vec![(0..4).collect()], vec![DType::F32; 4], sent).unwrap();
+            optimizer.update_in_order::<burn::backend::NdArray>(1e-2, grads, None, &*comm, vec![(0..4).collect()], vec![PartForm::Compute(DType::F32); 4], sent).unwrap();
             let first = optimizer.settle().unwrap_err().to_string();
             let dir = std::env::temp_dir().join(format!("ulysses-lost-state-{}", std::process::id()));
             let later = [optimizer.settle().map(drop), optimizer.save(&dir, 0, 1).map(drop), optimizer.host_bytes().map(drop)].map(|r| r.unwrap_err().to_string());
@@ -1020,8 +1044,8 @@ mod tests {
         let len = 600_001;
         let values = |seed: f32| (0..len).map(|i| seed + i as f32 * 0.25).collect::<Vec<f32>>();
         let whole = |arrays: [&[f32]; 3]| arrays.concat().iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
-        let stepped = ParameterPart { elements: len, master: values(1.0), moments: AdamWMoments { moment_1: values(2.0), moment_2: values(3.0), time: 4 } };
-        let fresh = ParameterPart { elements: len, master: values(1.0), moments: AdamWMoments::default() };
+        let stepped = ParameterPart { elements: len, master: Arc::new(values(1.0)), moments: AdamWMoments { moment_1: values(2.0), moment_2: values(3.0), time: 4 } };
+        let fresh = ParameterPart { elements: len, master: Arc::new(values(1.0)), moments: AdamWMoments::default() };
         let zeros = vec![0.0f32; len];
         for (part, want) in [(&stepped, whole([&values(1.0), &values(2.0), &values(3.0)])), (&fresh, whole([&values(1.0), &zeros, &zeros]))] {
             let (mut got, mut pieces, mut bytes) = (Vec::new(), 0, Vec::new());
@@ -1145,7 +1169,7 @@ mod tests {
         assert_eq!(step, 2, "the checkpoint file names the last committed step");
         let values = [loaded.weight.val().into_data().to_vec::<f32>().unwrap(), loaded.bias.unwrap().val().into_data().to_vec::<f32>().unwrap()].concat();
         assert_eq!(values, weights[0], "the fresh model (every value 0.5) set from the master weights");
-        assert_eq!([optimizer.parts[0].master.clone(), optimizer.parts[1].master.clone()].concat(), weights[0], "rank 0 of 1 holds the whole master weights, as the parameters");
+        assert_eq!([optimizer.parts[0].master.to_vec(), optimizer.parts[1].master.to_vec()].concat(), weights[0], "rank 0 of 1 holds the whole master weights, as the parameters");
         assert!(optimizer.parts.iter().all(|part| part.moments.time == 2));
 
         let replicated = crate::checkpoint::load_training_checkpoint::<Ad, _, _, u64>(&dir, layer(), AdamWConfig::new().init::<Ad, Linear<Ad>>(), &Default::default());

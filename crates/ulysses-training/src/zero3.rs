@@ -30,13 +30,18 @@
 //! backward to the embedding's, the rest's whole gradients (a tied head's and embedding's are
 //! summed before they leave). With
 //! [`ShardedParameters::with_parts_on_host`] the compute copy's parts wait in host memory and
-//! the device holds none between gathers.
+//! the device holds none between gathers; with [`ShardedAdamW`] they are, after its first
+//! update, its f32 master weights themselves (shared, updated in place, cast to the compute
+//! dtype as each gather uploads them), so the host holds them once.
 //! Uneven sizes are fine: a parameter is padded to a multiple of the world, so a part may be
 //! partly or wholly padding, never missing.
 
 use std::{
     collections::HashMap,
-    sync::mpsc::{Receiver, channel},
+    sync::{
+        Arc,
+        mpsc::{Receiver, channel},
+    },
 };
 
 use burn::{
@@ -53,7 +58,7 @@ use ulysses_core::{
 use crate::{
     DeviceShardedAdamW, LayerParameters, LayeredLm, ParameterGroup, ShardedAdamW, TrainBackend, float_parameters,
     gradients::{LocalGradient, TakeGradients},
-    sharded::{PartsInFlight, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
+    sharded::{NewPart, PartForm, PartsInFlight, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
 };
 
 /// Where a ZeRO-3 optimizer keeps and updates its parts of the master weights and moments,
@@ -135,9 +140,9 @@ impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
     ) -> Result<f64, UlyssesError> {
         let GradParts::Host(grads) = grads else { return Err(misplaced(OptimizerPlace::Host)) };
         let waiting: Vec<bool> = grads.iter().map(Option::is_some).collect();
-        let (order, dtypes) = (parameters.forward_order(), parameters.parameters.iter().map(|p| p.dtype).collect());
+        let (order, forms) = (parameters.forward_order(), parameters.release_host_parts(&waiting));
         let (updated, arriving) = channel();
-        let grad_norm = self.update_in_order(learning_rate, grads, max_grad_norm, world, order, dtypes, updated)?;
+        let grad_norm = self.update_in_order(learning_rate, grads, max_grad_norm, world, order, forms, updated)?;
         parameters.updates = Some(PartUpdates { arriving, waiting });
         if serial_host_update() {
             self.settle()?;
@@ -211,9 +216,9 @@ pub struct ShardedParameters<B: TrainBackend> {
 }
 
 /// The compute copy's new parts as the host optimizer's update thread makes them (index and
-/// values, in the parameter's dtype), and which of them have not arrived.
+/// part), and which of them have not arrived.
 struct PartUpdates {
-    arriving: Receiver<(usize, TensorData)>,
+    arriving: Receiver<(usize, NewPart)>,
     waiting: Vec<bool>,
 }
 
@@ -232,6 +237,12 @@ enum Held<B: TrainBackend> {
     Device(Tensor<B::InnerBackend, 1>),
     /// In host memory (`--offload-parameters`), uploaded for each gather.
     Host(TensorData),
+    /// In host memory as the host optimizer's master weights themselves (f32, shared), cast to
+    /// the compute dtype as each gather uploads them: after the first update, a part kept on
+    /// the host with [`ShardedAdamW`] costs the host nothing beside the optimizer's state.
+    Master(Arc<Vec<f32>>),
+    /// Handed back to the host optimizer for its update, which brings the new one.
+    Released,
 }
 
 impl<B: TrainBackend> PartOf<B> {
@@ -309,7 +320,8 @@ impl<B: TrainBackend> ShardedParameters<B> {
         self.parameters.iter().filter(|p| matches!(p.part, Held::Device(_))).map(|p| self.partition.part_len(p.elements()) * p.dtype.size()).sum()
     }
 
-    /// Bytes of the compute copy's parts this rank holds in host memory.
+    /// Bytes of the compute copy's parts this rank holds in host memory beside the host
+    /// optimizer's state (none once they are its master weights: [`Held::Master`]).
     pub fn host_bytes(&self) -> usize {
         self.parameters.iter().filter(|p| matches!(p.part, Held::Host(_))).map(|p| self.partition.part_len(p.elements()) * p.dtype.size()).sum()
     }
@@ -363,9 +375,13 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// A parameter's part on the device: uploaded (from memory the device copies from without
     /// the host waiting, where the backend has it) when it waits on the host.
     fn on_device(&self, parameter: &PartOf<B>) -> Tensor<B::InnerBackend, 1> {
+        let upload = |data: TensorData| Tensor::from_data(B::Wire::pin_for_upload(data, &self.device), (&self.device, parameter.dtype));
         match &parameter.part {
             Held::Device(part) => part.clone(),
-            Held::Host(data) => Tensor::from_data(B::Wire::pin_for_upload(data.clone(), &self.device), (&self.device, parameter.dtype)),
+            Held::Host(data) => upload(data.clone()),
+            // The cast the update thread made for a part on the device, made here.
+            Held::Master(master) => upload(TensorData::new(master.to_vec(), [master.len()]).convert_dtype(parameter.dtype)),
+            Held::Released => unreachable!("{}'s part is gathered before the update that holds it arrived (gathered() awaits it)", parameter.path),
         }
     }
 
@@ -496,9 +512,29 @@ impl<B: TrainBackend> ShardedParameters<B> {
             let part = optimizer.master_part(index, parameter.dtype);
             parameter.part = match parameter.part {
                 Held::Device(_) => Held::Device(part),
-                Held::Host(_) => Held::Host(part.into_data()),
+                Held::Host(_) | Held::Master(_) | Held::Released => Held::Host(part.into_data()),
             };
         }
+    }
+
+    /// For the host optimizer's update of the parameters `waiting` marks: the form each new part
+    /// should take ([`PartForm::Master`] for those kept on the host, which let go of their part
+    /// now, so that the update writes the master weights in place; cast to the compute dtype for
+    /// those on the device).
+    fn release_host_parts(&mut self, waiting: &[bool]) -> Vec<PartForm> {
+        self.parameters
+            .iter_mut()
+            .zip(waiting)
+            .map(|(parameter, &waits)| match parameter.part {
+                Held::Device(_) => PartForm::Compute(parameter.dtype),
+                _ => {
+                    if waits {
+                        parameter.part = Held::Released;
+                    }
+                    PartForm::Master
+                }
+            })
+            .collect()
     }
 
     /// The groups in the order a forward gathers them: the rest (the embeddings come first),
@@ -512,16 +548,17 @@ impl<B: TrainBackend> ShardedParameters<B> {
     fn await_updates(&mut self, indices: &[usize]) -> Result<(), UlyssesError> {
         let Some(updates) = &mut self.updates else { return Ok(()) };
         while let Some(&wanted) = indices.iter().find(|&&i| updates.waiting[i]) {
-            let (index, values) = updates.arriving.recv().map_err(|_| UlyssesError::InModel {
+            let (index, new) = updates.arriving.recv().map_err(|_| UlyssesError::InModel {
                 message: format!(
                     "the host optimizer's update thread failed before it updated {} (its panic is printed above; the optimizer refuses every later use)",
                     self.parameters[wanted].path
                 ),
             })?;
             let parameter = &mut self.parameters[index];
-            parameter.part = match parameter.part {
-                Held::Device(_) => Held::Device(Tensor::from_data(B::Wire::pin_for_upload(values, &self.device), (&self.device, parameter.dtype))),
-                Held::Host(_) => Held::Host(values),
+            parameter.part = match (new, &parameter.part) {
+                (NewPart::Master(master), _) => Held::Master(master),
+                (NewPart::Compute(values), Held::Device(_)) => Held::Device(Tensor::from_data(B::Wire::pin_for_upload(values, &self.device), (&self.device, parameter.dtype))),
+                (NewPart::Compute(values), _) => Held::Host(values),
             };
             updates.waiting[index] = false;
         }
