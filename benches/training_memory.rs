@@ -443,7 +443,7 @@ fn main() {
     // CubeCL would fail on its device thread, and each trial child with it, far from the cause.
     #[cfg(feature = "cuda")]
     if let Err(error) = ulysses_nccl::check_cuda_device(0).map_err(|e| e.to_string()).and_then(|()| ulysses_nccl::memory_pools::configure_from_env().map(drop)) {
-        eprintln!("error: the CUDA device cannot start: {error}");
+        eprintln!("error: the CUDA device cannot start as asked: {error}");
         std::process::exit(2);
     }
     if let Some(seq) = args.trial {

@@ -181,7 +181,7 @@ TOML
     case "${MEMORY_POOLS:-sliced}" in
         sliced) ;;
         exact) printf '[memory]\npersistent_memory = "enforced"\n' >>/tmp/memory-run/cubecl.toml ;;
-        exclusive) export ULYSSES_MEMORY_POOLS=exclusive ;;
+        exclusive) export ULYSSES_MEMORY_POOLS=exclusive; memory_pools_set=1 ;;
         *) echo "MEMORY_POOLS must be sliced, exact or exclusive, not ${MEMORY_POOLS}" >&2; exit 2 ;;
     esac
     pushd /tmp/memory-run >/dev/null
@@ -219,6 +219,8 @@ TOML
     *) echo "MEMORY_RUN must be alst, layers4, table or overhead, not ${MEMORY_RUN}" >&2; exit 2 ;;
     esac
     popd >/dev/null
+    # The memory bench's pools only: the trainer's runs below keep CubeCL's default.
+    [ "${memory_pools_set:-0}" = 1 ] && unset ULYSSES_MEMORY_POOLS
     [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/memory-run/*.log "$out/" 2>/dev/null
 fi
 # Two ranks on the one GPU: a host id each (or NCCL refuses a duplicate GPU), so NCCL talks
@@ -291,8 +293,8 @@ if has ulysses-trainer; then
         # GPU with the optimizer on the host (--offload-optimizer: 12 bytes a parameter, 96 GB of
         # the host; the device keeps bf16 parameters and gradients, 32 GB), every layer
         # checkpointed, the token-wise parts in tiles of 4096. EIGHT_B_SEQS: one run per length
-        # (65 536 first); EIGHT_B_OFFLOAD=1 also keeps the layer inputs on the host (34 × 8 KB a
-        # token: 18.3 GB at 64K beside the optimizer's 128.5 GB, more than a 128 GiB machine:
+        # (65 536 first); EIGHT_B_OFFLOAD=1 also keeps the layer inputs on the host (35 × 8 KB a
+        # token: 18.8 GB at 64K beside the optimizer's 128.5 GB, more than a 128 GiB machine:
         # refused before step 1, the figures named). EIGHT_B_ZERO3=1
         # runs it under ZeRO-3 (--zero 3: each layer's gradients leave for the host as its
         # backward ends, so the device never holds the 16 GB of bf16 gradients) and

@@ -350,7 +350,8 @@ impl<B: Backend> Decoder<B> {
     /// with its embeddings, final norm and head whole, `layer(i)` the model with block `i`
     /// whole, asked for when the serializer reaches block `i` and dropped once it is written.
     /// So one block's record (`S`'s precision) is in memory at a time beside the rest's, never
-    /// the whole model's; an `Err` from `layer` stops the serializer with its message.
+    /// the whole model's; an `Err` from `layer` stops the serializer with its message. Serialize
+    /// it once: each serialization asks for every block again (under ZeRO-3, collectives).
     pub fn record_item_by_layers<S: PrecisionSettings, F: FnMut(usize) -> Result<Self, String>>(rest: Self, layer: F) -> DecoderItemByLayers<B, S, F> {
         DecoderItemByLayers { rest: rest.into_record().into_item::<S>(), layer: RefCell::new(layer) }
     }

@@ -3,7 +3,7 @@
 //! builds every device with its default options).
 //!
 //! - `sliced` (CubeCL's default): tensors share pages of sizes up to a quarter of the device
-//!   (about 21 GB on an H100), tensors over a sixteenth of a page sliced from the largest. At
+//!   (about 21 GB on an H100), tensors over about an eighth of a page sliced from the largest. At
 //!   524 288 tokens of the 8B shape those pages reserved 75 GB for 26 GB in use
 //!   (../shared/DESIGN.md).
 //! - `exclusive`: CubeCL's exclusive-page preset: every tensor a buffer of its own, in 24
@@ -26,8 +26,8 @@ pub fn configure_from_env() -> Result<&'static str, String> {
     configure(&std::env::var(VARIABLE).unwrap_or_default())
 }
 
-/// Sets the pools `chosen` names (`""` or `sliced`: CubeCL's default, left alone) for every CUDA
-/// device started afterwards; returns which. An unknown name, or `exclusive` once a
+/// Sets the pools `chosen` names (`""` or `sliced`: CubeCL's default, left alone, so another
+/// configuration set before stays) for every CUDA device started afterwards; returns which. An unknown name, or `exclusive` once a
 /// configuration was set, is an error that says so.
 pub fn configure(chosen: &str) -> Result<&'static str, String> {
     let config = match chosen {

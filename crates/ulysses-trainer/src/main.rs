@@ -647,7 +647,7 @@ fn check_host_memory<B: TrainBackend>(config: &TrainConfig, model: &Decoder<B>, 
         return ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here, parameter_bytes, &beside).map_err(|e| format!("--offload-optimizer: {e}"));
     }
     let what = format!("--offload-to-host ({:.2} GB {offloaded_what}, for {ranks_here} rank(s) on this host)", offloaded as f64 / 1e9);
-    let fix = "spread the sequence over more ranks (a larger --sp), or keep the layer inputs on the device (without --offload-to-host)";
+    let fix = "spread the ranks over more nodes, cut each micro-batch (more --grad-accumulation), or keep the layer inputs on the device (without --offload-to-host)";
     ulysses_core::host_memory::check_fits(offloaded, ulysses_core::host_memory::available_bytes(), &what, fix)
 }
 

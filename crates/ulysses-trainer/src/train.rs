@@ -580,25 +580,27 @@ impl<B: TrainBackend> TrainedModel<B> {
         let layers = model.layer_count();
         let mut gathers = parts.over(world);
         let mut gather = |group| gathers.gather(model, group).map_err(|e| format!("cannot gather the model to save it: {e}"));
-        let rest = gather(ParameterGroup::Rest)?;
-        let mut asked = 0;
+        // Layers 0..asked were gathered for rank 0's writer; the rest is gathered below.
+        let (mut asked, mut written) = (0, Ok(()));
         if world.rank() == 0 {
+            let rest = gather(ParameterGroup::Rest)?;
             let mut gather_failed = None;
-            let written = {
+            {
                 let layer = |index| {
                     asked = index + 1;
                     gather(ParameterGroup::Layer(index)).inspect_err(|e| gather_failed = Some(e.clone()))
                 };
-                write_model_record::<B, _>(path, Decoder::record_item_by_layers::<FullPrecisionSettings, _>(rest, layer))
-            };
+                written = write_model_record::<B, _>(path, Decoder::record_item_by_layers::<FullPrecisionSettings, _>(rest, layer));
+            }
             if let Some(error) = gather_failed {
                 return Err(error);
             }
-            // A write that failed part way asked for fewer layers: the others' gathers need rank 0's.
-            (asked..layers).try_for_each(|index| gather(ParameterGroup::Layer(index)).map(drop))?;
-            return written;
+        } else {
+            gather(ParameterGroup::Rest).map(drop)?;
         }
-        (asked..layers).try_for_each(|index| gather(ParameterGroup::Layer(index)).map(drop))
+        // The other ranks gather every layer; rank 0 those a write that failed part way left.
+        (asked..layers).try_for_each(|index| gather(ParameterGroup::Layer(index)).map(drop))?;
+        written
     }
 }
 
@@ -858,7 +860,7 @@ fn inject_faults<B: TrainBackend>(faults: &Faults, step: usize, rank: usize, mod
 /// The test hook [`Faults::kill`]: kills this process if it is rank `rank` at step `step`.
 fn kill_if_asked(faults: &Faults, step: usize, rank: usize) {
     if faults.kill == Some((step, rank)) {
-        tracing::warn!(step, rank, "test hook: killing this process (SIGKILL) in the middle of the step");
+        tracing::warn!(step, rank, "test hook: killing this process (SIGKILL) in this step");
         // SAFETY: kill(2) on our own pid; nothing after it runs.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     }
@@ -1002,6 +1004,46 @@ pub fn load_model<B: AutodiffBackend>(config: &DecoderConfig, path: &Path, devic
 #[cfg(test)]
 mod tests {
     use super::host_threads_per_rank;
+
+    /// A model record written a layer at a time asks for each block in order as the writer
+    /// reaches it and stops asking where the write fails, so that `TrainedModel::save` knows
+    /// which layers rank 0 still has to gather for the other ranks.
+    #[test]
+    fn a_record_written_a_layer_at_a_time_stops_asking_where_the_write_fails() {
+        use burn::record::FullPrecisionSettings;
+        use std::io::Write;
+        type B = burn::backend::Autodiff<burn::backend::NdArray>;
+        /// Takes `left` bytes, then fails.
+        struct Full {
+            left: usize,
+        }
+        impl Write for Full {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                let taken = bytes.len().min(self.left);
+                self.left -= taken;
+                if taken == 0 && !bytes.is_empty() { Err(std::io::Error::other("the disk is full")) } else { Ok(taken) }
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let model = ulysses_models::DecoderConfig::new(32).with_d_model(32).with_n_layers(4).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).init::<B>(&Default::default());
+        let write = |left: usize| {
+            let mut asked = Vec::new();
+            let item = ulysses_models::Decoder::record_item_by_layers::<FullPrecisionSettings, _>(model.clone(), |layer| {
+                asked.push(layer);
+                Ok(model.clone())
+            });
+            let written = rmp_serde::encode::write_named(&mut Full { left }, &item).map_err(|e| e.to_string());
+            drop(item);
+            (written, asked)
+        };
+        let (whole, asked) = write(usize::MAX);
+        assert_eq!((whole, asked), (Ok(()), vec![0, 1, 2, 3]), "a write that ends asks for every block once, in order");
+        let (failed, asked) = write(std::mem::size_of::<f32>() * 32 * 32 * 6);
+        assert!(failed.is_err(), "a write into a full disk: {failed:?}");
+        assert!(!asked.is_empty() && asked.len() < 4 && asked.iter().copied().eq(0..asked.len()), "blocks asked for by a write that failed part way: {asked:?}");
+    }
 
     /// A host's cores shared among its ranks' host optimizers: 8 GPUs' ranks on 16 cores take
     /// 2 each (not 16 each, 128 threads on 16 cores); never none.

@@ -133,13 +133,14 @@ impl LayerCheckpointing {
     /// The most host memory one rank's step holds for what
     /// [`offload_to_host`](Self::offload_to_host) keeps there (none without it): for a model of
     /// `layers` layers of width `d_model` on micro-batches of `rows` sequences of `shard_tokens`
-    /// tokens each, hidden states of `dtype_bytes` bytes an element, each layer's input and the
-    /// head's, and beside them, as the backward starts, the gradient passed between pieces.
+    /// tokens each, hidden states of `dtype_bytes` bytes an element: each layer's input, and
+    /// beside them, at the last layer's backward, the gradients passed between pieces (the
+    /// upstream gradient, and the input's residual and total gradients as they are made).
     pub fn offloaded_host_bytes(&self, layers: usize, rows: usize, shard_tokens: usize, d_model: usize, dtype_bytes: usize) -> u64 {
         if !self.offload_to_host {
             return 0;
         }
-        ((layers + 2) * rows * shard_tokens * d_model * dtype_bytes) as u64
+        ((layers + 3) * rows * shard_tokens * d_model * dtype_bytes) as u64
     }
 }
 
