@@ -358,6 +358,14 @@ impl<B: TrainBackend> ShardedParameters<B> {
     fn gathered<M: AutodiffModule<B>>(&mut self, model: M, indices: &[usize], world: &dyn Communicator<B::Wire>) -> Result<M, UlyssesError> {
         self.check_world(world)?;
         self.await_updates(indices)?;
+        if let Some(&released) = indices.iter().find(|&&i| matches!(self.parameters[i].part, Held::Released)) {
+            return Err(UlyssesError::InModel {
+                message: format!(
+                    "ZeRO-3: {}'s part went to the host optimizer for an update that never ran (its step failed): resume from the last checkpoint",
+                    self.parameters[released].path
+                ),
+            });
+        }
         let sizes: Vec<(usize, DType)> =
             indices.iter().map(|&i| (self.partition.part_len(self.parameters[i].elements()) * self.parameters[i].dtype.size(), self.parameters[i].dtype)).collect();
         let mut values = HashMap::with_capacity(indices.len());
@@ -381,7 +389,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
             Held::Host(data) => upload(data.clone()),
             // The cast the update thread makes for a part on the device, made here.
             Held::Master(master) => upload(compute_part(master, parameter.dtype)),
-            Held::Released => unreachable!("{}'s part is gathered before the update that holds it arrived (gathered() awaits it)", parameter.path),
+            Held::Released => unreachable!("{}'s part is gathered while the host optimizer holds it (gathered() refuses that)", parameter.path),
         }
     }
 
