@@ -3,7 +3,8 @@
 //! operations) on the same parameters and gradients: parameters updated per second, the
 //! host's on one thread and on every core, and the largest difference after the timed steps
 //! (0: bit for bit, as `host_adamw_tests` asserts); then clipping's squared norm of the same
-//! gradients, one running f64 sum against `HostAdamW::sum_of_squares`.
+//! gradients, one running f64 sum against `HostAdamW::sum_of_squares`; then the cast of master
+//! weights to bf16 for an upload, a copy and `convert_dtype` against `cast_master_part`.
 //!
 //!     cargo bench -p ulysses-suite --bench host_adamw [-- --params 16777216 --steps 5]
 
@@ -81,4 +82,19 @@ fn main() {
         let name = format!("sum_of_squares, {threads} thread(s)");
         println!("{name:<36} {seconds:>12.4} {:>16.3e} {:>10.2} {:>14.1e}", len as f64 / seconds, one_sum / seconds, ((got - want) / want).abs());
     }
+
+    // A part kept on the host as master weights (`--offload-parameters`), cast to bf16 for each
+    // gather's upload: an f32 copy then `convert_dtype` (as it was), against `cast_master_part`.
+    println!("\nthe cast of {len} f32 master weights to bf16 for an upload, the mean of {steps} timed casts");
+    println!("{:<36} {:>12} {:>16} {:>10} {:>14}", "cast", "s / cast", "values / s", "vs copy", "same bytes");
+    let timed = |cast: &dyn Fn(&[f32]) -> TensorData| {
+        let began = Instant::now();
+        let casts: Vec<TensorData> = grads.iter().map(|g| cast(g)).collect();
+        (began.elapsed().as_secs_f64() / steps as f64, casts.into_iter().next().expect("a timed step"))
+    };
+    let bf16 = burn::tensor::DType::BF16;
+    let (copy, want) = timed(&|g| TensorData::new(g.to_vec(), [g.len()]).convert_dtype(bf16));
+    println!("{:<36} {copy:>12.4} {:>16.3e} {:>10} {:>14}", "f32 copy, convert_dtype", len as f64 / copy, "1.00", "-");
+    let (seconds, got) = timed(&|g| ulysses_training::cast_master_part(g, bf16));
+    println!("{:<36} {seconds:>12.4} {:>16.3e} {:>10.2} {:>14}", "cast_master_part", len as f64 / seconds, copy / seconds, got.as_bytes() == want.as_bytes());
 }

@@ -388,7 +388,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
             Held::Device(part) => part.clone(),
             Held::Host(data) => upload(data.clone()),
             // The cast the update thread makes for a part on the device, made here.
-            Held::Master(master) => upload(compute_part(master, parameter.dtype)),
+            Held::Master(master) => upload(cast_master_part(master, parameter.dtype)),
             Held::Released => unreachable!("{}'s part is gathered while the host optimizer holds it (gathered() refuses that)", parameter.path),
         }
     }
@@ -615,7 +615,7 @@ impl<B: TrainBackend, M: AutodiffModule<B>> LayerParameters<B, M> for Zero3Step<
 /// thread's cast gives a part on the device), straight from the master weights (no f32 copy
 /// first) and, in a half dtype, on up to 8 threads: a layer of the 8B shape is 218M values, a
 /// gather each layer's forward and backward.
-fn compute_part(master: &[f32], dtype: DType) -> TensorData {
+pub fn cast_master_part(master: &[f32], dtype: DType) -> TensorData {
     match dtype {
         DType::BF16 => TensorData::new(convert_on_threads::<bf16>(master), [master.len()]),
         DType::F16 => TensorData::new(convert_on_threads::<f16>(master), [master.len()]),
@@ -686,7 +686,7 @@ mod tests {
         let values: Vec<f32> = (0..300_000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))).chain(special).collect();
         for dtype in [DType::BF16, DType::F16, DType::F32] {
             let reference = TensorData::new(values.clone(), [values.len()]).convert_dtype(dtype);
-            let cast = compute_part(&values, dtype);
+            let cast = cast_master_part(&values, dtype);
             assert_eq!((cast.dtype, &cast.shape), (dtype, &reference.shape));
             assert!(cast.as_bytes() == reference.as_bytes(), "{dtype:?}: the cast differs from convert_dtype's");
         }
