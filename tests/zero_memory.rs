@@ -3,8 +3,8 @@
 //! optimizer's state (master weights and both moments). At world 2 and 4 a rank holds
 //! 1/world of what one rank training the same model alone holds, within 10%; replicated AdamW
 //! holds the whole model and both moments on every rank whatever the world. With the compute
-//! copy's parts on the host, a rank alone holds 12 bytes a parameter: those parts are the host
-//! optimizer's master weights. The figures for a
+//! copy's parts on the host, a rank alone holds 12 bytes a parameter, and 4 before its first
+//! step: those parts are the host optimizer's master weights. The figures for a
 //! Hugging Face shape (benches/RESULTS.md): `ZERO_MEMORY_SHAPE=benches/hf-shapes/llama-3.2-1b.json
 //! ZERO_MEMORY_LAYERS=2 cargo test -p ulysses-suite --test zero_memory -- --nocapture`.
 //!
@@ -60,8 +60,9 @@ fn model_config() -> DecoderConfig {
 
 /// Bytes each rank of a world of `world` (SP=2 × DP=world/2, or one rank) holds after
 /// [`STEPS`] steps, above what its thread held before it built its model; and the model's
-/// parameter count. `Parts::OnHost`: ZeRO-3 with the compute copy's parts on the host.
-fn held_per_rank(world: usize, parts_at: Parts) -> (Vec<usize>, usize) {
+/// parameter count; and what rank 0 holds before the first step. `Parts::OnHost`: ZeRO-3 with
+/// the compute copy's parts on the host, shared with the host optimizer's master weights.
+fn held_per_rank(world: usize, parts_at: Parts) -> (Vec<usize>, usize, usize) {
     let zero3 = parts_at != Parts::Replicated;
     let layout = if world == 1 { ParallelLayout::new() } else { ParallelLayout::new().with_sp_size(2).with_dp_size(world / 2) };
     let per_rank = ThreadGroup::new(world).run(|rank| {
@@ -84,9 +85,13 @@ fn held_per_rank(world: usize, parts_at: Parts) -> (Vec<usize>, usize) {
             host.on_update_thread(move || count_as_rank(counted_as));
             host.keep_master_weights(&model, rank.rank(), world);
             let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), world, OptimizerPlace::Host).unwrap();
-            let sharded = if parts_at == Parts::OnHost { sharded.with_parts_on_host() } else { sharded };
+            let mut sharded = if parts_at == Parts::OnHost { sharded.with_parts_on_host() } else { sharded };
+            if parts_at == Parts::OnHost {
+                sharded.share_master_weights(&mut host).unwrap();
+            }
             (model, parts) = (placeholders, Some(sharded));
         }
+        let before_step = live_bytes(rank.rank()) - before;
         for index in 0..STEPS {
             let batch = VariedLengths { vocab: VOCAB.min(model_config().vocab_size) }.train_batch(index);
             let share = batch.len() / layout.dp_size;
@@ -110,10 +115,10 @@ fn held_per_rank(world: usize, parts_at: Parts) -> (Vec<usize>, usize) {
         }
         let held = live_bytes(rank.rank()) - before;
         drop((model, parts, replicated, host));
-        (held, parameters)
+        (held, parameters, before_step)
     });
-    let per_rank: Vec<(usize, usize)> = per_rank.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
-    (per_rank.iter().map(|r| r.0).collect(), per_rank[0].1)
+    let per_rank: Vec<(usize, usize, usize)> = per_rank.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
+    (per_rank.iter().map(|r| r.0).collect(), per_rank[0].1, per_rank[0].2)
 }
 
 /// Where a run of [`held_per_rank`] keeps the compute copy.
@@ -135,22 +140,25 @@ fn zero_3_ranks_hold_a_world_th_of_the_training_state() {
     });
     // The parts on the host are the optimizer's master weights after the first update: the
     // host holds those and both moments, no copy beside them.
-    let (on_host, parameters_on_host) = with_deadline(Duration::from_secs(300), || held_per_rank(1, Parts::OnHost));
+    let (on_host, parameters_on_host, before_step) = with_deadline(Duration::from_secs(300), || held_per_rank(1, Parts::OnHost));
     let expected_on_host = 12 * parameters_on_host;
-    println!("ZeRO-3 alone with its parts on the host: {:.2} MB for {parameters_on_host} parameters", on_host[0] as f64 / 1e6);
+    println!("ZeRO-3 alone with its parts on the host: {:.2} MB for {parameters_on_host} parameters, {:.2} MB before the first step", on_host[0] as f64 / 1e6, before_step as f64 / 1e6);
+    // Before the first step, the master weights alone (no moments yet, no copy beside them).
+    let master_weights = 4 * parameters_on_host;
+    assert!(before_step >= master_weights && before_step <= master_weights + master_weights / 10, "before the first step one rank holds {before_step} bytes for {parameters_on_host} parameters (4 a parameter expected)");
     assert!(on_host[0] >= expected_on_host && on_host[0] <= expected_on_host + expected_on_host / 10, "with its parts on the host one rank holds {} bytes for {parameters_on_host} parameters (12 a parameter expected)", on_host[0]);
-    let (alone, parameters) = &results[0].1;
+    let (alone, parameters, _) = &results[0].1;
     let mb = |bytes: usize| bytes as f64 / 1e6;
     println!("{parameters} parameters (f32); bytes a rank holds between steps:");
     println!("{:>6} {:>22} {:>22}", "world", "ZeRO-3 (MB per rank)", "replicated (MB)");
-    for (world, (zero3, _), (replicated, _)) in &results {
+    for (world, (zero3, _, _), (replicated, _, _)) in &results {
         let show = |v: &Vec<usize>| v.iter().map(|&b| format!("{:.2}", mb(b))).collect::<Vec<_>>().join(" ");
         println!("{world:>6} {:>22} {:>22}", show(zero3), show(replicated));
     }
     // Alone, a rank holds the compute copy and the master weights (f32 each) and both moments.
     let expected_alone = 16 * parameters;
     assert!(alone[0] >= expected_alone && alone[0] <= expected_alone + expected_alone / 10, "one rank holds {} bytes for {parameters} parameters", alone[0]);
-    for (world, (zero3, _), (replicated, _)) in &results[1..] {
+    for (world, (zero3, _, _), (replicated, _, _)) in &results[1..] {
         for (rank, &held) in zero3.iter().enumerate() {
             let ratio = held as f64 * *world as f64 / alone[0] as f64;
             assert!((0.9..=1.1).contains(&ratio), "world {world}, rank {rank}: holds {held} bytes, {ratio:.3} x 1/{world} of one rank's {}", alone[0]);

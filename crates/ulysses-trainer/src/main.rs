@@ -640,8 +640,8 @@ fn check_host_memory<B: TrainBackend>(config: &TrainConfig, model: &Decoder<B>, 
     let offloaded_what = "of layer inputs --offload-to-host keeps there";
     if config.offload_optimizer {
         // With --offload-parameters the compute copy's parts on the host are the optimizer's
-        // master weights once it has stepped (cast for each upload), so they add nothing; before
-        // the first update their copy stands where the moments will be.
+        // master weights (cast for each upload: ShardedParameters::share_master_weights), so
+        // they add nothing.
         let parameter_bytes = 0;
         let beside = [(device_bytes, "the ranks' devices keep in host memory"), (offloaded, offloaded_what)];
         return ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here, parameter_bytes, &beside).map_err(|e| format!("--offload-optimizer: {e}"));

@@ -360,9 +360,8 @@ pub struct Faults {
     /// under ZeRO-3, whose gradients leave during the backward: refused there).
     pub nan_gradient: Option<(usize, usize)>,
     /// `(step, world rank)`: that rank's process is killed (SIGKILL) after the step's
-    /// backward, while its peers wait for its gradients; under ZeRO-3 as the step starts,
-    /// while its peers wait in the step's first collective (the shard lengths, before the
-    /// first parameter gather).
+    /// backward, while its peers wait for its gradients (under ZeRO-3, in the update's first
+    /// collective: the gradient's norm).
     pub kill: Option<(usize, usize)>,
 }
 
@@ -456,7 +455,10 @@ where
     let mut parts = None;
     if let (3, Some(place)) = (config.zero_stage, sharded_place) {
         let (placeholders, sharded) = ShardedParameters::shard(model, world_rank, world, place)?;
-        let sharded = if config.offload_parameters { sharded.with_parts_on_host() } else { sharded };
+        let mut sharded = if config.offload_parameters { sharded.with_parts_on_host() } else { sharded };
+        if let (true, RankOptimizer::OnHost(host)) = (config.offload_parameters, &mut optimizer) {
+            sharded.share_master_weights(host)?;
+        }
         (model, parts) = (placeholders, Some(sharded));
     }
     if is_first {
@@ -721,8 +723,10 @@ where
         if faults.nan_gradient.is_some() {
             return Err(UlyssesError::InvalidConfig("the NaN-gradient test hook runs without --zero 3 (ZeRO-3's gradients leave during the backward)".into()));
         }
-        kill_if_asked(faults, step, groups.world_rank());
         let local = backward_step_zero3(&model, &input, sharder, groups, device, checkpointing, parts)?;
+        // After the backward: every rank is in this step (a kill as it starts could cut a peer
+        // still reading the last step's final collective).
+        kill_if_asked(faults, step, groups.world_rank());
         return match optimizer {
             RankOptimizer::OnHost(optimizer) => apply_step_zero3(model, optimizer, parts, &input, local, groups),
             RankOptimizer::OnDevice(optimizer) => apply_step_zero3(model, optimizer, parts, &input, local, groups),

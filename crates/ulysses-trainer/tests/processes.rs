@@ -251,8 +251,8 @@ fn a_rank_killed_mid_step_stops_every_rank_and_the_last_checkpoint_loads() {
     let _ = fs::remove_dir_all(&dir);
 }
 
-/// Under ZeRO-3 rank 1 is killed as step 3 starts, while the others wait for it in the step's
-/// first collective (the death of a rank inside a parameter all-gather: burn-ulysses'
+/// Under ZeRO-3 rank 1 is killed after step 3's backward, while the others wait for it in the
+/// update's first collective (the death of a rank inside a parameter all-gather: burn-ulysses'
 /// tests/tcp_processes.rs): they stop naming it, and the sharded checkpoint after step 2
 /// resumes on the 4 ranks and finishes the run.
 #[test]

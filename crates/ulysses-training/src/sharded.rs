@@ -68,7 +68,7 @@ pub struct ShardedAdamW {
     /// The rank and world the parts are of (set at the first step, or by `load`).
     place: Option<(usize, usize)>,
     /// A ZeRO-3 step's update, running on a thread of its own while the device goes on
-    /// ([`update_in_order`](Self::update_in_order)); it gives the parts back when it ends
+    /// ([`spawn_update`](Self::spawn_update)); it gives the parts back when it ends
     /// ([`settle`](Self::settle)).
     updating: Option<JoinHandle<(Vec<ParameterPart>, Option<Receiver<()>>)>>,
     /// A test's hold on that thread: one message lets it update one group.
@@ -91,7 +91,7 @@ struct ParameterPart {
     moments: AdamWMoments,
 }
 
-/// The form in which [`ShardedAdamW::update_in_order`] hands over a parameter's new part of the
+/// The form in which [`ShardedAdamW::spawn_update`] hands over a parameter's new part of the
 /// compute copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum PartForm {
@@ -165,7 +165,7 @@ impl ShardedAdamW {
         &self.parts
     }
 
-    /// Holds the update thread of each later [`update_in_order`](Self::update_in_order): it
+    /// Holds the update thread of each later [`spawn_update`](Self::spawn_update): it
     /// updates a group only for each message `pace` brings (a test's view of the pipeline).
     #[doc(hidden)]
     pub fn pace_updates(&mut self, pace: Receiver<()>) {
@@ -200,8 +200,8 @@ impl ShardedAdamW {
     /// at a step's end, for parameters of `elements` elements: of each element of a rank's
     /// parts, 12 bytes of state, 4 of the step's gradient (f32, all arrived before the update
     /// may start: the clipping norm and the NaN guard need every part), and
-    /// `parameter_bytes` of the compute copy where its parts wait on the host
-    /// (`--offload-parameters`); `beside` that, what else those ranks keep on the host (bytes,
+    /// `parameter_bytes` of the compute copy where its parts wait on the host as copies (none
+    /// where they are the master weights: `ShardedParameters::share_master_weights`); `beside` that, what else those ranks keep on the host (bytes,
     /// and what they are: the devices' memory where it is the host's, offloaded activations).
     /// Says the bytes needed and available, and what to change.
     pub fn check_host_memory(elements: &[usize], world: usize, ranks_on_this_host: usize, parameter_bytes: usize, beside: &[(u64, &str)]) -> Result<(), UlyssesError> {
@@ -310,23 +310,30 @@ impl ShardedAdamW {
         Ok(grad_norm)
     }
 
-    /// [`update`](Self::update) on a thread of its own, so that the device goes on meanwhile
-    /// (ZeRO-3's next forward): the norm first (collective), then `order`'s groups of
-    /// parameters one after another, each updated parameter's part of the compute copy sent to
-    /// `updated` as soon as it is made, in the form `forms[index]` asks for. The state is the
-    /// step's once [`settle`](Self::settle)d, which every later use of it does first.
-    pub(crate) fn update_in_order<G: burn::tensor::backend::Backend>(
+    /// Before a ZeRO-3 step's update ([`spawn_update`](Self::spawn_update)): once a running
+    /// update ends, the whole gradient's norm (collective over `world`) and the factor that
+    /// clips it to `max_grad_norm`, where it must be.
+    pub(crate) fn clip<G: burn::tensor::backend::Backend>(&mut self, grad_parts: &[Option<Vec<f32>>], max_grad_norm: Option<f64>, world: &dyn Communicator<G>) -> Result<(f64, Option<f64>), UlyssesError> {
+        self.settle()?;
+        clipping(&self.adamw, grad_parts, max_grad_norm, world)
+    }
+
+    /// [`update`](Self::update) by `grad_parts` scaled by `factor` (from [`clip`](Self::clip)),
+    /// on a thread of its own, so that the device goes on meanwhile (ZeRO-3's next forward):
+    /// `order`'s groups of parameters one after another, each updated parameter's part of the
+    /// compute copy sent to `updated` as soon as it is made, in the form `forms[index]` asks
+    /// for. The state is the step's once [`settle`](Self::settle)d, which every later use of it
+    /// does first.
+    pub(crate) fn spawn_update(
         &mut self,
         learning_rate: f64,
         mut grad_parts: Vec<Option<Vec<f32>>>,
-        max_grad_norm: Option<f64>,
-        world: &dyn Communicator<G>,
+        factor: Option<f64>,
         order: Vec<Vec<usize>>,
         forms: Vec<PartForm>,
         updated: Sender<(usize, NewPart)>,
-    ) -> Result<f64, UlyssesError> {
+    ) -> Result<(), UlyssesError> {
         self.settle()?;
-        let (grad_norm, factor) = clipping(&self.adamw, &grad_parts, max_grad_norm, world)?;
         let (mut parts, pace, adamw, start) = (std::mem::take(&mut self.parts), self.pace.take(), self.adamw, self.thread_start.clone());
         let update = move || {
             if let Some(start) = start {
@@ -360,7 +367,15 @@ impl ShardedAdamW {
         if self.lost.is_some() {
             self.settle()?;
         }
-        Ok(grad_norm)
+        Ok(())
+    }
+
+    /// This rank's part of each parameter's master weights, shared (once a running update
+    /// ends): for ZeRO-3's parts kept on the host to be them
+    /// (`ShardedParameters::share_master_weights`).
+    pub(crate) fn shared_master_weights(&mut self) -> Result<Vec<Arc<Vec<f32>>>, UlyssesError> {
+        self.settle()?;
+        Ok(self.parts.iter().map(|part| Arc::clone(&part.master)).collect())
     }
 
     /// A state from its parts: per parameter, its elements, this rank's part of the master
@@ -680,6 +695,8 @@ impl ParameterPart {
     /// One AdamW update by `grad` (this rank's part of the summed gradient), scaled first by
     /// the clipping `factor` where there is one.
     fn update(&mut self, adamw: &HostAdamW, learning_rate: f64, grad: &[f32], factor: Option<f64>) {
+        // ZeRO-3's parts on the host let go of the master weights they share before an update.
+        debug_assert_eq!(Arc::strong_count(&self.master), 1, "master weights updated while shared: make_mut copies them");
         adamw.step_scaled(learning_rate, Arc::<Vec<f32>>::make_mut(&mut self.master), grad, factor.map_or(1.0, |factor| factor as f32), &mut self.moments);
     }
 
@@ -996,7 +1013,8 @@ mod tests {
             optimizer.on_update_thread(|| panic!("a test's failing update thread"));
             let grads: Vec<Option<Vec<f32>>> = whole().iter().map(|(elements, _, _)| Some(vec![0.25; *elements])).collect();
             let (sent, _arriving) = std::sync::mpsc::channel();
-            optimizer.update_in_order::<burn::backend::NdArray>(1e-2, grads, None, &*comm, vec![(0..4).collect()], vec![PartForm::Compute(DType::F32); 4], sent).unwrap();
+            let (_, factor) = optimizer.clip::<burn::backend::NdArray>(&grads, None, &*comm).unwrap();
+            optimizer.spawn_update(1e-2, grads, factor, vec![(0..4).collect()], vec![PartForm::Compute(DType::F32); 4], sent).unwrap();
             let first = optimizer.settle().unwrap_err().to_string();
             let dir = std::env::temp_dir().join(format!("ulysses-lost-state-{}", std::process::id()));
             let later = [optimizer.settle().map(drop), optimizer.save(&dir, 0, 1).map(drop), optimizer.host_bytes().map(drop)].map(|r| r.unwrap_err().to_string());
@@ -1016,8 +1034,9 @@ mod tests {
 
     /// The full Llama-3.1-8B shape (8.03e9 parameters) with the optimizer on the host of a GPU
     /// machine (137 GB, 128 GiB): alone it needs 128.5 GB at a step's end (state and the
-    /// step's f32 gradient), which fits; with its bf16 parameters on the host too, 144.5 GB,
-    /// refused before step 1 naming both figures and the flag to drop; over a world of 2 half;
+    /// step's f32 gradient), which fits; with copies of its bf16 parameters on the host too
+    /// (where they are not the master weights), 144.5 GB, refused before step 1 naming both
+    /// figures and the flag to drop; over a world of 2 half;
     /// with its layer inputs of 64K tokens offloaded beside the state, 147.3 GB, refused.
     #[test]
     fn the_host_check_counts_the_gradient_and_the_parameters_kept_there() {

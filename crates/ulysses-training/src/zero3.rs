@@ -139,10 +139,14 @@ impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
         parameters: &mut ShardedParameters<B>,
     ) -> Result<f64, UlyssesError> {
         let GradParts::Host(grads) = grads else { return Err(misplaced(OptimizerPlace::Host)) };
+        // The last update's parts all in place (none left in a channel this one replaces).
+        parameters.await_every_update()?;
         let waiting: Vec<bool> = grads.iter().map(Option::is_some).collect();
+        let (grad_norm, factor) = self.clip(&grads, max_grad_norm, world)?;
+        // Released only now that nothing before the update can fail.
         let (order, forms) = (parameters.forward_order(), parameters.release_host_parts(&waiting));
         let (updated, arriving) = channel();
-        let grad_norm = self.update_in_order(learning_rate, grads, max_grad_norm, world, order, forms, updated)?;
+        self.spawn_update(learning_rate, grads, factor, order, forms, updated)?;
         parameters.updates = Some(PartUpdates { arriving, waiting });
         if serial_host_update() {
             self.settle()?;
@@ -302,6 +306,31 @@ impl<B: TrainBackend> ShardedParameters<B> {
             }
         }
         self
+    }
+
+    /// The parts kept on the host ([`with_parts_on_host`](Self::with_parts_on_host)) as
+    /// `optimizer`'s master weights from now on, where they are what those give cast to the
+    /// compute dtype ([`cast_master_part`]; others stay copies): so the host holds no copy
+    /// beside the master weights from the first step on (a resumed run's too), frozen
+    /// parameters' included. Call it once the optimizer holds this rank's parts of this model.
+    pub fn share_master_weights(&mut self, optimizer: &mut ShardedAdamW) -> Result<(), UlyssesError> {
+        let masters = optimizer.shared_master_weights()?;
+        if masters.len() != self.parameters.len() {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "the host optimizer holds parts of {} parameters, the ZeRO-3 parameters {}: share the master weights of the optimizer of this model",
+                masters.len(),
+                self.parameters.len()
+            )));
+        }
+        for (parameter, master) in self.parameters.iter_mut().zip(masters) {
+            if let Held::Host(data) = &parameter.part
+                && master.len() == data.num_elements()
+                && cast_master_part(&master, parameter.dtype).as_bytes() == data.as_bytes()
+            {
+                parameter.part = Held::Master(master);
+            }
+        }
+        Ok(())
     }
 
     /// The rank and world the parts are of.
