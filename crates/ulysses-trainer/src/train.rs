@@ -888,8 +888,7 @@ where
     let sharder = config.sharder();
     if config.eval_single_device {
         let is_first = groups.world_rank() == 0;
-        let forward = |tokens, positions: &ShardPositions| model.lm_output(tokens, positions);
-        let forward = |tokens, positions: &ShardPositions| Ok(forward(tokens, positions));
+        let forward = |tokens, positions: &ShardPositions| Ok(model.lm_output(tokens, positions));
         return is_first.then(|| evaluate_single_device(forward, batch, documents, targets, sharder.ignore_index, device)).transpose();
     }
     let forward = |tokens: Tensor<B::InnerBackend, 2, Int>, positions: &ShardPositions| match &config.layer_checkpointing {

@@ -30,9 +30,10 @@
 //! backward to the embedding's, the rest's whole gradients (a tied head's and embedding's are
 //! summed before they leave). With
 //! [`ShardedParameters::with_parts_on_host`] the compute copy's parts wait in host memory and
-//! the device holds none between gathers; with [`ShardedAdamW`] they are, after its first
-//! update, its f32 master weights themselves (shared, updated in place, cast to the compute
-//! dtype as each gather uploads them), so the host holds them once.
+//! the device holds none between gathers; with [`ShardedAdamW`] they are its f32 master
+//! weights themselves (shared from the start by [`ShardedParameters::share_master_weights`],
+//! else from its first update; updated in place, cast to the compute dtype as each gather
+//! uploads them), so the host holds them once.
 //! Uneven sizes are fine: a parameter is padded to a multiple of the world, so a part may be
 //! partly or wholly padding, never missing.
 
@@ -47,7 +48,7 @@ use std::{
 use burn::{
     module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId},
     optim::GradientsParams,
-    tensor::{DType, Element, ElementConversion, Shape, Tensor, TensorData, bf16, f16},
+    tensor::{DType, Shape, Tensor, TensorData},
 };
 use burn_ulysses::{PlainBackend, UlyssesError, comm::Communicator};
 use ulysses_core::{
@@ -58,7 +59,7 @@ use ulysses_core::{
 use crate::{
     DeviceShardedAdamW, LayerParameters, LayeredLm, ParameterGroup, ShardedAdamW, TrainBackend, float_parameters,
     gradients::{LocalGradient, TakeGradients},
-    sharded::{NewPart, PartForm, PartsInFlight, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
+    sharded::{NewPart, PartForm, PartsInFlight, all_gather_columns, cast_master_part, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
 };
 
 /// Where a ZeRO-3 optimizer keeps and updates its parts of the master weights and moments,
@@ -242,8 +243,8 @@ enum Held<B: TrainBackend> {
     /// In host memory (`--offload-parameters`), uploaded for each gather.
     Host(TensorData),
     /// In host memory as the host optimizer's master weights themselves (f32, shared), cast to
-    /// the compute dtype as each gather uploads them: after the first update, a part kept on
-    /// the host with [`ShardedAdamW`] costs the host nothing beside the optimizer's state.
+    /// the compute dtype as each gather uploads them: a part kept on the host with
+    /// [`ShardedAdamW`] then costs the host nothing beside the optimizer's state.
     Master(Arc<Vec<f32>>),
     /// Handed back to the host optimizer for its update, which brings the new one.
     Released,
@@ -416,7 +417,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
         match &parameter.part {
             Held::Device(part) => part.clone(),
             Held::Host(data) => upload(data.clone()),
-            // The cast the update thread makes for a part on the device, made here.
+            // The cast the update thread makes for a part on the device (`spawn_update`), made here.
             Held::Master(master) => upload(cast_master_part(master, parameter.dtype)),
             Held::Released => unreachable!("{}'s part is gathered while the host optimizer holds it (gathered() refuses that)", parameter.path),
         }
@@ -639,33 +640,6 @@ impl<B: TrainBackend, M: AutodiffModule<B>> LayerParameters<B, M> for Zero3Step<
     }
 }
 
-/// `master` in the compute dtype `dtype`, as a gather uploads a part kept as master weights:
-/// each value converted as burn's `TensorData::convert_dtype` converts it (the bits the update
-/// thread's cast gives a part on the device), straight from the master weights (no f32 copy
-/// first) and, in a half dtype, on up to 8 threads: a layer of the 8B shape is 218M values, a
-/// gather each layer's forward and backward.
-pub fn cast_master_part(master: &[f32], dtype: DType) -> TensorData {
-    match dtype {
-        DType::BF16 => TensorData::new(convert_on_threads::<bf16>(master), [master.len()]),
-        DType::F16 => TensorData::new(convert_on_threads::<f16>(master), [master.len()]),
-        _ => TensorData::new(master.to_vec(), [master.len()]).convert_dtype(dtype),
-    }
-}
-
-/// `values` converted element by element (`ElementConversion`, as `convert_dtype` does), in
-/// chunks of at least 64K values, one a thread.
-fn convert_on_threads<T: Element>(values: &[f32]) -> Vec<T> {
-    let mut out = vec![0.0f32.elem::<T>(); values.len()];
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
-    let chunk = values.len().div_ceil(threads).max(1 << 16);
-    std::thread::scope(|scope| {
-        for (from, to) in values.chunks(chunk).zip(out.chunks_mut(chunk)) {
-            scope.spawn(move || from.iter().zip(to).for_each(|(value, out)| *out = value.elem()));
-        }
-    });
-    out
-}
-
 /// The ids of the float parameters visited.
 struct CollectIds(Vec<ParamId>);
 
@@ -702,22 +676,3 @@ impl<B: TrainBackend> ModuleMapper<B> for Gathered<B> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A part kept as master weights is uploaded with the bits `convert_dtype` gives (what the
-    /// update thread sends for a part on the device): ties, subnormals, the largest values,
-    /// infinities, signed zeros and NaN, over enough values for several threads.
-    #[test]
-    fn a_master_part_is_cast_as_convert_dtype_casts() {
-        let special = [1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), 1.0 + 2f32.powi(-11), f32::MIN_POSITIVE / 3.0, f32::MAX, 65_520.0, -65_519.0, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, f32::NAN];
-        let values: Vec<f32> = (0..300_000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))).chain(special).collect();
-        for dtype in [DType::BF16, DType::F16, DType::F32] {
-            let reference = TensorData::new(values.clone(), [values.len()]).convert_dtype(dtype);
-            let cast = cast_master_part(&values, dtype);
-            assert_eq!((cast.dtype, &cast.shape), (dtype, &reference.shape));
-            assert!(cast.as_bytes() == reference.as_bytes(), "{dtype:?}: the cast differs from convert_dtype's");
-        }
-    }
-}
