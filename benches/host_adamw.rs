@@ -95,6 +95,9 @@ fn main() {
     let bf16 = burn::tensor::DType::BF16;
     let (copy, want) = timed(&|g| TensorData::new(g.to_vec(), [g.len()]).convert_dtype(bf16));
     println!("{:<36} {copy:>12.4} {:>16.3e} {:>10} {:>14}", "f32 copy, convert_dtype", len as f64 / copy, "1.00", "-");
-    let (seconds, got) = timed(&|g| ulysses_training::cast_master_part(g, bf16));
-    println!("{:<36} {seconds:>12.4} {:>16.3e} {:>10.2} {:>14}", "cast_master_part", len as f64 / seconds, copy / seconds, got.as_bytes() == want.as_bytes());
+    for threads in [1, cores] {
+        let (seconds, got) = timed(&|g| ulysses_training::cast_master_part(g, bf16, NonZeroUsize::new(threads).unwrap()));
+        let name = format!("cast_master_part, {threads} thread(s)");
+        println!("{name:<36} {seconds:>12.4} {:>16.3e} {:>10.2} {:>14}", len as f64 / seconds, copy / seconds, got.as_bytes() == want.as_bytes());
+    }
 }

@@ -25,6 +25,7 @@
 use std::{
     fs,
     io::{Read, Seek, SeekFrom, Write},
+    num::NonZeroUsize,
     path::{Path, PathBuf},
     sync::{
         Arc,
@@ -116,7 +117,7 @@ impl ShardedAdamW {
 
     /// On `threads` threads: a host's cores divided among the ranks it runs, so that the ranks'
     /// updates together take about the host's cores rather than each all of them.
-    pub fn with_threads(config: HostAdamWConfig, threads: std::num::NonZeroUsize) -> Self {
+    pub fn with_threads(config: HostAdamWConfig, threads: NonZeroUsize) -> Self {
         Self::updating_with(HostAdamW::with_threads(config, threads))
     }
 
@@ -126,12 +127,12 @@ impl ShardedAdamW {
     }
 
     /// The threads its update takes (a loaded state takes every core until told otherwise).
-    pub fn threads(&self) -> std::num::NonZeroUsize {
+    pub fn threads(&self) -> NonZeroUsize {
         self.adamw.threads()
     }
 
     /// Takes `threads` threads for its updates from now on.
-    pub fn set_threads(&mut self, threads: std::num::NonZeroUsize) {
+    pub fn set_threads(&mut self, threads: NonZeroUsize) {
         self.adamw = HostAdamW::with_threads(*self.adamw.config(), threads);
     }
 
@@ -335,6 +336,7 @@ impl ShardedAdamW {
     ) -> Result<(), UlyssesError> {
         self.settle()?;
         let (mut parts, pace, adamw, start) = (std::mem::take(&mut self.parts), self.pace.take(), self.adamw, self.thread_start.clone());
+        let threads = adamw.threads();
         let update = move || {
             if let Some(start) = start {
                 start();
@@ -350,7 +352,7 @@ impl ShardedAdamW {
                     drop(grad);
                     let master = &parts[index].master;
                     let new = match forms[index] {
-                        PartForm::Compute(dtype) => NewPart::Compute(cast_master_part(master, dtype)),
+                        PartForm::Compute(dtype) => NewPart::Compute(cast_master_part(master, dtype, threads)),
                         PartForm::Master => NewPart::Master(Arc::clone(master)),
                     };
                     // Nobody waits any more after a failed step; the state is updated all the same.
@@ -412,22 +414,24 @@ impl ShardedAdamW {
 /// `master` in the compute dtype `dtype`: the part of the compute copy the update thread sends
 /// for a part on the device, and what a gather uploads of a part kept as master weights. Each
 /// value converted as burn's `TensorData::convert_dtype` converts it, straight from the master
-/// weights (no f32 copy first) and, in a half dtype, on up to 8 threads: a layer of the 8B
-/// shape is 218M values, cast once a step on the update thread, or at each gather.
-pub fn cast_master_part(master: &[f32], dtype: DType) -> TensorData {
+/// weights (no f32 copy first) and, in a half dtype, on `threads` threads (at most 8: the cast
+/// is bound by memory bandwidth before that): a layer of the 8B shape is 218M values, cast once
+/// a step on the update thread, or at each gather. `threads` is the rank's share of the host's
+/// cores (the host optimizer's, [`ShardedAdamW::threads`]), so that the ranks of one node do
+/// not each take every core.
+pub fn cast_master_part(master: &[f32], dtype: DType, threads: NonZeroUsize) -> TensorData {
     match dtype {
-        DType::BF16 => TensorData::new(convert_on_threads::<bf16>(master), [master.len()]),
-        DType::F16 => TensorData::new(convert_on_threads::<f16>(master), [master.len()]),
+        DType::BF16 => TensorData::new(convert_on_threads::<bf16>(master, threads), [master.len()]),
+        DType::F16 => TensorData::new(convert_on_threads::<f16>(master, threads), [master.len()]),
         _ => TensorData::new(master.to_vec(), [master.len()]).convert_dtype(dtype),
     }
 }
 
 /// `values` converted element by element (`ElementConversion`, as `convert_dtype` does), in
 /// chunks of at least 64K values, one a thread.
-fn convert_on_threads<T: Element>(values: &[f32]) -> Vec<T> {
+fn convert_on_threads<T: Element>(values: &[f32], threads: NonZeroUsize) -> Vec<T> {
     let mut out = vec![0.0f32.elem::<T>(); values.len()];
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
-    let chunk = values.len().div_ceil(threads).max(1 << 16);
+    let chunk = values.len().div_ceil(threads.get().min(8)).max(1 << 16);
     std::thread::scope(|scope| {
         for (from, to) in values.chunks(chunk).zip(out.chunks_mut(chunk)) {
             scope.spawn(move || from.iter().zip(to).for_each(|(value, out)| *out = value.elem()));
@@ -1114,9 +1118,12 @@ mod tests {
         let values: Vec<f32> = (0..300_000u32).map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761))).chain(special).collect();
         for dtype in [DType::BF16, DType::F16, DType::F32] {
             let reference = TensorData::new(values.clone(), [values.len()]).convert_dtype(dtype);
-            let cast = cast_master_part(&values, dtype);
-            assert_eq!((cast.dtype, &cast.shape), (dtype, &reference.shape));
-            assert!(cast.as_bytes() == reference.as_bytes(), "{dtype:?}: the cast differs from convert_dtype's");
+            // One thread, a share that cuts the values unevenly, and more than the cast takes.
+            for threads in [1, 3, 16] {
+                let cast = cast_master_part(&values, dtype, NonZeroUsize::new(threads).unwrap());
+                assert_eq!((cast.dtype, &cast.shape), (dtype, &reference.shape));
+                assert!(cast.as_bytes() == reference.as_bytes(), "{dtype:?} on {threads} threads: the cast differs from convert_dtype's");
+            }
         }
     }
 

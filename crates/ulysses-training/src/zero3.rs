@@ -39,6 +39,7 @@
 
 use std::{
     collections::HashMap,
+    num::NonZeroUsize,
     sync::{
         Arc,
         mpsc::{Receiver, channel},
@@ -146,6 +147,7 @@ impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
         let (grad_norm, factor) = self.clip(&grads, max_grad_norm, world)?;
         // Released only now that nothing before the update can fail.
         let (order, forms) = (parameters.forward_order(), parameters.release_host_parts(&waiting));
+        parameters.cast_threads = self.threads();
         let (updated, arriving) = channel();
         self.spawn_update(learning_rate, grads, factor, order, forms, updated)?;
         parameters.updates = Some(PartUpdates { arriving, waiting });
@@ -218,6 +220,9 @@ pub struct ShardedParameters<B: TrainBackend> {
     updates: Option<PartUpdates>,
     /// Where the gathered parameters go.
     device: burn::tensor::Device<B::InnerBackend>,
+    /// The threads a gather's cast of a part kept as master weights takes: the host
+    /// optimizer's share of the host's cores.
+    cast_threads: NonZeroUsize,
 }
 
 /// The compute copy's new parts as the host optimizer's update thread makes them (index and
@@ -294,7 +299,8 @@ impl<B: TrainBackend> ShardedParameters<B> {
         let grad_parts = GradParts::empty(optimizer, parameters.len());
         let device = model.devices().first().cloned().ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 of a model without parameters".into()))?;
         let model = model.map(&mut Placeholders);
-        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts, in_flight: Vec::new(), optimizer, updates: None, device }))
+        let cast_threads = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
+        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts, in_flight: Vec::new(), optimizer, updates: None, device, cast_threads }))
     }
 
     /// The parts kept in host memory between their gathers, uploaded for each
@@ -316,6 +322,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// parameters' included. Call it once the optimizer holds this rank's parts of this model.
     pub fn share_master_weights(&mut self, optimizer: &mut ShardedAdamW) -> Result<(), UlyssesError> {
         let masters = optimizer.shared_master_weights()?;
+        self.cast_threads = optimizer.threads();
         if masters.len() != self.parameters.len() {
             return Err(UlyssesError::InvalidConfig(format!(
                 "the host optimizer holds parts of {} parameters, the ZeRO-3 parameters {}: share the master weights of the optimizer of this model",
@@ -326,7 +333,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
         for (parameter, master) in self.parameters.iter_mut().zip(masters) {
             if let Held::Host(data) = &parameter.part
                 && master.len() == data.num_elements()
-                && cast_master_part(&master, parameter.dtype).as_bytes() == data.as_bytes()
+                && cast_master_part(&master, parameter.dtype, self.cast_threads).as_bytes() == data.as_bytes()
             {
                 parameter.part = Held::Master(master);
             }
@@ -418,7 +425,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
             Held::Device(part) => part.clone(),
             Held::Host(data) => upload(data.clone()),
             // The cast the update thread makes for a part on the device (`spawn_update`), made here.
-            Held::Master(master) => upload(cast_master_part(master, parameter.dtype)),
+            Held::Master(master) => upload(cast_master_part(master, parameter.dtype, self.cast_threads)),
             Held::Released => unreachable!("{}'s part is gathered while the host optimizer holds it (gathered() refuses that)", parameter.path),
         }
     }
