@@ -15,8 +15,8 @@ use burn_autodiff::{Autodiff, checkpoint::strategy::CheckpointStrategy};
 
 use burn_ulysses::{PlainBackend, UlyssesBackend};
 
-/// An autodiff backend whose gradients are tensors of the plain backend [`Wire`]
-/// (`TrainBackend::Wire`), the one communicators move.
+/// An autodiff backend whose gradients are tensors of the plain backend `Wire`
+/// ([`TrainBackend::Wire`]), the one communicators move.
 ///
 /// Implemented for `UlyssesBackend<Autodiff<W>>` (sequence parallel training) and for
 /// `Autodiff<W>` (data parallel only), for every [`PlainBackend`] `W`.

@@ -10,7 +10,7 @@
 //!
 //! Parameters and optimizer state do not depend on the SP or DP layout (every rank holds the
 //! same values), so a checkpoint loads under any layout, and without sequence parallelism.
-//! Where the optimizer's state is sharded over the ranks (`crate::sharded`), each rank writes
+//! Where the optimizer's state is sharded over the ranks (`crate::zero`), each rank writes
 //! its part beside the file, and the file's model section is empty: the parts' f32 master
 //! weights are the model (so no rank gathers it to save it).
 //!

@@ -44,19 +44,16 @@ mod layers;
 mod loss;
 mod panics;
 mod parameters;
-mod sharded;
-mod sharded_device;
-mod zero3;
+mod zero;
 #[cfg(test)]
 mod host_adamw_tests;
 
 pub use backend::TrainBackend;
 pub use layers::{LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
-pub use sharded_device::DeviceShardedAdamW;
-pub use zero3::{GradParts, OptimizerPlace, PartOptimizer, ShardedParameters, Zero3Step};
+pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartOptimizer, ShardedParameters, Zero3Step};
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters, with_parameters_in};
-pub use sharded::{ShardedAdamW, cast_master_part, host_adamw_config, load_sharded_training_checkpoint, save_sharded_training_checkpoint, sharded_state_folder};
+pub use zero::{ShardedAdamW, cast_master_part, host_adamw_config, load_sharded_training_checkpoint, save_sharded_training_checkpoint, sharded_state_file, sharded_state_folder};
 pub use ulysses_core::host_adamw::HostAdamWConfig;
 pub use gradients::{
     GRADIENT_BUCKET_BYTES, agreed_gradient_norm, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, clip_with_norm,

@@ -16,7 +16,8 @@ use ulysses_core::{
     zero::Partition,
 };
 
-use crate::{ShardedAdamW, TrainBackend, float_parameters, sharded::own_part};
+use super::{ShardedAdamW, parts::own_part};
+use crate::{TrainBackend, float_parameters};
 
 /// AdamW on the device over this rank's parts (see the module doc).
 pub struct DeviceShardedAdamW<B: TrainBackend> {

@@ -57,10 +57,14 @@ use ulysses_core::{
     zero::Partition,
 };
 
+use super::{
+    DeviceShardedAdamW, ShardedAdamW,
+    host_adamw::{NewPart, PartForm, cast_master_part},
+    parts::{PartsInFlight, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
+};
 use crate::{
-    DeviceShardedAdamW, LayerParameters, LayeredLm, ParameterGroup, ShardedAdamW, TrainBackend, float_parameters,
+    LayerParameters, LayeredLm, ParameterGroup, TrainBackend, float_parameters,
     gradients::{LocalGradient, TakeGradients},
-    sharded::{NewPart, PartForm, PartsInFlight, all_gather_columns, cast_master_part, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
 };
 
 /// Where a ZeRO-3 optimizer keeps and updates its parts of the master weights and moments,
@@ -358,7 +362,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
     }
 
     /// Bytes of the compute copy's parts this rank holds in host memory beside the host
-    /// optimizer's state (none once they are its master weights: [`Held::Master`]).
+    /// optimizer's state (none once they are its master weights: `Held::Master`).
     pub fn host_bytes(&self) -> usize {
         self.parameters.iter().filter(|p| matches!(p.part, Held::Host(_))).map(|p| self.partition.part_len(p.elements()) * p.dtype.size()).sum()
     }
