@@ -29,6 +29,7 @@ use ulysses_dist::{DistributedConfig, LaunchEnv, Rendezvous};
 use crate::{
     NcclError,
     library::{check_cuda_device, check_library},
+    wait::Poll,
 };
 
 type CudaTensor = CubeTensor<CudaRuntime>;
@@ -179,6 +180,7 @@ impl NcclCommunicator {
     fn wait_ready(&self, call: &'static str) -> Result<(), NcclError> {
         let deadline = Instant::now() + self.process.timeout;
         let mut next_check = Instant::now() + Duration::from_secs(1);
+        let poll = Poll::start();
         loop {
             match self.async_state() {
                 nccl::ncclResult_t::ncclSuccess => return Ok(()),
@@ -186,7 +188,7 @@ impl NcclCommunicator {
                 code => return Err(self.fail(call, code)),
             }
             self.check_peers(call, deadline, &mut next_check)?;
-            std::thread::sleep(Duration::from_micros(200));
+            poll.pause();
         }
     }
 
@@ -255,6 +257,7 @@ impl NcclCommunicator {
 
         let deadline = Instant::now() + self.process.timeout;
         let mut next_check = Instant::now() + Duration::from_secs(1);
+        let poll = Poll::start();
         loop {
             // SAFETY: our stream lives as long as the process.
             match unsafe { cuda_sys::cuStreamQuery(self.process.stream.0) } {
@@ -270,7 +273,7 @@ impl NcclCommunicator {
                 code => return Err(self.fail(op, code)),
             }
             self.check_peers(op, deadline, &mut next_check)?;
-            std::thread::sleep(Duration::from_micros(50));
+            poll.pause();
         }
     }
 

@@ -28,6 +28,7 @@ pub mod autotune;
 pub mod memory_pools;
 mod comm;
 mod library;
+pub mod wait;
 mod transport;
 
 pub use comm::{NcclCommunicator, gpu_of};
