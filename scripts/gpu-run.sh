@@ -249,7 +249,7 @@ if has ulysses-trainer; then
         # Tokens/s against S at batch 1, ours (metrics.csv's per-step rate) and PyTorch's on the
         # same model; the first steps compile kernels, so both runs take 16 and time the last.
         for seq in ${TRAIN_SEQS:-4096 16384 65536}; do
-            step "train-scale-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps 16 --seq-len "$seq" --batch-size 1 --profile \
+            step "train-scale-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps 16 --seq-len "$seq" --batch-size 1 --profile --progress \
                 --checkpoint-every 0 --check-parameters-every 0 --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/train-scale-$seq"
             step "torch-scale-$seq" python3 "$here/torch_llama_reference.py" --seq-len "$seq" --batch-size 1 --dtype bf16 --steps 16 --warmup 4
         done ;;
@@ -264,7 +264,7 @@ if has ulysses-trainer; then
         seq=${HF_SEQ:-16384}
         for shape in ${HF_SHAPES:-llama-3.2-1b qwen3-0.6b}; do
             for sp in ${HF_SPS:-1 2}; do
-                step "hf-$shape-sp$sp" "$here/ulysses-trainer" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile \
+                step "hf-$shape-sp$sp" "$here/ulysses-trainer" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile --progress \
                     --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" \
                     --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/hf-$shape-sp$sp"
             done
@@ -303,7 +303,9 @@ if has ulysses-trainer; then
         # pieces, so the host holds 16 bytes a parameter, 128.5 GB, and the device none). Under ZeRO-3 the host AdamW of step N runs beside
         # step N+1's forward; ULYSSES_HOST_ADAMW_SERIAL=1 in the environment makes each step
         # wait for it (the side-by-side: compare step 2's seconds). The log holds the memory line
-        # (per rank, before step 1), each step's seconds and waits (--profile).
+        # (per rank, before step 1), each step's seconds and waits (--profile), and each layer's
+        # forward and backward as the step reaches it, with the seconds and the device's pools
+        # (--progress): a step the part's limit stops still says how far it got.
         offload=""
         [ "${EIGHT_B_OFFLOAD:-0}" = 1 ] && offload="--offload-to-host"
         case "${EIGHT_B_ZERO3:-0}" in
@@ -313,7 +315,7 @@ if has ulysses-trainer; then
             *) echo "EIGHT_B_ZERO3 must be 0, 1 or params, not ${EIGHT_B_ZERO3}" >&2; exit 2 ;;
         esac
         for seq in ${EIGHT_B_SEQS:-65536}; do
-            step "llama-8b-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps "${EIGHT_B_STEPS:-2}" --seq-len "$seq" --batch-size 1 --profile \
+            step "llama-8b-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps "${EIGHT_B_STEPS:-2}" --seq-len "$seq" --batch-size 1 --profile --progress \
                 --offload-optimizer --checkpoint-layers $offload $zero --tile-tokens 4096 --learning-rate 1e-5 --no-save --check-parameters-every 0 \
                 --hf-config "$here/hf-shapes/llama-3.1-8b.json" --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/llama-8b-$seq"
         done ;;

@@ -216,3 +216,80 @@ fn a_zero_3_step_with_the_optimizer_on_the_host_waits_as_often_whatever_its_laye
     assert_eq!(four.waits(), two.waits(), "4 layers: {four}; 2 layers: {two}: a wait per layer");
     assert!(four.queued_reads > two.queued_reads, "the parts leave through queued copies: 4 layers {four}, 2 layers {two}");
 }
+
+/// Keeps the message of every event its filter lets through.
+struct KeepMessages(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for KeepMessages {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 = format!("{value:?}");
+                }
+            }
+        }
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        self.0.lock().unwrap().push(message.0);
+    }
+}
+
+/// One checkpointed step of two micro-batches over two rank threads (DP=2), each rank under a
+/// subscriber of its own that keeps the checkpointed step's progress reports where `report`:
+/// per rank, what it reported and what it waited on the device for.
+fn step_reporting_progress(report: bool) -> Vec<(Vec<String>, DeviceIo)> {
+    use burn::optim::AdamWConfig;
+    use burn_ulysses::{ParallelGroups, ParallelLayout, comm::ThreadGroup};
+    use tracing_subscriber::{Layer, layer::SubscriberExt};
+    use ulysses_training::{PROGRESS_TARGET, StepInput, apply_step, backward_step_checkpointed};
+    let outcome = ThreadGroup::new(2).run(move |rank| {
+        let messages = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let level = if report { tracing::level_filters::LevelFilter::DEBUG } else { tracing::level_filters::LevelFilter::OFF };
+        let keep = KeepMessages(messages.clone()).with_filter(tracing_subscriber::filter::Targets::new().with_target(PROGRESS_TARGET, level));
+        let io = tracing::subscriber::with_default(tracing_subscriber::registry().with(keep), || {
+            let groups: ParallelGroups<NdArray<f32>> = ParallelGroups::new(rank.communicator(), ParallelLayout::new().with_dp_size(2)).unwrap();
+            let device = Default::default();
+            let config = DecoderConfig::new(VOCAB).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_n_layers(LAYERS as usize);
+            let model = deterministic_params(config.init::<Counted>(&device), 3);
+            let batches: Vec<Vec<Vec<i64>>> = (0..2).map(|m| VariedLengths { vocab: VOCAB }.train_batch(m)).collect();
+            let step = StepInput { index: 7, learning_rate: 1e-3, micro_batches: &batches, documents: None, targets: None, max_grad_norm: Some(1.0) };
+            let before = DeviceIo::of_this_thread();
+            let local = backward_step_checkpointed(&model, &step, &SequenceSharder::new(1), &groups, &device, &LayerCheckpointing::new().with_tile_tokens(Some(4))).unwrap();
+            let (_, report) = apply_step(model, &mut AdamWConfig::new().init(), &step, local, &groups).unwrap();
+            assert!(report.loss.is_finite(), "{report:?}");
+            DeviceIo::of_this_thread() - before
+        });
+        let messages = messages.lock().unwrap().clone();
+        (messages, io)
+    });
+    outcome.into_iter().map(|rank| rank.unwrap_or_else(|panic| panic!("{panic}"))).collect()
+}
+
+/// With its progress reports on, a checkpointed step's world rank 0 reports each group as the
+/// step reaches it, in the order the step runs them, for each micro-batch: the embedding, every
+/// layer's forward, the head, every layer's backward from the last, the embedding's backward.
+/// The other ranks report nothing, and reporting adds no wait on the device.
+#[test]
+fn a_checkpointed_step_reports_each_layer_it_reaches_on_rank_0_without_a_wait() {
+    let reported = step_reporting_progress(true);
+    let mut expected = Vec::new();
+    for micro_batch in 1..=2 {
+        let at = |what: String| format!("step 7 (micro-batch {micro_batch}): {what} at ");
+        expected.push(at("the embedding's forward".into()));
+        expected.extend((0..LAYERS).map(|layer| at(format!("layer {layer}'s forward"))));
+        expected.push(at("the head and the loss".into()));
+        expected.extend((0..LAYERS).rev().map(|layer| at(format!("layer {layer}'s backward"))));
+        expected.push(at("the embedding's backward".into()));
+    }
+    let (rank_0, waits_reporting) = &reported[0];
+    assert_eq!(rank_0.len(), expected.len(), "rank 0 reported {rank_0:#?}");
+    for (message, start) in rank_0.iter().zip(&expected) {
+        assert!(message.starts_with(start.as_str()) && message.ends_with(" s"), "{message:?}, expected {start:?}… s");
+    }
+    assert!(reported[1].0.is_empty(), "rank 1 reported {:?}", reported[1].0);
+    let quiet = step_reporting_progress(false);
+    assert!(quiet[0].0.is_empty(), "reports with their target off: {:?}", quiet[0].0);
+    assert_eq!(waits_reporting.waits(), quiet[0].1.waits(), "reporting {waits_reporting}, not {}", quiet[0].1);
+}

@@ -271,6 +271,12 @@ struct Args {
     /// communicators' own syncs and reads) are not counted; their kernels are.
     #[arg(long)]
     profile: bool,
+    /// With --checkpoint-layers, log (rank 0) each layer's forward and backward as a step
+    /// reaches it, with the seconds since the micro-batch began and the device memory in use
+    /// and reserved: for steps that take minutes, how far one got and how its memory grew
+    /// (the host's time: the device may trail it by what is queued)
+    #[arg(long, requires = "checkpoint_layers")]
+    progress: bool,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
     /// it had never stopped. Every rank reads it.
     #[arg(long)]
@@ -297,11 +303,15 @@ fn step_and_rank(value: &str) -> Result<(usize, usize), String> {
 }
 
 fn main() {
+    let args = Args::parse();
+    // `--progress`: the checkpointed step's reports of each layer it reaches.
+    let progress = format!("{}=debug", ulysses_training::PROGRESS_TARGET);
+    let also: &[&str] = if args.progress { &[&progress] } else { &[] };
     // Beside the logs, the count of CubeCL's kernel launches that `--profile` prints.
-    ulysses_dist::logging::init_with("info", burn_ulysses::device_io::kernel_launch_counter());
+    ulysses_dist::logging::init_with_directives("info", also, burn_ulysses::device_io::kernel_launch_counter());
     // A failure inside the model (a peer that died) is reported once, as the rank's error.
     ulysses_training::quiet_caught_panics();
-    if let Err(message) = run(Args::parse()) {
+    if let Err(message) = run(args) {
         eprintln!("error: {message}");
         std::process::exit(1);
     }

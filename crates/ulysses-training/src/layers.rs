@@ -214,6 +214,62 @@ impl<B: AutodiffBackend, M: Clone> LayerParameters<B, M> for WholeParameters {
     }
 }
 
+/// The tracing target of a checkpointed step's progress: world rank 0 reports, at debug level,
+/// each group's parameters as the step asks for them (each layer's forward and backward, the
+/// embedding's and the head's), with the time since the micro-batch began and the device's
+/// memory. For steps that take minutes (an 8B model at long sequences), whose end is far off:
+/// how far a step got, and how its memory grew, when it is stopped. The trainer's
+/// `--progress` turns it on.
+pub const PROGRESS_TARGET: &str = "ulysses_training::progress";
+
+/// `parameters` reporting the step's progress at each gather ([`PROGRESS_TARGET`]). The time is
+/// the host's: the device may trail it by what the host has queued (a gather over more than
+/// one rank waits for the device first).
+pub(crate) struct ReportProgress<'a, P, D> {
+    parameters: &'a mut P,
+    /// What is reported: the step's index, and the micro-batch's within it.
+    step: usize,
+    micro_batch: usize,
+    started: std::time::Instant,
+    /// Gathers so far of the rest and of each layer: the first is the forward's.
+    rest_gathers: usize,
+    layer_gathers: Vec<usize>,
+    device: D,
+}
+
+impl<'a, P, D> ReportProgress<'a, P, D> {
+    pub(crate) fn new(parameters: &'a mut P, step: usize, micro_batch: usize, device: D) -> Self {
+        Self { parameters, step, micro_batch, started: std::time::Instant::now(), rest_gathers: 0, layer_gathers: Vec::new(), device }
+    }
+}
+
+impl<B: TrainBackend, M, P: LayerParameters<B, M>> LayerParameters<B, M> for ReportProgress<'_, P, B::Device> {
+    fn gather(&mut self, model: &M, group: ParameterGroup) -> Result<M, UlyssesError> {
+        let what = match group {
+            ParameterGroup::Rest => {
+                self.rest_gathers += 1;
+                ["the embedding's forward", "the head and the loss", "the embedding's backward"].get(self.rest_gathers - 1).copied().unwrap_or("the embeddings and head").to_string()
+            }
+            ParameterGroup::Layer(index) => {
+                if self.layer_gathers.len() <= index {
+                    self.layer_gathers.resize(index + 1, 0);
+                }
+                self.layer_gathers[index] += 1;
+                format!("layer {index}'s {}", if self.layer_gathers[index] == 1 { "forward" } else { "backward" })
+            }
+        };
+        let memory = B::Wire::device_memory(&self.device)
+            .map(|m| format!("; the device's pools: {:.2} GB in use, {:.2} GB reserved", m.in_use as f64 / 1e9, m.reserved as f64 / 1e9))
+            .unwrap_or_default();
+        tracing::debug!(target: PROGRESS_TARGET, "step {} (micro-batch {}): {what} at {:.1} s{memory}", self.step, self.micro_batch, self.started.elapsed().as_secs_f64());
+        self.parameters.gather(model, group)
+    }
+
+    fn gradients_done(&mut self, gathered: &M, group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, UlyssesError> {
+        self.parameters.gradients_done(gathered, group, grads)
+    }
+}
+
 /// The piece of a checkpointed step whose backward is about to run (see
 /// [`checkpointed_backward`]'s `probe`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

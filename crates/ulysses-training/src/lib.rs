@@ -49,7 +49,7 @@ mod zero;
 mod host_adamw_tests;
 
 pub use backend::TrainBackend;
-pub use layers::{LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
+pub use layers::{PROGRESS_TARGET, LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
 pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartOptimizer, ShardedParameters, Zero3Step};
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters, with_parameters_in};
@@ -250,11 +250,19 @@ where
     M::InnerModule: LayeredLm<B::InnerBackend>,
 {
     checkpointing.check()?;
+    let report_progress = groups.world_rank() == 0 && tracing::enabled!(target: layers::PROGRESS_TARGET, tracing::Level::DEBUG);
+    let mut micro_batch = 0;
     backward_step_with(model, step, sharder, groups, |shard, weight, lengths| {
         let tiles = checkpointing.tiles(lengths)?;
+        micro_batch += 1;
         model_failure_as_error(|| {
             let (tokens, labels) = (shard.tokens(device), shard.labels(device));
-            layers::checkpointed_backward_with(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, tiles, &mut *parameters, |_| {})
+            if report_progress {
+                let mut reporting = layers::ReportProgress::new(&mut *parameters, step.index, micro_batch, device.clone());
+                layers::checkpointed_backward_with(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, tiles, &mut reporting, |_| {})
+            } else {
+                layers::checkpointed_backward_with(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, tiles, &mut *parameters, |_| {})
+            }
         })?
     })
 }
