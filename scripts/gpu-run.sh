@@ -46,6 +46,29 @@ step() {
     fi
 }
 
+# `corpus_for SEQ`: a corpus (file or folder) for the trainer's --corpus whose held-out tenth
+# holds a sequence of SEQ tokens: $CORPUS (the system's licence texts by default, 240 KB: a
+# 30 KB held-out split, too short past 30 309 tokens, which failed the first GPU run's 65 536),
+# or, where that is too short, its text repeated into a file of 11 × (SEQ + 1) bytes in /tmp
+# (made in a dry run too, so that the printed commands run).
+corpus_for() {
+    local source="${CORPUS:-/usr/share/common-licenses}" need=$(( ($1 + 1) * 11 ))
+    local have
+    have=$(find "$source" -type f -exec cat {} + 2>/dev/null | wc -c)
+    if [ "$have" -ge "$need" ] || [ "$have" -eq 0 ]; then
+        echo "$source"
+        return
+    fi
+    local file="/tmp/gpu-run-corpus-$1.txt"
+    if [ ! -f "$file" ] || [ "$(wc -c <"$file")" -lt "$need" ]; then
+        : >"$file"
+        while [ "$(wc -c <"$file")" -lt "$need" ]; do
+            find "$source" -type f -exec cat {} + >>"$file"
+        done
+    fi
+    echo "$file"
+}
+
 # What the run links against, before anything else: the driver, CUDA's NVRTC (CubeCL compiles
 # every kernel with it at run time) and NCCL, with their versions. Python finds the pip
 # wheels' folders by their package paths (namespace packages have no __file__).
@@ -249,8 +272,8 @@ if has ulysses-trainer; then
         # Tokens/s against S at batch 1, ours (metrics.csv's per-step rate) and PyTorch's on the
         # same model; the first steps compile kernels, so both runs take 16 and time the last.
         for seq in ${TRAIN_SEQS:-4096 16384 65536}; do
-            step "train-scale-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps 16 --seq-len "$seq" --batch-size 1 --profile --progress \
-                --checkpoint-every 0 --check-parameters-every 0 --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/train-scale-$seq"
+            step "train-scale-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps 16 --seq-len "$seq" --batch-size 1 --profile \
+                --checkpoint-every 0 --check-parameters-every 0 --corpus "$(corpus_for "$seq")" --out "$out/train-scale-$seq"
             step "torch-scale-$seq" python3 "$here/torch_llama_reference.py" --seq-len "$seq" --batch-size 1 --dtype bf16 --steps 16 --warmup 4
         done ;;
     hf)
@@ -264,7 +287,7 @@ if has ulysses-trainer; then
         seq=${HF_SEQ:-16384}
         for shape in ${HF_SHAPES:-llama-3.2-1b qwen3-0.6b}; do
             for sp in ${HF_SPS:-1 2}; do
-                step "hf-$shape-sp$sp" "$here/ulysses-trainer" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile --progress \
+                step "hf-$shape-sp$sp" "$here/ulysses-trainer" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile \
                     --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" \
                     --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/hf-$shape-sp$sp"
             done
@@ -317,7 +340,7 @@ if has ulysses-trainer; then
         for seq in ${EIGHT_B_SEQS:-65536}; do
             step "llama-8b-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps "${EIGHT_B_STEPS:-2}" --seq-len "$seq" --batch-size 1 --profile --progress \
                 --offload-optimizer --checkpoint-layers $offload $zero --tile-tokens 4096 --learning-rate 1e-5 --no-save --check-parameters-every 0 \
-                --hf-config "$here/hf-shapes/llama-3.1-8b.json" --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/llama-8b-$seq"
+                --hf-config "$here/hf-shapes/llama-3.1-8b.json" --corpus "$(corpus_for "$seq")" --out "$out/llama-8b-$seq"
         done ;;
     *) echo "TRAIN_RUN must be check, scale, hf or 8b, not ${TRAIN_RUN}" >&2; exit 2 ;;
     esac

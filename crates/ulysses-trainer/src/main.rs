@@ -277,6 +277,11 @@ struct Args {
     /// (the host's time: the device may trail it by what is queued)
     #[arg(long, requires = "checkpoint_layers")]
     progress: bool,
+    /// Check the command line, the settings and the data (a --resume's checkpoint too), say what
+    /// the run would be, and exit: nothing is trained or written. The memory a run needs is
+    /// checked as it starts, once the model is built
+    #[arg(long)]
+    check: bool,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
     /// it had never stopped. Every rank reads it.
     #[arg(long)]
@@ -482,6 +487,10 @@ fn run(args: Args) -> Result<(), String> {
         }
     };
     let out = args.out.clone().or_else(|| args.resume.clone().filter(|p| p.is_dir())).unwrap_or_else(|| "runs/llama".into());
+    if args.check {
+        println!("{}", checked_run(&args, &config, layout, data_path));
+        return Ok(());
+    }
     if is_first {
         tracing::info!(
             data = %data_path.display(),
@@ -505,6 +514,42 @@ fn run(args: Args) -> Result<(), String> {
     };
     let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at, options, eval_sequences: None, _run_folder: run_folder };
     on_backend(&job)
+}
+
+/// What `--check` says of a run whose settings and data passed every check before training.
+fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: &Path) -> String {
+    let built = match args.backend {
+        BackendKind::Cpu => true,
+        BackendKind::Cuda | BackendKind::CudaFused => cfg!(feature = "cuda"),
+    };
+    let model = &config.model;
+    format!(
+        "checked: {} steps of {} sequences × {} tokens from {}, a {}-layer model (d_model {}, {} q / {} kv heads, vocabulary {}), \
+         sp {} × dp {} (ring {}), {:?}, ZeRO stage {}{}{}{}, backend {:?}{}; nothing trained or written",
+        config.steps,
+        config.batch_size,
+        config.seq_len,
+        data.display(),
+        model.n_layers,
+        model.d_model,
+        model.n_heads,
+        model.n_kv_heads,
+        model.vocab_size,
+        layout.sp_size,
+        layout.dp_size,
+        layout.ring_size,
+        config.precision,
+        config.zero_stage,
+        if config.offload_optimizer { ", the optimizer on the host" } else { "" },
+        if config.offload_parameters { ", the parameters on the host" } else { "" },
+        match &config.layer_checkpointing {
+            Some(c) if c.offload_to_host => ", layers checkpointed, their inputs on the host",
+            Some(_) => ", layers checkpointed",
+            None => "",
+        },
+        args.backend,
+        if built { "" } else { " (this binary was built without it: rebuild with `--features cuda` to run it)" },
+    )
 }
 
 /// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary.

@@ -218,8 +218,10 @@ impl<B: AutodiffBackend, M: Clone> LayerParameters<B, M> for WholeParameters {
 /// each group's parameters as the step asks for them (each layer's forward and backward, the
 /// embedding's and the head's), with the time since the micro-batch began and the device's
 /// memory. For steps that take minutes (an 8B model at long sequences), whose end is far off:
-/// how far a step got, and how its memory grew, when it is stopped. The trainer's
-/// `--progress` turns it on.
+/// how far a step got, and how its memory grew, when it is stopped. Reported by
+/// [`backward_step_checkpointed`](crate::backward_step_checkpointed) and
+/// [`backward_step_zero3`](crate::backward_step_zero3); the trainer's `--progress` turns it on.
+/// The pools' figures are read from CubeCL's memory manager, which does not wait for the device.
 pub const PROGRESS_TARGET: &str = "ulysses_training::progress";
 
 /// `parameters` reporting the step's progress at each gather ([`PROGRESS_TARGET`]). The time is

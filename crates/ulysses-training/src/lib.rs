@@ -254,11 +254,12 @@ where
     let mut micro_batch = 0;
     backward_step_with(model, step, sharder, groups, |shard, weight, lengths| {
         let tiles = checkpointing.tiles(lengths)?;
+        let this_micro_batch = micro_batch;
         micro_batch += 1;
         model_failure_as_error(|| {
             let (tokens, labels) = (shard.tokens(device), shard.labels(device));
             if report_progress {
-                let mut reporting = layers::ReportProgress::new(&mut *parameters, step.index, micro_batch, device.clone());
+                let mut reporting = layers::ReportProgress::new(&mut *parameters, step.index, this_micro_batch, device.clone());
                 layers::checkpointed_backward_with(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, tiles, &mut reporting, |_| {})
             } else {
                 layers::checkpointed_backward_with(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, tiles, &mut *parameters, |_| {})

@@ -86,7 +86,7 @@ pub(super) struct ParameterPart {
 /// The form in which [`ShardedAdamW::spawn_update`] hands over a parameter's new part of the
 /// compute copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum PartForm {
+pub(super) enum PartForm {
     /// Cast to the compute dtype on the update thread (for a part kept on the device).
     Compute(DType),
     /// The master weights themselves, shared (for a part kept on the host, cast as each
@@ -95,7 +95,7 @@ pub(crate) enum PartForm {
 }
 
 /// A parameter's new part of the compute copy, as [`PartForm`] asked.
-pub(crate) enum NewPart {
+pub(super) enum NewPart {
     Compute(TensorData),
     Master(Arc<Vec<f32>>),
 }
@@ -316,7 +316,7 @@ impl ShardedAdamW {
     /// compute copy sent to `updated` as soon as it is made, in the form `forms[index]` asks
     /// for. The state is the step's once [`settle`](Self::settle)d, which every later use of it
     /// does first.
-    pub(crate) fn spawn_update(
+    pub(super) fn spawn_update(
         &mut self,
         learning_rate: f64,
         mut grad_parts: Vec<Option<Vec<f32>>>,

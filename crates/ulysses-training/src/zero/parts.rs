@@ -30,9 +30,9 @@ pub(super) fn part_elements(elements: &[usize], world: usize) -> usize {
 
 /// One reduce-scatter's result: this rank's parts (f32, on the device) of its members,
 /// `(index, part length)` each, one after another.
-pub(crate) struct ScatteredBucket<B: TrainBackend> {
-    pub(crate) members: Vec<(usize, usize)>,
-    pub(crate) parts: Tensor<B::InnerBackend, 1>,
+pub(super) struct ScatteredBucket<B: TrainBackend> {
+    pub(super) members: Vec<(usize, usize)>,
+    pub(super) parts: Tensor<B::InnerBackend, 1>,
 }
 
 /// This rank's part of the sum over `world` of each gradient of `local` (taken from it; cast
@@ -41,7 +41,7 @@ pub(crate) struct ScatteredBucket<B: TrainBackend> {
 /// reduce-scatter a bucket hands each rank its parts, the bits an all-reduce gives there.
 /// Collective over `world`: one host collective for which gradients exist anywhere, then the
 /// buckets.
-pub(crate) fn reduce_scatter_buckets<B: TrainBackend>(local: &mut [LocalGradient<B>], partition: &Partition, world: &dyn Communicator<B::Wire>) -> Result<Vec<ScatteredBucket<B>>, UlyssesError> {
+pub(super) fn reduce_scatter_buckets<B: TrainBackend>(local: &mut [LocalGradient<B>], partition: &Partition, world: &dyn Communicator<B::Wire>) -> Result<Vec<ScatteredBucket<B>>, UlyssesError> {
     let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
     let gathered = burn_ulysses::comm::all_gather_host_checked(world, &present, "float parameters")?;
     let updated_anywhere = present_anywhere(&gathered, present.len());
@@ -64,20 +64,20 @@ pub(crate) fn reduce_scatter_buckets<B: TrainBackend>(local: &mut [LocalGradient
 
 /// A bucket of gradient parts being copied to the host: its members (index, part length), one
 /// after another, and the copy.
-pub(crate) struct PartsInFlight {
+pub(super) struct PartsInFlight {
     members: Vec<(usize, usize)>,
     read: PendingRead,
 }
 
 impl<B: TrainBackend> ScatteredBucket<B> {
     /// Its parts' copy to the host, queued behind the work that made them (no wait).
-    pub(crate) fn queue_to_host(self) -> PartsInFlight {
+    pub(super) fn queue_to_host(self) -> PartsInFlight {
         PartsInFlight { members: self.members, read: device_io::queue_read::<B::Wire>(float_primitive(self.parts)) }
     }
 }
 
 /// The parts of `buckets`, `(index, values)` in order, waited for once.
-pub(crate) fn arrive_parts(buckets: Vec<PartsInFlight>) -> Result<Vec<(usize, Vec<f32>)>, UlyssesError> {
+pub(super) fn arrive_parts(buckets: Vec<PartsInFlight>) -> Result<Vec<(usize, Vec<f32>)>, UlyssesError> {
     let (members, reads): (Vec<_>, Vec<_>) = buckets.into_iter().map(|bucket| (bucket.members, bucket.read)).unzip();
     let data = device_io::arrive(reads).map_err(|error| UlyssesError::InModel { message: format!("gradient parts could not be read to the host: {error:?}") })?;
     let mut parts = Vec::new();
@@ -90,7 +90,7 @@ pub(crate) fn arrive_parts(buckets: Vec<PartsInFlight>) -> Result<Vec<(usize, Ve
 
 /// [`reduce_scatter_buckets`]' parts on the host, by index (`count` of them): every bucket's
 /// copy queued, then one wait for all.
-pub(crate) fn host_parts<B: TrainBackend>(buckets: Vec<ScatteredBucket<B>>, count: usize) -> Result<Vec<Option<Vec<f32>>>, UlyssesError> {
+pub(super) fn host_parts<B: TrainBackend>(buckets: Vec<ScatteredBucket<B>>, count: usize) -> Result<Vec<Option<Vec<f32>>>, UlyssesError> {
     let mut parts = vec![None; count];
     for (index, values) in arrive_parts(buckets.into_iter().map(ScatteredBucket::queue_to_host).collect())? {
         parts[index] = Some(values);
@@ -99,7 +99,7 @@ pub(crate) fn host_parts<B: TrainBackend>(buckets: Vec<ScatteredBucket<B>>, coun
 }
 
 /// [`reduce_scatter_buckets`]' parts left on the device, by index (`count` of them).
-pub(crate) fn device_parts<B: TrainBackend>(buckets: Vec<ScatteredBucket<B>>, count: usize) -> Vec<Option<Tensor<B::InnerBackend, 1>>> {
+pub(super) fn device_parts<B: TrainBackend>(buckets: Vec<ScatteredBucket<B>>, count: usize) -> Vec<Option<Tensor<B::InnerBackend, 1>>> {
     let mut parts = vec![None; count];
     for bucket in buckets {
         let mut offset = 0;
@@ -113,7 +113,7 @@ pub(crate) fn device_parts<B: TrainBackend>(buckets: Vec<ScatteredBucket<B>>, co
 
 /// `mine` (this rank's parts of `members`, `(index, elements)` each, one after another)
 /// all-gathered over `world`: each member whole and flat, by index. Collective.
-pub(crate) fn all_gather_columns<B: TrainBackend>(
+pub(super) fn all_gather_columns<B: TrainBackend>(
     mine: Tensor<B::InnerBackend, 1>,
     members: impl Iterator<Item = (usize, usize)>,
     partition: &Partition,
@@ -138,7 +138,7 @@ pub(crate) fn all_gather_columns<B: TrainBackend>(
 
 /// Refuses parts of another place (`held`: rank and world) or another model (`held_elements`
 /// per parameter) than rank `rank` of `world` stepping a model of `elements`.
-pub(crate) fn check_parts_fit(held: Option<(usize, usize)>, held_elements: &[usize], rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError> {
+pub(super) fn check_parts_fit(held: Option<(usize, usize)>, held_elements: &[usize], rank: usize, world: usize, elements: &[usize]) -> Result<(), UlyssesError> {
     if let Some((held_rank, held_world)) = held.filter(|&place| place != (rank, world)) {
         return Err(UlyssesError::InvalidConfig(format!(
             "the sharded optimizer holds rank {held_rank}'s parts of a world of {held_world}, but steps as rank {rank} of {world}: load the saved state for this place with ShardedAdamW::load(dir, {rank}, {world})"
@@ -157,7 +157,7 @@ pub(crate) fn check_parts_fit(held: Option<(usize, usize)>, held_elements: &[usi
 }
 
 /// `flat` padded with zeros (of its dtype) to the partition's length.
-pub(crate) fn padded<B: burn::tensor::backend::Backend>(partition: &Partition, flat: Tensor<B, 1>) -> Tensor<B, 1> {
+pub(super) fn padded<B: burn::tensor::backend::Backend>(partition: &Partition, flat: Tensor<B, 1>) -> Tensor<B, 1> {
     let (len, target) = (flat.dims()[0], partition.padded_len(flat.dims()[0]));
     if target == len {
         return flat;
@@ -168,7 +168,7 @@ pub(crate) fn padded<B: burn::tensor::backend::Backend>(partition: &Partition, f
 
 /// Rank `rank`'s part of `flat` (a parameter, padded to the partition) on its device, in a
 /// buffer of its own: a view would keep the whole parameter's buffer alive.
-pub(crate) fn own_part<B: burn::tensor::backend::Backend>(partition: &Partition, rank: usize, flat: Tensor<B, 1>) -> Tensor<B, 1> {
+pub(super) fn own_part<B: burn::tensor::backend::Backend>(partition: &Partition, rank: usize, flat: Tensor<B, 1>) -> Tensor<B, 1> {
     let elements = flat.dims()[0];
     let view = padded(partition, flat).narrow(0, partition.part(elements, rank).start, partition.part_len(elements));
     let (dtype, device) = (view.dtype(), view.device());
