@@ -14,7 +14,12 @@
 //! collective synchronises CubeCL's queue on the host before NCCL reads the inputs, and
 //! waits for NCCL's stream before handing back the outputs. A stream-ordered version would
 //! record an event on CubeCL's stream and make NCCL's stream wait on it (and the reverse),
-//! which needs CubeCL to expose the stream of a client.
+//! which needs CubeCL to expose the stream of a client. cubecl-cuda 0.10 does not, but its
+//! `Command::resource` knows the stream a binding is used on, so the vendored copy
+//! (third_party/cubecl-cuda) could hand it out with the resource `get_resource` returns. The
+//! host's polls (the dead-peer check and the deadline, [`wait`]) would then move to a watchdog
+//! thread that aborts the communicator, and a step would wait for its collectives once, before
+//! anything it made is committed.
 //!
 //! Status: its CPU-side behaviour (no libnccl) is tested here; on one H100 (world size 1, and
 //! two processes on the one GPU) every collective and SP attention against one device matched
