@@ -163,11 +163,16 @@ pub fn clip_with_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, mut 
             }
         }
     }
-    let factor = max_norm / (norm + 1e-6);
-    if factor < 1.0 {
+    if let Some(factor) = clipping_factor(norm, max_norm) {
         module.visit(&mut Scale { grads: &mut grads, factor });
     }
     grads
+}
+
+/// The factor that scales a gradient of global norm `norm` to `max_norm`,
+/// `max_norm / (norm + 1e-6)`, where it exceeds it (`None`: it stays as it is).
+pub(crate) fn clipping_factor(norm: f64, max_norm: f64) -> Option<f64> {
+    Some(max_norm / (norm + 1e-6)).filter(|&factor| factor < 1.0)
 }
 
 /// The gradient norm every rank of `communicator` clips with: rank 0's `local_norm`, one host

@@ -224,11 +224,13 @@ impl<B: AutodiffBackend, M: Clone> LayerParameters<B, M> for WholeParameters {
 /// The pools' figures are read from CubeCL's memory manager, which does not wait for the device.
 pub const PROGRESS_TARGET: &str = "ulysses_training::progress";
 
-/// `parameters` reporting the step's progress at each gather ([`PROGRESS_TARGET`]). The time is
-/// the host's: the device may trail it by what the host has queued (a gather over more than
-/// one rank waits for the device first).
+/// `parameters` reporting the step's progress at each gather ([`PROGRESS_TARGET`]) where
+/// `report`, passing the gathers through otherwise. The time is the host's: the device may
+/// trail it by what the host has queued (a gather over more than one rank waits for the device
+/// first).
 pub(crate) struct ReportProgress<'a, P, D> {
     parameters: &'a mut P,
+    report: bool,
     /// What is reported: the step's index, and the micro-batch's within it.
     step: usize,
     micro_batch: usize,
@@ -240,13 +242,12 @@ pub(crate) struct ReportProgress<'a, P, D> {
 }
 
 impl<'a, P, D> ReportProgress<'a, P, D> {
-    pub(crate) fn new(parameters: &'a mut P, step: usize, micro_batch: usize, device: D) -> Self {
-        Self { parameters, step, micro_batch, started: std::time::Instant::now(), rest_gathers: 0, layer_gathers: Vec::new(), device }
+    pub(crate) fn new(parameters: &'a mut P, report: bool, step: usize, micro_batch: usize, device: D) -> Self {
+        Self { parameters, report, step, micro_batch, started: std::time::Instant::now(), rest_gathers: 0, layer_gathers: Vec::new(), device }
     }
-}
 
-impl<B: TrainBackend, M, P: LayerParameters<B, M>> LayerParameters<B, M> for ReportProgress<'_, P, B::Device> {
-    fn gather(&mut self, model: &M, group: ParameterGroup) -> Result<M, UlyssesError> {
+    /// Reports that the step asks for `group`'s parameters.
+    fn report<B: TrainBackend<Device = D>>(&mut self, group: ParameterGroup) {
         let what = match group {
             ParameterGroup::Rest => {
                 self.rest_gathers += 1;
@@ -264,6 +265,14 @@ impl<B: TrainBackend, M, P: LayerParameters<B, M>> LayerParameters<B, M> for Rep
             .map(|m| format!("; the device's pools: {:.2} GB in use, {:.2} GB reserved", m.in_use as f64 / 1e9, m.reserved as f64 / 1e9))
             .unwrap_or_default();
         tracing::debug!(target: PROGRESS_TARGET, "step {} (micro-batch {}): {what} at {:.1} s{memory}", self.step, self.micro_batch, self.started.elapsed().as_secs_f64());
+    }
+}
+
+impl<B: TrainBackend, M, P: LayerParameters<B, M>> LayerParameters<B, M> for ReportProgress<'_, P, B::Device> {
+    fn gather(&mut self, model: &M, group: ParameterGroup) -> Result<M, UlyssesError> {
+        if self.report {
+            self.report::<B>(group);
+        }
         self.parameters.gather(model, group)
     }
 

@@ -258,12 +258,8 @@ where
         micro_batch += 1;
         model_failure_as_error(|| {
             let (tokens, labels) = (shard.tokens(device), shard.labels(device));
-            if report_progress {
-                let mut reporting = layers::ReportProgress::new(&mut *parameters, step.index, this_micro_batch, device.clone());
-                layers::checkpointed_backward_with(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, tiles, &mut reporting, |_| {})
-            } else {
-                layers::checkpointed_backward_with(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, tiles, &mut *parameters, |_| {})
-            }
+            let mut parameters = layers::ReportProgress::new(&mut *parameters, report_progress, step.index, this_micro_batch, device.clone());
+            layers::checkpointed_backward_with(model, tokens, labels, &shard.positions, weight, sharder.ignore_index, checkpointing, tiles, &mut parameters, |_| {})
         })?
     })
 }

@@ -16,7 +16,10 @@ use ulysses_core::{
     zero::Partition,
 };
 
-use super::{ShardedAdamW, parts::own_part};
+use super::{
+    ShardedAdamW,
+    parts::{norm_of_parts, own_part},
+};
 use crate::{TrainBackend, float_parameters};
 
 /// AdamW on the device over this rank's parts (see the module doc).
@@ -75,9 +78,7 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
     pub(crate) fn update(&mut self, learning_rate: f64, grads: Vec<Option<Tensor<B::InnerBackend, 1>>>, max_grad_norm: Option<f64>, world: &dyn Communicator<B::Wire>) -> Result<f64, UlyssesError> {
         let squares: Vec<Tensor<B::InnerBackend, 1>> = grads.iter().flatten().map(|g| (g.clone() * g.clone()).sum()).collect();
         let local: f64 = if squares.is_empty() { 0.0 } else { Tensor::cat(squares, 0).into_data().to_vec::<f32>().expect("f32 sums").iter().map(|&s| f64::from(s)).sum() };
-        let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[local.to_bits()], "squared gradient sums")?;
-        let grad_norm = every_rank.iter().map(|bits| f64::from_bits(bits[0])).sum::<f64>().sqrt();
-        let factor = max_grad_norm.map(|max_norm| max_norm / (grad_norm + 1e-6)).filter(|&factor| factor < 1.0);
+        let (grad_norm, factor) = norm_of_parts(local, max_grad_norm, world)?;
         for (part, grad) in self.parts.iter_mut().zip(grads) {
             let Some(mut grad) = grad else { continue };
             if let Some(factor) = factor {

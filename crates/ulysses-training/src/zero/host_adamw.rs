@@ -44,7 +44,7 @@ use ulysses_core::{
     zero::Partition,
 };
 
-use super::parts::{all_gather_columns, check_parts_fit, host_part, host_parts, part_elements, reduce_scatter_buckets};
+use super::parts::{all_gather_columns, check_parts_fit, host_part, host_parts, norm_of_parts, part_elements, reduce_scatter_buckets};
 use crate::{
     TrainBackend,
     gradients::{LocalGradient, TakeGradients},
@@ -442,15 +442,11 @@ fn convert_on_threads<T: Element>(values: &[f32], threads: NonZeroUsize) -> Vec<
 }
 
 /// The norm of the whole gradient whose parts (this rank's of each parameter, summed over
-/// `world`) are `grad_parts`: their squares summed in f64 on each rank (on its threads, by
-/// parameter in order: `HostAdamW::sum_of_squares`) and over the ranks in rank order (the same
-/// on every rank; collective), and the factor that clips it to
-/// `max_grad_norm` (`clip_with_norm`'s), where it must be clipped.
+/// `world`) are `grad_parts`, and the factor that clips it to `max_grad_norm`
+/// ([`norm_of_parts`]): their squares summed in f64 on each rank (on its threads, by
+/// parameter in order: `HostAdamW::sum_of_squares`). Collective.
 fn clipping<G: burn::tensor::backend::Backend>(adamw: &HostAdamW, grad_parts: &[Option<Vec<f32>>], max_grad_norm: Option<f64>, world: &dyn Communicator<G>) -> Result<(f64, Option<f64>), UlyssesError> {
-    let squares: f64 = grad_parts.iter().flatten().map(|part| adamw.sum_of_squares(part)).sum();
-    let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[squares.to_bits()], "squared gradient sums")?;
-    let grad_norm = every_rank.iter().map(|bits| f64::from_bits(bits[0])).sum::<f64>().sqrt();
-    Ok((grad_norm, max_grad_norm.map(|max_norm| max_norm / (grad_norm + 1e-6)).filter(|&factor| factor < 1.0)))
+    norm_of_parts(grad_parts.iter().flatten().map(|part| adamw.sum_of_squares(part)).sum(), max_grad_norm, world)
 }
 
 /// The host AdamW's settings from burn's `AdamWConfig`, the same update; refused, naming the

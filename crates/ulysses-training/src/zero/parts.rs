@@ -19,7 +19,10 @@ use ulysses_core::{
     zero::Partition,
 };
 
-use crate::{TrainBackend, gradients::LocalGradient};
+use crate::{
+    TrainBackend,
+    gradients::{LocalGradient, clipping_factor},
+};
 
 /// Elements of a rank's parts of parameters of `elements` elements each over a world of
 /// `world` (the partition's padding included).
@@ -185,4 +188,14 @@ pub(super) fn host_part<B: burn::tensor::backend::Backend>(partition: &Partition
         part[..values.len()].copy_from_slice(&values);
     }
     part
+}
+
+/// The norm of a gradient held in parts over `world`, from `local_squares` (the sum of this
+/// rank's parts' squares, in f64): the ranks' sums added in rank order (the same on every rank;
+/// collective), and the factor that clips it to `max_grad_norm` (`clip_with_norm`'s), where it
+/// must be clipped.
+pub(super) fn norm_of_parts<G: burn::tensor::backend::Backend>(local_squares: f64, max_grad_norm: Option<f64>, world: &dyn Communicator<G>) -> Result<(f64, Option<f64>), UlyssesError> {
+    let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[local_squares.to_bits()], "squared gradient sums")?;
+    let grad_norm = every_rank.iter().map(|bits| f64::from_bits(bits[0])).sum::<f64>().sqrt();
+    Ok((grad_norm, max_grad_norm.and_then(|max_norm| clipping_factor(grad_norm, max_norm))))
 }
