@@ -10,7 +10,8 @@ instructions: HMMA, and HGMMA should wgmma ever appear). Shared memory per block
 dynamic (CubeCL's `extern __shared__`, from the index) + the 1 KiB the driver reserves; blocks
 per SM follow from threads, registers and shared memory against the target's limits.
 
-It fails (exit 1) on any compile error, any spill, shared memory over the target's opt-in
+It fails (exit 1) on any compile error, a local array of the source accessed past its end
+(through the casts the inline assembly's registers go through), any spill, shared memory over the target's opt-in
 limit, zero blocks per SM, or a kernel of the tensor-core engine without a tensor-core
 instruction; and, for the register-fragment engine (`tensor-cores-mma`), on a kernel without
 ldmatrix (LDSM) or cp.async (LDGSTS), with local-memory traffic (LDL/STL), or a forward or dQ kernel under two blocks per SM. The
@@ -145,6 +146,39 @@ def machine_code(tools, source, target):
     }
 
 
+# Bytes of the types CubeCL's CUDA sources declare local arrays of, or read them through.
+TYPE_BYTES = {"float": 4, "float_2": 8, "float_4": 16, "__half": 2, "__half_2": 4, "__nv_bfloat16": 2,
+              "__nv_bfloat16_2": 4, "uint32": 4, "int32": 4, "uint64": 8, "int64": 8}
+
+
+def out_of_bounds(source):
+    """Reads and writes of a local array through a cast (`reinterpret_cast<float*>(l_arr_7)[3]`,
+    as the inline assembly of mma.sync and ldmatrix takes its registers) past the array's end.
+    Undefined behaviour that compiles: NVRTC dropped such writes. CubeCL 0.10's
+    `MmaDefinition::execute` declares its result as `vector_size` values a register, and a
+    kernel that passed vectors of one f32 got half the product's registers outside the array."""
+    arrays = {name: (kind, int(count)) for kind, name, count in re.findall(r"\b(\w+) (l_arr_\d+)\[(\d+)\];", source)}
+    problems, seen = [], set()
+    # `reinterpret_cast<T*>(l_arr_N)[i]`: element i of T; `reinterpret_cast<T&>(l_arr_N[i])`: element i of the array.
+    accesses = [(kind, name, int(index), True) for kind, name, index in re.findall(r"reinterpret_cast<(?:const )?(\w+)\*>\((l_arr_\d+)\)\[(\d+)\]", source)]
+    accesses += [(kind, name, int(index), False) for kind, name, index in re.findall(r"reinterpret_cast<(?:const )?(\w+)&>\((l_arr_\d+)\[(\d+)\]\)", source)]
+    for kind, name, index, through_pointer in accesses:
+        if (kind, name, index, through_pointer) in seen:
+            continue
+        seen.add((kind, name, index, through_pointer))
+        if name not in arrays:
+            problems.append(f"{name} is read through a cast but declared nowhere the check can see")
+            continue
+        declared, count = arrays[name]
+        if kind not in TYPE_BYTES or declared not in TYPE_BYTES:
+            problems.append(f"{name}: no size known for {kind if kind not in TYPE_BYTES else declared} (add it to TYPE_BYTES)")
+            continue
+        end = (index + 1) * TYPE_BYTES[kind] if through_pointer else (index + 1) * TYPE_BYTES[declared]
+        if end > count * TYPE_BYTES[declared]:
+            problems.append(f"{name} ({declared}[{count}], {count * TYPE_BYTES[declared]} bytes) accessed as {kind} up to byte {end}")
+    return problems
+
+
 # What machine_code measures: part of the cache key, so that a result cached before a field
 # was added is measured again.
 RESULT_FIELDS = "registers stack spills shared hmma hgmma ldsm ldgsts local loop_instructions"
@@ -222,6 +256,9 @@ def main():
         if "error" in result:
             fail("compile", result["error"])
             continue
+        with open(os.path.join(args.sources, kernel["file"])) as f:
+            for problem in out_of_bounds(f.read()):
+                fail("out-of-bounds", problem)
         target = targets[kernel["target"]]
         threads = kernel["block"][0] * kernel["block"][1] * kernel["block"][2]
         shared = result["static_shared_bytes"] + kernel["dynamic_shared_bytes"] + 1024
@@ -313,7 +350,8 @@ def main():
 
 def read_known(path):
     """Lines `TARGET KERNEL ENGINE DTYPE HEAD_DIM KIND  # reason`, `*` matching anything; KIND
-    ending in `?` for a defect that only some runs' sources have."""
+    ending in `?` for a defect that only some runs' sources have; HEAD_DIM `128/u64` for 64-bit
+    indices alone."""
     known = []
     if not os.path.exists(path):
         return known
@@ -332,9 +370,12 @@ def read_known(path):
 def matches(line, kernel, kind):
     target, name, engine, dtype, head_dim, expected_kind, _ = line
     same = lambda pattern, value: pattern == "*" or pattern == str(value)
+    # HEAD_DIM `128/u64`: head dim 128 with 64-bit indices only (`128/u32`: with 32-bit ones).
+    head_dim, _, width = head_dim.partition("/")
+    same_width = lambda case: not width or width == ("u64" if case["sixty_four_bit"] else "u32")
     return (same(target, kernel["target"]) and same(name, kernel["kernel"]) and same(engine, kernel["engine"])
             and same(expected_kind.removesuffix("?"), kind)
-            and any(same(dtype, case["dtype"]) and same(head_dim, case["head_dim"]) for case in kernel["cases"]))
+            and any(same(dtype, case["dtype"]) and same(head_dim, case["head_dim"]) and same_width(case) for case in kernel["cases"]))
 
 
 if __name__ == "__main__":

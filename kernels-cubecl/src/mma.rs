@@ -114,7 +114,8 @@ fn matrix_row(base: usize, stride: usize, matrix: usize, row: usize, #[comptime]
 }
 
 /// One `mma.sync.aligned.m16n8k16` per product (CUDA, sm_80 and later). CubeCL's registers
-/// are vectors of one 32-bit register each: two f16/bf16 values for A and B, one f32 for C.
+/// are vectors: two f16/bf16 values (one 32-bit register) for A and B, two f32 (a lane's
+/// adjacent columns, two registers) for C and D.
 pub struct MmaSync;
 
 #[cube]
@@ -135,17 +136,22 @@ impl FragmentMma for MmaSync {
         let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
         let a_regs = register_pairs::<E>(a, a_at, A_VALUES / 2);
         let b_regs = register_pairs::<E>(b, b_at, B_VALUES / 2);
-        let mut c_regs = Array::<Vector<f32, Const<1>>>::new(C_VALUES);
+        // Pairs, as CubeCL sizes the accumulator (`vector_size`: a lane's two adjacent columns):
+        // `execute` declares its output as that many vectors, so vectors of one f32 left half
+        // of the product's registers outside the array, and NVRTC dropped them (rows g + 8).
+        let mut c_regs = Array::<Vector<f32, Const<2>>>::new(C_VALUES / 2);
         #[unroll]
-        for r in 0..C_VALUES {
-            let mut one = Vector::empty();
-            one[0] = c[c_at + r];
-            c_regs[r] = one;
+        for r in 0..C_VALUES / 2 {
+            let mut pair = Vector::empty();
+            pair[0] = c[c_at + 2 * r];
+            pair[1] = c[c_at + 2 * r + 1];
+            c_regs[r] = pair;
         }
         let d = def.execute(&a_regs, &b_regs, &c_regs);
         #[unroll]
-        for r in 0..C_VALUES {
-            c[c_at + r] = d[r][0];
+        for r in 0..C_VALUES / 2 {
+            c[c_at + 2 * r] = d[r][0];
+            c[c_at + 2 * r + 1] = d[r][1];
         }
     }
 
