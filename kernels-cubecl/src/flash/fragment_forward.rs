@@ -11,7 +11,11 @@
 use cubecl::prelude::*;
 
 use super::{
-    fragment_tiles::{BLOCK_ROWS, MASKED, Staging, WARPS, block_span, block_rows, next_step, rounded, row_operand, stage_step, step_tiles, times_tile, times_tile_transposed, zeros},
+    fragment_tiles::{
+        BLOCK_ROWS, MASKED, Staging, WARPS, block_span, block_rows, fast_exp, next_step, rounded, row_operand, scale_scores, stage_step, step_tiles, step_unmasked,
+        times_tile,
+        times_tile_transposed, zeros,
+    },
     stage::{ColumnPart, cube_in_range, visible_run},
 };
 use crate::mma::{C_VALUES, FragmentMma, lane};
@@ -110,33 +114,35 @@ fn forward_block<E: Float, M: FragmentMma>(
 
         // The online softmax on the accumulators: s[4·tile + i] is row rows[i / 2], key
         // key0 + 8·tile + 2t + i % 2.
+        let unmasked = step_unmasked(key0, keys_per_step, &run_low, &run_high);
+        scale_scores(&mut s, scale, key0, &run_low, &run_high, unmasked, score_tiles, unrolled);
+        let mut corrections = Array::<f32>::new(2usize);
         #[unroll]
         for half in 0..2usize {
-            let (seen_from, seen_to) = (select(half == 0, run_low.start, run_high.start), select(half == 0, run_low.end, run_high.end));
             let mut block_max = f32::new(MASKED);
             #[unroll(unrolled)]
             for tile in 0..score_tiles {
                 #[unroll]
                 for j in 0..2usize {
-                    let key = key0 + 8 * tile + 2 * t + j;
-                    let visible = key >= seen_from && key < seen_to;
-                    let score = select(visible, s[tile * C_VALUES + 2 * half + j] * scale, f32::new(MASKED));
-                    s[tile * C_VALUES + 2 * half + j] = score;
-                    block_max = max(block_max, score);
+                    block_max = max(block_max, s[tile * C_VALUES + 2 * half + j]);
                 }
             }
             // The 4 lanes of a quad share the row.
             block_max = max(block_max, plane_shuffle_xor(block_max, 1));
             block_max = max(block_max, plane_shuffle_xor(block_max, 2));
             let new_max = max(row_max[half], block_max);
-            let correction = (row_max[half] - new_max).exp();
+            // Against a row's maximum, a masked score's probability is 0; a row that has seen
+            // no key yet (its maximum the masked score) takes 0 as its base, so its masked
+            // scores give 0 too, not 1, with no test per score.
+            let base = select(new_max > f32::new(MASKED), new_max, 0.0f32);
+            let correction = fast_exp(row_max[half] - base);
             let mut block_sum = 0.0f32;
             #[unroll(unrolled)]
             for tile in 0..score_tiles {
                 #[unroll]
                 for j in 0..2usize {
                     let at = tile * C_VALUES + 2 * half + j;
-                    let p = select(s[at] > f32::new(MASKED), (s[at] - new_max).exp(), 0.0f32);
+                    let p = fast_exp(s[at] - base);
                     s[at] = p;
                     block_sum += p;
                 }
@@ -145,10 +151,17 @@ fn forward_block<E: Float, M: FragmentMma>(
             block_sum += plane_shuffle_xor(block_sum, 2);
             row_sum[half] = row_sum[half] * correction + block_sum;
             row_max[half] = new_max;
+            corrections[half] = correction;
+        }
+        // Once a row has seen many keys its maximum seldom grows: where no row of the warp's
+        // grew, every correction is 1 (e^0) and the output's rescaling is skipped.
+        if plane_any(corrections[0] != 1.0f32 || corrections[1] != 1.0f32) {
             #[unroll(unrolled)]
             for tile in 0..out_tiles {
-                acc[tile * C_VALUES + 2 * half] *= correction;
-                acc[tile * C_VALUES + 2 * half + 1] *= correction;
+                #[unroll]
+                for i in 0..C_VALUES {
+                    acc[tile * C_VALUES + i] *= corrections[i / 2];
+                }
             }
         }
 

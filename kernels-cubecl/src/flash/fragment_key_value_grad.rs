@@ -21,7 +21,10 @@
 use cubecl::prelude::*;
 
 use super::{
-    fragment_tiles::{BLOCK_ROWS, Staging, WARPS, block_span, column_parts, next_step, part_width, rounded, row_operand, stage_step, step_tiles, store_rows, times_tile, times_tile_transposed, zeros},
+    fragment_tiles::{
+        BLOCK_ROWS, Staging, WARPS, block_span, column_parts, fast_exp, next_step, part_width, rounded, row_operand, stage_step, step_tiles, step_unmasked, store_rows,
+        times_tile, times_tile_transposed, zeros,
+    },
     stage::{ColumnPart, cube_in_range, cube_place, visible_run},
 };
 use crate::mma::{C_VALUES, FragmentMma, lane};
@@ -144,20 +147,32 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
             let mut s = zeros(score_tiles * C_VALUES);
             times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, register_columns, unrolled);
 
-            // Pᵀ in place of Sᵀ: 0 where the query does not see the key. A column past the
-            // sequence is seen by no key; its statistics are read from the last row.
+            // Pᵀ in place of Sᵀ: 0 where the query does not see the key (tested only in the
+            // steps that need it). A column past the sequence is seen by no key; its
+            // statistics are read from the last row.
+            let unmasked = step_unmasked(query0, queries_per_step, &run_low, &run_high);
             #[unroll]
             for half in 0..2usize {
                 let (seen_from, seen_to) = (select(half == 0, run_low.start, run_high.start), select(half == 0, run_low.end, run_high.end));
-                #[unroll(unrolled)]
-                for tile in 0..score_tiles {
-                    #[unroll]
-                    for j in 0..2usize {
-                        let at = tile * C_VALUES + 2 * half + j;
-                        let query = query0 + 8 * tile + 2 * t + j;
-                        let visible = query >= seen_from && query < seen_to;
-                        let column_lse = lse[head_index * seq_q + min(query, seq_q - 1)];
-                        s[at] = select(visible, (s[at] * scale - column_lse).exp(), 0.0f32);
+                if unmasked {
+                    #[unroll(unrolled)]
+                    for tile in 0..score_tiles {
+                        #[unroll]
+                        for j in 0..2usize {
+                            let at = tile * C_VALUES + 2 * half + j;
+                            s[at] = fast_exp(s[at] * scale - lse[head_index * seq_q + query0 + 8 * tile + 2 * t + j]);
+                        }
+                    }
+                } else {
+                    #[unroll(unrolled)]
+                    for tile in 0..score_tiles {
+                        #[unroll]
+                        for j in 0..2usize {
+                            let at = tile * C_VALUES + 2 * half + j;
+                            let query = query0 + 8 * tile + 2 * t + j;
+                            let p = fast_exp(s[at] * scale - lse[head_index * seq_q + min(query, seq_q - 1)]);
+                            s[at] = select(query >= seen_from && query < seen_to, p, 0.0f32);
+                        }
                     }
                 }
             }

@@ -11,7 +11,10 @@
 use cubecl::prelude::*;
 
 use super::{
-    fragment_tiles::{BLOCK_ROWS, Staging, WARPS, block_span, block_rows, next_step, rounded, row_operand, stage_step, step_tiles, store_rows, times_tile, times_tile_transposed, zeros},
+    fragment_tiles::{
+        BLOCK_ROWS, Staging, WARPS, block_span, block_rows, fast_exp, next_step, rounded, row_operand, stage_step, step_tiles, step_unmasked, store_rows, times_tile,
+        times_tile_transposed, zeros,
+    },
     stage::{ColumnPart, cube_in_range, visible_run},
 };
 use crate::mma::{C_VALUES, FragmentMma, lane};
@@ -108,20 +111,32 @@ fn query_grad_block<E: Float, M: FragmentMma>(
         times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, register_columns, unrolled);
         times_tile_transposed::<E, M>(&out_grad_rows, out_grad, &v_tiles, buffer, &mut dp, &mut scratch, keys_per_step, head_dim, register_columns, unrolled);
 
-        // dS = P ∘ (dP − D), in place of S: 0 where the row does not see the key.
+        // dS = P ∘ (dP − D), in place of S: 0 where the row does not see the key (tested only
+        // in the steps that need it).
+        let unmasked = step_unmasked(key0, keys_per_step, &run_low, &run_high);
         #[unroll]
         for half in 0..2usize {
             let (seen_from, seen_to) = (select(half == 0, run_low.start, run_high.start), select(half == 0, run_low.end, run_high.end));
             let (row_lse, row_delta) = (select(half == 0, lse_low, lse_high), select(half == 0, delta_low, delta_high));
-            #[unroll(unrolled)]
-            for tile in 0..score_tiles {
-                #[unroll]
-                for j in 0..2usize {
-                    let at = tile * C_VALUES + 2 * half + j;
-                    let key = key0 + 8 * tile + 2 * t + j;
-                    let visible = key >= seen_from && key < seen_to;
-                    let p = select(visible, (s[at] * scale - row_lse).exp(), 0.0f32);
-                    s[at] = p * (dp[at] - row_delta);
+            if unmasked {
+                #[unroll(unrolled)]
+                for tile in 0..score_tiles {
+                    #[unroll]
+                    for j in 0..2usize {
+                        let at = tile * C_VALUES + 2 * half + j;
+                        s[at] = fast_exp(s[at] * scale - row_lse) * (dp[at] - row_delta);
+                    }
+                }
+            } else {
+                #[unroll(unrolled)]
+                for tile in 0..score_tiles {
+                    #[unroll]
+                    for j in 0..2usize {
+                        let at = tile * C_VALUES + 2 * half + j;
+                        let key = key0 + 8 * tile + 2 * t + j;
+                        let p = select(key >= seen_from && key < seen_to, fast_exp(s[at] * scale - row_lse), 0.0f32);
+                        s[at] = p * (dp[at] - row_delta);
+                    }
                 }
             }
         }

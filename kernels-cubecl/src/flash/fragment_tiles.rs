@@ -19,7 +19,7 @@
 
 use cubecl::{ir::AddressType, prelude::*};
 
-use super::stage::{ColumnPart, cube_place, first_row_seeing, keys_seen_by_rows, visible_run};
+use super::stage::{ColumnPart, Run, cube_place, first_row_seeing, keys_seen_by_rows, visible_run};
 use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, SCRATCH_BYTES_PER_WARP, lane};
 
 /// Warps (of 32 units) per block, each owning 16 query rows.
@@ -31,7 +31,7 @@ pub(crate) const BLOCK_ROWS: usize = 16 * WARPS;
 pub(crate) const PAD: usize = 8;
 /// The widest rows a warp keeps in registers, as fragments (Q, dO; K and V for dK/dV) or as
 /// accumulators (an output's columns), with 32-bit indices: at head dim 128 the kernels already
-/// hold 200-255 registers (benches/RESULTS.md), so wider heads stream their row fragments and
+/// hold 178-255 registers (benches/RESULTS.md), so wider heads stream their row fragments and
 /// split their outputs (see the module doc).
 pub(crate) const REGISTER_COLUMNS: usize = 128;
 
@@ -56,6 +56,51 @@ pub(crate) fn rows_streamed(head_dim: usize, register_columns: usize) -> bool {
 /// A masked score: finite (WGSL has no infinity literal) and below any real one; its
 /// probability is set to 0 explicitly.
 pub(crate) const MASKED: f32 = -1.0e30;
+
+/// e^x as the special-function unit approximates it (CUDA's `__expf`: a multiply by log2(e)
+/// and MUFU.EX2, where `exp` takes 8 instructions) for the probabilities, which are rounded to
+/// f16/bf16 before they multiply: relative error about 2^-22 + |x|·2^-24, 1e-6 at |x| = 10.
+/// Masked scores (`MASKED` less a maximum) give 0.
+#[cube(fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
+pub(crate) fn fast_exp(x: f32) -> f32 {
+    x.exp()
+}
+
+/// Whether every key of `[key0, key0 + keys)` is visible to both rows of every lane of the
+/// warp (`low`'s and `high`'s runs: queries for dK/dV), so that the step needs no mask: every
+/// step away from the causal diagonal, the ranges' edges and the sequence's end. The warp
+/// decides together, so that it takes one of the two paths, never both.
+#[cube]
+pub(crate) fn step_unmasked(key0: usize, keys: usize, low: &Run, high: &Run) -> bool {
+    plane_all(key0 >= max(low.start, high.start) && key0 + keys <= min(low.end, high.end))
+}
+
+/// A step's scores `s` (`tiles` accumulator tiles: `s[4·tile + i]` is this lane's row `i / 2`,
+/// g or g + 8, and key `key0 + 8·tile + 2t + i % 2`) times `scale`, and [`MASKED`] where the
+/// row does not see the key (`low`'s and `high`'s runs), unless the step is `unmasked`: then
+/// the test is not even made (the warp branches once, not once a score).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn scale_scores(s: &mut Array<f32>, scale: f32, key0: usize, low: &Run, high: &Run, unmasked: bool, #[comptime] tiles: usize, #[comptime] unrolled: bool) {
+    if unmasked {
+        #[unroll(unrolled)]
+        for at in 0..tiles * C_VALUES {
+            s[at] *= scale;
+        }
+    } else {
+        let t = lane() % 4;
+        #[unroll(unrolled)]
+        for tile in 0..tiles {
+            #[unroll]
+            for i in 0..C_VALUES {
+                let at = tile * C_VALUES + i;
+                let key = key0 + 8 * tile + 2 * t + i % 2;
+                let (seen_from, seen_to) = (select(i < 2, low.start, high.start), select(i < 2, low.end, high.end));
+                s[at] = select(key >= seen_from && key < seen_to, s[at] * scale, f32::new(MASKED));
+            }
+        }
+    }
+}
 
 /// Which register-fragment kernel a key step is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
