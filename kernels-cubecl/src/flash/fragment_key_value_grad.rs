@@ -170,7 +170,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
                         for j in 0..2usize {
                             let at = tile * C_VALUES + 2 * half + j;
                             let query = query0 + 8 * tile + 2 * t + j;
-                            let p = fast_exp(s[at] * scale - lse[head_index * seq_q + min(query, seq_q - 1)]);
+                            let p = fast_exp(min(s[at] * scale - lse[head_index * seq_q + min(query, seq_q - 1)], 0.0f32));
                             s[at] = select(query >= seen_from && query < seen_to, p, 0.0f32);
                         }
                     }

@@ -134,7 +134,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
                     for j in 0..2usize {
                         let at = tile * C_VALUES + 2 * half + j;
                         let key = key0 + 8 * tile + 2 * t + j;
-                        let p = select(key >= seen_from && key < seen_to, fast_exp(s[at] * scale - row_lse), 0.0f32);
+                        let p = select(key >= seen_from && key < seen_to, fast_exp(min(s[at] * scale - row_lse, 0.0f32)), 0.0f32);
                         s[at] = p * (dp[at] - row_delta);
                     }
                 }

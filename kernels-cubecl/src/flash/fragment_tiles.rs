@@ -31,7 +31,7 @@ pub(crate) const BLOCK_ROWS: usize = 16 * WARPS;
 pub(crate) const PAD: usize = 8;
 /// The widest rows a warp keeps in registers, as fragments (Q, dO; K and V for dK/dV) or as
 /// accumulators (an output's columns), with 32-bit indices: at head dim 128 the kernels already
-/// hold 178-255 registers (benches/RESULTS.md), so wider heads stream their row fragments and
+/// hold up to 255 registers (benches/RESULTS.md), so wider heads stream their row fragments and
 /// split their outputs (see the module doc).
 pub(crate) const REGISTER_COLUMNS: usize = 128;
 
@@ -58,9 +58,12 @@ pub(crate) fn rows_streamed(head_dim: usize, register_columns: usize) -> bool {
 pub(crate) const MASKED: f32 = -1.0e30;
 
 /// e^x as the special-function unit approximates it (CUDA's `__expf`: a multiply by log2(e)
-/// and MUFU.EX2, where `exp` takes 8 instructions) for the probabilities, which are rounded to
-/// f16/bf16 before they multiply: relative error about 2^-22 + |x|·2^-24, 1e-6 at |x| = 10.
-/// Masked scores (`MASKED` less a maximum) give 0.
+/// and MUFU.EX2, with a fixup for results below 2^-126: 5 instructions where `exp` takes 8)
+/// for the probabilities, which are rounded to f16/bf16 before they multiply: CUDA documents
+/// 2 + 1.17·|x| ulp, about 1.5e-6 relative at |x| = 10. The fast-math scope promises no
+/// infinite or NaN input or result: callers pass x ≤ 0 (a score less its row's maximum or
+/// log-sum-exp; masked ones give 0), and the backward's masked steps, where a row that sees no
+/// key has the masked log-sum-exp, clamp x at 0 before their select discards the value.
 #[cube(fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 pub(crate) fn fast_exp(x: f32) -> f32 {
     x.exp()
@@ -68,8 +71,9 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
 
 /// Whether every key of `[key0, key0 + keys)` is visible to both rows of every lane of the
 /// warp (`low`'s and `high`'s runs: queries for dK/dV), so that the step needs no mask: every
-/// step away from the causal diagonal, the ranges' edges and the sequence's end. The warp
-/// decides together, so that it takes one of the two paths, never both.
+/// step away from the causal diagonal, the ranges' edges and the sequence's end, where the
+/// warp's 16 rows share their runs (a warp whose rows straddle a document's edge masks every
+/// step). The warp decides together, so that it takes one of the two paths, never both.
 #[cube]
 pub(crate) fn step_unmasked(key0: usize, keys: usize, low: &Run, high: &Run) -> bool {
     plane_all(key0 >= max(low.start, high.start) && key0 + keys <= min(low.end, high.end))
