@@ -12,9 +12,8 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        BLOCK_ROWS, MASKED, Staging, WARPS, block_span, block_rows, fast_exp, next_step, rounded, row_operand, scale_scores, stage_step, step_tiles, step_unmasked,
-        times_tile,
-        times_tile_transposed, zeros,
+        BLOCK_ROWS, MASKED, Staging, WARPS, block_span, block_rows, exponent_base, fast_exp, mask_scores, next_step, rounded, row_operand, stage_step, step_tiles,
+        step_unmasked, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, cube_in_range, visible_run},
 };
@@ -113,9 +112,10 @@ fn forward_block<E: Float, M: FragmentMma>(
         times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, register_columns, unrolled);
 
         // The online softmax on the accumulators: s[4·tile + i] is row rows[i / 2], key
-        // key0 + 8·tile + 2t + i % 2.
+        // key0 + 8·tile + 2t + i % 2. Maxima are of the unscaled scores (the scale is
+        // positive: `SCALES`); each exponent scales its score.
         let unmasked = step_unmasked(key0, keys_per_step, &run_low, &run_high);
-        scale_scores(&mut s, scale, key0, &run_low, &run_high, unmasked, score_tiles, unrolled);
+        mask_scores(&mut s, key0, &run_low, &run_high, unmasked, score_tiles, unrolled);
         let mut corrections = Array::<f32>::new(2usize);
         #[unroll]
         for half in 0..2usize {
@@ -131,18 +131,15 @@ fn forward_block<E: Float, M: FragmentMma>(
             block_max = max(block_max, plane_shuffle_xor(block_max, 1));
             block_max = max(block_max, plane_shuffle_xor(block_max, 2));
             let new_max = max(row_max[half], block_max);
-            // Against a row's maximum, a masked score's probability is 0; a row that has seen
-            // no key yet (its maximum the masked score) takes 0 as its base, so its masked
-            // scores give 0 too, not 1, with no test per score.
-            let base = select(new_max > f32::new(MASKED), new_max, 0.0f32);
-            let correction = fast_exp(row_max[half] - base);
+            let base = exponent_base(new_max, new_max * scale);
+            let correction = fast_exp(row_max[half] * scale - base);
             let mut block_sum = 0.0f32;
             #[unroll(unrolled)]
             for tile in 0..score_tiles {
                 #[unroll]
                 for j in 0..2usize {
                     let at = tile * C_VALUES + 2 * half + j;
-                    let p = fast_exp(s[at] - base);
+                    let p = fast_exp(s[at] * scale - base);
                     s[at] = p;
                     block_sum += p;
                 }
@@ -186,7 +183,7 @@ fn forward_block<E: Float, M: FragmentMma>(
                 }
             }
             if t == 0 {
-                lse[head_index * seq_q + row] = select(seen, row_max[half] + row_sum[half].ln(), f32::new(MASKED));
+                lse[head_index * seq_q + row] = select(seen, row_max[half] * scale + row_sum[half].ln(), f32::new(MASKED));
             }
         }
     }

@@ -22,8 +22,8 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        BLOCK_ROWS, Staging, WARPS, block_span, column_parts, fast_exp, next_step, part_width, rounded, row_operand, stage_step, step_tiles, step_unmasked, store_rows,
-        times_tile, times_tile_transposed, zeros,
+        BLOCK_ROWS, Staging, WARPS, block_span, column_parts, exponent_base, fast_exp, mask_scores, next_step, part_width, rounded, row_operand, stage_step, step_tiles,
+        step_unmasked, store_rows, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, cube_in_range, cube_place, visible_run},
 };
@@ -147,34 +147,32 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
             let mut s = zeros(score_tiles * C_VALUES);
             times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, register_columns, unrolled);
 
-            // Pᵀ in place of Sᵀ: 0 where the query does not see the key (tested only in the
-            // steps that need it). A column past the sequence is seen by no key; its
-            // statistics are read from the last row.
-            let unmasked = step_unmasked(query0, queries_per_step, &run_low, &run_high);
-            #[unroll]
-            for half in 0..2usize {
-                let (seen_from, seen_to) = (select(half == 0, run_low.start, run_high.start), select(half == 0, run_low.end, run_high.end));
-                if unmasked {
-                    #[unroll(unrolled)]
-                    for tile in 0..score_tiles {
-                        #[unroll]
-                        for j in 0..2usize {
-                            let at = tile * C_VALUES + 2 * half + j;
-                            s[at] = fast_exp(s[at] * scale - lse[head_index * seq_q + query0 + 8 * tile + 2 * t + j]);
-                        }
-                    }
-                } else {
-                    #[unroll(unrolled)]
-                    for tile in 0..score_tiles {
-                        #[unroll]
-                        for j in 0..2usize {
-                            let at = tile * C_VALUES + 2 * half + j;
-                            let query = query0 + 8 * tile + 2 * t + j;
-                            let p = fast_exp(min(s[at] * scale - lse[head_index * seq_q + min(query, seq_q - 1)], 0.0f32));
-                            s[at] = select(query >= seen_from && query < seen_to, p, 0.0f32);
-                        }
+            // Each query column's log-sum-exp base and D, read once a step (a column past the
+            // sequence, seen by no key, reads the last row's).
+            let mut column_base = zeros(score_tiles * 2);
+            let mut column_delta = zeros(score_tiles * 2);
+            #[unroll(unrolled)]
+            for tile in 0..score_tiles {
+                #[unroll]
+                for j in 0..2usize {
+                    let row = head_index * seq_q + min(query0 + 8 * tile + 2 * t + j, seq_q - 1);
+                    let column_lse = lse[row];
+                    column_base[2 * tile + j] = exponent_base(column_lse, column_lse);
+                    if keys {
+                        column_delta[2 * tile + j] = delta[row];
                     }
                 }
+            }
+
+            // Pᵀ in place of Sᵀ: 0 where the query does not see the key (its score masked only
+            // in the steps that need it). Each path exponentiates on its own: with one
+            // exponentiation after an optional mask, ptxas predicated the mask, so that every
+            // step issued it.
+            if step_unmasked(query0, queries_per_step, &run_low, &run_high) {
+                column_probabilities(&mut s, scale, &column_base, score_tiles, unrolled);
+            } else {
+                mask_scores(&mut s, query0, &run_low, &run_high, false, score_tiles, unrolled);
+                column_probabilities(&mut s, scale, &column_base, score_tiles, unrolled);
             }
 
             if values {
@@ -192,9 +190,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
                     #[unroll]
                     for i in 0..C_VALUES {
                         let at = tile * C_VALUES + i;
-                        let query = query0 + 8 * tile + 2 * t + i % 2;
-                        let column_delta = delta[head_index * seq_q + min(query, seq_q - 1)];
-                        s[at] *= dp[at] - column_delta;
+                        s[at] *= dp[at] - column_delta[2 * tile + i % 2];
                     }
                 }
                 let ds = rounded::<E>(&s, score_tiles * C_VALUES);
@@ -209,5 +205,19 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     }
     if values {
         store_rows::<E>(&value_acc, 1.0f32, value_grad, &k_rows.place, part, unrolled);
+    }
+}
+
+/// Pᵀ in place of Sᵀ's `tiles` accumulator tiles: e^(scale·s − base) with `base` the column's
+/// (query's) log-sum-exp base, `column_base[2·tile + j]` for the lane's columns 2t + j.
+#[cube]
+fn column_probabilities(s: &mut Array<f32>, scale: f32, column_base: &Array<f32>, #[comptime] tiles: usize, #[comptime] unrolled: bool) {
+    #[unroll(unrolled)]
+    for tile in 0..tiles {
+        #[unroll]
+        for i in 0..C_VALUES {
+            let at = tile * C_VALUES + i;
+            s[at] = fast_exp(s[at] * scale - column_base[2 * tile + i % 2]);
+        }
     }
 }

@@ -12,8 +12,8 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        BLOCK_ROWS, Staging, WARPS, block_span, block_rows, fast_exp, next_step, rounded, row_operand, stage_step, step_tiles, step_unmasked, store_rows, times_tile,
-        times_tile_transposed, zeros,
+        BLOCK_ROWS, Staging, WARPS, block_span, block_rows, exponent_base, fast_exp, mask_scores, next_step, rounded, row_operand, stage_step, step_tiles, step_unmasked,
+        store_rows, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, cube_in_range, visible_run},
 };
@@ -75,8 +75,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     let (kv_heads, seq_kv) = (k.shape(1), k.shape(2));
     let rows = block_rows(q_heads, seq_q, kv_heads, seq_kv, head_dim);
     let (batch, head_index, q_base, kv_base, row0) = (rows.batch, rows.head_index, rows.q_base, rows.kv_base, rows.row0);
-    let lane = lane();
-    let (g, t) = (lane / 4, lane % 4);
+    let g = lane() / 4;
 
     let mut scratch = M::scratch(WARPS);
     let keys_per_step = comptime!(staging.keys);
@@ -97,6 +96,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     let (row_low, row_high) = (min(row0 + g, seq_q - 1), min(row0 + g + 8, seq_q - 1));
     let (lse_low, lse_high) = (lse[head_index * seq_q + row_low], lse[head_index * seq_q + row_high]);
     let (delta_low, delta_high) = (delta[head_index * seq_q + row_low], delta[head_index * seq_q + row_high]);
+    let (base_low, base_high) = (exponent_base(lse_low, lse_low), exponent_base(lse_high, lse_high));
     let span = block_span(ranges, batch, rows.first_row, seq_q, seq_kv, keys_per_step, false, causal, ranged);
 
     let score_tiles = keys_per_step / 8;
@@ -111,33 +111,17 @@ fn query_grad_block<E: Float, M: FragmentMma>(
         times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, register_columns, unrolled);
         times_tile_transposed::<E, M>(&out_grad_rows, out_grad, &v_tiles, buffer, &mut dp, &mut scratch, keys_per_step, head_dim, register_columns, unrolled);
 
-        // dS = P ∘ (dP − D), in place of S: 0 where the row does not see the key (tested only
-        // in the steps that need it).
+        // dS = P ∘ (dP − D), in place of S; P is 0 where the row does not see the key (its
+        // score masked only in the steps that need it).
         let unmasked = step_unmasked(key0, keys_per_step, &run_low, &run_high);
-        #[unroll]
-        for half in 0..2usize {
-            let (seen_from, seen_to) = (select(half == 0, run_low.start, run_high.start), select(half == 0, run_low.end, run_high.end));
-            let (row_lse, row_delta) = (select(half == 0, lse_low, lse_high), select(half == 0, delta_low, delta_high));
-            if unmasked {
-                #[unroll(unrolled)]
-                for tile in 0..score_tiles {
-                    #[unroll]
-                    for j in 0..2usize {
-                        let at = tile * C_VALUES + 2 * half + j;
-                        s[at] = fast_exp(s[at] * scale - row_lse) * (dp[at] - row_delta);
-                    }
-                }
-            } else {
-                #[unroll(unrolled)]
-                for tile in 0..score_tiles {
-                    #[unroll]
-                    for j in 0..2usize {
-                        let at = tile * C_VALUES + 2 * half + j;
-                        let key = key0 + 8 * tile + 2 * t + j;
-                        let p = select(key >= seen_from && key < seen_to, fast_exp(min(s[at] * scale - row_lse, 0.0f32)), 0.0f32);
-                        s[at] = p * (dp[at] - row_delta);
-                    }
-                }
+        mask_scores(&mut s, key0, &run_low, &run_high, unmasked, score_tiles, unrolled);
+        #[unroll(unrolled)]
+        for tile in 0..score_tiles {
+            #[unroll]
+            for i in 0..C_VALUES {
+                let at = tile * C_VALUES + i;
+                let (base, row_delta) = (select(i < 2, base_low, base_high), select(i < 2, delta_low, delta_high));
+                s[at] = fast_exp(s[at] * scale - base) * (dp[at] - row_delta);
             }
         }
 

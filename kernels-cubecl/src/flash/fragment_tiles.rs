@@ -57,16 +57,32 @@ pub(crate) fn rows_streamed(head_dim: usize, register_columns: usize) -> bool {
 /// probability is set to 0 explicitly.
 pub(crate) const MASKED: f32 = -1.0e30;
 
-/// e^x as the special-function unit approximates it (CUDA's `__expf`: a multiply by log2(e)
-/// and MUFU.EX2, with a fixup for results below 2^-126: 5 instructions where `exp` takes 8)
-/// for the probabilities, which are rounded to f16/bf16 before they multiply: CUDA documents
-/// 2 + 1.17·|x| ulp, about 1.5e-6 relative at |x| = 10. The fast-math scope promises no
-/// infinite or NaN input or result: callers pass x ≤ 0 (a score less its row's maximum or
-/// log-sum-exp; masked ones give 0), and the backward's masked steps, where a row that sees no
-/// key has the masked log-sum-exp, clamp x at 0 before their select discards the value.
+/// The softmax scales the register-fragment kernels take: positive, because they take each
+/// row's maximum of the unscaled scores (a pass over a step's scores fewer), and so that a
+/// [`MASKED`] score times the scale stays finite and below any real exponent (−10^10 to
+/// −10^34). The planner gives other scales to the other engines.
+pub(crate) const SCALES: std::ops::RangeInclusive<f32> = 1.0e-20..=1.0e4;
+
+/// e^x as the special-function unit approximates it, for the probabilities, which are rounded
+/// to f16/bf16 before they multiply. On CUDA `ex2.approx.ftz` of x·log2(e) (the vendored
+/// cubecl-cpp's fast exponential: a multiply and MUFU.EX2, 2 instructions where `exp` takes 8
+/// and `__expf` 5), about 2 ulp, results below 2^-126 flushed to 0. The kernels pass
+/// `s·scale − base` (one multiply-add) with `base` a row's scaled maximum or log-sum-exp, or 0
+/// for a row that has seen no key (see [`exponent_base`]), so x is at most a rounding above 0,
+/// and a masked score's is about −10^29 or less: the fast-math scope's promise of no infinite
+/// or NaN input or result holds.
 #[cube(fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 pub(crate) fn fast_exp(x: f32) -> f32 {
     x.exp()
+}
+
+/// The base a row's exponents subtract, `scaled`: its scaled maximum (forward) or
+/// log-sum-exp (backward) `statistic`, but 0 where that is [`MASKED`] (a row that has seen or
+/// sees no key), so that its masked scores give e^(−10^29...) = 0, not e^0, with no test per
+/// score.
+#[cube]
+pub(crate) fn exponent_base(statistic: f32, scaled: f32) -> f32 {
+    select(statistic > f32::new(MASKED), scaled, 0.0f32)
 }
 
 /// Whether every key of `[key0, key0 + keys)` is visible to both rows of every lane of the
@@ -79,19 +95,15 @@ pub(crate) fn step_unmasked(key0: usize, keys: usize, low: &Run, high: &Run) -> 
     plane_all(key0 >= max(low.start, high.start) && key0 + keys <= min(low.end, high.end))
 }
 
-/// A step's scores `s` (`tiles` accumulator tiles: `s[4·tile + i]` is this lane's row `i / 2`,
-/// g or g + 8, and key `key0 + 8·tile + 2t + i % 2`) times `scale`, and [`MASKED`] where the
-/// row does not see the key (`low`'s and `high`'s runs), unless the step is `unmasked`: then
-/// the test is not even made (the warp branches once, not once a score).
+/// A step's unscaled scores `s` (`tiles` accumulator tiles: `s[4·tile + i]` is this lane's row
+/// `i / 2`, g or g + 8, and key `key0 + 8·tile + 2t + i % 2`; for dK/dV rows are keys and keys
+/// queries) set to [`MASKED`] where the row does not see the key (`low`'s and `high`'s runs),
+/// unless the step is `unmasked` (the warp branches once, not once a score). Scaling is left
+/// to each score's exponent (see [`fast_exp`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn scale_scores(s: &mut Array<f32>, scale: f32, key0: usize, low: &Run, high: &Run, unmasked: bool, #[comptime] tiles: usize, #[comptime] unrolled: bool) {
-    if unmasked {
-        #[unroll(unrolled)]
-        for at in 0..tiles * C_VALUES {
-            s[at] *= scale;
-        }
-    } else {
+pub(crate) fn mask_scores(s: &mut Array<f32>, key0: usize, low: &Run, high: &Run, unmasked: bool, #[comptime] tiles: usize, #[comptime] unrolled: bool) {
+    if !unmasked {
         let t = lane() % 4;
         #[unroll(unrolled)]
         for tile in 0..tiles {
@@ -100,7 +112,7 @@ pub(crate) fn scale_scores(s: &mut Array<f32>, scale: f32, key0: usize, low: &Ru
                 let at = tile * C_VALUES + i;
                 let key = key0 + 8 * tile + 2 * t + i % 2;
                 let (seen_from, seen_to) = (select(i < 2, low.start, high.start), select(i < 2, low.end, high.end));
-                s[at] = select(key >= seen_from && key < seen_to, s[at] * scale, f32::new(MASKED));
+                s[at] = select(key >= seen_from && key < seen_to, s[at], f32::new(MASKED));
             }
         }
     }

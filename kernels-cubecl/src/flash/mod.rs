@@ -223,10 +223,18 @@ fn range_tables<R: CubeRuntime>(ranges: Option<&VisibleRanges>, p: &Problem, cli
 /// they do not.
 fn fragments_refusal(dtype: DType, p: &Problem) -> Option<String> {
     let takes = matches!(dtype, DType::F16 | DType::BF16) && p.head_dim == p.value_dim && matches!(p.head_dim, 64 | 128 | 256);
-    (!takes).then(|| {
-        format!(
+    if !takes {
+        return Some(format!(
             "the register-fragment kernels take f16 or bf16 with head and value dims of 64, 128 or 256 (so far), got {dtype:?}, {} and {}",
             p.head_dim, p.value_dim
+        ));
+    }
+    (!fragment_tiles::SCALES.contains(&p.scale)).then(|| {
+        format!(
+            "the register-fragment kernels take softmax scales from {:e} to {:e} (they take maxima before scaling), got {}",
+            fragment_tiles::SCALES.start(),
+            fragment_tiles::SCALES.end(),
+            p.scale
         )
     })
 }
@@ -660,6 +668,13 @@ mod tests {
         assert_eq!(fragments_refusal(DType::BF16, &problem(1, 16, 8, 8192, 256)), None);
         let refusal = fragments_refusal(DType::BF16, &problem(1, 16, 8, 8192, 96)).unwrap();
         assert!(refusal.contains("64, 128 or 256") && refusal.contains("96"), "{refusal}");
+        // Maxima are taken before scaling: a scale that is not positive goes to the other
+        // engines, as does one whose masked score times it would not stay far below 0.
+        for scale in [0.0, -0.125, 1.0e-25, 1.0e5, f32::NAN] {
+            let refusal = fragments_refusal(DType::BF16, &Problem { scale, ..small }).unwrap();
+            assert!(refusal.contains("softmax scales"), "{refusal}");
+        }
+        assert_eq!(fragments_refusal(DType::BF16, &Problem { scale: 0.0625, ..small }), None);
         // Past 2^31 elements both take 64-bit indices, the backward keeping rows of 64 columns
         // in registers (the forward 128): at head dim 128 two parts a gradient, K's and V's
         // (Q's and dO's) fragments read as the products need them, dK and dV in one launch a

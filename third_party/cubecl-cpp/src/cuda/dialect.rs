@@ -87,15 +87,20 @@ alignas(64) unsigned long long int opaque[16];
             match extension {
                 Extension::NoExtension => {}
                 Extension::Mma(mma) => mma.format_extension(f)?,
+                Extension::FastExp => f.write_str(super::extension::FAST_EXP)?,
             }
         }
         Ok(())
     }
 
     fn register_instruction_extension(
-        _extensions: &mut Vec<Self::Extension>,
-        _instruction: &Instruction<Self>,
+        extensions: &mut Vec<Self::Extension>,
+        instruction: &Instruction<Self>,
     ) {
+        // burn-ulysses patch: the fast exponential's helper, once.
+        if matches!(instruction, Instruction::FastExp(_)) && !extensions.contains(&Extension::FastExp) {
+            extensions.push(Extension::FastExp);
+        }
     }
 
     fn register_warp_instruction_extension(
@@ -440,6 +445,14 @@ impl<M: DialectWmmaCompiler<Self>> DialectCubeBuiltins<Self> for CudaDialect<M> 
 // Instructions
 
 impl<M: DialectWmmaCompiler<Self>> DialectInstructions<Self> for CudaDialect<M> {
+    // burn-ulysses patch: `ex2.approx.ftz` (see `FAST_EXP`).
+    fn compile_instruction_fast_exp_scalar<T: Component<Self>>(
+        f: &mut std::fmt::Formatter<'_>,
+        input: T,
+    ) -> std::fmt::Result {
+        write!(f, "{}({input})", super::extension::FAST_EXP_FUNCTION)
+    }
+
     // sync
     fn compile_instruction_sync_threads(f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "__syncthreads();\n")

@@ -1188,13 +1188,16 @@ impl<D: Dialect> CppCompiler<D> {
             }
             gpu::Arithmetic::Exp(op) => {
                 let op = self.compile_unary(op, out);
-                instructions.push(self.select_fast_float(
+                let instruction = self.select_fast_float(
                     out.ty,
                     modes,
                     FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf,
                     Instruction::Exp(op),
                     Instruction::FastExp(op),
-                ));
+                );
+                // burn-ulysses patch: CUDA's fast exponential is a helper function.
+                D::register_instruction_extension(&mut self.extensions, &instruction);
+                instructions.push(instruction);
             }
             gpu::Arithmetic::Log(op) => {
                 let op = self.compile_unary(op, out);

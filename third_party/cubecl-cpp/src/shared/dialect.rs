@@ -646,6 +646,14 @@ pub trait DialectInstructions<D: Dialect> {
         writeln!(f, "printf({format_string:?}{args});")
     }
 
+    // burn-ulysses patch: the fast exponential (an f32's, under fast math), a dialect's own.
+    fn compile_instruction_fast_exp_scalar<T: Component<D>>(
+        f: &mut std::fmt::Formatter<'_>,
+        input: T,
+    ) -> std::fmt::Result {
+        write!(f, "__expf({input})")
+    }
+
     // logs
     fn compile_instruction_log1p_scalar<T: Component<D>>(
         f: &mut std::fmt::Formatter<'_>,

@@ -168,7 +168,23 @@ function!(InverseSqrt, "rsqrt");
 function!(FastSqrt, "__fsqrt_rn", false);
 function!(FastInverseSqrt, "__frsqrt_rn", false);
 function!(Exp, "exp");
-function!(FastExp, "__expf", false);
+// burn-ulysses patch: the dialect writes the fast exponential (CUDA: `ex2.approx.ftz`, see
+// `DialectInstructions::compile_instruction_fast_exp_scalar`).
+pub struct FastExp;
+
+impl<D: Dialect> Unary<D> for FastExp {
+    fn format_scalar<Input: Component<D>>(
+        f: &mut std::fmt::Formatter<'_>,
+        input: Input,
+        _out_elem: Elem<D>,
+    ) -> std::fmt::Result {
+        D::compile_instruction_fast_exp_scalar(f, input)
+    }
+
+    fn can_optimize() -> bool {
+        false
+    }
+}
 function!(Ceil, "ceil");
 function!(Trunc, "trunc");
 function!(Floor, "floor");
