@@ -139,12 +139,16 @@ pub(crate) struct Staging {
 /// Keys (queries for dK/dV) per step of `kernel`'s loop: 64 at head dim 64 (8 score tiles of
 /// 16 × 8 a warp) for the forward and dQ, 32 for dK/dV, which holds two accumulators and both
 /// Sᵀ's and dPᵀ's tiles (64 spilled on sm_90a: 255 registers); from head dim 128, where the
-/// accumulators take twice the registers, 32 for the forward and 16 for dQ, which holds dP's
+/// accumulators take twice the registers, 64 for the forward too (at 128 it then holds 232–238
+/// registers on sm_90a and spills nothing, and a step's fixed work, the barrier, the votes and
+/// the row statistics' shuffles, is spread over twice the keys: 574 instructions a 64-key step
+/// on the common path against 328 a 32-key one; where rows are streamed, each chunk read feeds
+/// twice the products), and 16 for dQ, which holds dP's
 /// tiles and dO's fragments too (32 spilled there: 255 registers on sm_80 and sm_89), and for
 /// dK/dV, which holds K's and V's; but 32 for the backward where its rows are streamed (past
 /// `register_columns`: no row fragments held), so that each 16-column chunk of a row read from
-/// memory feeds four products rather than two; always double-buffered, and 16 keys where the
-/// larger step would not let two blocks share an SM. Where the product is emulated through
+/// memory feeds four products rather than two; always double-buffered, and 32 keys, else 16,
+/// where the larger step would not let two blocks share an SM. Where the product is emulated through
 /// shared memory, the largest step up to that whose tiles fit the device's shared memory beside
 /// the product's scratch, double-buffered where any step is, but the backward's streamed step
 /// the largest before double-buffered (lavapipe's 32 KiB: 32 keys at head dim 64, 16 at 128;
@@ -157,21 +161,22 @@ pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, register_columns
     let cuda = match (head_dim > 64, kernel) {
         (false, FragmentKernel::Forward | FragmentKernel::QueryGrad) => 64,
         (false, FragmentKernel::KeyValueGrad) => 32,
-        (true, FragmentKernel::Forward) => 32,
+        (true, FragmentKernel::Forward) => 64,
         (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) if streamed => 32,
         (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) => 16,
     };
     let fits = |staging: &Staging| shared_bytes(kernel, head_dim, register_columns, *staging, mma_sync, element_bytes) <= shared_limit;
     // Two blocks an SM, each with the driver's reserve (an SM holds a block's limit and one
-    // reserve): at head dim 256 the forward's 32-key step (51 KB) fits an H100 or an A100 twice,
-    // an L40 (99 KB a block) once, so there it takes 16 keys.
+    // reserve): the forward's 64-key step fits an H100 twice at head dims 128 (70 KB) and 256
+    // (102 KB), an A100 at 128 only; its 32-key step at 256 (51 KB) fits an A100 twice, an L40
+    // (99 KB a block) once, so there it takes 16 keys.
     let twice = |staging: &Staging| 2 * (shared_bytes(kernel, head_dim, register_columns, *staging, true, element_bytes) + DRIVER_RESERVED) <= shared_limit + DRIVER_RESERVED;
     let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 } };
+    let keys = [cuda, 32, 16].into_iter().filter(move |&keys| keys <= cuda);
     let found = if mma_sync {
-        let steps = || [cuda, 16].into_iter().map(|keys| Staging { keys, buffers: 2 });
+        let steps = || keys.clone().map(|keys| Staging { keys, buffers: 2 });
         steps().find(twice).or_else(|| steps().find(fits))
     } else {
-        let keys = [cuda, 32, 16].into_iter().filter(move |&keys| keys <= cuda);
         let mut double_buffered_first = [2, 1].into_iter().flat_map(|buffers| keys.clone().map(move |keys| Staging { keys, buffers }));
         // The backward's streamed step: CUDA's keys before a second buffer, so that the
         // loop CUDA runs (each chunk read feeding `keys / 8` products) runs here too.

@@ -695,14 +695,18 @@ mod tests {
         let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, 128, mma_sync, 2, limit));
         let double = |keys| Ok(Staging { keys, buffers: 2 });
         assert_eq!(steps(64, true, 227 * 1024), [double(64), double(64), double(32)]);
-        assert_eq!(steps(128, true, 227 * 1024), [double(32), double(16), double(16)]);
+        assert_eq!(steps(128, true, 227 * 1024), [double(64), double(16), double(16)]);
+        // The forward's 64-key step at 128 (70 KB) fits an A100 twice too.
+        assert_eq!(steps(128, true, 164 * 1024), [double(64), double(16), double(16)]);
         // Past the register columns the backward streams its rows: 32-step there (two blocks
-        // of 68 KB an H100 or an A100).
-        assert_eq!(steps(256, true, 227 * 1024), [double(32), double(32), double(32)]);
+        // of 68 KB an H100 or an A100); the forward's 64-key step (102 KB) fits an H100 twice,
+        // an A100 once, so there it takes 32 keys.
+        assert_eq!(steps(256, true, 227 * 1024), [double(64), double(32), double(32)]);
         assert_eq!(steps(256, true, 164 * 1024), [double(32), double(32), double(32)]);
         assert_eq!(key_step(QueryGrad, 128, 64, true, 2, 227 * 1024), double(32));
         assert_eq!(key_step(KeyValueGrad, 128, 64, true, 2, 227 * 1024), double(32));
-        // An L40's 99 KB a block holds the forward's 32-key step at 256 once: 16 keys, twice.
+        // An L40's 99 KB a block holds the forward's 32-key step at 256 once: 16 keys, twice;
+        // at 128 its 32-key step twice, not its 64-key one.
         assert_eq!(steps(256, true, 101_376), [double(16), double(16), double(16)]);
         assert_eq!(steps(128, true, 101_376), [double(32), double(16), double(16)]);
         assert_eq!(steps(64, false, 32 * 1024), [double(32), double(32), double(32)]);
