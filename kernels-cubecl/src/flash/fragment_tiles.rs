@@ -326,13 +326,19 @@ pub(crate) struct RowPlace {
 #[cube]
 pub(crate) fn row_place(base: usize, row0: usize, rows: usize, #[comptime] stride: usize) -> RowPlace {
     let low = row0 + lane() / 4;
-    RowPlace { low: base + low * stride, high: base + (low + 8) * stride, low_inside: low < rows, high_inside: low + 8 < rows }
+    let (low_inside, high_inside) = (low < rows, low + 8 < rows);
+    // A row outside is placed at the head's first, so that reads of it (discarded) stay in
+    // bounds without the launch's check; nothing is stored there.
+    RowPlace { low: base + select(low_inside, low, 0usize) * stride, high: base + select(high_inside, low + 8, 0usize) * stride, low_inside, high_inside }
 }
 
-/// This lane's A fragments of its rows `place` of `source`, columns `first..first + width`,
-/// one per 16 columns; rows outside read as 0.
+/// This lane's A fragments of its rows `place` of `source`, columns `first..first + width`
+/// (within the head dim), one per 16 columns; rows outside read as 0. `streamed`: read in the
+/// loop, each step, without the launch's bounds check (in bounds: `row_place`); the fragments
+/// held for the whole loop keep it, read once: unchecked there, ptxas spilled 8–200 bytes of
+/// dQ and dK/dV before their loops on sm_80 and sm_89 (2026-11-29).
 #[cube]
-pub(crate) fn load_row_fragments<E: Float>(source: &Tensor<E>, place: &RowPlace, first: usize, #[comptime] width: usize, #[comptime] unrolled: bool) -> Array<E> {
+pub(crate) fn load_row_fragments<E: Float>(source: &Tensor<E>, place: &RowPlace, first: usize, #[comptime] width: usize, #[comptime] streamed: bool, #[comptime] unrolled: bool) -> Array<E> {
     let t = lane() % 4;
     let chunks = width / 16;
     let mut fragments = Array::<E>::new(chunks * A_VALUES);
@@ -343,7 +349,9 @@ pub(crate) fn load_row_fragments<E: Float>(source: &Tensor<E>, place: &RowPlace,
             let high = (i / 2) % 2 == 1;
             let inside = (high && place.high_inside) || (!high && place.low_inside);
             let column = first + chunk * 16 + 2 * t + i % 2 + 8 * (i / 4);
-            fragments[chunk * A_VALUES + i] = select(inside, source[select(high, place.high, place.low) + column], E::from_int(0));
+            let at = select(high, place.high, place.low) + column;
+            let value = if comptime!(streamed) { unsafe { *source.index_unchecked(at) } } else { source[at] };
+            fragments[chunk * A_VALUES + i] = select(inside, value, E::from_int(0));
         }
     }
     fragments
@@ -373,7 +381,7 @@ pub(crate) fn row_operand<E: Float>(
 ) -> RowOperand<E> {
     let place = row_place(base, row0, rows, head_dim);
     let fragments = if comptime!(!rows_streamed(head_dim, register_columns)) {
-        load_row_fragments::<E>(source, &place, 0usize, head_dim, unrolled)
+        load_row_fragments::<E>(source, &place, 0usize, head_dim, false, unrolled)
     } else {
         Array::<E>::new(1usize)
     };
@@ -491,7 +499,7 @@ pub(crate) fn times_tile_transposed<E: Float, M: FragmentMma>(
         // chunk's global loads to the top and hold the whole rows again (dQ and dK spilled at
         // 255 registers); over 32-column pairs one dK/dV variant still spilled 8 B on sm_90a.
         for chunk in 0..head_dim / 16 {
-            let a_chunk = load_row_fragments::<E>(source, &a.place, 16 * chunk, 16usize, unrolled);
+            let a_chunk = load_row_fragments::<E>(source, &a.place, 16 * chunk, 16usize, true, unrolled);
             #[unroll(unrolled)]
             for n_tile in 0..keys / 8 {
                 let b = M::load_matrices::<E>(tile, start + 8 * n_tile * stride + 16 * chunk, stride, 2usize, 1usize, false);
