@@ -132,7 +132,10 @@ fn forward_block<E: Float, M: FragmentMma>(
             block_max = max(block_max, plane_shuffle_xor(block_max, 2));
             let new_max = max(row_max[half], block_max);
             let base = exponent_base(new_max, new_max * scale);
-            let correction = fast_exp(row_max[half] * scale - base);
+            // Exactly 1 where the maximum did not grow: the exponent would then be the rounding
+            // the multiply-add keeps of row_max·scale − base, not 0, and the vote below would
+            // rescale nearly every step.
+            let correction = select(new_max > row_max[half], fast_exp(row_max[half] * scale - base), 1.0f32);
             let mut block_sum = 0.0f32;
             #[unroll(unrolled)]
             for tile in 0..score_tiles {
@@ -151,7 +154,7 @@ fn forward_block<E: Float, M: FragmentMma>(
             corrections[half] = correction;
         }
         // Once a row has seen many keys its maximum seldom grows: where no row of the warp's
-        // grew, every correction is 1 (e^0) and the output's rescaling is skipped.
+        // grew, every correction is 1 and the output's rescaling is skipped.
         if plane_any(corrections[0] != 1.0f32 || corrections[1] != 1.0f32) {
             #[unroll(unrolled)]
             for tile in 0..out_tiles {

@@ -54,7 +54,7 @@ pub(crate) fn rows_streamed(head_dim: usize, register_columns: usize) -> bool {
 }
 
 /// A masked score: finite (WGSL has no infinity literal) and below any real one; its
-/// probability is set to 0 explicitly.
+/// probability, e^(MASKED·scale − base), underflows to 0 (see [`exponent_base`]).
 pub(crate) const MASKED: f32 = -1.0e30;
 
 /// The softmax scales the register-fragment kernels take: positive, because they take each
@@ -141,7 +141,7 @@ pub(crate) struct Staging {
 /// Sᵀ's and dPᵀ's tiles (64 spilled on sm_90a: 255 registers); from head dim 128, where the
 /// accumulators take twice the registers, 64 for the forward too (at 128 it then holds 232–238
 /// registers on sm_90a and spills nothing, and a step's fixed work, the barrier, the votes and
-/// the row statistics' shuffles, is spread over twice the keys: 574 instructions a 64-key step
+/// the row statistics' shuffles, is spread over twice the keys: 581 instructions a 64-key step
 /// on the common path against 328 a 32-key one; where rows are streamed, each chunk read feeds
 /// twice the products), and 16 for dQ, which holds dP's
 /// tiles and dO's fragments too (32 spilled there: 255 registers on sm_80 and sm_89), and for
