@@ -14,7 +14,8 @@ It fails (exit 1) on any compile error, a local array of the source accessed pas
 (through the casts the inline assembly's registers go through), any spill, shared memory over the target's opt-in
 limit, zero blocks per SM, or a kernel of the tensor-core engine without a tensor-core
 instruction; and, for the register-fragment engine (`tensor-cores-mma`), on a kernel without
-ldmatrix (LDSM) or cp.async (LDGSTS), with local-memory traffic (LDL/STL), or a forward or dQ kernel under two blocks per SM. The
+ldmatrix (LDSM) or cp.async (LDGSTS), with local-memory traffic (LDL/STL), or a forward or dQ kernel under two blocks per SM,
+and on an attention kernel of that engine whose probabilities are not the fast 2^x (`ex2.approx.ftz`). The
 table's "loop HMMA %" is the tensor-core instructions' share of the instructions from the first
 of them to the last (the main loop, read statically). All this except the known defects listed in --known (scripts/cuda-known-defects.txt), which
 it prints as such; a line there that no longer matches anything fails too, so the list only
@@ -259,8 +260,16 @@ def main():
             fail("compile", result["error"])
             continue
         with open(os.path.join(args.sources, kernel["file"])) as f:
-            for problem in out_of_bounds(f.read()):
-                fail("out-of-bounds", problem)
+            source = f.read()
+        for problem in out_of_bounds(source):
+            fail("out-of-bounds", problem)
+        # The register-fragment attention kernels' probabilities are 2^x on the special-function
+        # unit, one MUFU.EX2 each (`fragment_tiles::fast_exp2`, the vendored cubecl-cpp's
+        # `ex2.approx.ftz`): a CubeCL without that patch writes `__powf`, a logarithm more.
+        if kernel["kernel"] in ("fragment_forward", "fragment_query_grad", "fragment_key_value_grad") and (
+            not re.search(r"=\s*__burn_ulysses_fast_exp2\(", source) or re.search(r"\b(?:__)?(?:powf|expf)\(", source)
+        ):
+            fail("slow-exp", "probabilities not computed by the fast 2^x (ex2.approx.ftz; third_party/README.md, cubecl-cpp)")
         target = targets[kernel["target"]]
         threads = kernel["block"][0] * kernel["block"][1] * kernel["block"][2]
         shared = result["static_shared_bytes"] + kernel["dynamic_shared_bytes"] + 1024

@@ -12,7 +12,7 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        BLOCK_ROWS, MASKED, Staging, WARPS, block_span, block_rows, exponent_base, fast_exp, mask_scores, next_step, rounded, row_operand, stage_step, step_tiles,
+        BLOCK_ROWS, MASKED, Staging, WARPS, block_span, block_rows, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, rounded, row_operand, stage_step, step_tiles,
         step_unmasked, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, cube_in_range, visible_run},
@@ -102,6 +102,8 @@ fn forward_block<E: Float, M: FragmentMma>(
     let span = block_span(ranges, batch, rows.first_row, seq_q, seq_kv, keys_per_step, false, causal, ranged);
 
     let score_tiles = keys_per_step / 8;
+    // Exponents in base 2: a score's is s·scale·log2(e) − base, one multiply-add.
+    let scale_log2 = scale * LOG2_E;
     if span.steps > 0 {
         stage_step::<E, M>(k, v, kv_base, span.start, seq_kv, &mut k_tiles, &mut v_tiles, 0usize, keys_per_step, head_dim, part, unrolled);
     }
@@ -113,7 +115,7 @@ fn forward_block<E: Float, M: FragmentMma>(
 
         // The online softmax on the accumulators: s[4·tile + i] is row rows[i / 2], key
         // key0 + 8·tile + 2t + i % 2. Maxima are of the unscaled scores (the scale is
-        // positive: `SCALES`); each exponent scales its score.
+        // positive: `SCALES`); each exponent scales its score, in base 2.
         let unmasked = step_unmasked(key0, keys_per_step, &run_low, &run_high);
         mask_scores(&mut s, key0, &run_low, &run_high, unmasked, score_tiles, unrolled);
         let mut corrections = Array::<f32>::new(2usize);
@@ -131,18 +133,18 @@ fn forward_block<E: Float, M: FragmentMma>(
             block_max = max(block_max, plane_shuffle_xor(block_max, 1));
             block_max = max(block_max, plane_shuffle_xor(block_max, 2));
             let new_max = max(row_max[half], block_max);
-            let base = exponent_base(new_max, new_max * scale);
+            let base = exponent_base(new_max, scale_log2);
             // Exactly 1 where the maximum did not grow: the exponent would then be the rounding
-            // the multiply-add keeps of row_max·scale − base, not 0, and the vote below would
-            // rescale nearly every step.
-            let correction = select(new_max > row_max[half], fast_exp(row_max[half] * scale - base), 1.0f32);
+            // the multiply-add keeps of row_max·scale·log2(e) − base, not 0, and the vote below
+            // would rescale nearly every step.
+            let correction = select(new_max > row_max[half], fast_exp2(row_max[half] * scale_log2 - base), 1.0f32);
             let mut block_sum = 0.0f32;
             #[unroll(unrolled)]
             for tile in 0..score_tiles {
                 #[unroll]
                 for j in 0..2usize {
                     let at = tile * C_VALUES + 2 * half + j;
-                    let p = fast_exp(s[at] * scale - base);
+                    let p = fast_exp2(s[at] * scale_log2 - base);
                     s[at] = p;
                     block_sum += p;
                 }

@@ -22,7 +22,7 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        BLOCK_ROWS, Staging, WARPS, block_span, column_parts, exponent_base, fast_exp, mask_scores, next_step, part_width, rounded, row_operand, stage_step, step_tiles,
+        BLOCK_ROWS, Staging, WARPS, block_span, column_parts, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, stage_step, step_tiles,
         step_unmasked, store_rows, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, cube_in_range, cube_place, visible_run},
@@ -132,6 +132,8 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     let run_high = visible_run(ranges, batch, key0 + g + 8, seq_q, seq_kv, true, ranged, causal);
     let span = block_span(ranges, batch, first_key, seq_q, seq_kv, queries_per_step, true, causal, ranged);
     let score_tiles = queries_per_step / 8;
+    // Exponents in base 2 (`fast_exp2`): a score's is s·scale·log2(e) − lse·log2(e).
+    let scale_log2 = scale * LOG2_E;
 
     for member in 0..group {
         let head_index = kv_index * group + member;
@@ -159,7 +161,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
                 for j in 0..2usize {
                     let row = head_index * seq_q + min(query0 + 8 * tile + 2 * t + j, seq_q - 1);
                     let column_lse = unsafe { *lse.index_unchecked(row) };
-                    column_base[2 * tile + j] = exponent_base(column_lse, column_lse);
+                    column_base[2 * tile + j] = exponent_base(column_lse, LOG2_E);
                     if keys {
                         column_delta[2 * tile + j] = unsafe { *delta.index_unchecked(row) };
                     }
@@ -171,10 +173,10 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
             // exponentiation after an optional mask, ptxas predicated the mask, so that every
             // step issued it.
             if step_unmasked(query0, queries_per_step, &run_low, &run_high) {
-                column_probabilities(&mut s, scale, &column_base, score_tiles, unrolled);
+                column_probabilities(&mut s, scale_log2, &column_base, score_tiles, unrolled);
             } else {
                 mask_scores(&mut s, query0, &run_low, &run_high, false, score_tiles, unrolled);
-                column_probabilities(&mut s, scale, &column_base, score_tiles, unrolled);
+                column_probabilities(&mut s, scale_log2, &column_base, score_tiles, unrolled);
             }
 
             if values {
@@ -210,16 +212,17 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     }
 }
 
-/// Pᵀ in place of Sᵀ's `tiles` accumulator tiles: e^(scale·s − base) with `base` the column's
-/// (query's) log-sum-exp base, `column_base[2·tile + j]` for the lane's columns 2t + j.
+/// Pᵀ in place of Sᵀ's `tiles` accumulator tiles: 2^(scale_log2·s − base) with `scale_log2`
+/// the scale times log2(e) and `base` the column's (query's) log-sum-exp base in the same
+/// units, `column_base[2·tile + j]` for the lane's columns 2t + j.
 #[cube]
-fn column_probabilities(s: &mut Array<f32>, scale: f32, column_base: &Array<f32>, #[comptime] tiles: usize, #[comptime] unrolled: bool) {
+fn column_probabilities(s: &mut Array<f32>, scale_log2: f32, column_base: &Array<f32>, #[comptime] tiles: usize, #[comptime] unrolled: bool) {
     #[unroll(unrolled)]
     for tile in 0..tiles {
         #[unroll]
         for i in 0..C_VALUES {
             let at = tile * C_VALUES + i;
-            s[at] = fast_exp(s[at] * scale - column_base[2 * tile + i % 2]);
+            s[at] = fast_exp2(s[at] * scale_log2 - column_base[2 * tile + i % 2]);
         }
     }
 }

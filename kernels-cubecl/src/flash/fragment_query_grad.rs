@@ -12,7 +12,7 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        BLOCK_ROWS, Staging, WARPS, block_span, block_rows, exponent_base, fast_exp, mask_scores, next_step, rounded, row_operand, stage_step, step_tiles, step_unmasked,
+        BLOCK_ROWS, Staging, WARPS, block_span, block_rows, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, rounded, row_operand, stage_step, step_tiles, step_unmasked,
         store_rows, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, cube_in_range, visible_run},
@@ -96,7 +96,9 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     let (row_low, row_high) = (min(row0 + g, seq_q - 1), min(row0 + g + 8, seq_q - 1));
     let (lse_low, lse_high) = (lse[head_index * seq_q + row_low], lse[head_index * seq_q + row_high]);
     let (delta_low, delta_high) = (delta[head_index * seq_q + row_low], delta[head_index * seq_q + row_high]);
-    let (base_low, base_high) = (exponent_base(lse_low, lse_low), exponent_base(lse_high, lse_high));
+    // Exponents in base 2 (`fast_exp2`): a score's is s·scale·log2(e) − lse·log2(e).
+    let (base_low, base_high) = (exponent_base(lse_low, LOG2_E), exponent_base(lse_high, LOG2_E));
+    let scale_log2 = scale * LOG2_E;
     let span = block_span(ranges, batch, rows.first_row, seq_q, seq_kv, keys_per_step, false, causal, ranged);
 
     let score_tiles = keys_per_step / 8;
@@ -121,7 +123,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
             for i in 0..C_VALUES {
                 let at = tile * C_VALUES + i;
                 let (base, row_delta) = (select(i < 2, base_low, base_high), select(i < 2, delta_low, delta_high));
-                s[at] = fast_exp(s[at] * scale - base) * (dp[at] - row_delta);
+                s[at] = fast_exp2(s[at] * scale_log2 - base) * (dp[at] - row_delta);
             }
         }
 

@@ -54,35 +54,39 @@ pub(crate) fn rows_streamed(head_dim: usize, register_columns: usize) -> bool {
 }
 
 /// A masked score: finite (WGSL has no infinity literal) and below any real one; its
-/// probability, e^(MASKED·scale − base), underflows to 0 (see [`exponent_base`]).
+/// probability, 2^(MASKED·scale·log2(e) − base), underflows to 0 (see [`exponent_base`]).
 pub(crate) const MASKED: f32 = -1.0e30;
 
 /// The softmax scales the register-fragment kernels take: positive, because they take each
 /// row's maximum of the unscaled scores (a pass over a step's scores fewer), and so that a
-/// [`MASKED`] score times the scale stays finite and below any real exponent (−10^10 to
-/// −10^34). The planner gives other scales to the other engines.
+/// [`MASKED`] score times the scale and log2(e) stays finite and below any real exponent
+/// (−10^10 to −10^34). The planner gives other scales to the other engines.
 pub(crate) const SCALES: std::ops::RangeInclusive<f32> = 1.0e-20..=1.0e4;
 
-/// e^x as the special-function unit approximates it, for the probabilities, which are rounded
-/// to f16/bf16 before they multiply. On CUDA `ex2.approx.ftz` of x·log2(e) (the vendored
-/// cubecl-cpp's fast exponential: a multiply and MUFU.EX2, 2 instructions where `exp` takes 8
-/// and `__expf` 5), about 2 ulp, results below 2^-126 flushed to 0. The kernels pass
-/// `s·scale − base` (one multiply-add) with `base` a row's scaled maximum or log-sum-exp, or 0
-/// for a row that has seen no key (see [`exponent_base`]), so x is at most a rounding above 0,
-/// and a masked score's is about −10^29 or less: the fast-math scope's promise of no infinite
-/// or NaN input or result holds.
+/// log2(e): the kernels' exponents are in base 2 ([`fast_exp2`]), their scale and bases
+/// multiplied by it once (a row's or a column's), not once a score.
+pub(crate) const LOG2_E: f32 = std::f32::consts::LOG2_E;
+
+/// 2^x as the special-function unit approximates it, for the probabilities, which are rounded
+/// to f16/bf16 before they multiply. On CUDA `ex2.approx.ftz` (the vendored cubecl-cpp's fast
+/// 2^x: one MUFU.EX2, where e^x takes a multiply by log2(e) more and `__expf` 5 instructions),
+/// about 2 ulp, results below 2^-126 flushed to 0; elsewhere `pow(2, x)`. The kernels pass
+/// `s·scale·log2(e) − base` (one multiply-add) with `base` a row's maximum or log-sum-exp in
+/// the same units, or 0 for a row that has seen no key (see [`exponent_base`]), so x is at most
+/// a rounding above 0, and a masked score's is about −10^10 or less: the fast-math scope's
+/// promise of no infinite or NaN input or result holds.
 #[cube(fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
-pub(crate) fn fast_exp(x: f32) -> f32 {
-    x.exp()
+pub(crate) fn fast_exp2(x: f32) -> f32 {
+    f32::powf(2.0f32, x)
 }
 
-/// The base a row's exponents subtract, `scaled`: its scaled maximum (forward) or
-/// log-sum-exp (backward) `statistic`, but 0 where that is [`MASKED`] (a row that has seen or
-/// sees no key), so that its masked scores give e^(−10^29...) = 0, not e^0, with no test per
-/// score.
+/// The base a row's exponents subtract: its `statistic` in base-2 units (times `factor`: the
+/// forward's unscaled maximum times scale·log2(e), the backward's log-sum-exp times log2(e)),
+/// but 0 where that is [`MASKED`] (a row that has seen or sees no key), so that its masked
+/// scores give 2^(−10^10...) = 0, not 2^0, with no test per score.
 #[cube]
-pub(crate) fn exponent_base(statistic: f32, scaled: f32) -> f32 {
-    select(statistic > f32::new(MASKED), scaled, 0.0f32)
+pub(crate) fn exponent_base(statistic: f32, factor: f32) -> f32 {
+    select(statistic > f32::new(MASKED), statistic * factor, 0.0f32)
 }
 
 /// Whether every key of `[key0, key0 + keys)` is visible to both rows of every lane of the
@@ -99,7 +103,7 @@ pub(crate) fn step_unmasked(key0: usize, keys: usize, low: &Run, high: &Run) -> 
 /// `i / 2`, g or g + 8, and key `key0 + 8·tile + 2t + i % 2`; for dK/dV rows are keys and keys
 /// queries) set to [`MASKED`] where the row does not see the key (`low`'s and `high`'s runs),
 /// unless the step is `unmasked` (the warp branches once, not once a score). Scaling is left
-/// to each score's exponent (see [`fast_exp`]).
+/// to each score's exponent (see [`fast_exp2`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mask_scores(s: &mut Array<f32>, key0: usize, low: &Run, high: &Run, unmasked: bool, #[comptime] tiles: usize, #[comptime] unrolled: bool) {
@@ -452,14 +456,35 @@ pub(crate) fn stage_keys<E: Float, M: FragmentMma>(
 ) {
     let width = comptime!(columns.width);
     let chunks_per_key = comptime!(width / 8);
-    let per_unit = comptime!(keys * chunks_per_key / (32 * WARPS));
+    let units = comptime!(32 * WARPS);
+    let per_unit = comptime!(keys * chunks_per_key / units);
     let start = buffer_start(buffer, keys, width);
-    #[unroll(unrolled)]
-    for i in 0..per_unit {
-        let at = UNIT_POS as usize + 32 * WARPS * i;
-        let (key, chunk) = (at / chunks_per_key, at % chunks_per_key);
+    // A unit's copies are `units` chunks apart: a key's chunks (8, 16 or 32: widths 64 to 256)
+    // divide them, so they are `keys_apart` keys apart in the same chunk.
+    let keys_apart = comptime! {
+        assert!(units % chunks_per_key == 0, "a key's {chunks_per_key} chunks of 8 values must divide the cube's {units} units");
+        units / chunks_per_key
+    };
+    if key0 + keys <= seq_kv {
+        // A whole step (the cube branches together): one place computed, the copies at
+        // constant offsets from it, no key checked. Per copy that leaves the global address
+        // (an add and a wide multiply-add: 32-bit indices) and a constant in LDGSTS's shared
+        // one (sm_90a, the forward's 64-key step at head dim 128: 107 instructions -> 61).
+        let (key, chunk) = (UNIT_POS as usize / chunks_per_key, UNIT_POS as usize % chunks_per_key);
         let from = base + (key0 + key) * head_dim + comptime!(columns.first) + 8 * chunk;
-        M::copy_eight::<E>(source, from, key0 + key < seq_kv, tiles, start + key * (width + PAD) + 8 * chunk);
+        let to = start + key * (width + PAD) + 8 * chunk;
+        #[unroll(unrolled)]
+        for i in 0..per_unit {
+            M::copy_eight::<E>(source, from + i * comptime!(keys_apart * head_dim), true, tiles, to + i * comptime!(keys_apart * (width + PAD)));
+        }
+    } else {
+        #[unroll(unrolled)]
+        for i in 0..per_unit {
+            let at = UNIT_POS as usize + units * i;
+            let (key, chunk) = (at / chunks_per_key, at % chunks_per_key);
+            let from = base + (key0 + key) * head_dim + comptime!(columns.first) + 8 * chunk;
+            M::copy_eight::<E>(source, from, key0 + key < seq_kv, tiles, start + key * (width + PAD) + 8 * chunk);
+        }
     }
 }
 

@@ -97,8 +97,8 @@ alignas(64) unsigned long long int opaque[16];
         extensions: &mut Vec<Self::Extension>,
         instruction: &Instruction<Self>,
     ) {
-        // burn-ulysses patch: the fast exponential's helper, once.
-        if matches!(instruction, Instruction::FastExp(_)) && !extensions.contains(&Extension::FastExp) {
+        // burn-ulysses patch: the fast exponentials' helpers, once.
+        if matches!(instruction, Instruction::FastExp(_) | Instruction::FastExp2(_)) && !extensions.contains(&Extension::FastExp) {
             extensions.push(Extension::FastExp);
         }
     }
@@ -451,6 +451,14 @@ impl<M: DialectWmmaCompiler<Self>> DialectInstructions<Self> for CudaDialect<M> 
         input: T,
     ) -> std::fmt::Result {
         write!(f, "{}({input})", super::extension::FAST_EXP_FUNCTION)
+    }
+
+    // burn-ulysses patch: `ex2.approx.ftz` (see `FAST_EXP`).
+    fn compile_instruction_fast_exp2_scalar<T: Component<Self>>(
+        f: &mut std::fmt::Formatter<'_>,
+        input: T,
+    ) -> std::fmt::Result {
+        write!(f, "{}({input})", super::extension::FAST_EXP2_FUNCTION)
     }
 
     // sync

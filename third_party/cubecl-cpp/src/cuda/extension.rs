@@ -11,19 +11,24 @@ pub enum Extension<D: Dialect> {
     #[default]
     NoExtension,
     Mma(MmaExtension<D>),
-    /// burn-ulysses patch: the fast exponential's helper ([`FAST_EXP`]).
+    /// burn-ulysses patch: the fast exponentials' helpers ([`FAST_EXP`]).
     FastExp,
 }
 
-/// burn-ulysses patch: e^x for `exp` under fast math, as `ex2.approx.ftz.f32` of x·log2(e): a
-/// multiply and MUFU.EX2, where `__expf` (`ex2.approx.f32`, which keeps results below 2^-126)
-/// adds a test and two multiplies. Results below 2^-126 are 0, as under `--use_fast_math`.
+/// burn-ulysses patch: the fast exponentials under fast math. 2^x (`powf(2, x)`) is
+/// `ex2.approx.ftz.f32`, one MUFU.EX2; e^x (`exp`) is that of x·log2(e), a multiply more, where
+/// `__expf` (`ex2.approx.f32`, which keeps results below 2^-126) adds a test and two multiplies.
+/// Results below 2^-126 are 0, as under `--use_fast_math`.
 pub const FAST_EXP_FUNCTION: &str = "__burn_ulysses_fast_exp";
+pub const FAST_EXP2_FUNCTION: &str = "__burn_ulysses_fast_exp2";
 pub const FAST_EXP: &str = "
-__device__ __forceinline__ float __burn_ulysses_fast_exp(float x) {
+__device__ __forceinline__ float __burn_ulysses_fast_exp2(float x) {
     float y;
-    asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x * 1.44269504088896341f));
+    asm(\"ex2.approx.ftz.f32 %0, %1;\" : \"=f\"(y) : \"f\"(x));
     return y;
+}
+__device__ __forceinline__ float __burn_ulysses_fast_exp(float x) {
+    return __burn_ulysses_fast_exp2(x * 1.44269504088896341f);
 }
 ";
 

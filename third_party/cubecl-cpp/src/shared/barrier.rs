@@ -221,17 +221,20 @@ cuda::device::memcpy_async_tx({destination} + {offset_out}, {source} + {offset_s
             } => {
                 let item = source.item();
                 let size = format!("{source_length} * sizeof({item})");
+                // burn-ulysses patch: the shared buffer and the byte offset apart (see
+                // cuda/ptx/copy_async.cuh).
+                let out = format!("{destination}, uint32({offset_out}) * uint32(sizeof(*({destination})))");
                 match *checked {
                     false => write!(
                         f,
                         "
-__cp_async_shared_global<{copy_size}>({source} + {offset_source}, {destination} + {offset_out});
+__cp_async_shared_global<{copy_size}>({source} + {offset_source}, {out});
                     "
                     ),
                     true => write!(
                         f,
                         "
-__cp_async_shared_global<{copy_size}>({source} + {offset_source}, {destination} + {offset_out}, {size});
+__cp_async_shared_global<{copy_size}>({source} + {offset_source}, {out}, {size});
                         "
                     ),
                 }

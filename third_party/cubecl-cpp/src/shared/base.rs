@@ -1307,14 +1307,27 @@ impl<D: Dialect> CppCompiler<D> {
                 instructions.push(instruction)
             }
             gpu::Arithmetic::Powf(op) => {
+                // burn-ulysses patch: 2^x under fast math is the dialect's fast 2^x (CUDA:
+                // `ex2.approx.ftz`, where `__powf` also takes the base's logarithm).
+                let base_two = op.lhs.is_constant(2);
+                let exponent = UnaryInstruction {
+                    input: self.compile_variable(op.rhs),
+                    out: self.compile_variable(out),
+                };
                 let op = self.compile_binary(op, out);
-                instructions.push(self.select_fast_float(
+                let fast = match base_two {
+                    true => Instruction::FastExp2(exponent),
+                    false => Instruction::FastPowf(op),
+                };
+                let instruction = self.select_fast_float(
                     out.ty,
                     modes,
                     FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf,
                     Instruction::Powf(op),
-                    Instruction::FastPowf(op),
-                ))
+                    fast,
+                );
+                D::register_instruction_extension(&mut self.extensions, &instruction);
+                instructions.push(instruction)
             }
             gpu::Arithmetic::Powi(op) => {
                 instructions.push(Instruction::Powi(self.compile_binary(op, out)))

@@ -654,6 +654,14 @@ pub trait DialectInstructions<D: Dialect> {
         write!(f, "__expf({input})")
     }
 
+    // burn-ulysses patch: the fast 2^x (`powf(2, x)` of an f32 under fast math), a dialect's own.
+    fn compile_instruction_fast_exp2_scalar<T: Component<D>>(
+        f: &mut std::fmt::Formatter<'_>,
+        input: T,
+    ) -> std::fmt::Result {
+        write!(f, "exp2({input})")
+    }
+
     // logs
     fn compile_instruction_log1p_scalar<T: Component<D>>(
         f: &mut std::fmt::Formatter<'_>,

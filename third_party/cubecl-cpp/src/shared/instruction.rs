@@ -163,6 +163,8 @@ pub enum Instruction<D: Dialect> {
     Abs(UnaryInstruction<D>),
     Exp(UnaryInstruction<D>),
     FastExp(UnaryInstruction<D>),
+    /// burn-ulysses patch: `powf(2, x)` under fast math.
+    FastExp2(UnaryInstruction<D>),
     Log(UnaryInstruction<D>),
     FastLog(UnaryInstruction<D>),
     Log1p(UnaryInstruction<D>),
@@ -539,6 +541,7 @@ for ({i_ty} {i} = {start}; {i} {cmp} {end}; {increment}) {{
             Instruction::Abs(it) => Abs::format(f, &it.input, &it.out),
             Instruction::Exp(it) => Exp::format(f, &it.input, &it.out),
             Instruction::FastExp(it) => FastExp::format(f, &it.input, &it.out),
+            Instruction::FastExp2(it) => FastExp2::format(f, &it.input, &it.out),
             Instruction::Log(it) => Log::format(f, &it.input, &it.out),
             Instruction::FastLog(it) => FastLog::format(f, &it.input, &it.out),
             Instruction::Log1p(it) => Log1p::format(f, &it.input, &it.out),

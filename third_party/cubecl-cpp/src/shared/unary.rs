@@ -185,6 +185,23 @@ impl<D: Dialect> Unary<D> for FastExp {
         false
     }
 }
+
+// burn-ulysses patch: 2^x under fast math, the dialect's (CUDA: `ex2.approx.ftz`).
+pub struct FastExp2;
+
+impl<D: Dialect> Unary<D> for FastExp2 {
+    fn format_scalar<Input: Component<D>>(
+        f: &mut std::fmt::Formatter<'_>,
+        input: Input,
+        _out_elem: Elem<D>,
+    ) -> std::fmt::Result {
+        D::compile_instruction_fast_exp2_scalar(f, input)
+    }
+
+    fn can_optimize() -> bool {
+        false
+    }
+}
 function!(Ceil, "ceil");
 function!(Trunc, "trunc");
 function!(Floor, "floor");

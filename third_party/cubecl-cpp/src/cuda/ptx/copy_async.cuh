@@ -10,17 +10,21 @@ __cp_async_arrive(::cuda::barrier<::cuda::thread_scope_block> &__bar) {
 }
 
 // Wrappers for https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-cp-async
+//
+// burn-ulysses patch: the destination is a shared buffer and a byte offset, added in the shared
+// window's 32 bits, where ptxas folds a constant offset into LDGSTS's address; added to the
+// generic 64-bit pointer first, each copy's offset took instructions of its own.
 
 // Only 16 byte size allows the `cg` modifier, so this is a more general version with `ca`. Executes
 // a partial copy of `src_size` bytes.
 template <size_t _Copy_size>
 inline __device__ void
-__cp_async_shared_global(void const *src_ptr, void *smem_ptr, int32 const &src_size) {
+__cp_async_shared_global(void const *src_ptr, void *smem_buffer, uint32 smem_offset, int32 const &src_size) {
   static_assert(_Copy_size == 4 || _Copy_size == 8 || _Copy_size == 16,
                 "cp.async.shared.global requires a copy size of 4, 8, or 16.");
 
   uint64 gmem_int_desc = reinterpret_cast<uint64>(src_ptr);
-  uint32 smem_int_ptr = static_cast<uint32>(__cvta_generic_to_shared(smem_ptr));
+  uint32 smem_int_ptr = static_cast<uint32>(__cvta_generic_to_shared(smem_buffer)) + smem_offset;
   asm volatile("cp.async.ca.shared::cta.global [%0], [%1], %2, %3;\n"
                :: "r"(smem_int_ptr), "l"(gmem_int_desc), "n"(_Copy_size), "r"(src_size) : "memory");
 }
@@ -28,9 +32,9 @@ __cp_async_shared_global(void const *src_ptr, void *smem_ptr, int32 const &src_s
 // Specialized on copy size 16 to use `cg`. Executes a partial copy of `src_size` bytes.
 template <>
 inline __device__ void
-__cp_async_shared_global<16>(void const *src_ptr, void *smem_ptr, int32 const &src_size) {
+__cp_async_shared_global<16>(void const *src_ptr, void *smem_buffer, uint32 smem_offset, int32 const &src_size) {
   uint64 gmem_int_desc = reinterpret_cast<uint64>(src_ptr);
-  uint32 smem_int_ptr = static_cast<uint32>(__cvta_generic_to_shared(smem_ptr));
+  uint32 smem_int_ptr = static_cast<uint32>(__cvta_generic_to_shared(smem_buffer)) + smem_offset;
   asm volatile("cp.async.cg.shared::cta.global [%0], [%1], %2, %3;\n"
                :: "r"(smem_int_ptr), "l"(gmem_int_desc), "n"(16), "r"(src_size) : "memory");
 }
@@ -39,12 +43,12 @@ __cp_async_shared_global<16>(void const *src_ptr, void *smem_ptr, int32 const &s
 // a full copy.
 template <size_t _Copy_size>
 inline __device__ void
-__cp_async_shared_global(void const *src_ptr, void *smem_ptr) {
+__cp_async_shared_global(void const *src_ptr, void *smem_buffer, uint32 smem_offset) {
   static_assert(_Copy_size == 4 || _Copy_size == 8 || _Copy_size == 16,
                 "cp.async.shared.global requires a copy size of 4, 8, or 16.");
 
   uint64 gmem_int_desc = reinterpret_cast<uint64>(src_ptr);
-  uint32 smem_int_ptr = static_cast<uint32>(__cvta_generic_to_shared(smem_ptr));
+  uint32 smem_int_ptr = static_cast<uint32>(__cvta_generic_to_shared(smem_buffer)) + smem_offset;
   asm volatile("cp.async.ca.shared::cta.global [%0], [%1], %2, %2;\n"
                :: "r"(smem_int_ptr), "l"(gmem_int_desc), "n"(_Copy_size) : "memory");
 }
@@ -52,9 +56,9 @@ __cp_async_shared_global(void const *src_ptr, void *smem_ptr) {
 // Specialized on copy size 16 to use `cg`. Executes a full copy.
 template <>
 inline __device__ void
-__cp_async_shared_global<16>(void const *src_ptr, void *smem_ptr) {
+__cp_async_shared_global<16>(void const *src_ptr, void *smem_buffer, uint32 smem_offset) {
   uint64 gmem_int_desc = reinterpret_cast<uint64>(src_ptr);
-  uint32 smem_int_ptr = static_cast<uint32>(__cvta_generic_to_shared(smem_ptr));
+  uint32 smem_int_ptr = static_cast<uint32>(__cvta_generic_to_shared(smem_buffer)) + smem_offset;
   asm volatile("cp.async.cg.shared::cta.global [%0], [%1], %2, %2;\n"
                :: "r"(smem_int_ptr), "l"(gmem_int_desc), "n"(16) : "memory");
 }

@@ -257,7 +257,8 @@ pub fn ldmatrix_call<D: Dialect>(
         buffer.fmt_ptr()
     };
 
-    format!("__ldmatrix_m{width}n8_{elem}_{factor}x{is_transposed}({regs}, {buffer} + {offset});\n")
+    // burn-ulysses patch: the shared buffer and the byte offset apart (see `ldmatrix_template`).
+    format!("__ldmatrix_m{width}n8_{elem}_{factor}x{is_transposed}({regs}, {buffer}, uint32({offset}) * uint32(sizeof(*({buffer}))));\n")
 }
 
 pub fn ldmatrix_template<D: Dialect>(elem: Elem<D>, factor: u32, transpose: bool) -> String {
@@ -265,7 +266,11 @@ pub fn ldmatrix_template<D: Dialect>(elem: Elem<D>, factor: u32, transpose: bool
     let arg_ty = Elem::<D>::U32;
 
     let args_regs = (0..factor).map(|i| format!("{arg_ty} &reg_{i}"));
-    let arg_addr = ["void const *row_addr".to_string()];
+    // burn-ulysses patch: the shared buffer and a byte offset, added in the shared window's 32
+    // bits, where ptxas folds a constant offset into LDSM's address; added to the generic
+    // 64-bit pointer first, each offset took an instruction or two of its own (the register-
+    // fragment attention kernels' 32 LDSM a step: 15 of them).
+    let arg_addr = ["void const *buffer".to_string(), "uint32 offset".to_string()];
     let args = args_regs.chain(arg_addr).collect::<Vec<_>>().join(", ");
 
     let mut idx = 0usize;
@@ -292,7 +297,7 @@ pub fn ldmatrix_template<D: Dialect>(elem: Elem<D>, factor: u32, transpose: bool
         r#"
 inline __device__ void
 __ldmatrix_m{width}n8_{elem}_{factor}x{is_transposed}({args}) {{
-  uint32 addr = static_cast<uint32>(__cvta_generic_to_shared(row_addr));
+  uint32 addr = static_cast<uint32>(__cvta_generic_to_shared(buffer)) + offset;
   asm volatile("ldmatrix.sync.aligned.m8n{width}.{num}{transposed_arg}.shared::cta.{ty}"
                " {placeholders_regs}, {placeholder_addr};"
                : {params_regs}
