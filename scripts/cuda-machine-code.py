@@ -267,7 +267,7 @@ def main():
         # unit, one MUFU.EX2 each (`fragment_tiles::fast_exp2`, the vendored cubecl-cpp's
         # `ex2.approx.ftz`): a CubeCL without that patch writes `__powf`, a logarithm more.
         if kernel["kernel"] in ("fragment_forward", "fragment_query_grad", "fragment_key_value_grad") and (
-            not re.search(r"=\s*__burn_ulysses_fast_exp2\(", source) or re.search(r"\b(?:__)?(?:powf|expf)\(", source)
+            not re.search(r"=\s*__burn_ulysses_fast_exp2\(", source) or re.search(r"\b(?:__)?(?:powf?|exp2?f?|exp10f?)\(", source)
         ):
             fail("slow-exp", "probabilities not computed by the fast 2^x (ex2.approx.ftz; third_party/README.md, cubecl-cpp)")
         target = targets[kernel["target"]]

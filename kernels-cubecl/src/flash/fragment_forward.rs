@@ -34,7 +34,7 @@ pub(crate) fn fragment_forward_kernel<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
-    #[comptime] register_columns: usize,
+    #[comptime] held_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -45,7 +45,7 @@ pub(crate) fn fragment_forward_kernel<E: Float, M: FragmentMma>(
     let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
     // The grid may hold a few more cubes than blocks; a cube has work or not as a whole.
     if cube_in_range(q.shape(0), q_heads, blocks_per_head) {
-        forward_block::<E, M>(q, k, v, out, lse, ranges, scale, head_dim, staging, register_columns, part, causal, ranged, unrolled);
+        forward_block::<E, M>(q, k, v, out, lse, ranges, scale, head_dim, staging, held_columns, part, causal, ranged, unrolled);
     }
 }
 
@@ -62,7 +62,7 @@ fn forward_block<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
-    #[comptime] register_columns: usize,
+    #[comptime] held_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -84,7 +84,7 @@ fn forward_block<E: Float, M: FragmentMma>(
     let mut v_tiles = step_tiles::<E>(staging, comptime!(part.width));
     let mut copies = M::copies();
 
-    let q_rows = row_operand::<E>(q, q_base, row0, seq_q, head_dim, register_columns, unrolled);
+    let q_rows = row_operand::<E>(q, q_base, row0, seq_q, head_dim, held_columns, unrolled);
     let out_tiles = comptime!(part.width / 8);
     let mut acc = zeros(out_tiles * C_VALUES);
     let mut row_max = Array::<f32>::new(2usize);
@@ -111,7 +111,7 @@ fn forward_block<E: Float, M: FragmentMma>(
         let key0 = span.start + step * keys_per_step;
         let buffer = next_step::<E, M>(k, v, kv_base, &span, step, seq_kv, &mut k_tiles, &mut v_tiles, &mut copies, staging, head_dim, part, unrolled);
         let mut s = zeros(score_tiles * C_VALUES);
-        times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, register_columns, unrolled);
+        times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, held_columns, unrolled);
 
         // The online softmax on the accumulators: s[4·tile + i] is row rows[i / 2], key
         // key0 + 8·tile + 2t + i % 2. Maxima are of the unscaled scores (the scale is

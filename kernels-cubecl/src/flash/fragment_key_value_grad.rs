@@ -63,7 +63,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
-    #[comptime] register_columns: usize,
+    #[comptime] held_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -74,7 +74,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
 ) {
     let blocks_per_head = k.shape(2).div_ceil(BLOCK_ROWS);
     if cube_in_range(k.shape(0), k.shape(1), blocks_per_head) {
-        key_value_grad_block::<E, M>(q, k, v, out_grad, lse, delta, key_grad, value_grad, ranges, scale, head_dim, staging, register_columns, part, causal, ranged, keys, values, unrolled);
+        key_value_grad_block::<E, M>(q, k, v, out_grad, lse, delta, key_grad, value_grad, ranges, scale, head_dim, staging, held_columns, part, causal, ranged, keys, values, unrolled);
     }
 }
 
@@ -94,7 +94,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
-    #[comptime] register_columns: usize,
+    #[comptime] held_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -122,8 +122,8 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     let mut out_grad_tiles = step_tiles::<E>(staging, head_dim);
     let mut copies = M::copies();
 
-    let k_rows = row_operand::<E>(k, kv_base, key0, seq_kv, head_dim, register_columns, unrolled);
-    let v_rows = row_operand::<E>(v, kv_base, key0, seq_kv, head_dim, register_columns, unrolled);
+    let k_rows = row_operand::<E>(k, kv_base, key0, seq_kv, head_dim, held_columns, unrolled);
+    let v_rows = row_operand::<E>(v, kv_base, key0, seq_kv, head_dim, held_columns, unrolled);
     let out_tiles = comptime!(part.width / 8);
     let mut key_acc = zeros(out_tiles * C_VALUES);
     let mut value_acc = zeros(out_tiles * C_VALUES);
@@ -147,7 +147,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
             let query0 = span.start + step * queries_per_step;
             let buffer = next_step::<E, M>(q, out_grad, q_base, &span, step, seq_q, &mut q_tiles, &mut out_grad_tiles, &mut copies, staging, head_dim, whole, unrolled);
             let mut s = zeros(score_tiles * C_VALUES);
-            times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, register_columns, unrolled);
+            times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, held_columns, unrolled);
 
             // Each query column's log-sum-exp base and D, read once a step (a column past the
             // sequence, seen by no key, reads the last row's). The row is clamped into its
@@ -188,7 +188,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
             if keys {
                 // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of Pᵀ; dK[:, part] += dSᵀ·Q[:, part].
                 let mut dp = zeros(score_tiles * C_VALUES);
-                times_tile_transposed::<E, M>(&v_rows, v, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, register_columns, unrolled);
+                times_tile_transposed::<E, M>(&v_rows, v, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, held_columns, unrolled);
                 #[unroll(unrolled)]
                 for tile in 0..score_tiles {
                     #[unroll]

@@ -36,7 +36,7 @@ pub(crate) fn fragment_query_grad_kernel<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
-    #[comptime] register_columns: usize,
+    #[comptime] held_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -46,7 +46,7 @@ pub(crate) fn fragment_query_grad_kernel<E: Float, M: FragmentMma>(
     let (q_heads, seq_q) = (q.shape(1), q.shape(2));
     let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
     if cube_in_range(q.shape(0), q_heads, blocks_per_head) {
-        query_grad_block::<E, M>(q, k, v, out_grad, lse, delta, query_grad, ranges, scale, head_dim, staging, register_columns, part, causal, ranged, unrolled);
+        query_grad_block::<E, M>(q, k, v, out_grad, lse, delta, query_grad, ranges, scale, head_dim, staging, held_columns, part, causal, ranged, unrolled);
     }
 }
 
@@ -65,7 +65,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] staging: Staging,
-    #[comptime] register_columns: usize,
+    #[comptime] held_columns: usize,
     #[comptime] part: ColumnPart,
     #[comptime] causal: bool,
     #[comptime] ranged: bool,
@@ -85,8 +85,8 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     let mut v_tiles = step_tiles::<E>(staging, head_dim);
     let mut copies = M::copies();
 
-    let q_rows = row_operand::<E>(q, q_base, row0, seq_q, head_dim, register_columns, unrolled);
-    let out_grad_rows = row_operand::<E>(out_grad, q_base, row0, seq_q, head_dim, register_columns, unrolled);
+    let q_rows = row_operand::<E>(q, q_base, row0, seq_q, head_dim, held_columns, unrolled);
+    let out_grad_rows = row_operand::<E>(out_grad, q_base, row0, seq_q, head_dim, held_columns, unrolled);
     let out_tiles = comptime!(part.width / 8);
     let mut acc = zeros(out_tiles * C_VALUES);
 
@@ -110,8 +110,8 @@ fn query_grad_block<E: Float, M: FragmentMma>(
         let buffer = next_step::<E, M>(k, v, kv_base, &span, step, seq_kv, &mut k_tiles, &mut v_tiles, &mut copies, staging, head_dim, whole, unrolled);
         let mut s = zeros(score_tiles * C_VALUES);
         let mut dp = zeros(score_tiles * C_VALUES);
-        times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, register_columns, unrolled);
-        times_tile_transposed::<E, M>(&out_grad_rows, out_grad, &v_tiles, buffer, &mut dp, &mut scratch, keys_per_step, head_dim, register_columns, unrolled);
+        times_tile_transposed::<E, M>(&q_rows, q, &k_tiles, buffer, &mut s, &mut scratch, keys_per_step, head_dim, held_columns, unrolled);
+        times_tile_transposed::<E, M>(&out_grad_rows, out_grad, &v_tiles, buffer, &mut dp, &mut scratch, keys_per_step, head_dim, held_columns, unrolled);
 
         // dS = P ∘ (dP − D), in place of S; P is 0 where the row does not see the key (its
         // score masked only in the steps that need it).

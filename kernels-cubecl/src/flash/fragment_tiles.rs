@@ -7,12 +7,13 @@
 //! dP = dO·Vᵀ), one as B (O += P·V, dQ += dS·K), each from registers to registers.
 //!
 //! Head dims past [`register_columns`] (128; 64 in the backward with 64-bit indices) do not fit a warp's
-//! registers whole: there the score products read each warp's row fragments from global memory
-//! 16 columns at a time as they need them ([`RowOperand`]), and each output is accumulated in column parts of
-//! that width, a launch each, that recompute the scores (the planned engine's column
-//! parts): at 256 in parts of 128 the forward's and dQ's work about 1.5 times, dK's and dV's
-//! likewise; in the backward's parts of 64 with 64-bit indices dQ's about 1.7 times at 128
-//! and 3 times at 256.
+//! registers whole: each output is accumulated in column parts of that width, a launch each,
+//! that recompute the scores (the planned engine's column parts), and the score products read
+//! each warp's row fragments from global memory 16 columns at a time as they need them
+//! ([`RowOperand`]) where the rows are wider than [`held_columns`] (the forward with 32-bit
+//! indices keeps Q's 256 whole beside its 128 accumulator columns): at 256 in parts of 128 the
+//! forward's and dQ's work about 1.5 times, dK's and dV's likewise; in the backward's parts of
+//! 64 with 64-bit indices dQ's about 1.7 times at 128 and 3 times at 256.
 //!
 //! The loops over tiles are unrolled where the fragments are registers (`unrolled`: CUDA); the
 //! emulation keeps them loops, which a shader compiler takes in seconds rather than minutes.
@@ -47,10 +48,24 @@ pub(crate) fn register_columns(kernel: FragmentKernel, indices: AddressType) -> 
     }
 }
 
+/// The widest rows whose fragments `kernel` keeps in registers through its loop for the score
+/// products (Q; K and V for dK/dV), with indices of width `indices`; wider rows are read as
+/// the products need them ([`rows_streamed`]). [`register_columns`], but 256 for the forward
+/// with 32-bit indices: Q's fragments (64 registers at 256) beside one part of 128 output
+/// columns take 243–255 registers and spill nothing on sm_80, sm_89 and sm_90a, and its 64-key
+/// step at 256 runs 607 instructions rather than 1 432, 16 × 63 of which read Q's chunks
+/// (2026-11-29). With 64-bit indices it keeps 128 (at 128 already 255 registers there).
+pub(crate) fn held_columns(kernel: FragmentKernel, indices: AddressType) -> usize {
+    match (kernel, indices) {
+        (FragmentKernel::Forward, AddressType::U32) => 256,
+        _ => register_columns(kernel, indices),
+    }
+}
+
 /// Whether rows of `head_dim` are read from memory 16 columns at a time as each product needs
-/// them (wider than `register_columns`) rather than kept in registers as fragments.
-pub(crate) fn rows_streamed(head_dim: usize, register_columns: usize) -> bool {
-    head_dim > register_columns
+/// them (wider than `held`: [`held_columns`]) rather than kept in registers as fragments.
+pub(crate) fn rows_streamed(head_dim: usize, held: usize) -> bool {
+    head_dim > held
 }
 
 /// A masked score: finite (WGSL has no infinity literal) and below any real one; its
@@ -363,7 +378,7 @@ pub(crate) fn load_row_fragments<E: Float>(source: &Tensor<E>, place: &RowPlace,
 
 /// A warp's 16 rows from `row0` of a `[.., rows, head_dim]` tensor (from `base`) as the A
 /// operand of the score products ([`times_tile_transposed`]): their fragments kept in
-/// registers up to `register_columns` columns, else read from the tensor 16 columns at a time
+/// registers up to `held_columns` columns, else read from the tensor 16 columns at a time
 /// as each product needs them (`fragments` then unused); `place` this lane's rows.
 #[derive(CubeType)]
 pub(crate) struct RowOperand<E: Float> {
@@ -380,11 +395,11 @@ pub(crate) fn row_operand<E: Float>(
     row0: usize,
     rows: usize,
     #[comptime] head_dim: usize,
-    #[comptime] register_columns: usize,
+    #[comptime] held_columns: usize,
     #[comptime] unrolled: bool,
 ) -> RowOperand<E> {
     let place = row_place(base, row0, rows, head_dim);
-    let fragments = if comptime!(!rows_streamed(head_dim, register_columns)) {
+    let fragments = if comptime!(!rows_streamed(head_dim, held_columns)) {
         load_row_fragments::<E>(source, &place, 0usize, head_dim, false, unrolled)
     } else {
         Array::<E>::new(1usize)
@@ -469,7 +484,8 @@ pub(crate) fn stage_keys<E: Float, M: FragmentMma>(
         // A whole step (the cube branches together): one place computed, the copies at
         // constant offsets from it, no key checked. Per copy that leaves the global address
         // (an add and a wide multiply-add: 32-bit indices) and a constant in LDGSTS's shared
-        // one (sm_90a, the forward's 64-key step at head dim 128: 107 instructions -> 61).
+        // one (sm_90a, the forward's 64-key step at head dim 128: 107 instructions -> 82, and
+        // 61 with the vendored cubecl-cpp's 32-bit shared addresses).
         let (key, chunk) = (UNIT_POS as usize / chunks_per_key, UNIT_POS as usize % chunks_per_key);
         let from = base + (key0 + key) * head_dim + comptime!(columns.first) + 8 * chunk;
         let to = start + key * (width + PAD) + 8 * chunk;
@@ -504,12 +520,12 @@ pub(crate) fn times_tile_transposed<E: Float, M: FragmentMma>(
     scratch: &mut SharedMemory<f32>,
     #[comptime] keys: usize,
     #[comptime] head_dim: usize,
-    #[comptime] register_columns: usize,
+    #[comptime] held_columns: usize,
     #[comptime] unrolled: bool,
 ) {
     let stride = comptime!(head_dim + PAD);
     let start = buffer_start(buffer, keys, head_dim);
-    if comptime!(!rows_streamed(head_dim, register_columns)) {
+    if comptime!(!rows_streamed(head_dim, held_columns)) {
         #[unroll(unrolled)]
         for n_tile in 0..keys / 8 {
             #[unroll(unrolled)]

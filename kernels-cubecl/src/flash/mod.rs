@@ -252,11 +252,27 @@ pub fn flash_attention_forward_fragments<R: CubeRuntime>(
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
+    flash_attention_forward_fragments_laid_out_for(query, key, value, options, ranges, None)
+}
+
+/// For tests: [`flash_attention_forward_fragments`] with its kernel's registers laid out as for
+/// indices of width `layout` (`fragment_tiles::held_columns`; `None`: the call's), so that
+/// lavapipe runs the 64-bit layout (Q read as the scores need it at head dim 256) too.
+#[doc(hidden)]
+pub fn flash_attention_forward_fragments_laid_out_for<R: CubeRuntime>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    options: FlashOptions,
+    ranges: Option<&VisibleRanges>,
+    layout: Option<AddressType>,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let p = Problem::of_tensors(&query, &key, &value, &options)?;
     if let Some(refusal) = fragments_refusal(query.dtype, &p) {
         return Err(FlashError::Shape(refusal));
     }
-    fragment_forward(p, query, key, value, options, ranges)
+    let layout = layout.unwrap_or(p.address_type());
+    fragment_forward(p, query, key, value, options, ranges, layout)
 }
 
 /// Launches register-fragment kernel `$kernel` (a module `#[cube(launch)]` made) with the
@@ -273,7 +289,8 @@ macro_rules! launch_fragments {
     };
 }
 
-/// [`flash_attention_forward_fragments`] of a checked call `p` that the fragments take.
+/// [`flash_attention_forward_fragments`] of a checked call `p` that the fragments take, its
+/// registers laid out for indices of width `layout` ([`FragmentLaunch::new`]).
 fn fragment_forward<R: CubeRuntime>(
     p: Problem,
     query: CubeTensor<R>,
@@ -281,6 +298,7 @@ fn fragment_forward<R: CubeRuntime>(
     value: CubeTensor<R>,
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
+    layout: AddressType,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let dtype = query.dtype;
     let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
@@ -292,25 +310,27 @@ fn fragment_forward<R: CubeRuntime>(
         return Ok((output, lse));
     }
     let [row_keys, _] = range_tables(ranges, &p, &client, &query.device)?;
-    let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward, p.address_type())?;
+    let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward, layout)?;
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     use fragment_forward::fragment_forward_kernel as kernel;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     for part in fragment_tiles::column_parts(p.head_dim, l.register_columns) {
         let args = (arg(&query), arg(&key), arg(&value), arg(&output), arg(&lse), arg(&row_keys));
-        launch_fragments!(kernel, R, l, (&client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.staging, l.register_columns, part, options.causal, ranges.is_some()));
+        launch_fragments!(kernel, R, l, (&client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, p.scale, p.head_dim, l.staging, l.held_columns, part, options.causal, ranges.is_some()));
     }
     Ok((output, lse))
 }
 
 /// What a register-fragment kernel's launch takes from the device and the call: whether the
 /// product runs on `mma.sync` (else emulated, with the loops kept rolled), the step of its loop
-/// (keys; queries for dK/dV) and its buffers, the widest rows it keeps in registers, the grid
-/// of 64-row blocks (of queries; of keys for dK/dV), the cube of 4 warps and the element type.
+/// (keys; queries for dK/dV) and its buffers, the widest outputs it accumulates in registers
+/// (its column parts) and rows it keeps there, the grid of 64-row blocks (of queries; of keys
+/// for dK/dV), the cube of 4 warps and the element type.
 struct FragmentLaunch {
     mma_sync: bool,
     staging: fragment_tiles::Staging,
     register_columns: usize,
+    held_columns: usize,
     count: CubeCount,
     dim: CubeDim,
     elem: StorageType,
@@ -330,7 +350,8 @@ impl FragmentLaunch {
             FragmentKernel::Forward | FragmentKernel::QueryGrad => p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS),
         };
         let count = grid(client, blocks)?;
-        Ok(Self { mma_sync, staging, register_columns, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
+        let held_columns = fragment_tiles::held_columns(kernel, layout);
+        Ok(Self { mma_sync, staging, register_columns, held_columns, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
     }
 }
 
@@ -347,7 +368,8 @@ pub fn flash_attention_forward<R: CubeRuntime>(
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     if plan::fragments_requested() && fragments_refusal(query.dtype, &problem).is_none() {
-        return fragment_forward(problem, query, key, value, options, ranges);
+        let layout = problem.address_type();
+        return fragment_forward(problem, query, key, value, options, ranges, layout);
     }
     let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
     let client = query.client.clone();
@@ -625,7 +647,7 @@ fn launch_fragment_key_value_grad<R: CubeRuntime>(
     use fragment_key_value_grad::fragment_key_value_grad_kernel as kernel;
     for (keys, values, part) in fragment_key_value_grad::passes(p.head_dim, l.register_columns) {
         let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(key_grad), arg(value_grad), arg(key_rows));
-        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.staging, l.register_columns, part, causal, ranged, keys, values));
+        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.staging, l.held_columns, part, causal, ranged, keys, values));
     }
     Ok(())
 }
@@ -646,7 +668,7 @@ fn launch_fragment_query_grad<R: CubeRuntime>(
     use fragment_query_grad::fragment_query_grad_kernel as kernel;
     for part in fragment_tiles::column_parts(p.head_dim, l.register_columns) {
         let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(query_grad), arg(row_keys));
-        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.staging, l.register_columns, part, causal, ranged));
+        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, p.scale, p.head_dim, l.staging, l.held_columns, part, causal, ranged));
     }
     Ok(())
 }
@@ -685,6 +707,10 @@ mod tests {
         let (u32, u64) = (AddressType::U32, AddressType::U64);
         assert_eq!([Forward, QueryGrad, KeyValueGrad].map(|kernel| register_columns(kernel, u64)), [128, 64, 64]);
         assert_eq!([Forward, QueryGrad, KeyValueGrad].map(|kernel| register_columns(kernel, u32)), [128; 3]);
+        // The forward keeps Q's fragments whole up to 256 columns with 32-bit indices.
+        use fragment_tiles::held_columns;
+        assert_eq!([Forward, QueryGrad, KeyValueGrad].map(|kernel| held_columns(kernel, u32)), [256, 128, 128]);
+        assert_eq!([Forward, QueryGrad, KeyValueGrad].map(|kernel| held_columns(kernel, u64)), [128, 64, 64]);
         let halves = [ColumnPart { first: 0, width: 64 }, ColumnPart { first: 64, width: 64 }];
         assert_eq!(column_parts(128, 64), halves);
         assert_eq!(fragment_key_value_grad::passes(128, 64), halves.map(|part| (true, true, part)));

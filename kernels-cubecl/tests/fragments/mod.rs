@@ -101,11 +101,14 @@ fn fragments_refuse_other_shapes_and_dtypes() {
 /// not, grouped-query, head dims 64, 128 and 256 (two column parts), lengths that are no multiple of the 64-row blocks
 /// or the key steps (several steps each, so both K/V buffers in turn), unequal lengths both
 /// ways (rows that see no key included), packed documents, key runs and a sliding window,
-/// within the tests' f16 and bf16 tolerances; head dim 96 refused, naming what it takes.
+/// within the tests' f16 and bf16 tolerances; head dim 96 refused, naming what it takes. Head
+/// dim 256 both as 32-bit indices lay it out (Q's fragments held whole) and as 64-bit ones do
+/// (Q read 16 columns at a time as the scores need it), which lavapipe runs with 32-bit ones.
 #[test]
 fn the_fragment_forward_matches_the_reference() {
     use super::{Case, device, download, reference, relative_error, supports, upload, values};
-    use ulysses_kernels::{FlashOptions, flash_attention_forward_fragments};
+    use cubecl::ir::AddressType;
+    use ulysses_kernels::{FlashOptions, flash_attention_forward_fragments, flash_attention_forward_fragments_laid_out_for};
     let Some(device) = device() else { return };
     for dtype in [DType::F16, DType::BF16] {
         if !supports(&device, dtype) {
@@ -126,12 +129,16 @@ fn the_fragment_forward_matches_the_reference() {
             Case { key_runs: Some(vec![0..101, 30..150]), ..Case::new(2, 2, 150, 64, false) },
             Case { key_runs: Some(vec![0..0, 0..7]), ..Case::new(2, 2, 40, 128, false) },
             Case { window: Some(17), documents: Some(vec![vec![100, 50], vec![9, 141]]), ..Case::new(4, 2, 150, 128, true) },
-            // Head dim 256: Q's fragments read as the scores need them, the output in two
-            // parts of 128 columns, each launch staging its part of V.
+            // Head dim 256: the output in two parts of 128 columns, each launch staging its
+            // part of V.
             Case::new(2, 1, 80, 256, true),
             Case { documents: Some(vec![vec![70, 80], vec![5, 17, 100, 3, 25]]), ..Case::new(2, 1, 150, 256, true) },
         ];
-        for case in cases {
+        let layouts = |case: &Case| match case.head_dim {
+            256 => vec![None, Some(AddressType::U64)],
+            _ => vec![None],
+        };
+        for (case, layout) in cases.into_iter().flat_map(|case| layouts(&case).into_iter().map(move |layout| (case.clone(), layout))) {
             // Two sequences where the case packs documents or runs into each, else one.
             let batch = if case.ranges().is_some() { 2 } else { 1 };
             let case = Case { dtype, batch, ..case };
@@ -142,16 +149,16 @@ fn the_fragment_forward_matches_the_reference() {
             let options = FlashOptions { scale: case.scale, causal: case.causal };
             let ranges = case.ranges();
             let (q_tensor, k_tensor, v_tensor) = (upload(&q, case.q_shape(), dtype, &device), upload(&k, case.k_shape(), dtype, &device), upload(&v, case.v_shape(), dtype, &device));
-            let (output, lse) = flash_attention_forward_fragments(q_tensor, k_tensor, v_tensor, options, ranges.as_ref()).unwrap();
+            let (output, lse) = flash_attention_forward_fragments_laid_out_for(q_tensor, k_tensor, v_tensor, options, ranges.as_ref(), layout).unwrap();
             let lse = download::<3>(lse);
             for (got, want) in lse.iter().zip(&want.lse) {
                 assert!(want.is_some() || *got <= -1e29, "{case:?}: a row without keys must get the -1e30 log-sum-exp, got {got}");
             }
             let (lse_got, lse_want): (Vec<f64>, Vec<f64>) = lse.iter().zip(&want.lse).filter_map(|(got, want)| want.map(|w| (*got, w))).unzip();
             let (output_error, lse_error) = (relative_error(&download::<4>(output), &want.output), relative_error(&lse_got, &lse_want));
-            println!("{case:?}: output {output_error:.1e}, lse {lse_error:.1e}");
+            println!("{case:?}, {layout:?}: output {output_error:.1e}, lse {lse_error:.1e}");
             let tolerance = case.tolerance("fragments");
-            assert!(output_error <= tolerance && lse_error <= tolerance, "{case:?}: output {output_error:e}, lse {lse_error:e} (tolerance {tolerance:e})");
+            assert!(output_error <= tolerance && lse_error <= tolerance, "{case:?}, {layout:?}: output {output_error:e}, lse {lse_error:e} (tolerance {tolerance:e})");
         }
         let case = Case { dtype, ..Case::new(2, 2, 80, 96, false) };
         let tile = |shape| upload(&vec![0.0; case.q_shape().iter().product()], shape, dtype, &device);

@@ -228,13 +228,13 @@ cuda::device::memcpy_async_tx({destination} + {offset_out}, {source} + {offset_s
                     false => write!(
                         f,
                         "
-__cp_async_shared_global<{copy_size}>({source} + {offset_source}, {out});
+__cp_async_shared_global_at<{copy_size}>({source} + {offset_source}, {out});
                     "
                     ),
                     true => write!(
                         f,
                         "
-__cp_async_shared_global<{copy_size}>({source} + {offset_source}, {out}, {size});
+__cp_async_shared_global_at<{copy_size}>({source} + {offset_source}, {out}, {size});
                         "
                     ),
                 }

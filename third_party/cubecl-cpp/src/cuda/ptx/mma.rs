@@ -269,7 +269,7 @@ pub fn ldmatrix_template<D: Dialect>(elem: Elem<D>, factor: u32, transpose: bool
     // burn-ulysses patch: the shared buffer and a byte offset, added in the shared window's 32
     // bits, where ptxas folds a constant offset into LDSM's address; added to the generic
     // 64-bit pointer first, each offset took an instruction or two of its own (the register-
-    // fragment attention kernels' 32 LDSM a step: 15 of them).
+    // fragment attention kernels: 15 for the 32 LDSM of a product).
     let arg_addr = ["void const *buffer".to_string(), "uint32 offset".to_string()];
     let args = args_regs.chain(arg_addr).collect::<Vec<_>>().join(", ");
 
