@@ -32,8 +32,9 @@ pub(crate) const BLOCK_ROWS: usize = 16 * WARPS;
 pub(crate) const PAD: usize = 8;
 /// The widest rows a warp keeps in registers, as fragments (Q, dO; K and V for dK/dV) or as
 /// accumulators (an output's columns), with 32-bit indices: at head dim 128 the kernels already
-/// hold up to 255 registers (benches/RESULTS.md), so wider heads stream their row fragments and
-/// split their outputs (see the module doc).
+/// hold up to 255 registers (benches/RESULTS.md), so wider heads split their outputs and, but
+/// for the forward's Q with 32-bit indices ([`held_columns`]), stream their row fragments (see
+/// the module doc).
 pub(crate) const REGISTER_COLUMNS: usize = 128;
 
 /// The widest rows `kernel` keeps in registers with indices of width `indices`:
@@ -53,7 +54,7 @@ pub(crate) fn register_columns(kernel: FragmentKernel, indices: AddressType) -> 
 /// the products need them ([`rows_streamed`]). [`register_columns`], but 256 for the forward
 /// with 32-bit indices: Q's fragments (64 registers at 256) beside one part of 128 output
 /// columns take 243–255 registers and spill nothing on sm_80, sm_89 and sm_90a, and its 64-key
-/// step at 256 runs 607 instructions rather than 1 432, 16 × 63 of which read Q's chunks
+/// step at 256 runs 609 instructions rather than 1 432, 16 × 63 of which read Q's chunks
 /// (2026-11-29). With 64-bit indices it keeps 128 (at 128 already 255 registers there).
 pub(crate) fn held_columns(kernel: FragmentKernel, indices: AddressType) -> usize {
     match (kernel, indices) {
@@ -161,7 +162,8 @@ pub(crate) struct Staging {
 /// accumulators take twice the registers, 64 for the forward too (at 128 it then holds 232–238
 /// registers on sm_90a and spills nothing, and a step's fixed work, the barrier, the votes and
 /// the row statistics' shuffles, is spread over twice the keys: 581 instructions a 64-key step
-/// on the common path against 328 a 32-key one; where rows are streamed, each chunk read feeds
+/// on the common path against 328 a 32-key one; where rows are streamed (at 256 with 64-bit
+/// indices), each chunk read feeds
 /// twice the products), and 16 for dQ, which holds dP's
 /// tiles and dO's fragments too (32 spilled there: 255 registers on sm_80 and sm_89), and for
 /// dK/dV, which holds K's and V's; but 32 for the backward where its rows are streamed (past

@@ -338,7 +338,8 @@ struct FragmentLaunch {
 
 impl FragmentLaunch {
     /// `layout`: the index width whose register layout the kernel takes (the call's, but for
-    /// tests: [`flash_attention_backward_fragments_laid_out_for`]).
+    /// tests: [`flash_attention_forward_fragments_laid_out_for`],
+    /// [`flash_attention_backward_fragments_laid_out_for`]).
     fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, p: &Problem, kernel: FragmentKernel, layout: AddressType) -> Result<Self, FlashError> {
         let mma_sync = crate::mma::has_mma_sync(client, dtype);
         let shared_limit = client.properties().hardware.max_shared_memory_size;
