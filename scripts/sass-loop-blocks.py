@@ -6,13 +6,23 @@ instructions go, without a GPU.
 
 SOURCE is one of the files `ulysses-cuda-sources` writes. It is compiled as the machine-code
 check compiles it (NVRTC with cubecl-cuda's options, ptxas, cuobjdump: `cuda-machine-code.py`'s
-tools; run it with that venv's python), and the loop is the longest backward branch's span.
-Each block prints its first and last address, its length, the instruction it ends on (the
-branch that leaves it, or the one before the next block's start) and its most frequent
-opcodes. A step's path is the sum of the blocks it runs: for the register-fragment kernels,
-every block but the barrier's retry loop (the short ones after SYNCS), the masked step's (the
-FSEL ... -1e30 block) and the forward's rescaling (64 FMUL) on the common path. Counts are
-static: which blocks a step runs is read off the branches, not measured.
+tools; run it with that venv's python), and the loop is the key (query) step's: the shortest
+backward branch's span that holds every tensor-core instruction any loop holds (dK/dV's loop
+over a group's heads holds its step loop). Each block prints its first and last address, its
+length, the instruction it ends on (the branch that leaves it, or the one before the next
+block's start) and its most frequent opcodes, marked where it is off the common path:
+
+  retry    the barrier's retry loop (the blocks a SYNCS test jumps over)
+  masked   a masked step's (FSEL ... -1e30)
+  rescale  the forward's output rescaling (FMUL alone)
+  checked  the copies of a step past the sequence's end (predicated LDGSTS, where another
+           block copies without predicates)
+  inner    a loop inside the step (the streamed rows' chunks), counted --trips times
+
+and the common path's total (every key seen, no maximum grown, a whole step) is printed last.
+Counts are static: which blocks a step runs is read off the branches, not measured.
+
+    python sass-loop-blocks.py SOURCE.cu TARGET [--trips N]   (N: head_dim / 16 where rows stream)
 """
 
 import collections
@@ -54,8 +64,11 @@ def loop_blocks(sass):
             backward.append((int(target.group(1), 16), address))
     if not backward:
         sys.exit("no loop: no backward branch in the machine code")
-    low, high = max(backward, key=lambda span: span[1] - span[0])
+    products = lambda span: sum(span[0] <= a <= span[1] and op.startswith(("HMMA", "HGMMA")) for a, _, op, _ in instructions)
+    most = max(products(span) for span in backward)
+    low, high = min((span for span in backward if products(span) == most), key=lambda span: span[1] - span[0])
     loop = [i for i in instructions if low <= i[0] <= high]
+    inner = [span for span in backward if low < span[0] and span[1] < high]
     leaders = {low}
     for address, _, opcode, operands in loop:
         if opcode.startswith(("BRA", "EXIT", "BSYNC", "WARPSYNC")):
@@ -71,23 +84,59 @@ def loop_blocks(sass):
             current = []
         current.append(instruction)
     blocks.append(current)
-    return blocks
+    return blocks, inner
+
+
+def off_path(block, blocks, inner):
+    """Why `block` is off the common path (see the module doc), or None."""
+    opcodes = [opcode.split(".")[0] for _, _, opcode, _ in block]
+    first, last = block[0][0], block[-1][0]
+    for other in blocks:
+        _, predicate, opcode, operands = other[-1]
+        target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") and predicate else None
+        if target and any(op.startswith("SYNCS") for _, _, op, _ in other) and other[-1][0] < first and last < int(target.group(1), 16):
+            return "retry"
+    if any(op == "FSEL" and "-1.00000001504746621988e+30" in operands for _, _, op, operands in block):
+        return "masked"
+    if len(block) >= 16 and all(op == "FMUL" for op in opcodes):
+        return "rescale"
+    predicated = lambda b: any(op.startswith("LDGSTS") and re.search(r",\s*!?P\d\s*$", operands) for _, _, op, operands in b)
+    plain = lambda b: any(op.startswith("LDGSTS") and not re.search(r",\s*!?P\d\s*$", operands) for _, _, op, operands in b)
+    if predicated(block) and any(plain(other) for other in blocks):
+        return "checked"
+    if any(low <= first and last <= high for low, high in inner):
+        return "inner"
+    return None
 
 
 def main():
-    if len(sys.argv) != 3:
+    arguments = sys.argv[1:]
+    trips = 1
+    if "--trips" in arguments:
+        at = arguments.index("--trips")
+        trips = int(arguments[at + 1])
+        del arguments[at:at + 2]
+    if len(arguments) != 2:
         sys.exit(__doc__)
-    report, sass = machine_code(sys.argv[1], sys.argv[2])
+    report, sass = machine_code(arguments[0], arguments[1])
     for line in report.splitlines():
         if "registers" in line or "spill" in line:
             print(line.strip())
-    blocks = loop_blocks(sass)
+    blocks, inner = loop_blocks(sass)
     print(f"loop: {sum(len(b) for b in blocks)} instructions in {len(blocks)} blocks")
+    common, products = 0, 0
     for block in blocks:
         opcodes = collections.Counter(opcode.split(".")[0] for _, _, opcode, _ in block)
         _, predicate, opcode, operands = block[-1]
-        common = ", ".join(f"{name} {count}" for name, count in opcodes.most_common(8))
-        print(f"{block[0][0]:#06x}-{block[-1][0]:#06x} {len(block):4} ends '{predicate} {opcode}{operands[:40]}'  {common}")
+        listed = ", ".join(f"{name} {count}" for name, count in opcodes.most_common(8))
+        why = off_path(block, blocks, inner)
+        times = trips if why == "inner" else 1
+        if why in (None, "inner"):
+            common += times * len(block)
+            products += times * opcodes["HMMA"]
+        print(f"{block[0][0]:#06x}-{block[-1][0]:#06x} {len(block):4} {why or '':8} ends '{predicate} {opcode}{operands[:40]}'  {listed}")
+    share = f", HMMA {100 * products / common:.0f}%" if common else ""
+    print(f"common path: {common} instructions a step ({products} HMMA{share}; inner loops x{trips})")
 
 
 if __name__ == "__main__":
