@@ -15,7 +15,8 @@ It fails (exit 1) on any compile error, a local array of the source accessed pas
 limit, zero blocks per SM, or a kernel of the tensor-core engine without a tensor-core
 instruction; and, for the register-fragment engine (`tensor-cores-mma`), on a kernel without
 ldmatrix (LDSM) or cp.async (LDGSTS), with local-memory traffic (LDL/STL), or a forward or dQ kernel under two blocks per SM,
-and on an attention kernel of that engine whose probabilities are not the fast 2^x (`ex2.approx.ftz`). The
+on an attention kernel of that engine whose probabilities are not the fast 2^x (`ex2.approx.ftz`), and
+on a forward with 32-bit indices that reads Q in its loop (LDG) rather than holding it. The
 table's "loop HMMA %" is the tensor-core instructions' share of the instructions from the first
 of them to the last (the main loop, read statically). All this except the known defects listed in --known (scripts/cuda-known-defects.txt), which
 it prints as such; a line there that no longer matches anything fails too, so the list only
@@ -132,6 +133,13 @@ def machine_code(tools, source, target):
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass.stdout)
     products = [i for i, op in enumerate(opcodes) if op in ("HMMA", "HGMMA")]
     loop = opcodes[products[0]:products[-1] + 1] if products else []
+    # The step loop: the shortest backward branch's span that holds as many tensor-core
+    # instructions as any (a loop over heads may hold it; a streamed row's chunks lie inside).
+    listing = [(int(address, 16), op, operands) for address, op, operands in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*?(0x[0-9a-f]+)?\s*;", sass.stdout)]
+    spans = [(int(target, 16), address) for address, op, target in listing if op == "BRA" and target and int(target, 16) < address]
+    within = lambda span, names: sum(span[0] <= address <= span[1] and op in names for address, op, _ in listing)
+    most = max((within(span, ("HMMA", "HGMMA")) for span in spans), default=0)
+    step = min((span for span in spans if most and within(span, ("HMMA", "HGMMA")) == most), key=lambda span: span[1] - span[0], default=None)
     return {
         "registers": number(r"Used (\d+) registers"),
         "stack_bytes": number(r"(\d+) bytes stack frame"),
@@ -144,6 +152,7 @@ def machine_code(tools, source, target):
         "ldgsts": len(re.findall(r"\bLDGSTS\b", sass.stdout)),
         "local": len(re.findall(r"\b(?:LDL|STL)\b", sass.stdout)),
         "loop_local": sum(op in ("LDL", "STL") for op in loop),
+        "loop_global_loads": within(step, ("LDG",)) if step else 0,
         "loop_instructions": len(loop),
     }
 
@@ -184,7 +193,7 @@ def out_of_bounds(source):
 
 # What machine_code measures: part of the cache key, so that a result cached before a field
 # was added is measured again.
-RESULT_FIELDS = "registers stack spills shared hmma hgmma ldsm ldgsts local loop_local loop_instructions"
+RESULT_FIELDS = "registers stack spills shared hmma hgmma ldsm ldgsts local loop_local loop_global_loads loop_instructions"
 
 
 def density(result):
@@ -298,6 +307,12 @@ def main():
                 fail("no-cp-async", "a register-fragment kernel without an asynchronous copy (cp.async, LDGSTS)")
             if result["local"]:
                 fail("local-memory" + where, f"{result['local']} local-memory instructions (LDL/STL), {result['loop_local']} in the main loop")
+            # With 32-bit indices the forward holds Q's fragments up to head dim 256
+            # (`fragment_tiles::held_columns`): its loop reads global memory through cp.async
+            # alone. Q read in the loop (LDG) means the launch passed the parts' width instead.
+            sixty_four_bit = any(case.get("sixty_four_bit") for case in kernel["cases"])
+            if kernel["kernel"] == "fragment_forward" and not sixty_four_bit and result["loop_global_loads"]:
+                fail("q-streamed", f"{result['loop_global_loads']} global loads (LDG) in the forward's loop: Q read as the scores need it, not held (fragment_tiles::held_columns)")
             if kernel["kernel"] in ("fragment_forward", "fragment_query_grad", "fragment_key_value_grad") and blocks < 2:
                 fail("blocks", f"{blocks} block an SM for {kernel['kernel']}, which needs two ({threads} threads, {result['registers']} registers, {shared} bytes shared)")
         s = summary[kernel["target"]]

@@ -104,8 +104,8 @@ fn fragments_refuse_other_shapes_and_dtypes() {
 /// within the tests' f16 and bf16 tolerances; head dim 96 refused, naming what it takes. Head
 /// dim 256 both as 32-bit indices lay it out (Q's fragments held whole) and as 64-bit ones do
 /// (Q read 16 columns at a time as the scores need it), which lavapipe runs with 32-bit ones.
-/// (That the launch passes the held width, not the parts', shows in the machine-code check's
-/// registers and HMMA share at 256, not here: both layouts compute the same values.)
+/// (That the launch passes the held width, not the parts', is the machine-code check's to see
+/// (`q-streamed`: Q read in the loop), not this test's: both layouts compute the same values.)
 #[test]
 fn the_fragment_forward_matches_the_reference() {
     use super::{Case, device, download, reference, relative_error, supports, upload, values};
