@@ -112,6 +112,25 @@ class Tools:
         return ptx.value.decode()
 
 
+def count_within(listing, span, opcodes):
+    """How many of `listing`'s instructions from `span`'s first address to its last are `opcodes`."""
+    return sum(span[0] <= address <= span[1] and op in opcodes for address, op, _ in listing)
+
+
+def step_loop(sass):
+    """The key (query) step's loop in `sass` (cuobjdump's text): the shortest backward branch's
+    span (first and last address) that holds as many tensor-core instructions as any (a loop
+    over a group's heads may hold it; a streamed row's chunks lie inside it), None where no loop
+    holds one; every backward branch's span; and the instructions as (address, opcode, the hex
+    operand a branch takes, if any)."""
+    listing = [(int(address, 16), op, operand) for address, op, operand in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*?(0x[0-9a-f]+)?\s*;", sass)]
+    spans = [(int(target, 16), address) for address, op, target in listing if op == "BRA" and target and int(target, 16) < address]
+    products = lambda span: count_within(listing, span, ("HMMA", "HGMMA"))
+    most = max(map(products, spans), default=0)
+    step = min((span for span in spans if most and products(span) == most), key=lambda span: span[1] - span[0], default=None)
+    return step, spans, listing
+
+
 def machine_code(tools, source, target):
     """Registers, spills, stack, static shared memory and tensor-core instructions of one source."""
     ptx = tools.to_ptx(source, target)
@@ -133,13 +152,7 @@ def machine_code(tools, source, target):
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass.stdout)
     products = [i for i, op in enumerate(opcodes) if op in ("HMMA", "HGMMA")]
     loop = opcodes[products[0]:products[-1] + 1] if products else []
-    # The step loop: the shortest backward branch's span that holds as many tensor-core
-    # instructions as any (a loop over heads may hold it; a streamed row's chunks lie inside).
-    listing = [(int(address, 16), op, operands) for address, op, operands in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*?(0x[0-9a-f]+)?\s*;", sass.stdout)]
-    spans = [(int(target, 16), address) for address, op, target in listing if op == "BRA" and target and int(target, 16) < address]
-    within = lambda span, names: sum(span[0] <= address <= span[1] and op in names for address, op, _ in listing)
-    most = max((within(span, ("HMMA", "HGMMA")) for span in spans), default=0)
-    step = min((span for span in spans if most and within(span, ("HMMA", "HGMMA")) == most), key=lambda span: span[1] - span[0], default=None)
+    step, _, listing = step_loop(sass.stdout)
     return {
         "registers": number(r"Used (\d+) registers"),
         "stack_bytes": number(r"(\d+) bytes stack frame"),
@@ -152,7 +165,7 @@ def machine_code(tools, source, target):
         "ldgsts": len(re.findall(r"\bLDGSTS\b", sass.stdout)),
         "local": len(re.findall(r"\b(?:LDL|STL)\b", sass.stdout)),
         "loop_local": sum(op in ("LDL", "STL") for op in loop),
-        "loop_global_loads": within(step, ("LDG",)) if step else 0,
+        "loop_global_loads": count_within(listing, step, ("LDG",)) if step else 0,
         "loop_instructions": len(loop),
     }
 

@@ -36,12 +36,17 @@ import tempfile
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
 
 
-def machine_code(source_path, target):
+def check_module():
+    """`cuda-machine-code.py`, whose tools and step loop this uses."""
     here = os.path.dirname(os.path.abspath(__file__))
     spec = importlib.util.spec_from_file_location("machine_code", os.path.join(here, "cuda-machine-code.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    tools = module.Tools()
+    return module
+
+
+def machine_code(source_path, target):
+    tools = check_module().Tools()
     with tempfile.TemporaryDirectory() as folder:
         ptx, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
         with open(source_path) as source, open(ptx, "w") as out:
@@ -57,16 +62,10 @@ def loop_blocks(sass):
         found = INSTRUCTION.search(line)
         if found:
             instructions.append((int(found.group(1), 16), (found.group(2) or "").strip(), found.group(3), found.group(4)))
-    backward = []
-    for address, _, opcode, operands in instructions:
-        target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
-        if target and int(target.group(1), 16) < address:
-            backward.append((int(target.group(1), 16), address))
-    if not backward:
-        sys.exit("no loop: no backward branch in the machine code")
-    products = lambda span: sum(span[0] <= a <= span[1] and op.startswith(("HMMA", "HGMMA")) for a, _, op, _ in instructions)
-    most = max(products(span) for span in backward)
-    low, high = min((span for span in backward if products(span) == most), key=lambda span: span[1] - span[0])
+    step, backward, _ = check_module().step_loop(sass)
+    if step is None:
+        sys.exit("no loop: no backward branch around a tensor-core instruction in the machine code")
+    low, high = step
     loop = [i for i in instructions if low <= i[0] <= high]
     inner = [span for span in backward if low < span[0] and span[1] < high]
     leaders = {low}
