@@ -2,7 +2,8 @@
 # Makes (once) a venv outside the checkout with NVIDIA's compilers from PyPI, pinned, and prints
 # its folder, for ULYSSES_CUDA_TOOLS. `scripts/cuda-tools.sh` (or `12`): NVRTC, the CUDA headers
 # (libcu++'s, for cp.async and barriers, among them) and ptxas 12.9; `scripts/cuda-tools.sh 13`: 13.0, the GPU image's (driver 580). Both with
-# cuobjdump and nvdisasm 13.5 (they read sm_90a cubins of either ptxas). About 350 and 540 MB.
+# cuobjdump and nvdisasm 13.5 (they read sm_90a cubins of either ptxas); 13's NVVM is pinned
+# too, else nvcc (scripts/fa2-baseline.sh) writes PTX newer than its ptxas reads. About 350 and 540 MB.
 #
 #   ULYSSES_CUDA_TOOLS=$(scripts/cuda-tools.sh):$(scripts/cuda-tools.sh 13)@sm_90a \
 #       cargo test -p ulysses-cuda-check -- --nocapture
@@ -13,7 +14,7 @@ case "${1:-12}" in
         wheels=(nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-nvcc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79 nvidia-cuda-cccl-cu12==12.9.27) ;;
     13)
         venv="${ULYSSES_CUDA_TOOLS_VENV:-/var/tmp/ulysses-cuda-tools-13}"
-        wheels=(nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85) ;;
+        wheels=(nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-nvvm==13.0.88) ;;
     *)
         echo "cuda-tools.sh: CUDA $1 is not pinned here; 12 or 13" >&2
         exit 2 ;;

@@ -23,6 +23,9 @@ and the common path's total (every key seen, no maximum grown, a whole step) is 
 Counts are static: which blocks a step runs is read off the branches, not measured.
 
     python sass-loop-blocks.py SOURCE.cu TARGET [--trips N]   (N: head_dim / 16 where rows stream)
+
+SOURCE may instead be a .cubin compiled elsewhere for TARGET (FlashAttention-2's forward as
+`scripts/fa2-baseline.sh` builds it): its loop is read the same way.
 """
 
 import collections
@@ -47,6 +50,10 @@ def check_module():
 
 def machine_code(source_path, target):
     tools = check_module().Tools()
+    if source_path.endswith(".cubin"):
+        # Compiled elsewhere (a baseline: FlashAttention-2's kernel, benches/RESULTS.md): no
+        # ptxas report to print.
+        return "", subprocess.run([tools.cuobjdump, "-sass", source_path], capture_output=True, text=True, check=True).stdout
     with tempfile.TemporaryDirectory() as folder:
         ptx, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
         with open(source_path) as source, open(ptx, "w") as out:
@@ -83,7 +90,32 @@ def loop_blocks(sass):
             current = []
         current.append(instruction)
     blocks.append(current)
-    return blocks, inner
+    return blocks + outlined(instructions, loop, low, high), inner, step
+
+
+def outlined(instructions, loop, low, high):
+    """The code a branch in the loop jumps to outside it and that jumps back in (ptxas moves
+    FlashAttention-2's copies of the next key tile there): one block per place, from the
+    target to the unconditional branch back."""
+    places = []
+    for _, _, opcode, operands in loop:
+        target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
+        if target and not low <= int(target.group(1), 16) <= high and int(target.group(1), 16) not in places:
+            places.append(int(target.group(1), 16))
+    blocks = []
+    for place in places:
+        block = []
+        for instruction in (i for i in instructions if i[0] >= place):
+            block.append(instruction)
+            address, predicate, opcode, operands = instruction
+            if opcode.startswith("EXIT") and not predicate:
+                break
+            if opcode.startswith("BRA") and not predicate:
+                back = re.search(r"0x([0-9a-f]+)", operands)
+                if back and low <= int(back.group(1), 16) <= high:
+                    blocks.append(block)
+                break
+    return blocks
 
 
 def off_path(block, blocks, inner):
@@ -121,7 +153,7 @@ def main():
     for line in report.splitlines():
         if "registers" in line or "spill" in line:
             print(line.strip())
-    blocks, inner = loop_blocks(sass)
+    blocks, inner, (low, high) = loop_blocks(sass)
     print(f"loop: {sum(len(b) for b in blocks)} instructions in {len(blocks)} blocks")
     common, products = 0, 0
     for block in blocks:
@@ -133,7 +165,8 @@ def main():
         if why in (None, "inner"):
             common += times * len(block)
             products += times * opcodes["HMMA"]
-        print(f"{block[0][0]:#06x}-{block[-1][0]:#06x} {len(block):4} {why or '':8} ends '{predicate} {opcode}{operands[:40]}'  {listed}")
+        where = "outlined" if not low <= block[0][0] <= high else ""
+        print(f"{block[0][0]:#06x}-{block[-1][0]:#06x} {len(block):4} {why or where:8} ends '{predicate} {opcode}{operands[:40]}'  {listed}")
     share = f", HMMA {100 * products / common:.0f}%" if common else ""
     print(f"common path: {common} instructions a step ({products} HMMA{share}; inner loops x{trips})")
 
