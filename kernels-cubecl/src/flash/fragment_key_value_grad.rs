@@ -10,10 +10,13 @@
 //! windows bound the loop to the queries the block's keys are seen by and mask each score by
 //! its key's run of queries (the `VisibleRanges` table of keys).
 //!
-//! At head dim 128 the two accumulators (128 registers a lane) beside K's and V's fragments
-//! (64) leave a step's scores too few registers, so there the kernel runs twice ([`passes`]):
-//! a launch for dV, one for dK, each recomputing Pᵀ, as the planned engine splits dK/dV at
-//! head dim 256. Past 128 (64 with 64-bit indices) the kernel runs once per part of the
+//! Where they fit (`Staging::rows_shared`: CUDA at head dims 64 and 128, lavapipe at 64), K's
+//! and V's rows are not held in registers but staged in shared memory once and read as
+//! fragments each step, as FlashAttention-2's backward keeps them. Held in registers at head
+//! dim 128, the two accumulators (128 registers a lane) beside K's and V's fragments (64)
+//! leave a step's scores too few registers, so there the kernel runs twice ([`passes`]): a
+//! launch for dV, one for dK, each recomputing Pᵀ, as the planned engine splits dK/dV at head
+//! dim 256. Past 128 (64 with 64-bit indices) the kernel runs once per part of the
 //! columns (`fragment_tiles`), K's and V's fragments read as the products need them: dV's and
 //! dK's parts of 128 apart at 256 with 32-bit indices; with 64-bit ones both gradients a launch
 //! in each part of 64 columns, at 128 and 256.
@@ -22,20 +25,21 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        BLOCK_ROWS, Staging, WARPS, block_span, column_parts, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, stage_step, step_tiles,
-        step_unmasked, store_rows, times_tile, times_tile_transposed, zeros,
+        BLOCK_ROWS, Staging, WARPS, block_span, column_parts, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, rows_tile, stage_step, step_tiles,
+        step_unmasked, store_rows, times_rows_transposed, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, cube_in_range, cube_place, visible_run},
 };
 use crate::mma::{C_VALUES, FragmentMma, lane};
 
 /// The launches of the dK/dV kernel at `head_dim`, keeping rows of `register_columns` (see
-/// `fragment_tiles::register_columns`), each `(dK, dV, columns)`: whether it computes that
-/// gradient, and which of its columns (see the module doc). Parts of 64 columns take both
-/// gradients in one launch, as head dim 64 does.
-pub(crate) fn passes(head_dim: usize, register_columns: usize) -> Vec<(bool, bool, ColumnPart)> {
+/// `fragment_tiles::register_columns`) and its own rows in shared memory or not
+/// (`rows_shared`), each `(dK, dV, columns)`: whether it computes that gradient, and which of
+/// its columns (see the module doc). Parts of 64 columns take both gradients in one launch, as
+/// head dim 64 does, and so does a launch whose rows are in shared memory.
+pub(crate) fn passes(head_dim: usize, register_columns: usize, rows_shared: bool) -> Vec<(bool, bool, ColumnPart)> {
     let parts = column_parts(head_dim, register_columns);
-    if part_width(head_dim, register_columns) > 64 {
+    if part_width(head_dim, register_columns) > 64 && !rows_shared {
         let values = parts.iter().map(|&part| (false, true, part));
         let keys = parts.iter().map(|&part| (true, false, part));
         values.chain(keys).collect()
@@ -122,8 +126,13 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     let mut out_grad_tiles = step_tiles::<E>(staging, head_dim);
     let mut copies = M::copies();
 
-    let k_rows = row_operand::<E>(k, kv_base, key0, seq_kv, head_dim, held_columns, unrolled);
-    let v_rows = row_operand::<E>(v, kv_base, key0, seq_kv, head_dim, held_columns, unrolled);
+    // Rows in shared memory: none held as fragments (held width 0) nor streamed.
+    let rows_shared = comptime!(staging.rows_shared);
+    let held = comptime!(if rows_shared { 0 } else { held_columns });
+    let k_rows = row_operand::<E>(k, kv_base, key0, seq_kv, head_dim, held, unrolled);
+    let v_rows = row_operand::<E>(v, kv_base, key0, seq_kv, head_dim, held, unrolled);
+    let mut k_shared = rows_tile::<E>(rows_shared, head_dim);
+    let mut v_shared = rows_tile::<E>(rows_shared, head_dim);
     let out_tiles = comptime!(part.width / 8);
     let mut key_acc = zeros(out_tiles * C_VALUES);
     let mut value_acc = zeros(out_tiles * C_VALUES);
@@ -134,6 +143,12 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     let score_tiles = queries_per_step / 8;
     // Exponents in base 2 (`fast_exp2`): a score's is s·scale·log2(e) − lse·log2(e).
     let scale_log2 = scale * LOG2_E;
+    if rows_shared {
+        if span.steps > 0 {
+            // Awaited with the first step's tiles.
+            stage_step::<E, M>(k, v, kv_base, first_key, seq_kv, &mut k_shared, &mut v_shared, 0usize, BLOCK_ROWS, head_dim, whole, unrolled);
+        }
+    }
 
     for member in 0..group {
         let head_index = kv_index * group + member;
@@ -147,7 +162,11 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
             let query0 = span.start + step * queries_per_step;
             let buffer = next_step::<E, M>(q, out_grad, q_base, &span, step, seq_q, &mut q_tiles, &mut out_grad_tiles, &mut copies, staging, head_dim, whole, unrolled);
             let mut s = zeros(score_tiles * C_VALUES);
-            times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, held_columns, unrolled);
+            if rows_shared {
+                times_rows_transposed::<E, M>(&k_shared, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, unrolled);
+            } else {
+                times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, held_columns, unrolled);
+            }
 
             // Each query column's log-sum-exp base and D, read once a step (a column past the
             // sequence, seen by no key, reads the last row's). The row is clamped into its
@@ -188,7 +207,11 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
             if keys {
                 // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of Pᵀ; dK[:, part] += dSᵀ·Q[:, part].
                 let mut dp = zeros(score_tiles * C_VALUES);
-                times_tile_transposed::<E, M>(&v_rows, v, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, held_columns, unrolled);
+                if rows_shared {
+                    times_rows_transposed::<E, M>(&v_shared, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, unrolled);
+                } else {
+                    times_tile_transposed::<E, M>(&v_rows, v, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, held_columns, unrolled);
+                }
                 #[unroll(unrolled)]
                 for tile in 0..score_tiles {
                     #[unroll]

@@ -149,11 +149,18 @@ pub(crate) enum FragmentKernel {
 
 /// A kernel's loop step: its keys (queries for dK/dV) and the buffers of its staged tiles: two,
 /// so that the next step's copies arrive while this step computes, or one where two do not fit
-/// an emulating device's shared memory (the copies then wait for the step before).
+/// an emulating device's shared memory (the copies then wait for the step before); and, for
+/// dK/dV, whether its block's own rows (K's and V's) are staged in shared memory too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Staging {
     pub keys: usize,
     pub buffers: usize,
+    /// dK/dV's K and V rows staged once in shared memory and read as A fragments by the score
+    /// products (`ldmatrix`, [`times_rows_transposed`]), rather than held in registers: their
+    /// 64 registers a lane at head dim 128 go to the scores, so one launch accumulates both
+    /// gradients there, Sᵀ and dPᵀ computed once rather than once per gradient ([`key_step`]
+    /// has the counts). As FlashAttention-2's backward keeps K and V.
+    pub rows_shared: bool,
 }
 
 /// Keys (queries for dK/dV) per step of `kernel`'s loop: 64 at head dim 64 (8 score tiles of
@@ -177,37 +184,55 @@ pub(crate) struct Staging {
 /// 64-bit indices 32 keys, one buffer), so that the tests run the schedule CUDA runs wherever
 /// the device allows. `Err` with the bytes the
 /// smallest step needs where not even it fits (a kernel over the limit would not run at all).
+///
+/// dK/dV stages its own rows in shared memory ([`Staging::rows_shared`]) where its rows are
+/// not streamed and they fit: with `mma_sync` where the block then fits an SM twice (an H100
+/// or an A100 at head dims 64 and 128; not an L40 at 128), else wherever it fits at all (the
+/// emulation: lavapipe at 64, one 16-query buffer; not at 128), so that the tests run both.
+/// Its registers then hold the scores of twice the queries: 64 a step at head dim 64 (232
+/// registers on sm_90a, 612 instructions a step on the common path against 664 for two
+/// 32-query steps with K and V held), 32 at 128 (248 registers, 458 against 834 for two
+/// 16-query steps of each of the dV and dK launches), no spill (2026-11-29).
 pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, register_columns: usize, mma_sync: bool, element_bytes: usize, shared_limit: usize) -> Result<Staging, usize> {
     let streamed = rows_streamed(head_dim, register_columns);
-    let cuda = match (head_dim > 64, kernel) {
-        (false, FragmentKernel::Forward | FragmentKernel::QueryGrad) => 64,
-        (false, FragmentKernel::KeyValueGrad) => 32,
-        (true, FragmentKernel::Forward) => 64,
-        (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) if streamed => 32,
-        (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) => 16,
-    };
+    let modes: &[bool] = if kernel == FragmentKernel::KeyValueGrad && !streamed { &[true, false] } else { &[false] };
     let fits = |staging: &Staging| shared_bytes(kernel, head_dim, register_columns, *staging, mma_sync, element_bytes) <= shared_limit;
     // Two blocks an SM, each with the driver's reserve (an SM holds a block's limit and one
     // reserve): the forward's 64-key step fits an H100 twice at head dims 128 (70 KB) and 256
     // (102 KB), an A100 at 128 only; its 32-key step at 256 (51 KB) fits an A100 twice, an L40
     // (99 KB a block) once, so there it takes 16 keys.
     let twice = |staging: &Staging| 2 * (shared_bytes(kernel, head_dim, register_columns, *staging, true, element_bytes) + DRIVER_RESERVED) <= shared_limit + DRIVER_RESERVED;
-    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 } };
-    let keys = [cuda, 32, 16].into_iter().filter(move |&keys| keys <= cuda);
     let found = if mma_sync {
-        let steps = || keys.clone().map(|keys| Staging { keys, buffers: 2 });
-        steps().find(twice).or_else(|| steps().find(fits))
+        let steps: Vec<Staging> = modes.iter().flat_map(|&rows_shared| mode_steps(kernel, head_dim, streamed, mma_sync, rows_shared)).collect();
+        steps.iter().copied().find(twice).or_else(|| steps.iter().copied().find(fits))
     } else {
-        let mut double_buffered_first = [2, 1].into_iter().flat_map(|buffers| keys.clone().map(move |keys| Staging { keys, buffers }));
-        // The backward's streamed step: CUDA's keys before a second buffer, so that the
-        // loop CUDA runs (each chunk read feeding `keys / 8` products) runs here too.
-        let mut larger_first = keys.clone().flat_map(|keys| [2, 1].map(|buffers| Staging { keys, buffers }));
-        match streamed && kernel != FragmentKernel::Forward {
-            true => larger_first.find(fits),
-            false => double_buffered_first.find(fits),
-        }
+        modes.iter().find_map(|&rows_shared| mode_steps(kernel, head_dim, streamed, mma_sync, rows_shared).into_iter().find(fits))
     };
+    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 }, rows_shared: false };
     found.ok_or_else(|| shared_bytes(kernel, head_dim, register_columns, smallest, mma_sync, element_bytes))
+}
+
+/// The steps [`key_step`] tries, in order, with dK/dV's rows staged or not (`rows_shared`).
+fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync: bool, rows_shared: bool) -> Vec<Staging> {
+    let cuda = match (head_dim > 64, kernel) {
+        (_, FragmentKernel::KeyValueGrad) if rows_shared && head_dim <= 64 => 64,
+        (_, FragmentKernel::KeyValueGrad) if rows_shared => 32,
+        (false, FragmentKernel::Forward | FragmentKernel::QueryGrad) => 64,
+        (false, FragmentKernel::KeyValueGrad) => 32,
+        (true, FragmentKernel::Forward) => 64,
+        (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) if streamed => 32,
+        (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) => 16,
+    };
+    let keys: Vec<usize> = [cuda, 32, 16].into_iter().filter(|&keys| keys <= cuda).collect();
+    let buffer_counts: &[usize] = if mma_sync { &[2] } else { &[2, 1] };
+    let step = |(keys, buffers)| Staging { keys, buffers, rows_shared };
+    if streamed && kernel != FragmentKernel::Forward {
+        // The backward's streamed step: CUDA's keys before a second buffer, so that the loop
+        // CUDA runs (each chunk read feeding `keys / 8` products) runs here too.
+        keys.iter().flat_map(|&keys| buffer_counts.iter().map(move |&buffers| (keys, buffers))).map(step).collect()
+    } else {
+        buffer_counts.iter().flat_map(|&buffers| keys.iter().map(move |&keys| (keys, buffers))).map(step).collect()
+    }
 }
 
 /// Shared memory CUDA reserves per block beside a kernel's own.
@@ -219,7 +244,8 @@ const DRIVER_RESERVED: usize = 1024;
 fn shared_bytes(kernel: FragmentKernel, head_dim: usize, register_columns: usize, staging: Staging, mma_sync: bool, element_bytes: usize) -> usize {
     let scratch = if mma_sync { 0 } else { WARPS * SCRATCH_BYTES_PER_WARP };
     let second = if kernel == FragmentKernel::Forward { part_width(head_dim, register_columns) } else { head_dim };
-    staging.buffers * staging.keys * (head_dim + PAD + second + PAD) * element_bytes + scratch
+    let rows = if staging.rows_shared { 2 * BLOCK_ROWS * (head_dim + PAD) * element_bytes } else { 0 };
+    staging.buffers * staging.keys * (head_dim + PAD + second + PAD) * element_bytes + rows + scratch
 }
 
 /// The output columns one launch accumulates, keeping `register_columns` (see
@@ -548,6 +574,48 @@ pub(crate) fn times_tile_transposed<E: Float, M: FragmentMma>(
                 let b = M::load_matrices::<E>(tile, start + 8 * n_tile * stride + 16 * chunk, stride, 2usize, 1usize, false);
                 M::mma::<E>(&a_chunk, 0usize, &b, 0usize, out, n_tile * C_VALUES, scratch);
             }
+        }
+    }
+}
+
+/// A block's own 64 rows of `head_dim` (dK/dV's K and V: [`Staging::rows_shared`]) in shared
+/// memory, padded as the step's tiles are; a placeholder of one value where they are not
+/// staged (`shared` false).
+#[cube]
+pub(crate) fn rows_tile<E: Float>(#[comptime] shared: bool, #[comptime] head_dim: usize) -> SharedMemory<E> {
+    let values = comptime!(if shared { BLOCK_ROWS * (head_dim + PAD) } else { 1 });
+    SharedMemory::<E>::new_aligned(values, 16usize)
+}
+
+/// `out += rows · tileᵀ` over a step, as [`times_tile_transposed`] with its rows kept in
+/// registers, but the warp's 16 rows read from `rows` (a [`rows_tile`], this warp's from
+/// `16 · warp`) as A fragments, one `ldmatrix` of four matrices per 16-column chunk, two
+/// chunks at a time.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn times_rows_transposed<E: Float, M: FragmentMma>(
+    rows: &SharedMemory<E>,
+    tile: &SharedMemory<E>,
+    buffer: usize,
+    out: &mut Array<f32>,
+    scratch: &mut SharedMemory<f32>,
+    #[comptime] keys: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] unrolled: bool,
+) {
+    let stride = comptime!(head_dim + PAD);
+    let start = buffer_start(buffer, keys, head_dim);
+    let warp_rows = (UNIT_POS as usize / 32) * 16 * stride;
+    #[unroll(unrolled)]
+    for pair in 0..head_dim / 32 {
+        // Matrices (rows 0-7, 8-15) × (columns 0-7, 8-15): the A fragment's order.
+        let low = M::load_matrices::<E>(rows, warp_rows + 32 * pair, stride, 4usize, 2usize, false);
+        let high = M::load_matrices::<E>(rows, warp_rows + 32 * pair + 16, stride, 4usize, 2usize, false);
+        #[unroll(unrolled)]
+        for n_tile in 0..keys / 8 {
+            let b = M::load_matrices::<E>(tile, start + 8 * n_tile * stride + 32 * pair, stride, 4usize, 1usize, false);
+            M::mma::<E>(&low, 0usize, &b, 0usize, out, n_tile * C_VALUES, scratch);
+            M::mma::<E>(&high, 0usize, &b, B_VALUES, out, n_tile * C_VALUES, scratch);
         }
     }
 }

@@ -646,7 +646,7 @@ fn launch_fragment_key_value_grad<R: CubeRuntime>(
     let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::KeyValueGrad, layout)?;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     use fragment_key_value_grad::fragment_key_value_grad_kernel as kernel;
-    for (keys, values, part) in fragment_key_value_grad::passes(p.head_dim, l.register_columns) {
+    for (keys, values, part) in fragment_key_value_grad::passes(p.head_dim, l.register_columns, l.staging.rows_shared) {
         let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(key_grad), arg(value_grad), arg(key_rows));
         launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.staging, l.held_columns, part, causal, ranged, keys, values));
     }
@@ -714,17 +714,21 @@ mod tests {
         assert_eq!([Forward, QueryGrad, KeyValueGrad].map(|kernel| held_columns(kernel, u64)), [128, 64, 64]);
         let halves = [ColumnPart { first: 0, width: 64 }, ColumnPart { first: 64, width: 64 }];
         assert_eq!(column_parts(128, 64), halves);
-        assert_eq!(fragment_key_value_grad::passes(128, 64), halves.map(|part| (true, true, part)));
-        assert_eq!(fragment_key_value_grad::passes(128, 128), [(false, true, ColumnPart::whole(128)), (true, false, ColumnPart::whole(128))]);
+        assert_eq!(fragment_key_value_grad::passes(128, 64, false), halves.map(|part| (true, true, part)));
+        assert_eq!(fragment_key_value_grad::passes(128, 128, false), [(false, true, ColumnPart::whole(128)), (true, false, ColumnPart::whole(128))]);
+        // K and V in shared memory: one launch for both at 128.
+        assert_eq!(fragment_key_value_grad::passes(128, 128, true), [(true, true, ColumnPart::whole(128))]);
         // Steps (keys; queries for dK/dV) with mma.sync in an H100's shared memory, which the
         // registers bound (`key_step`); emulated, within lavapipe's 32 KiB; and over a limit.
         use fragment_tiles::{Staging, key_step};
         let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, 128, mma_sync, 2, limit));
-        let double = |keys| Ok(Staging { keys, buffers: 2 });
-        assert_eq!(steps(64, true, 227 * 1024), [double(64), double(64), double(32)]);
-        assert_eq!(steps(128, true, 227 * 1024), [double(64), double(16), double(16)]);
-        // The forward's 64-key step at 128 (70 KB) fits an A100 twice too.
-        assert_eq!(steps(128, true, 164 * 1024), [double(64), double(16), double(16)]);
+        let double = |keys| Ok(Staging { keys, buffers: 2, rows_shared: false });
+        // dK/dV with its K and V rows in shared memory (`Staging::rows_shared`).
+        let shared = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true });
+        assert_eq!(steps(64, true, 227 * 1024), [double(64), double(64), shared(64, 2)]);
+        assert_eq!(steps(128, true, 227 * 1024), [double(64), double(16), shared(32, 2)]);
+        // The forward's 64-key step at 128 (70 KB) fits an A100 twice too, and dK/dV's 70 KB.
+        assert_eq!(steps(128, true, 164 * 1024), [double(64), double(16), shared(32, 2)]);
         // Past the register columns the backward streams its rows: 32-step there (two blocks
         // of 68 KB an H100 or an A100); the forward's 64-key step (102 KB) fits an H100 twice,
         // an A100 once, so there it takes 32 keys.
@@ -734,16 +738,20 @@ mod tests {
         assert_eq!(key_step(KeyValueGrad, 128, 64, true, 2, 227 * 1024), double(32));
         // An L40's 99 KB a block holds the forward's 32-key step at 256 once: 16 keys, twice;
         // at 128 its 32-key step twice, not its 64-key one.
+        // dK/dV's rows in shared memory at 128 (52 KB with 16 queries) would fit it once: held in
+        // registers.
         assert_eq!(steps(256, true, 101_376), [double(16), double(16), double(16)]);
         assert_eq!(steps(128, true, 101_376), [double(32), double(16), double(16)]);
-        assert_eq!(steps(64, false, 32 * 1024), [double(32), double(32), double(32)]);
+        // Emulated, dK/dV stages its rows wherever they fit: lavapipe at 64 (18 KB beside one
+        // 16-query buffer and the product's scratch), not at 128 (35 KB).
+        assert_eq!(steps(64, false, 32 * 1024), [double(32), double(32), shared(16, 1)]);
         assert_eq!(steps(128, false, 32 * 1024), [double(16), double(16), double(16)]);
         // At 256 the backward's two whole-width tiles fit lavapipe once, not twice.
-        let single = Ok(Staging { keys: 16, buffers: 1 });
+        let single = Ok(Staging { keys: 16, buffers: 1, rows_shared: false });
         assert_eq!(steps(256, false, 32 * 1024), [double(16), single, single]);
         // The backward with 64-bit indices at 128 streams its rows: CUDA's 32-query step, one
         // buffer, before two of 16.
-        let wide = Ok(Staging { keys: 32, buffers: 1 });
+        let wide = Ok(Staging { keys: 32, buffers: 1, rows_shared: false });
         assert_eq!([QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, 128, 64, false, 2, 32 * 1024)), [wide, wide]);
         assert!(steps(128, false, 8 * 1024).iter().all(|step| matches!(step, Err(needed) if *needed > 8 * 1024)));
     }

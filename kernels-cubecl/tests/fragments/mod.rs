@@ -175,7 +175,9 @@ fn the_fragment_forward_matches_the_reference() {
 /// with the flash tests' measure (dQ and dK relative to one P·(dP − D)·K term, which cancels
 /// where a row sees one key): causal with GQA (dK and dV summed over each group's heads),
 /// unequal lengths both ways (rows that see no key, keys no row sees), documents, key runs with
-/// an empty one, a window, head dims 64 (dK and dV in one launch), 128 (one each) and 256 (one
+/// an empty one, a window, head dims 64 (dK and dV in one launch, K's and V's rows staged in
+/// shared memory: `Staging::rows_shared`, CUDA's path at 64 and 128), 128 (K and V held in
+/// registers, a launch each: lavapipe's 32 KiB do not hold the staged rows there) and 256 (one
 /// per gradient and column part, the tiles single-buffered in lavapipe's shared memory); and
 /// head dim 128 laid out as 64-bit indices lay it out (rows read as the products need them,
 /// each gradient in two parts of 64 columns, dK and dV a launch each part), which lavapipe
