@@ -19,11 +19,12 @@ case "${1:-12}" in
         echo "cuda-tools.sh: CUDA $1 is not pinned here; 12 or 13" >&2
         exit 2 ;;
 esac
-# A venv made before a wheel was added to its list gets it too (pip skips what is there; `pip
-# show` of several names succeeds when any is there, so each is asked alone).
+# A venv made before a wheel was added to its list, or pinned, gets it at its version (pip
+# keeps what matches and replaces what does not): each pin is looked for in `pip freeze`.
 missing=0
-for wheel in "${wheels[@]%%==*}"; do
-    "$venv/bin/pip" show -q "$wheel" >/dev/null 2>&1 || missing=1
+installed=$("$venv/bin/pip" freeze 2>/dev/null || true)
+for wheel in "${wheels[@]}"; do
+    grep -qix -- "$wheel" <<< "$installed" || missing=1
 done
 if [ "$missing" = 1 ]; then
     python3 -m venv "$venv" >&2

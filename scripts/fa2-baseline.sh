@@ -5,7 +5,7 @@
 # TARGET, and prints each one's step loop as `sass-loop-blocks.py` counts ours
 # (benches/RESULTS.md, "FlashAttention-2's step loops, read the same way").
 #
-#   scripts/fa2-baseline.sh FLASH_ATTENTION CUTLASS [TARGET] [OUT]
+#   bash scripts/fa2-baseline.sh FLASH_ATTENTION CUTLASS [TARGET] [OUT]
 #
 # FLASH_ATTENTION: a checkout of Dao-AILab/flash-attention (its csrc/flash_attn/src); CUTLASS: a
 # checkout of NVIDIA/cutlass at the commit flash-attention's csrc/cutlass submodule names (its
@@ -58,6 +58,9 @@ EOF
     echo "== FlashAttention-2 $name ($target): $traits"
     PATH="$cuda/bin:$PATH" nvcc -ptx -w -arch="compute_${target#sm_}" -O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr \
         --expt-extended-lambda -I"$out/shim" -I"$fa" -I"$cutlass" -I"$cuda/include/cccl" -o "$out/$name.ptx" "$out/$name.cu"
-    "$cuda/bin/ptxas" -arch="$target" -O3 -v -o "$out/$name.cubin" "$out/$name.ptx" 2>&1 | grep -E "registers|spill" || true
+    rm -f "$out/$name.cubin"
+    "$cuda/bin/ptxas" -arch="$target" -O3 -v -o "$out/$name.cubin" "$out/$name.ptx" > "$out/$name.ptxas.txt" 2>&1 \
+        || { cat "$out/$name.ptxas.txt" >&2; exit 1; }
+    grep -E "registers|spill" "$out/$name.ptxas.txt" || true
     "$venv/bin/python" "$here/sass-loop-blocks.py" "$out/$name.cubin" "$target"
 done

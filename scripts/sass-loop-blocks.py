@@ -19,13 +19,16 @@ block's start) and its most frequent opcodes, marked where it is off the common 
            block copies without predicates)
   inner    a loop inside the step (the streamed rows' chunks), counted --trips times
 
+and, counted on the common path, `outlined` blocks: code outside the loop's span that a branch
+in it jumps to and that comes back into it (none in this project's kernels so far).
+
 and the common path's total (every key seen, no maximum grown, a whole step) is printed last.
 Counts are static: which blocks a step runs is read off the branches, not measured.
 
     python sass-loop-blocks.py SOURCE.cu TARGET [--trips N]   (N: head_dim / 16 where rows stream)
 
-SOURCE may instead be a .cubin compiled elsewhere for TARGET (FlashAttention-2's forward as
-`scripts/fa2-baseline.sh` builds it): its loop is read the same way.
+SOURCE may instead be a .cubin compiled elsewhere for TARGET (FlashAttention-2's kernels as
+`scripts/fa2-baseline.sh` builds them): its loop is read the same way.
 """
 
 import collections
@@ -94,25 +97,33 @@ def loop_blocks(sass):
 
 
 def outlined(instructions, loop, low, high):
-    """The code a branch in the loop jumps to outside it and that jumps back in (ptxas moves
+    """The code a branch in the loop jumps to outside it and that comes back in (ptxas moves
     FlashAttention-2's copies of the next key tile there): one block per place, from the
-    target to the unconditional branch back."""
+    target to the unconditional branch back into the loop (or its fall into it). A place whose
+    code leaves otherwise (the loop's exit, another place) is not counted; `BRA.DIV`'s targets
+    (a divergent warp's fallback) are not followed."""
+    target_of = lambda operands: int(re.search(r"0x([0-9a-f]+)", operands).group(1), 16) if re.search(r"0x([0-9a-f]+)", operands) else None
     places = []
     for _, _, opcode, operands in loop:
-        target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
-        if target and not low <= int(target.group(1), 16) <= high and int(target.group(1), 16) not in places:
-            places.append(int(target.group(1), 16))
+        target = target_of(operands) if opcode.startswith("BRA") and not opcode.startswith("BRA.DIV") else None
+        if target is not None and not low <= target <= high and target not in places:
+            places.append(target)
     blocks = []
     for place in places:
         block = []
         for instruction in (i for i in instructions if i[0] >= place):
-            block.append(instruction)
             address, predicate, opcode, operands = instruction
+            if low <= address <= high:
+                blocks.append(block)  # fell into the loop
+                break
+            if block and address in places:
+                break
+            block.append(instruction)
             if opcode.startswith("EXIT") and not predicate:
                 break
-            if opcode.startswith("BRA") and not predicate:
-                back = re.search(r"0x([0-9a-f]+)", operands)
-                if back and low <= int(back.group(1), 16) <= high:
+            if opcode.startswith("BRA") and not opcode.startswith("BRA.DIV") and not predicate:
+                back = target_of(operands)
+                if back is not None and low <= back <= high:
                     blocks.append(block)
                 break
     return blocks

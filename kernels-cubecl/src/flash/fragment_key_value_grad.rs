@@ -1,6 +1,6 @@
 //! dK and dV of the register-fragment engine, key-outer as FlashAttention-2's backward: each
-//! warp owns 16 keys and keeps their K and V fragments and their dK and dV accumulators in
-//! registers; a block's 64 keys stream the query rows of every q head of their kv head's group
+//! warp owns 16 keys and keeps their dK and dV accumulators in registers, and their K and V
+//! fragments in registers or, staged, in shared memory (below); a block's 64 keys stream the query rows of every q head of their kv head's group
 //! (grouped-query attention's sum over the group happens here, in a fixed order, without
 //! atomics), a query step at a time through the double-buffered shared tiles the forward uses
 //! for K and V (`fragment_tiles`), here Q and dO. Per step, registers to registers:
@@ -10,9 +10,11 @@
 //! windows bound the loop to the queries the block's keys are seen by and mask each score by
 //! its key's run of queries (the `VisibleRanges` table of keys).
 //!
-//! Where they fit (`Staging::rows_shared`: CUDA at head dims 64 and 128, lavapipe at 64), K's
-//! and V's rows are not held in registers but staged in shared memory once and read as
-//! fragments each step, as FlashAttention-2's backward keeps them. Held in registers at head
+//! Where the rows are not streamed and the block with them staged still fits an SM twice
+//! (`Staging::rows_shared`, `fragment_tiles::key_step`: 32-bit indices on an H100 or an A100 at
+//! head dims 64 and 128, an L40 at 64; emulated, wherever they fit: lavapipe at 64), K's and
+//! V's rows are not held in registers but staged in shared memory once and read as fragments
+//! each step, as FlashAttention-2's backward keeps them. Held in registers at head
 //! dim 128, the two accumulators (128 registers a lane) beside K's and V's fragments (64)
 //! leave a step's scores too few registers, so there the kernel runs twice ([`passes`]): a
 //! launch for dV, one for dK, each recomputing Pᵀ, as the planned engine splits dK/dV at head

@@ -148,9 +148,10 @@ pub(crate) enum FragmentKernel {
 }
 
 /// A kernel's loop step: its keys (queries for dK/dV) and the buffers of its staged tiles: two,
-/// so that the next step's copies arrive while this step computes, or one where two do not fit
-/// an emulating device's shared memory (the copies then wait for the step before); and, for
-/// dK/dV, whether its block's own rows (K's and V's) are staged in shared memory too.
+/// so that the next step's copies arrive while this step computes, or one on an emulating
+/// device where [`key_step`] prefers a larger step or dK/dV's staged rows to a second buffer
+/// (the copies then wait for the step before); and, for dK/dV, whether its block's own rows
+/// (K's and V's) are staged in shared memory too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Staging {
     pub keys: usize,
@@ -163,7 +164,8 @@ pub(crate) struct Staging {
     pub rows_shared: bool,
 }
 
-/// Keys (queries for dK/dV) per step of `kernel`'s loop: 64 at head dim 64 (8 score tiles of
+/// Keys (queries for dK/dV) per step of `kernel`'s loop, with dK/dV's rows held in registers
+/// (for its staged rows see the end): 64 at head dim 64 (8 score tiles of
 /// 16 × 8 a warp) for the forward and dQ, 32 for dK/dV, which holds two accumulators and both
 /// Sᵀ's and dPᵀ's tiles (64 spilled on sm_90a: 255 registers); from head dim 128, where the
 /// accumulators take twice the registers, 64 for the forward too (at 128 it then holds 232–238
@@ -187,8 +189,10 @@ pub(crate) struct Staging {
 ///
 /// dK/dV stages its own rows in shared memory ([`Staging::rows_shared`]) where its rows are
 /// not streamed and they fit: with `mma_sync` where the block then fits an SM twice (an H100
-/// or an A100 at head dims 64 and 128; not an L40 at 128), else wherever it fits at all (the
-/// emulation: lavapipe at 64, one 16-query buffer; not at 128), so that the tests run both.
+/// or an A100 at head dims 64 and 128, an L40 at 64 with 32 queries; not an L40 at 128), else
+/// where some step fits at all, staged before held; emulated, wherever they fit, before any
+/// held step (lavapipe at 64: one 16-query buffer, where held rows took two of 32; not at 128,
+/// where the rows alone exceed its 32 KiB), so that the tests run both paths.
 /// Its registers then hold the scores of twice the queries: 64 a step at head dim 64 (232
 /// registers on sm_90a, 612 instructions a step on the common path against 664 for two
 /// 32-query steps with K and V held), 32 at 128 (248 registers, 458 against 834 for two
