@@ -1,4 +1,4 @@
-//! The flash kernels as an H100 (the whole plan), an A100 and an L40 (a representative subset)
+//! The flash kernels as an H100, an A100 and an L40 (each dtype and head dim: `DEFAULT_TARGETS`)
 //! would compile them: every case the planner accepts must compile to CUDA C++ here, and,
 //! with NVIDIA's compilers at hand (`ULYSSES_CUDA_TOOLS`: venvs with the PyPI wheels, separated
 //! by `:`, each checked, on every target or, written `VENV@sm_90a,...`, on those; `.ci/run`

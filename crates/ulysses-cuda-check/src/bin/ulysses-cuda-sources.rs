@@ -1,7 +1,7 @@
 //! Writes the CUDA C++ sources of every flash kernel the planner would launch on an H100, an
 //! A100 and an L40, with an index, for `scripts/cuda-machine-code.py`:
 //!
-//!     ulysses-cuda-sources OUT_DIR [--targets sm_90a:full,sm_80:representative,sm_89:representative]
+//!     ulysses-cuda-sources OUT_DIR [--targets sm_90a:representative+sixty-four-bit,sm_80:representative,sm_89:representative]
 
 use std::{path::PathBuf, process::ExitCode};
 
