@@ -69,7 +69,7 @@ pub enum FlashError {
     DType { name: &'static str, dtype: DType, query: DType },
 }
 
-pub use stats::{backward_launches, forward_launches};
+pub use stats::{backward_launches, forward_launches, query_grads_summed};
 
 /// Launch counters, so tests can tell the fused kernels from a fallback.
 mod stats {
@@ -86,6 +86,14 @@ mod stats {
     /// Backward launches (each is three kernels) so far in this process.
     pub fn backward_launches() -> u64 {
         BACKWARD.load(Ordering::Relaxed)
+    }
+
+    pub(crate) static QUERY_GRAD_SUMMED: AtomicU64 = AtomicU64::new(0);
+
+    /// Register-fragment backward launches so far whose dQ the dK/dV kernel summed with
+    /// atomics rather than dQ's own kernel computing it.
+    pub fn query_grads_summed() -> u64 {
+        QUERY_GRAD_SUMMED.load(Ordering::Relaxed)
     }
 }
 

@@ -42,7 +42,7 @@ pub struct Case {
 #[derive(Debug, Clone, Serialize)]
 pub struct Kernel {
     pub target: &'static str,
-    /// `forward`, `row_delta`, `key_value_grad` or `query_grad`.
+    /// `forward`, `row_delta`, `key_value_grad`, `query_grad`, or another name `kernel_of` gives.
     pub kernel: String,
     pub entrypoint: String,
     /// `tensor-cores-16` or `plane` (the flash kernels' plan), `tensor-cores-mma` (the mma.sync fragments), `-` (no tiles).
@@ -68,6 +68,7 @@ fn kernel_of(entrypoint: &str) -> Option<&'static str> {
         ("cross_entropy_rows", "cross_entropy"),
         ("fragment_products", "fragments"),
         ("fragment_forward", "fragment_forward"),
+        ("scaled_sum", "scaled_sum"),
     ]
         .into_iter()
         .find(|(prefix, _)| entrypoint.contains(prefix))
@@ -175,7 +176,7 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
                 // The row pre-pass of the backward and the loss's rows multiply no tiles; the
                 // fragments multiply with mma.sync whatever the plan.
                 engine: match kernel {
-                    "row_delta" | "cross_entropy" => "-".into(),
+                    "row_delta" | "cross_entropy" | "scaled_sum" => "-".into(),
                     "fragments" | "fragment_forward" | "fragment_query_grad" | "fragment_key_value_grad" => "tensor-cores-mma".into(),
                     _ => plan.engine.to_string(),
                 },

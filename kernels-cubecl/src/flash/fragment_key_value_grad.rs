@@ -22,17 +22,25 @@
 //! columns (`fragment_tiles`), K's and V's fragments read as the products need them: dV's and
 //! dK's parts of 128 apart at 256 with 32-bit indices; with 64-bit ones both gradients a launch
 //! in each part of 64 columns, at 128 and 256.
+//!
+//! With its rows staged, the kernel sums dQ as well where the device adds f32 atomically
+//! ([`Staging::query_grad`], [`sum_query_grad`]), as FlashAttention-2's backward does: each
+//! step's dS·K over the block's keys is added to an f32 dQ that [`scaled_sum_kernel`] then
+//! scales into the inputs' dtype, and dQ's own kernel (`fragment_query_grad`), which computes
+//! S and dP a second time, does not run. The sum's order then varies from run to run, so dQ
+//! agrees to f32 rounding, not bit for bit; `ULYSSES_FLASH_DETERMINISTIC=1` keeps dQ's own
+//! kernel.
 
 use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        BLOCK_ROWS, Staging, WARPS, block_span, column_parts, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, rows_tile, stage_step, step_tiles,
-        step_unmasked, store_rows, times_rows_transposed, times_tile, times_tile_transposed, zeros,
+        BLOCK_ROWS, PAD, Staging, WARPS, block_span, column_parts, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, rows_tile, stage_step,
+        step_tiles, step_unmasked, store_rows, times_rows_transposed, times_tile, times_tile_transposed, zeros,
     },
-    stage::{ColumnPart, cube_in_range, cube_place, visible_run},
+    stage::{ColumnPart, cube_in_range, cube_index, cube_place, visible_run},
 };
-use crate::mma::{C_VALUES, FragmentMma, lane};
+use crate::mma::{B_VALUES, C_VALUES, FragmentMma, lane};
 
 /// The launches of the dK/dV kernel at `head_dim`, keeping rows of `register_columns` (see
 /// `fragment_tiles::register_columns`) and its own rows in shared memory or not
@@ -65,6 +73,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
     delta: &Tensor<f32>,
     key_grad: &mut Tensor<E>,
     value_grad: &mut Tensor<E>,
+    query_grad_sum: &mut Tensor<Atomic<f32>>,
     ranges: &Tensor<u32>,
     scale: f32,
     #[comptime] head_dim: usize,
@@ -80,7 +89,9 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
 ) {
     let blocks_per_head = k.shape(2).div_ceil(BLOCK_ROWS);
     if cube_in_range(k.shape(0), k.shape(1), blocks_per_head) {
-        key_value_grad_block::<E, M>(q, k, v, out_grad, lse, delta, key_grad, value_grad, ranges, scale, head_dim, staging, held_columns, part, causal, ranged, keys, values, unrolled);
+        key_value_grad_block::<E, M>(
+            q, k, v, out_grad, lse, delta, key_grad, value_grad, query_grad_sum, ranges, scale, head_dim, staging, held_columns, part, causal, ranged, keys, values, unrolled,
+        );
     }
 }
 
@@ -96,6 +107,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     delta: &Tensor<f32>,
     key_grad: &mut Tensor<E>,
     value_grad: &mut Tensor<E>,
+    query_grad_sum: &mut Tensor<Atomic<f32>>,
     ranges: &Tensor<u32>,
     scale: f32,
     #[comptime] head_dim: usize,
@@ -135,6 +147,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     let v_rows = row_operand::<E>(v, kv_base, key0, seq_kv, head_dim, held, unrolled);
     let mut k_shared = rows_tile::<E>(rows_shared, head_dim);
     let mut v_shared = rows_tile::<E>(rows_shared, head_dim);
+    let mut scores_shared = scores_tile::<E>(comptime!(staging.query_grad), queries_per_step);
     let out_tiles = comptime!(part.width / 8);
     let mut key_acc = zeros(out_tiles * C_VALUES);
     let mut value_acc = zeros(out_tiles * C_VALUES);
@@ -224,6 +237,11 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
                 }
                 let ds = rounded::<E>(&s, score_tiles * C_VALUES);
                 times_tile::<E, M>(&ds, &q_tiles, buffer, &mut key_acc, &mut scratch, queries_per_step, head_dim, part, unrolled);
+                if comptime!(staging.query_grad) {
+                    // dQ[step's queries] += dS·K over the block's keys. (The next step's
+                    // barrier, before it writes the tile again, waits for every warp's reads.)
+                    sum_query_grad::<E, M>(&ds, &mut scores_shared, &k_shared, query_grad_sum, &mut scratch, head_index * seq_q, query0, seq_q, queries_per_step, head_dim, unrolled);
+                }
             }
         }
     }
@@ -249,5 +267,106 @@ fn column_probabilities(s: &mut Array<f32>, scale_log2: f32, column_base: &Array
             let at = tile * C_VALUES + i;
             s[at] = fast_exp2(s[at] * scale_log2 - column_base[2 * tile + i % 2]);
         }
+    }
+}
+
+/// dS of a step, query-major (`queries` rows of the block's 64 keys, padded as the step's
+/// tiles are), where this kernel sums dQ ([`Staging::query_grad`]); a placeholder of one value
+/// where it does not.
+#[cube]
+fn scores_tile<E: Float>(#[comptime] summed: bool, #[comptime] queries: usize) -> SharedMemory<E> {
+    let values = comptime!(if summed { queries * (BLOCK_ROWS + PAD) } else { 1 });
+    SharedMemory::<E>::new_aligned(values, 16usize)
+}
+
+/// Adds `dS·K` over the block's 64 keys to rows `query0..` of the query rows from `row0` of
+/// `sum` (f32, dQ's shape, unscaled), those before `seq_q`: `ds` this warp's dSᵀ (its 16 keys
+/// × the step's `queries`, rounded accumulators), `tile` a [`scores_tile`], `k_rows` the
+/// block's staged K. dQ's rows are the step's queries, so dS has to be transposed: each warp
+/// writes its dSᵀ into the tile query-major, and after a barrier reads dS's A fragments from
+/// it with `ldmatrix` as the staged rows are read; each warp then takes a quarter of the
+/// columns, all the queries and all 64 keys (no reduction between warps), and adds its
+/// accumulators with one atomic each.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn sum_query_grad<E: Float, M: FragmentMma>(
+    ds: &Array<E>,
+    tile: &mut SharedMemory<E>,
+    k_rows: &SharedMemory<E>,
+    sum: &mut Tensor<Atomic<f32>>,
+    scratch: &mut SharedMemory<f32>,
+    row0: usize,
+    query0: usize,
+    seq_q: usize,
+    #[comptime] queries: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] unrolled: bool,
+) {
+    let lane = lane();
+    let (g, t) = (lane / 4, lane % 4);
+    let warp = UNIT_POS as usize / 32;
+    let stride = comptime!(BLOCK_ROWS + PAD);
+    // Value i of score tile n is dSᵀ at key 16·warp + g + 8·(i / 2), query 8·n + 2t + i % 2.
+    // (Lanes of one t write one row: 2-byte neighbours, and the four rows' words fall in
+    // distinct banks.)
+    #[unroll(unrolled)]
+    for n_tile in 0..queries / 8 {
+        #[unroll]
+        for i in 0..C_VALUES {
+            tile[(8 * n_tile + 2 * t + i % 2) * stride + 16 * warp + g + 8 * (i / 2)] = ds[n_tile * C_VALUES + i];
+        }
+    }
+    sync_cube();
+
+    let (m_tiles, pairs) = comptime!((queries / 16, head_dim / WARPS / 16));
+    let k_stride = comptime!(head_dim + PAD);
+    let first_column = warp * comptime!(head_dim / WARPS);
+    // A pair of output tiles (16 columns) at a time, its atomics before the next: a whole
+    // quarter's accumulators beside dK's and dV's spilled at head dim 128 (255 registers).
+    #[unroll(unrolled)]
+    for pair in 0..pairs {
+        let mut acc = zeros(comptime!(m_tiles * 2 * C_VALUES));
+        #[unroll(unrolled)]
+        for chunk in 0..BLOCK_ROWS / 16 {
+            // K's matrices transposed, two above each other per output tile: its B fragments
+            // (as `times_tile` reads a step's tile).
+            let b = M::load_matrices::<E>(k_rows, 16 * chunk * k_stride + first_column + 16 * pair, k_stride, 4usize, 2usize, true);
+            #[unroll]
+            for m_tile in 0..m_tiles {
+                // dS's A fragment: queries 16·m_tile.. × keys 16·chunk.. of the query-major tile.
+                let a = M::load_matrices::<E>(tile, 16 * m_tile * stride + 16 * chunk, stride, 4usize, 2usize, false);
+                M::mma::<E>(&a, 0usize, &b, 0usize, &mut acc, 2 * m_tile * C_VALUES, scratch);
+                M::mma::<E>(&a, 0usize, &b, B_VALUES, &mut acc, (2 * m_tile + 1) * C_VALUES, scratch);
+            }
+        }
+        #[unroll]
+        for m_tile in 0..m_tiles {
+            #[unroll]
+            for half in 0..2usize {
+                let query = query0 + 16 * m_tile + g + 8 * half;
+                if query < seq_q {
+                    // Inside dQ's rows (the row is), so unchecked: no clamp per atomic.
+                    let row = (row0 + query) * head_dim + first_column + 16 * pair + 2 * t;
+                    #[unroll]
+                    for n_tile in 0..2usize {
+                        #[unroll]
+                        for j in 0..2usize {
+                            let value = acc[(2 * m_tile + n_tile) * C_VALUES + 2 * half + j];
+                            unsafe { sum.index_unchecked(row + 8 * n_tile + j) }.fetch_add(value);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// dQ in its dtype from the f32 sum `sum` the dK/dV kernel's blocks added up
+/// ([`Staging::query_grad`]), times `scale` (the scores' scale, which dS·K leaves out).
+#[cube(launch, address_type = "dynamic")]
+pub(crate) fn scaled_sum_kernel<E: Float>(sum: &Tensor<f32>, out: &mut Tensor<E>, scale: f32, #[define(E)] _dtype: StorageType) {
+    let index = cube_index() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    if index < out.len() {
+        out[index] = E::cast_from(sum[index] * scale);
     }
 }

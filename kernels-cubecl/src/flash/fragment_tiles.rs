@@ -162,6 +162,11 @@ pub(crate) struct Staging {
     /// gradients there, Sᵀ and dPᵀ computed once rather than once per gradient ([`key_step`]
     /// has the counts). As FlashAttention-2's backward keeps K and V.
     pub rows_shared: bool,
+    /// dK/dV's kernel sums dQ too (`fragment_key_value_grad`, its rows staged): each step's dS
+    /// goes through a shared tile of 64 keys × the step's queries, and its product with the
+    /// block's K is added to an f32 sum of dQ with atomics, as FlashAttention-2's backward
+    /// does; dQ's own kernel, which recomputes S and dP, then does not run.
+    pub query_grad: bool,
 }
 
 /// Keys (queries for dK/dV) per step of `kernel`'s loop, with dK/dV's rows held in registers
@@ -197,9 +202,28 @@ pub(crate) struct Staging {
 /// registers on sm_90a, 612 instructions a step on the common path against 664 for two
 /// 32-query steps with K and V held), 32 at 128 (248 registers, 458 against 834 for two
 /// 16-query steps of each of the dV and dK launches), no spill (2026-11-29).
-pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, register_columns: usize, mma_sync: bool, element_bytes: usize, shared_limit: usize) -> Result<Staging, usize> {
+///
+/// Staged, dK/dV sums dQ as well ([`Staging::query_grad`]) where the device adds f32 values
+/// atomically (`atomic_add`) and each warp's quarter of the columns is whole pairs of
+/// fragments: dS's tile (4.5 KB at head dim 128, 9 KB at 64) still leaves two blocks an SM on
+/// an H100 and an A100 (73 KB at 128), and lavapipe's 32 KiB its 16-query step at 64.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn key_step(
+    kernel: FragmentKernel,
+    head_dim: usize,
+    register_columns: usize,
+    mma_sync: bool,
+    atomic_add: bool,
+    element_bytes: usize,
+    shared_limit: usize,
+) -> Result<Staging, usize> {
     let streamed = rows_streamed(head_dim, register_columns);
-    let modes: &[bool] = if kernel == FragmentKernel::KeyValueGrad && !streamed { &[true, false] } else { &[false] };
+    // (rows staged, dQ summed), in the order tried.
+    let modes: &[(bool, bool)] = match kernel == FragmentKernel::KeyValueGrad && !streamed {
+        true if atomic_add && (head_dim / WARPS) % 16 == 0 => &[(true, true), (true, false), (false, false)],
+        true => &[(true, false), (false, false)],
+        false => &[(false, false)],
+    };
     let fits = |staging: &Staging| shared_bytes(kernel, head_dim, register_columns, *staging, mma_sync, element_bytes) <= shared_limit;
     // Two blocks an SM, each with the driver's reserve (an SM holds a block's limit and one
     // reserve): the forward's 64-key step fits an H100 twice at head dims 128 (70 KB) and 256
@@ -207,17 +231,18 @@ pub(crate) fn key_step(kernel: FragmentKernel, head_dim: usize, register_columns
     // (99 KB a block) once, so there it takes 16 keys.
     let twice = |staging: &Staging| 2 * (shared_bytes(kernel, head_dim, register_columns, *staging, true, element_bytes) + DRIVER_RESERVED) <= shared_limit + DRIVER_RESERVED;
     let found = if mma_sync {
-        let steps: Vec<Staging> = modes.iter().flat_map(|&rows_shared| mode_steps(kernel, head_dim, streamed, mma_sync, rows_shared)).collect();
+        let steps: Vec<Staging> = modes.iter().flat_map(|&mode| mode_steps(kernel, head_dim, streamed, mma_sync, mode)).collect();
         steps.iter().copied().find(twice).or_else(|| steps.iter().copied().find(fits))
     } else {
-        modes.iter().find_map(|&rows_shared| mode_steps(kernel, head_dim, streamed, mma_sync, rows_shared).into_iter().find(fits))
+        modes.iter().find_map(|&mode| mode_steps(kernel, head_dim, streamed, mma_sync, mode).into_iter().find(fits))
     };
-    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 }, rows_shared: false };
+    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 }, rows_shared: false, query_grad: false };
     found.ok_or_else(|| shared_bytes(kernel, head_dim, register_columns, smallest, mma_sync, element_bytes))
 }
 
-/// The steps [`key_step`] tries, in order, with dK/dV's rows staged or not (`rows_shared`).
-fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync: bool, rows_shared: bool) -> Vec<Staging> {
+/// The steps [`key_step`] tries, in order, with dK/dV's rows staged or not and dQ summed or
+/// not (`(rows_shared, query_grad)`).
+fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync: bool, (rows_shared, query_grad): (bool, bool)) -> Vec<Staging> {
     let cuda = match (head_dim > 64, kernel) {
         (_, FragmentKernel::KeyValueGrad) if rows_shared && head_dim <= 64 => 64,
         (_, FragmentKernel::KeyValueGrad) if rows_shared => 32,
@@ -229,7 +254,7 @@ fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync:
     };
     let keys: Vec<usize> = [cuda, 32, 16].into_iter().filter(|&keys| keys <= cuda).collect();
     let buffer_counts: &[usize] = if mma_sync { &[2] } else { &[2, 1] };
-    let step = |(keys, buffers)| Staging { keys, buffers, rows_shared };
+    let step = |(keys, buffers)| Staging { keys, buffers, rows_shared, query_grad };
     if streamed && kernel != FragmentKernel::Forward {
         // The backward's streamed step: CUDA's keys before a second buffer, so that the loop
         // CUDA runs (each chunk read feeding `keys / 8` products) runs here too.
@@ -242,14 +267,15 @@ fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync:
 /// Shared memory CUDA reserves per block beside a kernel's own.
 const DRIVER_RESERVED: usize = 1024;
 
-/// Shared memory of a block: the buffers of its two staged tiles, and the emulated product's
-/// scratch. The forward stages only its part's columns of V; the backward's tiles are read
+/// Shared memory of a block: the buffers of its two staged tiles, dK/dV's staged rows and dS's
+/// tile where it has them, and the emulated product's scratch. The forward stages only its part's columns of V; the backward's tiles are read
 /// whole by the score products.
 fn shared_bytes(kernel: FragmentKernel, head_dim: usize, register_columns: usize, staging: Staging, mma_sync: bool, element_bytes: usize) -> usize {
     let scratch = if mma_sync { 0 } else { WARPS * SCRATCH_BYTES_PER_WARP };
     let second = if kernel == FragmentKernel::Forward { part_width(head_dim, register_columns) } else { head_dim };
     let rows = if staging.rows_shared { 2 * BLOCK_ROWS * (head_dim + PAD) * element_bytes } else { 0 };
-    staging.buffers * staging.keys * (head_dim + PAD + second + PAD) * element_bytes + rows + scratch
+    let scores = if staging.query_grad { staging.keys * (BLOCK_ROWS + PAD) * element_bytes } else { 0 };
+    staging.buffers * staging.keys * (head_dim + PAD + second + PAD) * element_bytes + rows + scores + scratch
 }
 
 /// The output columns one launch accumulates, keeping `register_columns` (see

@@ -16,7 +16,7 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::{
     CubeRuntime,
     kernel::into_contiguous,
-    ops::numeric::empty_device_contiguous_dtype,
+    ops::numeric::{empty_device_contiguous_dtype, zeros_client},
     tensor::CubeTensor,
 };
 use cubecl::prelude::*;
@@ -344,7 +344,7 @@ impl FragmentLaunch {
         let mma_sync = crate::mma::has_mma_sync(client, dtype);
         let shared_limit = client.properties().hardware.max_shared_memory_size;
         let register_columns = fragment_tiles::register_columns(kernel, layout);
-        let staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, dtype.size(), shared_limit)
+        let staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, sums_query_grad(client), dtype.size(), shared_limit)
             .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
         let blocks = match kernel {
             FragmentKernel::KeyValueGrad => p.batch * p.kv_heads * p.seq_kv.div_ceil(fragment_tiles::BLOCK_ROWS),
@@ -430,10 +430,20 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     backward(problem, query, key, value, output, output_grad, lse, options, ranges, fragments)
 }
 
+/// Whether the register-fragment backward may sum dQ in its dK/dV kernel with f32 atomics
+/// (`fragment_tiles::Staging::query_grad`): where the device adds f32 atomically, unless
+/// `ULYSSES_FLASH_DETERMINISTIC=1` asks for dQ's own kernel, whose sums run in a fixed order.
+fn sums_query_grad<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+    use cubecl::ir::{ElemType, FloatKind, StorageType, Type, features::AtomicUsage};
+    let f32_add = client.properties().atomic_type_usage(Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32)))).contains(AtomicUsage::Add);
+    f32_add && std::env::var("ULYSSES_FLASH_DETERMINISTIC").as_deref() != Ok("1")
+}
+
 /// [`flash_attention_backward`] on the register-fragment engine: dK and dV key-outer
 /// (`fragment_key_value_grad.rs`: a block's keys stream the queries of every head of their
-/// group), dQ query-outer like the forward (`fragment_query_grad.rs`), the scores' gradients in
-/// registers, no atomics. f16 or bf16, head dim (and value dim) 64, 128 or 256 (each gradient
+/// group), the scores' gradients in registers; dQ summed by the same kernel with f32 atomics
+/// where it stages its rows and the device has them (unless `ULYSSES_FLASH_DETERMINISTIC=1`),
+/// else query-outer like the forward in its own kernel (`fragment_query_grad.rs`). f16 or bf16, head dim (and value dim) 64, 128 or 256 (each gradient
 /// in two launches of 128 columns there; with 64-bit indices from 128 on, in parts of 64:
 /// `fragment_tiles::register_columns`).
 #[allow(clippy::too_many_arguments)]
@@ -537,12 +547,33 @@ fn backward<R: CubeRuntime>(
     let key_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.head_dim]);
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
     if let Some(layout) = fragments {
-        let query_grad = empty([p.batch, p.q_heads, p.seq_q, p.head_dim]);
         let tensors = FragmentGradients { query: &query, key: &key, value: &value, output_grad: &output_grad, lse: &lse, delta: &delta };
+        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout)?;
+        let query_shape = [p.batch, p.q_heads, p.seq_q, p.head_dim];
+        // dQ summed by the dK/dV kernel (f32, unscaled), or by its own kernel below.
+        let query_grad_sum = if key_value.staging.query_grad {
+            zeros_client(client.clone(), device.clone(), Shape::new(query_shape), DType::F32)
+        } else {
+            empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([1]), DType::F32)
+        };
         if p.seq_kv > 0 {
-            launch_fragment_key_value_grad(&tensors, &key_grad, &value_grad, &key_rows, &p, options.causal, ranged, layout)?;
+            launch_fragment_key_value_grad(&tensors, &key_value, &key_grad, &value_grad, &query_grad_sum, &key_rows, &p, options.causal, ranged)?;
         }
-        if p.seq_q > 0 {
+        let query_grad = empty(query_shape);
+        if key_value.staging.query_grad {
+            crate::stats::QUERY_GRAD_SUMMED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let count: usize = query_shape.iter().product();
+            fragment_key_value_grad::scaled_sum_kernel::launch::<R>(
+                &client,
+                grid(&client, count.div_ceil(256))?,
+                CubeDim::new_1d(256),
+                p.address_type(),
+                query_grad_sum.into_tensor_arg(),
+                query_grad.clone().into_tensor_arg(),
+                p.scale,
+                dtype.into(),
+            );
+        } else if p.seq_q > 0 {
             launch_fragment_query_grad(&tensors, &query_grad, &row_keys, &p, options.causal, ranged, layout)?;
         }
         return Ok((query_grad, key_grad, value_grad));
@@ -630,25 +661,32 @@ struct FragmentGradients<'a, R: CubeRuntime> {
     delta: &'a CubeTensor<R>,
 }
 
-/// Launches the register-fragment dK/dV kernel into `key_grad` and `value_grad`: once, or once
-/// per gradient and column part where it computes them apart (`fragment_key_value_grad::passes`).
+/// Launches the register-fragment dK/dV kernel `l` into `key_grad` and `value_grad` (and, where
+/// it sums dQ, `query_grad_sum`): once, or once per gradient and column part where it computes
+/// them apart (`fragment_key_value_grad::passes`).
+#[allow(clippy::too_many_arguments)]
 fn launch_fragment_key_value_grad<R: CubeRuntime>(
     t: &FragmentGradients<R>,
+    l: &FragmentLaunch,
     key_grad: &CubeTensor<R>,
     value_grad: &CubeTensor<R>,
+    query_grad_sum: &CubeTensor<R>,
     key_rows: &CubeTensor<R>,
     p: &Problem,
     causal: bool,
     ranged: bool,
-    layout: AddressType,
 ) -> Result<(), FlashError> {
     let client = &t.query.client;
-    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::KeyValueGrad, layout)?;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     use fragment_key_value_grad::fragment_key_value_grad_kernel as kernel;
     for (keys, values, part) in fragment_key_value_grad::passes(p.head_dim, l.register_columns, l.staging.rows_shared) {
-        let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(key_grad), arg(value_grad), arg(key_rows));
-        launch_fragments!(kernel, R, l, (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.staging, l.held_columns, part, causal, ranged, keys, values));
+        let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(key_grad), arg(value_grad), arg(query_grad_sum), arg(key_rows));
+        launch_fragments!(
+            kernel,
+            R,
+            l,
+            (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, args.9, p.scale, p.head_dim, l.staging, l.held_columns, part, causal, ranged, keys, values)
+        );
     }
     Ok(())
 }
@@ -721,38 +759,46 @@ mod tests {
         // Steps (keys; queries for dK/dV) with mma.sync in an H100's shared memory, which the
         // registers bound (`key_step`); emulated, within lavapipe's 32 KiB; and over a limit.
         use fragment_tiles::{Staging, key_step};
-        let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, 128, mma_sync, 2, limit));
-        let double = |keys| Ok(Staging { keys, buffers: 2, rows_shared: false });
-        // dK/dV with its K and V rows in shared memory (`Staging::rows_shared`).
-        let shared = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true });
-        assert_eq!(steps(64, true, 227 * 1024), [double(64), double(64), shared(64, 2)]);
-        assert_eq!(steps(128, true, 227 * 1024), [double(64), double(16), shared(32, 2)]);
-        // The forward's 64-key step at 128 (70 KB) fits an A100 twice too, and dK/dV's 70 KB.
-        assert_eq!(steps(128, true, 164 * 1024), [double(64), double(16), shared(32, 2)]);
+        // The devices here add f32 atomically.
+        let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, 128, mma_sync, true, 2, limit));
+        let double = |keys| Ok(Staging { keys, buffers: 2, rows_shared: false, query_grad: false });
+        // dK/dV with its K and V rows in shared memory (`Staging::rows_shared`), summing dQ
+        // (`Staging::query_grad`) or, without atomics, not.
+        let summed = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: true });
+        let shared = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: false });
+        assert_eq!(steps(64, true, 227 * 1024), [double(64), double(64), summed(64, 2)]);
+        assert_eq!(steps(128, true, 227 * 1024), [double(64), double(16), summed(32, 2)]);
+        assert_eq!(key_step(KeyValueGrad, 128, 128, true, false, 2, 227 * 1024), shared(32, 2));
+        // The forward's 64-key step at 128 (70 KB) fits an A100 twice too, and dK/dV's 73 KB.
+        assert_eq!(steps(128, true, 164 * 1024), [double(64), double(16), summed(32, 2)]);
         // Past the register columns the backward streams its rows: 32-step there (two blocks
         // of 68 KB an H100 or an A100); the forward's 64-key step (102 KB) fits an H100 twice,
         // an A100 once, so there it takes 32 keys.
         assert_eq!(steps(256, true, 227 * 1024), [double(64), double(32), double(32)]);
         assert_eq!(steps(256, true, 164 * 1024), [double(32), double(32), double(32)]);
-        assert_eq!(key_step(QueryGrad, 128, 64, true, 2, 227 * 1024), double(32));
-        assert_eq!(key_step(KeyValueGrad, 128, 64, true, 2, 227 * 1024), double(32));
+        assert_eq!(key_step(QueryGrad, 128, 64, true, true, 2, 227 * 1024), double(32));
+        assert_eq!(key_step(KeyValueGrad, 128, 64, true, true, 2, 227 * 1024), double(32));
         // An L40's 99 KB a block holds the forward's 32-key step at 256 once: 16 keys, twice;
         // at 128 its 32-key step twice, not its 64-key one.
         // dK/dV's rows in shared memory at 128 (52 KB with 16 queries) would fit it once: held in
         // registers.
         assert_eq!(steps(256, true, 101_376), [double(16), double(16), double(16)]);
         assert_eq!(steps(128, true, 101_376), [double(32), double(16), double(16)]);
+        // At 64 dK/dV's 42 KB with 32 queries fit it twice.
+        assert_eq!(steps(64, true, 101_376), [double(64), double(64), summed(32, 2)]);
         // Emulated, dK/dV stages its rows wherever they fit: lavapipe at 64 (18 KB beside one
-        // 16-query buffer and the product's scratch), not at 128 (35 KB).
-        assert_eq!(steps(64, false, 32 * 1024), [double(32), double(32), shared(16, 1)]);
+        // 16-query buffer, dS's 2 KB and the product's scratch: 31 488 bytes), not at 128
+        // (35 KB).
+        assert_eq!(steps(64, false, 32 * 1024), [double(32), double(32), summed(16, 1)]);
+        assert_eq!(key_step(KeyValueGrad, 64, 128, false, false, 2, 32 * 1024), shared(16, 1));
         assert_eq!(steps(128, false, 32 * 1024), [double(16), double(16), double(16)]);
         // At 256 the backward's two whole-width tiles fit lavapipe once, not twice.
-        let single = Ok(Staging { keys: 16, buffers: 1, rows_shared: false });
+        let single = Ok(Staging { keys: 16, buffers: 1, rows_shared: false, query_grad: false });
         assert_eq!(steps(256, false, 32 * 1024), [double(16), single, single]);
         // The backward with 64-bit indices at 128 streams its rows: CUDA's 32-query step, one
         // buffer, before two of 16.
-        let wide = Ok(Staging { keys: 32, buffers: 1, rows_shared: false });
-        assert_eq!([QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, 128, 64, false, 2, 32 * 1024)), [wide, wide]);
+        let wide = Ok(Staging { keys: 32, buffers: 1, rows_shared: false, query_grad: false });
+        assert_eq!([QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, 128, 64, false, true, 2, 32 * 1024)), [wide, wide]);
         assert!(steps(128, false, 8 * 1024).iter().all(|step| matches!(step, Err(needed) if *needed > 8 * 1024)));
     }
 
