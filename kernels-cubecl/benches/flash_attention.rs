@@ -26,7 +26,9 @@
 //! register-fragment engine, FlashAttention-2's design, takes 256 too: `--head-dims 64,128,256`)
 //! three ways in one run: the planned engine (`flash_attention_forward`, `_backward`), the
 //! register fragments (`flash_attention_forward_fragments`, `_backward_fragments`) and SDPA,
-//! with the fragments' output and gradients checked against the planned engine's first; then
+//! with the fragments' output and gradients checked against the planned engine's first, and
+//! the fragments' backward timed twice where it sums dQ in the dK/dV kernel with atomics: so,
+//! and with dQ's own kernel (`ULYSSES_FLASH_DETERMINISTIC=1`, the "dQ kernel" column); then
 //! causal packed documents of 2048 tokens on both engines.
 
 use std::{
@@ -194,9 +196,11 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
     for backward in [false, true] {
         let pass = if backward { "backward" } else { "forward" };
         println!("\n{pass}, {dtype:?}: planned engine / register fragments (FlashAttention-2's design) / SDPA");
+        // The backward's fragments once more with dQ's own kernel (`ULYSSES_FLASH_DETERMINISTIC=1`)
+        // where the default sums it in the dK/dV kernel with atomics: the two ways side by side.
         println!(
-            "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned",
-            "dim", "heads", "seq", "causal", "planned", "fragments", "SDPA", "frag/plan", "frag/SDPA"
+            "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} {:>9} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned",
+            "dim", "heads", "seq", "causal", "planned", "fragments", "SDPA", "dQ kernel", "frag/plan", "frag/SDPA"
         );
         for (shape, compared, sdpa) in &rows {
             let (planned_s, fragments_s, difference) = if backward {
@@ -208,10 +212,11 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
             let flops = shape.forward_flops() * if backward { 2.5 } else { 1.0 };
             let tflops = |seconds: f64| flops / seconds / 1e12;
             let sdpa_tflops = sdpa.map(|t| tflops(if backward { t.backward } else { t.forward }));
+            let own_kernel = if backward { compared.query_grad_kernel_backward.map(tflops) } else { None };
             // On the CPU the products run in the shared-memory emulation: compare there for
             // agreement, not for speed.
             println!(
-                "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} TFLOP/s | {:>9.2} {:>9} | {difference:.1e}",
+                "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} {:>9} TFLOP/s | {:>9.2} {:>9} | {difference:.1e}",
                 shape.head_dim,
                 shape.heads,
                 shape.seq,
@@ -219,6 +224,7 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
                 number(tflops(planned_s)),
                 number(tflops(fragments_s)),
                 text(sdpa_tflops),
+                text(own_kernel),
                 planned_s / fragments_s,
                 text(sdpa_tflops.map(|theirs| tflops(fragments_s) / theirs))
             );
@@ -255,6 +261,8 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
 struct Compared {
     planned: Timing,
     fragments: Timing,
+    /// The fragments' backward with dQ's own kernel, where the default sums dQ with atomics.
+    query_grad_kernel_backward: Option<f64>,
     forward_difference: f32,
     backward_difference: f32,
 }
@@ -276,13 +284,26 @@ fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, 
     let forward_difference = largest_difference(values(planned_out.clone()), values(fragments_out.clone()));
     let planned_backward = || flash_attention_backward(q.clone(), k.clone(), v.clone(), planned_out.clone(), g.clone(), planned_lse.clone(), options, ranges).unwrap();
     let fragments_backward = || flash_attention_backward_fragments(q.clone(), k.clone(), v.clone(), fragments_out.clone(), g.clone(), fragments_lse.clone(), options, ranges).unwrap();
+    let summed_before = ulysses_kernels::query_grads_summed();
     let (want, got) = (planned_backward(), fragments_backward());
-    let backward_difference = [(want.0, got.0), (want.1, got.1), (want.2, got.2)].into_iter().map(|(a, b)| largest_difference(values(a), values(b))).fold(0.0f32, f32::max);
+    let summed = ulysses_kernels::query_grads_summed() > summed_before;
+    let mut backward_difference = [(want.0.clone(), got.0), (want.1.clone(), got.1), (want.2.clone(), got.2)].into_iter().map(|(a, b)| largest_difference(values(a), values(b))).fold(0.0f32, f32::max);
     let each = budget / 4;
     let timing = |forward: f64, backward: f64| Timing { forward, backward, both: forward + backward };
+    let query_grad_kernel_backward = summed.then(|| {
+        // Read by the planner at each call; the bench's one thread sets it and puts it back.
+        // SAFETY: no other thread of this process reads or writes the environment meanwhile.
+        unsafe { std::env::set_var("ULYSSES_FLASH_DETERMINISTIC", "1") };
+        let own = fragments_backward();
+        backward_difference = [(want.0, own.0), (want.1, own.1), (want.2, own.2)].into_iter().map(|(a, b)| largest_difference(values(a), values(b))).fold(backward_difference, f32::max);
+        let seconds = time(device, each, || drop(fragments_backward()));
+        unsafe { std::env::remove_var("ULYSSES_FLASH_DETERMINISTIC") };
+        seconds
+    });
     Compared {
         planned: timing(time(device, each, || drop(planned())), time(device, each, || drop(planned_backward()))),
         fragments: timing(time(device, each, || drop(fragments())), time(device, each, || drop(fragments_backward()))),
+        query_grad_kernel_backward,
         forward_difference,
         backward_difference,
     }

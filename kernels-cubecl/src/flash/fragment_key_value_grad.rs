@@ -345,7 +345,9 @@ fn sum_query_grad<E: Float, M: FragmentMma>(
             for half in 0..2usize {
                 let query = query0 + 16 * m_tile + g + 8 * half;
                 if query < seq_q {
-                    // Inside dQ's rows (the row is), so unchecked: no clamp per atomic.
+                    // Inside dQ's rows (the row is), so unchecked: no clamp per atomic. (Each
+                    // still takes an add and a 64-bit multiply-add for its address: a 32-bit
+                    // index may wrap, so no constant offset folds into the instruction.)
                     let row = (row0 + query) * head_dim + first_column + 16 * pair + 2 * t;
                     #[unroll]
                     for n_tile in 0..2usize {
