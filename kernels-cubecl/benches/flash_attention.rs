@@ -39,7 +39,8 @@ use std::{
 use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use ulysses_kernels::{
-    FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_forward, flash_attention_forward_fragments,
+    FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_backward_fragments_laid_out_for, flash_attention_forward,
+    flash_attention_forward_fragments,
     flash::{Engine, Problem},
 };
 
@@ -291,14 +292,13 @@ fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, 
     let each = budget / 4;
     let timing = |forward: f64, backward: f64| Timing { forward, backward, both: forward + backward };
     let query_grad_kernel_backward = summed.then(|| {
-        // Read by the planner at each call; the bench's one thread sets it and puts it back.
-        // SAFETY: no other thread of this process reads or writes the environment meanwhile.
-        unsafe { std::env::set_var("ULYSSES_FLASH_DETERMINISTIC", "1") };
-        let own = fragments_backward();
+        // What `ULYSSES_FLASH_DETERMINISTIC=1` runs.
+        let own_kernel = || {
+            flash_attention_backward_fragments_laid_out_for(q.clone(), k.clone(), v.clone(), fragments_out.clone(), g.clone(), fragments_lse.clone(), options, ranges, None, true).unwrap()
+        };
+        let own = own_kernel();
         backward_difference = [(want.0, own.0), (want.1, own.1), (want.2, own.2)].into_iter().map(|(a, b)| largest_difference(values(a), values(b))).fold(backward_difference, f32::max);
-        let seconds = time(device, each, || drop(fragments_backward()));
-        unsafe { std::env::remove_var("ULYSSES_FLASH_DETERMINISTIC") };
-        seconds
+        time(device, each, || drop(own_kernel()))
     });
     Compared {
         planned: timing(time(device, each, || drop(planned())), time(device, each, || drop(planned_backward()))),

@@ -99,6 +99,12 @@ mod stats {
 
 /// For tests and benches: whether a CubeCL runtime has a device here, and its memory in use.
 pub mod testing {
+    /// Whether the device adds f32 values atomically: where it does, the register-fragment
+    /// backward sums dQ in its dK/dV kernel where that stages its rows.
+    pub fn adds_f32_atomically<R: cubecl::Runtime>(device: &R::Device) -> bool {
+        crate::flash::adds_f32_atomically(&R::client(device))
+    }
+
     /// Bytes the allocator of runtime `R` has handed out on `device`, once the work queued
     /// so far has run (freed buffers then count no more).
     pub fn bytes_in_use<R: cubecl::Runtime>(device: &R::Device) -> u64 {

@@ -17,7 +17,8 @@ use burn_cubecl::CubeBackend;
 use cubecl::Runtime as _;
 use serde::Serialize;
 use ulysses_kernels::{
-    FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_forward, flash_attention_forward_fragments, fused_cross_entropy,
+    FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_backward_fragments_laid_out_for, flash_attention_forward,
+    flash_attention_forward_fragments, fused_cross_entropy,
     mma::fragment_products, plan_flash_attention,
 };
 
@@ -160,8 +161,14 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
         if matches!(dtype, DType::F16 | DType::BF16) && matches!(case.head_dim, 64 | 128 | 256) {
             let (output, lse) = flash_attention_forward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options, ranges.as_ref())
                 .map_err(|e| format!("{case:?}: the fragment forward: {e}"))?;
-            flash_attention_backward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), output, tensor(q_shape), lse, options, ranges.as_ref())
+            flash_attention_backward_fragments(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), output.clone(), tensor(q_shape), lse.clone(), options, ranges.as_ref())
                 .map_err(|e| format!("{case:?}: the fragment backward: {e}"))?;
+            // And with dQ by its own kernel where the dK/dV kernel sums it
+            // (`ULYSSES_FLASH_DETERMINISTIC=1`): bf16 alone, whose code f16's repeats.
+            if dtype == DType::BF16 && !case.sixty_four_bit {
+                flash_attention_backward_fragments_laid_out_for(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), output, tensor(q_shape), lse, options, ranges.as_ref(), None, true)
+                    .map_err(|e| format!("{case:?}: the deterministic fragment backward: {e}"))?;
+            }
         }
         // Launches reach the server through a queue: every one of this case's is compiled
         // once the queue is drained.

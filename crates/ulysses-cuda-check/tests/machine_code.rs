@@ -1,5 +1,5 @@
 //! The flash kernels as an H100, an A100 and an L40 (each dtype and head dim: `DEFAULT_TARGETS`)
-//! would compile them: every case the planner accepts must compile to CUDA C++ here, and,
+//! would compile them: every case of `DEFAULT_TARGETS` must compile to CUDA C++ here, and,
 //! with NVIDIA's compilers at hand (`ULYSSES_CUDA_TOOLS`: venvs with the PyPI wheels, separated
 //! by `:`, each checked, on every target or, written `VENV@sm_90a,...`, on those; `.ci/run`
 //! checks the A100 and the L40 with CUDA 12.9's and the H100 with 13.0's, the GPU image's), to machine

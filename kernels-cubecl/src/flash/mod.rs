@@ -310,7 +310,7 @@ fn fragment_forward<R: CubeRuntime>(
         return Ok((output, lse));
     }
     let [row_keys, _] = range_tables(ranges, &p, &client, &query.device)?;
-    let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward, layout)?;
+    let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward, layout, false)?;
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     use fragment_forward::fragment_forward_kernel as kernel;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
@@ -340,11 +340,13 @@ impl FragmentLaunch {
     /// `layout`: the index width whose register layout the kernel takes (the call's, but for
     /// tests: [`flash_attention_forward_fragments_laid_out_for`],
     /// [`flash_attention_backward_fragments_laid_out_for`]).
-    fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, p: &Problem, kernel: FragmentKernel, layout: AddressType) -> Result<Self, FlashError> {
+    /// `atomic_sums`: whether the launch may sum with atomics where the device has them (dK/dV
+    /// summing dQ: `fragment_tiles::Staging::query_grad`).
+    fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, p: &Problem, kernel: FragmentKernel, layout: AddressType, atomic_sums: bool) -> Result<Self, FlashError> {
         let mma_sync = crate::mma::has_mma_sync(client, dtype);
         let shared_limit = client.properties().hardware.max_shared_memory_size;
         let register_columns = fragment_tiles::register_columns(kernel, layout);
-        let staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, sums_query_grad(client), dtype.size(), shared_limit)
+        let staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, atomic_sums && adds_f32_atomically(client), dtype.size(), shared_limit)
             .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
         let blocks = match kernel {
             FragmentKernel::KeyValueGrad => p.batch * p.kv_heads * p.seq_kv.div_ceil(fragment_tiles::BLOCK_ROWS),
@@ -427,16 +429,21 @@ pub fn flash_attention_backward<R: CubeRuntime>(
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     let fragments = (plan::fragments_requested() && fragments_refusal(query.dtype, &problem).is_none()).then(|| problem.address_type());
-    backward(problem, query, key, value, output, output_grad, lse, options, ranges, fragments)
+    backward(problem, query, key, value, output, output_grad, lse, options, ranges, fragments, deterministic_requested())
 }
 
-/// Whether the register-fragment backward may sum dQ in its dK/dV kernel with f32 atomics
-/// (`fragment_tiles::Staging::query_grad`): where the device adds f32 atomically, unless
-/// `ULYSSES_FLASH_DETERMINISTIC=1` asks for dQ's own kernel, whose sums run in a fixed order.
-fn sums_query_grad<R: CubeRuntime>(client: &ComputeClient<R>) -> bool {
+/// Whether the device adds f32 values atomically, which the register-fragment backward needs
+/// to sum dQ in its dK/dV kernel (`fragment_tiles::Staging::query_grad`).
+pub(crate) fn adds_f32_atomically<R: cubecl::Runtime>(client: &ComputeClient<R>) -> bool {
     use cubecl::ir::{ElemType, FloatKind, StorageType, Type, features::AtomicUsage};
-    let f32_add = client.properties().atomic_type_usage(Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32)))).contains(AtomicUsage::Add);
-    f32_add && std::env::var("ULYSSES_FLASH_DETERMINISTIC").as_deref() != Ok("1")
+    client.properties().atomic_type_usage(Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32)))).contains(AtomicUsage::Add)
+}
+
+/// `ULYSSES_FLASH_DETERMINISTIC=1`: the register-fragment backward computes dQ in its own
+/// kernel, whose sums run in a fixed order, rather than summing it with atomics (bitwise
+/// reproducible gradients, for a little more work).
+fn deterministic_requested() -> bool {
+    std::env::var("ULYSSES_FLASH_DETERMINISTIC").as_deref() == Ok("1")
 }
 
 /// [`flash_attention_backward`] on the register-fragment engine: dK and dV key-outer
@@ -457,13 +464,14 @@ pub fn flash_attention_backward_fragments<R: CubeRuntime>(
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
-    flash_attention_backward_fragments_laid_out_for(query, key, value, output, output_grad, lse, options, ranges, None)
+    flash_attention_backward_fragments_laid_out_for(query, key, value, output, output_grad, lse, options, ranges, None, deterministic_requested())
 }
 
-/// For tests: [`flash_attention_backward_fragments`] with its kernels' registers laid out as
-/// for indices of width `layout` (`fragment_tiles::register_columns`) whatever the call's
-/// (`None`: the call's), so that a device without 64-bit indices (lavapipe) runs the layout of
-/// 64-bit indices against the reference.
+/// For tests and benches: [`flash_attention_backward_fragments`] with its kernels' registers
+/// laid out as for indices of width `layout` (`fragment_tiles::register_columns`) whatever the
+/// call's (`None`: the call's), so that a device without 64-bit indices (lavapipe) runs the
+/// layout of 64-bit indices against the reference; and with dQ in its own kernel where
+/// `deterministic`, whatever `ULYSSES_FLASH_DETERMINISTIC` says.
 #[doc(hidden)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward_fragments_laid_out_for<R: CubeRuntime>(
@@ -476,17 +484,19 @@ pub fn flash_attention_backward_fragments_laid_out_for<R: CubeRuntime>(
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
     layout: Option<AddressType>,
+    deterministic: bool,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     if let Some(refusal) = fragments_refusal(query.dtype, &problem) {
         return Err(FlashError::Shape(refusal));
     }
     let layout = layout.unwrap_or(problem.address_type());
-    backward(problem, query, key, value, output, output_grad, lse, options, ranges, Some(layout))
+    backward(problem, query, key, value, output, output_grad, lse, options, ranges, Some(layout), deterministic)
 }
 
 /// The backward of a checked call `problem`, on the register fragments laid out for index
-/// width `fragments` where that is given (see [`FragmentLaunch::new`]).
+/// width `fragments` where that is given (see [`FragmentLaunch::new`]), dQ by its own kernel
+/// there where `deterministic`.
 #[allow(clippy::too_many_arguments)]
 fn backward<R: CubeRuntime>(
     problem: Problem,
@@ -499,6 +509,7 @@ fn backward<R: CubeRuntime>(
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
     fragments: Option<AddressType>,
+    deterministic: bool,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let p = problem;
     let expected_output = [p.batch, p.q_heads, p.seq_q, p.value_dim];
@@ -548,7 +559,7 @@ fn backward<R: CubeRuntime>(
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
     if let Some(layout) = fragments {
         let tensors = FragmentGradients { query: &query, key: &key, value: &value, output_grad: &output_grad, lse: &lse, delta: &delta };
-        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout)?;
+        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout, !deterministic)?;
         let query_shape = [p.batch, p.q_heads, p.seq_q, p.head_dim];
         // dQ summed by the dK/dV kernel (f32, unscaled), or by its own kernel below.
         let query_grad_sum = if key_value.staging.query_grad {
@@ -679,7 +690,10 @@ fn launch_fragment_key_value_grad<R: CubeRuntime>(
     let client = &t.query.client;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     use fragment_key_value_grad::fragment_key_value_grad_kernel as kernel;
-    for (keys, values, part) in fragment_key_value_grad::passes(p.head_dim, l.register_columns, l.staging.rows_shared) {
+    let passes = fragment_key_value_grad::passes(p.head_dim, l.register_columns, l.staging.rows_shared);
+    // Summing dQ takes dS and K's whole rows: one launch computing both gradients.
+    debug_assert!(!l.staging.query_grad || passes == [(true, true, ColumnPart::whole(p.head_dim))], "dQ summed over {passes:?}");
+    for (keys, values, part) in passes {
         let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(key_grad), arg(value_grad), arg(query_grad_sum), arg(key_rows));
         launch_fragments!(
             kernel,
@@ -702,7 +716,7 @@ fn launch_fragment_query_grad<R: CubeRuntime>(
     layout: AddressType,
 ) -> Result<(), FlashError> {
     let client = &t.query.client;
-    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::QueryGrad, layout)?;
+    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::QueryGrad, layout, false)?;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     use fragment_query_grad::fragment_query_grad_kernel as kernel;
     for part in fragment_tiles::column_parts(p.head_dim, l.register_columns) {

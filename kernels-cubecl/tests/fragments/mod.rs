@@ -171,12 +171,15 @@ fn the_fragment_forward_matches_the_reference() {
 }
 
 /// The backward on the register fragments (`flash_attention_backward_fragments`: dK and dV
-/// key-outer, dQ query-outer) after the fragment forward, against the f64 reference's gradients
+/// key-outer; dQ summed in the same kernel with atomics where it stages its rows and the
+/// device adds f32 atomically, else query-outer in its own kernel, as a case here asks for
+/// explicitly) after the fragment forward, against the f64 reference's gradients
 /// with the flash tests' measure (dQ and dK relative to one P·(dP − D)·K term, which cancels
 /// where a row sees one key): causal with GQA (dK and dV summed over each group's heads),
 /// unequal lengths both ways (rows that see no key, keys no row sees), documents, key runs with
 /// an empty one, a window, head dims 64 (dK and dV in one launch, K's and V's rows staged in
-/// shared memory: `Staging::rows_shared`, CUDA's path at 64 and 128), 128 (K and V held in
+/// shared memory: `Staging::rows_shared`, CUDA's path at 64 and 128; dQ summed there:
+/// `Staging::query_grad`), 128 (K and V held in
 /// registers, a launch each: lavapipe's 32 KiB do not hold the staged rows there) and 256 (one
 /// per gradient and column part, the tiles single-buffered in lavapipe's shared memory); and
 /// head dim 128 laid out as 64-bit indices lay it out (rows read as the products need them,
@@ -186,7 +189,7 @@ fn the_fragment_forward_matches_the_reference() {
 fn the_fragment_backward_matches_the_reference() {
     use super::{Case, device, download, largest, reference, relative_error, relative_error_above, supports, upload, values};
     use cubecl::ir::AddressType;
-    use ulysses_kernels::{FlashOptions, flash_attention_backward_fragments_laid_out_for, flash_attention_forward_fragments, query_grads_summed};
+    use ulysses_kernels::{FlashOptions, flash_attention_backward_fragments_laid_out_for, flash_attention_forward_fragments, query_grads_summed, testing::adds_f32_atomically};
     let Some(device) = device() else { return };
     for dtype in [DType::F16, DType::BF16] {
         if !supports(&device, dtype) {
@@ -195,26 +198,29 @@ fn the_fragment_backward_matches_the_reference() {
         }
         let unequal = |seq_q, seq_kv| Case { batch: 1, seq_q, seq_kv, ..Case::new(2, 1, 0, 64, true) };
         let window = Case { window: Some(17), documents: Some(vec![vec![100, 50], vec![9, 141]]), ..Case::new(4, 2, 150, 128, true) };
+        // (case, layout, dQ by its own kernel even where it could be summed).
         let (call, wide) = (None, Some(AddressType::U64));
+        let documents = Case { documents: Some(vec![vec![70, 80], vec![5, 17, 100, 3, 25]]), ..Case::new(4, 1, 150, 64, true) };
         let cases = [
-            (Case { batch: 1, ..Case::new(4, 2, 150, 64, true) }, call),
-            (unequal(70, 150), call),
-            (unequal(150, 70), call),
-            (Case { batch: 1, ..Case::new(2, 2, 80, 128, false) }, call),
-            (Case { documents: Some(vec![vec![70, 80], vec![5, 17, 100, 3, 25]]), ..Case::new(4, 1, 150, 64, true) }, call),
-            (Case { key_runs: Some(vec![0..0, 0..7]), ..Case::new(2, 2, 40, 128, false) }, call),
+            (Case { batch: 1, ..Case::new(4, 2, 150, 64, true) }, call, false),
+            (unequal(70, 150), call, false),
+            (unequal(150, 70), call, false),
+            (Case { batch: 1, ..Case::new(2, 2, 80, 128, false) }, call, false),
+            (documents.clone(), call, false),
+            // What `ULYSSES_FLASH_DETERMINISTIC=1` runs: the staged rows without the sum.
+            (documents, call, true),
+            (Case { key_runs: Some(vec![0..0, 0..7]), ..Case::new(2, 2, 40, 128, false) }, call, false),
             // The 64-bit layout first: a part it left unwritten must not find the same case's
             // gradient in a reused buffer.
-            (window.clone(), wide),
-            (window, call),
-            (Case { batch: 1, ..Case::new(2, 1, 80, 256, true) }, call),
-            (Case { window: Some(17), documents: Some(vec![vec![100, 50], vec![9, 141]]), ..Case::new(2, 1, 150, 256, true) }, call),
+            (window.clone(), wide, false),
+            (window, call, false),
+            (Case { batch: 1, ..Case::new(2, 1, 80, 256, true) }, call, false),
+            (Case { window: Some(17), documents: Some(vec![vec![100, 50], vec![9, 141]]), ..Case::new(2, 1, 150, 256, true) }, call, false),
         ];
         // Cases whose dQ the dK/dV kernel summed with atomics (its rows staged: at head dim 64
         // on lavapipe, 64 and 128 on CUDA), the others by dQ's own kernel.
         let mut summed = 0;
-        let cases_len = cases.len();
-        for (case, layout) in cases {
+        for (case, layout, deterministic) in cases {
             let case = Case { dtype, ..case };
             let summed_before = query_grads_summed();
             let q = values(case.q_shape().iter().product(), 1, dtype);
@@ -226,22 +232,24 @@ fn the_fragment_backward_matches_the_reference() {
             let ranges = case.ranges();
             let up = |x: &[f64], shape| upload(x, shape, dtype, &device);
             let (output, lse) = flash_attention_forward_fragments(up(&q, case.q_shape()), up(&k, case.k_shape()), up(&v, case.v_shape()), options, ranges.as_ref()).unwrap();
-            let (dq, dk, dv) = flash_attention_backward_fragments_laid_out_for(up(&q, case.q_shape()), up(&k, case.k_shape()), up(&v, case.v_shape()), output, up(&g, case.o_shape()), lse, options, ranges.as_ref(), layout).unwrap();
+            let (dq, dk, dv) = flash_attention_backward_fragments_laid_out_for(up(&q, case.q_shape()), up(&k, case.k_shape()), up(&v, case.v_shape()), output, up(&g, case.o_shape()), lse, options, ranges.as_ref(), layout, deterministic).unwrap();
             let term = case.scale() * largest(&g) * largest(&v) * largest(&q).max(largest(&k));
             let errors = [
                 ("dq", relative_error_above(&download::<4>(dq), &want.dq, term)),
                 ("dk", relative_error_above(&download::<4>(dk), &want.dk, term)),
                 ("dv", relative_error(&download::<4>(dv), &want.dv)),
             ];
-            let dq_by = if query_grads_summed() > summed_before { "dQ summed" } else { "dQ's kernel" };
-            summed += usize::from(query_grads_summed() > summed_before);
+            let was_summed = query_grads_summed() > summed_before;
+            assert!(!(deterministic && was_summed), "{case:?}: dQ summed with atomics where its own kernel was asked for");
+            let dq_by = if was_summed { "dQ summed" } else { "dQ's kernel" };
+            summed += usize::from(was_summed);
             println!("{case:?}, {layout:?}, {dq_by}: {}", errors.iter().map(|(n, e)| format!("{n} {e:.1e}")).collect::<Vec<_>>().join(", "));
             let tolerance = case.tolerance("fragments");
             for (name, error) in errors {
                 assert!(error <= tolerance, "{case:?}, {layout:?}, {dq_by}: {name} differs from the f64 reference by {error:e} (tolerance {tolerance:e})");
             }
         }
-        // Both ways of computing dQ ran: the summed one (a device with f32 atomics) and dQ's kernel (head dim 256).
-        assert!(summed > 0 && summed < cases_len, "{dtype:?}: {summed} of {cases_len} cases summed dQ in the dK/dV kernel; both paths must run here");
+        // Where the device adds f32 atomically, the summed path ran too.
+        assert!(summed > 0 || !adds_f32_atomically::<super::Runtime>(&device), "{dtype:?}: no case summed dQ in the dK/dV kernel on a device that could");
     }
 }
