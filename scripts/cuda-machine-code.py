@@ -23,7 +23,8 @@ it prints as such; a line there that no longer matches anything fails too, so th
 shrinks. It prints one line per target and, with --table, writes a table per target grouped by
 (kernel, engine, dtype, head dim).
 
-Results are cached by a hash of the source, target and compiler versions in --cache
+Results are cached by a hash of the source (the index's `source_key`: the source without the
+declaration order and shared-memory layout CubeCL varies between compiles), target and compiler versions in --cache
 (default ~/.cache/ulysses-cuda-machine-code), so a rerun with unchanged kernels is fast.
 The tools come from the PyPI wheels installed in this interpreter's environment
 (nvidia-cuda-nvrtc-cu12, nvidia-cuda-nvcc-cu12, nvidia-cuda-runtime-cu12, nvidia-cuda-cccl-cu12,
@@ -254,7 +255,11 @@ def main():
     def one(kernel):
         with open(os.path.join(args.sources, kernel["file"])) as f:
             source = f.read()
-        key = hashlib.sha256(f"{RESULT_FIELDS}\n{tools.versions}\n{kernel['target']}\n{source}".encode()).hexdigest()
+        # The collector's key where it gives one: the source without the declaration order
+        # and shared-memory layout CubeCL varies from compile to compile (a result measured on
+        # one layout stands for the others, as any run on a GPU gets one of them).
+        identity = kernel.get("source_key") or source
+        key = hashlib.sha256(f"{RESULT_FIELDS}\n{tools.versions}\n{kernel['target']}\n{identity}".encode()).hexdigest()
         cached = os.path.join(args.cache, key + ".json")
         if os.path.exists(cached):
             with open(cached) as f:

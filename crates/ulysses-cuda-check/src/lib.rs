@@ -51,8 +51,59 @@ pub struct Kernel {
     pub dynamic_shared_bytes: usize,
     pub block: (u32, u32, u32),
     pub cases: Vec<Case>,
+    /// A hash of the source without what varies between compiles of one kernel
+    /// ([`canonical_source`]): `scripts/cuda-machine-code.py` caches its results by it.
+    pub source_key: String,
     #[serde(skip)]
     pub source: String,
+}
+
+/// `source` without what varies between two compiles of one kernel, so that they compare
+/// equal: CubeCL declares types and local variables in hash-set order and lays shared memory
+/// out in an order of its own, so the same kernel compiled for two cases, or in two processes,
+/// differed in those lines alone and each copy was compiled again (2026-11-29: 291 of 444
+/// sources differed between two runs; the machine-code cache hit almost nothing). Declarations
+/// (struct definitions, `l_mut_` and `l_arr_` variables, shared memory with its offset masked)
+/// are sorted and put first; every other line keeps its order.
+pub fn canonical_source(source: &str) -> String {
+    let mut declarations: Vec<String> = Vec::new();
+    let mut body: Vec<&str> = Vec::new();
+    let mut lines = source.lines();
+    while let Some(line) = lines.next() {
+        let trimmed = line.trim();
+        if trimmed.starts_with("struct ") && trimmed.ends_with('{') {
+            let mut unit = vec![line];
+            for inner in lines.by_ref() {
+                unit.push(inner);
+                if inner.trim() == "};" {
+                    break;
+                }
+            }
+            declarations.push(unit.join("\n"));
+        } else if trimmed.starts_with("// Shared array size") || trimmed.starts_with("// Shared value size") {
+            continue;
+        } else if let Some((before, after)) = trimmed.split_once("dynamic_shared_mem[").filter(|_| trimmed.contains("reinterpret_cast")) {
+            let rest = after.split_once(']').map_or(after, |(_, rest)| rest);
+            declarations.push(format!("{before}dynamic_shared_mem[_]{rest}"));
+        } else if trimmed.ends_with(';') && !trimmed.contains('=') && !trimmed.contains('(') && (trimmed.contains(" l_mut_") || trimmed.contains(" l_arr_")) {
+            declarations.push(trimmed.to_string());
+        } else {
+            body.push(line);
+        }
+    }
+    declarations.sort();
+    let mut out = declarations.join("\n");
+    out.push('\n');
+    out.push_str(&body.join("\n"));
+    out
+}
+
+/// [`canonical_source`]'s hash, as hex.
+fn source_key(source: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    canonical_source(source).hash(&mut hasher);
+    format!("{:016x}", hasher.finish())
 }
 
 /// Which of the flash kernels a compiled entry point is, or `None` for another (burn's casts
@@ -176,7 +227,8 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
         for compiled in runtime::take_compiled() {
             let compiled = compiled.map_err(|e| format!("{case:?}: a kernel failed to compile: {e}"))?;
             let Some(kernel) = kernel_of(&compiled.entrypoint) else { continue };
-            let entry = kernels.entry(compiled.source.clone()).or_insert_with(|| Kernel {
+            // One kernel however CubeCL ordered its declarations this time.
+            let entry = kernels.entry(canonical_source(&compiled.source)).or_insert_with(|| Kernel {
                 target: compiled.target,
                 kernel: kernel.to_string(),
                 entrypoint: compiled.entrypoint.clone(),
@@ -190,6 +242,7 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
                 dynamic_shared_bytes: compiled.dynamic_shared_bytes,
                 block: compiled.block,
                 cases: Vec::new(),
+                source_key: source_key(&compiled.source),
                 source: compiled.source.clone(),
             });
             if !entry.cases.contains(&case) {
@@ -248,4 +301,25 @@ pub fn write_sources(out: &Path, spec: &str) -> Result<Vec<String>, String> {
     let text = serde_json::to_string_pretty(&serde_json::json!({ "targets": TARGETS, "kernels": index })).map_err(|e| e.to_string())?;
     fs::write(out.join("index.json"), text).map_err(|e| format!("cannot write the index: {e}"))?;
     Ok(lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::canonical_source;
+
+    /// Two compiles of one kernel as CubeCL wrote them: types, locals and shared memory in
+    /// other orders and at other offsets.
+    const FIRST: &str = "struct __align__(4) half_2 {\n    half i_0;\n};\nstruct __align__(8) float_2 {\n    float i_0;\n};\nextern \"C\" __global__ void k() {\n// Shared array size: 16, 64 bytes\nfloat *shared_memory_1 = reinterpret_cast<float*>(&dynamic_shared_mem[0]);\n// Shared value size: 8 bytes\nbar &shared_memory_2 = reinterpret_cast<bar&>(dynamic_shared_mem[64]);\nfloat l_mut_3;\nuint32 l_mut_4;\nfloat l_arr_5[4];\nl_mut_3 = 1.0;\nl_mut_4 = l_mut_3 + 2;\n}";
+    const SECOND: &str = "struct __align__(8) float_2 {\n    float i_0;\n};\nstruct __align__(4) half_2 {\n    half i_0;\n};\nextern \"C\" __global__ void k() {\n// Shared value size: 8 bytes\nbar &shared_memory_2 = reinterpret_cast<bar&>(dynamic_shared_mem[0]);\n// Shared array size: 16, 64 bytes\nfloat *shared_memory_1 = reinterpret_cast<float*>(&dynamic_shared_mem[16]);\nfloat l_arr_5[4];\nuint32 l_mut_4;\nfloat l_mut_3;\nl_mut_3 = 1.0;\nl_mut_4 = l_mut_3 + 2;\n}";
+
+    #[test]
+    fn one_kernel_compiled_twice_is_one_source_and_a_changed_one_is_not() {
+        assert_eq!(canonical_source(FIRST), canonical_source(SECOND));
+        // The statements keep their order and text: a kernel whose code changed stays apart.
+        let swapped = SECOND.replace("l_mut_3 = 1.0;\nl_mut_4 = l_mut_3 + 2;", "l_mut_4 = l_mut_3 + 2;\nl_mut_3 = 1.0;");
+        assert_ne!(canonical_source(FIRST), canonical_source(&swapped));
+        assert_ne!(canonical_source(FIRST), canonical_source(&SECOND.replace("+ 2", "+ 3")));
+        // Another shared array is another kernel.
+        assert_ne!(canonical_source(FIRST), canonical_source(&SECOND.replace("float *shared_memory_1", "half *shared_memory_1")));
+    }
 }
