@@ -61,7 +61,7 @@ pub struct Kernel {
 /// `source` without what varies between two compiles of one kernel, so that they compare
 /// equal: CubeCL declares types and local variables in hash-set order and lays shared memory
 /// out in an order of its own, so the same kernel compiled for two cases, or in two processes,
-/// differed in those lines alone and each copy was compiled again (2026-11-29: 291 of 444
+/// differed in those lines alone and each copy was compiled again (2026-11-29: 384 of 444
 /// sources differed between two runs; the machine-code cache hit almost nothing). Declarations
 /// (struct definitions, `l_mut_` and `l_arr_` variables, shared memory with its offset masked)
 /// are sorted and put first; every other line keeps its order.
