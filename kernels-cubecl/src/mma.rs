@@ -91,6 +91,23 @@ pub trait FragmentMma: Send + Sync + 'static {
         #[comptime] transpose: bool,
     ) -> Array<E>;
 
+    /// The inverse of [`load_matrices`](Self::load_matrices): writes this lane's values
+    /// `values[at + 2m..at + 2m + 2]` of each of `matrices` 8 × 8 matrices into `tile` where
+    /// `load_matrices` with the same arguments reads them. With `instruction`, one `stmatrix`
+    /// (SASS `STSM`, sm_90 and later: the device's `stmatrix` feature); else a store per value.
+    #[allow(clippy::too_many_arguments)]
+    fn store_matrices<E: Float>(
+        tile: &mut SharedMemory<E>,
+        base: usize,
+        stride: usize,
+        values: &Array<E>,
+        at: usize,
+        #[comptime] matrices: usize,
+        #[comptime] row_blocks: usize,
+        #[comptime] transpose: bool,
+        #[comptime] instruction: bool,
+    );
+
     /// What a cube's copies into shared memory ([`copy_eight`](Self::copy_eight)) are
     /// awaited with ([`copies_arrived`](Self::copies_arrived)); made once per kernel, by
     /// [`copies`](Self::copies).
@@ -111,6 +128,38 @@ pub trait FragmentMma: Send + Sync + 'static {
 #[cube]
 fn matrix_row(base: usize, stride: usize, matrix: usize, row: usize, #[comptime] row_blocks: usize) -> usize {
     base + (8 * (matrix % row_blocks) + row) * stride + 8 * (matrix / row_blocks)
+}
+
+/// Where this lane's value `j` (0 or 1) of matrix `matrix` of a
+/// [`FragmentMma::load_matrices`] lies in the tile: row g, column 2t + j of the matrix, or
+/// with `transpose` row 2t + j, column g.
+#[cube]
+fn lane_value(base: usize, stride: usize, matrix: usize, j: usize, #[comptime] row_blocks: usize, #[comptime] transpose: bool) -> usize {
+    let lane = lane();
+    let (g, t) = (lane / 4, lane % 4);
+    if transpose { matrix_row(base, stride, matrix, 2 * t + j, row_blocks) + g } else { matrix_row(base, stride, matrix, g, row_blocks) + 2 * t + j }
+}
+
+/// [`FragmentMma::store_matrices`] a value at a time, where the device has no `stmatrix`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_values<E: Float>(
+    tile: &mut SharedMemory<E>,
+    base: usize,
+    stride: usize,
+    values: &Array<E>,
+    at: usize,
+    #[comptime] matrices: usize,
+    #[comptime] row_blocks: usize,
+    #[comptime] transpose: bool,
+) {
+    #[unroll]
+    for m in 0..matrices {
+        #[unroll]
+        for j in 0..2usize {
+            tile[lane_value(base, stride, m, j, row_blocks, transpose)] = values[at + 2 * m + j];
+        }
+    }
 }
 
 /// One `mma.sync.aligned.m16n8k16` per product (CUDA, sm_80 and later). CubeCL's registers
@@ -176,6 +225,30 @@ impl FragmentMma for MmaSync {
             values[2 * m + 1] = registers[m][1];
         }
         values
+    }
+
+    /// One `stmatrix` (SASS `STSM`) where `instruction`: lane l supplies the address of row
+    /// l % 8 of matrix l / 8, as for `ldmatrix`.
+    fn store_matrices<E: Float>(
+        tile: &mut SharedMemory<E>,
+        base: usize,
+        stride: usize,
+        values: &Array<E>,
+        at: usize,
+        #[comptime] matrices: usize,
+        #[comptime] row_blocks: usize,
+        #[comptime] transpose: bool,
+        #[comptime] instruction: bool,
+    ) {
+        if instruction {
+            let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
+            let lane = lane();
+            let start = matrix_row(base, stride, (lane / 8) % matrices, lane % 8, row_blocks);
+            let registers = register_pairs::<E>(values, at, matrices);
+            def.store_matrix::<E, Const<2>>(&mut tile.slice_mut(start, start + 8), &registers, MatrixIdent::A, matrices, transpose);
+        } else {
+            store_values::<E>(tile, base, stride, values, at, matrices, row_blocks, transpose);
+        }
     }
 
     /// A cube-wide `cuda::barrier` in shared memory.
@@ -269,21 +342,30 @@ impl FragmentMma for SharedMemoryMma {
         #[comptime] row_blocks: usize,
         #[comptime] transpose: bool,
     ) -> Array<E> {
-        let lane = lane();
-        let (g, t) = (lane / 4, lane % 4);
         let mut values = Array::<E>::new(2 * matrices);
         #[unroll]
         for m in 0..matrices {
             #[unroll]
             for j in 0..2usize {
-                values[2 * m + j] = if transpose {
-                    tile[matrix_row(base, stride, m, 2 * t + j, row_blocks) + g]
-                } else {
-                    tile[matrix_row(base, stride, m, g, row_blocks) + 2 * t + j]
-                };
+                values[2 * m + j] = tile[lane_value(base, stride, m, j, row_blocks, transpose)];
             }
         }
         values
+    }
+
+    /// Each lane writes its values where `stmatrix` would.
+    fn store_matrices<E: Float>(
+        tile: &mut SharedMemory<E>,
+        base: usize,
+        stride: usize,
+        values: &Array<E>,
+        at: usize,
+        #[comptime] matrices: usize,
+        #[comptime] row_blocks: usize,
+        #[comptime] transpose: bool,
+        #[comptime] _instruction: bool,
+    ) {
+        store_values::<E>(tile, base, stride, values, at, matrices, row_blocks, transpose);
     }
 
     /// Copies are plain loads and stores, there once the cube is synchronised.
@@ -401,15 +483,27 @@ fn fragment_products_kernel<E: Float, M: FragmentMma>(
     store_c(&o_right, o, 8, 16);
 }
 
-/// Whether `client`'s device runs `mma.sync.m16n8k16` on `dtype` (f16 or bf16) with f32
-/// accumulation: CUDA from sm_80. Elsewhere the fragments multiply through [`SharedMemoryMma`].
-pub fn has_mma_sync<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType) -> bool {
+/// Whether `client`'s device stores fragments of `dtype` with `stmatrix` (CUDA from sm_90):
+/// [`FragmentMma::store_matrices`]'s `instruction`.
+pub fn has_stmatrix<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType) -> bool {
+    half_precision(dtype).is_some_and(|input| client.properties().features.matmul.stmatrix.contains(&input))
+}
+
+/// `dtype` as CubeCL's storage type where it is f16 or bf16, the fragments' inputs.
+fn half_precision(dtype: DType) -> Option<StorageType> {
     let kind = match dtype {
         DType::F16 => FloatKind::F16,
         DType::BF16 => FloatKind::BF16,
-        _ => return false,
+        _ => return None,
     };
-    let (input, output) = (StorageType::Scalar(ElemType::Float(kind)), StorageType::Scalar(ElemType::Float(FloatKind::F32)));
+    Some(StorageType::Scalar(ElemType::Float(kind)))
+}
+
+/// Whether `client`'s device runs `mma.sync.m16n8k16` on `dtype` (f16 or bf16) with f32
+/// accumulation: CUDA from sm_80. Elsewhere the fragments multiply through [`SharedMemoryMma`].
+pub fn has_mma_sync<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType) -> bool {
+    let Some(input) = half_precision(dtype) else { return false };
+    let output = StorageType::Scalar(ElemType::Float(FloatKind::F32));
     client.properties().features.matmul.mma.contains(&MmaConfig { a_type: input, b_type: input, cd_type: output, m: 16, n: 8, k: 16 })
 }
 

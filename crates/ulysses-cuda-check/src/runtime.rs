@@ -15,9 +15,9 @@ use cubecl::{
     future::DynFut,
     stream_id::StreamId,
     ir::{
-        ContiguousElements, DeviceProperties, ElemType, FloatKind, HardwareProperties, MatrixLayout, MemoryDeviceProperties, MmaProperties,
+        ContiguousElements, DeviceProperties, ElemType, FloatKind, HardwareProperties, MatrixLayout, MemoryDeviceProperties, MmaProperties, StorageType, Type,
         TargetProperties, VectorSize,
-        features::{Plane, TypeUsage},
+        features::{AtomicUsage, Plane, TypeUsage},
     },
     profile::{ProfileDuration, TimingMethod},
     server::{
@@ -187,6 +187,17 @@ fn properties(target: &Target, memory: MemoryDeviceProperties) -> DeviceProperti
     properties.features.plane.insert(Plane::NonUniformControlFlow);
     if target.arch >= 80 {
         properties.features.copy_async = true;
+    }
+    for (since, instructions) in [(75, &mut properties.features.matmul.ldmatrix), (90, &mut properties.features.matmul.stmatrix)] {
+        if target.arch >= since {
+            instructions.extend([FloatKind::F16, FloatKind::BF16].map(|kind| StorageType::Scalar(ElemType::Float(kind))));
+        }
+    }
+    if target.arch >= 90 {
+        for width in [2, 4] {
+            let vector = Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(width);
+            properties.register_atomic_type_usage(vector, AtomicUsage::LoadStore | AtomicUsage::Add);
+        }
     }
     properties.features.memory_reinterpret = true;
     properties.features.alignment = true;

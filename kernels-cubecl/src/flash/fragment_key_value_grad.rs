@@ -64,7 +64,7 @@ pub(crate) fn passes(head_dim: usize, register_columns: usize, rows_shared: bool
 /// query rows that see each key: their columns `part`. One cube per 64 keys of one (batch, kv
 /// head).
 #[cube(launch, address_type = "dynamic")]
-pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
+pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma, N: Size>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
@@ -73,7 +73,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
     delta: &Tensor<f32>,
     key_grad: &mut Tensor<E>,
     value_grad: &mut Tensor<E>,
-    query_grad_sum: &mut Tensor<Atomic<f32>>,
+    query_grad_sum: &mut Tensor<Atomic<Vector<f32, N>>>,
     ranges: &Tensor<u32>,
     scale: f32,
     #[comptime] head_dim: usize,
@@ -89,7 +89,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
 ) {
     let blocks_per_head = k.shape(2).div_ceil(BLOCK_ROWS);
     if cube_in_range(k.shape(0), k.shape(1), blocks_per_head) {
-        key_value_grad_block::<E, M>(
+        key_value_grad_block::<E, M, N>(
             q, k, v, out_grad, lse, delta, key_grad, value_grad, query_grad_sum, ranges, scale, head_dim, staging, held_columns, part, causal, ranged, keys, values, unrolled,
         );
     }
@@ -98,7 +98,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma>(
 /// dK and dV of one block of 64 keys of one (batch, kv head), the cube's place in the grid.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn key_value_grad_block<E: Float, M: FragmentMma>(
+fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
     q: &Tensor<E>,
     k: &Tensor<E>,
     v: &Tensor<E>,
@@ -107,7 +107,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
     delta: &Tensor<f32>,
     key_grad: &mut Tensor<E>,
     value_grad: &mut Tensor<E>,
-    query_grad_sum: &mut Tensor<Atomic<f32>>,
+    query_grad_sum: &mut Tensor<Atomic<Vector<f32, N>>>,
     ranges: &Tensor<u32>,
     scale: f32,
     #[comptime] head_dim: usize,
@@ -240,7 +240,10 @@ fn key_value_grad_block<E: Float, M: FragmentMma>(
                 if comptime!(staging.query_grad) {
                     // dQ[step's queries] += dS·K over the block's keys. (The next step's
                     // barrier, before it writes the tile again, waits for every warp's reads.)
-                    sum_query_grad::<E, M>(&ds, &mut scores_shared, &k_shared, query_grad_sum, &mut scratch, head_index * seq_q, query0, seq_q, queries_per_step, head_dim, unrolled);
+                    // The sum's heads are `query_grad_sum.shape(2)` rows apart: a step's rows
+                    // past the sequence fall into its padding ([`summed_rows`]).
+                    let sum_row0 = head_index * query_grad_sum.shape(2);
+                    sum_query_grad::<E, M, N>(&ds, &mut scores_shared, &k_shared, query_grad_sum, &mut scratch, sum_row0, query0, seq_q, queries_per_step, head_dim, staging.stores_matrices, unrolled);
                 }
             }
         }
@@ -279,46 +282,57 @@ fn scores_tile<E: Float>(#[comptime] summed: bool, #[comptime] queries: usize) -
     SharedMemory::<E>::new_aligned(values, 16usize)
 }
 
-/// Adds `dS·K` over the block's 64 keys to rows `query0..` of the query rows from `row0` of
-/// `sum` (f32, dQ's shape, unscaled), those before `seq_q`: `ds` this warp's dSᵀ (its 16 keys
-/// × the step's `queries`, rounded accumulators), `tile` a [`scores_tile`], `k_rows` the
-/// block's staged K. dQ's rows are the step's queries, so dS has to be transposed: each warp
-/// writes its dSᵀ into the tile query-major, and after a barrier reads dS's A fragments from
-/// it with `ldmatrix` as the staged rows are read; each warp then takes a quarter of the
-/// columns, all the queries and all 64 keys (no reduction between warps), and adds its
-/// accumulators with one atomic each.
+/// Adds `dS·K` over the block's 64 keys to rows `query0..query0 + queries` of the query rows
+/// from `row0` of `sum` (f32, unscaled, its heads padded: [`summed_rows`]): `ds` this warp's
+/// dSᵀ (its 16 keys × the step's `queries`, rounded accumulators), `tile` a [`scores_tile`],
+/// `k_rows` the block's staged K, `seq_q` the sequence's queries. dQ's rows are the step's queries, so dS has
+/// to be transposed: each warp writes its dSᵀ into the tile query-major (`stmatrix` with its
+/// transpose, where `stores_matrices`), and after a barrier reads dS's A fragments from it with
+/// `ldmatrix` as the staged rows are read; each warp then takes a quarter of the columns, all
+/// the queries and all 64 keys (no reduction between warps), and adds its accumulators with
+/// one atomic each, or each pair (`N`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn sum_query_grad<E: Float, M: FragmentMma>(
+fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
     ds: &Array<E>,
     tile: &mut SharedMemory<E>,
     k_rows: &SharedMemory<E>,
-    sum: &mut Tensor<Atomic<f32>>,
+    sum: &mut Tensor<Atomic<Vector<f32, N>>>,
     scratch: &mut SharedMemory<f32>,
     row0: usize,
     query0: usize,
     seq_q: usize,
     #[comptime] queries: usize,
     #[comptime] head_dim: usize,
+    #[comptime] stores_matrices: bool,
     #[comptime] unrolled: bool,
 ) {
     let lane = lane();
     let (g, t) = (lane / 4, lane % 4);
     let warp = UNIT_POS as usize / 32;
     let stride = comptime!(BLOCK_ROWS + PAD);
-    // Value i of score tile n is dSᵀ at key 16·warp + g + 8·(i / 2), query 8·n + 2t + i % 2.
-    // (Lanes of one t write one row: 2-byte neighbours, and the four rows' words fall in
-    // distinct banks.)
+    // Value i of score tile n is dSᵀ at key 16·warp + g + 8·(i / 2), query 8·n + 2t + i % 2:
+    // two score tiles are four 8 × 8 matrices of dSᵀ, each stored transposed (queries 8·n..,
+    // keys 16·warp + 8·(i / 2)..), in the order `store_matrices` takes them (the row block,
+    // the tile, varies first). With `stmatrix` two instructions a 32-query step, where a
+    // store per value took 16 two-byte stores, their halves' extraction and an address each
+    // (sm_90a: ~60 instructions).
     #[unroll(unrolled)]
-    for n_tile in 0..queries / 8 {
+    for n_pair in 0..queries / 16 {
+        let mut matrices = Array::<E>::new(8usize);
         #[unroll]
-        for i in 0..C_VALUES {
-            tile[(8 * n_tile + 2 * t + i % 2) * stride + 16 * warp + g + 8 * (i / 2)] = ds[n_tile * C_VALUES + i];
+        for m in 0..4usize {
+            #[unroll]
+            for j in 0..2usize {
+                matrices[2 * m + j] = ds[(2 * n_pair + m % 2) * C_VALUES + 2 * (m / 2) + j];
+            }
         }
+        M::store_matrices::<E>(tile, 16 * n_pair * stride + 16 * warp, stride, &matrices, 0usize, 4usize, 2usize, true, stores_matrices);
     }
     sync_cube();
 
     let (m_tiles, pairs) = comptime!((queries / 16, head_dim / WARPS / 16));
+    let width = N::value();
     let k_stride = comptime!(head_dim + PAD);
     let first_column = warp * comptime!(head_dim / WARPS);
     // A pair of output tiles (16 columns) at a time, its atomics before the next: a whole
@@ -341,20 +355,30 @@ fn sum_query_grad<E: Float, M: FragmentMma>(
         }
         #[unroll]
         for m_tile in 0..m_tiles {
-            #[unroll]
-            for half in 0..2usize {
-                let query = query0 + 16 * m_tile + g + 8 * half;
-                if query < seq_q {
-                    // Inside dQ's rows (the row is), so unchecked: no clamp per atomic. (Each
-                    // still takes an add and a 64-bit multiply-add for its address: a 32-bit
-                    // index may wrap, so no constant offset folds into the instruction.)
-                    let row = (row0 + query) * head_dim + first_column + 16 * pair + 2 * t;
+            // The 16 rows from query0 + 16·m_tile, where the first is in the sequence: the
+            // others past it land in the head's padding. One test a 16-row tile, the same for
+            // the warp's lanes, where a test per row cost 4 instructions for 4 atomics; without
+            // any, ptxas hoisted the atomics' addresses over the products and spilled.
+            if query0 + 16 * m_tile < seq_q {
+                #[unroll]
+                for half in 0..2usize {
+                    // Inside the sum's rows, so unchecked: no clamp per atomic. (Each still
+                    // takes an add and a 64-bit multiply-add for its address: a 32-bit index
+                    // may wrap, so no constant offset folds into the instruction.)
+                    // In vectors (the columns 2t + 8·n_tile are even, so whole pairs of them).
+                    let row = ((row0 + query0 + 16 * m_tile + g + 8 * half) * head_dim + first_column + 16 * pair + 2 * t) / width;
                     #[unroll]
                     for n_tile in 0..2usize {
+                        // The lane's two adjacent columns: one atomic of a pair where the
+                        // device adds f32 pairs (`N` 2: sm_90's red.global.add.v2.f32), else two.
                         #[unroll]
-                        for j in 0..2usize {
-                            let value = acc[(2 * m_tile + n_tile) * C_VALUES + 2 * half + j];
-                            unsafe { sum.index_unchecked(row + 8 * n_tile + j) }.fetch_add(value);
+                        for v in 0..comptime!(2 / width) {
+                            let mut vector = Vector::<f32, N>::empty();
+                            #[unroll]
+                            for j in 0..width {
+                                vector[j] = acc[(2 * m_tile + n_tile) * C_VALUES + 2 * half + v * width + j];
+                            }
+                            unsafe { sum.index_unchecked(row + 8 * n_tile / width + v) }.fetch_add(vector);
                         }
                     }
                 }
@@ -363,12 +387,23 @@ fn sum_query_grad<E: Float, M: FragmentMma>(
     }
 }
 
-/// dQ in its dtype from the f32 sum `sum` the dK/dV kernel's blocks added up
-/// ([`Staging::query_grad`]), times `scale` (the scores' scale, which dS·K leaves out).
+/// Rows per head of the f32 sum of dQ ([`Staging::query_grad`]) for `seq_q` queries and a
+/// loop of `queries` a step: a block's steps start at its first visible query, anywhere, so
+/// its last step may reach `queries - 1` rows past the sequence. Padded so, the atomics need
+/// a bounds test only per 16-row tile, not per row; the padding is never read.
+pub(crate) fn summed_rows(seq_q: usize, queries: usize) -> usize {
+    seq_q + queries - 1
+}
+
+/// dQ in its dtype (`[B, H, Sq, D]`) from the f32 sum `sum` the dK/dV kernel's blocks added up
+/// ([`Staging::query_grad`], `[B, H, summed_rows, D]`), times `scale` (the scores' scale,
+/// which dS·K leaves out).
 #[cube(launch, address_type = "dynamic")]
 pub(crate) fn scaled_sum_kernel<E: Float>(sum: &Tensor<f32>, out: &mut Tensor<E>, scale: f32, #[define(E)] _dtype: StorageType) {
     let index = cube_index() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
     if index < out.len() {
-        out[index] = E::cast_from(sum[index] * scale);
+        let head_values = out.shape(2) * out.shape(3);
+        let (head, within) = (index / head_values, index % head_values);
+        out[index] = E::cast_from(sum[head * sum.shape(2) * sum.shape(3) + within] * scale);
     }
 }

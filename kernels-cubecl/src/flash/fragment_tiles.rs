@@ -30,6 +30,8 @@ pub(crate) const BLOCK_ROWS: usize = 16 * WARPS;
 /// Values of padding after each staged row of K and V: 16 bytes, which moves the next row
 /// by 4 banks.
 pub(crate) const PAD: usize = 8;
+/// The most keys (queries for dK/dV) a step of any kernel's loop takes ([`key_step`]).
+pub(crate) const MAX_STEP: usize = 64;
 /// The widest rows a warp keeps in registers, as fragments (Q, dO; K and V for dK/dV) or as
 /// accumulators (an output's columns), with 32-bit indices: at head dim 128 the kernels already
 /// hold up to 255 registers (benches/RESULTS.md), so wider heads split their outputs and, but
@@ -167,6 +169,10 @@ pub(crate) struct Staging {
     /// block's K is added to an f32 sum of dQ with atomics, as FlashAttention-2's backward
     /// does; dQ's own kernel, which recomputes S and dP, then does not run.
     pub query_grad: bool,
+    /// dS written into its tile with `stmatrix` ([`FragmentMma::store_matrices`]): where the
+    /// device has it (sm_90), set by the launch; [`key_step`] leaves it unset, since it
+    /// changes no size.
+    pub stores_matrices: bool,
 }
 
 /// Keys (queries for dK/dV) per step of `kernel`'s loop, with dK/dV's rows held in registers
@@ -236,7 +242,7 @@ pub(crate) fn key_step(
     } else {
         modes.iter().find_map(|&mode| mode_steps(kernel, head_dim, streamed, mma_sync, mode).into_iter().find(fits))
     };
-    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 }, rows_shared: false, query_grad: false };
+    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 }, rows_shared: false, query_grad: false, stores_matrices: false };
     found.ok_or_else(|| shared_bytes(kernel, head_dim, register_columns, smallest, mma_sync, element_bytes))
 }
 
@@ -252,9 +258,10 @@ fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync:
         (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) if streamed => 32,
         (true, FragmentKernel::QueryGrad | FragmentKernel::KeyValueGrad) => 16,
     };
+    debug_assert!(cuda <= MAX_STEP);
     let keys: Vec<usize> = [cuda, 32, 16].into_iter().filter(|&keys| keys <= cuda).collect();
     let buffer_counts: &[usize] = if mma_sync { &[2] } else { &[2, 1] };
-    let step = |(keys, buffers)| Staging { keys, buffers, rows_shared, query_grad };
+    let step = |(keys, buffers)| Staging { keys, buffers, rows_shared, query_grad, stores_matrices: false };
     if streamed && kernel != FragmentKernel::Forward {
         // The backward's streamed step: CUDA's keys before a second buffer, so that the loop
         // CUDA runs (each chunk read feeding `keys / 8` products) runs here too.

@@ -143,6 +143,15 @@ impl Problem {
         [rows_q * self.head_dim, rows_q * self.value_dim, rows_kv * self.head_dim, rows_kv * self.value_dim].into_iter().max().unwrap_or(0)
     }
 
+    /// Whether the f32 sum of dQ that dK/dV's kernel may add up (its heads padded by up to a
+    /// step of rows, `fragment_key_value_grad::summed_rows`) is indexed by the call's index
+    /// width as its other tensors are; where it would not be (32-bit indices, heads of a few
+    /// rows), dQ takes its own kernel.
+    fn sum_of_query_grad_indexable(&self) -> bool {
+        let rows = self.batch * self.q_heads * fragment_key_value_grad::summed_rows(self.seq_q, fragment_tiles::MAX_STEP);
+        self.address_type() == AddressType::U64 || AddressType::from_len_signed(rows * self.head_dim) == AddressType::U32
+    }
+
     /// The index width the kernels are compiled with: 32 bits while every tensor holds fewer
     /// than 2^31 elements, 64 beyond. Offsets into a tensor stay below its length, but the
     /// kernels also form sums past one (a row's offset plus a column, two table entries per
@@ -329,6 +338,8 @@ fn fragment_forward<R: CubeRuntime>(
 struct FragmentLaunch {
     mma_sync: bool,
     staging: fragment_tiles::Staging,
+    /// f32 values per atomic of dK/dV's sum of dQ (where `staging.query_grad`).
+    sum_vector: usize,
     register_columns: usize,
     held_columns: usize,
     count: CubeCount,
@@ -346,15 +357,18 @@ impl FragmentLaunch {
         let mma_sync = crate::mma::has_mma_sync(client, dtype);
         let shared_limit = client.properties().hardware.max_shared_memory_size;
         let register_columns = fragment_tiles::register_columns(kernel, layout);
-        let staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, atomic_sums && adds_f32_atomically(client), dtype.size(), shared_limit)
+        let mut staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, atomic_sums && adds_f32_atomically(client), dtype.size(), shared_limit)
             .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
+        staging.stores_matrices = staging.query_grad && mma_sync && crate::mma::has_stmatrix(client, dtype);
+        // dQ's sum added a lane's two adjacent columns at a time where the device can.
+        let sum_vector = if staging.query_grad && adds_f32_vectors_atomically(client, 2) { 2 } else { 1 };
         let blocks = match kernel {
             FragmentKernel::KeyValueGrad => p.batch * p.kv_heads * p.seq_kv.div_ceil(fragment_tiles::BLOCK_ROWS),
             FragmentKernel::Forward | FragmentKernel::QueryGrad => p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS),
         };
         let count = grid(client, blocks)?;
         let held_columns = fragment_tiles::held_columns(kernel, layout);
-        Ok(Self { mma_sync, staging, register_columns, held_columns, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
+        Ok(Self { mma_sync, staging, sum_vector, register_columns, held_columns, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
     }
 }
 
@@ -435,8 +449,15 @@ pub fn flash_attention_backward<R: CubeRuntime>(
 /// Whether the device adds f32 values atomically, which the register-fragment backward needs
 /// to sum dQ in its dK/dV kernel (`fragment_tiles::Staging::query_grad`).
 pub(crate) fn adds_f32_atomically<R: cubecl::Runtime>(client: &ComputeClient<R>) -> bool {
+    adds_f32_vectors_atomically(client, 1)
+}
+
+/// Whether the device adds vectors of `width` f32 values in one atomic (CUDA from sm_90 for 2
+/// and 4: `red.global.add.v2.f32`; 1, a single value, wherever [`adds_f32_atomically`]).
+fn adds_f32_vectors_atomically<R: cubecl::Runtime>(client: &ComputeClient<R>, width: usize) -> bool {
     use cubecl::ir::{ElemType, FloatKind, StorageType, Type, features::AtomicUsage};
-    client.properties().atomic_type_usage(Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32)))).contains(AtomicUsage::Add)
+    let vector = Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(width);
+    client.properties().atomic_type_usage(vector).contains(AtomicUsage::Add)
 }
 
 /// `ULYSSES_FLASH_DETERMINISTIC=1`: the register-fragment backward computes dQ in its own
@@ -559,11 +580,12 @@ fn backward<R: CubeRuntime>(
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
     if let Some(layout) = fragments {
         let tensors = FragmentGradients { query: &query, key: &key, value: &value, output_grad: &output_grad, lse: &lse, delta: &delta };
-        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout, !deterministic)?;
+        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout, !deterministic && p.sum_of_query_grad_indexable())?;
         let query_shape = [p.batch, p.q_heads, p.seq_q, p.head_dim];
         // dQ summed by the dK/dV kernel (f32, unscaled), or by its own kernel below.
         let query_grad_sum = if key_value.staging.query_grad {
-            zeros_client(client.clone(), device.clone(), Shape::new(query_shape), DType::F32)
+            let rows = fragment_key_value_grad::summed_rows(p.seq_q, key_value.staging.keys);
+            zeros_client(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, rows, p.head_dim]), DType::F32)
         } else {
             empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([1]), DType::F32)
         };
@@ -699,7 +721,7 @@ fn launch_fragment_key_value_grad<R: CubeRuntime>(
             kernel,
             R,
             l,
-            (client, l.count.clone(), l.dim, p.address_type(), args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, args.9, p.scale, p.head_dim, l.staging, l.held_columns, part, causal, ranged, keys, values)
+            (client, l.count.clone(), l.dim, p.address_type(), l.sum_vector, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, args.9, p.scale, p.head_dim, l.staging, l.held_columns, part, causal, ranged, keys, values)
         );
     }
     Ok(())
@@ -775,11 +797,11 @@ mod tests {
         use fragment_tiles::{Staging, key_step};
         // The devices here add f32 atomically.
         let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, 128, mma_sync, true, 2, limit));
-        let double = |keys| Ok(Staging { keys, buffers: 2, rows_shared: false, query_grad: false });
+        let double = |keys| Ok(Staging { keys, buffers: 2, rows_shared: false, query_grad: false, stores_matrices: false });
         // dK/dV with its K and V rows in shared memory (`Staging::rows_shared`), summing dQ
         // (`Staging::query_grad`) or, without atomics, not.
-        let summed = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: true });
-        let shared = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: false });
+        let summed = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: true, stores_matrices: false });
+        let shared = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: false, stores_matrices: false });
         assert_eq!(steps(64, true, 227 * 1024), [double(64), double(64), summed(64, 2)]);
         assert_eq!(steps(128, true, 227 * 1024), [double(64), double(16), summed(32, 2)]);
         assert_eq!(key_step(KeyValueGrad, 128, 128, true, false, 2, 227 * 1024), shared(32, 2));
@@ -807,11 +829,11 @@ mod tests {
         assert_eq!(key_step(KeyValueGrad, 64, 128, false, false, 2, 32 * 1024), shared(16, 1));
         assert_eq!(steps(128, false, 32 * 1024), [double(16), double(16), double(16)]);
         // At 256 the backward's two whole-width tiles fit lavapipe once, not twice.
-        let single = Ok(Staging { keys: 16, buffers: 1, rows_shared: false, query_grad: false });
+        let single = Ok(Staging { keys: 16, buffers: 1, rows_shared: false, query_grad: false, stores_matrices: false });
         assert_eq!(steps(256, false, 32 * 1024), [double(16), single, single]);
         // The backward with 64-bit indices at 128 streams its rows: CUDA's 32-query step, one
         // buffer, before two of 16.
-        let wide = Ok(Staging { keys: 32, buffers: 1, rows_shared: false, query_grad: false });
+        let wide = Ok(Staging { keys: 32, buffers: 1, rows_shared: false, query_grad: false, stores_matrices: false });
         assert_eq!([QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, 128, 64, false, true, 2, 32 * 1024)), [wide, wide]);
         assert!(steps(128, false, 8 * 1024).iter().all(|step| matches!(step, Err(needed) if *needed > 8 * 1024)));
     }
@@ -841,6 +863,17 @@ mod tests {
         let next = problem(1, 1, 1, (i32::MAX as usize) / 128 + 1, 128);
         assert_eq!(next.address_type(), AddressType::U64);
         assert!(matches!(next.check_indexing(false, "wgpu<wgsl>"), Err(FlashError::Indexing { .. })));
+    }
+
+    #[test]
+    fn the_sum_of_query_grad_is_taken_only_where_its_padded_rows_are_indexable() {
+        assert!(problem(1, 32, 8, 16_384, 128).sum_of_query_grad_indexable());
+        // Heads of one row: dQ holds 2^27 elements, its sum (63 padding rows a head) 2^33.
+        let one_row_heads = problem(1 << 20, 1, 1, 1, 128);
+        assert_eq!(one_row_heads.address_type(), AddressType::U32);
+        assert!(!one_row_heads.sum_of_query_grad_indexable());
+        // Indexed in 64 bits anyway.
+        assert!(problem(1, 32, 8, 1_100_000, 128).sum_of_query_grad_indexable());
     }
 
     #[test]
