@@ -362,10 +362,11 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
             if query0 + 16 * m_tile < seq_q {
                 #[unroll]
                 for half in 0..2usize {
-                    // Inside the sum's rows, so unchecked: no clamp per atomic. (Each still
-                    // takes an add and a 64-bit multiply-add for its address: a 32-bit index
-                    // may wrap, so no constant offset folds into the instruction.)
-                    // In vectors (the columns 2t + 8·n_tile are even, so whole pairs of them).
+                    // Inside the sum's rows, so unchecked: no clamp per atomic. In vectors (the
+                    // columns 2t + 8·n_tile are even, so whole pairs of them); halved, the
+                    // index is known to stay under 2^31, so ptxas folds each atomic's constant
+                    // offset into it. With single values (N 1) each atomic still takes an add
+                    // and a 64-bit multiply-add for its address: a 32-bit index may wrap.
                     let row = ((row0 + query0 + 16 * m_tile + g + 8 * half) * head_dim + first_column + 16 * pair + 2 * t) / width;
                     #[unroll]
                     for n_tile in 0..2usize {
@@ -388,9 +389,9 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
 }
 
 /// Rows per head of the f32 sum of dQ ([`Staging::query_grad`]) for `seq_q` queries and a
-/// loop of `queries` a step: a block's steps start at its first visible query, anywhere, so
-/// its last step may reach `queries - 1` rows past the sequence. Padded so, the atomics need
-/// a bounds test only per 16-row tile, not per row; the padding is never read.
+/// loop of `queries` a step. The atomics test only a 16-row tile's first row against the
+/// sequence, so they write up to 15 rows past it (`queries` is 16 or more); the padding, a
+/// step's rows, covers that, and is never read.
 pub(crate) fn summed_rows(seq_q: usize, queries: usize) -> usize {
     seq_q + queries - 1
 }
