@@ -92,7 +92,7 @@ pub trait FragmentMma: Send + Sync + 'static {
     ) -> Array<E>;
 
     /// The inverse of [`load_matrices`](Self::load_matrices): writes this lane's values
-    /// `values[at + 2m..at + 2m + 2]` of each of `matrices` 8 × 8 matrices into `tile` where
+    /// `values[2m..2m + 2]` of each of `matrices` 8 × 8 matrices into `tile` where
     /// `load_matrices` with the same arguments reads them. With `instruction`, one `stmatrix`
     /// (SASS `STSM`, sm_90 and later: the device's `stmatrix` feature); else a store per value.
     #[allow(clippy::too_many_arguments)]
@@ -101,7 +101,6 @@ pub trait FragmentMma: Send + Sync + 'static {
         base: usize,
         stride: usize,
         values: &Array<E>,
-        at: usize,
         #[comptime] matrices: usize,
         #[comptime] row_blocks: usize,
         #[comptime] transpose: bool,
@@ -148,7 +147,6 @@ fn store_values<E: Float>(
     base: usize,
     stride: usize,
     values: &Array<E>,
-    at: usize,
     #[comptime] matrices: usize,
     #[comptime] row_blocks: usize,
     #[comptime] transpose: bool,
@@ -157,7 +155,7 @@ fn store_values<E: Float>(
     for m in 0..matrices {
         #[unroll]
         for j in 0..2usize {
-            tile[lane_value(base, stride, m, j, row_blocks, transpose)] = values[at + 2 * m + j];
+            tile[lane_value(base, stride, m, j, row_blocks, transpose)] = values[2 * m + j];
         }
     }
 }
@@ -234,7 +232,6 @@ impl FragmentMma for MmaSync {
         base: usize,
         stride: usize,
         values: &Array<E>,
-        at: usize,
         #[comptime] matrices: usize,
         #[comptime] row_blocks: usize,
         #[comptime] transpose: bool,
@@ -244,10 +241,10 @@ impl FragmentMma for MmaSync {
             let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
             let lane = lane();
             let start = matrix_row(base, stride, (lane / 8) % matrices, lane % 8, row_blocks);
-            let registers = register_pairs::<E>(values, at, matrices);
+            let registers = register_pairs::<E>(values, 0usize, matrices);
             def.store_matrix::<E, Const<2>>(&mut tile.slice_mut(start, start + 8), &registers, MatrixIdent::A, matrices, transpose);
         } else {
-            store_values::<E>(tile, base, stride, values, at, matrices, row_blocks, transpose);
+            store_values::<E>(tile, base, stride, values, matrices, row_blocks, transpose);
         }
     }
 
@@ -359,13 +356,12 @@ impl FragmentMma for SharedMemoryMma {
         base: usize,
         stride: usize,
         values: &Array<E>,
-        at: usize,
         #[comptime] matrices: usize,
         #[comptime] row_blocks: usize,
         #[comptime] transpose: bool,
         #[comptime] _instruction: bool,
     ) {
-        store_values::<E>(tile, base, stride, values, at, matrices, row_blocks, transpose);
+        store_values::<E>(tile, base, stride, values, matrices, row_blocks, transpose);
     }
 
     /// Copies are plain loads and stores, there once the cube is synchronised.

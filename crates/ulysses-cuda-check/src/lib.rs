@@ -98,11 +98,11 @@ pub fn canonical_source(source: &str) -> String {
     out
 }
 
-/// [`canonical_source`]'s hash, as hex.
-fn source_key(source: &str) -> String {
+/// A [`canonical_source`]'s hash, as hex.
+fn source_key(canonical: &str) -> String {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    canonical_source(source).hash(&mut hasher);
+    canonical.hash(&mut hasher);
     format!("{:016x}", hasher.finish())
 }
 
@@ -228,7 +228,9 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
             let compiled = compiled.map_err(|e| format!("{case:?}: a kernel failed to compile: {e}"))?;
             let Some(kernel) = kernel_of(&compiled.entrypoint) else { continue };
             // One kernel however CubeCL ordered its declarations this time.
-            let entry = kernels.entry(canonical_source(&compiled.source)).or_insert_with(|| Kernel {
+            let canonical = canonical_source(&compiled.source);
+            let source_key = source_key(&canonical);
+            let entry = kernels.entry(canonical).or_insert_with(|| Kernel {
                 target: compiled.target,
                 kernel: kernel.to_string(),
                 entrypoint: compiled.entrypoint.clone(),
@@ -242,7 +244,7 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
                 dynamic_shared_bytes: compiled.dynamic_shared_bytes,
                 block: compiled.block,
                 cases: Vec::new(),
-                source_key: source_key(&compiled.source),
+                source_key,
                 source: compiled.source.clone(),
             });
             if !entry.cases.contains(&case) {

@@ -327,7 +327,7 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
                 matrices[2 * m + j] = ds[(2 * n_pair + m % 2) * C_VALUES + 2 * (m / 2) + j];
             }
         }
-        M::store_matrices::<E>(tile, 16 * n_pair * stride + 16 * warp, stride, &matrices, 0usize, 4usize, 2usize, true, stores_matrices);
+        M::store_matrices::<E>(tile, 16 * n_pair * stride + 16 * warp, stride, &matrices, 4usize, 2usize, true, stores_matrices);
     }
     sync_cube();
 
