@@ -21,8 +21,9 @@ cp "$overhead" "$bundle/memory/decorator-overhead-bench"
 cargo build --release -p ulysses-nccl --features autotune --bin ulysses-nccl-check
 cargo build --release -p ulysses-dist --bin ulysses-launch
 cargo build --release -p ulysses-trainer --features cuda
-cp target/release/ulysses-nccl-check target/release/ulysses-launch "$bundle/nccl/"
-cp target/release/ulysses-trainer target/release/ulysses-launch "$bundle/train/"
+release="${CARGO_TARGET_DIR:-target}/release"
+cp "$release/ulysses-nccl-check" "$release/ulysses-launch" "$bundle/nccl/"
+cp "$release/ulysses-trainer" "$release/ulysses-launch" "$bundle/train/"
 for file in "$bundle"/*/*; do strip "$file"; done
 cp benches/sdpa_reference.py "$bundle/kernels/"
 cp benches/torch_llama_reference.py "$bundle/train/"

@@ -299,6 +299,9 @@ if has ulysses-trainer; then
                     --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "${CORPUS:-/usr/share/common-licenses}" \
                     --out "$out/hf-$shape-sp1-old-head"
             fi
+            # PyTorch before the fragments' run: a part stopped at its limit keeps the baseline.
+            step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" --checkpointing \
+                --seq-len "$seq" --batch-size 1 --dtype bf16 --steps "${HF_STEPS:-6}" --warmup 2
             # Attention (forward and backward) on the register-fragment engine (FlashAttention-2's
             # design, ULYSSES_FLASH_ENGINE=fragments), beside the planned engine's above;
             # HF_FRAGMENTS=0 skips it.
@@ -308,8 +311,6 @@ if has ulysses-trainer; then
                     --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "${CORPUS:-/usr/share/common-licenses}" \
                     --out "$out/hf-$shape-sp1-fragments"
             fi
-            step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" --checkpointing \
-                --seq-len "$seq" --batch-size 1 --dtype bf16 --steps "${HF_STEPS:-6}" --warmup 2
         done ;;
     8b)
         # The whole Llama-3.1-8B shape (benches/hf-shapes, 32 layers, random weights) on the one
