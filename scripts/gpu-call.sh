@@ -33,6 +33,22 @@ if [ -z "${CORPUS:-}" ]; then
         export CORPUS=/tmp/gpu-call-corpus.txt
     fi
 fi
+# CubeCL's compilation and autotune caches, kept across calls and sessions: the lent machine
+# starts bare, and the fifth GPU run spent its 900 s compiling (NVRTC, seconds a fragment
+# kernel) and tuning (4-45 s a matmul shape), not computing. They come back as
+# $OUT/cubecl-cache.tar.gz; carried as .gpu-cache/cubecl-cache.tar.gz (git-ignored: copy the
+# returned file there and name .gpu-cache in the call's carry), the next call starts with them.
+# A cubecl.toml in the working folder sets them for every part run from here (the memory part
+# runs in a folder with its own).
+cache=/tmp/gpu-call-cubecl
+mkdir -p "$cache"
+[ -f .gpu-cache/cubecl-cache.tar.gz ] && tar xzf .gpu-cache/cubecl-cache.tar.gz -C "$cache"
+cat >cubecl.toml <<TOML
+[compilation]
+cache = { file = "$cache/compilation" }
+[autotune]
+cache = { file = "$cache/autotune" }
+TOML
 # Logs only: the trainer's checkpoints and weights would pass the 16 MiB a returned file may have.
 # Packed again after every part, so a call stopped at the device's limit still returns the
 # parts that ended.
@@ -41,6 +57,7 @@ pack() {
     tar czf "$out/logs.tar.gz.part" --exclude='*.ulysses' --exclude='*.mpk' --exclude='*.ulysses.*' -C "$logs" . &&
         mv "$out/logs.tar.gz.part" "$out/logs.tar.gz"
     cp "$logs/parts.txt" "$out/parts.txt" 2>/dev/null
+    tar czf "$out/cubecl-cache.tar.gz.part" -C "$cache" . && mv "$out/cubecl-cache.tar.gz.part" "$out/cubecl-cache.tar.gz"
 }
 for part in "$@"; do
     spec=${part%%=*}

@@ -299,17 +299,16 @@ if has ulysses-trainer; then
                     --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "${CORPUS:-/usr/share/common-licenses}" \
                     --out "$out/hf-$shape-sp1-old-head"
             fi
-            # PyTorch before the fragments' run: a part stopped at its limit keeps the baseline.
+            # PyTorch before the planned engine's run: a part stopped at its limit keeps the baseline.
             step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" --checkpointing \
                 --seq-len "$seq" --batch-size 1 --dtype bf16 --steps "${HF_STEPS:-6}" --warmup 2
-            # Attention (forward and backward) on the register-fragment engine (FlashAttention-2's
-            # design, ULYSSES_FLASH_ENGINE=fragments), beside the planned engine's above;
-            # HF_FRAGMENTS=0 skips it.
-            if [ "${HF_FRAGMENTS:-1}" = 1 ]; then
-                step "hf-$shape-sp1-fragments" env ULYSSES_FLASH_ENGINE=fragments "$here/ulysses-trainer" --backend cuda --sp 1 \
+            # Attention on the planned engine (`cmma`, ULYSSES_FLASH_ENGINE=planned) beside the
+            # register fragments the runs above choose on CUDA since 2026-11-30; HF_PLANNED=1 adds it.
+            if [ "${HF_PLANNED:-0}" = 1 ]; then
+                step "hf-$shape-sp1-planned" env ULYSSES_FLASH_ENGINE=planned "$here/ulysses-trainer" --backend cuda --sp 1 \
                     --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile --learning-rate 3e-4 --checkpoint-layers --no-save \
                     --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "${CORPUS:-/usr/share/common-licenses}" \
-                    --out "$out/hf-$shape-sp1-fragments"
+                    --out "$out/hf-$shape-sp1-planned"
             fi
         done ;;
     8b)

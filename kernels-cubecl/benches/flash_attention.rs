@@ -39,7 +39,7 @@ use std::{
 use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use ulysses_kernels::{
-    FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_backward_fragments_laid_out_for, flash_attention_forward,
+    FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_backward_fragments_laid_out_for, flash_attention_backward_planned, flash_attention_forward, flash_attention_forward_planned,
     flash_attention_forward_fragments,
     flash::{Engine, Problem},
 };
@@ -275,7 +275,7 @@ fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, 
     let q_shape = [shape.batch, shape.heads, shape.seq, shape.head_dim];
     let (q, k, v, g) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
     let options = FlashOptions { scale: None, causal: shape.causal };
-    let planned = || flash_attention_forward(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
+    let planned = || flash_attention_forward_planned(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
     let fragments = || flash_attention_forward_fragments(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
     let values = |tensor: CubeTensor<Runtime>| -> Vec<f32> {
         burn::tensor::Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(tensor)).cast(DType::F32).into_data().to_vec().unwrap()
@@ -283,7 +283,7 @@ fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, 
     let largest_difference = |a: Vec<f32>, b: Vec<f32>| a.iter().zip(b).map(|(a, b)| if b.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0.0f32, f32::max);
     let ((planned_out, planned_lse), (fragments_out, fragments_lse)) = (planned(), fragments());
     let forward_difference = largest_difference(values(planned_out.clone()), values(fragments_out.clone()));
-    let planned_backward = || flash_attention_backward(q.clone(), k.clone(), v.clone(), planned_out.clone(), g.clone(), planned_lse.clone(), options, ranges).unwrap();
+    let planned_backward = || flash_attention_backward_planned(q.clone(), k.clone(), v.clone(), planned_out.clone(), g.clone(), planned_lse.clone(), options, ranges).unwrap();
     let fragments_backward = || flash_attention_backward_fragments(q.clone(), k.clone(), v.clone(), fragments_out.clone(), g.clone(), fragments_lse.clone(), options, ranges).unwrap();
     let summed_before = ulysses_kernels::query_grads_summed();
     let (want, got) = (planned_backward(), fragments_backward());

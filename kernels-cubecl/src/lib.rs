@@ -26,7 +26,7 @@ pub mod flash;
 pub mod mma;
 
 pub use flash::{
-    Engine, FlashOptions, Fragment, MAX_HEAD_DIM, MAX_SEQUENCE, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_backward_fragments_laid_out_for, flash_attention_forward, flash_attention_forward_fragments, flash_attention_forward_fragments_laid_out_for, plan_flash_attention,
+    Engine, FlashOptions, Fragment, MAX_HEAD_DIM, MAX_SEQUENCE, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_backward_fragments_laid_out_for, flash_attention_backward_planned, flash_attention_forward, flash_attention_forward_fragments, flash_attention_forward_fragments_laid_out_for, flash_attention_forward_planned, plan_flash_attention, runs_on_fragments,
 };
 
 pub use cross_entropy::{CrossEntropyError, check_cross_entropy, fused_cross_entropy};

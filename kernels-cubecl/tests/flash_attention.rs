@@ -3,7 +3,8 @@
 //! unequal sequence lengths, head dims 16, 64, 128, 256 and an odd one, 4096 tokens, and f32,
 //! f16 (and bf16 where the device has it); documents packed into a sequence (1, 2 and 5 per
 //! sequence, at lengths that are no multiple of a tile) and key padding, causal and not. On the CPU the plane engine runs them (lavapipe has
-//! no tensor cores); on CUDA, f16 and bf16 run on tensor cores, and f32 on TF32 ones.
+//! no tensor cores); on CUDA, f16 and bf16 run on the register fragments at head dims 64, 128 and
+//! 256 (`mma.sync`, the engine chosen there), on tensor cores at others, and f32 on TF32 ones.
 //!
 //! On the CPU they run through wgpu on a software Vulkan driver (lavapipe: Debian's
 //! `mesa-vulkan-drivers`); with `--features cuda` on an NVIDIA GPU. Without a usable device
@@ -34,7 +35,7 @@ mod fragments;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensorOps};
 use burn_cubecl::CubeBackend;
 use ulysses_kernels::{
-    FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention,
+    FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention, runs_on_fragments,
     testing::{runtime_available, supports_dtype, uniform_values},
 };
 
@@ -315,8 +316,8 @@ fn check(case: Case) {
     }
 }
 
-/// The engine the kernels plan for `case` (`plane`, `tensor-cores-F` for F³ fragments,
-/// `tensor-cores-tf32`),
+/// The engine the kernels run `case` on (`register-fragments`, or the plan's: `plane`,
+/// `tensor-cores-F` for F³ fragments, `tensor-cores-tf32`),
 /// checked against `ULYSSES_EXPECT_ENGINE` for f16 and bf16 cases.
 fn engine_of(case: &Case, device: &Device, options: &FlashOptions) -> String {
     let client = <Runtime as cubecl::Runtime>::client(device);
@@ -324,7 +325,9 @@ fn engine_of(case: &Case, device: &Device, options: &FlashOptions) -> String {
     let dtype = case.dtype;
     let (q, k, v) = (OperandInfo { shape: &q, dtype }, OperandInfo { shape: &k, dtype }, OperandInfo { shape: &v, dtype });
     let plan = plan_flash_attention(&client, q, k, v, options).expect("the case is accepted");
-    let engine = plan.engine.to_string();
+    // Where the device runs `mma.sync` (CUDA), f16 and bf16 at head dims 64, 128 and 256 run on
+    // the register fragments, not on the plan's engine.
+    let engine = if runs_on_fragments(&client, q, k, v, options).expect("the case is accepted") { "register-fragments".to_string() } else { plan.engine.to_string() };
     if let Ok(expected) = std::env::var("ULYSSES_EXPECT_ENGINE")
         && matches!(case.dtype, DType::F16 | DType::BF16)
     {

@@ -17,7 +17,7 @@ use burn_cubecl::CubeBackend;
 use cubecl::Runtime as _;
 use serde::Serialize;
 use ulysses_kernels::{
-    FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_backward_fragments_laid_out_for, flash_attention_forward,
+    FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward_fragments, flash_attention_backward_fragments_laid_out_for, flash_attention_backward_planned, flash_attention_forward_planned,
     flash_attention_forward_fragments, fused_cross_entropy,
     mma::fragment_products, plan_flash_attention,
 };
@@ -194,8 +194,8 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
             Backend::float_from_data(data, &device)
         };
         let ranges = case.ranged.then(|| VisibleRanges::all(batch, seq, seq).and_then(|r| r.with_documents(&[vec![30, seq - 30]]))).transpose().map_err(|e| e.to_string())?;
-        let (output, lse) = flash_attention_forward(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options, ranges.as_ref()).map_err(|e| format!("{case:?}: {e}"))?;
-        flash_attention_backward(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), output, tensor(q_shape), lse, options, ranges.as_ref()).map_err(|e| format!("{case:?}: {e}"))?;
+        let (output, lse) = flash_attention_forward_planned(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), options, ranges.as_ref()).map_err(|e| format!("{case:?}: {e}"))?;
+        flash_attention_backward_planned(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), output, tensor(q_shape), lse, options, ranges.as_ref()).map_err(|e| format!("{case:?}: {e}"))?;
         // The training loss's row kernel, in this case's dtype (its source depends on that alone).
         if !case.sixty_four_bit {
             let logits = Backend::float_from_data(TensorData::new(vec![0.25f32; 80 * 1000], [80, 1000]).convert_dtype(dtype), &device);
@@ -323,5 +323,37 @@ mod tests {
         assert_ne!(canonical_source(FIRST), canonical_source(&SECOND.replace("+ 2", "+ 3")));
         // Another shared array is another kernel.
         assert_ne!(canonical_source(FIRST), canonical_source(&SECOND.replace("float *shared_memory_1", "half *shared_memory_1")));
+    }
+}
+
+/// The engine an NVIDIA device gets from `flash_attention_forward` and `_backward`, read off
+/// the compile-only devices (each registers `mma.sync` as cubecl-cuda does for its
+/// architecture).
+#[cfg(test)]
+mod engine_choice {
+    use burn::tensor::DType;
+    use cubecl::Runtime as _;
+    use ulysses_kernels::{FlashOptions, OperandInfo, runs_on_fragments};
+
+    use crate::runtime::{CompileOnly, TARGETS, TargetDevice};
+
+    #[test]
+    fn half_precision_runs_on_the_register_fragments_where_they_take_it() {
+        for (index, target) in TARGETS.iter().enumerate() {
+            let client = CompileOnly::client(&TargetDevice(index));
+            let runs = |dtype, seq: usize, head_dim: usize| {
+                let shape = [1, 16, seq, head_dim];
+                let operand = OperandInfo { shape: &shape, dtype };
+                runs_on_fragments(&client, operand, operand, operand, &FlashOptions { scale: None, causal: true }).unwrap()
+            };
+            for head_dim in [64, 128, 256] {
+                assert!(runs(DType::BF16, 4096, head_dim) && runs(DType::F16, 4096, head_dim), "{}: head dim {head_dim}", target.name);
+            }
+            // f32 (TF32 on the `cmma` engine), a head dim the fragments do not take, and
+            // tensors past 2^31 elements (64-bit indices) stay on the planned engines.
+            assert!(!runs(DType::F32, 4096, 128), "{}: f32", target.name);
+            assert!(!runs(DType::BF16, 4096, 96), "{}: head dim 96", target.name);
+            assert!(!runs(DType::BF16, 1 << 21, 128), "{}: 2^32 elements", target.name);
+        }
     }
 }

@@ -252,8 +252,9 @@ fn fragments_refusal(dtype: DType, p: &Problem) -> Option<String> {
 /// `fragment_forward.rs`): output `[B, Hq, Sq, D]` in the inputs' dtype and log-sum-exp
 /// `[B, Hq, Sq]` in f32, as [`flash_attention_forward`] gives them, `ranges` restricting the
 /// keys each row sees as there. f16 or bf16, head dim (and value dim) 64, 128 or 256 (two
-/// launches of 128 output columns, each computing the scores). Not yet
-/// chosen by the planner: beside the engines it is to replace until it covers what they do.
+/// launches of 128 output columns, each computing the scores). [`flash_attention_forward`]
+/// chooses it where the device runs `mma.sync` (`plan::FragmentChoice`); this runs it whatever
+/// the device (emulated without `mma.sync`).
 pub fn flash_attention_forward_fragments<R: CubeRuntime>(
     query: CubeTensor<R>,
     key: CubeTensor<R>,
@@ -384,10 +385,51 @@ pub fn flash_attention_forward<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    if plan::fragments_requested() && fragments_refusal(query.dtype, &problem).is_none() {
+    if runs_fragments(&query.client, query.dtype, &problem) {
         let layout = problem.address_type();
         return fragment_forward(problem, query, key, value, options, ranges, layout);
     }
+    forward_planned(problem, query, key, value, options, ranges)
+}
+
+/// [`flash_attention_forward`] on the planned engines (`cmma` or plane) wherever the register
+/// fragments would be chosen: what they replaced, for side-by-sides and the machine-code check.
+pub fn flash_attention_forward_planned<R: CubeRuntime>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    options: FlashOptions,
+    ranges: Option<&VisibleRanges>,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
+    let problem = Problem::of_tensors(&query, &key, &value, &options)?;
+    forward_planned(problem, query, key, value, options, ranges)
+}
+
+/// Whether a call of `dtype` on `client`'s device runs on the register-fragment engine
+/// ([`plan::FragmentChoice`]).
+fn runs_fragments<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, problem: &Problem) -> bool {
+    let takes = fragments_refusal(dtype, problem).is_none();
+    let narrow = problem.address_type() == AddressType::U32;
+    plan::FragmentChoice::of_environment().runs_fragments(takes, crate::mma::has_mma_sync(client, dtype), narrow)
+}
+
+/// Whether [`flash_attention_forward`] and [`flash_attention_backward`] run q, k and v of
+/// these shapes and dtypes on the register-fragment engine on `client`'s device (the engine a
+/// test's tolerance and report name).
+pub fn runs_on_fragments<R: CubeRuntime>(client: &ComputeClient<R>, query: OperandInfo, key: OperandInfo, value: OperandInfo, options: &FlashOptions) -> Result<bool, FlashError> {
+    let problem = Problem::new(client, query, key, value, options)?;
+    Ok(runs_fragments(client, query.dtype, &problem))
+}
+
+/// The planned engines' forward (see [`flash_attention_forward_planned`]).
+fn forward_planned<R: CubeRuntime>(
+    problem: Problem,
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    options: FlashOptions,
+    ranges: Option<&VisibleRanges>,
+) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
     let client = query.client.clone();
     let device = query.device.clone();
@@ -442,8 +484,24 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    let fragments = (plan::fragments_requested() && fragments_refusal(query.dtype, &problem).is_none()).then(|| problem.address_type());
+    let fragments = runs_fragments(&query.client, query.dtype, &problem).then(|| problem.address_type());
     backward(problem, query, key, value, output, output_grad, lse, options, ranges, fragments, deterministic_requested())
+}
+
+/// [`flash_attention_backward`] on the planned engines (see [`flash_attention_forward_planned`]).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward_planned<R: CubeRuntime>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    output: CubeTensor<R>,
+    output_grad: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    options: FlashOptions,
+    ranges: Option<&VisibleRanges>,
+) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
+    let problem = Problem::of_tensors(&query, &key, &value, &options)?;
+    backward(problem, query, key, value, output, output_grad, lse, options, ranges, None, false)
 }
 
 /// Whether the device adds f32 values atomically, which the register-fragment backward needs

@@ -109,18 +109,49 @@ pub enum Kernel {
     QueryGrad,
 }
 
-/// Sets `ULYSSES_FLASH_ENGINE=plane` to run the plane engine where tensor cores would be used:
-/// to compare them on one GPU, or to keep f32 attention in full precision rather than TF32.
-/// `ULYSSES_FLASH_ENGINE=fragments` runs the forward and the backward on the register-fragment
-/// engine wherever they apply ([`fragments_requested`]).
+/// Chooses the engine: `ULYSSES_FLASH_ENGINE=plane` runs the plane engine where tensor cores
+/// would be used (to compare them on one GPU, or to keep f32 attention in full precision rather
+/// than TF32); `planned` keeps the planned engines (`cmma` or plane) where the register-fragment
+/// engine would be chosen; `fragments` runs the register-fragment engine wherever its kernels
+/// take the case, emulated where the device has no `mma.sync` ([`FragmentChoice`]).
 const ENGINE_VARIABLE: &str = "ULYSSES_FLASH_ENGINE";
 
-/// Whether `ULYSSES_FLASH_ENGINE=fragments` asks for the register-fragment forward and backward
-/// (`flash_attention_forward_fragments`, `flash_attention_backward_fragments`) wherever they
-/// apply: until the planner chooses them (once measured on a GPU), the switch that puts them in
-/// a training step, to time the step with them beside one without.
-pub(crate) fn fragments_requested() -> bool {
-    std::env::var(ENGINE_VARIABLE).as_deref() == Ok("fragments")
+/// Whether a call runs on the register-fragment engine (FlashAttention-2's design), which an
+/// H200 ran 7.5–7.8 times as fast as the `cmma` engine forward and 4.1–4.3 times backward
+/// (benches/RESULTS.md, "GPU: the fifth run").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FragmentChoice {
+    /// Where the device runs `mma.sync` on the dtype (CUDA from sm_80) and the kernels take the
+    /// case with 32-bit indices: the 64-bit layout has run on lavapipe only, and the planned
+    /// engine's 64-bit kernels on an H100 past 2^32 elements, so those stay there until the
+    /// fragments' have run there too.
+    Default,
+    /// `ULYSSES_FLASH_ENGINE=fragments`: wherever the kernels take the case (emulated on
+    /// devices without `mma.sync`: how lavapipe runs them).
+    Requested,
+    /// `ULYSSES_FLASH_ENGINE=planned` or `plane`: never.
+    Refused,
+}
+
+impl FragmentChoice {
+    /// What `ULYSSES_FLASH_ENGINE` asks for.
+    pub(crate) fn of_environment() -> Self {
+        match std::env::var(ENGINE_VARIABLE).as_deref() {
+            Ok("fragments") => Self::Requested,
+            Ok("planned" | "plane") => Self::Refused,
+            _ => Self::Default,
+        }
+    }
+
+    /// Whether a case runs on the fragments: `takes`, the kernels take it; `mma_sync`, the
+    /// device multiplies the dtype with `mma.sync`; `narrow`, its indices fit 32 bits.
+    pub(crate) fn runs_fragments(self, takes: bool, mma_sync: bool, narrow: bool) -> bool {
+        match self {
+            Self::Default => takes && mma_sync && narrow,
+            Self::Requested => takes,
+            Self::Refused => false,
+        }
+    }
 }
 
 /// For tests only: `ULYSSES_FLASH_FRAGMENT=16` runs 16³ fragments (CUDA's f16/bf16 shape) on a
@@ -332,6 +363,23 @@ mod tests {
 
     fn budget(shared_bytes: usize, element_bytes: usize, plane_dim: usize, dim: usize) -> Budget {
         Budget { fragment: Fragment::cube(TILE), shared_bytes, max_units: 1024, element_bytes, plane_dim, plane_sync: false, skew: DEFAULT_SKEW, causal: true, dim, value_dim: dim }
+    }
+
+    #[test]
+    fn the_fragments_run_by_default_only_on_mma_sync_with_32_bit_indices() {
+        use FragmentChoice::*;
+        // (choice, takes, mma_sync, narrow) → runs on the fragments.
+        for (choice, takes, mma_sync, narrow, runs) in [
+            (Default, true, true, true, true),
+            (Default, true, false, true, false),
+            (Default, true, true, false, false),
+            (Default, false, true, true, false),
+            (Requested, true, false, false, true),
+            (Requested, false, true, true, false),
+            (Refused, true, true, true, false),
+        ] {
+            assert_eq!(choice.runs_fragments(takes, mma_sync, narrow), runs, "{choice:?}, takes {takes}, mma.sync {mma_sync}, 32-bit {narrow}");
+        }
     }
 
     #[test]
