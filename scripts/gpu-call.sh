@@ -38,14 +38,18 @@ fi
 # kernel) and tuning (4-45 s a matmul shape), not computing. They come back as
 # $OUT/cubecl-cache.tar.gz; carried as .gpu-cache/cubecl-cache.tar.gz (git-ignored: copy the
 # returned file there and name .gpu-cache in the call's carry), the next call starts with them.
-# A cubecl.toml in the working folder sets them for every part run from here (the memory part
-# runs in a folder with its own).
+# CubeCL finds a compiled kernel by its name and launch settings, not its code: compiled kernels
+# are kept per bundle and GPU (a rebuilt kernel must never run as its old machine code), tuned
+# choices (which kernel, never what it computes) across bundles. A cubecl.toml in the working
+# folder sets them for every part run from here (the memory part runs in a folder with its own).
 cache=/tmp/gpu-call-cubecl
 mkdir -p "$cache"
 [ -f .gpu-cache/cubecl-cache.tar.gz ] && tar xzf .gpu-cache/cubecl-cache.tar.gz -C "$cache"
+stamp=$({ nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null; cat .gpu-carry/bundle.tar.xz 2>/dev/null || find "$bundle" -type f ! -name gpu-run.sh -exec cat {} +; } | sha256sum | cut -c1-16)
+for old in "$cache"/compilation-*; do [ -e "$old" ] && [ "$old" != "$cache/compilation-$stamp" ] && rm -rf "$old"; done
 cat >cubecl.toml <<TOML
 [compilation]
-cache = { file = "$cache/compilation" }
+cache = { file = "$cache/compilation-$stamp" }
 [autotune]
 cache = { file = "$cache/autotune" }
 TOML

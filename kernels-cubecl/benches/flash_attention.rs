@@ -6,7 +6,9 @@
 //!             (wgpu on lavapipe: small f32 shapes; compares designs, not devices)
 //!
 //! For each shape (bf16 where the device has it, head dim 128, batch 1, 16 and 32 heads,
-//! 1K to 64K tokens, causal and not) it times the forward, the backward and both, and reports
+//! 1K to 64K tokens, causal and not) it times the planned engine's (`cmma` or plane: the
+//! engine the plan below names, which CUDA calls leave for the register fragments since
+//! 2026-11-30; `--fragments` times those) forward, backward and both, and reports
 //! TFLOP/s with the usual attention count (forward `4·B·H·S²·D`, halved when causal; backward
 //! 2.5 times the forward). `benches/sdpa_reference.py` times PyTorch's SDPA on every shape in
 //! one Python process, names the backend PyTorch ran (flash, cuDNN, efficient, math) from the
@@ -24,7 +26,7 @@
 //!
 //! `--fragments` instead times the forward and the backward at head dims 64 and 128 (the
 //! register-fragment engine, FlashAttention-2's design, takes 256 too: `--head-dims 64,128,256`)
-//! three ways in one run: the planned engine (`flash_attention_forward`, `_backward`), the
+//! three ways in one run: the planned engine (`flash_attention_forward_planned`, `_backward_planned`), the
 //! register fragments (`flash_attention_forward_fragments`, `_backward_fragments`) and SDPA,
 //! with the fragments' output and gradients checked against the planned engine's first, and
 //! the fragments' backward timed twice where it sums dQ in the dK/dV kernel with atomics: so,
@@ -39,7 +41,7 @@ use std::{
 use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use ulysses_kernels::{
-    FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward, flash_attention_backward_fragments, flash_attention_backward_fragments_laid_out_for, flash_attention_backward_planned, flash_attention_forward, flash_attention_forward_planned,
+    FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward_fragments, flash_attention_backward_fragments_laid_out_for, flash_attention_backward_planned, flash_attention_forward_planned,
     flash_attention_forward_fragments,
     flash::{Engine, Problem},
 };
@@ -103,10 +105,10 @@ fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration, ranges: 
     let q_shape = [shape.batch, shape.heads, shape.seq, shape.head_dim];
     let (q, k, v, g) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
     let options = FlashOptions { scale: None, causal: shape.causal };
-    let forward = || flash_attention_forward(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
+    let forward = || flash_attention_forward_planned(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
     // Warm-up: compiles the kernels.
     let (output, lse) = forward();
-    let backward = || flash_attention_backward(q.clone(), k.clone(), v.clone(), output.clone(), g.clone(), lse.clone(), options, ranges).unwrap();
+    let backward = || flash_attention_backward_planned(q.clone(), k.clone(), v.clone(), output.clone(), g.clone(), lse.clone(), options, ranges).unwrap();
     drop(backward());
     sync(device);
     let each = budget / 3;
@@ -115,7 +117,7 @@ fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration, ranges: 
         backward: time(device, each, || drop(backward())),
         both: time(device, each, || {
             let (o, l) = forward();
-            drop(flash_attention_backward(q.clone(), k.clone(), v.clone(), o, g.clone(), l, options, ranges).unwrap());
+            drop(flash_attention_backward_planned(q.clone(), k.clone(), v.clone(), o, g.clone(), l, options, ranges).unwrap());
         }),
     };
     // Memory in use with every tensor of a forward + backward alive.
@@ -192,7 +194,22 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
     // Each shape's (planned, fragments, SDPA's) seconds, timed once, printed in two tables.
     let mut rows = Vec::new();
     for (shape, sdpa) in shapes.iter().zip(theirs) {
-        rows.push((*shape, both_engines(shape, dtype, device, budget, None), sdpa.map(|sdpa| sdpa.timing)));
+        let compared = both_engines(shape, dtype, device, budget, None);
+        // Each shape as it is measured, before the tables: a run stopped at its time limit (a
+        // lent GPU's call) keeps the shapes it finished.
+        let (forward, backward) = (shape.forward_flops() / 1e12, 2.5 * shape.forward_flops() / 1e12);
+        println!(
+            "measured dim {} heads {} seq {} causal {}: forward {} / {} TFLOP/s, backward {} / {} (planned / fragments)",
+            shape.head_dim,
+            shape.heads,
+            shape.seq,
+            shape.causal,
+            number(forward / compared.planned.forward),
+            number(forward / compared.fragments.forward),
+            number(backward / compared.planned.backward),
+            number(backward / compared.fragments.backward)
+        );
+        rows.push((*shape, compared, sdpa.map(|sdpa| sdpa.timing)));
     }
     for backward in [false, true] {
         let pass = if backward { "backward" } else { "forward" };

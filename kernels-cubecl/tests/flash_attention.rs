@@ -14,8 +14,8 @@
 //! The engine: f16 and bf16 run on tensor cores where the device has them (CUDA; with
 //! `--features spirv`, lavapipe 26.1's 8³ cooperative matrices, or 16³ with
 //! `ULYSSES_FLASH_FRAGMENT=16`), the plane engine elsewhere. `ULYSSES_EXPECT_ENGINE`
-//! (`plane`, `tensor-cores-8`, `tensor-cores-16`) makes every f16/bf16 case check that its
-//! plan runs that engine, so a run meant for the tensor cores cannot pass on the plane
+//! (`plane`, `tensor-cores-8`, `tensor-cores-16`, `register-fragments`) makes every f16/bf16
+//! case check that it runs on that engine, so a run meant for the tensor cores cannot pass on the plane
 //! engine.
 //!
 //! `fragments` checks the register fragments of `mma.sync` (`ulysses_kernels::mma`) that the
@@ -35,7 +35,7 @@ mod fragments;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, ops::FloatTensorOps};
 use burn_cubecl::CubeBackend;
 use ulysses_kernels::{
-    FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_forward, plan_flash_attention, runs_on_fragments,
+    FlashError, FlashOptions, OperandInfo, VisibleRanges, flash_attention_backward, flash_attention_backward_planned, flash_attention_forward, flash_attention_forward_planned, plan_flash_attention, runs_on_fragments,
     testing::{runtime_available, supports_dtype, uniform_values},
 };
 
@@ -536,8 +536,11 @@ fn bf16_past_2_pow_32_elements_per_tensor_against_chunks() {
     let ranges = VisibleRanges::all(1, seq, seq).unwrap().with_documents(&[lengths]).unwrap();
     let options = FlashOptions { scale: None, causal: true };
     let prim = |t: &Tensor<B, 4>| t.clone().into_primitive().tensor();
-    let (output, lse) = flash_attention_forward(prim(&q), prim(&k), prim(&v), options, Some(&ranges)).unwrap();
-    let (dq, dk, dv) = flash_attention_backward(prim(&q), prim(&k), prim(&v), output.clone(), prim(&g), lse, options, Some(&ranges)).unwrap();
+    // The planned engine on both sides: past 2^31 elements the calls choose it (the
+    // fragments' 64-bit layout has not run on a GPU yet), and the chunks must not compare
+    // another engine's rounding against it.
+    let (output, lse) = flash_attention_forward_planned(prim(&q), prim(&k), prim(&v), options, Some(&ranges)).unwrap();
+    let (dq, dk, dv) = flash_attention_backward_planned(prim(&q), prim(&k), prim(&v), output.clone(), prim(&g), lse, options, Some(&ranges)).unwrap();
     let big = |t: burn_cubecl::tensor::CubeTensor<Runtime>| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
     let (output, dq, dk, dv) = (big(output), big(dq), big(dk), big(dv));
 
@@ -547,8 +550,8 @@ fn bf16_past_2_pow_32_elements_per_tensor_against_chunks() {
         let kv = kv_head..kv_head + 1;
         let chunk = |t: &Tensor<B, 4>, heads: std::ops::Range<usize>| t.clone().slice([0..1, heads, rows.clone(), 0..dim]);
         let (cq, ck, cv, cg) = (chunk(&q, q_heads.clone()), chunk(&k, kv.clone()), chunk(&v, kv.clone()), chunk(&g, q_heads.clone()));
-        let (c_out, c_lse) = flash_attention_forward(prim(&cq), prim(&ck), prim(&cv), options, None).unwrap();
-        let (c_dq, c_dk, c_dv) = flash_attention_backward(prim(&cq), prim(&ck), prim(&cv), c_out.clone(), prim(&cg), c_lse, options, None).unwrap();
+        let (c_out, c_lse) = flash_attention_forward_planned(prim(&cq), prim(&ck), prim(&cv), options, None).unwrap();
+        let (c_dq, c_dk, c_dv) = flash_attention_backward_planned(prim(&cq), prim(&ck), prim(&cv), c_out.clone(), prim(&cg), c_lse, options, None).unwrap();
         let host = |t: Tensor<B, 4>| t.into_data().convert::<f64>().to_vec::<f64>().unwrap();
         let first_offset = ((q_heads.start * seq + rows.start) * dim) as f64;
         for (name, got, want) in [
