@@ -67,6 +67,10 @@ impl Shape {
         let full = 4.0 * (self.batch * self.heads) as f64 * (self.seq as f64).powi(2) * self.head_dim as f64;
         if self.causal { full / 2.0 } else { full }
     }
+    /// The backward's usual count: 2.5 times the forward's.
+    fn backward_flops(&self) -> f64 {
+        2.5 * self.forward_flops()
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -197,7 +201,7 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
         let compared = both_engines(shape, dtype, device, budget, None);
         // Each shape as it is measured, before the tables: a run stopped at its time limit (a
         // lent GPU's call) keeps the shapes it finished.
-        let (forward, backward) = (shape.forward_flops() / 1e12, 2.5 * shape.forward_flops() / 1e12);
+        let (forward, backward) = (shape.forward_flops() / 1e12, shape.backward_flops() / 1e12);
         println!(
             "measured dim {} heads {} seq {} causal {}: forward {} / {} TFLOP/s, backward {} / {} (planned / fragments)",
             shape.head_dim,
@@ -226,8 +230,7 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
             } else {
                 (compared.planned.forward, compared.fragments.forward, compared.forward_difference)
             };
-            // The backward's usual count: 2.5 times the forward's.
-            let flops = shape.forward_flops() * if backward { 2.5 } else { 1.0 };
+            let flops = if backward { shape.backward_flops() } else { shape.forward_flops() };
             let tflops = |seconds: f64| flops / seconds / 1e12;
             let sdpa_tflops = sdpa.map(|t| tflops(if backward { t.backward } else { t.forward }));
             let own_kernel = if backward { compared.query_grad_kernel_backward.map(tflops) } else { None };
