@@ -30,8 +30,10 @@
 //! register fragments (`flash_attention_forward_fragments`, `_backward_fragments`) and SDPA,
 //! with the fragments' output and gradients checked against the planned engine's first, and
 //! the fragments' backward timed twice where it sums dQ in the dK/dV kernel with atomics: so,
-//! and with dQ's own kernel (`ULYSSES_FLASH_DETERMINISTIC=1`, the "dQ kernel" column); then
-//! causal packed documents of 2048 tokens on both engines.
+//! and with dQ's own kernel (`ULYSSES_FLASH_DETERMINISTIC=1`, the "dQ kernel" column), and
+//! their forward twice where it gives each warp two row tiles of 16 with Q staged: so, and
+//! with one and Q's fragments in registers (the "16 rows" column, the forward before
+//! 2026-11-30); then causal packed documents of 2048 tokens on both engines.
 
 use std::{
     process::Command,
@@ -42,7 +44,7 @@ use burn::tensor::{DType, TensorData, ops::FloatTensorOps};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use ulysses_kernels::{
     FlashOptions, OperandInfo, Plan, VisibleRanges, flash_attention_backward_fragments, flash_attention_backward_fragments_laid_out_for, flash_attention_backward_planned, flash_attention_forward_planned,
-    flash_attention_forward_fragments,
+    flash_attention_forward_fragments, flash_attention_forward_fragments_laid_out_for,
     flash::{Engine, Problem},
 };
 
@@ -219,10 +221,20 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
         let pass = if backward { "backward" } else { "forward" };
         println!("\n{pass}, {dtype:?}: planned engine / register fragments (FlashAttention-2's design) / SDPA");
         // The backward's fragments once more with dQ's own kernel (`ULYSSES_FLASH_DETERMINISTIC=1`)
-        // where the default sums it in the dK/dV kernel with atomics: the two ways side by side.
+        // where the default sums it in the dK/dV kernel with atomics, the forward's with one row
+        // tile a warp where the default takes two: the two ways side by side.
         println!(
             "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} {:>9} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned",
-            "dim", "heads", "seq", "causal", "planned", "fragments", "SDPA", "dQ kernel", "frag/plan", "frag/SDPA"
+            "dim",
+            "heads",
+            "seq",
+            "causal",
+            "planned",
+            "fragments",
+            "SDPA",
+            if backward { "dQ kernel" } else { "16 rows" },
+            "frag/plan",
+            "frag/SDPA"
         );
         for (shape, compared, sdpa) in &rows {
             let (planned_s, fragments_s, difference) = if backward {
@@ -233,7 +245,7 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
             let flops = if backward { shape.backward_flops() } else { shape.forward_flops() };
             let tflops = |seconds: f64| flops / seconds / 1e12;
             let sdpa_tflops = sdpa.map(|t| tflops(if backward { t.backward } else { t.forward }));
-            let own_kernel = if backward { compared.query_grad_kernel_backward.map(tflops) } else { None };
+            let other_way = if backward { compared.query_grad_kernel_backward } else { compared.one_row_tile_forward }.map(tflops);
             // On the CPU the products run in the shared-memory emulation: compare there for
             // agreement, not for speed.
             println!(
@@ -245,7 +257,7 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
                 number(tflops(planned_s)),
                 number(tflops(fragments_s)),
                 text(sdpa_tflops),
-                text(own_kernel),
+                text(other_way),
                 planned_s / fragments_s,
                 text(sdpa_tflops.map(|theirs| tflops(fragments_s) / theirs))
             );
@@ -284,6 +296,8 @@ struct Compared {
     fragments: Timing,
     /// The fragments' backward with dQ's own kernel, where the default sums dQ with atomics.
     query_grad_kernel_backward: Option<f64>,
+    /// The fragments' forward with one row tile a warp, where the default takes two.
+    one_row_tile_forward: Option<f64>,
     forward_difference: f32,
     backward_difference: f32,
 }
@@ -302,7 +316,7 @@ fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, 
     };
     let largest_difference = |a: Vec<f32>, b: Vec<f32>| a.iter().zip(b).map(|(a, b)| if b.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0.0f32, f32::max);
     let ((planned_out, planned_lse), (fragments_out, fragments_lse)) = (planned(), fragments());
-    let forward_difference = largest_difference(values(planned_out.clone()), values(fragments_out.clone()));
+    let mut forward_difference = largest_difference(values(planned_out.clone()), values(fragments_out.clone()));
     let planned_backward = || flash_attention_backward_planned(q.clone(), k.clone(), v.clone(), planned_out.clone(), g.clone(), planned_lse.clone(), options, ranges).unwrap();
     let fragments_backward = || flash_attention_backward_fragments(q.clone(), k.clone(), v.clone(), fragments_out.clone(), g.clone(), fragments_lse.clone(), options, ranges).unwrap();
     let summed_before = ulysses_kernels::query_grads_summed();
@@ -320,10 +334,18 @@ fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, 
         backward_difference = [(want.0, own.0), (want.1, own.1), (want.2, own.2)].into_iter().map(|(a, b)| largest_difference(values(a), values(b))).fold(backward_difference, f32::max);
         time(device, each, || drop(own_kernel()))
     });
+    // Two row tiles a warp (Q staged) where the output is one part: one, to compare.
+    let one_row_tile_forward = (shape.head_dim <= 128).then(|| {
+        let one_tile = || flash_attention_forward_fragments_laid_out_for(q.clone(), k.clone(), v.clone(), options, ranges, None, true).unwrap();
+        let (out, _) = one_tile();
+        forward_difference = forward_difference.max(largest_difference(values(planned_out.clone()), values(out)));
+        time(device, each, || drop(one_tile()))
+    });
     Compared {
         planned: timing(time(device, each, || drop(planned())), time(device, each, || drop(planned_backward()))),
         fragments: timing(time(device, each, || drop(fragments())), time(device, each, || drop(fragments_backward()))),
         query_grad_kernel_backward,
+        one_row_tile_forward,
         forward_difference,
         backward_difference,
     }

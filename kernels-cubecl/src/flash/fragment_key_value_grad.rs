@@ -145,8 +145,8 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
     let held = comptime!(if rows_shared { 0 } else { held_columns });
     let k_rows = row_operand::<E>(k, kv_base, key0, seq_kv, head_dim, held, unrolled);
     let v_rows = row_operand::<E>(v, kv_base, key0, seq_kv, head_dim, held, unrolled);
-    let mut k_shared = rows_tile::<E>(rows_shared, head_dim);
-    let mut v_shared = rows_tile::<E>(rows_shared, head_dim);
+    let mut k_shared = rows_tile::<E>(rows_shared, BLOCK_ROWS, head_dim);
+    let mut v_shared = rows_tile::<E>(rows_shared, BLOCK_ROWS, head_dim);
     let mut scores_shared = scores_tile::<E>(comptime!(staging.query_grad), queries_per_step);
     let out_tiles = comptime!(part.width / 8);
     let mut key_acc = zeros(out_tiles * C_VALUES);
@@ -154,7 +154,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
 
     let run_low = visible_run(ranges, batch, key0 + g, seq_q, seq_kv, true, ranged, causal);
     let run_high = visible_run(ranges, batch, key0 + g + 8, seq_q, seq_kv, true, ranged, causal);
-    let span = block_span(ranges, batch, first_key, seq_q, seq_kv, queries_per_step, true, causal, ranged);
+    let span = block_span(ranges, batch, first_key, seq_q, seq_kv, BLOCK_ROWS, queries_per_step, true, causal, ranged);
     let score_tiles = queries_per_step / 8;
     // Exponents in base 2 (`fast_exp2`): a score's is s·scale·log2(e) − lse·log2(e).
     let scale_log2 = scale * LOG2_E;
@@ -178,7 +178,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
             let buffer = next_step::<E, M>(q, out_grad, q_base, &span, step, seq_q, &mut q_tiles, &mut out_grad_tiles, &mut copies, staging, head_dim, whole, unrolled);
             let mut s = zeros(score_tiles * C_VALUES);
             if rows_shared {
-                times_rows_transposed::<E, M>(&k_shared, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, unrolled);
+                times_rows_transposed::<E, M>(&k_shared, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, 1usize, unrolled);
             } else {
                 times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, held_columns, unrolled);
             }
@@ -209,21 +209,21 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
             if step_unmasked(query0, queries_per_step, &run_low, &run_high) {
                 column_probabilities(&mut s, scale_log2, &column_base, score_tiles, unrolled);
             } else {
-                mask_scores(&mut s, query0, &run_low, &run_high, false, score_tiles, unrolled);
+                mask_scores(&mut s, 0usize, query0, &run_low, &run_high, false, score_tiles, unrolled);
                 column_probabilities(&mut s, scale_log2, &column_base, score_tiles, unrolled);
             }
 
             if values {
                 // dV[:, part] += Pᵀ·dO[:, part].
                 let p = rounded::<E>(&s, score_tiles * C_VALUES);
-                times_tile::<E, M>(&p, &out_grad_tiles, buffer, &mut value_acc, &mut scratch, queries_per_step, head_dim, part, unrolled);
+                times_tile::<E, M>(&p, &out_grad_tiles, buffer, &mut value_acc, &mut scratch, queries_per_step, head_dim, part, 1usize, unrolled);
             }
 
             if keys {
                 // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of Pᵀ; dK[:, part] += dSᵀ·Q[:, part].
                 let mut dp = zeros(score_tiles * C_VALUES);
                 if rows_shared {
-                    times_rows_transposed::<E, M>(&v_shared, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, unrolled);
+                    times_rows_transposed::<E, M>(&v_shared, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, 1usize, unrolled);
                 } else {
                     times_tile_transposed::<E, M>(&v_rows, v, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, held_columns, unrolled);
                 }
@@ -236,7 +236,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
                     }
                 }
                 let ds = rounded::<E>(&s, score_tiles * C_VALUES);
-                times_tile::<E, M>(&ds, &q_tiles, buffer, &mut key_acc, &mut scratch, queries_per_step, head_dim, part, unrolled);
+                times_tile::<E, M>(&ds, &q_tiles, buffer, &mut key_acc, &mut scratch, queries_per_step, head_dim, part, 1usize, unrolled);
                 if comptime!(staging.query_grad) {
                     // dQ[step's queries] += dS·K over the block's keys. (The next step's
                     // barrier, before it writes the tile again, waits for every warp's reads.)

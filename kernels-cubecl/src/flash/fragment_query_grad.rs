@@ -73,7 +73,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
 ) {
     let (q_heads, seq_q) = (q.shape(1), q.shape(2));
     let (kv_heads, seq_kv) = (k.shape(1), k.shape(2));
-    let rows = block_rows(q_heads, seq_q, kv_heads, seq_kv, head_dim);
+    let rows = block_rows(q_heads, seq_q, kv_heads, seq_kv, head_dim, 1usize);
     let (batch, head_index, q_base, kv_base, row0) = (rows.batch, rows.head_index, rows.q_base, rows.kv_base, rows.row0);
     let g = lane() / 4;
 
@@ -99,7 +99,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     // Exponents in base 2 (`fast_exp2`): a score's is s·scale·log2(e) − lse·log2(e).
     let (base_low, base_high) = (exponent_base(lse_low, LOG2_E), exponent_base(lse_high, LOG2_E));
     let scale_log2 = scale * LOG2_E;
-    let span = block_span(ranges, batch, rows.first_row, seq_q, seq_kv, keys_per_step, false, causal, ranged);
+    let span = block_span(ranges, batch, rows.first_row, seq_q, seq_kv, BLOCK_ROWS, keys_per_step, false, causal, ranged);
 
     let score_tiles = keys_per_step / 8;
     if span.steps > 0 {
@@ -116,7 +116,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
         // dS = P ∘ (dP − D), in place of S; P is 0 where the row does not see the key (its
         // score masked only in the steps that need it).
         let unmasked = step_unmasked(key0, keys_per_step, &run_low, &run_high);
-        mask_scores(&mut s, key0, &run_low, &run_high, unmasked, score_tiles, unrolled);
+        mask_scores(&mut s, 0usize, key0, &run_low, &run_high, unmasked, score_tiles, unrolled);
         #[unroll(unrolled)]
         for tile in 0..score_tiles {
             #[unroll]
@@ -129,7 +129,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
 
         // dQ[:, part] += dS·K[:, part], dS in registers as P is in the forward.
         let ds = rounded::<E>(&s, score_tiles * C_VALUES);
-        times_tile::<E, M>(&ds, &k_tiles, buffer, &mut acc, &mut scratch, keys_per_step, head_dim, part, unrolled);
+        times_tile::<E, M>(&ds, &k_tiles, buffer, &mut acc, &mut scratch, keys_per_step, head_dim, part, 1usize, unrolled);
     }
 
     // dQ has Q's shape: Q's rows' place is its own.

@@ -1,5 +1,6 @@
 //! What the register-fragment kernels share (`fragment_forward`, `fragment_query_grad`,
-//! `fragment_key_value_grad`): blocks of 64 rows (queries; keys for dK/dV), 16 a warp; K and V
+//! `fragment_key_value_grad`): blocks of 64 rows (queries; keys for dK/dV), 16 a warp, or of
+//! 128, 32 a warp, in the forward that stages its Q ([`Staging::row_tiles`]); K and V
 //! (Q and dO for dK/dV) staged a key step at a time in double-buffered shared
 //! tiles (`cp.async` on CUDA, through no register), rows padded by 8 values so that
 //! `ldmatrix`'s eight row reads fall in distinct banks; the keys a block's rows see; and the
@@ -23,9 +24,10 @@ use cubecl::{ir::AddressType, prelude::*};
 use super::stage::{ColumnPart, Run, cube_place, first_row_seeing, keys_seen_by_rows, visible_run};
 use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, SCRATCH_BYTES_PER_WARP, lane};
 
-/// Warps (of 32 units) per block, each owning 16 query rows.
+/// Warps (of 32 units) per block, each owning 16 query rows, or 32 ([`Staging::row_tiles`]).
 pub(crate) const WARPS: usize = 4;
-/// Query rows of a block.
+/// Rows of a block whose warps own 16 each: the backward's; the forward's where it holds Q in
+/// registers ([`Staging::block_rows`]).
 pub(crate) const BLOCK_ROWS: usize = 16 * WARPS;
 /// Values of padding after each staged row of K and V: 16 bytes, which moves the next row
 /// by 4 banks.
@@ -117,21 +119,22 @@ pub(crate) fn step_unmasked(key0: usize, keys: usize, low: &Run, high: &Run) -> 
     plane_all(key0 >= max(low.start, high.start) && key0 + keys <= min(low.end, high.end))
 }
 
-/// A step's unscaled scores `s` (`tiles` accumulator tiles: `s[4·tile + i]` is this lane's row
-/// `i / 2`, g or g + 8, and key `key0 + 8·tile + 2t + i % 2`; for dK/dV rows are keys and keys
-/// queries) set to [`MASKED`] where the row does not see the key (`low`'s and `high`'s runs),
+/// A step's unscaled scores of one row tile, `s` from `first` (`tiles` accumulator tiles:
+/// `s[first + 4·tile + i]` is this lane's row `i / 2`, g or g + 8, and key
+/// `key0 + 8·tile + 2t + i % 2`; for dK/dV rows are keys and keys queries) set to [`MASKED`]
+/// where the row does not see the key (`low`'s and `high`'s runs),
 /// unless the step is `unmasked` (the warp branches once, not once a score). Scaling is left
 /// to each score's exponent (see [`fast_exp2`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn mask_scores(s: &mut Array<f32>, key0: usize, low: &Run, high: &Run, unmasked: bool, #[comptime] tiles: usize, #[comptime] unrolled: bool) {
+pub(crate) fn mask_scores(s: &mut Array<f32>, first: usize, key0: usize, low: &Run, high: &Run, unmasked: bool, #[comptime] tiles: usize, #[comptime] unrolled: bool) {
     if !unmasked {
         let t = lane() % 4;
         #[unroll(unrolled)]
         for tile in 0..tiles {
             #[unroll]
             for i in 0..C_VALUES {
-                let at = tile * C_VALUES + i;
+                let at = first + tile * C_VALUES + i;
                 let key = key0 + 8 * tile + 2 * t + i % 2;
                 let (seen_from, seen_to) = (select(i < 2, low.start, high.start), select(i < 2, low.end, high.end));
                 s[at] = select(key >= seen_from && key < seen_to, s[at], f32::new(MASKED));
@@ -152,18 +155,27 @@ pub(crate) enum FragmentKernel {
 /// A kernel's loop step: its keys (queries for dK/dV) and the buffers of its staged tiles: two,
 /// so that the next step's copies arrive while this step computes, or one on an emulating
 /// device where [`key_step`] prefers a larger step or dK/dV's staged rows to a second buffer
-/// (the copies then wait for the step before); and, for dK/dV, whether its block's own rows
-/// (K's and V's) are staged in shared memory too.
+/// (the copies then wait for the step before); whether its block's own rows (the forward's Q;
+/// dK/dV's K and V) are staged in shared memory too, and how many 16-row tiles each warp owns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Staging {
     pub keys: usize,
     pub buffers: usize,
-    /// dK/dV's K and V rows staged once in shared memory and read as A fragments by the score
-    /// products (`ldmatrix`, [`times_rows_transposed`]), rather than held in registers: their
-    /// 64 registers a lane at head dim 128 go to the scores, so one launch accumulates both
-    /// gradients there, Sᵀ and dPᵀ computed once rather than once per gradient ([`key_step`]
-    /// has the counts). As FlashAttention-2's backward keeps K and V.
+    /// The block's own rows staged once in shared memory and read as A fragments by the score
+    /// products (`ldmatrix`, [`times_rows_transposed`]), rather than held in registers. dK/dV's
+    /// K and V: their 64 registers a lane at head dim 128 go to the scores, so one launch
+    /// accumulates both gradients there, Sᵀ and dPᵀ computed once rather than once per gradient
+    /// ([`key_step`] has the counts). The forward's Q: its registers go to a second row tile
+    /// ([`row_tiles`](Self::row_tiles)). As FlashAttention-2 keeps them.
     pub rows_shared: bool,
+    /// 16-row tiles of the block each warp owns: 1, or 2 in the forward with its Q staged
+    /// (`rows_shared`), as FlashAttention-2's forward gives each of 4 warps 32 of 128 rows
+    /// (`kBlockM` 128). Each K fragment read from shared memory (`ldmatrix`) then feeds two
+    /// products, each V fragment two, and a step's fixed work (barrier, votes, copies) is
+    /// spread over twice the rows: at head dim 128 a 64-key step reads 48 K and Q fragments
+    /// and 32 of V for 256 products, where one tile a warp reads 32 and 32 for 128
+    /// (0.31 reads a product against 0.5).
+    pub row_tiles: usize,
     /// dK/dV's kernel sums dQ too (`fragment_key_value_grad`, its rows staged): each step's dS
     /// goes through a shared tile of 64 keys × the step's queries, and its product with the
     /// block's K is added to an f32 sum of dQ with atomics, as FlashAttention-2's backward
@@ -173,6 +185,13 @@ pub(crate) struct Staging {
     /// device has it (sm_90), set by the launch; [`key_step`] leaves it unset, since it
     /// changes no size.
     pub stores_matrices: bool,
+}
+
+impl Staging {
+    /// Rows (queries; keys for dK/dV) of a block: [`BLOCK_ROWS`] a row tile a warp.
+    pub(crate) fn block_rows(&self) -> usize {
+        BLOCK_ROWS * self.row_tiles
+    }
 }
 
 /// Keys (queries for dK/dV) per step of `kernel`'s loop, with dK/dV's rows held in registers
@@ -213,6 +232,19 @@ pub(crate) struct Staging {
 /// atomically (`atomic_add`) and each warp's quarter of the columns is whole pairs of
 /// fragments: dS's tile (4.5 KB at head dim 128, 9 KB at 64) still leaves two blocks an SM on
 /// an H100 and an A100 (73 KB at 128), and lavapipe's 32 KiB its 16-query step at 64.
+///
+/// The forward stages its Q and gives each warp two row tiles ([`Staging::row_tiles`]) where its
+/// output is one part (head dims 64 and 128), in the order above (twice an SM, else once):
+/// with `mma_sync` a 64-key step at 64 (55 KB with Q's 18 KB; 32 keys on an L40, 36 KB), but
+/// 32 keys at 128, where 64 (FlashAttention-2's) held 255 registers and spilled 104–196 bytes
+/// in the loop on sm_90a, and 32 hold 242–245 and spill nothing (2026-11-30): 68 KB with Q's
+/// 35 KB, twice an H100 or an A100, not an L40 (Q and 16 keys: 52 KB), which keeps Q in
+/// registers at 128.
+/// Emulated, lavapipe's 32 KiB holds Q's 18 KB at 64 beside one 16-key buffer, so the tests
+/// run both forwards: two row tiles at 64, one at 128 and 256.
+///
+/// `stage_rows` false keeps every kernel's rows in registers (the bench's forward with one row
+/// tile a warp beside the default).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn key_step(
     kernel: FragmentKernel,
@@ -220,15 +252,18 @@ pub(crate) fn key_step(
     register_columns: usize,
     mma_sync: bool,
     atomic_add: bool,
+    stage_rows: bool,
     element_bytes: usize,
     shared_limit: usize,
 ) -> Result<Staging, usize> {
     let streamed = rows_streamed(head_dim, register_columns);
     // (rows staged, dQ summed), in the order tried.
-    let modes: &[(bool, bool)] = match kernel == FragmentKernel::KeyValueGrad && !streamed {
-        true if atomic_add && (head_dim / WARPS) % 16 == 0 => &[(true, true), (true, false), (false, false)],
-        true => &[(true, false), (false, false)],
-        false => &[(false, false)],
+    let modes: &[(bool, bool)] = match kernel {
+        _ if !stage_rows => &[(false, false)],
+        FragmentKernel::KeyValueGrad if !streamed && atomic_add && (head_dim / WARPS) % 16 == 0 => &[(true, true), (true, false), (false, false)],
+        FragmentKernel::KeyValueGrad if !streamed => &[(true, false), (false, false)],
+        FragmentKernel::Forward if part_width(head_dim, register_columns) == head_dim => &[(true, false), (false, false)],
+        _ => &[(false, false)],
     };
     let fits = |staging: &Staging| shared_bytes(kernel, head_dim, register_columns, *staging, mma_sync, element_bytes) <= shared_limit;
     // Two blocks an SM, each with the driver's reserve (an SM holds a block's limit and one
@@ -242,7 +277,7 @@ pub(crate) fn key_step(
     } else {
         modes.iter().find_map(|&mode| mode_steps(kernel, head_dim, streamed, mma_sync, mode).into_iter().find(fits))
     };
-    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 }, rows_shared: false, query_grad: false, stores_matrices: false };
+    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 }, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 };
     found.ok_or_else(|| shared_bytes(kernel, head_dim, register_columns, smallest, mma_sync, element_bytes))
 }
 
@@ -250,6 +285,7 @@ pub(crate) fn key_step(
 /// not (`(rows_shared, query_grad)`).
 fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync: bool, (rows_shared, query_grad): (bool, bool)) -> Vec<Staging> {
     let cuda = match (head_dim > 64, kernel) {
+        (true, FragmentKernel::Forward) if rows_shared => 32,
         (_, FragmentKernel::KeyValueGrad) if rows_shared && head_dim <= 64 => 64,
         (_, FragmentKernel::KeyValueGrad) if rows_shared => 32,
         (false, FragmentKernel::Forward | FragmentKernel::QueryGrad) => 64,
@@ -261,7 +297,8 @@ fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync:
     debug_assert!(cuda <= MAX_STEP);
     let keys: Vec<usize> = [cuda, 32, 16].into_iter().filter(|&keys| keys <= cuda).collect();
     let buffer_counts: &[usize] = if mma_sync { &[2] } else { &[2, 1] };
-    let step = |(keys, buffers)| Staging { keys, buffers, rows_shared, query_grad, stores_matrices: false };
+    let row_tiles = if kernel == FragmentKernel::Forward && rows_shared { 2 } else { 1 };
+    let step = |(keys, buffers)| Staging { keys, buffers, rows_shared, query_grad, stores_matrices: false, row_tiles };
     if streamed && kernel != FragmentKernel::Forward {
         // The backward's streamed step: CUDA's keys before a second buffer, so that the loop
         // CUDA runs (each chunk read feeding `keys / 8` products) runs here too.
@@ -274,13 +311,15 @@ fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync:
 /// Shared memory CUDA reserves per block beside a kernel's own.
 const DRIVER_RESERVED: usize = 1024;
 
-/// Shared memory of a block: the buffers of its two staged tiles, dK/dV's staged rows and dS's
-/// tile where it has them, and the emulated product's scratch. The forward stages only its part's columns of V; the backward's tiles are read
+/// Shared memory of a block: the buffers of its two staged tiles, its staged rows (the
+/// forward's Q; dK/dV's K and V) and dS's tile where it has them, and the emulated product's
+/// scratch. The forward stages only its part's columns of V; the backward's tiles are read
 /// whole by the score products.
 fn shared_bytes(kernel: FragmentKernel, head_dim: usize, register_columns: usize, staging: Staging, mma_sync: bool, element_bytes: usize) -> usize {
     let scratch = if mma_sync { 0 } else { WARPS * SCRATCH_BYTES_PER_WARP };
     let second = if kernel == FragmentKernel::Forward { part_width(head_dim, register_columns) } else { head_dim };
-    let rows = if staging.rows_shared { 2 * BLOCK_ROWS * (head_dim + PAD) * element_bytes } else { 0 };
+    let tensors = if kernel == FragmentKernel::Forward { 1 } else { 2 };
+    let rows = if staging.rows_shared { tensors * staging.block_rows() * (head_dim + PAD) * element_bytes } else { 0 };
     let scores = if staging.query_grad { staging.keys * (BLOCK_ROWS + PAD) * element_bytes } else { 0 };
     staging.buffers * staging.keys * (head_dim + PAD + second + PAD) * element_bytes + rows + scores + scratch
 }
@@ -296,7 +335,7 @@ pub(crate) fn column_parts(head_dim: usize, register_columns: usize) -> Vec<Colu
     ColumnPart::cover(head_dim, part_width(head_dim, register_columns)).into_iter().map(|part| part.unwrap_or(ColumnPart::whole(head_dim))).collect()
 }
 
-/// Where a block of 64 query rows of one (batch, head) is, the cube's place in the grid.
+/// Where a block of query rows of one (batch, head) is, the cube's place in the grid.
 #[derive(CubeType)]
 pub(crate) struct BlockRows {
     pub batch: usize,
@@ -306,25 +345,27 @@ pub(crate) struct BlockRows {
     pub q_base: usize,
     pub kv_base: usize,
     pub first_row: usize,
-    /// This warp's first row: this lane's two rows are `row0 + lane / 4` and 8 below.
+    /// This warp's first row: this lane's two rows of each of its row tiles are
+    /// `row0 + 16 · tile + lane / 4` and 8 below.
     pub row0: usize,
 }
 
 /// The cube's block (see [`BlockRows`]) of a call with `q_heads` heads of `seq_q` queries and
-/// `kv_heads` of `seq_kv` keys.
+/// `kv_heads` of `seq_kv` keys, `row_tiles` 16-row tiles a warp.
 #[cube]
-pub(crate) fn block_rows(q_heads: usize, seq_q: usize, kv_heads: usize, seq_kv: usize, #[comptime] head_dim: usize) -> BlockRows {
-    let place = cube_place(q_heads, seq_q.div_ceil(BLOCK_ROWS));
+pub(crate) fn block_rows(q_heads: usize, seq_q: usize, kv_heads: usize, seq_kv: usize, #[comptime] head_dim: usize, #[comptime] row_tiles: usize) -> BlockRows {
+    let rows = comptime!(BLOCK_ROWS * row_tiles);
+    let place = cube_place(q_heads, seq_q.div_ceil(rows));
     let head_index = place.batch * q_heads + place.head;
     let kv_head = place.head / (q_heads / kv_heads);
-    let first_row = place.block * BLOCK_ROWS;
+    let first_row = place.block * rows;
     BlockRows {
         batch: place.batch,
         head_index,
         q_base: head_index * seq_q * head_dim,
         kv_base: (place.batch * kv_heads + kv_head) * seq_kv * head_dim,
         first_row,
-        row0: first_row + (UNIT_POS as usize / 32) * 16,
+        row0: first_row + (UNIT_POS as usize / 32) * comptime!(16 * row_tiles),
     }
 }
 
@@ -349,9 +390,9 @@ pub(crate) struct KeySpan {
     pub steps: usize,
 }
 
-/// The keys the block of query rows from `first` sees together or, `of_keys`, the queries
-/// that see some of the block of keys from `first`: without ranges the causal bound; with,
-/// the span of its rows' (keys') runs (each unit reads them all, once).
+/// The keys the block of `rows` query rows from `first` sees together or, `of_keys`, the
+/// queries that see some of the block of keys from `first`: without ranges the causal bound;
+/// with, the span of its rows' (keys') runs (each unit reads them all, once).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_span(
@@ -360,6 +401,7 @@ pub(crate) fn block_span(
     first: usize,
     seq_q: usize,
     seq_kv: usize,
+    #[comptime] rows: usize,
     #[comptime] per_step: usize,
     #[comptime] of_keys: bool,
     #[comptime] causal: bool,
@@ -372,12 +414,12 @@ pub(crate) fn block_span(
             start = first_row_seeing(first, seq_q, seq_kv);
         }
     } else {
-        end = keys_seen_by_rows(first, BLOCK_ROWS, seq_q, seq_kv, causal);
+        end = keys_seen_by_rows(first, rows, seq_q, seq_kv, causal);
     }
     if ranged {
         start = seq_q + seq_kv;
         end = 0usize;
-        for r in 0..BLOCK_ROWS {
+        for r in 0..rows {
             let run = visible_run(ranges, batch, first + r, seq_q, seq_kv, of_keys, ranged, causal);
             if run.start < run.end {
                 start = min(start, run.start);
@@ -615,19 +657,20 @@ pub(crate) fn times_tile_transposed<E: Float, M: FragmentMma>(
     }
 }
 
-/// A block's own 64 rows of `head_dim` (dK/dV's K and V: [`Staging::rows_shared`]) in shared
-/// memory, padded as the step's tiles are; a placeholder of one value where they are not
-/// staged (`shared` false).
+/// A block's own `rows` rows of `head_dim` (the forward's Q; dK/dV's K and V:
+/// [`Staging::rows_shared`]) in shared memory, padded as the step's tiles are; a placeholder of
+/// one value where they are not staged (`shared` false).
 #[cube]
-pub(crate) fn rows_tile<E: Float>(#[comptime] shared: bool, #[comptime] head_dim: usize) -> SharedMemory<E> {
-    let values = comptime!(if shared { BLOCK_ROWS * (head_dim + PAD) } else { 1 });
+pub(crate) fn rows_tile<E: Float>(#[comptime] shared: bool, #[comptime] rows: usize, #[comptime] head_dim: usize) -> SharedMemory<E> {
+    let values = comptime!(if shared { rows * (head_dim + PAD) } else { 1 });
     SharedMemory::<E>::new_aligned(values, 16usize)
 }
 
 /// `out += rows · tileᵀ` over a step, as [`times_tile_transposed`] with its rows kept in
-/// registers, but the warp's 16 rows read from `rows` (a [`rows_tile`], this warp's from
-/// `16 · warp`) as A fragments, one `ldmatrix` of four matrices per 16-column chunk, two
-/// chunks at a time.
+/// registers, but the warp's `row_tiles` tiles of 16 rows read from `rows` (a [`rows_tile`],
+/// this warp's from `16 · row_tiles · warp`) as A fragments, one `ldmatrix` of four matrices
+/// per 16-column chunk, two chunks at a time; each B fragment read feeds every row tile's
+/// product. `out` holds each row tile's `keys / 8` accumulator tiles after the one before.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn times_rows_transposed<E: Float, M: FragmentMma>(
@@ -638,30 +681,48 @@ pub(crate) fn times_rows_transposed<E: Float, M: FragmentMma>(
     scratch: &mut SharedMemory<f32>,
     #[comptime] keys: usize,
     #[comptime] head_dim: usize,
+    #[comptime] row_tiles: usize,
     #[comptime] unrolled: bool,
 ) {
     let stride = comptime!(head_dim + PAD);
     let start = buffer_start(buffer, keys, head_dim);
-    let warp_rows = (UNIT_POS as usize / 32) * 16 * stride;
+    let warp_rows = (UNIT_POS as usize / 32) * comptime!(16 * row_tiles * stride);
+    let out_per_tile = comptime!(keys / 8 * C_VALUES);
     #[unroll(unrolled)]
     for pair in 0..head_dim / 32 {
-        // Matrices (rows 0-7, 8-15) × (columns 0-7, 8-15): the A fragment's order.
-        let low = M::load_matrices::<E>(rows, warp_rows + 32 * pair, stride, 4usize, 2usize, false);
-        let high = M::load_matrices::<E>(rows, warp_rows + 32 * pair + 16, stride, 4usize, 2usize, false);
+        // Each row tile's A fragments of the pair's two chunks, side by side: matrices
+        // (rows 0-7, 8-15) × (columns 0-7, 8-15), the A fragment's order.
+        let mut a = Array::<E>::new(comptime!(row_tiles * 2 * A_VALUES));
+        #[unroll(unrolled)]
+        for row_tile in 0..row_tiles {
+            let at = warp_rows + row_tile * comptime!(16 * stride) + 32 * pair;
+            let low = M::load_matrices::<E>(rows, at, stride, 4usize, 2usize, false);
+            let high = M::load_matrices::<E>(rows, at + 16, stride, 4usize, 2usize, false);
+            #[unroll]
+            for i in 0..A_VALUES {
+                a[2 * row_tile * A_VALUES + i] = low[i];
+                a[(2 * row_tile + 1) * A_VALUES + i] = high[i];
+            }
+        }
         #[unroll(unrolled)]
         for n_tile in 0..keys / 8 {
             let b = M::load_matrices::<E>(tile, start + 8 * n_tile * stride + 32 * pair, stride, 4usize, 1usize, false);
-            M::mma::<E>(&low, 0usize, &b, 0usize, out, n_tile * C_VALUES, scratch);
-            M::mma::<E>(&high, 0usize, &b, B_VALUES, out, n_tile * C_VALUES, scratch);
+            #[unroll(unrolled)]
+            for row_tile in 0..row_tiles {
+                let c_at = row_tile * out_per_tile + n_tile * C_VALUES;
+                M::mma::<E>(&a, 2 * row_tile * A_VALUES, &b, 0usize, out, c_at, scratch);
+                M::mma::<E>(&a, (2 * row_tile + 1) * A_VALUES, &b, B_VALUES, out, c_at, scratch);
+            }
         }
     }
 }
 
-/// `acc += p · tile[:, part]` over a step: `p` this warp's 16 rows × `keys` as A fragments (the
-/// accumulators of `keys / 8` score tiles, rounded: `crate::mma`), `tile` buffer `buffer` of a
-/// step's `keys` rows of `width` values; `acc` its 16 × `part.width` accumulators. The tile's
-/// matrices transposed, two above each other per output tile, are its B fragments (O += P·V,
-/// dQ += dS·K).
+/// `acc += p · tile[:, part]` over a step: `p` this warp's `row_tiles` tiles of 16 rows ×
+/// `keys` as A fragments (each the accumulators of `keys / 8` score tiles, rounded:
+/// `crate::mma`), `tile` buffer `buffer` of a step's `keys` rows of `width` values; `acc` their
+/// 16 × `part.width` accumulators, a row tile's after the one before. The tile's matrices
+/// transposed, two above each other per output tile, are its B fragments (O += P·V,
+/// dQ += dS·K), each read once for every row tile.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn times_tile<E: Float, M: FragmentMma>(
@@ -673,17 +734,25 @@ pub(crate) fn times_tile<E: Float, M: FragmentMma>(
     #[comptime] keys: usize,
     #[comptime] width: usize,
     #[comptime] part: ColumnPart,
+    #[comptime] row_tiles: usize,
     #[comptime] unrolled: bool,
 ) {
     let stride = comptime!(width + PAD);
     let start = buffer_start(buffer, keys, width) + comptime!(part.first);
+    let p_per_tile = comptime!(keys / 8 * C_VALUES);
+    let acc_per_tile = comptime!(part.width / 8 * C_VALUES);
     #[unroll(unrolled)]
     for chunk in 0..keys / 16 {
         #[unroll(unrolled)]
         for pair in 0..comptime!(part.width / 16) {
             let b = M::load_matrices::<E>(tile, start + 16 * chunk * stride + 16 * pair, stride, 4usize, 2usize, true);
-            M::mma::<E>(p, chunk * A_VALUES, &b, 0usize, acc, 2 * pair * C_VALUES, scratch);
-            M::mma::<E>(p, chunk * A_VALUES, &b, B_VALUES, acc, (2 * pair + 1) * C_VALUES, scratch);
+            #[unroll(unrolled)]
+            for row_tile in 0..row_tiles {
+                let p_at = row_tile * p_per_tile + chunk * A_VALUES;
+                let acc_at = row_tile * acc_per_tile + 2 * pair * C_VALUES;
+                M::mma::<E>(p, p_at, &b, 0usize, acc, acc_at, scratch);
+                M::mma::<E>(p, p_at, &b, B_VALUES, acc, acc_at + C_VALUES, scratch);
+            }
         }
     }
 }

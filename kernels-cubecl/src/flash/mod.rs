@@ -262,12 +262,14 @@ pub fn flash_attention_forward_fragments<R: CubeRuntime>(
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
-    flash_attention_forward_fragments_laid_out_for(query, key, value, options, ranges, None)
+    flash_attention_forward_fragments_laid_out_for(query, key, value, options, ranges, None, false)
 }
 
-/// For tests: [`flash_attention_forward_fragments`] with its kernel's registers laid out as for
-/// indices of width `layout` (`fragment_tiles::held_columns`; `None`: the call's), so that
-/// lavapipe runs the 64-bit layout (Q read as the scores need it at head dim 256) too.
+/// For tests and the bench: [`flash_attention_forward_fragments`] with its kernel's registers
+/// laid out as for indices of width `layout` (`fragment_tiles::held_columns`; `None`: the
+/// call's), so that lavapipe runs the 64-bit layout (Q read as the scores need it at head dim
+/// 256) too; `one_row_tile`: 16 query rows a warp with Q's fragments held in registers, where
+/// the launch would stage Q for 32 (`fragment_tiles::Staging::row_tiles`), the two side by side.
 #[doc(hidden)]
 pub fn flash_attention_forward_fragments_laid_out_for<R: CubeRuntime>(
     query: CubeTensor<R>,
@@ -276,13 +278,14 @@ pub fn flash_attention_forward_fragments_laid_out_for<R: CubeRuntime>(
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
     layout: Option<AddressType>,
+    one_row_tile: bool,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let p = Problem::of_tensors(&query, &key, &value, &options)?;
     if let Some(refusal) = fragments_refusal(query.dtype, &p) {
         return Err(FlashError::Shape(refusal));
     }
     let layout = layout.unwrap_or(p.address_type());
-    fragment_forward(p, query, key, value, options, ranges, layout)
+    fragment_forward(p, query, key, value, options, ranges, layout, one_row_tile)
 }
 
 /// Launches register-fragment kernel `$kernel` (a module `#[cube(launch)]` made) with the
@@ -300,7 +303,9 @@ macro_rules! launch_fragments {
 }
 
 /// [`flash_attention_forward_fragments`] of a checked call `p` that the fragments take, its
-/// registers laid out for indices of width `layout` ([`FragmentLaunch::new`]).
+/// registers laid out for indices of width `layout` ([`FragmentLaunch::new`]), one row tile a
+/// warp where `one_row_tile`.
+#[allow(clippy::too_many_arguments)]
 fn fragment_forward<R: CubeRuntime>(
     p: Problem,
     query: CubeTensor<R>,
@@ -309,6 +314,7 @@ fn fragment_forward<R: CubeRuntime>(
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
     layout: AddressType,
+    one_row_tile: bool,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let dtype = query.dtype;
     let (query, key, value) = (into_contiguous(query), into_contiguous(key), into_contiguous(value));
@@ -320,7 +326,7 @@ fn fragment_forward<R: CubeRuntime>(
         return Ok((output, lse));
     }
     let [row_keys, _] = range_tables(ranges, &p, &client, &query.device)?;
-    let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward, layout, false)?;
+    let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward, layout, false, !one_row_tile)?;
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     use fragment_forward::fragment_forward_kernel as kernel;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
@@ -334,7 +340,7 @@ fn fragment_forward<R: CubeRuntime>(
 /// What a register-fragment kernel's launch takes from the device and the call: whether the
 /// product runs on `mma.sync` (else emulated, with the loops kept rolled), the step of its loop
 /// (keys; queries for dK/dV) and its buffers, the widest outputs it accumulates in registers
-/// (its column parts) and rows it keeps there, the grid of 64-row blocks (of queries; of keys
+/// (its column parts) and rows it keeps there, the grid of blocks of 64 or 128 rows (of queries; of keys
 /// for dK/dV), the cube of 4 warps and the element type.
 struct FragmentLaunch {
     mma_sync: bool,
@@ -353,19 +359,21 @@ impl FragmentLaunch {
     /// tests: [`flash_attention_forward_fragments_laid_out_for`],
     /// [`flash_attention_backward_fragments_laid_out_for`]).
     /// `atomic_sums`: whether the launch may sum with atomics where the device has them (dK/dV
-    /// summing dQ: `fragment_tiles::Staging::query_grad`).
-    fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, p: &Problem, kernel: FragmentKernel, layout: AddressType, atomic_sums: bool) -> Result<Self, FlashError> {
+    /// summing dQ: `fragment_tiles::Staging::query_grad`). `stage_rows`: whether it may stage
+    /// the block's own rows in shared memory (`fragment_tiles::Staging::rows_shared`).
+    #[allow(clippy::too_many_arguments)]
+    fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, p: &Problem, kernel: FragmentKernel, layout: AddressType, atomic_sums: bool, stage_rows: bool) -> Result<Self, FlashError> {
         let mma_sync = crate::mma::has_mma_sync(client, dtype);
         let shared_limit = client.properties().hardware.max_shared_memory_size;
         let register_columns = fragment_tiles::register_columns(kernel, layout);
-        let mut staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, atomic_sums && adds_f32_atomically(client), dtype.size(), shared_limit)
+        let mut staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, atomic_sums && adds_f32_atomically(client), stage_rows, dtype.size(), shared_limit)
             .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
         staging.stores_matrices = staging.query_grad && mma_sync && crate::mma::has_stmatrix(client, dtype);
         // dQ's sum added a lane's two adjacent columns at a time where the device can.
         let sum_vector = if staging.query_grad && adds_f32_vectors_atomically(client, 2) { 2 } else { 1 };
         let blocks = match kernel {
-            FragmentKernel::KeyValueGrad => p.batch * p.kv_heads * p.seq_kv.div_ceil(fragment_tiles::BLOCK_ROWS),
-            FragmentKernel::Forward | FragmentKernel::QueryGrad => p.batch * p.q_heads * p.seq_q.div_ceil(fragment_tiles::BLOCK_ROWS),
+            FragmentKernel::KeyValueGrad => p.batch * p.kv_heads * p.seq_kv.div_ceil(staging.block_rows()),
+            FragmentKernel::Forward | FragmentKernel::QueryGrad => p.batch * p.q_heads * p.seq_q.div_ceil(staging.block_rows()),
         };
         let count = grid(client, blocks)?;
         let held_columns = fragment_tiles::held_columns(kernel, layout);
@@ -387,7 +395,7 @@ pub fn flash_attention_forward<R: CubeRuntime>(
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     if runs_fragments(&query.client, query.dtype, &problem) {
         let layout = problem.address_type();
-        return fragment_forward(problem, query, key, value, options, ranges, layout);
+        return fragment_forward(problem, query, key, value, options, ranges, layout, false);
     }
     forward_planned(problem, query, key, value, options, ranges)
 }
@@ -638,7 +646,7 @@ fn backward<R: CubeRuntime>(
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
     if let Some(layout) = fragments {
         let tensors = FragmentGradients { query: &query, key: &key, value: &value, output_grad: &output_grad, lse: &lse, delta: &delta };
-        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout, !deterministic && p.sum_of_query_grad_indexable())?;
+        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout, !deterministic && p.sum_of_query_grad_indexable(), true)?;
         let query_shape = [p.batch, p.q_heads, p.seq_q, p.head_dim];
         // dQ summed by the dK/dV kernel (f32, unscaled), or by its own kernel below.
         let query_grad_sum = if key_value.staging.query_grad {
@@ -796,7 +804,7 @@ fn launch_fragment_query_grad<R: CubeRuntime>(
     layout: AddressType,
 ) -> Result<(), FlashError> {
     let client = &t.query.client;
-    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::QueryGrad, layout, false)?;
+    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::QueryGrad, layout, false, true)?;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     use fragment_query_grad::fragment_query_grad_kernel as kernel;
     for part in fragment_tiles::column_parts(p.head_dim, l.register_columns) {
@@ -854,45 +862,54 @@ mod tests {
         // registers bound (`key_step`); emulated, within lavapipe's 32 KiB; and over a limit.
         use fragment_tiles::{Staging, key_step};
         // The devices here add f32 atomically.
-        let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, 128, mma_sync, true, 2, limit));
-        let double = |keys| Ok(Staging { keys, buffers: 2, rows_shared: false, query_grad: false, stores_matrices: false });
+        let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, 128, mma_sync, true, true, 2, limit));
+        let double = |keys| Ok(Staging { keys, buffers: 2, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
         // dK/dV with its K and V rows in shared memory (`Staging::rows_shared`), summing dQ
         // (`Staging::query_grad`) or, without atomics, not.
-        let summed = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: true, stores_matrices: false });
-        let shared = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: false, stores_matrices: false });
-        assert_eq!(steps(64, true, 227 * 1024), [double(64), double(64), summed(64, 2)]);
-        assert_eq!(steps(128, true, 227 * 1024), [double(64), double(16), summed(32, 2)]);
-        assert_eq!(key_step(KeyValueGrad, 128, 128, true, false, 2, 227 * 1024), shared(32, 2));
-        // The forward's 64-key step at 128 (70 KB) fits an A100 twice too, and dK/dV's 73 KB.
-        assert_eq!(steps(128, true, 164 * 1024), [double(64), double(16), summed(32, 2)]);
+        let summed = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: true, stores_matrices: false, row_tiles: 1 });
+        let shared = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        // The forward with its Q in shared memory and two row tiles a warp
+        // (`Staging::row_tiles`), where its output is one part.
+        let staged_q = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: false, stores_matrices: false, row_tiles: 2 });
+        assert_eq!(steps(64, true, 227 * 1024), [staged_q(64, 2), double(64), summed(64, 2)]);
+        // At 128 32 keys: 64 spilled on sm_90a. Told not to stage rows, one row tile a warp
+        // with Q's fragments held.
+        assert_eq!(steps(128, true, 227 * 1024), [staged_q(32, 2), double(16), summed(32, 2)]);
+        assert_eq!(key_step(Forward, 128, 128, true, true, false, 2, 227 * 1024), double(64));
+        assert_eq!(key_step(KeyValueGrad, 128, 128, true, false, true, 2, 227 * 1024), shared(32, 2));
+        // The forward's 32-key step at 128 with Q (68 KB) fits an A100 twice, and dK/dV's 73 KB.
+        assert_eq!(steps(128, true, 164 * 1024), [staged_q(32, 2), double(16), summed(32, 2)]);
         // Past the register columns the backward streams its rows: 32-step there (two blocks
         // of 68 KB an H100 or an A100); the forward's 64-key step (102 KB) fits an H100 twice,
         // an A100 once, so there it takes 32 keys.
         assert_eq!(steps(256, true, 227 * 1024), [double(64), double(32), double(32)]);
         assert_eq!(steps(256, true, 164 * 1024), [double(32), double(32), double(32)]);
-        assert_eq!(key_step(QueryGrad, 128, 64, true, true, 2, 227 * 1024), double(32));
-        assert_eq!(key_step(KeyValueGrad, 128, 64, true, true, 2, 227 * 1024), double(32));
+        assert_eq!(key_step(QueryGrad, 128, 64, true, true, true, 2, 227 * 1024), double(32));
+        assert_eq!(key_step(KeyValueGrad, 128, 64, true, true, true, 2, 227 * 1024), double(32));
         // An L40's 99 KB a block holds the forward's 32-key step at 256 once: 16 keys, twice;
-        // at 128 its 32-key step twice, not its 64-key one.
+        // at 128 its 32-key step twice, not its 64-key one, nor any with Q staged (52 KB with 16
+        // keys), so Q stays in registers there.
         // dK/dV's rows in shared memory at 128 (52 KB with 16 queries) would fit it once: held in
         // registers.
         assert_eq!(steps(256, true, 101_376), [double(16), double(16), double(16)]);
         assert_eq!(steps(128, true, 101_376), [double(32), double(16), double(16)]);
-        // At 64 dK/dV's 42 KB with 32 queries fit it twice.
-        assert_eq!(steps(64, true, 101_376), [double(64), double(64), summed(32, 2)]);
+        // At 64 dK/dV's 42 KB with 32 queries fit it twice, and the forward's 36 KB with Q
+        // staged and 32 keys.
+        assert_eq!(steps(64, true, 101_376), [staged_q(32, 2), double(64), summed(32, 2)]);
         // Emulated, dK/dV stages its rows wherever they fit: lavapipe at 64 (18 KB beside one
         // 16-query buffer, dS's 2 KB and the product's scratch: 31 488 bytes), not at 128
-        // (35 KB).
-        assert_eq!(steps(64, false, 32 * 1024), [double(32), double(32), summed(16, 1)]);
-        assert_eq!(key_step(KeyValueGrad, 64, 128, false, false, 2, 32 * 1024), shared(16, 1));
+        // (35 KB); the forward stages its Q likewise (18 KB at 64 beside one 16-key buffer and
+        // the scratch: 29 184 bytes; 35 KB at 128).
+        assert_eq!(steps(64, false, 32 * 1024), [staged_q(16, 1), double(32), summed(16, 1)]);
+        assert_eq!(key_step(KeyValueGrad, 64, 128, false, false, true, 2, 32 * 1024), shared(16, 1));
         assert_eq!(steps(128, false, 32 * 1024), [double(16), double(16), double(16)]);
         // At 256 the backward's two whole-width tiles fit lavapipe once, not twice.
-        let single = Ok(Staging { keys: 16, buffers: 1, rows_shared: false, query_grad: false, stores_matrices: false });
+        let single = Ok(Staging { keys: 16, buffers: 1, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
         assert_eq!(steps(256, false, 32 * 1024), [double(16), single, single]);
         // The backward with 64-bit indices at 128 streams its rows: CUDA's 32-query step, one
         // buffer, before two of 16.
-        let wide = Ok(Staging { keys: 32, buffers: 1, rows_shared: false, query_grad: false, stores_matrices: false });
-        assert_eq!([QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, 128, 64, false, true, 2, 32 * 1024)), [wide, wide]);
+        let wide = Ok(Staging { keys: 32, buffers: 1, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        assert_eq!([QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, 128, 64, false, true, true, 2, 32 * 1024)), [wide, wide]);
         assert!(steps(128, false, 8 * 1024).iter().all(|step| matches!(step, Err(needed) if *needed > 8 * 1024)));
     }
 
