@@ -4,8 +4,8 @@
 //! the accumulators (a row's maximum and sum over the 4 lanes that share it), and multiplies
 //! P·V with P taken from S's accumulators without leaving registers. Four warps a block, K and
 //! V a key step at a time through double-buffered shared tiles (`fragment_tiles`); Q's
-//! fragments held in registers with one row tile a warp, else (two, FlashAttention-2's 128 × 64
-//! at head dim 128) Q staged once in shared memory and read with `ldmatrix` each step, each
+//! fragments held in registers with one row tile a warp, else (two: FlashAttention-2's 128-row
+//! blocks) Q staged once in shared memory and read with `ldmatrix` each step, each
 //! K and V fragment then feeding both row tiles. Documents, key runs and windows
 //! (`VisibleRanges`) bound each block's loop to the keys its rows see and mask each score by
 //! its row's run. Past head dim 128 a launch accumulates one part of the output's columns (see

@@ -112,7 +112,7 @@ pub(crate) fn exponent_base(statistic: f32, factor: f32) -> f32 {
 /// Whether every key of `[key0, key0 + keys)` is visible to both rows of every lane of the
 /// warp (`low`'s and `high`'s runs: queries for dK/dV), so that the step needs no mask: every
 /// step away from the causal diagonal, the ranges' edges and the sequence's end, where the
-/// warp's 16 rows share their runs (a warp whose rows straddle a document's edge masks every
+/// warp's rows share their runs (the forward passes the runs all its rows share; a warp whose rows straddle a document's edge masks every
 /// step). The warp decides together, so that it takes one of the two paths, never both.
 #[cube]
 pub(crate) fn step_unmasked(key0: usize, keys: usize, low: &Run, high: &Run) -> bool {
@@ -172,9 +172,9 @@ pub(crate) struct Staging {
     /// (`rows_shared`), as FlashAttention-2's forward gives each of 4 warps 32 of 128 rows
     /// (`kBlockM` 128). Each K fragment read from shared memory (`ldmatrix`) then feeds two
     /// products, each V fragment two, and a step's fixed work (barrier, votes, copies) is
-    /// spread over twice the rows: at head dim 128 a 64-key step reads 48 K and Q fragments
-    /// and 32 of V for 256 products, where one tile a warp reads 32 and 32 for 128
-    /// (0.31 reads a product against 0.5).
+    /// spread over twice the rows: at head dim 128 a 32-key step (`key_step`) reads 32 K and Q
+    /// fragments and 16 of V for 128 products, where one tile a warp with 64 keys reads 32 and
+    /// 32 for 128 (0.375 reads a product against 0.5; 0.31 at head dim 64).
     pub row_tiles: usize,
     /// dK/dV's kernel sums dQ too (`fragment_key_value_grad`, its rows staged): each step's dS
     /// goes through a shared tile of 64 keys × the step's queries, and its product with the
