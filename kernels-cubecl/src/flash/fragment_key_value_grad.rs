@@ -5,8 +5,10 @@
 //! atomics), a query step at a time through the double-buffered shared tiles the forward uses
 //! for K and V (`fragment_tiles`), here Q and dO. Per step, registers to registers:
 //! Sᵀ = K·Qᵀ, Pᵀ = exp(scale·Sᵀ − lse) (the forward's log-sum-exp of each query column),
-//! dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − D), dK += dSᵀ·Q, with Pᵀ and dSᵀ taken from
-//! their accumulators as A fragments; dK is scaled once at the end. Documents, key runs and
+//! dPᵀ − D = V·dOᵀ accumulated from −D, dSᵀ = Pᵀ ∘ (dPᵀ − D), dV += Pᵀ·dO, dK += dSᵀ·Q, with Pᵀ
+//! and dSᵀ taken from their accumulators as A fragments; dK is scaled once at the end. Each
+//! query column's lse (as an exponent base) and D come from a tensor of both, two columns in
+//! one 16-byte read ([`row_statistics_kernel`]). Documents, key runs and
 //! windows bound the loop to the queries the block's keys are seen by and mask each score by
 //! its key's run of queries (the `VisibleRanges` table of keys).
 //!
@@ -69,8 +71,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma, N: Size>(
     k: &Tensor<E>,
     v: &Tensor<E>,
     out_grad: &Tensor<E>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
+    row_stats: &Tensor<Vector<f32, Const<4>>>,
     key_grad: &mut Tensor<E>,
     value_grad: &mut Tensor<E>,
     query_grad_sum: &mut Tensor<Atomic<Vector<f32, N>>>,
@@ -90,7 +91,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma, N: Size>(
     let blocks_per_head = k.shape(2).div_ceil(BLOCK_ROWS);
     if cube_in_range(k.shape(0), k.shape(1), blocks_per_head) {
         key_value_grad_block::<E, M, N>(
-            q, k, v, out_grad, lse, delta, key_grad, value_grad, query_grad_sum, ranges, scale, head_dim, staging, held_columns, part, causal, ranged, keys, values, unrolled,
+            q, k, v, out_grad, row_stats, key_grad, value_grad, query_grad_sum, ranges, scale, head_dim, staging, held_columns, part, causal, ranged, keys, values, unrolled,
         );
     }
 }
@@ -103,8 +104,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
     k: &Tensor<E>,
     v: &Tensor<E>,
     out_grad: &Tensor<E>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
+    row_stats: &Tensor<Vector<f32, Const<4>>>,
     key_grad: &mut Tensor<E>,
     value_grad: &mut Tensor<E>,
     query_grad_sum: &mut Tensor<Atomic<Vector<f32, N>>>,
@@ -158,6 +158,9 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
     let score_tiles = queries_per_step / 8;
     // Exponents in base 2 (`fast_exp2`): a score's is s·scale·log2(e) − lse·log2(e).
     let scale_log2 = scale * LOG2_E;
+    // Rows a head of the tensors of padded query rows (the row statistics, the sum of dQ:
+    // [`summed_rows`]).
+    let padded_rows = row_stats.shape(2) * 2;
     if rows_shared {
         if span.steps > 0 {
             // Awaited with the first step's tiles.
@@ -168,6 +171,8 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
     for member in 0..group {
         let head_index = kv_index * group + member;
         let q_base = head_index * seq_q * head_dim;
+        // This head's first row in the row statistics and the sum of dQ.
+        let padded_row0 = head_index * padded_rows;
         // Every warp is done with the last head's tiles before this head's overwrite them.
         sync_cube();
         if span.steps > 0 {
@@ -183,22 +188,23 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
                 times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, held_columns, unrolled);
             }
 
-            // Each query column's log-sum-exp base and D, read once a step (a column past the
-            // sequence, seen by no key, reads the last row's). The row is clamped into its
-            // head's, so the reads skip the launch's bounds check (a compare, a clamp and a
-            // select each, 16 reads a step).
+            // The log-sum-exp bases and D of the lane's query columns 2t and 2t + 1 of each
+            // tile, one 16-byte read a tile ([`row_statistics_kernel`]; a column past the
+            // sequence, seen by no key, reads the head's padding, so no clamp; `query0` is
+            // even). Read from lse and D, a column took two loads, a clamp, a compare and a
+            // multiply.
             let mut column_base = zeros(score_tiles * 2);
             let mut column_delta = zeros(score_tiles * 2);
+            // Halved, the index stays under 2^31, so each tile's offset folds into its load.
+            let stats0 = (padded_row0 + query0 + 2 * t) / 2;
             #[unroll(unrolled)]
             for tile in 0..score_tiles {
+                // Inside the tensor (padded rows), so unchecked.
+                let both = unsafe { *row_stats.index_unchecked(stats0 + 4 * tile) };
                 #[unroll]
                 for j in 0..2usize {
-                    let row = head_index * seq_q + min(query0 + 8 * tile + 2 * t + j, seq_q - 1);
-                    let column_lse = unsafe { *lse.index_unchecked(row) };
-                    column_base[2 * tile + j] = exponent_base(column_lse, LOG2_E);
-                    if keys {
-                        column_delta[2 * tile + j] = unsafe { *delta.index_unchecked(row) };
-                    }
+                    column_base[2 * tile + j] = both[j];
+                    column_delta[2 * tile + j] = both[2 + j];
                 }
             }
 
@@ -213,37 +219,42 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
                 column_probabilities(&mut s, scale_log2, &column_base, score_tiles, unrolled);
             }
 
-            if values {
-                // dV[:, part] += Pᵀ·dO[:, part].
-                let p = rounded::<E>(&s, score_tiles * C_VALUES);
-                times_tile::<E, M>(&p, &out_grad_tiles, buffer, &mut value_acc, &mut scratch, queries_per_step, head_dim, part, 1usize, unrolled);
-            }
-
+            // dSᵀ = Pᵀ ∘ (dPᵀ − D) first, dPᵀ − D accumulated from −D (dPᵀ = V·dOᵀ); then
+            // dV[:, part] += Pᵀ·dO[:, part] and dK[:, part] += dSᵀ·Q[:, part] on their rounded
+            // fragments. In this order D is dead before the products that follow, and Pᵀ and
+            // dSᵀ in f32 before dV's and dK's: with dV's product first, Pᵀ, D and dV's
+            // operands were live together, and ptxas spilled at head dim 128 (sm_90a).
+            let mut dp = zeros(score_tiles * C_VALUES);
             if keys {
-                // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of Pᵀ; dK[:, part] += dSᵀ·Q[:, part].
-                let mut dp = zeros(score_tiles * C_VALUES);
+                #[unroll(unrolled)]
+                for tile in 0..score_tiles {
+                    #[unroll]
+                    for i in 0..C_VALUES {
+                        dp[tile * C_VALUES + i] = -column_delta[2 * tile + i % 2];
+                    }
+                }
                 if rows_shared {
                     times_rows_transposed::<E, M>(&v_shared, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, 1usize, unrolled);
                 } else {
                     times_tile_transposed::<E, M>(&v_rows, v, &out_grad_tiles, buffer, &mut dp, &mut scratch, queries_per_step, head_dim, held_columns, unrolled);
                 }
                 #[unroll(unrolled)]
-                for tile in 0..score_tiles {
-                    #[unroll]
-                    for i in 0..C_VALUES {
-                        let at = tile * C_VALUES + i;
-                        s[at] *= dp[at] - column_delta[2 * tile + i % 2];
-                    }
+                for at in 0..score_tiles * C_VALUES {
+                    dp[at] *= s[at];
                 }
-                let ds = rounded::<E>(&s, score_tiles * C_VALUES);
+            }
+            let ds = rounded::<E>(&dp, score_tiles * C_VALUES);
+            if values {
+                let p = rounded::<E>(&s, score_tiles * C_VALUES);
+                times_tile::<E, M>(&p, &out_grad_tiles, buffer, &mut value_acc, &mut scratch, queries_per_step, head_dim, part, 1usize, unrolled);
+            }
+            if keys {
                 times_tile::<E, M>(&ds, &q_tiles, buffer, &mut key_acc, &mut scratch, queries_per_step, head_dim, part, 1usize, unrolled);
                 if comptime!(staging.query_grad) {
                     // dQ[step's queries] += dS·K over the block's keys. (The next step's
                     // barrier, before it writes the tile again, waits for every warp's reads.)
-                    // The sum's heads are `query_grad_sum.shape(2)` rows apart: a step's rows
-                    // past the sequence fall into its padding ([`summed_rows`]).
-                    let sum_row0 = head_index * query_grad_sum.shape(2);
-                    sum_query_grad::<E, M, N>(&ds, &mut scores_shared, &k_shared, query_grad_sum, &mut scratch, sum_row0, query0, seq_q, queries_per_step, head_dim, staging.stores_matrices, unrolled);
+                    // A step's rows past the sequence fall into the head's padding.
+                    sum_query_grad::<E, M, N>(&ds, &mut scores_shared, &k_shared, query_grad_sum, &mut scratch, padded_row0, query0, seq_q, queries_per_step, head_dim, staging.stores_matrices, unrolled);
                 }
             }
         }
@@ -388,12 +399,39 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
     }
 }
 
-/// Rows per head of the f32 sum of dQ ([`Staging::query_grad`]) for `seq_q` queries and a
-/// loop of `queries` a step. The atomics test only a 16-row tile's first row against the
-/// sequence, so they write up to 15 rows past it (`queries` is 16 or more); the padding, a
-/// step's rows, covers that, and is never read.
+/// Rows per head of the tensors of padded query rows, the row statistics
+/// ([`row_statistics_kernel`]) and the f32 sum of dQ ([`Staging::query_grad`]), for `seq_q`
+/// queries and a loop of `queries` a step: a block's steps start at an even query (so that
+/// two columns' statistics are one read) at or before its first visible one, so its last step
+/// may reach `queries - 1` rows past the sequence; the atomics test only a 16-row tile's first
+/// row against the sequence, so they write up to 15 rows past it (`queries` is 16 or more).
+/// Even, so that a pair of rows' statistics never straddles two heads. The padding is read
+/// only by masked columns and never read from the sum.
 pub(crate) fn summed_rows(seq_q: usize, queries: usize) -> usize {
-    seq_q + queries - 1
+    (seq_q + queries - 1).next_multiple_of(2)
+}
+
+/// Each query row's exponent base (its log-sum-exp times log2(e), [`exponent_base`]) and D,
+/// `[B, H, rows / 2, 4]` (an even row's base, the next row's, then their D; `rows`
+/// [`summed_rows`], zeros past the sequence), so that the dK/dV kernel reads both for two query
+/// columns in one 16-byte load, with no clamp to the sequence: a padded row's column is
+/// masked, and 2^(masked score − 0) is 0.
+#[cube(launch, address_type = "dynamic")]
+pub(crate) fn row_statistics_kernel(lse: &Tensor<f32>, delta: &Tensor<f32>, stats: &mut Tensor<f32>) {
+    let (seq, rows) = (lse.shape(2), stats.shape(2) * 2);
+    let index = cube_index() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    if index < stats.shape(0) * stats.shape(1) * rows {
+        let (head, row) = (index / rows, index % rows);
+        let mut base = 0.0f32;
+        let mut sum = 0.0f32;
+        if row < seq {
+            base = exponent_base(lse[head * seq + row], LOG2_E);
+            sum = delta[head * seq + row];
+        }
+        let at = (head * rows + row) / 2 * 4 + row % 2;
+        stats[at] = base;
+        stats[at + 2] = sum;
+    }
 }
 
 /// dQ in its dtype (`[B, H, Sq, D]`) from the f32 sum `sum` the dK/dV kernel's blocks added up

@@ -391,8 +391,8 @@ pub(crate) struct KeySpan {
 }
 
 /// The keys the block of `rows` query rows from `first` sees together or, `of_keys`, the
-/// queries that see some of the block of keys from `first`: without ranges the causal bound;
-/// with, the span of its rows' (keys') runs (each unit reads them all, once).
+/// queries that see some of the block of keys from `first`, from an even one: without ranges
+/// the causal bound; with, the span of its rows' (keys') runs (each unit reads them all, once).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_span(
@@ -426,6 +426,12 @@ pub(crate) fn block_span(
                 end = max(end, run.end);
             }
         }
+    }
+    if of_keys {
+        // dK/dV reads two query columns' statistics in one load from an even query
+        // (`fragment_key_value_grad::row_statistics_kernel`); the column before, seen by
+        // none of the block's keys, is masked.
+        start = start / 2 * 2;
     }
     let mut steps = 0usize;
     if end > start {

@@ -143,11 +143,12 @@ impl Problem {
         [rows_q * self.head_dim, rows_q * self.value_dim, rows_kv * self.head_dim, rows_kv * self.value_dim].into_iter().max().unwrap_or(0)
     }
 
-    /// Whether the f32 sum of dQ that dK/dV's kernel may add up (its heads padded by up to a
-    /// step of rows, `fragment_key_value_grad::summed_rows`) is indexed by the call's index
-    /// width as its other tensors are; where it would not be (32-bit indices, heads of a few
-    /// rows), dQ takes its own kernel.
-    fn sum_of_query_grad_indexable(&self) -> bool {
+    /// Whether the register-fragment backward's tensors of padded query rows (the f32 sum of
+    /// dQ, the largest, and the row statistics, their heads padded by up to a step of rows:
+    /// `fragment_key_value_grad::summed_rows`) are indexed by the call's index width as its
+    /// other tensors are. Not where 32-bit indices index heads of a few rows each, by the
+    /// hundred thousand: the planned engine takes those ([`backward_fragments_refusal`]).
+    fn padded_rows_indexable(&self) -> bool {
         let rows = self.batch * self.q_heads * fragment_key_value_grad::summed_rows(self.seq_q, fragment_tiles::MAX_STEP);
         self.address_type() == AddressType::U64 || AddressType::from_len_signed(rows * self.head_dim) == AddressType::U32
     }
@@ -245,6 +246,20 @@ fn fragments_refusal(dtype: DType, p: &Problem) -> Option<String> {
             fragment_tiles::SCALES.end(),
             p.scale
         )
+    })
+}
+
+/// Why the register-fragment backward does not take call `p`: [`fragments_refusal`], or its
+/// padded rows past the call's index width ([`Problem::padded_rows_indexable`]).
+fn backward_fragments_refusal(dtype: DType, p: &Problem) -> Option<String> {
+    fragments_refusal(dtype, p).or_else(|| {
+        (!p.padded_rows_indexable()).then(|| {
+            format!(
+                "the register-fragment backward pads each head's query rows, and {} heads of {} rows padded so pass 32-bit indices",
+                p.batch * p.q_heads,
+                p.seq_q
+            )
+        })
     })
 }
 
@@ -492,7 +507,9 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    let fragments = runs_fragments(&query.client, query.dtype, &problem).then(|| problem.address_type());
+    // Calls whose padded rows pass their index width (heads of a row by the million) stay on
+    // the planned engine ([`backward_fragments_refusal`]).
+    let fragments = (runs_fragments(&query.client, query.dtype, &problem) && problem.padded_rows_indexable()).then(|| problem.address_type());
     backward(problem, query, key, value, output, output_grad, lse, options, ranges, fragments, deterministic_requested())
 }
 
@@ -574,7 +591,7 @@ pub fn flash_attention_backward_fragments_laid_out_for<R: CubeRuntime>(
     deterministic: bool,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    if let Some(refusal) = fragments_refusal(query.dtype, &problem) {
+    if let Some(refusal) = backward_fragments_refusal(query.dtype, &problem) {
         return Err(FlashError::Shape(refusal));
     }
     let layout = layout.unwrap_or(problem.address_type());
@@ -646,7 +663,20 @@ fn backward<R: CubeRuntime>(
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
     if let Some(layout) = fragments {
         let tensors = FragmentGradients { query: &query, key: &key, value: &value, output_grad: &output_grad, lse: &lse, delta: &delta };
-        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout, !deterministic && p.sum_of_query_grad_indexable(), true)?;
+        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout, !deterministic, true)?;
+        // dK/dV's view of lse and D: two rows' bases and D together, the heads padded.
+        let stats_rows = fragment_key_value_grad::summed_rows(p.seq_q, key_value.staging.keys);
+        let row_stats = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, stats_rows / 2, 4]), DType::F32);
+        let count = p.batch * p.q_heads * stats_rows;
+        fragment_key_value_grad::row_statistics_kernel::launch::<R>(
+            &client,
+            grid(&client, count.div_ceil(256))?,
+            CubeDim::new_1d(256),
+            p.address_type(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            row_stats.clone().into_tensor_arg(),
+        );
         let query_shape = [p.batch, p.q_heads, p.seq_q, p.head_dim];
         // dQ summed by the dK/dV kernel (f32, unscaled), or by its own kernel below.
         let query_grad_sum = if key_value.staging.query_grad {
@@ -656,7 +686,7 @@ fn backward<R: CubeRuntime>(
             empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([1]), DType::F32)
         };
         if p.seq_kv > 0 {
-            launch_fragment_key_value_grad(&tensors, &key_value, &key_grad, &value_grad, &query_grad_sum, &key_rows, &p, options.causal, ranged)?;
+            launch_fragment_key_value_grad(&tensors, &key_value, &key_grad, &value_grad, &row_stats, &query_grad_sum, &key_rows, &p, options.causal, ranged)?;
         }
         let query_grad = empty(query_shape);
         if key_value.staging.query_grad {
@@ -769,6 +799,7 @@ fn launch_fragment_key_value_grad<R: CubeRuntime>(
     l: &FragmentLaunch,
     key_grad: &CubeTensor<R>,
     value_grad: &CubeTensor<R>,
+    row_stats: &CubeTensor<R>,
     query_grad_sum: &CubeTensor<R>,
     key_rows: &CubeTensor<R>,
     p: &Problem,
@@ -782,12 +813,12 @@ fn launch_fragment_key_value_grad<R: CubeRuntime>(
     // Summing dQ takes dS and K's whole rows: one launch computing both gradients.
     debug_assert!(!l.staging.query_grad || passes == [(true, true, ColumnPart::whole(p.head_dim))], "dQ summed over {passes:?}");
     for (keys, values, part) in passes {
-        let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(t.lse), arg(t.delta), arg(key_grad), arg(value_grad), arg(query_grad_sum), arg(key_rows));
+        let args = (arg(t.query), arg(t.key), arg(t.value), arg(t.output_grad), arg(row_stats), arg(key_grad), arg(value_grad), arg(query_grad_sum), arg(key_rows));
         launch_fragments!(
             kernel,
             R,
             l,
-            (client, l.count.clone(), l.dim, p.address_type(), l.sum_vector, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, args.9, p.scale, p.head_dim, l.staging, l.held_columns, part, causal, ranged, keys, values)
+            (client, l.count.clone(), l.dim, p.address_type(), l.sum_vector, args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7, args.8, p.scale, p.head_dim, l.staging, l.held_columns, part, causal, ranged, keys, values)
         );
     }
     Ok(())
@@ -941,14 +972,16 @@ mod tests {
     }
 
     #[test]
-    fn the_sum_of_query_grad_is_taken_only_where_its_padded_rows_are_indexable() {
-        assert!(problem(1, 32, 8, 16_384, 128).sum_of_query_grad_indexable());
-        // Heads of one row: dQ holds 2^27 elements, its sum (63 padding rows a head) 2^33.
+    fn the_fragment_backward_takes_only_calls_whose_padded_rows_are_indexable() {
+        assert_eq!(backward_fragments_refusal(DType::BF16, &problem(1, 32, 8, 16_384, 128)), None);
+        // Heads of one row: dQ holds 2^27 elements, its f32 sum (63 padding rows a head) 2^33.
         let one_row_heads = problem(1 << 20, 1, 1, 1, 128);
         assert_eq!(one_row_heads.address_type(), AddressType::U32);
-        assert!(!one_row_heads.sum_of_query_grad_indexable());
+        assert_eq!(fragments_refusal(DType::BF16, &one_row_heads), None);
+        let refusal = backward_fragments_refusal(DType::BF16, &one_row_heads).unwrap();
+        assert!(refusal.contains("1048576 heads of 1 rows"), "{refusal}");
         // Indexed in 64 bits anyway.
-        assert!(problem(1, 32, 8, 1_100_000, 128).sum_of_query_grad_indexable());
+        assert_eq!(backward_fragments_refusal(DType::BF16, &problem(1, 32, 8, 1_100_000, 128)), None);
     }
 
     #[test]
