@@ -37,12 +37,12 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        BLOCK_ROWS, PAD, Staging, WARPS, block_span, column_parts, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, rows_tile, stage_step,
+        BLOCK_ROWS, PAD, Staging, WARPS, block_span, column_parts, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, row_place, rows_tile, stage_step,
         step_tiles, step_unmasked, store_rows, times_rows_transposed, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, cube_in_range, cube_index, cube_place, visible_run},
 };
-use crate::mma::{B_VALUES, C_VALUES, FragmentMma, lane};
+use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, lane};
 
 /// The launches of the dK/dV kernel at `head_dim`, keeping rows of `register_columns` (see
 /// `fragment_tiles::register_columns`) and its own rows in shared memory or not
@@ -188,13 +188,13 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
                 times_tile_transposed::<E, M>(&k_rows, k, &q_tiles, buffer, &mut s, &mut scratch, queries_per_step, head_dim, held_columns, unrolled);
             }
 
-            // The log-sum-exp bases and D of the lane's query columns 2t and 2t + 1 of each
+            // The log-sum-exp bases and −D of the lane's query columns 2t and 2t + 1 of each
             // tile, one 16-byte read a tile ([`row_statistics_kernel`]; a column past the
             // sequence, seen by no key, reads the head's padding, so no clamp; `query0` is
             // even). Read from lse and D, a column took two loads, a clamp, a compare and a
             // multiply.
             let mut column_base = zeros(score_tiles * 2);
-            let mut column_delta = zeros(score_tiles * 2);
+            let mut column_minus_delta = zeros(score_tiles * 2);
             // Halved, the index stays under 2^31, so each tile's offset folds into its load.
             let stats0 = (padded_row0 + query0 + 2 * t) / 2;
             #[unroll(unrolled)]
@@ -204,7 +204,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
                 #[unroll]
                 for j in 0..2usize {
                     column_base[2 * tile + j] = both[j];
-                    column_delta[2 * tile + j] = both[2 + j];
+                    column_minus_delta[2 * tile + j] = both[2 + j];
                 }
             }
 
@@ -230,7 +230,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
                 for tile in 0..score_tiles {
                     #[unroll]
                     for i in 0..C_VALUES {
-                        dp[tile * C_VALUES + i] = -column_delta[2 * tile + i % 2];
+                        dp[tile * C_VALUES + i] = column_minus_delta[2 * tile + i % 2];
                     }
                 }
                 if rows_shared {
@@ -260,12 +260,14 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
         }
     }
 
-    // dK and dV have K's shape: K's rows' place is theirs.
+    // dK and dV have K's shape: K's rows' place is theirs, placed again here rather than
+    // kept through the loop.
+    let place = row_place(kv_base, key0, seq_kv, head_dim);
     if keys {
-        store_rows::<E>(&key_acc, scale, key_grad, &k_rows.place, part, unrolled);
+        store_rows::<E>(&key_acc, scale, key_grad, &place, part, unrolled);
     }
     if values {
-        store_rows::<E>(&value_acc, 1.0f32, value_grad, &k_rows.place, part, unrolled);
+        store_rows::<E>(&value_acc, 1.0f32, value_grad, &place, part, unrolled);
     }
 }
 
@@ -346,39 +348,51 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
     let width = N::value();
     let k_stride = comptime!(head_dim + PAD);
     let first_column = warp * comptime!(head_dim / WARPS);
-    // A pair of output tiles (16 columns) at a time, its atomics before the next: a whole
-    // quarter's accumulators beside dK's and dV's spilled at head dim 128 (255 registers).
+    // The warp's quarter of dQ's columns at once, dS's A fragments read once for all of them.
+    let per_pair = comptime!(m_tiles * 2 * C_VALUES);
+    let mut acc = zeros(comptime!(pairs * m_tiles * 2 * C_VALUES));
     #[unroll(unrolled)]
-    for pair in 0..pairs {
-        let mut acc = zeros(comptime!(m_tiles * 2 * C_VALUES));
+    for chunk in 0..BLOCK_ROWS / 16 {
+        let mut a = Array::<E>::new(comptime!(m_tiles * A_VALUES));
+        #[unroll]
+        for m_tile in 0..m_tiles {
+            // dS's A fragment: queries 16·m_tile.. × keys 16·chunk.. of the query-major tile.
+            let fragment = M::load_matrices::<E>(tile, 16 * m_tile * stride + 16 * chunk, stride, 4usize, 2usize, false);
+            #[unroll]
+            for i in 0..A_VALUES {
+                a[m_tile * A_VALUES + i] = fragment[i];
+            }
+        }
         #[unroll(unrolled)]
-        for chunk in 0..BLOCK_ROWS / 16 {
+        for pair in 0..pairs {
             // K's matrices transposed, two above each other per output tile: its B fragments
             // (as `times_tile` reads a step's tile).
             let b = M::load_matrices::<E>(k_rows, 16 * chunk * k_stride + first_column + 16 * pair, k_stride, 4usize, 2usize, true);
             #[unroll]
             for m_tile in 0..m_tiles {
-                // dS's A fragment: queries 16·m_tile.. × keys 16·chunk.. of the query-major tile.
-                let a = M::load_matrices::<E>(tile, 16 * m_tile * stride + 16 * chunk, stride, 4usize, 2usize, false);
-                M::mma::<E>(&a, 0usize, &b, 0usize, &mut acc, 2 * m_tile * C_VALUES, scratch);
-                M::mma::<E>(&a, 0usize, &b, B_VALUES, &mut acc, (2 * m_tile + 1) * C_VALUES, scratch);
+                M::mma::<E>(&a, m_tile * A_VALUES, &b, 0usize, &mut acc, pair * per_pair + 2 * m_tile * C_VALUES, scratch);
+                M::mma::<E>(&a, m_tile * A_VALUES, &b, B_VALUES, &mut acc, pair * per_pair + (2 * m_tile + 1) * C_VALUES, scratch);
             }
         }
-        #[unroll]
-        for m_tile in 0..m_tiles {
-            // The 16 rows from query0 + 16·m_tile, where the first is in the sequence: the
-            // others past it land in the head's padding. One test a 16-row tile, the same for
-            // the warp's lanes, where a test per row cost 4 instructions for 4 atomics; without
-            // any, ptxas hoisted the atomics' addresses over the products and spilled.
-            if query0 + 16 * m_tile < seq_q {
-                #[unroll]
-                for half in 0..2usize {
-                    // Inside the sum's rows, so unchecked: no clamp per atomic. In vectors (the
-                    // columns 2t + 8·n_tile are even, so whole pairs of them); halved, the
-                    // index is known to stay under 2^31, so ptxas folds each atomic's constant
-                    // offset into it. With single values (N 1) each atomic still takes an add
-                    // and a 64-bit multiply-add for its address: a 32-bit index may wrap.
-                    let row = ((row0 + query0 + 16 * m_tile + g + 8 * half) * head_dim + first_column + 16 * pair + 2 * t) / width;
+    }
+    #[unroll]
+    for m_tile in 0..m_tiles {
+        // The 16 rows from query0 + 16·m_tile, where the first is in the sequence: the
+        // others past it land in the head's padding. One test a 16-row tile, the same for
+        // the warp's lanes, where a test per row cost 4 instructions for 4 atomics; without
+        // any, ptxas hoisted the atomics' addresses over the products and spilled.
+        if query0 + 16 * m_tile < seq_q {
+            #[unroll]
+            for half in 0..2usize {
+                // Inside the sum's rows, so unchecked: no clamp per atomic. In vectors (the
+                // columns 2t + 8·n_tile are even, so whole pairs of them); halved, the row's
+                // index is known to stay under 2^31, so ptxas folds each atomic's constant
+                // offset from it (its column) into the instruction. With single values (N 1)
+                // each atomic still takes an add and a 64-bit multiply-add for its address: a
+                // 32-bit index may wrap.
+                let row = ((row0 + query0 + 16 * m_tile + g + 8 * half) * head_dim + first_column + 2 * t) / width;
+                #[unroll(unrolled)]
+                for pair in 0..pairs {
                     #[unroll]
                     for n_tile in 0..2usize {
                         // The lane's two adjacent columns: one atomic of a pair where the
@@ -388,9 +402,9 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
                             let mut vector = Vector::<f32, N>::empty();
                             #[unroll]
                             for j in 0..width {
-                                vector[j] = acc[(2 * m_tile + n_tile) * C_VALUES + 2 * half + v * width + j];
+                                vector[j] = acc[pair * per_pair + (2 * m_tile + n_tile) * C_VALUES + 2 * half + v * width + j];
                             }
-                            unsafe { sum.index_unchecked(row + 8 * n_tile / width + v) }.fetch_add(vector);
+                            unsafe { sum.index_unchecked(row + (16 * pair + 8 * n_tile) / width + v) }.fetch_add(vector);
                         }
                     }
                 }
@@ -411,8 +425,9 @@ pub(crate) fn summed_rows(seq_q: usize, queries: usize) -> usize {
     (seq_q + queries - 1).next_multiple_of(2)
 }
 
-/// Each query row's exponent base (its log-sum-exp times log2(e), [`exponent_base`]) and D,
-/// `[B, H, rows / 2, 4]` (an even row's base, the next row's, then their D; `rows`
+/// Each query row's exponent base (its log-sum-exp times log2(e), [`exponent_base`]) and −D,
+/// `[B, H, rows / 2, 4]` (an even row's base, the next row's, then their −D, which dP's
+/// accumulators start from: negated here, not by 8 instructions a step; `rows`
 /// [`summed_rows`], zeros past the sequence), so that the dK/dV kernel reads both for two query
 /// columns in one 16-byte load, with no clamp to the sequence: a padded row's column is
 /// masked, and 2^(masked score − 0) is 0.
@@ -423,14 +438,14 @@ pub(crate) fn row_statistics_kernel(lse: &Tensor<f32>, delta: &Tensor<f32>, stat
     if index < stats.shape(0) * stats.shape(1) * rows {
         let (head, row) = (index / rows, index % rows);
         let mut base = 0.0f32;
-        let mut sum = 0.0f32;
+        let mut minus_delta = 0.0f32;
         if row < seq {
             base = exponent_base(lse[head * seq + row], LOG2_E);
-            sum = delta[head * seq + row];
+            minus_delta = -delta[head * seq + row];
         }
         let at = (head * rows + row) / 2 * 4 + row % 2;
         stats[at] = base;
-        stats[at + 2] = sum;
+        stats[at + 2] = minus_delta;
     }
 }
 
