@@ -7,7 +7,7 @@
 //! Sᵀ = K·Qᵀ, Pᵀ = exp(scale·Sᵀ − lse) (the forward's log-sum-exp of each query column),
 //! dPᵀ − D = V·dOᵀ accumulated from −D, dSᵀ = Pᵀ ∘ (dPᵀ − D), dV += Pᵀ·dO, dK += dSᵀ·Q, with Pᵀ
 //! and dSᵀ taken from their accumulators as A fragments; dK is scaled once at the end. Each
-//! query column's lse (as an exponent base) and D come from a tensor of both, two columns in
+//! query column's lse (as an exponent base) and −D come from a tensor of both, two columns in
 //! one 16-byte read ([`row_statistics_kernel`]). Documents, key runs and
 //! windows bound the loop to the queries the block's keys are seen by and mask each score by
 //! its key's run of queries (the `VisibleRanges` table of keys).
@@ -62,7 +62,8 @@ pub(crate) fn passes(head_dim: usize, register_columns: usize, rows_shared: bool
 
 /// dK and dV `[B, Hkv, Skv, D]` (those `keys` and `values` ask for) of attention over
 /// `q: [B, Hq, Sq, D]`, `k`, `v: [B, Hkv, Skv, D]` (contiguous; head dim = value dim) given dO
-/// (`out_grad`, like q), the forward's log-sum-exp and D (`[B, Hq, Sq]`, f32), `ranges` the
+/// (`out_grad`, like q), each query row's exponent base and −D (`row_stats`, `[B, Hq, rows / 2,
+/// 4]`: [`row_statistics_kernel`]), `ranges` the
 /// query rows that see each key: their columns `part`. One cube per 64 keys of one (batch, kv
 /// head).
 #[cube(launch, address_type = "dynamic")]
@@ -262,12 +263,12 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
 
     // dK and dV have K's shape: K's rows' place is theirs, placed again here rather than
     // kept through the loop.
-    let place = row_place(kv_base, key0, seq_kv, head_dim);
+    let rows_place = row_place(kv_base, key0, seq_kv, head_dim);
     if keys {
-        store_rows::<E>(&key_acc, scale, key_grad, &place, part, unrolled);
+        store_rows::<E>(&key_acc, scale, key_grad, &rows_place, part, unrolled);
     }
     if values {
-        store_rows::<E>(&value_acc, 1.0f32, value_grad, &place, part, unrolled);
+        store_rows::<E>(&value_acc, 1.0f32, value_grad, &rows_place, part, unrolled);
     }
 }
 

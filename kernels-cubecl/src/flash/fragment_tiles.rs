@@ -445,7 +445,9 @@ pub(crate) fn block_span(
 /// row past them reads as 0 and is not written). Computed once and shared by the loads of
 /// streamed rows and the store of the gradient of the same shape: with 64-bit indices each
 /// offset is two registers, and ptxas spilled a second copy kept for the store (sm_90a, head
-/// dim 128: 4-20 bytes at 72-128 registers, to stay under an occupancy step).
+/// dim 128: 4-20 bytes at 72-128 registers, to stay under an occupancy step). (dK/dV with its
+/// rows staged streams none, and places its store again after its loop, so that the place is
+/// not kept through it: kept, ptxas spilled it there at head dim 128, 2026-11-30.)
 #[derive(CubeType)]
 pub(crate) struct RowPlace {
     pub low: usize,

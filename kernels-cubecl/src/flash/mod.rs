@@ -143,14 +143,20 @@ impl Problem {
         [rows_q * self.head_dim, rows_q * self.value_dim, rows_kv * self.head_dim, rows_kv * self.value_dim].into_iter().max().unwrap_or(0)
     }
 
-    /// Whether the register-fragment backward's tensors of padded query rows (the f32 sum of
-    /// dQ, the largest, and the row statistics, their heads padded by up to a step of rows:
-    /// `fragment_key_value_grad::summed_rows`) are indexed by the call's index width as its
-    /// other tensors are. Not where 32-bit indices index heads of a few rows each, by the
-    /// hundred thousand: the planned engine takes those ([`backward_fragments_refusal`]).
-    fn padded_rows_indexable(&self) -> bool {
+    /// Whether a tensor of `values` a query row, its heads padded by up to a step of rows
+    /// (`fragment_key_value_grad::summed_rows`), is indexed by the call's index width as its
+    /// other tensors are: not where 32-bit indices index heads of a few rows each, by the
+    /// hundred thousand.
+    fn padded_rows_indexable(&self, values: usize) -> bool {
         let rows = self.batch * self.q_heads * fragment_key_value_grad::summed_rows(self.seq_q, fragment_tiles::MAX_STEP);
-        self.address_type() == AddressType::U64 || AddressType::from_len_signed(rows * self.head_dim) == AddressType::U32
+        self.address_type() == AddressType::U64 || AddressType::from_len_signed(rows * values) == AddressType::U32
+    }
+
+    /// Whether the f32 sum of dQ that dK/dV's kernel may add up is indexable
+    /// ([`padded_rows_indexable`](Self::padded_rows_indexable)); where not, dQ takes its own
+    /// kernel.
+    fn sum_of_query_grad_indexable(&self) -> bool {
+        self.padded_rows_indexable(self.head_dim)
     }
 
     /// The index width the kernels are compiled with: 32 bits while every tensor holds fewer
@@ -249,11 +255,12 @@ fn fragments_refusal(dtype: DType, p: &Problem) -> Option<String> {
     })
 }
 
-/// Why the register-fragment backward does not take call `p`: [`fragments_refusal`], or its
-/// padded rows past the call's index width ([`Problem::padded_rows_indexable`]).
+/// Why the register-fragment backward does not take call `p`: [`fragments_refusal`], or the
+/// row statistics dK/dV reads (2 values a query row, its heads padded:
+/// `fragment_key_value_grad::row_statistics_kernel`) past the call's index width.
 fn backward_fragments_refusal(dtype: DType, p: &Problem) -> Option<String> {
     fragments_refusal(dtype, p).or_else(|| {
-        (!p.padded_rows_indexable()).then(|| {
+        (!p.padded_rows_indexable(2)).then(|| {
             format!(
                 "the register-fragment backward pads each head's query rows, and {} heads of {} rows padded so pass 32-bit indices",
                 p.batch * p.q_heads,
@@ -429,9 +436,10 @@ pub fn flash_attention_forward_planned<R: CubeRuntime>(
 }
 
 /// Whether a call of `dtype` on `client`'s device runs on the register-fragment engine
-/// ([`plan::FragmentChoice`]).
+/// ([`plan::FragmentChoice`]), forward and backward alike: where the backward refuses it (heads
+/// of a row by the million), the forward stays on the planned engine too.
 fn runs_fragments<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, problem: &Problem) -> bool {
-    let takes = fragments_refusal(dtype, problem).is_none();
+    let takes = backward_fragments_refusal(dtype, problem).is_none();
     let narrow = problem.address_type() == AddressType::U32;
     plan::FragmentChoice::of_environment().runs_fragments(takes, crate::mma::has_mma_sync(client, dtype), narrow)
 }
@@ -507,9 +515,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    // Calls whose padded rows pass their index width (heads of a row by the million) stay on
-    // the planned engine ([`backward_fragments_refusal`]).
-    let fragments = (runs_fragments(&query.client, query.dtype, &problem) && problem.padded_rows_indexable()).then(|| problem.address_type());
+    let fragments = runs_fragments(&query.client, query.dtype, &problem).then(|| problem.address_type());
     backward(problem, query, key, value, output, output_grad, lse, options, ranges, fragments, deterministic_requested())
 }
 
@@ -663,8 +669,8 @@ fn backward<R: CubeRuntime>(
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
     if let Some(layout) = fragments {
         let tensors = FragmentGradients { query: &query, key: &key, value: &value, output_grad: &output_grad, lse: &lse, delta: &delta };
-        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout, !deterministic, true)?;
-        // dK/dV's view of lse and D: two rows' bases and D together, the heads padded.
+        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout, !deterministic && p.sum_of_query_grad_indexable(), true)?;
+        // dK/dV's view of lse and D: two rows' bases and −D together, the heads padded.
         let stats_rows = fragment_key_value_grad::summed_rows(p.seq_q, key_value.staging.keys);
         let row_stats = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, stats_rows / 2, 4]), DType::F32);
         let count = p.batch * p.q_heads * stats_rows;
@@ -779,8 +785,9 @@ fn backward<R: CubeRuntime>(
     Ok((query_grad, key_grad, value_grad))
 }
 
-/// The tensors both register-fragment backward kernels read: the forward's inputs, dO, its
-/// log-sum-exp and the backward's D.
+/// The tensors the register-fragment backward kernels read: the forward's inputs, dO, its
+/// log-sum-exp and the backward's D (dQ's kernel; dK/dV's reads both through the row
+/// statistics).
 struct FragmentGradients<'a, R: CubeRuntime> {
     query: &'a CubeTensor<R>,
     key: &'a CubeTensor<R>,
@@ -973,15 +980,25 @@ mod tests {
 
     #[test]
     fn the_fragment_backward_takes_only_calls_whose_padded_rows_are_indexable() {
-        assert_eq!(backward_fragments_refusal(DType::BF16, &problem(1, 32, 8, 16_384, 128)), None);
-        // Heads of one row: dQ holds 2^27 elements, its f32 sum (63 padding rows a head) 2^33.
+        let long = problem(1, 32, 8, 16_384, 128);
+        assert_eq!(backward_fragments_refusal(DType::BF16, &long), None);
+        assert!(long.sum_of_query_grad_indexable());
+        // Heads of one row: dQ holds 2^27 elements, its f32 sum (63 padding rows a head) 2^33,
+        // so dQ takes its own kernel; the row statistics (2^27) still fit 32-bit indices.
         let one_row_heads = problem(1 << 20, 1, 1, 1, 128);
         assert_eq!(one_row_heads.address_type(), AddressType::U32);
-        assert_eq!(fragments_refusal(DType::BF16, &one_row_heads), None);
-        let refusal = backward_fragments_refusal(DType::BF16, &one_row_heads).unwrap();
-        assert!(refusal.contains("1048576 heads of 1 rows"), "{refusal}");
+        assert!(!one_row_heads.sum_of_query_grad_indexable());
+        assert_eq!(backward_fragments_refusal(DType::BF16, &one_row_heads), None);
+        // 2^24 heads of one row: q holds 2^30 elements, the row statistics 2^31.
+        let more_heads = problem(1 << 24, 1, 1, 1, 64);
+        assert_eq!(more_heads.address_type(), AddressType::U32);
+        assert_eq!(fragments_refusal(DType::BF16, &more_heads), None);
+        let refusal = backward_fragments_refusal(DType::BF16, &more_heads).unwrap();
+        assert!(refusal.contains("16777216 heads of 1 rows"), "{refusal}");
         // Indexed in 64 bits anyway.
-        assert_eq!(backward_fragments_refusal(DType::BF16, &problem(1, 32, 8, 1_100_000, 128)), None);
+        let past = problem(1, 32, 8, 1_100_000, 128);
+        assert!(past.sum_of_query_grad_indexable());
+        assert_eq!(backward_fragments_refusal(DType::BF16, &past), None);
     }
 
     #[test]
