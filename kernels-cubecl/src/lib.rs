@@ -105,6 +105,21 @@ pub mod testing {
         crate::flash::adds_f32_atomically(&R::client(device))
     }
 
+    /// Where the register-fragment kernels place each cube of a launch over `batch · heads ·
+    /// blocks_per_head` blocks (longest first where `causal`: `flash::stage::LONGEST_FIRST_BLOCKS`),
+    /// in launch order: an f32 `[cubes, 3]` tensor of (batch, head, block) rows; `work_grows`
+    /// for query blocks (the forward's and dQ's), else key blocks (dK/dV's).
+    pub fn block_order<R: burn_cubecl::CubeRuntime>(
+        device: &R::Device,
+        batch: usize,
+        heads: usize,
+        blocks_per_head: usize,
+        causal: bool,
+        work_grows: bool,
+    ) -> Result<burn_cubecl::tensor::CubeTensor<R>, crate::FlashError> {
+        crate::flash::block_order(&R::client(device), device, batch, heads, blocks_per_head, causal, work_grows)
+    }
+
     /// Bytes the allocator of runtime `R` has handed out on `device`, once the work queued
     /// so far has run (freed buffers then count no more).
     pub fn bytes_in_use<R: cubecl::Runtime>(device: &R::Device) -> u64 {

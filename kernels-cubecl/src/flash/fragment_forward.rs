@@ -78,7 +78,7 @@ fn forward_block<E: Float, M: FragmentMma>(
         staging.row_tiles
     };
     let rows_per_block = comptime!(staging.block_rows());
-    let rows = block_rows(q_heads, seq_q, kv_heads, seq_kv, head_dim, row_tiles);
+    let rows = block_rows(q.shape(0), q_heads, seq_q, kv_heads, seq_kv, head_dim, row_tiles, causal);
     let (batch, head_index, q_base, kv_base, row0) = (rows.batch, rows.head_index, rows.q_base, rows.kv_base, rows.row0);
     let lane = lane();
     let (g, t) = (lane / 4, lane % 4);

@@ -73,7 +73,7 @@ fn query_grad_block<E: Float, M: FragmentMma>(
 ) {
     let (q_heads, seq_q) = (q.shape(1), q.shape(2));
     let (kv_heads, seq_kv) = (k.shape(1), k.shape(2));
-    let rows = block_rows(q_heads, seq_q, kv_heads, seq_kv, head_dim, 1usize);
+    let rows = block_rows(q.shape(0), q_heads, seq_q, kv_heads, seq_kv, head_dim, 1usize, causal);
     let (batch, head_index, q_base, kv_base, row0) = (rows.batch, rows.head_index, rows.q_base, rows.kv_base, rows.row0);
     let g = lane() / 4;
 

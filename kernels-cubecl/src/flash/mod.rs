@@ -535,6 +535,19 @@ pub fn flash_attention_backward_planned<R: CubeRuntime>(
     backward(problem, query, key, value, output, output_grad, lse, options, ranges, None, false)
 }
 
+/// The place of each cube of a register-fragment launch over `batch · heads · blocks_per_head`
+/// blocks, in launch order: `[cubes, 3]` f32 rows of (batch, head, block), the query blocks'
+/// order (`work_grows`) or the key blocks'; for the tests of that order.
+pub(crate) fn block_order<R: CubeRuntime>(client: &ComputeClient<R>, device: &R::Device, batch: usize, heads: usize, blocks_per_head: usize, causal: bool, work_grows: bool) -> Result<CubeTensor<R>, FlashError> {
+    let cubes = batch * heads * blocks_per_head;
+    if cubes == 0 || cubes >= 1 << 24 {
+        return Err(FlashError::Shape(format!("{cubes} blocks: the order is read as f32, so 1 to 2^24 of them")));
+    }
+    let places = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([cubes, 3]), DType::F32);
+    stage::block_order_kernel::launch::<R>(client, grid(client, cubes)?, CubeDim::new_1d(1), AddressType::U32, places.clone().into_tensor_arg(), batch, heads, blocks_per_head, causal, work_grows);
+    Ok(places)
+}
+
 /// Whether the device adds f32 values atomically, which the register-fragment backward needs
 /// to sum dQ in its dK/dV kernel (`fragment_tiles::Staging::query_grad`).
 pub(crate) fn adds_f32_atomically<R: cubecl::Runtime>(client: &ComputeClient<R>) -> bool {
