@@ -105,7 +105,7 @@ pub mod testing {
         crate::flash::adds_f32_atomically(&R::client(device))
     }
 
-    /// Where the register-fragment kernels place each cube of a launch over `batch · heads ·
+    /// Where the flash-attention kernels place each cube of a launch over `batch · heads ·
     /// blocks_per_head` blocks (longest first where `causal`: `flash::stage::LONGEST_FIRST_BLOCKS`),
     /// in launch order: an f32 `[cubes, 3]` tensor of (batch, head, block) rows; `work_grows`
     /// for query blocks (the forward's and dQ's), else key blocks (dK/dV's).

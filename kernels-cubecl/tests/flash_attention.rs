@@ -482,8 +482,8 @@ fn makespan(work: &[usize], slots: usize) -> usize {
     ends.into_iter().map(|std::cmp::Reverse(end)| end).max().unwrap()
 }
 
-/// The register-fragment kernels' cube order (`testing::block_order`, the kernels' own
-/// `cube_place_longest_first`): every block exactly once; not causal, head by head; causal, the
+/// The flash-attention kernels' cube order (`testing::block_order`, the kernels' own
+/// `flash::stage::cube_place`): every block exactly once; not causal, head by head; causal, the
 /// heads in groups of `LONGEST_FIRST_BLOCKS` (512) blocks or more (the last one fewer), and within
 /// a group by decreasing work, a block of each head in turn (query blocks' work grows with their
 /// place, key blocks' shrinks). And what it is for: on a model of the scheduler (264 blocks at

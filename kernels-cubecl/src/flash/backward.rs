@@ -1,6 +1,6 @@
 //! Backward kernels: FlashAttention-2's backward without atomics, in three launches.
 //!
-//! 1. [`row_delta_kernel`]: `delta_i = Σ_d dO_id · O_id`, one unit per query row;
+//! 1. [`row_delta_kernel`]: `delta_i = Σ_d dO_id · O_id`, eight units a query row;
 //! 2. [`key_value_grad_kernel`]: a cube owns `planes × 16` key rows of one kv head and streams
 //!    the query rows of every q head it serves (grouped-query attention sums over the group
 //!    here, so no atomics); per query tile a plane computes, on tiles, `Sᵀ = K·Qᵀ`,
@@ -27,29 +27,54 @@ use super::{
     tile_ops::{TILE, TileMma, accumulate_a_b, accumulate_a_bt, sync_tile},
 };
 
+/// Units that share a query row in [`row_delta_kernel`], each reading every
+/// `DELTA_ROW_UNITS`-th vector of it, so that a warp's read is whole rows' consecutive bytes
+/// (four rows of 128 bf16 at vectors of 8) rather than one element of 32 rows 256 bytes apart.
+pub(crate) const DELTA_ROW_UNITS: usize = 8;
+/// Units a cube of [`row_delta_kernel`]: `DELTA_CUBE / DELTA_ROW_UNITS` rows.
+pub(crate) const DELTA_CUBE: usize = 256;
+
+/// `delta[b, h, i] = Σ_d dO[b, h, i, d] · O[b, h, i, d]` in f32, [`DELTA_ROW_UNITS`] units a row
+/// reading vectors of `N`.
 #[cube(launch, address_type = "dynamic")]
-pub(crate) fn row_delta_kernel<F: Float>(
-    output: &Tensor<F>,
-    output_grad: &Tensor<F>,
+pub(crate) fn row_delta_kernel<F: Float, N: Size>(
+    output: &Tensor<Vector<F, N>>,
+    output_grad: &Tensor<Vector<F, N>>,
     delta: &mut Tensor<f32>,
-    #[comptime] value_dim: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let heads = output.shape(1);
-    let seq = output.shape(2);
+    let n = N::value();
+    let (heads, seq, value_dim) = (output.shape(1), output.shape(2), output.shape(3));
     let rows = output.shape(0) * heads * seq;
-    let index = cube_index() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    let unit = UNIT_POS as usize;
+    let index = cube_index() * comptime!(DELTA_CUBE / DELTA_ROW_UNITS) + unit / DELTA_ROW_UNITS;
+    let mut sum = 0.0f32;
+    let mut delta_at = 0usize;
     if index < rows {
-        let batch = index / (heads * seq);
-        let head = (index / seq) % heads;
-        let row = index % seq;
+        let (batch, head, row) = (index / (heads * seq), (index / seq) % heads, index % seq);
+        delta_at = row_offset(delta, batch, head, row);
         let o_base = row_offset(output, batch, head, row);
         let g_base = row_offset(output_grad, batch, head, row);
-        let mut sum = 0.0f32;
-        for d in 0..value_dim {
-            sum += f32::cast_from(output[o_base + d * output.stride(3)]) * f32::cast_from(output_grad[g_base + d * output_grad.stride(3)]);
+        let mut column = (unit % DELTA_ROW_UNITS) * n;
+        while column < value_dim {
+            let (o, g) = (output[(o_base + column) / n], output_grad[(g_base + column) / n]);
+            #[unroll]
+            for e in 0..n {
+                sum += f32::cast_from(o[e]) * f32::cast_from(g[e]);
+            }
+            column += comptime!(DELTA_ROW_UNITS) * n;
         }
-        delta[row_offset(delta, batch, head, row)] = sum;
+    }
+    // The row's units' sums, added by its first unit.
+    let mut sums = SharedMemory::<f32>::new(DELTA_CUBE);
+    sums[unit] = sum;
+    sync_cube();
+    if unit % DELTA_ROW_UNITS == 0 && index < rows {
+        let mut total = 0.0f32;
+        for u in 0..DELTA_ROW_UNITS {
+            total += sums[unit + u];
+        }
+        delta[delta_at] = total;
     }
 }
 
@@ -114,7 +139,7 @@ pub(crate) fn key_value_grad_kernel<F: Float, M: TileMma, N: Size>(
         let group = q_heads / kv_heads;
         let (seq_q, seq_kv) = (lse.shape(2), key_grad.shape(2));
         let (head_dim, value_dim) = (key_grad.shape(3), value_grad.shape(3));
-        let place = cube_place(kv_heads, blocks_per_head);
+        let place = cube_place(key_grad.shape(0), kv_heads, blocks_per_head, comptime!(blocks.causal), false);
         let (batch, kv_head) = (place.batch, place.head);
         let plane_dim = comptime!(blocks.plane_dim);
         let unit = comptime!(blocks.unit());
@@ -294,7 +319,7 @@ pub(crate) fn query_grad_kernel<F: Float, M: TileMma, N: Size>(
     if cube_in_range(query_grad.shape(0), q_heads, blocks_per_head) {
         let (seq_q, seq_kv) = (query_grad.shape(2), key.shape(2));
         let (head_dim, value_dim) = (query_grad.shape(3), value.shape(3));
-        let place = cube_place(q_heads, blocks_per_head);
+        let place = cube_place(query_grad.shape(0), q_heads, blocks_per_head, comptime!(blocks.causal), true);
         let (batch, head) = (place.batch, place.head);
         let kv_head = head / (q_heads / key.shape(1));
         let plane_dim = comptime!(blocks.plane_dim);

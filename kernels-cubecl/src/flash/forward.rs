@@ -60,7 +60,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
     if cube_in_range(output.shape(0), q_heads, blocks_per_head) {
         let (seq_q, seq_kv) = (output.shape(2), key.shape(2));
         let (head_dim, value_dim) = (query.shape(3), value.shape(3));
-        let place = cube_place(q_heads, blocks_per_head);
+        let place = cube_place(output.shape(0), q_heads, blocks_per_head, comptime!(blocks.causal), true);
         let (batch, head) = (place.batch, place.head);
         let kv_head = head / (q_heads / key.shape(1));
         let (plane_dim, planes, block_kv) = comptime!((blocks.plane_dim, blocks.planes, blocks.block_kv));

@@ -40,7 +40,7 @@ use super::{
         BLOCK_ROWS, PAD, Staging, WARPS, block_span, column_parts, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, row_place, rows_tile, stage_step,
         step_tiles, step_unmasked, store_rows, times_rows_transposed, times_tile, times_tile_transposed, zeros,
     },
-    stage::{ColumnPart, cube_in_range, cube_index, cube_place_longest_first, visible_run},
+    stage::{ColumnPart, cube_in_range, cube_index, cube_place, visible_run},
 };
 use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, lane};
 
@@ -125,7 +125,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
     let (kv_heads, seq_kv) = (k.shape(1), k.shape(2));
     let group = q_heads / kv_heads;
     // A key block's causal work shrinks with its place.
-    let place = cube_place_longest_first(k.shape(0), kv_heads, seq_kv.div_ceil(BLOCK_ROWS), causal, false);
+    let place = cube_place(k.shape(0), kv_heads, seq_kv.div_ceil(BLOCK_ROWS), causal, false);
     let (batch, kv_index) = (place.batch, place.batch * kv_heads + place.head);
     let kv_base = kv_index * seq_kv * head_dim;
     let first_key = place.block * BLOCK_ROWS;

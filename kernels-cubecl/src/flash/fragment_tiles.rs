@@ -21,7 +21,7 @@
 
 use cubecl::{ir::AddressType, prelude::*};
 
-use super::stage::{ColumnPart, Run, cube_place_longest_first, first_row_seeing, keys_seen_by_rows, visible_run};
+use super::stage::{ColumnPart, Run, cube_place, first_row_seeing, keys_seen_by_rows, visible_run};
 use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, SCRATCH_BYTES_PER_WARP, lane};
 
 /// Warps (of 32 units) per block, each owning 16 query rows, or 32 ([`Staging::row_tiles`]).
@@ -352,7 +352,7 @@ pub(crate) struct BlockRows {
 
 /// The cube's block (see [`BlockRows`]) of a call with `batch` sequences of `q_heads` heads of
 /// `seq_q` queries and `kv_heads` of `seq_kv` keys, `row_tiles` 16-row tiles a warp; the longest
-/// blocks first where `causal` ([`cube_place_longest_first`]).
+/// blocks first where `causal` ([`cube_place`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_rows(
@@ -367,7 +367,7 @@ pub(crate) fn block_rows(
 ) -> BlockRows {
     let rows = comptime!(BLOCK_ROWS * row_tiles);
     // A query block's causal work grows with its place.
-    let place = cube_place_longest_first(batch, q_heads, seq_q.div_ceil(rows), causal, true);
+    let place = cube_place(batch, q_heads, seq_q.div_ceil(rows), causal, true);
     let head_index = place.batch * q_heads + place.head;
     let kv_head = place.head / (q_heads / kv_heads);
     let first_row = place.block * rows;

@@ -187,6 +187,11 @@ impl Problem {
 /// in Y. Kernels recover their index as `y · count_x + x` and skip indices past `cubes`.
 pub(crate) fn grid<R: CubeRuntime>(client: &ComputeClient<R>, cubes: usize) -> Result<CubeCount, FlashError> {
     let (max_x, max_y, _) = client.properties().hardware.max_cube_count;
+    // The kernels place a cube from its index in 32 bits (`stage::cube_place`); below 2^31
+    // cubes, the grid's x · y, rounded up to a whole row of x, stays below 2^32.
+    if cubes > i32::MAX as usize {
+        return Err(FlashError::Shape(format!("{cubes} blocks of rows exceed the 2^31 a launch takes")));
+    }
     let x = cubes.clamp(1, max_x as usize);
     let y = cubes.div_ceil(x);
     if y > max_y as usize {
@@ -535,7 +540,7 @@ pub fn flash_attention_backward_planned<R: CubeRuntime>(
     backward(problem, query, key, value, output, output_grad, lse, options, ranges, None, false)
 }
 
-/// The place of each cube of a register-fragment launch over `batch · heads · blocks_per_head`
+/// The place of each cube of a flash-attention launch over `batch · heads · blocks_per_head`
 /// blocks, in launch order: `[cubes, 3]` f32 rows of (batch, head, block), the query blocks'
 /// order (`work_grows`) or the key blocks'; for the tests of that order.
 pub(crate) fn block_order<R: CubeRuntime>(client: &ComputeClient<R>, device: &R::Device, batch: usize, heads: usize, blocks_per_head: usize, causal: bool, work_grows: bool) -> Result<CubeTensor<R>, FlashError> {
@@ -668,13 +673,13 @@ fn backward<R: CubeRuntime>(
     let rows = p.batch * p.q_heads * p.seq_q;
     backward::row_delta_kernel::launch::<R>(
         &client,
-        grid(&client, rows.div_ceil(64))?,
-        CubeDim::new_1d(64),
+        grid(&client, rows.div_ceil(backward::DELTA_CUBE / backward::DELTA_ROW_UNITS))?,
+        CubeDim::new_1d(backward::DELTA_CUBE as u32),
         p.address_type(),
+        vector_size(&client, &[&output, &output_grad]),
         output.into_tensor_arg(),
         output_grad.clone().into_tensor_arg(),
         delta.clone().into_tensor_arg(),
-        p.value_dim,
         dtype.into(),
     );
 

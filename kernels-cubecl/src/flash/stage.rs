@@ -183,13 +183,6 @@ pub struct CubePlace {
     pub block: usize,
 }
 
-#[cube]
-pub fn cube_place(heads: usize, blocks_per_head: usize) -> CubePlace {
-    let cube = cube_index();
-    let batch_head = cube / blocks_per_head;
-    CubePlace { batch: batch_head / heads, head: batch_head % heads, block: cube % blocks_per_head }
-}
-
 /// The (batch · heads) blocks a causal launch orders together, longest first: about twice the
 /// blocks an H100 or a B200 runs at once (132 or 148 SMs, two blocks each). A GPU starts blocks in
 /// grid order as others end; causally a block's work grows (or shrinks) with its place in its
@@ -200,19 +193,22 @@ pub fn cube_place(heads: usize, blocks_per_head: usize) -> CubePlace {
 /// K and V: fewer heads a group keep them in L2 (here 65 536 keys of a group at most at 128 rows).
 pub const LONGEST_FIRST_BLOCKS: usize = 512;
 
-/// [`cube_place`] for a launch whose blocks' work grows with their place in the head
-/// (`work_grows`: the forward's and dQ's query blocks) or shrinks (dK/dV's key blocks) where
-/// `causal`: the grid takes the heads in groups of [`LONGEST_FIRST_BLOCKS`] blocks or more, and
-/// within a group block by block, longest first, every head of the group before the next block.
-/// Not causal, the plain order.
+/// This cube's place in a launch over `batch · heads · blocks_per_head` blocks (the cube in
+/// range: [`cube_in_range`]). Not causal, head by head. Causal, where a block's work grows with
+/// its place in the head (`work_grows`: the forward's and dQ's query blocks) or shrinks (dK/dV's
+/// key blocks), the heads in groups of [`LONGEST_FIRST_BLOCKS`] blocks or more, and within a
+/// group block by block, longest first, every head of the group before the next block.
 #[cube]
-pub fn cube_place_longest_first(batch: usize, heads: usize, blocks_per_head: usize, #[comptime] causal: bool, #[comptime] work_grows: bool) -> CubePlace {
-    let cube = cube_index();
-    let batch_heads = batch * heads;
+pub fn cube_place(batch: usize, heads: usize, blocks_per_head: usize, #[comptime] causal: bool, #[comptime] work_grows: bool) -> CubePlace {
+    // In 32 bits (a grid's cubes fit them: `grid`): with 64-bit indices, 64-bit divisions here
+    // cost registers that the forward at head dim 128 then spilled in its loop (sm_90a).
+    let cube = CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X;
+    let (heads, blocks_per_head) = (u32::cast_from(heads), u32::cast_from(blocks_per_head));
+    let batch_heads = u32::cast_from(batch) * heads;
     // One head a group is the plain order.
-    let mut group = 1usize;
+    let mut group = 1u32;
     if causal {
-        group = min((LONGEST_FIRST_BLOCKS + blocks_per_head - 1) / blocks_per_head, batch_heads);
+        group = min((LONGEST_FIRST_BLOCKS as u32 + blocks_per_head - 1) / blocks_per_head, batch_heads);
     }
     let group_cubes = group * blocks_per_head;
     let first_head = (cube / group_cubes) * group;
@@ -225,15 +221,15 @@ pub fn cube_place_longest_first(batch: usize, heads: usize, blocks_per_head: usi
     if comptime!(causal && work_grows) {
         block = blocks_per_head - 1 - rank;
     }
-    CubePlace { batch: batch_head / heads, head: batch_head % heads, block }
+    CubePlace { batch: usize::cast_from(batch_head / heads), head: usize::cast_from(batch_head % heads), block: usize::cast_from(block) }
 }
 
-/// Each cube's place as [`cube_place_longest_first`] gives it, `[batch, head, block]` at row
+/// Each cube's place as [`cube_place`] gives it, `[batch, head, block]` at row
 /// `cube` of `places` (f32: exact below 2^24), for the tests.
 #[cube(launch, address_type = "dynamic")]
 pub(crate) fn block_order_kernel(places: &mut Tensor<f32>, batch: usize, heads: usize, blocks_per_head: usize, #[comptime] causal: bool, #[comptime] work_grows: bool) {
     if cube_in_range(batch, heads, blocks_per_head) {
-        let place = cube_place_longest_first(batch, heads, blocks_per_head, causal, work_grows);
+        let place = cube_place(batch, heads, blocks_per_head, causal, work_grows);
         let at = cube_index() * 3;
         places[at] = f32::cast_from(place.batch);
         places[at + 1] = f32::cast_from(place.head);
