@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How busy a GPU's SMs stay through a causal flash-attention launch, in head order and in the
-order the register-fragment kernels take (`cube_place_longest_first`), on a model of the
+order the flash kernels take (`stage::cube_place`), on a model of the
 scheduler: `slots` blocks run at once (SMs × blocks an SM), each next block in grid order
 starts on the first slot to free, and a block takes time in proportion to its key steps
 (causally, a query block's steps grow with its place in the head; a key block's shrink).

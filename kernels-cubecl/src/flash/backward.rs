@@ -28,8 +28,8 @@ use super::{
 };
 
 /// Units that share a query row in [`row_delta_kernel`], each reading every
-/// `DELTA_ROW_UNITS`-th vector of it, so that a warp's read is whole rows' consecutive bytes
-/// (four rows of 128 bf16 at vectors of 8) rather than one element of 32 rows 256 bytes apart.
+/// `DELTA_ROW_UNITS`-th vector of it, so that a warp's read is whole 128-byte lines (64 bf16
+/// of each of four rows at vectors of 8) rather than one element of 32 rows 256 bytes apart.
 pub(crate) const DELTA_ROW_UNITS: usize = 8;
 /// Units a cube of [`row_delta_kernel`]: `DELTA_CUBE / DELTA_ROW_UNITS` rows.
 pub(crate) const DELTA_CUBE: usize = 256;

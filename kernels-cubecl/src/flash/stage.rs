@@ -190,7 +190,9 @@ pub struct CubePlace {
 /// them (a model of that scheduler, `scripts/causal-block-order.py`: 86% of the SMs' time busy at
 /// 16 heads of 16 384 queries in blocks of 128, 99.5% ordered so).
 /// Ordering every head together would do as well, but each block of a group streams its head's
-/// K and V: fewer heads a group keep them in L2 (here 65 536 keys of a group at most at 128 rows).
+/// K and V (dK/dV's, Q and dO): fewer heads a group keep fewer of them in L2. A group holds fewer
+/// than 512 + `blocks_per_head` blocks: under 131 072 rows at 128 a block where a head has fewer
+/// than 512 blocks (64 MB of K and V at head dim 128), one head where it has more.
 pub const LONGEST_FIRST_BLOCKS: usize = 512;
 
 /// This cube's place in a launch over `batch · heads · blocks_per_head` blocks (the cube in
