@@ -317,7 +317,8 @@ def main():
             fail("no-tensor-cores", "a tensor-core kernel without a tensor-core instruction")
         # The register-fragment engine (FlashAttention-2's design): fragments from shared
         # memory through ldmatrix, nothing in local memory, and its forward two blocks an SM
-        # (one block's barrier waits hidden by the other's work), and so its backward kernels.
+        # (one block's barrier waits hidden by the other's work), and so its backward kernels
+        # (dK/dV's wide block: one).
         if kernel["engine"] == "tensor-cores-mma":
             if result["ldsm"] == 0:
                 fail("no-ldmatrix", "a register-fragment kernel without an ldmatrix (LDSM)")
@@ -331,8 +332,10 @@ def main():
             sixty_four_bit = any(case.get("sixty_four_bit") for case in kernel["cases"])
             if kernel["kernel"] == "fragment_forward" and not sixty_four_bit and result["loop_global_loads"]:
                 fail("q-streamed", f"{result['loop_global_loads']} global loads (LDG) in the forward's loop: Q read as the scores need it, not held (fragment_tiles::held_columns)")
-            if kernel["kernel"] in ("fragment_forward", "fragment_query_grad", "fragment_key_value_grad") and blocks < 2:
-                fail("blocks", f"{blocks} block an SM for {kernel['kernel']}, which needs two ({threads} threads, {result['registers']} registers, {shared} bytes shared)")
+            # Two blocks of 4 warps, or one of dK/dV's wide block of 8 (FlashAttention-2's at head
+            # dim 128, fragment_tiles::WIDE_WARPS): 8 warps an SM either way.
+            if kernel["kernel"] in ("fragment_forward", "fragment_query_grad", "fragment_key_value_grad") and blocks * threads < 8 * 32:
+                fail("blocks", f"{blocks} block(s) of {threads // 32} warps an SM for {kernel['kernel']}, which needs 8 warps an SM ({threads} threads, {result['registers']} registers, {shared} bytes shared)")
         s = summary[kernel["target"]]
         s["kernels"] += 1
         s["cached"] += was_cached

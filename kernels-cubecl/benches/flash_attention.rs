@@ -33,7 +33,9 @@
 //! and with dQ's own kernel (`ULYSSES_FLASH_DETERMINISTIC=1`, the "dQ kernel" column), and
 //! their forward twice where it gives each warp two row tiles of 16 with Q staged: so, and
 //! with one and Q's fragments in registers (the "16 rows" column, the forward before
-//! 2026-11-30); then causal packed documents of 2048 tokens on both engines.
+//! 2026-11-30); and their backward with dK/dV's blocks of 4 warps (the "64 keys" column, the
+//! block before 2026-11-30 where the default takes 8 warps and 128 keys at head dim 128);
+//! then causal packed documents of 2048 tokens on both engines.
 
 use std::{
     process::Command,
@@ -224,7 +226,7 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
         // where the default sums it in the dK/dV kernel with atomics, the forward's with one row
         // tile a warp where the default takes two: the two ways side by side.
         println!(
-            "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} {:>9} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned",
+            "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} {:>9} {:>8} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned",
             "dim",
             "heads",
             "seq",
@@ -233,6 +235,7 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
             "fragments",
             "SDPA",
             if backward { "dQ kernel" } else { "16 rows" },
+            if backward { "64 keys" } else { "" },
             "frag/plan",
             "frag/SDPA"
         );
@@ -246,10 +249,11 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
             let tflops = |seconds: f64| flops / seconds / 1e12;
             let sdpa_tflops = sdpa.map(|t| tflops(if backward { t.backward } else { t.forward }));
             let other_way = if backward { compared.query_grad_kernel_backward } else { compared.one_row_tile_forward }.map(tflops);
+            let four_warps = if backward { number(tflops(compared.four_warp_backward)) } else { String::new() };
             // On the CPU the products run in the shared-memory emulation: compare there for
             // agreement, not for speed.
             println!(
-                "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} {:>9} TFLOP/s | {:>9.2} {:>9} | {difference:.1e}",
+                "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} {:>9} {:>8} TFLOP/s | {:>9.2} {:>9} | {difference:.1e}",
                 shape.head_dim,
                 shape.heads,
                 shape.seq,
@@ -258,6 +262,7 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
                 number(tflops(fragments_s)),
                 text(sdpa_tflops),
                 text(other_way),
+                four_warps,
                 planned_s / fragments_s,
                 text(sdpa_tflops.map(|theirs| tflops(fragments_s) / theirs))
             );
@@ -298,6 +303,8 @@ struct Compared {
     query_grad_kernel_backward: Option<f64>,
     /// The fragments' forward with one row tile a warp, where the default takes two.
     one_row_tile_forward: Option<f64>,
+    /// The fragments' backward with dK/dV's blocks of 4 warps (64 keys).
+    four_warp_backward: f64,
     forward_difference: f32,
     backward_difference: f32,
 }
@@ -322,13 +329,14 @@ fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, 
     let summed_before = ulysses_kernels::query_grads_summed();
     let (want, got) = (planned_backward(), fragments_backward());
     let summed = ulysses_kernels::query_grads_summed() > summed_before;
+    let want_grads = want.clone();
     let mut backward_difference = [(want.0.clone(), got.0), (want.1.clone(), got.1), (want.2.clone(), got.2)].into_iter().map(|(a, b)| largest_difference(values(a), values(b))).fold(0.0f32, f32::max);
     let each = budget / 4;
     let timing = |forward: f64, backward: f64| Timing { forward, backward, both: forward + backward };
     let query_grad_kernel_backward = summed.then(|| {
         // What `ULYSSES_FLASH_DETERMINISTIC=1` runs.
         let own_kernel = || {
-            flash_attention_backward_fragments_laid_out_for(q.clone(), k.clone(), v.clone(), fragments_out.clone(), g.clone(), fragments_lse.clone(), options, ranges, None, true).unwrap()
+            flash_attention_backward_fragments_laid_out_for(q.clone(), k.clone(), v.clone(), fragments_out.clone(), g.clone(), fragments_lse.clone(), options, ranges, None, true, None).unwrap()
         };
         let own = own_kernel();
         backward_difference = [(want.0, own.0), (want.1, own.1), (want.2, own.2)].into_iter().map(|(a, b)| largest_difference(values(a), values(b))).fold(backward_difference, f32::max);
@@ -341,11 +349,19 @@ fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, 
         forward_difference = forward_difference.max(largest_difference(values(planned_out.clone()), values(out)));
         time(device, each, || drop(one_tile()))
     });
+    // dK/dV's blocks of 4 warps, where the default may take 8 (head dim 128 with mma.sync).
+    let four_warps = || {
+        flash_attention_backward_fragments_laid_out_for(q.clone(), k.clone(), v.clone(), fragments_out.clone(), g.clone(), fragments_lse.clone(), options, ranges, None, false, Some(4)).unwrap()
+    };
+    let four = four_warps();
+    backward_difference = [(want_grads.0, four.0), (want_grads.1, four.1), (want_grads.2, four.2)].into_iter().map(|(a, b)| largest_difference(values(a), values(b))).fold(backward_difference, f32::max);
+    let four_warp_backward = time(device, each, || drop(four_warps()));
     Compared {
         planned: timing(time(device, each, || drop(planned())), time(device, each, || drop(planned_backward()))),
         fragments: timing(time(device, each, || drop(fragments())), time(device, each, || drop(fragments_backward()))),
         query_grad_kernel_backward,
         one_row_tile_forward,
+        four_warp_backward,
         forward_difference,
         backward_difference,
     }

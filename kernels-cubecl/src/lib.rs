@@ -88,12 +88,19 @@ mod stats {
         BACKWARD.load(Ordering::Relaxed)
     }
 
-    pub(crate) static QUERY_GRAD_SUMMED: AtomicU64 = AtomicU64::new(0);
+    thread_local! {
+        /// Per thread, so that a test's count is its own launches' while other tests run.
+        static QUERY_GRAD_SUMMED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
 
-    /// Register-fragment backward launches so far whose dQ the dK/dV kernel summed with
-    /// atomics rather than dQ's own kernel computing it.
+    pub(crate) fn count_query_grad_summed() {
+        QUERY_GRAD_SUMMED.with(|count| count.set(count.get() + 1));
+    }
+
+    /// Register-fragment backward launches so far on this thread whose dQ the dK/dV kernel
+    /// summed with atomics rather than dQ's own kernel computing it.
     pub fn query_grads_summed() -> u64 {
-        QUERY_GRAD_SUMMED.load(Ordering::Relaxed)
+        QUERY_GRAD_SUMMED.with(|count| count.get())
     }
 }
 

@@ -217,7 +217,7 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
             // And with dQ by its own kernel where the dK/dV kernel sums it
             // (`ULYSSES_FLASH_DETERMINISTIC=1`): bf16 alone, whose code f16's repeats.
             if dtype == DType::BF16 && !case.sixty_four_bit {
-                flash_attention_backward_fragments_laid_out_for(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), output, tensor(q_shape), lse, options, ranges.as_ref(), None, true)
+                flash_attention_backward_fragments_laid_out_for(tensor(q_shape), tensor(kv_shape), tensor(kv_shape), output, tensor(q_shape), lse, options, ranges.as_ref(), None, true, None)
                     .map_err(|e| format!("{case:?}: the deterministic fragment backward: {e}"))?;
             }
         }

@@ -15,7 +15,7 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        MASKED, Staging, WARPS, block_span, block_rows, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, rounded, row_operand, rows_tile, stage_keys, stage_step, step_tiles,
+        MASKED, Staging, block_span, block_rows, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, rounded, row_operand, rows_tile, stage_keys, stage_step, step_tiles,
         step_unmasked, times_rows_transposed, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, Run, cube_in_range, visible_run},
@@ -78,14 +78,14 @@ fn forward_block<E: Float, M: FragmentMma>(
         staging.row_tiles
     };
     let rows_per_block = comptime!(staging.block_rows());
-    let rows = block_rows(q.shape(0), q_heads, seq_q, kv_heads, seq_kv, head_dim, row_tiles, causal);
+    let rows = block_rows(q.shape(0), q_heads, seq_q, kv_heads, seq_kv, head_dim, staging, causal);
     let (batch, head_index, q_base, kv_base, row0) = (rows.batch, rows.head_index, rows.q_base, rows.kv_base, rows.row0);
     let lane = lane();
     let (g, t) = (lane / 4, lane % 4);
     // This lane's rows: g and g + 8 of each of the warp's row tiles, row0 + 16·tile + g + 8·half,
     // its per-row values at 2·tile + half.
 
-    let mut scratch = M::scratch(WARPS);
+    let mut scratch = M::scratch(comptime!(staging.warps));
     let keys_per_step = comptime!(staging.keys);
     // V's columns of this part, staged alone.
     let v_columns = comptime!(ColumnPart::whole(part.width));
@@ -127,9 +127,9 @@ fn forward_block<E: Float, M: FragmentMma>(
     if span.steps > 0 {
         if rows_shared {
             // Awaited with the first step's tiles.
-            stage_keys::<E, M>(q, q_base, rows.first_row, seq_q, &mut q_shared, 0usize, rows_per_block, head_dim, comptime!(ColumnPart::whole(head_dim)), unrolled);
+            stage_keys::<E, M>(q, q_base, rows.first_row, seq_q, &mut q_shared, 0usize, rows_per_block, comptime!(staging.warps), head_dim, comptime!(ColumnPart::whole(head_dim)), unrolled);
         }
-        stage_step::<E, M>(k, v, kv_base, span.start, seq_kv, &mut k_tiles, &mut v_tiles, 0usize, keys_per_step, head_dim, part, unrolled);
+        stage_step::<E, M>(k, v, kv_base, span.start, seq_kv, &mut k_tiles, &mut v_tiles, 0usize, keys_per_step, comptime!(staging.warps), head_dim, part, unrolled);
     }
     for step in 0..span.steps {
         let key0 = span.start + step * keys_per_step;

@@ -1,6 +1,6 @@
 //! dK and dV of the register-fragment engine, key-outer as FlashAttention-2's backward: each
 //! warp owns 16 keys and keeps their dK and dV accumulators in registers, and their K and V
-//! fragments in registers or, staged, in shared memory (below); a block's 64 keys stream the query rows of every q head of their kv head's group
+//! fragments in registers or, staged, in shared memory (below); a block's 64 keys (128 in a block of 8 warps, `fragment_tiles::WIDE_WARPS`) stream the query rows of every q head of their kv head's group
 //! (grouped-query attention's sum over the group happens here, in a fixed order, without
 //! atomics), a query step at a time through the double-buffered shared tiles the forward uses
 //! for K and V (`fragment_tiles`), here Q and dO. Per step, registers to registers:
@@ -37,7 +37,7 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        BLOCK_ROWS, PAD, Staging, WARPS, block_span, column_parts, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, row_place, rows_tile, stage_step,
+        PAD, Staging, block_span, column_parts, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, row_place, rows_tile, stage_step,
         step_tiles, step_unmasked, store_rows, times_rows_transposed, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, cube_in_range, cube_index, cube_place, visible_run},
@@ -64,8 +64,8 @@ pub(crate) fn passes(head_dim: usize, register_columns: usize, rows_shared: bool
 /// `q: [B, Hq, Sq, D]`, `k`, `v: [B, Hkv, Skv, D]` (contiguous; head dim = value dim) given dO
 /// (`out_grad`, like q), each query row's exponent base and −D (`row_stats`, `[B, Hq, rows / 2,
 /// 4]`: [`row_statistics_kernel`]), `ranges` the
-/// query rows that see each key: their columns `part`. One cube per 64 keys of one (batch, kv
-/// head).
+/// query rows that see each key: their columns `part`. One cube per block of keys (16 a warp:
+/// `staging.block_rows()`) of one (batch, kv head).
 #[cube(launch, address_type = "dynamic")]
 pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma, N: Size>(
     q: &Tensor<E>,
@@ -89,7 +89,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma, N: Size>(
     #[comptime] unrolled: bool,
     #[define(E)] _dtype: StorageType,
 ) {
-    let blocks_per_head = k.shape(2).div_ceil(BLOCK_ROWS);
+    let blocks_per_head = k.shape(2).div_ceil(comptime!(staging.block_rows()));
     if cube_in_range(k.shape(0), k.shape(1), blocks_per_head) {
         key_value_grad_block::<E, M, N>(
             q, k, v, out_grad, row_stats, key_grad, value_grad, query_grad_sum, ranges, scale, head_dim, staging, held_columns, part, causal, ranged, keys, values, unrolled,
@@ -97,7 +97,7 @@ pub(crate) fn fragment_key_value_grad_kernel<E: Float, M: FragmentMma, N: Size>(
     }
 }
 
-/// dK and dV of one block of 64 keys of one (batch, kv head), the cube's place in the grid.
+/// dK and dV of one block of keys of one (batch, kv head), the cube's place in the grid.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
@@ -125,16 +125,17 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
     let (kv_heads, seq_kv) = (k.shape(1), k.shape(2));
     let group = q_heads / kv_heads;
     // A key block's causal work shrinks with its place.
-    let place = cube_place(k.shape(0), kv_heads, seq_kv.div_ceil(BLOCK_ROWS), causal, false);
+    let block_keys = comptime!(staging.block_rows());
+    let place = cube_place(k.shape(0), kv_heads, seq_kv.div_ceil(block_keys), causal, false);
     let (batch, kv_index) = (place.batch, place.batch * kv_heads + place.head);
     let kv_base = kv_index * seq_kv * head_dim;
-    let first_key = place.block * BLOCK_ROWS;
+    let first_key = place.block * block_keys;
     // This warp's first key: this lane's two keys are `key0 + lane / 4` and 8 below.
     let key0 = first_key + (UNIT_POS as usize / 32) * 16;
     let lane = lane();
     let (g, t) = (lane / 4, lane % 4);
 
-    let mut scratch = M::scratch(WARPS);
+    let mut scratch = M::scratch(comptime!(staging.warps));
     let queries_per_step = comptime!(staging.keys);
     // Q's and dO's every column: the score products read them all.
     let whole = comptime!(ColumnPart::whole(head_dim));
@@ -147,16 +148,16 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
     let held = comptime!(if rows_shared { 0 } else { held_columns });
     let k_rows = row_operand::<E>(k, kv_base, key0, seq_kv, head_dim, held, unrolled);
     let v_rows = row_operand::<E>(v, kv_base, key0, seq_kv, head_dim, held, unrolled);
-    let mut k_shared = rows_tile::<E>(rows_shared, BLOCK_ROWS, head_dim);
-    let mut v_shared = rows_tile::<E>(rows_shared, BLOCK_ROWS, head_dim);
-    let mut scores_shared = scores_tile::<E>(comptime!(staging.query_grad), queries_per_step);
+    let mut k_shared = rows_tile::<E>(rows_shared, block_keys, head_dim);
+    let mut v_shared = rows_tile::<E>(rows_shared, block_keys, head_dim);
+    let mut scores_shared = scores_tile::<E>(comptime!(staging.query_grad), queries_per_step, block_keys);
     let out_tiles = comptime!(part.width / 8);
     let mut key_acc = zeros(out_tiles * C_VALUES);
     let mut value_acc = zeros(out_tiles * C_VALUES);
 
     let run_low = visible_run(ranges, batch, key0 + g, seq_q, seq_kv, true, ranged, causal);
     let run_high = visible_run(ranges, batch, key0 + g + 8, seq_q, seq_kv, true, ranged, causal);
-    let span = block_span(ranges, batch, first_key, seq_q, seq_kv, BLOCK_ROWS, queries_per_step, true, causal, ranged);
+    let span = block_span(ranges, batch, first_key, seq_q, seq_kv, block_keys, queries_per_step, true, causal, ranged);
     let score_tiles = queries_per_step / 8;
     // Exponents in base 2 (`fast_exp2`): a score's is s·scale·log2(e) − lse·log2(e).
     let scale_log2 = scale * LOG2_E;
@@ -166,7 +167,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
     if rows_shared {
         if span.steps > 0 {
             // Awaited with the first step's tiles.
-            stage_step::<E, M>(k, v, kv_base, first_key, seq_kv, &mut k_shared, &mut v_shared, 0usize, BLOCK_ROWS, head_dim, whole, unrolled);
+            stage_step::<E, M>(k, v, kv_base, first_key, seq_kv, &mut k_shared, &mut v_shared, 0usize, block_keys, comptime!(staging.warps), head_dim, whole, unrolled);
         }
     }
 
@@ -178,7 +179,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
         // Every warp is done with the last head's tiles before this head's overwrite them.
         sync_cube();
         if span.steps > 0 {
-            stage_step::<E, M>(q, out_grad, q_base, span.start, seq_q, &mut q_tiles, &mut out_grad_tiles, 0usize, queries_per_step, head_dim, whole, unrolled);
+            stage_step::<E, M>(q, out_grad, q_base, span.start, seq_q, &mut q_tiles, &mut out_grad_tiles, 0usize, queries_per_step, comptime!(staging.warps), head_dim, whole, unrolled);
         }
         for step in 0..span.steps {
             let query0 = span.start + step * queries_per_step;
@@ -256,7 +257,7 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
                     // dQ[step's queries] += dS·K over the block's keys. (The next step's
                     // barrier, before it writes the tile again, waits for every warp's reads.)
                     // A step's rows past the sequence fall into the head's padding.
-                    sum_query_grad::<E, M, N>(&ds, &mut scores_shared, &k_shared, query_grad_sum, &mut scratch, padded_row0, query0, seq_q, queries_per_step, head_dim, staging.stores_matrices, unrolled);
+                    sum_query_grad::<E, M, N>(&ds, &mut scores_shared, &k_shared, query_grad_sum, &mut scratch, padded_row0, query0, seq_q, queries_per_step, head_dim, staging.warps, staging.stores_matrices, unrolled);
                 }
             }
         }
@@ -288,24 +289,25 @@ fn column_probabilities(s: &mut Array<f32>, scale_log2: f32, column_base: &Array
     }
 }
 
-/// dS of a step, query-major (`queries` rows of the block's 64 keys, padded as the step's
-/// tiles are), where this kernel sums dQ ([`Staging::query_grad`]); a placeholder of one value
-/// where it does not.
+/// dS of a step, query-major (`queries` rows of the block's `keys`, padded as the step's tiles
+/// are), where this kernel sums dQ ([`Staging::query_grad`]); a placeholder of one value where
+/// it does not.
 #[cube]
-fn scores_tile<E: Float>(#[comptime] summed: bool, #[comptime] queries: usize) -> SharedMemory<E> {
-    let values = comptime!(if summed { queries * (BLOCK_ROWS + PAD) } else { 1 });
+fn scores_tile<E: Float>(#[comptime] summed: bool, #[comptime] queries: usize, #[comptime] keys: usize) -> SharedMemory<E> {
+    let values = comptime!(if summed { queries * (keys + PAD) } else { 1 });
     SharedMemory::<E>::new_aligned(values, 16usize)
 }
 
-/// Adds `dS·K` over the block's 64 keys to rows `query0..query0 + queries` of the query rows
+/// Adds `dS·K` over the block's keys (16 for each of its `warps`) to rows `query0..query0 + queries` of the query rows
 /// from `row0` of `sum` (f32, unscaled, its heads padded: [`summed_rows`]): `ds` this warp's
 /// dSᵀ (its 16 keys × the step's `queries`, rounded accumulators), `tile` a [`scores_tile`],
 /// `k_rows` the block's staged K, `seq_q` the sequence's queries. dQ's rows are the step's queries, so dS has
 /// to be transposed: each warp writes its dSᵀ into the tile query-major (`stmatrix` with its
 /// transpose, where `stores_matrices`), and after a barrier reads dS's A fragments from it with
-/// `ldmatrix` as the staged rows are read; each warp then takes a quarter of the columns, all
-/// the queries and all 64 keys (no reduction between warps), and adds its accumulators with
-/// one atomic each, or each pair (`N`).
+/// `ldmatrix` as the staged rows are read; each warp then takes its share of the columns (a
+/// quarter, an eighth: whole pairs of 16), all the queries and all the block's keys (no
+/// reduction between warps), and adds its accumulators with one atomic each, or each pair
+/// (`N`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
@@ -319,13 +321,14 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
     seq_q: usize,
     #[comptime] queries: usize,
     #[comptime] head_dim: usize,
+    #[comptime] warps: usize,
     #[comptime] stores_matrices: bool,
     #[comptime] unrolled: bool,
 ) {
     let lane = lane();
     let (g, t) = (lane / 4, lane % 4);
     let warp = UNIT_POS as usize / 32;
-    let stride = comptime!(BLOCK_ROWS + PAD);
+    let stride = comptime!(16 * warps + PAD);
     // Value i of score tile n is dSᵀ at key 16·warp + g + 8·(i / 2), query 8·n + 2t + i % 2:
     // two score tiles are four 8 × 8 matrices of dSᵀ, each stored transposed (queries 8·n..,
     // keys 16·warp + 8·(i / 2)..), in the order `store_matrices` takes them (the row block,
@@ -346,15 +349,18 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
     }
     sync_cube();
 
-    let (m_tiles, pairs) = comptime!((queries / 16, head_dim / WARPS / 16));
+    let (m_tiles, pairs) = comptime! {
+        assert!((head_dim / warps) % 16 == 0, "dQ's sum gives each of {warps} warps whole 16-column pairs of {head_dim}");
+        (queries / 16, head_dim / warps / 16)
+    };
     let width = N::value();
     let k_stride = comptime!(head_dim + PAD);
-    let first_column = warp * comptime!(head_dim / WARPS);
-    // The warp's quarter of dQ's columns at once, dS's A fragments read once for all of them.
+    let first_column = warp * comptime!(head_dim / warps);
+    // The warp's share of dQ's columns at once, dS's A fragments read once for all of them.
     let per_pair = comptime!(m_tiles * 2 * C_VALUES);
     let mut acc = zeros(comptime!(pairs * m_tiles * 2 * C_VALUES));
     #[unroll(unrolled)]
-    for chunk in 0..BLOCK_ROWS / 16 {
+    for chunk in 0..warps {
         let mut a = Array::<E>::new(comptime!(m_tiles * A_VALUES));
         #[unroll]
         for m_tile in 0..m_tiles {

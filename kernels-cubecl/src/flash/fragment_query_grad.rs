@@ -12,7 +12,7 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        BLOCK_ROWS, Staging, WARPS, block_span, block_rows, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, rounded, row_operand, stage_step, step_tiles, step_unmasked,
+        Staging, block_span, block_rows, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, rounded, row_operand, stage_step, step_tiles, step_unmasked,
         store_rows, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, cube_in_range, visible_run},
@@ -44,7 +44,7 @@ pub(crate) fn fragment_query_grad_kernel<E: Float, M: FragmentMma>(
     #[define(E)] _dtype: StorageType,
 ) {
     let (q_heads, seq_q) = (q.shape(1), q.shape(2));
-    let blocks_per_head = seq_q.div_ceil(BLOCK_ROWS);
+    let blocks_per_head = seq_q.div_ceil(comptime!(staging.block_rows()));
     if cube_in_range(q.shape(0), q_heads, blocks_per_head) {
         query_grad_block::<E, M>(q, k, v, out_grad, lse, delta, query_grad, ranges, scale, head_dim, staging, held_columns, part, causal, ranged, unrolled);
     }
@@ -73,11 +73,11 @@ fn query_grad_block<E: Float, M: FragmentMma>(
 ) {
     let (q_heads, seq_q) = (q.shape(1), q.shape(2));
     let (kv_heads, seq_kv) = (k.shape(1), k.shape(2));
-    let rows = block_rows(q.shape(0), q_heads, seq_q, kv_heads, seq_kv, head_dim, 1usize, causal);
+    let rows = block_rows(q.shape(0), q_heads, seq_q, kv_heads, seq_kv, head_dim, staging, causal);
     let (batch, head_index, q_base, kv_base, row0) = (rows.batch, rows.head_index, rows.q_base, rows.kv_base, rows.row0);
     let g = lane() / 4;
 
-    let mut scratch = M::scratch(WARPS);
+    let mut scratch = M::scratch(comptime!(staging.warps));
     let keys_per_step = comptime!(staging.keys);
     // K's and V's every column: the score products read them all.
     let whole = comptime!(ColumnPart::whole(head_dim));
@@ -99,11 +99,11 @@ fn query_grad_block<E: Float, M: FragmentMma>(
     // Exponents in base 2 (`fast_exp2`): a score's is s·scale·log2(e) − lse·log2(e).
     let (base_low, base_high) = (exponent_base(lse_low, LOG2_E), exponent_base(lse_high, LOG2_E));
     let scale_log2 = scale * LOG2_E;
-    let span = block_span(ranges, batch, rows.first_row, seq_q, seq_kv, BLOCK_ROWS, keys_per_step, false, causal, ranged);
+    let span = block_span(ranges, batch, rows.first_row, seq_q, seq_kv, comptime!(staging.block_rows()), keys_per_step, false, causal, ranged);
 
     let score_tiles = keys_per_step / 8;
     if span.steps > 0 {
-        stage_step::<E, M>(k, v, kv_base, span.start, seq_kv, &mut k_tiles, &mut v_tiles, 0usize, keys_per_step, head_dim, whole, unrolled);
+        stage_step::<E, M>(k, v, kv_base, span.start, seq_kv, &mut k_tiles, &mut v_tiles, 0usize, keys_per_step, comptime!(staging.warps), head_dim, whole, unrolled);
     }
     for step in 0..span.steps {
         let key0 = span.start + step * keys_per_step;

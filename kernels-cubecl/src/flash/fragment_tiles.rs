@@ -1,6 +1,7 @@
 //! What the register-fragment kernels share (`fragment_forward`, `fragment_query_grad`,
 //! `fragment_key_value_grad`): blocks of 64 rows (queries; keys for dK/dV), 16 a warp, or of
-//! 128, 32 a warp, in the forward that stages its Q ([`Staging::row_tiles`]); K and V
+//! 128, 32 a warp, in the forward that stages its Q ([`Staging::row_tiles`]), 16 a warp of 8
+//! in dK/dV's wide block ([`WIDE_WARPS`]); K and V
 //! (Q and dO for dK/dV) staged a key step at a time in double-buffered shared
 //! tiles (`cp.async` on CUDA, through no register), rows padded by 8 values so that
 //! `ldmatrix`'s eight row reads fall in distinct banks; the keys a block's rows see; and the
@@ -24,11 +25,15 @@ use cubecl::{ir::AddressType, prelude::*};
 use super::stage::{ColumnPart, Run, cube_place, first_row_seeing, keys_seen_by_rows, visible_run};
 use crate::mma::{A_VALUES, B_VALUES, C_VALUES, FragmentMma, SCRATCH_BYTES_PER_WARP, lane};
 
-/// Warps (of 32 units) per block, each owning 16 query rows, or 32 ([`Staging::row_tiles`]).
+/// Warps (of 32 units) per block, each owning 16 rows, or 32 ([`Staging::row_tiles`]): every
+/// kernel's but dK/dV's wide block ([`WIDE_WARPS`]).
 pub(crate) const WARPS: usize = 4;
-/// Rows of a block whose warps own 16 each: the backward's; the forward's where it holds Q in
-/// registers ([`Staging::block_rows`]).
-pub(crate) const BLOCK_ROWS: usize = 16 * WARPS;
+/// dK/dV's warps per block where its rows are staged and the block fits an SM
+/// ([`key_step`]): 128 keys of 16 a warp, as FlashAttention-2's backward (`kBlockN` 128, 8
+/// warps at head dim 128). Each step's Q and dO tiles, and dQ's atomics, then serve twice the
+/// keys: half the bytes from L2 per product. Each warp's work and registers are those of the
+/// block of 4; an SM holds one such block where it held two of 4 (the registers bound both).
+pub(crate) const WIDE_WARPS: usize = 8;
 /// Values of padding after each staged row of K and V: 16 bytes, which moves the next row
 /// by 4 banks.
 pub(crate) const PAD: usize = 8;
@@ -161,6 +166,8 @@ pub(crate) enum FragmentKernel {
 pub(crate) struct Staging {
     pub keys: usize,
     pub buffers: usize,
+    /// Warps of a block: [`WARPS`], or [`WIDE_WARPS`] for dK/dV.
+    pub warps: usize,
     /// The block's own rows staged once in shared memory and read as A fragments by the score
     /// products (`ldmatrix`, [`times_rows_transposed`]), rather than held in registers. dK/dV's
     /// K and V: their 64 registers a lane at head dim 128 go to the scores, so one launch
@@ -188,9 +195,15 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
-    /// Rows (queries; keys for dK/dV) of a block: [`BLOCK_ROWS`] a row tile a warp.
+    /// Rows (queries; keys for dK/dV) of a block: 16 a row tile a warp.
     pub(crate) fn block_rows(&self) -> usize {
-        BLOCK_ROWS * self.row_tiles
+        16 * self.warps * self.row_tiles
+    }
+
+    /// Whether a step's tiles split evenly over the block's units, 16 bytes each
+    /// ([`stage_keys`]), at `head_dim` (staged rows do: 16 a warp).
+    fn copies_divide(&self, head_dim: usize) -> bool {
+        (self.keys * head_dim / 8) % (32 * self.warps) == 0
     }
 }
 
@@ -245,6 +258,14 @@ impl Staging {
 ///
 /// `stage_rows` false keeps every kernel's rows in registers (the bench's forward with one row
 /// tile a warp beside the default).
+///
+/// dK/dV's block is [`WIDE_WARPS`] warps (128 keys) with `mma_sync` where the mode the block of
+/// [`WARPS`] would take first stages its rows, the wide block can take it too (its dQ sum
+/// gives each warp whole 16-column pairs: head dim 128, not 64) and it fits an SM once (an
+/// H100 or an A100 at 128: 113 KB with 32 queries; not an L40); else [`WARPS`] as above.
+/// Emulated, [`WARPS`]. `key_warps` asks for dK/dV's blocks of that many warps instead, wherever
+/// some step of theirs fits (tests and the bench: lavapipe then holds the wide block's rows in
+/// registers).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn key_step(
     kernel: FragmentKernel,
@@ -253,17 +274,24 @@ pub(crate) fn key_step(
     mma_sync: bool,
     atomic_add: bool,
     stage_rows: bool,
+    key_warps: Option<usize>,
     element_bytes: usize,
     shared_limit: usize,
 ) -> Result<Staging, usize> {
     let streamed = rows_streamed(head_dim, register_columns);
-    // (rows staged, dQ summed), in the order tried.
-    let modes: &[(bool, bool)] = match kernel {
-        _ if !stage_rows => &[(false, false)],
-        FragmentKernel::KeyValueGrad if !streamed && atomic_add && (head_dim / WARPS) % 16 == 0 => &[(true, true), (true, false), (false, false)],
-        FragmentKernel::KeyValueGrad if !streamed => &[(true, false), (false, false)],
-        FragmentKernel::Forward if part_width(head_dim, register_columns) == head_dim => &[(true, false), (false, false)],
-        _ => &[(false, false)],
+    // (rows staged, dQ summed), in the order tried, for blocks of `warps`.
+    let modes = |warps: usize| -> &'static [(bool, bool)] {
+        match kernel {
+            _ if !stage_rows => &[(false, false)],
+            FragmentKernel::KeyValueGrad if !streamed && atomic_add && (head_dim / warps) % 16 == 0 => &[(true, true), (true, false), (false, false)],
+            FragmentKernel::KeyValueGrad if !streamed => &[(true, false), (false, false)],
+            FragmentKernel::Forward if part_width(head_dim, register_columns) == head_dim => &[(true, false), (false, false)],
+            _ => &[(false, false)],
+        }
+    };
+    let steps = |warps: usize, modes: &[(bool, bool)]| -> Vec<Staging> {
+        let all = modes.iter().flat_map(|&mode| mode_steps(kernel, head_dim, streamed, mma_sync, mode, warps));
+        all.filter(|staging| staging.copies_divide(head_dim)).collect()
     };
     let fits = |staging: &Staging| shared_bytes(kernel, head_dim, register_columns, *staging, mma_sync, element_bytes) <= shared_limit;
     // Two blocks an SM, each with the driver's reserve (an SM holds a block's limit and one
@@ -271,19 +299,29 @@ pub(crate) fn key_step(
     // (102 KB), an A100 at 128 only; its 32-key step at 256 (51 KB) fits an A100 twice, an L40
     // (99 KB a block) once, so there it takes 16 keys.
     let twice = |staging: &Staging| 2 * (shared_bytes(kernel, head_dim, register_columns, *staging, true, element_bytes) + DRIVER_RESERVED) <= shared_limit + DRIVER_RESERVED;
-    let found = if mma_sync {
-        let steps: Vec<Staging> = modes.iter().flat_map(|&mode| mode_steps(kernel, head_dim, streamed, mma_sync, mode)).collect();
-        steps.iter().copied().find(twice).or_else(|| steps.iter().copied().find(fits))
-    } else {
-        modes.iter().find_map(|&mode| mode_steps(kernel, head_dim, streamed, mma_sync, mode).into_iter().find(fits))
+    let warps = match kernel {
+        FragmentKernel::KeyValueGrad => key_warps.unwrap_or(WARPS),
+        _ => WARPS,
     };
-    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 }, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 };
+    let found = if mma_sync && key_warps.is_none() {
+        let wide = match (kernel, modes(WARPS)[0]) {
+            (FragmentKernel::KeyValueGrad, first @ (true, _)) if modes(WIDE_WARPS).contains(&first) => steps(WIDE_WARPS, &[first]).into_iter().find(fits),
+            _ => None,
+        };
+        let narrow = steps(WARPS, modes(WARPS));
+        wide.or_else(|| narrow.iter().copied().find(twice)).or_else(|| narrow.iter().copied().find(fits))
+    } else if mma_sync {
+        steps(warps, modes(warps)).into_iter().find(fits)
+    } else {
+        modes(warps).iter().find_map(|&mode| steps(warps, &[mode]).into_iter().find(fits))
+    };
+    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 }, warps, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 };
     found.ok_or_else(|| shared_bytes(kernel, head_dim, register_columns, smallest, mma_sync, element_bytes))
 }
 
 /// The steps [`key_step`] tries, in order, with dK/dV's rows staged or not and dQ summed or
-/// not (`(rows_shared, query_grad)`).
-fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync: bool, (rows_shared, query_grad): (bool, bool)) -> Vec<Staging> {
+/// not (`(rows_shared, query_grad)`), in blocks of `warps`.
+fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync: bool, (rows_shared, query_grad): (bool, bool), warps: usize) -> Vec<Staging> {
     let cuda = match (head_dim > 64, kernel) {
         (true, FragmentKernel::Forward) if rows_shared => 32,
         (_, FragmentKernel::KeyValueGrad) if rows_shared && head_dim <= 64 => 64,
@@ -298,7 +336,7 @@ fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync:
     let keys: Vec<usize> = [cuda, 32, 16].into_iter().filter(|&keys| keys <= cuda).collect();
     let buffer_counts: &[usize] = if mma_sync { &[2] } else { &[2, 1] };
     let row_tiles = if kernel == FragmentKernel::Forward && rows_shared { 2 } else { 1 };
-    let step = |(keys, buffers)| Staging { keys, buffers, rows_shared, query_grad, stores_matrices: false, row_tiles };
+    let step = |(keys, buffers)| Staging { keys, buffers, warps, rows_shared, query_grad, stores_matrices: false, row_tiles };
     if streamed && kernel != FragmentKernel::Forward {
         // The backward's streamed step: CUDA's keys before a second buffer, so that the loop
         // CUDA runs (each chunk read feeding `keys / 8` products) runs here too.
@@ -316,11 +354,11 @@ const DRIVER_RESERVED: usize = 1024;
 /// scratch. The forward stages only its part's columns of V; the backward's tiles are read
 /// whole by the score products.
 fn shared_bytes(kernel: FragmentKernel, head_dim: usize, register_columns: usize, staging: Staging, mma_sync: bool, element_bytes: usize) -> usize {
-    let scratch = if mma_sync { 0 } else { WARPS * SCRATCH_BYTES_PER_WARP };
+    let scratch = if mma_sync { 0 } else { staging.warps * SCRATCH_BYTES_PER_WARP };
     let second = if kernel == FragmentKernel::Forward { part_width(head_dim, register_columns) } else { head_dim };
     let tensors = if kernel == FragmentKernel::Forward { 1 } else { 2 };
     let rows = if staging.rows_shared { tensors * staging.block_rows() * (head_dim + PAD) * element_bytes } else { 0 };
-    let scores = if staging.query_grad { staging.keys * (BLOCK_ROWS + PAD) * element_bytes } else { 0 };
+    let scores = if staging.query_grad { staging.keys * (staging.block_rows() + PAD) * element_bytes } else { 0 };
     staging.buffers * staging.keys * (head_dim + PAD + second + PAD) * element_bytes + rows + scores + scratch
 }
 
@@ -351,8 +389,8 @@ pub(crate) struct BlockRows {
 }
 
 /// The cube's block (see [`BlockRows`]) of a call with `batch` sequences of `q_heads` heads of
-/// `seq_q` queries and `kv_heads` of `seq_kv` keys, `row_tiles` 16-row tiles a warp; the longest
-/// blocks first where `causal` ([`cube_place`]).
+/// `seq_q` queries and `kv_heads` of `seq_kv` keys, `staging`'s rows a block and 16-row tiles a
+/// warp; the longest blocks first where `causal` ([`cube_place`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_rows(
@@ -362,10 +400,10 @@ pub(crate) fn block_rows(
     kv_heads: usize,
     seq_kv: usize,
     #[comptime] head_dim: usize,
-    #[comptime] row_tiles: usize,
+    #[comptime] staging: Staging,
     #[comptime] causal: bool,
 ) -> BlockRows {
-    let rows = comptime!(BLOCK_ROWS * row_tiles);
+    let (rows, row_tiles) = comptime!((staging.block_rows(), staging.row_tiles));
     // A query block's causal work grows with its place.
     let place = cube_place(batch, q_heads, seq_q.div_ceil(rows), causal, true);
     let head_index = place.batch * q_heads + place.head;
@@ -580,8 +618,8 @@ pub(crate) fn store_rows<E: Float>(acc: &Array<f32>, factor: f32, target: &mut T
 
 /// Columns `columns` of keys `key0..key0 + keys` of `source` (`head_dim` values a key from
 /// `base`) into buffer `buffer` of `tiles` (`columns.width + PAD` a key), keys from `seq_kv` on
-/// as 0: started, there once the cube's copies have arrived. The cube's units share the copy,
-/// 16 bytes each at a time, consecutive units on consecutive bytes.
+/// as 0: started, there once the cube's copies have arrived. The cube's units (32 for each of
+/// its `warps`) share the copy, 16 bytes each at a time, consecutive units on consecutive bytes.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn stage_keys<E: Float, M: FragmentMma>(
@@ -592,19 +630,21 @@ pub(crate) fn stage_keys<E: Float, M: FragmentMma>(
     tiles: &mut SharedMemory<E>,
     buffer: usize,
     #[comptime] keys: usize,
+    #[comptime] warps: usize,
     #[comptime] head_dim: usize,
     #[comptime] columns: ColumnPart,
     #[comptime] unrolled: bool,
 ) {
     let width = comptime!(columns.width);
     let chunks_per_key = comptime!(width / 8);
-    let units = comptime!(32 * WARPS);
+    let units = comptime!(32 * warps);
     let per_unit = comptime!(keys * chunks_per_key / units);
     let start = buffer_start(buffer, keys, width);
     // A unit's copies are `units` chunks apart: a key's chunks (8, 16 or 32: widths 64 to 256)
     // divide them, so they are `keys_apart` keys apart in the same chunk.
     let keys_apart = comptime! {
         assert!(units % chunks_per_key == 0, "a key's {chunks_per_key} chunks of 8 values must divide the cube's {units} units");
+        assert!((keys * chunks_per_key) % units == 0, "{keys} keys of {chunks_per_key} chunks must split evenly over the cube's {units} units (Staging::copies_divide)");
         units / chunks_per_key
     };
     if key0 + keys <= seq_kv {
@@ -804,14 +844,14 @@ pub(crate) fn next_step<E: Float, M: FragmentMma>(
     if comptime!(staging.buffers == 2) {
         M::copies_arrived(copies);
         if step + 1 < span.steps {
-            stage_step::<E, M>(k, v, kv_base, span.start + (step + 1) * keys, seq_kv, k_tiles, v_tiles, (step + 1) % 2, keys, head_dim, v_columns, unrolled);
+            stage_step::<E, M>(k, v, kv_base, span.start + (step + 1) * keys, seq_kv, k_tiles, v_tiles, (step + 1) % 2, keys, staging.warps, head_dim, v_columns, unrolled);
         }
         buffer = step % 2;
     } else {
         if step > 0 {
             // No copy is in flight: this waits for the cube alone.
             M::copies_arrived(copies);
-            stage_step::<E, M>(k, v, kv_base, span.start + step * keys, seq_kv, k_tiles, v_tiles, 0usize, keys, head_dim, v_columns, unrolled);
+            stage_step::<E, M>(k, v, kv_base, span.start + step * keys, seq_kv, k_tiles, v_tiles, 0usize, keys, staging.warps, head_dim, v_columns, unrolled);
         }
         M::copies_arrived(copies);
     }
@@ -832,10 +872,11 @@ pub(crate) fn stage_step<E: Float, M: FragmentMma>(
     v_tiles: &mut SharedMemory<E>,
     buffer: usize,
     #[comptime] keys: usize,
+    #[comptime] warps: usize,
     #[comptime] head_dim: usize,
     #[comptime] v_columns: ColumnPart,
     #[comptime] unrolled: bool,
 ) {
-    stage_keys::<E, M>(k, kv_base, key0, seq_kv, k_tiles, buffer, keys, head_dim, comptime!(ColumnPart::whole(head_dim)), unrolled);
-    stage_keys::<E, M>(v, kv_base, key0, seq_kv, v_tiles, buffer, keys, head_dim, v_columns, unrolled);
+    stage_keys::<E, M>(k, kv_base, key0, seq_kv, k_tiles, buffer, keys, warps, head_dim, comptime!(ColumnPart::whole(head_dim)), unrolled);
+    stage_keys::<E, M>(v, kv_base, key0, seq_kv, v_tiles, buffer, keys, warps, head_dim, v_columns, unrolled);
 }

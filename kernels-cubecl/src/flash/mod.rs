@@ -353,7 +353,7 @@ fn fragment_forward<R: CubeRuntime>(
         return Ok((output, lse));
     }
     let [row_keys, _] = range_tables(ranges, &p, &client, &query.device)?;
-    let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward, layout, false, !one_row_tile)?;
+    let l = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::Forward, layout, false, !one_row_tile, None)?;
     crate::stats::FORWARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     use fragment_forward::fragment_forward_kernel as kernel;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
@@ -388,12 +388,23 @@ impl FragmentLaunch {
     /// `atomic_sums`: whether the launch may sum with atomics where the device has them (dK/dV
     /// summing dQ: `fragment_tiles::Staging::query_grad`). `stage_rows`: whether it may stage
     /// the block's own rows in shared memory (`fragment_tiles::Staging::rows_shared`).
+    /// `key_warps`: dK/dV's warps a block where asked for, else the planner's
+    /// (`fragment_tiles::key_step`).
     #[allow(clippy::too_many_arguments)]
-    fn new<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, p: &Problem, kernel: FragmentKernel, layout: AddressType, atomic_sums: bool, stage_rows: bool) -> Result<Self, FlashError> {
+    fn new<R: CubeRuntime>(
+        client: &ComputeClient<R>,
+        dtype: DType,
+        p: &Problem,
+        kernel: FragmentKernel,
+        layout: AddressType,
+        atomic_sums: bool,
+        stage_rows: bool,
+        key_warps: Option<usize>,
+    ) -> Result<Self, FlashError> {
         let mma_sync = crate::mma::has_mma_sync(client, dtype);
         let shared_limit = client.properties().hardware.max_shared_memory_size;
         let register_columns = fragment_tiles::register_columns(kernel, layout);
-        let mut staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, atomic_sums && adds_f32_atomically(client), stage_rows, dtype.size(), shared_limit)
+        let mut staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, atomic_sums && adds_f32_atomically(client), stage_rows, key_warps, dtype.size(), shared_limit)
             .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
         staging.stores_matrices = staging.query_grad && mma_sync && crate::mma::has_stmatrix(client, dtype);
         // dQ's sum added a lane's two adjacent columns at a time where the device can.
@@ -404,7 +415,7 @@ impl FragmentLaunch {
         };
         let count = grid(client, blocks)?;
         let held_columns = fragment_tiles::held_columns(kernel, layout);
-        Ok(Self { mma_sync, staging, sum_vector, register_columns, held_columns, count, dim: CubeDim::new_1d(32 * fragment_tiles::WARPS as u32), elem: dtype.into() })
+        Ok(Self { mma_sync, staging, sum_vector, register_columns, held_columns, count, dim: CubeDim::new_1d(32 * staging.warps as u32), elem: dtype.into() })
     }
 }
 
@@ -520,7 +531,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    let fragments = runs_fragments(&query.client, query.dtype, &problem).then(|| problem.address_type());
+    let fragments = runs_fragments(&query.client, query.dtype, &problem).then(|| (problem.address_type(), None));
     backward(problem, query, key, value, output, output_grad, lse, options, ranges, fragments, deterministic_requested())
 }
 
@@ -592,14 +603,15 @@ pub fn flash_attention_backward_fragments<R: CubeRuntime>(
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
-    flash_attention_backward_fragments_laid_out_for(query, key, value, output, output_grad, lse, options, ranges, None, deterministic_requested())
+    flash_attention_backward_fragments_laid_out_for(query, key, value, output, output_grad, lse, options, ranges, None, deterministic_requested(), None)
 }
 
 /// For tests and benches: [`flash_attention_backward_fragments`] with its kernels' registers
 /// laid out as for indices of width `layout` (`fragment_tiles::register_columns`) whatever the
 /// call's (`None`: the call's), so that a device without 64-bit indices (lavapipe) runs the
-/// layout of 64-bit indices against the reference; and with dQ in its own kernel where
-/// `deterministic`, whatever `ULYSSES_FLASH_DETERMINISTIC` says.
+/// layout of 64-bit indices against the reference; with dQ in its own kernel where
+/// `deterministic`, whatever `ULYSSES_FLASH_DETERMINISTIC` says; and with dK/dV's blocks of
+/// `key_warps` warps where given (4, or 8: 128 keys), else the planner's.
 #[doc(hidden)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward_fragments_laid_out_for<R: CubeRuntime>(
@@ -613,18 +625,22 @@ pub fn flash_attention_backward_fragments_laid_out_for<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
     layout: Option<AddressType>,
     deterministic: bool,
+    key_warps: Option<usize>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
     if let Some(refusal) = backward_fragments_refusal(query.dtype, &problem) {
         return Err(FlashError::Shape(refusal));
     }
+    if let Some(warps) = key_warps.filter(|warps| ![fragment_tiles::WARPS, fragment_tiles::WIDE_WARPS].contains(warps)) {
+        return Err(FlashError::Shape(format!("dK/dV's blocks take {} or {} warps, not {warps}", fragment_tiles::WARPS, fragment_tiles::WIDE_WARPS)));
+    }
     let layout = layout.unwrap_or(problem.address_type());
-    backward(problem, query, key, value, output, output_grad, lse, options, ranges, Some(layout), deterministic)
+    backward(problem, query, key, value, output, output_grad, lse, options, ranges, Some((layout, key_warps)), deterministic)
 }
 
-/// The backward of a checked call `problem`, on the register fragments laid out for index
-/// width `fragments` where that is given (see [`FragmentLaunch::new`]), dQ by its own kernel
-/// there where `deterministic`.
+/// The backward of a checked call `problem`, on the register fragments where `fragments` is
+/// given: laid out for its index width, dK/dV's blocks of its warps where given (see
+/// [`FragmentLaunch::new`]), dQ by its own kernel there where `deterministic`.
 #[allow(clippy::too_many_arguments)]
 fn backward<R: CubeRuntime>(
     problem: Problem,
@@ -636,7 +652,7 @@ fn backward<R: CubeRuntime>(
     lse: CubeTensor<R>,
     options: FlashOptions,
     ranges: Option<&VisibleRanges>,
-    fragments: Option<AddressType>,
+    fragments: Option<(AddressType, Option<usize>)>,
     deterministic: bool,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let p = problem;
@@ -685,9 +701,9 @@ fn backward<R: CubeRuntime>(
 
     let key_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.head_dim]);
     let value_grad = empty([p.batch, p.kv_heads, p.seq_kv, p.value_dim]);
-    if let Some(layout) = fragments {
+    if let Some((layout, key_warps)) = fragments {
         let tensors = FragmentGradients { query: &query, key: &key, value: &value, output_grad: &output_grad, lse: &lse, delta: &delta };
-        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout, !deterministic && p.sum_of_query_grad_indexable(), true)?;
+        let key_value = FragmentLaunch::new(&client, dtype, &p, FragmentKernel::KeyValueGrad, layout, !deterministic && p.sum_of_query_grad_indexable(), true, key_warps)?;
         // dK/dV's view of lse and D: two rows' bases and −D together, the heads padded.
         let stats_rows = fragment_key_value_grad::summed_rows(p.seq_q, key_value.staging.keys);
         let row_stats = empty_device_contiguous_dtype(client.clone(), device.clone(), Shape::new([p.batch, p.q_heads, stats_rows / 2, 4]), DType::F32);
@@ -714,7 +730,7 @@ fn backward<R: CubeRuntime>(
         }
         let query_grad = empty(query_shape);
         if key_value.staging.query_grad {
-            crate::stats::QUERY_GRAD_SUMMED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            crate::stats::count_query_grad_summed();
             let count: usize = query_shape.iter().product();
             fragment_key_value_grad::scaled_sum_kernel::launch::<R>(
                 &client,
@@ -860,7 +876,7 @@ fn launch_fragment_query_grad<R: CubeRuntime>(
     layout: AddressType,
 ) -> Result<(), FlashError> {
     let client = &t.query.client;
-    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::QueryGrad, layout, false, true)?;
+    let l = FragmentLaunch::new(client, t.query.dtype, p, FragmentKernel::QueryGrad, layout, false, true, None)?;
     let arg = |tensor: &CubeTensor<R>| tensor.clone().into_tensor_arg();
     use fragment_query_grad::fragment_query_grad_kernel as kernel;
     for part in fragment_tiles::column_parts(p.head_dim, l.register_columns) {
@@ -918,37 +934,44 @@ mod tests {
         // registers bound (`key_step`); emulated, within lavapipe's 32 KiB; and over a limit.
         use fragment_tiles::{Staging, key_step};
         // The devices here add f32 atomically.
-        let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, 128, mma_sync, true, true, 2, limit));
-        let double = |keys| Ok(Staging { keys, buffers: 2, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, 128, mma_sync, true, true, None, 2, limit));
+        let double = |keys| Ok(Staging { keys, buffers: 2, warps: 4, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
         // dK/dV with its K and V rows in shared memory (`Staging::rows_shared`), summing dQ
         // (`Staging::query_grad`) or, without atomics, not.
-        let summed = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: true, stores_matrices: false, row_tiles: 1 });
-        let shared = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        let summed = |keys, buffers| Ok(Staging { keys, buffers, warps: 4, rows_shared: true, query_grad: true, stores_matrices: false, row_tiles: 1 });
+        let shared = |keys, buffers| Ok(Staging { keys, buffers, warps: 4, rows_shared: true, query_grad: false, stores_matrices: false, row_tiles: 1 });
         // The forward with its Q in shared memory and two row tiles a warp
         // (`Staging::row_tiles`), where its output is one part.
-        let staged_q = |keys, buffers| Ok(Staging { keys, buffers, rows_shared: true, query_grad: false, stores_matrices: false, row_tiles: 2 });
+        let staged_q = |keys, buffers| Ok(Staging { keys, buffers, warps: 4, rows_shared: true, query_grad: false, stores_matrices: false, row_tiles: 2 });
+        // dK/dV's wide block: 8 warps, 128 keys (`fragment_tiles::WIDE_WARPS`).
+        let wide_summed = |keys, buffers| Ok(Staging { warps: 8, ..summed(keys, buffers).unwrap() });
+        // At 64 the wide block's dQ sum would give each warp 8 columns, half a pair: 4 warps.
         assert_eq!(steps(64, true, 227 * 1024), [staged_q(64, 2), double(64), summed(64, 2)]);
         // At 128 32 keys: 64 spilled on sm_90a. Told not to stage rows, one row tile a warp
         // with Q's fragments held.
-        assert_eq!(steps(128, true, 227 * 1024), [staged_q(32, 2), double(16), summed(32, 2)]);
-        assert_eq!(key_step(Forward, 128, 128, true, true, false, 2, 227 * 1024), double(64));
-        assert_eq!(key_step(KeyValueGrad, 128, 128, true, false, true, 2, 227 * 1024), shared(32, 2));
-        // The forward's 32-key step at 128 with Q (68 KB) fits an A100 twice, and dK/dV's 73 KB.
-        assert_eq!(steps(128, true, 164 * 1024), [staged_q(32, 2), double(16), summed(32, 2)]);
+        // dK/dV in the wide block there (113 KB, once an SM); asked for 4 warps, 73 KB twice.
+        assert_eq!(steps(128, true, 227 * 1024), [staged_q(32, 2), double(16), wide_summed(32, 2)]);
+        assert_eq!(key_step(KeyValueGrad, 128, 128, true, true, true, Some(4), 2, 227 * 1024), summed(32, 2));
+        assert_eq!(key_step(Forward, 128, 128, true, true, false, None, 2, 227 * 1024), double(64));
+        assert_eq!(key_step(KeyValueGrad, 128, 128, true, false, true, None, 2, 227 * 1024), Ok(Staging { warps: 8, ..shared(32, 2).unwrap() }));
+        // The forward's 32-key step at 128 with Q (68 KB) fits an A100 twice, dK/dV's wide
+        // block once.
+        assert_eq!(steps(128, true, 164 * 1024), [staged_q(32, 2), double(16), wide_summed(32, 2)]);
         // Past the register columns the backward streams its rows: 32-step there (two blocks
         // of 68 KB an H100 or an A100); the forward's 64-key step (102 KB) fits an H100 twice,
         // an A100 once, so there it takes 32 keys.
         assert_eq!(steps(256, true, 227 * 1024), [double(64), double(32), double(32)]);
         assert_eq!(steps(256, true, 164 * 1024), [double(32), double(32), double(32)]);
-        assert_eq!(key_step(QueryGrad, 128, 64, true, true, true, 2, 227 * 1024), double(32));
-        assert_eq!(key_step(KeyValueGrad, 128, 64, true, true, true, 2, 227 * 1024), double(32));
+        assert_eq!(key_step(QueryGrad, 128, 64, true, true, true, None, 2, 227 * 1024), double(32));
+        assert_eq!(key_step(KeyValueGrad, 128, 64, true, true, true, None, 2, 227 * 1024), double(32));
         // An L40's 99 KB a block holds the forward's 32-key step at 256 once: 16 keys, twice;
         // at 128 its 32-key step twice, not its 64-key one, nor any with Q staged (52 KB with 16
         // keys), so Q stays in registers there.
-        // dK/dV's rows in shared memory at 128 (52 KB with 16 queries) would fit it once: held in
-        // registers.
+        // dK/dV's rows in shared memory at 128 fit it once: in the wide block (89 KB with 16
+        // queries a step), one launch summing dQ where 4 warps held K and V in registers, a
+        // launch for dV, one for dK and dQ's own.
         assert_eq!(steps(256, true, 101_376), [double(16), double(16), double(16)]);
-        assert_eq!(steps(128, true, 101_376), [double(32), double(16), double(16)]);
+        assert_eq!(steps(128, true, 101_376), [double(32), double(16), wide_summed(16, 2)]);
         // At 64 dK/dV's 42 KB with 32 queries fit it twice, and the forward's 36 KB with Q
         // staged and 32 keys.
         assert_eq!(steps(64, true, 101_376), [staged_q(32, 2), double(64), summed(32, 2)]);
@@ -957,15 +980,20 @@ mod tests {
         // (35 KB); the forward stages its Q likewise (18 KB at 64 beside one 16-key buffer and
         // the scratch: 29 184 bytes; 35 KB at 128).
         assert_eq!(steps(64, false, 32 * 1024), [staged_q(16, 1), double(32), summed(16, 1)]);
-        assert_eq!(key_step(KeyValueGrad, 64, 128, false, false, true, 2, 32 * 1024), shared(16, 1));
+        assert_eq!(key_step(KeyValueGrad, 64, 128, false, false, true, None, 2, 32 * 1024), shared(16, 1));
         assert_eq!(steps(128, false, 32 * 1024), [double(16), double(16), double(16)]);
         // At 256 the backward's two whole-width tiles fit lavapipe once, not twice.
-        let single = Ok(Staging { keys: 16, buffers: 1, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        let single = Ok(Staging { keys: 16, buffers: 1, warps: 4, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
         assert_eq!(steps(256, false, 32 * 1024), [double(16), single, single]);
         // The backward with 64-bit indices at 128 streams its rows: CUDA's 32-query step, one
         // buffer, before two of 16.
-        let wide = Ok(Staging { keys: 32, buffers: 1, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
-        assert_eq!([QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, 128, 64, false, true, true, 2, 32 * 1024)), [wide, wide]);
+        let wide = Ok(Staging { keys: 32, buffers: 1, warps: 4, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        assert_eq!([QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, 128, 64, false, true, true, None, 2, 32 * 1024)), [wide, wide]);
+        // dK/dV's wide block asked for on lavapipe: its 128 staged rows do not fit (37 KB at
+        // 64), so held in registers, 32 queries a step at 64 (31 KB with the 8 warps'
+        // scratch), 16 at 128; a step's copies split over its 256 units (16 queries of 64 do not).
+        let held_wide = |keys| Ok(Staging { keys, buffers: 2, warps: 8, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        assert_eq!([64, 128].map(|head_dim| key_step(KeyValueGrad, head_dim, 128, false, true, true, Some(8), 2, 32 * 1024)), [held_wide(32), held_wide(16)]);
         assert!(steps(128, false, 8 * 1024).iter().all(|step| matches!(step, Err(needed) if *needed > 8 * 1024)));
     }
 

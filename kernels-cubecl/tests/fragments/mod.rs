@@ -191,9 +191,9 @@ fn the_fragment_forward_matches_the_reference() {
 /// runs with 32-bit ones.
 #[test]
 fn the_fragment_backward_matches_the_reference() {
-    use super::{Case, device, download, largest, reference, relative_error, relative_error_above, supports, upload, values};
+    use super::{Case, device, supports};
     use cubecl::ir::AddressType;
-    use ulysses_kernels::{FlashOptions, flash_attention_backward_fragments_laid_out_for, flash_attention_forward_fragments, query_grads_summed, testing::adds_f32_atomically};
+    use ulysses_kernels::testing::adds_f32_atomically;
     let Some(device) = device() else { return };
     for dtype in [DType::F16, DType::BF16] {
         if !supports(&device, dtype) {
@@ -225,35 +225,72 @@ fn the_fragment_backward_matches_the_reference() {
         // on lavapipe, 64 and 128 on CUDA), the others by dQ's own kernel.
         let mut summed = 0;
         for (case, layout, deterministic) in cases {
-            let case = Case { dtype, ..case };
-            let summed_before = query_grads_summed();
-            let q = values(case.q_shape().iter().product(), 1, dtype);
-            let k = values(case.k_shape().iter().product(), 2, dtype);
-            let v = values(case.v_shape().iter().product(), 3, dtype);
-            let g = values(case.o_shape().iter().product(), 4, dtype);
-            let want = reference(&case, &q, &k, &v, &g);
-            let options = FlashOptions { scale: case.scale, causal: case.causal };
-            let ranges = case.ranges();
-            let up = |x: &[f64], shape| upload(x, shape, dtype, &device);
-            let (output, lse) = flash_attention_forward_fragments(up(&q, case.q_shape()), up(&k, case.k_shape()), up(&v, case.v_shape()), options, ranges.as_ref()).unwrap();
-            let (dq, dk, dv) = flash_attention_backward_fragments_laid_out_for(up(&q, case.q_shape()), up(&k, case.k_shape()), up(&v, case.v_shape()), output, up(&g, case.o_shape()), lse, options, ranges.as_ref(), layout, deterministic).unwrap();
-            let term = case.scale() * largest(&g) * largest(&v) * largest(&q).max(largest(&k));
-            let errors = [
-                ("dq", relative_error_above(&download::<4>(dq), &want.dq, term)),
-                ("dk", relative_error_above(&download::<4>(dk), &want.dk, term)),
-                ("dv", relative_error(&download::<4>(dv), &want.dv)),
-            ];
-            let was_summed = query_grads_summed() > summed_before;
-            assert!(!(deterministic && was_summed), "{case:?}: dQ summed with atomics where its own kernel was asked for");
-            let dq_by = if was_summed { "dQ summed" } else { "dQ's kernel" };
-            summed += usize::from(was_summed);
-            println!("{case:?}, {layout:?}, {dq_by}: {}", errors.iter().map(|(n, e)| format!("{n} {e:.1e}")).collect::<Vec<_>>().join(", "));
-            let tolerance = case.tolerance("fragments");
-            for (name, error) in errors {
-                assert!(error <= tolerance, "{case:?}, {layout:?}, {dq_by}: {name} differs from the f64 reference by {error:e} (tolerance {tolerance:e})");
-            }
+            summed += usize::from(check_backward(Case { dtype, ..case }, layout, deterministic, None, &device));
         }
         // Where the device adds f32 atomically, the summed path ran too.
         assert!(summed > 0 || !adds_f32_atomically::<super::Runtime>(&device), "{dtype:?}: no case summed dQ in the dK/dV kernel on a device that could");
     }
+}
+
+/// dK/dV in blocks of 8 warps (128 keys: `fragment_tiles::WIDE_WARPS`, CUDA's block at head
+/// dim 128 with `mma.sync`) and of 4, asked for, against the f64 reference as above: causal
+/// GQA at head dim 64 with 150 queries and keys (a last block of 22 keys; 8 warps' step copies
+/// of 32 queries over 256 units), documents with a window at 128 (a launch for dV, one for
+/// dK). Lavapipe's 32 KiB hold the wide block's rows in registers (its 128 staged rows take
+/// 37 KB at 64), so its staged rows and dQ sum run on CUDA only (the kernel tests there).
+#[test]
+fn the_fragment_backward_runs_blocks_of_four_and_eight_warps() {
+    use super::{Case, device, supports};
+    let Some(device) = device() else { return };
+    let dtype = DType::F16;
+    if !supports(&device, dtype) {
+        println!("{dtype:?}: not on this device");
+        return;
+    }
+    let cases = [
+        Case { batch: 1, dtype, ..Case::new(4, 2, 150, 64, true) },
+        Case { window: Some(17), documents: Some(vec![vec![100, 50], vec![9, 141]]), dtype, ..Case::new(4, 2, 150, 128, true) },
+    ];
+    for case in cases {
+        for warps in [8, 4] {
+            check_backward(case.clone(), None, false, Some(warps), &device);
+        }
+    }
+}
+
+/// One backward case on the register fragments (after their forward) against the f64
+/// reference, laid out for `layout`, dQ by its own kernel where `deterministic`, dK/dV's
+/// blocks of `key_warps` where given; whether the dK/dV kernel summed dQ.
+fn check_backward(case: super::Case, layout: Option<cubecl::ir::AddressType>, deterministic: bool, key_warps: Option<usize>, device: &<Runtime as cubecl::Runtime>::Device) -> bool {
+    use super::{download, largest, reference, relative_error, relative_error_above, upload, values};
+    use ulysses_kernels::{FlashOptions, flash_attention_backward_fragments_laid_out_for, flash_attention_forward_fragments, query_grads_summed};
+    let dtype = case.dtype;
+    let summed_before = query_grads_summed();
+    let q = values(case.q_shape().iter().product(), 1, dtype);
+    let k = values(case.k_shape().iter().product(), 2, dtype);
+    let v = values(case.v_shape().iter().product(), 3, dtype);
+    let g = values(case.o_shape().iter().product(), 4, dtype);
+    let want = reference(&case, &q, &k, &v, &g);
+    let options = FlashOptions { scale: case.scale, causal: case.causal };
+    let ranges = case.ranges();
+    let up = |x: &[f64], shape| upload(x, shape, dtype, device);
+    let (output, lse) = flash_attention_forward_fragments(up(&q, case.q_shape()), up(&k, case.k_shape()), up(&v, case.v_shape()), options, ranges.as_ref()).unwrap();
+    let (dq, dk, dv) =
+        flash_attention_backward_fragments_laid_out_for(up(&q, case.q_shape()), up(&k, case.k_shape()), up(&v, case.v_shape()), output, up(&g, case.o_shape()), lse, options, ranges.as_ref(), layout, deterministic, key_warps).unwrap();
+    let term = case.scale() * largest(&g) * largest(&v) * largest(&q).max(largest(&k));
+    let errors = [
+        ("dq", relative_error_above(&download::<4>(dq), &want.dq, term)),
+        ("dk", relative_error_above(&download::<4>(dk), &want.dk, term)),
+        ("dv", relative_error(&download::<4>(dv), &want.dv)),
+    ];
+    let was_summed = query_grads_summed() > summed_before;
+    assert!(!(deterministic && was_summed), "{case:?}: dQ summed with atomics where its own kernel was asked for");
+    let dq_by = if was_summed { "dQ summed" } else { "dQ's kernel" };
+    let blocks = key_warps.map_or(String::new(), |warps| format!(", dK/dV {warps} warps a block"));
+    println!("{case:?}, {layout:?}, {dq_by}{blocks}: {}", errors.iter().map(|(n, e)| format!("{n} {e:.1e}")).collect::<Vec<_>>().join(", "));
+    let tolerance = case.tolerance("fragments");
+    for (name, error) in errors {
+        assert!(error <= tolerance, "{case:?}, {layout:?}, {dq_by}{blocks}: {name} differs from the f64 reference by {error:e} (tolerance {tolerance:e})");
+    }
+    was_summed
 }

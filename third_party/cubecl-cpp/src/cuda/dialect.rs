@@ -348,18 +348,19 @@ impl<M: DialectWmmaCompiler<Self>> DialectBindings<Self> for CudaDialect<M> {
         // registers for blocks that could never be resident together, and spills; the other
         // blocks keep the plain bound, which lets it aim for two blocks per SM
         // (third_party/README.md).
-        // burn-ulysses' register-fragment flash kernels (`fragment_*`: 128 threads, built for
-        // two blocks per SM) declare those two: with the plain bound ptxas aimed some at three
-        // or four blocks (168 or 128 registers) and spilled to get there.
+        // burn-ulysses' register-fragment flash kernels (`fragment_*`: built for 8 warps per
+        // SM, two blocks of 128 threads or one of 256) declare those blocks: with the plain
+        // bound ptxas aimed some at three or four blocks (168 or 128 registers) and spilled to
+        // get there, and a block of 256 with two at 128.
         const HALF_THE_LARGEST_SM_SHARED_MEMORY: usize = 114 * 1024;
         let threads = flags.cube_dim.num_elems();
         let one_block_fits = flags.shared_memory_bytes > HALF_THE_LARGEST_SM_SHARED_MEMORY;
         let min_blocks = if threads <= 64 || one_block_fits {
-            ", 1"
+            ", 1".to_string()
         } else if kernel_name.starts_with("fragment_") {
-            ", 2"
+            format!(", {}", (256 / threads).max(1))
         } else {
-            ""
+            String::new()
         };
         write!(
             f,
