@@ -34,7 +34,8 @@
 //! their forward twice where it gives each warp two row tiles of 16 with Q staged: so, and
 //! with one and Q's fragments in registers (the "16 rows" column, the forward before
 //! 2026-11-30); and their backward with dK/dV's blocks of 4 warps (the "64 keys" column, the
-//! block before 2026-11-30 where the default takes 8 warps and 128 keys at head dim 128);
+//! H100's and the A100's block before 2026-11-30 where the default takes 8 warps and 128 keys at
+//! head dim 128);
 //! then causal packed documents of 2048 tokens on both engines.
 
 use std::{

@@ -12,9 +12,10 @@
 //! windows bound the loop to the queries the block's keys are seen by and mask each score by
 //! its key's run of queries (the `VisibleRanges` table of keys).
 //!
-//! Where the rows are not streamed and the block with them staged still fits an SM twice
-//! (`Staging::rows_shared`, `fragment_tiles::key_step`: 32-bit indices on an H100 or an A100 at
-//! head dims 64 and 128, an L40 at 64; emulated, wherever they fit: lavapipe at 64), K's and
+//! Where the rows are not streamed and the block with them staged still fits an SM twice, or
+//! the wide block of 8 warps once (`Staging::rows_shared`, `fragment_tiles::key_step`: 32-bit
+//! indices on an H100 or an A100 at head dims 64 and 128, an L40 at 64, and at 128 in the wide
+//! block; emulated, wherever they fit: lavapipe at 64), K's and
 //! V's rows are not held in registers but staged in shared memory once and read as fragments
 //! each step, as FlashAttention-2's backward keeps them. Held in registers at head
 //! dim 128, the two accumulators (128 registers a lane) beside K's and V's fragments (64)

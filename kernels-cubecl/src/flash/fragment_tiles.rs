@@ -184,7 +184,7 @@ pub(crate) struct Staging {
     /// 32 for 128 (0.375 reads a product against 0.5; 0.31 at head dim 64).
     pub row_tiles: usize,
     /// dK/dV's kernel sums dQ too (`fragment_key_value_grad`, its rows staged): each step's dS
-    /// goes through a shared tile of 64 keys × the step's queries, and its product with the
+    /// goes through a shared tile of the block's keys × the step's queries, and its product with the
     /// block's K is added to an f32 sum of dQ with atomics, as FlashAttention-2's backward
     /// does; dQ's own kernel, which recomputes S and dP, then does not run.
     pub query_grad: bool,
@@ -231,9 +231,10 @@ impl Staging {
 /// smallest step needs where not even it fits (a kernel over the limit would not run at all).
 ///
 /// dK/dV stages its own rows in shared memory ([`Staging::rows_shared`]) where its rows are
-/// not streamed and they fit: with `mma_sync` where the block then fits an SM twice (an H100
-/// or an A100 at head dims 64 and 128, an L40 at 64 with 32 queries; not an L40 at 128), else
-/// where some step fits at all, staged before held; emulated, wherever they fit, before any
+/// not streamed and they fit: with `mma_sync`, in blocks of 4 warps, where the block then fits
+/// an SM twice (an H100 or an A100 at head dims 64 and 128, an L40 at 64 with 32 queries; not
+/// an L40 at 128: but see the wide block below), else where some step fits at all, staged
+/// before held; emulated, wherever they fit, before any
 /// held step (lavapipe at 64: one 16-query buffer, where held rows took two of 32; not at 128,
 /// where the rows alone exceed its 32 KiB), so that the tests run both paths.
 /// Its registers then hold the scores of twice the queries: 64 a step at head dim 64 (232
@@ -242,8 +243,8 @@ impl Staging {
 /// 16-query steps of each of the dV and dK launches), no spill (2026-11-29).
 ///
 /// Staged, dK/dV sums dQ as well ([`Staging::query_grad`]) where the device adds f32 values
-/// atomically (`atomic_add`) and each warp's quarter of the columns is whole pairs of
-/// fragments: dS's tile (4.5 KB at head dim 128, 9 KB at 64) still leaves two blocks an SM on
+/// atomically (`atomic_add`) and each warp's share of the columns (a quarter; an eighth in the
+/// wide block) is whole pairs of fragments: dS's tile (of 4 warps) (4.5 KB at head dim 128, 9 KB at 64) still leaves two blocks an SM on
 /// an H100 and an A100 (73 KB at 128), and lavapipe's 32 KiB its 16-query step at 64.
 ///
 /// The forward stages its Q and gives each warp two row tiles ([`Staging::row_tiles`]) where its
@@ -261,10 +262,11 @@ impl Staging {
 ///
 /// dK/dV's block is [`WIDE_WARPS`] warps (128 keys) with `mma_sync` where the mode the block of
 /// [`WARPS`] would take first stages its rows, the wide block can take it too (its dQ sum
-/// gives each warp whole 16-column pairs: head dim 128, not 64) and it fits an SM once (an
-/// H100 or an A100 at 128: 113 KB with 32 queries; not an L40); else [`WARPS`] as above.
-/// Emulated, [`WARPS`]. `key_warps` asks for dK/dV's blocks of that many warps instead, wherever
-/// some step of theirs fits (tests and the bench: lavapipe then holds the wide block's rows in
+/// gives each warp whole 16-column pairs: head dim 128, not 64, but for the deterministic
+/// backward, which sums no dQ) and it fits an SM once (an H100 or an A100 at 128: 113 KB with
+/// 32 queries; an L40 with 16: 89 KB); else [`WARPS`] as above. Emulated, [`WARPS`].
+/// `key_warps` asks for dK/dV's blocks of that many warps instead, chosen as above where some
+/// step of theirs fits (tests and the bench: lavapipe then holds the wide block's rows in
 /// registers).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn key_step(
@@ -311,11 +313,17 @@ pub(crate) fn key_step(
         let narrow = steps(WARPS, modes(WARPS));
         wide.or_else(|| narrow.iter().copied().find(twice)).or_else(|| narrow.iter().copied().find(fits))
     } else if mma_sync {
-        steps(warps, modes(warps)).into_iter().find(fits)
+        // Blocks of 4 twice an SM where they fit so, as the planner takes them; the wide block
+        // is once an SM whatever its shared memory (its registers).
+        let asked = steps(warps, modes(warps));
+        let twice = |staging: &Staging| warps == WARPS && twice(staging);
+        asked.iter().copied().find(twice).or_else(|| asked.iter().copied().find(fits))
     } else {
         modes(warps).iter().find_map(|&mode| steps(warps, &[mode]).into_iter().find(fits))
     };
-    let smallest = Staging { keys: 16, buffers: if mma_sync { 2 } else { 1 }, warps, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 };
+    // The smallest step whose copies split over the block's units.
+    let candidates = [16, 32, MAX_STEP].map(|keys| Staging { keys, buffers: if mma_sync { 2 } else { 1 }, warps, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
+    let smallest = candidates.into_iter().find(|staging| staging.copies_divide(head_dim)).unwrap_or(candidates[0]);
     found.ok_or_else(|| shared_bytes(kernel, head_dim, register_columns, smallest, mma_sync, element_bytes))
 }
 

@@ -368,7 +368,7 @@ fn fragment_forward<R: CubeRuntime>(
 /// product runs on `mma.sync` (else emulated, with the loops kept rolled), the step of its loop
 /// (keys; queries for dK/dV) and its buffers, the widest outputs it accumulates in registers
 /// (its column parts) and rows it keeps there, the grid of blocks of 64 or 128 rows (of queries; of keys
-/// for dK/dV), the cube of 4 warps and the element type.
+/// for dK/dV), the cube of 4 warps (8 in dK/dV's wide block) and the element type.
 struct FragmentLaunch {
     mma_sync: bool,
     staging: fragment_tiles::Staging,
@@ -972,6 +972,8 @@ mod tests {
         // launch for dV, one for dK and dQ's own.
         assert_eq!(steps(256, true, 101_376), [double(16), double(16), double(16)]);
         assert_eq!(steps(128, true, 101_376), [double(32), double(16), wide_summed(16, 2)]);
+        // Asked for 4 warps there, the block of before: K and V held, twice an SM.
+        assert_eq!(key_step(KeyValueGrad, 128, 128, true, true, true, Some(4), 2, 101_376), double(16));
         // At 64 dK/dV's 42 KB with 32 queries fit it twice, and the forward's 36 KB with Q
         // staged and 32 keys.
         assert_eq!(steps(64, true, 101_376), [staged_q(32, 2), double(64), summed(32, 2)]);
