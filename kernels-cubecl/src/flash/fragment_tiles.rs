@@ -305,19 +305,18 @@ pub(crate) fn key_step(
         FragmentKernel::KeyValueGrad => key_warps.unwrap_or(WARPS),
         _ => WARPS,
     };
-    let found = if mma_sync && key_warps.is_none() {
-        let wide = match (kernel, modes(WARPS)[0]) {
-            (FragmentKernel::KeyValueGrad, first @ (true, _)) if modes(WIDE_WARPS).contains(&first) => steps(WIDE_WARPS, &[first]).into_iter().find(fits),
+    let found = if mma_sync {
+        // dK/dV's wide block where nothing else is asked for and it takes the mode the block of
+        // 4 would take first.
+        let wide = match (kernel, key_warps, modes(WARPS)[0]) {
+            (FragmentKernel::KeyValueGrad, None, first @ (true, _)) if modes(WIDE_WARPS).contains(&first) => steps(WIDE_WARPS, &[first]).into_iter().find(fits),
             _ => None,
         };
-        let narrow = steps(WARPS, modes(WARPS));
-        wide.or_else(|| narrow.iter().copied().find(twice)).or_else(|| narrow.iter().copied().find(fits))
-    } else if mma_sync {
-        // Blocks of 4 twice an SM where they fit so, as the planner takes them; the wide block
-        // is once an SM whatever its shared memory (its registers).
+        // Else blocks of `warps`: of 4, twice an SM where they fit so; the wide block is once an
+        // SM whatever its shared memory (its registers).
         let asked = steps(warps, modes(warps));
         let twice = |staging: &Staging| warps == WARPS && twice(staging);
-        asked.iter().copied().find(twice).or_else(|| asked.iter().copied().find(fits))
+        wide.or_else(|| asked.iter().copied().find(twice)).or_else(|| asked.iter().copied().find(fits))
     } else {
         modes(warps).iter().find_map(|&mode| steps(warps, &[mode]).into_iter().find(fits))
     };
