@@ -38,7 +38,7 @@ use cubecl::prelude::*;
 
 use super::{
     fragment_tiles::{
-        PAD, Staging, block_span, column_parts, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, row_place, rows_tile, stage_step,
+        PAD, Staging, block_span, column_parts, query_grad_split, LOG2_E, exponent_base, fast_exp2, mask_scores, next_step, part_width, rounded, row_operand, row_place, rows_tile, stage_step,
         step_tiles, step_unmasked, store_rows, times_rows_transposed, times_tile, times_tile_transposed, zeros,
     },
     stage::{ColumnPart, cube_in_range, cube_index, cube_place, visible_run},
@@ -305,10 +305,10 @@ fn scores_tile<E: Float>(#[comptime] summed: bool, #[comptime] queries: usize, #
 /// `k_rows` the block's staged K, `seq_q` the sequence's queries. dQ's rows are the step's queries, so dS has
 /// to be transposed: each warp writes its dSᵀ into the tile query-major (`stmatrix` with its
 /// transpose, where `stores_matrices`), and after a barrier reads dS's A fragments from it with
-/// `ldmatrix` as the staged rows are read; each warp then takes its share of the columns (a
-/// quarter, an eighth: whole pairs of 16), all the queries and all the block's keys (no
-/// reduction between warps), and adds its accumulators with one atomic each, or each pair
-/// (`N`).
+/// `ldmatrix` as the staged rows are read; each warp then takes its share of dQ's tile
+/// ([`query_grad_split`]: whole pairs of 16 columns, for all the queries or, in the wide block
+/// at head dim 64, half of them) over all the block's keys (no reduction between warps), and
+/// adds its accumulators with one atomic each, or each pair (`N`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
@@ -350,13 +350,18 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
     }
     sync_cube();
 
-    let (m_tiles, pairs) = comptime! {
-        assert!((head_dim / warps) % 16 == 0, "dQ's sum gives each of {warps} warps whole 16-column pairs of {head_dim}");
-        (queries / 16, head_dim / warps / 16)
+    // This warp's 16-row tiles and 16-column pairs of the step's dQ ([`query_grad_split`]).
+    let (m_tiles, pairs, column_groups, row_groups) = comptime! {
+        let (column_groups, row_groups) = query_grad_split(head_dim, warps, queries).expect("dQ's sum splits its tile over the warps (Staging::divides)");
+        (queries / 16 / row_groups, head_dim / 16 / column_groups, column_groups, row_groups)
     };
     let width = N::value();
     let k_stride = comptime!(head_dim + PAD);
-    let first_column = warp * comptime!(head_dim / warps);
+    let (first_column, first_tile) = if comptime!(row_groups == 1) {
+        (warp * comptime!(16 * pairs), 0usize)
+    } else {
+        (warp % column_groups * comptime!(16 * pairs), warp / column_groups * m_tiles)
+    };
     // The warp's share of dQ's columns at once, dS's A fragments read once for all of them.
     let per_pair = comptime!(m_tiles * 2 * C_VALUES);
     let mut acc = zeros(comptime!(pairs * m_tiles * 2 * C_VALUES));
@@ -365,8 +370,9 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
         let mut a = Array::<E>::new(comptime!(m_tiles * A_VALUES));
         #[unroll]
         for m_tile in 0..m_tiles {
-            // dS's A fragment: queries 16·m_tile.. × keys 16·chunk.. of the query-major tile.
-            let fragment = M::load_matrices::<E>(tile, 16 * m_tile * stride + 16 * chunk, stride, 4usize, 2usize, false);
+            // dS's A fragment: this warp's m_tile-th 16 queries × keys 16·chunk.. of the
+            // query-major tile.
+            let fragment = M::load_matrices::<E>(tile, 16 * (first_tile + m_tile) * stride + 16 * chunk, stride, 4usize, 2usize, false);
             #[unroll]
             for i in 0..A_VALUES {
                 a[m_tile * A_VALUES + i] = fragment[i];
@@ -390,7 +396,7 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
         // others past it land in the head's padding. One test a 16-row tile, the same for
         // the warp's lanes, where a test per row cost 4 instructions for 4 atomics; without
         // any, ptxas hoisted the atomics' addresses over the products and spilled.
-        if query0 + 16 * m_tile < seq_q {
+        if query0 + 16 * (first_tile + m_tile) < seq_q {
             #[unroll]
             for half in 0..2usize {
                 // Inside the sum's rows, so unchecked: no clamp per atomic. In vectors (the
@@ -399,7 +405,7 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
                 // offset from it (its column) into the instruction. With single values (N 1)
                 // each atomic still takes an add and a 64-bit multiply-add for its address: a
                 // 32-bit index may wrap.
-                let row = ((row0 + query0 + 16 * m_tile + g + 8 * half) * head_dim + first_column + 2 * t) / width;
+                let row = ((row0 + query0 + 16 * (first_tile + m_tile) + g + 8 * half) * head_dim + first_column + 2 * t) / width;
                 #[unroll(unrolled)]
                 for pair in 0..pairs {
                     #[unroll]

@@ -201,9 +201,29 @@ impl Staging {
     }
 
     /// Whether a step's tiles split evenly over the block's units, 16 bytes each
-    /// ([`stage_keys`]), at `head_dim` (staged rows do: 16 a warp).
-    fn copies_divide(&self, head_dim: usize) -> bool {
-        (self.keys * head_dim / 8) % (32 * self.warps) == 0
+    /// ([`stage_keys`]), at `head_dim` (staged rows do: 16 a warp), and, where dK/dV sums dQ,
+    /// its dQ tile over the warps ([`query_grad_split`]).
+    fn divides(&self, head_dim: usize) -> bool {
+        (self.keys * head_dim / 8) % (32 * self.warps) == 0 && (!self.query_grad || query_grad_split(head_dim, self.warps, self.keys).is_some())
+    }
+}
+
+/// How dK/dV's sum of dQ shares a step's dQ tile (`queries` × `head_dim`) among the block's
+/// `warps`: `(column_groups, row_groups)`, each warp whole 16-column pairs of one column group
+/// for the 16-row tiles of one row group, every warp over all the block's keys (no reduction
+/// between warps). The columns split first, so that each dS fragment a warp reads feeds all its
+/// pairs: a quarter or an eighth of head dim 128 a warp, a quarter of 64 in blocks of 4; in the
+/// wide block at 64 a quarter of the columns for half the rows. `None` where neither divides.
+pub(crate) fn query_grad_split(head_dim: usize, warps: usize, queries: usize) -> Option<(usize, usize)> {
+    let (pairs, row_tiles) = (head_dim / 16, queries / 16);
+    if head_dim % 16 != 0 || queries % 16 != 0 || pairs == 0 {
+        None
+    } else if pairs % warps == 0 {
+        Some((warps, 1))
+    } else if warps % pairs == 0 && row_tiles % (warps / pairs) == 0 {
+        Some((pairs, warps / pairs))
+    } else {
+        None
     }
 }
 
@@ -243,8 +263,8 @@ impl Staging {
 /// 16-query steps of each of the dV and dK launches), no spill (2026-11-29).
 ///
 /// Staged, dK/dV sums dQ as well ([`Staging::query_grad`]) where the device adds f32 values
-/// atomically (`atomic_add`) and each warp's share of the columns (a quarter; an eighth in the
-/// wide block) is whole pairs of fragments: dS's tile (of 4 warps) (4.5 KB at head dim 128, 9 KB at 64) still leaves two blocks an SM on
+/// atomically (`atomic_add`) and the step's dQ tile splits over the warps in whole pairs of
+/// fragments ([`query_grad_split`]): dS's tile (of 4 warps) (4.5 KB at head dim 128, 9 KB at 64) still leaves two blocks an SM on
 /// an H100 and an A100 (73 KB at 128), and lavapipe's 32 KiB its 16-query step at 64.
 ///
 /// The forward stages its Q and gives each warp two row tiles ([`Staging::row_tiles`]) where its
@@ -262,9 +282,10 @@ impl Staging {
 ///
 /// dK/dV's block is [`WIDE_WARPS`] warps (128 keys) with `mma_sync` where the mode the block of
 /// [`WARPS`] would take first stages its rows, the wide block can take it too (its dQ sum
-/// gives each warp whole 16-column pairs: head dim 128, not 64, but for the deterministic
-/// backward, which sums no dQ) and it fits an SM once (an H100 or an A100 at 128: 113 KB with
-/// 32 queries; an L40 with 16: 89 KB); else [`WARPS`] as above. Emulated, [`WARPS`].
+/// splits by columns at head dim 128, by columns and rows at 64, where a step of 16 queries
+/// cannot: [`query_grad_split`]) and it fits an SM once (an H100 or an A100 at 128: 113 KB
+/// with 32 queries; an L40 with 16: 89 KB; at 64 91 KB with 64 queries, an L40 too); else
+/// [`WARPS`] as above. Emulated, [`WARPS`].
 /// `key_warps` asks for dK/dV's blocks of that many warps instead, chosen as above where some
 /// step of theirs fits (tests and the bench: lavapipe then holds the wide block's rows in
 /// registers).
@@ -285,7 +306,8 @@ pub(crate) fn key_step(
     let modes = |warps: usize| -> &'static [(bool, bool)] {
         match kernel {
             _ if !stage_rows => &[(false, false)],
-            FragmentKernel::KeyValueGrad if !streamed && atomic_add && (head_dim / warps) % 16 == 0 => &[(true, true), (true, false), (false, false)],
+            // Where some step's dQ tile splits over the warps ([`Staging::divides`] checks each).
+            FragmentKernel::KeyValueGrad if !streamed && atomic_add && query_grad_split(head_dim, warps, MAX_STEP).is_some() => &[(true, true), (true, false), (false, false)],
             FragmentKernel::KeyValueGrad if !streamed => &[(true, false), (false, false)],
             FragmentKernel::Forward if part_width(head_dim, register_columns) == head_dim => &[(true, false), (false, false)],
             _ => &[(false, false)],
@@ -293,7 +315,7 @@ pub(crate) fn key_step(
     };
     let steps = |warps: usize, modes: &[(bool, bool)]| -> Vec<Staging> {
         let all = modes.iter().flat_map(|&mode| mode_steps(kernel, head_dim, streamed, mma_sync, mode, warps));
-        all.filter(|staging| staging.copies_divide(head_dim)).collect()
+        all.filter(|staging| staging.divides(head_dim)).collect()
     };
     let fits = |staging: &Staging| shared_bytes(kernel, head_dim, register_columns, *staging, mma_sync, element_bytes) <= shared_limit;
     // Two blocks an SM, each with the driver's reserve (an SM holds a block's limit and one
@@ -322,7 +344,7 @@ pub(crate) fn key_step(
     };
     // The smallest step whose copies split over the block's units.
     let candidates = [16, 32, MAX_STEP].map(|keys| Staging { keys, buffers: if mma_sync { 2 } else { 1 }, warps, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
-    let smallest = candidates.into_iter().find(|staging| staging.copies_divide(head_dim)).unwrap_or(candidates[0]);
+    let smallest = candidates.into_iter().find(|staging| staging.divides(head_dim)).unwrap_or(candidates[0]);
     found.ok_or_else(|| shared_bytes(kernel, head_dim, register_columns, smallest, mma_sync, element_bytes))
 }
 
@@ -651,7 +673,7 @@ pub(crate) fn stage_keys<E: Float, M: FragmentMma>(
     // divide them, so they are `keys_apart` keys apart in the same chunk.
     let keys_apart = comptime! {
         assert!(units % chunks_per_key == 0, "a key's {chunks_per_key} chunks of 8 values must divide the cube's {units} units");
-        assert!((keys * chunks_per_key) % units == 0, "{keys} keys of {chunks_per_key} chunks must split evenly over the cube's {units} units (Staging::copies_divide)");
+        assert!((keys * chunks_per_key) % units == 0, "{keys} keys of {chunks_per_key} chunks must split evenly over the cube's {units} units (Staging::divides)");
         units / chunks_per_key
     };
     if key0 + keys <= seq_kv {

@@ -280,7 +280,7 @@ fn backward_fragments_refusal(dtype: DType, p: &Problem) -> Option<String> {
 /// `[B, Hq, Sq]` in f32, as [`flash_attention_forward`] gives them, `ranges` restricting the
 /// keys each row sees as there. f16 or bf16, head dim (and value dim) 64, 128 or 256 (two
 /// launches of 128 output columns, each computing the scores). [`flash_attention_forward`]
-/// chooses it where the device runs `mma.sync` (`plan::FragmentChoice`); this runs it whatever
+/// chooses it where the device runs `mma.sync` (`plan::EngineRequest`); this runs it whatever
 /// the device (emulated without `mma.sync`).
 pub fn flash_attention_forward_fragments<R: CubeRuntime>(
     query: CubeTensor<R>,
@@ -431,7 +431,7 @@ pub fn flash_attention_forward<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    if runs_fragments(&query.client, query.dtype, &problem) {
+    if runs_fragments(&query.client, query.dtype, &problem)? {
         let layout = problem.address_type();
         return fragment_forward(problem, query, key, value, options, ranges, layout, false);
     }
@@ -452,12 +452,12 @@ pub fn flash_attention_forward_planned<R: CubeRuntime>(
 }
 
 /// Whether a call of `dtype` on `client`'s device runs on the register-fragment engine
-/// ([`plan::FragmentChoice`]), forward and backward alike: where the backward refuses it (heads
+/// ([`plan::EngineRequest`]), forward and backward alike: where the backward refuses it (heads
 /// of a row by the million), the forward stays on the planned engine too.
-fn runs_fragments<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, problem: &Problem) -> bool {
+fn runs_fragments<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, problem: &Problem) -> Result<bool, FlashError> {
     let takes = backward_fragments_refusal(dtype, problem).is_none();
     let narrow = problem.address_type() == AddressType::U32;
-    plan::FragmentChoice::of_environment().runs_fragments(takes, crate::mma::has_mma_sync(client, dtype), narrow)
+    Ok(plan::EngineRequest::of_environment()?.runs_fragments(takes, crate::mma::has_mma_sync(client, dtype), narrow))
 }
 
 /// Whether [`flash_attention_forward`] and [`flash_attention_backward`] run q, k and v of
@@ -465,7 +465,7 @@ fn runs_fragments<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, probl
 /// test's tolerance and report name).
 pub fn runs_on_fragments<R: CubeRuntime>(client: &ComputeClient<R>, query: OperandInfo, key: OperandInfo, value: OperandInfo, options: &FlashOptions) -> Result<bool, FlashError> {
     let problem = Problem::new(client, query, key, value, options)?;
-    Ok(runs_fragments(client, query.dtype, &problem))
+    runs_fragments(client, query.dtype, &problem)
 }
 
 /// The planned engines' forward (see [`flash_attention_forward_planned`]).
@@ -531,7 +531,7 @@ pub fn flash_attention_backward<R: CubeRuntime>(
     ranges: Option<&VisibleRanges>,
 ) -> Result<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>), FlashError> {
     let problem = Problem::of_tensors(&query, &key, &value, &options)?;
-    let fragments = runs_fragments(&query.client, query.dtype, &problem).then(|| (problem.address_type(), None));
+    let fragments = runs_fragments(&query.client, query.dtype, &problem)?.then(|| (problem.address_type(), None));
     backward(problem, query, key, value, output, output_grad, lse, options, ranges, fragments, deterministic_requested())
 }
 
@@ -945,8 +945,16 @@ mod tests {
         let staged_q = |keys, buffers| Ok(Staging { keys, buffers, warps: 4, rows_shared: true, query_grad: false, stores_matrices: false, row_tiles: 2 });
         // dK/dV's wide block: 8 warps, 128 keys (`fragment_tiles::WIDE_WARPS`).
         let wide_summed = |keys, buffers| Ok(Staging { warps: 8, ..summed(keys, buffers).unwrap() });
-        // At 64 the wide block's dQ sum would give each warp 8 columns, half a pair: 4 warps.
-        assert_eq!(steps(64, true, 227 * 1024), [staged_q(64, 2), double(64), summed(64, 2)]);
+        // dQ's sum gives each warp whole 16-column pairs: at 128 an eighth of the columns in
+        // the wide block; at 64, where an eighth would be half a pair, a quarter for half the
+        // rows (two of a 64-query step's four row tiles), which a 16-query step cannot split.
+        use fragment_tiles::query_grad_split;
+        assert_eq!([(128, 4, 16), (128, 8, 32), (64, 4, 16), (64, 8, 64), (64, 8, 32)].map(|(d, w, q)| query_grad_split(d, w, q)), [Some((4, 1)), Some((8, 1)), Some((4, 1)), Some((4, 2)), Some((4, 2))]);
+        assert_eq!([(64, 8, 16), (64, 16, 32), (96, 4, 32)].map(|(d, w, q)| query_grad_split(d, w, q)), [None; 3]);
+        // dK/dV at 64 in the wide block too (91 KB with 64 queries a step, once an SM); asked
+        // for 4 warps, 64 queries twice.
+        assert_eq!(steps(64, true, 227 * 1024), [staged_q(64, 2), double(64), wide_summed(64, 2)]);
+        assert_eq!(key_step(KeyValueGrad, 64, 128, true, true, true, Some(4), 2, 227 * 1024), summed(64, 2));
         // At 128 32 keys: 64 spilled on sm_90a. Told not to stage rows, one row tile a warp
         // with Q's fragments held.
         // dK/dV in the wide block there (113 KB, once an SM); asked for 4 warps, 73 KB twice.
@@ -974,9 +982,10 @@ mod tests {
         assert_eq!(steps(128, true, 101_376), [double(32), double(16), wide_summed(16, 2)]);
         // Asked for 4 warps there, the block of before: K and V held, twice an SM.
         assert_eq!(key_step(KeyValueGrad, 128, 128, true, true, true, Some(4), 2, 101_376), double(16));
-        // At 64 dK/dV's 42 KB with 32 queries fit it twice, and the forward's 36 KB with Q
-        // staged and 32 keys.
-        assert_eq!(steps(64, true, 101_376), [staged_q(32, 2), double(64), summed(32, 2)]);
+        // At 64 the forward's 36 KB with Q staged and 32 keys fit it twice, dK/dV's wide block
+        // (91 KB) once; asked for 4 warps, 42 KB with 32 queries twice.
+        assert_eq!(steps(64, true, 101_376), [staged_q(32, 2), double(64), wide_summed(64, 2)]);
+        assert_eq!(key_step(KeyValueGrad, 64, 128, true, true, true, Some(4), 2, 101_376), summed(32, 2));
         // Emulated, dK/dV stages its rows wherever they fit: lavapipe at 64 (18 KB beside one
         // 16-query buffer, dS's 2 KB and the product's scratch: 31 488 bytes), not at 128
         // (35 KB); the forward stages its Q likewise (18 KB at 64 beside one 16-key buffer and

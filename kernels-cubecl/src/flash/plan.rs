@@ -109,47 +109,57 @@ pub enum Kernel {
     QueryGrad,
 }
 
-/// Chooses the engine: `ULYSSES_FLASH_ENGINE=plane` runs the plane engine where tensor cores
-/// would be used (to compare them on one GPU, or to keep f32 attention in full precision rather
-/// than TF32); `planned` keeps the planned engines (`cmma` or plane) where the register-fragment
-/// engine would be chosen; `fragments` runs the register-fragment engine wherever its kernels
-/// take the case, emulated where the device has no `mma.sync` ([`FragmentChoice`]).
+/// The variable that chooses the engine ([`EngineRequest`]), read in one place.
 const ENGINE_VARIABLE: &str = "ULYSSES_FLASH_ENGINE";
 
-/// Whether a call runs on the register-fragment engine (FlashAttention-2's design), which an
-/// H200 ran 7.5–7.8 times as fast as the `cmma` engine forward and 4.1–4.3 times backward
-/// (benches/RESULTS.md, "GPU: the fifth run").
+/// What `ULYSSES_FLASH_ENGINE` asks for. By default a call runs on the register-fragment
+/// engine (FlashAttention-2's design), which an H200 ran 7.5–7.8 times as fast as the `cmma`
+/// engine forward and 4.1–4.3 times backward (benches/RESULTS.md, "GPU: the fifth run"), where
+/// the device runs `mma.sync` on the dtype (CUDA from sm_80) and the kernels take the case with
+/// 32-bit indices (the 64-bit layout has run on lavapipe only, and the planned engine's 64-bit
+/// kernels on an H100 past 2^32 elements, so those stay there until the fragments' have run
+/// there too); elsewhere on the planned engines (`cmma` where the runtime has tensor cores,
+/// else the plane engine).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FragmentChoice {
-    /// Where the device runs `mma.sync` on the dtype (CUDA from sm_80) and the kernels take the
-    /// case with 32-bit indices: the 64-bit layout has run on lavapipe only, and the planned
-    /// engine's 64-bit kernels on an H100 past 2^32 elements, so those stay there until the
-    /// fragments' have run there too.
+pub(crate) enum EngineRequest {
+    /// Unset: as above.
     Default,
-    /// `ULYSSES_FLASH_ENGINE=fragments`: wherever the kernels take the case (emulated on
-    /// devices without `mma.sync`: how lavapipe runs them).
-    Requested,
-    /// `ULYSSES_FLASH_ENGINE=planned` or `plane`: never.
-    Refused,
+    /// `fragments`: the register fragments wherever their kernels take the case, emulated on
+    /// devices without `mma.sync` (how lavapipe runs them).
+    Fragments,
+    /// `planned`: never the register fragments (to compare the engines on one GPU).
+    Planned,
+    /// `plane`: the plane engine where tensor cores would be used (to compare them, or to keep
+    /// f32 attention in full precision rather than TF32).
+    Plane,
 }
 
-impl FragmentChoice {
-    /// What `ULYSSES_FLASH_ENGINE` asks for.
-    pub(crate) fn of_environment() -> Self {
-        match std::env::var(ENGINE_VARIABLE).as_deref() {
-            Ok("fragments") => Self::Requested,
-            Ok("planned" | "plane") => Self::Refused,
-            _ => Self::Default,
+impl EngineRequest {
+    /// The variable's request ([`parse`](Self::parse)).
+    pub(crate) fn of_environment() -> Result<Self, FlashError> {
+        Self::parse(std::env::var(ENGINE_VARIABLE).ok().as_deref())
+    }
+
+    /// The request of the variable's `value`; an error naming the values it takes for any
+    /// other (a misspelt engine would otherwise measure the default under another name).
+    fn parse(value: Option<&str>) -> Result<Self, FlashError> {
+        match value {
+            None | Some("") => Ok(Self::Default),
+            Some("fragments") => Ok(Self::Fragments),
+            Some("planned") => Ok(Self::Planned),
+            Some("plane") => Ok(Self::Plane),
+            Some(other) => Err(FlashError::Device(format!("{ENGINE_VARIABLE}={other:?}: the engine is `fragments`, `planned` or `plane` (unset: the fastest the device runs)"))),
         }
     }
 
-    /// Whether a case runs on the fragments: `takes`, the kernels take it; `mma_sync`, the
-    /// device multiplies the dtype with `mma.sync`; `narrow`, its indices fit 32 bits.
+    /// Whether a case runs on the register fragments: `takes`, the kernels take it;
+    /// `mma_sync`, the device multiplies the dtype with `mma.sync`; `narrow`, its indices fit
+    /// 32 bits.
     pub(crate) fn runs_fragments(self, takes: bool, mma_sync: bool, narrow: bool) -> bool {
         match self {
             Self::Default => takes && mma_sync && narrow,
-            Self::Requested => takes,
-            Self::Refused => false,
+            Self::Fragments => takes,
+            Self::Planned | Self::Plane => false,
         }
     }
 }
@@ -229,9 +239,9 @@ impl Plan {
         }
         let runtime = R::name(client);
         let configurations: Vec<MmaConfig> = properties.features.matmul.cmma.iter().copied().collect();
+        let plane_requested = EngineRequest::of_environment()? == EngineRequest::Plane;
         let fragment = fragment_for(&configurations, dtype)
-            .filter(|_| tensor_core_runtime(runtime))
-            .filter(|_| std::env::var(ENGINE_VARIABLE).as_deref() != Ok("plane"))
+            .filter(|_| tensor_core_runtime(runtime) && !plane_requested)
             .map(|fragment| if fragment.tf32 { fragment } else { forced_fragment().unwrap_or(fragment) });
         let engine = match fragment {
             Some(fragment) => Engine::TensorCores { fragment },
@@ -367,19 +377,24 @@ mod tests {
 
     #[test]
     fn the_fragments_run_by_default_only_on_mma_sync_with_32_bit_indices() {
-        use FragmentChoice::*;
+        use EngineRequest::*;
         // (choice, takes, mma_sync, narrow) → runs on the fragments.
         for (choice, takes, mma_sync, narrow, runs) in [
             (Default, true, true, true, true),
             (Default, true, false, true, false),
             (Default, true, true, false, false),
             (Default, false, true, true, false),
-            (Requested, true, false, false, true),
-            (Requested, false, true, true, false),
-            (Refused, true, true, true, false),
+            (Fragments, true, false, false, true),
+            (Fragments, false, true, true, false),
+            (Planned, true, true, true, false),
+            (Plane, true, true, true, false),
         ] {
             assert_eq!(choice.runs_fragments(takes, mma_sync, narrow), runs, "{choice:?}, takes {takes}, mma.sync {mma_sync}, 32-bit {narrow}");
         }
+        let parsed = [None, Some(""), Some("fragments"), Some("planned"), Some("plane")].map(|value| EngineRequest::parse(value).unwrap());
+        assert_eq!(parsed, [Default, Default, Fragments, Planned, Plane]);
+        let refusal = EngineRequest::parse(Some("fragment")).unwrap_err().to_string();
+        assert!(refusal.contains("ULYSSES_FLASH_ENGINE=\"fragment\"") && refusal.contains("`planned`"), "{refusal}");
     }
 
     #[test]
