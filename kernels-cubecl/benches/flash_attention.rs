@@ -35,7 +35,7 @@
 //! with one and Q's fragments in registers (the "16 rows" column, the forward before
 //! 2026-11-30); and their backward with dK/dV's blocks of 4 warps (the "64 keys" column, the
 //! H100's and the A100's block before 2026-11-30 where the default takes 8 warps and 128 keys at
-//! head dim 128);
+//! head dims 64 and 128);
 //! then causal packed documents of 2048 tokens on both engines.
 
 use std::{
@@ -350,7 +350,7 @@ fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, 
         forward_difference = forward_difference.max(largest_difference(values(planned_out.clone()), values(out)));
         time(device, each, || drop(one_tile()))
     });
-    // dK/dV's blocks of 4 warps, where the default may take 8 (head dim 128 with mma.sync).
+    // dK/dV's blocks of 4 warps, where the default may take 8 (head dims 64 and 128 with mma.sync).
     let four_warps = || {
         flash_attention_backward_fragments_laid_out_for(q.clone(), k.clone(), v.clone(), fragments_out.clone(), g.clone(), fragments_lse.clone(), options, ranges, None, false, Some(4)).unwrap()
     };

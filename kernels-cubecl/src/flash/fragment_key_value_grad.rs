@@ -14,8 +14,8 @@
 //!
 //! Where the rows are not streamed and the block with them staged still fits an SM twice, or
 //! the wide block of 8 warps once (`Staging::rows_shared`, `fragment_tiles::key_step`: 32-bit
-//! indices on an H100 or an A100 at head dims 64 and 128, an L40 at 64, and at 128 in the wide
-//! block; emulated, wherever they fit: lavapipe at 64), K's and
+//! indices on an H100, an A100 or an L40 at head dims 64 and 128, in the wide block but where
+//! a block of 4 is asked for; emulated, wherever they fit: lavapipe at 64), K's and
 //! V's rows are not held in registers but staged in shared memory once and read as fragments
 //! each step, as FlashAttention-2's backward keeps them. Held in registers at head
 //! dim 128, the two accumulators (128 registers a lane) beside K's and V's fragments (64)
@@ -392,7 +392,7 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
     }
     #[unroll]
     for m_tile in 0..m_tiles {
-        // The 16 rows from query0 + 16·m_tile, where the first is in the sequence: the
+        // The 16 rows from query0 + 16·(first_tile + m_tile), where the first is in the sequence: the
         // others past it land in the head's padding. One test a 16-row tile, the same for
         // the warp's lanes, where a test per row cost 4 instructions for 4 atomics; without
         // any, ptxas hoisted the atomics' addresses over the products and spilled.

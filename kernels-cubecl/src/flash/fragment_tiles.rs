@@ -31,8 +31,9 @@ pub(crate) const WARPS: usize = 4;
 /// dK/dV's warps per block where its rows are staged and the block fits an SM
 /// ([`key_step`]): 128 keys of 16 a warp, as FlashAttention-2's backward (`kBlockN` 128, 8
 /// warps at head dim 128). Each step's Q and dO tiles, and dQ's atomics, then serve twice the
-/// keys: half the bytes from L2 per product. Each warp's work and registers are those of the
-/// block of 4; an SM holds one such block where it held two of 4 (the registers bound both).
+/// keys: half the bytes from L2 per product. At head dim 128 each warp's work is that of the
+/// block of 4 (at 64 its dQ sum takes half the rows and all the keys: [`query_grad_split`]);
+/// an SM holds one such block where it held two of 4 (255 registers bound both).
 pub(crate) const WIDE_WARPS: usize = 8;
 /// Values of padding after each staged row of K and V: 16 bytes, which moves the next row
 /// by 4 banks.
@@ -284,7 +285,7 @@ pub(crate) fn query_grad_split(head_dim: usize, warps: usize, queries: usize) ->
 /// [`WARPS`] would take first stages its rows, the wide block can take it too (its dQ sum
 /// splits by columns at head dim 128, by columns and rows at 64, where a step of 16 queries
 /// cannot: [`query_grad_split`]) and it fits an SM once (an H100 or an A100 at 128: 113 KB
-/// with 32 queries; an L40 with 16: 89 KB; at 64 91 KB with 64 queries, an L40 too); else
+/// with 32 queries; an L40 with 16: 91 KB; at 64 91 KB with 64 queries, an L40 too); else
 /// [`WARPS`] as above. Emulated, [`WARPS`].
 /// `key_warps` asks for dK/dV's blocks of that many warps instead, chosen as above where some
 /// step of theirs fits (tests and the bench: lavapipe then holds the wide block's rows in

@@ -975,7 +975,7 @@ mod tests {
         // An L40's 99 KB a block holds the forward's 32-key step at 256 once: 16 keys, twice;
         // at 128 its 32-key step twice, not its 64-key one, nor any with Q staged (52 KB with 16
         // keys), so Q stays in registers there.
-        // dK/dV's rows in shared memory at 128 fit it once: in the wide block (89 KB with 16
+        // dK/dV's rows in shared memory at 128 fit it once: in the wide block (91 KB with 16
         // queries a step), one launch summing dQ where 4 warps held K and V in registers, a
         // launch for dV, one for dK and dQ's own.
         assert_eq!(steps(256, true, 101_376), [double(16), double(16), double(16)]);

@@ -137,7 +137,12 @@ pub(crate) enum EngineRequest {
 impl EngineRequest {
     /// The variable's request ([`parse`](Self::parse)).
     pub(crate) fn of_environment() -> Result<Self, FlashError> {
-        Self::parse(std::env::var(ENGINE_VARIABLE).ok().as_deref())
+        match std::env::var(ENGINE_VARIABLE) {
+            Ok(value) => Self::parse(Some(&value)),
+            Err(std::env::VarError::NotPresent) => Self::parse(None),
+            // Refused, named as it reads.
+            Err(std::env::VarError::NotUnicode(value)) => Self::parse(Some(&value.to_string_lossy())),
+        }
     }
 
     /// The request of the variable's `value`; an error naming the values it takes for any

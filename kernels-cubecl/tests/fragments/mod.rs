@@ -233,7 +233,7 @@ fn the_fragment_backward_matches_the_reference() {
 }
 
 /// dK/dV in blocks of 8 warps (128 keys: `fragment_tiles::WIDE_WARPS`, CUDA's block at head
-/// dim 128 with `mma.sync`) and of 4, asked for, against the f64 reference as above: causal
+/// dims 64 and 128 with `mma.sync`) and of 4, asked for, against the f64 reference as above: causal
 /// GQA at head dim 64 with 150 queries and keys (a last block of 22 keys; 8 warps' step copies
 /// of 32 queries over 256 units), documents with a window at 128 (a launch for dV, one for
 /// dK). Lavapipe's 32 KiB hold the wide block's rows in registers (its 128 staged rows take
