@@ -357,6 +357,8 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
     };
     let width = N::value();
     let k_stride = comptime!(head_dim + PAD);
+    // Split by columns alone, the warp's place is its index: `warp % column_groups` would be the
+    // same value, which ptxas cannot know (it does not know the block's size).
     let (first_column, first_tile) = if comptime!(row_groups == 1) {
         (warp * comptime!(16 * pairs), 0usize)
     } else {
