@@ -60,6 +60,32 @@ run() {
         exit 1
     fi
 }
+# The same kernels' SPIR-V in two processes: one test run twice, Mesa writing each module it is
+# given to a folder named by the module's hash. Else Mesa's shader cache never hits and every
+# run compiles every shader with LLVM again (third_party/README.md, cubecl-opt and
+# cubecl-spirv: minutes a run). Its first run also warms the cache for the 8³ run below.
+same_modules() {
+    local listings=() i dump status
+    for i in 1 2; do
+        dump=$(mktemp -d)
+        status=0
+        MESA_SPIRV_DUMP_PATH="$dump" ULYSSES_EXPECT_ENGINE=tensor-cores-8 "$root/ulysses-run" "$exe" --test-threads 1 f16_non_causal_odd_head_dim >/dev/null 2>&1 || status=$?
+        listings+=("$(ls "$dump")")
+        rm -rf "$dump"
+        if [ "$status" -ne 0 ]; then
+            echo "tensor-cores-on-cpu: the SPIR-V check's test failed (exit $status)" >&2
+            exit 1
+        fi
+    done
+    local modules
+    modules=$(printf '%s\n' "${listings[0]}" | grep -c . || true)
+    if [ "$modules" -eq 0 ] || [ "${listings[0]}" != "${listings[1]}" ]; then
+        echo "tensor-cores-on-cpu: the same test gave other SPIR-V in a second process ($modules modules the first time; $(comm -3 <(printf '%s\n' "${listings[0]}") <(printf '%s\n' "${listings[1]}") | grep -c .) differ): CubeCL's compilers iterate randomly seeded maps again (third_party/README.md)" >&2
+        exit 1
+    fi
+    echo "SPIR-V: the same $modules modules in two processes"
+}
+same_modules
 # The three runs at once, each printed in turn once it and those before it are done.
 outputs=()
 pids=()
