@@ -53,6 +53,16 @@ cache = { file = "$cache/compilation-$stamp" }
 [autotune]
 cache = { file = "$cache/autotune" }
 TOML
+# The driver's own cache: loading a module, the driver builds machine code from CubeCL's PTX
+# (which CubeCL's cache above keeps, not this), seconds for a register-fragment kernel, again in
+# every process. Kept the same way, in its own file ($OUT/nv-cache.tar.gz, carried as
+# .gpu-cache/nv-cache.tar.gz) so that one too large to come back cannot keep CubeCL's from
+# coming back. The driver keys each entry by its PTX, the driver and the GPU: none is misused.
+nv_cache=/tmp/gpu-call-nv
+mkdir -p "$nv_cache"
+[ -f .gpu-cache/nv-cache.tar.gz ] && tar xzf .gpu-cache/nv-cache.tar.gz -C "$nv_cache"
+unset CUDA_CACHE_DISABLE
+export CUDA_CACHE_PATH="$nv_cache" CUDA_CACHE_MAXSIZE=4294967296
 # Logs only: the trainer's checkpoints and weights would pass the 16 MiB a returned file may have.
 # Packed again after every part, so a call stopped at the device's limit still returns the
 # parts that ended.
@@ -62,6 +72,7 @@ pack() {
         mv "$out/logs.tar.gz.part" "$out/logs.tar.gz"
     cp "$logs/parts.txt" "$out/parts.txt" 2>/dev/null
     tar czf "$out/cubecl-cache.tar.gz.part" -C "$cache" . && mv "$out/cubecl-cache.tar.gz.part" "$out/cubecl-cache.tar.gz"
+    tar czf "$out/nv-cache.tar.gz.part" -C "$nv_cache" . && mv "$out/nv-cache.tar.gz.part" "$out/nv-cache.tar.gz"
 }
 for part in "$@"; do
     spec=${part%%=*}
