@@ -62,7 +62,9 @@ nv_cache=/tmp/gpu-call-nv
 mkdir -p "$nv_cache"
 [ -f .gpu-cache/nv-cache.tar.gz ] && tar xzf .gpu-cache/nv-cache.tar.gz -C "$nv_cache"
 unset CUDA_CACHE_DISABLE
-export CUDA_CACHE_PATH="$nv_cache" CUDA_CACHE_MAXSIZE=4294967296
+# Capped so that its archive stays under the 16 MiB a returned file may have (the driver drops
+# the oldest entries past it); `pack` says when it does not.
+export CUDA_CACHE_PATH="$nv_cache" CUDA_CACHE_MAXSIZE=$((32 << 20))
 # Logs only: the trainer's checkpoints and weights would pass the 16 MiB a returned file may have.
 # Packed again after every part, so a call stopped at the device's limit still returns the
 # parts that ended.
@@ -73,6 +75,8 @@ pack() {
     cp "$logs/parts.txt" "$out/parts.txt" 2>/dev/null
     tar czf "$out/cubecl-cache.tar.gz.part" -C "$cache" . && mv "$out/cubecl-cache.tar.gz.part" "$out/cubecl-cache.tar.gz"
     tar czf "$out/nv-cache.tar.gz.part" -C "$nv_cache" . && mv "$out/nv-cache.tar.gz.part" "$out/nv-cache.tar.gz"
+    [ "$(stat -c %s "$out/nv-cache.tar.gz" 2>/dev/null || echo 0)" -lt $((16 << 20)) ] ||
+        echo "gpu-call: nv-cache.tar.gz is over 16 MiB and will not come back; lower CUDA_CACHE_MAXSIZE" >&2
 }
 for part in "$@"; do
     spec=${part%%=*}

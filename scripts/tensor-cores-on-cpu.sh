@@ -61,26 +61,34 @@ run() {
     fi
 }
 # The same kernels' SPIR-V in two processes: one test run twice, Mesa writing each module it is
-# given to a folder named by the module's hash. Else Mesa's shader cache never hits and every
-# run compiles every shader with LLVM again (third_party/README.md, cubecl-opt and
-# cubecl-spirv: minutes a run). Its first run also warms the cache for the 8³ run below.
+# given to a file named by the module's hash. Else Mesa's shader cache never hits and every run
+# compiles every shader with LLVM again (third_party/README.md, cubecl-opt and cubecl-spirv:
+# minutes a run). Its first run also warms the cache for the 8³ run below.
 same_modules() {
-    local listings=() i dump status
+    local listings=() i dump log status
+    log=$(mktemp)
     for i in 1 2; do
         dump=$(mktemp -d)
         status=0
-        MESA_SPIRV_DUMP_PATH="$dump" ULYSSES_EXPECT_ENGINE=tensor-cores-8 "$root/ulysses-run" "$exe" --test-threads 1 f16_non_causal_odd_head_dim >/dev/null 2>&1 || status=$?
+        MESA_SPIRV_DUMP_PATH="$dump" ULYSSES_EXPECT_ENGINE=tensor-cores-8 "$root/ulysses-run" "$exe" --test-threads 1 --nocapture f16_non_causal_odd_head_dim >"$log" 2>&1 || status=$?
         listings+=("$(ls "$dump")")
         rm -rf "$dump"
-        if [ "$status" -ne 0 ]; then
-            echo "tensor-cores-on-cpu: the SPIR-V check's test failed (exit $status)" >&2
+        if [ "$status" -ne 0 ] || ! grep -q "on tensor-cores-8" "$log"; then
+            tail -n 20 "$log" >&2
+            echo "tensor-cores-on-cpu: the SPIR-V check's test failed or did not run on the tensor cores (exit $status)" >&2
             exit 1
         fi
     done
-    local modules
+    rm -f "$log"
+    local modules differ
     modules=$(printf '%s\n' "${listings[0]}" | grep -c . || true)
-    if [ "$modules" -eq 0 ] || [ "${listings[0]}" != "${listings[1]}" ]; then
-        echo "tensor-cores-on-cpu: the same test gave other SPIR-V in a second process ($modules modules the first time; $(comm -3 <(printf '%s\n' "${listings[0]}") <(printf '%s\n' "${listings[1]}") | grep -c .) differ): CubeCL's compilers iterate randomly seeded maps again (third_party/README.md)" >&2
+    if [ "$modules" -eq 0 ]; then
+        echo "tensor-cores-on-cpu: Mesa dumped no SPIR-V (MESA_SPIRV_DUMP_PATH): the check cannot compare" >&2
+        exit 1
+    fi
+    if [ "${listings[0]}" != "${listings[1]}" ]; then
+        differ=$(comm -23 <(printf '%s\n' "${listings[0]}") <(printf '%s\n' "${listings[1]}") | grep -c . || true)
+        echo "tensor-cores-on-cpu: the same test gave other SPIR-V in a second process ($differ of $modules modules differ): CubeCL's compilers iterate randomly seeded maps again (third_party/README.md)" >&2
         exit 1
     fi
     echo "SPIR-V: the same $modules modules in two processes"

@@ -65,7 +65,7 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     // The named tests pass and leave a run folder behind; the whole suite hangs.
     // Where the driver would keep the machine code it built, the named tests write an entry.
     let stand_in = "#!/bin/sh\ncase \"$*\" in\n*--exact*) mkdir -p \"$OUT/run\"; echo 5.5 >\"$OUT/run/metrics.csv\"; \
-                    head -c 100000 /dev/zero >\"$OUT/run/checkpoint.ulysses\"; echo sass >\"$CUDA_CACHE_PATH/entry\"; \
+                    head -c 100000 /dev/zero >\"$OUT/run/checkpoint.ulysses\"; echo sass >\"${CUDA_CACHE_PATH:?}/entry\"; \
                     echo 'test result: ok. 1 passed' ;;\n*) sleep 60 ;;\nesac\n";
     fs::write(kernels.join("flash-attention-tests"), stand_in).unwrap();
     fs::set_permissions(kernels.join("flash-attention-tests"), fs::Permissions::from_mode(0o755)).unwrap();
@@ -73,8 +73,15 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     fs::create_dir(&out).unwrap();
 
     // The folder the script keeps the driver's cache in (a warm machine's calls share it): emptied,
-    // so that only this call can fill it.
+    // so that only this call and what it carries can fill it.
     let _ = fs::remove_dir_all("/tmp/gpu-call-nv");
+    // A previous call's driver cache, carried.
+    let carried = dir.path().join("carried");
+    fs::create_dir_all(&carried).unwrap();
+    fs::write(carried.join("carried"), "sass").unwrap();
+    fs::create_dir_all(dir.path().join(".gpu-cache")).unwrap();
+    let packed = Command::new("tar").arg("czf").arg(dir.path().join(".gpu-cache/nv-cache.tar.gz")).arg("-C").arg(&carried).arg(".").status().expect("tar packs");
+    assert!(packed.success());
     let started = std::time::Instant::now();
     let output = Command::new("bash")
         .arg(dir.path().join("scripts/gpu-call.sh"))
@@ -96,10 +103,12 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     assert!(listing.contains("kernels-named/run/metrics.csv"), "{listing}");
     assert!(!listing.contains("checkpoint.ulysses"), "a checkpoint went into the logs:\n{listing}");
 
-    // The driver's cache comes back in its own file, for the next call to carry.
+    // The driver's cache comes back in its own file, with what was carried, for the next call.
     let listing = Command::new("tar").arg("tzf").arg(out.join("nv-cache.tar.gz")).output().expect("tar lists the driver's cache");
     let listing = String::from_utf8_lossy(&listing.stdout);
-    assert!(listing.lines().any(|line| line.trim_start_matches("./") == "entry"), "the driver's cache did not come back: {listing:?}\n{stdout}");
+    for entry in ["carried", "entry"] {
+        assert!(listing.lines().any(|line| line.trim_start_matches("./") == entry), "the driver's cache came back without {entry}: {listing:?}\n{stdout}");
+    }
 }
 
 /// A temporary folder removed on drop (no extra dependency for two tests).

@@ -11,7 +11,10 @@ use super::version::{PhiEntry, PhiInstruction};
 impl Optimizer {
     /// Places a phi node for each live variable at each frontier
     pub fn place_phi_nodes(&mut self) {
-        let keys: Vec<_> = self.program.variables.keys().cloned().collect();
+        let mut keys: Vec<_> = self.program.variables.keys().cloned().collect();
+        // burn-ulysses patch: in id order. The variables come from cubecl-ir's allocator in its
+        // map's random order, and even a fixed hasher orders colliding keys by insertion.
+        keys.sort_unstable();
         let writes = self.analysis::<Writes>();
         let liveness = self.analysis::<Liveness>();
         let dom_frontiers = self.analysis::<DomFrontiers>();

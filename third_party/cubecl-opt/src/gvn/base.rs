@@ -1,4 +1,3 @@
-
 use crate::fixed::HashMap;
 use cubecl_ir::{Builtin, ConstantValue, Id, OpCode, StorageType, Type};
 use petgraph::graph::NodeIndex;

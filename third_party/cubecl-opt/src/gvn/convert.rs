@@ -1,4 +1,3 @@
-
 use crate::fixed::HashMap;
 use cubecl_ir::{Operation, OperationReflect, Type, Variable, VariableKind};
 use smallvec::SmallVec;

@@ -1,4 +1,3 @@
-
 use crate::fixed::HashMap;
 use cubecl_ir::{
     Id, Instruction, Operation, Operator, Type, UnaryOperator, Variable, VariableKind,

@@ -1,4 +1,3 @@
-
 use crate::fixed::{HashMap, HashSet};
 use cubecl_ir::{CopyMemoryOperator, Id, Instruction, Operation, Operator, Variable, VariableKind};
 
