@@ -68,13 +68,18 @@ export CUDA_CACHE_PATH="$nv_cache" CUDA_CACHE_MAXSIZE=$((32 << 20))
 # Logs only: the trainer's checkpoints and weights would pass the 16 MiB a returned file may have.
 # Packed again after every part, so a call stopped at the device's limit still returns the
 # parts that ended.
-# Written beside, then renamed: a call stopped while packing keeps the previous archive whole.
+# `archive NAME FOLDER [TAR OPTIONS...]`: FOLDER packed as $OUT/NAME, written beside, then
+# renamed: a call stopped while packing keeps the previous archive whole.
+archive() {
+    local name=$1 folder=$2
+    shift 2
+    tar czf "$out/$name.part" "$@" -C "$folder" . && mv "$out/$name.part" "$out/$name"
+}
 pack() {
-    tar czf "$out/logs.tar.gz.part" --exclude='*.ulysses' --exclude='*.mpk' --exclude='*.ulysses.*' -C "$logs" . &&
-        mv "$out/logs.tar.gz.part" "$out/logs.tar.gz"
+    archive logs.tar.gz "$logs" --exclude='*.ulysses' --exclude='*.mpk' --exclude='*.ulysses.*'
     cp "$logs/parts.txt" "$out/parts.txt" 2>/dev/null
-    tar czf "$out/cubecl-cache.tar.gz.part" -C "$cache" . && mv "$out/cubecl-cache.tar.gz.part" "$out/cubecl-cache.tar.gz"
-    tar czf "$out/nv-cache.tar.gz.part" -C "$nv_cache" . && mv "$out/nv-cache.tar.gz.part" "$out/nv-cache.tar.gz"
+    archive cubecl-cache.tar.gz "$cache"
+    archive nv-cache.tar.gz "$nv_cache"
     [ "$(stat -c %s "$out/nv-cache.tar.gz" 2>/dev/null || echo 0)" -lt $((16 << 20)) ] ||
         echo "gpu-call: nv-cache.tar.gz is over 16 MiB and will not come back; lower CUDA_CACHE_MAXSIZE" >&2
 }
