@@ -4,7 +4,8 @@
 # device call carries (kernels 21 MB, memory 26, nccl 26, train 44 on 2026-11-24), and all of
 # them compressed in .gpu-carry/bundle.tar.xz (20 MB): carry .gpu-carry and run
 # scripts/gpu-call.sh there, which runs gpu-run.sh's parts (KERNELS_RUN / MEMORY_RUN / TRAIN_RUN).
-# Any failed build stops it with cargo's messages.
+# Then the flash kernels' PTX, compiled here into .gpu-cache/cubecl-cache.tar.gz (see the end):
+# carry .gpu-cache too, from the first call on. Any failed build stops it with cargo's messages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=.gpu-bundle
@@ -34,3 +35,16 @@ du -ah "$bundle"
 mkdir -p .gpu-carry
 tar cf - "$bundle" | xz -T2 -6 >.gpu-carry/bundle.tar.xz
 du -h .gpu-carry/bundle.tar.xz
+# CubeCL's PTX cache for the calls: the flash kernels of every case the planner may choose on an
+# H100 or H200, compiled here with the GPU image's NVRTC (scripts/ptx-cache.sh; 350 kernels,
+# about 14 minutes on 2 cores the first time, seconds for those held already), added to the cache
+# the last call returned, if any. The first call on a bare GPU then loads them, where the fifth
+# run's calls spent most of their time in NVRTC.
+fill=$(mktemp -d)
+[ -f .gpu-cache/cubecl-cache.tar.gz ] && tar xzf .gpu-cache/cubecl-cache.tar.gz -C "$fill"
+rm -rf "$fill"/compilation-*  # older bundles' caches, keyed by kernel id
+bash scripts/ptx-cache.sh "$fill/compilation"
+mkdir -p .gpu-cache
+tar czf .gpu-cache/cubecl-cache.tar.gz.part -C "$fill" . && mv .gpu-cache/cubecl-cache.tar.gz.part .gpu-cache/cubecl-cache.tar.gz
+rm -rf "$fill"
+du -h .gpu-cache/cubecl-cache.tar.gz

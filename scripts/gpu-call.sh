@@ -38,21 +38,26 @@ fi
 # kernel) and tuning (4-45 s a matmul shape), not computing. They come back as
 # $OUT/cubecl-cache.tar.gz; carried as .gpu-cache/cubecl-cache.tar.gz (git-ignored: copy the
 # returned file there and name .gpu-cache in the call's carry), the next call starts with them.
-# CubeCL finds a compiled kernel by its name and launch settings, not its code: compiled kernels
-# are kept per bundle and GPU (a rebuilt kernel must never run as its old machine code), tuned
-# choices (which kernel, never what it computes) across bundles. A cubecl.toml in the working
-# folder sets them for every part run from here (the memory part runs in a folder with its own).
+# Compiled kernels are found by their CUDA source (third_party/README.md, "The PTX cache keyed
+# by the source"), so they serve every bundle, and scripts/gpu-bundle.sh adds the flash kernels
+# compiled ahead on the CPU (scripts/ptx-cache.sh); tuned choices say which kernel, never what
+# it computes. A cubecl.toml in the working folder sets them for every part run from here (the
+# memory part runs in a folder with its own).
 cache=/tmp/gpu-call-cubecl
 mkdir -p "$cache"
 [ -f .gpu-cache/cubecl-cache.tar.gz ] && tar xzf .gpu-cache/cubecl-cache.tar.gz -C "$cache"
-stamp=$({ nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null; cat .gpu-carry/bundle.tar.xz 2>/dev/null || find "$bundle" -type f ! -name gpu-run.sh -exec cat {} +; } | sha256sum | cut -c1-16)
-for old in "$cache"/compilation-*; do [ -e "$old" ] && [ "$old" != "$cache/compilation-$stamp" ] && rm -rf "$old"; done
+# Caches of older bundles, keyed by kernel id, which nothing reads now.
+rm -rf "$cache"/compilation-*
+export GPU_CALL_COMPILATION_CACHE="$cache/compilation"
 cat >cubecl.toml <<TOML
 [compilation]
-cache = { file = "$cache/compilation-$stamp" }
+cache = { file = "$GPU_CALL_COMPILATION_CACHE" }
 [autotune]
 cache = { file = "$cache/autotune" }
 TOML
+# How many compiled kernels the cache holds (one line of its table of contents each): what a
+# part adds, it compiled on the GPU, so the CPU's fill did not cover it.
+ptx_entries() { cat "$cache"/compilation/cuda/*/ptx-by-source/toc.json.log 2>/dev/null | wc -l; }
 # The driver's own cache: loading a module, the driver builds machine code from CubeCL's PTX
 # (which CubeCL's cache above keeps, not this), seconds for a register-fragment kernel, again in
 # every process. Kept the same way, in its own file ($OUT/nv-cache.tar.gz, carried as
@@ -63,25 +68,27 @@ mkdir -p "$nv_cache"
 [ -f .gpu-cache/nv-cache.tar.gz ] && tar xzf .gpu-cache/nv-cache.tar.gz -C "$nv_cache"
 unset CUDA_CACHE_DISABLE
 # Capped so that its archive stays under the 16 MiB a returned file may have (the driver drops
-# the oldest entries past it); `pack` says when it does not.
+# the oldest entries past it); `archive` says when it does not.
 export CUDA_CACHE_PATH="$nv_cache" CUDA_CACHE_MAXSIZE=$((32 << 20))
 # Logs only: the trainer's checkpoints and weights would pass the 16 MiB a returned file may have.
 # Packed again after every part, so a call stopped at the device's limit still returns the
 # parts that ended.
 # `archive NAME FOLDER [TAR OPTIONS...]`: FOLDER packed as $OUT/NAME, written beside, then
-# renamed: a call stopped while packing keeps the previous archive whole.
+# renamed: a call stopped while packing keeps the previous archive whole. A returned file may
+# have 16 MiB: past that it says so (CubeCL's cache with every planned flash kernel is about
+# 11 MB; the driver's is capped above).
 archive() {
     local name=$1 folder=$2
     shift 2
     tar czf "$out/$name.part" "$@" -C "$folder" . && mv "$out/$name.part" "$out/$name"
+    [ "$(stat -c %s "$out/$name" 2>/dev/null || echo 0)" -lt $((16 << 20)) ] ||
+        echo "gpu-call: $name is over 16 MiB and will not come back" >&2
 }
 pack() {
     archive logs.tar.gz "$logs" --exclude='*.ulysses' --exclude='*.mpk' --exclude='*.ulysses.*'
     cp "$logs/parts.txt" "$out/parts.txt" 2>/dev/null
     archive cubecl-cache.tar.gz "$cache"
     archive nv-cache.tar.gz "$nv_cache"
-    [ "$(stat -c %s "$out/nv-cache.tar.gz" 2>/dev/null || echo 0)" -lt $((16 << 20)) ] ||
-        echo "gpu-call: nv-cache.tar.gz is over 16 MiB and will not come back; lower CUDA_CACHE_MAXSIZE" >&2
 }
 for part in "$@"; do
     spec=${part%%=*}
@@ -94,11 +101,12 @@ for part in "$@"; do
     mkdir -p "$logs/$name"
     echo "== part $name (limit ${seconds} s)"
     started=$(date +%s)
+    entries=$(ptx_entries)
     # timeout signals its whole process group: a part's children (launched ranks) end too.
     KERNELS_RUN=${run:-tests} MEMORY_RUN=${run:-alst} TRAIN_RUN=${run:-check} OUT="$logs/$name" \
         timeout --kill-after=10 "$seconds" "$bundle/$folder/gpu-run.sh" 2>&1 | tee "$logs/$name/console.log" | tail -n 40
     status=${PIPESTATUS[0]}
-    echo "$name $status $(( $(date +%s) - started ))s" | tee -a "$logs/parts.txt"
+    echo "$name $status $(( $(date +%s) - started ))s, PTX cache $entries + $(( $(ptx_entries) - entries )) compiled here" | tee -a "$logs/parts.txt"
     pack
 done
 nvidia-smi >"$logs/nvidia-smi.txt" 2>&1

@@ -171,13 +171,14 @@ if has training-memory-bench; then
     # on the mask (tested), and attention then costs linear time instead of many minutes per
     # trial. The budget includes the parameters; each trial is a child process, killed past
     # --trial-timeout. CubeCL's compilation cache (configured by a cubecl.toml in the working
-    # folder or above) spares every trial after the first the kernels' compilation.
+    # folder or above) spares every trial after the first the kernels' compilation; under
+    # scripts/gpu-call.sh it is the call's, kept across calls (GPU_CALL_COMPILATION_CACHE).
     mkdir -p /tmp/memory-run
     # Autotune (burn's matmuls try several kernels per new shape) at its least effort, cached
     # across trials too; both logs come back with the step's, to show where a trial's time goes.
-    cat >/tmp/memory-run/cubecl.toml <<'TOML'
+    cat >/tmp/memory-run/cubecl.toml <<TOML
 [compilation]
-cache = { file = "/tmp/memory-run/cubecl-cache" }
+cache = { file = "${GPU_CALL_COMPILATION_CACHE:-/tmp/memory-run/cubecl-cache}" }
 logger = { level = "basic", file = "/tmp/memory-run/compilation.log" }
 [autotune]
 level = "minimal"

@@ -63,24 +63,36 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     let kernels = dir.path().join(".gpu-bundle/kernels");
     fs::create_dir_all(&kernels).unwrap();
     // The named tests pass and leave a run folder behind; the whole suite hangs.
-    // Where the driver would keep the machine code it built, the named tests write an entry.
+    // Where the driver would keep the machine code it built, the named tests write an entry;
+    // they compile one kernel into CubeCL's PTX cache (a line of its table of contents).
     let stand_in = "#!/bin/sh\ncase \"$*\" in\n*--exact*) mkdir -p \"$OUT/run\"; echo 5.5 >\"$OUT/run/metrics.csv\"; \
                     head -c 100000 /dev/zero >\"$OUT/run/checkpoint.ulysses\"; echo sass >\"${CUDA_CACHE_PATH:?}/entry\"; \
+                    echo '{\"key\":3}' >>/tmp/gpu-call-cubecl/compilation/cuda/0.10.0/ptx-by-source/toc.json.log; \
                     echo 'test result: ok. 1 passed' ;;\n*) sleep 60 ;;\nesac\n";
     fs::write(kernels.join("flash-attention-tests"), stand_in).unwrap();
     fs::set_permissions(kernels.join("flash-attention-tests"), fs::Permissions::from_mode(0o755)).unwrap();
     let out = dir.path().join("out");
     fs::create_dir(&out).unwrap();
 
-    // The folder the script keeps the driver's cache in (a warm machine's calls share it): emptied,
-    // so that only this call and what it carries can fill it.
+    // The folders the script keeps the driver's cache and CubeCL's in (a warm machine's calls
+    // share them): emptied, so that only this call and what it carries can fill them.
     let _ = fs::remove_dir_all("/tmp/gpu-call-nv");
+    let _ = fs::remove_dir_all("/tmp/gpu-call-cubecl");
     // A previous call's driver cache, carried.
     let carried = dir.path().join("carried");
     fs::create_dir_all(&carried).unwrap();
     fs::write(carried.join("carried"), "sass").unwrap();
     fs::create_dir_all(dir.path().join(".gpu-cache")).unwrap();
     let packed = Command::new("tar").arg("czf").arg(dir.path().join(".gpu-cache/nv-cache.tar.gz")).arg("-C").arg(&carried).arg(".").status().expect("tar packs");
+    assert!(packed.success());
+    // CubeCL's cache as scripts/gpu-bundle.sh leaves it: two kernels compiled ahead, and an old
+    // bundle's cache keyed by kernel id, which the call drops.
+    let cubecl = dir.path().join("cubecl");
+    let toc = cubecl.join("compilation/cuda/0.10.0/ptx-by-source");
+    fs::create_dir_all(&toc).unwrap();
+    fs::write(toc.join("toc.json.log"), "{\"key\":1}\n{\"key\":2}\n").unwrap();
+    fs::create_dir_all(cubecl.join("compilation-0123456789abcdef")).unwrap();
+    let packed = Command::new("tar").arg("czf").arg(dir.path().join(".gpu-cache/cubecl-cache.tar.gz")).arg("-C").arg(&cubecl).arg(".").status().expect("tar packs");
     assert!(packed.success());
     let started = std::time::Instant::now();
     let output = Command::new("bash")
@@ -96,6 +108,10 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     let parts = fs::read_to_string(out.join("parts.txt")).unwrap();
     let statuses: Vec<(&str, &str)> = parts.lines().map(|l| { let f: Vec<&str> = l.split(' ').collect(); (f[0], f[1]) }).collect();
     assert_eq!(statuses, [("kernels-tests", "124"), ("kernels-named", "0")], "{parts}\n{stdout}");
+    // Each part says how many kernels it found compiled and how many it compiled itself.
+    let lines: Vec<&str> = parts.lines().collect();
+    assert!(lines[0].ends_with("PTX cache 2 + 0 compiled here"), "{parts}");
+    assert!(lines[1].ends_with("PTX cache 2 + 1 compiled here"), "{parts}");
 
     let listing = Command::new("tar").arg("tzvf").arg(out.join("logs.tar.gz")).output().expect("tar lists the logs");
     let listing = String::from_utf8_lossy(&listing.stdout);
@@ -109,6 +125,15 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     for entry in ["carried", "entry"] {
         assert!(listing.lines().any(|line| line.trim_start_matches("./") == entry), "the driver's cache came back without {entry}: {listing:?}\n{stdout}");
     }
+    // And CubeCL's, with the kernel compiled here, without the old bundle's.
+    let listing = Command::new("tar").arg("tzf").arg(out.join("cubecl-cache.tar.gz")).output().expect("tar lists CubeCL's cache");
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    assert!(!listing.contains("compilation-0123456789abcdef"), "an old bundle's cache came back: {listing}");
+    let extracted = dir.path().join("returned");
+    fs::create_dir_all(&extracted).unwrap();
+    assert!(Command::new("tar").arg("xzf").arg(out.join("cubecl-cache.tar.gz")).arg("-C").arg(&extracted).status().unwrap().success());
+    let toc = fs::read_to_string(extracted.join("compilation/cuda/0.10.0/ptx-by-source/toc.json.log")).unwrap();
+    assert_eq!(toc.lines().count(), 3, "{toc}");
 }
 
 /// A temporary folder removed on drop (no extra dependency for two tests).

@@ -266,10 +266,11 @@ pub const DEFAULT_TARGETS: &str = "sm_90a:representative+sixty-four-bit,sm_80:re
 /// Collects the kernels of every target of `spec` (see [`DEFAULT_TARGETS`]) and writes them to
 /// `out`: `index.json` (the targets' limits, and per kernel its target, kernel, engine, dynamic
 /// shared memory, block, cases and file) and `<target>/<n>-<kernel>.cu`. Returns a line per
-/// target.
-pub fn write_sources(out: &Path, spec: &str) -> Result<Vec<String>, String> {
+/// target, and the kernels.
+pub fn write_sources(out: &Path, spec: &str) -> Result<(Vec<String>, Vec<Kernel>), String> {
     let mut index = Vec::new();
     let mut lines = Vec::new();
+    let mut all = Vec::new();
     for part in spec.split(',') {
         let (name, plan) = part.split_once(':').unwrap_or((part, "full"));
         let target = TARGETS
@@ -298,11 +299,76 @@ pub fn write_sources(out: &Path, spec: &str) -> Result<Vec<String>, String> {
             let mut entry = serde_json::to_value(&kernel).map_err(|e| e.to_string())?;
             entry["file"] = serde_json::Value::String(file);
             index.push(entry);
+            all.push(kernel);
         }
     }
     let text = serde_json::to_string_pretty(&serde_json::json!({ "targets": TARGETS, "kernels": index })).map_err(|e| e.to_string())?;
     fs::write(out.join("index.json"), text).map_err(|e| format!("cannot write the index: {e}"))?;
-    Ok(lines)
+    Ok((lines, all))
+}
+
+/// What [`fill_ptx_cache`] found and did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PtxCacheFill {
+    /// Kernels the cache held already.
+    pub cached: usize,
+    /// Kernels compiled by NVRTC and added.
+    pub compiled: usize,
+}
+
+/// Adds to the PTX cache under `root` (CubeCL's `[compilation] cache` folder) every kernel of
+/// `kernels` it lacks, compiled for its target by NVRTC with the headers of the toolkit at
+/// `CUDA_PATH`, as cubecl-cuda's runtime compiles a launch (`cubecl_cuda::ptx_cache`: entries
+/// keyed by the source, which this crate's runtime writes as a GPU's would). A lent GPU then
+/// loads these kernels without compiling them. `threads` NVRTC compiles run at once.
+pub fn fill_ptx_cache(root: &Path, kernels: &[Kernel], threads: usize) -> Result<PtxCacheFill, String> {
+    use cubecl_cuda::ptx_cache;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    // cudarc loads NVRTC at its first call and panics where it finds none: said plainly here.
+    let nvrtc = std::panic::catch_unwind(ptx_cache::nvrtc_version)
+        .map_err(|_| "NVRTC could not be loaded: put the folder of libnvrtc.so on LD_LIBRARY_PATH (scripts/ptx-cache.sh does)".to_string())?
+        .map_err(|e| format!("{e:?}"))?;
+    let mut cache = ptx_cache::open(root);
+    let mut missing = Vec::new();
+    for kernel in kernels {
+        let target = TARGETS.iter().find(|t| t.name == kernel.target).ok_or_else(|| format!("unknown target {}", kernel.target))?;
+        let arch = ptx_cache::arch_option(&cubecl_cpp::cuda::arch::CudaArchitecture { version: target.arch });
+        let key = ptx_cache::key(&kernel.source, &arch, nvrtc);
+        if cache.get(&key).is_none() && !missing.iter().any(|(k, _, _)| *k == key) {
+            missing.push((key, arch, kernel));
+        }
+    }
+    let includes = ptx_cache::toolkit_include_paths();
+    if let Some(missing) = includes.iter().find(|path| !path.exists()) {
+        return Err(format!("no CUDA headers at {}: set CUDA_PATH to a toolkit (scripts/ptx-cache.sh does)", missing.display()));
+    }
+    let next = AtomicUsize::new(0);
+    let compiled = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads.max(1))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some((_, arch, kernel)) = missing.get(i) else { break done };
+                        let started = std::time::Instant::now();
+                        let ptx = ptx_cache::compile(&kernel.source, arch, &includes);
+                        eprintln!("ptx-cache: {}/{} {} {} ({:.1} s)", i + 1, missing.len(), kernel.target, kernel.entrypoint, started.elapsed().as_secs_f64());
+                        done.push((i, ptx));
+                    }
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|worker| worker.join().expect("an NVRTC worker panicked")).collect::<Vec<_>>()
+    });
+    for (i, ptx) in compiled {
+        let (key, _, kernel) = &missing[i];
+        let ptx = ptx.map_err(|e| format!("{} for {}: {e:?}", kernel.entrypoint, kernel.target))?;
+        let entry = ptx_cache::PtxCacheEntry { entrypoint_name: kernel.entrypoint.clone(), shared_mem_bytes: kernel.dynamic_shared_bytes, ptx };
+        cache.insert(*key, entry).map_err(|e| format!("cannot add {} to the cache: {e:?}", kernel.entrypoint))?;
+    }
+    Ok(PtxCacheFill { cached: kernels.len() - missing.len(), compiled: missing.len() })
 }
 
 #[cfg(test)]

@@ -5,6 +5,8 @@ extern crate alloc;
 mod compute;
 mod device;
 mod runtime;
+// burn-ulysses patch: the PTX cache keyed by the source (third_party/README.md).
+pub mod ptx_cache;
 
 pub use device::*;
 pub use runtime::*;

@@ -386,8 +386,13 @@ impl<D: Dialect> CppCompiler<D> {
         let mut processors: Vec<&dyn Processor> = vec![&*checked_io];
         processors.extend(dialect_processors.iter().map(|it| &**it));
 
-        let processing = scope.process(processors);
+        let mut processing = scope.process(processors);
 
+        // burn-ulysses patch: declared in id order. cubecl-ir's allocator hands its mutable
+        // locals over from a randomly seeded map, so each process wrote the same kernel with
+        // its declarations in another order: another source, compiled again by NVRTC and
+        // missed by every cache keyed on the source.
+        processing.variables.sort_by_key(|var| var.index());
         for var in processing.variables {
             instructions.push(Instruction::DeclareVariable {
                 var: self.compile_variable(var),

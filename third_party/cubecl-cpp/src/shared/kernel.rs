@@ -168,7 +168,11 @@ pub fn type_vectorized_definitions<D: Dialect>(
     f: &mut std::fmt::Formatter<'_>,
     items: &HashSet<Item<D>>,
 ) -> std::fmt::Result {
-    for item in items.iter() {
+    // burn-ulysses patch: in the order of their names, not the set's (randomly seeded) order,
+    // so that every process writes the same source (see `compile_scope`).
+    let mut items: Vec<&Item<D>> = items.iter().collect();
+    items.sort_by_cached_key(|item| item.to_string());
+    for item in items {
         let elem = item.elem;
         let size = item.vectorization;
         let alignment = elem.size() * size;

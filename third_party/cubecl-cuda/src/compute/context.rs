@@ -10,11 +10,9 @@ use super::storage::gpu::GpuResource;
 use crate::{CudaCompiler, compute::stream::Stream};
 use crate::{
     CudaComputeKernel,
-    install::{cccl_include_path, include_path},
+    ptx_cache::{self, PtxCache, PtxCacheEntry},
 };
 use cubecl_core::{
-    compilation_cache::CompilationCache,
-    hash::StableHash,
     server::ResourceLimitError,
     {ir::DeviceProperties, prelude::*},
 };
@@ -26,17 +24,14 @@ use cudarc::driver::sys::{CUctx_st, CUfunction_attribute, CUtensorMap};
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::ffi::c_char;
-use std::str::FromStr;
 use std::sync::Arc;
-use std::{ffi::CStr, os::raw::c_void};
-
-use cubecl_common::cache::CacheOption;
+use std::os::raw::c_void;
 
 #[derive(Debug)]
 pub(crate) struct CudaContext {
     pub context: *mut CUctx_st,
     pub module_names: HashMap<KernelId, CompiledKernel>,
-    ptx_cache: Option<CompilationCache<StableHash, PtxCacheEntry>>,
+    ptx_cache: Option<PtxCache>,
     pub timestamps: TimestampProfiler,
     pub arch: CudaArchitecture,
     pub compilation_options: CompilationOptions,
@@ -48,13 +43,6 @@ pub struct CompiledKernel {
     cube_dim: CubeDim,
     shared_mem_bytes: usize,
     func: *mut CUfunc_st,
-}
-
-#[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq, Clone)]
-pub struct PtxCacheEntry {
-    entrypoint_name: String,
-    shared_mem_bytes: usize,
-    ptx: Vec<std::ffi::c_char>,
 }
 
 impl CudaContext {
@@ -70,15 +58,7 @@ impl CudaContext {
             ptx_cache: {
                 use cubecl_runtime::config::RuntimeConfig;
                 let config = cubecl_runtime::config::CubeClRuntimeConfig::get();
-                if let Some(cache) = &config.compilation.cache {
-                    let root = cache.root();
-                    Some(CompilationCache::new(
-                        "ptx",
-                        CacheOption::default().name("cuda").root(root),
-                    ))
-                } else {
-                    None
-                }
+                config.compilation.cache.as_ref().map(|cache| ptx_cache::open(cache.root()))
             },
             arch,
             timestamps: TimestampProfiler::default(),
@@ -101,28 +81,6 @@ impl CudaContext {
         mode: ExecutionMode,
         logger: Arc<ServerLogger>,
     ) -> Result<(), LaunchError> {
-        let hash = if let Some(cache) = &self.ptx_cache {
-            let hash = kernel_id.stable_hash();
-
-            if let Some(entry) = cache.get(&hash) {
-                log::trace!("Using PTX cache");
-
-                self.load_ptx(
-                    entry.ptx.clone(),
-                    kernel_id.clone(),
-                    entry.entrypoint_name.clone(),
-                    kernel_id.cube_dim,
-                    entry.shared_mem_bytes,
-                )?;
-                return Ok(());
-            }
-            Some(hash)
-        } else {
-            None
-        };
-
-        log::trace!("Compiling kernel");
-
         validate_cube_dim(&self.properties, kernel_id)?;
         validate_units(&self.properties, kernel_id)?;
 
@@ -134,6 +92,32 @@ impl CudaContext {
         )?;
 
         self.validate_shared(&kernel_compiled.repr)?;
+        let shared_mem_bytes = kernel_compiled.repr.as_ref().unwrap().shared_memory_size();
+        let cube_dim = kernel_compiled.cube_dim;
+        let arch = ptx_cache::arch_option(&self.arch);
+
+        // burn-ulysses patch: entries keyed by the source (`crate::ptx_cache`), so the source is
+        // written first (milliseconds; NVRTC takes seconds).
+        let key = match &self.ptx_cache {
+            Some(cache) => {
+                let key = ptx_cache::key(&kernel_compiled.source, &arch, ptx_cache::nvrtc_version()?);
+                if let Some(entry) = cache.get(&key) {
+                    log::trace!("Using PTX cache");
+                    self.load_ptx(
+                        entry.ptx.clone(),
+                        kernel_id.clone(),
+                        entry.entrypoint_name.clone(),
+                        cube_dim,
+                        entry.shared_mem_bytes,
+                    )?;
+                    return Ok(());
+                }
+                Some(key)
+            }
+            None => None,
+        };
+
+        log::trace!("Compiling kernel");
 
         if logger.compilation_activated() {
             kernel_compiled.debug_info = Some(DebugInformation::new("cpp", kernel_id.clone()));
@@ -143,81 +127,16 @@ impl CudaContext {
             }
         }
 
-        let cube_dim = kernel_compiled.cube_dim;
-        let arch = if self.arch.version >= 90 {
-            format!("--gpu-architecture=sm_{}a", self.arch)
-        } else {
-            format!("--gpu-architecture=sm_{}", self.arch)
-        };
-
-        let include_path = include_path();
-        let include_option = format!("--include-path={}", include_path.to_str().unwrap());
-        let cccl_include_path = cccl_include_path();
-        let cccl_include_option = format!("--include-path={}", cccl_include_path.to_str().unwrap());
-        let mut options = vec![arch.as_str(), include_option.as_str(), "-lineinfo"];
-        if cccl_include_path.exists() {
-            options.push(&cccl_include_option);
-        }
-
         logger.log_compilation(&kernel_compiled);
 
-        // SAFETY: Calling NVRTC FFI to create, compile, and extract PTX from a program.
-        // The `CString` source is null-terminated and outlives the program. On compilation
-        // failure, the error log is retrieved and reported before returning.
-        let ptx = unsafe {
-            // I'd like to set the name to the kernel name, but keep getting UTF-8 errors so let's
-            // leave it `None` for now
-            let source = CString::from_str(&kernel_compiled.source).unwrap();
-            let program =
-                cudarc::nvrtc::result::create_program(source.as_c_str(), None).map_err(|err| {
-                    CompilationError::Generic {
-                        reason: format!("{err:?}"),
-                        backtrace: BackTrace::capture(),
-                    }
-                })?;
-            if cudarc::nvrtc::result::compile_program(program, &options).is_err() {
-                let log_raw = cudarc::nvrtc::result::get_program_log(program).map_err(|err| {
-                    CompilationError::Generic {
-                        reason: format!("{err:?}"),
-                        backtrace: BackTrace::capture(),
-                    }
-                })?;
+        let ptx = ptx_cache::compile(&kernel_compiled.source, &arch, &ptx_cache::toolkit_include_paths())?;
 
-                let log_ptr = log_raw.as_ptr();
-                let log = CStr::from_ptr(log_ptr).to_str().unwrap();
-                let mut message = "[Compilation Error] ".to_string();
-                for line in log.split('\n') {
-                    if !line.is_empty() {
-                        message += format!("\n    {line}").as_str();
-                    }
-                }
-                let source = kernel
-                    .compile(
-                        &mut Default::default(),
-                        &self.compilation_options,
-                        mode,
-                        kernel.address_type(),
-                    )?
-                    .source;
-                Err(CompilationError::Generic {
-                    reason: format!("{message}\n[Source]  \n{source}"),
-                    backtrace: BackTrace::capture(),
-                })?;
-            };
-            cudarc::nvrtc::result::get_ptx(program).map_err(|err| CompilationError::Generic {
-                reason: format!("{err:?}"),
-                backtrace: BackTrace::capture(),
-            })?
-        };
-
-        let repr = kernel_compiled.repr.unwrap();
-
-        if let Some(cache) = &mut self.ptx_cache {
+        if let (Some(cache), Some(key)) = (&mut self.ptx_cache, key) {
             let result = cache.insert(
-                hash.unwrap(),
+                key,
                 PtxCacheEntry {
                     entrypoint_name: kernel_compiled.entrypoint_name.clone(),
-                    shared_mem_bytes: repr.shared_memory_size(),
+                    shared_mem_bytes,
                     ptx: ptx.clone(),
                 },
             );
@@ -231,7 +150,7 @@ impl CudaContext {
             kernel_id.clone(),
             kernel_compiled.entrypoint_name,
             cube_dim,
-            repr.shared_memory_size(),
+            shared_mem_bytes,
         )?;
         Ok(())
     }

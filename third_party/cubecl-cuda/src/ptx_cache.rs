@@ -1,0 +1,121 @@
+//! burn-ulysses patch: the PTX cache, keyed by what NVRTC compiles rather than by the kernel's id.
+//!
+//! cubecl-cuda 0.10 keys its persistent PTX cache by `KernelId::stable_hash`, which hashes the
+//! kernel's Rust type name (the runtime type among its generics) and the `TypeId` of its launch
+//! settings: an entry serves only the binary that wrote it, and a rebuilt kernel with unchanged
+//! settings would load its old code. Keyed by the CUDA C++ source, the NVRTC options that change
+//! the output and NVRTC's version, an entry is right wherever it is found: written by the GPU run
+//! of any binary, or ahead of it on a machine without a GPU (`ulysses-cuda-sources --ptx-cache`,
+//! whose compile-only runtime writes the same sources), so the first launch on a lent GPU loads
+//! PTX instead of spending NVRTC's seconds per register-fragment kernel.
+
+use std::{
+    ffi::{CStr, CString, c_char},
+    hash::Hash,
+    path::{Path, PathBuf},
+    str::FromStr,
+};
+
+use cubecl_common::{
+    backtrace::BackTrace,
+    cache::CacheOption,
+    compilation_cache::CompilationCache,
+    hash::{StableHash, StableHasher},
+};
+use cubecl_cpp::cuda::arch::CudaArchitecture;
+use cubecl_runtime::compiler::CompilationError;
+
+/// What the cache keeps of one compiled kernel.
+#[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq, Clone)]
+pub struct PtxCacheEntry {
+    pub entrypoint_name: String,
+    pub shared_mem_bytes: usize,
+    pub ptx: Vec<c_char>,
+}
+
+/// The cache's type: entries by [`key`].
+pub type PtxCache = CompilationCache<StableHash, PtxCacheEntry>;
+
+/// The cache under `root` (CubeCL's `[compilation] cache` folder): created if absent, its
+/// entries loaded if present.
+pub fn open(root: impl Into<PathBuf>) -> PtxCache {
+    // Not "ptx", the folder of entries keyed by kernel id: those would never match a key here.
+    CompilationCache::new("ptx-by-source", CacheOption::default().name("cuda").root(root.into()))
+}
+
+/// NVRTC's target option for `arch`: the architecture-specific `a` variant from sm_90 on
+/// (wgmma, setmaxnreg), as cubecl-cuda has always asked.
+pub fn arch_option(arch: &CudaArchitecture) -> String {
+    if arch.version >= 90 {
+        format!("--gpu-architecture=sm_{}a", arch)
+    } else {
+        format!("--gpu-architecture=sm_{}", arch)
+    }
+}
+
+/// Options besides the target and the include folders (which say where headers are, not what
+/// is compiled, and differ between machines).
+const OPTIONS: &[&str] = &["-lineinfo"];
+
+/// The loaded NVRTC's version, (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32), CompilationError> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two valid out-pointers; NVRTC writes both.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|err| generic(format!("NVRTC's version: {err:?}")))?;
+    Ok((major, minor))
+}
+
+/// The entry's key: the source, the target option, the other options and NVRTC's version.
+pub fn key(source: &str, arch_option: &str, nvrtc: (i32, i32)) -> StableHash {
+    let mut hasher = StableHasher::new();
+    source.hash(&mut hasher);
+    arch_option.hash(&mut hasher);
+    OPTIONS.hash(&mut hasher);
+    nvrtc.hash(&mut hasher);
+    hasher.finalize()
+}
+
+/// The include folders of the CUDA toolkit at `CUDA_PATH` (or the usual places): its headers,
+/// and CCCL's (libcu++: `cuda/barrier`) where the toolkit keeps them apart.
+pub fn toolkit_include_paths() -> Vec<PathBuf> {
+    let include = crate::install::include_path();
+    let cccl = crate::install::cccl_include_path();
+    if cccl.exists() { vec![include, cccl] } else { vec![include] }
+}
+
+/// Compiles `source` to PTX with NVRTC for `arch_option`, headers from `include_paths`.
+pub fn compile(source: &str, arch_option: &str, include_paths: &[PathBuf]) -> Result<Vec<c_char>, CompilationError> {
+    let includes: Vec<String> = include_paths.iter().map(|path| format!("--include-path={}", path_str(path))).collect();
+    let options: Vec<&str> = [arch_option].into_iter().chain(OPTIONS.iter().copied()).chain(includes.iter().map(String::as_str)).collect();
+    let source = CString::from_str(source).map_err(|err| generic(format!("the source holds a NUL byte: {err}")))?;
+    let program = cudarc::nvrtc::result::create_program(source.as_c_str(), None).map_err(|err| generic(format!("{err:?}")))?;
+    // SAFETY: `program` comes from `create_program` above, its source outlives it, and it is
+    // destroyed once, after its last use.
+    unsafe {
+        let compiled = cudarc::nvrtc::result::compile_program(program, &options);
+        let ptx = match compiled {
+            Ok(()) => cudarc::nvrtc::result::get_ptx(program).map_err(|err| generic(format!("{err:?}"))),
+            Err(_) => {
+                let log = cudarc::nvrtc::result::get_program_log(program).map_err(|err| generic(format!("{err:?}")))?;
+                let log = CStr::from_ptr(log.as_ptr()).to_string_lossy();
+                let mut message = "[Compilation Error] ".to_string();
+                for line in log.split('\n').filter(|line| !line.is_empty()) {
+                    message += &format!("\n    {line}");
+                }
+                Err(generic(format!("{message}\n[Source]  \n{}", source.to_string_lossy())))
+            }
+        };
+        let _ = cudarc::nvrtc::result::destroy_program(program);
+        ptx
+    }
+}
+
+fn path_str(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
+}
+
+fn generic(reason: String) -> CompilationError {
+    CompilationError::Generic { reason, backtrace: BackTrace::capture() }
+}
