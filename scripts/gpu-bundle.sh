@@ -11,20 +11,33 @@ cd "$(dirname "$0")/.."
 bundle=.gpu-bundle
 rm -rf "$bundle" && mkdir -p "$bundle"/{kernels,memory,nccl,train}
 
-tests=$(scripts/test-executable.sh flash_attention test --release --no-run -p ulysses-kernels --features cuda --test flash_attention)
-bench=$(scripts/test-executable.sh flash_attention bench --no-run -p ulysses-kernels --features cuda --bench flash_attention)
-memory=$(scripts/test-executable.sh training_memory bench --no-run -p ulysses-suite --features cuda --bench training_memory)
-overhead=$(scripts/test-executable.sh decorator_overhead bench --no-run -p ulysses-suite --features cuda --bench decorator_overhead)
-cp "$tests" "$bundle/kernels/flash-attention-tests"
-cp "$bench" "$bundle/kernels/flash-attention-bench"
-cp "$memory" "$bundle/memory/training-memory-bench"
-cp "$overhead" "$bundle/memory/decorator-overhead-bench"
-cargo build --release -p ulysses-nccl --features autotune --bin ulysses-nccl-check
-cargo build --release -p ulysses-dist --bin ulysses-launch
-cargo build --release -p ulysses-trainer --features cuda
-release="${CARGO_TARGET_DIR:-target}/release"
-cp "$release/ulysses-nccl-check" "$release/ulysses-launch" "$bundle/nccl/"
-cp "$release/ulysses-trainer" "$release/ulysses-launch" "$bundle/train/"
+# One cargo invocation for all of them: features unify across its packages, so the burn and
+# CubeCL stacks compile once. (Four invocations resolved the kernel tests and bench without
+# fusion and tracing, and built both stacks twice: 36m57s on 2026-11-30.) Every one of them
+# autotunes burn's kernels (tests/cuda_builds.rs reads this selection).
+selection="-p ulysses-kernels -p ulysses-suite -p ulysses-nccl -p ulysses-dist -p ulysses-trainer --features ulysses-kernels/cuda,ulysses-suite/cuda,ulysses-nccl/autotune,ulysses-trainer/cuda"
+# shellcheck disable=SC2086 # the selection's words are cargo's arguments
+artifacts=$(cargo build --release $selection \
+    --test flash_attention --bench flash_attention --bench training_memory --bench decorator_overhead \
+    --bin ulysses-nccl-check --bin ulysses-launch --bin ulysses-trainer --message-format=json-render-diagnostics)
+# `executable KIND NAME`: the path of the executable of that kind (test, bench, bin) and name.
+executable() {
+    python3 -c 'import json, sys
+kind, name = sys.argv[1:]
+paths = [m["executable"] for m in map(json.loads, sys.stdin)
+         if m.get("reason") == "compiler-artifact" and m.get("executable")
+         and m["target"]["name"] == name and kind in m["target"]["kind"]]
+if len(paths) != 1:
+    sys.exit(f"gpu-bundle: the build made {len(paths)} {kind} executables named {name}")
+print(paths[0])' "$1" "$2" <<<"$artifacts"
+}
+cp "$(executable test flash_attention)" "$bundle/kernels/flash-attention-tests"
+cp "$(executable bench flash_attention)" "$bundle/kernels/flash-attention-bench"
+cp "$(executable bench training_memory)" "$bundle/memory/training-memory-bench"
+cp "$(executable bench decorator_overhead)" "$bundle/memory/decorator-overhead-bench"
+for part in nccl train; do cp "$(executable bin ulysses-launch)" "$bundle/$part/"; done
+cp "$(executable bin ulysses-nccl-check)" "$bundle/nccl/"
+cp "$(executable bin ulysses-trainer)" "$bundle/train/"
 for file in "$bundle"/*/*; do strip "$file"; done
 cp benches/sdpa_reference.py "$bundle/kernels/"
 cp benches/torch_llama_reference.py "$bundle/train/"

@@ -2,25 +2,27 @@
 //! which the project's `default-features = false` on burn-cubecl leaves out. Without it every
 //! matmul runs one fixed kernel whatever its shape, as in the four H100 runs up to 2026-11-27.
 //!
-//! The builds are the ones `scripts/gpu-bundle.sh` makes; for each, `cargo tree` resolves the
-//! features burn-cubecl gets (no build), and a build that has burn-cubecl without `autotune`
-//! fails here, naming the command.
+//! The build is the one `scripts/gpu-bundle.sh` makes (one cargo invocation for every binary);
+//! `cargo tree` resolves the features burn-cubecl gets in it (no build), and without `autotune`
+//! it fails here, naming the selection.
 
 use std::{path::Path, process::Command};
 
-/// `-p PACKAGE`, `--features FEATURES` and whether it builds tests or benches (which take the
-/// dev-dependencies) of each cargo command in `script`.
-fn cargo_builds(script: &str) -> Vec<(String, Option<String>, bool)> {
-    script
-        .lines()
-        .filter(|line| !line.trim_start().starts_with('#') && (line.contains("cargo build") || line.contains("test-executable.sh")))
-        .map(|line| {
-            let words: Vec<&str> = line.split_whitespace().collect();
-            let after = |flag: &str| words.iter().position(|w| *w == flag).map(|i| words[i + 1].trim_end_matches(')').to_string());
-            let package = after("-p").unwrap_or_else(|| panic!("gpu-bundle.sh builds without `-p PACKAGE`: {line}"));
-            (package, after("--features"), line.contains("test-executable.sh"))
-        })
-        .collect()
+/// The packages and features of the one cargo build in `script` (its `selection="..."` line),
+/// as cargo's arguments. Fails unless there is exactly one build and it uses that selection.
+fn the_cargo_build(script: &str) -> Vec<String> {
+    let code: Vec<&str> = script.lines().filter(|line| !line.trim_start().starts_with('#')).collect();
+    let builds: Vec<&&str> = code.iter().filter(|line| line.contains("cargo ") || line.contains("test-executable.sh")).collect();
+    assert!(
+        builds.len() == 1 && builds[0].contains("cargo build --release $selection"),
+        "gpu-bundle.sh must build everything in one `cargo build --release $selection` (features unify across one invocation alone): {builds:?}"
+    );
+    let selection = code
+        .iter()
+        .find_map(|line| line.strip_prefix("selection=\""))
+        .and_then(|rest| rest.strip_suffix('"'))
+        .expect("gpu-bundle.sh has a selection=\"...\" line");
+    selection.split_whitespace().map(str::to_string).collect()
 }
 
 /// burn-cubecl's features in the build that `selection` (cargo's package and feature flags)
@@ -47,22 +49,16 @@ fn burn_cubecl_features(selection: &[&str]) -> Option<String> {
 
 #[test]
 fn every_cuda_build_autotunes_burns_kernels() {
-    let script = include_str!("../scripts/gpu-bundle.sh");
-    let builds = cargo_builds(script);
-    let mut with_burn_cubecl = 0;
-    for (package, features, with_dev) in &builds {
-        // A binary's build has no dev-dependencies: they must not lend it the feature.
-        let mut selection = vec!["-e", if *with_dev { "normal,build,dev" } else { "normal,build" }, "-p", package];
-        selection.extend(features.iter().flat_map(|features| ["--features", features.as_str()]));
-        let Some(tree) = burn_cubecl_features(&selection) else { continue };
-        with_burn_cubecl += 1;
-        assert!(
-            tree.contains("burn-cubecl feature \"autotune\""),
-            "gpu-bundle.sh builds -p {package} --features {features:?} with burn-cubecl but without its `autotune` feature: every matmul would run one untuned kernel. Enable it through the package's CUDA feature (`ulysses-nccl/autotune` or `burn-cubecl/autotune`).\n{tree}"
-        );
-    }
-    // The kernel tests and bench, the two suite benches, the NCCL check and the trainer.
-    assert!(with_burn_cubecl >= 6, "only {with_burn_cubecl} of gpu-bundle.sh's {} builds have burn-cubecl: {builds:?}", builds.len());
+    let build = the_cargo_build(include_str!("../scripts/gpu-bundle.sh"));
+    assert!(build.iter().filter(|word| *word == "-p").count() >= 5, "the kernels, suite, NCCL, launcher and trainer packages: {build:?}");
+    // The build makes tests and benches too, so the dev-dependencies' features are its own.
+    let mut selection = vec!["-e", "normal,build,dev"];
+    selection.extend(build.iter().map(String::as_str));
+    let tree = burn_cubecl_features(&selection).expect("the CUDA build has burn-cubecl");
+    assert!(
+        tree.contains("burn-cubecl feature \"autotune\""),
+        "gpu-bundle.sh builds {build:?} with burn-cubecl but without its `autotune` feature: every matmul would run one untuned kernel. Enable it through the package's CUDA feature (`ulysses-nccl/autotune` or `burn-cubecl/autotune`).\n{tree}"
+    );
 }
 
 #[test]
