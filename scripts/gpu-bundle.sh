@@ -49,8 +49,8 @@ mkdir -p .gpu-carry
 tar cf - "$bundle" | xz -T2 -6 >.gpu-carry/bundle.tar.xz
 du -h .gpu-carry/bundle.tar.xz
 # CubeCL's PTX cache for the calls: the flash kernels of every case the planner may choose on an
-# H100 or H200, compiled here with the GPU image's NVRTC (scripts/ptx-cache.sh; 350 kernels,
-# about 14 minutes on 2 cores the first time, seconds for those held already), added to the cache
+# H100 or H200, compiled here with the GPU image's NVRTC (scripts/ptx-cache.sh; 299 kernels,
+# about 16 minutes on 2 cores the first time, 4 when all are held already), added to the cache
 # the last call returned, if any. The first call on a bare GPU then loads them, where the fifth
 # run's calls spent most of their time in NVRTC.
 fill=$(mktemp -d)
