@@ -50,14 +50,17 @@ tar cf - "$bundle" | xz -T2 -6 >.gpu-carry/bundle.tar.xz
 du -h .gpu-carry/bundle.tar.xz
 # CubeCL's PTX cache for the calls: the flash kernels of every case the planner may choose on an
 # H100 or H200, compiled here with the GPU image's NVRTC (scripts/ptx-cache.sh; 299 kernels,
-# about 16 minutes on 2 cores the first time, 4 when all are held already), added to the cache
-# the last call returned, if any. The first call on a bare GPU then loads them, where the fifth
-# run's calls spent most of their time in NVRTC.
+# about 16 minutes on 2 cores the first time, 4 when all are held already), with what the last
+# call returned: its tuned choices, and its compiled kernels that the plan still has. The first
+# call on a bare GPU then loads them, where the fifth run's calls spent most of their time in
+# NVRTC. A failed fill fails the script after the bundle is whole.
+old=$(mktemp -d)
 fill=$(mktemp -d)
-[ -f .gpu-cache/cubecl-cache.tar.gz ] && tar xzf .gpu-cache/cubecl-cache.tar.gz -C "$fill"
-rm -rf "$fill"/compilation-*  # older bundles' caches, keyed by kernel id
-bash scripts/ptx-cache.sh "$fill/compilation"
+trap 'rm -rf "$old" "$fill"' EXIT
+[ -f .gpu-cache/cubecl-cache.tar.gz ] && tar xzf .gpu-cache/cubecl-cache.tar.gz -C "$old"
+# Tuned matmul choices travel on; compiled kernels only where the plan still has them.
+[ -d "$old/autotune" ] && cp -r "$old/autotune" "$fill/"
+bash scripts/ptx-cache.sh "$fill/compilation" "$old/compilation"
 mkdir -p .gpu-cache
 tar czf .gpu-cache/cubecl-cache.tar.gz.part -C "$fill" . && mv .gpu-cache/cubecl-cache.tar.gz.part .gpu-cache/cubecl-cache.tar.gz
-rm -rf "$fill"
 du -h .gpu-cache/cubecl-cache.tar.gz

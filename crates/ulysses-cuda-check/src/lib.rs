@@ -308,67 +308,98 @@ pub fn write_sources(out: &Path, spec: &str) -> Result<(Vec<String>, Vec<Kernel>
 }
 
 /// What [`fill_ptx_cache`] found and did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PtxCacheFill {
-    /// Kernels the cache held already.
-    pub cached: usize,
+    /// Kernels taken from the previous cache.
+    pub kept: usize,
     /// Kernels compiled by NVRTC and added.
     pub compiled: usize,
+    /// Kernels NVRTC rejected, each with its error (the others are in the cache all the same).
+    pub failed: Vec<String>,
 }
 
-/// Adds to the PTX cache under `root` (CubeCL's `[compilation] cache` folder) every kernel of
-/// `kernels` it lacks, compiled for its target by NVRTC with the headers of the toolkit at
-/// `CUDA_PATH`, as cubecl-cuda's runtime compiles a launch (`cubecl_cuda::ptx_cache`: entries
-/// keyed by the source, which this crate's runtime writes as a GPU's would). A lent GPU then
-/// loads these kernels without compiling them. `threads` NVRTC compiles run at once.
-pub fn fill_ptx_cache(root: &Path, kernels: &[Kernel], threads: usize) -> Result<PtxCacheFill, String> {
+/// Writes to `root` (CubeCL's `[compilation] cache` folder, new or empty) a PTX cache of every
+/// kernel of `kernels`, as cubecl-cuda's runtime looks them up when it launches them on a GPU
+/// (`cubecl_cuda::ptx_cache`: entries keyed by the source, which this crate's runtime writes as
+/// a GPU's would): taken from the cache at `previous` where it holds one, else compiled for its
+/// target by NVRTC with the headers of the toolkit at `CUDA_PATH`, `threads` at once. Nothing
+/// else of `previous` is kept (kernels changed since, kernels a GPU compiled), so the cache
+/// stays the size of one plan. Each compiled kernel is added as soon as it is done: a fill
+/// stopped early keeps what it finished.
+pub fn fill_ptx_cache(root: &Path, previous: Option<&Path>, kernels: &[Kernel], threads: usize) -> Result<PtxCacheFill, String> {
     use cubecl_cuda::ptx_cache;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{
+        atomic::{AtomicUsize, Ordering},
+        mpsc,
+    };
 
     // cudarc loads NVRTC at its first call and panics where it finds none: said plainly here.
     let nvrtc = std::panic::catch_unwind(ptx_cache::nvrtc_version)
         .map_err(|_| "NVRTC could not be loaded: put the folder of libnvrtc.so on LD_LIBRARY_PATH (scripts/ptx-cache.sh does)".to_string())?
         .map_err(|e| format!("{e:?}"))?;
+    // CubeCL's cache panics on a folder it cannot write, or reads one it should not append to.
+    if fs::read_dir(root).is_ok_and(|mut entries| entries.next().is_some()) {
+        return Err(format!("{} is not empty: the fill writes a new cache (give the old one as the previous)", root.display()));
+    }
+    fs::create_dir_all(root).and_then(|()| fs::write(root.join(".written"), b"")).map_err(|e| format!("cannot write the cache at {}: {e}", root.display()))?;
+    let _ = fs::remove_file(root.join(".written"));
+    let old = previous.map(ptx_cache::open);
     let mut cache = ptx_cache::open(root);
-    let mut missing = Vec::new();
+    let (mut kept, mut missing) = (0, Vec::new());
     for kernel in kernels {
         let target = TARGETS.iter().find(|t| t.name == kernel.target).ok_or_else(|| format!("unknown target {}", kernel.target))?;
         let arch = ptx_cache::arch_option(&cubecl_cpp::cuda::arch::CudaArchitecture { version: target.arch });
         let key = ptx_cache::key(&kernel.source, &arch, nvrtc);
-        if cache.get(&key).is_none() && !missing.iter().any(|(k, _, _)| *k == key) {
-            missing.push((key, arch, kernel));
+        if cache.get(&key).is_some() || missing.iter().any(|(k, _, _)| *k == key) {
+            continue;
+        }
+        match old.as_ref().and_then(|old| old.get(&key)) {
+            Some(entry) => {
+                cache.insert(key, entry.clone()).map_err(|e| format!("cannot add {} to the cache: {e:?}", kernel.entrypoint))?;
+                kept += 1;
+            }
+            None => missing.push((key, arch, kernel)),
         }
     }
-    let includes = ptx_cache::toolkit_include_paths();
-    if let Some(missing) = includes.iter().find(|path| !path.exists()) {
-        return Err(format!("no CUDA headers at {}: set CUDA_PATH to a toolkit (scripts/ptx-cache.sh does)", missing.display()));
+    if missing.is_empty() {
+        return Ok(PtxCacheFill { kept, compiled: 0, failed: Vec::new() });
     }
+    let includes = ptx_cache::toolkit_include_paths().map_err(|e| format!("{e:?} (scripts/ptx-cache.sh sets it)"))?;
     let next = AtomicUsize::new(0);
-    let compiled = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads.max(1))
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some((_, arch, kernel)) = missing.get(i) else { break done };
-                        let started = std::time::Instant::now();
-                        let ptx = ptx_cache::compile(&kernel.source, arch, &includes);
-                        eprintln!("ptx-cache: {}/{} {} {} ({:.1} s)", i + 1, missing.len(), kernel.target, kernel.entrypoint, started.elapsed().as_secs_f64());
-                        done.push((i, ptx));
+    let (done, results) = mpsc::channel();
+    let (mut compiled, mut failed) = (0, Vec::new());
+    std::thread::scope(|scope| -> Result<(), String> {
+        for _ in 0..threads.max(1) {
+            let done = done.clone();
+            let (next, missing, includes) = (&next, &missing, &includes);
+            scope.spawn(move || {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some((_, arch, kernel)) = missing.get(i) else { break };
+                    let started = std::time::Instant::now();
+                    let ptx = ptx_cache::compile(&kernel.source, arch, includes);
+                    if done.send((i, ptx, started.elapsed())).is_err() {
+                        break;
                     }
-                })
-            })
-            .collect();
-        workers.into_iter().flat_map(|worker| worker.join().expect("an NVRTC worker panicked")).collect::<Vec<_>>()
-    });
-    for (i, ptx) in compiled {
-        let (key, _, kernel) = &missing[i];
-        let ptx = ptx.map_err(|e| format!("{} for {}: {e:?}", kernel.entrypoint, kernel.target))?;
-        let entry = ptx_cache::PtxCacheEntry { entrypoint_name: kernel.entrypoint.clone(), shared_mem_bytes: kernel.dynamic_shared_bytes, ptx };
-        cache.insert(*key, entry).map_err(|e| format!("cannot add {} to the cache: {e:?}", kernel.entrypoint))?;
-    }
-    Ok(PtxCacheFill { cached: kernels.len() - missing.len(), compiled: missing.len() })
+                }
+            });
+        }
+        drop(done);
+        for (i, ptx, took) in results {
+            let (key, _, kernel) = &missing[i];
+            match ptx {
+                Ok(ptx) => {
+                    let entry = ptx_cache::PtxCacheEntry { entrypoint_name: kernel.entrypoint.clone(), shared_mem_bytes: kernel.dynamic_shared_bytes, ptx };
+                    cache.insert(*key, entry).map_err(|e| format!("cannot add {} to the cache: {e:?}", kernel.entrypoint))?;
+                    compiled += 1;
+                    eprintln!("ptx-cache: {}/{} {} {} ({:.1} s)", compiled + failed.len(), missing.len(), kernel.target, kernel.entrypoint, took.as_secs_f64());
+                }
+                Err(e) => failed.push(format!("{} for {}: {e:?}", kernel.entrypoint, kernel.target)),
+            }
+        }
+        Ok(())
+    })?;
+    Ok(PtxCacheFill { kept, compiled, failed })
 }
 
 #[cfg(test)]
@@ -379,6 +410,25 @@ mod tests {
     /// other orders and at other offsets.
     const FIRST: &str = "struct __align__(4) half_2 {\n    half i_0;\n};\nstruct __align__(8) float_2 {\n    float i_0;\n};\nextern \"C\" __global__ void k() {\n// Shared array size: 16, 64 bytes\nfloat *shared_memory_1 = reinterpret_cast<float*>(&dynamic_shared_mem[0]);\n// Shared value size: 8 bytes\nbar &shared_memory_2 = reinterpret_cast<bar&>(dynamic_shared_mem[64]);\nfloat l_mut_3;\nuint32 l_mut_4;\nfloat l_arr_5[4];\nl_mut_3 = 1.0;\nl_mut_4 = l_mut_3 + 2;\n}";
     const SECOND: &str = "struct __align__(8) float_2 {\n    float i_0;\n};\nstruct __align__(4) half_2 {\n    half i_0;\n};\nextern \"C\" __global__ void k() {\n// Shared value size: 8 bytes\nbar &shared_memory_2 = reinterpret_cast<bar&>(dynamic_shared_mem[0]);\n// Shared array size: 16, 64 bytes\nfloat *shared_memory_1 = reinterpret_cast<float*>(&dynamic_shared_mem[16]);\nfloat l_arr_5[4];\nuint32 l_mut_4;\nfloat l_mut_3;\nl_mut_3 = 1.0;\nl_mut_4 = l_mut_3 + 2;\n}";
+
+    /// Where CubeCL's PTX cache keeps its table of contents under a `[compilation] cache`
+    /// folder: scripts/gpu-call.sh counts the kernels a part compiled there, and
+    /// tests/gpu_scripts.rs writes its stand-in entries there.
+    #[test]
+    fn the_ptx_cache_keeps_its_table_where_the_gpu_calls_count_it() {
+        use cubecl_cuda::ptx_cache;
+        let root = std::env::temp_dir().join(format!("ulysses-ptx-cache-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let entry = ptx_cache::PtxCacheEntry { entrypoint_name: "k".into(), shared_mem_bytes: 64, ptx: vec![46, 0] };
+        let key = ptx_cache::key("extern \"C\" __global__ void k() {}", "--gpu-architecture=sm_90a", (13, 0));
+        ptx_cache::open(&root).insert(key, entry.clone()).unwrap();
+        let toc = std::fs::read_to_string(root.join("cuda/0.10.0/ptx-by-source/toc.json.log")).unwrap();
+        assert_eq!(toc.lines().count(), 1, "{toc}");
+        // Another opening (another process, in effect) finds it; another NVRTC does not.
+        assert_eq!(ptx_cache::open(&root).get(&key), Some(&entry));
+        assert_ne!(key, ptx_cache::key("extern \"C\" __global__ void k() {}", "--gpu-architecture=sm_90a", (13, 1)));
+        let _ = std::fs::remove_dir_all(&root);
+    }
 
     #[test]
     fn one_kernel_compiled_twice_is_one_source_and_a_changed_one_is_not() {

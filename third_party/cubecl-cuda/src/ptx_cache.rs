@@ -53,8 +53,10 @@ pub fn arch_option(arch: &CudaArchitecture) -> String {
     }
 }
 
-/// Options besides the target and the include folders (which say where headers are, not what
-/// is compiled, and differ between machines).
+/// Options besides the target and the include folders. The folders differ between machines and
+/// are left out of the key, and so are the headers in them: NVRTC's version stands for them
+/// (the GPU image's toolkit and the PyPI wheels the fill uses are both 13.0), so a header of
+/// another patch release could change the PTX of an entry, not what the kernel computes.
 const OPTIONS: &[&str] = &["-lineinfo"];
 
 /// The loaded NVRTC's version, (major, minor).
@@ -78,11 +80,15 @@ pub fn key(source: &str, arch_option: &str, nvrtc: (i32, i32)) -> StableHash {
 }
 
 /// The include folders of the CUDA toolkit at `CUDA_PATH` (or the usual places): its headers,
-/// and CCCL's (libcu++: `cuda/barrier`) where the toolkit keeps them apart.
-pub fn toolkit_include_paths() -> Vec<PathBuf> {
-    let include = crate::install::include_path();
-    let cccl = crate::install::cccl_include_path();
-    if cccl.exists() { vec![include, cccl] } else { vec![include] }
+/// and CCCL's (libcu++: `cuda/barrier`) where the toolkit keeps them apart. An error naming
+/// `CUDA_PATH` where there is no toolkit.
+pub fn toolkit_include_paths() -> Result<Vec<PathBuf>, CompilationError> {
+    let include = crate::install::cuda_path()
+        .map(|path| path.join("include"))
+        .filter(|include| include.exists())
+        .ok_or_else(|| generic("no CUDA toolkit headers: set CUDA_PATH to a toolkit (its include/ folder)".into()))?;
+    let cccl = include.join("cccl");
+    Ok(if cccl.exists() { vec![include, cccl] } else { vec![include] })
 }
 
 /// Compiles `source` to PTX with NVRTC for `arch_option`, headers from `include_paths`.
@@ -97,9 +103,11 @@ pub fn compile(source: &str, arch_option: &str, include_paths: &[PathBuf]) -> Re
         let compiled = cudarc::nvrtc::result::compile_program(program, &options);
         let ptx = match compiled {
             Ok(()) => cudarc::nvrtc::result::get_ptx(program).map_err(|err| generic(format!("{err:?}"))),
-            Err(_) => {
-                let log = cudarc::nvrtc::result::get_program_log(program).map_err(|err| generic(format!("{err:?}")))?;
-                let log = CStr::from_ptr(log.as_ptr()).to_string_lossy();
+            Err(err) => {
+                let log = match cudarc::nvrtc::result::get_program_log(program) {
+                    Ok(log) => CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned(),
+                    Err(log_err) => format!("{err:?} (and no log: {log_err:?})"),
+                };
                 let mut message = "[Compilation Error] ".to_string();
                 for line in log.split('\n').filter(|line| !line.is_empty()) {
                     message += &format!("\n    {line}");

@@ -1,8 +1,9 @@
 //! Writes the CUDA C++ sources of every flash kernel the planner would launch on an H100, an
 //! A100 and an L40, with an index, for `scripts/cuda-machine-code.py`; with `--ptx-cache ROOT`,
-//! also compiles those the PTX cache under ROOT lacks and adds them (`scripts/ptx-cache.sh`):
+//! also writes CubeCL's PTX cache of those kernels at ROOT (new or empty), taking what the cache
+//! at `--previous-ptx-cache OLD` holds and compiling the rest (`scripts/ptx-cache.sh`):
 //!
-//!     ulysses-cuda-sources OUT_DIR [--targets sm_90a:representative+sixty-four-bit,sm_80:representative,sm_89:representative] [--ptx-cache ROOT]
+//!     ulysses-cuda-sources OUT_DIR [--targets sm_90a:representative+sixty-four-bit,sm_80:representative,sm_89:representative] [--ptx-cache ROOT [--previous-ptx-cache OLD]]
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -10,12 +11,28 @@ use ulysses_cuda_check::{DEFAULT_TARGETS, fill_ptx_cache, write_sources};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(out) = args.first().map(PathBuf::from) else {
-        eprintln!("usage: ulysses-cuda-sources OUT_DIR [--targets {DEFAULT_TARGETS}] [--ptx-cache ROOT]");
+    let usage = format!("usage: ulysses-cuda-sources OUT_DIR [--targets {DEFAULT_TARGETS}] [--ptx-cache ROOT [--previous-ptx-cache OLD]]");
+    let Some(out) = args.first().filter(|a| !a.starts_with("--")).map(PathBuf::from) else {
+        eprintln!("{usage}");
         return ExitCode::from(2);
     };
-    let option = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str);
-    let targets = option("--targets").unwrap_or(DEFAULT_TARGETS);
+    let mut options = std::collections::HashMap::new();
+    for pair in args[1..].chunks(2) {
+        match pair {
+            [name, value] if ["--targets", "--ptx-cache", "--previous-ptx-cache"].contains(&name.as_str()) && !value.starts_with("--") => {
+                options.insert(name.as_str(), value.as_str());
+            }
+            _ => {
+                eprintln!("error: cannot read {pair:?}\n{usage}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    if options.contains_key("--previous-ptx-cache") && !options.contains_key("--ptx-cache") {
+        eprintln!("error: --previous-ptx-cache without --ptx-cache\n{usage}");
+        return ExitCode::from(2);
+    }
+    let targets = options.get("--targets").copied().unwrap_or(DEFAULT_TARGETS);
     let (lines, kernels) = match write_sources(&out, targets) {
         Ok(written) => written,
         Err(error) => {
@@ -24,10 +41,17 @@ fn main() -> ExitCode {
         }
     };
     lines.iter().for_each(|line| println!("{line}"));
-    if let Some(root) = option("--ptx-cache") {
+    if let Some(root) = options.get("--ptx-cache") {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        match fill_ptx_cache(root.as_ref(), &kernels, threads) {
-            Ok(fill) => println!("PTX cache {root}: {} kernels held already, {} compiled and added", fill.cached, fill.compiled),
+        let previous = options.get("--previous-ptx-cache").map(std::path::Path::new);
+        match fill_ptx_cache(root.as_ref(), previous, &kernels, threads) {
+            Ok(fill) => {
+                println!("PTX cache {root}: {} kernels kept from the previous cache, {} compiled and added", fill.kept, fill.compiled);
+                if !fill.failed.is_empty() {
+                    fill.failed.iter().for_each(|failure| eprintln!("error: NVRTC rejected {failure}"));
+                    return ExitCode::FAILURE;
+                }
+            }
             Err(error) => {
                 eprintln!("error: {error}");
                 return ExitCode::FAILURE;

@@ -103,12 +103,14 @@ impl CudaContext {
                 let key = ptx_cache::key(&kernel_compiled.source, &arch, ptx_cache::nvrtc_version()?);
                 if let Some(entry) = cache.get(&key) {
                     log::trace!("Using PTX cache");
+                    // The entry point and shared memory of the kernel at hand: the PTX is that
+                    // of its very source.
                     self.load_ptx(
                         entry.ptx.clone(),
                         kernel_id.clone(),
-                        entry.entrypoint_name.clone(),
+                        kernel_compiled.entrypoint_name.clone(),
                         cube_dim,
-                        entry.shared_mem_bytes,
+                        shared_mem_bytes,
                     )?;
                     return Ok(());
                 }
@@ -129,7 +131,7 @@ impl CudaContext {
 
         logger.log_compilation(&kernel_compiled);
 
-        let ptx = ptx_cache::compile(&kernel_compiled.source, &arch, &ptx_cache::toolkit_include_paths())?;
+        let ptx = ptx_cache::compile(&kernel_compiled.source, &arch, &ptx_cache::toolkit_include_paths()?)?;
 
         if let (Some(cache), Some(key)) = (&mut self.ptx_cache, key) {
             let result = cache.insert(
