@@ -389,8 +389,7 @@ pub fn fill_ptx_cache(root: &Path, previous: Option<&Path>, kernels: &[Kernel], 
             let (key, _, kernel) = &missing[i];
             match ptx {
                 Ok(ptx) => {
-                    let entry = ptx_cache::PtxCacheEntry { entrypoint_name: kernel.entrypoint.clone(), shared_mem_bytes: kernel.dynamic_shared_bytes, ptx };
-                    cache.insert(*key, entry).map_err(|e| format!("cannot add {} to the cache: {e:?}", kernel.entrypoint))?;
+                    cache.insert(*key, ptx_cache::PtxCacheEntry { ptx }).map_err(|e| format!("cannot add {} to the cache: {e:?}", kernel.entrypoint))?;
                     compiled += 1;
                     eprintln!("ptx-cache: {}/{} {} {} ({:.1} s)", compiled + failed.len(), missing.len(), kernel.target, kernel.entrypoint, took.as_secs_f64());
                 }
@@ -419,14 +418,42 @@ mod tests {
         use cubecl_cuda::ptx_cache;
         let root = std::env::temp_dir().join(format!("ulysses-ptx-cache-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
-        let entry = ptx_cache::PtxCacheEntry { entrypoint_name: "k".into(), shared_mem_bytes: 64, ptx: vec![46, 0] };
+        let ptx = [b".version 9.0\n.target sm_90a\n".repeat(100), vec![0]].concat();
+        let entry = ptx_cache::PtxCacheEntry { ptx: ptx.clone() };
         let key = ptx_cache::key("extern \"C\" __global__ void k() {}", "--gpu-architecture=sm_90a", (13, 0));
         ptx_cache::open(&root).insert(key, entry.clone()).unwrap();
-        let toc = std::fs::read_to_string(root.join("cuda/0.10.0/ptx-by-source/toc.json.log")).unwrap();
+        let folder = root.join("cuda/0.10.0/ptx-by-source");
+        let toc = std::fs::read_to_string(folder.join("toc.json.log")).unwrap();
         assert_eq!(toc.lines().count(), 1, "{toc}");
+        // The PTX as bytes (an array of integers took two bytes a character, and 2.7 s to open
+        // the plan's 126 MB).
+        let chunk = std::fs::metadata(folder.join("chunk0.cbor")).unwrap().len() as usize;
+        assert!(chunk < ptx.len() + 100, "{chunk} bytes kept for {} of PTX", ptx.len());
         // Another opening (another process, in effect) finds it; another NVRTC does not.
         assert_eq!(ptx_cache::open(&root).get(&key), Some(&entry));
         assert_ne!(key, ptx_cache::key("extern \"C\" __global__ void k() {}", "--gpu-architecture=sm_90a", (13, 1)));
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// Caches of the first format (the PTX as an array of integers, beside the entry point and
+    /// shared memory) are still read, so the next fill takes what one holds.
+    #[test]
+    fn a_ptx_cache_of_the_first_format_is_still_read() {
+        use cubecl::{cache::CacheOption, compilation_cache::CompilationCache, hash::StableHash};
+        use cubecl_cuda::ptx_cache;
+        #[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq, Clone)]
+        struct FirstFormat {
+            entrypoint_name: String,
+            shared_mem_bytes: usize,
+            ptx: Vec<std::ffi::c_char>,
+        }
+        let root = std::env::temp_dir().join(format!("ulysses-ptx-cache-first-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let ptx = b".version 9.0\n.target sm_90a\n\0".to_vec();
+        let key = ptx_cache::key("extern \"C\" __global__ void k() {}", "--gpu-architecture=sm_90a", (13, 0));
+        let first = FirstFormat { entrypoint_name: "k".into(), shared_mem_bytes: 64, ptx: ptx.iter().map(|&b| b as std::ffi::c_char).collect() };
+        CompilationCache::<StableHash, FirstFormat>::new(ptx_cache::FOLDER, CacheOption::default().name("cuda").root(root.clone())).insert(key, first).unwrap();
+        assert_eq!(ptx_cache::open(&root).get(&key), Some(&ptx_cache::PtxCacheEntry { ptx }));
         let _ = std::fs::remove_dir_all(&root);
     }
 

@@ -10,10 +10,11 @@
 //! PTX instead of spending NVRTC's seconds per register-fragment kernel.
 
 use std::{
-    ffi::{CStr, CString, c_char},
+    ffi::{CStr, CString},
     hash::Hash,
     path::{Path, PathBuf},
     str::FromStr,
+    sync::OnceLock,
 };
 
 use cubecl_common::{
@@ -25,22 +26,30 @@ use cubecl_common::{
 use cubecl_cpp::cuda::arch::CudaArchitecture;
 use cubecl_runtime::compiler::CompilationError;
 
-/// What the cache keeps of one compiled kernel.
+/// What the cache keeps of one compiled kernel: its PTX, NUL-terminated, as NVRTC wrote it.
+///
+/// A CBOR byte string, read back with one copy. The first entries kept `ptx` as an array of
+/// integers (two bytes for each character of PTX) beside the kernel's entry point and shared
+/// memory, which a hit takes from the kernel at hand: a process took 2.7 s to open the plan's
+/// 126 MB cache. They are still read (an array of integers is read as bytes; fields not named
+/// here are skipped), and a fill that takes them writes them anew as bytes.
 #[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq, Clone)]
 pub struct PtxCacheEntry {
-    pub entrypoint_name: String,
-    pub shared_mem_bytes: usize,
-    pub ptx: Vec<c_char>,
+    #[serde(with = "serde_bytes")]
+    pub ptx: Vec<u8>,
 }
 
 /// The cache's type: entries by [`key`].
 pub type PtxCache = CompilationCache<StableHash, PtxCacheEntry>;
 
+/// The cache's folder under `cuda/<cubecl's version>/`. Not "ptx", the folder of entries keyed
+/// by kernel id: those would never match a key here.
+pub const FOLDER: &str = "ptx-by-source";
+
 /// The cache under `root` (CubeCL's `[compilation] cache` folder): created if absent, its
 /// entries loaded if present.
 pub fn open(root: impl Into<PathBuf>) -> PtxCache {
-    // Not "ptx", the folder of entries keyed by kernel id: those would never match a key here.
-    CompilationCache::new("ptx-by-source", CacheOption::default().name("cuda").root(root.into()))
+    CompilationCache::new(FOLDER, CacheOption::default().name("cuda").root(root.into()))
 }
 
 /// NVRTC's target option for `arch`: the architecture-specific `a` variant from sm_90 on
@@ -59,14 +68,18 @@ pub fn arch_option(arch: &CudaArchitecture) -> String {
 /// another patch release could change the PTX of an entry, not what the kernel computes.
 const OPTIONS: &[&str] = &["-lineinfo"];
 
-/// The loaded NVRTC's version, (major, minor).
+/// The loaded NVRTC's version, (major, minor): asked once, as every kernel's key holds it.
 pub fn nvrtc_version() -> Result<(i32, i32), CompilationError> {
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: two valid out-pointers; NVRTC writes both.
-    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
-        .result()
-        .map_err(|err| generic(format!("NVRTC's version: {err:?}")))?;
-    Ok((major, minor))
+    static VERSION: OnceLock<Result<(i32, i32), String>> = OnceLock::new();
+    let version = VERSION.get_or_init(|| {
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: two valid out-pointers; NVRTC writes both.
+        unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+            .result()
+            .map(|()| (major, minor))
+            .map_err(|err| format!("NVRTC's version: {err:?}"))
+    });
+    version.clone().map_err(generic)
 }
 
 /// The entry's key: the source, the target option, the other options and NVRTC's version.
@@ -91,8 +104,9 @@ pub fn toolkit_include_paths() -> Result<Vec<PathBuf>, CompilationError> {
     Ok(if cccl.exists() { vec![include, cccl] } else { vec![include] })
 }
 
-/// Compiles `source` to PTX with NVRTC for `arch_option`, headers from `include_paths`.
-pub fn compile(source: &str, arch_option: &str, include_paths: &[PathBuf]) -> Result<Vec<c_char>, CompilationError> {
+/// Compiles `source` to PTX (NUL-terminated) with NVRTC for `arch_option`, headers from
+/// `include_paths`.
+pub fn compile(source: &str, arch_option: &str, include_paths: &[PathBuf]) -> Result<Vec<u8>, CompilationError> {
     let includes: Vec<String> = include_paths.iter().map(|path| format!("--include-path={}", path_str(path))).collect();
     let options: Vec<&str> = [arch_option].into_iter().chain(OPTIONS.iter().copied()).chain(includes.iter().map(String::as_str)).collect();
     let source = CString::from_str(source).map_err(|err| generic(format!("the source holds a NUL byte: {err}")))?;
@@ -102,7 +116,9 @@ pub fn compile(source: &str, arch_option: &str, include_paths: &[PathBuf]) -> Re
     unsafe {
         let compiled = cudarc::nvrtc::result::compile_program(program, &options);
         let ptx = match compiled {
-            Ok(()) => cudarc::nvrtc::result::get_ptx(program).map_err(|err| generic(format!("{err:?}"))),
+            Ok(()) => cudarc::nvrtc::result::get_ptx(program)
+                .map(|ptx| ptx.into_iter().map(|c| c as u8).collect())
+                .map_err(|err| generic(format!("{err:?}"))),
             Err(err) => {
                 let log = match cudarc::nvrtc::result::get_program_log(program) {
                     Ok(log) => CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned(),

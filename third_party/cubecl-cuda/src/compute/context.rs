@@ -23,7 +23,6 @@ use cudarc::driver::sys::CUfunc_st;
 use cudarc::driver::sys::{CUctx_st, CUfunction_attribute, CUtensorMap};
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::ffi::c_char;
 use std::sync::Arc;
 use std::os::raw::c_void;
 
@@ -105,8 +104,9 @@ impl CudaContext {
                     log::trace!("Using PTX cache");
                     // The entry point and shared memory of the kernel at hand: the PTX is that
                     // of its very source.
+                    let ptx = entry.ptx.clone();
                     self.load_ptx(
-                        entry.ptx.clone(),
+                        &ptx,
                         kernel_id.clone(),
                         kernel_compiled.entrypoint_name.clone(),
                         cube_dim,
@@ -136,11 +136,7 @@ impl CudaContext {
         if let (Some(cache), Some(key)) = (&mut self.ptx_cache, key) {
             let result = cache.insert(
                 key,
-                PtxCacheEntry {
-                    entrypoint_name: kernel_compiled.entrypoint_name.clone(),
-                    shared_mem_bytes,
-                    ptx: ptx.clone(),
-                },
+                PtxCacheEntry { ptx: ptx.clone() },
             );
             if let Err(err) = result {
                 log::warn!("Unable to save the ptx {err:?}");
@@ -148,7 +144,7 @@ impl CudaContext {
         }
 
         self.load_ptx(
-            ptx,
+            &ptx,
             kernel_id.clone(),
             kernel_compiled.entrypoint_name,
             cube_dim,
@@ -159,7 +155,7 @@ impl CudaContext {
 
     fn load_ptx(
         &mut self,
-        ptx: Vec<c_char>,
+        ptx: &[u8],
         kernel_id: KernelId,
         entrypoint_name: String,
         cube_dim: CubeDim,
