@@ -21,16 +21,7 @@ artifacts=$(cargo build --release $selection \
     --test flash_attention --bench flash_attention --bench training_memory --bench decorator_overhead \
     --bin ulysses-nccl-check --bin ulysses-launch --bin ulysses-trainer --message-format=json-render-diagnostics)
 # `executable KIND NAME`: the path of the executable of that kind (test, bench, bin) and name.
-executable() {
-    python3 -c 'import json, sys
-kind, name = sys.argv[1:]
-paths = [m["executable"] for m in map(json.loads, sys.stdin)
-         if m.get("reason") == "compiler-artifact" and m.get("executable")
-         and m["target"]["name"] == name and kind in m["target"]["kind"]]
-if len(paths) != 1:
-    sys.exit(f"gpu-bundle: the build made {len(paths)} {kind} executables named {name}")
-print(paths[0])' "$1" "$2" <<<"$artifacts"
-}
+executable() { python3 scripts/cargo-executable.py "$1" "$2" <<<"$artifacts"; }
 cp "$(executable test flash_attention)" "$bundle/kernels/flash-attention-tests"
 cp "$(executable bench flash_attention)" "$bundle/kernels/flash-attention-bench"
 cp "$(executable bench training_memory)" "$bundle/memory/training-memory-bench"

@@ -31,7 +31,7 @@ export ULYSSES_REQUIRE_GPU_RUNTIME=1
 # (the 16³ case: 47 s with them, 40 s without, 2026-11-26), and these tiny cases run as fast.
 export GALLIVM_PERF="${GALLIVM_PERF:-nopt}"
 
-exe=$(scripts/test-executable.sh flash_attention test -p ulysses-kernels --features spirv --test flash_attention --no-run)
+exe=$(scripts/test-executable.sh test flash_attention test -p ulysses-kernels --features spirv --test flash_attention --no-run)
 
 # `run NAME ENGINE FILTER...`: the filtered tests, each expected on tensor-cores-ENGINE.
 run() {
