@@ -4,7 +4,7 @@
 # device call carries (kernels 21 MB, memory 26, nccl 26, train 44 on 2026-11-24), and all of
 # them compressed in .gpu-carry/bundle.tar.xz (20 MB): carry .gpu-carry and run
 # scripts/gpu-call.sh there, which runs gpu-run.sh's parts (KERNELS_RUN / MEMORY_RUN / TRAIN_RUN).
-# Then the flash kernels' PTX, compiled here into .gpu-cache/cubecl-cache.tar.gz (see the end):
+# Then the flash kernels' PTX, compiled here into .gpu-cache/cubecl-cache.tar.xz (see the end):
 # carry .gpu-cache too, from the first call on. Any failed build stops it with cargo's messages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,18 +40,19 @@ mkdir -p .gpu-carry
 tar cf - "$bundle" | xz -T2 -6 >.gpu-carry/bundle.tar.xz
 du -h .gpu-carry/bundle.tar.xz
 # CubeCL's PTX cache for the calls: the flash kernels of every case the planner may choose on an
-# H100 or H200, compiled here with the GPU image's NVRTC (scripts/ptx-cache.sh; 299 kernels,
-# about 16 minutes on 2 cores the first time, 4 when all are held already), with what the last
-# call returned: its tuned choices, and its compiled kernels that the plan still has. The first
-# call on a bare GPU then loads them, where the fifth run's calls spent most of their time in
-# NVRTC. A failed fill fails the script after the bundle is whole.
+# H100 or H200, and burn's kernels of the 1B shape's training step with every autotune candidate
+# (TRAIN_RUNS), compiled here with the GPU image's NVRTC (scripts/ptx-cache.sh; 299 + 308
+# kernels, about 23 minutes on 2 cores the first time, 5 when all are held already), with what
+# the last call returned: its tuned choices, and its compiled kernels that the plan still has.
+# The first call on a bare GPU then loads them, where the fifth run's calls spent most of their
+# time in NVRTC. A failed fill fails the script after the bundle is whole.
 old=$(mktemp -d)
 fill=$(mktemp -d)
 trap 'rm -rf "$old" "$fill"' EXIT
-[ -f .gpu-cache/cubecl-cache.tar.gz ] && tar xzf .gpu-cache/cubecl-cache.tar.gz -C "$old"
+[ -f .gpu-cache/cubecl-cache.tar.xz ] && tar xJf .gpu-cache/cubecl-cache.tar.xz -C "$old"
 # Tuned matmul choices travel on; compiled kernels only where the plan still has them.
 [ -d "$old/autotune" ] && cp -r "$old/autotune" "$fill/"
 bash scripts/ptx-cache.sh "$fill/compilation" "$old/compilation"
 mkdir -p .gpu-cache
-tar czf .gpu-cache/cubecl-cache.tar.gz.part -C "$fill" . && mv .gpu-cache/cubecl-cache.tar.gz.part .gpu-cache/cubecl-cache.tar.gz
-du -h .gpu-cache/cubecl-cache.tar.gz
+tar -c -I "xz -T0 -3" -f .gpu-cache/cubecl-cache.tar.xz.part -C "$fill" . && mv .gpu-cache/cubecl-cache.tar.xz.part .gpu-cache/cubecl-cache.tar.xz
+du -h .gpu-cache/cubecl-cache.tar.xz

@@ -92,7 +92,7 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     fs::create_dir_all(&toc).unwrap();
     fs::write(toc.join("toc.json.log"), "{\"key\":1}\n{\"key\":2}\n").unwrap();
     fs::create_dir_all(cubecl.join("compilation-0123456789abcdef")).unwrap();
-    let packed = Command::new("tar").arg("czf").arg(dir.path().join(".gpu-cache/cubecl-cache.tar.gz")).arg("-C").arg(&cubecl).arg(".").status().expect("tar packs");
+    let packed = Command::new("tar").arg("cJf").arg(dir.path().join(".gpu-cache/cubecl-cache.tar.xz")).arg("-C").arg(&cubecl).arg(".").status().expect("tar packs");
     assert!(packed.success());
     let started = std::time::Instant::now();
     let output = Command::new("bash")
@@ -126,12 +126,12 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
         assert!(listing.lines().any(|line| line.trim_start_matches("./") == entry), "the driver's cache came back without {entry}: {listing:?}\n{stdout}");
     }
     // And CubeCL's, with the kernel compiled here, without the old bundle's.
-    let listing = Command::new("tar").arg("tzf").arg(out.join("cubecl-cache.tar.gz")).output().expect("tar lists CubeCL's cache");
+    let listing = Command::new("tar").arg("tJf").arg(out.join("cubecl-cache.tar.xz")).output().expect("tar lists CubeCL's cache");
     let listing = String::from_utf8_lossy(&listing.stdout);
     assert!(!listing.contains("compilation-0123456789abcdef"), "an old bundle's cache came back: {listing}");
     let extracted = dir.path().join("returned");
     fs::create_dir_all(&extracted).unwrap();
-    assert!(Command::new("tar").arg("xzf").arg(out.join("cubecl-cache.tar.gz")).arg("-C").arg(&extracted).status().unwrap().success());
+    assert!(Command::new("tar").arg("xJf").arg(out.join("cubecl-cache.tar.xz")).arg("-C").arg(&extracted).status().unwrap().success());
     let toc = fs::read_to_string(extracted.join("compilation/cuda/0.10.0/ptx-by-source/toc.json.log")).unwrap();
     assert_eq!(toc.lines().count(), 3, "{toc}");
 }

@@ -7,6 +7,10 @@
 //! causal or not, with or without visible ranges, forward and backward. The sources then go
 //! through NVRTC, ptxas and the disassembler (`scripts/cuda-machine-code.py`): registers,
 //! spills, shared memory, blocks per SM and tensor-core instructions per kernel.
+//!
+//! Any other code run on the runtime (`ulysses-trainer --backend cuda-compile-only`: a training
+//! step, burn's autotune candidates among its kernels) is written out by [`write_launched`], and
+//! [`fill_ptx_cache`] compiles what it is given into the PTX cache a GPU run loads.
 
 pub mod runtime;
 
@@ -268,7 +272,6 @@ pub const DEFAULT_TARGETS: &str = "sm_90a:representative+sixty-four-bit,sm_80:re
 /// shared memory, block, cases and file) and `<target>/<n>-<kernel>.cu`. Returns a line per
 /// target, and the kernels.
 pub fn write_sources(out: &Path, spec: &str) -> Result<(Vec<String>, Vec<Kernel>), String> {
-    let mut index = Vec::new();
     let mut lines = Vec::new();
     let mut all = Vec::new();
     for part in spec.split(',') {
@@ -290,21 +293,105 @@ pub fn write_sources(out: &Path, spec: &str) -> Result<(Vec<String>, Vec<Kernel>
         cases.sort();
         cases.dedup();
         let kernels = collect(target, &cases)?;
-        let folder = out.join(name);
-        fs::create_dir_all(&folder).map_err(|e| format!("cannot create {}: {e}", folder.display()))?;
         lines.push(format!("{name} ({plan} plan, {} cases): {} distinct kernel sources", cases.len(), kernels.len()));
-        for (n, kernel) in kernels.into_iter().enumerate() {
-            let file = format!("{name}/{n:03}-{}.cu", kernel.kernel);
-            fs::write(out.join(&file), &kernel.source).map_err(|e| format!("cannot write {file}: {e}"))?;
-            let mut entry = serde_json::to_value(&kernel).map_err(|e| e.to_string())?;
-            entry["file"] = serde_json::Value::String(file);
-            index.push(entry);
-            all.push(kernel);
-        }
+        all.extend(kernels);
+    }
+    write_index(out, &all)?;
+    Ok((lines, all))
+}
+
+/// Writes `kernels` to `out`: `<target>/<n>-<kernel>.cu` each, and `index.json` (the targets'
+/// limits, and per kernel its target, kernel, engine, dynamic shared memory, block, cases and
+/// file), which [`read_kernels`] reads back.
+fn write_index(out: &Path, kernels: &[Kernel]) -> Result<(), String> {
+    let mut index = Vec::new();
+    let mut numbers: BTreeMap<&str, usize> = BTreeMap::new();
+    for kernel in kernels {
+        let n = numbers.entry(kernel.target).or_default();
+        let file = format!("{}/{n:03}-{}.cu", kernel.target, kernel.kernel);
+        *n += 1;
+        fs::create_dir_all(out.join(kernel.target)).map_err(|e| format!("cannot create {}: {e}", out.join(kernel.target).display()))?;
+        fs::write(out.join(&file), &kernel.source).map_err(|e| format!("cannot write {file}: {e}"))?;
+        let mut entry = serde_json::to_value(kernel).map_err(|e| e.to_string())?;
+        entry["file"] = serde_json::Value::String(file);
+        index.push(entry);
     }
     let text = serde_json::to_string_pretty(&serde_json::json!({ "targets": TARGETS, "kernels": index })).map_err(|e| e.to_string())?;
-    fs::write(out.join("index.json"), text).map_err(|e| format!("cannot write the index: {e}"))?;
-    Ok((lines, all))
+    fs::write(out.join("index.json"), text).map_err(|e| format!("cannot write the index: {e}"))
+}
+
+/// The kernels [`write_index`] wrote to `dir` (their target, entry point and source: what a
+/// PTX cache needs).
+pub fn read_kernels(dir: &Path) -> Result<Vec<Kernel>, String> {
+    let index = dir.join("index.json");
+    let text = fs::read_to_string(&index).map_err(|e| format!("cannot read {}: {e}", index.display()))?;
+    let index: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", index.display()))?;
+    let entries = index["kernels"].as_array().ok_or_else(|| format!("{}/index.json lists no kernels", dir.display()))?;
+    entries
+        .iter()
+        .map(|entry| {
+            let field = |name: &str| entry[name].as_str().ok_or_else(|| format!("{}/index.json: a kernel without {name}", dir.display()));
+            let target = TARGETS.iter().find(|t| Ok(t.name) == field("target")).ok_or_else(|| format!("{}/index.json: unknown target {entry}", dir.display()))?;
+            let file = dir.join(field("file")?);
+            let source = fs::read_to_string(&file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+            Ok(Kernel {
+                target: target.name,
+                kernel: field("kernel")?.to_string(),
+                entrypoint: field("entrypoint")?.to_string(),
+                engine: field("engine")?.to_string(),
+                dynamic_shared_bytes: entry["dynamic_shared_bytes"].as_u64().unwrap_or(0) as usize,
+                block: serde_json::from_value(entry["block"].clone()).unwrap_or((0, 0, 0)),
+                cases: Vec::new(),
+                source_key: field("source_key")?.to_string(),
+                source,
+            })
+        })
+        .collect()
+}
+
+/// Writes to `out` (as [`write_index`]) every distinct kernel source launched on the
+/// compile-only runtime since its record was last taken, burn's own kernels among them (each
+/// autotune candidate too: tuning launches every one), in the order first launched: what the
+/// same code launches on that GPU, for [`fill_ptx_cache`]. Kernels CubeCL could not compile are
+/// left out, as autotune leaves them out on a GPU. Returns a line saying what it wrote.
+pub fn write_launched(out: &Path) -> Result<String, String> {
+    let (mut kernels, mut seen, mut failed) = (Vec::new(), std::collections::HashSet::new(), BTreeMap::<String, usize>::new());
+    for compiled in runtime::take_compiled() {
+        let compiled = match compiled {
+            Ok(compiled) => compiled,
+            Err(error) => {
+                *failed.entry(error).or_default() += 1;
+                continue;
+            }
+        };
+        if !seen.insert(compiled.source.clone()) {
+            continue;
+        }
+        kernels.push(Kernel {
+            target: compiled.target,
+            kernel: kernel_of(&compiled.entrypoint).unwrap_or("burn").to_string(),
+            entrypoint: compiled.entrypoint.clone(),
+            engine: "-".into(),
+            dynamic_shared_bytes: compiled.dynamic_shared_bytes,
+            block: compiled.block,
+            cases: Vec::new(),
+            source_key: source_key(&canonical_source(&compiled.source)),
+            source: compiled.source.clone(),
+        });
+    }
+    fs::create_dir_all(out).map_err(|e| format!("cannot create {}: {e}", out.display()))?;
+    write_index(out, &kernels)?;
+    let failures: String = failed.iter().map(|(error, launches)| format!("{launches} launches: {error}\n")).collect();
+    fs::write(out.join("not-compiled.txt"), failures).map_err(|e| format!("cannot write {}/not-compiled.txt: {e}", out.display()))?;
+    let flash = kernels.iter().filter(|k| k.kernel != "burn").count();
+    Ok(format!(
+        "{} distinct kernel sources launched ({flash} of them flash kernels, {} burn's), written to {}; {} launches of {} kernels CubeCL could not compile (not-compiled.txt)",
+        kernels.len(),
+        kernels.len() - flash,
+        out.display(),
+        failed.values().sum::<usize>(),
+        failed.len()
+    ))
 }
 
 /// What [`fill_ptx_cache`] found and did.

@@ -5,7 +5,10 @@
 //! The kernels' planner and launch code run unchanged on it, so the sources are exactly those
 //! a launch on that GPU would compile with NVRTC.
 
-use std::sync::{Arc, Mutex};
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
 
 use cubecl::{
     Runtime,
@@ -14,12 +17,8 @@ use cubecl::{
     bytes::Bytes,
     future::DynFut,
     stream_id::StreamId,
-    ir::{
-        ContiguousElements, DeviceProperties, ElemType, FloatKind, HardwareProperties, MatrixLayout, MemoryDeviceProperties, MmaProperties, StorageType, Type,
-        TargetProperties, VectorSize,
-        features::{AtomicUsage, Plane, TypeUsage},
-    },
-    profile::{ProfileDuration, TimingMethod},
+    ir::{ContiguousElements, DeviceProperties, HardwareProperties, MatrixLayout, MemoryDeviceProperties, MmaProperties, TargetProperties, VectorSize},
+    profile::ProfileDuration,
     server::{
         Binding, ComputeServer, CopyDescriptor, CubeCount, ExecutionMode, KernelArguments, ProfileError, ProfilingToken, ServerCommunication, ServerError,
         ServerUtilities,
@@ -27,17 +26,16 @@ use cubecl::{
     zspace::{Shape, Strides, striding::has_pitched_row_major_strides},
 };
 use cubecl_cpp::{
-    DialectWmmaCompiler, register_supported_types,
     cuda::{
         CudaDialect,
-        arch::CudaArchitecture,
         mma::{CudaWmmaCompiler, contiguous_elements_cuda},
     },
-    shared::{CompilationOptions, CppCompiler, CppSupportedFeatures, register_mma_features, register_wmma_features},
+    shared::{CompilationOptions, CppCompiler, CppSupportedFeatures},
 };
 use cubecl_runtime::{
-    allocator::ContiguousMemoryLayoutPolicy,
+    allocator::PitchedMemoryLayoutPolicy,
     compiler::CubeTask,
+    id::KernelId,
     logging::ServerLogger,
     memory_management::{ManagedMemoryHandle, MemoryAllocationMode, MemoryConfiguration, MemoryManagement, MemoryManagementOptions, MemoryUsage},
     storage::{BytesResource, BytesStorage, ComputeStorage, ManagedResource},
@@ -115,10 +113,10 @@ pub struct CompiledSource {
 }
 
 /// What launches compiled, or failed to, since [`take_compiled`] was last called.
-static COMPILED: Mutex<Vec<Result<CompiledSource, String>>> = Mutex::new(Vec::new());
+static COMPILED: Mutex<Vec<Result<Arc<CompiledSource>, String>>> = Mutex::new(Vec::new());
 
 /// The sources compiled so far (and compile errors), emptying the record.
-pub fn take_compiled() -> Vec<Result<CompiledSource, String>> {
+pub fn take_compiled() -> Vec<Result<Arc<CompiledSource>, String>> {
     std::mem::take(&mut *COMPILED.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
@@ -158,52 +156,33 @@ pub struct CompileOnlyServer {
     memory: MemoryManagement<BytesStorage>,
     utilities: Arc<ServerUtilities<Self>>,
     timestamps: TimestampProfiler,
+    /// What each kernel id compiled to, as cubecl-cuda's server keeps its modules: a training
+    /// step launches each kernel thousands of times.
+    compiled: HashMap<KernelId, Result<Arc<CompiledSource>, String>>,
 }
 
-/// The properties cubecl-cuda 0.10's runtime registers for `target` (its `DeviceService::init`,
-/// with the values it would read from the driver filled in).
-fn properties(target: &Target, memory: MemoryDeviceProperties) -> DeviceProperties {
-    let arch = CudaArchitecture { version: target.arch };
+/// The properties and compilation options cubecl-cuda's runtime registers for `target` (its
+/// `DeviceService::init`, from `cubecl_cuda::device_properties`), with the values it would read
+/// from the driver filled in from the target.
+fn properties(target: &Target, memory: MemoryDeviceProperties) -> (DeviceProperties, CompilationOptions) {
     let hardware = HardwareProperties {
         load_width: 128,
         plane_size_min: 32,
         plane_size_max: 32,
-        max_bindings: 1024,
+        max_bindings: cubecl_cuda::CUDA_MAX_BINDINGS,
         max_shared_memory_size: target.max_shared_per_block,
         max_cube_count: (i32::MAX as u32, u16::MAX as u32, u16::MAX as u32),
         max_units_per_cube: 1024,
         max_cube_dim: (1024, 1024, 64),
         num_streaming_multiprocessors: Some(target.sms),
-        num_tensor_cores: Some(4),
+        num_tensor_cores: cubecl_cuda::tensor_cores_per_sm(target.arch),
         min_tensor_cores_dim: Some(8),
         num_cpu_cores: None,
         max_vector_size: VectorSize::MAX,
     };
-    let mut properties = DeviceProperties::new(Default::default(), memory, hardware, TimingMethod::System);
-    register_supported_types(&mut properties);
-    properties.register_type_usage(ElemType::Float(FloatKind::TF32), TypeUsage::Conversion);
-    properties.features.plane.insert(Plane::Sync);
-    properties.features.plane.insert(Plane::Ops);
-    properties.features.plane.insert(Plane::NonUniformControlFlow);
-    if target.arch >= 80 {
-        properties.features.copy_async = true;
-    }
-    for (since, instructions) in [(75, &mut properties.features.matmul.ldmatrix), (90, &mut properties.features.matmul.stmatrix)] {
-        if target.arch >= since {
-            instructions.extend([FloatKind::F16, FloatKind::BF16].map(|kind| StorageType::Scalar(ElemType::Float(kind))));
-        }
-    }
-    if target.arch >= 90 {
-        for width in [2, 4] {
-            let vector = Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(width);
-            properties.register_atomic_type_usage(vector, AtomicUsage::LoadStore | AtomicUsage::Add);
-        }
-    }
-    properties.features.memory_reinterpret = true;
-    properties.features.alignment = true;
-    register_wmma_features(CudaWmmaCompiler::supported_wmma_combinations(&arch), &mut properties);
-    register_mma_features(CudaWmmaCompiler::supported_mma_combinations(&arch), &mut properties);
-    properties
+    let mut options = CompilationOptions { warp_size: 32, supports_features: CppSupportedFeatures { fast_math: true, ..Default::default() } };
+    let properties = cubecl_cuda::device_properties(target.arch, memory, hardware, &mut options);
+    (properties, options)
 }
 
 impl DeviceService for CompileOnlyServer {
@@ -220,13 +199,10 @@ impl DeviceService for CompileOnlyServer {
             logger.clone(),
             MemoryManagementOptions::new("compile-only host memory"),
         );
-        let properties = properties(target, memory_properties.clone());
-        let options = CompilationOptions {
-            warp_size: 32,
-            supports_features: CppSupportedFeatures { fast_math: true, grid_constants: true, clusters: target.arch >= 90, elect_sync: target.arch >= 90, fast_tanh: true },
-        };
-        let utilities = Arc::new(ServerUtilities::new(properties, logger, (), ContiguousMemoryLayoutPolicy::new(memory_properties.alignment as usize)));
-        Self { target, options, memory, utilities, timestamps: TimestampProfiler::default() }
+        let (properties, options) = properties(target, memory_properties.clone());
+        // Pitched rows as cubecl-cuda allocates them: strides are part of burn's kernels' sources.
+        let utilities = Arc::new(ServerUtilities::new(properties, logger, (), PitchedMemoryLayoutPolicy::new(memory_properties.alignment as usize)));
+        Self { target, options, memory, utilities, timestamps: TimestampProfiler::default(), compiled: HashMap::new() }
     }
 
     fn utilities(&self) -> ServerUtilitiesHandle {
@@ -241,7 +217,7 @@ impl ServerCommunication for CompileOnlyServer {
 impl ComputeServer for CompileOnlyServer {
     type Kernel = Box<dyn CubeTask<CudaCompiler>>;
     type Storage = BytesStorage;
-    type MemoryLayoutPolicy = ContiguousMemoryLayoutPolicy;
+    type MemoryLayoutPolicy = PitchedMemoryLayoutPolicy;
     type Info = ();
 
     fn logger(&self) -> Arc<ServerLogger> {
@@ -287,18 +263,26 @@ impl ComputeServer for CompileOnlyServer {
         Ok(ManagedResource::new(binding.memory, resource))
     }
 
+    /// Records the kernel's source; every launch is recorded, a kernel id compiled once.
     unsafe fn launch(&mut self, kernel: Self::Kernel, _count: CubeCount, _bindings: KernelArguments, mode: ExecutionMode, _stream_id: StreamId) {
-        let compiled = kernel
-            .compile(&mut CudaCompiler::default(), &self.options, mode, kernel.address_type())
-            .map(|compiled| CompiledSource {
-                target: self.target.name,
-                entrypoint: compiled.entrypoint_name,
-                dynamic_shared_bytes: compiled.repr.as_ref().map(|repr| repr.shared_memory_size()).unwrap_or(0),
-                block: (compiled.cube_dim.x, compiled.cube_dim.y, compiled.cube_dim.z),
-                source: compiled.source,
-            })
-            .map_err(|error| format!("{}: {error:?}", kernel.name()));
-        COMPILED.lock().unwrap_or_else(|p| p.into_inner()).push(compiled);
+        let mut id = kernel.id();
+        id.mode(mode);
+        let (target, options) = (self.target.name, &self.options);
+        let compiled = self.compiled.entry(id).or_insert_with(|| {
+            kernel
+                .compile(&mut CudaCompiler::default(), options, mode, kernel.address_type())
+                .map(|compiled| {
+                    Arc::new(CompiledSource {
+                        target,
+                        entrypoint: compiled.entrypoint_name,
+                        dynamic_shared_bytes: compiled.repr.as_ref().map(|repr| repr.shared_memory_size()).unwrap_or(0),
+                        block: (compiled.cube_dim.x, compiled.cube_dim.y, compiled.cube_dim.z),
+                        source: compiled.source,
+                    })
+                })
+                .map_err(|error| format!("{}: {error:?}", kernel.name()))
+        });
+        COMPILED.lock().unwrap_or_else(|p| p.into_inner()).push(compiled.clone());
     }
 
     fn flush(&mut self, _stream_id: StreamId) -> Result<(), ServerError> {

@@ -6,7 +6,7 @@
 //! `metrics.csv`, `loss.png`, `config.json`, `model.mpk` and the training checkpoint
 //! `checkpoint.ulysses` to `--out`.
 //!
-//! cargo run --release -p ulysses-trainer -- [--sp 4] [--dp 1] [--steps 300] [--backend cpu|cuda|cuda-fused]
+//! cargo run --release -p ulysses-trainer -- [--sp 4] [--dp 1] [--steps 300] [--backend cpu|cuda|cuda-fused|cuda-compile-only]
 //! ulysses-launch --nproc-per-node 4 -- target/release/ulysses-trainer --sp 2      (SP=2 × DP=2)
 
 use std::{
@@ -60,6 +60,11 @@ enum BackendKind {
     Cuda,
     /// burn's fused CUDA backend (`Fusion<CubeBackend>`, what `burn::backend::Cuda` is).
     CudaFused,
+    /// No GPU, nothing computed: `--backend cuda`'s host code on an H100's compile-only runtime,
+    /// which writes every kernel it launched (burn's autotune candidates among them) to
+    /// OUT/cuda-sources for the PTX cache a GPU run is given (build with `--features
+    /// compile-only`; scripts/ptx-cache.sh). Losses read as zero.
+    CudaCompileOnly,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -429,7 +434,7 @@ fn run(args: Args) -> Result<(), String> {
         }))
         .with_precision(args.precision.unwrap_or(match args.backend {
             BackendKind::Cpu => Precision::F32,
-            BackendKind::Cuda | BackendKind::CudaFused => Precision::Bf16,
+            BackendKind::Cuda | BackendKind::CudaFused | BackendKind::CudaCompileOnly => Precision::Bf16,
         }))
         .with_f32_head(args.f32_head)
         .with_offload_optimizer(args.offload_optimizer)
@@ -521,6 +526,7 @@ fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: 
     let built = match args.backend {
         BackendKind::Cpu => true,
         BackendKind::Cuda | BackendKind::CudaFused => cfg!(feature = "cuda"),
+        BackendKind::CudaCompileOnly => cfg!(feature = "compile-only"),
     };
     let model = &config.model;
     format!(
@@ -613,6 +619,19 @@ fn on_backend(job: &Job) -> Result<(), String> {
         }
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda | BackendKind::CudaFused => Err("this binary was built without CUDA: rebuild with `--features cuda`".into()),
+        BackendKind::CudaCompileOnly if nccl_wanted => Err("--transport nccl needs a GPU: --backend cuda-compile-only runs without one".into()),
+        #[cfg(feature = "compile-only")]
+        BackendKind::CudaCompileOnly => {
+            // `--backend cuda`'s types, on the H100 target (an H200 has its SMs and limits).
+            type CompileOnly = burn_cubecl::CubeBackend<ulysses_cuda_check::runtime::CompileOnly, f32, i32, u8>;
+            ulysses_cuda_check::runtime::take_compiled();
+            train::<CompileOnly, Tcp>(job, |_| ulysses_cuda_check::runtime::TargetDevice(0))?;
+            let written = ulysses_cuda_check::write_launched(&job.out.join("cuda-sources"))?;
+            tracing::info!("{written}");
+            Ok(())
+        }
+        #[cfg(not(feature = "compile-only"))]
+        BackendKind::CudaCompileOnly => Err("this binary was built without the compile-only runtime: rebuild with `--features compile-only`".into()),
     }
 }
 

@@ -92,9 +92,6 @@ impl DeviceService for CudaServer {
             version: arch_version,
         };
         let supported_wmma_combinations = WmmaCompiler::supported_wmma_combinations(&arch);
-        let supported_mma_combinations = WmmaCompiler::supported_mma_combinations(&arch);
-        let supported_scaled_mma_combinations =
-            WmmaCompiler::supported_scaled_mma_combinations(&arch);
 
         // SAFETY: `device_ptr` is a valid CUDA device. `primary_ctx::retain` returns the
         // primary context which is then set as current for the calling thread.
@@ -178,144 +175,7 @@ impl DeviceService for CudaServer {
             }
         };
 
-        let mut device_props = DeviceProperties::new(
-            Default::default(),
-            mem_properties.clone(),
-            hardware_props,
-            TimingMethod::System,
-        );
-        register_supported_types(&mut device_props);
-        device_props.register_type_usage(ElemType::Float(FloatKind::TF32), TypeUsage::Conversion);
-        if arch_version >= 60 {
-            device_props.register_atomic_type_usage(
-                Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F64))),
-                AtomicUsage::Add | AtomicUsage::LoadStore,
-            );
-        }
-        if arch_version >= 70 {
-            device_props.register_atomic_type_usage(
-                Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F16))),
-                AtomicUsage::Add | AtomicUsage::LoadStore,
-            );
-            device_props.register_atomic_type_usage(
-                Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F16))).with_vector_size(2),
-                AtomicUsage::Add | AtomicUsage::LoadStore,
-            );
-            device_props.register_semantic_type(SemanticType::Pipeline);
-            device_props
-                .register_type_usage(OpaqueType::Barrier(BarrierLevel::Unit), TypeUsage::Buffer);
-            device_props
-                .register_type_usage(OpaqueType::Barrier(BarrierLevel::Cube), TypeUsage::Buffer);
-            device_props.features.plane.insert(Plane::Sync);
-            comp_opts.supports_features.grid_constants = true;
-        }
-
-        if arch_version >= 75 {
-            device_props
-                .features
-                .matmul
-                .ldmatrix
-                .insert(ElemType::Float(FloatKind::F16).into());
-            device_props
-                .features
-                .matmul
-                .ldmatrix
-                .insert(ElemType::Float(FloatKind::BF16).into());
-            comp_opts.supports_features.fast_tanh = CUDA_VERSION >= 12080;
-        }
-
-        if arch_version >= 80 {
-            device_props.features.copy_async = true;
-        }
-
-        // NOTE: I commented that since I observed synchronisation issues with atomic add for bf16.
-        // if arch.get_version() >= 80 {
-        //     device_props.register_feature(Feature::Type(Elem::AtomicFloat(FloatKind::BF16)));
-        // }
-
-        if arch_version >= 89 {
-            device_props.register_type_usage(
-                ElemType::Float(FloatKind::E4M3),
-                TypeUsage::Conversion | TypeUsage::Buffer,
-            );
-            device_props.register_type_usage(
-                ElemType::Float(FloatKind::E5M2),
-                TypeUsage::Conversion | TypeUsage::Buffer,
-            );
-        }
-        if arch_version >= 90 {
-            device_props.features.tma.insert(Tma::Base);
-            device_props.register_semantic_type(SemanticType::TensorMap);
-            device_props.features.cube_cluster = true;
-            comp_opts.supports_features.clusters = true;
-            comp_opts.supports_features.elect_sync = true;
-            device_props
-                .features
-                .matmul
-                .stmatrix
-                .insert(ElemType::Float(FloatKind::F16).into());
-            device_props
-                .features
-                .matmul
-                .stmatrix
-                .insert(ElemType::Float(FloatKind::BF16).into());
-            device_props.register_atomic_type_usage(
-                Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(2),
-                AtomicUsage::LoadStore | AtomicUsage::Add,
-            );
-            device_props.register_atomic_type_usage(
-                Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(4),
-                AtomicUsage::LoadStore | AtomicUsage::Add,
-            );
-        }
-
-        if arch_version >= 100 {
-            device_props.features.tma.insert(Tma::Im2colWide);
-            // Breaks swizzle so disable for now and fix in a PR specifically for this
-            // if CUDA_VERSION >= 12090 {
-            //     device_props.hardware.load_width = 256;
-            // }
-        }
-
-        // NOTE: FP6/FP4 is explicitly not marked as forward compatible, but is compatible within a
-        // major version. Try to keep this up to date with new arch major revisions if they also
-        // implement it.
-        if arch_major == 10 || arch_major == 11 || arch_major == 12 {
-            device_props
-                .register_type_usage(ElemType::Float(FloatKind::E2M1), TypeUsage::Conversion);
-            device_props.register_type_usage(
-                StorageType::Packed(ElemType::Float(FloatKind::E2M1), 2),
-                TypeUsage::Conversion | TypeUsage::Buffer,
-            );
-            device_props.register_type_usage(
-                ElemType::Float(FloatKind::E2M3),
-                TypeUsage::Conversion | TypeUsage::Buffer,
-            );
-            device_props.register_type_usage(
-                ElemType::Float(FloatKind::E3M2),
-                TypeUsage::Conversion | TypeUsage::Buffer,
-            );
-            device_props.register_type_usage(
-                ElemType::Float(FloatKind::UE8M0),
-                TypeUsage::Conversion | TypeUsage::Buffer,
-            );
-
-            if CUDA_VERSION >= 12080 {
-                device_props.features.tma.insert(Tma::SwizzleAtomicity);
-            }
-        }
-
-        device_props.features.memory_reinterpret = true;
-        device_props.features.alignment = true;
-        device_props.features.plane.insert(Plane::Ops);
-        device_props
-            .features
-            .plane
-            .insert(Plane::NonUniformControlFlow);
-
-        register_wmma_features(supported_wmma_combinations, &mut device_props);
-        register_mma_features(supported_mma_combinations, &mut device_props);
-        register_scaled_mma_features(supported_scaled_mma_combinations, &mut device_props);
+        let device_props = device_properties(arch_version, mem_properties.clone(), hardware_props, &mut comp_opts);
 
         let cuda_ctx = CudaContext::new(comp_opts, device_props.clone(), ctx, arch);
         let logger = Arc::new(ServerLogger::default());
@@ -337,10 +197,164 @@ impl DeviceService for CudaServer {
     }
 }
 
+/// burn-ulysses patch: the device properties and compilation options the runtime registers for
+/// a GPU of compute capability `arch_version` (× 10), taken out of `DeviceService::init`
+/// unchanged, so that a runtime without a GPU (crates/ulysses-cuda-check) registers exactly
+/// these and its kernels compile to the sources a GPU's do.
+pub fn device_properties(
+    arch_version: u32,
+    mem_properties: MemoryDeviceProperties,
+    hardware_props: HardwareProperties,
+    comp_opts: &mut CompilationOptions,
+) -> DeviceProperties {
+    let arch = CudaArchitecture { version: arch_version };
+    let arch_major = arch_version / 10;
+    let mut device_props = DeviceProperties::new(
+        Default::default(),
+        mem_properties,
+        hardware_props,
+        TimingMethod::System,
+    );
+    register_supported_types(&mut device_props);
+    device_props.register_type_usage(ElemType::Float(FloatKind::TF32), TypeUsage::Conversion);
+    if arch_version >= 60 {
+        device_props.register_atomic_type_usage(
+            Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F64))),
+            AtomicUsage::Add | AtomicUsage::LoadStore,
+        );
+    }
+    if arch_version >= 70 {
+        device_props.register_atomic_type_usage(
+            Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F16))),
+            AtomicUsage::Add | AtomicUsage::LoadStore,
+        );
+        device_props.register_atomic_type_usage(
+            Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F16))).with_vector_size(2),
+            AtomicUsage::Add | AtomicUsage::LoadStore,
+        );
+        device_props.register_semantic_type(SemanticType::Pipeline);
+        device_props
+            .register_type_usage(OpaqueType::Barrier(BarrierLevel::Unit), TypeUsage::Buffer);
+        device_props
+            .register_type_usage(OpaqueType::Barrier(BarrierLevel::Cube), TypeUsage::Buffer);
+        device_props.features.plane.insert(Plane::Sync);
+        comp_opts.supports_features.grid_constants = true;
+    }
+
+    if arch_version >= 75 {
+        device_props
+            .features
+            .matmul
+            .ldmatrix
+            .insert(ElemType::Float(FloatKind::F16).into());
+        device_props
+            .features
+            .matmul
+            .ldmatrix
+            .insert(ElemType::Float(FloatKind::BF16).into());
+        comp_opts.supports_features.fast_tanh = CUDA_VERSION >= 12080;
+    }
+
+    if arch_version >= 80 {
+        device_props.features.copy_async = true;
+    }
+
+    // NOTE: I commented that since I observed synchronisation issues with atomic add for bf16.
+    // if arch.get_version() >= 80 {
+    //     device_props.register_feature(Feature::Type(Elem::AtomicFloat(FloatKind::BF16)));
+    // }
+
+    if arch_version >= 89 {
+        device_props.register_type_usage(
+            ElemType::Float(FloatKind::E4M3),
+            TypeUsage::Conversion | TypeUsage::Buffer,
+        );
+        device_props.register_type_usage(
+            ElemType::Float(FloatKind::E5M2),
+            TypeUsage::Conversion | TypeUsage::Buffer,
+        );
+    }
+    if arch_version >= 90 {
+        device_props.features.tma.insert(Tma::Base);
+        device_props.register_semantic_type(SemanticType::TensorMap);
+        device_props.features.cube_cluster = true;
+        comp_opts.supports_features.clusters = true;
+        comp_opts.supports_features.elect_sync = true;
+        device_props
+            .features
+            .matmul
+            .stmatrix
+            .insert(ElemType::Float(FloatKind::F16).into());
+        device_props
+            .features
+            .matmul
+            .stmatrix
+            .insert(ElemType::Float(FloatKind::BF16).into());
+        device_props.register_atomic_type_usage(
+            Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(2),
+            AtomicUsage::LoadStore | AtomicUsage::Add,
+        );
+        device_props.register_atomic_type_usage(
+            Type::new(StorageType::Atomic(ElemType::Float(FloatKind::F32))).with_vector_size(4),
+            AtomicUsage::LoadStore | AtomicUsage::Add,
+        );
+    }
+
+    if arch_version >= 100 {
+        device_props.features.tma.insert(Tma::Im2colWide);
+        // Breaks swizzle so disable for now and fix in a PR specifically for this
+        // if CUDA_VERSION >= 12090 {
+        //     device_props.hardware.load_width = 256;
+        // }
+    }
+
+    // NOTE: FP6/FP4 is explicitly not marked as forward compatible, but is compatible within a
+    // major version. Try to keep this up to date with new arch major revisions if they also
+    // implement it.
+    if arch_major == 10 || arch_major == 11 || arch_major == 12 {
+        device_props
+            .register_type_usage(ElemType::Float(FloatKind::E2M1), TypeUsage::Conversion);
+        device_props.register_type_usage(
+            StorageType::Packed(ElemType::Float(FloatKind::E2M1), 2),
+            TypeUsage::Conversion | TypeUsage::Buffer,
+        );
+        device_props.register_type_usage(
+            ElemType::Float(FloatKind::E2M3),
+            TypeUsage::Conversion | TypeUsage::Buffer,
+        );
+        device_props.register_type_usage(
+            ElemType::Float(FloatKind::E3M2),
+            TypeUsage::Conversion | TypeUsage::Buffer,
+        );
+        device_props.register_type_usage(
+            ElemType::Float(FloatKind::UE8M0),
+            TypeUsage::Conversion | TypeUsage::Buffer,
+        );
+
+        if CUDA_VERSION >= 12080 {
+            device_props.features.tma.insert(Tma::SwizzleAtomicity);
+        }
+    }
+
+    device_props.features.memory_reinterpret = true;
+    device_props.features.alignment = true;
+    device_props.features.plane.insert(Plane::Ops);
+    device_props
+        .features
+        .plane
+        .insert(Plane::NonUniformControlFlow);
+
+    register_wmma_features(WmmaCompiler::supported_wmma_combinations(&arch), &mut device_props);
+    register_mma_features(WmmaCompiler::supported_mma_combinations(&arch), &mut device_props);
+    register_scaled_mma_features(WmmaCompiler::supported_scaled_mma_combinations(&arch), &mut device_props);
+    device_props
+}
+
 pub type CudaCompiler = CppCompiler<CudaDialect<WmmaCompiler>>;
 pub type CudaComputeKernel = ComputeKernel<CudaDialect<WmmaCompiler>>;
 
-fn tensor_cores_per_sm(version: u32) -> Option<u32> {
+/// burn-ulysses patch: public, for the same reason as [`device_properties`].
+pub fn tensor_cores_per_sm(version: u32) -> Option<u32> {
     match version {
         70 | 75 => Some(8),                           // Volta, Turing
         80 | 86 | 89 | 90 | 91 | 92 | 100 => Some(4), // Ampere, Hopper, Blackwell
