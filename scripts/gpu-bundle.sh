@@ -4,7 +4,8 @@
 # device call carries (kernels 21 MB, memory 26, nccl 26, train 44 on 2026-11-24), and all of
 # them compressed in .gpu-carry/bundle.tar.xz (20 MB): carry .gpu-carry and run
 # scripts/gpu-call.sh there, which runs gpu-run.sh's parts (KERNELS_RUN / MEMORY_RUN / TRAIN_RUN).
-# Then the flash kernels' PTX, compiled here into .gpu-cache/cubecl-cache.tar.xz (see the end):
+# Then the flash kernels' PTX and burn's of a training step, compiled here into
+# .gpu-cache/cubecl-cache.tar.xz (see the end):
 # carry .gpu-cache too, from the first call on. Any failed build stops it with cargo's messages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,10 +50,17 @@ du -h .gpu-carry/bundle.tar.xz
 old=$(mktemp -d)
 fill=$(mktemp -d)
 trap 'rm -rf "$old" "$fill"' EXIT
-[ -f .gpu-cache/cubecl-cache.tar.xz ] && tar xJf .gpu-cache/cubecl-cache.tar.xz -C "$old"
+# (.tar.gz until 2026-12-01.)
+if [ -f .gpu-cache/cubecl-cache.tar.xz ]; then
+    tar xJf .gpu-cache/cubecl-cache.tar.xz -C "$old"
+elif [ -f .gpu-cache/cubecl-cache.tar.gz ]; then
+    tar xzf .gpu-cache/cubecl-cache.tar.gz -C "$old"
+fi
 # Tuned matmul choices travel on; compiled kernels only where the plan still has them.
 [ -d "$old/autotune" ] && cp -r "$old/autotune" "$fill/"
 bash scripts/ptx-cache.sh "$fill/compilation" "$old/compilation"
 mkdir -p .gpu-cache
-tar -c -I "xz -T0 -3" -f .gpu-cache/cubecl-cache.tar.xz.part -C "$fill" . && mv .gpu-cache/cubecl-cache.tar.xz.part .gpu-cache/cubecl-cache.tar.xz
+tar -c -I "xz -T0 -3" -f .gpu-cache/cubecl-cache.tar.xz.part -C "$fill" .
+mv .gpu-cache/cubecl-cache.tar.xz.part .gpu-cache/cubecl-cache.tar.xz
+rm -f .gpu-cache/cubecl-cache.tar.gz
 du -h .gpu-cache/cubecl-cache.tar.xz

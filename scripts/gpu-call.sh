@@ -22,7 +22,7 @@ fi
 # This checkout's gpu-run.sh, not the bundle's copy: the steps may have changed since the build.
 for folder in "$bundle"/*/; do cp scripts/gpu-run.sh "$folder"; done
 logs=/tmp/gpu-call-logs
-rm -rf "$logs" && mkdir -p "$logs"
+rm -rf "$logs" /tmp/gpu-call-packed && mkdir -p "$logs"
 # The trainer's corpus: the system's licence texts where the image has them, else this
 # project's own sources (text either way).
 if [ -z "${CORPUS:-}" ]; then
@@ -40,12 +40,19 @@ fi
 # returned file there and name .gpu-cache in the call's carry), the next call starts with them.
 # Compiled kernels are found by their CUDA source (third_party/README.md, "The PTX cache keyed
 # by the source"), so they serve every bundle, and scripts/gpu-bundle.sh adds the flash kernels
-# compiled ahead on the CPU (scripts/ptx-cache.sh); tuned choices say which kernel, never what
+# and a training step's (burn's, with their autotune candidates) compiled ahead on the CPU
+# (scripts/ptx-cache.sh); tuned choices say which kernel, never what
 # it computes. A cubecl.toml in the working folder sets them for every part run from here (the
 # memory part runs in a folder with its own).
 cache=/tmp/gpu-call-cubecl
 mkdir -p "$cache"
-[ -f .gpu-cache/cubecl-cache.tar.xz ] && tar xJf .gpu-cache/cubecl-cache.tar.xz -C "$cache"
+# With Python, as the bundle (the image may have no xz); .tar.gz until 2026-12-01.
+for carried in .gpu-cache/cubecl-cache.tar.xz .gpu-cache/cubecl-cache.tar.gz; do
+    if [ -f "$carried" ]; then
+        python3 -m tarfile -e "$carried" "$cache" || echo "gpu-call: cannot unpack $carried: every kernel compiles again" >&2
+        break
+    fi
+done
 # Caches of older bundles, keyed by kernel id, which nothing reads now.
 rm -rf "$cache"/compilation-*
 export GPU_CALL_COMPILATION_CACHE="$cache/compilation"
@@ -75,17 +82,29 @@ export CUDA_CACHE_PATH="$nv_cache" CUDA_CACHE_MAXSIZE=$((32 << 20))
 # parts that ended.
 # `archive NAME FOLDER [TAR OPTIONS...]`: FOLDER packed as $OUT/NAME, written beside, then
 # renamed: a call stopped while packing keeps the previous archive whole. A returned file may
-# have 16 MiB: past that it says so (the driver's cache is capped above). A `.tar.xz` NAME is
-# packed with xz: CubeCL's cache, the flash kernels' and a 1B training step's PTX text (95 MB),
-# is 6.3 MB so against gzip's 13.4 (xz -3: 10 s on 2 cores, 2026-12-01).
+# have 16 MiB: past that it says so (the driver's cache is capped above). A folder unchanged since
+# its last packing is not packed again. A `.tar.xz` NAME is packed by Python's lzma (the image
+# may have no xz binary): CubeCL's cache, the flash kernels' and a 1B training step's PTX text
+# (95 MB), is 6.3 MB so against gzip's 13.4 (xz -3, 2026-12-01).
 archive() {
     local name=$1 folder=$2
     shift 2
-    local compress=(-z)
-    [[ $name == *.tar.xz ]] && compress=(-I "xz -T0 -3")
-    tar -c "${compress[@]}" -f "$out/$name.part" "$@" -C "$folder" . && mv "$out/$name.part" "$out/$name"
-    [ "$(stat -c %s "$out/$name" 2>/dev/null || echo 0)" -lt $((16 << 20)) ] ||
-        echo "gpu-call: $name is over 16 MiB and will not come back" >&2
+    # When it was last packed: beside, not in $OUT, whose files (8 at most) all come back.
+    local packed="/tmp/gpu-call-packed/$name"
+    mkdir -p /tmp/gpu-call-packed
+    if [ -f "$out/$name" ] && [ -f "$packed" ] && [ -z "$(find "$folder" -newer "$packed" -print -quit)" ]; then
+        return
+    fi
+    touch "$packed.next"
+    if [[ $name == *.tar.xz ]]; then
+        python3 -c 'import sys, tarfile
+with tarfile.open(sys.argv[1], "w:xz", preset=3) as archive:
+    archive.add(sys.argv[2], arcname=".")' "$out/$name.part" "$folder"
+    else
+        tar czf "$out/$name.part" "$@" -C "$folder" .
+    fi || { echo "gpu-call: cannot pack $name: the previous one, if any, comes back" >&2; return; }
+    mv "$out/$name.part" "$out/$name" && mv "$packed.next" "$packed"
+    [ "$(stat -c %s "$out/$name")" -lt $((16 << 20)) ] || echo "gpu-call: $name is over 16 MiB and will not come back" >&2
 }
 pack() {
     archive logs.tar.gz "$logs" --exclude='*.ulysses' --exclude='*.mpk' --exclude='*.ulysses.*'

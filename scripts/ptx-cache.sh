@@ -29,7 +29,7 @@ toolkit=${toolkit[0]}
 # Built without CUDA_PATH, as every other build here: cudarc's build script reads it, and a
 # build with it would rebuild cudarc and all above it at the next build without.
 # One invocation for both: their shared crates build once.
-cargo build -q -p ulysses-cuda-check --bin ulysses-cuda-sources -p ulysses-trainer --features ulysses-trainer/compile-only
+cargo build -q -p ulysses-cuda-check --bin ulysses-cuda-sources -p ulysses-trainer --bin ulysses-trainer --features ulysses-trainer/compile-only
 sources_bin="${CARGO_TARGET_DIR:-target}/debug/ulysses-cuda-sources"
 trainer_bin=$(cd "${CARGO_TARGET_DIR:-target}/debug" && pwd)/ulysses-trainer
 # cudarc opens libnvrtc.so by that name; NVRTC opens its builtins from the same folder.
@@ -44,11 +44,10 @@ launched=()
 for run in ${TRAIN_RUNS-llama-3.2-1b:1}; do
     shape=${run%%:*} sp=${run##*:}
     [ -f "benches/hf-shapes/$shape.json" ] && [[ $sp =~ ^[0-9]+$ ]] || { echo "ptx-cache: TRAIN_RUNS takes SHAPE:SP words, SHAPE of benches/hf-shapes, not $run" >&2; exit 1; }
-    # A working folder of its own: a cubecl.toml there keeps the autotune cache apart and empty
-    # (a choice timed on nothing must never reach a GPU; a cached one would launch no candidates).
+    # The trainer keeps its autotune cache apart and empty (OUT/autotune-timed-on-nothing): a
+    # choice timed on nothing must never reach a GPU, and a cached one would launch no candidates.
     work="$runs/$shape-sp$sp"
     mkdir -p "$work"
-    printf '[autotune]\ncache = { file = "%s/autotune" }\n' "$work" >"$work/cubecl.toml"
     # gpu-run.sh's hf part, two steps (any text long enough will do for the corpus: nothing is computed).
     (cd "$work" && "$trainer_bin" --backend cuda-compile-only --sp "$sp" --steps 2 --seq-len "${HF_SEQ:-16384}" --batch-size 1 --profile \
         --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --hf-config "$OLDPWD/benches/hf-shapes/$shape.json" \

@@ -8,7 +8,7 @@
 # stderr: a caller never runs or bundles an empty path.
 set -euo pipefail
 kind=$1 name=$2; shift 2
-path=$(cargo "$@" --message-format=json | python3 "$(dirname "$0")/cargo-executable.py" "$kind" "$name") \
+path=$(cargo "$@" --message-format=json-render-diagnostics | python3 "$(dirname "$0")/cargo-executable.py" "$kind" "$name") \
     || { echo "test-executable: cargo $* failed or built no $kind executable $name" >&2; exit 1; }
 [ -x "$path" ] || { echo "test-executable: $path is not an executable" >&2; exit 1; }
 echo "$path"

@@ -120,6 +120,22 @@ pub fn take_compiled() -> Vec<Result<Arc<CompiledSource>, String>> {
     std::mem::take(&mut *COMPILED.lock().unwrap_or_else(|p| p.into_inner()))
 }
 
+/// Keeps this process's autotune cache in `folder`, emptied first, whatever a `cubecl.toml`
+/// says (its other settings kept): choices timed on a runtime that runs nothing must never reach
+/// a GPU, and a choice already cached would launch no candidates. Call it before the first
+/// client; an error if CubeCL's configuration was read already.
+pub fn keep_autotune_apart(folder: &std::path::Path) -> Result<(), String> {
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig, cache::CacheConfig};
+    if CubeClRuntimeConfig::storage().lock().is_some() {
+        return Err("CubeCL's configuration was read before the compile-only runtime could keep its autotune cache apart".into());
+    }
+    let _ = std::fs::remove_dir_all(folder);
+    let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    config.autotune.cache = CacheConfig::File(folder.to_path_buf());
+    CubeClRuntimeConfig::set(config);
+    Ok(())
+}
+
 /// The runtime: `CompileOnly::client(&TargetDevice(i))` is a client of [`TARGETS`]`[i]`.
 #[derive(Debug, Clone)]
 pub struct CompileOnly;
@@ -210,6 +226,24 @@ impl DeviceService for CompileOnlyServer {
     }
 }
 
+/// A tensor's rows in a pitched buffer (cubecl-cuda's layout: the innermost dimension dense, each
+/// row at a multiple of the pitch): how many, how many bytes each holds, and the pitch.
+struct PitchedRows {
+    count: usize,
+    bytes: usize,
+    pitch: usize,
+}
+
+impl PitchedRows {
+    fn of(descriptor: &CopyDescriptor) -> Self {
+        let (shape, strides, elem) = (&descriptor.shape[..], &descriptor.strides[..], descriptor.elem_size);
+        let bytes = shape.last().map_or(elem, |&columns| columns * elem);
+        let count = shape.iter().rev().skip(1).product();
+        let pitch = if shape.len() >= 2 { strides[shape.len() - 2] * elem } else { bytes };
+        Self { count, bytes, pitch }
+    }
+}
+
 impl ServerCommunication for CompileOnlyServer {
     const SERVER_COMM_ENABLED: bool = false;
 }
@@ -234,13 +268,24 @@ impl ComputeServer for CompileOnlyServer {
     }
 
     fn read(&mut self, descriptors: Vec<CopyDescriptor>, _stream_id: StreamId) -> DynFut<Result<Vec<Bytes>, ServerError>> {
-        // Nothing ran: what is read is what was written, or zeros.
+        // Nothing ran: what is read is what was written, or zeros; row by row, as cubecl-cuda
+        // copies a pitched buffer into a dense one.
         let bytes: Vec<Bytes> = descriptors
             .into_iter()
             .map(|descriptor| {
-                let size = descriptor.handle.size_in_used() as usize;
+                let rows = PitchedRows::of(&descriptor);
                 let resource = self.memory.get_resource(descriptor.handle.memory.clone(), descriptor.handle.offset_start, descriptor.handle.offset_end);
-                Bytes::from_bytes_vec(resource.map(|r| r.read()[..size].to_vec()).unwrap_or_else(|_| vec![0; size]))
+                let mut dense = vec![0; rows.count * rows.bytes];
+                if let Ok(resource) = resource {
+                    let buffer = resource.read();
+                    for (row, out) in dense.chunks_exact_mut(rows.bytes.max(1)).enumerate() {
+                        let start = row * rows.pitch;
+                        if let Some(source) = buffer.get(start..start + out.len()) {
+                            out.copy_from_slice(source);
+                        }
+                    }
+                }
+                Bytes::from_bytes_vec(dense)
             })
             .collect();
         Box::pin(async move { Ok(bytes) })
@@ -248,9 +293,13 @@ impl ComputeServer for CompileOnlyServer {
 
     fn write(&mut self, descriptors: Vec<(CopyDescriptor, Bytes)>, _stream_id: StreamId) {
         for (descriptor, data) in descriptors {
+            let rows = PitchedRows::of(&descriptor);
             let storage = self.memory.get_storage(descriptor.handle.memory).expect("a written buffer exists");
             let mut bytes = self.memory.storage().get(&storage);
-            bytes.write()[..data.len()].copy_from_slice(&data);
+            let buffer = bytes.write();
+            for (row, source) in data.chunks(rows.bytes.max(1)).enumerate() {
+                buffer[row * rows.pitch..row * rows.pitch + source.len()].copy_from_slice(source);
+            }
         }
     }
 

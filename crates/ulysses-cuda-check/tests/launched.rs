@@ -31,3 +31,18 @@ fn a_compile_only_run_writes_every_kernel_it_launched() {
     assert!(not_compiled.is_empty(), "kernels CubeCL could not compile for an H100: {not_compiled}");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// What is written is read back as written, and a kernel's output as zeros of its shape, though
+/// cubecl-cuda's layout pads rows whose bytes are no power of two (12 here) to a pitch (16): the
+/// host code of a run (`into_data`, the loss) sees tensors of the shapes it made, never padding.
+#[test]
+fn tensors_read_back_dense_from_pitched_rows() {
+    let device = TargetDevice(0);
+    let data = burn::tensor::TensorData::new((0..18).map(|i| i as f32).collect::<Vec<_>>(), [3, 2, 3]);
+    let written = Tensor::<CompileOnly, 3>::from_data(data.clone(), &device);
+    // Nothing runs: the product's own buffer (`written` is still held, so not reused in place;
+    // laid out by the pitched policy) holds zeros.
+    let output = (written.clone() * 2.0).into_data();
+    assert_eq!(output.as_slice::<f32>().expect("f32 values"), &[0.0; 18][..], "a pitched output read with its padding");
+    assert_eq!(written.into_data(), data);
+}

@@ -523,10 +523,11 @@ fn run(args: Args) -> Result<(), String> {
 
 /// What `--check` says of a run whose settings and data passed every check before training.
 fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: &Path) -> String {
-    let built = match args.backend {
-        BackendKind::Cpu => true,
-        BackendKind::Cuda | BackendKind::CudaFused => cfg!(feature = "cuda"),
-        BackendKind::CudaCompileOnly => cfg!(feature = "compile-only"),
+    // Whether this binary has the backend, else the feature that gives it.
+    let (built, feature) = match args.backend {
+        BackendKind::Cpu => (true, ""),
+        BackendKind::Cuda | BackendKind::CudaFused => (cfg!(feature = "cuda"), "cuda"),
+        BackendKind::CudaCompileOnly => (cfg!(feature = "compile-only"), "compile-only"),
     };
     let model = &config.model;
     format!(
@@ -554,7 +555,7 @@ fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: 
             None => "",
         },
         args.backend,
-        if built { "" } else { " (this binary was built without it: rebuild with `--features cuda` to run it)" },
+        if built { String::new() } else { format!(" (this binary was built without it: rebuild with `--features {feature}` to run it)") },
     )
 }
 
@@ -624,6 +625,11 @@ fn on_backend(job: &Job) -> Result<(), String> {
         BackendKind::CudaCompileOnly => {
             // `--backend cuda`'s types, on the H100 target (an H200 has its SMs and limits).
             type CompileOnly = burn_cubecl::CubeBackend<ulysses_cuda_check::runtime::CompileOnly, f32, i32, u8>;
+            // One process writes OUT/cuda-sources.
+            if !matches!(job.launch, Launch::Threads) {
+                return Err("--backend cuda-compile-only runs its ranks as threads of one process: add --launch threads".into());
+            }
+            ulysses_cuda_check::runtime::keep_autotune_apart(&job.out.join("autotune-timed-on-nothing"))?;
             ulysses_cuda_check::runtime::take_compiled();
             train::<CompileOnly, Tcp>(job, |_| ulysses_cuda_check::runtime::TargetDevice(0))?;
             let written = ulysses_cuda_check::write_launched(&job.out.join("cuda-sources"))?;

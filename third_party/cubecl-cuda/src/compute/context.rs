@@ -100,7 +100,9 @@ impl CudaContext {
         let key = match &self.ptx_cache {
             Some(cache) => {
                 let key = ptx_cache::key(&kernel_compiled.source, &arch, ptx_cache::nvrtc_version()?);
-                if let Some(entry) = cache.get(&key) {
+                // NVRTC's PTX ends in NUL, which the driver reads up to: an entry without is
+                // no entry.
+                if let Some(entry) = cache.get(&key).filter(|entry| entry.ptx.last() == Some(&0)) {
                     log::trace!("Using PTX cache");
                     // The entry point and shared memory of the kernel at hand: the PTX is that
                     // of its very source.
