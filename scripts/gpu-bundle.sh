@@ -7,9 +7,23 @@
 # Then the flash kernels' PTX and burn's of a training step, compiled here into
 # .gpu-cache/cubecl-cache.tar.xz (see the end):
 # carry .gpu-cache too, from the first call on. Any failed build stops it with cargo's messages.
+#
+# A bundle is current when it was built from a clean tree whose commit differs from HEAD in
+# Markdown alone (.gpu-carry/bundle.commit): then nothing is built, and a GPU session starts at
+# once instead of 40-60 minutes later. FORCE_BUNDLE=1 builds anyway.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=.gpu-bundle
+# The commit of a clean tree, or nothing where files differ from it (ignored ones aside).
+clean_commit() { [ -z "$(git status --porcelain)" ] && git rev-parse HEAD || true; }
+built=$(cat .gpu-carry/bundle.commit 2>/dev/null || true)
+now=$(clean_commit)
+if [ "${FORCE_BUNDLE:-0}" != 1 ] && [ -n "$built" ] && [ -n "$now" ] && [ -f .gpu-carry/bundle.tar.xz ] && [ -f .gpu-cache/cubecl-cache.tar.xz ] \
+    && git diff --quiet "$built" "$now" -- . ':(exclude)*.md' 2>/dev/null; then
+    echo "gpu-bundle: the bundle and kernel cache of $built are current for $now (they differ in Markdown alone): nothing to build (FORCE_BUNDLE=1 builds anyway)"
+    exit 0
+fi
+rm -f .gpu-carry/bundle.commit
 rm -rf "$bundle" && mkdir -p "$bundle"/{kernels,memory,nccl,train}
 
 # One cargo invocation for all of them: features unify across its packages, so the burn and
@@ -64,3 +78,10 @@ tar -c -I "xz -T0 -3" -f .gpu-cache/cubecl-cache.tar.xz.part -C "$fill" .
 mv .gpu-cache/cubecl-cache.tar.xz.part .gpu-cache/cubecl-cache.tar.xz
 rm -f .gpu-cache/cubecl-cache.tar.gz
 du -h .gpu-cache/cubecl-cache.tar.xz
+# Built from a clean tree, and no file but Markdown changed since: the next run may skip the build.
+end=$(clean_commit)
+if [ -n "$now" ] && [ -n "$end" ] && git diff --quiet "$now" "$end" -- . ':(exclude)*.md'; then
+    echo "$now" >.gpu-carry/bundle.commit
+else
+    echo "gpu-bundle: built from a tree with uncommitted changes (or changed during the build): the next run builds again"
+fi

@@ -10,10 +10,16 @@
 #
 # The training runs' kernels too: burn's, and each of its autotune candidates, since tuning
 # launches every one (the fifth GPU run spent 3m40s tuning the 1B shape's first step). Each run
-# of TRAIN_RUNS ("SHAPE:SP" words, shapes of benches/hf-shapes; default llama-3.2-1b:1, the GPU
-# session's first) takes two steps of gpu-run.sh's hf part on `ulysses-trainer --backend
+# of TRAIN_RUNS takes two steps of a gpu-run.sh part on `ulysses-trainer --backend
 # cuda-compile-only` (an H100's compile-only runtime, a fresh autotune cache), which writes what
-# it launched; TRAIN_RUNS="" leaves them out.
+# it launched; TRAIN_RUNS="" leaves them out. Its words (default "llama-3.2-1b:1 8b", the GPU
+# session's plan):
+#   SHAPE:SP  the hf part (a shape of benches/hf-shapes at HF_SEQ tokens, SP rank threads);
+#   8b[:SEQ]  the 8b part as EIGHT_B_ZERO3=params runs it (65 536 tokens), on the Llama-3.1-8B
+#             shape cut to 2 layers: every layer launches the same kernels, and the host still
+#             holds 16 bytes a parameter (the vocabulary's 1.05 B of 1.49 B), 24 GB resident at
+#             the peak. Skipped, with a warning, where memory and swap have less than
+#             EIGHT_B_HOST_GB (28): the GPU then compiles those kernels itself.
 #
 #   scripts/ptx-cache.sh ROOT [PREVIOUS] [TARGETS]
 set -euo pipefail
@@ -41,19 +47,51 @@ ln -s "$toolkit/lib/libnvrtc.so.13" "$libs/libnvrtc.so"
 args=(--targets "$targets" --ptx-cache "$root")
 [ -n "$previous" ] && [ -d "$previous" ] && args+=(--previous-ptx-cache "$previous")
 launched=()
-for run in ${TRAIN_RUNS-llama-3.2-1b:1}; do
-    shape=${run%%:*} sp=${run##*:}
-    [ -f "benches/hf-shapes/$shape.json" ] && [[ $sp =~ ^[0-9]+$ ]] || { echo "ptx-cache: TRAIN_RUNS takes SHAPE:SP words, SHAPE of benches/hf-shapes, not $run" >&2; exit 1; }
+# `compile_only NAME ARGS...`: two steps of the trainer on the compile-only runtime in its own
+# folder; what it launched joins the fill.
+compile_only() {
+    local name=$1 work="$runs/$1"
+    shift
+    mkdir -p "$work"
     # The trainer keeps its autotune cache apart and empty (OUT/autotune-timed-on-nothing): a
     # choice timed on nothing must never reach a GPU, and a cached one would launch no candidates.
-    work="$runs/$shape-sp$sp"
-    mkdir -p "$work"
-    # gpu-run.sh's hf part, two steps (any text long enough will do for the corpus: nothing is computed).
-    (cd "$work" && "$trainer_bin" --backend cuda-compile-only --sp "$sp" --steps 2 --seq-len "${HF_SEQ:-16384}" --batch-size 1 --profile \
-        --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --hf-config "$OLDPWD/benches/hf-shapes/$shape.json" \
-        --corpus "$OLDPWD/benches/RESULTS.md" --out "$work/out" >"$work/log" 2>&1) || { tail -n 20 "$work/log" >&2; echo "ptx-cache: the compile-only run $run failed" >&2; exit 1; }
+    (cd "$work" && "$trainer_bin" --backend cuda-compile-only --steps 2 --batch-size 1 --profile --no-save --check-parameters-every 0 \
+        "$@" --out "$work/out" >"$work/log" 2>&1) || { tail -n 20 "$work/log" >&2; echo "ptx-cache: the compile-only run $name failed" >&2; exit 1; }
     tail -n 1 "$work/log"
     launched+=("$work/out/cuda-sources")
+}
+# `corpus SEQ`: a text whose held-out tenth holds a sequence of SEQ tokens (any text will do:
+# nothing is computed), benches/RESULTS.md repeated.
+corpus() {
+    local file="$runs/corpus-$1.txt"
+    while [ ! -f "$file" ] || [ "$(wc -c <"$file")" -le $(( ($1 + 1) * 11 )) ]; do cat benches/RESULTS.md >>"$file"; done
+    echo "$file"
+}
+for run in ${TRAIN_RUNS-llama-3.2-1b:1 8b}; do
+    case $run in
+        8b | 8b:*)
+            seq=${run#8b}
+            seq=${seq#:}
+            seq=${seq:-65536}
+            [[ $seq =~ ^[0-9]+$ ]] || { echo "ptx-cache: 8b takes a sequence length (8b:65536), not $run" >&2; exit 1; }
+            have=$(awk '/^(MemAvailable|SwapFree):/ { kib += $2 } END { printf "%d", kib / 1048576 }' /proc/meminfo)
+            if [ "$have" -lt "${EIGHT_B_HOST_GB:-28}" ]; then
+                echo "ptx-cache: warning: skipping $run: its compile-only run needs ${EIGHT_B_HOST_GB:-28} GB of memory and swap, this machine has $have GB (add swap: fallocate -l 16G F && chmod 600 F && mkswap F && swapon F); the GPU will compile the 8B step's kernels itself" >&2
+                continue
+            fi
+            config="$runs/llama-3.1-8b-2-layers.json"
+            python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = 2; json.dump(c, open(sys.argv[2], "w"))' \
+                benches/hf-shapes/llama-3.1-8b.json "$config"
+            # gpu-run.sh's 8b part with EIGHT_B_ZERO3=params.
+            compile_only "llama-8b-$seq" --sp 1 --seq-len "$seq" --offload-optimizer --checkpoint-layers --zero 3 --offload-parameters \
+                --tile-tokens 4096 --learning-rate 1e-5 --hf-config "$config" --corpus "$(corpus "$seq")" ;;
+        *)
+            shape=${run%%:*} sp=${run##*:}
+            [ -f "benches/hf-shapes/$shape.json" ] && [[ $sp =~ ^[0-9]+$ ]] || { echo "ptx-cache: TRAIN_RUNS takes SHAPE:SP words, SHAPE of benches/hf-shapes, or 8b[:SEQ], not $run" >&2; exit 1; }
+            # gpu-run.sh's hf part.
+            compile_only "$shape-sp$sp" --sp "$sp" --seq-len "${HF_SEQ:-16384}" --learning-rate 3e-4 --checkpoint-layers \
+                --hf-config "$PWD/benches/hf-shapes/$shape.json" --corpus "$PWD/benches/RESULTS.md" ;;
+    esac
 done
 [ ${#launched[@]} -gt 0 ] && args+=(--launched "$(IFS=,; echo "${launched[*]}")")
 CUDA_PATH=$toolkit LD_LIBRARY_PATH="$libs:$toolkit/lib:${LD_LIBRARY_PATH:-}" "$sources_bin" "$sources" "${args[@]}"
