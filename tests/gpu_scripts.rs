@@ -3,6 +3,7 @@
 //! run (exit 1, named), its whole output (a panic's message) must reach `$OUT`, and the run must
 //! go on to the next step; a passing run exits 0. `scripts/gpu-call.sh` must end a part at its
 //! time limit and go on, and bring the logs back in one file without the trainer's checkpoints.
+//! `scripts/gpu-bundle.sh` must build again whenever anything but Markdown changed.
 
 use std::{fs, os::unix::fs::PermissionsExt, path::Path, process::Command};
 
@@ -136,7 +137,75 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     assert_eq!(toc.lines().count(), 3, "{toc}");
 }
 
-/// A temporary folder removed on drop (no extra dependency for two tests).
+/// `scripts/gpu-bundle.sh` in a scratch repository, with a stand-in `cargo` that says it ran and
+/// fails: whether the script built.
+fn bundle_in(repo: &Path, bin: &Path) -> (i32, String) {
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let output = Command::new("bash").arg("scripts/gpu-bundle.sh").current_dir(repo).env("PATH", path).output().expect("bash runs gpu-bundle.sh");
+    (output.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr)))
+}
+
+fn git(repo: &Path, args: &[&str]) {
+    let status = Command::new("git").args(["-c", "user.name=t", "-c", "user.email=t@t"]).args(args).current_dir(repo).status().expect("git runs");
+    assert!(status.success(), "git {args:?}");
+}
+
+/// A lent GPU must never measure old code: the bundle is built again after any change but
+/// Markdown, and with uncommitted changes; a bundle of a commit HEAD changes in Markdown alone is
+/// kept (a GPU session then starts 40-60 minutes sooner).
+#[test]
+fn a_bundle_is_built_again_unless_markdown_alone_changed() {
+    let dir = tempfile_dir::Dir::new("gpu-bundle");
+    let (repo, bin) = (dir.path().join("repo"), dir.path().join("bin"));
+    for folder in [repo.join("scripts"), repo.join(".gpu-carry"), repo.join(".gpu-cache"), bin.clone()] {
+        fs::create_dir_all(folder).unwrap();
+    }
+    fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu-bundle.sh"), repo.join("scripts/gpu-bundle.sh")).unwrap();
+    fs::write(bin.join("cargo"), "#!/bin/sh\necho 'cargo build ran' >&2\nexit 7\n").unwrap();
+    fs::set_permissions(bin.join("cargo"), fs::Permissions::from_mode(0o755)).unwrap();
+    fs::write(repo.join(".gitignore"), "/.gpu-bundle\n/.gpu-carry\n/.gpu-cache\n").unwrap();
+    fs::write(repo.join("lib.rs"), "fn a() {}\n").unwrap();
+    fs::write(repo.join("notes.md"), "measured\n").unwrap();
+    git(&repo, &["init", "-q"]);
+    git(&repo, &["add", "-A"]);
+    git(&repo, &["commit", "-qm", "built"]);
+    let built = Command::new("git").args(["rev-parse", "HEAD"]).current_dir(&repo).output().unwrap();
+    let built = String::from_utf8(built.stdout).unwrap();
+    let mark = || {
+        fs::write(repo.join(".gpu-carry/bundle.tar.xz"), "binaries").unwrap();
+        fs::write(repo.join(".gpu-cache/cubecl-cache.tar.xz"), "kernels").unwrap();
+        fs::write(repo.join(".gpu-carry/bundle.commit"), &built).unwrap();
+    };
+    mark();
+
+    // Markdown alone since: kept.
+    fs::write(repo.join("notes.md"), "measured again\n").unwrap();
+    git(&repo, &["commit", "-qam", "notes"]);
+    let (code, out) = bundle_in(&repo, &bin);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("nothing to build") && !out.contains("cargo build ran"), "{out}");
+
+    // A change not committed: built, and the old mark gone.
+    fs::write(repo.join("lib.rs"), "fn b() {}\n").unwrap();
+    let (code, out) = bundle_in(&repo, &bin);
+    assert!(code != 0 && out.contains("cargo build ran"), "an uncommitted change must be built: {code}\n{out}");
+    assert!(!repo.join(".gpu-carry/bundle.commit").exists(), "the mark of the old bundle stayed");
+
+    // The change committed: built.
+    mark();
+    git(&repo, &["commit", "-qam", "code"]);
+    let (code, out) = bundle_in(&repo, &bin);
+    assert!(code != 0 && out.contains("cargo build ran"), "a committed code change must be built: {code}\n{out}");
+
+    // A missing kernel cache: built.
+    mark();
+    git(&repo, &["reset", "-q", "--hard", "HEAD~1"]);
+    fs::remove_file(repo.join(".gpu-cache/cubecl-cache.tar.xz")).unwrap();
+    let (code, out) = bundle_in(&repo, &bin);
+    assert!(code != 0 && out.contains("cargo build ran"), "a bundle without its kernel cache must be built: {code}\n{out}");
+}
+
+/// A temporary folder removed on drop (no extra dependency for these tests).
 mod tempfile_dir {
     use std::path::{Path, PathBuf};
 
