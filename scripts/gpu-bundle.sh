@@ -9,21 +9,31 @@
 # carry .gpu-cache too, from the first call on. Any failed build stops it with cargo's messages.
 #
 # A bundle is current when it was built from a clean tree whose commit differs from HEAD in
-# Markdown alone (.gpu-carry/bundle.commit): then nothing is built, and a GPU session starts at
-# once instead of 40-60 minutes later. FORCE_BUNDLE=1 builds anyway.
+# Markdown alone, with the same TRAIN_RUNS where one is given (.gpu-carry/bundle.commit: the
+# commit, then the fill's runs and those it skipped): then nothing is built, and a GPU session
+# starts at once instead of 40-60 minutes later. FORCE_BUNDLE=1 builds anyway.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=.gpu-bundle
+mark=.gpu-carry/bundle.commit
 # The commit of a clean tree, or nothing where files differ from it (ignored ones aside).
-clean_commit() { [ -z "$(git status --porcelain)" ] && git rev-parse HEAD || true; }
-built=$(cat .gpu-carry/bundle.commit 2>/dev/null || true)
+clean_commit() { [ -z "$(git status --porcelain --untracked-files=normal)" ] && git rev-parse HEAD || true; }
+# Whether two commits differ in Markdown alone: the bundle of one is then the other's.
+markdown_alone_between() { git diff --quiet "$1" "$2" -- . ':(exclude)*.md' 2>/dev/null; }
+built=$(head -n 1 "$mark" 2>/dev/null || true)
 now=$(clean_commit)
+# shellcheck disable=SC2086 # one space between words, as ptx-cache.sh writes them
+same_runs() { [ -z "${TRAIN_RUNS+set}" ] || grep -qxF "train-runs: $(echo $TRAIN_RUNS)" "$mark"; }
 if [ "${FORCE_BUNDLE:-0}" != 1 ] && [ -n "$built" ] && [ -n "$now" ] && [ -f .gpu-carry/bundle.tar.xz ] && [ -f .gpu-cache/cubecl-cache.tar.xz ] \
-    && git diff --quiet "$built" "$now" -- . ':(exclude)*.md' 2>/dev/null; then
+    && markdown_alone_between "$built" "$now" && same_runs; then
     echo "gpu-bundle: the bundle and kernel cache of $built are current for $now (they differ in Markdown alone): nothing to build (FORCE_BUNDLE=1 builds anyway)"
+    skipped=$(sed -n 's/^skipped: //p' "$mark")
+    if [ -n "$skipped" ]; then
+        echo "gpu-bundle: warning: its kernel cache lacks the compile-only runs its fill skipped ($skipped, for want of memory): the GPU compiles those kernels itself; FORCE_BUNDLE=1 on a machine with the memory adds them"
+    fi
     exit 0
 fi
-rm -f .gpu-carry/bundle.commit
+rm -f "$mark"
 rm -rf "$bundle" && mkdir -p "$bundle"/{kernels,memory,nccl,train}
 
 # One cargo invocation for all of them: features unify across its packages, so the burn and
@@ -56,14 +66,16 @@ tar cf - "$bundle" | xz -T2 -6 >.gpu-carry/bundle.tar.xz
 du -h .gpu-carry/bundle.tar.xz
 # CubeCL's PTX cache for the calls: the flash kernels of every case the planner may choose on an
 # H100 or H200, and burn's kernels of the 1B shape's training step with every autotune candidate
-# (TRAIN_RUNS), compiled here with the GPU image's NVRTC (scripts/ptx-cache.sh; 299 + 308
-# kernels, about 23 minutes on 2 cores the first time, 5 when all are held already), with what
+# and of the 8B shape's (TRAIN_RUNS), compiled here with the GPU image's NVRTC
+# (scripts/ptx-cache.sh; 634 kernels on 2026-12-01: 22 minutes on 2 cores with the build folder
+# warm, 14.5 of them the 8B step's run, which needs swap here), with what
 # the last call returned: its tuned choices, and its compiled kernels that the plan still has.
 # The first call on a bare GPU then loads them, where the fifth run's calls spent most of their
 # time in NVRTC. A failed fill fails the script after the bundle is whole.
 old=$(mktemp -d)
 fill=$(mktemp -d)
-trap 'rm -rf "$old" "$fill"' EXIT
+report=$(mktemp)
+trap 'rm -rf "$old" "$fill" "$report"' EXIT
 # (.tar.gz until 2026-12-01.)
 if [ -f .gpu-cache/cubecl-cache.tar.xz ]; then
     tar xJf .gpu-cache/cubecl-cache.tar.xz -C "$old"
@@ -72,7 +84,7 @@ elif [ -f .gpu-cache/cubecl-cache.tar.gz ]; then
 fi
 # Tuned matmul choices travel on; compiled kernels only where the plan still has them.
 [ -d "$old/autotune" ] && cp -r "$old/autotune" "$fill/"
-bash scripts/ptx-cache.sh "$fill/compilation" "$old/compilation"
+FILL_REPORT=$report bash scripts/ptx-cache.sh "$fill/compilation" "$old/compilation"
 mkdir -p .gpu-cache
 tar -c -I "xz -T0 -3" -f .gpu-cache/cubecl-cache.tar.xz.part -C "$fill" .
 mv .gpu-cache/cubecl-cache.tar.xz.part .gpu-cache/cubecl-cache.tar.xz
@@ -80,8 +92,8 @@ rm -f .gpu-cache/cubecl-cache.tar.gz
 du -h .gpu-cache/cubecl-cache.tar.xz
 # Built from a clean tree, and no file but Markdown changed since: the next run may skip the build.
 end=$(clean_commit)
-if [ -n "$now" ] && [ -n "$end" ] && git diff --quiet "$now" "$end" -- . ':(exclude)*.md'; then
-    echo "$now" >.gpu-carry/bundle.commit
+if [ -n "$now" ] && [ -n "$end" ] && markdown_alone_between "$now" "$end"; then
+    { echo "$now"; cat "$report"; } >"$mark"
 else
     echo "gpu-bundle: built from a tree with uncommitted changes (or changed during the build): the next run builds again"
 fi

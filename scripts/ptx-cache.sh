@@ -10,16 +10,19 @@
 #
 # The training runs' kernels too: burn's, and each of its autotune candidates, since tuning
 # launches every one (the fifth GPU run spent 3m40s tuning the 1B shape's first step). Each run
-# of TRAIN_RUNS takes two steps of a gpu-run.sh part on `ulysses-trainer --backend
+# of TRAIN_RUNS takes two steps of a gpu-run.sh step on `ulysses-trainer --backend
 # cuda-compile-only` (an H100's compile-only runtime, a fresh autotune cache), which writes what
-# it launched; TRAIN_RUNS="" leaves them out. Its words (default "llama-3.2-1b:1 8b", the GPU
-# session's plan):
-#   SHAPE:SP  the hf part (a shape of benches/hf-shapes at HF_SEQ tokens, SP rank threads);
+# it launched. Its arguments are the GPU run's own, from a dry run of gpu-run.sh (the backend,
+# the steps and the run folder replaced), so the two never drift apart. TRAIN_RUNS="" leaves
+# them out. Its words (default "llama-3.2-1b:1 8b", the GPU session's plan):
+#   SHAPE:SP  the hf part's step for a shape of benches/hf-shapes at HF_SEQ tokens, SP ranks;
 #   8b[:SEQ]  the 8b part as EIGHT_B_ZERO3=params runs it (65 536 tokens), on the Llama-3.1-8B
 #             shape cut to 2 layers: every layer launches the same kernels, and the host still
 #             holds 16 bytes a parameter (the vocabulary's 1.05 B of 1.49 B), 24 GB resident at
 #             the peak. Skipped, with a warning, where memory and swap have less than
 #             EIGHT_B_HOST_GB (28): the GPU then compiles those kernels itself.
+# FILL_REPORT names a file that gets the runs asked for and those skipped (`train-runs: ...`,
+# `skipped: ...`): scripts/gpu-bundle.sh keeps them in its mark.
 #
 #   scripts/ptx-cache.sh ROOT [PREVIOUS] [TARGETS]
 set -euo pipefail
@@ -47,27 +50,49 @@ ln -s "$toolkit/lib/libnvrtc.so.13" "$libs/libnvrtc.so"
 args=(--targets "$targets" --ptx-cache "$root")
 [ -n "$previous" ] && [ -d "$previous" ] && args+=(--previous-ptx-cache "$previous")
 launched=()
-# `compile_only NAME ARGS...`: two steps of the trainer on the compile-only runtime in its own
-# folder; what it launched joins the fill.
+# A stand-in for the bundle's train folder, where gpu-run.sh's dry run prints the commands the GPU
+# run will run: the trainer built here, benches/hf-shapes with the 8B shape cut to 2 layers.
+train="$runs/train"
+mkdir -p "$train/hf-shapes"
+cp scripts/gpu-run.sh "$train/"
+ln -s "$trainer_bin" "$train/ulysses-trainer"
+cp benches/hf-shapes/*.json "$train/hf-shapes/"
+python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = 2; json.dump(c, open(sys.argv[1], "w"))' \
+    "$train/hf-shapes/llama-3.1-8b.json"
+# `gpu_run_step PART STEP VAR=VALUE...`: STEP's command in a dry run of gpu-run.sh's TRAIN_RUN
+# PART with those variables.
+gpu_run_step() {
+    local part=$1 step=$2 steps line
+    shift 2
+    steps=$(env "$@" TRAIN_RUN="$part" DRY_RUN=1 OUT="$runs/dry" bash "$train/gpu-run.sh")
+    line=$(grep -m 1 "^$step: " <<<"$steps") || { echo "ptx-cache: gpu-run.sh's dry run of $part ($*) has no step $step" >&2; return 1; }
+    echo "${line#"$step: "}"
+}
+# `compile_only NAME COMMAND...`: two steps of a gpu-run.sh command (the trainer and its
+# arguments) on the compile-only runtime in its own folder; what it launched joins the fill.
 compile_only() {
-    local name=$1 work="$runs/$1"
-    shift
+    local name=$1 trainer=$2 work="$runs/$1" args=()
+    shift 2
+    while [ $# -gt 0 ]; do
+        case $1 in
+            --backend) args+=(--backend cuda-compile-only); shift ;;
+            --steps) args+=(--steps 2); shift ;;
+            --out) shift ;;
+            *) args+=("$1") ;;
+        esac
+        shift
+    done
     mkdir -p "$work"
     # The trainer keeps its autotune cache apart and empty (OUT/autotune-timed-on-nothing): a
     # choice timed on nothing must never reach a GPU, and a cached one would launch no candidates.
-    (cd "$work" && "$trainer_bin" --backend cuda-compile-only --steps 2 --batch-size 1 --profile --no-save --check-parameters-every 0 \
-        "$@" --out "$work/out" >"$work/log" 2>&1) || { tail -n 20 "$work/log" >&2; echo "ptx-cache: the compile-only run $name failed" >&2; exit 1; }
+    (cd "$work" && "$trainer" "${args[@]}" --out "$work/out" >"$work/log" 2>&1) \
+        || { tail -n 20 "$work/log" >&2; echo "ptx-cache: the compile-only run $name failed" >&2; exit 1; }
     tail -n 1 "$work/log"
     launched+=("$work/out/cuda-sources")
 }
-# `corpus SEQ`: a text whose held-out tenth holds a sequence of SEQ tokens (any text will do:
-# nothing is computed), benches/RESULTS.md repeated.
-corpus() {
-    local file="$runs/corpus-$1.txt"
-    while [ ! -f "$file" ] || [ "$(wc -c <"$file")" -le $(( ($1 + 1) * 11 )) ]; do cat benches/RESULTS.md >>"$file"; done
-    echo "$file"
-}
-for run in ${TRAIN_RUNS-llama-3.2-1b:1 8b}; do
+requested=${TRAIN_RUNS-llama-3.2-1b:1 8b}
+skipped=()
+for run in $requested; do
     case $run in
         8b | 8b:*)
             seq=${run#8b}
@@ -77,21 +102,23 @@ for run in ${TRAIN_RUNS-llama-3.2-1b:1 8b}; do
             have=$(awk '/^(MemAvailable|SwapFree):/ { kib += $2 } END { printf "%d", kib / 1048576 }' /proc/meminfo)
             if [ "$have" -lt "${EIGHT_B_HOST_GB:-28}" ]; then
                 echo "ptx-cache: warning: skipping $run: its compile-only run needs ${EIGHT_B_HOST_GB:-28} GB of memory and swap, this machine has $have GB (add swap: fallocate -l 16G F && chmod 600 F && mkswap F && swapon F); the GPU will compile the 8B step's kernels itself" >&2
+                skipped+=("$run")
                 continue
             fi
-            config="$runs/llama-3.1-8b-2-layers.json"
-            python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = 2; json.dump(c, open(sys.argv[2], "w"))' \
-                benches/hf-shapes/llama-3.1-8b.json "$config"
-            # gpu-run.sh's 8b part with EIGHT_B_ZERO3=params.
-            compile_only "llama-8b-$seq" --sp 1 --seq-len "$seq" --offload-optimizer --checkpoint-layers --zero 3 --offload-parameters \
-                --tile-tokens 4096 --learning-rate 1e-5 --hf-config "$config" --corpus "$(corpus "$seq")" ;;
+            command=$(gpu_run_step 8b "llama-8b-$seq" EIGHT_B_ZERO3=params EIGHT_B_SEQS="$seq")
+            # shellcheck disable=SC2086 # the dry run's words are the command's
+            compile_only "llama-8b-$seq" $command ;;
         *)
             shape=${run%%:*} sp=${run##*:}
             [ -f "benches/hf-shapes/$shape.json" ] && [[ $sp =~ ^[0-9]+$ ]] || { echo "ptx-cache: TRAIN_RUNS takes SHAPE:SP words, SHAPE of benches/hf-shapes, or 8b[:SEQ], not $run" >&2; exit 1; }
-            # gpu-run.sh's hf part.
-            compile_only "$shape-sp$sp" --sp "$sp" --seq-len "${HF_SEQ:-16384}" --learning-rate 3e-4 --checkpoint-layers \
-                --hf-config "$PWD/benches/hf-shapes/$shape.json" --corpus "$PWD/benches/RESULTS.md" ;;
+            command=$(gpu_run_step hf "hf-$shape-sp$sp" HF_SHAPES="$shape" HF_SPS="$sp" HF_OLD_HEAD=0)
+            # shellcheck disable=SC2086
+            compile_only "$shape-sp$sp" $command ;;
     esac
 done
+if [ -n "${FILL_REPORT:-}" ]; then
+    # shellcheck disable=SC2086 # one space between words, as the mark compares them
+    printf 'train-runs: %s\nskipped: %s\n' "$(echo $requested)" "${skipped[*]}" >"$FILL_REPORT"
+fi
 [ ${#launched[@]} -gt 0 ] && args+=(--launched "$(IFS=,; echo "${launched[*]}")")
 CUDA_PATH=$toolkit LD_LIBRARY_PATH="$libs:$toolkit/lib:${LD_LIBRARY_PATH:-}" "$sources_bin" "$sources" "${args[@]}"

@@ -3,7 +3,8 @@
 //! run (exit 1, named), its whole output (a panic's message) must reach `$OUT`, and the run must
 //! go on to the next step; a passing run exits 0. `scripts/gpu-call.sh` must end a part at its
 //! time limit and go on, and bring the logs back in one file without the trainer's checkpoints.
-//! `scripts/gpu-bundle.sh` must build again whenever anything but Markdown changed.
+//! `scripts/gpu-bundle.sh` must build again whenever anything but Markdown changed, and mark
+//! what it built; `scripts/ptx-cache.sh` must compile ahead what gpu-run.sh's steps will launch.
 
 use std::{fs, os::unix::fs::PermissionsExt, path::Path, process::Command};
 
@@ -137,17 +138,57 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     assert_eq!(toc.lines().count(), 3, "{toc}");
 }
 
-/// `scripts/gpu-bundle.sh` in a scratch repository, with a stand-in `cargo` that says it ran and
-/// fails: whether the script built.
-fn bundle_in(repo: &Path, bin: &Path) -> (i32, String) {
+/// An executable shell script at `path`.
+fn write_script(path: &Path, body: &str) {
+    fs::write(path, format!("#!/bin/sh\n{body}")).unwrap();
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// What the scripts under test read from the environment, which a developer's shell (or a git
+/// hook running the tests) may have set: the scratch repository's git and runs must not see it.
+const INHERITED: [&str; 6] = ["GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "FORCE_BUNDLE", "TRAIN_RUNS", "EIGHT_B_HOST_GB"];
+
+/// `scripts/gpu-bundle.sh` in a scratch repository, with the stand-ins in `bin` first on PATH
+/// and `envs` set: its exit status and output.
+fn bundle_in(repo: &Path, bin: &Path, envs: &[(&str, &str)]) -> (i32, String) {
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
-    let output = Command::new("bash").arg("scripts/gpu-bundle.sh").current_dir(repo).env("PATH", path).output().expect("bash runs gpu-bundle.sh");
+    let mut command = Command::new("bash");
+    command.arg("scripts/gpu-bundle.sh").current_dir(repo).env("PATH", path);
+    for name in INHERITED {
+        command.env_remove(name);
+    }
+    let output = command.envs(envs.iter().copied()).output().expect("bash runs gpu-bundle.sh");
     (output.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr)))
 }
 
 fn git(repo: &Path, args: &[&str]) {
-    let status = Command::new("git").args(["-c", "user.name=t", "-c", "user.email=t@t"]).args(args).current_dir(repo).status().expect("git runs");
-    assert!(status.success(), "git {args:?}");
+    let mut command = Command::new("git");
+    command.args(["-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]).args(args).current_dir(repo);
+    for name in INHERITED {
+        command.env_remove(name);
+    }
+    assert!(command.status().expect("git runs").success(), "git {args:?}");
+}
+
+fn head(repo: &Path) -> String {
+    let output = Command::new("git").args(["rev-parse", "HEAD"]).current_dir(repo).env_remove("GIT_DIR").output().unwrap();
+    String::from_utf8(output.stdout).unwrap().trim().to_string()
+}
+
+/// A scratch repository holding gpu-bundle.sh, one source file and one Markdown file, committed.
+fn scratch_repo(root: &Path) -> std::path::PathBuf {
+    let repo = root.join("repo");
+    for folder in [repo.join("scripts"), repo.join(".gpu-carry"), repo.join(".gpu-cache")] {
+        fs::create_dir_all(folder).unwrap();
+    }
+    fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu-bundle.sh"), repo.join("scripts/gpu-bundle.sh")).unwrap();
+    fs::write(repo.join(".gitignore"), "/.gpu-bundle\n/.gpu-carry\n/.gpu-cache\n").unwrap();
+    fs::write(repo.join("lib.rs"), "fn a() {}\n").unwrap();
+    fs::write(repo.join("notes.md"), "measured\n").unwrap();
+    git(&repo, &["init", "-q"]);
+    git(&repo, &["add", "-A"]);
+    git(&repo, &["commit", "-qm", "built"]);
+    repo
 }
 
 /// A lent GPU must never measure old code: the bundle is built again after any change but
@@ -156,53 +197,176 @@ fn git(repo: &Path, args: &[&str]) {
 #[test]
 fn a_bundle_is_built_again_unless_markdown_alone_changed() {
     let dir = tempfile_dir::Dir::new("gpu-bundle");
-    let (repo, bin) = (dir.path().join("repo"), dir.path().join("bin"));
-    for folder in [repo.join("scripts"), repo.join(".gpu-carry"), repo.join(".gpu-cache"), bin.clone()] {
-        fs::create_dir_all(folder).unwrap();
-    }
-    fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu-bundle.sh"), repo.join("scripts/gpu-bundle.sh")).unwrap();
-    fs::write(bin.join("cargo"), "#!/bin/sh\necho 'cargo build ran' >&2\nexit 7\n").unwrap();
-    fs::set_permissions(bin.join("cargo"), fs::Permissions::from_mode(0o755)).unwrap();
-    fs::write(repo.join(".gitignore"), "/.gpu-bundle\n/.gpu-carry\n/.gpu-cache\n").unwrap();
-    fs::write(repo.join("lib.rs"), "fn a() {}\n").unwrap();
-    fs::write(repo.join("notes.md"), "measured\n").unwrap();
-    git(&repo, &["init", "-q"]);
-    git(&repo, &["add", "-A"]);
-    git(&repo, &["commit", "-qm", "built"]);
-    let built = Command::new("git").args(["rev-parse", "HEAD"]).current_dir(&repo).output().unwrap();
-    let built = String::from_utf8(built.stdout).unwrap();
+    let (repo, bin) = (scratch_repo(dir.path()), dir.path().join("bin"));
+    fs::create_dir_all(&bin).unwrap();
+    write_script(&bin.join("cargo"), "echo 'cargo build ran' >&2\nexit 7\n");
+    let built = head(&repo);
     let mark = || {
         fs::write(repo.join(".gpu-carry/bundle.tar.xz"), "binaries").unwrap();
         fs::write(repo.join(".gpu-cache/cubecl-cache.tar.xz"), "kernels").unwrap();
-        fs::write(repo.join(".gpu-carry/bundle.commit"), &built).unwrap();
+        fs::write(repo.join(".gpu-carry/bundle.commit"), format!("{built}\ntrain-runs: llama-3.2-1b:1 8b\nskipped: \n")).unwrap();
     };
     mark();
 
     // Markdown alone since: kept.
     fs::write(repo.join("notes.md"), "measured again\n").unwrap();
     git(&repo, &["commit", "-qam", "notes"]);
-    let (code, out) = bundle_in(&repo, &bin);
+    let (code, out) = bundle_in(&repo, &bin, &[]);
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("nothing to build") && !out.contains("cargo build ran"), "{out}");
+    assert!(out.contains("nothing to build") && !out.contains("cargo build ran") && !out.contains("warning"), "{out}");
+
+    // The same runs named: kept; others: built.
+    let (code, out) = bundle_in(&repo, &bin, &[("TRAIN_RUNS", " llama-3.2-1b:1   8b")]);
+    assert!(code == 0 && out.contains("nothing to build"), "the same TRAIN_RUNS must keep the bundle: {code}\n{out}");
+    let (code, out) = bundle_in(&repo, &bin, &[("TRAIN_RUNS", "llama-3.2-1b:1")]);
+    assert!(code != 0 && out.contains("cargo build ran"), "other TRAIN_RUNS must be built: {code}\n{out}");
 
     // A change not committed: built, and the old mark gone.
+    mark();
     fs::write(repo.join("lib.rs"), "fn b() {}\n").unwrap();
-    let (code, out) = bundle_in(&repo, &bin);
+    let (code, out) = bundle_in(&repo, &bin, &[]);
     assert!(code != 0 && out.contains("cargo build ran"), "an uncommitted change must be built: {code}\n{out}");
     assert!(!repo.join(".gpu-carry/bundle.commit").exists(), "the mark of the old bundle stayed");
 
-    // The change committed: built.
+    // A new file not committed: built.
+    git(&repo, &["checkout", "-q", "lib.rs"]);
     mark();
+    fs::write(repo.join("new.rs"), "fn c() {}\n").unwrap();
+    let (code, out) = bundle_in(&repo, &bin, &[]);
+    assert!(code != 0 && out.contains("cargo build ran"), "an untracked source must be built: {code}\n{out}");
+    fs::remove_file(repo.join("new.rs")).unwrap();
+
+    // A code change committed: built.
+    mark();
+    fs::write(repo.join("lib.rs"), "fn b() {}\n").unwrap();
     git(&repo, &["commit", "-qam", "code"]);
-    let (code, out) = bundle_in(&repo, &bin);
+    let (code, out) = bundle_in(&repo, &bin, &[]);
     assert!(code != 0 && out.contains("cargo build ran"), "a committed code change must be built: {code}\n{out}");
 
     // A missing kernel cache: built.
     mark();
     git(&repo, &["reset", "-q", "--hard", "HEAD~1"]);
     fs::remove_file(repo.join(".gpu-cache/cubecl-cache.tar.xz")).unwrap();
-    let (code, out) = bundle_in(&repo, &bin);
+    let (code, out) = bundle_in(&repo, &bin, &[]);
     assert!(code != 0 && out.contains("cargo build ran"), "a bundle without its kernel cache must be built: {code}\n{out}");
+}
+
+/// A build that succeeds leaves its commit and its fill's report as the mark, so the next run
+/// keeps it and says which compile-only runs the fill skipped (the GPU compiles those itself).
+#[test]
+fn a_finished_bundle_marks_its_commit_and_what_its_fill_skipped() {
+    let dir = tempfile_dir::Dir::new("gpu-bundle-built");
+    let (repo, bin, artifacts) = (scratch_repo(dir.path()), dir.path().join("bin"), dir.path().join("artifacts"));
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for folder in [&bin, &artifacts, &repo.join("benches")] {
+        fs::create_dir_all(folder).unwrap();
+    }
+    for file in ["scripts/gpu-run.sh", "scripts/cargo-executable.py", "benches/sdpa_reference.py", "benches/torch_llama_reference.py"] {
+        fs::copy(root.join(file), repo.join(file)).unwrap();
+    }
+    fs::create_dir_all(repo.join("benches/hf-shapes")).unwrap();
+    fs::write(repo.join("benches/hf-shapes/tiny.json"), "{}\n").unwrap();
+    // cargo prints the executables as `--message-format=json` does; strip has nothing to strip.
+    let executables = [("test", "flash_attention"), ("bench", "flash_attention"), ("bench", "training_memory"), ("bench", "decorator_overhead"), ("bin", "ulysses-nccl-check"), ("bin", "ulysses-launch"), ("bin", "ulysses-trainer")];
+    let messages: String = executables
+        .iter()
+        .map(|(kind, name)| {
+            let path = artifacts.join(format!("{kind}-{name}"));
+            fs::write(&path, "binary").unwrap();
+            format!("echo '{{\"reason\":\"compiler-artifact\",\"executable\":\"{}\",\"target\":{{\"name\":\"{name}\",\"kind\":[\"{kind}\"]}}}}'\n", path.display())
+        })
+        .collect();
+    write_script(&bin.join("cargo"), &messages);
+    write_script(&bin.join("strip"), "exit 0\n");
+    // The fill: one kernel compiled, the 8B run skipped.
+    write_script(&repo.join("scripts/ptx-cache.sh"), "mkdir -p \"$1\" && echo ptx >\"$1/kernel\"\nprintf 'train-runs: llama-3.2-1b:1 8b\\nskipped: 8b\\n' >\"$FILL_REPORT\"\n");
+    git(&repo, &["add", "-A"]);
+    git(&repo, &["commit", "-qm", "scripts"]);
+
+    let (code, out) = bundle_in(&repo, &bin, &[]);
+    assert_eq!(code, 0, "{out}");
+    let mark = fs::read_to_string(repo.join(".gpu-carry/bundle.commit")).expect("a finished bundle is marked");
+    assert_eq!(mark, format!("{}\ntrain-runs: llama-3.2-1b:1 8b\nskipped: 8b\n", head(&repo)), "{out}");
+    let listing = Command::new("tar").arg("tJf").arg(repo.join(".gpu-cache/cubecl-cache.tar.xz")).output().unwrap();
+    assert!(String::from_utf8_lossy(&listing.stdout).contains("compilation/kernel"), "the fill's kernels are not in the cache: {out}");
+
+    let (code, out) = bundle_in(&repo, &bin, &[]);
+    assert!(code == 0 && out.contains("nothing to build"), "{out}");
+    assert!(out.contains("warning") && out.contains("skipped (8b"), "the kept bundle must say its fill skipped 8b: {out}");
+}
+
+/// `scripts/ptx-cache.sh` runs gpu-run.sh's own trainer commands (from its dry run) on the
+/// compile-only runtime: two steps, the 8B shape cut to 2 layers, no argument given twice; a run
+/// skipped for want of memory is reported, never silently left out.
+#[test]
+fn the_fill_compiles_what_gpu_runs_steps_launch() {
+    let dir = tempfile_dir::Dir::new("ptx-cache");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (repo, bin, target, tools) = (dir.path().join("repo"), dir.path().join("bin"), dir.path().join("target"), dir.path().join("tools"));
+    let wheel = tools.join("lib/python3.12/site-packages/nvidia/cu13/lib");
+    for folder in [repo.join("scripts"), repo.join("benches/hf-shapes"), bin.clone(), target.join("debug"), wheel.clone()] {
+        fs::create_dir_all(folder).unwrap();
+    }
+    for file in ["scripts/ptx-cache.sh", "scripts/gpu-run.sh", "benches/hf-shapes/llama-3.2-1b.json", "benches/hf-shapes/llama-3.1-8b.json"] {
+        fs::copy(root.join(file), repo.join(file)).unwrap();
+    }
+    fs::write(wheel.join("libnvrtc.so.13"), "").unwrap();
+    write_script(&repo.join("scripts/cuda-tools.sh"), &format!("echo '{}'\n", tools.display()));
+    write_script(&bin.join("cargo"), "exit 0\n");
+    let (runs, sources) = (dir.path().join("runs.txt"), dir.path().join("sources.txt"));
+    // The trainer writes its arguments and its config's layer count, and what it launched.
+    write_script(
+        &target.join("debug/ulysses-trainer"),
+        &format!(
+            "out=; config=; prev=\nfor a in \"$@\"; do [ \"$prev\" = --out ] && out=$a; [ \"$prev\" = --hf-config ] && config=$a; prev=$a; done\n\
+             echo \"$* layers=$(grep -o '\"num_hidden_layers\": *[0-9]*' \"$config\" | grep -o '[0-9]*$')\" >>'{}'\nmkdir -p \"$out/cuda-sources\"\necho 'step 2 done'\n",
+            runs.display()
+        ),
+    );
+    write_script(&target.join("debug/ulysses-cuda-sources"), &format!("echo \"$*\" >>'{}'\n", sources.display()));
+    let fill = |host_gb: &str| {
+        let report = dir.path().join("report.txt");
+        let _ = fs::remove_file(&runs);
+        let output = Command::new("bash")
+            .arg(repo.join("scripts/ptx-cache.sh"))
+            .arg(dir.path().join("cache"))
+            .env("PATH", format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default()))
+            .env("CARGO_TARGET_DIR", &target)
+            .env("CORPUS", "/dev/null")
+            .env("EIGHT_B_HOST_GB", host_gb)
+            .env("FILL_REPORT", &report)
+            .env_remove("TRAIN_RUNS")
+            .output()
+            .expect("bash runs ptx-cache.sh");
+        let out = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        assert!(output.status.success(), "{out}");
+        (fs::read_to_string(&runs).unwrap_or_default(), fs::read_to_string(&report).unwrap(), out)
+    };
+
+    let (runs_made, report, out) = fill("0");
+    let lines: Vec<&str> = runs_made.lines().collect();
+    assert_eq!(lines.len(), 2, "the 1B and 8B runs: {runs_made}\n{out}");
+    for line in &lines {
+        let words: Vec<&str> = line.split(' ').collect();
+        let flags: Vec<&&str> = words.iter().filter(|w| w.starts_with("--")).collect();
+        let distinct: std::collections::BTreeSet<&&&str> = flags.iter().collect();
+        assert_eq!(flags.len(), distinct.len(), "an argument given twice: {line}");
+        assert!(line.contains("--backend cuda-compile-only ") && line.contains("--steps 2 ") && line.contains("--batch-size 1 "), "{line}");
+    }
+    assert!(lines[0].contains("--sp 1 ") && lines[0].contains("--seq-len 16384 ") && lines[0].contains("hf-shapes/llama-3.2-1b.json") && lines[0].ends_with("layers=16"), "{}", lines[0]);
+    assert!(
+        lines[1].contains("--seq-len 65536 ") && lines[1].contains("--zero 3 --offload-parameters ") && lines[1].contains("--tile-tokens 4096 ") && lines[1].ends_with("layers=2"),
+        "the 8B run as EIGHT_B_ZERO3=params runs it, 2 layers: {}",
+        lines[1]
+    );
+    assert_eq!(report, "train-runs: llama-3.2-1b:1 8b\nskipped: \n");
+    let compiled = fs::read_to_string(&sources).unwrap();
+    assert!(compiled.contains("--launched ") && compiled.matches("cuda-sources").count() == 2, "{compiled}");
+
+    let (runs_made, report, out) = fill("100000");
+    assert_eq!(runs_made.lines().count(), 1, "{runs_made}");
+    assert!(out.contains("warning: skipping 8b"), "{out}");
+    assert_eq!(report, "train-runs: llama-3.2-1b:1 8b\nskipped: 8b\n");
 }
 
 /// A temporary folder removed on drop (no extra dependency for these tests).
