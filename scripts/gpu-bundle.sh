@@ -9,9 +9,10 @@
 # carry .gpu-cache too, from the first call on. Any failed build stops it with cargo's messages.
 #
 # A bundle is current when it was built from a clean tree whose commit differs from HEAD in
-# Markdown alone, with the same TRAIN_RUNS where one is given (.gpu-carry/bundle.commit: the
-# commit, then the fill's runs and those it skipped): then nothing is built, and a GPU session
-# starts at once instead of 40-60 minutes later. FORCE_BUNDLE=1 builds anyway.
+# Markdown alone, and its fill had the plan the fill would have now (TRAIN_RUNS, HF_SEQ:
+# `scripts/ptx-cache.sh --plan`). .gpu-carry/bundle.commit holds the commit, the plan and the
+# runs the fill skipped. Then nothing is built, and a GPU session starts at once instead of
+# 40-60 minutes later. FORCE_BUNDLE=1 builds anyway.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bundle=.gpu-bundle
@@ -22,10 +23,10 @@ clean_commit() { [ -z "$(git status --porcelain --untracked-files=normal)" ] && 
 markdown_alone_between() { git diff --quiet "$1" "$2" -- . ':(exclude)*.md' 2>/dev/null; }
 built=$(head -n 1 "$mark" 2>/dev/null || true)
 now=$(clean_commit)
-# shellcheck disable=SC2086 # one space between words, as ptx-cache.sh writes them
-same_runs() { [ -z "${TRAIN_RUNS+set}" ] || grep -qxF "train-runs: $(echo $TRAIN_RUNS)" "$mark"; }
+# Whether the mark's fill had the plan the fill would have now.
+same_plan() { [ "$(sed -n '2,$p' "$mark" | grep -v '^skipped: ')" = "$(bash scripts/ptx-cache.sh --plan)" ]; }
 if [ "${FORCE_BUNDLE:-0}" != 1 ] && [ -n "$built" ] && [ -n "$now" ] && [ -f .gpu-carry/bundle.tar.xz ] && [ -f .gpu-cache/cubecl-cache.tar.xz ] \
-    && markdown_alone_between "$built" "$now" && same_runs; then
+    && markdown_alone_between "$built" "$now" && same_plan; then
     echo "gpu-bundle: the bundle and kernel cache of $built are current for $now (they differ in Markdown alone): nothing to build (FORCE_BUNDLE=1 builds anyway)"
     skipped=$(sed -n 's/^skipped: //p' "$mark")
     if [ -n "$skipped" ]; then

@@ -15,19 +15,28 @@
 # it launched. Its arguments are the GPU run's own, from a dry run of gpu-run.sh (the backend,
 # the steps and the run folder replaced), so the two never drift apart. TRAIN_RUNS="" leaves
 # them out. Its words (default "llama-3.2-1b:1 8b", the GPU session's plan):
-#   SHAPE:SP  the hf part's step for a shape of benches/hf-shapes at HF_SEQ tokens, SP ranks;
+#   SHAPE:SP  the hf part's step for a shape of benches/hf-shapes at HF_SEQ tokens (16 384), SP ranks;
 #   8b[:SEQ]  the 8b part as EIGHT_B_ZERO3=params runs it (65 536 tokens), on the Llama-3.1-8B
 #             shape cut to 2 layers: every layer launches the same kernels, and the host still
 #             holds 16 bytes a parameter (the vocabulary's 1.05 B of 1.49 B), 24 GB resident at
 #             the peak. Skipped, with a warning, where memory and swap have less than
 #             EIGHT_B_HOST_GB (28): the GPU then compiles those kernels itself.
-# FILL_REPORT names a file that gets the runs asked for and those skipped (`train-runs: ...`,
-# `skipped: ...`): scripts/gpu-bundle.sh keeps them in its mark.
+# FILL_REPORT names a file that gets the plan (`train-runs: ...`, `hf-seq: ...`) and the runs
+# skipped (`skipped: ...`): scripts/gpu-bundle.sh keeps them in its mark. The dry run sees
+# nothing else of the environment (no KERNELS_RUN, EIGHT_B_OFFLOAD... set for a GPU call); its
+# corpus is benches/RESULTS.md unless CORPUS names one (nothing is computed: any text serves).
 #
 #   scripts/ptx-cache.sh ROOT [PREVIOUS] [TARGETS]
+#   scripts/ptx-cache.sh --plan    (the runs it would make, as the report names them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-root=${1:?usage: scripts/ptx-cache.sh ROOT [PREVIOUS] [TARGETS]}
+# What the training runs compile (the fill's plan): `--plan` prints it, as FILL_REPORT gets it.
+# shellcheck disable=SC2086 # one space between words, as the mark compares them
+requested=$(echo ${TRAIN_RUNS-llama-3.2-1b:1 8b})
+hf_seq=${HF_SEQ:-16384}
+plan() { printf 'train-runs: %s\nhf-seq: %s\n' "$requested" "$hf_seq"; }
+[ "${1:-}" = --plan ] && { plan; exit 0; }
+root=${1:?usage: scripts/ptx-cache.sh ROOT [PREVIOUS] [TARGETS] | --plan}
 previous=${2:-}
 targets=${3:-sm_90a:full}
 tools=$(bash scripts/cuda-tools.sh 13)
@@ -64,9 +73,13 @@ python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_la
 gpu_run_step() {
     local part=$1 step=$2 steps line
     shift 2
-    steps=$(env "$@" TRAIN_RUN="$part" DRY_RUN=1 OUT="$runs/dry" bash "$train/gpu-run.sh")
-    line=$(grep -m 1 "^$step: " <<<"$steps") || { echo "ptx-cache: gpu-run.sh's dry run of $part ($*) has no step $step" >&2; return 1; }
-    echo "${line#"$step: "}"
+    steps=$(env -i PATH="$PATH" HF_SEQ="$hf_seq" CORPUS="${CORPUS:-$PWD/benches/RESULTS.md}" "$@" TRAIN_RUN="$part" DRY_RUN=1 OUT="$runs/dry" \
+        bash "$train/gpu-run.sh") || { echo "ptx-cache: gpu-run.sh's dry run of $part ($*) failed" >&2; return 1; }
+    while IFS= read -r line; do
+        [[ $line == "$step: "* ]] && { echo "${line#"$step: "}"; return 0; }
+    done <<<"$steps"
+    echo "ptx-cache: gpu-run.sh's dry run of $part ($*) has no step $step" >&2
+    return 1
 }
 # `compile_only NAME COMMAND...`: two steps of a gpu-run.sh command (the trainer and its
 # arguments) on the compile-only runtime in its own folder; what it launched joins the fill.
@@ -90,7 +103,6 @@ compile_only() {
     tail -n 1 "$work/log"
     launched+=("$work/out/cuda-sources")
 }
-requested=${TRAIN_RUNS-llama-3.2-1b:1 8b}
 skipped=()
 for run in $requested; do
     case $run in
@@ -106,19 +118,16 @@ for run in $requested; do
                 continue
             fi
             command=$(gpu_run_step 8b "llama-8b-$seq" EIGHT_B_ZERO3=params EIGHT_B_SEQS="$seq")
-            # shellcheck disable=SC2086 # the dry run's words are the command's
-            compile_only "llama-8b-$seq" $command ;;
+            read -ra words <<<"$command"
+            compile_only "llama-8b-$seq" "${words[@]}" ;;
         *)
             shape=${run%%:*} sp=${run##*:}
             [ -f "benches/hf-shapes/$shape.json" ] && [[ $sp =~ ^[0-9]+$ ]] || { echo "ptx-cache: TRAIN_RUNS takes SHAPE:SP words, SHAPE of benches/hf-shapes, or 8b[:SEQ], not $run" >&2; exit 1; }
             command=$(gpu_run_step hf "hf-$shape-sp$sp" HF_SHAPES="$shape" HF_SPS="$sp" HF_OLD_HEAD=0)
-            # shellcheck disable=SC2086
-            compile_only "$shape-sp$sp" $command ;;
+            read -ra words <<<"$command"
+            compile_only "$shape-sp$sp" "${words[@]}" ;;
     esac
 done
-if [ -n "${FILL_REPORT:-}" ]; then
-    # shellcheck disable=SC2086 # one space between words, as the mark compares them
-    printf 'train-runs: %s\nskipped: %s\n' "$(echo $requested)" "${skipped[*]}" >"$FILL_REPORT"
-fi
+[ -z "${FILL_REPORT:-}" ] || { plan; echo "skipped: ${skipped[*]}"; } >"$FILL_REPORT"
 [ ${#launched[@]} -gt 0 ] && args+=(--launched "$(IFS=,; echo "${launched[*]}")")
 CUDA_PATH=$toolkit LD_LIBRARY_PATH="$libs:$toolkit/lib:${LD_LIBRARY_PATH:-}" "$sources_bin" "$sources" "${args[@]}"

@@ -146,7 +146,7 @@ fn write_script(path: &Path, body: &str) {
 
 /// What the scripts under test read from the environment, which a developer's shell (or a git
 /// hook running the tests) may have set: the scratch repository's git and runs must not see it.
-const INHERITED: [&str; 6] = ["GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "FORCE_BUNDLE", "TRAIN_RUNS", "EIGHT_B_HOST_GB"];
+const INHERITED: [&str; 8] = ["GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "FORCE_BUNDLE", "TRAIN_RUNS", "HF_SEQ", "EIGHT_B_HOST_GB", "CORPUS"];
 
 /// `scripts/gpu-bundle.sh` in a scratch repository, with the stand-ins in `bin` first on PATH
 /// and `envs` set: its exit status and output.
@@ -175,13 +175,16 @@ fn head(repo: &Path) -> String {
     String::from_utf8(output.stdout).unwrap().trim().to_string()
 }
 
-/// A scratch repository holding gpu-bundle.sh, one source file and one Markdown file, committed.
+/// A scratch repository holding gpu-bundle.sh and ptx-cache.sh (whose plan it reads), one source
+/// file and one Markdown file, committed.
 fn scratch_repo(root: &Path) -> std::path::PathBuf {
     let repo = root.join("repo");
     for folder in [repo.join("scripts"), repo.join(".gpu-carry"), repo.join(".gpu-cache")] {
         fs::create_dir_all(folder).unwrap();
     }
-    fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu-bundle.sh"), repo.join("scripts/gpu-bundle.sh")).unwrap();
+    for script in ["scripts/gpu-bundle.sh", "scripts/ptx-cache.sh"] {
+        fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join(script), repo.join(script)).unwrap();
+    }
     fs::write(repo.join(".gitignore"), "/.gpu-bundle\n/.gpu-carry\n/.gpu-cache\n").unwrap();
     fs::write(repo.join("lib.rs"), "fn a() {}\n").unwrap();
     fs::write(repo.join("notes.md"), "measured\n").unwrap();
@@ -204,7 +207,7 @@ fn a_bundle_is_built_again_unless_markdown_alone_changed() {
     let mark = || {
         fs::write(repo.join(".gpu-carry/bundle.tar.xz"), "binaries").unwrap();
         fs::write(repo.join(".gpu-cache/cubecl-cache.tar.xz"), "kernels").unwrap();
-        fs::write(repo.join(".gpu-carry/bundle.commit"), format!("{built}\ntrain-runs: llama-3.2-1b:1 8b\nskipped: \n")).unwrap();
+        fs::write(repo.join(".gpu-carry/bundle.commit"), format!("{built}\ntrain-runs: llama-3.2-1b:1 8b\nhf-seq: 16384\nskipped: \n")).unwrap();
     };
     mark();
 
@@ -215,11 +218,14 @@ fn a_bundle_is_built_again_unless_markdown_alone_changed() {
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("nothing to build") && !out.contains("cargo build ran") && !out.contains("warning"), "{out}");
 
-    // The same runs named: kept; others: built.
-    let (code, out) = bundle_in(&repo, &bin, &[("TRAIN_RUNS", " llama-3.2-1b:1   8b")]);
-    assert!(code == 0 && out.contains("nothing to build"), "the same TRAIN_RUNS must keep the bundle: {code}\n{out}");
-    let (code, out) = bundle_in(&repo, &bin, &[("TRAIN_RUNS", "llama-3.2-1b:1")]);
-    assert!(code != 0 && out.contains("cargo build ran"), "other TRAIN_RUNS must be built: {code}\n{out}");
+    // The same plan named: kept; another: built.
+    let (code, out) = bundle_in(&repo, &bin, &[("TRAIN_RUNS", " llama-3.2-1b:1   8b"), ("HF_SEQ", "16384")]);
+    assert!(code == 0 && out.contains("nothing to build"), "the same plan must keep the bundle: {code}\n{out}");
+    for other in [("TRAIN_RUNS", "llama-3.2-1b:1"), ("TRAIN_RUNS", ""), ("HF_SEQ", "4096")] {
+        mark();
+        let (code, out) = bundle_in(&repo, &bin, &[other]);
+        assert!(code != 0 && out.contains("cargo build ran"), "{other:?} must be built: {code}\n{out}");
+    }
 
     // A change not committed: built, and the old mark gone.
     mark();
@@ -228,8 +234,9 @@ fn a_bundle_is_built_again_unless_markdown_alone_changed() {
     assert!(code != 0 && out.contains("cargo build ran"), "an uncommitted change must be built: {code}\n{out}");
     assert!(!repo.join(".gpu-carry/bundle.commit").exists(), "the mark of the old bundle stayed");
 
-    // A new file not committed: built.
+    // A new file not committed, where git's configuration hides untracked files: built.
     git(&repo, &["checkout", "-q", "lib.rs"]);
+    git(&repo, &["config", "status.showUntrackedFiles", "no"]);
     mark();
     fs::write(repo.join("new.rs"), "fn c() {}\n").unwrap();
     let (code, out) = bundle_in(&repo, &bin, &[]);
@@ -278,15 +285,19 @@ fn a_finished_bundle_marks_its_commit_and_what_its_fill_skipped() {
         .collect();
     write_script(&bin.join("cargo"), &messages);
     write_script(&bin.join("strip"), "exit 0\n");
-    // The fill: one kernel compiled, the 8B run skipped.
-    write_script(&repo.join("scripts/ptx-cache.sh"), "mkdir -p \"$1\" && echo ptx >\"$1/kernel\"\nprintf 'train-runs: llama-3.2-1b:1 8b\\nskipped: 8b\\n' >\"$FILL_REPORT\"\n");
+    // The fill: its plan, one kernel compiled, the 8B run skipped.
+    write_script(
+        &repo.join("scripts/ptx-cache.sh"),
+        "plan='train-runs: llama-3.2-1b:1 8b\nhf-seq: 16384'\n[ \"$1\" = --plan ] && { echo \"$plan\"; exit 0; }\n\
+         mkdir -p \"$1\" && echo ptx >\"$1/kernel\"\nprintf '%s\\nskipped: 8b\\n' \"$plan\" >\"$FILL_REPORT\"\n",
+    );
     git(&repo, &["add", "-A"]);
     git(&repo, &["commit", "-qm", "scripts"]);
 
     let (code, out) = bundle_in(&repo, &bin, &[]);
     assert_eq!(code, 0, "{out}");
     let mark = fs::read_to_string(repo.join(".gpu-carry/bundle.commit")).expect("a finished bundle is marked");
-    assert_eq!(mark, format!("{}\ntrain-runs: llama-3.2-1b:1 8b\nskipped: 8b\n", head(&repo)), "{out}");
+    assert_eq!(mark, format!("{}\ntrain-runs: llama-3.2-1b:1 8b\nhf-seq: 16384\nskipped: 8b\n", head(&repo)), "{out}");
     let listing = Command::new("tar").arg("tJf").arg(repo.join(".gpu-cache/cubecl-cache.tar.xz")).output().unwrap();
     assert!(String::from_utf8_lossy(&listing.stdout).contains("compilation/kernel"), "the fill's kernels are not in the cache: {out}");
 
@@ -295,9 +306,10 @@ fn a_finished_bundle_marks_its_commit_and_what_its_fill_skipped() {
     assert!(out.contains("warning") && out.contains("skipped (8b"), "the kept bundle must say its fill skipped 8b: {out}");
 }
 
-/// `scripts/ptx-cache.sh` runs gpu-run.sh's own trainer commands (from its dry run) on the
-/// compile-only runtime: two steps, the 8B shape cut to 2 layers, no argument given twice; a run
-/// skipped for want of memory is reported, never silently left out.
+/// `scripts/ptx-cache.sh` runs gpu-run.sh's own trainer commands (from its dry run, which sees
+/// none of the caller's GPU-call settings) on the compile-only runtime: two steps, the 8B shape
+/// cut to 2 layers, no argument given twice; a run skipped for want of memory is reported, never
+/// silently left out.
 #[test]
 fn the_fill_compiles_what_gpu_runs_steps_launch() {
     let dir = tempfile_dir::Dir::new("ptx-cache");
@@ -327,7 +339,11 @@ fn the_fill_compiles_what_gpu_runs_steps_launch() {
     let fill = |host_gb: &str| {
         let report = dir.path().join("report.txt");
         let _ = fs::remove_file(&runs);
-        let output = Command::new("bash")
+        let mut command = Command::new("bash");
+        for name in INHERITED {
+            command.env_remove(name);
+        }
+        let output = command
             .arg(repo.join("scripts/ptx-cache.sh"))
             .arg(dir.path().join("cache"))
             .env("PATH", format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default()))
@@ -335,7 +351,9 @@ fn the_fill_compiles_what_gpu_runs_steps_launch() {
             .env("CORPUS", "/dev/null")
             .env("EIGHT_B_HOST_GB", host_gb)
             .env("FILL_REPORT", &report)
-            .env_remove("TRAIN_RUNS")
+            // A GPU call's settings in the shell: the fill's dry run must not see them.
+            .env("EIGHT_B_OFFLOAD", "1")
+            .env("KERNELS_RUN", "named")
             .output()
             .expect("bash runs ptx-cache.sh");
         let out = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
@@ -355,18 +373,18 @@ fn the_fill_compiles_what_gpu_runs_steps_launch() {
     }
     assert!(lines[0].contains("--sp 1 ") && lines[0].contains("--seq-len 16384 ") && lines[0].contains("hf-shapes/llama-3.2-1b.json") && lines[0].ends_with("layers=16"), "{}", lines[0]);
     assert!(
-        lines[1].contains("--seq-len 65536 ") && lines[1].contains("--zero 3 --offload-parameters ") && lines[1].contains("--tile-tokens 4096 ") && lines[1].ends_with("layers=2"),
+        lines[1].contains("--seq-len 65536 ") && lines[1].contains("--zero 3 --offload-parameters ") && lines[1].contains("--tile-tokens 4096 ") && !lines[1].contains("--offload-to-host") && lines[1].ends_with("layers=2"),
         "the 8B run as EIGHT_B_ZERO3=params runs it, 2 layers: {}",
         lines[1]
     );
-    assert_eq!(report, "train-runs: llama-3.2-1b:1 8b\nskipped: \n");
+    assert_eq!(report, "train-runs: llama-3.2-1b:1 8b\nhf-seq: 16384\nskipped: \n");
     let compiled = fs::read_to_string(&sources).unwrap();
     assert!(compiled.contains("--launched ") && compiled.matches("cuda-sources").count() == 2, "{compiled}");
 
     let (runs_made, report, out) = fill("100000");
     assert_eq!(runs_made.lines().count(), 1, "{runs_made}");
     assert!(out.contains("warning: skipping 8b"), "{out}");
-    assert_eq!(report, "train-runs: llama-3.2-1b:1 8b\nskipped: 8b\n");
+    assert_eq!(report, "train-runs: llama-3.2-1b:1 8b\nhf-seq: 16384\nskipped: 8b\n");
 }
 
 /// A temporary folder removed on drop (no extra dependency for these tests).
