@@ -81,11 +81,14 @@ gpu_run_step() {
     echo "ptx-cache: gpu-run.sh's dry run of $part ($*) has no step $step" >&2
     return 1
 }
-# `compile_only NAME COMMAND...`: two steps of a gpu-run.sh command (the trainer and its
-# arguments) on the compile-only runtime in its own folder; what it launched joins the fill.
+# `compile_only PART STEP VAR=VALUE...`: two steps of gpu_run_step's command on the compile-only
+# runtime, in a folder named for the step; what it launched joins the fill.
 compile_only() {
-    local name=$1 trainer=$2 work="$runs/$1" args=()
-    shift 2
+    local step=$2 work="$runs/$2" command words trainer args=()
+    command=$(gpu_run_step "$@")
+    read -ra words <<<"$command"
+    trainer=${words[0]}
+    set -- "${words[@]:1}"
     while [ $# -gt 0 ]; do
         case $1 in
             --backend) args+=(--backend cuda-compile-only); shift ;;
@@ -99,7 +102,7 @@ compile_only() {
     # The trainer keeps its autotune cache apart and empty (OUT/autotune-timed-on-nothing): a
     # choice timed on nothing must never reach a GPU, and a cached one would launch no candidates.
     (cd "$work" && "$trainer" "${args[@]}" --out "$work/out" >"$work/log" 2>&1) \
-        || { tail -n 20 "$work/log" >&2; echo "ptx-cache: the compile-only run $name failed" >&2; exit 1; }
+        || { tail -n 20 "$work/log" >&2; echo "ptx-cache: the compile-only run $step failed" >&2; exit 1; }
     tail -n 1 "$work/log"
     launched+=("$work/out/cuda-sources")
 }
@@ -117,15 +120,11 @@ for run in $requested; do
                 skipped+=("$run")
                 continue
             fi
-            command=$(gpu_run_step 8b "llama-8b-$seq" EIGHT_B_ZERO3=params EIGHT_B_SEQS="$seq")
-            read -ra words <<<"$command"
-            compile_only "llama-8b-$seq" "${words[@]}" ;;
+            compile_only 8b "llama-8b-$seq" EIGHT_B_ZERO3=params EIGHT_B_SEQS="$seq" ;;
         *)
             shape=${run%%:*} sp=${run##*:}
             [ -f "benches/hf-shapes/$shape.json" ] && [[ $sp =~ ^[0-9]+$ ]] || { echo "ptx-cache: TRAIN_RUNS takes SHAPE:SP words, SHAPE of benches/hf-shapes, or 8b[:SEQ], not $run" >&2; exit 1; }
-            command=$(gpu_run_step hf "hf-$shape-sp$sp" HF_SHAPES="$shape" HF_SPS="$sp" HF_OLD_HEAD=0)
-            read -ra words <<<"$command"
-            compile_only "$shape-sp$sp" "${words[@]}" ;;
+            compile_only hf "hf-$shape-sp$sp" HF_SHAPES="$shape" HF_SPS="$sp" HF_OLD_HEAD=0 ;;
     esac
 done
 [ -z "${FILL_REPORT:-}" ] || { plan; echo "skipped: ${skipped[*]}"; } >"$FILL_REPORT"

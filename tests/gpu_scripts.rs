@@ -13,9 +13,7 @@ fn bundle_with_kernel_tests(body: &str) -> tempfile_dir::Dir {
     let dir = tempfile_dir::Dir::new("gpu-run");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu-run.sh");
     fs::copy(&script, dir.path().join("gpu-run.sh")).unwrap();
-    let tests = dir.path().join("flash-attention-tests");
-    fs::write(&tests, format!("#!/bin/sh\n{body}\n")).unwrap();
-    fs::set_permissions(&tests, fs::Permissions::from_mode(0o755)).unwrap();
+    write_script(&dir.path().join("flash-attention-tests"), &format!("{body}\n"));
     fs::create_dir(dir.path().join("out")).unwrap();
     dir
 }
@@ -67,12 +65,11 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     // The named tests pass and leave a run folder behind; the whole suite hangs.
     // Where the driver would keep the machine code it built, the named tests write an entry;
     // they compile one kernel into CubeCL's PTX cache (a line of its table of contents).
-    let stand_in = "#!/bin/sh\ncase \"$*\" in\n*--exact*) mkdir -p \"$OUT/run\"; echo 5.5 >\"$OUT/run/metrics.csv\"; \
+    let stand_in = "case \"$*\" in\n*--exact*) mkdir -p \"$OUT/run\"; echo 5.5 >\"$OUT/run/metrics.csv\"; \
                     head -c 100000 /dev/zero >\"$OUT/run/checkpoint.ulysses\"; echo sass >\"${CUDA_CACHE_PATH:?}/entry\"; \
                     echo '{\"key\":3}' >>/tmp/gpu-call-cubecl/compilation/cuda/0.10.0/ptx-by-source/toc.json.log; \
                     echo 'test result: ok. 1 passed' ;;\n*) sleep 60 ;;\nesac\n";
-    fs::write(kernels.join("flash-attention-tests"), stand_in).unwrap();
-    fs::set_permissions(kernels.join("flash-attention-tests"), fs::Permissions::from_mode(0o755)).unwrap();
+    write_script(&kernels.join("flash-attention-tests"), stand_in);
     let out = dir.path().join("out");
     fs::create_dir(&out).unwrap();
 
@@ -148,30 +145,30 @@ fn write_script(path: &Path, body: &str) {
 /// hook running the tests) may have set: the scratch repository's git and runs must not see it.
 const INHERITED: [&str; 8] = ["GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "FORCE_BUNDLE", "TRAIN_RUNS", "HF_SEQ", "EIGHT_B_HOST_GB", "CORPUS"];
 
+/// `program` without [`INHERITED`] in its environment.
+fn isolated(program: &str) -> Command {
+    let mut command = Command::new(program);
+    for name in INHERITED {
+        command.env_remove(name);
+    }
+    command
+}
+
 /// `scripts/gpu-bundle.sh` in a scratch repository, with the stand-ins in `bin` first on PATH
 /// and `envs` set: its exit status and output.
 fn bundle_in(repo: &Path, bin: &Path, envs: &[(&str, &str)]) -> (i32, String) {
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
-    let mut command = Command::new("bash");
-    command.arg("scripts/gpu-bundle.sh").current_dir(repo).env("PATH", path);
-    for name in INHERITED {
-        command.env_remove(name);
-    }
-    let output = command.envs(envs.iter().copied()).output().expect("bash runs gpu-bundle.sh");
+    let output = isolated("bash").arg("scripts/gpu-bundle.sh").current_dir(repo).env("PATH", path).envs(envs.iter().copied()).output().expect("bash runs gpu-bundle.sh");
     (output.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr)))
 }
 
 fn git(repo: &Path, args: &[&str]) {
-    let mut command = Command::new("git");
-    command.args(["-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]).args(args).current_dir(repo);
-    for name in INHERITED {
-        command.env_remove(name);
-    }
-    assert!(command.status().expect("git runs").success(), "git {args:?}");
+    let status = isolated("git").args(["-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]).args(args).current_dir(repo).status();
+    assert!(status.expect("git runs").success(), "git {args:?}");
 }
 
 fn head(repo: &Path) -> String {
-    let output = Command::new("git").args(["rev-parse", "HEAD"]).current_dir(repo).env_remove("GIT_DIR").output().unwrap();
+    let output = isolated("git").args(["rev-parse", "HEAD"]).current_dir(repo).output().unwrap();
     String::from_utf8(output.stdout).unwrap().trim().to_string()
 }
 
@@ -339,11 +336,7 @@ fn the_fill_compiles_what_gpu_runs_steps_launch() {
     let fill = |host_gb: &str| {
         let report = dir.path().join("report.txt");
         let _ = fs::remove_file(&runs);
-        let mut command = Command::new("bash");
-        for name in INHERITED {
-            command.env_remove(name);
-        }
-        let output = command
+        let output = isolated("bash")
             .arg(repo.join("scripts/ptx-cache.sh"))
             .arg(dir.path().join("cache"))
             .env("PATH", format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default()))
