@@ -76,7 +76,12 @@ pub struct HfConfig {
     /// Each query sees only the last this many keys (itself included).
     pub sliding_window: Option<usize>,
     pub bos_token_id: Option<u64>,
+    /// The first of `eos_token_ids`: the token a packed document ends in.
     pub eos_token_id: Option<u64>,
+    /// Every token that ends a generation, as config.json lists them (Llama 3's instruct
+    /// models: `<|end_of_text|>`, `<|eom_id|>`, `<|eot_id|>`), written back whole so that
+    /// `generate` on a saved model stops where the original's did.
+    pub eos_token_ids: Vec<u64>,
     /// The standard deviation of a fresh model's weight matrices and embeddings
     /// (transformers' `_init_weights`): only a model built from random weights uses it.
     pub initializer_range: f64,
@@ -145,10 +150,16 @@ impl<'a> Keys<'a> {
 
     /// A token id; a list of them (several end tokens) gives the first.
     fn token(&self, key: &str) -> Result<Option<u64>, ConfigError> {
+        Ok(self.tokens(key)?.first().copied())
+    }
+
+    /// Token ids: one, a list of them, or none (absent or null).
+    fn tokens(&self, key: &str) -> Result<Vec<u64>, ConfigError> {
+        let not_ids = |value: &Value| self.error(key, format!("must be a token id or a list of them, got {value}"));
         match self.get(key) {
-            None => Ok(None),
-            Some(Value::Array(ids)) => Ok(ids.first().and_then(Value::as_u64)),
-            Some(value) => value.as_u64().map(Some).ok_or_else(|| self.error(key, format!("must be a token id, got {value}"))),
+            None | Some(Value::Null) => Ok(vec![]),
+            Some(Value::Array(ids)) => ids.iter().map(|id| id.as_u64().ok_or_else(|| not_ids(id))).collect(),
+            Some(value) => value.as_u64().map(|id| vec![id]).ok_or_else(|| not_ids(value)),
         }
     }
 }
@@ -250,6 +261,7 @@ impl HfConfig {
             sliding_window,
             bos_token_id: keys.token("bos_token_id")?,
             eos_token_id: keys.token("eos_token_id")?,
+            eos_token_ids: keys.tokens("eos_token_id")?,
             initializer_range: keys.positive("initializer_range", 0.02)?,
         })
     }
@@ -287,7 +299,11 @@ impl HfConfig {
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": dtype,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": match self.eos_token_ids.as_slice() {
+                [] => Value::Null,
+                [id] => json!(id),
+                ids => json!(ids),
+            },
             "initializer_range": self.initializer_range,
         });
         let object = config.as_object_mut().expect("an object");
@@ -391,6 +407,21 @@ mod tests {
         assert_eq!((config.rope_theta, config.rms_norm_eps), (500_000.0, 1e-5));
         assert!(config.tie_word_embeddings && !config.qkv_bias && !config.qk_norm);
         assert_eq!((config.bos_token_id, config.eos_token_id), (Some(128000), Some(128001)));
+        assert_eq!(config.eos_token_ids, [128001, 128008, 128009]);
+    }
+
+    /// Every end token comes back in the saved config.json (`generate` stops at each), one
+    /// as a number, none as null; a list with a non-id is refused, naming the key.
+    #[test]
+    fn every_end_token_is_written_back() {
+        let config = HfConfig::from_hf_json(LLAMA, "a").unwrap();
+        assert_eq!(config.to_hf_json("bfloat16")["eos_token_id"], json!([128001, 128008, 128009]));
+        let one = HfConfig::from_hf_json(&with(LLAMA, "eos_token_id", json!(7)), "a").unwrap();
+        assert_eq!((one.eos_token_id, one.to_hf_json("bfloat16")["eos_token_id"].clone()), (Some(7), json!(7)));
+        let none = HfConfig::from_hf_json(&with(LLAMA, "eos_token_id", Value::Null), "a").unwrap();
+        assert_eq!((none.eos_token_id, none.to_hf_json("bfloat16")["eos_token_id"].clone()), (None, Value::Null));
+        let error = refused(&with(LLAMA, "eos_token_id", json!([1, "two"])));
+        assert!(error.key == "eos_token_id" && error.problem.contains("a list of them"), "{error}");
     }
 
     #[test]

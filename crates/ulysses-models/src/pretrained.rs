@@ -51,6 +51,40 @@ pub const DECODER_TO_HF: [(&str, &str); 7] = [
 const WEIGHTS_FILE: &str = "model.safetensors";
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
+/// What a checkpoint folder holds beside its config and weights that a fine-tuned copy needs
+/// too (its tokenizer, chat template and generation settings): a save carries them over from
+/// the checkpoint it started from ([`HfCheckpointWriter::include`]).
+pub const COMPANION_FILES: &[&str] = &["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja"];
+
+/// Whether a save writes a file of this name (config, weights, index, companions): the
+/// files it may replace when it replaces a folder.
+fn written_by_a_save(name: &str) -> bool {
+    name == "config.json"
+        || name == WEIGHTS_FILE
+        || name == INDEX_FILE
+        || COMPANION_FILES.contains(&name)
+        || (name.starts_with("model-") && name.ends_with(".safetensors"))
+}
+
+/// An error when `dir` holds anything a save did not write (a run's checkpoint, a README):
+/// a save replaces the folder whole and would delete it.
+fn check_only_saved_files(dir: &Path) -> Result<(), CheckpointError> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
+    let mut others: Vec<String> = entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|name| !written_by_a_save(name)).collect();
+    if others.is_empty() {
+        return Ok(());
+    }
+    others.sort();
+    let shown = if others.len() > 4 { format!("{} and {} more", others[..4].join(", "), others.len() - 4) } else { others.join(", ") };
+    Err(CheckpointError::file(
+        dir,
+        format!(
+            "holds {shown}, which a save would delete (it replaces the folder whole, as it holds a saved model alone): \
+             save into a new folder, or one an earlier save wrote"
+        ),
+    ))
+}
+
 /// Why a checkpoint folder cannot be loaded: what, and in which file.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -227,8 +261,17 @@ pub fn save_pretrained<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &
 /// into place, so a crash leaves the earlier folder whole (for the instant between two
 /// renames, beside `dir` as `.NAME.earlier-PID`).
 pub fn save_pretrained_with<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, options: SaveOptions) -> Result<(), CheckpointError> {
+    save_pretrained_including(model, config, dir, options, &[])
+}
+
+/// [`save_pretrained_with`], with `companions` (files of [`COMPANION_FILES`]: the tokenizer
+/// and generation settings of the checkpoint the model started from) copied into the folder.
+pub fn save_pretrained_including<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, options: SaveOptions, companions: &[PathBuf]) -> Result<(), CheckpointError> {
     let tensors = model.collect(None, None, false).iter().map(|t| (t.full_path(), t.shape.to_vec())).collect();
     let mut writer = HfCheckpointWriter::begin(config, dir, options, tensors)?;
+    for file in companions {
+        writer.include(file)?;
+    }
     for shard in 0..writer.shard_count() {
         writer.write_shard(shard, model)?;
     }
@@ -323,9 +366,27 @@ impl HfCheckpointWriter {
         Ok(())
     }
 
+    /// Copies `file` (one of [`COMPANION_FILES`], from the checkpoint the model started from)
+    /// into the folder under its name.
+    pub fn include(&mut self, file: &Path) -> Result<(), CheckpointError> {
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if !COMPANION_FILES.contains(&name.as_str()) {
+            return Err(CheckpointError::file(file, format!("is not one of the files a save carries over ({})", COMPANION_FILES.join(", "))));
+        }
+        let copy = self.partial.join(&name);
+        std::fs::copy(file, &copy).map_err(io(file))?;
+        self.written.push(copy);
+        Ok(())
+    }
+
     /// Writes the index (when sharded), makes every file durable and renames the folder into
-    /// place: the earlier folder aside, the new one in, the earlier one removed.
+    /// place: the earlier folder aside, the new one in, the earlier one removed. A folder that
+    /// holds what no save wrote (found now: it may have been made since the run began) is left
+    /// as it is, and so is the new one, beside it, named in the error.
     pub fn finish(mut self) -> Result<(), CheckpointError> {
+        if let Err(CheckpointError::File { file, problem }) = check_only_saved_files(&self.dir) {
+            return Err(CheckpointError::file(Path::new(&file), format!("{problem}; the model was written to {} instead", self.partial.display())));
+        }
         if self.shards.len() > 1 {
             let index_file = self.partial.join(INDEX_FILE);
             let total: u64 = self.tensors.iter().map(|t| t.1).sum();
@@ -360,6 +421,7 @@ pub fn check_save_destination(dir: &Path) -> Result<(), CheckpointError> {
     if dir.exists() && !dir.is_dir() {
         return Err(CheckpointError::file(dir, "exists and is not a folder: choose another path, or move the file"));
     }
+    check_only_saved_files(dir)?;
     let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     // A relative path's last ancestor is "", which does not exist: then the working folder.
     let existing = parent.ancestors().find(|a| a.exists()).unwrap_or(Path::new("."));

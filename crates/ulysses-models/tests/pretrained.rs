@@ -512,3 +512,45 @@ fn a_save_destination_is_checked_without_making_folders() {
     assert!(error.contains("exists and is not a folder"), "{error}");
     std::fs::remove_dir_all(root).unwrap();
 }
+
+/// A save carries the checkpoint's tokenizer and generation settings over, byte for byte, and
+/// replaces a folder an earlier save wrote; a folder that holds anything else (a run's
+/// checkpoint, the fixtures' reference outputs) is refused before the save, and found at the
+/// end of one too: left as it was, the new model beside it, named in the error.
+#[test]
+fn a_save_replaces_a_saved_folder_alone_and_carries_the_tokenizer_over() {
+    use burn::tensor::DType;
+    use ulysses_models::{SaveOptions, check_save_destination, save_pretrained_including};
+    let folder = model_fixtures().into_iter().find(|f| f.ends_with("qwen3")).expect("the qwen3 fixture");
+    let pretrained = from_pretrained::<Cpu>(&folder, &Default::default()).unwrap();
+    let tokenizer = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer/tokenizer.json");
+    let companions = [folder.join("generation_config.json"), tokenizer.clone()];
+    let root = std::env::temp_dir().join(format!("ulysses-models-{}-companions", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let out = root.join("tuned");
+    let save = || save_pretrained_including(&pretrained.model, &pretrained.config, &out, SaveOptions::new(DType::BF16), &companions);
+    save().unwrap();
+    let names = |dir: &Path| {
+        let mut names: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        names
+    };
+    assert_eq!(names(&out), ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]);
+    assert_eq!(std::fs::read(out.join("tokenizer.json")).unwrap(), std::fs::read(&tokenizer).unwrap());
+    check_save_destination(&out).expect("a folder an earlier save wrote");
+    save().expect("replaced by the next save");
+
+    let refused = check_save_destination(&folder).unwrap_err().to_string();
+    assert!(refused.contains("expected.safetensors") && refused.contains("would delete"), "{refused}");
+    // A run's checkpoint that appears in the folder while the model trains.
+    std::fs::write(out.join("checkpoint.ulysses"), b"a run's state").unwrap();
+    let error = save().unwrap_err().to_string();
+    assert!(error.contains("checkpoint.ulysses") && error.contains("the model was written to"), "{error}");
+    assert_eq!(std::fs::read(out.join("checkpoint.ulysses")).unwrap(), b"a run's state");
+    let beside = names(&root).into_iter().find(|n| n.starts_with(".tuned.partial-")).expect("the new model beside the folder");
+    assert_eq!(names(&root.join(beside)), ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]);
+
+    let other = save_pretrained_including(&pretrained.model, &pretrained.config, &root.join("other"), SaveOptions::new(DType::BF16), &[folder.join("config.json")]);
+    assert!(other.unwrap_err().to_string().contains("is not one of the files a save carries over"));
+    std::fs::remove_dir_all(&root).unwrap();
+}

@@ -19,6 +19,11 @@ pub struct DataIdentity {
     pub path: String,
     pub bytes: u64,
     pub digest: String,
+    /// How the data becomes tokens and targets (the tokenizer, EOS, `--loss-on`,
+    /// `--too-long`): the same bytes read otherwise are other batches. Empty in checkpoints
+    /// written before it was recorded, and for data read as it is.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reading: String,
 }
 
 impl DataIdentity {
@@ -34,11 +39,24 @@ impl DataIdentity {
             digest.write(&ends);
             bytes += size;
         }
-        Ok(Self { path: path.display().to_string(), bytes, digest: format!("{:016x}", digest.0) })
+        Ok(Self { path: path.display().to_string(), bytes, digest: format!("{:016x}", digest.0), reading: String::new() })
+    }
+
+    /// This identity with how the data is read (`reading`: the settings that turn its bytes
+    /// into tokens and targets), which a resume must match too.
+    pub fn read_with(self, reading: String) -> Self {
+        Self { reading, ..self }
     }
 
     /// Why `self` (now) is not the data `saved` recorded, or `None` when it is.
     pub fn differs_from(&self, saved: &DataIdentity) -> Option<String> {
+        if !saved.reading.is_empty() && self.reading != saved.reading {
+            return Some(format!(
+                "the checkpoint's run read its data with {}, this one would read it with {}; resuming would continue on other \
+                 batches. Resume with the same settings, or pass --allow-new-data to continue with these",
+                saved.reading, self.reading
+            ));
+        }
         (self.bytes != saved.bytes || self.digest != saved.digest).then(|| {
             format!(
                 "the checkpoint's run trained on {} ({} bytes, digest {}), this one would train on {} ({} bytes, digest {}); \
@@ -96,6 +114,13 @@ mod tests {
         assert!(DataIdentity::of(&a).unwrap().differs_from(&saved).is_some(), "an appended line");
         // A folder: its files in name order.
         assert_eq!(DataIdentity::of(&dir).unwrap(), DataIdentity::of(&dir).unwrap());
+        // The same bytes read otherwise are other data; a checkpoint that recorded no reading
+        // (written before it was) is compared by its bytes alone.
+        let read = |how: &str| DataIdentity::of(&b).unwrap().read_with(how.into());
+        assert_eq!(read("--loss-on all").differs_from(&read("--loss-on all")), None);
+        let message = read("--loss-on all").differs_from(&read("--loss-on assistant")).expect("another --loss-on");
+        assert!(message.contains("--loss-on assistant") && message.contains("--allow-new-data"), "{message}");
+        assert_eq!(read("--loss-on all").differs_from(&DataIdentity::of(&b).unwrap()), None);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

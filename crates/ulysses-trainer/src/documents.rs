@@ -74,7 +74,7 @@ pub struct Documents {
 }
 
 impl DocumentReader<'_> {
-    /// Every document of `path` (a `.jsonl` file, a text file, or a folder of them, in name
+    /// Every document of `path` (a `.jsonl` or `.json` file of JSON Lines, a text file, or a folder of them, in name
     /// order) as token ids ending in EOS. Documents with nothing before their EOS are left out.
     pub fn read(&self, path: &Path) -> Result<Documents, String> {
         let files = files_under(path).map_err(|e| format!("cannot read --data {}: {e}", path.display()))?;
@@ -84,7 +84,8 @@ impl DocumentReader<'_> {
         let mut documents = Vec::new();
         for file in &files {
             bar.set_message(file.display().to_string());
-            if file.extension().is_some_and(|e| e == "jsonl") {
+            // JSON Lines by either name (`datasets`' `to_json` writes them as .json).
+            if file.extension().is_some_and(|e| e.eq_ignore_ascii_case("jsonl") || e.eq_ignore_ascii_case("json")) {
                 self.read_json_lines(file, &bar, &mut documents)?;
             } else {
                 let text = fs::read_to_string(file).map_err(|e| format!("cannot read {} as UTF-8 text: {e}", file.display()))?;
@@ -154,7 +155,14 @@ impl DocumentReader<'_> {
             let at = || if line == 0 { file.display().to_string() } else { format!("{} line {line}", file.display()) };
             let mut next = || -> Vec<i64> { encoded.next().expect("one encoding per text").into_iter().map(i64::from).collect() };
             let (ids, targets): (Vec<i64>, Option<Vec<bool>>) = match document {
-                Pending::Text(_) => (next(), None),
+                Pending::Text(_) => {
+                    // The encoder appended EOS: a text that ended in it already keeps one.
+                    let mut ids = next();
+                    if ids.len() >= 2 && ids[ids.len() - 2] == eos {
+                        ids.pop();
+                    }
+                    (ids, None)
+                }
                 Pending::PromptCompletion(..) => {
                     // Without the EOS the encoder appended to the prompt.
                     let prompt = next().len() - 1;
@@ -425,6 +433,30 @@ mod tests {
             let error = parse_line(line).err().unwrap_or_else(|| panic!("{line} was accepted"));
             assert!(error.contains(expected), "{line}: {error}");
         }
+    }
+
+    /// A text that ends in EOS written out gets no second one; every other text gets one.
+    #[test]
+    fn a_text_ends_in_one_eos() {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../ulysses-models/tests/fixtures/tokenizer/tokenizer.json");
+        let tokenizer = TextTokenizer::from_file(Path::new(fixture)).unwrap();
+        let eos = tokenizer.token_id("<|endoftext|>").expect("the fixture's EOS");
+        let file = std::env::temp_dir().join(format!("ulysses-documents-eos-{}.jsonl", std::process::id()));
+        fs::write(&file, "{\"text\": \"a group.\"}\n{\"text\": \"a group.<|endoftext|>\"}\n{\"text\": \"<|endoftext|>a group.\"}\n").unwrap();
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, answers_only: false, refuse_longer_than: None };
+        let documents = reader.read(&file).unwrap().ids;
+        // The same lines in a .JSON file are JSON Lines too, not one text document.
+        let json = file.with_extension("JSON");
+        fs::copy(&file, &json).unwrap();
+        assert_eq!(reader.read(&json).unwrap().ids, documents);
+        let _ = fs::remove_file(&json);
+        let _ = fs::remove_file(&file);
+        let eos = i64::from(eos);
+        let plain = &documents[0];
+        assert_eq!(plain.iter().filter(|&&id| id == eos).count(), 1, "{plain:?}");
+        assert_eq!(plain.last(), Some(&eos));
+        assert_eq!(documents[1], *plain, "the written-out EOS is the one that ends it");
+        assert_eq!(documents[2].iter().filter(|&&id| id == eos).count(), 2, "one that starts with it still ends in one: {:?}", documents[2]);
     }
 
     #[test]

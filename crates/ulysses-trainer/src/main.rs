@@ -24,7 +24,7 @@ use burn::{
 use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
 use ulysses_training::{LayerCheckpointing, StepReport, TrainBackend, checkpoint::read_checkpoint_state};
 use clap::{Parser, ValueEnum};
-use ulysses_models::{ChatTemplate, Decoder, HfConfig, TextTokenizer, from_pretrained};
+use ulysses_models::{COMPANION_FILES, ChatTemplate, Decoder, HfConfig, TextTokenizer, from_pretrained};
 use indicatif::{ProgressBar, ProgressStyle};
 use burn_ulysses::job::{JobOptions, Launch, Tcp, Transport, run_ranks};
 use ulysses_dist::DistributedConfig;
@@ -33,7 +33,7 @@ use ulysses_trainer::{
     data_identity::DataIdentity,
     documents::{DocumentReader, PackedDocuments},
     plot,
-    run_folder::{Claim, METRICS_FILE, RunFolder, RunRecord},
+    run_folder::{Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
     tokens::TokenFile,
     train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
 };
@@ -179,8 +179,9 @@ struct Args {
     /// Face's format (bf16 safetensors and config.json), which transformers loads.
     #[arg(long)]
     save_hf: Option<PathBuf>,
-    /// Output folder [default: runs/llama, or the --resume folder]. One run at a time holds
-    /// it (a lock); a fresh run refuses a folder with an earlier run's checkpoint.
+    /// Output folder [default: runs/llama, or the --resume folder, or the folder of the --resume
+    /// file]. One run at a time holds it (a lock); a fresh run, or a --resume into another
+    /// folder, refuses a folder with an earlier run's checkpoint.
     #[arg(long)]
     out: Option<PathBuf>,
     /// With --resume: continue on data other than the checkpoint's run trained on (its path,
@@ -384,6 +385,19 @@ fn run(args: Args) -> Result<(), String> {
         Launch::Threads => true,
         Launch::Process(env) => env.rank == 0,
     };
+    let out = args.out.clone().or_else(|| args.resume.as_deref().map(resumed_folder)).unwrap_or_else(|| "runs/llama".into());
+    // A save replaces its folder whole: never the run's own, nor the checkpoint it starts from
+    // (whose other files a save of files alone would not catch).
+    if let Some(dir) = &args.save_hf {
+        for (other, flag) in [(Some(out.as_path()), "--out"), (args.model.as_deref(), "--model")] {
+            if other.is_some_and(|other| same_place(dir, other)) {
+                return Err(format!(
+                    "--save-hf {} is the {flag} folder, which the save would replace whole: save into a folder of its own",
+                    dir.display()
+                ));
+            }
+        }
+    }
     if let (Some(dir), true) = (&args.save_hf, saves) {
         ulysses_models::check_save_destination(dir).map_err(|e| format!("--save-hf: {e}"))?;
     }
@@ -416,6 +430,15 @@ fn run(args: Args) -> Result<(), String> {
         return Err(format!(
             "--hf-config: the vocabulary has {vocab} ids, fewer than the {BYTE_VOCAB} byte values of --corpus: give --tokens (ids below {vocab})"
         ));
+    }
+    // --pack's documents are byte text's paragraphs (ends at "\n\n", two ids 10): in a
+    // tokenizer's ids 10 is some other token, and the cuts would fall anywhere.
+    if args.pack && args.tokens.is_some() && pretrained.is_some() {
+        return Err(
+            "--pack cuts byte text at its blank lines, and --tokens holds ids of the checkpoint's tokenizer, not bytes: give the \
+             documents as --data lines of {\"input_ids\": [...]}, each packed whole as a document of its own"
+                .into(),
+        );
     }
     let mut config = TrainConfig::small(layout)
         .with_grad_accumulation(args.grad_accumulation)
@@ -472,7 +495,17 @@ fn run(args: Args) -> Result<(), String> {
         }
     };
     let data_path = args.data.as_ref().or(args.tokens.as_ref()).unwrap_or(&args.corpus);
-    let data_identity = DataIdentity::of(data_path)?;
+    let mut data_identity = DataIdentity::of(data_path)?;
+    if args.data.is_some() {
+        // What turns --data's bytes into tokens and targets besides the checkpoint's config.
+        let tokenizer = match &args.tokenizer {
+            Some(file) => DataIdentity::of(file).map(|t| format!("{} ({} bytes, digest {})", file.display(), t.bytes, t.digest))?,
+            None => "the --model folder's".into(),
+        };
+        let eos = args.eos_token_id.map_or_else(|| "config.json's".to_string(), |id| id.to_string());
+        let (loss_on, too_long) = (format!("{:?}", args.loss_on).to_lowercase(), format!("{:?}", args.too_long).to_lowercase());
+        data_identity = data_identity.read_with(format!("--tokenizer {tokenizer}, --eos-token-id {eos}, --loss-on {loss_on}, --too-long {too_long}"));
+    }
     let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
     if let Some(sequences) = eval_sequences {
@@ -491,8 +524,10 @@ fn run(args: Args) -> Result<(), String> {
             Some(state.completed_steps)
         }
     };
-    let out = args.out.clone().or_else(|| args.resume.clone().filter(|p| p.is_dir())).unwrap_or_else(|| "runs/llama".into());
     if args.check {
+        if is_first {
+            RunFolder::check(&out, Claim::of(&out, args.resume.as_deref(), args.overwrite))?;
+        }
         println!("{}", checked_run(&args, &config, layout, data_path));
         return Ok(());
     }
@@ -512,13 +547,18 @@ fn run(args: Args) -> Result<(), String> {
     }
     // Before anything is written into the folder.
     let run_folder = if is_first {
-        let claim = if args.resume.is_some() || args.overwrite { Claim::Continue } else { Claim::Fresh };
-        Some(RunFolder::claim(&out, claim)?)
+        Some(RunFolder::claim(&out, Claim::of(&out, args.resume.as_deref(), args.overwrite))?)
     } else {
         None
     };
     let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at, options, eval_sequences: None, _run_folder: run_folder };
     on_backend(&job)
+}
+
+/// Whether two paths name the same folder, however spelt (either may not exist yet).
+fn same_place(a: &Path, b: &Path) -> bool {
+    let resolved = |path: &Path| path.canonicalize().or_else(|_| std::path::absolute(path));
+    matches!((resolved(a), resolved(b)), (Ok(a), Ok(b)) if a == b)
 }
 
 /// What `--check` says of a run whose settings and data passed every check before training.
@@ -570,6 +610,10 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
                 .into());
         }
     };
+    if eos as usize >= config.model.vocab_size {
+        let from = if args.eos_token_id.is_some() { "--eos-token-id" } else { "config.json's eos_token_id" };
+        return Err(format!("{from} {eos} is outside the model's vocabulary 0..{}: give the id of its end-of-text token", config.model.vocab_size));
+    }
     let tokenizer_file = args.tokenizer.clone().or_else(|| args.model.as_ref().map(|dir| dir.join("tokenizer.json")).filter(|file| file.exists()));
     let tokenizer = tokenizer_file.map(|file| TextTokenizer::from_file(&file)).transpose().map_err(|e| format!("--tokenizer: {e}"))?;
     // The chat template of {"messages"} lines: the checkpoint's, else the one beside --tokenizer.
@@ -594,6 +638,13 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     let targets = documents.targets.as_deref().filter(|_| args.loss_on == LossOn::Assistant);
     if let Some(targets) = targets {
         let (trained, total) = (targets.iter().flatten().filter(|&&t| t).count(), targets.iter().map(Vec::len).sum::<usize>());
+        if trained == 0 {
+            return Err(format!(
+                "--data {}: no token is an answer (no assistant turn, completion or label), so the loss on the answers alone would be 0 \
+                 and nothing would train: give conversations with answers, or train on every token with --loss-on all",
+                path.display()
+            ));
+        }
         tracing::info!("training on the answers alone: {trained} of {total} tokens are targets (--loss-on all: every token)");
     }
     // Evaluating takes every sequence, however few.
@@ -790,6 +841,9 @@ where
             stop_after: job.args.stop_after,
             data_identity: Some(job.data_identity.clone()),
             save_hf: job.args.save_hf.clone().zip(job.pretrained.clone()),
+            save_hf_companions: job.args.model.as_deref().map_or_else(Vec::new, |model| {
+                COMPANION_FILES.iter().map(|name| model.join(name)).filter(|file| file.is_file()).collect()
+            }),
             faults: Faults { nan_gradient: job.args.fault_nan_gradient, kill: job.args.fault_kill },
             host_optimizer_threads: Some(host_optimizer_threads),
         };
@@ -822,10 +876,13 @@ struct RunLog {
     record: Record,
     out: PathBuf,
     started: Instant,
+    /// (step, loss) of the steps that had a target: a step without one has no loss.
     train: Vec<(usize, f64)>,
     eval: Vec<(usize, f64)>,
     title: String,
     steps: usize,
+    /// Steps taken so far, those without a target included.
+    taken: usize,
     /// The files the run writes, for the last line.
     wrote: &'static str,
     /// `--profile`: print each step's waits on the device, copies and kernel launches.
@@ -850,7 +907,8 @@ impl RunLog {
     /// left rows of later steps, which the resumed run takes again).
     fn new(job: &Job) -> Self {
         let kept = match job.resumed_at {
-            Some(step) => earlier_rows(&job.out.join(METRICS_FILE), step),
+            // The resumed run's rows, also when it continues in another folder.
+            Some(step) => earlier_rows(&resumed_folder(job.args.resume.as_deref().expect("resumed")).join(METRICS_FILE), step),
             None => Vec::new(),
         };
         let (mut train, mut eval) = (Vec::new(), Vec::new());
@@ -891,6 +949,7 @@ impl RunLog {
             eval,
             title,
             steps: config.steps,
+            taken: job.resumed_at.unwrap_or(0),
             wrote: if job.args.no_save { "metrics.csv, loss.png, config.json" } else { "metrics.csv, loss.png, config.json, model.mpk, checkpoint.ulysses" },
             profile: job.args.profile,
         }
@@ -922,7 +981,7 @@ impl RunLog {
         let first = self.train.first().map_or(f64::NAN, |p| p.1);
         let last = self.train.last().map_or(f64::NAN, |p| p.1);
         let held_out = self.eval.last().map_or("-".to_string(), |p| format!("{:.3}", p.1));
-        let taken = self.train.last().map_or(0, |p| p.0 + 1);
+        let taken = self.taken;
         let stopped = if taken < self.steps { format!(" (stopped at {taken} of {}; continue with --resume)", self.steps) } else { String::new() };
         println!(
             "loss {first:.3} -> {last:.3} in {taken} steps{stopped} ({:.1?}), held-out {held_out}; wrote {}/{{{}}}",
@@ -948,14 +1007,24 @@ fn earlier_rows(path: &Path, step: usize) -> Vec<String> {
 impl Progress for RunLog {
     fn step(&mut self, step: usize, report: &StepReport, learning_rate: f64, seconds: f64) {
         let tokens_per_second = report.processed_tokens as f64 / seconds.max(1e-9);
-        self.train.push((step, report.loss));
+        self.taken = step + 1;
+        // A step whose sequences hold no target (prompts alone, under --loss-on assistant) has
+        // no loss: its row leaves it empty, and the curve and the summary skip it, rather than
+        // show a 0 that was never a loss.
+        let loss = if report.valid_tokens > 0 {
+            self.train.push((step, report.loss));
+            format!("{:.9}", report.loss)
+        } else {
+            String::new()
+        };
         self.row(
             step,
-            &format!("{:.9}", report.loss),
+            &loss,
             "",
             &format!("{learning_rate:.6e},{},{},{tokens_per_second:.1},{:.6}", report.valid_tokens, report.processed_tokens, report.grad_norm),
         );
-        self.bar.set_message(format!("loss {:.4}  grad norm {:.3}  {tokens_per_second:.0} tok/s", report.loss, report.grad_norm));
+        let shown = if loss.is_empty() { "no target in this step".to_string() } else { format!("loss {:.4}", report.loss) };
+        self.bar.set_message(format!("{shown}  grad norm {:.3}  {tokens_per_second:.0} tok/s", report.grad_norm));
         self.bar.inc(1);
     }
 

@@ -6,8 +6,10 @@
 //!   when the process ends, however it ends, so a crashed run never blocks the next. A second
 //!   run on the same folder stops at once, naming the holder's pid. With several processes,
 //!   world rank 0 holds it.
-//! - A fresh run (no `--resume`) refuses a folder that holds a training checkpoint, leaving it
-//!   as it was, unless told `--overwrite`.
+//! - A fresh run (no `--resume`, or a `--resume` of another folder's checkpoint) refuses a
+//!   folder that holds a training checkpoint, leaving it as it was, unless told `--overwrite`.
+//! - The temporary file of a write a killed run left (`.NAME.tmp-PID`) is removed once the
+//!   lock is held.
 //! - The files that describe the run (`config.json`, `metrics.csv`) are written only once its
 //!   first step has succeeded ([`RunRecord::open`]), each atomically; metrics rows are then
 //!   appended. A run that fails before that leaves the folder's earlier record as it was.
@@ -35,6 +37,30 @@ pub enum Claim {
     Continue,
 }
 
+impl Claim {
+    /// How a run claims its folder `out`: a `--resume` continues in the folder of its
+    /// checkpoint ([`resumed_folder`]) alone; into any other folder it is a fresh run there, so
+    /// an earlier run's checkpoint in `out` is refused, not overwritten (a resumed copy
+    /// written over another experiment).
+    pub fn of(out: &Path, resume: Option<&Path>, overwrite: bool) -> Self {
+        let same = |a: &Path, b: &Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b);
+        match resume {
+            Some(location) if same(out, &resumed_folder(location)) => Claim::Continue,
+            _ if overwrite => Claim::Continue,
+            _ => Claim::Fresh,
+        }
+    }
+}
+
+/// The run folder of a `--resume` location: the folder itself, or the folder that holds the
+/// checkpoint file named (a run writes into it unless `--out` says otherwise).
+pub fn resumed_folder(location: &Path) -> PathBuf {
+    if location.is_dir() {
+        return location.to_path_buf();
+    }
+    location.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf()
+}
+
 /// A run folder this process holds; the lock is released when it is dropped.
 #[derive(Debug)]
 pub struct RunFolder {
@@ -57,16 +83,7 @@ impl RunFolder {
             .map_err(|e| format!("cannot open {} to lock the run folder (--out): {e}", lock_path.display()))?;
         match lock.try_lock() {
             Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                let mut holder = String::new();
-                let _ = lock.read_to_string(&mut holder);
-                let holder = holder.trim();
-                let holder = if holder.is_empty() { "pid unknown".to_string() } else { format!("pid {holder}") };
-                return Err(format!(
-                    "the run folder {} is in use by another run ({holder}); wait for it to end, or pass another --out",
-                    path.display()
-                ));
-            }
+            Err(TryLockError::WouldBlock) => return Err(in_use(path, &mut lock)),
             Err(TryLockError::Error(e)) => return Err(format!("cannot lock {}: {e}", lock_path.display())),
         }
         if claim == Claim::Fresh && path.join(CHECKPOINT_FILE).exists() {
@@ -74,12 +91,7 @@ impl RunFolder {
             if !existed {
                 let _ = fs::remove_file(&lock_path);
             }
-            return Err(format!(
-                "the run folder {} holds the checkpoint of an earlier run; --resume {} continues it, another --out starts a \
-                 new one beside it, --overwrite starts over in it",
-                path.display(),
-                path.display()
-            ));
+            return Err(earlier_run(path));
         }
         let record_pid = |lock: &mut File| -> std::io::Result<()> {
             lock.set_len(0)?;
@@ -88,12 +100,67 @@ impl RunFolder {
             lock.flush()
         };
         record_pid(&mut lock).map_err(|e| format!("cannot write {}: {e}", lock_path.display()))?;
+        remove_torn_writes(path);
         Ok(Self { path: path.to_path_buf(), _lock: lock })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// What [`claim`](Self::claim) would refuse, found without creating or writing anything
+    /// (`--check`): a path that cannot be a folder, a folder another run holds, an earlier
+    /// run's checkpoint where `claim` is fresh.
+    pub fn check(path: &Path, claim: Claim) -> Result<(), String> {
+        let existing = path.ancestors().find(|a| a.exists()).unwrap_or(Path::new("."));
+        if !existing.as_os_str().is_empty() && !existing.is_dir() {
+            return Err(format!("cannot create the run folder {} (--out): {} is a file", path.display(), existing.display()));
+        }
+        if let Ok(mut lock) = File::open(path.join(LOCK_FILE)) {
+            if let Err(TryLockError::WouldBlock) = lock.try_lock() {
+                return Err(in_use(path, &mut lock));
+            }
+        }
+        if claim == Claim::Fresh && path.join(CHECKPOINT_FILE).exists() {
+            return Err(earlier_run(path));
+        }
+        Ok(())
+    }
+}
+
+/// Removes the temporary files of writes a killed run left (`.NAME.tmp-PID`, as
+/// `write_atomically` names them: a checkpoint cut short is as large as the checkpoint). The
+/// folder's lock is held, so no live writer owns one.
+fn remove_torn_writes(path: &Path) {
+    let Ok(entries) = fs::read_dir(path) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') && name.rsplit_once(".tmp-").is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())) {
+            match fs::remove_file(entry.path()) {
+                Ok(()) => tracing::info!(file = %entry.path().display(), "removed what a write cut short left"),
+                Err(error) => tracing::warn!(file = %entry.path().display(), %error, "cannot remove what a write cut short left"),
+            }
+        }
+    }
+}
+
+/// The refusal of a folder whose `lock` another run holds, naming its pid.
+fn in_use(path: &Path, lock: &mut File) -> String {
+    let mut holder = String::new();
+    let _ = lock.read_to_string(&mut holder);
+    let holder = holder.trim();
+    let holder = if holder.is_empty() { "pid unknown".to_string() } else { format!("pid {holder}") };
+    format!("the run folder {} is in use by another run ({holder}); wait for it to end, or pass another --out", path.display())
+}
+
+/// The refusal of a fresh run in a folder with an earlier run's checkpoint.
+fn earlier_run(path: &Path) -> String {
+    format!(
+        "the run folder {} holds the checkpoint of an earlier run; --resume {} continues it, another --out starts a \
+         new one beside it, --overwrite starts over in it",
+        path.display(),
+        path.display()
+    )
 }
 
 /// The run's description, `config.json`.
@@ -148,11 +215,40 @@ mod tests {
     }
 
     #[test]
+    fn a_resume_continues_in_its_checkpoints_folder_alone() {
+        let (run, other) = (folder("resumed"), folder("resumed-other"));
+        fs::create_dir_all(&run).unwrap();
+        fs::create_dir_all(&other).unwrap();
+        let file = run.join(CHECKPOINT_FILE);
+        fs::write(&file, b"weights").unwrap();
+        fs::write(other.join(CHECKPOINT_FILE), b"another experiment").unwrap();
+        assert_eq!(resumed_folder(&run), run);
+        assert_eq!(resumed_folder(&file), run, "a checkpoint file's run folder is the one that holds it");
+        assert_eq!(resumed_folder(Path::new(CHECKPOINT_FILE)), Path::new("."));
+        assert_eq!(Claim::of(&run, Some(&run), false), Claim::Continue);
+        assert_eq!(Claim::of(&run, Some(&file), false), Claim::Continue);
+        assert_eq!(Claim::of(&run.join("."), Some(&file), false), Claim::Continue, "the same folder however it is spelt");
+        // Resumed into another folder: a fresh run there, which refuses that folder's checkpoint.
+        assert_eq!(Claim::of(&other, Some(&file), false), Claim::Fresh);
+        let error = RunFolder::claim(&other, Claim::of(&other, Some(&file), false)).unwrap_err();
+        assert!(error.contains("holds the checkpoint of an earlier run"), "{error}");
+        assert_eq!(fs::read(other.join(CHECKPOINT_FILE)).unwrap(), b"another experiment");
+        assert_eq!(Claim::of(&folder("resumed-new"), Some(&file), false), Claim::Fresh);
+        assert_eq!(Claim::of(&other, None, true), Claim::Continue);
+        assert_eq!(Claim::of(&other, None, false), Claim::Fresh);
+        let _ = fs::remove_dir_all(&run);
+        let _ = fs::remove_dir_all(&other);
+    }
+
+    #[test]
     fn a_second_claim_is_refused_with_the_holders_pid_until_the_first_ends() {
         let path = folder("twice");
+        RunFolder::check(&path, Claim::Fresh).expect("a new folder");
+        assert!(!path.exists(), "the check creates nothing");
         let first = RunFolder::claim(&path, Claim::Fresh).unwrap();
         let error = RunFolder::claim(&path, Claim::Continue).unwrap_err();
         assert!(error.contains(&format!("in use by another run (pid {})", std::process::id())), "{error}");
+        assert_eq!(RunFolder::check(&path, Claim::Continue).unwrap_err(), error, "--check says what the claim would");
         drop(first);
         RunFolder::claim(&path, Claim::Fresh).expect("free again once the holder is gone");
         let _ = fs::remove_dir_all(&path);
@@ -166,11 +262,34 @@ mod tests {
         fs::write(path.join("metrics.csv"), b"step,loss\n0,5.5\n").unwrap();
         let error = RunFolder::claim(&path, Claim::Fresh).unwrap_err();
         assert!(error.contains("--resume") && error.contains("--overwrite") && error.contains("another --out"), "{error}");
+        assert_eq!(RunFolder::check(&path, Claim::Fresh).unwrap_err(), error, "--check says what the claim would");
+        RunFolder::check(&path, Claim::Continue).expect("resume or --overwrite may use it");
+        let under_a_file = path.join("metrics.csv").join("run");
+        assert!(RunFolder::check(&under_a_file, Claim::Fresh).unwrap_err().contains("metrics.csv is a file"));
         let mut names: Vec<_> = fs::read_dir(&path).unwrap().map(|e| e.unwrap().file_name()).collect();
         names.sort();
         assert_eq!(names, ["checkpoint.ulysses", "metrics.csv"], "the folder changed");
         assert_eq!(fs::read(path.join("metrics.csv")).unwrap(), b"step,loss\n0,5.5\n");
         RunFolder::claim(&path, Claim::Continue).expect("resume or --overwrite may use it");
+        let _ = fs::remove_dir_all(&path);
+    }
+
+    /// What a save killed halfway left (its temporary file) goes when the folder is next
+    /// claimed; the checkpoint and anything else stay.
+    #[test]
+    fn a_claim_removes_what_a_killed_write_left() {
+        let path = folder("torn");
+        fs::create_dir_all(&path).unwrap();
+        let torn = path.join(format!(".{CHECKPOINT_FILE}.tmp-4242"));
+        for (name, bytes) in [(CHECKPOINT_FILE, "weights"), (".notes.tmp-draft", "mine"), ("data.tmp-7", "mine")] {
+            fs::write(path.join(name), bytes).unwrap();
+        }
+        fs::write(&torn, b"half a checkpoint").unwrap();
+        let _held = RunFolder::claim(&path, Claim::Continue).unwrap();
+        assert!(!torn.exists());
+        let mut names: Vec<_> = fs::read_dir(&path).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        assert_eq!(names, [".lock", ".notes.tmp-draft", CHECKPOINT_FILE, "data.tmp-7"]);
         let _ = fs::remove_dir_all(&path);
     }
 

@@ -28,7 +28,7 @@ use ulysses_training::{
 };
 use serde::{Deserialize, Serialize};
 
-use ulysses_models::{HfCheckpointWriter, HfConfig, Decoder, DecoderConfig, SaveOptions, plan_shard_paths, save_pretrained};
+use ulysses_models::{HfCheckpointWriter, HfConfig, Decoder, DecoderConfig, SaveOptions, plan_shard_paths, save_pretrained_including};
 
 use crate::{
     corpus::{BYTE_VOCAB, ByteCorpus},
@@ -193,11 +193,11 @@ impl TrainConfig {
         }
         let parts = self.layout.dp_size * self.grad_accumulation;
         if self.batch_size % parts != 0 {
+            let (below, above) = ((self.batch_size / parts) * parts, (self.batch_size / parts + 1) * parts);
+            let choices = if below == 0 { above.to_string() } else { format!("{below} or {above}") };
             return Err(format!(
-                "batch_size (--batch-size) {} must be a multiple of dp_size × grad_accumulation = {parts}: use {} or {}",
-                self.batch_size,
-                (self.batch_size / parts).max(1) * parts,
-                (self.batch_size / parts + 1) * parts
+                "batch_size (--batch-size) {} must be a multiple of dp_size × grad_accumulation = {parts}: use {choices}",
+                self.batch_size
             ));
         }
         if self.seq_len < self.layout.sp_size {
@@ -208,6 +208,16 @@ impl TrainConfig {
         }
         if model.d_model % model.n_heads != 0 {
             return Err(format!("d_model (--d-model) {} must be a multiple of the head count (--heads) {}", model.d_model, model.n_heads));
+        }
+        // RoPE turns pairs of a head's channels.
+        if model.head_dim() % 2 != 0 {
+            return Err(format!(
+                "the head dimension {} (--d-model {} / --heads {}) is odd, and RoPE rotates pairs of channels: choose --d-model \
+                 and --heads whose quotient is even",
+                model.head_dim(),
+                model.d_model,
+                model.n_heads
+            ));
         }
         self.layout.check_heads(model.n_heads, model.n_kv_heads).map_err(|e| format!("{e} (--sp, --heads, --kv-heads)"))?;
         let heads = HeadPlan::new(model.n_heads, model.n_kv_heads, self.layout.ulysses_size()).map_err(|e| e.to_string())?;
@@ -386,6 +396,9 @@ pub struct RunOptions<'a> {
     /// Where world rank 0 writes the model in Hugging Face's format (bf16), with its
     /// configuration, at each checkpoint and at the end (`None`: nowhere).
     pub save_hf: Option<(PathBuf, HfConfig)>,
+    /// Files of the checkpoint the model started from that each `save_hf` folder gets a copy
+    /// of (its tokenizer and generation settings: `ulysses_models::COMPANION_FILES`).
+    pub save_hf_companions: Vec<PathBuf>,
     pub faults: Faults,
     /// Threads of this rank's optimizer on the host (`None`: every core): the host's cores
     /// divided among the ranks it runs ([`host_threads_per_rank`]).
@@ -517,9 +530,11 @@ where
         }
         if let (true, Some((dir, checkpoint))) = (checkpoint_due, &options.save_hf) {
             let saved = match &mut parts {
-                Some(parts) => save_hf_gathered(&model, parts, checkpoint, dir, groups),
+                Some(parts) => save_hf_gathered(&model, parts, checkpoint, dir, &options.save_hf_companions, groups),
                 None => match is_first {
-                    true => save_pretrained(&model, checkpoint, dir, DType::BF16).map(Some).map_err(|e| e.to_string()),
+                    true => save_pretrained_including(&model, checkpoint, dir, SaveOptions::new(DType::BF16), &options.save_hf_companions)
+                        .map(Some)
+                        .map_err(|e| e.to_string()),
                     false => Ok(None),
                 },
             }
@@ -610,11 +625,22 @@ impl<B: TrainBackend> TrainedModel<B> {
 /// (the whole model is never gathered) and world rank 0 writes it. Collective; rank 0 goes on
 /// gathering after a failed write so that no rank waits for it, and every rank learns the
 /// outcome (`Some` on rank 0 when written).
-fn save_hf_gathered<B: TrainBackend>(model: &Decoder<B>, parts: &mut ShardedParameters<B>, checkpoint: &HfConfig, dir: &Path, groups: &ParallelGroups<B::Wire>) -> Result<Option<()>, String> {
+fn save_hf_gathered<B: TrainBackend>(
+    model: &Decoder<B>,
+    parts: &mut ShardedParameters<B>,
+    checkpoint: &HfConfig,
+    dir: &Path,
+    companions: &[PathBuf],
+    groups: &ParallelGroups<B::Wire>,
+) -> Result<Option<()>, String> {
     let options = SaveOptions::new(DType::BF16);
     let plan = plan_shard_paths(&parts.tensors(), options);
     let mut writer = match groups.world_rank() {
-        0 => Some(HfCheckpointWriter::begin(checkpoint, dir, options, parts.tensors()).map_err(|e| e.to_string())),
+        0 => Some(HfCheckpointWriter::begin(checkpoint, dir, options, parts.tensors()).and_then(|mut writer| {
+            companions.iter().try_for_each(|file| writer.include(file))?;
+            Ok(writer)
+        })
+        .map_err(|e| e.to_string())),
         _ => None,
     };
     for (shard, paths) in plan.iter().enumerate() {
@@ -1046,6 +1072,22 @@ mod tests {
         let (failed, asked) = write(std::mem::size_of::<f32>() * 32 * 32 * 6);
         assert!(failed.is_err(), "a write into a full disk: {failed:?}");
         assert!(!asked.is_empty() && asked.len() < 4 && asked.iter().copied().eq(0..asked.len()), "blocks asked for by a write that failed part way: {asked:?}");
+    }
+
+    /// Shapes that cannot train are named before any work, with choices that can.
+    #[test]
+    fn an_odd_head_dimension_and_an_undividable_batch_are_named() {
+        use burn_ulysses::ParallelLayout;
+        let layout = ParallelLayout::new().with_sp_size(2);
+        let mut odd = super::TrainConfig::small(layout);
+        odd.model = odd.model.clone().with_d_model(6).with_n_heads(2).with_n_kv_heads(2);
+        let error = odd.validate().unwrap_err();
+        assert!(error.contains("head dimension 3 (--d-model 6 / --heads 2) is odd"), "{error}");
+        let dp3 = super::TrainConfig::small(ParallelLayout::new().with_sp_size(1).with_dp_size(3)).with_batch_size(2);
+        let error = dp3.validate().unwrap_err();
+        assert!(error.ends_with("= 3: use 3"), "no batch of 0 offered: {error}");
+        let error = dp3.with_batch_size(4).validate().unwrap_err();
+        assert!(error.ends_with("= 3: use 3 or 6"), "{error}");
     }
 
     /// A host's cores shared among its ranks' host optimizers: 8 GPUs' ranks on 16 cores take

@@ -363,7 +363,7 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
     // ZeRO-3 in a world of one rank: no collective gathers or scatters.
     succeed(run_alone(&common_args(&dir, "alone", 6), &["--sp", "1", "--offload-optimizer", "--checkpoint-layers", "--zero", "3"]));
     succeed(run_launched(4, &common_args(&dir, "part", 6), &[&zero3[..], &["--stop-after", "3"]].concat()));
-    let parts: Vec<String> = fs::read_dir(dir.join("part/optimizer-step-000000003")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let parts: Vec<String> = fs::read_dir(dir.join("part/optimizer-step-000000003-of-00004")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(parts.len(), 4, "one state file per rank of 4: {parts:?}");
     let mut args = common_args(&dir, "part", 6);
     args.extend(["--resume".to_string(), dir.join("part").display().to_string()]);
@@ -541,6 +541,15 @@ fn a_resume_on_other_data_or_another_model_is_refused_naming_what_changed() {
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("model.d_model 64, this one has 32"), "{text}");
     assert!(snapshot(&dir.join("run")) == before, "a refused resume changed the run folder");
+    // A resume into another run's folder is a fresh run there: refused, that run untouched.
+    succeed(run_alone(&common_args(&dir, "another", 2), &["--sp", "2"]));
+    let another = snapshot(&dir.join("another"));
+    let mut into_another = common_args(&dir, "another", 4);
+    into_another.extend(["--resume".to_string(), dir.join("run").join("checkpoint.ulysses").display().to_string()]);
+    let refused = run_alone(&into_another, &["--sp", "2"]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("holds the checkpoint of an earlier run"), "{text}");
+    assert!(snapshot(&dir.join("another")) == another, "a resume overwrote another run's folder");
     succeed(resume_with("--tokens", &other.display().to_string(), &["--allow-new-data"]));
     assert_eq!(losses(&dir.join("run")).len(), 4);
     let _ = fs::remove_dir_all(&dir);
@@ -732,6 +741,26 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     assert!(!refused.status.success() && show(&refused).contains("vocabulary has 200 ids"), "{}", show(&refused));
     let refused = run_alone(&args("both"), &["--hf-config", &config.display().to_string()]);
     assert!(!refused.status.success() && show(&refused).contains("--hf-config"), "{}", show(&refused));
+
+    // The checkpoint's generation settings travel with the saved model.
+    assert_eq!(fs::read(saved.join("generation_config.json")).unwrap(), fs::read(checkpoint.join("generation_config.json")).unwrap());
+    // A save replaces its folder whole: the run's folder, the checkpoint's and one holding
+    // other files are refused before any step; --pack has no paragraphs in a tokenizer's ids.
+    let same = dir.join("same").display().to_string();
+    let checkpoint_folder = checkpoint.display().to_string();
+    let tuned_folder = dir.join("tuned").display().to_string();
+    for (extra, expected) in [
+        (vec!["--save-hf", same.as_str()], "is the --out folder"),
+        (vec!["--save-hf", checkpoint_folder.as_str()], "is the --model folder"),
+        (vec!["--save-hf", tuned_folder.as_str()], "checkpoint.ulysses"),
+        (vec!["--pack"], "--pack cuts byte text"),
+    ] {
+        let refused = run_alone(&args("same"), &extra);
+        let text = show(&refused);
+        assert!(!refused.status.success() && text.contains(expected), "{extra:?}: expected {expected:?}:\n{text}");
+        assert!(!dir.join("same").join("metrics.csv").exists(), "{extra:?}: a step ran before the refusal:\n{text}");
+    }
+    assert!(dir.join("tuned").join("checkpoint.ulysses").exists(), "a refused save deleted the run it was pointed at");
     let _ = fs::remove_dir_all(&dir);
 }
 

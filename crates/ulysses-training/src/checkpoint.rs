@@ -156,15 +156,32 @@ pub(crate) fn load_model_record<B: AutodiffBackend, M: AutodiffModule<B>>(path: 
 /// read nor checked: an 8B model's file is tens of GB).
 pub fn read_checkpoint_state<S: DeserializeOwned>(location: &Path) -> Result<S, UlyssesError> {
     let path = checkpoint_path(location);
-    let mut file = File::open(&path).map_err(|e| error(&path, format!("cannot read: {e}")))?;
+    open_checkpoint::<S>(&path).map(|(_, header)| header.state)
+}
+
+/// The checkpoint file at `path`, opened and read up to the end of its header (checked: magic,
+/// format, and lengths that fit the file, so a corrupt length is an error, not an allocation
+/// of whatever it says).
+fn open_checkpoint<S: DeserializeOwned>(path: &Path) -> Result<(File, Header<S>), UlyssesError> {
+    let mut file = File::open(path).map_err(|e| error(path, format!("cannot read: {e}")))?;
+    let file_bytes = file.metadata().map_err(|e| error(path, format!("cannot read: {e}")))?.len();
+    let torn = |what: String| error(path, format!("{what}; the file is truncated or corrupt (a copy cut short?). Use an earlier checkpoint."));
     let mut start = [0u8; 16];
-    file.read_exact(&mut start).map_err(|_| error(&path, "not a burn-ulysses training checkpoint (shorter than its magic bytes)"))?;
+    file.read_exact(&mut start).map_err(|_| error(path, "not a burn-ulysses training checkpoint (shorter than its magic bytes)"))?;
     if &start[..8] != MAGIC {
-        return Err(error(&path, "not a burn-ulysses training checkpoint (wrong magic bytes)"));
+        return Err(error(path, "not a burn-ulysses training checkpoint (wrong magic bytes)"));
     }
-    let mut header = vec![0u8; u64::from_le_bytes(start[8..16].try_into().unwrap()) as usize];
-    file.read_exact(&mut header).map_err(|_| error(&path, "the header is cut off; the file is truncated or corrupt (a copy cut short?). Use an earlier checkpoint."))?;
-    parse_header::<S>(&path, &header).map(|header| header.state)
+    let header_bytes = u64::from_le_bytes(start[8..16].try_into().expect("8 bytes"));
+    let header_end = 16u64.checked_add(header_bytes).filter(|&end| end <= file_bytes).ok_or_else(|| torn("the header is cut off".into()))?;
+    let mut bytes = vec![0u8; header_bytes as usize];
+    file.read_exact(&mut bytes).map_err(|_| torn("the header is cut off".into()))?;
+    let header = parse_header::<S>(path, &bytes)?;
+    let end = header_end.checked_add(header.model_bytes).and_then(|end| end.checked_add(header.optimizer_bytes));
+    if end != Some(file_bytes) {
+        let described = end.map_or_else(|| "more than 2^64".to_string(), |end| end.to_string());
+        return Err(torn(format!("the file has {file_bytes} bytes but its header describes {described}")));
+    }
+    Ok((file, header))
 }
 
 /// A checkpoint's header, its format checked.
@@ -193,29 +210,22 @@ pub(crate) struct Contents<S> {
     pub optimizer_shards: Option<String>,
 }
 
-/// The checkpoint's bytes, checked: magic, lengths and checksum.
+/// The checkpoint's sections, checked: magic, lengths and checksum. Each section is read
+/// once into its own buffer (a resume holds the file once, not twice).
 pub(crate) fn read_checkpoint<S: DeserializeOwned>(location: &Path) -> Result<Contents<S>, UlyssesError> {
     let path = checkpoint_path(location);
-    let bytes = fs::read(&path).map_err(|e| error(&path, format!("cannot read: {e}")))?;
-    let torn = |what: &str| {
-        error(&path, format!("{what}; the file is truncated or corrupt (a copy cut short?). Use an earlier checkpoint."))
+    let (mut file, header) = open_checkpoint::<S>(&path)?;
+    let mut section = |bytes: u64| -> Result<Vec<u8>, UlyssesError> {
+        let mut buffer = vec![0u8; bytes as usize];
+        file.read_exact(&mut buffer).map_err(|e| error(&path, format!("cannot read: {e}")))?;
+        Ok(buffer)
     };
-    if bytes.len() < 16 || &bytes[..8] != MAGIC {
-        return Err(error(&path, "not a burn-ulysses training checkpoint (wrong magic bytes)"));
+    let model = section(header.model_bytes)?;
+    let optimizer = section(header.optimizer_bytes)?;
+    if fnv1a(&[&model, &optimizer]) != header.checksum {
+        return Err(error(&path, "the checksum does not match; the file is truncated or corrupt (a copy cut short?). Use an earlier checkpoint."));
     }
-    let header_len = u64::from_le_bytes(bytes[8..16].try_into().unwrap()) as usize;
-    let header_end = 16usize.checked_add(header_len).filter(|&end| end <= bytes.len()).ok_or_else(|| torn("the header is cut off"))?;
-    let header = parse_header::<S>(&path, &bytes[16..header_end])?;
-    let model_end = header_end + header.model_bytes as usize;
-    let end = model_end + header.optimizer_bytes as usize;
-    if end != bytes.len() {
-        return Err(torn(&format!("the file has {} bytes but its header describes {end}", bytes.len())));
-    }
-    let (model, optimizer) = (&bytes[header_end..model_end], &bytes[model_end..end]);
-    if fnv1a(&[model, optimizer]) != header.checksum {
-        return Err(torn("the checksum does not match"));
-    }
-    Ok(Contents { state: header.state, model: model.to_vec(), optimizer: optimizer.to_vec(), optimizer_shards: header.optimizer_shards })
+    Ok(Contents { state: header.state, model, optimizer, optimizer_shards: header.optimizer_shards })
 }
 
 /// Writes `parts` to a temporary file beside `path`, flushes it, renames it to `path` and
@@ -361,6 +371,25 @@ mod tests {
         *flipped.last_mut().unwrap() ^= 0x40;
         assert!(load(&flipped).contains("checksum"));
         assert!(load(b"{\"not\": \"a checkpoint\"}").contains("wrong magic bytes"));
+        // A header length past the file (a flipped high byte) is named, not allocated.
+        for length in [u64::MAX, 1 << 62, bytes.len() as u64] {
+            let mut corrupt = bytes.clone();
+            corrupt[8..16].copy_from_slice(&length.to_le_bytes());
+            let message = load(&corrupt);
+            assert!(message.contains("the header is cut off"), "{message}");
+            assert!(read_checkpoint_state::<State>(&path).unwrap_err().to_string().contains("the header is cut off"));
+        }
+        // Section lengths whose sum passes 2^64 are named too.
+        let header_bytes = u64::from_le_bytes(bytes[8..16].try_into().unwrap()) as usize;
+        let header = std::str::from_utf8(&bytes[16..16 + header_bytes]).unwrap();
+        let model_bytes = header.split("\"model_bytes\":").nth(1).unwrap().split(',').next().unwrap();
+        let huge = header.replacen(&format!("\"model_bytes\":{model_bytes},"), &format!("\"model_bytes\":{},", u64::MAX - 8), 1);
+        let mut corrupt = bytes[..8].to_vec();
+        corrupt.extend((huge.len() as u64).to_le_bytes());
+        corrupt.extend(huge.as_bytes());
+        corrupt.extend(&bytes[16 + header_bytes..]);
+        let message = load(&corrupt);
+        assert!(message.contains("describes more than 2^64"), "{message}");
         // A checkpoint of another model shape does not load into this one.
         fs::write(&path, &bytes).unwrap();
         let other = LinearConfig::new(5, 2).init::<B>(&Default::default());

@@ -231,9 +231,12 @@ fn saved_world(dir: &Path) -> Result<usize, UlyssesError> {
 }
 
 /// The folder, inside a checkpoint folder, that holds every rank's part of the sharded
-/// optimizer state of the checkpoint taken after `step` steps.
-pub fn sharded_state_folder(step: u64) -> String {
-    format!("optimizer-step-{step:09}")
+/// optimizer state of the checkpoint taken after `step` steps by a world of `world` ranks.
+/// The world is in the name: a run resumed at another world size that saves at a step whose
+/// save a crash cut short writes into a folder of its own, never beside the other world's
+/// parts (which the load would refuse as "several world sizes").
+pub fn sharded_state_folder(step: u64, world: usize) -> String {
+    format!("optimizer-step-{step:09}-of-{world:05}")
 }
 
 const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
@@ -259,7 +262,7 @@ where
     S: Serialize,
 {
     let (rank, size) = (world.rank(), world.size());
-    let folder_name = sharded_state_folder(step);
+    let folder_name = sharded_state_folder(step, size);
     let folder = dir.join(&folder_name);
     let written = optimizer.save(&folder, rank, size);
     let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[written.is_ok() as u64], "optimizer state parts written")?;
@@ -431,7 +434,7 @@ mod tests {
         type Ad = Autodiff<NdArray<f32>>;
         let dir = std::env::temp_dir().join(format!("ulysses-sharded-commit-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(dir.join(sharded_state_folder(7))).unwrap();
+        fs::create_dir_all(dir.join(sharded_state_folder(7, 2))).unwrap();
         let layer = || LinearConfig::new(3, 2).with_initializer(Initializer::Constant { value: 0.5 }).init::<Ad>(&Default::default());
         let shared = dir.clone();
         let outcome = burn_ulysses::comm::ThreadGroup::new(2).run(move |rank| {
@@ -441,18 +444,26 @@ mod tests {
                 let input = Tensor::<Ad, 2>::ones([1, 3], &Default::default()) * (comm.rank() + step as usize) as f32;
                 let grads = GradientsParams::from_grads(linear.forward(input).sum().backward(), &linear);
                 linear = optimizer.step::<Ad, _>(1e-2, linear, grads, None, &*comm).unwrap().0;
+                if step == 2 && comm.rank() == 0 {
+                    // What a world of 4 left of step 2 when a crash cut its save short (and a
+                    // resume at world 2 from step 1 has not saved since): the world of 2 that
+                    // saves step 2 does not mix its parts with them.
+                    let stale = shared.join(sharded_state_folder(2, 4));
+                    fs::create_dir_all(&stale).unwrap();
+                    fs::write(stale.join("optimizer-00000-of-00004.ulysses"), b"a part of another world").unwrap();
+                }
                 save_sharded_training_checkpoint::<Ad, _>(&shared, &mut optimizer, &step, step, &*comm).unwrap();
             }
             let weights: Vec<f32> = [linear.weight.val().into_data().to_vec().unwrap(), linear.bias.as_ref().unwrap().val().into_data().to_vec().unwrap()].concat();
             // A crash after every part of step 3 was written, before the checkpoint file was.
-            optimizer.save(&shared.join(sharded_state_folder(3)), comm.rank(), 2).map(|_| weights)
+            optimizer.save(&shared.join(sharded_state_folder(3, 2)), comm.rank(), 2).map(|_| weights)
         });
         let weights: Vec<Vec<f32>> = outcome.into_iter().map(|r| r.unwrap().unwrap()).collect();
         assert_eq!(weights[0], weights[1], "the ranks' parameters parted");
 
         let mut folders: Vec<String> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(STATE_FOLDER_PREFIX)).collect();
         folders.sort();
-        assert_eq!(folders, [sharded_state_folder(2), sharded_state_folder(3)], "the first checkpoint's parts and the crash's leftover are removed");
+        assert_eq!(folders, [sharded_state_folder(2, 2), sharded_state_folder(3, 2)], "the first checkpoint's parts and the crashes' leftovers are removed");
         assert!(crate::checkpoint::read_checkpoint::<u64>(&dir).unwrap().model.is_empty(), "the master weights are the model: the file holds none");
         let shared = dir.clone();
         let loaded = burn_ulysses::comm::ThreadGroup::new(1).run(move |rank| load_sharded_training_checkpoint::<Ad, Linear<Ad>, u64>(&shared, layer(), &*rank.communicator()).unwrap());
