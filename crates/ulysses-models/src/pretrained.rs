@@ -54,7 +54,24 @@ const INDEX_FILE: &str = "model.safetensors.index.json";
 /// What a checkpoint folder holds beside its config and weights that a fine-tuned copy needs
 /// too (its tokenizer, chat template and generation settings): a save carries them over from
 /// the checkpoint it started from ([`HfCheckpointWriter::include`]).
-pub const COMPANION_FILES: &[&str] = &["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja"];
+pub const COMPANION_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    // The slow tokenizers' files, which checkpoints ship beside tokenizer.json.
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+];
+
+/// The [`COMPANION_FILES`] that belong to the tokenizer (all but the generation settings):
+/// taken from the folder of the tokenizer a run used where it names one of its own.
+pub fn is_tokenizer_file(name: &str) -> bool {
+    COMPANION_FILES.contains(&name) && name != "generation_config.json"
+}
 
 /// Whether a save writes a file of this name (config, weights, index, companions): the
 /// files it may replace when it replaces a folder.
@@ -264,13 +281,14 @@ pub fn save_pretrained_with<B: Backend>(model: &Decoder<B>, config: &HfConfig, d
     save_pretrained_including(model, config, dir, options, &[])
 }
 
-/// [`save_pretrained_with`], with `companions` (files of [`COMPANION_FILES`]: the tokenizer
-/// and generation settings of the checkpoint the model started from) copied into the folder.
-pub fn save_pretrained_including<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, options: SaveOptions, companions: &[PathBuf]) -> Result<(), CheckpointError> {
+/// [`save_pretrained_with`], with `companions` (a file and the [`COMPANION_FILES`] name it
+/// takes: the tokenizer and generation settings the model was trained with) copied into the
+/// folder.
+pub fn save_pretrained_including<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, options: SaveOptions, companions: &[(PathBuf, String)]) -> Result<(), CheckpointError> {
     let tensors = model.collect(None, None, false).iter().map(|t| (t.full_path(), t.shape.to_vec())).collect();
     let mut writer = HfCheckpointWriter::begin(config, dir, options, tensors)?;
-    for file in companions {
-        writer.include(file)?;
+    for (file, name) in companions {
+        writer.include(file, name)?;
     }
     for shard in 0..writer.shard_count() {
         writer.write_shard(shard, model)?;
@@ -366,14 +384,13 @@ impl HfCheckpointWriter {
         Ok(())
     }
 
-    /// Copies `file` (one of [`COMPANION_FILES`], from the checkpoint the model started from)
-    /// into the folder under its name.
-    pub fn include(&mut self, file: &Path) -> Result<(), CheckpointError> {
-        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        if !COMPANION_FILES.contains(&name.as_str()) {
-            return Err(CheckpointError::file(file, format!("is not one of the files a save carries over ({})", COMPANION_FILES.join(", "))));
+    /// Copies `file` into the folder as `name`, one of [`COMPANION_FILES`] (from the checkpoint
+    /// the model started from, or the tokenizer it was trained with).
+    pub fn include(&mut self, file: &Path, name: &str) -> Result<(), CheckpointError> {
+        if !COMPANION_FILES.contains(&name) {
+            return Err(CheckpointError::file(file, format!("{name} is not one of the files a save carries over ({})", COMPANION_FILES.join(", "))));
         }
-        let copy = self.partial.join(&name);
+        let copy = self.partial.join(name);
         std::fs::copy(file, &copy).map_err(io(file))?;
         self.written.push(copy);
         Ok(())
@@ -384,9 +401,6 @@ impl HfCheckpointWriter {
     /// holds what no save wrote (found now: it may have been made since the run began) is left
     /// as it is, and so is the new one, beside it, named in the error.
     pub fn finish(mut self) -> Result<(), CheckpointError> {
-        if let Err(CheckpointError::File { file, problem }) = check_only_saved_files(&self.dir) {
-            return Err(CheckpointError::file(Path::new(&file), format!("{problem}; the model was written to {} instead", self.partial.display())));
-        }
         if self.shards.len() > 1 {
             let index_file = self.partial.join(INDEX_FILE);
             let total: u64 = self.tensors.iter().map(|t| t.1).sum();
@@ -396,6 +410,11 @@ impl HfCheckpointWriter {
         }
         for file in &self.written {
             std::fs::File::open(file).and_then(|f| f.sync_all()).map_err(io(file))?;
+        }
+        // Once the new folder is whole (its index written), so that the one left beside is
+        // a checkpoint transformers loads.
+        if let Err(CheckpointError::File { file, problem }) = check_only_saved_files(&self.dir) {
+            return Err(CheckpointError::file(Path::new(&file), format!("{problem}; the model was written to {} instead", self.partial.display())));
         }
         let (dir, name) = (&self.dir, &self.name);
         let earlier = dir.with_file_name(format!(".{name}.earlier-{}", std::process::id()));

@@ -524,11 +524,12 @@ fn a_save_replaces_a_saved_folder_alone_and_carries_the_tokenizer_over() {
     let folder = model_fixtures().into_iter().find(|f| f.ends_with("qwen3")).expect("the qwen3 fixture");
     let pretrained = from_pretrained::<Cpu>(&folder, &Default::default()).unwrap();
     let tokenizer = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer/tokenizer.json");
-    let companions = [folder.join("generation_config.json"), tokenizer.clone()];
+    let companions = [(folder.join("generation_config.json"), "generation_config.json".to_string()), (tokenizer.clone(), "tokenizer.json".to_string())];
     let root = std::env::temp_dir().join(format!("ulysses-models-{}-companions", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let out = root.join("tuned");
-    let save = || save_pretrained_including(&pretrained.model, &pretrained.config, &out, SaveOptions::new(DType::BF16), &companions);
+    let save_in = |max_shard_bytes| save_pretrained_including(&pretrained.model, &pretrained.config, &out, SaveOptions { dtype: DType::BF16, max_shard_bytes }, &companions);
+    let save = || save_in(ulysses_models::DEFAULT_MAX_SHARD_BYTES);
     save().unwrap();
     let names = |dir: &Path| {
         let mut names: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
@@ -547,10 +548,14 @@ fn a_save_replaces_a_saved_folder_alone_and_carries_the_tokenizer_over() {
     let error = save().unwrap_err().to_string();
     assert!(error.contains("checkpoint.ulysses") && error.contains("the model was written to"), "{error}");
     assert_eq!(std::fs::read(out.join("checkpoint.ulysses")).unwrap(), b"a run's state");
-    let beside = names(&root).into_iter().find(|n| n.starts_with(".tuned.partial-")).expect("the new model beside the folder");
-    assert_eq!(names(&root.join(beside)), ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]);
+    let beside = root.join(names(&root).into_iter().find(|n| n.starts_with(".tuned.partial-")).expect("the new model beside the folder"));
+    assert_eq!(names(&beside), ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]);
+    // Sharded, the folder left beside holds its index: a checkpoint that loads.
+    save_in(100_000).unwrap_err();
+    assert!(beside.join("model.safetensors.index.json").exists(), "{:?}", names(&beside));
+    from_pretrained::<Cpu>(&beside, &Default::default()).expect("the model left beside loads");
 
-    let other = save_pretrained_including(&pretrained.model, &pretrained.config, &root.join("other"), SaveOptions::new(DType::BF16), &[folder.join("config.json")]);
+    let other = save_pretrained_including(&pretrained.model, &pretrained.config, &root.join("other"), SaveOptions::new(DType::BF16), &[(folder.join("config.json"), "config.json".into())]);
     assert!(other.unwrap_err().to_string().contains("is not one of the files a save carries over"));
     std::fs::remove_dir_all(&root).unwrap();
 }

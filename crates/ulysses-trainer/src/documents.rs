@@ -117,7 +117,15 @@ impl DocumentReader<'_> {
             if line.trim().is_empty() {
                 continue;
             }
-            let document = parse_line(&line).map_err(|why| format!("{} line {}: {why}", file.display(), index + 1))?;
+            let document = parse_line(&line).map_err(|why| {
+                // `[{"text": ...}, ...]` reads as a line of ids and fails as one.
+                let hint = if file.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+                    " (a .json file is read as JSON Lines, a record per line, not as one JSON array of records)"
+                } else {
+                    ""
+                };
+                format!("{} line {}: {why}{hint}", file.display(), index + 1)
+            })?;
             pending.push((index + 1, document));
             if pending.len() == TOKENIZE_CHUNK {
                 self.finish(file, &mut pending, documents)?;
@@ -449,6 +457,9 @@ mod tests {
         let json = file.with_extension("JSON");
         fs::copy(&file, &json).unwrap();
         assert_eq!(reader.read(&json).unwrap().ids, documents);
+        fs::write(&json, "[{\"text\": \"a group.\"}]\n").unwrap();
+        let error = reader.read(&json).err().expect("a JSON array of records");
+        assert!(error.contains("line 1") && error.contains("not as one JSON array of records"), "{error}");
         let _ = fs::remove_file(&json);
         let _ = fs::remove_file(&file);
         let eos = i64::from(eos);

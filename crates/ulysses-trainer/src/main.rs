@@ -10,7 +10,7 @@
 //! ulysses-launch --nproc-per-node 4 -- target/release/ulysses-trainer --sp 2      (SP=2 × DP=2)
 
 use std::{
-    fs::File,
+    fs::{self, File},
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
     time::Instant,
@@ -24,7 +24,7 @@ use burn::{
 use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
 use ulysses_training::{LayerCheckpointing, StepReport, TrainBackend, checkpoint::read_checkpoint_state};
 use clap::{Parser, ValueEnum};
-use ulysses_models::{COMPANION_FILES, ChatTemplate, Decoder, HfConfig, TextTokenizer, from_pretrained};
+use ulysses_models::{COMPANION_FILES, ChatTemplate, Decoder, HfConfig, TextTokenizer, from_pretrained, is_tokenizer_file};
 use indicatif::{ProgressBar, ProgressStyle};
 use burn_ulysses::job::{JobOptions, Launch, Tcp, Transport, run_ranks};
 use ulysses_dist::DistributedConfig;
@@ -33,7 +33,7 @@ use ulysses_trainer::{
     data_identity::DataIdentity,
     documents::{DocumentReader, PackedDocuments},
     plot,
-    run_folder::{Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
+    run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
     tokens::TokenFile,
     train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
 };
@@ -184,12 +184,14 @@ struct Args {
     /// folder, refuses a folder with an earlier run's checkpoint.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// With --resume: continue on data other than the checkpoint's run trained on (its path,
-    /// size and digest are recorded in the checkpoint).
+    /// With --resume: continue on data other than the checkpoint's run trained on, or read
+    /// otherwise (its path, size and digest, and how --data was read, are recorded in the
+    /// checkpoint).
     #[arg(long, requires = "resume")]
     allow_new_data: bool,
-    /// Start a fresh run in an --out folder that holds an earlier run's checkpoint.
-    #[arg(long, conflicts_with = "resume")]
+    /// Start a fresh run in an --out folder that holds an earlier run's checkpoint (with
+    /// --resume: continue the resumed run there, in place of that folder's run).
+    #[arg(long)]
     overwrite: bool,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
@@ -283,8 +285,8 @@ struct Args {
     /// (the host's time: the device may trail it by what is queued)
     #[arg(long, requires = "checkpoint_layers")]
     progress: bool,
-    /// Check the command line, the settings and the data (a --resume's checkpoint too), say what
-    /// the run would be, and exit: nothing is trained or written. The memory a run needs is
+    /// Check the command line, the settings, the data (a --resume's checkpoint too) and the --out
+    /// folder, say what the run would be, and exit: nothing is trained or written. The memory a run needs is
     /// checked as it starts, once the model is built
     #[arg(long)]
     check: bool,
@@ -389,7 +391,7 @@ fn run(args: Args) -> Result<(), String> {
     // A save replaces its folder whole: never the run's own, nor the checkpoint it starts from
     // (whose other files a save of files alone would not catch).
     if let Some(dir) = &args.save_hf {
-        for (other, flag) in [(Some(out.as_path()), "--out"), (args.model.as_deref(), "--model")] {
+        for (other, flag) in [(Some(out.as_path()), "--out"), (args.model.as_deref(), "--model"), (args.tokenizer.as_deref().map(folder_of), "--tokenizer's")] {
             if other.is_some_and(|other| same_place(dir, other)) {
                 return Err(format!(
                     "--save-hf {} is the {flag} folder, which the save would replace whole: save into a folder of its own",
@@ -496,15 +498,16 @@ fn run(args: Args) -> Result<(), String> {
     };
     let data_path = args.data.as_ref().or(args.tokens.as_ref()).unwrap_or(&args.corpus);
     let mut data_identity = DataIdentity::of(data_path)?;
-    if args.data.is_some() {
-        // What turns --data's bytes into tokens and targets besides the checkpoint's config.
-        let tokenizer = match &args.tokenizer {
-            Some(file) => DataIdentity::of(file).map(|t| format!("{} ({} bytes, digest {})", file.display(), t.bytes, t.digest))?,
-            None => "the --model folder's".into(),
+    if let (Some(_), Some(checkpoint)) = (&args.data, &pretrained) {
+        // What turns --data's bytes into tokens and targets, as used (the tokenizer by its
+        // bytes, not its path; the EOS resolved), besides the checkpoint's config.
+        let tokenizer = match data_tokenizer_file(&args) {
+            Some(file) => DataIdentity::of(&file).map(|t| format!("a tokenizer of {} bytes (digest {})", t.bytes, t.digest))?,
+            None => "no tokenizer".into(),
         };
-        let eos = args.eos_token_id.map_or_else(|| "config.json's".to_string(), |id| id.to_string());
+        let eos = data_eos(&args, checkpoint)?;
         let (loss_on, too_long) = (format!("{:?}", args.loss_on).to_lowercase(), format!("{:?}", args.too_long).to_lowercase());
-        data_identity = data_identity.read_with(format!("--tokenizer {tokenizer}, --eos-token-id {eos}, --loss-on {loss_on}, --too-long {too_long}"));
+        data_identity = data_identity.read_with(format!("{tokenizer}, EOS {eos}, --loss-on {loss_on}, --too-long {too_long}"));
     }
     let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
@@ -555,6 +558,42 @@ fn run(args: Args) -> Result<(), String> {
     on_backend(&job)
 }
 
+/// The files each --save-hf folder gets beside the model: the tokenizer's from the tokenizer
+/// the run used (the --tokenizer file as tokenizer.json, the others from its folder), else the
+/// --model folder's, and the --model folder's generation settings.
+fn save_hf_companions(args: &Args) -> Vec<(PathBuf, String)> {
+    let found = |folder: &Path, name: &str| Some(folder.join(name)).filter(|file| file.is_file()).map(|file| (file, name.to_string()));
+    COMPANION_FILES
+        .iter()
+        .filter_map(|&name| match (&args.tokenizer, is_tokenizer_file(name)) {
+            (Some(file), true) if name == "tokenizer.json" => Some((file.clone(), name.to_string())),
+            (Some(file), true) => found(folder_of(file), name),
+            _ => args.model.as_deref().and_then(|model| found(model, name)),
+        })
+        .collect()
+}
+
+/// The folder that holds `file` (the working folder for a bare name).
+fn folder_of(file: &Path) -> &Path {
+    file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
+}
+
+/// The token that ends each --data document: --eos-token-id, else config.json's.
+fn data_eos(args: &Args, checkpoint: &HfConfig) -> Result<u32, String> {
+    match (args.eos_token_id, checkpoint.eos_token_id) {
+        (Some(id), _) => Ok(id),
+        (None, Some(id)) => u32::try_from(id).map_err(|_| format!("config.json's eos_token_id {id} is not a token id: give --eos-token-id")),
+        (None, None) => Err("--data: the checkpoint's config.json names no eos_token_id to end each document with: give --eos-token-id ID \
+                             (the id of its end-of-text token, e.g. <|endoftext|>)"
+            .into()),
+    }
+}
+
+/// The tokenizer.json that tokenizes --data's text: --tokenizer, else the --model folder's.
+fn data_tokenizer_file(args: &Args) -> Option<PathBuf> {
+    args.tokenizer.clone().or_else(|| args.model.as_ref().map(|dir| dir.join("tokenizer.json")).filter(|file| file.exists()))
+}
+
 /// Whether two paths name the same folder, however spelt (either may not exist yet).
 fn same_place(a: &Path, b: &Path) -> bool {
     let resolved = |path: &Path| path.canonicalize().or_else(|_| std::path::absolute(path));
@@ -601,21 +640,12 @@ fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: 
 
 /// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary.
 fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<PackedDocuments, String> {
-    let eos = match (args.eos_token_id, checkpoint.eos_token_id) {
-        (Some(id), _) => id,
-        (None, Some(id)) => u32::try_from(id).map_err(|_| format!("config.json's eos_token_id {id} is not a token id: give --eos-token-id"))?,
-        (None, None) => {
-            return Err("--data: the checkpoint's config.json names no eos_token_id to end each document with: give --eos-token-id ID \
-                        (the id of its end-of-text token, e.g. <|endoftext|>)"
-                .into());
-        }
-    };
+    let eos = data_eos(args, checkpoint)?;
     if eos as usize >= config.model.vocab_size {
         let from = if args.eos_token_id.is_some() { "--eos-token-id" } else { "config.json's eos_token_id" };
         return Err(format!("{from} {eos} is outside the model's vocabulary 0..{}: give the id of its end-of-text token", config.model.vocab_size));
     }
-    let tokenizer_file = args.tokenizer.clone().or_else(|| args.model.as_ref().map(|dir| dir.join("tokenizer.json")).filter(|file| file.exists()));
-    let tokenizer = tokenizer_file.map(|file| TextTokenizer::from_file(&file)).transpose().map_err(|e| format!("--tokenizer: {e}"))?;
+    let tokenizer = data_tokenizer_file(args).map(|file| TextTokenizer::from_file(&file)).transpose().map_err(|e| format!("--tokenizer: {e}"))?;
     // The chat template of {"messages"} lines: the checkpoint's, else the one beside --tokenizer.
     let folders = args.model.iter().cloned().chain(args.tokenizer.iter().filter_map(|file| file.parent().map(Path::to_path_buf)));
     let mut chat = None;
@@ -841,9 +871,7 @@ where
             stop_after: job.args.stop_after,
             data_identity: Some(job.data_identity.clone()),
             save_hf: job.args.save_hf.clone().zip(job.pretrained.clone()),
-            save_hf_companions: job.args.model.as_deref().map_or_else(Vec::new, |model| {
-                COMPANION_FILES.iter().map(|name| model.join(name)).filter(|file| file.is_file()).collect()
-            }),
+            save_hf_companions: save_hf_companions(job.args),
             faults: Faults { nan_gradient: job.args.fault_nan_gradient, kill: job.args.fault_kill },
             host_optimizer_threads: Some(host_optimizer_threads),
         };
@@ -883,6 +911,9 @@ struct RunLog {
     steps: usize,
     /// Steps taken so far, those without a target included.
     taken: usize,
+    /// The folder held another run's checkpoint (`--overwrite`): removed once this run's
+    /// record begins, so that it is never resumed under this run's record.
+    replaces_checkpoint: bool,
     /// The files the run writes, for the last line.
     wrote: &'static str,
     /// `--profile`: print each step's waits on the device, copies and kernel launches.
@@ -950,6 +981,7 @@ impl RunLog {
             title,
             steps: config.steps,
             taken: job.resumed_at.unwrap_or(0),
+            replaces_checkpoint: job.args.overwrite && !job.args.resume.as_deref().is_some_and(|resumed| same_place(&resumed_folder(resumed), &job.out)),
             wrote: if job.args.no_save { "metrics.csv, loss.png, config.json" } else { "metrics.csv, loss.png, config.json, model.mpk, checkpoint.ulysses" },
             profile: job.args.profile,
         }
@@ -958,7 +990,17 @@ impl RunLog {
     fn row(&mut self, step: usize, loss: &str, eval_loss: &str, rest: &str) {
         if let Record::Pending { config_json, kept } = &self.record {
             self.record = match RunRecord::open(&self.out, config_json, CSV_HEADER, kept) {
-                Ok(record) => Record::Open(record),
+                Ok(record) => {
+                    // The file alone: rank 0 writes it, while other ranks may already write their
+                    // parts of this run's first checkpoint; the earlier parts go at its commit.
+                    let earlier = self.out.join(CHECKPOINT_FILE);
+                    if self.replaces_checkpoint && earlier.exists() {
+                        if let Err(error) = fs::remove_file(&earlier) {
+                            self.bar.println(format!("warning: cannot remove the earlier run's checkpoint {}: {error}", earlier.display()));
+                        }
+                    }
+                    Record::Open(record)
+                }
                 Err(message) => {
                     self.bar.println(format!("error: {message}; training goes on"));
                     Record::Failed(message)
@@ -978,13 +1020,14 @@ impl RunLog {
             return Err(message);
         }
         plot::loss_curve(&self.out.join("loss.png"), &self.title, &self.train, &self.eval)?;
-        let first = self.train.first().map_or(f64::NAN, |p| p.1);
-        let last = self.train.last().map_or(f64::NAN, |p| p.1);
+        // "-" where no step had a target to take a loss on.
+        let first = self.train.first().map_or("-".to_string(), |p| format!("{:.3}", p.1));
+        let last = self.train.last().map_or("-".to_string(), |p| format!("{:.3}", p.1));
         let held_out = self.eval.last().map_or("-".to_string(), |p| format!("{:.3}", p.1));
         let taken = self.taken;
         let stopped = if taken < self.steps { format!(" (stopped at {taken} of {}; continue with --resume)", self.steps) } else { String::new() };
         println!(
-            "loss {first:.3} -> {last:.3} in {taken} steps{stopped} ({:.1?}), held-out {held_out}; wrote {}/{{{}}}",
+            "loss {first} -> {last} in {taken} steps{stopped} ({:.1?}), held-out {held_out}; wrote {}/{{{}}}",
             self.started.elapsed(),
             self.out.display(),
             self.wrote

@@ -398,7 +398,7 @@ pub struct RunOptions<'a> {
     pub save_hf: Option<(PathBuf, HfConfig)>,
     /// Files of the checkpoint the model started from that each `save_hf` folder gets a copy
     /// of (its tokenizer and generation settings: `ulysses_models::COMPANION_FILES`).
-    pub save_hf_companions: Vec<PathBuf>,
+    pub save_hf_companions: Vec<(PathBuf, String)>,
     pub faults: Faults,
     /// Threads of this rank's optimizer on the host (`None`: every core): the host's cores
     /// divided among the ranks it runs ([`host_threads_per_rank`]).
@@ -509,7 +509,8 @@ where
                 None => evaluate_model::<B>(config, &model.valid(), batch, documents, targets, groups, device),
             }
             .map_err(|e| e.at_step(step))?;
-            if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss) {
+            // A held-out batch without a target (prompts alone) has no loss to show.
+            if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss.filter(|loss| loss.tokens > 0)) {
                 progress.eval(step, loss.mean());
             }
         }
@@ -630,14 +631,14 @@ fn save_hf_gathered<B: TrainBackend>(
     parts: &mut ShardedParameters<B>,
     checkpoint: &HfConfig,
     dir: &Path,
-    companions: &[PathBuf],
+    companions: &[(PathBuf, String)],
     groups: &ParallelGroups<B::Wire>,
 ) -> Result<Option<()>, String> {
     let options = SaveOptions::new(DType::BF16);
     let plan = plan_shard_paths(&parts.tensors(), options);
     let mut writer = match groups.world_rank() {
         0 => Some(HfCheckpointWriter::begin(checkpoint, dir, options, parts.tensors()).and_then(|mut writer| {
-            companions.iter().try_for_each(|file| writer.include(file))?;
+            companions.iter().try_for_each(|(file, name)| writer.include(file, name))?;
             Ok(writer)
         })
         .map_err(|e| e.to_string())),

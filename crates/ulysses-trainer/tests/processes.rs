@@ -516,6 +516,9 @@ fn one_writer_per_run_folder_and_an_earlier_run_is_never_overwritten() {
     let refused = run_alone(&args, &["--sp", "2"]);
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("holds the checkpoint of an earlier run"), "{text}");
+    // --check says so before a job is queued.
+    let checked = run_alone(&args, &["--sp", "2", "--check"]);
+    assert!(!checked.status.success() && show(&checked).contains("holds the checkpoint of an earlier run"), "{}", show(&checked));
     assert!(snapshot(&out) == before, "a refused run changed {}", out.display());
     let _ = fs::remove_dir_all(&dir);
 }
@@ -550,6 +553,16 @@ fn a_resume_on_other_data_or_another_model_is_refused_naming_what_changed() {
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("holds the checkpoint of an earlier run"), "{text}");
     assert!(snapshot(&dir.join("another")) == another, "a resume overwrote another run's folder");
+    // Into a new folder, or with --overwrite, it continues there with the resumed run's rows.
+    let run_rows = losses(&dir.join("run"));
+    for (out, extra) in [("continued", vec![]), ("another", vec!["--overwrite"])] {
+        let mut args = common_args(&dir, out, 4);
+        args.extend(["--resume".to_string(), dir.join("run").join("checkpoint.ulysses").display().to_string()]);
+        succeed(run_alone(&args, &[&["--sp", "2"], &extra[..]].concat()));
+        let rows = losses(&dir.join(out));
+        assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), [0, 1, 2, 3], "{out}");
+        assert_eq!(rows[..2], run_rows[..2], "{out}: the resumed run's rows, not the folder's");
+    }
     succeed(resume_with("--tokens", &other.display().to_string(), &["--allow-new-data"]));
     assert_eq!(losses(&dir.join("run")).len(), 4);
     let _ = fs::remove_dir_all(&dir);
@@ -639,6 +652,16 @@ fn the_run_record_is_written_only_once_a_step_has_succeeded() {
     assert_eq!(losses(&out).iter().map(|l| l.0).collect::<Vec<_>>(), [0, 1, 2, 3]);
     let metrics = fs::read_to_string(out.join("metrics.csv")).unwrap();
     assert!(metrics.starts_with(&metrics_before), "the earlier rows changed:\n{metrics_before}\n---\n{metrics}");
+
+    // --overwrite: a run that takes no step leaves the earlier run whole; one that does starts
+    // its record and takes the earlier checkpoint away with it, so that no resume continues
+    // the earlier run under this one's record.
+    let finished = record_of(&out);
+    failing_at(0, &["--overwrite"]);
+    assert!(record_of(&out) == finished, "--overwrite without a step changed the earlier run");
+    failing_at(1, &["--overwrite"]);
+    assert_eq!(losses(&out).iter().map(|l| l.0).collect::<Vec<_>>(), [0]);
+    assert!(!out.join("checkpoint.ulysses").exists(), "the earlier run's checkpoint outlived the new record");
     let _ = fs::remove_dir_all(&dir);
 }
 
@@ -896,6 +919,25 @@ fn chat_messages_train_on_the_answers_alike_at_sp_1_and_2() {
     let refused = run_alone(&args(&bad, "bad", "--sp 1"), &[]);
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("bad.jsonl line 2") && text.contains("{\"role\": ..., \"content\": ...}"), "{text}");
+    // Conversations without an answer would train at a loss of 0: refused, naming the fix.
+    let questions = dir.join("questions.jsonl");
+    fs::write(&questions, conversations.iter().map(|m| serde_json::json!({ "messages": [m[0].clone()] }).to_string()).collect::<Vec<_>>().join("\n")).unwrap();
+    let refused = run_alone(&args(&questions, "questions", "--sp 1"), &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("no token is an answer") && text.contains("--loss-on all"), "{text}");
+    // An EOS outside the vocabulary is the flag's fault, not the data's.
+    let mut outside = args(&data, "outside", "--sp 1");
+    set_flag(&mut outside, "--eos-token-id", "5000");
+    let refused = run_alone(&outside, &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("--eos-token-id 5000 is outside the model's vocabulary"), "{text}");
+    // The same data read otherwise (every token a target) is other batches: a resume refuses it.
+    let mut resumed = args(&data, "sp1", "--sp 1 --loss-on all");
+    set_flag(&mut resumed, "--steps", "3");
+    resumed.extend(["--resume".to_string(), dir.join("sp1").display().to_string()]);
+    let refused = run_alone(&resumed, &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("--loss-on assistant") && text.contains("--allow-new-data"), "{text}");
     let _ = fs::remove_dir_all(&dir);
 }
 
