@@ -24,7 +24,7 @@ use burn::{
 use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
 use ulysses_training::{LayerCheckpointing, StepReport, TrainBackend, checkpoint::read_checkpoint_state};
 use clap::{Parser, ValueEnum};
-use ulysses_models::{COMPANION_FILES, ChatTemplate, Decoder, HfConfig, TextTokenizer, from_pretrained, is_tokenizer_file};
+use ulysses_models::{COMPANION_FILES, ChatTemplate, HfConfig, TextTokenizer, from_pretrained, is_tokenizer_file};
 use indicatif::{ProgressBar, ProgressStyle};
 use burn_ulysses::job::{JobOptions, Launch, Tcp, Transport, run_ranks};
 use ulysses_dist::DistributedConfig;
@@ -69,7 +69,8 @@ enum BackendKind {
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum LaunchMode {
-    /// A process of a launched job when RANK/WORLD_SIZE or SLURM_PROCID are set, else threads.
+    /// A process of a launched job when RANK/WORLD_SIZE are set or this is a task of an srun
+    /// step, else threads.
     Auto,
     /// Every rank a thread of this process, whatever the environment says.
     Threads,
@@ -352,14 +353,17 @@ struct Job<'a> {
 }
 
 fn run(args: Args) -> Result<(), String> {
-    let launch = match (args.launch, Launch::from_env().map_err(|e| e.to_string())?) {
-        (LaunchMode::Threads, _) => Launch::Threads,
-        (LaunchMode::Process, Launch::Threads) => {
-            return Err("--launch process, but no launcher set RANK and WORLD_SIZE (or SLURM_PROCID): start this \
-                        program with ulysses-launch, torchrun or srun"
-                .into());
-        }
-        (_, launch) => launch,
+    // --launch threads reads no launcher variable: a broken or foreign one must not stop it.
+    let launch = match args.launch {
+        LaunchMode::Threads => Launch::Threads,
+        mode => match (mode, Launch::from_env().map_err(|e| e.to_string())?) {
+            (LaunchMode::Process, Launch::Threads) => {
+                return Err("--launch process, but no launcher set RANK and WORLD_SIZE (or an srun step's SLURM_PROCID): \
+                            start this program with ulysses-launch, torchrun or srun"
+                    .into());
+            }
+            (_, launch) => launch,
+        },
     };
     // Each degree by its own flag (ParallelLayout::check names the field only).
     for (field, flag, degree) in [("sp_size", "--sp", Some(args.sp)), ("dp_size", "--dp", args.dp), ("ring_size", "--ring", Some(args.ring))] {
@@ -783,33 +787,70 @@ impl<M: Clone> Template<M> {
     }
 }
 
-/// Refuses, before step 1, a host without the memory this process's `ranks_here` ranks keep
-/// there: the optimizer's state and gradient parts (`--offload-optimizer`; under
+/// Refuses, before the model is built, a host without the memory this process's `ranks_here`
+/// ranks keep there: the optimizer's state and gradient parts (`--offload-optimizer`; under
 /// `--offload-parameters` the compute copy's parts are its master weights), the layer inputs
-/// `--offload-to-host` keeps, and on the CPU backend (`on_cpu`) the devices' parameters and
-/// gradients.
-fn check_host_memory<B: TrainBackend>(config: &TrainConfig, model: &Decoder<B>, ranks_here: usize, on_cpu: bool, device: &B::Device) -> Result<(), String> {
-    let elements: Vec<usize> = ulysses_training::float_parameters(model).iter().map(|p| p.shape.iter().product()).collect();
-    let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<B>(device).map_err(|e| e.to_string())?).size();
+/// `--offload-to-host` keeps, and on the CPU backend (`on_cpu`) what the devices keep
+/// ([`device_bytes_per_rank`]; the parameters alone when `evaluating`). `elements`: each
+/// parameter's, counted on a model not yet built ([`ulysses_training::parameter_elements`]).
+fn check_host_memory<B: TrainBackend>(config: &TrainConfig, elements: &[usize], ranks_here: usize, on_cpu: bool, evaluating: bool, device: &B::Device) -> Result<(), String> {
+    let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<B>(device).map_err(|e| e.to_string())?).size() as u64;
+    let parameters = elements.iter().sum::<usize>() as u64;
+    let ranks = ranks_here as u64;
     // Every rank of a step runs micro-batches of as many rows, each row's shard as long.
     let rows = config.batch_size / config.layout.dp_size / config.grad_accumulation;
     let shard_tokens = config.seq_len.div_ceil(config.layout.sp_size);
-    let d_model = model.embedding.weight.dims()[1];
-    let offloaded = config.layer_checkpointing.as_ref().map_or(0, |c| c.offloaded_host_bytes(model.blocks.len(), rows, shard_tokens, d_model, compute_bytes)) * ranks_here as u64;
-    // On the CPU backend the devices' parameters and gradients (f32) are host memory too.
-    let device_bytes = if on_cpu { 8 * elements.iter().sum::<usize>() as u64 * ranks_here as u64 } else { 0 };
+    let layers = config.model.n_layers;
+    let offloaded = match (&config.layer_checkpointing, evaluating) {
+        (Some(checkpointing), false) => checkpointing.offloaded_host_bytes(layers, rows, shard_tokens, config.model.d_model, compute_bytes as usize) * ranks,
+        _ => 0,
+    };
+    let device_bytes_a_rank = match (on_cpu, evaluating) {
+        (false, _) => 0,
+        (true, true) => 4 * parameters,
+        (true, false) => device_bytes_per_rank(config, parameters, compute_bytes),
+    };
+    let device_bytes = device_bytes_a_rank * ranks;
+    let devices_what = "the ranks' devices keep in host memory (the CPU backend)";
     let offloaded_what = "of layer inputs --offload-to-host keeps there";
-    if config.offload_optimizer {
+    if config.offload_optimizer && !evaluating {
         // With --offload-parameters the compute copy's parts on the host are the optimizer's
         // master weights (cast for each upload: ShardedParameters::share_master_weights), so
         // they add nothing.
         let parameter_bytes = 0;
-        let beside = [(device_bytes, "the ranks' devices keep in host memory"), (offloaded, offloaded_what)];
-        return ulysses_training::ShardedAdamW::check_host_memory(&elements, config.layout.world_size(), ranks_here, parameter_bytes, &beside).map_err(|e| format!("--offload-optimizer: {e}"));
+        let beside = [(device_bytes, devices_what), (offloaded, offloaded_what)];
+        return ulysses_training::ShardedAdamW::check_host_memory(elements, config.layout.world_size(), ranks_here, parameter_bytes, &beside).map_err(|e| format!("--offload-optimizer: {e}"));
     }
-    let what = format!("--offload-to-host ({:.2} GB {offloaded_what}, for {ranks_here} rank(s) on this host)", offloaded as f64 / 1e9);
-    let fix = "spread the ranks over more nodes, cut each micro-batch (more --grad-accumulation), or keep the layer inputs on the device (without --offload-to-host)";
-    ulysses_core::host_memory::check_fits(offloaded, ulysses_core::host_memory::available_bytes(), &what, fix)
+    let gb = |bytes: u64| format!("{:.2} GB", bytes as f64 / 1e9);
+    let mut what = Vec::new();
+    let mut fix = Vec::new();
+    if device_bytes > 0 {
+        what.push(format!("what the ranks' devices keep (the CPU backend's memory is the host's: {parameters} parameters, {} a rank)", gb(device_bytes_a_rank)));
+        fix.push("train a smaller model, or spread the ranks over more hosts with --zero 3 (each keeps 1/world of the state), or train on a GPU (--backend cuda)");
+    }
+    if offloaded > 0 {
+        what.push(format!("the layer inputs --offload-to-host keeps there ({})", gb(offloaded)));
+        fix.push("cut each micro-batch (more --grad-accumulation), or keep the layer inputs on the device (without --offload-to-host)");
+    }
+    let what = format!("{}, for {ranks_here} rank(s) on this host,", what.join(" and "));
+    ulysses_core::host_memory::check_fits(device_bytes + offloaded, ulysses_core::host_memory::available_bytes(), &what, &fix.join("; "))
+}
+
+/// Bytes a rank's device keeps between steps for each of `parameters` (a lower bound: a step's
+/// activations and gathered layer come on top): replicated without the host optimizer, the
+/// f32 parameters, their gradients and AdamW's two moments (16); with it, the compute copy and
+/// its gradients; under `--zero 3` a 1/world part of what the device keeps: the compute copy's
+/// (none with `--offload-parameters`), and with the optimizer on the device its f32 master
+/// weights, moments and gradients too.
+fn device_bytes_per_rank(config: &TrainConfig, parameters: u64, compute_bytes: u64) -> u64 {
+    let world = config.layout.world_size() as u64;
+    match (config.zero_stage, config.offload_optimizer) {
+        (3, true) if config.offload_parameters => 0,
+        (3, true) => compute_bytes * parameters / world,
+        (3, false) => (compute_bytes + 16) * parameters / world,
+        (_, true) => 2 * compute_bytes * parameters,
+        (_, false) => 16 * parameters,
+    }
 }
 
 /// Runs this process's ranks (all of them as threads, or its one rank) on `UlyssesBackend`
@@ -824,19 +865,23 @@ where
     // Seeded parameters, initialised here once (fork forces burn's lazy initialisation), so
     // that runs repeat; each rank forks its own copy, with its own autodiff leaves.
     let template_device = device(job.options.device_index_of(&job.launch));
+    let threads = matches!(job.launch, Launch::Threads);
+    let ranks_here = match &job.launch {
+        Launch::Threads => config.layout.world_size(),
+        Launch::Process(env) => env.local_world_size,
+    };
+    // Measured on a model whose parameters are not built yet (burn builds them lazily), so a
+    // model the host cannot hold is refused before it fills the memory.
+    let elements = ulysses_training::parameter_elements(&config.model.init::<Sp<W>>(&template_device));
+    let on_cpu = matches!(job.args.backend, BackendKind::Cpu);
+    check_host_memory::<Sp<W>>(config, &elements, ranks_here, on_cpu, job.eval_sequences.is_some(), &template_device)?;
     <Sp<W> as Backend>::seed(&template_device, config.seed);
     let template = match &job.args.model {
         Some(dir) => from_pretrained::<Sp<W>>(dir, &template_device).map_err(|e| format!("--model: {e}"))?.model.with_repeat_kv(config.model.repeat_kv),
         None => config.model.init::<Sp<W>>(&template_device),
     }
     .fork(&template_device);
-    let threads = matches!(job.launch, Launch::Threads);
-    let ranks_here = match &job.launch {
-        Launch::Threads => config.layout.world_size(),
-        Launch::Process(env) => env.local_world_size,
-    };
     let host_optimizer_threads = ulysses_trainer::train::host_threads_per_rank(std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get), ranks_here);
-    check_host_memory::<Sp<W>>(config, &template, ranks_here, matches!(job.args.backend, BackendKind::Cpu), &template_device)?;
     let template = Template::new(template, if threads { config.layout.world_size() } else { 1 });
 
     let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {

@@ -418,6 +418,33 @@ fn layouts_that_cannot_work_fail_before_any_work_with_the_fix() {
 }
 
 #[test]
+fn a_model_the_host_cannot_hold_is_refused_before_it_is_built() {
+    let dir = workspace("too-large");
+    // A 70B shape on the CPU backend at SP = 4 (the default): 68.5e9 parameters, with their
+    // gradients and AdamW's moments 1.1 TB a rank. Its address space capped at 4 GB, the trainer could not even build the
+    // model (274 GB in f32): a refusal that comes after building it aborts on allocation.
+    let mut args = common_args(&dir, "run", 2);
+    for (flag, value) in [("--d-model", "8192"), ("--layers", "80"), ("--heads", "64"), ("--kv-heads", "8"), ("--ffn-hidden", "28672")] {
+        set_flag(&mut args, flag, value);
+    }
+    let output = Command::new("sh").args(["-c", "ulimit -v 4000000 && exec \"$@\"", "sh", trainer()]).args(&args).args(["--launch", "threads"]).output().unwrap();
+    let text = show(&output);
+    assert!(!output.status.success(), "{text}");
+    // Counted by hand: embedding and head (256 ids), per layer q, k, v, o, gate, up, down and
+    // two norms, the final norm.
+    let (d, ff, kv, ids) = (8192u64, 28672, 8 * 128, 256);
+    let parameters = 2 * ids * d + 80 * (2 * d * d + 2 * d * kv + 3 * d * ff + 2 * d) + d;
+    // 16 bytes a parameter (f32 parameters, gradients, AdamW's moments) on each of 4 ranks.
+    let needed = format!("for 4 rank(s) on this host, needs {:.2} GB of host memory", (4 * 16 * parameters) as f64 / 1e9);
+    let devices = format!("what the ranks' devices keep (the CPU backend's memory is the host's: {parameters} parameters, {:.2} GB a rank)", (16 * parameters) as f64 / 1e9);
+    for expected in [needed.as_str(), devices.as_str(), "--zero 3"] {
+        assert!(text.contains(expected), "expected {expected:?}:\n{text}");
+    }
+    assert!(!dir.join("run").join("metrics.csv").exists(), "no step may run:\n{text}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     let dir = workspace("settings");
     let cases: [(&str, &str, &str); 12] = [

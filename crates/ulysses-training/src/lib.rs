@@ -52,7 +52,7 @@ pub use backend::TrainBackend;
 pub use layers::{PROGRESS_TARGET, LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
 pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartOptimizer, ShardedParameters, Zero3Step};
 pub use panics::{catch_model_failure, quiet_caught_panics};
-pub use parameters::{FloatParameter, float_parameters, with_parameters_in};
+pub use parameters::{FloatParameter, float_parameters, parameter_elements, with_parameters_in};
 pub use zero::{ShardedAdamW, cast_master_part, host_adamw_config, load_sharded_training_checkpoint, save_sharded_training_checkpoint, sharded_state_file, sharded_state_folder};
 pub use ulysses_core::host_adamw::HostAdamWConfig;
 pub use gradients::{

@@ -39,6 +39,21 @@ pub fn float_parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<FloatParame
     collect.found
 }
 
+/// The number of elements of each float parameter of `module`, in module order, read from
+/// the shapes alone: a module whose parameters burn initialises lazily (`Config::init`) stays
+/// uninitialised, so a model too large to build can be measured before it is.
+pub fn parameter_elements<B: Backend, M: Module<B>>(module: &M) -> Vec<usize> {
+    struct Count(Vec<usize>);
+    impl<B: Backend> ModuleVisitor<B> for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.lazy_shape().num_elements());
+        }
+    }
+    let mut count = Count(Vec::new());
+    module.visit(&mut count);
+    count.0
+}
+
 /// `module` with every float parameter cast to `dtype`, each keeping its id and whether it
 /// requires a gradient (a leaf again, not a cast inside a graph): the compute copy of a model
 /// whose f32 master weights live elsewhere (the optimizer on the host).
@@ -52,4 +67,32 @@ pub fn with_parameters_in<B: Backend, M: Module<B>>(module: M, dtype: FloatDType
         }
     }
     module.map(&mut Cast(dtype))
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::{
+        backend::NdArray,
+        nn::{EmbeddingConfig, LinearConfig},
+    };
+
+    use super::*;
+
+    #[derive(Module, Debug)]
+    struct Two<B: Backend> {
+        embedding: burn::nn::Embedding<B>,
+        linear: burn::nn::Linear<B>,
+    }
+
+    #[test]
+    fn parameter_elements_are_read_without_initialising_the_parameters() {
+        let device = Default::default();
+        let lazy = || Two::<NdArray> { embedding: EmbeddingConfig::new(7, 3).init(&device), linear: LinearConfig::new(3, 5).init(&device) };
+        let model = lazy();
+        assert_eq!(parameter_elements(&model), [21, 15, 5]);
+        assert!(!model.embedding.weight.is_initialized() && !model.linear.weight.is_initialized(), "counting must not build the tensors");
+        // The same counts as the built parameters'.
+        let built: Vec<usize> = float_parameters(&lazy()).iter().map(|p| p.shape.num_elements()).collect();
+        assert_eq!(built, [21, 15, 5]);
+    }
 }
