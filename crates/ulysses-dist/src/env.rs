@@ -1,9 +1,12 @@
 //! Where this process sits in the job, read from the launcher's environment.
 //!
 //! torchrun (and `ulysses-launch`) set `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-//! `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`. Under Slurm (`srun`), where those are
-//! absent, `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` and `SLURM_NTASKS_PER_NODE` stand
-//! in, and `MASTER_ADDR` defaults to the first host of `SLURM_JOB_NODELIST`.
+//! `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`. In a task of an `srun` step, where
+//! those are absent, the step's `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_LOCALID` and
+//! `SLURM_STEP_TASKS_PER_NODE` stand in, and `MASTER_ADDR` defaults to the first host of
+//! `SLURM_STEP_NODELIST`. Slurm sets `SLURM_PROCID=0` in the batch script too, which is no
+//! rank of anything: without a step (`SLURM_STEP_ID`) the process runs alone, its ranks as
+//! threads.
 
 use crate::DistError;
 
@@ -32,6 +35,10 @@ pub enum EnvSource {
 
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
+/// Under srun without `MASTER_PORT`, the port is this plus the job id's last four digits
+/// (below Linux's ephemeral ports, which start at 32768).
+pub const SLURM_PORT_BASE: u16 = 20_000;
+
 /// Overrides the port of rank 0's rendezvous.
 pub const ENV_RENDEZVOUS_PORT: &str = "ULYSSES_RENDEZVOUS_PORT";
 
@@ -43,17 +50,14 @@ impl LaunchEnv {
 
     /// Reads variables through `lookup` (tests pass a map).
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
-        let (source, rank, world, local, local_world) = if lookup("RANK").is_some() || lookup("WORLD_SIZE").is_some() {
-            (EnvSource::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-        } else if lookup("SLURM_PROCID").is_some() {
-            (EnvSource::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
-        } else {
+        let torchrun = lookup("RANK").is_some() || lookup("WORLD_SIZE").is_some();
+        if !torchrun && !is_srun_task(&lookup) {
             return Err(DistError::Env(
                 "no launcher environment: set RANK and WORLD_SIZE (torchrun, ulysses-launch) or run \
-                 under srun (SLURM_PROCID, SLURM_NTASKS)"
+                 under srun (SLURM_PROCID, SLURM_STEP_NUM_TASKS)"
                     .into(),
             ));
-        };
+        }
         let number = |name: &str| -> Result<Option<usize>, DistError> {
             lookup(name)
                 .map(|value| {
@@ -64,28 +68,45 @@ impl LaunchEnv {
                 .transpose()
         };
         let required = |name: &str| number(name)?.ok_or_else(|| DistError::Env(format!("{name} is not set")));
+        // The first of these Slurm variables that is set: the step's, else the job's.
+        let first_set = |names: &[&'static str]| names.iter().find_map(|&name| lookup(name).map(|value| (name, value)));
+        let slurm_tasks_per_node = || -> Result<Option<usize>, DistError> {
+            let Some((name, list)) = first_set(&["SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]) else { return Ok(None) };
+            let node = number("SLURM_NODEID")?.unwrap_or(0);
+            tasks_on_node(&list, node).map(Some).ok_or_else(|| DistError::Env(format!("{name}={list:?} gives no task count for node {node} (SLURM_NODEID)")))
+        };
 
-        let rank = required(rank)?;
-        let world_size = required(world)?;
+        let source = if torchrun { EnvSource::Torchrun } else { EnvSource::Slurm };
+        let (rank, world_size, local_rank, local_world_size) = match source {
+            // A wrapper that sets RANK and WORLD_SIZE from Slurm's variables may leave the
+            // local ones to Slurm: every rank on GPU 0 otherwise.
+            EnvSource::Torchrun => (
+                required("RANK")?,
+                required("WORLD_SIZE")?,
+                number("LOCAL_RANK")?.or(number("SLURM_LOCALID")?).unwrap_or(0),
+                match number("LOCAL_WORLD_SIZE")? {
+                    Some(size) => Some(size),
+                    None if lookup("SLURM_LOCALID").is_some() => slurm_tasks_per_node()?,
+                    None => None,
+                },
+            ),
+            EnvSource::Slurm => {
+                let (world_name, _) = first_set(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"]).ok_or_else(|| DistError::Env("SLURM_STEP_NUM_TASKS is not set".into()))?;
+                (required("SLURM_PROCID")?, required(world_name)?, number("SLURM_LOCALID")?.unwrap_or(0), slurm_tasks_per_node()?)
+            }
+        };
+        let local_world_size = local_world_size.unwrap_or(1);
         if world_size == 0 || rank >= world_size {
             return Err(DistError::Env(format!(
                 "rank {rank} is out of range for a world of {world_size} processes"
             )));
         }
-        let local_rank = number(local)?.unwrap_or(0);
-        // Slurm writes SLURM_NTASKS_PER_NODE as "4" or "4(x2)".
-        let local_world_size = match (source, lookup(local_world)) {
-            (EnvSource::Slurm, Some(value)) => value.split('(').next().unwrap_or("").trim().parse().ok(),
-            _ => number(local_world)?,
-        }
-        .unwrap_or(1);
 
         let master_addr = match (lookup("MASTER_ADDR"), source) {
             (Some(addr), _) => addr,
-            (None, EnvSource::Slurm) => lookup("SLURM_JOB_NODELIST")
-                .or_else(|| lookup("SLURM_NODELIST"))
-                .and_then(|list| first_host(&list))
-                .ok_or_else(|| DistError::Env("MASTER_ADDR is not set and SLURM_JOB_NODELIST has no host".into()))?,
+            (None, EnvSource::Slurm) => first_set(&["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"])
+                .and_then(|(_, list)| first_host(&list))
+                .ok_or_else(|| DistError::Env("MASTER_ADDR is not set and SLURM_STEP_NODELIST has no host".into()))?,
             (None, EnvSource::Torchrun) => "127.0.0.1".to_string(),
         };
         let port = |name: &str| -> Result<Option<u16>, DistError> {
@@ -100,10 +121,41 @@ impl LaunchEnv {
                 DistError::Env(format!("MASTER_PORT={port} leaves no port above it for the rendezvous; set {ENV_RENDEZVOUS_PORT}"))
             })?,
             (None, Some(port)) => port,
-            (None, None) => DEFAULT_MASTER_PORT,
+            // Two jobs sharing a node would both take 29500: each Slurm job its own port.
+            (None, None) => match (source, number("SLURM_JOB_ID")?) {
+                (EnvSource::Slurm, Some(job)) => SLURM_PORT_BASE + (job % 10_000) as u16,
+                _ => DEFAULT_MASTER_PORT,
+            },
         };
         Ok(Self { rank, world_size, local_rank, local_world_size, master_addr, master_port, source })
     }
+}
+
+/// Whether this process is a task of an `srun` step: `SLURM_PROCID` with a step of its own.
+/// Slurm's batch script (and `salloc`'s interactive step) has `SLURM_PROCID=0` too but is no
+/// rank: no step id there, or one of Slurm's special ones (from 0xfffffff0 up: batch, extern,
+/// interactive).
+fn is_srun_task(lookup: &impl Fn(&str) -> Option<String>) -> bool {
+    let step = lookup("SLURM_STEP_ID").or_else(|| lookup("SLURM_STEPID"));
+    lookup("SLURM_PROCID").is_some() && step.is_some_and(|id| id.trim().parse::<u32>().is_ok_and(|id| id < 0xffff_fff0))
+}
+
+/// The task count of node `node` (0-based) in a Slurm tasks-per-node list: `4(x2),2` is 4,
+/// 4, 2.
+fn tasks_on_node(list: &str, node: usize) -> Option<usize> {
+    let mut nodes = 0;
+    for entry in list.trim().split(',') {
+        let (count, repeat) = match entry.split_once("(x") {
+            Some((count, repeat)) => (count, repeat.strip_suffix(')')?.parse::<usize>().ok()?),
+            None => (entry, 1),
+        };
+        let count: usize = count.trim().parse().ok()?;
+        if node < nodes + repeat {
+            return Some(count);
+        }
+        nodes += repeat;
+    }
+    None
 }
 
 /// The first host of a Slurm node list: `gpu[03-05,9],cpu1` → `gpu03`.
@@ -143,19 +195,20 @@ pub enum Launch {
     Process(LaunchEnv),
 }
 
-/// Variables whose presence means a launcher started this process.
-const LAUNCHER_VARIABLES: [&str; 3] = ["RANK", "WORLD_SIZE", "SLURM_PROCID"];
-
 impl Launch {
     /// [`Launch::Process`] when a launcher set `RANK`/`WORLD_SIZE` (torchrun,
-    /// `ulysses-launch`) or `SLURM_PROCID` (srun), [`Launch::Threads`] when none is set.
-    /// A launcher environment that is incomplete or wrong is an error that names the variable.
+    /// `ulysses-launch`) or this is a task of an `srun` step, [`Launch::Threads`] otherwise
+    /// (Slurm's batch script among them). A launcher environment that is incomplete or wrong
+    /// is an error that names the variable.
     pub fn from_env() -> Result<Self, DistError> {
         Self::from_lookup(|name| std::env::var(name).ok())
     }
 
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
-        if LAUNCHER_VARIABLES.iter().all(|name| lookup(name).is_none()) {
+        if lookup("RANK").is_none() && lookup("WORLD_SIZE").is_none() && !is_srun_task(&lookup) {
+            if lookup("SLURM_PROCID").is_some() {
+                tracing::info!("SLURM_PROCID is set without a job step (SLURM_STEP_ID): Slurm's batch script, not a task of srun; running as one process");
+            }
             return Ok(Launch::Threads);
         }
         LaunchEnv::from_lookup(lookup).map(Launch::Process)
@@ -225,14 +278,76 @@ mod tests {
     fn slurm_variables_when_torchrun_ones_are_absent() {
         let parsed = env(&[
             ("SLURM_PROCID", "6"),
+            ("SLURM_STEP_ID", "0"),
             ("SLURM_NTASKS", "8"),
             ("SLURM_LOCALID", "2"),
+            ("SLURM_NODEID", "1"),
             ("SLURM_NTASKS_PER_NODE", "4(x2)"),
             ("SLURM_JOB_NODELIST", "gpu[07-08]"),
         ])
         .unwrap();
         assert_eq!((parsed.rank, parsed.world_size, parsed.local_rank, parsed.local_world_size), (6, 8, 2, 4));
         assert_eq!((parsed.master_addr.as_str(), parsed.source), ("gpu07", EnvSource::Slurm));
+    }
+
+    #[test]
+    fn an_srun_step_is_read_by_its_own_variables() {
+        // `srun -N1 -n3 -w gpu08` inside an allocation of gpu[07-08] with 8 tasks: the step's
+        // world, node and tasks per node, not the job's.
+        let step = [
+            ("SLURM_PROCID", "2"),
+            ("SLURM_STEP_ID", "3"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_STEP_NUM_TASKS", "3"),
+            ("SLURM_LOCALID", "2"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+            ("SLURM_STEP_TASKS_PER_NODE", "3"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08]"),
+            ("SLURM_STEP_NODELIST", "gpu08"),
+        ];
+        let parsed = env(&step).unwrap();
+        assert_eq!((parsed.rank, parsed.world_size, parsed.local_rank, parsed.local_world_size), (2, 3, 2, 3));
+        assert_eq!(parsed.master_addr, "gpu08");
+        // Without MASTER_PORT each job its own port; MASTER_PORT wins.
+        let job = [step.as_slice(), &[("SLURM_JOB_ID", "4321987")]].concat();
+        assert_eq!((env(&step).unwrap().master_port, env(&job).unwrap().master_port), (DEFAULT_MASTER_PORT, 21987));
+        assert_eq!(env(&[job.as_slice(), &[("MASTER_PORT", "29600")]].concat()).unwrap().master_port, 29600);
+        // Nodes with unequal task counts: each node its own.
+        let uneven = |node: &str| env(&[("SLURM_PROCID", "0"), ("SLURM_STEP_ID", "0"), ("SLURM_STEP_NUM_TASKS", "12"), ("SLURM_NODEID", node), ("SLURM_STEP_TASKS_PER_NODE", "4(x2),2,2"), ("SLURM_STEP_NODELIST", "n[1-4]")]);
+        let sizes: Vec<usize> = ["0", "1", "2", "3"].iter().map(|node| uneven(node).unwrap().local_world_size).collect();
+        assert_eq!(sizes, [4, 4, 2, 2]);
+        let message = uneven("4").unwrap_err().to_string();
+        assert!(message.contains("SLURM_STEP_TASKS_PER_NODE=\"4(x2),2,2\" gives no task count for node 4"), "{message}");
+    }
+
+    #[test]
+    fn a_wrapper_setting_rank_under_srun_keeps_slurms_local_rank() {
+        // srun bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS exec trainer': the GPU is
+        // SLURM_LOCALID's, not GPU 0 for every rank of a node.
+        let parsed = env(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("SLURM_PROCID", "5"), ("SLURM_LOCALID", "1"), ("SLURM_NODEID", "1"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2)")]).unwrap();
+        assert_eq!((parsed.local_rank, parsed.local_world_size, parsed.source), (1, 4, EnvSource::Torchrun));
+        let torchrun = env(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "3"), ("LOCAL_WORLD_SIZE", "2"), ("SLURM_LOCALID", "1")]).unwrap();
+        assert_eq!((torchrun.local_rank, torchrun.local_world_size), (3, 2));
+    }
+
+    #[test]
+    fn slurms_batch_script_is_no_rank() {
+        let launch = |pairs: &[(&str, &str)]| {
+            let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            Launch::from_lookup(|name| map.get(name).cloned())
+        };
+        // What sbatch -n 8 gives its script: rank 0 of 8 it is not.
+        let batch = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "0"), ("SLURM_JOB_NODELIST", "gpu[07-08]")];
+        assert_eq!(launch(&batch).unwrap(), Launch::Threads);
+        // Slurm's special steps: the batch script's and salloc's interactive shell.
+        for special in ["4294967291", "4294967289"] {
+            assert_eq!(launch(&[batch.as_slice(), &[("SLURM_STEP_ID", special)]].concat()).unwrap(), Launch::Threads, "{special}");
+        }
+        // A task of a step, under the old name too.
+        for name in ["SLURM_STEP_ID", "SLURM_STEPID"] {
+            assert_eq!(launch(&[batch.as_slice(), &[(name, "0")]].concat()).unwrap().world_size(), Some(8), "{name}");
+        }
     }
 
     #[test]
@@ -245,6 +360,8 @@ mod tests {
     fn bad_or_missing_values_are_named() {
         let message = |pairs: &[(&str, &str)]| env(pairs).unwrap_err().to_string();
         assert!(message(&[]).contains("set RANK and WORLD_SIZE"));
+        assert!(message(&[("SLURM_PROCID", "0")]).contains("set RANK and WORLD_SIZE"), "a batch script is no srun task");
+        assert!(message(&[("SLURM_PROCID", "0"), ("SLURM_STEP_ID", "0")]).contains("SLURM_STEP_NUM_TASKS is not set"));
         assert!(message(&[("RANK", "0")]).contains("WORLD_SIZE is not set"));
         assert!(message(&[("RANK", "x"), ("WORLD_SIZE", "2")]).contains("RANK=\"x\" is not a non-negative integer"));
         assert!(message(&[("RANK", "2"), ("WORLD_SIZE", "2")]).contains("rank 2 is out of range for a world of 2"));

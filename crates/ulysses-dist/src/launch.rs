@@ -81,20 +81,32 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
     plan.validate()?;
     // Before spawning: an interrupt during the spawn loop must stop what was started.
     forward_interrupts();
+    // SAFETY: getpid(2) cannot fail.
+    let launcher = unsafe { libc::getpid() };
     let mut ranks = Vec::new();
     let mut forwarders = Vec::new();
     for local_rank in 0..plan.nproc_per_node {
         let env = plan.rank_env(local_rank);
         let rank = plan.node_rank * plan.nproc_per_node + local_rank;
         // Each rank leads a process group, so stopping it reaches the processes it started.
-        let spawned = Command::new(&plan.program)
-            .args(&plan.args)
-            .envs(env)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn();
+        let mut command = Command::new(&plan.program);
+        command.args(&plan.args).envs(env).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+        // A launcher killed outright (SIGKILL, the OOM killer) handles nothing: the kernel
+        // then sends each rank SIGTERM, so none is left holding its GPU and the port.
+        // SAFETY: prctl(2) and getppid(2) are async-signal-safe.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The launcher may have died before the prctl took effect.
+                if libc::getppid() != launcher {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        let spawned = command.spawn();
         let mut child = match spawned {
             Ok(child) => child,
             Err(error) => {
@@ -144,7 +156,9 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
         eprintln!("ulysses-launch: {}", statuses.join(", "));
         return Err(DistError::Launch(format!("rank {rank} {}", describe(status))));
     }
-    forwarders.into_iter().for_each(|f| drop(f.join()));
+    // Bounded as after a failure: a process a rank started in the background may outlive it
+    // holding its output pipe.
+    join_for(forwarders, plan.kill_grace);
     Ok(())
 }
 
@@ -168,14 +182,16 @@ extern "C" fn on_interrupt(_signal: libc::c_int) {
     INTERRUPTED.store(true, Ordering::Relaxed);
 }
 
-/// The ranks run in their own process groups, out of reach of the terminal's Ctrl-C: the
-/// launcher catches SIGINT and SIGTERM and stops them itself.
+/// The ranks run in their own process groups, out of reach of the terminal's signals: the
+/// launcher catches SIGINT, SIGTERM, SIGHUP (a closed ssh session) and SIGQUIT and stops
+/// them itself.
 fn forward_interrupts() {
     let handler = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
-        libc::signal(libc::SIGINT, handler);
-        libc::signal(libc::SIGTERM, handler);
+        for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+            libc::signal(signal, handler);
+        }
     }
 }
 

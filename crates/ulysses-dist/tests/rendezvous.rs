@@ -245,3 +245,65 @@ fn the_launcher_does_not_wait_for_processes_a_failed_rank_left_behind() {
     assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
     assert!(String::from_utf8_lossy(&output.stderr).contains("rank 1 exited with status 4"));
 }
+
+#[test]
+fn the_launcher_does_not_wait_for_processes_a_successful_rank_left_behind() {
+    let started = Instant::now();
+    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+        .args(["--nproc-per-node", "1", "--kill-grace-secs", "1", "--"])
+        .args(["sh", "-c", "sleep 30 & echo done"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
+    assert!(String::from_utf8_lossy(&output.stdout).contains("[rank 0] done"));
+}
+
+/// Whether `pid` runs (exists and is no zombie).
+fn running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+}
+
+#[test]
+fn a_launcher_hung_up_on_or_killed_takes_its_ranks_with_it() {
+    for signal in [libc::SIGHUP, libc::SIGKILL] {
+        let dir = std::env::temp_dir().join(format!("ulysses-launch-signal-{signal}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let pid_file = dir.join("rank.pid");
+        // The rank writes its pid and becomes `sleep` (same pid).
+        let mut launcher = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+            .args(["--nproc-per-node", "1", "--kill-grace-secs", "1", "--"])
+            .args(["sh", "-c", &format!("echo $$ > {}; exec sleep 60", pid_file.display())])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let rank = loop {
+            if let Some(pid) = std::fs::read_to_string(&pid_file).ok().and_then(|text| text.trim().parse::<i32>().ok()) {
+                break pid;
+            }
+            assert!(Instant::now() < deadline, "the rank never started");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // Past the exec, so the signal reaches sleep, not the shell.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(running(rank));
+        // SAFETY: kill(2) on the launcher we started.
+        unsafe { libc::kill(launcher.id() as i32, signal) };
+        let status = launcher.wait().unwrap();
+        assert!(!status.success(), "signal {signal}: {status}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while running(rank) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let left = running(rank);
+        if left {
+            // SAFETY: kill(2) on the rank this test started.
+            unsafe { libc::kill(rank, libc::SIGKILL) };
+        }
+        assert!(!left, "signal {signal}: the launcher is gone, its rank {rank} still runs");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

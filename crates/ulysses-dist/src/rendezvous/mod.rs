@@ -39,6 +39,21 @@ impl Rendezvous {
                 RendezvousServer::start(&env.master_addr, env.master_port, settings)
             })
             .transpose()?;
+        if let Some(server) = &server
+            && server.local_addr().ip().is_loopback()
+            && env.world_size > env.local_world_size
+        {
+            // A host name that /etc/hosts maps to 127.0.1.1 (Debian's default) binds loopback:
+            // the other nodes' ranks would time out without a word of why.
+            tracing::warn!(
+                "MASTER_ADDR {} is a loopback address here ({}), but the job has {} ranks and this node {} (LOCAL_WORLD_SIZE): \
+                 ranks on other nodes cannot reach it; set MASTER_ADDR to this node's network address",
+                env.master_addr,
+                server.local_addr().ip(),
+                env.world_size,
+                env.local_world_size
+            );
+        }
         let mut client = RendezvousClient::connect(
             &env.master_addr,
             env.master_port,
