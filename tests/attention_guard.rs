@@ -14,6 +14,8 @@
 //! - The drop-in `burn_ulysses::nn::MultiHeadAttention` with `MhaInput::causal()` gives
 //!   burn-nn's output with an autoregressive mask from the same record (≤ 1e-6) and is
 //!   sequence parallel at SP = 2 and 4.
+//! - Weights applied to values transposed (`vᵀ·wᵀ`) and scores against quantized keys (burn's
+//!   `q_matmul`) are refused too.
 //! - A linear layer as wide as the local sequence passes the guard.
 
 use std::time::Duration;
@@ -29,6 +31,7 @@ use burn::{
     record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder},
     tensor::{
         Tensor, activation::softmax, backend::Backend, module::attention, ops::AttentionModuleOptions,
+        quantization::{QuantScheme, QuantStore, QuantValue},
     },
 };
 use burn_ulysses::{RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup, nn};
@@ -257,6 +260,46 @@ fn the_ported_llama_attention_equals_one_device_at_sp_2_and_4() {
     for sp in [2, 4] {
         assert_sequence_parallel(on_ranks(sp, UlyssesConfig::new(), |x, offset| LlamaAttention::<Sp>::new(&x.device()).forward_ported(x, offset)), want.clone());
     }
+}
+
+/// `x` as `[batch, heads, seq, head_dim]`.
+fn heads<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 4> {
+    let [batch, seq, _] = x.dims();
+    x.reshape([batch, seq, HEADS, D_MODEL / HEADS]).swap_dims(1, 2)
+}
+
+#[test]
+fn weights_applied_to_values_transposed_are_refused() {
+    // The scores without a matmul (a broadcast product summed), then vᵀ·wᵀ: a product by a
+    // square [S/P, S/P] right operand, the weights of a rank's shard.
+    let results = on_ranks(2, UlyssesConfig::new(), |x, _| {
+        let [batch, seq, _] = x.dims();
+        let (q, v) = (heads(x.clone()), heads(x * 0.5));
+        let scores = (q.clone().unsqueeze_dim::<5>(3) * q.unsqueeze_dim::<5>(2)).sum_dim(4).squeeze_dim::<4>(4);
+        let context = v.swap_dims(2, 3).matmul(softmax(scores, 3).swap_dims(2, 3)).swap_dims(2, 3);
+        context.swap_dims(1, 2).reshape([batch, seq, D_MODEL])
+    });
+    assert_refused_on_every_rank(&results, "vᵀ·wᵀ");
+}
+
+#[test]
+fn attention_by_hand_on_quantized_keys_is_refused() {
+    // An int8 key cache: burn sends the scores' matmul to `q_matmul`, not `float_matmul`.
+    // Quantization has no autodiff, so the plain backend (inference) under the decorator.
+    type SpInference = UlyssesBackend<Inner>;
+    let results: Vec<Result<Vec<f32>, String>> = with_deadline(Duration::from_secs(60), || {
+        ThreadGroup::new(2)
+            .run(|rank| {
+                let _sp = SpInference::enter(RankScope::Thread, rank.communicator(), UlyssesConfig::new());
+                let x = shard(input::<SpInference>(&Default::default()), 1, rank.rank(), rank.size());
+                let (q, k) = (heads(x.clone()), heads(x * 0.5).quantize_dynamic(&QuantScheme::default().with_value(QuantValue::Q8S).with_store(QuantStore::Native)));
+                values(q.matmul(k.swap_dims(2, 3)).sum_dim(3).squeeze_dim::<3>(3))
+            })
+            .into_iter()
+            .map(|result| result.map_err(|panic| panic.message))
+            .collect()
+    });
+    assert_refused_on_every_rank(&results, "scores against quantized keys");
 }
 
 #[test]

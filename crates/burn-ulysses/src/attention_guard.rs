@@ -12,8 +12,11 @@
 //!   except that the right one may be broadcast past the first (grouped kv heads,
 //!   `[B, Hkv, G, ..] · [B, Hkv, 1, ..]`);
 //! - and the product is self-attention's over two tokens or more: `[.., n, d] · [.., d, n]`
-//!   (scores, square result) or `[.., n, n] · [.., n, d]` (weights times values, square left
+//!   (scores, square result), `[.., n, n] · [.., n, d]` (weights times values, square left
+//!   operand) or `[.., d, n] · [.., n, n]` (the same transposed, `vᵀ·wᵀ`, square right
 //!   operand), `n ≥ 2` (a per-token dot product, `1 × 1`, is not attention).
+//!
+//! Quantized operands (an int8 key/value cache) take burn's `q_matmul`, guarded alike.
 //!
 //! A linear layer never matches: its weight is broadcast over batch and heads (leading dims 1),
 //! and burn routes it through `ModuleOps::linear`, which the decorator forwards untouched.
@@ -25,7 +28,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::tensor::{TensorMetadata, ops::FloatTensor};
+use burn::tensor::{TensorMetadata, TensorPrimitive, ops::FloatTensor};
 
 use crate::{
     context::{self, Sharding},
@@ -44,10 +47,18 @@ fn attention_matrix_size(lhs: &[usize], rhs: &[usize]) -> Option<usize> {
     let (rhs_leading, [_, n]) = rhs.split_at(dims - 2) else { return None };
     // The batch (first) dim shared; past it, the right operand equal or broadcast.
     let per_head = lhs_leading[0] == rhs_leading[0] && lhs_leading.iter().zip(rhs_leading).skip(1).all(|(l, r)| l == r || *r == 1);
-    if !per_head || lhs_leading.iter().product::<usize>() < 2 || *m < 2 {
+    if !per_head || lhs_leading.iter().product::<usize>() < 2 {
         return None;
     }
-    (m == n || m == k).then_some(*m)
+    if *m >= 2 && (m == n || m == k) {
+        // Scores, or weights times values.
+        Some(*m)
+    } else if *k >= 2 && k == n {
+        // Weights times values transposed: vᵀ·wᵀ.
+        Some(*k)
+    } else {
+        None
+    }
 }
 
 /// Why a matmul of these shapes is refused, or `None`: `sharding` the rank context's.
@@ -65,24 +76,35 @@ fn refusal(lhs: &[usize], rhs: &[usize], tokens: usize, sharding: Option<Shardin
 static GUARD_ON: AtomicBool = AtomicBool::new(true);
 
 /// Turns the guard on or off for the whole process: for measuring what it costs
-/// (`cargo bench --bench matmul_guard`) and for showing what it prevents (the tests). A model
+/// (`cargo bench --bench matmul_guard`), never for a model. A model
 /// that attends within each shard on purpose sets
 /// [`UlyssesConfig::shard_local_attention_on_purpose`](crate::UlyssesConfig) instead.
 pub fn set_guard(on: bool) {
     GUARD_ON.store(on, Ordering::Relaxed);
 }
 
-/// `UlyssesBackend`'s matmul: the inner backend's, after the guard.
-pub fn guarded_matmul<X: ExchangeBackend>(lhs: FloatTensor<X>, rhs: FloatTensor<X>) -> FloatTensor<X> {
+/// Panics with the refusal where a product of these shapes is attention by hand under SP.
+fn refuse_attention_by_hand(lhs_shape: &[usize], rhs_shape: &[usize]) {
     // The shape test first: most matmuls end there, before any lookup.
-    let (lhs_shape, rhs_shape) = (lhs.shape(), rhs.shape());
-    if let Some(tokens) = attention_matrix_size(&lhs_shape, &rhs_shape)
+    if let Some(tokens) = attention_matrix_size(lhs_shape, rhs_shape)
         && GUARD_ON.load(Ordering::Relaxed)
-        && let Some(error) = refusal(&lhs_shape, &rhs_shape, tokens, context::current_sharding())
+        && let Some(error) = refusal(lhs_shape, rhs_shape, tokens, context::current_sharding())
     {
         panic!("{error}");
     }
+}
+
+/// `UlyssesBackend`'s matmul: the inner backend's, after the guard.
+pub fn guarded_matmul<X: ExchangeBackend>(lhs: FloatTensor<X>, rhs: FloatTensor<X>) -> FloatTensor<X> {
+    refuse_attention_by_hand(&lhs.shape(), &rhs.shape());
     X::float_matmul(lhs, rhs)
+}
+
+/// `UlyssesBackend`'s matmul where an operand is quantized: the inner backend's, after the
+/// guard.
+pub fn guarded_q_matmul<X: ExchangeBackend>(lhs: TensorPrimitive<X>, rhs: TensorPrimitive<X>) -> TensorPrimitive<X> {
+    refuse_attention_by_hand(&lhs.shape(), &rhs.shape());
+    X::q_matmul(lhs, rhs)
 }
 
 #[cfg(test)]
@@ -118,6 +140,9 @@ mod tests {
             (&[2, 2, 3, 8, 16], &[2, 2, 1, 16, 8], 8),
             (&[2, 2, 3, 8, 8], &[2, 2, 1, 8, 16], 8),
             (&[2, 4, 2, 16], &[2, 4, 16, 2], 2),
+            // Weights times values transposed, vᵀ·wᵀ, heads 4-D and folded.
+            (&[2, 4, 16, 8], &[2, 4, 8, 8], 8),
+            (&[8, 16, 6], &[8, 6, 6], 6),
         ] {
             match attention_by_hand(lhs, rhs, SP2) {
                 Some(UlyssesError::AttentionByHand { tokens: got, .. }) => assert_eq!(got, tokens, "{lhs:?} · {rhs:?}"),
@@ -147,6 +172,8 @@ mod tests {
             // A per-token dot product (1 x 1), and a square left operand of one token.
             (&[2, 8, 1, 16], &[2, 8, 16, 1]),
             (&[2, 8, 1, 1], &[2, 8, 1, 16]),
+            // A product by a square of one token.
+            (&[2, 8, 16, 1], &[2, 8, 1, 1]),
         ] {
             assert!(attention_by_hand(lhs, rhs, SP2).is_none(), "{lhs:?} · {rhs:?} refused");
         }

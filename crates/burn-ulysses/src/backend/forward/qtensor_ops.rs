@@ -165,12 +165,9 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         rhs: TensorPrimitive<Self>,
     ) -> TensorPrimitive<Self> {
         ConvertPrimitives::convert(
-            <Inner as QTensorOps<
+            crate::attention_guard::guarded_q_matmul::<
                 Inner,
-            >>::q_matmul(
-                ConvertPrimitives::convert(lhs),
-                ConvertPrimitives::convert(rhs),
-            ),
+            >(ConvertPrimitives::convert(lhs), ConvertPrimitives::convert(rhs)),
         )
     }
     fn q_neg(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
