@@ -50,14 +50,13 @@ impl LaunchEnv {
 
     /// Reads variables through `lookup` (tests pass a map).
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
-        let torchrun = lookup("RANK").is_some() || lookup("WORLD_SIZE").is_some();
-        if !torchrun && !is_srun_task(&lookup) {
+        let Some(source) = launcher(&lookup) else {
             return Err(DistError::Env(
                 "no launcher environment: set RANK and WORLD_SIZE (torchrun, ulysses-launch) or run \
                  under srun (SLURM_PROCID, SLURM_STEP_NUM_TASKS)"
                     .into(),
             ));
-        }
+        };
         let number = |name: &str| -> Result<Option<usize>, DistError> {
             lookup(name)
                 .map(|value| {
@@ -76,7 +75,6 @@ impl LaunchEnv {
             tasks_on_node(&list, node).map(Some).ok_or_else(|| DistError::Env(format!("{name}={list:?} gives no task count for node {node} (SLURM_NODEID)")))
         };
 
-        let source = if torchrun { EnvSource::Torchrun } else { EnvSource::Slurm };
         let (rank, world_size, local_rank, local_world_size) = match source {
             // A wrapper that sets RANK and WORLD_SIZE from Slurm's variables may leave the
             // local ones to Slurm: every rank on GPU 0 otherwise.
@@ -128,6 +126,16 @@ impl LaunchEnv {
             },
         };
         Ok(Self { rank, world_size, local_rank, local_world_size, master_addr, master_port, source })
+    }
+}
+
+/// Which launcher started this process: torchrun's variables (`RANK`, `WORLD_SIZE`) win over
+/// an srun task's; `None` when neither did.
+fn launcher(lookup: &impl Fn(&str) -> Option<String>) -> Option<EnvSource> {
+    if lookup("RANK").is_some() || lookup("WORLD_SIZE").is_some() {
+        Some(EnvSource::Torchrun)
+    } else {
+        is_srun_task(lookup).then_some(EnvSource::Slurm)
     }
 }
 
@@ -205,7 +213,7 @@ impl Launch {
     }
 
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
-        if lookup("RANK").is_none() && lookup("WORLD_SIZE").is_none() && !is_srun_task(&lookup) {
+        if launcher(&lookup).is_none() {
             if lookup("SLURM_PROCID").is_some() {
                 tracing::info!("SLURM_PROCID is set without a job step (SLURM_STEP_ID): Slurm's batch script, not a task of srun; running as one process");
             }

@@ -288,7 +288,7 @@ struct Args {
     progress: bool,
     /// Check the command line, the settings, the data (a --resume's checkpoint too) and the --out
     /// folder, say what the run would be, and exit: nothing is trained or written. The memory a run needs is
-    /// checked as it starts, once the model is built
+    /// checked as it starts, on the chosen backend, before the model is built
     #[arg(long)]
     check: bool,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
@@ -830,7 +830,7 @@ fn check_host_memory<B: TrainBackend>(config: &TrainConfig, elements: &[usize], 
     }
     if offloaded > 0 {
         what.push(format!("the layer inputs --offload-to-host keeps there ({})", gb(offloaded)));
-        fix.push("cut each micro-batch (more --grad-accumulation), or keep the layer inputs on the device (without --offload-to-host)");
+        fix.push("spread the ranks over more nodes, cut each micro-batch (more --grad-accumulation), or keep the layer inputs on the device (without --offload-to-host)");
     }
     let what = format!("{}, for {ranks_here} rank(s) on this host,", what.join(" and "));
     ulysses_core::host_memory::check_fits(device_bytes + offloaded, ulysses_core::host_memory::available_bytes(), &what, &fix.join("; "))
