@@ -12,7 +12,7 @@ use std::{
 use ulysses_dist::{
     DistError,
     rendezvous::{
-        RendezvousClient, RendezvousServer, ServerSettings,
+        LeftRanks, PeerLoss, PeerWatch, RendezvousClient, RendezvousServer, ServerSettings,
         protocol::{Request, Response, read_blocking, write_blocking},
     },
 };
@@ -134,6 +134,57 @@ fn a_rank_that_dies_is_reported_departed_and_one_that_finishes_is_not() {
         assert!(Instant::now() < deadline, "departed ranks: {departed:?}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Polls `client` until the rendezvous reports `want` (it learns of a goodbye asynchronously).
+fn left_when(client: &mut RendezvousClient, want: impl Fn(&LeftRanks) -> bool) -> LeftRanks {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let left = client.left().unwrap();
+        if want(&left) {
+            return left;
+        }
+        assert!(Instant::now() < deadline, "the rendezvous still reports {left:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_member_that_finished_during_a_wait_is_named_after_the_grace_and_a_death_at_once() {
+    let server = server(3);
+    let mut waiting = client(&server, 0, 3, "job-secret").unwrap();
+    let grace = Duration::from_secs(10);
+    // Rank 0 waits in a collective of ranks 0 and 1 (rank 2 is in another group).
+    let mut watch = PeerWatch::with_grace(&[0, 1], grace);
+    let t0 = Instant::now();
+    let member = client(&server, 1, 3, "job-secret").unwrap();
+    let other = client(&server, 2, 3, "job-secret").unwrap();
+    assert_eq!(watch.check(&waiting.left().unwrap(), t0), None);
+
+    // A rank of another group ends: no reason to stop, however long the wait.
+    drop(other);
+    let left = left_when(&mut waiting, |left| left.finished == [2]);
+    assert_eq!(left.died, Vec::<usize>::new());
+    assert_eq!(watch.check(&left, t0 + 10 * grace), None);
+
+    // A member ends (cleanly or with an error: a goodbye either way). Its part of the last
+    // collective may still be arriving, so the wait goes on for the grace, then stops.
+    drop(member);
+    let left = left_when(&mut waiting, |left| left.finished == [1, 2]);
+    let seen = t0 + 11 * grace;
+    assert_eq!(watch.check(&left, seen), None);
+    assert_eq!(watch.check(&left, seen + grace / 2), None);
+    assert_eq!(watch.check(&left, seen + grace), Some(PeerLoss::Left { ranks: vec![1], waited: grace }));
+
+    // A death, of any rank, stops the next wait at once. Rank 2 joins again and vanishes
+    // without a goodbye, as a crashed process does.
+    {
+        let mut raw = TcpStream::connect(server.local_addr()).unwrap();
+        write_blocking(&mut raw, &Request::Hello { token: "job-secret".into(), rank: 2, world_size: 3 }).unwrap();
+        assert_eq!(read_blocking::<Response>(&mut raw, LIMIT).unwrap(), Response::Welcome);
+    }
+    let left = left_when(&mut waiting, |left| left.died == [2]);
+    assert_eq!(PeerWatch::with_grace(&[0, 1], grace).check(&left, Instant::now()), Some(PeerLoss::Died(vec![2])));
 }
 
 #[test]

@@ -24,7 +24,10 @@ use cudarc::{
     driver::{result as cuda, sys as cuda_sys},
     nccl::sys as nccl,
 };
-use ulysses_dist::{DistributedConfig, LaunchEnv, Rendezvous};
+use ulysses_dist::{
+    DistributedConfig, LaunchEnv, Rendezvous,
+    rendezvous::{LeftRanks, PeerLoss, PeerWatch},
+};
 
 use crate::{
     NcclError,
@@ -49,6 +52,13 @@ struct Process {
     timeout: Duration,
 }
 
+/// One wait's deadline, when it next asks the rendezvous, and what it has seen leave.
+struct WaitChecks {
+    deadline: Instant,
+    next_check: Instant,
+    watch: PeerWatch,
+}
+
 /// A raw CUDA or NCCL handle. NCCL and CUDA handles may be used from any thread; the
 /// communicator serialises its own calls.
 #[derive(Clone, Copy)]
@@ -62,6 +72,8 @@ pub struct NcclCommunicator {
     aborted: AtomicBool,
     rank: usize,
     size: usize,
+    /// The group's world ranks, in group order: whom a wait watches for leaving the job.
+    members: Vec<usize>,
     process: Arc<Process>,
     traffic: TrafficCounter,
     /// Time spent waiting on the host for CubeCL's queue before collectives, and their count.
@@ -130,7 +142,7 @@ impl NcclCommunicator {
         let started = unsafe {
             nccl::ncclCommInitRankConfig(&mut comm, env.world_size as c_int, unique_id, env.rank as c_int, &mut nccl_config)
         };
-        let communicator = Self::wrap(comm, env.rank, env.world_size, process);
+        let communicator = Self::wrap(comm, env.rank, env.world_size, (0..env.world_size).collect(), process);
         communicator.accept(started, "ncclCommInitRankConfig")?;
         communicator.wait_ready("ncclCommInitRankConfig")?;
         tracing::info!(rank = env.rank, world = env.world_size, gpu, "NCCL communicator ready");
@@ -142,12 +154,13 @@ impl NcclCommunicator {
         self.process.device.clone()
     }
 
-    fn wrap(comm: nccl::ncclComm_t, rank: usize, size: usize, process: Arc<Process>) -> Self {
+    fn wrap(comm: nccl::ncclComm_t, rank: usize, size: usize, members: Vec<usize>, process: Arc<Process>) -> Self {
         Self {
             comm: Raw(comm),
             aborted: AtomicBool::new(false),
             rank,
             size,
+            members,
             process,
             traffic: TrafficCounter::default(),
             host_sync_nanos: AtomicU64::new(0),
@@ -178,8 +191,7 @@ impl NcclCommunicator {
 
     /// Waits until this communicator's pending non-blocking call has been issued.
     fn wait_ready(&self, call: &'static str) -> Result<(), NcclError> {
-        let deadline = Instant::now() + self.process.timeout;
-        let mut next_check = Instant::now() + Duration::from_secs(1);
+        let mut checks = self.wait_checks();
         let poll = Poll::start();
         loop {
             match self.async_state() {
@@ -187,7 +199,7 @@ impl NcclCommunicator {
                 nccl::ncclResult_t::ncclInProgress => {}
                 code => return Err(self.fail(call, code)),
             }
-            self.check_peers(call, deadline, &mut next_check)?;
+            self.check_peers(call, &mut checks)?;
             poll.pause();
         }
     }
@@ -200,24 +212,34 @@ impl NcclCommunicator {
         if queried == nccl::ncclResult_t::ncclSuccess { state } else { queried }
     }
 
-    /// Fails (and aborts) when a peer died or the deadline passed; asks the rendezvous at
-    /// most once a second. An unreachable rendezvous means rank 0, which serves it, is gone.
-    fn check_peers(&self, op: &'static str, deadline: Instant, next_check: &mut Instant) -> Result<(), NcclError> {
+    /// A new wait's deadline and watch.
+    fn wait_checks(&self) -> WaitChecks {
         let now = Instant::now();
-        if now < *next_check && now < deadline {
+        WaitChecks {
+            deadline: now + self.process.timeout,
+            next_check: now + Duration::from_secs(1),
+            watch: PeerWatch::new(&self.members),
+        }
+    }
+
+    /// Fails (and aborts) when a rank died, a member of this group left the job while this
+    /// rank waits for it ([`PeerWatch`]), or the deadline passed; asks the rendezvous at most
+    /// once a second. An unreachable rendezvous means rank 0, which serves it, is gone.
+    fn check_peers(&self, op: &'static str, checks: &mut WaitChecks) -> Result<(), NcclError> {
+        let now = Instant::now();
+        if now < checks.next_check && now < checks.deadline {
             return Ok(());
         }
-        *next_check = now + Duration::from_secs(1);
-        let departed = self.process.rendezvous.departed().unwrap_or_else(|_| vec![0]);
-        if !departed.is_empty() {
-            self.abort();
-            return Err(NcclError::PeerDied { op, ranks: departed });
-        }
-        if now >= deadline {
-            self.abort();
-            return Err(NcclError::Timeout { op, after: self.process.timeout, departed });
-        }
-        Ok(())
+        checks.next_check = now + Duration::from_secs(1);
+        let left = self.process.rendezvous.left().unwrap_or_else(|_| LeftRanks { died: vec![0], finished: Vec::new() });
+        let failure = match checks.watch.check(&left, now) {
+            Some(PeerLoss::Died(ranks)) => NcclError::PeerDied { op, ranks },
+            Some(PeerLoss::Left { ranks, waited }) => NcclError::PeerLeft { op, ranks, waited },
+            None if now >= checks.deadline => NcclError::Timeout { op, after: self.process.timeout, departed: left.died },
+            None => return Ok(()),
+        };
+        self.abort();
+        Err(failure)
     }
 
     fn abort(&self) {
@@ -255,8 +277,7 @@ impl NcclCommunicator {
         self.accept(launch(self.comm.0, stream), op)?;
         self.wait_ready(op)?;
 
-        let deadline = Instant::now() + self.process.timeout;
-        let mut next_check = Instant::now() + Duration::from_secs(1);
+        let mut checks = self.wait_checks();
         let poll = Poll::start();
         loop {
             // SAFETY: our stream lives as long as the process.
@@ -272,7 +293,7 @@ impl NcclCommunicator {
                 nccl::ncclResult_t::ncclSuccess | nccl::ncclResult_t::ncclInProgress => {}
                 code => return Err(self.fail(op, code)),
             }
-            self.check_peers(op, deadline, &mut next_check)?;
+            self.check_peers(op, &mut checks)?;
             poll.pause();
         }
     }
@@ -644,26 +665,35 @@ impl NcclCommunicator {
                 reason: format!("color {color} and key {key} must fit in an i32 (NCCL's NOCOLOR is -1)"),
             });
         }
-        let _exclusive = self.process.calls.lock().unwrap_or_else(|p| p.into_inner());
-        self.check_usable("ncclCommSplit").map_err(to_comm_error)?;
-        self.current_context().map_err(to_comm_error)?;
-        let mut child: nccl::ncclComm_t = ptr::null_mut();
-        let mut config = non_blocking_config();
-        // SAFETY: live parent communicator, valid out-pointer and config.
-        let started = unsafe { nccl::ncclCommSplit(self.comm.0, color as c_int, key as c_int, &mut child, &mut config) };
-        self.accept(started, "ncclCommSplit").map_err(to_comm_error)?;
-        self.wait_ready("ncclCommSplit").map_err(to_comm_error)?;
-        // The child has its own abort flag: a failure while it gets ready aborts it alone.
-        let mut child = Self::wrap(child, 0, 0, self.process.clone());
-        child.wait_ready("ncclCommSplit").map_err(to_comm_error)?;
-        let (mut rank, mut size) = (0 as c_int, 0 as c_int);
-        // SAFETY: `child` is a ready communicator.
-        unsafe {
-            nccl::ncclCommUserRank(child.comm.0, &mut rank);
-            nccl::ncclCommCount(child.comm.0, &mut size);
-        }
-        child.rank = rank as usize;
-        child.size = size as usize;
+        let mut child = {
+            let _exclusive = self.process.calls.lock().unwrap_or_else(|p| p.into_inner());
+            self.check_usable("ncclCommSplit").map_err(to_comm_error)?;
+            self.current_context().map_err(to_comm_error)?;
+            let mut child: nccl::ncclComm_t = ptr::null_mut();
+            let mut config = non_blocking_config();
+            // SAFETY: live parent communicator, valid out-pointer and config.
+            let started = unsafe { nccl::ncclCommSplit(self.comm.0, color as c_int, key as c_int, &mut child, &mut config) };
+            self.accept(started, "ncclCommSplit").map_err(to_comm_error)?;
+            self.wait_ready("ncclCommSplit").map_err(to_comm_error)?;
+            // The child has its own abort flag: a failure while it gets ready aborts it alone.
+            // Until it knows its members it watches its parent's.
+            let mut child = Self::wrap(child, 0, 0, self.members.clone(), self.process.clone());
+            child.wait_ready("ncclCommSplit").map_err(to_comm_error)?;
+            let (mut rank, mut size) = (0 as c_int, 0 as c_int);
+            // SAFETY: `child` is a ready communicator.
+            unsafe {
+                nccl::ncclCommUserRank(child.comm.0, &mut rank);
+                nccl::ncclCommCount(child.comm.0, &mut size);
+            }
+            child.rank = rank as usize;
+            child.size = size as usize;
+            child
+        };
+        // Its members' world ranks (a collective, so outside the lock above): a wait on it
+        // then gives up on a member that left the job, not on a rank of another group.
+        let world_rank = self.process.rendezvous.rank() as u64;
+        let members = child.gather_u64(&[world_rank]).map_err(to_comm_error)?;
+        child.members = members.into_iter().map(|rank| rank as usize).collect();
         Ok(Arc::new(child))
     }
 }

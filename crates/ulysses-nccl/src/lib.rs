@@ -76,6 +76,11 @@ pub enum NcclError {
     Timeout { op: &'static str, after: std::time::Duration, departed: Vec<usize> },
     #[error("{op} aborted: rank(s) {ranks:?} died (their rendezvous connection closed). Look at their own errors first.")]
     PeerDied { op: &'static str, ranks: Vec<usize> },
+    #[error(
+        "{op} aborted: rank(s) {ranks:?} of its group ended their process (an error, or the end of their run) \
+         while this rank waited for them in it ({waited:?} after they left). Look at their own output first."
+    )]
+    PeerLeft { op: &'static str, ranks: Vec<usize>, waited: std::time::Duration },
     #[error("NCCL has no type for {0:?}; use f32, f16, bf16 or f64 tensors")]
     DType(DType),
     #[error(transparent)]

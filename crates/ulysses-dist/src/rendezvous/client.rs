@@ -6,7 +6,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::protocol::{FrameError, Request, Response, read_blocking, write_blocking};
+use super::{
+    LeftRanks,
+    protocol::{FrameError, Request, Response, read_blocking, write_blocking},
+};
 use crate::DistError;
 
 pub struct RendezvousClient {
@@ -96,8 +99,13 @@ impl RendezvousClient {
 
     /// Ranks whose connection closed without a goodbye (they crashed or were killed).
     pub fn departed(&mut self) -> Result<Vec<usize>, DistError> {
+        self.left().map(|left| left.died)
+    }
+
+    /// Ranks that left the job: without a goodbye (died) or with one (finished).
+    pub fn left(&mut self) -> Result<LeftRanks, DistError> {
         match self.request(&Request::Departed, "for the departed ranks")? {
-            Response::Departed { ranks } => Ok(ranks),
+            Response::Departed { ranks, finished } => Ok(LeftRanks { died: ranks, finished }),
             other => Err(DistError::Protocol(format!("expected departed ranks, got {other:?}"))),
         }
     }

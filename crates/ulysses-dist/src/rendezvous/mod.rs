@@ -6,11 +6,13 @@
 mod client;
 pub mod protocol;
 mod server;
+mod watch;
 
 use std::{sync::Mutex, time::Duration};
 
 pub use client::RendezvousClient;
 pub use server::{RendezvousServer, ServerSettings};
+pub use watch::{LeftRanks, PeerLoss, PeerWatch};
 
 use crate::{DistError, DistributedConfig, LaunchEnv};
 
@@ -115,6 +117,11 @@ impl Rendezvous {
     /// Ranks that died (their connection closed without a goodbye).
     pub fn departed(&self) -> Result<Vec<usize>, DistError> {
         self.client().departed()
+    }
+
+    /// Ranks that left the job: died, or finished (said goodbye). What a [`PeerWatch`] reads.
+    pub fn left(&self) -> Result<LeftRanks, DistError> {
+        self.client().left()
     }
 
     fn client(&self) -> std::sync::MutexGuard<'_, RendezvousClient> {

@@ -15,7 +15,7 @@ pub enum Request {
     Set { key: String, value: Vec<u8> },
     /// Answered once the key is set.
     Get { key: String },
-    /// Ranks whose connection closed without a goodbye.
+    /// Ranks whose connection closed without a goodbye, and those that said one.
     Departed,
     /// A clean disconnect: this rank is done, not dead.
     Goodbye,
@@ -29,7 +29,12 @@ pub enum Response {
     Rejected { reason: String },
     Stored,
     Value { value: Vec<u8> },
-    Departed { ranks: Vec<usize> },
+    /// `ranks` died (no goodbye); `finished` said goodbye (absent from older servers).
+    Departed {
+        ranks: Vec<usize>,
+        #[serde(default)]
+        finished: Vec<usize>,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]

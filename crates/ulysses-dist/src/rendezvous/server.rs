@@ -222,8 +222,11 @@ async fn serve_rank(stream: &mut TcpStream, shared: &Shared) -> Result<(), Frame
                 }
             }
             Request::Departed => {
-                let ranks = shared.state.lock().unwrap().departed.iter().copied().collect();
-                Response::Departed { ranks }
+                let state = shared.state.lock().unwrap();
+                Response::Departed {
+                    ranks: state.departed.iter().copied().collect(),
+                    finished: state.finished.iter().copied().collect(),
+                }
             }
         };
         write_async(stream, &response).await?;

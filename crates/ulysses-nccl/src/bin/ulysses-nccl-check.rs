@@ -9,6 +9,12 @@
 //! ULYSSES_GPU=0 ulysses-launch --nproc-per-node 2 -- sh -c 'NCCL_HOSTID=host$RANK exec ulysses-nccl-check'
 //!
 //! Exits non-zero on the first mismatch.
+//!
+//! With `ULYSSES_NCCL_CHECK_LEAVE=R` (two ranks or more), it checks instead that a rank ending
+//! its process while the others wait for it in a collective stops them, naming it, within
+//! `PeerWatch::GRACE` and a few seconds: rank R exits (cleanly, so that the launcher keeps the
+//! others running, as srun does without --kill-on-bad-exit) without the all-reduce the others
+//! enter; they pass when the all-reduce fails so.
 
 use std::{process::ExitCode, sync::Arc, time::Instant};
 
@@ -115,6 +121,31 @@ fn all_to_all_timing(comm: &Arc<NcclCommunicator>, device: &CudaDevice) -> Resul
     Ok(())
 }
 
+/// The all-reduce that rank `leaver` never joins: the others must give up on it, naming it.
+fn a_rank_that_leaves(comm: &Arc<NcclCommunicator>, device: &CudaDevice, leaver: usize) -> Result<(), String> {
+    let c: &dyn Communicator<Cuda> = &**comm;
+    if leaver >= c.size() {
+        return Err(format!("ULYSSES_NCCL_CHECK_LEAVE={leaver} names no rank of {}", c.size()));
+    }
+    if c.rank() == leaver {
+        println!("rank {leaver} ends its process without the all-reduce the others wait in");
+        return Ok(());
+    }
+    let ones = Tensor::<Cuda, 1>::ones([1024], device).into_primitive().tensor();
+    let started = Instant::now();
+    let result = c.all_reduce(ones, burn_ulysses::comm::ReduceOp::Sum);
+    let waited = started.elapsed();
+    let limit = ulysses_dist::rendezvous::PeerWatch::GRACE + std::time::Duration::from_secs(5);
+    match result {
+        Ok(_) => Err(format!("the all-reduce ended without rank {leaver}")),
+        Err(error) if error.to_string().contains(&format!("rank(s) [{leaver}] of its group ended their process")) && waited <= limit => {
+            println!("stopped after {waited:.1?}, as it should (at most {limit:?}): {error}");
+            Ok(())
+        }
+        Err(error) => Err(format!("after {waited:.1?} (at most {limit:?} expected), the all-reduce failed otherwise: {error}")),
+    }
+}
+
 fn main() -> ExitCode {
     let run = || -> Result<(), String> {
         let env = LaunchEnv::from_env().map_err(|e| e.to_string())?;
@@ -125,6 +156,10 @@ fn main() -> ExitCode {
         // live where NCCL reads them.
         let device = comm.device();
         let _sp = Train::enter(RankScope::Process, comm.clone(), UlyssesConfig::new());
+        if let Ok(leaver) = std::env::var("ULYSSES_NCCL_CHECK_LEAVE") {
+            let leaver = leaver.parse().map_err(|_| format!("ULYSSES_NCCL_CHECK_LEAVE={leaver:?} is no rank"))?;
+            return a_rank_that_leaves(&comm, &device, leaver);
+        }
         collectives(&comm, &device)?;
         sequence_parallel_attention(&comm, &device)?;
         all_to_all_timing(&comm, &device)
