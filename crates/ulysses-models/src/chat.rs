@@ -110,7 +110,8 @@ impl ChatTemplate {
 
     /// `messages` (each an object with `role` and `content`, and whatever else the template
     /// reads) rendered, with the prompt for the next answer when `add_generation_prompt`.
-    /// Refused: a message without a string `role`, and, unless the template refuses roles
+    /// Refused: a message without a string `role`, one whose content is no string (unless it
+    /// carries tool calls and has none: [`check_content`]), and, unless the template refuses roles
     /// itself (`raise_exception`), a role other than system, user and assistant that the
     /// template does not name (such a template renders any other role as it renders the
     /// user's, so a misspelt role would train silently on a wrong prompt).
@@ -127,6 +128,7 @@ impl ChatTemplate {
                     named.iter().map(|r| format!(", {r}")).collect::<String>()
                 )));
             }
+            check_content(index, role, message).map_err(|problem| self.error(problem))?;
         }
         let template = self.env.get_template(TEMPLATE_NAME).expect("added at construction");
         let mut context: BTreeMap<String, Value> = self.special_tokens.iter().map(|(name, text)| (name.clone(), Value::from(text.as_str()))).collect();
@@ -159,6 +161,33 @@ impl ChatTemplate {
 }
 
 /// The words in quotes (`'…'` or `"…"`) in a template's source: letters, digits and `_`.
+/// A message's `content` must be a string, or absent or null beside `tool_calls`. Templates
+/// render anything else as their authors chose: a list of parts as its JSON, or (Qwen3's) as
+/// nothing, so data written for multimodal models would train silently on mangled or empty
+/// turns. transformers passes it to the template as it is; this is stricter on purpose.
+fn check_content(index: usize, role: &str, message: &serde_json::Value) -> Result<(), String> {
+    use serde_json::Value as Json;
+    let calls_tools = message["tool_calls"].as_array().is_some_and(|calls| !calls.is_empty());
+    let has = match message.get("content") {
+        Some(Json::String(_)) => return Ok(()),
+        None | Some(Json::Null) if calls_tools => return Ok(()),
+        None | Some(Json::Null) => {
+            return Err(format!(
+                "message {index} ({role}) has no \"content\" string (only a message with \"tool_calls\" may go without): \
+                 give it its text, or leave the message out"
+            ));
+        }
+        Some(Json::Array(_)) => "a list (of parts, as multimodal data has)",
+        Some(Json::Number(_)) => "a number",
+        Some(Json::Bool(_)) => "a boolean",
+        Some(Json::Object(_)) => "an object",
+    };
+    Err(format!(
+        "message {index} ({role}) has {has} as its \"content\", where the chat template renders a string: \
+         write the message's text as one string (for a list of parts, join the text of its \"text\" parts)"
+    ))
+}
+
 fn quoted_words(source: &str) -> BTreeSet<String> {
     let mut words = BTreeSet::new();
     for quote in ['\'', '"'] {

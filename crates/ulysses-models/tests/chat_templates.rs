@@ -64,3 +64,31 @@ fn a_role_the_template_never_names_is_refused() {
     assert!(message.contains("message 0 has no \"role\""), "{message}");
     assert!(template.render(&[turn("system"), turn("user"), turn("assistant")], false).is_ok());
 }
+
+/// Content that is no string is refused, naming the message and the fix: a template renders a
+/// list of parts, a number or a missing content as whatever its author wrote for them (the
+/// Qwen3 kind renders anything but a string as nothing), so such data would train silently on
+/// empty or mangled turns. A message that carries tool calls may have no content.
+#[test]
+fn content_that_is_no_string_is_refused() {
+    for name in ["llama3", "qwen"] {
+        let template = ChatTemplate::from_checkpoint(&fixtures().join("chat").join(name)).unwrap().unwrap();
+        let user = serde_json::json!({"role": "user", "content": "hi"});
+        for (content, names) in [
+            (serde_json::json!([{"type": "text", "text": "hello"}]), "a list (of parts, as multimodal data has)"),
+            (serde_json::json!(42), "a number"),
+            (serde_json::json!(null), "no \"content\""),
+            (serde_json::json!({"text": "hello"}), "an object"),
+        ] {
+            let answer = serde_json::json!({"role": "assistant", "content": content});
+            let message = template.render(&[user.clone(), answer], false).unwrap_err().to_string();
+            assert!(message.contains(&format!("message 1 (assistant) has {names}")) && message.contains("string"), "{name}, {content}: {message}");
+        }
+        let missing = serde_json::json!({"role": "assistant"});
+        let message = template.render(&[user.clone(), missing], false).unwrap_err().to_string();
+        assert!(message.contains("message 1 (assistant) has no \"content\""), "{name}: {message}");
+        // Tool calls without content, as OpenAI's format writes them.
+        let call = serde_json::json!({"role": "assistant", "content": null, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]});
+        assert!(template.render(&[user.clone(), call], false).is_ok(), "{name}: a tool call without content");
+    }
+}
