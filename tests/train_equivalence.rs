@@ -570,6 +570,13 @@ fn qwen3_sp_dp(zero: Zero, steps: usize, max_grad_norm: Option<f64>) -> Qwen3Run
 
 /// [`qwen3_sp_dp`] with each DP rank's two sequences in `micro_batches` micro-batches.
 fn qwen3_sp_dp_accumulating(zero: Zero, steps: usize, max_grad_norm: Option<f64>, micro_batches: usize) -> Qwen3Run {
+    let schedule: Vec<(usize, bool)> = (0..steps).map(|step| (step, true)).collect();
+    qwen3_sp_dp_schedule(zero, &schedule, max_grad_norm, micro_batches)
+}
+
+/// [`qwen3_sp_dp_accumulating`] with a step for each `(data, targets)` of `schedule`: the data
+/// of `VariedLengths`' step `data`, every token a target or (`false`) none.
+fn qwen3_sp_dp_schedule(zero: Zero, schedule: &[(usize, bool)], max_grad_norm: Option<f64>, micro_batches: usize) -> Qwen3Run {
     use ulysses_training::{
         DeviceShardedAdamW, HostAdamWConfig, LayerCheckpointing, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step,
         apply_step_sharded, apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3,
@@ -606,11 +613,13 @@ fn qwen3_sp_dp_accumulating(zero: Zero, steps: usize, max_grad_norm: Option<f64>
             drop(backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap());
         }
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
-        for index in 0..steps {
+        for (index, &(data, has_targets)) in schedule.iter().enumerate() {
             // Each DP rank its half of the step's four sequences.
-            let batch = VariedLengths { vocab: 320 }.train_batch(index);
+            let batch = VariedLengths { vocab: 320 }.train_batch(data);
             let mine: Vec<Vec<Vec<i64>>> = batch[2 * dp_rank..2 * dp_rank + 2].chunks(2 / micro_batches).map(<[_]>::to_vec).collect();
-            let step = StepInput { index, learning_rate: 1e-2, micro_batches: &mine, documents: None, targets: None, max_grad_norm };
+            let no_targets: Vec<Vec<Vec<bool>>> = mine.iter().map(|micro| micro.iter().map(|s| vec![false; s.len()]).collect()).collect();
+            let targets = (!has_targets).then_some(&no_targets[..]);
+            let step = StepInput { index, learning_rate: 1e-2, micro_batches: &mine, documents: None, targets, max_grad_norm };
             let local = match (zero, parts.as_mut()) {
                 (Zero::Replicated | Zero::ShardedOptimizer, _) => backward_step(&model, &step, &sharder, &groups, &device),
                 (Zero::ReplicatedCheckpointed | Zero::ShardedOptimizerCheckpointed, _) => {
@@ -644,6 +653,28 @@ fn qwen3_sp_dp_accumulating(zero: Zero, steps: usize, max_grad_norm: Option<f64>
     let device_bytes = per_rank.iter().map(|r| r.4).collect();
     let (losses, norms, params, _, _, reduce_scatters) = per_rank.into_iter().next().unwrap();
     Qwen3Run { losses, norms, params, host_bytes, device_bytes, reduce_scatters }
+}
+
+/// A step without a target on any rank (prompts alone: under `--loss-on assistant`, a long
+/// conversation's piece before its answers) has nothing to learn from, so it changes nothing:
+/// with every kind of optimizer (replicated, its state sharded on the host, ZeRO-3 on the host
+/// and on the device), steps on data 0 and 1 with such a step between them end bit for bit as
+/// the two steps alone, with the same losses. Broken once (the step taken with its zero
+/// gradients): AdamW's momentum and weight decay moved every parameter.
+#[test]
+fn a_step_without_targets_changes_nothing() {
+    with_deadline(Duration::from_secs(600), || {
+        for zero in [Zero::Replicated, Zero::ShardedOptimizer, Zero::Stage3, Zero::Stage3OnDevice] {
+            let two = qwen3_sp_dp_schedule(zero, &[(0, true), (1, true)], Some(1.0), 1);
+            let between = qwen3_sp_dp_schedule(zero, &[(0, true), (5, false), (1, true)], Some(1.0), 1);
+            assert!(two.losses.iter().all(|l| l.is_finite() && *l > 0.0), "{zero:?}: {:?}", two.losses);
+            assert_eq!((between.losses[0], between.losses[2]), (two.losses[0], two.losses[1]), "{zero:?}: the losses around the step without targets");
+            assert_eq!((between.losses[1], between.norms[1]), (0.0, 0.0), "{zero:?}: the step without targets reports no loss and no gradient");
+            for ((name, want), (_, got)) in two.params.iter().zip(&between.params) {
+                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{zero:?}, {name}: {:e} apart", max_abs_diff(got, want));
+            }
+        }
+    });
 }
 
 /// ZeRO's optimizer half (`apply_step_sharded`: each gradient reduce-scattered, AdamW's state

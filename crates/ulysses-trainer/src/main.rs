@@ -1097,8 +1097,9 @@ impl Progress for RunLog {
         let tokens_per_second = report.processed_tokens as f64 / seconds.max(1e-9);
         self.taken = step + 1;
         // A step whose sequences hold no target (prompts alone, under --loss-on assistant) has
-        // no loss: its row leaves it empty, and the curve and the summary skip it, rather than
-        // show a 0 that was never a loss.
+        // no loss and changes no parameter (`ulysses_training`'s apply_step): its row leaves
+        // the loss empty, and the curve and the summary skip it, rather than show a 0 that was
+        // never a loss.
         let loss = if report.valid_tokens > 0 {
             self.train.push((step, report.loss));
             format!("{:.9}", report.loss)
@@ -1111,7 +1112,7 @@ impl Progress for RunLog {
             "",
             &format!("{learning_rate:.6e},{},{},{tokens_per_second:.1},{:.6}", report.valid_tokens, report.processed_tokens, report.grad_norm),
         );
-        let shown = if loss.is_empty() { "no target in this step".to_string() } else { format!("loss {:.4}", report.loss) };
+        let shown = if loss.is_empty() { "no target in this step: nothing learned".to_string() } else { format!("loss {:.4}", report.loss) };
         self.bar.set_message(format!("{shown}  grad norm {:.3}  {tokens_per_second:.0} tok/s", report.grad_norm));
         self.bar.inc(1);
     }

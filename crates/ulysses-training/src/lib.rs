@@ -23,6 +23,9 @@
 //! 6. **step** the optimizer; every rank takes the same step, so parameters stay identical
 //!    ([`check_parameters_identical`] verifies it on request).
 //!
+//! A step with no valid label on any rank stops after 4: it has nothing to learn from, so the
+//! parameters and the optimizer's state stay as they were (`StepReport`'s `valid_tokens` is 0).
+//!
 //! [`apply_step_sharded`] does 5 and 6 as ZeRO does, with the optimizer's state sharded over
 //! the ranks and updated on the host ([`ShardedAdamW`]).
 
@@ -104,6 +107,17 @@ pub struct StepReport {
     /// The global L2 norm of the step's gradient (summed over ranks), before any clipping: rank
     /// 0's measure of it ([`agreed_gradient_norm`]), the same on every rank.
     pub grad_norm: f64,
+}
+
+impl StepReport {
+    /// The report of a step with no target on any rank (every token a prompt's: under
+    /// `--loss-on assistant`, a long conversation's piece before its answers). Such a step
+    /// has nothing to learn from, its gradients are zero, and AdamW would still move every
+    /// parameter by its momentum and weight decay: the `apply_step` functions leave the model
+    /// and the optimizer's state as they were and report no loss and no gradient.
+    fn without_targets<B: TrainBackend>(local: &LocalStep<B>) -> Self {
+        Self { loss: 0.0, valid_tokens: 0, processed_tokens: local.processed_tokens, grad_norm: 0.0 }
+    }
 }
 
 /// One optimizer step's data on this rank.
@@ -349,6 +363,9 @@ where
     O: Optimizer<M, B>,
 {
     let losses = step_losses_if_healthy(&model, &local, None, step, groups)?;
+    if local.valid_tokens == 0 {
+        return Ok((model, StepReport::without_targets(&local)));
+    }
     let grads = all_reduce_gradients(&model, local.grads, &*groups.world)?;
     // Every rank holds the same sums now, but not always the same norm of them (a GPU's sum
     // is not bit-reproducible): every rank clips with, and reports, rank 0's.
@@ -380,6 +397,9 @@ where
     M: CausalLm<B>,
 {
     let losses = step_losses_if_healthy(&model, &local, None, step, groups)?;
+    if local.valid_tokens == 0 {
+        return Ok((model, StepReport::without_targets(&local)));
+    }
     let (model, grad_norm) = optimizer.step(step.learning_rate, model, local.grads, step.max_grad_norm, &*groups.world)?;
     let loss = losses.iter().sum();
     Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
@@ -439,6 +459,10 @@ where
         )));
     }
     let losses = step_losses_if_healthy(&model, &local, bad_part, step, groups)?;
+    if local.valid_tokens == 0 {
+        // The parts stay as they are: `update_parts` alone releases or replaces them.
+        return Ok((model, StepReport::without_targets(&local)));
+    }
     let grad_norm = optimizer.update_parts(step.learning_rate, grads, step.max_grad_norm, &*groups.world, parameters)?;
     let loss = losses.iter().sum();
     Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
