@@ -13,8 +13,25 @@
 # `scripts/ptx-cache.sh --plan`). .gpu-carry/bundle.commit holds the commit, the plan and the
 # runs the fill skipped. Then nothing is built, and a GPU session starts at once instead of
 # 40-60 minutes later. FORCE_BUNDLE=1 builds anyway.
+#
+# `gpu-bundle.sh --check`: `cargo check` of what the bundle builds, with the trainer's
+# compile-only feature too (ptx-cache.sh builds it), in the debug profile: no release build,
+# nothing written to the bundle. CI runs it, so that code behind the CUDA features (which the
+# workspace's tests never compile) cannot break a GPU session's build unseen (about 3 minutes
+# the first time on the 2-core machine, 1 after a change).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# One cargo invocation for all of them: features unify across its packages, so the burn and
+# CubeCL stacks compile once. (Four invocations resolved the kernel tests and bench without
+# fusion and tracing, and built both stacks twice: 36m57s on 2026-11-30.) Every one of them
+# autotunes burn's kernels (tests/cuda_builds.rs reads this selection).
+selection="-p ulysses-kernels -p ulysses-suite -p ulysses-nccl -p ulysses-dist -p ulysses-trainer --features ulysses-kernels/cuda,ulysses-suite/cuda,ulysses-nccl/autotune,ulysses-trainer/cuda"
+targets="--test flash_attention --bench flash_attention --bench training_memory --bench decorator_overhead --bin ulysses-nccl-check --bin ulysses-launch --bin ulysses-trainer"
+if [ "${1:-}" = --check ]; then
+    # shellcheck disable=SC2086 # cargo's arguments
+    exec cargo check $selection,ulysses-trainer/compile-only $targets
+fi
 bundle=.gpu-bundle
 mark=.gpu-carry/bundle.commit
 # The commit of a clean tree, or nothing where files differ from it (ignored ones aside).
@@ -37,15 +54,8 @@ fi
 rm -f "$mark"
 rm -rf "$bundle" && mkdir -p "$bundle"/{kernels,memory,nccl,train}
 
-# One cargo invocation for all of them: features unify across its packages, so the burn and
-# CubeCL stacks compile once. (Four invocations resolved the kernel tests and bench without
-# fusion and tracing, and built both stacks twice: 36m57s on 2026-11-30.) Every one of them
-# autotunes burn's kernels (tests/cuda_builds.rs reads this selection).
-selection="-p ulysses-kernels -p ulysses-suite -p ulysses-nccl -p ulysses-dist -p ulysses-trainer --features ulysses-kernels/cuda,ulysses-suite/cuda,ulysses-nccl/autotune,ulysses-trainer/cuda"
-# shellcheck disable=SC2086 # the selection's words are cargo's arguments
-artifacts=$(cargo build --release $selection \
-    --test flash_attention --bench flash_attention --bench training_memory --bench decorator_overhead \
-    --bin ulysses-nccl-check --bin ulysses-launch --bin ulysses-trainer --message-format=json-render-diagnostics)
+# shellcheck disable=SC2086 # the selection's and targets' words are cargo's arguments
+artifacts=$(cargo build --release $selection $targets --message-format=json-render-diagnostics)
 # `executable KIND NAME`: the path of the executable of that kind (test, bench, bin) and name.
 executable() { python3 scripts/cargo-executable.py "$1" "$2" <<<"$artifacts"; }
 cp "$(executable test flash_attention)" "$bundle/kernels/flash-attention-tests"

@@ -12,7 +12,7 @@ use std::{path::Path, process::Command};
 /// as cargo's arguments. Fails unless there is exactly one build and it uses that selection.
 fn the_cargo_build(script: &str) -> Vec<String> {
     let code: Vec<&str> = script.lines().filter(|line| !line.trim_start().starts_with('#')).collect();
-    let builds: Vec<&&str> = code.iter().filter(|line| line.contains("cargo ") || line.contains("test-executable.sh")).collect();
+    let builds: Vec<&&str> = code.iter().filter(|line| line.contains("cargo build") || line.contains("test-executable.sh")).collect();
     assert!(
         builds.len() == 1 && builds[0].contains("cargo build --release $selection"),
         "gpu-bundle.sh must build everything in one `cargo build --release $selection` (features unify across one invocation alone): {builds:?}"

@@ -222,7 +222,7 @@ impl TrainConfig {
         self.layout.check_heads(model.n_heads, model.n_kv_heads).map_err(|e| format!("{e} (--sp, --heads, --kv-heads)"))?;
         let heads = HeadPlan::new(model.n_heads, model.n_kv_heads, self.layout.ulysses_size()).map_err(|e| e.to_string())?;
         if !heads.even {
-            tracing::info!(
+            let note = format!(
                 "{} heads over a Ulysses degree of {}: ranks attend over {} or {} heads (an uneven all-to-all); the busiest sets the pace, as with {} heads per rank",
                 model.n_heads,
                 self.layout.ulysses_size(),
@@ -230,15 +230,21 @@ impl TrainConfig {
                 heads.local_q_heads() - 1,
                 heads.local_q_heads()
             );
+            if first_time(&note) {
+                tracing::info!("{note}");
+            }
         }
         if self.seq_len % self.layout.sp_size != 0 {
-            tracing::warn!(
+            let note = format!(
                 "seq_len {} is not a multiple of sp {}: every batch is padded by {} token(s); a multiple of {} wastes nothing",
                 self.seq_len,
                 self.layout.sp_size,
                 self.layout.sp_size - self.seq_len % self.layout.sp_size,
                 self.layout.sp_size
             );
+            if first_time(&note) {
+                tracing::warn!("{note}");
+            }
         }
         // The ring's attention takes no mask: neither packed documents nor a sliding window.
         let masked = match (self.pack, model.sliding_window) {
@@ -871,9 +877,24 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
     }
     let schedule = |c: &TrainConfig| (c.steps, c.warmup_steps, c.learning_rate.to_bits());
     if schedule(config) != schedule(&saved.config) {
-        tracing::warn!("the learning-rate schedule (--steps, warm-up, --learning-rate) differs from the checkpoint's run: later losses will differ from an uninterrupted run");
+        let note = "the learning-rate schedule (--steps, warm-up, --learning-rate) differs from the checkpoint's run: later losses will differ from an uninterrupted run";
+        if first_time(note) {
+            tracing::warn!("{note}");
+        }
     }
     Ok(())
+}
+
+/// Whether this process has not logged `note` yet: [`TrainConfig::validate`] runs before the
+/// model is built and again on each rank's thread, and says its notes once.
+fn first_time(note: &str) -> bool {
+    static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
+    let new = !said.iter().any(|s| s == note);
+    if new {
+        said.push(note.to_string());
+    }
+    new
 }
 
 /// The test hooks of [`Faults`], applied between a step's backward and its all-reduce.
@@ -1033,7 +1054,7 @@ pub fn load_model<B: AutodiffBackend>(config: &DecoderConfig, path: &Path, devic
 
 #[cfg(test)]
 mod tests {
-    use super::host_threads_per_rank;
+    use super::{ParallelLayout, TrainConfig, first_time, host_threads_per_rank};
 
     /// A model record written a layer at a time asks for each block in order as the writer
     /// reaches it and stops asking where the write fails, so that `TrainedModel::save` knows
@@ -1073,6 +1094,19 @@ mod tests {
         let (failed, asked) = write(std::mem::size_of::<f32>() * 32 * 32 * 6);
         assert!(failed.is_err(), "a write into a full disk: {failed:?}");
         assert!(!asked.is_empty() && asked.len() < 4 && asked.iter().copied().eq(0..asked.len()), "blocks asked for by a write that failed part way: {asked:?}");
+    }
+
+    /// `validate` runs in `main` and again on each rank's thread; its notes are logged the
+    /// first time alone (each rank's thread repeated them before).
+    #[test]
+    fn validate_logs_a_note_once_a_process() {
+        let mut config = TrainConfig::small(ParallelLayout::new().with_sp_size(2));
+        config.seq_len = 63;
+        let note = "seq_len 63 is not a multiple of sp 2: every batch is padded by 1 token(s); a multiple of 2 wastes nothing";
+        for _ in 0..3 {
+            config.validate().unwrap();
+            assert!(!first_time(note), "validate has not logged the padding note, or would log it again");
+        }
     }
 
     /// Shapes that cannot train are named before any work, with choices that can.
