@@ -292,7 +292,9 @@ struct Args {
     #[arg(long)]
     check: bool,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
-    /// it had never stopped. Every rank reads it.
+    /// it had never stopped. Every rank reads it. The run's settings (--steps, --learning-rate,
+    /// --max-grad-norm, --precision, --seed, --batch-size, --seq-len, --grad-accumulation and
+    /// the model's shape) are the checkpoint's, unless given here
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Stop after this many steps in total (writing a checkpoint), to continue later with
@@ -309,6 +311,9 @@ struct Args {
     /// its peers wait for it inside attention.
     #[arg(long, hide = true)]
     fault_kill_before_eval: Option<usize>,
+    /// The flags given on the command line (clap's ids), to tell them from defaults.
+    #[arg(skip)]
+    given: std::collections::BTreeSet<String>,
 }
 
 fn step_and_rank(value: &str) -> Result<(usize, usize), String> {
@@ -317,7 +322,9 @@ fn step_and_rank(value: &str) -> Result<(usize, usize), String> {
 }
 
 fn main() {
-    let args = Args::parse();
+    let matches = <Args as clap::CommandFactory>::command().get_matches();
+    let mut args = <Args as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    args.given = matches.ids().filter(|id| matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine)).map(|id| id.to_string()).collect();
     // `--progress`: the checkpointed step's reports of each layer it reaches.
     let progress = format!("{}=debug", ulysses_training::PROGRESS_TARGET);
     let also: &[&str] = if args.progress { &[&progress] } else { &[] };
@@ -352,7 +359,83 @@ struct Job<'a> {
     _run_folder: Option<RunFolder>,
 }
 
-fn run(args: Args) -> Result<(), String> {
+/// Under `--resume`, the checkpoint's run's settings for every flag of them the command line
+/// does not give, so that a plain `--resume DIR` continues that run. Before, the flags'
+/// defaults applied: a learning-rate schedule 150 times the run's (warned about alone), or a
+/// refusal naming `--seq-len`. A setting given and different is kept: `check_resumable`
+/// refuses what would train something else and warns of another schedule. Returns the
+/// settings taken, as flags.
+fn take_resumed_settings(args: &mut Args, saved: &RunState) -> Vec<String> {
+    let given = args.given.clone();
+    let mut taken = Vec::new();
+    let mut take = |id: &str, differs: bool, flag: String| {
+        if !given.contains(id) && differs {
+            taken.push(flag);
+            true
+        } else {
+            false
+        }
+    };
+    let config = &saved.config;
+    if take("steps", args.steps != config.steps, format!("--steps {}", config.steps)) {
+        args.steps = config.steps;
+    }
+    if take("learning_rate", args.learning_rate.to_bits() != config.learning_rate.to_bits(), format!("--learning-rate {}", config.learning_rate)) {
+        args.learning_rate = config.learning_rate;
+    }
+    let norm = config.max_grad_norm.unwrap_or(0.0);
+    if take("max_grad_norm", args.max_grad_norm.to_bits() != norm.to_bits(), format!("--max-grad-norm {norm}")) {
+        args.max_grad_norm = norm;
+    }
+    if take("precision", precision_of(args) != config.precision, format!("--precision {:?}", config.precision).to_lowercase()) {
+        args.precision = Some(config.precision);
+    }
+    if take("seed", args.seed != saved.seed, format!("--seed {}", saved.seed)) {
+        args.seed = saved.seed;
+    }
+    if take("batch_size", args.batch_size != config.batch_size, format!("--batch-size {}", config.batch_size)) {
+        args.batch_size = config.batch_size;
+    }
+    if take("seq_len", args.seq_len != config.seq_len, format!("--seq-len {}", config.seq_len)) {
+        args.seq_len = config.seq_len;
+    }
+    if take("grad_accumulation", args.grad_accumulation != config.grad_accumulation, format!("--grad-accumulation {}", config.grad_accumulation)) {
+        args.grad_accumulation = config.grad_accumulation;
+    }
+    // The byte model's shape (a --model's or --hf-config's is the checkpoint's own).
+    if args.model.is_none() && args.hf_config.is_none() {
+        let model = &config.model;
+        for (id, value, saved) in [
+            ("d_model", &mut args.d_model, model.d_model),
+            ("layers", &mut args.layers, model.n_layers),
+            ("heads", &mut args.heads, model.n_heads),
+            ("kv_heads", &mut args.kv_heads, model.n_kv_heads),
+            ("ffn_hidden", &mut args.ffn_hidden, model.ffn_hidden),
+        ] {
+            if take(id, *value != saved, format!("--{} {saved}", id.replace('_', "-"))) {
+                *value = saved;
+            }
+        }
+    }
+    taken
+}
+
+/// `--precision`, or the backend's default: f32 on the CPU, bf16 on CUDA.
+fn precision_of(args: &Args) -> Precision {
+    args.precision.unwrap_or(match args.backend {
+        BackendKind::Cpu => Precision::F32,
+        BackendKind::Cuda | BackendKind::CudaFused | BackendKind::CudaCompileOnly => Precision::Bf16,
+    })
+}
+
+fn run(mut args: Args) -> Result<(), String> {
+    if let Some(location) = &args.resume {
+        let saved: RunState = read_checkpoint_state(location).map_err(|e| e.to_string())?;
+        let taken = take_resumed_settings(&mut args, &saved);
+        if !taken.is_empty() {
+            tracing::info!("resuming with the checkpoint's {}", taken.join(", "));
+        }
+    }
     // --launch threads reads no launcher variable: a broken or foreign one must not stop it.
     let launch = match args.launch {
         LaunchMode::Threads => Launch::Threads,
@@ -461,10 +544,7 @@ fn run(args: Args) -> Result<(), String> {
         .with_layer_checkpointing(args.checkpoint_layers.then(|| {
             LayerCheckpointing::new().with_offload_to_host(args.offload_to_host).with_tile_tokens(args.tile_tokens)
         }))
-        .with_precision(args.precision.unwrap_or(match args.backend {
-            BackendKind::Cpu => Precision::F32,
-            BackendKind::Cuda | BackendKind::CudaFused | BackendKind::CudaCompileOnly => Precision::Bf16,
-        }))
+        .with_precision(precision_of(&args))
         .with_f32_head(args.f32_head)
         .with_offload_optimizer(args.offload_optimizer)
         .with_zero_stage(args.zero)

@@ -875,9 +875,11 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
     if saved.completed_steps > config.steps {
         return Err(format!("the checkpoint has already taken {} steps, more than --steps {}", saved.completed_steps, config.steps));
     }
-    let schedule = |c: &TrainConfig| (c.steps, c.warmup_steps, c.learning_rate.to_bits());
+    // Given on purpose (the trainer takes the checkpoint's where they are not given).
+    let schedule = |c: &TrainConfig| (c.steps, c.warmup_steps, c.learning_rate.to_bits(), c.max_grad_norm.map(f64::to_bits), c.precision);
     if schedule(config) != schedule(&saved.config) {
-        let note = "the learning-rate schedule (--steps, warm-up, --learning-rate) differs from the checkpoint's run: later losses will differ from an uninterrupted run";
+        let note = "the learning-rate schedule (--steps, warm-up, --learning-rate), the clipping (--max-grad-norm) or the precision differs from \
+                    the checkpoint's run: later losses will differ from an uninterrupted run";
         if first_time(note) {
             tracing::warn!("{note}");
         }

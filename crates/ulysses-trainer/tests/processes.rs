@@ -310,6 +310,9 @@ fn a_nan_in_one_ranks_gradient_stops_the_run_naming_the_step() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A run stopped after 3 of 6 steps resumes with the uninterrupted run's losses and
+/// parameters: in place with the same flags, and elsewhere on one process with no flag but the
+/// data's, its settings taken from the checkpoint.
 #[test]
 fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let dir = workspace("resume");
@@ -325,9 +328,12 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let mut args = common_args(&dir, "part", 6);
     args.extend(resume("part"));
     succeed(run_launched(2, &args, &["--sp", "2"]));
-    let mut args = common_args(&dir, "elsewhere", 6);
+    // Nothing but the data and the checkpoint: the run's settings (steps, learning rate, seed,
+    // batch, length, the model's shape) are the checkpoint's, not the flags' defaults.
+    let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string()];
     args.extend(resume("elsewhere"));
-    succeed(run_alone(&args, &["--sp", "1"]));
+    let resumed = succeed(run_alone(&args, &["--sp", "1"]));
+    assert!(show(&resumed).contains("resuming with the checkpoint's --steps 6, --learning-rate 0.01, --seed 7"), "{}", show(&resumed));
 
     let (full, part) = (losses(&dir.join("full")), losses(&dir.join("part")));
     println!("uninterrupted {full:?}\nresumed       {part:?}");
