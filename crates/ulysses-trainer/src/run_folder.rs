@@ -7,7 +7,9 @@
 //!   run on the same folder stops at once, naming the holder's pid. With several processes,
 //!   world rank 0 holds it.
 //! - A fresh run (no `--resume`, or a `--resume` of another folder's checkpoint) refuses a
-//!   folder that holds a training checkpoint, leaving it as it was, unless told `--overwrite`.
+//!   folder that holds an earlier run's files ([`earlier_run_files`]: a training checkpoint,
+//!   its record or its model, as a `--no-save` run or one killed before its first checkpoint
+//!   leaves too), leaving it as it was, unless told `--overwrite`.
 //! - The temporary file of a write a killed run left (`.NAME.tmp-PID`) is removed once the
 //!   lock is held.
 //! - The files that describe the run (`config.json`, `metrics.csv`) are written only once its
@@ -25,8 +27,22 @@ use ulysses_training::checkpoint::write_atomically;
 /// The lock file inside a run folder.
 pub const LOCK_FILE: &str = ".lock";
 
-/// The training checkpoint whose presence marks a folder as an earlier run's.
+/// The training checkpoint.
 pub const CHECKPOINT_FILE: &str = "checkpoint.ulysses";
+
+/// The files and folders of a run folder that an earlier run wrote, by name: its checkpoint,
+/// its record (`config.json`, `metrics.csv`), its model (`model.mpk`) and its optimizer's
+/// parts (`optimizer-step-…`). Any of them marks the folder as an earlier run's.
+pub fn earlier_run_files(path: &Path) -> Vec<String> {
+    let Ok(entries) = fs::read_dir(path) else { return Vec::new() };
+    let mut names: Vec<String> = entries
+        .flatten()
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .filter(|name| [CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, "model.mpk"].contains(&name.as_str()) || name.starts_with("optimizer-step-"))
+        .collect();
+    names.sort();
+    names
+}
 
 /// What the run does with the folder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,12 +102,13 @@ impl RunFolder {
             Err(TryLockError::WouldBlock) => return Err(in_use(path, &mut lock)),
             Err(TryLockError::Error(e)) => return Err(format!("cannot lock {}: {e}", lock_path.display())),
         }
-        if claim == Claim::Fresh && path.join(CHECKPOINT_FILE).exists() {
+        let earlier = earlier_run_files(path);
+        if claim == Claim::Fresh && !earlier.is_empty() {
             // Leave the folder as it was.
             if !existed {
                 let _ = fs::remove_file(&lock_path);
             }
-            return Err(earlier_run(path));
+            return Err(earlier_run(path, &earlier));
         }
         let record_pid = |lock: &mut File| -> std::io::Result<()> {
             lock.set_len(0)?;
@@ -110,7 +127,7 @@ impl RunFolder {
 
     /// What [`claim`](Self::claim) would refuse, found without creating or writing anything
     /// (`--check`): a path that cannot be a folder, a folder another run holds, an earlier
-    /// run's checkpoint where `claim` is fresh.
+    /// run's files where `claim` is fresh.
     pub fn check(path: &Path, claim: Claim) -> Result<(), String> {
         let existing = path.ancestors().find(|a| a.exists()).unwrap_or(Path::new("."));
         if !existing.as_os_str().is_empty() && !existing.is_dir() {
@@ -121,8 +138,9 @@ impl RunFolder {
                 return Err(in_use(path, &mut lock));
             }
         }
-        if claim == Claim::Fresh && path.join(CHECKPOINT_FILE).exists() {
-            return Err(earlier_run(path));
+        let earlier = earlier_run_files(path);
+        if claim == Claim::Fresh && !earlier.is_empty() {
+            return Err(earlier_run(path, &earlier));
         }
         Ok(())
     }
@@ -153,13 +171,17 @@ fn in_use(path: &Path, lock: &mut File) -> String {
     format!("the run folder {} is in use by another run ({holder}); wait for it to end, or pass another --out", path.display())
 }
 
-/// The refusal of a fresh run in a folder with an earlier run's checkpoint.
-fn earlier_run(path: &Path) -> String {
+/// The refusal of a fresh run in a folder with an earlier run's `files`.
+fn earlier_run(path: &Path, files: &[String]) -> String {
+    let continues = if files.iter().any(|f| f == CHECKPOINT_FILE) {
+        format!("--resume {} continues it, ", path.display())
+    } else {
+        String::new()
+    };
     format!(
-        "the run folder {} holds the checkpoint of an earlier run; --resume {} continues it, another --out starts a \
-         new one beside it, --overwrite starts over in it",
+        "the run folder {} holds an earlier run's {}; {continues}another --out starts a new one beside it, --overwrite starts over in it",
         path.display(),
-        path.display()
+        files.join(", ")
     )
 }
 
@@ -231,7 +253,7 @@ mod tests {
         // Resumed into another folder: a fresh run there, which refuses that folder's checkpoint.
         assert_eq!(Claim::of(&other, Some(&file), false), Claim::Fresh);
         let error = RunFolder::claim(&other, Claim::of(&other, Some(&file), false)).unwrap_err();
-        assert!(error.contains("holds the checkpoint of an earlier run"), "{error}");
+        assert!(error.contains("holds an earlier run's checkpoint.ulysses"), "{error}");
         assert_eq!(fs::read(other.join(CHECKPOINT_FILE)).unwrap(), b"another experiment");
         assert_eq!(Claim::of(&folder("resumed-new"), Some(&file), false), Claim::Fresh);
         assert_eq!(Claim::of(&other, None, true), Claim::Continue);
@@ -261,7 +283,7 @@ mod tests {
         fs::write(path.join(CHECKPOINT_FILE), b"weights").unwrap();
         fs::write(path.join("metrics.csv"), b"step,loss\n0,5.5\n").unwrap();
         let error = RunFolder::claim(&path, Claim::Fresh).unwrap_err();
-        assert!(error.contains("--resume") && error.contains("--overwrite") && error.contains("another --out"), "{error}");
+        assert!(error.contains("checkpoint.ulysses, metrics.csv;") && error.contains("--resume") && error.contains("--overwrite") && error.contains("another --out"), "{error}");
         assert_eq!(RunFolder::check(&path, Claim::Fresh).unwrap_err(), error, "--check says what the claim would");
         RunFolder::check(&path, Claim::Continue).expect("resume or --overwrite may use it");
         let under_a_file = path.join("metrics.csv").join("run");
@@ -272,6 +294,34 @@ mod tests {
         assert_eq!(fs::read(path.join("metrics.csv")).unwrap(), b"step,loss\n0,5.5\n");
         RunFolder::claim(&path, Claim::Continue).expect("resume or --overwrite may use it");
         let _ = fs::remove_dir_all(&path);
+    }
+
+    /// An earlier run without a checkpoint (`--no-save`, or killed before its first one) left
+    /// its record or model: a fresh run refuses the folder too, and changes nothing in it.
+    /// (Before, only the checkpoint marked an earlier run, and its metrics, config and loss
+    /// curve were replaced without a word.)
+    #[test]
+    fn an_earlier_runs_record_without_a_checkpoint_is_refused_too() {
+        for earlier in [METRICS_FILE, CONFIG_FILE, "model.mpk", "optimizer-step-000000003-of-00002"] {
+            let path = folder("record-only");
+            fs::create_dir_all(&path).unwrap();
+            if earlier.starts_with("optimizer-step-") {
+                fs::create_dir_all(path.join(earlier)).unwrap();
+            } else {
+                fs::write(path.join(earlier), b"earlier").unwrap();
+            }
+            fs::write(path.join("loss.png"), b"curve").unwrap();
+            let error = RunFolder::claim(&path, Claim::Fresh).unwrap_err();
+            assert!(error.contains(&format!("holds an earlier run's {earlier};")) && !error.contains("--resume") && error.contains("--overwrite"), "{error}");
+            assert_eq!(RunFolder::check(&path, Claim::Fresh).unwrap_err(), error, "--check says what the claim would");
+            let mut names: Vec<_> = fs::read_dir(&path).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+            names.sort();
+            let mut want = [earlier, "loss.png"];
+            want.sort();
+            assert_eq!(names, want, "the folder changed");
+            RunFolder::claim(&path, Claim::Continue).expect("--overwrite may use it");
+            let _ = fs::remove_dir_all(&path);
+        }
     }
 
     /// What a save killed halfway left (its temporary file) goes when the folder is next

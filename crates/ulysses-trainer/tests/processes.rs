@@ -548,10 +548,10 @@ fn one_writer_per_run_folder_and_an_earlier_run_is_never_overwritten() {
     let before = snapshot(&out);
     let refused = run_alone(&args, &["--sp", "2"]);
     let text = show(&refused);
-    assert!(!refused.status.success() && text.contains("holds the checkpoint of an earlier run"), "{text}");
+    assert!(!refused.status.success() && text.contains("holds an earlier run's checkpoint.ulysses"), "{text}");
     // --check says so before a job is queued.
     let checked = run_alone(&args, &["--sp", "2", "--check"]);
-    assert!(!checked.status.success() && show(&checked).contains("holds the checkpoint of an earlier run"), "{}", show(&checked));
+    assert!(!checked.status.success() && show(&checked).contains("holds an earlier run's checkpoint.ulysses"), "{}", show(&checked));
     assert!(snapshot(&out) == before, "a refused run changed {}", out.display());
     let _ = fs::remove_dir_all(&dir);
 }
@@ -584,7 +584,7 @@ fn a_resume_on_other_data_or_another_model_is_refused_naming_what_changed() {
     into_another.extend(["--resume".to_string(), dir.join("run").join("checkpoint.ulysses").display().to_string()]);
     let refused = run_alone(&into_another, &["--sp", "2"]);
     let text = show(&refused);
-    assert!(!refused.status.success() && text.contains("holds the checkpoint of an earlier run"), "{text}");
+    assert!(!refused.status.success() && text.contains("holds an earlier run's checkpoint.ulysses"), "{text}");
     assert!(snapshot(&dir.join("another")) == another, "a resume overwrote another run's folder");
     // Into a new folder, or with --overwrite, it continues there with the resumed run's rows.
     let run_rows = losses(&dir.join("run"));
