@@ -39,6 +39,8 @@ pub struct ChatTemplate {
     /// `bos_token`, `eos_token`, ... as `tokenizer_config.json` has them.
     special_tokens: BTreeMap<String, String>,
     file: String,
+    /// What decides how a conversation renders: the source and the special tokens.
+    rendering_text: String,
 }
 
 /// A conversation rendered: the text, and the character ranges of the assistant's answers.
@@ -94,12 +96,24 @@ impl ChatTemplate {
     /// A template from its source; `special_tokens` are the variables `bos_token`, ...
     pub fn new(source: &str, special_tokens: BTreeMap<String, String>, file: &str) -> Result<Self, ChatError> {
         let (quoted_words, checks_itself) = (quoted_words(source), source.contains("raise_exception"));
+        let rendering_text = std::iter::once(source.to_string()).chain(special_tokens.iter().map(|(name, text)| format!("{name}={text}"))).collect::<Vec<_>>().join("\n");
         let (source, generation_blocks) = marked(source);
         let mut env = environment();
         // Parsed once, here: a template that cannot parse is refused before any data.
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| ChatError { file: file.to_string(), problem: format!("its chat template does not parse: {e:#}") })?;
-        Ok(Self { env, generation_blocks, quoted_words, checks_itself, special_tokens, file: file.to_string() })
+        Ok(Self { env, generation_blocks, quoted_words, checks_itself, special_tokens, file: file.to_string(), rendering_text })
+    }
+
+    /// The file the template was read from.
+    pub fn file(&self) -> &str {
+        &self.file
+    }
+
+    /// What decides how a conversation renders (the template's source and the special tokens
+    /// it is given), to tell this template from another: a resume records its digest.
+    pub fn rendering_text(&self) -> &str {
+        &self.rendering_text
     }
 
     /// Whether the template marks the assistant's answers (`{% generation %}`), which

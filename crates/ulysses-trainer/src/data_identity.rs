@@ -24,6 +24,11 @@ pub struct DataIdentity {
     /// written before it was recorded, and for data read as it is.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reading: String,
+    /// The chat template `{"messages"}` lines would be rendered with (its file and a digest
+    /// of what decides the rendering): another template is other tokens and targets. Empty in
+    /// checkpoints written before it was recorded, and without a template.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub chat_template: String,
 }
 
 impl DataIdentity {
@@ -39,7 +44,7 @@ impl DataIdentity {
             digest.write(&ends);
             bytes += size;
         }
-        Ok(Self { path: path.display().to_string(), bytes, digest: format!("{:016x}", digest.0), reading: String::new() })
+        Ok(Self { path: path.display().to_string(), bytes, digest: format!("{:016x}", digest.0), reading: String::new(), chat_template: String::new() })
     }
 
     /// This identity with how the data is read (`reading`: the settings that turn its bytes
@@ -48,8 +53,26 @@ impl DataIdentity {
         Self { reading, ..self }
     }
 
+    /// This identity with the chat template of `file` whose rendering `text` decides
+    /// (`ulysses_models::ChatTemplate::rendering_text`), recorded by the file's name (not its
+    /// folder: a checkpoint moved is the same) and a digest.
+    pub fn rendered_with(self, file: &str, text: &str) -> Self {
+        let mut digest = Fnv::new();
+        digest.write(text.as_bytes());
+        let name = Path::new(file).file_name().map_or_else(|| file.to_string(), |name| name.to_string_lossy().into_owned());
+        Self { chat_template: format!("{name} (digest {:016x})", digest.0), ..self }
+    }
+
     /// Why `self` (now) is not the data `saved` recorded, or `None` when it is.
     pub fn differs_from(&self, saved: &DataIdentity) -> Option<String> {
+        if !saved.chat_template.is_empty() && self.chat_template != saved.chat_template {
+            let now = if self.chat_template.is_empty() { "none".to_string() } else { self.chat_template.clone() };
+            return Some(format!(
+                "the checkpoint's run rendered chat data with the template of {}, this one would render it with {now}; resuming \
+                 would continue on other tokens. Resume with that template, or pass --allow-new-data to continue with this one",
+                saved.chat_template
+            ));
+        }
         if !saved.reading.is_empty() && self.reading != saved.reading {
             return Some(format!(
                 "the checkpoint's run read its data with {}, this one would read it with {}; resuming would continue on other \
@@ -121,6 +144,16 @@ mod tests {
         let message = read("--loss-on all").differs_from(&read("--loss-on assistant")).expect("another --loss-on");
         assert!(message.contains("--loss-on assistant") && message.contains("--allow-new-data"), "{message}");
         assert_eq!(read("--loss-on all").differs_from(&DataIdentity::of(&b).unwrap()), None);
+        // So is another chat template (an edited system prompt); a checkpoint that recorded
+        // none (written before it was) is compared without one.
+        let rendered = |text: &str| DataIdentity::of(&b).unwrap().rendered_with("/models/qwen3/chat_template.jinja", text);
+        let moved = DataIdentity::of(&b).unwrap().rendered_with("/elsewhere/qwen3/chat_template.jinja", "{{ messages }}");
+        assert_eq!(moved.differs_from(&rendered("{{ messages }}")), None, "the same template in a folder moved");
+        assert_eq!(rendered("{{ messages }}").differs_from(&rendered("{{ messages }}")), None);
+        let message = rendered("You are terse. {{ messages }}").differs_from(&rendered("{{ messages }}")).expect("another template");
+        assert!(message.contains("chat_template.jinja (digest") && message.contains("--allow-new-data"), "{message}");
+        assert!(DataIdentity::of(&b).unwrap().differs_from(&rendered("{{ messages }}")).is_some(), "the template gone");
+        assert_eq!(rendered("{{ messages }}").differs_from(&DataIdentity::of(&b).unwrap()), None);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -592,6 +592,9 @@ fn run(mut args: Args) -> Result<(), String> {
         let eos = data_eos(&args, checkpoint)?;
         let (loss_on, too_long) = (format!("{:?}", args.loss_on).to_lowercase(), format!("{:?}", args.too_long).to_lowercase());
         data_identity = data_identity.read_with(format!("{tokenizer}, EOS {eos}, --loss-on {loss_on}, --too-long {too_long}"));
+        if let Some(template) = data_chat_template(&args)? {
+            data_identity = data_identity.rendered_with(template.file(), template.rendering_text());
+        }
     }
     let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
@@ -722,6 +725,18 @@ fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: 
     )
 }
 
+/// The chat template of --data's {"messages"} lines: the checkpoint's, else the one beside
+/// --tokenizer.
+fn data_chat_template(args: &Args) -> Result<Option<ChatTemplate>, String> {
+    let folders = args.model.iter().cloned().chain(args.tokenizer.iter().filter_map(|file| file.parent().map(Path::to_path_buf)));
+    for folder in folders {
+        if let Some(template) = ChatTemplate::from_checkpoint(&folder).map_err(|e| format!("--data's chat template: {e}"))? {
+            return Ok(Some(template));
+        }
+    }
+    Ok(None)
+}
+
 /// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary.
 fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<PackedDocuments, String> {
     let eos = data_eos(args, checkpoint)?;
@@ -730,15 +745,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         return Err(format!("{from} {eos} is outside the model's vocabulary 0..{}: give the id of its end-of-text token", config.model.vocab_size));
     }
     let tokenizer = data_tokenizer_file(args).map(|file| TextTokenizer::from_file(&file)).transpose().map_err(|e| format!("--tokenizer: {e}"))?;
-    // The chat template of {"messages"} lines: the checkpoint's, else the one beside --tokenizer.
-    let folders = args.model.iter().cloned().chain(args.tokenizer.iter().filter_map(|file| file.parent().map(Path::to_path_buf)));
-    let mut chat = None;
-    for folder in folders {
-        if let Some(template) = ChatTemplate::from_checkpoint(&folder).map_err(|e| format!("--data's chat template: {e}"))? {
-            chat = Some(template);
-            break;
-        }
-    }
+    let chat = data_chat_template(args)?;
     let reader = DocumentReader {
         tokenizer: tokenizer.as_ref(),
         eos,

@@ -971,6 +971,23 @@ fn chat_messages_train_on_the_answers_alike_at_sp_1_and_2() {
     let refused = run_alone(&resumed, &[]);
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("--loss-on assistant") && text.contains("--allow-new-data"), "{text}");
+    // So is the same data rendered with another template (the tokenizer the same bytes): the
+    // template beside --tokenizer edited.
+    let edited = dir.join("edited");
+    fs::create_dir_all(&edited).unwrap();
+    for entry in fs::read_dir(&chat_folder).unwrap() {
+        let entry = entry.unwrap();
+        fs::copy(entry.path(), edited.join(entry.file_name())).unwrap();
+    }
+    let source = fs::read_to_string(edited.join("chat_template.jinja")).unwrap();
+    fs::write(edited.join("chat_template.jinja"), format!("{{# the system prompt changed #}}{source}")).unwrap();
+    let mut resumed = args(&data, "sp1", "--sp 1");
+    set_flag(&mut resumed, "--steps", "3");
+    set_flag(&mut resumed, "--tokenizer", &edited.join("tokenizer.json").display().to_string());
+    resumed.extend(["--resume".to_string(), dir.join("sp1").display().to_string()]);
+    let refused = run_alone(&resumed, &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("rendered chat data with the template of chat_template.jinja") && text.contains("--allow-new-data"), "{text}");
     let _ = fs::remove_dir_all(&dir);
 }
 
