@@ -159,6 +159,12 @@ pub fn read_checkpoint_state<S: DeserializeOwned>(location: &Path) -> Result<S, 
     open_checkpoint::<S>(&path).map(|(_, header)| header.state)
 }
 
+/// The sharded optimizer state's folder that the checkpoint file at `path` names (its header
+/// alone read), or `None` where it is no checkpoint or names none.
+pub(crate) fn named_state_folder(path: &Path) -> Option<String> {
+    open_checkpoint::<serde::de::IgnoredAny>(path).ok().and_then(|(_, header)| header.optimizer_shards)
+}
+
 /// The checkpoint file at `path`, opened and read up to the end of its header (checked: magic,
 /// format, and lengths that fit the file, so a corrupt length is an error, not an allocation
 /// of whatever it says).

@@ -250,7 +250,8 @@ const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
 /// 3. rank 0 writes `dir/checkpoint.ulysses` (`state`, naming that folder), atomically: the
 ///    checkpoint switches to the new state here, all of it at once;
 /// 4. rank 0 removes the state folders no checkpoint names (the previous one, and any left by
-///    a crash between 1 and 3), and every rank learns whether 3 succeeded.
+///    a crash between 1 and 3; a copy of an earlier checkpoint file kept beside it, such as
+///    `step-3.ulysses`, keeps its folder), and every rank learns whether 3 succeeded.
 ///
 /// A crash anywhere leaves `checkpoint.ulysses` naming a complete set of parts: the previous
 /// checkpoint's or this one's. The parts' master weights are the model: no rank gathers it to
@@ -291,13 +292,20 @@ where
     Ok(None)
 }
 
-/// Removes every sharded-state folder in `dir` but `keep` (what a crash or the previous
-/// checkpoint left); a folder that cannot be removed is a warning.
+/// Removes every sharded-state folder in `dir` but `keep` and those a checkpoint file in `dir`
+/// names (what a crash or the previous checkpoint left, where no copy of a checkpoint file
+/// kept beside it names it); a folder that cannot be removed is a warning.
 fn remove_unnamed_state_folders(dir: &Path, keep: &str) {
     let Ok(entries) = fs::read_dir(dir) else { return };
-    for entry in entries.flatten() {
+    let entries: Vec<_> = entries.flatten().collect();
+    let named: Vec<String> = entries
+        .iter()
+        .filter(|entry| entry.file_name().to_string_lossy().ends_with(".ulysses") && entry.path().is_file())
+        .filter_map(|entry| crate::checkpoint::named_state_folder(&entry.path()))
+        .collect();
+    for entry in entries {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with(STATE_FOLDER_PREFIX) && name != keep {
+        if name.starts_with(STATE_FOLDER_PREFIX) && name != keep && !named.contains(&name) {
             if let Err(error) = fs::remove_dir_all(entry.path()) {
                 tracing::warn!(folder = %entry.path().display(), %error, "cannot remove an optimizer state folder no checkpoint names");
             }
@@ -477,6 +485,54 @@ mod tests {
         let replicated = crate::checkpoint::load_training_checkpoint::<Ad, _, _, u64>(&dir, layer(), AdamWConfig::new().init::<Ad, Linear<Ad>>(), &Default::default());
         let message = replicated.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(message.contains("sharded") && message.contains("--offload-optimizer"), "{message}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A copy of a checkpoint file kept beside it (`step-1.ulysses`, as one keeps history)
+    /// keeps the state folder it names through later commits, and loads; the folders no file
+    /// names go. (Before, each commit removed every folder but its own, and the copy failed
+    /// to load: "cannot list the folder".)
+    #[test]
+    fn a_kept_copy_of_a_checkpoint_keeps_its_state_and_loads() {
+        use burn::{
+            backend::{Autodiff, NdArray},
+            nn::{Initializer, Linear, LinearConfig},
+        };
+        type Ad = Autodiff<NdArray<f32>>;
+        let dir = std::env::temp_dir().join(format!("ulysses-sharded-copy-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let layer = || LinearConfig::new(3, 2).with_initializer(Initializer::Constant { value: 0.5 }).init::<Ad>(&Default::default());
+        let shared = dir.clone();
+        let outcome = burn_ulysses::comm::ThreadGroup::new(2).run(move |rank| {
+            let comm = rank.communicator();
+            let (mut linear, mut optimizer) = (layer(), ShardedAdamW::new(HostAdamWConfig::default()));
+            let mut after_first = Vec::new();
+            for step in 1..=3u64 {
+                let input = Tensor::<Ad, 2>::ones([1, 3], &Default::default()) * (comm.rank() + step as usize) as f32;
+                let grads = GradientsParams::from_grads(linear.forward(input).sum().backward(), &linear);
+                linear = optimizer.step::<Ad, _>(1e-2, linear, grads, None, &*comm).unwrap().0;
+                save_sharded_training_checkpoint::<Ad, _>(&shared, &mut optimizer, &step, step, &*comm).unwrap();
+                comm.barrier().unwrap();
+                if step == 1 {
+                    after_first = linear.weight.val().into_data().to_vec::<f32>().unwrap();
+                    if comm.rank() == 0 {
+                        fs::copy(shared.join("checkpoint.ulysses"), shared.join("step-1.ulysses")).unwrap();
+                    }
+                }
+                comm.barrier().unwrap();
+            }
+            after_first
+        });
+        let after_first = outcome.into_iter().next().unwrap().unwrap();
+        let mut folders: Vec<String> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(STATE_FOLDER_PREFIX)).collect();
+        folders.sort();
+        assert_eq!(folders, [sharded_state_folder(1, 2), sharded_state_folder(3, 2)], "the copy's folder kept, step 2's removed");
+        let copy = dir.join("step-1.ulysses");
+        let loaded = burn_ulysses::comm::ThreadGroup::new(1).run(move |rank| load_sharded_training_checkpoint::<Ad, Linear<Ad>, u64>(&copy, layer(), &*rank.communicator()));
+        let (loaded, _, step) = loaded.into_iter().next().unwrap().unwrap().unwrap();
+        assert_eq!(step, 1);
+        assert_eq!(loaded.weight.val().into_data().to_vec::<f32>().unwrap(), after_first, "the copy loads the first step's weights");
         fs::remove_dir_all(&dir).unwrap();
     }
 
