@@ -276,7 +276,8 @@ pub fn save_pretrained<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &
 /// and `model.safetensors` (or shards and their index, see [`SaveOptions`]) with Hugging
 /// Face's names and `[out, in]` linear weights. The folder is written beside `dir` and renamed
 /// into place, so a crash leaves the earlier folder whole (for the instant between two
-/// renames, beside `dir` as `.NAME.earlier-PID`).
+/// renames, beside `dir` as `.NAME.earlier-PID`, which the next save puts back); the next
+/// save also removes the torn folders of killed saves.
 pub fn save_pretrained_with<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, options: SaveOptions) -> Result<(), CheckpointError> {
     save_pretrained_including(model, config, dir, options, &[])
 }
@@ -338,6 +339,7 @@ impl HfCheckpointWriter {
             other => return Err(CheckpointError::file(dir, format!("weights are saved as f32, bf16 or f16, not {other:?}"))),
         };
         let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
+        recover_from_killed_saves(dir, &name);
         let partial = dir.with_file_name(format!(".{name}.partial-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&partial);
         std::fs::create_dir_all(&partial).map_err(io(&partial))?;
@@ -413,10 +415,13 @@ impl HfCheckpointWriter {
         }
         // Once the new folder is whole (its index written), so that the one left beside is
         // a checkpoint transformers loads.
-        if let Err(CheckpointError::File { file, problem }) = check_only_saved_files(&self.dir) {
-            return Err(CheckpointError::file(Path::new(&file), format!("{problem}; the model was written to {} instead", self.partial.display())));
-        }
         let (dir, name) = (&self.dir, &self.name);
+        if let Err(CheckpointError::File { file, problem }) = check_only_saved_files(dir) {
+            // Out of the way of the cleaning of torn saves' folders (`.NAME.partial-PID`).
+            let unsaved = dir.with_file_name(format!("{name}.unsaved-{}", std::process::id()));
+            let kept = if std::fs::rename(&self.partial, &unsaved).is_ok() { unsaved } else { self.partial.clone() };
+            return Err(CheckpointError::file(Path::new(&file), format!("{problem}; the model was written to {} instead", kept.display())));
+        }
         let earlier = dir.with_file_name(format!(".{name}.earlier-{}", std::process::id()));
         let had_earlier = dir.exists();
         if had_earlier {
@@ -426,8 +431,45 @@ impl HfCheckpointWriter {
         if had_earlier {
             std::fs::remove_dir_all(&earlier).map_err(io(&earlier))?;
         }
+        // The renames made durable.
+        let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        std::fs::File::open(parent).and_then(|f| f.sync_all()).map_err(io(parent))?;
         Ok(())
     }
+}
+
+/// What saves into `dir` that were killed left beside it, set right before a new one: a
+/// torn folder (`.NAME.partial-PID`) is removed; the earlier model put aside
+/// (`.NAME.earlier-PID`) is removed where `dir` holds the new one, and put back where a kill
+/// between the two renames left no `dir`. Only the leftovers of processes that are gone:
+/// another run may be saving there now.
+fn recover_from_killed_saves(dir: &Path, name: &str) {
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for entry in entries.flatten() {
+        let file_name = entry.file_name().to_string_lossy().into_owned();
+        let Some((kind, pid)) = file_name.strip_prefix(&format!(".{name}.")).and_then(|rest| rest.split_once('-')) else { continue };
+        if !pid.bytes().all(|b| b.is_ascii_digit()) || pid.is_empty() || process_lives(pid) {
+            continue;
+        }
+        let path = entry.path();
+        let done = match kind {
+            "partial" => std::fs::remove_dir_all(&path).map(|()| "removed a save's folder its kill left torn"),
+            "earlier" if dir.exists() => std::fs::remove_dir_all(&path).map(|()| "removed the model a killed save had replaced"),
+            "earlier" => std::fs::rename(&path, dir).map(|()| "put back the model a save killed between its two renames had set aside"),
+            _ => continue,
+        };
+        match done {
+            Ok(what) => tracing::info!(folder = %path.display(), "{what}"),
+            Err(error) => tracing::warn!(folder = %path.display(), %error, "cannot set right what a killed save left"),
+        }
+    }
+}
+
+/// Whether process `pid` is alive (Linux: `/proc/PID`); elsewhere assumed alive, so that
+/// nothing of a save that may be running is touched.
+fn process_lives(pid: &str) -> bool {
+    !cfg!(target_os = "linux") || Path::new("/proc").join(pid).exists()
 }
 
 /// Checks, before any training, that [`save_pretrained`] will be able to write the folder

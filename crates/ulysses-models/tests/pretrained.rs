@@ -513,6 +513,44 @@ fn a_save_destination_is_checked_without_making_folders() {
     std::fs::remove_dir_all(root).unwrap();
 }
 
+/// What killed saves left beside the folder is set right by the next save: a torn folder
+/// (`.NAME.partial-PID`) removed, the earlier model a save had set aside (`.NAME.earlier-PID`)
+/// removed, or put back where the kill fell between the save's two renames and left no folder.
+/// A live process's leftovers (pid 1's: as a save under way) are not touched.
+#[test]
+fn a_save_sets_right_what_killed_saves_left() {
+    use burn::tensor::DType;
+    use ulysses_models::{SaveOptions, save_pretrained_with};
+    let folder = model_fixtures().into_iter().find(|f| f.ends_with("qwen3")).expect("the qwen3 fixture");
+    let pretrained = from_pretrained::<Cpu>(&folder, &Default::default()).unwrap();
+    let root = std::env::temp_dir().join(format!("ulysses-models-{}-killed-saves", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let out = root.join("tuned");
+    let names = || {
+        let mut names: Vec<String> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        names
+    };
+    // No process has a pid above Linux's largest (2^22).
+    let (dead, alive) = ("9999999", "1");
+    // A kill between the renames: the earlier model aside, no folder, and a torn new one.
+    std::fs::create_dir_all(root.join(format!(".tuned.earlier-{dead}"))).unwrap();
+    std::fs::write(root.join(format!(".tuned.earlier-{dead}")).join("config.json"), b"the earlier model").unwrap();
+    std::fs::create_dir_all(root.join(format!(".tuned.partial-{dead}"))).unwrap();
+    std::fs::create_dir_all(root.join(format!(".other.partial-{dead}"))).unwrap();
+    // The save's begin puts the earlier model back (a save that then failed would leave it
+    // in place); this one succeeds and replaces it.
+    std::fs::create_dir_all(root.join(format!(".tuned.earlier-{alive}"))).unwrap();
+    save_pretrained_with(&pretrained.model, &pretrained.config, &out, SaveOptions::new(DType::BF16)).unwrap();
+    assert_eq!(names(), [format!(".other.partial-{dead}"), format!(".tuned.earlier-{alive}"), "tuned".to_string()], "leftovers of tuned's killed saves");
+    from_pretrained::<Cpu>(&out, &Default::default()).expect("the new model");
+    // With the folder there, an earlier model set aside by a killed save is removed.
+    std::fs::create_dir_all(root.join(format!(".tuned.earlier-{dead}"))).unwrap();
+    save_pretrained_with(&pretrained.model, &pretrained.config, &out, SaveOptions::new(DType::BF16)).unwrap();
+    assert!(!names().contains(&format!(".tuned.earlier-{dead}")), "{:?}", names());
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 /// A save carries the checkpoint's tokenizer and generation settings over, byte for byte, and
 /// replaces a folder an earlier save wrote; a folder that holds anything else (a run's
 /// checkpoint, the fixtures' reference outputs) is refused before the save, and found at the
@@ -548,9 +586,10 @@ fn a_save_replaces_a_saved_folder_alone_and_carries_the_tokenizer_over() {
     let error = save().unwrap_err().to_string();
     assert!(error.contains("checkpoint.ulysses") && error.contains("the model was written to"), "{error}");
     assert_eq!(std::fs::read(out.join("checkpoint.ulysses")).unwrap(), b"a run's state");
-    let beside = root.join(names(&root).into_iter().find(|n| n.starts_with(".tuned.partial-")).expect("the new model beside the folder"));
+    let beside = root.join(names(&root).into_iter().find(|n| n.starts_with("tuned.unsaved-")).expect("the new model beside the folder"));
     assert_eq!(names(&beside), ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]);
     // Sharded, the folder left beside holds its index: a checkpoint that loads.
+    std::fs::remove_dir_all(&beside).unwrap();
     save_in(100_000).unwrap_err();
     assert!(beside.join("model.safetensors.index.json").exists(), "{:?}", names(&beside));
     from_pretrained::<Cpu>(&beside, &Default::default()).expect("the model left beside loads");
