@@ -33,7 +33,7 @@ use ulysses_trainer::{
     data_identity::DataIdentity,
     documents::{DocumentReader, PackedDocuments},
     plot,
-    run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
+    run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, earlier_run_files, resumed_folder},
     tokens::TokenFile,
     train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
 };
@@ -1046,6 +1046,10 @@ struct RunLog {
     /// The folder held another run's checkpoint (`--overwrite`): removed once this run's
     /// record begins, so that it is never resumed under this run's record.
     replaces_checkpoint: bool,
+    /// This run keeps its optimizer's state in the checkpoint file (replicated): the earlier
+    /// run's sharded parts (`optimizer-step-…`), which no commit of this run would remove, go
+    /// with its checkpoint.
+    replaces_state_parts: bool,
     /// The files the run writes, for the last line.
     wrote: &'static str,
     /// `--profile`: print each step's waits on the device, copies and kernel launches.
@@ -1114,6 +1118,7 @@ impl RunLog {
             steps: config.steps,
             taken: job.resumed_at.unwrap_or(0),
             replaces_checkpoint: job.args.overwrite && !job.args.resume.as_deref().is_some_and(|resumed| same_place(&resumed_folder(resumed), &job.out)),
+            replaces_state_parts: !job.config.shards_optimizer(),
             wrote: if job.args.no_save { "metrics.csv, loss.png, config.json" } else { "metrics.csv, loss.png, config.json, model.mpk, checkpoint.ulysses" },
             profile: job.args.profile,
         }
@@ -1129,6 +1134,15 @@ impl RunLog {
                     if self.replaces_checkpoint && earlier.exists() {
                         if let Err(error) = fs::remove_file(&earlier) {
                             self.bar.println(format!("warning: cannot remove the earlier run's checkpoint {}: {error}", earlier.display()));
+                        }
+                    }
+                    // A sharded run's first commit removes them itself (its ranks may be
+                    // writing their parts now); a replicated run writes none.
+                    if self.replaces_checkpoint && self.replaces_state_parts {
+                        for folder in earlier_run_files(&self.out).into_iter().filter(|name| name.starts_with("optimizer-step-")) {
+                            if let Err(error) = fs::remove_dir_all(self.out.join(&folder)) {
+                                self.bar.println(format!("warning: cannot remove the earlier run's optimizer state {folder}: {error}"));
+                            }
                         }
                     }
                     Record::Open(record)
@@ -1156,6 +1170,16 @@ impl RunLog {
         let first = self.train.first().map_or("-".to_string(), |p| format!("{:.3}", p.1));
         let last = self.train.last().map_or("-".to_string(), |p| format!("{:.3}", p.1));
         let held_out = self.eval.last().map_or("-".to_string(), |p| format!("{:.3}", p.1));
+        if matches!(self.record, Record::Pending { .. }) {
+            // A resume of a run that had taken every step: no record is begun.
+            let wrote = if self.wrote.contains("model.mpk") { "model.mpk, loss.png" } else { "loss.png" };
+            println!(
+                "no step taken: the checkpoint had taken all {} steps (a larger --steps trains on); wrote {}/{{{wrote}}}",
+                self.steps,
+                self.out.display()
+            );
+            return Ok(());
+        }
         let taken = self.taken;
         let stopped = if taken < self.steps { format!(" (stopped at {taken} of {}; continue with --resume)", self.steps) } else { String::new() };
         println!(

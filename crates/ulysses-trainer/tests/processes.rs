@@ -335,6 +335,12 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let resumed = succeed(run_alone(&args, &["--sp", "1"]));
     assert!(show(&resumed).contains("resuming with the checkpoint's --steps 6, --learning-rate 0.01, --seed 7"), "{}", show(&resumed));
 
+    // The finished run resumed elsewhere: nothing to take, and said so (it claimed to have
+    // written a checkpoint, metrics and a config before).
+    let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--out".into(), dir.join("again").display().to_string()];
+    args.extend(resume("part"));
+    let again = show(&succeed(run_alone(&args, &["--sp", "1"])));
+    assert!(again.contains("no step taken: the checkpoint had taken all 6 steps") && !dir.join("again/metrics.csv").exists(), "{again}");
     let (full, part) = (losses(&dir.join("full")), losses(&dir.join("part")));
     println!("uninterrupted {full:?}\nresumed       {part:?}");
     assert_eq!(part.iter().map(|l| l.0).collect::<Vec<_>>(), (0..6).collect::<Vec<_>>());
@@ -388,6 +394,26 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
         losses(&dir.join("zero3-device")),
         losses(&dir.join("part"))
     );
+    // A replicated run over a sharded one (--overwrite) takes its optimizer's parts away with
+    // its checkpoint (12 bytes a parameter: 96 GB at 8B); none of its own commits would.
+    let sharded_state = |run: &str| fs::read_dir(dir.join(run)).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("optimizer-step-")).count();
+    fs::create_dir_all(dir.join("over")).unwrap();
+    for entry in fs::read_dir(dir.join("host")).unwrap() {
+        let entry = entry.unwrap();
+        let to = dir.join("over").join(entry.file_name());
+        if entry.path().is_dir() {
+            fs::create_dir_all(&to).unwrap();
+            for part in fs::read_dir(entry.path()).unwrap() {
+                let part = part.unwrap();
+                fs::copy(part.path(), to.join(part.file_name())).unwrap();
+            }
+        } else {
+            fs::copy(entry.path(), to).unwrap();
+        }
+    }
+    assert_eq!(sharded_state("over"), 1, "the sharded run's state parts");
+    succeed(run_alone(&common_args(&dir, "over", 2), &["--sp", "2", "--overwrite"]));
+    assert_eq!(sharded_state("over"), 0, "the overwritten run's state parts stayed");
     for run in ["host", "zero3", "zero3-device", "part", "alone"] {
         let (loss, params) = differences(&dir.join(run), &dir.join("replicated"));
         println!("{run} against replicated: max |Δ| loss {loss:.2e}, parameters {params:.2e}");
