@@ -254,8 +254,9 @@ if has ulysses-nccl-check; then
     step nccl-check-1 "$here/ulysses-launch" --nproc-per-node 1 -- "$here/ulysses-nccl-check"
     step nccl-check-2 env ULYSSES_GPU=0 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "$two_ranks_on_one_gpu exec $here/ulysses-nccl-check"
     # Rank 1 ends its process while rank 0 waits for it in an all-reduce: rank 0 stops within
-    # PeerWatch::GRACE (10 s) and a few seconds, naming it (it waited out the 300 s timeout before).
-    step nccl-check-leave env ULYSSES_GPU=0 ULYSSES_NCCL_CHECK_LEAVE=1 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "$two_ranks_on_one_gpu exec $here/ulysses-nccl-check"
+    # PeerWatch::GRACE (10 s) and a few seconds, naming it (it waited out the 600 s timeout
+    # before). Connections made at the first collective, so that it waits for rank 1.
+    step nccl-check-leave env ULYSSES_GPU=0 ULYSSES_NCCL_CHECK_LEAVE=1 NCCL_RUNTIME_CONNECT=1 "$here/ulysses-launch" --nproc-per-node 2 -- sh -c "$two_ranks_on_one_gpu exec $here/ulysses-nccl-check"
 fi
 if has ulysses-trainer; then
     case "${TRAIN_RUN:-check}" in

@@ -54,6 +54,11 @@ struct Header<S> {
     /// this file that holds every rank's part; the optimizer section is then empty.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     optimizer_shards: Option<String>,
+    /// FNV-1a of `state`'s text in the header (compact JSON): a flipped digit in the step
+    /// count or a setting is refused, not trained on. Absent in checkpoints written before it
+    /// was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    state_checksum: Option<u64>,
 }
 
 fn recorder() -> NamedMpkBytesRecorder<FullPrecisionSettings> {
@@ -85,8 +90,10 @@ where
 /// the model), the optimizer's record (empty then too) and `state`.
 pub(crate) fn write_checkpoint<S: Serialize>(dir: &Path, model_bytes: &[u8], optimizer_bytes: &[u8], optimizer_shards: Option<&str>, state: &S) -> Result<PathBuf, UlyssesError> {
     let path = dir.join(CHECKPOINT_FILE);
+    let state = serde_json::to_value(state).map_err(|e| error(&path, e))?;
     let header = Header {
         format: FORMAT_VERSION,
+        state_checksum: Some(state_checksum(&state)),
         state,
         model_bytes: model_bytes.len() as u64,
         optimizer_bytes: optimizer_bytes.len() as u64,
@@ -190,13 +197,52 @@ fn open_checkpoint<S: DeserializeOwned>(path: &Path) -> Result<(File, Header<S>)
     Ok((file, header))
 }
 
-/// A checkpoint's header, its format checked.
+/// A checkpoint's header, its format and its state's checksum checked.
 fn parse_header<S: DeserializeOwned>(path: &Path, bytes: &[u8]) -> Result<Header<S>, UlyssesError> {
     let header: Header<S> = serde_json::from_slice(bytes).map_err(|e| error(path, format!("unreadable header: {e}")))?;
     if header.format != FORMAT_VERSION {
         return Err(error(path, format!("format version {} is not the supported {FORMAT_VERSION}", header.format)));
     }
+    if let Some(checksum) = header.state_checksum {
+        // The text as written: serde_json's default float parsing may miss the last bit, so
+        // the state parsed and written again need not give the same text.
+        if state_text(bytes).is_none_or(|text| fnv1a(&[text]) != checksum) {
+            return Err(error(path, "the header's checksum does not match; the file is corrupt. Use an earlier checkpoint."));
+        }
+    }
     Ok(header)
+}
+
+/// The checksum of a checkpoint's state: FNV-1a of its compact JSON, as the header holds it.
+fn state_checksum(state: &serde_json::Value) -> u64 {
+    fnv1a(&[state.to_string().as_bytes()])
+}
+
+/// The text of the state in a header `write_checkpoint` wrote (`{"format":N,"state":{...},...`):
+/// the JSON value after `"state":`, its end found by its brackets outside strings.
+fn state_text(header: &[u8]) -> Option<&[u8]> {
+    let key = b"\"state\":";
+    let start = header.windows(key.len()).position(|w| w == key)? + key.len();
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for (offset, &byte) in header[start..].iter().enumerate() {
+        match (in_string, escaped, byte) {
+            (true, true, _) => escaped = false,
+            (true, false, b'\\') => escaped = true,
+            (true, false, b'"') => in_string = false,
+            (true, false, _) => {}
+            (false, _, b'"') => in_string = true,
+            (false, _, b'{' | b'[') => depth += 1,
+            (false, _, b'}' | b']') => {
+                depth = depth.checked_sub(1)?;
+                if depth == 0 {
+                    return Some(&header[start..=start + offset]);
+                }
+            }
+            (false, _, b',') if depth == 0 => return Some(&header[start..start + offset]),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// The checkpoint file of a folder, or `location` itself when it is a file.
@@ -396,6 +442,23 @@ mod tests {
         corrupt.extend(&bytes[16 + header_bytes..]);
         let message = load(&corrupt);
         assert!(message.contains("describes more than 2^64"), "{message}");
+        // A flipped digit in the state (the step count) is refused by the header's checksum;
+        // a header without one (an earlier version's) still loads.
+        let edited = |from: &str, to: &str| {
+            let header = header.replacen(from, to, 1);
+            let mut corrupt = bytes[..8].to_vec();
+            corrupt.extend((header.len() as u64).to_le_bytes());
+            corrupt.extend(header.as_bytes());
+            corrupt.extend(&bytes[16 + header_bytes..]);
+            corrupt
+        };
+        assert!(header.contains("\"step\":3"), "{header}");
+        let message = load(&edited("\"step\":3", "\"step\":7"));
+        assert!(message.contains("the header's checksum does not match"), "{message}");
+        let checksum = header.split("\"state_checksum\":").nth(1).unwrap().split(['}', ',']).next().unwrap();
+        let unchecked = edited(&format!(",\"state_checksum\":{checksum}"), "");
+        fs::write(&path, &unchecked).unwrap();
+        assert_eq!(read_checkpoint_state::<State>(&path).unwrap(), State { step: 3 }, "a header without a state checksum");
         // A checkpoint of another model shape does not load into this one.
         fs::write(&path, &bytes).unwrap();
         let other = LinearConfig::new(5, 2).init::<B>(&Default::default());

@@ -9,6 +9,12 @@
 //! never join it: after [`PeerWatch::GRACE`] of waiting with it gone, stop and name it, rather
 //! than wait out the collective timeout (600 s by default) while a failed rank 0 serves the
 //! rendezvous for up to its own timeout (300 s).
+//!
+//! The rule assumes that a member that finished has done its part of every collective it was
+//! in, and the others' parts end within milliseconds: true of the reductions, gathers and
+//! all-to-alls. A broadcast's root may end before slow receivers enter: one of them waiting
+//! on a slower third member for longer than the grace after the root left would be stopped
+//! (no step of the trainer ends with a broadcast).
 
 use std::time::{Duration, Instant};
 

@@ -14,7 +14,10 @@
 //! its process while the others wait for it in a collective stops them, naming it, within
 //! `PeerWatch::GRACE` and a few seconds: rank R exits (cleanly, so that the launcher keeps the
 //! others running, as srun does without --kill-on-bad-exit) without the all-reduce the others
-//! enter; they pass when the all-reduce fails so.
+//! enter; they pass when the all-reduce fails so. Run it with `NCCL_RUNTIME_CONNECT=1` (NCCL
+//! 2.22's default): the connections are then made at the first collective, which waits for
+//! the rank that left as a collective on NVLink or shared memory waits for a member gone
+//! (over sockets NCCL would notice a closed connection itself).
 
 use std::{process::ExitCode, sync::Arc, time::Instant};
 
@@ -124,18 +127,21 @@ fn all_to_all_timing(comm: &Arc<NcclCommunicator>, device: &CudaDevice) -> Resul
 /// The all-reduce that rank `leaver` never joins: the others must give up on it, naming it.
 fn a_rank_that_leaves(comm: &Arc<NcclCommunicator>, device: &CudaDevice, leaver: usize) -> Result<(), String> {
     let c: &dyn Communicator<Cuda> = &**comm;
-    if leaver >= c.size() {
-        return Err(format!("ULYSSES_NCCL_CHECK_LEAVE={leaver} names no rank of {}", c.size()));
+    if c.size() < 2 || leaver >= c.size() {
+        return Err(format!("ULYSSES_NCCL_CHECK_LEAVE={leaver} needs two ranks or more and names one of them; this job has {}", c.size()));
     }
     if c.rank() == leaver {
         println!("rank {leaver} ends its process without the all-reduce the others wait in");
         return Ok(());
     }
-    let ones = Tensor::<Cuda, 1>::ones([1024], device).into_primitive().tensor();
+    let ones = Tensor::<Cuda, 1>::ones([1024], device);
+    // Made (its kernel compiled) before the clock starts.
+    ones.clone().into_data();
     let started = Instant::now();
-    let result = c.all_reduce(ones, burn_ulysses::comm::ReduceOp::Sum);
+    let result = c.all_reduce(ones.into_primitive().tensor(), burn_ulysses::comm::ReduceOp::Sum);
     let waited = started.elapsed();
-    let limit = ulysses_dist::rendezvous::PeerWatch::GRACE + std::time::Duration::from_secs(5);
+    // The grace, the rendezvous asked once a second, and the abort.
+    let limit = ulysses_dist::rendezvous::PeerWatch::GRACE + std::time::Duration::from_secs(8);
     match result {
         Ok(_) => Err(format!("the all-reduce ended without rank {leaver}")),
         Err(error) if error.to_string().contains(&format!("rank(s) [{leaver}] of its group ended their process")) && waited <= limit => {
