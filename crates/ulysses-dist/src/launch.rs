@@ -120,6 +120,11 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
     }
 
     let failure = loop {
+        if PASS_ON_USR1.swap(false, Ordering::Relaxed) {
+            for rank in ranks.iter().filter(|r| r.status.is_none()) {
+                signal_group(rank, libc::SIGUSR1);
+            }
+        }
         if INTERRUPTED.load(Ordering::Relaxed) {
             eprintln!("ulysses-launch: interrupted; stopping {} rank(s)", ranks.iter().filter(|r| r.status.is_none()).count());
             stop(&mut ranks, plan.kill_grace);
@@ -178,20 +183,31 @@ fn join_for(forwarders: Vec<JoinHandle<()>>, limit: Duration) {
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
+/// A SIGUSR1 to pass on to the ranks.
+static PASS_ON_USR1: AtomicBool = AtomicBool::new(false);
+
 extern "C" fn on_interrupt(_signal: libc::c_int) {
     INTERRUPTED.store(true, Ordering::Relaxed);
 }
 
+extern "C" fn on_usr1(_signal: libc::c_int) {
+    PASS_ON_USR1.store(true, Ordering::Relaxed);
+}
+
 /// The ranks run in their own process groups, out of reach of the terminal's signals: the
 /// launcher catches SIGINT, SIGTERM, SIGHUP (a closed ssh session) and SIGQUIT and stops
-/// them itself.
+/// them itself (SIGTERM, then SIGKILL after the grace), and passes SIGUSR1 on to every rank
+/// and goes on waiting (the trainer stops after the step under way with a checkpoint:
+/// `sbatch --signal=USR1@300`).
 fn forward_interrupts() {
     let handler = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    let usr1 = on_usr1 as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: the handlers only store to an atomic, which is async-signal-safe.
     unsafe {
         for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
             libc::signal(signal, handler);
         }
+        libc::signal(libc::SIGUSR1, usr1);
     }
 }
 

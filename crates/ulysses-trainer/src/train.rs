@@ -489,7 +489,7 @@ where
     let eval_batch = data.eval_batch();
     let eval_documents = if config.pack { data.eval_documents() } else { None };
     let eval_targets = data.eval_targets();
-    let last_step = options.stop_after.map_or(config.steps, |stop| stop.min(config.steps));
+    let mut last_step = options.stop_after.map_or(config.steps, |stop| stop.min(config.steps));
     let mut reports = Vec::with_capacity(last_step.saturating_sub(first_step));
 
     for step in first_step..last_step {
@@ -500,6 +500,14 @@ where
         let io = DeviceIo::of_this_thread() - io_before;
         model = next;
         reports.push(report);
+        // A signal (`ulysses_training::request_stop`) on any rank: every rank learned it in
+        // this step's health check, so all make this step the last, with its checkpoint.
+        if report.stop_requested && step + 1 < last_step {
+            last_step = step + 1;
+            if is_first {
+                tracing::warn!(step = step + 1, "asked to stop (SIGTERM or SIGUSR1): this step is the last, its checkpoint is written; --resume continues the run");
+            }
+        }
         if let Some(progress) = options.progress.as_deref_mut() {
             progress.step(step, &report, config.learning_rate_at(step), started.elapsed().as_secs_f64());
             progress.device_io(step, &io);
@@ -549,6 +557,9 @@ where
             if saved.is_some() {
                 tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
             }
+        }
+        if done == last_step {
+            break;
         }
     }
     // Each rank's device, where the backend accounts for it (CubeCL's pools), and the host.

@@ -310,6 +310,57 @@ fn a_nan_in_one_ranks_gradient_stops_the_run_naming_the_step() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A signal stops a run after the step under way, every rank after the same one, with a
+/// checkpoint that `--resume` continues: SIGUSR1 to the launcher (as `sbatch
+/// --signal=USR1@300` sends it), which passes it on to its two processes, and SIGTERM to a
+/// run whose ranks are threads. (A kill lost the steps since the last checkpoint before; ranks
+/// stopping at different steps would have left the others waiting in a collective.)
+#[test]
+fn a_signal_stops_every_rank_after_the_same_step_with_a_checkpoint() {
+    let dir = workspace("signal");
+    let steps = 400;
+    let stopped_by = |out: &str, signal: libc::c_int, processes: bool| {
+        let mut args = common_args(&dir, out, steps);
+        args.extend(["--sp", "2", "--checkpoint-every", "1"].map(String::from));
+        let mut command = if processes {
+            let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+            let mut command = Command::new(launcher());
+            command.args(["--nproc-per-node", "2", "--master-port", &port, "--"]).arg(trainer()).args(&args);
+            command
+        } else {
+            let mut command = Command::new(trainer());
+            command.args(&args).args(["--launch", "threads"]);
+            command
+        };
+        let child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        // Once the first checkpoint is written, the run is under way.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !dir.join(out).join("checkpoint.ulysses").exists() {
+            assert!(Instant::now() < deadline, "no checkpoint after 120 s");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+        let output = child.wait_with_output().unwrap();
+        let text = show(&output);
+        assert!(output.status.success(), "the stopped run failed ({:?}):\n{text}", output.status);
+        let state: RunState = read_checkpoint_state(&dir.join(out)).unwrap();
+        let rows = losses(&dir.join(out)).len();
+        println!("{out}: stopped after {} of {steps} steps", state.completed_steps);
+        assert!(state.completed_steps < steps && state.completed_steps == rows, "{out}: checkpoint at {} steps, {rows} rows:\n{text}", state.completed_steps);
+        assert!(text.contains(&format!("stopped at {} of {steps}; continue with --resume", state.completed_steps)), "{text}");
+        state.completed_steps
+    };
+    stopped_by("usr1", libc::SIGUSR1, true);
+    let taken = stopped_by("term", libc::SIGTERM, false);
+    // The checkpoint continues the run: the resumed run takes the steps left.
+    let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--steps".into(), (taken + 2).to_string()];
+    args.extend(["--resume".to_string(), dir.join("term").display().to_string()]);
+    succeed(run_alone(&args, &["--sp", "2"]));
+    assert_eq!(losses(&dir.join("term")).iter().map(|l| l.0).collect::<Vec<_>>(), (0..taken + 2).collect::<Vec<_>>());
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A run stopped after 3 of 6 steps resumes with the uninterrupted run's losses and
 /// parameters: in place with the same flags, and elsewhere on one process with no flag but the
 /// data's, its settings taken from the checkpoint.
@@ -1193,8 +1244,8 @@ fn the_flags_the_guides_name_exist() {
     };
     let known = [flags(Path::new(trainer())), flags(&launcher())].concat();
     assert!(known.iter().any(|flag| flag == "--checkpoint-layers"), "the trainer's --help lists no --checkpoint-layers: {known:?}");
-    // Cargo's, in the guides' build and test commands.
-    const CARGO: [&str; 7] = ["--release", "--workspace", "--features", "--example", "--test", "--nocapture", "--no-run"];
+    // Cargo's, in the guides' build and test commands, and sbatch's `--signal`.
+    const CARGO: [&str; 8] = ["--release", "--workspace", "--features", "--example", "--test", "--nocapture", "--no-run", "--signal"];
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let mut checked = 0;
     for guide in ["README.md", "docs/training.md"] {

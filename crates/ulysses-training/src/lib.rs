@@ -107,6 +107,26 @@ pub struct StepReport {
     /// The global L2 norm of the step's gradient (summed over ranks), before any clipping: rank
     /// 0's measure of it ([`agreed_gradient_norm`]), the same on every rank.
     pub grad_norm: f64,
+    /// Whether any rank's process was asked to stop ([`request_stop`]) before this step's
+    /// health check: the same on every rank, so that all can stop after this step.
+    pub stop_requested: bool,
+}
+
+/// Set by [`request_stop`]; read by each step's health check.
+static STOP_REQUESTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Asks this process's ranks to stop after the step under way: the next health check of any
+/// `apply_step` carries it to every rank of the world ([`StepReport::stop_requested`]), so
+/// that all stop after the same step, where each alone (a signal reaches ranks at different
+/// moments) would leave the others waiting in a collective. Async-signal-safe: a SIGTERM or
+/// SIGUSR1 handler may call it (the trainer's do).
+pub fn request_stop() {
+    STOP_REQUESTED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`request_stop`] was called in this process.
+pub fn stop_was_requested() -> bool {
+    STOP_REQUESTED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 impl StepReport {
@@ -115,8 +135,8 @@ impl StepReport {
     /// has nothing to learn from, its gradients are zero, and AdamW would still move every
     /// parameter by its momentum and weight decay: the `apply_step` functions leave the model
     /// and the optimizer's state as they were and report no loss and no gradient.
-    fn without_targets<B: TrainBackend>(local: &LocalStep<B>) -> Self {
-        Self { loss: 0.0, valid_tokens: 0, processed_tokens: local.processed_tokens, grad_norm: 0.0 }
+    fn without_targets<B: TrainBackend>(local: &LocalStep<B>, stop_requested: bool) -> Self {
+        Self { loss: 0.0, valid_tokens: 0, processed_tokens: local.processed_tokens, grad_norm: 0.0, stop_requested }
     }
 }
 
@@ -362,9 +382,9 @@ where
     M: CausalLm<B>,
     O: Optimizer<M, B>,
 {
-    let losses = step_losses_if_healthy(&model, &local, None, step, groups)?;
+    let (losses, stop_requested) = step_losses_if_healthy(&model, &local, None, step, groups)?;
     if local.valid_tokens == 0 {
-        return Ok((model, StepReport::without_targets(&local)));
+        return Ok((model, StepReport::without_targets(&local, stop_requested)));
     }
     let grads = all_reduce_gradients(&model, local.grads, &*groups.world)?;
     // Every rank holds the same sums now, but not always the same norm of them (a GPU's sum
@@ -377,7 +397,7 @@ where
     let model = optimizer.step(step.learning_rate, model, grads);
     // Summed in rank order on every rank, so every rank reports the same bits.
     let loss = losses.iter().sum();
-    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
+    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm, stop_requested }))
 }
 
 /// [`apply_step`] with the optimizer's state sharded over the world's ranks and updated on the
@@ -396,13 +416,13 @@ where
     B: TrainBackend,
     M: CausalLm<B>,
 {
-    let losses = step_losses_if_healthy(&model, &local, None, step, groups)?;
+    let (losses, stop_requested) = step_losses_if_healthy(&model, &local, None, step, groups)?;
     if local.valid_tokens == 0 {
-        return Ok((model, StepReport::without_targets(&local)));
+        return Ok((model, StepReport::without_targets(&local, stop_requested)));
     }
     let (model, grad_norm) = optimizer.step(step.learning_rate, model, local.grads, step.max_grad_norm, &*groups.world)?;
     let loss = losses.iter().sum();
-    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
+    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm, stop_requested }))
 }
 
 /// [`apply_step_sharded`] under ZeRO-3: the step's gradient parts, reduce-scattered during
@@ -458,23 +478,23 @@ where
             "world rank {rank}'s optimizer does not fit its ZeRO-3 parameters, its gradient parts did not arrive, or its last update failed (its error says why)"
         )));
     }
-    let losses = step_losses_if_healthy(&model, &local, bad_part, step, groups)?;
+    let (losses, stop_requested) = step_losses_if_healthy(&model, &local, bad_part, step, groups)?;
     if local.valid_tokens == 0 {
         // The parts stay as they are: `update_parts` alone releases or replaces them.
-        return Ok((model, StepReport::without_targets(&local)));
+        return Ok((model, StepReport::without_targets(&local, stop_requested)));
     }
     let grad_norm = optimizer.update_parts(step.learning_rate, grads, step.max_grad_norm, &*groups.world, parameters)?;
     let loss = losses.iter().sum();
-    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm }))
+    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm, stop_requested }))
 }
 
 /// Every rank's loss of a step whose losses and gradients are finite everywhere and whose
-/// ranks were given the same settings; otherwise the error every rank returns. One read
-/// brings the loss and the gradients' health; one host collective carries them and the step's
-/// settings.
+/// ranks were given the same settings, and whether any rank was asked to stop
+/// ([`request_stop`]); otherwise the error every rank returns. One read brings the loss and
+/// the gradients' health; one host collective carries them, the step's settings and the stop.
 /// `bad_part`: a parameter whose gradient already left `local` (ZeRO-3), found non-finite,
 /// counted as a non-finite gradient of this rank.
-fn step_losses_if_healthy<B, M>(model: &M, local: &LocalStep<B>, bad_part: Option<String>, step: &StepInput, groups: &ParallelGroups<B::Wire>) -> Result<Vec<f64>, UlyssesError>
+fn step_losses_if_healthy<B, M>(model: &M, local: &LocalStep<B>, bad_part: Option<String>, step: &StepInput, groups: &ParallelGroups<B::Wire>) -> Result<(Vec<f64>, bool), UlyssesError>
 where
     B: TrainBackend,
     M: CausalLm<B>,
@@ -482,7 +502,7 @@ where
     let (local_loss, bad_parameter) = read_loss_and_first_non_finite_gradient::<B, M>(model, &local.grads, local.loss.clone());
     let bad_parameter = bad_parameter.or(bad_part);
     let max_grad_norm = step.max_grad_norm.unwrap_or(f64::NAN);
-    let verdict = [local_loss.to_bits(), u64::from(bad_parameter.is_some()), max_grad_norm.to_bits(), step.learning_rate.to_bits()];
+    let verdict = [local_loss.to_bits(), u64::from(bad_parameter.is_some()), max_grad_norm.to_bits(), step.learning_rate.to_bits(), u64::from(stop_was_requested())];
     let gathered = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &verdict, "step health values")?;
     check_same_settings(step.index, &gathered)?;
     let losses: Vec<f64> = gathered.iter().map(|v| f64::from_bits(v[0])).collect();
@@ -496,7 +516,7 @@ where
             local_parameter: bad_parameter,
         });
     }
-    Ok(losses)
+    Ok((losses, gathered.iter().any(|v| v[4] == 1)))
 }
 
 /// Refuses a step whose ranks were given different settings (gathered as
