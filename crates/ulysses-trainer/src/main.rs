@@ -332,22 +332,34 @@ fn main() {
     ulysses_dist::logging::init_with_directives("info", also, burn_ulysses::device_io::kernel_launch_counter());
     // A failure inside the model (a peer that died) is reported once, as the rank's error.
     ulysses_training::quiet_caught_panics();
-    stop_on_signals();
+    if !args.eval_only {
+        stop_on_signals();
+    }
     if let Err(message) = run(args) {
         eprintln!("error: {message}");
         std::process::exit(1);
     }
 }
 
-extern "C" fn on_stop_signal(_signal: libc::c_int) {
+extern "C" fn on_stop_signal(signal: libc::c_int) {
+    if ulysses_training::stop_was_requested() {
+        // The second: as if there were no handler.
+        // SAFETY: signal(2) and raise(3) are async-signal-safe.
+        unsafe {
+            libc::signal(signal, libc::SIG_DFL);
+            libc::raise(signal);
+        }
+    }
     ulysses_training::request_stop();
 }
 
 /// SIGTERM (a scheduler's preemption, `scancel`, the launcher stopping its ranks) and SIGUSR1
 /// (`sbatch --signal=USR1@300`, `ulysses-launch` passing one on) stop the run after the step
 /// under way, every rank after the same one, with a checkpoint, so that `--resume` continues
-/// it: a kill lost the steps since the last checkpoint. A scheduler's SIGKILL after its grace
-/// still ends it at once; the checkpoint before stays whole (its writes are atomic).
+/// it: a kill lost the steps since the last checkpoint. A second signal ends the process at
+/// once (before the first step, the first waits for it), as does a scheduler's SIGKILL after
+/// its grace; the checkpoint before stays whole (its writes are atomic). Not for
+/// `--eval-only`, which has no step to stop after.
 fn stop_on_signals() {
     let handler = on_stop_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
