@@ -120,9 +120,11 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
     }
 
     let failure = loop {
-        if PASS_ON_USR1.swap(false, Ordering::Relaxed) {
-            for rank in ranks.iter().filter(|r| r.status.is_none()) {
-                signal_group(rank, libc::SIGUSR1);
+        for (pending, signal) in [(&PASS_ON_USR1, libc::SIGUSR1), (&PASS_ON_TERM, libc::SIGTERM)] {
+            if pending.swap(false, Ordering::Relaxed) {
+                for rank in ranks.iter().filter(|r| r.status.is_none()) {
+                    signal_group(rank, signal);
+                }
             }
         }
         if INTERRUPTED.load(Ordering::Relaxed) {
@@ -185,6 +187,9 @@ static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 /// A SIGUSR1 to pass on to the ranks.
 static PASS_ON_USR1: AtomicBool = AtomicBool::new(false);
+/// A first SIGTERM to pass on to the ranks, and whether one was.
+static PASS_ON_TERM: AtomicBool = AtomicBool::new(false);
+static TERM_PASSED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_interrupt(_signal: libc::c_int) {
     INTERRUPTED.store(true, Ordering::Relaxed);
@@ -194,20 +199,31 @@ extern "C" fn on_usr1(_signal: libc::c_int) {
     PASS_ON_USR1.store(true, Ordering::Relaxed);
 }
 
+extern "C" fn on_term(_signal: libc::c_int) {
+    if TERM_PASSED.swap(true, Ordering::Relaxed) {
+        INTERRUPTED.store(true, Ordering::Relaxed);
+    } else {
+        PASS_ON_TERM.store(true, Ordering::Relaxed);
+    }
+}
+
 /// The ranks run in their own process groups, out of reach of the terminal's signals: the
-/// launcher catches SIGINT, SIGTERM, SIGHUP (a closed ssh session) and SIGQUIT and stops
-/// them itself (SIGTERM, then SIGKILL after the grace), and passes SIGUSR1 on to every rank
-/// and goes on waiting (the trainer stops after the step under way with a checkpoint:
-/// `sbatch --signal=USR1@300`).
+/// launcher catches SIGINT, SIGHUP (a closed ssh session) and SIGQUIT and stops them itself
+/// (SIGTERM, then SIGKILL after the grace). A first SIGTERM (a scheduler's preemption or
+/// `scancel`) and SIGUSR1 (`sbatch --signal=USR1@300`) are passed on to every rank, and it
+/// goes on waiting: the trainer stops after the step under way with a checkpoint, which can
+/// take longer than a grace. A second SIGTERM stops them as SIGINT does.
 fn forward_interrupts() {
     let handler = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
     let usr1 = on_usr1 as extern "C" fn(libc::c_int) as libc::sighandler_t;
-    // SAFETY: the handlers only store to an atomic, which is async-signal-safe.
+    let term = on_term as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: the handlers only store to atomics, which is async-signal-safe.
     unsafe {
-        for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+        for signal in [libc::SIGINT, libc::SIGHUP, libc::SIGQUIT] {
             libc::signal(signal, handler);
         }
         libc::signal(libc::SIGUSR1, usr1);
+        libc::signal(libc::SIGTERM, term);
     }
 }
 

@@ -466,9 +466,14 @@ fn recover_from_killed_saves(dir: &Path, name: &str) {
     }
 }
 
-/// Whether process `pid` is alive (Linux: `/proc/PID`); elsewhere assumed alive, so that
-/// nothing of a save that may be running is touched.
+/// Whether process `pid` is alive and another (Linux: `/proc/PID`); elsewhere assumed alive,
+/// so that nothing of a save that may be running is touched. This process's own pid is a
+/// killed process's (a container restarted gives the trainer the same pid each time): it
+/// saves one folder at a time, and begins none twice.
 fn process_lives(pid: &str) -> bool {
+    if pid == std::process::id().to_string() {
+        return false;
+    }
     !cfg!(target_os = "linux") || Path::new("/proc").join(pid).exists()
 }
 

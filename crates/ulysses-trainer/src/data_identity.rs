@@ -24,9 +24,9 @@ pub struct DataIdentity {
     /// written before it was recorded, and for data read as it is.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reading: String,
-    /// The chat template `{"messages"}` lines would be rendered with (its file and a digest
-    /// of what decides the rendering): another template is other tokens and targets. Empty in
-    /// checkpoints written before it was recorded, and without a template.
+    /// The chat template `{"messages"}` lines were rendered with (its file and a digest of
+    /// what decides the rendering): another template is other tokens and targets. Empty in
+    /// checkpoints written before it was recorded, and where no conversation was rendered.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub chat_template: String,
 }
@@ -65,7 +65,10 @@ impl DataIdentity {
 
     /// Why `self` (now) is not the data `saved` recorded, or `None` when it is.
     pub fn differs_from(&self, saved: &DataIdentity) -> Option<String> {
-        if !saved.chat_template.is_empty() && self.chat_template != saved.chat_template {
+        // By the digest alone: the same template moved from tokenizer_config.json to
+        // chat_template.jinja (transformers' save_pretrained does) is the same.
+        let digest = |template: &str| template.rsplit_once("(digest ").map_or(template.to_string(), |(_, digest)| digest.to_string());
+        if !saved.chat_template.is_empty() && digest(&self.chat_template) != digest(&saved.chat_template) {
             let now = if self.chat_template.is_empty() { "none".to_string() } else { self.chat_template.clone() };
             return Some(format!(
                 "the checkpoint's run rendered chat data with the template of {}, this one would render it with {now}; resuming \
@@ -149,6 +152,8 @@ mod tests {
         let rendered = |text: &str| DataIdentity::of(&b).unwrap().rendered_with("/models/qwen3/chat_template.jinja", text);
         let moved = DataIdentity::of(&b).unwrap().rendered_with("/elsewhere/qwen3/chat_template.jinja", "{{ messages }}");
         assert_eq!(moved.differs_from(&rendered("{{ messages }}")), None, "the same template in a folder moved");
+        let in_config = DataIdentity::of(&b).unwrap().rendered_with("/models/qwen3/tokenizer_config.json", "{{ messages }}");
+        assert_eq!(in_config.differs_from(&rendered("{{ messages }}")), None, "the same template in another file");
         assert_eq!(rendered("{{ messages }}").differs_from(&rendered("{{ messages }}")), None);
         let message = rendered("You are terse. {{ messages }}").differs_from(&rendered("{{ messages }}")).expect("another template");
         assert!(message.contains("chat_template.jinja (digest") && message.contains("--allow-new-data"), "{message}");

@@ -52,6 +52,8 @@ pub struct DocumentReader<'a> {
     /// Refuse a document longer than this (`--too-long refuse`), naming its line, rather than
     /// cut it into pieces when packing (`None`).
     pub refuse_longer_than: Option<usize>,
+    /// Set once a `{"messages"}` line was rendered with `chat` ([`Documents::rendered_chat`]).
+    pub rendered: std::cell::Cell<bool>,
 }
 
 /// A document as read, before it is tokenized.
@@ -71,6 +73,9 @@ enum Pending {
 pub struct Documents {
     pub ids: Vec<Vec<i64>>,
     pub targets: Option<Vec<Vec<bool>>>,
+    /// Whether some document was a conversation rendered with the chat template (which a
+    /// resume must then find the same).
+    pub rendered_chat: bool,
 }
 
 impl DocumentReader<'_> {
@@ -105,7 +110,7 @@ impl DocumentReader<'_> {
         let marked = documents.iter().any(|(_, targets)| targets.is_some());
         let (ids, targets): (Vec<Vec<i64>>, Vec<Option<Vec<bool>>>) = documents.into_iter().unzip();
         let targets = marked.then(|| targets.into_iter().zip(&ids).map(|(targets, ids)| targets.unwrap_or_else(|| vec![true; ids.len()])).collect());
-        Ok(Documents { ids, targets })
+        Ok(Documents { ids, targets, rendered_chat: self.rendered.get() })
     }
 
     fn read_json_lines(&self, file: &Path, bar: &ProgressBar, documents: &mut Vec<Read>) -> Result<(), String> {
@@ -204,6 +209,7 @@ impl DocumentReader<'_> {
                         ));
                     }
                     let (ids, answers) = chat.tokenize(tokenizer, &messages, false).map_err(|e| format!("{}: {e}", at()))?;
+                    self.rendered.set(true);
                     (ids.into_iter().map(i64::from).collect(), Some(answers))
                 }
                 Pending::Labelled(mut ids, mut targets) => {
@@ -451,7 +457,7 @@ mod tests {
         let eos = tokenizer.token_id("<|endoftext|>").expect("the fixture's EOS");
         let file = std::env::temp_dir().join(format!("ulysses-documents-eos-{}.jsonl", std::process::id()));
         fs::write(&file, "{\"text\": \"a group.\"}\n{\"text\": \"a group.<|endoftext|>\"}\n{\"text\": \"<|endoftext|>a group.\"}\n").unwrap();
-        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, answers_only: false, refuse_longer_than: None };
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, answers_only: false, refuse_longer_than: None, rendered: Default::default() };
         let documents = reader.read(&file).unwrap().ids;
         // The same lines in a .JSON file are JSON Lines too, not one text document.
         let json = file.with_extension("JSON");
@@ -491,7 +497,7 @@ mod tests {
     /// document); the flags follow their tokens through packing, a cut document included.
     #[test]
     fn targets_follow_their_tokens_into_the_packed_sequences() {
-        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: true, refuse_longer_than: None };
+        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: true, refuse_longer_than: None, rendered: Default::default() };
         let dir = std::env::temp_dir().join(format!("ulysses-targets-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let file = dir.join("data.jsonl");

@@ -33,7 +33,7 @@ use ulysses_trainer::{
     data_identity::DataIdentity,
     documents::{DocumentReader, PackedDocuments},
     plot,
-    run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, earlier_run_files, resumed_folder},
+    run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
     tokens::TokenFile,
     train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
 };
@@ -332,7 +332,7 @@ fn main() {
     ulysses_dist::logging::init_with_directives("info", also, burn_ulysses::device_io::kernel_launch_counter());
     // A failure inside the model (a peer that died) is reported once, as the rank's error.
     ulysses_training::quiet_caught_panics();
-    if !args.eval_only {
+    if !args.eval_only && !args.no_save {
         stop_on_signals();
     }
     if let Err(message) = run(args) {
@@ -341,9 +341,23 @@ fn main() {
     }
 }
 
+/// When the first stop signal came (CLOCK_MONOTONIC, ns; 0: none yet).
+static FIRST_STOP_SIGNAL_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A second signal within this long of the first is the same request, delivered twice (Slurm
+/// signals every process of a step, and `ulysses-launch` passes it on too).
+const SAME_REQUEST_NS: u64 = 3_000_000_000;
+
 extern "C" fn on_stop_signal(signal: libc::c_int) {
-    if ulysses_training::stop_was_requested() {
-        // The second: as if there were no handler.
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime(2) is async-signal-safe; `now` is a valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    let now = (now.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(now.tv_nsec as u64).max(1);
+    let first = FIRST_STOP_SIGNAL_NS.compare_exchange(0, now, std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed);
+    if let Err(first) = first
+        && now.saturating_sub(first) >= SAME_REQUEST_NS
+    {
+        // A second request: as if there were no handler.
         // SAFETY: signal(2) and raise(3) are async-signal-safe.
         unsafe {
             libc::signal(signal, libc::SIG_DFL);
@@ -356,10 +370,11 @@ extern "C" fn on_stop_signal(signal: libc::c_int) {
 /// SIGTERM (a scheduler's preemption, `scancel`, the launcher stopping its ranks) and SIGUSR1
 /// (`sbatch --signal=USR1@300`, `ulysses-launch` passing one on) stop the run after the step
 /// under way, every rank after the same one, with a checkpoint, so that `--resume` continues
-/// it: a kill lost the steps since the last checkpoint. A second signal ends the process at
-/// once (before the first step, the first waits for it), as does a scheduler's SIGKILL after
-/// its grace; the checkpoint before stays whole (its writes are atomic). Not for
-/// `--eval-only`, which has no step to stop after.
+/// it: a kill lost the steps since the last checkpoint. A second signal, 3 s or more after
+/// the first, ends the process at once (before the first step, the first waits for it), as
+/// does a scheduler's SIGKILL after its grace; the checkpoint before stays whole (its writes
+/// are atomic). Not for `--eval-only`, which has no step to stop after, nor `--no-save`,
+/// which writes no checkpoint to continue from.
 fn stop_on_signals() {
     let handler = on_stop_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
@@ -593,9 +608,12 @@ fn run(mut args: Args) -> Result<(), String> {
 
     let is_first = matches!(&launch, Launch::Threads) || matches!(&launch, Launch::Process(env) if env.rank == 0);
     let mut eval_sequences = None;
+    // The chat template --data's conversations were rendered with (file, rendering text).
+    let mut chat_rendered = None;
     let data: Box<dyn StepData> = match (&args.data, &args.tokens) {
         (Some(path), _) => {
-            let documents = packed_documents(&args, path, pretrained.as_ref().expect("--data needs a checkpoint (checked)"), &config, is_first)?;
+            let documents;
+            (documents, chat_rendered) = packed_documents(&args, path, pretrained.as_ref().expect("--data needs a checkpoint (checked)"), &config, is_first)?;
             eval_sequences = args.eval_only.then(|| {
                 let (sequences, lengths) = documents.everything();
                 (sequences, lengths, documents.every_target())
@@ -624,8 +642,8 @@ fn run(mut args: Args) -> Result<(), String> {
         let eos = data_eos(&args, checkpoint)?;
         let (loss_on, too_long) = (format!("{:?}", args.loss_on).to_lowercase(), format!("{:?}", args.too_long).to_lowercase());
         data_identity = data_identity.read_with(format!("{tokenizer}, EOS {eos}, --loss-on {loss_on}, --too-long {too_long}"));
-        if let Some(template) = data_chat_template(&args)? {
-            data_identity = data_identity.rendered_with(template.file(), template.rendering_text());
+        if let Some((file, text)) = &chat_rendered {
+            data_identity = data_identity.rendered_with(file, text);
         }
     }
     let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
@@ -642,6 +660,12 @@ fn run(mut args: Args) -> Result<(), String> {
             check_resumable(&config, &state)?;
             if let Some(why) = state.data.as_ref().and_then(|saved| data_identity.differs_from(saved)).filter(|_| !args.allow_new_data) {
                 return Err(why);
+            }
+            if let Some(stop) = args.stop_after.filter(|&stop| stop <= state.completed_steps) {
+                return Err(format!(
+                    "--stop-after {stop}: the checkpoint has already taken {} steps; stop after a later step",
+                    state.completed_steps
+                ));
             }
             Some(state.completed_steps)
         }
@@ -769,8 +793,9 @@ fn data_chat_template(args: &Args) -> Result<Option<ChatTemplate>, String> {
     Ok(None)
 }
 
-/// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary.
-fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<PackedDocuments, String> {
+/// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary; and the
+/// chat template's file and rendering text where it rendered a conversation.
+fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<(PackedDocuments, Option<(String, String)>), String> {
     let eos = data_eos(args, checkpoint)?;
     if eos as usize >= config.model.vocab_size {
         let from = if args.eos_token_id.is_some() { "--eos-token-id" } else { "config.json's eos_token_id" };
@@ -786,8 +811,11 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         chat: chat.as_ref(),
         answers_only: args.loss_on == LossOn::Assistant,
         refuse_longer_than: (args.too_long == TooLong::Refuse).then_some(config.seq_len),
+        rendered: Default::default(),
     };
     let documents = reader.read(path)?;
+    // The template's file and what decides its rendering, where it rendered a conversation.
+    let rendered_with = chat.filter(|_| documents.rendered_chat).map(|chat| (chat.file().to_string(), chat.rendering_text().to_string()));
     let targets = documents.targets.as_deref().filter(|_| args.loss_on == LossOn::Assistant);
     if let Some(targets) = targets {
         let (trained, total) = (targets.iter().flatten().filter(|&&t| t).count(), targets.iter().map(Vec::len).sum::<usize>());
@@ -802,7 +830,8 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     }
     // Evaluating takes every sequence, however few.
     let batch_size = if args.eval_only { 1 } else { config.batch_size };
-    PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, batch_size, config.seed, !args.eval_only)
+    let packed = PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, batch_size, config.seed, !args.eval_only)?;
+    Ok((packed, rendered_with))
 }
 
 /// Runs the job on the --backend.
@@ -1169,13 +1198,10 @@ impl RunLog {
                         }
                     }
                     // A sharded run's first commit removes them itself (its ranks may be
-                    // writing their parts now); a replicated run writes none.
+                    // writing their parts now); a replicated run writes none. Those a kept
+                    // copy of a checkpoint file names stay, as at a commit.
                     if self.replaces_checkpoint && self.replaces_state_parts {
-                        for folder in earlier_run_files(&self.out).into_iter().filter(|name| name.starts_with("optimizer-step-")) {
-                            if let Err(error) = fs::remove_dir_all(self.out.join(&folder)) {
-                                self.bar.println(format!("warning: cannot remove the earlier run's optimizer state {folder}: {error}"));
-                            }
-                        }
+                        ulysses_training::remove_unnamed_state_folders(&self.out, None);
                     }
                     Record::Open(record)
                 }

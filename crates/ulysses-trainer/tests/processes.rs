@@ -352,6 +352,8 @@ fn a_signal_stops_every_rank_after_the_same_step_with_a_checkpoint() {
         state.completed_steps
     };
     stopped_by("usr1", libc::SIGUSR1, true);
+    // A first SIGTERM to the launcher (a preemption) is passed on too, not a stop by force.
+    stopped_by("term-launched", libc::SIGTERM, true);
     let taken = stopped_by("term", libc::SIGTERM, false);
     // The checkpoint continues the run: the resumed run takes the steps left.
     let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--steps".into(), (taken + 2).to_string()];
@@ -392,6 +394,11 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     args.extend(resume("part"));
     let again = show(&succeed(run_alone(&args, &["--sp", "1"])));
     assert!(again.contains("no step taken: the checkpoint had taken all 6 steps") && !dir.join("again/metrics.csv").exists(), "{again}");
+    // A --stop-after the checkpoint has passed is refused, not a run that takes no step.
+    let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--stop-after".into(), "3".into()];
+    args.extend(resume("part"));
+    let refused = run_alone(&args, &["--sp", "1"]);
+    assert!(!refused.status.success() && show(&refused).contains("--stop-after 3: the checkpoint has already taken 6 steps"), "{}", show(&refused));
     let (full, part) = (losses(&dir.join("full")), losses(&dir.join("part")));
     println!("uninterrupted {full:?}\nresumed       {part:?}");
     assert_eq!(part.iter().map(|l| l.0).collect::<Vec<_>>(), (0..6).collect::<Vec<_>>());

@@ -56,7 +56,10 @@ pub use layers::{PROGRESS_TARGET, LayerCheckpointing, LayerParameters, LayeredLm
 pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartOptimizer, ShardedParameters, Zero3Step};
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters, parameter_elements, with_parameters_in};
-pub use zero::{ShardedAdamW, cast_master_part, host_adamw_config, load_sharded_training_checkpoint, save_sharded_training_checkpoint, sharded_state_file, sharded_state_folder};
+pub use zero::{
+    ShardedAdamW, cast_master_part, host_adamw_config, load_sharded_training_checkpoint, remove_unnamed_state_folders, save_sharded_training_checkpoint, sharded_state_file,
+    sharded_state_folder,
+};
 pub use ulysses_core::host_adamw::HostAdamWConfig;
 pub use gradients::{
     GRADIENT_BUCKET_BYTES, agreed_gradient_norm, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, clip_with_norm,

@@ -245,7 +245,7 @@ const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
 /// collective, every rank of `world` calls it with the same `step` and the same folder (shared
 /// by every node). The commit:
 /// 1. every rank writes its part, atomically, into `dir/`[`sharded_state_folder`]`(step)`, a
-///    folder no earlier checkpoint uses;
+///    folder that does not exist yet (`NAME.1`, `NAME.2`, ... where it does);
 /// 2. the ranks agree that every part is written (one host collective);
 /// 3. rank 0 writes `dir/checkpoint.ulysses` (`state`, naming that folder), atomically: the
 ///    checkpoint switches to the new state here, all of it at once;
@@ -263,7 +263,14 @@ where
     S: Serialize,
 {
     let (rank, size) = (world.rank(), world.size());
-    let folder_name = sharded_state_folder(step, size);
+    // Never into a folder that exists: a checkpoint file may name it (a kept copy, or the
+    // current one after a resume from an earlier copy), whose parts would change under it,
+    // torn by a crash. The first free name, rank 0's view (read before any rank writes).
+    let base = sharded_state_folder(step, size);
+    let named = |suffix: u64| if suffix == 0 { base.clone() } else { format!("{base}.{suffix}") };
+    let free = (0..).find(|&suffix| !dir.join(named(suffix)).exists()).expect("some name is free");
+    let agreed = burn_ulysses::comm::all_gather_host_checked(world, &[free], "optimizer state folder")?;
+    let folder_name = named(agreed[0][0]);
     let folder = dir.join(&folder_name);
     let written = optimizer.save(&folder, rank, size);
     let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[written.is_ok() as u64], "optimizer state parts written")?;
@@ -275,7 +282,7 @@ where
     let committed = if rank == 0 {
         let path = crate::checkpoint::write_checkpoint(dir, &[], &[], Some(&folder_name), state);
         if path.is_ok() {
-            remove_unnamed_state_folders(dir, &folder_name);
+            remove_unnamed_state_folders(dir, Some(&folder_name));
         }
         Some(path)
     } else {
@@ -294,8 +301,9 @@ where
 
 /// Removes every sharded-state folder in `dir` but `keep` and those a checkpoint file in `dir`
 /// names (what a crash or the previous checkpoint left, where no copy of a checkpoint file
-/// kept beside it names it); a folder that cannot be removed is a warning.
-fn remove_unnamed_state_folders(dir: &Path, keep: &str) {
+/// kept beside it names it); a folder that cannot be removed is a warning. The trainer also
+/// calls it when a replicated run replaces a sharded one's checkpoint (`--overwrite`).
+pub fn remove_unnamed_state_folders(dir: &Path, keep: Option<&str>) {
     let Ok(entries) = fs::read_dir(dir) else { return };
     let entries: Vec<_> = entries.flatten().collect();
     let named: Vec<String> = entries
@@ -305,7 +313,7 @@ fn remove_unnamed_state_folders(dir: &Path, keep: &str) {
         .collect();
     for entry in entries {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with(STATE_FOLDER_PREFIX) && name != keep && !named.contains(&name) {
+        if name.starts_with(STATE_FOLDER_PREFIX) && Some(name.as_str()) != keep && !named.contains(&name) {
             if let Err(error) = fs::remove_dir_all(entry.path()) {
                 tracing::warn!(folder = %entry.path().display(), %error, "cannot remove an optimizer state folder no checkpoint names");
             }
@@ -522,12 +530,19 @@ mod tests {
                 }
                 comm.barrier().unwrap();
             }
+            // A run resumed from the copy saves step 1 again (other values): into a folder
+            // of its own, not into the copy's.
+            let input = Tensor::<Ad, 2>::ones([1, 3], &Default::default()) * 7.0;
+            let grads = GradientsParams::from_grads(linear.forward(input).sum().backward(), &linear);
+            optimizer.step::<Ad, _>(1e-2, linear, grads, None, &*comm).unwrap();
+            save_sharded_training_checkpoint::<Ad, _>(&shared, &mut optimizer, &1u64, 1, &*comm).unwrap();
             after_first
         });
         let after_first = outcome.into_iter().next().unwrap().unwrap();
         let mut folders: Vec<String> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(STATE_FOLDER_PREFIX)).collect();
         folders.sort();
-        assert_eq!(folders, [sharded_state_folder(1, 2), sharded_state_folder(3, 2)], "the copy's folder kept, step 2's removed");
+        let again = format!("{}.1", sharded_state_folder(1, 2));
+        assert_eq!(folders, [sharded_state_folder(1, 2), again], "the copy's folder kept and untouched, steps 2 and 3 removed once the checkpoint moved on");
         let copy = dir.join("step-1.ulysses");
         let loaded = burn_ulysses::comm::ThreadGroup::new(1).run(move |rank| load_sharded_training_checkpoint::<Ad, Linear<Ad>, u64>(&copy, layer(), &*rank.communicator()));
         let (loaded, _, step) = loaded.into_iter().next().unwrap().unwrap().unwrap();
