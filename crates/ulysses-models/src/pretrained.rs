@@ -432,7 +432,7 @@ impl HfCheckpointWriter {
             std::fs::remove_dir_all(&earlier).map_err(io(&earlier))?;
         }
         // The renames made durable.
-        let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let parent = parent_folder(dir);
         std::fs::File::open(parent).and_then(|f| f.sync_all()).map_err(io(parent))?;
         Ok(())
     }
@@ -444,8 +444,7 @@ impl HfCheckpointWriter {
 /// between the two renames left no `dir`. Only the leftovers of processes that are gone:
 /// another run may be saving there now.
 fn recover_from_killed_saves(dir: &Path, name: &str) {
-    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    let Ok(entries) = std::fs::read_dir(parent_folder(dir)) else { return };
     for entry in entries.flatten() {
         let file_name = entry.file_name().to_string_lossy().into_owned();
         let Some((kind, pid)) = file_name.strip_prefix(&format!(".{name}.")).and_then(|rest| rest.split_once('-')) else { continue };
@@ -464,6 +463,11 @@ fn recover_from_killed_saves(dir: &Path, name: &str) {
             Err(error) => tracing::warn!(folder = %path.display(), %error, "cannot set right what a killed save left"),
         }
     }
+}
+
+/// The folder `dir` is written beside: its parent, `.` for a bare name.
+fn parent_folder(dir: &Path) -> &Path {
+    dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
 }
 
 /// Whether process `pid` is alive and another (Linux: `/proc/PID`); elsewhere assumed alive,
@@ -488,7 +492,7 @@ pub fn check_save_destination(dir: &Path) -> Result<(), CheckpointError> {
         return Err(CheckpointError::file(dir, "exists and is not a folder: choose another path, or move the file"));
     }
     check_only_saved_files(dir)?;
-    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = parent_folder(dir);
     // A relative path's last ancestor is "", which does not exist: then the working folder.
     let existing = parent.ancestors().find(|a| a.exists()).unwrap_or(Path::new("."));
     let cannot = |why: String| CheckpointError::file(existing, format!("{why}, so the checkpoint could not be saved in {}: choose a folder you can write", dir.display()));

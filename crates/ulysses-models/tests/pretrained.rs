@@ -513,6 +513,13 @@ fn a_save_destination_is_checked_without_making_folders() {
     std::fs::remove_dir_all(root).unwrap();
 }
 
+/// The names in folder `dir`, sorted.
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
 /// What killed saves left beside the folder is set right by the next save: a torn folder
 /// (`.NAME.partial-PID`) removed, the earlier model a save had set aside (`.NAME.earlier-PID`)
 /// removed, or put back where the kill fell between the save's two renames and left no folder.
@@ -526,11 +533,7 @@ fn a_save_sets_right_what_killed_saves_left() {
     let root = std::env::temp_dir().join(format!("ulysses-models-{}-killed-saves", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let out = root.join("tuned");
-    let names = || {
-        let mut names: Vec<String> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-        names.sort();
-        names
-    };
+    let names = || names_in(&root);
     // No process has a pid above Linux's largest (2^22).
     let (dead, alive) = ("9999999", "1");
     // A kill between the renames: the earlier model aside, no folder, and a torn new one.
@@ -569,11 +572,7 @@ fn a_save_replaces_a_saved_folder_alone_and_carries_the_tokenizer_over() {
     let save_in = |max_shard_bytes| save_pretrained_including(&pretrained.model, &pretrained.config, &out, SaveOptions { dtype: DType::BF16, max_shard_bytes }, &companions);
     let save = || save_in(ulysses_models::DEFAULT_MAX_SHARD_BYTES);
     save().unwrap();
-    let names = |dir: &Path| {
-        let mut names: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-        names.sort();
-        names
-    };
+    let names = names_in;
     assert_eq!(names(&out), ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]);
     assert_eq!(std::fs::read(out.join("tokenizer.json")).unwrap(), std::fs::read(&tokenizer).unwrap());
     check_save_destination(&out).expect("a folder an earlier save wrote");

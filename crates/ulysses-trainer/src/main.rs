@@ -476,9 +476,11 @@ fn precision_of(args: &Args) -> Precision {
 }
 
 fn run(mut args: Args) -> Result<(), String> {
-    if let Some(location) = &args.resume {
-        let saved: RunState = read_checkpoint_state(location).map_err(|e| e.to_string())?;
-        let taken = take_resumed_settings(&mut args, &saved);
+    // The --resume checkpoint's state, read once: its settings fill the flags not given, and
+    // it is checked against the run once the run is set up.
+    let resumed: Option<RunState> = args.resume.as_deref().map(read_checkpoint_state).transpose().map_err(|e| e.to_string())?;
+    if let Some(saved) = &resumed {
+        let taken = take_resumed_settings(&mut args, saved);
         if !taken.is_empty() {
             tracing::info!("resuming with the checkpoint's {}", taken.join(", "));
         }
@@ -653,10 +655,9 @@ fn run(mut args: Args) -> Result<(), String> {
         let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at: None, options, eval_sequences: Some(sequences), _run_folder: None };
         return on_backend(&job);
     }
-    let resumed_at = match &args.resume {
+    let resumed_at = match resumed {
         None => None,
-        Some(location) => {
-            let state: RunState = read_checkpoint_state(location).map_err(|e| e.to_string())?;
+        Some(state) => {
             check_resumable(&config, &state)?;
             if let Some(why) = state.data.as_ref().and_then(|saved| data_identity.differs_from(saved)).filter(|_| !args.allow_new_data) {
                 return Err(why);

@@ -38,7 +38,7 @@ pub fn earlier_run_files(path: &Path) -> Vec<String> {
     let mut names: Vec<String> = entries
         .flatten()
         .map(|entry| entry.file_name().to_string_lossy().into_owned())
-        .filter(|name| [CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, "model.mpk"].contains(&name.as_str()) || name.starts_with("optimizer-step-"))
+        .filter(|name| [CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, "model.mpk"].contains(&name.as_str()) || name.starts_with(ulysses_training::STATE_FOLDER_PREFIX))
         .collect();
     names.sort();
     names

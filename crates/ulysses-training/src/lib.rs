@@ -57,8 +57,8 @@ pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartOptimizer, Sha
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters, parameter_elements, with_parameters_in};
 pub use zero::{
-    ShardedAdamW, cast_master_part, host_adamw_config, load_sharded_training_checkpoint, remove_unnamed_state_folders, save_sharded_training_checkpoint, sharded_state_file,
-    sharded_state_folder,
+    STATE_FOLDER_PREFIX, ShardedAdamW, cast_master_part, host_adamw_config, load_sharded_training_checkpoint, remove_unnamed_state_folders, save_sharded_training_checkpoint,
+    sharded_state_file, sharded_state_folder,
 };
 pub use ulysses_core::host_adamw::HostAdamWConfig;
 pub use gradients::{

@@ -22,4 +22,6 @@ mod state_files;
 pub use device_adamw::DeviceShardedAdamW;
 pub use host_adamw::{ShardedAdamW, cast_master_part, host_adamw_config};
 pub use stage3::{GradParts, OptimizerPlace, PartOptimizer, ShardedParameters, Zero3Step};
-pub use state_files::{load_sharded_training_checkpoint, remove_unnamed_state_folders, save_sharded_training_checkpoint, sharded_state_file, sharded_state_folder};
+pub use state_files::{
+    STATE_FOLDER_PREFIX, load_sharded_training_checkpoint, remove_unnamed_state_folders, save_sharded_training_checkpoint, sharded_state_file, sharded_state_folder,
+};

@@ -239,7 +239,8 @@ pub fn sharded_state_folder(step: u64, world: usize) -> String {
     format!("optimizer-step-{step:09}-of-{world:05}")
 }
 
-const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
+/// How every [`sharded_state_folder`]'s name begins.
+pub const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
 
 /// A training checkpoint whose optimizer state is sharded over `world` (a [`ShardedAdamW`]):
 /// collective, every rank of `world` calls it with the same `step` and the same folder (shared
