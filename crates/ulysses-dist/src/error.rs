@@ -25,6 +25,12 @@ pub enum DistError {
          if ranks start slowly"
     )]
     RendezvousTimeout { addr: String, after: Duration, waiting_for: String },
+    #[error(
+        "rank {rank} {} before publishing {key:?}, which this rank waits for: the job cannot \
+         go on. Rank {rank}'s own log (or ulysses-launch's) says why",
+        if *died { "died (its connection closed without a goodbye)" } else { "ended its process" }
+    )]
+    WriterLeft { rank: usize, key: String, died: bool },
     #[error("the rendezvous on {addr} refused this rank: {reason}")]
     Rejected { addr: String, reason: String },
     #[error("rendezvous protocol: {0}")]

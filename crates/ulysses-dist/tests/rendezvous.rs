@@ -10,7 +10,8 @@ use std::{
 };
 
 use ulysses_dist::{
-    DistError,
+    DistError, DistributedConfig, LaunchEnv, Rendezvous,
+    env::EnvSource,
     rendezvous::{
         LeftRanks, PeerLoss, PeerWatch, RendezvousClient, RendezvousServer, ServerSettings,
         protocol::{Request, Response, read_blocking, write_blocking},
@@ -67,7 +68,7 @@ fn a_peer_without_the_token_is_refused() {
 
     // A raw connection that skips the hello is refused too.
     let mut raw = TcpStream::connect(server.local_addr()).unwrap();
-    write_blocking(&mut raw, &Request::Get { key: "nccl-id".into() }).unwrap();
+    write_blocking(&mut raw, &Request::Get { key: "nccl-id".into(), writer: None }).unwrap();
     let response: Response = read_blocking(&mut raw, LIMIT).unwrap();
     assert!(matches!(response, Response::Rejected { ref reason } if reason.contains("first message must be a hello")), "{response:?}");
 
@@ -185,6 +186,99 @@ fn a_member_that_finished_during_a_wait_is_named_after_the_grace_and_a_death_at_
     }
     let left = left_when(&mut waiting, |left| left.died == [2]);
     assert_eq!(PeerWatch::with_grace(&[0, 1], grace).check(&left, Instant::now()), Some(PeerLoss::Died(vec![2])));
+}
+
+/// Joins rank `rank` of a world of `world_size` served on `port`, as a process would.
+fn join(rank: usize, world_size: usize, port: u16, timeout_secs: f64) -> Result<Rendezvous, DistError> {
+    let env = LaunchEnv {
+        rank,
+        world_size,
+        local_rank: rank,
+        local_world_size: world_size,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        source: EnvSource::Torchrun,
+    };
+    let config = DistributedConfig::new().with_token(Some("job-secret".into())).with_rendezvous_timeout_secs(timeout_secs);
+    Rendezvous::join(&env, &config)
+}
+
+#[test]
+fn a_key_whose_writer_left_without_setting_it_fails_at_once_naming_the_writer() {
+    let server = server(4);
+    let port = server.local_addr().port();
+    let connect = |rank| RendezvousClient::connect("127.0.0.1", port, rank, 4, "job-secret", Duration::from_secs(120), LIMIT).unwrap();
+    let mut waiting = connect(0);
+
+    // A value set before its writer ended is still served.
+    let mut writer = connect(1);
+    writer.set("address/1", b"here").unwrap();
+    drop(writer);
+    left_when(&mut waiting, |left| left.finished == [1]);
+    assert_eq!(waiting.get_set_by("address/1", 1).unwrap(), b"here");
+
+    // A writer that ends (a goodbye) while a rank waits for its key: the wait ends at once.
+    let writer = connect(2);
+    let ending = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        drop(writer);
+    });
+    let t0 = Instant::now();
+    let error = waiting.get_set_by("address/2", 2).expect_err("rank 2 never sets it");
+    ending.join().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(10), "waited {:?} for a writer that had ended", t0.elapsed());
+    assert!(matches!(error, DistError::WriterLeft { rank: 2, died: false, .. }), "{error:?}");
+    for needle in ["rank 2 ended its process before publishing \"address/2\"", "Rank 2's own log"] {
+        assert!(error.to_string().contains(needle), "`{needle}` missing from: {error}");
+    }
+
+    // One that vanishes without a goodbye, as a crashed process does, is named as dead (the
+    // waiting client is still usable: its request was answered).
+    {
+        let mut raw = TcpStream::connect(server.local_addr()).unwrap();
+        write_blocking(&mut raw, &Request::Hello { token: "job-secret".into(), rank: 3, world_size: 4 }).unwrap();
+        assert_eq!(read_blocking::<Response>(&mut raw, LIMIT).unwrap(), Response::Welcome);
+    }
+    let error = waiting.get_set_by("address/3", 3).expect_err("rank 3 never sets it");
+    assert!(matches!(error, DistError::WriterLeft { rank: 3, died: true, .. }), "{error:?}");
+}
+
+#[test]
+fn a_rank_0_that_fails_before_broadcasting_stops_the_others_at_once() {
+    // Rank 0 serves the rendezvous; when it fails between joining and publishing (the NCCL
+    // unique id, say), its store stays up until the others leave. They used to wait for the
+    // key until the rendezvous timeout (300 s by default) while it waited for them.
+    let port = free_port();
+    let t0 = Instant::now();
+    let rank_0 = std::thread::spawn(move || {
+        let rendezvous = join(0, 3, port, 120.0).unwrap();
+        drop(rendezvous); // Fails: says goodbye, serves until the others have left.
+    });
+    let others: Vec<_> = (1..3)
+        .map(|rank| std::thread::spawn(move || join(rank, 3, port, 120.0).unwrap().broadcast("nccl/unique-id", None, 0)))
+        .collect();
+    for other in others {
+        let error = other.join().unwrap().expect_err("rank 0 never published");
+        assert!(matches!(error, DistError::WriterLeft { rank: 0, .. }), "{error:?}");
+    }
+    rank_0.join().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(20), "the job took {:?} to stop", t0.elapsed());
+
+    // A rank that fails before a barrier stops the others there alike.
+    let port = free_port();
+    let ranks: Vec<_> = (0..3)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let rendezvous = join(rank, 3, port, 120.0).unwrap();
+                if rank == 2 { Ok(()) } else { rendezvous.barrier("step") }
+            })
+        })
+        .collect();
+    let results: Vec<_> = ranks.into_iter().map(|rank| rank.join().unwrap()).collect();
+    for result in &results[..2] {
+        assert!(matches!(result, Err(DistError::WriterLeft { rank: 2, .. })), "{result:?}");
+    }
+    assert!(t0.elapsed() < Duration::from_secs(40), "the job took {:?} to stop", t0.elapsed());
 }
 
 #[test]

@@ -91,8 +91,19 @@ impl RendezvousClient {
 
     /// The value of `key`, waiting until some rank sets it (at most the timeout).
     pub fn get(&mut self, key: &str) -> Result<Vec<u8>, DistError> {
-        match self.request(&Request::Get { key: key.into() }, &format!("for key {key:?}"))? {
+        self.get_key(key, None)
+    }
+
+    /// The value of `key`, which rank `writer` sets: waits until it does, fails at once if
+    /// it left the job without (at most the timeout).
+    pub fn get_set_by(&mut self, key: &str, writer: usize) -> Result<Vec<u8>, DistError> {
+        self.get_key(key, Some(writer))
+    }
+
+    fn get_key(&mut self, key: &str, writer: Option<usize>) -> Result<Vec<u8>, DistError> {
+        match self.request(&Request::Get { key: key.into(), writer }, &format!("for key {key:?}"))? {
             Response::Value { value } => Ok(value),
+            Response::WriterLeft { rank, died } => Err(DistError::WriterLeft { rank, key: key.into(), died }),
             other => Err(DistError::Protocol(format!("expected a value, got {other:?}"))),
         }
     }
@@ -118,7 +129,7 @@ impl RendezvousClient {
         *generation += 1;
         self.set(&format!("{key}/{}", self.rank), &[])?;
         for rank in 0..world_size {
-            self.get(&format!("{key}/{rank}"))?;
+            self.get_set_by(&format!("{key}/{rank}"), rank)?;
         }
         Ok(())
     }

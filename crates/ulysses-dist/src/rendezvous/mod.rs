@@ -91,7 +91,7 @@ impl Rendezvous {
             let value = value.ok_or_else(|| DistError::Protocol(format!("rank {root} broadcasts {key:?} but gave no value")))?;
             client.set(key, value)?;
         }
-        client.get(key)
+        client.get_set_by(key, root)
     }
 
     /// Stores `value` under `key` for every rank to read.
@@ -99,9 +99,10 @@ impl Rendezvous {
         self.client().set(key, value)
     }
 
-    /// The value of `key`, waiting until some rank sets it (at most the rendezvous timeout).
-    pub fn get(&self, key: &str) -> Result<Vec<u8>, DistError> {
-        self.client().get(key)
+    /// The value of `key`, which rank `writer` sets: waits until it does (at most the
+    /// rendezvous timeout), fails at once naming it if it left the job without.
+    pub fn get_set_by(&self, key: &str, writer: usize) -> Result<Vec<u8>, DistError> {
+        self.client().get_set_by(key, writer)
     }
 
     /// The IP address of this machine that reaches rank 0 (the local end of the rendezvous

@@ -13,8 +13,13 @@ pub enum Request {
     /// First message of every connection.
     Hello { token: String, rank: usize, world_size: usize },
     Set { key: String, value: Vec<u8> },
-    /// Answered once the key is set.
-    Get { key: String },
+    /// Answered once the key is set, or, where `writer` names the rank that sets it, once
+    /// that rank has left the job without setting it.
+    Get {
+        key: String,
+        #[serde(default)]
+        writer: Option<usize>,
+    },
     /// Ranks whose connection closed without a goodbye, and those that said one.
     Departed,
     /// A clean disconnect: this rank is done, not dead.
@@ -29,6 +34,9 @@ pub enum Response {
     Rejected { reason: String },
     Stored,
     Value { value: Vec<u8> },
+    /// The key's writer left the job without setting it: `died` without a goodbye, else its
+    /// process ended (an error of its own, as a rule).
+    WriterLeft { rank: usize, died: bool },
     /// `ranks` died (no goodbye); `finished` said goodbye (absent from older servers).
     Departed {
         ranks: Vec<usize>,

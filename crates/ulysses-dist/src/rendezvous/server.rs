@@ -47,7 +47,7 @@ struct State {
 struct Shared {
     settings: ServerSettings,
     state: Mutex<State>,
-    /// Bumped on every `Set`, so `Get` waiters re-check the store.
+    /// Bumped on every `Set` and whenever a rank leaves, so `Get` waiters re-check.
     version: watch::Sender<u64>,
 }
 
@@ -178,16 +178,20 @@ async fn connection(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>
     tracing::debug!(%peer, rank, "rank joined the rendezvous");
 
     let clean = serve_rank(&mut stream, &shared).await;
-    let mut state = shared.state.lock().unwrap();
-    match clean {
-        Ok(()) => {
-            state.finished.insert(rank);
-        }
-        Err(error) => {
-            state.departed.insert(rank);
-            tracing::warn!(%peer, rank, %error, "rank left the rendezvous without saying goodbye");
+    {
+        let mut state = shared.state.lock().unwrap();
+        match clean {
+            Ok(()) => {
+                state.finished.insert(rank);
+            }
+            Err(error) => {
+                state.departed.insert(rank);
+                tracing::warn!(%peer, rank, %error, "rank left the rendezvous without saying goodbye");
+            }
         }
     }
+    // Wake the waiters on keys this rank was to set.
+    shared.version.send_modify(|v| *v += 1);
 }
 
 /// Answers one rank's requests; `Ok` after a goodbye, `Err` when the connection broke.
@@ -202,11 +206,18 @@ async fn serve_rank(stream: &mut TcpStream, shared: &Shared) -> Result<(), Frame
                 shared.version.send_modify(|v| *v += 1);
                 Response::Stored
             }
-            Request::Get { key } => {
+            Request::Get { key, writer } => {
                 let mut changes = shared.version.subscribe();
                 loop {
-                    if let Some(value) = shared.state.lock().unwrap().store.get(&key).cloned() {
-                        break Response::Value { value };
+                    {
+                        let state = shared.state.lock().unwrap();
+                        if let Some(value) = state.store.get(&key).cloned() {
+                            break Response::Value { value };
+                        }
+                        // A writer that left will never set it: say so now, not at the timeout.
+                        if let Some(rank) = writer.filter(|r| state.departed.contains(r) || state.finished.contains(r)) {
+                            break Response::WriterLeft { rank, died: state.departed.contains(&rank) };
+                        }
                     }
                     // A waiting client sends nothing, so a readable socket means it closed:
                     // notice a rank that dies while it waits.

@@ -103,7 +103,7 @@ impl Mesh {
         // Lower ranks accept, higher ranks connect: every rank finishes its connections to
         // lower ranks first, and rank 0 only accepts, so this never waits in a circle.
         for peer in 0..rank {
-            let address = String::from_utf8_lossy(&rendezvous.get(&format!("tcp/address/{peer}"))?).into_owned();
+            let address = String::from_utf8_lossy(&rendezvous.get_set_by(&format!("tcp/address/{peer}"), peer)?).into_owned();
             streams[peer] = Some(dial(&address, peer, env, token, deadline)?);
         }
         listener.set_nonblocking(true).map_err(|e| DistError::Transport(e.to_string()))?;
