@@ -29,7 +29,10 @@ pub fn sharded_state_file(rank: usize, world: usize) -> String {
     format!("optimizer-{rank:05}-of-{world:05}.ulysses")
 }
 
-const SHARD_MAGIC: &[u8; 8] = b"ULYSHRD1";
+/// The file begins with this, the header's length (u64) and its FNV-1a (u64), then the header.
+const SHARD_MAGIC: &[u8; 8] = b"ULYSHRD2";
+/// Earlier files: the same without the header's checksum (still read).
+const SHARD_MAGIC_UNCHECKED_HEADER: &[u8; 8] = b"ULYSHRD1";
 const SHARD_FORMAT: u32 = 1;
 
 /// What a rank's state file says about itself and each parameter's section of its payload.
@@ -75,9 +78,9 @@ impl ShardedAdamW {
             parameters: self.parts.iter().map(|part| SectionHeader { elements: part.elements, time: part.moments.time, checksum: checksum(part, &mut bytes) }).collect(),
         };
         let header = serde_json::to_vec(&header).map_err(|e| shard_error(&path, format!("cannot encode the header: {e}")))?;
-        let length = (header.len() as u64).to_le_bytes();
+        let (length, header_checksum) = ((header.len() as u64).to_le_bytes(), fnv1a(&[&header]).to_le_bytes());
         write_atomically_with(&path, |file| {
-            for piece in [SHARD_MAGIC.as_slice(), &length, &header] {
+            for piece in [SHARD_MAGIC.as_slice(), &length, &header_checksum, &header] {
                 file.write_all(piece)?;
             }
             for part in &self.parts {
@@ -184,17 +187,28 @@ impl ShardFile {
         let mut file = fs::File::open(path).map_err(|e| shard_error(path, format!("cannot open ({e}): every rank of the saved world of {world} writes one, and all are needed")))?;
         let mut start = [0u8; 16];
         file.read_exact(&mut start).map_err(|_| shard_error(path, "too short to be a sharded optimizer state"))?;
-        if &start[..8] != SHARD_MAGIC {
-            return Err(shard_error(path, "not a burn-ulysses sharded optimizer state (wrong magic bytes)"));
-        }
+        let checked = match &start[..8] {
+            magic if magic == SHARD_MAGIC => true,
+            magic if magic == SHARD_MAGIC_UNCHECKED_HEADER => false,
+            _ => return Err(shard_error(path, "not a burn-ulysses sharded optimizer state (wrong magic bytes)")),
+        };
         let header_len = u64::from_le_bytes(start[8..].try_into().unwrap());
+        let mut header_checksum = [0u8; 8];
+        if checked {
+            file.read_exact(&mut header_checksum).map_err(|_| shard_error(path, "the header is cut off; the file is truncated"))?;
+        }
         let mut header = vec![0u8; usize::try_from(header_len).unwrap_or(usize::MAX).min(1 << 30)];
         file.read_exact(&mut header).map_err(|_| shard_error(path, "the header is cut off; the file is truncated"))?;
+        // The header holds the optimizer's settings and step counts: a flipped digit there
+        // parses, and would change every later update.
+        if checked && fnv1a(&[&header]) != u64::from_le_bytes(header_checksum) {
+            return Err(shard_error(path, "its header does not match its checksum; the file is corrupt. Use an earlier checkpoint."));
+        }
         let header: ShardHeader = serde_json::from_slice(&header).map_err(|e| shard_error(path, format!("unreadable header: {e}")))?;
         if header.format != SHARD_FORMAT || header.rank != rank || header.world != world {
             return Err(shard_error(path, format!("holds rank {} of {} in format {}, not rank {rank} of {world} in format {SHARD_FORMAT}", header.rank, header.world, header.format)));
         }
-        let payload = 16 + header_len;
+        let payload = if checked { 24 } else { 16 } + header_len;
         let expected: u64 = header.parameters.iter().map(|p| 12 * Partition::new(world).unwrap().part_len(p.elements) as u64).sum();
         let length = file.metadata().map_err(|e| shard_error(path, e))?.len();
         if length != payload + expected {
@@ -552,7 +566,7 @@ mod tests {
         fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// A missing rank's file, a corrupt section, a torn file and two runs' files in one
+    /// A missing rank's file, a corrupt section or header, a torn file and two runs' files in one
     /// folder are refused, naming the file and what to do.
     #[test]
     fn incomplete_or_corrupt_state_is_refused_naming_the_file() {
@@ -572,6 +586,20 @@ mod tests {
         fs::write(&saved[1], &flipped).unwrap();
         let corrupt = error(1);
         assert!(corrupt.contains("checksum") && corrupt.contains("optimizer-00001-of-00002"), "{corrupt}");
+
+        // A digit of the AdamW settings in the header: still a header that parses.
+        let mut flipped = bytes.clone();
+        let config = bytes.windows(10).position(|w| w == b"\"config\":{").expect("the header holds the config");
+        let digit = config + bytes[config..].iter().position(u8::is_ascii_digit).unwrap();
+        flipped[digit] = if flipped[digit] == b'1' { b'2' } else { b'1' };
+        fs::write(&saved[1], &flipped).unwrap();
+        let corrupt = error(1);
+        assert!(corrupt.contains("header does not match its checksum") && corrupt.contains("optimizer-00001-of-00002"), "{corrupt}");
+
+        // A file written before headers had a checksum still loads.
+        let unchecked = [SHARD_MAGIC_UNCHECKED_HEADER.as_slice(), &bytes[8..16], &bytes[24..]].concat();
+        fs::write(&saved[1], &unchecked).unwrap();
+        assert!(same(&ShardedAdamW::load(&dir, 1, 2).unwrap(), &of_rank(&whole, 1, 2)), "an earlier file loads as saved");
 
         fs::write(&saved[1], &bytes[..bytes.len() - 4]).unwrap();
         let torn = error(2);
