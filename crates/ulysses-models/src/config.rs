@@ -117,6 +117,12 @@ impl<'a> Keys<'a> {
         self.object.get(key).filter(|value| !value.is_null())
     }
 
+    /// Whether the file names `key`, `null` included: where transformers tells an absent key
+    /// (the family's default) from a `null` one (none).
+    fn names(&self, key: &str) -> bool {
+        self.object.contains_key(key)
+    }
+
     fn count(&self, key: &str, default: Option<usize>) -> Result<usize, ConfigError> {
         match self.get(key) {
             None => default.ok_or_else(|| self.error(key, "is missing")),
@@ -206,7 +212,13 @@ impl HfConfig {
 
         let hidden_size = keys.count("hidden_size", None)?;
         let num_attention_heads = keys.count("num_attention_heads", None)?;
-        let num_key_value_heads = keys.count("num_key_value_heads", Some(num_attention_heads))?;
+        // Absent, Mistral's default is 8 kv heads and Qwen's 32; `null`, the head count.
+        let kv_default = match family {
+            Family::Mistral if !keys.names("num_key_value_heads") => 8,
+            Family::Qwen2 | Family::Qwen3 if !keys.names("num_key_value_heads") => 32,
+            _ => num_attention_heads,
+        };
+        let num_key_value_heads = keys.count("num_key_value_heads", Some(kv_default))?;
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(keys.error(
                 "num_key_value_heads",
@@ -235,12 +247,25 @@ impl HfConfig {
             Family::Mistral => (false, false),
         };
         let sliding_window = match family {
+            // Absent, Mistral's window is 4096 keys (transformers' default); `null`, none.
+            Family::Mistral if !keys.names("sliding_window") => Some(4096),
             Family::Mistral => keys.optional_count("sliding_window")?,
             Family::Qwen2 | Family::Qwen3 if keys.flag("use_sliding_window", false)? => {
                 return Err(keys.error("use_sliding_window", "is true; Qwen's per-layer sliding window (max_window_layers) is not represented"));
             }
             _ => None,
         };
+        if let Some(dropout) = keys.get("attention_dropout").and_then(Value::as_f64).filter(|&p| p != 0.0) {
+            tracing::warn!(file = keys.file, dropout, "config.json's attention_dropout is not applied: this decoder attends without dropout (transformers drops attention weights while training)");
+        }
+        // Absent token ids: Llama's and Mistral's defaults are 1 and 2, Qwen's none.
+        let default_token = |key: &str, id: u64| -> Result<Vec<u64>, ConfigError> {
+            match family {
+                Family::Llama | Family::Mistral if !keys.names(key) => Ok(vec![id]),
+                _ => keys.tokens(key),
+            }
+        };
+        let (bos_token_ids, eos_token_ids) = (default_token("bos_token_id", 1)?, default_token("eos_token_id", 2)?);
         Ok(Self {
             family,
             vocab_size: keys.count("vocab_size", None)?,
@@ -253,15 +278,22 @@ impl HfConfig {
             rms_norm_eps: keys.positive("rms_norm_eps", 1e-6)?,
             rope_theta,
             rope_scaling,
-            max_position_embeddings: keys.count("max_position_embeddings", Some(2048))?,
+            max_position_embeddings: keys.count(
+                "max_position_embeddings",
+                Some(match family {
+                    Family::Llama => 2048,
+                    Family::Mistral => 131_072,
+                    Family::Qwen2 | Family::Qwen3 => 32_768,
+                }),
+            )?,
             tie_word_embeddings: keys.flag("tie_word_embeddings", false)?,
             qkv_bias,
             output_bias,
             qk_norm: family == Family::Qwen3,
             sliding_window,
-            bos_token_id: keys.token("bos_token_id")?,
-            eos_token_id: keys.token("eos_token_id")?,
-            eos_token_ids: keys.tokens("eos_token_id")?,
+            bos_token_id: bos_token_ids.first().copied(),
+            eos_token_id: eos_token_ids.first().copied(),
+            eos_token_ids,
             initializer_range: keys.positive("initializer_range", 0.02)?,
         })
     }
@@ -418,7 +450,9 @@ mod tests {
         assert_eq!(config.to_hf_json("bfloat16")["eos_token_id"], json!([128001, 128008, 128009]));
         let one = HfConfig::from_hf_json(&with(LLAMA, "eos_token_id", json!(7)), "a").unwrap();
         assert_eq!((one.eos_token_id, one.to_hf_json("bfloat16")["eos_token_id"].clone()), (Some(7), json!(7)));
-        let none = HfConfig::from_hf_json(&with(LLAMA, "eos_token_id", Value::Null), "a").unwrap();
+        let mut nulled: Value = serde_json::from_str(LLAMA).unwrap();
+        nulled["eos_token_id"] = Value::Null;
+        let none = HfConfig::from_hf_json(&nulled.to_string(), "a").unwrap();
         assert_eq!((none.eos_token_id, none.to_hf_json("bfloat16")["eos_token_id"].clone()), (None, Value::Null));
         let error = refused(&with(LLAMA, "eos_token_id", json!([1, "two"])));
         assert!(error.key == "eos_token_id" && error.problem.contains("a list of them"), "{error}");
@@ -443,11 +477,50 @@ mod tests {
         let qwen2 = HfConfig::from_hf_json(&with(qwen3, "model_type", json!("qwen2")), "q").unwrap();
         assert_eq!(qwen2.head_dim, 16);
         assert!(qwen2.qkv_bias && !qwen2.output_bias && !qwen2.qk_norm);
-        let mistral = HfConfig::from_hf_json(&with(&with(qwen3, "model_type", json!("mistral")), "sliding_window", json!(4096)), "m").unwrap();
+        assert_eq!((config.max_position_embeddings, qwen2.max_position_embeddings), (32_768, 32_768));
+        assert_eq!((config.bos_token_id, config.eos_token_ids.clone()), (None, vec![]), "Qwen names no token ids by default");
+
+        // Mistral: a window of 4096 keys where the file names none (a `null` window is none),
+        // 131072 positions, token ids 1 and 2.
+        let mistral_text = with(qwen3, "model_type", json!("mistral"));
+        let mistral = HfConfig::from_hf_json(&mistral_text, "m").unwrap();
         assert_eq!(mistral.sliding_window, Some(4096));
         assert_eq!((mistral.rope_theta, mistral.rms_norm_eps, mistral.tie_word_embeddings), (10_000.0, 1e-6, false));
-        let no_window = HfConfig::from_hf_json(&with(&with(qwen3, "model_type", json!("mistral")), "sliding_window", Value::Null), "m").unwrap();
-        assert_eq!(no_window.sliding_window, None);
+        assert_eq!((mistral.max_position_embeddings, mistral.bos_token_id, mistral.eos_token_ids.clone()), (131_072, Some(1), vec![2]));
+        let mut no_window: Value = serde_json::from_str(&mistral_text).unwrap();
+        no_window["sliding_window"] = Value::Null;
+        assert_eq!(HfConfig::from_hf_json(&no_window.to_string(), "m").unwrap().sliding_window, None);
+        let window = HfConfig::from_hf_json(&with(&mistral_text, "sliding_window", json!(512)), "m").unwrap();
+        assert_eq!(window.sliding_window, Some(512));
+
+        // kv heads where the file names none: Mistral 8, Qwen 32, Llama the head count; `null`
+        // is the head count for every family.
+        let heads = |model_type: &str, kv: Option<Value>| {
+            let mut config: Value = serde_json::from_str(&with(LLAMA, "model_type", json!(model_type))).unwrap();
+            let object = config.as_object_mut().unwrap();
+            object.remove("architectures");
+            object.insert("num_attention_heads".into(), json!(64));
+            object.insert("head_dim".into(), json!(32));
+            match kv {
+                Some(kv) => object.insert("num_key_value_heads".into(), kv),
+                None => object.remove("num_key_value_heads"),
+            };
+            HfConfig::from_hf_json(&config.to_string(), "h").unwrap().num_key_value_heads
+        };
+        for (model_type, absent) in [("llama", 64), ("mistral", 8), ("qwen2", 32), ("qwen3", 32)] {
+            assert_eq!(heads(model_type, None), absent, "{model_type}'s kv heads where the file names none");
+            assert_eq!(heads(model_type, Some(Value::Null)), 64, "{model_type}'s kv heads where the file says null");
+        }
+
+        // Llama: 2048 positions and token ids 1 and 2 where the file names none; `null` is none.
+        let llama = with(&with(&with(LLAMA, "max_position_embeddings", Value::Null), "bos_token_id", Value::Null), "eos_token_id", Value::Null);
+        let config = HfConfig::from_hf_json(&llama, "l").unwrap();
+        assert_eq!((config.max_position_embeddings, config.bos_token_id, config.eos_token_ids), (2048, Some(1), vec![2]));
+        let mut nulls: Value = serde_json::from_str(&llama).unwrap();
+        nulls["bos_token_id"] = Value::Null;
+        nulls["eos_token_id"] = Value::Null;
+        let config = HfConfig::from_hf_json(&nulls.to_string(), "l").unwrap();
+        assert_eq!((config.bos_token_id, config.eos_token_ids), (None, vec![]));
     }
 
     #[test]
