@@ -57,9 +57,9 @@ const GENERATION_START: char = '\u{E000}';
 const GENERATION_END: char = '\u{E001}';
 
 impl ChatTemplate {
-    /// The chat template of a checkpoint folder: `chat_template` in `tokenizer_config.json` (a
-    /// string, or a list of named templates: the one named `default`), else
-    /// `chat_template.jinja`; `None` when it has neither.
+    /// The chat template of a checkpoint folder: `chat_template.jinja`, else `chat_template` in
+    /// `tokenizer_config.json` (a string, or a list of named templates: the one named
+    /// `default`); `None` when it has neither.
     pub fn from_checkpoint(dir: &Path) -> Result<Option<Self>, ChatError> {
         let config_file = dir.join("tokenizer_config.json");
         let config: serde_json::Value = match fs::read_to_string(&config_file) {
@@ -75,20 +75,17 @@ impl ChatTemplate {
                 Some((name.to_string(), text.to_string()))
             })
             .collect();
-        let (source, file) = match &config["chat_template"] {
-            serde_json::Value::String(source) => (source.clone(), config_file),
-            serde_json::Value::Array(named) => {
+        // As in transformers, the file takes priority over the config's entry.
+        let jinja = dir.join("chat_template.jinja");
+        let (source, file) = match (fs::read_to_string(&jinja), &config["chat_template"]) {
+            (Ok(source), _) => (source, jinja),
+            (Err(_), serde_json::Value::String(source)) => (source.clone(), config_file),
+            (Err(_), serde_json::Value::Array(named)) => {
                 let default = named.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str());
                 let source = default.ok_or_else(|| error(&config_file, "its chat_template list has no template named \"default\""))?;
                 (source.to_string(), config_file)
             }
-            _ => {
-                let jinja = dir.join("chat_template.jinja");
-                match fs::read_to_string(&jinja) {
-                    Ok(source) => (source, jinja),
-                    Err(_) => return Ok(None),
-                }
-            }
+            (Err(_), _) => return Ok(None),
         };
         Self::new(&source, special_tokens, &file.display().to_string()).map(Some)
     }

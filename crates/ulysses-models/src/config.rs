@@ -154,11 +154,6 @@ impl<'a> Keys<'a> {
         }
     }
 
-    /// A token id; a list of them (several end tokens) gives the first.
-    fn token(&self, key: &str) -> Result<Option<u64>, ConfigError> {
-        Ok(self.tokens(key)?.first().copied())
-    }
-
     /// Token ids: one, a list of them, or none (absent or null).
     fn tokens(&self, key: &str) -> Result<Vec<u64>, ConfigError> {
         let not_ids = |value: &Value| self.error(key, format!("must be a token id or a list of them, got {value}"));

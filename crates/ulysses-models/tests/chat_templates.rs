@@ -52,6 +52,25 @@ fn a_refused_role_names_the_file_and_a_folder_without_a_template_has_none() {
     assert!(ChatTemplate::from_checkpoint(&fixtures().join("tokenizer")).unwrap().is_none());
 }
 
+/// Where a folder has both, `chat_template.jinja` is the template, not `tokenizer_config.json`'s
+/// entry: transformers' priority (its `test_chat_template_file_priority`).
+#[test]
+fn the_template_file_takes_priority_over_the_tokenizer_configs_entry() {
+    let folder = std::env::temp_dir().join(format!("ulysses-chat-priority-{}", std::process::id()));
+    std::fs::create_dir_all(&folder).unwrap();
+    let config = serde_json::json!({"chat_template": "config: {{ messages[0].content }}", "eos_token": "</s>"});
+    std::fs::write(folder.join("tokenizer_config.json"), config.to_string()).unwrap();
+    std::fs::write(folder.join("chat_template.jinja"), "file: {{ messages[0].content }} {{ eos_token }}").unwrap();
+    let messages = [serde_json::json!({"role": "user", "content": "hi"})];
+    let template = ChatTemplate::from_checkpoint(&folder).unwrap().unwrap();
+    assert_eq!(template.render(&messages, false).unwrap().text, "file: hi </s>");
+    assert!(template.file().ends_with("chat_template.jinja"), "{}", template.file());
+    std::fs::remove_file(folder.join("chat_template.jinja")).unwrap();
+    let template = ChatTemplate::from_checkpoint(&folder).unwrap().unwrap();
+    assert_eq!(template.render(&messages, false).unwrap().text, "config: hi");
+    std::fs::remove_dir_all(&folder).unwrap();
+}
+
 /// A role the template never names is refused by name (the Qwen-kind template would render
 /// it as a user's turn), as is a message without a role; the three standard roles render.
 #[test]

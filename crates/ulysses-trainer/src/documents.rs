@@ -194,8 +194,9 @@ impl DocumentReader<'_> {
                         (Some(chat), Some(tokenizer)) => (chat, tokenizer),
                         (None, _) => {
                             return Err(format!(
-                                "{}: a \"messages\" line needs the checkpoint's chat template (chat_template in tokenizer_config.json, \
-                                 or chat_template.jinja, in the --model folder or beside --tokenizer)",
+                                "{}: a \"messages\" line needs the tokenizer's chat template (chat_template.jinja, or chat_template \
+                                 in tokenizer_config.json), beside --tokenizer where it is given, else in the --model folder: the \
+                                 folder whose tokenizer files --save-hf copies (copy the template there)",
                                 at()
                             ));
                         }

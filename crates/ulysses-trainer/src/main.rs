@@ -782,16 +782,16 @@ fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: 
     )
 }
 
-/// The chat template of --data's {"messages"} lines: the checkpoint's, else the one beside
-/// --tokenizer.
+/// The chat template of --data's {"messages"} lines: the tokenizer's, as in transformers (the
+/// one beside --tokenizer where it is given, else the --model folder's), from the folder
+/// whose tokenizer files --save-hf copies, so a saved model renders as it was trained.
 fn data_chat_template(args: &Args) -> Result<Option<ChatTemplate>, String> {
-    let folders = args.model.iter().cloned().chain(args.tokenizer.iter().filter_map(|file| file.parent().map(Path::to_path_buf)));
-    for folder in folders {
-        if let Some(template) = ChatTemplate::from_checkpoint(&folder).map_err(|e| format!("--data's chat template: {e}"))? {
-            return Ok(Some(template));
-        }
-    }
-    Ok(None)
+    let folder = match (&args.tokenizer, &args.model) {
+        (Some(file), _) => folder_of(file),
+        (None, Some(model)) => model.as_path(),
+        (None, None) => return Ok(None),
+    };
+    ChatTemplate::from_checkpoint(folder).map_err(|e| format!("--data's chat template: {e}"))
 }
 
 /// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary; and the

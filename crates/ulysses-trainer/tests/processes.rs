@@ -1072,6 +1072,21 @@ fn chat_messages_train_on_the_answers_alike_at_sp_1_and_2() {
     let refused = run_alone(&resumed, &[]);
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("rendered chat data with the template of chat_template.jinja") && text.contains("--allow-new-data"), "{text}");
+    // The template is the tokenizer's, from the folder whose files --save-hf copies: with
+    // --tokenizer from a folder without one, a template in the --model folder is not used
+    // (the saved model would render otherwise than it trained).
+    let model = dir.join("model-with-template");
+    fs::create_dir_all(&model).unwrap();
+    for name in ["config.json", "generation_config.json", "model.safetensors"] {
+        fs::copy(checkpoint.join(name), model.join(name)).unwrap();
+    }
+    fs::copy(chat_folder.join("chat_template.jinja"), model.join("chat_template.jinja")).unwrap();
+    let mut elsewhere = args(&data, "elsewhere", "--sp 1");
+    set_flag(&mut elsewhere, "--model", &model.display().to_string());
+    set_flag(&mut elsewhere, "--tokenizer", &qwen3_and_tokenizer().1.display().to_string());
+    let refused = run_alone(&elsewhere, &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("needs the tokenizer's chat template") && text.contains("beside --tokenizer where it is given"), "{text}");
     let _ = fs::remove_dir_all(&dir);
 }
 
