@@ -378,6 +378,76 @@ fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
     assert!(messages[0].starts_with("step 0") && messages[0].contains("rank 1 left"), "{}", messages[0]);
 }
 
+/// Step inputs that would train wrong or part the ranks are refused on every rank, before any
+/// forward, each rank naming the cause: a sharder that lays sequences over another ring than
+/// the layout's (zigzag attention over contiguous shards would see the future), DP ranks with
+/// different numbers of micro-batches (under ZeRO-3, collectives of different rounds), one
+/// rank's document lengths that do not fit its tokens (the others name that rank, rather than
+/// finding it gone); `evaluate` refuses a sharder for another SP degree.
+#[test]
+fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_rank() {
+    use ulysses_training::{StepInput, backward_step, evaluate};
+    type Scenario = fn(usize) -> (ParallelLayout, SequenceSharder, Vec<Vec<Vec<i64>>>, Option<Vec<Vec<Vec<usize>>>>);
+    let sequence = |len: usize| (0..len as i64).map(|t| t % VOCAB as i64).collect::<Vec<i64>>();
+    let run = |scenario: Scenario| -> Vec<String> {
+        with_deadline(Duration::from_secs(50), move || {
+            ThreadGroup::new(2).run(|rank| {
+                let (layout, sharder, micro_batches, documents) = scenario(rank.rank());
+                let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+                let _sp = enter_sp(&groups);
+                let device = Default::default();
+                let model = config(layout, 1).model.init::<Sp>(&device);
+                let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &micro_batches, documents: documents.as_deref(), targets: None, max_grad_norm: None };
+                backward_step(&model, &step, &sharder, &groups, &device).err().map(|e| e.to_string()).expect("refused")
+            })
+        })
+        .into_iter()
+        .enumerate()
+        .map(|(rank, result)| result.unwrap_or_else(|p| panic!("rank {rank} panicked instead of refusing: {p}")))
+        .collect()
+    };
+
+    let zigzag = ParallelLayout::new().with_sp_size(2).with_ring_size(2).with_ring_sharding(burn_ulysses::ring::RingSharding::Zigzag);
+    for message in run(|_| {
+        let layout = ParallelLayout::new().with_sp_size(2).with_ring_size(2).with_ring_sharding(burn_ulysses::ring::RingSharding::Zigzag);
+        (layout, SequenceSharder::new(2), vec![vec![(0..16).map(|t| t % 32).collect()]], None)
+    }) {
+        assert!(message.contains("ring of 1 (Contiguous) but the layout's ring is 2 (Zigzag)") && message.contains("layout.sharder()"), "{message}");
+    }
+    assert_eq!((zigzag.sharder().ring_size, zigzag.sharder().ring_sharding), (2, burn_ulysses::ring::RingSharding::Zigzag));
+
+    let messages = run(|rank| {
+        let layout = ParallelLayout::new().with_dp_size(2);
+        (layout, layout.sharder(), vec![vec![(0..16).map(|t| t % 32).collect()]; 2 - rank], None)
+    });
+    for message in &messages {
+        assert!(message.contains("different numbers of micro-batches for step 0 ([2, 1]"), "{message}");
+    }
+
+    let messages = run(|rank| {
+        let layout = ParallelLayout::new().with_dp_size(2);
+        let documents = vec![vec![if rank == 1 { vec![10, 5] } else { vec![10, 6] }]];
+        (layout, layout.sharder(), vec![vec![(0..16).map(|t| t % 32).collect()]], Some(documents))
+    });
+    assert!(messages[1].contains("micro-batch 0: sequence 0: document lengths [10, 5] must be positive and sum to its 16 tokens"), "{}", messages[1]);
+    assert!(messages[0].contains("rank 1 refused its inputs for step 0"), "{}", messages[0]);
+
+    let results = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new().with_sp_size(2)).unwrap();
+            let device = Default::default();
+            let batch = vec![sequence(16)];
+            evaluate::<Inner, Inner>(|_, _| unreachable!("refused before the forward"), &batch, None, None, &SequenceSharder::new(4), groups.sp_rank(), &*groups.sp, &device)
+                .err()
+                .map(|e| e.to_string())
+        })
+    });
+    for result in results {
+        let message = result.unwrap().expect("evaluate refuses a sharder for 4 ranks in a group of 2");
+        assert!(message.contains("cuts sequences into 4 shards") && message.contains("the SP group has 2 ranks"), "{message}");
+    }
+}
+
 /// Whole-layer activation checkpointing (layers re-run in the backward from their kept
 /// inputs, on the device and offloaded to the host), alone and with the token-wise parts
 /// (all but the attention core) in sequence tiles, takes the same 5 AdamW steps as the plain backward at SP 1, 2 and 4, and with

@@ -11,6 +11,7 @@ use burn::{config::Config, tensor::backend::Backend};
 use crate::{
     comm::Communicator,
     context::{RankContext, UlyssesConfig},
+    data::SequenceSharder,
     error::UlyssesError,
     layout::{HeadPlan, RingSharding, divisors, dp_size_of_world, ring_coordinates, dp_sp_coordinates},
 };
@@ -58,6 +59,12 @@ impl ParallelLayout {
 
     pub fn world_size(&self) -> usize {
         self.sp_size * self.dp_size
+    }
+
+    /// The sharder that cuts sequences as this layout's attention expects them: `sp_size`
+    /// shards, laid over the ring as it is (its degree and sharding).
+    pub fn sharder(&self) -> SequenceSharder {
+        SequenceSharder::new(self.sp_size).with_ring_size(self.ring_size).with_ring_sharding(self.ring_sharding)
     }
 
     /// `(dp_rank, sp_rank)` of a world rank (ulysses-core's rule).

@@ -226,40 +226,57 @@ impl SequenceSharder {
         self.shard_targets(sequences, documents, None, rank)
     }
 
+    /// Why [`shard_targets`](Self::shard_targets) cannot shard this batch, or `Ok`: an empty
+    /// batch or sequence, document lengths that are not positive or do not sum to their
+    /// sequence, targets of another shape than the tokens.
+    pub fn check_batch(&self, sequences: &[Vec<i64>], documents: Option<&[Vec<usize>]>, targets: Option<&[Vec<bool>]>) -> Result<(), UlyssesError> {
+        let invalid = |message: String| Err(UlyssesError::InvalidConfig(message));
+        if self.sp_size == 0 {
+            return invalid("the sharder's sp_size must be at least 1".into());
+        }
+        if sequences.is_empty() || sequences.iter().any(Vec::is_empty) {
+            return invalid("cannot shard an empty batch or an empty sequence: every sequence needs a token".into());
+        }
+        if let Some(documents) = documents {
+            if documents.len() != sequences.len() {
+                return invalid(format!("document lengths for {} sequences, but the batch holds {}", documents.len(), sequences.len()));
+            }
+            for (i, (lengths, sequence)) in documents.iter().zip(sequences).enumerate() {
+                if lengths.iter().sum::<usize>() != sequence.len() || lengths.contains(&0) {
+                    return invalid(format!("sequence {i}: document lengths {lengths:?} must be positive and sum to its {} tokens", sequence.len()));
+                }
+            }
+        }
+        if let Some(targets) = targets {
+            if targets.len() != sequences.len() {
+                return invalid(format!("targets for {} sequences, but the batch holds {}: one target flag per token", targets.len(), sequences.len()));
+            }
+            if let Some((i, (targets, sequence))) = targets.iter().zip(sequences).enumerate().find(|(_, (t, s))| t.len() != s.len()) {
+                return invalid(format!("sequence {i}: {} targets for its {} tokens: one target flag per token", targets.len(), sequence.len()));
+            }
+        }
+        Ok(())
+    }
+
     /// [`shard_documents`](Self::shard_documents) where only some tokens are trained on:
     /// `targets[i][j]` says whether token `j` of sequence `i` is a target, the label of
     /// position `j − 1` (supervised fine-tuning: the answers, not the prompts; Hugging Face's
     /// labels of -100 are the tokens that are not). `None`: every token.
+    ///
+    /// Panics where [`check_batch`](Self::check_batch) refuses the batch, or `rank` is out of
+    /// range: check first where the input comes from a user.
     pub fn shard_targets(&self, sequences: &[Vec<i64>], documents: Option<&[Vec<usize>]>, targets: Option<&[Vec<bool>]>, rank: usize) -> SequenceShard {
-        assert!(self.sp_size > 0, "sp_size must be at least 1");
+        if let Err(error) = self.check_batch(sequences, documents, targets) {
+            panic!("{error}");
+        }
         assert!(rank < self.sp_size, "rank {rank} is out of range for sp_size {}", self.sp_size);
-        assert!(!sequences.is_empty(), "cannot shard an empty batch");
         let longest = sequences.iter().map(Vec::len).max().unwrap();
-        assert!(longest > 0, "cannot shard a batch of empty sequences");
         // Zigzag cuts each ring rank's share in two chunks.
         let multiple = if self.ring_sharding == RingSharding::Zigzag { 2 * self.sp_size } else { self.sp_size };
         let global_len = longest.max(self.pad_to.unwrap_or(0)).div_ceil(multiple) * multiple;
         let local_len = global_len / self.sp_size;
         let positions = self.positions_of(rank, global_len);
         let start = positions[0];
-
-        if let Some(documents) = documents {
-            assert_eq!(documents.len(), sequences.len(), "document lengths for {} sequences, but the batch holds {}", documents.len(), sequences.len());
-            for (i, (lengths, sequence)) in documents.iter().zip(sequences).enumerate() {
-                assert!(
-                    lengths.iter().sum::<usize>() == sequence.len() && !lengths.contains(&0),
-                    "sequence {i}: document lengths {lengths:?} must be positive and sum to its {} tokens",
-                    sequence.len()
-                );
-            }
-        }
-
-        if let Some(targets) = targets {
-            assert_eq!(targets.len(), sequences.len(), "targets for {} sequences, but the batch holds {}", targets.len(), sequences.len());
-            for (i, (targets, sequence)) in targets.iter().zip(sequences).enumerate() {
-                assert_eq!(targets.len(), sequence.len(), "sequence {i}: {} targets for its {} tokens", targets.len(), sequence.len());
-            }
-        }
 
         let mut tokens = Vec::with_capacity(sequences.len() * local_len);
         let mut labels = Vec::with_capacity(sequences.len() * local_len);

@@ -284,10 +284,7 @@ impl TrainConfig {
     /// The sharder of this layout: batches padded to `seq_len`, so every step has the same
     /// shapes.
     pub fn sharder(&self) -> SequenceSharder {
-        SequenceSharder::new(self.layout.sp_size)
-            .with_pad_to(Some(self.seq_len))
-            .with_ring_size(self.layout.ring_size)
-            .with_ring_sharding(self.layout.ring_sharding)
+        self.layout.sharder().with_pad_to(Some(self.seq_len))
     }
 }
 

@@ -314,38 +314,41 @@ where
     B: TrainBackend,
     M: CausalLm<B>,
 {
-    check_step_inputs::<B, M>(model, step.micro_batches, sharder, groups)?;
+    let checked = check_step_inputs::<B, M>(model, step.micro_batches, sharder, groups).and_then(|()| check_step_annotations(step, sharder));
     let sp_rank = groups.sp_rank();
-    for (what, count) in [("document lengths", step.documents.map(<[_]>::len)), ("targets", step.targets.map(<[_]>::len))] {
-        if let Some(count) = count.filter(|&count| count != step.micro_batches.len()) {
-            return Err(UlyssesError::InvalidConfig(format!("{what} for {count} micro-batches, but the step has {}", step.micro_batches.len())));
-        }
-    }
-    if let Some((m, i, want, got)) = step.targets.and_then(|targets| {
-        targets.iter().zip(step.micro_batches).enumerate().find_map(|(m, (targets, batch))| {
-            (targets.len() != batch.len()).then(|| (m, usize::MAX, batch.len(), targets.len())).or_else(|| {
-                targets.iter().zip(batch).enumerate().find(|(_, (t, s))| t.len() != s.len()).map(|(i, (t, s))| (m, i, s.len(), t.len()))
-            })
-        })
-    }) {
-        let at = if i == usize::MAX { format!("micro-batch {m}: targets for {got} sequences") } else { format!("micro-batch {m}, sequence {i}: {got} targets") };
-        return Err(UlyssesError::InvalidConfig(format!("{at}, but it has {want}: one target flag per token")));
-    }
-    let shards: Vec<_> = step
-        .micro_batches
-        .iter()
-        .enumerate()
-        .map(|(m, batch)| sharder.shard_targets(batch, step.documents.map(|d| &d[m][..]), step.targets.map(|t| &t[m][..]), sp_rank))
-        .collect();
+    let shards: Vec<_> = match &checked {
+        Ok(()) => step
+            .micro_batches
+            .iter()
+            .enumerate()
+            .map(|(m, batch)| sharder.shard_targets(batch, step.documents.map(|d| &d[m][..]), step.targets.map(|t| &t[m][..]), sp_rank))
+            .collect(),
+        Err(_) => Vec::new(),
+    };
     let local_valid: usize = shards.iter().map(|s| s.valid_tokens).sum();
     let local_processed: usize = shards.iter().map(|s| s.batch * s.local_len).sum();
     let local_longest = shards.iter().map(|s| s.local_len).max().unwrap_or(0);
     let local_shortest = shards.iter().map(|s| s.local_len).min().unwrap_or(0);
-    // One host collective for the token counts and the shard lengths.
-    let gathered = groups.world.all_gather_host(&[local_valid, local_processed, local_longest, local_shortest].map(|v| v as u64))?;
+    // One host collective for the token counts and the shard lengths, which every rank joins,
+    // its inputs refused or not, so that each learns whether every rank can go on and all run
+    // the same number of micro-batches (under ZeRO-3 each is a round of world collectives).
+    let mine = [checked.is_ok() as usize, step.micro_batches.len(), local_valid, local_processed, local_longest, local_shortest];
+    let gathered = groups.world.all_gather_host(&mine.map(|v| v as u64));
+    checked?;
+    let gathered = gathered?;
     let over_ranks = |i: usize| gathered.iter().map(move |v| v[i] as usize);
-    let (valid_tokens, processed_tokens) = (over_ranks(0).sum::<usize>(), over_ranks(1).sum::<usize>());
-    let lengths = ShardLengths { longest: over_ranks(2).max().unwrap_or(0), shortest: over_ranks(3).min().unwrap_or(0) };
+    if let Some(rank) = over_ranks(0).position(|ok| ok == 0) {
+        return Err(UlyssesError::InvalidConfig(format!("rank {rank} refused its inputs for step {} (its error says why)", step.index)));
+    }
+    if over_ranks(1).any(|count| count != step.micro_batches.len()) {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "the ranks have different numbers of micro-batches for step {} ({:?}, in world rank order): every rank must accumulate as many",
+            step.index,
+            over_ranks(1).collect::<Vec<_>>()
+        )));
+    }
+    let (valid_tokens, processed_tokens) = (over_ranks(2).sum::<usize>(), over_ranks(3).sum::<usize>());
+    let lengths = ShardLengths { longest: over_ranks(4).max().unwrap_or(0), shortest: over_ranks(5).min().unwrap_or(0) };
     // Guard: a step whose labels are all ignored contributes zero loss, not NaN.
     let weight = 1.0 / valid_tokens.max(1) as f64;
 
@@ -552,12 +555,21 @@ where
     M: CausalLm<B>,
 {
     let invalid = |message: String| Err(UlyssesError::InvalidConfig(message));
+    let layout = &groups.layout;
     if sharder.sp_size != groups.sp.size() {
         return invalid(format!(
             "the sharder cuts sequences into {} shards but the SP group has {} ranks; use \
-             SequenceSharder::new(layout.sp_size)",
+             layout.sharder()",
             sharder.sp_size,
             groups.sp.size()
+        ));
+    }
+    // A ring attends over its blocks as the layout lays them out: data cut otherwise would
+    // see the future or miss its past, without an error.
+    if (sharder.ring_size, sharder.ring_sharding) != (layout.ring_size, layout.ring_sharding) {
+        return invalid(format!(
+            "the sharder lays sequences over a ring of {} ({:?}) but the layout's ring is {} ({:?}); use layout.sharder()",
+            sharder.ring_size, sharder.ring_sharding, layout.ring_size, layout.ring_sharding
         ));
     }
     if !model.is_causal() {
@@ -580,6 +592,23 @@ where
                 ));
             }
         }
+    }
+    Ok(())
+}
+
+/// Refuses document lengths or targets that do not fit the step's micro-batches, naming the
+/// micro-batch.
+fn check_step_annotations(step: &StepInput, sharder: &SequenceSharder) -> Result<(), UlyssesError> {
+    for (what, count) in [("document lengths", step.documents.map(<[_]>::len)), ("targets", step.targets.map(<[_]>::len))] {
+        if let Some(count) = count.filter(|&count| count != step.micro_batches.len()) {
+            return Err(UlyssesError::InvalidConfig(format!("{what} for {count} micro-batches, but the step has {}", step.micro_batches.len())));
+        }
+    }
+    for (m, batch) in step.micro_batches.iter().enumerate() {
+        sharder.check_batch(batch, step.documents.map(|d| &d[m][..]), step.targets.map(|t| &t[m][..])).map_err(|error| match error {
+            UlyssesError::InvalidConfig(message) => UlyssesError::InvalidConfig(format!("micro-batch {m}: {message}")),
+            other => other,
+        })?;
     }
     Ok(())
 }
@@ -619,6 +648,14 @@ pub fn evaluate<B: Backend, G: Backend>(
     sp_group: &dyn Communicator<G>,
     device: &B::Device,
 ) -> Result<TokenLoss, UlyssesError> {
+    if sharder.sp_size != sp_group.size() || sp_rank >= sp_group.size() {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "evaluate: the sharder cuts sequences into {} shards for SP rank {sp_rank}, but the SP group has {} ranks; use layout.sharder()",
+            sharder.sp_size,
+            sp_group.size()
+        )));
+    }
+    sharder.check_batch(batch, documents, targets)?;
     let shard = sharder.shard_targets(batch, documents, targets, sp_rank);
     let loss = model_failure_as_error(|| {
         let output = forward(shard.tokens(device), &shard.positions)?;
@@ -641,6 +678,7 @@ pub fn evaluate_single_device<B: Backend>(
     device: &B::Device,
 ) -> Result<TokenLoss, UlyssesError> {
     let _single_device = burn_ulysses::context::enter_single_device();
+    SequenceSharder::new(1).check_batch(batch, documents, targets)?;
     let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard_targets(batch, documents, targets, 0);
     let loss = model_failure_as_error(|| {
         let output = forward(whole.tokens(device), &whole.positions)?;
