@@ -136,7 +136,11 @@ pub struct SequenceShard {
     pub labels: Vec<i64>,
     pub batch: usize,
     pub local_len: usize,
-    /// Global position of this shard's first token.
+    /// Global position of this shard's first token. Its tokens are at `position_offset + i`
+    /// only where the shard is contiguous and holds one document per row: Ulysses alone or a
+    /// contiguous ring, unpacked. A zigzag ring's shard holds two chunks apart, and packed
+    /// documents restart at 0: RoPE takes [`positions`](Self::positions)' ids, which are right
+    /// in every case.
     pub position_offset: usize,
     /// Where the shard's tokens sit in their sequences.
     pub positions: ShardPositions,

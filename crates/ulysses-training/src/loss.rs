@@ -31,8 +31,10 @@ pub struct OutputHead<B: Backend> {
     pub bias: Option<Tensor<B, 1>>,
     /// What the logits are computed in: `None`, the weight's dtype (f32); or a half dtype, the
     /// weight cast to it once per call and each chunk's matmuls on half-precision tensor cores
-    /// (f32 accumulation), as PyTorch's autocast computes a bf16 model's head. The softmax,
-    /// the loss and the weight's gradient sums stay f32 either way.
+    /// (f32 accumulation), as PyTorch's autocast computes a bf16 model's head. The softmax
+    /// and the loss stay f32 either way; the weight's gradient is summed over the chunks in
+    /// the weight's own dtype (bf16 for a compute copy under the sharded optimizer, where the
+    /// tiles' and micro-batches' sums are bf16 too: docs/training.md, "compute copy").
     pub logits_dtype: Option<FloatDType>,
 }
 
