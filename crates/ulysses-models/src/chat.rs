@@ -216,13 +216,17 @@ fn quoted_words(source: &str) -> BTreeSet<String> {
 const TEMPLATE_NAME: &str = "chat_template";
 
 /// An environment with jinja2's settings in transformers (keep_trailing_newline stays off, as
-/// there), its `raise_exception` and Python's string methods.
+/// there), its `raise_exception` and `tojson` (Python's `json.dumps`, key order kept), and
+/// Python's string methods. transformers' `strftime_now` is left undefined: a template that
+/// asks whether it is defined (Llama 3's) takes its own fixed date, so a conversation renders
+/// to the same tokens on every rank and in every resume, as a date of the day would not.
 fn environment() -> Environment<'static> {
     let mut env = Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", |message: String| -> Result<Value, Error> { Err(Error::new(ErrorKind::InvalidOperation, message)) });
+    env.add_filter("tojson", crate::python_json::tojson);
     env
 }
 

@@ -14,6 +14,7 @@ pub mod chat;
 pub mod config;
 pub mod decoder;
 pub mod pretrained;
+mod python_json;
 pub mod rope;
 pub mod rope_tables;
 pub mod tokenizer;

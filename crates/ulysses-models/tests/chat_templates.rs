@@ -71,6 +71,21 @@ fn the_template_file_takes_priority_over_the_tokenizer_configs_entry() {
     std::fs::remove_dir_all(&folder).unwrap();
 }
 
+/// A tool call's arguments written with the template's `tojson` (plain, indented, with
+/// separators and sorted keys, ASCII only) render as transformers renders them: Python's
+/// `json.dumps`, the arguments' keys in the data's order, `1e-05` and `1e+17` as Python writes
+/// floats, nothing escaped for HTML (scripts/chat-tojson-fixture.py).
+#[test]
+fn tool_calls_written_with_tojson_render_as_transformers_renders_them() {
+    let folder = fixtures().join("chat/tojson");
+    let expected: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(folder.join("expected.json")).unwrap()).unwrap();
+    let messages = expected["messages"].as_array().unwrap();
+    let template = ChatTemplate::from_checkpoint(&folder).unwrap().unwrap();
+    let rendered = template.render(messages, false).unwrap().text;
+    let want = expected["text"].as_str().unwrap();
+    assert!(rendered == want, "rendered:\n{rendered}\ntransformers:\n{want}");
+}
+
 /// A role the template never names is refused by name (the Qwen-kind template would render
 /// it as a user's turn), as is a message without a role; the three standard roles render.
 #[test]

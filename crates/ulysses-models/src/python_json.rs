@@ -1,0 +1,211 @@
+//! JSON as Python's `json.dumps` writes it: what transformers' chat templates get from their
+//! `tojson` filter (`json.dumps(x, ensure_ascii=False, indent=None, separators=None,
+//! sort_keys=False)`, each settable from the template). minijinja's own `tojson` differs in
+//! every way that changes a rendered prompt: no spaces after `,` and `:`, sorted keys, and
+//! `<`, `>`, `&` and `'` escaped for HTML. Tool calls and tool schemas reach the prompt
+//! through it (Qwen2.5's and Qwen3's templates, Llama 3.1's), so their tokens are trained on.
+
+use minijinja::{Error, ErrorKind, Value, value::{Kwargs, ValueKind}};
+
+/// How `json.dumps` was asked to write.
+struct Style {
+    ensure_ascii: bool,
+    /// `None`: one line.
+    indent: Option<String>,
+    item_separator: String,
+    key_separator: String,
+    sort_keys: bool,
+}
+
+/// The `tojson` filter of transformers' chat templates.
+pub fn tojson(value: Value, kwargs: Kwargs) -> Result<String, Error> {
+    let indent = match kwargs.get::<Option<Value>>("indent")? {
+        None => None,
+        Some(indent) if indent.is_none() => None,
+        Some(indent) => Some(match indent.as_str() {
+            Some(text) => text.to_string(),
+            None => {
+                let spaces = indent.as_i64().ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "tojson: indent must be a number or a string"))?;
+                " ".repeat(spaces.max(0) as usize)
+            }
+        }),
+    };
+    // Python's defaults: ", " and ": " on one line, "," before a line break.
+    let (mut item_separator, mut key_separator) = (if indent.is_some() { "," } else { ", " }.to_string(), ": ".to_string());
+    if let Some(separators) = kwargs.get::<Option<Value>>("separators")?.filter(|s| !s.is_none()) {
+        let pair: Vec<Value> = separators.try_iter()?.collect();
+        match pair.as_slice() {
+            [item, key] if item.as_str().is_some() && key.as_str().is_some() => {
+                (item_separator, key_separator) = (item.as_str().unwrap().to_string(), key.as_str().unwrap().to_string());
+            }
+            _ => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be two strings, (item, key)")),
+        }
+    }
+    let style = Style {
+        ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+        indent,
+        item_separator,
+        key_separator,
+        sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
+    };
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    write_value(&value, &style, 0, &mut out)?;
+    Ok(out)
+}
+
+fn write_value(value: &Value, style: &Style, level: usize, out: &mut String) -> Result<(), Error> {
+    match value.kind() {
+        ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
+        ValueKind::Number if value.is_integer() => out.push_str(&value.to_string()),
+        ValueKind::Number => out.push_str(&python_float(f64::try_from(value.clone())?)),
+        ValueKind::String => write_string(value.as_str().unwrap_or_default(), style.ensure_ascii, out),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = value.try_iter()?.collect();
+            write_container(out, style, level, ('[', ']'), &items, |item, out| write_value(item, style, level + 1, out))?;
+        }
+        ValueKind::Map => {
+            let mut pairs: Vec<(String, Value)> = Vec::new();
+            for key in value.try_iter()? {
+                let item = value.get_item(&key)?;
+                pairs.push((map_key(&key)?, item));
+            }
+            if style.sort_keys {
+                pairs.sort_by(|a, b| a.0.cmp(&b.0));
+            }
+            write_container(out, style, level, ('{', '}'), &pairs, |(key, item), out| {
+                write_string(key, style.ensure_ascii, out);
+                out.push_str(&style.key_separator);
+                write_value(item, style, level + 1, out)
+            })?;
+        }
+        kind => return Err(Error::new(ErrorKind::InvalidOperation, format!("tojson: a value of kind {kind} is not JSON serializable"))),
+    }
+    Ok(())
+}
+
+/// `[`items`]` or `{`items`}`, one line or one item a line.
+fn write_container<T>(out: &mut String, style: &Style, level: usize, (open, close): (char, char), items: &[T], mut write: impl FnMut(&T, &mut String) -> Result<(), Error>) -> Result<(), Error> {
+    out.push(open);
+    if items.is_empty() {
+        out.push(close);
+        return Ok(());
+    }
+    let line = |level: usize| style.indent.as_ref().map(|indent| format!("\n{}", indent.repeat(level)));
+    if let Some(line) = line(level + 1) {
+        out.push_str(&line);
+    }
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.push_str(&style.item_separator);
+            if let Some(line) = line(level + 1) {
+                out.push_str(&line);
+            }
+        }
+        write(item, out)?;
+    }
+    if let Some(line) = line(level) {
+        out.push_str(&line);
+    }
+    out.push(close);
+    Ok(())
+}
+
+/// A map's key as `json.dumps` writes it: strings as they are, numbers, booleans and None
+/// spelt as JSON.
+fn map_key(key: &Value) -> Result<String, Error> {
+    match key.kind() {
+        ValueKind::String => Ok(key.as_str().unwrap_or_default().to_string()),
+        ValueKind::None | ValueKind::Bool | ValueKind::Number => {
+            let mut out = String::new();
+            write_value(key, &Style { ensure_ascii: false, indent: None, item_separator: String::new(), key_separator: String::new(), sort_keys: false }, 0, &mut out)?;
+            Ok(out)
+        }
+        kind => Err(Error::new(ErrorKind::InvalidOperation, format!("tojson: keys must be strings, numbers, booleans or None, not {kind}"))),
+    }
+}
+
+/// A string in JSON's quotes, escaped as Python's encoder escapes it.
+fn write_string(text: &str, ensure_ascii: bool, out: &mut String) {
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || (ensure_ascii && !c.is_ascii()) => {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{unit:04x}"));
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// A float as Python's `repr` writes it: the shortest digits that read back the same, fixed
+/// between 1e-4 and 1e16 (`0.0001`, `1.0`), else in exponent form (`1e-05`, `1e+16`);
+/// `NaN` and `Infinity` as `json.dumps` allows them.
+fn python_float(x: f64) -> String {
+    if x.is_nan() {
+        return "NaN".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    // Rust's `{:e}` gives the shortest round-trip digits: `1.2345e-7`, `-5e0`.
+    let scientific = format!("{:e}", x.abs());
+    let (mantissa, exponent) = scientific.split_once('e').expect("{:e} writes an exponent");
+    let exponent: i32 = exponent.parse().expect("an integer exponent");
+    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
+    let sign = if x.is_sign_negative() { "-" } else { "" };
+    if !(-4..16).contains(&exponent) {
+        let mantissa = if digits.len() > 1 { format!("{}.{}", &digits[..1], &digits[1..]) } else { digits };
+        let exponent_sign = if exponent < 0 { '-' } else { '+' };
+        return format!("{sign}{mantissa}e{exponent_sign}{:02}", exponent.abs());
+    }
+    let point = exponent + 1;
+    let fixed = if point <= 0 {
+        format!("0.{}{digits}", "0".repeat((-point) as usize))
+    } else if point as usize >= digits.len() {
+        format!("{digits}{}.0", "0".repeat(point as usize - digits.len()))
+    } else {
+        format!("{}.{}", &digits[..point as usize], &digits[point as usize..])
+    };
+    format!("{sign}{fixed}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each against `repr(float(x))` in CPython 3.
+    #[test]
+    fn floats_are_written_as_python_writes_them() {
+        for (x, python) in [
+            (1.0, "1.0"),
+            (-0.0, "-0.0"),
+            (0.5, "0.5"),
+            (0.0001, "0.0001"),
+            (0.00001, "1e-05"),
+            (1.5e-7, "1.5e-07"),
+            (123.456, "123.456"),
+            (1e15, "1000000000000000.0"),
+            (1e16, "1e+16"),
+            (1.2345678901234568e17, "1.2345678901234568e+17"),
+            (-2.5e-300, "-2.5e-300"),
+            (0.1 + 0.2, "0.30000000000000004"),
+            (f64::INFINITY, "Infinity"),
+            (f64::NAN, "NaN"),
+        ] {
+            assert_eq!(python_float(x), python, "{x:e}");
+        }
+    }
+}
