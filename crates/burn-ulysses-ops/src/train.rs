@@ -5,14 +5,17 @@
 //! data-parallel replica's part of the batch, from `SequenceSharder`):
 //!
 //! ```text
-//! let labels = SequenceSharder::labels_in(&batch);            // the whole batch's, on every rank
-//! let loss = lm_loss_sum(model.forward(tokens, positions), shard_labels, IGNORE_INDEX) / labels;
+//! let count = all_reduce_sum(shard.valid_tokens as f64);     // the job's labelled tokens
+//! let loss = lm_loss_sum(model.forward(tokens, positions), shard_labels, IGNORE_INDEX) / count;
 //! let grads = all_reduce_gradients(&model, GradientsParams::from_grads(loss.backward(), &model));
 //! model = optimizer.step(lr, model, grads);                   // the same step on every rank
 //! ```
 //!
 //! Each rank's loss is its tokens' cross-entropy over the whole batch's label count, so the
 //! ranks' losses and gradients, summed over every SP and DP rank, are the single-device ones.
+//! The count is the shards' `valid_tokens` summed over the job: right for packed documents
+//! and targets too, where `SequenceSharder::labels_in` (every token but each row's last, of
+//! the whole global batch) counts too many.
 //! The step stays the same on every rank only if nothing in it measures the gradients per
 //! rank on a GPU: burn's norm clipping (`GradientClippingConfig::Norm`) sums squares on the
 //! device, a sum that is not bit-reproducible there, and would clip the ranks apart (burn 0.21's

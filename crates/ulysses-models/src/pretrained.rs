@@ -161,8 +161,13 @@ pub fn from_pretrained<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pre
     Ok(Pretrained { config, model })
 }
 
-/// The weight files of a checkpoint folder: the shards its index lists, or the single file.
+/// The weight files of a checkpoint folder: the single file, else the shards its index lists
+/// (transformers' order, where a folder holds both).
 fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let single = dir.join(WEIGHTS_FILE);
+    if single.exists() {
+        return Ok(vec![single]);
+    }
     let index = dir.join(INDEX_FILE);
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|e| CheckpointError::file(&index, e))?;
@@ -170,10 +175,6 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
         let map = json["weight_map"].as_object().ok_or_else(|| CheckpointError::file(&index, "has no `weight_map` object"))?;
         let files: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
         return Ok(files.into_iter().map(|file| dir.join(file)).collect());
-    }
-    let single = dir.join(WEIGHTS_FILE);
-    if single.exists() {
-        return Ok(vec![single]);
     }
     Err(CheckpointError::file(dir, format!("holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")))
 }

@@ -186,6 +186,19 @@ fn load_error(dir: &Path) -> String {
     }
 }
 
+/// A folder that holds both the single weights file and an index (here a stale one, naming a
+/// shard that is gone) loads the single file, as transformers does.
+#[test]
+fn the_single_weights_file_takes_priority_over_an_index_as_in_transformers() {
+    let both = edited_copy("llama", "both", |_| {});
+    let index = serde_json::json!({"metadata": {"total_size": 4}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}});
+    std::fs::write(both.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    if let Err(error) = from_pretrained::<Cpu>(&both, &Default::default()) {
+        panic!("a folder with model.safetensors and a stale index did not load: {error}");
+    }
+    std::fs::remove_dir_all(both).unwrap();
+}
+
 /// Weights the configuration does not describe are refused, naming the tensor and the file.
 #[test]
 fn weights_that_do_not_fit_the_config_are_refused_by_name() {
