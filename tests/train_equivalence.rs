@@ -383,7 +383,8 @@ fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
 /// the layout's (zigzag attention over contiguous shards would see the future), DP ranks with
 /// different numbers of micro-batches (under ZeRO-3, collectives of different rounds), one
 /// rank's document lengths that do not fit its tokens (the others name that rank, rather than
-/// finding it gone); `evaluate` refuses a sharder for another SP degree.
+/// finding it gone), the ranks of an SP group given different sequences; `evaluate` refuses a
+/// sharder for another SP degree.
 #[test]
 fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_rank() {
     use ulysses_training::{StepInput, backward_step, evaluate};
@@ -422,6 +423,14 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
     });
     for message in &messages {
         assert!(message.contains("different numbers of micro-batches for step 0 ([2, 1]"), "{message}");
+    }
+
+    // The ranks of an SP group given other sequences (data sliced by world rank).
+    for message in run(|rank| {
+        let layout = ParallelLayout::new().with_sp_size(2);
+        (layout, layout.sharder(), vec![vec![(0..16).map(|t| (t + rank as i64) % 32).collect()]], None)
+    }) {
+        assert!(message.contains("world ranks 0 and 1 of one SP group (DP replica 0) were given different sequences for step 0"), "{message}");
     }
 
     let messages = run(|rank| {

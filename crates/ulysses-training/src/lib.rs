@@ -332,8 +332,9 @@ where
     // One host collective for the token counts and the shard lengths, which every rank joins,
     // its inputs refused or not, so that each learns whether every rank can go on and all run
     // the same number of micro-batches (under ZeRO-3 each is a round of world collectives).
-    let mine = [checked.is_ok() as usize, step.micro_batches.len(), local_valid, local_processed, local_longest, local_shortest];
-    let gathered = groups.world.all_gather_host(&mine.map(|v| v as u64));
+    // And the batch's digest: the ranks of an SP group cut the same sequences.
+    let mine = [checked.is_ok() as u64, step.micro_batches.len() as u64, local_valid as u64, local_processed as u64, local_longest as u64, local_shortest as u64, batch_digest(step)];
+    let gathered = groups.world.all_gather_host(&mine);
     checked?;
     let gathered = gathered?;
     let over_ranks = |i: usize| gathered.iter().map(move |v| v[i] as usize);
@@ -345,6 +346,18 @@ where
             "the ranks have different numbers of micro-batches for step {} ({:?}, in world rank order): every rank must accumulate as many",
             step.index,
             over_ranks(1).collect::<Vec<_>>()
+        )));
+    }
+    // Every rank checks every group, so all stop alike. An SP group's first rank is the one
+    // with the same DP coordinate and SP rank 0.
+    let first_of_group = |rank: usize| (0..gathered.len()).find(|&r| groups.layout.coordinates(r).0 == groups.layout.coordinates(rank).0).unwrap_or(rank);
+    if let Some(rank) = (0..gathered.len()).find(|&r| gathered[r][6] != gathered[first_of_group(r)][6]) {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "world ranks {} and {rank} of one SP group (DP replica {}) were given different sequences for step {}: every rank of \
+             an SP group passes its replica's whole micro-batches and cuts its own shard (slice the data by dp_rank, not by world rank)",
+            first_of_group(rank),
+            groups.layout.coordinates(rank).0,
+            step.index
         )));
     }
     let (valid_tokens, processed_tokens) = (over_ranks(2).sum::<usize>(), over_ranks(3).sum::<usize>());
@@ -594,6 +607,25 @@ where
         }
     }
     Ok(())
+}
+
+/// A digest of a step's micro-batches, their document lengths and targets.
+fn batch_digest(step: &StepInput) -> u64 {
+    let mut hash = checkpoint::FNV1A_START;
+    for (m, batch) in step.micro_batches.iter().enumerate() {
+        for (i, sequence) in batch.iter().enumerate() {
+            let tokens: Vec<u8> = sequence.iter().flat_map(|t| t.to_le_bytes()).collect();
+            hash = checkpoint::fnv1a_more(hash, &(sequence.len() as u64).to_le_bytes());
+            hash = checkpoint::fnv1a_more(hash, &tokens);
+            if let Some(lengths) = step.documents.and_then(|d| d.get(m)?.get(i)) {
+                hash = checkpoint::fnv1a_more(hash, &lengths.iter().flat_map(|l| (*l as u64).to_le_bytes()).collect::<Vec<u8>>());
+            }
+            if let Some(targets) = step.targets.and_then(|t| t.get(m)?.get(i)) {
+                hash = checkpoint::fnv1a_more(hash, &targets.iter().map(|&t| t as u8).collect::<Vec<u8>>());
+            }
+        }
+    }
+    hash
 }
 
 /// Refuses document lengths or targets that do not fit the step's micro-batches, naming the
