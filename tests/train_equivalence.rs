@@ -7,10 +7,13 @@
 //! | DP=2         | `UlyssesBackend<Autodiff<..>>`   | 2  | 1  | 1                  |
 //! | SP=2, GAS=2  | `UlyssesBackend<Autodiff<..>>`   | 1  | 2  | 2                  |
 //! | SP=4         | `UlyssesBackend<Autodiff<..>>`   | 1  | 4  | 1                  |
+//! | SP=4, len 30 | `UlyssesBackend<Autodiff<..>>`   | 1  | 4  | 1                  |
 //!
-//! Batches mix sequence lengths (so shorter ones are padded), and step 0's longest sequence
-//! has 13 tokens: padded to 16 for SP=4, rank 3's shard (positions 12..16) holds only ignored
-//! labels, yet that rank must run forward and backward for its peers' exchanges.
+//! Batches mix sequence lengths (so shorter ones are padded), each padded to the run's
+//! `seq_len` (256, or 30 in the last run: no multiple of 4, so padded on to 32; step 1's
+//! sequence of 32 tokens fills it). Step 0's longest sequence has 13 tokens: at SP=4 and
+//! length 32, rank 3's shard (positions 24..32) holds only padding with ignored labels, yet
+//! that rank must run forward and backward for its peers' exchanges.
 
 use std::time::Duration;
 
@@ -108,7 +111,9 @@ fn one_device_dp_sp_and_accumulation_take_the_same_steps() {
         let dp2 = train::<Sp>(config(ParallelLayout::new().with_dp_size(2), 1), enter_sp);
         let sp2_gas2 = train::<Sp>(config(ParallelLayout::new().with_sp_size(2), 2), enter_sp);
         let sp4 = train::<Sp>(config(ParallelLayout::new().with_sp_size(4), 1), enter_sp);
-        [("one device", single), ("DP=2", dp2), ("SP=2 GAS=2", sp2_gas2), ("SP=4", sp4)]
+        // A length that is no multiple of SP: batches padded past it, to 32.
+        let sp4_uneven = train::<Sp>(config(ParallelLayout::new().with_sp_size(4), 1).with_seq_len(30), enter_sp);
+        [("one device", single), ("DP=2", dp2), ("SP=2 GAS=2", sp2_gas2), ("SP=4", sp4), ("SP=4 len 30", sp4_uneven)]
     });
 
     let (_, reference) = &runs[0];
@@ -656,12 +661,17 @@ fn qwen3_sp_dp_accumulating(zero: Zero, steps: usize, max_grad_norm: Option<f64>
 /// [`qwen3_sp_dp_accumulating`] with a step for each `(data, targets)` of `schedule`: the data
 /// of `VariedLengths`' step `data`, every token a target or (`false`) none.
 fn qwen3_sp_dp_schedule(zero: Zero, schedule: &[(usize, bool)], max_grad_norm: Option<f64>, micro_batches: usize) -> Qwen3Run {
+    fixture_sp_dp_schedule("qwen3", zero, schedule, max_grad_norm, micro_batches)
+}
+
+/// [`qwen3_sp_dp_schedule`] on another of ulysses-models' fixtures of the same vocabulary.
+fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)], max_grad_norm: Option<f64>, micro_batches: usize) -> Qwen3Run {
     use ulysses_training::{
         DeviceShardedAdamW, HostAdamWConfig, LayerCheckpointing, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step,
         apply_step_sharded, apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3,
     };
     const WEIGHT_DECAY: f32 = 0.01;
-    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/ulysses-models/tests/fixtures/qwen3");
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/ulysses-models/tests/fixtures").join(fixture);
     let layout = ParallelLayout::new().with_sp_size(2).with_dp_size(2);
     let per_rank = ThreadGroup::new(4).run(|rank| {
         let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
@@ -732,6 +742,41 @@ fn qwen3_sp_dp_schedule(zero: Zero, schedule: &[(usize, bool)], max_grad_norm: O
     let device_bytes = per_rank.iter().map(|r| r.4).collect();
     let (losses, norms, params, _, _, reduce_scatters) = per_rank.into_iter().next().unwrap();
     Qwen3Run { losses, norms, params, host_bytes, device_bytes, reduce_scatters }
+}
+
+/// A head tied to the embeddings (Llama's fixture, as Llama-3.2-1B ties them) trains alike
+/// under ZeRO-3 and replicated AdamW at SP=2 × DP=2: the head's gradient and the
+/// embedding's, one parameter, summed before its part leaves. ZeRO-3 equals the sharded
+/// optimizer on the same checkpointed step bit for bit; against replicated AdamW's plain
+/// backward (autodiff over the whole graph, the tie summed by burn) the losses are within
+/// 1e-6 and every parameter within 3e-5 of its largest value (Adam's normalised steps carry
+/// the gradients' last bits: replicated AdamW's own checkpointed backward is 1.2e-5 from its
+/// plain one here).
+#[test]
+fn a_tied_head_trains_under_zero_3_like_replicated_adamw() {
+    let config = ulysses_models::HfConfig::from_hf(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/ulysses-models/tests/fixtures/llama")).unwrap();
+    assert!(config.tie_word_embeddings, "the fixture must tie its head");
+    with_deadline(Duration::from_secs(300), || {
+        let schedule: Vec<(usize, bool)> = (0..5).map(|step| (step, true)).collect();
+        let run = |zero| fixture_sp_dp_schedule("llama", zero, &schedule, Some(1.0), 1);
+        let (zero3, sharded, plain) = (run(Zero::Stage3), run(Zero::ShardedOptimizerCheckpointed), run(Zero::Replicated));
+        let untrained = fixture_sp_dp_schedule("llama", Zero::Replicated, &[], None, 1);
+        assert!(zero3.losses.iter().all(|l| l.is_finite()), "{:?}", zero3.losses);
+        let relative = |a: &Qwen3Run, b: &Qwen3Run| {
+            worst(a.params.iter().zip(&b.params).map(|((_, x), (_, y))| max_abs_diff(x, y) / y.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()))))
+        };
+        assert!(relative(&zero3, &untrained) > 1e-3, "five steps moved no parameter");
+        assert_eq!(zero3.losses, sharded.losses, "ZeRO-3's losses against the sharded optimizer's on the same step");
+        for ((name, want), (_, got)) in sharded.params.iter().zip(&zero3.params) {
+            assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: {:e} apart from the sharded optimizer's", max_abs_diff(got, want));
+        }
+        let loss_diff = worst(zero3.losses.iter().zip(&plain.losses).map(|(a, b)| (a - b).abs() as f32));
+        assert!(loss_diff <= 1e-6, "losses {loss_diff:e} apart: {:?} against {:?}", zero3.losses, plain.losses);
+        for ((name, want), (_, got)) in plain.params.iter().zip(&zero3.params) {
+            let diff = max_abs_diff(got, want) / want.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
+            assert!(diff <= 3e-5, "{name}: {diff:e} of its largest value apart from replicated AdamW");
+        }
+    });
 }
 
 /// A step without a target on any rank (prompts alone: under `--loss-on assistant`, a long
