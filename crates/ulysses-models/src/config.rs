@@ -192,7 +192,8 @@ impl HfConfig {
             }
         }
         if let Some(activation) = keys.get("hidden_act") {
-            if activation.as_str() != Some("silu") {
+            // transformers' "swish" is the same function (torch's SiLU).
+            if !matches!(activation.as_str(), Some("silu" | "swish")) {
                 return Err(keys.error("hidden_act", format!("is {activation}; the four families' MLP is SwiGLU (\"silu\")")));
             }
         }
@@ -241,12 +242,24 @@ impl HfConfig {
             Family::Qwen3 => (attention_bias, attention_bias),
             Family::Mistral => (false, false),
         };
+        let num_hidden_layers = keys.count("num_hidden_layers", None)?;
         let sliding_window = match family {
             // Absent, Mistral's window is 4096 keys (transformers' default); `null`, none.
             Family::Mistral if !keys.names("sliding_window") => Some(4096),
             Family::Mistral => keys.optional_count("sliding_window")?,
             Family::Qwen2 | Family::Qwen3 if keys.flag("use_sliding_window", false)? => {
-                return Err(keys.error("use_sliding_window", "is true; Qwen's per-layer sliding window (max_window_layers) is not represented"));
+                // Which layers slide, as transformers lays them out: `layer_types` where given,
+                // else every layer from `max_window_layers` (28) on. None sliding is full
+                // attention everywhere, which the decoder represents.
+                let sliding = match keys.get("layer_types").and_then(Value::as_array) {
+                    Some(types) => types.iter().any(|t| t.as_str() == Some("sliding_attention")),
+                    None => keys.count("max_window_layers", Some(28))? < num_hidden_layers,
+                };
+                // An absent window is transformers' 4096; `null`, none.
+                if sliding && (!keys.names("sliding_window") || keys.get("sliding_window").is_some()) {
+                    return Err(keys.error("use_sliding_window", "is true and some layers slide (max_window_layers or layer_types); Qwen's per-layer sliding window is not represented"));
+                }
+                None
             }
             _ => None,
         };
@@ -266,7 +279,7 @@ impl HfConfig {
             vocab_size: keys.count("vocab_size", None)?,
             hidden_size,
             intermediate_size: keys.count("intermediate_size", None)?,
-            num_hidden_layers: keys.count("num_hidden_layers", None)?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
@@ -518,6 +531,19 @@ mod tests {
         assert_eq!((config.bos_token_id, config.eos_token_ids), (None, vec![]));
     }
 
+    /// What transformers reads as the same model: "swish" for SiLU, and Qwen's sliding window
+    /// switched on where no layer slides (16 layers, windows from layer 28 on; or a window of
+    /// `null`).
+    #[test]
+    fn what_transformers_reads_as_the_same_model_is_accepted() {
+        assert!(HfConfig::from_hf_json(&with(LLAMA, "hidden_act", json!("swish")), "a").is_ok());
+        let qwen2 = with(&with(&with(LLAMA, "model_type", json!("qwen2")), "architectures", Value::Null), "use_sliding_window", json!(true));
+        assert_eq!(HfConfig::from_hf_json(&qwen2, "a").unwrap().sliding_window, None);
+        let mut no_window: Value = serde_json::from_str(&with(&qwen2, "max_window_layers", json!(8))).unwrap();
+        no_window["sliding_window"] = Value::Null;
+        assert_eq!(HfConfig::from_hf_json(&no_window.to_string(), "a").unwrap().sliding_window, None);
+    }
+
     #[test]
     fn transformers_5_rope_parameters_hold_theta_and_type() {
         let text = with(&with(LLAMA, "rope_scaling", Value::Null), "rope_parameters", json!({"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}));
@@ -541,7 +567,14 @@ mod tests {
             (with(LLAMA, "hidden_act", json!("gelu")), "`hidden_act` is \"gelu\""),
             (with(LLAMA, "mlp_bias", json!(true)), "`mlp_bias` is true"),
             (with(LLAMA, "head_dim", json!(63)), "`head_dim` is 63; RoPE rotates pairs"),
-            (with(&with(&with(LLAMA, "model_type", json!("qwen2")), "architectures", Value::Null), "use_sliding_window", json!(true)), "`use_sliding_window` is true"),
+            (
+                with(&with(&with(&with(LLAMA, "model_type", json!("qwen2")), "architectures", Value::Null), "use_sliding_window", json!(true)), "max_window_layers", json!(8)),
+                "`use_sliding_window` is true and some layers slide",
+            ),
+            (
+                with(&with(&with(&with(LLAMA, "model_type", json!("qwen3")), "architectures", Value::Null), "use_sliding_window", json!(true)), "layer_types", json!(["full_attention", "sliding_attention"])),
+                "`use_sliding_window` is true and some layers slide",
+            ),
             ("[1, 2]".to_string(), "`config.json` is not a JSON object"),
         ];
         for (text, expected) in cases {

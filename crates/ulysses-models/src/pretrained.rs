@@ -26,7 +26,8 @@ use crate::{
 };
 
 /// Hugging Face's tensor names (regular expressions) and the decoder's, in the order applied.
-/// `lm_head.weight` keeps its name; anything else keeps its own, stays unused and is refused.
+/// `lm_head.weight` keeps its name; anything else keeps its own and stays unused: refused,
+/// but for what transformers skips too (`rotary_emb.inv_freq`, a tied model's `lm_head`).
 pub const HF_TO_DECODER: [(&str, &str); 7] = [
     (r"^model\.embed_tokens\.weight$", "embedding.weight"),
     (r"^model\.norm\.weight$", "norm.gamma"),
@@ -145,9 +146,18 @@ pub fn from_pretrained<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pre
                 other => CheckpointError::file(&file, format!("{other:?}")),
             });
         }
-        if let Some(unused) = result.unused.first() {
-            let why = if unused.starts_with("lm_head") { "config.json ties the word embeddings (tie_word_embeddings)" } else { "this decoder has no such tensor" };
-            return Err(tensor_error(unused, format!("is not used: {why}")));
+        // What transformers skips too: RoPE's frequencies kept by old conversions (computed
+        // from config.json here), and a head saved beside embeddings config.json ties (the
+        // embeddings are the head).
+        for unused in &result.unused {
+            if unused.ends_with("rotary_emb.inv_freq") {
+                continue;
+            }
+            if unused.starts_with("lm_head") && config.tie_word_embeddings {
+                tracing::warn!(file = %file.display(), "lm_head.weight is not used: config.json ties the word embeddings (tie_word_embeddings), so the head is the embeddings, as in transformers");
+                continue;
+            }
+            return Err(tensor_error(unused, "is not used: this decoder has no such tensor".into()));
         }
         for tensor in result.applied {
             if !loaded.insert(tensor.clone()) {
