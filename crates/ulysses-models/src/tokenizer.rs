@@ -52,8 +52,11 @@ impl TextTokenizer {
         Ok(self.encode_documents(&[text], eos)?.remove(0))
     }
 
-    /// [`encode_document`](Self::encode_document) of each text, on every core.
+    /// [`encode_document`](Self::encode_document) of each text, on every core. A text that
+    /// begins with what the post-processor adds (a chat rendered to text with its
+    /// `<|begin_of_text|>`) gets it once, not twice as `tokenizer(text)` gives it.
     pub fn encode_documents(&self, texts: &[&str], eos: u32) -> Result<Vec<Vec<u32>>, TokenizerError> {
+        let added = self.added_before_text()?;
         let encodings = self
             .inner
             .encode_batch(texts.to_vec(), true)
@@ -62,10 +65,21 @@ impl TextTokenizer {
             .iter()
             .map(|encoding| {
                 let mut ids = encoding.get_ids().to_vec();
+                if !added.is_empty() && ids.len() >= 2 * added.len() && ids[added.len()..].starts_with(&added) {
+                    ids.drain(..added.len());
+                }
                 ids.push(eos);
                 ids
             })
             .collect())
+    }
+
+    /// The ids the post-processor adds before a text (Llama 3's `<|begin_of_text|>`; none
+    /// for most tokenizers): what two texts that differ from their first character share.
+    pub fn added_before_text(&self) -> Result<Vec<u32>, TokenizerError> {
+        let encodings = self.inner.encode_batch(vec!["a", "b"], true).map_err(|e| self.cannot_encode(e))?;
+        let (a, b) = (encodings[0].get_ids(), encodings[1].get_ids());
+        Ok(a.iter().zip(b).take_while(|(x, y)| x == y).map(|(x, _)| *x).collect())
     }
 
     /// The id of a token written out (e.g. `<|endoftext|>`), if the vocabulary has it.

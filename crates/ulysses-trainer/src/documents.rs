@@ -29,7 +29,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 use ulysses_models::{ChatTemplate, TextTokenizer};
 
-use crate::{corpus::splitmix64, files::files_under, train::StepData};
+use crate::{corpus::splitmix64, files::data_files, train::StepData};
 
 /// Text lines tokenized together (on every core).
 const TOKENIZE_CHUNK: usize = 512;
@@ -52,8 +52,17 @@ pub struct DocumentReader<'a> {
     /// Refuse a document longer than this (`--too-long refuse`), naming its line, rather than
     /// cut it into pieces when packing (`None`).
     pub refuse_longer_than: Option<usize>,
+    /// What reading noticed, for the whole read.
+    pub noted: Noted,
+}
+
+/// What a [`DocumentReader`] noticed while it read.
+#[derive(Default)]
+pub struct Noted {
     /// Set once a `{"messages"}` line was rendered with `chat` ([`Documents::rendered_chat`]).
-    pub rendered: std::cell::Cell<bool>,
+    rendered: std::cell::Cell<bool>,
+    /// Prompt/completion lines whose prompt tokenizes otherwise alone than before its completion.
+    merged_prompts: std::cell::Cell<usize>,
 }
 
 /// A document as read, before it is tokenized.
@@ -82,7 +91,11 @@ impl DocumentReader<'_> {
     /// Every document of `path` (a `.jsonl` or `.json` file of JSON Lines, a text file, or a folder of them, in name
     /// order) as token ids ending in EOS. Documents with nothing before their EOS are left out.
     pub fn read(&self, path: &Path) -> Result<Documents, String> {
-        let files = files_under(path).map_err(|e| format!("cannot read --data {}: {e}", path.display()))?;
+        let (files, others) = data_files(path)?;
+        if !others.is_empty() {
+            let names: Vec<String> = others.iter().map(|f| f.display().to_string()).collect();
+            tracing::warn!("--data {}: not read, neither JSON Lines (.jsonl, .json) nor text (.txt): {}", path.display(), names.join(", "));
+        }
         let total: u64 = files.iter().map(|f| fs::metadata(f).map_or(0, |m| m.len())).sum();
         let bar = if self.progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
         bar.set_style(ProgressStyle::with_template("tokenizing {bytes}/{total_bytes} [{bar:30}] {msg}").unwrap().progress_chars("=> "));
@@ -107,10 +120,18 @@ impl DocumentReader<'_> {
         if documents.len() < read {
             tracing::info!(skipped = read - documents.len(), "left out the empty documents");
         }
+        let merged = self.noted.merged_prompts.get();
+        if merged > 0 {
+            tracing::warn!(
+                "--data {}: {merged} prompt(s) tokenize otherwise alone than before their completion (a prompt ending in a space, \
+                 as a rule, whose space joins the completion's first token): their targets start at the first token that differs",
+                path.display()
+            );
+        }
         let marked = documents.iter().any(|(_, targets)| targets.is_some());
         let (ids, targets): (Vec<Vec<i64>>, Vec<Option<Vec<bool>>>) = documents.into_iter().unzip();
         let targets = marked.then(|| targets.into_iter().zip(&ids).map(|(targets, ids)| targets.unwrap_or_else(|| vec![true; ids.len()])).collect());
-        Ok(Documents { ids, targets, rendered_chat: self.rendered.get() })
+        Ok(Documents { ids, targets, rendered_chat: self.noted.rendered.get() })
     }
 
     fn read_json_lines(&self, file: &Path, bar: &ProgressBar, documents: &mut Vec<Read>) -> Result<(), String> {
@@ -164,23 +185,38 @@ impl DocumentReader<'_> {
         }
         .into_iter();
         let eos = i64::from(self.eos);
+        // The tokens the tokenizer adds before a text (Llama 3's `<|begin_of_text|>`).
+        let added = match self.tokenizer {
+            Some(tokenizer) if !texts.is_empty() => tokenizer.added_before_text().map_err(|e| e.to_string())?.len(),
+            _ => 0,
+        };
         for (line, document) in pending.drain(..) {
             let at = || if line == 0 { file.display().to_string() } else { format!("{} line {line}", file.display()) };
             let mut next = || -> Vec<i64> { encoded.next().expect("one encoding per text").into_iter().map(i64::from).collect() };
             let (ids, targets): (Vec<i64>, Option<Vec<bool>>) = match document {
                 Pending::Text(_) => {
-                    // The encoder appended EOS: a text that ended in it already keeps one.
                     let mut ids = next();
-                    if ids.len() >= 2 && ids[ids.len() - 2] == eos {
-                        ids.pop();
+                    end_in_one_eos(&mut ids, eos);
+                    // Nothing but what the tokenizer adds (a BOS) and the EOS: an empty text.
+                    if ids.len() == added + 1 {
+                        ids.truncate(1);
                     }
                     (ids, None)
                 }
                 Pending::PromptCompletion(..) => {
-                    // Without the EOS the encoder appended to the prompt.
-                    let prompt = next().len() - 1;
-                    let ids = next();
-                    let targets = (0..ids.len()).map(|i| i >= prompt).collect();
+                    let mut prompt = next();
+                    prompt.pop(); // The EOS the encoder appended.
+                    let mut ids = next();
+                    end_in_one_eos(&mut ids, eos);
+                    // The targets start past the prompt's tokens. Where the prompt ends in a
+                    // space, a byte-level tokenizer merges it into the completion's first
+                    // token: then they start at the first token that differs, which holds the
+                    // completion's start (TRL warns, and trains on the completion's rest).
+                    let shared = prompt.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+                    if shared < prompt.len() {
+                        self.noted.merged_prompts.set(self.noted.merged_prompts.get() + 1);
+                    }
+                    let targets = (0..ids.len()).map(|i| i >= shared).collect();
                     (ids, Some(targets))
                 }
                 Pending::Ids(mut ids) => {
@@ -210,7 +246,7 @@ impl DocumentReader<'_> {
                         ));
                     }
                     let (ids, answers) = chat.tokenize(tokenizer, &messages, false).map_err(|e| format!("{}: {e}", at()))?;
-                    self.rendered.set(true);
+                    self.noted.rendered.set(true);
                     (ids.into_iter().map(i64::from).collect(), Some(answers))
                 }
                 Pending::Labelled(mut ids, mut targets) => {
@@ -236,6 +272,14 @@ impl DocumentReader<'_> {
             documents.push((ids, targets));
         }
         Ok(())
+    }
+}
+
+/// Ends `ids` (which the encoder ended in EOS) in one EOS: a text that ended in it already
+/// keeps its own.
+fn end_in_one_eos(ids: &mut Vec<i64>, eos: i64) {
+    if ids.len() >= 2 && ids[ids.len() - 2] == eos {
+        ids.pop();
     }
 }
 
@@ -266,6 +310,20 @@ fn parse_line(line: &str) -> Result<Pending, String> {
         },
         ["input_ids"] => {
             let input_ids = ids(&fields["input_ids"], "input_ids")?;
+            // Padding a collator masked out would be trained on as text.
+            if let Some(mask) = fields.get("attention_mask") {
+                let mask = ids(mask, "attention_mask")?;
+                if mask.len() != input_ids.len() {
+                    return Err(format!("\"attention_mask\" has {} entries and \"input_ids\" {}: one per token", mask.len(), input_ids.len()));
+                }
+                if let Some(masked) = Some(mask.iter().filter(|&&m| m != 1).count()).filter(|&n| n > 0) {
+                    return Err(format!(
+                        "\"attention_mask\" masks {masked} of its {} tokens out (padding, as a rule): give the tokens alone, without \
+                         padding (documents are packed and padded here)",
+                        input_ids.len()
+                    ));
+                }
+            }
             let Some(labels) = fields.get("labels") else { return Ok(Pending::Ids(input_ids)) };
             let labels = ids(labels, "labels")?;
             if labels.len() != input_ids.len() {
@@ -458,7 +516,7 @@ mod tests {
         let eos = tokenizer.token_id("<|endoftext|>").expect("the fixture's EOS");
         let file = std::env::temp_dir().join(format!("ulysses-documents-eos-{}.jsonl", std::process::id()));
         fs::write(&file, "{\"text\": \"a group.\"}\n{\"text\": \"a group.<|endoftext|>\"}\n{\"text\": \"<|endoftext|>a group.\"}\n").unwrap();
-        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, answers_only: false, refuse_longer_than: None, rendered: Default::default() };
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, answers_only: false, refuse_longer_than: None, noted: Default::default() };
         let documents = reader.read(&file).unwrap().ids;
         // The same lines in a .JSON file are JSON Lines too, not one text document.
         let json = file.with_extension("JSON");
@@ -475,6 +533,89 @@ mod tests {
         assert_eq!(plain.last(), Some(&eos));
         assert_eq!(documents[1], *plain, "the written-out EOS is the one that ends it");
         assert_eq!(documents[2].iter().filter(|&&id| id == eos).count(), 2, "one that starts with it still ends in one: {:?}", documents[2]);
+    }
+
+    /// The fixture's tokenizer with a post-processor that adds `<|begin_of_text|>` before each
+    /// text, as Llama 3's does; and that token's id.
+    fn tokenizer_adding_bos(dir: &Path) -> (TextTokenizer, u32) {
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../ulysses-models/tests/fixtures/tokenizer/tokenizer.json");
+        let mut json: Value = serde_json::from_str(&fs::read_to_string(fixture).unwrap()).unwrap();
+        let bos = TextTokenizer::from_file(Path::new(fixture)).unwrap().vocab_size() as u32;
+        json["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({
+            "id": bos, "content": "<|begin_of_text|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true
+        }));
+        json["post_processor"] = serde_json::json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [bos], "tokens": ["<|begin_of_text|>"]}}
+        });
+        let file = dir.join("tokenizer.json");
+        fs::write(&file, json.to_string()).unwrap();
+        (TextTokenizer::from_file(&file).unwrap(), bos)
+    }
+
+    /// With a tokenizer that adds a BOS: each text gets one, also a text that begins with it
+    /// (a chat rendered to text), and an empty text is left out. A prompt that ends in a
+    /// space keeps its completion's first token a target (its space joins that token), and a
+    /// completion that ends in EOS gets no second one.
+    #[test]
+    fn texts_get_one_bos_and_completions_keep_their_first_token_and_one_eos() {
+        let dir = std::env::temp_dir().join(format!("ulysses-documents-bos-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let (tokenizer, bos) = tokenizer_adding_bos(&dir);
+        let eos = tokenizer.token_id("<|endoftext|>").expect("the fixture's EOS");
+        let file = dir.join("data.jsonl");
+        let lines = [
+            r#"{"text": "a group."}"#,
+            r#"{"text": "<|begin_of_text|>a group."}"#,
+            r#"{"text": ""}"#,
+            r#"{"prompt": "a sip of ", "completion": "the sea"}"#,
+            r#"{"prompt": "Q:", "completion": " A<|endoftext|>"}"#,
+        ];
+        fs::write(&file, lines.join("\n")).unwrap();
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, answers_only: false, refuse_longer_than: None, noted: Default::default() };
+        let documents = reader.read(&file).unwrap();
+        fs::remove_dir_all(&dir).unwrap();
+        let (bos, eos) = (i64::from(bos), i64::from(eos));
+        assert_eq!(documents.ids.len(), 4, "the empty text left out: {:?}", documents.ids);
+        let plain = &documents.ids[0];
+        assert_eq!((plain[0], plain.iter().filter(|&&id| id == bos).count()), (bos, 1), "{plain:?}");
+        assert_eq!(documents.ids[1], *plain, "a text that begins with the BOS gets it once");
+        let targets = documents.targets.unwrap();
+        let (merged, merged_targets) = (&documents.ids[2], &targets[2]);
+        assert_eq!(reader.noted.merged_prompts.get(), 1, "the first prompt's space joins the completion's first token");
+        // The targets start at " the", which holds the prompt's last space and the
+        // completion's first word; every token before it is the prompt's.
+        let the = i64::from(tokenizer.token_id("Ġthe").expect("the fixture's vocabulary has \" the\""));
+        let first = merged_targets.iter().position(|&t| t).unwrap();
+        assert_eq!(merged[first], the, "{merged:?} {merged_targets:?}");
+        assert!(merged_targets[first..].iter().all(|&t| t), "{merged_targets:?}");
+        let (ended, ended_targets) = (&documents.ids[3], &targets[3]);
+        assert_eq!(ended.iter().filter(|&&id| id == eos).count(), 1, "a completion ending in EOS gets no second: {ended:?}");
+        assert_eq!(ended_targets.iter().filter(|&&t| t).count(), ended.len() - 3, "BOS, Q and : are the prompt: {ended:?} {ended_targets:?}");
+    }
+
+    /// A folder is read for its data files alone: hidden files and a dataset's README are
+    /// not documents; a training split beside a test split is refused; an attention mask
+    /// with padding is refused.
+    #[test]
+    fn a_folder_reads_its_data_files_alone() {
+        let dir = std::env::temp_dir().join(format!("ulysses-documents-folder-{}", std::process::id()));
+        fs::create_dir_all(dir.join(".cache")).unwrap();
+        fs::write(dir.join("train.jsonl"), "[5, 6]\n").unwrap();
+        fs::write(dir.join("README.md"), "# A dataset card").unwrap();
+        fs::write(dir.join(".gitattributes"), "*.jsonl filter=lfs").unwrap();
+        fs::write(dir.join(".cache/train.jsonl.metadata"), "abc").unwrap();
+        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: false, refuse_longer_than: None, noted: Default::default() };
+        assert_eq!(reader.read(&dir).unwrap().ids, vec![vec![5, 6, 0]]);
+        fs::write(dir.join("test.jsonl"), "[7, 8]\n").unwrap();
+        let error = reader.read(&dir).err().expect("a test split beside the training one");
+        assert!(error.contains("holds a training split beside held-out ones") && error.contains("test.jsonl"), "{error}");
+        fs::remove_dir_all(&dir).unwrap();
+        let error = parse_line(r#"{"input_ids": [1, 2, 0], "attention_mask": [1, 1, 0]}"#).err().expect("padding masked out");
+        assert!(error.contains("masks 1 of its 3 tokens out"), "{error}");
+        assert!(matches!(parse_line(r#"{"input_ids": [1, 2], "attention_mask": [1, 1]}"#), Ok(Pending::Ids(ids)) if ids == [1, 2]));
     }
 
     #[test]
@@ -498,7 +639,7 @@ mod tests {
     /// document); the flags follow their tokens through packing, a cut document included.
     #[test]
     fn targets_follow_their_tokens_into_the_packed_sequences() {
-        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: true, refuse_longer_than: None, rendered: Default::default() };
+        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: true, refuse_longer_than: None, noted: Default::default() };
         let dir = std::env::temp_dir().join(format!("ulysses-targets-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let file = dir.join("data.jsonl");

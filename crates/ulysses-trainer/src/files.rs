@@ -6,15 +6,55 @@ use std::{
 };
 
 /// `path` itself when it is a file, else every file under it, recursively (links followed),
-/// sorted: the order the data is read in, and hashed in.
+/// sorted: the order the data is read in, and hashed in. Hidden files and folders under it
+/// (`.git`, `.cache`, `.gitattributes`: a downloaded dataset's bookkeeping) are not data.
 pub fn files_under(path: &Path) -> std::io::Result<Vec<PathBuf>> {
     if !fs::metadata(path)?.is_dir() {
         return Ok(vec![path.to_path_buf()]);
     }
     let mut files = Vec::new();
     for entry in fs::read_dir(path)? {
-        files.extend(files_under(&entry?.path())?);
+        let entry = entry?;
+        if entry.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        files.extend(files_under(&entry.path())?);
     }
     files.sort();
     Ok(files)
+}
+
+/// The files of a --data folder that hold documents (JSON Lines as `.jsonl` or `.json`, text
+/// as `.txt`), and the others, which are not read (a dataset's `README.md`, `LICENSE`). A
+/// file given itself is read whatever its name. Refused: a folder that holds a training split
+/// beside a test or validation one (`train.jsonl` and `test.jsonl`), all of which it would
+/// train on.
+pub fn data_files(path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), String> {
+    let files = files_under(path).map_err(|e| format!("cannot read --data {}: {e}", path.display()))?;
+    if !path.is_dir() {
+        return Ok((files, Vec::new()));
+    }
+    let is_data = |file: &PathBuf| file.extension().is_some_and(|e| ["jsonl", "json", "txt"].iter().any(|d| e.eq_ignore_ascii_case(d)));
+    let (data, others): (Vec<PathBuf>, Vec<PathBuf>) = files.into_iter().partition(is_data);
+    let split = |file: &PathBuf, names: &[&str]| {
+        let stem = file.file_stem().map(|s| s.to_string_lossy().to_lowercase()).unwrap_or_default();
+        stem.split(|c: char| !c.is_ascii_alphanumeric()).any(|part| names.contains(&part))
+    };
+    let held_out: Vec<&PathBuf> = data.iter().filter(|f| split(f, &["test", "validation", "valid", "val", "eval", "dev"])).collect();
+    if data.iter().any(|f| split(f, &["train"])) && !held_out.is_empty() {
+        return Err(format!(
+            "--data {} holds a training split beside held-out ones ({}), and every file of a folder is trained on: \
+             give the training split's file (or a folder of it alone) as --data, and a held-out one to --eval-only",
+            path.display(),
+            held_out.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    if data.is_empty() {
+        return Err(format!(
+            "--data {} holds no .jsonl, .json or .txt file{}",
+            path.display(),
+            if others.is_empty() { String::new() } else { format!(" (not data: {})", others.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")) }
+        ));
+    }
+    Ok((data, others))
 }

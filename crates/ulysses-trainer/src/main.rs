@@ -812,7 +812,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         chat: chat.as_ref(),
         answers_only: args.loss_on == LossOn::Assistant,
         refuse_longer_than: (args.too_long == TooLong::Refuse).then_some(config.seq_len),
-        rendered: Default::default(),
+        noted: Default::default(),
     };
     let documents = reader.read(path)?;
     // The template's file and what decides its rendering, where it rendered a conversation.
