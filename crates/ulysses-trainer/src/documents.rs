@@ -408,6 +408,11 @@ impl PackedDocuments {
         Ok(Self { train, eval, batch_size, seed })
     }
 
+    /// Sequences drawn for training (the held-out batch not among them).
+    pub fn train_count(&self) -> usize {
+        self.train.len()
+    }
+
     /// Every packed sequence (the held-out ones last) and its documents, for evaluating the
     /// whole file.
     pub fn everything(&self) -> (Vec<Vec<i64>>, Vec<Vec<usize>>) {

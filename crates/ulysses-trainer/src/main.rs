@@ -832,6 +832,19 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     // Evaluating takes every sequence, however few.
     let batch_size = if args.eval_only { 1 } else { config.batch_size };
     let packed = PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, batch_size, config.seed, !args.eval_only)?;
+    if !args.eval_only {
+        // How often the run goes over its data: a small SFT set at the default 300 steps is
+        // hundreds of epochs.
+        let epochs = (config.steps * config.batch_size) as f64 / packed.train_count() as f64;
+        tracing::info!("{} step(s) of {} sequence(s) go over the {} training sequence(s) {epochs:.2} time(s) (epochs)", config.steps, config.batch_size, packed.train_count());
+    }
+    if config.seq_len > checkpoint.max_position_embeddings {
+        tracing::warn!(
+            "--seq-len {} is past the checkpoint's max_position_embeddings {} (config.json): positions beyond it were never trained",
+            config.seq_len,
+            checkpoint.max_position_embeddings
+        );
+    }
     Ok((packed, rendered_with))
 }
 

@@ -512,19 +512,6 @@ where
         if config.check_parameters_every > 0 && (step + 1) % config.check_parameters_every == 0 && parts.is_none() {
             check_parameters_identical(&model, &*groups.world).map_err(|e| e.at_step(step))?;
         }
-        let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
-        if let (true, Some(batch)) = (eval_due, &eval_batch) {
-            let (documents, targets) = (eval_documents.as_deref(), eval_targets.as_deref());
-            let loss = match parts.as_mut() {
-                Some(parts) => evaluate_in_parts::<B>(config, &model, parts, batch, documents, targets, groups, device),
-                None => evaluate_model::<B>(config, &model.valid(), batch, documents, targets, groups, device),
-            }
-            .map_err(|e| e.at_step(step))?;
-            // A held-out batch without a target (prompts alone) has no loss to show.
-            if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss.filter(|loss| loss.tokens > 0)) {
-                progress.eval(step, loss.mean());
-            }
-        }
         let done = step + 1;
         let checkpoint_due = done == last_step || (options.checkpoint_every > 0 && done % options.checkpoint_every == 0);
         if let (true, Some(dir)) = (checkpoint_due, &options.checkpoint_dir) {
@@ -553,6 +540,21 @@ where
             .map_err(|reason| UlyssesError::Checkpoint { path: dir.display().to_string(), reason: format!("--save-hf: {reason}") })?;
             if saved.is_some() {
                 tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+            }
+        }
+        // After the checkpoint: an evaluation that fails (out of memory on a held-out batch
+        // that is larger than a step's part) loses no step.
+        let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
+        if let (true, Some(batch)) = (eval_due, &eval_batch) {
+            let (documents, targets) = (eval_documents.as_deref(), eval_targets.as_deref());
+            let loss = match parts.as_mut() {
+                Some(parts) => evaluate_in_parts::<B>(config, &model, parts, batch, documents, targets, groups, device),
+                None => evaluate_model::<B>(config, &model.valid(), batch, documents, targets, groups, device),
+            }
+            .map_err(|e| e.at_step(step))?;
+            // A held-out batch without a target (prompts alone) has no loss to show.
+            if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss.filter(|loss| loss.tokens > 0)) {
+                progress.eval(step, loss.mean());
             }
         }
         if done == last_step {
