@@ -462,6 +462,29 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
     }
 }
 
+/// Ranks that read other data (node-local copies that differ) are refused before the first
+/// step, on every rank, naming the rank: each draws the step's whole batch and takes its part,
+/// so they would train on parts of different batches.
+#[test]
+fn ranks_that_read_other_data_are_refused_before_the_first_step() {
+    let config = config(ParallelLayout::new().with_dp_size(2), 1);
+    let results = with_deadline(Duration::from_secs(50), move || {
+        let config = &config;
+        ThreadGroup::new(2).run(|rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
+            let _sp = enter_sp(&groups);
+            let device = Default::default();
+            let model = config.model.init::<Sp>(&device);
+            let data = VariedLengths { vocab: VOCAB - rank.rank() };
+            train_rank::<Sp>(config, model, &data, &groups, &device, RunOptions::default()).err().map(|e| e.to_string())
+        })
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let message = result.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}")).unwrap_or_else(|| panic!("rank {rank} trained on other data"));
+        assert!(message.contains("world rank 1 draws another batch for step 0 than rank 0"), "rank {rank}: {message}");
+    }
+}
+
 /// Whole-layer activation checkpointing (layers re-run in the backward from their kept
 /// inputs, on the device and offloaded to the host), alone and with the token-wise parts
 /// (all but the attention core) in sequence tiles, takes the same 5 AdamW steps as the plain backward at SP 1, 2 and 4, and with

@@ -106,6 +106,18 @@ fn ends_of(path: &Path) -> std::io::Result<(u64, Vec<u8>)> {
     Ok((size, ends))
 }
 
+/// A digest of a batch's tokens: ranks that read the same data draw batches of one digest.
+pub fn batch_digest(batch: &[Vec<i64>]) -> u64 {
+    let mut digest = Fnv::new();
+    for sequence in batch {
+        digest.write(&(sequence.len() as u64).to_le_bytes());
+        for token in sequence {
+            digest.write(&token.to_le_bytes());
+        }
+    }
+    digest.0
+}
+
 /// FNV-1a, 64 bits: stable across Rust versions, unlike std's hasher.
 struct Fnv(u64);
 

@@ -483,6 +483,18 @@ where
             tracing::info!("the optimizer on the host updates on {} thread(s) a rank", host.threads());
         }
     }
+    // Every rank draws the step's whole batch and takes its part: ranks that read other data
+    // (node-local copies that differ) would train on parts of different batches.
+    if first_step < config.steps {
+        let digest = crate::data_identity::batch_digest(&data.train_batch(first_step));
+        let digests = groups.world.all_gather_host(&[digest])?;
+        if let Some(rank) = digests.iter().position(|d| d[0] != digests[0][0]) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "world rank {rank} draws another batch for step {first_step} than rank 0: every rank must read the same data \
+                 (one shared file system, or copies equal byte for byte, with the same tokenizer and flags)"
+            )));
+        }
+    }
     let eval_batch = data.eval_batch();
     let eval_documents = if config.pack { data.eval_documents() } else { None };
     let eval_targets = data.eval_targets();
