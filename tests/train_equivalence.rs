@@ -96,6 +96,32 @@ fn no_context(_: &ParallelGroups<Inner>) -> Option<RankGuard> {
     None
 }
 
+/// How one rank of [`errors_of_two_ranks`] trains: its config, the rank context it enters (if
+/// any) and its data.
+type RankSetup = (TrainConfig, Option<RankGuard>, VariedLengths);
+
+/// Trains on two rank threads, each set up by `setup(rank, groups)`, and returns each rank's
+/// error; fails where a rank panicked or trained.
+fn errors_of_two_ranks(layout: ParallelLayout, setup: impl Fn(usize, &ParallelGroups<Inner>) -> RankSetup + Send + Sync + 'static) -> Vec<String> {
+    let results = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+            let (config, _context, data) = setup(rank.rank(), &groups);
+            let device = Default::default();
+            let model = config.model.init::<Sp>(&device);
+            train_rank::<Sp>(&config, model, &data, &groups, &device, RunOptions::default()).err().map(|e| e.to_string())
+        })
+    });
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, result)| {
+            let error = result.unwrap_or_else(|p| panic!("rank {rank} panicked instead of returning an error: {p}"));
+            error.unwrap_or_else(|| panic!("rank {rank} trained"))
+        })
+        .collect()
+}
+
 #[test]
 fn one_device_dp_sp_and_accumulation_take_the_same_steps() {
     let runs = with_deadline(Duration::from_secs(55), || {
@@ -331,21 +357,9 @@ fn first_step_loss_with_burn_cross_entropy() -> f64 {
 
 #[test]
 fn training_refuses_sequence_parallelism_that_attention_never_reached() {
-    let config = config(ParallelLayout::new().with_sp_size(2), 1);
-    let results = with_deadline(Duration::from_secs(50), move || {
-        let config = &config;
-        ThreadGroup::new(2).run(|rank| {
-            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
-            // No rank context entered: attention would silently stay within each shard.
-            let device = Default::default();
-            let model = config.model.init::<Sp>(&device);
-            train_rank::<Sp>(config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default())
-                .err()
-                .map(|e| e.to_string())
-        })
-    });
-    for result in results {
-        let message = result.unwrap().expect("training without a rank context must fail");
+    let layout = ParallelLayout::new().with_sp_size(2);
+    // No rank context entered: attention would silently stay within each shard.
+    for message in errors_of_two_ranks(layout, move |_, _| (config(layout, 1), None, VariedLengths { vocab: VOCAB })) {
         assert!(message.contains("did not exchange through the SP group") && message.contains("enter_thread"), "{message}");
     }
 }
@@ -356,28 +370,11 @@ fn training_refuses_sequence_parallelism_that_attention_never_reached() {
 #[test]
 fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
     use burn_ulysses::{RankScope, UlyssesConfig};
-    let config = config(ParallelLayout::new().with_sp_size(2), 1);
-    let results = with_deadline(Duration::from_secs(50), move || {
-        let config = &config;
-        ThreadGroup::new(2).run(|rank| {
-            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
-            let forbid = UlyssesConfig::new().with_forbid_dense_fallback(rank.rank() == 1);
-            let _sp = Sp::enter(RankScope::Thread, groups.sp.clone(), forbid);
-            let device = Default::default();
-            let model = config.model.init::<Sp>(&device);
-            train_rank::<Sp>(config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default())
-                .err()
-                .map(|e| e.to_string())
-        })
+    let layout = ParallelLayout::new().with_sp_size(2);
+    let messages = errors_of_two_ranks(layout, move |rank, groups| {
+        let forbid = UlyssesConfig::new().with_forbid_dense_fallback(rank == 1);
+        (config(layout, 1), Some(Sp::enter(RankScope::Thread, groups.sp.clone(), forbid)), VariedLengths { vocab: VOCAB })
     });
-    let messages: Vec<String> = results
-        .into_iter()
-        .enumerate()
-        .map(|(rank, result)| {
-            let error = result.unwrap_or_else(|p| panic!("rank {rank} panicked instead of returning an error: {p}"));
-            error.unwrap_or_else(|| panic!("rank {rank} trained although rank 1 cannot attend"))
-        })
-        .collect();
     println!("{messages:#?}");
     assert!(messages[1].starts_with("step 0") && messages[1].contains("forbid_dense_fallback"), "{}", messages[1]);
     assert!(messages[0].starts_with("step 0") && messages[0].contains("rank 1 left"), "{}", messages[0]);
@@ -467,21 +464,9 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
 /// so they would train on parts of different batches.
 #[test]
 fn ranks_that_read_other_data_are_refused_before_the_first_step() {
-    let config = config(ParallelLayout::new().with_dp_size(2), 1);
-    let results = with_deadline(Duration::from_secs(50), move || {
-        let config = &config;
-        ThreadGroup::new(2).run(|rank| {
-            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
-            let _sp = enter_sp(&groups);
-            let device = Default::default();
-            let model = config.model.init::<Sp>(&device);
-            let data = VariedLengths { vocab: VOCAB - rank.rank() };
-            train_rank::<Sp>(config, model, &data, &groups, &device, RunOptions::default()).err().map(|e| e.to_string())
-        })
-    });
-    for (rank, result) in results.into_iter().enumerate() {
-        let message = result.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}")).unwrap_or_else(|| panic!("rank {rank} trained on other data"));
-        assert!(message.contains("world rank 1 draws another batch for step 0 than rank 0"), "rank {rank}: {message}");
+    let layout = ParallelLayout::new().with_dp_size(2);
+    for message in errors_of_two_ranks(layout, move |rank, groups| (config(layout, 1), enter_sp(groups), VariedLengths { vocab: VOCAB - rank })) {
+        assert!(message.contains("world rank 1 draws another batch for step 0 than rank 0"), "{message}");
     }
 }
 
@@ -616,20 +601,12 @@ fn clipping_that_would_part_the_ranks_is_refused() {
     by_value.optimizer = AdamWConfig::new().with_grad_clipping(Some(GradientClippingConfig::Value(1.0)));
     by_value.validate().expect("clipping by value is element-wise: the same on every rank");
 
-    let base = config(ParallelLayout::new().with_sp_size(2), 1);
-    let results = with_deadline(Duration::from_secs(50), move || {
-        let base = &base;
-        ThreadGroup::new(2).run(|rank| {
-            let config = base.clone().with_max_grad_norm(if rank.rank() == 0 { Some(1.0) } else { None });
-            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
-            let _sp = enter_sp(&groups);
-            let device = Default::default();
-            let model = config.model.init::<Sp>(&device);
-            train_rank::<Sp>(&config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default()).err().map(|e| e.to_string())
-        })
+    let layout = ParallelLayout::new().with_sp_size(2);
+    let messages = errors_of_two_ranks(layout, move |rank, groups| {
+        let config = config(layout, 1).with_max_grad_norm(if rank == 0 { Some(1.0) } else { None });
+        (config, enter_sp(groups), VariedLengths { vocab: VOCAB })
     });
-    for (rank, result) in results.into_iter().enumerate() {
-        let message = result.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}")).unwrap_or_else(|| panic!("rank {rank} trained with limits that differ"));
+    for (rank, message) in messages.iter().enumerate() {
         assert!(message.contains("step 0") && message.contains("max_grad_norm") && message.contains("is 1 on rank 0 but NaN on rank 1"), "rank {rank}: {message}");
     }
 }
