@@ -26,7 +26,7 @@ MESSAGES = [{
         "tags": [],
         "ok": True,
         "none": None,
-        "line": "a\nb\tc\u0001",
+        "line": "a\nb\tc\u0001\u007f",
     }}}],
 }]
 

@@ -231,15 +231,15 @@ impl SequenceSharder {
     }
 
     /// Why [`shard_targets`](Self::shard_targets) cannot shard this batch, or `Ok`: an empty
-    /// batch or sequence, document lengths that are not positive or do not sum to their
+    /// batch (or one of empty sequences alone; a shorter row, even empty, is padded), document lengths that are not positive or do not sum to their
     /// sequence, targets of another shape than the tokens.
     pub fn check_batch(&self, sequences: &[Vec<i64>], documents: Option<&[Vec<usize>]>, targets: Option<&[Vec<bool>]>) -> Result<(), UlyssesError> {
         let invalid = |message: String| Err(UlyssesError::InvalidConfig(message));
         if self.sp_size == 0 {
             return invalid("the sharder's sp_size must be at least 1".into());
         }
-        if sequences.is_empty() || sequences.iter().any(Vec::is_empty) {
-            return invalid("cannot shard an empty batch or an empty sequence: every sequence needs a token".into());
+        if sequences.iter().all(Vec::is_empty) {
+            return invalid("cannot shard an empty batch, or a batch of empty sequences".into());
         }
         if let Some(documents) = documents {
             if documents.len() != sequences.len() {

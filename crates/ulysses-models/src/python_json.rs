@@ -138,7 +138,8 @@ fn write_string(text: &str, ensure_ascii: bool, out: &mut String) {
             '\t' => out.push_str("\\t"),
             '\u{8}' => out.push_str("\\b"),
             '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 || (ensure_ascii && !c.is_ascii()) => {
+            // Python's ASCII mode escapes all but ' '..='~' (DEL too).
+            c if (c as u32) < 0x20 || (ensure_ascii && !(' '..='~').contains(&c)) => {
                 let mut units = [0u16; 2];
                 for unit in c.encode_utf16(&mut units) {
                     out.push_str(&format!("\\u{unit:04x}"));

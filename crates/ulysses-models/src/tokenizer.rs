@@ -75,11 +75,13 @@ impl TextTokenizer {
     }
 
     /// The ids the post-processor adds before a text (Llama 3's `<|begin_of_text|>`; none
-    /// for most tokenizers): what two texts that differ from their first character share.
+    /// for most tokenizers): the special tokens that two texts differing from their first
+    /// character share at their start.
     pub fn added_before_text(&self) -> Result<Vec<u32>, TokenizerError> {
         let encodings = self.inner.encode_batch(vec!["a", "b"], true).map_err(|e| self.cannot_encode(e))?;
         let (a, b) = (encodings[0].get_ids(), encodings[1].get_ids());
-        Ok(a.iter().zip(b).take_while(|(x, y)| x == y).map(|(x, _)| *x).collect())
+        let special = encodings[0].get_special_tokens_mask();
+        Ok(a.iter().zip(b).zip(special).take_while(|((x, y), special)| x == y && **special == 1).map(|((x, _), _)| *x).collect())
     }
 
     /// The id of a token written out (e.g. `<|endoftext|>`), if the vocabulary has it.

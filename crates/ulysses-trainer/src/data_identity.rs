@@ -35,9 +35,19 @@ impl DataIdentity {
     /// The identity of the file or folder at `path`.
     pub fn of(path: &Path) -> Result<Self, String> {
         let files = crate::files::files_under(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        Self::of_files(path, &files)
+    }
+
+    /// The identity of --data at `path`: the files read ([`data_files`](crate::files::data_files)),
+    /// so that a dataset card edited beside them changes nothing.
+    pub fn of_data(path: &Path) -> Result<Self, String> {
+        Self::of_files(path, &crate::files::data_files(path)?.0)
+    }
+
+    fn of_files(path: &Path, files: &[std::path::PathBuf]) -> Result<Self, String> {
         let mut digest = Fnv::new();
         let mut bytes = 0;
-        for file in &files {
+        for file in files {
             let (size, ends) = ends_of(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
             digest.write(file.strip_prefix(path).unwrap_or(file).to_string_lossy().as_bytes());
             digest.write(&size.to_le_bytes());
@@ -104,18 +114,6 @@ fn ends_of(path: &Path) -> std::io::Result<(u64, Vec<u8>)> {
         file.take(BLOCK).read_to_end(&mut ends)?;
     }
     Ok((size, ends))
-}
-
-/// A digest of a batch's tokens: ranks that read the same data draw batches of one digest.
-pub fn batch_digest(batch: &[Vec<i64>]) -> u64 {
-    let mut digest = Fnv::new();
-    for sequence in batch {
-        digest.write(&(sequence.len() as u64).to_le_bytes());
-        for token in sequence {
-            digest.write(&token.to_le_bytes());
-        }
-    }
-    digest.0
 }
 
 /// FNV-1a, 64 bits: stable across Rust versions, unlike std's hasher.

@@ -34,6 +34,10 @@ use crate::{corpus::splitmix64, files::data_files, train::StepData};
 /// Text lines tokenized together (on every core).
 const TOKENIZE_CHUNK: usize = 512;
 
+/// Which way [`DocumentReader`] turns lines into tokens and targets, recorded in checkpoints:
+/// a reader that reads the same bytes otherwise makes other batches.
+pub const DOCUMENT_READER_VERSION: u32 = 2;
+
 /// How documents become token ids.
 pub struct DocumentReader<'a> {
     /// Tokenizes `{"text"}` lines and text files (`None`: only token ids can be read).
@@ -312,7 +316,7 @@ fn parse_line(line: &str) -> Result<Pending, String> {
             let input_ids = ids(&fields["input_ids"], "input_ids")?;
             // Padding a collator masked out would be trained on as text.
             if let Some(mask) = fields.get("attention_mask") {
-                let mask = ids(mask, "attention_mask")?;
+                let mask: Vec<i64> = serde_json::from_value(mask.clone()).map_err(|_| "\"attention_mask\" must be an array of 0s and 1s".to_string())?;
                 if mask.len() != input_ids.len() {
                     return Err(format!("\"attention_mask\" has {} entries and \"input_ids\" {}: one per token", mask.len(), input_ids.len()));
                 }
@@ -614,9 +618,18 @@ mod tests {
         fs::write(dir.join(".cache/train.jsonl.metadata"), "abc").unwrap();
         let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: false, refuse_longer_than: None, noted: Default::default() };
         assert_eq!(reader.read(&dir).unwrap().ids, vec![vec![5, 6, 0]]);
+        // A file named for training is one, whatever else its name holds.
+        fs::write(dir.join("unit_test_train.jsonl"), "[7, 8]\n").unwrap();
+        assert_eq!(reader.read(&dir).unwrap().ids.len(), 2);
         fs::write(dir.join("test.jsonl"), "[7, 8]\n").unwrap();
         let error = reader.read(&dir).err().expect("a test split beside the training one");
         assert!(error.contains("holds a training split beside held-out ones") && error.contains("test.jsonl"), "{error}");
+        fs::remove_file(dir.join("test.jsonl")).unwrap();
+        // Splits as folders, as Hugging Face lays them out.
+        fs::create_dir_all(dir.join("validation")).unwrap();
+        fs::write(dir.join("validation/part-0.jsonl"), "[7, 8]\n").unwrap();
+        let error = reader.read(&dir).err().expect("a validation folder beside the training file");
+        assert!(error.contains("validation/part-0.jsonl"), "{error}");
         fs::remove_dir_all(&dir).unwrap();
         let error = parse_line(r#"{"input_ids": [1, 2, 0], "attention_mask": [1, 1, 0]}"#).err().expect("padding masked out");
         assert!(error.contains("masks 1 of its 3 tokens out"), "{error}");

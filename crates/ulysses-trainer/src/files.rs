@@ -36,12 +36,16 @@ pub fn data_files(path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), String> {
     }
     let is_data = |file: &PathBuf| file.extension().is_some_and(|e| ["jsonl", "json", "txt"].iter().any(|d| e.eq_ignore_ascii_case(d)));
     let (data, others): (Vec<PathBuf>, Vec<PathBuf>) = files.into_iter().partition(is_data);
+    // A split's name is a word of the file's name or of a folder's below `path`
+    // (`test.jsonl`, `data/test/part-0.jsonl`); a file named for training is training data
+    // whatever else its name says (`unit_test_train.jsonl`).
     let split = |file: &PathBuf, names: &[&str]| {
-        let stem = file.file_stem().map(|s| s.to_string_lossy().to_lowercase()).unwrap_or_default();
-        stem.split(|c: char| !c.is_ascii_alphanumeric()).any(|part| names.contains(&part))
+        let below = file.strip_prefix(path).unwrap_or(file).with_extension("");
+        below.to_string_lossy().to_lowercase().split(|c: char| !c.is_ascii_alphanumeric()).any(|word| names.contains(&word))
     };
-    let held_out: Vec<&PathBuf> = data.iter().filter(|f| split(f, &["test", "validation", "valid", "val", "eval", "dev"])).collect();
-    if data.iter().any(|f| split(f, &["train"])) && !held_out.is_empty() {
+    let training = |file: &PathBuf| split(file, &["train"]);
+    let held_out: Vec<&PathBuf> = data.iter().filter(|f| !training(f) && split(f, &["test", "validation", "valid", "val", "eval", "dev"])).collect();
+    if data.iter().any(training) && !held_out.is_empty() {
         return Err(format!(
             "--data {} holds a training split beside held-out ones ({}), and every file of a folder is trained on: \
              give the training split's file (or a folder of it alone) as --data, and a held-out one to --eval-only",

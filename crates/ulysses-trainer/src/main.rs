@@ -31,7 +31,7 @@ use ulysses_dist::DistributedConfig;
 use ulysses_trainer::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     data_identity::DataIdentity,
-    documents::{DocumentReader, PackedDocuments},
+    documents::{DOCUMENT_READER_VERSION, DocumentReader, PackedDocuments},
     plot,
     run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
     tokens::TokenFile,
@@ -633,7 +633,7 @@ fn run(mut args: Args) -> Result<(), String> {
         }
     };
     let data_path = args.data.as_ref().or(args.tokens.as_ref()).unwrap_or(&args.corpus);
-    let mut data_identity = DataIdentity::of(data_path)?;
+    let mut data_identity = if args.data.is_some() { DataIdentity::of_data(data_path)? } else { DataIdentity::of(data_path)? };
     if let (Some(_), Some(checkpoint)) = (&args.data, &pretrained) {
         // What turns --data's bytes into tokens and targets, as used (the tokenizer by its
         // bytes, not its path; the EOS resolved), besides the checkpoint's config.
@@ -643,7 +643,10 @@ fn run(mut args: Args) -> Result<(), String> {
         };
         let eos = data_eos(&args, checkpoint)?;
         let (loss_on, too_long) = (format!("{:?}", args.loss_on).to_lowercase(), format!("{:?}", args.too_long).to_lowercase());
-        data_identity = data_identity.read_with(format!("{tokenizer}, EOS {eos}, --loss-on {loss_on}, --too-long {too_long}"));
+        // The reader's version: a reader that tokenizes otherwise (since 2: one BOS, empty
+        // texts left out, a prompt's trailing space, one EOS after a completion; the chat
+        // template's tojson) makes other batches of the same bytes.
+        data_identity = data_identity.read_with(format!("{tokenizer}, EOS {eos}, --loss-on {loss_on}, --too-long {too_long}, reader {DOCUMENT_READER_VERSION}"));
         if let Some((file, text)) = &chat_rendered {
             data_identity = data_identity.rendered_with(file, text);
         }
@@ -832,13 +835,13 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     // Evaluating takes every sequence, however few.
     let batch_size = if args.eval_only { 1 } else { config.batch_size };
     let packed = PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, batch_size, config.seed, !args.eval_only)?;
-    if !args.eval_only {
+    if !args.eval_only && show_progress {
         // How often the run goes over its data: a small SFT set at the default 300 steps is
         // hundreds of epochs.
         let epochs = (config.steps * config.batch_size) as f64 / packed.train_count() as f64;
         tracing::info!("{} step(s) of {} sequence(s) go over the {} training sequence(s) {epochs:.2} time(s) (epochs)", config.steps, config.batch_size, packed.train_count());
     }
-    if config.seq_len > checkpoint.max_position_embeddings {
+    if config.seq_len > checkpoint.max_position_embeddings && show_progress {
         tracing::warn!(
             "--seq-len {} is past the checkpoint's max_position_embeddings {} (config.json): positions beyond it were never trained",
             config.seq_len,

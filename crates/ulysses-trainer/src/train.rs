@@ -486,12 +486,22 @@ where
     // Every rank draws the step's whole batch and takes its part: ranks that read other data
     // (node-local copies that differ) would train on parts of different batches.
     if first_step < config.steps {
-        let digest = crate::data_identity::batch_digest(&data.train_batch(first_step));
-        let digests = groups.world.all_gather_host(&[digest])?;
-        if let Some(rank) = digests.iter().position(|d| d[0] != digests[0][0]) {
+        let digest = ulysses_training::batch_digest(&data.train_batch(first_step));
+        let digests = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[digest], "the first step's batch")?;
+        if digests.iter().any(|d| d[0] != digests[0][0]) {
+            // The ranks of each batch drawn, so that the odd one out shows whatever its rank.
+            let mut kinds: Vec<(u64, Vec<usize>)> = Vec::new();
+            for (rank, d) in digests.iter().enumerate() {
+                match kinds.iter_mut().find(|(digest, _)| *digest == d[0]) {
+                    Some((_, ranks)) => ranks.push(rank),
+                    None => kinds.push((d[0], vec![rank])),
+                }
+            }
+            let groups: Vec<String> = kinds.iter().map(|(_, ranks)| format!("{ranks:?}")).collect();
             return Err(UlyssesError::InvalidConfig(format!(
-                "world rank {rank} draws another batch for step {first_step} than rank 0: every rank must read the same data \
-                 (one shared file system, or copies equal byte for byte, with the same tokenizer and flags)"
+                "the ranks draw different batches for step {first_step} (world ranks {}, each group one batch): every rank must read \
+                 the same data (one shared file system, or copies equal byte for byte, with the same tokenizer and flags)",
+                groups.join(" against ")
             )));
         }
     }

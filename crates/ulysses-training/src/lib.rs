@@ -333,7 +333,7 @@ where
     // its inputs refused or not, so that each learns whether every rank can go on and all run
     // the same number of micro-batches (under ZeRO-3 each is a round of world collectives).
     // And the batch's digest: the ranks of an SP group cut the same sequences.
-    let mine = [checked.is_ok() as u64, step.micro_batches.len() as u64, local_valid as u64, local_processed as u64, local_longest as u64, local_shortest as u64, batch_digest(step)];
+    let mine = [checked.is_ok() as u64, step.micro_batches.len() as u64, local_valid as u64, local_processed as u64, local_longest as u64, local_shortest as u64, step_digest(step)];
     let gathered = groups.world.all_gather_host(&mine);
     checked?;
     let gathered = gathered?;
@@ -579,7 +579,9 @@ where
     }
     // A ring attends over its blocks as the layout lays them out: data cut otherwise would
     // see the future or miss its past, without an error.
-    if (sharder.ring_size, sharder.ring_sharding) != (layout.ring_size, layout.ring_sharding) {
+    // Without a ring (degree 1) both shardings cut alike.
+    let ring = |size: usize, sharding| (size, if size > 1 { Some(sharding) } else { None });
+    if ring(sharder.ring_size, sharder.ring_sharding) != ring(layout.ring_size, layout.ring_sharding) {
         return invalid(format!(
             "the sharder lays sequences over a ring of {} ({:?}) but the layout's ring is {} ({:?}); use layout.sharder()",
             sharder.ring_size, sharder.ring_sharding, layout.ring_size, layout.ring_sharding
@@ -609,18 +611,29 @@ where
     Ok(())
 }
 
-/// A digest of a step's micro-batches, their document lengths and targets.
-fn batch_digest(step: &StepInput) -> u64 {
+/// A digest of a batch's sequences: ranks given the same sequences get the same digest.
+pub fn batch_digest(sequences: &[Vec<i64>]) -> u64 {
+    sequences.iter().fold(checkpoint::FNV1A_START, |hash, sequence| {
+        let hash = checkpoint::fnv1a_more(hash, &(sequence.len() as u64).to_le_bytes());
+        checkpoint::fnv1a_more(hash, &sequence.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>())
+    })
+}
+
+/// A digest of a step's micro-batches (each apart), their document lengths and targets, the
+/// same for the same step however it is spelt (no documents and one a row; no targets and
+/// every token one).
+fn step_digest(step: &StepInput) -> u64 {
     let mut hash = checkpoint::FNV1A_START;
     for (m, batch) in step.micro_batches.iter().enumerate() {
+        hash = checkpoint::fnv1a_more(hash, &(batch.len() as u64).to_le_bytes());
+        hash = checkpoint::fnv1a_more(hash, &batch_digest(batch).to_le_bytes());
         for (i, sequence) in batch.iter().enumerate() {
-            let tokens: Vec<u8> = sequence.iter().flat_map(|t| t.to_le_bytes()).collect();
-            hash = checkpoint::fnv1a_more(hash, &(sequence.len() as u64).to_le_bytes());
-            hash = checkpoint::fnv1a_more(hash, &tokens);
-            if let Some(lengths) = step.documents.and_then(|d| d.get(m)?.get(i)) {
+            if let Some(lengths) = step.documents.and_then(|d| d.get(m)?.get(i)).filter(|l| l.len() > 1) {
+                hash = checkpoint::fnv1a_more(hash, &(i as u64).to_le_bytes());
                 hash = checkpoint::fnv1a_more(hash, &lengths.iter().flat_map(|l| (*l as u64).to_le_bytes()).collect::<Vec<u8>>());
             }
-            if let Some(targets) = step.targets.and_then(|t| t.get(m)?.get(i)) {
+            if let Some(targets) = step.targets.and_then(|t| t.get(m)?.get(i)).filter(|t| t.len() == sequence.len() && t.iter().any(|&t| !t)) {
+                hash = checkpoint::fnv1a_more(hash, &(i as u64).to_le_bytes());
                 hash = checkpoint::fnv1a_more(hash, &targets.iter().map(|&t| t as u8).collect::<Vec<u8>>());
             }
         }
