@@ -11,7 +11,8 @@
 //!   transformers' `apply_chat_template` renders it (`ulysses_models::ChatTemplate`; the
 //!   assistant's answers, its `{% generation %}` blocks, are the targets; no EOS is appended:
 //!   the template ends each turn itself, as TRL leaves conversations);
-//! - any other file is one text document; a folder holds such files.
+//! - any other file given as `--data` is one text document; a folder is read for its `.jsonl`,
+//!   `.json` and `.txt` files ([`data_files`](crate::files::data_files)).
 //!
 //! Every document ends in EOS (appended unless it already does), as transformers' data
 //! collators do. Documents are packed whole, in order, into sequences of `--seq-len` tokens
@@ -92,7 +93,7 @@ pub struct Documents {
 }
 
 impl DocumentReader<'_> {
-    /// Every document of `path` (a `.jsonl` or `.json` file of JSON Lines, a text file, or a folder of them, in name
+    /// Every document of `path` (a `.jsonl` or `.json` file of JSON Lines, a text file, or a folder's data files, in name
     /// order) as token ids ending in EOS. Documents with nothing before their EOS are left out.
     pub fn read(&self, path: &Path) -> Result<Documents, String> {
         let (files, others) = data_files(path)?;
