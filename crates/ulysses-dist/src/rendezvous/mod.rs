@@ -99,6 +99,13 @@ impl Rendezvous {
         self.client().set(key, value)
     }
 
+    /// The value of `key`, waiting until some rank sets it (at most the rendezvous timeout).
+    /// Where one rank sets it, [`get_set_by`](Self::get_set_by) stops as soon as that rank
+    /// has left without.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>, DistError> {
+        self.client().get(key)
+    }
+
     /// The value of `key`, which rank `writer` sets: waits until it does (at most the
     /// rendezvous timeout), fails at once naming it if it left the job without.
     pub fn get_set_by(&self, key: &str, writer: usize) -> Result<Vec<u8>, DistError> {
