@@ -8,6 +8,8 @@ pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     /// The file it was read from, for messages.
     file: String,
+    /// [`added_before_text`](Self::added_before_text), found once when read.
+    added_before_text: Vec<u32>,
 }
 
 /// Why a tokenizer cannot be read or used, naming the file.
@@ -25,7 +27,9 @@ impl TextTokenizer {
         let file = file.display().to_string();
         let inner = tokenizers::Tokenizer::from_file(&file)
             .map_err(|e| TokenizerError { file: file.clone(), problem: format!("cannot be read as a Hugging Face tokenizer.json: {e}") })?;
-        Ok(Self { inner, file })
+        let mut tokenizer = Self { inner, file, added_before_text: Vec::new() };
+        tokenizer.added_before_text = tokenizer.special_tokens_before_text()?;
+        Ok(tokenizer)
     }
 
     /// [`encode`](Self::encode) with each token's characters (`start..end`, in characters as
@@ -56,7 +60,7 @@ impl TextTokenizer {
     /// begins with what the post-processor adds (a chat rendered to text with its
     /// `<|begin_of_text|>`) gets it once, not twice as `tokenizer(text)` gives it.
     pub fn encode_documents(&self, texts: &[&str], eos: u32) -> Result<Vec<Vec<u32>>, TokenizerError> {
-        let added = self.added_before_text()?;
+        let added = &self.added_before_text;
         let encodings = self
             .inner
             .encode_batch(texts.to_vec(), true)
@@ -65,7 +69,7 @@ impl TextTokenizer {
             .iter()
             .map(|encoding| {
                 let mut ids = encoding.get_ids().to_vec();
-                if !added.is_empty() && ids.len() >= 2 * added.len() && ids[added.len()..].starts_with(&added) {
+                if !added.is_empty() && ids.len() >= 2 * added.len() && ids[added.len()..].starts_with(added) {
                     ids.drain(..added.len());
                 }
                 ids.push(eos);
@@ -75,9 +79,14 @@ impl TextTokenizer {
     }
 
     /// The ids the post-processor adds before a text (Llama 3's `<|begin_of_text|>`; none
-    /// for most tokenizers): the special tokens that two texts differing from their first
-    /// character share at their start.
-    pub fn added_before_text(&self) -> Result<Vec<u32>, TokenizerError> {
+    /// for most tokenizers).
+    pub fn added_before_text(&self) -> &[u32] {
+        &self.added_before_text
+    }
+
+    /// The special tokens that two texts differing from their first character share at
+    /// their start.
+    fn special_tokens_before_text(&self) -> Result<Vec<u32>, TokenizerError> {
         let encodings = self.inner.encode_batch(vec!["a", "b"], true).map_err(|e| self.cannot_encode(e))?;
         let (a, b) = (encodings[0].get_ids(), encodings[1].get_ids());
         let special = encodings[0].get_special_tokens_mask();

@@ -192,8 +192,8 @@ impl DocumentReader<'_> {
         let eos = i64::from(self.eos);
         // The tokens the tokenizer adds before a text (Llama 3's `<|begin_of_text|>`).
         let added = match self.tokenizer {
-            Some(tokenizer) if !texts.is_empty() => tokenizer.added_before_text().map_err(|e| e.to_string())?.len(),
-            _ => 0,
+            Some(tokenizer) => tokenizer.added_before_text().len(),
+            None => 0,
         };
         for (line, document) in pending.drain(..) {
             let at = || if line == 0 { file.display().to_string() } else { format!("{} line {line}", file.display()) };

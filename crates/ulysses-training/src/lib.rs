@@ -350,7 +350,7 @@ where
     }
     // Every rank checks every group, so all stop alike. An SP group's first rank is the one
     // with the same DP coordinate and SP rank 0.
-    let first_of_group = |rank: usize| (0..gathered.len()).find(|&r| groups.layout.coordinates(r).0 == groups.layout.coordinates(rank).0).unwrap_or(rank);
+    let first_of_group = |rank: usize| rank - groups.layout.coordinates(rank).1;
     if let Some(rank) = (0..gathered.len()).find(|&r| gathered[r][6] != gathered[first_of_group(r)][6]) {
         return Err(UlyssesError::InvalidConfig(format!(
             "world ranks {} and {rank} of one SP group (DP replica {}) were given different sequences for step {}: every rank of \
@@ -615,7 +615,7 @@ where
 pub fn batch_digest(sequences: &[Vec<i64>]) -> u64 {
     sequences.iter().fold(checkpoint::FNV1A_START, |hash, sequence| {
         let hash = checkpoint::fnv1a_more(hash, &(sequence.len() as u64).to_le_bytes());
-        checkpoint::fnv1a_more(hash, &sequence.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>())
+        sequence.iter().fold(hash, |hash, token| checkpoint::fnv1a_more(hash, &token.to_le_bytes()))
     })
 }
 
@@ -630,11 +630,11 @@ fn step_digest(step: &StepInput) -> u64 {
         for (i, sequence) in batch.iter().enumerate() {
             if let Some(lengths) = step.documents.and_then(|d| d.get(m)?.get(i)).filter(|l| l.len() > 1) {
                 hash = checkpoint::fnv1a_more(hash, &(i as u64).to_le_bytes());
-                hash = checkpoint::fnv1a_more(hash, &lengths.iter().flat_map(|l| (*l as u64).to_le_bytes()).collect::<Vec<u8>>());
+                hash = lengths.iter().fold(hash, |hash, length| checkpoint::fnv1a_more(hash, &(*length as u64).to_le_bytes()));
             }
             if let Some(targets) = step.targets.and_then(|t| t.get(m)?.get(i)).filter(|t| t.len() == sequence.len() && t.iter().any(|&t| !t)) {
                 hash = checkpoint::fnv1a_more(hash, &(i as u64).to_le_bytes());
-                hash = checkpoint::fnv1a_more(hash, &targets.iter().map(|&t| t as u8).collect::<Vec<u8>>());
+                hash = targets.iter().fold(hash, |hash, &target| checkpoint::fnv1a_more(hash, &[target as u8]));
             }
         }
     }
@@ -723,8 +723,9 @@ pub fn evaluate_single_device<B: Backend>(
     device: &B::Device,
 ) -> Result<TokenLoss, UlyssesError> {
     let _single_device = burn_ulysses::context::enter_single_device();
-    SequenceSharder::new(1).check_batch(batch, documents, targets)?;
-    let whole = SequenceSharder::new(1).with_ignore_index(ignore_index).shard_targets(batch, documents, targets, 0);
+    let sharder = SequenceSharder::new(1).with_ignore_index(ignore_index);
+    sharder.check_batch(batch, documents, targets)?;
+    let whole = sharder.shard_targets(batch, documents, targets, 0);
     let loss = model_failure_as_error(|| {
         let output = forward(whole.tokens(device), &whole.positions)?;
         Ok::<_, UlyssesError>(lm_loss_sum_inference(output, whole.labels(device), ignore_index).into_scalar().elem::<f64>())
