@@ -16,7 +16,7 @@ use std::{
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 
-use crate::tokenizer::{TextTokenizer, TokenizerError};
+use crate::tokenizer::{TextTokenizer, TokenizerConfig, TokenizerError};
 
 /// Why a chat template cannot be read or rendered, naming the file.
 #[derive(Debug, thiserror::Error)]
@@ -61,20 +61,8 @@ impl ChatTemplate {
     /// `tokenizer_config.json` (a string, or a list of named templates: the one named
     /// `default`); `None` when it has neither.
     pub fn from_checkpoint(dir: &Path) -> Result<Option<Self>, ChatError> {
-        let config_file = dir.join("tokenizer_config.json");
-        let config: serde_json::Value = match fs::read_to_string(&config_file) {
-            Ok(text) => serde_json::from_str(&text).map_err(|e| error(&config_file, format!("is not JSON: {e}")))?,
-            Err(_) => serde_json::Value::Null,
-        };
-        let special_tokens = ["bos_token", "eos_token", "unk_token", "pad_token"]
-            .into_iter()
-            .filter_map(|name| {
-                let token = &config[name];
-                // A string, or an added token's {"content": ...}.
-                let text = token.as_str().or_else(|| token["content"].as_str())?;
-                Some((name.to_string(), text.to_string()))
-            })
-            .collect();
+        let TokenizerConfig { file: config_file, json: config, special_tokens } =
+            TokenizerConfig::read(dir).map_err(|e| ChatError { file: e.file, problem: e.problem })?;
         // As in transformers, the file takes priority over the config's entry.
         let jinja = dir.join("chat_template.jinja");
         let (source, file) = match (fs::read_to_string(&jinja), &config["chat_template"]) {

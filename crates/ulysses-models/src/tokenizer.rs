@@ -1,7 +1,10 @@
 //! A checkpoint's `tokenizer.json`, through Hugging Face's own `tokenizers` crate: the same
 //! ids as the Python package on the same file.
 
-use std::path::Path;
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
 
 /// A tokenizer read from `tokenizer.json`.
 pub struct TextTokenizer {
@@ -10,6 +13,43 @@ pub struct TextTokenizer {
     file: String,
     /// [`added_before_text`](Self::added_before_text), found once when read.
     added_before_text: Vec<u32>,
+}
+
+/// A checkpoint folder's `tokenizer_config.json`: the special tokens it names and the rest as
+/// JSON (the chat template, ...).
+pub struct TokenizerConfig {
+    pub file: PathBuf,
+    /// The file's JSON; `Null` where the folder has none.
+    pub json: serde_json::Value,
+    /// `bos_token`, `eos_token`, `unk_token` and `pad_token` as written there (a string, or an
+    /// added token's `{"content": ...}`).
+    pub special_tokens: BTreeMap<String, String>,
+}
+
+impl TokenizerConfig {
+    /// The folder's `tokenizer_config.json`; empty where it has none.
+    pub fn read(dir: &Path) -> Result<Self, TokenizerError> {
+        let file = dir.join("tokenizer_config.json");
+        let json: serde_json::Value = match std::fs::read_to_string(&file) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| TokenizerError { file: file.display().to_string(), problem: format!("is not JSON: {e}") })?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let special_tokens = ["bos_token", "eos_token", "unk_token", "pad_token"]
+            .into_iter()
+            .filter_map(|name| {
+                let token = &json[name];
+                let text = token.as_str().or_else(|| token["content"].as_str())?;
+                Some((name.to_string(), text.to_string()))
+            })
+            .collect();
+        Ok(Self { file, json, special_tokens })
+    }
+
+    /// The tokenizer's end-of-sequence token as written (`eos_token`), which transformers'
+    /// `tokenizer.eos_token` and TRL's `SFTTrainer` end each example with.
+    pub fn eos_token(&self) -> Option<&str> {
+        self.special_tokens.get("eos_token").map(String::as_str)
+    }
 }
 
 /// Why a tokenizer cannot be read or used, naming the file.

@@ -28,7 +28,7 @@ use std::{
 use burn_ulysses::data::pack_documents;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
-use ulysses_models::{ChatTemplate, TextTokenizer};
+use ulysses_models::{ChatTemplate, TextTokenizer, TokenizerConfig};
 
 use crate::{corpus::splitmix64, files::data_files, train::StepData};
 
@@ -280,6 +280,42 @@ impl DocumentReader<'_> {
     }
 }
 
+/// The token that ends each document: `flag` (`--eos-token-id`), else the tokenizer's
+/// `eos_token` (its `tokenizer_config.json`), which TRL's `SFTTrainer` ends texts and
+/// completions with, else config.json's first `eos_token_id`. With it, a note to log where the
+/// tokenizer's differs from config.json's (Llama 3's instruct models end turns in `<|eot_id|>`,
+/// and list `<|end_of_text|>` first).
+pub fn document_eos(flag: Option<u32>, tokenizer: Option<(&TextTokenizer, &TokenizerConfig)>, config_eos: Option<u64>) -> Result<(u32, Option<String>), String> {
+    if let Some(id) = flag {
+        return Ok((id, None));
+    }
+    if let Some((tokenizer, config)) = tokenizer
+        && let Some(token) = config.eos_token()
+    {
+        let Some(id) = tokenizer.token_id(token) else {
+            return Err(format!(
+                "{}: its eos_token {token:?} is not a token of the tokenizer beside it: give --eos-token-id ID (the id of the token \
+                 that ends a document)",
+                config.file.display()
+            ));
+        };
+        let note = config_eos.filter(|&first| first != u64::from(id)).map(|first| {
+            format!(
+                "documents end in the tokenizer's eos_token {token:?} (id {id}, {}), as TRL's SFTTrainer ends them, not in config.json's \
+                 first eos_token_id {first}: give --eos-token-id to choose",
+                config.file.display()
+            )
+        });
+        return Ok((id, note));
+    }
+    match config_eos {
+        Some(id) => u32::try_from(id).map(|id| (id, None)).map_err(|_| format!("config.json's eos_token_id {id} is not a token id: give --eos-token-id")),
+        None => Err("--data: neither the tokenizer's tokenizer_config.json (eos_token) nor the checkpoint's config.json (eos_token_id) names \
+                     the token that ends each document: give --eos-token-id ID (the id of its end-of-text token, e.g. <|endoftext|>)"
+            .into()),
+    }
+}
+
 /// Ends `ids` (which the encoder ended in EOS) in one EOS: a text that ended in it already
 /// keeps its own.
 fn end_in_one_eos(ids: &mut Vec<i64>, eos: i64) {
@@ -516,6 +552,32 @@ mod tests {
             let error = parse_line(line).err().unwrap_or_else(|| panic!("{line} was accepted"));
             assert!(error.contains(expected), "{line}: {error}");
         }
+    }
+
+    /// The tokenizer's eos_token ends documents, as in TRL, over config.json's first id; the
+    /// flag over both; config.json's where the tokenizer names none.
+    #[test]
+    fn documents_end_in_the_flag_else_the_tokenizers_eos_else_the_configs() {
+        let folder = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../ulysses-models/tests/fixtures/chat/llama3"));
+        let (tokenizer, config) = (TextTokenizer::from_file(folder).unwrap(), TokenizerConfig::read(folder).unwrap());
+        let eot = tokenizer.token_id("<|eot_id|>").expect("the fixture's end of turn");
+        // Llama 3's <|end_of_text|>, which its instruct models' config.json lists first (the
+        // fixture's vocabulary calls it <|endoftext|>).
+        let end_of_text = u64::from(tokenizer.token_id("<|endoftext|>").expect("the fixture's end of text"));
+        let (id, note) = document_eos(None, Some((&tokenizer, &config)), Some(end_of_text)).unwrap();
+        assert_eq!(id, eot, "Llama 3 instruct's tokenizer ends in <|eot_id|>, config.json lists <|end_of_text|> first");
+        assert!(note.is_some_and(|n| n.contains("\"<|eot_id|>\"") && n.contains(&format!("first eos_token_id {end_of_text}"))));
+        assert_eq!(document_eos(None, Some((&tokenizer, &config)), Some(u64::from(eot))).unwrap(), (eot, None), "no note where they agree");
+        assert_eq!(document_eos(Some(7), Some((&tokenizer, &config)), Some(end_of_text)).unwrap(), (7, None));
+        let unnamed = TokenizerConfig { special_tokens: Default::default(), ..TokenizerConfig::read(folder).unwrap() };
+        assert_eq!(document_eos(None, Some((&tokenizer, &unnamed)), Some(end_of_text)).unwrap(), (end_of_text as u32, None));
+        assert_eq!(document_eos(None, None, Some(end_of_text)).unwrap(), (end_of_text as u32, None));
+        let mut unknown = TokenizerConfig::read(folder).unwrap();
+        unknown.special_tokens.insert("eos_token".into(), "<|not_a_token|>".into());
+        let error = document_eos(None, Some((&tokenizer, &unknown)), Some(end_of_text)).unwrap_err();
+        assert!(error.contains("tokenizer_config.json") && error.contains("<|not_a_token|>") && error.contains("--eos-token-id"), "{error}");
+        let error = document_eos(None, None, None).unwrap_err();
+        assert!(error.contains("--eos-token-id"), "{error}");
     }
 
     /// A text that ends in EOS written out gets no second one; every other text gets one.

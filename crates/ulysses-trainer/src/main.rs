@@ -24,14 +24,14 @@ use burn::{
 use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
 use ulysses_training::{LayerCheckpointing, StepReport, TrainBackend, checkpoint::read_checkpoint_state};
 use clap::{Parser, ValueEnum};
-use ulysses_models::{COMPANION_FILES, ChatTemplate, HfConfig, TextTokenizer, from_pretrained, is_tokenizer_file};
+use ulysses_models::{COMPANION_FILES, ChatTemplate, HfConfig, TextTokenizer, TokenizerConfig, from_pretrained, is_tokenizer_file};
 use indicatif::{ProgressBar, ProgressStyle};
 use burn_ulysses::job::{JobOptions, Launch, Tcp, Transport, run_ranks};
 use ulysses_dist::DistributedConfig;
 use ulysses_trainer::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     data_identity::DataIdentity,
-    documents::{DOCUMENT_READER_VERSION, DocumentReader, PackedDocuments},
+    documents::{DOCUMENT_READER_VERSION, DocumentReader, PackedDocuments, document_eos},
     plot,
     run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
     tokens::TokenFile,
@@ -155,7 +155,8 @@ struct Args {
     /// The tokenizer.json that tokenizes --data's text [default: the --model folder's].
     #[arg(long, requires = "data")]
     tokenizer: Option<PathBuf>,
-    /// The token that ends each --data document [default: config.json's eos_token_id].
+    /// The token that ends each --data document [default: the tokenizer's eos_token
+    /// (tokenizer_config.json), else config.json's first eos_token_id].
     #[arg(long, requires = "data")]
     eos_token_id: Option<u32>,
     /// Fine-tune this Hugging Face checkpoint folder (config.json and model.safetensors of a
@@ -612,10 +613,13 @@ fn run(mut args: Args) -> Result<(), String> {
     let mut eval_sequences = None;
     // The chat template --data's conversations were rendered with (file, rendering text).
     let mut chat_rendered = None;
+    // The token that ends each --data document, as resolved.
+    let mut data_eos = None;
     let data: Box<dyn StepData> = match (&args.data, &args.tokens) {
         (Some(path), _) => {
-            let documents;
-            (documents, chat_rendered) = packed_documents(&args, path, pretrained.as_ref().expect("--data needs a checkpoint (checked)"), &config, is_first)?;
+            let (documents, eos);
+            (documents, chat_rendered, eos) = packed_documents(&args, path, pretrained.as_ref().expect("--data needs a checkpoint (checked)"), &config, is_first)?;
+            data_eos = Some(eos);
             eval_sequences = args.eval_only.then(|| {
                 let (sequences, lengths) = documents.everything();
                 (sequences, lengths, documents.every_target())
@@ -634,14 +638,13 @@ fn run(mut args: Args) -> Result<(), String> {
     };
     let data_path = args.data.as_ref().or(args.tokens.as_ref()).unwrap_or(&args.corpus);
     let mut data_identity = if args.data.is_some() { DataIdentity::of_data(data_path)? } else { DataIdentity::of(data_path)? };
-    if let (Some(_), Some(checkpoint)) = (&args.data, &pretrained) {
+    if let Some(eos) = data_eos {
         // What turns --data's bytes into tokens and targets, as used (the tokenizer by its
         // bytes, not its path; the EOS resolved), besides the checkpoint's config.
         let tokenizer = match data_tokenizer_file(&args) {
             Some(file) => DataIdentity::of(&file).map(|t| format!("a tokenizer of {} bytes (digest {})", t.bytes, t.digest))?,
             None => "no tokenizer".into(),
         };
-        let eos = data_eos(&args, checkpoint)?;
         let (loss_on, too_long) = (format!("{:?}", args.loss_on).to_lowercase(), format!("{:?}", args.too_long).to_lowercase());
         // The reader's version: a reader that tokenizes otherwise (since 2: one BOS, empty
         // texts left out, a prompt's trailing space, one EOS after a completion; the chat
@@ -725,15 +728,12 @@ fn folder_of(file: &Path) -> &Path {
     file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
 }
 
-/// The token that ends each --data document: --eos-token-id, else config.json's.
-fn data_eos(args: &Args, checkpoint: &HfConfig) -> Result<u32, String> {
-    match (args.eos_token_id, checkpoint.eos_token_id) {
-        (Some(id), _) => Ok(id),
-        (None, Some(id)) => u32::try_from(id).map_err(|_| format!("config.json's eos_token_id {id} is not a token id: give --eos-token-id")),
-        (None, None) => Err("--data: the checkpoint's config.json names no eos_token_id to end each document with: give --eos-token-id ID \
-                             (the id of its end-of-text token, e.g. <|endoftext|>)"
-            .into()),
-    }
+/// The tokenizer that tokenizes --data's text, with the `tokenizer_config.json` beside it.
+fn data_tokenizer(args: &Args) -> Result<Option<(TextTokenizer, TokenizerConfig)>, String> {
+    let Some(file) = data_tokenizer_file(args) else { return Ok(None) };
+    let tokenizer = TextTokenizer::from_file(&file).map_err(|e| format!("--tokenizer: {e}"))?;
+    let config = TokenizerConfig::read(folder_of(&file)).map_err(|e| format!("--tokenizer: {e}"))?;
+    Ok(Some((tokenizer, config)))
 }
 
 /// The tokenizer.json that tokenizes --data's text: --tokenizer, else the --model folder's.
@@ -798,14 +798,18 @@ fn data_chat_template(args: &Args) -> Result<Option<ChatTemplate>, String> {
 }
 
 /// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary; and the
-/// chat template's file and rendering text where it rendered a conversation.
-fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<(PackedDocuments, Option<(String, String)>), String> {
-    let eos = data_eos(args, checkpoint)?;
+/// chat template's file and rendering text where it rendered a conversation, and the EOS.
+fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<(PackedDocuments, Option<(String, String)>, u32), String> {
+    let tokenizer = data_tokenizer(args)?;
+    let (eos, note) = document_eos(args.eos_token_id, tokenizer.as_ref().map(|(t, c)| (t, c)), checkpoint.eos_token_id)?;
     if eos as usize >= config.model.vocab_size {
-        let from = if args.eos_token_id.is_some() { "--eos-token-id" } else { "config.json's eos_token_id" };
+        let from = if args.eos_token_id.is_some() { "--eos-token-id" } else { "the EOS" };
         return Err(format!("{from} {eos} is outside the model's vocabulary 0..{}: give the id of its end-of-text token", config.model.vocab_size));
     }
-    let tokenizer = data_tokenizer_file(args).map(|file| TextTokenizer::from_file(&file)).transpose().map_err(|e| format!("--tokenizer: {e}"))?;
+    if let Some(note) = note.filter(|_| show_progress) {
+        tracing::info!("{note}");
+    }
+    let tokenizer = tokenizer.map(|(tokenizer, _)| tokenizer);
     let chat = data_chat_template(args)?;
     let reader = DocumentReader {
         tokenizer: tokenizer.as_ref(),
@@ -848,7 +852,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
             checkpoint.max_position_embeddings
         );
     }
-    Ok((packed, rendered_with))
+    Ok((packed, rendered_with, eos))
 }
 
 /// Runs the job on the --backend.
