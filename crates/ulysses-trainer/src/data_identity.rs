@@ -41,7 +41,7 @@ impl DataIdentity {
     /// The identity of --data at `path`: the files read ([`data_files`](crate::files::data_files)),
     /// so that a dataset card edited beside them changes nothing.
     pub fn of_data(path: &Path) -> Result<Self, String> {
-        Self::of_files(path, &crate::files::data_files(path)?.0)
+        Self::of_files(path, &crate::files::data_files("--data", path)?.0)
     }
 
     fn of_files(path: &Path, files: &[std::path::PathBuf]) -> Result<Self, String> {

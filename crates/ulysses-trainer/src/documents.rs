@@ -96,10 +96,15 @@ impl DocumentReader<'_> {
     /// Every document of `path` (a `.jsonl` or `.json` file of JSON Lines, a text file, or a folder's data files, in name
     /// order) as token ids ending in EOS. Documents with nothing before their EOS are left out.
     pub fn read(&self, path: &Path) -> Result<Documents, String> {
-        let (files, others) = data_files(path)?;
+        self.read_as("--data", path)
+    }
+
+    /// [`read`](Self::read), `flag` naming `path` in messages (`--eval-data`).
+    pub fn read_as(&self, flag: &str, path: &Path) -> Result<Documents, String> {
+        let (files, others) = data_files(flag, path)?;
         if !others.is_empty() {
             let names: Vec<String> = others.iter().map(|f| f.display().to_string()).collect();
-            tracing::warn!("--data {}: not read, neither JSON Lines (.jsonl, .json) nor text (.txt): {}", path.display(), names.join(", "));
+            tracing::warn!("{flag} {}: not read, neither JSON Lines (.jsonl, .json) nor text (.txt): {}", path.display(), names.join(", "));
         }
         let total: u64 = files.iter().map(|f| fs::metadata(f).map_or(0, |m| m.len())).sum();
         let bar = if self.progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
@@ -120,7 +125,7 @@ impl DocumentReader<'_> {
         let read = documents.len();
         documents.retain(|(document, _)| document.len() > 1);
         if documents.is_empty() {
-            return Err(format!("--data {}: no document holds a token (besides the EOS each ends in)", path.display()));
+            return Err(format!("{flag} {}: no document holds a token (besides the EOS each ends in)", path.display()));
         }
         if documents.len() < read {
             tracing::info!(skipped = read - documents.len(), "left out the empty documents");
@@ -128,7 +133,7 @@ impl DocumentReader<'_> {
         let merged = self.noted.merged_prompts.get();
         if merged > 0 {
             tracing::warn!(
-                "--data {}: {merged} prompt(s) tokenize otherwise alone than before their completion (a prompt ending in a space, \
+                "{flag} {}: {merged} prompt(s) tokenize otherwise alone than before their completion (a prompt ending in a space, \
                  as a rule, whose space joins the completion's first token): their targets start at the first token that differs",
                 path.display()
             );
@@ -447,6 +452,16 @@ impl PackedDocuments {
             "packed the documents"
         );
         Ok(Self { train, eval, batch_size, seed })
+    }
+
+    /// These documents, trained on whole, evaluated on `held_out`'s sequences, all of them
+    /// (packed apart: an `--eval-data` file).
+    pub fn held_out_by(mut self, held_out: PackedDocuments) -> Self {
+        let mut sequences = held_out.train;
+        sequences.extend(held_out.eval.into_iter().flatten());
+        self.train.extend(self.eval.take().into_iter().flatten());
+        self.eval = Some(sequences);
+        self
     }
 
     /// Sequences drawn for training (the held-out batch not among them).

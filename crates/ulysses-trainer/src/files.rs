@@ -28,9 +28,9 @@ pub fn files_under(path: &Path) -> std::io::Result<Vec<PathBuf>> {
 /// as `.txt`), and the others, which are not read (a dataset's `README.md`, `LICENSE`). A
 /// file given itself is read whatever its name. Refused: a folder that holds a training split
 /// beside a test or validation one (`train.jsonl` and `test.jsonl`), all of which it would
-/// train on.
-pub fn data_files(path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), String> {
-    let files = files_under(path).map_err(|e| format!("cannot read --data {}: {e}", path.display()))?;
+/// train on. `flag` names the path in messages (`--data`, `--eval-data`).
+pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), String> {
+    let files = files_under(path).map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))?;
     if !path.is_dir() {
         return Ok((files, Vec::new()));
     }
@@ -47,15 +47,15 @@ pub fn data_files(path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), String> {
     let held_out: Vec<&PathBuf> = data.iter().filter(|f| !training(f) && split(f, &["test", "validation", "valid", "val", "eval", "dev"])).collect();
     if data.iter().any(training) && !held_out.is_empty() {
         return Err(format!(
-            "--data {} holds a training split beside held-out ones ({}), and every file of a folder is trained on: \
-             give the training split's file (or a folder of it alone) as --data, and a held-out one to --eval-only",
+            "{flag} {} holds a training split beside held-out ones ({}), and every file of a folder is read: give the training \
+             split's file (or a folder of it alone) as --data, and a held-out one as --eval-data",
             path.display(),
             held_out.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")
         ));
     }
     if data.is_empty() {
         return Err(format!(
-            "--data {} holds no .jsonl, .json or .txt file{}",
+            "{flag} {} holds no .jsonl, .json or .txt file{}",
             path.display(),
             if others.is_empty() { String::new() } else { format!(" (not data: {})", others.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")) }
         ));

@@ -31,7 +31,7 @@ use ulysses_dist::DistributedConfig;
 use ulysses_trainer::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     data_identity::DataIdentity,
-    documents::{DOCUMENT_READER_VERSION, DocumentReader, PackedDocuments, document_eos},
+    documents::{DOCUMENT_READER_VERSION, DocumentReader, Documents, PackedDocuments, document_eos},
     plot,
     run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
     tokens::TokenFile,
@@ -143,6 +143,14 @@ struct Args {
     /// (--loss-on).
     #[arg(long, conflicts_with_all = ["corpus", "tokens"])]
     data: Option<PathBuf>,
+    /// Held-out documents to evaluate on, all of them, every --eval-every steps: a file or
+    /// folder of --data's kinds, read as --data is; --data is then trained on whole [default:
+    /// --data's last batch, held out where it has two or more].
+    #[arg(long, requires = "data", conflicts_with = "eval_only")]
+    eval_data: Option<PathBuf>,
+    /// Evaluate the held-out documents every this many steps, and after the last (0: never).
+    #[arg(long, default_value_t = 50)]
+    eval_every: usize,
     /// What --data's chat, prompt/completion and labelled lines train on: `assistant`, the
     /// answers alone (the template's {% generation %} blocks, the completions, the tokens with
     /// a label), as TRL's SFTTrainer does; `all`, every token.
@@ -549,6 +557,11 @@ fn run(mut args: Args) -> Result<(), String> {
     if args.eval_only && args.data.is_none() {
         return Err("--eval-only evaluates the --model on documents: give --data FILE".into());
     }
+    if let (Some(data), Some(held_out)) = (&args.data, &args.eval_data)
+        && same_place(data, held_out)
+    {
+        return Err(format!("--eval-data {} is --data: a held-out set is one not trained on; give another file", held_out.display()));
+    }
     let pretrained = match (&args.model, &args.hf_config) {
         (Some(dir), _) => Some(HfConfig::from_hf(dir).map_err(|e| format!("--model: {e}"))?),
         (None, Some(file)) => Some(HfConfig::from_hf(file).map_err(|e| format!("--hf-config: {e}"))?),
@@ -586,6 +599,7 @@ fn run(mut args: Args) -> Result<(), String> {
         .with_steps(args.steps)
         .with_learning_rate(args.learning_rate)
         .with_eval_single_device(args.eval_single_device)
+        .with_eval_every(args.eval_every)
         .with_check_parameters_every(args.check_parameters_every)
         .with_seed(args.seed)
         .with_max_grad_norm((args.max_grad_norm > 0.0).then_some(args.max_grad_norm))
@@ -811,7 +825,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     }
     let tokenizer = tokenizer.map(|(tokenizer, _)| tokenizer);
     let chat = data_chat_template(args)?;
-    let reader = DocumentReader {
+    let reader = || DocumentReader {
         tokenizer: tokenizer.as_ref(),
         eos,
         vocab: config.model.vocab_size,
@@ -821,24 +835,36 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         refuse_longer_than: (args.too_long == TooLong::Refuse).then_some(config.seq_len),
         noted: Default::default(),
     };
-    let documents = reader.read(path)?;
-    // The template's file and what decides its rendering, where it rendered a conversation.
-    let rendered_with = chat.filter(|_| documents.rendered_chat).map(|chat| (chat.file().to_string(), chat.rendering_text().to_string()));
-    let targets = documents.targets.as_deref().filter(|_| args.loss_on == LossOn::Assistant);
-    if let Some(targets) = targets {
-        let (trained, total) = (targets.iter().flatten().filter(|&&t| t).count(), targets.iter().map(Vec::len).sum::<usize>());
-        if trained == 0 {
+    // The targets of the documents read from `path` (the --loss-on assistant ones, where the
+    // data marks answers), refused where none is an answer.
+    let answers = |documents: &Documents, flag: &str, path: &Path| -> Result<Option<Vec<Vec<bool>>>, String> {
+        let Some(targets) = documents.targets.as_ref().filter(|_| args.loss_on == LossOn::Assistant) else { return Ok(None) };
+        if !targets.iter().flatten().any(|&t| t) {
             return Err(format!(
-                "--data {}: no token is an answer (no assistant turn, completion or label), so the loss on the answers alone would be 0 \
-                 and nothing would train: give conversations with answers, or train on every token with --loss-on all",
+                "{flag} {}: no token is an answer (no assistant turn, completion or label), so the loss on the answers alone would be 0 \
+                 and nothing would train or be measured: give conversations with answers, or take every token with --loss-on all",
                 path.display()
             ));
         }
+        Ok(Some(targets.clone()))
+    };
+    let documents = reader().read(path)?;
+    // The template's file and what decides its rendering, where it rendered a conversation.
+    let rendered_with = chat.as_ref().filter(|_| documents.rendered_chat).map(|chat| (chat.file().to_string(), chat.rendering_text().to_string()));
+    let targets = answers(&documents, "--data", path)?;
+    if let Some(targets) = &targets {
+        let (trained, total) = (targets.iter().flatten().filter(|&&t| t).count(), targets.iter().map(Vec::len).sum::<usize>());
         tracing::info!("training on the answers alone: {trained} of {total} tokens are targets (--loss-on all: every token)");
     }
     // Evaluating takes every sequence, however few.
     let batch_size = if args.eval_only { 1 } else { config.batch_size };
-    let packed = PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, batch_size, config.seed, !args.eval_only)?;
+    let hold_out = !args.eval_only && args.eval_data.is_none();
+    let mut packed = PackedDocuments::pack_with_targets(&documents.ids, targets.as_deref(), config.seq_len, batch_size, config.seed, hold_out)?;
+    if let Some(held_out) = &args.eval_data {
+        let documents = reader().read_as("--eval-data", held_out)?;
+        let targets = answers(&documents, "--eval-data", held_out)?;
+        packed = packed.held_out_by(PackedDocuments::pack_with_targets(&documents.ids, targets.as_deref(), config.seq_len, 1, config.seed, false)?);
+    }
     if !args.eval_only && show_progress {
         // How often the run goes over its data: a small SFT set at the default 300 steps is
         // hundreds of epochs.

@@ -567,12 +567,15 @@ where
         // After the checkpoint: an evaluation that fails (out of memory on a held-out batch
         // that is larger than a step's part) loses no step.
         let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
-        if let (true, Some(batch)) = (eval_due, &eval_batch) {
+        if let (true, Some(sequences)) = (eval_due, &eval_batch) {
             let (documents, targets) = (eval_documents.as_deref(), eval_targets.as_deref());
-            let loss = match parts.as_mut() {
-                Some(parts) => evaluate_in_parts::<B>(config, &model, parts, batch, documents, targets, groups, device),
-                None => evaluate_model::<B>(config, &model.valid(), batch, documents, targets, groups, device),
-            }
+            let valid = parts.is_none().then(|| model.valid());
+            let lockstep = parts.is_some();
+            let loss = evaluate_batches(config, sequences, documents, targets, groups, lockstep, |batch, documents, targets| match (parts.as_mut(), &valid) {
+                (Some(parts), _) => evaluate_in_parts::<B>(config, &model, parts, batch, documents, targets, groups, device),
+                (None, Some(valid)) => evaluate_model::<B>(config, valid, batch, documents, targets, groups, device),
+                (None, None) => unreachable!("a whole model has its valid copy"),
+            })
             .map_err(|e| e.at_step(step))?;
             // A held-out batch without a target (prompts alone) has no loss to show.
             if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss.filter(|loss| loss.tokens > 0)) {
@@ -1038,22 +1041,57 @@ pub fn evaluate_sequences<B: TrainBackend>(
 ) -> Result<TokenLoss, UlyssesError> {
     let config = config.clone().with_eval_single_device(false);
     let model = model.with_compute_dtype(config.precision.compute_dtype::<B>(device)?).with_f32_head(config.f32_head).valid();
+    let evaluate_batch = |batch: &[Vec<i64>], documents: Option<&[Vec<usize>]>, targets: Option<&[Vec<bool>]>| {
+        evaluate_model::<B>(&config, &model, batch, documents, targets, groups, device)
+    };
+    Ok(evaluate_batches(&config, sequences, documents, targets, groups, false, evaluate_batch)?.expect("summed over the world"))
+}
+
+/// The loss over `sequences` (each packing the documents of lengths `documents[i]`, if given;
+/// over its `targets[i]`, if given), `batch_size` at a time, each batch through
+/// `evaluate_batch` over the rank's SP group: DP replica `r` evaluates batches `r`, `r + dp`,
+/// ..., and the world adds the groups' sums up, so every rank returns the same. Under ZeRO-3
+/// (`lockstep`) every rank joins each batch's parameter gathers: a replica left without a
+/// batch in the last round evaluates the first again and drops it. With `eval_single_device`,
+/// every rank goes through every batch (world rank 0 evaluates them, the others join its
+/// gathers) and rank 0 alone returns the sum.
+fn evaluate_batches<W: burn::tensor::backend::Backend>(
+    config: &TrainConfig,
+    sequences: &[Vec<i64>],
+    documents: Option<&[Vec<usize>]>,
+    targets: Option<&[Vec<bool>]>,
+    groups: &ParallelGroups<W>,
+    lockstep: bool,
+    mut evaluate_batch: impl FnMut(&[Vec<i64>], Option<&[Vec<usize>]>, Option<&[Vec<bool>]>) -> Result<Option<TokenLoss>, UlyssesError>,
+) -> Result<Option<TokenLoss>, UlyssesError> {
     let size = config.batch_size;
+    let batches = sequences.len().div_ceil(size);
+    let mut evaluate_at = |index: usize| {
+        let range = index * size..((index + 1) * size).min(sequences.len());
+        evaluate_batch(&sequences[range.clone()], documents.map(|d| &d[range.clone()]), targets.map(|t| &t[range]))
+    };
+    if config.eval_single_device {
+        let mut total = None;
+        for index in 0..batches {
+            if let Some(loss) = evaluate_at(index)? {
+                total = Some(loss.add(total.unwrap_or_default()));
+            }
+        }
+        return Ok(total);
+    }
+    let (dp, replica) = (config.layout.dp_size, groups.dp_rank());
     let mut total = TokenLoss::default();
-    for start in (groups.dp_rank() * size..sequences.len()).step_by(size * config.layout.dp_size) {
-        let end = (start + size).min(sequences.len());
-        let batch_documents = documents.map(|documents| &documents[start..end]);
-        let batch_targets = targets.map(|targets| &targets[start..end]);
-        let loss = evaluate_model::<B>(&config, &model, &sequences[start..end], batch_documents, batch_targets, groups, device)?.expect("evaluated over the SP group");
-        total = total.add(loss);
+    for round in 0..batches.div_ceil(dp) {
+        match round * dp + replica {
+            index if index < batches => total = total.add(evaluate_at(index)?.expect("evaluated over the SP group")),
+            _ if lockstep => drop(evaluate_at(0)?),
+            _ => {}
+        }
     }
     // Each SP group's ranks hold its sums; the group's first rank speaks for it.
     let speaks = u64::from(groups.sp_rank() == 0);
     let gathered = all_gather_host_checked(&*groups.world, &[total.sum.to_bits(), total.tokens as u64, speaks], "evaluation sums")?;
-    Ok(gathered
-        .iter()
-        .filter(|rank| rank[2] == 1)
-        .fold(TokenLoss::default(), |sum, rank| sum.add(TokenLoss { sum: f64::from_bits(rank[0]), tokens: rank[1] as usize })))
+    Ok(Some(gathered.iter().filter(|rank| rank[2] == 1).fold(TokenLoss::default(), |sum, rank| sum.add(TokenLoss { sum: f64::from_bits(rank[0]), tokens: rank[1] as usize }))))
 }
 
 pub fn model_recorder() -> NamedMpkFileRecorder<FullPrecisionSettings> {

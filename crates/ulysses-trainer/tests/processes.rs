@@ -979,6 +979,55 @@ fn prompt_completion_lines_train_on_the_completions_alike_at_sp_1_and_2() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// `--eval-data` evaluates every sequence of its file, at every layout: five held-out
+/// documents pack into five sequences, three batches of two, which two DP replicas share
+/// unevenly (under ZeRO-3 the one without a last batch still joins the gathers). After one step
+/// at a learning rate that moves no parameter, the held-out loss equals `--eval-only`'s on the
+/// same file; `--data` is trained on whole; the file cannot be `--data` itself.
+#[test]
+fn a_held_out_file_is_evaluated_whole_at_every_layout_as_eval_only_measures_it() {
+    let dir = workspace("eval-data");
+    let (checkpoint, tokenizer_file) = qwen3_and_tokenizer();
+    let ids = |seed: usize, count: usize, len: usize| -> String {
+        (0..count).map(|d| serde_json::json!({ "input_ids": (0..len).map(|i| 1 + (seed + d * 31 + i * 7) % 300).collect::<Vec<_>>() }).to_string()).collect::<Vec<_>>().join("\n")
+    };
+    let (train, held_out) = (dir.join("train.jsonl"), dir.join("held-out.jsonl"));
+    fs::write(&train, ids(0, 8, 30)).unwrap();
+    fs::write(&held_out, ids(5, 5, 30)).unwrap();
+    let args = |data: &Path, extra: &str| -> Vec<String> {
+        format!(
+            "--model {} --tokenizer {} --eos-token-id 0 --data {} --seq-len 32 --batch-size 2 {extra}",
+            checkpoint.display(),
+            tokenizer_file.display(),
+            data.display()
+        )
+        .split_whitespace()
+        .map(String::from)
+        .collect()
+    };
+    let (reference, tokens) = eval_line(&succeed(run_alone(&args(&held_out, "--eval-only --sp 1"), &[])));
+    assert_eq!(tokens, 5 * 30, "each held-out document's tokens after its first, its EOS included");
+    let unmoved = format!("--eval-data {} --steps 1 --learning-rate 1e-30", held_out.display());
+    for (name, layout, launched) in [
+        ("sp1", "--sp 1", 1),
+        ("sp2", "--sp 2", 1),
+        ("sp2-dp2", "--sp 2 --dp 2", 1),
+        ("zero3", "--sp 2 --dp 2 --checkpoint-layers --zero 3 --offload-optimizer", 4),
+    ] {
+        let run = args(&train, &format!("{unmoved} {layout} --out {}", dir.join(name).display()));
+        let output = succeed(if launched > 1 { run_launched(launched, &run, &[]) } else { run_alone(&run, &[]) });
+        let eval = eval_losses(&dir.join(name));
+        println!("{name}: held-out {eval:?} against --eval-only {reference:.7}");
+        assert!(eval.len() == 1 && (eval[0].1 - reference).abs() <= TOLERANCE as f64, "{name}: {eval:?} against {reference}");
+        if name == "sp1" {
+            assert!(show(&output).contains("go over the 8 training sequence(s)"), "--data trained on whole: {}", show(&output));
+        }
+    }
+    let refused = run_alone(&args(&train, &format!("--eval-data {} --steps 1 --out {}", train.display(), dir.join("same").display())), &[]);
+    assert!(!refused.status.success() && show(&refused).contains("is --data"), "{}", show(&refused));
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// `{"messages"}` lines rendered with the chat template beside `--tokenizer` (the Qwen-kind
 /// fixture, whose text, ids and answers equal transformers': ulysses-models' chat test) train
 /// on the answers alone: the targets counted with the template, the same losses at SP=1 and
