@@ -55,7 +55,8 @@ pub struct JobOptions {
     pub dist: DistributedConfig,
     pub ulysses: UlyssesConfig,
     /// The device index of every rank: `None` means `LOCAL_RANK` for processes (one device
-    /// each) and device 0 for threads (which share it).
+    /// each; 0 where `CUDA_VISIBLE_DEVICES` shows the process one) and device 0 for threads
+    /// (which share it).
     pub device_index: Option<usize>,
 }
 
@@ -67,7 +68,7 @@ impl JobOptions {
     /// The device index this process's ranks run on under `launch`.
     pub fn device_index_of(&self, launch: &Launch) -> usize {
         self.device_index.unwrap_or(match launch {
-            Launch::Process(env) => env.local_rank,
+            Launch::Process(env) => env.device_index(),
             Launch::Threads => 0,
         })
     }

@@ -4,7 +4,8 @@
 //! `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`. In a task of an `srun` step, where
 //! those are absent, the step's `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_LOCALID` and
 //! `SLURM_STEP_TASKS_PER_NODE` stand in, and `MASTER_ADDR` defaults to the first host of
-//! `SLURM_STEP_NODELIST`. Slurm sets `SLURM_PROCID=0` in the batch script too, which is no
+//! `SLURM_STEP_NODELIST` (for a wrapper under srun that sets `RANK` and `WORLD_SIZE` alone
+//! too). DeepSpeed's launcher names the node's process count `LOCAL_SIZE`. Slurm sets `SLURM_PROCID=0` in the batch script too, which is no
 //! rank of anything: without a step (`SLURM_STEP_ID`) the process runs alone, its ranks as
 //! threads.
 
@@ -82,7 +83,7 @@ impl LaunchEnv {
                 required("RANK")?,
                 required("WORLD_SIZE")?,
                 number("LOCAL_RANK")?.or(number("SLURM_LOCALID")?).unwrap_or(0),
-                match number("LOCAL_WORLD_SIZE")? {
+                match number("LOCAL_WORLD_SIZE")?.or(number("LOCAL_SIZE")?) {
                     Some(size) => Some(size),
                     None if lookup("SLURM_LOCALID").is_some() => slurm_tasks_per_node()?,
                     None => None,
@@ -93,20 +94,40 @@ impl LaunchEnv {
                 (required("SLURM_PROCID")?, required(world_name)?, number("SLURM_LOCALID")?.unwrap_or(0), slurm_tasks_per_node()?)
             }
         };
-        let local_world_size = local_world_size.unwrap_or(1);
         if world_size == 0 || rank >= world_size {
             return Err(DistError::Env(format!(
                 "rank {rank} is out of range for a world of {world_size} processes"
             )));
         }
+        // The node's process count sizes host memory and threads and tells one node from
+        // several: a local rank past the first without it is refused, not taken for one.
+        let local_world_size = match local_world_size {
+            Some(size) => size,
+            None if local_rank == 0 => 1,
+            None => {
+                return Err(DistError::Env(format!(
+                    "local rank {local_rank} (LOCAL_RANK) without the count of processes on this node: set LOCAL_WORLD_SIZE \
+                     (torchrun sets it; DeepSpeed's LOCAL_SIZE is read too)"
+                )));
+            }
+        };
+        if local_rank >= local_world_size || local_world_size > world_size {
+            return Err(DistError::Env(format!(
+                "local rank {local_rank} of {local_world_size} processes on this node (LOCAL_RANK, LOCAL_WORLD_SIZE) does not fit a \
+                 world of {world_size} (WORLD_SIZE): each node's local ranks are 0..LOCAL_WORLD_SIZE, at most WORLD_SIZE of them"
+            )));
+        }
 
-        let master_addr = match (lookup("MASTER_ADDR"), source) {
-            (Some(addr), _) => addr,
-            (None, EnvSource::Slurm) => first_set(&["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"])
+        // A wrapper under srun that sets RANK and WORLD_SIZE alone is an srun task too.
+        let under_srun = source == EnvSource::Slurm || is_srun_task(&lookup);
+        let master_addr = match lookup("MASTER_ADDR") {
+            Some(addr) => addr,
+            None if under_srun => first_set(&["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"])
                 .and_then(|(_, list)| first_host(&list))
                 .ok_or_else(|| DistError::Env("MASTER_ADDR is not set and SLURM_STEP_NODELIST has no host".into()))?,
-            (None, EnvSource::Torchrun) => "127.0.0.1".to_string(),
+            None => "127.0.0.1".to_string(),
         };
+        check_host(&master_addr)?;
         let port = |name: &str| -> Result<Option<u16>, DistError> {
             lookup(name)
                 .map(|port| port.trim().parse().map_err(|_| DistError::Env(format!("{name}={port:?} is not a port number"))))
@@ -120,12 +141,54 @@ impl LaunchEnv {
             })?,
             (None, Some(port)) => port,
             // Two jobs sharing a node would both take 29500: each Slurm job its own port.
-            (None, None) => match (source, number("SLURM_JOB_ID")?) {
-                (EnvSource::Slurm, Some(job)) => SLURM_PORT_BASE + (job % 10_000) as u16,
+            (None, None) => match (under_srun, number("SLURM_JOB_ID")?) {
+                (true, Some(job)) => SLURM_PORT_BASE + (job % 10_000) as u16,
                 _ => DEFAULT_MASTER_PORT,
             },
         };
         Ok(Self { rank, world_size, local_rank, local_world_size, master_addr, master_port, source })
+    }
+}
+
+/// Refuses a `MASTER_ADDR` that is empty or holds a port (`10.0.0.1:29500`), which no
+/// lookup resolves: every rank would wait out the rendezvous timeout.
+fn check_host(addr: &str) -> Result<(), DistError> {
+    let holds_port = addr.rsplit_once(':').is_some_and(|(host, port)| !host.contains(':') && port.parse::<u16>().is_ok());
+    if addr.trim().is_empty() || holds_port {
+        return Err(DistError::Env(format!("MASTER_ADDR={addr:?} is no host: give rank 0's host name or address alone, its port as MASTER_PORT")));
+    }
+    Ok(())
+}
+
+/// Whether `host` (a name or address, IPv6 in brackets or not) is this machine alone to
+/// every machine that connects to it: a loopback or unspecified address, or `localhost`.
+pub fn is_this_machine_only(host: &str) -> bool {
+    let bare = host.trim().trim_start_matches('[').trim_end_matches(']');
+    match bare.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback() || ip.is_unspecified(),
+        Err(_) => bare.eq_ignore_ascii_case("localhost") || bare.to_ascii_lowercase().ends_with(".localhost"),
+    }
+}
+
+impl LaunchEnv {
+    /// The GPU this process runs on: its local rank, or 0 where `visible_devices`
+    /// (`CUDA_VISIBLE_DEVICES`) shows it one device alone (`srun --gpus-per-task=1`), as
+    /// torchrun's scripts do.
+    pub fn device_index_with(&self, visible_devices: Option<&str>) -> usize {
+        match visible_devices.map(|list| list.split(',').filter(|d| !d.trim().is_empty()).count()) {
+            Some(1) => 0,
+            _ => self.local_rank,
+        }
+    }
+
+    /// [`device_index_with`](Self::device_index_with) this process's `CUDA_VISIBLE_DEVICES`.
+    pub fn device_index(&self) -> usize {
+        self.device_index_with(std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref())
+    }
+
+    /// Whether the job's ranks span more than this node.
+    pub fn spans_nodes(&self) -> bool {
+        self.world_size > self.local_world_size
     }
 }
 
@@ -335,8 +398,45 @@ mod tests {
         // SLURM_LOCALID's, not GPU 0 for every rank of a node.
         let parsed = env(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("SLURM_PROCID", "5"), ("SLURM_LOCALID", "1"), ("SLURM_NODEID", "1"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2)")]).unwrap();
         assert_eq!((parsed.local_rank, parsed.local_world_size, parsed.source), (1, 4, EnvSource::Torchrun));
-        let torchrun = env(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "3"), ("LOCAL_WORLD_SIZE", "2"), ("SLURM_LOCALID", "1")]).unwrap();
-        assert_eq!((torchrun.local_rank, torchrun.local_world_size), (3, 2));
+        let torchrun = env(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("SLURM_LOCALID", "0")]).unwrap();
+        assert_eq!((torchrun.local_rank, torchrun.local_world_size), (1, 2));
+        // Without MASTER_ADDR, a task of an srun step finds rank 0 on the step's first host and
+        // the job's port, not on its own loopback.
+        let wrapped = [("RANK", "5"), ("WORLD_SIZE", "8"), ("SLURM_PROCID", "5"), ("SLURM_STEP_ID", "0"), ("SLURM_LOCALID", "1"), ("SLURM_NODEID", "1"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"), ("SLURM_STEP_NODELIST", "gpu[07-08]"), ("SLURM_JOB_ID", "4321987")];
+        let parsed = env(&wrapped).unwrap();
+        assert_eq!((parsed.master_addr.as_str(), parsed.master_port, parsed.local_world_size), ("gpu07", 21987, 4));
+    }
+
+    #[test]
+    fn local_ranks_that_do_not_fit_the_node_or_the_world_are_refused() {
+        let message = |pairs: &[(&str, &str)]| env(pairs).unwrap_err().to_string();
+        // DeepSpeed's launcher names the node's count LOCAL_SIZE.
+        assert_eq!(env(&[("RANK", "9"), ("WORLD_SIZE", "16"), ("LOCAL_RANK", "1"), ("LOCAL_SIZE", "8")]).unwrap().local_world_size, 8);
+        assert!(message(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1")]).contains("set LOCAL_WORLD_SIZE"));
+        assert!(message(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "2"), ("LOCAL_WORLD_SIZE", "2")]).contains("does not fit"));
+        assert!(message(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "4")]).contains("does not fit"));
+    }
+
+    #[test]
+    fn a_master_addr_with_a_port_or_none_is_refused_and_loopback_is_known() {
+        let message = |addr: &str| env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", addr)]).unwrap_err().to_string();
+        assert!(message("10.0.0.1:29500").contains("its port as MASTER_PORT"));
+        assert!(message("").contains("is no host"));
+        for host in ["fd00::1", "[fd00::1]", "node-7", "10.0.0.1"] {
+            assert!(env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", host)]).is_ok(), "{host}");
+        }
+        for host in ["127.0.0.1", "127.0.1.1", "localhost", "::1", "[::1]", "0.0.0.0"] {
+            assert!(is_this_machine_only(host), "{host}");
+        }
+        for host in ["10.0.0.1", "gpu07", "fd00::1"] {
+            assert!(!is_this_machine_only(host), "{host}");
+        }
+    }
+
+    #[test]
+    fn a_task_shown_one_gpu_runs_on_device_0() {
+        let parsed = env(&[("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "3"), ("LOCAL_WORLD_SIZE", "4")]).unwrap();
+        assert_eq!((parsed.device_index_with(None), parsed.device_index_with(Some("0,1,2,3")), parsed.device_index_with(Some("3"))), (3, 3, 0));
     }
 
     #[test]

@@ -38,7 +38,7 @@ impl LaunchPlan {
         if self.node_rank >= self.nnodes {
             return fail(format!("--node-rank {} is out of range for --nnodes {}", self.node_rank, self.nnodes));
         }
-        if self.nnodes > 1 && matches!(self.master_addr.as_str(), "127.0.0.1" | "localhost" | "::1") {
+        if self.nnodes > 1 && crate::env::is_this_machine_only(&self.master_addr) {
             return fail(format!(
                 "with --nnodes {} the ranks of other nodes cannot reach {}: pass --master-addr with node 0's address",
                 self.nnodes, self.master_addr

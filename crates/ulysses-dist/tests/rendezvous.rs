@@ -4,7 +4,7 @@
 
 use std::{
     io::Write,
-    net::{TcpListener, TcpStream},
+    net::{TcpListener, TcpStream, ToSocketAddrs},
     process::Command,
     time::{Duration, Instant},
 };
@@ -104,6 +104,43 @@ fn joining_without_a_server_times_out_with_the_address() {
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
     let message = err.to_string();
     assert!(message.contains(&format!("127.0.0.1:{port} timed out after 1s")) && message.contains("MASTER_ADDR"), "{message}");
+    assert!(message.contains(&format!("last attempt: 127.0.0.1:{port}: ")) && message.contains("refused"), "the last failure named: {message}");
+    // A name that does not resolve says so, not only that rank 0 did not answer.
+    let err = RendezvousClient::connect("no-such-host.invalid", port, 1, 2, "job-secret", Duration::from_secs(1), LIMIT).err().unwrap();
+    assert!(err.to_string().contains("no-such-host.invalid does not resolve"), "{err}");
+}
+
+/// A rank 0 on this machine alone (127.0.0.1, localhost) in a job across nodes is refused on
+/// every rank at once, before any waits: the other nodes' ranks could never reach it. Across
+/// nodes rank 0 listens on every interface, so a name this machine maps to loopback works.
+#[test]
+fn a_loopback_master_in_a_job_across_nodes_is_refused_at_once() {
+    let env = |rank: usize, addr: &str, port: u16| LaunchEnv {
+        rank,
+        world_size: 4,
+        local_rank: rank % 2,
+        local_world_size: 2,
+        master_addr: addr.into(),
+        master_port: port,
+        source: EnvSource::Torchrun,
+    };
+    let config = DistributedConfig::new().with_token(Some("job-secret".into())).with_rendezvous_timeout_secs(30.0);
+    for addr in ["127.0.0.1", "localhost"] {
+        let started = Instant::now();
+        let error = Rendezvous::join(&env(1, addr, free_port()), &config).err().expect("refused");
+        assert!(started.elapsed() < Duration::from_secs(2) && error.to_string().contains("is this machine alone"), "{error}");
+    }
+    // Two ranks of a two-node job, rank 0 reached by this machine's own name.
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+    if host.is_empty() || (host.as_str(), 0).to_socket_addrs().is_err() {
+        return println!("skipped the listening half: this machine's name ({host:?}) does not resolve");
+    }
+    let port = free_port();
+    let world = |rank: usize| LaunchEnv { world_size: 2, local_world_size: 1, local_rank: 0, ..env(rank, &host, port) };
+    let (zero, one, config_1) = (world(0), world(1), config.clone());
+    let other = std::thread::spawn(move || Rendezvous::join(&one, &config_1).map(|_| ()));
+    Rendezvous::join(&zero, &config).unwrap_or_else(|e| panic!("rank 0 on {host}: {e}"));
+    other.join().unwrap().unwrap_or_else(|e| panic!("rank 1 to {host}: {e}"));
 }
 
 #[test]

@@ -362,11 +362,11 @@ fn non_blocking_config() -> nccl::ncclConfig_t {
 }
 
 /// The GPU of a rank: `ULYSSES_GPU` when set (several ranks on one GPU, for tests), else
-/// `LOCAL_RANK`.
+/// [`LaunchEnv::device_index`] (`LOCAL_RANK`, or 0 where the process is shown one GPU).
 pub fn gpu_of(env: &LaunchEnv) -> Result<usize, NcclError> {
     match std::env::var("ULYSSES_GPU") {
         Ok(value) => value.trim().parse().map_err(|_| NcclError::Cuda(format!("ULYSSES_GPU={value:?} is not a GPU index"))),
-        Err(_) => Ok(env.local_rank),
+        Err(_) => Ok(env.device_index()),
     }
 }
 

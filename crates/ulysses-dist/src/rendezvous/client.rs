@@ -37,23 +37,32 @@ impl RendezvousClient {
         max_message_bytes: usize,
     ) -> Result<Self, DistError> {
         let target = format!("{addr}:{port}");
+        let host = addr.trim_start_matches('[').trim_end_matches(']');
         let deadline = Instant::now() + timeout;
-        let stream = loop {
-            let attempt = target.to_socket_addrs().ok().and_then(|mut addrs| addrs.next()).map(|socket| {
-                let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
-                TcpStream::connect_timeout(&socket, remaining.min(Duration::from_secs(5)))
-            });
-            match attempt {
-                Some(Ok(stream)) => break stream,
-                _ if Instant::now() >= deadline => {
-                    return Err(DistError::RendezvousTimeout {
-                        addr: target,
-                        after: timeout,
-                        waiting_for: "waiting for rank 0 to accept the connection".into(),
-                    });
+        // Each attempt tries every address the name resolves to (`localhost` may give ::1
+        // first where rank 0 listens on 127.0.0.1); the last failure goes into the timeout.
+        let mut last_failure = String::new();
+        let stream = 'connected: loop {
+            match (host, port).to_socket_addrs() {
+                Ok(sockets) => {
+                    for socket in sockets {
+                        let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+                        match TcpStream::connect_timeout(&socket, remaining.min(Duration::from_secs(5))) {
+                            Ok(stream) => break 'connected stream,
+                            Err(e) => last_failure = format!("{socket}: {e}"),
+                        }
+                    }
                 }
-                _ => std::thread::sleep(Duration::from_millis(100)),
+                Err(e) => last_failure = format!("{host} does not resolve: {e}"),
             }
+            if Instant::now() >= deadline {
+                return Err(DistError::RendezvousTimeout {
+                    addr: target,
+                    after: timeout,
+                    waiting_for: format!("waiting for rank 0 to accept the connection (last attempt: {last_failure})"),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
         };
         let _ = stream.set_nodelay(true);
         let mut client = Self { stream, addr: target, rank, max_message_bytes, timeout, broken: false, barriers: Default::default() };

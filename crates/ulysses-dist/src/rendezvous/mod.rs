@@ -30,6 +30,14 @@ impl Rendezvous {
     pub fn join(env: &LaunchEnv, config: &DistributedConfig) -> Result<Self, DistError> {
         let token = config.require_token()?;
         let timeout = config.rendezvous_timeout();
+        // Every rank refuses it at once: the other nodes' ranks would wait out the timeout.
+        if env.spans_nodes() && crate::env::is_this_machine_only(&env.master_addr) {
+            return Err(DistError::Env(format!(
+                "MASTER_ADDR {} is this machine alone, but the job has {} ranks and this node {} (LOCAL_WORLD_SIZE): ranks on \
+                 other nodes cannot reach it; set MASTER_ADDR to node 0's network address",
+                env.master_addr, env.world_size, env.local_world_size
+            )));
+        }
         let server = (env.rank == 0)
             .then(|| {
                 let settings = ServerSettings {
@@ -38,24 +46,17 @@ impl Rendezvous {
                     max_message_bytes: config.max_message_bytes,
                     handshake_timeout: Duration::from_secs(10),
                 };
-                RendezvousServer::start(&env.master_addr, env.master_port, settings)
+                // Across nodes, every interface, as torch's store listens (the token guards it):
+                // a host name that /etc/hosts maps to 127.0.1.1 here (Debian's default) would
+                // bind loopback, out of the other nodes' reach. On one node, MASTER_ADDR's.
+                let bind = match env.spans_nodes() {
+                    true if env.master_addr.contains(':') => "::",
+                    true => "0.0.0.0",
+                    false => env.master_addr.as_str(),
+                };
+                RendezvousServer::start(bind, env.master_port, settings)
             })
             .transpose()?;
-        if let Some(server) = &server
-            && server.local_addr().ip().is_loopback()
-            && env.world_size > env.local_world_size
-        {
-            // A host name that /etc/hosts maps to 127.0.1.1 (Debian's default) binds loopback:
-            // the other nodes' ranks would time out without a word of why.
-            tracing::warn!(
-                "MASTER_ADDR {} is a loopback address here ({}), but the job has {} ranks and this node {} (LOCAL_WORLD_SIZE): \
-                 ranks on other nodes cannot reach it; set MASTER_ADDR to this node's network address",
-                env.master_addr,
-                server.local_addr().ip(),
-                env.world_size,
-                env.local_world_size
-            );
-        }
         let mut client = RendezvousClient::connect(
             &env.master_addr,
             env.master_port,
