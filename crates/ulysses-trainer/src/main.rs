@@ -22,7 +22,10 @@ use burn::{
     tensor::backend::Backend,
 };
 use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
-use ulysses_training::{LayerCheckpointing, StepReport, TrainBackend, checkpoint::read_checkpoint_state};
+use ulysses_training::{
+    LayerCheckpointing, StepReport, TrainBackend,
+    checkpoint::{checkpoint_path, read_checkpoint_state},
+};
 use clap::{Parser, ValueEnum};
 use ulysses_models::{COMPANION_FILES, ChatTemplate, HfConfig, TextTokenizer, TokenizerConfig, from_pretrained, is_tokenizer_file};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -473,6 +476,31 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> Vec<String> {
             }
         }
     }
+    // Where the state lives (a sharded optimizer's checkpoint resumes under one alone), as a
+    // whole: any of these flags given, and the run's own are kept.
+    let memory = ["offload_optimizer", "zero", "checkpoint_layers", "offload_to_host", "tile_tokens", "offload_parameters"];
+    if !memory.iter().any(|id| given.contains(*id)) {
+        // Notes `name` as taken where `on`.
+        let mut flag = |on: bool, name: String| {
+            if on {
+                taken.push(name);
+            }
+            on
+        };
+        args.offload_optimizer |= flag(config.offload_optimizer, "--offload-optimizer".into());
+        if flag(config.zero_stage != args.zero, format!("--zero {}", config.zero_stage)) {
+            args.zero = config.zero_stage;
+        }
+        if let Some(layers) = &config.layer_checkpointing {
+            args.checkpoint_layers |= flag(true, "--checkpoint-layers".into());
+            args.offload_to_host |= flag(layers.offload_to_host, "--offload-to-host".into());
+            if let Some(tokens) = layers.tile_tokens {
+                args.tile_tokens = Some(tokens);
+                flag(true, format!("--tile-tokens {tokens}"));
+            }
+        }
+        args.offload_parameters |= flag(config.offload_parameters, "--offload-parameters".into());
+    }
     taken
 }
 
@@ -533,6 +561,28 @@ fn run(mut args: Args) -> Result<(), String> {
         Launch::Process(env) => env.rank == 0,
     };
     let out = args.out.clone().or_else(|| args.resume.as_deref().map(resumed_folder)).unwrap_or_else(|| "runs/llama".into());
+    // An earlier copy resumed in its run's folder would write over the folder's later
+    // checkpoint (and its optimizer's parts) and cut the metrics back.
+    if let (Some(location), Some(saved), false) = (&args.resume, &resumed, args.overwrite)
+        && same_place(&out, &resumed_folder(location))
+    {
+        let later_file = out.join(CHECKPOINT_FILE);
+        if !same_place(&checkpoint_path(location), &later_file)
+            && let Ok(later) = read_checkpoint_state::<RunState>(&later_file)
+            && later.completed_steps > saved.completed_steps
+        {
+            return Err(format!(
+                "--resume {} is at step {}, and the run folder's {} at step {}, which going on in {} would write over: give --out \
+                 ANOTHER_FOLDER to go on from step {} apart, or --overwrite to replace the later run",
+                location.display(),
+                saved.completed_steps,
+                later_file.display(),
+                later.completed_steps,
+                out.display(),
+                saved.completed_steps
+            ));
+        }
+    }
     // A save replaces its folder whole: never the run's own, nor the checkpoint it starts from
     // (whose other files a save of files alone would not catch).
     if let Some(dir) = &args.save_hf {

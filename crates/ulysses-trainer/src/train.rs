@@ -549,20 +549,8 @@ where
                 progress.checkpoint(step, &path);
             }
         }
-        if let (true, Some((dir, checkpoint))) = (checkpoint_due, &options.save_hf) {
-            let saved = match &mut parts {
-                Some(parts) => save_hf_gathered(&model, parts, checkpoint, dir, &options.save_hf_companions, groups),
-                None => match is_first {
-                    true => save_pretrained_including(&model, checkpoint, dir, SaveOptions::new(DType::BF16), &options.save_hf_companions)
-                        .map(Some)
-                        .map_err(|e| e.to_string()),
-                    false => Ok(None),
-                },
-            }
-            .map_err(|reason| UlyssesError::Checkpoint { path: dir.display().to_string(), reason: format!("--save-hf: {reason}") })?;
-            if saved.is_some() {
-                tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
-            }
+        if checkpoint_due {
+            save_hf(&model, parts.as_mut(), &options, groups, done)?;
         }
         // After the checkpoint: an evaluation that fails (out of memory on a held-out batch
         // that is larger than a step's part) loses no step.
@@ -585,6 +573,10 @@ where
         if done == last_step {
             break;
         }
+    }
+    // A resume of a run that had taken every step: --save-hf exports it.
+    if first_step >= last_step {
+        save_hf(&model, parts.as_mut(), &options, groups, first_step)?;
     }
     // Each rank's device, where the backend accounts for it (CubeCL's pools), and the host.
     if let Some(memory) = B::Wire::device_memory(device) {
@@ -667,6 +659,30 @@ impl<B: TrainBackend> TrainedModel<B> {
 /// (the whole model is never gathered) and world rank 0 writes it. Collective; rank 0 goes on
 /// gathering after a failed write so that no rank waits for it, and every rank learns the
 /// outcome (`Some` on rank 0 when written).
+/// `--save-hf`, where asked, of the model after step `done`: under ZeRO-3 gathered a layer at a
+/// time (collective over the world), else written by world rank 0.
+fn save_hf<B: TrainBackend>(
+    model: &Decoder<B>,
+    parts: Option<&mut ShardedParameters<B>>,
+    options: &RunOptions,
+    groups: &ParallelGroups<B::Wire>,
+    done: usize,
+) -> Result<(), UlyssesError> {
+    let Some((dir, checkpoint)) = &options.save_hf else { return Ok(()) };
+    let saved = match parts {
+        Some(parts) => save_hf_gathered(model, parts, checkpoint, dir, &options.save_hf_companions, groups),
+        None => match groups.world_rank() == 0 {
+            true => save_pretrained_including(model, checkpoint, dir, SaveOptions::new(DType::BF16), &options.save_hf_companions).map(Some).map_err(|e| e.to_string()),
+            false => Ok(None),
+        },
+    }
+    .map_err(|reason| UlyssesError::Checkpoint { path: dir.display().to_string(), reason: format!("--save-hf: {reason}") })?;
+    if saved.is_some() {
+        tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+    }
+    Ok(())
+}
+
 fn save_hf_gathered<B: TrainBackend>(
     model: &Decoder<B>,
     parts: &mut ShardedParameters<B>,
@@ -895,12 +911,17 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
         ("--freeze-embeddings".to_string(), saved.config.freeze_embeddings.to_string(), config.freeze_embeddings.to_string()),
         ("a sharded optimizer state (--offload-optimizer or --zero 3)".to_string(), saved.config.shards_optimizer().to_string(), config.shards_optimizer().to_string()),
     ];
-    let fields = |model: &DecoderConfig| match serde_json::to_value(model) {
-        Ok(serde_json::Value::Object(fields)) => fields,
-        _ => Default::default(),
-    };
-    let (was, now) = (fields(&saved.config.model), fields(&config.model));
-    settings.extend(was.iter().map(|(name, value)| (format!("model.{name}"), value.to_string(), now.get(name).map_or("-".into(), |v| v.to_string()))));
+    fn fields(value: &impl serde::Serialize) -> serde_json::Map<String, serde_json::Value> {
+        match serde_json::to_value(value) {
+            Ok(serde_json::Value::Object(fields)) => fields,
+            _ => Default::default(),
+        }
+    }
+    // The model's shape, and AdamW's settings: the replicated optimizer would take this run's
+    // and the sharded one the checkpoint's, so neither may change.
+    for (part, was, now) in [("model", fields(&saved.config.model), fields(&config.model)), ("optimizer", fields(&saved.config.optimizer), fields(&config.optimizer))] {
+        settings.extend(was.iter().map(|(name, value)| (format!("{part}.{name}"), value.to_string(), now.get(name).map_or("-".into(), |v| v.to_string()))));
+    }
     if let Some((what, was, now)) = settings.iter().find(|(_, was, now)| was != now) {
         return Err(format!(
             "the checkpoint was written by a run with {what} {was}, this one has {now}; resuming would not continue that \
@@ -911,10 +932,10 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
         return Err(format!("the checkpoint has already taken {} steps, more than --steps {}", saved.completed_steps, config.steps));
     }
     // Given on purpose (the trainer takes the checkpoint's where they are not given).
-    let schedule = |c: &TrainConfig| (c.steps, c.warmup_steps, c.learning_rate.to_bits(), c.max_grad_norm.map(f64::to_bits), c.precision);
+    let schedule = |c: &TrainConfig| (c.steps, c.warmup_steps, c.learning_rate.to_bits(), c.max_grad_norm.map(f64::to_bits), c.precision, c.f32_head);
     if schedule(config) != schedule(&saved.config) {
-        let note = "the learning-rate schedule (--steps, warm-up, --learning-rate), the clipping (--max-grad-norm) or the precision differs from \
-                    the checkpoint's run: later losses will differ from an uninterrupted run";
+        let note = "the learning-rate schedule (--steps, warm-up, --learning-rate), the clipping (--max-grad-norm) or the precision \
+                    (--precision, --f32-head) differs from the checkpoint's run: later losses will differ from an uninterrupted run";
         if first_time(note) {
             tracing::warn!("{note}");
         }
@@ -1126,7 +1147,21 @@ pub fn load_model<B: AutodiffBackend>(config: &DecoderConfig, path: &Path, devic
 
 #[cfg(test)]
 mod tests {
-    use super::{ParallelLayout, TrainConfig, first_time, host_threads_per_rank};
+    use super::{ParallelLayout, RunState, TrainConfig, check_resumable, first_time, host_threads_per_rank};
+
+    /// A resume under other AdamW settings is refused (the replicated optimizer would take the
+    /// new ones and the sharded one the checkpoint's); another --f32-head only warned about.
+    #[test]
+    fn a_resume_under_other_optimizer_settings_is_refused() {
+        let config = TrainConfig::small(ParallelLayout::new());
+        let saved = RunState { completed_steps: 2, data_position: 2, seed: config.seed, config: config.clone(), data: None };
+        check_resumable(&config, &saved).expect("the same settings");
+        check_resumable(&config.clone().with_f32_head(true), &saved).expect("a precision change is warned about, not refused");
+        let mut decayed = config.clone();
+        decayed.optimizer = decayed.optimizer.with_weight_decay(0.5);
+        let error = check_resumable(&decayed, &saved).unwrap_err();
+        assert!(error.contains("optimizer.weight_decay 0.0099") && error.contains("this one has 0.5"), "{error}");
+    }
 
     /// A model record written a layer at a time asks for each block in order as the writer
     /// reaches it and stops asking where the write fails, so that `TrainedModel::save` knows

@@ -372,6 +372,8 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     succeed(run_launched(2, &common_args(&dir, "full", 6), &["--sp", "2"]));
     succeed(run_launched(2, &common_args(&dir, "part", 6), &["--sp", "2", "--stop-after", "3"]));
     assert_eq!(losses(&dir.join("part")).len(), 3);
+    // A copy kept in the run's folder, as one keeps a checkpoint to come back to.
+    fs::copy(dir.join("part/checkpoint.ulysses"), dir.join("part/step-3.ulysses")).unwrap();
     // A copy to resume elsewhere: one process, no sequence parallelism.
     fs::create_dir_all(dir.join("elsewhere")).unwrap();
     for file in ["checkpoint.ulysses", "metrics.csv", "config.json"] {
@@ -394,6 +396,13 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     args.extend(resume("part"));
     let again = show(&succeed(run_alone(&args, &["--sp", "1"])));
     assert!(again.contains("no step taken: the checkpoint had taken all 6 steps") && !dir.join("again/metrics.csv").exists(), "{again}");
+    // The kept copy resumed in its run's folder would write over the later checkpoint (step
+    // 6) and the metrics past step 3: refused, naming both and the ways on.
+    let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string()];
+    args.extend(resume("part/step-3.ulysses"));
+    let refused = run_alone(&args, &["--sp", "1"]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("is at step 3") && text.contains("at step 6") && text.contains("--overwrite"), "{text}");
     // A --stop-after the checkpoint has passed is refused, not a run that takes no step.
     let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--stop-after".into(), "3".into()];
     args.extend(resume("part"));
@@ -437,7 +446,12 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
     assert_eq!(parts.len(), 4, "one state file per rank of 4: {parts:?}");
     let mut args = common_args(&dir, "part", 6);
     args.extend(["--resume".to_string(), dir.join("part").display().to_string()]);
-    let refused = run_launched(2, &args, &["--sp", "2"]);
+    // Nothing said of where the state lives: the checkpoint's (the optimizer's parts on the
+    // host, ZeRO-3, layers checkpointed).
+    let checked = show(&succeed(run_alone(&[args.clone(), vec!["--check".into()]].concat(), &["--sp", "2"])));
+    assert!(checked.contains("--offload-optimizer, --zero 3, --checkpoint-layers") && checked.contains("ZeRO stage 3, the optimizer on the host"), "{checked}");
+    // Any of those flags given, the run's own: a replicated optimizer cannot take the parts.
+    let refused = run_launched(2, &args, &["--sp", "2", "--checkpoint-layers"]);
     assert!(!refused.status.success() && show(&refused).contains("(--offload-optimizer or --zero 3) true, this one has false"), "{}", show(&refused));
     // Resumed with the parameters' parts on the host too; alone, that flag is refused.
     succeed(run_launched(2, &args, &[&zero3[..], &["--offload-parameters"]].concat()));
@@ -1215,6 +1229,18 @@ fn documents_are_tokenized_packed_evaluated_alike_at_every_layout_and_fine_tuned
     let output = succeed(run_alone(&args(&extra), &[]));
     let saves: Vec<&str> = std::str::from_utf8(&output.stderr).unwrap().lines().filter(|l| l.contains("saved in Hugging Face's format")).collect();
     assert!(saves.len() == 2 && saves[0].contains("step=2") && saves[1].contains("step=3"), "{saves:?}");
+    // The finished run resumed with --save-hf exports it again (no step taken): the same
+    // weights, byte for byte (the tensors' bytes: burn writes the header's metadata in no fixed order).
+    let again = dir.join("tuned-hf-again");
+    let extra = format!("--sp 1 --freeze-embeddings --resume {} --save-hf {}", out.display(), again.display());
+    let output = show(&succeed(run_alone(&args(&extra), &[])));
+    assert!(output.contains("no step taken") && output.contains("saved in Hugging Face's format"), "{output}");
+    let tensors = |folder: &Path| {
+        let bytes = fs::read(folder.join("model.safetensors")).unwrap();
+        let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        bytes[8 + header..].to_vec()
+    };
+    assert!(tensors(&again) == tensors(&saved), "the export differs from the run's own");
     assert!(losses(&out).iter().all(|l| l.1.is_finite()) && losses(&out).len() == 3);
     let original = from_pretrained::<NdArray>(&checkpoint, &Default::default()).unwrap().model;
     let before: Vec<(String, Vec<f32>)> =
