@@ -324,6 +324,18 @@ pub struct HfCheckpointWriter {
     hf: Vec<String>,
     weight_map: serde_json::Map<String, serde_json::Value>,
     written: Vec<PathBuf>,
+    /// Whether the folder beside `dir` was moved into place or is kept (named in an error);
+    /// otherwise a save that failed removes it when dropped, rather than leave a model's size
+    /// of torn files until the next save.
+    kept: bool,
+}
+
+impl Drop for HfCheckpointWriter {
+    fn drop(&mut self) {
+        if !self.kept {
+            let _ = std::fs::remove_dir_all(&self.partial);
+        }
+    }
 }
 
 /// The tensors' module paths in each safetensors shard [`HfCheckpointWriter`] writes for
@@ -360,7 +372,7 @@ impl HfCheckpointWriter {
         let tensors = sized(&tensors, dtype);
         let shards = plan_shards(&tensors, options.max_shard_bytes);
         let hf = hf_names(tensors.iter().map(|(path, _)| path.as_str()));
-        Ok(Self { dir: dir.to_path_buf(), partial, name, dtype, tensors, shards, hf, weight_map: serde_json::Map::new(), written: vec![config_file] })
+        Ok(Self { dir: dir.to_path_buf(), partial, name, dtype, tensors, shards, hf, weight_map: serde_json::Map::new(), written: vec![config_file], kept: false })
     }
 
     pub fn shard_count(&self) -> usize {
@@ -421,7 +433,8 @@ impl HfCheckpointWriter {
             std::fs::write(&index_file, serde_json::to_string_pretty(&index).expect("a JSON value serializes") + "\n").map_err(io(&index_file))?;
             self.written.push(index_file);
         }
-        for file in &self.written {
+        // Every file, and the folder's entries, durable before the folder is renamed.
+        for file in self.written.iter().chain([&self.partial]) {
             std::fs::File::open(file).and_then(|f| f.sync_all()).map_err(io(file))?;
         }
         // Once the new folder is whole (its index written), so that the one left beside is
@@ -431,6 +444,7 @@ impl HfCheckpointWriter {
             // Out of the way of the cleaning of torn saves' folders (`.NAME.partial-PID`).
             let unsaved = dir.with_file_name(format!("{name}.unsaved-{}", std::process::id()));
             let kept = if std::fs::rename(&self.partial, &unsaved).is_ok() { unsaved } else { self.partial.clone() };
+            self.kept = true;
             return Err(CheckpointError::file(Path::new(&file), format!("{problem}; the model was written to {} instead", kept.display())));
         }
         let earlier = dir.with_file_name(format!(".{name}.earlier-{}", std::process::id()));
@@ -439,8 +453,11 @@ impl HfCheckpointWriter {
             std::fs::rename(dir, &earlier).map_err(io(dir))?;
         }
         std::fs::rename(&self.partial, dir).map_err(io(dir))?;
-        if had_earlier {
-            std::fs::remove_dir_all(&earlier).map_err(io(&earlier))?;
+        self.kept = true;
+        // The new model is in place: a model set aside that cannot be removed is no reason to
+        // stop a run (the next save removes it).
+        if had_earlier && let Err(e) = std::fs::remove_dir_all(&earlier) {
+            tracing::warn!(folder = %earlier.display(), "cannot remove the model the save replaced: {e}");
         }
         // The renames made durable.
         let parent = parent_folder(dir);

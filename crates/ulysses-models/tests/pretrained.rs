@@ -626,5 +626,9 @@ fn a_save_replaces_a_saved_folder_alone_and_carries_the_tokenizer_over() {
 
     let other = save_pretrained_including(&pretrained.model, &pretrained.config, &root.join("other"), SaveOptions::new(DType::BF16), &[(folder.join("config.json"), "config.json".into())]);
     assert!(other.unwrap_err().to_string().contains("is not one of the files a save carries over"));
+    // A save that fails part way (a companion it cannot read) leaves no torn folder behind.
+    let missing = [(root.join("no-such-tokenizer.json"), "tokenizer.json".to_string())];
+    save_pretrained_including(&pretrained.model, &pretrained.config, &root.join("other"), SaveOptions::new(DType::BF16), &missing).unwrap_err();
+    assert!(!names(&root).iter().any(|n| n.starts_with(".other.partial-")), "a failed save's folder was left: {:?}", names(&root));
     std::fs::remove_dir_all(&root).unwrap();
 }

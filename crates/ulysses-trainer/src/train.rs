@@ -655,10 +655,6 @@ impl<B: TrainBackend> TrainedModel<B> {
     }
 }
 
-/// `--save-hf` under ZeRO-3: every rank gathers one safetensors shard's parameters at a time
-/// (the whole model is never gathered) and world rank 0 writes it. Collective; rank 0 goes on
-/// gathering after a failed write so that no rank waits for it, and every rank learns the
-/// outcome (`Some` on rank 0 when written).
 /// `--save-hf`, where asked, of the model after step `done`: under ZeRO-3 gathered a layer at a
 /// time (collective over the world), else written by world rank 0.
 fn save_hf<B: TrainBackend>(
@@ -683,6 +679,10 @@ fn save_hf<B: TrainBackend>(
     Ok(())
 }
 
+/// `--save-hf` under ZeRO-3: every rank gathers one safetensors shard's parameters at a time
+/// (the whole model is never gathered) and world rank 0 writes it. Collective; rank 0 goes on
+/// gathering after a failed write so that no rank waits for it, and every rank learns the
+/// outcome (`Some` on rank 0 when written).
 fn save_hf_gathered<B: TrainBackend>(
     model: &Decoder<B>,
     parts: &mut ShardedParameters<B>,
