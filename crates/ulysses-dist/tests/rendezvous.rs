@@ -110,6 +110,17 @@ fn joining_without_a_server_times_out_with_the_address() {
     assert!(err.to_string().contains("no-such-host.invalid does not resolve"), "{err}");
 }
 
+/// A rank that never joins is named in the others' timeout (the ranks below it had joined).
+#[test]
+fn a_rank_that_never_joins_is_named() {
+    let port = free_port();
+    let joining: Vec<_> = [0, 1].into_iter().map(|rank| std::thread::spawn(move || join(rank, 3, port, 1.0).map(drop))).collect();
+    for joined in joining {
+        let error = joined.join().unwrap().expect_err("rank 2 never joins").to_string();
+        assert!(error.contains("waiting for all 3 ranks to join") && error.contains("waiting for rank 2"), "{error}");
+    }
+}
+
 /// A rank 0 on this machine alone (127.0.0.1, localhost) in a job across nodes is refused on
 /// every rank at once, before any waits: the other nodes' ranks could never reach it. Across
 /// nodes rank 0 listens on every interface, so a name this machine maps to loopback works.

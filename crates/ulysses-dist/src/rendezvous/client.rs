@@ -138,7 +138,15 @@ impl RendezvousClient {
         *generation += 1;
         self.set(&format!("{key}/{}", self.rank), &[])?;
         for rank in 0..world_size {
-            self.get_set_by(&format!("{key}/{rank}"), rank)?;
+            // The ranks are awaited in order: a timeout names the first that has not arrived.
+            self.get_set_by(&format!("{key}/{rank}"), rank).map_err(|error| match error {
+                DistError::RendezvousTimeout { addr, after, .. } => DistError::RendezvousTimeout {
+                    addr,
+                    after,
+                    waiting_for: format!("waiting for rank {rank} at the barrier {name:?} (every rank below it had arrived)"),
+                },
+                other => other,
+            })?;
         }
         Ok(())
     }

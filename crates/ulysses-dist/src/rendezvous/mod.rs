@@ -67,10 +67,10 @@ impl Rendezvous {
             config.max_message_bytes,
         )?;
         client.barrier("joined", env.world_size).map_err(|error| match error {
-            DistError::RendezvousTimeout { addr, after, .. } => DistError::RendezvousTimeout {
+            DistError::RendezvousTimeout { addr, after, waiting_for } => DistError::RendezvousTimeout {
                 addr,
                 after,
-                waiting_for: format!("waiting for all {} ranks to join", env.world_size),
+                waiting_for: format!("waiting for all {} ranks to join, {waiting_for}", env.world_size),
             },
             other => other,
         })?;
