@@ -920,6 +920,16 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
 
 /// The fixtures transformers and the `tokenizers` package wrote: (Qwen3 checkpoint folder,
 /// its tokenizer.json). The checkpoint names no EOS; the tokenizer's `<|endoftext|>` is id 0.
+/// The trainer's flags for the tiny Qwen3 checkpoint and the fixture tokenizer (EOS 0) on
+/// `data`, then `rest`.
+fn qwen3_args(data: &Path, rest: &str) -> Vec<String> {
+    let (checkpoint, tokenizer) = qwen3_and_tokenizer();
+    format!("--model {} --tokenizer {} --eos-token-id 0 --data {} {rest}", checkpoint.display(), tokenizer.display(), data.display())
+        .split_whitespace()
+        .map(String::from)
+        .collect()
+}
+
 fn qwen3_and_tokenizer() -> (PathBuf, PathBuf) {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../crates/ulysses-models/tests/fixtures");
     (fixtures.join("qwen3"), fixtures.join("tokenizer/tokenizer.json"))
@@ -1001,24 +1011,13 @@ fn prompt_completion_lines_train_on_the_completions_alike_at_sp_1_and_2() {
 #[test]
 fn a_held_out_file_is_evaluated_whole_at_every_layout_as_eval_only_measures_it() {
     let dir = workspace("eval-data");
-    let (checkpoint, tokenizer_file) = qwen3_and_tokenizer();
     let ids = |seed: usize, count: usize, len: usize| -> String {
         (0..count).map(|d| serde_json::json!({ "input_ids": (0..len).map(|i| 1 + (seed + d * 31 + i * 7) % 300).collect::<Vec<_>>() }).to_string()).collect::<Vec<_>>().join("\n")
     };
     let (train, held_out) = (dir.join("train.jsonl"), dir.join("held-out.jsonl"));
     fs::write(&train, ids(0, 8, 30)).unwrap();
     fs::write(&held_out, ids(5, 5, 30)).unwrap();
-    let args = |data: &Path, extra: &str| -> Vec<String> {
-        format!(
-            "--model {} --tokenizer {} --eos-token-id 0 --data {} --seq-len 32 --batch-size 2 {extra}",
-            checkpoint.display(),
-            tokenizer_file.display(),
-            data.display()
-        )
-        .split_whitespace()
-        .map(String::from)
-        .collect()
-    };
+    let args = |data: &Path, extra: &str| qwen3_args(data, &format!("--seq-len 32 --batch-size 2 {extra}"));
     let (reference, tokens) = eval_line(&succeed(run_alone(&args(&held_out, "--eval-only --sp 1"), &[])));
     assert_eq!(tokens, 5 * 30, "each held-out document's tokens after its first, its EOS included");
     let unmoved = format!("--eval-data {} --steps 1 --learning-rate 1e-30", held_out.display());
@@ -1200,17 +1199,7 @@ fn documents_are_tokenized_packed_evaluated_alike_at_every_layout_and_fine_tuned
     assert!(lengths.iter().all(|&l| l < 64), "{lengths:?}");
     let labelled: usize = lengths.iter().map(|l| l - 1).sum();
 
-    let args = |extra: &str| -> Vec<String> {
-        format!(
-            "--model {} --tokenizer {} --eos-token-id 0 --data {} --seq-len 64 --batch-size 4 {extra}",
-            checkpoint.display(),
-            tokenizer_file.display(),
-            data.display()
-        )
-        .split_whitespace()
-        .map(String::from)
-        .collect()
-    };
+    let args = |extra: &str| qwen3_args(&data, &format!("--seq-len 64 --batch-size 4 {extra}"));
     let (reference, tokens) = eval_line(&succeed(run_alone(&args("--eval-only --sp 1"), &[])));
     assert_eq!(tokens, labelled, "labelled tokens evaluated");
     for (layout, output) in [
