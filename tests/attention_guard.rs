@@ -14,8 +14,8 @@
 //! - The drop-in `burn_ulysses::nn::MultiHeadAttention` with `MhaInput::causal()` gives
 //!   burn-nn's output with an autoregressive mask from the same record (≤ 1e-6) and is
 //!   sequence parallel at SP = 2 and 4.
-//! - Weights applied to values transposed (`vᵀ·wᵀ`) and scores against quantized keys (burn's
-//!   `q_matmul`) are refused too.
+//! - Weights applied to values transposed (`vᵀ·wᵀ`), scores against quantized keys (burn's
+//!   `q_matmul`) and integer scores (`int_matmul`) are refused too.
 //! - A linear layer as wide as the local sequence passes the guard.
 
 use std::time::Duration;
@@ -300,6 +300,16 @@ fn attention_by_hand_on_quantized_keys_is_refused() {
             .collect()
     });
     assert_refused_on_every_rank(&results, "scores against quantized keys");
+}
+
+#[test]
+fn attention_by_hand_on_integers_is_refused() {
+    // Attention quantized by hand: integer scores take burn's `int_matmul`.
+    let results = on_ranks(2, UlyssesConfig::new(), |x, _| {
+        let (q, k) = (heads(x.clone() * 16.0).int(), heads(x * 8.0).int());
+        q.matmul(k.swap_dims(2, 3)).float().sum_dim(3).squeeze_dim::<3>(3)
+    });
+    assert_refused_on_every_rank(&results, "integer scores");
 }
 
 #[test]

@@ -35,6 +35,7 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     // Refuses attention done by hand under SP (scores of a shard against itself).
     ("FloatTensorOps", "float_matmul", "crate::attention_guard::guarded_matmul"),
     ("QTensorOps", "q_matmul", "crate::attention_guard::guarded_q_matmul"),
+    ("IntTensorOps", "int_matmul", "crate::attention_guard::guarded_int_matmul"),
     // Count what the host waits on the device for (reads, uploads): crate::device_io.
     ("FloatTensorOps", "float_into_data", "crate::device_io::float_into_data"),
     ("IntTensorOps", "int_into_data", "crate::device_io::int_into_data"),

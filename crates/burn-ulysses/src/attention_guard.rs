@@ -9,14 +9,18 @@
 //! (the project's sharder, `narrow`, a loader of the user's own):
 //! - both operands are per-(batch, head) activations: 3-D or more, more than one matrix in
 //!   all (`[B, H, ..]`, or heads folded into the batch, `[B·H, ..]`), the same leading dims
-//!   except that the right one may be broadcast past the first (grouped kv heads,
-//!   `[B, Hkv, G, ..] · [B, Hkv, 1, ..]`);
+//!   except that either may be broadcast past the first (grouped kv heads,
+//!   `[B, Hkv, G, ..] · [B, Hkv, 1, ..]`, or `[B, 1, ..] · [B, H, ..]` where the keys or
+//!   values come first);
 //! - and the product is self-attention's over two tokens or more: `[.., n, d] · [.., d, n]`
-//!   (scores, square result), `[.., n, n] · [.., n, d]` (weights times values, square left
-//!   operand) or `[.., d, n] · [.., n, n]` (the same transposed, `vᵀ·wᵀ`, square right
-//!   operand), `n ≥ 2` (a per-token dot product, `1 × 1`, is not attention).
+//!   (scores, square result, `d ≥ 2`: a per-token outer product contracts one),
+//!   `[.., n, n] · [.., n, d]` (weights times values, square left operand, not broadcast) or
+//!   `[.., d, n] · [.., n, n]` (the same transposed, `vᵀ·wᵀ`, square right operand, not
+//!   broadcast: a `d × d` weight shared over the heads is no attention), `n ≥ 2` (a per-token
+//!   dot product, `1 × 1`, is not attention).
 //!
-//! Quantized operands (an int8 key/value cache) take burn's `q_matmul`, guarded alike.
+//! Quantized operands (an int8 key/value cache) take burn's `q_matmul`, and integer ones
+//! (attention quantized by hand) `int_matmul`, guarded alike.
 //!
 //! A linear layer never matches: its weight is broadcast over batch and heads (leading dims 1),
 //! and burn routes it through `ModuleOps::linear`, which the decorator forwards untouched.
@@ -28,7 +32,10 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::tensor::{TensorMetadata, TensorPrimitive, ops::FloatTensor};
+use burn::tensor::{
+    TensorMetadata, TensorPrimitive,
+    ops::{FloatTensor, IntTensor},
+};
 
 use crate::{
     context::{self, Sharding},
@@ -45,15 +52,24 @@ fn attention_matrix_size(lhs: &[usize], rhs: &[usize]) -> Option<usize> {
     }
     let (lhs_leading, [m, k]) = lhs.split_at(dims - 2) else { return None };
     let (rhs_leading, [_, n]) = rhs.split_at(dims - 2) else { return None };
-    // The batch (first) dim shared; past it, the right operand equal or broadcast.
-    let per_head = lhs_leading[0] == rhs_leading[0] && lhs_leading.iter().zip(rhs_leading).skip(1).all(|(l, r)| l == r || *r == 1);
-    if !per_head || lhs_leading.iter().product::<usize>() < 2 {
+    // The batch (first) dim shared; past it, equal or either operand broadcast (kv heads
+    // shared by a group, on the left in `k·qᵀ` and `vᵀ·wᵀ`, on the right otherwise).
+    let leading = || lhs_leading.iter().zip(rhs_leading);
+    let per_head = lhs_leading[0] == rhs_leading[0] && leading().skip(1).all(|(l, r)| l == r || *l == 1 || *r == 1);
+    if !per_head || leading().map(|(l, r)| *l.max(r)).product::<usize>() < 2 {
         return None;
     }
-    if *m >= 2 && (m == n || m == k) {
-        // Scores, or weights times values.
+    // Whether an operand is whole where the other is (the token × token matrix, scores or
+    // weights, is never broadcast: a weight shared over the heads is).
+    let (lhs_whole, rhs_whole) = (leading().all(|(l, r)| l >= r), leading().all(|(l, r)| r >= l));
+    if *m >= 2 && m == n && *k >= 2 {
+        // Scores, `q·kᵀ` (or `k·qᵀ`), over a head dim of two or more (a per-token outer
+        // product contracts one).
         Some(*m)
-    } else if *k >= 2 && k == n {
+    } else if *m >= 2 && m == k && lhs_whole {
+        // Weights times values.
+        Some(*m)
+    } else if *k >= 2 && k == n && rhs_whole {
         // Weights times values transposed: vᵀ·wᵀ.
         Some(*k)
     } else {
@@ -100,6 +116,12 @@ pub fn guarded_matmul<X: ExchangeBackend>(lhs: FloatTensor<X>, rhs: FloatTensor<
     X::float_matmul(lhs, rhs)
 }
 
+/// `UlyssesBackend`'s integer matmul: the inner backend's, after the guard.
+pub fn guarded_int_matmul<X: ExchangeBackend>(lhs: IntTensor<X>, rhs: IntTensor<X>) -> IntTensor<X> {
+    refuse_attention_by_hand(&lhs.shape(), &rhs.shape());
+    X::int_matmul(lhs, rhs)
+}
+
 /// `UlyssesBackend`'s matmul where an operand is quantized: the inner backend's, after the
 /// guard.
 pub fn guarded_q_matmul<X: ExchangeBackend>(lhs: TensorPrimitive<X>, rhs: TensorPrimitive<X>) -> TensorPrimitive<X> {
@@ -143,6 +165,12 @@ mod tests {
             // Weights times values transposed, vᵀ·wᵀ, heads 4-D and folded.
             (&[2, 4, 16, 8], &[2, 4, 8, 8], 8),
             (&[8, 16, 6], &[8, 6, 6], 6),
+            // Shared kv heads on the left: vᵀ·wᵀ and k·qᵀ, 4-D and 5-D grouped.
+            (&[2, 1, 16, 8], &[2, 4, 8, 8], 8),
+            (&[2, 1, 8, 16], &[2, 4, 16, 8], 8),
+            (&[2, 2, 1, 16, 8], &[2, 2, 3, 8, 8], 8),
+            // One batch, one kv head shared by the query heads.
+            (&[1, 4, 8, 16], &[1, 1, 16, 8], 8),
         ] {
             match attention_by_hand(lhs, rhs, SP2) {
                 Some(UlyssesError::AttentionByHand { tokens: got, .. }) => assert_eq!(got, tokens, "{lhs:?} · {rhs:?}"),
@@ -174,6 +202,13 @@ mod tests {
             (&[2, 8, 1, 1], &[2, 8, 1, 16]),
             // A product by a square of one token.
             (&[2, 8, 16, 1], &[2, 8, 1, 1]),
+            // Per-token outer products (a contraction of one).
+            (&[2, 8, 16, 1], &[2, 8, 1, 16]),
+            (&[2, 4, 8, 16, 1], &[2, 4, 8, 1, 16]),
+            // A d x d weight per head shared over the batch's one sequence (batch 1), and
+            // weights times values where the weights are broadcast (no attention's).
+            (&[1, 4, 8, 16], &[1, 1, 16, 16]),
+            (&[2, 1, 8, 8], &[2, 4, 8, 16]),
         ] {
             assert!(attention_by_hand(lhs, rhs, SP2).is_none(), "{lhs:?} · {rhs:?} refused");
         }

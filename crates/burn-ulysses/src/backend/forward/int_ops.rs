@@ -246,7 +246,7 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as IntTensorOps<Inner>>::int_remainder_scalar(lhs, rhs)
     }
     fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_matmul(lhs, rhs)
+        crate::attention_guard::guarded_int_matmul::<Inner>(lhs, rhs)
     }
     fn int_neg(tensor: IntTensor<Self>) -> IntTensor<Self> {
         <Inner as IntTensorOps<Inner>>::int_neg(tensor)
