@@ -209,3 +209,14 @@ fn a_ring_refuses_a_mask() {
     });
     assert_all_contain(&messages, &["Ulysses × Ring does not take masks"]);
 }
+
+/// A sliding window without causal attention would let each token see every key after it (the
+/// window bounds the keys before it alone): refused on every rank, naming the fix.
+#[test]
+fn a_sliding_window_without_causal_attention_is_refused() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, v] = qkv([1, 2, 8, 4], 2);
+        burn_ulysses::attention::attention_within(q, k, v, None, Some(4), AttentionModuleOptions { is_causal: false, ..OPTIONS });
+    });
+    assert_all_contain(&messages, &["sliding window (4 keys) needs causal attention", "is_causal: true"]);
+}

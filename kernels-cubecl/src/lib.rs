@@ -62,6 +62,10 @@ pub enum FlashError {
     SequenceLength { seq: usize },
     #[error("flash attention: {0}")]
     Device(String),
+    /// A setting of the environment that is wrong (a misspelt engine): no call can run as
+    /// asked, so callers stop rather than fall back.
+    #[error("flash attention: {0}")]
+    Setting(String),
     #[error(
         "flash attention: {name} has dtype {dtype:?} and q {query:?}; the kernels take f32, f16 or \
          bf16, the same for q, k and v"

@@ -79,7 +79,8 @@ pub fn attention_in_documents<B: Backend>(
 
 /// [`attention_in_documents`] (when `documents` are given) with a sliding window of `window`
 /// keys (Mistral's `sliding_window`, when given): a token sees only the last `window` keys up
-/// to itself (self-attention; Hugging Face's convention, `query − key < window`). Under
+/// to itself (causal self-attention, refused otherwise; Hugging Face's convention, `query −
+/// key < window`). Under
 /// sequence parallelism the window is over the whole sequence, shard edges included; the
 /// flash kernels skip every tile outside it. With neither, it is `module::attention`.
 pub fn attention_within<B: Backend>(
@@ -92,6 +93,14 @@ pub fn attention_within<B: Backend>(
 ) -> Tensor<B, 4> {
     if documents.is_none() && window.is_none() {
         return attention(query, key, value, None, None, options);
+    }
+    // The window bounds the keys before a token alone; without causality it would see every
+    // later key, neither Hugging Face's band nor a window.
+    if let (Some(window), false) = (window, options.is_causal) {
+        panic!(
+            "a sliding window ({window} keys) needs causal attention: without is_causal a token would see every key after it; \
+             give AttentionModuleOptions {{ is_causal: true, .. }}, or no window"
+        );
     }
     let hand_over = RestrictionHandOver;
     RESTRICTION.with(|restriction| *restriction.borrow_mut() = Some(Restriction { documents: documents.cloned(), window }));

@@ -153,7 +153,7 @@ impl EngineRequest {
             Some("fragments") => Ok(Self::Fragments),
             Some("planned") => Ok(Self::Planned),
             Some("plane") => Ok(Self::Plane),
-            Some(other) => Err(FlashError::Device(format!("{ENGINE_VARIABLE}={other:?}: the engine is `fragments`, `planned` or `plane` (unset: the fastest the device runs)"))),
+            Some(other) => Err(FlashError::Setting(format!("{ENGINE_VARIABLE}={other:?}: the engine is `fragments`, `planned` or `plane` (unset: the fastest the device runs)"))),
         }
     }
 
@@ -190,7 +190,7 @@ fn skew() -> Result<usize, FlashError> {
         Err(_) => Ok(DEFAULT_SKEW),
         Ok(text) => match text.parse::<usize>() {
             Ok(skew) if skew % 8 == 0 && skew <= 64 => Ok(skew),
-            _ => Err(FlashError::Device(format!("{SKEW_VARIABLE}={text:?}: the padding must be a multiple of 8 elements from 0 to 64"))),
+            _ => Err(FlashError::Setting(format!("{SKEW_VARIABLE}={text:?}: the padding must be a multiple of 8 elements from 0 to 64"))),
         },
     }
 }

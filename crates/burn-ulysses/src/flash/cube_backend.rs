@@ -28,6 +28,16 @@ fn flash_options(options: &AttentionModuleOptions) -> FlashOptions {
     FlashOptions { scale: options.scale, causal: options.is_causal }
 }
 
+/// Why the kernels refused a call, for a dense fallback; a wrong setting of the environment
+/// (`ULYSSES_FLASH_ENGINE`, `ULYSSES_FLASH_SKEW`) stops instead: a fallback would turn a typo
+/// into `S × S` attention at every call.
+fn fallback_reason(error: FlashError) -> String {
+    match error {
+        FlashError::Setting(_) => panic!("{error}"),
+        other => other.to_string(),
+    }
+}
+
 /// The kernels' tables for `visibility`.
 fn visible_ranges(visibility: &Visibility) -> Result<VisibleRanges, FlashError> {
     let (batch, seq_q, seq_kv) = visibility.dims();
@@ -58,7 +68,7 @@ where
         options: &AttentionModuleOptions,
     ) -> Result<(), String> {
         let [query, key, value] = operands.map(|(shape, dtype)| OperandInfo { shape, dtype });
-        plan_flash_attention(&R::client(device), query, key, value, &flash_options(options)).map(|_| ()).map_err(|error| error.to_string())
+        plan_flash_attention(&R::client(device), query, key, value, &flash_options(options)).map(|_| ()).map_err(fallback_reason)
     }
 
     fn fused_attention_forward(
@@ -68,8 +78,8 @@ where
         options: &AttentionModuleOptions,
         visibility: Option<&Visibility>,
     ) -> Result<(FloatTensor<Self>, FloatTensor<Self>), String> {
-        let ranges = visibility.map(visible_ranges).transpose().map_err(|error| error.to_string())?;
-        flash_attention_forward(query, key, value, flash_options(options), ranges.as_ref()).map_err(|error| error.to_string())
+        let ranges = visibility.map(visible_ranges).transpose().map_err(fallback_reason)?;
+        flash_attention_forward(query, key, value, flash_options(options), ranges.as_ref()).map_err(fallback_reason)
     }
 
     fn fused_attention_backward(
@@ -150,4 +160,18 @@ fn static_client<R: CubeRuntime>(device: &R::Device) -> &'static ComputeClient<R
     let mut clients = CLIENTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let client = *clients.entry(key).or_insert_with(|| Box::leak(Box::new(R::client(device))));
     client.downcast_ref().expect("the entry of runtime R holds R's client")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the kernels cannot take falls back to dense attention; a wrong setting stops.
+    #[test]
+    fn a_wrong_setting_stops_where_a_refused_shape_falls_back() {
+        assert_eq!(fallback_reason(FlashError::Device("no fixed plane size".into())), "flash attention: no fixed plane size");
+        let stopped = std::panic::catch_unwind(|| fallback_reason(FlashError::Setting("ULYSSES_FLASH_ENGINE=\"fragment\"".into())));
+        let message = stopped.err().and_then(|panic| panic.downcast::<String>().ok()).expect("a panic with a message");
+        assert!(message.contains("ULYSSES_FLASH_ENGINE=\"fragment\""), "{message}");
+    }
 }

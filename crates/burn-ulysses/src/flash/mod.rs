@@ -61,15 +61,18 @@ pub(crate) fn reference_attention<B: Backend>(
     let query = float_tensor::<B, 4>(query);
     let (key, value) = (float_tensor::<B, 4>(key), float_tensor::<B, 4>(value));
     let group = query.dims()[1] / key.dims()[1];
+    // Every head's scores' shape: a mask of one head is expanded, not left to a kernel's strides.
+    let [batch, heads, rows, _] = query.dims();
+    let scores = [batch, heads, rows, key.dims()[2]];
     let mask = match (mask.map(Tensor::<B, 4, Bool>::from_primitive), visibility) {
         (mask, None) => mask,
-        (None, Some(visibility)) => Some(visibility.dense_mask::<B>(&query.device())),
-        (Some(mask), Some(visibility)) => {
-            let shape = mask.shape();
-            Some(mask.bool_or(visibility.dense_mask::<B>(&query.device()).expand(shape)))
-        }
+        (None, Some(visibility)) => Some(visibility.dense_mask::<B>(&query.device()).expand(scores)),
+        (Some(mask), Some(visibility)) => Some(mask.expand(scores).bool_or(visibility.dense_mask::<B>(&query.device()).expand(scores))),
     };
-    B::attention(
+    // burn's dense attention itself, not `B::attention`: a CubeCL backend's autotune may pick
+    // cubek's flash kernel there, whose causal mask is aligned top-left (this crate's, and
+    // burn's fallback, bottom-right).
+    burn::tensor::ops::attention::attention_fallback::<B>(
         float_primitive(query),
         float_primitive(repeat_kv_heads(key, group)),
         float_primitive(repeat_kv_heads(value, group)),
