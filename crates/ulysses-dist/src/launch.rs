@@ -133,13 +133,16 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
             join_for(forwarders, plan.kill_grace);
             return Err(DistError::Launch("interrupted".into()));
         }
-        let mut failure = None;
+        // Every rank that ended since the last look: where several failed within it, one
+        // killed by a signal (a crash, the OOM killer) is the likelier cause than one that
+        // exited on its peer's loss.
+        let mut failure: Option<(usize, ExitStatus)> = None;
         for rank in ranks.iter_mut().filter(|r| r.status.is_none()) {
             if let Ok(Some(status)) = rank.child.try_wait() {
                 rank.status = Some(status);
-                if !status.success() {
+                let signalled = |status: &ExitStatus| std::os::unix::process::ExitStatusExt::signal(status).is_some();
+                if !status.success() && failure.as_ref().is_none_or(|(_, first)| signalled(&status) && !signalled(first)) {
                     failure = Some((rank.rank, status));
-                    break;
                 }
             }
         }

@@ -348,6 +348,21 @@ fn the_launcher_fails_the_job_when_one_rank_fails() {
     assert!(stderr.contains("rank 0 was killed by signal 15 (SIGTERM), rank 1 exited with status 3"), "{stderr}");
 }
 
+/// A rank killed by a signal is named as the failure, not a peer that exited on its loss in
+/// the same instant (rank 0 here, which the launcher used to name, the lower rank).
+#[test]
+fn the_launcher_names_the_rank_a_signal_killed_before_one_that_exited_after_it() {
+    let flag = std::env::temp_dir().join(format!("ulysses-launch-killed-{}", std::process::id()));
+    let script = format!(
+        r#"if [ "$RANK" = 1 ]; then touch {0}; kill -9 $$; fi; while [ ! -f {0} ]; do sleep 0.001; done; exit 1"#,
+        flag.display()
+    );
+    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch")).args(["--nproc-per-node", "2", "--kill-grace-secs", "2", "--", "sh", "-c", &script]).output().unwrap();
+    let _ = std::fs::remove_file(&flag);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("ulysses-launch: rank 1 was killed by signal 9"), "{stderr}");
+}
+
 #[test]
 fn the_launcher_sets_torchrun_variables() {
     let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
