@@ -98,11 +98,11 @@ fn no_context(_: &ParallelGroups<Inner>) -> Option<RankGuard> {
 
 /// How one rank of [`errors_of_two_ranks`] trains: its config, the rank context it enters (if
 /// any) and its data.
-type RankSetup = (TrainConfig, Option<RankGuard>, VariedLengths);
+type RankSetup<D = VariedLengths> = (TrainConfig, Option<RankGuard>, D);
 
 /// Trains on two rank threads, each set up by `setup(rank, groups)`, and returns each rank's
 /// error; fails where a rank panicked or trained.
-fn errors_of_two_ranks(layout: ParallelLayout, setup: impl Fn(usize, &ParallelGroups<Inner>) -> RankSetup + Send + Sync + 'static) -> Vec<String> {
+fn errors_of_two_ranks<D: StepData>(layout: ParallelLayout, setup: impl Fn(usize, &ParallelGroups<Inner>) -> RankSetup<D> + Send + Sync + 'static) -> Vec<String> {
     let results = with_deadline(Duration::from_secs(50), move || {
         ThreadGroup::new(2).run(|rank| {
             let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
@@ -467,6 +467,23 @@ fn ranks_that_read_other_data_are_refused_before_the_first_step() {
     let layout = ParallelLayout::new().with_dp_size(2);
     for message in errors_of_two_ranks(layout, move |rank, groups| (config(layout, 1), enter_sp(groups), VariedLengths { vocab: VOCAB - rank })) {
         assert!(message.contains("the ranks draw different batches for step 0 (world ranks [0] against [1]"), "{message}");
+    }
+    // The same batches, other held-out sequences (node-local --eval-data copies that differ):
+    // unlike evaluations, under ZeRO-3 gathers that never pair up.
+    struct HeldOut {
+        data: VariedLengths,
+        rank: usize,
+    }
+    impl StepData for HeldOut {
+        fn train_batch(&self, step: usize) -> Vec<Vec<i64>> {
+            self.data.train_batch(step)
+        }
+        fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
+            Some(self.data.train_batch(1 + self.rank))
+        }
+    }
+    for message in errors_of_two_ranks(layout, move |rank, groups| (config(layout, 1), enter_sp(groups), HeldOut { data: VariedLengths { vocab: VOCAB }, rank })) {
+        assert!(message.contains("the ranks hold out different sequences (world ranks [0] against [1]"), "{message}");
     }
 }
 

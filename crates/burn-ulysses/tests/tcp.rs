@@ -54,6 +54,7 @@ fn with_ranks<T: Send>(size: usize, config: DistributedConfig, work: impl Fn(usi
                         world_size: size,
                         local_rank: rank,
                         local_world_size: size,
+                        node_size_known: true,
                         master_addr: "127.0.0.1".into(),
                         master_port: port,
                         source: EnvSource::Torchrun,

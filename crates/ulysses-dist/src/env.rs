@@ -19,6 +19,10 @@ pub struct LaunchEnv {
     /// Rank among the processes of this node; selects the GPU.
     pub local_rank: usize,
     pub local_world_size: usize,
+    /// Whether the launcher said how many processes run on this node (`LOCAL_WORLD_SIZE`,
+    /// `LOCAL_SIZE`, Slurm's tasks per node). Where it did not, `local_world_size` is 1 and
+    /// the job is not taken to span nodes ([`spans_nodes`](Self::spans_nodes)).
+    pub node_size_known: bool,
     pub master_addr: String,
     /// The port of rank 0's rendezvous: `ULYSSES_RENDEZVOUS_PORT` when set; else, under
     /// torchrun, `MASTER_PORT + 1` (torchrun's own agent already serves its store on
@@ -101,6 +105,7 @@ impl LaunchEnv {
         }
         // The node's process count sizes host memory and threads and tells one node from
         // several: a local rank past the first without it is refused, not taken for one.
+        let node_size_known = local_world_size.is_some();
         let local_world_size = match local_world_size {
             Some(size) => size,
             None if local_rank == 0 => 1,
@@ -146,7 +151,7 @@ impl LaunchEnv {
                 _ => DEFAULT_MASTER_PORT,
             },
         };
-        Ok(Self { rank, world_size, local_rank, local_world_size, master_addr, master_port, source })
+        Ok(Self { rank, world_size, local_rank, local_world_size, node_size_known, master_addr, master_port, source })
     }
 }
 
@@ -186,9 +191,9 @@ impl LaunchEnv {
         self.device_index_with(std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref())
     }
 
-    /// Whether the job's ranks span more than this node.
+    /// Whether the job's ranks span more than this node, as far as the launcher says.
     pub fn spans_nodes(&self) -> bool {
-        self.world_size > self.local_world_size
+        self.node_size_known && self.world_size > self.local_world_size
     }
 }
 
@@ -322,6 +327,7 @@ mod tests {
                 world_size: 8,
                 local_rank: 1,
                 local_world_size: 4,
+                node_size_known: true,
                 master_addr: "10.1.2.3".into(),
                 master_port: 29600,
                 source: EnvSource::Torchrun,
@@ -333,6 +339,11 @@ mod tests {
     fn torchrun_defaults_to_a_local_master() {
         let parsed = env(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap();
         assert_eq!((parsed.master_addr.as_str(), parsed.master_port, parsed.local_world_size), ("127.0.0.1", 29500, 1));
+        // Processes started by hand on one machine say nothing of the node: not taken for a
+        // job across nodes (which would refuse the loopback MASTER_ADDR).
+        let by_hand = env(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap();
+        assert!(!by_hand.node_size_known && !by_hand.spans_nodes());
+        assert!(env(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "1")]).unwrap().spans_nodes());
     }
 
     #[test]

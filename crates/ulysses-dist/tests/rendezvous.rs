@@ -131,6 +131,7 @@ fn a_loopback_master_in_a_job_across_nodes_is_refused_at_once() {
         world_size: 4,
         local_rank: rank % 2,
         local_world_size: 2,
+        node_size_known: true,
         master_addr: addr.into(),
         master_port: port,
         source: EnvSource::Torchrun,
@@ -152,6 +153,24 @@ fn a_loopback_master_in_a_job_across_nodes_is_refused_at_once() {
     let other = std::thread::spawn(move || Rendezvous::join(&one, &config_1).map(|_| ()));
     Rendezvous::join(&zero, &config).unwrap_or_else(|e| panic!("rank 0 on {host}: {e}"));
     other.join().unwrap().unwrap_or_else(|e| panic!("rank 1 to {host}: {e}"));
+    // The TCP transport's ranks offer the others the address they reached rank 0 from: where
+    // that is loopback, each stops naming ULYSSES_TCP_ADDR rather than offer one no node dials.
+    let loopback = ("127.0.0.1", 0).to_socket_addrs().ok().and_then(|mut a| a.next()).map(|a| a.ip());
+    if (host.as_str(), 0).to_socket_addrs().unwrap().next().map(|a| a.ip()) != loopback {
+        return println!("skipped the transport's half: {host} is no loopback name here");
+    }
+    let port = free_port();
+    let transports: Vec<_> = [0, 1]
+        .into_iter()
+        .map(|rank| {
+            let (env, config) = (LaunchEnv { master_port: port, ..world(rank) }, config.clone());
+            std::thread::spawn(move || ulysses_dist::tcp::TcpCommunicator::connect(&env, &config).map(drop))
+        })
+        .collect();
+    for transport in transports {
+        let error = transport.join().unwrap().expect_err("loopback offered across nodes").to_string();
+        assert!(error.contains("ULYSSES_TCP_ADDR") && error.contains("over loopback"), "{error}");
+    }
 }
 
 #[test]
@@ -243,6 +262,7 @@ fn join(rank: usize, world_size: usize, port: u16, timeout_secs: f64) -> Result<
         world_size,
         local_rank: rank,
         local_world_size: world_size,
+        node_size_known: true,
         master_addr: "127.0.0.1".into(),
         master_port: port,
         source: EnvSource::Torchrun,

@@ -163,7 +163,8 @@ struct Args {
     /// trained as a document of its own, or `refuse`, naming its file and line.
     #[arg(long, value_enum, default_value = "cut", requires = "data")]
     too_long: TooLong,
-    /// The tokenizer.json that tokenizes --data's text [default: the --model folder's].
+    /// The tokenizer.json that tokenizes --data's text, or a folder holding one [default: the
+    /// --model folder's]. Its folder gives the tokenizer_config.json (EOS) and chat template.
     #[arg(long, requires = "data")]
     tokenizer: Option<PathBuf>,
     /// The token that ends each --data document [default: the tokenizer's eos_token
@@ -212,7 +213,8 @@ struct Args {
     launch: LaunchMode,
     #[arg(long, value_enum, default_value = "auto")]
     transport: TransportKind,
-    /// Device index of this process [default: LOCAL_RANK; threads share device 0].
+    /// Device index of this process [default: LOCAL_RANK, or 0 where CUDA_VISIBLE_DEVICES shows
+    /// the process one device; threads share device 0].
     #[arg(long)]
     device: Option<usize>,
     /// Evaluate on one rank with the whole sequence, bypassing sequence parallelism (under
@@ -449,6 +451,9 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> Vec<String> {
     if take("precision", precision_of(args) != config.precision, format!("--precision {:?}", config.precision).to_lowercase()) {
         args.precision = Some(config.precision);
     }
+    if take("f32_head", args.f32_head != config.f32_head, "--f32-head".into()) {
+        args.f32_head = config.f32_head;
+    }
     if take("seed", args.seed != saved.seed, format!("--seed {}", saved.seed)) {
         args.seed = saved.seed;
     }
@@ -513,6 +518,11 @@ fn precision_of(args: &Args) -> Precision {
 }
 
 fn run(mut args: Args) -> Result<(), String> {
+    // A tokenizer's folder stands for its tokenizer.json, whose folder then gives its config,
+    // chat template and the files --save-hf copies.
+    if let Some(folder) = args.tokenizer.clone().filter(|path| path.is_dir()) {
+        args.tokenizer = Some(folder.join("tokenizer.json"));
+    }
     // The --resume checkpoint's state, read once: its settings fill the flags not given, and
     // it is checked against the run once the run is set up.
     let resumed: Option<RunState> = args.resume.as_deref().map(read_checkpoint_state).transpose().map_err(|e| e.to_string())?;
@@ -607,10 +617,8 @@ fn run(mut args: Args) -> Result<(), String> {
     if args.eval_only && args.data.is_none() {
         return Err("--eval-only evaluates the --model on documents: give --data FILE".into());
     }
-    if let (Some(data), Some(held_out)) = (&args.data, &args.eval_data)
-        && same_place(data, held_out)
-    {
-        return Err(format!("--eval-data {} is --data: a held-out set is one not trained on; give another file", held_out.display()));
+    if let (Some(data), Some(held_out)) = (&args.data, &args.eval_data) {
+        check_held_out_apart(data, held_out)?;
     }
     let pretrained = match (&args.model, &args.hf_config) {
         (Some(dir), _) => Some(HfConfig::from_hf(dir).map_err(|e| format!("--model: {e}"))?),
@@ -713,7 +721,9 @@ fn run(mut args: Args) -> Result<(), String> {
         // The reader's version: a reader that tokenizes otherwise (since 2: one BOS, empty
         // texts left out, a prompt's trailing space, one EOS after a completion; the chat
         // template's tojson) makes other batches of the same bytes.
-        data_identity = data_identity.read_with(format!("{tokenizer}, EOS {eos}, --loss-on {loss_on}, --too-long {too_long}, reader {DOCUMENT_READER_VERSION}"));
+        // With --eval-data, --data is trained whole (no batch held out): other batches.
+        let whole = if args.eval_data.is_some() { ", trained whole (--eval-data)" } else { "" };
+        data_identity = data_identity.read_with(format!("{tokenizer}, EOS {eos}, --loss-on {loss_on}, --too-long {too_long}, reader {DOCUMENT_READER_VERSION}{whole}"));
         if let Some((file, text)) = &chat_rendered {
             data_identity = data_identity.rendered_with(file, text);
         }
@@ -790,6 +800,24 @@ fn save_hf_companions(args: &Args) -> Vec<(PathBuf, String)> {
 /// The folder that holds `file` (the working folder for a bare name).
 fn folder_of(file: &Path) -> &Path {
     file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
+}
+
+/// Refuses an --eval-data that --data reads too (the same file, or one inside its folder, or
+/// the other way round): it would be trained on.
+fn check_held_out_apart(data: &Path, held_out: &Path) -> Result<(), String> {
+    let files = |flag, path| -> Result<Vec<PathBuf>, String> {
+        Ok(ulysses_trainer::files::data_files(flag, path)?.0.iter().map(|file| file.canonicalize().unwrap_or_else(|_| file.clone())).collect())
+    };
+    let trained = files("--data", data)?;
+    match files("--eval-data", held_out)?.into_iter().find(|file| trained.contains(file)) {
+        Some(shared) => Err(format!(
+            "--eval-data {}: {} is read by --data {} too, so it would be trained on: a held-out set is one not trained on; keep its files apart",
+            held_out.display(),
+            shared.display(),
+            data.display()
+        )),
+        None => Ok(()),
+    }
 }
 
 /// The tokenizer that tokenizes --data's text, with the `tokenizer_config.json` beside it.

@@ -483,29 +483,35 @@ where
             tracing::info!("the optimizer on the host updates on {} thread(s) a rank", host.threads());
         }
     }
-    // Every rank draws the step's whole batch and takes its part: ranks that read other data
-    // (node-local copies that differ) would train on parts of different batches.
+    let eval_batch = data.eval_batch();
+    // Every rank draws the step's whole batch and takes its part, and evaluates the same
+    // held-out sequences: ranks that read other data (node-local copies that differ) would
+    // train on parts of different batches, or evaluate unlike numbers of batches (under
+    // ZeRO-3, gathers that never pair up).
     if first_step < config.steps {
-        let digest = ulysses_training::batch_digest(&data.train_batch(first_step));
-        let digests = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[digest], "the first step's batch")?;
-        if digests.iter().any(|d| d[0] != digests[0][0]) {
-            // The ranks of each batch drawn, so that the odd one out shows whatever its rank.
+        let train = ulysses_training::batch_digest(&data.train_batch(first_step));
+        let held_out = eval_batch.as_deref().map_or(0, ulysses_training::batch_digest);
+        let digests = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[train, held_out], "the first step's batch")?;
+        for (column, differ) in [(0, format!("draw different batches for step {first_step}")), (1, "hold out different sequences".to_string())] {
+            if digests.iter().all(|d| d[column] == digests[0][column]) {
+                continue;
+            }
+            // The ranks of each kind, so that the odd one out shows whatever its rank.
             let mut kinds: Vec<(u64, Vec<usize>)> = Vec::new();
             for (rank, d) in digests.iter().enumerate() {
-                match kinds.iter_mut().find(|(digest, _)| *digest == d[0]) {
+                match kinds.iter_mut().find(|(digest, _)| *digest == d[column]) {
                     Some((_, ranks)) => ranks.push(rank),
-                    None => kinds.push((d[0], vec![rank])),
+                    None => kinds.push((d[column], vec![rank])),
                 }
             }
             let groups: Vec<String> = kinds.iter().map(|(_, ranks)| format!("{ranks:?}")).collect();
             return Err(UlyssesError::InvalidConfig(format!(
-                "the ranks draw different batches for step {first_step} (world ranks {}, each group one batch): every rank must read \
-                 the same data (one shared file system, or copies equal byte for byte, with the same tokenizer and flags)",
+                "the ranks {differ} (world ranks {}, each group alike): every rank must read the same data (one shared file system, \
+                 or copies equal byte for byte, with the same tokenizer and flags)",
                 groups.join(" against ")
             )));
         }
     }
-    let eval_batch = data.eval_batch();
     let eval_documents = if config.pack { data.eval_documents() } else { None };
     let eval_targets = data.eval_targets();
     let mut last_step = options.stop_after.map_or(config.steps, |stop| stop.min(config.steps));

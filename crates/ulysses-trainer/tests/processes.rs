@@ -1036,8 +1036,20 @@ fn a_held_out_file_is_evaluated_whole_at_every_layout_as_eval_only_measures_it()
             assert!(show(&output).contains("go over the 8 training sequence(s)"), "--data trained on whole: {}", show(&output));
         }
     }
-    let refused = run_alone(&args(&train, &format!("--eval-data {} --steps 1 --out {}", train.display(), dir.join("same").display())), &[]);
-    assert!(!refused.status.success() && show(&refused).contains("is --data"), "{}", show(&refused));
+    // Held-out files that --data reads too (the same file; one inside its folder) are refused.
+    for (data, name) in [(&train, "train.jsonl"), (&dir, "held-out.jsonl")] {
+        let refused = run_alone(&args(data, &format!("--eval-data {} --steps 1 --out {}", dir.join(name).display(), dir.join("same").display())), &[]);
+        let text = show(&refused);
+        assert!(!refused.status.success() && text.contains(&format!("{name} is read by --data")), "{text}");
+    }
+    // With --eval-data the training set is all of --data (without, its last batch is held out):
+    // a resume that leaves it out would draw other batches, and is refused.
+    let mut stopped = args(&train, &format!("--eval-data {} --steps 2 --stop-after 1 --out {}", held_out.display(), dir.join("stopped").display()));
+    succeed(run_alone(&stopped, &[]));
+    stopped.retain(|a| !a.contains("held-out") && a != "--eval-data" && a != "--stop-after" && a != "1");
+    stopped.extend(["--resume".into(), dir.join("stopped").display().to_string()]);
+    let refused = run_alone(&stopped, &[]);
+    assert!(!refused.status.success() && show(&refused).contains("--allow-new-data"), "{}", show(&refused));
     let _ = fs::remove_dir_all(&dir);
 }
 
@@ -1092,6 +1104,13 @@ fn chat_messages_train_on_the_answers_alike_at_sp_1_and_2() {
     assert!(log.contains(&format!("training on the answers alone: {targets} of {total} tokens are targets")), "{log}");
     assert!(one.iter().zip(&two).all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() <= TOLERANCE as f64), "SP=2 {two:?} against SP=1 {one:?}");
     assert!((one[0].1 - all[0].1).abs() > 1e-3, "--loss-on all trained on the same tokens: {all:?} against {one:?}");
+    // The tokenizer's folder stands for its tokenizer.json, its template and its eos_token
+    // (<|im_end|>, so no --eos-token-id) the folder's own.
+    let mut by_folder: Vec<String> = args(&data, "by-folder", "--sp 1 --check").into_iter().filter(|a| a != "--eos-token-id" && a != "300").collect();
+    let at = by_folder.iter().position(|a| a == "--tokenizer").unwrap();
+    by_folder[at + 1] = chat_folder.display().to_string();
+    let checked = show(&succeed(run_alone(&by_folder, &[])));
+    assert!(checked.contains(&format!("training on the answers alone: {targets} of {total} tokens are targets")), "{checked}");
 
     let bad = dir.join("bad.jsonl");
     fs::write(&bad, format!("{}\n{}", serde_json::json!({"messages": conversations[0]}), serde_json::json!({"messages": [{"content": "who speaks?"}]}))).unwrap();

@@ -195,12 +195,22 @@ fn skew() -> Result<usize, FlashError> {
     }
 }
 
-/// The fragment [`FRAGMENT_VARIABLE`] forces on f16/bf16, if any.
-fn forced_fragment() -> Option<Fragment> {
-    match std::env::var(FRAGMENT_VARIABLE).as_deref() {
-        Ok("16") => Some(Fragment::cube(16)),
-        Ok("16x16x8") => Some(Fragment { depth: 8, ..Fragment::cube(16) }),
-        _ => None,
+/// The fragment [`FRAGMENT_VARIABLE`] forces on f16/bf16, if any; any other value is refused
+/// by name (a misspelt one would measure the default under another name).
+fn forced_fragment() -> Result<Option<Fragment>, FlashError> {
+    match std::env::var(FRAGMENT_VARIABLE) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Ok(value) => parse_fragment(&value),
+        Err(std::env::VarError::NotUnicode(value)) => parse_fragment(&value.to_string_lossy()),
+    }
+}
+
+fn parse_fragment(value: &str) -> Result<Option<Fragment>, FlashError> {
+    match value {
+        "" => Ok(None),
+        "16" => Ok(Some(Fragment::cube(16))),
+        "16x16x8" => Ok(Some(Fragment { depth: 8, ..Fragment::cube(16) })),
+        other => Err(FlashError::Setting(format!("{FRAGMENT_VARIABLE}={other:?}: the fragment is `16` or `16x16x8` (unset: the device's)"))),
     }
 }
 
@@ -233,6 +243,10 @@ pub fn fragment_for(configurations: &[MmaConfig], dtype: DType) -> Option<Fragme
 
 impl Plan {
     pub fn new<R: CubeRuntime>(problem: &Problem, dtype: DType, causal: bool, client: &ComputeClient<R>) -> Result<Self, FlashError> {
+        // The environment's settings first: a misspelt one stops on every device.
+        let plane_requested = EngineRequest::of_environment()? == EngineRequest::Plane;
+        let forced = forced_fragment()?;
+        let skew = skew()?;
         let properties = client.properties();
         let hardware = &properties.hardware;
         let plane_dim = hardware.plane_size_max as usize;
@@ -244,10 +258,9 @@ impl Plan {
         }
         let runtime = R::name(client);
         let configurations: Vec<MmaConfig> = properties.features.matmul.cmma.iter().copied().collect();
-        let plane_requested = EngineRequest::of_environment()? == EngineRequest::Plane;
         let fragment = fragment_for(&configurations, dtype)
             .filter(|_| tensor_core_runtime(runtime) && !plane_requested)
-            .map(|fragment| if fragment.tf32 { fragment } else { forced_fragment().unwrap_or(fragment) });
+            .map(|fragment| if fragment.tf32 { fragment } else { forced.unwrap_or(fragment) });
         let engine = match fragment {
             Some(fragment) => Engine::TensorCores { fragment },
             None => Engine::Plane,
@@ -261,7 +274,7 @@ impl Plan {
             element_bytes: dtype.size(),
             plane_dim,
             plane_sync,
-            skew: skew()?,
+            skew,
             causal,
             dim: problem.head_dim.div_ceil(TILE) * TILE,
             value_dim: problem.value_dim.div_ceil(TILE) * TILE,
@@ -400,6 +413,11 @@ mod tests {
         assert_eq!(parsed, [Default, Default, Fragments, Planned, Plane]);
         let refusal = EngineRequest::parse(Some("fragment")).unwrap_err().to_string();
         assert!(refusal.contains("ULYSSES_FLASH_ENGINE=\"fragment\"") && refusal.contains("`planned`"), "{refusal}");
+        assert_eq!(parse_fragment("16").unwrap().map(|f| f.depth), Some(16));
+        assert_eq!(parse_fragment("16x16x8").unwrap().map(|f| f.depth), Some(8));
+        assert!(parse_fragment("").unwrap().is_none());
+        let refusal = parse_fragment("16x8").unwrap_err();
+        assert!(matches!(refusal, FlashError::Setting(_)) && refusal.to_string().contains("ULYSSES_FLASH_FRAGMENT=\"16x8\""), "{refusal}");
     }
 
     #[test]

@@ -93,6 +93,15 @@ impl Mesh {
             Some(address) => address.clone(),
             None => rendezvous.local_ip().map_err(|e| DistError::Transport(format!("cannot tell this rank's address: {e}")))?,
         };
+        // The address this rank reached rank 0 from is the one it offers the others: over
+        // loopback (MASTER_ADDR a name this node maps to 127.0.1.1) no other node could dial it.
+        if settings.address.is_none() && env.spans_nodes() && crate::env::is_this_machine_only(&host) {
+            return Err(DistError::Transport(format!(
+                "rank {rank} reaches rank 0 over loopback ({host}: MASTER_ADDR {} is this machine's own name here), so the ranks of \
+                 other nodes could not dial it: set ULYSSES_TCP_ADDR to this machine's network address, or MASTER_ADDR to rank 0's",
+                env.master_addr
+            )));
+        }
         let listener = TcpListener::bind((host.as_str(), 0))
             .map_err(|e| DistError::Transport(format!("cannot listen on {host}: {e}; set ULYSSES_TCP_ADDR to an address of this machine")))?;
         let advertised = listener.local_addr().map_err(|e| DistError::Transport(e.to_string()))?;
