@@ -135,7 +135,12 @@ impl LaunchEnv {
         check_host(&master_addr)?;
         let port = |name: &str| -> Result<Option<u16>, DistError> {
             lookup(name)
-                .map(|port| port.trim().parse().map_err(|_| DistError::Env(format!("{name}={port:?} is not a port number"))))
+                .map(|port| match port.trim().parse::<u16>() {
+                    // Rank 0 would serve on a port of the system's choice that no rank dials.
+                    Ok(0) => Err(DistError::Env(format!("{name}=0: every rank must know rank 0's port; give one from 1 to 65535"))),
+                    Ok(number) => Ok(number),
+                    Err(_) => Err(DistError::Env(format!("{name}={port:?} is not a port number"))),
+                })
                 .transpose()
         };
         let master_port = match (port(ENV_RENDEZVOUS_PORT)?, port("MASTER_PORT")?) {
@@ -485,6 +490,7 @@ mod tests {
         assert!(message(&[("RANK", "x"), ("WORLD_SIZE", "2")]).contains("RANK=\"x\" is not a non-negative integer"));
         assert!(message(&[("RANK", "2"), ("WORLD_SIZE", "2")]).contains("rank 2 is out of range for a world of 2"));
         assert!(message(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "99999")]).contains("MASTER_PORT"));
+        assert!(message(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_PORT", "0")]).contains("MASTER_PORT=0: every rank must know rank 0's port"));
     }
 
     #[test]

@@ -55,7 +55,7 @@ enum LossOn {
     All,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum BackendKind {
     /// NdArray on the CPU.
     Cpu,
@@ -368,10 +368,11 @@ extern "C" fn on_stop_signal(signal: libc::c_int) {
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
     let now = (now.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(now.tv_nsec as u64).max(1);
     let first = FIRST_STOP_SIGNAL_NS.compare_exchange(0, now, std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed);
-    if let Err(first) = first
-        && now.saturating_sub(first) >= SAME_REQUEST_NS
-    {
-        // A second request: as if there were no handler.
+    let second = matches!(first, Err(first) if now.saturating_sub(first) >= SAME_REQUEST_NS);
+    // Before the first step there is none to finish: nothing is lost by ending now.
+    let no_step_yet = !ulysses_trainer::train::STEPS_BEGUN.load(std::sync::atomic::Ordering::Relaxed);
+    if second || no_step_yet {
+        // As if there were no handler.
         // SAFETY: signal(2) and raise(3) are async-signal-safe.
         unsafe {
             libc::signal(signal, libc::SIG_DFL);
@@ -385,8 +386,8 @@ extern "C" fn on_stop_signal(signal: libc::c_int) {
 /// (`sbatch --signal=USR1@300`, `ulysses-launch` passing one on) stop the run after the step
 /// under way, every rank after the same one, with a checkpoint, so that `--resume` continues
 /// it: a kill lost the steps since the last checkpoint. A second signal, 3 s or more after
-/// the first, ends the process at once (before the first step, the first waits for it), as
-/// does a scheduler's SIGKILL after its grace; the checkpoint before stays whole (its writes
+/// the first, ends the process at once, as does the first before any step has begun (while the
+/// model loads or the ranks meet: nothing to finish), and a scheduler's SIGKILL after its grace; the checkpoint before stays whole (its writes
 /// are atomic). Not for `--eval-only`, which has no step to stop after, nor `--no-save`,
 /// which writes no checkpoint to continue from.
 fn stop_on_signals() {
@@ -453,6 +454,30 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> Vec<String> {
     }
     if take("f32_head", args.f32_head != config.f32_head, "--f32-head".into()) {
         args.f32_head = config.f32_head;
+    }
+    if take("eval_every", args.eval_every != config.eval_every, format!("--eval-every {}", config.eval_every)) {
+        args.eval_every = config.eval_every;
+    }
+    if take("pack", args.pack != config.pack && args.data.is_none(), "--pack".into()) {
+        args.pack = config.pack;
+    }
+    if take("freeze_embeddings", args.freeze_embeddings != config.freeze_embeddings, "--freeze-embeddings".into()) {
+        args.freeze_embeddings = config.freeze_embeddings;
+    }
+    // The layout may change; unless any of it is given, it is the checkpoint's (DP with
+    // processes is what the world leaves).
+    let layout = &config.layout;
+    if !["sp", "ring", "dp", "zigzag"].iter().any(|id| given.contains(*id)) {
+        if take("sp", args.sp != layout.sp_size, format!("--sp {}", layout.sp_size)) {
+            args.sp = layout.sp_size;
+        }
+        if take("ring", args.ring != layout.ring_size, format!("--ring {}", layout.ring_size)) {
+            args.ring = layout.ring_size;
+        }
+        let zigzag = layout.ring_sharding == burn_ulysses::ring::RingSharding::Zigzag;
+        if take("zigzag", args.zigzag != zigzag, "--zigzag".into()) {
+            args.zigzag = zigzag;
+        }
     }
     if take("seed", args.seed != saved.seed, format!("--seed {}", saved.seed)) {
         args.seed = saved.seed;
@@ -593,6 +618,24 @@ fn run(mut args: Args) -> Result<(), String> {
             ));
         }
     }
+    // The run's folder holds its own config.json and checkpoint: never a checkpoint's or a
+    // tokenizer's folder (an --overwrite would replace their config.json), nor one that --data
+    // or --eval-data reads (a resume would read the run's files as documents).
+    for (other, flag) in [(args.model.as_deref(), "--model"), (args.tokenizer.as_deref().map(folder_of), "--tokenizer's")] {
+        if other.is_some_and(|other| same_place(&out, other)) {
+            return Err(format!("--out {} is the {flag} folder, whose config.json the run's own would replace: give the run a folder of its own", out.display()));
+        }
+    }
+    for (data, flag) in [(args.data.as_deref(), "--data"), (args.eval_data.as_deref(), "--eval-data")] {
+        if let Some(data) = data.filter(|data| data.is_dir() && inside(&out, data)) {
+            return Err(format!(
+                "--out {} lies in the {flag} folder {}, whose files are all read as documents (the run's own too, at a resume): give \
+                 the run a folder outside it",
+                out.display(),
+                data.display()
+            ));
+        }
+    }
     // A save replaces its folder whole: never the run's own, nor the checkpoint it starts from
     // (whose other files a save of files alone would not catch).
     if let Some(dir) = &args.save_hf {
@@ -618,6 +661,9 @@ fn run(mut args: Args) -> Result<(), String> {
         return Err("--eval-only evaluates the --model on documents: give --data FILE".into());
     }
     if let (Some(data), Some(held_out)) = (&args.data, &args.eval_data) {
+        if args.eval_every == 0 {
+            return Err(format!("--eval-data {} with --eval-every 0 evaluates nothing: give --eval-every N, or no --eval-data", held_out.display()));
+        }
         check_held_out_apart(data, held_out)?;
     }
     let pretrained = match (&args.model, &args.hf_config) {
@@ -674,6 +720,19 @@ fn run(mut args: Args) -> Result<(), String> {
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     config.validate()?;
+    // What the CPU backend cannot run, refused here (so `--check` refuses it too).
+    if args.backend == BackendKind::Cpu {
+        if args.transport == TransportKind::Nccl {
+            return Err("--transport nccl needs a CUDA backend (--backend cuda)".into());
+        }
+        if config.precision != Precision::F32 {
+            return Err(format!(
+                "--precision {}: the CPU backend (NdArray) computes neither bf16 nor f16: train in f32 (--precision f32), or on a GPU \
+                 (--backend cuda)",
+                format!("{:?}", config.precision).to_lowercase()
+            ));
+        }
+    }
     if !(args.max_grad_norm >= 0.0 && args.max_grad_norm.is_finite()) {
         return Err(format!("--max-grad-norm {} must be a finite number, 0 or above (0: no clipping)", args.max_grad_norm));
     }
@@ -833,6 +892,12 @@ fn data_tokenizer_file(args: &Args) -> Option<PathBuf> {
     args.tokenizer.clone().or_else(|| args.model.as_ref().map(|dir| dir.join("tokenizer.json")).filter(|file| file.exists()))
 }
 
+/// Whether `path` is `folder` or lies under it, however spelt (`path` may not exist yet).
+fn inside(path: &Path, folder: &Path) -> bool {
+    let resolved = |path: &Path| path.canonicalize().or_else(|_| std::path::absolute(path));
+    matches!((resolved(path), resolved(folder)), (Ok(path), Ok(folder)) if path.starts_with(&folder))
+}
+
 /// Whether two paths name the same folder, however spelt (either may not exist yet).
 fn same_place(a: &Path, b: &Path) -> bool {
     let resolved = |path: &Path| path.canonicalize().or_else(|_| std::path::absolute(path));
@@ -964,7 +1029,6 @@ fn on_backend(job: &Job) -> Result<(), String> {
     let args = job.args;
     let nccl_wanted = args.transport == TransportKind::Nccl;
     match args.backend {
-        BackendKind::Cpu if nccl_wanted => Err("--transport nccl needs a CUDA backend (--backend cuda)".into()),
         BackendKind::Cpu => train::<burn::backend::NdArray, Tcp>(job, |_| Default::default()),
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {

@@ -517,6 +517,7 @@ where
     let mut last_step = options.stop_after.map_or(config.steps, |stop| stop.min(config.steps));
     let mut reports = Vec::with_capacity(last_step.saturating_sub(first_step));
 
+    STEPS_BEGUN.store(true, std::sync::atomic::Ordering::Relaxed);
     for step in first_step..last_step {
         let started = Instant::now();
         let io_before = DeviceIo::of_this_thread();
@@ -598,6 +599,11 @@ where
     }
     Ok((TrainedModel { model, parts }, reports))
 }
+
+/// Whether a rank of this process has begun its steps: before, a stop signal has no step to
+/// finish (the trainer then ends at once rather than wait, in a rendezvous, say, for peers
+/// that may never come).
+pub static STEPS_BEGUN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// A rank's model after [`train_rank`]: whole, or under ZeRO-3 this rank's parts of it (the
 /// model itself holding placeholders), gathered only as far as what is asked of it needs.

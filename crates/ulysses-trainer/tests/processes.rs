@@ -363,6 +363,33 @@ fn a_signal_stops_every_rank_after_the_same_step_with_a_checkpoint() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A stop signal before any step has begun (here, a rank waiting in the rendezvous for a rank 0
+/// that never comes) ends the process at once: there is no step to finish, and the wait
+/// would last the rendezvous timeout.
+#[test]
+fn a_signal_before_the_first_step_ends_the_process_at_once() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = workspace("early-signal");
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut args = common_args(&dir, "run", 2);
+    args.extend(["--sp", "2"].map(String::from));
+    let child = Command::new(trainer())
+        .args(&args)
+        .envs([("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_PORT", port.as_str()), ("ULYSSES_RENDEZVOUS_TOKEN", "early"), ("ULYSSES_RENDEZVOUS_TIMEOUT", "60")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let signalled = Instant::now();
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let output = child.wait_with_output().unwrap();
+    assert!(signalled.elapsed() < Duration::from_secs(10), "ended {:?} after the signal:\n{}", signalled.elapsed(), show(&output));
+    assert_eq!(output.status.signal(), Some(libc::SIGTERM), "{}", show(&output));
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A run stopped after 3 of 6 steps resumes with the uninterrupted run's losses and
 /// parameters: in place with the same flags, and elsewhere on one process with no flag but the
 /// data's, its settings taken from the checkpoint.
@@ -389,6 +416,11 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     args.extend(resume("elsewhere"));
     let resumed = succeed(run_alone(&args, &["--sp", "1"]));
     assert!(show(&resumed).contains("resuming with the checkpoint's --steps 6, --learning-rate 0.01, --seed 7"), "{}", show(&resumed));
+    // Without --sp, the checkpoint's layout too (not the flag's default, 4).
+    let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--check".into()];
+    args.extend(resume("part"));
+    let checked = show(&succeed(Command::new(trainer()).args(&args).args(["--launch", "threads"]).output().unwrap()));
+    assert!(checked.contains("--sp 2") && checked.contains("sp 2 × dp 1"), "{checked}");
 
     // The finished run resumed elsewhere: nothing to take, and said so (it claimed to have
     // written a checkpoint, metrics and a config before).
@@ -551,7 +583,7 @@ fn a_model_the_host_cannot_hold_is_refused_before_it_is_built() {
 #[test]
 fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     let dir = workspace("settings");
-    let cases: [(&str, &str, &str); 12] = [
+    let cases: [(&str, &str, &str); 15] = [
         ("--learning-rate", "-1", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "nan", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "inf", "learning_rate (--learning-rate) must be a finite number above 0"),
@@ -564,16 +596,28 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
         ("--corpus", "README.md", "cannot be used with"),
         ("--zero", "2", "zero_stage (--zero) 2: use 0"),
         ("--zero", "3", "add --checkpoint-layers"),
+        // What the CPU backend cannot run (refused by --check too, below).
+        ("--precision", "bf16", "the CPU backend (NdArray) computes neither bf16 nor f16"),
+        ("--transport", "nccl", "--transport nccl needs a CUDA backend"),
+        ("--eval-every", "0", "with --eval-every 0 evaluates nothing"),
     ];
     for (flag, value, expected) in cases {
         // The shared arguments with this flag's value replaced (or added).
         let mut args = common_args(&dir, "run", 2);
         set_flag(&mut args, flag, value);
-        let output = Command::new(trainer()).args(merge_flag_values(&args)).args(["--launch", "threads"]).output().unwrap();
-        let text = show(&output);
-        assert!(!output.status.success() && text.contains(expected), "{flag} {value}: expected {expected:?}:\n{text}");
-        assert!(!text.contains("panicked"), "{flag} {value} panicked:\n{text}");
-        assert!(!dir.join("run").exists(), "{flag} {value} wrote into the run folder:\n{text}");
+        if flag == "--eval-every" {
+            // With a held-out file, which it would never evaluate.
+            let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data-of-nothing.jsonl");
+            args = qwen3_args(&dir.join("data.jsonl"), &format!("--eval-data {} --eval-every 0 --out {}", data.display(), dir.join("run").display()));
+        }
+        // Refused by --check alike, which trains nothing.
+        for check in [&[][..], &["--check"]] {
+            let output = Command::new(trainer()).args(merge_flag_values(&args)).args(["--launch", "threads"]).args(check).output().unwrap();
+            let text = show(&output);
+            assert!(!output.status.success() && text.contains(expected), "{flag} {value} {check:?}: expected {expected:?}:\n{text}");
+            assert!(!text.contains("panicked"), "{flag} {value} panicked:\n{text}");
+            assert!(!dir.join("run").exists(), "{flag} {value} wrote into the run folder:\n{text}");
+        }
     }
     let _ = fs::remove_dir_all(&dir);
 }
@@ -1036,9 +1080,20 @@ fn a_held_out_file_is_evaluated_whole_at_every_layout_as_eval_only_measures_it()
             assert!(show(&output).contains("go over the 8 training sequence(s)"), "--data trained on whole: {}", show(&output));
         }
     }
+    // The run's folder may be neither the checkpoint's (an --overwrite would replace its
+    // config.json) nor inside a folder --data reads (a resume would read the run's files).
+    let (checkpoint, _) = qwen3_and_tokenizer();
+    for (out, data, expected) in [(checkpoint.clone(), train.clone(), "is the --model folder"), (dir.join("run"), dir.clone(), "lies in the --data folder")] {
+        let mut refused_args = args(&data, "--steps 1 --check --overwrite");
+        refused_args.extend(["--out".into(), out.display().to_string()]);
+        let refused = run_alone(&refused_args, &[]);
+        assert!(!refused.status.success() && show(&refused).contains(expected), "{}", show(&refused));
+    }
+    assert!(checkpoint.join("config.json").exists() && !dir.join("run").exists());
     // Held-out files that --data reads too (the same file; one inside its folder) are refused.
     for (data, name) in [(&train, "train.jsonl"), (&dir, "held-out.jsonl")] {
-        let refused = run_alone(&args(data, &format!("--eval-data {} --steps 1 --out {}", dir.join(name).display(), dir.join("same").display())), &[]);
+        let out = dir.with_extension("same");
+        let refused = run_alone(&args(data, &format!("--eval-data {} --steps 1 --check --out {}", dir.join(name).display(), out.display())), &[]);
         let text = show(&refused);
         assert!(!refused.status.success() && text.contains(&format!("{name} is read by --data")), "{text}");
     }

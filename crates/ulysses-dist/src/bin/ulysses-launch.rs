@@ -28,7 +28,7 @@ struct Args {
     #[arg(long, env = "MASTER_ADDR", default_value = "127.0.0.1")]
     master_addr: String,
     /// The rendezvous' port on node 0 (the ranks' MASTER_PORT): a free one.
-    #[arg(long, env = "MASTER_PORT", default_value_t = DEFAULT_MASTER_PORT)]
+    #[arg(long, env = "MASTER_PORT", default_value_t = DEFAULT_MASTER_PORT, value_parser = clap::value_parser!(u16).range(1..))]
     master_port: u16,
     /// Seconds the other ranks get to exit after one failed, before they are killed.
     #[arg(long, default_value_t = 10.0)]
