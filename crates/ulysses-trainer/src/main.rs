@@ -559,7 +559,13 @@ fn run(mut args: Args) -> Result<(), String> {
     }
     // --launch threads reads no launcher variable: a broken or foreign one must not stop it.
     let launch = match args.launch {
-        LaunchMode::Threads => Launch::Threads,
+        LaunchMode::Threads => {
+            // Each process a launcher started would run the whole job (and contend for --out).
+            if std::env::var("WORLD_SIZE").ok().and_then(|w| w.trim().parse::<usize>().ok()).is_some_and(|w| w > 1) {
+                tracing::warn!("--launch threads under a launcher (WORLD_SIZE is set): every process runs the whole job with its ranks as threads; leave --launch out to run one rank a process");
+            }
+            Launch::Threads
+        }
         mode => match (mode, Launch::from_env().map_err(|e| e.to_string())?) {
             (LaunchMode::Process, Launch::Threads) => {
                 return Err("--launch process, but no launcher set RANK and WORLD_SIZE (or an srun step's SLURM_PROCID): \

@@ -147,6 +147,24 @@ impl TrainConfig {
         if let Some((name, _)) = positive.iter().find(|(_, value)| *value == 0) {
             return Err(format!("{name} must be at least 1, got 0"));
         }
+        // Sizes far past any model or batch (a typo, a -1 read as usize::MAX) are refused by
+        // name, where arithmetic on them would overflow or an allocation abort.
+        let (model_sizes, counts) = (1usize << 20, 1usize << 24);
+        let sizes = [
+            ("d_model (--d-model)", model.d_model, model_sizes),
+            ("ffn_hidden (--ffn-hidden)", model.ffn_hidden, model_sizes),
+            ("n_layers (--layers)", model.n_layers, 1 << 12),
+            ("n_heads (--heads)", model.n_heads, 1 << 12),
+            ("n_kv_heads (--kv-heads)", model.n_kv_heads, 1 << 12),
+            ("vocab_size", model.vocab_size, 1 << 26),
+            ("batch_size (--batch-size)", self.batch_size, counts),
+            ("grad_accumulation (--grad-accumulation)", self.grad_accumulation, counts),
+            ("seq_len (--seq-len)", self.seq_len, 1 << 31),
+            ("steps (--steps)", self.steps, 1 << 40),
+        ];
+        if let Some((name, value, most)) = sizes.iter().find(|(_, value, most)| value > most) {
+            return Err(format!("{name} {value} is past any model or run this trainer takes (at most {most})"));
+        }
         if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
             return Err(format!(
                 "learning_rate (--learning-rate) must be a finite number above 0 (3e-3 is the default), got {}",

@@ -583,7 +583,7 @@ fn a_model_the_host_cannot_hold_is_refused_before_it_is_built() {
 #[test]
 fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     let dir = workspace("settings");
-    let cases: [(&str, &str, &str); 15] = [
+    let cases: [(&str, &str, &str); 18] = [
         ("--learning-rate", "-1", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "nan", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "inf", "learning_rate (--learning-rate) must be a finite number above 0"),
@@ -600,6 +600,10 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
         ("--precision", "bf16", "the CPU backend (NdArray) computes neither bf16 nor f16"),
         ("--transport", "nccl", "--transport nccl needs a CUDA backend"),
         ("--eval-every", "0", "with --eval-every 0 evaluates nothing"),
+        // Past any model or run: refused by name (arithmetic on them overflowed).
+        ("--seq-len", "18446744073709551615", "seq_len (--seq-len) 18446744073709551615 is past any model or run"),
+        ("--layers", "18446744073709551615", "n_layers (--layers) 18446744073709551615 is past any model or run"),
+        ("--batch-size", "100000000", "batch_size (--batch-size) 100000000 is past any model or run"),
     ];
     for (flag, value, expected) in cases {
         // The shared arguments with this flag's value replaced (or added).
