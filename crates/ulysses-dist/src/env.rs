@@ -170,10 +170,15 @@ fn check_host(addr: &str) -> Result<(), DistError> {
     Ok(())
 }
 
+/// `host` without the brackets an IPv6 address may come in (`[fd00::1]`).
+pub(crate) fn bare_host(host: &str) -> &str {
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
 /// Whether `host` (a name or address, IPv6 in brackets or not) is this machine alone to
 /// every machine that connects to it: a loopback or unspecified address, or `localhost`.
 pub fn is_this_machine_only(host: &str) -> bool {
-    let bare = host.trim().trim_start_matches('[').trim_end_matches(']');
+    let bare = bare_host(host.trim());
     match bare.parse::<std::net::IpAddr>() {
         Ok(ip) => ip.is_loopback() || ip.is_unspecified(),
         Err(_) => bare.eq_ignore_ascii_case("localhost") || bare.to_ascii_lowercase().ends_with(".localhost"),

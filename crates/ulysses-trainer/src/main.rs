@@ -510,26 +510,27 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> Vec<String> {
     // whole: any of these flags given, and the run's own are kept.
     let memory = ["offload_optimizer", "zero", "checkpoint_layers", "offload_to_host", "tile_tokens", "offload_parameters"];
     if !memory.iter().any(|id| given.contains(*id)) {
-        // Notes `name` as taken where `on`.
-        let mut flag = |on: bool, name: String| {
-            if on {
-                taken.push(name);
-            }
-            on
-        };
-        args.offload_optimizer |= flag(config.offload_optimizer, "--offload-optimizer".into());
-        if flag(config.zero_stage != args.zero, format!("--zero {}", config.zero_stage)) {
+        let layers = config.layer_checkpointing.as_ref();
+        if take("offload_optimizer", args.offload_optimizer != config.offload_optimizer, "--offload-optimizer".into()) {
+            args.offload_optimizer = config.offload_optimizer;
+        }
+        if take("zero", args.zero != config.zero_stage, format!("--zero {}", config.zero_stage)) {
             args.zero = config.zero_stage;
         }
-        if let Some(layers) = &config.layer_checkpointing {
-            args.checkpoint_layers |= flag(true, "--checkpoint-layers".into());
-            args.offload_to_host |= flag(layers.offload_to_host, "--offload-to-host".into());
-            if let Some(tokens) = layers.tile_tokens {
-                args.tile_tokens = Some(tokens);
-                flag(true, format!("--tile-tokens {tokens}"));
-            }
+        if take("checkpoint_layers", args.checkpoint_layers != layers.is_some(), "--checkpoint-layers".into()) {
+            args.checkpoint_layers = layers.is_some();
         }
-        args.offload_parameters |= flag(config.offload_parameters, "--offload-parameters".into());
+        let offload_to_host = layers.is_some_and(|layers| layers.offload_to_host);
+        if take("offload_to_host", args.offload_to_host != offload_to_host, "--offload-to-host".into()) {
+            args.offload_to_host = offload_to_host;
+        }
+        let tile_tokens = layers.and_then(|layers| layers.tile_tokens);
+        if take("tile_tokens", args.tile_tokens != tile_tokens, format!("--tile-tokens {}", tile_tokens.unwrap_or_default())) {
+            args.tile_tokens = tile_tokens;
+        }
+        if take("offload_parameters", args.offload_parameters != config.offload_parameters, "--offload-parameters".into()) {
+            args.offload_parameters = config.offload_parameters;
+        }
     }
     taken
 }
@@ -900,13 +901,16 @@ fn data_tokenizer_file(args: &Args) -> Option<PathBuf> {
 
 /// Whether `path` is `folder` or lies under it, however spelt (`path` may not exist yet).
 fn inside(path: &Path, folder: &Path) -> bool {
-    let resolved = |path: &Path| path.canonicalize().or_else(|_| std::path::absolute(path));
     matches!((resolved(path), resolved(folder)), (Ok(path), Ok(folder)) if path.starts_with(&folder))
+}
+
+/// `path` with its links resolved where it exists, else made absolute.
+fn resolved(path: &Path) -> std::io::Result<PathBuf> {
+    path.canonicalize().or_else(|_| std::path::absolute(path))
 }
 
 /// Whether two paths name the same folder, however spelt (either may not exist yet).
 fn same_place(a: &Path, b: &Path) -> bool {
-    let resolved = |path: &Path| path.canonicalize().or_else(|_| std::path::absolute(path));
     matches!((resolved(a), resolved(b)), (Ok(a), Ok(b)) if a == b)
 }
 
@@ -974,45 +978,33 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     }
     let tokenizer = tokenizer.map(|(tokenizer, _)| tokenizer);
     let chat = data_chat_template(args)?;
+    let answers_only = args.loss_on == LossOn::Assistant;
     let reader = || DocumentReader {
         tokenizer: tokenizer.as_ref(),
         eos,
         vocab: config.model.vocab_size,
         progress: show_progress,
         chat: chat.as_ref(),
-        answers_only: args.loss_on == LossOn::Assistant,
+        answers_only,
         refuse_longer_than: (args.too_long == TooLong::Refuse).then_some(config.seq_len),
         noted: Default::default(),
-    };
-    // The targets of the documents read from `path` (the --loss-on assistant ones, where the
-    // data marks answers), refused where none is an answer.
-    let answers = |documents: &Documents, flag: &str, path: &Path| -> Result<Option<Vec<Vec<bool>>>, String> {
-        let Some(targets) = documents.targets.as_ref().filter(|_| args.loss_on == LossOn::Assistant) else { return Ok(None) };
-        if !targets.iter().flatten().any(|&t| t) {
-            return Err(format!(
-                "{flag} {}: no token is an answer (no assistant turn, completion or label), so the loss on the answers alone would be 0 \
-                 and nothing would train or be measured: give conversations with answers, or take every token with --loss-on all",
-                path.display()
-            ));
-        }
-        Ok(Some(targets.clone()))
     };
     let documents = reader().read(path)?;
     // The template's file and what decides its rendering, where it rendered a conversation.
     let rendered_with = chat.as_ref().filter(|_| documents.rendered_chat).map(|chat| (chat.file().to_string(), chat.rendering_text().to_string()));
-    let targets = answers(&documents, "--data", path)?;
-    if let Some(targets) = &targets {
+    let targets = answers(&documents, answers_only, "--data", path)?;
+    if let Some(targets) = targets {
         let (trained, total) = (targets.iter().flatten().filter(|&&t| t).count(), targets.iter().map(Vec::len).sum::<usize>());
         tracing::info!("training on the answers alone: {trained} of {total} tokens are targets (--loss-on all: every token)");
     }
     // Evaluating takes every sequence, however few.
     let batch_size = if args.eval_only { 1 } else { config.batch_size };
     let hold_out = !args.eval_only && args.eval_data.is_none();
-    let mut packed = PackedDocuments::pack_with_targets(&documents.ids, targets.as_deref(), config.seq_len, batch_size, config.seed, hold_out)?;
+    let mut packed = PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, batch_size, config.seed, hold_out)?;
     if let Some(held_out) = &args.eval_data {
         let documents = reader().read_as("--eval-data", held_out)?;
-        let targets = answers(&documents, "--eval-data", held_out)?;
-        packed = packed.held_out_by(PackedDocuments::pack_with_targets(&documents.ids, targets.as_deref(), config.seq_len, 1, config.seed, false)?);
+        let targets = answers(&documents, answers_only, "--eval-data", held_out)?;
+        packed = packed.held_out_by(PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, 1, config.seed, false)?);
     }
     if !args.eval_only && show_progress {
         // How often the run goes over its data: a small SFT set at the default 300 steps is
@@ -1028,6 +1020,20 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         );
     }
     Ok((packed, rendered_with, eos))
+}
+
+/// The targets of `documents`, read from `path` by `flag`, where the data marks answers and
+/// the run trains on them alone (`answers_only`); refused where none is an answer.
+fn answers<'a>(documents: &'a Documents, answers_only: bool, flag: &str, path: &Path) -> Result<Option<&'a [Vec<bool>]>, String> {
+    let Some(targets) = documents.targets.as_deref().filter(|_| answers_only) else { return Ok(None) };
+    if !targets.iter().flatten().any(|&t| t) {
+        return Err(format!(
+            "{flag} {}: no token is an answer (no assistant turn, completion or label), so the loss on the answers alone would be 0 \
+             and nothing would train or be measured: give conversations with answers, or take every token with --loss-on all",
+            path.display()
+        ));
+    }
+    Ok(Some(targets))
 }
 
 /// Runs the job on the --backend.

@@ -131,39 +131,29 @@ impl TrainConfig {
     /// what to change.
     pub fn validate(&self) -> Result<(), String> {
         let model = &self.model;
-        let positive = [
-            ("sp_size (--sp)", self.layout.sp_size),
-            ("dp_size (--dp)", self.layout.dp_size),
-            ("grad_accumulation (--grad-accumulation)", self.grad_accumulation),
-            ("batch_size (--batch-size)", self.batch_size),
-            ("steps (--steps)", self.steps),
-            ("d_model (--d-model)", model.d_model),
-            ("n_layers (--layers)", model.n_layers),
-            ("n_heads (--heads)", model.n_heads),
-            ("n_kv_heads (--kv-heads)", model.n_kv_heads),
-            ("ffn_hidden (--ffn-hidden)", model.ffn_hidden),
-            ("vocab_size", model.vocab_size),
+        // Each count with the most any model or run takes: 0 is refused, and so is a size far
+        // past any model (a typo, a -1 read as usize::MAX), where arithmetic on it would
+        // overflow or an allocation abort.
+        let (model_sizes, counts, heads) = (1usize << 20, 1usize << 24, 1usize << 12);
+        let bounded = [
+            ("sp_size (--sp)", self.layout.sp_size, usize::MAX),
+            ("dp_size (--dp)", self.layout.dp_size, usize::MAX),
+            ("grad_accumulation (--grad-accumulation)", self.grad_accumulation, counts),
+            ("batch_size (--batch-size)", self.batch_size, counts),
+            ("steps (--steps)", self.steps, 1 << 40),
+            ("d_model (--d-model)", model.d_model, model_sizes),
+            ("n_layers (--layers)", model.n_layers, heads),
+            ("n_heads (--heads)", model.n_heads, heads),
+            ("n_kv_heads (--kv-heads)", model.n_kv_heads, heads),
+            ("ffn_hidden (--ffn-hidden)", model.ffn_hidden, model_sizes),
+            ("vocab_size", model.vocab_size, 1 << 26),
         ];
-        if let Some((name, _)) = positive.iter().find(|(_, value)| *value == 0) {
+        if let Some((name, _, _)) = bounded.iter().find(|(_, value, _)| *value == 0) {
             return Err(format!("{name} must be at least 1, got 0"));
         }
-        // Sizes far past any model or batch (a typo, a -1 read as usize::MAX) are refused by
-        // name, where arithmetic on them would overflow or an allocation abort.
-        let (model_sizes, counts) = (1usize << 20, 1usize << 24);
-        let sizes = [
-            ("d_model (--d-model)", model.d_model, model_sizes),
-            ("ffn_hidden (--ffn-hidden)", model.ffn_hidden, model_sizes),
-            ("n_layers (--layers)", model.n_layers, 1 << 12),
-            ("n_heads (--heads)", model.n_heads, 1 << 12),
-            ("n_kv_heads (--kv-heads)", model.n_kv_heads, 1 << 12),
-            ("vocab_size", model.vocab_size, 1 << 26),
-            ("batch_size (--batch-size)", self.batch_size, counts),
-            ("grad_accumulation (--grad-accumulation)", self.grad_accumulation, counts),
-            ("seq_len (--seq-len)", self.seq_len, 1 << 31),
-            ("steps (--steps)", self.steps, 1 << 40),
-        ];
-        if let Some((name, value, most)) = sizes.iter().find(|(_, value, most)| value > most) {
-            return Err(format!("{name} {value} is past any model or run this trainer takes (at most {most})"));
+        let past = |name: &str, value: usize, most: usize| format!("{name} {value} is past any model or run this trainer takes (at most {most})");
+        if let Some(&(name, value, most)) = bounded.iter().find(|(_, value, most)| value > most) {
+            return Err(past(name, value, most));
         }
         if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
             return Err(format!(
@@ -173,6 +163,9 @@ impl TrainConfig {
         }
         if self.seq_len < 2 {
             return Err(format!("seq_len (--seq-len) must be at least 2 tokens to have a label, got {}", self.seq_len));
+        }
+        if self.seq_len > 1 << 31 {
+            return Err(past("seq_len (--seq-len)", self.seq_len, 1 << 31));
         }
         // burn's norm clipping measures each parameter's norm on each rank alone, with a
         // device sum that is not bit-reproducible: ranks would clip apart and part ways.
@@ -582,13 +575,18 @@ where
         let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
         if let (true, Some(sequences)) = (eval_due, &eval_batch) {
             let (documents, targets) = (eval_documents.as_deref(), eval_targets.as_deref());
-            let valid = parts.is_none().then(|| model.valid());
-            let lockstep = parts.is_some();
-            let loss = evaluate_batches(config, sequences, documents, targets, groups, lockstep, |batch, documents, targets| match (parts.as_mut(), &valid) {
-                (Some(parts), _) => evaluate_in_parts::<B>(config, &model, parts, batch, documents, targets, groups, device),
-                (None, Some(valid)) => evaluate_model::<B>(config, valid, batch, documents, targets, groups, device),
-                (None, None) => unreachable!("a whole model has its valid copy"),
-            })
+            // Under ZeRO-3 every rank joins each batch's gathers (lockstep).
+            let loss = match parts.as_mut() {
+                Some(parts) => evaluate_batches(config, sequences, documents, targets, groups, true, |batch, documents, targets| {
+                    evaluate_in_parts::<B>(config, &model, parts, batch, documents, targets, groups, device)
+                }),
+                None => {
+                    let valid = model.valid();
+                    evaluate_batches(config, sequences, documents, targets, groups, false, |batch, documents, targets| {
+                        evaluate_model::<B>(config, &valid, batch, documents, targets, groups, device)
+                    })
+                }
+            }
             .map_err(|e| e.at_step(step))?;
             // A held-out batch without a target (prompts alone) has no loss to show.
             if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss.filter(|loss| loss.tokens > 0)) {

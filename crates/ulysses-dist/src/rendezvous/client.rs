@@ -37,7 +37,7 @@ impl RendezvousClient {
         max_message_bytes: usize,
     ) -> Result<Self, DistError> {
         let target = format!("{addr}:{port}");
-        let host = addr.trim_start_matches('[').trim_end_matches(']');
+        let host = crate::env::bare_host(addr);
         let deadline = Instant::now() + timeout;
         // Each attempt tries every address the name resolves to (`localhost` may give ::1
         // first where rank 0 listens on 127.0.0.1); the last failure goes into the timeout.
