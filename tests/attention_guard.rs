@@ -16,6 +16,8 @@
 //!   sequence parallel at SP = 2 and 4.
 //! - Weights applied to values transposed (`vᵀ·wᵀ`), scores against quantized keys (burn's
 //!   `q_matmul`) and integer scores (`int_matmul`) are refused too.
+//! - Grouped query heads folded into rows (`[B, Hkv, G·S, d]`) are refused once the ranks
+//!   embed their token ids (cut by `narrow`); let through, they attend within each shard.
 //! - A linear layer as wide as the local sequence passes the guard.
 
 use std::time::Duration;
@@ -24,13 +26,13 @@ use burn::{
     backend::{Autodiff, NdArray},
     module::Module,
     nn::{
-        Linear, LinearConfig, RotaryEncoding, RotaryEncodingConfig,
+        EmbeddingConfig, Linear, LinearConfig, RotaryEncoding, RotaryEncodingConfig,
         attention::{self as burn_nn, generate_autoregressive_mask},
         transformer::{TransformerEncoderConfig, TransformerEncoderInput},
     },
     record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder},
     tensor::{
-        Tensor, activation::softmax, backend::Backend, module::attention, ops::AttentionModuleOptions,
+        Int, Tensor, activation::softmax, backend::Backend, module::attention, ops::AttentionModuleOptions,
         quantization::{QuantScheme, QuantStore, QuantValue},
     },
 };
@@ -45,6 +47,7 @@ const BATCH: usize = 2;
 const SEQ: usize = 12;
 const D_MODEL: usize = 32;
 const HEADS: usize = 4;
+const VOCAB: usize = 50;
 const TOLERANCE: f32 = 1e-5;
 
 /// What every rank must say when it refuses.
@@ -310,6 +313,57 @@ fn attention_by_hand_on_integers_is_refused() {
         q.matmul(k.swap_dims(2, 3)).float().sum_dim(3).squeeze_dim::<3>(3)
     });
     assert_refused_on_every_rank(&results, "integer scores");
+}
+
+/// Grouped-query attention by hand with the group's query heads folded into rows
+/// (`[B, Hkv, G·S, d]`, no repeated keys): token ids embedded, 4 query heads over 2 kv heads.
+fn folded_grouped_query_attention<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    let [batch, seq] = ids.dims();
+    let (kv_heads, head_dim) = (2, D_MODEL / HEADS);
+    let embedding = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&ids.device()), 13);
+    let x = embedding.forward(ids);
+    let kv = |scale: f64| x.clone().narrow(2, 0, kv_heads * head_dim).mul_scalar(scale).reshape([batch, seq, kv_heads, head_dim]).swap_dims(1, 2);
+    let q = heads(x.clone()).reshape([batch, kv_heads, HEADS / kv_heads * seq, head_dim]);
+    let weights = softmax(q.matmul(kv(0.5).swap_dims(2, 3)) / (head_dim as f64).sqrt(), 3);
+    let context = weights.matmul(kv(4.0)).reshape([batch, HEADS, seq, head_dim]);
+    context.swap_dims(1, 2).reshape([batch, seq, D_MODEL])
+}
+
+fn token_ids<B: Backend>(device: &B::Device) -> Tensor<B, 2, Int> {
+    Tensor::arange(0..(BATCH * SEQ) as i64, device).remainder_scalar(VOCAB as i64).reshape([BATCH, SEQ])
+}
+
+#[test]
+fn grouped_query_heads_folded_into_rows_are_refused_once_token_ids_are_embedded() {
+    // Rectangular products: the guard knows them for attention by the length of the token ids
+    // each rank embedded (its shard, cut here by `narrow`).
+    let on_ranks = |sp: usize, config: UlyssesConfig| -> Vec<Result<Vec<f32>, String>> {
+        with_deadline(Duration::from_secs(60), move || {
+            ThreadGroup::new(sp)
+                .run(|rank| {
+                    let _sp = Sp::enter(RankScope::Thread, rank.communicator(), config.clone());
+                    let length = SEQ / rank.size();
+                    values(folded_grouped_query_attention(token_ids::<Sp>(&Default::default()).narrow(1, rank.rank() * length, length)))
+                })
+                .into_iter()
+                .map(|result| result.map_err(|panic| panic.message))
+                .collect()
+        })
+    };
+    for sp in [2, 3] {
+        assert_refused_on_every_rank(&on_ranks(sp, UlyssesConfig::new()), &format!("folded query heads at SP = {sp}"));
+    }
+    // What it prevents: let through, every rank attends within its shard, far from one device.
+    let want = folded_grouped_query_attention(token_ids::<Inner>(&Default::default()));
+    let mut worst = 0.0f32;
+    for (rank, got) in on_ranks(2, UlyssesConfig::new().with_shard_local_attention_on_purpose(true)).into_iter().enumerate() {
+        let got = got.unwrap_or_else(|message| panic!("rank {rank}: {message}"));
+        worst = worst.max(max_abs_diff(&got, &values(shard(want.clone(), 1, rank, 2))));
+    }
+    println!("folded query heads at SP = 2, attending within each shard: max |Δ| from one device {worst:.2e}");
+    assert!(worst > 0.05, "shard-local attention only {worst:e} from one device");
+    // At SP = 1, one device's output.
+    assert_sequence_parallel(on_ranks(1, UlyssesConfig::new()), want);
 }
 
 #[test]

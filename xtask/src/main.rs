@@ -36,6 +36,8 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("FloatTensorOps", "float_matmul", "crate::attention_guard::guarded_matmul"),
     ("QTensorOps", "q_matmul", "crate::attention_guard::guarded_q_matmul"),
     ("IntTensorOps", "int_matmul", "crate::attention_guard::guarded_int_matmul"),
+    // Notes the token ids' length (a rank's shard) for the guard's folded query heads.
+    ("ModuleOps", "embedding", "crate::attention_guard::embedding_noting_length"),
     // Count what the host waits on the device for (reads, uploads): crate::device_io.
     ("FloatTensorOps", "float_into_data", "crate::device_io::float_into_data"),
     ("IntTensorOps", "int_into_data", "crate::device_io::int_into_data"),

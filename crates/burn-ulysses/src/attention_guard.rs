@@ -25,12 +25,25 @@
 //! A linear layer never matches: its weight is broadcast over batch and heads (leading dims 1),
 //! and burn routes it through `ModuleOps::linear`, which the decorator forwards untouched.
 //! Nor do the attention op's own products, the ring's blocks or any backward: they run on the
-//! inner backend. What shape cannot tell apart stays unguarded: a single matrix (batch 1, one
-//! head: as a linear layer looks), 2-D products, keys broadcast over the batch, and
-//! rectangular products (grouped queries folded into rows, `[.., G·n, d] · [.., d, n]`;
-//! cross-attention).
+//! inner backend.
+//!
+//! Grouped query heads folded into rows (`q` as `[B, Hkv, G·n, d]`) make rectangular
+//! products, which shape alone cannot tell from cross-attention's. The length of the token
+//! ids this thread last embedded (`module::embedding`: the rank's shard, however it was cut)
+//! tells them apart: weights times values `[.., G·n, n] · [.., n, d]` with `n` that length
+//! are refused (cross-attention's queries are the shard, its keys the memory, so its weights
+//! are `[.., n, L]`). Folded scores, `[.., G·n, d] · [.., d, n]`, pass: they are also
+//! cross-attention's `k·qᵀ` with a memory of `G·n`; their weights are refused next.
+//!
+//! What shape cannot tell apart stays unguarded: a single matrix (batch 1, one head: as a
+//! linear layer looks), 2-D products, keys broadcast over the batch, rectangular products of
+//! a model that embeds no token ids through `module::embedding` (or embeds more than the
+//! shard), and cross-attention.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::{
+    cell::Cell,
+    sync::atomic::{AtomicBool, Ordering},
+};
 
 use burn::tensor::{
     TensorMetadata, TensorPrimitive,
@@ -44,8 +57,9 @@ use crate::{
 };
 
 /// The size of the token × token matrix in a product of these shapes that self-attention
-/// makes (scores, or the weights applied to values), or `None`.
-fn attention_matrix_size(lhs: &[usize], rhs: &[usize]) -> Option<usize> {
+/// makes (scores, or the weights applied to values), or `None`; `shard` the length of the
+/// token ids last embedded (0: none), by which query heads folded into rows show.
+fn attention_matrix_size(lhs: &[usize], rhs: &[usize], shard: usize) -> Option<usize> {
     let dims = lhs.len();
     if dims < 3 || rhs.len() != dims {
         return None;
@@ -72,14 +86,30 @@ fn attention_matrix_size(lhs: &[usize], rhs: &[usize]) -> Option<usize> {
     } else if *k >= 2 && k == n && rhs_whole {
         // Weights times values transposed: vᵀ·wᵀ.
         Some(*k)
+    } else if shard >= 2 && *k == shard && *m > shard && *m % shard == 0 && lhs_whole && rhs_whole {
+        // Weights times values, a group's query heads folded into rows: its queries over
+        // this rank's keys.
+        Some(shard)
     } else {
         None
     }
 }
 
+thread_local! {
+    /// The length (last dim) of the token ids this thread last embedded, 0 before any.
+    static EMBEDDED_TOKENS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// `UlyssesBackend`'s embedding: the inner backend's, noting the length of the token ids for
+/// the guard (a rank's shard, however the data was cut).
+pub fn embedding_noting_length<X: ExchangeBackend>(weights: FloatTensor<X>, indices: IntTensor<X>) -> FloatTensor<X> {
+    EMBEDDED_TOKENS.with(|tokens| tokens.set(indices.shape().last().copied().unwrap_or(0)));
+    X::embedding(weights, indices)
+}
+
 /// Why a matmul of these shapes is refused, or `None`: `sharding` the rank context's.
 pub fn attention_by_hand(lhs: &[usize], rhs: &[usize], sharding: Option<Sharding>) -> Option<UlyssesError> {
-    refusal(lhs, rhs, attention_matrix_size(lhs, rhs)?, sharding)
+    refusal(lhs, rhs, attention_matrix_size(lhs, rhs, EMBEDDED_TOKENS.get())?, sharding)
 }
 
 /// The refusal of a product whose shapes make a `tokens × tokens` attention matrix, unless
@@ -102,7 +132,7 @@ pub fn set_guard(on: bool) {
 /// Panics with the refusal where a product of these shapes is attention by hand under SP.
 fn refuse_attention_by_hand(lhs_shape: &[usize], rhs_shape: &[usize]) {
     // The shape test first: most matmuls end there, before any lookup.
-    if let Some(tokens) = attention_matrix_size(lhs_shape, rhs_shape)
+    if let Some(tokens) = attention_matrix_size(lhs_shape, rhs_shape, EMBEDDED_TOKENS.get())
         && GUARD_ON.load(Ordering::Relaxed)
         && let Some(error) = refusal(lhs_shape, rhs_shape, tokens, context::current_sharding())
     {
@@ -212,5 +242,41 @@ mod tests {
         ] {
             assert!(attention_by_hand(lhs, rhs, SP2).is_none(), "{lhs:?} · {rhs:?} refused");
         }
+    }
+
+    #[test]
+    fn query_heads_folded_into_rows_are_refused_once_the_shard_length_is_known() {
+        // Weights times values of 3 query heads folded over 8 keys, 4-D and heads folded into
+        // the batch: refused with the 8 token ids embedded, passed without.
+        for (lhs, rhs) in [(&[2, 2, 24, 8][..], &[2, 2, 8, 16][..]), (&[4, 16, 8], &[4, 8, 12])] {
+            assert_eq!(attention_matrix_size(lhs, rhs, 8), Some(8), "{lhs:?} · {rhs:?}");
+            assert_eq!(attention_matrix_size(lhs, rhs, 0), None, "{lhs:?} · {rhs:?}");
+        }
+        for (lhs, rhs) in [
+            // Folded scores (also cross-attention's k·qᵀ over a memory of 24), and
+            // cross-attention's scores and weights times values over a memory of 16 and 24.
+            (&[2, 2, 24, 16][..], &[2, 2, 16, 8][..]),
+            (&[2, 4, 8, 16], &[2, 4, 16, 24]),
+            (&[2, 4, 8, 16], &[2, 4, 16, 12]),
+            (&[2, 4, 8, 24], &[2, 4, 24, 16]),
+            // Not a whole multiple of the shard, weights broadcast over the batch (square and
+            // folded), one matrix.
+            (&[2, 2, 20, 8], &[2, 2, 8, 16]),
+            (&[2, 2, 8, 8][..], &[1, 1, 8, 16][..]),
+            (&[2, 2, 24, 8], &[1, 2, 8, 16]),
+            (&[1, 24, 8], &[1, 8, 16]),
+        ] {
+            assert_eq!(attention_matrix_size(lhs, rhs, 8), None, "{lhs:?} · {rhs:?} refused");
+        }
+    }
+
+    #[test]
+    fn the_decorator_notes_the_length_of_the_token_ids_it_embeds() {
+        use burn::tensor::{Int, Tensor, module::embedding};
+        type B = crate::UlyssesBackend<burn::backend::NdArray<f32>>;
+        let device = Default::default();
+        let _ = embedding(Tensor::<B, 2>::zeros([10, 4], &device), Tensor::<B, 2, Int>::zeros([3, 7], &device));
+        assert_eq!(EMBEDDED_TOKENS.get(), 7);
+        assert!(attention_by_hand(&[2, 2, 21, 7], &[2, 2, 7, 16], SP2).is_some());
     }
 }
