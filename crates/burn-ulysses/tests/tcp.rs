@@ -57,6 +57,7 @@ fn with_ranks<T: Send>(size: usize, config: DistributedConfig, work: impl Fn(usi
                         node_size_known: true,
                         master_addr: "127.0.0.1".into(),
                         master_port: port,
+                        cpus_of_its_own: None,
                         source: EnvSource::Torchrun,
                     };
                     let comm = TcpCommunicator::connect(&env, config).unwrap_or_else(|e| panic!("rank {rank}: {e}"));

@@ -28,6 +28,10 @@ pub struct LaunchEnv {
     /// torchrun, `MASTER_PORT + 1` (torchrun's own agent already serves its store on
     /// `MASTER_PORT`); else `MASTER_PORT`.
     pub master_port: u16,
+    /// The cores Slurm gave this rank alone (`SLURM_CPUS_PER_TASK`, where each task of the
+    /// srun step is one rank): the rank's share already, not to be divided among the node's
+    /// ranks again. `None` where the node's cores are the ranks' to share.
+    pub cpus_of_its_own: Option<usize>,
     /// Which convention the values came from, for messages.
     pub source: EnvSource,
 }
@@ -156,7 +160,11 @@ impl LaunchEnv {
                 _ => DEFAULT_MASTER_PORT,
             },
         };
-        Ok(Self { rank, world_size, local_rank, local_world_size, node_size_known, master_addr, master_port, source })
+        // `--cpus-per-task` is each task's, so each rank's where the tasks are the ranks (a
+        // wrapper that starts several ranks in one task shares its task's cores among them).
+        let ranks_are_tasks = under_srun && number("SLURM_PROCID")? == Some(rank) && first_set(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"]).is_some_and(|(name, _)| number(name).ok().flatten() == Some(world_size));
+        let cpus_of_its_own = if ranks_are_tasks { number("SLURM_CPUS_PER_TASK")?.filter(|&cpus| cpus > 0) } else { None };
+        Ok(Self { rank, world_size, local_rank, local_world_size, node_size_known, master_addr, master_port, cpus_of_its_own, source })
     }
 }
 
@@ -340,6 +348,7 @@ mod tests {
                 node_size_known: true,
                 master_addr: "10.1.2.3".into(),
                 master_port: 29600,
+                cpus_of_its_own: None,
                 source: EnvSource::Torchrun,
             }
         );
@@ -380,6 +389,21 @@ mod tests {
         .unwrap();
         assert_eq!((parsed.rank, parsed.world_size, parsed.local_rank, parsed.local_world_size), (6, 8, 2, 4));
         assert_eq!((parsed.master_addr.as_str(), parsed.source), ("gpu07", EnvSource::Slurm));
+    }
+
+    #[test]
+    fn cores_slurm_gives_a_task_are_its_rank_s_own_where_the_tasks_are_the_ranks() {
+        let task = [("SLURM_PROCID", "3"), ("SLURM_STEP_ID", "0"), ("SLURM_STEP_NUM_TASKS", "8"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"), ("SLURM_NODEID", "0"), ("SLURM_LOCALID", "3"), ("SLURM_STEP_NODELIST", "n[1-2]"), ("SLURM_CPUS_PER_TASK", "16")];
+        assert_eq!(env(&task).unwrap().cpus_of_its_own, Some(16));
+        // A wrapper that sets RANK and WORLD_SIZE from the task's own variables.
+        let wrapper = [task.as_slice(), &[("RANK", "3"), ("WORLD_SIZE", "8")]].concat();
+        assert_eq!(env(&wrapper).unwrap().cpus_of_its_own, Some(16));
+        // One task a node that starts the node's ranks itself (torchrun under srun) shares
+        // its task's cores among them; so does a job without a step, and one without the count.
+        let launcher_task = [task.as_slice(), &[("RANK", "13"), ("WORLD_SIZE", "16"), ("LOCAL_WORLD_SIZE", "8")]].concat();
+        assert_eq!(env(&launcher_task).unwrap().cpus_of_its_own, None);
+        assert_eq!(env(&[("RANK", "3"), ("WORLD_SIZE", "8"), ("SLURM_PROCID", "3"), ("SLURM_CPUS_PER_TASK", "16")]).unwrap().cpus_of_its_own, None);
+        assert_eq!(env(&task[..7]).unwrap().cpus_of_its_own, None);
     }
 
     #[test]

@@ -134,6 +134,7 @@ fn a_loopback_master_in_a_job_across_nodes_is_refused_at_once() {
         node_size_known: true,
         master_addr: addr.into(),
         master_port: port,
+        cpus_of_its_own: None,
         source: EnvSource::Torchrun,
     };
     let config = DistributedConfig::new().with_token(Some("job-secret".into())).with_rendezvous_timeout_secs(30.0);
@@ -265,6 +266,7 @@ fn join(rank: usize, world_size: usize, port: u16, timeout_secs: f64) -> Result<
         node_size_known: true,
         master_addr: "127.0.0.1".into(),
         master_port: port,
+        cpus_of_its_own: None,
         source: EnvSource::Torchrun,
     };
     let config = DistributedConfig::new().with_token(Some("job-secret".into())).with_rendezvous_timeout_secs(timeout_secs);

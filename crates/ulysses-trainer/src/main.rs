@@ -1230,7 +1230,11 @@ where
         None => config.model.init::<Sp<W>>(&template_device),
     }
     .fork(&template_device);
-    let host_optimizer_threads = ulysses_trainer::train::host_threads_per_rank(std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get), ranks_here);
+    let cpus_of_its_own = match &job.launch {
+        Launch::Threads => None,
+        Launch::Process(env) => env.cpus_of_its_own,
+    };
+    let host_optimizer_threads = ulysses_trainer::train::host_threads_per_rank(std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get), ranks_here, cpus_of_its_own);
     let template = Template::new(template, if threads { config.layout.world_size() } else { 1 });
 
     let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {

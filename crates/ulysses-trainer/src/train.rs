@@ -422,8 +422,15 @@ pub struct RunOptions<'a> {
 /// Each of `ranks` ranks on a host with `cores` cores takes an equal share for its host
 /// optimizer, at least one: the update runs beside the rank's device work (ZeRO-3), whose
 /// launches need a core too, and `ranks` updates at once would otherwise each take every core.
-pub fn host_threads_per_rank(cores: usize, ranks: usize) -> NonZeroUsize {
-    NonZeroUsize::new(cores / ranks.max(1)).unwrap_or(NonZeroUsize::MIN)
+/// A rank the launcher gave cores of its own (`LaunchEnv::cpus_of_its_own`, srun's
+/// `--cpus-per-task`) takes those: `cores` is then often that share already (srun binds each
+/// task to its cores), and dividing it again would leave most of them idle.
+pub fn host_threads_per_rank(cores: usize, ranks: usize, cpus_of_its_own: Option<usize>) -> NonZeroUsize {
+    let share = match cpus_of_its_own {
+        Some(own) => cores.min(own),
+        None => cores / ranks.max(1),
+    };
+    NonZeroUsize::new(share).unwrap_or(NonZeroUsize::MIN)
 }
 
 /// Trains `model` on this rank; returns it ([`TrainedModel`]: under ZeRO-3 in this rank's
@@ -1265,7 +1272,12 @@ mod tests {
     #[test]
     fn the_host_optimizer_takes_its_share_of_the_cores() {
         for (cores, ranks, each) in [(16, 8, 2), (16, 1, 16), (2, 4, 1), (3, 2, 1), (8, 0, 8)] {
-            assert_eq!(host_threads_per_rank(cores, ranks).get(), each, "{cores} cores, {ranks} ranks");
+            assert_eq!(host_threads_per_rank(cores, ranks, None).get(), each, "{cores} cores, {ranks} ranks");
+        }
+        // srun --cpus-per-task=12 with 4 tasks a node: bound to its 12 cores, or seeing the
+        // node's 48 (--cpu-bind=none), each rank takes its 12, not 3; never more than it sees.
+        for (cores, own, each) in [(12, 12, 12), (48, 12, 12), (8, 12, 8), (4, 0, 1)] {
+            assert_eq!(host_threads_per_rank(cores, 4, Some(own)).get(), each, "{cores} cores, {own} its own");
         }
     }
 }
