@@ -535,6 +535,30 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> Vec<String> {
     taken
 }
 
+/// The flags given that change nothing in this run, each with why: warned, not refused (one
+/// launch script may serve runs of several kinds).
+fn ignored_flags(args: &Args, config: &TrainConfig) -> Vec<String> {
+    let given = |id: &str| args.given.contains(id);
+    let mut notes = Vec::new();
+    if given("zigzag") && args.ring == 1 {
+        notes.push("--zigzag cuts each sequence over the ring, and --ring 1 makes none: it changes nothing (give --ring 2 or more)".to_string());
+    }
+    if given("device") && args.backend == BackendKind::Cpu {
+        notes.push("--device picks a GPU, and the CPU backend has one device: it changes nothing".to_string());
+    }
+    if args.f32_head && config.precision == Precision::F32 {
+        notes.push("--f32-head computes the logits in f32 where the layers compute in bf16; under --precision f32 they are f32 already".to_string());
+    }
+    if args.eval_only {
+        let training = ["steps", "learning_rate", "grad_accumulation", "max_grad_norm", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save"];
+        let flags: Vec<String> = training.iter().filter(|id| given(id)).map(|id| format!("--{}", id.replace('_', "-"))).collect();
+        if !flags.is_empty() {
+            notes.push(format!("--eval-only trains nothing and saves nothing: {} change nothing", flags.join(", ")));
+        }
+    }
+    notes
+}
+
 /// `--precision`, or the backend's default: f32 on the CPU, bf16 on CUDA.
 fn precision_of(args: &Args) -> Precision {
     args.precision.unwrap_or(match args.backend {
@@ -748,6 +772,11 @@ fn run(mut args: Args) -> Result<(), String> {
     }
 
     let is_first = matches!(&launch, Launch::Threads) || matches!(&launch, Launch::Process(env) if env.rank == 0);
+    if is_first {
+        for note in ignored_flags(&args, &config) {
+            tracing::warn!("{note}");
+        }
+    }
     let mut eval_sequences = None;
     // The chat template --data's conversations were rendered with (file, rendering text).
     let mut chat_rendered = None;

@@ -626,6 +626,31 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
+    let dir = workspace("ignored-flags");
+    let data = dir.join("documents.jsonl");
+    let lines: Vec<String> = (0..6).map(|i| serde_json::json!({ "input_ids": (1..13).map(|t| i * 13 + t).collect::<Vec<i64>>() }).to_string()).collect();
+    fs::write(&data, lines.join("\n")).unwrap();
+    let args = |extra: &str| qwen3_args(&data, &format!("--seq-len 16 --batch-size 2 --out {} --check {extra}", dir.join("run").display()));
+    let text = show(&succeed(run_alone(&args("--eval-only --steps 9 --learning-rate 0.5 --zigzag --device 1 --f32-head"), &[])));
+    for expected in [
+        "--zigzag cuts each sequence over the ring, and --ring 1 makes none",
+        "--device picks a GPU, and the CPU backend has one device",
+        "under --precision f32 they are f32 already",
+        "--eval-only trains nothing and saves nothing: --steps, --learning-rate change nothing",
+    ] {
+        assert!(text.contains(expected), "expected {expected:?}:\n{text}");
+    }
+    // Where they do something, or are left out, no word.
+    let text = show(&succeed(run_alone(&args("--steps 9 --learning-rate 0.5"), &["--sp", "2"])));
+    let zigzag = show(&succeed(run_alone(&common_args(&dir, "ring", 2), &["--sp", "4", "--ring", "2", "--zigzag", "--check"])));
+    for text in [text, zigzag] {
+        assert!(!text.contains("change nothing") && !text.contains("changes nothing"), "{text}");
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// `--flag value` pairs as `--flag=value`, so that values such as `-1` read as values.
 fn merge_flag_values(args: &[String]) -> Vec<String> {
     let mut merged = Vec::new();
