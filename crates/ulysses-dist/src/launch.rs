@@ -29,11 +29,24 @@ pub struct LaunchPlan {
     pub kill_grace: Duration,
 }
 
+/// The most ranks one node starts: a rank is a process (a GPU's, or a CPU's share) with two
+/// threads here copying its output; more is a typo that would fill the process table.
+pub const MAX_RANKS_PER_NODE: usize = 1024;
+
 impl LaunchPlan {
     pub fn validate(&self) -> Result<(), DistError> {
         let fail = |message: String| Err(DistError::Launch(message));
         if self.nproc_per_node == 0 || self.nnodes == 0 {
             return fail("--nproc-per-node and --nnodes must be at least 1".into());
+        }
+        if self.nproc_per_node > MAX_RANKS_PER_NODE {
+            return fail(format!(
+                "--nproc-per-node {} starts more than {MAX_RANKS_PER_NODE} processes on one node: give one per GPU (or per share of the CPU)",
+                self.nproc_per_node
+            ));
+        }
+        if self.nproc_per_node.checked_mul(self.nnodes).is_none_or(|world| world > u32::MAX as usize) {
+            return fail(format!("--nnodes {} × --nproc-per-node {} is past any job", self.nnodes, self.nproc_per_node));
         }
         if self.node_rank >= self.nnodes {
             return fail(format!("--node-rank {} is out of range for --nnodes {}", self.node_rank, self.nnodes));
@@ -86,6 +99,11 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
     let mut ranks = Vec::new();
     let mut forwarders = Vec::new();
     for local_rank in 0..plan.nproc_per_node {
+        // Interrupted while starting them: stop those started rather than start the rest.
+        if INTERRUPTED.load(Ordering::Relaxed) {
+            stop(&mut ranks, plan.kill_grace);
+            return Err(DistError::Launch(format!("interrupted while starting rank {local_rank} of {}", plan.nproc_per_node)));
+        }
         let env = plan.rank_env(local_rank);
         let rank = plan.node_rank * plan.nproc_per_node + local_rank;
         // Each rank leads a process group, so stopping it reaches the processes it started.
@@ -305,4 +323,39 @@ fn forward(stream: impl Read + Send + 'static, rank: usize, to_stderr: bool) -> 
             line.clear();
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(nproc_per_node: usize, nnodes: usize, node_rank: usize, master_addr: &str) -> LaunchPlan {
+        LaunchPlan {
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            master_addr: master_addr.into(),
+            master_port: 29500,
+            token: "t".into(),
+            program: "train".into(),
+            args: Vec::new(),
+            kill_grace: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn plans_no_node_could_run_are_refused_by_flag() {
+        assert!(plan(8, 2, 1, "10.0.0.1").validate().is_ok());
+        assert!(plan(MAX_RANKS_PER_NODE, 1, 0, "127.0.0.1").validate().is_ok());
+        for (bad, expected) in [
+            (plan(0, 1, 0, "127.0.0.1"), "must be at least 1"),
+            (plan(MAX_RANKS_PER_NODE + 1, 1, 0, "127.0.0.1"), "--nproc-per-node 1025 starts more than 1024 processes"),
+            (plan(1024, usize::MAX / 512, 0, "10.0.0.1"), "is past any job"),
+            (plan(8, 2, 2, "10.0.0.1"), "--node-rank 2 is out of range for --nnodes 2"),
+            (plan(8, 2, 0, "localhost"), "cannot reach localhost"),
+        ] {
+            let message = bad.validate().expect_err(expected).to_string();
+            assert!(message.contains(expected), "expected {expected:?}: {message}");
+        }
+    }
 }
