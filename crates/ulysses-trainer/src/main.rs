@@ -321,6 +321,10 @@ struct Args {
     /// Test hook: STEP:RANK kills that rank's process (SIGKILL) in the middle of that step.
     #[arg(long, hide = true, value_parser = step_and_rank)]
     fault_kill: Option<(usize, usize)>,
+    /// Test hook: SECONDS world rank 0's write of each replicated checkpoint waits first (a
+    /// slow disk).
+    #[arg(long, hide = true)]
+    fault_slow_checkpoint_write: Option<f64>,
     /// Test hook: with --eval-only, RANK kills its process (SIGKILL) before it evaluates, while
     /// its peers wait for it inside attention.
     #[arg(long, hide = true)]
@@ -1299,7 +1303,11 @@ where
             data_identity: Some(job.data_identity.clone()),
             save_hf: job.args.save_hf.clone().zip(job.pretrained.clone()),
             save_hf_companions: save_hf_companions(job.args),
-            faults: Faults { nan_gradient: job.args.fault_nan_gradient, kill: job.args.fault_kill },
+            faults: Faults {
+                nan_gradient: job.args.fault_nan_gradient,
+                kill: job.args.fault_kill,
+                slow_checkpoint_write: std::time::Duration::try_from_secs_f64(job.args.fault_slow_checkpoint_write.unwrap_or(0.0)).unwrap_or_default(),
+            },
             host_optimizer_threads: Some(host_optimizer_threads),
         };
         let model = template.take_or_clone().fork(&rank.device);

@@ -3,6 +3,7 @@
 
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use burn::{
@@ -24,7 +25,7 @@ use ulysses_training::{
     DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, OptimizerPlace, ParameterGroup, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
     apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters, join_layered_output_gathers, layered_output,
     host_adamw_config, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
-    checkpoint::{load_training_checkpoint, read_checkpoint_state, save_training_checkpoint, write_atomically_with},
+    checkpoint::{load_training_checkpoint, read_checkpoint_state, TrainingCheckpoint, write_atomically_with},
 };
 use serde::{Deserialize, Serialize};
 
@@ -387,6 +388,8 @@ pub struct Faults {
     /// backward, while its peers wait for its gradients (under ZeRO-3, in the update's first
     /// collective: the gradient's norm).
     pub kill: Option<(usize, usize)>,
+    /// World rank 0's write of each replicated checkpoint first waits this long (a slow disk).
+    pub slow_checkpoint_write: std::time::Duration,
 }
 
 /// How a rank's run is driven, beyond the config.
@@ -535,6 +538,8 @@ where
     let mut last_step = options.stop_after.map_or(config.steps, |stop| stop.min(config.steps));
     let mut reports = Vec::with_capacity(last_step.saturating_sub(first_step));
 
+    // Rank 0's write of the last replicated checkpoint, waited for (by its drop on any way out).
+    let mut replicated_write = CheckpointWrite::default();
     STEPS_BEGUN.store(true, std::sync::atomic::Ordering::Relaxed);
     for step in first_step..last_step {
         let started = Instant::now();
@@ -566,13 +571,22 @@ where
             // Replicated: rank 0 writes it all; sharded: every rank its part of the optimizer's
             // state, whose master weights are the model (a collective; nothing gathered).
             let path = match &mut optimizer {
-                RankOptimizer::Replicated(optimizer) => is_first.then(|| save_training_checkpoint(dir, &model, optimizer, &state)).transpose()?,
+                RankOptimizer::Replicated(optimizer) => {
+                    if is_first {
+                        report_written(replicated_write.finish()?, options.progress.as_deref_mut());
+                        let checkpoint = TrainingCheckpoint::take(dir, &model, optimizer, &state)?;
+                        let delay = options.faults.slow_checkpoint_write;
+                        replicated_write.begin(step, move || {
+                            std::thread::sleep(delay);
+                            checkpoint.write()
+                        })?;
+                    }
+                    None
+                }
                 RankOptimizer::OnHost(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, optimizer, &state, done as u64, &*groups.world)?,
                 RankOptimizer::OnDevice(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, &mut optimizer.to_host(), &state, done as u64, &*groups.world)?,
             };
-            if let (Some(progress), Some(path)) = (options.progress.as_deref_mut(), path) {
-                progress.checkpoint(step, &path);
-            }
+            report_written(path.map(|path| (step, path)), options.progress.as_deref_mut());
         }
         if checkpoint_due {
             save_hf(&model, parts.as_mut(), &options, groups, done)?;
@@ -604,6 +618,7 @@ where
             break;
         }
     }
+    report_written(replicated_write.finish()?, options.progress.as_deref_mut());
     // A resume of a run that had taken every step: --save-hf exports it.
     if first_step >= last_step {
         save_hf(&model, parts.as_mut(), &options, groups, first_step)?;
@@ -621,6 +636,49 @@ where
         tracing::info!("host memory at its peak in this process (every rank thread of it): {:.3} GB", peak as f64 / 1e9);
     }
     Ok((TrainedModel { model, parts }, reports))
+}
+
+/// Rank 0's write of a replicated checkpoint (after step `.0`), on a thread of its own while
+/// the ranks train on: waiting for it held every other rank at the next step's collectives
+/// through the whole write, which for a large model on a slow disk outlasts their timeout.
+/// The next checkpoint waits for it before it takes its records (two would hold the state
+/// twice in host memory); dropped, it is waited for, so the run never ends with it unwritten.
+#[derive(Default)]
+struct CheckpointWrite(Option<(usize, JoinHandle<Result<PathBuf, UlyssesError>>)>);
+
+impl CheckpointWrite {
+    fn begin(&mut self, step: usize, write: impl FnOnce() -> Result<PathBuf, UlyssesError> + Send + 'static) -> Result<(), UlyssesError> {
+        debug_assert!(self.0.is_none(), "finish the write before the next");
+        let thread = std::thread::Builder::new().name("checkpoint-write".into()).spawn(write);
+        self.0 = Some((step, thread.map_err(|e| UlyssesError::InvalidConfig(format!("cannot start the thread that writes the checkpoint: {e}")))?));
+        Ok(())
+    }
+
+    /// Waits for the write begun, if any: its step and file.
+    fn finish(&mut self) -> Result<Option<(usize, PathBuf)>, UlyssesError> {
+        let Some((step, write)) = self.0.take() else { return Ok(None) };
+        let path = write.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)).map_err(|e| e.at_step(step))?;
+        Ok(Some((step, path)))
+    }
+}
+
+impl Drop for CheckpointWrite {
+    fn drop(&mut self) {
+        // On a way out that already has its error: this one is logged.
+        if let Some((step, write)) = self.0.take() {
+            match write.join() {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => tracing::error!("{}", error.at_step(step)),
+                Err(_) => tracing::error!(step, "the thread writing the checkpoint panicked"),
+            }
+        }
+    }
+}
+
+fn report_written(written: Option<(usize, PathBuf)>, progress: Option<&mut (dyn Progress + '_)>) {
+    if let (Some((step, path)), Some(progress)) = (written, progress) {
+        progress.checkpoint(step, &path);
+    }
 }
 
 /// Whether a rank of this process has begun its steps: before, a stop signal has no step to

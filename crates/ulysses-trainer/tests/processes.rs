@@ -626,6 +626,26 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// Rank 0 writes a replicated checkpoint while the ranks train on: a write slower than the
+/// collectives' timeout (2 s against 3) stops no rank, and the last checkpoint is whole.
+#[test]
+fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
+    let dir = workspace("slow-checkpoint");
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let output = Command::new(launcher())
+        .args(["--nproc-per-node", "2", "--master-port", &port, "--kill-grace-secs", "20", "--"])
+        .arg(trainer())
+        .args(common_args(&dir, "run", 3))
+        .args(["--sp", "2", "--checkpoint-every", "2", "--eval-every", "0", "--fault-slow-checkpoint-write", "3"])
+        .env("ULYSSES_COLLECTIVE_TIMEOUT", "2")
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    succeed(output);
+    assert_eq!(read_checkpoint_state::<RunState>(&dir.join("run")).unwrap().completed_steps, 3);
+    let _ = fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     let dir = workspace("ignored-flags");
@@ -1433,8 +1453,9 @@ fn the_flags_the_guides_name_exist() {
     };
     let known = [flags(Path::new(trainer())), flags(&launcher())].concat();
     assert!(known.iter().any(|flag| flag == "--checkpoint-layers"), "the trainer's --help lists no --checkpoint-layers: {known:?}");
-    // Cargo's, in the guides' build and test commands, and sbatch's `--signal`.
-    const CARGO: [&str; 8] = ["--release", "--workspace", "--features", "--example", "--test", "--nocapture", "--no-run", "--signal"];
+    // Cargo's, in the guides' build and test commands, sbatch's `--signal` and srun's
+    // `--cpus-per-task`.
+    const CARGO: [&str; 9] = ["--release", "--workspace", "--features", "--example", "--test", "--nocapture", "--no-run", "--signal", "--cpus-per-task"];
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let mut checked = 0;
     for guide in ["README.md", "docs/training.md"] {

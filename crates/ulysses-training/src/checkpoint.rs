@@ -79,10 +79,40 @@ where
     O: Optimizer<M, B>,
     S: Serialize,
 {
-    let path = dir.join(CHECKPOINT_FILE);
-    let model_bytes = Recorder::<B>::record(&recorder(), model.clone().into_record(), ()).map_err(|e| error(&path, e))?;
-    let optimizer_bytes = Recorder::<B>::record(&recorder(), optimizer.to_record(), ()).map_err(|e| error(&path, e))?;
-    write_checkpoint(dir, &model_bytes, &optimizer_bytes, None, state)
+    TrainingCheckpoint::take(dir, model, optimizer, state)?.write()
+}
+
+/// A replicated training checkpoint taken and not yet written: [`save_training_checkpoint`] in
+/// two halves, so that the write (a checksum and the disk: minutes for a large model on a
+/// slow one) can go on on a thread of its own while the thread that holds the tensors' device
+/// goes on.
+pub struct TrainingCheckpoint {
+    dir: PathBuf,
+    model_bytes: Vec<u8>,
+    optimizer_bytes: Vec<u8>,
+    state: serde_json::Value,
+}
+
+impl TrainingCheckpoint {
+    /// The records of `model`, `optimizer` and `state`, to be written to `dir`.
+    pub fn take<B, M, O, S>(dir: &Path, model: &M, optimizer: &O, state: &S) -> Result<Self, UlyssesError>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+        S: Serialize,
+    {
+        let path = dir.join(CHECKPOINT_FILE);
+        let model_bytes = Recorder::<B>::record(&recorder(), model.clone().into_record(), ()).map_err(|e| error(&path, e))?;
+        let optimizer_bytes = Recorder::<B>::record(&recorder(), optimizer.to_record(), ()).map_err(|e| error(&path, e))?;
+        let state = serde_json::to_value(state).map_err(|e| error(&path, e))?;
+        Ok(Self { dir: dir.to_path_buf(), model_bytes, optimizer_bytes, state })
+    }
+
+    /// Writes `dir/`[`CHECKPOINT_FILE`] atomically; returns its path.
+    pub fn write(self) -> Result<PathBuf, UlyssesError> {
+        write_checkpoint(&self.dir, &self.model_bytes, &self.optimizer_bytes, None, &self.state)
+    }
 }
 
 /// Writes `dir/`[`CHECKPOINT_FILE`] atomically: the model's record (empty when the optimizer's
