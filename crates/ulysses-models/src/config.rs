@@ -202,6 +202,12 @@ impl HfConfig {
                 return Err(keys.error(key, "is true; biases on the MLP are not represented"));
             }
         }
+        // Quantized weights (FP8 with their scales, GPTQ, AWQ, bitsandbytes) are not what the
+        // loader reads: refused here rather than as an unused scale tensor later.
+        if let Some(quantization) = keys.get("quantization_config") {
+            let method = quantization.get("quant_method").and_then(Value::as_str).unwrap_or("unnamed");
+            return Err(keys.error("quantization_config", format!("is present ({method}); quantized checkpoints are not loaded: give the checkpoint in bf16, f16 or f32")));
+        }
         if let Some(factor) = keys.get("partial_rotary_factor").and_then(Value::as_f64).filter(|&f| f != 1.0) {
             return Err(keys.error("partial_rotary_factor", format!("is {factor}; only RoPE over the whole head (1.0) is represented")));
         }
@@ -367,6 +373,14 @@ impl HfConfig {
 /// `rope_scaling` (transformers 4).
 fn rope(keys: &Keys) -> Result<(f64, RopeScaling), ConfigError> {
     let (section, scaling) = match (keys.get("rope_parameters"), keys.get("rope_scaling")) {
+        // transformers 5 takes rope_scaling over rope_parameters (its theta then from beside
+        // them): a config that says two things is refused rather than read either way.
+        (Some(parameters), Some(scaling)) if parameters != scaling => {
+            return Err(keys.error(
+                "rope_scaling",
+                format!("is {scaling} beside rope_parameters {parameters}, which say different things: keep one (rope_parameters, with rope_theta inside, for transformers 5)"),
+            ));
+        }
         (Some(parameters), _) => ("rope_parameters", Some(parameters)),
         (None, scaling) => ("rope_scaling", scaling),
     };
@@ -386,6 +400,10 @@ fn rope(keys: &Keys) -> Result<(f64, RopeScaling), ConfigError> {
         Some(_) => number("rope_theta")?,
         None => keys.positive("rope_theta", 10_000.0)?,
     };
+    // transformers 5 reads a partial rotary factor from here too.
+    if let Some(factor) = inner_keys.get("partial_rotary_factor").and_then(Value::as_f64).filter(|&f| f != 1.0) {
+        return Err(keys.error(&field("partial_rotary_factor"), format!("is {factor}; only RoPE over the whole head (1.0) is represented")));
+    }
     let rope_type = inner_keys.get("rope_type").or_else(|| inner_keys.get("type")).and_then(Value::as_str).unwrap_or("default");
     let scaling = match rope_type {
         "default" => RopeScaling::Default,
@@ -551,6 +569,10 @@ mod tests {
         assert_eq!((config.rope_theta, config.rope_scaling), (1e6, RopeScaling::Linear { factor: 4.0 }));
         let default = with(&with(LLAMA, "rope_scaling", Value::Null), "rope_parameters", json!({"rope_type": "default", "rope_theta": 5e5}));
         assert_eq!(HfConfig::from_hf_json(&default, "c").unwrap().rope_scaling, RopeScaling::Default);
+        // Both, saying the same: read.
+        let scaling = json!({"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6});
+        let both = with(&with(LLAMA, "rope_scaling", scaling.clone()), "rope_parameters", scaling);
+        assert_eq!(HfConfig::from_hf_json(&both, "c").unwrap().rope_scaling, RopeScaling::Linear { factor: 4.0 });
     }
 
     #[test]
@@ -567,6 +589,14 @@ mod tests {
             (with(LLAMA, "hidden_act", json!("gelu")), "`hidden_act` is \"gelu\""),
             (with(LLAMA, "mlp_bias", json!(true)), "`mlp_bias` is true"),
             (with(LLAMA, "head_dim", json!(63)), "`head_dim` is 63; RoPE rotates pairs"),
+            // transformers 5 would take the rope_scaling a user added beside rope_parameters;
+            // a factor transformers 5 reads inside them; a quantized checkpoint.
+            (with(LLAMA, "rope_parameters", json!({"rope_type": "default", "rope_theta": 1e6})), "`rope_scaling` is {"),
+            (
+                with(&with(LLAMA, "rope_scaling", Value::Null), "rope_parameters", json!({"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})),
+                "`rope_parameters.partial_rotary_factor` is 0.5",
+            ),
+            (with(LLAMA, "quantization_config", json!({"quant_method": "fp8", "weight_block_size": [128, 128]})), "`quantization_config` is present (fp8)"),
             (
                 with(&with(&with(&with(LLAMA, "model_type", json!("qwen2")), "architectures", Value::Null), "use_sliding_window", json!(true)), "max_window_layers", json!(8)),
                 "`use_sliding_window` is true and some layers slide",
