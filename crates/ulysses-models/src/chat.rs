@@ -115,6 +115,30 @@ impl ChatTemplate {
     /// template does not name (such a template renders any other role as it renders the
     /// user's, so a misspelt role would train silently on a wrong prompt).
     pub fn render(&self, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<RenderedChat, ChatError> {
+        self.render_with(messages, &serde_json::Map::new(), add_generation_prompt)
+    }
+
+    /// [`render`](Self::render) with more of the template's variables, as transformers'
+    /// `apply_chat_template` passes them (TRL's `SFTTrainer`: a line's `tools` and its
+    /// `chat_template_kwargs`, say `enable_thinking`). Refused: a variable named as one the
+    /// rendering sets itself (`messages`, `add_generation_prompt`, a special token).
+    pub fn render_with(&self, messages: &[serde_json::Value], variables: &serde_json::Map<String, serde_json::Value>, add_generation_prompt: bool) -> Result<RenderedChat, ChatError> {
+        if let Some(name) = variables.keys().find(|name| ["messages", "add_generation_prompt"].contains(&name.as_str()) || self.special_tokens.iter().any(|(token, _)| token == *name)) {
+            return Err(self.error(format!("the template variable {name:?} is set by the rendering itself: leave it out of the line's variables")));
+        }
+        // The rendering marks answers with two private-use characters: data that holds them
+        // would move the marks (a prompt trained on as an answer).
+        for (index, message) in messages.iter().enumerate() {
+            if message.to_string().contains([GENERATION_START, GENERATION_END]) {
+                return Err(self.error(format!(
+                    "message {index} holds the private-use character U+E000 or U+E001, with which the rendering marks the answers: \
+                     take it out of the data"
+                )));
+            }
+        }
+        if serde_json::Value::Object(variables.clone()).to_string().contains([GENERATION_START, GENERATION_END]) {
+            return Err(self.error("the template variables hold the private-use character U+E000 or U+E001, with which the rendering marks the answers: take it out of the data".into()));
+        }
         for (index, message) in messages.iter().enumerate() {
             let Some(role) = message["role"].as_str() else {
                 return Err(self.error(format!("message {index} has no \"role\" string: each message is {{\"role\": ..., \"content\": ...}}")));
@@ -131,6 +155,7 @@ impl ChatTemplate {
         }
         let template = self.env.get_template(TEMPLATE_NAME).expect("added at construction");
         let mut context: BTreeMap<String, Value> = self.special_tokens.iter().map(|(name, text)| (name.clone(), Value::from(text.as_str()))).collect();
+        context.extend(variables.iter().map(|(name, value)| (name.clone(), Value::from_serialize(value))));
         context.insert("messages".into(), Value::from_serialize(messages));
         context.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
         let rendered = template.render(&context).map_err(|e| self.error(format!("the chat template failed on a conversation: {e:#}")))?;
@@ -140,7 +165,19 @@ impl ChatTemplate {
     /// The conversation's token ids (the rendered text, no special tokens added) and which are
     /// the assistant's: each token holding a character of a generation block.
     pub fn tokenize(&self, tokenizer: &TextTokenizer, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<(Vec<u32>, Vec<bool>), ChatError> {
-        let rendered = self.render(messages, add_generation_prompt)?;
+        self.tokenize_with(tokenizer, messages, &serde_json::Map::new(), add_generation_prompt)
+    }
+
+    /// [`tokenize`](Self::tokenize) with more of the template's variables
+    /// ([`render_with`](Self::render_with)).
+    pub fn tokenize_with(
+        &self,
+        tokenizer: &TextTokenizer,
+        messages: &[serde_json::Value],
+        variables: &serde_json::Map<String, serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<(Vec<u32>, Vec<bool>), ChatError> {
+        let rendered = self.render_with(messages, variables, add_generation_prompt)?;
         let (ids, offsets) = tokenizer.encode_with_char_offsets(&rendered.text).map_err(|e: TokenizerError| ChatError { file: e.file, problem: e.problem })?;
         let mut answers = vec![false; ids.len()];
         // transformers: the tokens from the one holding a block's first character to the one

@@ -126,3 +126,27 @@ fn content_that_is_no_string_is_refused() {
         assert!(template.render(&[user.clone(), call], false).is_ok(), "{name}: a tool call without content");
     }
 }
+
+/// A chat line's `tools` and `chat_template_kwargs` reach the template as transformers passes
+/// them (TRL's `SFTTrainer`: `apply_chat_template(messages, tools=..., **chat_template_kwargs)`);
+/// the rendering's own variables and the characters that mark answers are refused in the data.
+#[test]
+fn tools_and_template_arguments_reach_the_template() {
+    let source = "{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}{% if enable_thinking is defined and not enable_thinking %}[no think]\n{% endif %}\
+                  {% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}";
+    let template = ChatTemplate::new(source, [("eos_token".to_string(), "</s>".to_string())].into(), "t.jinja").unwrap();
+    let messages = [serde_json::json!({"role": "user", "content": "hi"})];
+    let variables = serde_json::json!({"tools": [{"type": "function", "function": {"name": "f"}}], "enable_thinking": false});
+    let variables = variables.as_object().unwrap();
+    let text = template.render_with(&messages, variables, false).unwrap().text;
+    assert_eq!(text, "Tools: [{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]\n[no think]\nuser: hi\n");
+    assert_eq!(template.render(&messages, false).unwrap().text, "user: hi\n");
+    for (name, value) in [("messages", serde_json::json!([])), ("add_generation_prompt", serde_json::json!(true)), ("eos_token", serde_json::json!("x"))] {
+        let variables = serde_json::Map::from_iter([(name.to_string(), value)]);
+        let message = template.render_with(&messages, &variables, false).unwrap_err().to_string();
+        assert!(message.contains(&format!("the template variable {name:?} is set by the rendering itself")), "{message}");
+    }
+    let marked = [serde_json::json!({"role": "user", "content": "a \u{E000} b"})];
+    let message = template.render(&marked, false).unwrap_err().to_string();
+    assert!(message.contains("message 0 holds the private-use character U+E000 or U+E001"), "{message}");
+}

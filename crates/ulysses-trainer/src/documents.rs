@@ -1,14 +1,15 @@
 //! Documents to fine-tune on (`--data`), packed into sequences:
 //! - JSON Lines, one document per line: `{"text": "..."}`, tokenized here with the
 //!   checkpoint's `tokenizer.json`, or `{"input_ids": [...]}` (or a bare array), already
-//!   tokenized; other fields of a line are ignored;
+//!   tokenized; other fields of a line are ignored (but a chat line's below);
 //! - supervised fine-tuning, where only the answers are trained on (the other tokens are
 //!   context: no label, no loss): `{"prompt": "...", "completion": "..."}`, tokenized as TRL's
 //!   `SFTTrainer` does (the prompt alone, then prompt and completion together; the tokens past
 //!   the prompt's are the targets), or `{"input_ids": [...], "labels": [...]}` as transformers'
 //!   collators make them (a label is the token's id, or -100 where it is not trained on), or
 //!   `{"messages": [{"role", "content"}, ...]}` rendered with the checkpoint's chat template as
-//!   transformers' `apply_chat_template` renders it (`ulysses_models::ChatTemplate`; the
+//!   TRL renders it through transformers' `apply_chat_template`, with the line's `tools` and
+//!   `chat_template_kwargs` (`ulysses_models::ChatTemplate`; the
 //!   assistant's answers, its `{% generation %}` blocks, are the targets; no EOS is appended:
 //!   the template ends each turn itself, as TRL leaves conversations);
 //! - any other file given as `--data` is one text document; a folder is read for its `.jsonl`,
@@ -37,7 +38,7 @@ const TOKENIZE_CHUNK: usize = 512;
 
 /// Which way [`DocumentReader`] turns lines into tokens and targets, recorded in checkpoints:
 /// a reader that reads the same bytes otherwise makes other batches.
-pub const DOCUMENT_READER_VERSION: u32 = 2;
+pub const DOCUMENT_READER_VERSION: u32 = 3;
 
 /// How documents become token ids.
 pub struct DocumentReader<'a> {
@@ -78,8 +79,9 @@ enum Pending {
     Labelled(Vec<i64>, Vec<bool>),
     /// A prompt and its completion: the completion's tokens are the targets.
     PromptCompletion(String, String),
-    /// A conversation, rendered with the chat template: the answers are the targets.
-    Messages(Vec<Value>),
+    /// A conversation, rendered with the chat template with these more of its variables (the
+    /// line's `tools` and `chat_template_kwargs`): the answers are the targets.
+    Messages(Vec<Value>, serde_json::Map<String, Value>),
 }
 
 /// Documents as token ids, each ending in EOS, and, where some line marks answers, whether
@@ -180,7 +182,7 @@ impl DocumentReader<'_> {
                 Pending::Text(text) => vec![text.as_str()],
                 // The prompt alone, then prompt and completion together (TRL's way).
                 Pending::PromptCompletion(prompt, _) => vec![prompt.as_str(), joined_texts.next().expect("one joined text per prompt").as_str()],
-                Pending::Ids(_) | Pending::Labelled(..) | Pending::Messages(_) => vec![],
+                Pending::Ids(_) | Pending::Labelled(..) | Pending::Messages(..) => vec![],
             })
             .collect();
         let mut encoded = match (texts.is_empty(), self.tokenizer) {
@@ -235,7 +237,7 @@ impl DocumentReader<'_> {
                     }
                     (ids, None)
                 }
-                Pending::Messages(messages) => {
+                Pending::Messages(messages, variables) => {
                     let (chat, tokenizer) = match (self.chat, self.tokenizer) {
                         (Some(chat), Some(tokenizer)) => (chat, tokenizer),
                         (None, _) => {
@@ -255,7 +257,7 @@ impl DocumentReader<'_> {
                             at()
                         ));
                     }
-                    let (ids, answers) = chat.tokenize(tokenizer, &messages, false).map_err(|e| format!("{}: {e}", at()))?;
+                    let (ids, answers) = chat.tokenize_with(tokenizer, &messages, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
                     self.noted.rendered.set(true);
                     (ids.into_iter().map(i64::from).collect(), Some(answers))
                 }
@@ -389,10 +391,22 @@ fn parse_line(line: &str) -> Result<Pending, String> {
             (_, None) => Err("has a \"prompt\" but no \"completion\": give both (the completion is what is trained on)".into()),
             _ => Err("\"prompt\" and \"completion\" must be strings".into()),
         },
-        ["messages"] => match &fields["messages"] {
-            Value::Array(messages) if !messages.is_empty() && messages.iter().all(|m| m["role"].is_string() && m.get("content").is_some()) => Ok(Pending::Messages(messages.clone())),
-            _ => Err("\"messages\" must be a non-empty array of {\"role\": ..., \"content\": ...} objects".into()),
-        },
+        ["messages"] => {
+            // As TRL's SFTTrainer renders a line: its tools, and its template arguments.
+            let mut variables = match fields.get("chat_template_kwargs") {
+                None | Some(Value::Null) => serde_json::Map::new(),
+                Some(Value::Object(kwargs)) => kwargs.clone(),
+                Some(_) => return Err("\"chat_template_kwargs\" must be an object of the chat template's variables".into()),
+            };
+            if let Some(tools) = fields.get("tools").filter(|tools| !tools.is_null()) {
+                variables.insert("tools".into(), tools.clone());
+            }
+            match &fields["messages"] {
+                // A message's content is checked as the template renders it (a tool call may go without).
+                Value::Array(messages) if !messages.is_empty() && messages.iter().all(|m| m["role"].is_string()) => Ok(Pending::Messages(messages.clone(), variables)),
+                _ => Err("\"messages\" must be a non-empty array of {\"role\": ..., \"content\": ...} objects".into()),
+            }
+        }
         [] => Err("needs a \"text\" (a string), an \"input_ids\" (token ids), a \"prompt\" and \"completion\", or a \"messages\" field".into()),
         several => Err(format!("has {}; give one kind of document", several.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(" and "))),
     }
@@ -549,8 +563,14 @@ mod tests {
         assert!(matches!(parse_line("[4, 5]"), Ok(Pending::Ids(ids)) if ids == [4, 5]));
         assert!(matches!(parse_line(r#"{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}"#), Ok(Pending::Labelled(ids, targets)) if ids == [1, 2, 3] && targets == [false, true, true]));
         assert!(matches!(parse_line(r#"{"prompt": "Q: ", "completion": "A"}"#), Ok(Pending::PromptCompletion(p, c)) if p == "Q: " && c == "A"));
-        assert!(matches!(parse_line(r#"{"messages": [{"role": "user", "content": "hi"}]}"#), Ok(Pending::Messages(m)) if m.len() == 1));
+        assert!(matches!(parse_line(r#"{"messages": [{"role": "user", "content": "hi"}]}"#), Ok(Pending::Messages(m, v)) if m.len() == 1 && v.is_empty()));
+        // TRL's: the line's tools and template arguments go to the template; a tool call may
+        // go without content (the template's check, which knows the calls).
+        let line = r#"{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}], "tools": [{"name": "f"}], "chat_template_kwargs": {"enable_thinking": false}}"#;
+        let Ok(Pending::Messages(_, variables)) = parse_line(line) else { panic!("{line} refused") };
+        assert_eq!(Value::Object(variables), serde_json::json!({"tools": [{"name": "f"}], "enable_thinking": false}));
         for (line, expected) in [
+            (r#"{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}"#, "\"chat_template_kwargs\" must be an object"),
             (r#"{"text": "a", "input_ids": [1]}"#, "has \"text\" and \"input_ids\""),
             (r#"{"text": 3}"#, "must be a string"),
             (r#"{"input_ids": [1.5]}"#, "integer token ids"),
