@@ -423,6 +423,22 @@ pub struct PackedDocuments {
     seed: u64,
 }
 
+/// What packing into sequences of a length cuts: documents longer, and (with targets) the
+/// targets past each one's first piece.
+#[derive(Debug, PartialEq)]
+struct CutDocuments {
+    documents: usize,
+    later_targets: usize,
+}
+
+impl CutDocuments {
+    fn of(documents: &[Vec<i64>], targets: Option<&[Vec<bool>]>, seq_len: usize) -> Self {
+        let long: Vec<usize> = documents.iter().enumerate().filter(|(_, d)| d.len() > seq_len).map(|(i, _)| i).collect();
+        let later_targets = targets.map_or(0, |targets| long.iter().map(|&i| targets[i].iter().skip(seq_len).filter(|&&t| t).count()).sum());
+        Self { documents: long.len(), later_targets }
+    }
+}
+
 /// One packed sequence, the lengths of its documents and, for supervised fine-tuning, whether
 /// each token is a target.
 #[derive(Debug, Clone)]
@@ -442,6 +458,21 @@ impl PackedDocuments {
     /// [`pack`](Self::pack) with each token's target flag (`targets[d]` for document `d`),
     /// which follows its token into the packed sequences.
     pub fn pack_with_targets(documents: &[Vec<i64>], targets: Option<&[Vec<bool>]>, seq_len: usize, batch_size: usize, seed: u64, hold_out: bool) -> Result<Self, String> {
+        let cut = CutDocuments::of(documents, targets, seq_len);
+        if cut.documents > 0 {
+            let answers = match targets {
+                Some(_) => format!(
+                    "; {} of their target tokens lie past the first piece, trained without the start of their document (the prompt)",
+                    cut.later_targets
+                ),
+                None => String::new(),
+            };
+            tracing::warn!(
+                "{} document(s) longer than --seq-len {seq_len} were cut into pieces, each trained as a document of its own (positions \
+                 restart, no piece attends to another){answers}: --too-long refuse names them, a larger --seq-len keeps them whole",
+                cut.documents
+            );
+        }
         let (sequences, lengths) = pack_documents(documents, seq_len);
         // Packing keeps every token in order: the flags, concatenated, cut as the tokens were.
         let mut flags = targets.map(|targets| targets.iter().flatten().copied());
@@ -587,6 +618,16 @@ mod tests {
             let error = parse_line(line).err().unwrap_or_else(|| panic!("{line} was accepted"));
             assert!(error.contains(expected), "{line}: {error}");
         }
+    }
+
+    #[test]
+    fn cut_documents_and_the_targets_past_their_first_piece_are_counted() {
+        let documents = [vec![1; 5], vec![2; 9], vec![3; 4], vec![4; 13]];
+        let targets = [vec![true; 5], [vec![false; 6], vec![true; 3]].concat(), vec![true; 4], [vec![false; 2], vec![true; 11]].concat()];
+        // Pieces of 4: the 5, 9 and 13 are cut; past the first 4 tokens, 1 + 3 + 9 targets.
+        assert_eq!(CutDocuments::of(&documents, Some(&targets), 4), CutDocuments { documents: 3, later_targets: 13 });
+        assert_eq!(CutDocuments::of(&documents, None, 9), CutDocuments { documents: 1, later_targets: 0 });
+        assert_eq!(CutDocuments::of(&documents, Some(&targets), 13), CutDocuments { documents: 0, later_targets: 0 });
     }
 
     /// The tokenizer's eos_token ends documents, as in TRL, over config.json's first id; the
