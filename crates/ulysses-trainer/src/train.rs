@@ -485,6 +485,11 @@ where
             Some(OptimizerPlace::Device)
         }
     };
+    // Each rank writes its part of a sharded checkpoint: a folder of each node's own is found
+    // now, not at the first checkpoint.
+    if let (Some(_), Some(dir)) = (sharded_place, &options.checkpoint_dir) {
+        ulysses_training::check_folder_shared(dir, &*groups.world)?;
+    }
     // The f32 master weights are the optimizer's: the model keeps the compute copy alone.
     if sharded_place.is_some() && compute_dtype != FloatDType::F32 {
         model = with_parameters_in(model, compute_dtype);

@@ -295,7 +295,20 @@ where
         return Err(shard_error(&folder, format!("rank(s) {failed:?} could not write their part of the optimizer state; the previous checkpoint stays the one to resume from")));
     }
     let committed = if rank == 0 {
-        let path = crate::checkpoint::write_checkpoint(dir, &[], &[], Some(&folder_name), state);
+        // Every part written where rank 0 sees it: a folder local to each node (not shared)
+        // would hold some parts on each, a checkpoint that no resume can read.
+        let unseen: Vec<usize> = (0..size).filter(|&r| !folder.join(sharded_state_file(r, size)).is_file()).collect();
+        let path = match unseen.is_empty() {
+            true => crate::checkpoint::write_checkpoint(dir, &[], &[], Some(&folder_name), state),
+            false => Err(shard_error(
+                &folder,
+                format!(
+                    "rank(s) {unseen:?} wrote their part of the optimizer state, but not where rank 0 sees it: the checkpoint folder is not \
+                     shared by every node. Give --out a folder on a file system every node mounts; the previous checkpoint stays the one \
+                     to resume from"
+                ),
+            )),
+        };
         if path.is_ok() {
             remove_unnamed_state_folders(dir, Some(&folder_name));
         }
@@ -312,6 +325,34 @@ where
         return Err(shard_error(dir, "rank 0 could not write the checkpoint file (its error says why); the previous checkpoint stays the one to resume from"));
     }
     Ok(None)
+}
+
+/// Whether every rank of `world` sees the checkpoint folder `dir` as rank 0 does (one file
+/// system every node mounts), which a sharded checkpoint needs: each rank writes its part
+/// there. Collective: rank 0 writes a file of a name of its own, each rank looks for it.
+/// Checked as a run starts, not at its first checkpoint, hours into it.
+pub fn check_folder_shared<W: burn::tensor::backend::Backend>(dir: &Path, world: &dyn Communicator<W>) -> Result<(), UlyssesError> {
+    let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_nanos() as u64) ^ u64::from(std::process::id());
+    let nonce = burn_ulysses::comm::all_gather_host_checked(world, &[nonce], "checkpoint folder probe")?[0][0];
+    let probe = dir.join(format!(".shared-by-every-rank-{nonce:016x}"));
+    let written = world.rank() != 0 || fs::create_dir_all(dir).and_then(|()| fs::write(&probe, b"")).is_ok();
+    let written = burn_ulysses::comm::all_gather_host_checked(world, &[written as u64], "checkpoint folder probe written")?[0][0] == 1;
+    let seen = !written || probe.is_file();
+    let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[seen as u64], "checkpoint folder probe seen")?;
+    if world.rank() == 0 {
+        let _ = fs::remove_file(&probe);
+    }
+    let unseen: Vec<usize> = every_rank.iter().enumerate().filter(|(_, seen)| seen[0] == 0).map(|(r, _)| r).collect();
+    match unseen.is_empty() {
+        true => Ok(()),
+        false => Err(shard_error(
+            dir,
+            format!(
+                "is not the folder rank 0 writes for rank(s) {unseen:?} (a file rank 0 wrote there is not there): each rank writes its \
+                 part of the sharded optimizer state into the checkpoint folder, so it must be on a file system every node mounts"
+            ),
+        )),
+    }
 }
 
 /// Removes every sharded-state folder in `dir` but `keep` and those a checkpoint file in `dir`
@@ -509,6 +550,48 @@ mod tests {
         let message = replicated.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(message.contains("sharded") && message.contains("--offload-optimizer"), "{message}");
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A checkpoint folder of each node's own (two ranks, two folders): every part is written,
+    /// but rank 0 sees only its own, so no checkpoint file is committed and every rank stops
+    /// with the reason (before, each commit "succeeded" and no resume could read it).
+    #[test]
+    fn a_checkpoint_folder_not_shared_by_every_rank_commits_nothing() {
+        use burn::backend::{Autodiff, NdArray};
+        type Ad = Autodiff<NdArray<f32>>;
+        let root = std::env::temp_dir().join(format!("ulysses-sharded-local-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        let whole = whole();
+        let folders = root.clone();
+        let outcome = burn_ulysses::comm::ThreadGroup::new(2).run(move |rank| {
+            let comm = rank.communicator();
+            let dir = folders.join(format!("node-{}", comm.rank()));
+            fs::create_dir_all(&dir).unwrap();
+            let mut optimizer = of_rank(&whole, comm.rank(), 2);
+            save_sharded_training_checkpoint::<Ad, _>(&dir, &mut optimizer, &1u64, 1, &*comm).map_err(|e| e.to_string())
+        });
+        let messages: Vec<String> = outcome.into_iter().map(|r| r.unwrap().expect_err("committed a checkpoint that no resume reads")).collect();
+        assert!(messages[0].contains("rank(s) [1] wrote their part of the optimizer state, but not where rank 0 sees it"), "{}", messages[0]);
+        assert!(messages[1].contains("rank 0 could not write the checkpoint file"), "{}", messages[1]);
+        for node in 0..2 {
+            assert!(!root.join(format!("node-{node}")).join(crate::checkpoint::CHECKPOINT_FILE).exists(), "node {node} holds a checkpoint file");
+        }
+        // Found as the run starts: by the probe, on every rank; a shared folder passes and is
+        // left as it was.
+        let folders = root.clone();
+        let probed = burn_ulysses::comm::ThreadGroup::new(2).run(move |rank| {
+            let comm = rank.communicator();
+            let shared = check_folder_shared::<NdArray<f32>>(&folders.join("shared"), &*comm).map_err(|e| e.to_string());
+            (shared, check_folder_shared::<NdArray<f32>>(&folders.join(format!("node-{}", comm.rank())), &*comm).map_err(|e| e.to_string()))
+        });
+        for (rank, result) in probed.into_iter().enumerate() {
+            let (shared, local) = result.unwrap();
+            assert_eq!(shared, Ok(()), "rank {rank}");
+            let message = local.expect_err("node-local folders passed");
+            assert!(message.contains("is not the folder rank 0 writes for rank(s) [1]"), "rank {rank}: {message}");
+        }
+        assert_eq!(fs::read_dir(root.join("shared")).unwrap().count(), 0, "the probe is removed");
+        fs::remove_dir_all(&root).unwrap();
     }
 
     /// A copy of a checkpoint file kept beside it (`step-1.ulysses`, as one keeps history)
