@@ -485,6 +485,8 @@ where
             Some(OptimizerPlace::Device)
         }
     };
+    // The order of a sharded checkpoint's sections (a ZeRO-3 model holds placeholders later).
+    let parameter_paths = ulysses_training::parameter_paths(&model);
     // Each rank writes its part of a sharded checkpoint: a folder of each node's own is found
     // now, not at the first checkpoint.
     if let (Some(_), Some(dir)) = (sharded_place, &options.checkpoint_dir) {
@@ -588,8 +590,10 @@ where
                     }
                     None
                 }
-                RankOptimizer::OnHost(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, optimizer, &state, done as u64, &*groups.world)?,
-                RankOptimizer::OnDevice(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, &mut optimizer.to_host(), &state, done as u64, &*groups.world)?,
+                RankOptimizer::OnHost(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, optimizer, &parameter_paths, &state, done as u64, &*groups.world)?,
+                RankOptimizer::OnDevice(optimizer) => {
+                    save_sharded_training_checkpoint::<B, _>(dir, &mut optimizer.to_host(), &parameter_paths, &state, done as u64, &*groups.world)?
+                }
             };
             report_written(path.map(|path| (step, path)), options.progress.as_deref_mut());
         }

@@ -59,6 +59,12 @@ struct Header<S> {
     /// was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     state_checksum: Option<u64>,
+    /// A sharded checkpoint's model parameters, in the order of its state's sections, which
+    /// go by position: a model whose parameters come in another order (another version of
+    /// its code) is refused, not loaded crosswise. Absent in replicated checkpoints (burn's
+    /// records go by name) and in sharded ones written before it was recorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    parameter_paths: Vec<String>,
 }
 
 fn recorder() -> NamedMpkBytesRecorder<FullPrecisionSettings> {
@@ -118,7 +124,13 @@ impl TrainingCheckpoint {
 /// Writes `dir/`[`CHECKPOINT_FILE`] atomically: the model's record (empty when the optimizer's
 /// state is sharded in the folder `optimizer_shards` beside the file, whose master weights are
 /// the model), the optimizer's record (empty then too) and `state`.
-pub(crate) fn write_checkpoint<S: Serialize>(dir: &Path, model_bytes: &[u8], optimizer_bytes: &[u8], optimizer_shards: Option<&str>, state: &S) -> Result<PathBuf, UlyssesError> {
+pub(crate) fn write_checkpoint<S: Serialize>(
+    dir: &Path,
+    model_bytes: &[u8],
+    optimizer_bytes: &[u8],
+    optimizer_shards: Option<(&str, &[String])>,
+    state: &S,
+) -> Result<PathBuf, UlyssesError> {
     let path = dir.join(CHECKPOINT_FILE);
     let state = serde_json::to_value(state).map_err(|e| error(&path, e))?;
     let header = Header {
@@ -128,7 +140,8 @@ pub(crate) fn write_checkpoint<S: Serialize>(dir: &Path, model_bytes: &[u8], opt
         model_bytes: model_bytes.len() as u64,
         optimizer_bytes: optimizer_bytes.len() as u64,
         checksum: fnv1a(&[model_bytes, optimizer_bytes]),
-        optimizer_shards: optimizer_shards.map(str::to_string),
+        optimizer_shards: optimizer_shards.map(|(folder, _)| folder.to_string()),
+        parameter_paths: optimizer_shards.map_or_else(Vec::new, |(_, paths)| paths.to_vec()),
     };
     let header = serde_json::to_vec(&header).map_err(|e| error(&path, e))?;
     let length = (header.len() as u64).to_le_bytes();
@@ -290,6 +303,9 @@ pub(crate) struct Contents<S> {
     pub optimizer: Vec<u8>,
     /// The folder beside the file that holds the sharded optimizer state.
     pub optimizer_shards: Option<String>,
+    /// The model's parameters in the order of the sharded state's sections (empty: not
+    /// recorded).
+    pub parameter_paths: Vec<String>,
 }
 
 /// The checkpoint's sections, checked: magic, lengths and checksum. Each section is read
@@ -307,7 +323,7 @@ pub(crate) fn read_checkpoint<S: DeserializeOwned>(location: &Path) -> Result<Co
     if fnv1a(&[&model, &optimizer]) != header.checksum {
         return Err(error(&path, "the checksum does not match; the file is truncated or corrupt (a copy cut short?). Use an earlier checkpoint."));
     }
-    Ok(Contents { state: header.state, model, optimizer, optimizer_shards: header.optimizer_shards })
+    Ok(Contents { state: header.state, model, optimizer, optimizer_shards: header.optimizer_shards, parameter_paths: header.parameter_paths })
 }
 
 /// Writes `parts` to a temporary file beside `path`, flushes it, renames it to `path` and

@@ -39,6 +39,29 @@ pub fn float_parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<FloatParame
     collect.found
 }
 
+/// The path of each float parameter of `module` (`layers.0.attention.wq.weight`), in module
+/// order, read without its values (a lazily initialised module stays uninitialised).
+pub fn parameter_paths<B: Backend, M: Module<B>>(module: &M) -> Vec<String> {
+    struct Paths {
+        path: Vec<String>,
+        found: Vec<String>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Paths {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<B, D>>) {
+            self.found.push(self.path.join("."));
+        }
+    }
+    let mut paths = Paths { path: Vec::new(), found: Vec::new() };
+    module.visit(&mut paths);
+    paths.found
+}
+
 /// The number of elements of each float parameter of `module`, in module order, read from
 /// the shapes alone: a module whose parameters burn initialises lazily (`Config::init`) stays
 /// uninitialised, so a model too large to build can be measured before it is.

@@ -272,7 +272,14 @@ pub const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
 /// checkpoint's or this one's. The parts' master weights are the model: no rank gathers it to
 /// save it ([`load_sharded_training_checkpoint`] sets a model from them). Returns the
 /// checkpoint file's path on rank 0.
-pub fn save_sharded_training_checkpoint<B, S>(dir: &Path, optimizer: &mut ShardedAdamW, state: &S, step: u64, world: &dyn Communicator<B::Wire>) -> Result<Option<PathBuf>, UlyssesError>
+pub fn save_sharded_training_checkpoint<B, S>(
+    dir: &Path,
+    optimizer: &mut ShardedAdamW,
+    parameter_paths: &[String],
+    state: &S,
+    step: u64,
+    world: &dyn Communicator<B::Wire>,
+) -> Result<Option<PathBuf>, UlyssesError>
 where
     B: TrainBackend,
     S: Serialize,
@@ -299,7 +306,7 @@ where
         // would hold some parts on each, a checkpoint that no resume can read.
         let unseen: Vec<usize> = (0..size).filter(|&r| !folder.join(sharded_state_file(r, size)).is_file()).collect();
         let path = match unseen.is_empty() {
-            true => crate::checkpoint::write_checkpoint(dir, &[], &[], Some(&folder_name), state),
+            true => crate::checkpoint::write_checkpoint(dir, &[], &[], Some((&folder_name, parameter_paths)), state),
             false => Err(shard_error(
                 &folder,
                 format!(
@@ -401,6 +408,21 @@ where
                  load_training_checkpoint (the trainer: without --offload-optimizer)",
             ));
         };
+        // The sections go by position: the model's parameters must come in the saved order.
+        let paths = crate::parameter_paths(&model);
+        if !contents.parameter_paths.is_empty() && contents.parameter_paths != paths {
+            let at = contents.parameter_paths.iter().zip(&paths).position(|(saved, ours)| saved != ours).unwrap_or(paths.len().min(contents.parameter_paths.len()));
+            let (saved, ours) = (contents.parameter_paths.get(at).map_or("none", String::as_str), paths.get(at).map_or("none", String::as_str));
+            return Err(crate::checkpoint::error(
+                &path,
+                format!(
+                    "its optimizer state is of a model whose parameter {at} is `{saved}` ({} in all), where this model's is `{ours}` ({} in all): \
+                     the state goes by position, so it would load crosswise. Resume with the model's code the checkpoint was written by",
+                    contents.parameter_paths.len(),
+                    paths.len()
+                ),
+            ));
+        }
         let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let (optimizer, digest) = ShardedAdamW::load_with_digest(&dir.join(folder), world.rank(), world.size())?;
         Ok((contents.state, optimizer, digest))
@@ -524,7 +546,7 @@ mod tests {
                     fs::create_dir_all(&stale).unwrap();
                     fs::write(stale.join("optimizer-00000-of-00004.ulysses"), b"a part of another world").unwrap();
                 }
-                save_sharded_training_checkpoint::<Ad, _>(&shared, &mut optimizer, &step, step, &*comm).unwrap();
+                save_sharded_training_checkpoint::<Ad, _>(&shared, &mut optimizer, &crate::parameter_paths(&linear), &step, step, &*comm).unwrap();
             }
             let weights: Vec<f32> = [linear.weight.val().into_data().to_vec().unwrap(), linear.bias.as_ref().unwrap().val().into_data().to_vec().unwrap()].concat();
             // A crash after every part of step 3 was written, before the checkpoint file was.
@@ -546,6 +568,18 @@ mod tests {
         assert_eq!([optimizer.parts[0].master.to_vec(), optimizer.parts[1].master.to_vec()].concat(), weights[0], "rank 0 of 1 holds the whole master weights, as the parameters");
         assert!(optimizer.parts.iter().all(|part| part.moments.time == 2));
 
+        // A model whose parameters are named otherwise (another version of its code), of the
+        // same sizes: refused, not loaded by position.
+        #[derive(burn::module::Module, Debug)]
+        struct Renamed<B: burn::tensor::backend::Backend> {
+            projection: Linear<B>,
+        }
+        let shared = dir.clone();
+        let renamed = burn_ulysses::comm::ThreadGroup::new(1).run(move |rank| {
+            load_sharded_training_checkpoint::<Ad, Renamed<Ad>, u64>(&shared, Renamed { projection: layer() }, &*rank.communicator()).map(drop).map_err(|e| e.to_string())
+        });
+        let message = renamed.into_iter().next().unwrap().unwrap().expect_err("loaded by position into other parameters");
+        assert!(message.contains("parameter 0 is `weight` (2 in all), where this model's is `projection.weight`"), "{message}");
         let replicated = crate::checkpoint::load_training_checkpoint::<Ad, _, _, u64>(&dir, layer(), AdamWConfig::new().init::<Ad, Linear<Ad>>(), &Default::default());
         let message = replicated.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(message.contains("sharded") && message.contains("--offload-optimizer"), "{message}");
@@ -568,7 +602,7 @@ mod tests {
             let dir = folders.join(format!("node-{}", comm.rank()));
             fs::create_dir_all(&dir).unwrap();
             let mut optimizer = of_rank(&whole, comm.rank(), 2);
-            save_sharded_training_checkpoint::<Ad, _>(&dir, &mut optimizer, &1u64, 1, &*comm).map_err(|e| e.to_string())
+            save_sharded_training_checkpoint::<Ad, _>(&dir, &mut optimizer, &[], &1u64, 1, &*comm).map_err(|e| e.to_string())
         });
         let messages: Vec<String> = outcome.into_iter().map(|r| r.unwrap().expect_err("committed a checkpoint that no resume reads")).collect();
         assert!(messages[0].contains("rank(s) [1] wrote their part of the optimizer state, but not where rank 0 sees it"), "{}", messages[0]);
@@ -618,7 +652,7 @@ mod tests {
                 let input = Tensor::<Ad, 2>::ones([1, 3], &Default::default()) * (comm.rank() + step as usize) as f32;
                 let grads = GradientsParams::from_grads(linear.forward(input).sum().backward(), &linear);
                 linear = optimizer.step::<Ad, _>(1e-2, linear, grads, None, &*comm).unwrap().0;
-                save_sharded_training_checkpoint::<Ad, _>(&shared, &mut optimizer, &step, step, &*comm).unwrap();
+                save_sharded_training_checkpoint::<Ad, _>(&shared, &mut optimizer, &crate::parameter_paths(&linear), &step, step, &*comm).unwrap();
                 comm.barrier().unwrap();
                 if step == 1 {
                     after_first = linear.weight.val().into_data().to_vec::<f32>().unwrap();
@@ -632,8 +666,9 @@ mod tests {
             // of its own, not into the copy's.
             let input = Tensor::<Ad, 2>::ones([1, 3], &Default::default()) * 7.0;
             let grads = GradientsParams::from_grads(linear.forward(input).sum().backward(), &linear);
+            let paths = crate::parameter_paths(&linear);
             optimizer.step::<Ad, _>(1e-2, linear, grads, None, &*comm).unwrap();
-            save_sharded_training_checkpoint::<Ad, _>(&shared, &mut optimizer, &1u64, 1, &*comm).unwrap();
+            save_sharded_training_checkpoint::<Ad, _>(&shared, &mut optimizer, &paths, &1u64, 1, &*comm).unwrap();
             after_first
         });
         let after_first = outcome.into_iter().next().unwrap().unwrap();
