@@ -591,9 +591,7 @@ where
                     None
                 }
                 RankOptimizer::OnHost(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, optimizer, &parameter_paths, &state, done as u64, &*groups.world)?,
-                RankOptimizer::OnDevice(optimizer) => {
-                    save_sharded_training_checkpoint::<B, _>(dir, &mut optimizer.to_host(), &parameter_paths, &state, done as u64, &*groups.world)?
-                }
+                RankOptimizer::OnDevice(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, optimizer, &parameter_paths, &state, done as u64, &*groups.world)?,
             };
             report_written(path.map(|path| (step, path)), options.progress.as_deref_mut());
         }

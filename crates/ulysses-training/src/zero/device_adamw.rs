@@ -6,6 +6,12 @@
 //! step costs no copy to or from the host. Its checkpoints are [`ShardedAdamW`]'s files, so
 //! either can resume the other.
 
+use std::{
+    borrow::Cow,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
 use burn::{
     module::Module,
     tensor::{DType, FloatDType, Tensor, TensorData},
@@ -18,7 +24,9 @@ use ulysses_core::{
 
 use super::{
     ShardedAdamW,
+    host_adamw::ParameterPart,
     parts::{norm_of_parts, own_part},
+    state_files::{ShardedState, write_state_file},
 };
 use crate::{TrainBackend, float_parameters};
 
@@ -95,21 +103,15 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
         self.parts[index].master.clone().cast(FloatDType::from(dtype))
     }
 
-    /// The state on the host, as [`ShardedAdamW`] holds it (for a checkpoint: its files).
-    pub fn to_host(&self) -> ShardedAdamW {
+    /// Part `index`, read back to the host.
+    fn host_part(&self, index: usize) -> ParameterPart {
         let read = |tensor: &Tensor<B::InnerBackend, 1>| tensor.clone().into_data().to_vec::<f32>().expect("f32 state");
-        let parts = self
-            .parts
-            .iter()
-            .map(|part| {
-                let moments = match &part.moments {
-                    Some((moment_1, moment_2)) => AdamWMoments { moment_1: read(moment_1), moment_2: read(moment_2), time: part.time },
-                    None => AdamWMoments::default(),
-                };
-                (part.elements, read(&part.master), moments)
-            })
-            .collect();
-        ShardedAdamW::from_parts(self.config, parts, self.place)
+        let part = &self.parts[index];
+        let moments = match &part.moments {
+            Some((moment_1, moment_2)) => AdamWMoments { moment_1: read(moment_1), moment_2: read(moment_2), time: part.time },
+            None => AdamWMoments::default(),
+        };
+        ParameterPart { elements: part.elements, master: Arc::new(read(&part.master)), moments }
     }
 
     /// `host`'s state (loaded, re-partitioned, by [`ShardedAdamW::load`]) on `device`.
@@ -125,6 +127,15 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
             })
             .collect();
         Self { config, parts, place }
+    }
+}
+
+/// Its files are [`ShardedAdamW`]'s, each part read back to the host twice (hashed, then
+/// written), one at a time: the host never holds the rank's whole state (the 12 bytes a
+/// parameter of its parts; 96 GB for 8B on one GPU).
+impl<B: TrainBackend> ShardedState for DeviceShardedAdamW<B> {
+    fn save(&mut self, dir: &Path, rank: usize, world: usize) -> Result<PathBuf, UlyssesError> {
+        write_state_file(dir, rank, world, self.config, self.parts.len(), |index| Cow::Owned(self.host_part(index)))
     }
 }
 

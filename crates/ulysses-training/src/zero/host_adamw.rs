@@ -73,6 +73,7 @@ pub struct ShardedAdamW {
 }
 
 /// This rank's part of one parameter's master weights and moments.
+#[derive(Clone)]
 pub(super) struct ParameterPart {
     /// The parameter's elements (unpadded), to check that the model is the one partitioned.
     pub(super) elements: usize,
@@ -488,7 +489,7 @@ impl<B: TrainBackend> ModuleMapper<B> for SetParameters<B> {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use crate::zero::state_files::sharded_state_file;
+    use crate::zero::state_files::{ShardedState, sharded_state_file};
 
     /// Per parameter: elements, step count, and the whole master weights and moments.
     pub(in crate::zero) type Whole = Vec<(usize, u32, [Vec<f32>; 3])>;

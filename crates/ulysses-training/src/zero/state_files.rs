@@ -1,9 +1,10 @@
-//! A [`ShardedAdamW`]'s state on disk: one file per rank ([`ShardedAdamW::save`], atomic),
+//! A [`ShardedAdamW`]'s state on disk: one file per rank ([`ShardedState::save`], atomic),
 //! read back at any world size ([`ShardedAdamW::load`] re-partitions it), and the training
 //! checkpoint whose optimizer state is those files ([`save_sharded_training_checkpoint`]: every
 //! rank's part committed at once by the checkpoint file that names their folder).
 
 use std::{
+    borrow::Cow,
     fs,
     io::{Read, Seek, SeekFrom, Write},
     path::{Path, PathBuf},
@@ -54,50 +55,70 @@ struct SectionHeader {
     checksum: u64,
 }
 
-impl ShardedAdamW {
+/// An optimizer whose state is in parts over the ranks, each rank's written to a file of its
+/// own ([`sharded_state_file`]): [`ShardedAdamW`] (on the host) and
+/// [`DeviceShardedAdamW`](super::DeviceShardedAdamW) (on the device), whose files are alike.
+pub trait ShardedState {
     /// Writes this rank's part of the state (rank `rank` of `world`, the world it steps over)
-    /// to `dir`/[`sharded_state_file`] (the folder made if need be), atomically: every rank writes its own file, and
-    /// together they are the state. Nothing to write before the first step.
-    pub fn save(&mut self, dir: &Path, rank: usize, world: usize) -> Result<PathBuf, UlyssesError> {
-        self.settle()?;
-        let path = dir.join(sharded_state_file(rank, world));
-        fs::create_dir_all(dir).map_err(|e| shard_error(dir, format!("cannot create the folder: {e}")))?;
-        // Each section is hashed, then written, a piece at a time: the state is never copied
-        // whole (at 8B it is 96 GB of a 137 GB host).
-        let mut bytes = Vec::with_capacity(SECTION_PIECE_BYTES);
-        let checksum = |part: &ParameterPart, bytes: &mut Vec<u8>| {
-            let mut hash = FNV1A_START;
-            part.section_pieces(bytes, |piece| hash = fnv1a_more(hash, piece));
-            hash
-        };
-        let header = ShardHeader {
-            format: SHARD_FORMAT,
-            rank,
-            world,
-            config: *self.adamw.config(),
-            parameters: self.parts.iter().map(|part| SectionHeader { elements: part.elements, time: part.moments.time, checksum: checksum(part, &mut bytes) }).collect(),
-        };
-        let header = serde_json::to_vec(&header).map_err(|e| shard_error(&path, format!("cannot encode the header: {e}")))?;
-        let (length, header_checksum) = ((header.len() as u64).to_le_bytes(), fnv1a(&[&header]).to_le_bytes());
-        write_atomically_with(&path, |file| {
-            for piece in [SHARD_MAGIC.as_slice(), &length, &header_checksum, &header] {
-                file.write_all(piece)?;
-            }
-            for part in &self.parts {
-                let mut written = Ok(());
-                part.section_pieces(&mut bytes, |piece| {
-                    if written.is_ok() {
-                        written = file.write_all(piece);
-                    }
-                });
-                written?;
-            }
-            Ok(())
-        })
-        .map_err(|e| shard_error(&path, format!("cannot write: {e}")))?;
-        Ok(path)
-    }
+    /// to `dir`/[`sharded_state_file`] (the folder made if need be), atomically: every rank
+    /// writes its own file, and together they are the state.
+    fn save(&mut self, dir: &Path, rank: usize, world: usize) -> Result<PathBuf, UlyssesError>;
+}
 
+impl ShardedState for ShardedAdamW {
+    fn save(&mut self, dir: &Path, rank: usize, world: usize) -> Result<PathBuf, UlyssesError> {
+        self.settle()?;
+        let config = *self.adamw.config();
+        write_state_file(dir, rank, world, config, self.parts.len(), |index| Cow::Borrowed(&self.parts[index]))
+    }
+}
+
+/// Writes a rank's state file of `count` parameters' parts, each handed out by `part_at` twice
+/// (to hash it, then to write it), so that parts kept elsewhere (on a device) are on the host
+/// one at a time. Each section is hashed, then written, a piece at a time: the state is never
+/// copied whole (at 8B it is 96 GB of a 137 GB host).
+pub(super) fn write_state_file<'a>(
+    dir: &Path,
+    rank: usize,
+    world: usize,
+    config: HostAdamWConfig,
+    count: usize,
+    mut part_at: impl FnMut(usize) -> Cow<'a, ParameterPart>,
+) -> Result<PathBuf, UlyssesError> {
+    let path = dir.join(sharded_state_file(rank, world));
+    fs::create_dir_all(dir).map_err(|e| shard_error(dir, format!("cannot create the folder: {e}")))?;
+    let mut bytes = Vec::with_capacity(SECTION_PIECE_BYTES);
+    let parameters = (0..count)
+        .map(|index| {
+            let part = part_at(index);
+            let mut hash = FNV1A_START;
+            part.section_pieces(&mut bytes, |piece| hash = fnv1a_more(hash, piece));
+            SectionHeader { elements: part.elements, time: part.moments.time, checksum: hash }
+        })
+        .collect();
+    let header = ShardHeader { format: SHARD_FORMAT, rank, world, config, parameters };
+    let header = serde_json::to_vec(&header).map_err(|e| shard_error(&path, format!("cannot encode the header: {e}")))?;
+    let (length, header_checksum) = ((header.len() as u64).to_le_bytes(), fnv1a(&[&header]).to_le_bytes());
+    write_atomically_with(&path, |file| {
+        for piece in [SHARD_MAGIC.as_slice(), &length, &header_checksum, &header] {
+            file.write_all(piece)?;
+        }
+        for index in 0..count {
+            let mut written = Ok(());
+            part_at(index).section_pieces(&mut bytes, |piece| {
+                if written.is_ok() {
+                    written = file.write_all(piece);
+                }
+            });
+            written?;
+        }
+        Ok(())
+    })
+    .map_err(|e| shard_error(&path, format!("cannot write: {e}")))?;
+    Ok(path)
+}
+
+impl ShardedAdamW {
     /// The state a world of any size saved in `dir` ([`save`](Self::save) on each of its
     /// ranks), re-partitioned for rank `rank` of a world of `world`: each rank reads, of every
     /// parameter, the sections of the saved ranks whose parts overlap its own. Refused, naming
@@ -274,7 +295,7 @@ pub const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
 /// checkpoint file's path on rank 0.
 pub fn save_sharded_training_checkpoint<B, S>(
     dir: &Path,
-    optimizer: &mut ShardedAdamW,
+    optimizer: &mut dyn ShardedState,
     parameter_paths: &[String],
     state: &S,
     step: u64,
@@ -482,6 +503,23 @@ mod tests {
             assert_eq!(pieces, 9, "three arrays of 2.4 MB in pieces of 1 MiB");
             assert!(got == want, "the pieces differ from the section");
         }
+    }
+
+    /// The optimizer on the device writes its parts (read back one at a time) into the same
+    /// file, byte for byte, as the optimizer on the host holding the same state: either
+    /// resumes the other.
+    #[test]
+    fn the_state_on_the_device_saves_the_file_the_state_on_the_host_saves() {
+        type Ad = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
+        let dir = std::env::temp_dir().join(format!("ulysses-sharded-device-{}", std::process::id()));
+        let whole = whole();
+        for rank in 0..3 {
+            let mut host = of_rank(&whole, rank, 3);
+            let mut device = super::super::DeviceShardedAdamW::<Ad>::from_host(&host, &Default::default());
+            let (host_file, device_file) = (host.save(&dir.join("host"), rank, 3).unwrap(), device.save(&dir.join("device"), rank, 3).unwrap());
+            assert!(fs::read(host_file).unwrap() == fs::read(device_file).unwrap(), "rank {rank}: the files differ");
+        }
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     fn same(a: &ShardedAdamW, b: &ShardedAdamW) -> bool {
