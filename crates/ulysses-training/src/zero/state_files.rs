@@ -151,11 +151,15 @@ impl ShardedAdamW {
                 if from >= to {
                     continue;
                 }
-                let section = file.section(index, old.part_len(elements))?;
-                for (which, target) in values.iter_mut().enumerate() {
-                    let source = &section[which * old.part_len(elements)..];
-                    target[from - mine.start..to - mine.start].copy_from_slice(&source[from - theirs.start..to - theirs.start]);
-                }
+                // Their values from..to, of each array, into ours: the section read in pieces.
+                let wanted = from - theirs.start..to - theirs.start;
+                file.read_section(index, old.part_len(elements), |which, at, piece| {
+                    let (start, end) = (at.max(wanted.start), (at + piece.len()).min(wanted.end));
+                    if start < end {
+                        let target = start + theirs.start - mine.start;
+                        values[which][target..target + end - start].copy_from_slice(&piece[start - at..end - at]);
+                    }
+                })?;
             }
             let [master, moment_1, moment_2] = values;
             let moments = if time == 0 { AdamWMoments::default() } else { AdamWMoments { moment_1, moment_2, time } };
@@ -238,17 +242,34 @@ impl ShardFile {
         Ok(Self { path: path.to_path_buf(), file, header, payload })
     }
 
-    /// Parameter `index`'s section (`part_len` values of each of master, moment 1, moment 2),
-    /// checked against its checksum.
-    fn section(&mut self, index: usize, part_len: usize) -> Result<Vec<f32>, UlyssesError> {
+    /// Reads parameter `index`'s section (`part_len` values of each of master, moment 1,
+    /// moment 2) a piece at a time, handing `take` each array's values in order (`which`
+    /// array, the index of the first value, the values), and checks it against its checksum:
+    /// on `Err` what `take` got is not to be used. The section is never held whole (a
+    /// rank resumed at another world size reads the whole sections its part overlaps).
+    fn read_section(&mut self, index: usize, part_len: usize, mut take: impl FnMut(usize, usize, &[f32])) -> Result<(), UlyssesError> {
         let world = Partition::new(self.header.world).unwrap();
         let offset: u64 = self.header.parameters[..index].iter().map(|p| 12 * world.part_len(p.elements) as u64).sum();
-        let mut bytes = vec![0u8; 12 * part_len];
-        self.file.seek(SeekFrom::Start(self.payload + offset)).and_then(|_| self.file.read_exact(&mut bytes)).map_err(|e| shard_error(&self.path, format!("cannot read: {e}")))?;
-        if fnv1a(&[&bytes]) != self.header.parameters[index].checksum {
+        let cannot_read = |e: std::io::Error| shard_error(&self.path, format!("cannot read: {e}"));
+        self.file.seek(SeekFrom::Start(self.payload + offset)).map_err(cannot_read)?;
+        let (mut bytes, mut values) = (vec![0u8; SECTION_PIECE_BYTES], Vec::with_capacity(SECTION_PIECE_BYTES / 4));
+        let (mut hash, mut read) = (FNV1A_START, 0);
+        while read < 3 * part_len {
+            // Pieces end at each array's end.
+            let (which, at) = (read / part_len, read % part_len);
+            let count = (part_len - at).min(SECTION_PIECE_BYTES / 4);
+            let piece = &mut bytes[..4 * count];
+            self.file.read_exact(piece).map_err(cannot_read)?;
+            hash = fnv1a_more(hash, piece);
+            values.clear();
+            values.extend(piece.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())));
+            take(which, at, &values);
+            read += count;
+        }
+        if hash != self.header.parameters[index].checksum {
             return Err(shard_error(&self.path, format!("parameter {index}'s section does not match its checksum; the file is corrupt. Use an earlier checkpoint.")));
         }
-        Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
+        Ok(())
     }
 }
 
@@ -503,6 +524,26 @@ mod tests {
             assert_eq!(pieces, 9, "three arrays of 2.4 MB in pieces of 1 MiB");
             assert!(got == want, "the pieces differ from the section");
         }
+    }
+
+    /// A parameter whose saved parts span several pieces of a read (1 000 001 elements saved
+    /// by 2 ranks: 2 MB an array a part, pieces of 1 MiB) re-partitions as a small one does:
+    /// loaded at 2, 3 and 1.
+    #[test]
+    fn a_parameter_read_in_pieces_loads_at_any_world_size() {
+        let dir = std::env::temp_dir().join(format!("ulysses-sharded-large-{}", std::process::id()));
+        let elements = 1_000_001;
+        let values = |which: usize| (0..elements).map(|i| (i * 3 + which) as f32 * 0.5).collect::<Vec<f32>>();
+        let whole: super::super::host_adamw::tests::Whole = vec![(5, 2, [vec![1.0; 5], vec![2.0; 5], vec![3.0; 5]]), (elements, 2, [values(0), values(1), values(2)])];
+        for rank in 0..2 {
+            of_rank(&whole, rank, 2).save(&dir, rank, 2).unwrap();
+        }
+        for world in [2, 3, 1] {
+            for rank in 0..world {
+                assert!(same(&ShardedAdamW::load(&dir, rank, world).unwrap(), &of_rank(&whole, rank, world)), "rank {rank} of {world}");
+            }
+        }
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     /// The optimizer on the device writes its parts (read back one at a time) into the same
