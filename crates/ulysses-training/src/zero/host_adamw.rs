@@ -262,7 +262,7 @@ impl ShardedAdamW {
                 values[i] = Some(whole);
             }
         }
-        let model = model.map(&mut SetParameters::<B> { values: values.into_iter() });
+        let model = model.map(&mut SetParameters::<B> { values: Box::new(values.into_iter()) });
         Ok((model, grad_norm))
     }
 
@@ -275,11 +275,26 @@ impl ShardedAdamW {
         let Some(device) = model.devices().first().cloned() else { return Ok(model) };
         let which: Vec<(usize, DType)> = parameters.iter().enumerate().map(|(i, p)| (i, p.values.dtype())).collect();
         drop(parameters);
-        let mut values: Vec<Option<Tensor<B::InnerBackend, 1>>> = vec![None; which.len()];
-        for (i, whole) in self.all_gather_masters::<B>(&which, world, &device)? {
-            values[i] = Some(whole);
+        // One parameter gathered at a time, as the model's takes its place: the device holds
+        // the model once, and one parameter beside it (not a second model, gathered whole).
+        let failed = std::cell::RefCell::new(None);
+        let gathered = which.iter().map(|&one| {
+            if failed.borrow().is_some() {
+                return None;
+            }
+            match self.all_gather_masters::<B>(&[one], world, &device) {
+                Ok(mut whole) => whole.pop().map(|(_, values)| values),
+                Err(error) => {
+                    *failed.borrow_mut() = Some(error);
+                    None
+                }
+            }
+        });
+        let model = model.map(&mut SetParameters::<B> { values: Box::new(gathered) });
+        match failed.into_inner() {
+            Some(error) => Err(error),
+            None => Ok(model),
         }
-        Ok(model.map(&mut SetParameters::<B> { values: values.into_iter() }))
     }
 
     /// Refuses to step as another rank, or another model, than the parts are of.
@@ -469,11 +484,11 @@ pub fn host_adamw_config(config: &burn::optim::AdamWConfig) -> Result<HostAdamWC
 
 /// Puts the gathered values (flat, in visit order; `None`: unchanged) into the parameters,
 /// keeping their ids and whether they require gradients.
-struct SetParameters<B: TrainBackend> {
-    values: std::vec::IntoIter<Option<Tensor<B::InnerBackend, 1>>>,
+struct SetParameters<'a, B: TrainBackend> {
+    values: Box<dyn Iterator<Item = Option<Tensor<B::InnerBackend, 1>>> + 'a>,
 }
 
-impl<B: TrainBackend> ModuleMapper<B> for SetParameters<B> {
+impl<B: TrainBackend> ModuleMapper<B> for SetParameters<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let Some(Some(flat)) = self.values.next() else { return param };
         let (id, tensor, mapper) = param.consume();
