@@ -332,7 +332,9 @@ impl SequenceSharder {
     }
 
     /// Labels in `sequences` (every token but each sequence's last predicts its successor):
-    /// what the loss of this batch is averaged over, summed over all ranks' shards.
+    /// what the loss of a batch of whole, unpacked sequences, every token a target, is
+    /// averaged over. Packed documents and chosen targets have fewer: the shards'
+    /// `valid_tokens` count them.
     pub fn labels_in(sequences: &[Vec<i64>]) -> usize {
         sequences.iter().map(|s| s.len().saturating_sub(1)).sum()
     }

@@ -1,27 +1,45 @@
 //! The one file walker of the example: a file, or every file under a folder.
 
 use std::{
+    collections::HashSet,
     fs,
     path::{Path, PathBuf},
 };
 
 /// `path` itself when it is a file, else every file under it, recursively (links followed),
 /// sorted: the order the data is read in, and hashed in. Hidden files and folders under it
-/// (`.git`, `.cache`, `.gitattributes`: a downloaded dataset's bookkeeping) are not data.
+/// (`.git`, `.cache`, `.gitattributes`: a downloaded dataset's bookkeeping) are not data. A
+/// file reached through several links (`GPL` → `GPL-3`) is read once, at its first path, and a
+/// folder once (a link to a folder above it would loop).
 pub fn files_under(path: &Path) -> std::io::Result<Vec<PathBuf>> {
     if !fs::metadata(path)?.is_dir() {
         return Ok(vec![path.to_path_buf()]);
     }
     let mut files = Vec::new();
+    walk(path, &mut files, &mut HashSet::new())?;
+    files.sort();
+    let mut read = HashSet::new();
+    files.retain(|file| read.insert(fs::canonicalize(file).unwrap_or_else(|_| file.clone())));
+    Ok(files)
+}
+
+/// The files under folder or file `path` into `files`, each folder (`folders`: where their
+/// links lead) walked once.
+fn walk(path: &Path, files: &mut Vec<PathBuf>, folders: &mut HashSet<PathBuf>) -> std::io::Result<()> {
+    if !fs::metadata(path)?.is_dir() {
+        files.push(path.to_path_buf());
+        return Ok(());
+    }
+    if !folders.insert(fs::canonicalize(path)?) {
+        return Ok(());
+    }
     for entry in fs::read_dir(path)? {
         let entry = entry?;
-        if entry.file_name().to_string_lossy().starts_with('.') {
-            continue;
+        if !entry.file_name().to_string_lossy().starts_with('.') {
+            walk(&entry.path(), files, folders)?;
         }
-        files.extend(files_under(&entry.path())?);
     }
-    files.sort();
-    Ok(files)
+    Ok(())
 }
 
 /// The files of a --data folder that hold documents (JSON Lines as `.jsonl` or `.json`, text
@@ -61,4 +79,26 @@ pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>
         ));
     }
     Ok((data, others))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file linked under two names is read once, at its first path; a link to a folder
+    /// above ends, and hidden files are skipped.
+    #[test]
+    fn linked_files_are_read_once_and_linked_folders_end() {
+        let dir = std::env::temp_dir().join(format!("ulysses-files-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("sub")).unwrap();
+        for (file, text) in [("GPL-3", "a"), ("sub/b.txt", "b"), (".hidden", "c")] {
+            fs::write(dir.join(file), text).unwrap();
+        }
+        std::os::unix::fs::symlink(dir.join("GPL-3"), dir.join("GPL")).unwrap();
+        std::os::unix::fs::symlink(&dir, dir.join("sub/up")).unwrap();
+        let names: Vec<String> = files_under(&dir).unwrap().iter().map(|f| f.strip_prefix(&dir).unwrap().display().to_string()).collect();
+        assert_eq!(names, ["GPL", "sub/b.txt"]);
+        fs::remove_dir_all(&dir).unwrap();
+    }
 }
