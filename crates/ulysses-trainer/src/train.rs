@@ -140,7 +140,9 @@ impl TrainConfig {
             ("sp_size (--sp)", self.layout.sp_size, usize::MAX),
             ("dp_size (--dp)", self.layout.dp_size, usize::MAX),
             ("grad_accumulation (--grad-accumulation)", self.grad_accumulation, counts),
-            ("batch_size (--batch-size)", self.batch_size, counts),
+            // The corpus draws a step's window i by hashing `step << 20 ^ i`: more would repeat
+            // the next step's windows.
+            ("batch_size (--batch-size)", self.batch_size, 1 << 20),
             ("steps (--steps)", self.steps, 1 << 40),
             ("d_model (--d-model)", model.d_model, model_sizes),
             ("n_layers (--layers)", model.n_layers, heads),

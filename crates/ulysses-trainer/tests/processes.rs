@@ -583,7 +583,7 @@ fn a_model_the_host_cannot_hold_is_refused_before_it_is_built() {
 #[test]
 fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     let dir = workspace("settings");
-    let cases: [(&str, &str, &str); 18] = [
+    let cases: [(&str, &str, &str); 19] = [
         ("--learning-rate", "-1", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "nan", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "inf", "learning_rate (--learning-rate) must be a finite number above 0"),
@@ -604,6 +604,8 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
         ("--seq-len", "18446744073709551615", "seq_len (--seq-len) 18446744073709551615 is past any model or run"),
         ("--layers", "18446744073709551615", "n_layers (--layers) 18446744073709551615 is past any model or run"),
         ("--batch-size", "100000000", "batch_size (--batch-size) 100000000 is past any model or run"),
+        // Past 2^20 the corpus's windows of one step repeat the next's.
+        ("--batch-size", "2097152", "batch_size (--batch-size) 2097152 is past any model or run this trainer takes (at most 1048576)"),
     ];
     for (flag, value, expected) in cases {
         // The shared arguments with this flag's value replaced (or added).
