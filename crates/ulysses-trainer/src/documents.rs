@@ -423,6 +423,21 @@ pub struct PackedDocuments {
     seed: u64,
 }
 
+/// Whether each packed sequence (of the documents' `lengths` in it, as `pack_documents` gives
+/// them) begins with a later piece of a document packing cut, not with a document's start.
+fn begins_mid_document(documents: &[Vec<i64>], seq_len: usize, lengths: &[Vec<usize>]) -> Vec<bool> {
+    let first_pieces: Vec<bool> = documents.iter().flat_map(|d| (0..d.len().div_ceil(seq_len)).map(|piece| piece == 0)).collect();
+    let mut piece = 0;
+    lengths
+        .iter()
+        .map(|pieces| {
+            let mid = !first_pieces[piece];
+            piece += pieces.len();
+            mid
+        })
+        .collect()
+}
+
 /// What packing into sequences of a length cuts: documents longer, and (with targets) the
 /// targets past each one's first piece.
 #[derive(Debug, PartialEq)]
@@ -485,9 +500,22 @@ impl PackedDocuments {
                  (--batch-size {batch_size}): give more data, or a smaller --batch-size or --seq-len"
             ));
         }
+        let mid_document = begins_mid_document(documents, seq_len, &lengths);
         let mut train: Vec<Packed> =
             sequences.into_iter().zip(lengths).zip(packed_targets.drain(..)).map(|((tokens, documents), targets)| Packed { tokens, documents, targets }).collect();
-        let eval = (hold_out && count >= 2 * batch_size).then(|| train.split_off(count - batch_size));
+        // The last batch, or more: the held-out sequences begin at a document's start (a
+        // document cut by packing would be evaluated on the continuation of text trained on).
+        let eval = match (hold_out && count >= 2 * batch_size).then(|| (batch_size..=count - batch_size).rev().find(|&split| !mid_document[split])) {
+            Some(Some(split)) => Some(train.split_off(split)),
+            Some(None) => {
+                tracing::warn!(
+                    "nothing held out of --data: its last {} sequences are pieces of one document that training also reads; give --eval-data",
+                    count - batch_size
+                );
+                None
+            }
+            None => None,
+        };
         tracing::info!(
             documents = documents.len(),
             sequences = count,
@@ -618,6 +646,22 @@ mod tests {
             let error = parse_line(line).err().unwrap_or_else(|| panic!("{line} was accepted"));
             assert!(error.contains(expected), "{line}: {error}");
         }
+    }
+
+    /// The held-out sequences begin at a document's start: a document cut across the last
+    /// batch's edge is trained on whole, and the sequences from its start on are held out.
+    #[test]
+    fn no_held_out_sequence_continues_a_document_trained_on() {
+        // Sequences of 4: [1 1 1 1] [2 2 2 2] [2 2 3 3] [4 4 4 4] [4 4 4 4] [4 5]; the last
+        // batch of 2 would be the 4's second piece and [4 5].
+        let documents = [vec![1; 4], vec![2; 6], vec![3; 2], vec![4; 9], vec![5]];
+        let held_out = |documents: &[Vec<i64>]| PackedDocuments::pack(documents, 4, 2, 0, true).unwrap().eval.map(|eval| eval.iter().map(|p| p.tokens.clone()).collect::<Vec<_>>());
+        assert_eq!(held_out(&documents), Some(vec![vec![4; 4], vec![4; 4], vec![4, 5]]));
+        // Whole documents at the edge: the last batch.
+        let whole = [vec![1; 4], vec![2; 4], vec![3; 4], vec![4; 4]];
+        assert_eq!(held_out(&whole), Some(vec![vec![3; 4], vec![4; 4]]));
+        // One document over every sequence: nothing can be held out apart.
+        assert_eq!(held_out(&[vec![7; 16]]), None);
     }
 
     #[test]
