@@ -325,6 +325,9 @@ struct Args {
     /// slow disk).
     #[arg(long, hide = true)]
     fault_slow_checkpoint_write: Option<f64>,
+    /// Test hook: world rank 0's write of each replicated checkpoint fails (a full disk).
+    #[arg(long, hide = true)]
+    fault_failed_checkpoint_write: bool,
     /// Test hook: with --eval-only, RANK kills its process (SIGKILL) before it evaluates, while
     /// its peers wait for it inside attention.
     #[arg(long, hide = true)]
@@ -1307,6 +1310,7 @@ where
                 nan_gradient: job.args.fault_nan_gradient,
                 kill: job.args.fault_kill,
                 slow_checkpoint_write: std::time::Duration::try_from_secs_f64(job.args.fault_slow_checkpoint_write.unwrap_or(0.0)).unwrap_or_default(),
+                failed_checkpoint_write: job.args.fault_failed_checkpoint_write,
             },
             host_optimizer_threads: Some(host_optimizer_threads),
         };

@@ -392,6 +392,8 @@ pub struct Faults {
     pub kill: Option<(usize, usize)>,
     /// World rank 0's write of each replicated checkpoint first waits this long (a slow disk).
     pub slow_checkpoint_write: std::time::Duration,
+    /// World rank 0's write of each replicated checkpoint fails (a full disk).
+    pub failed_checkpoint_write: bool,
 }
 
 /// How a rank's run is driven, beyond the config.
@@ -558,6 +560,11 @@ where
         let io = DeviceIo::of_this_thread() - io_before;
         model = next;
         reports.push(report);
+        // A checkpoint write that failed stops the run at the step that finds it done, not at
+        // the next checkpoint (every step since then lost).
+        if replicated_write.done() {
+            report_written(replicated_write.finish()?, options.progress.as_deref_mut());
+        }
         // A signal (`ulysses_training::request_stop`) on any rank: every rank learned it in
         // this step's health check, so all make this step the last, with its checkpoint.
         if report.stop_requested && step + 1 < last_step {
@@ -584,10 +591,14 @@ where
                     if is_first {
                         report_written(replicated_write.finish()?, options.progress.as_deref_mut());
                         let checkpoint = TrainingCheckpoint::take(dir, &model, optimizer, &state)?;
-                        let delay = options.faults.slow_checkpoint_write;
+                        let (delay, fails) = (options.faults.slow_checkpoint_write, options.faults.failed_checkpoint_write);
+                        let path = dir.display().to_string();
                         replicated_write.begin(step, move || {
                             std::thread::sleep(delay);
-                            checkpoint.write()
+                            match fails {
+                                true => Err(UlyssesError::Checkpoint { path, reason: "test hook: the write failed".into() }),
+                                false => checkpoint.write(),
+                            }
                         })?;
                     }
                     None
@@ -661,6 +672,11 @@ impl CheckpointWrite {
         let thread = std::thread::Builder::new().name("checkpoint-write".into()).spawn(write);
         self.0 = Some((step, thread.map_err(|e| UlyssesError::InvalidConfig(format!("cannot start the thread that writes the checkpoint: {e}")))?));
         Ok(())
+    }
+
+    /// Whether a write begun has ended (its outcome is waiting for [`finish`](Self::finish)).
+    fn done(&self) -> bool {
+        self.0.as_ref().is_some_and(|(_, write)| write.is_finished())
     }
 
     /// Waits for the write begun, if any: its step and file.

@@ -645,6 +645,14 @@ fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
         .unwrap();
     succeed(output);
     assert_eq!(read_checkpoint_state::<RunState>(&dir.join("run")).unwrap().completed_steps, 3);
+    // A write that fails (the checkpoint after step 5, counting from 0 as the metrics do)
+    // stops the run at the step that finds it done, not at the next checkpoint (after step
+    // 11), naming the step whose checkpoint it was.
+    let output = run_alone(&common_args(&dir, "failed", 12), &["--sp", "2", "--checkpoint-every", "6", "--eval-every", "0", "--fault-failed-checkpoint-write"]);
+    let text = show(&output);
+    assert!(!output.status.success() && text.contains("step 5: checkpoint") && text.contains("test hook: the write failed"), "{text}");
+    let steps = fs::read_to_string(dir.join("failed/metrics.csv")).map(|metrics| metrics.lines().count() - 1).expect("metrics of the steps taken");
+    assert!((6..=8).contains(&steps), "the run took {steps} steps, its checkpoint after step 5 failed:\n{text}");
     let _ = fs::remove_dir_all(&dir);
 }
 
