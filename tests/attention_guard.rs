@@ -350,8 +350,14 @@ fn grouped_query_heads_folded_into_rows_are_refused_once_token_ids_are_embedded(
                 .collect()
         })
     };
-    for sp in [2, 3] {
-        assert_refused_on_every_rank(&on_ranks(sp, UlyssesConfig::new()), &format!("folded query heads at SP = {sp}"));
+    // SP = 2 and 4: shards of 6 and 3 tokens, whose folded weights [.., 2·n, n] no other rule
+    // refuses (at SP = 3 the head dim, 8, equals 2·4, and the scores are refused as square).
+    for (sp, shard) in [(2, 6), (4, 3)] {
+        let results = on_ranks(sp, UlyssesConfig::new());
+        assert_refused_on_every_rank(&results, &format!("folded query heads at SP = {sp}"));
+        for message in results.iter().filter_map(|r| r.as_ref().err()) {
+            assert!(message.contains(&format!("{shard} x {shard}")), "SP = {sp}: not the folded weights refused: {message}");
+        }
     }
     // What it prevents: let through, every rank attends within its shard, far from one device.
     let want = folded_grouped_query_attention(token_ids::<Inner>(&Default::default()));

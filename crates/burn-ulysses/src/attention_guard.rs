@@ -35,6 +35,12 @@
 //! are `[.., n, L]`). Folded scores, `[.., G·n, d] · [.., d, n]`, pass: they are also
 //! cross-attention's `k·qᵀ` with a memory of `G·n`; their weights are refused next.
 //!
+//! The rule refuses any such product of whole per-head operands: a state summed over the
+//! shard's tokens (linear attention's `kᵀ·v` with a head dim a multiple of the shard) or
+//! latents attending to the shard are as wrong under SP (each rank sums over its own tokens)
+//! and refused alike; a folded cross-attention whose memory is as long as the shard is the
+//! one legitimate product it takes for attention.
+//!
 //! What shape cannot tell apart stays unguarded: a single matrix (batch 1, one head: as a
 //! linear layer looks), 2-D products, keys broadcast over the batch, rectangular products of
 //! a model that embeds no token ids through `module::embedding` (or embeds more than the
@@ -101,9 +107,12 @@ thread_local! {
 }
 
 /// `UlyssesBackend`'s embedding: the inner backend's, noting the length of the token ids for
-/// the guard (a rank's shard, however the data was cut).
+/// the guard (a rank's shard, however the data was cut). Ids of one token a row (a timestep's
+/// or a label's embedding, `[B, 1]`) are no sequence and leave the length noted.
 pub fn embedding_noting_length<X: ExchangeBackend>(weights: FloatTensor<X>, indices: IntTensor<X>) -> FloatTensor<X> {
-    EMBEDDED_TOKENS.with(|tokens| tokens.set(indices.shape().last().copied().unwrap_or(0)));
+    if let Some(&length) = indices.shape().last().filter(|&&length| length >= 2) {
+        EMBEDDED_TOKENS.with(|tokens| tokens.set(length));
+    }
     X::embedding(weights, indices)
 }
 
@@ -276,6 +285,9 @@ mod tests {
         type B = crate::UlyssesBackend<burn::backend::NdArray<f32>>;
         let device = Default::default();
         let _ = embedding(Tensor::<B, 2>::zeros([10, 4], &device), Tensor::<B, 2, Int>::zeros([3, 7], &device));
+        assert_eq!(EMBEDDED_TOKENS.get(), 7);
+        // A timestep's embedding after the tokens' leaves the shard's length.
+        let _ = embedding(Tensor::<B, 2>::zeros([10, 4], &device), Tensor::<B, 2, Int>::zeros([3, 1], &device));
         assert_eq!(EMBEDDED_TOKENS.get(), 7);
         assert!(attention_by_hand(&[2, 2, 21, 7], &[2, 2, 7, 16], SP2).is_some());
     }

@@ -87,6 +87,16 @@ impl DataIdentity {
             ));
         }
         if !saved.reading.is_empty() && self.reading != saved.reading {
+            // Only the reader's version: this trainer reads the same settings otherwise.
+            let without_reader = |reading: &str| reading.split(", ").filter(|part| !part.starts_with("reader ")).collect::<Vec<_>>().join(", ");
+            if without_reader(&saved.reading) == without_reader(&self.reading) {
+                return Some(format!(
+                    "the checkpoint's run read its data with an earlier version of this trainer's reader ({}), which makes other batches of \
+                     the same bytes in some data (a document cut across the held-out batch's edge; a chat line's tools); pass --allow-new-data to \
+                     continue with this one",
+                    saved.reading.split(", ").find(|part| part.starts_with("reader ")).unwrap_or("no version")
+                ));
+            }
             return Some(format!(
                 "the checkpoint's run read its data with {}, this one would read it with {}; resuming would continue on other \
                  batches. Resume with the same settings, or pass --allow-new-data to continue with these",
@@ -157,6 +167,9 @@ mod tests {
         let message = read("--loss-on all").differs_from(&read("--loss-on assistant")).expect("another --loss-on");
         assert!(message.contains("--loss-on assistant") && message.contains("--allow-new-data"), "{message}");
         assert_eq!(read("--loss-on all").differs_from(&DataIdentity::of(&b).unwrap()), None);
+        // The reader's version alone: said so.
+        let message = read("EOS 2, reader 3").differs_from(&read("EOS 2, reader 2")).expect("an earlier reader");
+        assert!(message.contains("an earlier version of this trainer's reader (reader 2)") && message.contains("--allow-new-data"), "{message}");
         // So is another chat template (an edited system prompt); a checkpoint that recorded
         // none (written before it was) is compared without one.
         let rendered = |text: &str| DataIdentity::of(&b).unwrap().rendered_with("/models/qwen3/chat_template.jinja", text);

@@ -399,7 +399,9 @@ fn parse_line(line: &str) -> Result<Pending, String> {
                 Some(_) => return Err("\"chat_template_kwargs\" must be an object of the chat template's variables".into()),
             };
             if let Some(tools) = fields.get("tools").filter(|tools| !tools.is_null()) {
-                variables.insert("tools".into(), tools.clone());
+                if variables.insert("tools".into(), tools.clone()).is_some() {
+                    return Err("has \"tools\" both beside \"messages\" and in \"chat_template_kwargs\": give them once".into());
+                }
             }
             match &fields["messages"] {
                 // A message's content is checked as the template renders it (a tool call may go without).
@@ -454,6 +456,24 @@ impl CutDocuments {
     }
 }
 
+/// What packing `documents` (those of `flag`, `--data` or `--eval-data`, `evaluated` or
+/// trained on) into sequences of `seq_len` cuts, said for the log, or `None` where it cuts none.
+pub fn cut_documents_note(documents: &[Vec<i64>], targets: Option<&[Vec<bool>]>, seq_len: usize, flag: &str, evaluated: bool) -> Option<String> {
+    let cut = CutDocuments::of(documents, targets, seq_len);
+    let how = if evaluated { "evaluated" } else { "trained" };
+    let answers = match targets {
+        Some(_) => format!("; {} of their target tokens lie past the first piece, {how} without the start of their document (the prompt)", cut.later_targets),
+        None => String::new(),
+    };
+    (cut.documents > 0).then(|| {
+        format!(
+            "{} {flag} document(s) longer than --seq-len {seq_len} were cut into pieces, each {how} as a document of its own (positions \
+             restart, no piece attends to another){answers}: --too-long refuse names them, a larger --seq-len keeps them whole",
+            cut.documents
+        )
+    })
+}
+
 /// One packed sequence, the lengths of its documents and, for supervised fine-tuning, whether
 /// each token is a target.
 #[derive(Debug, Clone)]
@@ -473,21 +493,6 @@ impl PackedDocuments {
     /// [`pack`](Self::pack) with each token's target flag (`targets[d]` for document `d`),
     /// which follows its token into the packed sequences.
     pub fn pack_with_targets(documents: &[Vec<i64>], targets: Option<&[Vec<bool>]>, seq_len: usize, batch_size: usize, seed: u64, hold_out: bool) -> Result<Self, String> {
-        let cut = CutDocuments::of(documents, targets, seq_len);
-        if cut.documents > 0 {
-            let answers = match targets {
-                Some(_) => format!(
-                    "; {} of their target tokens lie past the first piece, trained without the start of their document (the prompt)",
-                    cut.later_targets
-                ),
-                None => String::new(),
-            };
-            tracing::warn!(
-                "{} document(s) longer than --seq-len {seq_len} were cut into pieces, each trained as a document of its own (positions \
-                 restart, no piece attends to another){answers}: --too-long refuse names them, a larger --seq-len keeps them whole",
-                cut.documents
-            );
-        }
         let (sequences, lengths) = pack_documents(documents, seq_len);
         // Packing keeps every token in order: the flags, concatenated, cut as the tokens were.
         let mut flags = targets.map(|targets| targets.iter().flatten().copied());
@@ -630,6 +635,7 @@ mod tests {
         assert_eq!(Value::Object(variables), serde_json::json!({"tools": [{"name": "f"}], "enable_thinking": false}));
         for (line, expected) in [
             (r#"{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}"#, "\"chat_template_kwargs\" must be an object"),
+            (r#"{"messages": [{"role": "user", "content": "hi"}], "tools": [], "chat_template_kwargs": {"tools": []}}"#, "give them once"),
             (r#"{"text": "a", "input_ids": [1]}"#, "has \"text\" and \"input_ids\""),
             (r#"{"text": 3}"#, "must be a string"),
             (r#"{"input_ids": [1.5]}"#, "integer token ids"),
@@ -672,6 +678,9 @@ mod tests {
         assert_eq!(CutDocuments::of(&documents, Some(&targets), 4), CutDocuments { documents: 3, later_targets: 13 });
         assert_eq!(CutDocuments::of(&documents, None, 9), CutDocuments { documents: 1, later_targets: 0 });
         assert_eq!(CutDocuments::of(&documents, Some(&targets), 13), CutDocuments { documents: 0, later_targets: 0 });
+        let note = cut_documents_note(&documents, Some(&targets), 4, "--eval-data", true).expect("three cut");
+        assert!(note.starts_with("3 --eval-data document(s) longer than --seq-len 4") && note.contains("13 of their target tokens") && note.contains("evaluated without"), "{note}");
+        assert_eq!(cut_documents_note(&documents, None, 13, "--data", false), None);
     }
 
     /// The tokenizer's eos_token ends documents, as in TRL, over config.json's first id; the

@@ -34,7 +34,7 @@ use ulysses_dist::DistributedConfig;
 use ulysses_trainer::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     data_identity::DataIdentity,
-    documents::{DOCUMENT_READER_VERSION, DocumentReader, Documents, PackedDocuments, document_eos},
+    documents::{DOCUMENT_READER_VERSION, DocumentReader, Documents, PackedDocuments, cut_documents_note, document_eos},
     plot,
     run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
     tokens::TokenFile,
@@ -822,7 +822,8 @@ fn run(mut args: Args) -> Result<(), String> {
         let (loss_on, too_long) = (format!("{:?}", args.loss_on).to_lowercase(), format!("{:?}", args.too_long).to_lowercase());
         // The reader's version: a reader that tokenizes otherwise (since 2: one BOS, empty
         // texts left out, a prompt's trailing space, one EOS after a completion; the chat
-        // template's tojson) makes other batches of the same bytes.
+        // template's tojson; since 3: a chat line's tools and template arguments, the held-out
+        // sequences from a document's start) makes other batches of the same bytes.
         // With --eval-data, --data is trained whole (no batch held out): other batches.
         let whole = if args.eval_data.is_some() { ", trained whole (--eval-data)" } else { "" };
         data_identity = data_identity.read_with(format!("{tokenizer}, EOS {eos}, --loss-on {loss_on}, --too-long {too_long}, reader {DOCUMENT_READER_VERSION}{whole}"));
@@ -1036,10 +1037,17 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     // Evaluating takes every sequence, however few.
     let batch_size = if args.eval_only { 1 } else { config.batch_size };
     let hold_out = !args.eval_only && args.eval_data.is_none();
+    let note_cuts = |documents: &Documents, targets, flag: &str, evaluated: bool| {
+        if let Some(note) = cut_documents_note(&documents.ids, targets, config.seq_len, flag, evaluated).filter(|_| show_progress) {
+            tracing::warn!("{note}");
+        }
+    };
+    note_cuts(&documents, targets, "--data", args.eval_only);
     let mut packed = PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, batch_size, config.seed, hold_out)?;
     if let Some(held_out) = &args.eval_data {
         let documents = reader().read_as("--eval-data", held_out)?;
         let targets = answers(&documents, answers_only, "--eval-data", held_out)?;
+        note_cuts(&documents, targets, "--eval-data", true);
         packed = packed.held_out_by(PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, 1, config.seed, false)?);
     }
     if !args.eval_only && show_progress {

@@ -430,12 +430,14 @@ pub struct RunOptions<'a> {
 /// optimizer, at least one: the update runs beside the rank's device work (ZeRO-3), whose
 /// launches need a core too, and `ranks` updates at once would otherwise each take every core.
 /// A rank the launcher gave cores of its own (`LaunchEnv::cpus_of_its_own`, srun's
-/// `--cpus-per-task`) takes those: `cores` is then often that share already (srun binds each
-/// task to its cores), and dividing it again would leave most of them idle.
+/// `--cpus-per-task`) takes those where what it sees agrees: bound to them (`cores` is that
+/// share already, and dividing it again would leave most idle), or seeing enough for every
+/// rank's. Otherwise (the variable left by the batch script, not the step's) the share.
 pub fn host_threads_per_rank(cores: usize, ranks: usize, cpus_of_its_own: Option<usize>) -> NonZeroUsize {
+    let ranks = ranks.max(1);
     let share = match cpus_of_its_own {
-        Some(own) => cores.min(own),
-        None => cores / ranks.max(1),
+        Some(own) if cores == own || cores >= own.saturating_mul(ranks) => own,
+        _ => cores / ranks,
     };
     NonZeroUsize::new(share).unwrap_or(NonZeroUsize::MIN)
 }
@@ -1358,8 +1360,9 @@ mod tests {
             assert_eq!(host_threads_per_rank(cores, ranks, None).get(), each, "{cores} cores, {ranks} ranks");
         }
         // srun --cpus-per-task=12 with 4 tasks a node: bound to its 12 cores, or seeing the
-        // node's 48 (--cpu-bind=none), each rank takes its 12, not 3; never more than it sees.
-        for (cores, own, each) in [(12, 12, 12), (48, 12, 12), (8, 12, 8), (4, 0, 1)] {
+        // node's 48 (--cpu-bind=none), each rank takes its 12, not 3. Seeing 8 (a step of 8
+        // cores, 12 the batch script's), or 20, the share: 2, or 5.
+        for (cores, own, each) in [(12, 12, 12), (48, 12, 12), (8, 12, 2), (20, 12, 5), (4, 0, 1)] {
             assert_eq!(host_threads_per_rank(cores, 4, Some(own)).get(), each, "{cores} cores, {own} its own");
         }
     }

@@ -18,25 +18,16 @@ pub struct FloatParameter<B: Backend> {
 /// Every float parameter of `module`, in module order (the same on every rank: ids differ
 /// between processes, paths and order do not).
 pub fn float_parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<FloatParameter<B>> {
-    struct Collect<B: Backend> {
-        path: Vec<String>,
-        found: Vec<FloatParameter<B>>,
-    }
+    struct Collect<B: Backend>(Vec<(ParamId, Shape, Tensor<B, 1>)>);
     impl<B: Backend> ModuleVisitor<B> for Collect<B> {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let value = param.val();
-            self.found.push(FloatParameter { path: self.path.join("."), id: param.id, shape: value.shape(), values: value.flatten(0, D - 1) });
+            self.0.push((param.id, value.shape(), value.flatten(0, D - 1)));
         }
     }
-    let mut collect = Collect { path: Vec::new(), found: Vec::new() };
+    let mut collect = Collect(Vec::new());
     module.visit(&mut collect);
-    collect.found
+    parameter_paths(module).into_iter().zip(collect.0).map(|(path, (id, shape, values))| FloatParameter { path, id, shape, values }).collect()
 }
 
 /// The path of each float parameter of `module` (`layers.0.attention.wq.weight`), in module

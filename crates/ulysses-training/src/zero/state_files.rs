@@ -384,9 +384,18 @@ pub fn check_folder_shared<W: burn::tensor::backend::Backend>(dir: &Path, world:
     let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.as_nanos() as u64) ^ u64::from(std::process::id());
     let nonce = burn_ulysses::comm::all_gather_host_checked(world, &[nonce], "checkpoint folder probe")?[0][0];
     let probe = dir.join(format!(".shared-by-every-rank-{nonce:016x}"));
-    let written = world.rank() != 0 || fs::create_dir_all(dir).and_then(|()| fs::write(&probe, b"")).is_ok();
-    let written = burn_ulysses::comm::all_gather_host_checked(world, &[written as u64], "checkpoint folder probe written")?[0][0] == 1;
-    let seen = !written || probe.is_file();
+    let written = match world.rank() {
+        0 => fs::create_dir_all(dir).and_then(|()| fs::write(&probe, b"")).map_err(|e| e.to_string()),
+        _ => Ok(()),
+    };
+    let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[written.is_ok() as u64], "checkpoint folder probe written")?;
+    if let Err(error) = written {
+        return Err(shard_error(dir, format!("rank 0 cannot write into it ({error}): every checkpoint would fail; give --out a folder it can write")));
+    }
+    if every_rank[0][0] == 0 {
+        return Err(shard_error(dir, "rank 0 cannot write into it (its error says why): every checkpoint would fail"));
+    }
+    let seen = probe.is_file();
     let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[seen as u64], "checkpoint folder probe seen")?;
     if world.rank() == 0 {
         let _ = fs::remove_file(&probe);
@@ -704,6 +713,14 @@ mod tests {
             assert!(message.contains("is not the folder rank 0 writes for rank(s) [1]"), "rank {rank}: {message}");
         }
         assert_eq!(fs::read_dir(root.join("shared")).unwrap().count(), 0, "the probe is removed");
+        // A folder rank 0 cannot write: every rank stops as the run starts.
+        fs::write(root.join("a-file"), b"").unwrap();
+        let folders = root.clone();
+        let unwritable = burn_ulysses::comm::ThreadGroup::new(2).run(move |rank| check_folder_shared::<NdArray<f32>>(&folders.join("a-file/run"), &*rank.communicator()).map_err(|e| e.to_string()));
+        for (rank, result) in unwritable.into_iter().enumerate() {
+            let message = result.unwrap().expect_err("an unwritable folder passed");
+            assert!(message.contains("rank 0 cannot write into it"), "rank {rank}: {message}");
+        }
         fs::remove_dir_all(&root).unwrap();
     }
 
