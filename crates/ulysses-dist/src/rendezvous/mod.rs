@@ -52,7 +52,8 @@ impl Rendezvous {
                 let bind = match env.spans_nodes() {
                     true if env.master_addr.contains(':') => "::",
                     true => "0.0.0.0",
-                    false => env.master_addr.as_str(),
+                    // An IPv6 address as MASTER_ADDR takes (`[fd00::1]`) binds without its brackets.
+                    false => crate::env::bare_host(&env.master_addr),
                 };
                 RendezvousServer::start(bind, env.master_port, settings)
             })

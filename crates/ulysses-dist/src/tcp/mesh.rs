@@ -14,7 +14,7 @@
 use std::{
     collections::{BTreeSet, HashMap, VecDeque},
     io::{BufReader, BufWriter, Write},
-    net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs},
+    net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs},
     sync::{Arc, Condvar, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
@@ -85,26 +85,44 @@ impl Shared {
     }
 }
 
+/// The address a rank offers the others for the listener `bound`: itself, or where it is every
+/// interface (`ULYSSES_TCP_ADDR=0.0.0.0`, which no rank can dial), the port at the address
+/// `reaching_rank_0` gives.
+fn offered_address(bound: SocketAddr, reaching_rank_0: impl FnOnce() -> Result<String, DistError>) -> Result<SocketAddr, DistError> {
+    if !bound.ip().is_unspecified() {
+        return Ok(bound);
+    }
+    let ip = reaching_rank_0()?;
+    let ip = ip.parse::<IpAddr>().map_err(|e| DistError::Transport(format!("this rank's address {ip:?}: {e}")))?;
+    Ok(SocketAddr::new(ip, bound.port()))
+}
+
 impl Mesh {
     /// Joins the job's rendezvous and connects to every other rank.
     pub fn connect(env: &LaunchEnv, rendezvous: Rendezvous, token: &str, settings: MeshSettings) -> Result<Self, DistError> {
         let (rank, world_size) = (env.rank, env.world_size);
+        // The address this rank reached rank 0 from, unless ULYSSES_TCP_ADDR says otherwise.
+        let reaching_rank_0 = || rendezvous.local_ip().map_err(|e| DistError::Transport(format!("cannot tell this rank's address: {e}")));
         let host = match &settings.address {
-            Some(address) => address.clone(),
-            None => rendezvous.local_ip().map_err(|e| DistError::Transport(format!("cannot tell this rank's address: {e}")))?,
+            Some(address) => crate::env::bare_host(address).to_string(),
+            None => reaching_rank_0()?,
         };
-        // The address this rank reached rank 0 from is the one it offers the others: over
-        // loopback (MASTER_ADDR a name this node maps to 127.0.1.1) no other node could dial it.
-        if settings.address.is_none() && env.spans_nodes() && crate::env::is_this_machine_only(&host) {
-            return Err(DistError::Transport(format!(
-                "rank {rank} reaches rank 0 over loopback ({host}: MASTER_ADDR {} is this machine's own name here), so the ranks of \
-                 other nodes could not dial it: set ULYSSES_TCP_ADDR to this machine's network address, or MASTER_ADDR to rank 0's",
-                env.master_addr
-            )));
-        }
         let listener = TcpListener::bind((host.as_str(), 0))
             .map_err(|e| DistError::Transport(format!("cannot listen on {host}: {e}; set ULYSSES_TCP_ADDR to an address of this machine")))?;
-        let advertised = listener.local_addr().map_err(|e| DistError::Transport(e.to_string()))?;
+        let bound = listener.local_addr().map_err(|e| DistError::Transport(e.to_string()))?;
+        let advertised = offered_address(bound, reaching_rank_0)?;
+        // Over loopback (MASTER_ADDR a name this node maps to 127.0.1.1, or ULYSSES_TCP_ADDR
+        // 127.0.0.1) no other node could dial it.
+        if env.spans_nodes() && advertised.ip().is_loopback() {
+            let why = match &settings.address {
+                Some(address) => format!("ULYSSES_TCP_ADDR {address} is this machine's loopback"),
+                None => format!("it reaches rank 0 over loopback: MASTER_ADDR {} is this machine's own name here", env.master_addr),
+            };
+            return Err(DistError::Transport(format!(
+                "rank {rank} would offer the other ranks {advertised} ({why}), which the ranks of other nodes could not dial: set \
+                 ULYSSES_TCP_ADDR to this machine's network address, or MASTER_ADDR to rank 0's"
+            )));
+        }
         rendezvous.set(&format!("tcp/address/{rank}"), advertised.to_string().as_bytes())?;
 
         let deadline = Instant::now() + settings.connect_timeout;
@@ -420,4 +438,20 @@ fn admit(mut stream: TcpStream, env: &LaunchEnv, token: &str, connected: &[Optio
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listener on every interface offers the address that reaches rank 0, with its port;
+    /// one on an address, that address.
+    #[test]
+    fn every_interface_is_offered_as_the_address_that_reaches_rank_0() {
+        let reaching = || Ok("10.1.2.3".to_string());
+        assert_eq!(offered_address("0.0.0.0:4100".parse().unwrap(), reaching).unwrap(), "10.1.2.3:4100".parse().unwrap());
+        assert_eq!(offered_address("[::]:4100".parse().unwrap(), || Ok("fd00::7".to_string())).unwrap(), "[fd00::7]:4100".parse().unwrap());
+        let unasked = || -> Result<String, DistError> { panic!("an address was given") };
+        assert_eq!(offered_address("10.9.9.9:4100".parse().unwrap(), unasked).unwrap(), "10.9.9.9:4100".parse().unwrap());
+    }
 }
