@@ -235,7 +235,7 @@ impl NcclCommunicator {
         let failure = match checks.watch.check(&left, now) {
             Some(PeerLoss::Died(ranks)) => NcclError::PeerDied { op, ranks },
             Some(PeerLoss::Left { ranks, waited }) => NcclError::PeerLeft { op, ranks, waited },
-            None if now >= checks.deadline => NcclError::Timeout { op, after: self.process.timeout, departed: left.died },
+            None if now >= checks.deadline => NcclError::Timeout { op, after: self.process.timeout },
             None => return Ok(()),
         };
         self.abort();

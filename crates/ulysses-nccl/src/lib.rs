@@ -72,8 +72,13 @@ pub enum NcclError {
     Nccl { call: &'static str, code: cudarc::nccl::sys::ncclResult_t, message: String },
     #[error("CUDA: {0}")]
     Cuda(String),
-    #[error("{op} did not complete within {after:?}; ranks {departed:?} have left the job. The communicator was aborted.")]
-    Timeout { op: &'static str, after: std::time::Duration, departed: Vec<usize> },
+    #[error(
+        "{op} did not complete within {after:?} and no rank of its group has left the job; the communicator was aborted. A rank may be \
+         stuck or slow (raise ULYSSES_COLLECTIVE_TIMEOUT if it is only slow), or, on the first collectives across nodes, NCCL may \
+         have picked a network interface the other nodes cannot reach: run with NCCL_DEBUG=INFO to see which, and set \
+         NCCL_SOCKET_IFNAME to the one that reaches rank 0"
+    )]
+    Timeout { op: &'static str, after: std::time::Duration },
     #[error("{op} aborted: rank(s) {ranks:?} died (their rendezvous connection closed). Look at their own errors first.")]
     PeerDied { op: &'static str, ranks: Vec<usize> },
     #[error(

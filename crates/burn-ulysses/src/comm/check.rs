@@ -64,13 +64,16 @@ pub fn check_collectives<B: Backend>(comm: &dyn Communicator<B>, device: &B::Dev
     let got = host(comm.all_gather(mine()).map_err(fail)?);
     let want: Vec<f32> = (0..p).flat_map(|i| [i as f32 + 1.0, 2.0 * i as f32, -(i as f32)]).collect();
     report.push(check("all_gather", got, want, 0.0)?);
-    // Reduce-scatter: rank r gets part r of the reduction, bit for bit all_reduce's there
-    // (values whose f32 sum depends on the order: 1e8 beside small ones), and the maximum.
+    // Reduce-scatter: rank r gets part r of the reduction, all_reduce's there (values whose
+    // f32 sum depends on the order: 1e8 beside small ones), and the maximum. Within the
+    // rounding of another order of the ranks' sum: NCCL may reduce-scatter by a ring and
+    // all-reduce by a tree (at 4 GPUs or more); the host transports agree bit for bit.
     let parts = 4;
     let spread = |r: f32| -> Vec<f32> { (0..parts * p).map(|i| 1e8 * (i % 3) as f32 + r + 0.25 * i as f32).collect() };
     let whole = host(comm.all_reduce(tensor(spread(r), vec![parts * p]), ReduceOp::Sum).map_err(fail)?);
     let got = host(comm.reduce_scatter(tensor(spread(r), vec![parts * p]), ReduceOp::Sum).map_err(fail)?);
-    report.push(check("reduce_scatter sum: all_reduce's part", got, whole[me * parts..(me + 1) * parts].to_vec(), 0.0)?);
+    let order = (p - 1) as f32 * f32::EPSILON * whole.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    report.push(check("reduce_scatter sum: all_reduce's part", got, whole[me * parts..(me + 1) * parts].to_vec(), order)?);
     let got = host(comm.reduce_scatter(tensor(spread(r), vec![parts * p]), ReduceOp::Max).map_err(fail)?);
     report.push(check("reduce_scatter max", got, spread(p as f32 - 1.0)[me * parts..(me + 1) * parts].to_vec(), 0.0)?);
     let got = host(comm.reduce_scatter(tensor((0..p).flat_map(|_| [r, 2.0 * r]).collect(), vec![2 * p]), ReduceOp::Mean).map_err(fail)?);
