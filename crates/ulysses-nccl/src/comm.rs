@@ -41,6 +41,8 @@ type CudaTensor = CubeTensor<CudaRuntime>;
 /// the rendezvous (to name dead ranks).
 struct Process {
     device: CudaDevice,
+    /// The driver's device whose primary context this process holds (released on drop).
+    cu_device: cuda_sys::CUdevice,
     context: Raw<cuda_sys::CUcontext>,
     stream: Raw<cuda_sys::CUstream>,
     /// Held for the whole of a collective on any of the process's communicators: they share
@@ -50,6 +52,21 @@ struct Process {
     calls: Mutex<()>,
     rendezvous: Rendezvous,
     timeout: Duration,
+}
+
+impl Drop for Process {
+    /// The process's last communicator is gone: its stream, and its hold on the device's
+    /// primary context (each join took one of each).
+    fn drop(&mut self) {
+        // SAFETY: the stream and the context's hold are this process's own; no communicator
+        // is left to use them.
+        unsafe {
+            if cuda::ctx::set_current(self.context.0).is_ok() {
+                let _ = cuda::stream::destroy(self.stream.0);
+            }
+            let _ = cuda::primary_ctx::release(self.cu_device);
+        }
+    }
 }
 
 /// One wait's deadline, when it next asks the rendezvous, and what it has seen leave.
@@ -114,6 +131,7 @@ impl NcclCommunicator {
         let stream = cuda::stream::create(cuda::stream::StreamKind::NonBlocking).map_err(cuda_error)?;
         let process = Arc::new(Process {
             device: CudaDevice { index: gpu },
+            cu_device: device,
             context: Raw(context),
             stream: Raw(stream),
             calls: Mutex::new(()),
@@ -269,10 +287,16 @@ impl NcclCommunicator {
         let _exclusive = self.process.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.check_usable(op)?;
         let waited = Instant::now();
-        cubecl::future::block_on(client.sync()).map_err(|e| NcclError::Cuda(format!("CubeCL work before {op} failed: {e:?}")))?;
+        // A rank that cannot take its part aborts, as one that fails in it does: never left
+        // usable with its peers inside this collective.
+        let failed = |error: NcclError| {
+            self.abort();
+            error
+        };
+        cubecl::future::block_on(client.sync()).map_err(|e| failed(NcclError::Cuda(format!("CubeCL work before {op} failed: {e:?}"))))?;
         self.host_sync_nanos.fetch_add(waited.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.collectives.fetch_add(1, Ordering::Relaxed);
-        self.current_context()?;
+        self.current_context().map_err(failed)?;
         let stream = self.process.stream.0 as nccl::cudaStream_t;
         self.accept(launch(self.comm.0, stream), op)?;
         self.wait_ready(op)?;
@@ -674,7 +698,14 @@ impl NcclCommunicator {
             // SAFETY: live parent communicator, valid out-pointer and config.
             let started = unsafe { nccl::ncclCommSplit(self.comm.0, color as c_int, key as c_int, &mut child, &mut config) };
             self.accept(started, "ncclCommSplit").map_err(to_comm_error)?;
-            self.wait_ready("ncclCommSplit").map_err(to_comm_error)?;
+            if let Err(error) = self.wait_ready("ncclCommSplit") {
+                // The parent is aborted; so is the child it began, not left behind.
+                if !child.is_null() {
+                    // SAFETY: a communicator ncclCommSplit made, used by nothing yet.
+                    unsafe { nccl::ncclCommAbort(child) };
+                }
+                return Err(to_comm_error(error));
+            }
             // The child has its own abort flag: a failure while it gets ready aborts it alone.
             // Until it knows its members it watches its parent's.
             let mut child = Self::wrap(child, 0, 0, self.members.clone(), self.process.clone());
