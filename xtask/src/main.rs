@@ -108,7 +108,7 @@ fn burn_backend_dir() -> Result<PathBuf, String> {
     if backend["version"] != BURN_BACKEND_VERSION {
         return Err(format!(
             "burn-backend {} resolved, the generator was written for {BURN_BACKEND_VERSION}: \
-             review REBRANDED/INTERCEPTED, then update BURN_BACKEND_VERSION",
+             review INTERCEPTED/BACKEND_NAMED, then update BURN_BACKEND_VERSION",
             backend["version"]
         ));
     }
