@@ -580,7 +580,7 @@ where
         probe(Piece::Head);
         let grads = loss.backward();
         upstream.push(upstream_of(&last, &grads, "the head")?);
-        accumulator.accumulate(model, GradientsParams::from_grads(grads, &rest));
+        accumulator.accumulate(model, grads_in_f32(GradientsParams::from_grads(grads, &rest), &rest));
     }
     drop((hidden, rest));
     let mut upstream = upstream.finish();
@@ -610,7 +610,7 @@ where
             let grads = (output * Tensor::from_inner(upstream.restore_rows(&rows, &device))).sum().backward();
             core_grad.push(upstream_of(&attended, &grads, "a layer's after-core part (its core output)")?);
             residual_grad.push(upstream_of(&hidden, &grads, "a layer's after-core part (its input)")?);
-            layer_grads.accumulate(&layer, GradientsParams::from_grads(grads, &layer));
+            layer_grads.accumulate(&layer, grads_in_f32(GradientsParams::from_grads(grads, &layer), &layer));
         }
         // The layer's output gradient is in the tiles' now.
         drop(core_values);
@@ -625,7 +625,7 @@ where
         let grads = seed.backward();
         let input_grads =
             core_inputs.iter().map(|input| upstream_of(input, &grads, "a layer's core (one of its inputs)")).collect::<Result<Vec<_>, _>>()?;
-        layer_grads.accumulate(&layer, GradientsParams::from_grads(grads, &layer));
+        layer_grads.accumulate(&layer, grads_in_f32(GradientsParams::from_grads(grads, &layer), &layer));
         drop(core_inputs);
 
         // Before-core tiles, with graphs this time: the rest of the input's gradient.
@@ -642,7 +642,7 @@ where
             probe(Piece::BeforeCore { layer: index });
             let grads = seed.backward();
             input_grad.push(upstream_of(&hidden, &grads, "a layer's before-core part")? + residual_grad.restore_rows(&rows, &device));
-            layer_grads.accumulate(&layer, GradientsParams::from_grads(grads, &layer));
+            layer_grads.accumulate(&layer, grads_in_f32(GradientsParams::from_grads(grads, &layer), &layer));
         }
         upstream = input_grad.finish();
         if let Some(grads) = parameters.gradients_done(&layer, ParameterGroup::Layer(index), layer_grads.grads())? {
@@ -657,9 +657,26 @@ where
     let seed = (embedded * Tensor::from_inner(upstream.restore(&device))).sum();
     probe(Piece::Embedding);
     let grads = seed.backward();
-    accumulator.accumulate(&rest, GradientsParams::from_grads(grads, &rest));
+    accumulator.accumulate(&rest, grads_in_f32(GradientsParams::from_grads(grads, &rest), &rest));
     let grads = parameters.gradients_done(&rest, ParameterGroup::Rest, accumulator.grads())?.unwrap_or_else(GradientsParams::new);
     Ok((loss_sum.expect("a shard has at least one tile"), grads))
+}
+
+/// `grads` (of `module`'s parameters) in f32: the pieces' gradients of a half-precision compute
+/// copy (ZeRO-3's) are summed as replicated mixed precision sums its f32 parameters' (a head
+/// tile's, every tile's of a layer), not in bf16, which rounds each sum to 8 bits.
+fn grads_in_f32<B: TrainBackend, M: Module<B>>(mut grads: GradientsParams, module: &M) -> GradientsParams {
+    struct Cast<'a>(&'a mut GradientsParams);
+    impl<B: TrainBackend> ModuleVisitor<B> for Cast<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            if let Some(grad) = self.0.remove::<B::InnerBackend, D>(param.id) {
+                let grad = if grad.dtype() == burn::tensor::DType::F32 { grad } else { grad.cast(burn::tensor::FloatDType::F32) };
+                self.0.register(param.id, grad);
+            }
+        }
+    }
+    module.visit(&mut Cast(&mut grads));
+    grads
 }
 
 /// `model`'s output on a shard without a graph (evaluation), run as the checkpointed step's
