@@ -540,7 +540,9 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// device: whose sum is not finite; one read for all).
     pub(crate) fn first_non_finite_gradient(&self) -> Option<String> {
         let bad = match &self.grad_parts {
-            GradParts::Host(parts) => parts.iter().position(|part| part.as_ref().is_some_and(|p| p.iter().any(|g| !g.is_finite()))),
+            // On the rank's host threads, as the norm's squares are: one thread's pass over an
+            // 8B rank's parts held its device idle for seconds.
+            GradParts::Host(parts) => parts.iter().position(|part| part.as_ref().is_some_and(|p| !all_finite_on_threads(p, self.cast_threads))),
             GradParts::Device(parts) => {
                 let present: Vec<usize> = (0..parts.len()).filter(|&i| parts[i].is_some()).collect();
                 if present.is_empty() {
@@ -687,3 +689,31 @@ impl<B: TrainBackend> ModuleMapper<B> for Gathered<B> {
     }
 }
 
+/// Whether every value is finite, in chunks of at least 1M values, one a thread.
+fn all_finite_on_threads(values: &[f32], threads: NonZeroUsize) -> bool {
+    let chunk = values.len().div_ceil(threads.get()).max(1 << 20);
+    std::thread::scope(|scope| {
+        let chunks: Vec<_> = values.chunks(chunk).map(|chunk| scope.spawn(move || chunk.iter().all(|g| g.is_finite()))).collect();
+        chunks.into_iter().all(|chunk| chunk.join().expect("a finiteness scan cannot panic"))
+    })
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A NaN or an infinity anywhere, the last of several threads' chunks included, is found.
+    #[test]
+    fn a_value_that_is_not_finite_is_found_in_any_chunk() {
+        let threads = NonZeroUsize::new(4).unwrap();
+        let mut values = vec![1.5f32; (3 << 20) + 7];
+        assert!(all_finite_on_threads(&values, threads));
+        assert!(all_finite_on_threads(&[], threads));
+        for (at, bad) in [(0, f32::NAN), (values.len() - 1, f32::INFINITY), (1 << 20, f32::NEG_INFINITY)] {
+            values[at] = bad;
+            assert!(!all_finite_on_threads(&values, threads), "{bad} at {at}");
+            values[at] = 1.5;
+        }
+    }
+}
