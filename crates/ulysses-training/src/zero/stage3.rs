@@ -284,7 +284,9 @@ impl<B: TrainBackend> ShardedParameters<B> {
                 let index = *index_of.get(&id).ok_or_else(|| UlyssesError::InvalidConfig(format!("LayeredLm::visit_layer({layer}) visits a parameter the model does not hold")))?;
                 if let Some(other) = owner[index].replace(layer) {
                     return Err(UlyssesError::InvalidConfig(format!(
-                        "{} is visited by layers {other} and {layer} (LayeredLm::visit_layer): ZeRO-3 gathers a parameter with one layer; share it through the rest (embeddings, head)",
+                        "{} is visited by layers {other} and {layer} (LayeredLm::visit_layer): ZeRO-3 gathers a parameter with one layer, and \
+                         while a layer runs the others' parameters (and the rest's: embeddings, head) are placeholders, so a parameter \
+                         shared across layers is not supported under ZeRO-3: give each layer its own, or train without --zero 3",
                         found[index].path
                     )));
                 }
