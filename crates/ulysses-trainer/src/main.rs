@@ -1037,8 +1037,9 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     // Evaluating takes every sequence, however few.
     let batch_size = if args.eval_only { 1 } else { config.batch_size };
     let hold_out = !args.eval_only && args.eval_data.is_none();
+    // Said once, by the rank that shows progress; the others need not count.
     let note_cuts = |documents: &Documents, targets, flag: &str, evaluated: bool| {
-        if let Some(note) = cut_documents_note(&documents.ids, targets, config.seq_len, flag, evaluated).filter(|_| show_progress) {
+        if let Some(note) = show_progress.then(|| cut_documents_note(&documents.ids, targets, config.seq_len, flag, evaluated)).flatten() {
             tracing::warn!("{note}");
         }
     };

@@ -491,8 +491,9 @@ where
             Some(OptimizerPlace::Device)
         }
     };
-    // The order of a sharded checkpoint's sections (a ZeRO-3 model holds placeholders later).
-    let parameter_paths = ulysses_training::parameter_paths(&model);
+    // The order of a sharded checkpoint's sections (a ZeRO-3 model holds placeholders later);
+    // a replicated checkpoint goes by name.
+    let parameter_paths = sharded_place.map(|_| ulysses_training::parameter_paths(&model)).unwrap_or_default();
     // Each rank writes its part of a sharded checkpoint: a folder of each node's own is found
     // now, not at the first checkpoint.
     if let (Some(_), Some(dir)) = (sharded_place, &options.checkpoint_dir) {
