@@ -114,7 +114,9 @@ fn joining_without_a_server_times_out_with_the_address() {
 #[test]
 fn a_rank_that_never_joins_is_named() {
     let port = free_port();
-    let joining: Vec<_> = [0, 1].into_iter().map(|rank| std::thread::spawn(move || join(rank, 3, port, 1.0).map(drop))).collect();
+    // Rank 0 (the server) waits longer than rank 1: a rank 0 that timed out first would close
+    // the rendezvous under rank 1, which then saw that instead of its own timeout.
+    let joining: Vec<_> = [(0, 3.0), (1, 1.0)].into_iter().map(|(rank, timeout)| std::thread::spawn(move || join(rank, 3, port, timeout).map(drop))).collect();
     for joined in joining {
         let error = joined.join().unwrap().expect_err("rank 2 never joins").to_string();
         assert!(error.contains("waiting for all 3 ranks to join") && error.contains("waiting for rank 2"), "{error}");
