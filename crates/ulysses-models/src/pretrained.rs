@@ -297,7 +297,7 @@ pub fn save_pretrained_with<B: Backend>(model: &Decoder<B>, config: &HfConfig, d
 /// takes: the tokenizer and generation settings the model was trained with) copied into the
 /// folder.
 pub fn save_pretrained_including<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, options: SaveOptions, companions: &[(PathBuf, String)]) -> Result<(), CheckpointError> {
-    let tensors = model.collect(None, None, false).iter().map(|t| (t.full_path(), t.shape.to_vec())).collect();
+    let tensors = tensor_shapes(model);
     let mut writer = HfCheckpointWriter::begin(config, dir, options, tensors)?;
     for (file, name) in companions {
         writer.include(file, name)?;
@@ -306,6 +306,71 @@ pub fn save_pretrained_including<B: Backend>(model: &Decoder<B>, config: &HfConf
         writer.write_shard(shard, model)?;
     }
     writer.finish()
+}
+
+/// Every tensor's module path and shape, in the model's order.
+fn tensor_shapes<B: Backend>(model: &Decoder<B>) -> Vec<(String, Vec<usize>)> {
+    model.collect(None, None, false).iter().map(|t| (t.full_path(), t.shape.to_vec())).collect()
+}
+
+/// What [`save_pretrained_including`] writes, taken from the model into host memory (each
+/// safetensors shard serialized) to be written later, on another thread: a run goes on
+/// training while the folder is written. Holds the model in the saved dtype; while a shard is
+/// taken, that shard twice (burn-store hands its bytes out as a copy).
+pub struct HfCheckpointSnapshot {
+    config: HfConfig,
+    dir: PathBuf,
+    options: SaveOptions,
+    companions: Vec<(PathBuf, String)>,
+    tensors: Vec<(String, Vec<usize>)>,
+    /// Each shard's safetensors file, in [`plan_shard_paths`]'s order (the writer's).
+    shards: Vec<Vec<u8>>,
+}
+
+impl HfCheckpointSnapshot {
+    /// Reads `model`'s tensors (a device sync), cast and named as the folder `dir` saves them.
+    pub fn take<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, options: SaveOptions, companions: &[(PathBuf, String)]) -> Result<Self, CheckpointError> {
+        let tensors = tensor_shapes(model);
+        let shards = plan_shard_paths(&tensors, options)
+            .into_iter()
+            .map(|paths| {
+                let mut store = shard_store(SafetensorsStore::from_bytes(None), paths, options.dtype);
+                model.save_into(&mut store).map_err(|e| CheckpointError::file(dir, e))?;
+                store.get_bytes().map_err(|e| CheckpointError::file(dir, e))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { config: config.clone(), dir: dir.to_path_buf(), options, companions: companions.to_vec(), tensors, shards })
+    }
+
+    /// Writes the folder as [`save_pretrained_including`] would have when the snapshot was taken.
+    pub fn write(self) -> Result<(), CheckpointError> {
+        let mut writer = HfCheckpointWriter::begin(&self.config, &self.dir, self.options, self.tensors)?;
+        for (file, name) in &self.companions {
+            writer.include(file, name)?;
+        }
+        for (shard, bytes) in self.shards.into_iter().enumerate() {
+            let weights = writer.partial.join(writer.file_name(shard));
+            std::fs::write(&weights, bytes).map_err(io(&weights))?;
+            writer.shard_written(shard, weights);
+        }
+        writer.finish()
+    }
+
+    /// The folder it is written to.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// A safetensors store for one shard's tensors (`paths`), as a save writes them: Hugging
+/// Face's names and layouts, cast to `dtype`, and the metadata transformers asks for.
+fn shard_store(store: SafetensorsStore, paths: Vec<String>, dtype: DType) -> SafetensorsStore {
+    // transformers refuses safetensors whose `format` is not `pt` (burn-store writes `safetensors`).
+    let mut store = store.with_full_paths(paths).with_to_adapter(BurnToPyTorchAdapter.chain(CastFloats(dtype))).metadata("format", "pt");
+    for (from, to) in DECODER_TO_HF {
+        store = store.with_key_remapping(from, to);
+    }
+    store
 }
 
 /// A Hugging Face checkpoint folder written one safetensors shard at a time (what
@@ -391,22 +456,20 @@ impl HfCheckpointWriter {
     /// Writes shard `shard` from `model`, in which its tensors must be whole (the others may
     /// be anything).
     pub fn write_shard<B: Backend>(&mut self, shard: usize, model: &Decoder<B>) -> Result<(), CheckpointError> {
-        let file_name = self.file_name(shard);
-        let weights = self.partial.join(&file_name);
-        // transformers refuses safetensors whose `format` is not `pt` (burn-store writes `safetensors`).
-        let mut store = SafetensorsStore::from_file(&weights)
-            .with_full_paths(self.shard_paths(shard))
-            .with_to_adapter(BurnToPyTorchAdapter.chain(CastFloats(self.dtype)))
-            .metadata("format", "pt");
-        for (from, to) in DECODER_TO_HF {
-            store = store.with_key_remapping(from, to);
-        }
+        let weights = self.partial.join(self.file_name(shard));
+        let mut store = shard_store(SafetensorsStore::from_file(&weights), self.shard_paths(shard), self.dtype);
         model.save_into(&mut store).map_err(|e| CheckpointError::file(&weights, e))?;
+        self.shard_written(shard, weights);
+        Ok(())
+    }
+
+    /// Notes shard `shard` written to `weights`, for the index and the final sync.
+    fn shard_written(&mut self, shard: usize, weights: PathBuf) {
+        let file_name = self.file_name(shard);
         for &i in &self.shards[shard] {
             self.weight_map.insert(self.hf[i].clone(), file_name.clone().into());
         }
         self.written.push(weights);
-        Ok(())
     }
 
     /// Copies `file` into the folder as `name`, one of [`COMPANION_FILES`] (from the checkpoint

@@ -632,3 +632,47 @@ fn a_save_replaces_a_saved_folder_alone_and_carries_the_tokenizer_over() {
     assert!(!names(&root).iter().any(|n| n.starts_with(".other.partial-")), "a failed save's folder was left: {:?}", names(&root));
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A snapshot taken from a model and written later (a run writes it while it trains on) is the
+/// folder a save of that model writes: the same files, each safetensors file with the same
+/// tensors (names, dtypes, shapes, bytes) and metadata, sharded and whole; written after the
+/// model it came from is gone.
+#[test]
+fn a_snapshot_written_later_is_the_folder_a_save_writes() {
+    use burn::tensor::DType;
+    use ulysses_models::{HfCheckpointSnapshot, SaveOptions, save_pretrained_including};
+    let folder = model_fixtures().into_iter().find(|f| f.ends_with("qwen3")).expect("the qwen3 fixture");
+    let companions = [(folder.join("generation_config.json"), "generation_config.json".to_string())];
+    let root = std::env::temp_dir().join(format!("ulysses-models-{}-snapshot", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let tensors_of = |file: &Path| {
+        let bytes = std::fs::read(file).unwrap();
+        let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut tensors: Vec<_> = file.tensors().into_iter().map(|(name, t)| (name, t.dtype(), t.shape().to_vec(), t.data().to_vec())).collect();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        (tensors, metadata.metadata().clone())
+    };
+    for max_shard_bytes in [ulysses_models::DEFAULT_MAX_SHARD_BYTES, 100_000] {
+        let options = SaveOptions { dtype: DType::BF16, max_shard_bytes };
+        let (saved, later) = (root.join(format!("saved-{max_shard_bytes}")), root.join(format!("later-{max_shard_bytes}")));
+        let snapshot = {
+            let pretrained = from_pretrained::<Cpu>(&folder, &Default::default()).unwrap();
+            save_pretrained_including(&pretrained.model, &pretrained.config, &saved, options, &companions).unwrap();
+            HfCheckpointSnapshot::take(&pretrained.model, &pretrained.config, &later, options, &companions).unwrap()
+        };
+        std::thread::spawn(move || snapshot.write()).join().unwrap().unwrap();
+        let names = names_in(&saved);
+        assert_eq!(names_in(&later), names);
+        assert_eq!(names.iter().filter(|n| n.ends_with(".safetensors")).count() > 1, max_shard_bytes == 100_000, "{names:?}");
+        for name in &names {
+            let (a, b) = (saved.join(name), later.join(name));
+            match name.ends_with(".safetensors") {
+                true => assert!(tensors_of(&a) == tensors_of(&b), "{name} differs"),
+                false => assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap(), "{name} differs"),
+            }
+        }
+        from_pretrained::<Cpu>(&later, &Default::default()).expect("the snapshot's folder loads");
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}

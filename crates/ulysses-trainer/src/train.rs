@@ -29,7 +29,7 @@ use ulysses_training::{
 };
 use serde::{Deserialize, Serialize};
 
-use ulysses_models::{HfCheckpointWriter, HfConfig, Decoder, DecoderConfig, SaveOptions, plan_shard_paths, save_pretrained_including};
+use ulysses_models::{HfCheckpointSnapshot, HfCheckpointWriter, HfConfig, Decoder, DecoderConfig, SaveOptions, plan_shard_paths};
 
 use crate::{
     corpus::{BYTE_VOCAB, ByteCorpus},
@@ -390,7 +390,8 @@ pub struct Faults {
     /// backward, while its peers wait for its gradients (under ZeRO-3, in the update's first
     /// collective: the gradient's norm).
     pub kill: Option<(usize, usize)>,
-    /// World rank 0's write of each replicated checkpoint first waits this long (a slow disk).
+    /// World rank 0's write of each replicated checkpoint (and of `--save-hf` where the model is
+    /// whole) first waits this long (a slow disk).
     pub slow_checkpoint_write: std::time::Duration,
     /// World rank 0's write of each replicated checkpoint fails (a full disk).
     pub failed_checkpoint_write: bool,
@@ -585,34 +586,57 @@ where
         }
         let done = step + 1;
         let checkpoint_due = done == last_step || (options.checkpoint_every > 0 && done % options.checkpoint_every == 0);
-        if let (true, Some(dir)) = (checkpoint_due, &options.checkpoint_dir) {
+        if checkpoint_due {
             let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone(), data: options.data_identity.clone() };
-            // Replicated: rank 0 writes it all; sharded: every rank its part of the optimizer's
-            // state, whose master weights are the model (a collective; nothing gathered).
-            let path = match &mut optimizer {
-                RankOptimizer::Replicated(optimizer) => {
-                    if is_first {
-                        report_written(replicated_write.finish()?, options.progress.as_deref_mut());
-                        let checkpoint = TrainingCheckpoint::take(dir, &model, optimizer, &state)?;
-                        let (delay, fails) = (options.faults.slow_checkpoint_write, options.faults.failed_checkpoint_write);
-                        let path = dir.display().to_string();
-                        replicated_write.begin(step, move || {
-                            std::thread::sleep(delay);
-                            match fails {
-                                true => Err(UlyssesError::Checkpoint { path, reason: "test hook: the write failed".into() }),
-                                false => checkpoint.write(),
-                            }
-                        })?;
-                    }
+            // What rank 0 alone writes (a replicated checkpoint, --save-hf of the whole model)
+            // is taken into host memory now and written on a thread of its own, so that the
+            // other ranks do not wait through the write at the next step's collectives; the
+            // last such write ended first (one copy in memory at a time).
+            report_written(replicated_write.finish()?, options.progress.as_deref_mut());
+            let mut checkpoint = None;
+            match (&mut optimizer, &options.checkpoint_dir) {
+                (RankOptimizer::Replicated(optimizer), Some(dir)) if is_first => {
+                    checkpoint = Some(TrainingCheckpoint::take(dir, &model, optimizer, &state)?);
+                }
+                (RankOptimizer::Replicated(_), _) => {}
+                // Sharded: every rank its part of the optimizer's state, whose master weights
+                // are the model (a collective; nothing gathered).
+                (RankOptimizer::OnHost(optimizer), Some(dir)) => {
+                    let path = save_sharded_training_checkpoint::<B, _>(dir, optimizer, &parameter_paths, &state, done as u64, &*groups.world)?;
+                    report_written(path.map(|path| (step, path)), options.progress.as_deref_mut());
+                }
+                (RankOptimizer::OnDevice(optimizer), Some(dir)) => {
+                    let path = save_sharded_training_checkpoint::<B, _>(dir, optimizer, &parameter_paths, &state, done as u64, &*groups.world)?;
+                    report_written(path.map(|path| (step, path)), options.progress.as_deref_mut());
+                }
+                (_, None) => {}
+            }
+            let hf = match parts.as_mut() {
+                // Under ZeRO-3 every rank gathers a shard at a time for rank 0 (a collective).
+                Some(parts) => {
+                    save_hf_gathered_at(&model, parts, &options, groups, done)?;
                     None
                 }
-                RankOptimizer::OnHost(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, optimizer, &parameter_paths, &state, done as u64, &*groups.world)?,
-                RankOptimizer::OnDevice(optimizer) => save_sharded_training_checkpoint::<B, _>(dir, optimizer, &parameter_paths, &state, done as u64, &*groups.world)?,
+                None if is_first => take_hf(&model, &options)?,
+                None => None,
             };
-            report_written(path.map(|path| (step, path)), options.progress.as_deref_mut());
-        }
-        if checkpoint_due {
-            save_hf(&model, parts.as_mut(), &options, groups, done)?;
+            if checkpoint.is_some() || hf.is_some() {
+                let (delay, fails) = (options.faults.slow_checkpoint_write, options.faults.failed_checkpoint_write);
+                replicated_write.begin(step, move || {
+                    std::thread::sleep(delay);
+                    let written = match checkpoint {
+                        Some(checkpoint) if fails => Err(UlyssesError::Checkpoint { path: checkpoint.dir().display().to_string(), reason: "test hook: the write failed".into() }),
+                        Some(checkpoint) => checkpoint.write().map(Some),
+                        None => Ok(None),
+                    }?;
+                    if let Some(hf) = hf {
+                        let dir = hf.dir().to_path_buf();
+                        hf.write().map_err(|e| hf_error(&dir, e))?;
+                        tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+                    }
+                    Ok(written)
+                })?;
+            }
         }
         // After the checkpoint: an evaluation that fails (out of memory on a held-out batch
         // that is larger than a step's part) loses no step.
@@ -644,7 +668,17 @@ where
     report_written(replicated_write.finish()?, options.progress.as_deref_mut());
     // A resume of a run that had taken every step: --save-hf exports it.
     if first_step >= last_step {
-        save_hf(&model, parts.as_mut(), &options, groups, first_step)?;
+        match parts.as_mut() {
+            Some(parts) => save_hf_gathered_at(&model, parts, &options, groups, first_step)?,
+            None if is_first => {
+                if let Some(hf) = take_hf(&model, &options)? {
+                    let dir = hf.dir().to_path_buf();
+                    hf.write().map_err(|e| hf_error(&dir, e))?;
+                    tracing::info!(step = first_step, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+                }
+            }
+            None => {}
+        }
     }
     // Each rank's device, where the backend accounts for it (CubeCL's pools), and the host.
     if let Some(memory) = B::Wire::device_memory(device) {
@@ -661,16 +695,19 @@ where
     Ok((TrainedModel { model, parts }, reports))
 }
 
-/// Rank 0's write of a replicated checkpoint (after step `.0`), on a thread of its own while
+/// Rank 0's write of a replicated checkpoint and of `--save-hf` of the whole model (after step
+/// `.0`), on a thread of its own while
 /// the ranks train on: waiting for it held every other rank at the next step's collectives
 /// through the whole write, which for a large model on a slow disk outlasts their timeout.
 /// The next checkpoint waits for it before it takes its records (two would hold the state
 /// twice in host memory); dropped, it is waited for, so the run never ends with it unwritten.
 #[derive(Default)]
-struct CheckpointWrite(Option<(usize, JoinHandle<Result<PathBuf, UlyssesError>>)>);
+struct CheckpointWrite(Option<(usize, JoinHandle<Result<Option<PathBuf>, UlyssesError>>)>);
 
 impl CheckpointWrite {
-    fn begin(&mut self, step: usize, write: impl FnOnce() -> Result<PathBuf, UlyssesError> + Send + 'static) -> Result<(), UlyssesError> {
+    /// Starts `write` on a thread of its own: what rank 0 saves after step `step`, returning
+    /// the training checkpoint's file where it wrote one.
+    fn begin(&mut self, step: usize, write: impl FnOnce() -> Result<Option<PathBuf>, UlyssesError> + Send + 'static) -> Result<(), UlyssesError> {
         debug_assert!(self.0.is_none(), "finish the write before the next");
         let thread = std::thread::Builder::new().name("checkpoint-write".into()).spawn(write);
         self.0 = Some((step, thread.map_err(|e| UlyssesError::InvalidConfig(format!("cannot start the thread that writes the checkpoint: {e}")))?));
@@ -682,11 +719,11 @@ impl CheckpointWrite {
         self.0.as_ref().is_some_and(|(_, write)| write.is_finished())
     }
 
-    /// Waits for the write begun, if any: its step and file.
+    /// Waits for the write begun, if any: its step and the training checkpoint's file.
     fn finish(&mut self) -> Result<Option<(usize, PathBuf)>, UlyssesError> {
         let Some((step, write)) = self.0.take() else { return Ok(None) };
         let path = write.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)).map_err(|e| e.at_step(step))?;
-        Ok(Some((step, path)))
+        Ok(path.map(|path| (step, path)))
     }
 }
 
@@ -776,25 +813,22 @@ impl<B: TrainBackend> TrainedModel<B> {
     }
 }
 
-/// `--save-hf`, where asked, of the model after step `done`: under ZeRO-3 gathered a layer at a
-/// time (collective over the world), else written by world rank 0.
-fn save_hf<B: TrainBackend>(
-    model: &Decoder<B>,
-    parts: Option<&mut ShardedParameters<B>>,
-    options: &RunOptions,
-    groups: &ParallelGroups<B::Wire>,
-    done: usize,
-) -> Result<(), UlyssesError> {
+/// `--save-hf`, where asked, of the whole model on world rank 0: taken into host memory, to be
+/// written by [`HfCheckpointSnapshot::write`].
+fn take_hf<B: TrainBackend>(model: &Decoder<B>, options: &RunOptions) -> Result<Option<HfCheckpointSnapshot>, UlyssesError> {
+    let Some((dir, checkpoint)) = &options.save_hf else { return Ok(None) };
+    HfCheckpointSnapshot::take(model, checkpoint, dir, SaveOptions::new(DType::BF16), &options.save_hf_companions).map(Some).map_err(|e| hf_error(dir, e))
+}
+
+fn hf_error(dir: &Path, reason: impl std::fmt::Display) -> UlyssesError {
+    UlyssesError::Checkpoint { path: dir.display().to_string(), reason: format!("--save-hf: {reason}") }
+}
+
+/// `--save-hf`, where asked, of the model after step `done` under ZeRO-3 (collective over the
+/// world; world rank 0 writes).
+fn save_hf_gathered_at<B: TrainBackend>(model: &Decoder<B>, parts: &mut ShardedParameters<B>, options: &RunOptions, groups: &ParallelGroups<B::Wire>, done: usize) -> Result<(), UlyssesError> {
     let Some((dir, checkpoint)) = &options.save_hf else { return Ok(()) };
-    let saved = match parts {
-        Some(parts) => save_hf_gathered(model, parts, checkpoint, dir, &options.save_hf_companions, groups),
-        None => match groups.world_rank() == 0 {
-            true => save_pretrained_including(model, checkpoint, dir, SaveOptions::new(DType::BF16), &options.save_hf_companions).map(Some).map_err(|e| e.to_string()),
-            false => Ok(None),
-        },
-    }
-    .map_err(|reason| UlyssesError::Checkpoint { path: dir.display().to_string(), reason: format!("--save-hf: {reason}") })?;
-    if saved.is_some() {
+    if save_hf_gathered(model, parts, checkpoint, dir, &options.save_hf_companions, groups).map_err(|reason| hf_error(dir, reason))?.is_some() {
         tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
     }
     Ok(())

@@ -656,6 +656,45 @@ fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// `--save-hf` of a replicated run is written by rank 0 on the checkpoint's thread too: a write
+/// slower than the collective timeout stops no rank, and the folder holds the last step's model
+/// (the run's own, rounded to bf16).
+#[test]
+fn a_hugging_face_save_written_slower_than_the_collective_timeout_stops_no_rank() {
+    let dir = workspace("slow-save-hf");
+    let checkpoint = qwen3_and_tokenizer().0;
+    let saved = dir.join("saved-hf");
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let output = Command::new(launcher())
+        .args(["--nproc-per-node", "2", "--master-port", &port, "--kill-grace-secs", "20", "--"])
+        .arg(trainer())
+        .args(["--tokens", &dir.join("data.jsonl").display().to_string(), "--out", &dir.join("run").display().to_string(), "--model", &checkpoint.display().to_string()])
+        .args(["--seq-len", "16", "--batch-size", "4", "--steps", "3", "--learning-rate", "0.01", "--sp", "2", "--checkpoint-every", "2", "--eval-every", "0"])
+        .args(["--save-hf", &saved.display().to_string(), "--fault-slow-checkpoint-write", "3"])
+        .env("ULYSSES_COLLECTIVE_TIMEOUT", "2")
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let text = show(&succeed(output));
+    assert!(text.contains("step=3") && text.contains("saved in Hugging Face's format"), "{text}");
+    assert_saved_hf_is_the_run_model(&saved, &dir.join("run"));
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// The `--save-hf` folder `saved` holds the model the run in `out` saved, rounded to bf16, every
+/// tensor bit for bit.
+fn assert_saved_hf_is_the_run_model(saved: &Path, out: &Path) {
+    let loaded = ulysses_models::from_pretrained::<Cpu>(saved, &Default::default()).unwrap_or_else(|e| panic!("{} does not load: {e}", saved.display()));
+    let trained = parameters(out);
+    let loaded: Vec<_> = float_parameters(&loaded.model).into_iter().map(|p| (p.path, p.values.into_data().to_vec::<f32>().unwrap())).collect();
+    assert_eq!(loaded.len(), trained.len());
+    for ((name, got), (trained_name, want)) in loaded.iter().zip(&trained) {
+        assert_eq!(name, trained_name);
+        let rounded = want.iter().map(|&v| burn::tensor::bf16::from_f32(v).to_f32());
+        assert!(got.iter().zip(rounded).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: {} is not the model of the run's last step", saved.display());
+    }
+}
+
 #[test]
 fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     let dir = workspace("ignored-flags");
@@ -937,15 +976,7 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     // trained model (the run's own, rounded to bf16), every tensor.
     let saved_zero3 = dir.join("saved-hf-zero3");
     succeed(run_alone(&args("zero3"), &["--checkpoint-layers", "--zero", "3", "--save-hf", &saved_zero3.display().to_string()]));
-    let from_zero3 = from_pretrained::<NdArray>(&saved_zero3, &Default::default()).unwrap_or_else(|e| panic!("the ZeRO-3 folder does not load: {e}"));
-    let trained = parameters(&dir.join("zero3"));
-    let loaded: Vec<_> = float_parameters(&from_zero3.model).into_iter().map(|p| (p.path, p.values.into_data().to_vec::<f32>().unwrap())).collect();
-    assert_eq!(loaded.len(), trained.len());
-    for ((name, got), (trained_name, want)) in loaded.iter().zip(&trained) {
-        assert_eq!(name, trained_name);
-        let rounded = want.iter().map(|&v| burn::tensor::bf16::from_f32(v).to_f32());
-        assert!(got.iter().zip(rounded).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: the ZeRO-3 folder differs from the trained model");
-    }
+    assert_saved_hf_is_the_run_model(&saved_zero3, &dir.join("zero3"));
 
     // A model shape beside --model, --save-hf without --model, --model without --tokens.
     let refused = run_alone(&args("shaped"), &["--d-model", "64"]);

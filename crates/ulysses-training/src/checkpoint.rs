@@ -115,6 +115,11 @@ impl TrainingCheckpoint {
         Ok(Self { dir: dir.to_path_buf(), model_bytes, optimizer_bytes, state })
     }
 
+    /// The folder it is written to.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Writes `dir/`[`CHECKPOINT_FILE`] atomically; returns its path.
     pub fn write(self) -> Result<PathBuf, UlyssesError> {
         write_checkpoint(&self.dir, &self.model_bytes, &self.optimizer_bytes, None, &self.state)
