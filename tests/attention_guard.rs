@@ -18,6 +18,8 @@
 //!   `q_matmul`) and integer scores (`int_matmul`) are refused too.
 //! - Grouped query heads folded into rows (`[B, Hkv, G·S, d]`) are refused once the ranks
 //!   embed their token ids (cut by `narrow`); let through, they attend within each shard.
+//! - So are queries in chunks, latents, one pooling query and a loop over heads at batch 1
+//!   (sums over the shard's tokens, known by the ids' length); cross-attention passes.
 //! - A linear layer as wide as the local sequence passes the guard.
 
 use std::time::Duration;
@@ -333,23 +335,27 @@ fn token_ids<B: Backend>(device: &B::Device) -> Tensor<B, 2, Int> {
     Tensor::arange(0..(BATCH * SEQ) as i64, device).remainder_scalar(VOCAB as i64).reshape([BATCH, SEQ])
 }
 
+/// `work` on each of `sp` rank threads with its shard of the token ids, cut by `narrow`; each
+/// rank's output, or its panic message.
+fn on_ranks_from_ids(sp: usize, config: UlyssesConfig, work: impl Fn(Tensor<Sp, 2, Int>) -> Tensor<Sp, 3> + Send + Sync + 'static) -> Vec<Result<Vec<f32>, String>> {
+    with_deadline(Duration::from_secs(60), move || {
+        ThreadGroup::new(sp)
+            .run(|rank| {
+                let _sp = Sp::enter(RankScope::Thread, rank.communicator(), config.clone());
+                let length = SEQ / rank.size();
+                values(work(token_ids::<Sp>(&Default::default()).narrow(1, rank.rank() * length, length)))
+            })
+            .into_iter()
+            .map(|result| result.map_err(|panic| panic.message))
+            .collect()
+    })
+}
+
 #[test]
 fn grouped_query_heads_folded_into_rows_are_refused_once_token_ids_are_embedded() {
     // Rectangular products: the guard knows them for attention by the length of the token ids
     // each rank embedded (its shard, cut here by `narrow`).
-    let on_ranks = |sp: usize, config: UlyssesConfig| -> Vec<Result<Vec<f32>, String>> {
-        with_deadline(Duration::from_secs(60), move || {
-            ThreadGroup::new(sp)
-                .run(|rank| {
-                    let _sp = Sp::enter(RankScope::Thread, rank.communicator(), config.clone());
-                    let length = SEQ / rank.size();
-                    values(folded_grouped_query_attention(token_ids::<Sp>(&Default::default()).narrow(1, rank.rank() * length, length)))
-                })
-                .into_iter()
-                .map(|result| result.map_err(|panic| panic.message))
-                .collect()
-        })
-    };
+    let on_ranks = |sp: usize, config: UlyssesConfig| on_ranks_from_ids(sp, config, folded_grouped_query_attention);
     // SP = 2 and 4: shards of 6 and 3 tokens, whose folded weights [.., 2·n, n] no other rule
     // refuses (at SP = 3 the head dim, 8, equals 2·4, and the scores are refused as square).
     for (sp, shard) in [(2, 6), (4, 3)] {
@@ -370,6 +376,68 @@ fn grouped_query_heads_folded_into_rows_are_refused_once_token_ids_are_embedded(
     assert!(worst > 0.05, "shard-local attention only {worst:e} from one device");
     // At SP = 1, one device's output.
     assert_sequence_parallel(on_ranks(1, UlyssesConfig::new()), want);
+}
+
+/// Attention by hand whose products are not square: queries in chunks, latents, one pooling
+/// query, a loop over heads at batch 1; and cross-attention to a memory of its own.
+#[derive(Clone, Copy, Debug)]
+enum OverTheShard {
+    QueriesInChunks,
+    Latents(usize),
+    LoopOverHeadsAtBatchOne,
+    CrossAttention(usize),
+}
+
+impl OverTheShard {
+    fn forward<B: Backend>(self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let device = ids.device();
+        let embedding = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13);
+        let x = embedding.forward(ids);
+        let [batch, seq, _] = x.dims();
+        let attend = |q: Tensor<B, 4>, kv: Tensor<B, 3>| {
+            let (k, v) = (heads(kv.clone() * 0.5), heads(kv * 4.0));
+            softmax(q.matmul(k.swap_dims(2, 3)) / ((D_MODEL / HEADS) as f64).sqrt(), 3).matmul(v)
+        };
+        let merge = |context: Tensor<B, 4>| {
+            let [batch, heads, rows, head_dim] = context.dims();
+            context.swap_dims(1, 2).reshape([batch, rows, heads * head_dim])
+        };
+        match self {
+            Self::QueriesInChunks => merge(Tensor::cat(heads(x.clone()).chunk(2, 2).into_iter().map(|q| attend(q, x.clone())).collect(), 2)),
+            Self::Latents(latents) => {
+                let q = uniform_tensor::<B, 3>([1, latents, D_MODEL], 11, &device).repeat_dim(0, batch);
+                merge(attend(heads(q), x))
+            }
+            Self::LoopOverHeadsAtBatchOne => {
+                let (q, x) = (heads(x.clone()).narrow(0, 0, 1), x.narrow(0, 0, 1));
+                let (k, v) = (heads(x.clone() * 0.5), heads(x * 4.0));
+                let per_head = (0..HEADS).map(|h| {
+                    let (q, k, v) = (q.clone().narrow(1, h, 1), k.clone().narrow(1, h, 1), v.clone().narrow(1, h, 1));
+                    softmax(q.matmul(k.swap_dims(2, 3)), 3).matmul(v)
+                });
+                merge(Tensor::cat(per_head.collect(), 1)).reshape([1, seq, D_MODEL])
+            }
+            Self::CrossAttention(memory) => merge(attend(heads(x), uniform_tensor::<B, 3>([batch, memory, D_MODEL], 17, &device))),
+        }
+    }
+}
+
+#[test]
+fn sums_over_a_shards_tokens_are_refused_once_token_ids_are_embedded() {
+    // Each is attention by hand over the shard, refused at SP = 2 and 4 (shards of 6 and 3
+    // tokens); at SP = 1 one device's output.
+    for form in [OverTheShard::QueriesInChunks, OverTheShard::Latents(4), OverTheShard::Latents(1), OverTheShard::LoopOverHeadsAtBatchOne] {
+        for sp in [2, 4] {
+            assert_refused_on_every_rank(&on_ranks_from_ids(sp, UlyssesConfig::new(), move |ids| form.forward(ids)), &format!("{form:?} at SP = {sp}"));
+        }
+        assert_sequence_parallel(on_ranks_from_ids(1, UlyssesConfig::new(), move |ids| form.forward(ids)), form.forward(token_ids::<Inner>(&Default::default())));
+    }
+    // Cross-attention to a memory of 5 (no shard's length) is no attention over the shard.
+    for sp in [2, 4] {
+        for (rank, result) in on_ranks_from_ids(sp, UlyssesConfig::new(), |ids| OverTheShard::CrossAttention(5).forward(ids)).iter().enumerate() {
+            assert!(result.is_ok(), "cross-attention at SP = {sp}, rank {rank}: {result:?}");
+        }
+    }
 }
 
 #[test]

@@ -27,24 +27,25 @@
 //! Nor do the attention op's own products, the ring's blocks or any backward: they run on the
 //! inner backend.
 //!
-//! Grouped query heads folded into rows (`q` as `[B, Hkv, G·n, d]`) make rectangular
-//! products, which shape alone cannot tell from cross-attention's. The length of the token
-//! ids this thread last embedded (`module::embedding`: the rank's shard, however it was cut)
-//! tells them apart: weights times values `[.., G·n, n] · [.., n, d]` with `n` that length
-//! are refused (cross-attention's queries are the shard, its keys the memory, so its weights
-//! are `[.., n, L]`). Folded scores, `[.., G·n, d] · [.., d, n]`, pass: they are also
-//! cross-attention's `k·qᵀ` with a memory of `G·n`; their weights are refused next.
+//! Products that are not square, a group's query heads folded into rows (`q` as
+//! `[B, Hkv, G·n, d]`), queries in chunks, latents or a pooling query attending to the shard,
+//! cannot be told from cross-attention's by shape. The length of the token ids this thread
+//! last embedded (`module::embedding`: the rank's shard, however it was cut) tells them apart:
+//! a product of whole per-head operands that sums over that many tokens (`[.., m, n] · [.., n,
+//! d]` with `n` that length: weights times values however the queries come, transposed too,
+//! linear attention's `kᵀ·v`) is refused; cross-attention's sums run over its memory. At
+//! batch 1 a head of its own (4-D or more, `[1, 1, n, d]`: a loop over heads) is refused where
+//! its scores are the shard's square or it sums over the shard; a 3-D or 2-D matrix there
+//! looks as a linear layer does and passes.
 //!
-//! The rule refuses any such product of whole per-head operands: a state summed over the
-//! shard's tokens (linear attention's `kᵀ·v` with a head dim a multiple of the shard) or
-//! latents attending to the shard are as wrong under SP (each rank sums over its own tokens)
-//! and refused alike; a folded cross-attention whose memory is as long as the shard is the
-//! one legitimate product it takes for attention.
+//! The rule refuses any such product of whole per-head operands, legitimate or not; a
+//! cross-attention whose memory is as long as the shard is the one legitimate product it
+//! takes for attention.
 //!
-//! What shape cannot tell apart stays unguarded: a single matrix (batch 1, one head: as a
-//! linear layer looks), 2-D products, keys broadcast over the batch, rectangular products of
-//! a model that embeds no token ids through `module::embedding` (or embeds more than the
-//! shard), and cross-attention.
+//! What shape cannot tell apart stays unguarded: a single 3-D or 2-D matrix (a linear layer's
+//! shapes), keys broadcast over the batch, rectangular products of a model that embeds no
+//! token ids through `module::embedding` (or embeds more than the shard), extra keys
+//! (attention sinks) beside the shard's, shards of one token, and cross-attention.
 
 use std::{
     cell::Cell,
@@ -76,12 +77,23 @@ fn attention_matrix_size(lhs: &[usize], rhs: &[usize], shard: usize) -> Option<u
     // shared by a group, on the left in `k·qᵀ` and `vᵀ·wᵀ`, on the right otherwise).
     let leading = || lhs_leading.iter().zip(rhs_leading);
     let per_head = lhs_leading[0] == rhs_leading[0] && leading().skip(1).all(|(l, r)| l == r || *l == 1 || *r == 1);
-    if !per_head || leading().map(|(l, r)| *l.max(r)).product::<usize>() < 2 {
+    if !per_head {
         return None;
     }
     // Whether an operand is whole where the other is (the token × token matrix, scores or
     // weights, is never broadcast: a weight shared over the heads is).
     let (lhs_whole, rhs_whole) = (leading().all(|(l, r)| l >= r), leading().all(|(l, r)| r >= l));
+    // A sum over the shard's tokens: weights times values however the queries come (in
+    // chunks, latents, one pooling query, heads folded into rows, transposed), linear
+    // attention's `kᵀ·v`.
+    let sums_over_the_shard = shard >= 2 && *k == shard && lhs_whole && rhs_whole;
+    if leading().map(|(l, r)| *l.max(r)).product::<usize>() < 2 {
+        // One matrix. 3-D or 2-D, a linear layer's shapes at batch 1 (`[1, n, d]·[1, d, f]`);
+        // 4-D or more, a head of its own at batch 1 (a loop over heads), known for attention
+        // by the shard's length.
+        let scores = shard >= 2 && *m == shard && *n == shard && *k >= 2;
+        return (dims >= 4 && (scores || sums_over_the_shard)).then_some(shard);
+    }
     if *m >= 2 && m == n && *k >= 2 {
         // Scores, `q·kᵀ` (or `k·qᵀ`), over a head dim of two or more (a per-token outer
         // product contracts one).
@@ -92,9 +104,7 @@ fn attention_matrix_size(lhs: &[usize], rhs: &[usize], shard: usize) -> Option<u
     } else if *k >= 2 && k == n && rhs_whole {
         // Weights times values transposed: vᵀ·wᵀ.
         Some(*k)
-    } else if shard >= 2 && *k == shard && *m > shard && *m % shard == 0 && lhs_whole && rhs_whole {
-        // Weights times values, a group's query heads folded into rows: its queries over
-        // this rank's keys.
+    } else if sums_over_the_shard {
         Some(shard)
     } else {
         None
@@ -268,12 +278,48 @@ mod tests {
             (&[2, 4, 8, 16], &[2, 4, 16, 24]),
             (&[2, 4, 8, 16], &[2, 4, 16, 12]),
             (&[2, 4, 8, 24], &[2, 4, 24, 16]),
-            // Not a whole multiple of the shard, weights broadcast over the batch (square and
-            // folded), one matrix.
-            (&[2, 2, 20, 8], &[2, 2, 8, 16]),
+            // Weights broadcast over the batch (square and folded), one matrix.
             (&[2, 2, 8, 8][..], &[1, 1, 8, 16][..]),
             (&[2, 2, 24, 8], &[1, 2, 8, 16]),
             (&[1, 24, 8], &[1, 8, 16]),
+        ] {
+            assert_eq!(attention_matrix_size(lhs, rhs, 8), None, "{lhs:?} · {rhs:?} refused");
+        }
+    }
+
+    #[test]
+    fn sums_over_the_shards_tokens_are_refused_once_the_shard_length_is_known() {
+        // With 8 token ids embedded: weights times values of queries in chunks of 3, of 4
+        // latents, of one pooling query; folded query heads transposed (vᵀ·wᵀ); linear
+        // attention's kᵀ·v; at batch 1, a head of its own (scores, weights times values, 5-D);
+        // each passed without.
+        for (lhs, rhs) in [
+            (&[2, 4, 3, 8][..], &[2, 4, 8, 16][..]),
+            (&[2, 4, 4, 8], &[2, 4, 8, 16]),
+            (&[2, 4, 1, 8], &[2, 4, 8, 16]),
+            (&[2, 2, 16, 8], &[2, 2, 8, 24]),
+            (&[2, 4, 16, 8], &[2, 4, 8, 20]),
+            (&[8, 3, 8], &[8, 8, 16]),
+            (&[1, 1, 8, 16], &[1, 1, 16, 8]),
+            (&[1, 1, 3, 8], &[1, 1, 8, 16]),
+            (&[1, 1, 1, 8, 8], &[1, 1, 1, 8, 16]),
+        ] {
+            assert!(attention_matrix_size(lhs, rhs, 8).is_some(), "{lhs:?} · {rhs:?}");
+            assert_eq!(attention_matrix_size(lhs, rhs, 0), None, "{lhs:?} · {rhs:?}");
+        }
+        for (lhs, rhs) in [
+            // At batch 1, one matrix 3-D or 2-D (a linear layer's shapes, even as wide as the
+            // shard), a head's scores against a memory of another length, a per-head product
+            // over the head dim.
+            (&[1, 8, 16][..], &[1, 16, 8][..]),
+            (&[1, 8, 8], &[1, 8, 16]),
+            (&[1, 1, 8, 16], &[1, 1, 16, 12]),
+            (&[1, 1, 16, 12], &[1, 1, 12, 16]),
+            // Sums over other lengths (cross-attention's memory of 12), and over the shard's
+            // length where a weight is broadcast (a linear layer's).
+            (&[2, 4, 3, 12], &[2, 4, 12, 16]),
+            (&[2, 4, 16, 8], &[1, 1, 8, 16]),
+            (&[2, 4, 3, 8], &[2, 1, 8, 16]),
         ] {
             assert_eq!(attention_matrix_size(lhs, rhs, 8), None, "{lhs:?} · {rhs:?} refused");
         }

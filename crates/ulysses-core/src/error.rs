@@ -84,15 +84,20 @@ pub enum UlyssesError {
 
     #[error(
         "attention done by hand under sequence parallelism: a matmul of {lhs:?} by {rhs:?} \
-         between per-head activations involves a {tokens} x {tokens} matrix, the scores of \
-         this rank's {tokens} tokens against themselves or the weights applied to their values, \
-         while each sequence is spread over {ranks} ranks, so every rank would attend only within \
-         its own shard (a silently wrong result). Call `burn::tensor::module::attention` (with \
-         `is_causal: true` instead of a causal mask built from local shapes), or use \
-         burn_ulysses::nn::MultiHeadAttention (`MhaInput::causal()`); apply RoPE at the shard's \
-         global positions (SequenceShard::positions). To run a whole, unsharded sequence on one \
-         rank, do it inside burn_ulysses::context::enter_single_device(). A model that attends \
-         within each shard on purpose sets UlyssesConfig::shard_local_attention_on_purpose."
+         between per-head activations involves a {tokens} x {tokens} matrix or a sum over \
+         {tokens} tokens, the scores of this rank's {tokens} tokens or the weights applied to \
+         their values, while each sequence is spread over {ranks} ranks, so every rank would \
+         attend only within its own shard (a silently wrong result). Call \
+         `burn::tensor::module::attention` (with `is_causal: true` instead of a causal mask built \
+         from local shapes), or use burn_ulysses::nn::MultiHeadAttention (`MhaInput::causal()`); \
+         apply RoPE at the shard's global positions (SequenceShard::positions). A model that \
+         already calls module::attention is on the wrong stack: `UlyssesBackend<Autodiff<B>>`, \
+         not `Autodiff<UlyssesBackend<B>>` (whose attention is burn's matmuls). To run a whole, \
+         unsharded sequence on one rank, do it inside burn_ulysses::context::enter_single_device(). \
+         A product that is no attention but has these shapes (a weight per batch entry as wide \
+         as the shard) runs as a weight broadcast over the batch (`[1, ..]`) or through `Linear`. \
+         A model that attends within each shard on purpose sets \
+         UlyssesConfig::shard_local_attention_on_purpose."
     )]
     AttentionByHand { lhs: Vec<usize>, rhs: Vec<usize>, tokens: usize, ranks: usize },
 
