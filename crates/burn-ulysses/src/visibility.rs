@@ -85,7 +85,8 @@ impl Visibility {
     /// Whether query row `row` of sequence `b` sees key `key` (causality aside).
     pub fn sees(&self, b: usize, row: usize, key: usize) -> bool {
         let in_run = self.key_runs.as_ref().is_none_or(|runs| runs[b].contains(&key));
-        let in_window = self.window.is_none_or(|window| key + window > row);
+        // Saturating: a window of `usize::MAX` ("no limit") is no window.
+        let in_window = self.window.is_none_or(|window| key.saturating_add(window) > row);
         in_run && in_window && self.documents.as_ref().is_none_or(|documents| document_of(&documents[b], row) == document_of(&documents[b], key))
     }
 
@@ -142,6 +143,11 @@ mod tests {
         let visibility = Visibility::documents(&positions).with_window(2).unwrap();
         assert!(visibility.sees(0, 4, 3) && !visibility.sees(0, 4, 2) && visibility.sees(0, 6, 5) && !visibility.sees(0, 5, 4));
         assert!(Visibility::all(1, 3, 4).with_window(2).is_err());
+        // A window wider than the sequence, to `usize::MAX`, hides nothing.
+        for window in [4, usize::MAX - 2, usize::MAX] {
+            let visibility = Visibility::all(1, 4, 4).with_window(window).unwrap();
+            assert!((0..4).all(|row| (0..4).all(|key| visibility.sees(0, row, key))), "window {window}");
+        }
     }
 
     #[test]

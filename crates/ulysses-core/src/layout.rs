@@ -146,7 +146,7 @@ impl AttentionLayout {
             mask,
             self.has_bias as u64,
             self.has_documents as u64,
-            self.window.map_or(0, |window| window as u64 + 1),
+            self.window.map_or(0, |window| (window as u64).saturating_add(1)),
         ];
         debug_assert_eq!(encoded.len(), FIELDS.len());
         encoded
@@ -573,6 +573,10 @@ mod tests {
         assert!(err.contains("local query sequence length"), "{err}");
         assert!(err.contains("rank 0 has 8, rank 1 has 7") && err.contains("pad"), "{err}");
         assert!(AttentionLayout::check_agreement(&[layout.encode(), layout.encode()]).is_ok());
+        // A window of `usize::MAX` ("no limit") encodes as one, not as no window.
+        let unlimited = AttentionLayout { window: Some(usize::MAX), ..layout.clone() };
+        assert!(AttentionLayout::check_agreement(&[unlimited.encode(), unlimited.encode()]).is_ok());
+        assert!(AttentionLayout::check_agreement(&[unlimited.encode(), layout.encode()]).unwrap_err().to_string().contains("window"));
     }
 
     #[test]

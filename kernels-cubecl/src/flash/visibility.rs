@@ -92,7 +92,8 @@ impl VisibleRanges {
                 let at = b * self.seq_q + position;
                 let keys = (position + 1).saturating_sub(window) as u32..self.seq_kv as u32;
                 self.row_keys[at] = intersect(&self.row_keys[at], &keys);
-                let rows = 0..(position + window).min(self.seq_q) as u32;
+                // Saturating: a window of `usize::MAX` ("no limit") is no window.
+                let rows = 0..position.saturating_add(window).min(self.seq_q) as u32;
                 self.key_rows[at] = intersect(&self.key_rows[at], &rows);
             }
         }
@@ -216,6 +217,10 @@ mod tests {
         }
         assert!(VisibleRanges::all(1, 4, 5).unwrap().with_window(2).is_err());
         assert!(VisibleRanges::all(1, 4, 4).unwrap().with_window(0).is_err());
+        // A window wider than the sequence, to `usize::MAX`, hides nothing.
+        for window in [4, 5, usize::MAX - 2, usize::MAX] {
+            assert_eq!(VisibleRanges::all(1, 4, 4).unwrap().with_window(window).unwrap(), VisibleRanges::all(1, 4, 4).unwrap(), "window {window}");
+        }
     }
 
     #[test]
