@@ -364,3 +364,27 @@ fn blocked_attention_equals_the_f64_reference_across_block_edges() {
         }
     }
 }
+
+#[test]
+fn blocked_attention_in_half_precision_keeps_its_softmax_statistics_in_f32() {
+    use burn::tensor::DType;
+    let device = plain_device().autodiff();
+    let constant = |value: f32, shape: [usize; 4], dtype: DType| Tensor::<4>::from_data(TensorData::new(vec![value; shape.iter().product()], shape), &device).cast(dtype);
+    // A query over `keys` equal keys: each value's gradient is 1/keys (the loss sums the
+    // output), up to the half-precision rounding of the probabilities, `tolerance`.
+    // - f16 over 70 000 keys: their exponentials' sum passes f16's largest value, 65 504.
+    // - bf16 over 5 066 keys: a log-sum-exp of 8.53, which bf16 rounds to 8.5 (3% off).
+    for (dtype, keys, tolerance) in [(DType::F16, 70_000, 0.01), (DType::BF16, 5_066, 0.005)] {
+        let v = constant(1.0, [1, 1, keys, 16], dtype).require_grad();
+        let output = attention_in_blocks(constant(0.0, [1, 1, 1, 16], dtype), constant(0.0, [1, 1, keys, 16], dtype), v.clone(), None, BlockedOptions::default(), 128);
+        let output = output.cast(DType::F32);
+        let grads = output.clone().sum().backward();
+        // The output's own sum over the keys is the backend's matmul (Flex sums f16 in f16).
+        let output = values(output);
+        assert!(output.iter().all(|o| o.is_finite() && *o > 0.0), "{dtype:?} over {keys} keys: output {output:?}");
+        let dv = values(v.grad(&grads).expect("dv").cast(DType::F32));
+        let want = 1.0 / keys as f32;
+        let worst = dv.iter().map(|g| if g.is_finite() { ((g - want) / want).abs() } else { f32::INFINITY }).fold(0.0f32, f32::max);
+        assert!(worst < tolerance, "{dtype:?} over {keys} keys: dv {} where 1/{keys} is {want} (relative {worst:e})", dv[0]);
+    }
+}
