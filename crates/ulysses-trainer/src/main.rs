@@ -298,7 +298,7 @@ struct Args {
     /// reaches it, with the seconds since the micro-batch began and the device memory in use
     /// and reserved: for steps that take minutes, how far one got and how its memory grew
     /// (the host's time: the device may trail it by what is queued)
-    #[arg(long, requires = "checkpoint_layers")]
+    #[arg(long)]
     progress: bool,
     /// Check the command line, the settings, the data (a --resume's checkpoint too) and the --out
     /// folder, say what the run would be, and exit: nothing is trained or written. The memory a run needs is
@@ -433,8 +433,9 @@ struct Job<'a> {
 /// defaults applied: a learning-rate schedule 150 times the run's (warned about alone), or a
 /// refusal naming `--seq-len`. A setting given and different is kept: `check_resumable`
 /// refuses what would train something else and warns of another schedule. Returns the
-/// settings taken, as flags.
-fn take_resumed_settings(args: &mut Args, saved: &RunState) -> Vec<String> {
+/// settings taken, as flags, and those of the run's memory settings that memory flags given
+/// here replace (named in a warning).
+fn take_resumed_settings(args: &mut Args, saved: &RunState) -> (Vec<String>, Vec<String>) {
     let given = args.given.clone();
     let mut taken = Vec::new();
     let mut take = |id: &str, differs: bool, flag: String| {
@@ -514,32 +515,47 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> Vec<String> {
         }
     }
     // Where the state lives (a sharded optimizer's checkpoint resumes under one alone), as a
-    // whole: any of these flags given, and the run's own are kept.
-    let memory = ["offload_optimizer", "zero", "checkpoint_layers", "offload_to_host", "tile_tokens", "offload_parameters"];
-    if !memory.iter().any(|id| given.contains(*id)) {
-        let layers = config.layer_checkpointing.as_ref();
-        if take("offload_optimizer", args.offload_optimizer != config.offload_optimizer, "--offload-optimizer".into()) {
-            args.offload_optimizer = config.offload_optimizer;
-        }
-        if take("zero", args.zero != config.zero_stage, format!("--zero {}", config.zero_stage)) {
-            args.zero = config.zero_stage;
-        }
-        if take("checkpoint_layers", args.checkpoint_layers != layers.is_some(), "--checkpoint-layers".into()) {
-            args.checkpoint_layers = layers.is_some();
-        }
-        let offload_to_host = layers.is_some_and(|layers| layers.offload_to_host);
-        if take("offload_to_host", args.offload_to_host != offload_to_host, "--offload-to-host".into()) {
-            args.offload_to_host = offload_to_host;
-        }
-        let tile_tokens = layers.and_then(|layers| layers.tile_tokens);
-        if take("tile_tokens", args.tile_tokens != tile_tokens, format!("--tile-tokens {}", tile_tokens.unwrap_or_default())) {
-            args.tile_tokens = tile_tokens;
-        }
-        if take("offload_parameters", args.offload_parameters != config.offload_parameters, "--offload-parameters".into()) {
-            args.offload_parameters = config.offload_parameters;
+    // whole: any of these flags given, and the run's own are replaced (how a saved flag is
+    // turned off), those not given again named.
+    let layers = config.layer_checkpointing.as_ref();
+    let (offload_to_host, tile_tokens) = (layers.is_some_and(|layers| layers.offload_to_host), layers.and_then(|layers| layers.tile_tokens));
+    let saved_memory = [
+        ("offload_optimizer", args.offload_optimizer != config.offload_optimizer, "--offload-optimizer".to_string()),
+        ("zero", args.zero != config.zero_stage, format!("--zero {}", config.zero_stage)),
+        ("checkpoint_layers", args.checkpoint_layers != layers.is_some(), "--checkpoint-layers".into()),
+        ("offload_to_host", args.offload_to_host != offload_to_host, "--offload-to-host".into()),
+        ("tile_tokens", args.tile_tokens != tile_tokens, format!("--tile-tokens {}", tile_tokens.unwrap_or_default())),
+        ("offload_parameters", args.offload_parameters != config.offload_parameters, "--offload-parameters".into()),
+    ];
+    if saved_memory.iter().any(|(id, ..)| given.contains(*id)) {
+        let replaced = saved_memory.into_iter().filter(|(id, differs, _)| !given.contains(*id) && *differs).map(|(.., flag)| flag).collect();
+        return (taken, replaced);
+    }
+    for (id, differs, flag) in saved_memory {
+        if take(id, differs, flag) {
+            match id {
+                "offload_optimizer" => args.offload_optimizer = config.offload_optimizer,
+                "zero" => args.zero = config.zero_stage,
+                "checkpoint_layers" => args.checkpoint_layers = layers.is_some(),
+                "offload_to_host" => args.offload_to_host = offload_to_host,
+                "tile_tokens" => args.tile_tokens = tile_tokens,
+                _ => args.offload_parameters = config.offload_parameters,
+            }
         }
     }
-    taken
+    (taken, Vec::new())
+}
+
+/// Whether `model` is the byte model of some shape (a run without --model or --hf-config).
+fn is_byte_model(model: &ulysses_models::DecoderConfig) -> bool {
+    let byte = ulysses_models::DecoderConfig::new(BYTE_VOCAB)
+        .with_d_model(model.d_model)
+        .with_n_layers(model.n_layers)
+        .with_n_heads(model.n_heads)
+        .with_n_kv_heads(model.n_kv_heads)
+        .with_ffn_hidden(model.ffn_hidden)
+        .with_repeat_kv(model.repeat_kv);
+    serde_json::to_value(&byte).ok() == serde_json::to_value(model).ok()
 }
 
 /// The flags given that change nothing in this run, each with why: warned, not refused (one
@@ -584,10 +600,34 @@ fn run(mut args: Args) -> Result<(), String> {
     // it is checked against the run once the run is set up.
     let resumed: Option<RunState> = args.resume.as_deref().map(read_checkpoint_state).transpose().map_err(|e| e.to_string())?;
     if let Some(saved) = &resumed {
-        let taken = take_resumed_settings(&mut args, saved);
+        let (taken, replaced) = take_resumed_settings(&mut args, saved);
         if !taken.is_empty() {
             tracing::info!("resuming with the checkpoint's {}", taken.join(", "));
         }
+        if !replaced.is_empty() {
+            tracing::warn!(
+                "the resumed run's {} are not kept: memory flags given here replace its memory settings as a whole; give them again to keep them",
+                replaced.join(", ")
+            );
+        }
+    }
+    // A fine-tune's checkpoint holds its weights and settings, not the --model (or
+    // --hf-config) folder its shape and tokenizer came from: without it the byte model's shape
+    // would be refused as another model, naming fields, not the flag.
+    if let Some(saved) = &resumed
+        && args.model.is_none()
+        && args.hf_config.is_none()
+        && !is_byte_model(&saved.config.model)
+    {
+        let data = saved.data.as_ref().map(|data| format!(" (its data: {})", data.path)).unwrap_or_default();
+        return Err(format!(
+            "--resume: the checkpoint's run trained a Hugging Face model (--model or --hf-config){data}, which a checkpoint does not name: \
+             give --model (or --hf-config) and the data flags of that run again with --resume; the weights and settings come from the checkpoint"
+        ));
+    }
+    // After the resumed settings: a resumed run's --checkpoint-layers counts.
+    if args.progress && !args.checkpoint_layers {
+        return Err("--progress logs each layer's forward and backward under --checkpoint-layers: give --checkpoint-layers too".into());
     }
     // --launch threads reads no launcher variable: a broken or foreign one must not stop it.
     let launch = match args.launch {

@@ -452,6 +452,28 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A resume takes the run's memory settings as a whole: with none given, all of them (and
+/// `--progress` finds the run's `--checkpoint-layers`); with some given, those replace the
+/// run's, and the ones not given again are named.
+#[test]
+fn a_resume_keeps_the_runs_memory_settings_or_names_those_it_replaces() {
+    let dir = workspace("resume-memory");
+    succeed(run_alone(&common_args(&dir, "tiled", 2), &["--sp", "2", "--checkpoint-layers", "--tile-tokens", "4", "--stop-after", "1"]));
+    let resume = |extra: &[&str]| {
+        let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--resume".into(), dir.join("tiled").display().to_string(), "--check".into()];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        show(&succeed(run_alone(&args, &[])))
+    };
+    let text = resume(&["--progress"]);
+    assert!(text.contains("--checkpoint-layers, --tile-tokens 4") && !text.contains("not kept"), "{text}");
+    let text = resume(&["--checkpoint-layers"]);
+    assert!(text.contains("the resumed run's --tile-tokens 4 are not kept") && text.contains("give them again"), "{text}");
+    // A run without layers to log: refused, naming the flag.
+    let refused = run_alone(&common_args(&dir, "plain", 1), &["--progress", "--check"]);
+    assert!(!refused.status.success() && show(&refused).contains("give --checkpoint-layers too"), "{}", show(&refused));
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// The optimizer on the host (`--offload-optimizer`) and ZeRO-3 (`--zero 3`: parameters and
 /// gradients in parts too, each layer gathered for its pieces; the optimizer's parts on the
 /// host or on the device) train as replicated AdamW does,
@@ -962,6 +984,12 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     let saved = dir.join("saved-hf");
     succeed(run_alone(&args("tuned"), &["--save-hf", &saved.display().to_string()]));
     assert_eq!(losses(&dir.join("tuned")).len(), 3);
+    // Its checkpoint resumed without --model (which a checkpoint does not name): refused, naming
+    // the flag and the run's data.
+    let tuned = dir.join("tuned").display().to_string();
+    let refused = run_alone(&["--tokens".into(), dir.join("data.jsonl").display().to_string(), "--resume".into(), tuned, "--check".into()], &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("give --model (or --hf-config)") && text.contains("data.jsonl"), "{text}");
 
     let original = from_pretrained::<NdArray>(&checkpoint, &Default::default()).unwrap();
     let tuned = from_pretrained::<NdArray>(&saved, &Default::default()).unwrap_or_else(|e| panic!("the saved folder does not load: {e}"));
