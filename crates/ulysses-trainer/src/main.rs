@@ -704,7 +704,10 @@ fn run(mut args: Args) -> Result<(), String> {
             return Err(format!("--out {} is the {flag} folder, whose config.json the run's own would replace: give the run a folder of its own", out.display()));
         }
     }
-    for (data, flag) in [(args.data.as_deref(), "--data"), (args.eval_data.as_deref(), "--eval-data")] {
+    // The corpus is read where neither --data nor --tokens is given.
+    let corpus = (args.data.is_none() && args.tokens.is_none()).then_some(args.corpus.as_path());
+    let data_folders = [(args.data.as_deref(), "--data"), (args.eval_data.as_deref(), "--eval-data"), (corpus, "--corpus")];
+    for (data, flag) in data_folders {
         if let Some(data) = data.filter(|data| data.is_dir() && inside(&out, data)) {
             return Err(format!(
                 "--out {} lies in the {flag} folder {}, whose files are all read as documents (the run's own too, at a resume): give \
@@ -724,6 +727,20 @@ fn run(mut args: Args) -> Result<(), String> {
                     dir.display()
                 ));
             }
+        }
+        if !same_place(dir, &out) && inside(&out, dir) {
+            return Err(format!(
+                "--out {} lies in the --save-hf folder {}, which a save replaces whole (with the run inside it): give them folders apart",
+                out.display(),
+                dir.display()
+            ));
+        }
+        if let Some((data, flag)) = data_folders.into_iter().find_map(|(data, flag)| data.filter(|data| data.is_dir() && inside(dir, data)).map(|data| (data, flag))) {
+            return Err(format!(
+                "--save-hf {} lies in the {flag} folder {}, whose files are all read (the saved model's too, at the next run): save outside it",
+                dir.display(),
+                data.display()
+            ));
         }
     }
     if let (Some(dir), true) = (&args.save_hf, saves) {
@@ -874,6 +891,11 @@ fn run(mut args: Args) -> Result<(), String> {
     let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
     if let Some(sequences) = eval_sequences {
+        if args.check {
+            let work = format!("an evaluation of all {} sequences (up to {} tokens each)", sequences.0.len(), config.seq_len);
+            println!("{}", checked_run(&args, &config, layout, data_path, work));
+            return Ok(());
+        }
         let out = PathBuf::new();
         let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at: None, options, eval_sequences: Some(sequences), _run_folder: None };
         return on_backend(&job);
@@ -898,7 +920,8 @@ fn run(mut args: Args) -> Result<(), String> {
         if is_first {
             RunFolder::check(&out, Claim::of(&out, args.resume.as_deref(), args.overwrite))?;
         }
-        println!("{}", checked_run(&args, &config, layout, data_path));
+        let work = format!("{} steps of {} sequences × {} tokens", config.steps, config.batch_size, config.seq_len);
+        println!("{}", checked_run(&args, &config, layout, data_path, work));
         return Ok(());
     }
     if is_first {
@@ -992,7 +1015,8 @@ fn same_place(a: &Path, b: &Path) -> bool {
 }
 
 /// What `--check` says of a run whose settings and data passed every check before training.
-fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: &Path) -> String {
+/// `work`: what the run would do with the data ("6 steps of 8 sequences × 256 tokens").
+fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: &Path, work: String) -> String {
     // Whether this binary has the backend, else the feature that gives it.
     let (built, feature) = match args.backend {
         BackendKind::Cpu => (true, ""),
@@ -1001,11 +1025,8 @@ fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: 
     };
     let model = &config.model;
     format!(
-        "checked: {} steps of {} sequences × {} tokens from {}, a {}-layer model (d_model {}, {} q / {} kv heads, vocabulary {}), \
+        "checked: {work} from {}, a {}-layer model (d_model {}, {} q / {} kv heads, vocabulary {}), \
          sp {} × dp {} (ring {}), {:?}, ZeRO stage {}{}{}{}, backend {:?}{}; nothing trained or written",
-        config.steps,
-        config.batch_size,
-        config.seq_len,
         data.display(),
         model.n_layers,
         model.d_model,

@@ -717,6 +717,36 @@ fn assert_saved_hf_is_the_run_model(saved: &Path, out: &Path) {
     }
 }
 
+/// The run's folder is never inside a folder the run reads (--corpus too: a later run would
+/// read its checkpoint as text) nor inside its --save-hf folder (which a save replaces
+/// whole), and --save-hf is not inside what the run reads.
+#[test]
+fn run_and_save_folders_inside_what_the_run_reads_or_replaces_are_refused() {
+    let dir = workspace("folders-inside");
+    let texts = dir.join("texts");
+    fs::create_dir_all(&texts).unwrap();
+    fs::write(texts.join("a.txt"), "Some text to train on.\n\n".repeat(200)).unwrap();
+    let config = qwen3_and_tokenizer().0.join("config.json");
+    let check = |extra: &[String]| {
+        let output = Command::new(trainer()).args(["--corpus", &texts.display().to_string(), "--seq-len", "16", "--steps", "1", "--check", "--launch", "threads"]).args(extra).output().unwrap();
+        (output.status.success(), show(&output))
+    };
+    let path = |p: &Path| p.display().to_string();
+    for (extra, expected) in [
+        (vec!["--out".to_string(), path(&texts.join("run"))], "lies in the --corpus folder"),
+        (vec!["--out".into(), path(&dir.join("hf/run")), "--hf-config".into(), path(&config), "--save-hf".into(), path(&dir.join("hf"))], "lies in the --save-hf folder"),
+    ] {
+        let (ok, text) = check(&extra);
+        assert!(!ok && text.contains(expected), "{extra:?}: expected {expected:?}:\n{text}");
+    }
+    let (ok, text) = check(&["--out".into(), path(&dir.join("run")), "--hf-config".into(), path(&config), "--save-hf".into(), path(&texts.join("model"))]);
+    assert!(!ok && text.contains("lies in the --corpus folder"), "{text}");
+    // Apart, they pass.
+    let (ok, text) = check(&["--out".into(), path(&dir.join("run")), "--hf-config".into(), path(&config), "--save-hf".into(), path(&dir.join("model"))]);
+    assert!(ok && text.contains("checked:"), "{text}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     let dir = workspace("ignored-flags");
@@ -724,8 +754,11 @@ fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     let lines: Vec<String> = (0..6).map(|i| serde_json::json!({ "input_ids": (1..13).map(|t| i * 13 + t).collect::<Vec<i64>>() }).to_string()).collect();
     fs::write(&data, lines.join("\n")).unwrap();
     let args = |extra: &str| qwen3_args(&data, &format!("--seq-len 16 --batch-size 2 --out {} --check {extra}", dir.join("run").display()));
-    let text = show(&succeed(run_alone(&args("--eval-only --steps 9 --learning-rate 0.5 --zigzag --device 1 --f32-head"), &[])));
+    // --check with --eval-only evaluates nothing (a rank killed before the evaluation would
+    // stop it): it says what it would evaluate.
+    let text = show(&succeed(run_alone(&args("--eval-only --steps 9 --learning-rate 0.5 --zigzag --device 1 --f32-head --fault-kill-before-eval 0"), &[])));
     for expected in [
+        "checked: an evaluation of all 6 sequences (up to 16 tokens each)",
         "--zigzag cuts each sequence over the ring, and --ring 1 makes none",
         "--device picks a GPU, and the CPU backend has one device",
         "under --precision f32 they are f32 already",
