@@ -656,6 +656,13 @@ fn run(mut args: Args) -> Result<(), String> {
     let layout = match (launch.world_size(), args.dp) {
         (None, dp) => ParallelLayout::new().with_sp_size(args.sp).with_dp_size(dp.unwrap_or(1)),
         (Some(world), None) => ParallelLayout::for_world(world, args.sp).map_err(|e| format!("{e} (--sp)"))?,
+        (Some(world), Some(dp)) if world != args.sp.saturating_mul(dp) => {
+            let ranks = args.sp.saturating_mul(dp);
+            return Err(format!(
+                "the launcher started {world} ranks (WORLD_SIZE) and --sp {} × --dp {dp} makes {ranks}: launch {ranks} ranks, or leave --dp out (the world then gives it)",
+                args.sp
+            ));
+        }
         (Some(_), Some(dp)) => ParallelLayout::new().with_sp_size(args.sp).with_dp_size(dp),
     };
     let sharding = if args.zigzag { burn_ulysses::ring::RingSharding::Zigzag } else { burn_ulysses::ring::RingSharding::Contiguous };

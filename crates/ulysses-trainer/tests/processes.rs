@@ -717,6 +717,29 @@ fn assert_saved_hf_is_the_run_model(saved: &Path, out: &Path) {
     }
 }
 
+/// Under a launcher, `--sp` × `--dp` must make the launched world: refused by `--check`, before
+/// any rank reads data or loads a model.
+#[test]
+fn a_layout_that_does_not_make_the_launched_world_is_refused_by_check() {
+    let dir = workspace("world-layout");
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let launched = |extra: &[&str]| {
+        let output = Command::new(trainer())
+            .args(common_args(&dir, "run", 1))
+            .args(["--check"])
+            .args(extra)
+            .envs([("RANK", "0"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str())])
+            .output()
+            .unwrap();
+        (output.status.success(), show(&output))
+    };
+    let (ok, text) = launched(&["--sp", "2", "--dp", "1"]);
+    assert!(!ok && text.contains("started 4 ranks (WORLD_SIZE)") && text.contains("--dp 1 makes 2"), "{text}");
+    let (ok, text) = launched(&["--sp", "2", "--dp", "2"]);
+    assert!(ok && text.contains("sp 2 × dp 2"), "{text}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// The run's folder is never inside a folder the run reads (--corpus too: a later run would
 /// read its checkpoint as text) nor inside its --save-hf folder (which a save replaces
 /// whole), and --save-hf is not inside what the run reads.
