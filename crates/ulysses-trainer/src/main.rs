@@ -1502,7 +1502,9 @@ impl RunLog {
             steps: config.steps,
             taken: job.resumed_at.unwrap_or(0),
             replaces_checkpoint: job.args.overwrite && !job.args.resume.as_deref().is_some_and(|resumed| same_place(&resumed_folder(resumed), &job.out)),
-            replaces_state_parts: !job.config.shards_optimizer(),
+            // A sharded run that saves removes them at its first commit; one that does not,
+            // here.
+            replaces_state_parts: !job.config.shards_optimizer() || job.args.no_save,
             wrote: if job.args.no_save { "metrics.csv, loss.png, config.json" } else { "metrics.csv, loss.png, config.json, model.mpk, checkpoint.ulysses" },
             profile: job.args.profile,
         }
@@ -1514,10 +1516,13 @@ impl RunLog {
                 Ok(record) => {
                     // The file alone: rank 0 writes it, while other ranks may already write their
                     // parts of this run's first checkpoint; the earlier parts go at its commit.
-                    let earlier = self.out.join(CHECKPOINT_FILE);
-                    if self.replaces_checkpoint && earlier.exists() {
-                        if let Err(error) = fs::remove_file(&earlier) {
-                            self.bar.println(format!("warning: cannot remove the earlier run's checkpoint {}: {error}", earlier.display()));
+                    // Its model too: this run writes its own at the end, or none (--no-save).
+                    for (file, what) in [(CHECKPOINT_FILE, "checkpoint"), ("model.mpk", "model")] {
+                        let earlier = self.out.join(file);
+                        if self.replaces_checkpoint && earlier.exists() {
+                            if let Err(error) = fs::remove_file(&earlier) {
+                                self.bar.println(format!("warning: cannot remove the earlier run's {what} {}: {error}", earlier.display()));
+                            }
                         }
                     }
                     // A sharded run's first commit removes them itself (its ranks may be

@@ -43,7 +43,7 @@ use burn::{
 use burn_ulysses::{compare::{max_abs_diff, worst}};
 use ulysses_training::{float_parameters, checkpoint::{load_training_checkpoint, read_checkpoint_state}};
 use ulysses_models::Decoder;
-use ulysses_trainer::train::{RunState, TrainConfig, load_model};
+use ulysses_trainer::{run_folder::earlier_run_files, train::{RunState, TrainConfig, load_model}};
 
 type Cpu = Autodiff<NdArray<f32>>;
 
@@ -1013,6 +1013,14 @@ fn the_run_record_is_written_only_once_a_step_has_succeeded() {
     failing_at(1, &["--overwrite"]);
     assert_eq!(losses(&out).iter().map(|l| l.0).collect::<Vec<_>>(), [0]);
     assert!(!out.join("checkpoint.ulysses").exists(), "the earlier run's checkpoint outlived the new record");
+    assert!(!out.join("model.mpk").exists(), "the earlier run's model outlived the new record");
+    // Over a sharded run's folder, a --no-save run leaves neither its model nor its optimizer's
+    // parts (no commit of its own would remove them).
+    succeed(run_alone(&common_args(&dir, "run", 2), &["--sp", "2", "--offload-optimizer", "--overwrite"]));
+    assert!(out.join("model.mpk").exists() && earlier_run_files(&out).iter().any(|f| f.starts_with("optimizer-step-")), "{:?}", earlier_run_files(&out));
+    succeed(run_alone(&common_args(&dir, "run", 1), &["--sp", "2", "--no-save", "--overwrite"]));
+    let left = earlier_run_files(&out);
+    assert_eq!(left, ["config.json", "metrics.csv"], "a --no-save run over another left its files");
     let _ = fs::remove_dir_all(&dir);
 }
 
