@@ -573,10 +573,17 @@ fn ignored_flags(args: &Args, config: &TrainConfig) -> Vec<String> {
         notes.push("--f32-head computes the logits in f32 where the layers compute in bf16; under --precision f32 they are f32 already".to_string());
     }
     if args.eval_only {
-        let training = ["steps", "learning_rate", "grad_accumulation", "max_grad_norm", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save"];
-        let flags: Vec<String> = training.iter().filter(|id| given(id)).map(|id| format!("--{}", id.replace('_', "-"))).collect();
-        if !flags.is_empty() {
-            notes.push(format!("--eval-only trains nothing and saves nothing: {} change nothing", flags.join(", ")));
+        let flags = |ids: &[&str]| -> Vec<String> { ids.iter().filter(|id| given(id)).map(|id| format!("--{}", id.replace('_', "-"))).collect() };
+        let training = flags(&["steps", "learning_rate", "grad_accumulation", "max_grad_norm", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save"]);
+        if !training.is_empty() {
+            notes.push(format!("--eval-only trains nothing and saves nothing: {} change nothing", training.join(", ")));
+        }
+        let whole = flags(&["zero", "offload_optimizer", "offload_parameters", "eval_single_device"]);
+        if !whole.is_empty() {
+            notes.push(format!(
+                "--eval-only holds the whole model on every rank and evaluates over every SP group: {} change nothing",
+                whole.join(", ")
+            ));
         }
     }
     notes
@@ -714,7 +721,8 @@ fn run(mut args: Args) -> Result<(), String> {
     // The corpus is read where neither --data nor --tokens is given.
     let corpus = (args.data.is_none() && args.tokens.is_none()).then_some(args.corpus.as_path());
     let data_folders = [(args.data.as_deref(), "--data"), (args.eval_data.as_deref(), "--eval-data"), (corpus, "--corpus")];
-    for (data, flag) in data_folders {
+    // --eval-only writes nothing there.
+    for (data, flag) in data_folders.into_iter().filter(|_| !args.eval_only) {
         if let Some(data) = data.filter(|data| data.is_dir() && inside(&out, data)) {
             return Err(format!(
                 "--out {} lies in the {flag} folder {}, whose files are all read as documents (the run's own too, at a resume): give \
@@ -821,7 +829,12 @@ fn run(mut args: Args) -> Result<(), String> {
         .with_offload_parameters(args.offload_parameters);
     config.model = model;
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
-    config.validate()?;
+    // --eval-only evaluates whole batches round the DP replicas, one micro-batch each: its
+    // batch need not divide over them.
+    match args.eval_only {
+        true => config.clone().with_grad_accumulation(1).with_batch_size(layout.dp_size).validate()?,
+        false => config.validate()?,
+    }
     // What the CPU backend cannot run, refused here (so `--check` refuses it too).
     if args.backend == BackendKind::Cpu {
         if args.transport == TransportKind::Nccl {

@@ -789,6 +789,11 @@ fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     ] {
         assert!(text.contains(expected), "expected {expected:?}:\n{text}");
     }
+    // Memory flags: every rank evaluates the whole model; a batch that does not divide over
+    // the DP replicas (each evaluates whole batches), accumulation and all.
+    let text = show(&succeed(run_alone(&args("--eval-only --zero 3 --checkpoint-layers --offload-optimizer --eval-single-device --grad-accumulation 3"), &["--sp", "2", "--dp", "3"])));
+    let expected = "--eval-only holds the whole model on every rank and evaluates over every SP group: --zero, --offload-optimizer, --eval-single-device change nothing";
+    assert!(text.contains(expected) && text.contains("sp 2 × dp 3"), "expected {expected:?}:\n{text}");
     // Where they do something, or are left out, no word.
     let text = show(&succeed(run_alone(&args("--steps 9 --learning-rate 0.5"), &["--sp", "2"])));
     let zigzag = show(&succeed(run_alone(&common_args(&dir, "ring", 2), &["--sp", "4", "--ring", "2", "--zigzag", "--check"])));
