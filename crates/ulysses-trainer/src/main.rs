@@ -777,6 +777,15 @@ fn run(mut args: Args) -> Result<(), String> {
         check_held_out_apart(data, held_out)?;
     }
     let pretrained = match (&args.model, &args.hf_config) {
+        // A trainer's own run folder has a config.json too, of another kind.
+        (Some(dir), _) if [CHECKPOINT_FILE, METRICS_FILE, "model.mpk"].iter().any(|file| dir.join(file).exists()) && !dir.join("model.safetensors").exists() && !dir.join("model.safetensors.index.json").exists() => {
+            return Err(format!(
+                "--model {} is a run folder of this trainer, not a Hugging Face checkpoint: continue it with --resume {}, or fine-tune what \
+                 its --save-hf folder holds",
+                dir.display(),
+                dir.display()
+            ));
+        }
         (Some(dir), _) => Some(HfConfig::from_hf(dir).map_err(|e| format!("--model: {e}"))?),
         (None, Some(file)) => Some(HfConfig::from_hf(file).map_err(|e| format!("--hf-config: {e}"))?),
         (None, None) => None,

@@ -94,3 +94,78 @@ fn the_check_refuses_what_the_run_would_refuse_and_writes_nothing() {
     assert!(!ok && said.contains("--checkpoint-layers"), "{said}");
     assert!(!out.exists(), "--check wrote {}", out.display());
 }
+
+/// The trainer's arguments in every command of the guides' code blocks (README.md and
+/// docs/*.md) that runs it, a launcher's part left out: `(file, the command, its arguments)`.
+fn guides_trainer_commands(root: &Path) -> Vec<(String, String, Vec<String>)> {
+    let mut guides = vec![root.join("README.md")];
+    guides.extend(std::fs::read_dir(root.join("docs")).expect("docs/").flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "md")));
+    let mut commands = Vec::new();
+    for guide in guides {
+        let text = std::fs::read_to_string(&guide).unwrap();
+        let (mut in_block, mut line) = (false, String::new());
+        for raw in text.lines() {
+            if raw.trim_start().starts_with("```") {
+                in_block = !in_block;
+                continue;
+            }
+            if !in_block {
+                continue;
+            }
+            line.push_str(raw.trim_end().trim_end_matches('\\'));
+            line.push(' ');
+            if raw.trim_end().ends_with('\\') {
+                continue;
+            }
+            let command = std::mem::take(&mut line);
+            let words: Vec<&str> = command.split('#').next().unwrap().split_whitespace().collect();
+            if words.first() == Some(&"cargo") && words.get(1) != Some(&"run") {
+                continue;
+            }
+            let Some(at) = words.iter().position(|w| *w == "ulysses-trainer" || w.ends_with("/ulysses-trainer")) else { continue };
+            let mut args = &words[at + 1..];
+            if words.first() == Some(&"cargo") {
+                args = args.iter().position(|w| *w == "--").map_or(&[][..], |dash| &args[dash + 1..]);
+            }
+            let name = guide.file_name().unwrap().to_string_lossy().into_owned();
+            commands.push((name, command.trim().to_string(), args.iter().map(|s| s.to_string()).collect()));
+        }
+    }
+    commands
+}
+
+/// Every command of the guides that runs the trainer on files this checkout has passes the
+/// trainer's `--check` (`--out` moved to a fresh folder): a guide's example that stops at its
+/// first line is a guide that misleads. Those naming the user's own files (a downloaded
+/// checkpoint, `train.jsonl`) are skipped, and said so.
+#[test]
+fn every_trainer_command_of_the_guides_on_this_checkouts_files_passes_the_trainers_check() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = std::env::temp_dir().join(format!("ulysses-guides-{}", std::process::id()));
+    let (mut checked, mut skipped) = (0, Vec::new());
+    for (guide, command, mut args) in guides_trainer_commands(&root) {
+        let paths = ["--model", "--data", "--tokens", "--tokenizer", "--hf-config", "--corpus", "--eval-data", "--resume"];
+        if let Some(missing) = args.windows(2).find(|w| paths.contains(&w[0].as_str()) && !root.join(&w[1]).exists()) {
+            skipped.push(format!("{guide}: {} {} (the user's)", missing[0], missing[1]));
+            continue;
+        }
+        if let Some(at) = args.iter().position(|a| a == "--out") {
+            args[at + 1] = out.join(checked.to_string()).display().to_string();
+        }
+        let output = Command::new(env!("CARGO_BIN_EXE_ulysses-trainer"))
+            .current_dir(&root)
+            .args(&args)
+            .arg("--check")
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env_remove("SLURM_PROCID")
+            .output()
+            .expect("the trainer starts");
+        let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        assert!(output.status.success() && stdout.starts_with("checked: "), "{guide}: {command}\n{stdout}{stderr}");
+        checked += 1;
+    }
+    assert!(!out.exists(), "--check wrote {}", out.display());
+    println!("{checked} commands of the guides checked; skipped: {skipped:?}");
+    assert!(checked >= 7, "only {checked} commands of the guides were checked; skipped: {skipped:?}");
+}

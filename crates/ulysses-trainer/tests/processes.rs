@@ -1053,6 +1053,9 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     let saved = dir.join("saved-hf");
     succeed(run_alone(&args("tuned"), &["--save-hf", &saved.display().to_string()]));
     assert_eq!(losses(&dir.join("tuned")).len(), 3);
+    // The run's folder given as --model: named for what it is.
+    let refused = run_alone(&args("as-model").into_iter().map(|a| if a == checkpoint.display().to_string() { dir.join("tuned").display().to_string() } else { a }).collect::<Vec<_>>(), &["--check"]);
+    assert!(!refused.status.success() && show(&refused).contains("is a run folder of this trainer") && show(&refused).contains("--resume"), "{}", show(&refused));
     // Its checkpoint resumed without --model (which a checkpoint does not name): refused, naming
     // the flag and the run's data.
     let tuned = dir.join("tuned").display().to_string();
