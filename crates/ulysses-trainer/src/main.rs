@@ -654,6 +654,17 @@ fn run(mut args: Args) -> Result<(), String> {
             (_, launch) => launch,
         },
     };
+    // --device on every process of a node that sees all its GPUs: all of them on that one GPU.
+    if let (Some(index), Launch::Process(env), true) = (args.device, &launch, args.backend != BackendKind::Cpu)
+        && env.local_world_size > 1
+        && env.device_index() == env.local_rank
+    {
+        return Err(format!(
+            "--device {index} puts each of this node's {} processes on GPU {index}: leave --device out (each process takes its LOCAL_RANK's GPU), \
+             or show each process one GPU (CUDA_VISIBLE_DEVICES, `srun --gpus-per-task=1`)",
+            env.local_world_size
+        ));
+    }
     // Each degree by its own flag (ParallelLayout::check names the field only).
     for (field, flag, degree) in [("sp_size", "--sp", Some(args.sp)), ("dp_size", "--dp", args.dp), ("ring_size", "--ring", Some(args.ring))] {
         if degree == Some(0) {

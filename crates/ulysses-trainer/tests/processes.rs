@@ -729,6 +729,7 @@ fn a_layout_that_does_not_make_the_launched_world_is_refused_by_check() {
             .args(["--check"])
             .args(extra)
             .envs([("RANK", "0"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str())])
+            .env_remove("CUDA_VISIBLE_DEVICES")
             .output()
             .unwrap();
         (output.status.success(), show(&output))
@@ -737,6 +738,9 @@ fn a_layout_that_does_not_make_the_launched_world_is_refused_by_check() {
     assert!(!ok && text.contains("started 4 ranks (WORLD_SIZE)") && text.contains("--dp 1 makes 2"), "{text}");
     let (ok, text) = launched(&["--sp", "2", "--dp", "2"]);
     assert!(ok && text.contains("sp 2 × dp 2"), "{text}");
+    // --device on each of the node's 4 processes, which see every GPU: all on one.
+    let (ok, text) = launched(&["--sp", "2", "--backend", "cuda", "--device", "1"]);
+    assert!(!ok && text.contains("--device 1 puts each of this node's 4 processes on GPU 1"), "{text}");
     let _ = fs::remove_dir_all(&dir);
 }
 
