@@ -66,6 +66,17 @@ fn sequence_parallel(
     let per_rank = group.all_gather_host(&layout.encode())?;
     AttentionLayout::check_agreement(&per_rank)?;
     layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref())?;
+    // Refused before the exchange (the blocked attention would panic after it).
+    if options.is_causal && layout.q_seq != layout.kv_seq {
+        return Err(UlyssesError::Shape(format!(
+            "causal attention of {} queries over {} keys a rank (a key cache, aligned to the last query) runs outside a sequence-parallel \
+             group only: under sequence parallelism give as many keys as queries",
+            layout.q_seq, layout.kv_seq
+        )));
+    }
+    if let Some(softcap) = options.softcap.filter(|c| !(*c > 0.0 && c.is_finite())) {
+        return Err(UlyssesError::Shape(format!("the softcap must be positive and finite, got {softcap}")));
+    }
     let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, group.size())?;
     let size = group.size();
     let q_heads = HeadExchange { heads: layout.q_heads, per_rank: (0..size).map(|rank| plan.q_heads_of(rank).collect()).collect() };
@@ -75,9 +86,6 @@ fn sequence_parallel(
     let (query, key, value) = (to_heads(query, &q_heads), to_heads(key, &kv_heads), to_heads(value, &kv_heads));
     // Local q head i uses local kv entry i / (local q heads / local kv heads).
     let repeats = query.dims()[1] / key.dims()[1];
-    if let Some(softcap) = options.softcap.filter(|c| !(*c > 0.0 && c.is_finite())) {
-        return Err(UlyssesError::Shape(format!("the softcap must be positive and finite, got {softcap}")));
-    }
     let settings = blocked::BlockedOptions { is_causal: options.is_causal, scale: options.scale, softcap: options.softcap };
     let output = blocked::attention(query, repeat_kv_heads(key, repeats), repeat_kv_heads(value, repeats), key_padding, settings);
     Ok(exchange(output, q_heads, Direction::ToSequence))

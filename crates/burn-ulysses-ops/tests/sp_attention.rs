@@ -276,6 +276,10 @@ fn refusals(sp: usize, work: impl Fn(usize) -> ([usize; 4], [usize; 4]) + Sync) 
 }
 
 fn refusals_with_mask(sp: usize, mask: Option<[usize; 4]>, work: impl Fn(usize) -> ([usize; 4], [usize; 4]) + Sync) -> Vec<String> {
+    refusals_with(sp, mask, AttentionModuleOptions::default(), work)
+}
+
+fn refusals_with(sp: usize, mask: Option<[usize; 4]>, options: AttentionModuleOptions, work: impl Fn(usize) -> ([usize; 4], [usize; 4]) + Sync) -> Vec<String> {
     ThreadGroup::new(sp)
         .run(|rank| {
             let _sp = context::enter(rank.communicator());
@@ -284,7 +288,7 @@ fn refusals_with_mask(sp: usize, mask: Option<[usize; 4]>, work: impl Fn(usize) 
             let q = Tensor::<4>::zeros(q_shape, &device);
             let kv = Tensor::<4>::zeros(kv_shape, &device);
             let mask = mask.map(|shape| Tensor::<4, burn::tensor::Bool>::empty(shape, &device));
-            attention(q, kv.clone(), kv, mask, None, AttentionModuleOptions::default());
+            attention(q, kv.clone(), kv, mask, None, options);
         })
         .into_iter()
         .map(|result| result.expect_err("a bad layout must be refused").message)
@@ -309,6 +313,10 @@ fn bad_layouts_are_refused_on_every_rank_with_burn_ulysses_message() {
     // Rank 1 holds more tokens than rank 0: every rank names the field and both values.
     let uneven_tokens = refusals(2, |rank| ([1, 2, 4 + rank, 8], [1, 2, 4 + rank, 8]));
     assert!(uneven_tokens.iter().all(|m| m.contains("local query sequence length") && m.contains("rank 1 has 5")), "{uneven_tokens:?}");
+
+    // Causal over more keys than queries (a key cache): refused before the exchange, saying why.
+    let cached = refusals_with(2, None, AttentionModuleOptions { is_causal: true, ..Default::default() }, |_| ([1, 2, 4, 8], [1, 2, 6, 8]));
+    assert!(cached.iter().all(|m| m.contains("4 queries over 6 keys") && m.contains("as many keys as queries")), "{cached:?}");
 }
 
 #[test]
