@@ -194,6 +194,24 @@ fn a_forbidden_fallback_to_dense_attention_names_its_reason() {
     assert_all_contain(&messages, &["dense attention", "has a mask", "one run of real keys", "forbid_dense_fallback"]);
 }
 
+/// Nothing to attend (no query rows, no keys) is no fallback to dense attention: the empty
+/// output, or zeros for rows that see no key, even where the fallback is forbidden.
+#[test]
+fn empty_attention_gives_its_empty_or_zero_output_without_a_fallback() {
+    let results = with_deadline(Duration::from_secs(50), || {
+        ThreadGroup::new(1).run(|rank| {
+            let _sp = Sp::enter(RankScope::Thread, rank.communicator(), UlyssesConfig::new().with_forbid_dense_fallback(true));
+            let device = Default::default();
+            let no_rows = attention(Tensor::<Sp, 4>::zeros([1, 2, 0, 8], &device), Tensor::zeros([1, 2, 5, 8], &device), Tensor::zeros([1, 2, 5, 4], &device), None, None, OPTIONS);
+            let no_keys = attention(uniform_tensor::<Sp, 4>([1, 2, 3, 8], 1, &device), Tensor::zeros([1, 2, 0, 8], &device), Tensor::zeros([1, 2, 0, 4], &device), None, None, OPTIONS);
+            (no_rows.dims(), no_keys.dims(), no_keys.into_data().to_vec::<f32>().unwrap())
+        })
+    });
+    let (no_rows, no_keys, zeros) = results.into_iter().next().unwrap().unwrap_or_else(|panic| panic!("{}", panic.message));
+    assert_eq!((no_rows, no_keys), ([1, 2, 0, 4], [1, 2, 3, 4]));
+    assert!(zeros.iter().all(|&z| z == 0.0), "{zeros:?}");
+}
+
 /// Ulysses × Ring takes no mask yet: refused on every rank.
 #[test]
 fn a_ring_refuses_a_mask() {

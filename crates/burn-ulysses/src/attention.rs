@@ -177,6 +177,12 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let Some(context) = context.filter(|c| c.communicator.size() > 1 || ring.is_some()) else {
             HeadPlan::new(layout.q_heads, layout.kv_heads, 1)?;
             let query = float_tensor::<X, 4>(query);
+            // Nothing to attend (no row, or no key: a row that sees none gives zeros), which
+            // no kernel takes and no dense fallback needs.
+            if [layout.batch, layout.q_heads, layout.q_seq, layout.kv_seq].contains(&0) {
+                let [batch, heads, rows, _] = query.dims();
+                return Ok(float_primitive(Tensor::<X, 4>::zeros([batch, heads, rows, layout.value_dim], &query.device()).cast(query.dtype())));
+            }
             let visibility = restriction.as_ref().map(|r| restricted_visibility(r, layout.batch, layout.q_seq, layout.kv_seq)).transpose()?;
             let (mask, visibility) = match (layout.mask, mask.map(bool_tensor::<X>)) {
                 (MaskKind::KeyPadding { .. }, Some(mask)) => key_padding_as_runs::<X>(mask, visibility, &query, layout.kv_seq)?,
