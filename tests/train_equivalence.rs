@@ -389,7 +389,7 @@ fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
 /// sharder for another SP degree.
 #[test]
 fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_rank() {
-    use ulysses_training::{StepInput, backward_step, evaluate};
+    use ulysses_training::{CausalLm, StepInput, backward_step, evaluate};
     type Scenario = fn(usize) -> (ParallelLayout, SequenceSharder, Vec<Vec<Vec<i64>>>, Option<Vec<Vec<Vec<usize>>>>);
     let sequence = |len: usize| (0..len as i64).map(|t| t % VOCAB as i64).collect::<Vec<i64>>();
     let run = |scenario: Scenario| -> Vec<String> {
@@ -456,6 +456,34 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
     for result in results {
         let message = result.unwrap().expect("evaluate refuses a sharder for 4 ranks in a group of 2");
         assert!(message.contains("cuts sequences into 4 shards") && message.contains("the SP group has 2 ranks"), "{message}");
+    }
+
+    // A rank context entered with another ring than the layout's (zigzag attention over
+    // contiguous shards), refused by the step and by `evaluate`; `evaluate` on a thread without
+    // the rank context (each rank would attend within its shard), refused after the forward.
+    let results = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let layout = ParallelLayout::new().with_sp_size(2).with_ring_size(2);
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+            let device = Default::default();
+            let model = config(layout, 1).model.init::<Sp>(&device);
+            let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
+            let forward = |tokens, positions: &_| Ok(model.lm_output(tokens, positions));
+            let unentered = evaluate::<Sp, Inner>(forward, &batch[0], None, None, &layout.sharder(), groups.sp_rank(), &*groups.sp, &device).err().map(|e| e.to_string());
+            let zigzag = UlyssesConfig::new().with_ring_sharding(burn_ulysses::ring::RingSharding::Zigzag);
+            let _ring = Sp::enter_hybrid(RankScope::Thread, groups.ulysses.clone(), groups.ring.clone().unwrap(), zigzag);
+            let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &batch, documents: None, targets: None, max_grad_norm: None };
+            let stepped = backward_step(&model, &step, &layout.sharder(), &groups, &device).err().map(|e| e.to_string());
+            let evaluated = evaluate::<Sp, Inner>(forward, &batch[0], None, None, &layout.sharder(), groups.sp_rank(), &*groups.sp, &device).err().map(|e| e.to_string());
+            [unentered, stepped, evaluated]
+        })
+    });
+    for result in results {
+        let [unentered, stepped, evaluated] = result.unwrap_or_else(|p| panic!("{p}")).map(|m| m.expect("refused"));
+        assert!(unentered.contains("did not exchange through the SP group"), "{unentered}");
+        for message in [stepped, evaluated] {
+            assert!(message.contains("attends over a ring of 2 (Zigzag) but the data is laid out over a ring of 2 (Contiguous)"), "{message}");
+        }
     }
 }
 

@@ -40,8 +40,9 @@ pub struct UlyssesConfig {
     /// error rather than a slowdown. Off, each fallback is logged with its reason.
     #[config(default = false)]
     pub forbid_dense_fallback: bool,
-    /// How the sequence is cut over the ring of Ulysses × Ring: the data adapter must shard
-    /// the same way (`SequenceSharder::with_ring`).
+    /// How the sequence is cut over the ring of Ulysses × Ring: the data must be sharded the
+    /// same way (`ParallelLayout::sharder`; `ParallelGroups::rank_context` sets this field
+    /// from the layout, and `ulysses_training`'s steps refuse a context that differs).
     #[config(default = "RingSharding::Contiguous")]
     pub ring_sharding: RingSharding,
     /// For a model that attends within each rank's shard on purpose (say, local windows that

@@ -26,7 +26,9 @@
 //!
 //! let results = ThreadGroup::new(4).run(|rank| {
 //!     let _sp = Train::enter_thread(rank.communicator());
-//!     // build the model and train as usual: attention is now sequence parallel
+//!     // attention is now sequence parallel; build the model with rank 0's parameters on
+//!     // every rank and train it with `ulysses_training::train_step` (the loss over every
+//!     // rank's tokens, the gradients summed over the ranks)
 //!     rank.rank()
 //! });
 //! ```

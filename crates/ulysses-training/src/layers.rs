@@ -76,7 +76,9 @@ use crate::{LmOutput, TrainBackend, lm_loss_sum};
 ///
 /// A layer is `after_core(x, core(before_core(x)))`: `before_core` and `after_core` treat
 /// every token alone (they may run on any slice of the sequence), `core` mixes tokens and
-/// runs on the whole shard. Every piece must be deterministic: the backward runs it again.
+/// runs on the whole shard. Every piece must be deterministic: the backward runs it again,
+/// under autodiff, where the forward ran on the inner backend (evaluation mode), so dropout
+/// (on under autodiff alone) would differ between them: use none.
 pub trait LayeredLm<B: Backend>: Module<B> {
     /// What every layer needs besides its input (rotary tables, document boundaries),
     /// built once per shard.

@@ -587,6 +587,7 @@ where
             sharder.ring_size, sharder.ring_sharding, layout.ring_size, layout.ring_sharding
         ));
     }
+    check_context_ring::<B::Wire>(sharder)?;
     if !model.is_causal() {
         return invalid(
             "train_step pads sequences at the end, which only causal attention ignores; this \
@@ -677,6 +678,30 @@ impl TokenLoss {
     }
 }
 
+/// Refuses a rank context whose ring (its size and sharding) is not the one `sharder` lays
+/// the data out for: ring attention would see the future or miss its past, silently.
+fn check_context_ring<W: Backend>(sharder: &SequenceSharder) -> Result<(), UlyssesError> {
+    let Some(context) = burn_ulysses::context::current::<W>()? else { return Ok(()) };
+    // Without a ring (degree 1) both shardings cut alike.
+    let ring = |size: usize, sharding| (size, if size > 1 { Some(sharding) } else { None });
+    let entered = context.ring.as_ref().map_or(1, |ring| ring.size());
+    if ring(entered, context.config.ring_sharding) != ring(sharder.ring_size, sharder.ring_sharding) {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "the rank context entered attends over a ring of {entered} ({:?}) but the data is laid out over a ring of {} ({:?}): enter \
+             groups.rank_context(config), whose ring is the layout's, and cut the data with layout.sharder()",
+            context.config.ring_sharding, sharder.ring_size, sharder.ring_sharding
+        )));
+    }
+    Ok(())
+}
+
+/// The exchanges this thread's rank context has made for attention so far (`None`: no
+/// context): what tells a forward that attended within its shard alone.
+fn context_exchanges<W: Backend>() -> Option<u64> {
+    let context = burn_ulysses::context::current::<W>().ok().flatten()?;
+    Some(context.communicator.traffic().all_to_all_calls + context.ring.as_ref().map_or(0, |ring| ring.traffic().send_recv_calls))
+}
+
 /// The cross-entropy of `batch` (each sequence packing the documents of lengths
 /// `documents[i]`; `None`: one each) over its `targets` (all tokens: `None`; see
 /// [`StepInput::targets`]), evaluated with sequence parallelism: this rank runs
@@ -700,12 +725,19 @@ pub fn evaluate<B: Backend, G: Backend>(
             sp_group.size()
         )));
     }
+    check_context_ring::<G>(sharder)?;
     sharder.check_batch(batch, documents, targets)?;
     let shard = sharder.shard_targets(batch, documents, targets, sp_rank);
+    let exchanges_before = context_exchanges::<G>();
     let loss = model_failure_as_error(|| {
         let output = forward(shard.tokens(device), &shard.positions)?;
         Ok::<_, UlyssesError>(lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>())
     })??;
+    // Attention that never reached the group (no rank context on this thread, a model that
+    // attends by hand the guard cannot see) attended within each shard.
+    if sharder.sp_size > 1 && exchanges_before.zip(context_exchanges::<G>()).is_none_or(|(before, after)| before == after) {
+        return Err(UlyssesError::NotSequenceParallel { sp_size: sharder.sp_size });
+    }
     let sum = sum_f64_over_ranks(sp_group, loss)?;
     let [tokens] = sum_over_ranks(sp_group, [shard.valid_tokens])?;
     Ok(TokenLoss { sum, tokens })
