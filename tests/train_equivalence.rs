@@ -461,7 +461,7 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
     // A rank context entered with another ring than the layout's (zigzag attention over
     // contiguous shards), refused by the step and by `evaluate`; `evaluate` on a thread without
     // the rank context (each rank would attend within its shard), refused after the forward.
-    let results = with_deadline(Duration::from_secs(50), move || {
+    let results_of_rings = with_deadline(Duration::from_secs(50), move || {
         ThreadGroup::new(2).run(|rank| {
             let layout = ParallelLayout::new().with_sp_size(2).with_ring_size(2);
             let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
@@ -478,12 +478,49 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
             [unentered, stepped, evaluated]
         })
     });
+    // Two documents a sequence, and a model whose attention ignores them.
+    let results = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let layout = ParallelLayout::new().with_sp_size(2);
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+            let _sp = enter_sp(&groups);
+            let device = Default::default();
+            let model = IgnoresDocuments { decoder: config(layout, 1).model.init::<Sp>(&device) };
+            let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
+            let documents = vec![vec![vec![9, 7]]];
+            let step = StepInput { index: 3, learning_rate: 1e-2, micro_batches: &batch, documents: Some(&documents), targets: None, max_grad_norm: None };
+            backward_step(&model, &step, &layout.sharder(), &groups, &device).err().map(|e| e.to_string())
+        })
+    });
     for result in results {
+        let message = result.unwrap_or_else(|p| panic!("{p}")).expect("refused");
+        assert!(message.contains("step 3 packs several documents") && message.contains("attention_in_documents"), "{message}");
+    }
+    for result in results_of_rings {
         let [unentered, stepped, evaluated] = result.unwrap_or_else(|p| panic!("{p}")).map(|m| m.expect("refused"));
         assert!(unentered.contains("did not exchange through the SP group"), "{unentered}");
         for message in [stepped, evaluated] {
             assert!(message.contains("attends over a ring of 2 (Zigzag) but the data is laid out over a ring of 2 (Contiguous)"), "{message}");
         }
+    }
+}
+
+/// The decoder with attention that ignores the packed documents (as a model of one's own that
+/// never calls `attention_in_documents`).
+#[derive(burn::module::Module, Debug)]
+struct IgnoresDocuments<B: burn::tensor::backend::Backend> {
+    decoder: ulysses_models::Decoder<B>,
+}
+
+impl<B: burn::tensor::backend::AutodiffBackend> ulysses_training::CausalLm<B> for IgnoresDocuments<B> {
+    fn logits(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
+        self.decoder.forward(tokens, &ShardPositions { packed: false, ..positions.clone() })
+    }
+    fn vocab_size(&self) -> usize {
+        self.decoder.vocab_size()
+    }
+    fn is_causal(&self) -> bool {
+        true
     }
 }
 

@@ -46,6 +46,14 @@ struct Restriction {
 
 thread_local! {
     static RESTRICTION: RefCell<Option<Restriction>> = const { RefCell::new(None) };
+    static DOCUMENT_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many attention calls this thread has made over packed documents
+/// ([`attention_within`] or [`attention_in_documents`] with documents): a training step that
+/// packs documents and sees none made knows the model's attention crossed them.
+pub fn calls_with_documents() -> u64 {
+    DOCUMENT_CALLS.get()
 }
 
 /// Clears [`RESTRICTION`] however the call ends, so nothing outlives it.
@@ -91,6 +99,9 @@ pub fn attention_within<B: Backend>(
     window: Option<usize>,
     options: AttentionModuleOptions,
 ) -> Tensor<B, 4> {
+    if documents.is_some() {
+        DOCUMENT_CALLS.set(DOCUMENT_CALLS.get() + 1);
+    }
     if documents.is_none() && window.is_none() {
         return attention(query, key, value, None, None, options);
     }

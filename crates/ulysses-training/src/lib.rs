@@ -369,6 +369,7 @@ where
     // Summed on the device: a read per micro-batch would wait for each one's work.
     let mut loss: Option<Tensor<B::InnerBackend, 1>> = None;
     let exchanges_before = groups.attention_exchanges();
+    let document_calls_before = burn_ulysses::attention::calls_with_documents();
     for shard in &shards {
         let (shard_loss, grads) = shard_backward(shard, weight, lengths)?;
         loss = Some(match loss.take() {
@@ -381,6 +382,17 @@ where
     let exchanges = groups.attention_exchanges() - exchanges_before;
     if groups.layout.sp_size > 1 && exchanges == 0 {
         return Err(UlyssesError::NotSequenceParallel { sp_size: groups.layout.sp_size });
+    }
+    // Rows that pack documents, and a model whose attention never took them: each document
+    // attended to the ones before it.
+    let packs = step.documents.is_some_and(|documents| documents.iter().flatten().any(|lengths| lengths.len() > 1));
+    if packs && burn_ulysses::attention::calls_with_documents() == document_calls_before {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "step {} packs several documents into a sequence (StepInput::documents), but the model's attention never took them: \
+             call burn_ulysses::attention::attention_in_documents (or attention_within) with the shard's positions.ids where \
+             positions.packed, or each document attends to the ones before it",
+            step.index
+        )));
     }
     Ok(LocalStep { grads: accumulator.grads(), loss, valid_tokens, processed_tokens })
 }
