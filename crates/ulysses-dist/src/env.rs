@@ -44,8 +44,8 @@ pub enum EnvSource {
 
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
-/// Under srun without `MASTER_PORT`, the port is this plus the job id's last four digits
-/// (below Linux's ephemeral ports, which start at 32768).
+/// Under srun without `MASTER_PORT`, the port is this plus the last four digits of the job id
+/// plus 1009 times the step id (below Linux's ephemeral ports, which start at 32768).
 pub const SLURM_PORT_BASE: u16 = 20_000;
 
 /// Overrides the port of rank 0's rendezvous.
@@ -155,8 +155,9 @@ impl LaunchEnv {
             })?,
             (None, Some(port)) => port,
             // Two jobs sharing a node would both take 29500: each Slurm job its own port.
+            // The step too: a sweep's steps run side by side in one job.
             (None, None) => match (under_srun, number("SLURM_JOB_ID")?) {
-                (true, Some(job)) => SLURM_PORT_BASE + (job % 10_000) as u16,
+                (true, Some(job)) => SLURM_PORT_BASE + ((job % 10_000 + 1009 * (number("SLURM_STEP_ID")?.unwrap_or(0) % 10_000)) % 10_000) as u16,
                 _ => DEFAULT_MASTER_PORT,
             },
         };
@@ -427,7 +428,11 @@ mod tests {
         assert_eq!(parsed.master_addr, "gpu08");
         // Without MASTER_PORT each job its own port; MASTER_PORT wins.
         let job = [step.as_slice(), &[("SLURM_JOB_ID", "4321987")]].concat();
-        assert_eq!((env(&step).unwrap().master_port, env(&job).unwrap().master_port), (DEFAULT_MASTER_PORT, 21987));
+        // 20000 + the job id's last four digits + 1009 × the step id (3), modulo 10 000.
+        assert_eq!((env(&step).unwrap().master_port, env(&job).unwrap().master_port), (DEFAULT_MASTER_PORT, 25014));
+        // Another step of the job (a sweep's), another port.
+        let next_step: Vec<_> = job.iter().map(|&(name, value)| if name == "SLURM_STEP_ID" { (name, "4") } else { (name, value) }).collect();
+        assert_eq!(env(&next_step).unwrap().master_port, 26023);
         assert_eq!(env(&[job.as_slice(), &[("MASTER_PORT", "29600")]].concat()).unwrap().master_port, 29600);
         // Nodes with unequal task counts: each node its own.
         let uneven = |node: &str| env(&[("SLURM_PROCID", "0"), ("SLURM_STEP_ID", "0"), ("SLURM_STEP_NUM_TASKS", "12"), ("SLURM_NODEID", node), ("SLURM_STEP_TASKS_PER_NODE", "4(x2),2,2"), ("SLURM_STEP_NODELIST", "n[1-4]")]);

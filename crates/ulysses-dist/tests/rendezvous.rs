@@ -423,6 +423,19 @@ fn the_launcher_sets_torchrun_variables() {
     assert!(stdout.contains("[rank 3] 3 4 1 2 10.9.8.7 4242 24"), "{stdout}");
 }
 
+/// On one node the launcher gives its ranks a token of its own, even where one is exported: a
+/// second launch at the same port is then refused by the first's rendezvous, not joined to it.
+#[test]
+fn a_launch_on_one_node_has_a_token_of_its_own() {
+    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+        .args(["--nproc-per-node", "1", "--", "sh", "-c", "echo token=$ULYSSES_RENDEZVOUS_TOKEN"])
+        .env("ULYSSES_RENDEZVOUS_TOKEN", "exported-by-the-shell")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success() && stdout.contains("token=") && !stdout.contains("exported-by-the-shell"), "{stdout}");
+}
+
 /// MASTER_ADDR and MASTER_PORT in the launcher's environment reach the ranks (the rendezvous
 /// error tells users to set them); its flags win over them.
 #[test]

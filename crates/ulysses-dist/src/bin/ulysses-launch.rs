@@ -41,8 +41,10 @@ struct Args {
 fn main() -> ExitCode {
     let args = Args::parse();
     let token = match (std::env::var(ENV_TOKEN).ok().filter(|t| !t.is_empty()), args.nnodes) {
+        // On one node every rank is this launch's: a token of its own, so that a second
+        // launch at the same port (an exported token, the default port) is refused, not joined.
+        (_, 1) => new_token(),
         (Some(token), _) => token,
-        (None, 1) => new_token(),
         (None, _) => {
             eprintln!(
                 "ulysses-launch: with several nodes every node must pass the same token: export \

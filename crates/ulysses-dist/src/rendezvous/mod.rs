@@ -28,7 +28,7 @@ impl Rendezvous {
     /// Joins the job described by `env`; rank 0 also starts the server. Returns once every
     /// rank has joined, or fails after the rendezvous timeout.
     pub fn join(env: &LaunchEnv, config: &DistributedConfig) -> Result<Self, DistError> {
-        let token = config.require_token()?;
+        let token = &run_token(config.require_token()?, |name| std::env::var(name).ok());
         let timeout = config.rendezvous_timeout();
         // Every rank refuses it at once: the other nodes' ranks would wait out the timeout.
         if env.spans_nodes() && crate::env::is_this_machine_only(&env.master_addr) {
@@ -147,6 +147,36 @@ impl Drop for Rendezvous {
         if let Some(server) = self.server.take() {
             server.wait_until_all_left(self.linger);
         }
+    }
+}
+
+/// The job's token joined with what tells this run from another of the same job (a Slurm
+/// job's steps share the batch script's token): `ULYSSES_RUN_ID`, else the Slurm job and step.
+/// Two runs that meet at one port (steps of a sweep, a port fixed by a template) are then
+/// refused, not merged into one world.
+fn run_token(token: &str, lookup: impl Fn(&str) -> Option<String>) -> String {
+    let var = |name: &str| lookup(name).filter(|value| !value.trim().is_empty());
+    let run = var("ULYSSES_RUN_ID").or_else(|| Some(format!("slurm {}.{}", var("SLURM_JOB_ID")?, var("SLURM_STEP_ID")?)));
+    match run {
+        Some(run) => format!("{token} ({run})"),
+        None => token.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::run_token;
+
+    #[test]
+    fn two_steps_of_a_slurm_job_have_tokens_of_their_own() {
+        let of = |vars: &[(&str, &str)]| run_token("secret", |name| vars.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string()));
+        let step = |id| of(&[("SLURM_JOB_ID", "4242"), ("SLURM_STEP_ID", id)]);
+        assert_ne!(step("0"), step("1"));
+        assert_eq!(step("0"), step("0"));
+        // The batch script (no step), a machine without Slurm: the token alone.
+        assert_eq!(of(&[("SLURM_JOB_ID", "4242")]), "secret");
+        assert_eq!(of(&[]), "secret");
+        assert_ne!(of(&[("ULYSSES_RUN_ID", "a")]), of(&[("ULYSSES_RUN_ID", "b")]));
     }
 }
 

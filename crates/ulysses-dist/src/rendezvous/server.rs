@@ -133,7 +133,11 @@ fn admit(shared: &Shared, hello: Request, peer: SocketAddr) -> Result<usize, Str
     };
     let settings = &shared.settings;
     if !constant_time_eq(token.as_bytes(), settings.token.as_bytes()) {
-        return Err("wrong job token (ULYSSES_RENDEZVOUS_TOKEN differs from rank 0's)".into());
+        return Err(
+            "wrong job token: ULYSSES_RENDEZVOUS_TOKEN differs from rank 0's, or this rank is of another run that reached this one's \
+             port (another Slurm step or ULYSSES_RUN_ID, another launch): give each run its own MASTER_PORT"
+                .into(),
+        );
     }
     if world_size != settings.world_size {
         return Err(format!(
