@@ -99,7 +99,14 @@ impl LaunchEnv {
             ),
             EnvSource::Slurm => {
                 let (world_name, _) = first_set(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"]).ok_or_else(|| DistError::Env("SLURM_STEP_NUM_TASKS is not set".into()))?;
-                (required("SLURM_PROCID")?, required(world_name)?, number("SLURM_LOCALID")?.unwrap_or(0), slurm_tasks_per_node()?)
+                let world = required(world_name)?;
+                if let Some(exported) = number("WORLD_SIZE")?.filter(|&exported| exported != world) {
+                    return Err(DistError::Env(format!(
+                        "WORLD_SIZE={exported} but this srun step has {world} tasks ({world_name}), one rank each: launch {exported} \
+                         tasks, or leave WORLD_SIZE out (each task's rank is its SLURM_PROCID)"
+                    )));
+                }
+                (required("SLURM_PROCID")?, world, number("SLURM_LOCALID")?.unwrap_or(0), slurm_tasks_per_node()?)
             }
         };
         if world_size == 0 || rank >= world_size {
@@ -219,6 +226,11 @@ impl LaunchEnv {
 /// Which launcher started this process: torchrun's variables (`RANK`, `WORLD_SIZE`) win over
 /// an srun task's; `None` when neither did.
 fn launcher(lookup: &impl Fn(&str) -> Option<String>) -> Option<EnvSource> {
+    // A batch script that exports WORLD_SIZE (and MASTER_ADDR) for its srun tasks, RANK left
+    // to each task: Slurm's (its WORLD_SIZE checked against the step's tasks).
+    if lookup("RANK").is_none() && is_srun_task(lookup) {
+        return Some(EnvSource::Slurm);
+    }
     if lookup("RANK").is_some() || lookup("WORLD_SIZE").is_some() {
         Some(EnvSource::Torchrun)
     } else {
@@ -300,13 +312,21 @@ impl Launch {
     }
 
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
-        if launcher(&lookup).is_none() {
-            if lookup("SLURM_PROCID").is_some() {
-                tracing::info!("SLURM_PROCID is set without a job step (SLURM_STEP_ID): Slurm's batch script, not a task of srun; running as one process");
+        match launcher(&lookup) {
+            None => {
+                if lookup("SLURM_PROCID").is_some() {
+                    tracing::info!("SLURM_PROCID is set without a job step (SLURM_STEP_ID): Slurm's batch script, not a task of srun; running as one process");
+                }
+                Ok(Launch::Threads)
             }
-            return Ok(Launch::Threads);
+            // A step of one task (`srun --pty bash`, `srun -n1 trainer`): the whole job in this
+            // process, its ranks as threads, as outside Slurm.
+            Some(EnvSource::Slurm) if LaunchEnv::from_lookup(&lookup)?.world_size == 1 => {
+                tracing::info!("an srun step of one task: running as one process, its ranks as threads");
+                Ok(Launch::Threads)
+            }
+            Some(_) => LaunchEnv::from_lookup(lookup).map(Launch::Process),
         }
-        LaunchEnv::from_lookup(lookup).map(Launch::Process)
     }
 
     /// The launched world's size, `None` for threads (the layout decides).
@@ -506,6 +526,20 @@ mod tests {
         for name in ["SLURM_STEP_ID", "SLURM_STEPID"] {
             assert_eq!(launch(&[batch.as_slice(), &[(name, "0")]].concat()).unwrap().world_size(), Some(8), "{name}");
         }
+        // A step of one task (`srun --pty bash`, `srun -n1 trainer`): the whole job here, as threads.
+        let one_task = [("SLURM_PROCID", "0"), ("SLURM_STEP_ID", "0"), ("SLURM_STEP_NUM_TASKS", "1"), ("SLURM_LOCALID", "0"), ("SLURM_NODEID", "0"), ("SLURM_STEP_TASKS_PER_NODE", "1"), ("SLURM_STEP_NODELIST", "gpu07")];
+        assert_eq!(launch(&one_task).unwrap(), Launch::Threads);
+    }
+
+    #[test]
+    fn a_batch_scripts_exported_world_size_leaves_srun_tasks_their_ranks() {
+        // `export WORLD_SIZE=8 MASTER_ADDR=...; srun trainer`: RANK left to each task.
+        let task = [("WORLD_SIZE", "8"), ("SLURM_PROCID", "5"), ("SLURM_STEP_ID", "0"), ("SLURM_STEP_NUM_TASKS", "8"), ("SLURM_LOCALID", "1"), ("SLURM_NODEID", "1"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"), ("SLURM_STEP_NODELIST", "gpu[07-08]")];
+        let parsed = env(&task).unwrap();
+        assert_eq!((parsed.rank, parsed.world_size, parsed.local_rank, parsed.local_world_size), (5, 8, 1, 4));
+        // Exported otherwise than the step's tasks: named.
+        let message = env(&[task.as_slice(), &[("WORLD_SIZE", "16")]].concat()).unwrap_err().to_string();
+        assert!(message.contains("WORLD_SIZE=16 but this srun step has 8 tasks"), "{message}");
     }
 
     #[test]
