@@ -15,6 +15,9 @@ pub const ENV_TOKEN: &str = "ULYSSES_RENDEZVOUS_TOKEN";
 pub const ENV_TCP_MAX_MESSAGE_BYTES: &str = "ULYSSES_TCP_MAX_MESSAGE_BYTES";
 pub const ENV_TCP_ADDR: &str = "ULYSSES_TCP_ADDR";
 
+/// The longest timeout taken (about 31 years).
+pub const MAX_TIMEOUT_SECS: f64 = 1e9;
+
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct DistributedConfig {
@@ -127,16 +130,18 @@ impl DistributedConfig {
     }
 
     pub fn validate(&self) -> Result<(), DistError> {
-        let positive = |name: &str, value: f64| {
-            if value > 0.0 && value.is_finite() { Ok(()) } else { Err(DistError::Env(format!("{name} must be positive, got {value}"))) }
+        // At most a billion seconds: a deadline past the clock's range would panic.
+        let seconds = |name: &str, variable: &str, value: f64| match value > 0.0 && value <= MAX_TIMEOUT_SECS {
+            true => Ok(()),
+            false => Err(DistError::Env(format!("{name} ({variable}) must be positive, at most {MAX_TIMEOUT_SECS:e} seconds, got {value}"))),
         };
-        positive("rendezvous_timeout_secs", self.rendezvous_timeout_secs)?;
-        positive("collective_timeout_secs", self.collective_timeout_secs)?;
+        seconds("rendezvous_timeout_secs", ENV_RENDEZVOUS_TIMEOUT, self.rendezvous_timeout_secs)?;
+        seconds("collective_timeout_secs", ENV_COLLECTIVE_TIMEOUT, self.collective_timeout_secs)?;
         if self.sp_size == 0 {
-            return Err(DistError::Env("sp_size must be at least 1".into()));
+            return Err(DistError::Env(format!("sp_size ({ENV_SP_SIZE}) must be at least 1")));
         }
         if self.max_message_bytes < 1024 {
-            return Err(DistError::Env(format!("max_message_bytes must be at least 1024, got {}", self.max_message_bytes)));
+            return Err(DistError::Env(format!("max_message_bytes ({ENV_MAX_MESSAGE_BYTES}) must be at least 1024, got {}", self.max_message_bytes)));
         }
         Ok(())
     }
@@ -180,7 +185,12 @@ mod tests {
         let err = DistributedConfig::new().with_overrides(|n| (n == ENV_SP_SIZE).then(|| "two".into())).unwrap_err();
         assert!(err.to_string().contains("ULYSSES_SP_SIZE=\"two\""), "{err}");
         let err = DistributedConfig::new().with_overrides(|n| (n == ENV_RENDEZVOUS_TIMEOUT).then(|| "0".into())).unwrap_err();
-        assert!(err.to_string().contains("rendezvous_timeout_secs must be positive"), "{err}");
+        assert!(err.to_string().contains("rendezvous_timeout_secs (ULYSSES_RENDEZVOUS_TIMEOUT) must be positive"), "{err}");
+        // Past what a deadline holds (a panic before), NaN: named.
+        for value in ["1e300", "NaN", "inf"] {
+            let err = DistributedConfig::new().with_overrides(|n| (n == ENV_COLLECTIVE_TIMEOUT).then(|| value.into())).unwrap_err();
+            assert!(err.to_string().contains("ULYSSES_COLLECTIVE_TIMEOUT"), "{value}: {err}");
+        }
         let config = DistributedConfig::new().with_overrides(|_| None).unwrap();
         assert!(config.require_token().unwrap_err().to_string().contains("ULYSSES_RENDEZVOUS_TOKEN"));
     }

@@ -434,6 +434,12 @@ fn a_launch_on_one_node_has_a_token_of_its_own() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success() && stdout.contains("token=") && !stdout.contains("exported-by-the-shell"), "{stdout}");
+    // A grace no duration holds (a panic before), or NaN: named.
+    for grace in ["1e300", "NaN"] {
+        let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch")).args(["--nproc-per-node", "1", "--kill-grace-secs", grace, "--", "true"]).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.code() == Some(1) && stderr.contains("--kill-grace-secs") && !stderr.contains("panicked"), "{grace}: {stderr}");
+    }
 }
 
 /// MASTER_ADDR and MASTER_PORT in the launcher's environment reach the ranks (the rendezvous

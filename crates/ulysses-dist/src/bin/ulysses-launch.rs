@@ -54,6 +54,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // Duration::from_secs_f64 panics past its range; NaN would be no grace at all.
+    if !(0.0..=ulysses_dist::config::MAX_TIMEOUT_SECS).contains(&args.kill_grace_secs) {
+        eprintln!("ulysses-launch: --kill-grace-secs {} must be from 0 to {:e} seconds", args.kill_grace_secs, ulysses_dist::config::MAX_TIMEOUT_SECS);
+        return ExitCode::FAILURE;
+    }
     let mut command = args.command.into_iter();
     let plan = LaunchPlan {
         nproc_per_node: args.nproc_per_node,
@@ -64,7 +69,7 @@ fn main() -> ExitCode {
         token,
         program: command.next().unwrap_or_default(),
         args: command.collect(),
-        kill_grace: Duration::from_secs_f64(args.kill_grace_secs.max(0.0)),
+        kill_grace: Duration::from_secs_f64(args.kill_grace_secs),
     };
     match run(&plan) {
         Ok(()) => ExitCode::SUCCESS,
