@@ -92,6 +92,18 @@ struct Rank {
 /// the others are stopped (SIGTERM, then SIGKILL after the grace period).
 pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
     plan.validate()?;
+    // Rank 0 serves the rendezvous on this node's port: one another process holds (a second
+    // launch) would fail rank 0 alone, while the others reached that process's rendezvous.
+    if plan.node_rank == 0
+        && let Err(error) = std::net::TcpListener::bind(("0.0.0.0", plan.master_port))
+        && error.kind() == std::io::ErrorKind::AddrInUse
+    {
+        return Err(DistError::Launch(format!(
+            "port {} (--master-port, MASTER_PORT) is in use on this machine, another run's rendezvous perhaps: give this launch \
+             a free one",
+            plan.master_port
+        )));
+    }
     // Before spawning: an interrupt during the spawn loop must stop what was started.
     forward_interrupts();
     // SAFETY: getpid(2) cannot fail.

@@ -434,6 +434,18 @@ fn a_launch_on_one_node_has_a_token_of_its_own() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success() && stdout.contains("token=") && !stdout.contains("exported-by-the-shell"), "{stdout}");
+    // A port another process listens on: refused before any rank starts.
+    let held = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    let marker = std::env::temp_dir().join(format!("ulysses-launch-port-{}", std::process::id()));
+    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+        .args(["--nproc-per-node", "2", "--master-port", &port, "--", "sh", "-c"])
+        .arg(format!("touch {}", marker.display()))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains(&format!("port {port} (--master-port, MASTER_PORT) is in use")) && !marker.exists(), "{stderr}");
+    drop(held);
     // A grace no duration holds (a panic before), or NaN: named.
     for grace in ["1e300", "NaN"] {
         let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch")).args(["--nproc-per-node", "1", "--kill-grace-secs", grace, "--", "true"]).output().unwrap();
