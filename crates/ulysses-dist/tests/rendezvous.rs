@@ -123,9 +123,11 @@ fn a_rank_that_never_joins_is_named() {
     }
 }
 
-/// A rank 0 on this machine alone (127.0.0.1, localhost) in a job across nodes is refused on
-/// every rank at once, before any waits: the other nodes' ranks could never reach it. Across
-/// nodes rank 0 listens on every interface, so a name this machine maps to loopback works.
+/// A rank 0 on this machine alone (127.0.0.1, localhost) in a job across nodes is refused at
+/// once, before any waits, on the other nodes' ranks, which could never reach it (on rank 0's
+/// node it is the way there). Across nodes, or where the node's rank count is not known (a
+/// Kubeflow PyTorchJob's pods: `localhost` on the master, its service name on the workers),
+/// rank 0 listens on every interface, so a name this machine maps to loopback works.
 #[test]
 fn a_loopback_master_in_a_job_across_nodes_is_refused_at_once() {
     let env = |rank: usize, addr: &str, port: u16| LaunchEnv {
@@ -142,7 +144,7 @@ fn a_loopback_master_in_a_job_across_nodes_is_refused_at_once() {
     let config = DistributedConfig::new().with_token(Some("job-secret".into())).with_rendezvous_timeout_secs(30.0);
     for addr in ["127.0.0.1", "localhost"] {
         let started = Instant::now();
-        let error = Rendezvous::join(&env(1, addr, free_port()), &config).err().expect("refused");
+        let error = Rendezvous::join(&env(2, addr, free_port()), &config).err().expect("refused");
         assert!(started.elapsed() < Duration::from_secs(2) && error.to_string().contains("is this machine alone"), "{error}");
     }
     // Two ranks of a two-node job, rank 0 reached by this machine's own name.
@@ -156,6 +158,18 @@ fn a_loopback_master_in_a_job_across_nodes_is_refused_at_once() {
     let other = std::thread::spawn(move || Rendezvous::join(&one, &config_1).map(|_| ()));
     Rendezvous::join(&zero, &config).unwrap_or_else(|e| panic!("rank 0 on {host}: {e}"));
     other.join().unwrap().unwrap_or_else(|e| panic!("rank 1 to {host}: {e}"));
+    // Kubeflow: rank 0 given localhost, rank 1 this machine's network address (as another pod
+    // dials the master's service), no node size known.
+    let outward = std::net::UdpSocket::bind("0.0.0.0:0").and_then(|socket| socket.connect("192.0.2.1:9").and_then(|()| socket.local_addr()));
+    let Some(address) = outward.ok().map(|a| a.ip()).filter(|ip| !ip.is_loopback() && !ip.is_unspecified()) else {
+        return println!("skipped the PyTorchJob half: this machine has no network address");
+    };
+    let port = free_port();
+    let pod = |rank: usize, addr: &str| LaunchEnv { world_size: 2, local_world_size: 1, local_rank: 0, node_size_known: false, ..env(rank, addr, port) };
+    let (zero, one, config_1) = (pod(0, "localhost"), pod(1, &address.to_string()), config.clone().with_rendezvous_timeout_secs(5.0));
+    let other = std::thread::spawn(move || Rendezvous::join(&one, &config_1).map(|_| ()));
+    Rendezvous::join(&zero, &config).unwrap_or_else(|e| panic!("rank 0 on localhost: {e}"));
+    other.join().unwrap().unwrap_or_else(|e| panic!("rank 1 to {address}, rank 0 serving on localhost: {e}"));
     // The TCP transport's ranks offer the others the address they reached rank 0 from: where
     // that is loopback, each stops naming ULYSSES_TCP_ADDR rather than offer one no node dials.
     let loopback = ("127.0.0.1", 0).to_socket_addrs().ok().and_then(|mut a| a.next()).map(|a| a.ip());

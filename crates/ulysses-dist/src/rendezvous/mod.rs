@@ -30,8 +30,10 @@ impl Rendezvous {
     pub fn join(env: &LaunchEnv, config: &DistributedConfig) -> Result<Self, DistError> {
         let token = &run_token(config.require_token()?, |name| std::env::var(name).ok());
         let timeout = config.rendezvous_timeout();
-        // Every rank refuses it at once: the other nodes' ranks would wait out the timeout.
-        if env.spans_nodes() && crate::env::is_this_machine_only(&env.master_addr) {
+        // Refused at once on the other nodes' ranks, which would wait out the timeout; on rank
+        // 0's node (its ranks come first) it is the way there (Kubeflow's master pod is given
+        // `localhost`).
+        if env.spans_nodes() && env.rank >= env.local_world_size && crate::env::is_this_machine_only(&env.master_addr) {
             return Err(DistError::Env(format!(
                 "MASTER_ADDR {} is this machine alone, but the job has {} ranks and this node {} (LOCAL_WORLD_SIZE): ranks on \
                  other nodes cannot reach it; set MASTER_ADDR to node 0's network address",
@@ -48,8 +50,9 @@ impl Rendezvous {
                 };
                 // Across nodes, every interface, as torch's store listens (the token guards it):
                 // a host name that /etc/hosts maps to 127.0.1.1 here (Debian's default) would
-                // bind loopback, out of the other nodes' reach. On one node, MASTER_ADDR's.
-                let bind = match env.spans_nodes() {
+                // bind loopback, out of the other nodes' reach; so where the launcher did not say
+                // how many ranks this node runs (a PyTorchJob's pods). On one node, MASTER_ADDR's.
+                let bind = match env.spans_nodes() || !env.node_size_known {
                     true if env.master_addr.contains(':') => "::",
                     true => "0.0.0.0",
                     // An IPv6 address as MASTER_ADDR takes (`[fd00::1]`) binds without its brackets.
