@@ -93,7 +93,9 @@ impl LaunchEnv {
                 number("LOCAL_RANK")?.or(number("SLURM_LOCALID")?).unwrap_or(0),
                 match number("LOCAL_WORLD_SIZE")?.or(number("LOCAL_SIZE")?) {
                     Some(size) => Some(size),
-                    None if lookup("SLURM_LOCALID").is_some() => slurm_tasks_per_node()?,
+                    // Where the ranks are a step's tasks: a batch script's inherited count is
+                    // no rank's (the error then asks for LOCAL_WORLD_SIZE).
+                    None if lookup("SLURM_LOCALID").is_some() && is_srun_task(&lookup) => slurm_tasks_per_node()?,
                     None => None,
                 },
             ),
@@ -281,15 +283,15 @@ pub fn first_host(node_list: &str) -> Option<String> {
             c == ',' && depth == 0
         })
         .map_or(list.len(), |(i, _)| i);
-    let first = &list[..end];
-    let host = match first.split_once('[') {
-        None => first.to_string(),
-        Some((prefix, ranges)) => {
-            let range = ranges.trim_end_matches(']').split(',').next()?;
-            let start = range.split('-').next()?;
-            format!("{prefix}{start}")
-        }
-    };
+    // Each bracket (`rack[1-2]-node[01-02]-ib`) at its first value: the first host's name.
+    let (mut host, mut rest) = (String::new(), &list[..end]);
+    while let Some((text, after)) = rest.split_once('[') {
+        let (ranges, tail) = after.split_once(']')?;
+        host.push_str(text);
+        host.push_str(ranges.split(',').next()?.split('-').next()?);
+        rest = tail;
+    }
+    host.push_str(rest);
     (!host.is_empty()).then_some(host)
 }
 
@@ -466,8 +468,11 @@ mod tests {
     fn a_wrapper_setting_rank_under_srun_keeps_slurms_local_rank() {
         // srun bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS exec trainer': the GPU is
         // SLURM_LOCALID's, not GPU 0 for every rank of a node.
-        let parsed = env(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("SLURM_PROCID", "5"), ("SLURM_LOCALID", "1"), ("SLURM_NODEID", "1"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2)")]).unwrap();
+        let parsed = env(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("SLURM_PROCID", "5"), ("SLURM_STEP_ID", "0"), ("SLURM_LOCALID", "1"), ("SLURM_NODEID", "1"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"), ("SLURM_STEP_NODELIST", "gpu[07-08]")]).unwrap();
         assert_eq!((parsed.local_rank, parsed.local_world_size, parsed.source), (1, 4, EnvSource::Torchrun));
+        // In the batch script (no step), Slurm's count of the script's tasks is no rank's.
+        let message = env(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("SLURM_PROCID", "0"), ("SLURM_LOCALID", "0"), ("SLURM_TASKS_PER_NODE", "1")]).unwrap_err().to_string();
+        assert!(message.contains("set LOCAL_WORLD_SIZE"), "{message}");
         let torchrun = env(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("SLURM_LOCALID", "0")]).unwrap();
         assert_eq!((torchrun.local_rank, torchrun.local_world_size), (1, 2));
         // Without MASTER_ADDR, a task of an srun step finds rank 0 on the step's first host and
@@ -566,6 +571,10 @@ mod tests {
         assert_eq!(first_host("gpu[03-05,9],cpu1").as_deref(), Some("gpu03"));
         assert_eq!(first_host("node7,node8").as_deref(), Some("node7"));
         assert_eq!(first_host("a[1,2],b[3-4]").as_deref(), Some("a1"));
+        // Several brackets, text after one.
+        assert_eq!(first_host("rack[1-2]-node[01-02]").as_deref(), Some("rack1-node01"));
+        assert_eq!(first_host("n[01-02]-ib,m3").as_deref(), Some("n01-ib"));
+        assert_eq!(first_host("a[1-2]b[3-4],c5").as_deref(), Some("a1b3"));
         assert_eq!(first_host("").as_deref(), None);
     }
 
