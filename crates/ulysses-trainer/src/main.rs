@@ -665,6 +665,23 @@ fn run(mut args: Args) -> Result<(), String> {
             env.local_world_size
         ));
     }
+    // An SP group past one node: each attention's all-to-all crosses the network (slower, not
+    // wrong), said once a node.
+    if let Launch::Process(env) = &launch
+        && env.node_size_known
+        && env.local_rank == 0
+        && env.world_size > env.local_world_size
+        && args.sp > 1
+        && (env.local_world_size % args.sp != 0 || env.rank % args.sp != 0)
+    {
+        tracing::warn!(
+            "--sp {} groups span nodes (this node runs {} ranks, from rank {}): every attention's all-to-all then crosses the network; \
+             make --sp divide each node's ranks, placed in blocks (srun's default distribution, not cyclic)",
+            args.sp,
+            env.local_world_size,
+            env.rank
+        );
+    }
     // Each degree by its own flag (ParallelLayout::check names the field only).
     for (field, flag, degree) in [("sp_size", "--sp", Some(args.sp)), ("dp_size", "--dp", args.dp), ("ring_size", "--ring", Some(args.ring))] {
         if degree == Some(0) {

@@ -738,6 +738,15 @@ fn a_layout_that_does_not_make_the_launched_world_is_refused_by_check() {
     assert!(!ok && text.contains("started 4 ranks (WORLD_SIZE)") && text.contains("--dp 1 makes 2"), "{text}");
     let (ok, text) = launched(&["--sp", "2", "--dp", "2"]);
     assert!(ok && text.contains("sp 2 × dp 2"), "{text}");
+    // SP groups of 4 over nodes of 2 ranks: said.
+    let output = Command::new(trainer())
+        .args(common_args(&dir, "run", 1))
+        .args(["--check", "--sp", "4"])
+        .envs([("RANK", "0"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", port.as_str())])
+        .output()
+        .unwrap();
+    let text = show(&output);
+    assert!(output.status.success() && text.contains("--sp 4 groups span nodes (this node runs 2 ranks, from rank 0)"), "{text}");
     // --device on each of the node's 4 processes, which see every GPU: all on one.
     let (ok, text) = launched(&["--sp", "2", "--backend", "cuda", "--device", "1"]);
     assert!(!ok && text.contains("--device 1 puts each of this node's 4 processes on GPU 1"), "{text}");
