@@ -333,7 +333,20 @@ where
     // its inputs refused or not, so that each learns whether every rank can go on and all run
     // the same number of micro-batches (under ZeRO-3 each is a round of world collectives).
     // And the batch's digest: the ranks of an SP group cut the same sequences.
-    let mine = [checked.is_ok() as u64, step.micro_batches.len() as u64, local_valid as u64, local_processed as u64, local_longest as u64, local_shortest as u64, step_digest(step)];
+    // Once a rank thread, the parameters it starts from: ranks built from other seeds, and not
+    // broadcast, would each step their own model with the summed gradients, without an error.
+    let compare = groups.world.size() > 1 && !PARAMETERS_COMPARED.get();
+    let fingerprint = if compare && checked.is_ok() { parameters_fingerprint(model) } else { 0 };
+    let mine = [
+        checked.is_ok() as u64,
+        step.micro_batches.len() as u64,
+        local_valid as u64,
+        local_processed as u64,
+        local_longest as u64,
+        local_shortest as u64,
+        step_digest(step),
+        fingerprint,
+    ];
     let gathered = groups.world.all_gather_host(&mine);
     checked?;
     let gathered = gathered?;
@@ -359,6 +372,16 @@ where
             groups.layout.coordinates(rank).0,
             step.index
         )));
+    }
+    if compare {
+        PARAMETERS_COMPARED.set(true);
+        if let Some(rank) = (1..gathered.len()).find(|&r| gathered[r][7] != gathered[0][7]) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "world ranks 0 and {rank} start step {} from different parameters: build the model from one seed on every rank, or call \
+                 ulysses_training::broadcast_parameters (rank 0's) before the first step",
+                step.index
+            )));
+        }
     }
     let (valid_tokens, processed_tokens) = (over_ranks(2).sum::<usize>(), over_ranks(3).sum::<usize>());
     let lengths = ShardLengths { longest: over_ranks(4).max().unwrap_or(0), shortest: over_ranks(5).min().unwrap_or(0) };
@@ -630,6 +653,29 @@ pub fn batch_digest(sequences: &[Vec<i64>]) -> u64 {
         let hash = checkpoint::fnv1a_more(hash, &(sequence.len() as u64).to_le_bytes());
         sequence.iter().fold(hash, |hash, token| checkpoint::fnv1a_more(hash, &token.to_le_bytes()))
     })
+}
+
+thread_local! {
+    /// Whether this rank thread's first step compared the ranks' parameters.
+    static PARAMETERS_COMPARED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A digest of the first values of every float parameter (one read from the device): ranks
+/// whose models were built from other seeds differ in it.
+fn parameters_fingerprint<B: Backend, M: Module<B>>(model: &M) -> u64 {
+    let firsts: Vec<Tensor<B, 1>> = float_parameters(model)
+        .into_iter()
+        .filter(|parameter| parameter.values.dims()[0] > 0)
+        .map(|parameter| {
+            let count = parameter.values.dims()[0].min(4);
+            parameter.values.narrow(0, 0, count).cast(burn::tensor::DType::F32)
+        })
+        .collect();
+    if firsts.is_empty() {
+        return 0;
+    }
+    let values = Tensor::cat(firsts, 0).into_data();
+    values.iter::<f32>().fold(checkpoint::FNV1A_START, |hash, value| checkpoint::fnv1a_more(hash, &value.to_bits().to_le_bytes()))
 }
 
 /// A digest of a step's micro-batches (each apart), their document lengths and targets, the
