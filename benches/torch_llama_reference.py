@@ -41,6 +41,14 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--hf-config", help="a Hugging Face config.json: the model's shape (overrides the shape flags)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every layer")
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient's norm (the trainer's default); 0: none")
+    parser.add_argument(
+        "--pure-half",
+        action="store_true",
+        help="keep parameters, gradients and AdamW's state in --dtype too; by default a half --dtype is mixed precision, "
+        "f32 parameters and optimizer state with the forward under autocast, as the trainer trains",
+    )
     args = parser.parse_args()
     if args.steps <= args.warmup:
         print(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})", file=sys.stderr)
@@ -85,20 +93,29 @@ def main() -> int:
         shape = f"config={args.hf_config} layers={config.num_hidden_layers} d_model={config.hidden_size} vocab={config.vocab_size}"
     config._attn_implementation = "sdpa"
     torch.manual_seed(42)
-    if args.hf_config:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device=device, dtype=dtype)
-    else:
-        model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    # Mixed precision (the trainer's): f32 parameters, the forward's matmuls in the half dtype.
+    mixed = dtype != torch.float32 and not args.pure_half
+    parameter_dtype = torch.float32 if mixed else dtype
+    # Built on the device: a 1B model's random init on the CPU takes minutes of a GPU call.
+    with torch.device(device):
+        if args.hf_config:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        else:
+            model = LlamaForCausalLM(config)
+    model = model.to(dtype=parameter_dtype)
     if args.checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     generator = torch.Generator(device="cpu").manual_seed(7)
 
     def step() -> float:
         tokens = torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=generator).to(device)
-        loss = model(input_ids=tokens, labels=tokens).loss
+        with torch.autocast(device.type, dtype=dtype, enabled=mixed):
+            loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        if args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         value = loss.item()
@@ -124,7 +141,7 @@ def main() -> int:
         print(f"non-finite loss: {losses}", file=sys.stderr)
         return 1
     print(
-        f"torch {device.type} {args.dtype} {shape} checkpointing={args.checkpointing} batch={args.batch_size} seq={args.seq_len}: "
+        f"torch {device.type} {args.dtype} ({'mixed' if mixed else 'pure'}) {shape} checkpointing={args.checkpointing} batch={args.batch_size} seq={args.seq_len}: "
         f"{tokens_per_second:.0f} tokens/s, peak {peak} bytes, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
     )
     return 0

@@ -36,8 +36,12 @@ bundle=.gpu-bundle
 mark=.gpu-carry/bundle.commit
 # The commit of a clean tree, or nothing where files differ from it (ignored ones aside).
 clean_commit() { [ -z "$(git status --porcelain --untracked-files=normal)" ] && git rev-parse HEAD || true; }
-# Whether two commits differ in Markdown alone: the bundle of one is then the other's.
-markdown_alone_between() { git diff --quiet "$1" "$2" -- . ':(exclude)*.md' 2>/dev/null; }
+# Whether two commits differ in Markdown alone (or in what gpu-call.sh takes from the checkout:
+# the run script, the Python baselines, the shapes): the bundle of one is then the other's.
+markdown_alone_between() {
+    git diff --quiet "$1" "$2" -- . ':(exclude)*.md' ':(exclude)scripts/gpu-run.sh' ':(exclude)scripts/gpu-call.sh' \
+        ':(exclude)benches/*.py' ':(exclude)benches/hf-shapes' 2>/dev/null
+}
 built=$(head -n 1 "$mark" 2>/dev/null || true)
 now=$(clean_commit)
 # Whether the mark's fill had the plan the fill would have now.

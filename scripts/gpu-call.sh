@@ -19,8 +19,12 @@ if [ ! -d "$bundle/kernels" ] && [ -f .gpu-carry/bundle.tar.xz ]; then
     python3 -m tarfile -e .gpu-carry/bundle.tar.xz . || { echo "gpu-call: cannot unpack the bundle" >&2; exit 1; }
 fi
 [ -d "$bundle" ] || { echo "gpu-call: no bundle (run scripts/gpu-bundle.sh here, carry .gpu-carry)" >&2; exit 1; }
-# This checkout's gpu-run.sh, not the bundle's copy: the steps may have changed since the build.
+# This checkout's gpu-run.sh, Python baselines and shapes, not the bundle's copies: the steps and
+# baselines may have changed since the build (no rebuild for them, see gpu-bundle.sh).
 for folder in "$bundle"/*/; do cp scripts/gpu-run.sh "$folder"; done
+cp benches/sdpa_reference.py "$bundle/kernels/"
+cp benches/torch_llama_reference.py "$bundle/train/"
+rm -rf "$bundle/train/hf-shapes" && cp -r benches/hf-shapes "$bundle/train/"
 logs=/tmp/gpu-call-logs
 rm -rf "$logs" /tmp/gpu-call-packed && mkdir -p "$logs"
 # The trainer's corpus: the system's licence texts where the image has them, else this
@@ -125,7 +129,7 @@ for part in "$@"; do
     started=$(date +%s)
     entries=$(ptx_entries)
     # timeout signals its whole process group: a part's children (launched ranks) end too.
-    KERNELS_RUN=${run:-tests} MEMORY_RUN=${run:-alst} TRAIN_RUN=${run:-check} OUT="$logs/$name" \
+    KERNELS_RUN=${run:-tests} MEMORY_RUN=${run:-alst} TRAIN_RUN=${run:-check} OUT="$logs/$name" GPU_CALL_PART_SECONDS="$seconds" \
         timeout --kill-after=10 "$seconds" "$bundle/$folder/gpu-run.sh" 2>&1 | tee "$logs/$name/console.log" | tail -n 40
     status=${PIPESTATUS[0]}
     echo "$name $status $(( $(date +%s) - started ))s, PTX cache $entries + $(( $(ptx_entries) - entries )) compiled here" | tee -a "$logs/parts.txt"

@@ -44,6 +44,7 @@ step() {
         echo "== $name FAILED with status $status (log: $out/$name.log)"
         failed+=("$name")
     fi
+    return "$status"
 }
 
 # `corpus_for SEQ`: a corpus (file or folder) for the trainer's --corpus whose held-out tenth
@@ -145,8 +146,10 @@ if has flash-attention-tests; then
         # q, the output, dO and dQ of 4.5e9 elements each (about 45 GB): 64-bit indexing.
         step kernel-test-past-2-pow-32 env ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture --exact bf16_past_2_pow_32_elements_per_tensor_against_chunks ;;
     bench)
-        # BENCH_ARGS narrows or extends the sweep (e.g. "--heads 16 --seqs 8192,32768 --skews 0,8").
-        step flash-bench env ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" ${BENCH_ARGS:-} ;;
+        # BENCH_ARGS narrows or extends the sweep (e.g. "--heads 16 --seqs 8192,32768 --skews 0,8");
+        # by default the register-fragment engine CUDA runs (not the planned one's 28 shapes).
+        step flash-bench env ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" \
+            ${BENCH_ARGS:---fragments --heads 16 --seqs 8192,16384,32768,65536 --head-dims 128,64} ;;
     ncu)
         # Nsight Compute on one launch of each kernel (forward, dK/dV, dQ) of the bench's first
         # shape (S 1024, 16 heads, bf16, head dim 128): the figures that name the limit (memory
@@ -154,7 +157,8 @@ if has flash-attention-tests; then
         # The register-fragment kernels (forward, dK/dV, dQ) at 8192 tokens, head dim 128 (the
         # bench's --fragments).
         if [ "${DRY_RUN:-0}" = 1 ] || command -v ncu >/dev/null; then
-            for kernel in ${NCU_KERNELS:-flash_forward_kernel key_value_grad_kernel query_grad_kernel fragment_forward_kernel fragment_key_value_grad_kernel fragment_query_grad_kernel}; do
+            # The register-fragment kernels (what CUDA runs) first: a part cut short keeps them.
+            for kernel in ${NCU_KERNELS:-fragment_forward_kernel fragment_key_value_grad_kernel fragment_query_grad_kernel flash_forward_kernel key_value_grad_kernel query_grad_kernel}; do
                 args=""
                 case "$kernel" in fragment_*) args="--fragments --heads 16 --seqs 8192 --head-dims 128" ;; esac
                 step "ncu-$kernel" env ULYSSES_SDPA_SCRIPT=/nonexistent/sdpa.py ncu --set full --launch-count 1 \
@@ -174,25 +178,29 @@ if has training-memory-bench; then
     # folder or above) spares every trial after the first the kernels' compilation; under
     # scripts/gpu-call.sh it is the call's, kept across calls (GPU_CALL_COMPILATION_CACHE).
     mkdir -p /tmp/memory-run
+    # CubeCL's logs straight into the part's folder (a part killed at its limit keeps them),
+    # emptied first (CubeCL appends).
+    memory_logs="$out/memory-logs"
+    rm -rf "$memory_logs" && mkdir -p "$memory_logs"
     # Autotune (burn's matmuls try several kernels per new shape) at its least effort, cached
     # across trials too; both logs come back with the step's, to show where a trial's time goes.
     cat >/tmp/memory-run/cubecl.toml <<TOML
 [compilation]
 cache = { file = "${GPU_CALL_COMPILATION_CACHE:-/tmp/memory-run/cubecl-cache}" }
-logger = { level = "basic", file = "/tmp/memory-run/compilation.log" }
+logger = { level = "basic", file = "$memory_logs/compilation.log" }
 [autotune]
 level = "minimal"
 cache = { file = "/tmp/memory-run/autotune-cache" }
-logger = { level = "minimal", file = "/tmp/memory-run/autotune.log" }
+logger = { level = "minimal", file = "$memory_logs/autotune.log" }
 TOML
     # MEMORY_PROFILE=1: CubeCL times every kernel on the device and, at each device sync (the
     # bench's --phases syncs at every phase), writes a table of kernel time by kernel name to
     # profile.log: a phase's kernel time against its wall time says whether the GPU or the
     # host holds it up. Each kernel is timed alone, so the step runs slower.
     if [ "${MEMORY_PROFILE:-0}" = 1 ]; then
-        cat >>/tmp/memory-run/cubecl.toml <<'TOML'
+        cat >>/tmp/memory-run/cubecl.toml <<TOML
 [profiling]
-logger = { level = "basic", file = "/tmp/memory-run/profile.log" }
+logger = { level = "basic", file = "$memory_logs/profile.log" }
 TOML
     fi
     # MEMORY_POOLS=exact: CubeCL's persistent pool for every allocation (cubecl.toml's
@@ -212,8 +220,12 @@ TOML
     bench="$here/training-memory-bench"
     # Each phase's wall time is printed under its trial, also when the trial timed out; a second
     # step per trial (MEMORY_TRIAL_STEPS=2) times the step without compilation and autotuning.
-    longest="--shape llama-8b --longest-under 80000000000 --documents ${MEMORY_DOCUMENTS:-4096} --trial-timeout ${MEMORY_TRIAL_TIMEOUT:-100}"
-    longest="$longest --phases --trial-steps ${MEMORY_TRIAL_STEPS:-1}"
+    # A trial ends 25 s before the part's limit (gpu-call.sh's), so its phases are printed.
+    trial_timeout=${MEMORY_TRIAL_TIMEOUT:-$(( ${GPU_CALL_PART_SECONDS:-125} > 55 ? ${GPU_CALL_PART_SECONDS:-125} - 25 : 30 ))}
+    # Profiled, a second step (no compilation or tuning in it) by default.
+    trial_steps=${MEMORY_TRIAL_STEPS:-$([ "${MEMORY_PROFILE:-0}" = 1 ] && echo 2 || echo 1)}
+    longest="--shape llama-8b --longest-under 80000000000 --documents ${MEMORY_DOCUMENTS:-4096} --trial-timeout $trial_timeout"
+    longest="$longest --phases --trial-steps $trial_steps"
     # MEMORY_CLEANUP=1: before each piece's backward the pools give back the pages no tensor
     # holds (CubeCL 0.10's CUDA pools take no options): reserved against used, with and without.
     cleanup=""
@@ -245,7 +257,6 @@ TOML
     popd >/dev/null
     # The memory bench's pools only: the trainer's runs below keep CubeCL's default.
     [ "${memory_pools_set:-0}" = 1 ] && unset ULYSSES_MEMORY_POOLS
-    [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/memory-run/*.log "$out/" 2>/dev/null
 fi
 # Two ranks on the one GPU: a host id each (or NCCL refuses a duplicate GPU), so NCCL talks
 # over sockets; on loopback, with InfiniBand off.
@@ -290,29 +301,30 @@ if has ulysses-trainer; then
         # HF_SHAPES, HF_SPS (" ": PyTorch alone), HF_STEPS and HF_SEQ narrow it. --profile: each
         # step's waits on the device (reads, syncs, uploads) in the log.
         seq=${HF_SEQ:-16384}
+        corpus=$(corpus_for "$seq")
         for shape in ${HF_SHAPES:-llama-3.2-1b qwen3-0.6b}; do
-            for sp in ${HF_SPS:-1 2}; do
+            # PyTorch first: a part stopped at its limit keeps the baseline every ratio needs.
+            step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" --checkpointing \
+                --seq-len "$seq" --batch-size 1 --dtype bf16 --steps "${HF_STEPS:-6}" --warmup 2 --learning-rate 3e-4
+            for sp in ${HF_SPS:-1}; do
                 step "hf-$shape-sp$sp" "$here/ulysses-trainer" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile \
                     --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" \
-                    --corpus "${CORPUS:-/usr/share/common-licenses}" --out "$out/hf-$shape-sp$sp"
+                    --corpus "$corpus" --out "$out/hf-$shape-sp$sp"
             done
             # The head and loss as before 2026-11-27 (f32 logits, tensor-op softmax), beside the
-            # bf16 head and fused cross-entropy above; HF_OLD_HEAD=0 skips it.
-            if [ "${HF_OLD_HEAD:-1}" = 1 ]; then
+            # bf16 head and fused cross-entropy above; HF_OLD_HEAD=1 adds it.
+            if [ "${HF_OLD_HEAD:-0}" = 1 ]; then
                 step "hf-$shape-sp1-old-head" env ULYSSES_FUSED_CROSS_ENTROPY=0 "$here/ulysses-trainer" --backend cuda --sp 1 --f32-head \
                     --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile --learning-rate 3e-4 --checkpoint-layers --no-save \
-                    --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "${CORPUS:-/usr/share/common-licenses}" \
+                    --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "$corpus" \
                     --out "$out/hf-$shape-sp1-old-head"
             fi
-            # PyTorch before the planned engine's run: a part stopped at its limit keeps the baseline.
-            step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" --checkpointing \
-                --seq-len "$seq" --batch-size 1 --dtype bf16 --steps "${HF_STEPS:-6}" --warmup 2
             # Attention on the planned engine (`cmma`, ULYSSES_FLASH_ENGINE=planned) beside the
             # register fragments the runs above choose on CUDA since 2026-11-30; HF_PLANNED=1 adds it.
             if [ "${HF_PLANNED:-0}" = 1 ]; then
                 step "hf-$shape-sp1-planned" env ULYSSES_FLASH_ENGINE=planned "$here/ulysses-trainer" --backend cuda --sp 1 \
                     --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile --learning-rate 3e-4 --checkpoint-layers --no-save \
-                    --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "${CORPUS:-/usr/share/common-licenses}" \
+                    --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" --corpus "$corpus" \
                     --out "$out/hf-$shape-sp1-planned"
             fi
         done ;;
@@ -345,7 +357,8 @@ if has ulysses-trainer; then
         for seq in ${EIGHT_B_SEQS:-65536}; do
             step "llama-8b-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps "${EIGHT_B_STEPS:-2}" --seq-len "$seq" --batch-size 1 --profile --progress \
                 --offload-optimizer --checkpoint-layers $offload $zero --tile-tokens 4096 --learning-rate 1e-5 --no-save --check-parameters-every 0 \
-                --hf-config "$here/hf-shapes/llama-3.1-8b.json" --corpus "$(corpus_for "$seq")" --out "$out/llama-8b-$seq"
+                --hf-config "$here/hf-shapes/llama-3.1-8b.json" --corpus "$(corpus_for "$seq")" --out "$out/llama-8b-$seq" \
+                || break  # a longer one would build the 8B model's host state again only to fail
         done ;;
     *) echo "TRAIN_RUN must be check, scale, hf or 8b, not ${TRAIN_RUN}" >&2; exit 2 ;;
     esac
