@@ -479,38 +479,32 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
         })
     });
     // Ranks whose models come from other seeds, never broadcast: refused at their first step.
-    let results = with_deadline(Duration::from_secs(50), move || {
-        ThreadGroup::new(2).run(|rank| {
-            let layout = ParallelLayout::new().with_sp_size(2);
-            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
-            let _sp = enter_sp(&groups);
-            let device = Default::default();
-            let model = deterministic_params(config(layout, 1).model.init::<Sp>(&device), INIT_SEED + rank.rank() as u64);
-            let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
-            let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &batch, documents: None, targets: None, max_grad_norm: None };
-            backward_step(&model, &step, &layout.sharder(), &groups, &device).err().map(|e| e.to_string())
+    let one_step_at_sp_2 = |seed_of_rank: fn(usize) -> u64, ignores_documents: bool, documents: Option<Vec<Vec<Vec<usize>>>>| {
+        with_deadline(Duration::from_secs(50), move || {
+            ThreadGroup::new(2).run(|rank| {
+                let layout = ParallelLayout::new().with_sp_size(2);
+                let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+                let _sp = enter_sp(&groups);
+                let device = Default::default();
+                let decoder = deterministic_params(config(layout, 1).model.init::<Sp>(&device), seed_of_rank(rank.rank()));
+                let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
+                let step = StepInput { index: 3, learning_rate: 1e-2, micro_batches: &batch, documents: documents.as_deref(), targets: None, max_grad_norm: None };
+                let refused = match ignores_documents {
+                    true => backward_step(&IgnoresDocuments { decoder }, &step, &layout.sharder(), &groups, &device).err(),
+                    false => backward_step(&decoder, &step, &layout.sharder(), &groups, &device).err(),
+                };
+                refused.map(|e| e.to_string()).expect("refused")
+            })
         })
-    });
-    for result in results {
-        let message = result.unwrap_or_else(|p| panic!("{p}")).expect("refused");
-        assert!(message.contains("world ranks 0 and 1 start step 0 from different parameters") && message.contains("broadcast_parameters"), "{message}");
+        .into_iter()
+        .map(|result| result.unwrap_or_else(|p| panic!("{p}")))
+        .collect::<Vec<_>>()
+    };
+    for message in one_step_at_sp_2(|rank| INIT_SEED + rank as u64, false, None) {
+        assert!(message.contains("world ranks 0 and 1 start step 3 from different parameters") && message.contains("broadcast_parameters"), "{message}");
     }
     // Two documents a sequence, and a model whose attention ignores them.
-    let results = with_deadline(Duration::from_secs(50), move || {
-        ThreadGroup::new(2).run(|rank| {
-            let layout = ParallelLayout::new().with_sp_size(2);
-            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
-            let _sp = enter_sp(&groups);
-            let device = Default::default();
-            let model = IgnoresDocuments { decoder: deterministic_params(config(layout, 1).model.init::<Sp>(&device), INIT_SEED) };
-            let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
-            let documents = vec![vec![vec![9, 7]]];
-            let step = StepInput { index: 3, learning_rate: 1e-2, micro_batches: &batch, documents: Some(&documents), targets: None, max_grad_norm: None };
-            backward_step(&model, &step, &layout.sharder(), &groups, &device).err().map(|e| e.to_string())
-        })
-    });
-    for result in results {
-        let message = result.unwrap_or_else(|p| panic!("{p}")).expect("refused");
+    for message in one_step_at_sp_2(|_| INIT_SEED, true, Some(vec![vec![vec![9, 7]]])) {
         assert!(message.contains("step 3 packs several documents") && message.contains("attention_in_documents"), "{message}");
     }
     for result in results_of_rings {

@@ -40,6 +40,22 @@ fn trainer_commands(part: &str, env: &[(&str, &str)]) -> Vec<(String, Vec<String
         .collect()
 }
 
+/// The trainer's `--check` of `args` in `folder`: its output, stdout and stderr. A launched
+/// rank's variables would make it a process of a job that is not there: removed.
+fn trainer_check(args: &[String], folder: &Path) -> (std::process::Output, String, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-trainer"))
+        .current_dir(folder)
+        .args(args)
+        .arg("--check")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("SLURM_PROCID")
+        .output()
+        .expect("the trainer starts");
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout).into_owned(), String::from_utf8_lossy(&output.stderr).into_owned());
+    (output, stdout, stderr)
+}
+
 #[test]
 fn every_trainer_command_of_the_gpu_run_passes_the_trainers_check() {
     let parts: [(&str, &[(&str, &str)]); 6] = [
@@ -55,16 +71,7 @@ fn every_trainer_command_of_the_gpu_run_passes_the_trainers_check() {
         let commands = trainer_commands(part, env);
         assert!(!commands.is_empty(), "TRAIN_RUN={part} {env:?} has no trainer command");
         for (name, args) in commands {
-            // A launched rank's variables would make it a process of a job that is not there.
-            let output = Command::new(env!("CARGO_BIN_EXE_ulysses-trainer"))
-                .args(&args)
-                .arg("--check")
-                .env_remove("RANK")
-                .env_remove("WORLD_SIZE")
-                .env_remove("SLURM_PROCID")
-                .output()
-                .expect("the trainer starts");
-            let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+            let (output, stdout, stderr) = trainer_check(&args, Path::new("."));
             assert!(output.status.success() && stdout.starts_with("checked: "), "TRAIN_RUN={part} {env:?}, {name}: {}\n{stdout}{stderr}", args.join(" "));
             checked += 1;
         }
@@ -152,16 +159,7 @@ fn every_trainer_command_of_the_guides_on_this_checkouts_files_passes_the_traine
         if let Some(at) = args.iter().position(|a| a == "--out") {
             args[at + 1] = out.join(checked.to_string()).display().to_string();
         }
-        let output = Command::new(env!("CARGO_BIN_EXE_ulysses-trainer"))
-            .current_dir(&root)
-            .args(&args)
-            .arg("--check")
-            .env_remove("RANK")
-            .env_remove("WORLD_SIZE")
-            .env_remove("SLURM_PROCID")
-            .output()
-            .expect("the trainer starts");
-        let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        let (output, stdout, stderr) = trainer_check(&args, &root);
         assert!(output.status.success() && stdout.starts_with("checked: "), "{guide}: {command}\n{stdout}{stderr}");
         checked += 1;
     }
