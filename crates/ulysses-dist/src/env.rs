@@ -166,7 +166,11 @@ impl LaunchEnv {
             // Two jobs sharing a node would both take 29500: each Slurm job its own port.
             // The step too: a sweep's steps run side by side in one job.
             (None, None) => match (under_srun, number("SLURM_JOB_ID")?) {
-                (true, Some(job)) => SLURM_PORT_BASE + ((job % 10_000 + 1009 * (number("SLURM_STEP_ID")?.unwrap_or(0) % 10_000)) % 10_000) as u16,
+                (true, Some(job)) => {
+                    // The step's tasks alone take its id: a wrapper's ranks may come from several steps.
+                    let step = if source == EnvSource::Slurm { number("SLURM_STEP_ID")?.unwrap_or(0) } else { 0 };
+                    SLURM_PORT_BASE + ((job % 10_000 + 1009 * (step % 10_000)) % 10_000) as u16
+                }
                 _ => DEFAULT_MASTER_PORT,
             },
         };

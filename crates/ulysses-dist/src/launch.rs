@@ -94,14 +94,19 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
     plan.validate()?;
     // Rank 0 serves the rendezvous on this node's port: one another process holds (a second
     // launch) would fail rank 0 alone, while the others reached that process's rendezvous.
+    // The port and address rank 0 will bind: ULYSSES_RENDEZVOUS_PORT (which the ranks inherit)
+    // over the master port; across nodes every interface, on one node MASTER_ADDR.
+    let (port, variable) = match std::env::var(crate::env::ENV_RENDEZVOUS_PORT).ok().and_then(|port| port.trim().parse::<u16>().ok()) {
+        Some(port) => (port, crate::env::ENV_RENDEZVOUS_PORT),
+        None => (plan.master_port, "--master-port, MASTER_PORT"),
+    };
+    let address = if plan.nnodes > 1 { "0.0.0.0" } else { crate::env::bare_host(&plan.master_addr) };
     if plan.node_rank == 0
-        && let Err(error) = std::net::TcpListener::bind(("0.0.0.0", plan.master_port))
+        && let Err(error) = std::net::TcpListener::bind((address, port))
         && error.kind() == std::io::ErrorKind::AddrInUse
     {
         return Err(DistError::Launch(format!(
-            "port {} (--master-port, MASTER_PORT) is in use on this machine, another run's rendezvous perhaps: give this launch \
-             a free one",
-            plan.master_port
+            "port {port} ({variable}) is in use on this machine, another run's rendezvous perhaps: give this launch a free one"
         )));
     }
     // Before spawning: an interrupt during the spawn loop must stop what was started.

@@ -655,9 +655,10 @@ fn run(mut args: Args) -> Result<(), String> {
         },
     };
     // --device on every process of a node that sees all its GPUs: all of them on that one GPU.
+    let sees_one_gpu = std::env::var("CUDA_VISIBLE_DEVICES").is_ok_and(|list| list.split(',').filter(|d| !d.trim().is_empty()).count() == 1);
     if let (Some(index), Launch::Process(env), true) = (args.device, &launch, args.backend != BackendKind::Cpu)
         && env.local_world_size > 1
-        && env.device_index() == env.local_rank
+        && !sees_one_gpu
     {
         return Err(format!(
             "--device {index} puts each of this node's {} processes on GPU {index}: leave --device out (each process takes its LOCAL_RANK's GPU), \

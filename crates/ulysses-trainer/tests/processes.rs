@@ -750,6 +750,15 @@ fn a_layout_that_does_not_make_the_launched_world_is_refused_by_check() {
     // --device on each of the node's 4 processes, which see every GPU: all on one.
     let (ok, text) = launched(&["--sp", "2", "--backend", "cuda", "--device", "1"]);
     assert!(!ok && text.contains("--device 1 puts each of this node's 4 processes on GPU 1"), "{text}");
+    // Each process shown one GPU (`srun --gpus-per-task=1`): --device 0 is that one.
+    let output = Command::new(trainer())
+        .args(common_args(&dir, "run", 1))
+        .args(["--check", "--sp", "2", "--backend", "cuda", "--device", "0"])
+        .envs([("RANK", "0"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str())])
+        .env("CUDA_VISIBLE_DEVICES", "3")
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", show(&output));
     let _ = fs::remove_dir_all(&dir);
 }
 

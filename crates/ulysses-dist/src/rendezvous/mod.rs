@@ -28,7 +28,7 @@ impl Rendezvous {
     /// Joins the job described by `env`; rank 0 also starts the server. Returns once every
     /// rank has joined, or fails after the rendezvous timeout.
     pub fn join(env: &LaunchEnv, config: &DistributedConfig) -> Result<Self, DistError> {
-        let token = &run_token(config.require_token()?, |name| std::env::var(name).ok());
+        let token = &run_token(config.require_token()?, env.source == crate::env::EnvSource::Slurm, |name| std::env::var(name).ok());
         let timeout = config.rendezvous_timeout();
         // Refused at once on the other nodes' ranks, which would wait out the timeout; on rank
         // 0's node (its ranks come first) it is the way there (Kubeflow's master pod is given
@@ -154,12 +154,15 @@ impl Drop for Rendezvous {
 }
 
 /// The job's token joined with what tells this run from another of the same job (a Slurm
-/// job's steps share the batch script's token): `ULYSSES_RUN_ID`, else the Slurm job and step.
-/// Two runs that meet at one port (steps of a sweep, a port fixed by a template) are then
-/// refused, not merged into one world.
-fn run_token(token: &str, lookup: impl Fn(&str) -> Option<String>) -> String {
+/// job's steps share the batch script's token): `ULYSSES_RUN_ID`, else, where the ranks are an
+/// srun step's own tasks (`srun_tasks`: one step holds them all), the Slurm job and step. Two
+/// runs that meet at one port (steps of a sweep, a port fixed by a template) are then refused,
+/// not merged into one world. A run whose ranks come from several steps (an `srun` a node, each
+/// starting a launcher) sets one `ULYSSES_RUN_ID`, or relies on the token alone.
+fn run_token(token: &str, srun_tasks: bool, lookup: impl Fn(&str) -> Option<String>) -> String {
     let var = |name: &str| lookup(name).filter(|value| !value.trim().is_empty());
-    let run = var("ULYSSES_RUN_ID").or_else(|| Some(format!("slurm {}.{}", var("SLURM_JOB_ID")?, var("SLURM_STEP_ID")?)));
+    let step = || var("SLURM_STEP_ID").or_else(|| var("SLURM_STEPID"));
+    let run = var("ULYSSES_RUN_ID").or_else(|| srun_tasks.then(|| Some(format!("slurm {}.{}", var("SLURM_JOB_ID")?, step()?))).flatten());
     match run {
         Some(run) => format!("{token} ({run})"),
         None => token.to_string(),
@@ -172,10 +175,13 @@ mod tests {
 
     #[test]
     fn two_steps_of_a_slurm_job_have_tokens_of_their_own() {
-        let of = |vars: &[(&str, &str)]| run_token("secret", |name| vars.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string()));
+        let of_ranks = |srun_tasks, vars: &[(&str, &str)]| run_token("secret", srun_tasks, |name| vars.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string()));
+        let of = |vars: &[(&str, &str)]| of_ranks(true, vars);
         let step = |id| of(&[("SLURM_JOB_ID", "4242"), ("SLURM_STEP_ID", id)]);
         assert_ne!(step("0"), step("1"));
         assert_eq!(step("0"), step("0"));
+        // Ranks that are not one step's tasks (a launcher an srun a node): the token alone.
+        assert_eq!(of_ranks(false, &[("SLURM_JOB_ID", "4242"), ("SLURM_STEP_ID", "1")]), "secret");
         // The batch script (no step), a machine without Slurm: the token alone.
         assert_eq!(of(&[("SLURM_JOB_ID", "4242")]), "secret");
         assert_eq!(of(&[]), "secret");

@@ -135,7 +135,8 @@ fn admit(shared: &Shared, hello: Request, peer: SocketAddr) -> Result<usize, Str
     if !constant_time_eq(token.as_bytes(), settings.token.as_bytes()) {
         return Err(
             "wrong job token: ULYSSES_RENDEZVOUS_TOKEN differs from rank 0's, or this rank is of another run that reached this one's \
-             port (another Slurm step or ULYSSES_RUN_ID, another launch): give each run its own MASTER_PORT"
+             port (another Slurm step or ULYSSES_RUN_ID, another launch): give each run its own MASTER_PORT, and one run whose ranks \
+             several srun steps start one ULYSSES_RUN_ID"
                 .into(),
         );
     }
