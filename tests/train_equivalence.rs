@@ -389,7 +389,7 @@ fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
 /// sharder for another SP degree.
 #[test]
 fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_rank() {
-    use ulysses_training::{CausalLm, StepInput, backward_step, evaluate};
+    use ulysses_training::{CausalLm, StepInput, backward_step, evaluate, train_step};
     type Scenario = fn(usize) -> (ParallelLayout, SequenceSharder, Vec<Vec<Vec<i64>>>, Option<Vec<Vec<Vec<usize>>>>);
     let sequence = |len: usize| (0..len as i64).map(|t| t % VOCAB as i64).collect::<Vec<i64>>();
     let run = |scenario: Scenario| -> Vec<String> {
@@ -489,9 +489,10 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
                 let decoder = deterministic_params(config(layout, 1).model.init::<Sp>(&device), seed_of_rank(rank.rank()));
                 let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
                 let step = StepInput { index: 3, learning_rate: 1e-2, micro_batches: &batch, documents: documents.as_deref(), targets: None, max_grad_norm: None };
+                // The whole step: the documents' refusal comes with the step's health check.
                 let refused = match ignores_documents {
-                    true => backward_step(&IgnoresDocuments { decoder }, &step, &layout.sharder(), &groups, &device).err(),
-                    false => backward_step(&decoder, &step, &layout.sharder(), &groups, &device).err(),
+                    true => train_step(IgnoresDocuments { decoder }, &mut AdamWConfig::new().init(), &step, &layout.sharder(), &groups, &device).err(),
+                    false => train_step(decoder, &mut AdamWConfig::new().init(), &step, &layout.sharder(), &groups, &device).err(),
                 };
                 refused.map(|e| e.to_string()).expect("refused")
             })

@@ -65,8 +65,10 @@ use crate::{
 
 /// The size of the token × token matrix in a product of these shapes that self-attention
 /// makes (scores, or the weights applied to values), or `None`; `shard` the length of the
-/// token ids last embedded (0: none), by which query heads folded into rows show.
-fn attention_matrix_size(lhs: &[usize], rhs: &[usize], shard: usize) -> Option<usize> {
+/// token ids last embedded (0: none), by which query heads folded into rows show; `one_length`
+/// whether the thread's last two embeddings were of that length (not a model that embeds two
+/// sequences, a decoder's and a memory's, whose products over the memory would look alike).
+fn attention_matrix_size(lhs: &[usize], rhs: &[usize], shard: usize, one_length: bool) -> Option<usize> {
     let dims = lhs.len();
     if dims < 3 || rhs.len() != dims {
         return None;
@@ -83,15 +85,19 @@ fn attention_matrix_size(lhs: &[usize], rhs: &[usize], shard: usize) -> Option<u
     // Whether an operand is whole where the other is (the token × token matrix, scores or
     // weights, is never broadcast: a weight shared over the heads is).
     let (lhs_whole, rhs_whole) = (leading().all(|(l, r)| l >= r), leading().all(|(l, r)| r >= l));
-    // A sum over the shard's tokens: weights times values however the queries come (in
-    // chunks, latents, one pooling query, heads folded into rows, transposed), linear
+    // A sum over the shard's tokens of per-head operands (`[B, H, ..]`, 4-D or more: a stack
+    // of experts `[E, C, d]` whose width is the shard's is no attention): weights times values
+    // however the queries come (in chunks, latents, one pooling query, transposed), linear
     // attention's `kᵀ·v`.
-    let sums_over_the_shard = shard >= 2 && *k == shard && lhs_whole && rhs_whole;
+    let sums_over_the_shard = one_length && dims >= 4 && shard >= 2 && *k == shard && lhs_whole && rhs_whole;
+    // A group's query heads folded into rows, `[.., G·n, n]·[.., n, d]`, heads apart or folded
+    // into the batch.
+    let folded = shard >= 2 && *k == shard && *m > shard && *m % shard == 0 && lhs_whole && rhs_whole;
     if leading().map(|(l, r)| *l.max(r)).product::<usize>() < 2 {
         // One matrix. 3-D or 2-D, a linear layer's shapes at batch 1 (`[1, n, d]·[1, d, f]`);
         // 4-D or more, a head of its own at batch 1 (a loop over heads), known for attention
         // by the shard's length.
-        let scores = shard >= 2 && *m == shard && *n == shard && *k >= 2;
+        let scores = one_length && shard >= 2 && *m == shard && *n == shard && *k >= 2;
         return (dims >= 4 && (scores || sums_over_the_shard)).then_some(shard);
     }
     if *m >= 2 && m == n && *k >= 2 {
@@ -104,7 +110,7 @@ fn attention_matrix_size(lhs: &[usize], rhs: &[usize], shard: usize) -> Option<u
     } else if *k >= 2 && k == n && rhs_whole {
         // Weights times values transposed: vᵀ·wᵀ.
         Some(*k)
-    } else if sums_over_the_shard {
+    } else if sums_over_the_shard || folded {
         Some(shard)
     } else {
         None
@@ -112,8 +118,15 @@ fn attention_matrix_size(lhs: &[usize], rhs: &[usize], shard: usize) -> Option<u
 }
 
 thread_local! {
-    /// The length (last dim) of the token ids this thread last embedded, 0 before any.
-    static EMBEDDED_TOKENS: Cell<usize> = const { Cell::new(0) };
+    /// The lengths (last dim) of the token ids this thread last and next-to-last embedded, 0
+    /// before any.
+    static EMBEDDED_TOKENS: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
+}
+
+/// The length of the token ids last embedded, and whether the one before was as long (or none).
+fn embedded() -> (usize, bool) {
+    let (last, before) = EMBEDDED_TOKENS.get();
+    (last, before == 0 || before == last)
 }
 
 /// `UlyssesBackend`'s embedding: the inner backend's, noting the length of the token ids for
@@ -121,14 +134,15 @@ thread_local! {
 /// or a label's embedding, `[B, 1]`) are no sequence and leave the length noted.
 pub fn embedding_noting_length<X: ExchangeBackend>(weights: FloatTensor<X>, indices: IntTensor<X>) -> FloatTensor<X> {
     if let Some(&length) = indices.shape().last().filter(|&&length| length >= 2) {
-        EMBEDDED_TOKENS.with(|tokens| tokens.set(length));
+        EMBEDDED_TOKENS.with(|tokens| tokens.set((length, tokens.get().0)));
     }
     X::embedding(weights, indices)
 }
 
 /// Why a matmul of these shapes is refused, or `None`: `sharding` the rank context's.
 pub fn attention_by_hand(lhs: &[usize], rhs: &[usize], sharding: Option<Sharding>) -> Option<UlyssesError> {
-    refusal(lhs, rhs, attention_matrix_size(lhs, rhs, EMBEDDED_TOKENS.get())?, sharding)
+    let (shard, one_length) = embedded();
+    refusal(lhs, rhs, attention_matrix_size(lhs, rhs, shard, one_length)?, sharding)
 }
 
 /// The refusal of a product whose shapes make a `tokens × tokens` attention matrix, unless
@@ -151,7 +165,8 @@ pub fn set_guard(on: bool) {
 /// Panics with the refusal where a product of these shapes is attention by hand under SP.
 fn refuse_attention_by_hand(lhs_shape: &[usize], rhs_shape: &[usize]) {
     // The shape test first: most matmuls end there, before any lookup.
-    if let Some(tokens) = attention_matrix_size(lhs_shape, rhs_shape, EMBEDDED_TOKENS.get())
+    let (shard, one_length) = embedded();
+    if let Some(tokens) = attention_matrix_size(lhs_shape, rhs_shape, shard, one_length)
         && GUARD_ON.load(Ordering::Relaxed)
         && let Some(error) = refusal(lhs_shape, rhs_shape, tokens, context::current_sharding())
     {
@@ -268,8 +283,8 @@ mod tests {
         // Weights times values of 3 query heads folded over 8 keys, 4-D and heads folded into
         // the batch: refused with the 8 token ids embedded, passed without.
         for (lhs, rhs) in [(&[2, 2, 24, 8][..], &[2, 2, 8, 16][..]), (&[4, 16, 8], &[4, 8, 12])] {
-            assert_eq!(attention_matrix_size(lhs, rhs, 8), Some(8), "{lhs:?} · {rhs:?}");
-            assert_eq!(attention_matrix_size(lhs, rhs, 0), None, "{lhs:?} · {rhs:?}");
+            assert_eq!(attention_matrix_size(lhs, rhs, 8, true), Some(8), "{lhs:?} · {rhs:?}");
+            assert_eq!(attention_matrix_size(lhs, rhs, 0, true), None, "{lhs:?} · {rhs:?}");
         }
         for (lhs, rhs) in [
             // Folded scores (also cross-attention's k·qᵀ over a memory of 24), and
@@ -283,7 +298,7 @@ mod tests {
             (&[2, 2, 24, 8], &[1, 2, 8, 16]),
             (&[1, 24, 8], &[1, 8, 16]),
         ] {
-            assert_eq!(attention_matrix_size(lhs, rhs, 8), None, "{lhs:?} · {rhs:?} refused");
+            assert_eq!(attention_matrix_size(lhs, rhs, 8, true), None, "{lhs:?} · {rhs:?} refused");
         }
     }
 
@@ -299,13 +314,17 @@ mod tests {
             (&[2, 4, 1, 8], &[2, 4, 8, 16]),
             (&[2, 2, 16, 8], &[2, 2, 8, 24]),
             (&[2, 4, 16, 8], &[2, 4, 8, 20]),
-            (&[8, 3, 8], &[8, 8, 16]),
             (&[1, 1, 8, 16], &[1, 1, 16, 8]),
             (&[1, 1, 3, 8], &[1, 1, 8, 16]),
             (&[1, 1, 1, 8, 8], &[1, 1, 1, 8, 16]),
         ] {
-            assert!(attention_matrix_size(lhs, rhs, 8).is_some(), "{lhs:?} · {rhs:?}");
-            assert_eq!(attention_matrix_size(lhs, rhs, 0), None, "{lhs:?} · {rhs:?}");
+            assert!(attention_matrix_size(lhs, rhs, 8, true).is_some(), "{lhs:?} · {rhs:?}");
+            assert_eq!(attention_matrix_size(lhs, rhs, 0, true), None, "{lhs:?} · {rhs:?}");
+        }
+        // A model that embeds two lengths (a decoder's and a memory's): its sums over the last
+        // one (queries of another length over the memory) are not taken for the shard's.
+        for (lhs, rhs) in [(&[2, 4, 3, 8][..], &[2, 4, 8, 16][..]), (&[2, 4, 1, 8], &[2, 4, 8, 16]), (&[1, 1, 3, 8], &[1, 1, 8, 16])] {
+            assert_eq!(attention_matrix_size(lhs, rhs, 8, false), None, "{lhs:?} · {rhs:?}");
         }
         for (lhs, rhs) in [
             // At batch 1, one matrix 3-D or 2-D (a linear layer's shapes, even as wide as the
@@ -316,12 +335,15 @@ mod tests {
             (&[1, 1, 8, 16], &[1, 1, 16, 12]),
             (&[1, 1, 16, 12], &[1, 1, 12, 16]),
             // Sums over other lengths (cross-attention's memory of 12), and over the shard's
-            // length where a weight is broadcast (a linear layer's).
+            // length where a weight is broadcast (a linear layer's); 3-D, a stack of experts
+            // `[E, C, d]·[E, d, f]` whose width is the shard's (heads folded into the batch
+            // in chunks look alike: unguarded).
             (&[2, 4, 3, 12], &[2, 4, 12, 16]),
+            (&[4, 3, 8], &[4, 8, 16]),
             (&[2, 4, 16, 8], &[1, 1, 8, 16]),
             (&[2, 4, 3, 8], &[2, 1, 8, 16]),
         ] {
-            assert_eq!(attention_matrix_size(lhs, rhs, 8), None, "{lhs:?} · {rhs:?} refused");
+            assert_eq!(attention_matrix_size(lhs, rhs, 8, true), None, "{lhs:?} · {rhs:?} refused");
         }
     }
 
@@ -331,10 +353,16 @@ mod tests {
         type B = crate::UlyssesBackend<burn::backend::NdArray<f32>>;
         let device = Default::default();
         let _ = embedding(Tensor::<B, 2>::zeros([10, 4], &device), Tensor::<B, 2, Int>::zeros([3, 7], &device));
-        assert_eq!(EMBEDDED_TOKENS.get(), 7);
+        assert_eq!(embedded(), (7, true));
         // A timestep's embedding after the tokens' leaves the shard's length.
         let _ = embedding(Tensor::<B, 2>::zeros([10, 4], &device), Tensor::<B, 2, Int>::zeros([3, 1], &device));
-        assert_eq!(EMBEDDED_TOKENS.get(), 7);
+        assert_eq!(embedded(), (7, true));
         assert!(attention_by_hand(&[2, 2, 21, 7], &[2, 2, 7, 16], SP2).is_some());
+        // A memory of 5 ids embedded after the tokens (cross-attention): its sums pass; the
+        // folded weights of the last length are still refused.
+        let _ = embedding(Tensor::<B, 2>::zeros([10, 4], &device), Tensor::<B, 2, Int>::zeros([3, 5], &device));
+        assert_eq!(embedded(), (5, false));
+        assert!(attention_by_hand(&[2, 4, 7, 5], &[2, 4, 5, 16], SP2).is_none());
+        assert!(attention_by_hand(&[2, 2, 10, 5], &[2, 2, 5, 16], SP2).is_some());
     }
 }

@@ -29,7 +29,7 @@ use ulysses_training::{
 };
 use serde::{Deserialize, Serialize};
 
-use ulysses_models::{HfCheckpointSnapshot, HfCheckpointWriter, HfConfig, Decoder, DecoderConfig, SaveOptions, plan_shard_paths};
+use ulysses_models::{HfCheckpointSnapshot, HfCheckpointWriter, HfConfig, Decoder, DecoderConfig, SaveOptions, plan_shard_paths, save_pretrained_including};
 
 use crate::{
     corpus::{BYTE_VOCAB, ByteCorpus},
@@ -628,13 +628,15 @@ where
                         Some(checkpoint) if fails => Err(UlyssesError::Checkpoint { path: checkpoint.dir().display().to_string(), reason: "test hook: the write failed".into() }),
                         Some(checkpoint) => checkpoint.write().map(Some),
                         None => Ok(None),
-                    }?;
-                    if let Some(hf) = hf {
-                        let dir = hf.dir().to_path_buf();
-                        hf.write().map_err(|e| hf_error(&dir, e))?;
-                        tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+                    };
+                    // Written whatever became of the checkpoint; the first failure is the
+                    // outcome, and a checkpoint written beside a failed save is said.
+                    let saved = hf.map(|hf| write_hf(hf, done)).transpose();
+                    if let (Ok(Some(path)), Err(_)) = (&written, &saved) {
+                        tracing::info!(step = done, file = %path.display(), "checkpoint written");
                     }
-                    Ok(written)
+                    saved?;
+                    written
                 })?;
             }
         }
@@ -668,16 +670,14 @@ where
     report_written(replicated_write.finish()?, options.progress.as_deref_mut());
     // A resume of a run that had taken every step: --save-hf exports it.
     if first_step >= last_step {
-        match parts.as_mut() {
-            Some(parts) => save_hf_gathered_at(&model, parts, &options, groups, first_step)?,
-            None if is_first => {
-                if let Some(hf) = take_hf(&model, &options)? {
-                    let dir = hf.dir().to_path_buf();
-                    hf.write().map_err(|e| hf_error(&dir, e))?;
-                    tracing::info!(step = first_step, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
-                }
+        match (parts.as_mut(), &options.save_hf) {
+            (Some(parts), _) => save_hf_gathered_at(&model, parts, &options, groups, first_step)?,
+            // Nothing runs beside it: written a shard at a time, never the model whole in memory.
+            (None, Some((dir, checkpoint))) if is_first => {
+                save_pretrained_including(&model, checkpoint, dir, SaveOptions::new(DType::BF16), &options.save_hf_companions).map_err(|e| hf_error(dir, e))?;
+                tracing::info!(step = first_step, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
             }
-            None => {}
+            (None, _) => {}
         }
     }
     // Each rank's device, where the backend accounts for it (CubeCL's pools), and the host.
@@ -818,6 +818,14 @@ impl<B: TrainBackend> TrainedModel<B> {
 fn take_hf<B: TrainBackend>(model: &Decoder<B>, options: &RunOptions) -> Result<Option<HfCheckpointSnapshot>, UlyssesError> {
     let Some((dir, checkpoint)) = &options.save_hf else { return Ok(None) };
     HfCheckpointSnapshot::take(model, checkpoint, dir, SaveOptions::new(DType::BF16), &options.save_hf_companions).map(Some).map_err(|e| hf_error(dir, e))
+}
+
+/// Writes a `--save-hf` snapshot taken after step `done`.
+fn write_hf(hf: HfCheckpointSnapshot, done: usize) -> Result<(), UlyssesError> {
+    let dir = hf.dir().to_path_buf();
+    hf.write().map_err(|e| hf_error(&dir, e))?;
+    tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+    Ok(())
 }
 
 fn hf_error(dir: &Path, reason: impl std::fmt::Display) -> UlyssesError {

@@ -180,6 +180,8 @@ pub struct LocalStep<B: TrainBackend> {
     pub valid_tokens: usize,
     /// Token positions processed over all ranks, padding included.
     pub processed_tokens: usize,
+    /// Whether this rank's rows packed documents that the model's attention never took.
+    pub(crate) ignored_documents: bool,
 }
 
 impl<B: TrainBackend> LocalStep<B> {
@@ -335,8 +337,9 @@ where
     // And the batch's digest: the ranks of an SP group cut the same sequences.
     // Once a rank thread, the parameters it starts from: ranks built from other seeds, and not
     // broadcast, would each step their own model with the summed gradients, without an error.
-    let compare = groups.world.size() > 1 && !PARAMETERS_COMPARED.get();
-    let fingerprint = if compare && checked.is_ok() { parameters_fingerprint(model) } else { 0 };
+    // Compared where every rank brings one (a rank thread that compared before, say a reused
+    // thread, brings none: then none compares, rather than part the ranks' collectives).
+    let fingerprint = (groups.world.size() > 1 && !PARAMETERS_COMPARED.get() && checked.is_ok()).then(|| parameters_fingerprint(model)).flatten();
     let mine = [
         checked.is_ok() as u64,
         step.micro_batches.len() as u64,
@@ -345,7 +348,8 @@ where
         local_longest as u64,
         local_shortest as u64,
         step_digest(step),
-        fingerprint,
+        fingerprint.unwrap_or(0),
+        fingerprint.is_some() as u64,
     ];
     let gathered = groups.world.all_gather_host(&mine);
     checked?;
@@ -373,9 +377,9 @@ where
             step.index
         )));
     }
-    if compare {
+    if gathered.iter().all(|v| v[8] == 1) {
         PARAMETERS_COMPARED.set(true);
-        if let Some(rank) = (1..gathered.len()).find(|&r| gathered[r][7] != gathered[0][7]) {
+        if let Some(&rank) = ranks_differing_from_rank_0(&gathered, 7).first() {
             return Err(UlyssesError::InvalidConfig(format!(
                 "world ranks 0 and {rank} start step {} from different parameters: build the model from one seed on every rank, or call \
                  ulysses_training::broadcast_parameters (rank 0's) before the first step",
@@ -406,18 +410,12 @@ where
     if groups.layout.sp_size > 1 && exchanges == 0 {
         return Err(UlyssesError::NotSequenceParallel { sp_size: groups.layout.sp_size });
     }
-    // Rows that pack documents, and a model whose attention never took them: each document
-    // attended to the ones before it.
+    // Rows that pack documents, and a model whose attention never took them: under SP each
+    // document attended to the ones before it (at SP = 1 a model may keep them apart by a mask
+    // of its own). Refused by every rank at the step's health check (a collective).
     let packs = step.documents.is_some_and(|documents| documents.iter().flatten().any(|lengths| lengths.len() > 1));
-    if packs && burn_ulysses::attention::calls_with_documents() == document_calls_before {
-        return Err(UlyssesError::InvalidConfig(format!(
-            "step {} packs several documents into a sequence (StepInput::documents), but the model's attention never took them: \
-             call burn_ulysses::attention::attention_in_documents (or attention_within) with the shard's positions.ids where \
-             positions.packed, or each document attends to the ones before it",
-            step.index
-        )));
-    }
-    Ok(LocalStep { grads: accumulator.grads(), loss, valid_tokens, processed_tokens })
+    let ignored_documents = groups.layout.sp_size > 1 && packs && burn_ulysses::attention::calls_with_documents() == document_calls_before;
+    Ok(LocalStep { grads: accumulator.grads(), loss, valid_tokens, processed_tokens, ignored_documents })
 }
 
 /// Checks every rank's loss and gradients, sums the gradients over the world and steps the
@@ -556,9 +554,25 @@ where
     let (local_loss, bad_parameter) = read_loss_and_first_non_finite_gradient::<B, M>(model, &local.grads, local.loss.clone());
     let bad_parameter = bad_parameter.or(bad_part);
     let max_grad_norm = step.max_grad_norm.unwrap_or(f64::NAN);
-    let verdict = [local_loss.to_bits(), u64::from(bad_parameter.is_some()), max_grad_norm.to_bits(), step.learning_rate.to_bits(), u64::from(stop_was_requested())];
+    let verdict = [
+        local_loss.to_bits(),
+        u64::from(bad_parameter.is_some()),
+        max_grad_norm.to_bits(),
+        step.learning_rate.to_bits(),
+        u64::from(stop_was_requested()),
+        u64::from(local.ignored_documents),
+    ];
     let gathered = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &verdict, "step health values")?;
     check_same_settings(step.index, &gathered)?;
+    let ignoring: Vec<usize> = (0..gathered.len()).filter(|&r| gathered[r][5] == 1).collect();
+    if !ignoring.is_empty() {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "step {} packs several documents into a sequence (StepInput::documents), but the model's attention never took them \
+             (ranks {ignoring:?}): call burn_ulysses::attention::attention_in_documents (or attention_within) with the shard's \
+             positions.ids where positions.packed, or each document attends to the ones before it",
+            step.index
+        )));
+    }
     let losses: Vec<f64> = gathered.iter().map(|v| f64::from_bits(v[0])).collect();
     let non_finite_loss: Vec<usize> = (0..losses.len()).filter(|&r| !losses[r].is_finite()).collect();
     let non_finite_grads: Vec<usize> = (0..gathered.len()).filter(|&r| gathered[r][1] == 1).collect();
@@ -661,8 +675,10 @@ thread_local! {
 }
 
 /// A digest of the first values of every float parameter (one read from the device): ranks
-/// whose models were built from other seeds differ in it.
-fn parameters_fingerprint<B: Backend, M: Module<B>>(model: &M) -> u64 {
+/// whose models were built from other seeds differ in it. `None` for a model without
+/// parameters or with them on several devices (not compared). Under ZeRO-3 the model holds
+/// placeholders: equal on every rank, so nothing is compared there.
+fn parameters_fingerprint<B: Backend, M: Module<B>>(model: &M) -> Option<u64> {
     let firsts: Vec<Tensor<B, 1>> = float_parameters(model)
         .into_iter()
         .filter(|parameter| parameter.values.dims()[0] > 0)
@@ -671,11 +687,12 @@ fn parameters_fingerprint<B: Backend, M: Module<B>>(model: &M) -> u64 {
             parameter.values.narrow(0, 0, count).cast(burn::tensor::DType::F32)
         })
         .collect();
-    if firsts.is_empty() {
-        return 0;
+    let device = firsts.first()?.device();
+    if firsts.iter().any(|first| first.device() != device) {
+        return None;
     }
     let values = Tensor::cat(firsts, 0).into_data();
-    values.iter::<f32>().fold(checkpoint::FNV1A_START, |hash, value| checkpoint::fnv1a_more(hash, &value.to_bits().to_le_bytes()))
+    Some(values.iter::<f32>().fold(checkpoint::FNV1A_START, |hash, value| checkpoint::fnv1a_more(hash, &value.to_bits().to_le_bytes())))
 }
 
 /// A digest of a step's micro-batches (each apart), their document lengths and targets, the
