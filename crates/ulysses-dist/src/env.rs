@@ -212,10 +212,7 @@ impl LaunchEnv {
     /// (`CUDA_VISIBLE_DEVICES`) shows it one device alone (`srun --gpus-per-task=1`), as
     /// torchrun's scripts do.
     pub fn device_index_with(&self, visible_devices: Option<&str>) -> usize {
-        match visible_devices.map(|list| list.split(',').filter(|d| !d.trim().is_empty()).count()) {
-            Some(1) => 0,
-            _ => self.local_rank,
-        }
+        if shows_one_device(visible_devices) { 0 } else { self.local_rank }
     }
 
     /// [`device_index_with`](Self::device_index_with) this process's `CUDA_VISIBLE_DEVICES`.
@@ -297,6 +294,11 @@ pub fn first_host(node_list: &str) -> Option<String> {
     }
     host.push_str(rest);
     (!host.is_empty()).then_some(host)
+}
+
+/// Whether `visible_devices` (`CUDA_VISIBLE_DEVICES`) shows the process one device alone.
+pub fn shows_one_device(visible_devices: Option<&str>) -> bool {
+    visible_devices.is_some_and(|list| list.split(',').filter(|d| !d.trim().is_empty()).count() == 1)
 }
 
 /// How this process takes part in a job.

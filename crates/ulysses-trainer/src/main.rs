@@ -655,7 +655,7 @@ fn run(mut args: Args) -> Result<(), String> {
         },
     };
     // --device on every process of a node that sees all its GPUs: all of them on that one GPU.
-    let sees_one_gpu = std::env::var("CUDA_VISIBLE_DEVICES").is_ok_and(|list| list.split(',').filter(|d| !d.trim().is_empty()).count() == 1);
+    let sees_one_gpu = ulysses_dist::env::shows_one_device(std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref());
     if let (Some(index), Launch::Process(env), true) = (args.device, &launch, args.backend != BackendKind::Cpu)
         && env.local_world_size > 1
         && !sees_one_gpu

@@ -628,9 +628,7 @@ where
     }
     // A ring attends over its blocks as the layout lays them out: data cut otherwise would
     // see the future or miss its past, without an error.
-    // Without a ring (degree 1) both shardings cut alike.
-    let ring = |size: usize, sharding| (size, if size > 1 { Some(sharding) } else { None });
-    if ring(sharder.ring_size, sharder.ring_sharding) != ring(layout.ring_size, layout.ring_sharding) {
+    if ring_cut(sharder.ring_size, sharder.ring_sharding) != ring_cut(layout.ring_size, layout.ring_sharding) {
         return invalid(format!(
             "the sharder lays sequences over a ring of {} ({:?}) but the layout's ring is {} ({:?}); use layout.sharder()",
             sharder.ring_size, sharder.ring_sharding, layout.ring_size, layout.ring_sharding
@@ -753,14 +751,18 @@ impl TokenLoss {
     }
 }
 
+/// How a ring of `size` ranks cuts a sequence: its size, and its sharding where it has more
+/// than one rank (without a ring both shardings cut alike).
+fn ring_cut(size: usize, sharding: burn_ulysses::ring::RingSharding) -> (usize, Option<burn_ulysses::ring::RingSharding>) {
+    (size, (size > 1).then_some(sharding))
+}
+
 /// Refuses a rank context whose ring (its size and sharding) is not the one `sharder` lays
 /// the data out for: ring attention would see the future or miss its past, silently.
 fn check_context_ring<W: Backend>(sharder: &SequenceSharder) -> Result<(), UlyssesError> {
     let Some(context) = burn_ulysses::context::current::<W>()? else { return Ok(()) };
-    // Without a ring (degree 1) both shardings cut alike.
-    let ring = |size: usize, sharding| (size, if size > 1 { Some(sharding) } else { None });
     let entered = context.ring.as_ref().map_or(1, |ring| ring.size());
-    if ring(entered, context.config.ring_sharding) != ring(sharder.ring_size, sharder.ring_sharding) {
+    if ring_cut(entered, context.config.ring_sharding) != ring_cut(sharder.ring_size, sharder.ring_sharding) {
         return Err(UlyssesError::InvalidConfig(format!(
             "the rank context entered attends over a ring of {entered} ({:?}) but the data is laid out over a ring of {} ({:?}): enter \
              groups.rank_context(config), whose ring is the layout's, and cut the data with layout.sharder()",
