@@ -19,6 +19,7 @@ use std::{
 use burn::{
     backend::Autodiff,
     module::Module,
+    optim::AdamWConfig,
     tensor::backend::Backend,
 };
 use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
@@ -126,6 +127,20 @@ struct Args {
     /// Face's Trainer does by default (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     max_grad_norm: f64,
+    /// AdamW's decoupled weight decay: each step multiplies the parameters by 1 − lr × this
+    /// (PyTorch's default; Hugging Face's Trainer defaults to 0).
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f32,
+    /// AdamW's β₁, the first moment's decay (PyTorch's default).
+    #[arg(long, default_value_t = 0.9)]
+    adam_beta1: f32,
+    /// AdamW's β₂, the second moment's decay (PyTorch's default; Llama's pre-training took 0.95).
+    #[arg(long, default_value_t = 0.999)]
+    adam_beta2: f32,
+    /// Added to the root of AdamW's second moment (PyTorch's and Hugging Face's default; burn's
+    /// 1e-5 is as large as a fine-tune's gradients, and would slow its updates).
+    #[arg(long, default_value_t = 1e-8)]
+    adam_epsilon: f32,
     /// A text file, or a folder of them (byte tokens).
     #[arg(long, default_value = DEFAULT_CORPUS)]
     corpus: PathBuf,
@@ -453,6 +468,23 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> (Vec<String>, Vec
     if take("learning_rate", args.learning_rate.to_bits() != config.learning_rate.to_bits(), format!("--learning-rate {}", config.learning_rate)) {
         args.learning_rate = config.learning_rate;
     }
+    // A config that does not read (another burn's) takes none: check_resumable names it.
+    let adamw = ulysses_training::adamw_settings(&config.optimizer).unwrap_or(ulysses_training::HostAdamWConfig {
+        weight_decay: args.weight_decay,
+        beta_1: args.adam_beta1,
+        beta_2: args.adam_beta2,
+        epsilon: args.adam_epsilon,
+    });
+    for (id, value, saved) in [
+        ("weight_decay", &mut args.weight_decay, adamw.weight_decay),
+        ("adam_beta1", &mut args.adam_beta1, adamw.beta_1),
+        ("adam_beta2", &mut args.adam_beta2, adamw.beta_2),
+        ("adam_epsilon", &mut args.adam_epsilon, adamw.epsilon),
+    ] {
+        if take(id, value.to_bits() != saved.to_bits(), format!("--{} {saved:e}", id.replace('_', "-"))) {
+            *value = saved;
+        }
+    }
     let norm = config.max_grad_norm.unwrap_or(0.0);
     if take("max_grad_norm", args.max_grad_norm.to_bits() != norm.to_bits(), format!("--max-grad-norm {norm}")) {
         args.max_grad_norm = norm;
@@ -574,7 +606,7 @@ fn ignored_flags(args: &Args, config: &TrainConfig) -> Vec<String> {
     }
     if args.eval_only {
         let flags = |ids: &[&str]| -> Vec<String> { ids.iter().filter(|id| given(id)).map(|id| format!("--{}", id.replace('_', "-"))).collect() };
-        let training = flags(&["steps", "learning_rate", "grad_accumulation", "max_grad_norm", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save"]);
+        let training = flags(&["steps", "learning_rate", "grad_accumulation", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save"]);
         if !training.is_empty() {
             notes.push(format!("--eval-only trains nothing and saves nothing: {} change nothing", training.join(", ")));
         }
@@ -866,6 +898,11 @@ fn run(mut args: Args) -> Result<(), String> {
         .with_zero_stage(args.zero)
         .with_offload_parameters(args.offload_parameters);
     config.model = model;
+    config.optimizer = AdamWConfig::new()
+        .with_weight_decay(args.weight_decay)
+        .with_beta_1(args.adam_beta1)
+        .with_beta_2(args.adam_beta2)
+        .with_epsilon(args.adam_epsilon);
     config.warmup_steps = config.warmup_steps.min(args.steps / 5);
     // --eval-only evaluates whole batches round the DP replicas, one micro-batch each: its
     // batch need not divide over them.
@@ -978,7 +1015,11 @@ fn run(mut args: Args) -> Result<(), String> {
         if is_first {
             RunFolder::check(&out, Claim::of(&out, args.resume.as_deref(), args.overwrite))?;
         }
-        let work = format!("{} steps of {} sequences × {} tokens", config.steps, config.batch_size, config.seq_len);
+        let adamw = ulysses_training::adamw_settings(&config.optimizer).map_err(|e| e.to_string())?;
+        let work = format!(
+            "{} steps of {} sequences × {} tokens, AdamW at {:e} (β {}, {}, ε {:e}, weight decay {})",
+            config.steps, config.batch_size, config.seq_len, config.learning_rate, adamw.beta_1, adamw.beta_2, adamw.epsilon, adamw.weight_decay
+        );
         println!("{}", checked_run(&args, &config, layout, data_path, work));
         return Ok(());
     }

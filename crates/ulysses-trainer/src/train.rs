@@ -123,9 +123,10 @@ impl TrainConfig {
         self.offload_optimizer || self.zero_stage == 3
     }
 
-    /// A small Llama on byte tokens.
+    /// A small Llama on byte tokens, trained by AdamW with PyTorch's defaults (burn's epsilon,
+    /// 1e-5, is as large as a fine-tune's gradients and would slow its updates).
     pub fn small(layout: ParallelLayout) -> Self {
-        Self::new(DecoderConfig::new(BYTE_VOCAB).with_repeat_kv(false), AdamWConfig::new().with_weight_decay(0.01), layout)
+        Self::new(DecoderConfig::new(BYTE_VOCAB).with_repeat_kv(false), AdamWConfig::new().with_weight_decay(0.01).with_epsilon(1e-8), layout)
     }
 
     /// Fails, before any work, with the name of the first setting that cannot work and
@@ -162,6 +163,24 @@ impl TrainConfig {
             return Err(format!(
                 "learning_rate (--learning-rate) must be a finite number above 0 (3e-3 is the default), got {}",
                 self.learning_rate
+            ));
+        }
+        let adamw = ulysses_training::adamw_settings(&self.optimizer).map_err(|e| e.to_string())?;
+        for (name, beta) in [("beta_1 (--adam-beta1)", adamw.beta_1), ("beta_2 (--adam-beta2)", adamw.beta_2)] {
+            if !(0.0..1.0).contains(&beta) {
+                return Err(format!("the optimizer's {name} must be at least 0 and below 1, got {beta}"));
+            }
+        }
+        if !(adamw.epsilon.is_finite() && adamw.epsilon > 0.0) {
+            return Err(format!("the optimizer's epsilon (--adam-epsilon) must be a finite number above 0 (1e-8 is the default), got {}", adamw.epsilon));
+        }
+        // Each step multiplies the parameters by 1 − lr·λ: at 1 or more it zeroes or flips them.
+        if !(adamw.weight_decay.is_finite() && adamw.weight_decay >= 0.0 && self.learning_rate * f64::from(adamw.weight_decay) < 1.0) {
+            return Err(format!(
+                "the optimizer's weight_decay (--weight-decay) must be 0 or more, and below 1 / learning rate ({}): each step multiplies the \
+                 parameters by 1 - learning rate x weight decay; got {}",
+                1.0 / self.learning_rate,
+                adamw.weight_decay
             ));
         }
         if self.seq_len < 2 {
@@ -1074,6 +1093,13 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
         ("--freeze-embeddings".to_string(), saved.config.freeze_embeddings.to_string(), config.freeze_embeddings.to_string()),
         ("a sharded optimizer state (--offload-optimizer or --zero 3)".to_string(), saved.config.shards_optimizer().to_string(), config.shards_optimizer().to_string()),
     ];
+    // An f32 setting as it was given (0.95, not the f64 0.949999988079071 JSON holds).
+    fn shown(value: &serde_json::Value) -> String {
+        match value.as_f64() {
+            Some(number) if value.is_f64() && f64::from(number as f32) == number => (number as f32).to_string(),
+            _ => value.to_string(),
+        }
+    }
     fn fields(value: &impl serde::Serialize) -> serde_json::Map<String, serde_json::Value> {
         match serde_json::to_value(value) {
             Ok(serde_json::Value::Object(fields)) => fields,
@@ -1083,7 +1109,7 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
     // The model's shape, and AdamW's settings: the replicated optimizer would take this run's
     // and the sharded one the checkpoint's, so neither may change.
     for (part, was, now) in [("model", fields(&saved.config.model), fields(&config.model)), ("optimizer", fields(&saved.config.optimizer), fields(&config.optimizer))] {
-        settings.extend(was.iter().map(|(name, value)| (format!("{part}.{name}"), value.to_string(), now.get(name).map_or("-".into(), |v| v.to_string()))));
+        settings.extend(was.iter().map(|(name, value)| (format!("{part}.{name}"), shown(value), now.get(name).map_or("-".into(), shown))));
     }
     if let Some((what, was, now)) = settings.iter().find(|(_, was, now)| was != now) {
         return Err(format!(
@@ -1323,7 +1349,25 @@ mod tests {
         let mut decayed = config.clone();
         decayed.optimizer = decayed.optimizer.with_weight_decay(0.5);
         let error = check_resumable(&decayed, &saved).unwrap_err();
-        assert!(error.contains("optimizer.weight_decay 0.0099") && error.contains("this one has 0.5"), "{error}");
+        assert!(error.contains("optimizer.weight_decay 0.01,") && error.contains("this one has 0.5"), "{error}");
+    }
+
+    /// AdamW settings that cannot train are named by their flag: betas outside [0, 1), an
+    /// epsilon of 0, a negative decay, or one that zeroes the parameters at the first step.
+    #[test]
+    fn adamw_settings_that_cannot_train_are_named_by_their_flag() {
+        let config = TrainConfig::small(ParallelLayout::new());
+        config.validate().expect("the defaults");
+        let with = |adamw: burn::optim::AdamWConfig| TrainConfig { optimizer: adamw, ..config.clone() }.validate().err().unwrap_or_default();
+        let adamw = || config.optimizer.clone();
+        assert!(with(adamw().with_beta_2(1.0)).contains("beta_2 (--adam-beta2) must be at least 0 and below 1, got 1"));
+        assert!(with(adamw().with_beta_1(-0.1)).contains("beta_1 (--adam-beta1)"));
+        assert!(with(adamw().with_epsilon(0.0)).contains("epsilon (--adam-epsilon) must be a finite number above 0"));
+        assert!(with(adamw().with_weight_decay(-0.01)).contains("weight_decay (--weight-decay) must be 0 or more"));
+        assert!(with(adamw().with_weight_decay(f32::NAN)).contains("--weight-decay"));
+        // 3e-3 × 400 ≥ 1: every parameter would become 0 or flip its sign at the first step.
+        assert!(with(adamw().with_weight_decay(400.0)).contains("below 1 / learning rate (333."));
+        assert_eq!(with(adamw().with_weight_decay(0.1).with_beta_2(0.95).with_epsilon(1e-6)), "");
     }
 
     /// A model record written a layer at a time asks for each block in order as the writer

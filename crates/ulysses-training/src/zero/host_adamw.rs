@@ -478,7 +478,18 @@ pub fn host_adamw_config(config: &burn::optim::AdamWConfig) -> Result<HostAdamWC
             )));
         }
     }
-    let number = |name: &str| fields[name].as_f64().map(|v| v as f32).ok_or_else(|| UlyssesError::InvalidConfig(format!("the AdamW config has no number {name}")));
+    adamw_settings(config)
+}
+
+/// burn's `AdamWConfig`'s betas, epsilon and weight decay (its fields are private), whatever
+/// else it sets.
+pub fn adamw_settings(config: &burn::optim::AdamWConfig) -> Result<HostAdamWConfig, UlyssesError> {
+    let fields: serde_json::Value = serde_json::from_str(&config.to_string()).map_err(|e| UlyssesError::InvalidConfig(format!("the AdamW config: {e}")))?;
+    // JSON writes a NaN or an infinity as null: read back as NaN, for the caller to refuse by name.
+    let number = |name: &str| match fields.get(name) {
+        Some(serde_json::Value::Null) => Ok(f32::NAN),
+        value => value.and_then(serde_json::Value::as_f64).map(|v| v as f32).ok_or_else(|| UlyssesError::InvalidConfig(format!("the AdamW config has no number {name}"))),
+    };
     Ok(HostAdamWConfig { beta_1: number("beta_1")?, beta_2: number("beta_2")?, epsilon: number("epsilon")?, weight_decay: number("weight_decay")? })
 }
 
