@@ -761,7 +761,7 @@ fn qwen3_sp_dp_schedule(zero: Zero, schedule: &[(usize, bool)], max_grad_norm: O
 /// [`qwen3_sp_dp_schedule`] on another of ulysses-models' fixtures of the same vocabulary.
 fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)], max_grad_norm: Option<f64>, micro_batches: usize) -> Qwen3Run {
     use ulysses_training::{
-        DeviceShardedAdamW, HostAdamWConfig, LayerCheckpointing, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step,
+        DeviceShardedAdamW, HostAdamWConfig, LayerCheckpointing, MatrixDecayAdamW, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step,
         apply_step_sharded, apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3,
     };
     const WEIGHT_DECAY: f32 = 0.01;
@@ -776,7 +776,8 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
         let (dp_rank, _) = layout.coordinates(rank.rank());
         let sharder = SequenceSharder::new(2);
         let checkpointing = LayerCheckpointing::new();
-        let mut replicated = AdamWConfig::new().with_weight_decay(WEIGHT_DECAY).init::<Sp, ulysses_models::Decoder<Sp>>();
+        // Decaying the matrices alone, as the sharded optimizers do.
+        let mut replicated = MatrixDecayAdamW::<ulysses_models::Decoder<Sp>, Sp>::new(&AdamWConfig::new().with_weight_decay(WEIGHT_DECAY));
         let adamw = HostAdamWConfig { weight_decay: WEIGHT_DECAY, ..HostAdamWConfig::default() };
         let mut sharded_state = ShardedAdamW::new(adamw);
         let mut on_device = DeviceShardedAdamW::<Sp>::new(adamw);

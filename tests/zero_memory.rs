@@ -76,7 +76,7 @@ fn held_per_rank(world: usize, parts_at: Parts) -> (Vec<usize>, usize, usize) {
         let (dp_rank, _) = layout.coordinates(rank.rank());
         let sharder = SequenceSharder::new(layout.sp_size);
         let checkpointing = LayerCheckpointing::new();
-        let mut replicated = AdamWConfig::new().init::<Sp, Decoder<Sp>>();
+        let mut replicated = ulysses_training::MatrixDecayAdamW::<Decoder<Sp>, Sp>::new(&AdamWConfig::new());
         let mut host = ShardedAdamW::new(HostAdamWConfig::default());
         let mut parts = None;
         if zero3 {

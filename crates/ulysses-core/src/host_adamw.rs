@@ -22,6 +22,13 @@ impl Default for HostAdamWConfig {
     }
 }
 
+/// Whether AdamW's weight decay applies to a parameter of `dims` dimensions: to weight
+/// matrices (embeddings, projections, the head), not to norms' gains or biases (one
+/// dimension), as Hugging Face's Trainer and Megatron-LM decay.
+pub fn decays(dims: usize) -> bool {
+    dims >= 2
+}
+
 /// The moments of one parameter (part), and how many updates made them.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct AdamWMoments {
@@ -67,12 +74,13 @@ impl HostAdamW {
     /// When `grads` or non-empty moments differ in length from `params`: the caller's
     /// partition is wrong, and no update could be right.
     pub fn step(&self, learning_rate: f64, params: &mut [f32], grads: &[f32], moments: &mut AdamWMoments) {
-        self.step_scaled(learning_rate, params, grads, 1.0, moments);
+        self.step_scaled(learning_rate, params, grads, 1.0, true, moments);
     }
 
     /// [`step`](Self::step) by the gradients times `grad_scale` (clipping's factor), each
-    /// product rounded to f32 as a pass over the gradients first would round it.
-    pub fn step_scaled(&self, learning_rate: f64, params: &mut [f32], grads: &[f32], grad_scale: f32, moments: &mut AdamWMoments) {
+    /// product rounded to f32 as a pass over the gradients first would round it; with the
+    /// weight decay where `decays` (see [`decays`]), else none.
+    pub fn step_scaled(&self, learning_rate: f64, params: &mut [f32], grads: &[f32], grad_scale: f32, decays: bool, moments: &mut AdamWMoments) {
         let len = params.len();
         assert_eq!(grads.len(), len, "AdamW: {} gradients for {len} parameters", grads.len());
         if moments.time == 0 {
@@ -81,7 +89,8 @@ impl HostAdamW {
         }
         assert!(moments.moment_1.len() == len && moments.moment_2.len() == len, "AdamW: moments of {} for {len} parameters", moments.moment_1.len());
         moments.time += 1;
-        let update = Update { grad_scale, ..Update::new(&self.config, learning_rate, moments.time) };
+        let weight_decay = if decays { self.config.weight_decay } else { 0.0 };
+        let update = Update { grad_scale, ..Update::new(&HostAdamWConfig { weight_decay, ..self.config }, learning_rate, moments.time) };
         let threads = self.threads.get().min(len.div_ceil(ELEMENTS_PER_THREAD)).max(1);
         if threads == 1 {
             update.apply(params, grads, &mut moments.moment_1, &mut moments.moment_2);

@@ -22,7 +22,7 @@ use burn_ulysses::{
     precision::Precision,
 };
 use ulysses_training::{
-    DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, OptimizerPlace, ParameterGroup, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
+    DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, MatrixDecayAdamW, OptimizerPlace, ParameterGroup, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
     apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters, join_layered_output_gathers, layered_output,
     host_adamw_config, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
     checkpoint::{load_training_checkpoint, read_checkpoint_state, TrainingCheckpoint, write_atomically_with},
@@ -488,7 +488,8 @@ where
             RankOptimizer::OnHost(options.host_optimizer_threads.map_or_else(|| ShardedAdamW::new(config), |threads| ShardedAdamW::with_threads(config, threads)))
         }
         (false, 3) => RankOptimizer::OnDevice(DeviceShardedAdamW::new(host_adamw_config(&config.optimizer)?)),
-        (false, _) => RankOptimizer::Replicated(config.optimizer.init::<B, Decoder<B>>()),
+        // Weight matrices decayed alone, as the sharded optimizers decay them.
+        (false, _) => RankOptimizer::Replicated(MatrixDecayAdamW::<Decoder<B>, B>::new(&config.optimizer)),
     };
     let is_first = groups.world_rank() == 0;
     let (mut model, mut optimizer, first_step) = match &options.resume {

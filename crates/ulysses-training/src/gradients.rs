@@ -70,6 +70,8 @@ pub fn all_reduce_gradients_in_buckets<B: TrainBackend, M: AutodiffModule<B>>(
 pub(crate) struct LocalGradient<B: TrainBackend> {
     pub(crate) grad: Option<Tensor<B::InnerBackend, 1>>,
     pub(crate) parameter: Tensor<B::InnerBackend, 1>,
+    /// Whether AdamW's weight decay applies to it (`ulysses_core::host_adamw::decays`).
+    pub(crate) decays: bool,
 }
 
 impl<B: TrainBackend> LocalGradient<B> {
@@ -97,7 +99,7 @@ impl<B: TrainBackend> ModuleVisitor<B> for TakeGradients<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let grad = self.grads.remove::<B::InnerBackend, D>(param.id).map(|g| g.flatten(0, D - 1));
         let parameter = param.val().inner().flatten(0, D - 1);
-        self.local.push(LocalGradient { grad, parameter });
+        self.local.push(LocalGradient { grad, parameter, decays: ulysses_core::host_adamw::decays(D) });
     }
 }
 

@@ -86,7 +86,7 @@ fn a_scaled_step_equals_scaling_the_gradients_first() {
         let (mut scaled, mut first) = ((values(len, 1), AdamWMoments::default()), (values(len, 1), AdamWMoments::default()));
         for step in 0..3u64 {
             let grads = values(len, 20 + step);
-            host.step_scaled(1e-3, &mut scaled.0, &grads, scale, &mut scaled.1);
+            host.step_scaled(1e-3, &mut scaled.0, &grads, scale, true, &mut scaled.1);
             let multiplied: Vec<f32> = grads.iter().map(|g| g * scale).collect();
             host.step(1e-3, &mut first.0, &multiplied, &mut first.1);
         }

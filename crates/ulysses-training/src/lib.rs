@@ -45,6 +45,7 @@ pub mod checkpoint;
 mod gradients;
 mod layers;
 mod loss;
+mod matrix_decay;
 mod panics;
 mod parameters;
 mod zero;
@@ -54,6 +55,7 @@ mod host_adamw_tests;
 pub use backend::TrainBackend;
 pub use layers::{PROGRESS_TARGET, LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
 pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartOptimizer, ShardedParameters, Zero3Step};
+pub use matrix_decay::MatrixDecayAdamW;
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters, parameter_elements, parameter_paths, with_parameters_in};
 pub use zero::{

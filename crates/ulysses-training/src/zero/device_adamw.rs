@@ -80,19 +80,29 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
     }
 
     /// Updates the parts with `grads` (this rank's part of each gradient summed over `world`,
-    /// f32 on the device; `None`: the parameter stays), clipping to `max_grad_norm` with the
+    /// f32 on the device; `None`: the parameter stays), each decayed where `decayed` says (see
+    /// `ulysses_core::host_adamw::decays`), clipping to `max_grad_norm` with the
     /// whole gradient's norm (each part's squares summed on the device, read once, added in f64
     /// and over the ranks in rank order). Returns that norm, before clipping.
-    pub(crate) fn update(&mut self, learning_rate: f64, grads: Vec<Option<Tensor<B::InnerBackend, 1>>>, max_grad_norm: Option<f64>, world: &dyn Communicator<B::Wire>) -> Result<f64, UlyssesError> {
+    pub(crate) fn update(
+        &mut self,
+        learning_rate: f64,
+        grads: Vec<Option<Tensor<B::InnerBackend, 1>>>,
+        decayed: &[bool],
+        max_grad_norm: Option<f64>,
+        world: &dyn Communicator<B::Wire>,
+    ) -> Result<f64, UlyssesError> {
         let squares: Vec<Tensor<B::InnerBackend, 1>> = grads.iter().flatten().map(|g| (g.clone() * g.clone()).sum()).collect();
         let local: f64 = if squares.is_empty() { 0.0 } else { Tensor::cat(squares, 0).into_data().to_vec::<f32>().expect("f32 sums").iter().map(|&s| f64::from(s)).sum() };
         let (grad_norm, factor) = norm_of_parts(local, max_grad_norm, world)?;
-        for (part, grad) in self.parts.iter_mut().zip(grads) {
+        assert_eq!(decayed.len(), grads.len(), "a decay for every parameter");
+        for ((part, grad), &decays) in self.parts.iter_mut().zip(grads).zip(decayed) {
             let Some(mut grad) = grad else { continue };
             if let Some(factor) = factor {
                 grad = grad.mul_scalar(factor as f32);
             }
-            part.step(&self.config, learning_rate, grad);
+            let weight_decay = if decays { self.config.weight_decay } else { 0.0 };
+            part.step(&HostAdamWConfig { weight_decay, ..self.config }, learning_rate, grad);
         }
         Ok(grad_norm)
     }

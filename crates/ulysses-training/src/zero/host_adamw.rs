@@ -252,7 +252,8 @@ impl ShardedAdamW {
         // 1. This rank's part of every gradient's sum.
         let grad_parts = host_parts(reduce_scatter_buckets::<B>(&mut local, &partition, world)?, local.len())?;
         // 2. and 3. The norm, and the update of this rank's parts.
-        let grad_norm = self.update(learning_rate, &grad_parts, max_grad_norm, world)?;
+        let decayed: Vec<bool> = local.iter().map(|l| l.decays).collect();
+        let grad_norm = self.update(learning_rate, &grad_parts, &decayed, max_grad_norm, world)?;
         // 4. Every rank's parts into the parameters.
         let updated: Vec<(usize, DType)> = local.iter().enumerate().filter(|&(i, _)| grad_parts[i].is_some()).map(|(i, l)| (i, l.dtype())).collect();
         let device = local.first().map(|l| l.parameter.device());
@@ -304,15 +305,24 @@ impl ShardedAdamW {
 
     /// Updates this rank's parts with `grad_parts` (this rank's part of each parameter's
     /// gradient summed over `world`, in the parts' order; `None`: no rank has a gradient, the
-    /// parameter stays), clipping to `max_grad_norm` with the norm of the whole gradient: its
+    /// parameter stays), each decayed where `decayed` says (see `ulysses_core::host_adamw::decays`),
+    /// clipping to `max_grad_norm` with the norm of the whole gradient: its
     /// parts' squares summed in f64 on each rank and over the ranks in rank order (the same on
     /// every rank; `clip_with_norm`'s factor). Returns that norm, before clipping.
-    pub(crate) fn update<G: burn::tensor::backend::Backend>(&mut self, learning_rate: f64, grad_parts: &[Option<Vec<f32>>], max_grad_norm: Option<f64>, world: &dyn Communicator<G>) -> Result<f64, UlyssesError> {
+    pub(crate) fn update<G: burn::tensor::backend::Backend>(
+        &mut self,
+        learning_rate: f64,
+        grad_parts: &[Option<Vec<f32>>],
+        decayed: &[bool],
+        max_grad_norm: Option<f64>,
+        world: &dyn Communicator<G>,
+    ) -> Result<f64, UlyssesError> {
         self.settle()?;
+        assert_eq!(decayed.len(), grad_parts.len(), "a decay for every parameter");
         let (grad_norm, factor) = clipping(&self.adamw, grad_parts, max_grad_norm, world)?;
-        for (part, grad) in self.parts.iter_mut().zip(grad_parts.iter()) {
+        for ((part, grad), &decays) in self.parts.iter_mut().zip(grad_parts.iter()).zip(decayed) {
             if let Some(grad) = grad {
-                part.update(&self.adamw, learning_rate, grad, factor);
+                part.update(&self.adamw, learning_rate, grad, factor, decays);
             }
         }
         Ok(grad_norm)
@@ -330,12 +340,13 @@ impl ShardedAdamW {
     /// on a thread of its own, so that the device goes on meanwhile (ZeRO-3's next forward):
     /// `order`'s groups of parameters one after another, each updated parameter's part of the
     /// compute copy sent to `updated` as soon as it is made, in the form `forms[index]` asks
-    /// for. The state is the step's once [`settle`](Self::settle)d, which every later use of it
+    /// for; decayed where `decayed[index]`. The state is the step's once [`settle`](Self::settle)d, which every later use of it
     /// does first.
     pub(super) fn spawn_update(
         &mut self,
         learning_rate: f64,
         mut grad_parts: Vec<Option<Vec<f32>>>,
+        decayed: Vec<bool>,
         factor: Option<f64>,
         order: Vec<Vec<usize>>,
         forms: Vec<PartForm>,
@@ -355,7 +366,7 @@ impl ShardedAdamW {
                 for index in group {
                     // Each gradient part goes as soon as it is used: the host's peak is the step's end.
                     let Some(grad) = grad_parts[index].take() else { continue };
-                    parts[index].update(&adamw, learning_rate, &grad, factor);
+                    parts[index].update(&adamw, learning_rate, &grad, factor, decayed[index]);
                     drop(grad);
                     let master = &parts[index].master;
                     let new = match forms[index] {
@@ -420,11 +431,11 @@ impl ShardedAdamW {
 
 impl ParameterPart {
     /// One AdamW update by `grad` (this rank's part of the summed gradient), scaled first by
-    /// the clipping `factor` where there is one.
-    fn update(&mut self, adamw: &HostAdamW, learning_rate: f64, grad: &[f32], factor: Option<f64>) {
+    /// the clipping `factor` where there is one; with the weight decay where `decays`.
+    fn update(&mut self, adamw: &HostAdamW, learning_rate: f64, grad: &[f32], factor: Option<f64>, decays: bool) {
         // ZeRO-3's parts on the host let go of the master weights they share before an update.
         debug_assert_eq!(Arc::strong_count(&self.master), 1, "master weights updated while shared: make_mut copies them");
-        adamw.step_scaled(learning_rate, Arc::<Vec<f32>>::make_mut(&mut self.master), grad, factor.map_or(1.0, |factor| factor as f32), &mut self.moments);
+        adamw.step_scaled(learning_rate, Arc::<Vec<f32>>::make_mut(&mut self.master), grad, factor.map_or(1.0, |factor| factor as f32), decays, &mut self.moments);
     }
 }
 
@@ -564,7 +575,7 @@ pub(super) mod tests {
             let grads: Vec<Option<Vec<f32>>> = whole().iter().map(|(elements, _, _)| Some(vec![0.25; *elements])).collect();
             let (sent, _arriving) = std::sync::mpsc::channel();
             let (_, factor) = optimizer.clip::<burn::backend::NdArray>(&grads, None, &*comm).unwrap();
-            optimizer.spawn_update(1e-2, grads, factor, vec![(0..4).collect()], vec![PartForm::Compute(DType::F32); 4], sent).unwrap();
+            optimizer.spawn_update(1e-2, grads, vec![true; 4], factor, vec![(0..4).collect()], vec![PartForm::Compute(DType::F32); 4], sent).unwrap();
             let first = optimizer.settle().unwrap_err().to_string();
             let dir = std::env::temp_dir().join(format!("ulysses-lost-state-{}", std::process::id()));
             let later = [optimizer.settle().map(drop), optimizer.save(&dir, 0, 1).map(drop), optimizer.host_bytes().map(drop)].map(|r| r.unwrap_err().to_string());

@@ -153,7 +153,7 @@ impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
         let (order, forms) = (parameters.forward_order(), parameters.release_host_parts(&waiting));
         parameters.cast_threads = self.threads();
         let (updated, arriving) = channel();
-        self.spawn_update(learning_rate, grads, factor, order, forms, updated)?;
+        self.spawn_update(learning_rate, grads, parameters.decayed(), factor, order, forms, updated)?;
         parameters.updates = Some(PartUpdates { arriving, waiting });
         if serial_host_update() {
             self.settle()?;
@@ -190,7 +190,7 @@ impl<B: TrainBackend> PartOptimizer<B> for DeviceShardedAdamW<B> {
     ) -> Result<f64, UlyssesError> {
         let GradParts::Device(grads) = grads else { return Err(misplaced(OptimizerPlace::Device)) };
         let updated: Vec<bool> = grads.iter().map(Option::is_some).collect();
-        let grad_norm = self.update(learning_rate, grads, max_grad_norm, world)?;
+        let grad_norm = self.update(learning_rate, grads, &parameters.decayed(), max_grad_norm, world)?;
         parameters.update_from(self, &updated);
         Ok(grad_norm)
     }
@@ -266,6 +266,11 @@ impl<B: TrainBackend> PartOf<B> {
 }
 
 impl<B: TrainBackend> ShardedParameters<B> {
+    /// Whether AdamW decays each parameter (`ulysses_core::host_adamw::decays`), in order.
+    pub(crate) fn decayed(&self) -> Vec<bool> {
+        self.parameters.iter().map(|p| ulysses_core::host_adamw::decays(p.shape.num_dims())).collect()
+    }
+
     /// Cuts `model`'s parameters (whole, the same on every rank) into rank `rank`'s parts of a
     /// world of `world`, for an optimizer that runs at `optimizer`; returns the model with
     /// placeholders in their place (the same ids and gradient flags, one element each) and the
