@@ -39,7 +39,7 @@ use ulysses_trainer::{
     plot,
     run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
     tokens::TokenFile,
-    train::{CorpusData, Faults, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
+    train::{CorpusData, Faults, LrSchedule, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
 };
 
 /// What becomes of a document longer than --seq-len (`--too-long`).
@@ -123,6 +123,17 @@ struct Args {
     seq_len: usize,
     #[arg(long, default_value_t = 3e-3)]
     learning_rate: f64,
+    /// Steps of linear warm-up to --learning-rate (default: 20, or a fifth of --steps where
+    /// that is fewer).
+    #[arg(long)]
+    warmup_steps: Option<usize>,
+    /// How the learning rate falls after the warm-up: cosine, linear (Hugging Face's Trainer's
+    /// default, with --min-lr-ratio 0) or constant.
+    #[arg(long, default_value = "cosine")]
+    lr_schedule: LrSchedule,
+    /// The fraction of --learning-rate the schedule falls to where the steps end.
+    #[arg(long, default_value_t = 0.1)]
+    min_lr_ratio: f64,
     /// Clip each step's gradient, summed over every rank, to this global L2 norm, as Hugging
     /// Face's Trainer does by default (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
@@ -469,6 +480,15 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> (Vec<String>, Vec
         args.learning_rate = config.learning_rate;
     }
     // A config that does not read (another burn's) takes none: check_resumable names it.
+    if take("warmup_steps", config.warmup_steps != default_warmup(args.steps), format!("--warmup-steps {}", config.warmup_steps)) {
+        args.warmup_steps = Some(config.warmup_steps);
+    }
+    if take("lr_schedule", args.lr_schedule != config.lr_schedule, format!("--lr-schedule {:?}", config.lr_schedule).to_lowercase()) {
+        args.lr_schedule = config.lr_schedule;
+    }
+    if take("min_lr_ratio", args.min_lr_ratio.to_bits() != config.min_lr_ratio.to_bits(), format!("--min-lr-ratio {}", config.min_lr_ratio)) {
+        args.min_lr_ratio = config.min_lr_ratio;
+    }
     let adamw = ulysses_training::adamw_settings(&config.optimizer).unwrap_or(ulysses_training::HostAdamWConfig {
         weight_decay: args.weight_decay,
         beta_1: args.adam_beta1,
@@ -578,6 +598,12 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> (Vec<String>, Vec
     (taken, Vec::new())
 }
 
+/// The warm-up a run takes without --warmup-steps: 20 steps, or a fifth of `steps` where that
+/// is fewer.
+fn default_warmup(steps: usize) -> usize {
+    TrainConfig::small(ParallelLayout::new()).warmup_steps.min(steps / 5)
+}
+
 /// Whether `model` is the byte model of some shape (a run without --model or --hf-config).
 fn is_byte_model(model: &ulysses_models::DecoderConfig) -> bool {
     let byte = ulysses_models::DecoderConfig::new(BYTE_VOCAB)
@@ -606,7 +632,7 @@ fn ignored_flags(args: &Args, config: &TrainConfig) -> Vec<String> {
     }
     if args.eval_only {
         let flags = |ids: &[&str]| -> Vec<String> { ids.iter().filter(|id| given(id)).map(|id| format!("--{}", id.replace('_', "-"))).collect() };
-        let training = flags(&["steps", "learning_rate", "grad_accumulation", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save"]);
+        let training = flags(&["steps", "learning_rate", "grad_accumulation", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save"]);
         if !training.is_empty() {
             notes.push(format!("--eval-only trains nothing and saves nothing: {} change nothing", training.join(", ")));
         }
@@ -903,7 +929,9 @@ fn run(mut args: Args) -> Result<(), String> {
         .with_beta_1(args.adam_beta1)
         .with_beta_2(args.adam_beta2)
         .with_epsilon(args.adam_epsilon);
-    config.warmup_steps = config.warmup_steps.min(args.steps / 5);
+    config.warmup_steps = args.warmup_steps.unwrap_or(default_warmup(args.steps));
+    config.lr_schedule = args.lr_schedule;
+    config.min_lr_ratio = args.min_lr_ratio;
     // --eval-only evaluates whole batches round the DP replicas, one micro-batch each: its
     // batch need not divide over them.
     match args.eval_only {
@@ -1017,8 +1045,18 @@ fn run(mut args: Args) -> Result<(), String> {
         }
         let adamw = ulysses_training::adamw_settings(&config.optimizer).map_err(|e| e.to_string())?;
         let work = format!(
-            "{} steps of {} sequences × {} tokens, AdamW at {:e} (β {}, {}, ε {:e}, weight decay {})",
-            config.steps, config.batch_size, config.seq_len, config.learning_rate, adamw.beta_1, adamw.beta_2, adamw.epsilon, adamw.weight_decay
+            "{} steps of {} sequences × {} tokens, AdamW at {:e} (β {}, {}, ε {:e}, weight decay {}) after {} warm-up steps, then {} to {} of it",
+            config.steps,
+            config.batch_size,
+            config.seq_len,
+            config.learning_rate,
+            adamw.beta_1,
+            adamw.beta_2,
+            adamw.epsilon,
+            adamw.weight_decay,
+            config.warmup_steps,
+            format!("{:?}", config.lr_schedule).to_lowercase(),
+            config.min_lr_ratio,
         );
         println!("{}", checked_run(&args, &config, layout, data_path, work));
         return Ok(());

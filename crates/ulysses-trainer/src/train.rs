@@ -54,9 +54,15 @@ pub struct TrainConfig {
     pub steps: usize,
     #[config(default = 3e-3)]
     pub learning_rate: f64,
-    /// Linear warm-up, then cosine decay to a tenth of `learning_rate`.
+    /// Steps of linear warm-up to `learning_rate`, then `lr_schedule`'s decay.
     #[config(default = 20)]
     pub warmup_steps: usize,
+    /// How the learning rate falls after the warm-up.
+    #[config(default = "LrSchedule::Cosine")]
+    pub lr_schedule: LrSchedule,
+    /// The fraction of `learning_rate` the decay ends at, at the last step.
+    #[config(default = 0.1)]
+    pub min_lr_ratio: f64,
     /// Evaluate the held-out batch every this many steps (0: never).
     #[config(default = 50)]
     pub eval_every: usize,
@@ -183,6 +189,9 @@ impl TrainConfig {
                 adamw.weight_decay
             ));
         }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return Err(format!("min_lr_ratio (--min-lr-ratio) is a fraction of the learning rate, from 0 to 1; got {}", self.min_lr_ratio));
+        }
         if self.seq_len < 2 {
             return Err(format!("seq_len (--seq-len) must be at least 2 tokens to have a label, got {}", self.seq_len));
         }
@@ -302,9 +311,14 @@ impl TrainConfig {
         if step < self.warmup_steps {
             return self.learning_rate * (step + 1) as f64 / self.warmup_steps as f64;
         }
-        let progress = (step - self.warmup_steps) as f64 / (self.steps - self.warmup_steps).max(1) as f64;
-        let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos());
-        self.learning_rate * (0.1 + 0.9 * cosine)
+        // From 0 after the warm-up towards 1 where the steps end, as Hugging Face's schedules.
+        let progress = ((step - self.warmup_steps) as f64 / (self.steps.saturating_sub(self.warmup_steps)).max(1) as f64).min(1.0);
+        let left = match self.lr_schedule {
+            LrSchedule::Cosine => 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
+            LrSchedule::Linear => 1.0 - progress,
+            LrSchedule::Constant => 1.0,
+        };
+        self.learning_rate * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * left)
     }
 
     /// This DP rank's micro-batches of the step's global batch (`validate` first).
@@ -380,6 +394,45 @@ pub trait Progress {
     fn device_io(&mut self, _step: usize, _io: &DeviceIo) {}
 }
 
+/// A run's config as any version of the trainer wrote it: the settings added since take their
+/// defaults, which are what those runs did (burn's `Config` refuses a missing field).
+fn config_of_any_version<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<TrainConfig, D::Error> {
+    use serde::de::Error;
+    let mut stored = serde_json::Value::deserialize(deserializer)?;
+    let defaults = serde_json::to_value(TrainConfig::small(ParallelLayout::new())).map_err(D::Error::custom)?;
+    if let (Some(stored), serde_json::Value::Object(defaults)) = (stored.as_object_mut(), defaults) {
+        for (name, value) in defaults {
+            stored.entry(name).or_insert(value);
+        }
+    }
+    serde_json::from_value(stored).map_err(D::Error::custom)
+}
+
+/// How the learning rate falls from its peak after the warm-up to `min_lr_ratio` of it at the
+/// last step (`--lr-schedule`).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum LrSchedule {
+    /// Along half a cosine (the trainer's default).
+    Cosine,
+    /// In a straight line (Hugging Face's Trainer's default, with a ratio of 0).
+    Linear,
+    /// Not at all.
+    Constant,
+}
+
+impl std::str::FromStr for LrSchedule {
+    type Err = String;
+
+    fn from_str(value: &str) -> Result<Self, String> {
+        match value {
+            "cosine" => Ok(LrSchedule::Cosine),
+            "linear" => Ok(LrSchedule::Linear),
+            "constant" => Ok(LrSchedule::Constant),
+            other => Err(format!("{other}: the schedules are cosine, linear and constant")),
+        }
+    }
+}
+
 /// Where training stands, saved in every checkpoint beside the model and the optimizer (a
 /// sharded checkpoint's model is its optimizer parts' master weights).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -392,6 +445,7 @@ pub struct RunState {
     pub data_position: usize,
     pub seed: u64,
     /// The run's config, to refuse a resumption that would train something else.
+    #[serde(deserialize_with = "config_of_any_version")]
     pub config: TrainConfig,
     /// The data it trained on, to refuse a resumption on other data (absent in checkpoints
     /// written before it was recorded).
@@ -1122,9 +1176,9 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
         return Err(format!("the checkpoint has already taken {} steps, more than --steps {}", saved.completed_steps, config.steps));
     }
     // Given on purpose (the trainer takes the checkpoint's where they are not given).
-    let schedule = |c: &TrainConfig| (c.steps, c.warmup_steps, c.learning_rate.to_bits(), c.max_grad_norm.map(f64::to_bits), c.precision, c.f32_head);
+    let schedule = |c: &TrainConfig| (c.steps, c.warmup_steps, c.lr_schedule, c.min_lr_ratio.to_bits(), c.learning_rate.to_bits(), c.max_grad_norm.map(f64::to_bits), c.precision, c.f32_head);
     if schedule(config) != schedule(&saved.config) {
-        let note = "the learning-rate schedule (--steps, warm-up, --learning-rate), the clipping (--max-grad-norm) or the precision \
+        let note = "the learning-rate schedule (--steps, --warmup-steps, --lr-schedule, --min-lr-ratio, --learning-rate), the clipping (--max-grad-norm) or the precision \
                     (--precision, --f32-head) differs from the checkpoint's run: later losses will differ from an uninterrupted run";
         if first_time(note) {
             tracing::warn!("{note}");
@@ -1351,6 +1405,40 @@ mod tests {
         decayed.optimizer = decayed.optimizer.with_weight_decay(0.5);
         let error = check_resumable(&decayed, &saved).unwrap_err();
         assert!(error.contains("optimizer.weight_decay 0.01,") && error.contains("this one has 0.5"), "{error}");
+    }
+
+    /// The schedules: a linear warm-up to the peak, then a cosine, a line or nothing towards
+    /// `min_lr_ratio` of it where the steps end (Hugging Face's progress, (step − warm-up) /
+    /// (steps − warm-up)); a config written before the schedule was a setting reads as the
+    /// cosine to a tenth it ran.
+    #[test]
+    fn the_learning_rate_follows_its_schedule() {
+        use super::LrSchedule;
+        let config = TrainConfig::small(ParallelLayout::new()).with_steps(110).with_warmup_steps(10).with_learning_rate(1.0);
+        let rates = |schedule, ratio| {
+            let config = config.clone().with_lr_schedule(schedule).with_min_lr_ratio(ratio);
+            [0, 9, 10, 60, 109].map(|step| config.learning_rate_at(step))
+        };
+        let close = |got: [f64; 5], want: [f64; 5]| got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-12);
+        let cosine = rates(LrSchedule::Cosine, 0.1);
+        let last = 0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * 0.99).cos());
+        assert!(close(cosine, [0.1, 1.0, 1.0, 0.55, last]), "{cosine:?}");
+        let linear = rates(LrSchedule::Linear, 0.0);
+        assert!(close(linear, [0.1, 1.0, 1.0, 0.5, 0.01]), "{linear:?}");
+        let constant = rates(LrSchedule::Constant, 0.0);
+        assert!(close(constant, [0.1, 1.0, 1.0, 1.0, 1.0]), "{constant:?}");
+        let error = config.clone().with_min_lr_ratio(1.5).validate().unwrap_err();
+        assert!(error.contains("min_lr_ratio (--min-lr-ratio)"), "{error}");
+
+        let state = RunState { completed_steps: 2, data_position: 2, seed: 1, config: config.clone().with_lr_schedule(LrSchedule::Linear), data: None };
+        let mut old = serde_json::to_value(&state).unwrap();
+        let fields = old["config"].as_object_mut().unwrap();
+        fields.remove("lr_schedule").expect("a field of the config");
+        fields.remove("min_lr_ratio").expect("a field of the config");
+        let read: RunState = serde_json::from_value(old).expect("the state of an earlier run reads");
+        assert_eq!((read.config.lr_schedule, read.config.min_lr_ratio, read.config.steps), (LrSchedule::Cosine, 0.1, 110));
+        let read: RunState = serde_json::from_value(serde_json::to_value(&state).unwrap()).unwrap();
+        assert_eq!(read.config.lr_schedule, LrSchedule::Linear, "a stored setting is kept");
     }
 
     /// AdamW settings that cannot train are named by their flag: betas outside [0, 1), an

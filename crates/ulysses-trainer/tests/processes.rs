@@ -396,7 +396,7 @@ fn a_signal_before_the_first_step_ends_the_process_at_once() {
 #[test]
 fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let dir = workspace("resume");
-    let adamw = ["--weight-decay", "0.05", "--adam-beta2", "0.95", "--adam-epsilon", "1e-6"];
+    let adamw = ["--weight-decay", "0.05", "--adam-beta2", "0.95", "--adam-epsilon", "1e-6", "--warmup-steps", "2", "--lr-schedule", "linear", "--min-lr-ratio", "0"];
     succeed(run_launched(2, &common_args(&dir, "full", 6), &[&["--sp", "2"][..], &adamw].concat()));
     succeed(run_launched(2, &common_args(&dir, "part", 6), &[&["--sp", "2", "--stop-after", "3"][..], &adamw].concat()));
     assert_eq!(losses(&dir.join("part")).len(), 3);
@@ -417,7 +417,10 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     args.extend(resume("elsewhere"));
     let resumed = succeed(run_alone(&args, &["--sp", "1"]));
     assert!(
-        show(&resumed).contains("resuming with the checkpoint's --steps 6, --learning-rate 0.01, --weight-decay 5e-2, --adam-beta2 9.5e-1, --adam-epsilon 1e-6, --seed 7"),
+        show(&resumed).contains(
+            "resuming with the checkpoint's --steps 6, --learning-rate 0.01, --warmup-steps 2, --lr-schedule linear, --min-lr-ratio 0, \
+             --weight-decay 5e-2, --adam-beta2 9.5e-1, --adam-epsilon 1e-6, --seed 7"
+        ),
         "{}",
         show(&resumed)
     );
@@ -426,7 +429,11 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     args.extend(resume("part"));
     let checked = show(&succeed(Command::new(trainer()).args(&args).args(["--launch", "threads"]).output().unwrap()));
     assert!(checked.contains("--sp 2") && checked.contains("sp 2 × dp 1"), "{checked}");
-    assert!(checked.contains("AdamW at 1e-2 (β 0.9, 0.95, ε 1e-6, weight decay 0.05)"), "{checked}");
+    assert!(checked.contains("AdamW at 1e-2 (β 0.9, 0.95, ε 1e-6, weight decay 0.05) after 2 warm-up steps, then linear to 0 of it"), "{checked}");
+    // Warm-up over 2 steps, then a line from the peak towards 0 where the 6 steps end.
+    let rates: Vec<f64> = metric(&dir.join("full"), 3).into_iter().map(|(_, rate)| rate).collect();
+    let want = [0.005, 0.01, 0.01, 0.0075, 0.005, 0.0025];
+    assert!(rates.len() == 6 && rates.iter().zip(want).all(|(got, want)| (got - want).abs() < 1e-9), "learning rates {rates:?}, not {want:?}");
 
     // The finished run resumed elsewhere: nothing to take, and said so (it claimed to have
     // written a checkpoint, metrics and a config before).
