@@ -422,3 +422,50 @@ fn the_ring_runs_the_flash_kernels_without_autodiff() {
         assert!(worst <= TOLERANCE, "{sharding:?}: the plain fused ring differs from one device by {worst:e}");
     }
 }
+
+/// The ring's reference blocks (tensor ops: here a head dim of 288, past the kernels' 256) in
+/// f16 keep their softmax statistics, log-sum-exps and merges in f32, as the fused ring merges:
+/// each ring rank's output against attention in f64 over the whole sequence of the same
+/// f16 values, within 1.6e-3 (outputs up to 1, an f16 step 9.8e-4 there, through two f16
+/// matmuls that lavapipe sums in f16: 1.3e-3 measured; 2.3e-3 with the statistics in f16).
+#[test]
+fn the_reference_ring_in_half_precision_keeps_its_statistics_in_f32() {
+    use burn::tensor::{DType, TensorData, f16};
+    use burn_ulysses::{
+        comm::{Communicator, ThreadGroup},
+        ring::{RingSharding, ring_attention},
+    };
+    use ulysses_suite::shard;
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    const RANKS: usize = 2;
+    let shape = [1, 2, 1024, 288];
+    let device = Default::default();
+    // f16 values; queries 6 times larger, so that scores spread over about ±2 as a trained
+    // model's do.
+    let half = |stream, scale: f32| values(uniform_tensor::<NdArray<f32>, 4>(shape, stream, &device) * scale).into_iter().map(f16::from_f32).collect::<Vec<_>>();
+    let (q, k, v) = (half(1, 6.0), half(2, 1.0), half(3, 1.0));
+    let wide = |values: &[f16]| Tensor::<NdArray<f64>, 4>::from_data(TensorData::new(values.iter().map(|x| x.to_f64()).collect::<Vec<_>>(), shape), &device);
+    for options in [CAUSAL, AttentionModuleOptions { is_causal: false, ..CAUSAL }] {
+        let want = attention(wide(&q), wide(&k), wide(&v), None, None, options);
+        let (q, k, v) = (q.clone(), k.clone(), v.clone());
+        let outputs = ThreadGroup::new(RANKS).run(move |rank| {
+            let device = Default::default();
+            let on_device = |values: &[f16]| Tensor::<Wgpu, 4>::from_data(TensorData::new(values.to_vec(), shape), (&device, DType::F16));
+            let comm: std::sync::Arc<dyn Communicator<Wgpu>> = rank.communicator();
+            let mine = |tensor: Tensor<Wgpu, 4>| shard(tensor, 2, rank.rank(), rank.size());
+            let output = ring_attention(mine(on_device(&q)), mine(on_device(&k)), mine(on_device(&v)), options, RingSharding::Contiguous, &comm).unwrap();
+            assert_eq!(output.dtype(), DType::F16);
+            values(output)
+        });
+        let mut worst = 0.0f32;
+        for (rank, output) in outputs.into_iter().enumerate() {
+            let output = output.unwrap_or_else(|panic| panic!("rank {rank}: {panic}"));
+            worst = ulysses_suite::worst([worst, max_abs_diff(&output, &values(shard(want.clone(), 2, rank, RANKS)))]);
+        }
+        let bound = 1.6e-3;
+        println!("reference ring of {RANKS} in f16 (causal: {}): max |Δ| {worst:.2e} against f64, bound {bound:.2e}", options.is_causal);
+        assert!(worst <= bound, "the reference ring in f16 differs from f64 attention by {worst:e} (bound {bound:e})");
+    }
+}
