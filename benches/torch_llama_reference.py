@@ -21,6 +21,7 @@ CPU the peak is not measured and prints as -.)
 """
 
 import argparse
+import math
 import sys
 import time
 
@@ -42,6 +43,7 @@ def main() -> int:
     parser.add_argument("--hf-config", help="a Hugging Face config.json: the model's shape (overrides the shape flags)")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of every layer")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's decay of the weight matrices (the trainer's default)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient's norm (the trainer's default); 0: none")
     parser.add_argument(
         "--pure-half",
@@ -106,7 +108,22 @@ def main() -> int:
     if args.checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    # The trainer's AdamW: PyTorch's betas and epsilon, the decay on weight matrices alone (as
+    # Hugging Face's Trainer), warm-up to the peak over min(20, steps / 5) steps, then a cosine
+    # towards a tenth of it where the steps end.
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": matrices, "weight_decay": args.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate)
+    warmup = min(20, args.steps // 5)
+
+    def rate_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate_at)
     generator = torch.Generator(device="cpu").manual_seed(7)
 
     def step() -> float:
@@ -117,6 +134,7 @@ def main() -> int:
         if args.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         value = loss.item()
         del loss  # nothing of this step's graph outlives it

@@ -127,8 +127,9 @@ struct Args {
     /// that is fewer).
     #[arg(long)]
     warmup_steps: Option<usize>,
-    /// How the learning rate falls after the warm-up: cosine, linear (Hugging Face's Trainer's
-    /// default, with --min-lr-ratio 0) or constant.
+    /// How the learning rate falls after the warm-up: cosine, linear (with --min-lr-ratio 0,
+    /// Hugging Face's Trainer's default but for its warm-up, which starts one step lower at 0)
+    /// or constant.
     #[arg(long, default_value = "cosine")]
     lr_schedule: LrSchedule,
     /// The fraction of --learning-rate the schedule falls to where the steps end.
@@ -182,7 +183,8 @@ struct Args {
     eval_every: usize,
     /// What --data's chat, prompt/completion and labelled lines train on: `assistant`, the
     /// answers alone (the template's {% generation %} blocks, the completions, the tokens with
-    /// a label), as TRL's SFTTrainer does; `all`, every token.
+    /// a label), as TRL's SFTTrainer does with `assistant_only_loss` (its default for
+    /// prompt/completion lines, not for chat lines); `all`, every token.
     #[arg(long, value_enum, default_value = "assistant", requires = "data")]
     loss_on: LossOn,
     /// A --data document (a conversation) longer than --seq-len: `cut` into pieces, each
@@ -332,9 +334,10 @@ struct Args {
     #[arg(long)]
     check: bool,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
-    /// it had never stopped. Every rank reads it. The run's settings (--steps, --learning-rate,
-    /// --max-grad-norm, --precision, --seed, --batch-size, --seq-len, --grad-accumulation and
-    /// the model's shape) are the checkpoint's, unless given here
+    /// it had never stopped. Every rank reads it. The run's settings (--steps, --learning-rate
+    /// and its schedule, AdamW's, --max-grad-norm, --precision, --seed, --batch-size,
+    /// --seq-len, --grad-accumulation, the layout, where the state lives and the model's
+    /// shape) are the checkpoint's, unless given here
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Stop after this many steps in total (writing a checkpoint), to continue later with
@@ -480,7 +483,8 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> (Vec<String>, Vec
         args.learning_rate = config.learning_rate;
     }
     // A config that does not read (another burn's) takes none: check_resumable names it.
-    if take("warmup_steps", config.warmup_steps != default_warmup(args.steps), format!("--warmup-steps {}", config.warmup_steps)) {
+    // A warm-up the run chose is kept; its default follows the steps (which a resume may change).
+    if take("warmup_steps", config.warmup_steps != default_warmup(config.steps), format!("--warmup-steps {}", config.warmup_steps)) {
         args.warmup_steps = Some(config.warmup_steps);
     }
     if take("lr_schedule", args.lr_schedule != config.lr_schedule, format!("--lr-schedule {:?}", config.lr_schedule).to_lowercase()) {
@@ -1045,7 +1049,7 @@ fn run(mut args: Args) -> Result<(), String> {
         }
         let adamw = ulysses_training::adamw_settings(&config.optimizer).map_err(|e| e.to_string())?;
         let work = format!(
-            "{} steps of {} sequences × {} tokens, AdamW at {:e} (β {}, {}, ε {:e}, weight decay {}) after {} warm-up steps, then {} to {} of it",
+            "{} steps of {} sequences × {} tokens, AdamW at {:e} (β {}, {}, ε {:e}, weight decay {}) after {} warm-up steps, then {}",
             config.steps,
             config.batch_size,
             config.seq_len,
@@ -1055,8 +1059,10 @@ fn run(mut args: Args) -> Result<(), String> {
             adamw.epsilon,
             adamw.weight_decay,
             config.warmup_steps,
-            format!("{:?}", config.lr_schedule).to_lowercase(),
-            config.min_lr_ratio,
+            match config.lr_schedule {
+                LrSchedule::Constant => "constant".to_string(),
+                schedule => format!("{} to {} of it", format!("{schedule:?}").to_lowercase(), config.min_lr_ratio),
+            },
         );
         println!("{}", checked_run(&args, &config, layout, data_path, work));
         return Ok(());

@@ -60,7 +60,8 @@ pub struct TrainConfig {
     /// How the learning rate falls after the warm-up.
     #[config(default = "LrSchedule::Cosine")]
     pub lr_schedule: LrSchedule,
-    /// The fraction of `learning_rate` the decay ends at, at the last step.
+    /// The fraction of `learning_rate` the decay falls towards, reached where the steps end (the
+    /// last step's rate is one step's fall above it).
     #[config(default = 0.1)]
     pub min_lr_ratio: f64,
     /// Evaluate the held-out batch every this many steps (0: never).
@@ -187,6 +188,12 @@ impl TrainConfig {
                  parameters by 1 - learning rate x weight decay; got {}",
                 1.0 / self.learning_rate,
                 adamw.weight_decay
+            ));
+        }
+        if self.warmup_steps > self.steps {
+            return Err(format!(
+                "warmup_steps (--warmup-steps) {} is past --steps {}: the learning rate would never reach its peak",
+                self.warmup_steps, self.steps
             ));
         }
         if !(0.0..=1.0).contains(&self.min_lr_ratio) {
@@ -394,15 +401,19 @@ pub trait Progress {
     fn device_io(&mut self, _step: usize, _io: &DeviceIo) {}
 }
 
-/// A run's config as any version of the trainer wrote it: the settings added since take their
-/// defaults, which are what those runs did (burn's `Config` refuses a missing field).
+/// The settings a run's config has gained since checkpoints were first written, each at the
+/// default that is what the runs before it did.
+const SETTINGS_ADDED: [&str; 2] = ["lr_schedule", "min_lr_ratio"];
+
+/// A run's config as any version of the trainer wrote it: the [`SETTINGS_ADDED`] since take
+/// their defaults (burn's `Config` refuses a missing field); any other missing is refused.
 fn config_of_any_version<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<TrainConfig, D::Error> {
     use serde::de::Error;
     let mut stored = serde_json::Value::deserialize(deserializer)?;
     let defaults = serde_json::to_value(TrainConfig::small(ParallelLayout::new())).map_err(D::Error::custom)?;
-    if let (Some(stored), serde_json::Value::Object(defaults)) = (stored.as_object_mut(), defaults) {
-        for (name, value) in defaults {
-            stored.entry(name).or_insert(value);
+    if let Some(stored) = stored.as_object_mut() {
+        for name in SETTINGS_ADDED {
+            stored.entry(name).or_insert_with(|| defaults[name].clone());
         }
     }
     serde_json::from_value(stored).map_err(D::Error::custom)
@@ -1164,7 +1175,13 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
     // The model's shape, and AdamW's settings: the replicated optimizer would take this run's
     // and the sharded one the checkpoint's, so neither may change.
     for (part, was, now) in [("model", fields(&saved.config.model), fields(&config.model)), ("optimizer", fields(&saved.config.optimizer), fields(&config.optimizer))] {
-        settings.extend(was.iter().map(|(name, value)| (format!("{part}.{name}"), shown(value), now.get(name).map_or("-".into(), shown))));
+        // Compared as values; shown as given, or raw where two values apart show alike.
+        for (name, value) in was.iter().filter(|(name, value)| now.get(*name) != Some(*value)) {
+            let now = now.get(name);
+            let (before, after) = (shown(value), now.map_or("-".into(), shown));
+            let (before, after) = if before == after { (value.to_string(), now.map_or("-".into(), ToString::to_string)) } else { (before, after) };
+            settings.push((format!("{part}.{name}"), before, after));
+        }
     }
     if let Some((what, was, now)) = settings.iter().find(|(_, was, now)| was != now) {
         return Err(format!(
@@ -1429,6 +1446,8 @@ mod tests {
         assert!(close(constant, [0.1, 1.0, 1.0, 1.0, 1.0]), "{constant:?}");
         let error = config.clone().with_min_lr_ratio(1.5).validate().unwrap_err();
         assert!(error.contains("min_lr_ratio (--min-lr-ratio)"), "{error}");
+        let error = config.clone().with_warmup_steps(111).validate().unwrap_err();
+        assert!(error.contains("--warmup-steps) 111 is past --steps 110"), "{error}");
 
         let state = RunState { completed_steps: 2, data_position: 2, seed: 1, config: config.clone().with_lr_schedule(LrSchedule::Linear), data: None };
         let mut old = serde_json::to_value(&state).unwrap();
@@ -1439,6 +1458,10 @@ mod tests {
         assert_eq!((read.config.lr_schedule, read.config.min_lr_ratio, read.config.steps), (LrSchedule::Cosine, 0.1, 110));
         let read: RunState = serde_json::from_value(serde_json::to_value(&state).unwrap()).unwrap();
         assert_eq!(read.config.lr_schedule, LrSchedule::Linear, "a stored setting is kept");
+        // A setting missing that every checkpoint has held is no earlier version's: refused.
+        let mut damaged = serde_json::to_value(&state).unwrap();
+        damaged["config"].as_object_mut().unwrap().remove("optimizer");
+        assert!(serde_json::from_value::<RunState>(damaged).is_err(), "a state without its optimizer's settings read");
     }
 
     /// AdamW settings that cannot train are named by their flag: betas outside [0, 1), an

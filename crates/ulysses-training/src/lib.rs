@@ -457,8 +457,8 @@ where
 /// [`apply_step`] with the optimizer's state sharded over the world's ranks and updated on the
 /// host ([`ShardedAdamW`]: ZeRO's optimizer half): the same checks, then each gradient
 /// reduce-scattered rather than all-reduced, this rank's part of the master weights updated,
-/// and every rank's parts gathered into the parameters. Trains as [`apply_step`] with burn's
-/// AdamW does.
+/// and every rank's parts gathered into the parameters. Trains as [`apply_step`] with
+/// [`MatrixDecayAdamW`] does (the weight decay on weight matrices alone).
 pub fn apply_step_sharded<B, M>(
     model: M,
     optimizer: &mut ShardedAdamW,

@@ -13,8 +13,8 @@
 //!    burn's AdamW operation for operation);
 //! 4. all-gathers the updated parts into the model's parameters, a bucket at a time.
 //!
-//! So it trains as replicated AdamW does (the same sums, the same update), up to the clipping
-//! norm's rounding. Its state is saved as one file per rank ([`ShardedAdamW::save`], each
+//! So it trains as replicated AdamW does ([`crate::MatrixDecayAdamW`]: the same sums, the same
+//! update, the decay on weight matrices alone), up to the clipping norm's rounding. Its state is saved as one file per rank ([`ShardedAdamW::save`], each
 //! atomic) and loaded at any world size ([`ShardedAdamW::load`] re-partitions it).
 //!
 //! The model (its compute copy) stays whole on every rank (ZeRO-3, [`super::stage3`], cuts it
