@@ -65,8 +65,12 @@ impl TextTokenizer {
     pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
         let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
         let file = file.display().to_string();
-        let inner = tokenizers::Tokenizer::from_file(&file)
+        let mut inner = tokenizers::Tokenizer::from_file(&file)
             .map_err(|e| TokenizerError { file: file.clone(), problem: format!("cannot be read as a Hugging Face tokenizer.json: {e}") })?;
+        // transformers' `tokenizer(text)` neither truncates nor pads unless asked; a file saved
+        // after a call that did keeps the setting, which would cut or pad every document here.
+        inner.with_truncation(None).map_err(|e| TokenizerError { file: file.clone(), problem: format!("cannot turn its truncation off: {e}") })?;
+        inner.with_padding(None);
         let mut tokenizer = Self { inner, file, added_before_text: Vec::new() };
         tokenizer.added_before_text = tokenizer.special_tokens_before_text()?;
         Ok(tokenizer)

@@ -64,6 +64,19 @@ fn the_tokenizer_gives_the_python_packages_ids() {
     let document = tokenizer.encode_document("a group.", eos).unwrap();
     assert_eq!(document.last(), Some(&eos));
     assert_eq!(&document[..document.len() - 1], tokenizer.encode("a group.").unwrap().as_slice());
+    // Saved after a call that truncated and padded (transformers then writes both into the
+    // file): read as transformers' `tokenizer(text)` reads it, neither.
+    let mut saved: Value = serde_json::from_str(&std::fs::read_to_string(folder.join("tokenizer.json")).unwrap()).unwrap();
+    saved["truncation"] = serde_json::json!({"direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0});
+    saved["padding"] = serde_json::json!({"strategy": {"Fixed": 40}, "direction": "Right", "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"});
+    let dir = std::env::temp_dir().join(format!("ulysses-tokenizer-settings-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), saved.to_string()).unwrap();
+    let with_settings = ulysses_models::TextTokenizer::from_file(&dir).unwrap();
+    let texts = ["a group of words, longer than three tokens.", "a group."];
+    assert_eq!(with_settings.encode_documents(&texts, eos).unwrap(), tokenizer.encode_documents(&texts, eos).unwrap());
+    assert_eq!(with_settings.encode(texts[0]).unwrap(), tokenizer.encode(texts[0]).unwrap());
+    std::fs::remove_dir_all(&dir).unwrap();
     let missing = ulysses_models::TextTokenizer::from_file(&folder.join("absent")).err().expect("refused").to_string();
     assert!(missing.contains("absent") && missing.contains("tokenizer.json"), "{missing}");
 }
