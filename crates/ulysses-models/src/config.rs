@@ -85,7 +85,15 @@ pub struct HfConfig {
     /// The standard deviation of a fresh model's weight matrices and embeddings
     /// (transformers' `_init_weights`): only a model built from random weights uses it.
     pub initializer_range: f64,
+    /// The `config.json` keys this decoder does not read (`pad_token_id`, `attention_dropout`,
+    /// `use_cache`, a Qwen's `sliding_window` and `max_window_layers`, ...), written back as
+    /// they were, so that a saved model's config is its checkpoint's but for the weights' dtype.
+    pub unmodelled: Map<String, Value>,
 }
+
+/// Keys of a `config.json` that [`HfConfig::to_hf_json`] writes in another form
+/// (`rope_theta` and `rope_scaling`, `torch_dtype`).
+const REPLACED_KEYS: [&str; 2] = ["rope_parameters", "dtype"];
 
 /// Why a `config.json` cannot be used: the file, the key and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -280,7 +288,7 @@ impl HfConfig {
             }
         };
         let (bos_token_ids, eos_token_ids) = (default_token("bos_token_id", 1)?, default_token("eos_token_id", 2)?);
-        Ok(Self {
+        let mut config = Self {
             family,
             vocab_size: keys.count("vocab_size", None)?,
             hidden_size,
@@ -309,12 +317,17 @@ impl HfConfig {
             eos_token_id: eos_token_ids.first().copied(),
             eos_token_ids,
             initializer_range: keys.positive("initializer_range", 0.02)?,
-        })
+            unmodelled: Map::new(),
+        };
+        let written = config.to_hf_json("float32");
+        config.unmodelled = object.iter().filter(|(key, _)| written.get(key.as_str()).is_none() && !REPLACED_KEYS.contains(&key.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect();
+        Ok(config)
     }
 
     /// The `config.json` transformers reads back: the family's `model_type` and
     /// `architectures`, every size, RoPE as `rope_theta` and `rope_scaling` (transformers 4's
-    /// form, which transformers 5 also reads), in f32 weights' `torch_dtype`.
+    /// form, which transformers 5 also reads), weights of `torch_dtype` `dtype`, and the
+    /// [`unmodelled`](Self::unmodelled) keys as they were.
     pub fn to_hf_json(&self, dtype: &str) -> Value {
         let rope_scaling = match self.rope_scaling {
             RopeScaling::Default => Value::Null,
@@ -353,6 +366,9 @@ impl HfConfig {
             "initializer_range": self.initializer_range,
         });
         let object = config.as_object_mut().expect("an object");
+        for (key, value) in &self.unmodelled {
+            object.entry(key.as_str()).or_insert_with(|| value.clone());
+        }
         match self.family {
             Family::Llama | Family::Qwen3 => {
                 object.insert("attention_bias".into(), json!(self.qkv_bias));
@@ -482,6 +498,27 @@ mod tests {
         assert_eq!((none.eos_token_id, none.to_hf_json("bfloat16")["eos_token_id"].clone()), (None, Value::Null));
         let error = refused(&with(LLAMA, "eos_token_id", json!([1, "two"])));
         assert!(error.key == "eos_token_id" && error.problem.contains("a list of them"), "{error}");
+    }
+
+    /// A saved model's config.json is its checkpoint's, keys this decoder does not read
+    /// included (`pad_token_id`, `use_cache`, a Qwen's window settings, a custom key), but for
+    /// the weights' dtype and RoPE in one form.
+    #[test]
+    fn keys_the_decoder_does_not_read_are_written_back() {
+        let qwen2 = r#"{"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 999,
+                        "use_cache": false, "sliding_window": 4096, "max_window_layers": 21, "my_key": {"kept": [1, 2]},
+                        "dtype": "bfloat16", "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}"#;
+        let config = HfConfig::from_hf_json(qwen2, "q").unwrap();
+        let written = config.to_hf_json("float32");
+        for (key, value) in [("pad_token_id", json!(999)), ("use_cache", json!(false)), ("sliding_window", json!(4096)), ("max_window_layers", json!(21)), ("my_key", json!({"kept": [1, 2]}))] {
+            assert_eq!(written[key], value, "{key}");
+        }
+        assert_eq!((written["torch_dtype"].clone(), written["rope_theta"].clone(), written["use_sliding_window"].clone()), (json!("float32"), json!(1e6), json!(false)));
+        for key in ["dtype", "rope_parameters"] {
+            assert!(written.get(key).is_none(), "{key} written back: {written}");
+        }
+        assert_eq!(HfConfig::from_hf_json(&written.to_string(), "again").unwrap(), config, "read back, the same");
     }
 
     #[test]
