@@ -34,13 +34,17 @@ impl TokenizerConfig {
             Ok(text) => serde_json::from_str(&text).map_err(|e| TokenizerError { file: file.display().to_string(), problem: format!("is not JSON: {e}") })?,
             Err(_) => serde_json::Value::Null,
         };
+        // Where tokenizer_config.json names none, special_tokens_map.json's, as transformers
+        // fills them (checkpoints saved before transformers 4.34 name them there alone).
+        let map_file = dir.join("special_tokens_map.json");
+        let map: serde_json::Value = match std::fs::read_to_string(&map_file) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| TokenizerError { file: map_file.display().to_string(), problem: format!("is not JSON: {e}") })?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let text = |token: &serde_json::Value| token.as_str().or_else(|| token["content"].as_str()).map(str::to_string);
         let special_tokens = ["bos_token", "eos_token", "unk_token", "pad_token"]
             .into_iter()
-            .filter_map(|name| {
-                let token = &json[name];
-                let text = token.as_str().or_else(|| token["content"].as_str())?;
-                Some((name.to_string(), text.to_string()))
-            })
+            .filter_map(|name| Some((name.to_string(), text(&json[name]).or_else(|| text(&map[name]))?)))
             .collect();
         Ok(Self { file, json, special_tokens })
     }
@@ -145,5 +149,25 @@ impl TextTokenizer {
     /// Tokens in the vocabulary, added ones included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenizerConfig;
+
+    /// A checkpoint that names its special tokens in special_tokens_map.json alone (saved
+    /// before transformers 4.34) gets them from there; tokenizer_config.json's come first.
+    #[test]
+    fn special_tokens_named_in_the_map_alone_are_read_from_it() {
+        let dir = std::env::temp_dir().join(format!("ulysses-special-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer_config.json"), r#"{"bos_token": "<s>", "model_max_length": 4096}"#).unwrap();
+        std::fs::write(dir.join("special_tokens_map.json"), r#"{"bos_token": "<ignored>", "eos_token": {"content": "</s>", "lstrip": false}}"#).unwrap();
+        let config = TokenizerConfig::read(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(config.eos_token(), Some("</s>"));
+        assert_eq!(config.special_tokens.get("bos_token").map(String::as_str), Some("<s>"));
+        assert!(!config.special_tokens.contains_key("pad_token"));
     }
 }
