@@ -42,6 +42,10 @@ CASES = {
     "mistral": (MistralConfig, dict(sliding_window=64, rope_theta=1e6)),
     "qwen2": (Qwen2Config, dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3": (Qwen3Config, dict(head_dim=32, rope_theta=1e6)),
+    # YaRN as Qwen's guides add it; the context lengths agree with the factor (4096 = 4 × 1024),
+    # so that every transformers version reads it alike.
+    "qwen3-yarn": (Qwen3Config, dict(head_dim=32, rope_theta=1e6,
+                                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})),
 }
 
 

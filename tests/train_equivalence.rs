@@ -389,7 +389,7 @@ fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
 /// sharder for another SP degree.
 #[test]
 fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_rank() {
-    use ulysses_training::{CausalLm, StepInput, backward_step, evaluate, train_step};
+    use ulysses_training::{StepInput, backward_step, evaluate, train_step};
     type Scenario = fn(usize) -> (ParallelLayout, SequenceSharder, Vec<Vec<Vec<i64>>>, Option<Vec<Vec<Vec<usize>>>>);
     let sequence = |len: usize| (0..len as i64).map(|t| t % VOCAB as i64).collect::<Vec<i64>>();
     let run = |scenario: Scenario| -> Vec<String> {

@@ -332,6 +332,15 @@ impl HfConfig {
         let rope_scaling = match self.rope_scaling {
             RopeScaling::Default => Value::Null,
             RopeScaling::Linear { factor } => json!({ "rope_type": "linear", "factor": factor }),
+            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate } => json!({
+                "rope_type": "yarn",
+                "factor": factor,
+                "original_max_position_embeddings": original_max_position_embeddings as u64,
+                "beta_fast": beta_fast,
+                "beta_slow": beta_slow,
+                "attention_factor": attention_factor,
+                "truncate": truncate,
+            }),
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => json!({
                 "rope_type": "llama3",
                 "factor": factor,
@@ -436,8 +445,37 @@ fn rope(keys: &Keys) -> Result<(f64, RopeScaling), ConfigError> {
                 original_max_position_embeddings: number("original_max_position_embeddings")?,
             }
         }
+        "yarn" => {
+            let optional = |name: &str| match inner_keys.get(name) {
+                None | Some(Value::Null) => Ok(None),
+                Some(_) => number(name).map(Some),
+            };
+            // As transformers 5: the factor given (it warns where the context lengths imply
+            // another), the correction range over the original context (the config's own
+            // where none is given), the attention factor given or YaRN's.
+            let factor = number("factor")?;
+            let original_max_position_embeddings = match optional("original_max_position_embeddings")? {
+                Some(context) => context,
+                None => keys.count("max_position_embeddings", None).map_err(|_| keys.error(&field("original_max_position_embeddings"), "is missing, and so is max_position_embeddings"))? as f64,
+            };
+            let mscale = |scale: f64, mscale: f64| if scale <= 1.0 { 1.0 } else { 0.1 * mscale * scale.ln() + 1.0 };
+            let attention_factor = match (optional("attention_factor")?, optional("mscale")?, optional("mscale_all_dim")?) {
+                (Some(given), ..) => given,
+                (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+                _ => mscale(factor, 1.0),
+            };
+            let (beta_fast, beta_slow) = (optional("beta_fast")?.unwrap_or(32.0), optional("beta_slow")?.unwrap_or(1.0));
+            let truncate = match inner_keys.get("truncate") {
+                None | Some(Value::Null) => true,
+                Some(value) => value.as_bool().ok_or_else(|| keys.error(&field("truncate"), format!("is {value}, not true or false")))?,
+            };
+            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate }
+        }
         other => {
-            return Err(keys.error(&field("rope_type"), format!("is {other:?}; the RoPE types represented are \"default\", \"linear\" and \"llama3\"")));
+            return Err(keys.error(
+                &field("rope_type"),
+                format!("is {other:?}; the RoPE types represented are \"default\", \"linear\", \"llama3\" and \"yarn\""),
+            ));
         }
     };
     Ok((theta, scaling))
@@ -519,6 +557,26 @@ mod tests {
             assert!(written.get(key).is_none(), "{key} written back: {written}");
         }
         assert_eq!(HfConfig::from_hf_json(&written.to_string(), "again").unwrap(), config, "read back, the same");
+    }
+
+    /// YaRN as Qwen's guides add it for long contexts, and as DeepSeek's configs give it
+    /// (mscale and mscale_all_dim): the factor given, the correction range over the original
+    /// context, the attention factor transformers 5 derives; written back, the same.
+    #[test]
+    fn yarn_reads_as_transformers_5_reads_it() {
+        let qwen3 = r#"{"model_type": "qwen3", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 40960,
+                        "rope_theta": 1000000.0,
+                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}"#;
+        let config = HfConfig::from_hf_json(qwen3, "q").unwrap();
+        let yarn = RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 32768.0, beta_fast: 32.0, beta_slow: 1.0, attention_factor: 0.1 * 4f64.ln() + 1.0, truncate: true };
+        assert_eq!(config.rope_scaling, yarn);
+        assert_eq!(HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "again").unwrap(), config);
+        // No original context: the config's own; DeepSeek's mscales: their ratio.
+        let deepseek = with(qwen3, "rope_scaling", json!({"type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}));
+        let RopeScaling::Yarn { original_max_position_embeddings, attention_factor, .. } = HfConfig::from_hf_json(&deepseek, "d").unwrap().rope_scaling else { panic!("yarn") };
+        let mscale = |m: f64| 0.1 * m * 40f64.ln() + 1.0;
+        assert_eq!((original_max_position_embeddings, attention_factor), (40960.0, mscale(1.0) / mscale(0.707)));
     }
 
     #[test]
@@ -617,7 +675,8 @@ mod tests {
         let cases = [
             (with(LLAMA, "model_type", json!("gemma2")), "`model_type` is \"gemma2\"; this decoder represents llama, mistral, qwen2, qwen3"),
             (with(LLAMA, "architectures", json!(["LlamaForSequenceClassification"])), "`architectures`"),
-            (with(LLAMA, "rope_scaling", json!({"rope_type": "yarn", "factor": 4.0})), "`rope_scaling.rope_type` is \"yarn\""),
+            (with(LLAMA, "rope_scaling", json!({"rope_type": "dynamic", "factor": 4.0})), "`rope_scaling.rope_type` is \"dynamic\""),
+            (with(LLAMA, "rope_scaling", json!({"rope_type": "yarn", "factor": 4.0, "truncate": "no"})), "`rope_scaling.truncate` is \"no\""),
             (with(LLAMA, "rope_scaling", json!({"rope_type": "llama3", "factor": 8.0})), "`rope_scaling.low_freq_factor` is missing"),
             (with(LLAMA, "num_key_value_heads", json!(5)), "`num_key_value_heads` is 5, which does not divide num_attention_heads 32"),
             (with(LLAMA, "hidden_size", Value::Null), "`hidden_size` is missing"),

@@ -16,6 +16,21 @@ pub enum RopeScaling {
     /// `rope_type: "llama3"` (Llama 3.1 and later): low frequencies divided by `factor`,
     /// high ones kept, the band between them interpolated.
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    /// `rope_type: "yarn"` (YaRN, Qwen's and DeepSeek's long contexts), as transformers 5
+    /// computes it: the frequencies that turn more than `beta_fast` times over the original
+    /// context kept, those that turn fewer than `beta_slow` times divided by `factor`, a linear
+    /// ramp over the pairs between; cos and sin multiplied by `attention_factor`.
+    Yarn { factor: f64, original_max_position_embeddings: f64, beta_fast: f64, beta_slow: f64, attention_factor: f64, truncate: bool },
+}
+
+impl RopeScaling {
+    /// What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise).
+    pub fn attention_factor(&self) -> f64 {
+        match self {
+            RopeScaling::Yarn { attention_factor, .. } => *attention_factor,
+            _ => 1.0,
+        }
+    }
 }
 
 /// The `head_dim / 2` inverse frequencies of a head: rotation `i` turns position `p` by
@@ -38,6 +53,24 @@ pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: RopeScaling) ->
                         let smooth = (context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * f / factor + smooth * f
                     }
+                })
+                .collect()
+        }
+        RopeScaling::Yarn { factor, original_max_position_embeddings: context, beta_fast, beta_slow, truncate, .. } => {
+            let dim = head_dim as f64;
+            // The index of the pair whose frequency turns `rotations` times over the original
+            // context (transformers' `find_correction_dim`; clamped below `dim` as it clamps).
+            let pair_turning = |rotations: f64| dim * (context / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+            let (low, high) = (pair_turning(beta_fast), pair_turning(beta_slow));
+            let (low, high) = if truncate { (low.floor(), high.ceil()) } else { (low, high) };
+            let (low, high) = (low.max(0.0), high.min(dim - 1.0));
+            let high = if low == high { high + 0.001 } else { high };
+            default
+                .enumerate()
+                .map(|(pair, f)| {
+                    // 0: kept (extrapolated); 1: divided by the factor (interpolated).
+                    let ramp = ((pair as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    f / factor * ramp + f * (1.0 - ramp)
                 })
                 .collect()
         }
@@ -73,5 +106,40 @@ mod tests {
             }
         }
         assert!(scaled.iter().zip(&plain).any(|(s, f)| s < f) && scaled[0] == plain[0]);
+    }
+
+    /// YaRN as its paper defines it (Peng et al. 2023, section 3.2, and its code's ramp): a pair
+    /// whose wavelength fits the original context more than `beta_fast` (32) times keeps its
+    /// frequency, one that fits fewer than `beta_slow` (1) times is divided by the factor, and
+    /// the pairs between blend linearly in their index. Qwen3's head (128, θ = 10⁶) over 32 768
+    /// positions, factor 4.
+    #[test]
+    fn yarn_keeps_fast_pairs_divides_slow_ones_and_ramps_between() {
+        let (context, factor) = (32_768.0, 4.0);
+        let scaling = RopeScaling::Yarn { factor, original_max_position_embeddings: context, beta_fast: 32.0, beta_slow: 1.0, attention_factor: 1.0, truncate: true };
+        let (plain, scaled) = (inverse_frequencies(128, 1e6, RopeScaling::Default), inverse_frequencies(128, 1e6, scaling));
+        let turns = |f: f64| context * f / (2.0 * std::f64::consts::PI);
+        let (mut kept, mut divided, mut between) = (0, 0, Vec::new());
+        for (pair, (f, s)) in plain.iter().zip(&scaled).enumerate() {
+            let ratio = f / s;
+            // The ramp's ends are whole pairs (truncated): a pair within one of a bound (a factor
+            // of e^(2 ln θ / 128) = 1.24 in turns) may sit on either side; 2 is clear of it.
+            if turns(*f) > 32.0 * 2.0 {
+                assert_eq!(ratio, 1.0, "pair {pair} turns {} times: kept", turns(*f));
+                kept += 1;
+            } else if turns(*f) < 1.0 / 2.0 {
+                assert!((ratio - factor).abs() < 1e-12, "pair {pair} turns {} times: divided by {factor}, not {ratio}", turns(*f));
+                divided += 1;
+            } else {
+                // The kept frequency's weight w in s = f · w + f / factor · (1 − w).
+                between.push((pair, (1.0 / ratio - 1.0 / factor) / (1.0 - 1.0 / factor)));
+            }
+        }
+        assert!(kept > 10 && divided > 10 && between.len() > 5, "kept {kept}, divided {divided}, between {}", between.len());
+        // Between: the weight of the kept frequency falls linearly with the pair's index.
+        let steps: Vec<f64> = between.windows(2).map(|w| w[1].1 - w[0].1).collect();
+        assert!(steps.iter().all(|s| *s <= 0.0), "{between:?}");
+        let inner: Vec<f64> = steps.iter().copied().filter(|s| *s < 0.0).collect();
+        assert!(inner.windows(2).all(|w| (w[0] - w[1]).abs() < 1e-9), "a linear ramp: {between:?}");
     }
 }

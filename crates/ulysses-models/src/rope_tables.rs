@@ -30,12 +30,12 @@ impl<B: Backend> RopeTables<B> {
         let (batch, seq) = (positions.batch(), positions.len());
         let mut cos = Vec::with_capacity(batch * seq * half);
         let mut sin = Vec::with_capacity(batch * seq * half);
-        let frequencies = inverse_frequencies(head_dim, theta, scaling);
+        let (frequencies, factor) = (inverse_frequencies(head_dim, theta, scaling), scaling.attention_factor());
         for &position in positions.ids() {
             for &inv_freq in &frequencies {
                 let angle = position as f64 * inv_freq;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
+                cos.push((angle.cos() * factor) as f32);
+                sin.push((angle.sin() * factor) as f32);
             }
         }
         let table = |values| Tensor::from_data(TensorData::new(values, [batch, 1, seq, half]), device);
@@ -69,5 +69,30 @@ impl<B: Backend> RopeTables<B> {
         let rotated_1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
         let rotated_2 = x2 * cos + x1 * sin;
         Tensor::cat(vec![rotated_1, rotated_2], 3)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::{
+        backend::NdArray,
+        tensor::{Tensor, TensorData},
+    };
+
+    use super::RopeTables;
+    use crate::rope::RopeScaling;
+
+    /// YaRN's attention factor scales what RoPE rotates (cos and sin alike, so q and k and
+    /// each score by its square): at position 0 a head comes back times the factor; without
+    /// scaling, whole.
+    #[test]
+    fn yarn_scales_what_it_rotates_by_its_attention_factor() {
+        let yarn = RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 64.0, beta_fast: 32.0, beta_slow: 1.0, attention_factor: 1.25, truncate: true };
+        let head = Tensor::<NdArray, 4>::from_data(TensorData::new(vec![1.0f32, 2.0, 3.0, 4.0], [1, 1, 1, 4]), &Default::default());
+        for (scaling, factor) in [(yarn, 1.25f32), (RopeScaling::Default, 1.0)] {
+            let rotated = RopeTables::<NdArray>::new(0, 1, 4, 10_000.0, scaling, &Default::default()).apply(head.clone());
+            let values: Vec<f32> = rotated.into_data().to_vec().unwrap();
+            assert_eq!(values, [1.0, 2.0, 3.0, 4.0].map(|x| x * factor), "{scaling:?}");
+        }
     }
 }
