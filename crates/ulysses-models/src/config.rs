@@ -248,7 +248,15 @@ impl HfConfig {
             return Err(keys.error("head_dim", format!("is {head_dim}; RoPE rotates pairs, so it must be even")));
         }
 
-        let (rope_theta, rope_scaling) = rope(&keys)?;
+        let max_position_embeddings = keys.count(
+            "max_position_embeddings",
+            Some(match family {
+                Family::Llama => 2048,
+                Family::Mistral => 131_072,
+                Family::Qwen2 | Family::Qwen3 => 32_768,
+            }),
+        )?;
+        let (rope_theta, rope_scaling) = rope(&keys, max_position_embeddings)?;
         let attention_bias = keys.flag("attention_bias", false)?;
         let (qkv_bias, output_bias) = match family {
             Family::Qwen2 => (true, false),
@@ -300,14 +308,7 @@ impl HfConfig {
             rms_norm_eps: keys.positive("rms_norm_eps", 1e-6)?,
             rope_theta,
             rope_scaling,
-            max_position_embeddings: keys.count(
-                "max_position_embeddings",
-                Some(match family {
-                    Family::Llama => 2048,
-                    Family::Mistral => 131_072,
-                    Family::Qwen2 | Family::Qwen3 => 32_768,
-                }),
-            )?,
+            max_position_embeddings,
             tie_word_embeddings: keys.flag("tie_word_embeddings", false)?,
             qkv_bias,
             output_bias,
@@ -332,15 +333,22 @@ impl HfConfig {
         let rope_scaling = match self.rope_scaling {
             RopeScaling::Default => Value::Null,
             RopeScaling::Linear { factor } => json!({ "rope_type": "linear", "factor": factor }),
-            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate } => json!({
-                "rope_type": "yarn",
-                "factor": factor,
-                "original_max_position_embeddings": original_max_position_embeddings as u64,
-                "beta_fast": beta_fast,
-                "beta_slow": beta_slow,
-                "attention_factor": attention_factor,
-                "truncate": truncate,
-            }),
+            RopeScaling::Yarn { factor, original_max_position_embeddings, original_given, beta_fast, beta_slow, attention_factor, mscales, truncate } => {
+                let mut yarn = json!({ "rope_type": "yarn", "factor": factor, "beta_fast": beta_fast, "beta_slow": beta_slow, "truncate": truncate });
+                // What the checkpoint gave, not what it implies (read back, the same bits).
+                if let Some(given) = attention_factor {
+                    yarn["attention_factor"] = json!(given);
+                }
+                if let Some((mscale, all)) = mscales {
+                    (yarn["mscale"], yarn["mscale_all_dim"]) = (json!(mscale), json!(all));
+                }
+                // Only where the checkpoint gave it: transformers 4.48-4.57 take the factor as
+                // the ratio of the two contexts where it is present.
+                if original_given {
+                    yarn["original_max_position_embeddings"] = json!(original_max_position_embeddings as u64);
+                }
+                yarn
+            }
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => json!({
                 "rope_type": "llama3",
                 "factor": factor,
@@ -396,7 +404,7 @@ impl HfConfig {
 
 /// `rope_theta` and the scaling, from `rope_parameters` (transformers 5) or `rope_theta` and
 /// `rope_scaling` (transformers 4).
-fn rope(keys: &Keys) -> Result<(f64, RopeScaling), ConfigError> {
+fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling), ConfigError> {
     let (section, scaling) = match (keys.get("rope_parameters"), keys.get("rope_scaling")) {
         // transformers 5 takes rope_scaling over rope_parameters (its theta then from beside
         // them): a config that says two things is refused rather than read either way.
@@ -446,30 +454,27 @@ fn rope(keys: &Keys) -> Result<(f64, RopeScaling), ConfigError> {
             }
         }
         "yarn" => {
+            // Null or 0 is "not given", as transformers' `or` and truthiness read them.
             let optional = |name: &str| match inner_keys.get(name) {
                 None | Some(Value::Null) => Ok(None),
+                Some(value) if value.as_f64() == Some(0.0) => Ok(None),
                 Some(_) => number(name).map(Some),
             };
-            // As transformers 5: the factor given (it warns where the context lengths imply
-            // another), the correction range over the original context (the config's own
-            // where none is given), the attention factor given or YaRN's.
-            let factor = number("factor")?;
-            let original_max_position_embeddings = match optional("original_max_position_embeddings")? {
-                Some(context) => context,
-                None => keys.count("max_position_embeddings", None).map_err(|_| keys.error(&field("original_max_position_embeddings"), "is missing, and so is max_position_embeddings"))? as f64,
-            };
-            let mscale = |scale: f64, mscale: f64| if scale <= 1.0 { 1.0 } else { 0.1 * mscale * scale.ln() + 1.0 };
-            let attention_factor = match (optional("attention_factor")?, optional("mscale")?, optional("mscale_all_dim")?) {
-                (Some(given), ..) => given,
-                (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
-                _ => mscale(factor, 1.0),
-            };
+            // As transformers 5: the correction range over the original context (the config's
+            // own where none is given), the factor given (else the ratio of the two contexts),
+            // the attention factor given or YaRN's.
+            let original = optional("original_max_position_embeddings")?;
+            let context = original.unwrap_or(max_position_embeddings as f64);
+            let factor = optional("factor")?.unwrap_or(max_position_embeddings as f64 / context);
+            let (attention_factor, mscales) = (optional("attention_factor")?, optional("mscale")?.zip(optional("mscale_all_dim")?));
             let (beta_fast, beta_slow) = (optional("beta_fast")?.unwrap_or(32.0), optional("beta_slow")?.unwrap_or(1.0));
+            // Absent: true; an explicit null is falsy to transformers.
             let truncate = match inner_keys.get("truncate") {
-                None | Some(Value::Null) => true,
+                None => true,
+                Some(Value::Null) => false,
                 Some(value) => value.as_bool().ok_or_else(|| keys.error(&field("truncate"), format!("is {value}, not true or false")))?,
             };
-            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate }
+            RopeScaling::Yarn { factor, original_max_position_embeddings: context, original_given: original.is_some(), beta_fast, beta_slow, attention_factor, mscales, truncate }
         }
         other => {
             return Err(keys.error(
@@ -569,14 +574,24 @@ mod tests {
                         "rope_theta": 1000000.0,
                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}"#;
         let config = HfConfig::from_hf_json(qwen3, "q").unwrap();
-        let yarn = RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 32768.0, beta_fast: 32.0, beta_slow: 1.0, attention_factor: 0.1 * 4f64.ln() + 1.0, truncate: true };
+        let yarn = RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 32768.0, original_given: true, beta_fast: 32.0, beta_slow: 1.0, attention_factor: None, mscales: None, truncate: true };
         assert_eq!(config.rope_scaling, yarn);
+        assert_eq!(yarn.attention_factor(), 0.1 * 4f64.ln() + 1.0);
         assert_eq!(HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "again").unwrap(), config);
-        // No original context: the config's own; DeepSeek's mscales: their ratio.
-        let deepseek = with(qwen3, "rope_scaling", json!({"type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}));
-        let RopeScaling::Yarn { original_max_position_embeddings, attention_factor, .. } = HfConfig::from_hf_json(&deepseek, "d").unwrap().rope_scaling else { panic!("yarn") };
+        // No original context: the config's own (and none written back); DeepSeek's mscales:
+        // their ratio; a beta of 0 or a null is transformers' default.
+        let deepseek = with(qwen3, "rope_scaling", json!({"type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 0, "beta_slow": null}));
+        let config = HfConfig::from_hf_json(&deepseek, "d").unwrap();
+        let RopeScaling::Yarn { original_max_position_embeddings, original_given, beta_fast, beta_slow, .. } = config.rope_scaling else { panic!("yarn") };
         let mscale = |m: f64| 0.1 * m * 40f64.ln() + 1.0;
-        assert_eq!((original_max_position_embeddings, attention_factor), (40960.0, mscale(1.0) / mscale(0.707)));
+        assert_eq!((original_max_position_embeddings, original_given, beta_fast, beta_slow), (40960.0, false, 32.0, 1.0));
+        assert_eq!(config.rope_scaling.attention_factor(), mscale(1.0) / mscale(0.707));
+        assert_eq!(HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "again").unwrap(), config);
+        assert!(config.to_hf_json("bfloat16")["rope_scaling"].get("original_max_position_embeddings").is_none());
+        // No factor: the ratio of the contexts; no max_position_embeddings either: the family's.
+        let no_factor = with(&with(qwen3, "max_position_embeddings", Value::Null), "rope_scaling", json!({"rope_type": "yarn", "original_max_position_embeddings": 8192}));
+        let RopeScaling::Yarn { factor, .. } = HfConfig::from_hf_json(&no_factor, "n").unwrap().rope_scaling else { panic!("yarn") };
+        assert_eq!(factor, 32768.0 / 8192.0);
     }
 
     #[test]

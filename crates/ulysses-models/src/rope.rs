@@ -19,15 +19,31 @@ pub enum RopeScaling {
     /// `rope_type: "yarn"` (YaRN, Qwen's and DeepSeek's long contexts), as transformers 5
     /// computes it: the frequencies that turn more than `beta_fast` times over the original
     /// context kept, those that turn fewer than `beta_slow` times divided by `factor`, a linear
-    /// ramp over the pairs between; cos and sin multiplied by `attention_factor`.
-    Yarn { factor: f64, original_max_position_embeddings: f64, beta_fast: f64, beta_slow: f64, attention_factor: f64, truncate: bool },
+    /// ramp over the pairs between; cos and sin multiplied by the [attention
+    /// factor](RopeScaling::attention_factor) (given, else from DeepSeek's `mscale` and
+    /// `mscale_all_dim` where both are, else YaRN's `0.1 ln(factor) + 1`).
+    /// `original_max_position_embeddings`: as the checkpoint gives it, else its
+    /// `max_position_embeddings` (`original_given` false: written back without it).
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        original_given: bool,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: Option<f64>,
+        mscales: Option<(f64, f64)>,
+        truncate: bool,
+    },
 }
 
 impl RopeScaling {
     /// What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise).
     pub fn attention_factor(&self) -> f64 {
-        match self {
-            RopeScaling::Yarn { attention_factor, .. } => *attention_factor,
+        let mscale = |scale: f64, mscale: f64| if scale <= 1.0 { 1.0 } else { 0.1 * mscale * scale.ln() + 1.0 };
+        match *self {
+            RopeScaling::Yarn { attention_factor: Some(given), .. } => given,
+            RopeScaling::Yarn { factor, mscales: Some((m, all)), .. } => mscale(factor, m) / mscale(factor, all),
+            RopeScaling::Yarn { factor, .. } => mscale(factor, 1.0),
             _ => 1.0,
         }
     }
@@ -116,7 +132,7 @@ mod tests {
     #[test]
     fn yarn_keeps_fast_pairs_divides_slow_ones_and_ramps_between() {
         let (context, factor) = (32_768.0, 4.0);
-        let scaling = RopeScaling::Yarn { factor, original_max_position_embeddings: context, beta_fast: 32.0, beta_slow: 1.0, attention_factor: 1.0, truncate: true };
+        let scaling = RopeScaling::Yarn { factor, original_max_position_embeddings: context, original_given: true, beta_fast: 32.0, beta_slow: 1.0, attention_factor: None, mscales: None, truncate: true };
         let (plain, scaled) = (inverse_frequencies(128, 1e6, RopeScaling::Default), inverse_frequencies(128, 1e6, scaling));
         let turns = |f: f64| context * f / (2.0 * std::f64::consts::PI);
         let (mut kept, mut divided, mut between) = (0, 0, Vec::new());

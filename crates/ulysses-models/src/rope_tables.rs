@@ -87,7 +87,7 @@ mod tests {
     /// scaling, whole.
     #[test]
     fn yarn_scales_what_it_rotates_by_its_attention_factor() {
-        let yarn = RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 64.0, beta_fast: 32.0, beta_slow: 1.0, attention_factor: 1.25, truncate: true };
+        let yarn = RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 64.0, original_given: true, beta_fast: 32.0, beta_slow: 1.0, attention_factor: Some(1.25), mscales: None, truncate: true };
         let head = Tensor::<NdArray, 4>::from_data(TensorData::new(vec![1.0f32, 2.0, 3.0, 4.0], [1, 1, 1, 4]), &Default::default());
         for (scaling, factor) in [(yarn, 1.25f32), (RopeScaling::Default, 1.0)] {
             let rotated = RopeTables::<NdArray>::new(0, 1, 4, 10_000.0, scaling, &Default::default()).apply(head.clone());

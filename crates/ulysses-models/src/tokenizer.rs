@@ -34,17 +34,23 @@ impl TokenizerConfig {
             Ok(text) => serde_json::from_str(&text).map_err(|e| TokenizerError { file: file.display().to_string(), problem: format!("is not JSON: {e}") })?,
             Err(_) => serde_json::Value::Null,
         };
-        // Where tokenizer_config.json names none, special_tokens_map.json's, as transformers
-        // fills them (checkpoints saved before transformers 4.34 name them there alone).
-        let map_file = dir.join("special_tokens_map.json");
-        let map: serde_json::Value = match std::fs::read_to_string(&map_file) {
-            Ok(text) => serde_json::from_str(&text).map_err(|e| TokenizerError { file: map_file.display().to_string(), problem: format!("is not JSON: {e}") })?,
-            Err(_) => serde_json::Value::Null,
+        // As transformers reads them: a config saved by transformers 4.34 or later (it has
+        // `added_tokens_decoder`) alone; an earlier one with special_tokens_map.json's over it
+        // (those checkpoints name them there alone).
+        let map = match json.get("added_tokens_decoder") {
+            Some(_) => serde_json::Value::Null,
+            None => {
+                let map_file = dir.join("special_tokens_map.json");
+                match std::fs::read_to_string(&map_file) {
+                    Ok(text) => serde_json::from_str(&text).map_err(|e| TokenizerError { file: map_file.display().to_string(), problem: format!("is not JSON: {e}") })?,
+                    Err(_) => serde_json::Value::Null,
+                }
+            }
         };
         let text = |token: &serde_json::Value| token.as_str().or_else(|| token["content"].as_str()).map(str::to_string);
         let special_tokens = ["bos_token", "eos_token", "unk_token", "pad_token"]
             .into_iter()
-            .filter_map(|name| Some((name.to_string(), text(&json[name]).or_else(|| text(&map[name]))?)))
+            .filter_map(|name| Some((name.to_string(), text(&map[name]).or_else(|| text(&json[name]))?)))
             .collect();
         Ok(Self { file, json, special_tokens })
     }
@@ -156,18 +162,23 @@ impl TextTokenizer {
 mod tests {
     use super::TokenizerConfig;
 
-    /// A checkpoint that names its special tokens in special_tokens_map.json alone (saved
-    /// before transformers 4.34) gets them from there; tokenizer_config.json's come first.
+    /// As transformers reads special tokens: a tokenizer_config.json saved before transformers
+    /// 4.34 (no `added_tokens_decoder`) with special_tokens_map.json's over it, a later one
+    /// alone (the map, even unreadable, is not opened).
     #[test]
-    fn special_tokens_named_in_the_map_alone_are_read_from_it() {
+    fn special_tokens_are_read_from_the_map_where_transformers_reads_it() {
         let dir = std::env::temp_dir().join(format!("ulysses-special-tokens-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("tokenizer_config.json"), r#"{"bos_token": "<s>", "model_max_length": 4096}"#).unwrap();
-        std::fs::write(dir.join("special_tokens_map.json"), r#"{"bos_token": "<ignored>", "eos_token": {"content": "</s>", "lstrip": false}}"#).unwrap();
-        let config = TokenizerConfig::read(&dir).unwrap();
+        let read = |config: &str, map: &str| {
+            std::fs::write(dir.join("tokenizer_config.json"), config).unwrap();
+            std::fs::write(dir.join("special_tokens_map.json"), map).unwrap();
+            TokenizerConfig::read(&dir).unwrap().special_tokens
+        };
+        let token = |tokens: &std::collections::BTreeMap<String, String>, name: &str| tokens.get(name).cloned();
+        let legacy = read(r#"{"bos_token": "<s>", "unk_token": "<unk>"}"#, r#"{"bos_token": "<bos>", "eos_token": {"content": "</s>", "lstrip": false}}"#);
+        let recent = read(r#"{"bos_token": "<s>", "added_tokens_decoder": {}}"#, "not JSON");
         std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(config.eos_token(), Some("</s>"));
-        assert_eq!(config.special_tokens.get("bos_token").map(String::as_str), Some("<s>"));
-        assert!(!config.special_tokens.contains_key("pad_token"));
+        assert_eq!([token(&legacy, "bos_token"), token(&legacy, "eos_token"), token(&legacy, "unk_token")], [Some("<bos>".into()), Some("</s>".into()), Some("<unk>".into())]);
+        assert_eq!((token(&recent, "bos_token"), token(&recent, "eos_token")), (Some("<s>".into()), None));
     }
 }

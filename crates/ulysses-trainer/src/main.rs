@@ -1261,11 +1261,19 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         let epochs = (config.steps * config.batch_size) as f64 / packed.train_count() as f64;
         tracing::info!("{} step(s) of {} sequence(s) go over the {} training sequence(s) {epochs:.2} time(s) (epochs)", config.steps, config.batch_size, packed.train_count());
     }
-    if config.seq_len > checkpoint.max_position_embeddings && show_progress {
+    // YaRN stretches the original context by its factor (Qwen's guides keep
+    // max_position_embeddings at the original).
+    let reach = match checkpoint.rope_scaling {
+        ulysses_models::rope::RopeScaling::Yarn { factor, original_max_position_embeddings, .. } => {
+            checkpoint.max_position_embeddings.max((factor * original_max_position_embeddings) as usize)
+        }
+        _ => checkpoint.max_position_embeddings,
+    };
+    if config.seq_len > reach && show_progress {
         tracing::warn!(
-            "--seq-len {} is past the checkpoint's max_position_embeddings {} (config.json): positions beyond it were never trained",
+            "--seq-len {} is past the checkpoint's context of {reach} (config.json's max_position_embeddings, or YaRN's factor \
+             times its original context): positions beyond it were never trained",
             config.seq_len,
-            checkpoint.max_position_embeddings
         );
     }
     Ok((packed, rendered_with, eos))
