@@ -16,6 +16,14 @@ pub struct HostAdamWConfig {
     pub weight_decay: f32,
 }
 
+impl HostAdamWConfig {
+    /// The settings a parameter steps with: these, without the weight decay where it does not
+    /// [`decays`].
+    pub fn for_parameter(self, decays: bool) -> Self {
+        Self { weight_decay: if decays { self.weight_decay } else { 0.0 }, ..self }
+    }
+}
+
 impl Default for HostAdamWConfig {
     fn default() -> Self {
         Self { beta_1: 0.9, beta_2: 0.999, epsilon: 1e-5, weight_decay: 1e-4 }
@@ -89,8 +97,7 @@ impl HostAdamW {
         }
         assert!(moments.moment_1.len() == len && moments.moment_2.len() == len, "AdamW: moments of {} for {len} parameters", moments.moment_1.len());
         moments.time += 1;
-        let weight_decay = if decays { self.config.weight_decay } else { 0.0 };
-        let update = Update { grad_scale, ..Update::new(&HostAdamWConfig { weight_decay, ..self.config }, learning_rate, moments.time) };
+        let update = Update { grad_scale, ..Update::new(&self.config.for_parameter(decays), learning_rate, moments.time) };
         let threads = self.threads.get().min(len.div_ceil(ELEMENTS_PER_THREAD)).max(1);
         if threads == 1 {
             update.apply(params, grads, &mut moments.moment_1, &mut moments.moment_2);

@@ -30,22 +30,13 @@ impl TokenizerConfig {
     /// The folder's `tokenizer_config.json`; empty where it has none.
     pub fn read(dir: &Path) -> Result<Self, TokenizerError> {
         let file = dir.join("tokenizer_config.json");
-        let json: serde_json::Value = match std::fs::read_to_string(&file) {
-            Ok(text) => serde_json::from_str(&text).map_err(|e| TokenizerError { file: file.display().to_string(), problem: format!("is not JSON: {e}") })?,
-            Err(_) => serde_json::Value::Null,
-        };
+        let json = optional_json(&file)?;
         // As transformers reads them: a config saved by transformers 4.34 or later (it has
         // `added_tokens_decoder`) alone; an earlier one with special_tokens_map.json's over it
         // (those checkpoints name them there alone).
         let map = match json.get("added_tokens_decoder") {
             Some(_) => serde_json::Value::Null,
-            None => {
-                let map_file = dir.join("special_tokens_map.json");
-                match std::fs::read_to_string(&map_file) {
-                    Ok(text) => serde_json::from_str(&text).map_err(|e| TokenizerError { file: map_file.display().to_string(), problem: format!("is not JSON: {e}") })?,
-                    Err(_) => serde_json::Value::Null,
-                }
-            }
+            None => optional_json(&dir.join("special_tokens_map.json"))?,
         };
         let text = |token: &serde_json::Value| token.as_str().or_else(|| token["content"].as_str()).map(str::to_string);
         let special_tokens = ["bos_token", "eos_token", "unk_token", "pad_token"]
@@ -59,6 +50,15 @@ impl TokenizerConfig {
     /// `tokenizer.eos_token` and TRL's `SFTTrainer` end each example with.
     pub fn eos_token(&self) -> Option<&str> {
         self.special_tokens.get("eos_token").map(String::as_str)
+    }
+}
+
+/// A checkpoint's JSON file, `Null` where the folder has none; refused, naming it, where it is
+/// not JSON.
+fn optional_json(file: &Path) -> Result<serde_json::Value, TokenizerError> {
+    match std::fs::read_to_string(file) {
+        Ok(text) => serde_json::from_str(&text).map_err(|e| TokenizerError { file: file.display().to_string(), problem: format!("is not JSON: {e}") }),
+        Err(_) => Ok(serde_json::Value::Null),
     }
 }
 

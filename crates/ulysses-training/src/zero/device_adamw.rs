@@ -101,8 +101,7 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
             if let Some(factor) = factor {
                 grad = grad.mul_scalar(factor as f32);
             }
-            let weight_decay = if decays { self.config.weight_decay } else { 0.0 };
-            part.step(&HostAdamWConfig { weight_decay, ..self.config }, learning_rate, grad);
+            part.step(&self.config.for_parameter(decays), learning_rate, grad);
         }
         Ok(grad_norm)
     }
