@@ -6,6 +6,7 @@ pub mod corpus;
 pub mod data_identity;
 pub mod documents;
 pub mod files;
+pub mod memory;
 pub mod plot;
 pub mod run_folder;
 pub mod tokens;

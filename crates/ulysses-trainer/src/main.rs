@@ -35,6 +35,7 @@ use ulysses_dist::DistributedConfig;
 use ulysses_trainer::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     data_identity::DataIdentity,
+    memory,
     documents::{DOCUMENT_READER_VERSION, DocumentReader, Documents, PackedDocuments, cut_documents_note, document_eos},
     plot,
     run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
@@ -1065,6 +1066,7 @@ fn run(mut args: Args) -> Result<(), String> {
             },
         );
         println!("{}", checked_run(&args, &config, layout, data_path, work));
+        println!("memory: {}", checked_memory(&config));
         return Ok(());
     }
     if is_first {
@@ -1191,6 +1193,27 @@ fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: 
         args.backend,
         if built { String::new() } else { format!(" (this binary was built without it: rebuild with `--features {feature}` to run it)") },
     )
+}
+
+/// What `--check` says of a rank's memory ([`memory::describe`]), the parameters counted on
+/// a model whose tensors are not built, the layers' floats of the precision's size.
+fn checked_memory(config: &TrainConfig) -> String {
+    type Counted = burn::backend::NdArray<f32>;
+    let parameters = ulysses_training::parameter_elements(&config.model.init::<Counted>(&Default::default())).iter().sum::<usize>() as u64;
+    let compute_bytes = match config.precision {
+        Precision::F32 => 4,
+        Precision::Bf16 => 2,
+    };
+    memory_estimate(config, parameters, compute_bytes)
+}
+
+/// A rank's memory ([`memory::describe`]) for a model of `parameters` whose layers compute in
+/// `compute_bytes`-byte floats.
+fn memory_estimate(config: &TrainConfig, parameters: u64, compute_bytes: usize) -> String {
+    let rows = config.batch_size / config.layout.dp_size / config.grad_accumulation;
+    let shard_tokens = config.seq_len.div_ceil(config.layout.sp_size);
+    let host = config.layer_checkpointing.as_ref().map_or(0, |c| c.offloaded_host_bytes(config.model.n_layers, rows, shard_tokens, config.model.d_model, compute_bytes));
+    memory::describe(config, parameters, compute_bytes as u64, host)
 }
 
 /// The chat template of --data's {"messages"} lines: the tokenizer's, as in transformers (the
@@ -1397,7 +1420,7 @@ impl<M: Clone> Template<M> {
 /// ranks keep there: the optimizer's state and gradient parts (`--offload-optimizer`; under
 /// `--offload-parameters` the compute copy's parts are its master weights), the layer inputs
 /// `--offload-to-host` keeps, and on the CPU backend (`on_cpu`) what the devices keep
-/// ([`device_bytes_per_rank`]; the parameters alone when `evaluating`). `elements`: each
+/// ([`memory::device_state_bytes`]; the parameters alone when `evaluating`). `elements`: each
 /// parameter's, counted on a model not yet built ([`ulysses_training::parameter_elements`]).
 fn check_host_memory<B: TrainBackend>(config: &TrainConfig, elements: &[usize], ranks_here: usize, on_cpu: bool, evaluating: bool, device: &B::Device) -> Result<(), String> {
     let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<B>(device).map_err(|e| e.to_string())?).size() as u64;
@@ -1414,7 +1437,7 @@ fn check_host_memory<B: TrainBackend>(config: &TrainConfig, elements: &[usize], 
     let device_bytes_a_rank = match (on_cpu, evaluating) {
         (false, _) => 0,
         (true, true) => 4 * parameters,
-        (true, false) => device_bytes_per_rank(config, parameters, compute_bytes),
+        (true, false) => memory::device_state_bytes(config, parameters, compute_bytes),
     };
     let device_bytes = device_bytes_a_rank * ranks;
     let devices_what = "the ranks' devices keep in host memory (the CPU backend)";
@@ -1442,23 +1465,6 @@ fn check_host_memory<B: TrainBackend>(config: &TrainConfig, elements: &[usize], 
     ulysses_core::host_memory::check_fits(device_bytes + offloaded, ulysses_core::host_memory::available_bytes(), &what, &fix.join("; "))
 }
 
-/// Bytes a rank's device keeps between steps for each of `parameters` (a lower bound: a step's
-/// activations and gathered layer come on top): replicated without the host optimizer, the
-/// f32 parameters, their gradients and AdamW's two moments (16); with it, the compute copy and
-/// its gradients; under `--zero 3` a 1/world part of what the device keeps: the compute copy's
-/// (none with `--offload-parameters`), and with the optimizer on the device its f32 master
-/// weights, moments and gradients too.
-fn device_bytes_per_rank(config: &TrainConfig, parameters: u64, compute_bytes: u64) -> u64 {
-    let world = config.layout.world_size() as u64;
-    match (config.zero_stage, config.offload_optimizer) {
-        (3, true) if config.offload_parameters => 0,
-        (3, true) => compute_bytes * parameters / world,
-        (3, false) => (compute_bytes + 16) * parameters / world,
-        (_, true) => 2 * compute_bytes * parameters,
-        (_, false) => 16 * parameters,
-    }
-}
-
 /// Runs this process's ranks (all of them as threads, or its one rank) on `UlyssesBackend`
 /// over `W`, joining other processes through `T`.
 fn train<W, T>(job: &Job, device: impl Fn(usize) -> W::Device + Sync) -> Result<(), String>
@@ -1481,6 +1487,10 @@ where
     let elements = ulysses_training::parameter_elements(&config.model.init::<Sp<W>>(&template_device));
     let on_cpu = matches!(job.args.backend, BackendKind::Cpu);
     check_host_memory::<Sp<W>>(config, &elements, ranks_here, on_cpu, job.eval_sequences.is_some(), &template_device)?;
+    if job.eval_sequences.is_none() && (threads || matches!(&job.launch, Launch::Process(env) if env.rank == 0)) {
+        let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<Sp<W>>(&template_device).map_err(|e| e.to_string())?).size();
+        tracing::info!("memory: {}", memory_estimate(config, elements.iter().sum::<usize>() as u64, compute_bytes));
+    }
     <Sp<W> as Backend>::seed(&template_device, config.seed);
     let template = match &job.args.model {
         Some(dir) => from_pretrained::<Sp<W>>(dir, &template_device).map_err(|e| format!("--model: {e}"))?.model.with_repeat_kv(config.model.repeat_kv),

@@ -429,6 +429,7 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     args.extend(resume("part"));
     let checked = show(&succeed(Command::new(trainer()).args(&args).args(["--launch", "threads"]).output().unwrap()));
     assert!(checked.contains("--sp 2") && checked.contains("sp 2 × dp 1"), "{checked}");
+    assert!(checked.contains("every layer's activations on top (not estimated; --checkpoint-layers keeps one layer's)"), "{checked}");
     assert!(checked.contains("AdamW at 1e-2 (β 0.9, 0.95, ε 1e-6, weight decay 0.05) after 2 warm-up steps, then linear to 0 of it"), "{checked}");
     // Warm-up over 2 steps, then a line from the peak towards 0 where the 6 steps end.
     let rates: Vec<f64> = metric(&dir.join("full"), 3).into_iter().map(|(_, rate)| rate).collect();
@@ -479,6 +480,9 @@ fn a_resume_keeps_the_runs_memory_settings_or_names_those_it_replaces() {
     };
     let text = resume(&["--progress"]);
     assert!(text.contains("--checkpoint-layers, --tile-tokens 4") && !text.contains("not kept"), "{text}");
+    // What a rank would need, by piece: the core over the whole sequence (16 tokens) with
+    // half the heads at SP = 2, for the batch's 4 sequences.
+    assert!(text.contains("memory: a rank's device needs about") && text.contains("(4 sequences × 16 tokens × 2 heads a rank)"), "{text}");
     let text = resume(&["--checkpoint-layers"]);
     assert!(text.contains("the resumed run's --tile-tokens 4 are not kept") && text.contains("give them again"), "{text}");
     // A run without layers to log: refused, naming the flag.
