@@ -1032,6 +1032,9 @@ fn run(mut args: Args) -> Result<(), String> {
         None => None,
         Some(state) => {
             check_resumable(&config, &state)?;
+            if let Some(note) = state.resume_notes().filter(|_| is_first) {
+                tracing::warn!("{note}");
+            }
             if let Some(why) = state.data.as_ref().and_then(|saved| data_identity.differs_from(saved)).filter(|_| !args.allow_new_data) {
                 return Err(why);
             }

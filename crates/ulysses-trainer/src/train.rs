@@ -405,18 +405,50 @@ pub trait Progress {
 /// default that is what the runs before it did.
 const SETTINGS_ADDED: [&str; 2] = ["lr_schedule", "min_lr_ratio"];
 
-/// A run's config as any version of the trainer wrote it: the [`SETTINGS_ADDED`] since take
-/// their defaults (burn's `Config` refuses a missing field); any other missing is refused.
-fn config_of_any_version<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<TrainConfig, D::Error> {
-    use serde::de::Error;
-    let mut stored = serde_json::Value::deserialize(deserializer)?;
-    let defaults = serde_json::to_value(TrainConfig::small(ParallelLayout::new())).map_err(D::Error::custom)?;
-    if let Some(stored) = stored.as_object_mut() {
-        for name in SETTINGS_ADDED {
-            stored.entry(name).or_insert_with(|| defaults[name].clone());
+/// A [`RunState`] as any version of the trainer wrote it: the config's [`SETTINGS_ADDED`]
+/// since take their defaults (burn's `Config` refuses a missing field); any other missing is
+/// refused.
+#[derive(Deserialize)]
+struct StoredRunState {
+    completed_steps: usize,
+    data_position: usize,
+    seed: u64,
+    config: serde_json::Value,
+    #[serde(default)]
+    data: Option<DataIdentity>,
+}
+
+impl TryFrom<StoredRunState> for RunState {
+    type Error = String;
+
+    fn try_from(stored: StoredRunState) -> Result<Self, String> {
+        let mut config = stored.config;
+        // The schedule's settings came with weight decay on matrices alone: a config without
+        // them is of a run that decayed every parameter.
+        let decayed_every_parameter = config.get(SETTINGS_ADDED[0]).is_none();
+        let defaults = serde_json::to_value(TrainConfig::small(ParallelLayout::new())).map_err(|e| e.to_string())?;
+        if let Some(config) = config.as_object_mut() {
+            for name in SETTINGS_ADDED {
+                config.entry(name).or_insert_with(|| defaults[name].clone());
+            }
         }
+        let config = serde_json::from_value(config).map_err(|e| e.to_string())?;
+        Ok(Self { completed_steps: stored.completed_steps, data_position: stored.data_position, seed: stored.seed, config, data: stored.data, decayed_every_parameter })
     }
-    serde_json::from_value(stored).map_err(D::Error::custom)
+}
+
+impl RunState {
+    /// What a resume of this state should be told of how its run trained and this one will,
+    /// where they differ without a setting to say so.
+    pub fn resume_notes(&self) -> Option<String> {
+        let decay = ulysses_training::adamw_settings(&self.config.optimizer).ok()?.weight_decay;
+        (self.decayed_every_parameter && decay > 0.0).then(|| {
+            format!(
+                "the checkpoint's run decayed every parameter (its trainer predates 2026-12-02); from here its weight decay ({decay}) \
+                 applies to weight matrices alone, not to norms' gains or biases, as Hugging Face's Trainer and Megatron-LM decay"
+            )
+        })
+    }
 }
 
 /// How the learning rate falls from its peak after the warm-up to `min_lr_ratio` of it at the
@@ -447,6 +479,7 @@ impl std::str::FromStr for LrSchedule {
 /// Where training stands, saved in every checkpoint beside the model and the optimizer (a
 /// sharded checkpoint's model is its optimizer parts' master weights).
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(try_from = "StoredRunState")]
 pub struct RunState {
     /// Optimizer steps taken.
     pub completed_steps: usize,
@@ -456,12 +489,15 @@ pub struct RunState {
     pub data_position: usize,
     pub seed: u64,
     /// The run's config, to refuse a resumption that would train something else.
-    #[serde(deserialize_with = "config_of_any_version")]
     pub config: TrainConfig,
     /// The data it trained on, to refuse a resumption on other data (absent in checkpoints
     /// written before it was recorded).
     #[serde(default)]
     pub data: Option<DataIdentity>,
+    /// Whether the run that wrote it decayed every parameter, norms' gains and biases too (a
+    /// trainer before weight decay skipped them): read from its config, never written.
+    #[serde(skip)]
+    pub decayed_every_parameter: bool,
 }
 
 /// Test hooks: faults injected on purpose, to check that the run stops cleanly.
@@ -672,7 +708,7 @@ where
         let done = step + 1;
         let checkpoint_due = done == last_step || (options.checkpoint_every > 0 && done % options.checkpoint_every == 0);
         if checkpoint_due {
-            let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone(), data: options.data_identity.clone() };
+            let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone(), data: options.data_identity.clone(), decayed_every_parameter: false };
             // What rank 0 alone writes (a replicated checkpoint, --save-hf of the whole model)
             // is taken into host memory now and written on a thread of its own, so that the
             // other ranks do not wait through the write at the next step's collectives; the
@@ -1415,7 +1451,7 @@ mod tests {
     #[test]
     fn a_resume_under_other_optimizer_settings_is_refused() {
         let config = TrainConfig::small(ParallelLayout::new());
-        let saved = RunState { completed_steps: 2, data_position: 2, seed: config.seed, config: config.clone(), data: None };
+        let saved = RunState { completed_steps: 2, data_position: 2, seed: config.seed, config: config.clone(), data: None, decayed_every_parameter: false };
         check_resumable(&config, &saved).expect("the same settings");
         check_resumable(&config.clone().with_f32_head(true), &saved).expect("a precision change is warned about, not refused");
         let mut decayed = config.clone();
@@ -1449,15 +1485,19 @@ mod tests {
         let error = config.clone().with_warmup_steps(111).validate().unwrap_err();
         assert!(error.contains("--warmup-steps) 111 is past --steps 110"), "{error}");
 
-        let state = RunState { completed_steps: 2, data_position: 2, seed: 1, config: config.clone().with_lr_schedule(LrSchedule::Linear), data: None };
+        let state = RunState { completed_steps: 2, data_position: 2, seed: 1, config: config.clone().with_lr_schedule(LrSchedule::Linear), data: None, decayed_every_parameter: false };
         let mut old = serde_json::to_value(&state).unwrap();
         let fields = old["config"].as_object_mut().unwrap();
         fields.remove("lr_schedule").expect("a field of the config");
         fields.remove("min_lr_ratio").expect("a field of the config");
         let read: RunState = serde_json::from_value(old).expect("the state of an earlier run reads");
         assert_eq!((read.config.lr_schedule, read.config.min_lr_ratio, read.config.steps), (LrSchedule::Cosine, 0.1, 110));
+        // Its run decayed norms' gains too: a resume is told it will not.
+        let note = read.resume_notes().expect("a note for a run that decayed every parameter");
+        assert!(note.contains("decayed every parameter") && note.contains("weight decay (0.01)"), "{note}");
         let read: RunState = serde_json::from_value(serde_json::to_value(&state).unwrap()).unwrap();
         assert_eq!(read.config.lr_schedule, LrSchedule::Linear, "a stored setting is kept");
+        assert_eq!(read.resume_notes(), None, "a run of this trainer decayed matrices alone");
         // A setting missing that every checkpoint has held is no earlier version's: refused.
         let mut damaged = serde_json::to_value(&state).unwrap();
         damaged["config"].as_object_mut().unwrap().remove("optimizer");
