@@ -48,6 +48,13 @@ pub fn device_state_bytes(config: &TrainConfig, parameters: u64, compute_bytes: 
     }
 }
 
+/// Bytes a rank keeps in host memory for each of `parameters` with `--offload-optimizer`: of
+/// its 1/world part, 12 of AdamW's state (master weights and both moments) and 4 of the step's
+/// gradient (`ShardedAdamW::check_host_memory`, which the run checks as it starts).
+pub fn host_state_bytes(config: &TrainConfig, parameters: u64) -> u64 {
+    if config.offload_optimizer { 16 * parameters.div_ceil(config.layout.world_size() as u64) } else { 0 }
+}
+
 /// The parameters of one of `model`'s layers: the attention's projections, the MLP's three,
 /// the two norms (and Qwen3's q and k norms, Qwen2's q/k/v biases).
 pub fn layer_parameters(model: &DecoderConfig) -> u64 {
@@ -151,7 +158,17 @@ impl StepActivations {
 pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_offloaded: u64) -> String {
     let gb = |bytes: u64| format!("{:.2} GB", bytes as f64 / 1e9);
     let states = device_state_bytes(config, parameters, compute_bytes);
-    let host = if host_offloaded > 0 { format!("; {} of layer inputs and gradients in host memory", gb(host_offloaded)) } else { String::new() };
+    let host = match (host_state_bytes(config, parameters), host_offloaded) {
+        (0, 0) => String::new(),
+        (state, offloaded) => {
+            let what = [(state, "the optimizer's state and gradient parts"), (offloaded, "layer inputs and gradients")]
+                .iter()
+                .filter(|(bytes, _)| *bytes > 0)
+                .map(|(bytes, what)| format!("{} of {what}", gb(*bytes)))
+                .collect::<Vec<_>>();
+            format!("; a rank's host memory keeps {}", what.join(" and "))
+        }
+    };
     let Some(a) = StepActivations::of(config, compute_bytes) else {
         return format!(
             "a rank's device keeps {} between steps ({parameters} parameters, their gradients and optimizer state), and a step every layer's activations on top \
