@@ -12,9 +12,10 @@
 //!   `--offload-to-host`;
 //! - **the attention core**, the only piece on the whole shard: q, k and v as the core's
 //!   inputs, its output and the output's gradient (q's size each), the softmax statistics
-//!   (f32); under Ulysses (ulysses > 1) also q, k, v and the output in the exchanged layout
-//!   (the sequence's `S · ulysses` tokens, `1/ulysses` of the heads); at its backward dq, dk
-//!   and dv, in both layouts under Ulysses;
+//!   (f32); under Ulysses (ulysses > 1) q, k, v and the output as the attention saved them,
+//!   exchanged (the sequence's `S · ulysses` tokens, `1/ulysses` of the heads), beside the
+//!   inputs and the gradient in the shard's layout; at its backward dq, dk and dv, in both
+//!   layouts under Ulysses;
 //! - **a tile** of the token-wise parts (norms, projections, RoPE, the MLP) of
 //!   `--tile-tokens` tokens (the whole shard without it), with its graph and backward;
 //! - **the loss**: a tile's logits in chunks ([`ulysses_training::default_chunk_rows`]) in
@@ -116,10 +117,13 @@ impl StepActivations {
         let core_heads = heads.div_ceil(ulysses);
         let (q_exchanged, kv_exchanged) = (rows * core_tokens * core_heads * hd, rows * core_tokens * kv_heads.div_ceil(ulysses) * hd);
         let statistics = 4 * rows * core_tokens * core_heads;
-        // The core's graph: q, k, v, the output and (as the after-core tiles make it) the
-        // output's gradient; exchanged copies under Ulysses. Its backward: dq, dk, dv.
+        // The core's graph: q, k and v (its leaves), the output the attention saved and the
+        // output's gradient (the seed `core · dO` keeps dO alone: dO is no graph's); under
+        // Ulysses the attention saved q, k, v and the output as exchanged, and the output in
+        // the sequence's layout is freed. Its backward: dq, dk, dv, in both layouts under
+        // Ulysses, with dO exchanged.
         let (held, backward) = if ulysses > 1 {
-            (3 * q + 2 * kv + 2 * q_exchanged + 2 * kv_exchanged, q_exchanged + (q_exchanged + 2 * kv_exchanged) + (q + 2 * kv))
+            (2 * q + 2 * kv + 2 * q_exchanged + 2 * kv_exchanged, q_exchanged + (q_exchanged + 2 * kv_exchanged) + (q + 2 * kv))
         } else {
             (3 * q + 2 * kv, q + 2 * kv)
         };
