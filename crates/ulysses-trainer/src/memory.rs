@@ -201,8 +201,8 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
     if a.gathered > 0 {
         parts.push(format!("ZeRO-3's gathered layers and gradients {}", gb(a.gathered)));
     }
-    // What would cut the largest parts: of the step's, those of a quarter of its peak or more.
-    let large = |bytes: u64| 4 * bytes >= a.peak();
+    // What would cut the parts of an eighth of the peak or more.
+    let large = |bytes: u64| 8 * bytes >= peak;
     let checkpointing = config.layer_checkpointing.as_ref().expect("an estimate is made for checkpointed steps");
     let mut cuts = Vec::new();
     if large(a.tile) && checkpointing.tile_tokens.is_none() {
@@ -214,7 +214,7 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
     if large(a.core + a.core_backward) {
         cuts.push("more --sp ranks share the attention core".to_string());
     }
-    if 4 * states >= peak && config.zero_stage != 3 {
+    if large(states) && config.zero_stage != 3 {
         cuts.push("--zero 3 (with --offload-optimizer) shares the model state over the ranks".to_string());
     }
     let cuts = if cuts.is_empty() { String::new() } else { format!(". To need less: {}", cuts.join("; ")) };
