@@ -19,14 +19,16 @@
 //! - **a tile** of the token-wise parts (norms, projections, RoPE, the MLP) of
 //!   `--tile-tokens` tokens (the whole shard without it), with its graph and backward;
 //! - **the loss**: a tile's logits in chunks ([`ulysses_training::default_chunk_rows`]) in
-//!   f32, with their softmax and gradient;
-//! - under ZeRO-3, the layer gathered for its piece and the next one, its gradients in f32
-//!   before they are reduce-scattered, and the head's gradient whole.
+//!   f32, with their softmax and gradient, and the head weight's gradient and casts;
+//! - under ZeRO-3, the layer gathered for its pieces, its gradients in f32 before they are
+//!   reduce-scattered, the head's gradient whole, and the rest's parameters gathered for the
+//!   head; without it, after a first micro-batch, the step's gradient sum.
 //!
 //! The peak is the kept tensors plus the largest of the head's piece and a layer's. The
 //! tensors are those the code holds; what the backend's pools reserve beyond them (CubeCL
-//! rounds to pages) comes on top. `tests/activation_memory.rs` holds the estimate against what
-//! a step holds, counted by the allocator on the CPU.
+//! rounds to pages) comes on top. `tests/mixed_precision_wgpu.rs` holds the core's estimate
+//! against what a rank holds on lavapipe at SP = 1 and 2; the other parts are counted from the
+//! code.
 
 use ulysses_models::DecoderConfig;
 
@@ -35,18 +37,36 @@ use crate::train::TrainConfig;
 /// Bytes a rank's device keeps between steps for each of `parameters` (a lower bound: a step's
 /// activations and gathered layer come on top): replicated without the host optimizer, the
 /// f32 parameters, their gradients and AdamW's two moments (16); with it, the compute copy and
-/// its gradients; under `--zero 3` a 1/world part of what the device keeps: the compute copy's
-/// (none with `--offload-parameters`), and with the optimizer on the device its f32 master
-/// weights, moments and gradients too.
+/// its gradients (f32 where layers are checkpointed: their pieces' gradients are summed in
+/// f32); under `--zero 3` a 1/world part of what the device keeps: the compute copy's (none
+/// with `--offload-parameters`), and with the optimizer on the device its f32 master weights,
+/// moments and gradients too.
 pub fn device_state_bytes(config: &TrainConfig, parameters: u64, compute_bytes: u64) -> u64 {
     let world = config.layout.world_size() as u64;
     match (config.zero_stage, config.offload_optimizer) {
         (3, true) if config.offload_parameters => 0,
         (3, true) => compute_bytes * parameters / world,
         (3, false) => (compute_bytes + 16) * parameters / world,
-        (_, true) => 2 * compute_bytes * parameters,
+        (_, true) => (compute_bytes + gradient_bytes(config, compute_bytes)) * parameters,
         (_, false) => 16 * parameters,
     }
+}
+
+/// What the device keeps between steps, in words ([`device_state_bytes`]).
+fn device_state_what(config: &TrainConfig) -> &'static str {
+    match (config.zero_stage, config.offload_optimizer) {
+        (3, true) if config.offload_parameters => "nothing: the parameters' parts are on the host",
+        (3, true) => "the rank's part of the compute copy",
+        (3, false) => "the rank's part of the compute copy, its f32 master weights, gradients and AdamW's moments",
+        (_, true) => "the compute copy and its gradients",
+        (_, false) => "f32 parameters, their gradients and AdamW's moments",
+    }
+}
+
+/// Bytes of a parameter's gradient on a replicated rank: f32 where it is an f32 parameter's
+/// or where checkpointed pieces sum it in f32, else the compute dtype's.
+fn gradient_bytes(config: &TrainConfig, compute_bytes: u64) -> u64 {
+    if !config.offload_optimizer || config.layer_checkpointing.is_some() { 4 } else { compute_bytes }
 }
 
 /// Bytes a rank keeps in host memory for each of `parameters` with `--offload-optimizer`: of
@@ -57,12 +77,19 @@ pub fn host_state_bytes(config: &TrainConfig, parameters: u64) -> u64 {
 }
 
 /// The parameters of one of `model`'s layers: the attention's projections, the MLP's three,
-/// the two norms (and Qwen3's q and k norms, Qwen2's q/k/v biases).
+/// the two norms (and Qwen3's q and k norms, Qwen2's q/k/v biases, an output projection's bias).
 pub fn layer_parameters(model: &DecoderConfig) -> u64 {
     let (d, hd, f) = (model.d_model as u64, model.head_dim() as u64, model.ffn_hidden as u64);
     let (q, kv) = (model.n_heads as u64 * hd, model.n_kv_heads as u64 * hd);
-    let attention = d * (q + 2 * kv) + q * d + if model.qkv_bias { q + 2 * kv } else { 0 } + if model.qk_norm { 2 * hd } else { 0 };
+    let biases = if model.qkv_bias { q + 2 * kv } else { 0 } + if model.output_bias { d } else { 0 };
+    let attention = d * (q + 2 * kv) + q * d + biases + if model.qk_norm { 2 * hd } else { 0 };
     attention + 3 * d * f + 2 * d
+}
+
+/// The parameters outside `model`'s layers: the embedding, the final norm and an untied head.
+pub fn rest_parameters(model: &DecoderConfig) -> u64 {
+    let (d, vocab) = (model.d_model as u64, model.vocab_size as u64);
+    vocab * d * if model.tie_embeddings { 1 } else { 2 } + d
 }
 
 /// The most a checkpointed step's activations hold on one rank's device at once, by part
@@ -75,12 +102,18 @@ pub struct StepActivations {
     pub core: u64,
     /// What the core's backward adds to them (dq, dk, dv; exchanged copies under Ulysses).
     pub core_backward: u64,
-    /// One token-wise tile with its graph and backward, beside the core's tensors.
+    /// One token-wise tile with its graph and backward, beside the core's tensors (and under
+    /// Ulysses the core's output in the shard's layout, which the tiles read).
     pub tile: u64,
-    /// The head's piece: a tile's logits in chunks, their softmax and gradient.
+    /// The head's piece: a tile's logits in chunks, their softmax and gradient, the head
+    /// weight's gradient and its casts (under ZeRO-3 the rest's parameters gathered too).
     pub head: u64,
-    /// Under ZeRO-3: gathered layers and their gradients, the head's gradient whole.
+    /// Under ZeRO-3, beside each layer's pieces: the layer gathered, its gradients in f32 as
+    /// they are summed, and the head's gradient whole.
     pub gathered: u64,
+    /// Without ZeRO-3, beside every piece after the first micro-batch: the step's gradient
+    /// sum, apart from the micro-batch's own.
+    pub accumulated: u64,
     /// Sequences in a rank's micro-batch.
     pub rows: u64,
     /// Tokens of each sequence a rank's core attends over, for each of its heads.
@@ -92,7 +125,12 @@ pub struct StepActivations {
 impl StepActivations {
     /// The step's peak above what the device keeps between steps.
     pub fn peak(&self) -> u64 {
-        self.kept + self.gathered + self.head.max(self.core + self.tile.max(self.core_backward))
+        self.kept + self.accumulated + self.head.max(self.layer())
+    }
+
+    /// What a layer's pieces hold at their most, beside the kept tensors.
+    fn layer(&self) -> u64 {
+        self.gathered + self.core + self.tile.max(self.core_backward)
     }
 
     /// The estimate for one rank of a run of `config` whose layers compute in
@@ -128,9 +166,11 @@ impl StepActivations {
             (3 * q + 2 * kv, q + 2 * kv)
         };
         // A ring passes a block of k and v (and at its backward of dk and dv) from rank to rank
-        // while it computes on another.
-        let ring_blocks = if ring > 1 { 4 * kv_exchanged } else { 0 };
-        let core = cb * (held + ring_blocks) + statistics;
+        // while it computes on another: the block and the copy passed on; its backward sums dq
+        // in f32 and passes dk and dv in f32 with their copies.
+        let (ring_blocks, ring_backward) = if ring > 1 { (cb * 4 * kv_exchanged, 4 * q_exchanged + 16 * kv_exchanged) } else { (0, 0) };
+        let core = cb * held + ring_blocks + statistics;
+        let core_backward = cb * backward + ring_backward;
 
         // A tile of the token-wise parts, forward graph and backward: the after-core part is
         // the larger (the output projection's input, the residuals, the norm's four tensors,
@@ -138,29 +178,52 @@ impl StepActivations {
         // with the gradients of about as many as its backward runs.
         let tile_tokens = checkpointing.tile_tokens.map_or(shard, |t| (t as u64).min(shard).max(1));
         let tile_rows = rows * tile_tokens;
-        let tile = cb * 2 * tile_rows * (heads * hd + 9 * d + 4 * f);
+        // Under Ulysses the core's output in the shard's layout lives through the tiles.
+        let core_output = if ulysses > 1 { cb * q } else { 0 };
+        let tile = cb * 2 * tile_rows * (heads * hd + 9 * d + 4 * f) + core_output;
 
-        // The loss: a tile's logits a chunk at a time, in f32, with their softmax and gradient.
+        // The loss: a tile's logits a chunk at a time, in f32, with their softmax and gradient;
+        // and the head weight's size several times over: its gradient summed over the chunks
+        // (in the weight's dtype), the weight and each chunk's gradient in the logits' dtype,
+        // the piece's gradient cast to f32 as it is summed.
+        let zero3 = config.zero_stage == 3;
+        let weight_bytes = if zero3 || config.offload_optimizer { cb } else { 4 };
         let chunk = (ulysses_training::default_chunk_rows(model.vocab_size) as u64).min(tile_rows);
-        let head = 3 * 4 * chunk * vocab + cb * 2 * tile_rows * d;
+        let mut head = 3 * 4 * chunk * vocab + cb * 2 * tile_rows * d + vocab * d * (3 * weight_bytes + cb);
+        if zero3 {
+            // The rest's parameters (embedding, final norm, head) gathered for the head.
+            head += cb * rest_parameters(model);
+        }
 
         let kept = if checkpointing.offload_to_host { 0 } else { (model.n_layers as u64 + 3) * rows * shard * d * cb };
-        let gathered = if config.zero_stage == 3 {
-            // Two layers' compute copies (the next gathered early), one layer's f32 gradients,
-            // an untied head's f32 gradient whole through the layers' backward.
-            let head_gradient = if model.tie_embeddings { 0 } else { 4 * vocab * d };
-            layer_parameters(model) * (2 * cb + 4) + head_gradient
+        let layer = layer_parameters(model);
+        let gathered = if zero3 {
+            // The layer's compute copy, its gradients summed in f32 and a tile's cast to f32
+            // beside them; the head's gradient (a tied one lands on the embedding) whole in f32
+            // until the rest's gradients leave after the embedding's piece.
+            let head_gradient = if model.tie_embeddings && config.freeze_embeddings { 0 } else { 4 * vocab * d };
+            layer * (cb + 8) + head_gradient
         } else {
             0
         };
-        Some(Self { kept, core, core_backward: cb * backward, tile, head, gathered, rows, core_tokens, core_heads })
+        let accumulated = if !zero3 && config.grad_accumulation > 1 { gradient_bytes(config, cb) * (model.n_layers as u64 * layer + rest_parameters(model)) } else { 0 };
+        Some(Self { kept, core, core_backward, tile, head, gathered, accumulated, rows, core_tokens, core_heads })
+    }
+}
+
+/// `bytes` in GB, MB or kB, whichever shows them with a digit before the point.
+fn shown(bytes: u64) -> String {
+    match bytes as f64 {
+        b if b >= 1e9 => format!("{:.2} GB", b / 1e9),
+        b if b >= 1e6 => format!("{:.2} MB", b / 1e6),
+        b => format!("{:.2} kB", b / 1e3),
     }
 }
 
 /// What `--check` says of a rank's memory: `parameters` the model's count, `compute_bytes`
 /// the layers' float size, `host_offloaded` what `--offload-to-host` keeps in host memory.
 pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_offloaded: u64) -> String {
-    let gb = |bytes: u64| format!("{:.2} GB", bytes as f64 / 1e9);
+    let gb = shown;
     let states = device_state_bytes(config, parameters, compute_bytes);
     let host = match (host_state_bytes(config, parameters), host_offloaded) {
         (0, 0) => String::new(),
@@ -175,14 +238,15 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
     };
     let Some(a) = StepActivations::of(config, compute_bytes) else {
         return format!(
-            "a rank's device keeps {} between steps ({parameters} parameters, their gradients and optimizer state), and a step every layer's activations on top \
+            "a rank's device keeps {} between steps ({}, of {parameters} parameters), and a step every layer's activations on top \
              (not estimated; --checkpoint-layers keeps one layer's){host}",
-            gb(states)
+            gb(states),
+            device_state_what(config)
         );
     };
     let peak = states + a.peak();
     let mut parts = vec![
-        format!("{} kept between steps ({parameters} parameters, their gradients and optimizer state)", gb(states)),
+        format!("{} kept between steps ({}, of {parameters} parameters)", gb(states), device_state_what(config)),
         format!(
             "the attention core {} and its backward {} ({} sequence{} × {} tokens × {} heads a rank)",
             gb(a.core),
@@ -199,23 +263,33 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
         parts.push(format!("layer inputs and gradients kept {}", gb(a.kept)));
     }
     if a.gathered > 0 {
-        parts.push(format!("ZeRO-3's gathered layers and gradients {}", gb(a.gathered)));
+        parts.push(format!("ZeRO-3's gathered layer and gradients {}", gb(a.gathered)));
     }
-    // What would cut the parts of an eighth of the peak or more.
+    if a.accumulated > 0 {
+        parts.push(format!("the gradients summed over micro-batches {}", gb(a.accumulated)));
+    }
+    // What would cut the parts of an eighth of the peak or more: of a layer's, where a layer
+    // makes the peak (not the head's piece, which no flag cuts).
     let large = |bytes: u64| 8 * bytes >= peak;
+    let in_layer = |bytes: u64| a.layer() > a.head && large(bytes);
     let checkpointing = config.layer_checkpointing.as_ref().expect("an estimate is made for checkpointed steps");
     let mut cuts = Vec::new();
-    if large(a.tile) && checkpointing.tile_tokens.is_none() {
+    let shard = config.seq_len.div_ceil(config.layout.sp_size);
+    if in_layer(a.tile) && checkpointing.tile_tokens.is_none() && shard > config.model.d_model {
         cuts.push(format!("--tile-tokens {} runs the token-wise parts in tiles (ALST's size: d_model)", config.model.d_model));
     }
     if large(a.kept) {
         cuts.push("--offload-to-host keeps the layer inputs in host memory".to_string());
     }
-    if large(a.core + a.core_backward) {
+    if in_layer(a.core + a.core_backward) {
         cuts.push("more --sp ranks share the attention core".to_string());
     }
     if large(states) && config.zero_stage != 3 {
-        cuts.push("--zero 3 (with --offload-optimizer) shares the model state over the ranks".to_string());
+        cuts.push(if config.layout.world_size() > 1 {
+            "--zero 3 (with --offload-optimizer) shares the model state over the ranks".to_string()
+        } else {
+            "--offload-optimizer keeps AdamW's state on the host (with --zero 3 and --offload-parameters, the parameters too)".to_string()
+        });
     }
     let cuts = if cuts.is_empty() { String::new() } else { format!(". To need less: {}", cuts.join("; ")) };
     format!("a rank's device needs about {} at a step's peak, estimated: {}{host}; the backend's pools reserve more{cuts}", gb(peak), parts.join(", "))
@@ -236,13 +310,14 @@ mod tests {
     }
 
     #[test]
-    fn a_layer_has_the_parameters_of_the_built_model_s_layers() {
+    fn a_layer_and_the_rest_have_the_parameters_of_the_built_model() {
         let llama = DecoderConfig::new(300).with_d_model(64).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(96);
         let qwen2 = llama.clone().with_qkv_bias(true).with_tie_embeddings(true);
-        let qwen3 = llama.clone().with_qk_norm(true).with_head_dim(Some(32));
+        let qwen3 = llama.clone().with_qk_norm(true).with_head_dim(Some(32)).with_output_bias(true);
         for model in [llama, qwen2, qwen3] {
             let (one, three) = (counted(&model.clone().with_n_layers(1)), counted(&model.clone().with_n_layers(3)));
             assert_eq!(three - one, 2 * layer_parameters(&model), "{model:?}");
+            assert_eq!(one, layer_parameters(&model) + rest_parameters(&model), "{model:?}");
         }
     }
 

@@ -444,7 +444,7 @@ impl RunState {
         let decay = ulysses_training::adamw_settings(&self.config.optimizer).ok()?.weight_decay;
         (self.decayed_every_parameter && decay > 0.0).then(|| {
             format!(
-                "the checkpoint's run decayed every parameter (its trainer predates 2026-12-02); from here its weight decay ({decay}) \
+                "the checkpoint's run decayed every parameter (its trainer decayed norms' gains and biases too); from here its weight decay ({decay}) \
                  applies to weight matrices alone, not to norms' gains or biases, as Hugging Face's Trainer and Megatron-LM decay"
             )
         })
