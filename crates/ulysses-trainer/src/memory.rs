@@ -211,6 +211,12 @@ impl StepActivations {
     }
 }
 
+/// The most a rank's device holds in a checkpointed step of `config` (its state and the
+/// step's peak), or `None` where layers are not checkpointed.
+pub fn estimated_peak(config: &TrainConfig, parameters: u64, compute_bytes: u64) -> Option<u64> {
+    StepActivations::of(config, compute_bytes).map(|a| device_state_bytes(config, parameters, compute_bytes) + a.peak())
+}
+
 /// `bytes` in GB, MB or kB, whichever shows them with a digit before the point.
 fn shown(bytes: u64) -> String {
     match bytes as f64 {
@@ -244,7 +250,7 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
             device_state_what(config)
         );
     };
-    let peak = states + a.peak();
+    let peak = estimated_peak(config, parameters, compute_bytes).expect("checkpointed");
     let mut parts = vec![
         format!("{} kept between steps ({}, of {parameters} parameters)", gb(states), device_state_what(config)),
         format!(
