@@ -1066,3 +1066,51 @@ fn zero_3_trains_like_replicated_adamw() {
     });
 }
 
+
+/// An output head of its own (not tied to the embedding) has its gradients, and the final
+/// norm's, complete after the head's piece: a checkpointed step hands them over there
+/// (`ParameterGroup::Head`, which ZeRO-3 reduce-scatters at once), not with the embedding's
+/// after every layer's backward, where an 8B model's head would be held whole in f32 (2 GB)
+/// through the layers. A tied head's gradient lands on the embedding, which its own piece adds
+/// to last: handed over then, once.
+#[test]
+fn an_untied_head_s_gradients_are_handed_over_before_the_layers_backward() {
+    use burn::{optim::GradientsParams, tensor::backend::AutodiffBackend};
+    use ulysses_training::{LayerCheckpointing, LayerParameters, ParameterGroup, WholeParameters, checkpointed_backward_with};
+    /// The model itself, as `WholeParameters`, taking each group's gradients as ZeRO-3 does:
+    /// the groups handed over and their gradients' count.
+    struct Recording(Vec<(ParameterGroup, usize)>);
+    impl<B: AutodiffBackend, M: Clone> LayerParameters<B, M> for Recording {
+        fn gather(&mut self, model: &M, group: ParameterGroup) -> Result<M, burn_ulysses::UlyssesError> {
+            <WholeParameters as LayerParameters<B, M>>::gather(&mut WholeParameters, model, group)
+        }
+        fn gradients_done(&mut self, _gathered: &M, group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, burn_ulysses::UlyssesError> {
+            self.0.push((group, grads.len()));
+            Ok(None)
+        }
+    }
+    let device = Default::default();
+    let sequence: Vec<i64> = (0..16).map(|t| (t * 7 + 3) % 64).collect();
+    let shard = burn_ulysses::data::SequenceSharder::new(1).shard_documents(&[sequence], None, 0);
+    for tied in [false, true] {
+        let model = DecoderConfig::new(64).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_tie_embeddings(tied).init::<Sp>(&device);
+        let mut recording = Recording(Vec::new());
+        let checkpointing = LayerCheckpointing::new();
+        let (loss, left) = checkpointed_backward_with(&model, shard.tokens::<Sp>(&device), shard.labels::<Sp>(&device), &shard.positions, 1.0, -100, &checkpointing, 2, &mut recording, |_| {}).unwrap();
+        assert!(loss.into_scalar().is_finite());
+        let calls: Vec<ParameterGroup> = recording.0.iter().map(|(group, _)| *group).collect();
+        let counts: Vec<usize> = recording.0.iter().map(|(_, count)| *count).collect();
+        let layers = [ParameterGroup::Layer(1), ParameterGroup::Layer(0)];
+        if tied {
+            // The layers, then the rest: the embedding (its two gradients summed) and the final norm.
+            assert_eq!(calls, [&layers[..], &[ParameterGroup::Rest]].concat(), "tied");
+            assert_eq!(counts[2], 2, "tied: the rest's gradients {counts:?}");
+        } else {
+            // The head and the final norm first, the layers, then the embedding alone.
+            assert_eq!(calls, [&[ParameterGroup::Head][..], &layers, &[ParameterGroup::Rest]].concat(), "untied");
+            assert_eq!((counts[0], counts[3]), (2, 1), "untied: the head's and the rest's gradients {counts:?}");
+        }
+        // Every parameter's gradient handed over once, none left with the step.
+        assert_eq!((counts.iter().sum::<usize>(), left.len()), (ulysses_training::float_parameters(&model).len(), 0), "tied {tied}: {counts:?}");
+    }
+}

@@ -254,6 +254,10 @@ impl<B: Backend> LayeredLm<B> for Decoder<B> {
     fn head(&self, hidden: Tensor<B, 3>) -> LmOutput<B> {
         LmOutput::Hidden { hidden: self.final_norm(hidden), head: self.output_head() }
     }
+
+    fn head_stands_alone(&self) -> bool {
+        self.lm_head.is_some()
+    }
 }
 
 /// What the training step needs of the model.

@@ -1490,10 +1490,12 @@ where
     let elements = ulysses_training::parameter_elements(&config.model.init::<Sp<W>>(&template_device));
     let on_cpu = matches!(job.args.backend, BackendKind::Cpu);
     check_host_memory::<Sp<W>>(config, &elements, ranks_here, on_cpu, job.eval_sequences.is_some(), &template_device)?;
+    let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<Sp<W>>(&template_device).map_err(|e| e.to_string())?).size();
+    let parameters = elements.iter().sum::<usize>() as u64;
     if job.eval_sequences.is_none() && (threads || matches!(&job.launch, Launch::Process(env) if env.rank == 0)) {
-        let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<Sp<W>>(&template_device).map_err(|e| e.to_string())?).size();
-        tracing::info!("memory: {}", memory_estimate(config, elements.iter().sum::<usize>() as u64, compute_bytes));
+        tracing::info!("memory: {}", memory_estimate(config, parameters, compute_bytes));
     }
+    let estimated_peak = memory::estimated_peak(config, parameters, compute_bytes as u64);
     <Sp<W> as Backend>::seed(&template_device, config.seed);
     let template = match &job.args.model {
         Some(dir) => from_pretrained::<Sp<W>>(dir, &template_device).map_err(|e| format!("--model: {e}"))?.model.with_repeat_kv(config.model.repeat_kv),
@@ -1547,6 +1549,7 @@ where
                 failed_checkpoint_write: job.args.fault_failed_checkpoint_write,
             },
             host_optimizer_threads: Some(host_optimizer_threads),
+            estimated_peak,
         };
         let model = template.take_or_clone().fork(&rank.device);
         let (mut trained, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options)

@@ -21,8 +21,8 @@
 //! - **the loss**: a tile's logits in chunks ([`ulysses_training::default_chunk_rows`]) in
 //!   f32, with their softmax and gradient, and the head weight's gradient and casts;
 //! - under ZeRO-3, the layer gathered for its pieces, its gradients in f32 before they are
-//!   reduce-scattered, the head's gradient whole, and the rest's parameters gathered for the
-//!   head; without it, after a first micro-batch, the step's gradient sum.
+//!   reduce-scattered, a tied head's gradient whole, and the rest's parameters gathered for
+//!   the head; without it, after a first micro-batch, the step's gradient sum.
 //!
 //! The peak is the kept tensors plus the largest of the head's piece and a layer's. The
 //! tensors are those the code holds; what the backend's pools reserve beyond them (CubeCL
@@ -109,7 +109,7 @@ pub struct StepActivations {
     /// weight's gradient and its casts (under ZeRO-3 the rest's parameters gathered too).
     pub head: u64,
     /// Under ZeRO-3, beside each layer's pieces: the layer gathered, its gradients in f32 as
-    /// they are summed, and the head's gradient whole.
+    /// they are summed, and a tied head's gradient whole.
     pub gathered: u64,
     /// Without ZeRO-3, beside every piece after the first micro-batch: the step's gradient
     /// sum, apart from the micro-batch's own.
@@ -199,9 +199,10 @@ impl StepActivations {
         let layer = layer_parameters(model);
         let gathered = if zero3 {
             // The layer's compute copy, its gradients summed in f32 and a tile's cast to f32
-            // beside them; the head's gradient (a tied one lands on the embedding) whole in f32
-            // until the rest's gradients leave after the embedding's piece.
-            let head_gradient = if model.tie_embeddings && config.freeze_embeddings { 0 } else { 4 * vocab * d };
+            // beside them; a tied head's gradient (it lands on the embedding) whole in f32
+            // until the rest's gradients leave after the embedding's piece (an untied one
+            // leaves after the head's: `LayeredLm::head_stands_alone`).
+            let head_gradient = if model.tie_embeddings && !config.freeze_embeddings { 4 * vocab * d } else { 0 };
             layer * (cb + 8) + head_gradient
         } else {
             0

@@ -545,6 +545,9 @@ pub struct RunOptions<'a> {
     /// Threads of this rank's optimizer on the host (`None`: every core): the host's cores
     /// divided among the ranks it runs ([`host_threads_per_rank`]).
     pub host_optimizer_threads: Option<NonZeroUsize>,
+    /// What a step should hold on the device at most (`ulysses_trainer::memory`), shown beside
+    /// what the device's pools held, at the end.
+    pub estimated_peak: Option<u64>,
 }
 
 /// Each of `ranks` ranks on a host with `cores` cores takes an equal share for its host
@@ -580,9 +583,6 @@ where
 {
     config.validate().map_err(UlyssesError::InvalidConfig)?;
     let compute_dtype = config.precision.compute_dtype::<B>(device)?;
-    // What the device's pools should hold at most, to set beside what they held.
-    let parameters = ulysses_training::parameter_elements(&model).iter().sum::<usize>() as u64;
-    let estimated_peak = crate::memory::estimated_peak(config, parameters, DType::from(compute_dtype).size() as u64);
     let model = model.with_compute_dtype(compute_dtype).with_f32_head(config.f32_head);
     let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
     let sharder = config.sharder();
@@ -811,7 +811,7 @@ where
             "device memory after the last step: {:.3} GB in use, {:.3} GB reserved by the pools (the most they held){}",
             memory.in_use as f64 / 1e9,
             memory.reserved as f64 / 1e9,
-            estimated_peak.map(|peak| format!("; the estimate of a step's peak in use: {:.3} GB", peak as f64 / 1e9)).unwrap_or_default()
+            options.estimated_peak.map(|peak| format!("; the estimate of a step's peak in use: {:.3} GB", peak as f64 / 1e9)).unwrap_or_default()
         );
     }
     if is_first && let Some(peak) = ulysses_core::host_memory::peak_resident_bytes() {

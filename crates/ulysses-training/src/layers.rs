@@ -113,6 +113,14 @@ pub trait LayeredLm<B: Backend>: Module<B> {
     /// What the loss is computed from, given the last layer's output: token-wise too, it
     /// may run on any slice of the sequence.
     fn head(&self, hidden: Tensor<B, 3>) -> LmOutput<B>;
+    /// Whether the parameters [`head`](Self::head) uses get a gradient from no other piece
+    /// (an output head not tied to the embedding): their gradients are then complete after the
+    /// head's piece and leave there ([`ParameterGroup::Head`]), not held whole through every
+    /// layer's backward (2 GB of f32 for an 8B model's head). `false`, the default, keeps them
+    /// to the end, with the embedding's.
+    fn head_stands_alone(&self) -> bool {
+        false
+    }
 }
 
 /// Whole-layer activation checkpointing (see the module doc).
@@ -187,6 +195,11 @@ pub enum ParameterGroup {
     Layer(usize),
     /// Every parameter no layer holds: embeddings, final norm, head.
     Rest,
+    /// The rest's parameters the head's piece gave gradients to, where
+    /// [`LayeredLm::head_stands_alone`]: only ever passed to
+    /// [`gradients_done`](LayerParameters::gradients_done), before the layers' backward (the
+    /// rest's own call, after the embedding's piece, then carries the embedding's alone).
+    Head,
 }
 
 /// Where a checkpointed step finds the parameters of each piece it runs, and leaves their
@@ -255,6 +268,7 @@ impl<'a, P, D> ReportProgress<'a, P, D> {
                 self.rest_gathers += 1;
                 ["the embedding's forward", "the head and the loss", "the embedding's backward"].get(self.rest_gathers - 1).copied().unwrap_or("the embeddings and head").to_string()
             }
+            ParameterGroup::Head => unreachable!("the head's group is never gathered: it names gradients alone"),
             ParameterGroup::Layer(index) => {
                 if self.layer_gathers.len() <= index {
                     self.layer_gathers.resize(index + 1, 0);
@@ -583,6 +597,11 @@ where
         let grads = loss.backward();
         upstream.push(upstream_of(&last, &grads, "the head")?);
         accumulator.accumulate(model, grads_in_f32(GradientsParams::from_grads(grads, &rest), &rest));
+    }
+    if model.head_stands_alone()
+        && let Some(grads) = parameters.gradients_done(&rest, ParameterGroup::Head, accumulator.grads())?
+    {
+        accumulator.accumulate(model, grads);
     }
     drop((hidden, rest));
     let mut upstream = upstream.finish();

@@ -457,7 +457,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
     fn group(&self, group: ParameterGroup) -> &[usize] {
         match group {
             ParameterGroup::Layer(index) => &self.layers[index],
-            ParameterGroup::Rest => &self.rest,
+            ParameterGroup::Rest | ParameterGroup::Head => &self.rest,
         }
     }
 
