@@ -24,7 +24,7 @@ use burn::{
 };
 use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
 use ulysses_training::{
-    LayerCheckpointing, StepReport, TrainBackend,
+    LayerCheckpointing, StepReport,
     checkpoint::{checkpoint_path, read_checkpoint_state},
 };
 use clap::{Parser, ValueEnum};
@@ -1212,11 +1212,8 @@ fn checked_memory(config: &TrainConfig) -> String {
 
 /// A rank's memory ([`memory::describe`]) for a model of `parameters` whose layers compute in
 /// `compute_bytes`-byte floats.
-fn memory_estimate(config: &TrainConfig, parameters: u64, compute_bytes: usize) -> String {
-    let rows = config.batch_size / config.layout.dp_size / config.grad_accumulation;
-    let shard_tokens = config.seq_len.div_ceil(config.layout.sp_size);
-    let host = config.layer_checkpointing.as_ref().map_or(0, |c| c.offloaded_host_bytes(config.model.n_layers, rows, shard_tokens, config.model.d_model, compute_bytes));
-    memory::describe(config, parameters, compute_bytes as u64, host)
+fn memory_estimate(config: &TrainConfig, parameters: u64, compute_bytes: u64) -> String {
+    memory::describe(config, parameters, compute_bytes, memory::offloaded_host_bytes(config, compute_bytes))
 }
 
 /// The chat template of --data's {"messages"} lines: the tokenizer's, as in transformers (the
@@ -1425,18 +1422,10 @@ impl<M: Clone> Template<M> {
 /// `--offload-to-host` keeps, and on the CPU backend (`on_cpu`) what the devices keep
 /// ([`memory::device_state_bytes`]; the parameters alone when `evaluating`). `elements`: each
 /// parameter's, counted on a model not yet built ([`ulysses_training::parameter_elements`]).
-fn check_host_memory<B: TrainBackend>(config: &TrainConfig, elements: &[usize], ranks_here: usize, on_cpu: bool, evaluating: bool, device: &B::Device) -> Result<(), String> {
-    let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<B>(device).map_err(|e| e.to_string())?).size() as u64;
+fn check_host_memory(config: &TrainConfig, elements: &[usize], ranks_here: usize, on_cpu: bool, evaluating: bool, compute_bytes: u64) -> Result<(), String> {
     let parameters = elements.iter().sum::<usize>() as u64;
     let ranks = ranks_here as u64;
-    // Every rank of a step runs micro-batches of as many rows, each row's shard as long.
-    let rows = config.batch_size / config.layout.dp_size / config.grad_accumulation;
-    let shard_tokens = config.seq_len.div_ceil(config.layout.sp_size);
-    let layers = config.model.n_layers;
-    let offloaded = match (&config.layer_checkpointing, evaluating) {
-        (Some(checkpointing), false) => checkpointing.offloaded_host_bytes(layers, rows, shard_tokens, config.model.d_model, compute_bytes as usize) * ranks,
-        _ => 0,
-    };
+    let offloaded = if evaluating { 0 } else { memory::offloaded_host_bytes(config, compute_bytes) * ranks };
     let device_bytes_a_rank = match (on_cpu, evaluating) {
         (false, _) => 0,
         (true, true) => 4 * parameters,
@@ -1489,13 +1478,13 @@ where
     // model the host cannot hold is refused before it fills the memory.
     let elements = ulysses_training::parameter_elements(&config.model.init::<Sp<W>>(&template_device));
     let on_cpu = matches!(job.args.backend, BackendKind::Cpu);
-    check_host_memory::<Sp<W>>(config, &elements, ranks_here, on_cpu, job.eval_sequences.is_some(), &template_device)?;
-    let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<Sp<W>>(&template_device).map_err(|e| e.to_string())?).size();
+    let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<Sp<W>>(&template_device).map_err(|e| e.to_string())?).size() as u64;
+    check_host_memory(config, &elements, ranks_here, on_cpu, job.eval_sequences.is_some(), compute_bytes)?;
     let parameters = elements.iter().sum::<usize>() as u64;
     if job.eval_sequences.is_none() && (threads || matches!(&job.launch, Launch::Process(env) if env.rank == 0)) {
         tracing::info!("memory: {}", memory_estimate(config, parameters, compute_bytes));
     }
-    let estimated_peak = memory::estimated_peak(config, parameters, compute_bytes as u64);
+    let estimated_peak = memory::estimated_peak(config, parameters, compute_bytes);
     <Sp<W> as Backend>::seed(&template_device, config.seed);
     let template = match &job.args.model {
         Some(dir) => from_pretrained::<Sp<W>>(dir, &template_device).map_err(|e| format!("--model: {e}"))?.model.with_repeat_kv(config.model.repeat_kv),

@@ -76,6 +76,20 @@ pub fn host_state_bytes(config: &TrainConfig, parameters: u64) -> u64 {
     if config.offload_optimizer { 16 * parameters.div_ceil(config.layout.world_size() as u64) } else { 0 }
 }
 
+/// Sequences in each micro-batch a rank runs, and tokens in its shard of each.
+fn micro_batch(config: &TrainConfig) -> (u64, u64) {
+    let layout = &config.layout;
+    let rows = (config.batch_size / layout.dp_size / config.grad_accumulation).max(1);
+    (rows as u64, config.seq_len.div_ceil(layout.sp_size) as u64)
+}
+
+/// Bytes of layer inputs and gradients `--offload-to-host` keeps in one rank's host memory
+/// (`LayerCheckpointing::offloaded_host_bytes`; none without it).
+pub fn offloaded_host_bytes(config: &TrainConfig, compute_bytes: u64) -> u64 {
+    let (rows, shard) = micro_batch(config);
+    config.layer_checkpointing.as_ref().map_or(0, |c| c.offloaded_host_bytes(config.model.n_layers, rows as usize, shard as usize, config.model.d_model, compute_bytes as usize))
+}
+
 /// The parameters of one of `model`'s layers: the attention's projections, the MLP's three,
 /// the two norms (and Qwen3's q and k norms, Qwen2's q/k/v biases, an output projection's bias).
 pub fn layer_parameters(model: &DecoderConfig) -> u64 {
@@ -141,8 +155,7 @@ impl StepActivations {
         let layout = &config.layout;
         let cb = compute_bytes;
         let (ulysses, ring) = (layout.ulysses_size() as u64, layout.ring_size as u64);
-        let rows = (config.batch_size / layout.dp_size / config.grad_accumulation).max(1) as u64;
-        let shard = config.seq_len.div_ceil(layout.sp_size) as u64;
+        let (rows, shard) = micro_batch(config);
         let (d, hd, f, vocab) = (model.d_model as u64, model.head_dim() as u64, model.ffn_hidden as u64, model.vocab_size as u64);
         let (heads, kv_heads) = (model.n_heads as u64, if model.repeat_kv { model.n_heads } else { model.n_kv_heads } as u64);
 
@@ -251,7 +264,7 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
             device_state_what(config)
         );
     };
-    let peak = estimated_peak(config, parameters, compute_bytes).expect("checkpointed");
+    let peak = states + a.peak();
     let mut parts = vec![
         format!("{} kept between steps ({}, of {parameters} parameters)", gb(states), device_state_what(config)),
         format!(
@@ -281,8 +294,8 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
     let in_layer = |bytes: u64| a.layer() > a.head && large(bytes);
     let checkpointing = config.layer_checkpointing.as_ref().expect("an estimate is made for checkpointed steps");
     let mut cuts = Vec::new();
-    let shard = config.seq_len.div_ceil(config.layout.sp_size);
-    if in_layer(a.tile) && checkpointing.tile_tokens.is_none() && shard > config.model.d_model {
+    let (_, shard) = micro_batch(config);
+    if in_layer(a.tile) && checkpointing.tile_tokens.is_none() && shard > config.model.d_model as u64 {
         cuts.push(format!("--tile-tokens {} runs the token-wise parts in tiles (ALST's size: d_model)", config.model.d_model));
     }
     if large(a.kept) {
