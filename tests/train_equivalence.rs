@@ -938,9 +938,9 @@ fn sharded_optimizer_state_trains_like_replicated_adamw() {
 
 /// ZeRO-3's update on the host runs beside the next step, on a thread of its own:
 /// `apply_step_zero3` returns before any group is updated, and each gather waits for its own
-/// group's new parts alone, the groups updated in the order a forward gathers them (the rest,
-/// with the embeddings, then layer 0, ...). Held to two groups (`pace_updates`), the rest and
-/// layer 0 are gathered at SP=2 while the last layer's update has not begun, and they hold
+/// group's new parts alone, the groups updated in the order a forward gathers them (the
+/// embedding's, then layer 0, ..., the head's). Held to two groups (`pace_updates`), the
+/// embedding and layer 0 are gathered at SP=2 while the last layer's update has not begun, and they hold
 /// the step's new values: not the old ones, and the same as once the whole update has ended.
 #[test]
 fn zero_3_gathers_each_group_once_the_host_optimizer_updated_it() {
@@ -961,7 +961,8 @@ fn zero_3_gathers_each_group_once_the_host_optimizer_updated_it() {
             let (pace, paced) = std::sync::mpsc::channel();
             optimizer.pace_updates(paced);
             let (model, mut parts) = ShardedParameters::shard(model, rank.rank(), 2, OptimizerPlace::Host).unwrap();
-            let early_groups = [ParameterGroup::Rest, ParameterGroup::Layer(0)];
+            // The fixture's head is untied: a forward gathers the embedding alone first.
+            let early_groups = [ParameterGroup::Embedding, ParameterGroup::Layer(0)];
             let gather = |parts: &mut ShardedParameters<Sp>, model: &ulysses_models::Decoder<Sp>| early_groups.map(|group| parameter_values(&parts.over(&*groups.world).gather(model, group).unwrap()));
             let before = gather(&mut parts, &model);
 
@@ -1067,50 +1068,105 @@ fn zero_3_trains_like_replicated_adamw() {
 }
 
 
-/// An output head of its own (not tied to the embedding) has its gradients, and the final
-/// norm's, complete after the head's piece: a checkpointed step hands them over there
-/// (`ParameterGroup::Head`, which ZeRO-3 reduce-scatters at once), not with the embedding's
-/// after every layer's backward, where an 8B model's head would be held whole in f32 (2 GB)
-/// through the layers. A tied head's gradient lands on the embedding, which its own piece adds
-/// to last: handed over then, once.
+/// An output head of its own (not tied to the embedding) is a group of its own with the final
+/// norm: a checkpointed step gathers it alone for the head's piece, and the embedding without
+/// it for the embedding's two (under ZeRO-3 1 GB of bf16 each at 8B, not both's 2 GB), and
+/// hands its gradients over right after its piece (`ParameterGroup::Head`, which ZeRO-3
+/// reduce-scatters at once), not with the embedding's after every layer's backward, where an 8B
+/// model's head would be held whole in f32 (2 GB) through the layers. A tied head's weight is
+/// the embedding's: both pieces gather the rest, and its gradient, which the embedding's piece
+/// adds to last, is handed over then, once.
 #[test]
-fn an_untied_head_s_gradients_are_handed_over_before_the_layers_backward() {
+fn an_untied_head_is_gathered_alone_and_its_gradients_handed_over_before_the_layers_backward() {
     use burn::{optim::GradientsParams, tensor::backend::AutodiffBackend};
     use ulysses_training::{LayerCheckpointing, LayerParameters, ParameterGroup, WholeParameters, checkpointed_backward_with};
     /// The model itself, as `WholeParameters`, taking each group's gradients as ZeRO-3 does:
-    /// the groups handed over and their gradients' count.
-    struct Recording(Vec<(ParameterGroup, usize)>);
+    /// the groups gathered, and those handed over with their gradients' count.
+    #[derive(Default)]
+    struct Recording {
+        gathered: Vec<ParameterGroup>,
+        handed: Vec<(ParameterGroup, usize)>,
+    }
     impl<B: AutodiffBackend, M: Clone> LayerParameters<B, M> for Recording {
         fn gather(&mut self, model: &M, group: ParameterGroup) -> Result<M, burn_ulysses::UlyssesError> {
+            self.gathered.push(group);
             <WholeParameters as LayerParameters<B, M>>::gather(&mut WholeParameters, model, group)
         }
         fn gradients_done(&mut self, _gathered: &M, group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, burn_ulysses::UlyssesError> {
-            self.0.push((group, grads.len()));
+            self.handed.push((group, grads.len()));
             Ok(None)
         }
     }
     let device = Default::default();
     let sequence: Vec<i64> = (0..16).map(|t| (t * 7 + 3) % 64).collect();
     let shard = burn_ulysses::data::SequenceSharder::new(1).shard_documents(&[sequence], None, 0);
+    let layers = [ParameterGroup::Layer(1), ParameterGroup::Layer(0)];
+    let forward = [ParameterGroup::Layer(0), ParameterGroup::Layer(1)];
     for tied in [false, true] {
         let model = DecoderConfig::new(64).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_tie_embeddings(tied).init::<Sp>(&device);
-        let mut recording = Recording(Vec::new());
+        let mut recording = Recording::default();
         let checkpointing = LayerCheckpointing::new();
         let (loss, left) = checkpointed_backward_with(&model, shard.tokens::<Sp>(&device), shard.labels::<Sp>(&device), &shard.positions, 1.0, -100, &checkpointing, 2, &mut recording, |_| {}).unwrap();
         assert!(loss.into_scalar().is_finite());
-        let calls: Vec<ParameterGroup> = recording.0.iter().map(|(group, _)| *group).collect();
-        let counts: Vec<usize> = recording.0.iter().map(|(_, count)| *count).collect();
-        let layers = [ParameterGroup::Layer(1), ParameterGroup::Layer(0)];
+        let calls: Vec<ParameterGroup> = recording.handed.iter().map(|(group, _)| *group).collect();
+        let counts: Vec<usize> = recording.handed.iter().map(|(_, count)| *count).collect();
+        let (embedding, head) = if tied { (ParameterGroup::Rest, ParameterGroup::Rest) } else { (ParameterGroup::Embedding, ParameterGroup::Head) };
+        assert_eq!(recording.gathered, [&[embedding][..], &forward, &[head], &layers, &[embedding]].concat(), "tied {tied}: the gathers");
         if tied {
             // The layers, then the rest: the embedding (its two gradients summed) and the final norm.
             assert_eq!(calls, [&layers[..], &[ParameterGroup::Rest]].concat(), "tied");
             assert_eq!(counts[2], 2, "tied: the rest's gradients {counts:?}");
         } else {
             // The head and the final norm first, the layers, then the embedding alone.
-            assert_eq!(calls, [&[ParameterGroup::Head][..], &layers, &[ParameterGroup::Rest]].concat(), "untied");
-            assert_eq!((counts[0], counts[3]), (2, 1), "untied: the head's and the rest's gradients {counts:?}");
+            assert_eq!(calls, [&[ParameterGroup::Head][..], &layers, &[ParameterGroup::Embedding]].concat(), "untied");
+            assert_eq!((counts[0], counts[3]), (2, 1), "untied: the head's and the embedding's gradients {counts:?}");
         }
         // Every parameter's gradient handed over once, none left with the step.
         assert_eq!((counts.iter().sum::<usize>(), left.len()), (ulysses_training::float_parameters(&model).len(), 0), "tied {tied}: {counts:?}");
+    }
+}
+
+/// What ZeRO-3 gathers for each group of the embedding's and the head's: an untied head's group
+/// holds the final norm and the head whole and the embedding a placeholder, the embedding's the
+/// reverse, the rest all three; each whole one as the model held it before it was sharded.
+#[test]
+fn zero_3_gathers_an_untied_head_apart_from_the_embedding() {
+    use ulysses_training::{LayerParameters, OptimizerPlace, ParameterGroup, ShardedParameters};
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/ulysses-models/tests/fixtures/qwen3");
+    let per_rank = with_deadline(Duration::from_secs(120), move || {
+        ThreadGroup::new(2).run(move |rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new().with_sp_size(2)).unwrap();
+            let device = Default::default();
+            let model = ulysses_models::from_pretrained::<Sp>(&fixture, &device).unwrap().model;
+            assert!(model.lm_head.is_some(), "the fixture's head must be untied");
+            let whole = parameter_values(&model);
+            let (model, mut parts) = ShardedParameters::shard(model, rank.rank(), 2, OptimizerPlace::Device).unwrap();
+            let gathered = [ParameterGroup::Head, ParameterGroup::Embedding, ParameterGroup::Rest]
+                .map(|group| (group, parameter_values(&parts.over(&*groups.world).gather(&model, group).unwrap())));
+            (whole, gathered)
+        })
+    });
+    for (rank, result) in per_rank.into_iter().enumerate() {
+        let (whole, gathered) = result.unwrap_or_else(|p| panic!("rank {rank}: {p}"));
+        for (group, values) in gathered {
+            let is_whole = |prefix: &str| {
+                let (name, got) = values.iter().find(|(name, _)| name.starts_with(prefix)).unwrap_or_else(|| panic!("no parameter {prefix}"));
+                let want = &whole.iter().find(|(n, _)| n == name).unwrap().1;
+                match got.len() {
+                    1 => false,
+                    _ => {
+                        assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()) && got.len() == want.len(), "rank {rank}, {group:?}: {name} gathered differs");
+                        true
+                    }
+                }
+            };
+            let (head, norm, embedding) = (is_whole("lm_head"), is_whole("norm"), is_whole("embedding"));
+            let want = match group {
+                ParameterGroup::Head => (true, true, false),
+                ParameterGroup::Embedding => (false, false, true),
+                _ => (true, true, true),
+            };
+            assert_eq!((head, norm, embedding), want, "rank {rank}, {group:?}: (head, final norm, embedding) whole");
+        }
     }
 }

@@ -255,8 +255,12 @@ impl<B: Backend> LayeredLm<B> for Decoder<B> {
         LmOutput::Hidden { hidden: self.final_norm(hidden), head: self.output_head() }
     }
 
-    fn head_stands_alone(&self) -> bool {
-        self.lm_head.is_some()
+    /// An untied head and the final norm (a tied head's weight is the embedding's).
+    fn visit_standalone_head<V: ModuleVisitor<B>>(&self, visitor: &mut V) {
+        if let Some(head) = &self.lm_head {
+            self.norm.visit(visitor);
+            head.visit(visitor);
+        }
     }
 }
 

@@ -204,8 +204,9 @@ impl StepActivations {
         let chunk = (ulysses_training::default_chunk_rows(model.vocab_size) as u64).min(tile_rows);
         let mut head = 3 * 4 * chunk * vocab + cb * 2 * tile_rows * d + vocab * d * (3 * weight_bytes + cb);
         if zero3 {
-            // The rest's parameters (embedding, final norm, head) gathered for the head.
-            head += cb * rest_parameters(model);
+            // The head's group gathered for its piece: the final norm and an untied head alone,
+            // a tied one with the embedding it is.
+            head += cb * if model.tie_embeddings { rest_parameters(model) } else { vocab * d + d };
         }
 
         let kept = if checkpointing.offload_to_host { 0 } else { (model.n_layers as u64 + 3) * rows * shard * d * cb };
@@ -214,7 +215,7 @@ impl StepActivations {
             // The layer's compute copy, its gradients summed in f32 and a tile's cast to f32
             // beside them; a tied head's gradient (it lands on the embedding) whole in f32
             // until the rest's gradients leave after the embedding's piece (an untied one
-            // leaves after the head's: `LayeredLm::head_stands_alone`).
+            // leaves after the head's: `LayeredLm::visit_standalone_head`).
             let head_gradient = if model.tie_embeddings && !config.freeze_embeddings { 4 * vocab * d } else { 0 };
             layer * (cb + 8) + head_gradient
         } else {

@@ -1342,7 +1342,7 @@ fn evaluate_in_parts<B: TrainBackend>(
             return evaluate_single_device(forward, batch, documents, targets, config.sharder().ignore_index, device).map(Some);
         }
         drop(forward);
-        join_layered_output_gathers(model.layer_count(), |group| gathers.gather(model, group).map(drop))?;
+        join_layered_output_gathers(model, |group| gathers.gather(model, group).map(drop))?;
         return Ok(None);
     }
     evaluate(forward, batch, documents, targets, &config.sharder(), groups.sp_rank(), &*groups.sp, device).map(Some)

@@ -90,7 +90,8 @@ pub trait LayeredLm<B: Backend>: Module<B> {
     /// Visits layer `index`'s parameters, and only them: ZeRO-3
     /// ([`ShardedParameters`](crate::ShardedParameters)) gathers them just before the layer
     /// runs. Every parameter no layer visits (embeddings, final norm, head) is gathered for
-    /// the embedding and the head.
+    /// the embedding and the head ([`visit_standalone_head`](Self::visit_standalone_head)
+    /// splits them).
     fn visit_layer<V: ModuleVisitor<B>>(&self, index: usize, visitor: &mut V);
     /// Token-wise, before layer `index`'s core: the layer's input at rows `rows` of the
     /// shard (`hidden: [batch, rows.len(), d_model]`) → the core's inputs there (q, k and v
@@ -113,14 +114,26 @@ pub trait LayeredLm<B: Backend>: Module<B> {
     /// What the loss is computed from, given the last layer's output: token-wise too, it
     /// may run on any slice of the sequence.
     fn head(&self, hidden: Tensor<B, 3>) -> LmOutput<B>;
-    /// Whether the parameters [`head`](Self::head) uses get a gradient from no other piece
-    /// (an output head not tied to the embedding): their gradients are then complete after the
-    /// head's piece and leave there ([`ParameterGroup::Head`]), not held whole through every
-    /// layer's backward (2 GB of f32 for an 8B model's head). `false`, the default, keeps them
-    /// to the end, with the embedding's.
-    fn head_stands_alone(&self) -> bool {
-        false
+    /// Visits every parameter [`head`](Self::head) uses (the final norm, the output weight)
+    /// where no other piece uses any of them (an output head not tied to the embedding), and
+    /// nothing otherwise (the default). Where it visits them they are a group of their own
+    /// ([`ParameterGroup::Head`]): ZeRO-3 gathers them alone for the head's piece, not with the
+    /// embedding (1 GB of bf16 for an 8B model), and their gradients leave right after that
+    /// piece, not held whole through every layer's backward (2 GB of f32).
+    fn visit_standalone_head<V: ModuleVisitor<B>>(&self, _visitor: &mut V) {}
+}
+
+/// Whether `model`'s head is a group of its own ([`LayeredLm::visit_standalone_head`]).
+fn head_stands_alone<B: Backend, M: LayeredLm<B>>(model: &M) -> bool {
+    struct Any(bool);
+    impl<B: Backend> ModuleVisitor<B> for Any {
+        fn visit_float<const D: usize>(&mut self, _param: &burn::module::Param<Tensor<B, D>>) {
+            self.0 = true;
+        }
     }
+    let mut any = Any(false);
+    model.visit_standalone_head(&mut any);
+    any.0
 }
 
 /// Whole-layer activation checkpointing (see the module doc).
@@ -193,13 +206,27 @@ impl LayerCheckpointing {
 pub enum ParameterGroup {
     /// Layer `index`'s ([`LayeredLm::visit_layer`]).
     Layer(usize),
-    /// Every parameter no layer holds: embeddings, final norm, head.
+    /// Every parameter no layer holds: embeddings, final norm, head. The embedding's and the
+    /// head's group where the head does not stand alone; the whole model's but the layers'
+    /// (a saved record's).
     Rest,
-    /// The rest's parameters the head's piece gave gradients to, where
-    /// [`LayeredLm::head_stands_alone`]: only ever passed to
-    /// [`gradients_done`](LayerParameters::gradients_done), before the layers' backward (the
-    /// rest's own call, after the embedding's piece, then carries the embedding's alone).
+    /// The rest without a standalone head's parameters: the embedding's group where the head
+    /// stands alone.
+    Embedding,
+    /// A standalone head's parameters ([`LayeredLm::visit_standalone_head`]): the head's group
+    /// where it stands alone, its gradients handed over right after its piece.
     Head,
+}
+
+impl ParameterGroup {
+    /// The groups the embedding's and the head's pieces of `model` use: `Embedding` and `Head`
+    /// where its head stands alone, else `Rest` for both.
+    pub fn of_embedding_and_head<B: Backend, M: LayeredLm<B>>(model: &M) -> (Self, Self) {
+        match head_stands_alone(model) {
+            true => (Self::Embedding, Self::Head),
+            false => (Self::Rest, Self::Rest),
+        }
+    }
 }
 
 /// Where a checkpointed step finds the parameters of each piece it runs, and leaves their
@@ -250,25 +277,26 @@ pub(crate) struct ReportProgress<'a, P, D> {
     step: usize,
     micro_batch: usize,
     started: std::time::Instant,
-    /// Gathers so far of the rest and of each layer: the first is the forward's.
-    rest_gathers: usize,
+    /// Gathers so far of the groups outside the layers (the embedding's or the head's) and of
+    /// each layer: the first is the forward's.
+    outside_layer_gathers: usize,
     layer_gathers: Vec<usize>,
     device: D,
 }
 
 impl<'a, P, D> ReportProgress<'a, P, D> {
     pub(crate) fn new(parameters: &'a mut P, report: bool, step: usize, micro_batch: usize, device: D) -> Self {
-        Self { parameters, report, step, micro_batch, started: std::time::Instant::now(), rest_gathers: 0, layer_gathers: Vec::new(), device }
+        Self { parameters, report, step, micro_batch, started: std::time::Instant::now(), outside_layer_gathers: 0, layer_gathers: Vec::new(), device }
     }
 
     /// Reports that the step asks for `group`'s parameters.
     fn report<B: TrainBackend<Device = D>>(&mut self, group: ParameterGroup) {
         let what = match group {
-            ParameterGroup::Rest => {
-                self.rest_gathers += 1;
-                ["the embedding's forward", "the head and the loss", "the embedding's backward"].get(self.rest_gathers - 1).copied().unwrap_or("the embeddings and head").to_string()
+            // The embedding's forward, the head's piece, the embedding's backward, in that order.
+            ParameterGroup::Rest | ParameterGroup::Embedding | ParameterGroup::Head => {
+                self.outside_layer_gathers += 1;
+                ["the embedding's forward", "the head and the loss", "the embedding's backward"].get(self.outside_layer_gathers - 1).copied().unwrap_or("the embeddings and head").to_string()
             }
-            ParameterGroup::Head => unreachable!("the head's group is never gathered: it names gradients alone"),
             ParameterGroup::Layer(index) => {
                 if self.layer_gathers.len() <= index {
                     self.layer_gathers.resize(index + 1, 0);
@@ -571,7 +599,8 @@ where
     //    gathered for it alone.
     let inner_context = model.valid().context(positions, &device);
     let mut kept = Vec::with_capacity(layers);
-    let embedded = parameters.gather(model, ParameterGroup::Rest)?.valid().embed(tokens.clone().inner(), &inner_context);
+    let (embedding_group, head_group) = ParameterGroup::of_embedding_and_head(model);
+    let embedded = parameters.gather(model, embedding_group)?.valid().embed(tokens.clone().inner(), &inner_context);
     let mut hidden = Kept::keep(embedded, offload);
     for index in 0..layers {
         let layer = parameters.gather(model, ParameterGroup::Layer(index))?.valid();
@@ -584,10 +613,10 @@ where
     let mut accumulator = GradientsAccumulator::<M>::new();
     let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
     let mut upstream = KeptTiles::new(offload);
-    let rest = parameters.gather(model, ParameterGroup::Rest)?;
+    let head = parameters.gather(model, head_group)?;
     for rows in tile_ranges(shard_len, tiles) {
         let last = leaf(hidden.restore_rows(&rows, &device));
-        let loss = lm_loss_sum(rest.head(last.clone()), rows_of(&labels, 1, &rows), ignore_index) * weight;
+        let loss = lm_loss_sum(head.head(last.clone()), rows_of(&labels, 1, &rows), ignore_index) * weight;
         let tile_loss = loss.clone().inner();
         loss_sum = Some(match loss_sum.take() {
             Some(sum) => sum + tile_loss,
@@ -596,14 +625,14 @@ where
         probe(Piece::Head);
         let grads = loss.backward();
         upstream.push(upstream_of(&last, &grads, "the head")?);
-        accumulator.accumulate(model, grads_in_f32(GradientsParams::from_grads(grads, &rest), &rest));
+        accumulator.accumulate(model, grads_in_f32(GradientsParams::from_grads(grads, &head), &head));
     }
-    if model.head_stands_alone()
-        && let Some(grads) = parameters.gradients_done(&rest, ParameterGroup::Head, accumulator.grads())?
+    if head_group == ParameterGroup::Head
+        && let Some(grads) = parameters.gradients_done(&head, head_group, accumulator.grads())?
     {
         accumulator.accumulate(model, grads);
     }
-    drop((hidden, rest));
+    drop((hidden, head));
     let mut upstream = upstream.finish();
 
     // 3. Layers, last first, each re-run from its input in three pieces (see the module doc).
@@ -671,15 +700,15 @@ where
         }
     }
 
-    // 4. Embedding; then the rest's gradients (the head's too: a tied head's weight is the
-    //    embedding's, its two gradients summed before they leave).
-    let rest = parameters.gather(model, ParameterGroup::Rest)?;
-    let embedded = rest.embed(tokens, &context);
+    // 4. Embedding; then its group's gradients (the head's too where it does not stand alone:
+    //    a tied head's weight is the embedding's, its two gradients summed before they leave).
+    let embedding = parameters.gather(model, embedding_group)?;
+    let embedded = embedding.embed(tokens, &context);
     let seed = (embedded * Tensor::from_inner(upstream.restore(&device))).sum();
     probe(Piece::Embedding);
     let grads = seed.backward();
-    accumulator.accumulate(&rest, grads_in_f32(GradientsParams::from_grads(grads, &rest), &rest));
-    let grads = parameters.gradients_done(&rest, ParameterGroup::Rest, accumulator.grads())?.unwrap_or_else(GradientsParams::new);
+    accumulator.accumulate(&embedding, grads_in_f32(GradientsParams::from_grads(grads, &embedding), &embedding));
+    let grads = parameters.gradients_done(&embedding, embedding_group, accumulator.grads())?.unwrap_or_else(GradientsParams::new);
     Ok((loss_sum.expect("a shard has at least one tile"), grads))
 }
 
@@ -717,20 +746,22 @@ pub fn layered_output<B: Backend, M: LayeredLm<B>>(
     let device = tokens.device();
     check_tiles(tiles, tokens.dims()[1])?;
     let context = model.context(positions, &device);
-    let mut hidden = Kept::keep(gather(ParameterGroup::Rest)?.embed(tokens, &context), None);
+    let (embedding_group, head_group) = ParameterGroup::of_embedding_and_head(model);
+    let mut hidden = Kept::keep(gather(embedding_group)?.embed(tokens, &context), None);
     for index in 0..model.layer_count() {
         hidden = layer_in_tiles(&gather(ParameterGroup::Layer(index))?, index, &hidden, tiles, &context, None, &device);
     }
-    Ok(gather(ParameterGroup::Rest)?.head(hidden.restore(&device)))
+    Ok(gather(head_group)?.head(hidden.restore(&device)))
 }
 
-/// The gathers [`layered_output`] makes, in its order (the rest for the embeddings, each layer,
-/// the rest for the head), for a rank that only joins them while another runs the model alone
-/// (an evaluation on world rank 0: `evaluate_single_device`).
-pub fn join_layered_output_gathers(layer_count: usize, mut gather: impl FnMut(ParameterGroup) -> Result<(), UlyssesError>) -> Result<(), UlyssesError> {
-    gather(ParameterGroup::Rest)?;
-    (0..layer_count).try_for_each(|index| gather(ParameterGroup::Layer(index)))?;
-    gather(ParameterGroup::Rest)
+/// The gathers [`layered_output`] makes of `model`, in its order (the embedding's group, each
+/// layer, the head's group), for a rank that only joins them while another runs the model
+/// alone (an evaluation on world rank 0: `evaluate_single_device`).
+pub fn join_layered_output_gathers<B: Backend, M: LayeredLm<B>>(model: &M, mut gather: impl FnMut(ParameterGroup) -> Result<(), UlyssesError>) -> Result<(), UlyssesError> {
+    let (embedding_group, head_group) = ParameterGroup::of_embedding_and_head(model);
+    gather(embedding_group)?;
+    (0..model.layer_count()).try_for_each(|index| gather(ParameterGroup::Layer(index)))?;
+    gather(head_group)
 }
 
 /// Refuses a tile count a shard of `shard_len` tokens cannot be cut into.

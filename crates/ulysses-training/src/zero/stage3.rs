@@ -3,14 +3,15 @@
 //! (`ulysses_core::zero::Partition`) of every parameter's compute copy, on the device; the
 //! model between steps holds placeholders. A checkpointed step
 //! ([`checkpointed_backward_with`](crate::checkpointed_backward_with)) asks for one
-//! [`ParameterGroup`] at a time, a layer or the rest (embeddings, final norm, head):
+//! [`ParameterGroup`] at a time, a layer or the rest (embeddings, final norm, head; a
+//! standalone head and the embedding apart, [`LayeredLm::visit_standalone_head`]):
 //!
 //! - the group's parts are all-gathered (in the compute dtype, one collective for each
 //!   [`GRADIENT_BUCKET_BYTES`] of this rank's parts) into a copy of the model just before its
 //!   pieces run, and
 //!   released with that copy after them: a layer's for its forward, again for its backward
-//!   (recomputed under layer checkpointing); the rest's for the embedding, the head, and the
-//!   embedding's backward;
+//!   (recomputed under layer checkpointing); the embedding's for its forward and backward, the
+//!   head's for its piece (both the rest's where the head is tied);
 //! - a group's gradients, once complete, are reduce-scattered (cast to f32, in buckets, each
 //!   laid out rank-major as [`ShardedAdamW`]'s: the sums an all-reduce gives, in the same
 //!   order) and this rank keeps its part where the optimizer runs ([`OptimizerPlace`]: copied to
@@ -21,14 +22,14 @@
 //!   parts, cast to the compute dtype, become the compute copy's parts
 //!   ([`apply_step_zero3`](crate::apply_step_zero3)): no all-gather after the step. On the host
 //!   the update runs on a thread of its own while the device goes on with the next step: it
-//!   takes the groups in the order the next forward gathers them (the rest, with the
-//!   embeddings, then the layers), and each gather waits only for its own group's parts.
+//!   takes the groups in the order the next forward gathers them (the embedding's, the
+//!   layers, the head's), and each gather waits only for its own group's parts.
 //!
 //! So a rank holds `1/world` of the compute copy and of the gradients between steps; during a
-//! step, besides, one group whole (a layer, or the embedding and head), with the optimizer on
-//! the host the previous layer's gradient parts until they arrive, and, from the head's
-//! backward to the embedding's, the rest's whole gradients (a tied head's and embedding's are
-//! summed before they leave). With
+//! step, besides, one group whole (a layer, the embedding, the head, or a tied embedding and
+//! head together), with the optimizer on the host the previous group's gradient parts until
+//! they arrive, and, where the head is tied, from the head's backward to the embedding's, the
+//! rest's whole gradients (the head's and the embedding's are summed before they leave). With
 //! [`ShardedParameters::with_parts_on_host`] the compute copy's parts wait in host memory and
 //! the device holds none between gathers; with [`ShardedAdamW`] they are its f32 master
 //! weights themselves (shared from the start by [`ShardedParameters::share_master_weights`],
@@ -208,9 +209,12 @@ pub struct ShardedParameters<B: TrainBackend> {
     rank: usize,
     /// Every float parameter of the model, in its visit order (the optimizer's order).
     parameters: Vec<PartOf<B>>,
-    /// Indices into `parameters` of each layer's, and of the rest's.
+    /// Indices into `parameters` of each layer's; of the rest's (every other), and of the rest
+    /// without, and with only, a standalone head's (`ParameterGroup::Embedding`, `Head`).
     layers: Vec<Vec<usize>>,
     rest: Vec<usize>,
+    embedding: Vec<usize>,
+    head: Vec<usize>,
     /// This rank's part of each parameter's gradient summed over the world, summed over this
     /// step's shards so far, where the optimizer runs.
     grad_parts: GradParts<B>,
@@ -299,7 +303,18 @@ impl<B: TrainBackend> ShardedParameters<B> {
             }
             layers.push(indices);
         }
-        let rest = (0..found.len()).filter(|&i| owner[i].is_none()).collect();
+        let rest: Vec<usize> = (0..found.len()).filter(|&i| owner[i].is_none()).collect();
+        let mut head = CollectIds(Vec::new());
+        model.visit_standalone_head(&mut head);
+        if let Some(index) = head.0.iter().find_map(|id| index_of.get(id).filter(|&&i| owner[i].is_some())) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "{} is visited by LayeredLm::visit_standalone_head and by visit_layer({}): a standalone head's parameters are its own",
+                found[*index].path,
+                owner[*index].unwrap_or_default()
+            )));
+        }
+        let head: Vec<usize> = rest.iter().copied().filter(|&i| head.0.contains(&found[i].id)).collect();
+        let embedding = rest.iter().copied().filter(|i| !head.contains(i)).collect();
         let parameters = found
             .into_iter()
             .map(|p| {
@@ -311,7 +326,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
         let device = model.devices().first().cloned().ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 of a model without parameters".into()))?;
         let model = model.map(&mut Placeholders);
         let cast_threads = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
-        Ok((model, Self { partition, rank, parameters, layers, rest, grad_parts, in_flight: Vec::new(), optimizer, updates: None, device, cast_threads }))
+        Ok((model, Self { partition, rank, parameters, layers, rest, embedding, head, grad_parts, in_flight: Vec::new(), optimizer, updates: None, device, cast_threads }))
     }
 
     /// The parts kept in host memory between their gathers, uploaded for each
@@ -457,7 +472,9 @@ impl<B: TrainBackend> ShardedParameters<B> {
     fn group(&self, group: ParameterGroup) -> &[usize] {
         match group {
             ParameterGroup::Layer(index) => &self.layers[index],
-            ParameterGroup::Rest | ParameterGroup::Head => &self.rest,
+            ParameterGroup::Rest => &self.rest,
+            ParameterGroup::Embedding => &self.embedding,
+            ParameterGroup::Head => &self.head,
         }
     }
 
@@ -491,7 +508,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
                 self.add_arrived(arrived)?;
                 // The rest is a shard's last group: its parts (embeddings and head, the largest)
                 // arrive now rather than wait on the device through the next micro-batch.
-                if group == ParameterGroup::Rest {
+                if matches!(group, ParameterGroup::Rest | ParameterGroup::Embedding) {
                     self.arrive_gradient_parts()?;
                 }
             }
@@ -595,10 +612,10 @@ impl<B: TrainBackend> ShardedParameters<B> {
             .collect()
     }
 
-    /// The groups in the order a forward gathers them: the rest (the embeddings come first),
-    /// then the layers. The host optimizer updates them in this order.
+    /// The groups in the order a forward gathers them: the embedding's (the rest's, but a
+    /// standalone head's), the layers', the head's. The host optimizer updates them in this order.
     fn forward_order(&self) -> Vec<Vec<usize>> {
-        std::iter::once(self.rest.clone()).chain(self.layers.iter().cloned()).collect()
+        std::iter::once(self.embedding.clone()).chain(self.layers.iter().cloned()).chain(std::iter::once(self.head.clone())).collect()
     }
 
     /// Puts in place the new parts of `indices` that the last step's update has not yet handed
