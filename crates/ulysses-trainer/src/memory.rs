@@ -37,8 +37,8 @@ use crate::train::TrainConfig;
 /// Bytes a rank's device keeps between steps for each of `parameters` (a lower bound: a step's
 /// activations and gathered layer come on top): replicated without the host optimizer, the
 /// f32 parameters, their gradients and AdamW's two moments (16); with it, the compute copy and
-/// its gradients (f32 where layers are checkpointed: their pieces' gradients are summed in
-/// f32); under `--zero 3` a 1/world part of what the device keeps: the compute copy's (none
+/// its gradients (f32 where layers are checkpointed or micro-batches accumulated: their sums
+/// are f32); under `--zero 3` a 1/world part of what the device keeps: the compute copy's (none
 /// with `--offload-parameters`), and with the optimizer on the device its f32 master weights,
 /// moments and gradients too.
 pub fn device_state_bytes(config: &TrainConfig, parameters: u64, compute_bytes: u64) -> u64 {
@@ -64,9 +64,9 @@ fn device_state_what(config: &TrainConfig) -> &'static str {
 }
 
 /// Bytes of a parameter's gradient on a replicated rank: f32 where it is an f32 parameter's
-/// or where checkpointed pieces sum it in f32, else the compute dtype's.
+/// or where checkpointed pieces or micro-batches sum it in f32, else the compute dtype's.
 fn gradient_bytes(config: &TrainConfig, compute_bytes: u64) -> u64 {
-    if !config.offload_optimizer || config.layer_checkpointing.is_some() { 4 } else { compute_bytes }
+    if !config.offload_optimizer || config.layer_checkpointing.is_some() || config.grad_accumulation > 1 { 4 } else { compute_bytes }
 }
 
 /// Bytes a rank keeps in host memory for each of `parameters` with `--offload-optimizer`: of

@@ -228,7 +228,12 @@ where
         model_failure_as_error(|| {
             let output = model.lm_output(shard.tokens(device), &shard.positions);
             let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
-            (shard_loss.clone().inner(), GradientsParams::from_grads(shard_loss.backward(), model))
+            let grads = GradientsParams::from_grads(shard_loss.backward(), model);
+            // A half-precision compute copy's gradients (the optimizer's on the host) are summed
+            // over micro-batches in f32, as a checkpointed step's pieces are: a bf16 sum keeps 8
+            // bits of each. One micro-batch's stay as they are: the optimizer casts them itself.
+            let grads = if step.micro_batches.len() > 1 { layers::grads_in_f32(grads, model) } else { grads };
+            (shard_loss.clone().inner(), grads)
         })
     })
 }
