@@ -140,8 +140,9 @@ struct Args {
     /// Face's Trainer does by default (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     max_grad_norm: f64,
-    /// AdamW's decoupled weight decay: each step multiplies the parameters by 1 − lr × this
-    /// (PyTorch's default; Hugging Face's Trainer defaults to 0).
+    /// AdamW's decoupled weight decay: each step multiplies the weight matrices (not the norms'
+    /// gains or biases, as Hugging Face's Trainer decays) by 1 − lr × this (PyTorch's default;
+    /// the Trainer's is 0).
     #[arg(long, default_value_t = 0.01)]
     weight_decay: f32,
     /// AdamW's β₁, the first moment's decay (PyTorch's default).
@@ -206,7 +207,7 @@ struct Args {
     #[arg(long, conflicts_with_all = ["d_model", "layers", "heads", "kv_heads", "ffn_hidden"])]
     model: Option<PathBuf>,
     /// Train nothing: print the loss and perplexity of the --model on all of --data, at any
-    /// --sp, --ring and --dp.
+    /// --sp and --dp.
     #[arg(long, requires = "model", conflicts_with_all = ["resume", "stop_after", "save_hf"])]
     eval_only: bool,
     /// Keep the token embeddings (and an output head tied to them) as they are: no gradient,
@@ -240,6 +241,8 @@ struct Args {
     backend: BackendKind,
     #[arg(long, value_enum, default_value = "auto")]
     launch: LaunchMode,
+    /// How ranks that are processes pass tensors (ranks that are threads of one process share
+    /// its memory and use neither).
     #[arg(long, value_enum, default_value = "auto")]
     transport: TransportKind,
     /// Device index of this process [default: LOCAL_RANK, or 0 where CUDA_VISIBLE_DEVICES shows
@@ -250,7 +253,8 @@ struct Args {
     /// --zero 3 the other ranks join its gathers, a layer at a time).
     #[arg(long)]
     eval_single_device: bool,
-    /// Verify every this many steps that all ranks hold identical parameters (0: never).
+    /// Verify every this many steps that all ranks hold identical parameters (0: never; under
+    /// --zero 3 each rank holds parts, not a copy: never).
     #[arg(long, default_value_t = 50)]
     check_parameters_every: usize,
     /// Seed of the initial parameters and of the batches.
@@ -462,10 +466,10 @@ struct Job<'a> {
 /// does not give, so that a plain `--resume DIR` continues that run. Before, the flags'
 /// defaults applied: a learning-rate schedule 150 times the run's (warned about alone), or a
 /// refusal naming `--seq-len`. A setting given and different is kept: `check_resumable`
-/// refuses what would train something else and warns of another schedule. Returns the
-/// settings taken, as flags, and those of the run's memory settings that memory flags given
-/// here replace (named in a warning).
-fn take_resumed_settings(args: &mut Args, saved: &RunState) -> (Vec<String>, Vec<String>) {
+/// refuses what would train something else and warns of another schedule. `threads`: the
+/// ranks are this process's threads, whose DP degree is `--dp`'s (with processes, what the
+/// world leaves).
+fn take_resumed_settings(args: &mut Args, saved: &RunState, threads: bool) -> ResumedSettings {
     let given = args.given.clone();
     let mut taken = Vec::new();
     let mut take = |id: &str, differs: bool, flag: String| {
@@ -484,8 +488,11 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> (Vec<String>, Vec
         args.learning_rate = config.learning_rate;
     }
     // A config that does not read (another burn's) takes none: check_resumable names it.
-    // A warm-up the run chose is kept; its default follows the steps (which a resume may change).
-    if take("warmup_steps", config.warmup_steps != default_warmup(config.steps), format!("--warmup-steps {}", config.warmup_steps)) {
+    // The run's warm-up, the default's too: a resume with more --steps would otherwise warm up
+    // again, to the new steps' default, from part way through the peak. Fewer --steps than it
+    // (a schedule that changes anyway, warned of) take their own default.
+    let warmup_fits = config.warmup_steps <= args.steps;
+    if take("warmup_steps", warmup_fits && config.warmup_steps != default_warmup(args.steps), format!("--warmup-steps {}", config.warmup_steps)) {
         args.warmup_steps = Some(config.warmup_steps);
     }
     if take("lr_schedule", args.lr_schedule != config.lr_schedule, format!("--lr-schedule {:?}", config.lr_schedule).to_lowercase()) {
@@ -530,18 +537,28 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> (Vec<String>, Vec
         args.freeze_embeddings = config.freeze_embeddings;
     }
     // The layout may change; unless any of it is given, it is the checkpoint's (DP with
-    // processes is what the world leaves).
+    // processes is what the world leaves), else those of its flags not given again are named.
     let layout = &config.layout;
-    if !["sp", "ring", "dp", "zigzag"].iter().any(|id| given.contains(*id)) {
-        if take("sp", args.sp != layout.sp_size, format!("--sp {}", layout.sp_size)) {
-            args.sp = layout.sp_size;
-        }
-        if take("ring", args.ring != layout.ring_size, format!("--ring {}", layout.ring_size)) {
-            args.ring = layout.ring_size;
-        }
-        let zigzag = layout.ring_sharding == burn_ulysses::ring::RingSharding::Zigzag;
-        if take("zigzag", args.zigzag != zigzag, "--zigzag".into()) {
-            args.zigzag = zigzag;
+    let zigzag = layout.ring_sharding == burn_ulysses::ring::RingSharding::Zigzag;
+    let saved_layout = [
+        ("sp", args.sp != layout.sp_size, format!("--sp {}", layout.sp_size)),
+        ("ring", args.ring != layout.ring_size, format!("--ring {}", layout.ring_size)),
+        ("zigzag", args.zigzag != zigzag, "--zigzag".to_string()),
+        ("dp", threads && args.dp.unwrap_or(1) != layout.dp_size, format!("--dp {}", layout.dp_size)),
+    ];
+    let mut replaced_layout = Vec::new();
+    if saved_layout.iter().any(|(id, ..)| given.contains(*id)) {
+        replaced_layout = saved_layout.into_iter().filter(|(id, differs, _)| !given.contains(*id) && *differs).map(|(.., flag)| flag).collect();
+    } else {
+        for (id, differs, flag) in saved_layout {
+            if take(id, differs, flag) {
+                match id {
+                    "sp" => args.sp = layout.sp_size,
+                    "ring" => args.ring = layout.ring_size,
+                    "zigzag" => args.zigzag = zigzag,
+                    _ => args.dp = Some(layout.dp_size),
+                }
+            }
         }
     }
     if take("seed", args.seed != saved.seed, format!("--seed {}", saved.seed)) {
@@ -585,8 +602,8 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> (Vec<String>, Vec
         ("offload_parameters", args.offload_parameters != config.offload_parameters, "--offload-parameters".into()),
     ];
     if saved_memory.iter().any(|(id, ..)| given.contains(*id)) {
-        let replaced = saved_memory.into_iter().filter(|(id, differs, _)| !given.contains(*id) && *differs).map(|(.., flag)| flag).collect();
-        return (taken, replaced);
+        let replaced_memory = saved_memory.into_iter().filter(|(id, differs, _)| !given.contains(*id) && *differs).map(|(.., flag)| flag).collect();
+        return ResumedSettings { taken, replaced_layout, replaced_memory };
     }
     for (id, differs, flag) in saved_memory {
         if take(id, differs, flag) {
@@ -600,7 +617,16 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState) -> (Vec<String>, Vec
             }
         }
     }
-    (taken, Vec::new())
+    ResumedSettings { taken, replaced_layout, replaced_memory: Vec::new() }
+}
+
+/// What [`take_resumed_settings`] did: the settings it took, as flags; and those of the run's
+/// layout and memory settings that layout or memory flags given here replace (each group as a
+/// whole), named in a warning.
+struct ResumedSettings {
+    taken: Vec<String>,
+    replaced_layout: Vec<String>,
+    replaced_memory: Vec<String>,
 }
 
 /// The warm-up a run takes without --warmup-steps: 20 steps, or a fifth of `steps` where that
@@ -623,9 +649,15 @@ fn is_byte_model(model: &ulysses_models::DecoderConfig) -> bool {
 
 /// The flags given that change nothing in this run, each with why: warned, not refused (one
 /// launch script may serve runs of several kinds).
-fn ignored_flags(args: &Args, config: &TrainConfig) -> Vec<String> {
+fn ignored_flags(args: &Args, config: &TrainConfig, threads: bool) -> Vec<String> {
     let given = |id: &str| args.given.contains(id);
     let mut notes = Vec::new();
+    if given("transport") && threads {
+        notes.push("--transport connects ranks that are processes, and these ranks are threads of this one: it changes nothing".to_string());
+    }
+    if given("check_parameters_every") && config.zero_stage == 3 && !args.eval_only {
+        notes.push("--check-parameters-every compares the ranks' parameters, and under --zero 3 each holds its own part of them: it changes nothing".to_string());
+    }
     if given("zigzag") && args.ring == 1 {
         notes.push("--zigzag cuts each sequence over the ring, and --ring 1 makes none: it changes nothing (give --ring 2 or more)".to_string());
     }
@@ -637,7 +669,7 @@ fn ignored_flags(args: &Args, config: &TrainConfig) -> Vec<String> {
     }
     if args.eval_only {
         let flags = |ids: &[&str]| -> Vec<String> { ids.iter().filter(|id| given(id)).map(|id| format!("--{}", id.replace('_', "-"))).collect() };
-        let training = flags(&["steps", "learning_rate", "grad_accumulation", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save"]);
+        let training = flags(&["steps", "learning_rate", "grad_accumulation", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save", "out", "overwrite", "offload_to_host", "progress"]);
         if !training.is_empty() {
             notes.push(format!("--eval-only trains nothing and saves nothing: {} change nothing", training.join(", ")));
         }
@@ -666,19 +698,36 @@ fn run(mut args: Args) -> Result<(), String> {
     if let Some(folder) = args.tokenizer.clone().filter(|path| path.is_dir()) {
         args.tokenizer = Some(folder.join("tokenizer.json"));
     }
+    // --launch threads reads no launcher variable: a broken or foreign one must not stop it.
+    let launch = match args.launch {
+        LaunchMode::Threads => {
+            // Each process a launcher started would run the whole job (and contend for --out).
+            if std::env::var("WORLD_SIZE").ok().and_then(|w| w.trim().parse::<usize>().ok()).is_some_and(|w| w > 1) {
+                tracing::warn!("--launch threads under a launcher (WORLD_SIZE is set): every process runs the whole job with its ranks as threads; leave --launch out to run one rank a process");
+            }
+            Launch::Threads
+        }
+        mode => match (mode, Launch::from_env().map_err(|e| e.to_string())?) {
+            (LaunchMode::Process, Launch::Threads) => {
+                return Err("--launch process, but no launcher set RANK and WORLD_SIZE (or an srun step's SLURM_PROCID): \
+                            start this program with ulysses-launch, torchrun or srun"
+                    .into());
+            }
+            (_, launch) => launch,
+        },
+    };
     // The --resume checkpoint's state, read once: its settings fill the flags not given, and
     // it is checked against the run once the run is set up.
     let resumed: Option<RunState> = args.resume.as_deref().map(read_checkpoint_state).transpose().map_err(|e| e.to_string())?;
     if let Some(saved) = &resumed {
-        let (taken, replaced) = take_resumed_settings(&mut args, saved);
-        if !taken.is_empty() {
-            tracing::info!("resuming with the checkpoint's {}", taken.join(", "));
+        let resumed = take_resumed_settings(&mut args, saved, matches!(launch, Launch::Threads));
+        if !resumed.taken.is_empty() {
+            tracing::info!("resuming with the checkpoint's {}", resumed.taken.join(", "));
         }
-        if !replaced.is_empty() {
-            tracing::warn!(
-                "the resumed run's {} are not kept: memory flags given here replace its memory settings as a whole; give them again to keep them",
-                replaced.join(", ")
-            );
+        for (replaced, what) in [(&resumed.replaced_layout, "layout flags given here replace its layout"), (&resumed.replaced_memory, "memory flags given here replace its memory settings")] {
+            if !replaced.is_empty() {
+                tracing::warn!("the resumed run's {} are not kept: {what} as a whole; give them again to keep them", replaced.join(", "));
+            }
         }
     }
     // A fine-tune's checkpoint holds its weights and settings, not the --model (or
@@ -699,24 +748,6 @@ fn run(mut args: Args) -> Result<(), String> {
     if args.progress && !args.checkpoint_layers {
         return Err("--progress logs each layer's forward and backward under --checkpoint-layers: give --checkpoint-layers too".into());
     }
-    // --launch threads reads no launcher variable: a broken or foreign one must not stop it.
-    let launch = match args.launch {
-        LaunchMode::Threads => {
-            // Each process a launcher started would run the whole job (and contend for --out).
-            if std::env::var("WORLD_SIZE").ok().and_then(|w| w.trim().parse::<usize>().ok()).is_some_and(|w| w > 1) {
-                tracing::warn!("--launch threads under a launcher (WORLD_SIZE is set): every process runs the whole job with its ranks as threads; leave --launch out to run one rank a process");
-            }
-            Launch::Threads
-        }
-        mode => match (mode, Launch::from_env().map_err(|e| e.to_string())?) {
-            (LaunchMode::Process, Launch::Threads) => {
-                return Err("--launch process, but no launcher set RANK and WORLD_SIZE (or an srun step's SLURM_PROCID): \
-                            start this program with ulysses-launch, torchrun or srun"
-                    .into());
-            }
-            (_, launch) => launch,
-        },
-    };
     // --device on every process of a node that sees all its GPUs: all of them on that one GPU.
     let sees_one_gpu = ulysses_dist::env::shows_one_device(std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref());
     if let (Some(index), Launch::Process(env), true) = (args.device, &launch, args.backend != BackendKind::Cpu)
@@ -950,9 +981,10 @@ fn run(mut args: Args) -> Result<(), String> {
         }
         if config.precision != Precision::F32 {
             return Err(format!(
-                "--precision {}: the CPU backend (NdArray) computes neither bf16 nor f16: train in f32 (--precision f32), or on a GPU \
+                "--precision {}{}: the CPU backend (NdArray) computes neither bf16 nor f16: train in f32 (--precision f32), or on a GPU \
                  (--backend cuda)",
-                format!("{:?}", config.precision).to_lowercase()
+                format!("{:?}", config.precision).to_lowercase(),
+                if args.precision.is_some() && !args.given.contains("precision") { " (the checkpoint's)" } else { "" }
             ));
         }
     }
@@ -965,7 +997,7 @@ fn run(mut args: Args) -> Result<(), String> {
 
     let is_first = matches!(&launch, Launch::Threads) || matches!(&launch, Launch::Process(env) if env.rank == 0);
     if is_first {
-        for note in ignored_flags(&args, &config) {
+        for note in ignored_flags(&args, &config, matches!(launch, Launch::Threads)) {
             tracing::warn!("{note}");
         }
     }
@@ -995,6 +1027,23 @@ fn run(mut args: Args) -> Result<(), String> {
             Box::new(OwnedCorpus { corpus, config: config.clone() })
         }
     };
+    // Evaluations of a held-out batch the data does not have would never run: the summary's
+    // held-out loss would stay "-" without a word why.
+    if !args.eval_only && config.eval_every > 0 && data.eval_batch().is_none() {
+        let why = format!(
+            "--eval-every {} evaluates nothing: {} holds no batch out (it makes fewer than two batches of --batch-size {}, or its last ones continue a document trained on); \
+             give --eval-data FILE to evaluate on, or --eval-every 0",
+            config.eval_every,
+            args.data.as_ref().or(args.tokens.as_ref()).unwrap_or(&args.corpus).display(),
+            config.batch_size
+        );
+        if args.given.contains("eval_every") {
+            return Err(why);
+        }
+        if is_first {
+            tracing::warn!("{why}");
+        }
+    }
     let data_path = args.data.as_ref().or(args.tokens.as_ref()).unwrap_or(&args.corpus);
     let mut data_identity = if args.data.is_some() { DataIdentity::of_data(data_path)? } else { DataIdentity::of(data_path)? };
     if let Some(eos) = data_eos {

@@ -21,8 +21,8 @@
 //! - **the loss**: a tile's logits in chunks ([`ulysses_training::default_chunk_rows`]) in
 //!   f32, with their softmax and gradient, and the head weight's gradient and casts;
 //! - under ZeRO-3, the layer gathered for its pieces, its gradients in f32 before they are
-//!   reduce-scattered, a tied head's gradient whole, and the rest's parameters gathered for
-//!   the head; without it, after a first micro-batch, the step's gradient sum.
+//!   reduce-scattered, a tied head's gradient whole, and the head's group gathered for its
+//!   piece (the final norm and an untied head, or a tied one with its embedding); without it, after a first micro-batch, the step's gradient sum.
 //!
 //! The peak is the kept tensors plus the largest of the head's piece and a layer's. The
 //! tensors are those the code holds; what the backend's pools reserve beyond them (CubeCL
@@ -120,7 +120,7 @@ pub struct StepActivations {
     /// Ulysses the core's output in the shard's layout, which the tiles read).
     pub tile: u64,
     /// The head's piece: a tile's logits in chunks, their softmax and gradient, the head
-    /// weight's gradient and its casts (under ZeRO-3 the rest's parameters gathered too).
+    /// weight's gradient and its casts (under ZeRO-3 the head's group gathered too).
     pub head: u64,
     /// Under ZeRO-3, beside each layer's pieces: the layer gathered, its gradients in f32 as
     /// they are summed, and a tied head's gradient whole.

@@ -1293,19 +1293,19 @@ where
     B: TrainBackend,
 {
     let sharder = config.sharder();
-    if config.eval_single_device {
-        let is_first = groups.world_rank() == 0;
-        let forward = |tokens, positions: &ShardPositions| Ok(model.lm_output(tokens, positions));
-        return is_first.then(|| evaluate_single_device(forward, batch, documents, targets, sharder.ignore_index, device)).transpose();
-    }
     let forward = |tokens: Tensor<B::InnerBackend, 2, Int>, positions: &ShardPositions| match &config.layer_checkpointing {
-        // As the step runs it, so that an evaluation fits where the step does.
+        // As the step runs it, so that an evaluation fits where the step does (on one rank, its
+        // token-wise parts in tiles of the same size over the whole sequence).
         Some(checkpointing) => {
             let tiles = eval_tiles(checkpointing, &tokens)?;
             layered_output(model, tokens, positions, tiles, |_| Ok(model.clone()))
         }
         None => Ok(model.lm_output(tokens, positions)),
     };
+    if config.eval_single_device {
+        let is_first = groups.world_rank() == 0;
+        return is_first.then(|| evaluate_single_device(forward, batch, documents, targets, sharder.ignore_index, device)).transpose();
+    }
     evaluate(forward, batch, documents, targets, &sharder, groups.sp_rank(), &*groups.sp, device).map(Some)
 }
 

@@ -466,6 +466,31 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// With ranks as threads a resume takes the run's DP degree with the rest of its layout (it
+/// ran at DP 1 before, the flag's default), and the run's warm-up even where that was the
+/// default and `--steps` grows (it warmed up again, to the new steps' default, from part way
+/// through the peak); a layout flag given names those of the run's it replaces.
+#[test]
+fn a_resume_of_thread_ranks_keeps_their_dp_and_the_runs_warm_up() {
+    let dir = workspace("resume-threads");
+    let mut args = common_args(&dir, "run", 6);
+    args.extend(["--stop-after".to_string(), "2".into()]);
+    succeed(run_alone(&args, &["--sp", "2", "--dp", "2"]));
+    let resume = |extra: &[&str]| {
+        let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--check".into(), "--resume".into(), dir.join("run").display().to_string()];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        show(&succeed(run_alone(&args, &[])))
+    };
+    let text = resume(&["--steps", "100"]);
+    let taken = text.lines().find(|line| line.contains("resuming with the checkpoint's")).unwrap_or_else(|| panic!("nothing taken:\n{text}"));
+    assert!(taken.contains("--warmup-steps 1") && taken.contains("--sp 2") && taken.contains("--dp 2"), "{text}");
+    assert!(text.contains("sp 2 × dp 2"), "{text}");
+    let text = resume(&["--dp", "1"]);
+    let expected = "the resumed run's --sp 2 are not kept: layout flags given here replace its layout as a whole";
+    assert!(text.contains(expected) && text.contains("sp 4 × dp 1"), "expected {expected:?}:\n{text}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A resume takes the run's memory settings as a whole: with none given, all of them (and
 /// `--progress` finds the run's `--checkpoint-layers`); with some given, those replace the
 /// run's, and the ones not given again are named.
@@ -828,7 +853,7 @@ fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
         "--zigzag cuts each sequence over the ring, and --ring 1 makes none",
         "--device picks a GPU, and the CPU backend has one device",
         "under --precision f32 they are f32 already",
-        "--eval-only trains nothing and saves nothing: --steps, --learning-rate change nothing",
+        "--eval-only trains nothing and saves nothing: --steps, --learning-rate, --out change nothing",
     ] {
         assert!(text.contains(expected), "expected {expected:?}:\n{text}");
     }
@@ -837,6 +862,25 @@ fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     let text = show(&succeed(run_alone(&args("--eval-only --zero 3 --checkpoint-layers --offload-optimizer --eval-single-device --grad-accumulation 3"), &["--sp", "2", "--dp", "3"])));
     let expected = "--eval-only holds the whole model on every rank and evaluates over every SP group: --zero, --offload-optimizer, --eval-single-device change nothing";
     assert!(text.contains(expected) && text.contains("sp 2 × dp 3"), "expected {expected:?}:\n{text}");
+    // A transport between processes, for ranks that are threads; a comparison of the ranks'
+    // parameters where each holds parts of them.
+    let text = show(&succeed(run_alone(&args("--transport tcp --zero 3 --checkpoint-layers --offload-optimizer --check-parameters-every 5"), &["--sp", "2"])));
+    for expected in [
+        "--transport connects ranks that are processes, and these ranks are threads of this one: it changes nothing",
+        "--check-parameters-every compares the ranks' parameters, and under --zero 3 each holds its own part of them: it changes nothing",
+    ] {
+        assert!(text.contains(expected), "expected {expected:?}:\n{text}");
+    }
+    // Data that holds no batch out (3 sequences, batch 2): an evaluation asked for would never
+    // run. Refused where --eval-every is given, said where it is the default.
+    let few = dir.join("few.jsonl");
+    fs::write(&few, lines[..3].join("\n")).unwrap();
+    let few_args = |extra: &str| qwen3_args(&few, &format!("--seq-len 16 --batch-size 2 --out {} --check {extra}", dir.join("few").display()));
+    let refused = run_alone(&few_args("--eval-every 5"), &["--sp", "2"]);
+    let expected = "--eval-every 5 evaluates nothing";
+    assert!(!refused.status.success() && show(&refused).contains(expected) && show(&refused).contains("--eval-data"), "expected {expected:?}:\n{}", show(&refused));
+    let warned = show(&succeed(run_alone(&few_args(""), &["--sp", "2"])));
+    assert!(warned.contains("--eval-every 50 evaluates nothing"), "{warned}");
     // Where they do something, or are left out, no word.
     let text = show(&succeed(run_alone(&args("--steps 9 --learning-rate 0.5"), &["--sp", "2"])));
     let zigzag = show(&succeed(run_alone(&common_args(&dir, "ring", 2), &["--sp", "4", "--ring", "2", "--zigzag", "--check"])));

@@ -257,7 +257,7 @@ where
     backward_step_layered(model, step, sharder, groups, device, checkpointing, &mut WholeParameters)
 }
 
-/// [`backward_step_checkpointed`] under ZeRO-3: each layer's parameters (and the rest's)
+/// [`backward_step_checkpointed`] under ZeRO-3: each layer's parameters (the embedding's, the head's)
 /// all-gathered from `parameters` just before its pieces run, its gradients reduce-scattered
 /// into `parameters` as soon as they are complete ([`ShardedParameters`]). The returned
 /// [`LocalStep`] holds no gradients; [`apply_step_zero3`] takes them from `parameters`.

@@ -220,8 +220,8 @@ pub struct ShardedParameters<B: TrainBackend> {
     grad_parts: GradParts<B>,
     /// The last group's gradient parts on their way to the host (optimizer on the host): their
     /// copies are queued behind the work that made them and awaited at the next group's, with
-    /// that group's backward queued ahead of the device, or at once for the rest (a shard's last
-    /// group).
+    /// that group's backward queued ahead of the device, or at once for the embedding's (a
+    /// shard's last group).
     in_flight: Vec<PartsInFlight>,
     optimizer: OptimizerPlace,
     /// The last step's new parts still being made by the optimizer on the host.
@@ -306,6 +306,9 @@ impl<B: TrainBackend> ShardedParameters<B> {
         let rest: Vec<usize> = (0..found.len()).filter(|&i| owner[i].is_none()).collect();
         let mut head = CollectIds(Vec::new());
         model.visit_standalone_head(&mut head);
+        if head.0.iter().any(|id| !index_of.contains_key(id)) {
+            return Err(UlyssesError::InvalidConfig("LayeredLm::visit_standalone_head visits a parameter the model does not hold".into()));
+        }
         if let Some(index) = head.0.iter().find_map(|id| index_of.get(id).filter(|&&i| owner[i].is_some())) {
             return Err(UlyssesError::InvalidConfig(format!(
                 "{} is visited by LayeredLm::visit_standalone_head and by visit_layer({}): a standalone head's parameters are its own",
@@ -490,8 +493,12 @@ impl<B: TrainBackend> ShardedParameters<B> {
         if let Some((index, _)) = local.iter().enumerate().find(|(_, l)| l.as_ref().is_some_and(|l| l.grad.is_some())) {
             return Err(UlyssesError::InModel {
                 message: format!(
-                    "ZeRO-3: the pieces of {group:?} gave a gradient to {}, which that group does not hold (LayeredLm::visit_layer must visit every parameter a layer's pieces use, and only the rest may use the others)",
-                    self.parameters[index].path
+                    "ZeRO-3: the pieces of {group:?} gave a gradient to {}, which that group does not hold ({})",
+                    self.parameters[index].path,
+                    match group {
+                        ParameterGroup::Layer(_) => "LayeredLm::visit_layer must visit every parameter a layer's pieces use, and only the rest may use the others",
+                        _ => "LayeredLm::visit_standalone_head must visit every parameter the head uses, and none the embedding uses",
+                    }
                 ),
             });
         }
@@ -506,8 +513,9 @@ impl<B: TrainBackend> ShardedParameters<B> {
                 });
                 let arrived = std::mem::replace(&mut self.in_flight, queued.collect());
                 self.add_arrived(arrived)?;
-                // The rest is a shard's last group: its parts (embeddings and head, the largest)
-                // arrive now rather than wait on the device through the next micro-batch.
+                // The embedding's group is a shard's last: its parts (the embedding, the largest,
+                // with a tied head) arrive now rather than wait on the device through the next
+                // micro-batch.
                 if matches!(group, ParameterGroup::Rest | ParameterGroup::Embedding) {
                     self.arrive_gradient_parts()?;
                 }
