@@ -655,6 +655,9 @@ fn ignored_flags(args: &Args, config: &TrainConfig, threads: bool) -> Vec<String
     if given("transport") && threads {
         notes.push("--transport connects ranks that are processes, and these ranks are threads of this one: it changes nothing".to_string());
     }
+    if given("bytes_ok") && (args.data.is_some() || args.tokens.is_some()) {
+        notes.push("--bytes-ok lets a --corpus that does not look like text train, and this run reads --data or --tokens: it changes nothing".to_string());
+    }
     if given("check_parameters_every") && config.zero_stage == 3 && !args.eval_only {
         notes.push("--check-parameters-every compares the ranks' parameters, and under --zero 3 each holds its own part of them: it changes nothing".to_string());
     }

@@ -864,9 +864,10 @@ fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     assert!(text.contains(expected) && text.contains("sp 2 × dp 3"), "expected {expected:?}:\n{text}");
     // A transport between processes, for ranks that are threads; a comparison of the ranks'
     // parameters where each holds parts of them.
-    let text = show(&succeed(run_alone(&args("--transport tcp --zero 3 --checkpoint-layers --offload-optimizer --check-parameters-every 5"), &["--sp", "2"])));
+    let text = show(&succeed(run_alone(&args("--transport tcp --zero 3 --checkpoint-layers --offload-optimizer --check-parameters-every 5 --bytes-ok"), &["--sp", "2"])));
     for expected in [
         "--transport connects ranks that are processes, and these ranks are threads of this one: it changes nothing",
+        "this run reads --data or --tokens: it changes nothing",
         "--check-parameters-every compares the ranks' parameters, and under --zero 3 each holds its own part of them: it changes nothing",
     ] {
         assert!(text.contains(expected), "expected {expected:?}:\n{text}");
