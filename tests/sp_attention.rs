@@ -125,6 +125,53 @@ fn per_head_key_padding_mask_with_uneven_heads() {
     key_padding_mask_case(4, 6, 6, 3);
 }
 
+/// Cross-attention over a memory sharded as the queries are (each rank its contiguous part of
+/// it), with heads the degree does not divide (6 q heads, 3 kv heads on 4 ranks: the uneven
+/// exchange) and more memory than queries: output and every gradient as one device computes
+/// them. The uneven exchange once sized the keys' parts by the queries' length.
+#[test]
+fn cross_attention_over_a_longer_sharded_memory_with_uneven_heads() {
+    let (sp, batch, heads, kv_heads, queries, keys, dim) = (4, 2, 6, 3, 16, 24, 8);
+    const NOT_CAUSAL: AttentionModuleOptions = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
+    let tensors = |device| -> [Tensor<Reference, 4>; 4] {
+        [(1, heads, queries), (2, kv_heads, keys), (3, kv_heads, keys), (4, heads, queries)].map(|(stream, h, s)| uniform_tensor([batch, h, s, dim], stream, device))
+    };
+    let attend_cross = |[q, k, v, w]: [Tensor<Reference, 4>; 4], group: usize| {
+        let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
+        let output = attention(q.clone(), repeat_kv_heads(k.clone(), group), repeat_kv_heads(v.clone(), group), None, None, NOT_CAUSAL);
+        let grads = (output.clone() * w).sum().backward();
+        [values(output), values(q.grad(&grads).unwrap()), values(k.grad(&grads).unwrap()), values(v.grad(&grads).unwrap())]
+    };
+    let device = Default::default();
+    let reference = attend_cross(tensors(&device), heads / kv_heads);
+    let per_rank = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(sp).run(|rank| {
+            let _sp = Sp::enter_thread(rank.communicator());
+            let device = Default::default();
+            let (r, p) = (rank.rank(), rank.size());
+            let [q, k, v, w] = [(1, heads, queries), (2, kv_heads, keys), (3, kv_heads, keys), (4, heads, queries)]
+                .map(|(stream, h, s)| shard(uniform_tensor::<Sp, 4>([batch, h, s, dim], stream, &device), 2, r, p));
+            let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
+            let output = attention(q.clone(), k.clone(), v.clone(), None, None, NOT_CAUSAL);
+            let grads = (output.clone() * w).sum().backward();
+            [values(output), values(q.grad(&grads).unwrap()), values(k.grad(&grads).unwrap()), values(v.grad(&grads).unwrap())]
+        })
+    });
+    let shard_of = |values: &[f32], h: usize, s: usize, rank: usize| {
+        ulysses_suite::values(shard(Tensor::<Inner, 4>::from_data(TensorData::new(values.to_vec(), [batch, h, s, dim]), &device), 2, rank, sp))
+    };
+    let mut worst = 0.0f32;
+    for (r, got) in per_rank.into_iter().enumerate() {
+        let got = got.unwrap_or_else(|p| panic!("rank {r}: {p}"));
+        for ((name, got), (want, h, s)) in ["output", "dq", "dk", "dv"].iter().zip(&got).zip([(0, heads, queries), (1, heads, queries), (2, kv_heads, keys), (3, kv_heads, keys)]) {
+            let diff = max_abs_diff(got, &shard_of(&reference[want], h, s, r));
+            assert!(diff <= TOLERANCE, "rank {r}: {name} differs by {diff:e}");
+            worst = worst.max(diff);
+        }
+    }
+    println!("cross-attention, {queries} queries over {keys} keys, {heads} q / {kv_heads} kv heads on {sp} ranks: max |Δ| {worst:.2e}");
+}
+
 #[test]
 fn key_padding_mask_over_two_ranks() {
     key_padding_mask_matches_single_device(2, 1, 4);

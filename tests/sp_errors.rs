@@ -95,6 +95,32 @@ fn an_explicit_score_mask_built_from_local_shapes() {
     assert_all_contain(&messages, &["mask of shape [1, 4, 8, 8] cannot be resharded", "is_causal", "key-padding mask"]);
 }
 
+/// Keys a rank holds beside its shard (a cache, a prefix, sink tokens) would be joined with the
+/// other ranks' as shards of one sequence, repeated and out of place: causal attention over
+/// more keys than queries a rank is refused, naming the cause.
+#[test]
+fn causal_attention_over_keys_beside_the_shard() {
+    let messages = errors_on_every_rank(2, |_| {
+        let device = Default::default();
+        let q = uniform_tensor::<Sp, 4>([1, 4, 4, 8], 1, &device);
+        let [k, v] = [2, 3].map(|stream| uniform_tensor::<Sp, 4>([1, 4, 6, 8], stream, &device));
+        attention(q, k, v, None, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["causal attention of 4 queries over 6 keys a rank", "a key cache, a prefix or sink tokens", "as many keys as queries"]);
+}
+
+/// On a shard of one query token a query's row of a whole score mask has a key-padding mask's
+/// shape: refused rather than applied to every query as key padding.
+#[test]
+fn a_mask_on_one_query_token_a_rank() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, v] = qkv([1, 4, 1, 8], 4);
+        let mask = Tensor::<Sp, 4, Bool>::from_data(burn::tensor::TensorData::new(vec![false], [1, 1, 1, 1]), &Default::default());
+        attention(q, k, v, Some(mask), None, AttentionModuleOptions { is_causal: false, ..OPTIONS });
+    });
+    assert_all_contain(&messages, &["a shard of one query token", "two tokens or more"]);
+}
+
 #[test]
 fn an_attention_bias() {
     let messages = errors_on_every_rank(2, |_| {

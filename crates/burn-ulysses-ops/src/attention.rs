@@ -66,14 +66,6 @@ fn sequence_parallel(
     let per_rank = group.all_gather_host(&layout.encode())?;
     AttentionLayout::check_agreement(&per_rank)?;
     layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref())?;
-    // Refused before the exchange (the blocked attention would panic after it).
-    if options.is_causal && layout.q_seq != layout.kv_seq {
-        return Err(UlyssesError::Shape(format!(
-            "causal attention of {} queries over {} keys a rank (a key cache, aligned to the last query) runs outside a sequence-parallel \
-             group only: under sequence parallelism give as many keys as queries",
-            layout.q_seq, layout.kv_seq
-        )));
-    }
     if let Some(softcap) = options.softcap.filter(|c| !(*c > 0.0 && c.is_finite())) {
         return Err(UlyssesError::Shape(format!("the softcap must be positive and finite, got {softcap}")));
     }

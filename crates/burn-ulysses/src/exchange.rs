@@ -203,14 +203,15 @@ pub fn sequence_to_heads<X: ExchangeBackend>(
         return Ok(tokens_in_rank_order(received, local));
     }
     // Uneven: rank j's part is its q heads, then its kv heads (repeats included), flattened.
+    // The keys may be as many as the queries or not (cross-attention over a sharded memory).
     let [b, _, s, d] = query.dims();
-    let d_v = value.dims()[3];
+    let (s_kv, d_v) = (key.dims()[2], value.dims()[3]);
     let heads = |tensor: &Tensor<X, 4>, list: &[usize]| -> Tensor<X, 1> {
         Tensor::cat(list.iter().map(|&h| tensor.clone().narrow(1, h, 1)).collect(), 1).reshape([-1])
     };
     // Each rank's q heads and the kv heads they use, once.
     let shares: Vec<(std::ops::Range<usize>, Vec<usize>)> = (0..p).map(|rank| (plan.q_heads_of(rank), plan.kv_heads_of(rank))).collect();
-    let part_len = |(q, kv): &(std::ops::Range<usize>, Vec<usize>)| b * s * (q.len() * d + kv.len() * (d + d_v));
+    let part_len = |(q, kv): &(std::ops::Range<usize>, Vec<usize>)| b * (s * q.len() * d + s_kv * kv.len() * (d + d_v));
     let mut parts = Vec::with_capacity(3 * p);
     for (q, kv) in &shares {
         parts.push(query.clone().narrow(1, q.start, q.len()).reshape([-1]));
@@ -222,7 +223,7 @@ pub fn sequence_to_heads<X: ExchangeBackend>(
     let received = X::all_to_all_uneven(float_primitive(Tensor::cat(parts, 0)), &send_counts, &vec![mine; p], communicator)?;
     let received = float_tensor::<X, 1>(received).reshape([p, mine]);
     let (q_local, kv_local) = (shares[me].0.len(), shares[me].1.len());
-    Ok(tokens_in_rank_order(received, [[b, q_local, s, d], [b, kv_local, s, d], [b, kv_local, s, d_v]]))
+    Ok(tokens_in_rank_order(received, [[b, q_local, s, d], [b, kv_local, s_kv, d], [b, kv_local, s_kv, d_v]]))
 }
 
 /// `[P, Σn_t]` received rows (row `i` holds rank `i`'s tokens of tensors of shapes `local`,

@@ -224,6 +224,19 @@ fn check_safetensors_whole(file: &Path) -> Result<(), CheckpointError> {
     reader.read_exact(&mut header).map_err(|e| error(e.to_string()))?;
     let header: serde_json::Value = serde_json::from_slice(&header).map_err(|_| not_safetensors("its header is not JSON"))?;
     let tensors = header.as_object().ok_or_else(|| not_safetensors("its header is not a JSON object"))?;
+    // Weights in another form than floats (int8 or fp8 quantized, packed 4-bit) would reach the
+    // model as raw integers: named here, not a panic deep in the load.
+    if let Some((name, dtype)) = tensors
+        .iter()
+        .filter(|(name, _)| *name != "__metadata__")
+        .find_map(|(name, tensor)| tensor["dtype"].as_str().filter(|dtype| !["F32", "BF16", "F16", "F64"].contains(dtype)).map(|dtype| (name, dtype)))
+    {
+        return Err(CheckpointError::Tensor {
+            file: file.display().to_string(),
+            tensor: name.clone(),
+            problem: format!("is {dtype}, not a float (F32, BF16, F16 or F64): a quantized checkpoint; fine-tune its unquantized original"),
+        });
+    }
     let data_end = tensors
         .iter()
         .filter(|(name, _)| *name != "__metadata__")

@@ -260,6 +260,18 @@ fn weights_that_do_not_fit_the_config_are_refused_by_name() {
     std::fs::OpenOptions::new().append(true).open(&weights).unwrap().write_all(b"trailing").unwrap();
     let error = load_error(&cut);
     assert!(error.contains(&format!("has 8 bytes past the {whole} its header places")), "{error}");
+    // A quantized tensor (int8): named with its dtype, not a panic deep in the load.
+    let original = std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(original[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&original[8..8 + header_len]).unwrap();
+    header["model.norm.weight"]["dtype"] = "I8".into();
+    let header = serde_json::to_vec(&header).unwrap();
+    let mut quantized = (header.len() as u64).to_le_bytes().to_vec();
+    quantized.extend(&header);
+    quantized.extend(&original[8 + header_len..]);
+    std::fs::write(&weights, quantized).unwrap();
+    let error = load_error(&cut);
+    assert!(error.contains("tensor `model.norm.weight` is I8, not a float") && error.contains("quantized checkpoint"), "{error}");
     // Not safetensors at all.
     std::fs::write(&weights, b"<!DOCTYPE html><html>an error page saved as the weights</html>").unwrap();
     let error = load_error(&cut);

@@ -84,10 +84,13 @@ impl MultiHeadAttentionConfig {
             self.d_model,
             self.n_heads
         );
+        // Said where a user looks: burn-nn's module would drop attention weights in training
+        // (its default is 0.1), so the two train differently.
         if self.dropout > 0.0 {
-            tracing::debug!(
+            tracing::warn!(
                 dropout = self.dropout,
-                "MultiHeadAttention: the fused attention op applies no dropout to attention scores"
+                "burn_ulysses::nn::MultiHeadAttention: the fused attention op drops no attention weights, where burn-nn's module drops \
+                 this fraction in training; set dropout = 0.0 to say so"
             );
         }
         let linear = || {
