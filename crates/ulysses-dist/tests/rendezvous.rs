@@ -521,6 +521,31 @@ fn a_client_is_not_reused_after_a_timeout() {
     assert!(err.to_string().contains("failed earlier"), "{err}");
 }
 
+/// A rank 0 that stops answering without closing its connection (stopped, its node gone, the
+/// network cut): a poll of the departed ranks with a deadline of its own (an NCCL collective's
+/// wait) gives up at that deadline, not at the rendezvous timeout.
+#[test]
+fn a_poll_of_the_departed_ranks_waits_no_longer_than_asked() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    // Welcomes the rank, then reads its requests and answers none, holding the connection open.
+    let silent = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        let hello: Request = read_blocking(&mut stream, LIMIT).unwrap();
+        assert!(matches!(hello, Request::Hello { .. }), "{hello:?}");
+        write_blocking(&mut stream, &Response::Welcome).unwrap();
+        while read_blocking::<Request>(&mut stream, LIMIT).is_ok() {}
+    });
+    let mut client = RendezvousClient::connect("127.0.0.1", port, 1, 2, "job-secret", Duration::from_secs(20), LIMIT).unwrap();
+    let started = Instant::now();
+    let err = client.left_within(Duration::from_millis(300)).unwrap_err();
+    let waited = started.elapsed();
+    assert!(matches!(err, DistError::RendezvousTimeout { after, .. } if after == Duration::from_millis(300)), "{err}");
+    assert!(waited < Duration::from_secs(3), "waited {waited:?} for a poll limited to 300 ms (the timeout is 20 s)");
+    drop(client);
+    silent.join().unwrap();
+}
+
 #[test]
 fn an_oversized_value_is_refused_before_it_is_sent() {
     let server = server(1);

@@ -249,7 +249,19 @@ impl NcclCommunicator {
             return Ok(());
         }
         checks.next_check = now + Duration::from_secs(1);
-        let left = self.process.rendezvous.left().unwrap_or_else(|_| LeftRanks { died: vec![0], finished: Vec::new() });
+        // Rank 0's answer awaited no later than the collective's deadline (a second at least):
+        // a rank 0 that stopped answering without closing its connection (stopped, its node
+        // gone) would otherwise hold this wait for the rendezvous timeout.
+        let limit = checks.deadline.saturating_duration_since(now).max(Duration::from_secs(1));
+        let left = match self.process.rendezvous.left_within(limit) {
+            Ok(left) => left,
+            Err(ulysses_dist::DistError::RendezvousTimeout { .. }) => {
+                self.abort();
+                return Err(NcclError::Timeout { op, after: self.process.timeout });
+            }
+            // A closed connection: rank 0, which serves the rendezvous, is gone.
+            Err(_) => LeftRanks { died: vec![0], finished: Vec::new() },
+        };
         let failure = match checks.watch.check(&left, now) {
             Some(PeerLoss::Died(ranks)) => NcclError::PeerDied { op, ranks },
             Some(PeerLoss::Left { ranks, waited }) => NcclError::PeerLeft { op, ranks, waited },

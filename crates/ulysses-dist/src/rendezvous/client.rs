@@ -124,7 +124,15 @@ impl RendezvousClient {
 
     /// Ranks that left the job: without a goodbye (died) or with one (finished).
     pub fn left(&mut self) -> Result<LeftRanks, DistError> {
-        match self.request(&Request::Departed, "for the departed ranks")? {
+        self.left_within(self.timeout)
+    }
+
+    /// [`left`](Self::left), waiting at most `limit` (and the timeout) for rank 0's answer: a
+    /// collective that polls it has a deadline of its own, which a rank 0 that stopped
+    /// answering (stopped, its node gone, the network cut) must not stretch to the timeout.
+    pub fn left_within(&mut self, limit: Duration) -> Result<LeftRanks, DistError> {
+        let limit = limit.min(self.timeout).max(Duration::from_millis(1));
+        match self.request_within(&Request::Departed, "for the departed ranks", limit)? {
             Response::Departed { ranks, finished } => Ok(LeftRanks { died: ranks, finished }),
             other => Err(DistError::Protocol(format!("expected departed ranks, got {other:?}"))),
         }
@@ -152,10 +160,15 @@ impl RendezvousClient {
     }
 
     fn request(&mut self, request: &Request, waiting_for: &str) -> Result<Response, DistError> {
+        self.request_within(request, waiting_for, self.timeout)
+    }
+
+    /// A request whose answer is awaited at most `limit`.
+    fn request_within(&mut self, request: &Request, waiting_for: &str, limit: Duration) -> Result<Response, DistError> {
         if self.broken {
             return Err(DistError::Protocol(format!("the connection to {} failed earlier and is closed", self.addr)));
         }
-        let result = self.exchange(request, waiting_for);
+        let result = self.exchange(request, waiting_for, limit);
         if result.is_err() {
             self.broken = true;
             let _ = self.stream.shutdown(std::net::Shutdown::Both);
@@ -163,15 +176,15 @@ impl RendezvousClient {
         result
     }
 
-    fn exchange(&mut self, request: &Request, waiting_for: &str) -> Result<Response, DistError> {
+    fn exchange(&mut self, request: &Request, waiting_for: &str, limit: Duration) -> Result<Response, DistError> {
         let protocol = |e: FrameError| DistError::Protocol(format!("{} ({})", e, self.addr));
-        self.stream.set_read_timeout(Some(self.timeout)).map_err(|e| protocol(e.into()))?;
+        self.stream.set_read_timeout(Some(limit)).map_err(|e| protocol(e.into()))?;
         write_blocking(&mut self.stream, request).map_err(protocol)?;
         // Answers carry JSON framing on top of the value: allow for it.
         match read_blocking(&mut self.stream, self.max_message_bytes * 5) {
             Ok(response) => Ok(response),
             Err(FrameError::Io(e)) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                Err(DistError::RendezvousTimeout { addr: self.addr.clone(), after: self.timeout, waiting_for: waiting_for.into() })
+                Err(DistError::RendezvousTimeout { addr: self.addr.clone(), after: limit, waiting_for: waiting_for.into() })
             }
             Err(FrameError::Closed) => Err(DistError::Protocol(format!(
                 "rank 0's rendezvous on {} closed the connection (rank 0 exited?)",

@@ -137,6 +137,12 @@ impl Rendezvous {
         self.client().left()
     }
 
+    /// [`left`](Self::left), rank 0's answer awaited at most `limit`
+    /// ([`RendezvousClient::left_within`]).
+    pub fn left_within(&self, limit: std::time::Duration) -> Result<LeftRanks, DistError> {
+        self.client().left_within(limit)
+    }
+
     fn client(&self) -> std::sync::MutexGuard<'_, RendezvousClient> {
         let client = self.client.as_ref().expect("the client lives until drop");
         client.lock().unwrap_or_else(|p| p.into_inner())
