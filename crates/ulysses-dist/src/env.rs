@@ -197,6 +197,28 @@ pub(crate) fn bare_host(host: &str) -> &str {
     host.trim_start_matches('[').trim_end_matches(']')
 }
 
+/// The address that listens on every interface for ranks that dial `master_addr`: IPv6's
+/// (`::`) where it is an IPv6 address or a name that resolves to IPv6 addresses alone, else
+/// IPv4's (`0.0.0.0`), which an IPv6-only cluster's ranks could not reach.
+pub(crate) fn every_interface_for(master_addr: &str) -> &'static str {
+    every_interface_resolving(master_addr, |host| {
+        use std::net::ToSocketAddrs;
+        (host, 0).to_socket_addrs().map(|addresses| addresses.map(|address| address.ip()).collect()).unwrap_or_default()
+    })
+}
+
+fn every_interface_resolving(master_addr: &str, resolve: impl Fn(&str) -> Vec<std::net::IpAddr>) -> &'static str {
+    let host = bare_host(master_addr.trim());
+    let addresses = match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => vec![ip],
+        Err(_) => resolve(host),
+    };
+    match !addresses.is_empty() && addresses.iter().all(std::net::IpAddr::is_ipv6) {
+        true => "::",
+        false => "0.0.0.0",
+    }
+}
+
 /// Whether `host` (a name or address, IPv6 in brackets or not) is this machine alone to
 /// every machine that connects to it: a loopback or unspecified address, or `localhost`.
 pub fn is_this_machine_only(host: &str) -> bool {
@@ -597,4 +619,21 @@ mod tests {
         let message = launch(&[("WORLD_SIZE", "2"), ("RANK", "two")]).unwrap_err().to_string();
         assert!(message.contains("RANK=\"two\""), "{message}");
     }
+    /// Every interface of the family the ranks dial: IPv6 for an IPv6 address (bracketed or
+    /// not) or a name that resolves to IPv6 alone; IPv4 otherwise, and where nothing resolves.
+    #[test]
+    fn the_rendezvous_listens_on_the_family_the_ranks_dial() {
+        use super::every_interface_resolving;
+        let v6: std::net::IpAddr = "fd00::7".parse().unwrap();
+        let v4: std::net::IpAddr = "10.1.2.3".parse().unwrap();
+        let none = |_: &str| Vec::new();
+        assert_eq!(every_interface_resolving("fd00::1", none), "::");
+        assert_eq!(every_interface_resolving("[fd00::1]", none), "::");
+        assert_eq!(every_interface_resolving("10.0.0.1", none), "0.0.0.0");
+        assert_eq!(every_interface_resolving("node-a", |_| vec![v6]), "::");
+        assert_eq!(every_interface_resolving("node-a", |_| vec![v6, v4]), "0.0.0.0");
+        assert_eq!(every_interface_resolving("node-a", |_| vec![v4]), "0.0.0.0");
+        assert_eq!(every_interface_resolving("node-a", none), "0.0.0.0");
+    }
+
 }

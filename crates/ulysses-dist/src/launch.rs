@@ -100,7 +100,7 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
         Some(port) => (port, crate::env::ENV_RENDEZVOUS_PORT),
         None => (plan.master_port, "--master-port, MASTER_PORT"),
     };
-    let address = if plan.nnodes > 1 { "0.0.0.0" } else { crate::env::bare_host(&plan.master_addr) };
+    let address = if plan.nnodes > 1 { crate::env::every_interface_for(&plan.master_addr) } else { crate::env::bare_host(&plan.master_addr) };
     if plan.node_rank == 0
         && let Err(error) = std::net::TcpListener::bind((address, port))
         && error.kind() == std::io::ErrorKind::AddrInUse

@@ -53,8 +53,7 @@ impl Rendezvous {
                 // bind loopback, out of the other nodes' reach; so where the launcher did not say
                 // how many ranks this node runs (a PyTorchJob's pods). On one node, MASTER_ADDR's.
                 let bind = match env.spans_nodes() || !env.node_size_known {
-                    true if env.master_addr.contains(':') => "::",
-                    true => "0.0.0.0",
+                    true => crate::env::every_interface_for(&env.master_addr),
                     // An IPv6 address as MASTER_ADDR takes (`[fd00::1]`) binds without its brackets.
                     false => crate::env::bare_host(&env.master_addr),
                 };
