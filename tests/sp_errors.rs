@@ -109,18 +109,6 @@ fn causal_attention_over_keys_beside_the_shard() {
     assert_all_contain(&messages, &["causal attention of 4 queries over 6 keys a rank", "a key cache, a prefix or sink tokens", "as many keys as queries"]);
 }
 
-/// On a shard of one query token a query's row of a whole score mask has a key-padding mask's
-/// shape: refused rather than applied to every query as key padding.
-#[test]
-fn a_mask_on_one_query_token_a_rank() {
-    let messages = errors_on_every_rank(2, |_| {
-        let [q, k, v] = qkv([1, 4, 1, 8], 4);
-        let mask = Tensor::<Sp, 4, Bool>::from_data(burn::tensor::TensorData::new(vec![false], [1, 1, 1, 1]), &Default::default());
-        attention(q, k, v, Some(mask), None, AttentionModuleOptions { is_causal: false, ..OPTIONS });
-    });
-    assert_all_contain(&messages, &["a shard of one query token", "two tokens or more"]);
-}
-
 #[test]
 fn an_attention_bias() {
     let messages = errors_on_every_rank(2, |_| {

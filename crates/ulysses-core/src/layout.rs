@@ -116,8 +116,7 @@ impl AttentionLayout {
 
     /// Fails, under sequence parallelism, where the call's arguments cannot follow the
     /// exchange: a mask (`mask`'s dims) or bias (`bias`'s) made from local shapes (any mask but
-    /// a key-padding one, any bias); a key-padding mask of a one-token query shard, which a
-    /// query's own row of a whole mask looks like; and causal attention over keys other than
+    /// a key-padding one, any bias); and causal attention over keys other than
     /// the query shard's own (a cache, a prefix, sink tokens): the exchange joins every rank's
     /// keys in rank order as the shards of one sequence, so keys each rank adds to its shard
     /// would be repeated and out of place, silently wrong.
@@ -127,19 +126,13 @@ impl AttentionLayout {
             (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: bias.to_vec() }),
             _ => {}
         }
-        if matches!(self.mask, MaskKind::KeyPadding { .. }) && self.q_seq == 1 {
-            return Err(UlyssesError::Shape(format!(
-                "sequence-parallel attention: a mask of shape {:?} on a shard of one query token is a key-padding mask or that query's \
-                 row of a whole score mask, which apply differently: give each rank two tokens or more, or attend without sequence parallelism",
-                mask.unwrap_or_default()
-            )));
-        }
         if self.is_causal && self.q_seq != self.kv_seq {
             return Err(UlyssesError::Shape(format!(
                 "sequence-parallel attention: causal attention of {} queries over {} keys a rank (a key cache, a prefix or sink tokens, \
                  aligned to the last query): the exchange joins every rank's keys in rank order as shards of one sequence, so keys each \
                  rank holds beside its own shard would be repeated and out of place. Under sequence parallelism give each rank as many keys \
-                 as queries, its shard of the sequence; run a key cache outside a sequence-parallel group",
+                 as queries, its shard of the sequence (keys that are each rank's contiguous part of a longer sequence look the same \
+                 and are refused too); run a key cache outside a sequence-parallel group",
                 self.q_seq, self.kv_seq
             )));
         }

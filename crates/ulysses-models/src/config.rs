@@ -287,14 +287,15 @@ impl HfConfig {
         };
         // transformers builds the embedding with `padding_idx`: that row takes no gradient from
         // the inputs. Said, as a token that also ends documents (EOS) trains here.
+        static PAD_SAID: std::sync::Once = std::sync::Once::new();
         if let Some(pad) = keys.get("pad_token_id").and_then(Value::as_i64) {
-            tracing::warn!(
+            PAD_SAID.call_once(|| tracing::warn!(
                 file = keys.file,
                 pad,
                 "config.json's pad_token_id is not a padding index here: transformers gives that token's embedding row no gradient from \
                  the inputs (nn.Embedding's padding_idx), this decoder trains it as any other row (where it is also the EOS that ends \
                  each document, the two differ in that row's gradient)"
-            );
+            ));
         }
         if let Some(dropout) = keys.get("attention_dropout").and_then(Value::as_f64).filter(|&p| p != 0.0) {
             tracing::warn!(file = keys.file, dropout, "config.json's attention_dropout is not applied: this decoder attends without dropout (transformers drops attention weights while training)");

@@ -748,7 +748,7 @@ fn run(mut args: Args) -> Result<(), String> {
         ));
     }
     // After the resumed settings: a resumed run's --checkpoint-layers counts.
-    if args.progress && !args.checkpoint_layers {
+    if args.progress && !args.checkpoint_layers && !args.eval_only {
         return Err("--progress logs each layer's forward and backward under --checkpoint-layers: give --checkpoint-layers too".into());
     }
     // --device on every process of a node that sees all its GPUs: all of them on that one GPU.
@@ -839,7 +839,8 @@ fn run(mut args: Args) -> Result<(), String> {
     // The run's folder holds its own config.json and checkpoint: never a checkpoint's or a
     // tokenizer's folder (an --overwrite would replace their config.json), nor one that --data
     // or --eval-data reads (a resume would read the run's files as documents).
-    for (other, flag) in [(args.model.as_deref(), "--model"), (args.tokenizer.as_deref().map(folder_of), "--tokenizer's")] {
+    // (--eval-only writes nothing there.)
+    for (other, flag) in [(args.model.as_deref(), "--model"), (args.tokenizer.as_deref().map(folder_of), "--tokenizer's")].into_iter().filter(|_| !args.eval_only) {
         if other.is_some_and(|other| same_place(&out, other)) {
             return Err(format!("--out {} is the {flag} folder, whose config.json the run's own would replace: give the run a folder of its own", out.display()));
         }

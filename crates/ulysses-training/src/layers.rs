@@ -716,7 +716,7 @@ where
 /// copy (ZeRO-3's, the host optimizer's) are summed as replicated mixed precision sums its f32
 /// parameters' (a head tile's, every tile's of a layer, a step's micro-batches), not in bf16,
 /// which rounds each sum to 8 bits.
-pub(crate) fn grads_in_f32<B: TrainBackend, M: Module<B>>(mut grads: GradientsParams, module: &M) -> GradientsParams {
+fn grads_in_f32<B: TrainBackend, M: Module<B>>(mut grads: GradientsParams, module: &M) -> GradientsParams {
     struct Cast<'a>(&'a mut GradientsParams);
     impl<B: TrainBackend> ModuleVisitor<B> for Cast<'_> {
         fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {

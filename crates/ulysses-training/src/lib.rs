@@ -33,7 +33,7 @@ use std::marker::PhantomData;
 
 use burn::{
     module::{AutodiffModule, Module, ModuleMapper, Param},
-    optim::{GradientsAccumulator, GradientsParams, Optimizer},
+    optim::{GradientsParams, Optimizer},
     tensor::{
         ElementConversion, Int, Tensor,
         backend::{AutodiffBackend, Backend},
@@ -172,7 +172,9 @@ pub struct StepInput<'a> {
 /// This rank's half of a step: its gradients (not yet summed over ranks) and its part of the
 /// loss. Returned by [`backward_step`], consumed by [`apply_step`].
 pub struct LocalStep<B: TrainBackend> {
-    /// Gradients of this rank's part of the token-averaged loss.
+    /// Gradients of this rank's part of the token-averaged loss: in the parameters' dtype, but
+    /// f32 where a step of two micro-batches or more summed a half-precision model's (and
+    /// wherever a checkpointed step summed its pieces).
     pub grads: GradientsParams,
     /// This rank's part of the step's token-averaged loss, `[1]`, still on the device:
     /// [`apply_step`] reads it with the gradients' health check, the step's one read before
@@ -228,12 +230,7 @@ where
         model_failure_as_error(|| {
             let output = model.lm_output(shard.tokens(device), &shard.positions);
             let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
-            let grads = GradientsParams::from_grads(shard_loss.backward(), model);
-            // A half-precision compute copy's gradients (the optimizer's on the host) are summed
-            // over micro-batches in f32, as a checkpointed step's pieces are: a bf16 sum keeps 8
-            // bits of each. One micro-batch's stay as they are: the optimizer casts them itself.
-            let grads = if step.micro_batches.len() > 1 { layers::grads_in_f32(grads, model) } else { grads };
-            (shard_loss.clone().inner(), grads)
+            (shard_loss.clone().inner(), GradientsParams::from_grads(shard_loss.backward(), model))
         })
     })
 }
@@ -399,7 +396,10 @@ where
     // Guard: a step whose labels are all ignored contributes zero loss, not NaN.
     let weight = 1.0 / valid_tokens.max(1) as f64;
 
-    let mut accumulator = GradientsAccumulator::<M>::new();
+    // A half-precision compute copy's gradients (the optimizer's on the host) are summed over
+    // micro-batches in f32, as a checkpointed step's pieces are: a bf16 sum keeps 8 bits of
+    // each. One micro-batch's stay as they are: the optimizer casts them itself.
+    let mut sums = gradients::GradientSums::new(shards.len() > 1);
     // Summed on the device: a read per micro-batch would wait for each one's work.
     let mut loss: Option<Tensor<B::InnerBackend, 1>> = None;
     let exchanges_before = groups.attention_exchanges();
@@ -410,7 +410,7 @@ where
             Some(sum) => sum + shard_loss,
             None => shard_loss,
         });
-        accumulator.accumulate(model, grads);
+        sums.add(model, grads);
     }
     let loss = loss.ok_or_else(|| UlyssesError::InvalidConfig("a step without micro-batches: give at least one".into()))?;
     let exchanges = groups.attention_exchanges() - exchanges_before;
@@ -422,7 +422,7 @@ where
     // of its own). Refused by every rank at the step's health check (a collective).
     let packs = step.documents.is_some_and(|documents| documents.iter().flatten().any(|lengths| lengths.len() > 1));
     let ignored_documents = groups.layout.sp_size > 1 && packs && burn_ulysses::attention::calls_with_documents() == document_calls_before;
-    Ok(LocalStep { grads: accumulator.grads(), loss, valid_tokens, processed_tokens, ignored_documents })
+    Ok(LocalStep { grads: sums.into_grads(), loss, valid_tokens, processed_tokens, ignored_documents })
 }
 
 /// Checks every rank's loss and gradients, sums the gradients over the world and steps the

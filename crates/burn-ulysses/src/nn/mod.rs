@@ -84,14 +84,19 @@ impl MultiHeadAttentionConfig {
             self.d_model,
             self.n_heads
         );
-        // Said where a user looks: burn-nn's module would drop attention weights in training
-        // (its default is 0.1), so the two train differently.
+        // Said once a process where a user looks: burn-nn's module drops attention weights in
+        // training (its default is 0.1, the Transformer drop-ins' layers' too), so the two train
+        // differently.
         if self.dropout > 0.0 {
-            tracing::warn!(
-                dropout = self.dropout,
-                "burn_ulysses::nn::MultiHeadAttention: the fused attention op drops no attention weights, where burn-nn's module drops \
-                 this fraction in training; set dropout = 0.0 to say so"
-            );
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!(
+                    dropout = self.dropout,
+                    "burn_ulysses::nn's attention runs the fused attention op, which drops no attention weights, where burn-nn's \
+                     MultiHeadAttention drops this fraction of them in training (a Transformer drop-in's other dropout applies as in \
+                     burn-nn)"
+                );
+            });
         }
         let linear = || {
             LinearConfig::new(self.d_model, self.d_model)
