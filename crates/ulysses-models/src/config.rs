@@ -82,10 +82,15 @@ pub struct HfConfig {
     /// models: `<|end_of_text|>`, `<|eom_id|>`, `<|eot_id|>`), written back whole so that
     /// `generate` on a saved model stops where the original's did.
     pub eos_token_ids: Vec<u64>,
+    /// The embedding's padding row (`pad_token_id`, a negative one counted from the end): it
+    /// takes no gradient from the inputs, as in transformers (`nn.Embedding`'s `padding_idx`).
+    /// Written back as the file had it (with the [`unmodelled`](Self::unmodelled) keys).
+    pub pad_token_id: Option<u64>,
     /// The standard deviation of a fresh model's weight matrices and embeddings
     /// (transformers' `_init_weights`): only a model built from random weights uses it.
     pub initializer_range: f64,
-    /// The `config.json` keys this decoder does not read (`pad_token_id`, `attention_dropout`,
+    /// The `config.json` keys this decoder does not read or writes back as they were
+    /// (`pad_token_id`, `attention_dropout`,
     /// `use_cache`, a Qwen's `sliding_window` and `max_window_layers`, ...), written back as
     /// they were, so that a saved model's config is its checkpoint's but for the weights' dtype.
     pub unmodelled: Map<String, Value>,
@@ -285,18 +290,21 @@ impl HfConfig {
             }
             _ => None,
         };
-        // transformers builds the embedding with `padding_idx`: that row takes no gradient from
-        // the inputs. Said, as a token that also ends documents (EOS) trains here.
-        static PAD_SAID: std::sync::Once = std::sync::Once::new();
-        if let Some(pad) = keys.get("pad_token_id").and_then(Value::as_i64) {
-            PAD_SAID.call_once(|| tracing::warn!(
-                file = keys.file,
-                pad,
-                "config.json's pad_token_id is not a padding index here: transformers gives that token's embedding row no gradient from \
-                 the inputs (nn.Embedding's padding_idx), this decoder trains it as any other row (where it is also the EOS that ends \
-                 each document, the two differ in that row's gradient)"
-            ));
-        }
+        // transformers builds the embedding with `padding_idx = pad_token_id`: that row takes no
+        // gradient from the inputs (and starts at zero in a fresh model); negative counts from
+        // the vocabulary's end, as torch reads it.
+        let vocab_size = keys.count("vocab_size", None)?;
+        let pad_token_id = match keys.get("pad_token_id") {
+            None => None,
+            Some(value) => {
+                let id = value.as_i64().ok_or_else(|| keys.error("pad_token_id", format!("is {value}, not a token id")))?;
+                let index = if id < 0 { vocab_size as i64 + id } else { id };
+                if !(0..vocab_size as i64).contains(&index) {
+                    return Err(keys.error("pad_token_id", format!("is {id}, outside the vocabulary of {vocab_size} tokens (transformers' embedding refuses it too)")));
+                }
+                Some(index as u64)
+            }
+        };
         if let Some(dropout) = keys.get("attention_dropout").and_then(Value::as_f64).filter(|&p| p != 0.0) {
             tracing::warn!(file = keys.file, dropout, "config.json's attention_dropout is not applied: this decoder attends without dropout (transformers drops attention weights while training)");
         }
@@ -310,7 +318,7 @@ impl HfConfig {
         let (bos_token_ids, eos_token_ids) = (default_token("bos_token_id", 1)?, default_token("eos_token_id", 2)?);
         let mut config = Self {
             family,
-            vocab_size: keys.count("vocab_size", None)?,
+            vocab_size,
             hidden_size,
             intermediate_size: keys.count("intermediate_size", None)?,
             num_hidden_layers,
@@ -329,6 +337,7 @@ impl HfConfig {
             bos_token_id: bos_token_ids.first().copied(),
             eos_token_id: eos_token_ids.first().copied(),
             eos_token_ids,
+            pad_token_id,
             initializer_range: keys.positive("initializer_range", 0.02)?,
             unmodelled: Map::new(),
         };

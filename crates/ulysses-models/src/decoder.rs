@@ -92,6 +92,11 @@ pub struct DecoderConfig {
     /// defaults (unit-variance embeddings, which tied to the output head give logits of
     /// size √d_model: a first loss of hundreds at a Hugging Face model's width).
     pub init_std: Option<f64>,
+    /// The token whose embedding row takes no gradient from the inputs (a Hugging Face
+    /// config's `pad_token_id`, as transformers' `nn.Embedding(padding_idx)` treats it), and
+    /// starts at zero with `init_std`; a tied head still trains it.
+    #[config(default = "None")]
+    pub pad_token: Option<usize>,
 }
 
 impl DecoderConfig {
@@ -114,6 +119,7 @@ impl DecoderConfig {
             .with_tie_embeddings(config.tie_word_embeddings)
             .with_sliding_window(config.sliding_window)
             .with_init_std(Some(config.initializer_range))
+            .with_pad_token(config.pad_token_id.map(|id| id as usize))
     }
 
     /// [`DecoderConfig::init_std`]'s normal distribution, if it asks for one.
@@ -160,11 +166,20 @@ impl DecoderConfig {
         Decoder {
             embedding: {
                 let config = EmbeddingConfig::new(self.vocab_size, self.d_model);
-                match self.normal_init() {
+                let mut embedding = match self.normal_init() {
                     Some(initializer) => config.with_initializer(initializer),
                     None => config,
                 }
-                .init(device)
+                .init(device);
+                // The padding row starts at zero, as transformers' `_init_weights` sets it.
+                if let Some(pad) = self.pad_token.filter(|_| self.init_std.is_some()) {
+                    embedding.weight = embedding.weight.map(|weight| {
+                        let zeros = Tensor::zeros([1, self.d_model], &weight.device());
+                        // Detached: a leaf again, which the flag can be set on.
+                        weight.clone().slice_assign([pad..pad + 1, 0..self.d_model], zeros).detach().set_require_grad(weight.is_require_grad())
+                    });
+                }
+                embedding
             },
             blocks: (0..self.n_layers).map(|_| self.init_block(device)).collect(),
             norm: RmsNormConfig::new(self.d_model).with_epsilon(self.norm_eps).init(device),
@@ -175,6 +190,7 @@ impl DecoderConfig {
             compute_dtype: FloatDType::F32,
             f32_head: false,
             vocab_size: self.vocab_size,
+            pad_token: self.pad_token,
         }
     }
 
@@ -227,7 +243,17 @@ impl<B: Backend> LayeredLm<B> for Decoder<B> {
     }
 
     fn embed(&self, tokens: Tensor<B, 2, Int>, _context: &LlamaContext<B>) -> Tensor<B, 3> {
-        self.embedding.forward(tokens).cast(self.compute_dtype)
+        let embedded = self.embedding.forward(tokens.clone());
+        // The padding row's lookups pass no gradient to it (transformers' `padding_idx`): the
+        // same values, detached where the token is the pad.
+        let embedded = match self.pad_token {
+            Some(pad) if self.embedding.weight.is_require_grad() => {
+                let is_pad = tokens.equal_elem(pad as i64).unsqueeze_dim::<3>(2).expand(embedded.shape());
+                embedded.clone().mask_where(is_pad, embedded.detach())
+            }
+            _ => embedded,
+        };
+        embedded.cast(self.compute_dtype)
     }
 
     fn layer_count(&self) -> usize {
@@ -294,8 +320,8 @@ impl<B: Backend, S: PrecisionSettings, F: FnMut(usize) -> Result<Decoder<B>, Str
     /// As the Record derive's `DecoderRecordItem` serializes (its fields, in the struct's order),
     /// `blocks` made one at a time: tests/checkpoint.rs holds the file to burn's byte for byte.
     fn serialize<Z: Serializer>(&self, serializer: Z) -> Result<Z::Ok, Z::Error> {
-        let DecoderRecordItem { embedding, blocks, norm, lm_head, head_dim, rope_theta, rope_scaling, compute_dtype, f32_head, vocab_size } = &self.rest;
-        let mut item = serializer.serialize_struct("DecoderRecordItem", 10)?;
+        let DecoderRecordItem { embedding, blocks, norm, lm_head, head_dim, rope_theta, rope_scaling, compute_dtype, f32_head, vocab_size, pad_token } = &self.rest;
+        let mut item = serializer.serialize_struct("DecoderRecordItem", 11)?;
         item.serialize_field("embedding", embedding)?;
         item.serialize_field("blocks", &BlocksByLayer::<B, S, F> { count: blocks.len(), layer: &self.layer, precision: PhantomData })?;
         item.serialize_field("norm", norm)?;
@@ -306,6 +332,7 @@ impl<B: Backend, S: PrecisionSettings, F: FnMut(usize) -> Result<Decoder<B>, Str
         item.serialize_field("compute_dtype", compute_dtype)?;
         item.serialize_field("f32_head", f32_head)?;
         item.serialize_field("vocab_size", vocab_size)?;
+        item.serialize_field("pad_token", pad_token)?;
         item.end()
     }
 }
@@ -350,6 +377,10 @@ pub struct Decoder<B: Backend> {
     /// a placeholder (`ulysses_training::ShardedParameters`).
     #[module(skip)]
     vocab_size: usize,
+    /// The embedding row that takes no gradient from the inputs ([`DecoderConfig::pad_token`]);
+    /// not part of the record (a record of before it loads).
+    #[module(skip)]
+    pad_token: Option<usize>,
 }
 
 impl<B: Backend> Decoder<B> {

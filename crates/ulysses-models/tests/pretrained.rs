@@ -688,3 +688,55 @@ fn a_snapshot_written_later_is_the_folder_a_save_writes() {
     }
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A config.json's `pad_token_id` is the embedding's padding row, as transformers'
+/// `nn.Embedding(padding_idx)` makes it: the row takes no gradient from the tokens that look it
+/// up, and the rest of the model computes as without it. The untied Qwen3 fixture with its pad
+/// set to a token the rows read, against the fixture without: the same logits and loss, every
+/// gradient the same bit for bit but the padding row's, which is zero (it is not without). A pad
+/// counted from the end is that row; one outside the vocabulary is refused; a fresh model's
+/// padding row starts at zero, as `_init_weights` leaves it.
+#[test]
+fn a_padding_token_s_embedding_row_takes_no_gradient_from_its_lookups() {
+    use burn::{backend::Autodiff, module::Param};
+    type Ad = Autodiff<Cpu>;
+    let device = Default::default();
+    let pad = 7usize;
+    let vocab = ulysses_models::HfConfig::from_hf(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3")).unwrap().vocab_size;
+    let padded = edited_copy("qwen3", "pad", |c| c["pad_token_id"] = (pad as i64 - vocab as i64).into());
+    let run = |dir: &Path| {
+        let model = from_pretrained::<Ad>(dir, &device).unwrap().model;
+        let tokens: Vec<i64> = (0..12).map(|t| if t % 4 == 1 { pad as i64 } else { (t * 5 + 3) % vocab as i64 }).collect();
+        let tokens = Tensor::<Ad, 2, Int>::from_data(TensorData::new(tokens, [1, 12]), &device);
+        let logits = model.forward(tokens, &ShardPositions::consecutive(1, 0, 12));
+        let weights = Tensor::<Ad, 3>::from_data(TensorData::new((0..logits.shape().num_elements()).map(|i| ((i % 13) as f32 - 6.0) / 7.0).collect::<Vec<_>>(), logits.shape()), &device);
+        let grads = (logits.clone() * weights).sum().backward();
+        let grad = |param: &Param<Tensor<Ad, 2>>| param.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap();
+        let others: Vec<Vec<f32>> = [&model.lm_head.as_ref().unwrap().weight, &model.blocks[0].attention.wq.weight, &model.blocks[0].feed_forward.gate.weight].map(grad).to_vec();
+        (logits.into_data().to_vec::<f32>().unwrap(), grad(&model.embedding.weight), others)
+    };
+    let (plain_logits, plain_embedding, plain_others) = run(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3"));
+    let (logits, embedding, others) = run(&padded);
+    assert!(logits.iter().all(|v| v.is_finite()) && logits == plain_logits, "the padding row changed the forward");
+    assert_eq!(others, plain_others, "the padding row changed another parameter's gradient");
+    let d = embedding.len() / vocab;
+    let row = |grad: &[f32], r: usize| grad[r * d..(r + 1) * d].to_vec();
+    assert!(row(&plain_embedding, pad).iter().any(|g| *g != 0.0), "the test's tokens must give the row a gradient without the pad");
+    assert!(row(&embedding, pad).iter().all(|g| *g == 0.0), "the padding row took a gradient from its lookups");
+    for r in (0..vocab).filter(|&r| r != pad) {
+        assert_eq!(row(&embedding, r), row(&plain_embedding, r), "row {r}");
+    }
+    // Outside the vocabulary: refused by name.
+    let outside = edited_copy("qwen3", "pad-outside", |c| c["pad_token_id"] = (vocab as i64).into());
+    let error = load_error(&outside);
+    assert!(error.contains("pad_token_id") && error.contains("outside the vocabulary"), "{error}");
+    // A fresh model's padding row is zero, the others are not.
+    let config = ulysses_models::HfConfig::from_hf(&padded).unwrap();
+    assert_eq!(config.pad_token_id, Some(pad as u64));
+    let fresh = ulysses_models::DecoderConfig::from_hf(&config).init::<Cpu>(&device);
+    let weight = fresh.embedding.weight.val().into_data().to_vec::<f32>().unwrap();
+    assert!(row(&weight, pad).iter().all(|v| *v == 0.0) && row(&weight, pad + 1).iter().any(|v| *v != 0.0));
+    for dir in [padded, outside] {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
