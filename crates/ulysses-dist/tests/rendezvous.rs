@@ -24,6 +24,14 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// `ulysses-launch` on a port of its own: launches of the tests that run at once, each on the
+/// default port, could find it held by another's check (a launch refuses a port in use).
+fn launch_on_a_free_port() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"));
+    command.args(["--master-port", &free_port().to_string()]);
+    command
+}
+
 fn server(world_size: usize) -> RendezvousServer {
     let settings = ServerSettings {
         world_size,
@@ -392,7 +400,7 @@ fn a_rank_0_that_fails_before_broadcasting_stops_the_others_at_once() {
 #[test]
 fn the_launcher_fails_the_job_when_one_rank_fails() {
     let started = Instant::now();
-    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+    let output = launch_on_a_free_port()
         .args(["--nproc-per-node", "3", "--kill-grace-secs", "2", "--"])
         .args(["sh", "-c", r#"if [ "$RANK" = 1 ]; then echo "rank one fails"; exit 3; fi; sleep 60"#])
         .output()
@@ -417,7 +425,7 @@ fn the_launcher_names_the_rank_a_signal_killed_before_one_that_exited_after_it()
         r#"if [ "$RANK" = 1 ]; then touch {0}; kill -9 $$; fi; while [ ! -f {0} ]; do sleep 0.001; done; exit 1"#,
         flag.display()
     );
-    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch")).args(["--nproc-per-node", "2", "--kill-grace-secs", "2", "--", "sh", "-c", &script]).output().unwrap();
+    let output = launch_on_a_free_port().args(["--nproc-per-node", "2", "--kill-grace-secs", "2", "--", "sh", "-c", &script]).output().unwrap();
     let _ = std::fs::remove_file(&flag);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success() && stderr.contains("ulysses-launch: rank 1 was killed by signal 9"), "{stderr}");
@@ -441,7 +449,7 @@ fn the_launcher_sets_torchrun_variables() {
 /// second launch at the same port is then refused by the first's rendezvous, not joined to it.
 #[test]
 fn a_launch_on_one_node_has_a_token_of_its_own() {
-    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+    let output = launch_on_a_free_port()
         .args(["--nproc-per-node", "1", "--", "sh", "-c", "echo token=$ULYSSES_RENDEZVOUS_TOKEN"])
         .env("ULYSSES_RENDEZVOUS_TOKEN", "exported-by-the-shell")
         .output()
@@ -462,7 +470,7 @@ fn a_launch_on_one_node_has_a_token_of_its_own() {
     drop(held);
     // A grace no duration holds (a panic before), or NaN: named.
     for grace in ["1e300", "NaN"] {
-        let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch")).args(["--nproc-per-node", "1", "--kill-grace-secs", grace, "--", "true"]).output().unwrap();
+        let output = launch_on_a_free_port().args(["--nproc-per-node", "1", "--kill-grace-secs", grace, "--", "true"]).output().unwrap();
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(output.status.code() == Some(1) && stderr.contains("--kill-grace-secs") && !stderr.contains("panicked"), "{grace}: {stderr}");
     }
@@ -560,7 +568,7 @@ fn an_oversized_value_is_refused_before_it_is_sent() {
 #[test]
 fn the_launcher_does_not_wait_for_processes_a_failed_rank_left_behind() {
     let started = Instant::now();
-    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+    let output = launch_on_a_free_port()
         .args(["--nproc-per-node", "2", "--kill-grace-secs", "1", "--"])
         .args(["sh", "-c", r#"if [ "$RANK" = 1 ]; then sleep 60 & exit 4; fi; sleep 60"#])
         .output()
@@ -573,7 +581,7 @@ fn the_launcher_does_not_wait_for_processes_a_failed_rank_left_behind() {
 #[test]
 fn the_launcher_does_not_wait_for_processes_a_successful_rank_left_behind() {
     let started = Instant::now();
-    let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+    let output = launch_on_a_free_port()
         .args(["--nproc-per-node", "1", "--kill-grace-secs", "1", "--"])
         .args(["sh", "-c", "sleep 30 & echo done"])
         .output()
@@ -596,7 +604,7 @@ fn a_launcher_hung_up_on_or_killed_takes_its_ranks_with_it() {
         std::fs::create_dir_all(&dir).unwrap();
         let pid_file = dir.join("rank.pid");
         // The rank writes its pid and becomes `sleep` (same pid).
-        let mut launcher = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))
+        let mut launcher = launch_on_a_free_port()
             .args(["--nproc-per-node", "1", "--kill-grace-secs", "1", "--"])
             .args(["sh", "-c", &format!("echo $$ > {}; exec sleep 60", pid_file.display())])
             .stdout(std::process::Stdio::null())
