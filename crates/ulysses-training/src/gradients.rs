@@ -3,7 +3,7 @@
 //! health check that runs before it.
 
 use burn::{
-    module::{AutodiffModule, ModuleVisitor, Param},
+    module::{AutodiffModule, Module, ModuleVisitor, Param},
     optim::GradientsParams,
     tensor::{DType, FloatDType, Tensor, backend::{AutodiffBackend, Backend}},
 };
@@ -116,10 +116,11 @@ impl<B: TrainBackend> ModuleVisitor<B> for RegisterGradients<'_, B> {
     }
 }
 
-/// Gradients summed over a step's micro-batches parameter by parameter; in f32 where asked
-/// (a half-precision compute copy's, whose bf16 sums keep 8 bits of each), each parameter's
-/// gradient cast as it is added: no micro-batch's gradients are ever whole in f32 beside the
-/// sum (4 bytes a parameter kept, not 8).
+/// Gradients summed parameter by parameter (over a step's micro-batches; over a checkpointed
+/// step's pieces: a head tile's, every tile's of a layer); in f32 where asked (a half-precision
+/// compute copy's, whose bf16 sums keep 8 bits of each), each parameter's gradient cast as it is
+/// added: no piece's gradients are ever whole in f32 beside the sum (4 bytes a parameter kept,
+/// not 8).
 pub(crate) struct GradientSums {
     sums: GradientsParams,
     in_f32: bool,
@@ -131,7 +132,7 @@ impl GradientSums {
     }
 
     /// Adds `grads` (of `module`'s parameters) to the sums.
-    pub(crate) fn add<B: AutodiffBackend, M: AutodiffModule<B>>(&mut self, module: &M, grads: GradientsParams) {
+    pub(crate) fn add<B: AutodiffBackend, M: Module<B>>(&mut self, module: &M, grads: GradientsParams) {
         struct Add<'a> {
             sums: &'a mut GradientsParams,
             grads: GradientsParams,
@@ -153,6 +154,11 @@ impl GradientSums {
 
     pub(crate) fn into_grads(self) -> GradientsParams {
         self.sums
+    }
+
+    /// The sums so far, leaving none: the next [`add`](Self::add) starts anew.
+    pub(crate) fn take(&mut self) -> GradientsParams {
+        std::mem::replace(&mut self.sums, GradientsParams::new())
     }
 }
 

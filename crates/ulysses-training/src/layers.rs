@@ -58,7 +58,7 @@ use std::{collections::VecDeque, ops::Range};
 use burn::{
     config::Config,
     module::{AutodiffModule, Module, ModuleVisitor},
-    optim::{GradientsAccumulator, GradientsParams},
+    optim::GradientsParams,
     tensor::{BasicOps, Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}},
 };
 
@@ -68,7 +68,7 @@ use burn_ulysses::{
     device_io::{self, PendingRead},
 };
 
-use crate::{LmOutput, TrainBackend, lm_loss_sum};
+use crate::{LmOutput, TrainBackend, gradients::GradientSums, lm_loss_sum};
 
 /// A causal LM cut into the pieces whole-layer checkpointing runs one at a time. Implement
 /// it for every backend (`impl<B: Backend> LayeredLm<B> for MyModel<B>`): the forward runs
@@ -610,7 +610,7 @@ where
 
     // 2. Head and loss, token-wise too: tile by tile, the loss summed on the device and read
     //    by the caller (a read per tile would stall the device per tile).
-    let mut accumulator = GradientsAccumulator::<M>::new();
+    let mut accumulator = GradientSums::new(true);
     let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
     let mut upstream = KeptTiles::new(offload);
     let head = parameters.gather(model, head_group)?;
@@ -625,12 +625,12 @@ where
         probe(Piece::Head);
         let grads = loss.backward();
         upstream.push(upstream_of(&last, &grads, "the head")?);
-        accumulator.accumulate(model, grads_in_f32(GradientsParams::from_grads(grads, &head), &head));
+        accumulator.add(&head, GradientsParams::from_grads(grads, &head));
     }
     if head_group == ParameterGroup::Head
-        && let Some(grads) = parameters.gradients_done(&head, head_group, accumulator.grads())?
+        && let Some(grads) = parameters.gradients_done(&head, head_group, accumulator.take())?
     {
-        accumulator.accumulate(model, grads);
+        accumulator.add(model, grads);
     }
     drop((hidden, head));
     let mut upstream = upstream.finish();
@@ -643,7 +643,7 @@ where
         let input = kept.pop().expect("one kept input per layer");
         let layer = parameters.gather(model, ParameterGroup::Layer(index))?;
         let inner = layer.valid();
-        let mut layer_grads = GradientsAccumulator::<M>::new();
+        let mut layer_grads = GradientSums::new(true);
 
         // The core with its graph, from its inputs recomputed without one.
         let core_inputs: Vec<Tensor<B, 4>> =
@@ -660,7 +660,7 @@ where
             let grads = (output * Tensor::from_inner(upstream.restore_rows(&rows, &device))).sum().backward();
             core_grad.push(upstream_of(&attended, &grads, "a layer's after-core part (its core output)")?);
             residual_grad.push(upstream_of(&hidden, &grads, "a layer's after-core part (its input)")?);
-            layer_grads.accumulate(&layer, grads_in_f32(GradientsParams::from_grads(grads, &layer), &layer));
+            layer_grads.add(&layer, GradientsParams::from_grads(grads, &layer));
         }
         // The layer's output gradient is in the tiles' now.
         drop(core_values);
@@ -675,7 +675,7 @@ where
         let grads = seed.backward();
         let input_grads =
             core_inputs.iter().map(|input| upstream_of(input, &grads, "a layer's core (one of its inputs)")).collect::<Result<Vec<_>, _>>()?;
-        layer_grads.accumulate(&layer, grads_in_f32(GradientsParams::from_grads(grads, &layer), &layer));
+        layer_grads.add(&layer, GradientsParams::from_grads(grads, &layer));
         drop(core_inputs);
 
         // Before-core tiles, with graphs this time: the rest of the input's gradient.
@@ -692,11 +692,11 @@ where
             probe(Piece::BeforeCore { layer: index });
             let grads = seed.backward();
             input_grad.push(upstream_of(&hidden, &grads, "a layer's before-core part")? + residual_grad.restore_rows(&rows, &device));
-            layer_grads.accumulate(&layer, grads_in_f32(GradientsParams::from_grads(grads, &layer), &layer));
+            layer_grads.add(&layer, GradientsParams::from_grads(grads, &layer));
         }
         upstream = input_grad.finish();
-        if let Some(grads) = parameters.gradients_done(&layer, ParameterGroup::Layer(index), layer_grads.grads())? {
-            accumulator.accumulate(model, grads);
+        if let Some(grads) = parameters.gradients_done(&layer, ParameterGroup::Layer(index), layer_grads.take())? {
+            accumulator.add(model, grads);
         }
     }
 
@@ -707,27 +707,9 @@ where
     let seed = (embedded * Tensor::from_inner(upstream.restore(&device))).sum();
     probe(Piece::Embedding);
     let grads = seed.backward();
-    accumulator.accumulate(&embedding, grads_in_f32(GradientsParams::from_grads(grads, &embedding), &embedding));
-    let grads = parameters.gradients_done(&embedding, embedding_group, accumulator.grads())?.unwrap_or_else(GradientsParams::new);
+    accumulator.add(&embedding, GradientsParams::from_grads(grads, &embedding));
+    let grads = parameters.gradients_done(&embedding, embedding_group, accumulator.take())?.unwrap_or_else(GradientsParams::new);
     Ok((loss_sum.expect("a shard has at least one tile"), grads))
-}
-
-/// `grads` (of `module`'s parameters) in f32: the pieces' gradients of a half-precision compute
-/// copy (ZeRO-3's, the host optimizer's) are summed as replicated mixed precision sums its f32
-/// parameters' (a head tile's, every tile's of a layer, a step's micro-batches), not in bf16,
-/// which rounds each sum to 8 bits.
-fn grads_in_f32<B: TrainBackend, M: Module<B>>(mut grads: GradientsParams, module: &M) -> GradientsParams {
-    struct Cast<'a>(&'a mut GradientsParams);
-    impl<B: TrainBackend> ModuleVisitor<B> for Cast<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
-            if let Some(grad) = self.0.remove::<B::InnerBackend, D>(param.id) {
-                let grad = if grad.dtype() == burn::tensor::DType::F32 { grad } else { grad.cast(burn::tensor::FloatDType::F32) };
-                self.0.register(param.id, grad);
-            }
-        }
-    }
-    module.visit(&mut Cast(&mut grads));
-    grads
 }
 
 /// `model`'s output on a shard without a graph (evaluation), run as the checkpointed step's
