@@ -546,10 +546,8 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState, threads: bool) -> Re
         ("zigzag", args.zigzag != zigzag, "--zigzag".to_string()),
         ("dp", threads && args.dp.unwrap_or(1) != layout.dp_size, format!("--dp {}", layout.dp_size)),
     ];
-    let mut replaced_layout = Vec::new();
-    if saved_layout.iter().any(|(id, ..)| given.contains(*id)) {
-        replaced_layout = saved_layout.into_iter().filter(|(id, differs, _)| !given.contains(*id) && *differs).map(|(.., flag)| flag).collect();
-    } else {
+    let replaced_layout = replaced_flags(&given, &saved_layout);
+    if replaced_layout.is_none() {
         for (id, differs, flag) in saved_layout {
             if take(id, differs, flag) {
                 match id {
@@ -561,6 +559,7 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState, threads: bool) -> Re
             }
         }
     }
+    let replaced_layout = replaced_layout.unwrap_or_default();
     if take("seed", args.seed != saved.seed, format!("--seed {}", saved.seed)) {
         args.seed = saved.seed;
     }
@@ -601,8 +600,7 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState, threads: bool) -> Re
         ("tile_tokens", args.tile_tokens != tile_tokens, format!("--tile-tokens {}", tile_tokens.unwrap_or_default())),
         ("offload_parameters", args.offload_parameters != config.offload_parameters, "--offload-parameters".into()),
     ];
-    if saved_memory.iter().any(|(id, ..)| given.contains(*id)) {
-        let replaced_memory = saved_memory.into_iter().filter(|(id, differs, _)| !given.contains(*id) && *differs).map(|(.., flag)| flag).collect();
+    if let Some(replaced_memory) = replaced_flags(&given, &saved_memory) {
         return ResumedSettings { taken, replaced_layout, replaced_memory };
     }
     for (id, differs, flag) in saved_memory {
@@ -627,6 +625,16 @@ struct ResumedSettings {
     taken: Vec<String>,
     replaced_layout: Vec<String>,
     replaced_memory: Vec<String>,
+}
+
+/// Of a group of settings resumed as a whole (`(id, differs from the checkpoint's, its flag)`):
+/// where any of them is given again, the run's own are replaced, and the flags of those that
+/// differ and are not given are returned, to be named; `None` where none is given (each that
+/// differs is then the checkpoint's).
+fn replaced_flags(given: &std::collections::BTreeSet<String>, saved: &[(&str, bool, String)]) -> Option<Vec<String>> {
+    saved.iter().any(|(id, ..)| given.contains(*id)).then(|| {
+        saved.iter().filter(|(id, differs, _)| !given.contains(*id) && *differs).map(|(.., flag)| flag.clone()).collect()
+    })
 }
 
 /// The warm-up a run takes without --warmup-steps: 20 steps, or a fifth of `steps` where that
