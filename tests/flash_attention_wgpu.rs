@@ -234,7 +234,7 @@ fn uneven_heads_run_on_the_flash_kernels() {
 
 /// A key-padding mask whose real keys are one run per sequence (right padding, left padding)
 /// reaches the kernels as that run, with dense fallbacks forbidden, at SP 2: equal to burn's
-/// attention with the dense mask on NdArray.
+/// attention with the dense mask on NdArray. A mask of batch 1 is every sequence's.
 #[test]
 fn key_padding_reaches_the_kernels_as_one_run_per_sequence() {
     use burn::tensor::{Bool, TensorData};
@@ -246,18 +246,19 @@ fn key_padding_reaches_the_kernels_as_one_run_per_sequence() {
     }
     // Sequence 0: keys 0..20 real; sequence 1: keys 5..32 real.
     let masked: Vec<bool> = (0..2).flat_map(|b| (0..32).map(move |key| if b == 0 { key >= 20 } else { key < 5 })).collect();
-    let mask_data = TensorData::new(masked.clone(), [2, 1, 1, 32]);
     let device = Default::default();
-    let reference = {
-        let qkv = |seed| uniform_tensor::<NdArray<f32>, 4>([2, 4, 32, 16], seed, &device);
-        let dense = Tensor::<NdArray<f32>, 4, Bool>::from_data(TensorData::new(masked.clone(), [2, 1, 1, 32]), &device).expand([2, 4, 32, 32]);
-        attention(qkv(1), qkv(2), qkv(3), Some(dense), None, NON_CAUSAL)
-    };
-    let outputs = on_two_ranks_on_the_kernels([2, 4, 32, 16], |[q, k, v], r, p| {
-        let mask = shard(Tensor::<TwoRanks, 4, Bool>::from_data(mask_data.clone(), &Default::default()), 3, r, p);
-        attention(q, k, v, Some(mask), None, NON_CAUSAL)
-    });
-    assert_shards_equal(outputs, reference, "key padding");
+    for (mask_data, what) in [(TensorData::new(masked.clone(), [2, 1, 1, 32]), "key padding"), (TensorData::new(masked[32..].to_vec(), [1, 1, 1, 32]), "key padding of batch 1")] {
+        let reference = {
+            let qkv = |seed| uniform_tensor::<NdArray<f32>, 4>([2, 4, 32, 16], seed, &device);
+            let dense = Tensor::<NdArray<f32>, 4, Bool>::from_data(mask_data.clone(), &device).expand([2, 4, 32, 32]);
+            attention(qkv(1), qkv(2), qkv(3), Some(dense), None, NON_CAUSAL)
+        };
+        let outputs = on_two_ranks_on_the_kernels([2, 4, 32, 16], |[q, k, v], r, p| {
+            let mask = shard(Tensor::<TwoRanks, 4, Bool>::from_data(mask_data.clone(), &Default::default()), 3, r, p);
+            attention(q, k, v, Some(mask), None, NON_CAUSAL)
+        });
+        assert_shards_equal(outputs, reference, what);
+    }
 }
 
 type TwoRanks = burn_ulysses::UlyssesBackend<Autodiff<Wgpu>>;

@@ -74,14 +74,20 @@ fn attend<B: AutodiffBackend>(
 }
 
 fn key_padding_mask_matches_single_device(sp: usize, mask_heads: usize, kv_heads: usize) {
-    key_padding_mask_case(sp, 4, mask_heads, kv_heads);
+    key_padding_mask_case(sp, 4, mask_heads, kv_heads, None);
 }
 
-fn key_padding_mask_case(sp: usize, heads: usize, mask_heads: usize, kv_heads: usize) {
+/// A key-padding mask against one device: the batch's rows, or where `every_row` is
+/// `Some(row)`, that row's alone as every row's (`[1, ..]`, broadcast over the batch).
+fn key_padding_mask_case(sp: usize, heads: usize, mask_heads: usize, kv_heads: usize, every_row: Option<usize>) {
     let shape @ [batch, heads, seq, dim] = [2, heads, 16, 8];
     let device = Default::default();
     // Burn's attention takes the mask at full score shape.
-    let full_mask = padding_mask::<Reference>(batch, mask_heads, seq, &device).expand([batch, heads, seq, seq]);
+    let mask_of = |mask: Tensor<_, 4, Bool>| match every_row {
+        Some(row) => mask.narrow(0, row, 1),
+        None => mask,
+    };
+    let full_mask = mask_of(padding_mask::<Reference>(batch, mask_heads, seq, &device)).expand([batch, heads, seq, seq]);
     let reference = attend(qkvw::<Reference>(shape, kv_heads, &device), Some(full_mask), true);
     let reference_shard = |values: &[f32], rank: usize, heads: usize| {
         let t = Tensor::<Inner, 4>::from_data(TensorData::new(values.to_vec(), [batch, heads, seq, dim]), &device);
@@ -94,7 +100,8 @@ fn key_padding_mask_case(sp: usize, heads: usize, mask_heads: usize, kv_heads: u
             let device = Default::default();
             let (r, p) = (rank.rank(), rank.size());
             let tensors = qkvw::<Sp>(shape, kv_heads, &device).map(|t| shard(t, 2, r, p));
-            let mask = shard(padding_mask::<Sp>(batch, mask_heads, seq, &device), 3, r, p);
+            let mask = padding_mask::<Sp>(batch, mask_heads, seq, &device);
+            let mask = shard(every_row.map_or(mask.clone(), |row| mask.narrow(0, row, 1)), 3, r, p);
             attend(tensors, Some(mask), false)
         })
     });
@@ -113,8 +120,9 @@ fn key_padding_mask_case(sp: usize, heads: usize, mask_heads: usize, kv_heads: u
         }
     }
     println!(
-        "key-padding mask [b, {mask_heads}, 1, s/p], {heads} q / {kv_heads} kv heads, sp={sp}: \
-         max |Δ| over output, dq, dk, dv {worst:.2e}"
+        "key-padding mask [{}, {mask_heads}, 1, s/p], {heads} q / {kv_heads} kv heads, sp={sp}: \
+         max |Δ| over output, dq, dk, dv {worst:.2e}",
+        every_row.map_or(batch.to_string(), |row| format!("1 (row {row}'s)"))
     );
 }
 
@@ -122,7 +130,17 @@ fn key_padding_mask_case(sp: usize, heads: usize, mask_heads: usize, kv_heads: u
 /// mask rows of its own heads.
 #[test]
 fn per_head_key_padding_mask_with_uneven_heads() {
-    key_padding_mask_case(4, 6, 6, 3);
+    key_padding_mask_case(4, 6, 6, 3, None);
+}
+
+/// A mask of batch 1, broadcast over the batch (as burn's attention broadcasts it): every
+/// row's, one and one per head; a hole (a dense mask) and right padding (one run of keys).
+#[test]
+fn a_key_padding_mask_of_batch_1_is_every_rows() {
+    key_padding_mask_case(2, 4, 1, 2, Some(0));
+    key_padding_mask_case(4, 4, 4, 4, Some(0));
+    key_padding_mask_case(2, 4, 1, 2, Some(1));
+    key_padding_mask_case(4, 4, 4, 4, Some(1));
 }
 
 /// Cross-attention over a memory sharded as the queries are (each rank its contiguous part of

@@ -6,7 +6,7 @@ use burn::tensor::{Bool, Tensor, TensorData, module, ops::AttentionModuleOptions
 use ulysses_core::{
     comm::HostCommunicator,
     error::UlyssesError,
-    layout::{AttentionLayout, CallOptions, HeadPlan},
+    layout::{AttentionLayout, CallOptions, HeadPlan, MaskKind},
 };
 
 use crate::{
@@ -22,7 +22,7 @@ use crate::{
 /// of `P` ranks, each passing its `S/P` consecutive tokens: q/k/v are exchanged to `H/P` heads
 /// over all `S` tokens (kv heads replicated when `P` does not split them, as ulysses-core's
 /// `HeadPlan` decides; `⌈H/P⌉` or `⌊H/P⌋` heads per rank when `P` does not divide `H`), attended with [`blocked`] attention (`is_causal` over the
-/// whole sequence), and exchanged back. A key-padding mask `[B, 1 | H, 1, S/P]` is gathered
+/// whole sequence), and exchanged back. A key-padding mask `[B | 1, 1 | H, 1, S/P]` is gathered
 /// along the keys; any other mask, or a bias, made from local shapes cannot follow the
 /// exchange and is refused, on every rank, with the same message as burn-ulysses.
 ///
@@ -74,7 +74,14 @@ fn sequence_parallel(
     let q_heads = HeadExchange { heads: layout.q_heads, per_rank: (0..size).map(|rank| plan.q_heads_of(rank).collect()).collect() };
     let kv_heads = HeadExchange { heads: layout.kv_heads, per_rank: (0..size).map(|rank| plan.kv_heads_of(rank)).collect() };
     let to_heads = |tensor: Tensor<4>, heads: &HeadExchange| exchange(tensor, heads.clone(), Direction::ToHeads);
-    let key_padding = mask.map(|mask| gather_key_padding(group, mask, &q_heads.per_rank[group.rank()])).transpose()?;
+    // Any mask left is a key-padding one (refused otherwise); of batch 1, every row's: gathered
+    // as the batch's.
+    let key_padding = match (layout.mask, mask) {
+        (MaskKind::KeyPadding { heads }, Some(mask)) => {
+            Some(gather_key_padding(group, mask.expand([layout.batch, heads, 1, layout.kv_seq]), &q_heads.per_rank[group.rank()])?)
+        }
+        _ => None,
+    };
     let (query, key, value) = (to_heads(query, &q_heads), to_heads(key, &kv_heads), to_heads(value, &kv_heads));
     // Local q head i uses local kv entry i / (local q heads / local kv heads).
     let repeats = query.dims()[1] / key.dims()[1];

@@ -143,9 +143,9 @@ fn hidden_key(mask_heads: usize, seq: usize) -> impl Fn(usize, usize, usize) -> 
     move |b, h, j| if b == 0 { j == 5 || (mask_heads > 1 && j == 2 * h) } else { j < 2 || j >= seq - 3 }
 }
 
-/// [`sequence_parallel`] with that key-padding mask (`mask_heads` 1 or q heads), each rank
-/// passing its keys' part.
-fn sequence_parallel_masked(sp: usize, shape: [usize; 4], kv_heads: usize, causal: bool, mask_heads: Option<usize>, softcap: Option<f64>) -> [Vec<f32>; 4] {
+/// [`sequence_parallel`] with that key-padding mask (`[mask batch, mask heads]`: the batch's
+/// rows or 1, every row's; 1 head or q heads), each rank passing its keys' part.
+fn sequence_parallel_masked(sp: usize, shape: [usize; 4], kv_heads: usize, causal: bool, mask: Option<[usize; 2]>, softcap: Option<f64>) -> [Vec<f32>; 4] {
     let [b, hq, s, d] = shape;
     let kv_shape = [b, kv_heads, s, d];
     let (q, k, v, w) = (uniform(b * hq * s * d, 1), uniform(b * kv_heads * s * d, 2), uniform(b * kv_heads * s * d, 3), uniform(b * hq * s * d, 4));
@@ -159,15 +159,15 @@ fn sequence_parallel_masked(sp: usize, shape: [usize; 4], kv_heads: usize, causa
         };
         let (q, k, v) = (shard(&q, shape).require_grad(), shard(&k, kv_shape).require_grad(), shard(&v, kv_shape).require_grad());
         let options = AttentionModuleOptions { is_causal: causal, softcap, ..Default::default() };
-        let mask = mask_heads.map(|heads| {
+        let mask = mask.map(|[mask_batch, heads]| {
             let hidden = hidden_key(heads, s);
             let mut values = Vec::new();
-            for bi in 0..b {
+            for bi in 0..mask_batch {
                 for h in 0..heads {
                     values.extend(range.clone().map(|j| hidden(bi, h, j)));
                 }
             }
-            Tensor::<4, burn::tensor::Bool>::from_data(TensorData::new(values, [b, heads, 1, local]), &device)
+            Tensor::<4, burn::tensor::Bool>::from_data(TensorData::new(values, [mask_batch, heads, 1, local]), &device)
         });
         let output = attention(q.clone(), k.clone(), v.clone(), mask, None, options);
         let grads = (output.clone() * shard(&w, shape)).sum().backward();
@@ -175,12 +175,22 @@ fn sequence_parallel_masked(sp: usize, shape: [usize; 4], kv_heads: usize, causa
     });
     let shards: Vec<[Vec<f32>; 4]> = results.into_iter().map(|r| r.unwrap_or_else(|panic| panic!("{panic}"))).collect();
     let gather = |i: usize, shape| unshard(&shards.iter().map(|s| s[i].clone()).collect::<Vec<_>>(), shape);
-    let hidden = hidden_key(mask_heads.unwrap_or(1), s);
-    let reference = match mask_heads {
+    let hidden = hidden_key(mask.map_or(1, |[_, heads]| heads), s);
+    let reference = match mask {
         None => reference_masked(&q, &k, &v, &w, shape, kv_heads, causal, &|_, _, _| false, softcap),
-        Some(heads) => reference_masked(&q, &k, &v, &w, shape, kv_heads, causal, &|bi, h, j| hidden(bi, if heads == 1 { 0 } else { h }, j), softcap),
+        Some([mask_batch, heads]) => reference_masked(
+            &q,
+            &k,
+            &v,
+            &w,
+            shape,
+            kv_heads,
+            causal,
+            &|bi, h, j| hidden(if mask_batch == 1 { 0 } else { bi }, if heads == 1 { 0 } else { h }, j),
+            softcap,
+        ),
     };
-    let case = format!("SP={sp}, {hq} q heads, {kv_heads} kv heads, causal {causal}, mask heads {mask_heads:?}, softcap {softcap:?}");
+    let case = format!("SP={sp}, {hq} q heads, {kv_heads} kv heads, causal {causal}, mask [batch, heads] {mask:?}, softcap {softcap:?}");
     let got = [gather(0, shape), gather(1, shape), gather(2, kv_shape), gather(3, kv_shape)];
     for ((name, got), want) in ["output", "dq", "dk", "dv"].iter().zip(&got).zip(&reference) {
         assert_close(&format!("{case}: {name}"), got, want);
@@ -233,10 +243,12 @@ fn sp_3_with_uneven_and_grouped_heads() {
 fn key_padding_masks_are_gathered_along_the_keys() {
     // One mask for every head and one per head, at SP=2 and 4 (GQA), causal and not: as
     // burn-ulysses gathers them. The rank holding the last keys of batch 1 has them all hidden.
+    // A mask of batch 1 is every row's (broadcast, as burn's attention takes it).
     for causal in [true, false] {
-        sequence_parallel_masked(2, [2, 4, 12, 8], 4, causal, Some(1), None);
-        sequence_parallel_masked(2, [2, 4, 12, 8], 2, causal, Some(4), None);
-        sequence_parallel_masked(4, [2, 4, 12, 8], 2, causal, Some(4), None);
+        sequence_parallel_masked(2, [2, 4, 12, 8], 4, causal, Some([2, 1]), None);
+        sequence_parallel_masked(2, [2, 4, 12, 8], 2, causal, Some([2, 4]), None);
+        sequence_parallel_masked(4, [2, 4, 12, 8], 2, causal, Some([2, 4]), None);
+        sequence_parallel_masked(2, [2, 4, 12, 8], 2, causal, Some([1, 4]), None);
     }
 }
 
@@ -345,7 +357,7 @@ fn a_softcap_is_applied_before_masking_and_through_the_backward() {
     // Scaled scores reach about ±1: a cap of 0.5 bends most of them.
     for causal in [true, false] {
         sequence_parallel_masked(2, [2, 4, 12, 8], 2, causal, None, Some(0.5));
-        sequence_parallel_masked(3, [1, 3, 12, 8], 3, causal, Some(3), Some(0.5));
+        sequence_parallel_masked(3, [1, 3, 12, 8], 3, causal, Some([1, 3]), Some(0.5));
     }
 }
 

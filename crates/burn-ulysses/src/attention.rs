@@ -178,6 +178,13 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
     let window = restriction.as_ref().and_then(|r| r.window);
     let attend_or_explain = || -> Result<FloatTensor<X>, UlyssesError> {
         let layout = local_layout::<X>(&query, &key, &value, mask.as_ref(), attn_bias.as_ref(), &options, positions.is_some(), window)?;
+        // A key-padding mask of batch 1 is every row's: as the batch's, rows kept apart.
+        let mask = match (layout.mask, mask) {
+            (MaskKind::KeyPadding { heads }, Some(mask)) => {
+                Some(bool_tensor::<X>(mask).expand([layout.batch, heads, 1, layout.kv_seq]).into_primitive())
+            }
+            (_, mask) => mask,
+        };
         if let Some(positions) = &positions {
             check_document_ids(positions, layout.batch, layout.q_seq, layout.kv_seq)?;
         }

@@ -43,8 +43,8 @@ pub enum UlyssesError {
         "sequence-parallel attention: an attention mask of shape {shape:?} cannot be resharded. \
          A mask built from local shapes covers only this rank's [S/P, S/P] block, so applying it \
          after the exchange would be wrong. Use `is_causal` for causal attention, or pass a \
-         key-padding mask of shape [batch, 1, 1, local_seq] (or [batch, heads, 1, local_seq]), \
-         which is gathered along the key dimension."
+         key-padding mask of shape [batch, 1, 1, local_seq] (or [batch, heads, 1, local_seq]; \
+         batch 1 for every row alike), which is gathered along the key dimension."
     )]
     UnshardableMask { shape: Vec<usize> },
 

@@ -11,8 +11,9 @@ use crate::error::UlyssesError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MaskKind {
     None,
-    /// `[batch, 1 | heads, 1, local_seq]`: masks keys, the same for every query; gathered
-    /// along the key dimension.
+    /// `[batch | 1, 1 | heads, 1, local_seq]`: masks keys, the same for every query; gathered
+    /// along the key dimension. A mask of batch 1 is every row's: the backends expand it to
+    /// the batch before they gather it.
     KeyPadding { heads: usize },
     /// Anything else (`[.., S_q, S_k]` from local shapes): cannot be resharded.
     Unshardable,
@@ -66,7 +67,7 @@ const FIELDS: [(&str, &str); 14] = [
 impl AttentionLayout {
     /// Checks the shapes of one rank's call that need no peer (q, k, v `[batch, heads, seq,
     /// dim]` that fit together) and describes it for the cross-rank check. A mask
-    /// `[batch, 1 | q_heads, 1, kv_seq]` masks keys and can be gathered; any other cannot.
+    /// `[batch | 1, 1 | q_heads, 1, kv_seq]` masks keys and can be gathered; any other cannot.
     #[allow(clippy::too_many_arguments)]
     pub fn of_call(
         q: &[usize],
@@ -91,7 +92,7 @@ impl AttentionLayout {
         }
         let mask_kind = match mask {
             None => MaskKind::None,
-            Some(m) if m.len() == 4 && m[0] == q[0] && m[2] == 1 && m[3] == k[2] && (m[1] == 1 || m[1] == q[1]) => {
+            Some(m) if m.len() == 4 && (m[0] == q[0] || m[0] == 1) && m[2] == 1 && m[3] == k[2] && (m[1] == 1 || m[1] == q[1]) => {
                 MaskKind::KeyPadding { heads: m[1] }
             }
             Some(_) => MaskKind::Unshardable,
