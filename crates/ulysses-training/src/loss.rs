@@ -33,8 +33,9 @@ pub struct OutputHead<B: Backend> {
     /// weight cast to it once per call and each chunk's matmuls on half-precision tensor cores
     /// (f32 accumulation), as PyTorch's autocast computes a bf16 model's head. The softmax
     /// and the loss stay f32 either way; the weight's gradient is summed over the chunks in
-    /// the weight's own dtype (bf16 for a compute copy under the sharded optimizer, where the
-    /// tiles' and micro-batches' sums are bf16 too: docs/training.md, "compute copy").
+    /// the weight's own dtype (bf16 for a compute copy under the sharded optimizer: an f32 sum
+    /// would hold twice the head's size in the piece that makes the peak; the tiles' and
+    /// micro-batches' sums are f32: docs/training.md, "compute copy").
     pub logits_dtype: Option<FloatDType>,
 }
 
