@@ -13,7 +13,9 @@ wrong RoPE or a missing document mask) and transformers' outputs for it: logits 
 batch of two plain rows, and logits of a row packing three documents (positions restart at
 each; transformers derives the document mask from them) in `expected.safetensors`; the
 gradients of that loss with respect to every parameter in `gradients.safetensors` (Hugging
-Face's names and shapes). For Mistral, also transformers' logits where its sliding window
+Face's names and shapes). Two cases add a key to config.json beside what the class wrote (a
+context beside the RoPE scaling, as Phi-3 writes it), and the reference is transformers' reading
+of that file. For Mistral, also transformers' logits where its sliding window
 (64) matters, over 150 tokens plain and packed (`window.safetensors`; `--window-only` writes
 just that).
 The tests in crates/ulysses-models/tests/ read them; CI never runs this.
@@ -46,6 +48,19 @@ CASES = {
     # so that every transformers version reads it alike.
     "qwen3-yarn": (Qwen3Config, dict(head_dim=32, rope_theta=1e6,
                                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})),
+    # A context beside the scaling (as Phi-3 writes it), which transformers 5 takes over the
+    # scaling's own: written into config.json below (the config classes drop it).
+    "qwen3-yarn-original-outside": (Qwen3Config, dict(head_dim=32, rope_theta=1e6, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048})),
+    "llama-llama3-original-outside": (LlamaConfig, dict(rope_theta=500000.0, head_dim=32, rope_scaling={
+        k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"})),
+}
+
+# Keys added to a case's config.json beside what its config class writes; transformers' reading
+# of the file is then the reference.
+FILE_KEYS = {
+    "qwen3-yarn-original-outside": {"original_max_position_embeddings": 1024},
+    "llama-llama3-original-outside": {"original_max_position_embeddings": 256},
 }
 
 
@@ -164,6 +179,14 @@ def main(out):
         folder = os.path.join(out, name)
         os.makedirs(folder, exist_ok=True)
         config.save_pretrained(folder)
+        if name in FILE_KEYS:
+            path = os.path.join(folder, "config.json")
+            with open(path) as f:
+                written = json.load(f)
+            written.update(FILE_KEYS[name])
+            with open(path, "w") as f:
+                json.dump(written, f, indent=2, sort_keys=True)
+            config = transformers.AutoConfig.from_pretrained(folder)
         inv_freq, attention_scaling = rotary(config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         resolved = {

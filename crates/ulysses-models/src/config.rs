@@ -459,6 +459,18 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
         return Err(keys.error(&field("partial_rotary_factor"), format!("is {factor}; only RoPE over the whole head (1.0) is represented")));
     }
     let rope_type = inner_keys.get("rope_type").or_else(|| inner_keys.get("type")).and_then(Value::as_str).unwrap_or("default");
+    // Null or 0 is "not given", as transformers' `or` and truthiness read them.
+    let optional = |name: &str| match inner_keys.get(name) {
+        None => Ok(None),
+        Some(value) if value.as_f64() == Some(0.0) => Ok(None),
+        Some(_) => number(name).map(Some),
+    };
+    // The context the scaled types were trained at, as transformers 5 standardizes it: one
+    // beside the scaling (Phi-3 writes it there) over the scaling's own; `None`, neither.
+    let original_context = || match keys.get("original_max_position_embeddings") {
+        Some(_) => keys.positive("original_max_position_embeddings", 0.0).map(Some),
+        None => optional("original_max_position_embeddings"),
+    };
     let scaling = match rope_type {
         "default" => RopeScaling::Default,
         "linear" => RopeScaling::Linear { factor: number("factor")? },
@@ -471,20 +483,14 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
                 factor: number("factor")?,
                 low_freq_factor: low,
                 high_freq_factor: high,
-                original_max_position_embeddings: number("original_max_position_embeddings")?,
+                original_max_position_embeddings: original_context()?.unwrap_or(max_position_embeddings as f64),
             }
         }
         "yarn" => {
-            // Null or 0 is "not given", as transformers' `or` and truthiness read them.
-            let optional = |name: &str| match inner_keys.get(name) {
-                None | Some(Value::Null) => Ok(None),
-                Some(value) if value.as_f64() == Some(0.0) => Ok(None),
-                Some(_) => number(name).map(Some),
-            };
             // As transformers 5: the correction range over the original context (the config's
             // own where none is given), the factor given (else the ratio of the two contexts),
             // the attention factor given or YaRN's.
-            let original = optional("original_max_position_embeddings")?;
+            let original = original_context()?;
             let context = original.unwrap_or(max_position_embeddings as f64);
             let factor = optional("factor")?.unwrap_or(max_position_embeddings as f64 / context);
             let (attention_factor, mscales) = (optional("attention_factor")?, optional("mscale")?.zip(optional("mscale_all_dim")?));
@@ -546,6 +552,24 @@ mod tests {
         assert!(config.tie_word_embeddings && !config.qkv_bias && !config.qk_norm);
         assert_eq!((config.bos_token_id, config.eos_token_id), (Some(128000), Some(128001)));
         assert_eq!(config.eos_token_ids, [128001, 128008, 128009]);
+    }
+
+    /// Llama 3's scaling without its original context anywhere reads it as the config's
+    /// `max_position_embeddings`, as transformers 5 fills it in (the fixtures check one beside
+    /// the scaling); one of 0 is not given; a context beside it that is no number is refused.
+    #[test]
+    fn llama3_without_an_original_context_takes_the_configs() {
+        let scaling = json!({"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "rope_type": "llama3"});
+        let llama = with(&with(LLAMA, "rope_scaling", scaling.clone()), "max_position_embeddings", json!(4096));
+        let RopeScaling::Llama3 { original_max_position_embeddings, .. } = HfConfig::from_hf_json(&llama, "ckpt/config.json").unwrap().rope_scaling else { panic!("llama3") };
+        assert_eq!(original_max_position_embeddings, 4096.0);
+        let mut zero = scaling;
+        zero["original_max_position_embeddings"] = json!(0);
+        let llama = with(&with(LLAMA, "rope_scaling", zero), "max_position_embeddings", json!(4096));
+        let RopeScaling::Llama3 { original_max_position_embeddings, .. } = HfConfig::from_hf_json(&llama, "ckpt/config.json").unwrap().rope_scaling else { panic!("llama3") };
+        assert_eq!(original_max_position_embeddings, 4096.0);
+        let error = refused(&with(LLAMA, "original_max_position_embeddings", json!("8k")));
+        assert_eq!(error.key, "original_max_position_embeddings", "{error}");
     }
 
     /// Every end token comes back in the saved config.json (`generate` stops at each), one

@@ -1,5 +1,6 @@
 //! Configs as transformers saves them, read here as transformers reads them: for each family
-//! (and Llama with linear and llama3 RoPE; Qwen3 with YaRN where the script has written it),
+//! (and Llama with linear and llama3 RoPE; Qwen3 with YaRN; both scalings with their original
+//! context beside them, which transformers takes over their own),
 //! `tests/fixtures/NAME/config.json` is what the
 //! family's config class wrote and `resolved.json` what transformers made of it, written by
 //! `scripts/hf-fixtures.py` (transformers' version inside). Head dim, kv heads, norm epsilon,
@@ -16,8 +17,7 @@ fn fixtures() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let mut folders: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("resolved.json").exists()).collect();
     folders.sort();
-    // Six, and a seventh (qwen3-yarn) once the script runs where transformers is.
-    assert!(folders.len() >= 6, "the fixtures of scripts/hf-fixtures.py in {}: {folders:?}", root.display());
+    assert_eq!(folders.len(), 9, "the fixtures of scripts/hf-fixtures.py in {}: {folders:?}", root.display());
     folders
 }
 
