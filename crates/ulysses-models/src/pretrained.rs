@@ -126,17 +126,31 @@ pub struct Pretrained<B: Backend> {
     pub model: Decoder<B>,
 }
 
-/// Loads the checkpoint folder `dir` (see the module doc).
+/// Loads the checkpoint folder `dir` (see the module doc). Where config.json ties the head to
+/// the embeddings, the weights are read as transformers 5 reads them: an `lm_head.weight`
+/// beside the embeddings and equal to them is skipped; one that differs makes the model untied
+/// (the returned config says so, and a save writes it so), with a warning; one alone is the
+/// embeddings.
 pub fn from_pretrained<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pretrained<B>, CheckpointError> {
-    let config = HfConfig::from_hf(dir)?;
+    let (config, headers, tied) = config_and_weights(dir)?;
+    if tied == TiedWeights::Different {
+        tracing::warn!(
+            folder = %dir.display(),
+            "config.json ties the word embeddings, but the weights hold an lm_head.weight that differs from them: loaded untied, \
+             the head its own, as transformers 5 loads it (saved with tie_word_embeddings false). To tie them, remove lm_head.weight"
+        );
+    }
     let mut model = DecoderConfig::from_hf(&config).init::<B>(device);
     let expected: BTreeSet<String> = model.collect(None, None, false).iter().map(TensorSnapshot::full_path).collect();
     let mut loaded = BTreeSet::new();
-    for file in weight_files(dir)? {
-        check_safetensors_whole(&file)?;
+    for SafetensorsHeader { file, .. } in headers {
         let mut store = SafetensorsStore::from_file(&file).with_from_adapter(PyTorchToBurnAdapter.chain(CastFloats(DType::F32))).allow_partial(true).validate(false);
         for (from, to) in HF_TO_DECODER {
             store = store.with_key_remapping(from, to);
+        }
+        if tied == TiedWeights::HeadAlone {
+            // The tied weight's one copy, under the head's name.
+            store = store.with_key_remapping(r"^lm_head\.weight$", "embedding.weight");
         }
         let result = model.load_from(&mut store).map_err(|e| CheckpointError::file(&file, e))?;
         let tensor_error = |tensor: &str, problem: String| CheckpointError::Tensor { file: file.display().to_string(), tensor: hf_name(tensor), problem };
@@ -147,14 +161,9 @@ pub fn from_pretrained<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pre
             });
         }
         // What transformers skips too: RoPE's frequencies kept by old conversions (computed
-        // from config.json here), and a head saved beside embeddings config.json ties (the
-        // embeddings are the head).
+        // from config.json here), and a tied head saved beside the embeddings, equal to them.
         for unused in &result.unused {
-            if unused.ends_with("rotary_emb.inv_freq") {
-                continue;
-            }
-            if unused.starts_with("lm_head") && config.tie_word_embeddings {
-                tracing::warn!(file = %file.display(), "lm_head.weight is not used: config.json ties the word embeddings (tie_word_embeddings), so the head is the embeddings, as in transformers");
+            if unused.ends_with("rotary_emb.inv_freq") || (unused.as_str() == HEAD && config.tie_word_embeddings) {
                 continue;
             }
             return Err(tensor_error(unused, "is not used: this decoder has no such tensor".into()));
@@ -196,7 +205,7 @@ const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
 /// would only say where it stopped): the 8-byte header length, the JSON header, and every
 /// tensor's bytes the header places must lie within the file. A download or copy cut short
 /// is the usual cause, and the fix is to fetch the file again.
-fn check_safetensors_whole(file: &Path) -> Result<(), CheckpointError> {
+fn check_safetensors_whole(file: &Path) -> Result<SafetensorsHeader, CheckpointError> {
     use std::io::Read;
     let error = |problem: String| CheckpointError::file(file, problem);
     let size = std::fs::metadata(file).map_err(|e| error(e.to_string()))?.len();
@@ -255,7 +264,126 @@ fn check_safetensors_whole(file: &Path) -> Result<(), CheckpointError> {
             size - needed
         )));
     }
-    Ok(())
+    Ok(SafetensorsHeader { file: file.to_path_buf(), data_start: 8 + header_len, tensors: tensors.clone() })
+}
+
+/// The configuration of checkpoint folder `dir` as [`from_pretrained`] builds its model: its
+/// config.json, untied where the weights hold a head of its own (without the warning
+/// `from_pretrained` gives). Reads the weight files' headers (and, for a tied model with both
+/// weights saved, the two weights), not the model.
+pub fn checkpoint_config(dir: &Path) -> Result<HfConfig, CheckpointError> {
+    Ok(config_and_weights(dir)?.0)
+}
+
+/// `dir`'s config, its weight files' headers (each file checked whole), and how a tied
+/// config's weights are held: as transformers 5 reads them (4 tied them whatever the files held).
+fn config_and_weights(dir: &Path) -> Result<(HfConfig, Vec<SafetensorsHeader>, TiedWeights), CheckpointError> {
+    let mut config = HfConfig::from_hf(dir)?;
+    let headers = weight_files(dir)?.iter().map(|file| check_safetensors_whole(file)).collect::<Result<Vec<_>, _>>()?;
+    let tied = if config.tie_word_embeddings { tied_weights(&headers)? } else { TiedWeights::Embeddings };
+    if tied == TiedWeights::Different {
+        config.tie_word_embeddings = false;
+    }
+    Ok((config, headers, tied))
+}
+
+/// A safetensors file's header: each tensor's dtype, shape and byte range (from `data_start`).
+struct SafetensorsHeader {
+    file: PathBuf,
+    data_start: u64,
+    tensors: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Where a config that ties the head to the embeddings finds their weights, as transformers 5
+/// reads such a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TiedWeights {
+    /// The embeddings alone, or beside an `lm_head.weight` equal to them: tied.
+    Embeddings,
+    /// `lm_head.weight` alone: tied, the embeddings its values.
+    HeadAlone,
+    /// Both, with different values: transformers does not tie them, the head is its own.
+    Different,
+}
+
+const EMBEDDINGS: &str = "model.embed_tokens.weight";
+const HEAD: &str = "lm_head.weight";
+
+/// How the files of a tied model hold its embeddings and head ([`TiedWeights`]); both present
+/// are compared value by value (torch's `equal`: -0 equals 0), streamed a block at a time.
+fn tied_weights(headers: &[SafetensorsHeader]) -> Result<TiedWeights, CheckpointError> {
+    let find = |name: &str| headers.iter().find_map(|header| header.tensors.get(name).map(|tensor| (header, tensor)));
+    let (embeddings, head) = match (find(EMBEDDINGS), find(HEAD)) {
+        // Neither: the embeddings are named missing with the rest.
+        (_, None) => return Ok(TiedWeights::Embeddings),
+        (None, Some(_)) => return Ok(TiedWeights::HeadAlone),
+        (Some(embeddings), Some(head)) => (embeddings, head),
+    };
+    if embeddings.1["shape"] != head.1["shape"] {
+        return Ok(TiedWeights::Different);
+    }
+    let mut embeddings = TensorValues::open(embeddings.0, EMBEDDINGS, embeddings.1)?;
+    let mut head = TensorValues::open(head.0, HEAD, head.1)?;
+    while let (Some(a), Some(b)) = (embeddings.next_block()?, head.next_block()?) {
+        if a.len() != b.len() || a.iter().zip(&b).any(|(x, y)| x != y) {
+            return Ok(TiedWeights::Different);
+        }
+    }
+    Ok(TiedWeights::Embeddings)
+}
+
+/// One float tensor of a safetensors file, read as f64 a block of elements at a time.
+struct TensorValues {
+    reader: std::io::BufReader<std::fs::File>,
+    file: PathBuf,
+    dtype: String,
+    remaining: u64,
+}
+
+impl TensorValues {
+    const BLOCK: usize = 1 << 20;
+
+    fn open(header: &SafetensorsHeader, name: &str, tensor: &serde_json::Value) -> Result<Self, CheckpointError> {
+        use std::io::{Seek, SeekFrom};
+        let error = |problem: String| CheckpointError::Tensor { file: header.file.display().to_string(), tensor: name.to_string(), problem };
+        let (Some(begin), Some(end)) = (tensor["data_offsets"][0].as_u64(), tensor["data_offsets"][1].as_u64()) else {
+            return Err(error("has no data_offsets in the header".into()));
+        };
+        let dtype = tensor["dtype"].as_str().unwrap_or_default().to_string();
+        let width = Self::width(&dtype).ok_or_else(|| error(format!("is {dtype}, not a float")))?;
+        let mut file = std::fs::File::open(&header.file).map_err(|e| CheckpointError::file(&header.file, e))?;
+        file.seek(SeekFrom::Start(header.data_start + begin)).map_err(|e| CheckpointError::file(&header.file, e))?;
+        Ok(Self { reader: std::io::BufReader::new(file), file: header.file.clone(), dtype, remaining: end.saturating_sub(begin) / width as u64 })
+    }
+
+    fn width(dtype: &str) -> Option<usize> {
+        Some(match dtype {
+            "F64" => 8,
+            "F32" => 4,
+            "BF16" | "F16" => 2,
+            _ => return None,
+        })
+    }
+
+    /// The next block of values, `None` past the last.
+    fn next_block(&mut self) -> Result<Option<Vec<f64>>, CheckpointError> {
+        use std::io::Read;
+        if self.remaining == 0 {
+            return Ok(None);
+        }
+        let count = (self.remaining as usize).min(Self::BLOCK);
+        let width = Self::width(&self.dtype).expect("checked when opened");
+        let mut bytes = vec![0u8; count * width];
+        self.reader.read_exact(&mut bytes).map_err(|e| CheckpointError::file(&self.file, e))?;
+        self.remaining -= count as u64;
+        let values = bytes.chunks_exact(width).map(|b| match width {
+            8 => f64::from_le_bytes(b.try_into().expect("8 bytes")),
+            4 => f32::from_le_bytes(b.try_into().expect("4 bytes")) as f64,
+            _ if self.dtype == "BF16" => burn::tensor::bf16::from_le_bytes([b[0], b[1]]).to_f64(),
+            _ => burn::tensor::f16::from_le_bytes([b[0], b[1]]).to_f64(),
+        });
+        Ok(Some(values.collect()))
+    }
 }
 
 /// The Hugging Face names of the decoder's tensor paths: [`DECODER_TO_HF`] applied as

@@ -207,20 +207,18 @@ fn weights_that_do_not_fit_the_config_are_refused_by_name() {
     let error = load_error(&untied);
     assert!(error.contains("`lm_head.weight` is missing"), "{error}");
 
-    // Mistral's has its own head: tied, it is left over, and skipped as transformers skips
-    // it (the embeddings are the head). So are RoPE's frequencies that old conversions kept;
-    // a tensor the decoder has no place for is refused.
+    // Mistral's has its own head: tied, it loads untied (see
+    // `a_tied_config_reads_its_weights_as_transformers_5_does`). RoPE's frequencies that old
+    // conversions kept are skipped as transformers skips them; a tensor the decoder has no
+    // place for is refused.
     let tied = edited_copy("mistral", "tied", |c| c["tie_word_embeddings"] = true.into());
     if let Err(error) = from_pretrained::<Cpu>(&tied, &Default::default()) {
         panic!("a tied model with a saved head did not load: {error}");
     }
     let with_extra = |name: &str| {
-        let weights = tied.join("model.safetensors");
-        let mut tensors = tensors_of(&weights);
-        tensors.insert(name.to_string(), (safetensors::Dtype::F32, vec![2], vec![0; 8]));
-        let views: Vec<(String, safetensors::tensor::TensorView)> =
-            tensors.iter().map(|(name, (dtype, shape, data))| (name.clone(), safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap())).collect();
-        std::fs::write(&weights, safetensors::serialize(views, None).unwrap()).unwrap();
+        edit_weights(&tied, |tensors| {
+            tensors.insert(name.to_string(), (safetensors::Dtype::F32, vec![2], vec![0; 8]));
+        })
     };
     with_extra("model.layers.0.self_attn.rotary_emb.inv_freq");
     if let Err(error) = from_pretrained::<Cpu>(&tied, &Default::default()) {
@@ -361,6 +359,62 @@ fn mistral_gives_transformers_logits_past_its_sliding_window() {
     for sp in [2, 3] {
         check_logits_at_sp(&folder, &want, sp, "mistral past its window");
     }
+}
+
+/// The largest difference of `folder`'s model's logits for the fixture's two plain rows from
+/// `want`'s (transformers'), and whether its config ties the head.
+fn plain_logits_difference(folder: &Path, want: &HashMap<String, Expected>) -> (f64, bool) {
+    let pretrained = from_pretrained::<Cpu>(folder, &Default::default()).unwrap_or_else(|e| panic!("{}: {e}", folder.display()));
+    let input = tokens::<Cpu>(&want["input_ids"]);
+    let [batch, seq] = input.dims();
+    let logits = pretrained.model.forward(input, &ShardPositions::consecutive(batch, 0, seq)).into_data().to_vec::<f32>().unwrap();
+    (largest_difference(&logits, &want["logits"].values), pretrained.config.tie_word_embeddings)
+}
+
+/// `folder`'s model.safetensors with `edit` applied to its tensors (name → dtype, shape, bytes).
+fn edit_weights(folder: &Path, edit: impl FnOnce(&mut std::collections::BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)>)) {
+    let weights = folder.join("model.safetensors");
+    let mut tensors = tensors_of(&weights);
+    edit(&mut tensors);
+    let views: Vec<(String, safetensors::tensor::TensorView)> =
+        tensors.iter().map(|(name, (dtype, shape, data))| (name.clone(), safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap())).collect();
+    std::fs::write(&weights, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+/// A config that ties the head to the embeddings, with weights that say otherwise, loads as
+/// transformers 5 loads it (5.17 and 5.24 checked): Mistral's own head beside its embeddings,
+/// differing, is kept (untied: transformers' logits for the untied fixture, and the config says
+/// so); Llama's embeddings beside a head equal to them, or a head alone, are the tied weight
+/// (transformers' logits, tied).
+#[test]
+fn a_tied_config_reads_its_weights_as_transformers_5_does() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let tied = edited_copy("mistral", "tied-differing", |c| c["tie_word_embeddings"] = true.into());
+    let (difference, ties) = plain_logits_difference(&tied, &expected(&fixtures.join("mistral")));
+    println!("mistral tied, its head differing: logits {difference:.1e} from transformers' (untied)");
+    assert!(difference <= LOGITS_TOLERANCE && !ties, "a differing head: logits {difference:e} from transformers', tied {ties}");
+    assert!(!ulysses_models::checkpoint_config(&tied).unwrap().tie_word_embeddings, "the config alone says untied too");
+
+    let llama = expected(&fixtures.join("llama"));
+    for (case, edit) in [
+        ("beside-equal", (|t: &mut std::collections::BTreeMap<_, _>| {
+            let embeddings = t["model.embed_tokens.weight"].clone();
+            t.insert("lm_head.weight".to_string(), embeddings);
+        }) as fn(&mut std::collections::BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)>)),
+        ("head-alone", |t| {
+            let embeddings = t.remove("model.embed_tokens.weight").unwrap();
+            t.insert("lm_head.weight".to_string(), embeddings);
+        }),
+    ] {
+        let folder = edited_copy("llama", case, |_| {});
+        edit_weights(&folder, edit);
+        let (difference, ties) = plain_logits_difference(&folder, &llama);
+        println!("llama tied, {case}: logits {difference:.1e} from transformers'");
+        assert!(difference <= LOGITS_TOLERANCE && ties, "{case}: logits {difference:e} from transformers', tied {ties}");
+        assert!(ulysses_models::checkpoint_config(&folder).unwrap().tie_word_embeddings, "{case}: the config alone says tied too");
+        std::fs::remove_dir_all(folder).unwrap();
+    }
+    std::fs::remove_dir_all(tied).unwrap();
 }
 
 /// Every tensor of a safetensors file: name → (dtype, shape, bytes).

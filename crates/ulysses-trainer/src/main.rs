@@ -921,7 +921,8 @@ fn run(mut args: Args) -> Result<(), String> {
                 dir.display()
             ));
         }
-        (Some(dir), _) => Some(HfConfig::from_hf(dir).map_err(|e| format!("--model: {e}"))?),
+        // As the weights make it (a tied head saved with values of its own loads untied).
+        (Some(dir), _) => Some(ulysses_models::checkpoint_config(dir).map_err(|e| format!("--model: {e}"))?),
         (None, Some(file)) => Some(HfConfig::from_hf(file).map_err(|e| format!("--hf-config: {e}"))?),
         (None, None) => None,
     };
