@@ -17,7 +17,9 @@ Face's names and shapes). Two cases add a key to config.json beside what the cla
 context beside the RoPE scaling, as Phi-3 writes it), and the reference is transformers' reading
 of that file. For Mistral, also transformers' logits where its sliding window
 (64) matters, over 150 tokens plain and packed (`window.safetensors`; `--window-only` writes
-just that).
+just that). For Llama, Qwen2 and Qwen3, six steps of PyTorch's AdamW on the two plain rows, as
+Hugging Face's Trainer takes them (`training.safetensors`: losses, gradient norms, the trained
+parameters; `--training-only` writes just those).
 The tests in crates/ulysses-models/tests/ read them; CI never runs this.
 
     python3 -m venv /var/tmp/hf-venv && /var/tmp/hf-venv/bin/pip install torch transformers
@@ -125,6 +127,41 @@ def model_outputs(config, folder):
     return plain.loss.item()
 
 
+TRAINED = ("llama", "qwen2", "qwen3")
+TRAINING_RATES = (2.5e-4, 5e-4, 1e-3, 1e-3, 7.5e-4, 5e-4)
+
+
+def training_steps(folder):
+    """Steps of PyTorch's AdamW on the saved model (f32, eager attention) over its two plain rows,
+    as the Trainer takes them: weight decay 0.01 on the matrices (the Trainer's own spares the
+    biases and the norms), betas (0.9, 0.999), eps 1e-8, the gradient clipped to norm 1, the
+    learning rate of each step given. Each step's loss and gradient norm (before clipping) and
+    the parameters after the last step, in `training.safetensors`."""
+    from safetensors.torch import load_file, save_file
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).train()
+    tokens = load_file(os.path.join(folder, "expected.safetensors"))["input_ids"]
+    named = list(model.named_parameters())
+    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.01},
+              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=TRAINING_RATES[0], betas=(0.9, 0.999), eps=1e-8)
+    losses, norms = [], []
+    for rate in TRAINING_RATES:
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        optimizer.zero_grad()
+        loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        optimizer.step()
+        losses.append(loss.item())
+    outputs = {"learning_rates": torch.tensor(TRAINING_RATES, dtype=torch.float64),
+               "losses": torch.tensor(losses, dtype=torch.float64), "grad_norms": torch.tensor(norms, dtype=torch.float64)}
+    # Tied weights are one parameter (listed once, as the embedding), as in the files.
+    outputs.update({f"trained.{name}": p.detach().float().contiguous() for name, p in named})
+    save_file(outputs, os.path.join(folder, "training.safetensors"), metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    print(f"{os.path.basename(folder)}: {len(losses)} AdamW steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+
 def plain_and_packed(model, rows, documents, generator):
     """Random tokens: `rows` plain rows and one row packing `documents`, as long as their sum;
     transformers' logits (and loss, for the plain rows) for them, as saved; and the plain output."""
@@ -209,12 +246,18 @@ def main(out):
             print(f"{name}: a model of {os.path.getsize(os.path.join(folder, 'model.safetensors'))} bytes, loss {loss:.4f}")
         if name == "mistral":
             window_outputs(folder)
+        if name in TRAINED:
+            training_steps(folder)
     tokenizer(out)
 
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    if sys.argv[1:2] == ["--window-only"]:
+    if sys.argv[1:2] == ["--training-only"]:
+        # The training steps alone, from the models already written.
+        for name in TRAINED:
+            training_steps(os.path.join(sys.argv[2] if len(sys.argv) > 2 else "crates/ulysses-models/tests/fixtures", name))
+    elif sys.argv[1:2] == ["--window-only"]:
         # The sliding-window outputs alone, from the Mistral fixture already written.
         window_outputs(os.path.join(sys.argv[2] if len(sys.argv) > 2 else "crates/ulysses-models/tests/fixtures", "mistral"))
     else:
