@@ -3,7 +3,7 @@
 logits with those transformers gave for the original fixture models.
 
     ULYSSES_SAVED_HF_DIR=/tmp/saved cargo test -p ulysses-models --test pretrained a_saved_checkpoint
-    /var/tmp/hf-venv/bin/python scripts/hf-check-saved.py /tmp/saved crates/ulysses-models/tests/fixtures
+    /var/tmp/hf-venv/bin/python scripts/hf-check-saved.py  # torch and transformers from PyPI /tmp/saved crates/ulysses-models/tests/fixtures
 
 The saved folders are bf16, so the logits differ by bf16's rounding of the weights; what must
 hold is that transformers loads each without a missing, unexpected or mis-shaped tensor.
@@ -20,7 +20,7 @@ def main(saved, fixtures):
     worst = 0.0
     for name in sorted(os.listdir(saved)):
         folder = os.path.join(saved, name)
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, torch_dtype=torch.float32)
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, dtype=torch.float32)
         problems = {k: v for k, v in info.items() if v}
         assert not problems, f"{name}: {problems}"
         expected = load_file(os.path.join(fixtures, name, "expected.safetensors"))
