@@ -43,6 +43,8 @@ CASES = {
     "llama": (LlamaConfig, dict(rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)),
     "llama-linear": (LlamaConfig, dict(rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "llama-llama3": (LlamaConfig, dict(rope_theta=500000.0, rope_scaling=LLAMA3, head_dim=32)),
+    # Llama's attention_bias: biases on q, k, v and the output projection.
+    "llama-attention-bias": (LlamaConfig, dict(rope_theta=10000.0, attention_bias=True)),
     "mistral": (MistralConfig, dict(sliding_window=64, rope_theta=1e6)),
     "qwen2": (Qwen2Config, dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3": (Qwen3Config, dict(head_dim=32, rope_theta=1e6)),
@@ -103,7 +105,7 @@ def tokenizer(out):
     print(f"tokenizer: {bpe.get_vocab_size()} tokens, tokenizers {tokenizers.__version__}")
 
 
-MODELS = ("llama", "llama-llama3", "mistral", "qwen2", "qwen3")
+MODELS = ("llama", "llama-llama3", "llama-attention-bias", "mistral", "qwen2", "qwen3")
 DOCUMENTS = (7, 10, 7)
 
 
@@ -115,6 +117,12 @@ def model_outputs(config, folder):
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(6.0)
             layer.self_attn.k_proj.weight.mul_(6.0)
+        # Biases (Qwen2's q/k/v, Llama's attention_bias) random too: transformers' init zeroes
+        # them, which would hide a bias applied in the wrong place (after RoPE, say).
+        biases = torch.Generator().manual_seed(2)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=biases) * 0.5)
     model.save_pretrained(folder, safe_serialization=True)
     outputs, plain = plain_and_packed(model, 2, DOCUMENTS, torch.Generator().manual_seed(1))
     tokens = outputs["input_ids"]

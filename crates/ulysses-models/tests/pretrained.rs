@@ -1,8 +1,10 @@
 //! Checkpoints transformers wrote, loaded here and run against transformers' own outputs.
 //!
-//! `scripts/hf-fixtures.py` made, for Llama (tied embeddings), Llama with llama3 RoPE,
-//! Mistral, Qwen2 (q/k/v biases, tied) and Qwen3 (q/k norms, head dim 32), a tiny model with
-//! random weights (q and k scaled up, so attention is peaked) in `model.safetensors`, and
+//! `scripts/hf-fixtures.py` made, for Llama (tied embeddings), Llama with llama3 RoPE, Llama
+//! with `attention_bias` (q, k, v and output biases), Mistral, Qwen2 (q/k/v biases, tied) and
+//! Qwen3 (q/k norms, head dim 32), a tiny model with random weights (q and k scaled up, so
+//! attention is peaked; the biases random too, where transformers' init zeroes them) in
+//! `model.safetensors`, and
 //! transformers' logits and loss for two plain rows and a row packing three documents in
 //! `expected.safetensors`, and the gradients of that loss in `gradients.safetensors`. Each
 //! loads with `from_pretrained` and gives the same logits (within 1e-4, at SP=1 and SP=2), loss
@@ -33,7 +35,7 @@ fn model_fixtures() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let mut folders: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("expected.safetensors").exists()).collect();
     folders.sort();
-    assert_eq!(folders.len(), 5, "the model fixtures of scripts/hf-fixtures.py in {}", root.display());
+    assert_eq!(folders.len(), 6, "the model fixtures of scripts/hf-fixtures.py in {}", root.display());
     folders
 }
 
