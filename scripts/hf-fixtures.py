@@ -103,6 +103,27 @@ def tokenizer(out):
     with open(os.path.join(folder, "encodings.json"), "w") as f:
         json.dump({"tokenizers": tokenizers.__version__, "encodings": encodings}, f, indent=1, ensure_ascii=False)
     print(f"tokenizer: {bpe.get_vocab_size()} tokens, tokenizers {tokenizers.__version__}")
+    tokenizer_with_bos(out, bpe)
+
+
+def tokenizer_with_bos(out, bpe):
+    """That tokenizer with a post-processor that adds a BOS before each text (as Llama 3's does),
+    saved beside a tokenizer_config.json that says `add_bos_token: false`, and the ids
+    transformers' `tokenizer(text)` gives for the texts (`tokenizer-bos/encodings.json`): which
+    of the two it follows."""
+    from tokenizers import processors
+    bos = "<|endoftext|>"
+    bpe.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bpe.token_to_id(bos))])
+    folder = os.path.join(out, "tokenizer-bos")
+    os.makedirs(folder, exist_ok=True)
+    bpe.save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": bos, "add_bos_token": False}, f, indent=1)
+    loaded = transformers.AutoTokenizer.from_pretrained(folder)
+    encodings = [{"text": t, "ids": loaded(t)["input_ids"]} for t in TEXTS]
+    with open(os.path.join(folder, "encodings.json"), "w") as f:
+        json.dump({"transformers": transformers.__version__, "encodings": encodings}, f, indent=1, ensure_ascii=False)
+    print(f"tokenizer-bos: transformers gives {encodings[0]['ids'][:2]}... for the first text")
 
 
 MODELS = ("llama", "llama-llama3", "llama-attention-bias", "mistral", "qwen2", "qwen3")
