@@ -46,6 +46,8 @@ CASES = {
     # Llama's attention_bias: biases on q, k, v and the output projection.
     "llama-attention-bias": (LlamaConfig, dict(rope_theta=10000.0, attention_bias=True)),
     "mistral": (MistralConfig, dict(sliding_window=64, rope_theta=1e6)),
+    # Mistral-Nemo's kind: a head dim of its own (not hidden / heads), no window.
+    "mistral-head-dim": (MistralConfig, dict(sliding_window=None, rope_theta=1e6, head_dim=32)),
     "qwen2": (Qwen2Config, dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3": (Qwen3Config, dict(head_dim=32, rope_theta=1e6)),
     # YaRN as Qwen's guides add it; the context lengths agree with the factor (4096 = 4 × 1024),
@@ -126,7 +128,7 @@ def tokenizer_with_bos(out, bpe):
     print(f"tokenizer-bos: transformers gives {encodings[0]['ids'][:2]}... for the first text")
 
 
-MODELS = ("llama", "llama-llama3", "llama-attention-bias", "mistral", "qwen2", "qwen3")
+MODELS = ("llama", "llama-llama3", "llama-attention-bias", "mistral", "mistral-head-dim", "qwen2", "qwen3")
 DOCUMENTS = (7, 10, 7)
 
 

@@ -17,7 +17,7 @@ fn fixtures() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let mut folders: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("resolved.json").exists()).collect();
     folders.sort();
-    assert_eq!(folders.len(), 10, "the fixtures of scripts/hf-fixtures.py in {}: {folders:?}", root.display());
+    assert_eq!(folders.len(), 11, "the fixtures of scripts/hf-fixtures.py in {}: {folders:?}", root.display());
     folders
 }
 

@@ -1,7 +1,8 @@
 //! Checkpoints transformers wrote, loaded here and run against transformers' own outputs.
 //!
 //! `scripts/hf-fixtures.py` made, for Llama (tied embeddings), Llama with llama3 RoPE, Llama
-//! with `attention_bias` (q, k, v and output biases), Mistral, Qwen2 (q/k/v biases, tied) and
+//! with `attention_bias` (q, k, v and output biases), Mistral, Mistral with a head dim of its
+//! own and no window (Mistral-Nemo's kind), Qwen2 (q/k/v biases, tied) and
 //! Qwen3 (q/k norms, head dim 32), a tiny model with random weights (q and k scaled up, so
 //! attention is peaked; the biases random too, where transformers' init zeroes them) in
 //! `model.safetensors`, and
@@ -35,7 +36,7 @@ fn model_fixtures() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let mut folders: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("expected.safetensors").exists()).collect();
     folders.sort();
-    assert_eq!(folders.len(), 6, "the model fixtures of scripts/hf-fixtures.py in {}", root.display());
+    assert_eq!(folders.len(), 7, "the model fixtures of scripts/hf-fixtures.py in {}", root.display());
     folders
 }
 
