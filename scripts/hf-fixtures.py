@@ -109,23 +109,38 @@ def tokenizer(out):
 
 
 def tokenizer_with_bos(out, bpe):
-    """That tokenizer with a post-processor that adds a BOS before each text (as Llama 3's does),
-    saved beside a tokenizer_config.json that says `add_bos_token: false`, and the ids
-    transformers' `tokenizer(text)` gives for the texts (`tokenizer-bos/encodings.json`): which
-    of the two it follows."""
+    """That tokenizer with a BOS of its own (`<|begin_of_text|>`) and a post-processor that adds
+    it before each text (as Llama 3's does), saved beside a tokenizer_config.json that says
+    `add_bos_token: false`, and the ids transformers' `tokenizer(text)` gives for the texts and
+    one that begins with the BOS (`tokenizer-bos/encodings.json`): which of the two it follows.
+    Each tokenizer class the config may name adds the BOS alike (checked here, the classes
+    recorded; Qwen2Tokenizer splits digits by its own pattern, so its ids are not the file's)."""
     from tokenizers import processors
-    bos = "<|endoftext|>"
+    bos, eos = "<|begin_of_text|>", "<|endoftext|>"
+    bpe.add_special_tokens([bos])
     bpe.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bpe.token_to_id(bos))])
     folder = os.path.join(out, "tokenizer-bos")
     os.makedirs(folder, exist_ok=True)
     bpe.save(os.path.join(folder, "tokenizer.json"))
+    texts = TEXTS + [f"{bos}A text that begins with the BOS"]
+    classes = ["PreTrainedTokenizerFast", "LlamaTokenizerFast", "Qwen2Tokenizer"]
+    results = []
+    for cls in classes:
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": cls, "bos_token": bos, "eos_token": eos, "add_bos_token": False}, f, indent=1)
+        loaded = transformers.AutoTokenizer.from_pretrained(folder)
+        results.append([loaded(t)["input_ids"] for t in texts])
+    bos_id = bpe.token_to_id(bos)
+    for cls, ids in zip(classes, results):
+        assert all(row[0] == bos_id for row in ids), f"{cls} adds no BOS: {ids}"
+    assert results[1] == results[0], f"{classes[1]} and {classes[0]} disagree: {results[:2]}"
+    # The folder as the ids kept were made: the first class's config.
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": bos, "add_bos_token": False}, f, indent=1)
-    loaded = transformers.AutoTokenizer.from_pretrained(folder)
-    encodings = [{"text": t, "ids": loaded(t)["input_ids"]} for t in TEXTS]
+        json.dump({"tokenizer_class": classes[0], "bos_token": bos, "eos_token": eos, "add_bos_token": False}, f, indent=1)
+    encodings = [{"text": t, "ids": ids} for t, ids in zip(texts, results[0])]
     with open(os.path.join(folder, "encodings.json"), "w") as f:
-        json.dump({"transformers": transformers.__version__, "encodings": encodings}, f, indent=1, ensure_ascii=False)
-    print(f"tokenizer-bos: transformers gives {encodings[0]['ids'][:2]}... for the first text")
+        json.dump({"transformers": transformers.__version__, "tokenizer_classes": classes, "encodings": encodings}, f, indent=1, ensure_ascii=False)
+    print(f"tokenizer-bos: transformers gives {encodings[0]['ids'][:2]}... for the first text, with each of {classes}")
 
 
 MODELS = ("llama", "llama-llama3", "llama-attention-bias", "mistral", "mistral-head-dim", "qwen2", "qwen3")

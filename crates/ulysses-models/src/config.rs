@@ -466,10 +466,22 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
         Some(_) => number(name).map(Some),
     };
     // The context the scaled types were trained at, as transformers 5 standardizes it: one
-    // beside the scaling (Phi-3 writes it there) over the scaling's own; `None`, neither.
-    let original_context = || match keys.get("original_max_position_embeddings") {
-        Some(_) => keys.positive("original_max_position_embeddings", 0.0).map(Some),
-        None => optional("original_max_position_embeddings"),
+    // beside the scaling (Phi-3 writes it there) over the scaling's own; `None`, neither. A
+    // null or 0 in either place is refused: transformers 5 takes it as it is and fails (null)
+    // or divides by it (0).
+    let original_context = || {
+        const KEY: &str = "original_max_position_embeddings";
+        let given = |keys: &Keys, name: &str| match keys.object.get(KEY) {
+            None => Ok(None),
+            Some(value) => match value.as_f64() {
+                Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
+                _ => Err(keys.error(name, format!("is {value}: give the context the model was trained at, or leave the key out (then max_position_embeddings)"))),
+            },
+        };
+        match given(keys, KEY)? {
+            Some(outside) => Ok(Some(outside)),
+            None => given(&inner_keys, &field(KEY)),
+        }
     };
     let scaling = match rope_type {
         "default" => RopeScaling::Default,
@@ -556,20 +568,26 @@ mod tests {
 
     /// Llama 3's scaling without its original context anywhere reads it as the config's
     /// `max_position_embeddings`, as transformers 5 fills it in (the fixtures check one beside
-    /// the scaling); one of 0 is not given; a context beside it that is no number is refused.
+    /// the scaling); one of 0 or null, inside or beside the scaling, is refused by name.
     #[test]
     fn llama3_without_an_original_context_takes_the_configs() {
         let scaling = json!({"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "rope_type": "llama3"});
         let llama = with(&with(LLAMA, "rope_scaling", scaling.clone()), "max_position_embeddings", json!(4096));
         let RopeScaling::Llama3 { original_max_position_embeddings, .. } = HfConfig::from_hf_json(&llama, "ckpt/config.json").unwrap().rope_scaling else { panic!("llama3") };
         assert_eq!(original_max_position_embeddings, 4096.0);
-        let mut zero = scaling;
-        zero["original_max_position_embeddings"] = json!(0);
-        let llama = with(&with(LLAMA, "rope_scaling", zero), "max_position_embeddings", json!(4096));
-        let RopeScaling::Llama3 { original_max_position_embeddings, .. } = HfConfig::from_hf_json(&llama, "ckpt/config.json").unwrap().rope_scaling else { panic!("llama3") };
-        assert_eq!(original_max_position_embeddings, 4096.0);
-        let error = refused(&with(LLAMA, "original_max_position_embeddings", json!("8k")));
-        assert_eq!(error.key, "original_max_position_embeddings", "{error}");
+        for bad in [json!(0), Value::Null] {
+            let mut inside = scaling.clone();
+            inside["original_max_position_embeddings"] = bad.clone();
+            let error = refused(&with(LLAMA, "rope_scaling", inside));
+            assert_eq!(error.key, "rope_scaling.original_max_position_embeddings", "{error}");
+        }
+        // Beside the scaling: a null is written back, where transformers would fail on it.
+        let mut config: Value = serde_json::from_str(LLAMA).unwrap();
+        config["original_max_position_embeddings"] = Value::Null;
+        for bad in [config.to_string(), with(LLAMA, "original_max_position_embeddings", json!("8k"))] {
+            let error = refused(&bad);
+            assert_eq!(error.key, "original_max_position_embeddings", "{error}");
+        }
     }
 
     /// Every end token comes back in the saved config.json (`generate` stops at each), one

@@ -27,7 +27,8 @@ use crate::{
 
 /// Hugging Face's tensor names (regular expressions) and the decoder's, in the order applied.
 /// `lm_head.weight` keeps its name; anything else keeps its own and stays unused: refused,
-/// but for what transformers skips too (`rotary_emb.inv_freq`, a tied model's `lm_head`).
+/// but for what transformers skips too (`rotary_emb.inv_freq`, a tied model's `lm_head`
+/// equal to its embeddings: [`from_pretrained`]).
 pub const HF_TO_DECODER: [(&str, &str); 7] = [
     (r"^model\.embed_tokens\.weight$", "embedding.weight"),
     (r"^model\.norm\.weight$", "norm.gamma"),
@@ -310,7 +311,8 @@ const EMBEDDINGS: &str = "model.embed_tokens.weight";
 const HEAD: &str = "lm_head.weight";
 
 /// How the files of a tied model hold its embeddings and head ([`TiedWeights`]); both present
-/// are compared value by value (torch's `equal`: -0 equals 0), streamed a block at a time.
+/// are compared value by value as the f32 weights they load as (torch's `equal` after
+/// transformers loads them: -0 equals 0), streamed a block at a time.
 fn tied_weights(headers: &[SafetensorsHeader]) -> Result<TiedWeights, CheckpointError> {
     let find = |name: &str| headers.iter().find_map(|header| header.tensors.get(name).map(|tensor| (header, tensor)));
     let (embeddings, head) = match (find(EMBEDDINGS), find(HEAD)) {
@@ -324,15 +326,17 @@ fn tied_weights(headers: &[SafetensorsHeader]) -> Result<TiedWeights, Checkpoint
     }
     let mut embeddings = TensorValues::open(embeddings.0, EMBEDDINGS, embeddings.1)?;
     let mut head = TensorValues::open(head.0, HEAD, head.1)?;
+    // Same shapes, and each tensor's bytes checked against its shape: blocks of equal lengths.
     while let (Some(a), Some(b)) = (embeddings.next_block()?, head.next_block()?) {
-        if a.len() != b.len() || a.iter().zip(&b).any(|(x, y)| x != y) {
+        if a.iter().zip(&b).any(|(x, y)| x != y) {
             return Ok(TiedWeights::Different);
         }
     }
     Ok(TiedWeights::Embeddings)
 }
 
-/// One float tensor of a safetensors file, read as f64 a block of elements at a time.
+/// One float tensor of a safetensors file, read as f32 (what the loader makes of it) a block
+/// of elements at a time.
 struct TensorValues {
     reader: std::io::BufReader<std::fs::File>,
     file: PathBuf,
@@ -351,6 +355,14 @@ impl TensorValues {
         };
         let dtype = tensor["dtype"].as_str().unwrap_or_default().to_string();
         let width = Self::width(&dtype).ok_or_else(|| error(format!("is {dtype}, not a float")))?;
+        let elements = tensor["shape"].as_array().and_then(|dims| dims.iter().map(serde_json::Value::as_u64).product::<Option<u64>>());
+        if elements.and_then(|n| n.checked_mul(width as u64)) != Some(end.saturating_sub(begin)) {
+            return Err(error(format!(
+                "has {} bytes in the file for shape {} of {dtype}: not a file that safetensors wrote; fetch it again",
+                end.saturating_sub(begin),
+                tensor["shape"]
+            )));
+        }
         let mut file = std::fs::File::open(&header.file).map_err(|e| CheckpointError::file(&header.file, e))?;
         file.seek(SeekFrom::Start(header.data_start + begin)).map_err(|e| CheckpointError::file(&header.file, e))?;
         Ok(Self { reader: std::io::BufReader::new(file), file: header.file.clone(), dtype, remaining: end.saturating_sub(begin) / width as u64 })
@@ -366,7 +378,7 @@ impl TensorValues {
     }
 
     /// The next block of values, `None` past the last.
-    fn next_block(&mut self) -> Result<Option<Vec<f64>>, CheckpointError> {
+    fn next_block(&mut self) -> Result<Option<Vec<f32>>, CheckpointError> {
         use std::io::Read;
         if self.remaining == 0 {
             return Ok(None);
@@ -377,10 +389,10 @@ impl TensorValues {
         self.reader.read_exact(&mut bytes).map_err(|e| CheckpointError::file(&self.file, e))?;
         self.remaining -= count as u64;
         let values = bytes.chunks_exact(width).map(|b| match width {
-            8 => f64::from_le_bytes(b.try_into().expect("8 bytes")),
-            4 => f32::from_le_bytes(b.try_into().expect("4 bytes")) as f64,
-            _ if self.dtype == "BF16" => burn::tensor::bf16::from_le_bytes([b[0], b[1]]).to_f64(),
-            _ => burn::tensor::f16::from_le_bytes([b[0], b[1]]).to_f64(),
+            8 => f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32,
+            4 => f32::from_le_bytes(b.try_into().expect("4 bytes")),
+            _ if self.dtype == "BF16" => burn::tensor::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+            _ => burn::tensor::f16::from_le_bytes([b[0], b[1]]).to_f32(),
         });
         Ok(Some(values.collect()))
     }
@@ -779,5 +791,61 @@ impl ModuleAdapter for CastFloats {
 
     fn clone_box(&self) -> Box<dyn ModuleAdapter> {
         Box::new(self.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file at `path` of `tensors` (name, dtype, shape, little-endian bytes), and
+    /// its header as the loader reads it.
+    fn write(path: &Path, tensors: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> SafetensorsHeader {
+        let (mut header, mut data) = (serde_json::Map::new(), Vec::new());
+        for (name, dtype, shape, bytes) in tensors {
+            header.insert(name.to_string(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [data.len(), data.len() + bytes.len()]}));
+            data.extend(bytes);
+        }
+        let header = serde_json::to_vec(&header).unwrap();
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend(&header);
+        file.extend(&data);
+        std::fs::write(path, file).unwrap();
+        check_safetensors_whole(path).unwrap()
+    }
+
+    /// A tied config's embeddings and head are compared as the f32 weights they load as,
+    /// across files and dtypes, past one block: a bf16 copy in another shard is the same
+    /// weight, -0 equals 0, and a difference in the last element unties them; a tensor whose
+    /// bytes do not fit its shape is refused.
+    #[test]
+    fn a_tied_pair_is_compared_as_the_f32_weights_it_loads_as() {
+        use burn::tensor::bf16;
+        let dir = std::env::temp_dir().join(format!("ulysses-tied-weights-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let n = TensorValues::BLOCK + 3;
+        // Multiples of 1/64 below 2: bf16 holds each exactly.
+        let values: Vec<f32> = (0..n).map(|i| ((i % 251) as f32 - 125.0) / 64.0).collect();
+        let as_f32 = |values: &[f32]| values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+        let as_bf16 = |values: &[f32]| values.iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect::<Vec<u8>>();
+        let embeddings = || write(&dir.join("a.safetensors"), &[(EMBEDDINGS, "F32", vec![n], as_f32(&values))]);
+        let head = |name: &str, bytes: Vec<u8>| write(&dir.join(name), &[(HEAD, "BF16", vec![n], bytes)]);
+
+        assert_eq!(tied_weights(&[embeddings(), head("b.safetensors", as_bf16(&values))]).unwrap(), TiedWeights::Embeddings);
+        let mut signed = values.clone();
+        signed[0] = -0.0;
+        let zero = write(&dir.join("c.safetensors"), &[(EMBEDDINGS, "F32", vec![n], as_f32(&{ let mut v = values.clone(); v[0] = 0.0; v })), (HEAD, "BF16", vec![n], as_bf16(&signed))]);
+        assert_eq!(tied_weights(&[zero]).unwrap(), TiedWeights::Embeddings, "-0 equals 0");
+        let mut last = values.clone();
+        last[n - 1] += 1.0;
+        assert_eq!(tied_weights(&[embeddings(), head("b.safetensors", as_bf16(&last))]).unwrap(), TiedWeights::Different);
+        assert_eq!(tied_weights(&[head("b.safetensors", as_bf16(&values))]).unwrap(), TiedWeights::HeadAlone);
+        assert_eq!(tied_weights(&[embeddings()]).unwrap(), TiedWeights::Embeddings);
+
+        // A header that places fewer bytes than its shape holds (equal shapes, so compared).
+        let short = write(&dir.join("d.safetensors"), &[(EMBEDDINGS, "F32", vec![n], as_f32(&values)), (HEAD, "BF16", vec![n], as_bf16(&values[..n - 1]))]);
+        let error = tied_weights(&[short]).unwrap_err().to_string();
+        assert!(error.contains("lm_head.weight") && error.contains("bytes in the file for shape"), "{error}");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

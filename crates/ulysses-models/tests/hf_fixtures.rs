@@ -48,27 +48,33 @@ fn every_family_reads_as_transformers_reads_it() {
     }
 }
 
-/// `tests/fixtures/tokenizer-bos`: that tokenizer with a post-processor that adds a BOS (as
-/// Llama 3's does) and a tokenizer_config.json that says `add_bos_token: false`. transformers 5
-/// follows the post-processor (its `tokenizer(text)` ids are in `encodings.json`); a document
-/// here is those ids and the EOS, the BOS once where the text itself begins with it.
+/// `tests/fixtures/tokenizer-bos`: that tokenizer with a BOS of its own and a post-processor
+/// that adds it (as Llama 3's does), and a tokenizer_config.json that says `add_bos_token:
+/// false`. transformers 5 follows the post-processor, whichever tokenizer class the config
+/// names (its `tokenizer(text)` ids are in `encodings.json`); a document here is those ids and
+/// the EOS, the BOS once where the text itself begins with it.
 #[test]
 fn a_document_begins_as_transformers_tokenizer_call_begins_it() {
     let folder = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer-bos");
     let tokenizer = ulysses_models::TextTokenizer::from_file(&folder).unwrap();
     let want: Value = serde_json::from_str(&std::fs::read_to_string(folder.join("encodings.json")).unwrap()).unwrap();
-    let eos = tokenizer.token_id("<|endoftext|>").unwrap();
-    assert_eq!(tokenizer.added_before_text(), [eos], "the post-processor's BOS");
+    let (bos, eos) = (tokenizer.token_id("<|begin_of_text|>").unwrap(), tokenizer.token_id("<|endoftext|>").unwrap());
+    assert_ne!(bos, eos);
+    assert_eq!(tokenizer.added_before_text(), [bos], "the post-processor's BOS");
+    let mut begins_with_bos = 0;
     for case in want["encodings"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
         let mut expected: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        assert_eq!(expected[0], eos, "{text:?}: transformers {} adds the BOS", want["transformers"]);
-        if text.starts_with("<|endoftext|>") {
+        assert_eq!(expected[0], bos, "{text:?}: transformers {} adds the BOS", want["transformers"]);
+        if text.starts_with("<|begin_of_text|>") {
+            assert_eq!(expected[1], bos, "{text:?}: transformers gives it twice");
             expected.remove(0);
+            begins_with_bos += 1;
         }
         expected.push(eos);
         assert_eq!(tokenizer.encode_document(text, eos).unwrap(), expected, "{text:?}");
     }
+    assert_eq!(begins_with_bos, 1, "a text that begins with the BOS");
 }
 
 /// `tests/fixtures/tokenizer`: a byte-level BPE the `tokenizers` Python package trained and
