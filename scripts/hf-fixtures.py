@@ -106,6 +106,7 @@ def tokenizer(out):
         json.dump({"tokenizers": tokenizers.__version__, "encodings": encodings}, f, indent=1, ensure_ascii=False)
     print(f"tokenizer: {bpe.get_vocab_size()} tokens, tokenizers {tokenizers.__version__}")
     tokenizer_with_bos(out, bpe)
+    tokenizer_sentencepiece(out)
 
 
 def tokenizer_with_bos(out, bpe):
@@ -141,6 +142,47 @@ def tokenizer_with_bos(out, bpe):
     with open(os.path.join(folder, "encodings.json"), "w") as f:
         json.dump({"transformers": transformers.__version__, "tokenizer_classes": classes, "encodings": encodings}, f, indent=1, ensure_ascii=False)
     print(f"tokenizer-bos: transformers gives {encodings[0]['ids'][:2]}... for the first text, with each of {classes}")
+
+
+def tokenizer_sentencepiece(out):
+    """A sentencepiece-style BPE as Llama 2 and Mistral ship it in tokenizer.json (byte fallback,
+    a normalizer that prepends "▁" and replaces spaces, no pre-tokenizer, a BOS added), with chat
+    markers as special tokens; and what transformers' `tokenizer(text)` gives for a few texts
+    under configs that name LlamaTokenizerFast (`tokenizer-sentencepiece/encodings.json`):
+    transformers 5 rebuilds such a tokenizer (a Metaspace pre-tokenizer, prepending "first",
+    "always" or "never" by `legacy` and `add_prefix_space`) for a Llama model, and reads the
+    file as it is for a Mistral one."""
+    import tempfile
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    bpe.train_from_iterator(TEXTS * 20, trainers.BpeTrainer(vocab_size=600, special_tokens=special))
+    bpe.add_special_tokens(["[INST]", "[/INST]"])
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bpe.token_to_id("<s>"))])
+    folder = os.path.join(out, "tokenizer-sentencepiece")
+    os.makedirs(folder, exist_ok=True)
+    bpe.save(os.path.join(folder, "tokenizer.json"))
+    texts = ["Sequence parallelism", " a leading space", "  two", "[INST] What splits a sequence? [/INST] Ulysses.", "x[INST]y", "naïve 東京 🙂", "line\nbreak", ""]
+    base = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    variants = []
+    for model_type, extra in [("llama", {"legacy": False}), ("llama", {}), ("llama", {"legacy": True}), ("llama", {"add_prefix_space": False}), ("mistral", {"legacy": False})]:
+        with tempfile.TemporaryDirectory() as scratch:
+            bpe.save(os.path.join(scratch, "tokenizer.json"))
+            tokenizer_config = {**base, **extra}
+            with open(os.path.join(scratch, "tokenizer_config.json"), "w") as f:
+                json.dump(tokenizer_config, f)
+            with open(os.path.join(scratch, "config.json"), "w") as f:
+                json.dump({"model_type": model_type}, f)
+            loaded = transformers.AutoTokenizer.from_pretrained(scratch)
+            ids = [loaded(t)["input_ids"] for t in texts]
+        from_file = [bpe.encode(t).ids for t in texts]
+        variants.append({"model_type": model_type, "tokenizer_config": tokenizer_config, "class": type(loaded).__name__,
+                         "differs_from_the_file": ids != from_file, "encodings": [{"text": t, "ids": i} for t, i in zip(texts, ids)]})
+        print(f"tokenizer-sentencepiece, {model_type} {extra}: {type(loaded).__name__}, {'the file' if ids == from_file else 'not the file'}'s ids")
+    with open(os.path.join(folder, "encodings.json"), "w") as f:
+        json.dump({"transformers": transformers.__version__, "variants": variants}, f, indent=1, ensure_ascii=False)
 
 
 MODELS = ("llama", "llama-llama3", "llama-attention-bias", "mistral", "mistral-head-dim", "qwen2", "qwen3")

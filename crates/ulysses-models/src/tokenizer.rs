@@ -15,6 +15,33 @@ pub struct TextTokenizer {
     added_before_text: Vec<u32>,
 }
 
+/// How transformers 5 splits text for a sentencepiece-style `tokenizer.json` (not ByteLevel,
+/// as Llama 2's and Mistral's) whose `tokenizer_config.json` in `folder` names
+/// `LlamaTokenizer(Fast)`, for a model other than Mistral (whose tokenizer transformers reads
+/// as the file has it): it rebuilds the tokenizer from the file's vocabulary with no normalizer
+/// and a Metaspace pre-tokenizer, which prepends "▁" to the first piece of a text alone
+/// (`legacy` false, its default), to every piece between special tokens (`legacy` true), or to
+/// none (`add_prefix_space` false); the file's own normalizer prepends it to every piece.
+/// `None`: the file as it is.
+fn metaspace_as_transformers_rebuilds(folder: &Path, file: &str) -> Result<Option<tokenizers::pre_tokenizers::metaspace::PrependScheme>, TokenizerError> {
+    use tokenizers::pre_tokenizers::metaspace::PrependScheme;
+    let config = optional_json(&folder.join("tokenizer_config.json"))?;
+    let model_type = optional_json(&folder.join("config.json"))?["model_type"].as_str().map(str::to_string);
+    let class = config["tokenizer_class"].as_str().unwrap_or_default();
+    if class.trim_end_matches("Fast") != "LlamaTokenizer" || model_type.as_deref() == Some("mistral") {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(file).map_err(|e| TokenizerError { file: file.to_string(), problem: format!("cannot be read: {e}") })?;
+    if text.contains("\"ByteLevel\"") {
+        return Ok(None);
+    }
+    Ok(Some(match (config["add_prefix_space"].as_bool().unwrap_or(true), config["legacy"].as_bool().unwrap_or(false)) {
+        (false, _) => PrependScheme::Never,
+        (true, true) => PrependScheme::Always,
+        (true, false) => PrependScheme::First,
+    }))
+}
+
 /// A checkpoint folder's `tokenizer_config.json`: the special tokens it names and the rest as
 /// JSON (the chat template, ...).
 pub struct TokenizerConfig {
@@ -81,6 +108,11 @@ impl TextTokenizer {
         // after a call that did keeps the setting, which would cut or pad every document here.
         inner.with_truncation(None).map_err(|e| TokenizerError { file: file.clone(), problem: format!("cannot turn its truncation off: {e}") })?;
         inner.with_padding(None);
+        let folder = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
+        if let Some(prepend) = metaspace_as_transformers_rebuilds(folder, &file)? {
+            inner.with_normalizer(None::<tokenizers::NormalizerWrapper>);
+            inner.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::metaspace::Metaspace::new('▁', prepend, false)));
+        }
         let mut tokenizer = Self { inner, file, added_before_text: Vec::new() };
         tokenizer.added_before_text = tokenizer.special_tokens_before_text()?;
         Ok(tokenizer)

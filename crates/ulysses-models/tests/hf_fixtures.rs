@@ -77,6 +77,37 @@ fn a_document_begins_as_transformers_tokenizer_call_begins_it() {
     assert_eq!(begins_with_bos, 1, "a text that begins with the BOS");
 }
 
+/// `tests/fixtures/tokenizer-sentencepiece`: a sentencepiece-style BPE as Llama 2 and Mistral
+/// ship it (a normalizer that prepends "▁", byte fallback, chat markers), read beside the
+/// configs of `encodings.json`'s variants: transformers 5 rebuilds it for a Llama model that
+/// names `LlamaTokenizerFast` (`legacy` false, absent or true; `add_prefix_space` false), and
+/// reads it as the file has it for a Mistral one. Each document is transformers'
+/// `tokenizer(text)` and the EOS, around special tokens and leading spaces too.
+#[test]
+fn a_sentencepiece_tokenizer_reads_as_transformers_5_rebuilds_it() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer-sentencepiece");
+    let want: Value = serde_json::from_str(&std::fs::read_to_string(fixture.join("encodings.json")).unwrap()).unwrap();
+    let variants = want["variants"].as_array().unwrap();
+    assert!(variants.iter().any(|v| v["differs_from_the_file"] == true) && variants.iter().any(|v| v["differs_from_the_file"] == false));
+    for (index, variant) in variants.iter().enumerate() {
+        let dir = std::env::temp_dir().join(format!("ulysses-sentencepiece-{}-{index}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(fixture.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+        std::fs::write(dir.join("tokenizer_config.json"), variant["tokenizer_config"].to_string()).unwrap();
+        std::fs::write(dir.join("config.json"), serde_json::json!({"model_type": variant["model_type"]}).to_string()).unwrap();
+        let tokenizer = ulysses_models::TextTokenizer::from_file(&dir).unwrap();
+        let eos = tokenizer.token_id("</s>").unwrap();
+        for case in variant["encodings"].as_array().unwrap() {
+            let text = case["text"].as_str().unwrap();
+            let mut expected: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+            expected.push(eos);
+            let what = format!("{} with {} ({}): {text:?}", variant["model_type"], variant["tokenizer_config"], variant["class"]);
+            assert_eq!(tokenizer.encode_document(text, eos).unwrap(), expected, "{what}");
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
 /// `tests/fixtures/tokenizer`: a byte-level BPE the `tokenizers` Python package trained and
 /// saved, and its ids for texts with spaces, tabs, new lines, non-ASCII text, an emoji, a
 /// special token written in the text, and nothing at all.
