@@ -4,7 +4,8 @@
 Writes, for each family (llama, mistral, qwen2, qwen3), a tiny config as transformers saves it
 (`config.json`, from the family's own config class) and what transformers makes of it
 (`resolved.json`: head_dim, kv heads, RoPE theta and type, biases, the rotary embedding's
-inverse frequencies as its model holds them), plus RoPE variants (linear, llama3) on Llama;
+inverse frequencies as its model holds them), plus RoPE variants (linear, llama3) on Llama, and each family's config.json with its sizes
+alone (`NAME-minimal`: transformers' defaults for every other key);
 and a small byte-level BPE `tokenizer/tokenizer.json` with the `tokenizers` package's ids for a
 few texts (`encodings.json`). For the four families (and Llama with llama3 RoPE), also a tiny
 model with random weights (`model.safetensors`, f32, q and k projections scaled up so that
@@ -61,6 +62,14 @@ CASES = {
     "llama-llama3-original-outside": (LlamaConfig, dict(rope_theta=500000.0, head_dim=32, rope_scaling={
         k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"})),
 }
+
+# Each family's config.json with its sizes alone (every other key left to the family's
+# defaults): transformers' reading of that file is the reference for what a key left out means.
+MINIMAL_KEYS = ("model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads")
+for family, cls in (("llama", LlamaConfig), ("mistral", MistralConfig), ("qwen2", Qwen2Config), ("qwen3", Qwen3Config)):
+    # 32 heads: the defaults of Mistral's (8) and Qwen's (32) kv heads divide them.
+    CASES[f"{family}-minimal"] = (cls, dict(hidden_size=256, num_attention_heads=32))
 
 # Keys added to a case's config.json beside what its config class writes; transformers' reading
 # of the file is then the reference.
@@ -300,15 +309,17 @@ def main(out):
     for family in ("llama", "mistral", "qwen2", "qwen3"):
         importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     for name, (cls, extra) in CASES.items():
-        config = cls(**SHAPE, **extra)
+        config = cls(**{**SHAPE, **extra})
         folder = os.path.join(out, name)
         os.makedirs(folder, exist_ok=True)
         config.save_pretrained(folder)
-        if name in FILE_KEYS:
+        if name in FILE_KEYS or name.endswith("-minimal"):
             path = os.path.join(folder, "config.json")
             with open(path) as f:
                 written = json.load(f)
-            written.update(FILE_KEYS[name])
+            if name.endswith("-minimal"):
+                written = {key: value for key, value in written.items() if key in MINIMAL_KEYS}
+            written.update(FILE_KEYS.get(name, {}))
             with open(path, "w") as f:
                 json.dump(written, f, indent=2, sort_keys=True)
             config = transformers.AutoConfig.from_pretrained(folder)
@@ -321,7 +332,8 @@ def main(out):
             "num_key_value_heads": config.num_key_value_heads,
             "rms_norm_eps": config.rms_norm_eps,
             "tie_word_embeddings": config.tie_word_embeddings,
-            "sliding_window": getattr(config, "sliding_window", None) if name == "mistral" else None,
+            # Mistral's window applies; Qwen's only under use_sliding_window (refused here).
+            "sliding_window": getattr(config, "sliding_window", None) if config.model_type == "mistral" else None,
             "inv_freq": inv_freq,
             "attention_scaling": attention_scaling,
         }

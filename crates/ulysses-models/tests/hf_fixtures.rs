@@ -1,6 +1,7 @@
 //! Configs as transformers saves them, read here as transformers reads them: for each family
 //! (and Llama with linear and llama3 RoPE; Qwen3 with YaRN; both scalings with their original
-//! context beside them, which transformers takes over their own),
+//! context beside them, which transformers takes over their own; each family's config.json with
+//! its sizes alone, every other key transformers' default),
 //! `tests/fixtures/NAME/config.json` is what the
 //! family's config class wrote and `resolved.json` what transformers made of it, written by
 //! `scripts/hf-fixtures.py` (transformers' version inside). Head dim, kv heads, norm epsilon,
@@ -17,7 +18,7 @@ fn fixtures() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let mut folders: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("resolved.json").exists()).collect();
     folders.sort();
-    assert_eq!(folders.len(), 11, "the fixtures of scripts/hf-fixtures.py in {}: {folders:?}", root.display());
+    assert_eq!(folders.len(), 15, "the fixtures of scripts/hf-fixtures.py in {}: {folders:?}", root.display());
     folders
 }
 
