@@ -7,7 +7,9 @@ Writes, for each family (llama, mistral, qwen2, qwen3), a tiny config as transfo
 inverse frequencies as its model holds them), plus RoPE variants (linear, llama3) on Llama, and each family's config.json with its sizes
 alone (`NAME-minimal`: transformers' defaults for every other key);
 and a small byte-level BPE `tokenizer/tokenizer.json` with the `tokenizers` package's ids for a
-few texts (`encodings.json`). For the four families (and Llama with llama3 RoPE), also a tiny
+few texts (`encodings.json`), and which tokenizer class transformers' AutoTokenizer picks for the
+byte-level file of `tokenizer-bos` and the sentencepiece-style one under each family's model type and nine tokenizer
+configs, with its ids (`tokenizer-classes`; `--tokenizer-classes-only` writes just that). For the four families (and Llama with llama3 RoPE), also a tiny
 model with random weights (`model.safetensors`, f32, q and k projections scaled up so that
 attention is peaked: transformers' default init makes it nearly uniform, which would hide a
 wrong RoPE or a missing document mask) and transformers' outputs for it: logits and loss of a
@@ -116,6 +118,7 @@ def tokenizer(out):
     print(f"tokenizer: {bpe.get_vocab_size()} tokens, tokenizers {tokenizers.__version__}")
     tokenizer_with_bos(out, bpe)
     tokenizer_sentencepiece(out)
+    tokenizer_classes(out)
 
 
 def tokenizer_with_bos(out, bpe):
@@ -192,6 +195,52 @@ def tokenizer_sentencepiece(out):
         print(f"tokenizer-sentencepiece, {model_type} {extra}: {type(loaded).__name__}, {'the file' if ids == from_file else 'not the file'}'s ids")
     with open(os.path.join(folder, "encodings.json"), "w") as f:
         json.dump({"transformers": transformers.__version__, "variants": variants}, f, indent=1, ensure_ascii=False)
+
+
+CLASS_TEXTS = ["Sequence parallelism splits 12345 tokens", "cafe\u0301 and \ufb01ne", "  two spaces\n\nand lines ", "don't WE'LL",
+               "[INST] Why? [/INST] Ulysses.", "<|begin_of_text|>hi<|endoftext|>x"]
+CLASS_MODEL_TYPES = [None, "llama", "mistral", "qwen2", "qwen3"]
+CLASS_CONFIGS = [None, {}, {"tokenizer_class": "PreTrainedTokenizerFast"}, {"tokenizer_class": "TokenizersBackend"},
+                 {"tokenizer_class": "LlamaTokenizerFast"}, {"tokenizer_class": "LlamaTokenizer", "legacy": True},
+                 {"tokenizer_class": "Qwen2Tokenizer"}, {"tokenizer_class": "Qwen2TokenizerFast", "add_prefix_space": True},
+                 {"tokenizer_class": "GPT2TokenizerFast"}]
+
+
+def tokenizer_classes(out):
+    """Which tokenizer class transformers 5's AutoTokenizer reads a folder through, and the ids it
+    gives (`tokenizer-classes/encodings.json`), for the two tokenizer files above (byte-level
+    from `tokenizer-bos`, sentencepiece-style from `tokenizer-sentencepiece`) under each
+    config.json model type of the four families (or none) and each tokenizer_config.json (or
+    none). Qwen2's and Qwen3's model types make it Qwen2Tokenizer, which rebuilds the tokenizer
+    with Qwen's own pre-tokenizer and NFC whatever the file says (Qwen2's whatever class the
+    config names: its Hub configs are listed as unreliable)."""
+    import shutil
+    import tempfile
+    files = {"byte-level": os.path.join(out, "tokenizer-bos", "tokenizer.json"),
+             "sentencepiece": os.path.join(out, "tokenizer-sentencepiece", "tokenizer.json")}
+    cases = []
+    for file_name, file in files.items():
+        for model_type in CLASS_MODEL_TYPES:
+            for tokenizer_config in CLASS_CONFIGS:
+                with tempfile.TemporaryDirectory() as scratch:
+                    shutil.copy(file, os.path.join(scratch, "tokenizer.json"))
+                    if model_type is not None:
+                        with open(os.path.join(scratch, "config.json"), "w") as f:
+                            json.dump({"model_type": model_type}, f)
+                    if tokenizer_config is not None:
+                        with open(os.path.join(scratch, "tokenizer_config.json"), "w") as f:
+                            json.dump(tokenizer_config, f)
+                    loaded = transformers.AutoTokenizer.from_pretrained(scratch)
+                    ids = [loaded(t, add_special_tokens=False)["input_ids"] for t in CLASS_TEXTS]
+                cases.append({"file": file_name, "model_type": model_type, "tokenizer_config": tokenizer_config,
+                              "class": type(loaded).__name__, "ids": ids})
+    folder = os.path.join(out, "tokenizer-classes")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "encodings.json"), "w") as f:
+        json.dump({"transformers": transformers.__version__, "texts": CLASS_TEXTS, "cases": cases}, f, indent=None, ensure_ascii=False)
+        f.write("\n")
+    classes = sorted({c["class"] for c in cases})
+    print(f"tokenizer-classes: {len(cases)} folders, read through {classes}")
 
 
 MODELS = ("llama", "llama-llama3", "llama-attention-bias", "mistral", "mistral-head-dim", "qwen2", "qwen3")
@@ -357,6 +406,9 @@ if __name__ == "__main__":
         # The training steps alone, from the models already written.
         for name in TRAINED:
             training_steps(os.path.join(sys.argv[2] if len(sys.argv) > 2 else "crates/ulysses-models/tests/fixtures", name))
+    elif sys.argv[1:2] == ["--tokenizer-classes-only"]:
+        # The tokenizer classes alone, from the tokenizer files already written.
+        tokenizer_classes(sys.argv[2] if len(sys.argv) > 2 else "crates/ulysses-models/tests/fixtures")
     elif sys.argv[1:2] == ["--window-only"]:
         # The sliding-window outputs alone, from the Mistral fixture already written.
         window_outputs(os.path.join(sys.argv[2] if len(sys.argv) > 2 else "crates/ulysses-models/tests/fixtures", "mistral"))

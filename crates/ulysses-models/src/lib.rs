@@ -18,10 +18,11 @@ mod python_json;
 pub mod rope;
 pub mod rope_tables;
 pub mod tokenizer;
+mod tokenizer_class;
 
 pub use chat::{ChatError, ChatTemplate, RenderedChat};
 pub use config::{ConfigError, HfConfig, Family};
 pub use decoder::{Decoder, DecoderConfig};
 pub use pretrained::{CheckpointError, COMPANION_FILES, DEFAULT_MAX_SHARD_BYTES, HfCheckpointSnapshot, HfCheckpointWriter, Pretrained, SaveOptions, plan_shard_paths, check_save_destination, is_tokenizer_file, checkpoint_config, from_pretrained, save_pretrained, save_pretrained_including, save_pretrained_with};
 pub use rope::RopeScaling;
-pub use tokenizer::{TextTokenizer, TokenizerConfig, TokenizerError};
+pub use tokenizer::{TextTokenizer, TokenizerConfig, TokenizerError, TransformersClass};

@@ -6,40 +6,17 @@ use std::{
     path::{Path, PathBuf},
 };
 
+pub use crate::tokenizer_class::TransformersClass;
+
 /// A tokenizer read from `tokenizer.json`.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     /// The file it was read from, for messages.
     file: String,
+    /// The transformers class whose reading of the file this follows.
+    class: TransformersClass,
     /// [`added_before_text`](Self::added_before_text), found once when read.
     added_before_text: Vec<u32>,
-}
-
-/// How transformers 5 splits text for a sentencepiece-style `tokenizer.json` (not ByteLevel,
-/// as Llama 2's and Mistral's) whose `tokenizer_config.json` in `folder` names
-/// `LlamaTokenizer(Fast)`, for a model other than Mistral (whose tokenizer transformers reads
-/// as the file has it): it rebuilds the tokenizer from the file's vocabulary with no normalizer
-/// and a Metaspace pre-tokenizer, which prepends "▁" to the first piece of a text alone
-/// (`legacy` false, its default), to every piece between special tokens (`legacy` true), or to
-/// none (`add_prefix_space` false); the file's own normalizer prepends it to every piece.
-/// `None`: the file as it is.
-fn metaspace_as_transformers_rebuilds(folder: &Path, file: &str) -> Result<Option<tokenizers::pre_tokenizers::metaspace::PrependScheme>, TokenizerError> {
-    use tokenizers::pre_tokenizers::metaspace::PrependScheme;
-    let config = optional_json(&folder.join("tokenizer_config.json"))?;
-    let model_type = optional_json(&folder.join("config.json"))?["model_type"].as_str().map(str::to_string);
-    let class = config["tokenizer_class"].as_str().unwrap_or_default();
-    if class.trim_end_matches("Fast") != "LlamaTokenizer" || model_type.as_deref() == Some("mistral") {
-        return Ok(None);
-    }
-    let text = std::fs::read_to_string(file).map_err(|e| TokenizerError { file: file.to_string(), problem: format!("cannot be read: {e}") })?;
-    if text.contains("\"ByteLevel\"") {
-        return Ok(None);
-    }
-    Ok(Some(match (config["add_prefix_space"].as_bool().unwrap_or(true), config["legacy"].as_bool().unwrap_or(false)) {
-        (false, _) => PrependScheme::Never,
-        (true, true) => PrependScheme::Always,
-        (true, false) => PrependScheme::First,
-    }))
 }
 
 /// A checkpoint folder's `tokenizer_config.json`: the special tokens it names and the rest as
@@ -102,20 +79,53 @@ impl TextTokenizer {
     pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
         let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
         let file = file.display().to_string();
-        let mut inner = tokenizers::Tokenizer::from_file(&file)
-            .map_err(|e| TokenizerError { file: file.clone(), problem: format!("cannot be read as a Hugging Face tokenizer.json: {e}") })?;
+        let cannot_read = |e: &dyn std::fmt::Display| TokenizerError { file: file.clone(), problem: format!("cannot be read as a Hugging Face tokenizer.json: {e}") };
+        let text = std::fs::read_to_string(&file).map_err(|e| cannot_read(&e))?;
+        let folder = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
+        let config = TokenizerConfig::read(folder)?;
+        let model_config = optional_json(&folder.join("config.json"))?;
+        let declared = config.json["tokenizer_class"].as_str().or(model_config["tokenizer_class"].as_str());
+        let mut class = TransformersClass::for_checkpoint(model_config["model_type"].as_str(), declared, text.contains("\"ByteLevel\""));
+        let mut json: serde_json::Value = serde_json::from_str(&text).map_err(|e| cannot_read(&e))?;
+        let defaults = class.rebuild(&mut json, &config.json).unwrap_or_else(|why| {
+            class = TransformersClass::Other(format!("{} ({why})", class.name()));
+            Vec::new()
+        });
+        let mut inner: tokenizers::Tokenizer = match class {
+            TransformersClass::FileAsIs | TransformersClass::Other(_) => text.parse(),
+            _ => json.to_string().parse(),
+        }
+        .map_err(|e| cannot_read(&e))?;
+        if let TransformersClass::Other(name) = &class {
+            tracing::warn!(
+                "{file}: transformers reads it through {name}, which this crate does not follow; read as the file has it \
+                 (as transformers' TokenizersBackend reads it): its ids may differ from transformers'"
+            );
+        }
+        // As transformers' tokenizer classes end: each special token the config names (or the
+        // class's default for it) that is not an added token yet becomes a special one.
+        let added: std::collections::HashSet<String> = inner.get_added_tokens_decoder().into_values().map(|token| token.content).collect();
+        let special: Vec<tokenizers::AddedToken> = ["bos_token", "eos_token", "unk_token", "pad_token"]
+            .into_iter()
+            .filter_map(|name| config.special_tokens.get(name).map(String::as_str).or_else(|| defaults.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)))
+            .filter(|token| !added.contains(*token))
+            .map(|token| tokenizers::AddedToken::from(token.to_string(), true))
+            .collect();
+        inner.add_special_tokens(&special);
         // transformers' `tokenizer(text)` neither truncates nor pads unless asked; a file saved
         // after a call that did keeps the setting, which would cut or pad every document here.
         inner.with_truncation(None).map_err(|e| TokenizerError { file: file.clone(), problem: format!("cannot turn its truncation off: {e}") })?;
         inner.with_padding(None);
-        let folder = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
-        if let Some(prepend) = metaspace_as_transformers_rebuilds(folder, &file)? {
-            inner.with_normalizer(None::<tokenizers::NormalizerWrapper>);
-            inner.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::metaspace::Metaspace::new('▁', prepend, false)));
-        }
-        let mut tokenizer = Self { inner, file, added_before_text: Vec::new() };
+        let mut tokenizer = Self { inner, file, class, added_before_text: Vec::new() };
         tokenizer.added_before_text = tokenizer.special_tokens_before_text()?;
         Ok(tokenizer)
+    }
+
+    /// The transformers 5 tokenizer class `AutoTokenizer` reads this checkpoint through
+    /// (`TokenizersBackend`, `LlamaTokenizer`, `Qwen2Tokenizer`, ...), whose reading of the file
+    /// this follows (but for a class [`TransformersClass::Other`]: the file as it is).
+    pub fn transformers_class(&self) -> &TransformersClass {
+        &self.class
     }
 
     /// [`encode`](Self::encode) with each token's characters (`start..end`, in characters as

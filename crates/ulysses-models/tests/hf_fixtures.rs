@@ -109,6 +109,49 @@ fn a_sentencepiece_tokenizer_reads_as_transformers_5_rebuilds_it() {
     }
 }
 
+/// `tests/fixtures/tokenizer-classes`: which class transformers 5's `AutoTokenizer` reads a
+/// folder through, and its ids for texts with digits, a decomposed accent, leading spaces, an
+/// apostrophe and special tokens, for the byte-level file of `tokenizer-bos` and the
+/// sentencepiece-style one of `tokenizer-sentencepiece` under each model type of the four
+/// families (or no config.json) and nine tokenizer configs (none among them). Each folder reads here
+/// as that class and gives those ids; of the classes that rebuild the file, each changes the
+/// ids of some folder (else the case would test nothing).
+#[test]
+fn every_tokenizer_reads_as_transformers_5_picks_its_class() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let want: Value = serde_json::from_str(&std::fs::read_to_string(fixtures.join("tokenizer-classes/encodings.json")).unwrap()).unwrap();
+    let texts: Vec<&str> = want["texts"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    let cases = want["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 90, "two files, five model types, nine configs");
+    let file_ids = |file: &str| cases.iter().find(|c| c["file"] == file && c["model_type"].is_null() && c["tokenizer_config"].is_null()).unwrap()["ids"].clone();
+    let mut rebuilt_differently = std::collections::BTreeSet::new();
+    let dir = std::env::temp_dir().join(format!("ulysses-tokenizer-classes-{}", std::process::id()));
+    for case in cases {
+        std::fs::create_dir_all(&dir).unwrap();
+        let source = if case["file"] == "byte-level" { "tokenizer-bos" } else { "tokenizer-sentencepiece" };
+        std::fs::copy(fixtures.join(source).join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+        if !case["model_type"].is_null() {
+            std::fs::write(dir.join("config.json"), serde_json::json!({"model_type": case["model_type"]}).to_string()).unwrap();
+        }
+        if !case["tokenizer_config"].is_null() {
+            std::fs::write(dir.join("tokenizer_config.json"), case["tokenizer_config"].to_string()).unwrap();
+        }
+        let what = format!("{} file, model type {}, tokenizer_config {}", case["file"], case["model_type"], case["tokenizer_config"]);
+        let tokenizer = ulysses_models::TextTokenizer::from_file(&dir).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(tokenizer.transformers_class().name(), case["class"].as_str().unwrap(), "{what}: the class");
+        for (text, ids) in texts.iter().zip(case["ids"].as_array().unwrap()) {
+            let expected: Vec<u32> = ids.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+            assert_eq!(tokenizer.encode(text).unwrap(), expected, "{what} ({}): {text:?}", case["class"]);
+        }
+        if case["ids"] != file_ids(case["file"].as_str().unwrap()) {
+            rebuilt_differently.insert(case["class"].as_str().unwrap().to_string());
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    let expected: std::collections::BTreeSet<String> = ["GPT2Tokenizer", "LlamaTokenizer", "Qwen2Tokenizer"].map(String::from).into();
+    assert_eq!(rebuilt_differently, expected, "the classes whose ids differ from the file's somewhere (transformers {})", want["transformers"]);
+}
+
 /// `tests/fixtures/tokenizer`: a byte-level BPE the `tokenizers` Python package trained and
 /// saved, and its ids for texts with spaces, tabs, new lines, non-ASCII text, an emoji, a
 /// special token written in the text, and nothing at all.
