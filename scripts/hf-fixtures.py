@@ -22,10 +22,13 @@ of that file. For Mistral, also transformers' logits where its sliding window
 (64) matters, over 150 tokens plain and packed (`window.safetensors`; `--window-only` writes
 just that). For Llama, Qwen2 and Qwen3, six steps of PyTorch's AdamW on the two plain rows, as
 Hugging Face's Trainer takes them (`training.safetensors`: losses, gradient norms, the trained
-parameters; `--training-only` writes just those).
-The tests in crates/ulysses-models/tests/ read them; CI never runs this.
+parameters; `--training-only` writes just those). For Qwen3, transformers' own Trainer
+fine-tuning it four steps of two micro-batches (`trainer.safetensors`; `--trainer-only`;
+needs `accelerate` beside transformers).
+The tests in crates/ulysses-models/tests/ (and crates/ulysses-trainer/tests/hf_trainer.rs) read
+them; CI never runs this.
 
-    python3 -m venv /var/tmp/hf-venv && /var/tmp/hf-venv/bin/pip install torch transformers
+    python3 -m venv /var/tmp/hf-venv && /var/tmp/hf-venv/bin/pip install torch transformers accelerate
     /var/tmp/hf-venv/bin/python scripts/hf-fixtures.py crates/ulysses-models/tests/fixtures
 """
 import json
@@ -308,6 +311,67 @@ def training_steps(folder):
     print(f"{os.path.basename(folder)}: {len(losses)} AdamW steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
 
 
+TRAINER_STEPS, TRAINER_ROWS, TRAINER_LEN = 4, 16, 48
+
+
+def trainer_steps(folder):
+    """transformers' own Trainer fine-tuning the saved model (f32, eager attention) for four
+    optimizer steps of two micro-batches of two rows each (seeded random ids, taken in order),
+    each row's first tokens labelled -100 (a prompt: 0 to 22 of them, so the micro-batches of a
+    step count different numbers of targets, which the Trainer averages over the step's), as
+    its users run it: AdamW with weight decay 0.01 (not on biases and norms), the cosine
+    schedule from 1e-3 without warm-up, gradients clipped to norm 1. Per step the rows and their
+    labels, the learning rate the step took, the loss of the step's four rows before it (all
+    their targets averaged), the gradient norm the Trainer logs (before clipping); the
+    parameters after the last step (`trainer.safetensors`)."""
+    from safetensors.torch import save_file
+    from torch.utils.data import Dataset, SequentialSampler
+    config = transformers.AutoConfig.from_pretrained(folder)
+    generator = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(0, config.vocab_size, (TRAINER_ROWS, TRAINER_LEN), generator=generator)
+    labels = input_ids.clone()
+    for row in range(TRAINER_ROWS):
+        labels[row, :(row * 7) % 23] = -100
+
+    class Rows(Dataset):
+        def __len__(self):
+            return TRAINER_ROWS
+
+        def __getitem__(self, i):
+            return {"input_ids": input_ids[i], "labels": labels[i]}
+
+    class InOrder(transformers.Trainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+    rates, losses = [], []
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+
+    class Record(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+            rates.append(optimizer.param_groups[0]["lr"])
+            rows = slice(4 * state.global_step, 4 * state.global_step + 4)
+            with torch.no_grad():
+                losses.append(model(input_ids=input_ids[rows], labels=labels[rows], use_cache=False).loss.item())
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as scratch:
+        arguments = transformers.TrainingArguments(
+            output_dir=scratch, max_steps=TRAINER_STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.01, adam_beta1=0.9,
+            adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, optim="adamw_torch", logging_steps=1,
+            save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_drop_last=False)
+        trainer = InOrder(model=model, args=arguments, train_dataset=Rows(), callbacks=[Record()])
+        trainer.train()
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert len(norms) == len(rates) == len(losses) == TRAINER_STEPS, (norms, rates, losses)
+    outputs = {"input_ids": input_ids, "labels": labels, "learning_rates": torch.tensor(rates, dtype=torch.float64),
+               "losses": torch.tensor(losses, dtype=torch.float64), "grad_norms": torch.tensor(norms, dtype=torch.float64)}
+    outputs.update({f"trained.{name}": p.detach().float().contiguous() for name, p in model.named_parameters()})
+    save_file(outputs, os.path.join(folder, "trainer.safetensors"), metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    print(f"{os.path.basename(folder)}: {TRAINER_STEPS} Trainer steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, learning rates {rates}")
+
+
 def plain_and_packed(model, rows, documents, generator):
     """Random tokens: `rows` plain rows and one row packing `documents`, as long as their sum;
     transformers' logits (and loss, for the plain rows) for them, as saved; and the plain output."""
@@ -397,6 +461,8 @@ def main(out):
             window_outputs(folder)
         if name in TRAINED:
             training_steps(folder)
+        if name == "qwen3":
+            trainer_steps(folder)
     tokenizer(out)
 
 
@@ -406,6 +472,9 @@ if __name__ == "__main__":
         # The training steps alone, from the models already written.
         for name in TRAINED:
             training_steps(os.path.join(sys.argv[2] if len(sys.argv) > 2 else "crates/ulysses-models/tests/fixtures", name))
+    elif sys.argv[1:2] == ["--trainer-only"]:
+        # The Trainer's steps alone, from the Qwen3 model already written.
+        trainer_steps(os.path.join(sys.argv[2] if len(sys.argv) > 2 else "crates/ulysses-models/tests/fixtures", "qwen3"))
     elif sys.argv[1:2] == ["--tokenizer-classes-only"]:
         # The tokenizer classes alone, from the tokenizer files already written.
         tokenizer_classes(sys.argv[2] if len(sys.argv) > 2 else "crates/ulysses-models/tests/fixtures")
