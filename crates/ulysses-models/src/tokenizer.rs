@@ -86,15 +86,17 @@ impl TextTokenizer {
         let model_config = optional_json(&folder.join("config.json"))?;
         let declared = config.json["tokenizer_class"].as_str().or(model_config["tokenizer_class"].as_str());
         let mut class = TransformersClass::for_checkpoint(model_config["model_type"].as_str(), declared, text.contains("\"ByteLevel\""));
-        let mut json: serde_json::Value = serde_json::from_str(&text).map_err(|e| cannot_read(&e))?;
-        let defaults = class.rebuild(&mut json, &config.json).unwrap_or_else(|why| {
-            class = TransformersClass::Other(format!("{} ({why})", class.name()));
-            Vec::new()
-        });
-        let mut inner: tokenizers::Tokenizer = match class {
-            TransformersClass::FileAsIs | TransformersClass::Other(_) => text.parse(),
-            _ => json.to_string().parse(),
+        // The file as JSON only where the class rebuilds it.
+        let mut rebuilt = None;
+        let mut defaults = Vec::new();
+        if !matches!(class, TransformersClass::FileAsIs | TransformersClass::Other(_)) {
+            let mut json: serde_json::Value = serde_json::from_str(&text).map_err(|e| cannot_read(&e))?;
+            match class.rebuild(&mut json, &config.json) {
+                Ok(named) => (rebuilt, defaults) = (Some(json.to_string()), named),
+                Err(why) => class = TransformersClass::Other(format!("{} ({why})", class.name())),
+            }
         }
+        let mut inner: tokenizers::Tokenizer = rebuilt.as_deref().unwrap_or(&text).parse()
         .map_err(|e| cannot_read(&e))?;
         if let TransformersClass::Other(name) = &class {
             tracing::warn!(

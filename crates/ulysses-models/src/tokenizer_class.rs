@@ -136,3 +136,24 @@ impl TransformersClass {
 fn byte_level_decoder() -> Value {
     json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true})
 }
+
+#[cfg(test)]
+mod tests {
+    use super::TransformersClass;
+    use serde_json::json;
+
+    /// A file whose model is not a BPE, under a class that rebuilds one, is left as it is and
+    /// the reason given (transformers would rebuild a BPE from its vocabulary: other ids).
+    #[test]
+    fn a_class_that_rebuilds_a_bpe_leaves_any_other_model_as_it_is() {
+        let unigram = json!({"normalizer": null, "pre_tokenizer": null, "decoder": null, "model": {"type": "Unigram", "vocab": [["a", 0.0]]}});
+        for class in [TransformersClass::Llama, TransformersClass::Qwen2, TransformersClass::Gpt2] {
+            let mut file = unigram.clone();
+            let why = class.rebuild(&mut file, &json!({})).unwrap_err();
+            assert!(why.contains("Unigram") && why.contains(class.name()), "{why}");
+            assert_eq!(file, unigram, "{} changed a file it refused", class.name());
+        }
+        let mut file = unigram.clone();
+        assert_eq!(TransformersClass::FileAsIs.rebuild(&mut file, &json!({})), Ok(Vec::new()));
+    }
+}
