@@ -2,7 +2,11 @@
 //! transformers 5.24): two templates of the kinds Llama 3 and Qwen ship (written for the
 //! fixture: special tokens, a system prompt, multi-turn, `{% generation %}` around the answers,
 //! whitespace control, `trim`, `loop.first`), four conversations each (one with the generation
-//! prompt, one with non-ASCII text), rendered and tokenized with the fixture tokenizer and the
+//! prompt, one with non-ASCII text), and one of the kind Qwen3 ships with generation blocks
+//! added (`thinking`: a `namespace` set in a loop over `messages[::-1]`, reasoning split out of
+//! the content or given as `reasoning_content` and kept after the last query alone, tools and
+//! tool calls through `tojson`, runs of tool responses, `enable_thinking`), three conversations,
+//! rendered and tokenized with the fixture tokenizer and the
 //! special tokens transformers added (each folder as `save_pretrained` wrote it; the template in
 //! `tokenizer_config.json` for one, `chat_template.jinja` for the other): the text, the ids and
 //! the assistant-token mask (`return_assistant_tokens_mask`) equal to transformers', exactly.
@@ -17,7 +21,7 @@ fn fixtures() -> PathBuf {
 
 #[test]
 fn rendered_text_ids_and_assistant_masks_equal_transformers() {
-    for name in ["llama3", "qwen"] {
+    for name in ["llama3", "qwen", "thinking"] {
         // The checkpoint's own tokenizer.json: the fixture tokenizer with the template's special
         // tokens added, as transformers saved it.
         let folder = fixtures().join("chat").join(name);
@@ -28,9 +32,10 @@ fn rendered_text_ids_and_assistant_masks_equal_transformers() {
         for (i, case) in expected["cases"].as_array().unwrap().iter().enumerate() {
             let messages = case["messages"].as_array().unwrap();
             let add_generation_prompt = case["add_generation_prompt"].as_bool().unwrap();
-            let rendered = template.render(messages, add_generation_prompt).unwrap();
+            let variables = case["variables"].as_object().cloned().unwrap_or_default();
+            let rendered = template.render_with(messages, &variables, add_generation_prompt).unwrap_or_else(|e| panic!("{name} case {i}: {e}"));
             assert_eq!(rendered.text, case["text"].as_str().unwrap(), "{name} case {i}: the rendered text");
-            let (ids, answers) = template.tokenize(&tokenizer, messages, add_generation_prompt).unwrap();
+            let (ids, answers) = template.tokenize_with(&tokenizer, messages, &variables, add_generation_prompt).unwrap();
             let want_ids: Vec<u32> = serde_json::from_value(case["input_ids"].clone()).unwrap();
             let want_mask: Vec<u8> = serde_json::from_value(case["assistant_masks"].clone()).unwrap();
             assert_eq!(ids, want_ids, "{name} case {i}: the token ids");
@@ -105,7 +110,7 @@ fn a_role_the_template_never_names_is_refused() {
 /// empty or mangled turns. A message that carries tool calls may have no content.
 #[test]
 fn content_that_is_no_string_is_refused() {
-    for name in ["llama3", "qwen"] {
+    for name in ["llama3", "qwen", "thinking"] {
         let template = ChatTemplate::from_checkpoint(&fixtures().join("chat").join(name)).unwrap().unwrap();
         let user = serde_json::json!({"role": "user", "content": "hi"});
         for (content, names) in [
