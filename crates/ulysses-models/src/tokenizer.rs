@@ -96,13 +96,14 @@ impl TextTokenizer {
                 Err(why) => class = TransformersClass::Other(format!("{} ({why})", class.name())),
             }
         }
-        let mut inner: tokenizers::Tokenizer = rebuilt.as_deref().unwrap_or(&text).parse()
-        .map_err(|e| cannot_read(&e))?;
-        if let TransformersClass::Other(name) = &class {
-            tracing::warn!(
+        let mut inner: tokenizers::Tokenizer = rebuilt.as_deref().unwrap_or(&text).parse().map_err(|e| cannot_read(&e))?;
+        match &class {
+            TransformersClass::Other(name) => tracing::warn!(
                 "{file}: transformers reads it through {name}, which this crate does not follow; read as the file has it \
                  (as transformers' TokenizersBackend reads it): its ids may differ from transformers'"
-            );
+            ),
+            TransformersClass::FileAsIs => {}
+            rebuilds => tracing::info!("{file}: read as transformers 5 reads it for this checkpoint, through {}, which rebuilds it", rebuilds.name()),
         }
         // As transformers' tokenizer classes end: each special token the config names (or the
         // class's default for it) that is not an added token yet becomes a special one.
