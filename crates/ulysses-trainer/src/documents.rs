@@ -1,22 +1,25 @@
-//! Documents to fine-tune on (`--data`), packed into sequences:
+//! Documents to fine-tune on (`--data`), packed into sequences, each line read as TRL's
+//! `SFTTrainer` prepares it (its token ids and labels: `tests/trl_sft.rs`):
 //! - JSON Lines, one document per line: `{"text": "..."}`, tokenized here with the
-//!   checkpoint's `tokenizer.json`, or `{"input_ids": [...]}` (or a bare array), already
-//!   tokenized; other fields of a line are ignored (but a chat line's below);
+//!   checkpoint's `tokenizer.json` and ended in EOS (unless it ends in one), or
+//!   `{"input_ids": [...]}` (or a bare array), already tokenized and taken as given; other
+//!   fields of a line are ignored (but a chat line's below);
 //! - supervised fine-tuning, where only the answers are trained on (the other tokens are
 //!   context: no label, no loss): `{"prompt": "...", "completion": "..."}`, tokenized as TRL's
-//!   `SFTTrainer` does (the prompt alone, then prompt and completion together; the tokens past
-//!   the prompt's are the targets), or `{"input_ids": [...], "labels": [...]}` as transformers'
-//!   collators make them (a label is the token's id, or -100 where it is not trained on), or
-//!   `{"messages": [{"role", "content"}, ...]}` rendered with the checkpoint's chat template as
-//!   TRL renders it through transformers' `apply_chat_template`, with the line's `tools` and
-//!   `chat_template_kwargs` (`ulysses_models::ChatTemplate`; the
-//!   assistant's answers, its `{% generation %}` blocks, are the targets; no EOS is appended:
-//!   the template ends each turn itself, as TRL leaves conversations);
+//!   `SFTTrainer` does (the prompt alone, then prompt and completion together, ended in EOS; the
+//!   tokens past the prompt's are the targets), or `{"input_ids": [...], "labels": [...]}` as
+//!   transformers' collators make them (a label is the token's id, or -100 where it is not
+//!   trained on), or `{"messages": [{"role", "content"}, ...]}` rendered with the checkpoint's
+//!   chat template as TRL renders it through transformers' `apply_chat_template`, with the
+//!   line's `tools` and `chat_template_kwargs` (`ulysses_models::ChatTemplate`; the assistant's
+//!   answers, its `{% generation %}` blocks, are the targets; no EOS is appended: the template
+//!   ends each turn itself, as TRL leaves conversations), or a conversational `{"prompt":
+//!   [messages], "completion": [messages]}` rendered alike (the completion's answers are the
+//!   targets);
 //! - any other file given as `--data` is one text document; a folder is read for its `.jsonl`,
 //!   `.json` and `.txt` files ([`data_files`](crate::files::data_files)).
 //!
-//! Every document ends in EOS (appended unless it already does), as transformers' data
-//! collators do. Documents are packed whole, in order, into sequences of `--seq-len` tokens
+//! Documents are packed whole, in order, into sequences of `--seq-len` tokens
 //! (`burn_ulysses::data::pack_documents`; a longer document is cut), and each trains as a
 //! document of its own: positions restart, attention and labels stay inside it.
 
@@ -37,8 +40,9 @@ use crate::{corpus::splitmix64, files::data_files, train::StepData};
 const TOKENIZE_CHUNK: usize = 512;
 
 /// Which way [`DocumentReader`] turns lines into tokens and targets, recorded in checkpoints:
-/// a reader that reads the same bytes otherwise makes other batches.
-pub const DOCUMENT_READER_VERSION: u32 = 3;
+/// a reader that reads the same bytes otherwise makes other batches (4: lines already
+/// tokenized are taken as given, with no EOS appended, as TRL takes them).
+pub const DOCUMENT_READER_VERSION: u32 = 4;
 
 /// How documents become token ids.
 pub struct DocumentReader<'a> {
@@ -82,6 +86,9 @@ enum Pending {
     /// A conversation, rendered with the chat template with these more of its variables (the
     /// line's `tools` and `chat_template_kwargs`): the answers are the targets.
     Messages(Vec<Value>, serde_json::Map<String, Value>),
+    /// A conversation's prompt (its messages) and completion (the messages that answer it),
+    /// rendered as `Messages`: the completion's tokens are the targets.
+    ChatPromptCompletion(Vec<Value>, Vec<Value>, serde_json::Map<String, Value>),
 }
 
 /// Documents as token ids, each ending in EOS, and, where some line marks answers, whether
@@ -172,6 +179,37 @@ impl DocumentReader<'_> {
         self.finish(file, &mut pending, documents)
     }
 
+    /// Where a completion's targets start in the tokens of prompt and completion together: past
+    /// the prompt's own tokens. Where the prompt ends in a space, a byte-level tokenizer merges
+    /// it into the completion's first token (or a chat template renders a prompt alone
+    /// otherwise): then at the first token that differs, which holds the completion's start (TRL
+    /// warns, and trains on the completion's rest); counted for one warning.
+    fn completion_start<T: PartialEq>(&self, prompt: &[T], whole: &[T]) -> usize {
+        let shared = prompt.iter().zip(whole).take_while(|(a, b)| a == b).count();
+        if shared < prompt.len() {
+            self.noted.merged_prompts.set(self.noted.merged_prompts.get() + 1);
+        }
+        shared
+    }
+
+    /// The chat template and tokenizer a conversation line is rendered with (and noted as
+    /// rendered), or why there are none.
+    fn chat(&self, at: &dyn Fn() -> String) -> Result<(&ChatTemplate, &TextTokenizer), String> {
+        match (self.chat, self.tokenizer) {
+            (Some(chat), Some(tokenizer)) => {
+                self.noted.rendered.set(true);
+                Ok((chat, tokenizer))
+            }
+            (None, _) => Err(format!(
+                "{}: a conversation line needs the tokenizer's chat template (chat_template.jinja, or chat_template in \
+                 tokenizer_config.json), beside --tokenizer where it is given, else in the --model folder: the folder whose \
+                 tokenizer files --save-hf copies (copy the template there)",
+                at()
+            )),
+            (_, None) => Err(format!("{}: a conversation line needs a tokenizer: give --tokenizer TOKENIZER_JSON", at())),
+        }
+    }
+
     /// Tokenizes the pending documents (all texts at once), appends EOS and checks the ids.
     fn finish(&self, file: &Path, pending: &mut Vec<(usize, Pending)>, documents: &mut Vec<Read>) -> Result<(), String> {
         let joined: Vec<String> = pending.iter().filter_map(|(_, p)| if let Pending::PromptCompletion(prompt, completion) = p { Some(format!("{prompt}{completion}")) } else { None }).collect();
@@ -182,7 +220,7 @@ impl DocumentReader<'_> {
                 Pending::Text(text) => vec![text.as_str()],
                 // The prompt alone, then prompt and completion together (TRL's way).
                 Pending::PromptCompletion(prompt, _) => vec![prompt.as_str(), joined_texts.next().expect("one joined text per prompt").as_str()],
-                Pending::Ids(_) | Pending::Labelled(..) | Pending::Messages(..) => vec![],
+                Pending::Ids(_) | Pending::Labelled(..) | Pending::Messages(..) | Pending::ChatPromptCompletion(..) => vec![],
             })
             .collect();
         let mut encoded = match (texts.is_empty(), self.tokenizer) {
@@ -220,36 +258,15 @@ impl DocumentReader<'_> {
                     prompt.pop(); // The EOS the encoder appended.
                     let mut ids = next();
                     end_in_one_eos(&mut ids, eos);
-                    // The targets start past the prompt's tokens. Where the prompt ends in a
-                    // space, a byte-level tokenizer merges it into the completion's first
-                    // token: then they start at the first token that differs, which holds the
-                    // completion's start (TRL warns, and trains on the completion's rest).
-                    let shared = prompt.iter().zip(&ids).take_while(|(a, b)| a == b).count();
-                    if shared < prompt.len() {
-                        self.noted.merged_prompts.set(self.noted.merged_prompts.get() + 1);
-                    }
+                    let shared = self.completion_start(&prompt, &ids);
                     let targets = (0..ids.len()).map(|i| i >= shared).collect();
                     (ids, Some(targets))
                 }
-                Pending::Ids(mut ids) => {
-                    if ids.last() != Some(&eos) {
-                        ids.push(eos);
-                    }
-                    (ids, None)
-                }
+                // Already tokenized: as given, as TRL takes a line with `input_ids`.
+                Pending::Ids(ids) => (ids, None),
+                Pending::Labelled(ids, targets) => (ids, Some(targets)),
                 Pending::Messages(messages, variables) => {
-                    let (chat, tokenizer) = match (self.chat, self.tokenizer) {
-                        (Some(chat), Some(tokenizer)) => (chat, tokenizer),
-                        (None, _) => {
-                            return Err(format!(
-                                "{}: a \"messages\" line needs the tokenizer's chat template (chat_template.jinja, or chat_template \
-                                 in tokenizer_config.json), beside --tokenizer where it is given, else in the --model folder: the \
-                                 folder whose tokenizer files --save-hf copies (copy the template there)",
-                                at()
-                            ));
-                        }
-                        (_, None) => return Err(format!("{}: a \"messages\" line needs a tokenizer: give --tokenizer TOKENIZER_JSON", at())),
-                    };
+                    let (chat, tokenizer) = self.chat(&at)?;
                     if self.answers_only && !chat.marks_answers() {
                         return Err(format!(
                             "{}: the chat template marks no answers ({{% generation %}} blocks), so the answers alone cannot be told \
@@ -258,16 +275,21 @@ impl DocumentReader<'_> {
                         ));
                     }
                     let (ids, answers) = chat.tokenize_with(tokenizer, &messages, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
-                    self.noted.rendered.set(true);
                     (ids.into_iter().map(i64::from).collect(), Some(answers))
                 }
-                Pending::Labelled(mut ids, mut targets) => {
-                    // The appended EOS ends the answer when the document ends in one.
-                    if ids.last() != Some(&eos) {
-                        ids.push(eos);
-                        targets.push(targets.last().copied().unwrap_or(false));
-                    }
-                    (ids, Some(targets))
+                Pending::ChatPromptCompletion(prompt, completion, variables) => {
+                    let (chat, tokenizer) = self.chat(&at)?;
+                    // TRL's way: the prompt alone with the generation prompt, then the whole
+                    // conversation; the completion starts where they diverge. Under --loss-on
+                    // assistant, a template that marks the answers narrows it to them (TRL's
+                    // assistant_only_loss).
+                    let (prompt_ids, _) = chat.tokenize_with(tokenizer, &prompt, &variables, true).map_err(|e| format!("{}: {e}", at()))?;
+                    let whole: Vec<Value> = prompt.into_iter().chain(completion).collect();
+                    let (ids, answers) = chat.tokenize_with(tokenizer, &whole, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
+                    let shared = self.completion_start(&prompt_ids, &ids);
+                    let marked = self.answers_only && chat.marks_answers();
+                    let targets = answers.iter().enumerate().map(|(i, &answer)| i >= shared && (answer || !marked)).collect();
+                    (ids.into_iter().map(i64::from).collect(), Some(targets))
                 }
             };
             if let Some(id) = ids.iter().find(|&&id| !(0..self.vocab as i64).contains(&id)) {
@@ -388,30 +410,43 @@ fn parse_line(line: &str) -> Result<Pending, String> {
         }
         ["prompt"] => match (&fields["prompt"], fields.get("completion")) {
             (Value::String(prompt), Some(Value::String(completion))) => Ok(Pending::PromptCompletion(prompt.clone(), completion.clone())),
+            // TRL's conversational prompt and completion.
+            (prompt @ Value::Array(_), Some(completion @ Value::Array(_))) => match (conversation(prompt), conversation(completion)) {
+                (Some(prompt), Some(completion)) => Ok(Pending::ChatPromptCompletion(prompt, completion, template_variables(fields)?)),
+                _ => Err("a conversational \"prompt\" and \"completion\" must each be a non-empty array of {\"role\": ..., \"content\": ...} objects".into()),
+            },
             (_, None) => Err("has a \"prompt\" but no \"completion\": give both (the completion is what is trained on)".into()),
-            _ => Err("\"prompt\" and \"completion\" must be strings".into()),
+            _ => Err("\"prompt\" and \"completion\" must be strings, or both arrays of messages".into()),
         },
-        ["messages"] => {
-            // As TRL's SFTTrainer renders a line: its tools, and its template arguments.
-            let mut variables = match fields.get("chat_template_kwargs") {
-                None | Some(Value::Null) => serde_json::Map::new(),
-                Some(Value::Object(kwargs)) => kwargs.clone(),
-                Some(_) => return Err("\"chat_template_kwargs\" must be an object of the chat template's variables".into()),
-            };
-            if let Some(tools) = fields.get("tools").filter(|tools| !tools.is_null()) {
-                if variables.insert("tools".into(), tools.clone()).is_some() {
-                    return Err("has \"tools\" both beside \"messages\" and in \"chat_template_kwargs\": give them once".into());
-                }
-            }
-            match &fields["messages"] {
-                // A message's content is checked as the template renders it (a tool call may go without).
-                Value::Array(messages) if !messages.is_empty() && messages.iter().all(|m| m["role"].is_string()) => Ok(Pending::Messages(messages.clone(), variables)),
-                _ => Err("\"messages\" must be a non-empty array of {\"role\": ..., \"content\": ...} objects".into()),
-            }
-        }
+        ["messages"] => match conversation(&fields["messages"]) {
+            Some(messages) => Ok(Pending::Messages(messages, template_variables(fields)?)),
+            None => Err("\"messages\" must be a non-empty array of {\"role\": ..., \"content\": ...} objects".into()),
+        },
         [] => Err("needs a \"text\" (a string), an \"input_ids\" (token ids), a \"prompt\" and \"completion\", or a \"messages\" field".into()),
         several => Err(format!("has {}; give one kind of document", several.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(" and "))),
     }
+}
+
+/// A line's messages, where they are a non-empty array of objects with a `role` string (a
+/// message's content is checked as the template renders it: a tool call may go without).
+fn conversation(messages: &Value) -> Option<Vec<Value>> {
+    messages.as_array().filter(|messages| !messages.is_empty() && messages.iter().all(|m| m["role"].is_string())).cloned()
+}
+
+/// A conversation line's variables for the chat template, as TRL's SFTTrainer renders a line:
+/// its `tools`, and its `chat_template_kwargs`.
+fn template_variables(fields: &serde_json::Map<String, Value>) -> Result<serde_json::Map<String, Value>, String> {
+    let mut variables = match fields.get("chat_template_kwargs") {
+        None | Some(Value::Null) => serde_json::Map::new(),
+        Some(Value::Object(kwargs)) => kwargs.clone(),
+        Some(_) => return Err("\"chat_template_kwargs\" must be an object of the chat template's variables".into()),
+    };
+    if let Some(tools) = fields.get("tools").filter(|tools| !tools.is_null())
+        && variables.insert("tools".into(), tools.clone()).is_some()
+    {
+        return Err("has \"tools\" both beside the messages and in \"chat_template_kwargs\": give them once".into());
+    }
+    Ok(variables)
 }
 
 /// Documents packed into sequences of `seq_len`, drawn `batch_size` per step in a seeded
@@ -809,7 +844,7 @@ mod tests {
         fs::write(dir.join(".gitattributes"), "*.jsonl filter=lfs").unwrap();
         fs::write(dir.join(".cache/train.jsonl.metadata"), "abc").unwrap();
         let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: false, refuse_longer_than: None, noted: Default::default() };
-        assert_eq!(reader.read(&dir).unwrap().ids, vec![vec![5, 6, 0]]);
+        assert_eq!(reader.read(&dir).unwrap().ids, vec![vec![5, 6]]);
         // A file named for training is one, whatever else its name holds.
         fs::write(dir.join("unit_test_train.jsonl"), "[7, 8]\n").unwrap();
         assert_eq!(reader.read(&dir).unwrap().ids.len(), 2);
@@ -845,24 +880,25 @@ mod tests {
         assert_eq!(crate::train::paragraph_lengths(&[97, 10, 10, 98, 10]), [3, 2]);
     }
 
-    /// Labelled ids keep their targets (the appended EOS ends an answer that ends the
-    /// document); the flags follow their tokens through packing, a cut document included.
+    /// Labelled ids keep their targets, and ids are taken as given (no EOS appended); the flags
+    /// follow their tokens through packing, a cut document included.
     #[test]
     fn targets_follow_their_tokens_into_the_packed_sequences() {
         let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: true, refuse_longer_than: None, noted: Default::default() };
         let dir = std::env::temp_dir().join(format!("ulysses-targets-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let file = dir.join("data.jsonl");
-        fs::write(&file, "{\"input_ids\": [5, 6, 7], \"labels\": [-100, 6, 7]}\n[8, 9]\n{\"input_ids\": [1, 2, 3, 4, 0], \"labels\": [-100, -100, 3, -100, -100]}\n").unwrap();
+        fs::write(&file, "{\"input_ids\": [5, 6, 7, 0], \"labels\": [-100, 6, 7, 0]}\n[8, 9, 0]\n{\"input_ids\": [1, 2, 3, 4, 0], \"labels\": [-100, -100, 3, -100, -100]}\n[10, 11]\n").unwrap();
         let documents = reader.read(&file).unwrap();
         let strict = DocumentReader { refuse_longer_than: Some(4), ..reader };
         let refused = strict.read(&file).err().unwrap_or_default();
         assert!(refused.contains("data.jsonl line 3") && refused.contains("5 tokens, more than --seq-len 4"), "{refused}");
         fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(documents.ids, vec![vec![5, 6, 7, 0], vec![8, 9, 0], vec![1, 2, 3, 4, 0]]);
+        // As given: no EOS appended to the last, as TRL takes ids.
+        assert_eq!(documents.ids, vec![vec![5, 6, 7, 0], vec![8, 9, 0], vec![1, 2, 3, 4, 0], vec![10, 11]]);
         let targets = documents.targets.unwrap();
-        assert_eq!(targets, vec![vec![false, true, true, true], vec![true; 3], vec![false, false, true, false, false]]);
-        let data = PackedDocuments::pack_with_targets(&documents.ids, Some(&targets), 4, 1, 3, false).unwrap();
+        assert_eq!(targets, vec![vec![false, true, true, true], vec![true; 3], vec![false, false, true, false, false], vec![true; 2]]);
+        let data = PackedDocuments::pack_with_targets(&documents.ids[..3], Some(&targets[..3]), 4, 1, 3, false).unwrap();
         let packed: Vec<(Vec<i64>, Vec<bool>)> = data.train.iter().map(|p| (p.tokens.clone(), p.targets.clone().unwrap())).collect();
         assert_eq!(
             packed,

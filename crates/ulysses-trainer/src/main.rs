@@ -167,12 +167,12 @@ struct Args {
     tokens: Option<PathBuf>,
     /// Documents to fine-tune a --model (or --hf-config) on: JSON Lines of {"text": ...}
     /// (tokenized with --tokenizer) or {"input_ids": [...]}, a text file (one document), or a
-    /// folder of them. Each document ends in EOS; they are packed into sequences of --seq-len,
-    /// each a document of its own (positions restart, attention stays inside it). Supervised
-    /// fine-tuning: {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the
-    /// checkpoint's chat template), {"prompt": ..., "completion": ...} or {"input_ids": [...],
-    /// "labels": [...]} (-100: not trained on) lines, where only the answers are trained on
-    /// (--loss-on).
+    /// folder of them. Texts end in EOS (ids are taken as given); documents are packed into
+    /// sequences of --seq-len, each a document of its own (positions restart, attention stays
+    /// inside it). Supervised fine-tuning: {"messages": [{"role": ..., "content": ...}, ...]}
+    /// (rendered with the checkpoint's chat template), {"prompt": ..., "completion": ...} (text,
+    /// or messages) or {"input_ids": [...], "labels": [...]} (-100: not trained on) lines, where
+    /// only the answers are trained on (--loss-on); each line as TRL's SFTTrainer prepares it.
     #[arg(long, conflicts_with_all = ["corpus", "tokens"])]
     data: Option<PathBuf>,
     /// Held-out documents to evaluate on, all of them, every --eval-every steps: a file or

@@ -1341,7 +1341,7 @@ fn a_held_out_file_is_evaluated_whole_at_every_layout_as_eval_only_measures_it()
     fs::write(&held_out, ids(5, 5, 30)).unwrap();
     let args = |data: &Path, extra: &str| qwen3_args(data, &format!("--seq-len 32 --batch-size 2 {extra}"));
     let (reference, tokens) = eval_line(&succeed(run_alone(&args(&held_out, "--eval-only --sp 1"), &[])));
-    assert_eq!(tokens, 5 * 30, "each held-out document's tokens after its first, its EOS included");
+    assert_eq!(tokens, 5 * 29, "each held-out document's tokens after its first (ids are taken as given, no EOS appended)");
     let unmoved = format!("--eval-data {} --steps 1 --learning-rate 1e-30", held_out.display());
     for (name, layout, launched) in [
         ("sp1", "--sp 1", 1),
@@ -1541,13 +1541,10 @@ fn documents_are_tokenized_packed_evaluated_alike_at_every_layout_and_fine_tuned
     let data = dir.join("documents.jsonl");
     fs::write(&data, lines.join("\n")).unwrap();
 
-    // Every document's tokens (EOS included) but its last carry a label: none is cut at 64.
+    // Every document's tokens (a text's EOS included; ids as given) but its first carry a
+    // label: none is cut at 64.
     let tokenizer = TextTokenizer::from_file(&tokenizer_file).unwrap();
-    let lengths: Vec<usize> = texts
-        .iter()
-        .map(|t| tokenizer.encode_document(t, 0).unwrap().len())
-        .chain(token_documents.iter().map(|d| d.len() + usize::from(d.last() != Some(&0))))
-        .collect();
+    let lengths: Vec<usize> = texts.iter().map(|t| tokenizer.encode_document(t, 0).unwrap().len()).chain(token_documents.iter().map(Vec::len)).collect();
     assert!(lengths.iter().all(|&l| l < 64), "{lengths:?}");
     let labelled: usize = lengths.iter().map(|l| l - 1).sum();
 
