@@ -4,7 +4,8 @@ crates/ulysses-trainer/tests/trl_sft.rs: the token ids and labels of its prepare
 (`trainer.train_dataset`, before the collator pads or packs), with its defaults but for
 `assistant_only_loss` (on for conversations, as the trainer's `--loss-on assistant`) and no
 truncation (`max_length=None`). The tokenizer and chat template are those of ulysses-models'
-`chat/thinking` fixture (Qwen3's kind, `<|im_end|>` its EOS), the model its tiny Qwen3.
+`chat/thinking` fixture (Qwen3's kind, `<|im_end|>` its EOS), and for texts and prompts also
+its `tokenizer-bos` (a BOS added before each text); the model its tiny Qwen3.
 
 Each line is prepared alone (a dataset of one row: Arrow makes the rows of a dataset share one
 schema, which tool calls of two kinds would not). Writes `trl/expected.json` under the
@@ -54,12 +55,19 @@ LINES = [
 ]
 
 
-def main():
-    chat = os.path.join(MODELS, "chat", "thinking")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(chat)
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(MODELS, "qwen3"))
+# The same kinds with a tokenizer whose post-processor adds a BOS (Llama 3's kind:
+# ulysses-models' `tokenizer-bos`, `<|endoftext|>` its EOS): in the prompt and in the whole.
+BOS_LINES = [
+    {"text": "Sequence parallelism splits a sequence across the GPUs of a group."},
+    {"prompt": "How many heads does the model have?", "completion": " Four, over two kv heads."},
+    {"prompt": "A prompt that ends in a space ", "completion": "joins the completion's first token."},
+    {"prompt": "Already ended:", "completion": " yes.<|endoftext|>"},
+]
+
+
+def prepared(tokenizer, model, lines, folder):
     cases = []
-    for line in LINES:
+    for line in lines:
         with tempfile.TemporaryDirectory() as out:
             args = trl.SFTConfig(output_dir=out, report_to=[], use_cpu=True, max_length=None,
                                  assistant_only_loss="messages" in line or isinstance(line.get("prompt"), list))
@@ -67,11 +75,21 @@ def main():
                                      train_dataset=datasets.Dataset.from_list([line]))
             prepared = trainer.train_dataset[0]
         labels = prepared.get("labels", prepared["input_ids"])
-        cases.append({"line": line, "input_ids": list(prepared["input_ids"]), "labels": list(labels)})
-        print(f"{list(line)}: {len(prepared['input_ids'])} tokens, {sum(l != -100 for l in labels)} trained on")
+        cases.append({"tokenizer": folder, "line": line, "input_ids": list(prepared["input_ids"]), "labels": list(labels)})
+        print(f"{folder} {list(line)}: {len(prepared['input_ids'])} tokens, {sum(l != -100 for l in labels)} trained on")
+    return cases
+
+
+def main():
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(MODELS, "qwen3"))
+    cases, eos_tokens = [], {}
+    for folder, lines in (("chat/thinking", LINES), ("tokenizer-bos", BOS_LINES)):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(MODELS, folder))
+        eos_tokens[folder] = tokenizer.eos_token
+        cases += prepared(tokenizer, model, lines, folder)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "expected.json"), "w") as f:
-        json.dump({"trl": trl.__version__, "transformers": transformers.__version__, "eos_token": tokenizer.eos_token, "cases": cases},
+        json.dump({"trl": trl.__version__, "transformers": transformers.__version__, "eos_tokens": eos_tokens, "cases": cases},
                   f, indent=1, ensure_ascii=False)
 
 
