@@ -8,7 +8,7 @@ inverse frequencies as its model holds them), plus RoPE variants (linear, llama3
 alone (`NAME-minimal`: transformers' defaults for every other key);
 and a small byte-level BPE `tokenizer/tokenizer.json` with the `tokenizers` package's ids for a
 few texts (`encodings.json`), and which tokenizer class transformers' AutoTokenizer picks for the
-byte-level file of `tokenizer-bos` and the sentencepiece-style one under each family's model type and nine tokenizer
+byte-level file of `tokenizer-bos` and the sentencepiece-style one under each family's model type and ten tokenizer
 configs, with its ids (`tokenizer-classes`; `--tokenizer-classes-only` writes just that). For the four families (and Llama with llama3 RoPE), also a tiny
 model with random weights (`model.safetensors`, f32, q and k projections scaled up so that
 attention is peaked: transformers' default init makes it nearly uniform, which would hide a
@@ -206,7 +206,9 @@ CLASS_MODEL_TYPES = [None, "llama", "mistral", "qwen2", "qwen3"]
 CLASS_CONFIGS = [None, {}, {"tokenizer_class": "PreTrainedTokenizerFast"}, {"tokenizer_class": "TokenizersBackend"},
                  {"tokenizer_class": "LlamaTokenizerFast"}, {"tokenizer_class": "LlamaTokenizer", "legacy": True},
                  {"tokenizer_class": "Qwen2Tokenizer"}, {"tokenizer_class": "Qwen2TokenizerFast", "add_prefix_space": True},
-                 {"tokenizer_class": "GPT2TokenizerFast"}]
+                 {"tokenizer_class": "GPT2TokenizerFast"},
+                 # A special token that is a word of the text: transformers makes it special (split out).
+                 {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "parallelism"}]
 
 
 def tokenizer_classes(out):

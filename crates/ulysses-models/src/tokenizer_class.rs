@@ -5,7 +5,7 @@
 //! the rest their own way (Qwen's pre-tokenizer splits digits one by one and normalizes to NFC
 //! whatever the file says). Which class it is depends on config.json's `model_type` as much as on
 //! the `tokenizer_class` tokenizer_config.json names: checked against transformers 5.24 for the
-//! four families' model types and none, nine configs and two tokenizer files
+//! four families' model types and none, ten configs and two tokenizer files
 //! (`tests/fixtures/tokenizer-classes`, by `scripts/hf-fixtures.py`).
 
 use serde_json::{Value, json};

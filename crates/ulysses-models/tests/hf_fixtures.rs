@@ -113,7 +113,7 @@ fn a_sentencepiece_tokenizer_reads_as_transformers_5_rebuilds_it() {
 /// folder through, and its ids for texts with digits, a decomposed accent, leading spaces, an
 /// apostrophe and special tokens, for the byte-level file of `tokenizer-bos` and the
 /// sentencepiece-style one of `tokenizer-sentencepiece` under each model type of the four
-/// families (or no config.json) and nine tokenizer configs (none among them). Each folder reads here
+/// families (or no config.json) and ten tokenizer configs (none among them; one names a word of the text as its EOS, which becomes a special token). Each folder reads here
 /// as that class and gives those ids; of the classes that rebuild the file, each changes the
 /// ids of some folder (else the case would test nothing).
 #[test]
@@ -122,9 +122,9 @@ fn every_tokenizer_reads_as_transformers_5_picks_its_class() {
     let want: Value = serde_json::from_str(&std::fs::read_to_string(fixtures.join("tokenizer-classes/encodings.json")).unwrap()).unwrap();
     let texts: Vec<&str> = want["texts"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
     let cases = want["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 90, "two files, five model types, nine configs");
+    assert_eq!(cases.len(), 100, "two files, five model types, ten configs");
     let file_ids = |file: &str| cases.iter().find(|c| c["file"] == file && c["model_type"].is_null() && c["tokenizer_config"].is_null()).unwrap()["ids"].clone();
-    let mut rebuilt_differently = std::collections::BTreeSet::new();
+    let (mut rebuilt_differently, mut split_by_a_named_token) = (std::collections::BTreeSet::new(), 0);
     let dir = std::env::temp_dir().join(format!("ulysses-tokenizer-classes-{}", std::process::id()));
     for case in cases {
         std::fs::create_dir_all(&dir).unwrap();
@@ -143,13 +143,19 @@ fn every_tokenizer_reads_as_transformers_5_picks_its_class() {
             let expected: Vec<u32> = ids.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
             assert_eq!(tokenizer.encode(text).unwrap(), expected, "{what} ({}): {text:?}", case["class"]);
         }
+        let names_a_token = !case["tokenizer_config"]["eos_token"].is_null();
         if case["ids"] != file_ids(case["file"].as_str().unwrap()) {
-            rebuilt_differently.insert(case["class"].as_str().unwrap().to_string());
+            if names_a_token {
+                split_by_a_named_token += 1;
+            } else {
+                rebuilt_differently.insert(case["class"].as_str().unwrap().to_string());
+            }
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
     let expected: std::collections::BTreeSet<String> = ["GPT2Tokenizer", "LlamaTokenizer", "Qwen2Tokenizer"].map(String::from).into();
     assert_eq!(rebuilt_differently, expected, "the classes whose ids differ from the file's somewhere (transformers {})", want["transformers"]);
+    assert_eq!(split_by_a_named_token, 10, "a word named as the EOS splits the text in every folder");
 }
 
 /// `tests/fixtures/tokenizer`: a byte-level BPE the `tokenizers` Python package trained and
