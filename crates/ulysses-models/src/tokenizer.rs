@@ -15,6 +15,8 @@ pub struct TextTokenizer {
     file: String,
     /// The transformers class whose reading of the file this follows.
     class: TransformersClass,
+    /// The special tokens that class names where tokenizer_config.json names none.
+    class_defaults: Vec<(&'static str, &'static str)>,
     /// [`added_before_text`](Self::added_before_text), found once when read.
     added_before_text: Vec<u32>,
 }
@@ -119,7 +121,7 @@ impl TextTokenizer {
         // after a call that did keeps the setting, which would cut or pad every document here.
         inner.with_truncation(None).map_err(|e| TokenizerError { file: file.clone(), problem: format!("cannot turn its truncation off: {e}") })?;
         inner.with_padding(None);
-        let mut tokenizer = Self { inner, file, class, added_before_text: Vec::new() };
+        let mut tokenizer = Self { inner, file, class, class_defaults: defaults, added_before_text: Vec::new() };
         tokenizer.added_before_text = tokenizer.special_tokens_before_text()?;
         Ok(tokenizer)
     }
@@ -129,6 +131,13 @@ impl TextTokenizer {
     /// this follows (but for a class [`TransformersClass::Other`]: the file as it is).
     pub fn transformers_class(&self) -> &TransformersClass {
         &self.class
+    }
+
+    /// The EOS token of the tokenizer's class where tokenizer_config.json names none, as
+    /// transformers' `tokenizer.eos_token` gives it (Qwen2Tokenizer's and GPT2Tokenizer's
+    /// `<|endoftext|>`, LlamaTokenizer's `</s>`); `None` for the file read as it is.
+    pub fn class_eos_token(&self) -> Option<&str> {
+        self.class_defaults.iter().find(|(name, _)| *name == "eos_token").map(|(_, token)| *token)
     }
 
     /// [`encode`](Self::encode) with each token's characters (`start..end`, in characters as

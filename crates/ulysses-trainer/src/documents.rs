@@ -310,7 +310,8 @@ impl DocumentReader<'_> {
 }
 
 /// The token that ends each document: `flag` (`--eos-token-id`), else the tokenizer's
-/// `eos_token` (its `tokenizer_config.json`), which TRL's `SFTTrainer` ends texts and
+/// `eos_token` (its `tokenizer_config.json`, else its tokenizer class's default, as
+/// transformers' `tokenizer.eos_token` gives it), which TRL's `SFTTrainer` ends texts and
 /// completions with, else config.json's first `eos_token_id`. With it, a note to log where the
 /// tokenizer's differs from config.json's (Llama 3's instruct models end turns in `<|eot_id|>`,
 /// and list `<|end_of_text|>` first).
@@ -318,21 +319,22 @@ pub fn document_eos(flag: Option<u32>, tokenizer: Option<(&TextTokenizer, &Token
     if let Some(id) = flag {
         return Ok((id, None));
     }
-    if let Some((tokenizer, config)) = tokenizer
-        && let Some(token) = config.eos_token()
-    {
+    // The config's, else its tokenizer class's default (transformers' `tokenizer.eos_token`).
+    let named = tokenizer.and_then(|(tokenizer, config)| {
+        let from_class = || tokenizer.class_eos_token().map(|token| (token, format!("{}'s default", tokenizer.transformers_class().name())));
+        config.eos_token().map(|token| (token, config.file.display().to_string())).or_else(from_class).map(|(token, source)| (tokenizer, token, source))
+    });
+    if let Some((tokenizer, token, source)) = named {
         let Some(id) = tokenizer.token_id(token) else {
             return Err(format!(
-                "{}: its eos_token {token:?} is not a token of the tokenizer beside it: give --eos-token-id ID (the id of the token \
-                 that ends a document)",
-                config.file.display()
+                "{source}: its eos_token {token:?} is not a token of the tokenizer beside it: give --eos-token-id ID (the id of the token \
+                 that ends a document)"
             ));
         };
         let note = config_eos.filter(|&first| first != u64::from(id)).map(|first| {
             format!(
-                "documents end in the tokenizer's eos_token {token:?} (id {id}, {}), as TRL's SFTTrainer ends them, not in config.json's \
-                 first eos_token_id {first}: give --eos-token-id to choose",
-                config.file.display()
+                "documents end in the tokenizer's eos_token {token:?} (id {id}, {source}), as TRL's SFTTrainer ends them, not in config.json's \
+                 first eos_token_id {first}: give --eos-token-id to choose"
             )
         });
         return Ok((id, note));
@@ -742,6 +744,19 @@ mod tests {
         assert!(error.contains("tokenizer_config.json") && error.contains("<|not_a_token|>") && error.contains("--eos-token-id"), "{error}");
         let error = document_eos(None, None, None).unwrap_err();
         assert!(error.contains("--eos-token-id"), "{error}");
+        // A Qwen2 checkpoint whose tokenizer_config.json names no EOS: Qwen2Tokenizer's
+        // <|endoftext|>, transformers' `tokenizer.eos_token`, before config.json's.
+        let qwen = std::env::temp_dir().join(format!("ulysses-class-eos-{}", std::process::id()));
+        fs::create_dir_all(&qwen).unwrap();
+        fs::copy(folder.join("../../tokenizer-bos/tokenizer.json"), qwen.join("tokenizer.json")).unwrap();
+        fs::write(qwen.join("tokenizer_config.json"), "{}").unwrap();
+        fs::write(qwen.join("config.json"), r#"{"model_type": "qwen2"}"#).unwrap();
+        let (tokenizer, config) = (TextTokenizer::from_file(&qwen).unwrap(), TokenizerConfig::read(&qwen).unwrap());
+        fs::remove_dir_all(&qwen).unwrap();
+        let end_of_text = tokenizer.token_id("<|endoftext|>").unwrap();
+        let (id, note) = document_eos(None, Some((&tokenizer, &config)), Some(300)).unwrap();
+        assert_eq!(id, end_of_text);
+        assert!(note.is_some_and(|n| n.contains("Qwen2Tokenizer's default")));
     }
 
     /// A text that ends in EOS written out gets no second one; every other text gets one.

@@ -198,7 +198,8 @@ struct Args {
     #[arg(long, requires = "data")]
     tokenizer: Option<PathBuf>,
     /// The token that ends each --data document [default: the tokenizer's eos_token
-    /// (tokenizer_config.json), else config.json's first eos_token_id].
+    /// (tokenizer_config.json, else its tokenizer class's default), else config.json's first
+    /// eos_token_id].
     #[arg(long, requires = "data")]
     eos_token_id: Option<u32>,
     /// Fine-tune this Hugging Face checkpoint folder (config.json and model.safetensors of a
