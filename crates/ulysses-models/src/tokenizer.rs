@@ -7,6 +7,7 @@ use std::{
 };
 
 pub use crate::tokenizer_class::TransformersClass;
+use crate::tokenizer_class::FOLLOWED_MODEL_TYPES;
 
 /// A tokenizer read from `tokenizer.json`.
 pub struct TextTokenizer {
@@ -15,8 +16,11 @@ pub struct TextTokenizer {
     file: String,
     /// The transformers class whose reading of the file this follows.
     class: TransformersClass,
-    /// The special tokens that class names where tokenizer_config.json names none.
+    /// The special tokens that class names where tokenizer_config.json (and
+    /// special_tokens_map.json) name none.
     class_defaults: Vec<(&'static str, &'static str)>,
+    /// [`reading`](Self::reading), found once when read.
+    reading: String,
     /// [`added_before_text`](Self::added_before_text), found once when read.
     added_before_text: Vec<u32>,
 }
@@ -91,17 +95,29 @@ impl TextTokenizer {
         // The file as JSON only where the class rebuilds it.
         let mut rebuilt = None;
         let mut defaults = Vec::new();
+        if let Some(model_type) = model_config["model_type"].as_str().filter(|t| !FOLLOWED_MODEL_TYPES.contains(t)) {
+            tracing::warn!(
+                "{file}: the config.json beside it is of model_type {model_type:?}, for which this crate does not know which tokenizer class \
+                 transformers picks (it knows {FOLLOWED_MODEL_TYPES:?}); read through {}, as the configs name it: its ids may differ from transformers'",
+                class.name()
+            );
+        }
         if !matches!(class, TransformersClass::FileAsIs | TransformersClass::Other(_)) {
             let mut json: serde_json::Value = serde_json::from_str(&text).map_err(|e| cannot_read(&e))?;
             match class.rebuild(&mut json, &config.json) {
-                Ok(named) => (rebuilt, defaults) = (Some(json.to_string()), named),
-                Err(why) => class = TransformersClass::Other(format!("{} ({why})", class.name())),
+                // A token special_tokens_map.json names replaces the class's default as well.
+                Ok(named) => (rebuilt, defaults) = (Some(json.to_string()), named.into_iter().filter(|(name, _)| !config.special_tokens.contains_key(*name)).collect()),
+                Err(why) => class = TransformersClass::Unfollowed { class: class.name().to_string(), why },
             }
         }
         let mut inner: tokenizers::Tokenizer = rebuilt.as_deref().unwrap_or(&text).parse().map_err(|e| cannot_read(&e))?;
         match &class {
             TransformersClass::Other(name) => tracing::warn!(
                 "{file}: transformers reads it through {name}, which this crate does not follow; read as the file has it \
+                 (as transformers' TokenizersBackend reads it): its ids may differ from transformers'"
+            ),
+            TransformersClass::Unfollowed { class, why } => tracing::warn!(
+                "{file}: transformers reads it through {class}, which this crate cannot follow here ({why}); read as the file has it \
                  (as transformers' TokenizersBackend reads it): its ids may differ from transformers'"
             ),
             TransformersClass::FileAsIs => {}
@@ -117,11 +133,15 @@ impl TextTokenizer {
             .map(|token| tokenizers::AddedToken::from(token.to_string(), true))
             .collect();
         inner.add_special_tokens(&special);
+        // The class's options (`Value::to_string` writes a missing one as null).
+        let options: Vec<String> = ["add_prefix_space", "legacy"].iter().map(|name| format!("{name} {}", config.json[name])).collect();
+        let special_names: Vec<&str> = special.iter().map(|token| token.content.as_str()).collect();
+        let reading = format!("{} with {} and special tokens added [{}]", class.name(), options.join(" "), special_names.join(" "));
         // transformers' `tokenizer(text)` neither truncates nor pads unless asked; a file saved
         // after a call that did keeps the setting, which would cut or pad every document here.
         inner.with_truncation(None).map_err(|e| TokenizerError { file: file.clone(), problem: format!("cannot turn its truncation off: {e}") })?;
         inner.with_padding(None);
-        let mut tokenizer = Self { inner, file, class, class_defaults: defaults, added_before_text: Vec::new() };
+        let mut tokenizer = Self { inner, file, class, class_defaults: defaults, reading, added_before_text: Vec::new() };
         tokenizer.added_before_text = tokenizer.special_tokens_before_text()?;
         Ok(tokenizer)
     }
@@ -133,7 +153,16 @@ impl TextTokenizer {
         &self.class
     }
 
-    /// The EOS token of the tokenizer's class where tokenizer_config.json names none, as
+    /// What decides how this reads a text beside `tokenizer.json`'s bytes: the class, the
+    /// options it takes from tokenizer_config.json and the special tokens it added (from the
+    /// configs or the class's defaults). A run's data identity records it: editing
+    /// tokenizer_config.json or config.json's `model_type` can make other ids of the same file.
+    pub fn reading(&self) -> &str {
+        &self.reading
+    }
+
+    /// The EOS token of the tokenizer's class where tokenizer_config.json and
+    /// special_tokens_map.json name none, as
     /// transformers' `tokenizer.eos_token` gives it (Qwen2Tokenizer's and GPT2Tokenizer's
     /// `<|endoftext|>`, LlamaTokenizer's `</s>`); `None` for the file read as it is.
     pub fn class_eos_token(&self) -> Option<&str> {

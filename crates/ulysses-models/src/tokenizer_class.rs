@@ -27,7 +27,15 @@ pub enum TransformersClass {
     Gpt2,
     /// A class of its own that this crate does not follow: the file is read as it is.
     Other(String),
+    /// A class this crate follows that cannot rebuild this file (`why`: a model that is not a
+    /// BPE): the file is read as it is.
+    Unfollowed { class: String, why: String },
 }
+
+/// The `model_type`s whose class choice [`TransformersClass::for_checkpoint`] follows (checked
+/// against transformers); for another, the class the configs name is taken, which may not be
+/// transformers' pick.
+pub const FOLLOWED_MODEL_TYPES: [&str; 4] = ["llama", "mistral", "qwen2", "qwen3"];
 
 impl TransformersClass {
     /// The class for a checkpoint whose config.json says `model_type`, whose
@@ -64,6 +72,7 @@ impl TransformersClass {
             Self::Qwen2 => "Qwen2Tokenizer",
             Self::Gpt2 => "GPT2Tokenizer",
             Self::Other(name) => name,
+            Self::Unfollowed { class, .. } => class,
         }
     }
 
@@ -75,7 +84,7 @@ impl TransformersClass {
     pub fn rebuild(&self, file: &mut Value, config: &Value) -> Result<Vec<(&'static str, &'static str)>, String> {
         let flag = |name: &str, default: bool| config[name].as_bool().unwrap_or(default);
         let (normalizer, pre_tokenizer, decoder, model, defaults) = match self {
-            Self::FileAsIs | Self::Other(_) => return Ok(Vec::new()),
+            Self::FileAsIs | Self::Other(_) | Self::Unfollowed { .. } => return Ok(Vec::new()),
             Self::Llama => {
                 // Prepends "▁" to a text's first piece (`legacy` false, its default), to every
                 // piece between special tokens (`legacy` true), or to none.

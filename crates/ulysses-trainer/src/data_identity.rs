@@ -63,6 +63,14 @@ impl DataIdentity {
         Self { reading, ..self }
     }
 
+    /// How the tokenizer `file` reads text, for [`read_with`](Self::read_with): by the file's
+    /// bytes (not its path) and `reading` (`TextTokenizer::reading`: its class, options and
+    /// added special tokens, which tokenizer_config.json and config.json decide).
+    pub fn tokenizer(file: &Path, reading: &str) -> Result<String, String> {
+        let identity = Self::of(file)?;
+        Ok(format!("a tokenizer of {} bytes (digest {}){TOKENIZER_READING}{reading}", identity.bytes, identity.digest))
+    }
+
     /// This identity with the chat template of `file` whose rendering `text` decides
     /// (`ulysses_models::ChatTemplate::rendering_text`), recorded by the file's name (not its
     /// folder: a checkpoint moved is the same) and a digest.
@@ -86,10 +94,16 @@ impl DataIdentity {
                 saved.chat_template
             ));
         }
-        if !saved.reading.is_empty() && self.reading != saved.reading {
+        // A checkpoint written before the tokenizer's reading (its class, options and added
+        // special tokens; `TextTokenizer::reading`) was recorded is compared without it.
+        let reading = match (saved.reading.contains(TOKENIZER_READING), self.reading.split_once(TOKENIZER_READING)) {
+            (false, Some((tokenizer, rest))) => format!("{tokenizer}{}", rest.find(", EOS ").map_or("", |at| &rest[at..])),
+            _ => self.reading.clone(),
+        };
+        if !saved.reading.is_empty() && reading != saved.reading {
             // Only the reader's version: this trainer reads the same settings otherwise.
             let without_reader = |reading: &str| reading.split(", ").filter(|part| !part.starts_with("reader ")).collect::<Vec<_>>().join(", ");
-            if without_reader(&saved.reading) == without_reader(&self.reading) {
+            if without_reader(&saved.reading) == without_reader(&reading) {
                 return Some(format!(
                     "the checkpoint's run read its data with an earlier version of this trainer's reader ({}), which makes other batches of \
                      the same bytes in some data (a document cut across the held-out batch's edge; a chat line's tools); pass --allow-new-data to \
@@ -100,7 +114,7 @@ impl DataIdentity {
             return Some(format!(
                 "the checkpoint's run read its data with {}, this one would read it with {}; resuming would continue on other \
                  batches. Resume with the same settings, or pass --allow-new-data to continue with these",
-                saved.reading, self.reading
+                saved.reading, reading
             ));
         }
         (self.bytes != saved.bytes || self.digest != saved.digest).then(|| {
@@ -112,6 +126,9 @@ impl DataIdentity {
         })
     }
 }
+
+/// How a reading records its tokenizer's class after its bytes ([`DataIdentity::tokenizer`]).
+const TOKENIZER_READING: &str = ", read as ";
 
 /// A file's size and its first and last [`BLOCK`] bytes (the whole file when shorter).
 fn ends_of(path: &Path) -> std::io::Result<(u64, Vec<u8>)> {
@@ -167,6 +184,16 @@ mod tests {
         let message = read("--loss-on all").differs_from(&read("--loss-on assistant")).expect("another --loss-on");
         assert!(message.contains("--loss-on assistant") && message.contains("--allow-new-data"), "{message}");
         assert_eq!(read("--loss-on all").differs_from(&DataIdentity::of(&b).unwrap()), None);
+        // The tokenizer's class, options or added special tokens (an edited tokenizer_config.json)
+        // are other ids; a checkpoint that recorded none is compared without them.
+        let tokenizer = |class: &str| read(&format!("a tokenizer of 9 bytes (digest 1f), read as {class} with legacy null, EOS 2, reader 4"));
+        assert_eq!(tokenizer("Qwen2Tokenizer").differs_from(&tokenizer("Qwen2Tokenizer")), None);
+        let message = tokenizer("Qwen2Tokenizer").differs_from(&tokenizer("TokenizersBackend")).expect("another class");
+        assert!(message.contains("read as TokenizersBackend") && message.contains("--allow-new-data"), "{message}");
+        let unrecorded = read("a tokenizer of 9 bytes (digest 1f), EOS 2, reader 4");
+        assert_eq!(tokenizer("Qwen2Tokenizer").differs_from(&unrecorded), None, "a checkpoint that recorded no class");
+        assert!(tokenizer("Qwen2Tokenizer").differs_from(&read("a tokenizer of 9 bytes (digest 2e), EOS 2, reader 4")).is_some(), "another file");
+        assert!(tokenizer("Qwen2Tokenizer").differs_from(&read("a tokenizer of 9 bytes (digest 1f), EOS 3, reader 4")).is_some(), "another EOS");
         // The reader's version alone: said so.
         let message = read("EOS 2, reader 3").differs_from(&read("EOS 2, reader 2")).expect("an earlier reader");
         assert!(message.contains("an earlier version of this trainer's reader (reader 2)") && message.contains("--allow-new-data"), "{message}");

@@ -73,6 +73,11 @@ pub struct Noted {
     rendered: std::cell::Cell<bool>,
     /// Prompt/completion lines whose prompt tokenizes otherwise alone than before its completion.
     merged_prompts: std::cell::Cell<usize>,
+    /// Conversational prompt/completion lines whose prompt the template renders otherwise alone
+    /// than before its completion.
+    rerendered_prompts: std::cell::Cell<usize>,
+    /// Conversations with no answer to train on under --loss-on assistant.
+    unanswered: std::cell::Cell<usize>,
 }
 
 /// A document as read, before it is tokenized.
@@ -91,8 +96,9 @@ enum Pending {
     ChatPromptCompletion(Vec<Value>, Vec<Value>, serde_json::Map<String, Value>),
 }
 
-/// Documents as token ids, each ending in EOS, and, where some line marks answers, whether
-/// each token is a target (every token of the documents that mark none).
+/// Documents as token ids (texts and completions ending in EOS, ids as given), and, where some
+/// line marks answers, whether each token is a target (every token of the documents that mark
+/// none).
 pub struct Documents {
     pub ids: Vec<Vec<i64>>,
     pub targets: Option<Vec<Vec<bool>>>,
@@ -103,7 +109,8 @@ pub struct Documents {
 
 impl DocumentReader<'_> {
     /// Every document of `path` (a `.jsonl` or `.json` file of JSON Lines, a text file, or a folder's data files, in name
-    /// order) as token ids ending in EOS. Documents with nothing before their EOS are left out.
+    /// order) as token ids, texts and completions ending in EOS, ids as given. Documents of fewer
+    /// than two tokens (nothing before their EOS; nothing to predict) are left out.
     pub fn read(&self, path: &Path) -> Result<Documents, String> {
         self.read_as("--data", path)
     }
@@ -134,16 +141,32 @@ impl DocumentReader<'_> {
         let read = documents.len();
         documents.retain(|(document, _)| document.len() > 1);
         if documents.is_empty() {
-            return Err(format!("{flag} {}: no document holds a token (besides the EOS each ends in)", path.display()));
+            return Err(format!("{flag} {}: no document holds two tokens (besides a text's EOS) to train on", path.display()));
         }
         if documents.len() < read {
-            tracing::info!(skipped = read - documents.len(), "left out the empty documents");
+            tracing::info!(skipped = read - documents.len(), "left out the documents of fewer than two tokens (empty texts): nothing to predict");
         }
         let merged = self.noted.merged_prompts.get();
         if merged > 0 {
             tracing::warn!(
                 "{flag} {}: {merged} prompt(s) tokenize otherwise alone than before their completion (a prompt ending in a space, \
                  as a rule, whose space joins the completion's first token): their targets start at the first token that differs",
+                path.display()
+            );
+        }
+        let rerendered = self.noted.rerendered_prompts.get();
+        if rerendered > 0 {
+            tracing::warn!(
+                "{flag} {}: the chat template renders {rerendered} conversational prompt(s) otherwise alone (with the generation \
+                 prompt) than before their completion: their targets start at the first token that differs (as TRL's)",
+                path.display()
+            );
+        }
+        let unanswered = self.noted.unanswered.get();
+        if unanswered > 0 {
+            tracing::warn!(
+                "{flag} {}: {unanswered} conversation(s) hold no answer the chat template marks, so they train nothing under \
+                 --loss-on assistant (TRL's assistant_only_loss refuses such data); they still fill sequences",
                 path.display()
             );
         }
@@ -183,19 +206,25 @@ impl DocumentReader<'_> {
     /// the prompt's own tokens. Where the prompt ends in a space, a byte-level tokenizer merges
     /// it into the completion's first token (or a chat template renders a prompt alone
     /// otherwise): then at the first token that differs, which holds the completion's start (TRL
-    /// warns, and trains on the completion's rest); counted for one warning.
-    fn completion_start<T: PartialEq>(&self, prompt: &[T], whole: &[T]) -> usize {
+    /// warns, and trains on the completion's rest); counted in `differed` for one warning.
+    fn completion_start<T: PartialEq>(prompt: &[T], whole: &[T], differed: &std::cell::Cell<usize>) -> usize {
         let shared = prompt.iter().zip(whole).take_while(|(a, b)| a == b).count();
         if shared < prompt.len() {
-            self.noted.merged_prompts.set(self.noted.merged_prompts.get() + 1);
+            differed.set(differed.get() + 1);
         }
         shared
     }
 
     /// The chat template and tokenizer a conversation line is rendered with (and noted as
-    /// rendered), or why there are none.
+    /// rendered), or why there are none; under --loss-on assistant, a template that marks no
+    /// answers is refused (as TRL's assistant_only_loss refuses it).
     fn chat(&self, at: &dyn Fn() -> String) -> Result<(&ChatTemplate, &TextTokenizer), String> {
         match (self.chat, self.tokenizer) {
+            (Some(chat), _) if self.answers_only && !chat.marks_answers() => Err(format!(
+                "{}: the chat template marks no answers ({{% generation %}} blocks), so the answers alone cannot be told \
+                 from the prompts: train on every token with --loss-on all, or use a template that marks them",
+                at()
+            )),
             (Some(chat), Some(tokenizer)) => {
                 self.noted.rendered.set(true);
                 Ok((chat, tokenizer))
@@ -207,6 +236,13 @@ impl DocumentReader<'_> {
                 at()
             )),
             (_, None) => Err(format!("{}: a conversation line needs a tokenizer: give --tokenizer TOKENIZER_JSON", at())),
+        }
+    }
+
+    /// Counts a conversation with no target under --loss-on assistant, for one warning.
+    fn note_unanswered(&self, targets: &[bool]) {
+        if self.answers_only && !targets.contains(&true) {
+            self.noted.unanswered.set(self.noted.unanswered.get() + 1);
         }
     }
 
@@ -258,7 +294,7 @@ impl DocumentReader<'_> {
                     prompt.pop(); // The EOS the encoder appended.
                     let mut ids = next();
                     end_in_one_eos(&mut ids, eos);
-                    let shared = self.completion_start(&prompt, &ids);
+                    let shared = Self::completion_start(&prompt, &ids, &self.noted.merged_prompts);
                     let targets = (0..ids.len()).map(|i| i >= shared).collect();
                     (ids, Some(targets))
                 }
@@ -267,28 +303,22 @@ impl DocumentReader<'_> {
                 Pending::Labelled(ids, targets) => (ids, Some(targets)),
                 Pending::Messages(messages, variables) => {
                     let (chat, tokenizer) = self.chat(&at)?;
-                    if self.answers_only && !chat.marks_answers() {
-                        return Err(format!(
-                            "{}: the chat template marks no answers ({{% generation %}} blocks), so the answers alone cannot be told \
-                             from the prompts: train on every token with --loss-on all, or use a template that marks them",
-                            at()
-                        ));
-                    }
                     let (ids, answers) = chat.tokenize_with(tokenizer, &messages, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
+                    self.note_unanswered(&answers);
                     (ids.into_iter().map(i64::from).collect(), Some(answers))
                 }
                 Pending::ChatPromptCompletion(prompt, completion, variables) => {
                     let (chat, tokenizer) = self.chat(&at)?;
                     // TRL's way: the prompt alone with the generation prompt, then the whole
                     // conversation; the completion starts where they diverge. Under --loss-on
-                    // assistant, a template that marks the answers narrows it to them (TRL's
+                    // assistant, narrowed to the answers the template marks (TRL's
                     // assistant_only_loss).
                     let (prompt_ids, _) = chat.tokenize_with(tokenizer, &prompt, &variables, true).map_err(|e| format!("{}: {e}", at()))?;
                     let whole: Vec<Value> = prompt.into_iter().chain(completion).collect();
                     let (ids, answers) = chat.tokenize_with(tokenizer, &whole, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
-                    let shared = self.completion_start(&prompt_ids, &ids);
-                    let marked = self.answers_only && chat.marks_answers();
-                    let targets = answers.iter().enumerate().map(|(i, &answer)| i >= shared && (answer || !marked)).collect();
+                    let shared = Self::completion_start(&prompt_ids, &ids, &self.noted.rerendered_prompts);
+                    let targets: Vec<bool> = answers.iter().enumerate().map(|(i, &answer)| i >= shared && (answer || !self.answers_only)).collect();
+                    self.note_unanswered(&targets);
                     (ids.into_iter().map(i64::from).collect(), Some(targets))
                 }
             };
@@ -752,11 +782,19 @@ mod tests {
         fs::write(qwen.join("tokenizer_config.json"), "{}").unwrap();
         fs::write(qwen.join("config.json"), r#"{"model_type": "qwen2"}"#).unwrap();
         let (tokenizer, config) = (TextTokenizer::from_file(&qwen).unwrap(), TokenizerConfig::read(&qwen).unwrap());
+        // special_tokens_map.json's EOS (read under a config without added_tokens_decoder)
+        // replaces the class's default, as it does in transformers; a word of the text named
+        // so becomes a special token: another reading of the same file.
+        fs::write(qwen.join("special_tokens_map.json"), r#"{"eos_token": "parallelism"}"#).unwrap();
+        let mapped = TextTokenizer::from_file(&qwen).unwrap();
         fs::remove_dir_all(&qwen).unwrap();
         let end_of_text = tokenizer.token_id("<|endoftext|>").unwrap();
         let (id, note) = document_eos(None, Some((&tokenizer, &config)), Some(300)).unwrap();
         assert_eq!(id, end_of_text);
         assert!(note.is_some_and(|n| n.contains("Qwen2Tokenizer's default")));
+        assert_eq!((tokenizer.class_eos_token(), mapped.class_eos_token()), (Some("<|endoftext|>"), None));
+        assert!(tokenizer.reading().starts_with("Qwen2Tokenizer") && !tokenizer.reading().contains("parallelism"), "{}", tokenizer.reading());
+        assert!(mapped.reading().starts_with("Qwen2Tokenizer") && mapped.reading().contains("[parallelism]"), "{}", mapped.reading());
     }
 
     /// A text that ends in EOS written out gets no second one; every other text gets one.

@@ -1018,13 +1018,13 @@ fn run(mut args: Args) -> Result<(), String> {
     let mut eval_sequences = None;
     // The chat template --data's conversations were rendered with (file, rendering text).
     let mut chat_rendered = None;
-    // The token that ends each --data document, as resolved.
-    let mut data_eos = None;
+    // The token that ends each --data document, as resolved, and what tokenized them.
+    let mut data_reading = None;
     let data: Box<dyn StepData> = match (&args.data, &args.tokens) {
         (Some(path), _) => {
-            let (documents, eos);
-            (documents, chat_rendered, eos) = packed_documents(&args, path, pretrained.as_ref().expect("--data needs a checkpoint (checked)"), &config, is_first)?;
-            data_eos = Some(eos);
+            let (documents, eos, tokenizer);
+            (documents, chat_rendered, eos, tokenizer) = packed_documents(&args, path, pretrained.as_ref().expect("--data needs a checkpoint (checked)"), &config, is_first)?;
+            data_reading = Some((eos, tokenizer));
             eval_sequences = args.eval_only.then(|| {
                 let (sequences, lengths) = documents.everything();
                 (sequences, lengths, documents.every_target())
@@ -1060,18 +1060,16 @@ fn run(mut args: Args) -> Result<(), String> {
     }
     let data_path = args.data.as_ref().or(args.tokens.as_ref()).unwrap_or(&args.corpus);
     let mut data_identity = if args.data.is_some() { DataIdentity::of_data(data_path)? } else { DataIdentity::of(data_path)? };
-    if let Some(eos) = data_eos {
-        // What turns --data's bytes into tokens and targets, as used (the tokenizer by its
-        // bytes, not its path; the EOS resolved), besides the checkpoint's config.
-        let tokenizer = match data_tokenizer_file(&args) {
-            Some(file) => DataIdentity::of(&file).map(|t| format!("a tokenizer of {} bytes (digest {})", t.bytes, t.digest))?,
-            None => "no tokenizer".into(),
-        };
+    if let Some((eos, tokenizer)) = data_reading {
+        // What turns --data's bytes into tokens and targets, as used (the tokenizer; the EOS
+        // resolved), besides the checkpoint's config.
         let (loss_on, too_long) = (format!("{:?}", args.loss_on).to_lowercase(), format!("{:?}", args.too_long).to_lowercase());
         // The reader's version: a reader that tokenizes otherwise (since 2: one BOS, empty
         // texts left out, a prompt's trailing space, one EOS after a completion; the chat
         // template's tojson; since 3: a chat line's tools and template arguments, the held-out
-        // sequences from a document's start) makes other batches of the same bytes.
+        // sequences from a document's start; since 4: conversational prompt/completion lines,
+        // ids taken as given, the tokenizer read as transformers' class reads it) makes other
+        // batches of the same bytes.
         // With --eval-data, --data is trained whole (no batch held out): other batches.
         let whole = if args.eval_data.is_some() { ", trained whole (--eval-data)" } else { "" };
         data_identity = data_identity.read_with(format!("{tokenizer}, EOS {eos}, --loss-on {loss_on}, --too-long {too_long}, reader {DOCUMENT_READER_VERSION}{whole}"));
@@ -1292,8 +1290,9 @@ fn data_chat_template(args: &Args) -> Result<Option<ChatTemplate>, String> {
 }
 
 /// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary; and the
-/// chat template's file and rendering text where it rendered a conversation, and the EOS.
-fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<(PackedDocuments, Option<(String, String)>, u32), String> {
+/// chat template's file and rendering text where it rendered a conversation, the EOS, and what
+/// tokenized the documents (for the data's identity).
+fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<(PackedDocuments, Option<(String, String)>, u32, String), String> {
     let tokenizer = data_tokenizer(args)?;
     let (eos, note) = document_eos(args.eos_token_id, tokenizer.as_ref().map(|(t, c)| (t, c)), checkpoint.eos_token_id)?;
     if eos as usize >= config.model.vocab_size {
@@ -1304,6 +1303,11 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         tracing::info!("{note}");
     }
     let tokenizer = tokenizer.map(|(tokenizer, _)| tokenizer);
+    // The tokenizer by its file's bytes and how its class reads them.
+    let tokenized_by = match (&tokenizer, data_tokenizer_file(args)) {
+        (Some(tokenizer), Some(file)) => DataIdentity::tokenizer(&file, tokenizer.reading())?,
+        _ => "no tokenizer".into(),
+    };
     let chat = data_chat_template(args)?;
     let answers_only = args.loss_on == LossOn::Assistant;
     let reader = || DocumentReader {
@@ -1362,7 +1366,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
             config.seq_len,
         );
     }
-    Ok((packed, rendered_with, eos))
+    Ok((packed, rendered_with, eos, tokenized_by))
 }
 
 /// The targets of `documents`, read from `path` by `flag`, where the data marks answers and

@@ -12,8 +12,8 @@
 use std::path::Path;
 
 use serde_json::Value;
-use ulysses_models::{ChatTemplate, TextTokenizer};
-use ulysses_trainer::documents::DocumentReader;
+use ulysses_models::{ChatTemplate, TextTokenizer, TokenizerConfig};
+use ulysses_trainer::documents::{DocumentReader, document_eos};
 
 #[test]
 fn every_kind_of_line_reads_as_trls_sft_trainer_prepares_it() {
@@ -27,7 +27,9 @@ fn every_kind_of_line_reads_as_trls_sft_trainer_prepares_it() {
         let checkpoint = root.join("../ulysses-models/tests/fixtures").join(folder);
         let tokenizer = TextTokenizer::from_file(&checkpoint).unwrap();
         let template = ChatTemplate::from_checkpoint(&checkpoint).unwrap();
-        let eos = tokenizer.token_id(want["eos_tokens"][folder].as_str().unwrap()).unwrap();
+        // The EOS the trainer resolves (no --eos-token-id, no config.json) is transformers'.
+        let (eos, _) = document_eos(None, Some((&tokenizer, &TokenizerConfig::read(&checkpoint).unwrap())), None).unwrap();
+        assert_eq!(Some(eos), tokenizer.token_id(want["eos_tokens"][folder].as_str().unwrap()), "{folder}: the EOS");
         let file = dir.join("line.jsonl");
         std::fs::write(&file, case["line"].to_string()).unwrap();
         let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: template.as_ref(), answers_only: true, refuse_longer_than: None, noted: Default::default() };
@@ -55,4 +57,41 @@ fn every_kind_of_line_reads_as_trls_sft_trainer_prepares_it() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(failures.is_empty(), "{} of {} lines otherwise than TRL prepares them:\n{}", failures.len(), want["cases"].as_array().unwrap().len(), failures.join("\n"));
+}
+
+/// Under `--loss-on assistant` both kinds of conversation line need a template that marks the
+/// answers (TRL's `assistant_only_loss` raises without them): the fixture's template with its
+/// `{% generation %}` tags taken out is refused for each, naming the line and `--loss-on all`.
+/// A conversational prompt whose completion holds no answer (a tool's response alone) trains
+/// nothing, where TRL refuses the data: read, with no target.
+#[test]
+fn conversations_need_a_template_that_marks_answers_to_train_on_answers_alone() {
+    let checkpoint = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ulysses-models/tests/fixtures/chat/thinking");
+    let tokenizer = TextTokenizer::from_file(&checkpoint).unwrap();
+    let marking = ChatTemplate::from_checkpoint(&checkpoint).unwrap().unwrap();
+    let source = std::fs::read_to_string(checkpoint.join("chat_template.jinja")).unwrap();
+    let unmarked = source.replace("{%- generation %}", "").replace("{%- endgeneration %}", "");
+    assert_ne!(unmarked, source, "the fixture's template marks its answers");
+    let unmarked = ChatTemplate::new(&unmarked, Default::default(), "unmarked.jinja").unwrap();
+    let eos = tokenizer.token_id("<|im_end|>").unwrap();
+    let dir = std::env::temp_dir().join(format!("ulysses-trl-unmarked-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let read = |template: &ChatTemplate, line: &str| {
+        let file = dir.join("line.jsonl");
+        std::fs::write(&file, line).unwrap();
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: Some(template), answers_only: true, refuse_longer_than: None, noted: Default::default() };
+        reader.read(&file)
+    };
+    let messages = r#"{"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]}"#;
+    let prompt_completion = r#"{"prompt": [{"role": "user", "content": "Say hi."}], "completion": [{"role": "assistant", "content": "Hi."}]}"#;
+    for line in [messages, prompt_completion] {
+        let trained = read(&marking, line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        assert!(trained.targets.as_ref().unwrap()[0].contains(&true), "{line}: the answer is a target");
+        let refused = read(&unmarked, line).err().unwrap_or_else(|| panic!("{line} read with a template that marks no answers"));
+        assert!(refused.contains("line 1") && refused.contains("marks no answers") && refused.contains("--loss-on all"), "{refused}");
+    }
+    let unanswered = r#"{"prompt": [{"role": "user", "content": "Weather?"}], "completion": [{"role": "tool", "content": "Sunny."}]}"#;
+    let documents = read(&marking, unanswered).unwrap();
+    assert_eq!(documents.targets.as_ref().unwrap()[0].iter().filter(|&&t| t).count(), 0, "a tool's response is no answer");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
