@@ -202,6 +202,7 @@ def tokenizer_sentencepiece(out):
 
 CLASS_TEXTS = ["Sequence parallelism splits 12345 tokens", "cafe\u0301 and \ufb01ne", "  two spaces\n\nand lines ", "don't WE'LL",
                "[INST] Why? [/INST] Ulysses.", "<|begin_of_text|>hi<|endoftext|>x"]
+CLASS_SPECIAL_TOKENS = ["bos_token", "eos_token", "unk_token", "pad_token"]
 CLASS_MODEL_TYPES = [None, "llama", "mistral", "qwen2", "qwen3"]
 CLASS_CONFIGS = [None, {}, {"tokenizer_class": "PreTrainedTokenizerFast"}, {"tokenizer_class": "TokenizersBackend"},
                  {"tokenizer_class": "LlamaTokenizerFast"}, {"tokenizer_class": "LlamaTokenizer", "legacy": True},
@@ -213,7 +214,7 @@ CLASS_CONFIGS = [None, {}, {"tokenizer_class": "PreTrainedTokenizerFast"}, {"tok
 
 def tokenizer_classes(out):
     """Which tokenizer class transformers 5's AutoTokenizer reads a folder through, and the ids it
-    gives (`tokenizer-classes/encodings.json`), for the two tokenizer files above (byte-level
+    gives (`tokenizer-classes/encodings.json`) with its special tokens, for the two tokenizer files above (byte-level
     from `tokenizer-bos`, sentencepiece-style from `tokenizer-sentencepiece`) under each
     config.json model type of the four families (or none) and each tokenizer_config.json (or
     none). Qwen2's and Qwen3's model types make it Qwen2Tokenizer, which rebuilds the tokenizer
@@ -237,8 +238,11 @@ def tokenizer_classes(out):
                             json.dump(tokenizer_config, f)
                     loaded = transformers.AutoTokenizer.from_pretrained(scratch)
                     ids = [loaded(t, add_special_tokens=False)["input_ids"] for t in CLASS_TEXTS]
+                    # The special tokens as the class resolves them (the config's, else its
+                    # defaults): `tokenizer.eos_token` is what TRL ends documents with.
+                    special = {name: getattr(loaded, name) for name in CLASS_SPECIAL_TOKENS}
                 cases.append({"file": file_name, "model_type": model_type, "tokenizer_config": tokenizer_config,
-                              "class": type(loaded).__name__, "ids": ids})
+                              "class": type(loaded).__name__, "ids": ids, "special_tokens": special})
     folder = os.path.join(out, "tokenizer-classes")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "encodings.json"), "w") as f:

@@ -19,6 +19,9 @@ pub struct TextTokenizer {
     /// The special tokens that class names where tokenizer_config.json (and
     /// special_tokens_map.json) name none.
     class_defaults: Vec<(&'static str, &'static str)>,
+    /// `bos_token`, `eos_token`, `unk_token` and `pad_token` as the class resolves them: the
+    /// configs' (tokenizer_config.json, special_tokens_map.json), else the class's defaults.
+    special_tokens: Vec<(&'static str, String)>,
     /// [`reading`](Self::reading), found once when read.
     reading: String,
     /// [`added_before_text`](Self::added_before_text), found once when read.
@@ -126,12 +129,13 @@ impl TextTokenizer {
         // As transformers' tokenizer classes end: each special token the config names (or the
         // class's default for it) that is not an added token yet becomes a special one.
         let added: std::collections::HashSet<String> = inner.get_added_tokens_decoder().into_values().map(|token| token.content).collect();
-        let special: Vec<tokenizers::AddedToken> = ["bos_token", "eos_token", "unk_token", "pad_token"]
+        // In transformers' order (a token new to the vocabulary takes the next id).
+        let special_tokens: Vec<(&'static str, String)> = ["bos_token", "eos_token", "unk_token", "pad_token"]
             .into_iter()
-            .filter_map(|name| config.special_tokens.get(name).map(String::as_str).or_else(|| defaults.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)))
-            .filter(|token| !added.contains(*token))
-            .map(|token| tokenizers::AddedToken::from(token.to_string(), true))
+            .filter_map(|name| Some((name, config.special_tokens.get(name).map(String::as_str).or_else(|| defaults.iter().find(|(n, _)| *n == name).map(|(_, t)| *t))?.to_string())))
             .collect();
+        let special: Vec<tokenizers::AddedToken> =
+            special_tokens.iter().map(|(_, token)| token).filter(|token| !added.contains(*token)).map(|token| tokenizers::AddedToken::from(token.clone(), true)).collect();
         inner.add_special_tokens(&special);
         // The class's options (`Value::to_string` writes a missing one as null).
         let options: Vec<String> = ["add_prefix_space", "legacy"].iter().map(|name| format!("{name} {}", config.json[name])).collect();
@@ -141,7 +145,7 @@ impl TextTokenizer {
         // after a call that did keeps the setting, which would cut or pad every document here.
         inner.with_truncation(None).map_err(|e| TokenizerError { file: file.clone(), problem: format!("cannot turn its truncation off: {e}") })?;
         inner.with_padding(None);
-        let mut tokenizer = Self { inner, file, class, class_defaults: defaults, reading, added_before_text: Vec::new() };
+        let mut tokenizer = Self { inner, file, class, class_defaults: defaults, special_tokens, reading, added_before_text: Vec::new() };
         tokenizer.added_before_text = tokenizer.special_tokens_before_text()?;
         Ok(tokenizer)
     }
@@ -151,6 +155,13 @@ impl TextTokenizer {
     /// this follows (but for a class [`TransformersClass::Other`]: the file as it is).
     pub fn transformers_class(&self) -> &TransformersClass {
         &self.class
+    }
+
+    /// The special token `name` (`bos_token`, `eos_token`, `unk_token`, `pad_token`) as
+    /// transformers' class gives it (`tokenizer.eos_token`): the configs', else the class's
+    /// default; `None` where neither names one.
+    pub fn special_token(&self, name: &str) -> Option<&str> {
+        self.special_tokens.iter().find(|(n, _)| *n == name).map(|(_, token)| token.as_str())
     }
 
     /// What decides how this reads a text beside `tokenizer.json`'s bytes: the class, the

@@ -139,6 +139,10 @@ fn every_tokenizer_reads_as_transformers_5_picks_its_class() {
         let what = format!("{} file, model type {}, tokenizer_config {}", case["file"], case["model_type"], case["tokenizer_config"]);
         let tokenizer = ulysses_models::TextTokenizer::from_file(&dir).unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_eq!(tokenizer.transformers_class().name(), case["class"].as_str().unwrap(), "{what}: the class");
+        // The special tokens as the class resolves them: the EOS ends each document, as TRL's.
+        for (name, token) in case["special_tokens"].as_object().unwrap() {
+            assert_eq!(tokenizer.special_token(name), token.as_str(), "{what} ({}): {name}", case["class"]);
+        }
         for (text, ids) in texts.iter().zip(case["ids"].as_array().unwrap()) {
             let expected: Vec<u32> = ids.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
             assert_eq!(tokenizer.encode(text).unwrap(), expected, "{what} ({}): {text:?}", case["class"]);
