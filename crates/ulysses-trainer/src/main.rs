@@ -1195,12 +1195,14 @@ fn check_held_out_apart(data: &Path, held_out: &Path) -> Result<(), String> {
     }
 }
 
-/// The tokenizer that tokenizes --data's text, with the `tokenizer_config.json` beside it.
-fn data_tokenizer(args: &Args) -> Result<Option<(TextTokenizer, TokenizerConfig)>, String> {
+/// The tokenizer that tokenizes --data's text, with the `tokenizer_config.json` beside it and
+/// what the data's identity records of it (its file's bytes and how its class reads them).
+fn data_tokenizer(args: &Args) -> Result<Option<(TextTokenizer, TokenizerConfig, String)>, String> {
     let Some(file) = data_tokenizer_file(args) else { return Ok(None) };
     let tokenizer = TextTokenizer::from_file(&file).map_err(|e| format!("--tokenizer: {e}"))?;
     let config = TokenizerConfig::read(folder_of(&file)).map_err(|e| format!("--tokenizer: {e}"))?;
-    Ok(Some((tokenizer, config)))
+    let identity = DataIdentity::tokenizer(&file, tokenizer.reading())?;
+    Ok(Some((tokenizer, config, identity)))
 }
 
 /// The tokenizer.json that tokenizes --data's text: --tokenizer, else the --model folder's.
@@ -1294,7 +1296,7 @@ fn data_chat_template(args: &Args) -> Result<Option<ChatTemplate>, String> {
 /// tokenized the documents (for the data's identity).
 fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<(PackedDocuments, Option<(String, String)>, u32, String), String> {
     let tokenizer = data_tokenizer(args)?;
-    let (eos, note) = document_eos(args.eos_token_id, tokenizer.as_ref().map(|(t, c)| (t, c)), checkpoint.eos_token_id)?;
+    let (eos, note) = document_eos(args.eos_token_id, tokenizer.as_ref().map(|(t, c, _)| (t, c)), checkpoint.eos_token_id)?;
     if eos as usize >= config.model.vocab_size {
         let from = if args.eos_token_id.is_some() { "--eos-token-id" } else { "the EOS" };
         return Err(format!("{from} {eos} is outside the model's vocabulary 0..{}: give the id of its end-of-text token", config.model.vocab_size));
@@ -1302,11 +1304,9 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     if let Some(note) = note.filter(|_| show_progress) {
         tracing::info!("{note}");
     }
-    let tokenizer = tokenizer.map(|(tokenizer, _)| tokenizer);
-    // The tokenizer by its file's bytes and how its class reads them.
-    let tokenized_by = match (&tokenizer, data_tokenizer_file(args)) {
-        (Some(tokenizer), Some(file)) => DataIdentity::tokenizer(&file, tokenizer.reading())?,
-        _ => "no tokenizer".into(),
+    let (tokenizer, tokenized_by) = match tokenizer {
+        Some((tokenizer, _, identity)) => (Some(tokenizer), identity),
+        None => (None, "no tokenizer".into()),
     };
     let chat = data_chat_template(args)?;
     let answers_only = args.loss_on == LossOn::Assistant;
