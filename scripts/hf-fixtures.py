@@ -8,7 +8,7 @@ inverse frequencies as its model holds them), plus RoPE variants (linear, llama3
 alone (`NAME-minimal`: transformers' defaults for every other key);
 and a small byte-level BPE `tokenizer/tokenizer.json` with the `tokenizers` package's ids for a
 few texts (`encodings.json`), and which tokenizer class transformers' AutoTokenizer picks for the
-byte-level file of `tokenizer-bos` and the sentencepiece-style one under each family's model type and ten tokenizer
+byte-level file of `tokenizer-bos` and the sentencepiece-style one under each family's model type and fifteen tokenizer
 configs, with its ids (`tokenizer-classes`; `--tokenizer-classes-only` writes just that). For the four families (and Llama with llama3 RoPE), also a tiny
 model with random weights (`model.safetensors`, f32, q and k projections scaled up so that
 attention is peaked: transformers' default init makes it nearly uniform, which would hide a
@@ -202,14 +202,31 @@ def tokenizer_sentencepiece(out):
 
 CLASS_TEXTS = ["Sequence parallelism splits 12345 tokens", "cafe\u0301 and \ufb01ne", "  two spaces\n\nand lines ", "don't WE'LL",
                "[INST] Why? [/INST] Ulysses.", "<|begin_of_text|>hi<|endoftext|>x"]
-CLASS_SPECIAL_TOKENS = ["bos_token", "eos_token", "unk_token", "pad_token"]
+CLASS_SPECIAL_TOKENS = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"]
 CLASS_MODEL_TYPES = [None, "llama", "mistral", "qwen2", "qwen3"]
 CLASS_CONFIGS = [None, {}, {"tokenizer_class": "PreTrainedTokenizerFast"}, {"tokenizer_class": "TokenizersBackend"},
                  {"tokenizer_class": "LlamaTokenizerFast"}, {"tokenizer_class": "LlamaTokenizer", "legacy": True},
                  {"tokenizer_class": "Qwen2Tokenizer"}, {"tokenizer_class": "Qwen2TokenizerFast", "add_prefix_space": True},
                  {"tokenizer_class": "GPT2TokenizerFast"},
                  # A special token that is a word of the text: transformers makes it special (split out).
-                 {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "parallelism"}]
+                 {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "parallelism"},
+                 # Every named special token, a model's own (`image_token`) and one with its flags
+                 # (written as transformers before 4.34 wrote them) become special tokens too.
+                 {"tokenizer_class": "PreTrainedTokenizerFast", "mask_token": "tokens", "sep_token": "lines", "image_token": "WE",
+                  "cls_token": {"__type": "AddedToken", "content": "two", "lstrip": True, "rstrip": False, "normalized": False, "single_word": False}},
+                 # Extra special tokens, one of them the byte-level file's BOS (an added token there already).
+                 {"additional_special_tokens": ["spaces", "<|begin_of_text|>"]},
+                 # add_bos_token and add_eos_token (transformers 5 keeps the file's post-processor), and
+                 # special tokens written in a text read as its characters.
+                 {"tokenizer_class": "LlamaTokenizerFast", "add_bos_token": False, "add_eos_token": True, "split_special_tokens": True},
+                 # The added tokens as a config saved by transformers 4.34 or later lists them: one the
+                 # file lacks is added; a class that rebuilds the file takes these alone.
+                 {"added_tokens_decoder": {"500": {"content": "WE", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": False}}},
+                 # A config saved before 4.34: special_tokens_map.json over it, and added_tokens.json.
+                 ({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>"},
+                  {"special_tokens_map.json": {"bos_token": "<|begin_of_text|>", "additional_special_tokens": ["spaces"],
+                                               "mask_token": {"content": "tokens", "lstrip": True, "rstrip": False, "normalized": False, "single_word": False}},
+                   "added_tokens.json": {"WE": 301}})]
 
 
 def tokenizer_classes(out):
@@ -228,21 +245,26 @@ def tokenizer_classes(out):
     for file_name, file in files.items():
         for model_type in CLASS_MODEL_TYPES:
             for tokenizer_config in CLASS_CONFIGS:
+                tokenizer_config, files = tokenizer_config if isinstance(tokenizer_config, tuple) else (tokenizer_config, {})
                 with tempfile.TemporaryDirectory() as scratch:
                     shutil.copy(file, os.path.join(scratch, "tokenizer.json"))
                     if model_type is not None:
-                        with open(os.path.join(scratch, "config.json"), "w") as f:
-                            json.dump({"model_type": model_type}, f)
+                        files = {**files, "config.json": {"model_type": model_type}}
                     if tokenizer_config is not None:
-                        with open(os.path.join(scratch, "tokenizer_config.json"), "w") as f:
-                            json.dump(tokenizer_config, f)
+                        files = {**files, "tokenizer_config.json": tokenizer_config}
+                    for name, content in files.items():
+                        with open(os.path.join(scratch, name), "w") as f:
+                            json.dump(content, f)
                     loaded = transformers.AutoTokenizer.from_pretrained(scratch)
                     ids = [loaded(t, add_special_tokens=False)["input_ids"] for t in CLASS_TEXTS]
+                    # `tokenizer(text)`: with what the post-processor adds.
+                    document_ids = [loaded(t)["input_ids"] for t in CLASS_TEXTS]
                     # The special tokens as the class resolves them (the config's, else its
                     # defaults): `tokenizer.eos_token` is what TRL ends documents with.
                     special = {name: getattr(loaded, name) for name in CLASS_SPECIAL_TOKENS}
                 cases.append({"file": file_name, "model_type": model_type, "tokenizer_config": tokenizer_config,
-                              "class": type(loaded).__name__, "ids": ids, "special_tokens": special})
+                              "other_files": {name: content for name, content in files.items() if name not in ("config.json", "tokenizer_config.json")},
+                              "class": type(loaded).__name__, "ids": ids, "document_ids": document_ids, "special_tokens": special})
     folder = os.path.join(out, "tokenizer-classes")
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "encodings.json"), "w") as f:

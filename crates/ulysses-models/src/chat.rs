@@ -61,7 +61,7 @@ impl ChatTemplate {
     /// `tokenizer_config.json` (a string, or a list of named templates: the one named
     /// `default`); `None` when it has neither.
     pub fn from_checkpoint(dir: &Path) -> Result<Option<Self>, ChatError> {
-        let TokenizerConfig { file: config_file, json: config, special_tokens } =
+        let TokenizerConfig { file: config_file, json: config, special_tokens, .. } =
             TokenizerConfig::read(dir).map_err(|e| ChatError { file: e.file, problem: e.problem })?;
         // As in transformers, the file takes priority over the config's entry.
         let jinja = dir.join("chat_template.jinja");

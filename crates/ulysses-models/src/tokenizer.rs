@@ -19,44 +19,66 @@ pub struct TextTokenizer {
     /// The special tokens that class names where tokenizer_config.json (and
     /// special_tokens_map.json) name none.
     class_defaults: Vec<(&'static str, &'static str)>,
-    /// `bos_token`, `eos_token`, `unk_token` and `pad_token` as the class resolves them: the
-    /// configs' (tokenizer_config.json, special_tokens_map.json), else the class's defaults.
-    special_tokens: Vec<(&'static str, String)>,
+    /// The named special tokens (`bos_token`, ..., `mask_token`, the model's own) as the class
+    /// resolves them: the configs' (tokenizer_config.json, special_tokens_map.json), else the
+    /// class's defaults.
+    special_tokens: Vec<(String, String)>,
     /// [`reading`](Self::reading), found once when read.
     reading: String,
     /// [`added_before_text`](Self::added_before_text), found once when read.
     added_before_text: Vec<u32>,
 }
 
-/// A checkpoint folder's `tokenizer_config.json`: the special tokens it names and the rest as
-/// JSON (the chat template, ...).
+/// transformers' named special tokens, in its order (`SPECIAL_TOKENS_ATTRIBUTES`); a config's
+/// other `*_token` entries (`image_token`, ...) follow them as the model's own.
+const NAMED_SPECIAL_TOKENS: [&str; 7] = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"];
+
+/// A checkpoint folder's `tokenizer_config.json` as transformers 5 reads it: the special tokens
+/// it names, the added tokens it lists and the rest as JSON (the chat template, ...).
 pub struct TokenizerConfig {
     pub file: PathBuf,
-    /// The file's JSON; `Null` where the folder has none.
+    /// The file's JSON, for a config saved before transformers 4.34 (no `added_tokens_decoder`)
+    /// with special_tokens_map.json's entries over it, as transformers reads them; `Null`
+    /// where the folder has neither.
     pub json: serde_json::Value,
-    /// `bos_token`, `eos_token`, `unk_token` and `pad_token` as written there (a string, or an
-    /// added token's `{"content": ...}`).
+    /// The named special tokens as written (`bos_token`, `eos_token`, ..., `mask_token` and
+    /// the model's own, `image_token`, ...), by name: a string, or an added token's
+    /// `{"content": ...}`.
     pub special_tokens: BTreeMap<String, String>,
+    /// added_tokens.json's tokens (id, token) where the config lists none itself (saved before
+    /// transformers 4.34).
+    legacy_added_tokens: Vec<(u32, tokenizers::AddedToken)>,
 }
 
 impl TokenizerConfig {
     /// The folder's `tokenizer_config.json`; empty where it has none.
     pub fn read(dir: &Path) -> Result<Self, TokenizerError> {
         let file = dir.join("tokenizer_config.json");
-        let json = optional_json(&file)?;
+        let mut json = optional_json(&file)?;
         // As transformers reads them: a config saved by transformers 4.34 or later (it has
         // `added_tokens_decoder`) alone; an earlier one with special_tokens_map.json's over it
-        // (those checkpoints name them there alone).
-        let map = match json.get("added_tokens_decoder") {
-            Some(_) => serde_json::Value::Null,
-            None => optional_json(&dir.join("special_tokens_map.json"))?,
-        };
-        let text = |token: &serde_json::Value| token.as_str().or_else(|| token["content"].as_str()).map(str::to_string);
-        let special_tokens = ["bos_token", "eos_token", "unk_token", "pad_token"]
-            .into_iter()
-            .filter_map(|name| Some((name.to_string(), text(&map[name]).or_else(|| text(&json[name]))?)))
-            .collect();
-        Ok(Self { file, json, special_tokens })
+        // (those checkpoints name them there alone) and added_tokens.json's tokens.
+        let mut legacy_added_tokens = Vec::new();
+        if json.get("added_tokens_decoder").is_none() {
+            if let serde_json::Value::Object(map) = optional_json(&dir.join("special_tokens_map.json"))? {
+                if !json.is_object() {
+                    json = serde_json::json!({});
+                }
+                json.as_object_mut().expect("an object").extend(map);
+            }
+            let added = dir.join("added_tokens.json");
+            if let serde_json::Value::Object(tokens) = optional_json(&added)? {
+                let named = Self::named_tokens(&json);
+                for (content, id) in tokens {
+                    let id = id.as_u64().and_then(|id| u32::try_from(id).ok());
+                    let id = id.ok_or_else(|| TokenizerError { file: added.display().to_string(), problem: format!("the id of {content:?} is not a token id") })?;
+                    let special = named.iter().any(|(_, token)| token.content == content) || Self::extra_tokens(&json).iter().any(|token| token.content == content);
+                    legacy_added_tokens.push((id, tokenizers::AddedToken::from(content, special)));
+                }
+            }
+        }
+        let special_tokens = Self::named_tokens(&json).into_iter().map(|(name, token)| (name, token.content)).collect();
+        Ok(Self { file, json, special_tokens, legacy_added_tokens })
     }
 
     /// The tokenizer's end-of-sequence token as written (`eos_token`), which transformers'
@@ -64,6 +86,122 @@ impl TokenizerConfig {
     pub fn eos_token(&self) -> Option<&str> {
         self.special_tokens.get("eos_token").map(String::as_str)
     }
+
+    /// The named special tokens in transformers' order: its seven, then the model's own
+    /// (`image_token`, ... and `extra_special_tokens`' names).
+    fn named_tokens(json: &serde_json::Value) -> Vec<(String, tokenizers::AddedToken)> {
+        let fields = json.as_object().into_iter().flatten();
+        let own = fields.filter(|(name, _)| name.ends_with("_token") && !NAMED_SPECIAL_TOKENS.contains(&name.as_str()));
+        let explicit = json["extra_special_tokens"].as_object().into_iter().flatten();
+        let mut named: Vec<(String, tokenizers::AddedToken)> = Vec::new();
+        let candidates = NAMED_SPECIAL_TOKENS.iter().map(|name| (name.to_string(), &json[*name])).chain(own.chain(explicit).map(|(name, value)| (name.clone(), value)));
+        for (name, value) in candidates {
+            if let Some(token) = added_token(value, true) {
+                // `extra_special_tokens`' names replace a config entry of the same name.
+                named.retain(|(other, _)| *other != name);
+                named.push((name, token));
+            }
+        }
+        named
+    }
+
+    /// The extra special tokens (`extra_special_tokens` as a list, else
+    /// `additional_special_tokens`).
+    fn extra_tokens(json: &serde_json::Value) -> Vec<tokenizers::AddedToken> {
+        let list = json["extra_special_tokens"].as_array().or(json["additional_special_tokens"].as_array());
+        list.into_iter().flatten().filter_map(|value| added_token(value, true)).collect()
+    }
+
+    /// The added tokens the config lists (`added_tokens_decoder`), by id; `None` where it lists
+    /// none (then added_tokens.json's and tokenizer.json's are the added tokens).
+    fn listed_added_tokens(&self) -> Option<Vec<(u32, tokenizers::AddedToken)>> {
+        let listed = self.json.get("added_tokens_decoder")?.as_object()?;
+        let mut tokens: Vec<(u32, tokenizers::AddedToken)> =
+            listed.iter().filter_map(|(id, value)| Some((id.parse().ok()?, added_token(value, false)?))).collect();
+        tokens.sort_by_key(|(id, _)| *id);
+        Some(tokens)
+    }
+}
+
+/// A token as a config writes it, as transformers' `AddedToken` reads it: a string (a special
+/// token where `special`), or `{"content": ..., "lstrip": ..., ...}` (special where it says so
+/// or where `special`).
+fn added_token(value: &serde_json::Value, special: bool) -> Option<tokenizers::AddedToken> {
+    if let Some(content) = value.as_str() {
+        return Some(tokenizers::AddedToken::from(content, special));
+    }
+    let flag = |name: &str| value[name].as_bool();
+    let written_special = flag("special").unwrap_or(false);
+    Some(tokenizers::AddedToken {
+        content: value["content"].as_str()?.to_string(),
+        single_word: flag("single_word").unwrap_or(false),
+        lstrip: flag("lstrip").unwrap_or(false),
+        rstrip: flag("rstrip").unwrap_or(false),
+        normalized: flag("normalized").unwrap_or(!written_special),
+        special: written_special || special,
+    })
+}
+
+/// Adds to `inner` the tokens transformers' `class` adds beside the file's vocabulary, in its
+/// order (a token new to the vocabulary takes the next id), where its text is not an added
+/// token yet: the added tokens the config lists (else added_tokens.json's and `file_added`, the
+/// file's, which a class that rebuilds the file starts without), then the named special tokens
+/// (the configs', else the class's `defaults`) and the extra ones. Returns the named special
+/// tokens (name, text) and what was added or left out beside the file's added tokens, for
+/// [`TextTokenizer::reading`].
+fn add_tokens_as_transformers(
+    inner: &mut tokenizers::Tokenizer,
+    class: &TransformersClass,
+    config: &TokenizerConfig,
+    defaults: &[(&'static str, &'static str)],
+    file_added: &[(u32, tokenizers::AddedToken)],
+) -> (Vec<(String, String)>, String) {
+    // A class's default is for a name the configs leave out (`TransformersClass::rebuild`).
+    let mut named = TokenizerConfig::named_tokens(&config.json);
+    named.extend(defaults.iter().map(|(name, token)| (name.to_string(), tokenizers::AddedToken::from(*token, true))));
+    named.sort_by_key(|(name, _)| NAMED_SPECIAL_TOKENS.iter().position(|n| n == name).unwrap_or(NAMED_SPECIAL_TOKENS.len()));
+    let extra = TokenizerConfig::extra_tokens(&config.json);
+    let listed = config.listed_added_tokens().unwrap_or_else(|| {
+        let mut tokens: BTreeMap<u32, tokenizers::AddedToken> = config.legacy_added_tokens.iter().cloned().collect();
+        tokens.extend(file_added.iter().cloned());
+        tokens.into_iter().collect()
+    });
+    let mut present: std::collections::HashSet<String> = inner.get_added_tokens_decoder().into_values().map(|token| token.content).collect();
+    let mut to_add = Vec::new();
+    for mut token in listed.into_iter().map(|(_, token)| token).chain(named.iter().map(|(_, token)| token.clone())).chain(extra.iter().cloned()) {
+        if present.insert(token.content.clone()) {
+            // A named one becomes special.
+            token.special |= named.iter().any(|(_, named)| named.content == token.content);
+            to_add.push(token);
+        }
+    }
+    inner.add_tokens(&to_add);
+    if class.adds_special_tokens_again() {
+        let mut once = std::collections::HashSet::new();
+        let all: Vec<tokenizers::AddedToken> = named.iter().map(|(_, token)| &token.content).chain(extra.iter().map(|token| &token.content))
+            .filter(|content| once.insert(*content))
+            .map(|content| tokenizers::AddedToken::from(content.clone(), true))
+            .collect();
+        inner.add_tokens(&all);
+    }
+    // `split_special_tokens`: special tokens written in a text are read as its characters.
+    let split = config.json["split_special_tokens"].as_bool().unwrap_or(false);
+    inner.set_encode_special_tokens(split);
+    let in_file = |content: &str| file_added.iter().any(|(_, token)| token.content == content);
+    let new = |special: bool| -> Vec<&str> { to_add.iter().filter(|token| token.special == special && !in_file(&token.content)).map(|token| token.content.as_str()).collect() };
+    let mut added = format!("special tokens added [{}]", new(true).join(" "));
+    let plain = new(false);
+    if !plain.is_empty() {
+        added += &format!(", tokens added [{}]", plain.join(" "));
+    }
+    let left_out: Vec<&str> = file_added.iter().map(|(_, token)| token.content.as_str()).filter(|content| !present.contains(*content)).collect();
+    if !left_out.is_empty() {
+        added += &format!(", the file's added tokens [{}] left out", left_out.join(" "));
+    }
+    if split {
+        added += ", special tokens in a text split";
+    }
+    (named.into_iter().map(|(name, token)| (name, token.content)).collect(), added)
 }
 
 /// A checkpoint's JSON file, `Null` where the folder has none; refused, naming it, where it is
@@ -105,11 +243,18 @@ impl TextTokenizer {
                 class.name()
             );
         }
+        // The added tokens of the file, (id, token): a class that rebuilds the file starts
+        // without them and adds them back as transformers does.
+        let mut file_added = None;
         if !matches!(class, TransformersClass::FileAsIs | TransformersClass::Other(_)) {
             let mut json: serde_json::Value = serde_json::from_str(&text).map_err(|e| cannot_read(&e))?;
             match class.rebuild(&mut json, &config.json) {
-                // A token special_tokens_map.json names replaces the class's default as well.
-                Ok(named) => (rebuilt, defaults) = (Some(json.to_string()), named.into_iter().filter(|(name, _)| !config.special_tokens.contains_key(*name)).collect()),
+                Ok(named) => {
+                    let listed = json["added_tokens"].as_array().into_iter().flatten();
+                    file_added = Some(listed.filter_map(|token| Some((u32::try_from(token["id"].as_u64()?).ok()?, added_token(token, false)?))).collect::<Vec<_>>());
+                    json["added_tokens"] = serde_json::json!([]);
+                    (rebuilt, defaults) = (Some(json.to_string()), named);
+                }
                 Err(why) => class = TransformersClass::Unfollowed { class: class.name().to_string(), why },
             }
         }
@@ -126,21 +271,16 @@ impl TextTokenizer {
             TransformersClass::FileAsIs => {}
             rebuilds => tracing::info!("{file}: read as transformers 5 reads it for this checkpoint, through {}, which rebuilds it", rebuilds.name()),
         }
-        // As transformers' tokenizer classes end: each special token the config names (or the
-        // class's default for it) that is not an added token yet becomes a special one.
-        let added: std::collections::HashSet<String> = inner.get_added_tokens_decoder().into_values().map(|token| token.content).collect();
-        // In transformers' order (a token new to the vocabulary takes the next id).
-        let special_tokens: Vec<(&'static str, String)> = ["bos_token", "eos_token", "unk_token", "pad_token"]
-            .into_iter()
-            .filter_map(|name| Some((name, config.special_tokens.get(name).map(String::as_str).or_else(|| defaults.iter().find(|(n, _)| *n == name).map(|(_, t)| *t))?.to_string())))
-            .collect();
-        let special: Vec<tokenizers::AddedToken> =
-            special_tokens.iter().map(|(_, token)| token).filter(|token| !added.contains(*token)).map(|token| tokenizers::AddedToken::from(token.clone(), true)).collect();
-        inner.add_special_tokens(&special);
-        // The class's options (`Value::to_string` writes a missing one as null).
+        let file_added = file_added.unwrap_or_else(|| {
+            let mut added: Vec<(u32, tokenizers::AddedToken)> = inner.get_added_tokens_decoder().into_iter().collect();
+            added.sort_by_key(|(id, _)| *id);
+            added
+        });
+        let (special_tokens, added) = add_tokens_as_transformers(&mut inner, &class, &config, &defaults, &file_added);
+        // What decides the ids beside the file: the class, its options (`Value::to_string`
+        // writes a missing one as null) and the tokens it added or left out.
         let options: Vec<String> = ["add_prefix_space", "legacy"].iter().map(|name| format!("{name} {}", config.json[name])).collect();
-        let special_names: Vec<&str> = special.iter().map(|token| token.content.as_str()).collect();
-        let reading = format!("{} with {} and special tokens added [{}]", class.name(), options.join(" "), special_names.join(" "));
+        let reading = format!("{} with {} and {added}", class.name(), options.join(" "));
         // transformers' `tokenizer(text)` neither truncates nor pads unless asked; a file saved
         // after a call that did keeps the setting, which would cut or pad every document here.
         inner.with_truncation(None).map_err(|e| TokenizerError { file: file.clone(), problem: format!("cannot turn its truncation off: {e}") })?;
@@ -157,7 +297,8 @@ impl TextTokenizer {
         &self.class
     }
 
-    /// The special token `name` (`bos_token`, `eos_token`, `unk_token`, `pad_token`) as
+    /// The special token `name` (`bos_token`, `eos_token`, `unk_token`, `sep_token`,
+    /// `pad_token`, `cls_token`, `mask_token` or a model's own, `image_token`, ...) as
     /// transformers' class gives it (`tokenizer.eos_token`): the configs', else the class's
     /// default; `None` where neither names one.
     pub fn special_token(&self, name: &str) -> Option<&str> {

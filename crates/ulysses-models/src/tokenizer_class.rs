@@ -76,6 +76,12 @@ impl TransformersClass {
         }
     }
 
+    /// Whether the class ends by adding every special token again as a plain one (special,
+    /// not normalized, no stripping), which drops the flags a config gave it (Qwen2Tokenizer).
+    pub fn adds_special_tokens_again(&self) -> bool {
+        *self == Self::Qwen2
+    }
+
     /// Rewrites `file` (tokenizer.json's JSON) as this class rebuilds it, with `config`
     /// (tokenizer_config.json's JSON, `Null` where there is none) for its options. Returns the
     /// special tokens the class's defaults name where the config names none (bos, eos, unk,

@@ -110,21 +110,30 @@ fn a_sentencepiece_tokenizer_reads_as_transformers_5_rebuilds_it() {
 }
 
 /// `tests/fixtures/tokenizer-classes`: which class transformers 5's `AutoTokenizer` reads a
-/// folder through, and its ids for texts with digits, a decomposed accent, leading spaces, an
-/// apostrophe and special tokens, for the byte-level file of `tokenizer-bos` and the
-/// sentencepiece-style one of `tokenizer-sentencepiece` under each model type of the four
-/// families (or no config.json) and ten tokenizer configs (none among them; one names a word of the text as its EOS, which becomes a special token). Each folder reads here
-/// as that class and gives those ids; of the classes that rebuild the file, each changes the
-/// ids of some folder (else the case would test nothing).
+/// folder through, its special tokens, and its ids for texts with digits, a decomposed accent,
+/// leading spaces, an apostrophe and special tokens (with what the post-processor adds and
+/// without), for the byte-level file of `tokenizer-bos` and the sentencepiece-style one of
+/// `tokenizer-sentencepiece` under each model type of the four families (or no config.json) and
+/// fifteen tokenizer configs (none among them). Nine only pick the class and its options; six
+/// name special or added tokens the file lacks or split special tokens: one names a word of the
+/// text as its EOS; one names sep, cls, mask and an image token; one extra special tokens; one
+/// lists an added token; one splits special tokens (and sets add_bos_token and add_eos_token,
+/// which transformers 5 leaves to the file's post-processor); one is a config from before
+/// transformers 4.34 with special_tokens_map.json and added_tokens.json beside it. Each folder reads here as that class
+/// and gives those ids; of the classes that rebuild the file, each changes the ids of some
+/// folder, and each config that names tokens changes them in every folder (else the case would
+/// test nothing).
 #[test]
 fn every_tokenizer_reads_as_transformers_5_picks_its_class() {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     let want: Value = serde_json::from_str(&std::fs::read_to_string(fixtures.join("tokenizer-classes/encodings.json")).unwrap()).unwrap();
     let texts: Vec<&str> = want["texts"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
     let cases = want["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 100, "two files, five model types, ten configs");
+    assert_eq!(cases.len(), 150, "two files, five model types, fifteen configs");
     let file_ids = |file: &str| cases.iter().find(|c| c["file"] == file && c["model_type"].is_null() && c["tokenizer_config"].is_null()).unwrap()["ids"].clone();
-    let (mut rebuilt_differently, mut split_by_a_named_token) = (std::collections::BTreeSet::new(), 0);
+    let ids = |value: &Value| -> Vec<u32> { value.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
+    let mut rebuilt_differently = std::collections::BTreeSet::new();
+    let mut changed_by_named_tokens: std::collections::BTreeMap<String, usize> = Default::default();
     let dir = std::env::temp_dir().join(format!("ulysses-tokenizer-classes-{}", std::process::id()));
     for case in cases {
         std::fs::create_dir_all(&dir).unwrap();
@@ -136,21 +145,35 @@ fn every_tokenizer_reads_as_transformers_5_picks_its_class() {
         if !case["tokenizer_config"].is_null() {
             std::fs::write(dir.join("tokenizer_config.json"), case["tokenizer_config"].to_string()).unwrap();
         }
-        let what = format!("{} file, model type {}, tokenizer_config {}", case["file"], case["model_type"], case["tokenizer_config"]);
+        for (name, content) in case["other_files"].as_object().unwrap() {
+            std::fs::write(dir.join(name), content.to_string()).unwrap();
+        }
+        let what = format!("{} file, model type {}, tokenizer_config {}, {:?}", case["file"], case["model_type"], case["tokenizer_config"], case["other_files"]);
         let tokenizer = ulysses_models::TextTokenizer::from_file(&dir).unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_eq!(tokenizer.transformers_class().name(), case["class"].as_str().unwrap(), "{what}: the class");
         // The special tokens as the class resolves them: the EOS ends each document, as TRL's.
-        for (name, token) in case["special_tokens"].as_object().unwrap() {
+        let special_tokens = case["special_tokens"].as_object().unwrap();
+        assert_eq!(special_tokens.len(), 7, "transformers' seven named special tokens");
+        for (name, token) in special_tokens {
             assert_eq!(tokenizer.special_token(name), token.as_str(), "{what} ({}): {name}", case["class"]);
         }
-        for (text, ids) in texts.iter().zip(case["ids"].as_array().unwrap()) {
-            let expected: Vec<u32> = ids.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-            assert_eq!(tokenizer.encode(text).unwrap(), expected, "{what} ({}): {text:?}", case["class"]);
+        let added = tokenizer.added_before_text().to_vec();
+        for ((text, plain), document) in texts.iter().zip(case["ids"].as_array().unwrap()).zip(case["document_ids"].as_array().unwrap()) {
+            assert_eq!(tokenizer.encode(text).unwrap(), ids(plain), "{what} ({}): {text:?}", case["class"]);
+            // A document: `tokenizer(text)`'s ids (what the post-processor adds once where the
+            // text begins with it too), then the EOS.
+            let mut expected = ids(document);
+            if !added.is_empty() && expected.starts_with(&added) && expected[added.len()..].starts_with(&added) {
+                expected.drain(..added.len());
+            }
+            expected.push(u32::MAX);
+            assert_eq!(tokenizer.encode_document(text, u32::MAX).unwrap(), expected, "{what} ({}): {text:?} as a document", case["class"]);
         }
-        let names_a_token = !case["tokenizer_config"]["eos_token"].is_null();
+        let options = ["tokenizer_class", "legacy", "add_prefix_space"];
+        let names_tokens = case["tokenizer_config"].as_object().is_some_and(|config| config.keys().any(|key| !options.contains(&key.as_str())));
         if case["ids"] != file_ids(case["file"].as_str().unwrap()) {
-            if names_a_token {
-                split_by_a_named_token += 1;
+            if names_tokens {
+                *changed_by_named_tokens.entry(case["tokenizer_config"].to_string()).or_default() += 1;
             } else {
                 rebuilt_differently.insert(case["class"].as_str().unwrap().to_string());
             }
@@ -159,7 +182,8 @@ fn every_tokenizer_reads_as_transformers_5_picks_its_class() {
     }
     let expected: std::collections::BTreeSet<String> = ["GPT2Tokenizer", "LlamaTokenizer", "Qwen2Tokenizer"].map(String::from).into();
     assert_eq!(rebuilt_differently, expected, "the classes whose ids differ from the file's somewhere (transformers {})", want["transformers"]);
-    assert_eq!(split_by_a_named_token, 10, "a word named as the EOS splits the text in every folder");
+    assert_eq!(changed_by_named_tokens.len(), 6, "configs that name tokens: {changed_by_named_tokens:#?}");
+    assert!(changed_by_named_tokens.values().all(|&folders| folders == 10), "each changes the ids in every folder: {changed_by_named_tokens:#?}");
 }
 
 /// `tests/fixtures/tokenizer`: a byte-level BPE the `tokenizers` Python package trained and
