@@ -8,7 +8,7 @@ inverse frequencies as its model holds them), plus RoPE variants (linear, llama3
 alone (`NAME-minimal`: transformers' defaults for every other key);
 and a small byte-level BPE `tokenizer/tokenizer.json` with the `tokenizers` package's ids for a
 few texts (`encodings.json`), and which tokenizer class transformers' AutoTokenizer picks for the
-byte-level file of `tokenizer-bos` and the sentencepiece-style one under each family's model type and fifteen tokenizer
+byte-level file of `tokenizer-bos` and the sentencepiece-style one under each family's model type and seventeen tokenizer
 configs, with its ids (`tokenizer-classes`; `--tokenizer-classes-only` writes just that). For the four families (and Llama with llama3 RoPE), also a tiny
 model with random weights (`model.safetensors`, f32, q and k projections scaled up so that
 attention is peaked: transformers' default init makes it nearly uniform, which would hide a
@@ -201,7 +201,7 @@ def tokenizer_sentencepiece(out):
 
 
 CLASS_TEXTS = ["Sequence parallelism splits 12345 tokens", "cafe\u0301 and \ufb01ne", "  two spaces\n\nand lines ", "don't WE'LL",
-               "[INST] Why? [/INST] Ulysses.", "<|begin_of_text|>hi<|endoftext|>x"]
+               "[INST] Why? [/INST] Ulysses.", "<|begin_of_text|>hi<|endoftext|>x", "hi <|endoftext|> there [INST] x"]
 CLASS_SPECIAL_TOKENS = ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"]
 CLASS_MODEL_TYPES = [None, "llama", "mistral", "qwen2", "qwen3"]
 CLASS_CONFIGS = [None, {}, {"tokenizer_class": "PreTrainedTokenizerFast"}, {"tokenizer_class": "TokenizersBackend"},
@@ -222,6 +222,13 @@ CLASS_CONFIGS = [None, {}, {"tokenizer_class": "PreTrainedTokenizerFast"}, {"tok
                  # The added tokens as a config saved by transformers 4.34 or later lists them: one the
                  # file lacks is added; a class that rebuilds the file takes these alone.
                  {"added_tokens_decoder": {"500": {"content": "WE", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": False}}},
+                 # A listed token's flags (as listed) replace the file's.
+                 {"added_tokens_decoder": {"0": {"content": "<|endoftext|>", "lstrip": True, "normalized": False, "rstrip": True, "single_word": False, "special": True}}},
+                 # Before 4.34 with extra special tokens in both files (the config's are taken) and
+                 # the map's EOS a dict that says nothing of normalizing (special: not normalized).
+                 ({"tokenizer_class": "PreTrainedTokenizerFast", "additional_special_tokens": ["spaces"]},
+                  {"special_tokens_map.json": {"additional_special_tokens": ["lines"],
+                                               "eos_token": {"content": "tokens", "lstrip": False, "rstrip": False, "single_word": False}}}),
                  # A config saved before 4.34: special_tokens_map.json over it, and added_tokens.json.
                  ({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>"},
                   {"special_tokens_map.json": {"bos_token": "<|begin_of_text|>", "additional_special_tokens": ["spaces"],

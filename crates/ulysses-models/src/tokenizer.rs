@@ -55,6 +55,15 @@ impl TokenizerConfig {
     pub fn read(dir: &Path) -> Result<Self, TokenizerError> {
         let file = dir.join("tokenizer_config.json");
         let mut json = optional_json(&file)?;
+        // transformers 5 reads `additional_special_tokens` as `extra_special_tokens` where those
+        // are missing or empty, before any special_tokens_map.json.
+        if let Some(fields) = json.as_object_mut() {
+            if !fields.get("extra_special_tokens").is_some_and(truthy) {
+                if let Some(additional) = fields.remove("additional_special_tokens") {
+                    fields.insert("extra_special_tokens".into(), additional);
+                }
+            }
+        }
         // As transformers reads them: a config saved by transformers 4.34 or later (it has
         // `added_tokens_decoder`) alone; an earlier one with special_tokens_map.json's over it
         // (those checkpoints name them there alone) and added_tokens.json's tokens.
@@ -64,16 +73,41 @@ impl TokenizerConfig {
                 if !json.is_object() {
                     json = serde_json::json!({});
                 }
-                json.as_object_mut().expect("an object").extend(map);
+                let fields = json.as_object_mut().expect("an object");
+                for (name, mut value) in map {
+                    // The map's tokens are special ones (not normalized unless it says so); its
+                    // extra ones join the config's.
+                    let special = |token: &mut serde_json::Value| {
+                        if let Some(token) = token.as_object_mut() {
+                            token.insert("__type".into(), "AddedToken".into());
+                            token.insert("special".into(), true.into());
+                        }
+                    };
+                    match value.as_array_mut() {
+                        Some(tokens) if name == "extra_special_tokens" => {
+                            tokens.iter_mut().for_each(special);
+                            let mut joined = fields.get("extra_special_tokens").and_then(|v| v.as_array()).cloned().unwrap_or_default();
+                            joined.extend(tokens.drain(..).filter(|token| !joined.contains(token)).collect::<Vec<_>>());
+                            value = joined.into();
+                        }
+                        _ => special(&mut value),
+                    }
+                    fields.insert(name, value);
+                }
             }
             let added = dir.join("added_tokens.json");
             if let serde_json::Value::Object(tokens) = optional_json(&added)? {
-                let named = Self::named_tokens(&json);
+                let special: Vec<String> = Self::named_tokens(&json)
+                    .into_iter()
+                    .filter(|(name, _)| NAMED_SPECIAL_TOKENS.contains(&name.as_str()))
+                    .map(|(_, token)| token.content)
+                    .chain(Self::extra_tokens(&json).into_iter().map(|token| token.content))
+                    .collect();
                 for (content, id) in tokens {
                     let id = id.as_u64().and_then(|id| u32::try_from(id).ok());
                     let id = id.ok_or_else(|| TokenizerError { file: added.display().to_string(), problem: format!("the id of {content:?} is not a token id") })?;
-                    let special = named.iter().any(|(_, token)| token.content == content) || Self::extra_tokens(&json).iter().any(|token| token.content == content);
-                    legacy_added_tokens.push((id, tokenizers::AddedToken::from(content, special)));
+                    let is_special = special.contains(&content);
+                    legacy_added_tokens.push((id, tokenizers::AddedToken::from(content, is_special)));
                 }
             }
         }
@@ -91,7 +125,10 @@ impl TokenizerConfig {
     /// (`image_token`, ... and `extra_special_tokens`' names).
     fn named_tokens(json: &serde_json::Value) -> Vec<(String, tokenizers::AddedToken)> {
         let fields = json.as_object().into_iter().flatten();
-        let own = fields.filter(|(name, _)| name.ends_with("_token") && !NAMED_SPECIAL_TOKENS.contains(&name.as_str()));
+        // A model's own token is a string or an AddedToken (a plain dict is not one).
+        let own = fields.filter(|(name, value)| {
+            name.ends_with("_token") && !NAMED_SPECIAL_TOKENS.contains(&name.as_str()) && (value.is_string() || value["__type"] == "AddedToken")
+        });
         let explicit = json["extra_special_tokens"].as_object().into_iter().flatten();
         let mut named: Vec<(String, tokenizers::AddedToken)> = Vec::new();
         let candidates = NAMED_SPECIAL_TOKENS.iter().map(|name| (name.to_string(), &json[*name])).chain(own.chain(explicit).map(|(name, value)| (name.clone(), value)));
@@ -105,10 +142,14 @@ impl TokenizerConfig {
         named
     }
 
-    /// The extra special tokens (`extra_special_tokens` as a list, else
-    /// `additional_special_tokens`).
+    /// The extra special tokens: `extra_special_tokens` as a list (a dict names them instead),
+    /// else `additional_special_tokens` ([`read`](Self::read) moved them there already where
+    /// transformers does).
     fn extra_tokens(json: &serde_json::Value) -> Vec<tokenizers::AddedToken> {
-        let list = json["extra_special_tokens"].as_array().or(json["additional_special_tokens"].as_array());
+        let list = match json.get("extra_special_tokens") {
+            Some(extra) => extra.as_array(),
+            None => json["additional_special_tokens"].as_array(),
+        };
         list.into_iter().flatten().filter_map(|value| added_token(value, true)).collect()
     }
 
@@ -120,6 +161,19 @@ impl TokenizerConfig {
             listed.iter().filter_map(|(id, value)| Some((id.parse().ok()?, added_token(value, false)?))).collect();
         tokens.sort_by_key(|(id, _)| *id);
         Some(tokens)
+    }
+}
+
+/// Python's truth of a JSON value (`not value` false): a non-empty list or dict, a non-empty
+/// string, a non-zero number, `true`.
+fn truthy(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::Null => false,
+        serde_json::Value::Bool(b) => *b,
+        serde_json::Value::Number(n) => n.as_f64() != Some(0.0),
+        serde_json::Value::String(s) => !s.is_empty(),
+        serde_json::Value::Array(a) => !a.is_empty(),
+        serde_json::Value::Object(o) => !o.is_empty(),
     }
 }
 
@@ -143,10 +197,10 @@ fn added_token(value: &serde_json::Value, special: bool) -> Option<tokenizers::A
 }
 
 /// Adds to `inner` the tokens transformers' `class` adds beside the file's vocabulary, in its
-/// order (a token new to the vocabulary takes the next id), where its text is not an added
-/// token yet: the added tokens the config lists (else added_tokens.json's and `file_added`, the
-/// file's, which a class that rebuilds the file starts without), then the named special tokens
-/// (the configs', else the class's `defaults`) and the extra ones. Returns the named special
+/// order (a token new to the vocabulary takes the next id): the added tokens the config lists
+/// (else added_tokens.json's and `file_added`, the file's, which a class that rebuilds the file
+/// starts without), then the named special tokens (the configs', else the class's `defaults`)
+/// and the extra ones where their text is not an added token yet. Returns the named special
 /// tokens (name, text) and what was added or left out beside the file's added tokens, for
 /// [`TextTokenizer::reading`].
 fn add_tokens_as_transformers(
@@ -166,15 +220,13 @@ fn add_tokens_as_transformers(
         tokens.extend(file_added.iter().cloned());
         tokens.into_iter().collect()
     });
+    // Each listed token is added again (its flags, as listed, replace the file's; a named one
+    // becomes special); a named or extra one only where its text is not an added token yet.
+    let is_named = |content: &str| named.iter().any(|(_, token)| token.content == content);
     let mut present: std::collections::HashSet<String> = inner.get_added_tokens_decoder().into_values().map(|token| token.content).collect();
-    let mut to_add = Vec::new();
-    for mut token in listed.into_iter().map(|(_, token)| token).chain(named.iter().map(|(_, token)| token.clone())).chain(extra.iter().cloned()) {
-        if present.insert(token.content.clone()) {
-            // A named one becomes special.
-            token.special |= named.iter().any(|(_, named)| named.content == token.content);
-            to_add.push(token);
-        }
-    }
+    present.extend(listed.iter().map(|(_, token)| token.content.clone()));
+    let mut to_add: Vec<tokenizers::AddedToken> = listed.iter().map(|(_, token)| tokenizers::AddedToken { special: token.special || is_named(&token.content), ..token.clone() }).collect();
+    to_add.extend(named.iter().map(|(_, token)| token.clone()).chain(extra.iter().cloned()).filter(|token| present.insert(token.content.clone())));
     inner.add_tokens(&to_add);
     if class.adds_special_tokens_again() {
         let mut once = std::collections::HashSet::new();
@@ -187,10 +239,17 @@ fn add_tokens_as_transformers(
     // `split_special_tokens`: special tokens written in a text are read as its characters.
     let split = config.json["split_special_tokens"].as_bool().unwrap_or(false);
     inner.set_encode_special_tokens(split);
+    // What the reading adds to the file's: the named special tokens new to it (a token named
+    // twice, twice), the extra ones, the other listed ones.
     let in_file = |content: &str| file_added.iter().any(|(_, token)| token.content == content);
-    let new = |special: bool| -> Vec<&str> { to_add.iter().filter(|token| token.special == special && !in_file(&token.content)).map(|token| token.content.as_str()).collect() };
-    let mut added = format!("special tokens added [{}]", new(true).join(" "));
-    let plain = new(false);
+    let mut special: Vec<&str> = named.iter().map(|(_, token)| token.content.as_str()).filter(|content| !in_file(content)).collect();
+    for content in extra.iter().map(|token| token.content.as_str()) {
+        if !in_file(content) && !special.contains(&content) {
+            special.push(content);
+        }
+    }
+    let mut added = format!("special tokens added [{}]", special.join(" "));
+    let plain: Vec<&str> = listed.iter().map(|(_, token)| token.content.as_str()).filter(|content| !in_file(content) && !special.contains(content)).collect();
     if !plain.is_empty() {
         added += &format!(", tokens added [{}]", plain.join(" "));
     }

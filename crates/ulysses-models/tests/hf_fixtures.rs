@@ -114,12 +114,13 @@ fn a_sentencepiece_tokenizer_reads_as_transformers_5_rebuilds_it() {
 /// leading spaces, an apostrophe and special tokens (with what the post-processor adds and
 /// without), for the byte-level file of `tokenizer-bos` and the sentencepiece-style one of
 /// `tokenizer-sentencepiece` under each model type of the four families (or no config.json) and
-/// fifteen tokenizer configs (none among them). Nine only pick the class and its options; six
-/// name special or added tokens the file lacks or split special tokens: one names a word of the
-/// text as its EOS; one names sep, cls, mask and an image token; one extra special tokens; one
-/// lists an added token; one splits special tokens (and sets add_bos_token and add_eos_token,
-/// which transformers 5 leaves to the file's post-processor); one is a config from before
-/// transformers 4.34 with special_tokens_map.json and added_tokens.json beside it. Each folder reads here as that class
+/// seventeen tokenizer configs (none among them). Nine only pick the class and its options;
+/// eight name special or added tokens the file lacks, or flags, or split special tokens: one
+/// names a word of the text as its EOS; one names sep, cls, mask and an image token; one extra
+/// special tokens; one lists an added token; one lists a token of the file with other flags;
+/// one splits special tokens (and sets add_bos_token and add_eos_token, which transformers 5
+/// leaves to the file's post-processor); two are configs from before transformers 4.34 with
+/// special_tokens_map.json (and added_tokens.json) beside them. Each folder reads here as that class
 /// and gives those ids; of the classes that rebuild the file, each changes the ids of some
 /// folder, and each config that names tokens changes them in every folder (else the case would
 /// test nothing).
@@ -129,7 +130,7 @@ fn every_tokenizer_reads_as_transformers_5_picks_its_class() {
     let want: Value = serde_json::from_str(&std::fs::read_to_string(fixtures.join("tokenizer-classes/encodings.json")).unwrap()).unwrap();
     let texts: Vec<&str> = want["texts"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
     let cases = want["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 150, "two files, five model types, fifteen configs");
+    assert_eq!(cases.len(), 170, "two files, five model types, seventeen configs");
     let file_ids = |file: &str| cases.iter().find(|c| c["file"] == file && c["model_type"].is_null() && c["tokenizer_config"].is_null()).unwrap()["ids"].clone();
     let ids = |value: &Value| -> Vec<u32> { value.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
     let mut rebuilt_differently = std::collections::BTreeSet::new();
@@ -182,7 +183,7 @@ fn every_tokenizer_reads_as_transformers_5_picks_its_class() {
     }
     let expected: std::collections::BTreeSet<String> = ["GPT2Tokenizer", "LlamaTokenizer", "Qwen2Tokenizer"].map(String::from).into();
     assert_eq!(rebuilt_differently, expected, "the classes whose ids differ from the file's somewhere (transformers {})", want["transformers"]);
-    assert_eq!(changed_by_named_tokens.len(), 6, "configs that name tokens: {changed_by_named_tokens:#?}");
+    assert_eq!(changed_by_named_tokens.len(), 8, "configs that name tokens: {changed_by_named_tokens:#?}");
     assert!(changed_by_named_tokens.values().all(|&folders| folders == 10), "each changes the ids in every folder: {changed_by_named_tokens:#?}");
 }
 
