@@ -137,6 +137,11 @@ fn held_per_rank(world: usize, parts_at: Parts) -> Held {
     Held { per_rank: per_rank.iter().map(|r| r.0).collect(), parameters: per_rank[0].1, before_step: per_rank[0].2, process_peak }
 }
 
+/// Bytes as megabytes (10^6), as the tables print them.
+fn mb(bytes: usize) -> f64 {
+    bytes as f64 / 1e6
+}
+
 /// Where a run of [`held_per_rank`] keeps the compute copy.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Parts {
@@ -155,8 +160,18 @@ fn zero_3_ranks_hold_a_world_th_of_the_training_state() {
     // every rank whatever the world (the small model checks that below), and four whole copies
     // of a large shape's state do not fit the 24 GiB machine.
     let large = std::env::var("ZERO_MEMORY_SHAPE").is_ok();
+    // Each world's row is printed as it is measured: a large shape's run takes many minutes.
+    println!("bytes a rank holds between steps (f32):");
+    println!("{:>6} {:>22} {:>22} {:>26}", "world", "ZeRO-3 (MB per rank)", "replicated (MB)", "process peak (MB): ZeRO-3, replicated");
     let results = with_deadline(Duration::from_secs(if large { 3600 } else { 300 }), move || {
-        [1, 2, 4].map(|world| (world, held_per_rank(world, Parts::OnDevice), (world == 1 || !large).then(|| held_per_rank(world, Parts::Replicated))))
+        [1, 2, 4].map(|world| {
+            let zero3 = held_per_rank(world, Parts::OnDevice);
+            let replicated = (world == 1 || !large).then(|| held_per_rank(world, Parts::Replicated));
+            let show = |v: &Vec<usize>| v.iter().map(|&b| format!("{:.2}", mb(b))).collect::<Vec<_>>().join(" ");
+            let peaks = format!("{:.2}, {}", mb(zero3.process_peak), replicated.as_ref().map_or("-".into(), |r| format!("{:.2}", mb(r.process_peak))));
+            println!("{world:>6} {:>22} {:>22} {peaks:>26}", show(&zero3.per_rank), replicated.as_ref().map_or("not run".into(), |r| show(&r.per_rank)));
+            (world, zero3, replicated)
+        })
     });
     // The parts on the host are the optimizer's master weights after the first update: the
     // host holds those and both moments, no copy beside them.
@@ -168,14 +183,7 @@ fn zero_3_ranks_hold_a_world_th_of_the_training_state() {
     assert!(before_step >= master_weights && before_step <= master_weights + master_weights / 10, "before the first step one rank holds {before_step} bytes for {parameters_on_host} parameters (4 a parameter expected)");
     assert!(on_host[0] >= expected_on_host && on_host[0] <= expected_on_host + expected_on_host / 10, "with its parts on the host one rank holds {} bytes for {parameters_on_host} parameters (12 a parameter expected)", on_host[0]);
     let Held { per_rank: alone, parameters, .. } = &results[0].1;
-    let mb = |bytes: usize| bytes as f64 / 1e6;
-    println!("{parameters} parameters (f32); bytes a rank holds between steps:");
-    println!("{:>6} {:>22} {:>22} {:>26}", "world", "ZeRO-3 (MB per rank)", "replicated (MB)", "process peak (MB): ZeRO-3, replicated");
-    for (world, zero3, replicated) in &results {
-        let show = |v: &Vec<usize>| v.iter().map(|&b| format!("{:.2}", mb(b))).collect::<Vec<_>>().join(" ");
-        let peaks = format!("{:.2}, {}", mb(zero3.process_peak), replicated.as_ref().map_or("-".into(), |r| format!("{:.2}", mb(r.process_peak))));
-        println!("{world:>6} {:>22} {:>22} {peaks:>26}", show(&zero3.per_rank), replicated.as_ref().map_or("not run".into(), |r| show(&r.per_rank)));
-    }
+    println!("{parameters} parameters");
     // Alone, a rank holds the compute copy and the master weights (f32 each) and both moments.
     let expected_alone = 16 * parameters;
     assert!(alone[0] >= expected_alone && alone[0] <= expected_alone + expected_alone / 10, "one rank holds {} bytes for {parameters} parameters", alone[0]);
