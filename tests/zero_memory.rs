@@ -160,10 +160,11 @@ fn zero_3_ranks_hold_a_world_th_of_the_training_state() {
     // every rank whatever the world (the small model checks that below), and four whole copies
     // of a large shape's state do not fit the 24 GiB machine.
     let large = std::env::var("ZERO_MEMORY_SHAPE").is_ok();
+    let deadline = Duration::from_secs(if large { 3600 } else { 300 });
     // Each world's row is printed as it is measured: a large shape's run takes many minutes.
     println!("bytes a rank holds between steps (f32):");
     println!("{:>6} {:>22} {:>22} {:>26}", "world", "ZeRO-3 (MB per rank)", "replicated (MB)", "process peak (MB): ZeRO-3, replicated");
-    let results = with_deadline(Duration::from_secs(if large { 3600 } else { 300 }), move || {
+    let results = with_deadline(deadline, move || {
         [1, 2, 4].map(|world| {
             let zero3 = held_per_rank(world, Parts::OnDevice);
             let replicated = (world == 1 || !large).then(|| held_per_rank(world, Parts::Replicated));
@@ -175,9 +176,9 @@ fn zero_3_ranks_hold_a_world_th_of_the_training_state() {
     });
     // The parts on the host are the optimizer's master weights after the first update: the
     // host holds those and both moments, no copy beside them.
-    let Held { per_rank: on_host, parameters: parameters_on_host, before_step, .. } = with_deadline(Duration::from_secs(if large { 3600 } else { 300 }), || held_per_rank(1, Parts::OnHost));
+    let Held { per_rank: on_host, parameters: parameters_on_host, before_step, .. } = with_deadline(deadline, || held_per_rank(1, Parts::OnHost));
     let expected_on_host = 12 * parameters_on_host;
-    println!("ZeRO-3 alone with its parts on the host: {:.2} MB for {parameters_on_host} parameters, {:.2} MB before the first step", on_host[0] as f64 / 1e6, before_step as f64 / 1e6);
+    println!("ZeRO-3 alone with its parts on the host: {:.2} MB for {parameters_on_host} parameters, {:.2} MB before the first step", mb(on_host[0]), mb(before_step));
     // Before the first step, the master weights alone (no moments yet, no copy beside them).
     let master_weights = 4 * parameters_on_host;
     assert!(before_step >= master_weights && before_step <= master_weights + master_weights / 10, "before the first step one rank holds {before_step} bytes for {parameters_on_host} parameters (4 a parameter expected)");
