@@ -21,7 +21,7 @@ use burn::{
     backend::{Autodiff, NdArray},
     nn::loss::CrossEntropyLossConfig,
     optim::AdamWConfig,
-    tensor::{Int, Tensor, TensorData},
+    tensor::{FloatDType, Int, Tensor, TensorData},
 };
 use burn_ulysses::{
     ParallelGroups, ParallelLayout, RankGuard, RankScope, UlyssesBackend, UlyssesConfig,
@@ -738,6 +738,10 @@ enum Zero {
     /// ZeRO-3 after a backward whose step was abandoned (its gradient parts must not reach
     /// the next step).
     Stage3AfterAbandonedStep,
+    /// ZeRO-3 cut by `ShardedParameters::shard_from_rank_0` (the optimizer on the host, or on
+    /// the device): world rank 0 loads the fixture, the other ranks hold a model never built.
+    Stage3FromRank0,
+    Stage3FromRank0OnDevice,
 }
 
 /// `steps` steps of SP=2 × DP=2 on the tiny Qwen3 fixture (transformers' weights), each rank
@@ -771,8 +775,13 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
         let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
         let _sp = enter_sp(&groups);
         let device = Default::default();
-        let mut model = ulysses_models::from_pretrained::<Sp>(&fixture, &device).unwrap().model;
-        let whole_bytes: usize = parameter_values(&model).iter().map(|(_, v)| 4 * v.len()).sum();
+        let from_rank_0 = matches!(zero, Zero::Stage3FromRank0 | Zero::Stage3FromRank0OnDevice);
+        let mut model = match from_rank_0 && rank.rank() != 0 {
+            // Lazy, never built: world rank 0's values arrive one parameter at a time.
+            true => DecoderConfig::from_hf(&ulysses_models::checkpoint_config(&fixture).unwrap()).init::<Sp>(&device),
+            false => ulysses_models::from_pretrained::<Sp>(&fixture, &device).unwrap().model,
+        };
+        let whole_bytes: usize = 4 * ulysses_training::parameter_elements(&model).iter().sum::<usize>();
         let (dp_rank, _) = layout.coordinates(rank.rank());
         let sharder = SequenceSharder::new(2);
         let checkpointing = LayerCheckpointing::new();
@@ -788,6 +797,15 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
             let place = if zero == Zero::Stage3OnDevice { OptimizerPlace::Device } else { OptimizerPlace::Host };
             let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), 4, place).unwrap();
             let sharded = if zero == Zero::Stage3PartsOnHost { sharded.with_parts_on_host() } else { sharded };
+            (model, parts) = (placeholders, Some(sharded));
+        }
+        if from_rank_0 {
+            let world = &*groups.world;
+            let (placeholders, sharded) = match zero {
+                Zero::Stage3FromRank0OnDevice => ShardedParameters::shard_from_rank_0(model, &mut on_device, FloatDType::F32, false, &device, world),
+                _ => ShardedParameters::shard_from_rank_0(model, &mut sharded_state, FloatDType::F32, false, &device, world),
+            }
+            .unwrap();
             (model, parts) = (placeholders, Some(sharded));
         }
         if let (Zero::Stage3AfterAbandonedStep, Some(parts)) = (zero, parts.as_mut()) {
@@ -816,7 +834,7 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
             let (next, report) = match (zero, parts.as_mut()) {
                 (Zero::Replicated | Zero::ReplicatedCheckpointed, _) => apply_step(model, &mut replicated, &step, local, &groups),
                 (Zero::ShardedOptimizer | Zero::ShardedOptimizerCheckpointed, _) => apply_step_sharded(model, &mut sharded_state, &step, local, &groups),
-                (Zero::Stage3OnDevice, Some(parts)) => apply_step_zero3(model, &mut on_device, parts, &step, local, &groups),
+                (Zero::Stage3OnDevice | Zero::Stage3FromRank0OnDevice, Some(parts)) => apply_step_zero3(model, &mut on_device, parts, &step, local, &groups),
                 (_, Some(parts)) => apply_step_zero3(model, &mut sharded_state, parts, &step, local, &groups),
                 (_, None) => unreachable!("ZeRO-3 shards the model first"),
             }
@@ -1007,7 +1025,10 @@ fn zero_3_gathers_each_group_once_the_host_optimizer_updated_it() {
 /// - with the optimizer's parts on the device (`DeviceShardedAdamW`: burn's AdamW order in
 ///   tensor ops), bit for bit as replicated AdamW;
 /// - with the compute copy's parts on the host (`with_parts_on_host`, uploaded for each
-///   gather), bit for bit as with them on the device, which then hold none between steps.
+///   gather), bit for bit as with them on the device, which then hold none between steps;
+/// - cut one parameter at a time from world rank 0's (`shard_from_rank_0`; the other ranks'
+///   models never built), bit for bit as cut from whole models, with the optimizer on the
+///   host or the device.
 ///
 /// Between steps each rank holds a quarter of the compute copy (the partition's padding aside).
 #[test]
@@ -1023,6 +1044,14 @@ fn zero_3_trains_like_replicated_adamw() {
         assert!(parts_on_host.device_bytes.iter().all(|&bytes| bytes == 0), "parts on the host, yet {:?} bytes on the devices", parts_on_host.device_bytes);
         let after_abandoned = qwen3_sp_dp(Zero::Stage3AfterAbandonedStep, 20, None);
         assert_eq!(after_abandoned.losses, zero3.losses, "an abandoned step's gradient parts reached the next step");
+        // Cut one parameter at a time from world rank 0's, the other ranks never building the
+        // model: the same parts and master weights, so the same run bit for bit.
+        let from_rank_0 = qwen3_sp_dp(Zero::Stage3FromRank0, 20, None);
+        assert_eq!(from_rank_0.losses, zero3.losses, "ZeRO-3 cut from world rank 0's parameters");
+        assert!(from_rank_0.params.iter().zip(&zero3.params).all(|((_, a), (_, b))| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())), "ZeRO-3 cut from world rank 0's parameters ends elsewhere");
+        assert_eq!(from_rank_0.device_bytes, zero3.device_bytes, "ZeRO-3 cut from world rank 0's parameters");
+        let from_rank_0_on_device = qwen3_sp_dp(Zero::Stage3FromRank0OnDevice, 3, None);
+        assert_eq!(from_rank_0_on_device.losses[..], on_device.losses[..3], "ZeRO-3 cut from world rank 0's parameters, the optimizer on the device");
         assert_eq!(on_device.losses, replicated.losses, "ZeRO-3 with the optimizer on the device against replicated AdamW");
         for ((name, want), (_, got)) in replicated.params.iter().zip(&on_device.params) {
             assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: the optimizer on the device {:e} apart from replicated AdamW", max_abs_diff(got, want));

@@ -1556,8 +1556,12 @@ where
     let template = match &job.args.model {
         Some(dir) => from_pretrained::<Sp<W>>(dir, &template_device).map_err(|e| format!("--model: {e}"))?.model.with_repeat_kv(config.model.repeat_kv),
         None => config.model.init::<Sp<W>>(&template_device),
-    }
-    .fork(&template_device);
+    };
+    // ZeRO-3 from the start builds no whole model: the parameters stay lazy, and world rank 0
+    // builds each in the order fork would (the same values) as the ranks take their parts
+    // (ShardedParameters::shard_from_rank_0).
+    let lazy = config.zero_stage == 3 && job.args.resume.is_none() && job.eval_sequences.is_none();
+    let template = if lazy { template } else { template.fork(&template_device) };
     let cpus_of_its_own = match &job.launch {
         Launch::Threads => None,
         Launch::Process(env) => env.cpus_of_its_own,
@@ -1607,7 +1611,8 @@ where
             host_optimizer_threads: Some(host_optimizer_threads),
             estimated_peak,
         };
-        let model = template.take_or_clone().fork(&rank.device);
+        let model = template.take_or_clone();
+        let model = if lazy { model } else { model.fork(&rank.device) };
         let (mut trained, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options)
             .map_err(|e| e.to_string())?;
         if !job.args.no_save {

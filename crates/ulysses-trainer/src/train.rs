@@ -567,8 +567,10 @@ pub fn host_threads_per_rank(cores: usize, ranks: usize, cpus_of_its_own: Option
 }
 
 /// Trains `model` on this rank; returns it ([`TrainedModel`]: under ZeRO-3 in this rank's
-/// parts) with the reports of the steps it took (the same on every rank). Rank 0's parameters are broadcast first, so ranks may start from any values;
-/// with `resume`, every rank loads the checkpoint instead. `groups.sp` must already be the
+/// parts) with the reports of the steps it took (the same on every rank). Rank 0's parameters are broadcast first, so ranks may start from any values
+/// (under ZeRO-3 one at a time as each rank takes its part, so `model` may be lazy as
+/// `Config::init` leaves it: the other ranks never build it); with `resume`, every rank loads
+/// the checkpoint instead. `groups.sp` must already be the
 /// rank context when `B` is a `UlyssesBackend` (`burn_ulysses::job::run_ranks` does that).
 pub fn train_rank<B>(
     config: &TrainConfig,
@@ -596,21 +598,27 @@ where
         (false, _) => RankOptimizer::Replicated(MatrixDecayAdamW::<Decoder<B>, B>::new(&config.optimizer)),
     };
     let is_first = groups.world_rank() == 0;
+    // ZeRO-3 from the start: each parameter is broadcast, its master part kept and its part
+    // of the compute copy cut one at a time (ShardedParameters::shard_from_rank_0), so no rank
+    // holds the whole model, and `model` may be lazy (built by world rank 0 alone).
+    let zero_3_from_start = config.zero_stage == 3 && options.resume.is_none();
     let (mut model, mut optimizer, first_step) = match &options.resume {
+        None if zero_3_from_start => (model, optimizer, 0),
         None => (broadcast_parameters(model, &*groups.world)?, optimizer, 0),
         Some(location) => resume(config, location, model, optimizer, groups, device)?,
     };
     let (world_rank, world) = (groups.world_rank(), groups.world.size());
+    let keeps_master_weights = first_step == 0 && !zero_3_from_start;
     let sharded_place = match &mut optimizer {
         RankOptimizer::Replicated(_) => None,
         RankOptimizer::OnHost(host) => {
-            if first_step == 0 {
+            if keeps_master_weights {
                 host.keep_master_weights(&model, world_rank, world);
             }
             Some(OptimizerPlace::Host)
         }
         RankOptimizer::OnDevice(on_device) => {
-            if first_step == 0 {
+            if keeps_master_weights {
                 on_device.keep_master_weights(&model, world_rank, world);
             }
             Some(OptimizerPlace::Device)
@@ -625,13 +633,20 @@ where
         ulysses_training::check_folder_shared(dir, &*groups.world)?;
     }
     // The f32 master weights are the optimizer's: the model keeps the compute copy alone.
-    if sharded_place.is_some() && compute_dtype != FloatDType::F32 {
+    if sharded_place.is_some() && compute_dtype != FloatDType::F32 && !zero_3_from_start {
         model = with_parameters_in(model, compute_dtype);
     }
     let mut parts = None;
     if let (3, Some(place)) = (config.zero_stage, sharded_place) {
-        let (placeholders, sharded) = ShardedParameters::shard(model, world_rank, world, place)?;
-        let mut sharded = if config.offload_parameters { sharded.with_parts_on_host() } else { sharded };
+        let (on_host, world_comm) = (config.offload_parameters, &*groups.world);
+        let (placeholders, mut sharded) = match &mut optimizer {
+            RankOptimizer::OnHost(host) if zero_3_from_start => ShardedParameters::shard_from_rank_0(model, host, compute_dtype, on_host, device, world_comm)?,
+            RankOptimizer::OnDevice(on_device) if zero_3_from_start => ShardedParameters::shard_from_rank_0(model, on_device, compute_dtype, on_host, device, world_comm)?,
+            _ => {
+                let (placeholders, sharded) = ShardedParameters::shard(model, world_rank, world, place)?;
+                (placeholders, if on_host { sharded.with_parts_on_host() } else { sharded })
+            }
+        };
         if let (true, RankOptimizer::OnHost(host)) = (config.offload_parameters, &mut optimizer) {
             sharded.share_master_weights(host)?;
         }

@@ -56,12 +56,25 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
     /// Takes rank `rank`'s part (of a world of `world`) of `model`'s parameters as the f32
     /// master weights, replacing any state; call it before the model is sharded.
     pub fn keep_master_weights<M: Module<B>>(&mut self, model: &M, rank: usize, world: usize) {
+        self.begin_master_parts(rank, world);
         let partition = Partition::new(world).expect("a world has a rank");
-        self.parts = float_parameters(model)
-            .into_iter()
-            .map(|p| DevicePart { elements: p.values.dims()[0], master: own_part(&partition, rank, p.values.inner().cast(FloatDType::F32)), moments: None, time: 0 })
-            .collect();
+        for p in float_parameters(model) {
+            self.keep_master_part(p.values.dims()[0], own_part(&partition, rank, p.values.inner().cast(FloatDType::F32)));
+        }
+    }
+
+    /// Drops any state and starts holding rank `rank`'s parts of a world of `world`, none yet:
+    /// [`keep_master_part`](Self::keep_master_part) then takes each parameter's, in the
+    /// model's order.
+    pub(super) fn begin_master_parts(&mut self, rank: usize, world: usize) {
+        self.parts = Vec::new();
         self.place = Some((rank, world));
+    }
+
+    /// Takes `master` (f32, this rank's part, padded to the partition, of the next parameter,
+    /// of `elements` elements whole) as its master weights, moments not yet made.
+    pub(super) fn keep_master_part(&mut self, elements: usize, master: Tensor<B::InnerBackend, 1>) {
+        self.parts.push(DevicePart { elements, master, moments: None, time: 0 });
     }
 
     /// Bytes of state this rank holds on its device (master weights, and both moments once

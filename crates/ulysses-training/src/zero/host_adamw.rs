@@ -170,15 +170,28 @@ impl ShardedAdamW {
     /// half-precision compute copy ([`crate::with_parameters_in`]), or the first step takes
     /// the master weights from the copy's rounded values.
     pub fn keep_master_weights<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(&mut self, model: &M, rank: usize, world: usize) {
+        self.begin_master_parts(rank, world);
+        let partition = Partition::new(world).expect("a world has a rank");
+        for p in crate::float_parameters(model) {
+            self.keep_master_part(p.values.dims()[0], host_part(&partition, rank, &p.values));
+        }
+    }
+
+    /// Drops any state and starts holding rank `rank`'s parts of a world of `world`, none yet:
+    /// [`keep_master_part`](Self::keep_master_part) then takes each parameter's, in the
+    /// model's order.
+    pub(super) fn begin_master_parts(&mut self, rank: usize, world: usize) {
         // A running update's state is replaced whatever it became, a lost one too.
         let _ = self.settle();
         self.lost = None;
-        let partition = Partition::new(world).expect("a world has a rank");
-        self.parts = crate::float_parameters(model)
-            .iter()
-            .map(|p| ParameterPart { elements: p.values.dims()[0], master: Arc::new(host_part(&partition, rank, &p.values)), moments: AdamWMoments::default() })
-            .collect();
+        self.parts = Vec::new();
         self.place = Some((rank, world));
+    }
+
+    /// Takes `master` (this rank's part, padded to the partition, of the next parameter, of
+    /// `elements` elements whole) as its master weights, moments not yet made.
+    pub(super) fn keep_master_part(&mut self, elements: usize, master: Vec<f32>) {
+        self.parts.push(ParameterPart { elements, master: Arc::new(master), moments: AdamWMoments::default() });
     }
 
     /// Bytes of optimizer state (master weights and both moments) each rank of a world of

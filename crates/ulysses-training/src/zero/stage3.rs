@@ -50,9 +50,13 @@ use std::{
 use burn::{
     module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId},
     optim::GradientsParams,
-    tensor::{DType, Shape, Tensor, TensorData},
+    tensor::{DType, FloatDType, Shape, Tensor, TensorData},
 };
-use burn_ulysses::{PlainBackend, UlyssesError, comm::Communicator};
+use burn_ulysses::{
+    PlainBackend, UlyssesError,
+    comm::Communicator,
+    primitive::{float_primitive, float_tensor},
+};
 use ulysses_core::{
     gradients::{GRADIENT_BUCKET_BYTES, plan_buckets},
     zero::Partition,
@@ -128,6 +132,12 @@ pub trait PartOptimizer<B: TrainBackend> {
     fn settle(&mut self) -> Result<(), UlyssesError> {
         Ok(())
     }
+    /// Drops any state and starts holding rank `rank`'s parts of a world of `world`, none yet
+    /// ([`ShardedParameters::shard_from_rank_0`] then hands over each parameter's).
+    fn begin_master_parts(&mut self, rank: usize, world: usize);
+    /// Takes `master` (f32, on the device: this rank's part, padded to the partition, of the
+    /// next parameter in the model's order, of `elements` elements whole) as its master weights.
+    fn keep_master_part(&mut self, elements: usize, master: Tensor<B::InnerBackend, 1>);
 }
 
 impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
@@ -165,6 +175,12 @@ impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
     fn settle(&mut self) -> Result<(), UlyssesError> {
         ShardedAdamW::settle(self)
     }
+    fn begin_master_parts(&mut self, rank: usize, world: usize) {
+        ShardedAdamW::begin_master_parts(self, rank, world);
+    }
+    fn keep_master_part(&mut self, elements: usize, master: Tensor<B::InnerBackend, 1>) {
+        ShardedAdamW::keep_master_part(self, elements, master.into_data().convert::<f32>().to_vec::<f32>().expect("f32 values"));
+    }
 }
 
 /// `ULYSSES_HOST_ADAMW_SERIAL=1`: the step waits for the host optimizer's whole update, as
@@ -194,6 +210,12 @@ impl<B: TrainBackend> PartOptimizer<B> for DeviceShardedAdamW<B> {
         let grad_norm = self.update(learning_rate, grads, &parameters.decayed(), max_grad_norm, world)?;
         parameters.update_from(self, &updated);
         Ok(grad_norm)
+    }
+    fn begin_master_parts(&mut self, rank: usize, world: usize) {
+        DeviceShardedAdamW::begin_master_parts(self, rank, world);
+    }
+    fn keep_master_part(&mut self, elements: usize, master: Tensor<B::InnerBackend, 1>) {
+        DeviceShardedAdamW::keep_master_part(self, elements, master);
     }
 }
 
@@ -279,45 +301,13 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// world of `world`, for an optimizer that runs at `optimizer`; returns the model with
     /// placeholders in their place (the same ids and gradient flags, one element each) and the
     /// parts. Refused when two layers ([`LayeredLm::visit_layer`]) claim the same parameter.
+    /// [`shard_from_rank_0`](Self::shard_from_rank_0) does it without a whole model.
     pub fn shard<M: AutodiffModule<B> + LayeredLm<B>>(model: M, rank: usize, world: usize, optimizer: OptimizerPlace) -> Result<(M, Self), UlyssesError> {
         let partition = Partition::new(world).ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 over a world of 0 ranks".into()))?;
         let found = float_parameters(&model);
-        let index_of: HashMap<ParamId, usize> = found.iter().enumerate().map(|(i, p)| (p.id, i)).collect();
-        let mut owner: Vec<Option<usize>> = vec![None; found.len()];
-        let mut layers = Vec::with_capacity(model.layer_count());
-        for layer in 0..model.layer_count() {
-            let mut ids = CollectIds(Vec::new());
-            model.visit_layer(layer, &mut ids);
-            let mut indices = Vec::with_capacity(ids.0.len());
-            for id in ids.0 {
-                let index = *index_of.get(&id).ok_or_else(|| UlyssesError::InvalidConfig(format!("LayeredLm::visit_layer({layer}) visits a parameter the model does not hold")))?;
-                if let Some(other) = owner[index].replace(layer) {
-                    return Err(UlyssesError::InvalidConfig(format!(
-                        "{} is visited by layers {other} and {layer} (LayeredLm::visit_layer): ZeRO-3 gathers a parameter with one layer, and \
-                         while a layer runs the others' parameters (and the rest's: embeddings, head) are placeholders, so a parameter \
-                         shared across layers is not supported under ZeRO-3: give each layer its own, or train without --zero 3",
-                        found[index].path
-                    )));
-                }
-                indices.push(index);
-            }
-            layers.push(indices);
-        }
-        let rest: Vec<usize> = (0..found.len()).filter(|&i| owner[i].is_none()).collect();
-        let mut head = CollectIds(Vec::new());
-        model.visit_standalone_head(&mut head);
-        if head.0.iter().any(|id| !index_of.contains_key(id)) {
-            return Err(UlyssesError::InvalidConfig("LayeredLm::visit_standalone_head visits a parameter the model does not hold".into()));
-        }
-        if let Some(index) = head.0.iter().find_map(|id| index_of.get(id).filter(|&&i| owner[i].is_some())) {
-            return Err(UlyssesError::InvalidConfig(format!(
-                "{} is visited by LayeredLm::visit_standalone_head and by visit_layer({}): a standalone head's parameters are its own",
-                found[*index].path,
-                owner[*index].unwrap_or_default()
-            )));
-        }
-        let head: Vec<usize> = rest.iter().copied().filter(|&i| head.0.contains(&found[i].id)).collect();
-        let embedding = rest.iter().copied().filter(|i| !head.contains(i)).collect();
+        let ids: Vec<ParamId> = found.iter().map(|p| p.id).collect();
+        let paths: Vec<String> = found.iter().map(|p| p.path.clone()).collect();
+        let groups = Groups::of(&model, &ids, &paths)?;
         let parameters = found
             .into_iter()
             .map(|p| {
@@ -325,11 +315,59 @@ impl<B: TrainBackend> ShardedParameters<B> {
                 PartOf { id: p.id, path: p.path, dtype: part.dtype(), shape: p.shape, part: Held::Device(part) }
             })
             .collect::<Vec<_>>();
-        let grad_parts = GradParts::empty(optimizer, parameters.len());
         let device = model.devices().first().cloned().ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 of a model without parameters".into()))?;
-        let model = model.map(&mut Placeholders);
+        Ok((model.map(&mut Placeholders), Self::of_parts(partition, rank, parameters, groups, optimizer, device)))
+    }
+
+    /// ZeRO-3 from a model that no rank holds whole: what [`broadcast_parameters`](crate::broadcast_parameters),
+    /// `optimizer`'s `keep_master_weights`, [`with_parameters_in`](crate::with_parameters_in)
+    /// (`compute`) and [`shard`](Self::shard) make in turn, one parameter at a time in the
+    /// model's order. World rank 0's value of each (built, or built now where burn left it
+    /// lazy, as `Config::init` does) is broadcast; this rank keeps its part as `optimizer`'s f32
+    /// master weights and, cast to `compute`, as its part of the compute copy (on `device`, or
+    /// in host memory where `parts_on_host`, as [`with_parts_on_host`](Self::with_parts_on_host)
+    /// keeps them); the whole parameter is let go before the next. The other ranks never build
+    /// a lazy parameter: they receive it. So a rank holds one parameter whole beside its parts,
+    /// where the four steps hold the whole model (a copy a rank thread), and a lazy model is
+    /// built from the seeded generator in the order `fork` builds it. Collective over `world`.
+    pub fn shard_from_rank_0<M, O>(
+        model: M,
+        optimizer: &mut O,
+        compute: FloatDType,
+        parts_on_host: bool,
+        device: &burn::tensor::Device<B::InnerBackend>,
+        world: &dyn Communicator<B::Wire>,
+    ) -> Result<(M, Self), UlyssesError>
+    where
+        M: AutodiffModule<B> + LayeredLm<B>,
+        O: PartOptimizer<B>,
+    {
+        let (rank, size) = (world.rank(), world.size());
+        let partition = Partition::new(size).ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 over a world of 0 ranks".into()))?;
+        let mut ids = CollectIds(Vec::new());
+        model.visit(&mut ids);
+        let paths = crate::parameter_paths(&model);
+        let groups = Groups::of(&model, &ids.0, &paths)?;
+        if ids.0.is_empty() {
+            return Err(UlyssesError::InvalidConfig("ZeRO-3 of a model without parameters".into()));
+        }
+        optimizer.begin_master_parts(rank, size);
+        let mut take = TakeParts { world, optimizer, partition, compute, parts_on_host, device: device.clone(), ids: &ids.0, paths: &paths, parts: Vec::new(), error: None };
+        let model = model.map(&mut take);
+        let TakeParts { parts, error, .. } = take;
+        if let Some(error) = error {
+            return Err(error);
+        }
+        let place = optimizer.place();
+        Ok((model, Self::of_parts(partition, rank, parts, groups, place, device.clone())))
+    }
+
+    /// The parts of `parameters` (every float parameter, in the model's order) in `groups`.
+    fn of_parts(partition: Partition, rank: usize, parameters: Vec<PartOf<B>>, groups: Groups, optimizer: OptimizerPlace, device: burn::tensor::Device<B::InnerBackend>) -> Self {
+        let Groups { layers, rest, embedding, head } = groups;
+        let grad_parts = GradParts::empty(optimizer, parameters.len());
         let cast_threads = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
-        Ok((model, Self { partition, rank, parameters, layers, rest, embedding, head, grad_parts, in_flight: Vec::new(), optimizer, updates: None, device, cast_threads }))
+        Self { partition, rank, parameters, layers, rest, embedding, head, grad_parts, in_flight: Vec::new(), optimizer, updates: None, device, cast_threads }
     }
 
     /// The parts kept in host memory between their gathers, uploaded for each
@@ -691,6 +729,129 @@ struct CollectIds(Vec<ParamId>);
 impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for CollectIds {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         self.0.push(param.id);
+    }
+}
+
+/// Which parameters (indices in the model's order) each group of a ZeRO-3 step gathers: each
+/// layer's; the rest's (every other), and the rest without, and with only, a standalone head's
+/// (`ParameterGroup::Embedding`, `Head`).
+struct Groups {
+    layers: Vec<Vec<usize>>,
+    rest: Vec<usize>,
+    embedding: Vec<usize>,
+    head: Vec<usize>,
+}
+
+impl Groups {
+    /// The groups of `model`, whose float parameters are `ids` (with their `paths`) in its
+    /// order; read from the ids alone (a lazy model stays unbuilt). Refused when two layers
+    /// ([`LayeredLm::visit_layer`]) claim the same parameter.
+    fn of<B: TrainBackend, M: AutodiffModule<B> + LayeredLm<B>>(model: &M, ids: &[ParamId], paths: &[String]) -> Result<Self, UlyssesError> {
+        let index_of: HashMap<ParamId, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        let mut owner: Vec<Option<usize>> = vec![None; ids.len()];
+        let mut layers = Vec::with_capacity(model.layer_count());
+        for layer in 0..model.layer_count() {
+            let mut visited = CollectIds(Vec::new());
+            model.visit_layer(layer, &mut visited);
+            let mut indices = Vec::with_capacity(visited.0.len());
+            for id in visited.0 {
+                let index = *index_of.get(&id).ok_or_else(|| UlyssesError::InvalidConfig(format!("LayeredLm::visit_layer({layer}) visits a parameter the model does not hold")))?;
+                if let Some(other) = owner[index].replace(layer) {
+                    return Err(UlyssesError::InvalidConfig(format!(
+                        "{} is visited by layers {other} and {layer} (LayeredLm::visit_layer): ZeRO-3 gathers a parameter with one layer, and \
+                         while a layer runs the others' parameters (and the rest's: embeddings, head) are placeholders, so a parameter \
+                         shared across layers is not supported under ZeRO-3: give each layer its own, or train without --zero 3",
+                        paths[index]
+                    )));
+                }
+                indices.push(index);
+            }
+            layers.push(indices);
+        }
+        let rest: Vec<usize> = (0..ids.len()).filter(|&i| owner[i].is_none()).collect();
+        let mut head = CollectIds(Vec::new());
+        model.visit_standalone_head(&mut head);
+        if head.0.iter().any(|id| !index_of.contains_key(id)) {
+            return Err(UlyssesError::InvalidConfig("LayeredLm::visit_standalone_head visits a parameter the model does not hold".into()));
+        }
+        if let Some(index) = head.0.iter().find_map(|id| index_of.get(id).filter(|&&i| owner[i].is_some())) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "{} is visited by LayeredLm::visit_standalone_head and by visit_layer({}): a standalone head's parameters are its own",
+                paths[*index],
+                owner[*index].unwrap_or_default()
+            )));
+        }
+        let head: Vec<usize> = rest.iter().copied().filter(|&i| head.0.contains(&ids[i])).collect();
+        let embedding = rest.iter().copied().filter(|i| !head.contains(i)).collect();
+        Ok(Self { layers, rest, embedding, head })
+    }
+}
+
+/// [`ShardedParameters::shard_from_rank_0`]'s pass over the model: each float parameter, in
+/// turn, broadcast from world rank 0, its parts taken, a placeholder left in its place.
+struct TakeParts<'a, B: TrainBackend, O: PartOptimizer<B>> {
+    world: &'a dyn Communicator<B::Wire>,
+    optimizer: &'a mut O,
+    partition: Partition,
+    compute: FloatDType,
+    parts_on_host: bool,
+    device: burn::tensor::Device<B::InnerBackend>,
+    /// The model's float parameters in its visit order, which its map must follow (the
+    /// optimizer takes its parts in that order).
+    ids: &'a [ParamId],
+    paths: &'a [String],
+    parts: Vec<PartOf<B>>,
+    /// The first failure: the parameters after it become placeholders, with no collective.
+    error: Option<UlyssesError>,
+}
+
+impl<B: TrainBackend, O: PartOptimizer<B>> TakeParts<'_, B, O> {
+    /// World rank 0's values of the parameter at `index` (`rank_0`: this rank's, on rank 0
+    /// alone), as this rank's f32 master part and part of the compute copy.
+    fn take(&mut self, index: usize, shape: &Shape, rank_0: Option<Tensor<B::InnerBackend, 1>>) -> Result<(), UlyssesError> {
+        let elements = shape.num_elements();
+        let whole = match (rank_0, self.world.size()) {
+            (Some(values), 1) => values.cast(FloatDType::F32).to_device(&self.device),
+            (mine, _) => {
+                let mine = mine.map_or_else(|| Tensor::zeros([elements], (&self.device, DType::F32)), |values| values.cast(FloatDType::F32).to_device(&self.device));
+                float_tensor::<B::InnerBackend, 1>(self.world.broadcast(float_primitive(mine), 0)?)
+            }
+        };
+        let master = own_part(&self.partition, self.world.rank(), whole);
+        self.optimizer.keep_master_part(elements, master.clone());
+        let compute = if self.compute == FloatDType::F32 { master } else { master.cast(self.compute) };
+        let part = if self.parts_on_host { Held::Host(compute.into_data()) } else { Held::Device(compute) };
+        self.parts.push(PartOf { id: self.ids[index], path: self.paths[index].clone(), shape: shape.clone(), dtype: self.compute.into(), part });
+        Ok(())
+    }
+}
+
+impl<B: TrainBackend, O: PartOptimizer<B>> ModuleMapper<B> for TakeParts<'_, B, O> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let index = self.parts.len();
+        let shape = param.lazy_shape();
+        let placeholder = Tensor::<B::InnerBackend, D>::zeros([1; D], (&self.device, DType::from(self.compute)));
+        if self.error.is_none() && self.ids.get(index) != Some(&param.id) {
+            self.error = Some(UlyssesError::InvalidConfig(format!(
+                "the model maps its parameters in another order than it visits them (at {}): ZeRO-3 takes their parts in one order",
+                self.paths.get(index).map_or("its end", String::as_str)
+            )));
+        }
+        // Rank 0 builds a lazy parameter now; the others take its flag alone, building nothing.
+        let (values, param) = if self.world.rank() == 0 {
+            let (id, tensor, mapper) = param.consume();
+            let requires_grad = tensor.is_require_grad();
+            (Some(tensor.inner().reshape([-1])), Param::from_mapped_value(id, Tensor::from_inner(placeholder).set_require_grad(requires_grad), mapper))
+        } else {
+            let id = param.id;
+            (None, param.transform_for_load(Tensor::from_inner(placeholder), id))
+        };
+        if self.error.is_none()
+            && let Err(error) = self.take(index, &shape, values)
+        {
+            self.error = Some(error);
+        }
+        param
     }
 }
 
