@@ -738,10 +738,13 @@ enum Zero {
     /// ZeRO-3 after a backward whose step was abandoned (its gradient parts must not reach
     /// the next step).
     Stage3AfterAbandonedStep,
-    /// ZeRO-3 cut by `ShardedParameters::shard_from_rank_0` (the optimizer on the host, or on
+    /// ZeRO-3 cut by `ShardedParameters::shard_from` from world rank 0's (the optimizer on the host, or on
     /// the device): world rank 0 loads the fixture, the other ranks hold a model never built.
     Stage3FromRank0,
     Stage3FromRank0OnDevice,
+    /// ZeRO-3 cut by `ShardedParameters::shard_from` from the host optimizer's master
+    /// weights (as a resumed run is), into a model never built.
+    Stage3FromMasters,
 }
 
 /// `steps` steps of SP=2 × DP=2 on the tiny Qwen3 fixture (transformers' weights), each rank
@@ -765,7 +768,7 @@ fn qwen3_sp_dp_schedule(zero: Zero, schedule: &[(usize, bool)], max_grad_norm: O
 /// [`qwen3_sp_dp_schedule`] on another of ulysses-models' fixtures of the same vocabulary.
 fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)], max_grad_norm: Option<f64>, micro_batches: usize) -> Qwen3Run {
     use ulysses_training::{
-        DeviceShardedAdamW, HostAdamWConfig, LayerCheckpointing, MatrixDecayAdamW, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step,
+        DeviceShardedAdamW, HostAdamWConfig, LayerCheckpointing, MatrixDecayAdamW, OptimizerPlace, PartsFrom, ShardedAdamW, ShardedParameters, StepInput, apply_step,
         apply_step_sharded, apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3,
     };
     const WEIGHT_DECAY: f32 = 0.01;
@@ -799,11 +802,17 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
             let sharded = if zero == Zero::Stage3PartsOnHost { sharded.with_parts_on_host() } else { sharded };
             (model, parts) = (placeholders, Some(sharded));
         }
+        if zero == Zero::Stage3FromMasters {
+            sharded_state.keep_master_weights(&model, rank.rank(), 4);
+            let never_built = DecoderConfig::from_hf(&ulysses_models::checkpoint_config(&fixture).unwrap()).init::<Sp>(&device);
+            let (placeholders, sharded) = ShardedParameters::shard_from(never_built, PartsFrom::Masters, &mut sharded_state, FloatDType::F32, false, &device, &*groups.world).unwrap();
+            (model, parts) = (placeholders, Some(sharded));
+        }
         if from_rank_0 {
             let world = &*groups.world;
             let (placeholders, sharded) = match zero {
-                Zero::Stage3FromRank0OnDevice => ShardedParameters::shard_from_rank_0(model, &mut on_device, FloatDType::F32, false, &device, world),
-                _ => ShardedParameters::shard_from_rank_0(model, &mut sharded_state, FloatDType::F32, false, &device, world),
+                Zero::Stage3FromRank0OnDevice => ShardedParameters::shard_from(model, PartsFrom::Rank0, &mut on_device, FloatDType::F32, false, &device, world),
+                _ => ShardedParameters::shard_from(model, PartsFrom::Rank0, &mut sharded_state, FloatDType::F32, false, &device, world),
             }
             .unwrap();
             (model, parts) = (placeholders, Some(sharded));
@@ -1026,9 +1035,10 @@ fn zero_3_gathers_each_group_once_the_host_optimizer_updated_it() {
 ///   tensor ops), bit for bit as replicated AdamW;
 /// - with the compute copy's parts on the host (`with_parts_on_host`, uploaded for each
 ///   gather), bit for bit as with them on the device, which then hold none between steps;
-/// - cut one parameter at a time from world rank 0's (`shard_from_rank_0`; the other ranks'
+/// - cut one parameter at a time from world rank 0's (`shard_from`; the other ranks'
 ///   models never built), bit for bit as cut from whole models, with the optimizer on the
-///   host or the device.
+///   host or the device; and from the optimizer's master weights (`PartsFrom::Masters`, a
+///   resumed run's way) into models never built, bit for bit too.
 ///
 /// Between steps each rank holds a quarter of the compute copy (the partition's padding aside).
 #[test]
@@ -1050,6 +1060,10 @@ fn zero_3_trains_like_replicated_adamw() {
         assert_eq!(from_rank_0.losses, zero3.losses, "ZeRO-3 cut from world rank 0's parameters");
         assert!(from_rank_0.params.iter().zip(&zero3.params).all(|((_, a), (_, b))| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())), "ZeRO-3 cut from world rank 0's parameters ends elsewhere");
         assert_eq!(from_rank_0.device_bytes, zero3.device_bytes, "ZeRO-3 cut from world rank 0's parameters");
+        // Cut from the optimizer's master weights (a resumed run's way), into a model never built.
+        let from_masters = qwen3_sp_dp(Zero::Stage3FromMasters, 20, None);
+        assert_eq!(from_masters.losses, zero3.losses, "ZeRO-3 cut from the master weights");
+        assert!(from_masters.params.iter().zip(&zero3.params).all(|((_, a), (_, b))| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())), "ZeRO-3 cut from the master weights ends elsewhere");
         let from_rank_0_on_device = qwen3_sp_dp(Zero::Stage3FromRank0OnDevice, 3, None);
         assert_eq!(from_rank_0_on_device.losses[..], on_device.losses[..3], "ZeRO-3 cut from world rank 0's parameters, the optimizer on the device");
         assert_eq!(on_device.losses, replicated.losses, "ZeRO-3 with the optimizer on the device against replicated AdamW");

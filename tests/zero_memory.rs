@@ -11,7 +11,7 @@
 //! world alone).
 //!
 //! The ZeRO-3 runs cut their parts from world rank 0's parameters one at a time
-//! (`ShardedParameters::shard_from_rank_0`, the model lazy): a second test counts what the whole
+//! (`ShardedParameters::shard_from`, the model lazy): a second test counts what the whole
 //! process holds while four ranks do that, and a third while rank 0 writes the ZeRO-3 model
 //! (`TrainedModel::save`). They run one after the other, so nothing else allocates while one
 //! counts.
@@ -40,7 +40,7 @@ use ulysses_suite::{
 };
 use ulysses_trainer::train::{StepData, TrainedModel};
 use ulysses_training::{
-    HostAdamWConfig, LayerCheckpointing, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step, apply_step_zero3, backward_step_checkpointed,
+    HostAdamWConfig, LayerCheckpointing, OptimizerPlace, PartsFrom, ShardedAdamW, ShardedParameters, StepInput, apply_step, apply_step_zero3, backward_step_checkpointed,
     backward_step_zero3, float_parameters, parameter_elements,
 };
 
@@ -113,7 +113,7 @@ fn held_per_rank(world: usize, parts_at: Parts) -> Held {
             // The update runs on a thread of its own beside the rank's: its allocations are the rank's.
             host.on_update_thread(move || count_as_rank(slot));
             let on_host = parts_at == Parts::OnHost;
-            let (placeholders, mut sharded) = ShardedParameters::shard_from_rank_0(model, &mut host, FloatDType::F32, on_host, &device, &*groups.world).unwrap();
+            let (placeholders, mut sharded) = ShardedParameters::shard_from(model, PartsFrom::Rank0, &mut host, FloatDType::F32, on_host, &device, &*groups.world).unwrap();
             if on_host {
                 sharded.share_master_weights(&mut host).unwrap();
             }
@@ -243,7 +243,7 @@ fn unused_slots(count: usize) -> usize {
 }
 
 /// ZeRO-3 cut from world rank 0's parameters one at a time
-/// (`ShardedParameters::shard_from_rank_0`), from a model that burn left lazy: at world 4 the
+/// (`ShardedParameters::shard_from`), from a model that burn left lazy: at world 4 the
 /// process never holds more than an eighth of the model in f32 beside what the ranks keep
 /// (cutting whole models, every rank held one: four more), and the parameters are the ones
 /// `fork` builds from the same seed (world rank 0 builds them in its order; the others build none).
@@ -271,7 +271,7 @@ fn zero_3_cut_from_rank_0_builds_no_whole_model() {
             let start = live_bytes(slot);
             let mut host = ShardedAdamW::new(HostAdamWConfig::default());
             let world = rank.communicator();
-            let (placeholders, mut parts) = ShardedParameters::shard_from_rank_0(lazy.clone(), &mut host, FloatDType::F32, false, &device, &*world).unwrap();
+            let (placeholders, mut parts) = ShardedParameters::shard_from(lazy.clone(), PartsFrom::Rank0, &mut host, FloatDType::F32, false, &device, &*world).unwrap();
             kept.fetch_add(live_bytes(slot) - start, Ordering::Relaxed);
             if ready.wait().is_leader() {
                 peak.store(process_peak_bytes().saturating_sub(before), Ordering::Relaxed);

@@ -1553,14 +1553,21 @@ where
     }
     let estimated_peak = memory::estimated_peak(config, parameters, compute_bytes);
     <Sp<W> as Backend>::seed(&template_device, config.seed);
-    let template = match &job.args.model {
-        Some(dir) => from_pretrained::<Sp<W>>(dir, &template_device).map_err(|e| format!("--model: {e}"))?.model.with_repeat_kv(config.model.repeat_kv),
-        None => config.model.init::<Sp<W>>(&template_device),
+    // ZeRO-3 builds no whole model (ShardedParameters::shard_from): the parameters stay lazy,
+    // and world rank 0 builds each in the order fork would (the same values) as the ranks take
+    // their parts, or a resumed run's ranks take them from the master weights. So only world
+    // rank 0's process of a run from the start reads --model's weights (config.model has the
+    // shape they make).
+    let lazy = config.zero_stage == 3 && job.eval_sequences.is_none();
+    let has_world_rank_0 = match &job.launch {
+        Launch::Threads => true,
+        Launch::Process(env) => env.rank == 0,
     };
-    // ZeRO-3 from the start builds no whole model: the parameters stay lazy, and world rank 0
-    // builds each in the order fork would (the same values) as the ranks take their parts
-    // (ShardedParameters::shard_from_rank_0).
-    let lazy = config.zero_stage == 3 && job.args.resume.is_none() && job.eval_sequences.is_none();
+    let reads_weights = !lazy || (has_world_rank_0 && job.args.resume.is_none());
+    let template = match &job.args.model {
+        Some(dir) if reads_weights => from_pretrained::<Sp<W>>(dir, &template_device).map_err(|e| format!("--model: {e}"))?.model.with_repeat_kv(config.model.repeat_kv),
+        _ => config.model.init::<Sp<W>>(&template_device),
+    };
     let template = if lazy { template } else { template.fork(&template_device) };
     let cpus_of_its_own = match &job.launch {
         Launch::Threads => None,

@@ -22,9 +22,9 @@ use burn_ulysses::{
     precision::Precision,
 };
 use ulysses_training::{
-    DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, MatrixDecayAdamW, OptimizerPlace, ParameterGroup, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
+    DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, MatrixDecayAdamW, OptimizerPlace, ParameterGroup, PartsFrom, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
     apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters, join_layered_output_gathers, layered_output,
-    host_adamw_config, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
+    host_adamw_config, load_sharded_optimizer, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
     checkpoint::{load_training_checkpoint, read_checkpoint_state, TrainingCheckpoint, write_atomically_with},
 };
 use serde::{Deserialize, Serialize};
@@ -598,17 +598,18 @@ where
         (false, _) => RankOptimizer::Replicated(MatrixDecayAdamW::<Decoder<B>, B>::new(&config.optimizer)),
     };
     let is_first = groups.world_rank() == 0;
-    // ZeRO-3 from the start: each parameter is broadcast, its master part kept and its part
-    // of the compute copy cut one at a time (ShardedParameters::shard_from_rank_0), so no rank
-    // holds the whole model, and `model` may be lazy (built by world rank 0 alone).
-    let zero_3_from_start = config.zero_stage == 3 && options.resume.is_none();
+    // ZeRO-3 cuts each rank's parts one parameter at a time (ShardedParameters::shard_from),
+    // from world rank 0's broadcast (its master part kept too) or a resumed run's master
+    // weights, so no rank holds the whole model, and `model` may be lazy (built by world rank
+    // 0 alone, or never).
+    let zero_3 = config.zero_stage == 3;
     let (mut model, mut optimizer, first_step) = match &options.resume {
-        None if zero_3_from_start => (model, optimizer, 0),
+        None if zero_3 => (model, optimizer, 0),
         None => (broadcast_parameters(model, &*groups.world)?, optimizer, 0),
         Some(location) => resume(config, location, model, optimizer, groups, device)?,
     };
     let (world_rank, world) = (groups.world_rank(), groups.world.size());
-    let keeps_master_weights = first_step == 0 && !zero_3_from_start;
+    let keeps_master_weights = first_step == 0 && !zero_3;
     let sharded_place = match &mut optimizer {
         RankOptimizer::Replicated(_) => None,
         RankOptimizer::OnHost(host) => {
@@ -633,19 +634,17 @@ where
         ulysses_training::check_folder_shared(dir, &*groups.world)?;
     }
     // The f32 master weights are the optimizer's: the model keeps the compute copy alone.
-    if sharded_place.is_some() && compute_dtype != FloatDType::F32 && !zero_3_from_start {
+    if sharded_place.is_some() && compute_dtype != FloatDType::F32 && !zero_3 {
         model = with_parameters_in(model, compute_dtype);
     }
     let mut parts = None;
-    if let (3, Some(place)) = (config.zero_stage, sharded_place) {
+    if zero_3 {
+        let from = if options.resume.is_some() { PartsFrom::Masters } else { PartsFrom::Rank0 };
         let (on_host, world_comm) = (config.offload_parameters, &*groups.world);
         let (placeholders, mut sharded) = match &mut optimizer {
-            RankOptimizer::OnHost(host) if zero_3_from_start => ShardedParameters::shard_from_rank_0(model, host, compute_dtype, on_host, device, world_comm)?,
-            RankOptimizer::OnDevice(on_device) if zero_3_from_start => ShardedParameters::shard_from_rank_0(model, on_device, compute_dtype, on_host, device, world_comm)?,
-            _ => {
-                let (placeholders, sharded) = ShardedParameters::shard(model, world_rank, world, place)?;
-                (placeholders, if on_host { sharded.with_parts_on_host() } else { sharded })
-            }
+            RankOptimizer::OnHost(host) => ShardedParameters::shard_from(model, from, host, compute_dtype, on_host, device, world_comm)?,
+            RankOptimizer::OnDevice(on_device) => ShardedParameters::shard_from(model, from, on_device, compute_dtype, on_host, device, world_comm)?,
+            RankOptimizer::Replicated(_) => return Err(UlyssesError::InvalidConfig("ZeRO-3 with a replicated optimizer: --zero 3 shards the optimizer's state too".into())),
         };
         if let (true, RankOptimizer::OnHost(host)) = (config.offload_parameters, &mut optimizer) {
             sharded.share_master_weights(host)?;
@@ -1173,12 +1172,12 @@ where
             (model, RankOptimizer::Replicated(optimizer), state)
         }
         RankOptimizer::OnHost(fresh) => {
-            let (model, mut optimizer, state) = load_sharded_training_checkpoint(location, model, &*groups.world)?;
+            let (model, mut optimizer, state) = load_sharded(config, location, model, &*groups.world)?;
             optimizer.set_threads(fresh.threads());
             (model, RankOptimizer::OnHost(optimizer), state)
         }
         RankOptimizer::OnDevice(_) => {
-            let (model, optimizer, state) = load_sharded_training_checkpoint(location, model, &*groups.world)?;
+            let (model, optimizer, state) = load_sharded(config, location, model, &*groups.world)?;
             (model, RankOptimizer::OnDevice(DeviceShardedAdamW::from_host(&optimizer, device)), state)
         }
     };
@@ -1201,6 +1200,17 @@ where
         tracing::info!(step = state.completed_steps, from = %location.display(), "resuming");
     }
     Ok((model, optimizer, state.data_position))
+}
+
+/// A sharded checkpoint's optimizer state and run state, with `model` set from its master
+/// weights, or (ZeRO-3, which cuts its parts from them: `ShardedParameters::shard_from`)
+/// left as it is, possibly lazy.
+fn load_sharded<B: TrainBackend>(config: &TrainConfig, location: &Path, model: Decoder<B>, world: &dyn Communicator<B::Wire>) -> Result<(Decoder<B>, ShardedAdamW, RunState), UlyssesError> {
+    if config.zero_stage == 3 {
+        let (optimizer, state) = load_sharded_optimizer::<B, _, RunState>(location, &model, world)?;
+        return Ok((model, optimizer, state));
+    }
+    load_sharded_training_checkpoint(location, model, world)
 }
 
 /// Refuses to resume a run whose model or data would differ; warns when only the schedule does.

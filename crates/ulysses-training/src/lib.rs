@@ -54,12 +54,12 @@ mod host_adamw_tests;
 
 pub use backend::TrainBackend;
 pub use layers::{PROGRESS_TARGET, LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
-pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartOptimizer, ShardedParameters, Zero3Step};
+pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartOptimizer, PartsFrom, ShardedParameters, Zero3Step};
 pub use matrix_decay::MatrixDecayAdamW;
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters, parameter_elements, parameter_paths, with_parameters_in};
 pub use zero::{
-    STATE_FOLDER_PREFIX, ShardedAdamW, ShardedState, adamw_settings, cast_master_part, check_folder_shared, host_adamw_config, load_sharded_training_checkpoint, remove_unnamed_state_folders, save_sharded_training_checkpoint,
+    STATE_FOLDER_PREFIX, ShardedAdamW, ShardedState, adamw_settings, cast_master_part, check_folder_shared, host_adamw_config, load_sharded_optimizer, load_sharded_training_checkpoint, remove_unnamed_state_folders, save_sharded_training_checkpoint,
     sharded_state_file, sharded_state_folder,
 };
 pub use ulysses_core::host_adamw::HostAdamWConfig;

@@ -194,6 +194,11 @@ impl ShardedAdamW {
         self.parts.push(ParameterPart { elements, master: Arc::new(master), moments: AdamWMoments::default() });
     }
 
+    /// This rank's part of parameter `index`'s master weights (padded to the partition).
+    pub(super) fn master_part(&self, index: usize) -> &[f32] {
+        &self.settled()[index].master
+    }
+
     /// Bytes of optimizer state (master weights and both moments) each rank of a world of
     /// `world` holds on the host for parameters of `elements` elements each, once they have
     /// stepped: 12 bytes an element of its parts.

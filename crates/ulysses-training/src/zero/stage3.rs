@@ -133,11 +133,14 @@ pub trait PartOptimizer<B: TrainBackend> {
         Ok(())
     }
     /// Drops any state and starts holding rank `rank`'s parts of a world of `world`, none yet
-    /// ([`ShardedParameters::shard_from_rank_0`] then hands over each parameter's).
+    /// ([`ShardedParameters::shard_from`] then hands over each parameter's).
     fn begin_master_parts(&mut self, rank: usize, world: usize);
     /// Takes `master` (f32, on the device: this rank's part, padded to the partition, of the
     /// next parameter in the model's order, of `elements` elements whole) as its master weights.
     fn keep_master_part(&mut self, elements: usize, master: Tensor<B::InnerBackend, 1>);
+    /// This rank's part of parameter `index`'s master weights (f32, padded to the partition),
+    /// on `device` ([`ShardedParameters::shard_from`]; [`check_holds`](Self::check_holds) first).
+    fn master_part(&self, index: usize, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1>;
 }
 
 impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
@@ -181,6 +184,10 @@ impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
     fn keep_master_part(&mut self, elements: usize, master: Tensor<B::InnerBackend, 1>) {
         ShardedAdamW::keep_master_part(self, elements, master.into_data().convert::<f32>().to_vec::<f32>().expect("f32 values"));
     }
+    fn master_part(&self, index: usize, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1> {
+        let master = ShardedAdamW::master_part(self, index);
+        Tensor::from_data(TensorData::new(master.to_vec(), [master.len()]), (device, DType::F32))
+    }
 }
 
 /// `ULYSSES_HOST_ADAMW_SERIAL=1`: the step waits for the host optimizer's whole update, as
@@ -216,6 +223,9 @@ impl<B: TrainBackend> PartOptimizer<B> for DeviceShardedAdamW<B> {
     }
     fn keep_master_part(&mut self, elements: usize, master: Tensor<B::InnerBackend, 1>) {
         DeviceShardedAdamW::keep_master_part(self, elements, master);
+    }
+    fn master_part(&self, index: usize, _device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1> {
+        DeviceShardedAdamW::master_part(self, index, DType::F32)
     }
 }
 
@@ -301,7 +311,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// world of `world`, for an optimizer that runs at `optimizer`; returns the model with
     /// placeholders in their place (the same ids and gradient flags, one element each) and the
     /// parts. Refused when two layers ([`LayeredLm::visit_layer`]) claim the same parameter.
-    /// [`shard_from_rank_0`](Self::shard_from_rank_0) does it without a whole model.
+    /// [`shard_from`](Self::shard_from) does it without a whole model.
     pub fn shard<M: AutodiffModule<B> + LayeredLm<B>>(model: M, rank: usize, world: usize, optimizer: OptimizerPlace) -> Result<(M, Self), UlyssesError> {
         let partition = Partition::new(world).ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 over a world of 0 ranks".into()))?;
         let found = float_parameters(&model);
@@ -319,19 +329,29 @@ impl<B: TrainBackend> ShardedParameters<B> {
         Ok((model.map(&mut Placeholders), Self::of_parts(partition, rank, parameters, groups, optimizer, device)))
     }
 
-    /// ZeRO-3 from a model that no rank holds whole: what [`broadcast_parameters`](crate::broadcast_parameters),
-    /// `optimizer`'s `keep_master_weights`, [`with_parameters_in`](crate::with_parameters_in)
-    /// (`compute`) and [`shard`](Self::shard) make in turn, one parameter at a time in the
-    /// model's order. World rank 0's value of each (built, or built now where burn left it
-    /// lazy, as `Config::init` does) is broadcast; this rank keeps its part as `optimizer`'s f32
-    /// master weights and, cast to `compute`, as its part of the compute copy (on `device`, or
+    /// ZeRO-3 from a model that no rank holds whole, one parameter at a time in the model's
+    /// order, each rank keeping its part of the compute copy, cast to `compute`, on `device` (or
     /// in host memory where `parts_on_host`, as [`with_parts_on_host`](Self::with_parts_on_host)
-    /// keeps them); the whole parameter is let go before the next. The other ranks never build
-    /// a lazy parameter: they receive it. So a rank holds one parameter whole beside its parts,
-    /// where the four steps hold the whole model (a copy a rank thread), and a lazy model is
-    /// built from the seeded generator in the order `fork` builds it. Collective over `world`.
-    pub fn shard_from_rank_0<M, O>(
+    /// keeps them), and leaving a placeholder in the model:
+    ///
+    /// - [`PartsFrom::Rank0`]: what [`broadcast_parameters`](crate::broadcast_parameters),
+    ///   `optimizer`'s `keep_master_weights`, [`with_parameters_in`](crate::with_parameters_in)
+    ///   and [`shard`](Self::shard) make in turn. World rank 0's value of each parameter (built,
+    ///   or built now where burn left it lazy, as `Config::init` does) is broadcast, this rank
+    ///   keeps its part as `optimizer`'s f32 master weights and cast as the compute copy's, and
+    ///   the whole is let go before the next. The other ranks never build a lazy parameter: they
+    ///   receive it. So a rank holds one parameter whole beside its parts, where the four steps
+    ///   hold the whole model (a copy a rank thread), and a lazy model is built from the seeded
+    ///   generator in the order `fork` builds it.
+    /// - [`PartsFrom::Masters`]: the compute copy's parts are `optimizer`'s master weights (a
+    ///   resumed run's, loaded as this rank's parts) cast; nothing is gathered or built. What
+    ///   the master weights all-gathered into the model, cast and cut give. Refused when the
+    ///   optimizer holds parts of another model, rank or world.
+    ///
+    /// Collective over `world`.
+    pub fn shard_from<M, O>(
         model: M,
+        from: PartsFrom,
         optimizer: &mut O,
         compute: FloatDType,
         parts_on_host: bool,
@@ -351,8 +371,11 @@ impl<B: TrainBackend> ShardedParameters<B> {
         if ids.0.is_empty() {
             return Err(UlyssesError::InvalidConfig("ZeRO-3 of a model without parameters".into()));
         }
-        optimizer.begin_master_parts(rank, size);
-        let mut take = TakeParts { world, optimizer, partition, compute, parts_on_host, device: device.clone(), ids: &ids.0, paths: &paths, parts: Vec::new(), error: None };
+        match from {
+            PartsFrom::Rank0 => optimizer.begin_master_parts(rank, size),
+            PartsFrom::Masters => optimizer.check_holds(rank, size, &crate::parameter_elements(&model))?,
+        }
+        let mut take = TakeParts { world, optimizer, from, partition, compute, parts_on_host, device: device.clone(), ids: &ids.0, paths: &paths, parts: Vec::new(), error: None };
         let model = model.map(&mut take);
         let TakeParts { parts, error, .. } = take;
         if let Some(error) = error {
@@ -787,11 +810,22 @@ impl Groups {
     }
 }
 
-/// [`ShardedParameters::shard_from_rank_0`]'s pass over the model: each float parameter, in
-/// turn, broadcast from world rank 0, its parts taken, a placeholder left in its place.
+/// Where [`ShardedParameters::shard_from`] takes each parameter's parts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartsFrom {
+    /// World rank 0's parameter, broadcast; the optimizer keeps this rank's part as its master
+    /// weights.
+    Rank0,
+    /// The optimizer's master weights (a resumed run's): the model's values are not read.
+    Masters,
+}
+
+/// [`ShardedParameters::shard_from`]'s pass over the model: each float parameter in turn, its
+/// parts taken, a placeholder left in its place.
 struct TakeParts<'a, B: TrainBackend, O: PartOptimizer<B>> {
     world: &'a dyn Communicator<B::Wire>,
     optimizer: &'a mut O,
+    from: PartsFrom,
     partition: Partition,
     compute: FloatDType,
     parts_on_host: bool,
@@ -806,19 +840,25 @@ struct TakeParts<'a, B: TrainBackend, O: PartOptimizer<B>> {
 }
 
 impl<B: TrainBackend, O: PartOptimizer<B>> TakeParts<'_, B, O> {
-    /// World rank 0's values of the parameter at `index` (`rank_0`: this rank's, on rank 0
-    /// alone), as this rank's f32 master part and part of the compute copy.
+    /// This rank's parts of the parameter at `index`: from world rank 0's values (`rank_0`:
+    /// this rank's, on rank 0 alone), the f32 master part too, or from the optimizer's.
     fn take(&mut self, index: usize, shape: &Shape, rank_0: Option<Tensor<B::InnerBackend, 1>>) -> Result<(), UlyssesError> {
         let elements = shape.num_elements();
-        let whole = match (rank_0, self.world.size()) {
-            (Some(values), 1) => values.cast(FloatDType::F32).to_device(&self.device),
-            (mine, _) => {
-                let mine = mine.map_or_else(|| Tensor::zeros([elements], (&self.device, DType::F32)), |values| values.cast(FloatDType::F32).to_device(&self.device));
-                float_tensor::<B::InnerBackend, 1>(self.world.broadcast(float_primitive(mine), 0)?)
+        let master = match self.from {
+            PartsFrom::Masters => self.optimizer.master_part(index, &self.device),
+            PartsFrom::Rank0 => {
+                let whole = match (rank_0, self.world.size()) {
+                    (Some(values), 1) => values.cast(FloatDType::F32).to_device(&self.device),
+                    (mine, _) => {
+                        let mine = mine.map_or_else(|| Tensor::zeros([elements], (&self.device, DType::F32)), |values| values.cast(FloatDType::F32).to_device(&self.device));
+                        float_tensor::<B::InnerBackend, 1>(self.world.broadcast(float_primitive(mine), 0)?)
+                    }
+                };
+                let master = own_part(&self.partition, self.world.rank(), whole);
+                self.optimizer.keep_master_part(elements, master.clone());
+                master
             }
         };
-        let master = own_part(&self.partition, self.world.rank(), whole);
-        self.optimizer.keep_master_part(elements, master.clone());
         let compute = if self.compute == FloatDType::F32 { master } else { master.cast(self.compute) };
         let part = if self.parts_on_host { Held::Host(compute.into_data()) } else { Held::Device(compute) };
         self.parts.push(PartOf { id: self.ids[index], path: self.paths[index].clone(), shape: shape.clone(), dtype: self.compute.into(), part });
@@ -837,8 +877,9 @@ impl<B: TrainBackend, O: PartOptimizer<B>> ModuleMapper<B> for TakeParts<'_, B, 
                 self.paths.get(index).map_or("its end", String::as_str)
             )));
         }
-        // Rank 0 builds a lazy parameter now; the others take its flag alone, building nothing.
-        let (values, param) = if self.world.rank() == 0 {
+        // Rank 0 builds a lazy parameter now, for its values; the others (and every rank taking
+        // the optimizer's) take its flag alone, building nothing.
+        let (values, param) = if self.world.rank() == 0 && self.from == PartsFrom::Rank0 {
             let (id, tensor, mapper) = param.consume();
             let requires_grad = tensor.is_require_grad();
             (Some(tensor.inner().reshape([-1])), Param::from_mapped_value(id, Tensor::from_inner(placeholder).set_require_grad(requires_grad), mapper))

@@ -449,6 +449,22 @@ where
     M: AutodiffModule<B>,
     S: serde::de::DeserializeOwned,
 {
+    let (optimizer, state) = load_sharded_optimizer::<B, M, S>(location, &model, world)?;
+    let model = optimizer.model_from_masters::<B, M>(model, world).map_err(|e| shard_error(&crate::checkpoint::checkpoint_path(location), e))?;
+    Ok((model, optimizer, state))
+}
+
+/// [`load_sharded_training_checkpoint`] without setting a model: the optimizer state (for this
+/// rank of `world`) and the saved state, checked against `model`'s parameters (their paths;
+/// it may be lazy, as `Config::init` leaves it, and stays so). ZeRO-3 cuts its parts from the
+/// master weights (`ShardedParameters::shard_from`), no whole model on any rank.
+/// Collective over `world`.
+pub fn load_sharded_optimizer<B, M, S>(location: &Path, model: &M, world: &dyn Communicator<B::Wire>) -> Result<(ShardedAdamW, S), UlyssesError>
+where
+    B: TrainBackend,
+    M: AutodiffModule<B>,
+    S: serde::de::DeserializeOwned,
+{
     let path = crate::checkpoint::checkpoint_path(location);
     let loaded = || -> Result<(S, ShardedAdamW, u64), UlyssesError> {
         let contents = crate::checkpoint::read_checkpoint::<S>(location)?;
@@ -460,7 +476,7 @@ where
             ));
         };
         // The sections go by position: the model's parameters must come in the saved order.
-        let paths = crate::parameter_paths(&model);
+        let paths = crate::parameter_paths(model);
         if !contents.parameter_paths.is_empty() && contents.parameter_paths != paths {
             let at = contents.parameter_paths.iter().zip(&paths).position(|(saved, ours)| saved != ours).unwrap_or(paths.len().min(contents.parameter_paths.len()));
             let (saved, ours) = (contents.parameter_paths.get(at).map_or("none", String::as_str), paths.get(at).map_or("none", String::as_str));
@@ -495,8 +511,7 @@ where
             format!("rank {rank} read other optimizer state than rank {} (the digests of their parts differ): every rank must read the same files (a shared file system)", world.rank()),
         ));
     }
-    let model = optimizer.model_from_masters::<B, M>(model, world).map_err(|e| shard_error(&path, e))?;
-    Ok((model, optimizer, state))
+    Ok((optimizer, state))
 }
 
 fn shard_error(path: &Path, reason: impl std::fmt::Display) -> UlyssesError {
