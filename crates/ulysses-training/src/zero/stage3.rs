@@ -879,14 +879,19 @@ impl<B: TrainBackend, O: PartOptimizer<B>> ModuleMapper<B> for TakeParts<'_, B, 
         }
         // Rank 0 builds a lazy parameter now, for its values; the others (and every rank taking
         // the optimizer's) take its flag alone, building nothing.
-        let (values, param) = if self.world.rank() == 0 && self.from == PartsFrom::Rank0 {
+        let (values, id, requires_grad, mapper) = if self.world.rank() == 0 && self.from == PartsFrom::Rank0 {
             let (id, tensor, mapper) = param.consume();
             let requires_grad = tensor.is_require_grad();
-            (Some(tensor.inner().reshape([-1])), Param::from_mapped_value(id, Tensor::from_inner(placeholder).set_require_grad(requires_grad), mapper))
+            (Some(tensor.inner().reshape([-1])), id, requires_grad, mapper)
         } else {
+            // `transform_for_load` gives a one-element tensor the parameter's gradient flag,
+            // lazy or not, building nothing.
             let id = param.id;
-            (None, param.transform_for_load(Tensor::from_inner(placeholder), id))
+            let (id, flagged, mapper) = param.transform_for_load(Tensor::from_inner(placeholder.clone()), id).consume();
+            (None, id, flagged.is_require_grad(), mapper)
         };
+        // The placeholder on this rank's device, whichever device the model was built for.
+        let param = Param::from_mapped_value(id, Tensor::from_inner(placeholder).set_require_grad(requires_grad), mapper);
         if self.error.is_none()
             && let Err(error) = self.take(index, &shape, values)
         {
