@@ -1213,3 +1213,30 @@ fn zero_3_gathers_an_untied_head_apart_from_the_embedding() {
         }
     }
 }
+
+/// ZeRO-3 cut from master weights that are not this rank's (another rank's or world's, or
+/// another model's) is refused before any part is cut, naming what the optimizer holds: a
+/// resume must load the state for its own place (`ShardedAdamW::load` re-partitions it).
+#[test]
+fn zero_3_cut_from_master_weights_of_another_place_is_refused() {
+    use ulysses_training::{HostAdamWConfig, PartsFrom, ShardedAdamW, ShardedParameters};
+    let config = DecoderConfig::new(VOCAB).with_d_model(32).with_n_layers(2).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_repeat_kv(false);
+    let run = move || {
+        ThreadGroup::new(1).run(|rank| {
+            let device = Default::default();
+            let mut errors = Vec::new();
+            for (held_by, rank_of, world_of) in [(config.clone(), 1, 2), (config.clone().with_n_layers(1), 0, 1)] {
+                let mut host = ShardedAdamW::new(HostAdamWConfig::default());
+                host.keep_master_weights(&held_by.init::<Sp>(&device), rank_of, world_of);
+                let cut = ShardedParameters::shard_from(config.init::<Sp>(&device), PartsFrom::Masters, &mut host, FloatDType::F32, false, &device, &*rank.communicator());
+                errors.push(cut.err().map(|e| e.to_string()));
+            }
+            errors
+        })
+    };
+    let errors = with_deadline(Duration::from_secs(60), run).pop().unwrap().unwrap_or_else(|p| panic!("{p}"));
+    let another_world = errors[0].as_deref().expect("master weights of rank 1 of 2 cut as rank 0 of 1");
+    assert!(another_world.contains("rank 1's parts of a world of 2") && another_world.contains("rank 0 of 1"), "{another_world}");
+    let another_model = errors[1].as_deref().expect("master weights of a 1-layer model cut into a 2-layer one");
+    assert!(another_model.contains("one sharded optimizer per model"), "{another_model}");
+}
