@@ -779,9 +779,11 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
         let _sp = enter_sp(&groups);
         let device = Default::default();
         let from_rank_0 = matches!(zero, Zero::Stage3FromRank0 | Zero::Stage3FromRank0OnDevice);
+        // Lazy, the fixture's shape: a model whose parameters are never built.
+        let never_built = || DecoderConfig::from_hf(&ulysses_models::checkpoint_config(&fixture).unwrap()).init::<Sp>(&device);
         let mut model = match from_rank_0 && rank.rank() != 0 {
-            // Lazy, never built: world rank 0's values arrive one parameter at a time.
-            true => DecoderConfig::from_hf(&ulysses_models::checkpoint_config(&fixture).unwrap()).init::<Sp>(&device),
+            // World rank 0's values arrive one parameter at a time.
+            true => never_built(),
             false => ulysses_models::from_pretrained::<Sp>(&fixture, &device).unwrap().model,
         };
         let whole_bytes: usize = 4 * ulysses_training::parameter_elements(&model).iter().sum::<usize>();
@@ -804,8 +806,7 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
         }
         if zero == Zero::Stage3FromMasters {
             sharded_state.keep_master_weights(&model, rank.rank(), 4);
-            let never_built = DecoderConfig::from_hf(&ulysses_models::checkpoint_config(&fixture).unwrap()).init::<Sp>(&device);
-            let (placeholders, sharded) = ShardedParameters::shard_from(never_built, PartsFrom::Masters, &mut sharded_state, FloatDType::F32, false, &device, &*groups.world).unwrap();
+            let (placeholders, sharded) = ShardedParameters::shard_from(never_built(), PartsFrom::Masters, &mut sharded_state, FloatDType::F32, false, &device, &*groups.world).unwrap();
             (model, parts) = (placeholders, Some(sharded));
         }
         if from_rank_0 {

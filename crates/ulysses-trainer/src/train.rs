@@ -22,7 +22,7 @@ use burn_ulysses::{
     precision::Precision,
 };
 use ulysses_training::{
-    DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, MatrixDecayAdamW, OptimizerPlace, ParameterGroup, PartsFrom, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
+    DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, MatrixDecayAdamW, ParameterGroup, PartsFrom, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
     apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters, join_layered_output_gathers, layered_output,
     host_adamw_config, load_sharded_optimizer, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
     checkpoint::{load_training_checkpoint, read_checkpoint_state, TrainingCheckpoint, write_atomically_with},
@@ -609,32 +609,25 @@ where
         Some(location) => resume(config, location, model, optimizer, groups, device)?,
     };
     let (world_rank, world) = (groups.world_rank(), groups.world.size());
-    let keeps_master_weights = first_step == 0 && !zero_3;
-    let sharded_place = match &mut optimizer {
-        RankOptimizer::Replicated(_) => None,
-        RankOptimizer::OnHost(host) => {
-            if keeps_master_weights {
-                host.keep_master_weights(&model, world_rank, world);
-            }
-            Some(OptimizerPlace::Host)
+    // ZeRO-3's cut takes them itself.
+    if first_step == 0 && !zero_3 {
+        match &mut optimizer {
+            RankOptimizer::Replicated(_) => {}
+            RankOptimizer::OnHost(host) => host.keep_master_weights(&model, world_rank, world),
+            RankOptimizer::OnDevice(on_device) => on_device.keep_master_weights(&model, world_rank, world),
         }
-        RankOptimizer::OnDevice(on_device) => {
-            if keeps_master_weights {
-                on_device.keep_master_weights(&model, world_rank, world);
-            }
-            Some(OptimizerPlace::Device)
-        }
-    };
+    }
+    let sharded = !matches!(optimizer, RankOptimizer::Replicated(_));
     // The order of a sharded checkpoint's sections (a ZeRO-3 model holds placeholders later);
     // a replicated checkpoint goes by name.
-    let parameter_paths = sharded_place.map(|_| ulysses_training::parameter_paths(&model)).unwrap_or_default();
+    let parameter_paths = if sharded { ulysses_training::parameter_paths(&model) } else { Vec::new() };
     // Each rank writes its part of a sharded checkpoint: a folder of each node's own is found
     // now, not at the first checkpoint.
-    if let (Some(_), Some(dir)) = (sharded_place, &options.checkpoint_dir) {
+    if let (true, Some(dir)) = (sharded, &options.checkpoint_dir) {
         ulysses_training::check_folder_shared(dir, &*groups.world)?;
     }
     // The f32 master weights are the optimizer's: the model keeps the compute copy alone.
-    if sharded_place.is_some() && compute_dtype != FloatDType::F32 && !zero_3 {
+    if sharded && compute_dtype != FloatDType::F32 && !zero_3 {
         model = with_parameters_in(model, compute_dtype);
     }
     let mut parts = None;

@@ -138,9 +138,10 @@ pub trait PartOptimizer<B: TrainBackend> {
     /// Takes `master` (f32, on the device: this rank's part, padded to the partition, of the
     /// next parameter in the model's order, of `elements` elements whole) as its master weights.
     fn keep_master_part(&mut self, elements: usize, master: Tensor<B::InnerBackend, 1>);
-    /// This rank's part of parameter `index`'s master weights (f32, padded to the partition),
-    /// on `device` ([`ShardedParameters::shard_from`]; [`check_holds`](Self::check_holds) first).
-    fn master_part(&self, index: usize, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1>;
+    /// This rank's part of parameter `index`'s master weights (padded to the partition) cast to
+    /// `dtype`, on `device`: its part of the compute copy ([`ShardedParameters::shard_from`]
+    /// from the master weights; [`check_holds`](Self::check_holds) first).
+    fn compute_part(&self, index: usize, dtype: FloatDType, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1>;
 }
 
 impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
@@ -184,9 +185,9 @@ impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
     fn keep_master_part(&mut self, elements: usize, master: Tensor<B::InnerBackend, 1>) {
         ShardedAdamW::keep_master_part(self, elements, master.into_data().convert::<f32>().to_vec::<f32>().expect("f32 values"));
     }
-    fn master_part(&self, index: usize, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1> {
-        let master = ShardedAdamW::master_part(self, index);
-        Tensor::from_data(TensorData::new(master.to_vec(), [master.len()]), (device, DType::F32))
+    fn compute_part(&self, index: usize, dtype: FloatDType, device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1> {
+        // Cast on the host, as the update thread casts each new part: half the bytes uploaded in bf16.
+        Tensor::from_data(cast_master_part(ShardedAdamW::master_part(self, index), dtype.into(), self.threads()), (device, DType::from(dtype)))
     }
 }
 
@@ -224,8 +225,8 @@ impl<B: TrainBackend> PartOptimizer<B> for DeviceShardedAdamW<B> {
     fn keep_master_part(&mut self, elements: usize, master: Tensor<B::InnerBackend, 1>) {
         DeviceShardedAdamW::keep_master_part(self, elements, master);
     }
-    fn master_part(&self, index: usize, _device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1> {
-        DeviceShardedAdamW::master_part(self, index, DType::F32)
+    fn compute_part(&self, index: usize, dtype: FloatDType, _device: &burn::tensor::Device<B::InnerBackend>) -> Tensor<B::InnerBackend, 1> {
+        DeviceShardedAdamW::master_part(self, index, dtype.into())
     }
 }
 
@@ -844,8 +845,8 @@ impl<B: TrainBackend, O: PartOptimizer<B>> TakeParts<'_, B, O> {
     /// this rank's, on rank 0 alone), the f32 master part too, or from the optimizer's.
     fn take(&mut self, index: usize, shape: &Shape, rank_0: Option<Tensor<B::InnerBackend, 1>>) -> Result<(), UlyssesError> {
         let elements = shape.num_elements();
-        let master = match self.from {
-            PartsFrom::Masters => self.optimizer.master_part(index, &self.device),
+        let compute = match self.from {
+            PartsFrom::Masters => self.optimizer.compute_part(index, self.compute, &self.device),
             PartsFrom::Rank0 => {
                 let whole = match (rank_0, self.world.size()) {
                     (Some(values), 1) => values.cast(FloatDType::F32).to_device(&self.device),
@@ -856,10 +857,9 @@ impl<B: TrainBackend, O: PartOptimizer<B>> TakeParts<'_, B, O> {
                 };
                 let master = own_part(&self.partition, self.world.rank(), whole);
                 self.optimizer.keep_master_part(elements, master.clone());
-                master
+                if self.compute == FloatDType::F32 { master } else { master.cast(self.compute) }
             }
         };
-        let compute = if self.compute == FloatDType::F32 { master } else { master.cast(self.compute) };
         let part = if self.parts_on_host { Held::Host(compute.into_data()) } else { Held::Device(compute) };
         self.parts.push(PartOf { id: self.ids[index], path: self.paths[index].clone(), shape: shape.clone(), dtype: self.compute.into(), part });
         Ok(())
