@@ -32,7 +32,7 @@ use burn_ulysses::{
     comm::ThreadGroup,
     data::SequenceSharder,
 };
-use ulysses_models::{Decoder, DecoderConfig};
+use ulysses_models::{Decoder, DecoderConfig, HfConfig, from_pretrained_lazily, save_pretrained};
 use ulysses_suite::{
     VariedLengths, deterministic_params, parameter_values,
     rank_memory::{RankCounting, count_as_rank, live_bytes, process_live_bytes, process_peak_bytes, reset_process_peak},
@@ -243,51 +243,85 @@ fn unused_slots(count: usize) -> usize {
 }
 
 /// ZeRO-3 cut from world rank 0's parameters one at a time
-/// (`ShardedParameters::shard_from`), from a model that burn left lazy: at world 4 the
-/// process never holds more than an eighth of the model in f32 beside what the ranks keep
-/// (cutting whole models, every rank held one: four more), and the parameters are the ones
-/// `fork` builds from the same seed (world rank 0 builds them in its order; the others build none).
+/// (`ShardedParameters::shard_from`), from a model that burn left lazy, built from its config
+/// or read from a checkpoint folder (`from_pretrained_lazily`): at world 4 the process never
+/// holds more than an eighth of the model in f32 beside what the ranks keep (cutting whole
+/// models, every rank held one: four more; reading the folder whole, rank 0 held one more),
+/// and the parameters are the ones `fork` builds from the same seed, or the folder's (world
+/// rank 0 builds or reads them in its order; the others build none).
 #[test]
 fn zero_3_cut_from_rank_0_builds_no_whole_model() {
-    const WORLD: usize = 4;
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let config = DecoderConfig::new(256).with_d_model(128).with_n_layers(64).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(512).with_repeat_kv(false);
-    let run = move || {
-        let device = Default::default();
-        <Sp as Backend>::seed(&device, 11);
-        let expected = parameter_values(&config.init::<Sp>(&device).fork(&device));
-        let model_bytes: usize = 4 * expected.iter().map(|(_, values)| values.len()).sum::<usize>();
-        <Sp as Backend>::seed(&device, 11);
-        let lazy: Decoder<Sp> = config.init(&device);
-        let (lazy, expected) = (&lazy, &expected);
-        let (kept, peak, ready) = (AtomicUsize::new(0), AtomicUsize::new(0), Barrier::new(WORLD));
-        let (kept, peak, ready) = (&kept, &peak, &ready);
-        let before = process_live_bytes();
-        reset_process_peak();
-        let slots = unused_slots(WORLD);
-        let ranks = ThreadGroup::new(WORLD).run(|rank| {
-            let slot = slots + rank.rank();
-            count_as_rank(slot);
-            let start = live_bytes(slot);
-            let mut host = ShardedAdamW::new(HostAdamWConfig::default());
-            let world = rank.communicator();
-            let (placeholders, mut parts) = ShardedParameters::shard_from(lazy.clone(), PartsFrom::Rank0, &mut host, FloatDType::F32, false, &device, &*world).unwrap();
-            kept.fetch_add(live_bytes(slot) - start, Ordering::Relaxed);
-            if ready.wait().is_leader() {
-                peak.store(process_peak_bytes().saturating_sub(before), Ordering::Relaxed);
-            }
-            ready.wait();
-            let gathered = parameter_values(&parts.gather_all(placeholders, &*world).unwrap());
-            gathered.iter().zip(expected).find(|((_, got), (_, want))| got.iter().zip(want).any(|(a, b)| a.to_bits() != b.to_bits())).map(|((name, _), _)| name.clone())
-        });
-        let differing: Vec<String> = ranks.into_iter().filter_map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
-        (model_bytes, kept.load(Ordering::Relaxed), peak.load(Ordering::Relaxed), differing)
+    let hf = HfConfig::from_hf_json(
+        r#"{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512, "tie_word_embeddings": true}"#,
+        "config.json",
+    )
+    .unwrap();
+    let config = DecoderConfig::from_hf(&hf).with_repeat_kv(false);
+    let device = Default::default();
+    <Sp as Backend>::seed(&device, 11);
+    let built = config.init::<Sp>(&device).fork(&device);
+    let expected = parameter_values(&built);
+    let folder = std::env::temp_dir().join(format!("ulysses-zero-memory-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&folder);
+    save_pretrained(&built, &hf, &folder, burn::tensor::DType::F32).unwrap();
+    drop(built);
+    let from_config = move || {
+        <Sp as Backend>::seed(&Default::default(), 11);
+        config.init(&Default::default())
     };
-    let (model_bytes, kept, peak, differing) = with_deadline(Duration::from_secs(300), run);
-    println!("ZeRO-3 cut from world rank 0's parameters at world {WORLD}: the ranks keep {:.2} MB of a {:.2} MB model (f32); the process held at most {:.2} MB", mb(kept), mb(model_bytes), mb(peak));
-    assert!(differing.is_empty(), "the ranks' parameters are not the ones fork builds from the same seed: {differing:?}");
-    assert!(kept >= 2 * model_bytes, "the ranks keep {kept} bytes of a {model_bytes}-byte model: each a quarter of the compute copy and of the master weights expected");
-    assert!(peak <= kept + model_bytes / 8, "the process held up to {peak} bytes while the ranks cut their parts (they keep {kept}) of a {model_bytes}-byte model");
+    let from_folder = {
+        let folder = folder.clone();
+        move || from_pretrained_lazily::<Sp>(&folder, &Default::default()).unwrap().model.with_repeat_kv(false)
+    };
+    let sources: [(&str, Box<dyn FnOnce() -> Decoder<Sp> + Send>); 2] = [("built from its config", Box::new(from_config)), ("read from a checkpoint folder", Box::new(from_folder))];
+    for (source, lazy) in sources {
+        let expected = expected.clone();
+        let (model_bytes, kept, peak, differing) = with_deadline(Duration::from_secs(300), move || cut_at_world_4(lazy, &expected));
+        println!(
+            "ZeRO-3 cut from world rank 0's parameters ({source}) at world 4: the ranks keep {:.2} MB of a {:.2} MB model (f32); the process held at most {:.2} MB",
+            mb(kept),
+            mb(model_bytes),
+            mb(peak)
+        );
+        assert!(differing.is_empty(), "{source}: the ranks' parameters are not the ones expected: {differing:?}");
+        assert!(kept >= 2 * model_bytes, "{source}: the ranks keep {kept} bytes of a {model_bytes}-byte model: each a quarter of the compute copy and of the master weights expected");
+        assert!(peak <= kept + model_bytes / 8, "{source}: the process held up to {peak} bytes while the ranks cut their parts (they keep {kept}) of a {model_bytes}-byte model");
+    }
+    std::fs::remove_dir_all(folder).unwrap();
+}
+
+/// Four ranks cut their ZeRO-3 parts from world rank 0's copy of the model `lazy` makes: the
+/// model's f32 bytes, what the ranks keep, the process's peak above what it held before the
+/// model was made, and the parameters (gathered back) that differ from `expected`.
+fn cut_at_world_4(lazy: impl FnOnce() -> Decoder<Sp>, expected: &[(String, Vec<f32>)]) -> (usize, usize, usize, Vec<String>) {
+    const WORLD: usize = 4;
+    let device = Default::default();
+    let model_bytes: usize = 4 * expected.iter().map(|(_, values)| values.len()).sum::<usize>();
+    let (kept, peak, ready) = (AtomicUsize::new(0), AtomicUsize::new(0), Barrier::new(WORLD));
+    let (kept, peak, ready) = (&kept, &peak, &ready);
+    let before = process_live_bytes();
+    reset_process_peak();
+    let lazy = &lazy();
+    let slots = unused_slots(WORLD);
+    let ranks = ThreadGroup::new(WORLD).run(|rank| {
+        let slot = slots + rank.rank();
+        count_as_rank(slot);
+        let start = live_bytes(slot);
+        let mut host = ShardedAdamW::new(HostAdamWConfig::default());
+        let world = rank.communicator();
+        let (placeholders, mut parts) = ShardedParameters::shard_from(lazy.clone(), PartsFrom::Rank0, &mut host, FloatDType::F32, false, &device, &*world).unwrap();
+        kept.fetch_add(live_bytes(slot) - start, Ordering::Relaxed);
+        if ready.wait().is_leader() {
+            peak.store(process_peak_bytes().saturating_sub(before), Ordering::Relaxed);
+        }
+        ready.wait();
+        let gathered = parameter_values(&parts.gather_all(placeholders, &*world).unwrap());
+        gathered.iter().zip(expected).find(|((_, got), (_, want))| got.iter().zip(want).any(|(a, b)| a.to_bits() != b.to_bits())).map(|((name, _), _)| name.clone())
+    });
+    let differing = ranks.into_iter().filter_map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
+    (model_bytes, kept.load(Ordering::Relaxed), peak.load(Ordering::Relaxed), differing)
 }
 
 /// Under ZeRO-3 rank 0 writes the model while the ranks gather it a layer at a time

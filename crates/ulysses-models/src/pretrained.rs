@@ -5,20 +5,26 @@
 //!
 //! Hugging Face names each tensor after its module path (`model.layers.3.self_attn.q_proj.weight`)
 //! and stores linear weights `[out, in]`; the decoder's record names them after its own fields
-//! and holds `[in, out]`. [`HF_TO_DECODER`] renames, burn-store's PyTorch adapter transposes, and
-//! every tensor becomes f32 (the master weights) whatever the file holds (bf16, f16, f32).
-//! Every tensor the decoder has must come from the files with its shape, and every tensor in
-//! the files must be used: otherwise the error names the tensor and the file, before training.
+//! and holds `[in, out]`. [`HF_TO_DECODER`] renames, a `Linear`'s weight is transposed (as
+//! burn-store's PyTorch adapter does), and every tensor becomes f32 (the master weights)
+//! whatever the file holds (bf16, f16, f32). Every tensor the decoder has must come from the
+//! files with its shape, and every tensor in the files must be used: otherwise the error names
+//! the tensor and the file, before training, and before any weight is read. The weights are
+//! read one tensor at a time, now or when each parameter is first used
+//! ([`from_pretrained_lazily`], for ZeRO-3, which never holds the whole model).
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fmt,
     path::{Path, PathBuf},
     rc::Rc,
 };
 
-use burn::tensor::{DType, backend::Backend};
-use burn_store::{ApplyError, BurnToPyTorchAdapter, KeyRemapper, ModuleAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore, TensorSnapshot};
+use burn::{
+    module::{Module, ModuleMapper, Param},
+    tensor::{DType, Tensor, TensorData, backend::Backend},
+};
+use burn_store::{BurnToPyTorchAdapter, KeyRemapper, ModuleAdapter, ModuleSnapshot, SafetensorsStore, TensorSnapshot};
 
 use crate::{
     ConfigError, HfConfig,
@@ -133,6 +139,20 @@ pub struct Pretrained<B: Backend> {
 /// (the returned config says so, and a save writes it so), with a warning; one alone is the
 /// embeddings.
 pub fn from_pretrained<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pretrained<B>, CheckpointError> {
+    load(dir, device, false)
+}
+
+/// [`from_pretrained`] with every check made (names, shapes, dtypes, each tensor's bytes in
+/// its file) but no weight read: each parameter is a lazy one (burn's `Param::uninitialized`)
+/// that reads its tensor from the files when first used. Code that takes a model apart one
+/// parameter at a time (ZeRO-3's cut, `ShardedParameters::shard_from`) then never holds the
+/// whole model. The files must stay as they are until then: a parameter whose file changed
+/// since panics, naming the file.
+pub fn from_pretrained_lazily<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pretrained<B>, CheckpointError> {
+    load(dir, device, true)
+}
+
+fn load<B: Backend>(dir: &Path, device: &B::Device, lazily: bool) -> Result<Pretrained<B>, CheckpointError> {
     let (config, headers, tied) = config_and_weights(dir)?;
     if tied == TiedWeights::Different {
         tracing::warn!(
@@ -141,44 +161,125 @@ pub fn from_pretrained<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pre
              the head its own, as transformers 5 loads it (saved with tie_word_embeddings false). To tie them, remove lm_head.weight"
         );
     }
-    let mut model = DecoderConfig::from_hf(&config).init::<B>(device);
-    let expected: BTreeSet<String> = model.collect(None, None, false).iter().map(TensorSnapshot::full_path).collect();
-    let mut loaded = BTreeSet::new();
-    for SafetensorsHeader { file, .. } in headers {
-        let mut store = SafetensorsStore::from_file(&file).with_from_adapter(PyTorchToBurnAdapter.chain(CastFloats(DType::F32))).allow_partial(true).validate(false);
-        for (from, to) in HF_TO_DECODER {
-            store = store.with_key_remapping(from, to);
-        }
-        if tied == TiedWeights::HeadAlone {
-            // The tied weight's one copy, under the head's name.
-            store = store.with_key_remapping(r"^lm_head\.weight$", "embedding.weight");
-        }
-        let result = model.load_from(&mut store).map_err(|e| CheckpointError::file(&file, e))?;
-        let tensor_error = |tensor: &str, problem: String| CheckpointError::Tensor { file: file.display().to_string(), tensor: hf_name(tensor), problem };
-        if let Some(error) = result.errors.first() {
-            return Err(match error {
-                ApplyError::ShapeMismatch { path, expected, found } => tensor_error(path, format!("has shape {found:?}; config.json makes it {expected:?}")),
-                other => CheckpointError::file(&file, format!("{other:?}")),
-            });
-        }
-        // What transformers skips too: RoPE's frequencies kept by old conversions (computed
-        // from config.json here), and a tied head saved beside the embeddings, equal to them.
-        for unused in &result.unused {
-            if unused.ends_with("rotary_emb.inv_freq") || (unused.as_str() == HEAD && config.tie_word_embeddings) {
-                continue;
-            }
-            return Err(tensor_error(unused, "is not used: this decoder has no such tensor".into()));
-        }
-        for tensor in result.applied {
-            if !loaded.insert(tensor.clone()) {
-                return Err(tensor_error(&tensor, "is in more than one file".into()));
-            }
-        }
+    let sources = decoder_sources(&headers, tied)?;
+    // Built lazily by burn: `ReadWeights` replaces each parameter before its init runs.
+    let model = DecoderConfig::from_hf(&config).init::<B>(device);
+    let mut reader = ReadWeights { sources: &sources, lazily, path: Vec::new(), containers: Vec::new(), used: BTreeSet::new(), missing: None, error: None };
+    let model = model.map(&mut reader);
+    if let Some(error) = reader.error {
+        return Err(error);
     }
-    if let Some(missing) = expected.difference(&loaded).next() {
-        return Err(CheckpointError::Tensor { file: dir.display().to_string(), tensor: hf_name(missing), problem: "is missing from the weight files".into() });
+    // What transformers skips too: RoPE's frequencies kept by old conversions (computed from
+    // config.json here), and a tied head saved beside the embeddings, equal to them.
+    let unused = sources.iter().filter(|(path, _)| !reader.used.contains(*path));
+    for (path, source) in unused {
+        if path.ends_with("rotary_emb.inv_freq") || (path.as_str() == HEAD && config.tie_word_embeddings) {
+            continue;
+        }
+        return Err(source.error("is not used: this decoder has no such tensor".into()));
+    }
+    if let Some(missing) = reader.missing {
+        return Err(CheckpointError::Tensor { file: dir.display().to_string(), tensor: hf_name(&missing), problem: "is missing from the weight files".into() });
     }
     Ok(Pretrained { config, model })
+}
+
+/// Every tensor of the weight files under the decoder's name for it ([`HF_TO_DECODER`]; a
+/// tied head alone becomes the embeddings), each checked to lie whole in its file.
+fn decoder_sources(headers: &[SafetensorsHeader], tied: TiedWeights) -> Result<BTreeMap<String, TensorSource>, CheckpointError> {
+    let mut renames = HF_TO_DECODER.to_vec();
+    if tied == TiedWeights::HeadAlone {
+        // The tied weight's one copy, under the head's name.
+        renames.push((r"^lm_head\.weight$", "embedding.weight"));
+    }
+    let mut sources = BTreeMap::new();
+    for header in headers {
+        let names: Vec<&String> = header.tensors.keys().filter(|name| *name != "__metadata__").collect();
+        for (name, path) in names.iter().zip(renamed(&renames, names.iter().map(|name| name.as_str()))) {
+            let source = TensorSource::new(header, name, &header.tensors[name.as_str()])?;
+            if sources.contains_key(&path) {
+                return Err(source.error("is in more than one file".into()));
+            }
+            sources.insert(path, source);
+        }
+    }
+    Ok(sources)
+}
+
+/// Each float parameter of a decoder given its tensor from the files: read now, or lazily.
+/// Follows the paths as burn-store's `Applier` does, and transposes where its PyTorch adapter
+/// does (a `Linear`'s weight: Hugging Face's `[out, in]`, the decoder's `[in, out]`).
+struct ReadWeights<'a> {
+    sources: &'a BTreeMap<String, TensorSource>,
+    lazily: bool,
+    path: Vec<String>,
+    containers: Vec<String>,
+    used: BTreeSet<String>,
+    /// The first parameter no file holds.
+    missing: Option<String>,
+    /// The first tensor that does not fit or cannot be read: the parameters after it are left
+    /// as they are.
+    error: Option<CheckpointError>,
+}
+
+impl<B: Backend> ModuleMapper<B> for ReadWeights<'_> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.containers.push(container_type.to_string());
+        if !container_type.starts_with("Enum:") {
+            self.path.push(name.to_string());
+        }
+    }
+
+    fn exit_module(&mut self, _name: &str, container_type: &str) {
+        self.containers.pop();
+        if !container_type.starts_with("Enum:") {
+            self.path.pop();
+        }
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let path = self.path.join(".");
+        if self.error.is_some() {
+            return param;
+        }
+        let Some(source) = self.sources.get(&path) else {
+            self.missing.get_or_insert(path);
+            return param;
+        };
+        self.used.insert(path);
+        let module = self.containers.iter().rev().find(|container| container.starts_with("Struct:") || container.starts_with("Enum:"));
+        let transposed = D == 2 && module.is_some_and(|module| module == "Struct:Linear") && self.path.last().is_some_and(|name| name == "weight");
+        let shape = param.lazy_shape();
+        let mut expected = shape.dims::<D>().to_vec();
+        if transposed {
+            expected.reverse();
+        }
+        if source.shape != expected {
+            self.error = Some(source.error(format!("has shape {:?}; config.json makes it {expected:?}", source.shape)));
+            return param;
+        }
+        let source = TensorSource { transposed, ..source.clone() };
+        if self.lazily {
+            let device = param.lazy_device();
+            let (id, requires_grad, _) = ulysses_training::take_lazy_flag(param);
+            let init = move |device: &B::Device, requires_grad: bool| {
+                let data = source.read().unwrap_or_else(|error| panic!("{error}, which was whole when the model was loaded lazily: the file changed since; load it again"));
+                Tensor::from_data(data, (device, DType::F32)).set_require_grad(requires_grad)
+            };
+            return Param::uninitialized(id, init, device, requires_grad, shape);
+        }
+        match source.read() {
+            Ok(data) => {
+                let id = param.id;
+                let tensor = Tensor::from_data(data, (&param.lazy_device(), DType::F32));
+                param.transform_for_load(tensor, id)
+            }
+            Err(error) => {
+                self.error = Some(error);
+                param
+            }
+        }
+    }
 }
 
 /// The weight files of a checkpoint folder: the single file, else the shards its index lists
@@ -324,8 +425,8 @@ fn tied_weights(headers: &[SafetensorsHeader]) -> Result<TiedWeights, Checkpoint
     if embeddings.1["shape"] != head.1["shape"] {
         return Ok(TiedWeights::Different);
     }
-    let mut embeddings = TensorValues::open(embeddings.0, EMBEDDINGS, embeddings.1)?;
-    let mut head = TensorValues::open(head.0, HEAD, head.1)?;
+    let mut embeddings = TensorSource::new(embeddings.0, EMBEDDINGS, embeddings.1)?.values()?;
+    let mut head = TensorSource::new(head.0, HEAD, head.1)?.values()?;
     // Same shapes, and each tensor's bytes checked against its shape: blocks of equal lengths.
     while let (Some(a), Some(b)) = (embeddings.next_block()?, head.next_block()?) {
         if a.iter().zip(&b).any(|(x, y)| x != y) {
@@ -333,6 +434,90 @@ fn tied_weights(headers: &[SafetensorsHeader]) -> Result<TiedWeights, Checkpoint
         }
     }
     Ok(TiedWeights::Embeddings)
+}
+
+/// Where one float tensor lies in a safetensors file (checked against its shape and dtype),
+/// and how the decoder takes it: as f32, transposed or not.
+#[derive(Debug, Clone)]
+struct TensorSource {
+    file: PathBuf,
+    /// Its name in the file.
+    name: String,
+    /// Its first byte in the file.
+    start: u64,
+    dtype: String,
+    /// Its shape in the file.
+    shape: Vec<usize>,
+    /// Read as `[shape[1], shape[0]]` (a `Linear`'s weight).
+    transposed: bool,
+}
+
+impl TensorSource {
+    fn new(header: &SafetensorsHeader, name: &str, tensor: &serde_json::Value) -> Result<Self, CheckpointError> {
+        let error = |problem: String| CheckpointError::Tensor { file: header.file.display().to_string(), tensor: name.to_string(), problem };
+        let (Some(begin), Some(end)) = (tensor["data_offsets"][0].as_u64(), tensor["data_offsets"][1].as_u64()) else {
+            return Err(error("has no data_offsets in the header".into()));
+        };
+        let dtype = tensor["dtype"].as_str().unwrap_or_default().to_string();
+        let width = TensorValues::width(&dtype).ok_or_else(|| error(format!("is {dtype}, not a float")))?;
+        let shape = tensor["shape"].as_array().and_then(|dims| dims.iter().map(|dim| dim.as_u64().map(|dim| dim as usize)).collect::<Option<Vec<_>>>());
+        let bytes = shape.as_ref().and_then(|shape| shape.iter().try_fold(width as u64, |bytes, &dim| bytes.checked_mul(dim as u64)));
+        match shape {
+            Some(shape) if bytes == Some(end.saturating_sub(begin)) => {
+                Ok(Self { file: header.file.clone(), name: name.to_string(), start: header.data_start + begin, dtype, shape, transposed: false })
+            }
+            _ => Err(error(format!(
+                "has {} bytes in the file for shape {} of {dtype}: not a file that safetensors wrote; fetch it again",
+                end.saturating_sub(begin),
+                tensor["shape"]
+            ))),
+        }
+    }
+
+    fn elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    fn error(&self, problem: String) -> CheckpointError {
+        CheckpointError::Tensor { file: self.file.display().to_string(), tensor: self.name.clone(), problem }
+    }
+
+    /// Its values as f32, a block at a time.
+    fn values(&self) -> Result<TensorValues, CheckpointError> {
+        use std::io::{Seek, SeekFrom};
+        let mut file = std::fs::File::open(&self.file).map_err(|e| CheckpointError::file(&self.file, e))?;
+        file.seek(SeekFrom::Start(self.start)).map_err(|e| CheckpointError::file(&self.file, e))?;
+        Ok(TensorValues { reader: std::io::BufReader::new(file), file: self.file.clone(), dtype: self.dtype.clone(), remaining: self.elements() as u64 })
+    }
+
+    /// The tensor as the decoder holds it: f32, transposed where [`Self::transposed`] says.
+    fn read(&self) -> Result<TensorData, CheckpointError> {
+        let mut values = Vec::with_capacity(self.elements());
+        let mut blocks = self.values()?;
+        while let Some(block) = blocks.next_block()? {
+            values.extend(block);
+        }
+        Ok(match (self.transposed, self.shape.as_slice()) {
+            (true, &[rows, columns]) => TensorData::new(transposed(&values, rows, columns), [columns, rows]),
+            _ => TensorData::new(values, self.shape.clone()),
+        })
+    }
+}
+
+/// A row-major `rows × columns` matrix transposed, in tiles that stay in cache.
+fn transposed(values: &[f32], rows: usize, columns: usize) -> Vec<f32> {
+    const TILE: usize = 32;
+    let mut out = vec![0.0; values.len()];
+    for row_tile in (0..rows).step_by(TILE) {
+        for column_tile in (0..columns).step_by(TILE) {
+            for row in row_tile..(row_tile + TILE).min(rows) {
+                for column in column_tile..(column_tile + TILE).min(columns) {
+                    out[column * rows + row] = values[row * columns + column];
+                }
+            }
+        }
+    }
+    out
 }
 
 /// One float tensor of a safetensors file, read as f32 (what the loader makes of it) a block
@@ -346,27 +531,6 @@ struct TensorValues {
 
 impl TensorValues {
     const BLOCK: usize = 1 << 20;
-
-    fn open(header: &SafetensorsHeader, name: &str, tensor: &serde_json::Value) -> Result<Self, CheckpointError> {
-        use std::io::{Seek, SeekFrom};
-        let error = |problem: String| CheckpointError::Tensor { file: header.file.display().to_string(), tensor: name.to_string(), problem };
-        let (Some(begin), Some(end)) = (tensor["data_offsets"][0].as_u64(), tensor["data_offsets"][1].as_u64()) else {
-            return Err(error("has no data_offsets in the header".into()));
-        };
-        let dtype = tensor["dtype"].as_str().unwrap_or_default().to_string();
-        let width = Self::width(&dtype).ok_or_else(|| error(format!("is {dtype}, not a float")))?;
-        let elements = tensor["shape"].as_array().and_then(|dims| dims.iter().map(serde_json::Value::as_u64).product::<Option<u64>>());
-        if elements.and_then(|n| n.checked_mul(width as u64)) != Some(end.saturating_sub(begin)) {
-            return Err(error(format!(
-                "has {} bytes in the file for shape {} of {dtype}: not a file that safetensors wrote; fetch it again",
-                end.saturating_sub(begin),
-                tensor["shape"]
-            )));
-        }
-        let mut file = std::fs::File::open(&header.file).map_err(|e| CheckpointError::file(&header.file, e))?;
-        file.seek(SeekFrom::Start(header.data_start + begin)).map_err(|e| CheckpointError::file(&header.file, e))?;
-        Ok(Self { reader: std::io::BufReader::new(file), file: header.file.clone(), dtype, remaining: end.saturating_sub(begin) / width as u64 })
-    }
 
     fn width(dtype: &str) -> Option<usize> {
         Some(match dtype {
@@ -398,12 +562,18 @@ impl TensorValues {
     }
 }
 
-/// The Hugging Face names of the decoder's tensor paths: [`DECODER_TO_HF`] applied as
-/// burn-store applies it when saving, its patterns compiled once.
-fn hf_names<'a>(paths: impl IntoIterator<Item = &'a str>) -> Vec<String> {
-    let remapper = KeyRemapper::from_patterns(DECODER_TO_HF.to_vec()).expect("DECODER_TO_HF holds valid patterns");
+/// `names` renamed by `patterns` (regular expressions and their replacements, each applied
+/// in turn, as burn-store's `KeyRemapper` applies them), compiled once.
+fn renamed<'a>(patterns: &[(&str, &str)], names: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let remapper = KeyRemapper::from_patterns(patterns.to_vec()).expect("the name patterns are valid regular expressions");
     let pairs = remapper.to_regex_pairs();
-    paths.into_iter().map(|path| pairs.iter().fold(path.to_string(), |name, (pattern, to)| pattern.replace_all(&name, to.as_str()).into_owned())).collect()
+    names.into_iter().map(|name| pairs.iter().fold(name.to_string(), |name, (pattern, to)| pattern.replace_all(&name, to.as_str()).into_owned())).collect()
+}
+
+/// The Hugging Face names of the decoder's tensor paths: [`DECODER_TO_HF`] applied as
+/// burn-store applies it when saving.
+fn hf_names<'a>(paths: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    renamed(&DECODER_TO_HF, paths)
 }
 
 /// The Hugging Face name of one of the decoder's tensor paths, for messages.

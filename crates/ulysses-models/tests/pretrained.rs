@@ -909,3 +909,56 @@ fn a_record_without_the_padding_row_field_loads() {
     assert_eq!(fresh.load_record(record).embedding.weight.val().into_data(), expected);
     std::fs::remove_file(file).unwrap();
 }
+
+/// Each float parameter of `model`: its path and its values' bits, and whether it is built yet.
+fn parameter_bits<B: Backend>(model: &ulysses_models::Decoder<B>) -> Vec<(String, Vec<u32>)> {
+    ulysses_training::float_parameters(model).into_iter().map(|p| (p.path, p.values.into_data().convert::<f32>().to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())).collect()
+}
+
+fn built_parameters<B: Backend>(model: &ulysses_models::Decoder<B>) -> usize {
+    struct Built(usize);
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Built {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            self.0 += usize::from(param.is_initialized());
+        }
+    }
+    let mut built = Built(0);
+    burn::module::Module::visit(model, &mut built);
+    built.0
+}
+
+/// The loader reads every fixture as burn-store's `SafetensorsStore` with its PyTorch adapter
+/// reads it (the loader before it read weights itself): each parameter bit for bit, read now
+/// or lazily; the lazy one builds no parameter until it is used. A bf16 copy in shards loads
+/// lazily as the f32 values rounded to bf16.
+#[test]
+fn every_fixture_loads_as_burn_store_reads_it_read_now_or_lazily() {
+    use burn::tensor::{DType, bf16};
+    use burn_store::{ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
+    use ulysses_models::{DecoderConfig, HF_TO_DECODER, SaveOptions, checkpoint_config, from_pretrained_lazily, save_pretrained_with};
+    for folder in model_fixtures() {
+        let name = folder.file_name().unwrap().to_string_lossy().into_owned();
+        let config = checkpoint_config(&folder).unwrap();
+        let mut reference = DecoderConfig::from_hf(&config).init::<Cpu>(&Default::default());
+        let mut store = SafetensorsStore::from_file(folder.join("model.safetensors")).with_from_adapter(PyTorchToBurnAdapter).allow_partial(true);
+        for (from, to) in HF_TO_DECODER {
+            store = store.with_key_remapping(from, to);
+        }
+        let result = reference.load_from(&mut store).unwrap();
+        assert!(result.errors.is_empty() && result.missing.is_empty(), "{name}: burn-store's load: {result:?}");
+        let want = parameter_bits(&reference);
+
+        assert!(parameter_bits(&from_pretrained::<Cpu>(&folder, &Default::default()).unwrap().model) == want, "{name}: read now, not as burn-store reads it");
+        let lazy = from_pretrained_lazily::<Cpu>(&folder, &Default::default()).unwrap().model;
+        assert_eq!(built_parameters(&lazy), 0, "{name}: a lazy load built parameters");
+        assert!(parameter_bits(&lazy) == want, "{name}: read lazily, not as burn-store reads it");
+
+        let half = std::env::temp_dir().join(format!("ulysses-models-{}-lazy-bf16-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&half);
+        save_pretrained_with(&reference, &config, &half, SaveOptions { dtype: DType::BF16, max_shard_bytes: 20_000 }).unwrap();
+        assert!(half.join("model.safetensors.index.json").exists(), "{name}: saved in one file");
+        let rounded: Vec<(String, Vec<u32>)> = want.iter().map(|(path, bits)| (path.clone(), bits.iter().map(|&b| bf16::from_f32(f32::from_bits(b)).to_f32().to_bits()).collect())).collect();
+        assert!(parameter_bits(&from_pretrained_lazily::<Cpu>(&half, &Default::default()).unwrap().model) == rounded, "{name}: bf16 shards read lazily");
+        std::fs::remove_dir_all(half).unwrap();
+    }
+}

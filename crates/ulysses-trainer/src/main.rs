@@ -28,7 +28,7 @@ use ulysses_training::{
     checkpoint::{checkpoint_path, read_checkpoint_state},
 };
 use clap::{Parser, ValueEnum};
-use ulysses_models::{COMPANION_FILES, ChatTemplate, HfConfig, TextTokenizer, TokenizerConfig, from_pretrained, is_tokenizer_file};
+use ulysses_models::{COMPANION_FILES, ChatTemplate, HfConfig, TextTokenizer, TokenizerConfig, from_pretrained, from_pretrained_lazily, is_tokenizer_file};
 use indicatif::{ProgressBar, ProgressStyle};
 use burn_ulysses::job::{JobOptions, Launch, Tcp, Transport, run_ranks};
 use ulysses_dist::DistributedConfig;
@@ -1554,18 +1554,16 @@ where
     let estimated_peak = memory::estimated_peak(config, parameters, compute_bytes);
     <Sp<W> as Backend>::seed(&template_device, config.seed);
     // ZeRO-3 builds no whole model (ShardedParameters::shard_from): the parameters stay lazy,
-    // and world rank 0 builds each in the order fork would (the same values) as the ranks take
-    // their parts, or a resumed run's ranks take them from the master weights. So only world
-    // rank 0's process of a run from the start reads --model's weights (config.model has the
-    // shape they make).
+    // and world rank 0 builds each in the order fork would (the same values), or reads it from
+    // --model's files, as the ranks take their parts; a resumed run's ranks take them from the
+    // master weights. Every process of a run from the start checks --model's files (names,
+    // shapes, sizes), so a checkpoint that does not fit fails by name on each.
     let lazy = config.zero_stage == 3 && job.eval_sequences.is_none();
-    let has_world_rank_0 = match &job.launch {
-        Launch::Threads => true,
-        Launch::Process(env) => env.rank == 0,
-    };
-    let reads_weights = !lazy || (has_world_rank_0 && job.args.resume.is_none());
     let template = match &job.args.model {
-        Some(dir) if reads_weights => from_pretrained::<Sp<W>>(dir, &template_device).map_err(|e| format!("--model: {e}"))?.model.with_repeat_kv(config.model.repeat_kv),
+        Some(dir) if !(lazy && job.args.resume.is_some()) => {
+            let loaded = if lazy { from_pretrained_lazily::<Sp<W>>(dir, &template_device) } else { from_pretrained::<Sp<W>>(dir, &template_device) };
+            loaded.map_err(|e| format!("--model: {e}"))?.model.with_repeat_kv(config.model.repeat_kv)
+        }
         _ => config.model.init::<Sp<W>>(&template_device),
     };
     let template = if lazy { template } else { template.fork(&template_device) };

@@ -1,8 +1,8 @@
 //! A module's float parameters by name, for the code that compares, hashes or checks them.
 
 use burn::{
-    module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId},
-    tensor::{FloatDType, Shape, Tensor, backend::Backend},
+    module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId, ParamMapper},
+    tensor::{DType, FloatDType, Shape, Tensor, backend::Backend},
 };
 
 /// One float parameter of a module.
@@ -66,6 +66,16 @@ pub fn parameter_elements<B: Backend, M: Module<B>>(module: &M) -> Vec<usize> {
     let mut count = Count(Vec::new());
     module.visit(&mut count);
     count.0
+}
+
+/// A float parameter's id, whether it requires a gradient and its mapper, building nothing
+/// where it is lazy: burn keeps a lazy parameter's flag private, and `transform_for_load`
+/// gives a one-element tensor on the parameter's device that flag without calling its init.
+pub fn take_lazy_flag<B: Backend, const D: usize>(param: Param<Tensor<B, D>>) -> (ParamId, bool, ParamMapper<Tensor<B, D>>) {
+    let id = param.id;
+    let one = Tensor::zeros([1; D], (&param.lazy_device(), DType::F32));
+    let (id, flagged, mapper) = param.transform_for_load(one, id).consume();
+    (id, flagged.is_require_grad(), mapper)
 }
 
 /// `module` with every float parameter cast to `dtype`, each keeping its id and whether it

@@ -884,11 +884,8 @@ impl<B: TrainBackend, O: PartOptimizer<B>> ModuleMapper<B> for TakeParts<'_, B, 
             let requires_grad = tensor.is_require_grad();
             (Some(tensor.inner().reshape([-1])), id, requires_grad, mapper)
         } else {
-            // `transform_for_load` gives a one-element tensor the parameter's gradient flag,
-            // lazy or not, building nothing.
-            let id = param.id;
-            let (id, flagged, mapper) = param.transform_for_load(Tensor::from_inner(placeholder.clone()), id).consume();
-            (None, id, flagged.is_require_grad(), mapper)
+            let (id, requires_grad, mapper) = crate::take_lazy_flag(param);
+            (None, id, requires_grad, mapper)
         };
         // The placeholder on this rank's device, whichever device the model was built for.
         let param = Param::from_mapped_value(id, Tensor::from_inner(placeholder).set_require_grad(requires_grad), mapper);
