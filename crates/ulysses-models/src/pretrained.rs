@@ -1,7 +1,7 @@
-//! Hugging Face checkpoint folders in and out, through burn-store: `config.json` and
-//! `model.safetensors` (or the shards that `model.safetensors.index.json` lists) into a
-//! [`Decoder`] ([`from_pretrained`]), and a `Decoder` back into such a folder that transformers
-//! loads ([`save_pretrained`]).
+//! Hugging Face checkpoint folders in and out: `config.json` and `model.safetensors` (or the
+//! shards that `model.safetensors.index.json` lists) into a [`Decoder`] ([`from_pretrained`],
+//! read here from the safetensors headers), and a `Decoder` back into such a folder that
+//! transformers loads ([`save_pretrained`], through burn-store).
 //!
 //! Hugging Face names each tensor after its module path (`model.layers.3.self_attn.q_proj.weight`)
 //! and stores linear weights `[out, in]`; the decoder's record names them after its own fields
@@ -303,8 +303,7 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
 /// safetensors' limit on a header's size: past it, the first 8 bytes are not a header length.
 const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
 
-/// Refuses a safetensors file that is not whole, before burn-store reads it (whose parser
-/// would only say where it stopped): the 8-byte header length, the JSON header, and every
+/// Refuses a safetensors file that is not whole, before any tensor is read: the 8-byte header length, the JSON header, and every
 /// tensor's bytes the header places must lie within the file. A download or copy cut short
 /// is the usual cause, and the fix is to fetch the file again.
 fn check_safetensors_whole(file: &Path) -> Result<SafetensorsHeader, CheckpointError> {
@@ -428,7 +427,13 @@ fn tied_weights(headers: &[SafetensorsHeader]) -> Result<TiedWeights, Checkpoint
     let mut embeddings = TensorSource::new(embeddings.0, EMBEDDINGS, embeddings.1)?.values()?;
     let mut head = TensorSource::new(head.0, HEAD, head.1)?.values()?;
     // Same shapes, and each tensor's bytes checked against its shape: blocks of equal lengths.
-    while let (Some(a), Some(b)) = (embeddings.next_block()?, head.next_block()?) {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    loop {
+        a.clear();
+        b.clear();
+        if !(embeddings.read_block(&mut a)? && head.read_block(&mut b)?) {
+            break;
+        }
         if a.iter().zip(&b).any(|(x, y)| x != y) {
             return Ok(TiedWeights::Different);
         }
@@ -487,16 +492,14 @@ impl TensorSource {
         use std::io::{Seek, SeekFrom};
         let mut file = std::fs::File::open(&self.file).map_err(|e| CheckpointError::file(&self.file, e))?;
         file.seek(SeekFrom::Start(self.start)).map_err(|e| CheckpointError::file(&self.file, e))?;
-        Ok(TensorValues { reader: std::io::BufReader::new(file), file: self.file.clone(), dtype: self.dtype.clone(), remaining: self.elements() as u64 })
+        Ok(TensorValues { reader: file, bytes: Vec::new(), file: self.file.clone(), dtype: self.dtype.clone(), remaining: self.elements() as u64 })
     }
 
     /// The tensor as the decoder holds it: f32, transposed where [`Self::transposed`] says.
     fn read(&self) -> Result<TensorData, CheckpointError> {
         let mut values = Vec::with_capacity(self.elements());
         let mut blocks = self.values()?;
-        while let Some(block) = blocks.next_block()? {
-            values.extend(block);
-        }
+        while blocks.read_block(&mut values)? {}
         Ok(match (self.transposed, self.shape.as_slice()) {
             (true, &[rows, columns]) => TensorData::new(transposed(&values, rows, columns), [columns, rows]),
             _ => TensorData::new(values, self.shape.clone()),
@@ -523,7 +526,9 @@ fn transposed(values: &[f32], rows: usize, columns: usize) -> Vec<f32> {
 /// One float tensor of a safetensors file, read as f32 (what the loader makes of it) a block
 /// of elements at a time.
 struct TensorValues {
-    reader: std::io::BufReader<std::fs::File>,
+    reader: std::fs::File,
+    /// A block's bytes, the buffer kept from block to block.
+    bytes: Vec<u8>,
     file: PathBuf,
     dtype: String,
     remaining: u64,
@@ -541,24 +546,26 @@ impl TensorValues {
         })
     }
 
-    /// The next block of values, `None` past the last.
-    fn next_block(&mut self) -> Result<Option<Vec<f32>>, CheckpointError> {
+    /// The next block of values appended to `values`; false past the last.
+    fn read_block(&mut self, values: &mut Vec<f32>) -> Result<bool, CheckpointError> {
         use std::io::Read;
         if self.remaining == 0 {
-            return Ok(None);
+            return Ok(false);
         }
         let count = (self.remaining as usize).min(Self::BLOCK);
         let width = Self::width(&self.dtype).expect("checked when opened");
-        let mut bytes = vec![0u8; count * width];
-        self.reader.read_exact(&mut bytes).map_err(|e| CheckpointError::file(&self.file, e))?;
+        self.bytes.resize(count * width, 0);
+        self.reader.read_exact(&mut self.bytes).map_err(|e| CheckpointError::file(&self.file, e))?;
         self.remaining -= count as u64;
-        let values = bytes.chunks_exact(width).map(|b| match width {
-            8 => f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32,
-            4 => f32::from_le_bytes(b.try_into().expect("4 bytes")),
-            _ if self.dtype == "BF16" => burn::tensor::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
-            _ => burn::tensor::f16::from_le_bytes([b[0], b[1]]).to_f32(),
-        });
-        Ok(Some(values.collect()))
+        // One loop per dtype: no match per element.
+        let bytes = &self.bytes;
+        match self.dtype.as_str() {
+            "F64" => values.extend(bytes.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)),
+            "F32" => values.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))),
+            "BF16" => values.extend(bytes.chunks_exact(2).map(|b| burn::tensor::bf16::from_le_bytes([b[0], b[1]]).to_f32())),
+            _ => values.extend(bytes.chunks_exact(2).map(|b| burn::tensor::f16::from_le_bytes([b[0], b[1]]).to_f32())),
+        }
+        Ok(true)
     }
 }
 

@@ -962,3 +962,21 @@ fn every_fixture_loads_as_burn_store_reads_it_read_now_or_lazily() {
         std::fs::remove_dir_all(half).unwrap();
     }
 }
+
+/// A lazily loaded model reads its files when a parameter is first used: a file cut short
+/// since the load stops that use with a message naming the file and what happened, not a
+/// model of other weights.
+#[test]
+fn a_lazy_load_whose_file_changed_since_names_it() {
+    let folder = edited_copy("qwen3", "lazy-changed", |_| {});
+    let lazy = ulysses_models::from_pretrained_lazily::<Cpu>(&folder, &Default::default()).unwrap().model;
+    let weights = folder.join("model.safetensors");
+    let size = std::fs::metadata(&weights).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&weights).unwrap().set_len(size / 2).unwrap();
+    let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| parameter_bits(&lazy).len())) else {
+        panic!("the parameters were read from a file cut short");
+    };
+    let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(message.contains("model.safetensors") && message.contains("the file changed since"), "{message}");
+    std::fs::remove_dir_all(folder).unwrap();
+}
