@@ -135,7 +135,8 @@ impl DecoderConfig {
             Some(initializer) => {
                 let mut linear = config.with_initializer(initializer).init(device);
                 // A new tensor: it takes the parameter's `require_grad` over, or it would not train.
-                linear.bias = linear.bias.map(|bias| bias.map(|values| values.zeros_like().set_require_grad(values.is_require_grad())));
+                // Applied when burn builds the parameter (`init_mapper`), so a model stays lazy.
+                linear.bias = linear.bias.map(|bias| bias.init_mapper(|values| values.zeros_like().set_require_grad(values.is_require_grad())));
                 linear
             }
             None => config.init(device),
@@ -171,12 +172,14 @@ impl DecoderConfig {
                     None => config,
                 }
                 .init(device);
-                // The padding row starts at zero, as transformers' `_init_weights` sets it.
+                // The padding row starts at zero, as transformers' `_init_weights` sets it, when
+                // burn builds the weight (`init_mapper`): a model too large to build stays lazy.
                 if let Some(pad) = self.pad_token.filter(|_| self.init_std.is_some()) {
-                    embedding.weight = embedding.weight.map(|weight| {
-                        let zeros = Tensor::zeros([1, self.d_model], &weight.device());
+                    let d_model = self.d_model;
+                    embedding.weight = embedding.weight.init_mapper(move |weight| {
+                        let zeros = Tensor::zeros([1, d_model], &weight.device());
                         // Detached: a leaf again, which the flag can be set on.
-                        weight.clone().slice_assign([pad..pad + 1, 0..self.d_model], zeros).detach().set_require_grad(weight.is_require_grad())
+                        weight.clone().slice_assign([pad..pad + 1, 0..d_model], zeros).detach().set_require_grad(weight.is_require_grad())
                     });
                 }
                 embedding

@@ -9,7 +9,8 @@
 //! burn-store's PyTorch adapter does), and every tensor becomes f32 (the master weights)
 //! whatever the file holds (bf16, f16, f32). Every tensor the decoder has must come from the
 //! files with its shape, and every tensor in the files must be used: otherwise the error names
-//! the tensor and the file, before training, and before any weight is read. The weights are
+//! the tensor and the file, before training, and before any weight is read (but a tied
+//! model's embeddings and head, compared to tell how they are tied). The weights are
 //! read one tensor at a time, now or when each parameter is first used
 //! ([`from_pretrained_lazily`], for ZeRO-3, which never holds the whole model).
 
@@ -147,7 +148,7 @@ pub fn from_pretrained<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pre
 /// that reads its tensor from the files when first used. Code that takes a model apart one
 /// parameter at a time (ZeRO-3's cut, `ShardedParameters::shard_from`) then never holds the
 /// whole model. The files must stay as they are until then: a parameter whose file changed
-/// since panics, naming the file.
+/// since (its size or modification time) panics when it is first used, naming the file.
 pub fn from_pretrained_lazily<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pretrained<B>, CheckpointError> {
     load(dir, device, true)
 }
@@ -161,44 +162,66 @@ fn load<B: Backend>(dir: &Path, device: &B::Device, lazily: bool) -> Result<Pret
              the head its own, as transformers 5 loads it (saved with tie_word_embeddings false). To tie them, remove lm_head.weight"
         );
     }
-    let sources = decoder_sources(&headers, tied)?;
-    // Built lazily by burn: `ReadWeights` replaces each parameter before its init runs.
-    let model = DecoderConfig::from_hf(&config).init::<B>(device);
-    let mut reader = ReadWeights { sources: &sources, lazily, path: Vec::new(), containers: Vec::new(), used: BTreeSet::new(), missing: None, error: None };
-    let model = model.map(&mut reader);
-    if let Some(error) = reader.error {
+    let sources = decoder_sources(&headers, tied, config.tie_word_embeddings)?;
+    // burn builds nothing here (`Config::init` is lazy): each parameter becomes a lazy one that
+    // reads its tensor, every check made before any weight is read.
+    let mut checked = ReadWeights::new(&sources, false);
+    let model = DecoderConfig::from_hf(&config).init::<B>(device).map(&mut checked);
+    if let Some(error) = checked.error {
         return Err(error);
     }
-    // What transformers skips too: RoPE's frequencies kept by old conversions (computed from
-    // config.json here), and a tied head saved beside the embeddings, equal to them.
-    let unused = sources.iter().filter(|(path, _)| !reader.used.contains(*path));
+    let unused = sources.iter().filter(|(path, _)| !checked.used.contains(*path));
     for (path, source) in unused {
-        if path.ends_with("rotary_emb.inv_freq") || (path.as_str() == HEAD && config.tie_word_embeddings) {
-            continue;
+        if !skipped_when_unused(path, config.tie_word_embeddings) {
+            return Err(source.error("is not used: this decoder has no such tensor".into()));
         }
-        return Err(source.error("is not used: this decoder has no such tensor".into()));
     }
-    if let Some(missing) = reader.missing {
+    if let Some(missing) = checked.missing {
         return Err(CheckpointError::Tensor { file: dir.display().to_string(), tensor: hf_name(&missing), problem: "is missing from the weight files".into() });
     }
-    Ok(Pretrained { config, model })
+    if lazily {
+        return Ok(Pretrained { config, model });
+    }
+    // Read now, each tensor in place of its lazy parameter (whose read never runs): a read that
+    // fails is an error here, where a lazy one can only panic.
+    let mut read = ReadWeights::new(&sources, true);
+    let model = model.map(&mut read);
+    match read.error {
+        Some(error) => Err(error),
+        None => Ok(Pretrained { config, model }),
+    }
+}
+
+/// What transformers skips too, where the decoder has no place for it: RoPE's frequencies
+/// kept by old conversions (computed from config.json here), and a tied head saved beside the
+/// embeddings (equal to them: [`TiedWeights`]).
+fn skipped_when_unused(path: &str, tied_config: bool) -> bool {
+    path.ends_with("rotary_emb.inv_freq") || (path == HEAD && tied_config)
 }
 
 /// Every tensor of the weight files under the decoder's name for it ([`HF_TO_DECODER`]; a
-/// tied head alone becomes the embeddings), each checked to lie whole in its file.
-fn decoder_sources(headers: &[SafetensorsHeader], tied: TiedWeights) -> Result<BTreeMap<String, TensorSource>, CheckpointError> {
+/// tied head alone becomes the embeddings), each checked to lie whole in its file. Two
+/// tensors of one name are refused, but for what is skipped anyway ([`skipped_when_unused`]).
+fn decoder_sources(headers: &[SafetensorsHeader], tied: TiedWeights, tied_config: bool) -> Result<BTreeMap<String, TensorSource>, CheckpointError> {
     let mut renames = HF_TO_DECODER.to_vec();
     if tied == TiedWeights::HeadAlone {
         // The tied weight's one copy, under the head's name.
         renames.push((r"^lm_head\.weight$", "embedding.weight"));
     }
-    let mut sources = BTreeMap::new();
+    let mut sources: BTreeMap<String, TensorSource> = BTreeMap::new();
     for header in headers {
         let names: Vec<&String> = header.tensors.keys().filter(|name| *name != "__metadata__").collect();
         for (name, path) in names.iter().zip(renamed(&renames, names.iter().map(|name| name.as_str()))) {
             let source = TensorSource::new(header, name, &header.tensors[name.as_str()])?;
-            if sources.contains_key(&path) {
-                return Err(source.error("is in more than one file".into()));
+            if let Some(earlier) = sources.get(&path) {
+                if skipped_when_unused(&path, tied_config) {
+                    continue;
+                }
+                return Err(if earlier.file == source.file {
+                    source.error(format!("and `{}` are the same tensor of the decoder (`{path}`): keep one", earlier.name))
+                } else {
+                    source.error(format!("is in more than one file (also in {})", earlier.file.display()))
+                });
             }
             sources.insert(path, source);
         }
@@ -206,12 +229,14 @@ fn decoder_sources(headers: &[SafetensorsHeader], tied: TiedWeights) -> Result<B
     Ok(sources)
 }
 
-/// Each float parameter of a decoder given its tensor from the files: read now, or lazily.
-/// Follows the paths as burn-store's `Applier` does, and transposes where its PyTorch adapter
-/// does (a `Linear`'s weight: Hugging Face's `[out, in]`, the decoder's `[in, out]`).
+/// Each float parameter of a decoder given its tensor from the files: read now (`read_now`),
+/// or as a lazy parameter that reads it when first used. Follows the paths as burn-store's
+/// `Applier` does (a `Vec`'s index a segment, an enum's variant none), and transposes where
+/// its PyTorch adapter does (a `Linear`'s weight: Hugging Face's `[out, in]`, the decoder's
+/// `[in, out]`).
 struct ReadWeights<'a> {
     sources: &'a BTreeMap<String, TensorSource>,
-    lazily: bool,
+    read_now: bool,
     path: Vec<String>,
     containers: Vec<String>,
     used: BTreeSet<String>,
@@ -220,6 +245,12 @@ struct ReadWeights<'a> {
     /// The first tensor that does not fit or cannot be read: the parameters after it are left
     /// as they are.
     error: Option<CheckpointError>,
+}
+
+impl<'a> ReadWeights<'a> {
+    fn new(sources: &'a BTreeMap<String, TensorSource>, read_now: bool) -> Self {
+        Self { sources, read_now, path: Vec::new(), containers: Vec::new(), used: BTreeSet::new(), missing: None, error: None }
+    }
 }
 
 impl<B: Backend> ModuleMapper<B> for ReadWeights<'_> {
@@ -259,26 +290,28 @@ impl<B: Backend> ModuleMapper<B> for ReadWeights<'_> {
             return param;
         }
         let source = TensorSource { transposed, ..source.clone() };
-        if self.lazily {
-            let device = param.lazy_device();
-            let (id, requires_grad, _) = ulysses_training::take_lazy_flag(param);
-            let init = move |device: &B::Device, requires_grad: bool| {
-                let data = source.read().unwrap_or_else(|error| panic!("{error}, which was whole when the model was loaded lazily: the file changed since; load it again"));
-                Tensor::from_data(data, (device, DType::F32)).set_require_grad(requires_grad)
+        if self.read_now {
+            return match source.read() {
+                Ok(data) => {
+                    let id = param.id;
+                    let tensor = Tensor::from_data(data, (&param.lazy_device(), DType::F32));
+                    param.transform_for_load(tensor, id)
+                }
+                Err(error) => {
+                    self.error = Some(error);
+                    param
+                }
             };
-            return Param::uninitialized(id, init, device, requires_grad, shape);
         }
-        match source.read() {
-            Ok(data) => {
-                let id = param.id;
-                let tensor = Tensor::from_data(data, (&param.lazy_device(), DType::F32));
-                param.transform_for_load(tensor, id)
-            }
-            Err(error) => {
-                self.error = Some(error);
-                param
-            }
-        }
+        let device = param.lazy_device();
+        let (id, requires_grad, mapper) = ulysses_training::take_lazy_flag(param);
+        let (on_load, on_save) = (mapper.clone(), mapper.clone());
+        // As `transform_for_load` does: the loaded tensor through the parameter's load mapper.
+        let init = move |device: &B::Device, requires_grad: bool| {
+            let data = source.read().unwrap_or_else(|error| panic!("a parameter read lazily from its checkpoint: {error}"));
+            mapper.on_load(Tensor::from_data(data, (device, DType::F32))).set_require_grad(requires_grad)
+        };
+        Param::uninitialized(id, init, device, requires_grad, shape).load_mapper(move |tensor| on_load.on_load(tensor)).save_mapper(move |tensor| on_save.on_save(tensor))
     }
 }
 
@@ -309,7 +342,8 @@ const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
 fn check_safetensors_whole(file: &Path) -> Result<SafetensorsHeader, CheckpointError> {
     use std::io::Read;
     let error = |problem: String| CheckpointError::file(file, problem);
-    let size = std::fs::metadata(file).map_err(|e| error(e.to_string()))?.len();
+    let metadata = std::fs::metadata(file).map_err(|e| error(e.to_string()))?;
+    let size = metadata.len();
     let cut_short = |needed: u64| {
         error(format!(
             "is cut short: {size} bytes, where its header places {needed}. The download or copy did not finish: fetch it \
@@ -347,12 +381,30 @@ fn check_safetensors_whole(file: &Path) -> Result<SafetensorsHeader, CheckpointE
             problem: format!("is {dtype}, not a float (F32, BF16, F16 or F64): a quantized checkpoint; fine-tune its unquantized original"),
         });
     }
-    let data_end = tensors
-        .iter()
-        .filter(|(name, _)| *name != "__metadata__")
-        .filter_map(|(_, tensor)| tensor["data_offsets"][1].as_u64())
-        .max()
-        .unwrap_or(0);
+    // The tensors' bytes one after another from the data's start, as safetensors writes them
+    // (and its reader requires): no gap, no overlap, no range that ends before it begins.
+    let mut ranges = Vec::with_capacity(tensors.len());
+    for (name, tensor) in tensors.iter().filter(|(name, _)| *name != "__metadata__") {
+        match (tensor["data_offsets"][0].as_u64(), tensor["data_offsets"][1].as_u64()) {
+            (Some(begin), Some(end)) => ranges.push((begin, end, name)),
+            _ => return Err(CheckpointError::Tensor { file: file.display().to_string(), tensor: name.clone(), problem: "has no data_offsets in the header".into() }),
+        }
+    }
+    ranges.sort();
+    let mut data_end = 0;
+    for (begin, end, name) in ranges {
+        if begin != data_end || end < begin {
+            return Err(CheckpointError::Tensor {
+                file: file.display().to_string(),
+                tensor: name.clone(),
+                problem: format!(
+                    "lies at bytes {begin}..{end} of the data, where the tensors before it end at {data_end}: not a file that safetensors \
+                     wrote; fetch it again"
+                ),
+            });
+        }
+        data_end = end;
+    }
     // Past u64 only in a corrupt header: then no file is that long.
     let needed = (8 + header_len).checked_add(data_end).unwrap_or(u64::MAX);
     if needed > size {
@@ -365,7 +417,7 @@ fn check_safetensors_whole(file: &Path) -> Result<SafetensorsHeader, CheckpointE
             size - needed
         )));
     }
-    Ok(SafetensorsHeader { file: file.to_path_buf(), data_start: 8 + header_len, tensors: tensors.clone() })
+    Ok(SafetensorsHeader { file: file.to_path_buf(), data_start: 8 + header_len, tensors: tensors.clone(), stamp: FileStamp::of(&metadata) })
 }
 
 /// The configuration of checkpoint folder `dir` as [`from_pretrained`] builds its model: its
@@ -393,6 +445,21 @@ struct SafetensorsHeader {
     file: PathBuf,
     data_start: u64,
     tensors: serde_json::Map<String, serde_json::Value>,
+    /// The file as it was checked: a lazy read refuses it changed ([`TensorSource::values`]).
+    stamp: FileStamp,
+}
+
+/// A file's size and modification time (where the file system keeps one).
+#[derive(Debug, Clone, PartialEq)]
+struct FileStamp {
+    size: u64,
+    modified: Option<std::time::SystemTime>,
+}
+
+impl FileStamp {
+    fn of(metadata: &std::fs::Metadata) -> Self {
+        Self { size: metadata.len(), modified: metadata.modified().ok() }
+    }
 }
 
 /// Where a config that ties the head to the embeddings finds their weights, as transformers 5
@@ -446,6 +513,7 @@ fn tied_weights(headers: &[SafetensorsHeader]) -> Result<TiedWeights, Checkpoint
 #[derive(Debug, Clone)]
 struct TensorSource {
     file: PathBuf,
+    stamp: FileStamp,
     /// Its name in the file.
     name: String,
     /// Its first byte in the file.
@@ -469,7 +537,7 @@ impl TensorSource {
         let bytes = shape.as_ref().and_then(|shape| shape.iter().try_fold(width as u64, |bytes, &dim| bytes.checked_mul(dim as u64)));
         match shape {
             Some(shape) if bytes == Some(end.saturating_sub(begin)) => {
-                Ok(Self { file: header.file.clone(), name: name.to_string(), start: header.data_start + begin, dtype, shape, transposed: false })
+                Ok(Self { file: header.file.clone(), stamp: header.stamp.clone(), name: name.to_string(), start: header.data_start + begin, dtype, shape, transposed: false })
             }
             _ => Err(error(format!(
                 "has {} bytes in the file for shape {} of {dtype}: not a file that safetensors wrote; fetch it again",
@@ -487,10 +555,20 @@ impl TensorSource {
         CheckpointError::Tensor { file: self.file.display().to_string(), tensor: self.name.clone(), problem }
     }
 
-    /// Its values as f32, a block at a time.
+    /// Its values as f32, a block at a time; refused where the file is not the one checked.
     fn values(&self) -> Result<TensorValues, CheckpointError> {
         use std::io::{Seek, SeekFrom};
         let mut file = std::fs::File::open(&self.file).map_err(|e| CheckpointError::file(&self.file, e))?;
+        let now = FileStamp::of(&file.metadata().map_err(|e| CheckpointError::file(&self.file, e))?);
+        if now != self.stamp {
+            return Err(CheckpointError::file(
+                &self.file,
+                format!(
+                    "changed since the folder was loaded ({}): load the folder again",
+                    if now.size == self.stamp.size { "modified again at its size".to_string() } else { format!("{} bytes then, {} now", self.stamp.size, now.size) }
+                ),
+            ));
+        }
         file.seek(SeekFrom::Start(self.start)).map_err(|e| CheckpointError::file(&self.file, e))?;
         Ok(TensorValues { reader: file, bytes: Vec::new(), file: self.file.clone(), dtype: self.dtype.clone(), remaining: self.elements() as u64 })
     }
@@ -989,6 +1067,30 @@ mod tests {
         file.extend(&data);
         std::fs::write(path, file).unwrap();
         check_safetensors_whole(path).unwrap()
+    }
+
+    /// A header whose tensors' bytes leave a gap, overlap, or end before they begin is refused
+    /// naming the tensor, as safetensors' own reader refuses it (a zero-sized range backwards
+    /// would otherwise place a tensor outside the file).
+    #[test]
+    fn tensors_whose_bytes_do_not_follow_one_another_are_refused() {
+        let dir = std::env::temp_dir().join(format!("ulysses-offsets-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (case, second, shape) in [("a gap", [12u64, 20], vec![2]), ("an overlap", [4, 12], vec![2]), ("backwards", [8, 4], vec![0])] {
+            let header = serde_json::json!({
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": shape, "data_offsets": second},
+            });
+            let header = serde_json::to_vec(&header).unwrap();
+            let mut file = (header.len() as u64).to_le_bytes().to_vec();
+            file.extend(&header);
+            file.extend(vec![0u8; 20]);
+            let path = dir.join("model.safetensors");
+            std::fs::write(&path, file).unwrap();
+            let error = check_safetensors_whole(&path).err().unwrap_or_else(|| panic!("{case}: accepted")).to_string();
+            assert!(error.contains("tensor `b` lies at bytes") && error.contains("fetch it again"), "{case}: {error}");
+        }
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     /// A tied config's embeddings and head are compared as the f32 weights they load as,

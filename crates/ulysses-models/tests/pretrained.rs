@@ -963,20 +963,55 @@ fn every_fixture_loads_as_burn_store_reads_it_read_now_or_lazily() {
     }
 }
 
-/// A lazily loaded model reads its files when a parameter is first used: a file cut short
-/// since the load stops that use with a message naming the file and what happened, not a
-/// model of other weights.
+/// A lazily loaded model reads its files when a parameter is first used: a file that changed
+/// since the load (cut short; or rewritten at its size, as another revision of the model
+/// would be) stops that use with a message naming the file and what changed, not a model of
+/// other weights.
 #[test]
 fn a_lazy_load_whose_file_changed_since_names_it() {
     let folder = edited_copy("qwen3", "lazy-changed", |_| {});
-    let lazy = ulysses_models::from_pretrained_lazily::<Cpu>(&folder, &Default::default()).unwrap().model;
     let weights = folder.join("model.safetensors");
     let size = std::fs::metadata(&weights).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&weights).unwrap().set_len(size / 2).unwrap();
-    let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| parameter_bits(&lazy).len())) else {
-        panic!("the parameters were read from a file cut short");
+    let rewrite_at_its_size = |file: &std::fs::File| {
+        file.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(60)).unwrap();
     };
-    let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
-    assert!(message.contains("model.safetensors") && message.contains("the file changed since"), "{message}");
+    for (change, edit) in [
+        ("cut short", Box::new(|file: &std::fs::File| file.set_len(size / 2).unwrap()) as Box<dyn Fn(&std::fs::File)>),
+        ("rewritten at its size", Box::new(rewrite_at_its_size)),
+    ] {
+        std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3/model.safetensors"), &weights).unwrap();
+        let lazy = ulysses_models::from_pretrained_lazily::<Cpu>(&folder, &Default::default()).unwrap().model;
+        edit(&std::fs::OpenOptions::new().write(true).open(&weights).unwrap());
+        let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| parameter_bits(&lazy).len())) else {
+            panic!("{change}: the parameters were read from a file that changed since the load");
+        };
+        let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(message.contains("model.safetensors") && message.contains("changed since the folder was loaded"), "{change}: {message}");
+    }
+    std::fs::remove_dir_all(folder).unwrap();
+}
+
+/// Loading a checkpoint builds no parameter of the model's own initialisation (a padding row
+/// zeroed, biases zeroed, which burn would build at once with `Param::map`): the lazy load and
+/// the model from its config alone hold nothing until a parameter is used.
+#[test]
+fn a_padding_row_and_biases_leave_a_model_lazy() {
+    use ulysses_models::{DecoderConfig, checkpoint_config, from_pretrained_lazily};
+    let folder = edited_copy("qwen2", "lazy-pad", |c| c["pad_token_id"] = 3.into());
+    let config = checkpoint_config(&folder).unwrap();
+    assert!(config.pad_token_id.is_some(), "the edited config names a padding token");
+    let from_config = DecoderConfig::from_hf(&config).init::<Cpu>(&Default::default());
+    assert_eq!(built_parameters(&from_config), 0, "a model from its config (biases, a padding row) built parameters");
+    let values = |path: &str| {
+        let parameter = ulysses_training::float_parameters(&from_config).into_iter().find(|p| p.path == path).unwrap_or_else(|| panic!("no parameter {path}"));
+        parameter.values.into_data().to_vec::<f32>().unwrap()
+    };
+    let embedding = values("embedding.weight");
+    let width = embedding.len() / config.vocab_size;
+    assert!(embedding[3 * width..4 * width].iter().all(|&v| v == 0.0) && embedding[..width].iter().any(|&v| v != 0.0), "the padding row alone starts at zero");
+    assert!(values("blocks.0.attention.wq.bias").iter().all(|&v| v == 0.0), "biases start at zero");
+    let lazy = from_pretrained_lazily::<Cpu>(&folder, &Default::default()).unwrap().model;
+    assert_eq!(built_parameters(&lazy), 0, "a lazy load of a model with biases and a padding row built parameters");
+    assert!(parameter_bits(&lazy) == parameter_bits(&from_pretrained::<Cpu>(&folder, &Default::default()).unwrap().model));
     std::fs::remove_dir_all(folder).unwrap();
 }
