@@ -148,7 +148,8 @@ pub fn from_pretrained<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pre
 /// that reads its tensor from the files when first used. Code that takes a model apart one
 /// parameter at a time (ZeRO-3's cut, `ShardedParameters::shard_from`) then never holds the
 /// whole model. The files must stay as they are until then: a parameter whose file changed
-/// since (its size or modification time) panics when it is first used, naming the file.
+/// since (its size or modification time; another file in its place) panics when it is
+/// first used, naming the file.
 pub fn from_pretrained_lazily<B: Backend>(dir: &Path, device: &B::Device) -> Result<Pretrained<B>, CheckpointError> {
     load(dir, device, true)
 }
@@ -162,7 +163,7 @@ fn load<B: Backend>(dir: &Path, device: &B::Device, lazily: bool) -> Result<Pret
              the head its own, as transformers 5 loads it (saved with tie_word_embeddings false). To tie them, remove lm_head.weight"
         );
     }
-    let sources = decoder_sources(&headers, tied, config.tie_word_embeddings)?;
+    let sources = decoder_sources(&headers, tied)?;
     // burn builds nothing here (`Config::init` is lazy): each parameter becomes a lazy one that
     // reads its tensor, every check made before any weight is read.
     let mut checked = ReadWeights::new(&sources, false);
@@ -201,8 +202,8 @@ fn skipped_when_unused(path: &str, tied_config: bool) -> bool {
 
 /// Every tensor of the weight files under the decoder's name for it ([`HF_TO_DECODER`]; a
 /// tied head alone becomes the embeddings), each checked to lie whole in its file. Two
-/// tensors of one name are refused, but for what is skipped anyway ([`skipped_when_unused`]).
-fn decoder_sources(headers: &[SafetensorsHeader], tied: TiedWeights, tied_config: bool) -> Result<BTreeMap<String, TensorSource>, CheckpointError> {
+/// tensors of one name are refused, but for RoPE's saved frequencies (skipped).
+fn decoder_sources(headers: &[SafetensorsHeader], tied: TiedWeights) -> Result<BTreeMap<String, TensorSource>, CheckpointError> {
     let mut renames = HF_TO_DECODER.to_vec();
     if tied == TiedWeights::HeadAlone {
         // The tied weight's one copy, under the head's name.
@@ -214,7 +215,9 @@ fn decoder_sources(headers: &[SafetensorsHeader], tied: TiedWeights, tied_config
         for (name, path) in names.iter().zip(renamed(&renames, names.iter().map(|name| name.as_str()))) {
             let source = TensorSource::new(header, name, &header.tensors[name.as_str()])?;
             if let Some(earlier) = sources.get(&path) {
-                if skipped_when_unused(&path, tied_config) {
+                // RoPE's saved frequencies are skipped whatever they hold. A tied head named twice
+                // is refused with the rest: `tied_weights` compares one copy with the embeddings.
+                if path.ends_with("rotary_emb.inv_freq") {
                     continue;
                 }
                 return Err(if earlier.file == source.file {
@@ -449,16 +452,26 @@ struct SafetensorsHeader {
     stamp: FileStamp,
 }
 
-/// A file's size and modification time (where the file system keeps one).
+/// A file's size, modification time (where the file system keeps one) and identity (its
+/// device and inode on Unix: another file renamed into its place, as a copy that keeps times
+/// would be, is another file).
 #[derive(Debug, Clone, PartialEq)]
 struct FileStamp {
     size: u64,
     modified: Option<std::time::SystemTime>,
+    identity: Option<(u64, u64)>,
 }
 
 impl FileStamp {
     fn of(metadata: &std::fs::Metadata) -> Self {
-        Self { size: metadata.len(), modified: metadata.modified().ok() }
+        #[cfg(unix)]
+        let identity = {
+            use std::os::unix::fs::MetadataExt;
+            Some((metadata.dev(), metadata.ino()))
+        };
+        #[cfg(not(unix))]
+        let identity = None;
+        Self { size: metadata.len(), modified: metadata.modified().ok(), identity }
     }
 }
 
@@ -565,7 +578,13 @@ impl TensorSource {
                 &self.file,
                 format!(
                     "changed since the folder was loaded ({}): load the folder again",
-                    if now.size == self.stamp.size { "modified again at its size".to_string() } else { format!("{} bytes then, {} now", self.stamp.size, now.size) }
+                    if now.size != self.stamp.size {
+                        format!("{} bytes then, {} now", self.stamp.size, now.size)
+                    } else if now.identity != self.stamp.identity {
+                        "another file in its place".to_string()
+                    } else {
+                        "modified again at its size".to_string()
+                    }
                 ),
             ));
         }

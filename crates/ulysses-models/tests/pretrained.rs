@@ -964,24 +964,33 @@ fn every_fixture_loads_as_burn_store_reads_it_read_now_or_lazily() {
 }
 
 /// A lazily loaded model reads its files when a parameter is first used: a file that changed
-/// since the load (cut short; or rewritten at its size, as another revision of the model
-/// would be) stops that use with a message naming the file and what changed, not a model of
-/// other weights.
+/// since the load (cut short; rewritten at its size, as another revision of the model would
+/// be; another file renamed into its place with the same size and time) stops that use with a
+/// message naming the file and what changed, not a model of other weights.
 #[test]
 fn a_lazy_load_whose_file_changed_since_names_it() {
     let folder = edited_copy("qwen3", "lazy-changed", |_| {});
     let weights = folder.join("model.safetensors");
     let size = std::fs::metadata(&weights).unwrap().len();
-    let rewrite_at_its_size = |file: &std::fs::File| {
-        file.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(60)).unwrap();
+    let rewrite_at_its_size = |weights: &Path| {
+        std::fs::OpenOptions::new().write(true).open(weights).unwrap().set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(60)).unwrap();
+    };
+    // A copy that keeps the original's size and time (`cp -p`, `rsync -a`), renamed into place.
+    let replace_keeping_its_time = |weights: &Path| {
+        let modified = std::fs::metadata(weights).unwrap().modified().unwrap();
+        let copy = weights.with_extension("copy");
+        std::fs::copy(weights, &copy).unwrap();
+        std::fs::OpenOptions::new().write(true).open(&copy).unwrap().set_modified(modified).unwrap();
+        std::fs::rename(&copy, weights).unwrap();
     };
     for (change, edit) in [
-        ("cut short", Box::new(|file: &std::fs::File| file.set_len(size / 2).unwrap()) as Box<dyn Fn(&std::fs::File)>),
+        ("cut short", Box::new(|weights: &Path| std::fs::OpenOptions::new().write(true).open(weights).unwrap().set_len(size / 2).unwrap()) as Box<dyn Fn(&Path)>),
         ("rewritten at its size", Box::new(rewrite_at_its_size)),
+        ("replaced by a copy keeping its time", Box::new(replace_keeping_its_time)),
     ] {
         std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3/model.safetensors"), &weights).unwrap();
         let lazy = ulysses_models::from_pretrained_lazily::<Cpu>(&folder, &Default::default()).unwrap().model;
-        edit(&std::fs::OpenOptions::new().write(true).open(&weights).unwrap());
+        edit(&weights);
         let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| parameter_bits(&lazy).len())) else {
             panic!("{change}: the parameters were read from a file that changed since the load");
         };
