@@ -197,7 +197,12 @@ fn load<B: Backend>(dir: &Path, device: &B::Device, lazily: bool) -> Result<Pret
 /// kept by old conversions (computed from config.json here), and a tied head saved beside the
 /// embeddings (equal to them: [`TiedWeights`]).
 fn skipped_when_unused(path: &str, tied_config: bool) -> bool {
-    path.ends_with("rotary_emb.inv_freq") || (path == HEAD && tied_config)
+    is_saved_rope_frequencies(path) || (path == HEAD && tied_config)
+}
+
+/// RoPE's frequencies as old conversions saved them, per layer.
+fn is_saved_rope_frequencies(path: &str) -> bool {
+    path.ends_with("rotary_emb.inv_freq")
 }
 
 /// Every tensor of the weight files under the decoder's name for it ([`HF_TO_DECODER`]; a
@@ -217,7 +222,7 @@ fn decoder_sources(headers: &[SafetensorsHeader], tied: TiedWeights) -> Result<B
             if let Some(earlier) = sources.get(&path) {
                 // RoPE's saved frequencies are skipped whatever they hold. A tied head named twice
                 // is refused with the rest: `tied_weights` compares one copy with the embeddings.
-                if path.ends_with("rotary_emb.inv_freq") {
+                if is_saved_rope_frequencies(&path) {
                     continue;
                 }
                 return Err(if earlier.file == source.file {
@@ -336,12 +341,19 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     Err(CheckpointError::file(dir, format!("holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")))
 }
 
+/// A tensor's byte range in its file's data (`data_offsets`, begin and end).
+fn data_offsets(tensor: &serde_json::Value) -> Option<(u64, u64)> {
+    Some((tensor["data_offsets"][0].as_u64()?, tensor["data_offsets"][1].as_u64()?))
+}
+
+const NO_DATA_OFFSETS: &str = "has no data_offsets in the header";
+
 /// safetensors' limit on a header's size: past it, the first 8 bytes are not a header length.
 const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
 
-/// Refuses a safetensors file that is not whole, before any tensor is read: the 8-byte header length, the JSON header, and every
-/// tensor's bytes the header places must lie within the file. A download or copy cut short
-/// is the usual cause, and the fix is to fetch the file again.
+/// Refuses a safetensors file that is not whole, before any tensor is read: the 8-byte header
+/// length, the JSON header, and every tensor's bytes the header places must lie within the
+/// file. A download or copy cut short is the usual cause, and the fix is to fetch the file again.
 fn check_safetensors_whole(file: &Path) -> Result<SafetensorsHeader, CheckpointError> {
     use std::io::Read;
     let error = |problem: String| CheckpointError::file(file, problem);
@@ -371,40 +383,31 @@ fn check_safetensors_whole(file: &Path) -> Result<SafetensorsHeader, CheckpointE
     reader.read_exact(&mut header).map_err(|e| error(e.to_string()))?;
     let header: serde_json::Value = serde_json::from_slice(&header).map_err(|_| not_safetensors("its header is not JSON"))?;
     let tensors = header.as_object().ok_or_else(|| not_safetensors("its header is not a JSON object"))?;
+    let tensor_error = |name: &String, problem: String| CheckpointError::Tensor { file: file.display().to_string(), tensor: name.clone(), problem };
     // Weights in another form than floats (int8 or fp8 quantized, packed 4-bit) would reach the
     // model as raw integers: named here, not a panic deep in the load.
     if let Some((name, dtype)) = tensors
         .iter()
         .filter(|(name, _)| *name != "__metadata__")
-        .find_map(|(name, tensor)| tensor["dtype"].as_str().filter(|dtype| !["F32", "BF16", "F16", "F64"].contains(dtype)).map(|dtype| (name, dtype)))
+        .find_map(|(name, tensor)| tensor["dtype"].as_str().filter(|dtype| TensorValues::width(dtype).is_none()).map(|dtype| (name, dtype)))
     {
-        return Err(CheckpointError::Tensor {
-            file: file.display().to_string(),
-            tensor: name.clone(),
-            problem: format!("is {dtype}, not a float (F32, BF16, F16 or F64): a quantized checkpoint; fine-tune its unquantized original"),
-        });
+        return Err(tensor_error(name, format!("is {dtype}, not a float (F32, BF16, F16 or F64): a quantized checkpoint; fine-tune its unquantized original")));
     }
     // The tensors' bytes one after another from the data's start, as safetensors writes them
     // (and its reader requires): no gap, no overlap, no range that ends before it begins.
     let mut ranges = Vec::with_capacity(tensors.len());
     for (name, tensor) in tensors.iter().filter(|(name, _)| *name != "__metadata__") {
-        match (tensor["data_offsets"][0].as_u64(), tensor["data_offsets"][1].as_u64()) {
-            (Some(begin), Some(end)) => ranges.push((begin, end, name)),
-            _ => return Err(CheckpointError::Tensor { file: file.display().to_string(), tensor: name.clone(), problem: "has no data_offsets in the header".into() }),
-        }
+        let (begin, end) = data_offsets(tensor).ok_or_else(|| tensor_error(name, NO_DATA_OFFSETS.into()))?;
+        ranges.push((begin, end, name));
     }
     ranges.sort();
     let mut data_end = 0;
     for (begin, end, name) in ranges {
         if begin != data_end || end < begin {
-            return Err(CheckpointError::Tensor {
-                file: file.display().to_string(),
-                tensor: name.clone(),
-                problem: format!(
-                    "lies at bytes {begin}..{end} of the data, where the tensors before it end at {data_end}: not a file that safetensors \
-                     wrote; fetch it again"
-                ),
-            });
+            return Err(tensor_error(
+                name,
+                format!("lies at bytes {begin}..{end} of the data, where the tensors before it end at {data_end}: not a file that safetensors wrote; fetch it again"),
+            ));
         }
         data_end = end;
     }
@@ -541,9 +544,7 @@ struct TensorSource {
 impl TensorSource {
     fn new(header: &SafetensorsHeader, name: &str, tensor: &serde_json::Value) -> Result<Self, CheckpointError> {
         let error = |problem: String| CheckpointError::Tensor { file: header.file.display().to_string(), tensor: name.to_string(), problem };
-        let (Some(begin), Some(end)) = (tensor["data_offsets"][0].as_u64(), tensor["data_offsets"][1].as_u64()) else {
-            return Err(error("has no data_offsets in the header".into()));
-        };
+        let (begin, end) = data_offsets(tensor).ok_or_else(|| error(NO_DATA_OFFSETS.into()))?;
         let dtype = tensor["dtype"].as_str().unwrap_or_default().to_string();
         let width = TensorValues::width(&dtype).ok_or_else(|| error(format!("is {dtype}, not a float")))?;
         let shape = tensor["shape"].as_array().and_then(|dims| dims.iter().map(|dim| dim.as_u64().map(|dim| dim as usize)).collect::<Option<Vec<_>>>());
