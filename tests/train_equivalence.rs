@@ -651,6 +651,64 @@ fn checkpointed_gradients_equal_the_plain_backward() {
     }
 }
 
+/// The embedding's gradient that a checkpointed step adds itself (the decoder's embedding is a
+/// lookup, `LayeredLm::embedding_lookup`: each token's upstream row added into its row of the
+/// weight's gradient, into a tied head's in place) equals autodiff's through the plain
+/// backward: untied and tied, with a padding token that occurs in the text (its lookups pass
+/// no gradient), and with the embedding frozen (no gradient at all), within 1e-5.
+#[test]
+fn an_embedding_looked_up_takes_the_plain_backwards_gradient_tied_padded_or_frozen() {
+    use burn::{module::{Module, ModuleVisitor, Param}, optim::GradientsParams, tensor::backend::AutodiffBackend};
+    use ulysses_training::{LayerCheckpointing, checkpointed_backward, lm_loss_sum, parameter_paths};
+    /// Each float parameter's gradient in `grads`, in module order (`None`: it has none).
+    fn gradients<B: AutodiffBackend, M: Module<B>>(module: &M, grads: &GradientsParams) -> Vec<Option<Vec<f32>>> {
+        struct Read<'a>(&'a GradientsParams, Vec<Option<Vec<f32>>>);
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Read<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let grad = self.0.get::<B::InnerBackend, D>(param.id);
+                self.1.push(grad.map(|g| g.into_data().convert::<f32>().to_vec::<f32>().unwrap()));
+            }
+        }
+        let mut read = Read(grads, Vec::new());
+        module.visit(&mut read);
+        read.1
+    }
+    let device = Default::default();
+    let batch = VariedLengths { vocab: VOCAB }.train_batch(0);
+    let shard = SequenceSharder::new(1).shard(&batch, 0);
+    let weight = 1.0 / shard.valid_tokens as f64;
+    // A content token, so that its lookups would carry a gradient but for the padding rule.
+    let pad = batch[0][1] as usize;
+    for (tied, pad_token, frozen) in [(false, None, false), (true, Some(pad), false), (false, Some(pad), false), (true, None, true)] {
+        let case = format!("tied {tied}, pad {pad_token:?}, frozen {frozen}");
+        let config = config(ParallelLayout::new(), 1).model.with_repeat_kv(true).with_tie_embeddings(tied).with_pad_token(pad_token);
+        let mut model = deterministic_params(config.init::<Reference>(&device), INIT_SEED);
+        if frozen {
+            model.embedding.weight = model.embedding.weight.set_require_grad(false);
+        }
+        let loss = lm_loss_sum(model.lm_output(shard.tokens::<Reference>(&device), &shard.positions), shard.labels(&device), -100) * weight;
+        let plain = gradients(&model, &GradientsParams::from_grads(loss.backward(), &model));
+        let (_, grads) = checkpointed_backward(&model, shard.tokens(&device), shard.labels(&device), &shard.positions, weight, -100, &LayerCheckpointing::new(), 2, |_| {}).unwrap();
+        let looked_up = gradients(&model, &grads);
+        for ((name, got), want) in parameter_paths(&model).iter().zip(&looked_up).zip(&plain) {
+            match (got, want) {
+                (Some(got), Some(want)) => {
+                    assert!(got.iter().all(|v| v.is_finite()), "{case}: {name}'s gradient is not finite");
+                    let diff = max_abs_diff(got, want);
+                    assert!(diff <= TOLERANCE, "{case}: the gradient of {name} differs by {diff:e}");
+                }
+                (None, None) => assert!(frozen && name.starts_with("embedding"), "{case}: {name} has no gradient"),
+                _ => panic!("{case}: {name} has a gradient in one backward only (checkpointed {}, plain {})", got.is_some(), want.is_some()),
+            }
+        }
+        if pad_token.is_some() {
+            let rows = looked_up[0].as_ref().expect("the embedding trains");
+            let row = &rows[pad * 32..(pad + 1) * 32];
+            assert!(tied || row.iter().all(|&v| v == 0.0), "{case}: the padding row took a gradient");
+        }
+    }
+}
+
 /// Tile settings that cannot work are refused with the reason, before any layer runs: a
 /// tile of 0 tokens, and more tiles than the shard has tokens.
 #[test]
@@ -1114,12 +1172,13 @@ fn zero_3_trains_like_replicated_adamw() {
 
 /// An output head of its own (not tied to the embedding) is a group of its own with the final
 /// norm: a checkpointed step gathers it alone for the head's piece, and the embedding without
-/// it for the embedding's two (under ZeRO-3 1 GB of bf16 each at 8B, not both's 2 GB), and
+/// it for the embedding's forward (under ZeRO-3 1 GB of bf16 each at 8B, not both's 2 GB), and
 /// hands its gradients over right after its piece (`ParameterGroup::Head`, which ZeRO-3
 /// reduce-scatters at once), not with the embedding's after every layer's backward, where an 8B
 /// model's head would be held whole in f32 (2 GB) through the layers. A tied head's weight is
 /// the embedding's: both pieces gather the rest, and its gradient, which the embedding's piece
-/// adds to last, is handed over then, once.
+/// adds to last, is handed over then, once. The embedding's backward gathers nothing: the
+/// decoder's embedding is a lookup (`LayeredLm::embedding_lookup`).
 #[test]
 fn an_untied_head_is_gathered_alone_and_its_gradients_handed_over_before_the_layers_backward() {
     use burn::{optim::GradientsParams, tensor::backend::AutodiffBackend};
@@ -1155,7 +1214,7 @@ fn an_untied_head_is_gathered_alone_and_its_gradients_handed_over_before_the_lay
         let calls: Vec<ParameterGroup> = recording.handed.iter().map(|(group, _)| *group).collect();
         let counts: Vec<usize> = recording.handed.iter().map(|(_, count)| *count).collect();
         let (embedding, head) = if tied { (ParameterGroup::Rest, ParameterGroup::Rest) } else { (ParameterGroup::Embedding, ParameterGroup::Head) };
-        assert_eq!(recording.gathered, [&[embedding][..], &forward, &[head], &layers, &[embedding]].concat(), "tied {tied}: the gathers");
+        assert_eq!(recording.gathered, [&[embedding][..], &forward, &[head], &layers].concat(), "tied {tied}: the gathers");
         if tied {
             // The layers, then the rest: the embedding (its two gradients summed) and the final norm.
             assert_eq!(calls, [&layers[..], &[ParameterGroup::Rest]].concat(), "tied");

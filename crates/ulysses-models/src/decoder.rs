@@ -39,7 +39,7 @@ use burn_ulysses::{
     precision::{linear, rms_norm},
     visibility::PositionIds,
 };
-use ulysses_training::{CausalLm, LayeredLm, LmOutput, OutputHead};
+use ulysses_training::{CausalLm, EmbeddingLookup, LayeredLm, LmOutput, OutputHead};
 
 use crate::{HfConfig, rope::RopeScaling, rope_tables::RopeTables};
 
@@ -290,6 +290,13 @@ impl<B: Backend> LayeredLm<B> for Decoder<B> {
             self.norm.visit(visitor);
             head.visit(visitor);
         }
+    }
+
+    /// [`embed`](LayeredLm::embed) looks up the embedding's rows and casts them, the padding
+    /// row passing no gradient.
+    fn embedding_lookup(&self) -> Option<EmbeddingLookup> {
+        let weight = &self.embedding.weight;
+        Some(EmbeddingLookup { weight: weight.id, vocab: self.vocab_size, trains: weight.is_require_grad(), no_gradient_token: self.pad_token })
     }
 }
 

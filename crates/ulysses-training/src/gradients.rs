@@ -66,17 +66,20 @@ pub fn all_reduce_gradients_in_buckets<B: TrainBackend, M: AutodiffModule<B>>(
 }
 
 /// One float parameter's gradient on this rank, flattened, or the parameter itself (for the
-/// shape, dtype and device of zeros) when this rank has none.
+/// dtype and device of zeros) when this rank has none.
 pub(crate) struct LocalGradient<B: TrainBackend> {
     pub(crate) grad: Option<Tensor<B::InnerBackend, 1>>,
     pub(crate) parameter: Tensor<B::InnerBackend, 1>,
+    /// The parameter's elements: `parameter`'s, but where that is a placeholder (ZeRO-3), the
+    /// whole one's.
+    pub(crate) len: usize,
     /// Whether AdamW's weight decay applies to it (`ulysses_core::host_adamw::decays`).
     pub(crate) decays: bool,
 }
 
 impl<B: TrainBackend> LocalGradient<B> {
     pub(crate) fn len(&self) -> usize {
-        self.parameter.dims()[0]
+        self.len
     }
 
     pub(crate) fn dtype(&self) -> DType {
@@ -84,7 +87,7 @@ impl<B: TrainBackend> LocalGradient<B> {
     }
 
     pub(crate) fn take_or_zeros(&mut self) -> Tensor<B::InnerBackend, 1> {
-        self.grad.take().unwrap_or_else(|| self.parameter.zeros_like())
+        self.grad.take().unwrap_or_else(|| Tensor::zeros([self.len], (&self.parameter.device(), self.parameter.dtype())))
     }
 }
 
@@ -99,7 +102,7 @@ impl<B: TrainBackend> ModuleVisitor<B> for TakeGradients<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let grad = self.grads.remove::<B::InnerBackend, D>(param.id).map(|g| g.flatten(0, D - 1));
         let parameter = param.val().inner().flatten(0, D - 1);
-        self.local.push(LocalGradient { grad, parameter, decays: ulysses_core::host_adamw::decays(D) });
+        self.local.push(LocalGradient { grad, len: parameter.dims()[0], parameter, decays: ulysses_core::host_adamw::decays(D) });
     }
 }
 

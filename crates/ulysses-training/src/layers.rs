@@ -57,9 +57,9 @@ use std::{collections::VecDeque, ops::Range};
 
 use burn::{
     config::Config,
-    module::{AutodiffModule, Module, ModuleVisitor},
+    module::{AutodiffModule, Module, ModuleVisitor, ParamId},
     optim::GradientsParams,
-    tensor::{BasicOps, Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}},
+    tensor::{BasicOps, DType, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}},
 };
 
 use burn_ulysses::{
@@ -121,6 +121,56 @@ pub trait LayeredLm<B: Backend>: Module<B> {
     /// embedding (1 GB of bf16 for an 8B model), and their gradients leave right after that
     /// piece, not held whole through every layer's backward (2 GB of f32).
     fn visit_standalone_head<V: ModuleVisitor<B>>(&self, _visitor: &mut V) {}
+    /// Where [`embed`](Self::embed) is a lookup of one weight's rows and nothing else (the rows
+    /// passed on as they are, but for a cast to the compute dtype: no scale, no other
+    /// parameter), that weight ([`EmbeddingLookup`]); `None` (the default) otherwise. A
+    /// checkpointed step then makes the embedding's gradient itself, the upstream rows added
+    /// into the weight's gradient rows in f32: it gathers no copy of the weight for the
+    /// embedding's backward (ZeRO-3: one all-gather of the embedding a micro-batch fewer), and
+    /// adds into a tied head's gradient in place, where autodiff would make a dense
+    /// `[vocab, width]` gradient beside it and their sum.
+    fn embedding_lookup(&self) -> Option<EmbeddingLookup> {
+        None
+    }
+}
+
+/// An embedding that [`LayeredLm::embed`] looks up ([`LayeredLm::embedding_lookup`]): token `t`
+/// of the shard becomes row `t` of `weight`, a `[vocab, d_model]` parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmbeddingLookup {
+    pub weight: ParamId,
+    /// The weight's rows: under ZeRO-3 the model's own weight is a placeholder.
+    pub vocab: usize,
+    /// Whether the weight trains (a frozen one gets no gradient).
+    pub trains: bool,
+    /// A token whose lookups pass no gradient to its row (transformers' `padding_idx`).
+    pub no_gradient_token: Option<usize>,
+}
+
+impl EmbeddingLookup {
+    /// Adds the lookup's gradient into `grads`: each row of `upstream` (`[batch, seq, width]`,
+    /// the embedded shard's gradient) added in f32 to `tokens`' rows of the weight's gradient,
+    /// which is the sum so far (a tied head's) or zeros. The sums of autodiff's embedding
+    /// backward (`embedding_backward`: `select_add` of the same rows), started from the head's
+    /// gradient rather than from zeros.
+    fn add_gradient<B: Backend>(&self, grads: &mut GradientsParams, tokens: Tensor<B, 2, Int>, upstream: Tensor<B, 3>) {
+        if !self.trains {
+            return;
+        }
+        let [batch, seq, width] = upstream.dims();
+        let device = upstream.device();
+        let indices = tokens.reshape([batch * seq]);
+        let mut rows = upstream.reshape([batch * seq, width]).cast(FloatDType::F32);
+        if let Some(token) = self.no_gradient_token {
+            let skipped = indices.clone().equal_elem(token as i64).unsqueeze_dim::<2>(1).expand([batch * seq, width]);
+            rows = rows.mask_fill(skipped, 0.0);
+        }
+        let sum = match grads.remove::<B, 2>(self.weight) {
+            Some(sum) => sum.cast(FloatDType::F32),
+            None => Tensor::zeros([self.vocab, width], (&device, DType::F32)),
+        };
+        grads.register(self.weight, sum.select_assign(0, indices, rows, IndexingUpdateOp::Add));
+    }
 }
 
 /// Whether `model`'s head is a group of its own ([`LayeredLm::visit_standalone_head`]).
@@ -238,9 +288,15 @@ impl ParameterGroup {
 pub trait LayerParameters<B: AutodiffBackend, M> {
     /// `model` with `group`'s parameters whole, for the pieces that use them.
     fn gather(&mut self, model: &M, group: ParameterGroup) -> Result<M, UlyssesError>;
-    /// `group`'s gradients of one shard, complete (of the model [`gather`](Self::gather)
-    /// gave): returned to go on with the step's others, or taken (`None`).
+    /// `group`'s gradients of one shard, complete (of `gathered`: the model
+    /// [`gather`](Self::gather) gave, or the step's own where it gathered none for the group's
+    /// last piece; only its parameters' ids and order count): returned to go on with the step's
+    /// others, or taken (`None`).
     fn gradients_done(&mut self, gathered: &M, group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, UlyssesError>;
+    /// The step reached a piece of `group` that needs none of its parameters whole, so gathers
+    /// nothing (the embedding's backward where [`LayeredLm::embedding_lookup`] describes it):
+    /// for progress reports.
+    fn reached(&mut self, _group: ParameterGroup) {}
 }
 
 /// Every parameter whole in the model on every rank (no ZeRO-3): nothing to gather, the
@@ -322,6 +378,13 @@ impl<B: TrainBackend, M, P: LayerParameters<B, M>> LayerParameters<B, M> for Rep
 
     fn gradients_done(&mut self, gathered: &M, group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, UlyssesError> {
         self.parameters.gradients_done(gathered, group, grads)
+    }
+
+    fn reached(&mut self, group: ParameterGroup) {
+        if self.report {
+            self.report::<B>(group);
+        }
+        self.parameters.reached(group)
     }
 }
 
@@ -702,14 +765,26 @@ where
 
     // 4. Embedding; then its group's gradients (the head's too where it does not stand alone:
     //    a tied head's weight is the embedding's, its two gradients summed before they leave).
-    let embedding = parameters.gather(model, embedding_group)?;
-    let embedded = embedding.embed(tokens, &context);
-    let seed = (embedded * Tensor::from_inner(upstream.restore(&device))).sum();
-    probe(Piece::Embedding);
-    let grads = seed.backward();
-    accumulator.add(&embedding, GradientsParams::from_grads(grads, &embedding));
-    let grads = parameters.gradients_done(&embedding, embedding_group, accumulator.take())?.unwrap_or_else(GradientsParams::new);
-    Ok((loss_sum.expect("a shard has at least one tile"), grads))
+    let upstream = upstream.restore(&device);
+    let grads = match model.embedding_lookup() {
+        // A lookup: its gradient added into the weight's here, nothing gathered for it.
+        Some(lookup) => {
+            parameters.reached(embedding_group);
+            probe(Piece::Embedding);
+            let mut grads = accumulator.take();
+            lookup.add_gradient(&mut grads, tokens.inner(), upstream);
+            parameters.gradients_done(model, embedding_group, grads)?
+        }
+        None => {
+            let embedding = parameters.gather(model, embedding_group)?;
+            let seed = (embedding.embed(tokens, &context) * Tensor::from_inner(upstream)).sum();
+            probe(Piece::Embedding);
+            let grads = seed.backward();
+            accumulator.add(&embedding, GradientsParams::from_grads(grads, &embedding));
+            parameters.gradients_done(&embedding, embedding_group, accumulator.take())?
+        }
+    };
+    Ok((loss_sum.expect("a shard has at least one tile"), grads.unwrap_or_else(GradientsParams::new)))
 }
 
 /// `model`'s output on a shard without a graph (evaluation), run as the checkpointed step's

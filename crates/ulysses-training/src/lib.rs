@@ -53,7 +53,7 @@ mod zero;
 mod host_adamw_tests;
 
 pub use backend::TrainBackend;
-pub use layers::{PROGRESS_TARGET, LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
+pub use layers::{PROGRESS_TARGET, EmbeddingLookup, LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
 pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartOptimizer, PartsFrom, ShardedParameters, Zero3Step};
 pub use matrix_decay::MatrixDecayAdamW;
 pub use panics::{catch_model_failure, quiet_caught_panics};

@@ -10,8 +10,9 @@
 //!   [`GRADIENT_BUCKET_BYTES`] of this rank's parts) into a copy of the model just before its
 //!   pieces run, and
 //!   released with that copy after them: a layer's for its forward, again for its backward
-//!   (recomputed under layer checkpointing); the embedding's for its forward and backward, the
-//!   head's for its piece (both the rest's where the head is tied);
+//!   (recomputed under layer checkpointing); the embedding's for its forward (and its
+//!   backward, unless [`LayeredLm::embedding_lookup`] says it is a lookup, whose gradient needs
+//!   no weight), the head's for its piece (both the rest's where the head is tied);
 //! - a group's gradients, once complete, are reduce-scattered (cast to f32, in buckets, each
 //!   laid out rank-major as [`ShardedAdamW`]'s: the sums an all-reduce gives, in the same
 //!   order) and this rank keeps its part where the optimizer runs ([`OptimizerPlace`]: copied to
@@ -29,7 +30,7 @@
 //! step, besides, one group whole (a layer, the embedding, the head, or a tied embedding and
 //! head together), with the optimizer on the host the previous group's gradient parts until
 //! they arrive, and, where the head is tied, from the head's backward to the embedding's, the
-//! rest's whole gradients (the head's and the embedding's are summed before they leave). With
+//! rest's whole gradients (the embedding's added into the head's before they leave). With
 //! [`ShardedParameters::with_parts_on_host`] the compute copy's parts wait in host memory and
 //! the device holds none between gathers; with [`ShardedAdamW`] they are its f32 master
 //! weights themselves (shared from the start by [`ShardedParameters::share_master_weights`],
@@ -543,12 +544,21 @@ impl<B: TrainBackend> ShardedParameters<B> {
         }
     }
 
-    /// Reduce-scatters `group`'s gradients in `grads` (of `gathered`, the model with the group
-    /// whole) and adds this rank's parts to the step's. Refused when `grads` holds a gradient
-    /// of a parameter outside the group: a piece used a parameter its group does not name.
-    fn take_group_gradients<M: AutodiffModule<B>>(&mut self, gathered: &M, group: ParameterGroup, mut grads: GradientsParams, world: &dyn Communicator<B::Wire>) -> Result<(), UlyssesError> {
+    /// Reduce-scatters `group`'s gradients in `grads` (of `model`: with the group whole or
+    /// with placeholders, whose ids and order alone count) and adds this rank's parts to the
+    /// step's. Refused when `grads` holds a gradient of a parameter outside the group: a piece
+    /// used a parameter its group does not name.
+    fn take_group_gradients<M: AutodiffModule<B>>(&mut self, model: &M, group: ParameterGroup, mut grads: GradientsParams, world: &dyn Communicator<B::Wire>) -> Result<(), UlyssesError> {
         let mut take = TakeGradients::<B> { grads: &mut grads, local: Vec::new() };
-        gathered.visit(&mut take);
+        model.visit(&mut take);
+        for (local, parameter) in take.local.iter_mut().zip(&self.parameters) {
+            local.len = parameter.elements();
+            if let Some(grad) = local.grad.as_ref().filter(|grad| grad.dims()[0] != local.len) {
+                return Err(UlyssesError::InModel {
+                    message: format!("ZeRO-3: {}'s gradient has {} elements, the parameter {}", parameter.path, grad.dims()[0], local.len),
+                });
+            }
+        }
         let mut local: Vec<Option<LocalGradient<B>>> = take.local.into_iter().map(Some).collect();
         let indices = self.group(group).to_vec();
         let mut members: Vec<LocalGradient<B>> = indices.iter().map(|&i| local[i].take().expect("each parameter once")).collect();
@@ -741,8 +751,8 @@ impl<B: TrainBackend, M: AutodiffModule<B>> LayerParameters<B, M> for Zero3Step<
         self.parameters.gathered(model.clone(), &indices, self.world)
     }
 
-    fn gradients_done(&mut self, gathered: &M, group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, UlyssesError> {
-        self.parameters.take_group_gradients(gathered, group, grads, self.world)?;
+    fn gradients_done(&mut self, model: &M, group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, UlyssesError> {
+        self.parameters.take_group_gradients(model, group, grads, self.world)?;
         Ok(None)
     }
 }
