@@ -7,8 +7,8 @@
 //! step: those parts are the host optimizer's master weights. The figures for a
 //! Hugging Face shape (benches/RESULTS.md; replicated training at world 1 alone):
 //! `ZERO_MEMORY_SHAPE=benches/hf-shapes/llama-3.2-1b.json ZERO_MEMORY_LAYERS=2 cargo test -p
-//! ulysses-suite --test zero_memory zero_3_ranks -- --nocapture` (`ZERO_MEMORY_WORLDS=4`: that
-//! world alone).
+//! ulysses-suite --test zero_memory zero_3_ranks -- --nocapture` (`ZERO_MEMORY_WORLDS=2,4`:
+//! those worlds alone; world 4 of that slice fits 24 GiB only with `MALLOC_MMAP_THRESHOLD_=131072`).
 //!
 //! The ZeRO-3 runs cut their parts from world rank 0's parameters one at a time
 //! (`ShardedParameters::shard_from`, the model lazy): a second test counts what the whole

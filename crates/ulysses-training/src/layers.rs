@@ -14,7 +14,9 @@
 //! 3. from the last layer to the first, the layer re-run from its kept input, in three
 //!    pieces (below), each a graph of its own whose `backward` gives its parameters'
 //!    gradients and its inputs', the upstream of the piece before it;
-//! 4. the embedding likewise.
+//! 4. the embedding likewise, or, where the model says its embedding is a lookup
+//!    ([`LayeredLm::embedding_lookup`]), without a graph: the upstream rows added into the
+//!    weight's gradient rows.
 //!
 //! **The pieces of a layer** ([`LayeredLm`]): only the attention core mixes tokens along the
 //! sequence; what comes before it (the norm, the q/k/v projections, RoPE) and after it (the
@@ -150,9 +152,11 @@ pub struct EmbeddingLookup {
 impl EmbeddingLookup {
     /// Adds the lookup's gradient into `grads`: each row of `upstream` (`[batch, seq, width]`,
     /// the embedded shard's gradient) added in f32 to `tokens`' rows of the weight's gradient,
-    /// which is the sum so far (a tied head's) or zeros. The sums of autodiff's embedding
-    /// backward (`embedding_backward`: `select_add` of the same rows), started from the head's
-    /// gradient rather than from zeros.
+    /// which is the sum so far (a tied head's) or zeros. For an f32 weight, the sums of
+    /// autodiff's embedding backward (`embedding_backward`: `select_add` of the same rows),
+    /// started from the head's gradient rather than from zeros; for a half-precision one (a
+    /// compute copy), the rows of a repeated token summed in f32 where autodiff summed them in
+    /// the weight's dtype.
     fn add_gradient<B: Backend>(&self, grads: &mut GradientsParams, tokens: Tensor<B, 2, Int>, upstream: Tensor<B, 3>) {
         if !self.trains {
             return;
@@ -322,8 +326,9 @@ impl<B: AutodiffBackend, M: Clone> LayerParameters<B, M> for WholeParameters {
 /// The pools' figures are read from CubeCL's memory manager, which does not wait for the device.
 pub const PROGRESS_TARGET: &str = "ulysses_training::progress";
 
-/// `parameters` reporting the step's progress at each gather ([`PROGRESS_TARGET`]) where
-/// `report`, passing the gathers through otherwise. The time is the host's: the device may
+/// `parameters` reporting the step's progress at each gather, and each piece reached without
+/// one ([`LayerParameters::reached`]), ([`PROGRESS_TARGET`]) where `report`, passing them
+/// through otherwise. The time is the host's: the device may
 /// trail it by what the host has queued (a gather over more than one rank waits for the device
 /// first).
 pub(crate) struct ReportProgress<'a, P, D> {
@@ -333,8 +338,8 @@ pub(crate) struct ReportProgress<'a, P, D> {
     step: usize,
     micro_batch: usize,
     started: std::time::Instant,
-    /// Gathers so far of the groups outside the layers (the embedding's or the head's) and of
-    /// each layer: the first is the forward's.
+    /// Gathers (or pieces [`reached`](LayerParameters::reached)) so far of the groups outside
+    /// the layers (the embedding's or the head's) and of each layer: the first is the forward's.
     outside_layer_gathers: usize,
     layer_gathers: Vec<usize>,
     device: D,

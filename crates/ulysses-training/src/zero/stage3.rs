@@ -551,6 +551,11 @@ impl<B: TrainBackend> ShardedParameters<B> {
     fn take_group_gradients<M: AutodiffModule<B>>(&mut self, model: &M, group: ParameterGroup, mut grads: GradientsParams, world: &dyn Communicator<B::Wire>) -> Result<(), UlyssesError> {
         let mut take = TakeGradients::<B> { grads: &mut grads, local: Vec::new() };
         model.visit(&mut take);
+        if take.local.len() != self.parameters.len() {
+            return Err(UlyssesError::InModel {
+                message: format!("ZeRO-3: gradients of a model of {} float parameters handed to parts of {}: one ShardedParameters per model", take.local.len(), self.parameters.len()),
+            });
+        }
         for (local, parameter) in take.local.iter_mut().zip(&self.parameters) {
             local.len = parameter.elements();
             if let Some(grad) = local.grad.as_ref().filter(|grad| grad.dims()[0] != local.len) {
