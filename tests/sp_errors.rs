@@ -95,6 +95,19 @@ fn an_explicit_score_mask_built_from_local_shapes() {
     assert_all_contain(&messages, &["mask of shape [1, 4, 8, 8] cannot be resharded", "is_causal", "key-padding mask"]);
 }
 
+/// A key-padding mask per kv head (`[batch, kv_heads, 1, seq]` under grouped queries) does not
+/// fit the scores, whose heads are the query heads: refused as such, with the fix, not as a
+/// mask of local shapes.
+#[test]
+fn a_key_padding_mask_per_kv_head() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 2);
+        let mask = Tensor::<Sp, 4, Bool>::from_data(burn::tensor::TensorData::new(vec![false; 16], [1, 2, 1, 8]), &Default::default());
+        attention(q, k, v, Some(mask), None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["mask of shape [1, 2, 1, 8] does not fit the scores", "[1, 4, 8, 8]", "repeated over its group of query heads"]);
+}
+
 /// Keys a rank holds beside its shard (a cache, a prefix, sink tokens) would be joined with the
 /// other ranks' as shards of one sequence, repeated and out of place: causal attention over
 /// more keys than queries a rank is refused, naming the cause.

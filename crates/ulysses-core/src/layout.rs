@@ -123,7 +123,19 @@ impl AttentionLayout {
     /// would be repeated and out of place, silently wrong.
     pub fn refuse_unshardable(&self, mask: Option<&[usize]>, bias: Option<&[usize]>) -> Result<(), UlyssesError> {
         match (self.mask, bias) {
-            (MaskKind::Unshardable, _) => return Err(UlyssesError::UnshardableMask { shape: mask.unwrap_or_default().to_vec() }),
+            (MaskKind::Unshardable, _) => {
+                let shape = mask.unwrap_or_default();
+                let scores = [self.batch, self.q_heads, self.q_seq, self.kv_seq];
+                // A mask that does not even fit the scores (a key-padding mask per kv head, say)
+                // is named as such, not as a mask of local shapes.
+                if shape.len() != 4 || shape.iter().zip(scores).any(|(&m, s)| m != 1 && m != s) {
+                    return Err(UlyssesError::Shape(format!(
+                        "attention: a mask of shape {shape:?} does not fit the scores [batch, q_heads, q_seq, kv_seq] = {scores:?} (each \
+                         dim that size or 1); a mask per kv head must be repeated over its group of query heads, as k and v are"
+                    )));
+                }
+                return Err(UlyssesError::UnshardableMask { shape: shape.to_vec() });
+            }
             (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: bias.to_vec() }),
             _ => {}
         }
