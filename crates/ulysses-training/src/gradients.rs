@@ -51,7 +51,7 @@ pub fn all_reduce_gradients_in_buckets<B: TrainBackend, M: AutodiffModule<B>>(
     let mut reduced: Vec<Option<Tensor<B::InnerBackend, 1>>> = vec![None; local.len()];
     for bucket in plan_buckets(&sizes, &present_anywhere, bucket_bytes) {
         let members: Vec<_> = bucket.iter().map(|&i| local[i].take_or_zeros()).collect();
-        let flat = float_primitive(Tensor::cat(members, 0));
+        let flat = float_primitive(concatenated(members, 0));
         let flat = float_tensor::<B::InnerBackend, 1>(communicator.all_reduce(flat, ReduceOp::Sum)?);
         let mut offset = 0;
         for &i in &bucket {
@@ -63,6 +63,13 @@ pub fn all_reduce_gradients_in_buckets<B: TrainBackend, M: AutodiffModule<B>>(
 
     module.visit(&mut RegisterGradients::<B> { grads: &mut grads, reduced: reduced.into_iter() });
     Ok(grads)
+}
+
+/// `tensors` joined along `dim`, one alone returned as it is: burn's `cat` copies even one,
+/// which for a bucket of one gradient (every parameter past the bucket size: an 8B model's
+/// head and embedding, its MLP matrices) is a second whole copy of it, and a pass over its bytes.
+pub(crate) fn concatenated<B: Backend, const D: usize>(mut tensors: Vec<Tensor<B, D>>, dim: usize) -> Tensor<B, D> {
+    if tensors.len() == 1 { tensors.pop().expect("one tensor") } else { Tensor::cat(tensors, dim) }
 }
 
 /// One float parameter's gradient on this rank, flattened, or the parameter itself (for the

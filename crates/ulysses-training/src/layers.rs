@@ -70,7 +70,7 @@ use burn_ulysses::{
     device_io::{self, PendingRead},
 };
 
-use crate::{LmOutput, TrainBackend, gradients::GradientSums, lm_loss_sum};
+use crate::{LmOutput, TrainBackend, gradients::{GradientSums, concatenated}, lm_loss_sum};
 
 /// A causal LM cut into the pieces whole-layer checkpointing runs one at a time. Implement
 /// it for every backend (`impl<B: Backend> LayeredLm<B> for MyModel<B>`): the forward runs
@@ -431,7 +431,7 @@ fn core_inputs_in_tiles<B: Backend, M: LayeredLm<B>>(model: &M, index: usize, hi
             parts.push(part);
         }
     }
-    joined.into_iter().map(|parts| join(parts, 2)).collect()
+    joined.into_iter().map(|parts| concatenated(parts, 2)).collect()
 }
 
 /// Layer `index` on `hidden` with its token-wise parts in `tiles` tiles, no graph kept (the
@@ -452,11 +452,6 @@ fn layer_in_tiles<B: Backend, M: LayeredLm<B>>(
         output.push(model.after_core(index, hidden.restore_rows(&rows, device), rows_of(&core, 2, &rows)));
     }
     output.finish()
-}
-
-/// Tiles joined along the sequence, which runs along `dim` (no copy of a single tile).
-fn join<B: Backend, const D: usize>(mut tiles: Vec<Tensor<B, D>>, dim: usize) -> Tensor<B, D> {
-    if tiles.len() == 1 { tiles.pop().unwrap() } else { Tensor::cat(tiles, dim) }
 }
 
 /// How offloaded tiles travel between the device and the host.
@@ -556,7 +551,7 @@ impl<B: Backend> KeptTiles<B> {
 
     fn finish(self) -> Kept<B> {
         match self {
-            KeptTiles::Device(tiles) => Kept::Device(join(tiles, 1)),
+            KeptTiles::Device(tiles) => Kept::Device(concatenated(tiles, 1)),
             KeptTiles::Host { mut tiles, pending, link } => {
                 tiles.arrive(pending.into());
                 Kept::Host(tiles, link)
@@ -735,7 +730,7 @@ where
         let residual_grad = residual_grad.finish();
 
         // The core's backward.
-        let seed = (core * Tensor::from_inner(join(core_grad, 2))).sum();
+        let seed = (core * Tensor::from_inner(concatenated(core_grad, 2))).sum();
         probe(Piece::Core { layer: index });
         // The tiles' backwards had no collective; this one has. Peers that are threads of
         // this process must not be inside it while this rank still runs tiles.

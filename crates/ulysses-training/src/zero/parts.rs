@@ -21,7 +21,7 @@ use ulysses_core::{
 
 use crate::{
     TrainBackend,
-    gradients::{LocalGradient, clipping_factor},
+    gradients::{LocalGradient, clipping_factor, concatenated},
 };
 
 /// Elements of a rank's parts of parameters of `elements` elements each over a world of
@@ -54,7 +54,7 @@ pub(super) fn reduce_scatter_buckets<B: TrainBackend>(local: &mut [LocalGradient
         .map(|bucket| {
             let rows: Vec<Tensor<B::InnerBackend, 2>> =
                 bucket.iter().map(|&i| padded(partition, local[i].take_or_zeros().cast(FloatDType::F32)).reshape([partition.world() as i32, -1])).collect();
-            let flat = Tensor::cat(rows, 1).reshape([-1]);
+            let flat = concatenated(rows, 1).reshape([-1]);
             // A world of one: its part is the whole sum (no collective, which waits for the device).
             let parts = match world.size() {
                 1 => flat,

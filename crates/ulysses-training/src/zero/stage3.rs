@@ -70,7 +70,7 @@ use super::{
 };
 use crate::{
     LayerParameters, LayeredLm, ParameterGroup, TrainBackend, float_parameters,
-    gradients::{LocalGradient, TakeGradients},
+    gradients::{LocalGradient, TakeGradients, concatenated},
 };
 
 /// Where a ZeRO-3 optimizer keeps and updates its parts of the master weights and moments,
@@ -499,7 +499,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
             indices.iter().map(|&i| (self.partition.part_len(self.parameters[i].elements()) * self.parameters[i].dtype.size(), self.parameters[i].dtype)).collect();
         let mut values = HashMap::with_capacity(indices.len());
         for bucket in plan_buckets(&sizes, &vec![true; indices.len()], GRADIENT_BUCKET_BYTES) {
-            let mine = Tensor::cat(bucket.iter().map(|&b| self.on_device(&self.parameters[indices[b]])).collect(), 0);
+            let mine = concatenated(bucket.iter().map(|&b| self.on_device(&self.parameters[indices[b]])).collect(), 0);
             let members = bucket.iter().map(|&b| (indices[b], self.parameters[indices[b]].elements()));
             for (index, whole) in all_gather_columns::<B>(mine, members, &self.partition, world)? {
                 let parameter = &self.parameters[index];
