@@ -24,7 +24,7 @@ type B = Autodiff<NdArray<f32>>;
 /// operations a transformer's forward is made of, to find any other with the same window.
 type Graph = fn(Tensor<B, 2>) -> Tensor<B, 1>;
 
-const GRAPHS: [(&str, Graph); 4] = [
+const GRAPHS: [(&str, Graph); 5] = [
     ("cat", |x| Tensor::cat(vec![x.clone() * 2.0, x.clone() * 3.0, x.clone() * x], 0).sum()),
     ("matmul, exp, mean over a dim", |x| x.clone().matmul(x.clone().transpose()).mul_scalar(0.01).exp().mean_dim(1).sum()),
     ("reshape, swap_dims, slice, softmax", |x| {
@@ -35,6 +35,15 @@ const GRAPHS: [(&str, Graph); 4] = [
     ("select rows, silu, sqrt", |x| {
         let ids = Tensor::<B, 1, burn::tensor::Int>::from_ints([3, 1, 4, 1, 5, 9, 2, 6], &x.device());
         burn::tensor::activation::silu(x.clone().select(0, ids)).add(x.powf_scalar(2.0).sum_dim(0).add_scalar(1.0).sqrt()).sum()
+    }),
+    // ulysses-training's node of given gradients (the chunked loss's), over an intermediate.
+    ("given gradients", |x| {
+        use burn::tensor::TensorPrimitive;
+        use ulysses_training::TrainBackend;
+        let y = x * 2.0;
+        let value = y.clone().inner().sum().into_primitive().tensor();
+        let given = y.clone().inner().add_scalar(1.0).into_primitive().tensor();
+        Tensor::from_primitive(TensorPrimitive::Float(B::with_gradients(value, [(y.into_primitive().tensor(), given)])))
     }),
 ];
 

@@ -8,10 +8,16 @@
 //! communicator the attention exchange uses, with no per-call conversion.
 
 use burn::tensor::{
+    DType, Shape, TensorMetadata,
     backend::{AutodiffBackend, Backend},
     ops::FloatTensor,
 };
-use burn_autodiff::{Autodiff, checkpoint::strategy::CheckpointStrategy};
+use burn_autodiff::{
+    Autodiff,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind},
+};
 
 use burn_ulysses::{PlainBackend, UlyssesBackend};
 
@@ -26,12 +32,68 @@ pub trait TrainBackend:
     /// The plain backend whose buffers the communicators of this training stack move, and
     /// whose kernels the loss may use ([`PlainBackend::fused_cross_entropy`]).
     type Wire: PlainBackend<Device = Self::Device>;
+
+    /// `value` (computed without a graph) as a tensor of the graph whose gradient with respect
+    /// to each parent is its given gradient times the upstream one (a scalar: `value` has one
+    /// element): for a piece whose gradients were computed with its value (the chunked loss),
+    /// one node and one in-place scaling of each gradient, where a surrogate `sum(parent ·
+    /// gradient)` made autodiff fill a tensor of ones the parent's size and multiply twice.
+    fn with_gradients<const N: usize>(value: FloatTensor<Self::Wire>, parents: [(FloatTensor<Self>, FloatTensor<Self::Wire>); N]) -> FloatTensor<Self>;
 }
 
 impl<W: PlainBackend, C: CheckpointStrategy> TrainBackend for Autodiff<W, C> {
     type Wire = W;
+
+    fn with_gradients<const N: usize>(value: FloatTensor<W>, parents: [(FloatTensor<Self>, FloatTensor<W>); N]) -> FloatTensor<Self> {
+        with_gradients::<W, C, N>(value, parents)
+    }
 }
 
 impl<W: PlainBackend, C: CheckpointStrategy> TrainBackend for UlyssesBackend<Autodiff<W, C>> {
     type Wire = W;
+
+    fn with_gradients<const N: usize>(value: FloatTensor<W>, parents: [(FloatTensor<Self>, FloatTensor<W>); N]) -> FloatTensor<Self> {
+        // The decorator's tensors are `Autodiff<W, C>`'s.
+        with_gradients::<W, C, N>(value, parents)
+    }
+}
+
+/// The node of [`TrainBackend::with_gradients`]: its state, each parent's gradient.
+#[derive(Debug)]
+struct GivenGradients;
+
+impl<B: Backend, const N: usize> Backward<B, N> for GivenGradients {
+    type State = Vec<FloatTensor<B>>;
+
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let upstream = grads.consume::<B>(&ops.node);
+        for (parent, grad) in ops.parents.into_iter().zip(ops.state) {
+            let Some(parent) = parent else { continue };
+            // Each element times the upstream scalar, cast to the gradient's dtype: what
+            // autodiff's `sum(parent · gradient)` gave, bit for bit.
+            let rank = grad.shape().num_dims();
+            let dtype: DType = grad.dtype();
+            let scale = B::float_reshape(B::float_cast(upstream.clone(), dtype.into()), Shape::from(vec![1usize; rank]));
+            grads.register::<B>(parent.id, B::float_mul(grad, scale));
+        }
+    }
+}
+
+fn with_gradients<W: Backend, C: CheckpointStrategy, const N: usize>(
+    value: FloatTensor<W>,
+    parents: [(FloatTensor<Autodiff<W, C>>, FloatTensor<W>); N],
+) -> FloatTensor<Autodiff<W, C>> {
+    assert_eq!(value.shape().num_elements(), 1, "with_gradients: the value must be a scalar (its upstream gradient scales every given one)");
+    let (tensors, gradients): (Vec<_>, Vec<_>) = parents.into_iter().unzip();
+    let nodes: [_; N] = tensors.iter().map(|parent| parent.node.clone()).collect::<Vec<_>>().try_into().expect("N parents");
+    // Compute bound: the gradients are already made, nothing is recomputed.
+    let output = match GivenGradients.prepare::<C>(nodes).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(gradients, value),
+        OpsKind::UnTracked(prep) => prep.finish(value),
+    };
+    // The parents live until the node is registered: another rank thread's backward sweeps
+    // every graph of the process and frees what no live tensor holds (burn-autodiff 0.21's
+    // `float_cat` lost gradients that way: third_party/burn-autodiff).
+    drop(tensors);
+    output
 }

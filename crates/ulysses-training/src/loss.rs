@@ -5,13 +5,13 @@
 //! `tokens × vocab` (32K tokens × 128K vocab is 16 GiB in f32), and autodiff would keep them,
 //! and their softmax, until the backward. Here each chunk's logits live only while the chunk
 //! is computed: the forward also computes the gradients of the loss with respect to the
-//! hidden states and the output projection, and hands them to autodiff through a surrogate
-//! term whose value is exactly zero.
+//! hidden states and the output projection, and hands them to autodiff as the given
+//! gradients of one node ([`TrainBackend::with_gradients`]).
 
 use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor, TensorPrimitive, activation::log_softmax, backend::Backend};
 use burn_ulysses::PlainBackend;
 
-use crate::TrainBackend;
+use crate::{TrainBackend, gradients::concatenated};
 
 /// What a [`CausalLm`](crate::CausalLm) gives the loss.
 pub enum LmOutput<B: Backend> {
@@ -135,17 +135,19 @@ pub fn chunked_linear_cross_entropy_sum<B: TrainBackend>(
     let (loss, grads) = chunked_loss(hidden.clone().inner(), inner_head, labels.inner(), ignore_index, chunk_rows, Some(&fused));
     let HeadGrads { hidden: hidden_grads, weight: weight_grad, bias: bias_grad } = grads.expect("asked for gradients");
 
-    // `surrogate`'s gradient is the one computed above; `surrogate - surrogate.detach()` is
-    // exactly zero, so the result's value is the loss and its gradient the surrogate's. The
-    // products are summed in f32: a half-precision sum could overflow, and inf - inf is NaN.
-    let hidden_grad = Tensor::from_inner(Tensor::cat(hidden_grads, 0));
-    // The head's parameters are half precision too when they are a compute copy (the
-    // optimizer on the host keeps the f32 master weights).
-    let mut surrogate = (hidden * hidden_grad).cast(FloatDType::F32).sum() + (head.weight * Tensor::from_inner(weight_grad)).cast(FloatDType::F32).sum();
-    if let (Some(bias), Some(bias_grad)) = (head.bias, bias_grad) {
-        surrogate = surrogate + (bias * Tensor::from_inner(bias_grad.squeeze_dim::<1>(0))).cast(FloatDType::F32).sum();
-    }
-    Tensor::from_inner(loss) + (surrogate.clone() - surrogate.detach())
+    // The loss as a node whose gradients are the ones computed above, scaled by its upstream.
+    let hidden_grad = concatenated(hidden_grads, 0).into_primitive().tensor();
+    let loss = loss.into_primitive().tensor();
+    let (hidden, weight) = (hidden.into_primitive().tensor(), head.weight.into_primitive().tensor());
+    let weight_grad = weight_grad.into_primitive().tensor();
+    let value = match (head.bias, bias_grad) {
+        (Some(bias), Some(bias_grad)) => {
+            let bias_grad = bias_grad.squeeze_dim::<1>(0).into_primitive().tensor();
+            B::with_gradients(loss, [(hidden, hidden_grad), (weight, weight_grad), (bias.into_primitive().tensor(), bias_grad)])
+        }
+        _ => B::with_gradients(loss, [(hidden, hidden_grad), (weight, weight_grad)]),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(value))
 }
 
 /// The loss of [`chunked_linear_cross_entropy_sum`] without gradients, on any backend (for
