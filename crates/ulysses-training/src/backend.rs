@@ -84,8 +84,8 @@ fn with_gradients<W: Backend, C: CheckpointStrategy, const N: usize>(
     parents: [(FloatTensor<Autodiff<W, C>>, FloatTensor<W>); N],
 ) -> FloatTensor<Autodiff<W, C>> {
     assert_eq!(value.shape().num_elements(), 1, "with_gradients: the value must be a scalar (its upstream gradient scales every given one)");
+    let nodes = parents.each_ref().map(|(parent, _)| parent.node.clone());
     let (tensors, gradients): (Vec<_>, Vec<_>) = parents.into_iter().unzip();
-    let nodes: [_; N] = tensors.iter().map(|parent| parent.node.clone()).collect::<Vec<_>>().try_into().expect("N parents");
     // Compute bound: the gradients are already made, nothing is recomputed.
     let output = match GivenGradients.prepare::<C>(nodes).compute_bound().stateful() {
         OpsKind::Tracked(prep) => prep.finish(gradients, value),
