@@ -422,6 +422,59 @@ fn checkpointed_layers_keep_only_the_attention_core_per_token() {
     assert_eq!(core_seen, config.n_layers);
 }
 
+/// `--offload-layers`: with the first n of L layers offloaded, the device keeps the later
+/// layers' inputs and the gradients passed while they run back, no more: before layer i's
+/// core backward it holds, beyond what a wholly offloaded step holds there, `i - n + 3` hidden
+/// states a token for i >= n (the inputs of layers n..=i, the upstream gradient, the input's
+/// residual gradient), one for i = n - 1 (the upstream gradient, of layer n's input) and none
+/// below. The most it holds beyond that step, at any piece, is what the trainer's estimate
+/// counts (`LayerCheckpointing::device_kept_tensors`) less the input's last gradient still
+/// being made. Offloading every layer's input under `offload_layers`, or none, fails this.
+#[test]
+fn offloading_the_first_layers_keeps_the_later_ones_on_the_device() {
+    use ulysses_training::Piece;
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let (d_model, layers, offloaded) = (128, 4, 2);
+    let device: <Runtime as cubecl::Runtime>::Device = Default::default();
+    let dtype = Precision::Bf16.compute_dtype::<Sp>(&device).unwrap();
+    let config = DecoderConfig::new(VOCAB).with_d_model(d_model).with_n_layers(layers).with_n_heads(8).with_n_kv_heads(2).with_ffn_hidden(512).with_repeat_kv(false);
+    let model = config.init::<Sp>(&device).with_compute_dtype(dtype);
+    let all = LayerCheckpointing::new().with_offload_to_host(true);
+    let first = all.clone().with_offload_layers(Some(offloaded));
+    let per_token = |checkpointing: &LayerCheckpointing| {
+        let held = |tokens: usize| held_per_piece(&model, checkpointing, &one_sequence(tokens, None, 1, 0), &device);
+        // The first step allocates what every later one reuses (kernel state, pools): not counted.
+        held(128);
+        let (short, long) = (held(256), held(512));
+        short.iter().zip(&long).map(|((piece, short), (_, long))| (*piece, (*long as f64 - *short as f64) / 256.0)).collect::<Vec<_>>()
+    };
+    let (all_held, first_held) = (per_token(&all), per_token(&first));
+    assert_eq!(all_held.iter().map(|p| p.0).collect::<Vec<_>>(), first_held.iter().map(|p| p.0).collect::<Vec<_>>());
+    // A hidden state a token: d_model half-precision values.
+    let hidden = d_model as f64 * 2.0;
+    let mut cores = 0;
+    let mut most: f64 = 0.0;
+    for ((piece, all), (_, first)) in all_held.iter().zip(&first_held) {
+        let beyond = (first - all) / hidden;
+        most = most.max(beyond);
+        println!("{piece:?}: {first} bytes a token with the first {offloaded} layers offloaded, {all} with every one: {beyond:.3} hidden states more");
+        if let Piece::Core { layer } = *piece {
+            cores += 1;
+            let expected = match layer {
+                i if i >= offloaded => i - offloaded + 3,
+                i if i + 1 == offloaded => 1,
+                _ => 0,
+            };
+            assert!((beyond - expected as f64).abs() < 0.25, "before layer {layer}'s core backward the device holds {beyond:.3} hidden states a token more than offloaded wholly; {expected} expected");
+        }
+    }
+    assert_eq!(cores, layers);
+    let estimate = first.device_kept_tensors(layers) as f64;
+    assert!(most <= estimate + 0.25 && most >= estimate - 1.25, "at most {most:.3} hidden states a token beyond the wholly offloaded step; the estimate counts {estimate}");
+}
+
 /// The same at SP = 2 (Ulysses, two rank threads on one device, each thread's bytes counted
 /// apart by CubeCL's pools): the core holds q, k and v in both layouts, the output as the
 /// attention saved it and the output's gradient, as the trainer's estimate says.

@@ -618,7 +618,7 @@ fn layer_checkpointing_trains_like_the_plain_backward() {
 
 /// The gradients of one checkpointed backward (every layer re-run from its input; its
 /// token-wise parts whole, in 4 uneven tiles of a 13-token shard, and in 13 one-token tiles; inputs on the
-/// device and on the host) equal those of one plain backward through the same model,
+/// device, on the host, and the first layer's alone on the host) equal those of one plain backward through the same model,
 /// parameter by parameter.
 #[test]
 fn checkpointed_gradients_equal_the_plain_backward() {
@@ -635,8 +635,17 @@ fn checkpointed_gradients_equal_the_plain_backward() {
     let plain_loss = loss.clone().into_scalar() as f64;
     let plain = parameter_grads(&model, &loss.backward());
 
-    for (offload, tiles) in [(false, 1), (true, 4), (false, 13)] {
-        let checkpointing = LayerCheckpointing::new().with_offload_to_host(offload);
+    // Offloaded: every layer's input and the head's, or the first layer's alone (the others'
+    // and the head's on the device).
+    let offloaded = LayerCheckpointing::new().with_offload_to_host(true);
+    let first_offloaded = offloaded.clone().with_offload_layers(Some(1));
+    assert!(model.blocks.len() > 1, "a later layer's input stays on the device");
+    for (checkpointing, tiles) in [(LayerCheckpointing::new(), 1), (offloaded, 4), (first_offloaded, 4), (LayerCheckpointing::new(), 13)] {
+        let offload = match (checkpointing.offload_to_host, checkpointing.offload_layers) {
+            (false, _) => "none".to_string(),
+            (true, None) => "all".to_string(),
+            (true, Some(n)) => format!("the first {n}"),
+        };
         let (loss, grads) =
             checkpointed_backward(&model, shard.tokens(&device), shard.labels(&device), &shard.positions, weight, -100, &checkpointing, tiles, |_| {}).unwrap();
         let checkpointed = gradient_params_values(&model, &grads);
@@ -647,7 +656,7 @@ fn checkpointed_gradients_equal_the_plain_backward() {
             let diff = max_abs_diff(got, want);
             assert!(diff <= TOLERANCE, "{tiles} tiles, offload {offload}: the gradient of {name} differs by {diff:e}");
         }
-        println!("{tiles:>2} tile(s), offload {offload:>5}: {} parameter gradients within {TOLERANCE:e}", plain.len());
+        println!("{tiles:>2} tile(s), offload {offload:>11}: {} parameter gradients within {TOLERANCE:e}", plain.len());
     }
 }
 
@@ -737,6 +746,37 @@ fn impossible_tiles_are_refused_before_the_step() {
         .expect("more tiles than tokens");
     let expected = format!("{tiles} tiles for a shard of {} tokens", shard.local_len);
     assert!(error.to_string().contains(&expected), "{error}");
+}
+
+/// `offload_layers` that cannot say what to offload is refused with the reason before any
+/// layer runs: 0 layers, a count without `offload_to_host`, more layers than the model has (by
+/// the step, and by the trainer's validation naming its flags).
+#[test]
+fn offloaded_layer_counts_that_cannot_work_are_refused() {
+    use ulysses_training::{LayerCheckpointing, checkpointed_backward};
+    let offloaded = LayerCheckpointing::new().with_offload_to_host(true);
+    let message = offloaded.clone().with_offload_layers(Some(0)).check().unwrap_err().to_string();
+    assert!(message.contains("offload_layers is 0"), "{message}");
+    let message = LayerCheckpointing::new().with_offload_layers(Some(1)).check().unwrap_err().to_string();
+    assert!(message.contains("offload_to_host is false"), "{message}");
+
+    let config = config(ParallelLayout::new(), 1);
+    let layers = config.model.n_layers;
+    let device = Default::default();
+    let model = config.model.clone().with_repeat_kv(true).init::<Reference>(&device);
+    let shard = SequenceSharder::new(1).shard(&[vec![1, 2, 3, 4, 5]], 0);
+    let too_many = offloaded.with_offload_layers(Some(layers + 1));
+    let error = checkpointed_backward(&model, shard.tokens(&device), shard.labels(&device), &shard.positions, 1.0, -100, &too_many, 1, |_| {})
+        .err()
+        .expect("more offloaded layers than the model has");
+    assert!(error.to_string().contains(&format!("offload_layers is {}, but the model has {layers} layers", layers + 1)), "{error}");
+
+    for (count, expected) in [(0, "--offload-layers 0 offloads nothing".to_string()), (layers + 1, format!("--offload-layers {}, but the model has {layers} layers", layers + 1))] {
+        let mut config = config.clone();
+        config.layer_checkpointing = Some(too_many.clone().with_offload_layers(Some(count)));
+        let message = config.validate().unwrap_err();
+        assert!(message.contains(&expected), "{message}");
+    }
 }
 
 /// Settings that would make ranks clip apart are refused: burn's own norm clipping (each

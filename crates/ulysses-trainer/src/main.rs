@@ -272,6 +272,11 @@ struct Args {
     /// With --checkpoint-layers, keep the layer inputs in host memory.
     #[arg(long, requires = "checkpoint_layers")]
     offload_to_host: bool,
+    /// With --offload-to-host, keep only the first N layers' inputs in host memory, the later
+    /// layers' on the device (for a host that cannot hold them all: --check says what each
+    /// side needs).
+    #[arg(long, requires = "offload_to_host", value_name = "N")]
+    offload_layers: Option<usize>,
     /// With --checkpoint-layers, run each layer's token-wise parts (everything but the
     /// attention core: norms, projections, RoPE, the MLP) over sequence tiles of about this
     /// many tokens of the local shard (ALST's tiled MLP, wider; ALST uses d_model).
@@ -592,12 +597,14 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState, threads: bool) -> Re
     // whole: any of these flags given, and the run's own are replaced (how a saved flag is
     // turned off), those not given again named.
     let layers = config.layer_checkpointing.as_ref();
-    let (offload_to_host, tile_tokens) = (layers.is_some_and(|layers| layers.offload_to_host), layers.and_then(|layers| layers.tile_tokens));
+    let (offload_to_host, offload_layers, tile_tokens) =
+        (layers.is_some_and(|layers| layers.offload_to_host), layers.and_then(|layers| layers.offload_layers), layers.and_then(|layers| layers.tile_tokens));
     let saved_memory = [
         ("offload_optimizer", args.offload_optimizer != config.offload_optimizer, "--offload-optimizer".to_string()),
         ("zero", args.zero != config.zero_stage, format!("--zero {}", config.zero_stage)),
         ("checkpoint_layers", args.checkpoint_layers != layers.is_some(), "--checkpoint-layers".into()),
         ("offload_to_host", args.offload_to_host != offload_to_host, "--offload-to-host".into()),
+        ("offload_layers", args.offload_layers != offload_layers, format!("--offload-layers {}", offload_layers.unwrap_or_default())),
         ("tile_tokens", args.tile_tokens != tile_tokens, format!("--tile-tokens {}", tile_tokens.unwrap_or_default())),
         ("offload_parameters", args.offload_parameters != config.offload_parameters, "--offload-parameters".into()),
     ];
@@ -611,6 +618,7 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState, threads: bool) -> Re
                 "zero" => args.zero = config.zero_stage,
                 "checkpoint_layers" => args.checkpoint_layers = layers.is_some(),
                 "offload_to_host" => args.offload_to_host = offload_to_host,
+                "offload_layers" => args.offload_layers = offload_layers,
                 "tile_tokens" => args.tile_tokens = tile_tokens,
                 _ => args.offload_parameters = config.offload_parameters,
             }
@@ -681,7 +689,7 @@ fn ignored_flags(args: &Args, config: &TrainConfig, threads: bool) -> Vec<String
     }
     if args.eval_only {
         let flags = |ids: &[&str]| -> Vec<String> { ids.iter().filter(|id| given(id)).map(|id| format!("--{}", id.replace('_', "-"))).collect() };
-        let training = flags(&["steps", "learning_rate", "grad_accumulation", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save", "out", "overwrite", "offload_to_host", "progress"]);
+        let training = flags(&["steps", "learning_rate", "grad_accumulation", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save", "out", "overwrite", "offload_to_host", "offload_layers", "progress"]);
         if !training.is_empty() {
             notes.push(format!("--eval-only trains nothing and saves nothing: {} change nothing", training.join(", ")));
         }
@@ -966,7 +974,7 @@ fn run(mut args: Args) -> Result<(), String> {
         .with_pack(args.pack || args.data.is_some())
         .with_freeze_embeddings(args.freeze_embeddings)
         .with_layer_checkpointing(args.checkpoint_layers.then(|| {
-            LayerCheckpointing::new().with_offload_to_host(args.offload_to_host).with_tile_tokens(args.tile_tokens)
+            LayerCheckpointing::new().with_offload_to_host(args.offload_to_host).with_offload_layers(args.offload_layers).with_tile_tokens(args.tile_tokens)
         }))
         .with_precision(precision_of(&args))
         .with_f32_head(args.f32_head)
@@ -1252,9 +1260,12 @@ fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: 
         if config.offload_optimizer { ", the optimizer on the host" } else { "" },
         if config.offload_parameters { ", the parameters on the host" } else { "" },
         match &config.layer_checkpointing {
-            Some(c) if c.offload_to_host => ", layers checkpointed, their inputs on the host",
-            Some(_) => ", layers checkpointed",
-            None => "",
+            Some(c) if c.offload_to_host => match c.offload_layers {
+                Some(n) => format!(", layers checkpointed, the first {n} layers' inputs on the host"),
+                None => ", layers checkpointed, their inputs on the host".into(),
+            },
+            Some(_) => ", layers checkpointed".into(),
+            None => String::new(),
         },
         args.backend,
         if built { String::new() } else { format!(" (this binary was built without it: rebuild with `--features {feature}` to run it)") },

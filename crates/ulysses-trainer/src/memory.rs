@@ -9,7 +9,8 @@
 //! on each of the sequence's `sp = ulysses × ring` ranks:
 //! - **kept**: each layer's input and the three gradients passed between pieces,
 //!   `(layers + 3) · R · S · d_model · cb`, on the device, or in host memory with
-//!   `--offload-to-host`;
+//!   `--offload-to-host` (with `--offload-layers N` those of the first N layers, the device
+//!   keeping `layers - N + 3`: `LayerCheckpointing::device_kept_tensors`);
 //! - **the attention core**, the only piece on the whole shard: q, k and v as the core's
 //!   inputs, its output and the output's gradient (q's size each), the softmax statistics
 //!   (f32); under Ulysses (ulysses > 1) q, k, v and the output as the attention saved them,
@@ -209,7 +210,7 @@ impl StepActivations {
             head += cb * if model.tie_embeddings { rest_parameters(model) } else { vocab * d + d };
         }
 
-        let kept = if checkpointing.offload_to_host { 0 } else { (model.n_layers as u64 + 3) * rows * shard * d * cb };
+        let kept = checkpointing.device_kept_tensors(model.n_layers) as u64 * rows * shard * d * cb;
         let layer = layer_parameters(model);
         let gathered = if zero3 {
             // The layer's compute copy, its gradients summed in f32 and a tile's cast to f32
@@ -300,7 +301,10 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
         cuts.push(format!("--tile-tokens {} runs the token-wise parts in tiles (ALST's size: d_model)", config.model.d_model));
     }
     if large(a.kept) {
-        cuts.push("--offload-to-host keeps the layer inputs in host memory".to_string());
+        cuts.push(match checkpointing.offload_layers {
+            Some(n) => format!("a larger --offload-layers (now {n} of {}) keeps more layer inputs in host memory", config.model.n_layers),
+            None => "--offload-to-host keeps the layer inputs in host memory (with --offload-layers N, the first N layers' alone)".to_string(),
+        });
     }
     if in_layer(a.core + a.core_backward) {
         cuts.push("more --sp ranks share the attention core".to_string());
@@ -368,6 +372,31 @@ mod tests {
         assert!(ulysses.core < long.core / 2 && ring.core < long.core / 2, "{ulysses:?} {ring:?} {long:?}");
         // Without tiles the token-wise parts run on the whole shard.
         assert_eq!(activations(131_072, 1, 1, None).tile, long.tile * 32);
+    }
+
+    /// `--offload-layers N`: the device keeps the later layers' inputs and the gradients
+    /// passed between their pieces, the host the first N's and theirs.
+    #[test]
+    fn the_first_layers_inputs_offloaded_leave_the_rest_on_the_device() {
+        let model = DecoderConfig::new(128_256).with_d_model(4096).with_n_layers(32).with_n_heads(32).with_n_kv_heads(8).with_ffn_hidden(14_336);
+        let config = |checkpointing: LayerCheckpointing| {
+            TrainConfig::new(model.clone(), AdamWConfig::new(), ParallelLayout::new()).with_batch_size(1).with_seq_len(131_072).with_layer_checkpointing(Some(checkpointing))
+        };
+        // A hidden state of the whole sequence in bf16.
+        let hidden = 131_072 * 4096 * 2;
+        let offloaded = LayerCheckpointing::new().with_offload_to_host(true);
+        for (checkpointing, device, host) in [
+            (LayerCheckpointing::new(), 35, 0),
+            (offloaded.clone(), 0, 35),
+            (offloaded.clone().with_offload_layers(Some(8)), 27, 10),
+            (offloaded.clone().with_offload_layers(Some(32)), 2, 34),
+        ] {
+            let config = config(checkpointing.clone());
+            assert_eq!(StepActivations::of(&config, 2).unwrap().kept, device * hidden, "{checkpointing:?}");
+            assert_eq!(offloaded_host_bytes(&config, 2), host * hidden, "{checkpointing:?}");
+        }
+        let some = describe(&config(offloaded.with_offload_layers(Some(4))), counted(&model), 2, 0);
+        assert!(some.contains("a larger --offload-layers (now 4 of 32)"), "{some}");
     }
 
     #[test]

@@ -309,7 +309,17 @@ impl TrainConfig {
             ));
         }
         if let Some(checkpointing) = &self.layer_checkpointing {
-            checkpointing.check().map_err(|e| format!("{e} (--tile-tokens)"))?;
+            match checkpointing.offload_layers {
+                Some(0) => return Err("--offload-layers 0 offloads nothing: leave out --offload-to-host to keep every layer's input on the device".into()),
+                Some(n) if n > model.n_layers => {
+                    return Err(format!(
+                        "--offload-layers {n}, but the model has {} layers: give at most {}, or leave the flag out to offload every layer's input and the head's",
+                        model.n_layers, model.n_layers
+                    ));
+                }
+                _ => {}
+            }
+            checkpointing.check_for(model.n_layers).map_err(|e| format!("{e} (--tile-tokens, --offload-layers)"))?;
         }
         Ok(())
     }

@@ -37,7 +37,9 @@
 //!
 //! With [`LayerCheckpointing::offload_to_host`], every `[batch, seq, d_model]` tensor that
 //! waits between pieces (the layers' inputs, the upstream and residual gradients) waits in
-//! host memory and comes back a tile of rows at a time. A tile leaves through a copy queued
+//! host memory and comes back a tile of rows at a time; with
+//! [`LayerCheckpointing::offload_layers`], those of the first layers alone, the later ones'
+//! staying on the device. A tile leaves through a copy queued
 //! behind the work that made it, awaited once the next tile's copy is queued (the device
 //! still busy), the last when the tensor is complete: the host idles the device once per
 //! offloaded tensor, not once per tile (`tests/device_waits.rs`). A tile comes back from pinned
@@ -197,6 +199,14 @@ pub struct LayerCheckpointing {
     /// on the device; they come back one tile of rows at a time (see the module doc).
     #[config(default = false)]
     pub offload_to_host: bool,
+    /// With [`offload_to_host`](Self::offload_to_host), only the first this many layers keep
+    /// their inputs (and the gradients passed while they run back) in host memory; the later
+    /// layers', the head's input and their gradients stay on the device (Megatron's
+    /// `cpu_offloading_num_layers`). For a device that holds some of the inputs and a host that
+    /// holds the rest: the first layers' wait longest, from the forward to the end of the
+    /// backward, so their copies have the most work to hide behind. `None`: every one.
+    #[config(default = "None")]
+    pub offload_layers: Option<usize>,
     /// Run each layer's token-wise parts (everything but the attention core: norms,
     /// projections, RoPE, the MLP) over sequence tiles of about this many tokens of the local
     /// shard, so their intermediates (the MLP's `S × ffn` above all) exist one tile at a time
@@ -214,10 +224,37 @@ impl LayerCheckpointing {
     /// beside them, at the last layer's backward, the gradients passed between pieces (the
     /// upstream gradient, and the input's residual and total gradients as they are made).
     pub fn offloaded_host_bytes(&self, layers: usize, rows: usize, shard_tokens: usize, d_model: usize, dtype_bytes: usize) -> u64 {
-        if !self.offload_to_host {
-            return 0;
+        let tensors = match (self.offload_to_host, self.offload_layers) {
+            (false, _) => 0,
+            // At layer n - 1's backward (or n - 2's): n inputs, two gradients.
+            (true, Some(n)) => n.min(layers) + 2,
+            // At the last layer's backward: every layer's input, the upstream gradient and the
+            // input's residual and total ones.
+            (true, None) => layers + 3,
+        };
+        (tensors * rows * shard_tokens * d_model * dtype_bytes) as u64
+    }
+
+    /// The `[batch, seq, d_model]` tensors of a model of `layers` layers that the device keeps
+    /// at once, at most, between a checkpointed step's pieces (on the device, or in host memory
+    /// where [`offload_to_host`](Self::offload_to_host) puts them there): its layers' inputs
+    /// and the gradients passed between pieces.
+    pub fn device_kept_tensors(&self, layers: usize) -> usize {
+        match (self.offload_to_host, self.offload_layers) {
+            (true, None) => 0,
+            // At the last layer's backward: the inputs of layers n.., the upstream gradient and
+            // the input's two; past n = layers the head's input and its gradient alone.
+            (true, Some(n)) if n >= layers => 2,
+            (true, Some(n)) => layers - n + 3,
+            (false, _) => layers + 3,
         }
-        ((layers + 3) * rows * shard_tokens * d_model * dtype_bytes) as u64
+    }
+
+    /// Whether the tensor at `position` of the residual stream (the input of layer
+    /// `position`, or of the head at the layer count), and the gradient with respect to it,
+    /// wait in host memory.
+    fn offloads(&self, position: usize) -> bool {
+        self.offload_to_host && self.offload_layers.is_none_or(|n| position < n)
     }
 }
 
@@ -239,7 +276,30 @@ impl LayerCheckpointing {
                     .into(),
             ));
         }
-        Ok(())
+        match self.offload_layers {
+            Some(0) => Err(UlyssesError::InvalidConfig(
+                "offload_layers is 0, which offloads nothing: use None with offload_to_host false to keep every \
+                 input on the device"
+                    .into(),
+            )),
+            Some(n) if !self.offload_to_host => Err(UlyssesError::InvalidConfig(format!(
+                "offload_layers is {n}, but offload_to_host is false: it says how many layers' inputs offload_to_host \
+                 keeps on the host, so set offload_to_host too"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`check`](Self::check) for a model of `layers` layers: no more offloaded layers than it has.
+    pub fn check_for(&self, layers: usize) -> Result<(), UlyssesError> {
+        self.check()?;
+        match self.offload_layers {
+            Some(n) if n > layers => Err(UlyssesError::InvalidConfig(format!(
+                "offload_layers is {n}, but the model has {layers} layers: use at most {layers}, or None to offload every \
+                 layer's input and the head's"
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// How many tiles the token-wise parts run in, in a step whose shards span `lengths` over
@@ -655,7 +715,10 @@ where
     let shard_len = tokens.dims()[1];
     let link: HostLink<B::InnerBackend> =
         HostLink { queue_read: |tile| device_io::queue_read::<B::Wire>(tile.into_primitive().tensor()), pin_for_upload: B::Wire::pin_for_upload };
-    let offload = checkpointing.offload_to_host.then_some(link);
+    checkpointing.check_for(layers)?;
+    // Where the residual stream's tensor at each position (a layer's input, the head's at
+    // `layers`) and its gradient wait.
+    let offload = |position: usize| checkpointing.offloads(position).then_some(link);
     check_tiles(tiles, shard_len)?;
 
     // 1. Forward without a graph, keeping each layer's input; each layer's parameters
@@ -664,10 +727,10 @@ where
     let mut kept = Vec::with_capacity(layers);
     let (embedding_group, head_group) = ParameterGroup::of_embedding_and_head(model);
     let embedded = parameters.gather(model, embedding_group)?.valid().embed(tokens.clone().inner(), &inner_context);
-    let mut hidden = Kept::keep(embedded, offload);
+    let mut hidden = Kept::keep(embedded, offload(0));
     for index in 0..layers {
         let layer = parameters.gather(model, ParameterGroup::Layer(index))?.valid();
-        let output = layer_in_tiles(&layer, index, &hidden, tiles, &inner_context, offload, &device);
+        let output = layer_in_tiles(&layer, index, &hidden, tiles, &inner_context, offload(index + 1), &device);
         kept.push(std::mem::replace(&mut hidden, output));
     }
 
@@ -675,7 +738,7 @@ where
     //    by the caller (a read per tile would stall the device per tile).
     let mut accumulator = GradientSums::new(true);
     let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
-    let mut upstream = KeptTiles::new(offload);
+    let mut upstream = KeptTiles::new(offload(layers));
     let head = parameters.gather(model, head_group)?;
     for rows in tile_ranges(shard_len, tiles) {
         let last = leaf(hidden.restore_rows(&rows, &device));
@@ -715,7 +778,7 @@ where
 
         // After-core tiles: the core output's gradient, and the residual part of the input's.
         let core_values = core.clone().inner();
-        let (mut core_grad, mut residual_grad) = (Vec::with_capacity(tiles), KeptTiles::new(offload));
+        let (mut core_grad, mut residual_grad) = (Vec::with_capacity(tiles), KeptTiles::new(offload(index)));
         for rows in tile_ranges(shard_len, tiles) {
             let (hidden, attended) = (leaf(input.restore_rows(&rows, &device)), leaf(rows_of(&core_values, 2, &rows)));
             let output = layer.after_core(index, hidden.clone(), attended.clone());
@@ -742,7 +805,7 @@ where
         drop(core_inputs);
 
         // Before-core tiles, with graphs this time: the rest of the input's gradient.
-        let mut input_grad = KeptTiles::new(offload);
+        let mut input_grad = KeptTiles::new(offload(index));
         for rows in tile_ranges(shard_len, tiles) {
             let hidden = leaf(input.restore_rows(&rows, &device));
             let outputs = layer.before_core(index, hidden.clone(), rows.clone(), &context);
