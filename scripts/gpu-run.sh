@@ -348,6 +348,10 @@ if has ulysses-trainer; then
         # (--progress): a step the part's limit stops still says how far it got.
         offload=""
         [ "${EIGHT_B_OFFLOAD:-0}" = 1 ] && offload="--offload-to-host"
+        # EIGHT_B_OFFLOAD_LAYERS=N: the first N layers' inputs alone on the host, the rest on
+        # the device (what `ulysses-trainer --check --device-memory GB --host-memory GB` names
+        # for the longest length that fits the machine).
+        [ -n "${EIGHT_B_OFFLOAD_LAYERS:-}" ] && offload="--offload-to-host --offload-layers ${EIGHT_B_OFFLOAD_LAYERS}"
         case "${EIGHT_B_ZERO3:-0}" in
             0) zero="" ;;
             1) zero="--zero 3" ;;

@@ -344,6 +344,15 @@ struct Args {
     /// checked as it starts, on the chosen backend, before the model is built
     #[arg(long)]
     check: bool,
+    /// With --check (and --checkpoint-layers): a rank's device memory, in GB, to plan for: says
+    /// whether the run fits it, where the layer inputs must go for it to (--offload-to-host,
+    /// --offload-layers), and the longest --seq-len that fits
+    #[arg(long, requires = "check", value_name = "GB")]
+    device_memory: Option<f64>,
+    /// With --device-memory: the memory of a host, in GB, shared by the ranks it runs
+    /// [default: not limited]
+    #[arg(long, requires = "device_memory", value_name = "GB")]
+    host_memory: Option<f64>,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
     /// it had never stopped. Every rank reads it. The run's settings (--steps, --learning-rate
     /// and its schedule, AdamW's, --max-grad-norm, --precision, --seed, --batch-size,
@@ -1139,6 +1148,9 @@ fn run(mut args: Args) -> Result<(), String> {
         );
         println!("{}", checked_run(&args, &config, layout, data_path, work));
         println!("memory: {}", checked_memory(&config));
+        if let Some(plan) = planned_memory(&args, &config, &launch)? {
+            println!("{plan}");
+        }
         return Ok(());
     }
     if is_first {
@@ -1275,13 +1287,64 @@ fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: 
 /// What `--check` says of a rank's memory ([`memory::describe`]), the parameters counted on
 /// a model whose tensors are not built, the layers' floats of the precision's size.
 fn checked_memory(config: &TrainConfig) -> String {
+    let (parameters, compute_bytes) = counted_parameters(config);
+    memory_estimate(config, parameters, compute_bytes)
+}
+
+/// What `--device-memory` (and `--host-memory`) ask of `--check`: whether the run fits such
+/// machines, where its layer inputs must go for it to, and the longest `--seq-len` that fits
+/// (`memory::fitting_place`, `memory::longest_fitting`); `None` without `--device-memory`.
+fn planned_memory(args: &Args, config: &TrainConfig, launch: &Launch) -> Result<Option<String>, String> {
+    let Some(device_gb) = args.device_memory else { return Ok(None) };
+    let bytes = |gb: f64, flag: &str| {
+        if gb.is_finite() && gb > 0.0 { Ok((gb * 1e9) as u64) } else { Err(format!("{flag} {gb}: give the memory in GB, a number above 0")) }
+    };
+    if config.layer_checkpointing.is_none() {
+        return Err("--device-memory: a step's peak is estimated for checkpointed layers alone: add --checkpoint-layers".into());
+    }
+    let machine = memory::Machine {
+        device_bytes: bytes(device_gb, "--device-memory")?,
+        host_bytes: args.host_memory.map(|gb| bytes(gb, "--host-memory")).transpose()?,
+        ranks_per_host: match launch {
+            Launch::Threads => config.layout.world_size(),
+            Launch::Process(env) => env.local_world_size,
+        } as u64,
+    };
+    let (parameters, compute_bytes) = counted_parameters(config);
+    let gb = |bytes: u64| format!("{:.2} GB", bytes as f64 / 1e9);
+    let host = match machine.host_bytes {
+        Some(limit) => format!(" and a host of {} ({} rank(s) on it)", gb(limit), machine.ranks_per_host),
+        None => String::new(),
+    };
+    let machines = format!("a device of {}{host}", gb(machine.device_bytes));
+    let (device, host_needed) = memory::needs(config, parameters, compute_bytes, machine.ranks_per_host).expect("checkpointed");
+    let this_run = match memory::fitting_place(config, parameters, compute_bytes, &machine) {
+        _ if device <= machine.device_bytes && machine.host_bytes.is_none_or(|limit| host_needed <= limit) => {
+            format!("this run fits {machines}: {} on the device, {} on the host", gb(device), gb(host_needed))
+        }
+        Some((at, device, host)) => format!("this run fits {machines} with {} ({} on the device, {} on the host); as given it needs {} and {}", at.flags(), gb(device), gb(host), gb(device), gb(host_needed)),
+        None => format!("this run does not fit {machines} wherever its layer inputs are: it needs {} on the device and {} on the host", gb(device), gb(host_needed)),
+    };
+    // In steps of a rank's 1024 tokens, up to 64M tokens.
+    let step = 1024 * config.layout.sp_size;
+    let longest = match memory::longest_fitting(config, parameters, compute_bytes, &machine, step, 1 << 26) {
+        Some((tokens, at)) => format!("the longest --seq-len that fits (in steps of {step}): {tokens}, with {}", at.flags()),
+        None => format!("not even {step} tokens a sequence fit"),
+    };
+    Ok(Some(format!(
+        "plan: {this_run}; {longest} (the estimate counts tensors, not what the backend's pools reserve beyond them: leave a margin)"
+    )))
+}
+
+/// A model's parameters, counted on tensors not built, and its layers' float size.
+fn counted_parameters(config: &TrainConfig) -> (u64, u64) {
     type Counted = burn::backend::NdArray<f32>;
     let parameters = ulysses_training::parameter_elements(&config.model.init::<Counted>(&Default::default())).iter().sum::<usize>() as u64;
     let compute_bytes = match config.precision {
         Precision::F32 => 4,
         Precision::Bf16 => 2,
     };
-    memory_estimate(config, parameters, compute_bytes)
+    (parameters, compute_bytes)
 }
 
 /// A rank's memory ([`memory::describe`]) for a model of `parameters` whose layers compute in

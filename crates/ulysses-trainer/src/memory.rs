@@ -32,6 +32,7 @@
 //! code.
 
 use ulysses_models::DecoderConfig;
+use ulysses_training::LayerCheckpointing;
 
 use crate::train::TrainConfig;
 
@@ -233,6 +234,88 @@ pub fn estimated_peak(config: &TrainConfig, parameters: u64, compute_bytes: u64)
     StepActivations::of(config, compute_bytes).map(|a| device_state_bytes(config, parameters, compute_bytes) + a.peak())
 }
 
+/// The memory of the machines a run is planned for (`--check --device-memory GB --host-memory
+/// GB`): a rank's device, and a host shared by `ranks_per_host` ranks (`None`: not limited).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Machine {
+    pub device_bytes: u64,
+    pub host_bytes: Option<u64>,
+    pub ranks_per_host: u64,
+}
+
+/// Where a checkpointed run keeps its layer inputs: the device, the first `n` layers' on the
+/// host (`--offload-layers n`), or every one (`--offload-to-host`), from least to most offloaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputsAt {
+    Device,
+    FirstOnHost(usize),
+    Host,
+}
+
+impl InputsAt {
+    /// Every place for a model of `layers` layers, from least to most offloaded.
+    fn every(layers: usize) -> impl Iterator<Item = Self> {
+        std::iter::once(Self::Device).chain((1..=layers).map(Self::FirstOnHost)).chain(std::iter::once(Self::Host))
+    }
+
+    /// `checkpointing` with its inputs here.
+    fn applied(self, checkpointing: &LayerCheckpointing) -> LayerCheckpointing {
+        let (offload, layers) = match self {
+            Self::Device => (false, None),
+            Self::FirstOnHost(n) => (true, Some(n)),
+            Self::Host => (true, None),
+        };
+        checkpointing.clone().with_offload_to_host(offload).with_offload_layers(layers)
+    }
+
+    /// The trainer's flags for it.
+    pub fn flags(self) -> String {
+        match self {
+            Self::Device => "every layer's input on the device (no --offload-to-host)".into(),
+            Self::FirstOnHost(n) => format!("--offload-to-host --offload-layers {n}"),
+            Self::Host => "--offload-to-host".into(),
+        }
+    }
+}
+
+/// What a run of `config` needs of a [`Machine`]: a rank's device at a step's peak, and the
+/// host for its ranks ([`host_state_bytes`], [`offloaded_host_bytes`]); `None` without layer
+/// checkpointing (no step's peak is estimated).
+pub fn needs(config: &TrainConfig, parameters: u64, compute_bytes: u64, ranks_per_host: u64) -> Option<(u64, u64)> {
+    let device = estimated_peak(config, parameters, compute_bytes)?;
+    Some((device, ranks_per_host * (host_state_bytes(config, parameters) + offloaded_host_bytes(config, compute_bytes))))
+}
+
+/// Where the layer inputs of `config` go so that it fits `machine`, the least offloaded place
+/// that does (offloading more only moves bytes from the device to the host), with what it then
+/// needs of the device and the host; `None` where none does or without layer checkpointing.
+pub fn fitting_place(config: &TrainConfig, parameters: u64, compute_bytes: u64, machine: &Machine) -> Option<(InputsAt, u64, u64)> {
+    let checkpointing = config.layer_checkpointing.as_ref()?;
+    let placed = |at: InputsAt| {
+        let config = config.clone().with_layer_checkpointing(Some(at.applied(checkpointing)));
+        needs(&config, parameters, compute_bytes, machine.ranks_per_host).map(|(device, host)| (at, device, host))
+    };
+    let (at, device, host) = InputsAt::every(config.model.n_layers).filter_map(placed).find(|&(_, device, _)| device <= machine.device_bytes)?;
+    machine.host_bytes.is_none_or(|limit| host <= limit).then_some((at, device, host))
+}
+
+/// The longest `--seq-len`, in steps of `step` tokens up to `longest`, whose run (`config`
+/// otherwise) fits `machine` with its layer inputs somewhere ([`fitting_place`]), and where;
+/// `None` where not even `step` tokens fit. Memory grows with the length, so it bisects.
+pub fn longest_fitting(config: &TrainConfig, parameters: u64, compute_bytes: u64, machine: &Machine, step: usize, longest: usize) -> Option<(usize, InputsAt)> {
+    let fits = |steps: usize| fitting_place(&config.clone().with_seq_len(steps * step), parameters, compute_bytes, machine).map(|(at, _, _)| at);
+    let (mut fitting, mut over) = (0, longest / step + 1);
+    let mut at = None;
+    while over - fitting > 1 {
+        let middle = fitting + (over - fitting) / 2;
+        match fits(middle) {
+            Some(place) => (fitting, at) = (middle, Some(place)),
+            None => over = middle,
+        }
+    }
+    at.map(|at| (fitting * step, at))
+}
+
 /// `bytes` in GB, MB or kB, whichever shows them with a digit before the point.
 fn shown(bytes: u64) -> String {
     match bytes as f64 {
@@ -325,7 +408,7 @@ mod tests {
     use burn::backend::NdArray;
     use burn_ulysses::ParallelLayout;
     use burn::optim::AdamWConfig;
-    use ulysses_training::{LayerCheckpointing, parameter_elements};
+    use ulysses_training::parameter_elements;
 
     use super::*;
 
@@ -397,6 +480,47 @@ mod tests {
         }
         let some = describe(&config(offloaded.with_offload_layers(Some(4))), counted(&model), 2, 0);
         assert!(some.contains("a larger --offload-layers (now 4 of 32)"), "{some}");
+    }
+
+    /// `--check --device-memory --host-memory`: the least offloaded place that fits, and the
+    /// longest length that fits somewhere, each the boundary (one layer less offloaded, or one
+    /// step longer, does not fit). The 8B shape, ZeRO-3, everything on the host but the layer
+    /// inputs, one rank.
+    #[test]
+    fn the_plan_for_a_machine_offloads_least_and_goes_longest() {
+        let model = DecoderConfig::new(128_256).with_d_model(4096).with_n_layers(32).with_n_heads(32).with_n_kv_heads(8).with_ffn_hidden(14_336).with_repeat_kv(false);
+        let parameters = counted(&model);
+        let config = TrainConfig::new(model, AdamWConfig::new(), ParallelLayout::new())
+            .with_batch_size(1)
+            .with_seq_len(262_144)
+            .with_zero_stage(3)
+            .with_offload_optimizer(true)
+            .with_offload_parameters(true)
+            .with_layer_checkpointing(Some(LayerCheckpointing::new().with_tile_tokens(Some(4096))));
+        let machine = |device_gb: u64, host_gb: u64| Machine { device_bytes: device_gb * 1_000_000_000, host_bytes: Some(host_gb * 1_000_000_000), ranks_per_host: 1 };
+        let fits = |config: &TrainConfig, machine: &Machine| {
+            let (device, host) = needs(config, parameters, 2, machine.ranks_per_host).unwrap();
+            device <= machine.device_bytes && machine.host_bytes.is_none_or(|limit| host <= limit)
+        };
+        let at = |config: &TrainConfig, place: InputsAt| config.clone().with_layer_checkpointing(Some(place.applied(config.layer_checkpointing.as_ref().unwrap())));
+        // 88 GB on the device with every input there.
+        assert_eq!(fitting_place(&config, parameters, 2, &machine(149, 1000)).map(|p| p.0), Some(InputsAt::Device));
+        // An 80 GB device: the fewest first layers on the host that leave it enough.
+        let (place, device, _) = fitting_place(&config, parameters, 2, &machine(80, 1000)).expect("fits with some offloaded");
+        let InputsAt::FirstOnHost(n) = place else { panic!("{place:?}") };
+        assert!(device <= 80_000_000_000 && fits(&at(&config, place), &machine(80, 1000)));
+        assert!(!fits(&at(&config, if n == 1 { InputsAt::Device } else { InputsAt::FirstOnHost(n - 1) }), &machine(80, 1000)), "{n}");
+        // A host that holds the optimizer's 128.5 GB and no layer input: nothing fits an 80 GB device.
+        assert_eq!(fitting_place(&config, parameters, 2, &machine(80, 130)), None);
+        // The longest: fits, and a step more does not, wherever the inputs go.
+        for machine in [machine(149, 137), machine(80, 1000), machine(149, 170)] {
+            let (tokens, place) = longest_fitting(&config, parameters, 2, &machine, 1024, 1 << 26).expect("some length fits");
+            let longer = config.clone().with_seq_len(tokens + 1024);
+            assert!(fits(&at(&config.clone().with_seq_len(tokens), place), &machine), "{machine:?}: {tokens}");
+            assert!(fitting_place(&longer, parameters, 2, &machine).is_none(), "{machine:?}: {} fits too", tokens + 1024);
+        }
+        // Nothing fits a device of a byte.
+        assert_eq!(longest_fitting(&config, parameters, 2, &Machine { device_bytes: 1, host_bytes: None, ranks_per_host: 1 }, 1024, 1 << 26), None);
     }
 
     #[test]

@@ -513,6 +513,17 @@ fn a_resume_keeps_the_runs_memory_settings_or_names_those_it_replaces() {
     // A run without layers to log: refused, naming the flag.
     let refused = run_alone(&common_args(&dir, "plain", 1), &["--progress", "--check"]);
     assert!(!refused.status.success() && show(&refused).contains("give --checkpoint-layers too"), "{}", show(&refused));
+    // Planned for machines: a device of a GB holds this small run, one of a kB none; a step's
+    // peak is estimated for checkpointed layers alone.
+    let text = resume(&["--device-memory", "1"]);
+    assert!(text.contains("plan: this run fits a device of 1.00 GB") && text.contains("the longest --seq-len that fits (in steps of 2048)"), "{text}");
+    let text = resume(&["--device-memory", "0.000001"]);
+    assert!(text.contains("this run does not fit a device of 0.00 GB") && text.contains("not even 2048 tokens"), "{text}");
+    let refused = run_alone(&common_args(&dir, "plain", 1), &["--check", "--device-memory", "80"]);
+    assert!(!refused.status.success() && show(&refused).contains("add --checkpoint-layers"), "{}", show(&refused));
+    // The first layer's inputs offloaded alone, in place of the run's memory settings.
+    let text = resume(&["--checkpoint-layers", "--offload-to-host", "--offload-layers", "1"]);
+    assert!(text.contains("layers checkpointed, the first 1 layers' inputs on the host") && text.contains("--tile-tokens 4 are not kept"), "{text}");
     let _ = fs::remove_dir_all(&dir);
 }
 
