@@ -843,6 +843,12 @@ enum Zero {
     /// ZeRO-3 cut by `ShardedParameters::shard_from` from the host optimizer's master
     /// weights (as a resumed run is), into a model never built.
     Stage3FromMasters,
+    /// ZeRO-3 with the host optimizer updating each group in the backward
+    /// (`ShardedParameters::update_in_backward`); and the same with the compute copy's parts on
+    /// the host as the optimizer's master weights (`share_master_weights`, the trainer's
+    /// `--offload-parameters`).
+    Stage3InBackward,
+    Stage3InBackwardSharedMasters,
 }
 
 /// `steps` steps of SP=2 × DP=2 on the tiny Qwen3 fixture (transformers' weights), each rank
@@ -894,12 +900,16 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
         let mut sharded_state = ShardedAdamW::new(adamw);
         let mut on_device = DeviceShardedAdamW::<Sp>::new(adamw);
         let mut parts = None;
-        if matches!(zero, Zero::Stage3 | Zero::Stage3OnDevice | Zero::Stage3PartsOnHost | Zero::Stage3AfterAbandonedStep) {
+        let in_backward = matches!(zero, Zero::Stage3InBackward | Zero::Stage3InBackwardSharedMasters);
+        if matches!(zero, Zero::Stage3 | Zero::Stage3OnDevice | Zero::Stage3PartsOnHost | Zero::Stage3AfterAbandonedStep) || in_backward {
             sharded_state.keep_master_weights(&model, rank.rank(), 4);
             on_device.keep_master_weights(&model, rank.rank(), 4);
             let place = if zero == Zero::Stage3OnDevice { OptimizerPlace::Device } else { OptimizerPlace::Host };
             let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), 4, place).unwrap();
-            let sharded = if zero == Zero::Stage3PartsOnHost { sharded.with_parts_on_host() } else { sharded };
+            let mut sharded = if matches!(zero, Zero::Stage3PartsOnHost | Zero::Stage3InBackwardSharedMasters) { sharded.with_parts_on_host() } else { sharded };
+            if zero == Zero::Stage3InBackwardSharedMasters {
+                sharded.share_master_weights(&mut sharded_state).unwrap();
+            }
             (model, parts) = (placeholders, Some(sharded));
         }
         if zero == Zero::Stage3FromMasters {
@@ -930,6 +940,9 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
             let no_targets: Vec<Vec<Vec<bool>>> = mine.iter().map(|micro| micro.iter().map(|s| vec![false; s.len()]).collect()).collect();
             let targets = (!has_targets).then_some(&no_targets[..]);
             let step = StepInput { index, learning_rate: 1e-2, micro_batches: &mine, documents: None, targets, max_grad_norm };
+            if let (true, Some(parts)) = (in_backward, parts.as_mut()) {
+                parts.update_in_backward(&mut sharded_state, &step).unwrap();
+            }
             let local = match (zero, parts.as_mut()) {
                 (Zero::Replicated | Zero::ShardedOptimizer, _) => backward_step(&model, &step, &sharder, &groups, &device),
                 (Zero::ReplicatedCheckpointed | Zero::ShardedOptimizerCheckpointed, _) => {
@@ -1227,6 +1240,48 @@ fn zero_3_trains_like_replicated_adamw() {
     });
 }
 
+
+/// ZeRO-3 with the host optimizer updating each group's parts in the backward, as soon as they
+/// arrive on the host (`ShardedParameters::update_in_backward`; the host never holds the step's
+/// gradient parts together), trains bit for bit as the update at the step's end: the losses,
+/// the gradient norms and every parameter over 20 steps of SP=2 × DP=2 without clipping, one of
+/// them without targets (updated neither way), with the compute copy's parts on the device and
+/// on the host as the master weights. What it cannot do is refused before the backward:
+/// clipping (the whole gradient's norm comes first) and a second micro-batch.
+#[test]
+fn zero_3_updated_in_the_backward_trains_as_at_the_steps_end() {
+    use ulysses_training::{HostAdamWConfig, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput};
+    with_deadline(Duration::from_secs(600), || {
+        let schedule: Vec<(usize, bool)> = (0..20).map(|step| (step, step != 7)).collect();
+        let at_the_end = qwen3_sp_dp_schedule(Zero::Stage3, &schedule, None, 1);
+        assert!(at_the_end.losses.iter().all(|l| l.is_finite()) && at_the_end.losses[19] < at_the_end.losses[0], "the run must train: {:?}", at_the_end.losses);
+        for zero in [Zero::Stage3InBackward, Zero::Stage3InBackwardSharedMasters] {
+            let run = qwen3_sp_dp_schedule(zero, &schedule, None, 1);
+            assert_eq!(run.losses, at_the_end.losses, "{zero:?}: the losses");
+            assert_eq!(run.norms, at_the_end.norms, "{zero:?}: the gradient norms");
+            for ((name, want), (_, got)) in at_the_end.params.iter().zip(&run.params) {
+                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{zero:?}: {name} {:e} apart from the update at the step's end", max_abs_diff(got, want));
+            }
+            assert_eq!(run.host_bytes, at_the_end.host_bytes, "{zero:?}: the optimizer's state");
+        }
+        println!("updated in the backward: 20 steps bit for bit the update at the step's end, losses {:.6} .. {:.6}", at_the_end.losses[0], at_the_end.losses[19]);
+    });
+
+    // Refused before anything runs: one rank, its parts of a small model.
+    let device = Default::default();
+    let model = deterministic_params(config(ParallelLayout::new(), 1).model.init::<Sp>(&device), INIT_SEED);
+    let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
+    optimizer.keep_master_weights(&model, 0, 1);
+    let (_, mut parts) = ShardedParameters::shard(model, 0, 1, OptimizerPlace::Host).unwrap();
+    let sequences = vec![vec![vec![1, 2, 3]]];
+    let step = StepInput { index: 4, learning_rate: 1e-2, micro_batches: &sequences, documents: None, targets: None, max_grad_norm: Some(1.0) };
+    let message = parts.update_in_backward(&mut optimizer, &step).unwrap_err().to_string();
+    assert!(message.contains("step 4: the update in the backward cannot clip") && message.contains("--max-grad-norm 0"), "{message}");
+    let two = vec![vec![vec![1, 2, 3]], vec![vec![4, 5, 6]]];
+    let step = StepInput { micro_batches: &two, max_grad_norm: None, ..step };
+    let message = parts.update_in_backward(&mut optimizer, &step).unwrap_err().to_string();
+    assert!(message.contains("takes one micro-batch a step (2 given)"), "{message}");
+}
 
 /// An output head of its own (not tied to the embedding) is a group of its own with the final
 /// norm: a checkpointed step gathers it alone for the head's piece, and the embedding without

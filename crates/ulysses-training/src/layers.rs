@@ -361,6 +361,9 @@ pub trait LayerParameters<B: AutodiffBackend, M> {
     /// nothing (the embedding's backward where [`LayeredLm::embedding_lookup`] describes it):
     /// for progress reports.
     fn reached(&mut self, _group: ParameterGroup) {}
+    /// The step's shards over every rank hold `valid_tokens` targets (told before each shard's
+    /// pieces): ZeRO-3's update in the backward updates nothing for a step without.
+    fn step_targets(&mut self, _valid_tokens: usize) {}
 }
 
 /// Every parameter whole in the model on every rank (no ZeRO-3): nothing to gather, the
@@ -450,6 +453,10 @@ impl<B: TrainBackend, M, P: LayerParameters<B, M>> LayerParameters<B, M> for Rep
             self.report::<B>(group);
         }
         self.parameters.reached(group)
+    }
+
+    fn step_targets(&mut self, valid_tokens: usize) {
+        self.parameters.step_targets(valid_tokens)
     }
 }
 

@@ -54,7 +54,7 @@ mod host_adamw_tests;
 
 pub use backend::TrainBackend;
 pub use layers::{PROGRESS_TARGET, EmbeddingLookup, LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
-pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartOptimizer, PartsFrom, ShardedParameters, Zero3Step};
+pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartChecks, PartOptimizer, PartsFrom, ShardedParameters, Zero3Step};
 pub use matrix_decay::MatrixDecayAdamW;
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters, parameter_elements, parameter_paths, take_lazy_flag, with_parameters_in};
@@ -226,7 +226,7 @@ where
     B: TrainBackend,
     M: CausalLm<B>,
 {
-    backward_step_with(model, step, sharder, groups, |shard, weight, _| {
+    backward_step_with(model, step, sharder, groups, |shard, weight, _, _| {
         model_failure_as_error(|| {
             let output = model.lm_output(shard.tokens(device), &shard.positions);
             let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
@@ -295,8 +295,9 @@ where
     checkpointing.check()?;
     let report_progress = groups.world_rank() == 0 && tracing::enabled!(target: layers::PROGRESS_TARGET, tracing::Level::DEBUG);
     let mut micro_batch = 0;
-    backward_step_with(model, step, sharder, groups, |shard, weight, lengths| {
+    backward_step_with(model, step, sharder, groups, |shard, weight, lengths, valid_tokens| {
         let tiles = checkpointing.tiles(lengths)?;
+        parameters.step_targets(valid_tokens);
         let this_micro_batch = micro_batch;
         micro_batch += 1;
         model_failure_as_error(|| {
@@ -308,13 +309,14 @@ where
 }
 
 /// The body of both backward steps; `shard_backward` gives one shard's weighted loss and
-/// gradients, given the step's shard lengths over every rank.
+/// gradients, given the step's shard lengths over every rank and its target tokens over every
+/// rank.
 fn backward_step_with<B, M>(
     model: &M,
     step: &StepInput,
     sharder: &SequenceSharder,
     groups: &ParallelGroups<B::Wire>,
-    mut shard_backward: impl FnMut(&SequenceShard, f64, ShardLengths) -> Result<(Tensor<B::InnerBackend, 1>, GradientsParams), UlyssesError>,
+    mut shard_backward: impl FnMut(&SequenceShard, f64, ShardLengths, usize) -> Result<(Tensor<B::InnerBackend, 1>, GradientsParams), UlyssesError>,
 ) -> Result<LocalStep<B>, UlyssesError>
 where
     B: TrainBackend,
@@ -405,7 +407,7 @@ where
     let exchanges_before = groups.attention_exchanges();
     let document_calls_before = burn_ulysses::attention::calls_with_documents();
     for shard in &shards {
-        let (shard_loss, grads) = shard_backward(shard, weight, lengths)?;
+        let (shard_loss, grads) = shard_backward(shard, weight, lengths, valid_tokens)?;
         loss = Some(match loss.take() {
             Some(sum) => sum + shard_loss,
             None => shard_loss,
@@ -510,9 +512,23 @@ where
 {
     // The step's parts leave `parameters` whatever happens: a failed step must not leave its
     // sums to the next one. The last step's update (on the host, beside this step's work)
-    // ends here, if its groups' gathers have not yet taken all of it.
-    let arrived = parameters.arrive_gradient_parts().and_then(|()| optimizer.settle()).and_then(|()| parameters.await_every_update());
-    let bad_part = parameters.first_non_finite_gradient();
+    // ends here, if its groups' gathers have not yet taken all of it; an update in the
+    // backward (`ShardedParameters::update_in_backward`) is given its last group and ends.
+    let arrived = parameters.arrive_gradient_parts();
+    let in_backward = parameters.updating_in_backward();
+    parameters.close_update_in_backward();
+    let (arrived, checks) = match arrived.and_then(|()| optimizer.part_checks()) {
+        Ok(checks) => (parameters.await_every_update(), checks),
+        Err(error) => (Err(error), None),
+    };
+    let arrived = arrived.and_then(|()| match (in_backward, &checks) {
+        (true, None) => Err(UlyssesError::InModel { message: "ZeRO-3's update in the backward ended without its checks: the optimizer must be the one it ran on".into() }),
+        _ => Ok(()),
+    });
+    let bad_part = match checks.as_ref().and_then(|checks| checks.non_finite) {
+        Some(index) => Some(parameters.path(index).to_string()),
+        None => parameters.first_non_finite_gradient(),
+    };
     let grads = parameters.take_gradient_parts();
     let (rank, world) = parameters.place();
     let misfit = arrived.and_then(|()| if optimizer.place() != parameters.optimizer_place() {
@@ -542,7 +558,11 @@ where
         // The parts stay as they are: `update_parts` alone releases or replaces them.
         return Ok((model, StepReport::without_targets(&local, stop_requested)));
     }
-    let grad_norm = optimizer.update_parts(step.learning_rate, grads, step.max_grad_norm, &*groups.world, parameters)?;
+    let grad_norm = match checks {
+        // Updated in the backward already: the norm of the parts it took, summed as at the end.
+        Some(checks) => zero::norm_of_parts(checks.squares.iter().flatten().sum(), None, &*groups.world)?.0,
+        None => optimizer.update_parts(step.learning_rate, grads, step.max_grad_norm, &*groups.world, parameters)?,
+    };
     let loss = losses.iter().sum();
     Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm, stop_requested }))
 }

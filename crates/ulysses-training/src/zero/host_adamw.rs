@@ -62,7 +62,9 @@ pub struct ShardedAdamW {
     /// A ZeRO-3 step's update, running on a thread of its own while the device goes on
     /// ([`spawn_update`](Self::spawn_update)); it gives the parts back when it ends
     /// ([`settle`](Self::settle)).
-    updating: Option<JoinHandle<(Vec<ParameterPart>, Option<Receiver<()>>)>>,
+    updating: Option<JoinHandle<UpdateEnd>>,
+    /// What the last update in the backward found in its gradient parts, once settled.
+    checked: Option<PartChecks>,
     /// A test's hold on that thread: one message lets it update one group.
     pace: Option<Receiver<()>>,
     /// Run first on each update thread ([`on_update_thread`](Self::on_update_thread)).
@@ -82,6 +84,26 @@ pub(super) struct ParameterPart {
     /// place (`Arc::make_mut`: a copy only if one were still held).
     pub(super) master: Arc<Vec<f32>>,
     pub(super) moments: AdamWMoments,
+}
+
+/// One group's gradient parts for an update thread: (parameter index, this rank's part).
+pub(super) type GroupGradients = Vec<(usize, Vec<f32>)>;
+
+/// What an update thread gives back: the state, a test's pace, and with updates in the
+/// backward what it found in the gradient parts.
+type UpdateEnd = (Vec<ParameterPart>, Option<Receiver<()>>, Option<PartChecks>);
+
+/// What an update in the backward ([`ShardedParameters::update_in_backward`](super::ShardedParameters::update_in_backward))
+/// found in the gradient parts it took, as it took them: there the step's health check and
+/// gradient norm cannot read them at the step's end, they are gone.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartChecks {
+    /// Each parameter's part's sum of squares (f64), `None` where it had no part: summed in
+    /// parameter order for the norm, as [`ShardedAdamW::clip`] sums them.
+    pub squares: Vec<Option<f64>>,
+    /// The first part (by arrival) holding a NaN or an infinity: it and every later one were
+    /// left as they were, and the state is lost.
+    pub non_finite: Option<usize>,
 }
 
 /// The form in which [`ShardedAdamW::spawn_update`] hands over a parameter's new part of the
@@ -115,7 +137,7 @@ impl ShardedAdamW {
 
     /// No state yet, updated by `adamw`.
     fn updating_with(adamw: HostAdamW) -> Self {
-        Self { adamw, parts: Vec::new(), place: None, updating: None, pace: None, thread_start: None, lost: None }
+        Self { adamw, parts: Vec::new(), place: None, updating: None, checked: None, pace: None, thread_start: None, lost: None }
     }
 
     /// The threads its update takes (a loaded state takes every core until told otherwise).
@@ -142,7 +164,14 @@ impl ShardedAdamW {
     pub fn settle(&mut self) -> Result<(), UlyssesError> {
         if let Some(updating) = self.updating.take() {
             match updating.join() {
-                Ok((parts, pace)) => (self.parts, self.pace) = (parts, pace),
+                Ok((parts, pace, checked)) => {
+                    if let Some(index) = checked.as_ref().and_then(|checked| checked.non_finite) {
+                        self.lost = Some(format!(
+                            "parameter #{index}'s gradient part held a NaN or an infinity when its update in the backward came, after earlier parts were updated"
+                        ));
+                    }
+                    (self.parts, self.pace, self.checked) = (parts, pace, checked);
+                }
                 Err(panic) => self.lost = Some(format!("its update thread failed: {}", ulysses_core::comm::panic_message(panic.as_ref()))),
             }
         }
@@ -356,10 +385,8 @@ impl ShardedAdamW {
 
     /// [`update`](Self::update) by `grad_parts` scaled by `factor` (from [`clip`](Self::clip)),
     /// on a thread of its own, so that the device goes on meanwhile (ZeRO-3's next forward):
-    /// `order`'s groups of parameters one after another, each updated parameter's part of the
-    /// compute copy sent to `updated` as soon as it is made, in the form `forms[index]` asks
-    /// for; decayed where `decayed[index]`. The state is the step's once [`settle`](Self::settle)d, which every later use of it
-    /// does first.
+    /// `order`'s groups of parameters one after another ([`spawn_update_of`](Self::spawn_update_of)).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn spawn_update(
         &mut self,
         learning_rate: f64,
@@ -370,20 +397,61 @@ impl ShardedAdamW {
         forms: Vec<PartForm>,
         updated: Sender<(usize, NewPart)>,
     ) -> Result<(), UlyssesError> {
+        let (groups, arriving) = std::sync::mpsc::channel();
+        for group in order {
+            // Unbounded: every send is taken, and the thread drops nothing it was sent.
+            let _ = groups.send(group.into_iter().filter_map(|index| grad_parts[index].take().map(|grad| (index, grad))).collect());
+        }
+        drop(groups);
+        self.spawn_update_of(learning_rate, arriving, decayed, factor, forms, updated, false)
+    }
+
+    /// An update on a thread of its own of the groups of gradient parts `groups` brings, one
+    /// after another as they come, until its senders are gone: each updated parameter's part
+    /// of the compute copy sent to `updated` as soon as it is made, in the form `forms[index]`
+    /// asks for; scaled by `factor`, decayed where `decayed[index]`. With `check` (an update in
+    /// the backward, whose parts no one reads after), each part's sum of squares is taken first,
+    /// and a part that is not finite stops the update there ([`PartChecks`]). The state is the
+    /// step's once [`settle`](Self::settle)d, which every later use of it does first.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn spawn_update_of(
+        &mut self,
+        learning_rate: f64,
+        groups: Receiver<GroupGradients>,
+        decayed: Vec<bool>,
+        factor: Option<f64>,
+        forms: Vec<PartForm>,
+        updated: Sender<(usize, NewPart)>,
+        check: bool,
+    ) -> Result<(), UlyssesError> {
         self.settle()?;
+        self.checked = None;
         let (mut parts, pace, adamw, start) = (std::mem::take(&mut self.parts), self.pace.take(), self.adamw, self.thread_start.clone());
         let threads = adamw.threads();
         let update = move || {
             if let Some(start) = start {
                 start();
             }
-            for group in order {
+            let mut checked = check.then(|| PartChecks { squares: vec![None; parts.len()], non_finite: None });
+            for group in groups {
                 if let Some(pace) = &pace {
                     let _ = pace.recv();
                 }
-                for index in group {
+                for (index, grad) in group {
+                    if let Some(checked) = &mut checked {
+                        if checked.non_finite.is_some() {
+                            continue;
+                        }
+                        // f64 squares of f32 values cannot overflow: the sum is finite where
+                        // every value is.
+                        let squares = adamw.sum_of_squares(&grad);
+                        if !squares.is_finite() {
+                            checked.non_finite = Some(index);
+                            continue;
+                        }
+                        checked.squares[index] = Some(squares);
+                    }
                     // Each gradient part goes as soon as it is used: the host's peak is the step's end.
-                    let Some(grad) = grad_parts[index].take() else { continue };
                     parts[index].update(&adamw, learning_rate, &grad, factor, decayed[index]);
                     drop(grad);
                     let master = &parts[index].master;
@@ -395,7 +463,7 @@ impl ShardedAdamW {
                     let _ = updated.send((index, new));
                 }
             }
-            (parts, pace)
+            (parts, pace, checked)
         };
         match std::thread::Builder::new().name("host-adamw".into()).spawn(update) {
             Ok(thread) => self.updating = Some(thread),
@@ -406,6 +474,17 @@ impl ShardedAdamW {
             self.settle()?;
         }
         Ok(())
+    }
+
+    /// What the last update in the backward found in its gradient parts (once it ends), taken;
+    /// `None` after an update that was not in the backward. Given too where a part that was not
+    /// finite lost the state (the step's health check names it; every later use is refused).
+    pub(crate) fn take_part_checks(&mut self) -> Result<Option<PartChecks>, UlyssesError> {
+        let settled = self.settle();
+        match self.checked.take() {
+            Some(checked) => Ok(Some(checked)),
+            None => settled.map(|()| None),
+        }
     }
 
     /// This rank's part of each parameter's master weights, shared (once a running update
@@ -609,6 +688,33 @@ pub(super) mod tests {
         }
         assert!(!saved, "a lost state was saved");
         assert!(fresh, "keep_master_weights gives it a state again");
+    }
+
+    /// An update in the backward checks each part as it takes it: the sums of squares of the
+    /// finite ones (what the norm sums, as `clip` sums them), and at the first part holding a
+    /// NaN or an infinity it stops, leaving it and every later part as they were, and loses the
+    /// state (a step at its end updates nothing past its health check; this one has updated
+    /// some parts already). The checks are still given, to name the parameter.
+    #[test]
+    fn an_update_in_the_backward_stops_at_a_part_that_is_not_finite() {
+        let mut optimizer = of_rank(&whole(), 0, 1);
+        let before: Vec<Vec<f32>> = optimizer.parts.iter().map(|part| part.master.to_vec()).collect();
+        let grad = |index: usize, value: f32| (index, vec![value; whole()[index].0]);
+        let (groups, taken) = std::sync::mpsc::channel();
+        let (updated, _arriving) = std::sync::mpsc::channel();
+        optimizer.spawn_update_of(1e-2, taken, vec![true; 4], None, vec![PartForm::Compute(DType::F32); 4], updated, true).unwrap();
+        groups.send(vec![grad(3, 0.5)]).unwrap();
+        groups.send(vec![grad(0, 0.25), grad(1, f32::NAN), grad(2, 0.125)]).unwrap();
+        drop(groups);
+        let checks = optimizer.take_part_checks().unwrap().expect("an update in the backward gives its checks");
+        assert_eq!(checks.non_finite, Some(1));
+        assert_eq!(checks.squares, vec![Some(10.0 * 0.0625), None, None, Some(16.0 * 0.25)]);
+        let lost = optimizer.settle().unwrap_err().to_string();
+        assert!(lost.contains("parameter #1's gradient part held a NaN or an infinity") && lost.contains("resume from the last checkpoint"), "{lost}");
+        // Read past the loss: the parts before the NaN moved, it and the one after did not.
+        let after: Vec<Vec<f32>> = optimizer.parts.iter().map(|part| part.master.to_vec()).collect();
+        let moved: Vec<bool> = before.iter().zip(&after).map(|(a, b)| a != b).collect();
+        assert_eq!(moved, [true, false, false, true]);
     }
 
     /// The full Llama-3.1-8B shape (8.03e9 parameters) with the optimizer on the host of a GPU

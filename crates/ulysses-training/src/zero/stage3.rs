@@ -44,7 +44,7 @@ use std::{
     num::NonZeroUsize,
     sync::{
         Arc,
-        mpsc::{Receiver, channel},
+        mpsc::{Receiver, Sender, channel},
     },
 };
 
@@ -65,7 +65,7 @@ use ulysses_core::{
 
 use super::{
     DeviceShardedAdamW, ShardedAdamW,
-    host_adamw::{NewPart, PartForm, cast_master_part},
+    host_adamw::{GroupGradients, NewPart, PartChecks, PartForm, cast_master_part},
     parts::{PartsInFlight, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
 };
 use crate::{
@@ -133,6 +133,12 @@ pub trait PartOptimizer<B: TrainBackend> {
     fn settle(&mut self) -> Result<(), UlyssesError> {
         Ok(())
     }
+    /// [`settle`](Self::settle)s, and gives what the step's update in the backward
+    /// ([`ShardedParameters::update_in_backward`]) found in its gradient parts; `None` where the
+    /// step had none.
+    fn part_checks(&mut self) -> Result<Option<PartChecks>, UlyssesError> {
+        self.settle().map(|()| None)
+    }
     /// Drops any state and starts holding rank `rank`'s parts of a world of `world`, none yet
     /// ([`ShardedParameters::shard_from`] then hands over each parameter's).
     fn begin_master_parts(&mut self, rank: usize, world: usize);
@@ -179,6 +185,9 @@ impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
     }
     fn settle(&mut self) -> Result<(), UlyssesError> {
         ShardedAdamW::settle(self)
+    }
+    fn part_checks(&mut self) -> Result<Option<PartChecks>, UlyssesError> {
+        self.take_part_checks()
     }
     fn begin_master_parts(&mut self, rank: usize, world: usize) {
         ShardedAdamW::begin_master_parts(self, rank, world);
@@ -260,6 +269,9 @@ pub struct ShardedParameters<B: TrainBackend> {
     optimizer: OptimizerPlace,
     /// The last step's new parts still being made by the optimizer on the host.
     updates: Option<PartUpdates>,
+    /// This step's update in the backward, while it takes groups
+    /// ([`update_in_backward`](Self::update_in_backward)).
+    in_backward: Option<InBackward>,
     /// Where the gathered parameters go.
     device: burn::tensor::Device<B::InnerBackend>,
     /// The threads a gather's cast of a part kept as master weights takes: the host
@@ -272,6 +284,16 @@ pub struct ShardedParameters<B: TrainBackend> {
 struct PartUpdates {
     arriving: Receiver<(usize, NewPart)>,
     waiting: Vec<bool>,
+}
+
+/// A step's update in the backward: where each group's gradient parts go as they arrive.
+struct InBackward {
+    groups: Sender<GroupGradients>,
+    /// Whether the step has targets anywhere (a step without gives its parts to no update, as a
+    /// step at its end does: [`apply_step_zero3`](crate::apply_step_zero3)).
+    targets: bool,
+    /// Which parameters' parts went: each goes once.
+    sent: Vec<bool>,
 }
 
 /// One parameter: what it is, and this rank's part of its compute copy.
@@ -392,7 +414,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
         let Groups { layers, rest, embedding, head } = groups;
         let grad_parts = GradParts::empty(optimizer, parameters.len());
         let cast_threads = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
-        Self { partition, rank, parameters, layers, rest, embedding, head, grad_parts, in_flight: Vec::new(), optimizer, updates: None, device, cast_threads }
+        Self { partition, rank, parameters, layers, rest, embedding, head, grad_parts, in_flight: Vec::new(), optimizer, updates: None, in_backward: None, device, cast_threads }
     }
 
     /// The parts kept in host memory between their gathers, uploaded for each
@@ -616,9 +638,33 @@ impl<B: TrainBackend> ShardedParameters<B> {
     }
 
     /// Adds the gradient parts of `arrived` (waited for, in order) to the step's sums, in the
-    /// order they were queued: each parameter's in micro-batch order.
+    /// order they were queued: each parameter's in micro-batch order. With an update in the
+    /// backward, hands them to it instead, as one group (none where the step has no targets).
     fn add_arrived(&mut self, arrived: Vec<PartsInFlight>) -> Result<(), UlyssesError> {
         let GradParts::Host(sums) = &mut self.grad_parts else { return Ok(()) };
+        if let Some(in_backward) = &mut self.in_backward {
+            let parts = arrive_parts(arrived)?;
+            if !in_backward.targets || parts.is_empty() {
+                return Ok(());
+            }
+            let updates = self.updates.as_mut().expect("an update in the backward has its new parts' channel");
+            for (index, _) in &parts {
+                let parameter = &mut self.parameters[*index];
+                if std::mem::replace(&mut in_backward.sent[*index], true) {
+                    return Err(UlyssesError::InModel {
+                        message: format!("ZeRO-3's update in the backward was given {}'s gradient twice in one step: it updates a parameter once, from one micro-batch", parameter.path),
+                    });
+                }
+                // As `release_host_parts` does: the update writes master weights in place.
+                if !matches!(parameter.part, Held::Device(_)) {
+                    parameter.part = Held::Released;
+                }
+                updates.waiting[*index] = true;
+            }
+            return in_backward.groups.send(parts).map_err(|_| UlyssesError::InModel {
+                message: "the host optimizer's update thread ended before the step's backward did (its panic is printed above): resume from the last checkpoint".into(),
+            });
+        }
         for (index, part) in arrive_parts(arrived)? {
             match &mut sums[index] {
                 Some(sum) => sum.iter_mut().zip(&part).for_each(|(sum, g)| *sum += g),
@@ -722,10 +768,77 @@ impl<B: TrainBackend> ShardedParameters<B> {
             };
             updates.waiting[index] = false;
         }
-        if !updates.waiting.contains(&true) {
+        // An update in the backward may still be given parts: its channel stays.
+        if !updates.waiting.contains(&true) && self.in_backward.is_none() {
             self.updates = None;
         }
         Ok(())
+    }
+
+    /// Updates each group's parameters in this step's backward, as soon as its gradient parts
+    /// arrive on the host, on `optimizer`'s update thread (torchtune's `optimizer_in_bwd`, on
+    /// ZeRO-3's parts): the host then never holds the step's gradient parts together, 4 bytes a
+    /// parameter of a rank's part less at its peak (12 where it held 16), and the update runs
+    /// beside the rest of the backward. Call it before the step's
+    /// [`backward_step_zero3`](crate::backward_step_zero3);
+    /// [`apply_step_zero3`](crate::apply_step_zero3) then ends it. The same update, bit for bit,
+    /// as at the step's end, but it cannot wait for the whole gradient: refused with clipping
+    /// (`max_grad_norm`, which needs the whole gradient's norm first) and with more than one
+    /// micro-batch (a part must be the step's sum); a step whose gradient holds a NaN or an
+    /// infinity has updated some parts by the time its health check fails, and loses the
+    /// optimizer's state (resume from the last checkpoint), where a step at its end leaves the
+    /// state as it was.
+    pub fn update_in_backward(&mut self, optimizer: &mut ShardedAdamW, step: &crate::StepInput) -> Result<(), UlyssesError> {
+        // A failed step's: its thread ends once it has what it was given.
+        self.in_backward = None;
+        if let Some(norm) = step.max_grad_norm {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "step {}: the update in the backward cannot clip to a max_grad_norm ({norm}): clipping needs the whole gradient's norm before any update; set it to None (--max-grad-norm 0), or update at the step's end",
+                step.index
+            )));
+        }
+        if step.micro_batches.len() != 1 {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "step {}: the update in the backward takes one micro-batch a step ({} given): a parameter's gradient is complete only after the last; use no gradient accumulation, or update at the step's end",
+                step.index,
+                step.micro_batches.len()
+            )));
+        }
+        if self.optimizer != OptimizerPlace::Host {
+            return Err(misplaced(OptimizerPlace::Host));
+        }
+        optimizer.settle()?;
+        self.await_every_update()?;
+        let (rank, world) = self.place();
+        optimizer.check_holds(rank, world, &self.elements())?;
+        let forms = self.parameters.iter().map(|parameter| match parameter.part {
+            Held::Device(_) => PartForm::Compute(parameter.dtype),
+            _ => PartForm::Master,
+        });
+        let (forms, count) = (forms.collect(), self.parameters.len());
+        self.cast_threads = optimizer.threads();
+        let (updated, arriving) = channel();
+        let (groups, taken) = channel();
+        optimizer.spawn_update_of(step.learning_rate, taken, self.decayed(), None, forms, updated, true)?;
+        self.updates = Some(PartUpdates { arriving, waiting: vec![false; count] });
+        self.in_backward = Some(InBackward { groups, targets: true, sent: vec![false; count] });
+        Ok(())
+    }
+
+    /// Ends this step's update in the backward, if there is one ([`update_in_backward`](Self::update_in_backward)):
+    /// it takes no more groups, and ends once it has updated those it was given.
+    pub(crate) fn close_update_in_backward(&mut self) {
+        self.in_backward = None;
+    }
+
+    /// Whether this step's gradient parts go to an update in the backward.
+    pub(crate) fn updating_in_backward(&self) -> bool {
+        self.in_backward.is_some()
+    }
+
+    /// The path of parameter `index` (in the model's order).
+    pub(crate) fn path(&self, index: usize) -> &str {
+        &self.parameters[index].path
     }
 
     /// Puts every new part of the last step's update in place (waiting for those still in the
@@ -759,6 +872,12 @@ impl<B: TrainBackend, M: AutodiffModule<B>> LayerParameters<B, M> for Zero3Step<
     fn gradients_done(&mut self, model: &M, group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, UlyssesError> {
         self.parameters.take_group_gradients(model, group, grads, self.world)?;
         Ok(None)
+    }
+
+    fn step_targets(&mut self, valid_tokens: usize) {
+        if let Some(in_backward) = &mut self.parameters.in_backward {
+            in_backward.targets = valid_tokens > 0;
+        }
     }
 }
 
