@@ -352,6 +352,10 @@ if has ulysses-trainer; then
         # the device (what `ulysses-trainer --check --device-memory GB --host-memory GB` names
         # for the longest length that fits the machine).
         [ -n "${EIGHT_B_OFFLOAD_LAYERS:-}" ] && offload="--offload-to-host --offload-layers ${EIGHT_B_OFFLOAD_LAYERS}"
+        # EIGHT_B_IN_BACKWARD=1 (under ZeRO-3): the host optimizer updates each layer as its
+        # backward ends, no clipping, so the host holds 12 bytes a parameter, not 16 (96.4 GB,
+        # not 128.5): room for layer inputs on a 128 GiB host.
+        [ "${EIGHT_B_IN_BACKWARD:-0}" = 1 ] && offload="$offload --optimizer-in-backward --max-grad-norm 0"
         case "${EIGHT_B_ZERO3:-0}" in
             0) zero="" ;;
             1) zero="--zero 3" ;;

@@ -304,6 +304,11 @@ struct Args {
     /// memory too, uploaded for each layer's gather (a device holds no parameter between them).
     #[arg(long)]
     offload_parameters: bool,
+    /// With --zero 3 and --offload-optimizer, update each layer's parts as soon as its backward
+    /// gives their gradients (the host never holds the step's gradient parts together: 12 bytes
+    /// a parameter of a rank's part, not 16); needs --max-grad-norm 0 and no gradient accumulation
+    #[arg(long)]
+    optimizer_in_backward: bool,
     /// Under bf16, compute the loss's logits in f32 (TF32 matmuls) rather than in bf16 with f32
     /// accumulation; the softmax and loss are f32 either way.
     #[arg(long)]
@@ -616,6 +621,7 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState, threads: bool) -> Re
         ("offload_layers", args.offload_layers != offload_layers, format!("--offload-layers {}", offload_layers.unwrap_or_default())),
         ("tile_tokens", args.tile_tokens != tile_tokens, format!("--tile-tokens {}", tile_tokens.unwrap_or_default())),
         ("offload_parameters", args.offload_parameters != config.offload_parameters, "--offload-parameters".into()),
+        ("optimizer_in_backward", args.optimizer_in_backward != config.optimizer_in_backward, "--optimizer-in-backward".into()),
     ];
     if let Some(replaced_memory) = replaced_flags(&given, &saved_memory) {
         return ResumedSettings { taken, replaced_layout, replaced_memory };
@@ -629,6 +635,7 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState, threads: bool) -> Re
                 "offload_to_host" => args.offload_to_host = offload_to_host,
                 "offload_layers" => args.offload_layers = offload_layers,
                 "tile_tokens" => args.tile_tokens = tile_tokens,
+                "optimizer_in_backward" => args.optimizer_in_backward = config.optimizer_in_backward,
                 _ => args.offload_parameters = config.offload_parameters,
             }
         }
@@ -702,7 +709,7 @@ fn ignored_flags(args: &Args, config: &TrainConfig, threads: bool) -> Vec<String
         if !training.is_empty() {
             notes.push(format!("--eval-only trains nothing and saves nothing: {} change nothing", training.join(", ")));
         }
-        let whole = flags(&["zero", "offload_optimizer", "offload_parameters", "eval_single_device"]);
+        let whole = flags(&["zero", "offload_optimizer", "offload_parameters", "optimizer_in_backward", "eval_single_device"]);
         if !whole.is_empty() {
             notes.push(format!(
                 "--eval-only holds the whole model on every rank and evaluates over every SP group: {} change nothing",
@@ -989,7 +996,8 @@ fn run(mut args: Args) -> Result<(), String> {
         .with_f32_head(args.f32_head)
         .with_offload_optimizer(args.offload_optimizer)
         .with_zero_stage(args.zero)
-        .with_offload_parameters(args.offload_parameters);
+        .with_offload_parameters(args.offload_parameters)
+        .with_optimizer_in_backward(args.optimizer_in_backward);
     config.model = model;
     config.optimizer = AdamWConfig::new()
         .with_weight_decay(args.weight_decay)
@@ -1257,7 +1265,7 @@ fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: 
     let model = &config.model;
     format!(
         "checked: {work} from {}, a {}-layer model (d_model {}, {} q / {} kv heads, vocabulary {}), \
-         sp {} × dp {} (ring {}), {:?}, ZeRO stage {}{}{}{}, backend {:?}{}; nothing trained or written",
+         sp {} × dp {} (ring {}), {:?}, ZeRO stage {}{}{}{}{}, backend {:?}{}; nothing trained or written",
         data.display(),
         model.n_layers,
         model.d_model,
@@ -1271,6 +1279,7 @@ fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: 
         config.zero_stage,
         if config.offload_optimizer { ", the optimizer on the host" } else { "" },
         if config.offload_parameters { ", the parameters on the host" } else { "" },
+        if config.optimizer_in_backward { ", updated in the backward" } else { "" },
         match &config.layer_checkpointing {
             Some(c) if c.offload_to_host => match c.offload_layers {
                 Some(n) => format!(", layers checkpointed, the first {n} layers' inputs on the host"),
@@ -1327,10 +1336,21 @@ fn planned_memory(args: &Args, config: &TrainConfig, launch: &Launch) -> Result<
     };
     // In steps of a rank's 1024 tokens, up to 64M tokens.
     let step = 1024 * config.layout.sp_size;
-    let longest = match memory::longest_fitting(config, parameters, compute_bytes, &machine, step, 1 << 26) {
+    let longest_of = |config: &TrainConfig| memory::longest_fitting(config, parameters, compute_bytes, &machine, step, 1 << 26);
+    let mut longest = match longest_of(config) {
         Some((tokens, at)) => format!("the longest --seq-len that fits (in steps of {step}): {tokens}, with {}", at.flags()),
         None => format!("not even {step} tokens a sequence fit"),
     };
+    // Where the host's share of the gradient parts is what limits it.
+    if config.zero_stage == 3 && config.offload_optimizer && !config.optimizer_in_backward {
+        let in_backward = config.clone().with_optimizer_in_backward(true).with_max_grad_norm(None).with_grad_accumulation(1);
+        if let Some((tokens, at)) = longest_of(&in_backward).filter(|(tokens, _)| longest_of(config).is_none_or(|(before, _)| *tokens > before)) {
+            longest += &format!(
+                "; {tokens} with --optimizer-in-backward (no gradient part waits on the host for the step's end; it needs --max-grad-norm 0 and --grad-accumulation 1) and {}",
+                at.flags()
+            );
+        }
+    }
     Ok(Some(format!(
         "plan: {this_run}; {longest} (the estimate counts tensors, not what the backend's pools reserve beyond them: leave a margin)"
     )))
@@ -1581,7 +1601,9 @@ fn check_host_memory(config: &TrainConfig, elements: &[usize], ranks_here: usize
         // they add nothing.
         let parameter_bytes = 0;
         let beside = [(device_bytes, devices_what), (offloaded, offloaded_what)];
-        return ulysses_training::ShardedAdamW::check_host_memory(elements, config.layout.world_size(), ranks_here, parameter_bytes, &beside).map_err(|e| format!("--offload-optimizer: {e}"));
+        let gradient_bytes = if config.optimizer_in_backward { 0 } else { 4 };
+        return ulysses_training::ShardedAdamW::check_host_memory(elements, config.layout.world_size(), ranks_here, parameter_bytes, gradient_bytes, &beside)
+            .map_err(|e| format!("--offload-optimizer: {e}"));
     }
     let gb = |bytes: u64| format!("{:.2} GB", bytes as f64 / 1e9);
     let mut what = Vec::new();

@@ -73,9 +73,11 @@ fn gradient_bytes(config: &TrainConfig, compute_bytes: u64) -> u64 {
 
 /// Bytes a rank keeps in host memory for each of `parameters` with `--offload-optimizer`: of
 /// its 1/world part, 12 of AdamW's state (master weights and both moments) and 4 of the step's
-/// gradient (`ShardedAdamW::check_host_memory`, which the run checks as it starts).
+/// gradient, none with `--optimizer-in-backward` (`ShardedAdamW::check_host_memory`, which the
+/// run checks as it starts).
 pub fn host_state_bytes(config: &TrainConfig, parameters: u64) -> u64 {
-    if config.offload_optimizer { 16 * parameters.div_ceil(config.layout.world_size() as u64) } else { 0 }
+    let per_parameter = if config.optimizer_in_backward { 12 } else { 16 };
+    if config.offload_optimizer { per_parameter * parameters.div_ceil(config.layout.world_size() as u64) } else { 0 }
 }
 
 /// Sequences in each micro-batch a rank runs, and tokens in its shard of each.
@@ -333,7 +335,8 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
     let host = match (host_state_bytes(config, parameters), host_offloaded) {
         (0, 0) => String::new(),
         (state, offloaded) => {
-            let what = [(state, "the optimizer's state and gradient parts"), (offloaded, "layer inputs and gradients")]
+            let state_what = if config.optimizer_in_backward { "the optimizer's state" } else { "the optimizer's state and gradient parts" };
+            let what = [(state, state_what), (offloaded, "layer inputs and gradients")]
                 .iter()
                 .filter(|(bytes, _)| *bytes > 0)
                 .map(|(bytes, what)| format!("{} of {what}", gb(*bytes)))

@@ -121,6 +121,14 @@ pub struct TrainConfig {
     /// a layer's pieces, for a world too small to hold even its parts of the compute copy.
     #[config(default = false)]
     pub offload_parameters: bool,
+    /// Under ZeRO-3 with the optimizer on the host, update each layer's parts in the backward
+    /// as soon as its gradient parts reach the host ([`ShardedParameters::update_in_backward`]),
+    /// so the host never holds the step's gradient parts together: 12 bytes a parameter of a
+    /// rank's part, not 16. The same update; it cannot clip (`max_grad_norm` None) nor
+    /// accumulate micro-batches, and a step whose gradient is not finite loses the optimizer's
+    /// state (the run stops, as it does on one anyway: resume from the last checkpoint).
+    #[config(default = false)]
+    pub optimizer_in_backward: bool,
 }
 
 impl TrainConfig {
@@ -232,6 +240,24 @@ impl TrainConfig {
                 return Err(format!(
                     "zero_stage (--zero) {stage}: use 0 (each rank holds the whole model; --offload-optimizer shards the optimizer's \
                      state, ZeRO's stages 1 and 2) or 3 (parameters and gradients sharded too)"
+                ));
+            }
+        }
+        if self.optimizer_in_backward {
+            if !(self.zero_stage == 3 && self.offload_optimizer) {
+                return Err("--optimizer-in-backward updates ZeRO-3's parts on the host as the backward makes their gradients: add --zero 3 and --offload-optimizer".into());
+            }
+            if let Some(norm) = self.max_grad_norm {
+                return Err(format!(
+                    "--optimizer-in-backward updates each layer before the whole gradient's norm is known, so it cannot clip to --max-grad-norm {norm}: \
+                     give --max-grad-norm 0, or leave out --optimizer-in-backward"
+                ));
+            }
+            if self.grad_accumulation != 1 {
+                return Err(format!(
+                    "--optimizer-in-backward updates each layer from one micro-batch's gradient, and --grad-accumulation {} sums several: \
+                     give --grad-accumulation 1 (a larger --dp or --batch-size a step), or leave out --optimizer-in-backward",
+                    self.grad_accumulation
                 ));
             }
         }
@@ -1111,6 +1137,9 @@ where
         let Some(checkpointing) = &config.layer_checkpointing else { unreachable!("TrainConfig::validate: ZeRO-3 runs on layer checkpointing") };
         if faults.nan_gradient.is_some() {
             return Err(UlyssesError::InvalidConfig("the NaN-gradient test hook runs without --zero 3 (ZeRO-3's gradients leave during the backward)".into()));
+        }
+        if let (true, RankOptimizer::OnHost(optimizer)) = (config.optimizer_in_backward, &mut *optimizer) {
+            parts.update_in_backward(optimizer, &input)?;
         }
         let local = backward_step_zero3(&model, &input, sharder, groups, device, checkpointing, parts)?;
         // After the backward: every rank is in this step (a kill as it starts could cut a peer

@@ -527,6 +527,27 @@ fn a_resume_keeps_the_runs_memory_settings_or_names_those_it_replaces() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// `--optimizer-in-backward`: ZeRO-3's host optimizer updating each layer as its backward
+/// gives its gradients trains as the update at the step's end (without clipping: the losses
+/// and parameters equal), says so in `--check` with the host holding no gradient part, is
+/// kept by a resume that names no memory flag, and is refused with clipping.
+#[test]
+fn updating_in_the_backward_trains_as_zero_3_at_the_steps_end() {
+    let dir = workspace("in-backward");
+    let zero3 = ["--sp", "2", "--offload-optimizer", "--checkpoint-layers", "--zero", "3", "--max-grad-norm", "0"];
+    succeed(run_alone(&common_args(&dir, "at-the-end", 4), &zero3));
+    succeed(run_alone(&common_args(&dir, "in-backward", 4), &[&zero3[..], &["--optimizer-in-backward", "--stop-after", "2"]].concat()));
+    let resume = [common_args(&dir, "in-backward", 4), vec!["--resume".into(), dir.join("in-backward").display().to_string()]].concat();
+    let checked = show(&succeed(run_alone(&[resume.clone(), vec!["--check".into()]].concat(), &["--sp", "2"])));
+    assert!(checked.contains("the optimizer on the host, updated in the backward") && checked.contains("of the optimizer's state;"), "{checked}");
+    succeed(run_alone(&resume, &["--sp", "2"]));
+    let (loss, params) = differences(&dir.join("in-backward"), &dir.join("at-the-end"));
+    assert!(loss == 0.0 && params == 0.0, "updated in the backward: losses {loss:e}, parameters {params:e} apart from the update at the step's end");
+    let refused = run_alone(&common_args(&dir, "clipped", 2), &["--sp", "2", "--offload-optimizer", "--checkpoint-layers", "--zero", "3", "--optimizer-in-backward"]);
+    assert!(!refused.status.success() && show(&refused).contains("cannot clip to --max-grad-norm 1: give --max-grad-norm 0"), "{}", show(&refused));
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// The optimizer on the host (`--offload-optimizer`) and ZeRO-3 (`--zero 3`: parameters and
 /// gradients in parts too, each layer gathered for its pieces; the optimizer's parts on the
 /// host or on the device) train as replicated AdamW does,

@@ -238,24 +238,35 @@ impl ShardedAdamW {
     /// Refuses, before any step, a host without the memory that `ranks_on_this_host` ranks
     /// (rank threads of one process, or processes on one node) of a world of `world` hold there
     /// at a step's end, for parameters of `elements` elements: of each element of a rank's
-    /// parts, 12 bytes of state, 4 of the step's gradient (f32, all arrived before the update
-    /// may start: the clipping norm and the NaN guard need every part), and
+    /// parts, 12 bytes of state, `gradient_bytes` of the step's gradient (4, f32, all arrived
+    /// before the update may start: the clipping norm and the NaN guard need every part; 0
+    /// where ZeRO-3 updates each group in the backward as its parts arrive:
+    /// `ShardedParameters::update_in_backward`), and
     /// `parameter_bytes` of the compute copy where its parts wait on the host as copies (none
     /// where they are the master weights: `ShardedParameters::share_master_weights`); `beside` that, what else those ranks keep on the host (bytes,
     /// and what they are: the devices' memory where it is the host's, offloaded activations).
     /// Says the bytes needed and available, and what to change.
-    pub fn check_host_memory(elements: &[usize], world: usize, ranks_on_this_host: usize, parameter_bytes: usize, beside: &[(u64, &str)]) -> Result<(), UlyssesError> {
-        Self::check_host_memory_of(ulysses_core::host_memory::available_bytes(), elements, world, ranks_on_this_host, parameter_bytes, beside)
+    pub fn check_host_memory(elements: &[usize], world: usize, ranks_on_this_host: usize, parameter_bytes: usize, gradient_bytes: usize, beside: &[(u64, &str)]) -> Result<(), UlyssesError> {
+        Self::check_host_memory_of(ulysses_core::host_memory::available_bytes(), elements, world, ranks_on_this_host, parameter_bytes, gradient_bytes, beside)
     }
 
     /// [`check_host_memory`](Self::check_host_memory) on a host with `available` bytes.
-    fn check_host_memory_of(available: Option<u64>, elements: &[usize], world: usize, ranks_on_this_host: usize, parameter_bytes: usize, beside: &[(u64, &str)]) -> Result<(), UlyssesError> {
-        let per_element = 16 + parameter_bytes;
+    fn check_host_memory_of(
+        available: Option<u64>,
+        elements: &[usize],
+        world: usize,
+        ranks_on_this_host: usize,
+        parameter_bytes: usize,
+        gradient_bytes: usize,
+        beside: &[(u64, &str)],
+    ) -> Result<(), UlyssesError> {
+        let per_element = 12 + gradient_bytes + parameter_bytes;
         let beside: Vec<(u64, &str)> = beside.iter().copied().filter(|&(bytes, _)| bytes > 0).collect();
         let needed = (part_elements(elements, world) * per_element) as u64 * ranks_on_this_host as u64 + beside.iter().map(|(bytes, _)| bytes).sum::<u64>();
         let what = format!(
-            "the optimizer on the host ({} parameters over a world of {world}: {per_element} bytes each of a rank's part, 12 of state, 4 of the step's gradient{}; for {ranks_on_this_host} rank(s) on this host{})",
+            "the optimizer on the host ({} parameters over a world of {world}: {per_element} bytes each of a rank's part, 12 of state, {}{}; for {ranks_on_this_host} rank(s) on this host{})",
             elements.iter().sum::<usize>(),
+            if gradient_bytes > 0 { format!("{gradient_bytes} of the step's gradient") } else { "none of the gradient (updated in the backward)".into() },
             if parameter_bytes > 0 { format!(", {parameter_bytes} of the parameters kept on the host") } else { String::new() },
             beside.iter().map(|(bytes, what)| format!(", beside {:.2} GB {what}", *bytes as f64 / 1e9)).collect::<String>()
         );
@@ -726,17 +737,23 @@ pub(super) mod tests {
     #[test]
     fn the_host_check_counts_the_gradient_and_the_parameters_kept_there() {
         let (eight_b, machine) = ([8_030_261_248usize], Some(137_438_953_472u64));
-        assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 0, &[]).is_ok(), "state and gradient: 128.5 GB");
-        let refused = ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 2, &[]).unwrap_err().to_string();
+        assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 0, 4, &[]).is_ok(), "state and gradient: 128.5 GB");
+        let refused = ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 2, 4, &[]).unwrap_err().to_string();
         assert!(refused.contains("needs 144.54 GB") && refused.contains("137.44 GB available") && refused.contains("--offload-parameters"), "{refused}");
-        assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 1, 2, &[]).is_ok(), "a world of 2 holds half each");
-        let two_ranks = ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 2, 2, &[]).unwrap_err().to_string();
+        assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 1, 2, 4, &[]).is_ok(), "a world of 2 holds half each");
+        let two_ranks = ShardedAdamW::check_host_memory_of(machine, &eight_b, 2, 2, 2, 4, &[]).unwrap_err().to_string();
         assert!(two_ranks.contains("needs 144.54 GB") && two_ranks.contains("2 rank(s) on this host"), "{two_ranks}");
         // Its 32 layers' inputs and 3 gradients of 65 536 tokens (bf16, 4096 wide) on the host too: 18.79 GB more.
         let inputs = crate::LayerCheckpointing::new().with_offload_to_host(true).offloaded_host_bytes(32, 1, 65_536, 4096, 2);
         assert_eq!(inputs, 35 * 65_536 * 4096 * 2);
-        let offloaded = ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 0, &[(inputs, "of layer inputs (--offload-to-host)")]).unwrap_err().to_string();
+        let offloaded = ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 0, 4, &[(inputs, "of layer inputs (--offload-to-host)")]).unwrap_err().to_string();
         assert!(offloaded.contains("needs 147.27 GB") && offloaded.contains("beside 18.79 GB of layer inputs (--offload-to-host)"), "{offloaded}");
+        // Updated in the backward, no gradient part waits for the step's end: 96.4 GB of state
+        // beside them fits; with the parameters' copies too (112.4 GB) and twice the inputs
+        // (37.58 GB), not.
+        assert!(ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 0, 0, &[(inputs, "of layer inputs (--offload-to-host)")]).is_ok(), "12 bytes a parameter and the inputs");
+        let copies = ShardedAdamW::check_host_memory_of(machine, &eight_b, 1, 1, 2, 0, &[(2 * inputs, "of layer inputs")]).unwrap_err().to_string();
+        assert!(copies.contains("needs 150.00 GB") && copies.contains("14 bytes each") && copies.contains("none of the gradient (updated in the backward)"), "{copies}");
         assert_eq!(crate::LayerCheckpointing::new().offloaded_host_bytes(32, 1, 65_536, 4096, 2), 0, "nothing offloaded without offload_to_host");
     }
 
