@@ -78,6 +78,9 @@ struct Held {
     /// The most the whole process (every rank) held at once during the run, above what it held
     /// before.
     process_peak: usize,
+    /// What rank 0 held when its last step's backward returned (the gradient parts of a step
+    /// updated at its end wait then), above what it held as the step began.
+    after_backward: usize,
 }
 
 /// What each rank of a world of `world` (SP=2 × DP=world/2, or one rank) holds. `Parts::OnHost`:
@@ -85,6 +88,7 @@ struct Held {
 /// weights.
 fn held_per_rank(world: usize, parts_at: Parts) -> Held {
     let zero3 = parts_at != Parts::Replicated;
+    let in_backward = parts_at == Parts::OnHostUpdatedInBackward;
     let process_before = process_live_bytes();
     reset_process_peak();
     let layout = if world == 1 { ParallelLayout::new() } else { ParallelLayout::new().with_sp_size(2).with_dp_size(world / 2) };
@@ -112,7 +116,7 @@ fn held_per_rank(world: usize, parts_at: Parts) -> Held {
         if zero3 {
             // The update runs on a thread of its own beside the rank's: its allocations are the rank's.
             host.on_update_thread(move || count_as_rank(slot));
-            let on_host = parts_at == Parts::OnHost;
+            let on_host = matches!(parts_at, Parts::OnHost | Parts::OnHostUpdatedInBackward);
             let (placeholders, mut sharded) = ShardedParameters::shard_from(model, PartsFrom::Rank0, &mut host, FloatDType::F32, on_host, &device, &*groups.world).unwrap();
             if on_host {
                 sharded.share_master_weights(&mut host).unwrap();
@@ -120,14 +124,20 @@ fn held_per_rank(world: usize, parts_at: Parts) -> Held {
             (model, parts) = (placeholders, Some(sharded));
         }
         let before_step = live_bytes(slot) - before;
+        let mut after_backward = 0;
         for index in 0..STEPS {
             let batch = VariedLengths { vocab: VOCAB.min(model_config().vocab_size) }.train_batch(index);
             let share = batch.len() / layout.dp_size;
             let mine = vec![batch[share * dp_rank..share * (dp_rank + 1)].to_vec()];
             let step = StepInput { index, learning_rate: 1e-3, micro_batches: &mine, documents: None, targets: None, max_grad_norm: None };
+            let step_began = live_bytes(slot);
             model = match parts.as_mut() {
                 Some(parts) => {
+                    if in_backward {
+                        parts.update_in_backward(&mut host, &step).unwrap();
+                    }
                     let local = backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap();
+                    after_backward = live_bytes(slot).saturating_sub(step_began);
                     apply_step_zero3(model, &mut host, parts, &step, local, &groups).unwrap().0
                 }
                 None => {
@@ -143,11 +153,11 @@ fn held_per_rank(world: usize, parts_at: Parts) -> Held {
         }
         let held = live_bytes(slot) - before;
         drop((model, parts, replicated, host));
-        (held, parameters, before_step)
+        (held, parameters, before_step, after_backward)
     });
-    let per_rank: Vec<(usize, usize, usize)> = per_rank.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
+    let per_rank: Vec<(usize, usize, usize, usize)> = per_rank.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
     let process_peak = process_peak_bytes().saturating_sub(process_before);
-    Held { per_rank: per_rank.iter().map(|r| r.0).collect(), parameters: per_rank[0].1, before_step: per_rank[0].2, process_peak }
+    Held { per_rank: per_rank.iter().map(|r| r.0).collect(), parameters: per_rank[0].1, before_step: per_rank[0].2, process_peak, after_backward: per_rank[0].3 }
 }
 
 /// Bytes as megabytes (10^6), as the tables print them.
@@ -164,6 +174,42 @@ enum Parts {
     OnDevice,
     /// ZeRO-3, the rank's parts in host memory (`--offload-parameters`).
     OnHost,
+    /// The same, each group updated in the backward (`--optimizer-in-backward`).
+    OnHostUpdatedInBackward,
+}
+
+/// ZeRO-3 with the host optimizer updating each group as its gradient parts arrive
+/// (`ShardedParameters::update_in_backward`): when a step's backward returns, a rank holds none
+/// of the step's gradient parts (the last group's may still be in the update's hands), where
+/// an update at the step's end finds them all waiting, 4 bytes an element of its parts. World
+/// 2, the parts on the host as the master weights; the last step's (the moments exist by then).
+#[test]
+fn updated_in_the_backward_no_gradient_part_waits_for_the_steps_end() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let (at_the_end, in_backward) = with_deadline(Duration::from_secs(300), || (held_per_rank(2, Parts::OnHost), held_per_rank(2, Parts::OnHostUpdatedInBackward)));
+    let gradient_parts = 4 * at_the_end.parameters / 2;
+    println!(
+        "after the backward a rank holds {:.3} MB more than as the step began updated at the end ({:.3} MB of gradient parts), {:.3} MB updated in the backward; \
+         between steps {:.3} and {:.3} MB; the process's peak {:.3} and {:.3} MB",
+        mb(at_the_end.after_backward),
+        mb(gradient_parts),
+        mb(in_backward.after_backward),
+        mb(at_the_end.per_rank[0]),
+        mb(in_backward.per_rank[0]),
+        mb(at_the_end.process_peak),
+        mb(in_backward.process_peak)
+    );
+    assert!(at_the_end.after_backward >= gradient_parts, "updated at the step's end, the gradient parts wait: {} bytes held, {gradient_parts} expected", at_the_end.after_backward);
+    assert!(
+        in_backward.after_backward <= at_the_end.after_backward - gradient_parts / 2,
+        "updated in the backward a rank holds {} bytes after it, against {} at the step's end",
+        in_backward.after_backward,
+        at_the_end.after_backward
+    );
+    // The same state between steps (a channel and a thread's bytes apart).
+    for (a, b) in in_backward.per_rank.iter().zip(&at_the_end.per_rank) {
+        assert!(a.abs_diff(*b) <= 64 * 1024, "between steps a rank holds {a} bytes updated in the backward, {b} at the step's end");
+    }
 }
 
 #[test]
