@@ -24,7 +24,9 @@
 //!   ([`apply_step_zero3`](crate::apply_step_zero3)): no all-gather after the step. On the host
 //!   the update runs on a thread of its own while the device goes on with the next step: it
 //!   takes the groups in the order the next forward gathers them (the embedding's, the
-//!   layers, the head's), and each gather waits only for its own group's parts.
+//!   layers, the head's), and each gather waits only for its own group's parts. Or, asked
+//!   before the step ([`ShardedParameters::update_in_backward`]), it takes each group as its
+//!   parts arrive, during the backward, so no gradient part waits for the step's end.
 //!
 //! So a rank holds `1/world` of the compute copy and of the gradients between steps; during a
 //! step, besides, one group whole (a layer, the embedding, the head, or a tied embedding and
