@@ -108,6 +108,20 @@ fn a_key_padding_mask_per_kv_head() {
     assert_all_contain(&messages, &["mask of shape [1, 2, 1, 8] does not fit the scores", "[1, 4, 8, 8]", "repeated over its group of query heads"]);
 }
 
+/// A mask of the whole sequence (`[1, 1, S, S]`, each rank holding S/P queries) is the mask the
+/// exchange cannot take: refused as such, pointing to `is_causal` and key-padding masks, not to
+/// repeating kv heads.
+#[test]
+fn a_mask_of_the_whole_sequence() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        let mask = Tensor::<Sp, 4, Bool>::from_data(burn::tensor::TensorData::new(vec![false; 256], [1, 1, 16, 16]), &Default::default());
+        attention(q, k, v, Some(mask), None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["attention mask of shape [1, 1, 16, 16] cannot be resharded", "Use `is_causal`"]);
+    assert!(messages.iter().all(|m| !m.contains("group of query heads")), "{messages:?}");
+}
+
 /// Keys a rank holds beside its shard (a cache, a prefix, sink tokens) would be joined with the
 /// other ranks' as shards of one sequence, repeated and out of place: causal attention over
 /// more keys than queries a rank is refused, naming the cause.

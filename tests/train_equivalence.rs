@@ -1283,6 +1283,60 @@ fn zero_3_updated_in_the_backward_trains_as_at_the_steps_end() {
     assert!(message.contains("takes one micro-batch a step (2 given)"), "{message}");
 }
 
+/// An update in the backward that cannot end as its step's update loses the optimizer's state
+/// by name, rather than leave it partly one step's or wait for ever: a step whose gradient holds
+/// NaN fails on every rank with the health check's error (saying the optimizer updated some
+/// layers), and the state is refused after; a step begun and never applied is named by the next
+/// one's update, and the state refused. SP = 2, one replica, a final norm of NaN for the first.
+#[test]
+fn an_update_in_the_backward_that_cannot_end_loses_the_state_by_name() {
+    use ulysses_training::{HostAdamWConfig, LayerCheckpointing, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step_zero3, backward_step_zero3};
+    let layout = ParallelLayout::new().with_sp_size(2);
+    let outcome = with_deadline(Duration::from_secs(120), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+            let _sp = enter_sp(&groups);
+            let device = Default::default();
+            let sharder = SequenceSharder::new(2);
+            let checkpointing = LayerCheckpointing::new();
+            let sequences = vec![VariedLengths { vocab: VOCAB }.train_batch(0)];
+            let shard = |mut model: ulysses_models::Decoder<Sp>, nan: bool| {
+                if nan {
+                    model.norm.gamma = model.norm.gamma.map(|gamma| gamma.mul_scalar(f32::NAN));
+                }
+                let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
+                optimizer.keep_master_weights(&model, rank.rank(), 2);
+                let (placeholders, parts) = ShardedParameters::shard(model, rank.rank(), 2, OptimizerPlace::Host).unwrap();
+                (placeholders, parts, optimizer)
+            };
+            let fresh = || deterministic_params(config(layout, 1).model.init::<Sp>(&device), INIT_SEED);
+            let step = |index| StepInput { index, learning_rate: 1e-2, micro_batches: &sequences, documents: None, targets: None, max_grad_norm: None };
+
+            // NaN in the final norm: every gradient part is NaN; the health check names it.
+            let (model, mut parts, mut optimizer) = shard(fresh(), true);
+            parts.update_in_backward(&mut optimizer, &step(0)).unwrap();
+            let local = backward_step_zero3(&model, &step(0), &sharder, &groups, &device, &checkpointing, &mut parts).unwrap();
+            let failed = apply_step_zero3(model, &mut optimizer, &mut parts, &step(0), local, &groups).err().expect("a NaN step fails").to_string();
+            let after = optimizer.settle().unwrap_err().to_string();
+
+            // A step begun and never applied: the next step's update names it.
+            let (model, mut parts, mut optimizer) = shard(fresh(), false);
+            parts.update_in_backward(&mut optimizer, &step(0)).unwrap();
+            drop(backward_step_zero3(&model, &step(0), &sharder, &groups, &device, &checkpointing, &mut parts).unwrap());
+            let unapplied = parts.update_in_backward(&mut optimizer, &step(1)).unwrap_err().to_string();
+            let refused = optimizer.settle().unwrap_err().to_string();
+            (failed, after, unapplied, refused)
+        })
+    });
+    for (rank, outcome) in outcome.into_iter().enumerate() {
+        let (failed, after, unapplied, refused) = outcome.unwrap_or_else(|p| panic!("{p}"));
+        assert!(failed.contains("step 0: a NaN or an infinity appeared") && failed.contains("updated some layers in the backward"), "rank {rank}: {failed}");
+        assert!(after.contains("state is lost"), "rank {rank}: {after}");
+        assert!(unapplied.contains("step 0's update in the backward began, and the step was never applied") && unapplied.contains("state is lost"), "rank {rank}: {unapplied}");
+        assert!(refused.contains("state is lost") && refused.contains("step 0's update in the backward began"), "rank {rank}: {refused}");
+    }
+}
+
 /// An output head of its own (not tied to the embedding) is a group of its own with the final
 /// norm: a checkpointed step gathers it alone for the head's piece, and the embedding without
 /// it for the embedding's forward (under ZeRO-3 1 GB of bf16 each at 8B, not both's 2 GB), and

@@ -113,13 +113,18 @@ pub enum UlyssesError {
     NotSequenceParallel { sp_size: usize },
 
     #[error(
-        "step {step}: a NaN or an infinity appeared{}{}{}. Training stopped before the \
-         optimizer step, so this step changed no parameter and any checkpoint already \
-         written is intact. Lower the learning rate, clip gradients, or look at this step's \
+        "step {step}: a NaN or an infinity appeared{}{}{}. {} Lower the learning rate, clip gradients, or look at this step's \
          data; resume from the last checkpoint if there is one.",
         if loss_ranks.is_empty() { String::new() } else { format!(" in the loss on rank(s) {loss_ranks:?}") },
         if gradient_ranks.is_empty() { String::new() } else { format!(" in the gradients on rank(s) {gradient_ranks:?}") },
-        local_parameter.as_ref().map_or(String::new(), |p| format!(" (on this rank first in `{p}`)"))
+        local_parameter.as_ref().map_or(String::new(), |p| format!(" (on this rank first in `{p}`)")),
+        if *updated_in_backward {
+            "Training stopped, but the optimizer had updated some layers in the backward (--optimizer-in-backward), so its \
+             state is lost; any checkpoint already written is intact."
+        } else {
+            "Training stopped before the optimizer step, so this step changed no parameter and any checkpoint already \
+             written is intact."
+        }
     )]
     NonFinite {
         step: usize,
@@ -129,6 +134,9 @@ pub enum UlyssesError {
         gradient_ranks: Vec<usize>,
         /// This rank's first parameter with a non-finite gradient.
         local_parameter: Option<String>,
+        /// Whether the optimizer had updated some parameters already (ZeRO-3's update in the
+        /// backward), so its state is lost.
+        updated_in_backward: bool,
     },
 
     #[error("step {step}: {source}")]

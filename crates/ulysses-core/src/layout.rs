@@ -126,12 +126,15 @@ impl AttentionLayout {
             (MaskKind::Unshardable, _) => {
                 let shape = mask.unwrap_or_default();
                 let scores = [self.batch, self.q_heads, self.q_seq, self.kv_seq];
-                // A mask that does not even fit the scores (a key-padding mask per kv head, say)
-                // is named as such, not as a mask of local shapes.
-                if shape.len() != 4 || shape.iter().zip(scores).any(|(&m, s)| m != 1 && m != s) {
+                // A mask whose batch or heads do not fit the scores (a key-padding mask per kv
+                // head, say) is named as such; one whose rows and columns do not (a mask of the
+                // whole sequence's) is the mask the exchange cannot take.
+                let misfit: Vec<usize> = (0..shape.len().min(4)).filter(|&d| shape[d] != 1 && shape[d] != scores[d]).collect();
+                if shape.len() != 4 || misfit.iter().any(|&d| d < 2) {
+                    let per_kv_head = if misfit == [1] { "; a mask per kv head must be repeated over its group of query heads, as k and v are" } else { "" };
                     return Err(UlyssesError::Shape(format!(
                         "attention: a mask of shape {shape:?} does not fit the scores [batch, q_heads, q_seq, kv_seq] = {scores:?} (each \
-                         dim that size or 1); a mask per kv head must be repeated over its group of query heads, as k and v are"
+                         dim that size or 1){per_kv_head}"
                     )));
                 }
                 return Err(UlyssesError::UnshardableMask { shape: shape.to_vec() });

@@ -1331,7 +1331,14 @@ fn planned_memory(args: &Args, config: &TrainConfig, launch: &Launch) -> Result<
         _ if device <= machine.device_bytes && machine.host_bytes.is_none_or(|limit| host_needed <= limit) => {
             format!("this run fits {machines}: {} on the device, {} on the host", gb(device), gb(host_needed))
         }
-        Some((at, device, host)) => format!("this run fits {machines} with {} ({} on the device, {} on the host); as given it needs {} and {}", at.flags(), gb(device), gb(host), gb(device), gb(host_needed)),
+        Some((at, placed_device, placed_host)) => format!(
+            "this run fits {machines} with {} ({} on the device, {} on the host); as given it needs {} and {}",
+            at.flags(),
+            gb(placed_device),
+            gb(placed_host),
+            gb(device),
+            gb(host_needed)
+        ),
         None => format!("this run does not fit {machines} wherever its layer inputs are: it needs {} on the device and {} on the host", gb(device), gb(host_needed)),
     };
     // In steps of a rank's 1024 tokens, up to 64M tokens.
@@ -1600,7 +1607,8 @@ fn check_host_memory(config: &TrainConfig, elements: &[usize], ranks_here: usize
         // master weights (cast for each upload: ShardedParameters::share_master_weights), so
         // they add nothing.
         let parameter_bytes = 0;
-        let beside = [(device_bytes, devices_what), (offloaded, offloaded_what)];
+        let in_flight = memory::in_backward_gradient_bytes(config) * ranks;
+        let beside = [(device_bytes, devices_what), (offloaded, offloaded_what), (in_flight, "of gradient parts on their way to the update in the backward")];
         let gradient_bytes = if config.optimizer_in_backward { 0 } else { 4 };
         return ulysses_training::ShardedAdamW::check_host_memory(elements, config.layout.world_size(), ranks_here, parameter_bytes, gradient_bytes, &beside)
             .map_err(|e| format!("--offload-optimizer: {e}"));

@@ -73,11 +73,31 @@ fn gradient_bytes(config: &TrainConfig, compute_bytes: u64) -> u64 {
 
 /// Bytes a rank keeps in host memory for each of `parameters` with `--offload-optimizer`: of
 /// its 1/world part, 12 of AdamW's state (master weights and both moments) and 4 of the step's
-/// gradient, none with `--optimizer-in-backward` (`ShardedAdamW::check_host_memory`, which the
-/// run checks as it starts).
+/// gradient (`ShardedAdamW::check_host_memory`, which the run checks as it starts); with
+/// `--optimizer-in-backward` the gradient parts of a few groups alone
+/// ([`in_backward_gradient_bytes`]).
 pub fn host_state_bytes(config: &TrainConfig, parameters: u64) -> u64 {
-    let per_parameter = if config.optimizer_in_backward { 12 } else { 16 };
-    if config.offload_optimizer { per_parameter * parameters.div_ceil(config.layout.world_size() as u64) } else { 0 }
+    if !config.offload_optimizer {
+        return 0;
+    }
+    let part = parameters.div_ceil(config.layout.world_size() as u64);
+    match config.optimizer_in_backward {
+        true => 12 * part + in_backward_gradient_bytes(config),
+        false => 16 * part,
+    }
+}
+
+/// The most f32 gradient parts a rank's host holds at once under `--optimizer-in-backward`:
+/// the group being updated, one queued for the update (its channel holds one) and one arriving.
+/// The largest groups, the head's and the embedding's, come first and last, the layers between:
+/// the largest group and two layers'.
+pub fn in_backward_gradient_bytes(config: &TrainConfig) -> u64 {
+    if !config.optimizer_in_backward {
+        return 0;
+    }
+    let model = &config.model;
+    let largest = (model.vocab_size as u64 * model.d_model as u64 + model.d_model as u64).max(layer_parameters(model));
+    4 * (largest + 2 * layer_parameters(model)).div_ceil(config.layout.world_size() as u64)
 }
 
 /// Sequences in each micro-batch a rank runs, and tokens in its shard of each.

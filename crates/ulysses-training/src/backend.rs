@@ -84,6 +84,12 @@ fn with_gradients<W: Backend, C: CheckpointStrategy, const N: usize>(
     parents: [(FloatTensor<Autodiff<W, C>>, FloatTensor<W>); N],
 ) -> FloatTensor<Autodiff<W, C>> {
     assert_eq!(value.shape().num_elements(), 1, "with_gradients: the value must be a scalar (its upstream gradient scales every given one)");
+    // A gradient of another shape (a transposed one of the same size) or dtype would be summed
+    // into the parent's as it is, silently wrong.
+    for (index, (parent, gradient)) in parents.iter().enumerate() {
+        let (want, got) = ((parent.primitive.shape(), parent.primitive.dtype()), (gradient.shape(), gradient.dtype()));
+        assert_eq!(want, got, "with_gradients: parent {index}'s gradient must have its shape and dtype");
+    }
     let nodes = parents.each_ref().map(|(parent, _)| parent.node.clone());
     let (tensors, gradients): (Vec<_>, Vec<_>) = parents.into_iter().unzip();
     // Compute bound: the gradients are already made, nothing is recomputed.

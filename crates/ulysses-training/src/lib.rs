@@ -274,7 +274,14 @@ where
 {
     // Parts a failed step left behind are not this step's.
     drop(parameters.take_gradient_parts());
-    backward_step_layered(model, step, sharder, groups, device, checkpointing, &mut parameters.over(&*groups.world))
+    parameters.check_update_in_backward_of(step.index)?;
+    let local = backward_step_layered(model, step, sharder, groups, device, checkpointing, &mut parameters.over(&*groups.world));
+    if local.is_err() {
+        // Its update in the backward has updated the groups it was given: the optimizer's
+        // state is lost (said when it next settles).
+        parameters.abandon_update_in_backward("failed in its backward");
+    }
+    local
 }
 
 /// The body of the checkpointed backward steps, each piece's parameters from `parameters`.
@@ -443,7 +450,7 @@ where
     M: CausalLm<B>,
     O: Optimizer<M, B>,
 {
-    let (losses, stop_requested) = step_losses_if_healthy(&model, &local, None, step, groups)?;
+    let (losses, stop_requested) = step_losses_if_healthy(&model, &local, None, false, step, groups)?;
     if local.valid_tokens == 0 {
         return Ok((model, StepReport::without_targets(&local, stop_requested)));
     }
@@ -477,7 +484,7 @@ where
     B: TrainBackend,
     M: CausalLm<B>,
 {
-    let (losses, stop_requested) = step_losses_if_healthy(&model, &local, None, step, groups)?;
+    let (losses, stop_requested) = step_losses_if_healthy(&model, &local, None, false, step, groups)?;
     if local.valid_tokens == 0 {
         return Ok((model, StepReport::without_targets(&local, stop_requested)));
     }
@@ -516,8 +523,14 @@ where
     // backward (`ShardedParameters::update_in_backward`) is given its last group and ends.
     let arrived = parameters.arrive_gradient_parts();
     let in_backward = parameters.updating_in_backward();
-    parameters.close_update_in_backward();
+    let arrived = arrived.and(parameters.close_update_in_backward(step.index));
     let (arrived, checks) = match arrived.and_then(|()| optimizer.part_checks()) {
+        // It stopped at a part that was not finite and sent no more: the state is lost, the
+        // health check below names the part.
+        Ok(Some(checks)) if checks.non_finite.is_some() => {
+            parameters.forget_updates();
+            (Ok(()), Some(checks))
+        }
         Ok(checks) => (parameters.await_every_update(), checks),
         Err(error) => (Err(error), None),
     };
@@ -525,46 +538,54 @@ where
         (true, None) => Err(UlyssesError::InModel { message: "ZeRO-3's update in the backward ended without its checks: the optimizer must be the one it ran on".into() }),
         _ => Ok(()),
     });
-    let bad_part = match checks.as_ref().and_then(|checks| checks.non_finite) {
-        Some(index) => Some(parameters.path(index).to_string()),
-        None => parameters.first_non_finite_gradient(),
-    };
-    let grads = parameters.take_gradient_parts();
-    let (rank, world) = parameters.place();
-    let misfit = arrived.and_then(|()| if optimizer.place() != parameters.optimizer_place() {
-        Err(UlyssesError::InvalidConfig(format!(
-            "the optimizer runs on the {:?} but the parameters were sharded for one on the {:?}: shard them with OptimizerPlace::{:?}",
-            optimizer.place(),
-            parameters.optimizer_place(),
-            optimizer.place()
-        )))
-    } else {
-        optimizer.check_holds(rank, world, &parameters.elements()).map_err(|e| match e {
-            UlyssesError::InvalidConfig(message) => UlyssesError::InvalidConfig(format!("{message} (ZeRO-3: keep_master_weights before ShardedParameters::shard, or load the state)")),
-            other => other,
-        })
-    });
-    // Agreed before any other collective: a rank that stopped alone would leave the others
-    // waiting in the next one.
-    let every_rank = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[misfit.is_ok() as u64], "ZeRO-3 optimizer checks")?;
-    misfit?;
-    if let Some(rank) = every_rank.iter().position(|ok| ok[0] == 0) {
-        return Err(UlyssesError::InvalidConfig(format!(
-            "world rank {rank}'s optimizer does not fit its ZeRO-3 parameters, its gradient parts did not arrive, or its last update failed (its error says why)"
-        )));
+    // Past here an update in the backward has run: a step that fails leaves the state partly
+    // this step's, so the optimizer loses it (where an update at the end changes nothing).
+    let outcome = (|| {
+        let bad_part = match checks.as_ref().and_then(|checks| checks.non_finite) {
+            Some(index) => Some(parameters.path(index).to_string()),
+            None => parameters.first_non_finite_gradient(),
+        };
+        let grads = parameters.take_gradient_parts();
+        let (rank, world) = parameters.place();
+        let misfit = arrived.and_then(|()| if optimizer.place() != parameters.optimizer_place() {
+            Err(UlyssesError::InvalidConfig(format!(
+                "the optimizer runs on the {:?} but the parameters were sharded for one on the {:?}: shard them with OptimizerPlace::{:?}",
+                optimizer.place(),
+                parameters.optimizer_place(),
+                optimizer.place()
+            )))
+        } else {
+            optimizer.check_holds(rank, world, &parameters.elements()).map_err(|e| match e {
+                UlyssesError::InvalidConfig(message) => UlyssesError::InvalidConfig(format!("{message} (ZeRO-3: keep_master_weights before ShardedParameters::shard, or load the state)")),
+                other => other,
+            })
+        });
+        // Agreed before any other collective: a rank that stopped alone would leave the others
+        // waiting in the next one.
+        let every_rank = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[misfit.is_ok() as u64], "ZeRO-3 optimizer checks")?;
+        misfit?;
+        if let Some(rank) = every_rank.iter().position(|ok| ok[0] == 0) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "world rank {rank}'s optimizer does not fit its ZeRO-3 parameters, its gradient parts did not arrive, or its last update failed (its error says why)"
+            )));
+        }
+        let (losses, stop_requested) = step_losses_if_healthy(&model, &local, bad_part, in_backward, step, groups)?;
+        if local.valid_tokens == 0 {
+            // The parts stay as they are: `update_parts` alone releases or replaces them.
+            return Ok((model, StepReport::without_targets(&local, stop_requested)));
+        }
+        let grad_norm = match checks {
+            // Updated in the backward already: the norm of the parts it took, summed as at the end.
+            Some(checks) => zero::norm_of_parts(checks.squares.iter().flatten().sum(), None, &*groups.world)?.0,
+            None => optimizer.update_parts(step.learning_rate, grads, step.max_grad_norm, &*groups.world, parameters)?,
+        };
+        let loss = losses.iter().sum();
+        Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm, stop_requested }))
+    })();
+    if let (true, Err(error)) = (in_backward, &outcome) {
+        optimizer.lose(format!("step {} was updated in the backward, then failed: {error}", step.index));
     }
-    let (losses, stop_requested) = step_losses_if_healthy(&model, &local, bad_part, step, groups)?;
-    if local.valid_tokens == 0 {
-        // The parts stay as they are: `update_parts` alone releases or replaces them.
-        return Ok((model, StepReport::without_targets(&local, stop_requested)));
-    }
-    let grad_norm = match checks {
-        // Updated in the backward already: the norm of the parts it took, summed as at the end.
-        Some(checks) => zero::norm_of_parts(checks.squares.iter().flatten().sum(), None, &*groups.world)?.0,
-        None => optimizer.update_parts(step.learning_rate, grads, step.max_grad_norm, &*groups.world, parameters)?,
-    };
-    let loss = losses.iter().sum();
-    Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm, stop_requested }))
+    outcome
 }
 
 /// Every rank's loss of a step whose losses and gradients are finite everywhere and whose
@@ -572,8 +593,16 @@ where
 /// ([`request_stop`]); otherwise the error every rank returns. One read brings the loss and
 /// the gradients' health; one host collective carries them, the step's settings and the stop.
 /// `bad_part`: a parameter whose gradient already left `local` (ZeRO-3), found non-finite,
-/// counted as a non-finite gradient of this rank.
-fn step_losses_if_healthy<B, M>(model: &M, local: &LocalStep<B>, bad_part: Option<String>, step: &StepInput, groups: &ParallelGroups<B::Wire>) -> Result<(Vec<f64>, bool), UlyssesError>
+/// counted as a non-finite gradient of this rank; `updated_in_backward`: the optimizer has
+/// updated some parameters already (its state is lost on an error).
+fn step_losses_if_healthy<B, M>(
+    model: &M,
+    local: &LocalStep<B>,
+    bad_part: Option<String>,
+    updated_in_backward: bool,
+    step: &StepInput,
+    groups: &ParallelGroups<B::Wire>,
+) -> Result<(Vec<f64>, bool), UlyssesError>
 where
     B: TrainBackend,
     M: CausalLm<B>,
@@ -609,6 +638,7 @@ where
             loss_ranks: non_finite_loss,
             gradient_ranks: non_finite_grads,
             local_parameter: bad_parameter,
+            updated_in_backward,
         });
     }
     Ok((losses, gathered.iter().any(|v| v[4] == 1)))

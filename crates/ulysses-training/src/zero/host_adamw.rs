@@ -26,7 +26,7 @@
 use std::{
     num::NonZeroUsize,
     sync::{
-        Arc,
+        Arc, OnceLock, Weak,
         mpsc::{Receiver, Sender},
     },
     thread::JoinHandle,
@@ -65,6 +65,8 @@ pub struct ShardedAdamW {
     updating: Option<JoinHandle<UpdateEnd>>,
     /// What the last update in the backward found in its gradient parts, once settled.
     checked: Option<PartChecks>,
+    /// An update in the backward's link to the ZeRO-3 parameters that give it groups.
+    backward: Option<BackwardLink>,
     /// A test's hold on that thread: one message lets it update one group.
     pace: Option<Receiver<()>>,
     /// Run first on each update thread ([`on_update_thread`](Self::on_update_thread)).
@@ -88,6 +90,16 @@ pub(super) struct ParameterPart {
 
 /// One group's gradient parts for an update thread: (parameter index, this rank's part).
 pub(super) type GroupGradients = Vec<(usize, Vec<f32>)>;
+
+/// An update in the backward, as its optimizer sees the ZeRO-3 parameters that give it groups
+/// ([`ShardedParameters::update_in_backward`](super::ShardedParameters::update_in_backward)):
+/// while `open` has a holder, they may still send one (a settle would wait for ever: refused);
+/// `abandoned`, once set, says why its step ended unapplied, after some groups were updated (the
+/// state is then lost).
+pub(super) struct BackwardLink {
+    pub(super) open: Weak<()>,
+    pub(super) abandoned: Arc<OnceLock<String>>,
+}
 
 /// What an update thread gives back: the state, a test's pace, and with updates in the
 /// backward what it found in the gradient parts.
@@ -137,7 +149,7 @@ impl ShardedAdamW {
 
     /// No state yet, updated by `adamw`.
     fn updating_with(adamw: HostAdamW) -> Self {
-        Self { adamw, parts: Vec::new(), place: None, updating: None, checked: None, pace: None, thread_start: None, lost: None }
+        Self { adamw, parts: Vec::new(), place: None, updating: None, checked: None, backward: None, pace: None, thread_start: None, lost: None }
     }
 
     /// The threads its update takes (a loaded state takes every core until told otherwise).
@@ -162,6 +174,11 @@ impl ShardedAdamW {
     /// host), so that the state is this step's. Refused, now and at every later call, when
     /// that thread failed: the state is then lost (resume from the last checkpoint).
     pub fn settle(&mut self) -> Result<(), UlyssesError> {
+        if self.updating.is_some() && self.backward.as_ref().is_some_and(|link| link.open.strong_count() > 0) {
+            return Err(UlyssesError::InModel {
+                message: "the host optimizer's update in the backward still takes its step's groups: the step's apply_step_zero3 ends it first".into(),
+            });
+        }
         if let Some(updating) = self.updating.take() {
             match updating.join() {
                 Ok((parts, pace, checked)) => {
@@ -174,6 +191,9 @@ impl ShardedAdamW {
                 }
                 Err(panic) => self.lost = Some(format!("its update thread failed: {}", ulysses_core::comm::panic_message(panic.as_ref()))),
             }
+        }
+        if let Some(why) = self.backward.take().and_then(|link| link.abandoned.get().cloned()) {
+            self.lost.get_or_insert(why);
         }
         match &self.lost {
             None => Ok(()),
@@ -485,6 +505,19 @@ impl ShardedAdamW {
             self.settle()?;
         }
         Ok(())
+    }
+
+    /// Links the update about to start to the ZeRO-3 parameters that give it groups in the
+    /// backward ([`BackwardLink`]).
+    pub(super) fn link_backward(&mut self, link: BackwardLink) {
+        self.backward = Some(link);
+    }
+
+    /// Marks the state lost, for `why`: a step updated in the backward that failed after its
+    /// update (its groups are that step's, the others the last's). Every later use is refused.
+    pub(crate) fn lose(&mut self, why: String) {
+        let _ = self.settle();
+        self.lost.get_or_insert(why);
     }
 
     /// What the last update in the backward found in its gradient parts (once it ends), taken;

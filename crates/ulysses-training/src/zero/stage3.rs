@@ -46,7 +46,8 @@ use std::{
     num::NonZeroUsize,
     sync::{
         Arc,
-        mpsc::{Receiver, Sender, channel},
+        OnceLock,
+        mpsc::{Receiver, SyncSender, channel, sync_channel},
     },
 };
 
@@ -67,7 +68,7 @@ use ulysses_core::{
 
 use super::{
     DeviceShardedAdamW, ShardedAdamW,
-    host_adamw::{GroupGradients, NewPart, PartChecks, PartForm, cast_master_part},
+    host_adamw::{BackwardLink, GroupGradients, NewPart, PartChecks, PartForm, cast_master_part},
     parts::{PartsInFlight, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
 };
 use crate::{
@@ -141,6 +142,8 @@ pub trait PartOptimizer<B: TrainBackend> {
     fn part_checks(&mut self) -> Result<Option<PartChecks>, UlyssesError> {
         self.settle().map(|()| None)
     }
+    /// Marks the state lost, for `why` (a step updated in the backward whose apply failed).
+    fn lose(&mut self, _why: String) {}
     /// Drops any state and starts holding rank `rank`'s parts of a world of `world`, none yet
     /// ([`ShardedParameters::shard_from`] then hands over each parameter's).
     fn begin_master_parts(&mut self, rank: usize, world: usize);
@@ -190,6 +193,9 @@ impl<B: TrainBackend> PartOptimizer<B> for ShardedAdamW {
     }
     fn part_checks(&mut self) -> Result<Option<PartChecks>, UlyssesError> {
         self.take_part_checks()
+    }
+    fn lose(&mut self, why: String) {
+        ShardedAdamW::lose(self, why);
     }
     fn begin_master_parts(&mut self, rank: usize, world: usize) {
         ShardedAdamW::begin_master_parts(self, rank, world);
@@ -290,7 +296,15 @@ struct PartUpdates {
 
 /// A step's update in the backward: where each group's gradient parts go as they arrive.
 struct InBackward {
-    groups: Sender<GroupGradients>,
+    /// The step it updates.
+    step: usize,
+    /// Bounded: the host holds at most a group queued beside the one being updated (and the
+    /// next arriving), whatever the update's pace.
+    groups: SyncSender<GroupGradients>,
+    /// Held while it may take groups ([`BackwardLink::open`]).
+    _open: Arc<()>,
+    /// Why its step ended unapplied, for the optimizer ([`BackwardLink::abandoned`]).
+    abandoned: Arc<OnceLock<String>>,
     /// Whether the step has targets anywhere (a step without gives its parts to no update, as a
     /// step at its end does: [`apply_step_zero3`](crate::apply_step_zero3)).
     targets: bool,
@@ -791,8 +805,9 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// optimizer's state (resume from the last checkpoint), where a step at its end leaves the
     /// state as it was.
     pub fn update_in_backward(&mut self, optimizer: &mut ShardedAdamW, step: &crate::StepInput) -> Result<(), UlyssesError> {
-        // A failed step's: its thread ends once it has what it was given.
-        self.in_backward = None;
+        // A step whose update in the backward began but that was never applied: some of its
+        // groups are updated (the settle below says so).
+        self.abandon_update_in_backward("was never applied (apply_step_zero3)");
         if let Some(norm) = step.max_grad_norm {
             return Err(UlyssesError::InvalidConfig(format!(
                 "step {}: the update in the backward cannot clip to a max_grad_norm ({norm}): clipping needs the whole gradient's norm before any update; set it to None (--max-grad-norm 0), or update at the step's end",
@@ -820,17 +835,64 @@ impl<B: TrainBackend> ShardedParameters<B> {
         let (forms, count) = (forms.collect(), self.parameters.len());
         self.cast_threads = optimizer.threads();
         let (updated, arriving) = channel();
-        let (groups, taken) = channel();
+        let (groups, taken) = sync_channel(1);
         optimizer.spawn_update_of(step.learning_rate, taken, self.decayed(), None, forms, updated, true)?;
+        let (open, abandoned) = (Arc::new(()), Arc::new(OnceLock::new()));
+        optimizer.link_backward(BackwardLink { open: Arc::downgrade(&open), abandoned: Arc::clone(&abandoned) });
         self.updates = Some(PartUpdates { arriving, waiting: vec![false; count] });
-        self.in_backward = Some(InBackward { groups, targets: true, sent: vec![false; count] });
+        self.in_backward = Some(InBackward { step: step.index, groups, _open: open, abandoned, targets: true, sent: vec![false; count] });
         Ok(())
     }
 
     /// Ends this step's update in the backward, if there is one ([`update_in_backward`](Self::update_in_backward)):
-    /// it takes no more groups, and ends once it has updated those it was given.
-    pub(crate) fn close_update_in_backward(&mut self) {
-        self.in_backward = None;
+    /// it takes no more groups, and ends once it has updated those it was given. Refused where
+    /// it was begun for another step than `step` (that step's is then abandoned).
+    pub(crate) fn close_update_in_backward(&mut self, step: usize) -> Result<(), UlyssesError> {
+        match self.in_backward.as_ref().map(|in_backward| in_backward.step) {
+            Some(begun) if begun != step => {
+                self.abandon_update_in_backward(&format!("was never applied (step {step} was applied instead)"));
+                Err(UlyssesError::InvalidConfig(format!(
+                    "step {step} applied, but the update in the backward was begun for step {begun}: the host optimizer's state is lost (resume from the last checkpoint)"
+                )))
+            }
+            _ => {
+                self.in_backward = None;
+                Ok(())
+            }
+        }
+    }
+
+    /// Ends this step's update in the backward, if there is one, as a step that will not be
+    /// applied (its backward failed, or it `was` otherwise left): the groups it was given are
+    /// updated, so its optimizer loses its state, saying why, when it next settles.
+    pub(crate) fn abandon_update_in_backward(&mut self, was: &str) {
+        if let Some(in_backward) = self.in_backward.take() {
+            let _ = in_backward.abandoned.set(format!(
+                "step {}'s update in the backward began, and the step {was}: some of its groups were updated",
+                in_backward.step
+            ));
+        }
+    }
+
+    /// Refuses a backward of `step` while an update in the backward begun for another step is
+    /// still open (that step's is abandoned).
+    pub(crate) fn check_update_in_backward_of(&mut self, step: usize) -> Result<(), UlyssesError> {
+        match self.in_backward.as_ref().map(|in_backward| in_backward.step) {
+            Some(begun) if begun != step => {
+                self.abandon_update_in_backward(&format!("was never applied (step {step}'s backward began)"));
+                Err(UlyssesError::InvalidConfig(format!(
+                    "step {step}'s backward, but the update in the backward was begun for step {begun}, never applied: the host optimizer's state is lost (resume from the last checkpoint)"
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Gives up the new parts the last update has not yet sent (an update in the backward that
+    /// stopped at a part that was not finite sends no more): the parts it held stay released,
+    /// and a gather of them is refused.
+    pub(crate) fn forget_updates(&mut self) {
+        self.updates = None;
     }
 
     /// Whether this step's gradient parts go to an update in the backward.
