@@ -1287,7 +1287,8 @@ fn zero_3_updated_in_the_backward_trains_as_at_the_steps_end() {
 /// by name, rather than leave it partly one step's or wait for ever: a step whose gradient holds
 /// NaN fails on every rank with the health check's error (saying the optimizer updated some
 /// layers), and the state is refused after; a step begun and never applied is named by the next
-/// one's update, and the state refused. SP = 2, one replica, a final norm of NaN for the first.
+/// one's update, and the state refused (a settle before that is refused, not left waiting for
+/// groups that may still come). SP = 2, one replica, a final norm of NaN for the first.
 #[test]
 fn an_update_in_the_backward_that_cannot_end_loses_the_state_by_name() {
     use ulysses_training::{HostAdamWConfig, LayerCheckpointing, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step_zero3, backward_step_zero3};
@@ -1323,13 +1324,16 @@ fn an_update_in_the_backward_that_cannot_end_loses_the_state_by_name() {
             let (model, mut parts, mut optimizer) = shard(fresh(), false);
             parts.update_in_backward(&mut optimizer, &step(0)).unwrap();
             drop(backward_step_zero3(&model, &step(0), &sharder, &groups, &device, &checkpointing, &mut parts).unwrap());
+            // Its update may still be given groups: a settle would wait for ever.
+            let open = optimizer.settle().unwrap_err().to_string();
             let unapplied = parts.update_in_backward(&mut optimizer, &step(1)).unwrap_err().to_string();
             let refused = optimizer.settle().unwrap_err().to_string();
-            (failed, after, unapplied, refused)
+            (failed, after, open, unapplied, refused)
         })
     });
     for (rank, outcome) in outcome.into_iter().enumerate() {
-        let (failed, after, unapplied, refused) = outcome.unwrap_or_else(|p| panic!("{p}"));
+        let (failed, after, open, unapplied, refused) = outcome.unwrap_or_else(|p| panic!("{p}"));
+        assert!(open.contains("still takes its step's groups"), "rank {rank}: {open}");
         assert!(failed.contains("step 0: a NaN or an infinity appeared") && failed.contains("updated some layers in the backward"), "rank {rank}: {failed}");
         assert!(after.contains("state is lost"), "rank {rank}: {after}");
         assert!(unapplied.contains("step 0's update in the backward began, and the step was never applied") && unapplied.contains("state is lost"), "rank {rank}: {unapplied}");
