@@ -274,7 +274,7 @@ where
 {
     // Parts a failed step left behind are not this step's.
     drop(parameters.take_gradient_parts());
-    parameters.check_update_in_backward_of(step.index)?;
+    parameters.check_update_in_backward_of(step.index, "begun in its backward")?;
     let local = backward_step_layered(model, step, sharder, groups, device, checkpointing, &mut parameters.over(&*groups.world));
     if local.is_err() {
         // Its update in the backward has updated the groups it was given: the optimizer's

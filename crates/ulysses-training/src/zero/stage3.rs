@@ -848,18 +848,9 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// it takes no more groups, and ends once it has updated those it was given. Refused where
     /// it was begun for another step than `step` (that step's is then abandoned).
     pub(crate) fn close_update_in_backward(&mut self, step: usize) -> Result<(), UlyssesError> {
-        match self.in_backward.as_ref().map(|in_backward| in_backward.step) {
-            Some(begun) if begun != step => {
-                self.abandon_update_in_backward(&format!("was never applied (step {step} was applied instead)"));
-                Err(UlyssesError::InvalidConfig(format!(
-                    "step {step} applied, but the update in the backward was begun for step {begun}: the host optimizer's state is lost (resume from the last checkpoint)"
-                )))
-            }
-            _ => {
-                self.in_backward = None;
-                Ok(())
-            }
-        }
+        self.check_update_in_backward_of(step, "applied")?;
+        self.in_backward = None;
+        Ok(())
     }
 
     /// Ends this step's update in the backward, if there is one, as a step that will not be
@@ -874,14 +865,14 @@ impl<B: TrainBackend> ShardedParameters<B> {
         }
     }
 
-    /// Refuses a backward of `step` while an update in the backward begun for another step is
-    /// still open (that step's is abandoned).
-    pub(crate) fn check_update_in_backward_of(&mut self, step: usize) -> Result<(), UlyssesError> {
+    /// Refuses step `step` being `done` (its backward begun, or applied) while an update in
+    /// the backward begun for another step is still open (that step's is abandoned).
+    pub(crate) fn check_update_in_backward_of(&mut self, step: usize, done: &str) -> Result<(), UlyssesError> {
         match self.in_backward.as_ref().map(|in_backward| in_backward.step) {
             Some(begun) if begun != step => {
-                self.abandon_update_in_backward(&format!("was never applied (step {step}'s backward began)"));
+                self.abandon_update_in_backward(&format!("was never applied (step {step} was {done} instead)"));
                 Err(UlyssesError::InvalidConfig(format!(
-                    "step {step}'s backward, but the update in the backward was begun for step {begun}, never applied: the host optimizer's state is lost (resume from the last checkpoint)"
+                    "step {step} {done}, but the update in the backward was begun for step {begun}, never applied: the host optimizer's state is lost (resume from the last checkpoint)"
                 )))
             }
             _ => Ok(()),
