@@ -203,21 +203,8 @@ impl HeldPerPiece {
     }
 }
 
-/// The longest of the lengths `shortest, shortest + step, …` up to `longest` for which `fits`
-/// holds, found by bisection: `fits` must hold up to some length and fail beyond it (memory
-/// grows with the length). Calls `fits` about log2(count of lengths) times, each length at
-/// most once; `None` when `shortest` itself does not fit.
-pub fn longest_fitting(shortest: usize, longest: usize, step: usize, mut fits: impl FnMut(usize) -> bool) -> Option<usize> {
-    assert!(step > 0 && shortest <= longest, "lengths {shortest}..={longest} in steps of {step}: need a positive step and shortest <= longest");
-    let count = (longest - shortest) / step + 1;
-    // Lengths below index `fitting` are known to fit; those from `over` on are known not to.
-    let (mut fitting, mut over) = (0, count);
-    while fitting < over {
-        let middle = fitting + (over - fitting) / 2;
-        if fits(shortest + middle * step) { fitting = middle + 1 } else { over = middle }
-    }
-    (fitting > 0).then(|| shortest + (fitting - 1) * step)
-}
+/// The project's bisection over lengths (the memory bench's `--longest-under`).
+pub use ulysses_core::host_memory::longest_fitting;
 
 /// Runs `work` on another thread and panics if it has not finished within `limit`, so a
 /// test that would hang fails instead.
@@ -260,33 +247,5 @@ impl StepData for VariedLengths {
 
     fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
         Some(self.train_batch(1))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::longest_fitting;
-
-    /// Against every threshold: the answer is the last length under it, each length is tried
-    /// at most once and the trials stay logarithmic.
-    #[test]
-    fn longest_fitting_finds_the_last_length_that_fits() {
-        let (shortest, longest, step) = (512, 512 + 40 * 256, 256);
-        for limit in (0..longest + 600).step_by(37) {
-            let mut tried = Vec::new();
-            let found = longest_fitting(shortest, longest, step, |length| {
-                tried.push(length);
-                length <= limit
-            });
-            let expected = (shortest..=longest).step_by(step).filter(|&length| length <= limit).last();
-            assert_eq!(found, expected, "limit {limit}, tried {tried:?}");
-            let mut distinct = tried.clone();
-            distinct.sort();
-            distinct.dedup();
-            assert_eq!(distinct.len(), tried.len(), "limit {limit}: a length tried twice: {tried:?}");
-            assert!(tried.len() <= 6, "limit {limit}: {} trials for 41 lengths: {tried:?}", tried.len());
-        }
-        assert_eq!(longest_fitting(1000, 1000, 7, |_| true), Some(1000));
-        assert_eq!(longest_fitting(1000, 1006, 7, |_| true), Some(1000));
     }
 }

@@ -38,9 +38,48 @@ pub fn check_fits(needed: u64, available: Option<u64>, what: &str, fix: &str) ->
     }
 }
 
+/// The longest of the lengths `shortest, shortest + step, …` up to `longest` for which `fits`
+/// holds, found by bisection: `fits` must hold up to some length and fail beyond it (memory
+/// grows with the length). Calls `fits` about log2(count of lengths) times, each length at
+/// most once; `None` when `shortest` itself does not fit.
+pub fn longest_fitting(shortest: usize, longest: usize, step: usize, mut fits: impl FnMut(usize) -> bool) -> Option<usize> {
+    assert!(step > 0 && shortest <= longest, "lengths {shortest}..={longest} in steps of {step}: need a positive step and shortest <= longest");
+    let count = (longest - shortest) / step + 1;
+    // Lengths below index `fitting` are known to fit; those from `over` on are known not to.
+    let (mut fitting, mut over) = (0, count);
+    while fitting < over {
+        let middle = fitting + (over - fitting) / 2;
+        if fits(shortest + middle * step) { fitting = middle + 1 } else { over = middle }
+    }
+    (fitting > 0).then(|| shortest + (fitting - 1) * step)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Against every threshold: the answer is the last length under it, each length is tried
+    /// at most once and the trials stay logarithmic.
+    #[test]
+    fn longest_fitting_finds_the_last_length_that_fits() {
+        let (shortest, longest, step) = (512, 512 + 40 * 256, 256);
+        for limit in (0..longest + 600).step_by(37) {
+            let mut tried = Vec::new();
+            let found = longest_fitting(shortest, longest, step, |length| {
+                tried.push(length);
+                length <= limit
+            });
+            let expected = (shortest..=longest).step_by(step).filter(|&length| length <= limit).last();
+            assert_eq!(found, expected, "limit {limit}, tried {tried:?}");
+            let mut distinct = tried.clone();
+            distinct.sort();
+            distinct.dedup();
+            assert_eq!(distinct.len(), tried.len(), "limit {limit}: a length tried twice: {tried:?}");
+            assert!(tried.len() <= 6, "limit {limit}: {} trials for 41 lengths: {tried:?}", tried.len());
+        }
+        assert_eq!(longest_fitting(1000, 1000, 7, |_| true), Some(1000));
+        assert_eq!(longest_fitting(1000, 1006, 7, |_| true), Some(1000));
+    }
 
     #[test]
     fn the_available_memory_is_read_and_a_shortfall_is_refused_with_both_figures() {

@@ -1327,31 +1327,33 @@ fn planned_memory(args: &Args, config: &TrainConfig, launch: &Launch) -> Result<
     };
     let machines = format!("a device of {}{host}", gb(machine.device_bytes));
     let (device, host_needed) = memory::needs(config, parameters, compute_bytes, machine.ranks_per_host).expect("checkpointed");
-    let this_run = match memory::fitting_place(config, parameters, compute_bytes, &machine) {
-        _ if device <= machine.device_bytes && machine.host_bytes.is_none_or(|limit| host_needed <= limit) => {
-            format!("this run fits {machines}: {} on the device, {} on the host", gb(device), gb(host_needed))
+    let this_run = if machine.holds(device, host_needed) {
+        format!("this run fits {machines}: {} on the device, {} on the host", gb(device), gb(host_needed))
+    } else {
+        match memory::fitting_place(config, parameters, compute_bytes, &machine) {
+            Some((at, placed_device, placed_host)) => format!(
+                "this run fits {machines} with {} ({} on the device, {} on the host); as given it needs {} and {}",
+                at.flags(),
+                gb(placed_device),
+                gb(placed_host),
+                gb(device),
+                gb(host_needed)
+            ),
+            None => format!("this run does not fit {machines} wherever its layer inputs are: it needs {} on the device and {} on the host", gb(device), gb(host_needed)),
         }
-        Some((at, placed_device, placed_host)) => format!(
-            "this run fits {machines} with {} ({} on the device, {} on the host); as given it needs {} and {}",
-            at.flags(),
-            gb(placed_device),
-            gb(placed_host),
-            gb(device),
-            gb(host_needed)
-        ),
-        None => format!("this run does not fit {machines} wherever its layer inputs are: it needs {} on the device and {} on the host", gb(device), gb(host_needed)),
     };
     // In steps of a rank's 1024 tokens, up to 64M tokens.
     let step = 1024 * config.layout.sp_size;
     let longest_of = |config: &TrainConfig| memory::longest_fitting(config, parameters, compute_bytes, &machine, step, 1 << 26);
-    let mut longest = match longest_of(config) {
+    let longest_as_given = longest_of(config);
+    let mut longest = match longest_as_given {
         Some((tokens, at)) => format!("the longest --seq-len that fits (in steps of {step}): {tokens}, with {}", at.flags()),
         None => format!("not even {step} tokens a sequence fit"),
     };
     // Where the host's share of the gradient parts is what limits it.
     if config.zero_stage == 3 && config.offload_optimizer && !config.optimizer_in_backward {
         let in_backward = config.clone().with_optimizer_in_backward(true).with_max_grad_norm(None).with_grad_accumulation(1);
-        if let Some((tokens, at)) = longest_of(&in_backward).filter(|(tokens, _)| longest_of(config).is_none_or(|(before, _)| *tokens > before)) {
+        if let Some((tokens, at)) = longest_of(&in_backward).filter(|(tokens, _)| longest_as_given.is_none_or(|(before, _)| *tokens > before)) {
             longest += &format!(
                 "; {tokens} with --optimizer-in-backward (no gradient part waits on the host for the step's end; it needs --max-grad-norm 0 and --grad-accumulation 1) and {}",
                 at.flags()

@@ -265,6 +265,13 @@ pub struct Machine {
     pub ranks_per_host: u64,
 }
 
+impl Machine {
+    /// Whether a rank's `device` bytes and its host's `host` bytes fit.
+    pub fn holds(&self, device: u64, host: u64) -> bool {
+        device <= self.device_bytes && self.host_bytes.is_none_or(|limit| host <= limit)
+    }
+}
+
 /// Where a checkpointed run keeps its layer inputs: the device, the first `n` layers' on the
 /// host (`--offload-layers n`), or every one (`--offload-to-host`), from least to most offloaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -318,24 +325,20 @@ pub fn fitting_place(config: &TrainConfig, parameters: u64, compute_bytes: u64, 
         needs(&config, parameters, compute_bytes, machine.ranks_per_host).map(|(device, host)| (at, device, host))
     };
     let (at, device, host) = InputsAt::every(config.model.n_layers).filter_map(placed).find(|&(_, device, _)| device <= machine.device_bytes)?;
-    machine.host_bytes.is_none_or(|limit| host <= limit).then_some((at, device, host))
+    machine.holds(device, host).then_some((at, device, host))
 }
 
 /// The longest `--seq-len`, in steps of `step` tokens up to `longest`, whose run (`config`
 /// otherwise) fits `machine` with its layer inputs somewhere ([`fitting_place`]), and where;
-/// `None` where not even `step` tokens fit. Memory grows with the length, so it bisects.
+/// `None` where not even `step` tokens fit. Memory grows with the length, so it bisects
+/// (`ulysses_core::host_memory::longest_fitting`).
 pub fn longest_fitting(config: &TrainConfig, parameters: u64, compute_bytes: u64, machine: &Machine, step: usize, longest: usize) -> Option<(usize, InputsAt)> {
-    let fits = |steps: usize| fitting_place(&config.clone().with_seq_len(steps * step), parameters, compute_bytes, machine).map(|(at, _, _)| at);
-    let (mut fitting, mut over) = (0, longest / step + 1);
-    let mut at = None;
-    while over - fitting > 1 {
-        let middle = fitting + (over - fitting) / 2;
-        match fits(middle) {
-            Some(place) => (fitting, at) = (middle, Some(place)),
-            None => over = middle,
-        }
+    let place = |tokens: usize| fitting_place(&config.clone().with_seq_len(tokens), parameters, compute_bytes, machine).map(|(at, _, _)| at);
+    if longest < step {
+        return None;
     }
-    at.map(|at| (fitting * step, at))
+    let tokens = ulysses_core::host_memory::longest_fitting(step, longest, step, |tokens| place(tokens).is_some())?;
+    Some((tokens, place(tokens)?))
 }
 
 /// `bytes` in GB, MB or kB, whichever shows them with a digit before the point.
@@ -523,7 +526,7 @@ mod tests {
         let machine = |device_gb: u64, host_gb: u64| Machine { device_bytes: device_gb * 1_000_000_000, host_bytes: Some(host_gb * 1_000_000_000), ranks_per_host: 1 };
         let fits = |config: &TrainConfig, machine: &Machine| {
             let (device, host) = needs(config, parameters, 2, machine.ranks_per_host).unwrap();
-            device <= machine.device_bytes && machine.host_bytes.is_none_or(|limit| host <= limit)
+            machine.holds(device, host)
         };
         let at = |config: &TrainConfig, place: InputsAt| config.clone().with_layer_checkpointing(Some(place.applied(config.layer_checkpointing.as_ref().unwrap())));
         // 88 GB on the device with every input there.

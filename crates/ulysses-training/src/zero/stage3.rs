@@ -336,6 +336,23 @@ enum Held<B: TrainBackend> {
 }
 
 impl<B: TrainBackend> PartOf<B> {
+    /// The form in which the host optimizer's update hands back its new part: cast to the
+    /// compute dtype for a part on the device, the master weights themselves for one on the host.
+    fn update_form(&self) -> PartForm {
+        match self.part {
+            Held::Device(_) => PartForm::Compute(self.dtype),
+            _ => PartForm::Master,
+        }
+    }
+
+    /// Lets go of a part kept on the host before the host optimizer updates it: the update
+    /// writes the master weights in place, and brings the new part.
+    fn release_for_update(&mut self) {
+        if !matches!(self.part, Held::Device(_)) {
+            self.part = Held::Released;
+        }
+    }
+
     fn elements(&self) -> usize {
         self.shape.num_elements()
     }
@@ -671,10 +688,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
                         message: format!("ZeRO-3's update in the backward was given {}'s gradient twice in one step: it updates a parameter once, from one micro-batch", parameter.path),
                     });
                 }
-                // As `release_host_parts` does: the update writes master weights in place.
-                if !matches!(parameter.part, Held::Device(_)) {
-                    parameter.part = Held::Released;
-                }
+                parameter.release_for_update();
                 updates.waiting[*index] = true;
             }
             return in_backward.groups.send(parts).map_err(|_| UlyssesError::InModel {
@@ -747,14 +761,12 @@ impl<B: TrainBackend> ShardedParameters<B> {
         self.parameters
             .iter_mut()
             .zip(waiting)
-            .map(|(parameter, &waits)| match parameter.part {
-                Held::Device(_) => PartForm::Compute(parameter.dtype),
-                _ => {
-                    if waits {
-                        parameter.part = Held::Released;
-                    }
-                    PartForm::Master
+            .map(|(parameter, &waits)| {
+                let form = parameter.update_form();
+                if waits {
+                    parameter.release_for_update();
                 }
+                form
             })
             .collect()
     }
@@ -828,11 +840,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
         self.await_every_update()?;
         let (rank, world) = self.place();
         optimizer.check_holds(rank, world, &self.elements())?;
-        let forms = self.parameters.iter().map(|parameter| match parameter.part {
-            Held::Device(_) => PartForm::Compute(parameter.dtype),
-            _ => PartForm::Master,
-        });
-        let (forms, count) = (forms.collect(), self.parameters.len());
+        let (forms, count) = (self.parameters.iter().map(PartOf::update_form).collect(), self.parameters.len());
         self.cast_threads = optimizer.threads();
         let (updated, arriving) = channel();
         let (groups, taken) = sync_channel(1);
