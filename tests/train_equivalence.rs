@@ -419,6 +419,21 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
     }
     assert_eq!((zigzag.sharder().ring_size, zigzag.sharder().ring_sharding), (2, burn_ulysses::ring::RingSharding::Zigzag));
 
+    // An ignore index that is a token (every label equal to it would leave the loss), padding
+    // outside the vocabulary (the lookup would fail deep in the embedding).
+    for message in run(|_| {
+        let layout = ParallelLayout::new().with_sp_size(2);
+        (layout, layout.sharder().with_ignore_index(3), vec![vec![(0..16).map(|t| t % 32).collect()]], None)
+    }) {
+        assert!(message.contains("ignore_index 3 is a token of the model's vocabulary 0..32") && message.contains("-100"), "{message}");
+    }
+    for message in run(|_| {
+        let layout = ParallelLayout::new().with_sp_size(2);
+        (layout, layout.sharder().with_pad_token(32), vec![vec![(0..15).map(|t| t % 32).collect()]], None)
+    }) {
+        assert!(message.contains("pad_token 32 is outside the model's vocabulary 0..32"), "{message}");
+    }
+
     let messages = run(|rank| {
         let layout = ParallelLayout::new().with_dp_size(2);
         (layout, layout.sharder(), vec![vec![(0..16).map(|t| t % 32).collect()]; 2 - rank], None)

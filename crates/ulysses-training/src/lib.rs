@@ -713,6 +713,22 @@ where
             }
         }
     }
+    // Padding is looked up like a token; an ignore index that is a token would drop every
+    // label equal to it from the loss.
+    if !(0..vocab).contains(&sharder.pad_token) {
+        return invalid(format!(
+            "the sharder's pad_token {} is outside the model's vocabulary 0..{vocab}: padding is embedded like a \
+             token, so give one inside it (with_pad_token; its rows carry no loss)",
+            sharder.pad_token
+        ));
+    }
+    if (0..vocab).contains(&sharder.ignore_index) {
+        return invalid(format!(
+            "the sharder's ignore_index {} is a token of the model's vocabulary 0..{vocab}: every label equal to it \
+             would be left out of the loss; use a value outside it (-100, as PyTorch and transformers do)",
+            sharder.ignore_index
+        ));
+    }
     Ok(())
 }
 
