@@ -1303,7 +1303,8 @@ fn zero_3_updated_in_the_backward_trains_as_at_the_steps_end() {
 /// NaN fails on every rank with the health check's error (saying the optimizer updated some
 /// layers), and the state is refused after; a step begun and never applied is named by the next
 /// one's update, and the state refused (a settle before that is refused, not left waiting for
-/// groups that may still come). SP = 2, one replica, a final norm of NaN for the first.
+/// groups that may still come); a step whose backward failed is named by the apply of the same
+/// step run again. SP = 2, one replica, a final norm of NaN for the first.
 #[test]
 fn an_update_in_the_backward_that_cannot_end_loses_the_state_by_name() {
     use ulysses_training::{HostAdamWConfig, LayerCheckpointing, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step_zero3, backward_step_zero3};
@@ -1343,11 +1344,27 @@ fn an_update_in_the_backward_that_cannot_end_loses_the_state_by_name() {
             let open = optimizer.settle().unwrap_err().to_string();
             let unapplied = parts.update_in_backward(&mut optimizer, &step(1)).unwrap_err().to_string();
             let refused = optimizer.settle().unwrap_err().to_string();
-            (failed, after, open, unapplied, refused)
+
+            // A step whose backward failed (its inputs refused) before any group reached the
+            // update, run again without it: its apply is refused, not taken for a step that
+            // updated nothing (the abandoned update's empty checks for this one's).
+            let (model, mut parts, mut optimizer) = shard(fresh(), false);
+            parts.update_in_backward(&mut optimizer, &step(0)).unwrap();
+            let outside = vec![vec![vec![VOCAB as i64; 8]]];
+            let bad_step = StepInput { micro_batches: &outside, ..step(0) };
+            let inputs = backward_step_zero3(&model, &bad_step, &sharder, &groups, &device, &checkpointing, &mut parts).err().expect("a token outside the vocabulary is refused").to_string();
+            let local = backward_step_zero3(&model, &step(0), &sharder, &groups, &device, &checkpointing, &mut parts).unwrap();
+            let retried = apply_step_zero3(model, &mut optimizer, &mut parts, &step(0), local, &groups).err().expect("the abandoned update lost the state").to_string();
+            (failed, after, open, unapplied, refused, inputs, retried)
         })
     });
     for (rank, outcome) in outcome.into_iter().enumerate() {
-        let (failed, after, open, unapplied, refused) = outcome.unwrap_or_else(|p| panic!("{p}"));
+        let (failed, after, open, unapplied, refused, inputs, retried) = outcome.unwrap_or_else(|p| panic!("{p}"));
+        assert!(inputs.contains("outside the model's vocabulary"), "rank {rank}: {inputs}");
+        assert!(
+            retried.contains("state is lost") && retried.contains("step 0's update in the backward began, and the step failed in its backward: none of its groups had reached the update yet"),
+            "rank {rank}: {retried}"
+        );
         assert!(open.contains("still takes its step's groups"), "rank {rank}: {open}");
         assert!(failed.contains("step 0: a NaN or an infinity appeared") && failed.contains("updated some layers in the backward"), "rank {rank}: {failed}");
         assert!(after.contains("state is lost"), "rank {rank}: {after}");

@@ -88,7 +88,7 @@ struct Held {
 /// weights.
 fn held_per_rank(world: usize, parts_at: Parts) -> Held {
     let zero3 = parts_at != Parts::Replicated;
-    let in_backward = parts_at == Parts::OnHostUpdatedInBackward;
+    let in_backward = matches!(parts_at, Parts::OnHostUpdatedInBackward | Parts::OnDeviceUpdatedInBackward);
     let process_before = process_live_bytes();
     reset_process_peak();
     let layout = if world == 1 { ParallelLayout::new() } else { ParallelLayout::new().with_sp_size(2).with_dp_size(world / 2) };
@@ -176,39 +176,54 @@ enum Parts {
     OnHost,
     /// The same, each group updated in the backward (`--optimizer-in-backward`).
     OnHostUpdatedInBackward,
+    /// ZeRO-3, the rank's parts on its device, each group updated in the backward.
+    OnDeviceUpdatedInBackward,
 }
 
 /// ZeRO-3 with the host optimizer updating each group as its gradient parts arrive
 /// (`ShardedParameters::update_in_backward`): when a step's backward returns, a rank holds none
 /// of the step's gradient parts (the last group's may still be in the update's hands), where
 /// an update at the step's end finds them all waiting, 4 bytes an element of its parts. World
-/// 2, the parts on the host as the master weights; the last step's (the moments exist by then).
+/// 2, the parts on the host as the master weights, then on the device (whose new parts, compute
+/// copies made on the host, go in place during the backward rather than wait for its end); the
+/// last step's (the moments exist by then).
 #[test]
 fn updated_in_the_backward_no_gradient_part_waits_for_the_steps_end() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let (at_the_end, in_backward) = with_deadline(Duration::from_secs(300), || (held_per_rank(2, Parts::OnHost), held_per_rank(2, Parts::OnHostUpdatedInBackward)));
-    let gradient_parts = 4 * at_the_end.parameters / 2;
-    println!(
-        "after the backward a rank holds {:.3} MB more than as the step began updated at the end ({:.3} MB of gradient parts), {:.3} MB updated in the backward; \
-         between steps {:.3} and {:.3} MB; the process's peak {:.3} and {:.3} MB",
-        mb(at_the_end.after_backward),
-        mb(gradient_parts),
-        mb(in_backward.after_backward),
-        mb(at_the_end.per_rank[0]),
-        mb(in_backward.per_rank[0]),
-        mb(at_the_end.process_peak),
-        mb(in_backward.process_peak)
-    );
-    assert!(at_the_end.after_backward >= gradient_parts, "updated at the step's end, the gradient parts wait: {} bytes held, {gradient_parts} expected", at_the_end.after_backward);
-    assert!(
-        in_backward.after_backward <= at_the_end.after_backward - gradient_parts / 2,
-        "updated in the backward a rank holds {} bytes after it, against {} at the step's end",
-        in_backward.after_backward,
-        at_the_end.after_backward
-    );
-    // The same state between steps (a channel and a thread's bytes apart).
-    for (a, b) in in_backward.per_rank.iter().zip(&at_the_end.per_rank) {
-        assert!(a.abs_diff(*b) <= 64 * 1024, "between steps a rank holds {a} bytes updated in the backward, {b} at the step's end");
+    for (end, during) in [(Parts::OnHost, Parts::OnHostUpdatedInBackward), (Parts::OnDevice, Parts::OnDeviceUpdatedInBackward)] {
+        let (at_the_end, in_backward) = with_deadline(Duration::from_secs(300), move || (held_per_rank(2, end), held_per_rank(2, during)));
+        let gradient_parts = 4 * at_the_end.parameters / 2;
+        let parts = if end == Parts::OnHost { "parts on the host" } else { "parts on the device" };
+        println!(
+            "{parts}: after the backward a rank holds {:.3} MB more than as the step began updated at the end ({:.3} MB of gradient parts), {:.3} MB updated in the backward; \
+             between steps {:.3} and {:.3} MB; the process's peak {:.3} and {:.3} MB",
+            mb(at_the_end.after_backward),
+            mb(gradient_parts),
+            mb(in_backward.after_backward),
+            mb(at_the_end.per_rank[0]),
+            mb(in_backward.per_rank[0]),
+            mb(at_the_end.process_peak),
+            mb(in_backward.process_peak)
+        );
+        assert!(at_the_end.after_backward >= gradient_parts, "{parts}: updated at the step's end, the gradient parts wait: {} bytes held, {gradient_parts} expected", at_the_end.after_backward);
+        assert!(
+            in_backward.after_backward <= at_the_end.after_backward - gradient_parts / 2,
+            "{parts}: updated in the backward a rank holds {} bytes after it, against {} at the step's end",
+            in_backward.after_backward,
+            at_the_end.after_backward
+        );
+        // What is left is the last groups' (the first layer's new parts, the embedding's
+        // gradient or new part): where the new parts of parts on the device waited for the
+        // step's end, every group's did (4.47 MB here, the gradient parts' bytes again).
+        assert!(
+            in_backward.after_backward <= 3 * gradient_parts / 4,
+            "{parts}: updated in the backward a rank holds {} bytes after it, {gradient_parts} of gradient parts at the step's end: new parts wait for it",
+            in_backward.after_backward
+        );
+        // The same state between steps (a channel and a thread's bytes apart).
+        for (a, b) in in_backward.per_rank.iter().zip(&at_the_end.per_rank) {
+            assert!(a.abs_diff(*b) <= 64 * 1024, "{parts}: between steps a rank holds {a} bytes updated in the backward, {b} at the step's end");
+        }
     }
 }
 

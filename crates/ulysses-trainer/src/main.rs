@@ -1369,11 +1369,7 @@ fn planned_memory(args: &Args, config: &TrainConfig, launch: &Launch) -> Result<
 fn counted_parameters(config: &TrainConfig) -> (u64, u64) {
     type Counted = burn::backend::NdArray<f32>;
     let parameters = ulysses_training::parameter_elements(&config.model.init::<Counted>(&Default::default())).iter().sum::<usize>() as u64;
-    let compute_bytes = match config.precision {
-        Precision::F32 => 4,
-        Precision::Bf16 => 2,
-    };
-    (parameters, compute_bytes)
+    (parameters, memory::compute_bytes(config))
 }
 
 /// A rank's memory ([`memory::describe`]) for a model of `parameters` whose layers compute in
@@ -1609,8 +1605,8 @@ fn check_host_memory(config: &TrainConfig, elements: &[usize], ranks_here: usize
         // master weights (cast for each upload: ShardedParameters::share_master_weights), so
         // they add nothing.
         let parameter_bytes = 0;
-        let in_flight = memory::in_backward_gradient_bytes(config) * ranks;
-        let beside = [(device_bytes, devices_what), (offloaded, offloaded_what), (in_flight, "of gradient parts on their way to the update in the backward")];
+        let in_flight = memory::in_backward_bytes(config) * ranks;
+        let beside = [(device_bytes, devices_what), (offloaded, offloaded_what), (in_flight, "of gradient parts and new parts on their way through the update in the backward")];
         let gradient_bytes = if config.optimizer_in_backward { 0 } else { 4 };
         return ulysses_training::ShardedAdamW::check_host_memory(elements, config.layout.world_size(), ranks_here, parameter_bytes, gradient_bytes, &beside)
             .map_err(|e| format!("--offload-optimizer: {e}"));

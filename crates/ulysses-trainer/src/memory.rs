@@ -31,6 +31,7 @@
 //! against what a rank holds on lavapipe at SP = 1 and 2; the other parts are counted from the
 //! code.
 
+use burn_ulysses::precision::Precision;
 use ulysses_models::DecoderConfig;
 use ulysses_training::LayerCheckpointing;
 
@@ -75,29 +76,42 @@ fn gradient_bytes(config: &TrainConfig, compute_bytes: u64) -> u64 {
 /// its 1/world part, 12 of AdamW's state (master weights and both moments) and 4 of the step's
 /// gradient (`ShardedAdamW::check_host_memory`, which the run checks as it starts); with
 /// `--optimizer-in-backward` the gradient parts of a few groups alone
-/// ([`in_backward_gradient_bytes`]).
+/// ([`in_backward_bytes`]).
 pub fn host_state_bytes(config: &TrainConfig, parameters: u64) -> u64 {
     if !config.offload_optimizer {
         return 0;
     }
     let part = parameters.div_ceil(config.layout.world_size() as u64);
     match config.optimizer_in_backward {
-        true => 12 * part + in_backward_gradient_bytes(config),
+        true => 12 * part + in_backward_bytes(config),
         false => 16 * part,
     }
 }
 
-/// The most f32 gradient parts a rank's host holds at once under `--optimizer-in-backward`:
-/// the group being updated, one queued for the update (its channel holds one) and one arriving.
-/// The largest groups, the head's and the embedding's, come first and last, the layers between:
-/// the largest group and two layers'.
-pub fn in_backward_gradient_bytes(config: &TrainConfig) -> u64 {
+/// The most a rank's host holds at once under `--optimizer-in-backward` beside the optimizer's
+/// state: f32 gradient parts of the group being updated, of one queued for the update (its
+/// channel holds one) and of one arriving; and where the parts are on the device (no
+/// `--offload-parameters`), the new parts the update made of the last groups, in the compute
+/// dtype, until the next group's send puts them in place. The largest groups, the head's and
+/// the embedding's, come first and last, the layers between: the largest group and two layers'
+/// of gradient parts, the largest and a layer's of new parts.
+pub fn in_backward_bytes(config: &TrainConfig) -> u64 {
     if !config.optimizer_in_backward {
         return 0;
     }
     let model = &config.model;
-    let largest = (model.vocab_size as u64 * model.d_model as u64 + model.d_model as u64).max(layer_parameters(model));
-    4 * (largest + 2 * layer_parameters(model)).div_ceil(config.layout.world_size() as u64)
+    let layer = layer_parameters(model);
+    let largest = (model.vocab_size as u64 * model.d_model as u64 + model.d_model as u64).max(layer);
+    let new_parts = if config.offload_parameters { 0 } else { compute_bytes(config) * (largest + layer) };
+    (4 * (largest + 2 * layer) + new_parts).div_ceil(config.layout.world_size() as u64)
+}
+
+/// Bytes of a float of the layers' compute dtype.
+pub fn compute_bytes(config: &TrainConfig) -> u64 {
+    match config.precision {
+        Precision::F32 => 4,
+        Precision::Bf16 => 2,
+    }
 }
 
 /// Sequences in each micro-batch a rank runs, and tokens in its shard of each.

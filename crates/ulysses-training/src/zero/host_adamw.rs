@@ -230,8 +230,11 @@ impl ShardedAdamW {
     /// [`keep_master_part`](Self::keep_master_part) then takes each parameter's, in the
     /// model's order.
     pub(super) fn begin_master_parts(&mut self, rank: usize, world: usize) {
-        // A running update's state is replaced whatever it became, a lost one too.
+        // A running update's state is replaced whatever it became, a lost one too. One still
+        // open to its step's groups (its backward under way) cannot be joined: it ends on its
+        // own, its state dropped, not taken for the new one's at the next settle.
         let _ = self.settle();
+        (self.updating, self.backward, self.checked) = (None, None, None);
         self.lost = None;
         self.parts = Vec::new();
         self.place = Some((rank, world));
@@ -525,9 +528,12 @@ impl ShardedAdamW {
     /// finite lost the state (the step's health check names it; every later use is refused).
     pub(crate) fn take_part_checks(&mut self) -> Result<Option<PartChecks>, UlyssesError> {
         let settled = self.settle();
-        match self.checked.take() {
-            Some(checked) => Ok(Some(checked)),
-            None => settled.map(|()| None),
+        match (self.checked.take(), settled) {
+            // Lost for it: the step's health check names the part.
+            (Some(checked), _) if checked.non_finite.is_some() => Ok(Some(checked)),
+            (checked, Ok(())) => Ok(checked),
+            // Lost otherwise (an abandoned update's checks are not this step's).
+            (_, Err(error)) => Err(error),
         }
     }
 

@@ -356,6 +356,16 @@ impl<B: TrainBackend> PartOf<B> {
     fn elements(&self) -> usize {
         self.shape.num_elements()
     }
+
+    /// Puts the host optimizer's new part in place of the one it was made from: uploaded to
+    /// `device` where the part is kept there.
+    fn put_in_place(&mut self, new: NewPart, device: &burn::tensor::Device<B::InnerBackend>) {
+        self.part = match (new, &self.part) {
+            (NewPart::Master(master), _) => Held::Master(master),
+            (NewPart::Compute(values), Held::Device(_)) => Held::Device(Tensor::from_data(B::Wire::pin_for_upload(values, device), (device, self.dtype))),
+            (NewPart::Compute(values), _) => Held::Host(values),
+        };
+    }
 }
 
 impl<B: TrainBackend> ShardedParameters<B> {
@@ -691,9 +701,14 @@ impl<B: TrainBackend> ShardedParameters<B> {
                 parameter.release_for_update();
                 updates.waiting[*index] = true;
             }
-            return in_backward.groups.send(parts).map_err(|_| UlyssesError::InModel {
+            in_backward.groups.send(parts).map_err(|_| UlyssesError::InModel {
                 message: "the host optimizer's update thread ended before the step's backward did (its panic is printed above): resume from the last checkpoint".into(),
-            });
+            })?;
+            // The new parts made so far go in place now: those of parts kept on the device are
+            // compute copies on the host until then, which left to the step's end would add
+            // their bytes (2 a parameter in bf16) to the host's peak.
+            self.put_arrived_updates_in_place();
+            return Ok(());
         }
         for (index, part) in arrive_parts(arrived)? {
             match &mut sums[index] {
@@ -788,12 +803,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
                     self.parameters[wanted].path
                 ),
             })?;
-            let parameter = &mut self.parameters[index];
-            parameter.part = match (new, &parameter.part) {
-                (NewPart::Master(master), _) => Held::Master(master),
-                (NewPart::Compute(values), Held::Device(_)) => Held::Device(Tensor::from_data(B::Wire::pin_for_upload(values, &self.device), (&self.device, parameter.dtype))),
-                (NewPart::Compute(values), _) => Held::Host(values),
-            };
+            self.parameters[index].put_in_place(new, &self.device);
             updates.waiting[index] = false;
         }
         // An update in the backward may still be given parts: its channel stays.
@@ -801,6 +811,16 @@ impl<B: TrainBackend> ShardedParameters<B> {
             self.updates = None;
         }
         Ok(())
+    }
+
+    /// Puts in place the new parts the update has already sent, waiting for none.
+    fn put_arrived_updates_in_place(&mut self) {
+        let Some(updates) = &mut self.updates else { return };
+        // A thread that failed is named by the next wait for a part ([`await_updates`](Self::await_updates)).
+        while let Ok((index, new)) = updates.arriving.try_recv() {
+            self.parameters[index].put_in_place(new, &self.device);
+            updates.waiting[index] = false;
+        }
     }
 
     /// Updates each group's parameters in this step's backward, as soon as its gradient parts
@@ -866,10 +886,12 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// updated, so its optimizer loses its state, saying why, when it next settles.
     pub(crate) fn abandon_update_in_backward(&mut self, was: &str) {
         if let Some(in_backward) = self.in_backward.take() {
-            let _ = in_backward.abandoned.set(format!(
-                "step {}'s update in the backward began, and the step {was}: some of its groups were updated",
-                in_backward.step
-            ));
+            let updated = match in_backward.sent.contains(&true) {
+                true => "some of its groups were updated",
+                // Lost all the same: nothing tells its checks from a later step's.
+                false => "none of its groups had reached the update yet",
+            };
+            let _ = in_backward.abandoned.set(format!("step {}'s update in the backward began, and the step {was}: {updated}", in_backward.step));
         }
     }
 
