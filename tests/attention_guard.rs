@@ -440,6 +440,29 @@ fn sums_over_a_shards_tokens_are_refused_once_token_ids_are_embedded() {
     }
 }
 
+/// The guard's rules that go by the shard's length survive a length that changes between steps
+/// (dynamic padding): a step of 6 tokens a rank (forward and backward), then 3 latents attending
+/// by hand over a shard of 4, refused at SP = 2 (the second length beside the first looked like
+/// a model that embeds two sequences, and turned the rules off).
+#[test]
+fn a_shard_length_that_changes_between_steps_keeps_the_guard() {
+    let results = with_deadline(Duration::from_secs(60), || {
+        ThreadGroup::new(2)
+            .run(|rank| {
+                let _sp = Sp::enter(RankScope::Thread, rank.communicator(), UlyssesConfig::new());
+                let device = Default::default();
+                let ids = token_ids::<Sp>(&device);
+                let embedding = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<Sp>(&device), 13);
+                let _step = embedding.forward(ids.clone().narrow(1, rank.rank() * 6, 6)).sum().backward();
+                values(OverTheShard::Latents(3).forward(ids.narrow(1, rank.rank() * 4, 4)))
+            })
+            .into_iter()
+            .map(|result| result.map_err(|panic| panic.message))
+            .collect::<Vec<_>>()
+    });
+    assert_refused_on_every_rank(&results, "3 latents over a shard of 4 after a step over 6");
+}
+
 #[test]
 fn a_linear_layer_as_wide_as_the_local_sequence_is_not_refused() {
     // Per-head features [B, H, S/P, d] through a Linear of width S/P: a [.., S/P, S/P] result

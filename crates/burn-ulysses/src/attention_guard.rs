@@ -42,6 +42,11 @@
 //! cross-attention whose memory is as long as the shard is the one legitimate product it
 //! takes for attention.
 //!
+//! The lengths noted are forgotten at each backward (the next forward's ids may be of another
+//! length); a forward that embeds ids of two lengths since (a decoder's and a memory's, or
+//! evaluation batches of several lengths with no backward between) leaves the rules that go by
+//! the length off until the next backward.
+//!
 //! What shape cannot tell apart stays unguarded: a single 3-D or 2-D matrix (a linear layer's
 //! shapes), keys broadcast over the batch, rectangular products of a model that embeds no
 //! token ids through `module::embedding` (or embeds more than the shard), extra keys
@@ -127,6 +132,13 @@ thread_local! {
 fn embedded() -> (usize, bool) {
     let (last, before) = EMBEDDED_TOKENS.get();
     (last, before == 0 || before == last)
+}
+
+/// Forgets the lengths embedded so far: a backward ends a forward, and the next one's token ids
+/// may be of another length (dynamic padding) without two sequences in one forward, which the
+/// rules that go by the length would take it for, and stop.
+pub fn forget_embedded_lengths() {
+    EMBEDDED_TOKENS.set((0, 0));
 }
 
 /// `UlyssesBackend`'s embedding: the inner backend's, noting the length of the token ids for

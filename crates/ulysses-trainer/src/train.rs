@@ -778,14 +778,19 @@ where
                 }
                 (_, None) => {}
             }
-            let hf = match parts.as_mut() {
+            let (hf, hf_failed) = match parts.as_mut() {
                 // Under ZeRO-3 every rank gathers a shard at a time for rank 0 (a collective).
                 Some(parts) => {
                     save_hf_gathered_at(&model, parts, &options, groups, done)?;
-                    None
+                    (None, None)
                 }
-                None if is_first => take_hf(&model, &options)?,
-                None => None,
+                // A snapshot that fails is said after the checkpoint taken beside it is on its
+                // way (the run's error waits for its write): it is not lost with it.
+                None if is_first => match take_hf(&model, &options) {
+                    Ok(hf) => (hf, None),
+                    Err(error) => (None, Some(error)),
+                },
+                None => (None, None),
             };
             if checkpoint.is_some() || hf.is_some() {
                 let (delay, fails) = (options.faults.slow_checkpoint_write, options.faults.failed_checkpoint_write);
@@ -805,6 +810,9 @@ where
                     saved?;
                     written
                 })?;
+            }
+            if let Some(error) = hf_failed {
+                return Err(error);
             }
         }
         // After the checkpoint: an evaluation that fails (out of memory on a held-out batch
@@ -900,7 +908,8 @@ impl Drop for CheckpointWrite {
         // On a way out that already has its error: this one is logged.
         if let Some((step, write)) = self.0.take() {
             match write.join() {
-                Ok(Ok(_)) => {}
+                Ok(Ok(Some(path))) => tracing::info!(step = step + 1, file = %path.display(), "checkpoint written"),
+                Ok(Ok(None)) => {}
                 Ok(Err(error)) => tracing::error!("{}", error.at_step(step)),
                 Err(_) => tracing::error!(step, "the thread writing the checkpoint panicked"),
             }

@@ -141,6 +141,7 @@ where
     type Gradients = Inner::Gradients;
 
     fn backward(tensor: FloatTensor<Self>) -> Self::Gradients {
+        crate::attention_guard::forget_embedded_lengths();
         Inner::backward(tensor)
     }
 
