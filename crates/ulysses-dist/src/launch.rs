@@ -2,10 +2,12 @@
 //! their output prefixed by rank, and the whole job failed as soon as one rank fails.
 
 use std::{
+    collections::BTreeSet,
     io::{BufRead, BufReader, Read, Write},
     os::unix::process::CommandExt,
+    path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
-    sync::atomic::{AtomicBool, Ordering},
+    sync::atomic::{AtomicBool, AtomicUsize, Ordering},
     thread::JoinHandle,
     time::{Duration, Instant},
 };
@@ -82,6 +84,81 @@ impl LaunchPlan {
     }
 }
 
+/// The folder, set by `ulysses-launch` for its ranks, where a rank notes work that must not be
+/// cut short ([`Busy`]): after a rank fails, the launcher waits for such work before it stops
+/// the others, where its grace alone would kill a checkpoint half written.
+pub const ENV_BUSY_DIR: &str = "ULYSSES_LAUNCH_BUSY_DIR";
+
+/// A rank's note, while it lives, that it is busy with work that must not be cut short (rank
+/// 0 writing a checkpoint): under `ulysses-launch` a file in [`ENV_BUSY_DIR`] named by the
+/// process and saying what; elsewhere (torchrun, Slurm, threads) nothing.
+#[derive(Debug)]
+pub struct Busy(Option<PathBuf>);
+
+impl Busy {
+    pub fn note(what: &str) -> Self {
+        static NOTES: AtomicUsize = AtomicUsize::new(0);
+        let Some(dir) = std::env::var_os(ENV_BUSY_DIR) else { return Self(None) };
+        let path = Path::new(&dir).join(format!("{}-{}", std::process::id(), NOTES.fetch_add(1, Ordering::Relaxed)));
+        Self(std::fs::write(&path, what).is_ok().then_some(path))
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        if let Some(path) = &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// What the live processes' notes in `dir` say they are busy with ([`Busy`]); a note of a
+/// process that is gone (killed mid-write) is none.
+fn busy_with(dir: &Path) -> BTreeSet<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return BTreeSet::new() };
+    entries
+        .flatten()
+        .filter(|entry| {
+            let pid = entry.file_name().to_string_lossy().split('-').next().and_then(|pid| pid.parse::<libc::pid_t>().ok());
+            // SAFETY: kill(2) with signal 0 sends nothing; it asks whether the process exists.
+            pid.is_some_and(|pid| unsafe { libc::kill(pid, 0) } == 0)
+        })
+        .filter_map(|entry| std::fs::read_to_string(entry.path()).ok())
+        .collect()
+}
+
+/// After a rank failed: waits while a rank still running is busy with work that must not be
+/// cut short ([`Busy`]), saying so, until that work ends, every rank has exited, or the
+/// launcher is interrupted.
+fn wait_while_busy(ranks: &mut [Rank], dir: &Path) {
+    let mut said = BTreeSet::new();
+    loop {
+        for rank in ranks.iter_mut().filter(|r| r.status.is_none()) {
+            if let Ok(Some(status)) = rank.child.try_wait() {
+                rank.status = Some(status);
+            }
+        }
+        let busy = busy_with(dir);
+        if busy.is_empty() || ranks.iter().all(|r| r.status.is_some()) || INTERRUPTED.load(Ordering::Relaxed) {
+            return;
+        }
+        for what in busy.difference(&said) {
+            eprintln!("ulysses-launch: waiting for {what} before stopping the ranks");
+        }
+        said = busy;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The launch's [`ENV_BUSY_DIR`], removed with what is left in it when dropped.
+struct BusyDir(PathBuf);
+
+impl Drop for BusyDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 struct Rank {
     rank: usize,
     child: Child,
@@ -113,6 +190,8 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
     forward_interrupts();
     // SAFETY: getpid(2) cannot fail.
     let launcher = unsafe { libc::getpid() };
+    let busy = BusyDir(std::env::temp_dir().join(format!("ulysses-launch-{launcher}-busy")));
+    std::fs::create_dir_all(&busy.0).map_err(|e| DistError::Launch(format!("cannot create {}: {e}", busy.0.display())))?;
     let mut ranks = Vec::new();
     let mut forwarders = Vec::new();
     for local_rank in 0..plan.nproc_per_node {
@@ -125,7 +204,7 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
         let rank = plan.node_rank * plan.nproc_per_node + local_rank;
         // Each rank leads a process group, so stopping it reaches the processes it started.
         let mut command = Command::new(&plan.program);
-        command.args(&plan.args).envs(env).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+        command.args(&plan.args).envs(env).env(ENV_BUSY_DIR, &busy.0).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
         // A launcher killed outright (SIGKILL, the OOM killer) handles nothing: the kernel
         // then sends each rank SIGTERM, so none is left holding its GPU and the port.
         // SAFETY: prctl(2) and getppid(2) are async-signal-safe.
@@ -194,6 +273,7 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
             plan.kill_grace
         );
         wait_for_exits(&mut ranks, plan.kill_grace);
+        wait_while_busy(&mut ranks, &busy.0);
         stop(&mut ranks, plan.kill_grace);
         join_for(forwarders, plan.kill_grace);
         let statuses: Vec<String> =

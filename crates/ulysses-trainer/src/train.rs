@@ -885,7 +885,12 @@ impl CheckpointWrite {
     /// the training checkpoint's file where it wrote one.
     fn begin(&mut self, step: usize, write: impl FnOnce() -> Result<Option<PathBuf>, UlyssesError> + Send + 'static) -> Result<(), UlyssesError> {
         debug_assert!(self.0.is_none(), "finish the write before the next");
-        let thread = std::thread::Builder::new().name("checkpoint-write".into()).spawn(write);
+        // Under ulysses-launch a rank that fails meanwhile does not get this write killed.
+        let busy = ulysses_dist::launch::Busy::note(&format!("rank 0's write of the checkpoint after step {}", step + 1));
+        let thread = std::thread::Builder::new().name("checkpoint-write".into()).spawn(move || {
+            let _busy = busy;
+            write()
+        });
         self.0 = Some((step, thread.map_err(|e| UlyssesError::InvalidConfig(format!("cannot start the thread that writes the checkpoint: {e}")))?));
         Ok(())
     }

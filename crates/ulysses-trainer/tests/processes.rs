@@ -756,6 +756,28 @@ fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A rank that dies while rank 0 still writes a checkpoint (a slow disk: 5 s): `ulysses-launch`
+/// waits for the write, saying so, before it stops the ranks, where its grace (1 s, then 1 s
+/// after SIGTERM) would have killed rank 0 mid-write and lost the checkpoint.
+#[test]
+fn a_checkpoint_being_written_when_a_rank_dies_is_kept() {
+    let dir = workspace("write-then-die");
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let output = Command::new(launcher())
+        .args(["--nproc-per-node", "2", "--master-port", &port, "--kill-grace-secs", "1", "--"])
+        .arg(trainer())
+        .args(common_args(&dir, "run", 8))
+        .args(["--sp", "2", "--checkpoint-every", "2", "--eval-every", "0", "--fault-slow-checkpoint-write", "5", "--fault-kill", "3:1"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let text = show(&output);
+    assert!(!output.status.success() && text.contains("waiting for rank 0's write of the checkpoint after step 2"), "{text}");
+    let kept = read_checkpoint_state::<RunState>(&dir.join("run")).unwrap_or_else(|e| panic!("no checkpoint: {e}\n{text}"));
+    assert_eq!(kept.completed_steps, 2, "{text}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// `--save-hf` of a replicated run is written by rank 0 on the checkpoint's thread too: a write
 /// slower than the collective timeout stops no rank, and the folder holds the last step's model
 /// (the run's own, rounded to bf16).
