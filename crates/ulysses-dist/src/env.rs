@@ -272,6 +272,15 @@ fn is_srun_task(lookup: &impl Fn(&str) -> Option<String>) -> bool {
     lookup("SLURM_PROCID").is_some() && step.is_some_and(|id| id.trim().parse::<u32>().is_ok_and(|id| id < 0xffff_fff0))
 }
 
+/// How many processes a launcher started as this job's ranks, where one did: torchrun's and
+/// ulysses-launch's `WORLD_SIZE`, or the tasks of the `srun` step this process is one of; `None`
+/// where no launcher says.
+pub fn launched_processes() -> Option<usize> {
+    let lookup = |name: &str| std::env::var(name).ok();
+    let count = |name: &str| lookup(name).and_then(|value| value.trim().parse::<usize>().ok());
+    count("WORLD_SIZE").or_else(|| if is_srun_task(&lookup) { count("SLURM_STEP_NUM_TASKS").or_else(|| count("SLURM_NTASKS")) } else { None })
+}
+
 /// The task count of node `node` (0-based) in a Slurm tasks-per-node list: `4(x2),2` is 4,
 /// 4, 2.
 fn tasks_on_node(list: &str, node: usize) -> Option<usize> {

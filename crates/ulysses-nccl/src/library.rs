@@ -9,7 +9,12 @@ pub struct NcclVersion(pub i32);
 
 impl std::fmt::Display for NcclVersion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}.{}.{}", self.0 / 10000, self.0 / 100 % 100, self.0 % 100)
+        // NCCL's version code: major·10000 + minor·100 + patch since 2.9, major·1000 + minor·100
+        // + patch before.
+        match self.0 {
+            code if code < 10000 => write!(f, "{}.{}.{}", code / 1000, code / 100 % 10, code % 100),
+            code => write!(f, "{}.{}.{}", code / 10000, code / 100 % 100, code % 100),
+        }
     }
 }
 
@@ -52,4 +57,17 @@ pub fn check_cuda_device(ordinal: usize) -> Result<(), NcclError> {
         return Err(NcclError::NoSuchGpu { ordinal, count });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::NcclVersion;
+
+    #[test]
+    fn versions_read_in_both_of_nccls_encodings() {
+        // NCCL_VERSION_CODE: major·1000 + minor·100 + patch until 2.8, major·10000 + ... since 2.9.
+        for (code, shown) in [(2804, "2.8.4"), (2708, "2.7.8"), (20903, "2.9.3"), (22809, "2.28.9"), (21812, "2.18.12")] {
+            assert_eq!(NcclVersion(code).to_string(), shown, "{code}");
+        }
+    }
 }

@@ -738,8 +738,8 @@ fn run(mut args: Args) -> Result<(), String> {
     let launch = match args.launch {
         LaunchMode::Threads => {
             // Each process a launcher started would run the whole job (and contend for --out).
-            if std::env::var("WORLD_SIZE").ok().and_then(|w| w.trim().parse::<usize>().ok()).is_some_and(|w| w > 1) {
-                tracing::warn!("--launch threads under a launcher (WORLD_SIZE is set): every process runs the whole job with its ranks as threads; leave --launch out to run one rank a process");
+            if let Some(processes) = ulysses_dist::env::launched_processes().filter(|&processes| processes > 1) {
+                tracing::warn!("--launch threads under a launcher that started {processes} processes (WORLD_SIZE, or an srun step's tasks): every process runs the whole job with its ranks as threads; leave --launch out to run one rank a process");
             }
             Launch::Threads
         }
@@ -1009,6 +1009,9 @@ fn run(mut args: Args) -> Result<(), String> {
     config.min_lr_ratio = args.min_lr_ratio;
     // --eval-only evaluates whole batches round the DP replicas, one micro-batch each: its
     // batch need not divide over them.
+    if args.eval_only && !(1..=1 << 20).contains(&config.batch_size) {
+        return Err(format!("batch_size (--batch-size) must be from 1 to {} with --eval-only (sequences a held-out batch), got {}", 1 << 20, config.batch_size));
+    }
     match args.eval_only {
         true => config.clone().with_grad_accumulation(1).with_batch_size(layout.dp_size).validate()?,
         false => config.validate()?,

@@ -718,7 +718,8 @@ where
     let eval_documents = if config.pack { data.eval_documents() } else { None };
     let eval_targets = data.eval_targets();
     let mut last_step = options.stop_after.map_or(config.steps, |stop| stop.min(config.steps));
-    let mut reports = Vec::with_capacity(last_step.saturating_sub(first_step));
+    // Not sized ahead: --steps may be far more than a run takes before it stops.
+    let mut reports = Vec::new();
 
     // Rank 0's write of the last replicated checkpoint, waited for (by its drop on any way out).
     let mut replicated_write = CheckpointWrite::default();

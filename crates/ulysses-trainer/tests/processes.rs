@@ -683,7 +683,7 @@ fn a_model_the_host_cannot_hold_is_refused_before_it_is_built() {
 #[test]
 fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     let dir = workspace("settings");
-    let cases: [(&str, &str, &str); 19] = [
+    let cases: [(&str, &str, &str); 20] = [
         ("--learning-rate", "-1", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "nan", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "inf", "learning_rate (--learning-rate) must be a finite number above 0"),
@@ -706,6 +706,8 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
         ("--batch-size", "100000000", "batch_size (--batch-size) 100000000 is past any model or run"),
         // Past 2^20 the corpus's windows of one step repeat the next's.
         ("--batch-size", "2097152", "batch_size (--batch-size) 2097152 is past any model or run this trainer takes (at most 1048576)"),
+        // With --eval-only, whose batch the step's rules do not check (it divided by zero).
+        ("--batch-size", "0", "batch_size (--batch-size) must be from 1 to 1048576 with --eval-only"),
     ];
     for (flag, value, expected) in cases {
         // The shared arguments with this flag's value replaced (or added).
@@ -715,6 +717,9 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
             // With a held-out file, which it would never evaluate.
             let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data-of-nothing.jsonl");
             args = qwen3_args(&dir.join("data.jsonl"), &format!("--eval-data {} --eval-every 0 --out {}", data.display(), dir.join("run").display()));
+        }
+        if (flag, value) == ("--batch-size", "0") {
+            args = qwen3_args(&dir.join("data.jsonl"), &format!("--eval-only --batch-size 0 --out {}", dir.join("run").display()));
         }
         // Refused by --check alike, which trains nothing.
         for check in [&[][..], &["--check"]] {

@@ -23,7 +23,7 @@ pub use host::HostStaged;
 // in-process group, shared with the burn 0.22 crate.
 pub use ulysses_core::comm::{
     Collective, CommError, HostCommunicator, HostDType, HostTensor, RankPanic, ReduceOp, ThreadCommunicator, ThreadGroup, ThreadGroupConfig, ThreadRank, Traffic,
-    TrafficCounter, check_counts_pair_up, check_gathered_lengths, check_reduce_scatter, check_send_recv, check_sender_pairs, check_uneven_counts, mismatched,
+    TrafficCounter, check_broadcast_root, check_counts_pair_up, check_gathered_lengths, check_reduce_scatter, check_send_recv, check_sender_pairs, check_uneven_counts, mismatched,
 };
 
 /// Collective operations of one rank within a group, over the float tensors of `B`.

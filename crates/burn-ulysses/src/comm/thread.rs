@@ -192,13 +192,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
 
     fn broadcast(&self, tensor: FloatTensor<B>, root: usize) -> Result<FloatTensor<B>, CommError> {
         let op = Collective::Broadcast;
-        let size = self.size();
-        if root >= size {
-            return Err(CommError::InvalidArgument {
-                op,
-                reason: format!("root {root} is out of range for a group of {size} ranks"),
-            });
-        }
+        super::check_broadcast_root(root, self.size())?;
         if ThreadCommunicator::rank(self) == root {
             self.traffic_counter().record_broadcast(byte_size::<B>(&tensor));
         }

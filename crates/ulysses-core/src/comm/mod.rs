@@ -125,6 +125,14 @@ pub enum CommError {
     Backend(String),
 }
 
+/// A broadcast's root, which no peer is needed to refuse: a rank of the group.
+pub fn check_broadcast_root(root: usize, size: usize) -> Result<(), CommError> {
+    if root >= size {
+        return Err(CommError::InvalidArgument { op: Collective::Broadcast, reason: format!("root {root} is out of range for a group of {size} ranks") });
+    }
+    Ok(())
+}
+
 /// The arguments of a send/recv that no peer is needed to refuse.
 pub fn check_send_recv(rank: usize, size: usize, to: usize, from: usize) -> Result<(), CommError> {
     let invalid = |reason: String| Err(CommError::InvalidArgument { op: Collective::SendRecv, reason });

@@ -464,10 +464,7 @@ impl super::HostCommunicator for ThreadCommunicator {
 
     fn broadcast(&self, tensor: HostTensor, root: usize) -> Result<HostTensor, CommError> {
         let op = Collective::Broadcast;
-        let size = self.members.len();
-        if root >= size {
-            return Err(CommError::InvalidArgument { op, reason: format!("root {root} is out of range for a group of {size} ranks") });
-        }
+        super::check_broadcast_root(root, self.members.len())?;
         if self.rank == root {
             self.traffic.record_broadcast(tensor.bytes.len() as u64);
         }

@@ -265,10 +265,7 @@ impl HostCommunicator for TcpCommunicator {
 
     fn broadcast(&self, tensor: HostTensor, root: usize) -> Result<HostTensor, CommError> {
         let op = Collective::Broadcast;
-        let size = self.size_();
-        if root >= size {
-            return Err(CommError::InvalidArgument { op, reason: format!("root {root} is out of range for a group of {size} ranks") });
-        }
+        ulysses_core::comm::check_broadcast_root(root, self.size_())?;
         let seq = self.begin();
         if self.rank == root {
             self.traffic.record_broadcast(tensor.bytes.len() as u64);
