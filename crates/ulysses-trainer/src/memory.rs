@@ -117,8 +117,7 @@ pub fn compute_bytes(config: &TrainConfig) -> u64 {
 /// Sequences in each micro-batch a rank runs, and tokens in its shard of each.
 fn micro_batch(config: &TrainConfig) -> (u64, u64) {
     let layout = &config.layout;
-    let rows = (config.batch_size / layout.dp_size / config.grad_accumulation).max(1);
-    (rows as u64, config.seq_len.div_ceil(layout.sp_size) as u64)
+    (config.micro_batch_rows() as u64, config.seq_len.div_ceil(layout.sp_size) as u64)
 }
 
 /// Bytes of layer inputs and gradients `--offload-to-host` keeps in one rank's host memory

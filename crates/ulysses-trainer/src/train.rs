@@ -132,6 +132,12 @@ pub struct TrainConfig {
 }
 
 impl TrainConfig {
+    /// Sequences in each micro-batch a DP replica runs: `--batch-size` over the replicas and
+    /// the micro-batches (at least one).
+    pub fn micro_batch_rows(&self) -> usize {
+        (self.batch_size / self.layout.dp_size / self.grad_accumulation).max(1)
+    }
+
     /// Whether each rank holds a part of the optimizer's state (its checkpoints hold one file
     /// of it per rank): on the host, or on the device under ZeRO-3.
     pub fn shards_optimizer(&self) -> bool {
@@ -817,18 +823,19 @@ where
             }
         }
         // After the checkpoint: an evaluation that fails (out of memory on a held-out batch
-        // that is larger than a step's part) loses no step.
+        // that is larger than a step's part) loses no step. Held-out batches of a step's
+        // micro-batch: what the step ran (and `--check` counted) fits them.
         let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
         if let (true, Some(sequences)) = (eval_due, &eval_batch) {
             let (documents, targets) = (eval_documents.as_deref(), eval_targets.as_deref());
             // Under ZeRO-3 every rank joins each batch's gathers (lockstep).
             let loss = match parts.as_mut() {
-                Some(parts) => evaluate_batches(config, sequences, documents, targets, groups, true, |batch, documents, targets| {
+                Some(parts) => evaluate_batches(config, config.micro_batch_rows(), sequences, documents, targets, groups, true, |batch, documents, targets| {
                     evaluate_in_parts::<B>(config, &model, parts, batch, documents, targets, groups, device)
                 }),
                 None => {
                     let valid = model.valid();
-                    evaluate_batches(config, sequences, documents, targets, groups, false, |batch, documents, targets| {
+                    evaluate_batches(config, config.micro_batch_rows(), sequences, documents, targets, groups, false, |batch, documents, targets| {
                         evaluate_model::<B>(config, &valid, batch, documents, targets, groups, device)
                     })
                 }
@@ -1438,19 +1445,21 @@ pub fn evaluate_sequences<B: TrainBackend>(
     let evaluate_batch = |batch: &[Vec<i64>], documents: Option<&[Vec<usize>]>, targets: Option<&[Vec<bool>]>| {
         evaluate_model::<B>(&config, &model, batch, documents, targets, groups, device)
     };
-    Ok(evaluate_batches(&config, sequences, documents, targets, groups, false, evaluate_batch)?.expect("summed over the world"))
+    Ok(evaluate_batches(&config, config.batch_size, sequences, documents, targets, groups, false, evaluate_batch)?.expect("summed over the world"))
 }
 
 /// The loss over `sequences` (each packing the documents of lengths `documents[i]`, if given;
-/// over its `targets[i]`, if given), `batch_size` at a time, each batch through
+/// over its `targets[i]`, if given), `rows` at a time (the sums do not depend on it), each batch through
 /// `evaluate_batch` over the rank's SP group: DP replica `r` evaluates batches `r`, `r + dp`,
 /// ..., and the world adds the groups' sums up, so every rank returns the same. Under ZeRO-3
 /// (`lockstep`) every rank joins each batch's parameter gathers: a replica left without a
 /// batch in the last round evaluates the first again and drops it. With `eval_single_device`,
 /// every rank goes through every batch (world rank 0 evaluates them, the others join its
 /// gathers) and rank 0 alone returns the sum.
+#[allow(clippy::too_many_arguments)]
 fn evaluate_batches<W: burn::tensor::backend::Backend>(
     config: &TrainConfig,
+    rows: usize,
     sequences: &[Vec<i64>],
     documents: Option<&[Vec<usize>]>,
     targets: Option<&[Vec<bool>]>,
@@ -1458,7 +1467,7 @@ fn evaluate_batches<W: burn::tensor::backend::Backend>(
     lockstep: bool,
     mut evaluate_batch: impl FnMut(&[Vec<i64>], Option<&[Vec<usize>]>, Option<&[Vec<bool>]>) -> Result<Option<TokenLoss>, UlyssesError>,
 ) -> Result<Option<TokenLoss>, UlyssesError> {
-    let size = config.batch_size;
+    let size = rows;
     let batches = sequences.len().div_ceil(size);
     let mut evaluate_at = |index: usize| {
         let range = index * size..((index + 1) * size).min(sequences.len());
