@@ -269,6 +269,22 @@ fn a_ring_refuses_a_mask() {
     assert_all_contain(&messages, &["Ulysses × Ring does not take masks"]);
 }
 
+/// The peers of a ring (here a pure ring: Ulysses groups of one) hold other blocks of the same
+/// sequences and must attend under the same layout: one causal, the other not, is refused on
+/// both (it ran, each attending under its own options, and NCCL cannot check a send's shape).
+#[test]
+fn ring_peers_that_disagree_on_the_layout() {
+    use burn_ulysses::{ParallelGroups, ParallelLayout};
+    let messages = errors_on_every_rank(2, |rank| {
+        let layout = ParallelLayout::new().with_sp_size(2).with_ring_size(2);
+        let groups = ParallelGroups::<NdArray<f32>>::new(rank.communicator(), layout).unwrap();
+        let _ring = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        attention(q, k, v, None, None, AttentionModuleOptions { is_causal: rank.rank() == 0, ..OPTIONS });
+    });
+    assert_all_contain(&messages, &["the is_causal flag differs across ranks", "rank 0 has 1, rank 1 has 0"]);
+}
+
 /// A sliding window without causal attention would let each token see every key after it (the
 /// window bounds the keys before it alone): refused on every rank, naming the fix.
 #[test]

@@ -214,6 +214,13 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         if context.config.verify_layout {
             let per_rank = all_gather_host_checked(&**communicator, &layout.encode(), "attention layout fields")?;
             AttentionLayout::check_agreement(&per_rank)?;
+            // A ring's peers hold other blocks of the same sequences: the same layout, or their
+            // blocks would not fit each other (NCCL cannot check a send's shape) or attend
+            // under other options.
+            if let Some(ring) = &ring {
+                let per_rank = all_gather_host_checked(&**ring, &layout.encode(), "attention layout fields over the ring")?;
+                AttentionLayout::check_agreement(&per_rank)?;
+            }
         }
         layout.refuse_unshardable(mask.as_ref().map(dims).as_deref(), attn_bias.as_ref().map(dims).as_deref())?;
         if ring.is_some() && (layout.mask != MaskKind::None || positions.is_some() || window.is_some()) {
