@@ -560,6 +560,12 @@ fn bad_inputs_are_refused_with_a_reason() {
     assert!(err.to_string().contains("kv_seq"), "{err}");
     let err = forward(tensor([1, 2, 4, 8], DType::F32), tensor([1, 2, 4, 8], DType::F16), tensor([1, 2, 4, 8], DType::F32));
     assert!(matches!(err, FlashError::DType { name: "k", .. }), "{err}");
+    // A scale that is no finite f32 (NaN masked every score: the output was zeros).
+    for scale in [f64::NAN, f64::INFINITY, 1e39] {
+        let t = || tensor([1, 2, 4, 8], DType::F32);
+        let err = flash_attention_forward(t(), t(), t(), FlashOptions { scale: Some(scale), causal: true }, None).map(|_| ()).unwrap_err();
+        assert!(err.to_string().contains("is not a finite f32 number"), "{scale}: {err}");
+    }
     if !supports(&device, DType::BF16) {
         let bf16 = || tensor([1, 2, 4, 8], DType::F32);
         // Uploaded as f32 and cast on the host side of the check: the device has no bf16.

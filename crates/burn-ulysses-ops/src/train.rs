@@ -24,7 +24,7 @@
 use burn::{
     module::{Module, ModuleVisitor, Param},
     optim::GradientsParams,
-    tensor::{Device, Int, Tensor, activation::log_softmax},
+    tensor::{Device, FloatDType, Int, Tensor, activation::log_softmax},
 };
 use ulysses_core::{
     comm::{Collective, CommError, HostCommunicator, HostDType, HostTensor, ReduceOp, check_gathered_lengths},
@@ -40,7 +40,8 @@ pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64)
     let ignored = labels.clone().equal_elem(ignore_index);
     // Ignored positions read class 0, then count for nothing.
     let classes = labels.mask_fill(ignored.clone(), 0).reshape([batch, seq, 1]);
-    let log_likelihood = log_softmax(logits, 2).gather(2, classes).reshape([batch, seq]);
+    // In f32 whatever the logits' dtype, as burn-ulysses' head computes its softmax and loss.
+    let log_likelihood = log_softmax(logits.cast(FloatDType::F32), 2).gather(2, classes).reshape([batch, seq]);
     log_likelihood.mask_fill(ignored, 0.0).sum().neg()
 }
 

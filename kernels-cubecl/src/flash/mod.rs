@@ -131,6 +131,11 @@ impl Problem {
             return Err(FlashError::DType { name: "q", dtype: query.dtype, query: query.dtype });
         }
         let scale = options.scale.unwrap_or(1.0 / (q[3] as f64).sqrt()) as f32;
+        // A NaN scale masked every score (the planned engine's output zeros), an infinite one
+        // made NaN: neither is an attention.
+        if !scale.is_finite() {
+            return Err(FlashError::Shape(format!("the attention scale {:?} is not a finite f32 number", options.scale)));
+        }
         let problem = Self { batch: q[0], q_heads: q[1], kv_heads: k[1], seq_q: q[2], seq_kv: k[2], head_dim: q[3], value_dim: v[3], scale };
         problem.check_indexing(client.properties().supports_address(AddressType::U64), R::name(client))?;
         Ok(problem)
