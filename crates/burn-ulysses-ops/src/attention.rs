@@ -74,8 +74,8 @@ fn sequence_parallel(
     }
     let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, group.size())?;
     let size = group.size();
-    let q_heads = HeadExchange { heads: layout.q_heads, per_rank: (0..size).map(|rank| plan.q_heads_of(rank).collect()).collect() };
-    let kv_heads = HeadExchange { heads: layout.kv_heads, per_rank: (0..size).map(|rank| plan.kv_heads_of(rank)).collect() };
+    let q_heads = HeadExchange::new(group, layout.q_heads, (0..size).map(|rank| plan.q_heads_of(rank).collect()).collect());
+    let kv_heads = HeadExchange::new(group, layout.kv_heads, (0..size).map(|rank| plan.kv_heads_of(rank)).collect());
     let to_heads = |tensor: Tensor<4>, heads: &HeadExchange| exchange(tensor, heads.clone(), Direction::ToHeads);
     // Any mask left is a key-padding one (refused otherwise); of batch 1, every row's: gathered
     // as the batch's.

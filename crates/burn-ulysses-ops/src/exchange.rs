@@ -27,7 +27,7 @@ use burn::backend::{
 use burn::backend::TensorMetadata;
 use burn::backend::Dispatch;
 use burn::tensor::{Shape, Slice, Tensor};
-use ulysses_core::comm::{Collective, CommError, HostTensor};
+use ulysses_core::comm::{Collective, CommError, HostCommunicator, HostTensor};
 
 use crate::{context, host};
 
@@ -49,15 +49,29 @@ impl Direction {
     }
 }
 
-/// Which heads each rank attends, out of `heads`.
+/// Which heads each rank attends, out of `heads`, over which group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeadExchange {
     pub heads: usize,
     /// By rank: the heads it attends after the exchange, in its order.
     pub per_rank: Vec<Vec<usize>>,
+    /// The group it exchanges over (its address): the backward finds the group in the thread's
+    /// context when it runs, and one run while another group of the same size is entered is
+    /// refused, not exchanged with other peers.
+    group: usize,
+}
+
+/// A group's identity while it lives: its address.
+fn group_address(group: &dyn HostCommunicator) -> usize {
+    group as *const dyn HostCommunicator as *const () as usize
 }
 
 impl HeadExchange {
+    /// An exchange of `heads` heads over `group`, rank `r` attending `per_rank[r]`.
+    pub fn new(group: &dyn HostCommunicator, heads: usize, per_rank: Vec<Vec<usize>>) -> Self {
+        Self { heads, per_rank, group: group_address(group) }
+    }
+
     /// `heads` as runs of consecutive heads: (position in `heads`, the run's heads).
     fn runs(heads: &[usize]) -> Vec<(usize, Range<usize>)> {
         let mut runs: Vec<(usize, Range<usize>)> = Vec::new();
@@ -134,6 +148,11 @@ impl<B: ExchangeOps, C: CheckpointStrategy> ExchangeOps for Autodiff<B, C> {
 /// The exchange on any backend's tensors, through this rank's group.
 fn exchange_on<B: Backend>(tensor: FloatTensor<B>, exchange: &HeadExchange, direction: Direction) -> FloatTensor<B> {
     let group = context::required("the Ulysses exchange");
+    assert_eq!(
+        group_address(&*group),
+        exchange.group,
+        "the Ulysses exchange runs in another group than its attention call's: run the backward in the group (context::enter) its forward ran in"
+    );
     let (rank, size) = (group.rank(), group.size());
     assert_eq!(exchange.per_rank.len(), size, "a head exchange names the heads of each rank of the group ({size}), got {}", exchange.per_rank.len());
     let shape = tensor.shape();

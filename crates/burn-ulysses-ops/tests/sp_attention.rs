@@ -256,9 +256,9 @@ fn key_padding_masks_are_gathered_along_the_keys() {
 fn the_exchange_backward_is_the_inverse_exchange() {
     // 3 kv heads over 2 ranks: ulysses-core replicates them (rank 0 gets [0, 0, 1], rank 1
     // [1, 2, 2]), so the inverse also sums the copies.
-    let heads = HeadExchange { heads: 3, per_rank: vec![vec![0, 0, 1], vec![1, 2, 2]] };
     let results = ThreadGroup::new(2).run(|rank| {
         let _sp = context::enter(rank.communicator());
+        let heads = HeadExchange::new(&*context::current().unwrap(), 3, vec![vec![0, 0, 1], vec![1, 2, 2]]);
         let device = plain_device().autodiff();
         let x = Tensor::<4>::from_data(TensorData::new(uniform(2 * 3 * 4 * 5, 10 + rank.rank() as u64), [2, 3, 4, 5]), &device).require_grad();
         let heads_out = exchange(x.clone(), heads.clone(), Direction::ToHeads);
@@ -407,5 +407,30 @@ fn blocked_attention_in_half_precision_keeps_its_softmax_statistics_in_f32() {
         let worst = dv.iter().map(|g| if g.is_finite() { ((g - want) / want).abs() } else { f32::INFINITY }).fold(0.0f32, f32::max);
         println!("{dtype:?} over {keys} keys: output {}, dv relative to 1/{keys} at most {worst:.2e}", output[0]);
         assert!(worst < tolerance, "{dtype:?} over {keys} keys: dv {} where 1/{keys} is {want} (relative {worst:e})", dv[0]);
+    }
+}
+
+/// The exchange's backward runs in the group of its forward: one run while another group of the
+/// same size is entered (here the same two ranks in the other order, whose exchange would swap
+/// their parts without a word) is refused on every rank.
+#[test]
+fn the_exchange_backward_in_another_group_is_refused() {
+    use std::sync::Arc;
+    use burn_ulysses_ops::comm::HostCommunicator;
+    let results = ThreadGroup::new(2).run(|rank| {
+        let group: Arc<dyn HostCommunicator> = rank.communicator();
+        let reversed = group.split(0, 1 - rank.rank() as u32).unwrap();
+        let device = plain_device().autodiff();
+        let x = Tensor::<4>::from_data(TensorData::new(uniform(2 * 2 * 4 * 5, 30 + rank.rank() as u64), [2, 2, 4, 5]), &device).require_grad();
+        let heads_out = {
+            let _sp = context::enter(group.clone());
+            exchange(x.clone(), HeadExchange::new(&*group, 2, vec![vec![0], vec![1]]), Direction::ToHeads)
+        };
+        let _other = context::enter(reversed);
+        drop(heads_out.sum().backward());
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let message = result.expect_err("the backward in another group must be refused").message;
+        assert!(message.contains("runs in another group than its attention call's"), "rank {rank}: {message}");
     }
 }
