@@ -40,7 +40,7 @@ use ulysses_trainer::{
     plot,
     run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
     tokens::TokenFile,
-    train::{CorpusData, Faults, LrSchedule, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
+    train::{CorpusData, Faults, LrSchedule, MAX_BATCH_SIZE, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
 };
 
 /// What becomes of a document longer than --seq-len (`--too-long`).
@@ -1009,8 +1009,8 @@ fn run(mut args: Args) -> Result<(), String> {
     config.min_lr_ratio = args.min_lr_ratio;
     // --eval-only evaluates whole batches round the DP replicas, one micro-batch each: its
     // batch need not divide over them.
-    if args.eval_only && !(1..=1 << 20).contains(&config.batch_size) {
-        return Err(format!("batch_size (--batch-size) must be from 1 to {} with --eval-only (sequences a held-out batch), got {}", 1 << 20, config.batch_size));
+    if args.eval_only && !(1..=MAX_BATCH_SIZE).contains(&config.batch_size) {
+        return Err(format!("batch_size (--batch-size) must be from 1 to {} with --eval-only (sequences a held-out batch), got {}", MAX_BATCH_SIZE, config.batch_size));
     }
     match args.eval_only {
         true => config.clone().with_grad_accumulation(1).with_batch_size(layout.dp_size).validate()?,

@@ -131,6 +131,11 @@ pub struct TrainConfig {
     pub optimizer_in_backward: bool,
 }
 
+/// The most sequences a batch takes (`--batch-size`, a training step's or `--eval-only`'s): the
+/// corpus draws a step's window i by hashing `step << 20 ^ i`, so more would repeat the next
+/// step's windows.
+pub const MAX_BATCH_SIZE: usize = 1 << 20;
+
 impl TrainConfig {
     /// Sequences in each micro-batch a DP replica runs: `--batch-size` over the replicas and
     /// the micro-batches (at least one).
@@ -162,9 +167,7 @@ impl TrainConfig {
             ("sp_size (--sp)", self.layout.sp_size, usize::MAX),
             ("dp_size (--dp)", self.layout.dp_size, usize::MAX),
             ("grad_accumulation (--grad-accumulation)", self.grad_accumulation, counts),
-            // The corpus draws a step's window i by hashing `step << 20 ^ i`: more would repeat
-            // the next step's windows.
-            ("batch_size (--batch-size)", self.batch_size, 1 << 20),
+            ("batch_size (--batch-size)", self.batch_size, MAX_BATCH_SIZE),
             ("steps (--steps)", self.steps, 1 << 40),
             ("d_model (--d-model)", model.d_model, model_sizes),
             ("n_layers (--layers)", model.n_layers, heads),
