@@ -4,7 +4,7 @@
 
 use burn::tensor::{Bool, Tensor, TensorData, module, ops::AttentionModuleOptions};
 use ulysses_core::{
-    comm::{HostCommunicator, check_gathered_lengths},
+    comm::{HostCommunicator, all_gather_host_checked},
     error::UlyssesError,
     layout::{AttentionLayout, CallOptions, HeadPlan, MaskKind},
 };
@@ -65,8 +65,7 @@ fn sequence_parallel(
     let layout = AttentionLayout::of_call(&query.dims(), &key.dims(), &value.dims(), mask_dims.as_deref(), attn_bias.is_some(), call, false, None)?;
     // Of equal lengths first: a rank in another collective (its model diverged) is named, not
     // read past its values.
-    let encoded = layout.encode();
-    let per_rank = check_gathered_lengths(group.all_gather_host(&encoded)?, encoded.len(), "attention layout fields")?;
+    let per_rank = all_gather_host_checked(group, &layout.encode(), "attention layout fields")?;
     AttentionLayout::check_agreement(&per_rank)?;
     layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref())?;
     if let Some(softcap) = options.softcap.filter(|c| !(*c > 0.0 && c.is_finite())) {
@@ -100,7 +99,7 @@ fn gather_key_padding(group: &dyn HostCommunicator, mask: Tensor<4, Bool>, heads
     let [batch, mask_heads, _, local] = mask.dims();
     let device = mask.device();
     let hidden: Vec<u64> = mask.into_data().iter::<bool>().map(u64::from).collect();
-    let every_rank = check_gathered_lengths(group.all_gather_host(&hidden)?, hidden.len(), "key-padding mask")?;
+    let every_rank = all_gather_host_checked(group, &hidden, "key-padding mask")?;
     let kept: Vec<usize> = if mask_heads == 1 { vec![0] } else { heads.to_vec() };
     let keys = local * every_rank.len();
     let mut joined = Vec::with_capacity(batch * kept.len() * keys);

@@ -27,7 +27,7 @@ use burn::{
     tensor::{Device, FloatDType, Int, Tensor, activation::log_softmax},
 };
 use ulysses_core::{
-    comm::{Collective, CommError, HostCommunicator, HostDType, HostTensor, ReduceOp, check_gathered_lengths},
+    comm::{Collective, CommError, HostCommunicator, HostDType, HostTensor, ReduceOp, all_gather_host_checked},
     gradients::{GRADIENT_BUCKET_BYTES, plan_buckets, present_anywhere},
 };
 
@@ -67,7 +67,7 @@ pub fn all_reduce_gradients_in_buckets<M: Module>(model: &M, mut grads: Gradient
     model.visit(&mut take);
     let mut local = take.local;
     let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
-    let every_rank = check_gathered_lengths(group.all_gather_host(&present)?, present.len(), "float parameters")?;
+    let every_rank = all_gather_host_checked(group, &present, "float parameters")?;
     let present_anywhere = present_anywhere(&every_rank, present.len());
     let mut sizes = Vec::with_capacity(local.len());
     for l in &local {

@@ -1470,10 +1470,9 @@ fn evaluate_batches<W: burn::tensor::backend::Backend>(
     lockstep: bool,
     mut evaluate_batch: impl FnMut(&[Vec<i64>], Option<&[Vec<usize>]>, Option<&[Vec<bool>]>) -> Result<Option<TokenLoss>, UlyssesError>,
 ) -> Result<Option<TokenLoss>, UlyssesError> {
-    let size = rows;
-    let batches = sequences.len().div_ceil(size);
+    let batches = sequences.len().div_ceil(rows);
     let mut evaluate_at = |index: usize| {
-        let range = index * size..((index + 1) * size).min(sequences.len());
+        let range = index * rows..((index + 1) * rows).min(sequences.len());
         evaluate_batch(&sequences[range.clone()], documents.map(|d| &d[range.clone()]), targets.map(|t| &t[range]))
     };
     if config.eval_single_device {

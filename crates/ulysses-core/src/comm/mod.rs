@@ -167,6 +167,12 @@ pub fn check_gathered_lengths(gathered: Vec<Vec<u64>>, mine: usize, what: &'stat
     }
 }
 
+/// `communicator`'s all-gather of `values` ([`what`](CommError::Diverged) they are), every
+/// rank's of this rank's length ([`check_gathered_lengths`]).
+pub fn all_gather_host_checked(communicator: &dyn HostCommunicator, values: &[u64], what: &'static str) -> Result<Vec<Vec<u64>>, CommError> {
+    check_gathered_lengths(communicator.all_gather_host(values)?, values.len(), what)
+}
+
 /// The tensor of a reduce-scatter, which no peer is needed to refuse unless it is 1-D with
 /// one equal part per rank of a group of `size`.
 pub fn check_reduce_scatter(shape: &[usize], size: usize) -> Result<(), CommError> {
