@@ -1402,6 +1402,9 @@ fn an_untied_head_is_gathered_alone_and_its_gradients_handed_over_before_the_lay
             self.handed.push((group, grads.len()));
             Ok(None)
         }
+        fn trains(&self, _id: burn::module::ParamId) -> Option<bool> {
+            None
+        }
     }
     let device = Default::default();
     let sequence: Vec<i64> = (0..16).map(|t| (t * 7 + 3) % 64).collect();
@@ -1502,4 +1505,171 @@ fn zero_3_cut_from_master_weights_of_another_place_is_refused() {
     assert!(another_world.contains("rank 1's parts of a world of 2") && another_world.contains("rank 0 of 1"), "{another_world}");
     let another_model = errors[1].as_deref().expect("master weights of a 1-layer model cut into a 2-layer one");
     assert!(another_model.contains("one sharded optimizer per model"), "{another_model}");
+}
+
+/// The decoder with layer 1's first vector (a norm's weight) left out of what
+/// `LayeredLm::visit_layer(1)` visits, though that layer uses it: under ZeRO-3 it belongs to
+/// the rest, a one-element placeholder while layer 1 runs.
+#[derive(burn::module::Module, Debug)]
+struct LeavesOutANorm<B: burn::tensor::backend::Backend> {
+    decoder: ulysses_models::Decoder<B>,
+}
+
+/// Visits all but the first vector it is shown.
+struct SkipFirstVector<'a, V> {
+    visitor: &'a mut V,
+    skipped: Option<burn::module::ParamId>,
+}
+
+impl<B: burn::tensor::backend::Backend, V: burn::module::ModuleVisitor<B>> burn::module::ModuleVisitor<B> for SkipFirstVector<'_, V> {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+        match (D, self.skipped) {
+            (1, None) => self.skipped = Some(param.id),
+            _ => self.visitor.visit_float(param),
+        }
+    }
+}
+
+impl<B: burn::tensor::backend::Backend> ulysses_training::LayeredLm<B> for LeavesOutANorm<B> {
+    type Context = <ulysses_models::Decoder<B> as ulysses_training::LayeredLm<B>>::Context;
+    fn context(&self, positions: &ShardPositions, device: &B::Device) -> Self::Context {
+        self.decoder.context(positions, device)
+    }
+    fn embed(&self, tokens: Tensor<B, 2, Int>, context: &Self::Context) -> Tensor<B, 3> {
+        self.decoder.embed(tokens, context)
+    }
+    fn layer_count(&self) -> usize {
+        self.decoder.layer_count()
+    }
+    fn visit_layer<V: burn::module::ModuleVisitor<B>>(&self, index: usize, visitor: &mut V) {
+        match index {
+            1 => self.decoder.visit_layer(index, &mut SkipFirstVector { visitor, skipped: None }),
+            _ => self.decoder.visit_layer(index, visitor),
+        }
+    }
+    fn before_core(&self, index: usize, hidden: Tensor<B, 3>, rows: std::ops::Range<usize>, context: &Self::Context) -> Vec<Tensor<B, 4>> {
+        self.decoder.before_core(index, hidden, rows, context)
+    }
+    fn core(&self, index: usize, inputs: Vec<Tensor<B, 4>>, context: &Self::Context) -> Tensor<B, 4> {
+        self.decoder.core(index, inputs, context)
+    }
+    fn after_core(&self, index: usize, hidden: Tensor<B, 3>, core: Tensor<B, 4>) -> Tensor<B, 3> {
+        self.decoder.after_core(index, hidden, core)
+    }
+    fn head(&self, hidden: Tensor<B, 3>) -> ulysses_training::LmOutput<B> {
+        self.decoder.head(hidden)
+    }
+    fn visit_standalone_head<V: burn::module::ModuleVisitor<B>>(&self, visitor: &mut V) {
+        self.decoder.visit_standalone_head(visitor)
+    }
+    fn embedding_lookup(&self) -> Option<ulysses_training::EmbeddingLookup> {
+        self.decoder.embedding_lookup()
+    }
+}
+
+impl<B: burn::tensor::backend::AutodiffBackend> ulysses_training::CausalLm<B> for LeavesOutANorm<B> {
+    fn logits(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
+        self.decoder.forward(tokens, positions)
+    }
+    fn vocab_size(&self) -> usize {
+        self.decoder.vocab_size()
+    }
+    fn is_causal(&self) -> bool {
+        true
+    }
+}
+
+/// Visits nothing.
+struct NoVisit;
+
+impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for NoVisit {}
+
+/// Each float parameter's id and whether it requires a gradient.
+struct RequiresGrad<'a>(&'a mut Vec<(burn::module::ParamId, bool)>);
+
+impl<B: burn::tensor::backend::Backend> burn::module::ModuleVisitor<B> for RequiresGrad<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+        self.0.push((param.id, param.val().is_require_grad()));
+    }
+}
+
+/// `module` with the parameters `frozen` requiring no gradient.
+fn frozen<B: burn::tensor::backend::AutodiffBackend, M: burn::module::Module<B>>(module: M, frozen: &[burn::module::ParamId]) -> M {
+    use burn::module::{ModuleMapper, Param};
+    struct Freeze<'a>(&'a [burn::module::ParamId]);
+    impl<B: burn::tensor::backend::AutodiffBackend> ModuleMapper<B> for Freeze<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            if !self.0.contains(&param.id) {
+                return param;
+            }
+            let (id, tensor, mapper) = param.consume();
+            Param::from_mapped_value(id, tensor.set_require_grad(false), mapper)
+        }
+    }
+    module.map(&mut Freeze(frozen))
+}
+
+/// ZeRO-3 runs a group's pieces with every other parameter a one-element placeholder. A model
+/// whose `LayeredLm::visit_layer` leaves out a parameter its layer uses is refused by name,
+/// trainable or frozen: a frozen norm's placeholder (a zero, broadcast) ran the layer silently
+/// wrong before, as it asks for no gradient. A model that visits its layers right keeps its
+/// frozen parameters (a looked-up embedding, a layer's norm) frozen and unchanged through a
+/// step, and its others trained. One rank.
+#[test]
+fn zero_3_names_a_parameter_a_group_leaves_out_and_keeps_frozen_ones_frozen() {
+    use burn::module::Module;
+    use ulysses_training::{HostAdamWConfig, LayerCheckpointing, LayeredLm, OptimizerPlace, ShardedAdamW, ShardedParameters, StepInput, apply_step_zero3, backward_step_zero3};
+    ThreadGroup::new(1).run(|rank| {
+        let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new()).unwrap();
+        let device = Default::default();
+        let batches = vec![VariedLengths { vocab: VOCAB }.train_batch(0)];
+        let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &batches, documents: None, targets: None, max_grad_norm: None };
+        let checkpointing = LayerCheckpointing::new();
+        let decoder = || deterministic_params(config(ParallelLayout::new(), 1).model.init::<Sp>(&device), INIT_SEED);
+        fn sharded<M: burn::module::AutodiffModule<Sp> + LayeredLm<Sp>>(model: M) -> (M, ShardedParameters<Sp>, ShardedAdamW) {
+            let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
+            optimizer.keep_master_weights(&model, 0, 1);
+            let (placeholders, parts) = ShardedParameters::shard(model, 0, 1, OptimizerPlace::Host).unwrap();
+            (placeholders, parts, optimizer)
+        }
+
+        for freeze in [false, true] {
+            let model = LeavesOutANorm { decoder: decoder() };
+            let mut left_out = SkipFirstVector { visitor: &mut NoVisit, skipped: None };
+            model.decoder.visit_layer(1, &mut left_out);
+            let left_out = left_out.skipped.expect("layer 1 has a norm");
+            let model = if freeze { frozen(model, &[left_out]) } else { model };
+            let (placeholders, mut parts, _) = sharded(model);
+            let message = backward_step_zero3(&placeholders, &step, &SequenceSharder::new(1), &groups, &device, &checkpointing, &mut parts).err().map(|e| e.to_string());
+            let message = message.unwrap_or_else(|| panic!("frozen {freeze}: the step ran layer 1 on a placeholder"));
+            let frozen_note = if freeze { " (frozen)" } else { "" };
+            assert!(
+                message.contains("the pieces of Layer(1) use decoder.blocks.1.attention_norm.gamma") && message.contains(&format!("{frozen_note}, which that group does not hold")) && message.contains("LayeredLm::visit_layer must visit"),
+                "frozen {freeze}: {message}"
+            );
+        }
+
+        // Visited right: the embedding (a lookup, untied) and layer 0's first vector frozen.
+        let model = decoder();
+        let mut first = SkipFirstVector { visitor: &mut NoVisit, skipped: None };
+        model.visit_layer(0, &mut first);
+        let frozen_ids = [model.embedding.weight.id, first.skipped.unwrap()];
+        let model = frozen(model, &frozen_ids);
+        let before = parameter_values(&model);
+        let (placeholders, mut parts, mut optimizer) = sharded(model);
+        let local = backward_step_zero3(&placeholders, &step, &SequenceSharder::new(1), &groups, &device, &checkpointing, &mut parts).unwrap();
+        let (placeholders, report) = apply_step_zero3(placeholders, &mut optimizer, &mut parts, &step, local, &groups).unwrap();
+        assert!(report.loss.is_finite(), "{report:?}");
+        let model = parts.gather_all(placeholders, &*groups.world).unwrap();
+        let mut flags = Vec::new();
+        model.visit(&mut RequiresGrad(&mut flags));
+        let after = parameter_values(&model);
+        for (((name, want), (_, got)), (id, trains)) in before.iter().zip(&after).zip(flags) {
+            let is_frozen = frozen_ids.contains(&id);
+            assert_eq!(trains, !is_frozen, "{name}: requires a gradient after the step");
+            assert_eq!(got == want, is_frozen, "{name}: frozen {is_frozen}, changed by the step {}", got != want);
+        }
+    })
+    .into_iter()
+    .for_each(|rank| rank.unwrap_or_else(|panic| panic!("{panic}")));
 }

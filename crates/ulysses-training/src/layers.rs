@@ -364,6 +364,10 @@ pub trait LayerParameters<B: AutodiffBackend, M> {
     /// The step's shards over every rank hold `valid_tokens` targets (told before each shard's
     /// pieces): ZeRO-3's update in the backward updates nothing for a step without.
     fn step_targets(&mut self, _valid_tokens: usize) {}
+    /// Whether the parameter `id` requires a gradient, where the model's own flag does not say
+    /// (ZeRO-3's placeholders all require one); `None` where it does. No default: a wrapper
+    /// that kept one would train a frozen embedding looked up under ZeRO-3.
+    fn trains(&self, id: ParamId) -> Option<bool>;
 }
 
 /// Every parameter whole in the model on every rank (no ZeRO-3): nothing to gather, the
@@ -376,6 +380,9 @@ impl<B: AutodiffBackend, M: Clone> LayerParameters<B, M> for WholeParameters {
     }
     fn gradients_done(&mut self, _gathered: &M, _group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, UlyssesError> {
         Ok(Some(grads))
+    }
+    fn trains(&self, _id: ParamId) -> Option<bool> {
+        None
     }
 }
 
@@ -457,6 +464,10 @@ impl<B: TrainBackend, M, P: LayerParameters<B, M>> LayerParameters<B, M> for Rep
 
     fn step_targets(&mut self, valid_tokens: usize) {
         self.parameters.step_targets(valid_tokens)
+    }
+
+    fn trains(&self, id: ParamId) -> Option<bool> {
+        self.parameters.trains(id)
     }
 }
 
@@ -836,7 +847,8 @@ where
     // 4. Embedding; then its group's gradients (the head's too where it does not stand alone:
     //    a tied head's weight is the embedding's, its two gradients summed before they leave).
     let upstream = upstream.restore(&device);
-    let grads = match model.embedding_lookup() {
+    let lookup = model.embedding_lookup().map(|lookup| EmbeddingLookup { trains: parameters.trains(lookup.weight).unwrap_or(lookup.trains), ..lookup });
+    let grads = match lookup {
         // A lookup: its gradient added into the weight's here, nothing gathered for it.
         Some(lookup) => {
             parameters.reached(embedding_group);

@@ -318,6 +318,10 @@ struct PartOf<B: TrainBackend> {
     path: String,
     shape: Shape,
     dtype: DType,
+    /// Whether the parameter requires a gradient: its placeholder always does (a piece that
+    /// uses a parameter outside its group is then named by the gradient it gets, a frozen
+    /// one's too), so the model gathered takes the flag from here.
+    trains: bool,
     /// Flat, padded to the partition: `part_len` elements.
     part: Held<B>,
 }
@@ -385,15 +389,18 @@ impl<B: TrainBackend> ShardedParameters<B> {
         let ids: Vec<ParamId> = found.iter().map(|p| p.id).collect();
         let paths: Vec<String> = found.iter().map(|p| p.path.clone()).collect();
         let groups = Groups::of(&model, &ids, &paths)?;
+        let device = model.devices().first().cloned().ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 of a model without parameters".into()))?;
+        let mut placeholders = Placeholders(Vec::with_capacity(found.len()));
+        let model = model.map(&mut placeholders);
         let parameters = found
             .into_iter()
-            .map(|p| {
+            .zip(placeholders.0)
+            .map(|(p, trains)| {
                 let part = own_part(&partition, rank, p.values.inner());
-                PartOf { id: p.id, path: p.path, dtype: part.dtype(), shape: p.shape, part: Held::Device(part) }
+                PartOf { id: p.id, path: p.path, dtype: part.dtype(), shape: p.shape, trains, part: Held::Device(part) }
             })
             .collect::<Vec<_>>();
-        let device = model.devices().first().cloned().ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 of a model without parameters".into()))?;
-        Ok((model.map(&mut Placeholders), Self::of_parts(partition, rank, parameters, groups, optimizer, device)))
+        Ok((model, Self::of_parts(partition, rank, parameters, groups, optimizer, device)))
     }
 
     /// ZeRO-3 from a model that no rank holds whole, one parameter at a time in the model's
@@ -568,7 +575,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
             let members = bucket.iter().map(|&b| (indices[b], self.parameters[indices[b]].elements()));
             for (index, whole) in all_gather_columns::<B>(mine, members, &self.partition, world)? {
                 let parameter = &self.parameters[index];
-                values.insert(parameter.id, (whole, parameter.shape.clone()));
+                values.insert(parameter.id, (whole, parameter.shape.clone(), parameter.trains));
             }
         }
         Ok(model.map(&mut Gathered::<B> { values }))
@@ -621,28 +628,34 @@ impl<B: TrainBackend> ShardedParameters<B> {
                 message: format!("ZeRO-3: gradients of a model of {} float parameters handed to parts of {}: one ShardedParameters per model", take.local.len(), self.parameters.len()),
             });
         }
-        for (local, parameter) in take.local.iter_mut().zip(&self.parameters) {
-            local.len = parameter.elements();
-            if let Some(grad) = local.grad.as_ref().filter(|grad| grad.dims()[0] != local.len) {
-                return Err(UlyssesError::InModel {
-                    message: format!("ZeRO-3: {}'s gradient has {} elements, the parameter {}", parameter.path, grad.dims()[0], local.len),
-                });
-            }
-        }
-        let mut local: Vec<Option<LocalGradient<B>>> = take.local.into_iter().map(Some).collect();
         let indices = self.group(group).to_vec();
+        let mut local: Vec<Option<LocalGradient<B>>> = take.local.into_iter().map(Some).collect();
         let mut members: Vec<LocalGradient<B>> = indices.iter().map(|&i| local[i].take().expect("each parameter once")).collect();
+        // A gradient outside the group is its placeholder's (each requires one, a frozen
+        // parameter's too): a piece computed with one element in place of the parameter.
         if let Some((index, _)) = local.iter().enumerate().find(|(_, l)| l.as_ref().is_some_and(|l| l.grad.is_some())) {
+            let parameter = &self.parameters[index];
             return Err(UlyssesError::InModel {
                 message: format!(
-                    "ZeRO-3: the pieces of {group:?} gave a gradient to {}, which that group does not hold ({})",
-                    self.parameters[index].path,
+                    "ZeRO-3: the pieces of {group:?} use {}{}, which that group does not hold: while a group's pieces run every other parameter is a \
+                     one-element placeholder, so they ran on it ({})",
+                    parameter.path,
+                    if parameter.trains { "" } else { " (frozen)" },
                     match group {
                         ParameterGroup::Layer(_) => "LayeredLm::visit_layer must visit every parameter a layer's pieces use, and only the rest may use the others",
                         _ => "LayeredLm::visit_standalone_head must visit every parameter the head uses, and none the embedding uses",
                     }
                 ),
             });
+        }
+        for (local, &index) in members.iter_mut().zip(&indices) {
+            let parameter = &self.parameters[index];
+            local.len = parameter.elements();
+            if let Some(grad) = local.grad.as_ref().filter(|grad| grad.dims()[0] != local.len) {
+                return Err(UlyssesError::InModel {
+                    message: format!("ZeRO-3: {}'s gradient has {} elements, the parameter {}", parameter.path, grad.dims()[0], local.len),
+                });
+            }
         }
         let buckets = reduce_scatter_buckets::<B>(&mut members, &self.partition, world)?;
         match &mut self.grad_parts {
@@ -959,6 +972,10 @@ impl<B: TrainBackend, M: AutodiffModule<B>> LayerParameters<B, M> for Zero3Step<
         Ok(None)
     }
 
+    fn trains(&self, id: ParamId) -> Option<bool> {
+        self.parameters.parameters.iter().find(|p| p.id == id).map(|p| p.trains)
+    }
+
     fn step_targets(&mut self, valid_tokens: usize) {
         if let Some(in_backward) = &mut self.parameters.in_backward {
             in_backward.targets = valid_tokens > 0;
@@ -1062,7 +1079,7 @@ struct TakeParts<'a, B: TrainBackend, O: PartOptimizer<B>> {
 impl<B: TrainBackend, O: PartOptimizer<B>> TakeParts<'_, B, O> {
     /// This rank's parts of the parameter at `index`: from world rank 0's values (`rank_0`:
     /// this rank's, on rank 0 alone), the f32 master part too, or from the optimizer's.
-    fn take(&mut self, index: usize, shape: &Shape, rank_0: Option<Tensor<B::InnerBackend, 1>>) -> Result<(), UlyssesError> {
+    fn take(&mut self, index: usize, shape: &Shape, trains: bool, rank_0: Option<Tensor<B::InnerBackend, 1>>) -> Result<(), UlyssesError> {
         let elements = shape.num_elements();
         let compute = match self.from {
             PartsFrom::Masters => self.optimizer.compute_part(index, self.compute, &self.device),
@@ -1080,7 +1097,7 @@ impl<B: TrainBackend, O: PartOptimizer<B>> TakeParts<'_, B, O> {
             }
         };
         let part = if self.parts_on_host { Held::Host(compute.into_data()) } else { Held::Device(compute) };
-        self.parts.push(PartOf { id: self.ids[index], path: self.paths[index].clone(), shape: shape.clone(), dtype: self.compute.into(), part });
+        self.parts.push(PartOf { id: self.ids[index], path: self.paths[index].clone(), shape: shape.clone(), dtype: self.compute.into(), trains, part });
         Ok(())
     }
 }
@@ -1107,9 +1124,9 @@ impl<B: TrainBackend, O: PartOptimizer<B>> ModuleMapper<B> for TakeParts<'_, B, 
             (None, id, requires_grad, mapper)
         };
         // The placeholder on this rank's device, whichever device the model was built for.
-        let param = Param::from_mapped_value(id, Tensor::from_inner(placeholder).set_require_grad(requires_grad), mapper);
+        let param = Param::from_mapped_value(id, Tensor::from_inner(placeholder).require_grad(), mapper);
         if self.error.is_none()
-            && let Err(error) = self.take(index, &shape, values)
+            && let Err(error) = self.take(index, &shape, requires_grad, values)
         {
             self.error = Some(error);
         }
@@ -1117,30 +1134,30 @@ impl<B: TrainBackend, O: PartOptimizer<B>> ModuleMapper<B> for TakeParts<'_, B, 
     }
 }
 
-/// Every float parameter replaced by a one-element placeholder of its dtype, keeping its id
-/// and whether it requires a gradient.
-struct Placeholders;
+/// Every float parameter replaced by a one-element placeholder of its dtype, keeping its id,
+/// that requires a gradient (see [`PartOf::trains`]); collects whether each parameter did.
+struct Placeholders(Vec<bool>);
 
 impl<B: burn::tensor::backend::AutodiffBackend> ModuleMapper<B> for Placeholders {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
-        let requires_grad = tensor.is_require_grad();
+        self.0.push(tensor.is_require_grad());
         let placeholder = Tensor::<B::InnerBackend, D>::zeros([1; D], (&tensor.device(), tensor.dtype()));
-        Param::from_mapped_value(id, Tensor::from_inner(placeholder).set_require_grad(requires_grad), mapper)
+        Param::from_mapped_value(id, Tensor::from_inner(placeholder).require_grad(), mapper)
     }
 }
 
-/// Gathered values (flat, with their shapes) put in place of the parameters with those ids.
+/// Gathered values (flat, with their shapes and whether they require a gradient) put in place
+/// of the parameters with those ids.
 struct Gathered<B: TrainBackend> {
-    values: HashMap<ParamId, (Tensor<B::InnerBackend, 1>, Shape)>,
+    values: HashMap<ParamId, (Tensor<B::InnerBackend, 1>, Shape, bool)>,
 }
 
 impl<B: TrainBackend> ModuleMapper<B> for Gathered<B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let Some((flat, shape)) = self.values.remove(&param.id) else { return param };
-        let (id, placeholder, mapper) = param.consume();
-        let requires_grad = placeholder.is_require_grad();
-        Param::from_mapped_value(id, Tensor::from_inner(flat.reshape(shape)).set_require_grad(requires_grad), mapper)
+        let Some((flat, shape, trains)) = self.values.remove(&param.id) else { return param };
+        let (id, _placeholder, mapper) = param.consume();
+        Param::from_mapped_value(id, Tensor::from_inner(flat.reshape(shape)).set_require_grad(trains), mapper)
     }
 }
 
