@@ -207,3 +207,42 @@ fn default_chunks_are_whole_tiles_within_the_logits_budget() {
         }
     }
 }
+
+/// An ignored row adds nothing, whatever its logits: with every label-0 row ignored and class
+/// 0's logit -inf (a masked token), the whole-logits loss, the chunked one and evaluation's, and
+/// their gradients, are finite and those of -1e30 in its place (exp gives 0 for both in f32).
+/// Multiplying an ignored row's -inf log-prob by 0 gave NaN.
+#[test]
+fn an_ignored_row_whose_label_slot_is_minus_infinity_adds_nothing() {
+    use ulysses_training::linear_cross_entropy_sum;
+    let device = Default::default();
+    let labels: Vec<i64> = (0..ROWS as i64).map(|i| (i * 5) % VOCAB as i64).map(|l| if l == 0 { IGNORE_INDEX } else { l }).collect();
+    assert!(labels.contains(&IGNORE_INDEX));
+    let labels = Tensor::<B, 1, Int>::from_data(TensorData::new(labels, [ROWS]), &device);
+    let run = |class_0: f32, chunk_rows: Option<usize>| {
+        let hidden = uniform_tensor::<B, 2>([ROWS, D_MODEL], 1, &device).require_grad();
+        let weight = uniform_tensor::<B, 2>([D_MODEL, VOCAB], 2, &device).require_grad();
+        let mut bias = values(uniform_tensor::<B, 1>([VOCAB], 3, &device));
+        bias[0] = class_0;
+        let bias = Tensor::<B, 1>::from_data(TensorData::new(bias, [VOCAB]), &device).require_grad();
+        let loss = match chunk_rows {
+            Some(rows) => {
+                let evaluated = linear_cross_entropy_sum(hidden.clone().inner(), OutputHead::new(weight.clone().inner(), Some(bias.clone().inner())), labels.clone().inner(), IGNORE_INDEX, rows);
+                let loss = chunked_linear_cross_entropy_sum(hidden.clone(), OutputHead::new(weight.clone(), Some(bias.clone())), labels.clone(), IGNORE_INDEX, rows);
+                assert_eq!(values(evaluated), values(loss.clone()), "evaluation against training, chunks of {rows}");
+                loss
+            }
+            None => masked_cross_entropy_sum((hidden.clone().matmul(weight.clone()) + bias.clone().unsqueeze_dim(0)).unsqueeze_dim(0), labels.clone().unsqueeze_dim(0), IGNORE_INDEX),
+        };
+        let grads = loss.clone().backward();
+        [values(loss), values(hidden.grad(&grads).unwrap()), values(weight.grad(&grads).unwrap()), values(bias.grad(&grads).unwrap())]
+    };
+    for chunk_rows in [None, Some(1), Some(4)] {
+        let (masked, reference) = (run(f32::NEG_INFINITY, chunk_rows), run(-1e30, chunk_rows));
+        for (name, (got, want)) in ["loss", "d hidden", "d weight", "d bias"].iter().zip(masked.iter().zip(&reference)) {
+            assert!(got.iter().chain(want).all(|v| v.is_finite()), "{name}, chunks {chunk_rows:?}: {got:?} against {want:?}");
+            let diff = max_abs_diff(got, want);
+            assert!(diff <= TOLERANCE, "{name}, chunks {chunk_rows:?}: |Δ| {diff:e}");
+        }
+    }
+}

@@ -108,8 +108,8 @@ pub fn masked_cross_entropy_sum<B: Backend>(
     let targets = labels.mask_fill(ignored.clone(), 0);
     let log_probs = log_softmax(logits, 2);
     let picked = log_probs.gather(2, targets.unsqueeze_dim(2)).squeeze_dim::<2>(2);
-    let valid = ignored.bool_not().float();
-    (picked * valid).sum().neg()
+    // Filled, not multiplied by 0: an ignored row's class-0 log-prob may be -inf.
+    picked.mask_fill(ignored, 0.0).sum().neg()
 }
 
 /// The same sum as [`masked_cross_entropy_sum`] of `hidden · weight + bias`
@@ -248,14 +248,16 @@ fn chunked_loss<B: Backend>(
         }
         let ignored = chunk_labels.clone().equal_elem(ignore_index);
         let targets = chunk_labels.mask_fill(ignored.clone(), 0).unsqueeze_dim::<2>(1);
-        let valid = ignored.bool_not().float().unsqueeze_dim::<2>(1);
+        let ignored = ignored.unsqueeze_dim::<2>(1);
         let log_probs = log_softmax(logits.cast(FloatDType::F32), 1);
         let picked = log_probs.clone().gather(1, targets.clone());
-        loss = loss - (picked * valid.clone()).sum();
+        // Filled, not multiplied by 0: an ignored row's logits may hold -inf (a NaN row of softmax).
+        loss = loss - picked.mask_fill(ignored.clone(), 0.0).sum();
         if let Some(sums) = grads.take() {
             // d loss / d logits = softmax - one_hot(label), zero on ignored rows.
             let minus_one = Tensor::full([end - start, 1], -1.0, &device);
-            let logits_grad = log_probs.exp().scatter(1, targets, minus_one, IndexingUpdateOp::Add) * valid;
+            let vocab = log_probs.dims()[1];
+            let logits_grad = log_probs.exp().scatter(1, targets, minus_one, IndexingUpdateOp::Add).mask_fill(ignored.expand([end - start, vocab]), 0.0);
             grads = Some(sums.add_chunk(chunk, logits_grad.cast(logits_dtype), &weight, hidden_dtype));
         }
     }
