@@ -52,7 +52,7 @@ impl<B: Backend> OutputHead<B> {
 }
 
 /// Rows per chunk: a multiple of 64 whose logits hold at most 2^26 values (256 MiB in f32),
-/// and at least 64 rows.
+/// and at least 64 rows: past a vocabulary of 2^20, 64 rows, whose logits hold more.
 ///
 /// Each chunk costs, besides its matmuls, one pass over the head's whole weight gradient
 /// (`d_model × vocab`), and its rows are the M and K of those matmuls: with 2^24 values and no
