@@ -470,3 +470,38 @@ fn the_reference_ring_in_half_precision_keeps_its_statistics_in_f32() {
         assert!(worst <= bound, "the reference ring in f16 differs from f64 attention by {worst:e} (bound {bound:e})");
     }
 }
+
+/// A key-padding mask of its own per head, whose heads agree on rank 0 (heads 0 and 1: 12 real
+/// keys) and differ on rank 1 (heads 2 and 3: 12 and 10): with the dense fallback forbidden,
+/// every rank refuses, naming rank 1, where rank 1 alone refused and rank 0 waited for it in the
+/// exchange back.
+#[test]
+fn a_forbidden_fallback_one_ranks_heads_need_is_every_ranks_refusal() {
+    use burn::tensor::{Bool, TensorData};
+    use burn_ulysses::{RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup};
+    type Sp = UlyssesBackend<Autodiff<Wgpu>>;
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let forbid = UlyssesConfig::new().with_forbid_dense_fallback(true);
+    let results = ulysses_suite::with_deadline(std::time::Duration::from_secs(60), move || {
+        ThreadGroup::new(2).run(move |rank| {
+            let _sp = Sp::enter(RankScope::Thread, rank.communicator(), forbid.clone());
+            let device = Default::default();
+            // This rank's 8 of the sequence's 16 tokens.
+            let qkv = |seed| uniform_tensor::<Sp, 4>([1, 4, 8, 16], seed, &device);
+            let keys = rank.rank() * 8..rank.rank() * 8 + 8;
+            let masked: Vec<bool> = [12, 12, 12, 10].into_iter().flat_map(|real| keys.clone().map(move |key| key >= real)).collect();
+            let mask = Tensor::<Sp, 4, Bool>::from_data(TensorData::new(masked, [1, 4, 1, 8]), &device);
+            attention(qkv(1), qkv(2), qkv(3), Some(mask), None, CAUSAL);
+        })
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let message = match result {
+            Ok(()) => panic!("rank {rank}: attended although rank 1's heads need the dense fallback, which is forbidden"),
+            Err(panic) => panic.message,
+        };
+        assert!(message.contains("rows for rank 1's heads differ") && message.contains("forbid_dense_fallback"), "rank {rank}: {message}");
+    }
+}

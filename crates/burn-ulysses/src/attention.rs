@@ -245,7 +245,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let visibility = restriction.is_some().then(|| restricted_visibility(&Restriction { documents, window }, layout.batch, queries, keys)).transpose()?;
         let (mask, visibility) = match mask {
             Some(mask) => {
-                let mask = gather_key_padding_mask::<X>(bool_tensor(mask), &plan, communicator)?;
+                let mask = gather_key_padding_mask::<X>(bool_tensor(mask), &plan, communicator, fallback)?;
                 let s_k = key.dims()[2];
                 key_padding_as_runs::<X>(mask, visibility, &query, s_k)?
             }
@@ -273,8 +273,20 @@ fn key_padding_as_runs<X: ExchangeBackend>(
 ) -> Result<(Option<Tensor<X, 4, Bool>>, Option<Visibility>), UlyssesError> {
     let [b, mask_heads, _, _] = mask.dims();
     let [_, heads, s_q, _] = query.dims();
-    // Through floats: backends store booleans differently (u8, u32).
-    let masked: Vec<bool> = mask
+    let masked = mask_values(&mask)?;
+    match key_runs(&masked, b, mask_heads, 0..mask_heads, s_k) {
+        Some(runs) => {
+            let visibility = visibility.unwrap_or_else(|| Visibility::all(b, s_q, s_k)).with_key_runs(runs)?;
+            Ok((None, Some(visibility)))
+        }
+        None => Ok((Some(mask.expand([b, heads, s_q, s_k])), visibility)),
+    }
+}
+
+/// A boolean mask's values, read on the host (through floats: backends store booleans
+/// differently, u8 or u32).
+fn mask_values<X: ExchangeBackend>(mask: &Tensor<X, 4, Bool>) -> Result<Vec<bool>, UlyssesError> {
+    Ok(mask
         .clone()
         .float()
         .into_data()
@@ -283,25 +295,24 @@ fn key_padding_as_runs<X: ExchangeBackend>(
         .map_err(|error| UlyssesError::Shape(format!("reading the key-padding mask: {error:?}")))?
         .into_iter()
         .map(|x| x > 0.5)
-        .collect();
+        .collect())
+}
+
+/// The real keys of `masked` (`[batch, mask_heads, 1, s_k]`, true where masked) as one run per
+/// sequence, over the heads `heads`: `None` where a sequence's rows differ between those heads
+/// or its real keys are not one run.
+fn key_runs(masked: &[bool], batch: usize, mask_heads: usize, heads: Range<usize>, s_k: usize) -> Option<Vec<Range<usize>>> {
     let run_of = |row: &[bool]| -> Option<Range<usize>> {
         let start = row.iter().position(|&m| !m).unwrap_or(0);
         let end = row.iter().rposition(|&m| !m).map_or(0, |last| last + 1);
         row[start..end.max(start)].iter().all(|&m| !m).then_some(start..end.max(start))
     };
-    let runs: Option<Vec<Range<usize>>> = (0..b)
-        .map(|batch| {
-            let rows: Vec<&[bool]> = (0..mask_heads).map(|h| &masked[(batch * mask_heads + h) * s_k..][..s_k]).collect();
+    (0..batch)
+        .map(|sequence| {
+            let rows: Vec<&[bool]> = heads.clone().map(|h| &masked[(sequence * mask_heads + h) * s_k..][..s_k]).collect();
             rows.iter().all(|row| row == &rows[0]).then(|| run_of(rows[0])).flatten()
         })
-        .collect();
-    match runs {
-        Some(runs) => {
-            let visibility = visibility.unwrap_or_else(|| Visibility::all(b, s_q, s_k)).with_key_runs(runs)?;
-            Ok((None, Some(visibility)))
-        }
-        None => Ok((Some(mask.expand([b, heads, s_q, s_k])), visibility)),
-    }
+        .collect()
 }
 
 /// Checks shapes that need no peer, and describes the call for the cross-rank check
@@ -348,11 +359,13 @@ fn attend<X: ExchangeBackend>(
 }
 
 /// Gathers a `[B, 1 | H, 1, S_k/P]` key-padding mask from every rank into this rank's
-/// `[B, 1 | h, 1, S_k]` mask (`h`: its q heads).
+/// `[B, 1 | h, 1, S_k]` mask (`h`: its q heads). Where `fallback` forbids the dense
+/// fallback, refused on every rank when any rank's heads' rows would need it.
 fn gather_key_padding_mask<X: ExchangeBackend>(
     mask: Tensor<X, 4, Bool>,
     plan: &HeadPlan,
     communicator: &Arc<dyn Communicator<X::Wire>>,
+    fallback: DenseFallback,
 ) -> Result<Tensor<X, 4, Bool>, UlyssesError> {
     let p = plan.sp_size;
     let [b, mask_heads, _, s_k_local] = mask.dims();
@@ -360,13 +373,22 @@ fn gather_key_padding_mask<X: ExchangeBackend>(
     let full: Tensor<X, 4> = float_tensor::<X, 5>(gathered)
         .permute([1, 2, 3, 0, 4])
         .reshape([b, mask_heads, 1, p * s_k_local]);
-    let full = if mask_heads == 1 {
-        full
-    } else {
-        let heads = plan.q_heads_of(communicator.rank());
-        full.slice([0..b, heads, 0..1, 0..p * s_k_local])
-    };
-    Ok(full.greater_elem(0.5))
+    let full = full.greater_elem(0.5);
+    if mask_heads == 1 {
+        return Ok(full);
+    }
+    // Each rank runs the kernels or the dense fallback by its own heads' rows. Where that
+    // fallback is an error, a rank refusing alone would leave the others waiting in the
+    // exchange back: every rank refuses if any must, from the whole mask each holds.
+    if fallback == DenseFallback::Forbid {
+        let masked = mask_values(&full)?;
+        if let Some(rank) = (0..p).find(|&rank| key_runs(&masked, b, mask_heads, plan.q_heads_of(rank), p * s_k_local).is_none()) {
+            return Err(UlyssesError::DenseFallback {
+                reason: format!("the key-padding mask's rows for rank {rank}'s heads differ between heads, or its real keys are not one run a sequence: the attention has a mask"),
+            });
+        }
+    }
+    Ok(full.slice([0..b, plan.q_heads_of(communicator.rank()), 0..1, 0..p * s_k_local]))
 }
 
 fn bool_tensor<X: ExchangeBackend>(primitive: BoolTensor<X>) -> Tensor<X, 4, Bool> {
