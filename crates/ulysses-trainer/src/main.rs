@@ -834,6 +834,16 @@ fn run(mut args: Args) -> Result<(), String> {
     let sharding = if args.zigzag { burn_ulysses::ring::RingSharding::Zigzag } else { burn_ulysses::ring::RingSharding::Contiguous };
     let layout = layout.with_ring_size(args.ring).with_ring_sharding(sharding);
     layout.check().map_err(|e| format!("{e} (--sp, --ring)"))?;
+    // The library's jobs read their SP degree from ULYSSES_SP_SIZE; the trainer reads --sp alone.
+    if let Ok(value) = std::env::var(ulysses_dist::config::ENV_SP_SIZE)
+        && value.trim().parse::<usize>().ok() != Some(args.sp)
+    {
+        return Err(format!(
+            "ULYSSES_SP_SIZE={value} but --sp {}: the trainer takes its sequence-parallel degree from --sp; pass --sp {}, or unset ULYSSES_SP_SIZE",
+            args.sp,
+            value.trim()
+        ));
+    }
     // Checked here: clap skips `requires` when an argument that conflicts with the required
     // one (--d-model and the other shape flags) is given.
     if args.save_hf.is_some() && args.model.is_none() && args.hf_config.is_none() {

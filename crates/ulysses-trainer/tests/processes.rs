@@ -843,6 +843,21 @@ fn a_layout_that_does_not_make_the_launched_world_is_refused_by_check() {
     assert!(!ok && text.contains("started 4 ranks (WORLD_SIZE)") && text.contains("--dp 1 makes 2"), "{text}");
     let (ok, text) = launched(&["--sp", "2", "--dp", "2"]);
     assert!(ok && text.contains("sp 2 × dp 2"), "{text}");
+    // The library's variable for the SP degree, which the trainer does not read: refused where
+    // it says otherwise than --sp (it was ignored).
+    for (value, refused) in [("4", true), ("2", false)] {
+        let output = Command::new(trainer())
+            .args(common_args(&dir, "run", 1))
+            .args(["--check", "--sp", "2"])
+            .envs([("RANK", "0"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str())])
+            .env("ULYSSES_SP_SIZE", value)
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .output()
+            .unwrap();
+        let text = show(&output);
+        let named = text.contains("ULYSSES_SP_SIZE=4 but --sp 2: the trainer takes its sequence-parallel degree from --sp");
+        assert!(output.status.success() != refused && named == refused, "ULYSSES_SP_SIZE={value}: {text}");
+    }
     // SP groups of 4 over nodes of 2 ranks: said.
     let output = Command::new(trainer())
         .args(common_args(&dir, "run", 1))
