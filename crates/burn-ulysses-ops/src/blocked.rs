@@ -97,6 +97,11 @@ pub fn attention_in_blocks(query: Tensor<4>, key: Tensor<4>, value: Tensor<4>, k
         assert!(softcap > 0.0 && softcap.is_finite(), "the softcap must be positive and finite, got {softcap}");
     }
     let keys = k[2];
+    // Nothing to attend (no row, or no key: a row that sees none gives zeros), as burn-ulysses
+    // answers it: no block to run, and a softmax over no key has no maximum.
+    if [b, h, s, keys].contains(&0) {
+        return Tensor::<4>::zeros([b, h, s, v[3]], &query.device()).cast(query.dtype());
+    }
     let key_bias = match key_padding {
         Some(mask) => {
             let m = mask.dims();

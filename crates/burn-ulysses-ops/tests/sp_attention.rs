@@ -385,6 +385,33 @@ fn blocked_attention_equals_the_f64_reference_across_block_edges() {
     }
 }
 
+/// Nothing to attend gives zeros of the output's shape, as burn-ulysses answers it: no query
+/// (a rank's shard of an empty sequence, at SP = 2 too), no key, no row (it panicked in `cat`).
+#[test]
+fn blocked_attention_with_nothing_to_attend_gives_zeros() {
+    let device = plain_device().autodiff();
+    for causal in [true, false] {
+        let options = BlockedOptions { is_causal: causal, ..Default::default() };
+        for ([b, h, s, t], dv) in [([2, 3, 0, 0], 5), ([0, 3, 4, 4], 5), ([2, 3, 4, 0], 5)] {
+            if causal && s != t {
+                continue;
+            }
+            let [q, k, v] = [[b, h, s, 4], [b, h, t, 4], [b, h, t, dv]].map(|shape| Tensor::<4>::ones(shape, &device).require_grad());
+            let output = attention_in_blocks(q, k, v, None, options, 2);
+            assert_eq!(output.dims(), [b, h, s, dv], "q {:?}, {t} keys, causal {causal}", [b, h, s]);
+            assert!(values(output).iter().all(|&x| x == 0.0), "q {:?}, {t} keys, causal {causal}", [b, h, s]);
+        }
+    }
+    let outputs = ThreadGroup::new(2).run(|rank| {
+        let _sp = context::enter(rank.communicator());
+        let empty = Tensor::<4>::zeros([1, 4, 0, 8], &plain_device().autodiff());
+        attention(empty.clone(), empty.clone(), empty, None, None, AttentionModuleOptions { is_causal: true, ..Default::default() }).dims()
+    });
+    for (rank, output) in outputs.into_iter().enumerate() {
+        assert_eq!(output.unwrap_or_else(|panic| panic!("rank {rank}: {}", panic.message)), [1, 4, 0, 8], "rank {rank}");
+    }
+}
+
 #[test]
 fn blocked_attention_in_half_precision_keeps_its_softmax_statistics_in_f32() {
     use burn::tensor::DType;
