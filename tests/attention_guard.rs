@@ -463,6 +463,50 @@ fn a_shard_length_that_changes_between_steps_keeps_the_guard() {
     assert_refused_on_every_rank(&results, "3 latents over a shard of 4 after a step over 6");
 }
 
+/// `ulysses_training::evaluate` forgets the lengths embedded before it: an evaluation loop's
+/// batches of other lengths, with no backward between, keep the guard's rules that go by the
+/// shard's length. A model that attends through `module::attention` (so evaluate's own check
+/// that the exchange ran passes) and then by hand with 3 latents: refused at SP = 2 on a batch
+/// of 4 tokens a rank evaluated after one of 6 (the two lengths looked like one forward's two
+/// sequences, which turned the rules off).
+#[test]
+fn evaluation_batches_of_other_lengths_keep_the_guard() {
+    use burn_ulysses::data::{SequenceSharder, ShardPositions};
+    use ulysses_training::{LmOutput, evaluate};
+    let results = with_deadline(Duration::from_secs(60), || {
+        ThreadGroup::new(2)
+            .run(|rank| {
+                let communicator = rank.communicator();
+                let _sp = Sp::enter(RankScope::Thread, communicator.clone(), UlyssesConfig::new());
+                let device = Default::default();
+                let forward = |latents: bool| {
+                    move |ids: Tensor<Sp, 2, Int>, _: &ShardPositions| {
+                        let device = ids.device();
+                        let x = heads(deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<Sp>(&device), 13).forward(ids));
+                        let mut context = attention(x.clone(), x.clone(), x, None, None, AttentionModuleOptions { scale: None, softcap: None, is_causal: true });
+                        if latents {
+                            let [batch, ..] = context.dims();
+                            let q = heads(uniform_tensor::<Sp, 3>([1, 3, D_MODEL], 11, &device).repeat_dim(0, batch));
+                            // The latents' summary added to every token: the shard's rows kept.
+                            context = context.clone() + softmax(q.matmul(context.clone().swap_dims(2, 3)), 3).matmul(context).sum_dim(2);
+                        }
+                        let [batch, heads, rows, head_dim] = context.dims();
+                        let hidden = context.swap_dims(1, 2).reshape([batch, rows, heads * head_dim]);
+                        Ok(LmOutput::Logits(hidden.matmul(uniform_tensor::<Sp, 3>([1, D_MODEL, VOCAB], 19, &device))))
+                    }
+                };
+                let batch = |len: usize| (0..BATCH).map(|b| (0..len).map(|t| ((b * len + t) % VOCAB) as i64).collect()).collect::<Vec<Vec<i64>>>();
+                let sharder = SequenceSharder::new(2);
+                evaluate::<Sp, Inner>(forward(false), &batch(12), None, None, &sharder, rank.rank(), &*communicator, &device).expect("attention through module::attention");
+                evaluate::<Sp, Inner>(forward(true), &batch(8), None, None, &sharder, rank.rank(), &*communicator, &device).map(|loss| vec![loss.sum as f32]).map_err(|e| e.to_string())
+            })
+            .into_iter()
+            .map(|result| result.map_err(|panic| panic.message).and_then(|r| r))
+            .collect::<Vec<_>>()
+    });
+    assert_refused_on_every_rank(&results, "3 latents over a shard of 4 evaluated after a batch of 6 a rank");
+}
+
 #[test]
 fn a_linear_layer_as_wide_as_the_local_sequence_is_not_refused() {
     // Per-head features [B, H, S/P, d] through a Linear of width S/P: a [.., S/P, S/P] result

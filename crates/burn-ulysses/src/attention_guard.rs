@@ -43,9 +43,10 @@
 //! takes for attention.
 //!
 //! The lengths noted are forgotten at each backward (the next forward's ids may be of another
-//! length); a forward that embeds ids of two lengths since (a decoder's and a memory's, or
-//! evaluation batches of several lengths with no backward between) leaves the rules that go by
-//! the length off until the next backward.
+//! length) and at each `ulysses_training::evaluate`; a forward that embeds ids of two lengths
+//! since (a decoder's and a memory's, or an evaluation loop of one's own over batches of several
+//! lengths with no backward between) leaves the rules that go by the length off until the next
+//! backward or [`forget_embedded_lengths`].
 //!
 //! What shape cannot tell apart stays unguarded: a single 3-D or 2-D matrix (a linear layer's
 //! shapes), keys broadcast over the batch, rectangular products of a model that embeds no

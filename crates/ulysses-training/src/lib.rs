@@ -877,6 +877,9 @@ pub fn evaluate<B: Backend, G: Backend>(
     }
     check_context_ring::<G>(sharder)?;
     sharder.check_batch(batch, documents, targets)?;
+    // A forward of its own: the lengths embedded before it (an evaluation loop's other batches,
+    // with no backward between) are no second sequence of this one, for the guard.
+    burn_ulysses::attention_guard::forget_embedded_lengths();
     let shard = sharder.shard_targets(batch, documents, targets, sp_rank);
     let exchanges_before = context_exchanges::<G>();
     let loss = model_failure_as_error(|| {
