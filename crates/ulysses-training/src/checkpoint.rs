@@ -350,8 +350,10 @@ pub fn write_atomically_with(path: &Path, write: impl FnOnce(&mut std::io::BufWr
         let file = writer.into_inner().map_err(std::io::IntoInnerError::into_error)?;
         file.sync_all()?;
         fs::rename(&temporary, path)?;
-        // The rename is durable once the folder's entry is.
-        File::open(folder)?.sync_all()
+        // The rename is durable once the folder's entry is: a failure now is no failure to write.
+        File::open(folder).and_then(|folder| folder.sync_all()).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("it is written, but its folder could not be flushed ({e}), so a crash may still undo the write"))
+        })
     })();
     if written.is_err() {
         let _ = fs::remove_file(&temporary);
