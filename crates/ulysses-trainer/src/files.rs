@@ -26,7 +26,9 @@ pub fn files_under(path: &Path) -> std::io::Result<Vec<PathBuf>> {
 /// The files under folder or file `path` into `files`, each folder (`folders`: where their
 /// links lead) walked once.
 fn walk(path: &Path, files: &mut Vec<PathBuf>, folders: &mut HashSet<PathBuf>) -> std::io::Result<()> {
-    if !fs::metadata(path)?.is_dir() {
+    // Named: the error is of a file under the folder given (a link to nothing), not of it.
+    let metadata = fs::metadata(path).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    if !metadata.is_dir() {
         files.push(path.to_path_buf());
         return Ok(());
     }
@@ -99,6 +101,10 @@ mod tests {
         std::os::unix::fs::symlink(&dir, dir.join("sub/up")).unwrap();
         let names: Vec<String> = files_under(&dir).unwrap().iter().map(|f| f.strip_prefix(&dir).unwrap().display().to_string()).collect();
         assert_eq!(names, ["GPL", "sub/b.txt"]);
+        // A link to nothing under the folder: refused naming the link.
+        std::os::unix::fs::symlink(dir.join("gone.txt"), dir.join("sub/dangling.txt")).unwrap();
+        let error = files_under(&dir).unwrap_err().to_string();
+        assert!(error.starts_with(&format!("{}: ", dir.join("sub/dangling.txt").display())), "{error}");
         fs::remove_dir_all(&dir).unwrap();
     }
 }
