@@ -269,14 +269,19 @@ impl SequenceSharder {
     ///
     /// Panics where [`check_batch`](Self::check_batch) refuses the batch, or `rank` is out of
     /// range: check first where the input comes from a user.
+    /// What a batch's sequences are padded to a multiple of: the SP degree, twice it where a
+    /// zigzag ring cuts each ring rank's share in two chunks.
+    pub fn length_multiple(&self) -> usize {
+        if self.ring_sharding == RingSharding::Zigzag { 2 * self.sp_size } else { self.sp_size }
+    }
+
     pub fn shard_targets(&self, sequences: &[Vec<i64>], documents: Option<&[Vec<usize>]>, targets: Option<&[Vec<bool>]>, rank: usize) -> SequenceShard {
         if let Err(error) = self.check_batch(sequences, documents, targets) {
             panic!("{error}");
         }
         assert!(rank < self.sp_size, "rank {rank} is out of range for sp_size {}", self.sp_size);
         let longest = sequences.iter().map(Vec::len).max().unwrap();
-        // Zigzag cuts each ring rank's share in two chunks.
-        let multiple = if self.ring_sharding == RingSharding::Zigzag { 2 * self.sp_size } else { self.sp_size };
+        let multiple = self.length_multiple();
         let global_len = longest.max(self.pad_to.unwrap_or(0)).div_ceil(multiple) * multiple;
         let local_len = global_len / self.sp_size;
         let positions = self.positions_of(rank, global_len);

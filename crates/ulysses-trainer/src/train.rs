@@ -318,13 +318,13 @@ impl TrainConfig {
                 tracing::info!("{note}");
             }
         }
-        if self.seq_len % self.layout.sp_size != 0 {
+        let multiple = self.layout.sharder().length_multiple();
+        if self.seq_len % multiple != 0 {
+            let zigzag = if multiple == self.layout.sp_size { String::new() } else { " (twice sp: --zigzag cuts each share in two)".to_string() };
             let note = format!(
-                "seq_len {} is not a multiple of sp {}: every batch is padded by {} token(s); a multiple of {} wastes nothing",
+                "seq_len {} is not a multiple of {multiple}{zigzag}: every batch is padded by {} token(s); a multiple of {multiple} wastes nothing",
                 self.seq_len,
-                self.layout.sp_size,
-                self.layout.sp_size - self.seq_len % self.layout.sp_size,
-                self.layout.sp_size
+                multiple - self.seq_len % multiple,
             );
             if first_time(&note) {
                 tracing::warn!("{note}");
@@ -1655,11 +1655,18 @@ mod tests {
     fn validate_logs_a_note_once_a_process() {
         let mut config = TrainConfig::small(ParallelLayout::new().with_sp_size(2));
         config.seq_len = 63;
-        let note = "seq_len 63 is not a multiple of sp 2: every batch is padded by 1 token(s); a multiple of 2 wastes nothing";
+        let note = "seq_len 63 is not a multiple of 2: every batch is padded by 1 token(s); a multiple of 2 wastes nothing";
         for _ in 0..3 {
             config.validate().unwrap();
             assert!(!first_time(note), "validate has not logged the padding note, or would log it again");
         }
+        // A zigzag ring pads to twice the SP degree, and says so (it named sp's multiple).
+        let layout = ParallelLayout::new().with_sp_size(2).with_ring_size(2).with_ring_sharding(burn_ulysses::ring::RingSharding::Zigzag);
+        let mut config = TrainConfig::small(layout);
+        config.seq_len = 62;
+        config.validate().unwrap();
+        let note = "seq_len 62 is not a multiple of 4 (twice sp: --zigzag cuts each share in two): every batch is padded by 2 token(s); a multiple of 4 wastes nothing";
+        assert!(!first_time(note), "validate has not logged the zigzag padding note");
     }
 
     /// Shapes that cannot train are named before any work, with choices that can.
