@@ -720,6 +720,28 @@ fn ignored_flags(args: &Args, config: &TrainConfig, threads: bool) -> Vec<String
     notes
 }
 
+/// What `--eval-only` checks of `config`: one micro-batch a replica, and what training alone
+/// reads (the flags its note calls ignored: the optimizer, the schedule, ZeRO) at the defaults,
+/// so that a value of theirs is not refused.
+fn evaluation_settings(config: &TrainConfig) -> TrainConfig {
+    let defaults = TrainConfig::new(config.model.clone(), AdamWConfig::new(), config.layout);
+    TrainConfig {
+        grad_accumulation: 1,
+        batch_size: config.layout.dp_size,
+        steps: defaults.steps,
+        learning_rate: defaults.learning_rate,
+        optimizer: defaults.optimizer,
+        warmup_steps: defaults.warmup_steps,
+        min_lr_ratio: defaults.min_lr_ratio,
+        max_grad_norm: defaults.max_grad_norm,
+        zero_stage: defaults.zero_stage,
+        offload_optimizer: defaults.offload_optimizer,
+        offload_parameters: defaults.offload_parameters,
+        optimizer_in_backward: defaults.optimizer_in_backward,
+        ..config.clone()
+    }
+}
+
 /// `--precision`, or the backend's default: f32 on the CPU, bf16 on CUDA.
 fn precision_of(args: &Args) -> Precision {
     args.precision.unwrap_or(match args.backend {
@@ -1023,7 +1045,7 @@ fn run(mut args: Args) -> Result<(), String> {
         return Err(format!("batch_size (--batch-size) must be from 1 to {} with --eval-only (sequences a held-out batch), got {}", MAX_BATCH_SIZE, config.batch_size));
     }
     match args.eval_only {
-        true => config.clone().with_grad_accumulation(1).with_batch_size(layout.dp_size).validate()?,
+        true => evaluation_settings(&config).validate()?,
         false => config.validate()?,
     }
     // What the CPU backend cannot run, refused here (so `--check` refuses it too).

@@ -709,6 +709,12 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
         // With --eval-only, whose batch the step's rules do not check (it divided by zero).
         ("--batch-size", "0", "batch_size (--batch-size) must be from 1 to 1048576 with --eval-only"),
     ];
+    // With --eval-only, training's flags are noted as ignored, not checked (a learning rate
+    // below 0 and --zero 3 without --checkpoint-layers were refused).
+    let args = qwen3_args(&dir.join("data.jsonl"), &format!("--eval-only --learning-rate=-1 --zero 3 --check --out {}", dir.join("run").display()));
+    let output = Command::new(trainer()).args(args).args(["--launch", "threads"]).output().unwrap();
+    let text = show(&output);
+    assert!(output.status.success() && text.contains("trains nothing and saves nothing: --learning-rate,") && text.contains("--zero change nothing"), "{text}");
     for (flag, value, expected) in cases {
         // The shared arguments with this flag's value replaced (or added).
         let mut args = common_args(&dir, "run", 2);
