@@ -159,8 +159,9 @@ pub struct StepActivations {
     /// The head's piece: a tile's logits in chunks, their softmax and gradient, the head
     /// weight's gradient and its casts (under ZeRO-3 the head's group gathered too).
     pub head: u64,
-    /// Under ZeRO-3, beside each layer's pieces: the layer gathered, its gradients in f32 as
-    /// they are summed, and a tied head's gradient whole.
+    /// Beside each layer's pieces: a tile's gradients of the layer and their cast to f32; under
+    /// ZeRO-3 the layer gathered too, its gradients summed in f32, and a tied head's gradient
+    /// whole; f32 parameters' casts to the compute dtype otherwise.
     pub gathered: u64,
     /// Without ZeRO-3, beside every piece after the first micro-batch: the step's gradient
     /// sum, apart from the micro-batch's own.
@@ -220,7 +221,10 @@ impl StepActivations {
         // in f32 and passes dk and dv in f32 with their copies.
         let (ring_blocks, ring_backward) = if ring > 1 { (cb * 4 * kv_exchanged, 4 * q_exchanged + 16 * kv_exchanged) } else { (0, 0) };
         let core = cb * held + ring_blocks + statistics;
-        let core_backward = cb * backward + ring_backward;
+        // The flash backward's own: dq summed in f32 by the dK/dV kernel (Hopper's and Ampere's
+        // path), each row's D (f32) and the two rows' statistics it reads (8 bytes a row).
+        let flash_backward = 4 * q_exchanged + 3 * statistics;
+        let core_backward = cb * backward + ring_backward + flash_backward;
 
         // A tile of the token-wise parts, forward graph and backward: the after-core part is
         // the larger (the output projection's input, the residuals, the norm's four tensors,
@@ -233,13 +237,19 @@ impl StepActivations {
         let tile = cb * 2 * tile_rows * (heads * hd + 9 * d + 4 * f) + core_output;
 
         // The loss: a tile's logits a chunk at a time, in f32, with their softmax and gradient;
-        // and the head weight's size several times over: its gradient summed over the chunks
-        // (in the weight's dtype), the weight and each chunk's gradient in the logits' dtype,
-        // the piece's gradient cast to f32 as it is summed.
+        // and the head weight's size several times over. In the chunks: the weight cast to the
+        // logits' dtype (f32 under --f32-head), each chunk's gradient in that dtype, and the
+        // gradient summed over the chunks (in the weight's dtype) with its cast and new sum.
+        // From the second tile on, the tiles' gradient summed in f32 beside them; as a tile's
+        // is added, that sum with the tile's gradient and its cast.
         let zero3 = config.zero_stage == 3;
         let weight_bytes = if zero3 || config.offload_optimizer { cb } else { 4 };
+        let logits_bytes = if config.f32_head { 4 } else { cb };
+        let logits_weight = if logits_bytes == weight_bytes { 0 } else { logits_bytes };
+        let tiles_sum = if shard > tile_tokens { 4 } else { 0 };
+        let head_weights = (logits_weight + logits_bytes + 3 * weight_bytes + tiles_sum).max(4 + weight_bytes + 4);
         let chunk = (ulysses_training::default_chunk_rows(model.vocab_size) as u64).min(tile_rows);
-        let mut head = 3 * 4 * chunk * vocab + cb * 2 * tile_rows * d + vocab * d * (3 * weight_bytes + cb);
+        let mut head = 3 * 4 * chunk * vocab + cb * 2 * tile_rows * d + vocab * d * head_weights;
         if zero3 {
             // The head's group gathered for its piece: the final norm and an untied head alone,
             // a tied one with the embedding it is.
@@ -248,15 +258,20 @@ impl StepActivations {
 
         let kept = checkpointing.device_kept_tensors(model.n_layers) as u64 * rows * shard * d * cb;
         let layer = layer_parameters(model);
+        // A tile's gradients of the layer's parameters (in the compute dtype), cast to f32 as
+        // they are added to the layer's sum.
+        let tile_gradients = layer * (cb + if cb == 4 { 0 } else { 4 });
         let gathered = if zero3 {
-            // The layer's compute copy, its gradients summed in f32 and a tile's cast to f32
-            // beside them; a tied head's gradient (it lands on the embedding) whole in f32
-            // until the rest's gradients leave after the embedding's piece (an untied one
-            // leaves after the head's: `LayeredLm::visit_standalone_head`).
+            // The layer's compute copy and its gradients summed in f32; a tied head's gradient
+            // (it lands on the embedding) whole in f32 until the rest's gradients leave after
+            // the embedding's piece (an untied one leaves after the head's:
+            // `LayeredLm::visit_standalone_head`).
             let head_gradient = if model.tie_embeddings && !config.freeze_embeddings { 4 * vocab * d } else { 0 };
-            layer * (cb + 8) + head_gradient
+            layer * (cb + 4) + tile_gradients + head_gradient
         } else {
-            0
+            // The sums are the step's gradients, counted with the device's state; f32
+            // parameters are cast to the compute dtype for each piece.
+            tile_gradients + if weight_bytes == 4 && cb != 4 { layer * cb } else { 0 }
         };
         let accumulated = if !zero3 && config.grad_accumulation > 1 { gradient_bytes(config, cb) * (model.n_layers as u64 * layer + rest_parameters(model)) } else { 0 };
         Some(Self { kept, core, core_backward, tile, head, gathered, accumulated, rows, core_tokens, core_heads })
@@ -407,7 +422,8 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
         parts.push(format!("layer inputs and gradients kept {}", gb(a.kept)));
     }
     if a.gathered > 0 {
-        parts.push(format!("ZeRO-3's gathered layer and gradients {}", gb(a.gathered)));
+        let what = if config.zero_stage == 3 { "ZeRO-3's gathered layer and its gradients" } else { "a layer's gradients as a tile's are summed" };
+        parts.push(format!("{what} {}", gb(a.gathered)));
     }
     if a.accumulated > 0 {
         parts.push(format!("the gradients summed over micro-batches {}", gb(a.accumulated)));
@@ -478,6 +494,38 @@ mod tests {
             .with_seq_len(seq_len)
             .with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(true).with_tile_tokens(tile_tokens)));
         StepActivations::of(&config, 2).expect("checkpointed")
+    }
+
+    /// What the review found the estimate left out: the flash backward's f32 dq sum and its
+    /// rows' statistics (2.4 times short of the 8B shape's core backward), the head's gradient
+    /// summed in f32 over tiles, an f32 head's weight and chunk gradients, and a tile's
+    /// gradients of a layer without ZeRO-3. Per token, or per head weight element (V · d).
+    #[test]
+    fn the_flash_backward_the_heads_f32_sums_and_a_tiles_layer_gradients_are_counted() {
+        let (short, long) = (activations(65_536, 1, 1, Some(4096)), activations(131_072, 1, 1, Some(4096)));
+        // dq, dk, dv in bf16; dq summed in f32; D and the statistics in f32, three a row.
+        assert_eq!(long.core_backward - short.core_backward, 65_536 * ((32 + 2 * 8) * 128 * 2 + 32 * 128 * 4 + 3 * 32 * 4));
+        let head_weight = 128_256 * 4096;
+        let config = |f32_head: bool, tile_tokens: usize, zero: usize| {
+            let model = DecoderConfig::new(128_256).with_d_model(4096).with_n_layers(32).with_n_heads(32).with_n_kv_heads(8).with_ffn_hidden(14_336);
+            TrainConfig::new(model, AdamWConfig::new(), ParallelLayout::new())
+                .with_batch_size(1)
+                .with_seq_len(8192)
+                .with_f32_head(f32_head)
+                .with_zero_stage(zero)
+                .with_offload_optimizer(zero == 3)
+                .with_layer_checkpointing(Some(LayerCheckpointing::new().with_tile_tokens(Some(tile_tokens))))
+        };
+        let head = |f32_head, tile_tokens| StepActivations::of(&config(f32_head, tile_tokens, 3), 2).unwrap().head;
+        // Two tiles: the f32 sum of the first beside the second's chunks (bf16: 12 bytes an
+        // element, the add's 10 at one tile; a tile of 4096 rows holds half the hidden states
+        // and their gradients, bf16); an f32 head: its weight and chunk gradients in f32.
+        assert_eq!(head(false, 4096) + 2 * 2 * 4096 * 4096 - head(false, 8192), 2 * head_weight);
+        assert_eq!(head(true, 4096) - head(false, 4096), 6 * head_weight);
+        // Without ZeRO-3, f32 parameters: a tile's gradients of a layer, their cast, and the
+        // layer's weights cast to bf16 for each piece.
+        let replicated = StepActivations::of(&config(false, 4096, 0), 2).unwrap();
+        assert_eq!(replicated.gathered, layer_parameters(&config(false, 4096, 0).model) * (2 + 4 + 2));
     }
 
     #[test]
