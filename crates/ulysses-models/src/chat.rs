@@ -34,8 +34,6 @@ pub struct ChatTemplate {
     generation_blocks: bool,
     /// Every quoted word of the source (`'tool'`, `"ipython"`, ...): the roles it may name.
     quoted_words: BTreeSet<String>,
-    /// Whether the template may refuse what it does not take itself (`raise_exception`).
-    checks_itself: bool,
     /// `bos_token`, `eos_token`, ... as `tokenizer_config.json` has them.
     special_tokens: BTreeMap<String, String>,
     file: String,
@@ -80,14 +78,14 @@ impl ChatTemplate {
 
     /// A template from its source; `special_tokens` are the variables `bos_token`, ...
     pub fn new(source: &str, special_tokens: BTreeMap<String, String>, file: &str) -> Result<Self, ChatError> {
-        let (quoted_words, checks_itself) = (quoted_words(source), source.contains("raise_exception"));
+        let quoted_words = quoted_words(source);
         let rendering_text = std::iter::once(source.to_string()).chain(special_tokens.iter().map(|(name, text)| format!("{name}={text}"))).collect::<Vec<_>>().join("\n");
         let (source, generation_blocks) = marked(source);
         let mut env = environment();
         // Parsed once, here: a template that cannot parse is refused before any data.
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| ChatError { file: file.to_string(), problem: format!("its chat template does not parse: {e:#}") })?;
-        Ok(Self { env, generation_blocks, quoted_words, checks_itself, special_tokens, file: file.to_string(), rendering_text })
+        Ok(Self { env, generation_blocks, quoted_words, special_tokens, file: file.to_string(), rendering_text })
     }
 
     /// The file the template was read from.
@@ -110,10 +108,10 @@ impl ChatTemplate {
     /// `messages` (each an object with `role` and `content`, and whatever else the template
     /// reads) rendered, with the prompt for the next answer when `add_generation_prompt`.
     /// Refused: a message without a string `role`, one whose content is no string (unless it
-    /// carries tool calls and has none: [`check_content`]), and, unless the template refuses roles
-    /// itself (`raise_exception`), a role other than system, user and assistant that the
-    /// template does not name (such a template renders any other role as it renders the
-    /// user's, so a misspelt role would train silently on a wrong prompt).
+    /// carries tool calls and has none: [`check_content`]), what the template refuses itself
+    /// (`raise_exception`, its message), and a role other than system, user and assistant that
+    /// the template does not name, which it rendered as the user's or as nothing (Qwen3's
+    /// refuses no role: a misspelt one, `gpt`, would train silently on a wrong or missing turn).
     pub fn render(&self, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<RenderedChat, ChatError> {
         self.render_with(messages, &serde_json::Map::new(), add_generation_prompt)
     }
@@ -136,23 +134,49 @@ impl ChatTemplate {
                 )));
             }
         }
+        // transformers refuses tools that are no list of objects (a JSON string, as some datasets
+        // store them, would otherwise render character by character into the prompt).
+        if let Some(tools) = variables.get("tools").filter(|tools| !tools.is_null())
+            && !tools.as_array().is_some_and(|tools| tools.iter().all(serde_json::Value::is_object))
+        {
+            return Err(self.error(format!(
+                "the line's \"tools\" is {}, not a list of tool schemas (objects), which transformers' apply_chat_template refuses: \
+                 give each tool as a JSON object (a string of JSON parsed first)",
+                match tools {
+                    serde_json::Value::String(_) => "a string",
+                    serde_json::Value::Array(_) => "a list holding something other than objects",
+                    _ => "neither a list nor null",
+                }
+            )));
+        }
         if serde_json::Value::Object(variables.clone()).to_string().contains([GENERATION_START, GENERATION_END]) {
             return Err(self.error("the template variables hold the private-use character U+E000 or U+E001, with which the rendering marks the answers: take it out of the data".into()));
         }
+        let mut unnamed_role = None;
         for (index, message) in messages.iter().enumerate() {
             let Some(role) = message["role"].as_str() else {
                 return Err(self.error(format!("message {index} has no \"role\" string: each message is {{\"role\": ..., \"content\": ...}}")));
             };
-            if !self.checks_itself && !["system", "user", "assistant"].contains(&role) && !self.quoted_words.contains(role) {
-                let named: Vec<&str> = ["tool", "ipython", "developer", "function"].into_iter().filter(|r| self.quoted_words.contains(*r)).collect();
-                return Err(self.error(format!(
-                    "message {index} has the role {role:?}, which the chat template never names (it knows system, user, assistant{}): \
-                     fix the data's role, or use a checkpoint whose template takes it",
-                    named.iter().map(|r| format!(", {r}")).collect::<String>()
-                )));
+            if unnamed_role.is_none() && !["system", "user", "assistant"].contains(&role) && !self.quoted_words.contains(role) {
+                unnamed_role = Some((index, role));
             }
             check_content(index, role, message).map_err(|problem| self.error(problem))?;
         }
+        let rendered = self.rendered(messages, variables, add_generation_prompt)?;
+        // After the rendering: a template that refuses the role itself says so in its words.
+        if let Some((index, role)) = unnamed_role {
+            let named: Vec<&str> = ["tool", "ipython", "developer", "function"].into_iter().filter(|r| self.quoted_words.contains(*r)).collect();
+            return Err(self.error(format!(
+                "message {index} has the role {role:?}, which the chat template never names (it knows system, user, assistant{}): \
+                 fix the data's role, or use a checkpoint whose template takes it",
+                named.iter().map(|r| format!(", {r}")).collect::<String>()
+            )));
+        }
+        Ok(rendered)
+    }
+
+    /// The template rendered on checked messages and variables.
+    fn rendered(&self, messages: &[serde_json::Value], variables: &serde_json::Map<String, serde_json::Value>, add_generation_prompt: bool) -> Result<RenderedChat, ChatError> {
         let template = self.env.get_template(TEMPLATE_NAME).expect("added at construction");
         let mut context: BTreeMap<String, Value> = self.special_tokens.iter().map(|(name, text)| (name.clone(), Value::from(text.as_str()))).collect();
         context.extend(variables.iter().map(|(name, value)| (name.clone(), Value::from_serialize(value))));

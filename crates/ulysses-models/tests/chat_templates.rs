@@ -104,6 +104,33 @@ fn a_role_the_template_never_names_is_refused() {
     assert!(template.render(&[turn("system"), turn("user"), turn("assistant")], false).is_ok());
 }
 
+/// A template that raises for something else (Qwen3's, for a conversation without a user
+/// query) and drops a role it does not name still has that role refused: such a turn rendered
+/// as nothing, trained on silently. Tools given as a JSON string, or a list of other than
+/// objects, are refused as transformers refuses them (they rendered character by character).
+#[test]
+fn a_role_dropped_by_a_template_that_raises_for_other_things_and_tools_no_list_are_refused() {
+    let source = "{%- if messages | selectattr('role', 'equalto', 'user') | list | length == 0 %}{{ raise_exception('No user query found in messages.') }}{%- endif %}\
+                  {%- for m in messages %}{%- if m.role == 'user' %}U: {{ m.content }};{%- elif m.role == 'assistant' %}A: {{ m.content }};{%- endif %}{%- endfor %}";
+    let template = ChatTemplate::new(source, Default::default(), "tokenizer_config.json").unwrap();
+    let turn = |role: &str, content: &str| serde_json::json!({"role": role, "content": content});
+    assert_eq!(template.render(&[turn("user", "hi"), turn("assistant", "hello")], false).unwrap().text, "U: hi;A: hello;");
+    let message = template.render(&[turn("user", "hi"), turn("gpt", "hello")], false).unwrap_err().to_string();
+    assert!(message.contains("message 1 has the role \"gpt\", which the chat template never names"), "{message}");
+    // The template's own refusal, in its words, where it raises.
+    let message = template.render(&[turn("assistant", "hello")], false).unwrap_err().to_string();
+    assert!(message.contains("No user query found in messages."), "{message}");
+    let thinking = ChatTemplate::from_checkpoint(&fixtures().join("chat/thinking")).unwrap().unwrap();
+    let schema = serde_json::json!({"type": "function", "function": {"name": "add", "parameters": {}}});
+    for (tools, named) in [(serde_json::json!(schema.to_string()), "is a string"), (serde_json::json!([schema.to_string()]), "is a list holding something other than objects")] {
+        let variables = serde_json::json!({"tools": tools}).as_object().cloned().unwrap();
+        let message = thinking.render_with(&[turn("user", "hi")], &variables, false).unwrap_err().to_string();
+        assert!(message.contains(&format!("\"tools\" {named}")) && message.contains("apply_chat_template refuses"), "{message}");
+    }
+    let variables = serde_json::json!({"tools": [schema]}).as_object().cloned().unwrap();
+    assert!(thinking.render_with(&[turn("user", "hi")], &variables, false).is_ok());
+}
+
 /// Content that is no string is refused, naming the message and the fix: a template renders a
 /// list of parts, a number or a missing content as whatever its author wrote for them (the
 /// Qwen3 kind renders anything but a string as nothing), so such data would train silently on
