@@ -39,6 +39,9 @@ pub struct ChatTemplate {
     file: String,
     /// What decides how a conversation renders: the source and the special tokens.
     rendering_text: String,
+    /// The checkpoint's template named `tool_use`, which transformers renders a conversation
+    /// with where it is given tools.
+    tool_use: Option<Box<ChatTemplate>>,
 }
 
 /// A conversation rendered: the text, and the character ranges of the assistant's answers.
@@ -57,23 +60,37 @@ const GENERATION_END: char = '\u{E001}';
 impl ChatTemplate {
     /// The chat template of a checkpoint folder: `chat_template.jinja`, else `chat_template` in
     /// `tokenizer_config.json` (a string, or a list of named templates: the one named
-    /// `default`); `None` when it has neither.
+    /// `default`); `None` when it has neither. A template named `tool_use` (in that list, or
+    /// `additional_chat_templates/tool_use.jinja`) renders the conversations given tools, as
+    /// transformers' `get_chat_template` picks it.
     pub fn from_checkpoint(dir: &Path) -> Result<Option<Self>, ChatError> {
         let TokenizerConfig { file: config_file, json: config, special_tokens, .. } =
             TokenizerConfig::read(dir).map_err(|e| ChatError { file: e.file, problem: e.problem })?;
+        let named = |name: &str| config["chat_template"].as_array().and_then(|named| named.iter().find(|t| t["name"] == name)).and_then(|t| t["template"].as_str());
         // As in transformers, the file takes priority over the config's entry.
         let jinja = dir.join("chat_template.jinja");
         let (source, file) = match (fs::read_to_string(&jinja), &config["chat_template"]) {
             (Ok(source), _) => (source, jinja),
-            (Err(_), serde_json::Value::String(source)) => (source.clone(), config_file),
-            (Err(_), serde_json::Value::Array(named)) => {
-                let default = named.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str());
-                let source = default.ok_or_else(|| error(&config_file, "its chat_template list has no template named \"default\""))?;
-                (source.to_string(), config_file)
+            (Err(_), serde_json::Value::String(source)) => (source.clone(), config_file.clone()),
+            (Err(_), serde_json::Value::Array(_)) => {
+                let source = named("default").ok_or_else(|| error(&config_file, "its chat_template list has no template named \"default\""))?;
+                (source.to_string(), config_file.clone())
             }
             (Err(_), _) => return Ok(None),
         };
-        Self::new(&source, special_tokens, &file.display().to_string()).map(Some)
+        let mut template = Self::new(&source, special_tokens.clone(), &file.display().to_string())?;
+        let tool_jinja = dir.join("additional_chat_templates").join("tool_use.jinja");
+        let tool_use = match (fs::read_to_string(&tool_jinja), named("tool_use")) {
+            (Ok(source), _) => Some((source, tool_jinja)),
+            (Err(_), Some(source)) => Some((source.to_string(), config_file)),
+            (Err(_), None) => None,
+        };
+        if let Some((source, file)) = tool_use {
+            let tool_use = Self::new(&source, special_tokens, &file.display().to_string())?;
+            template.rendering_text = format!("{}\ntool_use:\n{}", template.rendering_text, tool_use.rendering_text);
+            template.tool_use = Some(Box::new(tool_use));
+        }
+        Ok(Some(template))
     }
 
     /// A template from its source; `special_tokens` are the variables `bos_token`, ...
@@ -85,7 +102,7 @@ impl ChatTemplate {
         // Parsed once, here: a template that cannot parse is refused before any data.
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| ChatError { file: file.to_string(), problem: format!("its chat template does not parse: {e:#}") })?;
-        Ok(Self { env, generation_blocks, quoted_words, special_tokens, file: file.to_string(), rendering_text })
+        Ok(Self { env, generation_blocks, quoted_words, special_tokens, file: file.to_string(), rendering_text, tool_use: None })
     }
 
     /// The file the template was read from.
@@ -102,7 +119,7 @@ impl ChatTemplate {
     /// Whether the template marks the assistant's answers (`{% generation %}`), which
     /// training on the answers alone needs.
     pub fn marks_answers(&self) -> bool {
-        self.generation_blocks
+        self.generation_blocks && self.tool_use.as_ref().is_none_or(|tool_use| tool_use.marks_answers())
     }
 
     /// `messages` (each an object with `role` and `content`, and whatever else the template
@@ -121,6 +138,9 @@ impl ChatTemplate {
     /// `chat_template_kwargs`, say `enable_thinking`). Refused: a variable named as one the
     /// rendering sets itself (`messages`, `add_generation_prompt`, a special token).
     pub fn render_with(&self, messages: &[serde_json::Value], variables: &serde_json::Map<String, serde_json::Value>, add_generation_prompt: bool) -> Result<RenderedChat, ChatError> {
+        if let Some(tool_use) = self.tool_use.as_ref().filter(|_| variables.get("tools").is_some_and(|tools| !tools.is_null())) {
+            return tool_use.render_with(messages, variables, add_generation_prompt);
+        }
         if let Some(name) = variables.keys().find(|name| ["messages", "add_generation_prompt"].contains(&name.as_str()) || self.special_tokens.iter().any(|(token, _)| token == *name)) {
             return Err(self.error(format!("the template variable {name:?} is set by the rendering itself: leave it out of the line's variables")));
         }

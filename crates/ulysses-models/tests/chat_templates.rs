@@ -76,6 +76,34 @@ fn the_template_file_takes_priority_over_the_tokenizer_configs_entry() {
     std::fs::remove_dir_all(&folder).unwrap();
 }
 
+/// A checkpoint with a template named `tool_use` (in `tokenizer_config.json`'s list, or
+/// `additional_chat_templates/tool_use.jinja`) renders a conversation given tools with it, and
+/// one without tools with `default`, as transformers' `get_chat_template` picks them (the tool
+/// lines rendered with `default` before); the data's identity names both.
+#[test]
+fn a_conversation_given_tools_renders_with_the_tool_use_template() {
+    let folder = std::env::temp_dir().join(format!("ulysses-chat-tool-use-{}", std::process::id()));
+    let messages = [serde_json::json!({"role": "user", "content": "hi"})];
+    let tools = serde_json::json!({"tools": [{"type": "function", "function": {"name": "add"}}]}).as_object().cloned().unwrap();
+    let default = "default: {{ messages[0].content }}";
+    let tool_use = "tools: {{ tools | length }} {{ messages[0].content }}";
+    for in_file in [false, true] {
+        let _ = std::fs::remove_dir_all(&folder);
+        std::fs::create_dir_all(folder.join("additional_chat_templates")).unwrap();
+        let mut named = vec![serde_json::json!({"name": "default", "template": default})];
+        match in_file {
+            true => std::fs::write(folder.join("additional_chat_templates/tool_use.jinja"), tool_use).unwrap(),
+            false => named.push(serde_json::json!({"name": "tool_use", "template": tool_use})),
+        }
+        std::fs::write(folder.join("tokenizer_config.json"), serde_json::json!({"chat_template": named}).to_string()).unwrap();
+        let template = ChatTemplate::from_checkpoint(&folder).unwrap().unwrap();
+        assert_eq!(template.render(&messages, false).unwrap().text, "default: hi", "in a file {in_file}");
+        assert_eq!(template.render_with(&messages, &tools, false).unwrap().text, "tools: 1 hi", "in a file {in_file}");
+        assert!(template.rendering_text().contains(default) && template.rendering_text().contains(tool_use), "in a file {in_file}");
+    }
+    std::fs::remove_dir_all(&folder).unwrap();
+}
+
 /// A tool call's arguments written with the template's `tojson` (plain, indented, with
 /// separators and sorted keys, ASCII only) render as transformers renders them: Python's
 /// `json.dumps`, the arguments' keys in the data's order, `1e-05` and `1e+17` as Python writes
