@@ -296,6 +296,16 @@ fn environment() -> Environment<'static> {
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", |message: String| -> Result<Value, Error> { Err(Error::new(ErrorKind::InvalidOperation, message)) });
     env.add_filter("tojson", crate::python_json::tojson);
+    // What a template prints, and its `string` filter, as Python's `str` (jinja2 prints so).
+    env.set_formatter(|out, state, value| match value.kind() {
+        minijinja::value::ValueKind::Number | minijinja::value::ValueKind::Seq | minijinja::value::ValueKind::Map | minijinja::value::ValueKind::Iterable => {
+            out.write_str(&crate::python_json::python_str(value)?).map_err(Error::from)
+        }
+        _ => minijinja::escape_formatter(out, state, value),
+    });
+    env.add_filter("string", |value: Value| -> Result<Value, Error> {
+        Ok(if value.kind() == minijinja::value::ValueKind::String { value } else { Value::from(crate::python_json::python_str(&value)?) })
+    });
     env
 }
 

@@ -1,3 +1,4 @@
+//! Values as Python writes them, for transformers' chat templates: `str` ([`python_str`]) and
 //! JSON as Python's `json.dumps` writes it: what transformers' chat templates get from their
 //! `tojson` filter (`json.dumps(x, ensure_ascii=False, indent=None, separators=None,
 //! sort_keys=False)`, each settable from the template). minijinja's own `tojson` differs in
@@ -151,6 +152,82 @@ fn write_string(text: &str, ensure_ascii: bool, out: &mut String) {
     out.push('"');
 }
 
+/// A value as Python's `str` writes it: what transformers' templates print for `{{ value }}`
+/// and `value | string` (a dict as `{'city': 'Paris'}`, `1e-05`, `True`, `None`), where
+/// minijinja prints a map as JSON and `1e-05` as `0.00001`. A string is itself; what it holds,
+/// `repr`: tool-call arguments that are no string reach the prompt so (Qwen's coder templates).
+pub fn python_str(value: &Value) -> Result<String, Error> {
+    match value.kind() {
+        ValueKind::String => Ok(value.as_str().unwrap_or_default().to_string()),
+        ValueKind::Undefined => Ok(String::new()),
+        _ => {
+            let mut out = String::new();
+            write_repr(value, &mut out)?;
+            Ok(out)
+        }
+    }
+}
+
+/// Python's `repr` of a value.
+fn write_repr(value: &Value, out: &mut String) -> Result<(), Error> {
+    match value.kind() {
+        ValueKind::None => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "True" } else { "False" }),
+        ValueKind::Number if value.is_integer() => out.push_str(&value.to_string()),
+        ValueKind::Number => {
+            let x = f64::try_from(value.clone())?;
+            out.push_str(&match x {
+                x if x.is_nan() => "nan".to_string(),
+                x if x.is_infinite() => if x > 0.0 { "inf" } else { "-inf" }.to_string(),
+                x => python_float(x),
+            });
+        }
+        ValueKind::String => write_python_string(value.as_str().unwrap_or_default(), out),
+        ValueKind::Seq | ValueKind::Iterable => {
+            out.push('[');
+            for (i, item) in value.try_iter()?.enumerate() {
+                out.push_str(if i > 0 { ", " } else { "" });
+                write_repr(&item, out)?;
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            out.push('{');
+            for (i, key) in value.try_iter()?.enumerate() {
+                out.push_str(if i > 0 { ", " } else { "" });
+                write_repr(&key, out)?;
+                out.push_str(": ");
+                write_repr(&value.get_item(&key)?, out)?;
+            }
+            out.push('}');
+        }
+        _ => out.push_str(&value.to_string()),
+    }
+    Ok(())
+}
+
+/// A string in Python's `repr` quotes: single, or double where it holds a single quote and no
+/// double one; backslashes, line ends, tabs and other control characters escaped.
+fn write_python_string(text: &str, out: &mut String) {
+    let quote = if text.contains('\'') && !text.contains('"') { '"' } else { '\'' };
+    out.push(quote);
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c == '\u{7f}' => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+}
+
 /// A float as Python's `repr` writes it: the shortest digits that read back the same, fixed
 /// between 1e-4 and 1e16 (`0.0001`, `1.0`), else in exponent form (`1e-05`, `1e+16`);
 /// `NaN` and `Infinity` as `json.dumps` allows them.
@@ -186,6 +263,21 @@ fn python_float(x: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Against CPython 3's `str` (`print(str({...}))`): a dict of a string, floats, a boolean,
+    /// None and a list of strings that need each kind of quote and escape.
+    #[test]
+    fn values_are_printed_as_python_prints_them() {
+        let value = Value::from_serialize(serde_json::json!({
+            "city": "Paris", "n": 1e-05, "ok": true, "none": null,
+            "l": [1, 2.5, "it's", "a\"b", "x\ny\\z"], "f": 1e16, "big": 123.0
+        }));
+        let python = r#"{'city': 'Paris', 'n': 1e-05, 'ok': True, 'none': None, 'l': [1, 2.5, "it's", 'a"b', 'x\ny\\z'], 'f': 1e+16, 'big': 123.0}"#;
+        assert_eq!(python_str(&value).unwrap(), python);
+        for (value, python) in [(Value::from(1e-05), "1e-05"), (Value::from(0.1 + 0.2), "0.30000000000000004"), (Value::from(f64::NAN), "nan"), (Value::from(true), "True"), (Value::from(()), "None"), (Value::from("it's"), "it's")] {
+            assert_eq!(python_str(&value).unwrap(), python);
+        }
+    }
 
     /// Each against `repr(float(x))` in CPython 3.
     #[test]

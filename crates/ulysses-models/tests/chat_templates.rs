@@ -104,6 +104,19 @@ fn a_conversation_given_tools_renders_with_the_tool_use_template() {
     std::fs::remove_dir_all(&folder).unwrap();
 }
 
+/// What a template prints that is no string, and its `string` filter, read as Python's `str`
+/// (jinja2's): tool-call arguments as Qwen's coder templates print them, `{'city': 'Paris'}`
+/// (minijinja printed `{"city": "Paris"}`), and `1e-05` (it printed `0.00001`). CPython 3's `str`.
+#[test]
+fn values_that_are_no_string_print_as_python_prints_them() {
+    let source = "{%- for m in messages %}{%- for call in m.tool_calls %}{{ call.arguments }}|{{ call.arguments | string }}|{{ call.arguments.rate }}|{{ call.arguments.rate | string }}{%- endfor %}{%- endfor %}";
+    let template = ChatTemplate::new(source, Default::default(), "chat_template.jinja").unwrap();
+    let call = serde_json::json!({"name": "weather", "arguments": {"city": "Paris", "rate": 1e-05, "days": [1, 2], "metric": true}});
+    let messages = [serde_json::json!({"role": "assistant", "tool_calls": [call]})];
+    let python = "{'city': 'Paris', 'rate': 1e-05, 'days': [1, 2], 'metric': True}";
+    assert_eq!(template.render(&messages, false).unwrap().text, format!("{python}|{python}|1e-05|1e-05"));
+}
+
 /// A tool call's arguments written with the template's `tojson` (plain, indented, with
 /// separators and sorted keys, ASCII only) render as transformers renders them: Python's
 /// `json.dumps`, the arguments' keys in the data's order, `1e-05` and `1e+17` as Python writes
