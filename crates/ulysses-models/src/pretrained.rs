@@ -847,6 +847,7 @@ impl HfCheckpointWriter {
     /// a model of `tensors` (module path and shape each, in the model's order), writing
     /// `config.json`.
     pub fn begin(config: &HfConfig, dir: &Path, options: SaveOptions, tensors: Vec<(String, Vec<usize>)>) -> Result<Self, CheckpointError> {
+        let dir = &save_folder(dir)?;
         let dtype = options.dtype;
         let torch_dtype = match dtype {
             DType::F32 => "float32",
@@ -943,7 +944,20 @@ impl HfCheckpointWriter {
         if had_earlier {
             std::fs::rename(dir, &earlier).map_err(io(dir))?;
         }
-        std::fs::rename(&self.partial, dir).map_err(io(dir))?;
+        if let Err(e) = std::fs::rename(&self.partial, dir) {
+            // Neither model lost: the earlier one back in place, the new one kept beside it,
+            // out of the way of the cleaning of torn saves' folders.
+            let put_back = had_earlier && std::fs::rename(&earlier, dir).is_ok();
+            let unsaved = dir.with_file_name(format!("{name}.unsaved-{}", std::process::id()));
+            let kept = if std::fs::rename(&self.partial, &unsaved).is_ok() { unsaved } else { self.partial.clone() };
+            self.kept = true;
+            let earlier_note = match (had_earlier, put_back) {
+                (false, _) => String::new(),
+                (true, true) => "; the earlier model is back in place".to_string(),
+                (true, false) => format!("; the earlier model is in {}", earlier.display()),
+            };
+            return Err(CheckpointError::file(dir, format!("cannot put the new model in place ({e}); it was written to {}{earlier_note}", kept.display())));
+        }
         self.kept = true;
         // The new model is in place: a model set aside that cannot be removed is no reason to
         // stop a run (the next save removes it).
@@ -989,6 +1003,17 @@ fn parent_folder(dir: &Path) -> &Path {
     dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
 }
 
+/// The folder a save writes for `dir`: where a link leads, where it is one (renaming the link
+/// would replace it with a folder, and leave the earlier model where it leads).
+fn save_folder(dir: &Path) -> Result<PathBuf, CheckpointError> {
+    match std::fs::symlink_metadata(dir) {
+        Ok(meta) if meta.file_type().is_symlink() => {
+            std::fs::canonicalize(dir).map_err(|e| CheckpointError::file(dir, format!("is a link that leads nowhere ({e}): make it lead to a folder, or remove it")))
+        }
+        _ => Ok(dir.to_path_buf()),
+    }
+}
+
 /// Whether process `pid` is alive and another (Linux: `/proc/PID`); elsewhere assumed alive,
 /// so that nothing of a save that may be running is touched. This process's own pid is a
 /// killed process's (a container restarted gives the trainer the same pid each time): it
@@ -1006,11 +1031,24 @@ fn process_lives(pid: &str) -> bool {
 /// that can be written. Creates nothing but a probe file it removes. A run would otherwise find
 /// out at its save, after its training.
 pub fn check_save_destination(dir: &Path) -> Result<(), CheckpointError> {
+    let dir = &save_folder(dir)?;
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
     if dir.exists() && !dir.is_dir() {
         return Err(CheckpointError::file(dir, "exists and is not a folder: choose another path, or move the file"));
     }
     check_only_saved_files(dir)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let device = |path: &Path| std::fs::metadata(path).map(|m| m.dev()).ok();
+        if dir.exists() && device(dir) != device(parent_folder(dir)) {
+            return Err(CheckpointError::file(
+                dir,
+                "is a mount point: a save writes the new model beside the folder and renames it into place, which a mount point \
+                 refuses; give a folder inside it (DIR/model)",
+            ));
+        }
+    }
     let parent = parent_folder(dir);
     // A relative path's last ancestor is "", which does not exist: then the working folder.
     let existing = parent.ancestors().find(|a| a.exists()).unwrap_or(Path::new("."));

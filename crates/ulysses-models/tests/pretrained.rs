@@ -569,6 +569,32 @@ fn a_saved_checkpoint_is_the_one_transformers_wrote() {
 /// and the folder reloads to identical logits. Saved over a single-file folder, nothing of it
 /// is left. `ULYSSES_SAVED_HF_DIR=DIR` also keeps it, in bf16, in `DIR-sharded/qwen3` (for
 /// `scripts/hf-check-saved.py`).
+/// A save into a link to a folder writes where it leads: the link stays, and the folder it
+/// leads to holds the new model (the link was replaced by a real folder, the earlier model left
+/// where it leads, which anything reading that path then loaded).
+#[test]
+fn a_save_into_a_link_writes_where_it_leads() {
+    use burn::tensor::DType;
+    use ulysses_models::{check_save_destination, save_pretrained};
+    let folder = model_fixtures().into_iter().find(|f| f.ends_with("qwen3")).expect("the qwen3 fixture");
+    let pretrained = from_pretrained::<Cpu>(&folder, &Default::default()).unwrap();
+    let root = std::env::temp_dir().join(format!("ulysses-models-{}-link", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let (target, link) = (root.join("scratch-tuned"), root.join("tuned"));
+    save_pretrained(&pretrained.model, &pretrained.config, &target, DType::F32).unwrap();
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    check_save_destination(&link).unwrap();
+    save_pretrained(&pretrained.model, &pretrained.config, &link, DType::BF16).unwrap();
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link was replaced");
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(target.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "bfloat16", "the folder the link leads to holds the new model");
+    let mut names: Vec<String> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    assert_eq!(names, ["scratch-tuned", "tuned"], "nothing left beside them");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 #[test]
 fn weights_past_the_shard_size_are_saved_in_shards_with_their_index() {
     use burn::tensor::DType;
