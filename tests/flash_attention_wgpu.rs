@@ -505,3 +505,41 @@ fn a_forbidden_fallback_one_ranks_heads_need_is_every_ranks_refusal() {
         assert!(message.contains("rows for rank 1's heads differ") && message.contains("forbid_dense_fallback"), "rank {rank}: {message}");
     }
 }
+
+/// In f16 the reference ring (its blocks as tensor ops, where the kernels refuse them: a head
+/// dim of 264, past their 256) stays finite where a block's sum passes f16's largest value
+/// (k and v of 4 · 264 values near 200, joined: about 422 000): the zero-weighted use of the
+/// last block that keeps every rank's backward in step summed it in f16 first, and inf · 0
+/// made every output NaN. Against the same ring in f32, within the values' spread (v is 200
+/// plus up to 1; f16's scores are rounded).
+#[test]
+fn the_reference_ring_in_f16_stays_finite_where_a_block_sums_past_f16() {
+    use burn::tensor::DType;
+    use burn_ulysses::{comm::ThreadGroup, ring::{RingSharding, ring_attention}};
+    let _counting = counting();
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    let forwards = forward_launches();
+    let per_rank = ulysses_suite::with_deadline(std::time::Duration::from_secs(60), || {
+        ThreadGroup::new(2).run(|rank| {
+            let device = Default::default();
+            let comm: std::sync::Arc<dyn burn_ulysses::comm::Communicator<Wgpu>> = rank.communicator();
+            let shape = [1, 1, 4, 264];
+            let q = uniform_tensor::<Wgpu, 4>(shape, 1, &device);
+            let kv = Tensor::<Wgpu, 4>::full(shape, 200.0, &device) + uniform_tensor::<Wgpu, 4>(shape, 2, &device);
+            let attend = |dtype: DType| {
+                let output = ring_attention(q.clone().cast(dtype), kv.clone().cast(dtype), kv.clone().cast(dtype), CAUSAL, RingSharding::Contiguous, &comm).unwrap();
+                values(output.cast(DType::F32))
+            };
+            (attend(DType::F16), attend(DType::F32))
+        })
+    });
+    assert_eq!(forward_launches(), forwards, "the fused kernels ran: the test needs the reference ring");
+    for (rank, result) in per_rank.into_iter().enumerate() {
+        let (half, full) = result.unwrap_or_else(|panic| panic!("rank {rank}: {}", panic.message));
+        assert!(half.iter().all(|x| x.is_finite()), "rank {rank}: the f16 ring's output is not finite");
+        let diff = max_abs_diff(&half, &full);
+        assert!(diff <= 1.0, "rank {rank}: f16 against f32 |Δ| {diff} (values from 200 to 201)");
+    }
+}

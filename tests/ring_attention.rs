@@ -85,3 +85,26 @@ fn a_ring_of_four_with_grouped_and_single_kv_heads() {
 fn a_ring_of_one_is_plain_attention() {
     check(1, 4, 2, true);
 }
+
+/// k and v whose shapes do not fit q (k's head dim 16 for q's 8: the ring cut the joined k, v
+/// block at q's head dim and attended over k's second half as values) are refused on every rank.
+#[test]
+fn keys_and_values_that_do_not_fit_the_queries_are_refused() {
+    let results = with_deadline(Duration::from_secs(50), || {
+        ThreadGroup::new(2).run(|rank| {
+            let device = Default::default();
+            let comm: std::sync::Arc<dyn burn_ulysses::comm::Communicator<NdArray<f32>>> = rank.communicator();
+            let t = |h, d, stream| uniform_tensor::<NdArray<f32>, 4>([2, h, SEQ / 2, d], stream, &device);
+            let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+            let wide_keys = ring_attention(t(4, HEAD_DIM, 1), t(2, 2 * HEAD_DIM, 2), t(2, HEAD_DIM, 3), options, RingSharding::Contiguous, &comm).err().map(|e| e.to_string());
+            let other_value_heads = ring_attention(t(4, HEAD_DIM, 1), t(2, HEAD_DIM, 2), t(4, HEAD_DIM, 3), options, RingSharding::Contiguous, &comm).err().map(|e| e.to_string());
+            [wide_keys, other_value_heads]
+        })
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        for message in result.unwrap_or_else(|panic| panic!("rank {rank}: {panic}")) {
+            let message = message.unwrap_or_else(|| panic!("rank {rank}: attended over k and v that do not fit q"));
+            assert!(message.contains("ring attention takes q [B, H, S/R, D], k [B, H_kv, S/R, D] and v [B, H_kv, S/R, Dv]"), "rank {rank}: {message}");
+        }
+    }
+}

@@ -383,6 +383,13 @@ impl RingPlan {
     ) -> Result<Self, UlyssesError> {
         let [batch, q_heads, local, head_dim] = query;
         let [_, kv_heads, kv_local, _] = key;
+        // The ring joins k and v in one block and cuts it at q's head dim: shapes that differ
+        // elsewhere would attend over the wrong channels, or panic deep inside the cut.
+        if key[0] != batch || value[0] != batch || value[1] != kv_heads || key[3] != head_dim {
+            return Err(UlyssesError::Shape(format!(
+                "ring attention takes q [B, H, S/R, D], k [B, H_kv, S/R, D] and v [B, H_kv, S/R, Dv]; got q {query:?}, k {key:?}, v {value:?}"
+            )));
+        }
         if kv_heads == 0 || q_heads % kv_heads != 0 {
             return Err(UlyssesError::KvHeadsNotGrouping { q_heads, kv_heads });
         }

@@ -27,7 +27,8 @@ pub(super) fn ring_attention<X: ExchangeBackend>(
     // Every rank's backward must run every pass in reverse, or a rank whose last blocks
     // were invisible (causal) would skip collectives its peers wait in: a zero-weighted use
     // of the last block keeps the whole chain of passes in the graph on every rank.
-    let keep = (forward.last_block.sum().cast(DType::F32) * 0.0).reshape([1, 1, 1, 1]);
+    // Zeroed before the sum: in f16 a block's sum passes 65 504, and inf · 0 is NaN.
+    let keep = (forward.last_block * 0.0).sum().cast(DType::F32).reshape([1, 1, 1, 1]);
     Ok((forward.output + keep).cast(dtype))
 }
 
