@@ -114,10 +114,12 @@ pub fn compute_bytes(config: &TrainConfig) -> u64 {
     }
 }
 
-/// Sequences in each micro-batch a rank runs, and tokens in its shard of each.
+/// Sequences in each micro-batch a rank runs, and tokens in its shard of each (the sequence
+/// padded as the sharder pads it: to twice the SP degree under a zigzag ring).
 fn micro_batch(config: &TrainConfig) -> (u64, u64) {
     let layout = &config.layout;
-    (config.micro_batch_rows() as u64, config.seq_len.div_ceil(layout.sp_size) as u64)
+    let multiple = layout.sharder().length_multiple();
+    (config.micro_batch_rows() as u64, (config.seq_len.div_ceil(multiple) * multiple / layout.sp_size) as u64)
 }
 
 /// Bytes of layer inputs and gradients `--offload-to-host` keeps in one rank's host memory
@@ -526,6 +528,16 @@ mod tests {
         // layer's weights cast to bf16 for each piece.
         let replicated = StepActivations::of(&config(false, 4096, 0), 2).unwrap();
         assert_eq!(replicated.gathered, layer_parameters(&config(false, 4096, 0).model) * (2 + 4 + 2));
+    }
+
+    /// A zigzag ring's shard is of the sequence padded to twice the SP degree, as the sharder
+    /// pads it: 12 tokens over sp 4 (ring 2) are 16, 4 a rank (3 before).
+    #[test]
+    fn a_zigzag_rings_shard_is_of_the_padded_sequence() {
+        let model = DecoderConfig::new(64).with_d_model(32).with_n_heads(4).with_n_kv_heads(4).with_ffn_hidden(64);
+        let layout = |sharding| ParallelLayout::new().with_sp_size(4).with_ring_size(2).with_ring_sharding(sharding);
+        let shard = |sharding| micro_batch(&TrainConfig::new(model.clone(), AdamWConfig::new(), layout(sharding)).with_batch_size(1).with_seq_len(12)).1;
+        assert_eq!((shard(burn_ulysses::ring::RingSharding::Contiguous), shard(burn_ulysses::ring::RingSharding::Zigzag)), (3, 4));
     }
 
     #[test]

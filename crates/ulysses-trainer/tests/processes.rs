@@ -581,7 +581,7 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
     // host, ZeRO-3, layers checkpointed).
     let checked = show(&succeed(run_alone(&[resumed.clone(), vec!["--check".into()]].concat(), &["--sp", "2"])));
     assert!(checked.contains("--offload-optimizer, --zero 3, --checkpoint-layers") && checked.contains("ZeRO stage 3, the optimizer on the host"), "{checked}");
-    assert!(checked.contains("ZeRO-3's gathered layer and gradients") && checked.contains("a rank's host memory keeps") && checked.contains("of the optimizer's state and gradient parts"), "{checked}");
+    assert!(checked.contains("ZeRO-3's gathered layer and its gradients") && checked.contains("a rank's host memory keeps") && checked.contains("of the optimizer's state and gradient parts"), "{checked}");
     // Any of those flags given, the run's own: a replicated optimizer cannot take the parts.
     let refused = run_launched(2, &resumed, &["--sp", "2", "--checkpoint-layers"]);
     assert!(!refused.status.success() && show(&refused).contains("(--offload-optimizer or --zero 3) true, this one has false"), "{}", show(&refused));
