@@ -429,7 +429,12 @@ impl<B: Backend> Decoder<B> {
             Some(head) => OutputHead::new(head.weight.val(), head.bias.as_ref().map(|b| b.val())),
             None => OutputHead::new(self.embedding.weight.val().transpose(), None),
         }
-        .with_logits_dtype((!self.f32_head && self.compute_dtype != FloatDType::F32).then_some(self.compute_dtype))
+        // Named, not left to the weight's dtype: a sharded optimizer's compute copy holds the
+        // head in bf16, where `--f32-head` would otherwise compute bf16 logits.
+        .with_logits_dtype(match self.f32_head {
+            true => Some(FloatDType::F32),
+            false => (self.compute_dtype != FloatDType::F32).then_some(self.compute_dtype),
+        })
     }
 
     /// The last hidden states and the output head, from which the loss is computed a chunk of
@@ -602,3 +607,21 @@ impl<B: Backend> FeedForward<B> {
         linear(&self.down, silu(linear(&self.gate, x.clone())) * linear(&self.up, x))
     }
 }
+
+#[cfg(test)]
+mod f32_head_tests {
+    use burn::{backend::NdArray, tensor::FloatDType};
+
+    use super::DecoderConfig;
+
+    /// `--f32-head` names f32 for the logits whatever the weight's dtype (a sharded optimizer's
+    /// bf16 compute copy left them bf16: `None` read as the weight's dtype).
+    #[test]
+    fn an_f32_head_computes_its_logits_in_f32_whatever_the_weights_dtype() {
+        let model = DecoderConfig::new(64).with_d_model(16).with_n_heads(2).with_n_kv_heads(2).with_ffn_hidden(32).init::<NdArray<f32>>(&Default::default());
+        let model = model.with_compute_dtype(FloatDType::BF16);
+        assert_eq!(model.clone().with_f32_head(true).output_head().logits_dtype, Some(FloatDType::F32));
+        assert_eq!(model.with_f32_head(false).output_head().logits_dtype, Some(FloatDType::BF16));
+    }
+}
+
