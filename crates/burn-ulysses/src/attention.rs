@@ -216,10 +216,11 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             AttentionLayout::check_agreement(&per_rank)?;
             // A ring's peers hold other blocks of the same sequences: the same layout, or their
             // blocks would not fit each other (NCCL cannot check a send's shape) or attend
-            // under other options.
+            // under other options; the same cut, or they would place each other's keys wrong.
             if let Some(ring) = &ring {
-                let per_rank = all_gather_host_checked(&**ring, &layout.encode(), "attention layout fields over the ring")?;
-                AttentionLayout::check_agreement(&per_rank)?;
+                let encoded = layout.encode_for_ring(context.config.ring_sharding);
+                let per_rank = all_gather_host_checked(&**ring, &encoded, "attention layout fields over the ring")?;
+                AttentionLayout::check_ring_agreement(&per_rank)?;
             }
         }
         layout.refuse_unshardable(mask.as_ref().map(dims).as_deref(), attn_bias.as_ref().map(dims).as_deref())?;

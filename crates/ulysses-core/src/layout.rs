@@ -199,6 +199,37 @@ impl AttentionLayout {
         }
         Ok(())
     }
+
+    /// [`encode`](Self::encode) and how the sequence is cut over the ring, which a ring's
+    /// peers all-gather and compare ([`check_ring_agreement`](Self::check_ring_agreement)).
+    pub fn encode_for_ring(&self, sharding: RingSharding) -> Vec<u64> {
+        let mut encoded = self.encode();
+        encoded.push(sharding as u64);
+        encoded
+    }
+
+    /// Fails, naming what differs, unless every ring peer sent the same layout and cuts the
+    /// sequence alike: peers that cut it otherwise (one contiguous, one zigzag) would attend
+    /// over keys at the wrong positions, silently.
+    pub fn check_ring_agreement(per_rank: &[Vec<u64>]) -> Result<(), UlyssesError> {
+        Self::check_agreement(per_rank)?;
+        let sharding = |values: &Vec<u64>| values.get(FIELDS.len()).copied();
+        if per_rank.iter().all(|values| sharding(values) == sharding(&per_rank[0])) {
+            return Ok(());
+        }
+        let name = |code| match code {
+            Some(code) if code == RingSharding::Contiguous as u64 => "contiguous",
+            Some(code) if code == RingSharding::Zigzag as u64 => "zigzag",
+            _ => "none",
+        };
+        let values = per_rank.iter().enumerate().map(|(rank, v)| format!("ring rank {rank} has {}", name(sharding(v)))).collect::<Vec<_>>().join(", ");
+        Err(UlyssesError::LayoutDiffers {
+            field: "ring sharding",
+            values,
+            hint: "Every rank of a ring must cut the sequence the same way: give every rank the same ParallelLayout::with_ring_sharding \
+                   (or UlyssesConfig::ring_sharding with enter_hybrid), and shard the data with it.",
+        })
+    }
 }
 
 fn describe(field: usize, value: u64) -> String {
