@@ -532,6 +532,39 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
     }
 }
 
+/// Step settings that would train silently wrong are refused on every rank by the library (the
+/// trainer's flags are checked apart): a clipping limit below 0 turned the gradient around, 0
+/// zeroed it, NaN clipped nothing; a learning rate below 0 climbed the loss.
+#[test]
+fn step_settings_that_would_train_wrong_are_refused_on_every_rank() {
+    use ulysses_training::{StepInput, train_step};
+    let cases = [
+        (1e-2, Some(-1.0), "max_grad_norm is -1;"),
+        (1e-2, Some(0.0), "max_grad_norm is 0;"),
+        (1e-2, Some(f64::NAN), "max_grad_norm is NaN;"),
+        (-1e-3, None, "the learning rate is -0.001;"),
+        (f64::INFINITY, None, "the learning rate is inf;"),
+    ];
+    for (learning_rate, max_grad_norm, needle) in cases {
+        let messages = with_deadline(Duration::from_secs(50), move || {
+            ThreadGroup::new(2).run(|rank| {
+                let layout = ParallelLayout::new().with_sp_size(2);
+                let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+                let _sp = enter_sp(&groups);
+                let device = Default::default();
+                let decoder = deterministic_params(config(layout, 1).model.init::<Sp>(&device), INIT_SEED);
+                let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
+                let step = StepInput { index: 2, learning_rate, micro_batches: &batch, documents: None, targets: None, max_grad_norm };
+                train_step(decoder, &mut AdamWConfig::new().init(), &step, &layout.sharder(), &groups, &device).err().map(|e| e.to_string()).expect("refused")
+            })
+        });
+        for (rank, message) in messages.into_iter().enumerate() {
+            let message = message.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}"));
+            assert!(message.contains("step 2") && message.contains(needle), "rank {rank}, `{needle}` missing from: {message}");
+        }
+    }
+}
+
 /// The decoder with attention that ignores the packed documents (as a model of one's own that
 /// never calls `attention_in_documents`).
 #[derive(burn::module::Module, Debug)]
@@ -1355,11 +1388,25 @@ fn an_update_in_the_backward_that_cannot_end_loses_the_state_by_name() {
             let inputs = backward_step_zero3(&model, &bad_step, &sharder, &groups, &device, &checkpointing, &mut parts).err().expect("a token outside the vocabulary is refused").to_string();
             let local = backward_step_zero3(&model, &step(0), &sharder, &groups, &device, &checkpointing, &mut parts).unwrap();
             let retried = apply_step_zero3(model, &mut optimizer, &mut parts, &step(0), local, &groups).err().expect("the abandoned update lost the state").to_string();
-            (failed, after, open, unapplied, refused, inputs, retried)
+
+            // The backward, or the apply, given other settings than the update began with (it
+            // updates at its own learning rate, and clips nothing): refused, not ignored.
+            let (model, mut parts, mut optimizer) = shard(fresh(), false);
+            parts.update_in_backward(&mut optimizer, &step(0)).unwrap();
+            let slower = StepInput { learning_rate: 1e-3, ..step(0) };
+            let other_rate = backward_step_zero3(&model, &slower, &sharder, &groups, &device, &checkpointing, &mut parts).err().expect("another learning rate is refused").to_string();
+            let (model, mut parts, mut optimizer) = shard(fresh(), false);
+            parts.update_in_backward(&mut optimizer, &step(0)).unwrap();
+            let local = backward_step_zero3(&model, &step(0), &sharder, &groups, &device, &checkpointing, &mut parts).unwrap();
+            let clipped = StepInput { max_grad_norm: Some(1.0), ..step(0) };
+            let clipping = apply_step_zero3(model, &mut optimizer, &mut parts, &clipped, local, &groups).err().expect("clipping is refused").to_string();
+            (failed, after, open, unapplied, refused, inputs, retried, other_rate, clipping)
         })
     });
     for (rank, outcome) in outcome.into_iter().enumerate() {
-        let (failed, after, open, unapplied, refused, inputs, retried) = outcome.unwrap_or_else(|p| panic!("{p}"));
+        let (failed, after, open, unapplied, refused, inputs, retried, other_rate, clipping) = outcome.unwrap_or_else(|p| panic!("{p}"));
+        assert!(other_rate.contains("learning rate 0.001") && other_rate.contains("begun with learning rate 0.01"), "rank {rank}: {other_rate}");
+        assert!(clipping.contains("max_grad_norm Some(1.0)") && clipping.contains("the same StepInput"), "rank {rank}: {clipping}");
         assert!(inputs.contains("outside the model's vocabulary"), "rank {rank}: {inputs}");
         assert!(
             retried.contains("state is lost") && retried.contains("step 0's update in the backward began, and the step failed in its backward: none of its groups had reached the update yet"),

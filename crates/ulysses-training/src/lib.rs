@@ -274,7 +274,7 @@ where
 {
     // Parts a failed step left behind are not this step's.
     drop(parameters.take_gradient_parts());
-    parameters.check_update_in_backward_of(step.index, "begun in its backward")?;
+    parameters.check_update_in_backward_of(step, "begun in its backward")?;
     let local = backward_step_layered(model, step, sharder, groups, device, checkpointing, &mut parameters.over(&*groups.world));
     if local.is_err() {
         // Its update in the backward has updated the groups it was given: the optimizer's
@@ -329,7 +329,9 @@ where
     B: TrainBackend,
     M: CausalLm<B>,
 {
-    let checked = check_step_inputs::<B, M>(model, step.micro_batches, sharder, groups).and_then(|()| check_step_annotations(step, sharder));
+    let checked = check_step_inputs::<B, M>(model, step.micro_batches, sharder, groups)
+        .and_then(|()| check_step_annotations(step, sharder))
+        .and_then(|()| check_step_settings(step.index, step.learning_rate, step.max_grad_norm));
     let sp_rank = groups.sp_rank();
     let shards: Vec<_> = match &checked {
         Ok(()) => step
@@ -523,7 +525,7 @@ where
     // backward (`ShardedParameters::update_in_backward`) is given its last group and ends.
     let arrived = parameters.arrive_gradient_parts();
     let in_backward = parameters.updating_in_backward();
-    let arrived = arrived.and(parameters.close_update_in_backward(step.index));
+    let arrived = arrived.and(parameters.close_update_in_backward(step));
     let (arrived, checks) = match arrived.and_then(|()| optimizer.part_checks()) {
         // It stopped at a part that was not finite and sent no more: the state is lost, the
         // health check below names the part.
@@ -620,6 +622,9 @@ where
     ];
     let gathered = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &verdict, "step health values")?;
     check_same_settings(step.index, &gathered)?;
+    // Rank 0's, which every rank holds now (the same bits on each: NaN is no clipping).
+    let (limit, rate) = (f64::from_bits(gathered[0][2]), f64::from_bits(gathered[0][3]));
+    check_step_settings(step.index, rate, (!limit.is_nan()).then_some(limit))?;
     let ignoring: Vec<usize> = (0..gathered.len()).filter(|&r| gathered[r][5] == 1).collect();
     if !ignoring.is_empty() {
         return Err(UlyssesError::InvalidConfig(format!(
@@ -642,6 +647,22 @@ where
         });
     }
     Ok((losses, gathered.iter().any(|v| v[4] == 1)))
+}
+
+/// Refuses step settings that would train silently wrong: a learning rate below 0 or not
+/// finite (a step up the gradient, or NaN parameters), a clipping limit not above 0 (below 0
+/// the clipping turns the gradient around, 0 zeroes it) or NaN (read as no clipping).
+fn check_step_settings(step: usize, learning_rate: f64, max_grad_norm: Option<f64>) -> Result<(), UlyssesError> {
+    if !(learning_rate.is_finite() && learning_rate >= 0.0) {
+        return Err(UlyssesError::InvalidConfig(format!("step {step}: the learning rate is {learning_rate}; give a finite number, 0 or more")));
+    }
+    if let Some(limit) = max_grad_norm.filter(|limit| !(*limit > 0.0)) {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "step {step}: max_grad_norm is {limit}; clipping needs a limit above 0 (below 0 it turns the gradient around, 0 zeroes it): \
+             give one, or None to clip nothing"
+        )));
+    }
+    Ok(())
 }
 
 /// Refuses a step whose ranks were given different settings (gathered as

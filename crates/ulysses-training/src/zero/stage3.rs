@@ -298,6 +298,8 @@ struct PartUpdates {
 struct InBackward {
     /// The step it updates.
     step: usize,
+    /// The learning rate it updates at: the step's backward and apply must be given the same.
+    learning_rate: f64,
     /// Bounded: the host holds at most a group queued beside the one being updated (and the
     /// next arriving), whatever the update's pace.
     groups: SyncSender<GroupGradients>,
@@ -881,14 +883,14 @@ impl<B: TrainBackend> ShardedParameters<B> {
         let (open, abandoned) = (Arc::new(()), Arc::new(OnceLock::new()));
         optimizer.link_backward(BackwardLink { open: Arc::downgrade(&open), abandoned: Arc::clone(&abandoned) });
         self.updates = Some(PartUpdates { arriving, waiting: vec![false; count] });
-        self.in_backward = Some(InBackward { step: step.index, groups, _open: open, abandoned, targets: true, sent: vec![false; count] });
+        self.in_backward = Some(InBackward { step: step.index, learning_rate: step.learning_rate, groups, _open: open, abandoned, targets: true, sent: vec![false; count] });
         Ok(())
     }
 
     /// Ends this step's update in the backward, if there is one ([`update_in_backward`](Self::update_in_backward)):
     /// it takes no more groups, and ends once it has updated those it was given. Refused where
     /// it was begun for another step than `step` (that step's is then abandoned).
-    pub(crate) fn close_update_in_backward(&mut self, step: usize) -> Result<(), UlyssesError> {
+    pub(crate) fn close_update_in_backward(&mut self, step: &crate::StepInput) -> Result<(), UlyssesError> {
         self.check_update_in_backward_of(step, "applied")?;
         self.in_backward = None;
         Ok(())
@@ -909,17 +911,28 @@ impl<B: TrainBackend> ShardedParameters<B> {
     }
 
     /// Refuses step `step` being `done` (its backward begun, or applied) while an update in
-    /// the backward begun for another step is still open (that step's is abandoned).
-    pub(crate) fn check_update_in_backward_of(&mut self, step: usize, done: &str) -> Result<(), UlyssesError> {
-        match self.in_backward.as_ref().map(|in_backward| in_backward.step) {
-            Some(begun) if begun != step => {
-                self.abandon_update_in_backward(&format!("was never applied (step {step} was {done} instead)"));
-                Err(UlyssesError::InvalidConfig(format!(
-                    "step {step} {done}, but the update in the backward was begun for step {begun}, never applied: the host optimizer's state is lost (resume from the last checkpoint)"
-                )))
-            }
-            _ => Ok(()),
+    /// the backward begun for another step is still open, or begun for this one with another
+    /// learning rate, or where `step` asks for clipping (the update takes neither from it):
+    /// that update is abandoned.
+    pub(crate) fn check_update_in_backward_of(&mut self, step: &crate::StepInput, done: &str) -> Result<(), UlyssesError> {
+        let Some((begun, rate)) = self.in_backward.as_ref().map(|in_backward| (in_backward.step, in_backward.learning_rate)) else { return Ok(()) };
+        let index = step.index;
+        if begun != index {
+            self.abandon_update_in_backward(&format!("was never applied (step {index} was {done} instead)"));
+            return Err(UlyssesError::InvalidConfig(format!(
+                "step {index} {done}, but the update in the backward was begun for step {begun}, never applied: the host optimizer's state is lost (resume from the last checkpoint)"
+            )));
         }
+        if rate.to_bits() != step.learning_rate.to_bits() || step.max_grad_norm.is_some() {
+            self.abandon_update_in_backward(&format!("was {done} with other settings"));
+            return Err(UlyssesError::InvalidConfig(format!(
+                "step {index} {done} with learning rate {} and max_grad_norm {:?}, but its update in the backward was begun with learning rate \
+                 {rate} and no clipping, which is what it updates with: give update_in_backward, backward_step_zero3 and apply_step_zero3 \
+                 the same StepInput. The host optimizer's state is lost (resume from the last checkpoint)",
+                step.learning_rate, step.max_grad_norm
+            )));
+        }
+        Ok(())
     }
 
     /// Gives up the new parts the last update has not yet sent (an update in the backward that
