@@ -440,6 +440,16 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
     };
     let Some(scaling) = scaling else { return Ok((keys.positive("rope_theta", 10_000.0)?, RopeScaling::Default)) };
     let inner = scaling.as_object().ok_or_else(|| keys.error(section, format!("must be an object, got {scaling}")))?;
+    // transformers 5's per-layer-type form (`{"full_attention": {..}, "sliding_attention": {..}}`),
+    // which these families' rotary embedding cannot read (it looks up the section's own
+    // `rope_type`): read at the top level it would be default RoPE at θ 10 000, silently.
+    if let Some((name, _)) = inner.iter().find(|(_, value)| value.is_object()) {
+        return Err(keys.error(
+            &format!("{section}.{name}"),
+            "is an object: RoPE per layer type is not read (transformers cannot run Llama, Mistral, Qwen2 or Qwen3 with it either); \
+             give one section, its keys (rope_type, rope_theta, factor, ...) at its top level",
+        ));
+    }
     let inner_keys = Keys { object: inner, file: keys.file };
     let field = |name: &str| format!("{section}.{name}");
     let number = |name: &str| -> Result<f64, ConfigError> {
@@ -516,8 +526,10 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
             RopeScaling::Yarn { factor, original_max_position_embeddings: context, original_given: original.is_some(), beta_fast, beta_slow, attention_factor, mscales, truncate }
         }
         other => {
+            // Named by the key the file has (transformers 4's `type` where `rope_type` is absent).
+            let key = if inner_keys.get("rope_type").is_none() && inner_keys.get("type").is_some() { "type" } else { "rope_type" };
             return Err(keys.error(
-                &field("rope_type"),
+                &field(key),
                 format!("is {other:?}; the RoPE types represented are \"default\", \"linear\", \"llama3\" and \"yarn\""),
             ));
         }
@@ -754,6 +766,13 @@ mod tests {
             (with(LLAMA, "model_type", json!("gemma2")), "`model_type` is \"gemma2\"; this decoder represents llama, mistral, qwen2, qwen3"),
             (with(LLAMA, "architectures", json!(["LlamaForSequenceClassification"])), "`architectures`"),
             (with(LLAMA, "rope_scaling", json!({"rope_type": "dynamic", "factor": 4.0})), "`rope_scaling.rope_type` is \"dynamic\""),
+            (with(LLAMA, "rope_scaling", json!({"type": "dynamic", "factor": 4.0})), "`rope_scaling.type` is \"dynamic\""),
+            // transformers 5's RoPE per layer type: at the section's top level it read as
+            // default RoPE at θ 10 000, silently.
+            (
+                with(&with(LLAMA, "rope_scaling", Value::Null), "rope_parameters", json!({"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}})),
+                "`rope_parameters.full_attention` is an object: RoPE per layer type is not read",
+            ),
             (with(LLAMA, "rope_scaling", json!({"rope_type": "yarn", "factor": 4.0, "truncate": "no"})), "`rope_scaling.truncate` is \"no\""),
             (with(LLAMA, "rope_scaling", json!({"rope_type": "llama3", "factor": 8.0})), "`rope_scaling.low_freq_factor` is missing"),
             (with(LLAMA, "num_key_value_heads", json!(5)), "`num_key_value_heads` is 5, which does not divide num_attention_heads 32"),
