@@ -255,9 +255,11 @@ impl NcclCommunicator {
         let limit = checks.deadline.saturating_duration_since(now).max(Duration::from_secs(1));
         let left = match self.process.rendezvous.left_within(limit) {
             Ok(left) => left,
+            // Rank 0's server answers from a thread of its own whatever its rank does: no
+            // answer means its process or node stopped, not that a collective ran long.
             Err(ulysses_dist::DistError::RendezvousTimeout { .. }) => {
                 self.abort();
-                return Err(NcclError::Timeout { op, after: self.process.timeout });
+                return Err(NcclError::RendezvousStalled { op, after: limit });
             }
             // A closed connection: rank 0, which serves the rendezvous, is gone.
             Err(_) => LeftRanks { died: vec![0], finished: Vec::new() },

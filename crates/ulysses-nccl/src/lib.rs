@@ -79,6 +79,12 @@ pub enum NcclError {
          NCCL_SOCKET_IFNAME to the one that reaches rank 0"
     )]
     Timeout { op: &'static str, after: std::time::Duration },
+    #[error(
+        "{op} aborted: rank 0, which serves the rendezvous, did not answer within {after:?} whether any rank had left, while this rank \
+         waited in the collective. Its process or node is likely stopped or unreachable (suspended, out of memory, a network partition): \
+         look at rank 0's output and node first"
+    )]
+    RendezvousStalled { op: &'static str, after: std::time::Duration },
     #[error("{op} aborted: rank(s) {ranks:?} died (their rendezvous connection closed). Look at their own errors first.")]
     PeerDied { op: &'static str, ranks: Vec<usize> },
     #[error(
