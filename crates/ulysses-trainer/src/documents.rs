@@ -887,8 +887,9 @@ mod tests {
     }
 
     /// A folder is read for its data files alone: hidden files and a dataset's README are
-    /// not documents; a training split beside a test split is refused; an attention mask
-    /// with padding is refused.
+    /// not documents; a held-out split beside other files is refused, as are text files beside
+    /// JSON Lines, a Git LFS pointer, and a single file of JSON Lines or CSV under a name read
+    /// as text; an attention mask with padding is refused.
     #[test]
     fn a_folder_reads_its_data_files_alone() {
         let dir = std::env::temp_dir().join(format!("ulysses-documents-folder-{}", std::process::id()));
@@ -904,8 +905,37 @@ mod tests {
         assert_eq!(reader.read(&dir).unwrap().ids.len(), 2);
         fs::write(dir.join("test.jsonl"), "[7, 8]\n").unwrap();
         let error = reader.read(&dir).err().expect("a test split beside the training one");
-        assert!(error.contains("holds a training split beside held-out ones") && error.contains("test.jsonl"), "{error}");
+        assert!(error.contains("holds held-out splits") && error.contains("test.jsonl"), "{error}");
         fs::remove_file(dir.join("test.jsonl")).unwrap();
+        // Without a file named for training too (`data.jsonl` beside `data_test.jsonl`).
+        fs::write(dir.join("data_test.jsonl"), "[7, 8]\n").unwrap();
+        let error = reader.read(&dir).err().expect("a test split beside a file not named for training");
+        assert!(error.contains("holds held-out splits") && error.contains("data_test.jsonl"), "{error}");
+        fs::remove_file(dir.join("data_test.jsonl")).unwrap();
+        // A licence as text beside the JSON Lines: it would be trained on as a document.
+        fs::write(dir.join("LICENSE.txt"), "Permission is hereby granted").unwrap();
+        let error = reader.read(&dir).err().expect("text beside JSON Lines");
+        assert!(error.contains("beside text files") && error.contains("LICENSE.txt"), "{error}");
+        fs::remove_file(dir.join("LICENSE.txt")).unwrap();
+        // A clone without git-lfs: pointers in place of the data, refused as such.
+        let pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 1234\n";
+        fs::write(dir.join("zz.jsonl"), pointer).unwrap();
+        let error = reader.read(&dir).err().expect("an LFS pointer");
+        assert!(error.contains("zz.jsonl is a Git LFS pointer") && error.contains("git lfs pull"), "{error}");
+        fs::remove_file(dir.join("zz.jsonl")).unwrap();
+        // A single file: JSON Lines under another name, CSV, a pointer as text; a text file
+        // and a file with no extension are text.
+        for (name, text, needle) in [
+            ("lines.ndjson", "{\"text\": \"a group.\"}\n", "rename it to .jsonl"),
+            ("table.csv", "text\na group.\n", "this format is not read"),
+            ("corpus.txt", pointer, "is a Git LFS pointer"),
+        ] {
+            let file = std::env::temp_dir().join(format!("ulysses-documents-{}-{name}", std::process::id()));
+            fs::write(&file, text).unwrap();
+            let error = reader.read(&file).err().unwrap_or_else(|| panic!("{name} read"));
+            assert!(error.contains(needle), "{name}: {error}");
+            fs::remove_file(&file).unwrap();
+        }
         // Splits as folders, as Hugging Face lays them out.
         fs::create_dir_all(dir.join("validation")).unwrap();
         fs::write(dir.join("validation/part-0.jsonl"), "[7, 8]\n").unwrap();

@@ -46,16 +46,53 @@ fn walk(path: &Path, files: &mut Vec<PathBuf>, folders: &mut HashSet<PathBuf>) -
 
 /// The files of a --data folder that hold documents (JSON Lines as `.jsonl` or `.json`, text
 /// as `.txt`), and the others, which are not read (a dataset's `README.md`, `LICENSE`). A
-/// file given itself is read whatever its name. Refused: a folder that holds a training split
-/// beside a test or validation one (`train.jsonl` and `test.jsonl`), all of which it would
-/// train on. `flag` names the path in messages (`--data`, `--eval-data`).
+/// file given itself is read whatever its name, as one text document unless it is JSON.
+/// Refused, as they would train on what the user did not mean:
+/// - a folder that holds a test or validation split beside other files (`train.jsonl` and
+///   `test.jsonl`, `data.jsonl` and `data_test.jsonl`), all of which it would train on;
+/// - a folder of JSON beside text files (a `LICENSE.txt` beside `data.jsonl`: `datasets` reads
+///   a folder in one format);
+/// - a file given itself whose name says a format this reader does not take (`.csv`,
+///   `.parquet`, compressed), or that holds JSON Lines under another name (`.ndjson`): each
+///   would be one text document of its syntax;
+/// - a Git LFS pointer in place of its data (a dataset cloned without `git lfs`).
+///
+/// `flag` names the path in messages (`--data`, `--eval-data`).
 pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), String> {
     let files = files_under(path).map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))?;
+    let extension = |file: &Path, names: &[&str]| file.extension().is_some_and(|e| names.iter().any(|d| e.eq_ignore_ascii_case(d)));
     if !path.is_dir() {
+        const NOT_READ: [&str; 10] = ["csv", "tsv", "parquet", "arrow", "gz", "zst", "bz2", "xz", "zip", "tar"];
+        if extension(path, &NOT_READ) {
+            return Err(format!(
+                "{flag} {}: this format is not read (a file of another name than .jsonl or .json is one text document); convert it to \
+                 JSON Lines, one {{\"text\": ...}} (or messages, prompt and completion, input_ids) object a line, as a .jsonl file",
+                path.display()
+            ));
+        }
+        if !extension(path, &["jsonl", "json", "txt"]) && first_line_is_a_json_object(path) {
+            return Err(format!(
+                "{flag} {} holds JSON Lines but is not named .jsonl, so it would be read as one text document of JSON: rename it to .jsonl",
+                path.display()
+            ));
+        }
+        refuse_lfs_pointers(flag, &files)?;
         return Ok((files, Vec::new()));
     }
-    let is_data = |file: &PathBuf| file.extension().is_some_and(|e| ["jsonl", "json", "txt"].iter().any(|d| e.eq_ignore_ascii_case(d)));
+    let is_data = |file: &PathBuf| extension(file, &["jsonl", "json", "txt"]);
     let (data, others): (Vec<PathBuf>, Vec<PathBuf>) = files.into_iter().partition(is_data);
+    let (json, text): (Vec<&PathBuf>, Vec<&PathBuf>) = data.iter().partition(|file| extension(file, &["jsonl", "json"]));
+    if !json.is_empty() && !text.is_empty() {
+        let names = |files: &[&PathBuf]| files.iter().take(3).map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ");
+        return Err(format!(
+            "{flag} {} holds JSON Lines ({}) beside text files ({}), and every data file of a folder is read: a text file there is \
+             likely not data (a LICENSE.txt or README.txt). Give a folder of one format (or the file itself); text you mean to train \
+             on as {{\"text\": ...}} lines",
+            path.display(),
+            names(&json),
+            names(&text)
+        ));
+    }
     // A split's name is a word of the file's name or of a folder's below `path`
     // (`test.jsonl`, `data/test/part-0.jsonl`); a file named for training is training data
     // whatever else its name says (`unit_test_train.jsonl`).
@@ -65,9 +102,9 @@ pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>
     };
     let training = |file: &PathBuf| split(file, &["train"]);
     let held_out: Vec<&PathBuf> = data.iter().filter(|f| !training(f) && split(f, &["test", "validation", "valid", "val", "eval", "dev"])).collect();
-    if data.iter().any(training) && !held_out.is_empty() {
+    if !held_out.is_empty() && held_out.len() < data.len() {
         return Err(format!(
-            "{flag} {} holds a training split beside held-out ones ({}), and every file of a folder is read: give the training \
+            "{flag} {} holds held-out splits ({}) beside other data files, and every file of a folder is read: give the training \
              split's file (or a folder of it alone) as --data, and a held-out one as --eval-data",
             path.display(),
             held_out.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")
@@ -80,7 +117,38 @@ pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>
             if others.is_empty() { String::new() } else { format!(" (not data: {})", others.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")) }
         ));
     }
+    refuse_lfs_pointers(flag, &data)?;
     Ok((data, others))
+}
+
+/// Whether `file`'s first line is a JSON object (JSON Lines, whatever the file's name).
+fn first_line_is_a_json_object(file: &Path) -> bool {
+    use std::io::{BufRead, Read};
+    let Ok(opened) = fs::File::open(file) else { return false };
+    let mut line = String::new();
+    // A text corpus's first line is short; JSON Lines' first object is read whole (bounded).
+    let read = std::io::BufReader::new(opened).take(1 << 20).read_line(&mut line);
+    read.is_ok() && line.trim_start().starts_with('{') && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(line.trim()).is_ok()
+}
+
+/// Refuses a Git LFS pointer in place of a data file: a dataset cloned without `git lfs` holds
+/// three lines naming each file's content, which would be read as data (as text, trained on).
+fn refuse_lfs_pointers(flag: &str, files: &[PathBuf]) -> Result<(), String> {
+    use std::io::Read;
+    const POINTER: &[u8] = b"version https://git-lfs.github.com/spec/";
+    for file in files {
+        let mut start = [0u8; POINTER.len()];
+        // A file shorter than the pointer's first words is no pointer.
+        let read = fs::File::open(file).and_then(|mut opened| opened.read_exact(&mut start));
+        if read.is_ok() && start == POINTER {
+            return Err(format!(
+                "{flag}: {} is a Git LFS pointer, not its data (the dataset was cloned without git-lfs): run `git lfs pull` in its clone, \
+                 or download it with huggingface-cli",
+                file.display()
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
