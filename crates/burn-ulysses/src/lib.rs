@@ -52,6 +52,11 @@ pub mod primitive;
 pub mod topology;
 pub mod visibility;
 
+// The patched burn-autodiff (third_party/README.md; docs/library.md, "Depending on it from a
+// crate of your own"): a build against the registry's 0.21.0, which loses gradients when ranks
+// are threads, stops here.
+const _: () = burn_autodiff::BURN_ULYSSES_NEEDS_THE_PATCHED_BURN_AUTODIFF_SEE_ITS_THIRD_PARTY_README;
+
 // The layout rules and errors are Burn-free (ulysses-core), shared with the burn 0.22 crate.
 pub use ulysses_core::{error, layout};
 

@@ -34,6 +34,12 @@ mod backend;
 
 pub(crate) mod runtime;
 
+/// burn-ulysses patch: a mark only this patched copy has. burn-ulysses names it, so that a
+/// build against the registry's 0.21.0, whose `float_cat` loses gradients when ranks are
+/// threads of one process, fails to compile rather than train (burn-ulysses' third_party/README.md).
+#[doc(hidden)]
+pub const BURN_ULYSSES_NEEDS_THE_PATCHED_BURN_AUTODIFF_SEE_ITS_THIRD_PARTY_README: () = ();
+
 pub use backend::*;
 
 /// A facade around for HashMap and HashSet.
