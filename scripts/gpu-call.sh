@@ -7,8 +7,15 @@
 #   scripts/gpu-call.sh kernels:tests=240 nccl=60 train=240
 #
 # A part is FOLDER[:RUN][=SECONDS]: FOLDER one of scripts/gpu-bundle.sh's folders (kernels,
-# memory, nccl, train), RUN its KERNELS_RUN, MEMORY_RUN or TRAIN_RUN, SECONDS its limit (default 120; a
-# part still running then is killed and recorded as status 124). The bundle comes either as the
+# memory, nccl, train), RUN its KERNELS_RUN, MEMORY_RUN or TRAIN_RUN (else the environment's, else
+# tests, alst, check), SECONDS its limit (default 120; a part still running then is killed and
+# recorded as status 124). Settings NAME=VALUE before a part are that part's alone, so one call
+# can run a part twice, under two settings, side by side (a repeated part's logs go to
+# FOLDER-RUN-2, -3, ...):
+#
+#   scripts/gpu-call.sh memory:alst=200 MEMORY_OFFLOAD=0 memory:alst=200
+#
+# The bundle comes either as the
 # folders in .gpu-bundle or as the compressed .gpu-carry/bundle.tar.xz (all four folders in one
 # carry, under the 64 MiB a call takes), unpacked with Python (no xz binary needed).
 set -uo pipefail
@@ -116,7 +123,13 @@ pack() {
     archive cubecl-cache.tar.xz "$cache"
     archive nv-cache.tar.gz "$nv_cache"
 }
+settings=()
 for part in "$@"; do
+    # A setting for the next part (upper-case names; folders are lower-case).
+    if [[ $part =~ ^[A-Z_][A-Z0-9_]*= ]]; then
+        settings+=("$part")
+        continue
+    fi
     spec=${part%%=*}
     seconds=120
     [ "$spec" != "$part" ] && seconds=${part#*=}
@@ -124,15 +137,22 @@ for part in "$@"; do
     run=""
     [ "$spec" != "$folder" ] && run=${spec#*:}
     name=${spec/:/-}
+    if [ -e "$logs/$name" ]; then
+        n=2
+        while [ -e "$logs/$name-$n" ]; do n=$((n + 1)); done
+        name="$name-$n"
+    fi
     mkdir -p "$logs/$name"
-    echo "== part $name (limit ${seconds} s)"
+    echo "== part $name (limit ${seconds} s)${settings[*]:+ with ${settings[*]}}"
     started=$(date +%s)
     entries=$(ptx_entries)
     # timeout signals its whole process group: a part's children (launched ranks) end too.
-    KERNELS_RUN=${run:-tests} MEMORY_RUN=${run:-alst} TRAIN_RUN=${run:-check} OUT="$logs/$name" GPU_CALL_PART_SECONDS="$seconds" \
+    env KERNELS_RUN="${run:-${KERNELS_RUN:-tests}}" MEMORY_RUN="${run:-${MEMORY_RUN:-alst}}" TRAIN_RUN="${run:-${TRAIN_RUN:-check}}" \
+        OUT="$logs/$name" GPU_CALL_PART_SECONDS="$seconds" "${settings[@]}" \
         timeout --kill-after=10 "$seconds" "$bundle/$folder/gpu-run.sh" 2>&1 | tee "$logs/$name/console.log" | tail -n 40
     status=${PIPESTATUS[0]}
-    echo "$name $status $(( $(date +%s) - started ))s, PTX cache $entries + $(( $(ptx_entries) - entries )) compiled here" | tee -a "$logs/parts.txt"
+    echo "$name $status $(( $(date +%s) - started ))s, PTX cache $entries + $(( $(ptx_entries) - entries )) compiled here${settings[*]:+, ${settings[*]}}" | tee -a "$logs/parts.txt"
+    settings=()
     pack
 done
 nvidia-smi >"$logs/nvidia-smi.txt" 2>&1

@@ -147,13 +147,15 @@ if has flash-attention-tests; then
         step kernel-test-past-2-pow-32 env ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture --exact bf16_past_2_pow_32_elements_per_tensor_against_chunks ;;
     bench)
         # BENCH_ARGS narrows or extends the sweep (e.g. "--heads 16 --seqs 8192,32768 --skews 0,8");
-        # by default the register-fragment engine CUDA runs (not the planned one's 28 shapes).
+        # by default the register-fragment engine CUDA runs (not the planned one's 28 shapes), 1.5 s
+        # a timing: the 16 shapes and SDPA's in about 150 s.
         step flash-bench env ULYSSES_SDPA_SCRIPT="$here/sdpa_reference.py" "$here/flash-attention-bench" \
-            ${BENCH_ARGS:---fragments --heads 16 --seqs 8192,16384,32768,65536 --head-dims 128,64} ;;
+            ${BENCH_ARGS:---fragments --heads 16 --seqs 8192,16384,32768,65536 --head-dims 128,64 --budget-secs 1.5} ;;
     ncu)
         # Nsight Compute on one launch of each kernel (forward, dK/dV, dQ) of the bench's first
         # shape (S 1024, 16 heads, bf16, head dim 128): the figures that name the limit (memory
-        # or compute throughput, occupancy). A 0.2 s budget skips the long shapes; no SDPA.
+        # or compute throughput, occupancy). A 0.2 s budget skips the long shapes; no SDPA. At the
+        # GPU's own clocks: ncu locks them to base by default, which METHOD.md forbids.
         # The register-fragment kernels (forward, dK/dV, dQ) at 8192 tokens, head dim 128 (the
         # bench's --fragments).
         if [ "${DRY_RUN:-0}" = 1 ] || command -v ncu >/dev/null; then
@@ -161,7 +163,7 @@ if has flash-attention-tests; then
             for kernel in ${NCU_KERNELS:-fragment_forward_kernel fragment_key_value_grad_kernel fragment_query_grad_kernel flash_forward_kernel key_value_grad_kernel query_grad_kernel}; do
                 args=""
                 case "$kernel" in fragment_*) args="--fragments --heads 16 --seqs 8192 --head-dims 128" ;; esac
-                step "ncu-$kernel" env ULYSSES_SDPA_SCRIPT=/nonexistent/sdpa.py ncu --set full --launch-count 1 \
+                step "ncu-$kernel" env ULYSSES_SDPA_SCRIPT=/nonexistent/sdpa.py ncu --set full --clock-control none --launch-count 1 \
                     -k "regex:$kernel" "$here/flash-attention-bench" --budget-secs 0.2 $args
             done
         else

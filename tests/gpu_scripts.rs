@@ -96,9 +96,10 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     let started = std::time::Instant::now();
     let output = Command::new("bash")
         .arg(dir.path().join("scripts/gpu-call.sh"))
-        .args(["kernels:tests=2", "kernels:named=30"])
+        // A setting before a part is that part's alone: the second named part runs without it.
+        .args(["kernels:tests=2", "KERNEL_TESTS=one_test", "kernels:named=30", "kernels:named=30"])
         .env("OUT", &out)
-        .env("KERNEL_TESTS", "one_test")
+        .env_remove("KERNEL_TESTS")
         .env("CORPUS", "/dev/null")
         .output()
         .expect("bash runs gpu-call.sh");
@@ -106,11 +107,15 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     assert!(started.elapsed().as_secs() < 30, "the hung part was not ended at its 2 s limit:\n{stdout}");
     let parts = fs::read_to_string(out.join("parts.txt")).unwrap();
     let statuses: Vec<(&str, &str)> = parts.lines().map(|l| { let f: Vec<&str> = l.split(' ').collect(); (f[0], f[1]) }).collect();
-    assert_eq!(statuses, [("kernels-tests", "124"), ("kernels-named", "0")], "{parts}\n{stdout}");
+    // The repeated part in a folder of its own, failing for want of the test names.
+    assert_eq!(statuses[..2], [("kernels-tests", "124"), ("kernels-named", "0")], "{parts}\n{stdout}");
+    assert_eq!(statuses.len(), 3, "{parts}\n{stdout}");
+    assert_eq!(statuses[2].0, "kernels-named-2", "{parts}");
+    assert_ne!(statuses[2].1, "0", "the second named part saw the first's setting:\n{parts}\n{stdout}");
     // Each part says how many kernels it found compiled and how many it compiled itself.
     let lines: Vec<&str> = parts.lines().collect();
     assert!(lines[0].ends_with("PTX cache 2 + 0 compiled here"), "{parts}");
-    assert!(lines[1].ends_with("PTX cache 2 + 1 compiled here"), "{parts}");
+    assert!(lines[1].ends_with("PTX cache 2 + 1 compiled here, KERNEL_TESTS=one_test"), "{parts}");
 
     let listing = Command::new("tar").arg("tzvf").arg(out.join("logs.tar.gz")).output().expect("tar lists the logs");
     let listing = String::from_utf8_lossy(&listing.stdout);

@@ -90,10 +90,28 @@ fn sync(device: &Device) {
     cubecl::future::block_on(client.sync()).expect("the device failed");
 }
 
-fn tensor(shape: [usize; 4], dtype: DType, device: &Device) -> CubeTensor<Runtime> {
+/// A tensor of uniform values in [-0.5, 0.5), its own for each `seed` (q, k, v and the output's
+/// gradient apart, as SDPA's baseline draws them: q = k would put each row's largest score on
+/// its diagonal, no attention's).
+fn tensor(shape: [usize; 4], dtype: DType, device: &Device, seed: u64) -> CubeTensor<Runtime> {
     let count: usize = shape.iter().product();
-    let values: Vec<f32> = (0..count).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+    // SplitMix64: cheap, and no dependency for a bench.
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let values: Vec<f32> = (0..count)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect();
     B::float_from_data(TensorData::new(values, shape).convert_dtype(dtype), device)
+}
+
+/// q, k, v and the output's gradient of a shape, each drawn apart.
+fn inputs(shape: [usize; 4], dtype: DType, device: &Device) -> [CubeTensor<Runtime>; 4] {
+    [1, 2, 3, 4].map(|seed| tensor(shape, dtype, device, seed))
 }
 
 /// Median seconds of `run`: at least one sample, more while the budget lasts (at most 20).
@@ -112,7 +130,7 @@ fn time(device: &Device, budget: Duration, mut run: impl FnMut()) -> f64 {
 
 fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration, ranges: Option<&VisibleRanges>) -> (Timing, u64) {
     let q_shape = [shape.batch, shape.heads, shape.seq, shape.head_dim];
-    let (q, k, v, g) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
+    let [q, k, v, g] = inputs(q_shape, dtype, device);
     let options = FlashOptions { scale: None, causal: shape.causal };
     let forward = || flash_attention_forward_planned(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
     // Warm-up: compiles the kernels.
@@ -199,6 +217,21 @@ fn reads_per_flop(plan: &Plan) -> f64 {
 fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, budget: Duration, quick: bool) {
     let theirs = if quick { vec![None; shapes.len()] } else { sdpa(shapes, budget) };
     let number = |x: f64| if x < 0.1 { format!("{x:.1e}") } else { format!("{x:.2}") };
+    // SDPA's figures as they come, before ours: a run stopped at its time limit keeps them.
+    for (shape, sdpa) in shapes.iter().zip(&theirs) {
+        if let Some(sdpa) = sdpa {
+            println!(
+                "SDPA dim {} heads {} seq {} causal {}: forward {} TFLOP/s, backward {} ({})",
+                shape.head_dim,
+                shape.heads,
+                shape.seq,
+                shape.causal,
+                number(shape.forward_flops() / sdpa.timing.forward / 1e12),
+                number(shape.backward_flops() / sdpa.timing.backward / 1e12),
+                sdpa.backend
+            );
+        }
+    }
     let text = |x: Option<f64>| x.map_or("-".to_string(), number);
     // Each shape's (planned, fragments, SDPA's) seconds, timed once, printed in two tables.
     let mut rows = Vec::new();
@@ -315,7 +348,7 @@ struct Compared {
 /// engine's own forward.
 fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, ranges: Option<&VisibleRanges>) -> Compared {
     let q_shape = [shape.batch, shape.heads, shape.seq, shape.head_dim];
-    let (q, k, v, g) = (tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device), tensor(q_shape, dtype, device));
+    let [q, k, v, g] = inputs(q_shape, dtype, device);
     let options = FlashOptions { scale: None, causal: shape.causal };
     let planned = || flash_attention_forward_planned(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
     let fragments = || flash_attention_forward_fragments(q.clone(), k.clone(), v.clone(), options, ranges).unwrap();
