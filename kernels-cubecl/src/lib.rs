@@ -16,7 +16,11 @@
 //! places cubes on the grid and stages tiles into shared memory, `tile_ops` multiplies
 //! 16 × 16 tiles (tensor cores in the device's fragment size, or the plane's lanes where
 //! there are none),
-//! and `forward` / `backward` hold the kernels; `mod.rs` checks shapes and launches.
+//! and `forward` / `backward` hold the kernels; `mod.rs` checks shapes and launches. Beside
+//! that planned engine, the register-fragment one (FlashAttention-2's design, what CUDA runs
+//! by default: `plan`'s engine choice): `fragment_forward`, `fragment_key_value_grad` and
+//! `fragment_query_grad` hold its kernels, on `fragment_tiles`' warp-level products
+//! ([`mma`]); `visibility` turns [`VisibleRanges`] into the tiles each kernel skips.
 //!
 //! Beside them, [`cross_entropy`]: the training loss's rows (each row's loss and the logits'
 //! gradient) in one kernel.
