@@ -148,12 +148,13 @@ for part in "$@"; do
     entries=$(ptx_entries)
     # timeout signals its whole process group: a part's children (launched ranks) end too.
     env KERNELS_RUN="${run:-${KERNELS_RUN:-tests}}" MEMORY_RUN="${run:-${MEMORY_RUN:-alst}}" TRAIN_RUN="${run:-${TRAIN_RUN:-check}}" \
-        OUT="$logs/$name" GPU_CALL_PART_SECONDS="$seconds" "${settings[@]}" \
+        OUT="$logs/$name" GPU_CALL_PART_SECONDS="$seconds" ${settings[@]+"${settings[@]}"} \
         timeout --kill-after=10 "$seconds" "$bundle/$folder/gpu-run.sh" 2>&1 | tee "$logs/$name/console.log" | tail -n 40
     status=${PIPESTATUS[0]}
     echo "$name $status $(( $(date +%s) - started ))s, PTX cache $entries + $(( $(ptx_entries) - entries )) compiled here${settings[*]:+, ${settings[*]}}" | tee -a "$logs/parts.txt"
     settings=()
     pack
 done
+[ "${#settings[@]}" -eq 0 ] || echo "gpu-call: ${settings[*]} after the last part, for no part: not used" >&2
 nvidia-smi >"$logs/nvidia-smi.txt" 2>&1
 pack

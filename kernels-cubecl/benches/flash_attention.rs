@@ -91,19 +91,22 @@ fn sync(device: &Device) {
 }
 
 /// A tensor of uniform values in [-0.5, 0.5), its own for each `seed` (q, k, v and the output's
-/// gradient apart, as SDPA's baseline draws them: q = k would put each row's largest score on
-/// its diagonal, no attention's).
+/// gradient drawn apart, as SDPA's baseline draws them, though from a normal distribution
+/// there: q = k would put each row's largest score on its diagonal, no attention's).
 fn tensor(shape: [usize; 4], dtype: DType, device: &Device, seed: u64) -> CubeTensor<Runtime> {
     let count: usize = shape.iter().product();
-    // SplitMix64: cheap, and no dependency for a bench.
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    // SplitMix64: cheap, and no dependency for a bench. Each seed's stream starts at a mixed
+    // state: seeds a step apart would otherwise give the same stream shifted by one value.
+    let mix = |mut z: u64| {
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut state = mix(seed);
     let values: Vec<f32> = (0..count)
         .map(|_| {
             state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            (mix(state) >> 40) as f32 / (1u64 << 24) as f32 - 0.5
         })
         .collect();
     B::float_from_data(TensorData::new(values, shape).convert_dtype(dtype), device)

@@ -100,14 +100,29 @@ pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>
         let below = file.strip_prefix(path).unwrap_or(file).with_extension("");
         below.to_string_lossy().to_lowercase().split(|c: char| !c.is_ascii_alphanumeric()).any(|word| names.contains(&word))
     };
+    const HELD_OUT: [&str; 6] = ["test", "validation", "valid", "val", "eval", "dev"];
     let training = |file: &PathBuf| split(file, &["train"]);
-    let held_out: Vec<&PathBuf> = data.iter().filter(|f| !training(f) && split(f, &["test", "validation", "valid", "val", "eval", "dev"])).collect();
-    if !held_out.is_empty() && held_out.len() < data.len() {
+    let held_out: Vec<&PathBuf> = data.iter().filter(|f| !training(f) && split(f, &HELD_OUT)).collect();
+    // Without a file named for training, a split is named the way datasets name them: a folder
+    // (`test/part-0.jsonl`) or the name's last word (`data_test.jsonl`), not any word of it
+    // (`unit_test_generation.jsonl` is data). An --eval-data folder is all held out.
+    let named_a_split = |file: &&PathBuf| {
+        let below = file.strip_prefix(path).unwrap_or(file).with_extension("");
+        let folders = below.parent().into_iter().flat_map(|parent| parent.iter()).any(|folder| HELD_OUT.contains(&folder.to_string_lossy().to_lowercase().as_str()));
+        let stem = below.file_name().map(|name| name.to_string_lossy().to_lowercase()).unwrap_or_default();
+        folders || stem.rsplit(|c: char| !c.is_ascii_alphanumeric()).next().is_some_and(|last| HELD_OUT.contains(&last))
+    };
+    let named: Vec<&PathBuf> = match data.iter().any(training) {
+        true => held_out,
+        false if flag == "--data" => held_out.into_iter().filter(named_a_split).collect(),
+        false => Vec::new(),
+    };
+    if !named.is_empty() && named.len() < data.len() {
         return Err(format!(
             "{flag} {} holds held-out splits ({}) beside other data files, and every file of a folder is read: give the training \
              split's file (or a folder of it alone) as --data, and a held-out one as --eval-data",
             path.display(),
-            held_out.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")
+            named.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")
         ));
     }
     if data.is_empty() {
@@ -121,14 +136,15 @@ pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>
     Ok((data, others))
 }
 
-/// Whether `file`'s first line is a JSON object (JSON Lines, whatever the file's name).
+/// Whether `file`'s first line is a JSON object or array (JSON Lines of texts or of ids,
+/// whatever the file's name).
 fn first_line_is_a_json_object(file: &Path) -> bool {
     use std::io::{BufRead, Read};
     let Ok(opened) = fs::File::open(file) else { return false };
     let mut line = String::new();
     // A text corpus's first line is short; JSON Lines' first object is read whole (bounded).
     let read = std::io::BufReader::new(opened).take(1 << 20).read_line(&mut line);
-    read.is_ok() && line.trim_start().starts_with('{') && serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(line.trim()).is_ok()
+    read.is_ok() && line.trim_start().starts_with(['{', '[']) && serde_json::from_str::<serde_json::Value>(line.trim()).is_ok_and(|v| v.is_object() || v.is_array())
 }
 
 /// Refuses a Git LFS pointer in place of a data file: a dataset cloned without `git lfs` holds
@@ -173,6 +189,36 @@ mod tests {
         std::os::unix::fs::symlink(dir.join("gone.txt"), dir.join("sub/dangling.txt")).unwrap();
         let error = files_under(&dir).unwrap_err().to_string();
         assert!(error.starts_with(&format!("{}: ", dir.join("sub/dangling.txt").display())), "{error}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// What the held-out rule and the single file's checks let through: an --eval-data folder
+    /// of several held-out sets, a word of a split's name inside a file's (not its last), a
+    /// text file and one with no extension; and what they refuse: a split named by its last
+    /// word beside data, ids as JSON Lines under another name.
+    #[test]
+    fn what_data_files_takes_and_refuses() {
+        let dir = std::env::temp_dir().join(format!("ulysses-data-files-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let folder = |name: &str, files: &[&str]| {
+            let folder = dir.join(name);
+            fs::create_dir_all(&folder).unwrap();
+            for file in files {
+                fs::write(folder.join(file), "[5, 6]\n").unwrap();
+            }
+            folder
+        };
+        let evals = folder("evals", &["mmlu.jsonl", "gsm8k_test.jsonl"]);
+        assert_eq!(data_files("--eval-data", &evals).unwrap().0.len(), 2);
+        let error = data_files("--data", &evals).unwrap_err();
+        assert!(error.contains("holds held-out splits (") && error.contains("gsm8k_test.jsonl") && !error.contains("mmlu"), "{error}");
+        assert_eq!(data_files("--data", &folder("sft", &["chat.jsonl", "unit_test_generation.jsonl", "web_dev_notes.jsonl"])).unwrap().0.len(), 3);
+        for (name, text) in [("corpus.txt", "plain text\n"), ("GPL-3", "plain text\n"), ("notes", "[a link](x)\n")] {
+            fs::write(dir.join(name), text).unwrap();
+            assert_eq!(data_files("--data", &dir.join(name)).unwrap().0, [dir.join(name)], "{name}");
+        }
+        fs::write(dir.join("ids.ndjson"), "[5, 6]\n[7]\n").unwrap();
+        assert!(data_files("--data", &dir.join("ids.ndjson")).unwrap_err().contains("rename it to .jsonl"));
         fs::remove_dir_all(&dir).unwrap();
     }
 }
