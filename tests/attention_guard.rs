@@ -20,6 +20,8 @@
 //!   embed their token ids (cut by `narrow`); let through, they attend within each shard.
 //! - So are queries in chunks, latents, one pooling query and a loop over heads at batch 1
 //!   (sums over the shard's tokens, known by the ids' length); cross-attention passes.
+//! - Attention with no matmul (scores a broadcast product summed, then softmax) and positions
+//!   made of a mask's cumsum are refused too, naming the op.
 //! - A linear layer as wide as the local sequence passes the guard.
 
 use std::time::Duration;
@@ -281,10 +283,61 @@ fn weights_applied_to_values_transposed_are_refused() {
         let [batch, seq, _] = x.dims();
         let (q, v) = (heads(x.clone()), heads(x * 0.5));
         let scores = (q.clone().unsqueeze_dim::<5>(3) * q.unsqueeze_dim::<5>(2)).sum_dim(4).squeeze_dim::<4>(4);
-        let context = v.swap_dims(2, 3).matmul(softmax(scores, 3).swap_dims(2, 3)).swap_dims(2, 3);
+        // Normalised by hand: softmax over the weights is refused itself (below).
+        let weights = scores.exp();
+        let weights = weights.clone() / weights.sum_dim(3);
+        let context = v.swap_dims(2, 3).matmul(weights.swap_dims(2, 3)).swap_dims(2, 3);
         context.swap_dims(1, 2).reshape([batch, seq, D_MODEL])
     });
     assert_refused_on_every_rank(&results, "vᵀ·wᵀ");
+}
+
+/// Attention with no matmul at all: the scores a broadcast product summed over the head dim,
+/// the weights applied to the values the same way.
+fn attention_without_a_matmul<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 3> {
+    let [batch, seq, _] = x.dims();
+    let (q, v) = (heads(x.clone()), heads(x * 0.5));
+    let scores = (q.clone().unsqueeze_dim::<5>(3) * q.unsqueeze_dim::<5>(2)).sum_dim(4).squeeze_dim::<4>(4) / ((D_MODEL / HEADS) as f64).sqrt();
+    let weights = softmax(scores, 3);
+    let context = (weights.unsqueeze_dim::<5>(4) * v.unsqueeze_dim::<5>(2)).sum_dim(3).squeeze_dim::<4>(3);
+    context.swap_dims(1, 2).reshape([batch, seq, D_MODEL])
+}
+
+/// Positions made of a padding mask's cumsum (as Hugging Face's models make them), added to the
+/// embedded tokens.
+fn positions_from_a_mask<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    let embedding = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&ids.device()), 13);
+    let x = embedding.forward(ids.clone());
+    let positions = ids.ones_like().cumsum(1) - 1;
+    x + positions.float().unsqueeze_dim::<3>(2)
+}
+
+/// Each rank's refusal names `op` and the fix, and says it would have run within the shard.
+fn assert_shard_local_refused(results: &[Result<Vec<f32>, String>], op: &str, fix: &str) {
+    for (rank, result) in results.iter().enumerate() {
+        match result {
+            Ok(_) => panic!("{op}: rank {rank} returned a result"),
+            Err(message) => assert!(message.contains(&format!("{op} along dim")) && message.contains("within this rank's shard alone") && message.contains(fix), "{op}, rank {rank}: {message}"),
+        }
+    }
+}
+
+/// What no matmul shows: a softmax over the shard's per-head weights, and a scan along the
+/// shard (positions that restart at every rank). Refused at SP = 2 and 3; one device's output
+/// at SP = 1; let through, each rank's output is far from one device's.
+#[test]
+fn attention_without_a_matmul_and_positions_from_a_cumsum_are_refused() {
+    for sp in [2, 3] {
+        assert_shard_local_refused(&on_ranks(sp, UlyssesConfig::new(), |x, _| attention_without_a_matmul(x)), "softmax", "module::attention");
+        assert_shard_local_refused(&on_ranks_from_ids(sp, UlyssesConfig::new(), positions_from_a_mask), "cumsum", "SequenceShard::positions");
+    }
+    assert_sequence_parallel(on_ranks(1, UlyssesConfig::new(), |x, _| attention_without_a_matmul(x)), attention_without_a_matmul(input::<Inner>(&Default::default())));
+    let want = positions_from_a_mask(token_ids::<Inner>(&Default::default()));
+    assert_sequence_parallel(on_ranks_from_ids(1, UlyssesConfig::new(), positions_from_a_mask), want.clone());
+    let on_purpose = UlyssesConfig::new().with_shard_local_attention_on_purpose(true);
+    let got = on_ranks_from_ids(2, on_purpose, positions_from_a_mask).pop().unwrap().unwrap();
+    let worst = max_abs_diff(&got, &values(shard(want, 1, 1, 2)));
+    assert!(worst >= 5.0, "rank 1's positions restarted, yet only {worst} from one device's");
 }
 
 #[test]

@@ -36,6 +36,19 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("FloatTensorOps", "float_matmul", "crate::attention_guard::guarded_matmul"),
     ("QTensorOps", "q_matmul", "crate::attention_guard::guarded_q_matmul"),
     ("IntTensorOps", "int_matmul", "crate::attention_guard::guarded_int_matmul"),
+    // Refuse attention weights normalised by hand (no matmul made the scores) and scans
+    // along the shard (positions from a mask's cumsum) under SP.
+    ("ActivationOps", "softmax", "crate::attention_guard::guarded_softmax"),
+    ("ActivationOps", "log_softmax", "crate::attention_guard::guarded_log_softmax"),
+    ("ActivationOps", "softmin", "crate::attention_guard::guarded_softmin"),
+    ("FloatTensorOps", "float_cumsum", "crate::attention_guard::guarded_float_cumsum"),
+    ("FloatTensorOps", "float_cumprod", "crate::attention_guard::guarded_float_cumprod"),
+    ("FloatTensorOps", "float_cummin", "crate::attention_guard::guarded_float_cummin"),
+    ("FloatTensorOps", "float_cummax", "crate::attention_guard::guarded_float_cummax"),
+    ("IntTensorOps", "int_cumsum", "crate::attention_guard::guarded_int_cumsum"),
+    ("IntTensorOps", "int_cumprod", "crate::attention_guard::guarded_int_cumprod"),
+    ("IntTensorOps", "int_cummin", "crate::attention_guard::guarded_int_cummin"),
+    ("IntTensorOps", "int_cummax", "crate::attention_guard::guarded_int_cummax"),
     // Notes the token ids' length (a rank's shard) for the guard's folded query heads.
     ("ModuleOps", "embedding", "crate::attention_guard::embedding_noting_length"),
     // Count what the host waits on the device for (reads, uploads): crate::device_io.

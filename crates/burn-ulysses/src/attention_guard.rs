@@ -48,10 +48,21 @@
 //! lengths with no backward between) leaves the rules that go by the length off until the next
 //! backward or [`forget_embedded_lengths`].
 //!
+//! Scores made without a matmul (a broadcast product summed over the head dim) meet the guard
+//! at their softmax: `softmax`, `log_softmax` or `softmin` over either of the last two dims of
+//! a 4-D or larger tensor whose last two dims are square (`[B, H, n, n]`, more than one matrix,
+//! or one whose `n` is the shard's length) is refused; a 3-D `[B, S, V]` of logits never is.
+//! So is a scan (`cumsum`, `cumprod`, `cummin`, `cummax`) along a dim as long as the token ids
+//! last embedded: positions made of a padding mask's cumsum would restart at every rank.
+//!
 //! What shape cannot tell apart stays unguarded: a single 3-D or 2-D matrix (a linear layer's
 //! shapes), keys broadcast over the batch, rectangular products of a model that embeds no
 //! token ids through `module::embedding` (or embeds more than the shard), extra keys
-//! (attention sinks) beside the shard's, shards of one token, and cross-attention.
+//! (attention sinks) beside the shard's, shards of one token, and cross-attention. Nor does
+//! the guard see other ops that mix the sequence's tokens, each over its shard alone: pooling
+//! (a mean or max over the sequence dim), convolutions along it, sorting or flipping it, a
+//! scan before the forward's first embedding, or positions counted from 0 on every rank
+//! (`Tensor::arange(0..shard)`) where the sharder's positions belong.
 
 use std::{
     cell::Cell,
@@ -205,6 +216,93 @@ pub fn guarded_q_matmul<X: ExchangeBackend>(lhs: TensorPrimitive<X>, rhs: Tensor
     refuse_attention_by_hand(&lhs.shape(), &rhs.shape());
     X::q_matmul(lhs, rhs)
 }
+
+/// The size of the token × token matrix whose rows (or columns) a softmax over `dim` of
+/// `shape` normalises where it is attention's weights, however the scores were made (a
+/// broadcast product summed, `(q·k).sum_dim`, with no matmul to refuse), or `None`: 4-D or
+/// more (`[B, H, n, n]`; a 3-D `[B, S, V]` of logits whose vocabulary is as long as the shard
+/// is none), the last two dims equal, `n ≥ 2`, more than one matrix or, at batch 1 with one
+/// head, `n` the shard's length.
+fn attention_weights_size(shape: &[usize], dim: usize, shard: usize, one_length: bool) -> Option<usize> {
+    let dims = shape.len();
+    if dims < 4 || dim + 2 < dims {
+        return None;
+    }
+    let (m, n) = (shape[dims - 2], shape[dims - 1]);
+    let matrices: usize = shape[..dims - 2].iter().product();
+    (m >= 2 && m == n && (matrices >= 2 || (one_length && m == shard))).then_some(m)
+}
+
+/// The refusal of an op over `dim` of `shape` that mixes the shard's tokens alone, unless the
+/// guard is off, `sharding` spreads no sequence or the model opted out.
+fn shard_local_refusal(op: &'static str, shape: &[usize], dim: usize, what: String, fix: &'static str, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let sharding = sharding().filter(|s| GUARD_ON.load(Ordering::Relaxed) && s.ranks > 1 && !s.shard_local_attention_on_purpose)?;
+    Some(UlyssesError::ShardLocalByHand { op, shape: shape.to_vec(), dim, what, ranks: sharding.ranks, fix })
+}
+
+/// Why a softmax (`op`: softmax, log_softmax, softmin) over `dim` of `shape` is refused, or
+/// `None`: `sharding` gives the rank context's, looked up only for a shape the rule takes.
+pub fn attention_weights_by_hand(op: &'static str, shape: &[usize], dim: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let (shard, one_length) = embedded();
+    let tokens = attention_weights_size(shape, dim, shard, one_length)?;
+    let what = format!("it normalises a {tokens} x {tokens} matrix per head, the attention weights of this rank's {tokens} tokens");
+    let fix = "Call `burn::tensor::module::attention` (with `is_causal: true` instead of a causal mask built from local shapes), or \
+               use burn_ulysses::nn::MultiHeadAttention; apply RoPE at the shard's global positions (SequenceShard::positions).";
+    shard_local_refusal(op, shape, dim, what, fix, sharding)
+}
+
+/// Why a scan (`op`: cumsum, cumprod, cummin, cummax) along `dim` of `shape` is refused, or
+/// `None`: one along as many elements as the token ids last embedded (the rank's shard; the
+/// thread's last two embeddings of that one length) restarts at each rank's first token.
+/// Positions made of a padding mask's cumsum (`mask.cumsum(1) - 1`, Hugging Face's) are the
+/// usual case. A scan before the forward's first embedding is not seen.
+pub fn scan_over_the_shard(op: &'static str, shape: &[usize], dim: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let (shard, one_length) = embedded();
+    if !(one_length && shard >= 2 && shape.get(dim) == Some(&shard)) {
+        return None;
+    }
+    let what = format!("a running {op} over the {shard} tokens of this rank's shard restarts at every rank's first token");
+    let fix = "Take positions from the sharder (SequenceShard::positions: each token's place in its whole sequence or document) \
+               rather than from a mask's cumsum; a scan over a whole sequence needs the whole sequence, on one rank \
+               (burn_ulysses::context::enter_single_device()).";
+    shard_local_refusal(op, shape, dim, what, fix, sharding)
+}
+
+/// Panics with `refusal`'s error, if any: ops return tensors, and the training API turns a
+/// model's panic into its error (`ulysses_training::catch_model_failure`).
+fn refuse(refusal: Option<UlyssesError>) {
+    if let Some(error) = refusal {
+        panic!("{error}");
+    }
+}
+
+macro_rules! guarded_dim_ops {
+    ($check:ident, $tensor:ident, $(($name:ident, $op:ident, $label:literal)),* $(,)?) => {$(
+        #[doc = concat!("`UlyssesBackend`'s `", stringify!($op), "`: the inner backend's, after the guard.")]
+        pub fn $name<X: ExchangeBackend>(tensor: $tensor<X>, dim: usize) -> $tensor<X> {
+            refuse($check($label, &tensor.shape(), dim, context::current_sharding));
+            X::$op(tensor, dim)
+        }
+    )*};
+}
+
+guarded_dim_ops!(attention_weights_by_hand, FloatTensor, (guarded_softmax, softmax, "softmax"), (guarded_log_softmax, log_softmax, "log_softmax"), (guarded_softmin, softmin, "softmin"));
+guarded_dim_ops!(
+    scan_over_the_shard,
+    FloatTensor,
+    (guarded_float_cumsum, float_cumsum, "cumsum"),
+    (guarded_float_cumprod, float_cumprod, "cumprod"),
+    (guarded_float_cummin, float_cummin, "cummin"),
+    (guarded_float_cummax, float_cummax, "cummax"),
+);
+guarded_dim_ops!(
+    scan_over_the_shard,
+    IntTensor,
+    (guarded_int_cumsum, int_cumsum, "cumsum"),
+    (guarded_int_cumprod, int_cumprod, "cumprod"),
+    (guarded_int_cummin, int_cummin, "cummin"),
+    (guarded_int_cummax, int_cummax, "cummax"),
+);
 
 #[cfg(test)]
 mod tests {
@@ -377,5 +475,31 @@ mod tests {
         assert_eq!(embedded(), (5, false));
         assert!(attention_by_hand(&[2, 4, 7, 5], &[2, 4, 5, 16], SP2).is_none());
         assert!(attention_by_hand(&[2, 2, 10, 5], &[2, 2, 5, 16], SP2).is_some());
+    }
+
+    /// Softmax over attention weights made without a matmul, and scans along the shard: what
+    /// the shape and the embedded length take, and what they leave (logits, other dims).
+    #[test]
+    fn softmax_over_a_shards_weights_and_scans_along_it_are_refused() {
+        let weights = |shape: &[usize], dim: usize| attention_weights_by_hand("softmax", shape, dim, || SP2).map(|e| e.to_string());
+        EMBEDDED_TOKENS.set((8, 8));
+        let message = weights(&[2, 4, 8, 8], 3).expect("per-head weights refused");
+        for needle in ["softmax along dim 3 of a [2, 4, 8, 8] tensor", "8 x 8", "2 ranks", "module::attention", "shard_local_attention_on_purpose"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        assert!(weights(&[2, 4, 8, 8], 2).is_some() && weights(&[1, 1, 8, 8], 3).is_some() && weights(&[2, 2, 3, 6, 6], 4).is_some());
+        // Logits of a vocabulary as long as the shard (3-D), other dims, rectangles, one token.
+        for (shape, dim) in [(&[2, 8, 8][..], 2), (&[2, 4, 8, 8], 1), (&[2, 4, 8, 16], 3), (&[2, 4, 1, 1], 3), (&[1, 1, 6, 6], 3)] {
+            assert!(weights(shape, dim).is_none(), "{shape:?} over {dim} refused");
+        }
+        assert!(attention_weights_by_hand("softmax", &[2, 4, 8, 8], 3, || None).is_none(), "refused outside SP");
+        let scan = |shape: &[usize], dim: usize| scan_over_the_shard("cumsum", shape, dim, || SP2).map(|e| e.to_string());
+        let message = scan(&[2, 8], 1).expect("a scan along the shard refused");
+        assert!(message.contains("cumsum along dim 1 of a [2, 8] tensor") && message.contains("SequenceShard::positions"), "{message}");
+        assert!(scan(&[2, 8], 0).is_none() && scan(&[2, 8, 32], 2).is_none());
+        EMBEDDED_TOKENS.set((8, 5));
+        assert!(scan(&[2, 8], 1).is_none(), "a model that embeds two lengths leaves the length's rules off");
+        forget_embedded_lengths();
+        assert!(scan(&[2, 8], 1).is_none() && weights(&[1, 1, 8, 8], 3).is_none());
     }
 }

@@ -102,6 +102,14 @@ pub enum UlyssesError {
     AttentionByHand { lhs: Vec<usize>, rhs: Vec<usize>, tokens: usize, ranks: usize },
 
     #[error(
+        "{op} along dim {dim} of a {shape:?} tensor under sequence parallelism: {what}, while each \
+         sequence is spread over {ranks} ranks, so it would run within this rank's shard alone (a \
+         silently wrong result). {fix} A model that does so within each shard on purpose sets \
+         UlyssesConfig::shard_local_attention_on_purpose."
+    )]
+    ShardLocalByHand { op: &'static str, shape: Vec<usize>, dim: usize, what: String, ranks: usize, fix: &'static str },
+
+    #[error(
         "sequence parallelism is configured (sp_size {sp_size}) but the model's attention did \
          not exchange through the SP group during this step, so every rank attended only \
          within its shard. Enter the rank context with the SP group \

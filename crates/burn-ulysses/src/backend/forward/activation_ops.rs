@@ -50,13 +50,13 @@ impl<Inner: ExchangeBackend> ActivationOps<Self> for UlyssesBackend<Inner> {
         <Inner as ActivationOps<Inner>>::log_sigmoid(tensor)
     }
     fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as ActivationOps<Inner>>::softmax(tensor, dim)
+        crate::attention_guard::guarded_softmax::<Inner>(tensor, dim)
     }
     fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as ActivationOps<Inner>>::log_softmax(tensor, dim)
+        crate::attention_guard::guarded_log_softmax::<Inner>(tensor, dim)
     }
     fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as ActivationOps<Inner>>::softmin(tensor, dim)
+        crate::attention_guard::guarded_softmin::<Inner>(tensor, dim)
     }
     fn log_sigmoid_backward(
         x: FloatTensor<Self>,

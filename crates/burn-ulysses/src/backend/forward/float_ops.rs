@@ -341,16 +341,16 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as FloatTensorOps<Inner>>::float_mean_dim(tensor, dim)
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_cumsum(tensor, dim)
+        crate::attention_guard::guarded_float_cumsum::<Inner>(tensor, dim)
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_cumprod(tensor, dim)
+        crate::attention_guard::guarded_float_cumprod::<Inner>(tensor, dim)
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_cummin(tensor, dim)
+        crate::attention_guard::guarded_float_cummin::<Inner>(tensor, dim)
     }
     fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_cummax(tensor, dim)
+        crate::attention_guard::guarded_float_cummax::<Inner>(tensor, dim)
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         <Inner as FloatTensorOps<Inner>>::float_cast(tensor, dtype)

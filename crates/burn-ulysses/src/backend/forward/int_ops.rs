@@ -292,16 +292,16 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as IntTensorOps<Inner>>::int_mean_dim(tensor, dim)
     }
     fn int_cumsum(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_cumsum(tensor, dim)
+        crate::attention_guard::guarded_int_cumsum::<Inner>(tensor, dim)
     }
     fn int_cumprod(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_cumprod(tensor, dim)
+        crate::attention_guard::guarded_int_cumprod::<Inner>(tensor, dim)
     }
     fn int_cummin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_cummin(tensor, dim)
+        crate::attention_guard::guarded_int_cummin::<Inner>(tensor, dim)
     }
     fn int_cummax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_cummax(tensor, dim)
+        crate::attention_guard::guarded_int_cummax::<Inner>(tensor, dim)
     }
     fn int_argmax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         <Inner as IntTensorOps<Inner>>::int_argmax(tensor, dim)
