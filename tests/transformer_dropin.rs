@@ -11,9 +11,14 @@ use burn::{
     module::Module,
     nn::{attention::generate_autoregressive_mask, transformer as burn_nn},
     record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder},
-    tensor::{Tensor, backend::Backend},
+    tensor::{Int, Tensor, TensorData, backend::Backend},
 };
-use burn_ulysses::{UlyssesBackend, comm::ThreadGroup, nn};
+use burn_ulysses::{
+    UlyssesBackend,
+    comm::ThreadGroup,
+    data::{SequenceSharder, ShardTensors},
+    nn,
+};
 use ulysses_suite::{deterministic_params, max_abs_diff, shard, uniform_tensor, values, with_deadline};
 
 type Inner = NdArray<f32>;
@@ -140,5 +145,49 @@ fn the_encoder_and_decoder_are_sequence_parallel_at_sp_2_and_4() {
             drop_in_decoder::<Sp>(bytes.clone(), false, &x.device()).forward(nn::TransformerDecoderInput::new(x, memory).target_causal())
         });
         assert_sequence_parallel(results, &decoded, "decoder");
+    }
+}
+
+/// A sequence the sharder pads (15 tokens at SP = 2 and 4: 16 a rank group, one padding token)
+/// through the encoder that looks both ways: with the shard's `mask_pad` each rank's real
+/// tokens give one device's output for the 15 tokens alone, which no padding reaches.
+#[test]
+fn the_sharders_padding_is_masked_for_attention_that_looks_both_ways() {
+    const TOKENS: usize = 15;
+    let sequence: Vec<i64> = (0..TOKENS as i64).map(|t| t * 7 % 50).collect();
+    let (_, bytes) = burn_nn_encoder(true);
+    let encode = |ids: Tensor<Sp, 2, Int>, mask_pad: Option<Tensor<Sp, 2, burn::tensor::Bool>>, bytes: Vec<u8>| {
+        let device = ids.device();
+        let embedding = deterministic_params(burn::nn::EmbeddingConfig::new(50, D_MODEL).init::<Sp>(&device), 9);
+        let input = nn::TransformerEncoderInput::new(embedding.forward(ids));
+        drop_in_encoder::<Sp>(bytes, true, &device).forward(match mask_pad {
+            Some(mask) => input.mask_pad(mask),
+            None => input,
+        })
+    };
+    let want = values(encode(Tensor::from_data(TensorData::new(sequence.clone(), [1, TOKENS]), &Default::default()), None, bytes.clone()));
+    for (sp, masked) in [(2, true), (4, true), (2, false)] {
+        let (sequence, bytes) = (sequence.clone(), bytes.clone());
+        let results = with_deadline(Duration::from_secs(90), move || {
+            ThreadGroup::new(sp).run(|rank| {
+                let _sp = Sp::enter_thread(rank.communicator());
+                let shard = SequenceSharder::new(sp).shard(&[sequence.clone()], rank.rank());
+                let device = Default::default();
+                let real = shard.padding.iter().filter(|&&padding| !padding).count();
+                let mask = masked.then(|| shard.mask_pad::<Sp>(&device));
+                (values(encode(shard.tokens::<Sp>(&device), mask, bytes.clone())), real)
+            })
+        });
+        let mut worst = 0.0f32;
+        for (rank, result) in results.into_iter().enumerate() {
+            let (got, real) = result.unwrap_or_else(|panic| panic!("SP = {sp}, rank {rank}: {}", panic.message));
+            let start = rank * (TOKENS + 1) / sp * D_MODEL;
+            worst = worst.max(max_abs_diff(&got[..real * D_MODEL], &want[start..start + real * D_MODEL]));
+        }
+        println!("SP = {sp}, padding masked: {masked}: max |Δ| from one device {worst:.2e}");
+        match masked {
+            true => assert!(worst <= 1e-5, "SP = {sp}: {worst:e} from one device with the padding masked"),
+            false => assert!(worst > 1e-3, "the padding unmasked changed nothing ({worst:e}): the test cannot see it"),
+        }
     }
 }

@@ -7,8 +7,9 @@
 //! - Labels are shifted *before* sharding: position `i` is trained to predict token `i + 1`,
 //!   and the last token of a sequence gets [`SequenceSharder::ignore_index`]. Shifting after
 //!   sharding would lose the label at every shard edge.
-//! - The batch is padded to a multiple of `sp_size` (padding tokens are ignored), so every
-//!   rank holds the same number of tokens; with `pad_to`, to at least that length too (fixed
+//! - The batch is padded to a multiple of `sp_size` (padding tokens carry no label; causal
+//!   attention never sees them, and attention that looks both ways masks them with
+//!   [`SequenceShard::padding`]), so every rank holds the same number of tokens; with `pad_to`, to at least that length too (fixed
 //!   shapes from step to step, so kernels are tuned and memory is reserved once).
 //! - Each shard carries its tokens' position ids, for RoPE: global positions, or, when
 //!   documents are packed into a sequence ([`pack_documents`]), positions that restart at 0
@@ -146,6 +147,10 @@ pub struct SequenceShard {
     pub positions: ShardPositions,
     /// Labels that are not `ignore_index`.
     pub valid_tokens: usize,
+    /// `[batch, local_len]`: true where the token is padding, past its sequence's end. Causal
+    /// attention never looks there (padding comes last); attention that looks both ways must
+    /// mask those keys (`ShardTensors::mask_pad`), or it attends to them.
+    pub padding: Vec<bool>,
 }
 
 /// Where a shard's tokens sit in their sequences: what a model needs for RoPE and attention.
@@ -290,12 +295,14 @@ impl SequenceSharder {
         let mut tokens = Vec::with_capacity(sequences.len() * local_len);
         let mut labels = Vec::with_capacity(sequences.len() * local_len);
         let mut ids = Vec::with_capacity(sequences.len() * local_len);
+        let mut padding = Vec::with_capacity(sequences.len() * local_len);
         for (i, sequence) in sequences.iter().enumerate() {
             // Where each document of the whole padded sequence starts; padding is one more.
             let lengths = documents.map_or_else(|| vec![global_len], |documents| documents[i].clone());
             let starts = document_starts(&lengths, global_len);
             for &position in &positions {
                 tokens.push(sequence.get(position).copied().unwrap_or(self.pad_token));
+                padding.push(position >= sequence.len());
                 // The label of position i is token i + 1 of the *whole* sequence, within its
                 // document.
                 let document_start = starts[starts.partition_point(|&s| s <= position) - 1];
@@ -316,6 +323,7 @@ impl SequenceSharder {
             position_offset: start,
             positions: ShardPositions { ids, packed: documents.is_some() },
             valid_tokens,
+            padding,
         }
     }
 
