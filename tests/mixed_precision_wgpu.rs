@@ -333,6 +333,47 @@ fn half_precision_rms_norm_follows_f64_where_f16_squares_would_overflow() {
     assert!(error <= GRADIENT_TOLERANCE, "gamma gradient: relative L2 error {error:e}");
 }
 
+/// A model's own half-precision logits (`LmOutput::Logits`) give the loss of those values in
+/// f32, as transformers' loss does (`logits.float()`): f16's log-sum-exp over 4 096 classes
+/// and its sum over 64 tokens were 1e-4 relative off the f64 loss.
+#[test]
+fn half_precision_logits_give_their_loss_in_f32() {
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    const ROWS: usize = 64;
+    const CLASSES: usize = 4096;
+    let device = Default::default();
+    // N(0, 3)-ish logits and labels, from a SplitMix stream; the f16 values are the input.
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let logits: Vec<f32> = (0..ROWS * CLASSES).map(|_| ((0..4).map(|_| next()).sum::<f64>() - 2.0) as f32 * 5.2).collect();
+    let labels: Vec<i64> = (0..ROWS).map(|row| if row % 9 == 4 { -100 } else { (row * 389 % CLASSES) as i64 }).collect();
+    let half = burn::tensor::Tensor::<Ad, 3>::from_data(burn::tensor::TensorData::new(logits, [1, ROWS, CLASSES]), &device).cast(FloatDType::F16);
+    let rounded: Vec<f64> = half.clone().cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap().iter().map(|&v| v as f64).collect();
+    let want: f64 = (0..ROWS)
+        .filter(|&row| labels[row] != -100)
+        .map(|row| {
+            let values = &rounded[row * CLASSES..(row + 1) * CLASSES];
+            let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            max + values.iter().map(|v| (v - max).exp()).sum::<f64>().ln() - values[labels[row] as usize]
+        })
+        .sum();
+    let labels = burn::tensor::Tensor::<Ad, 2, burn::tensor::Int>::from_data(burn::tensor::TensorData::new(labels, [1, ROWS]), &device);
+    let loss = ulysses_training::masked_cross_entropy_sum(half, labels, -100);
+    assert_eq!(loss.dtype(), DType::F32);
+    let got = loss.into_scalar() as f64;
+    let error = (got - want).abs() / want;
+    println!("f16 logits: loss {got} against f64's {want}, relative error {error:.1e}");
+    assert!(error.is_finite() && error <= 1e-5, "loss {got} against f64's {want}: relative error {error:e}");
+}
+
 /// What autodiff keeps of `precision::rms_norm` in f16, per token, measured on the device:
 /// the input, its pre-scaled copy, the normalised rows and the output, all f16 (4 × 2 bytes
 /// per feature), and a few bytes of per-row statistics. Computing the norm in f32 kept 48 bytes per feature (6 f16 tensors' worth),

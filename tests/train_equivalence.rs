@@ -565,6 +565,29 @@ fn step_settings_that_would_train_wrong_are_refused_on_every_rank() {
     }
 }
 
+/// Checkpointing settings one rank refuses (a tile of 0 tokens on rank 0 alone) stop every
+/// rank: the refusing rank still joins the step's first collective, where the others learn it.
+#[test]
+fn checkpointing_one_rank_refuses_stops_every_rank() {
+    use ulysses_training::{LayerCheckpointing, StepInput, backward_step_checkpointed};
+    let messages = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let layout = ParallelLayout::new().with_sp_size(2);
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+            let _sp = enter_sp(&groups);
+            let device = Default::default();
+            let decoder = deterministic_params(config(layout, 1).model.init::<Sp>(&device), INIT_SEED);
+            let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
+            let step = StepInput { index: 3, learning_rate: 1e-3, micro_batches: &batch, documents: None, targets: None, max_grad_norm: None };
+            let checkpointing = LayerCheckpointing::new().with_tile_tokens(Some(if rank.rank() == 0 { 0 } else { 4 }));
+            backward_step_checkpointed(&decoder, &step, &layout.sharder(), &groups, &device, &checkpointing).err().map(|e| e.to_string()).expect("refused")
+        })
+    });
+    let messages: Vec<String> = messages.into_iter().enumerate().map(|(rank, m)| m.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}"))).collect();
+    assert!(messages[0].contains("tile_tokens is 0"), "{}", messages[0]);
+    assert!(messages[1].contains("rank 0 refused its inputs for step 3"), "{}", messages[1]);
+}
+
 /// The decoder with attention that ignores the packed documents (as a model of one's own that
 /// never calls `attention_in_documents`).
 #[derive(burn::module::Module, Debug)]

@@ -226,7 +226,7 @@ where
     B: TrainBackend,
     M: CausalLm<B>,
 {
-    backward_step_with(model, step, sharder, groups, |shard, weight, _, _| {
+    backward_step_with(model, step, sharder, groups, Ok(()), |shard, weight, _, _| {
         model_failure_as_error(|| {
             let output = model.lm_output(shard.tokens(device), &shard.positions);
             let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
@@ -299,10 +299,9 @@ where
     M: CausalLm<B> + LayeredLm<B>,
     M::InnerModule: LayeredLm<B::InnerBackend>,
 {
-    checkpointing.check()?;
     let report_progress = groups.world_rank() == 0 && tracing::enabled!(target: layers::PROGRESS_TARGET, tracing::Level::DEBUG);
     let mut micro_batch = 0;
-    backward_step_with(model, step, sharder, groups, |shard, weight, lengths, valid_tokens| {
+    backward_step_with(model, step, sharder, groups, checkpointing.check(), |shard, weight, lengths, valid_tokens| {
         let tiles = checkpointing.tiles(lengths)?;
         parameters.step_targets(valid_tokens);
         let this_micro_batch = micro_batch;
@@ -317,19 +316,23 @@ where
 
 /// The body of both backward steps; `shard_backward` gives one shard's weighted loss and
 /// gradients, given the step's shard lengths over every rank and its target tokens over every
-/// rank.
+/// rank. `settings` is the caller's check of its own settings, refused (as the inputs are)
+/// only after every rank has joined the first collective: a rank that returned before it
+/// would leave the others waiting there.
 fn backward_step_with<B, M>(
     model: &M,
     step: &StepInput,
     sharder: &SequenceSharder,
     groups: &ParallelGroups<B::Wire>,
+    settings: Result<(), UlyssesError>,
     mut shard_backward: impl FnMut(&SequenceShard, f64, ShardLengths, usize) -> Result<(Tensor<B::InnerBackend, 1>, GradientsParams), UlyssesError>,
 ) -> Result<LocalStep<B>, UlyssesError>
 where
     B: TrainBackend,
     M: CausalLm<B>,
 {
-    let checked = check_step_inputs::<B, M>(model, step.micro_batches, sharder, groups)
+    let checked = settings
+        .and_then(|()| check_step_inputs::<B, M>(model, step.micro_batches, sharder, groups))
         .and_then(|()| check_step_annotations(step, sharder))
         .and_then(|()| check_step_settings(step.index, step.learning_rate, step.max_grad_norm));
     let sp_rank = groups.sp_rank();
@@ -898,6 +901,7 @@ pub fn evaluate<B: Backend, G: Backend>(
     }
     check_context_ring::<G>(sharder)?;
     sharder.check_batch(batch, documents, targets)?;
+    check_evaluated_tokens(batch, sharder.ignore_index)?;
     // A forward of its own: the lengths embedded before it (an evaluation loop's other batches,
     // with no backward between) are no second sequence of this one, for the guard.
     burn_ulysses::attention_guard::forget_embedded_lengths();
@@ -917,6 +921,24 @@ pub fn evaluate<B: Backend, G: Backend>(
     Ok(TokenLoss { sum, tokens })
 }
 
+/// What an evaluation can check of its tokens without the model (whose vocabulary
+/// [`check_step_inputs`] checks in training): none negative, which the embedding cannot look
+/// up, and none equal to `ignore_index`, whose labels the loss would leave out. The SP group's
+/// ranks share the batch, so all of them refuse it, before any collective.
+fn check_evaluated_tokens(batch: &[Vec<i64>], ignore_index: i64) -> Result<(), UlyssesError> {
+    for (i, sequence) in batch.iter().enumerate() {
+        if let Some((p, &t)) = sequence.iter().enumerate().find(|&(_, &t)| t < 0 || t == ignore_index) {
+            let why = if t == ignore_index {
+                "the sharder's ignore_index, so every label equal to it would be left out of the loss; use an ignore_index outside the vocabulary (-100, as PyTorch and transformers do)".to_string()
+            } else {
+                "negative, outside every vocabulary".to_string()
+            };
+            return Err(UlyssesError::InvalidConfig(format!("evaluate: token {t} (sequence {i}, position {p}) is {why}")));
+        }
+    }
+    Ok(())
+}
+
 /// The cross-entropy of the whole, unsharded `batch` on this rank alone, bypassing sequence
 /// parallelism even inside a group: no collective but those `forward` issues itself (ZeRO-3's
 /// gathers, which the other ranks join: [`join_layered_output_gathers`]).
@@ -931,6 +953,7 @@ pub fn evaluate_single_device<B: Backend>(
     let _single_device = burn_ulysses::context::enter_single_device();
     let sharder = SequenceSharder::new(1).with_ignore_index(ignore_index);
     sharder.check_batch(batch, documents, targets)?;
+    check_evaluated_tokens(batch, ignore_index)?;
     let whole = sharder.shard_targets(batch, documents, targets, 0);
     let loss = model_failure_as_error(|| {
         let output = forward(whole.tokens(device), &whole.positions)?;
@@ -1023,4 +1046,22 @@ pub fn check_parameters_identical<B: Backend, M: Module<B>, G: Backend>(
 /// The ranks whose gathered value at `index` is not rank 0's.
 fn ranks_differing_from_rank_0(gathered: &[Vec<u64>], index: usize) -> Vec<usize> {
     (0..gathered.len()).filter(|&r| gathered[r][index] != gathered[0][index]).collect()
+}
+
+#[cfg(test)]
+mod evaluate_tests {
+    use burn::backend::NdArray;
+
+    use super::*;
+
+    /// Tokens an evaluation cannot take are refused before its forward: one equal to the
+    /// ignore index (its labels would leave the loss), a negative one (no embedding row).
+    #[test]
+    fn an_evaluation_refuses_tokens_it_would_drop_or_cannot_embed() {
+        for (tokens, ignore_index, needle) in [(vec![1, 0, 2], 0, "token 0 (sequence 0, position 1) is the sharder's ignore_index"), (vec![3, -4], -100, "token -4 (sequence 0, position 1) is negative")] {
+            let forward = |_: Tensor<NdArray, 2, Int>, _: &ShardPositions| -> Result<LmOutput<NdArray>, UlyssesError> { panic!("the forward ran") };
+            let error = evaluate_single_device::<NdArray>(forward, &[tokens], None, None, ignore_index, &Default::default()).unwrap_err().to_string();
+            assert!(error.contains(needle), "{error}");
+        }
+    }
 }

@@ -98,12 +98,19 @@ fn rows_of<B: Backend>(hidden: Tensor<B, 3>, head: &OutputHead<B>, labels: Tenso
 }
 
 /// `Σ -log p(label)` over the labels that are not `ignore_index`: `logits [B, S, V]`,
-/// `labels [B, S]`. The graph stays connected when every label is ignored.
+/// `labels [B, S]`. The graph stays connected when every label is ignored. Half-precision
+/// logits are taken in f32, as transformers' loss takes them (`logits.float()`): the
+/// log-sum-exp of a large vocabulary in bf16 is off by hundredths of a nat, its sums over
+/// tokens by more.
 pub fn masked_cross_entropy_sum<B: Backend>(
     logits: Tensor<B, 3>,
     labels: Tensor<B, 2, Int>,
     ignore_index: i64,
 ) -> Tensor<B, 1> {
+    let logits = match FloatDType::from(logits.dtype()) {
+        FloatDType::F16 | FloatDType::BF16 => logits.cast(FloatDType::F32),
+        _ => logits,
+    };
     let ignored = labels.clone().equal_elem(ignore_index);
     let targets = labels.mask_fill(ignored.clone(), 0);
     let log_probs = log_softmax(logits, 2);
