@@ -282,7 +282,7 @@ fn ring_peers_that_disagree_on_the_layout() {
         let [q, k, v] = qkv([1, 4, 8, 8], 4);
         attention(q, k, v, None, None, AttentionModuleOptions { is_causal: rank.rank() == 0, ..OPTIONS });
     });
-    assert_all_contain(&messages, &["the is_causal flag differs across ranks", "rank 0 has 1, rank 1 has 0"]);
+    assert_all_contain(&messages, &["the is_causal flag differs across ranks", "ring rank 0 has 1, ring rank 1 has 0"]);
 }
 
 /// Ring peers that cut the sequence otherwise (one contiguous, one zigzag: layouts built apart)

@@ -47,7 +47,9 @@ const SEQ_HINT: &str = "Every rank must hold the same number of tokens: pad each
 const MODEL_HINT: &str = "Every rank must run the same model on the same batch layout.";
 
 /// (field name, hint) in the order of [`AttentionLayout::encode`].
-const FIELDS: [(&str, &str); 14] = [
+/// The fields of [`AttentionLayout::encode`], then the one
+/// [`encode_for_ring`](AttentionLayout::encode_for_ring) adds, with what to do when ranks differ.
+const FIELDS: [(&str, &str); 15] = [
     ("batch size", MODEL_HINT),
     ("q head count", MODEL_HINT),
     ("kv head count", MODEL_HINT),
@@ -62,7 +64,14 @@ const FIELDS: [(&str, &str); 14] = [
     ("attention bias presence", MODEL_HINT),
     ("document position ids presence", "Call attention_in_documents on every rank of the group, or on none."),
     ("sliding window", "Call attention_within with the same window on every rank of the group."),
+    (
+        "ring sharding",
+        "Every rank of a ring must cut the sequence the same way: give every rank the same ParallelLayout::with_ring_sharding \
+         (or UlyssesConfig::ring_sharding with enter_hybrid), and shard the data with it.",
+    ),
 ];
+/// Where [`encode_for_ring`](AttentionLayout::encode_for_ring)'s field sits in [`FIELDS`].
+const RING_SHARDING_FIELD: usize = 14;
 
 impl AttentionLayout {
     /// Checks the shapes of one rank's call that need no peer (q, k, v `[batch, heads, seq,
@@ -179,19 +188,24 @@ impl AttentionLayout {
             self.has_documents as u64,
             self.window.map_or(0, |window| (window as u64).saturating_add(1)),
         ];
-        debug_assert_eq!(encoded.len(), FIELDS.len());
+        debug_assert_eq!(encoded.len(), RING_SHARDING_FIELD);
         encoded
     }
 
     /// Fails, naming the first field that differs, unless every rank sent the same layout.
     pub fn check_agreement(per_rank: &[Vec<u64>]) -> Result<(), UlyssesError> {
+        Self::check_fields(per_rank, "rank")
+    }
+
+    /// The first field that differs among `per_rank`, its values named by `peer` and index.
+    fn check_fields(per_rank: &[Vec<u64>], peer: &str) -> Result<(), UlyssesError> {
         let first = &per_rank[0];
         for (field, (name, hint)) in FIELDS.iter().enumerate() {
             if per_rank.iter().any(|values| values.get(field) != first.get(field)) {
                 let values = per_rank
                     .iter()
                     .enumerate()
-                    .map(|(rank, v)| format!("rank {rank} has {}", describe(field, v[field])))
+                    .map(|(rank, v)| format!("{peer} {rank} has {}", describe(field, v.get(field).copied())))
                     .collect::<Vec<_>>()
                     .join(", ");
                 return Err(UlyssesError::LayoutDiffers { field: name, values, hint });
@@ -208,35 +222,22 @@ impl AttentionLayout {
         encoded
     }
 
-    /// Fails, naming what differs, unless every ring peer sent the same layout and cuts the
-    /// sequence alike: peers that cut it otherwise (one contiguous, one zigzag) would attend
-    /// over keys at the wrong positions, silently.
+    /// [`check_agreement`](Self::check_agreement) of what [`encode_for_ring`](Self::encode_for_ring)
+    /// sent: peers that cut the sequence otherwise (one contiguous, one zigzag) would attend over
+    /// keys at the wrong positions, silently.
     pub fn check_ring_agreement(per_rank: &[Vec<u64>]) -> Result<(), UlyssesError> {
-        Self::check_agreement(per_rank)?;
-        let sharding = |values: &Vec<u64>| values.get(FIELDS.len()).copied();
-        if per_rank.iter().all(|values| sharding(values) == sharding(&per_rank[0])) {
-            return Ok(());
-        }
-        let name = |code| match code {
-            Some(code) if code == RingSharding::Contiguous as u64 => "contiguous",
-            Some(code) if code == RingSharding::Zigzag as u64 => "zigzag",
-            _ => "none",
-        };
-        let values = per_rank.iter().enumerate().map(|(rank, v)| format!("ring rank {rank} has {}", name(sharding(v)))).collect::<Vec<_>>().join(", ");
-        Err(UlyssesError::LayoutDiffers {
-            field: "ring sharding",
-            values,
-            hint: "Every rank of a ring must cut the sequence the same way: give every rank the same ParallelLayout::with_ring_sharding \
-                   (or UlyssesConfig::ring_sharding with enter_hybrid), and shard the data with it.",
-        })
+        Self::check_fields(per_rank, "ring rank")
     }
 }
 
-fn describe(field: usize, value: u64) -> String {
-    match field {
-        8 | 9 if value == u64::MAX => "none".to_string(),
-        8 | 9 => f64::from_bits(value).to_string(),
-        _ => value.to_string(),
+fn describe(field: usize, value: Option<u64>) -> String {
+    match (field, value) {
+        (_, None) => "none".to_string(),
+        (8 | 9, Some(u64::MAX)) => "none".to_string(),
+        (8 | 9, Some(value)) => f64::from_bits(value).to_string(),
+        (RING_SHARDING_FIELD, Some(code)) if code == RingSharding::Contiguous as u64 => "contiguous".to_string(),
+        (RING_SHARDING_FIELD, Some(code)) if code == RingSharding::Zigzag as u64 => "zigzag".to_string(),
+        (_, Some(value)) => value.to_string(),
     }
 }
 

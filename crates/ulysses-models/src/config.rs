@@ -518,7 +518,7 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
             let (attention_factor, mscales) = (optional("attention_factor")?, optional("mscale")?.zip(optional("mscale_all_dim")?));
             let (beta_fast, beta_slow) = (optional("beta_fast")?.unwrap_or(32.0), optional("beta_slow")?.unwrap_or(1.0));
             // Absent: true; an explicit null is falsy to transformers.
-            let truncate = match inner_keys.get("truncate") {
+            let truncate = match inner_keys.object.get("truncate") {
                 None => true,
                 Some(Value::Null) => false,
                 Some(value) => value.as_bool().ok_or_else(|| keys.error(&field("truncate"), format!("is {value}, not true or false")))?,
@@ -667,6 +667,12 @@ mod tests {
         let no_factor = with(&with(qwen3, "max_position_embeddings", Value::Null), "rope_scaling", json!({"rope_type": "yarn", "original_max_position_embeddings": 8192}));
         let RopeScaling::Yarn { factor, .. } = HfConfig::from_hf_json(&no_factor, "n").unwrap().rope_scaling else { panic!("yarn") };
         assert_eq!(factor, 32768.0 / 8192.0);
+        // `truncate`: absent, true; an explicit null, false (transformers' `.get("truncate", True)`).
+        let truncate = |value: Value| {
+            let RopeScaling::Yarn { truncate, .. } = HfConfig::from_hf_json(&with(qwen3, "rope_scaling", json!({"rope_type": "yarn", "factor": 4.0, "truncate": value})), "t").unwrap().rope_scaling else { panic!("yarn") };
+            truncate
+        };
+        assert!(!truncate(Value::Null) && !truncate(json!(false)) && truncate(json!(true)));
     }
 
     #[test]

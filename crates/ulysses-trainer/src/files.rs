@@ -70,7 +70,7 @@ pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>
                 path.display()
             ));
         }
-        if !extension(path, &["jsonl", "json", "txt"]) && first_line_is_a_json_object(path) {
+        if !extension(path, &["jsonl", "json", "txt"]) && first_line_is_json_lines(path) {
             return Err(format!(
                 "{flag} {} holds JSON Lines but is not named .jsonl, so it would be read as one text document of JSON: rename it to .jsonl",
                 path.display()
@@ -96,9 +96,9 @@ pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>
     // A split's name is a word of the file's name or of a folder's below `path`
     // (`test.jsonl`, `data/test/part-0.jsonl`); a file named for training is training data
     // whatever else its name says (`unit_test_train.jsonl`).
+    let below = |file: &PathBuf| file.strip_prefix(path).unwrap_or(file).with_extension("");
     let split = |file: &PathBuf, names: &[&str]| {
-        let below = file.strip_prefix(path).unwrap_or(file).with_extension("");
-        below.to_string_lossy().to_lowercase().split(|c: char| !c.is_ascii_alphanumeric()).any(|word| names.contains(&word))
+        below(file).to_string_lossy().to_lowercase().split(|c: char| !c.is_ascii_alphanumeric()).any(|word| names.contains(&word))
     };
     const HELD_OUT: [&str; 6] = ["test", "validation", "valid", "val", "eval", "dev"];
     let training = |file: &PathBuf| split(file, &["train"]);
@@ -107,7 +107,7 @@ pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>
     // (`test/part-0.jsonl`) or the name's last word (`data_test.jsonl`), not any word of it
     // (`unit_test_generation.jsonl` is data). An --eval-data folder is all held out.
     let named_a_split = |file: &&PathBuf| {
-        let below = file.strip_prefix(path).unwrap_or(file).with_extension("");
+        let below = below(file);
         let folders = below.parent().into_iter().flat_map(|parent| parent.iter()).any(|folder| HELD_OUT.contains(&folder.to_string_lossy().to_lowercase().as_str()));
         let stem = below.file_name().map(|name| name.to_string_lossy().to_lowercase()).unwrap_or_default();
         folders || stem.rsplit(|c: char| !c.is_ascii_alphanumeric()).next().is_some_and(|last| HELD_OUT.contains(&last))
@@ -138,7 +138,7 @@ pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>
 
 /// Whether `file`'s first line is a JSON object or array (JSON Lines of texts or of ids,
 /// whatever the file's name).
-fn first_line_is_a_json_object(file: &Path) -> bool {
+fn first_line_is_json_lines(file: &Path) -> bool {
     use std::io::{BufRead, Read};
     let Ok(opened) = fs::File::open(file) else { return false };
     let mut line = String::new();
