@@ -29,6 +29,11 @@ pub struct DataIdentity {
     /// checkpoints written before it was recorded, and where no conversation was rendered.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub chat_template: String,
+    /// The `--eval-data` the run's held-out losses are of (its path, bytes and digest): other
+    /// held-out data would make the losses after a resume another curve. Empty without
+    /// `--eval-data`, and in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub held_out: String,
 }
 
 impl DataIdentity {
@@ -44,6 +49,13 @@ impl DataIdentity {
         Self::of_files(path, &crate::files::data_files("--data", path)?.0)
     }
 
+    /// This identity with the held-out data at `path` (`--eval-data`), which a resume must
+    /// evaluate on too.
+    pub fn evaluated_on(self, path: &Path) -> Result<Self, String> {
+        let held_out = Self::of_files(path, &crate::files::data_files("--eval-data", path)?.0)?;
+        Ok(Self { held_out: format!("{} ({} bytes, digest {})", held_out.path, held_out.bytes, held_out.digest), ..self })
+    }
+
     fn of_files(path: &Path, files: &[std::path::PathBuf]) -> Result<Self, String> {
         let mut digest = Fnv::new();
         let mut bytes = 0;
@@ -54,7 +66,7 @@ impl DataIdentity {
             digest.write(&ends);
             bytes += size;
         }
-        Ok(Self { path: path.display().to_string(), bytes, digest: format!("{:016x}", digest.0), reading: String::new(), chat_template: String::new() })
+        Ok(Self { path: path.display().to_string(), bytes, digest: format!("{:016x}", digest.0), reading: String::new(), chat_template: String::new(), held_out: String::new() })
     }
 
     /// This identity with how the data is read (`reading`: the settings that turn its bytes
@@ -115,6 +127,16 @@ impl DataIdentity {
                 "the checkpoint's run read its data with {}, this one would read it with {}; resuming would continue on other \
                  batches. Resume with the same settings, or pass --allow-new-data to continue with these",
                 saved.reading, reading
+            ));
+        }
+        // By bytes and digest, not path (a dataset moved is the same); a run that gained or
+        // lost --eval-data reads --data otherwise, which `reading` tells.
+        let contents = |held_out: &str| held_out.rsplit_once(" (").map_or(held_out.to_string(), |(_, contents)| contents.to_string());
+        if !saved.held_out.is_empty() && !self.held_out.is_empty() && contents(&saved.held_out) != contents(&self.held_out) {
+            return Some(format!(
+                "the checkpoint's run evaluated on --eval-data {}, this one would evaluate on {}; the held-out losses after the resume \
+                 would be another curve. Resume with that --eval-data, or pass --allow-new-data to evaluate on this",
+                saved.held_out, self.held_out
             ));
         }
         (self.bytes != saved.bytes || self.digest != saved.digest).then(|| {
@@ -209,6 +231,15 @@ mod tests {
         assert!(message.contains("chat_template.jinja (digest") && message.contains("--allow-new-data"), "{message}");
         assert!(DataIdentity::of(&b).unwrap().differs_from(&rendered("{{ messages }}")).is_some(), "the template gone");
         assert_eq!(rendered("{{ messages }}").differs_from(&DataIdentity::of(&b).unwrap()), None);
+        // Other --eval-data: the held-out losses would be another curve; the same bytes
+        // elsewhere, or a checkpoint that recorded none, are not.
+        let evaluated = |held_out: &Path| DataIdentity::of(&b).unwrap().evaluated_on(held_out).unwrap();
+        let message = evaluated(&a).differs_from(&evaluated(&b)).expect("other held-out data");
+        assert!(message.contains("evaluated on --eval-data") && message.contains("a.jsonl") && message.contains("--allow-new-data"), "{message}");
+        let copy = dir.join("copy.jsonl");
+        std::fs::copy(&b, &copy).unwrap();
+        assert_eq!(evaluated(&copy).differs_from(&evaluated(&b)), None);
+        assert_eq!(evaluated(&a).differs_from(&DataIdentity::of(&b).unwrap()), None);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

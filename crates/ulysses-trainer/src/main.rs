@@ -774,16 +774,18 @@ fn run(mut args: Args) -> Result<(), String> {
             (_, launch) => launch,
         },
     };
+    // The run's notes once, not once a process.
+    ulysses_trainer::train::say_run_notes(matches!(&launch, Launch::Threads) || matches!(&launch, Launch::Process(env) if env.rank == 0));
     // The --resume checkpoint's state, read once: its settings fill the flags not given, and
     // it is checked against the run once the run is set up.
     let resumed: Option<RunState> = args.resume.as_deref().map(read_checkpoint_state).transpose().map_err(|e| e.to_string())?;
     if let Some(saved) = &resumed {
         let resumed = take_resumed_settings(&mut args, saved, matches!(launch, Launch::Threads));
-        if !resumed.taken.is_empty() {
+        if !resumed.taken.is_empty() && ulysses_trainer::train::says_run_notes() {
             tracing::info!("resuming with the checkpoint's {}", resumed.taken.join(", "));
         }
         for (replaced, what) in [(&resumed.replaced_layout, "layout flags given here replace its layout"), (&resumed.replaced_memory, "memory flags given here replace its memory settings")] {
-            if !replaced.is_empty() {
+            if !replaced.is_empty() && ulysses_trainer::train::says_run_notes() {
                 tracing::warn!("the resumed run's {} are not kept: {what} as a whole; give them again to keep them", replaced.join(", "));
             }
         }
@@ -1069,7 +1071,7 @@ fn run(mut args: Args) -> Result<(), String> {
         return Err(format!("--stop-after {stop} must lie in 1..=--steps {}", args.steps));
     }
 
-    let is_first = matches!(&launch, Launch::Threads) || matches!(&launch, Launch::Process(env) if env.rank == 0);
+    let is_first = ulysses_trainer::train::says_run_notes();
     if is_first {
         for note in ignored_flags(&args, &config, matches!(launch, Launch::Threads)) {
             tracing::warn!("{note}");
@@ -1136,6 +1138,9 @@ fn run(mut args: Args) -> Result<(), String> {
         if let Some((file, text)) = &chat_rendered {
             data_identity = data_identity.rendered_with(file, text);
         }
+    }
+    if let Some(held_out) = &args.eval_data {
+        data_identity = data_identity.evaluated_on(held_out)?;
     }
     let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
@@ -1837,6 +1842,12 @@ impl RunLog {
             }
         }
         let config = &job.config;
+        if let Some(resumed) = job.resumed_at {
+            let rows: Vec<usize> = kept.iter().filter_map(|row| row.split(',').next()?.parse().ok()).collect();
+            if let Some(gap) = ulysses_trainer::run_folder::kept_rows_gap(&rows, &eval, resumed, config.eval_every, config.steps) {
+                tracing::warn!("{gap}");
+            }
+        }
         let bar = ProgressBar::new(config.steps as u64);
         bar.set_position(job.resumed_at.unwrap_or(0) as u64);
         bar.set_style(
@@ -1903,9 +1914,14 @@ impl RunLog {
             };
         }
         let elapsed = self.started.elapsed().as_secs_f64();
-        if let Record::Open(record) = &mut self.record {
-            // A failed write only loses a metrics row; the run goes on.
-            let _ = record.append(&format!("{step},{loss},{eval_loss},{rest},{elapsed:.3}"));
+        if let Record::Open(record) = &mut self.record
+            && let Err(error) = record.append(&format!("{step},{loss},{eval_loss},{rest},{elapsed:.3}"))
+        {
+            // Training goes on (its checkpoints are what resumes it); the run ends failed, as
+            // one whose record could not be opened does, since its record has lost rows.
+            let message = format!("cannot append step {step}'s row to {}: {error}; later rows are not written", self.out.join(METRICS_FILE).display());
+            self.bar.println(format!("error: {message}; training goes on"));
+            self.record = Record::Failed(message);
         }
     }
 
@@ -1914,14 +1930,18 @@ impl RunLog {
         if let Record::Failed(message) = self.record {
             return Err(message);
         }
-        plot::loss_curve(&self.out.join("loss.png"), &self.title, &self.train, &self.eval)?;
+        // The curve is drawn from the record; failing to draw it loses nothing.
+        let drew = plot::loss_curve(&self.out.join("loss.png"), &self.title, &self.train, &self.eval)
+            .map_err(|message| tracing::warn!("{message}; metrics.csv has every value it would show"))
+            .is_ok();
+        let wrote = |files: &str| if drew { files.to_string() } else { files.split(", ").filter(|&f| f != "loss.png").collect::<Vec<_>>().join(", ") };
         // "-" where no step had a target to take a loss on.
         let first = self.train.first().map_or("-".to_string(), |p| format!("{:.3}", p.1));
         let last = self.train.last().map_or("-".to_string(), |p| format!("{:.3}", p.1));
         let held_out = self.eval.last().map_or("-".to_string(), |p| format!("{:.3}", p.1));
         if matches!(self.record, Record::Pending { .. }) {
             // A resume of a run that had taken every step: no record is begun.
-            let wrote = if self.wrote.contains("model.mpk") { "model.mpk, loss.png" } else { "loss.png" };
+            let wrote = wrote(if self.wrote.contains("model.mpk") { "model.mpk, loss.png" } else { "loss.png" });
             println!(
                 "no step taken: the checkpoint had taken all {} steps (a larger --steps trains on); wrote {}/{{{wrote}}}",
                 self.steps,
@@ -1935,7 +1955,7 @@ impl RunLog {
             "loss {first} -> {last} in {taken} steps{stopped} ({:.1?}), held-out {held_out}; wrote {}/{{{}}}",
             self.started.elapsed(),
             self.out.display(),
-            self.wrote
+            wrote(self.wrote)
         );
         Ok(())
     }

@@ -26,16 +26,35 @@ fn font_available() -> bool {
     })
 }
 
-/// Draws training loss per step and evaluation loss at its steps into `path`.
+/// Draws training loss per step and evaluation loss at its steps into `path`, a PNG written
+/// atomically (as the run's other files: a crash leaves the last curve or this one).
 pub fn loss_curve(path: &Path, title: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<(), String> {
-    draw(path, title, train, eval).map_err(|e| format!("cannot draw {}: {e}", path.display()))
+    let png = draw(title, train, eval).map_err(|e| format!("cannot draw {}: {e}", path.display()))?;
+    ulysses_training::checkpoint::write_atomically(path, &[&png]).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
-fn draw(path: &Path, title: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<(), Box<dyn std::error::Error>> {
-    let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
+const SIZE: (u32, u32) = (960, 600);
+
+/// The curve as PNG bytes.
+fn draw(title: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
+    let mut rgb = vec![0u8; SIZE.0 as usize * SIZE.1 as usize * 3];
+    plot(&mut rgb, title, train, eval)?;
+    let mut png = Vec::new();
+    let mut encoder = png::Encoder::new(&mut png, SIZE.0, SIZE.1);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    let mut writer = encoder.write_header()?;
+    writer.write_image_data(&rgb)?;
+    writer.finish()?;
+    Ok(png)
+}
+
+fn plot(rgb: &mut [u8], title: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<(), Box<dyn std::error::Error>> {
+    let root = BitMapBackend::with_buffer(rgb, SIZE).into_drawing_area();
     root.fill(&WHITE)?;
     let last_step = train.iter().chain(eval).map(|p| p.0).max().unwrap_or(1).max(1);
-    let highest = train.iter().chain(eval).map(|p| p.1).fold(0.0, f64::max).max(1e-3) * 1.05;
+    // Finite losses alone set the axis (an infinite held-out loss would leave it no top).
+    let highest = train.iter().chain(eval).map(|p| p.1).filter(|v| v.is_finite()).fold(0.0, f64::max).max(1e-3) * 1.05;
     let labels = font_available();
 
     let mut builder = ChartBuilder::on(&root);

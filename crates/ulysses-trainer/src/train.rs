@@ -1326,9 +1326,28 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
     Ok(())
 }
 
-/// Whether this process has not logged `note` yet: [`TrainConfig::validate`] runs before the
-/// model is built and again on each rank's thread, and says its notes once.
+/// Whether this process says the run's notes (those of the run as a whole, not of a rank):
+/// a run of many processes says them once, in world rank 0's.
+static SAYS_RUN_NOTES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether this process says the run's notes ([`says_run_notes`]): false in every process of a
+/// launched run but world rank 0's.
+pub fn say_run_notes(here: bool) {
+    SAYS_RUN_NOTES.store(here, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether this process says the run's notes (see [`say_run_notes`]).
+pub fn says_run_notes() -> bool {
+    SAYS_RUN_NOTES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether this process is to log `note` now: it says the run's notes and has not logged this
+/// one yet ([`TrainConfig::validate`] runs before the model is built and again on each rank's
+/// thread, and says its notes once).
 fn first_time(note: &str) -> bool {
+    if !says_run_notes() {
+        return false;
+    }
     static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
     let new = !said.iter().any(|s| s == note);

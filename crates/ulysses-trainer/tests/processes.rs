@@ -400,6 +400,11 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     succeed(run_launched(2, &common_args(&dir, "full", 6), &[&["--sp", "2"][..], &adamw].concat()));
     succeed(run_launched(2, &common_args(&dir, "part", 6), &[&["--sp", "2", "--stop-after", "3"][..], &adamw].concat()));
     assert_eq!(losses(&dir.join("part")).len(), 3);
+    // A note of the run as a whole (its padding) is said once, not once a process.
+    let mut odd = common_args(&dir, "odd", 1);
+    set_flag(&mut odd, "--seq-len", "17");
+    let text = show(&succeed(run_launched(2, &odd, &["--sp", "2"])));
+    assert_eq!(text.matches("seq_len 17 is not a multiple of 2").count(), 1, "{text}");
     // A copy kept in the run's folder, as one keeps a checkpoint to come back to.
     fs::copy(dir.join("part/checkpoint.ulysses"), dir.join("part/step-3.ulysses")).unwrap();
     // A copy to resume elsewhere: one process, no sequence parallelism.
@@ -1194,6 +1199,12 @@ fn the_run_record_is_written_only_once_a_step_has_succeeded() {
     succeed(run_alone(&common_args(&dir, "run", 1), &["--sp", "2", "--no-save", "--overwrite"]));
     let left = earlier_run_files(&out);
     assert_eq!(left, ["config.json", "metrics.csv"], "a --no-save run over another left its files");
+    // A loss curve that cannot be written (loss.png a folder) is a warning: the run succeeds,
+    // and its last line does not name the curve.
+    fs::create_dir_all(dir.join("curve/loss.png")).unwrap();
+    let text = show(&succeed(run_alone(&common_args(&dir, "curve", 1), &["--sp", "2"])));
+    let summary = text.lines().find(|line| line.starts_with("loss ")).unwrap_or_default();
+    assert!(text.contains("cannot write") && summary.contains("wrote") && !summary.contains("loss.png"), "{text}");
     let _ = fs::remove_dir_all(&dir);
 }
 
