@@ -5,7 +5,11 @@
 //! any transport: rank threads (`ThreadGroup`), or processes over TCP
 //! (`ulysses_dist::tcp::TcpCommunicator`).
 
-use std::{cell::RefCell, sync::Arc};
+use std::{
+    cell::RefCell,
+    marker::PhantomData,
+    sync::{Arc, RwLock},
+};
 
 use ulysses_core::comm::HostCommunicator;
 
@@ -22,6 +26,11 @@ thread_local! {
     static GROUPS: RefCell<Option<Groups>> = const { RefCell::new(None) };
 }
 
+/// The groups of a process that is one rank ([`enter_process`]): seen by every thread of it
+/// that entered none of its own (a data loader's, a training loop on a worker thread), which
+/// would otherwise attend over its shard alone.
+static PROCESS_GROUPS: RwLock<Option<Groups>> = RwLock::new(None);
+
 /// Makes this thread a rank of `communicator`'s sequence-parallel group, which is also the
 /// whole job (no data parallelism), until the guard drops. Enter once per rank (thread or
 /// process), before building the model; a group of one rank is plain attention.
@@ -34,28 +43,53 @@ pub fn enter(communicator: Arc<dyn HostCommunicator>) -> GroupGuard {
 #[must_use = "the thread leaves the groups when the guard drops"]
 pub fn enter_groups(groups: Groups) -> GroupGuard {
     let previous = GROUPS.with(|slot| slot.borrow_mut().replace(groups));
-    GroupGuard { previous }
+    GroupGuard { previous, scope: Scope::Thread, _not_send: PhantomData }
 }
 
-/// The sequence-parallel group entered on this thread, if any.
+/// [`enter_groups`] for every thread of this process, which is one rank (a launched process;
+/// `job::run_ranks` enters so): a thread that entered groups of its own uses those.
+#[must_use = "the process leaves the groups when the guard drops"]
+pub fn enter_process(groups: Groups) -> GroupGuard {
+    let previous = PROCESS_GROUPS.write().unwrap_or_else(|p| p.into_inner()).replace(groups);
+    GroupGuard { previous, scope: Scope::Process, _not_send: PhantomData }
+}
+
+/// This thread's groups, else its process's.
+fn entered() -> Option<Groups> {
+    GROUPS.with(|slot| slot.borrow().clone()).or_else(|| PROCESS_GROUPS.read().unwrap_or_else(|p| p.into_inner()).clone())
+}
+
+/// The sequence-parallel group entered on this thread (or its process), if any.
 pub fn current() -> Option<Arc<dyn HostCommunicator>> {
-    GROUPS.with(|slot| slot.borrow().as_ref().map(|groups| groups.sequence.clone()))
+    entered().map(|groups| groups.sequence)
 }
 
-/// The group gradients and losses sum over on this thread, if any.
+/// The group gradients and losses sum over on this thread (or its process), if any.
 pub fn world() -> Option<Arc<dyn HostCommunicator>> {
-    GROUPS.with(|slot| slot.borrow().as_ref().map(|groups| groups.world.clone()))
+    entered().map(|groups| groups.world)
 }
 
-/// Restores the groups that were entered before (usually none) when dropped.
+/// Where a guard's groups were entered.
+enum Scope {
+    Thread,
+    Process,
+}
+
+/// Restores the groups that were entered before (usually none) when dropped, on the thread
+/// that entered them (it is not `Send`: dropped elsewhere it would clear another thread's).
 pub struct GroupGuard {
     previous: Option<Groups>,
+    scope: Scope,
+    _not_send: PhantomData<*const ()>,
 }
 
 impl Drop for GroupGuard {
     fn drop(&mut self) {
         let previous = self.previous.take();
-        GROUPS.with(|slot| *slot.borrow_mut() = previous);
+        match self.scope {
+            Scope::Thread => GROUPS.with(|slot| *slot.borrow_mut() = previous),
+            Scope::Process => *PROCESS_GROUPS.write().unwrap_or_else(|p| p.into_inner()) = previous,
+        }
     }
 }
 
@@ -65,4 +99,30 @@ pub(crate) fn required(what: &str) -> Arc<dyn HostCommunicator> {
     current().unwrap_or_else(|| {
         panic!("{what} needs a sequence-parallel group: call burn_ulysses_ops::context::enter(communicator) on each rank first (burn_ulysses_ops::job::run_ranks does)")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use ulysses_core::comm::ThreadGroup;
+
+    use super::*;
+
+    /// A process's groups reach every thread of it (a worker thread's attention exchanges
+    /// over them instead of attending within its shard), a thread's own groups come first,
+    /// and the guard's drop takes them away.
+    #[test]
+    fn a_processs_groups_reach_its_other_threads() {
+        let group = || -> Arc<dyn HostCommunicator> { ThreadGroup::new(1).run(|rank| rank.communicator()).pop().unwrap().unwrap() };
+        let address = |group: &Arc<dyn HostCommunicator>| Arc::as_ptr(group) as *const u8 as usize;
+        let elsewhere = || std::thread::spawn(move || current().as_ref().map(address)).join().unwrap();
+        assert_eq!(elsewhere(), None);
+        let (process_group, own) = (group(), group());
+        let process = enter_process(Groups { sequence: process_group.clone(), world: process_group.clone() });
+        assert_eq!(elsewhere(), Some(address(&process_group)), "another thread of the process");
+        let thread = enter(own.clone());
+        assert_eq!(current().as_ref().map(address), Some(address(&own)), "the thread's own group first");
+        drop(thread);
+        drop(process);
+        assert_eq!(elsewhere(), None, "left with the guard");
+    }
 }

@@ -61,7 +61,8 @@ pub fn run_ranks<R: Send>(launch: &Launch, threads: usize, dist: &DistributedCon
         let (dp_rank, sp_rank) = dp_sp_coordinates(rank, sp);
         let sequence = world.split(dp_rank as u32, sp_rank as u32).map_err(|e| DistError::Job(format!("forming the sequence-parallel groups: {e}")))?;
         let groups = Groups { sequence, world };
-        let _groups = context::enter_groups(groups.clone());
+        // A process is one rank: every thread of it sees its groups.
+        let _groups = if is_process { context::enter_process(groups.clone()) } else { context::enter_groups(groups.clone()) };
         let rank = Rank { rank, size: world_size, sp_rank, sp_size: sp, dp_rank, dp_size: dp, is_process, groups };
         Ok(work(&rank))
     };
