@@ -130,6 +130,14 @@ pub fn check_cross_entropy<R: CubeRuntime>(
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || vocab == 0 || vocab >= 1 << 24 {
         return Err(CrossEntropyError::Shape(format!("logits {shape:?} {dtype:?}: the kernel takes f32, f16 or bf16 and 1 to 2^24 − 1 classes")));
     }
+    // Past 2^31 elements (16 384 rows of a 151 936-word vocabulary) the kernel indexes in 64
+    // bits, which not every device's language has (WGSL's has not).
+    if AddressType::from_len_signed(rows * vocab) == AddressType::U64 && !client.properties().supports_address(AddressType::U64) {
+        return Err(CrossEntropyError::Device(format!(
+            "logits {shape:?} have {} elements, past what 32-bit indices reach, and this device has no 64-bit indexing: use chunks of fewer rows",
+            rows * vocab
+        )));
+    }
     let hardware = &client.properties().hardware;
     let plane_dim = hardware.plane_size_max;
     if plane_dim == 0 || hardware.plane_size_min != plane_dim || plane_dim as usize * PLANES > hardware.max_units_per_cube as usize {

@@ -118,4 +118,15 @@ fn a_label_outside_the_vocabulary_gives_an_infinite_loss_and_bad_shapes_are_refu
     assert!(losses[0].is_finite() && losses[1].is_infinite(), "label 3 of 3 classes must give an infinite loss: {losses:?}");
     let error = fused_cross_entropy(logits(), labels(vec![1.0, 2.0, 0.0]), IGNORE).unwrap_err();
     assert!(matches!(error, CrossEntropyError::Shape(_)) && error.to_string().contains("labels must be [2]"), "{error}");
+    // Logits past 2^31 elements (16 384 rows of Qwen's 151 936 words) need 64-bit indices: taken
+    // where the device has them, refused by name where not (decided from the shape: nothing
+    // is allocated).
+    let client = <Runtime as cubecl::Runtime>::client(&device);
+    let checked = ulysses_kernels::check_cross_entropy(&client, (&[16_384, 151_936], DType::BF16), (&[16_384], DType::F32));
+    let has_64_bit = client.properties().supports_address(cubecl::ir::AddressType::U64);
+    println!("a device with 64-bit indices: {has_64_bit}; 2.5e9 logits: {checked:?}");
+    match has_64_bit {
+        true => assert!(checked.is_ok(), "{checked:?}"),
+        false => assert!(matches!(&checked, Err(CrossEntropyError::Device(message)) if message.contains("no 64-bit indexing")), "{checked:?}"),
+    }
 }

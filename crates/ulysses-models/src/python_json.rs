@@ -206,8 +206,22 @@ fn write_repr(value: &Value, out: &mut String) -> Result<(), Error> {
     Ok(())
 }
 
+/// The assigned characters Python's `str.isprintable` refuses, which `repr` escapes: controls
+/// (Cc), formats (Cf: a soft hyphen, zero widths, bidi marks, the BOM), separators other than
+/// the space (Zs, Zl, Zp: a no-break space, U+3000, U+2028) and private use (Co), as Python 3.11
+/// (Unicode 14) has them. Unassigned code points (Cn), which Python escapes too, are left as
+/// they are: no tokenizer's text holds them.
+const NOT_PRINTABLE: [(u32, u32); 28] = [
+    (0x0, 0x1F), (0x7F, 0xA0), (0xAD, 0xAD), (0x600, 0x605), (0x61C, 0x61C), (0x6DD, 0x6DD), (0x70F, 0x70F),
+    (0x890, 0x891), (0x8E2, 0x8E2), (0x1680, 0x1680), (0x180E, 0x180E), (0x2000, 0x200F), (0x2028, 0x202F),
+    (0x205F, 0x2064), (0x2066, 0x206F), (0x3000, 0x3000), (0xE000, 0xF8FF), (0xFEFF, 0xFEFF), (0xFFF9, 0xFFFB),
+    (0x110BD, 0x110BD), (0x110CD, 0x110CD), (0x13430, 0x13438), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A),
+    (0xE0001, 0xE0001), (0xE0020, 0xE007F), (0xF0000, 0xFFFFD), (0x100000, 0x10FFFD),
+];
+
 /// A string in Python's `repr` quotes: single, or double where it holds a single quote and no
-/// double one; backslashes, line ends, tabs and other control characters escaped.
+/// double one; backslashes, line ends and tabs escaped, and other characters Python does not
+/// print as `\xNN`, `\uNNNN` or `\UNNNNNNNN` ([`NOT_PRINTABLE`]).
 fn write_python_string(text: &str, out: &mut String) {
     let quote = if text.contains('\'') && !text.contains('"') { '"' } else { '\'' };
     out.push(quote);
@@ -221,7 +235,14 @@ fn write_python_string(text: &str, out: &mut String) {
                 out.push('\\');
                 out.push(c);
             }
-            c if (c as u32) < 0x20 || c == '\u{7f}' => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c if NOT_PRINTABLE.iter().any(|&(first, last)| (first..=last).contains(&(c as u32))) => {
+                let code = c as u32;
+                out.push_str(&match code {
+                    ..=0xff => format!("\\x{code:02x}"),
+                    ..=0xffff => format!("\\u{code:04x}"),
+                    _ => format!("\\U{code:08x}"),
+                })
+            }
             c => out.push(c),
         }
     }
@@ -274,6 +295,9 @@ mod tests {
         }));
         let python = r#"{'city': 'Paris', 'n': 1e-05, 'ok': True, 'none': None, 'l': [1, 2.5, "it's", 'a"b', 'x\ny\\z'], 'f': 1e+16, 'big': 123.0}"#;
         assert_eq!(python_str(&value).unwrap(), python);
+        // What Python does not print, escaped as it escapes it; accents, CJK and emoji as they are.
+        let spaces = Value::from_serialize(serde_json::json!({"a": "x\u{a0}y\u{3000}z\u{200b}\u{2028}\u{85}\u{7f}\u{f0001} é ü 中 😀"}));
+        assert_eq!(python_str(&spaces).unwrap(), r"{'a': 'x\xa0y\u3000z\u200b\u2028\x85\x7f\U000f0001 é ü 中 😀'}");
         for (value, python) in [(Value::from(1e-05), "1e-05"), (Value::from(0.1 + 0.2), "0.30000000000000004"), (Value::from(f64::NAN), "nan"), (Value::from(true), "True"), (Value::from(()), "None"), (Value::from("it's"), "it's")] {
             assert_eq!(python_str(&value).unwrap(), python);
         }
