@@ -11,11 +11,13 @@ Each shape is BATCHxHEADSxSEQxHEAD_DIM, with a trailing `c` for causal. For shap
     shape i <forward seconds> <backward seconds> <forward+backward seconds> <backend> <peak bytes>
 
 (medians; bf16 on CUDA) where <backend> names the SDPA kernel PyTorch chose for that shape
-(flash, cudnn, efficient or math), read from the CUDA kernels a profiled forward + backward
-launched. A shape that fails (out of memory) prints `shape i failed <reason>`.
+(flash, cudnn or efficient; the math path is not allowed on CUDA), read from the CUDA kernels
+a profiled forward + backward launched. A shape that fails (out of memory, or no fused kernel
+takes it) prints `shape i failed <reason>`.
 """
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -27,7 +29,9 @@ def backend_of(kernel_names) -> str:
         return "cudnn"
     if "flash" in names:
         return "flash"
-    if "fmha" in names or "cutlass" in names or "mem_eff" in names:
+    # The memory-efficient kernels are fmha_cutlassF/B_*; cuBLAS's GEMMs (the math path's
+    # matmuls) are named cutlass_* too, so "cutlass" alone says nothing.
+    if "fmha" in names or "mem_eff" in names or "efficient_attention" in names:
         return "efficient"
     return "math"
 
@@ -50,6 +54,15 @@ def main() -> int:
         print("no CUDA device (pass --device cpu for a dry run)", file=sys.stderr)
         return 1
     dtype = torch.bfloat16 if cuda else torch.float32
+    # On CUDA the fused kernels alone: a shape none of them takes fails, printed as failed,
+    # rather than timing the math path (bmm + softmax) as SDPA's figure.
+    if cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def fused_only():
+            return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    else:
+        fused_only = contextlib.nullcontext
 
     def median_seconds(fn) -> float:
         fn()
@@ -81,7 +94,8 @@ def main() -> int:
                 t.requires_grad_(True)
 
             def forward():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                with fused_only():
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
             out = forward()
 

@@ -84,17 +84,17 @@ impl MultiHeadAttentionConfig {
             self.d_model,
             self.n_heads
         );
-        // Said once a process where a user looks: burn-nn's module drops attention weights in
-        // training (its default is 0.1, the Transformer drop-ins' layers' too), so the two train
-        // differently.
+        // Said once a process where a user looks: burn-nn's module applies dropout to the
+        // scaled scores, before the mask and softmax, in training (its default is 0.1, the
+        // Transformer drop-ins' layers' too), so the two train differently.
         if self.dropout > 0.0 {
             static SAID: std::sync::Once = std::sync::Once::new();
             SAID.call_once(|| {
                 tracing::warn!(
                     dropout = self.dropout,
-                    "burn_ulysses::nn's attention runs the fused attention op, which drops no attention weights, where burn-nn's \
-                     MultiHeadAttention drops this fraction of them in training (a Transformer drop-in's other dropout applies as in \
-                     burn-nn)"
+                    "burn_ulysses::nn's attention runs the fused attention op, which applies no dropout inside attention, where \
+                     burn-nn's MultiHeadAttention applies this dropout to the scaled scores (before the mask and softmax) in training \
+                     (a Transformer drop-in's other dropout applies as in burn-nn)"
                 );
             });
         }
