@@ -136,7 +136,12 @@ fn main() {
     for (i, (sp, one)) in sp.iter().zip(&one).enumerate() {
         println!("{i:>4}   {sp:>12.6}   {one:>16.6}");
     }
-    println!("largest difference {:.1e}", largest_difference(&sp, &one));
+    let worst = largest_difference(&sp, &one);
+    println!("largest difference {worst:.1e}");
+    if !(worst < 1e-5) {
+        eprintln!("SP = 2 and one device differ by {worst:e}, more than 1e-5");
+        std::process::exit(1);
+    }
 }
 
 /// `cargo test` runs this (`test = true` in Cargo.toml): SP = 2 trains as one device does.

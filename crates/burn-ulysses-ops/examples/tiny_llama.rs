@@ -6,7 +6,7 @@
 //!     cargo run --release -p burn-ulysses-ops --example tiny_llama [-- SP STEPS DP]
 //!
 //! or one process per rank under a launcher (ranks meet over TCP; SP is the world size unless
-//! ULYSSES_SP_SIZE says otherwise, and DP what is left):
+//! the first argument or ULYSSES_SP_SIZE says otherwise, and DP what is left):
 //!
 //!     target/release/ulysses-launch --nproc-per-node 4 -- target/release/examples/tiny_llama
 //!
@@ -28,10 +28,31 @@ use ulysses_dist::DistributedConfig;
 use model::{TinyLlamaConfig, init_seeded, plain_device};
 
 fn main() {
-    let mut args = std::env::args().skip(1).map(|a| a.parse::<usize>().expect("SP, STEPS and DP are numbers"));
+    let usage = |problem: &str| -> ! {
+        eprintln!("{problem}\nusage: tiny_llama [SP STEPS DP] (positive numbers; 4 40 1 by default; under a launcher SP × DP is the world size)");
+        std::process::exit(2)
+    };
+    let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().ok().filter(|&n| n > 0).unwrap_or_else(|| usage(&format!("not a positive number: {a}")))).collect();
+    if args.len() > 3 {
+        usage("at most three arguments");
+    }
     let launch = Launch::from_env().unwrap_or_else(|error| panic!("{error}"));
-    let (sp, steps, dp) = (args.next().unwrap_or(4), args.next().unwrap_or(40), args.next().unwrap_or(1));
-    let sp = launch.world_size().unwrap_or(sp);
+    let given = |i: usize| args.get(i).copied();
+    let steps = given(1).unwrap_or(40);
+    // Under a launcher the world is its size: SP as given (DP what is left), else all of it.
+    let (sp, dp) = match launch.world_size() {
+        Some(world) => {
+            let sp = given(0).unwrap_or(world);
+            if world % sp != 0 || given(2).is_some_and(|dp| dp * sp != world) {
+                usage(&format!("SP {sp} × DP {} does not make the launched world of {world} ranks", given(2).map_or("?".to_string(), |dp| dp.to_string())));
+            }
+            (sp, world / sp)
+        }
+        None => (given(0).unwrap_or(4), given(2).unwrap_or(1)),
+    };
+    if 4 % dp != 0 {
+        usage(&format!("DP {dp} replicas cannot share out the 4 sequences: give 1, 2 or 4"));
+    }
     let config = TinyLlamaConfig { vocab: 256, hidden: 64, heads: 8, kv_heads: 4, layers: 2, intermediate: 128, rope_theta: 10_000.0 };
     // Sequences of 256 bytes of a repeated sentence, each starting elsewhere in it.
     let text = b"Ulysses trades a sequence shard for a head shard around attention. ";
