@@ -94,7 +94,7 @@ enum TransportKind {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "Train a small Llama with Ulysses sequence parallelism")]
+#[command(about = "Train a Llama-family decoder with Ulysses sequence parallelism: a small Llama on bytes, or a Hugging Face checkpoint (--model) fine-tuned on your data")]
 struct Args {
     /// Sequence-parallel degree: ranks that split each sequence.
     #[arg(long, default_value_t = 4)]
@@ -114,6 +114,7 @@ struct Args {
     /// Micro-batches per optimizer step.
     #[arg(long, default_value_t = 1)]
     grad_accumulation: usize,
+    /// Optimizer steps of the whole run (a resume trains on to it).
     #[arg(long, default_value_t = 300)]
     steps: usize,
     /// Sequences per optimizer step (over all ranks).
@@ -122,6 +123,7 @@ struct Args {
     /// Tokens (bytes) per sequence; every batch is padded to it.
     #[arg(long, default_value_t = 256)]
     seq_len: usize,
+    /// The peak learning rate, reached after the warm-up.
     #[arg(long, default_value_t = 3e-3)]
     learning_rate: f64,
     /// Steps of linear warm-up to --learning-rate (default: 20, or a fifth of --steps where
@@ -238,8 +240,10 @@ struct Args {
     /// --resume: continue the resumed run there, in place of that folder's run).
     #[arg(long)]
     overwrite: bool,
+    /// Where the ranks compute.
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
+    /// Ranks as threads of this process, or as the processes a launcher started.
     #[arg(long, value_enum, default_value = "auto")]
     launch: LaunchMode,
     /// How ranks that are processes pass tensors (ranks that are threads of one process share
@@ -313,8 +317,10 @@ struct Args {
     /// accumulation; the softmax and loss are f32 either way.
     #[arg(long)]
     f32_head: bool,
+    /// The byte model's width (without --model or --hf-config).
     #[arg(long, default_value_t = 128)]
     d_model: usize,
+    /// The byte model's decoder layers.
     #[arg(long, default_value_t = 2)]
     layers: usize,
     /// Query heads.
@@ -323,6 +329,7 @@ struct Args {
     /// Key/value heads (grouped-query attention).
     #[arg(long, default_value_t = 2)]
     kv_heads: usize,
+    /// The byte model's MLP width.
     #[arg(long, default_value_t = 256)]
     ffn_hidden: usize,
     /// Write the training checkpoint every this many steps (and after the last; 0: only then).
