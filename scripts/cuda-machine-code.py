@@ -132,6 +132,29 @@ def step_loop(sass):
     return step, spans, listing
 
 
+def ptxas_figures(info):
+    """Registers, frame, spills and static shared memory from `ptxas -v`'s report: every
+    function's line (a callee CubeCL did not inline has its own, and may come first), the
+    largest register count, frame and shared memory, every spill summed. A report without a
+    register count is one this parser does not read, not a kernel of none."""
+    values = lambda pattern: [int(value) for value in re.findall(pattern, info)]
+    if not values(r"Used (\d+) registers"):
+        raise RuntimeError(f"ptxas -v printed no register count: {info[-2000:]}")
+    return {
+        "registers": max(values(r"Used (\d+) registers")),
+        "stack_bytes": max(values(r"(\d+) bytes stack frame"), default=0),
+        "spill_stores": sum(values(r"(\d+) bytes spill stores")),
+        "spill_loads": sum(values(r"(\d+) bytes spill loads")),
+        "static_shared_bytes": max(values(r"(\d+) bytes smem"), default=0),
+    }
+
+
+def local_in_loop(listing, step, span):
+    """Local-memory instructions in the key (query) step's loop where one is found (a reload at
+    the top of a step, before its first product, is in it), else in `span` (the products')."""
+    return count_within(listing, step, ("LDL", "STL")) if step else sum(op in ("LDL", "STL") for op in span)
+
+
 def machine_code(tools, source, target):
     """Registers, spills, stack, static shared memory and tensor-core instructions of one source."""
     ptx = tools.to_ptx(source, target)
@@ -146,7 +169,6 @@ def machine_code(tools, source, target):
         sass = subprocess.run([tools.cuobjdump, "-sass", cubin], capture_output=True, text=True)
         if sass.returncode != 0:
             raise RuntimeError(f"cuobjdump: {sass.stderr[-2000:]}")
-    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, info)) else 0
     # SASS instructions in order (`/*0a30*/  HMMA.16816.F32.BF16 R4, ...`): the opcode after the
     # address and any predicate. The main loop, statically: from the first tensor-core
     # instruction to the last (the products and whatever they wait on between them).
@@ -155,17 +177,13 @@ def machine_code(tools, source, target):
     loop = opcodes[products[0]:products[-1] + 1] if products else []
     step, _, listing = step_loop(sass.stdout)
     return {
-        "registers": number(r"Used (\d+) registers"),
-        "stack_bytes": number(r"(\d+) bytes stack frame"),
-        "spill_stores": number(r"(\d+) bytes spill stores"),
-        "spill_loads": number(r"(\d+) bytes spill loads"),
-        "static_shared_bytes": number(r"(\d+) bytes smem"),
+        **ptxas_figures(info),
         "hmma": len(re.findall(r"\bHMMA\b", sass.stdout)),
         "hgmma": len(re.findall(r"\bHGMMA\b", sass.stdout)),
         "ldsm": len(re.findall(r"\bLDSM\b", sass.stdout)),
         "ldgsts": len(re.findall(r"\bLDGSTS\b", sass.stdout)),
         "local": len(re.findall(r"\b(?:LDL|STL)\b", sass.stdout)),
-        "loop_local": sum(op in ("LDL", "STL") for op in loop),
+        "loop_local": local_in_loop(listing, step, loop),
         "loop_global_loads": count_within(listing, step, ("LDG",)) if step else 0,
         "loop_instructions": len(loop),
     }
@@ -207,7 +225,7 @@ def out_of_bounds(source):
 
 # What machine_code measures: part of the cache key, so that a result cached before a field
 # was added is measured again.
-RESULT_FIELDS = "registers stack spills shared hmma hgmma ldsm ldgsts local loop_local loop_global_loads loop_instructions"
+RESULT_FIELDS = "registers stack spills shared hmma hgmma ldsm ldgsts local loop_local loop_global_loads loop_instructions; loop_local in the step loop, every function's spills"
 
 
 def density(result):
@@ -429,5 +447,42 @@ def matches(line, kernel, kind):
             and any(same(dtype, case["dtype"]) and same(head_dim, case["head_dim"]) and same_width(case) for case in kernel["cases"]))
 
 
+def self_test():
+    """What the parsers read of made-up listings: a spill reloaded at the top of a step, before
+    its first product, is in the loop; every function's spills count; a report without a
+    register count is refused. Exits non-zero where one of them is read otherwise."""
+    sass = "\n".join([
+        "/*0000*/  MOV R1, c[0x0][0x28] ;",
+        "/*0010*/  LDL R2, [R1] ;",
+        "/*0020*/  STL [R1+0x4], R3 ;",
+        "/*0030*/  LDSM.16.M88.4 R4, [R5] ;",
+        "/*0040*/  HMMA.16816.F32.BF16 R8, R4, R6, R8 ;",
+        "/*0050*/  HMMA.16816.F32.BF16 R12, R4, R6, R12 ;",
+        "/*0060*/  @P0 BRA 0x10 ;",
+        "/*0070*/  EXIT ;",
+    ])
+    step, _, listing = step_loop(sass)
+    products = [op for _, op, _ in listing][4:6]
+    checks = [
+        ("the step loop", step, (0x10, 0x60)),
+        ("LDL/STL in the step loop", local_in_loop(listing, step, products), 2),
+        ("LDL/STL in the products' span without a loop", local_in_loop(listing, None, products), 0),
+    ]
+    info = ("ptxas info : Function properties for helper\n    8 bytes stack frame, 24 bytes spill stores, 92 bytes spill loads\n"
+            "ptxas info : Used 40 registers\nptxas info : Function properties for kernel\n"
+            "    0 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\nptxas info : Used 255 registers, 1024 bytes smem")
+    figures = ptxas_figures(info)
+    checks += [("registers", figures["registers"], 255), ("spill stores", figures["spill_stores"], 28), ("stack", figures["stack_bytes"], 8)]
+    try:
+        ptxas_figures("ptxas info : Compiling entry function 'k'")
+        checks.append(("a report without a register count", "read", "refused"))
+    except RuntimeError:
+        pass
+    wrong = [f"{what}: read {got}, not {want}" for what, got, want in checks if got != want]
+    for line in wrong:
+        print(f"cuda-machine-code self-test: {line}", file=sys.stderr)
+    return 1 if wrong else 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(self_test() if sys.argv[1:] == ["--self-test"] else main())

@@ -29,6 +29,7 @@ fn every_planned_kernel_compiles_to_machine_code_that_fits_and_uses_tensor_cores
         return;
     };
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/cuda-machine-code.py");
+    let mut checked: Vec<&str> = Vec::new();
     for (index, entry) in tools.split(':').filter(|t| !t.is_empty()).enumerate() {
         let (tools, only) = entry.split_once('@').map_or((entry, None), |(tools, only)| (tools, Some(only)));
         let table = out.join(format!("tables-{index}.txt"));
@@ -53,7 +54,24 @@ fn every_planned_kernel_compiles_to_machine_code_that_fits_and_uses_tensor_cores
         assert!(output.status.success(), "the machine-code check with {tools} failed:\n{report}");
         for target in TARGETS.iter().filter(|target| only.is_none_or(|only| only.split(',').any(|name| name == target.name))) {
             assert!(report.contains(&format!("{} (", target.name)), "no line for {} with {tools}:\n{report}", target.name);
+            checked.push(target.name);
         }
     }
+    // Required, the check covers every target: an empty ULYSSES_CUDA_TOOLS, or venvs for some
+    // targets alone, checks less than it says.
+    if std::env::var("ULYSSES_REQUIRE_CUDA_TOOLS").as_deref() == Ok("1") {
+        let missing: Vec<&str> = TARGETS.iter().map(|target| target.name).filter(|name| !checked.contains(name)).collect();
+        assert!(missing.is_empty(), "ULYSSES_CUDA_TOOLS={tools:?} checks no compiler on {missing:?}");
+    }
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// The check's parsers on made-up listings (`--self-test`, no compiler needed): a spill
+/// reloaded at the top of a step is in the loop, every function's spills count, a report
+/// without a register count is refused.
+#[test]
+fn the_machine_code_checks_parsers_read_what_they_claim() {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/cuda-machine-code.py");
+    let output = Command::new("python3").arg(&script).arg("--self-test").output().unwrap_or_else(|e| panic!("cannot run python3 {}: {e}", script.display()));
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
 }
