@@ -47,7 +47,9 @@ pub fn enter_groups(groups: Groups) -> GroupGuard {
 }
 
 /// [`enter_groups`] for every thread of this process, which is one rank (a launched process;
-/// `job::run_ranks` enters so): a thread that entered groups of its own uses those.
+/// `job::run_ranks` enters so): a thread that entered groups of its own uses those. The
+/// threads share the rank's communicators: one at a time may run attention or a collective
+/// (two at once would interleave their exchanges).
 #[must_use = "the process leaves the groups when the guard drops"]
 pub fn enter_process(groups: Groups) -> GroupGuard {
     let previous = PROCESS_GROUPS.write().unwrap_or_else(|p| p.into_inner()).replace(groups);

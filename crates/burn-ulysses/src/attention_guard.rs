@@ -52,8 +52,9 @@
 //! at their softmax: `softmax`, `log_softmax` or `softmin` over either of the last two dims of
 //! a 4-D or larger tensor whose last two dims are square (`[B, H, n, n]`, more than one matrix,
 //! or one whose `n` is the shard's length) is refused; a 3-D `[B, S, V]` of logits never is.
-//! So is a scan (`cumsum`, `cumprod`, `cummin`, `cummax`) along a dim as long as the token ids
-//! last embedded: positions made of a padding mask's cumsum would restart at every rank.
+//! So is a scan (`cumsum`, `cumprod`, `cummin`, `cummax`) along the sequence dim (`[B, S, ..]`'s
+//! dim 1) as long as the token ids last embedded: positions made of a padding mask's cumsum
+//! would restart at every rank.
 //!
 //! What shape cannot tell apart stays unguarded: a single 3-D or 2-D matrix (a linear layer's
 //! shapes), keys broadcast over the batch, rectangular products of a model that embeds no
@@ -61,7 +62,8 @@
 //! (attention sinks) beside the shard's, shards of one token, and cross-attention. Nor does
 //! the guard see other ops that mix the sequence's tokens, each over its shard alone: pooling
 //! (a mean or max over the sequence dim), convolutions along it, sorting or flipping it, a
-//! scan before the forward's first embedding, or positions counted from 0 on every rank
+//! scan along another dim or before the first embedding since a backward (or in the first
+//! forward of all), or positions counted from 0 on every rank
 //! (`Tensor::arange(0..shard)`) where the sharder's positions belong.
 
 use std::{
@@ -245,20 +247,23 @@ fn shard_local_refusal(op: &'static str, shape: &[usize], dim: usize, what: Stri
 pub fn attention_weights_by_hand(op: &'static str, shape: &[usize], dim: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let (shard, one_length) = embedded();
     let tokens = attention_weights_size(shape, dim, shard, one_length)?;
-    let what = format!("it normalises a {tokens} x {tokens} matrix per head, the attention weights of this rank's {tokens} tokens");
+    let what = format!("it normalises a {tokens} x {tokens} matrix per head, attention's weights over {tokens} tokens of this rank's shard");
     let fix = "Call `burn::tensor::module::attention` (with `is_causal: true` instead of a causal mask built from local shapes), or \
                use burn_ulysses::nn::MultiHeadAttention; apply RoPE at the shard's global positions (SequenceShard::positions).";
     shard_local_refusal(op, shape, dim, what, fix, sharding)
 }
 
 /// Why a scan (`op`: cumsum, cumprod, cummin, cummax) along `dim` of `shape` is refused, or
-/// `None`: one along as many elements as the token ids last embedded (the rank's shard; the
-/// thread's last two embeddings of that one length) restarts at each rank's first token.
-/// Positions made of a padding mask's cumsum (`mask.cumsum(1) - 1`, Hugging Face's) are the
-/// usual case. A scan before the forward's first embedding is not seen.
+/// `None`: one along the sequence dim (`[B, S, ..]`'s dim 1, or a 1-D tensor's only one) as
+/// long as the token ids last embedded (the rank's shard; the thread's last two embeddings of
+/// that one length) restarts at each rank's first token. Positions made of a padding mask's
+/// cumsum (`mask.cumsum(1) - 1`, Hugging Face's) are the usual case. A scan along another dim
+/// that happens to be as long (features, a batch) passes, and so does one before the forward's
+/// first embedding where no length is noted yet (after a backward or `evaluate`).
 pub fn scan_over_the_shard(op: &'static str, shape: &[usize], dim: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let (shard, one_length) = embedded();
-    if !(one_length && shard >= 2 && shape.get(dim) == Some(&shard)) {
+    let sequence_dim = usize::from(shape.len() > 1);
+    if !(one_length && shard >= 2 && dim == sequence_dim && shape.get(dim) == Some(&shard)) {
         return None;
     }
     let what = format!("a running {op} over the {shard} tokens of this rank's shard restarts at every rank's first token");
@@ -496,7 +501,9 @@ mod tests {
         let scan = |shape: &[usize], dim: usize| scan_over_the_shard("cumsum", shape, dim, || SP2).map(|e| e.to_string());
         let message = scan(&[2, 8], 1).expect("a scan along the shard refused");
         assert!(message.contains("cumsum along dim 1 of a [2, 8] tensor") && message.contains("SequenceShard::positions"), "{message}");
-        assert!(scan(&[2, 8], 0).is_none() && scan(&[2, 8, 32], 2).is_none());
+        assert!(scan(&[8], 0).is_some(), "a 1-D row of the shard");
+        // Other dims as long as the shard: a batch, features (`[B, S, D]` with D the shard's length).
+        assert!(scan(&[8, 8], 0).is_none() && scan(&[2, 8, 32], 2).is_none() && scan(&[2, 5, 8], 2).is_none());
         EMBEDDED_TOKENS.set((8, 5));
         assert!(scan(&[2, 8], 1).is_none(), "a model that embeds two lengths leaves the length's rules off");
         forget_embedded_lengths();

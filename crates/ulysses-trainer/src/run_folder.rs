@@ -232,6 +232,7 @@ impl RunRecord {
 /// before the checkpoint where earlier ones have one (the run stopped between writing the
 /// checkpoint and evaluating; the next evaluation comes at its step).
 pub fn kept_rows_gap(rows: &[usize], eval: &[(usize, f64)], resumed: usize, eval_every: usize, steps: usize) -> Option<String> {
+    let rows: std::collections::HashSet<usize> = rows.iter().copied().collect();
     let missing = (0..resumed).filter(|step| !rows.contains(step)).count();
     if missing > 0 {
         let first = (0..resumed).find(|step| !rows.contains(step)).unwrap_or(0);
