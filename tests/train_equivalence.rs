@@ -546,23 +546,30 @@ fn step_settings_that_would_train_wrong_are_refused_on_every_rank() {
         (f64::INFINITY, None, "the learning rate is inf;"),
     ];
     for (learning_rate, max_grad_norm, needle) in cases {
-        let messages = with_deadline(Duration::from_secs(50), move || {
-            ThreadGroup::new(2).run(|rank| {
-                let layout = ParallelLayout::new().with_sp_size(2);
-                let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
-                let _sp = enter_sp(&groups);
-                let device = Default::default();
-                let decoder = deterministic_params(config(layout, 1).model.init::<Sp>(&device), INIT_SEED);
-                let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
-                let step = StepInput { index: 2, learning_rate, micro_batches: &batch, documents: None, targets: None, max_grad_norm };
-                train_step(decoder, &mut AdamWConfig::new().init(), &step, &layout.sharder(), &groups, &device).err().map(|e| e.to_string()).expect("refused")
-            })
+        let messages = refusals_at_sp_2(move |_, decoder, groups, batch| {
+            let step = StepInput { index: 2, learning_rate, micro_batches: batch, documents: None, targets: None, max_grad_norm };
+            train_step(decoder, &mut AdamWConfig::new().init(), &step, &groups.layout.sharder(), groups, &Default::default()).err()
         });
         for (rank, message) in messages.into_iter().enumerate() {
-            let message = message.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}"));
             assert!(message.contains("step 2") && message.contains(needle), "rank {rank}, `{needle}` missing from: {message}");
         }
     }
+}
+
+/// Each of two SP ranks' refusal from `step` (its rank, the decoder of one seed, its groups
+/// entered, a 16-token batch): a rank that panics, or does not refuse, fails the test.
+fn refusals_at_sp_2(step: impl Fn(usize, ulysses_models::Decoder<Sp>, &ParallelGroups<Inner>, &[Vec<Vec<i64>>]) -> Option<burn_ulysses::UlyssesError> + Send + Sync + 'static) -> Vec<String> {
+    let messages = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let layout = ParallelLayout::new().with_sp_size(2);
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+            let _sp = enter_sp(&groups);
+            let decoder = deterministic_params(config(layout, 1).model.init::<Sp>(&Default::default()), INIT_SEED);
+            let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
+            step(rank.rank(), decoder, &groups, &batch).map(|e| e.to_string()).expect("refused")
+        })
+    });
+    messages.into_iter().enumerate().map(|(rank, m)| m.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}"))).collect()
 }
 
 /// Checkpointing settings one rank refuses (a tile of 0 tokens on rank 0 alone) stop every
@@ -570,20 +577,11 @@ fn step_settings_that_would_train_wrong_are_refused_on_every_rank() {
 #[test]
 fn checkpointing_one_rank_refuses_stops_every_rank() {
     use ulysses_training::{LayerCheckpointing, StepInput, backward_step_checkpointed};
-    let messages = with_deadline(Duration::from_secs(50), move || {
-        ThreadGroup::new(2).run(|rank| {
-            let layout = ParallelLayout::new().with_sp_size(2);
-            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
-            let _sp = enter_sp(&groups);
-            let device = Default::default();
-            let decoder = deterministic_params(config(layout, 1).model.init::<Sp>(&device), INIT_SEED);
-            let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
-            let step = StepInput { index: 3, learning_rate: 1e-3, micro_batches: &batch, documents: None, targets: None, max_grad_norm: None };
-            let checkpointing = LayerCheckpointing::new().with_tile_tokens(Some(if rank.rank() == 0 { 0 } else { 4 }));
-            backward_step_checkpointed(&decoder, &step, &layout.sharder(), &groups, &device, &checkpointing).err().map(|e| e.to_string()).expect("refused")
-        })
+    let messages = refusals_at_sp_2(|rank, decoder, groups, batch| {
+        let step = StepInput { index: 3, learning_rate: 1e-3, micro_batches: batch, documents: None, targets: None, max_grad_norm: None };
+        let checkpointing = LayerCheckpointing::new().with_tile_tokens(Some(if rank == 0 { 0 } else { 4 }));
+        backward_step_checkpointed(&decoder, &step, &groups.layout.sharder(), groups, &Default::default(), &checkpointing).err()
     });
-    let messages: Vec<String> = messages.into_iter().enumerate().map(|(rank, m)| m.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}"))).collect();
     assert!(messages[0].contains("tile_tokens is 0"), "{}", messages[0]);
     assert!(messages[1].contains("rank 0 refused its inputs for step 3"), "{}", messages[1]);
 }
