@@ -1948,12 +1948,11 @@ impl RunLog {
         let held_out = self.eval.last().map_or("-".to_string(), |p| format!("{:.3}", p.1));
         if matches!(self.record, Record::Pending { .. }) {
             // A resume of a run that had taken every step: no record is begun.
-            let wrote = wrote(if self.wrote.contains("model.mpk") { "model.mpk, loss.png" } else { "loss.png" });
-            println!(
-                "no step taken: the checkpoint had taken all {} steps (a larger --steps trains on); wrote {}/{{{wrote}}}",
-                self.steps,
-                self.out.display()
-            );
+            let wrote = match wrote(if self.wrote.contains("model.mpk") { "model.mpk, loss.png" } else { "loss.png" }) {
+                files if files.is_empty() => "wrote nothing".to_string(),
+                files => format!("wrote {}/{{{files}}}", self.out.display()),
+            };
+            println!("no step taken: the checkpoint had taken all {} steps (a larger --steps trains on); {wrote}", self.steps);
             return Ok(());
         }
         let taken = self.taken;
