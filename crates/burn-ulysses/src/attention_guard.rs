@@ -174,8 +174,14 @@ pub fn attention_by_hand(lhs: &[usize], rhs: &[usize], sharding: Option<Sharding
 /// The refusal of a product whose shapes make a `tokens × tokens` attention matrix, unless
 /// `sharding` spreads no sequence or the model opted out.
 fn refusal(lhs: &[usize], rhs: &[usize], tokens: usize, sharding: Option<Sharding>) -> Option<UlyssesError> {
-    let sharding = sharding.filter(|s| s.ranks > 1 && !s.shard_local_attention_on_purpose)?;
+    let sharding = spreads_sequences(sharding)?;
     Some(UlyssesError::AttentionByHand { lhs: lhs.to_vec(), rhs: rhs.to_vec(), tokens, ranks: sharding.ranks })
+}
+
+/// `sharding` where it spreads each sequence over several ranks and the model did not opt out
+/// of the guard: where the guard refuses.
+fn spreads_sequences(sharding: Option<Sharding>) -> Option<Sharding> {
+    sharding.filter(|s| s.ranks > 1 && !s.shard_local_attention_on_purpose)
 }
 
 static GUARD_ON: AtomicBool = AtomicBool::new(true);
@@ -194,9 +200,8 @@ fn refuse_attention_by_hand(lhs_shape: &[usize], rhs_shape: &[usize]) {
     let (shard, one_length) = embedded();
     if let Some(tokens) = attention_matrix_size(lhs_shape, rhs_shape, shard, one_length)
         && GUARD_ON.load(Ordering::Relaxed)
-        && let Some(error) = refusal(lhs_shape, rhs_shape, tokens, context::current_sharding())
     {
-        panic!("{error}");
+        refuse(refusal(lhs_shape, rhs_shape, tokens, context::current_sharding()));
     }
 }
 
@@ -238,7 +243,7 @@ fn attention_weights_size(shape: &[usize], dim: usize, shard: usize, one_length:
 /// The refusal of an op over `dim` of `shape` that mixes the shard's tokens alone, unless the
 /// guard is off, `sharding` spreads no sequence or the model opted out.
 fn shard_local_refusal(op: &'static str, shape: &[usize], dim: usize, what: String, fix: &'static str, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let sharding = sharding().filter(|s| GUARD_ON.load(Ordering::Relaxed) && s.ranks > 1 && !s.shard_local_attention_on_purpose)?;
+    let sharding = spreads_sequences(sharding().filter(|_| GUARD_ON.load(Ordering::Relaxed)))?;
     Some(UlyssesError::ShardLocalByHand { op, shape: shape.to_vec(), dim, what, ranks: sharding.ranks, fix })
 }
 
