@@ -29,7 +29,8 @@ fn the_cargo_build(script: &str) -> Vec<String> {
 /// makes, or `None` when that build has no burn-cubecl.
 fn burn_cubecl_features(selection: &[&str]) -> Option<String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let output = Command::new(env!("CARGO"))
+    // The cargo running the tests, not the one that built them (a toolchain since removed).
+    let output = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
         .current_dir(root)
         // burn 0.21's (burn-ulysses-ops builds burn 0.22's, which no CUDA build has).
         .args(["tree", "--locked", "-e", "features", "-i", "burn-cubecl@0.21.0"])

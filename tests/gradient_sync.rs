@@ -8,7 +8,7 @@ use burn::{
     module::{Module, ModuleVisitor, Param},
     nn::{Linear, LinearConfig},
     optim::GradientsParams,
-    tensor::{Tensor, backend::Backend},
+    tensor::{DType, FloatDType, Tensor, backend::Backend},
 };
 use burn_ulysses::{comm::{Communicator, ThreadGroup}};
 use ulysses_training::all_reduce_gradients_in_buckets;
@@ -133,6 +133,46 @@ fn a_layer_used_on_one_rank_only_gets_the_sum_on_every_rank() {
     // The unused layer (6 and 7): no gradient anywhere, none invented.
     assert!(outcomes.iter().all(|o| o.reduced[6].is_none() && o.reduced[7].is_none()));
     check_sums(&outcomes);
+}
+
+/// Gradients of another dtype than their parameters', as a half-precision compute copy's summed
+/// in f32 are (`with_parameters_in` beside the step's f32 gradient sums; here the parameters are
+/// f64, which NdArray holds where it holds no f16): a rank without a layer's gradient sends zeros
+/// of the gradients' dtype, and every rank gets the sum in it. Its zeros used to be made in the
+/// parameter's dtype, which the gradients beside them in a bucket could not be joined with.
+#[test]
+fn gradients_of_another_dtype_than_their_parameters_are_summed_in_theirs() {
+    let outcomes: Vec<RankOutcome> = ThreadGroup::new(RANKS)
+        .run(|rank| {
+            let communicator = rank.communicator();
+            let net = Net::<Ad>::new(&Default::default());
+            let grads = GradientsParams::from_grads::<Ad, _>(net.loss(rank.rank()).backward(), &net);
+            let local = grads_in_order(&net, &grads);
+            let other = ulysses_training::with_parameters_in(net.clone(), FloatDType::F64);
+            let grads = all_reduce_gradients_in_buckets::<Ad, _>(&other, grads, &*communicator, 1 << 20).unwrap();
+            for (index, grad) in grads_dtypes(&other, &grads).into_iter().enumerate() {
+                assert!(grad.is_none_or(|dtype| dtype == DType::F32), "rank {}: parameter {index}'s sum is {grad:?}, not f32", rank.rank());
+            }
+            RankOutcome { local, reduced: grads_in_order(&net, &grads), all_reduce_calls: 0 }
+        })
+        .into_iter()
+        .map(|outcome| outcome.unwrap())
+        .collect();
+    assert!(outcomes[1].local[4].is_none(), "rank 1 has no gradient of only_rank_0: it sends zeros");
+    check_sums(&outcomes);
+}
+
+/// Each parameter's gradient dtype (None when it has none), in module order.
+fn grads_dtypes(net: &Net<Ad>, grads: &GradientsParams) -> Vec<Option<DType>> {
+    struct Read<'a>(&'a GradientsParams, Vec<Option<DType>>);
+    impl ModuleVisitor<Ad> for Read<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Ad, D>>) {
+            self.1.push(self.0.get::<Inner, D>(param.id).map(|grad| grad.dtype()));
+        }
+    }
+    let mut read = Read(grads, Vec::new());
+    net.visit(&mut read);
+    read.1
 }
 
 /// Every gradient of `net` in `grads`, flattened in module order.

@@ -103,7 +103,9 @@ fn workspace_root() -> PathBuf {
 /// Locates the burn-backend sources through `cargo metadata`, so the generator reads exactly
 /// the version the workspace builds against.
 fn burn_backend_dir() -> Result<PathBuf, String> {
-    let output = Command::new(env!("CARGO"))
+    // The cargo running this task (`cargo run` says which), not the one that built it: a
+    // build kept from a toolchain since removed would name a cargo that no longer exists.
+    let output = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
         .args(["metadata", "--format-version", "1"])
         .current_dir(workspace_root())
         .output()

@@ -11,6 +11,8 @@
 //! one without a gradient anywhere (frozen) is left out. So all ranks issue the same
 //! collectives.
 
+use crate::comm::HostDType;
+
 /// Default bucket size of a gradient all-reduce.
 pub const GRADIENT_BUCKET_BYTES: usize = 32 * 1024 * 1024;
 
@@ -18,6 +20,31 @@ pub const GRADIENT_BUCKET_BYTES: usize = 32 * 1024 * 1024;
 /// parameter, 1 for present, as gathered by `all_gather_host`).
 pub fn present_anywhere(every_rank: &[Vec<u64>], parameters: usize) -> Vec<bool> {
     (0..parameters).map(|i| every_rank.iter().any(|flags| flags[i] == 1)).collect()
+}
+
+/// What a rank reports of one parameter's gradient before a sum whose gradients may differ in
+/// dtype from their parameters (a half-precision copy's summed in f32): 0 where it has none,
+/// else 1 + its dtype's [`HostDType::code`].
+pub fn gradient_report(dtype: Option<HostDType>) -> u64 {
+    dtype.map_or(0, |dtype| 1 + dtype.code() as u64)
+}
+
+/// Each parameter's gradient dtype over every rank, from every rank's [`gradient_report`]s (as
+/// gathered by `all_gather_host`): `None` where no rank has one, and the dtype of the zeros a
+/// rank without one sends. Refused where two ranks' gradients of one parameter differ in dtype
+/// (their bytes could not be summed), naming the parameter's index and the two dtypes.
+pub fn gradient_dtypes(every_rank: &[Vec<u64>], parameters: usize) -> Result<Vec<Option<HostDType>>, String> {
+    (0..parameters)
+        .map(|i| {
+            let mut reported = every_rank.iter().map(|reports| reports[i]).filter(|&report| report != 0);
+            let Some(first) = reported.next() else { return Ok(None) };
+            let dtype = |report: u64| u8::try_from(report - 1).ok().and_then(HostDType::from_code).ok_or_else(|| format!("parameter {i}: a gradient dtype code {report} no rank sends"));
+            match reported.find(|&other| other != first) {
+                Some(other) => Err(format!("parameter {i}'s gradient is {:?} on one rank and {:?} on another: every rank must sum its gradients in one dtype", dtype(first)?, dtype(other)?)),
+                None => dtype(first).map(Some),
+            }
+        })
+        .collect()
 }
 
 /// Buckets of parameter indices: consecutive parameters present on some rank, of one dtype,
@@ -66,6 +93,15 @@ mod tests {
         let sizes = [(4, F32), (2, "bf16"), (2, "bf16"), (4, F32), (4, F32)];
         let present = [true, true, true, false, true];
         assert_eq!(plan_buckets(&sizes, &present, 1 << 20), vec![vec![0], vec![1, 2], vec![4]]);
+    }
+
+    #[test]
+    fn a_gradient_takes_the_dtype_any_rank_reports_and_ranks_must_agree() {
+        let (f32, bf16) = (gradient_report(Some(HostDType::F32)), gradient_report(Some(HostDType::BF16)));
+        assert_eq!(gradient_dtypes(&[vec![f32, 0, bf16], vec![0, 0, bf16]], 3), Ok(vec![Some(HostDType::F32), None, Some(HostDType::BF16)]));
+        let refused = gradient_dtypes(&[vec![0, f32], vec![0, 0], vec![0, bf16]], 2).unwrap_err();
+        assert!(refused.contains("parameter 1") && refused.contains("F32") && refused.contains("BF16"), "{refused}");
+        assert!(gradient_dtypes(&[vec![99]], 1).unwrap_err().contains("code 99"));
     }
 
     #[test]

@@ -8,12 +8,16 @@ use burn::{
     tensor::{DType, FloatDType, Tensor, backend::{AutodiffBackend, Backend}},
 };
 
-use burn_ulysses::{UlyssesError, comm::{Communicator, ReduceOp}, primitive::{float_primitive, float_tensor}};
+use burn_ulysses::{
+    UlyssesError,
+    comm::{Collective, CommError, Communicator, HostDType, ReduceOp, host::{burn_dtype, host_dtype}},
+    primitive::{float_primitive, float_tensor},
+};
 
 use crate::TrainBackend;
 
 pub use ulysses_core::gradients::GRADIENT_BUCKET_BYTES;
-use ulysses_core::gradients::{plan_buckets, present_anywhere};
+use ulysses_core::gradients::{gradient_dtypes, gradient_report, plan_buckets};
 
 /// Sums every parameter gradient over the ranks of `communicator`, in buckets of at most
 /// [`GRADIENT_BUCKET_BYTES`].
@@ -43,14 +47,19 @@ pub fn all_reduce_gradients_in_buckets<B: TrainBackend, M: AutodiffModule<B>>(
         return Ok(grads);
     }
 
-    let present: Vec<u64> = local.iter().map(|l| l.grad.is_some() as u64).collect();
-    let gathered = burn_ulysses::comm::all_gather_host_checked(communicator, &present, "float parameters")?;
-    let present_anywhere = present_anywhere(&gathered, present.len());
-    let sizes: Vec<_> = local.iter().map(|l| (l.len() * l.dtype().size(), l.dtype())).collect();
+    // Each gradient's dtype, not its parameter's: a half-precision copy's gradients may be
+    // summed in f32 (`GradientSums`), and a rank without one sends zeros of that dtype.
+    let op = Collective::AllReduce;
+    let reports = local.iter().map(|l| l.grad.as_ref().map_or(Ok(0), |grad| Ok(gradient_report(Some(host_dtype(grad.dtype(), op)?))))).collect::<Result<Vec<u64>, CommError>>()?;
+    let gathered = burn_ulysses::comm::all_gather_host_checked(communicator, &reports, "float parameters")?;
+    let dtypes = gradient_dtypes(&gathered, reports.len()).map_err(|reason| CommError::InvalidArgument { op, reason })?;
+    let sizes: Vec<_> = local.iter().zip(&dtypes).map(|(l, dtype)| (l.len() * dtype.map_or(0, HostDType::size), *dtype)).collect();
+    let present_anywhere: Vec<bool> = dtypes.iter().map(Option::is_some).collect();
 
     let mut reduced: Vec<Option<Tensor<B::InnerBackend, 1>>> = vec![None; local.len()];
     for bucket in plan_buckets(&sizes, &present_anywhere, bucket_bytes) {
-        let members: Vec<_> = bucket.iter().map(|&i| local[i].take_or_zeros()).collect();
+        let dtype = burn_dtype(dtypes[bucket[0]].expect("a bucket holds gradients present on some rank"));
+        let members: Vec<_> = bucket.iter().map(|&i| local[i].grad.take().unwrap_or_else(|| Tensor::zeros([local[i].len()], (&local[i].parameter.device(), dtype)))).collect();
         let flat = float_primitive(concatenated(members, 0));
         let flat = float_tensor::<B::InnerBackend, 1>(communicator.all_reduce(flat, ReduceOp::Sum)?);
         let mut offset = 0;
