@@ -155,7 +155,7 @@ fn half_precision_training_keeps_f32_parameters_and_follows_f32_losses() {
     let checkpointed = config(Precision::Bf16).with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(true).with_tile_tokens(Some(3))));
     let on_host = config(Precision::Bf16).with_offload_optimizer(true);
     let ((full, _), (half, dtypes), (half_checkpointed, checkpointed_dtypes), (half_on_host, on_host_dtypes)) =
-        with_deadline(std::time::Duration::from_secs(300), move || (run(config(Precision::F32)), run(config(Precision::Bf16)), run(checkpointed), run(on_host)));
+        with_deadline(std::time::Duration::from_secs(900), move || (run(config(Precision::F32)), run(config(Precision::Bf16)), run(checkpointed), run(on_host)));
     for (step, (((h, c), o), f)) in half.iter().zip(&half_checkpointed).zip(&half_on_host).zip(&full).enumerate() {
         let (error, checkpointed_error, on_host_error) = (((h - f) / f).abs(), ((c - f) / f).abs(), ((o - f) / f).abs());
         println!(
@@ -189,7 +189,7 @@ fn half_precision_zero_3_sums_its_tiles_gradients_as_replicated_training_does() 
     let run = |config: TrainConfig| train_two_ranks(config).0;
     let tiled = config(Precision::Bf16).with_steps(2).with_layer_checkpointing(Some(LayerCheckpointing::new().with_tile_tokens(Some(3))));
     let zero3 = tiled.clone().with_offload_optimizer(true).with_zero_stage(3);
-    let (replicated, zero3) = with_deadline(std::time::Duration::from_secs(300), move || (run(tiled), run(zero3)));
+    let (replicated, zero3) = with_deadline(std::time::Duration::from_secs(900), move || (run(tiled), run(zero3)));
     for (step, (r, z)) in replicated.iter().zip(&zero3).enumerate() {
         println!("step {step}: replicated half {r:.7}, ZeRO-3 half {z:.7} ({:.2e})", ((z - r) / r).abs());
     }
@@ -534,7 +534,7 @@ fn under_ulysses_the_core_holds_what_the_memory_estimate_says() {
     };
     let core = (estimate(1024) - estimate(512)) / 512.0;
     let layers = config.n_layers;
-    let mut ranks = with_deadline(std::time::Duration::from_secs(300), move || {
+    let mut ranks = with_deadline(std::time::Duration::from_secs(900), move || {
         ThreadGroup::new(2).run(|rank| {
             let groups: ParallelGroups<Wgpu> = ParallelGroups::new(rank.communicator(), layout).unwrap();
             let _sp = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));

@@ -42,7 +42,7 @@ fn sp_ranks_keep_identical_parameters_while_clipping_on_a_cubecl_device() {
         .with_eval_every(0)
         .with_max_grad_norm(Some(1e-3))
         .with_check_parameters_every(1);
-    let outcomes = with_deadline(std::time::Duration::from_secs(300), move || {
+    let outcomes = with_deadline(std::time::Duration::from_secs(900), move || {
         ThreadGroup::new(2).run(|rank| {
             let groups: ParallelGroups<Wgpu> = ParallelGroups::new(rank.communicator(), config.layout).unwrap();
             let _sp = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));

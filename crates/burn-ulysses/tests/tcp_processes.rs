@@ -81,7 +81,7 @@ fn assert_every_other_rank_names_rank_2(check_args: &[&str]) {
         println!("rank {rank}: {status}\n{output}");
     }
     // Far below the 120 s collective timeout: the others noticed the closed connections.
-    assert!(elapsed < Duration::from_secs(30), "took {elapsed:?}");
+    assert!(elapsed < Duration::from_secs(90), "took {elapsed:?}");
     assert_eq!(ranks[2].0.signal(), Some(9), "rank 2 kills itself: {}", ranks[2].0);
     for rank in [0, 1, 3] {
         let (status, output) = &ranks[rank];

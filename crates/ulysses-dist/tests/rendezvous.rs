@@ -124,7 +124,7 @@ fn a_rank_that_never_joins_is_named() {
     let port = free_port();
     // Rank 0 (the server) waits longer than rank 1: a rank 0 that timed out first would close
     // the rendezvous under rank 1, which then saw that instead of its own timeout.
-    let joining: Vec<_> = [(0, 3.0), (1, 1.0)].into_iter().map(|(rank, timeout)| std::thread::spawn(move || join(rank, 3, port, timeout).map(drop))).collect();
+    let joining: Vec<_> = [(0, 6.0), (1, 3.0)].into_iter().map(|(rank, timeout)| std::thread::spawn(move || join(rank, 3, port, timeout).map(drop))).collect();
     for joined in joining {
         let error = joined.join().unwrap().expect_err("rank 2 never joins").to_string();
         assert!(error.contains("waiting for all 3 ranks to join") && error.contains("waiting for rank 2"), "{error}");
@@ -202,7 +202,8 @@ fn a_loopback_master_in_a_job_across_nodes_is_refused_at_once() {
 fn waiting_for_a_key_that_never_comes_times_out() {
     let server = server(2);
     let port = server.local_addr().port();
-    let mut waiting = RendezvousClient::connect("127.0.0.1", port, 0, 2, "job-secret", Duration::from_millis(500), LIMIT).unwrap();
+    // Long enough for the connection's own exchange on a loaded machine (the same timeout).
+    let mut waiting = RendezvousClient::connect("127.0.0.1", port, 0, 2, "job-secret", Duration::from_secs(2), LIMIT).unwrap();
     let err = waiting.get("never-set").err().unwrap();
     assert!(err.to_string().contains("for key \"never-set\""), "{err}");
 }
@@ -422,7 +423,10 @@ fn the_launcher_fails_the_job_when_one_rank_fails() {
 fn the_launcher_names_the_rank_a_signal_killed_before_one_that_exited_after_it() {
     let flag = std::env::temp_dir().join(format!("ulysses-launch-killed-{}", std::process::id()));
     let script = format!(
-        r#"if [ "$RANK" = 1 ]; then touch {0}; kill -9 $$; fi; while [ ! -f {0} ]; do sleep 0.001; done; exit 1"#,
+        // Rank 0 exits once rank 1 is dead (a zombie, or reaped), never before it whatever the
+        // scheduler does between rank 1's write and its kill: as a peer exits on its loss, most
+        // often in the same poll of the launcher.
+        r#"if [ "$RANK" = 1 ]; then echo $$ > {0}; kill -9 $$; fi; while [ ! -s {0} ]; do sleep 0.001; done; pid=$(cat {0}); while [ -e /proc/$pid ] && [ "$(cut -d' ' -f3 /proc/$pid/stat 2>/dev/null)" != Z ]; do sleep 0.001; done; exit 1"#,
         flag.display()
     );
     let output = launch_on_a_free_port().args(["--nproc-per-node", "2", "--kill-grace-secs", "2", "--", "sh", "-c", &script]).output().unwrap();
@@ -520,7 +524,7 @@ fn a_barrier_name_can_be_reused() {
 fn a_client_is_not_reused_after_a_timeout() {
     let server = server(2);
     let port = server.local_addr().port();
-    let mut client = RendezvousClient::connect("127.0.0.1", port, 0, 2, "job-secret", Duration::from_millis(300), LIMIT).unwrap();
+    let mut client = RendezvousClient::connect("127.0.0.1", port, 0, 2, "job-secret", Duration::from_secs(2), LIMIT).unwrap();
     assert!(client.get("never-set").is_err());
     // A late answer could still arrive on that connection: the client refuses to use it.
     let err = client.departed().unwrap_err();

@@ -551,7 +551,7 @@ fn a_saved_checkpoint_is_the_one_transformers_wrote() {
         assert!(half.values().all(|(dtype, _, _)| *dtype == safetensors::Dtype::BF16), "{name}: not all bf16");
         let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
         assert_eq!(config["torch_dtype"].as_str().or(config["dtype"].as_str()), Some("bfloat16"), "{name}: {config}");
-        let leftovers: Vec<_> = std::fs::read_dir(std::env::temp_dir()).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.contains(&format!("saved-{name}.")) && n.starts_with('.')).collect();
+        let leftovers: Vec<_> = std::fs::read_dir(std::env::temp_dir()).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(&format!(".{}.", out.file_name().unwrap().to_string_lossy()))).collect();
         assert!(leftovers.is_empty(), "{name}: {leftovers:?} left beside the folder");
         let reloaded = from_pretrained::<Cpu>(&out, &Default::default()).unwrap();
         let difference = largest_difference(&logits(&reloaded.model), &logits(&pretrained.model).iter().map(|&v| v as f64).collect::<Vec<_>>());

@@ -262,7 +262,8 @@ struct Args {
     /// --zero 3 each rank holds parts, not a copy: never).
     #[arg(long, default_value_t = 50)]
     check_parameters_every: usize,
-    /// Seed of the initial parameters and of the batches.
+    /// Seed of the initial parameters and of the order the batches of --data and --corpus are
+    /// drawn in (--tokens are drawn in the file's order: shuffle the file to shuffle them).
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Train on packed documents: the paragraphs of each sequence (ending in a blank line)

@@ -1,6 +1,7 @@
 //! Pre-tokenized training data: a JSON Lines file with one sequence of token ids per line,
 //! e.g. `[72, 101, 108, 108, 111]`. Sequences may have any length up to `--seq-len`; each
-//! batch is padded (padding positions carry no label).
+//! batch is padded (padding positions carry no label). Steps draw them in the file's order,
+//! whatever the seed (the tests' files give each step's batch a shape on purpose).
 
 use std::path::Path;
 

@@ -269,7 +269,8 @@ fn a_rank_killed_in_a_zero_3_step_stops_every_rank_and_the_run_resumes() {
 }
 
 /// Runs 6 steps on 4 ranks with `extra`, a checkpoint every 2, rank 1 killed in step 3:
-/// checks that the launcher fails within 30 s and every other rank stops at step 3 naming
+/// checks that the launcher fails within 90 s (far below the 120 s collective timeout: the
+/// others noticed rank 1's closed connections) and every other rank stops at step 3 naming
 /// rank 1. Returns the run's folder.
 fn killed_at_step_3(dir: &Path, extra: &[&str]) -> PathBuf {
     let mut args = common_args(dir, "run", 6);
@@ -280,7 +281,7 @@ fn killed_at_step_3(dir: &Path, extra: &[&str]) -> PathBuf {
     let text = show(&output);
     println!("{text}");
     assert!(!output.status.success(), "the launcher must fail");
-    assert!(elapsed < Duration::from_secs(30), "the job took {elapsed:?} to stop");
+    assert!(elapsed < Duration::from_secs(90), "the job took {elapsed:?} to stop");
     assert!(text.contains("rank 1 was killed by signal 9"), "{text}");
     for rank in [0, 2, 3] {
         let error = rank_error(&text, rank);
@@ -745,7 +746,9 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
 }
 
 /// Rank 0 writes a replicated checkpoint while the ranks train on: a write slower than the
-/// collectives' timeout (2 s against 3) stops no rank, and the last checkpoint is whole.
+/// collectives' timeout (5 s against 8; the timeout holds for every collective of the run, so
+/// not so short that a loaded machine's lag between ranks trips it) stops no rank, and the last
+/// checkpoint is whole.
 #[test]
 fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
     let dir = workspace("slow-checkpoint");
@@ -754,8 +757,8 @@ fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
         .args(["--nproc-per-node", "2", "--master-port", &port, "--kill-grace-secs", "20", "--"])
         .arg(trainer())
         .args(common_args(&dir, "run", 3))
-        .args(["--sp", "2", "--checkpoint-every", "2", "--eval-every", "0", "--fault-slow-checkpoint-write", "3"])
-        .env("ULYSSES_COLLECTIVE_TIMEOUT", "2")
+        .args(["--sp", "2", "--checkpoint-every", "2", "--eval-every", "0", "--fault-slow-checkpoint-write", "8"])
+        .env("ULYSSES_COLLECTIVE_TIMEOUT", "5")
         .env("RUST_LOG", "warn")
         .output()
         .unwrap();
@@ -768,7 +771,8 @@ fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
     let text = show(&output);
     assert!(!output.status.success() && text.contains("step 5: checkpoint") && text.contains("test hook: the write failed"), "{text}");
     let steps = fs::read_to_string(dir.join("failed/metrics.csv")).map(|metrics| metrics.lines().count() - 1).expect("metrics of the steps taken");
-    assert!((6..=8).contains(&steps), "the run took {steps} steps, its checkpoint after step 5 failed:\n{text}");
+    // Found done after step 6 at the soonest; a write thread scheduled late finds it later.
+    assert!((6..12).contains(&steps), "the run took {steps} steps, its checkpoint after step 5 failed:\n{text}");
     let _ = fs::remove_dir_all(&dir);
 }
 
@@ -808,8 +812,8 @@ fn a_hugging_face_save_written_slower_than_the_collective_timeout_stops_no_rank(
         .arg(trainer())
         .args(["--tokens", &dir.join("data.jsonl").display().to_string(), "--out", &dir.join("run").display().to_string(), "--model", &checkpoint.display().to_string()])
         .args(["--seq-len", "16", "--batch-size", "4", "--steps", "3", "--learning-rate", "0.01", "--sp", "2", "--checkpoint-every", "2", "--eval-every", "0"])
-        .args(["--save-hf", &saved.display().to_string(), "--fault-slow-checkpoint-write", "3"])
-        .env("ULYSSES_COLLECTIVE_TIMEOUT", "2")
+        .args(["--save-hf", &saved.display().to_string(), "--fault-slow-checkpoint-write", "8"])
+        .env("ULYSSES_COLLECTIVE_TIMEOUT", "5")
         .env("RUST_LOG", "info")
         .output()
         .unwrap();
