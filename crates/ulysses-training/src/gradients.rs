@@ -59,7 +59,7 @@ pub fn all_reduce_gradients_in_buckets<B: TrainBackend, M: AutodiffModule<B>>(
     let mut reduced: Vec<Option<Tensor<B::InnerBackend, 1>>> = vec![None; local.len()];
     for bucket in plan_buckets(&sizes, &present_anywhere, bucket_bytes) {
         let dtype = burn_dtype(dtypes[bucket[0]].expect("a bucket holds gradients present on some rank"));
-        let members: Vec<_> = bucket.iter().map(|&i| local[i].grad.take().unwrap_or_else(|| Tensor::zeros([local[i].len()], (&local[i].parameter.device(), dtype)))).collect();
+        let members: Vec<_> = bucket.iter().map(|&i| local[i].take_or_zeros(dtype)).collect();
         let flat = float_primitive(concatenated(members, 0));
         let flat = float_tensor::<B::InnerBackend, 1>(communicator.all_reduce(flat, ReduceOp::Sum)?);
         let mut offset = 0;
@@ -102,8 +102,10 @@ impl<B: TrainBackend> LocalGradient<B> {
         self.parameter.dtype()
     }
 
-    pub(crate) fn take_or_zeros(&mut self) -> Tensor<B::InnerBackend, 1> {
-        self.grad.take().unwrap_or_else(|| Tensor::zeros([self.len], (&self.parameter.device(), self.parameter.dtype())))
+    /// The gradient, or where this rank has none, zeros of `dtype` (the dtype the other ranks'
+    /// gradients are summed in).
+    pub(crate) fn take_or_zeros(&mut self, dtype: DType) -> Tensor<B::InnerBackend, 1> {
+        self.grad.take().unwrap_or_else(|| Tensor::zeros([self.len], (&self.parameter.device(), dtype)))
     }
 }
 

@@ -7,7 +7,7 @@
 //! ([`super::DeviceShardedAdamW`]) and ZeRO-3's parameters ([`super::ShardedParameters`]) all
 //! move their parts through these.
 
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor};
 use burn_ulysses::{
     UlyssesError,
     comm::{Communicator, ReduceOp},
@@ -53,7 +53,7 @@ pub(super) fn reduce_scatter_buckets<B: TrainBackend>(local: &mut [LocalGradient
         .into_iter()
         .map(|bucket| {
             let rows: Vec<Tensor<B::InnerBackend, 2>> =
-                bucket.iter().map(|&i| padded(partition, local[i].take_or_zeros().cast(FloatDType::F32)).reshape([partition.world() as i32, -1])).collect();
+                bucket.iter().map(|&i| padded(partition, local[i].take_or_zeros(DType::F32).cast(FloatDType::F32)).reshape([partition.world() as i32, -1])).collect();
             let flat = concatenated(rows, 1).reshape([-1]);
             // A world of one: its part is the whole sum (no collective, which waits for the device).
             let parts = match world.size() {
