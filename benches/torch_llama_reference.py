@@ -6,7 +6,7 @@ with AdamW on random tokens at the same dtype, batch and sequence length. Prints
 measurement:
 
     torch <device> <dtype> d_model=.. layers=.. heads=.. kv_heads=.. ffn=.. batch=.. seq=..: \
-        <tokens/s> tokens/s, peak <bytes> bytes, loss <first> -> <last>, reserved <bytes> bytes (versions, ...)
+        timed steps <first>-<last> of <steps>: <tokens/s> tokens/s, peak <bytes> bytes, loss <first> -> <last>, reserved <bytes> bytes (versions, ...)
 
 transformers in eager mode with SDPA's fused kernels (on CUDA the math path is not allowed:
 a model that would take it fails) and PyTorch's fused AdamW: PyTorch as most users train,
@@ -16,7 +16,8 @@ With --hf-config FILE the model is built from a Hugging Face config.json instead
 transformers knows: Llama-3.2-1B's or Qwen3's shape, random weights), and --checkpointing turns
 on transformers' gradient checkpointing, as the trainer's --checkpoint-layers.
 
-(tokens/s over the timed steps after --warmup steps; peak memory as
+(tokens/s over the timed steps after --warmup steps, the steps numbered from 0 as the
+trainer's metrics.csv numbers them: `benches/throughput_ratio.py` times the same ones of ours; peak memory as
 `torch.cuda.max_memory_allocated`, with nothing of a previous step kept alive, on CUDA, and the
 caching allocator's most held, `max_memory_reserved`, beside CubeCL's reserved pools; on the
 CPU neither is measured and both print as -.)
@@ -181,7 +182,7 @@ def main() -> int:
         return 1
     print(
         f"torch {device.type} {args.dtype} ({'mixed' if mixed else 'pure'}) {shape} checkpointing={args.checkpointing} batch={args.batch_size} seq={args.seq_len}: "
-        f"{tokens_per_second:.0f} tokens/s, peak {peak} bytes, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+        f"timed steps {args.warmup}-{args.steps - 1} of {args.steps}: {tokens_per_second:.0f} tokens/s, peak {peak} bytes, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
         f"reserved {reserved} bytes (torch {torch.__version__}, transformers {transformers.__version__}, eager, SDPA fused kernels, fused AdamW)"
     )
     return 0

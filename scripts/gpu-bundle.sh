@@ -71,7 +71,7 @@ cp "$(executable bin ulysses-nccl-check)" "$bundle/nccl/"
 cp "$(executable bin ulysses-trainer)" "$bundle/train/"
 for file in "$bundle"/*/*; do strip "$file"; done
 cp benches/sdpa_reference.py "$bundle/kernels/"
-cp benches/torch_llama_reference.py "$bundle/train/"
+cp benches/torch_llama_reference.py benches/throughput_ratio.py "$bundle/train/"
 cp -r benches/hf-shapes "$bundle/train/"
 for part in kernels memory nccl train; do cp scripts/gpu-run.sh "$bundle/$part/"; done
 du -ah "$bundle"

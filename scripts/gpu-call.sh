@@ -30,7 +30,7 @@ fi
 # baselines may have changed since the build (no rebuild for them, see gpu-bundle.sh).
 for folder in "$bundle"/*/; do cp scripts/gpu-run.sh "$folder"; done
 cp benches/sdpa_reference.py "$bundle/kernels/"
-cp benches/torch_llama_reference.py "$bundle/train/"
+cp benches/torch_llama_reference.py benches/throughput_ratio.py "$bundle/train/"
 rm -rf "$bundle/train/hf-shapes" && cp -r benches/hf-shapes "$bundle/train/"
 logs=/tmp/gpu-call-logs
 rm -rf "$logs" /tmp/gpu-call-packed && mkdir -p "$logs"

@@ -47,6 +47,12 @@ step() {
     return "$status"
 }
 
+# `ratio NAME TORCH_STEP OUR_STEP`: ours against PyTorch in tokens/s over the steps PyTorch
+# timed (benches/throughput_ratio.py), from TORCH_STEP's log and OUR_STEP's metrics.csv.
+ratio() {
+    step "$1" python3 "$here/throughput_ratio.py" --torch "$out/$2.log" --ours "$out/$3/metrics.csv"
+}
+
 # `corpus_for SEQ`: a corpus (file or folder) for the trainer's --corpus whose held-out tenth
 # holds a sequence of SEQ tokens: $CORPUS (the system's licence texts by default, 240 KB: a
 # 30 KB held-out split, too short past 30 309 tokens, which failed the first GPU run's 65 536),
@@ -285,7 +291,8 @@ if has ulysses-trainer; then
             "$two_ranks_on_one_gpu exec $here/ulysses-trainer --backend cuda --device 0 --sp 2 $train --out $out/train-sp2-processes"
         # The same model in PyTorch (transformers' LlamaForCausalLM, SDPA, bf16 as the trainer's
         # CUDA default), same batch and length: tokens/s and peak memory beside ours.
-        step torch-llama python3 "$here/torch_llama_reference.py" --seq-len 2048 --batch-size 2 --dtype bf16 --steps 50 ;;
+        step torch-llama python3 "$here/torch_llama_reference.py" --seq-len 2048 --batch-size 2 --dtype bf16 --steps 50
+        ratio ratio-sp1 torch-llama train-sp1 ;;
     scale)
         # Tokens/s against S at batch 1, ours (metrics.csv's per-step rate) and PyTorch's on the
         # same model; the first steps compile kernels, so both runs take 16 and time the last.
@@ -293,6 +300,7 @@ if has ulysses-trainer; then
             step "train-scale-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps 16 --seq-len "$seq" --batch-size 1 --profile \
                 --checkpoint-every 0 --check-parameters-every 0 --corpus "$(corpus_for "$seq")" --out "$out/train-scale-$seq"
             step "torch-scale-$seq" python3 "$here/torch_llama_reference.py" --seq-len "$seq" --batch-size 1 --dtype bf16 --steps 16 --warmup 4
+            ratio "ratio-scale-$seq" "torch-scale-$seq" "train-scale-$seq"
         done ;;
     hf)
         # Hugging Face shapes from their config.json (benches/hf-shapes: Llama-3.2-1B, Qwen3-0.6B),
@@ -301,18 +309,27 @@ if has ulysses-trainer; then
         # PyTorch on the same shape (gradient checkpointing, SDPA). --no-save: a 1B model's
         # checkpoint would be 20 GB of the disk.
         # HF_SHAPES, HF_SPS (" ": PyTorch alone), HF_STEPS and HF_SEQ narrow it. --profile: each
-        # step's waits on the device (reads, syncs, uploads) in the log.
+        # step's waits on the device (reads, syncs, uploads) in the log. Both sides time the
+        # steps after the first HF_WARMUP (1: ours tunes its matmuls in step 0), and a ratio step
+        # divides Σ tokens by Σ seconds over those same steps on each side. HF_PURE_HALF=1 runs
+        # PyTorch once more in pure bf16 (--pure-half: parameters and AdamW's state in bf16, the
+        # second GPU run's baseline) after ours, with its ratio beside.
         seq=${HF_SEQ:-16384}
         corpus=$(corpus_for "$seq")
+        hf_torch="--checkpointing --seq-len $seq --batch-size 1 --dtype bf16 --steps ${HF_STEPS:-6} --warmup ${HF_WARMUP:-1} --learning-rate 3e-4"
         for shape in ${HF_SHAPES:-llama-3.2-1b qwen3-0.6b}; do
             # PyTorch first: a part stopped at its limit keeps the baseline every ratio needs.
-            step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" --checkpointing \
-                --seq-len "$seq" --batch-size 1 --dtype bf16 --steps "${HF_STEPS:-6}" --warmup 2 --learning-rate 3e-4
+            step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" $hf_torch
             for sp in ${HF_SPS:-1}; do
                 step "hf-$shape-sp$sp" "$here/ulysses-trainer" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile \
                     --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" \
                     --corpus "$corpus" --out "$out/hf-$shape-sp$sp"
+                ratio "ratio-hf-$shape-sp$sp" "torch-hf-$shape" "hf-$shape-sp$sp"
             done
+            if [ "${HF_PURE_HALF:-0}" = 1 ]; then
+                step "torch-hf-$shape-pure-half" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" $hf_torch --pure-half
+                ratio "ratio-hf-$shape-sp1-pure-half" "torch-hf-$shape-pure-half" "hf-$shape-sp1"
+            fi
             # The head and loss as before 2026-11-27 (f32 logits, tensor-op softmax), beside the
             # bf16 head and fused cross-entropy above; HF_OLD_HEAD=1 adds it.
             if [ "${HF_OLD_HEAD:-0}" = 1 ]; then

@@ -140,6 +140,55 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     assert_eq!(toc.lines().count(), 3, "{toc}");
 }
 
+/// The hf part sets ours beside PyTorch in tokens/s over the steps PyTorch timed, Σ tokens over
+/// Σ seconds on both sides, and fails the run with no ratio where our run was cut short of them.
+#[test]
+fn the_hf_part_divides_ours_by_pytorch_over_the_steps_pytorch_timed() {
+    let dir = tempfile_dir::Dir::new("gpu-run-ratio");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (from, to) in [("scripts/gpu-run.sh", "gpu-run.sh"), ("benches/throughput_ratio.py", "throughput_ratio.py")] {
+        fs::copy(root.join(from), dir.path().join(to)).unwrap();
+    }
+    // PyTorch timed steps 1-2 of 3 at 100 tokens/s, its warm-up as asked.
+    fs::write(
+        dir.path().join("torch_llama_reference.py"),
+        "import sys\nwarmup = sys.argv[sys.argv.index('--warmup') + 1]\n\
+         print(f'torch cuda bf16 (mixed) config=x checkpointing=True batch=1 seq=100: timed steps {warmup}-2 of 3: 100 tokens/s, peak 1 bytes')\n",
+    )
+    .unwrap();
+    // Ours: step 0 tunes (10 s), step 1 takes 2 s and step 2 0.5 s; a held-out row between.
+    // The run of shape `cut` ends after step 1.
+    write_script(
+        &dir.path().join("ulysses-trainer"),
+        "while [ \"$1\" != --out ]; do shift; done; mkdir -p \"$2\"; m=\"$2/metrics.csv\"\n\
+         echo step,loss,eval_loss,learning_rate,valid_tokens,processed_tokens,tokens_per_second,grad_norm,elapsed_seconds >\"$m\"\n\
+         echo 0,5.5,,3e-4,99,100,10.0,1.0,10.0 >>\"$m\"\necho 1,5.4,,3e-4,99,100,50.0,1.0,12.0 >>\"$m\"\n\
+         echo 1,,5.3,,,,,,12.5 >>\"$m\"\n\
+         case \"$2\" in *cut*) exit 0 ;; esac\necho 2,5.3,,3e-4,99,100,200.0,1.0,13.0 >>\"$m\"\n",
+    );
+    let out = dir.path().join("out");
+    let mut command = isolated("bash");
+    for setting in ["HF_SPS", "HF_WARMUP", "HF_PURE_HALF", "HF_OLD_HEAD", "HF_PLANNED"] {
+        command.env_remove(setting);
+    }
+    let output = command
+        .arg(dir.path().join("gpu-run.sh"))
+        .env("OUT", &out)
+        .envs([("TRAIN_RUN", "hf"), ("HF_SHAPES", "whole cut"), ("HF_STEPS", "3"), ("HF_SEQ", "100"), ("CORPUS", root.join("scripts/gpu-run.sh").to_str().unwrap())])
+        .output()
+        .expect("bash runs gpu-run.sh");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let log = |name: &str| fs::read_to_string(out.join(format!("{name}.log"))).unwrap_or_else(|e| panic!("{name}.log: {e}\n{stdout}"));
+    // 200 tokens in 2.5 s against 100 tokens/s (the median of our rates would say 1.250x, step 0
+    // counted 0.240x).
+    let whole = log("ratio-hf-whole-sp1");
+    assert!(whole.starts_with("ours/torch 0.800x: ours 80 tokens/s, torch 100 tokens/s, both over steps 1-2 of 3"), "{whole}");
+    let cut = log("ratio-hf-cut-sp1");
+    assert!(cut.contains("no ratio") && cut.contains("no row for [2]"), "{cut}");
+    assert_eq!(output.status.code(), Some(1), "a missing ratio must fail the run:\n{stdout}");
+    assert!(stdout.contains("ratio-hf-cut-sp1 FAILED"), "{stdout}");
+}
+
 /// An executable shell script at `path`.
 fn write_script(path: &Path, body: &str) {
     fs::write(path, format!("#!/bin/sh\n{body}")).unwrap();
@@ -270,7 +319,7 @@ fn a_finished_bundle_marks_its_commit_and_what_its_fill_skipped() {
     for folder in [&bin, &artifacts, &repo.join("benches")] {
         fs::create_dir_all(folder).unwrap();
     }
-    for file in ["scripts/gpu-run.sh", "scripts/cargo-executable.py", "benches/sdpa_reference.py", "benches/torch_llama_reference.py"] {
+    for file in ["scripts/gpu-run.sh", "scripts/cargo-executable.py", "benches/sdpa_reference.py", "benches/torch_llama_reference.py", "benches/throughput_ratio.py"] {
         fs::copy(root.join(file), repo.join(file)).unwrap();
     }
     fs::create_dir_all(repo.join("benches/hf-shapes")).unwrap();
