@@ -196,6 +196,10 @@ struct StepMemory {
     /// Above `parameters`: the larger of `activations` and what is in use after the backward
     /// with every gradient alive.
     peak: u64,
+    /// The forward and backward's wall seconds, from the tokens on the device to the gradients
+    /// (the device synchronised): without the model's build, the process's start or the other
+    /// steps of a trial, which a trial's whole seconds hold.
+    seconds: f64,
 }
 
 /// The wall time of a step's phases, printed as each ends (`--phases`), one line each:
@@ -239,7 +243,8 @@ fn step(config: &DecoderConfig, seq: usize, args: &Args, device: &Device) -> Ste
     let shard = SequenceSharder::new(1).shard_documents(&[tokens], lengths.as_deref(), 0);
     let base = in_use(device);
     phases.ended(format_args!("the model built, its parameters created, the tokens sharded"));
-    let (loss, activations, with_gradients) = if let Some(checkpointing) = checkpointing {
+    let timed = Instant::now();
+    let (loss, activations, with_gradients, seconds) = if let Some(checkpointing) = checkpointing {
         let tiles = checkpointing.tiles(ShardLengths { shortest: seq, longest: seq }).expect("checked in args");
         let (tokens, labels) = (shard.tokens::<Train>(device), shard.labels::<Train>(device));
         let mut pieces = HeldPerPiece::default();
@@ -258,6 +263,7 @@ fn step(config: &DecoderConfig, seq: usize, args: &Args, device: &Device) -> Ste
         })
         .expect("the checkpointed step");
         let with_gradients = in_use(device) - base;
+        let seconds = timed.elapsed().as_secs_f64();
         if let Some((last, _)) = pieces.0.last() {
             phases.ended(format_args!("the end of the backward: the rest of {last:?}"));
         }
@@ -267,7 +273,7 @@ fn step(config: &DecoderConfig, seq: usize, args: &Args, device: &Device) -> Ste
             }
         }
         drop(grads);
-        (loss.into_scalar() as f64, pieces.most(), with_gradients)
+        (loss.into_scalar() as f64, pieces.most(), with_gradients, seconds)
     } else {
         let output = model.lm_output(shard.tokens::<Train>(device), &shard.positions);
         let loss = lm_loss_sum(output, shard.labels::<Train>(device), -100);
@@ -276,18 +282,20 @@ fn step(config: &DecoderConfig, seq: usize, args: &Args, device: &Device) -> Ste
         let value = loss.clone().into_scalar() as f64;
         let grads = loss.backward();
         let with_gradients = in_use(device) - base;
+        let seconds = timed.elapsed().as_secs_f64();
         phases.ended(format_args!("the backward"));
         drop(grads);
-        (value, activations, with_gradients)
+        (value, activations, with_gradients, seconds)
     };
     assert!(loss.is_finite(), "S {seq}: the step's loss is {loss}");
     drop(model);
-    StepMemory { parameters: base, activations, peak: activations.max(with_gradients) }
+    StepMemory { parameters: base, activations, peak: activations.max(with_gradients), seconds }
 }
 
 /// The child process of one `--longest-under` trial: `--trial-steps` steps of `seq` tokens
 /// (the peak the largest, the seconds all of them), then one line
-/// `trial: <peak with parameters> <parameters> <reserved> <seconds>`; exits with 1 when any
+/// `trial: <peak with parameters> <parameters> <reserved> <seconds> <each step's seconds>...`
+/// (a step's own: [`StepMemory::seconds`]); exits with 1 when any
 /// thread panicked meanwhile. CubeCL's device thread catches a panic of its own (a failed
 /// allocation) and goes on, so only the panic hook sees it.
 fn run_trial(config: &DecoderConfig, seq: usize, args: &Args) {
@@ -301,19 +309,22 @@ fn run_trial(config: &DecoderConfig, seq: usize, args: &Args) {
     let device = Device::default();
     let started = Instant::now();
     let mut memory = step(config, seq, args, &device);
+    let mut steps = vec![memory.seconds];
     for step_number in 2..=args.trial_steps {
         if args.phases {
             println!("phase: step {step_number} (kernels compiled, autotuning done)");
         }
         let again = step(config, seq, args, &device);
         memory.peak = memory.peak.max(again.peak);
+        steps.push(again.seconds);
     }
     let seconds = started.elapsed().as_secs_f64();
     if panicked.load(Ordering::SeqCst) {
         eprintln!("a thread panicked during the step of {seq} tokens (above): its figures cannot be trusted");
         std::process::exit(1);
     }
-    println!("trial: {} {} {} {seconds:.1}", memory.parameters + memory.peak, memory.parameters, reserved(&device));
+    let steps: Vec<String> = steps.iter().map(|s| format!("{s:.3}")).collect();
+    println!("trial: {} {} {} {seconds:.1} {}", memory.parameters + memory.peak, memory.parameters, reserved(&device), steps.join(" "));
 }
 
 /// What a trial's child process reported.
@@ -322,7 +333,11 @@ struct Trial {
     peak: u64,
     parameters: u64,
     reserved: u64,
+    /// The child's seconds from its device's start to its report (model builds, every step).
     seconds: f64,
+    /// Each step's own seconds ([`StepMemory::seconds`]): what a comparison of settings
+    /// divides, where the whole trial's would pull a ratio toward 1.
+    steps: Vec<f64>,
 }
 
 /// Why a trial gave no figures.
@@ -375,7 +390,11 @@ fn trial(seq: usize, args: &Args) -> Result<Trial, TrialFailure> {
         (true, Some(report)) => {
             let fields: Vec<&str> = report.split_whitespace().collect();
             let number = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).ok_or_else(|| format!("unreadable trial report {report:?}"));
-            Ok(Trial { peak: number(0)? as u64, parameters: number(1)? as u64, reserved: number(2)? as u64, seconds: number(3)? })
+            let steps = (4..fields.len()).map(number).collect::<Result<Vec<_>, _>>()?;
+            if steps.is_empty() {
+                return Err(TrialFailure::Failed(format!("the trial report {report:?} has no step's seconds")));
+            }
+            Ok(Trial { peak: number(0)? as u64, parameters: number(1)? as u64, reserved: number(2)? as u64, seconds: number(3)?, steps })
         }
         _ => {
             // CubeCL reports a device error where it surfaces, often later than its cause: the
@@ -464,12 +483,14 @@ fn main() {
         let fits = |seq: usize| match trial(seq, &args) {
             Ok(trial) => {
                 let fits = trial.peak <= budget;
+                let steps: Vec<String> = trial.steps.iter().map(|s| format!("{s:.2} s")).collect();
                 println!(
-                    "  S {seq:>8}: peak sampled {} bytes ({} of parameters), reserved {}, {:.1} s: {}",
+                    "  S {seq:>8}: peak sampled {} bytes ({} of parameters), reserved {}, {:.1} s in all, the steps' own {}: {}",
                     trial.peak,
                     trial.parameters,
                     trial.reserved,
                     trial.seconds,
+                    steps.join(", "),
                     if fits { "fits" } else { "over the budget" }
                 );
                 fits
