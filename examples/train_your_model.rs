@@ -127,6 +127,7 @@ fn sp_and_one_device() -> (Vec<f64>, Vec<f64>) {
 }
 
 fn largest_difference(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "SP = 2 and one device ran different numbers of steps");
     a.iter().zip(b).map(|(a, b)| (a - b).abs()).fold(0.0, |worst: f64, d| if worst.is_nan() || d.is_nan() { f64::NAN } else { worst.max(d) })
 }
 

@@ -31,7 +31,7 @@ use burn_ulysses::{
 use ulysses_training::{StepReport, TrainBackend, check_parameters_identical};
 use ulysses_models::DecoderConfig;
 use ulysses_trainer::train::{RunOptions, StepData, TrainConfig, train_rank};
-use ulysses_suite::{VariedLengths, deterministic_params, max_abs_diff, parameter_values, with_deadline, worst};
+use ulysses_suite::{VariedLengths, bit_identical, deterministic_params, largest_gap, max_abs_diff, paired_parameters, parameter_values, with_deadline, worst};
 
 type Inner = NdArray<f32>;
 type Reference = Autodiff<Inner>;
@@ -61,6 +61,17 @@ fn config(layout: ParallelLayout, grad_accumulation: usize) -> TrainConfig {
 struct Outcome {
     reports: Vec<StepReport>,
     params: Vec<(String, Vec<f32>)>,
+}
+
+impl Outcome {
+    /// The largest gaps from `reference`'s step losses and final parameters; panics unless both
+    /// took as many steps over the same valid tokens and hold the same parameters.
+    fn gaps_from(&self, reference: &Outcome, name: &str) -> (f32, f32) {
+        let valid = |run: &Outcome| run.reports.iter().map(|r| r.valid_tokens).collect::<Vec<_>>();
+        assert_eq!(valid(self), valid(reference), "{name}: the valid tokens of each step differ");
+        let losses = |run: &Outcome| run.reports.iter().map(|r| r.loss).collect::<Vec<_>>();
+        (largest_gap(&losses(self), &losses(reference)), worst(paired_parameters(&self.params, &reference.params).map(|(_, a, b)| max_abs_diff(a, b))))
+    }
 }
 
 /// Trains on every rank of the layout; returns world rank 0's outcome after checking that
@@ -151,14 +162,7 @@ fn one_device_dp_sp_and_accumulation_take_the_same_steps() {
     assert!(diff <= TOLERANCE as f64, "the trainer's step-0 loss differs from burn's cross-entropy by {diff:e}");
     assert!(reference.reports[STEPS - 1].loss < reference.reports[0].loss, "the loss should fall");
     for (name, run) in &runs[1..] {
-        let loss_diff = worst(run.reports.iter().zip(&reference.reports).map(|(a, b)| {
-            assert_eq!(a.valid_tokens, b.valid_tokens, "{name}: valid tokens differ");
-            (a.loss - b.loss).abs() as f32
-        }));
-        let param_diff = worst(run.params.iter().zip(&reference.params).map(|((name_a, a), (name_b, b))| {
-            assert_eq!(name_a, name_b);
-            max_abs_diff(a, b)
-        }));
+        let (loss_diff, param_diff) = run.gaps_from(reference, name);
         let losses: Vec<String> = run.reports.iter().map(|r| format!("{:.6}", r.loss)).collect();
         println!("{name:>10}: losses [{}], max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e}", losses.join(", "));
         assert!(loss_diff <= TOLERANCE, "{name}: step loss differs from one device by {loss_diff:e}");
@@ -231,11 +235,7 @@ fn packed_documents_train_like_one_device_and_like_the_documents_one_by_one() {
 fn assert_like_the_first(runs: &[(&str, Outcome)]) {
     let (first, reference) = &runs[0];
     for (name, run) in &runs[1..] {
-        let loss_diff = worst(run.reports.iter().zip(&reference.reports).map(|(a, b)| {
-            assert_eq!(a.valid_tokens, b.valid_tokens, "{name}: valid tokens differ");
-            (a.loss - b.loss).abs() as f32
-        }));
-        let param_diff = worst(run.params.iter().zip(&reference.params).map(|((_, a), (_, b))| max_abs_diff(a, b)));
+        let (loss_diff, param_diff) = run.gaps_from(reference, name);
         println!("{name:>22}: max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e} against {first}");
         assert!(loss_diff <= TOLERANCE, "{name}: step loss differs by {loss_diff:e}");
         assert!(param_diff <= TOLERANCE, "{name}: parameters differ by {param_diff:e}");
@@ -263,8 +263,7 @@ fn ulysses_by_ring_trains_like_one_device() {
     });
     let (_, reference) = &runs[0];
     for (name, run) in &runs[1..] {
-        let loss_diff = worst(run.reports.iter().zip(&reference.reports).map(|(a, b)| (a.loss - b.loss).abs() as f32));
-        let param_diff = worst(run.params.iter().zip(&reference.params).map(|((_, a), (_, b))| max_abs_diff(a, b)));
+        let (loss_diff, param_diff) = run.gaps_from(reference, name);
         println!("{name:>14}: max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e} against one device");
         assert!(loss_diff <= TOLERANCE, "{name}: step loss differs by {loss_diff:e}");
         assert!(param_diff <= TOLERANCE, "{name}: parameters differ by {param_diff:e}");
@@ -676,8 +675,7 @@ fn layer_checkpointing_trains_like_the_plain_backward() {
     });
     for ((reference_name, reference), others) in &runs {
         for (name, run) in others {
-            let loss_diff = worst(run.reports.iter().zip(&reference.reports).map(|(a, b)| (a.loss - b.loss).abs() as f32));
-            let param_diff = worst(run.params.iter().zip(&reference.params).map(|((_, a), (_, b))| max_abs_diff(a, b)));
+            let (loss_diff, param_diff) = run.gaps_from(reference, name);
             println!("{name:>44}: max |Δ| loss {loss_diff:.2e}, parameters {param_diff:.2e} against {reference_name}");
             assert!(loss_diff <= TOLERANCE, "{name}: step loss differs by {loss_diff:e}");
             assert!(param_diff <= TOLERANCE, "{name}: parameters differ by {param_diff:e}");
@@ -721,7 +719,7 @@ fn checkpointed_gradients_equal_the_plain_backward() {
         assert_eq!(checkpointed.len(), plain.len());
         let loss_diff = (loss.into_scalar() as f64 - plain_loss).abs() as f32;
         assert!(loss_diff <= TOLERANCE, "{tiles} tiles: loss differs by {loss_diff:e}");
-        for ((name, got), (_, want)) in checkpointed.iter().zip(&plain) {
+        for (name, got, want) in paired_parameters(&checkpointed, &plain) {
             let diff = max_abs_diff(got, want);
             assert!(diff <= TOLERANCE, "{tiles} tiles, offload {offload}: the gradient of {name} differs by {diff:e}");
         }
@@ -768,7 +766,9 @@ fn an_embedding_looked_up_takes_the_plain_backwards_gradient_tied_padded_or_froz
         let plain = gradients(&model, &GradientsParams::from_grads(loss.backward(), &model));
         let (_, grads) = checkpointed_backward(&model, shard.tokens(&device), shard.labels(&device), &shard.positions, weight, -100, &LayerCheckpointing::new(), 2, |_| {}).unwrap();
         let looked_up = gradients(&model, &grads);
-        for ((name, got), want) in parameter_paths(&model).iter().zip(&looked_up).zip(&plain) {
+        let paths = parameter_paths(&model);
+        assert_eq!((looked_up.len(), plain.len()), (paths.len(), paths.len()), "{case}: a gradient for each parameter");
+        for ((name, got), want) in paths.iter().zip(&looked_up).zip(&plain) {
             match (got, want) {
                 (Some(got), Some(want)) => {
                     assert!(got.iter().all(|v| v.is_finite()), "{case}: {name}'s gradient is not finite");
@@ -1081,16 +1081,16 @@ fn a_tied_head_trains_under_zero_3_like_replicated_adamw() {
             let untrained = fixture_sp_dp_schedule(fixture, Zero::Replicated, &[], None, 1);
             assert!(zero3.losses.iter().all(|l| l.is_finite()), "{fixture}: {:?}", zero3.losses);
             let relative = |a: &Qwen3Run, b: &Qwen3Run| {
-                worst(a.params.iter().zip(&b.params).map(|((_, x), (_, y))| max_abs_diff(x, y) / y.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()))))
+                worst(paired_parameters(&a.params, &b.params).map(|(_, x, y)| max_abs_diff(x, y) / y.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()))))
             };
             assert!(relative(&zero3, &untrained) > 1e-3, "{fixture}: five steps moved no parameter");
             assert_eq!(zero3.losses, sharded.losses, "{fixture}: ZeRO-3's losses against the sharded optimizer's on the same step");
-            for ((name, want), (_, got)) in sharded.params.iter().zip(&zero3.params) {
-                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{fixture}, {name}: {:e} apart from the sharded optimizer's", max_abs_diff(got, want));
+            for (name, want, got) in paired_parameters(&sharded.params, &zero3.params) {
+                assert!(bit_identical(got, want), "{fixture}, {name}: {:e} apart from the sharded optimizer's", max_abs_diff(got, want));
             }
-            let loss_diff = worst(zero3.losses.iter().zip(&plain.losses).map(|(a, b)| (a - b).abs() as f32));
+            let loss_diff = largest_gap(&zero3.losses, &plain.losses);
             assert!(loss_diff <= 1e-6, "{fixture}: losses {loss_diff:e} apart: {:?} against {:?}", zero3.losses, plain.losses);
-            for ((name, want), (_, got)) in plain.params.iter().zip(&zero3.params) {
+            for (name, want, got) in paired_parameters(&plain.params, &zero3.params) {
                 let diff = max_abs_diff(got, want) / want.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
                 assert!(diff <= 3e-5, "{fixture}, {name}: {diff:e} of its largest value apart from replicated AdamW");
             }
@@ -1115,8 +1115,8 @@ fn a_step_without_targets_changes_nothing() {
             assert!(two.losses.iter().all(|l| l.is_finite() && *l > 0.0), "{zero:?}: {:?}", two.losses);
             assert_eq!((between.losses[0], between.losses[2]), (two.losses[0], two.losses[1]), "{zero:?}: the losses around the step without targets");
             assert_eq!((between.losses[1], between.norms[1]), (0.0, 0.0), "{zero:?}: the step without targets reports no loss and no gradient");
-            for ((name, want), (_, got)) in two.params.iter().zip(&between.params) {
-                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{zero:?}, {name}: {:e} apart", max_abs_diff(got, want));
+            for (name, want, got) in paired_parameters(&two.params, &between.params) {
+                assert!(bit_identical(got, want), "{zero:?}, {name}: {:e} apart", max_abs_diff(got, want));
             }
         }
     });
@@ -1141,8 +1141,8 @@ fn sharded_optimizer_state_trains_like_replicated_adamw() {
         assert_eq!(sharded.losses, replicated.losses, "losses without clipping");
         assert!(replicated.losses[19] < replicated.losses[0] && replicated.losses.iter().all(|l| l.is_finite()), "the runs must train: {:?}", replicated.losses);
         let parameters: usize = replicated.params.iter().map(|(_, v)| v.len()).sum();
-        for ((name, want), (_, got)) in replicated.params.iter().zip(&sharded.params) {
-            assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: {:e} apart", max_abs_diff(got, want));
+        for (name, want, got) in paired_parameters(&replicated.params, &sharded.params) {
+            assert!(bit_identical(got, want), "{name}: {:e} apart", max_abs_diff(got, want));
         }
         for (rank, bytes) in sharded.host_bytes.iter().enumerate() {
             assert!(*bytes >= 12 * parameters / 4 && *bytes <= 12 * (parameters / 4 + replicated.params.len()), "rank {rank} holds {bytes} bytes for {parameters} parameters");
@@ -1212,11 +1212,11 @@ fn zero_3_gathers_each_group_once_the_host_optimizer_updated_it() {
     for (rank, result) in per_rank.into_iter().enumerate() {
         let (before, early, settled) = result.unwrap_or_else(|p| panic!("rank {rank}: {p}"));
         for (group, ((before, early), settled)) in before.iter().zip(&early).zip(&settled).enumerate() {
-            let changed = before.iter().zip(early).filter(|((_, b), (_, e))| b != e).count();
+            let changed = paired_parameters(before, early).filter(|(_, b, e)| b != e).count();
             assert!(changed > 0, "rank {rank}, group {group}: gathered with the values from before the step");
-            for ((name, got), (_, want)) in early.iter().zip(settled) {
+            for (name, got, want) in paired_parameters(&early, &settled) {
                 assert!(got.iter().chain(want).all(|v| v.is_finite()), "rank {rank}: {name} is not finite");
-                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "rank {rank}, {name}: {:e} apart from the whole update's", max_abs_diff(got, want));
+                assert!(bit_identical(got, want), "rank {rank}, {name}: {:e} apart from the whole update's", max_abs_diff(got, want));
             }
         }
     }
@@ -1249,7 +1249,7 @@ fn zero_3_trains_like_replicated_adamw() {
         let on_device = qwen3_sp_dp(Zero::Stage3OnDevice, 20, None);
         let parts_on_host = qwen3_sp_dp(Zero::Stage3PartsOnHost, 20, None);
         assert_eq!(parts_on_host.losses, zero3.losses, "ZeRO-3 with the parameters' parts on the host");
-        assert!(parts_on_host.params.iter().zip(&zero3.params).all(|((_, a), (_, b))| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())), "the parameters' parts on the host change the parameters");
+        assert!(paired_parameters(&parts_on_host.params, &zero3.params).all(|(_, a, b)| bit_identical(a, b)), "the parameters' parts on the host change the parameters");
         assert!(parts_on_host.device_bytes.iter().all(|&bytes| bytes == 0), "parts on the host, yet {:?} bytes on the devices", parts_on_host.device_bytes);
         let after_abandoned = qwen3_sp_dp(Zero::Stage3AfterAbandonedStep, 20, None);
         assert_eq!(after_abandoned.losses, zero3.losses, "an abandoned step's gradient parts reached the next step");
@@ -1257,27 +1257,27 @@ fn zero_3_trains_like_replicated_adamw() {
         // model: the same parts and master weights, so the same run bit for bit.
         let from_rank_0 = qwen3_sp_dp(Zero::Stage3FromRank0, 20, None);
         assert_eq!(from_rank_0.losses, zero3.losses, "ZeRO-3 cut from world rank 0's parameters");
-        assert!(from_rank_0.params.iter().zip(&zero3.params).all(|((_, a), (_, b))| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())), "ZeRO-3 cut from world rank 0's parameters ends elsewhere");
+        assert!(paired_parameters(&from_rank_0.params, &zero3.params).all(|(_, a, b)| bit_identical(a, b)), "ZeRO-3 cut from world rank 0's parameters ends elsewhere");
         assert_eq!(from_rank_0.device_bytes, zero3.device_bytes, "ZeRO-3 cut from world rank 0's parameters");
         // Cut from the optimizer's master weights (a resumed run's way), into a model never built.
         let from_masters = qwen3_sp_dp(Zero::Stage3FromMasters, 20, None);
         assert_eq!(from_masters.losses, zero3.losses, "ZeRO-3 cut from the master weights");
-        assert!(from_masters.params.iter().zip(&zero3.params).all(|((_, a), (_, b))| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())), "ZeRO-3 cut from the master weights ends elsewhere");
+        assert!(paired_parameters(&from_masters.params, &zero3.params).all(|(_, a, b)| bit_identical(a, b)), "ZeRO-3 cut from the master weights ends elsewhere");
         let from_rank_0_on_device = qwen3_sp_dp(Zero::Stage3FromRank0OnDevice, 3, None);
         assert_eq!(from_rank_0_on_device.losses[..], on_device.losses[..3], "ZeRO-3 cut from world rank 0's parameters, the optimizer on the device");
         assert_eq!(on_device.losses, replicated.losses, "ZeRO-3 with the optimizer on the device against replicated AdamW");
-        for ((name, want), (_, got)) in replicated.params.iter().zip(&on_device.params) {
-            assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: the optimizer on the device {:e} apart from replicated AdamW", max_abs_diff(got, want));
+        for (name, want, got) in paired_parameters(&replicated.params, &on_device.params) {
+            assert!(bit_identical(got, want), "{name}: the optimizer on the device {:e} apart from replicated AdamW", max_abs_diff(got, want));
         }
         assert!(zero3.losses.iter().all(|l| l.is_finite()) && zero3.losses[19] < zero3.losses[0], "the run must train: {:?}", zero3.losses);
         assert_eq!(zero3.losses, checkpointed.losses, "ZeRO-3's losses against the sharded optimizer's on the same step");
-        for ((name, want), (_, got)) in checkpointed.params.iter().zip(&zero3.params) {
-            assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: {:e} apart from the sharded optimizer's", max_abs_diff(got, want));
+        for (name, want, got) in paired_parameters(&checkpointed.params, &zero3.params) {
+            assert!(bit_identical(got, want), "{name}: {:e} apart from the sharded optimizer's", max_abs_diff(got, want));
         }
-        let loss_diff = worst(zero3.losses.iter().zip(&replicated.losses).map(|(a, b)| (a - b).abs() as f32));
+        let loss_diff = largest_gap(&zero3.losses, &replicated.losses);
         assert!(loss_diff <= 1e-6, "losses {loss_diff:e} apart from replicated training");
         let mut relative = 0.0f32;
-        for ((name, want), (_, got)) in replicated.params.iter().zip(&zero3.params) {
+        for (name, want, got) in paired_parameters(&replicated.params, &zero3.params) {
             let largest = want.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
             let diff = max_abs_diff(got, want) / largest;
             assert!(diff <= 1e-6, "{name}: {diff:e} of its largest value apart from replicated training");
@@ -1288,11 +1288,11 @@ fn zero_3_trains_like_replicated_adamw() {
         // the parameters no further apart than replicated training's own with one micro-batch
         // and with two (the embedding's rarely seen rows move by Adam's normalised steps on
         // gradients that differ in their last bits: 5.5e-5 there, 1.5e-5 for ZeRO-3).
-        let params_apart = |a: &Qwen3Run, b: &Qwen3Run| worst(a.params.iter().zip(&b.params).map(|((_, x), (_, y))| max_abs_diff(x, y)));
+        let params_apart = |a: &Qwen3Run, b: &Qwen3Run| worst(paired_parameters(&a.params, &b.params).map(|(_, x, y)| max_abs_diff(x, y)));
         let zero3_accumulating = qwen3_sp_dp_accumulating(Zero::Stage3, 5, None, 2);
         let (replicated_accumulating, replicated_whole) =
             (qwen3_sp_dp_accumulating(Zero::ReplicatedCheckpointed, 5, None, 2), qwen3_sp_dp_accumulating(Zero::ReplicatedCheckpointed, 5, None, 1));
-        let accumulated = worst(zero3_accumulating.losses.iter().zip(&replicated_accumulating.losses).map(|(a, b)| (a - b).abs() as f32));
+        let accumulated = largest_gap(&zero3_accumulating.losses, &replicated_accumulating.losses);
         let (accumulated_params, rounding) = (params_apart(&zero3_accumulating, &replicated_accumulating), params_apart(&replicated_accumulating, &replicated_whole));
         assert!(
             accumulated <= 1e-6 && accumulated_params <= rounding.max(1e-6),
@@ -1328,8 +1328,8 @@ fn zero_3_updated_in_the_backward_trains_as_at_the_steps_end() {
             let run = qwen3_sp_dp_schedule(zero, &schedule, None, 1);
             assert_eq!(run.losses, at_the_end.losses, "{zero:?}: the losses");
             assert_eq!(run.norms, at_the_end.norms, "{zero:?}: the gradient norms");
-            for ((name, want), (_, got)) in at_the_end.params.iter().zip(&run.params) {
-                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{zero:?}: {name} {:e} apart from the update at the step's end", max_abs_diff(got, want));
+            for (name, want, got) in paired_parameters(&at_the_end.params, &run.params) {
+                assert!(bit_identical(got, want), "{zero:?}: {name} {:e} apart from the update at the step's end", max_abs_diff(got, want));
             }
             assert_eq!(run.host_bytes, at_the_end.host_bytes, "{zero:?}: the optimizer's state");
         }
@@ -1532,7 +1532,7 @@ fn zero_3_gathers_an_untied_head_apart_from_the_embedding() {
                 match got.len() {
                     1 => false,
                     _ => {
-                        assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()) && got.len() == want.len(), "rank {rank}, {group:?}: {name} gathered differs");
+                        assert!(bit_identical(got, want), "rank {rank}, {group:?}: {name} gathered differs");
                         true
                     }
                 }
@@ -1732,7 +1732,8 @@ fn zero_3_names_a_parameter_a_group_leaves_out_and_keeps_frozen_ones_frozen() {
         let mut flags = Vec::new();
         model.visit(&mut RequiresGrad(&mut flags));
         let after = parameter_values(&model);
-        for (((name, want), (_, got)), (id, trains)) in before.iter().zip(&after).zip(flags) {
+        assert_eq!(flags.len(), before.len(), "a flag for each parameter");
+        for ((name, want, got), (id, trains)) in paired_parameters(&before, &after).zip(flags) {
             let is_frozen = frozen_ids.contains(&id);
             assert_eq!(trains, !is_frozen, "{name}: requires a gradient after the step");
             assert_eq!(got == want, is_frozen, "{name}: frozen {is_frozen}, changed by the step {}", got != want);

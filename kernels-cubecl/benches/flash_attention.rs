@@ -358,7 +358,8 @@ fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, 
     let values = |tensor: CubeTensor<Runtime>| -> Vec<f32> {
         burn::tensor::Tensor::<B, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(tensor)).cast(DType::F32).into_data().to_vec().unwrap()
     };
-    let largest_difference = |a: Vec<f32>, b: Vec<f32>| a.iter().zip(b).map(|(a, b)| if b.is_finite() { (a - b).abs() } else { f32::INFINITY }).fold(0.0f32, f32::max);
+    // Infinite where either engine gives a non-finite value (`f32::max` would drop a NaN).
+    let largest_difference = |a: Vec<f32>, b: Vec<f32>| a.iter().zip(b).map(|(a, b)| (a - b).abs()).fold(0.0f32, |worst, d| if d.is_finite() { worst.max(d) } else { f32::INFINITY });
     let ((planned_out, planned_lse), (fragments_out, fragments_lse)) = (planned(), fragments());
     let mut forward_difference = largest_difference(values(planned_out.clone()), values(fragments_out.clone()));
     let planned_backward = || flash_attention_backward_planned(q.clone(), k.clone(), v.clone(), planned_out.clone(), g.clone(), planned_lse.clone(), options, ranges).unwrap();

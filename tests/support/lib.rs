@@ -172,6 +172,28 @@ pub fn shard<B: Backend, const D: usize, K: BasicOps<B>>(
 /// lengths differ.
 pub use burn_ulysses::compare::{max_abs_diff, worst};
 
+/// Two runs' named parameters ([`parameter_values`]) side by side, `(name, a's, b's)`; panics
+/// unless both hold the same parameters in the same order, where a zip would stop at the
+/// shorter or compare one parameter with another.
+pub fn paired_parameters<'a>(a: &'a [(String, Vec<f32>)], b: &'a [(String, Vec<f32>)]) -> impl Iterator<Item = (&'a str, &'a [f32], &'a [f32])> {
+    let names = |run: &'a [(String, Vec<f32>)]| run.iter().map(|(name, _)| name.as_str()).collect::<Vec<_>>();
+    assert_eq!(names(a), names(b), "the runs hold different parameters");
+    a.iter().zip(b).map(|((name, a), (_, b))| (name.as_str(), a.as_slice(), b.as_slice()))
+}
+
+/// Whether `a` and `b` hold the same values bit for bit; panics when their lengths differ.
+pub fn bit_identical(a: &[f32], b: &[f32]) -> bool {
+    assert_eq!(a.len(), b.len(), "compared values have different lengths");
+    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// The largest gap between two runs' per-step figures (losses), infinite where one is not
+/// finite; panics when the runs took different numbers of steps.
+pub fn largest_gap(a: &[f64], b: &[f64]) -> f32 {
+    assert_eq!(a.len(), b.len(), "the runs took different numbers of steps");
+    worst(a.iter().zip(b).map(|(x, y)| (x - y).abs() as f32))
+}
+
 /// Element-wise sum of equally long vectors.
 pub fn sum_vectors<'a>(vectors: impl IntoIterator<Item = &'a Vec<f32>>) -> Vec<f32> {
     let mut iter = vectors.into_iter();

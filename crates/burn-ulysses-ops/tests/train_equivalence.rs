@@ -50,6 +50,21 @@ impl ModuleMapper for FreezeEmbedding {
 
 /// Each step's loss, and every parameter after the last step. `sp` 1 runs outside any group:
 /// burn's own attention and no reduction, the single-device reference.
+/// Each step's loss within [`TOLERANCE`] of one device's, as many steps on each side.
+fn assert_losses_within_tolerance(run: &str, losses: &[f64], reference: &[f64]) {
+    assert_eq!(losses.len(), reference.len(), "{run}: steps taken, against one device's");
+    for (step, (got, want)) in losses.iter().zip(reference).enumerate() {
+        assert!((got - want).abs() <= TOLERANCE, "{run}, step {step}: loss {got}, one device {want}");
+    }
+}
+
+/// The largest gap between as many parameter values on each side, NaN where one is NaN (so
+/// that a `<=` fails).
+fn largest_parameter_gap(parameters: &[f32], reference: &[f32]) -> f32 {
+    assert_eq!(parameters.len(), reference.len(), "parameter values, against one device's");
+    parameters.iter().zip(reference).map(|(a, b)| (a - b).abs()).fold(0.0f32, |worst, d| if d.is_nan() || d > worst { d } else { worst })
+}
+
 fn train(sp: usize) -> (Vec<f64>, Vec<f32>) {
     train_with(sp, 1, false)
 }
@@ -195,9 +210,7 @@ fn training_at_sp_2_and_4_equals_one_device() {
     for sp in [2, 4] {
         let (losses, parameters) = train(sp);
         eprintln!("SP={sp}: losses {losses:?}, one device {reference_losses:?}");
-        for (step, (got, want)) in losses.iter().zip(&reference_losses).enumerate() {
-            assert!((got - want).abs() <= TOLERANCE, "SP={sp}, step {step}: loss {got}, one device {want}");
-        }
+        assert_losses_within_tolerance(&format!("SP={sp}"), &losses, &reference_losses);
         assert_eq!(parameters.len(), reference_parameters.len());
         let mut worst = 0.0f64;
         for (i, (&got, &want)) in parameters.iter().zip(&reference_parameters).enumerate() {
@@ -215,10 +228,8 @@ fn sp_2_by_dp_2_equals_one_device() {
     let (reference_losses, reference) = train(1);
     let (losses, parameters) = train_with(2, 2, false);
     eprintln!("SP=2 × DP=2: losses {losses:?}, one device {reference_losses:?}");
-    for (step, (got, want)) in losses.iter().zip(&reference_losses).enumerate() {
-        assert!((got - want).abs() <= TOLERANCE, "step {step}: loss {got}, one device {want}");
-    }
-    let worst = parameters.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0.0f32, |worst, d| if d.is_nan() || d > worst { d } else { worst });
+    assert_losses_within_tolerance("SP=2 × DP=2", &losses, &reference_losses);
+    let worst = largest_parameter_gap(&parameters, &reference);
     assert!(worst <= TOLERANCE as f32, "SP=2 × DP=2: a parameter {worst} from one device");
     eprintln!("SP=2 × DP=2: {} parameter values, largest difference {worst:.2e}", parameters.len());
 }
@@ -236,9 +247,7 @@ fn a_frozen_parameter_stays_as_it_was_under_weight_decay() {
     let moved = |values: &[f32]| values[embedding.clone()].iter().zip(&initial.0[embedding.clone()]).filter(|(a, b)| a != b).count();
     assert_eq!(moved(&reference), 0, "one device moved values of the frozen embedding");
     assert_eq!(moved(&parameters), 0, "SP=2 moved values of the frozen embedding");
-    for (step, (got, want)) in losses.iter().zip(&reference_losses).enumerate() {
-        assert!((got - want).abs() <= TOLERANCE, "step {step}: loss {got}, one device {want}");
-    }
-    let worst = parameters.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(0.0f32, |worst, d| if d.is_nan() || d > worst { d } else { worst });
+    assert_losses_within_tolerance("SP=2 with a frozen embedding", &losses, &reference_losses);
+    let worst = largest_parameter_gap(&parameters, &reference);
     assert!(worst <= TOLERANCE as f32, "SP=2 with a frozen embedding: a parameter {worst} from one device");
 }

@@ -299,6 +299,7 @@ fn weights_that_do_not_fit_the_config_are_refused_by_name() {
 /// logits of size √hidden_size (a loss of hundreds at Qwen3-0.6B's width).
 #[test]
 fn a_model_from_a_config_alone_starts_at_transformers_initialisation() {
+    let mut with_biases = 0;
     for folder in model_fixtures() {
         let name = folder.file_name().unwrap().to_string_lossy().into_owned();
         let config = ulysses_models::HfConfig::from_hf(&folder).unwrap();
@@ -315,7 +316,10 @@ fn a_model_from_a_config_alone_starts_at_transformers_initialisation() {
         // Biases (Qwen2's q, k, v) start at zero, as transformers' `_init_weights` sets them,
         // and still train.
         let trained = ulysses_models::DecoderConfig::from_hf(&config).init::<burn::backend::Autodiff<Cpu>>(&Default::default());
-        if let Some(bias) = &trained.blocks[0].attention.wq.bias {
+        let bias = &trained.blocks[0].attention.wq.bias;
+        assert_eq!(bias.is_some(), config.qkv_bias, "{name}: a q bias where the config asks for one");
+        if let Some(bias) = bias {
+            with_biases += 1;
             let values = bias.val().into_data().to_vec::<f32>().unwrap();
             assert!(values.iter().all(|&v| v == 0.0), "{name}: a q bias starts at {:?}", values.iter().find(|&&v| v != 0.0));
             assert!(bias.val().is_require_grad(), "{name}: the q bias takes no gradient");
@@ -332,6 +336,7 @@ fn a_model_from_a_config_alone_starts_at_transformers_initialisation() {
         println!("{name}: first loss {loss:.3}, ln(vocabulary) {uniform:.3}");
         assert!(loss.is_finite() && (loss - uniform).abs() < 0.5, "{name}: first loss {loss} against ln(vocabulary) {uniform}");
     }
+    assert!(with_biases > 0, "no fixture has q, k, v biases (Qwen2's): their initialisation went unchecked");
 }
 
 /// Mistral's sliding window (64 in the fixture) where it matters: over 150 tokens, plain and

@@ -131,9 +131,12 @@ fn the_trainer_follows_transformers_trainer_step_by_step() {
     let initial = tensors(&folder.join("model.safetensors"));
     let trained = tensors(&saved.join("model.safetensors"));
     let mut outliers = 0;
+    let compared = want.keys().filter(|key| key.starts_with("trained.")).count();
+    assert!(compared > 0, "the fixture holds none of the Trainer's trained tensors");
     for (key, (_, theirs)) in want.iter().filter(|(key, _)| key.starts_with("trained.")) {
         let name = &key["trained.".len()..];
         let (start, ours) = (&initial[name].1, &trained.get(name).unwrap_or_else(|| panic!("{name} not saved")).1);
+        assert_eq!((start.len(), ours.len()), (theirs.len(), theirs.len()), "{name}: elements at the start and ours, against the Trainer's");
         let largest = theirs.iter().zip(start).fold(0.0f64, |a, (t, s)| a.max((t - s).abs()));
         assert!(largest > 0.0, "{name}: the Trainer left it as it was");
         let mut differences: Vec<f64> = ours.iter().zip(theirs).map(|(o, t)| if (o - t).is_finite() { (o - t).abs() / largest } else { f64::INFINITY }).collect();

@@ -22,7 +22,9 @@ fn every_kind_of_line_reads_as_trls_sft_trainer_prepares_it() {
     let dir = std::env::temp_dir().join(format!("ulysses-trl-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut failures = Vec::new();
-    for case in want["cases"].as_array().unwrap() {
+    let cases = want["cases"].as_array().unwrap();
+    assert!(!cases.is_empty(), "expected.json holds no cases");
+    for case in cases {
         let folder = case["tokenizer"].as_str().unwrap();
         let checkpoint = root.join("../ulysses-models/tests/fixtures").join(folder);
         let tokenizer = TextTokenizer::from_file(&checkpoint).unwrap();
@@ -56,7 +58,7 @@ fn every_kind_of_line_reads_as_trls_sft_trainer_prepares_it() {
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
-    assert!(failures.is_empty(), "{} of {} lines otherwise than TRL prepares them:\n{}", failures.len(), want["cases"].as_array().unwrap().len(), failures.join("\n"));
+    assert!(failures.is_empty(), "{} of {} lines otherwise than TRL prepares them:\n{}", failures.len(), cases.len(), failures.join("\n"));
 }
 
 /// Under `--loss-on assistant` both kinds of conversation line need a template that marks the

@@ -1049,6 +1049,40 @@ fn ranks_differing_from_rank_0(gathered: &[Vec<u64>], index: usize) -> Vec<usize
 }
 
 #[cfg(test)]
+mod parameters_identical_tests {
+    use burn::backend::NdArray;
+    use burn::nn::Linear;
+
+    use super::*;
+
+    /// Three rank threads hold the same `Linear`, except that rank 2's bias differs by one ulp in
+    /// one element: the check names the bias and rank 2 on every rank, and passes when they agree.
+    #[test]
+    fn a_rank_whose_parameters_differ_is_named_with_the_parameter() {
+        let linear = |bias_ulp: u32| -> Linear<NdArray> {
+            let device = Default::default();
+            let weight = Tensor::<NdArray, 2>::from_floats([[0.5, -1.0, 2.0], [0.25, 3.0, -0.75]], &device);
+            let bias = [0.1f32, 0.2, f32::from_bits(0.3f32.to_bits() + bias_ulp)];
+            Linear { weight: Param::from_tensor(weight), bias: Some(Param::from_tensor(Tensor::from_floats(bias, &device))) }
+        };
+        for (differing_rank, want) in [(None, Ok(())), (Some(2), Err(("bias".to_string(), vec![2])))] {
+            let outcomes = burn_ulysses::comm::ThreadGroup::new(3).run(|rank| {
+                let model = linear(u32::from(Some(rank.rank()) == differing_rank));
+                check_parameters_identical::<NdArray, _, NdArray>(&model, &*rank.communicator())
+            });
+            for (rank, outcome) in outcomes.into_iter().enumerate() {
+                let got = match outcome.expect("no rank panicked") {
+                    Ok(()) => Ok(()),
+                    Err(UlyssesError::ParametersDiverged { parameter, ranks }) => Err((parameter, ranks)),
+                    Err(other) => panic!("rank {rank}: {other}"),
+                };
+                assert_eq!(got, want, "rank {rank}, differing rank {differing_rank:?}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
 mod evaluate_tests {
     use burn::backend::NdArray;
 

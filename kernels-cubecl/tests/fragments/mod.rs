@@ -48,8 +48,11 @@ fn product(x: &[f64], y: &[f64], transposed: bool) -> Vec<f64> {
     out
 }
 
+/// The largest `|got − want|`, infinite where either side is not finite (`f64::max` would drop
+/// a NaN).
 fn largest_difference(got: &[f64], want: &[f64]) -> f64 {
-    got.iter().zip(want).map(|(g, w)| if g.is_finite() { (g - w).abs() } else { f64::INFINITY }).fold(0.0, f64::max)
+    assert_eq!(got.len(), want.len());
+    got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0f64, |worst, d| if d.is_finite() { worst.max(d) } else { f64::INFINITY })
 }
 
 #[test]
