@@ -143,14 +143,15 @@ fi
 if has flash-attention-tests; then
     case "${KERNELS_RUN:-tests}" in
     tests)
-        # A CUDA start failure must fail here, not skip. The >2^32-element case has its call.
-        step kernel-tests env ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture --skip past_2_pow_32 ;;
+        # A CUDA start failure must fail here, not skip; so must a half-precision dtype the
+        # device does not report (its cases would skip). The >2^32-element case has its call.
+        step kernel-tests env ULYSSES_REQUIRE_GPU_RUNTIME=1 ULYSSES_REQUIRE_DTYPES=f16,bf16 "$here/flash-attention-tests" --nocapture --skip past_2_pow_32 ;;
     named)
         # The tests named in KERNEL_TESTS (space-separated), alone: a failure's whole message.
-        step kernel-tests-named env ULYSSES_REQUIRE_GPU_RUNTIME=1 RUST_BACKTRACE=1 "$here/flash-attention-tests" --nocapture --exact ${KERNEL_TESTS:?} ;;
+        step kernel-tests-named env ULYSSES_REQUIRE_GPU_RUNTIME=1 ULYSSES_REQUIRE_DTYPES=f16,bf16 RUST_BACKTRACE=1 "$here/flash-attention-tests" --nocapture --exact ${KERNEL_TESTS:?} ;;
     big)
         # q, the output, dO and dQ of 4.5e9 elements each (about 45 GB): 64-bit indexing.
-        step kernel-test-past-2-pow-32 env ULYSSES_REQUIRE_GPU_RUNTIME=1 "$here/flash-attention-tests" --nocapture --exact bf16_past_2_pow_32_elements_per_tensor_against_chunks ;;
+        step kernel-test-past-2-pow-32 env ULYSSES_REQUIRE_GPU_RUNTIME=1 ULYSSES_REQUIRE_DTYPES=bf16 "$here/flash-attention-tests" --nocapture --exact bf16_past_2_pow_32_elements_per_tensor_against_chunks ;;
     bench)
         # BENCH_ARGS narrows or extends the sweep (e.g. "--heads 16 --seqs 8192,32768 --skews 0,8");
         # by default the register-fragment engine CUDA runs (not the planned one's 28 shapes), 1.5 s

@@ -156,15 +156,32 @@ pub mod testing {
     }
 
     /// Whether `device` of runtime `R` stores and computes `dtype` (f16 and bf16 vary between
-    /// devices: lavapipe has f16, not bf16; the other dtypes are taken as supported).
+    /// devices: lavapipe has f16, not bf16; the other dtypes are taken as supported). A test
+    /// skips the cases of a dtype the device lacks, unless `ULYSSES_REQUIRE_DTYPES` names it
+    /// (`f16,bf16`: the GPU run sets it), where this panics: a run on an H100 whose bf16 cases
+    /// all skipped would pass having checked none of them.
     pub fn supports_dtype<R: cubecl::Runtime>(device: &R::Device, dtype: burn::tensor::DType) -> bool {
         use cubecl::ir::{ElemType, FloatKind};
-        let elem = match dtype {
-            burn::tensor::DType::F16 => ElemType::Float(FloatKind::F16),
-            burn::tensor::DType::BF16 => ElemType::Float(FloatKind::BF16),
+        let (elem, name) = match dtype {
+            burn::tensor::DType::F16 => (ElemType::Float(FloatKind::F16), "f16"),
+            burn::tensor::DType::BF16 => (ElemType::Float(FloatKind::BF16), "bf16"),
             _ => return true,
         };
-        R::client(device).properties().supports_type(elem)
+        let supported = R::client(device).properties().supports_type(elem);
+        if !supported && required_dtypes().iter().any(|required| required == name) {
+            panic!("the device has no {name}, which ULYSSES_REQUIRE_DTYPES requires: its cases would skip");
+        }
+        supported
+    }
+
+    /// The dtypes `ULYSSES_REQUIRE_DTYPES` names (comma-separated `f16`, `bf16`; none when unset).
+    fn required_dtypes() -> Vec<String> {
+        let listed = std::env::var("ULYSSES_REQUIRE_DTYPES").unwrap_or_default();
+        let names: Vec<String> = listed.split(',').map(|name| name.trim().to_ascii_lowercase()).filter(|name| !name.is_empty()).collect();
+        if let Some(unknown) = names.iter().find(|name| !["f16", "bf16"].contains(&name.as_str())) {
+            panic!("ULYSSES_REQUIRE_DTYPES={listed:?} names {unknown:?}: it takes f16 and bf16, comma-separated");
+        }
+        names
     }
 
     /// Whether runtime `R` can create a client on its default device. When it cannot, this
