@@ -72,7 +72,7 @@ use std::{
 
 use burn::module::Module;
 use burn_ulysses::{UlyssesBackend, data::{SequenceSharder, ShardTensors}, precision::Precision};
-use ulysses_training::{LayerCheckpointing, ShardLengths, checkpointed_backward, float_parameters, lm_loss_sum};
+use ulysses_training::{LayerCheckpointing, checkpointed_backward, float_parameters, lm_loss_sum};
 use ulysses_models::DecoderConfig;
 use ulysses_suite::{HeldPerPiece, longest_fitting};
 
@@ -245,7 +245,7 @@ fn step(config: &DecoderConfig, seq: usize, args: &Args, device: &Device) -> Ste
     phases.ended(format_args!("the model built, its parameters created, the tokens sharded"));
     let timed = Instant::now();
     let (loss, activations, with_gradients, seconds) = if let Some(checkpointing) = checkpointing {
-        let tiles = checkpointing.tiles(ShardLengths { shortest: seq, longest: seq }).expect("checked in args");
+        let tiles = checkpointing.tiles(seq).expect("checked in args");
         let (tokens, labels) = (shard.tokens::<Train>(device), shard.labels::<Train>(device));
         let mut pieces = HeldPerPiece::default();
         let (loss, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, |piece| {

@@ -236,9 +236,16 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for KeepMessages {
     }
 }
 
-/// One checkpointed step of two micro-batches over two rank threads (DP=2), each rank under a
-/// subscriber of its own that keeps the checkpointed step's progress reports where `report`:
-/// per rank, what it reported and what it waited on the device for.
+/// The micro-batches of [`step_reporting_progress`]: sequences of up to 13 tokens, then one of
+/// 2 (fewer tokens than the first's tiles of 4).
+fn long_and_short_micro_batches() -> Vec<Vec<Vec<i64>>> {
+    vec![VariedLengths { vocab: VOCAB }.train_batch(0), vec![vec![1, 2]]]
+}
+
+/// One checkpointed step of two micro-batches ([`long_and_short_micro_batches`]), its tiles of
+/// 4 tokens, over two rank threads (DP=2), each rank under a subscriber of its own that keeps
+/// the checkpointed step's progress reports where `report`: per rank, what it reported and
+/// what it waited on the device for.
 fn step_reporting_progress(report: bool) -> Vec<(Vec<String>, DeviceIo)> {
     use burn::optim::AdamWConfig;
     use burn_ulysses::{ParallelGroups, ParallelLayout, comm::ThreadGroup};
@@ -253,7 +260,7 @@ fn step_reporting_progress(report: bool) -> Vec<(Vec<String>, DeviceIo)> {
             let device = Default::default();
             let config = DecoderConfig::new(VOCAB).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_n_layers(LAYERS as usize);
             let model = deterministic_params(config.init::<Counted>(&device), 3);
-            let batches: Vec<Vec<Vec<i64>>> = (0..2).map(|m| VariedLengths { vocab: VOCAB }.train_batch(m)).collect();
+            let batches = long_and_short_micro_batches();
             let step = StepInput { index: 7, learning_rate: 1e-3, micro_batches: &batches, documents: None, targets: None, max_grad_norm: Some(1.0) };
             let before = DeviceIo::of_this_thread();
             let local = backward_step_checkpointed(&model, &step, &SequenceSharder::new(1), &groups, &device, &LayerCheckpointing::new().with_tile_tokens(Some(4))).unwrap();
@@ -267,15 +274,20 @@ fn step_reporting_progress(report: bool) -> Vec<(Vec<String>, DeviceIo)> {
     outcome.into_iter().map(|rank| rank.unwrap_or_else(|panic| panic!("{panic}"))).collect()
 }
 
-/// With its progress reports on, a checkpointed step's world rank 0 reports each group as the
-/// step reaches it, in the order the step runs them, for each micro-batch: the embedding, every
-/// layer's forward, the head, every layer's backward from the last, the embedding's backward.
-/// The other ranks report nothing, and reporting adds no wait on the device.
+/// With its progress reports on, a checkpointed step's world rank 0 reports for each
+/// micro-batch its tokens and tiles, then each group as the step reaches it, in the order the
+/// step runs them: the embedding, every layer's forward, the head, every layer's backward from
+/// the last, the embedding's backward. The other ranks report nothing, and reporting adds no
+/// wait on the device. Each micro-batch is tiled by its own length: the short one beside the
+/// long one once cut it into as few tiles as it has tokens (2 tiles of 6 and 7 tokens).
 #[test]
 fn a_checkpointed_step_reports_each_layer_it_reaches_on_rank_0_without_a_wait() {
     let reported = step_reporting_progress(true);
     let mut expected = Vec::new();
-    for micro_batch in 0..2 {
+    for (micro_batch, batch) in long_and_short_micro_batches().iter().enumerate() {
+        let shard = SequenceSharder::new(1).shard(batch, 0);
+        let tiles = shard.local_len.div_ceil(4);
+        expected.push(format!("step 7 (micro-batch {micro_batch}): {} tokens a rank, the token-wise parts in {tiles} tile(s)", shard.batch * shard.local_len));
         let at = |what: String| format!("step 7 (micro-batch {micro_batch}): {what} at ");
         expected.push(at("the embedding's forward".into()));
         expected.extend((0..LAYERS).map(|layer| at(format!("layer {layer}'s forward"))));
@@ -286,8 +298,10 @@ fn a_checkpointed_step_reports_each_layer_it_reaches_on_rank_0_without_a_wait() 
     let (rank_0, waits_reporting) = &reported[0];
     assert_eq!(rank_0.len(), expected.len(), "rank 0 reported {rank_0:#?}");
     for (message, start) in rank_0.iter().zip(&expected) {
-        assert!(message.starts_with(start.as_str()) && message.ends_with(" s"), "{message:?}, expected {start:?}… s");
+        let whole = start.contains("tile(s)");
+        assert!(if whole { message == start } else { message.starts_with(start.as_str()) && message.ends_with(" s") }, "{message:?}, expected {start:?}{}", if whole { "" } else { "… s" });
     }
+    assert_eq!(expected[0], "step 7 (micro-batch 0): 52 tokens a rank, the token-wise parts in 4 tile(s)", "the long micro-batch: 4 sequences of 13 tokens");
     assert!(reported[1].0.is_empty(), "rank 1 reported {:?}", reported[1].0);
     let quiet = step_reporting_progress(false);
     assert!(quiet[0].0.is_empty(), "reports with their target off: {:?}", quiet[0].0);

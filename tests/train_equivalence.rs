@@ -791,7 +791,7 @@ fn an_embedding_looked_up_takes_the_plain_backwards_gradient_tied_padded_or_froz
 /// tile of 0 tokens, and more tiles than the shard has tokens.
 #[test]
 fn impossible_tiles_are_refused_before_the_step() {
-    use ulysses_training::{LayerCheckpointing, ShardLengths, checkpointed_backward};
+    use ulysses_training::{LayerCheckpointing, checkpointed_backward};
     let zero = LayerCheckpointing::new().with_tile_tokens(Some(0));
     let message = zero.check().unwrap_err().to_string();
     assert!(message.contains("tile_tokens is 0"), "{message}");
@@ -800,11 +800,10 @@ fn impossible_tiles_are_refused_before_the_step() {
     let message = config.validate().unwrap_err();
     assert!(message.contains("--tile-tokens"), "{message}");
 
-    // The agreed count never exceeds the shortest shard.
+    // A shard's count: none empty, none past tile_tokens, at least one.
     let tiling = LayerCheckpointing::new().with_tile_tokens(Some(2));
-    assert_eq!(tiling.tiles(ShardLengths { shortest: 3, longest: 40 }).unwrap(), 3);
-    assert_eq!(tiling.tiles(ShardLengths { shortest: 40, longest: 41 }).unwrap(), 21);
-    assert_eq!(LayerCheckpointing::new().tiles(ShardLengths { shortest: 1, longest: 9 }).unwrap(), 1);
+    assert_eq!([3, 40, 41, 0].map(|len| tiling.tiles(len).unwrap()), [2, 20, 21, 1]);
+    assert_eq!(LayerCheckpointing::new().tiles(9).unwrap(), 1);
 
     let device = Default::default();
     let model = config.model.with_repeat_kv(true).init::<Reference>(&device);

@@ -22,7 +22,7 @@ use burn_ulysses::{
     precision::Precision,
 };
 use ulysses_training::{
-    DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, MatrixDecayAdamW, ParameterGroup, PartsFrom, ShardedAdamW, ShardedParameters, ShardLengths, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
+    DeviceShardedAdamW, LayerCheckpointing, LayerParameters, LayeredLm, LocalStep, MatrixDecayAdamW, ParameterGroup, PartsFrom, ShardedAdamW, ShardedParameters, StepInput, StepReport, TokenLoss, TrainBackend, apply_step, apply_step_sharded,
     apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3, broadcast_parameters, check_parameters_identical, evaluate, evaluate_single_device, float_parameters, join_layered_output_gathers, layered_output,
     host_adamw_config, load_sharded_optimizer, load_sharded_training_checkpoint, with_parameters_in, save_sharded_training_checkpoint,
     checkpoint::{load_training_checkpoint, read_checkpoint_state, TrainingCheckpoint, write_atomically_with},
@@ -1413,8 +1413,7 @@ where
 /// The tiles of an evaluation's token-wise parts: as the step's for a shard of `tokens`' length
 /// (every rank's shard of one batch is as long).
 fn eval_tiles<B: burn::tensor::backend::Backend>(checkpointing: &LayerCheckpointing, tokens: &Tensor<B, 2, Int>) -> Result<usize, UlyssesError> {
-    let local = tokens.dims()[1];
-    checkpointing.tiles(ShardLengths { longest: local, shortest: local })
+    checkpointing.tiles(tokens.dims()[1])
 }
 
 /// [`evaluate_model`] under ZeRO-3 (`model` holds placeholders, `parts` this rank's parts),

@@ -52,8 +52,9 @@
 //! norm's or MLP's intermediates, no hidden state.
 //!
 //! Every rank runs the same pieces in the same order in both passes, so the collectives
-//! inside the cores stay in step; the tile count is the same on every rank
-//! ([`LayerCheckpointing::tiles`] over the step's shard lengths of all ranks). Where ranks are
+//! inside the cores stay in step; no tile runs a collective, and the ranks of an SP group run
+//! as many tiles (each micro-batch's [`LayerCheckpointing::tiles`], from its shard's length,
+//! which they share). Where ranks are
 //! threads of one process, they meet at a barrier before each core's backward
 //! ([`burn_ulysses::context::sync_thread_ranks`] says why).
 
@@ -258,14 +259,6 @@ impl LayerCheckpointing {
     }
 }
 
-/// The shortest and the longest local shard (tokens per sequence) of one step, over every
-/// rank and micro-batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ShardLengths {
-    pub shortest: usize,
-    pub longest: usize,
-}
-
 impl LayerCheckpointing {
     /// Refuses settings that cannot work, before any step runs.
     pub fn check(&self) -> Result<(), UlyssesError> {
@@ -302,15 +295,15 @@ impl LayerCheckpointing {
         }
     }
 
-    /// How many tiles the token-wise parts run in, in a step whose shards span `lengths` over
-    /// every rank: `⌈longest / tile_tokens⌉`, but no more than the shortest shard has tokens
-    /// (no tile is empty); 1 without tiling. Every rank gets the same count, so a collective
-    /// inside a token-wise part would stay in step.
-    pub fn tiles(&self, lengths: ShardLengths) -> Result<usize, UlyssesError> {
+    /// How many tiles the token-wise parts of a shard of `shard_len` tokens a sequence run in:
+    /// `⌈shard_len / tile_tokens⌉` (none empty, none past `tile_tokens`), at least 1; 1 without
+    /// tiling. The ranks of an SP group share a micro-batch's shard length, so they run as
+    /// many tiles.
+    pub fn tiles(&self, shard_len: usize) -> Result<usize, UlyssesError> {
         self.check()?;
         Ok(match self.tile_tokens {
             None => 1,
-            Some(tokens) => lengths.longest.div_ceil(tokens).clamp(1, lengths.shortest.max(1)),
+            Some(tokens) => shard_len.div_ceil(tokens).max(1),
         })
     }
 }

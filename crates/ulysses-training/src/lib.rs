@@ -53,7 +53,7 @@ mod zero;
 mod host_adamw_tests;
 
 pub use backend::TrainBackend;
-pub use layers::{PROGRESS_TARGET, EmbeddingLookup, LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, ShardLengths, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
+pub use layers::{PROGRESS_TARGET, EmbeddingLookup, LayerCheckpointing, LayerParameters, LayeredLm, ParameterGroup, Piece, WholeParameters, checkpointed_backward, checkpointed_backward_with, join_layered_output_gathers, layered_output};
 pub use zero::{DeviceShardedAdamW, GradParts, OptimizerPlace, PartChecks, PartOptimizer, PartsFrom, ShardedParameters, Zero3Step};
 pub use matrix_decay::MatrixDecayAdamW;
 pub use panics::{catch_model_failure, quiet_caught_panics};
@@ -226,7 +226,7 @@ where
     B: TrainBackend,
     M: CausalLm<B>,
 {
-    backward_step_with(model, step, sharder, groups, Ok(()), |shard, weight, _, _| {
+    backward_step_with(model, step, sharder, groups, Ok(()), |shard, weight, _| {
         model_failure_as_error(|| {
             let output = model.lm_output(shard.tokens(device), &shard.positions);
             let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
@@ -301,11 +301,23 @@ where
 {
     let report_progress = groups.world_rank() == 0 && tracing::enabled!(target: layers::PROGRESS_TARGET, tracing::Level::DEBUG);
     let mut micro_batch = 0;
-    backward_step_with(model, step, sharder, groups, checkpointing.check(), |shard, weight, lengths, valid_tokens| {
-        let tiles = checkpointing.tiles(lengths)?;
+    backward_step_with(model, step, sharder, groups, checkpointing.check(), |shard, weight, valid_tokens| {
+        // Each micro-batch's own tiles, from its shard's length: over the step's shortest
+        // shard, a short micro-batch beside a long one cut the long one into as few tiles as
+        // the short one has tokens, each far past tile_tokens. The ranks of an SP group share
+        // a micro-batch's shard length, so they run as many tiles (no tile runs a collective).
+        let tiles = checkpointing.tiles(shard.local_len)?;
         parameters.step_targets(valid_tokens);
         let this_micro_batch = micro_batch;
         micro_batch += 1;
+        if report_progress {
+            tracing::debug!(
+                target: layers::PROGRESS_TARGET,
+                "step {} (micro-batch {this_micro_batch}): {} tokens a rank, the token-wise parts in {tiles} tile(s)",
+                step.index,
+                shard.batch * shard.local_len
+            );
+        }
         model_failure_as_error(|| {
             let (tokens, labels) = (shard.tokens(device), shard.labels(device));
             let mut parameters = layers::ReportProgress::new(&mut *parameters, report_progress, step.index, this_micro_batch, device.clone());
@@ -315,8 +327,7 @@ where
 }
 
 /// The body of both backward steps; `shard_backward` gives one shard's weighted loss and
-/// gradients, given the step's shard lengths over every rank and its target tokens over every
-/// rank. `settings` is the caller's check of its own settings, refused (as the inputs are)
+/// gradients, given the step's target tokens over every rank. `settings` is the caller's check of its own settings, refused (as the inputs are)
 /// only after every rank has joined the first collective: a rank that returned before it
 /// would leave the others waiting there.
 fn backward_step_with<B, M>(
@@ -325,7 +336,7 @@ fn backward_step_with<B, M>(
     sharder: &SequenceSharder,
     groups: &ParallelGroups<B::Wire>,
     settings: Result<(), UlyssesError>,
-    mut shard_backward: impl FnMut(&SequenceShard, f64, ShardLengths, usize) -> Result<(Tensor<B::InnerBackend, 1>, GradientsParams), UlyssesError>,
+    mut shard_backward: impl FnMut(&SequenceShard, f64, usize) -> Result<(Tensor<B::InnerBackend, 1>, GradientsParams), UlyssesError>,
 ) -> Result<LocalStep<B>, UlyssesError>
 where
     B: TrainBackend,
@@ -347,9 +358,7 @@ where
     };
     let local_valid: usize = shards.iter().map(|s| s.valid_tokens).sum();
     let local_processed: usize = shards.iter().map(|s| s.batch * s.local_len).sum();
-    let local_longest = shards.iter().map(|s| s.local_len).max().unwrap_or(0);
-    let local_shortest = shards.iter().map(|s| s.local_len).min().unwrap_or(0);
-    // One host collective for the token counts and the shard lengths, which every rank joins,
+    // One host collective for the token counts, which every rank joins,
     // its inputs refused or not, so that each learns whether every rank can go on and all run
     // the same number of micro-batches (under ZeRO-3 each is a round of world collectives).
     // And the batch's digest: the ranks of an SP group cut the same sequences.
@@ -363,8 +372,6 @@ where
         step.micro_batches.len() as u64,
         local_valid as u64,
         local_processed as u64,
-        local_longest as u64,
-        local_shortest as u64,
         step_digest(step),
         fingerprint.unwrap_or(0),
         fingerprint.is_some() as u64,
@@ -386,7 +393,7 @@ where
     // Every rank checks every group, so all stop alike. An SP group's first rank is the one
     // with the same DP coordinate and SP rank 0.
     let first_of_group = |rank: usize| rank - groups.layout.coordinates(rank).1;
-    if let Some(rank) = (0..gathered.len()).find(|&r| gathered[r][6] != gathered[first_of_group(r)][6]) {
+    if let Some(rank) = (0..gathered.len()).find(|&r| gathered[r][4] != gathered[first_of_group(r)][4]) {
         return Err(UlyssesError::InvalidConfig(format!(
             "world ranks {} and {rank} of one SP group (DP replica {}) were given different sequences for step {}: every rank of \
              an SP group passes its replica's whole micro-batches and cuts its own shard (slice the data by dp_rank, not by world rank)",
@@ -395,9 +402,9 @@ where
             step.index
         )));
     }
-    if gathered.iter().all(|v| v[8] == 1) {
+    if gathered.iter().all(|v| v[6] == 1) {
         PARAMETERS_COMPARED.set(true);
-        if let Some(&rank) = ranks_differing_from_rank_0(&gathered, 7).first() {
+        if let Some(&rank) = ranks_differing_from_rank_0(&gathered, 5).first() {
             return Err(UlyssesError::InvalidConfig(format!(
                 "world ranks 0 and {rank} start step {} from different parameters: build the model from one seed on every rank, or call \
                  ulysses_training::broadcast_parameters (rank 0's) before the first step",
@@ -406,7 +413,6 @@ where
         }
     }
     let (valid_tokens, processed_tokens) = (over_ranks(2).sum::<usize>(), over_ranks(3).sum::<usize>());
-    let lengths = ShardLengths { longest: over_ranks(4).max().unwrap_or(0), shortest: over_ranks(5).min().unwrap_or(0) };
     // Guard: a step whose labels are all ignored contributes zero loss, not NaN.
     let weight = 1.0 / valid_tokens.max(1) as f64;
 
@@ -419,7 +425,7 @@ where
     let exchanges_before = groups.attention_exchanges();
     let document_calls_before = burn_ulysses::attention::calls_with_documents();
     for shard in &shards {
-        let (shard_loss, grads) = shard_backward(shard, weight, lengths, valid_tokens)?;
+        let (shard_loss, grads) = shard_backward(shard, weight, valid_tokens)?;
         loss = Some(match loss.take() {
             Some(sum) => sum + shard_loss,
             None => shard_loss,
