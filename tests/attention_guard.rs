@@ -21,7 +21,8 @@
 //! - So are queries in chunks, latents, one pooling query and a loop over heads at batch 1
 //!   (sums over the shard's tokens, known by the ids' length); cross-attention passes.
 //! - Attention with no matmul (scores a broadcast product summed, then softmax) and positions
-//!   made of a mask's cumsum are refused too, naming the op.
+//!   made of a mask's cumsum are refused too, naming the op; so are a causal convolution and a
+//!   pooling window along the shard, and the sequence reversed.
 //! - A linear layer as wide as the local sequence passes the guard.
 
 use std::time::Duration;
@@ -338,6 +339,61 @@ fn attention_without_a_matmul_and_positions_from_a_cumsum_are_refused() {
     let got = on_ranks_from_ids(2, on_purpose, positions_from_a_mask).pop().unwrap().unwrap();
     let worst = max_abs_diff(&got, &values(shard(want, 1, 1, 2)));
     assert!(worst >= 5.0, "rank 1's positions restarted, yet only {worst} from one device's");
+}
+
+/// What mixes neighbouring tokens without attention, each over the embedded tokens `[B, S, D]`:
+/// a causal depthwise convolution along the sequence (a Mamba block's, kernel 4: burn pads 3
+/// tokens on the left itself), a pooling window of 3, and the sequence reversed (a backward
+/// RNN's input).
+#[derive(Clone, Copy, Debug)]
+enum MixesNeighbours {
+    CausalConvolution,
+    Pooling,
+    Reversed,
+}
+
+impl MixesNeighbours {
+    fn forward<B: Backend>(self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        use burn::nn::{PaddingConfig1d, conv::Conv1dConfig, pool::AvgPool1dConfig};
+        let device = ids.device();
+        let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13).forward(ids);
+        match self {
+            Self::CausalConvolution => {
+                let conv = Conv1dConfig::new(D_MODEL, D_MODEL, 4).with_groups(D_MODEL).with_padding(PaddingConfig1d::Explicit(3, 0));
+                deterministic_params(conv.init::<B>(&device), 17).forward(x.swap_dims(1, 2)).swap_dims(1, 2)
+            }
+            Self::Pooling => AvgPool1dConfig::new(3).with_stride(1).with_padding(PaddingConfig1d::Explicit(1, 1)).init().forward(x.swap_dims(1, 2)).swap_dims(1, 2),
+            Self::Reversed => x.flip([1]),
+        }
+    }
+    /// The op the guard names, and a word of its fix.
+    fn refusal(self) -> (&'static str, &'static str) {
+        match self {
+            Self::CausalConvolution => ("conv1d", "halo"),
+            Self::Pooling => ("avg_pool1d", "halo"),
+            Self::Reversed => ("flip", "before it is sharded"),
+        }
+    }
+}
+
+/// A convolution or pooling window along the shard and a flip of it are refused at SP = 2 and
+/// 3, naming the op; at SP = 1 they give one device's output; let through, rank 1's output is
+/// far from its shard of one device's (its first tokens read padding, or another rank's
+/// tokens belong there).
+#[test]
+fn windows_along_the_shard_and_flips_of_it_are_refused() {
+    for form in [MixesNeighbours::CausalConvolution, MixesNeighbours::Pooling, MixesNeighbours::Reversed] {
+        let (op, fix) = form.refusal();
+        for sp in [2, 3] {
+            assert_shard_local_refused(&on_ranks_from_ids(sp, UlyssesConfig::new(), move |ids| form.forward(ids)), op, fix);
+        }
+        let want = form.forward(token_ids::<Inner>(&Default::default()));
+        assert_sequence_parallel(on_ranks_from_ids(1, UlyssesConfig::new(), move |ids| form.forward(ids)), want.clone());
+        let on_purpose = UlyssesConfig::new().with_shard_local_attention_on_purpose(true);
+        let got = on_ranks_from_ids(2, on_purpose, move |ids| form.forward(ids)).pop().unwrap().unwrap();
+        let worst = max_abs_diff(&got, &values(shard(want, 1, 1, 2)));
+        assert!(worst >= 1e-2, "{form:?}: rank 1 ran within its shard, yet only {worst:e} from one device's");
+    }
 }
 
 #[test]

@@ -49,6 +49,17 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("IntTensorOps", "int_cumprod", "crate::attention_guard::guarded_int_cumprod"),
     ("IntTensorOps", "int_cummin", "crate::attention_guard::guarded_int_cummin"),
     ("IntTensorOps", "int_cummax", "crate::attention_guard::guarded_int_cummax"),
+    // Refuse ops that mix the shard's neighbouring tokens or reverse it under SP:
+    // convolutions and pooling along the length, flips of the sequence dim.
+    ("FloatTensorOps", "float_flip", "crate::attention_guard::guarded_float_flip"),
+    ("IntTensorOps", "int_flip", "crate::attention_guard::guarded_int_flip"),
+    ("BoolTensorOps", "bool_flip", "crate::attention_guard::guarded_bool_flip"),
+    ("ModuleOps", "conv1d", "crate::attention_guard::guarded_conv1d"),
+    ("ModuleOps", "conv_transpose1d", "crate::attention_guard::guarded_conv_transpose1d"),
+    ("ModuleOps", "avg_pool1d", "crate::attention_guard::guarded_avg_pool1d"),
+    ("ModuleOps", "max_pool1d", "crate::attention_guard::guarded_max_pool1d"),
+    ("ModuleOps", "max_pool1d_with_indices", "crate::attention_guard::guarded_max_pool1d_with_indices"),
+    ("ModuleOps", "adaptive_avg_pool1d", "crate::attention_guard::guarded_adaptive_avg_pool1d"),
     // Notes the token ids' length (a rank's shard) for the guard's folded query heads.
     ("ModuleOps", "embedding", "crate::attention_guard::embedding_noting_length"),
     // Count what the host waits on the device for (reads, uploads): crate::device_io.

@@ -54,16 +54,24 @@
 //! or one whose `n` is the shard's length) is refused; a 3-D `[B, S, V]` of logits never is.
 //! So is a scan (`cumsum`, `cumprod`, `cummin`, `cummax`) along the sequence dim (`[B, S, ..]`'s
 //! dim 1) as long as the token ids last embedded: positions made of a padding mask's cumsum
-//! would restart at every rank.
+//! would restart at every rank. And so, where that length shows, are a flip of the sequence
+//! dim (each shard reversed in place, not the sequence) and the ops whose windows run along a
+//! channels-first `[B, C, L]` tensor's length (the shard's, or up to the window less one
+//! longer: burn pads the input itself for a causal convolution): `conv1d` and
+//! `conv_transpose1d` with a kernel of two tokens or more, `avg_pool1d`, `max_pool1d`, and
+//! `adaptive_avg_pool1d` to another length (at a shard's edges they read padding where the
+//! neighbouring ranks' tokens are).
 //!
 //! What shape cannot tell apart stays unguarded: a single 3-D or 2-D matrix (a linear layer's
 //! shapes), keys broadcast over the batch, rectangular products of a model that embeds no
 //! token ids through `module::embedding` (or embeds more than the shard), extra keys
 //! (attention sinks) beside the shard's, shards of one token, and cross-attention. Nor does
-//! the guard see other ops that mix the sequence's tokens, each over its shard alone: pooling
-//! (a mean or max over the sequence dim), convolutions along it, sorting or flipping it, a
-//! scan along another dim or before the first embedding since a backward (or in the first
-//! forward of all), or positions counted from 0 on every rank
+//! the guard see other ops that mix the sequence's tokens, each over its shard alone: a mean
+//! or max over the sequence dim (a sum over a shard is also a loss's, summed over the ranks
+//! after), 2-D convolutions and pooling, 1-D ones over a channels-last `[B, S, C]`, sorting along it
+//! (routing tokens within the shard is right), a scan, flip or window along another dim or
+//! before the first embedding since a backward (or in the first forward of all), or
+//! positions counted from 0 on every rank
 //! (`Tensor::arange(0..shard)`) where the sharder's positions belong.
 
 use std::{
@@ -73,7 +81,7 @@ use std::{
 
 use burn::tensor::{
     TensorMetadata, TensorPrimitive,
-    ops::{FloatTensor, IntTensor},
+    ops::{BoolTensor, ConvOptions, ConvTransposeOptions, FloatTensor, IntTensor, MaxPool1dWithIndices},
 };
 
 use crate::{
@@ -266,16 +274,56 @@ pub fn attention_weights_by_hand(op: &'static str, shape: &[usize], dim: usize, 
 /// that happens to be as long (features, a batch) passes, and so does one before the forward's
 /// first embedding where no length is noted yet (after a backward or `evaluate`).
 pub fn scan_over_the_shard(op: &'static str, shape: &[usize], dim: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let (shard, one_length) = embedded();
-    let sequence_dim = usize::from(shape.len() > 1);
-    if !(one_length && shard >= 2 && dim == sequence_dim && shape.get(dim) == Some(&shard)) {
-        return None;
-    }
+    let shard = along_the_shard(shape, dim).filter(|_| dim == sequence_dim(shape))?;
     let what = format!("a running {op} over the {shard} tokens of this rank's shard restarts at every rank's first token");
     let fix = "Take positions from the sharder (SequenceShard::positions: each token's place in its whole sequence or document) \
                rather than from a mask's cumsum; a scan over a whole sequence needs the whole sequence, on one rank \
                (burn_ulysses::context::enter_single_device()).";
     shard_local_refusal(op, shape, dim, what, fix, sharding)
+}
+
+/// The shard's length where `dim` of `shape` is as long as the token ids last embedded (the
+/// rank's shard; the thread's last two embeddings of that one length, two tokens or more).
+fn along_the_shard(shape: &[usize], dim: usize) -> Option<usize> {
+    let (shard, one_length) = embedded();
+    (one_length && shard >= 2 && shape.get(dim) == Some(&shard)).then_some(shard)
+}
+
+/// The sequence dim of a `[B, S, ..]` tensor (1), or a 1-D one's only dim.
+fn sequence_dim(shape: &[usize]) -> usize {
+    usize::from(shape.len() > 1)
+}
+
+/// Why a flip (`op`) over `axes` of `shape` is refused, or `None`: one that reverses the
+/// sequence dim (as [`scan_over_the_shard`] finds it) reverses each rank's shard in place,
+/// not the sequence: the reversed sequence's first shard is the last rank's.
+pub fn flip_over_the_shard(op: &'static str, shape: &[usize], axes: &[usize], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let dim = sequence_dim(shape);
+    let shard = along_the_shard(shape, dim).filter(|_| axes.contains(&dim))?;
+    let what = format!("reversing the {shard} tokens of this rank's shard leaves each shard where it was, reversed within itself");
+    let fix = "Reverse the whole sequence before it is sharded (and shard the reversed one), or do it on one rank \
+               (burn_ulysses::context::enter_single_device()).";
+    shard_local_refusal(op, shape, dim, what, fix, sharding)
+}
+
+/// Why a convolution or pooling (`op`) over the length dim of `shape` (`[B, C, L]`, channels
+/// first, dim 2) whose window spans `window` tokens is refused, or `None`: a window of two
+/// tokens or more over the shard's tokens (as many as its ids, or up to `window − 1` more: burn
+/// pads the input itself for padding that differs on the two sides, a causal convolution's)
+/// reads, at the shard's edges, padding where the neighbouring ranks' tokens are (a causal
+/// convolution's first outputs, a pooling window across two ranks). A window of one token (a
+/// pointwise convolution) mixes none and passes.
+pub fn window_over_the_shard(op: &'static str, shape: &[usize], window: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let (shard, one_length) = embedded();
+    let length = *shape.get(2)?;
+    if !(shape.len() == 3 && window >= 2 && one_length && shard >= 2 && (shard..shard + window).contains(&length)) {
+        return None;
+    }
+    let padded = if length > shard { format!(" (padded to {length})") } else { String::new() };
+    let what = format!("its windows of {window} tokens run over the {shard} tokens of this rank's shard{padded}, reading padding at its edges where the neighbouring ranks' tokens are");
+    let fix = "Run it on the whole sequence on one rank (burn_ulysses::context::enter_single_device()), or give each shard the \
+               window's (window − 1) tokens from the rank before it (a halo) and drop the outputs they add.";
+    shard_local_refusal(op, shape, 2, what, fix, sharding)
 }
 
 /// Panics with `refusal`'s error, if any: ops return tensors, and the training API turns a
@@ -294,6 +342,61 @@ macro_rules! guarded_dim_ops {
             X::$op(tensor, dim)
         }
     )*};
+}
+
+macro_rules! guarded_flips {
+    ($(($name:ident, $tensor:ident, $op:ident)),* $(,)?) => {$(
+        #[doc = concat!("`UlyssesBackend`'s `", stringify!($op), "`: the inner backend's, after the guard.")]
+        pub fn $name<X: ExchangeBackend>(tensor: $tensor<X>, axes: &[usize]) -> $tensor<X> {
+            refuse(flip_over_the_shard("flip", &tensor.shape(), axes, context::current_sharding));
+            X::$op(tensor, axes)
+        }
+    )*};
+}
+
+guarded_flips!((guarded_float_flip, FloatTensor, float_flip), (guarded_int_flip, IntTensor, int_flip), (guarded_bool_flip, BoolTensor, bool_flip));
+
+/// `UlyssesBackend`'s `conv1d`: the inner backend's, after the guard (its window, the kernel's
+/// span with dilation).
+pub fn guarded_conv1d<X: ExchangeBackend>(x: FloatTensor<X>, weight: FloatTensor<X>, bias: Option<FloatTensor<X>>, options: ConvOptions<1>) -> FloatTensor<X> {
+    let kernel = weight.shape().last().copied().unwrap_or(1);
+    refuse(window_over_the_shard("conv1d", &x.shape(), options.dilation[0] * (kernel.max(1) - 1) + 1, context::current_sharding));
+    X::conv1d(x, weight, bias, options)
+}
+
+/// `UlyssesBackend`'s `conv_transpose1d`: the inner backend's, after the guard.
+pub fn guarded_conv_transpose1d<X: ExchangeBackend>(x: FloatTensor<X>, weight: FloatTensor<X>, bias: Option<FloatTensor<X>>, options: ConvTransposeOptions<1>) -> FloatTensor<X> {
+    let kernel = weight.shape().last().copied().unwrap_or(1);
+    refuse(window_over_the_shard("conv_transpose1d", &x.shape(), options.dilation[0] * (kernel.max(1) - 1) + 1, context::current_sharding));
+    X::conv_transpose1d(x, weight, bias, options)
+}
+
+/// `UlyssesBackend`'s `avg_pool1d`: the inner backend's, after the guard.
+pub fn guarded_avg_pool1d<X: ExchangeBackend>(x: FloatTensor<X>, kernel_size: usize, stride: usize, padding: usize, count_include_pad: bool, ceil_mode: bool) -> FloatTensor<X> {
+    refuse(window_over_the_shard("avg_pool1d", &x.shape(), kernel_size, context::current_sharding));
+    X::avg_pool1d(x, kernel_size, stride, padding, count_include_pad, ceil_mode)
+}
+
+/// `UlyssesBackend`'s `max_pool1d`: the inner backend's, after the guard.
+pub fn guarded_max_pool1d<X: ExchangeBackend>(x: FloatTensor<X>, kernel_size: usize, stride: usize, padding: usize, dilation: usize, ceil_mode: bool) -> FloatTensor<X> {
+    refuse(window_over_the_shard("max_pool1d", &x.shape(), dilation * (kernel_size.max(1) - 1) + 1, context::current_sharding));
+    X::max_pool1d(x, kernel_size, stride, padding, dilation, ceil_mode)
+}
+
+/// `UlyssesBackend`'s `max_pool1d_with_indices`: the inner backend's, after the guard.
+pub fn guarded_max_pool1d_with_indices<X: ExchangeBackend>(x: FloatTensor<X>, kernel_size: usize, stride: usize, padding: usize, dilation: usize, ceil_mode: bool) -> MaxPool1dWithIndices<X> {
+    refuse(window_over_the_shard("max_pool1d", &x.shape(), dilation * (kernel_size.max(1) - 1) + 1, context::current_sharding));
+    X::max_pool1d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
+}
+
+/// `UlyssesBackend`'s `adaptive_avg_pool1d`: the inner backend's, after the guard. Pooled to
+/// another length, each output averages a window of the input's (the whole shard, pooled to
+/// one: a sequence's mean over this rank's tokens alone).
+pub fn guarded_adaptive_avg_pool1d<X: ExchangeBackend>(x: FloatTensor<X>, output_size: usize) -> FloatTensor<X> {
+    let length = x.shape().get(2).copied().unwrap_or(0);
+    let window = if output_size == length { 1 } else { length.div_ceil(output_size.max(1)).max(2) };
+    refuse(window_over_the_shard("adaptive_avg_pool1d", &x.shape(), window, context::current_sharding));
+    X::adaptive_avg_pool1d(x, output_size)
 }
 
 guarded_dim_ops!(attention_weights_by_hand, FloatTensor, (guarded_softmax, softmax, "softmax"), (guarded_log_softmax, log_softmax, "log_softmax"), (guarded_softmin, softmin, "softmin"));
@@ -513,5 +616,37 @@ mod tests {
         assert!(scan(&[2, 8], 1).is_none(), "a model that embeds two lengths leaves the length's rules off");
         forget_embedded_lengths();
         assert!(scan(&[2, 8], 1).is_none() && weights(&[1, 1, 8, 8], 3).is_none());
+    }
+
+    /// Flips of the sequence dim, and convolutions and pooling windows of two tokens or more
+    /// along a length as long as the shard: what they take and what they leave (other dims, a
+    /// pointwise window, another length, outside SP).
+    #[test]
+    fn flips_of_the_shard_and_windows_along_it_are_refused() {
+        EMBEDDED_TOKENS.set((8, 8));
+        let flip = |shape: &[usize], axes: &[usize]| flip_over_the_shard("flip", shape, axes, || SP2).map(|e| e.to_string());
+        let message = flip(&[2, 8, 16], &[1]).expect("a flip of the sequence refused");
+        for needle in ["flip along dim 1 of a [2, 8, 16] tensor", "reversed within itself", "before it is sharded", "2 ranks", "shard_local_attention_on_purpose"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        assert!(flip(&[2, 8], &[0, 1]).is_some() && flip(&[8], &[0]).is_some());
+        assert!(flip(&[2, 8, 16], &[2]).is_none() && flip(&[8, 8], &[0]).is_none() && flip(&[2, 5, 8], &[1, 2]).is_none());
+        let window = |shape: &[usize], window: usize| window_over_the_shard("conv1d", shape, window, || SP2).map(|e| e.to_string());
+        let message = window(&[2, 16, 8], 3).expect("a convolution along the shard refused");
+        for needle in ["conv1d along dim 2 of a [2, 16, 8] tensor", "windows of 3 tokens", "padding at its edges", "halo", "enter_single_device"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        // Padded by burn beforehand (a causal convolution's window − 1 on the left).
+        let message = window(&[2, 16, 10], 3).expect("a padded shard refused");
+        assert!(message.contains("shard (padded to 10)"), "{message}");
+        // A pointwise window, a length other than the shard's (or padded by more than the
+        // window), channels as long as the shard, not 3-D.
+        for (shape, size) in [(&[2, 16, 8][..], 1), (&[2, 16, 7], 3), (&[2, 16, 11], 3), (&[2, 8, 16], 3), (&[2, 4, 16, 8], 3)] {
+            assert!(window(shape, size).is_none(), "{shape:?} with a window of {size} refused");
+        }
+        assert!(window_over_the_shard("conv1d", &[2, 16, 8], 3, || None).is_none(), "refused outside SP");
+        assert!(window_over_the_shard("conv1d", &[2, 16, 8], 3, || Some(Sharding { ranks: 1, shard_local_attention_on_purpose: false })).is_none(), "refused at SP = 1");
+        forget_embedded_lengths();
+        assert!(flip(&[2, 8, 16], &[1]).is_none() && window(&[2, 16, 8], 3).is_none(), "before any embedding");
     }
 }

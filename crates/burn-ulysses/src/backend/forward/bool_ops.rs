@@ -155,7 +155,7 @@ impl<Inner: ExchangeBackend> BoolTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as BoolTensorOps<Inner>>::bool_permute(tensor, axes)
     }
     fn bool_flip(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
-        <Inner as BoolTensorOps<Inner>>::bool_flip(tensor, axes)
+        crate::attention_guard::guarded_bool_flip::<Inner>(tensor, axes)
     }
     fn bool_any(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         <Inner as BoolTensorOps<Inner>>::bool_any(tensor)

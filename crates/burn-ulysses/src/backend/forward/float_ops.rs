@@ -151,7 +151,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as FloatTensorOps<Inner>>::float_permute(tensor, axes)
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_flip(tensor, axes)
+        crate::attention_guard::guarded_float_flip::<Inner>(tensor, axes)
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
         <Inner as FloatTensorOps<Inner>>::float_reshape(tensor, shape)

@@ -362,7 +362,7 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as IntTensorOps<Inner>>::int_permute(tensor, axes)
     }
     fn int_flip(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_flip(tensor, axes)
+        crate::attention_guard::guarded_int_flip::<Inner>(tensor, axes)
     }
     fn int_random(
         shape: Shape,

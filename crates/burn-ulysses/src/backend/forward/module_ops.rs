@@ -44,7 +44,7 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
-        <Inner as ModuleOps<Inner>>::conv1d(x, weight, bias, options)
+        crate::attention_guard::guarded_conv1d::<Inner>(x, weight, bias, options)
     }
     fn conv1d_x_backward(
         x: FloatTensor<Self>,
@@ -178,7 +178,9 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
-        <Inner as ModuleOps<Inner>>::conv_transpose1d(x, weight, bias, options)
+        crate::attention_guard::guarded_conv_transpose1d::<
+            Inner,
+        >(x, weight, bias, options)
     }
     fn conv_transpose1d_x_backward(
         weight: FloatTensor<Self>,
@@ -289,9 +291,9 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        <Inner as ModuleOps<
+        crate::attention_guard::guarded_avg_pool1d::<
             Inner,
-        >>::avg_pool1d(x, kernel_size, stride, padding, count_include_pad, ceil_mode)
+        >(x, kernel_size, stride, padding, count_include_pad, ceil_mode)
     }
     fn avg_pool1d_backward(
         x: FloatTensor<Self>,
@@ -363,7 +365,7 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         x: FloatTensor<Self>,
         output_size: usize,
     ) -> FloatTensor<Self> {
-        <Inner as ModuleOps<Inner>>::adaptive_avg_pool1d(x, output_size)
+        crate::attention_guard::guarded_adaptive_avg_pool1d::<Inner>(x, output_size)
     }
     fn adaptive_avg_pool1d_backward(
         x: FloatTensor<Self>,
@@ -379,9 +381,9 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         dilation: usize,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        <Inner as ModuleOps<
+        crate::attention_guard::guarded_max_pool1d::<
             Inner,
-        >>::max_pool1d(x, kernel_size, stride, padding, dilation, ceil_mode)
+        >(x, kernel_size, stride, padding, dilation, ceil_mode)
     }
     fn max_pool1d_with_indices(
         x: FloatTensor<Self>,
@@ -392,16 +394,9 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         ceil_mode: bool,
     ) -> MaxPool1dWithIndices<Self> {
         ConvertPrimitives::convert(
-            <Inner as ModuleOps<
+            crate::attention_guard::guarded_max_pool1d_with_indices::<
                 Inner,
-            >>::max_pool1d_with_indices(
-                x,
-                kernel_size,
-                stride,
-                padding,
-                dilation,
-                ceil_mode,
-            ),
+            >(x, kernel_size, stride, padding, dilation, ceil_mode),
         )
     }
     fn max_pool1d_with_indices_backward(
