@@ -230,9 +230,12 @@ fn updated_in_the_backward_no_gradient_part_waits_for_the_steps_end() {
             "{parts}: updated in the backward a rank holds {} bytes after it, {gradient_parts} of gradient parts at the step's end: new parts wait for it",
             in_backward.after_backward
         );
-        // The same state between steps (a channel and a thread's bytes apart).
+        // The same state between steps: a channel's and a thread's bytes apart, within 1% of it
+        // (a loaded CI machine saw 67 kB of 10.5 MB, 2026-12-05); a group's parts (a layer's,
+        // over 6% of them in this model) missing or doubled is far past that.
+        assert_eq!(in_backward.per_rank.len(), at_the_end.per_rank.len());
         for (a, b) in in_backward.per_rank.iter().zip(&at_the_end.per_rank) {
-            assert!(a.abs_diff(*b) <= 64 * 1024, "{parts}: between steps a rank holds {a} bytes updated in the backward, {b} at the step's end");
+            assert!(a.abs_diff(*b) <= (64 * 1024).max(b / 100), "{parts}: between steps a rank holds {a} bytes updated in the backward, {b} at the step's end");
         }
     }
 }
