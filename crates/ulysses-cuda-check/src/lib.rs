@@ -153,10 +153,13 @@ pub fn full_plan() -> Vec<Case> {
 }
 
 /// A subset that still reaches every kernel shape of a smaller GPU: each dtype at each head
-/// dim, causal with ranges (the variant with the most code), plus bf16 without either.
+/// dim, causal with ranges (the variant with the most code), plus bf16 without either and bf16
+/// causal without ranges (the trainer's variant for sequences of one document).
 pub fn representative_plan() -> Vec<Case> {
     let mut cases: Vec<Case> = full_plan().into_iter().filter(|c| c.causal && c.ranged && !c.sixty_four_bit).collect();
-    cases.extend([64, 128, 256].map(|head_dim| Case { dtype: "bf16", head_dim, causal: false, ranged: false, sixty_four_bit: false }));
+    for causal in [false, true] {
+        cases.extend([64, 128, 256].map(|head_dim| Case { dtype: "bf16", head_dim, causal, ranged: false, sixty_four_bit: false }));
+    }
     cases
 }
 
