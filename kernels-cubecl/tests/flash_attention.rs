@@ -636,7 +636,7 @@ fn bf16_past_2_pow_32_elements_per_tensor_against_chunks() {
         }
         // The chunks run the same kernels: a fault both calls shared would pass above. The
         // short last document (no multiple of a tile, offsets past 2^32) is checked against
-        // the f64 reference too (4 heads × 2 528 rows: seconds on the host).
+        // the f64 reference too (4 heads × 2 272 rows: seconds on the host).
         if rows.len() < document {
             let case = Case { batch: 1, dtype: DType::BF16, ..Case::new(group, 1, rows.len(), dim, true) };
             let (hq, hk, hv, hg) = (host(cq.clone()), host(ck.clone()), host(cv.clone()), host(cg.clone()));

@@ -48,8 +48,6 @@ impl ModuleMapper for FreezeEmbedding {
     }
 }
 
-/// Each step's loss, and every parameter after the last step. `sp` 1 runs outside any group:
-/// burn's own attention and no reduction, the single-device reference.
 /// Each step's loss within [`TOLERANCE`] of one device's, as many steps on each side.
 fn assert_losses_within_tolerance(run: &str, losses: &[f64], reference: &[f64]) {
     assert_eq!(losses.len(), reference.len(), "{run}: steps taken, against one device's");
@@ -65,6 +63,8 @@ fn largest_parameter_gap(parameters: &[f32], reference: &[f32]) -> f32 {
     parameters.iter().zip(reference).map(|(a, b)| (a - b).abs()).fold(0.0f32, |worst, d| if d.is_nan() || d > worst { d } else { worst })
 }
 
+/// Each step's loss, and every parameter after the last step. `sp` 1 runs outside any group:
+/// burn's own attention and no reduction, the single-device reference.
 fn train(sp: usize) -> (Vec<f64>, Vec<f32>) {
     train_with(sp, 1, false)
 }

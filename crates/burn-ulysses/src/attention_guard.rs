@@ -326,6 +326,11 @@ pub fn window_over_the_shard(op: &'static str, shape: &[usize], window: usize, s
     shard_local_refusal(op, shape, 2, what, fix, sharding)
 }
 
+/// The tokens a window of `kernel` taps `dilation` apart spans (a convolution's or a pooling's).
+fn window_span(kernel: usize, dilation: usize) -> usize {
+    dilation * (kernel.max(1) - 1) + 1
+}
+
 /// Panics with `refusal`'s error, if any: ops return tensors, and the training API turns a
 /// model's panic into its error (`ulysses_training::catch_model_failure`).
 fn refuse(refusal: Option<UlyssesError>) {
@@ -360,14 +365,14 @@ guarded_flips!((guarded_float_flip, FloatTensor, float_flip), (guarded_int_flip,
 /// span with dilation).
 pub fn guarded_conv1d<X: ExchangeBackend>(x: FloatTensor<X>, weight: FloatTensor<X>, bias: Option<FloatTensor<X>>, options: ConvOptions<1>) -> FloatTensor<X> {
     let kernel = weight.shape().last().copied().unwrap_or(1);
-    refuse(window_over_the_shard("conv1d", &x.shape(), options.dilation[0] * (kernel.max(1) - 1) + 1, context::current_sharding));
+    refuse(window_over_the_shard("conv1d", &x.shape(), window_span(kernel, options.dilation[0]), context::current_sharding));
     X::conv1d(x, weight, bias, options)
 }
 
 /// `UlyssesBackend`'s `conv_transpose1d`: the inner backend's, after the guard.
 pub fn guarded_conv_transpose1d<X: ExchangeBackend>(x: FloatTensor<X>, weight: FloatTensor<X>, bias: Option<FloatTensor<X>>, options: ConvTransposeOptions<1>) -> FloatTensor<X> {
     let kernel = weight.shape().last().copied().unwrap_or(1);
-    refuse(window_over_the_shard("conv_transpose1d", &x.shape(), options.dilation[0] * (kernel.max(1) - 1) + 1, context::current_sharding));
+    refuse(window_over_the_shard("conv_transpose1d", &x.shape(), window_span(kernel, options.dilation[0]), context::current_sharding));
     X::conv_transpose1d(x, weight, bias, options)
 }
 
@@ -379,13 +384,13 @@ pub fn guarded_avg_pool1d<X: ExchangeBackend>(x: FloatTensor<X>, kernel_size: us
 
 /// `UlyssesBackend`'s `max_pool1d`: the inner backend's, after the guard.
 pub fn guarded_max_pool1d<X: ExchangeBackend>(x: FloatTensor<X>, kernel_size: usize, stride: usize, padding: usize, dilation: usize, ceil_mode: bool) -> FloatTensor<X> {
-    refuse(window_over_the_shard("max_pool1d", &x.shape(), dilation * (kernel_size.max(1) - 1) + 1, context::current_sharding));
+    refuse(window_over_the_shard("max_pool1d", &x.shape(), window_span(kernel_size, dilation), context::current_sharding));
     X::max_pool1d(x, kernel_size, stride, padding, dilation, ceil_mode)
 }
 
 /// `UlyssesBackend`'s `max_pool1d_with_indices`: the inner backend's, after the guard.
 pub fn guarded_max_pool1d_with_indices<X: ExchangeBackend>(x: FloatTensor<X>, kernel_size: usize, stride: usize, padding: usize, dilation: usize, ceil_mode: bool) -> MaxPool1dWithIndices<X> {
-    refuse(window_over_the_shard("max_pool1d", &x.shape(), dilation * (kernel_size.max(1) - 1) + 1, context::current_sharding));
+    refuse(window_over_the_shard("max_pool1d", &x.shape(), window_span(kernel_size, dilation), context::current_sharding));
     X::max_pool1d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
 }
 

@@ -327,9 +327,9 @@ where
 }
 
 /// The body of both backward steps; `shard_backward` gives one shard's weighted loss and
-/// gradients, given the step's target tokens over every rank. `settings` is the caller's check of its own settings, refused (as the inputs are)
-/// only after every rank has joined the first collective: a rank that returned before it
-/// would leave the others waiting there.
+/// gradients, given the step's target tokens over every rank. `settings` is the caller's check
+/// of its own settings, refused (as the inputs are) only after every rank has joined the first
+/// collective: a rank that returned before it would leave the others waiting there.
 fn backward_step_with<B, M>(
     model: &M,
     step: &StepInput,
