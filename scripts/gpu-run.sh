@@ -329,7 +329,10 @@ if has ulysses-trainer; then
             done
             if [ "${HF_PURE_HALF:-0}" = 1 ]; then
                 step "torch-hf-$shape-pure-half" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" $hf_torch --pure-half
-                ratio "ratio-hf-$shape-sp1-pure-half" "torch-hf-$shape-pure-half" "hf-$shape-sp1"
+                # Against ours at SP=1, where HF_SPS ran it (PyTorch alone has nothing to divide).
+                case " ${HF_SPS:-1} " in
+                *" 1 "*) ratio "ratio-hf-$shape-sp1-pure-half" "torch-hf-$shape-pure-half" "hf-$shape-sp1" ;;
+                esac
             fi
             # The head and loss as before 2026-11-27 (f32 logits, tensor-op softmax), beside the
             # bf16 head and fused cross-entropy above; HF_OLD_HEAD=1 adds it.
