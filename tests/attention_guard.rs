@@ -21,8 +21,10 @@
 //! - So are queries in chunks, latents, one pooling query and a loop over heads at batch 1
 //!   (sums over the shard's tokens, known by the ids' length); cross-attention passes.
 //! - Attention with no matmul (scores a broadcast product summed, then softmax) and positions
-//!   made of a mask's cumsum are refused too, naming the op; so are a causal convolution and a
-//!   pooling window along the shard, and the sequence reversed.
+//!   made of a mask's cumsum are refused too, naming the op; so are convolutions and pooling
+//!   windows across the shard's edges (causal, overlapping, transposed, pooled to a length) and
+//!   the sequence, its ids or a mask reversed. Windows that tile the shard (a patch embedding,
+//!   pooling by a factor, under a zigzag ring too) pass and give one device's output.
 //! - A linear layer as wide as the local sequence passes the guard.
 
 use std::time::Duration;
@@ -343,36 +345,88 @@ fn attention_without_a_matmul_and_positions_from_a_cumsum_are_refused() {
 
 /// What mixes neighbouring tokens without attention, each over the embedded tokens `[B, S, D]`:
 /// a causal depthwise convolution along the sequence (a Mamba block's, kernel 4: burn pads 3
-/// tokens on the left itself), a pooling window of 3, and the sequence reversed (a backward
-/// RNN's input).
+/// tokens on the left itself), a pooling window of 3, max pooling with its indices (windows of
+/// 3 every 2 tokens), an upsampling whose kernel (4) overlaps the next token's (stride 2), a
+/// pooling to a fixed length, and the sequence reversed (a backward RNN's input), its token
+/// ids reversed (an int flip) or a padding mask reversed (a bool flip).
 #[derive(Clone, Copy, Debug)]
 enum MixesNeighbours {
     CausalConvolution,
     Pooling,
+    MaxPooling,
+    OverlappingUpsampling,
+    PooledToLength,
     Reversed,
+    ReversedIds,
+    ReversedMask,
 }
 
 impl MixesNeighbours {
+    const ALL: [Self; 8] = [
+        Self::CausalConvolution,
+        Self::Pooling,
+        Self::MaxPooling,
+        Self::OverlappingUpsampling,
+        Self::PooledToLength,
+        Self::Reversed,
+        Self::ReversedIds,
+        Self::ReversedMask,
+    ];
+
     fn forward<B: Backend>(self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        use burn::nn::{PaddingConfig1d, conv::Conv1dConfig, pool::AvgPool1dConfig};
+        use burn::nn::{
+            PaddingConfig1d,
+            conv::{Conv1dConfig, ConvTranspose1dConfig},
+            pool::AvgPool1dConfig,
+        };
+        use burn::tensor::module::{adaptive_avg_pool1d, max_pool1d_with_indices};
         let device = ids.device();
-        let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13).forward(ids);
+        let embed = |ids: Tensor<B, 2, Int>, seed| deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), seed).forward(ids);
+        let x = embed(ids.clone(), 13);
+        let channels_first = x.clone().swap_dims(1, 2);
+        let channels_last = |y: Tensor<B, 3>| y.swap_dims(1, 2);
         match self {
             Self::CausalConvolution => {
                 let conv = Conv1dConfig::new(D_MODEL, D_MODEL, 4).with_groups(D_MODEL).with_padding(PaddingConfig1d::Explicit(3, 0));
-                deterministic_params(conv.init::<B>(&device), 17).forward(x.swap_dims(1, 2)).swap_dims(1, 2)
+                channels_last(deterministic_params(conv.init::<B>(&device), 17).forward(channels_first))
             }
-            Self::Pooling => AvgPool1dConfig::new(3).with_stride(1).with_padding(PaddingConfig1d::Explicit(1, 1)).init().forward(x.swap_dims(1, 2)).swap_dims(1, 2),
+            Self::Pooling => channels_last(AvgPool1dConfig::new(3).with_stride(1).with_padding(PaddingConfig1d::Explicit(1, 1)).init().forward(channels_first)),
+            Self::MaxPooling => {
+                let (pooled, indices) = max_pool1d_with_indices(channels_first, 3, 2, 1, 1, false);
+                channels_last(pooled + indices.float() * 0.01)
+            }
+            Self::OverlappingUpsampling => {
+                let conv = ConvTranspose1dConfig::new([D_MODEL, D_MODEL], 4).with_stride(2).with_padding(1);
+                channels_last(deterministic_params(conv.init::<B>(&device), 19).forward(channels_first))
+            }
+            Self::PooledToLength => channels_last(adaptive_avg_pool1d(channels_first, 2)),
             Self::Reversed => x.flip([1]),
+            // Flipped after the first embedding, where the guard knows the shard's length.
+            Self::ReversedIds => x + embed(ids.flip([1]), 23),
+            Self::ReversedMask => {
+                let [batch, seq] = ids.dims();
+                let padding = ids.lower_elem(10).flip([1]);
+                x.mask_fill(padding.unsqueeze_dim::<3>(2).expand([batch, seq, D_MODEL]), 0.0)
+            }
         }
     }
+
     /// The op the guard names, and a word of its fix.
     fn refusal(self) -> (&'static str, &'static str) {
         match self {
             Self::CausalConvolution => ("conv1d", "halo"),
             Self::Pooling => ("avg_pool1d", "halo"),
-            Self::Reversed => ("flip", "before it is sharded"),
+            Self::MaxPooling => ("max_pool1d", "tile the shard"),
+            Self::OverlappingUpsampling => ("conv_transpose1d", "a block of outputs of its own"),
+            Self::PooledToLength => ("adaptive_avg_pool1d", "kernel = stride"),
+            Self::Reversed | Self::ReversedIds | Self::ReversedMask => ("flip", "before it is sharded"),
         }
+    }
+
+    /// Whether a rank's output, let through, is as long as its shard of one device's (pooled
+    /// to a fixed length, it is not: each rank pools to that length).
+    fn shards_like_the_sequence(self) -> bool {
+        !matches!(self, Self::PooledToLength)
     }
 }
 
@@ -382,18 +436,115 @@ impl MixesNeighbours {
 /// tokens belong there).
 #[test]
 fn windows_along_the_shard_and_flips_of_it_are_refused() {
-    for form in [MixesNeighbours::CausalConvolution, MixesNeighbours::Pooling, MixesNeighbours::Reversed] {
+    for form in MixesNeighbours::ALL {
         let (op, fix) = form.refusal();
         for sp in [2, 3] {
             assert_shard_local_refused(&on_ranks_from_ids(sp, UlyssesConfig::new(), move |ids| form.forward(ids)), op, fix);
         }
         let want = form.forward(token_ids::<Inner>(&Default::default()));
         assert_sequence_parallel(on_ranks_from_ids(1, UlyssesConfig::new(), move |ids| form.forward(ids)), want.clone());
-        let on_purpose = UlyssesConfig::new().with_shard_local_attention_on_purpose(true);
-        let got = on_ranks_from_ids(2, on_purpose, move |ids| form.forward(ids)).pop().unwrap().unwrap();
-        let worst = max_abs_diff(&got, &values(shard(want, 1, 1, 2)));
-        assert!(worst >= 1e-2, "{form:?}: rank 1 ran within its shard, yet only {worst:e} from one device's");
+        if form.shards_like_the_sequence() {
+            let on_purpose = UlyssesConfig::new().with_shard_local_attention_on_purpose(true);
+            let got = on_ranks_from_ids(2, on_purpose, move |ids| form.forward(ids)).pop().unwrap().unwrap();
+            let worst = max_abs_diff(&got, &values(shard(want, 1, 1, 2)));
+            assert!(worst >= 1e-2, "{form:?}: rank 1 ran within its shard, yet only {worst:e} from one device's");
+        }
     }
+}
+
+/// Windows that tile the shard, each over the embedded tokens: a patch embedding (a
+/// convolution with kernel = stride = 2), pooling by 2 (average, and max), an upsampling by 2
+/// (a transposed convolution with kernel = stride).
+#[derive(Clone, Copy, Debug)]
+enum TilesTheShard {
+    PatchEmbedding,
+    AveragePooling,
+    MaxPooling,
+    Upsampling,
+}
+
+impl TilesTheShard {
+    fn forward<B: Backend>(self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        use burn::nn::conv::{Conv1dConfig, ConvTranspose1dConfig};
+        use burn::tensor::module::{avg_pool1d, max_pool1d_with_indices};
+        let device = ids.device();
+        let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13).forward(ids).swap_dims(1, 2);
+        let y = match self {
+            Self::PatchEmbedding => deterministic_params(Conv1dConfig::new(D_MODEL, D_MODEL, 2).with_stride(2).init::<B>(&device), 17).forward(x),
+            Self::AveragePooling => avg_pool1d(x, 2, 2, 0, true, false),
+            Self::MaxPooling => max_pool1d_with_indices(x, 2, 2, 0, 1, false).0,
+            Self::Upsampling => deterministic_params(ConvTranspose1dConfig::new([D_MODEL, D_MODEL], 2).with_stride(2).init::<B>(&device), 19).forward(x),
+        };
+        y.swap_dims(1, 2)
+    }
+}
+
+/// Windows that tile the shard pass the guard and give each rank its shard of one device's
+/// output at SP = 2 and 3 (shards of 6 and 4 tokens). At SP = 4 (shards of 3) the windows of
+/// 2 would straddle two ranks and are refused; an upsampling still passes (each token writes
+/// its own outputs).
+#[test]
+fn windows_that_tile_the_shard_pass() {
+    for form in [TilesTheShard::PatchEmbedding, TilesTheShard::AveragePooling, TilesTheShard::MaxPooling, TilesTheShard::Upsampling] {
+        let want = form.forward(token_ids::<Inner>(&Default::default()));
+        for sp in [2, 3] {
+            assert_sequence_parallel(on_ranks_from_ids(sp, UlyssesConfig::new(), move |ids| form.forward(ids)), want.clone());
+        }
+        let at_four = on_ranks_from_ids(4, UlyssesConfig::new(), move |ids| form.forward(ids));
+        match form {
+            TilesTheShard::Upsampling => assert_sequence_parallel(at_four, want),
+            _ => assert_shard_local_refused(&at_four, if matches!(form, TilesTheShard::PatchEmbedding) { "conv1d" } else { "_pool1d" }, "tile the shard"),
+        }
+    }
+}
+
+/// Under a zigzag ring (ring 2, no Ulysses split) a rank's 8 tokens are two runs of 4 apart
+/// (rank 0: tokens 0–3 and 12–15 of 16): pooling by 4 passes and gives one device's pooled
+/// tokens at the shard's places; pooling by 8 would mix the two runs and is refused.
+#[test]
+fn pooling_under_a_zigzag_ring_tiles_each_run() {
+    use burn::tensor::{TensorData, module::avg_pool1d};
+    use burn_ulysses::{ParallelGroups, ParallelLayout, ring::RingSharding};
+    const LENGTH: usize = 16;
+    let layout = ParallelLayout::new().with_sp_size(2).with_ring_size(2).with_ring_sharding(RingSharding::Zigzag);
+    let ids = || Tensor::<Inner, 1, Int>::arange(0..(BATCH * LENGTH) as i64, &Default::default()).remainder_scalar(VOCAB as i64).reshape([BATCH, LENGTH]);
+    fn pooled<B: Backend>(ids: Tensor<B, 2, Int>, by: usize) -> Tensor<B, 3> {
+        let embedding = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init(&ids.device()), 13);
+        avg_pool1d(embedding.forward(ids).swap_dims(1, 2), by, by, 0, true, false).swap_dims(1, 2)
+    }
+    let run = move |by: usize, config: UlyssesConfig| {
+        with_deadline(Duration::from_secs(60), move || {
+            ThreadGroup::new(2)
+                .run(|rank| {
+                    let groups = ParallelGroups::<Inner>::new(rank.communicator(), layout.clone()).unwrap();
+                    let _ring = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(config.clone()));
+                    let positions: Vec<i64> = layout.sharder().positions_of(rank.rank(), LENGTH).into_iter().map(|p| p as i64).collect();
+                    let device = Default::default();
+                    let places = Tensor::<Sp, 1, Int>::from_data(TensorData::new(positions.clone(), [positions.len()]), &device);
+                    let all: Tensor<Sp, 2, Int> = Tensor::from_data(ids().into_data(), &device);
+                    (positions, values(pooled(all.select(1, places), by)))
+                })
+                .into_iter()
+                .map(|result| result.map_err(|panic| panic.message))
+                .collect::<Vec<_>>()
+        })
+    };
+    let want = pooled(ids(), 4);
+    for (rank, result) in run(4, UlyssesConfig::new()).into_iter().enumerate() {
+        let (positions, got) = result.unwrap_or_else(|message| panic!("rank {rank}: {message}"));
+        let outputs: Vec<i64> = positions.iter().step_by(4).map(|p| p / 4).collect();
+        let mine = want.clone().select(1, Tensor::from_data(TensorData::new(outputs.clone(), [outputs.len()]), &Default::default()));
+        let diff = max_abs_diff(&got, &values(mine));
+        assert!(diff <= TOLERANCE, "rank {rank} (tokens {positions:?}) differs from one device's outputs {outputs:?} by {diff:e}");
+    }
+    let refused: Vec<Result<Vec<f32>, String>> = run(8, UlyssesConfig::new()).into_iter().map(|r| r.map(|(_, got)| got)).collect();
+    assert_shard_local_refused(&refused, "avg_pool1d", "zigzag");
+    // Let through, rank 0's one output averages tokens 0–3 and 12–15, not one device's 0–7.
+    let on_purpose = UlyssesConfig::new().with_shard_local_attention_on_purpose(true);
+    let (_, got) = run(8, on_purpose).remove(0).unwrap();
+    let first = pooled(ids(), 8).narrow(1, 0, 1);
+    let worst = max_abs_diff(&got, &values(first));
+    assert!(worst >= 1e-2, "rank 0 pooled its two runs together, yet only {worst:e} from one device's");
 }
 
 #[test]

@@ -57,10 +57,14 @@
 //! would restart at every rank. And so, where that length shows, are a flip of the sequence
 //! dim (each shard reversed in place, not the sequence) and the ops whose windows run along a
 //! channels-first `[B, C, L]` tensor's length (the shard's, or up to the window less one
-//! longer: burn pads the input itself for a causal convolution): `conv1d` and
-//! `conv_transpose1d` with a kernel of two tokens or more, `avg_pool1d`, `max_pool1d`, and
-//! `adaptive_avg_pool1d` to another length (at a shard's edges they read padding where the
-//! neighbouring ranks' tokens are).
+//! longer: burn pads the input itself for a causal convolution) across the shard's edges:
+//! `conv1d`, `avg_pool1d` and `max_pool1d` whose windows overlap, pad or straddle two ranks
+//! (at a shard's edges they read padding where the neighbouring ranks' tokens are),
+//! `conv_transpose1d` whose outputs overlap or are cropped, and `adaptive_avg_pool1d` to
+//! another length (to one: a classifier's mean over the shard alone). Windows that tile the
+//! shard are right under SP and pass ([`Window`]): a patch embedding, pooling by a factor
+//! that divides the shard (each half of it under a zigzag ring), an upsampling whose kernel
+//! is its stride.
 //!
 //! What shape cannot tell apart stays unguarded: a single 3-D or 2-D matrix (a linear layer's
 //! shapes), keys broadcast over the batch, rectangular products of a model that embeds no
@@ -306,29 +310,100 @@ pub fn flip_over_the_shard(op: &'static str, shape: &[usize], axes: &[usize], sh
     shard_local_refusal(op, shape, dim, what, fix, sharding)
 }
 
-/// Why a convolution or pooling (`op`) over the length dim of `shape` (`[B, C, L]`, channels
-/// first, dim 2) whose window spans `window` tokens is refused, or `None`: a window of two
-/// tokens or more over the shard's tokens (as many as its ids, or up to `window − 1` more: burn
-/// pads the input itself for padding that differs on the two sides, a causal convolution's)
-/// reads, at the shard's edges, padding where the neighbouring ranks' tokens are (a causal
-/// convolution's first outputs, a pooling window across two ranks). A window of one token (a
-/// pointwise convolution) mixes none and passes.
-pub fn window_over_the_shard(op: &'static str, shape: &[usize], window: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let (shard, one_length) = embedded();
-    let length = *shape.get(2)?;
-    if !(shape.len() == 3 && window >= 2 && one_length && shard >= 2 && (shard..shard + window).contains(&length)) {
-        return None;
-    }
-    let padded = if length > shard { format!(" (padded to {length})") } else { String::new() };
-    let what = format!("its windows of {window} tokens run over the {shard} tokens of this rank's shard{padded}, reading padding at its edges where the neighbouring ranks' tokens are");
-    let fix = "Run it on the whole sequence on one rank (burn_ulysses::context::enter_single_device()), or give each shard the \
-               window's (window − 1) tokens from the rank before it (a halo) and drop the outputs they add.";
-    shard_local_refusal(op, shape, 2, what, fix, sharding)
+/// A sliding window along a length: a convolution's or a pooling's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    /// Tokens one window spans, dilation included.
+    pub span: usize,
+    /// Tokens from one window's start to the next's.
+    pub stride: usize,
+    /// Tokens of padding on each side of the length.
+    pub padding: usize,
+    /// A pooling's `ceil_mode`: an output more where the last window would stop short.
+    pub ceil_mode: bool,
 }
 
-/// The tokens a window of `kernel` taps `dilation` apart spans (a convolution's or a pooling's).
-fn window_span(kernel: usize, dilation: usize) -> usize {
-    dilation * (kernel.max(1) - 1) + 1
+impl Window {
+    /// `kernel` taps `dilation` apart, every `stride` tokens.
+    pub fn new(kernel: usize, dilation: usize, stride: usize, padding: usize, ceil_mode: bool) -> Self {
+        Self { span: dilation * (kernel.max(1) - 1) + 1, stride, padding, ceil_mode }
+    }
+
+    /// Whether the windows tile a run of `run` tokens with none across its edges: no padding,
+    /// a stride no shorter than the span that divides the run, and no ceil-mode output past
+    /// its end. Then a rank's outputs are its shard of the sequence's, in place.
+    fn tiles(self, run: usize) -> bool {
+        self.padding == 0 && self.stride > 0 && self.span <= self.stride && run % self.stride == 0 && (!self.ceil_mode || self.span == self.stride)
+    }
+}
+
+/// The shard's length (`shape` a channels-first `[B, C, L]`) where its length dim is as long
+/// as the token ids last embedded, or up to `extra` tokens longer; with `L`.
+fn length_along_the_shard(shape: &[usize], extra: usize) -> Option<(usize, usize)> {
+    let (shard, one_length) = embedded();
+    let length = *shape.get(2)?;
+    (shape.len() == 3 && one_length && shard >= 2 && (shard..=shard + extra).contains(&length)).then_some((shard, length))
+}
+
+/// Why a convolution or pooling (`op`) over the length dim of `shape` (`[B, C, L]`, channels
+/// first, dim 2) with `window` is refused, or `None`: windows over the shard's tokens (as many
+/// as its ids, or up to the span less one more: burn pads the input itself for padding that
+/// differs on the two sides, a causal convolution's) read, at the shard's edges, padding where
+/// the neighbouring ranks' tokens are (a causal convolution's first outputs, a pooling window
+/// across two ranks), or start where the sequence's windows do not. Windows that tile each run
+/// of the sequence the shard holds (the shard, or its halves under a zigzag ring) pass: a
+/// patch embedding or pooling by a fixed factor, and a pointwise convolution.
+pub fn window_over_the_shard(op: &'static str, shape: &[usize], window: Window, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let (shard, length) = length_along_the_shard(shape, window.span.saturating_sub(1))?;
+    let sharding = sharding();
+    let runs = sharding.map_or(1, |sharding| sharding.runs);
+    if length == shard && shard % runs == 0 && window.tiles(shard / runs) {
+        return None;
+    }
+    let Window { span, stride, .. } = window;
+    let padded = if length > shard { format!(" (padded to {length})") } else { String::new() };
+    let what = format!(
+        "its windows of {span} tokens, {stride} apart, run over the {shard} tokens of this rank's shard{padded} as if they were the whole sequence: \
+         at the shard's edges they read padding where the neighbouring ranks' tokens are, or fall where the sequence's windows do not"
+    );
+    let fix = "Run it on the whole sequence on one rank (burn_ulysses::context::enter_single_device()), or give each shard the \
+               window's (window − 1) tokens from the rank before it (a halo) and drop the outputs they add. Windows that tile the \
+               shard pass: no padding, a stride at least the window's span that divides the shard (each half of it under a zigzag ring).";
+    shard_local_refusal(op, shape, 2, what, fix, || sharding)
+}
+
+/// Why a transposed convolution over the length dim of `shape` (`[B, C, L]`, `L` the shard's:
+/// burn never pads its input) is refused, or `None`: each token writes `window.span` outputs
+/// from `window.stride` × its index on, and a rank lays its tokens' out as if the shard were
+/// the whole sequence. Its outputs are its shard of the sequence's only where each token
+/// writes a block of its own: no padding (it crops every shard's edges) and the span with
+/// `padding_out` the stride (an upsampling by the kernel's length).
+pub fn transposed_window_over_the_shard(shape: &[usize], window: Window, padding_out: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let (shard, _) = length_along_the_shard(shape, 0)?;
+    let Window { span, stride, padding, .. } = window;
+    if padding == 0 && span + padding_out == stride {
+        return None;
+    }
+    let what = format!(
+        "each of the {shard} tokens of this rank's shard writes {span} outputs, {stride} apart from the next token's (padding {padding}, output padding \
+         {padding_out}), laid out as if the shard were the whole sequence: at its edges they miss the neighbouring ranks' overlap, are cropped by the \
+         padding, or leave a gap"
+    );
+    let fix = "Run it on the whole sequence on one rank (burn_ulysses::context::enter_single_device()). An upsampling whose kernel span \
+               (with the output padding) equals its stride, with no padding, passes: each token writes a block of outputs of its own.";
+    shard_local_refusal("conv_transpose1d", shape, 2, what, fix, sharding)
+}
+
+/// Why `adaptive_avg_pool1d` of `shape` (`[B, C, L]`, `L` the shard's) to `output_size` is
+/// refused, or `None`: it pools this rank's tokens to `output_size` as if they were the
+/// whole sequence (to one: a classifier's mean over the shard alone). To the shard's own
+/// length it changes nothing and passes.
+pub fn pooling_of_the_shard_to_a_length(shape: &[usize], output_size: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let (shard, _) = length_along_the_shard(shape, 0).filter(|_| output_size != shape[2])?;
+    let what = format!("it pools the {shard} tokens of this rank's shard to {output_size} as if they were the whole sequence, whose pooling spans every rank's tokens");
+    let fix = "Pool by a fixed factor with avg_pool1d (kernel = stride, dividing the shard: that passes), or pool the whole sequence on one rank \
+               (burn_ulysses::context::enter_single_device()).";
+    shard_local_refusal("adaptive_avg_pool1d", shape, 2, what, fix, sharding)
 }
 
 /// Panics with `refusal`'s error, if any: ops return tensors, and the training API turns a
@@ -361,46 +436,45 @@ macro_rules! guarded_flips {
 
 guarded_flips!((guarded_float_flip, FloatTensor, float_flip), (guarded_int_flip, IntTensor, int_flip), (guarded_bool_flip, BoolTensor, bool_flip));
 
-/// `UlyssesBackend`'s `conv1d`: the inner backend's, after the guard (its window, the kernel's
-/// span with dilation).
+/// `UlyssesBackend`'s `conv1d`: the inner backend's, after the guard.
 pub fn guarded_conv1d<X: ExchangeBackend>(x: FloatTensor<X>, weight: FloatTensor<X>, bias: Option<FloatTensor<X>>, options: ConvOptions<1>) -> FloatTensor<X> {
     let kernel = weight.shape().last().copied().unwrap_or(1);
-    refuse(window_over_the_shard("conv1d", &x.shape(), window_span(kernel, options.dilation[0]), context::current_sharding));
+    let window = Window::new(kernel, options.dilation[0], options.stride[0], options.padding[0], false);
+    refuse(window_over_the_shard("conv1d", &x.shape(), window, context::current_sharding));
     X::conv1d(x, weight, bias, options)
 }
 
 /// `UlyssesBackend`'s `conv_transpose1d`: the inner backend's, after the guard.
 pub fn guarded_conv_transpose1d<X: ExchangeBackend>(x: FloatTensor<X>, weight: FloatTensor<X>, bias: Option<FloatTensor<X>>, options: ConvTransposeOptions<1>) -> FloatTensor<X> {
     let kernel = weight.shape().last().copied().unwrap_or(1);
-    refuse(window_over_the_shard("conv_transpose1d", &x.shape(), window_span(kernel, options.dilation[0]), context::current_sharding));
+    let window = Window::new(kernel, options.dilation[0], options.stride[0], options.padding[0], false);
+    refuse(transposed_window_over_the_shard(&x.shape(), window, options.padding_out[0], context::current_sharding));
     X::conv_transpose1d(x, weight, bias, options)
 }
 
-/// `UlyssesBackend`'s `avg_pool1d`: the inner backend's, after the guard.
+/// `UlyssesBackend`'s `avg_pool1d`: the inner backend's, after the guard (with no padding,
+/// `count_include_pad` changes nothing).
 pub fn guarded_avg_pool1d<X: ExchangeBackend>(x: FloatTensor<X>, kernel_size: usize, stride: usize, padding: usize, count_include_pad: bool, ceil_mode: bool) -> FloatTensor<X> {
-    refuse(window_over_the_shard("avg_pool1d", &x.shape(), kernel_size, context::current_sharding));
+    refuse(window_over_the_shard("avg_pool1d", &x.shape(), Window::new(kernel_size, 1, stride, padding, ceil_mode), context::current_sharding));
     X::avg_pool1d(x, kernel_size, stride, padding, count_include_pad, ceil_mode)
 }
 
 /// `UlyssesBackend`'s `max_pool1d`: the inner backend's, after the guard.
 pub fn guarded_max_pool1d<X: ExchangeBackend>(x: FloatTensor<X>, kernel_size: usize, stride: usize, padding: usize, dilation: usize, ceil_mode: bool) -> FloatTensor<X> {
-    refuse(window_over_the_shard("max_pool1d", &x.shape(), window_span(kernel_size, dilation), context::current_sharding));
+    refuse(window_over_the_shard("max_pool1d", &x.shape(), Window::new(kernel_size, dilation, stride, padding, ceil_mode), context::current_sharding));
     X::max_pool1d(x, kernel_size, stride, padding, dilation, ceil_mode)
 }
 
-/// `UlyssesBackend`'s `max_pool1d_with_indices`: the inner backend's, after the guard.
+/// `UlyssesBackend`'s `max_pool1d_with_indices`: the inner backend's, after the guard (its
+/// indices count from the shard's first token, as the shard's own positions would).
 pub fn guarded_max_pool1d_with_indices<X: ExchangeBackend>(x: FloatTensor<X>, kernel_size: usize, stride: usize, padding: usize, dilation: usize, ceil_mode: bool) -> MaxPool1dWithIndices<X> {
-    refuse(window_over_the_shard("max_pool1d", &x.shape(), window_span(kernel_size, dilation), context::current_sharding));
+    refuse(window_over_the_shard("max_pool1d", &x.shape(), Window::new(kernel_size, dilation, stride, padding, ceil_mode), context::current_sharding));
     X::max_pool1d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
 }
 
-/// `UlyssesBackend`'s `adaptive_avg_pool1d`: the inner backend's, after the guard. Pooled to
-/// another length, each output averages a window of the input's (the whole shard, pooled to
-/// one: a sequence's mean over this rank's tokens alone).
+/// `UlyssesBackend`'s `adaptive_avg_pool1d`: the inner backend's, after the guard.
 pub fn guarded_adaptive_avg_pool1d<X: ExchangeBackend>(x: FloatTensor<X>, output_size: usize) -> FloatTensor<X> {
-    let length = x.shape().get(2).copied().unwrap_or(0);
-    let window = if output_size == length { 1 } else { length.div_ceil(output_size.max(1)).max(2) };
-    refuse(window_over_the_shard("adaptive_avg_pool1d", &x.shape(), window, context::current_sharding));
+    refuse(pooling_of_the_shard_to_a_length(&x.shape(), output_size, context::current_sharding));
     X::adaptive_avg_pool1d(x, output_size)
 }
 
@@ -426,7 +500,7 @@ guarded_dim_ops!(
 mod tests {
     use super::*;
 
-    const SP2: Option<Sharding> = Some(Sharding { ranks: 2, shard_local_attention_on_purpose: false });
+    const SP2: Option<Sharding> = Some(Sharding { ranks: 2, runs: 1, shard_local_attention_on_purpose: false });
 
     #[test]
     fn scores_of_a_shard_against_itself_are_refused_with_the_fix() {
@@ -636,22 +710,60 @@ mod tests {
         }
         assert!(flip(&[2, 8], &[0, 1]).is_some() && flip(&[8], &[0]).is_some());
         assert!(flip(&[2, 8, 16], &[2]).is_none() && flip(&[8, 8], &[0]).is_none() && flip(&[2, 5, 8], &[1, 2]).is_none());
-        let window = |shape: &[usize], window: usize| window_over_the_shard("conv1d", shape, window, || SP2).map(|e| e.to_string());
-        let message = window(&[2, 16, 8], 3).expect("a convolution along the shard refused");
-        for needle in ["conv1d along dim 2 of a [2, 16, 8] tensor", "windows of 3 tokens", "padding at its edges", "halo", "enter_single_device"] {
+        let sliding = |span: usize| Window::new(span, 1, 1, span / 2, false);
+        let window = |shape: &[usize], window: Window| window_over_the_shard("conv1d", shape, window, || SP2).map(|e| e.to_string());
+        let message = window(&[2, 16, 8], sliding(3)).expect("a convolution along the shard refused");
+        for needle in ["conv1d along dim 2 of a [2, 16, 8] tensor", "windows of 3 tokens, 1 apart", "padding where the neighbouring ranks' tokens are", "halo", "enter_single_device", "tile the shard"] {
             assert!(message.contains(needle), "`{needle}` missing from: {message}");
         }
         // Padded by burn beforehand (a causal convolution's window − 1 on the left).
-        let message = window(&[2, 16, 10], 3).expect("a padded shard refused");
+        let message = window(&[2, 16, 10], Window::new(3, 1, 1, 0, false)).expect("a padded shard refused");
         assert!(message.contains("shard (padded to 10)"), "{message}");
+        // Dilated: 3 taps 2 apart span 5 tokens.
+        assert!(window(&[2, 16, 12], Window::new(3, 2, 1, 0, false)).is_some_and(|m| m.contains("windows of 5 tokens")));
         // A pointwise window, a length other than the shard's (or padded by more than the
-        // window), channels as long as the shard, not 3-D.
-        for (shape, size) in [(&[2, 16, 8][..], 1), (&[2, 16, 7], 3), (&[2, 16, 11], 3), (&[2, 8, 16], 3), (&[2, 4, 16, 8], 3)] {
-            assert!(window(shape, size).is_none(), "{shape:?} with a window of {size} refused");
+        // span), channels as long as the shard, not 3-D.
+        for (shape, size) in [(&[2, 16, 8][..], Window::new(1, 1, 1, 0, false)), (&[2, 16, 7], sliding(3)), (&[2, 16, 11], sliding(3)), (&[2, 8, 16], sliding(3)), (&[2, 4, 16, 8], sliding(3))] {
+            assert!(window(shape, size).is_none(), "{shape:?} with {size:?} refused");
         }
-        assert!(window_over_the_shard("conv1d", &[2, 16, 8], 3, || None).is_none(), "refused outside SP");
-        assert!(window_over_the_shard("conv1d", &[2, 16, 8], 3, || Some(Sharding { ranks: 1, shard_local_attention_on_purpose: false })).is_none(), "refused at SP = 1");
+        // Windows that tile the shard (a patch embedding, pooling by 2 or 4, a kernel shorter
+        // than its stride) pass; ones that overlap, pad, straddle the shard's end (8 % 3) or
+        // add a ceil-mode output past it, and a strided pointwise one that starts where the
+        // sequence's do not, are refused.
+        for tiling in [Window::new(2, 1, 2, 0, false), Window::new(4, 1, 4, 0, true), Window::new(2, 1, 4, 0, false), Window::new(2, 2, 4, 0, false)] {
+            assert!(window(&[2, 16, 8], tiling).is_none(), "{tiling:?} refused");
+        }
+        for straddling in [Window::new(3, 1, 2, 0, false), Window::new(2, 1, 2, 1, false), Window::new(3, 1, 3, 0, false), Window::new(2, 1, 4, 0, true), Window::new(1, 1, 3, 0, false), Window::new(2, 3, 2, 0, false)] {
+            assert!(window(&[2, 16, 8], straddling).is_some(), "{straddling:?} let through");
+        }
+        // Under a zigzag ring each half of the shard is a run: 4 tokens tile by 4, not by 8.
+        let zigzag = || Some(Sharding { runs: 2, ..SP2.unwrap() });
+        assert!(window_over_the_shard("avg_pool1d", &[2, 16, 8], Window::new(4, 1, 4, 0, false), zigzag).is_none());
+        assert!(window_over_the_shard("avg_pool1d", &[2, 16, 8], Window::new(8, 1, 8, 0, false), zigzag).is_some());
+        assert!(window(&[2, 16, 8], Window::new(8, 1, 8, 0, false)).is_none());
+        assert!(window_over_the_shard("conv1d", &[2, 16, 8], sliding(3), || None).is_none(), "refused outside SP");
+        assert!(window_over_the_shard("conv1d", &[2, 16, 8], sliding(3), || Some(Sharding { ranks: 1, ..SP2.unwrap() })).is_none(), "refused at SP = 1");
+        // A transposed convolution: each token writing its own block (kernel, with the output
+        // padding, = stride; no padding) passes; overlapping, cropped or gapped blocks do not.
+        let transposed = |kernel: usize, stride: usize, padding: usize, padding_out: usize| {
+            transposed_window_over_the_shard(&[2, 16, 8], Window::new(kernel, 1, stride, padding, false), padding_out, || SP2).map(|e| e.to_string())
+        };
+        assert!(transposed(2, 2, 0, 0).is_none() && transposed(1, 1, 0, 0).is_none() && transposed(3, 4, 0, 1).is_none());
+        let message = transposed(4, 2, 1, 0).expect("overlapping blocks refused");
+        for needle in ["conv_transpose1d along dim 2 of a [2, 16, 8] tensor", "writes 4 outputs, 2 apart", "padding 1", "passes"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        assert!(transposed(2, 2, 1, 0).is_some() && transposed(3, 4, 0, 0).is_some() && transposed(1, 2, 0, 0).is_some());
+        assert!(transposed_window_over_the_shard(&[2, 16, 9], Window::new(4, 1, 2, 0, false), 0, || SP2).is_none(), "another length refused");
+        // Pooled to another length: refused, to one output (a classifier's mean) too; to the
+        // shard's own length it changes nothing.
+        let pooled = |output_size: usize| pooling_of_the_shard_to_a_length(&[2, 16, 8], output_size, || SP2).map(|e| e.to_string());
+        let message = pooled(1).expect("a mean over the shard refused");
+        for needle in ["adaptive_avg_pool1d along dim 2", "pools the 8 tokens of this rank's shard to 1", "kernel = stride"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        assert!(pooled(4).is_some() && pooled(16).is_some() && pooled(8).is_none());
         forget_embedded_lengths();
-        assert!(flip(&[2, 8, 16], &[1]).is_none() && window(&[2, 16, 8], 3).is_none(), "before any embedding");
+        assert!(flip(&[2, 8, 16], &[1]).is_none() && window(&[2, 16, 8], sliding(3)).is_none(), "before any embedding");
     }
 }

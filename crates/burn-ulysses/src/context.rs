@@ -47,7 +47,9 @@ pub struct UlyssesConfig {
     pub ring_sharding: RingSharding,
     /// For a model that attends within each rank's shard on purpose (say, local windows that
     /// never cross a shard): lets its hand-written score matmuls through the guard against
-    /// attention done by hand (`attention_guard`, a layer above), which otherwise refuses them.
+    /// attention done by hand (`attention_guard`, a layer above), which otherwise refuses them,
+    /// and with them every other shard-local refusal (a softmax over per-head weights, a scan,
+    /// a flip or a window along the shard).
     #[config(default = false)]
     pub shard_local_attention_on_purpose: bool,
 }
@@ -92,6 +94,9 @@ struct StoredContext {
 pub struct Sharding {
     /// Ranks a sequence is spread over (Ulysses × ring).
     pub ranks: usize,
+    /// Equal runs of consecutive tokens a shard is cut into where its sequence's may end: 1,
+    /// or 2 under a zigzag ring (a shard may hold the ends of two chunks apart).
+    pub runs: usize,
     /// [`UlyssesConfig::shard_local_attention_on_purpose`].
     pub shard_local_attention_on_purpose: bool,
 }
@@ -132,6 +137,7 @@ pub enum RankScope {
 pub fn enter<W: Backend>(scope: RankScope, context: RankContext<W>) -> RankGuard {
     let sharding = Sharding {
         ranks: context.communicator.size() * context.ring.as_ref().map_or(1, |ring| ring.size()),
+        runs: if context.ring.is_some() && context.config.ring_sharding == RingSharding::Zigzag { 2 } else { 1 },
         shard_local_attention_on_purpose: context.config.shard_local_attention_on_purpose,
     };
     let stored = StoredContext {
