@@ -72,7 +72,7 @@
 //! (attention sinks) beside the shard's, shards of one token, and cross-attention. Nor does
 //! the guard see other ops that mix the sequence's tokens, each over its shard alone: a mean
 //! or max over the sequence dim (a sum over a shard is also a loss's, summed over the ranks
-//! after), 2-D convolutions and pooling, 1-D ones over a channels-last `[B, S, C]`, sorting along it
+//! after), 2-D convolutions and pooling, 1-D ones over a channels-last `[B, S, C]` or a length a strided window made, sorting along it
 //! (routing tokens within the shard is right), a scan, flip or window along another dim or
 //! before the first embedding since a backward (or in the first forward of all), or
 //! positions counted from 0 on every rank
