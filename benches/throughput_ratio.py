@@ -34,7 +34,10 @@ def torch_figures(path: str) -> dict:
         for line in file:
             match = TORCH_LINE.match(line.strip())
             if match:
-                return {key: float(value) if key == "rate" else int(value) for key, value in match.groupdict().items()}
+                figures = {key: float(value) if key == "rate" else int(value) for key, value in match.groupdict().items()}
+                if not (figures["rate"] > 0 and figures["first"] <= figures["last"]):
+                    raise ValueError(f"{path}: PyTorch timed steps {figures['first']}-{figures['last']} at {figures['rate']} tokens/s, nothing to divide by")
+                return figures
     raise ValueError(f"{path} has no line `torch ... timed steps A-B of N: R tokens/s` (did the PyTorch run end?)")
 
 

@@ -8,7 +8,7 @@
 //!     [--layers N] [--documents LEN] [--longest-under BYTES --max-seq S]
 //!     [--checkpoint-layers [--offload-to-host] [--tile-tokens N]] [--precision f32|bf16]
 //!     [--ffn N] [--vocab N] [--pieces] [--min-seq S] [--step-tokens N] [--trial-timeout SECS]
-//!     [--phases] [--trial-steps N] [--memory-cleanup]
+//!     [--phases] [--trial-steps N] [--unprobed-steps] [--memory-cleanup]
 //!
 //! Per S (ascending), one step at batch 1, printing:
 //! - `parameters`: bytes in use before the step, every parameter created (burn creates one on
@@ -39,7 +39,11 @@
 //! recomputation; then the end of the backward. `--trial-steps N` runs N steps in each trial's
 //! child (the peak is the largest; `--trial-timeout` covers all of them): the second step's
 //! phases are the step without compilation or autotuning. A trial's phase lines are printed
-//! above its result, also when it timed out: where its time went.
+//! above its result, also when it timed out: where its time went. With checkpointing, the probe
+//! before each piece's backward synchronises the device (it reads the bytes in use), which
+//! stalls what overlaps it, the offload's copies among them; `--unprobed-steps` runs the steps
+//! after a trial's first without it (no per-piece bytes, phases or cleanup), so their seconds
+//! are the step's own as training runs it: compare offload on and off with those.
 //!
 //! `--documents LEN` packs documents of `LEN` tokens (attention within each, RoPE positions
 //! restarting).
@@ -111,6 +115,8 @@ struct Args {
     phases: bool,
     /// Steps per trial child.
     trial_steps: usize,
+    /// Run a trial's steps after the first without the per-piece probe (no device sync).
+    unprobed_steps: bool,
     /// Before each piece's backward, give the device back every pool page no tensor holds
     /// (`ComputeClient::memory_cleanup`): CubeCL 0.10's CUDA runtime builds its pools with
     /// fixed options (`RuntimeOptions::default()` in its device service; cubecl.toml sets only
@@ -123,6 +129,9 @@ fn args() -> Args {
     let value = |name: &str| argv.iter().position(|a| a == name).and_then(|i| argv.get(i + 1)).cloned();
     let number = |name: &str| value(name).map(|v| v.parse::<usize>().unwrap_or_else(|_| panic!("{name} takes a number, got {v}")));
     let flag = |name: &str| argv.iter().any(|a| a == name);
+    if flag("--unprobed-steps") && !(flag("--checkpoint-layers") && number("--trial-steps").is_some_and(|n| n >= 2)) {
+        panic!("--unprobed-steps leaves out the per-piece probe of a trial's steps after the first, with checkpointing: add --checkpoint-layers and --trial-steps 2 or more");
+    }
     Args {
         seqs: value("--seqs").map_or(vec![512, 1024, 2048, 4096], |list| list.split(',').map(|s| s.parse().expect("--seqs takes numbers")).collect()),
         shape: value("--shape").unwrap_or_else(|| "small".into()),
@@ -132,6 +141,7 @@ fn args() -> Args {
         pieces: flag("--pieces"),
         phases: flag("--phases"),
         trial_steps: number("--trial-steps").unwrap_or(1).max(1),
+        unprobed_steps: flag("--unprobed-steps"),
         memory_cleanup: flag("--memory-cleanup"),
         precision: value("--precision").map_or(Precision::F32, |v| v.parse().unwrap_or_else(|e| panic!("--precision: {e}"))),
         documents: number("--documents"),
@@ -227,9 +237,10 @@ impl Phases {
     }
 }
 
-/// One step at `seq` tokens. Panics if the loss is not finite: a step that computed garbage
-/// measured nothing.
-fn step(config: &DecoderConfig, seq: usize, args: &Args, device: &Device) -> StepMemory {
+/// One step at `seq` tokens; with checkpointing and `probed`, the bytes held (the device
+/// synchronised) before each piece's backward. Panics if the loss is not finite: a step that
+/// computed garbage measured nothing.
+fn step(config: &DecoderConfig, seq: usize, args: &Args, device: &Device, probed: bool) -> StepMemory {
     let (documents, checkpointing) = (args.documents, args.checkpointing.as_ref());
     let mut phases = Phases::new(args.phases);
     let dtype = args.precision.compute_dtype::<Train>(device).unwrap_or_else(|e| panic!("{e}"));
@@ -249,6 +260,9 @@ fn step(config: &DecoderConfig, seq: usize, args: &Args, device: &Device) -> Ste
         let (tokens, labels) = (shard.tokens::<Train>(device), shard.labels::<Train>(device));
         let mut pieces = HeldPerPiece::default();
         let (loss, grads) = checkpointed_backward(&model, tokens, labels, &shard.positions, 1.0, -100, checkpointing, tiles, |piece| {
+            if !probed {
+                return;
+            }
             if args.memory_cleanup {
                 <Runtime as cubecl::Runtime>::client(device).memory_cleanup();
             }
@@ -308,13 +322,15 @@ fn run_trial(config: &DecoderConfig, seq: usize, args: &Args) {
     }));
     let device = Device::default();
     let started = Instant::now();
-    let mut memory = step(config, seq, args, &device);
+    let mut memory = step(config, seq, args, &device, true);
     let mut steps = vec![memory.seconds];
     for step_number in 2..=args.trial_steps {
+        let probed = !args.unprobed_steps;
         if args.phases {
-            println!("phase: step {step_number} (kernels compiled, autotuning done)");
+            let probes = if probed { "" } else { ", no per-piece probe" };
+            println!("phase: step {step_number} (kernels compiled, autotuning done{probes})");
         }
-        let again = step(config, seq, args, &device);
+        let again = step(config, seq, args, &device, probed);
         memory.peak = memory.peak.max(again.peak);
         steps.push(again.seconds);
     }
@@ -530,7 +546,7 @@ fn main() {
     println!("{:>8} | {:>14} | {:>14} {:>14} {:>14} {:>9} | {:>14}", "S", "parameters", "activations", "peak sampled", "reserved", "/ used", "peak ratio");
     let mut previous: Option<(usize, u64)> = None;
     for &seq in &args.seqs {
-        let memory = step(&config, seq, &args, &device);
+        let memory = step(&config, seq, &args, &device, true);
         let peak = memory.peak;
         let ratio = previous.map_or(String::new(), |(s, p)| format!("x{:.2} for x{:.1}", peak as f64 / p as f64, seq as f64 / s as f64));
         let reserved = reserved(&device);

@@ -11,6 +11,7 @@
 #                 MEMORY_TRIAL_STEPS; alst's tiles and offload, to find what a piece's time is
 #                 made of: MEMORY_TILE_TOKENS (4096), MEMORY_OFFLOAD=0 keeps the checkpointed
 #                 inputs on the device; MEMORY_PROFILE=1 logs every kernel's time;
+#                 MEMORY_UNPROBED=1 times a trial's later steps without the per-piece sync;
 #                 MEMORY_CLEANUP=1 frees empty pool pages before each piece's backward;
 #                 MEMORY_POOLS=exact gives each tensor a buffer of its own size, =exclusive a
 #                 buffer per tensor in size classes, unused ones given back; overhead:
@@ -235,6 +236,14 @@ TOML
     trial_steps=${MEMORY_TRIAL_STEPS:-$([ "${MEMORY_PROFILE:-0}" = 1 ] && echo 2 || echo 1)}
     longest="--shape llama-8b --longest-under 80000000000 --documents ${MEMORY_DOCUMENTS:-4096} --trial-timeout $trial_timeout"
     longest="$longest --phases --trial-steps $trial_steps"
+    # MEMORY_UNPROBED=1: the steps after a trial's first run without the per-piece probe (a
+    # device sync before each piece's backward, which stalls the offload's copies): compare
+    # offload on and off with those steps' seconds.
+    unprobed=""
+    if [ "${MEMORY_UNPROBED:-0}" = 1 ]; then
+        [ "$trial_steps" -ge 2 ] || { echo "MEMORY_UNPROBED=1 times a trial's steps after the first: set MEMORY_TRIAL_STEPS=2 or more" >&2; exit 2; }
+        unprobed="--unprobed-steps"
+    fi
     # MEMORY_CLEANUP=1: before each piece's backward the pools give back the pages no tensor
     # holds (CubeCL 0.10's CUDA pools take no options): reserved against used, with and without.
     cleanup=""
@@ -248,11 +257,11 @@ TOML
         offload="--offload-to-host"
         [ "${MEMORY_OFFLOAD:-1}" = 0 ] && offload=""
         step memory-alst "$bench" $longest --layers 2 --min-seq "${MEMORY_MIN_SEQ:-524288}" --max-seq "${MEMORY_MAX_SEQ:-2097152}" --step-tokens 131072 \
-            --checkpoint-layers $offload --tile-tokens "${MEMORY_TILE_TOKENS:-4096}" --precision bf16 ;;
+            --checkpoint-layers $offload $unprobed --tile-tokens "${MEMORY_TILE_TOKENS:-4096}" --precision bf16 ;;
     layers4)
         # 4 layers in f32, plain and checkpointed (offloaded).
         step memory-layers4-plain "$bench" $longest --layers 4 --min-seq 8192 --max-seq 262144 --step-tokens 8192
-        step memory-layers4-checkpointed "$bench" $longest --layers 4 --min-seq 65536 --max-seq 1048576 --step-tokens 32768 --checkpoint-layers --offload-to-host ;;
+        step memory-layers4-checkpointed "$bench" $longest --layers 4 --min-seq 65536 --max-seq 1048576 --step-tokens 32768 --checkpoint-layers --offload-to-host $unprobed ;;
     table)
         # Memory of one step against S (the example's shape), plain and checkpointed.
         step memory-table-plain "$bench" --seqs 4096,8192,16384,32768,65536
@@ -356,8 +365,8 @@ if has ulysses-trainer; then
         # GPU with the optimizer on the host (--offload-optimizer: 12 bytes a parameter, 96 GB of
         # the host; the device keeps bf16 parameters and gradients, 32 GB), every layer
         # checkpointed, the token-wise parts in tiles of 4096. EIGHT_B_SEQS: one run per length
-        # (65 536 by default: about 9e15 FLOP a step, some 14 minutes at 10.7 TFLOP/s, more than
-        # one call; 32 768 is about 3.2e15, benches/NEXT-GPU-RUN.md); EIGHT_B_OFFLOAD=1 also keeps the layer inputs on the host (35 × 8 KB a
+        # (32 768 by default: about 3.2e15 FLOP a step, some 5 minutes at 10.7 TFLOP/s, inside
+        # one call; 65 536 is about 9e15, some 14 minutes, more than a call: benches/NEXT-GPU-RUN.md); EIGHT_B_OFFLOAD=1 also keeps the layer inputs on the host (35 × 8 KB a
         # token: 18.8 GB at 64K beside the optimizer's 128.5 GB, more than a 128 GiB machine:
         # refused before step 1, the figures named). EIGHT_B_ZERO3=1
         # runs it under ZeRO-3 (--zero 3: each layer's gradients leave for the host as its
@@ -386,7 +395,7 @@ if has ulysses-trainer; then
             params) zero="--zero 3 --offload-parameters" ;;
             *) echo "EIGHT_B_ZERO3 must be 0, 1 or params, not ${EIGHT_B_ZERO3}" >&2; exit 2 ;;
         esac
-        for seq in ${EIGHT_B_SEQS:-65536}; do
+        for seq in ${EIGHT_B_SEQS:-32768}; do
             step "llama-8b-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps "${EIGHT_B_STEPS:-2}" --seq-len "$seq" --batch-size 1 --profile --progress \
                 --offload-optimizer --checkpoint-layers $offload $zero --tile-tokens 4096 --learning-rate 1e-5 --no-save --check-parameters-every 0 \
                 --hf-config "$here/hf-shapes/llama-3.1-8b.json" --corpus "$(corpus_for "$seq")" --out "$out/llama-8b-$seq" \

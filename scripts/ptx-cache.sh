@@ -16,7 +16,7 @@
 # the steps and the run folder replaced), so the two never drift apart. TRAIN_RUNS="" leaves
 # them out. Its words (default "llama-3.2-1b:1 8b", the GPU session's plan):
 #   SHAPE:SP  the hf part's step for a shape of benches/hf-shapes at HF_SEQ tokens (16 384), SP ranks;
-#   8b[:SEQ]  the 8b part as EIGHT_B_ZERO3=params runs it (65 536 tokens), on the Llama-3.1-8B
+#   8b[:SEQ]  the 8b part as EIGHT_B_ZERO3=params runs it (32 768 tokens by default, as gpu-run.sh), on the Llama-3.1-8B
 #             shape cut to 2 layers: every layer launches the same kernels, and the host still
 #             holds 16 bytes a parameter (the vocabulary's 1.05 B of 1.49 B), 24 GB resident at
 #             the peak. Skipped, with a warning, where memory and swap have less than
@@ -112,7 +112,7 @@ for run in $requested; do
         8b | 8b:*)
             seq=${run#8b}
             seq=${seq#:}
-            seq=${seq:-65536}
+            seq=${seq:-32768}
             [[ $seq =~ ^[0-9]+$ ]] || { echo "ptx-cache: 8b takes a sequence length (8b:65536), not $run" >&2; exit 1; }
             have=$(awk '/^(MemAvailable|SwapFree):/ { kib += $2 } END { printf "%d", kib / 1048576 }' /proc/meminfo)
             if [ "$have" -lt "${EIGHT_B_HOST_GB:-28}" ]; then

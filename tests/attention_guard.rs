@@ -347,7 +347,7 @@ fn attention_without_a_matmul_and_positions_from_a_cumsum_are_refused() {
 /// a causal depthwise convolution along the sequence (a Mamba block's, kernel 4: burn pads 3
 /// tokens on the left itself), a pooling window of 3, max pooling with its indices (windows of
 /// 3 every 2 tokens), an upsampling whose kernel (4) overlaps the next token's (stride 2), a
-/// pooling to a fixed length, and the sequence reversed (a backward RNN's input), its token
+/// pooling to a fixed length, sliding windows of 3 by `unfold`, and the sequence reversed (a backward RNN's input), its token
 /// ids reversed (an int flip) or a padding mask reversed (a bool flip).
 #[derive(Clone, Copy, Debug)]
 enum MixesNeighbours {
@@ -356,18 +356,20 @@ enum MixesNeighbours {
     MaxPooling,
     OverlappingUpsampling,
     PooledToLength,
+    SlidingWindows,
     Reversed,
     ReversedIds,
     ReversedMask,
 }
 
 impl MixesNeighbours {
-    const ALL: [Self; 8] = [
+    const ALL: [Self; 9] = [
         Self::CausalConvolution,
         Self::Pooling,
         Self::MaxPooling,
         Self::OverlappingUpsampling,
         Self::PooledToLength,
+        Self::SlidingWindows,
         Self::Reversed,
         Self::ReversedIds,
         Self::ReversedMask,
@@ -400,6 +402,7 @@ impl MixesNeighbours {
                 channels_last(deterministic_params(conv.init::<B>(&device), 19).forward(channels_first))
             }
             Self::PooledToLength => channels_last(adaptive_avg_pool1d(channels_first, 2)),
+            Self::SlidingWindows => x.unfold::<4, _>(1, 3, 1).sum_dim(3).squeeze_dim(3),
             Self::Reversed => x.flip([1]),
             // Flipped after the first embedding, where the guard knows the shard's length.
             Self::ReversedIds => x + embed(ids.flip([1]), 23),
@@ -419,14 +422,16 @@ impl MixesNeighbours {
             Self::MaxPooling => ("max_pool1d", "tile the shard"),
             Self::OverlappingUpsampling => ("conv_transpose1d", "a block of outputs of its own"),
             Self::PooledToLength => ("adaptive_avg_pool1d", "kernel = stride"),
+            Self::SlidingWindows => ("unfold", "halo"),
             Self::Reversed | Self::ReversedIds | Self::ReversedMask => ("flip", "before it is sharded"),
         }
     }
 
     /// Whether a rank's output, let through, is as long as its shard of one device's (pooled
-    /// to a fixed length, it is not: each rank pools to that length).
+    /// to a fixed length or unfolded into windows of 3, it is not: each rank makes that
+    /// length, or 2 fewer windows than tokens).
     fn shards_like_the_sequence(self) -> bool {
-        !matches!(self, Self::PooledToLength)
+        !matches!(self, Self::PooledToLength | Self::SlidingWindows)
     }
 }
 
@@ -453,13 +458,14 @@ fn windows_along_the_shard_and_flips_of_it_are_refused() {
 }
 
 /// Windows that tile the shard, each over the embedded tokens: a patch embedding (a
-/// convolution with kernel = stride = 2), pooling by 2 (average, and max), an upsampling by 2
-/// (a transposed convolution with kernel = stride).
+/// convolution with kernel = stride = 2), pooling by 2 (average, and max), chunks of 2 by
+/// `unfold`, an upsampling by 2 (a transposed convolution with kernel = stride).
 #[derive(Clone, Copy, Debug)]
 enum TilesTheShard {
     PatchEmbedding,
     AveragePooling,
     MaxPooling,
+    Chunks,
     Upsampling,
 }
 
@@ -468,14 +474,19 @@ impl TilesTheShard {
         use burn::nn::conv::{Conv1dConfig, ConvTranspose1dConfig};
         use burn::tensor::module::{avg_pool1d, max_pool1d_with_indices};
         let device = ids.device();
-        let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13).forward(ids).swap_dims(1, 2);
-        let y = match self {
-            Self::PatchEmbedding => deterministic_params(Conv1dConfig::new(D_MODEL, D_MODEL, 2).with_stride(2).init::<B>(&device), 17).forward(x),
-            Self::AveragePooling => avg_pool1d(x, 2, 2, 0, true, false),
-            Self::MaxPooling => max_pool1d_with_indices(x, 2, 2, 0, 1, false).0,
-            Self::Upsampling => deterministic_params(ConvTranspose1dConfig::new([D_MODEL, D_MODEL], 2).with_stride(2).init::<B>(&device), 19).forward(x),
-        };
-        y.swap_dims(1, 2)
+        let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13).forward(ids);
+        let along_length = |window: &dyn Fn(Tensor<B, 3>) -> Tensor<B, 3>| window(x.clone().swap_dims(1, 2)).swap_dims(1, 2);
+        match self {
+            Self::PatchEmbedding => along_length(&|x| deterministic_params(Conv1dConfig::new(D_MODEL, D_MODEL, 2).with_stride(2).init::<B>(&device), 17).forward(x)),
+            Self::AveragePooling => along_length(&|x| avg_pool1d(x, 2, 2, 0, true, false)),
+            Self::MaxPooling => along_length(&|x| max_pool1d_with_indices(x, 2, 2, 0, 1, false).0),
+            Self::Upsampling => along_length(&|x| deterministic_params(ConvTranspose1dConfig::new([D_MODEL, D_MODEL], 2).with_stride(2).init::<B>(&device), 19).forward(x)),
+            // Along the sequence dim of [B, S, D]: each chunk's two tokens weighted 1 and 2.
+            Self::Chunks => {
+                let weights = Tensor::<B, 1>::from_floats([1.0, 2.0], &device).reshape([1, 1, 1, 2]);
+                (x.unfold::<4, _>(1, 2, 2) * weights).sum_dim(3).squeeze_dim(3)
+            }
+        }
     }
 }
 
@@ -485,7 +496,7 @@ impl TilesTheShard {
 /// its own outputs).
 #[test]
 fn windows_that_tile_the_shard_pass() {
-    for form in [TilesTheShard::PatchEmbedding, TilesTheShard::AveragePooling, TilesTheShard::MaxPooling, TilesTheShard::Upsampling] {
+    for form in [TilesTheShard::PatchEmbedding, TilesTheShard::AveragePooling, TilesTheShard::MaxPooling, TilesTheShard::Chunks, TilesTheShard::Upsampling] {
         let want = form.forward(token_ids::<Inner>(&Default::default()));
         for sp in [2, 3] {
             assert_sequence_parallel(on_ranks_from_ids(sp, UlyssesConfig::new(), move |ids| form.forward(ids)), want.clone());
@@ -493,7 +504,9 @@ fn windows_that_tile_the_shard_pass() {
         let at_four = on_ranks_from_ids(4, UlyssesConfig::new(), move |ids| form.forward(ids));
         match form {
             TilesTheShard::Upsampling => assert_sequence_parallel(at_four, want),
-            _ => assert_shard_local_refused(&at_four, if matches!(form, TilesTheShard::PatchEmbedding) { "conv1d" } else { "_pool1d" }, "tile the shard"),
+            TilesTheShard::PatchEmbedding => assert_shard_local_refused(&at_four, "conv1d", "tile the shard"),
+            TilesTheShard::Chunks => assert_shard_local_refused(&at_four, "unfold", "tile the shard"),
+            _ => assert_shard_local_refused(&at_four, "_pool1d", "tile the shard"),
         }
     }
 }
@@ -565,6 +578,28 @@ fn attention_by_hand_on_quantized_keys_is_refused() {
             .collect()
     });
     assert_refused_on_every_rank(&results, "scores against quantized keys");
+}
+
+/// A flip of the sequence where the activations are quantized (burn sends it to `q_flip`).
+#[test]
+fn a_quantized_flip_of_the_sequence_is_refused() {
+    type SpInference = UlyssesBackend<Inner>;
+    let results: Vec<Result<Vec<f32>, String>> = with_deadline(Duration::from_secs(60), || {
+        ThreadGroup::new(2)
+            .run(|rank| {
+                let _sp = SpInference::enter(RankScope::Thread, rank.communicator(), UlyssesConfig::new());
+                let device = Default::default();
+                let length = SEQ / rank.size();
+                let ids = token_ids::<SpInference>(&device).narrow(1, rank.rank() * length, length);
+                let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init(&device), 13).forward(ids);
+                let scheme = QuantScheme::default().with_value(QuantValue::Q8S).with_store(QuantStore::Native);
+                values(x.quantize_dynamic(&scheme).flip([1]).dequantize())
+            })
+            .into_iter()
+            .map(|result| result.map_err(|panic| panic.message))
+            .collect()
+    });
+    assert_shard_local_refused(&results, "flip", "before it is sharded");
 }
 
 #[test]

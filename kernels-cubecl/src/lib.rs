@@ -167,8 +167,10 @@ pub mod testing {
             burn::tensor::DType::BF16 => (ElemType::Float(FloatKind::BF16), "bf16"),
             _ => return true,
         };
+        // Read first, so a misspelt list fails on every device, not only one lacking a dtype.
+        let required = required_dtypes();
         let supported = R::client(device).properties().supports_type(elem);
-        if !supported && required_dtypes().iter().any(|required| required == name) {
+        if !supported && required.iter().any(|required| required == name) {
             panic!("the device has no {name}, which ULYSSES_REQUIRE_DTYPES requires: its cases would skip");
         }
         supported

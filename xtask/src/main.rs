@@ -50,10 +50,14 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("IntTensorOps", "int_cummin", "crate::attention_guard::guarded_int_cummin"),
     ("IntTensorOps", "int_cummax", "crate::attention_guard::guarded_int_cummax"),
     // Refuse ops that mix the shard's neighbouring tokens or reverse it under SP:
-    // convolutions and pooling along the length, flips of the sequence dim.
+    // convolutions and pooling along the length, flips and unfolds of the sequence dim.
     ("FloatTensorOps", "float_flip", "crate::attention_guard::guarded_float_flip"),
     ("IntTensorOps", "int_flip", "crate::attention_guard::guarded_int_flip"),
     ("BoolTensorOps", "bool_flip", "crate::attention_guard::guarded_bool_flip"),
+    ("QTensorOps", "q_flip", "crate::attention_guard::guarded_q_flip"),
+    ("FloatTensorOps", "float_unfold", "crate::attention_guard::guarded_float_unfold"),
+    ("IntTensorOps", "int_unfold", "crate::attention_guard::guarded_int_unfold"),
+    ("BoolTensorOps", "bool_unfold", "crate::attention_guard::guarded_bool_unfold"),
     ("ModuleOps", "conv1d", "crate::attention_guard::guarded_conv1d"),
     ("ModuleOps", "conv_transpose1d", "crate::attention_guard::guarded_conv_transpose1d"),
     ("ModuleOps", "avg_pool1d", "crate::attention_guard::guarded_avg_pool1d"),

@@ -61,10 +61,11 @@
 //! `conv1d`, `avg_pool1d` and `max_pool1d` whose windows overlap, pad or straddle two ranks
 //! (at a shard's edges they read padding where the neighbouring ranks' tokens are),
 //! `conv_transpose1d` whose outputs overlap or are cropped, and `adaptive_avg_pool1d` to
-//! another length (to one: a classifier's mean over the shard alone). Windows that tile the
-//! shard are right under SP and pass ([`Window`]): a patch embedding, pooling by a factor
-//! that divides the shard (each half of it under a zigzag ring), an upsampling whose kernel
-//! is its stride.
+//! another length (to one: a classifier's mean over the shard alone), and an `unfold` of the
+//! sequence dim into overlapping windows (local attention's). Windows that tile the shard are
+//! right under SP and pass ([`Window`]): a patch embedding, pooling or chunks by a factor that
+//! divides the shard (each half of it under a zigzag ring), an upsampling whose kernel is its
+//! stride.
 //!
 //! What shape cannot tell apart stays unguarded: a single 3-D or 2-D matrix (a linear layer's
 //! shapes), keys broadcast over the batch, rectangular products of a model that embeds no
@@ -73,7 +74,8 @@
 //! the guard see other ops that mix the sequence's tokens, each over its shard alone: a mean
 //! or max over the sequence dim (a sum over a shard is also a loss's, summed over the ranks
 //! after), 2-D convolutions and pooling, 1-D ones over a channels-last `[B, S, C]` or a length a strided window made, sorting along it
-//! (routing tokens within the shard is right), a scan, flip or window along another dim or
+//! (routing tokens within the shard is right), `roll` (burn builds it of slices, no op of
+//! its own), a scan, flip or window along another dim or
 //! before the first embedding since a backward (or in the first forward of all), or
 //! positions counted from 0 on every rank
 //! (`Tensor::arange(0..shard)`) where the sharder's positions belong.
@@ -85,7 +87,7 @@ use std::{
 
 use burn::tensor::{
     TensorMetadata, TensorPrimitive,
-    ops::{BoolTensor, ConvOptions, ConvTransposeOptions, FloatTensor, IntTensor, MaxPool1dWithIndices},
+    ops::{BoolTensor, ConvOptions, ConvTransposeOptions, FloatTensor, IntTensor, MaxPool1dWithIndices, QuantizedTensor},
 };
 
 use crate::{
@@ -355,6 +357,27 @@ fn length_along_the_shard(shape: &[usize], extra: usize) -> Option<(usize, usize
 /// patch embedding or pooling by a fixed factor, and a pointwise convolution.
 pub fn window_over_the_shard(op: &'static str, shape: &[usize], window: Window, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let (shard, length) = length_along_the_shard(shape, window.span.saturating_sub(1))?;
+    windows_across_the_shard(op, shape, 2, (shard, length), window, sharding)
+}
+
+/// Why an unfold (`op`) of `shape` along `dim` into windows of `size` every `step` is refused,
+/// or `None`: along the sequence dim (`[B, S, ..]`'s dim 1, or a channels-first `[B, C, L]`'s
+/// dim 2) as long as the token ids last embedded, its windows are [`window_over_the_shard`]'s
+/// (sliding windows for local attention, overlapping chunks); chunks that tile the shard pass.
+pub fn unfold_over_the_shard(op: &'static str, shape: &[usize], dim: usize, size: usize, step: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let sequence = sequence_dim(shape);
+    let along = |dim| along_the_shard(shape, dim);
+    let shard = match dim {
+        _ if dim == sequence => along(dim),
+        2 if shape.len() == 3 && along(sequence).is_none() => along(dim),
+        _ => None,
+    }?;
+    windows_across_the_shard(op, shape, dim, (shard, shard), Window::new(size, 1, step, 0, false), sharding)
+}
+
+/// The refusal of `window`s along `dim` of `shape`, whose `length` is the `shard`'s (or burn
+/// padded it), unless they tile each run of the sequence the shard holds.
+fn windows_across_the_shard(op: &'static str, shape: &[usize], dim: usize, (shard, length): (usize, usize), window: Window, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let sharding = sharding();
     let runs = sharding.map_or(1, |sharding| sharding.runs);
     if length == shard && shard % runs == 0 && window.tiles(shard / runs) {
@@ -369,7 +392,7 @@ pub fn window_over_the_shard(op: &'static str, shape: &[usize], window: Window, 
     let fix = "Run it on the whole sequence on one rank (burn_ulysses::context::enter_single_device()), or give each shard the \
                window's (window − 1) tokens from the rank before it (a halo) and drop the outputs they add. Windows that tile the \
                shard pass: no padding, a stride at least the window's span that divides the shard (each half of it under a zigzag ring).";
-    shard_local_refusal(op, shape, 2, what, fix, || sharding)
+    shard_local_refusal(op, shape, dim, what, fix, || sharding)
 }
 
 /// Why a transposed convolution over the length dim of `shape` (`[B, C, L]`, `L` the shard's:
@@ -434,7 +457,24 @@ macro_rules! guarded_flips {
     )*};
 }
 
-guarded_flips!((guarded_float_flip, FloatTensor, float_flip), (guarded_int_flip, IntTensor, int_flip), (guarded_bool_flip, BoolTensor, bool_flip));
+guarded_flips!(
+    (guarded_float_flip, FloatTensor, float_flip),
+    (guarded_int_flip, IntTensor, int_flip),
+    (guarded_bool_flip, BoolTensor, bool_flip),
+    (guarded_q_flip, QuantizedTensor, q_flip),
+);
+
+macro_rules! guarded_unfolds {
+    ($(($name:ident, $tensor:ident, $op:ident)),* $(,)?) => {$(
+        #[doc = concat!("`UlyssesBackend`'s `", stringify!($op), "`: the inner backend's, after the guard.")]
+        pub fn $name<X: ExchangeBackend>(tensor: $tensor<X>, dim: usize, size: usize, step: usize) -> $tensor<X> {
+            refuse(unfold_over_the_shard("unfold", &tensor.shape(), dim, size, step, context::current_sharding));
+            X::$op(tensor, dim, size, step)
+        }
+    )*};
+}
+
+guarded_unfolds!((guarded_float_unfold, FloatTensor, float_unfold), (guarded_int_unfold, IntTensor, int_unfold), (guarded_bool_unfold, BoolTensor, bool_unfold));
 
 /// `UlyssesBackend`'s `conv1d`: the inner backend's, after the guard.
 pub fn guarded_conv1d<X: ExchangeBackend>(x: FloatTensor<X>, weight: FloatTensor<X>, bias: Option<FloatTensor<X>>, options: ConvOptions<1>) -> FloatTensor<X> {
@@ -743,6 +783,18 @@ mod tests {
         assert!(window(&[2, 16, 8], Window::new(8, 1, 8, 0, false)).is_none());
         assert!(window_over_the_shard("conv1d", &[2, 16, 8], sliding(3), || None).is_none(), "refused outside SP");
         assert!(window_over_the_shard("conv1d", &[2, 16, 8], sliding(3), || Some(Sharding { ranks: 1, ..SP2.unwrap() })).is_none(), "refused at SP = 1");
+        // Unfolds along the sequence dim ([B, S, D]'s 1, channels-first [B, C, L]'s 2): sliding
+        // windows refused, chunks that tile the shard pass, the features of a [B, S, D] as
+        // wide as the shard and other lengths pass.
+        let unfold = |shape: &[usize], dim: usize, size: usize, step: usize| unfold_over_the_shard("unfold", shape, dim, size, step, || SP2).map(|e| e.to_string());
+        let message = unfold(&[2, 8, 16], 1, 3, 1).expect("sliding windows along the sequence refused");
+        for needle in ["unfold along dim 1 of a [2, 8, 16] tensor", "windows of 3 tokens, 1 apart", "halo"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        assert!(unfold(&[2, 8, 16], 1, 4, 4).is_none() && unfold(&[2, 8, 16], 1, 3, 3).is_some());
+        assert!(unfold(&[2, 16, 8], 2, 3, 1).is_some() && unfold(&[2, 16, 8], 2, 2, 2).is_none());
+        assert!(unfold(&[2, 8, 8], 2, 3, 1).is_none(), "the features of a [B, S, D] as wide as the shard refused");
+        assert!(unfold(&[2, 16, 16], 1, 3, 1).is_none() && unfold(&[8, 16], 0, 3, 1).is_none());
         // A transposed convolution: each token writing its own block (kernel, with the output
         // padding, = stride; no padding) passes; overlapping, cropped or gapped blocks do not.
         let transposed = |kernel: usize, stride: usize, padding: usize, padding_out: usize| {

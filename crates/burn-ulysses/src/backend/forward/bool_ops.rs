@@ -184,6 +184,6 @@ impl<Inner: ExchangeBackend> BoolTensorOps<Self> for UlyssesBackend<Inner> {
         size: usize,
         step: usize,
     ) -> BoolTensor<Self> {
-        <Inner as BoolTensorOps<Inner>>::bool_unfold(tensor, dim, size, step)
+        crate::attention_guard::guarded_bool_unfold::<Inner>(tensor, dim, size, step)
     }
 }

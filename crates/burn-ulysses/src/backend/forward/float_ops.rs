@@ -575,7 +575,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         size: usize,
         step: usize,
     ) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_unfold(tensor, dim, size, step)
+        crate::attention_guard::guarded_float_unfold::<Inner>(tensor, dim, size, step)
     }
     fn float_is_nan(
         tensor: FloatTensor<Self>,

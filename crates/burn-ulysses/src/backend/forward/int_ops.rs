@@ -482,6 +482,6 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         size: usize,
         step: usize,
     ) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_unfold(tensor, dim, size, step)
+        crate::attention_guard::guarded_int_unfold::<Inner>(tensor, dim, size, step)
     }
 }

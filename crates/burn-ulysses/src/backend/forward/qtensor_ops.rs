@@ -76,7 +76,7 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as QTensorOps<Inner>>::q_permute(tensor, axes)
     }
     fn q_flip(tensor: QuantizedTensor<Self>, axes: &[usize]) -> QuantizedTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_flip(tensor, axes)
+        crate::attention_guard::guarded_q_flip::<Inner>(tensor, axes)
     }
     fn q_select(
         tensor: QuantizedTensor<Self>,
