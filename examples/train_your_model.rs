@@ -15,7 +15,7 @@ use burn::{
     tensor::{Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}, module::attention, ops::AttentionModuleOptions},
 };
 use burn_ulysses::{ParallelGroups, ParallelLayout, RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup, data::{SequenceSharder, ShardPositions}};
-use ulysses_training::{CausalLm, StepInput, TrainBackend, train_step};
+use ulysses_training::{CausalLm, StepInput, TrainBackend, broadcast_parameters, train_step};
 
 const VOCAB: usize = 16;
 const MODEL: usize = 32;
@@ -89,13 +89,15 @@ impl<B: Backend> ModuleMapper<B> for DrawNow {}
 
 /// Trains on this rank of `groups`; returns the loss of every step.
 fn train<B: TrainBackend>(groups: &ParallelGroups<B::Wire>, device: &B::Device) -> Vec<f64> {
-    // Every rank starts from the same parameters: the same seed, one rank drawing at a time.
+    // Every rank starts from rank 0's parameters. The seed (rank threads share one generator:
+    // one draws at a time) makes them the one-device run's too, to compare the losses.
     static INIT: Mutex<()> = Mutex::new(());
-    let mut model = {
+    let drawn = {
         let _one_at_a_time = INIT.lock().unwrap();
         B::seed(device, 7);
         TinyLm::<B>::new(device).map(&mut DrawNow)
     };
+    let mut model = broadcast_parameters(drawn, &*groups.world).expect("rank 0's parameters");
     let mut optimizer = AdamWConfig::new().init::<B, TinyLm<B>>();
     let sharder = SequenceSharder::new(groups.layout.sp_size);
     (0..STEPS)
