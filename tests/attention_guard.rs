@@ -347,7 +347,8 @@ fn attention_without_a_matmul_and_positions_from_a_cumsum_are_refused() {
 /// a causal depthwise convolution along the sequence (a Mamba block's, kernel 4: burn pads 3
 /// tokens on the left itself), a pooling window of 3, max pooling with its indices (windows of
 /// 3 every 2 tokens), an upsampling whose kernel (4) overlaps the next token's (stride 2), a
-/// pooling to a fixed length, sliding windows of 3 by `unfold`, and the sequence reversed (a backward RNN's input), its token
+/// pooling to a fixed length, sliding windows of 3 by `unfold`, a convolution of 3 over the
+/// sequence pooled by 2 (an hourglass's), and the sequence reversed (a backward RNN's input), its token
 /// ids reversed (an int flip) or a padding mask reversed (a bool flip).
 #[derive(Clone, Copy, Debug)]
 enum MixesNeighbours {
@@ -357,19 +358,21 @@ enum MixesNeighbours {
     OverlappingUpsampling,
     PooledToLength,
     SlidingWindows,
+    ConvolutionAfterPooling,
     Reversed,
     ReversedIds,
     ReversedMask,
 }
 
 impl MixesNeighbours {
-    const ALL: [Self; 9] = [
+    const ALL: [Self; 10] = [
         Self::CausalConvolution,
         Self::Pooling,
         Self::MaxPooling,
         Self::OverlappingUpsampling,
         Self::PooledToLength,
         Self::SlidingWindows,
+        Self::ConvolutionAfterPooling,
         Self::Reversed,
         Self::ReversedIds,
         Self::ReversedMask,
@@ -403,6 +406,12 @@ impl MixesNeighbours {
             }
             Self::PooledToLength => channels_last(adaptive_avg_pool1d(channels_first, 2)),
             Self::SlidingWindows => x.unfold::<4, _>(1, 3, 1).sum_dim(3).squeeze_dim(3),
+            Self::ConvolutionAfterPooling => {
+                // Pooling by 2 tiles the shard (it passes); the convolution of 3 after it does not.
+                let pooled = AvgPool1dConfig::new(2).with_stride(2).init().forward(channels_first);
+                let conv = Conv1dConfig::new(D_MODEL, D_MODEL, 3).with_padding(PaddingConfig1d::Explicit(1, 1));
+                channels_last(deterministic_params(conv.init::<B>(&device), 29).forward(pooled))
+            }
             Self::Reversed => x.flip([1]),
             // Flipped after the first embedding, where the guard knows the shard's length.
             Self::ReversedIds => x + embed(ids.flip([1]), 23),
@@ -423,6 +432,7 @@ impl MixesNeighbours {
             Self::OverlappingUpsampling => ("conv_transpose1d", "a block of outputs of its own"),
             Self::PooledToLength => ("adaptive_avg_pool1d", "kernel = stride"),
             Self::SlidingWindows => ("unfold", "halo"),
+            Self::ConvolutionAfterPooling => ("conv1d", "halo"),
             Self::Reversed | Self::ReversedIds | Self::ReversedMask => ("flip", "before it is sharded"),
         }
     }

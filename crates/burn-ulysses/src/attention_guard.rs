@@ -65,7 +65,9 @@
 //! sequence dim into overlapping windows (local attention's). Windows that tile the shard are
 //! right under SP and pass ([`Window`]): a patch embedding, pooling or chunks by a factor that
 //! divides the shard (each half of it under a zigzag ring), an upsampling whose kernel is its
-//! stride.
+//! stride. The lengths they resample the shard to are the shard's too for every rule that
+//! goes by its length (a convolution of the sequence pooled by 2 is refused as one of the
+//! tokens would be).
 //!
 //! What shape cannot tell apart stays unguarded: a single 3-D or 2-D matrix (a linear layer's
 //! shapes), keys broadcast over the batch, rectangular products of a model that embeds no
@@ -73,7 +75,7 @@
 //! (attention sinks) beside the shard's, shards of one token, and cross-attention. Nor does
 //! the guard see other ops that mix the sequence's tokens, each over its shard alone: a mean
 //! or max over the sequence dim (a sum over a shard is also a loss's, summed over the ranks
-//! after), 2-D convolutions and pooling, 1-D ones over a channels-last `[B, S, C]` or a length a strided window made, sorting along it
+//! after), 2-D convolutions and pooling, 1-D ones over a channels-last `[B, S, C]`, sorting along it
 //! (routing tokens within the shard is right), `roll` (burn builds it of slices, no op of
 //! its own), a scan, flip or window along another dim or
 //! before the first embedding since a backward (or in the first forward of all), or
@@ -154,6 +156,29 @@ thread_local! {
     /// The lengths (last dim) of the token ids this thread last and next-to-last embedded, 0
     /// before any.
     static EMBEDDED_TOKENS: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
+    /// The lengths windows that tile the shard resampled it to since its ids were embedded (a
+    /// sequence pooled by 2, pooled again, or upsampled), the latest first; 0: none. Cut as
+    /// the tokens were, they are the shard too for the rules that go by its length.
+    static RESAMPLED_SHARDS: Cell<[usize; 4]> = const { Cell::new([0; 4]) };
+}
+
+/// The lengths this rank's shard of the sequence has in this forward, two tokens or more: the
+/// token ids' (where the thread's last two embeddings were of one length) first, then those
+/// windows that tiled it resampled it to.
+fn shard_lengths() -> impl Iterator<Item = usize> {
+    let (shard, one_length) = embedded();
+    let lengths = if one_length { RESAMPLED_SHARDS.get() } else { [0; 4] };
+    std::iter::once(shard).filter(move |_| one_length).chain(lengths).filter(|&length| length >= 2)
+}
+
+/// Notes `length`, the shard's after windows that tiled it, for the rules that go by its length.
+fn note_resampled(length: usize) {
+    let mut lengths = RESAMPLED_SHARDS.get();
+    if length >= 2 && embedded().0 != length && !lengths.contains(&length) {
+        lengths.rotate_right(1);
+        lengths[0] = length;
+        RESAMPLED_SHARDS.set(lengths);
+    }
 }
 
 /// The length of the token ids last embedded, and whether the one before was as long (or none).
@@ -167,6 +192,7 @@ fn embedded() -> (usize, bool) {
 /// rules that go by the length would take it for, and stop.
 pub fn forget_embedded_lengths() {
     EMBEDDED_TOKENS.set((0, 0));
+    RESAMPLED_SHARDS.set([0; 4]);
 }
 
 /// `UlyssesBackend`'s embedding: the inner backend's, noting the length of the token ids for
@@ -174,6 +200,9 @@ pub fn forget_embedded_lengths() {
 /// or a label's embedding, `[B, 1]`) are no sequence and leave the length noted.
 pub fn embedding_noting_length<X: ExchangeBackend>(weights: FloatTensor<X>, indices: IntTensor<X>) -> FloatTensor<X> {
     if let Some(&length) = indices.shape().last().filter(|&&length| length >= 2) {
+        if EMBEDDED_TOKENS.get().0 != length {
+            RESAMPLED_SHARDS.set([0; 4]);
+        }
         EMBEDDED_TOKENS.with(|tokens| tokens.set((length, tokens.get().0)));
     }
     X::embedding(weights, indices)
@@ -289,10 +318,11 @@ pub fn scan_over_the_shard(op: &'static str, shape: &[usize], dim: usize, shardi
 }
 
 /// The shard's length where `dim` of `shape` is as long as the token ids last embedded (the
-/// rank's shard; the thread's last two embeddings of that one length, two tokens or more).
+/// rank's shard; the thread's last two embeddings of that one length, two tokens or more) or
+/// as a length windows that tiled it resampled it to.
 fn along_the_shard(shape: &[usize], dim: usize) -> Option<usize> {
-    let (shard, one_length) = embedded();
-    (one_length && shard >= 2 && shape.get(dim) == Some(&shard)).then_some(shard)
+    let length = *shape.get(dim)?;
+    shard_lengths().find(|&shard| shard == length)
 }
 
 /// The sequence dim of a `[B, S, ..]` tensor (1), or a 1-D one's only dim.
@@ -340,11 +370,11 @@ impl Window {
 }
 
 /// The shard's length (`shape` a channels-first `[B, C, L]`) where its length dim is as long
-/// as the token ids last embedded, or up to `extra` tokens longer; with `L`.
+/// as the token ids last embedded (or a length windows that tiled it resampled it to), or up
+/// to `extra` tokens longer; with `L`.
 fn length_along_the_shard(shape: &[usize], extra: usize) -> Option<(usize, usize)> {
-    let (shard, one_length) = embedded();
-    let length = *shape.get(2)?;
-    (shape.len() == 3 && one_length && shard >= 2 && (shard..=shard + extra).contains(&length)).then_some((shard, length))
+    let length = *shape.get(2).filter(|_| shape.len() == 3)?;
+    shard_lengths().find(|&shard| (shard..=shard + extra).contains(&length)).map(|shard| (shard, length))
 }
 
 /// Why a convolution or pooling (`op`) over the length dim of `shape` (`[B, C, L]`, channels
@@ -381,6 +411,7 @@ fn windows_across_the_shard(op: &'static str, shape: &[usize], dim: usize, (shar
     let sharding = sharding();
     let runs = sharding.map_or(1, |sharding| sharding.runs);
     if length == shard && shard % runs == 0 && window.tiles(shard / runs) {
+        note_resampled(shard / window.stride);
         return None;
     }
     let Window { span, stride, .. } = window;
@@ -405,6 +436,7 @@ pub fn transposed_window_over_the_shard(shape: &[usize], window: Window, padding
     let (shard, _) = length_along_the_shard(shape, 0)?;
     let Window { span, stride, padding, .. } = window;
     if padding == 0 && span + padding_out == stride {
+        note_resampled(shard * stride);
         return None;
     }
     let what = format!(
@@ -735,6 +767,27 @@ mod tests {
         assert!(scan(&[2, 8], 1).is_none(), "a model that embeds two lengths leaves the length's rules off");
         forget_embedded_lengths();
         assert!(scan(&[2, 8], 1).is_none() && weights(&[1, 1, 8, 8], 3).is_none());
+    }
+
+    /// Windows that tile the shard resample it (pooled by 2: 4 places for its 8 tokens): the
+    /// rules that go by the shard's length see the new lengths too, until a backward.
+    #[test]
+    fn a_resampled_shard_is_still_the_shard() {
+        EMBEDDED_TOKENS.set((8, 8));
+        let conv = |shape: &[usize]| window_over_the_shard("conv1d", shape, Window::new(3, 1, 1, 1, false), || SP2).map(|e| e.to_string());
+        let tiling = |op: &'static str, shape: &[usize]| window_over_the_shard(op, shape, Window::new(2, 1, 2, 0, false), || SP2);
+        assert!(conv(&[2, 16, 4]).is_none(), "a length of 4 refused before any pooling");
+        assert!(tiling("avg_pool1d", &[2, 16, 8]).is_none());
+        assert!(conv(&[2, 16, 4]).is_some_and(|m| m.contains("the 4 tokens of this rank's shard")), "a convolution of the pooled shard let through");
+        assert!(flip_over_the_shard("flip", &[2, 4, 16], &[1], || SP2).is_some(), "a flip of the pooled shard let through");
+        // Pooled again (4 → 2), then upsampled by 7 (2 → 14).
+        assert!(tiling("max_pool1d", &[2, 16, 4]).is_none() && conv(&[2, 16, 2]).is_some());
+        assert!(conv(&[2, 16, 14]).is_none());
+        assert!(transposed_window_over_the_shard(&[2, 16, 2], Window::new(7, 1, 7, 0, false), 0, || SP2).is_none());
+        assert!(conv(&[2, 16, 14]).is_some_and(|m| m.contains("the 14 tokens")));
+        forget_embedded_lengths();
+        EMBEDDED_TOKENS.set((8, 8));
+        assert!(conv(&[2, 16, 4]).is_none() && conv(&[2, 16, 14]).is_none(), "a backward forgets the resampled lengths");
     }
 
     /// Flips of the sequence dim, and convolutions and pooling windows of two tokens or more
