@@ -211,6 +211,23 @@ fn clipping_scales_the_whole_gradient_to_the_global_norm_asked_for() {
     assert!((clipped_norm - norm / 4.0).abs() <= 1e-5 * norm, "clipped to {clipped_norm}, asked for {}", norm / 4.0);
 }
 
+/// Gradients of 1e20 (a diverging run) square past f32's range: the norm is still theirs
+/// (summed scaled, not infinite), so clipping scales them to the limit instead of zeroing them.
+#[test]
+fn a_gradient_whose_squares_overflow_f32_keeps_its_norm() {
+    use ulysses_training::{clip_gradient_norm, gradient_norm};
+    let net = Net::<Ad>::new(&Default::default());
+    let gradients = || GradientsParams::from_grads((net.loss(0) * 1e20).backward(), &net);
+    let original = gradient_values(&net, &gradients());
+    assert!(original.iter().all(|g| g.is_finite()) && original.iter().any(|g| g.abs() > 1.9e19), "the gradients must be finite and square past f32");
+    let expected_norm = original.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>().sqrt();
+    let norm = gradient_norm(&net, &gradients());
+    assert!((norm - expected_norm).abs() <= 1e-5 * expected_norm, "norm {norm} against {expected_norm}");
+    let (clipped, _) = clip_gradient_norm(&net, gradients(), 1.0);
+    let clipped_norm = gradient_norm(&net, &clipped);
+    assert!((clipped_norm - 1.0).abs() <= 1e-4, "clipped to {clipped_norm}, asked for 1");
+}
+
 /// After the all-reduce every rank holds the same gradient bits, but a GPU's sum of their
 /// squares can differ in its last bits from rank to rank (burn's CubeCL sum adds partial sums
 /// with atomics, in f32), and clipping factors that far apart made an H100's SP=2 ranks'

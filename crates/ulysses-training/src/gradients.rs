@@ -205,7 +205,42 @@ pub fn gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads
     }
     let mut sum = SquaredSum::<B> { grads, total: None };
     module.visit(&mut sum);
-    sum.total.map_or(0.0, |total| total.into_data().convert::<f64>().to_vec::<f64>().expect("one f64")[0].sqrt())
+    let total = sum.total.map_or(0.0, |total| total.into_data().convert::<f64>().to_vec::<f64>().expect("one f64")[0]);
+    if total != f64::INFINITY {
+        return total.sqrt();
+    }
+    // An element past 1.8e19 (a diverging run) squares to infinity in f32: clipping by an
+    // infinite norm would zero the gradient and the step would go on as if nothing happened.
+    struct ScaledSum<'a, B: AutodiffBackend> {
+        grads: &'a GradientsParams,
+        total: f64,
+        _backend: std::marker::PhantomData<B>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for ScaledSum<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
+                self.total += squares_without_overflow(grad.flatten(0, D - 1));
+            }
+        }
+    }
+    let mut sum = ScaledSum::<B> { grads, total: 0.0, _backend: std::marker::PhantomData };
+    module.visit(&mut sum);
+    sum.total.sqrt()
+}
+
+/// The sum of `grad`'s squares in f64 where its f32 sum overflows: each element divided by the
+/// largest magnitude first (squares of at most 1), the sum scaled back in f64. Two reads of
+/// the gradient: for the rare sum that came out infinite, not every step's.
+pub(crate) fn squares_without_overflow<B: Backend>(grad: Tensor<B, 1>) -> f64 {
+    let grad = grad.cast(DType::F32);
+    let largest: f64 = grad.clone().abs().max().into_data().convert::<f64>().to_vec::<f64>().expect("one f64")[0];
+    if !(largest > 0.0 && largest.is_finite()) {
+        // No gradient, zeros, or an element that is itself infinite or NaN: the NaN check's.
+        return largest * largest;
+    }
+    let scaled = grad.div_scalar(largest);
+    let sum: f64 = (scaled.clone() * scaled).sum().into_data().convert::<f64>().to_vec::<f64>().expect("one f64")[0];
+    largest * largest * sum
 }
 
 /// Scales every gradient by `max_norm / (norm + 1e-6)` where their global norm exceeds

@@ -106,7 +106,9 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
         world: &dyn Communicator<B::Wire>,
     ) -> Result<f64, UlyssesError> {
         let squares: Vec<Tensor<B::InnerBackend, 1>> = grads.iter().flatten().map(|g| (g.clone() * g.clone()).sum()).collect();
-        let local: f64 = if squares.is_empty() { 0.0 } else { Tensor::cat(squares, 0).into_data().to_vec::<f32>().expect("f32 sums").iter().map(|&s| f64::from(s)).sum() };
+        let sums = if squares.is_empty() { Vec::new() } else { Tensor::cat(squares, 0).into_data().to_vec::<f32>().expect("f32 sums") };
+        // A part whose f32 sum overflowed (an element past 1.8e19) is summed again, scaled.
+        let local: f64 = sums.iter().zip(grads.iter().flatten()).map(|(&sum, grad)| if sum == f32::INFINITY { crate::gradients::squares_without_overflow(grad.clone()) } else { f64::from(sum) }).sum();
         let (grad_norm, factor) = norm_of_parts(local, max_grad_norm, world)?;
         assert_eq!(decayed.len(), grads.len(), "a decay for every parameter");
         for ((part, grad), &decays) in self.parts.iter_mut().zip(grads).zip(decayed) {
@@ -175,5 +177,40 @@ impl<B: TrainBackend> DevicePart<B> {
         let decay = (1.0 - learning_rate * config.weight_decay as f64) as f32;
         self.master = self.master.clone().mul_scalar(decay) - delta.mul_scalar(learning_rate as f32);
         self.moments = Some((moment_1, moment_2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::{
+        backend::{Autodiff, NdArray},
+        tensor::Tensor,
+    };
+    use ulysses_core::host_adamw::HostAdamWConfig;
+
+    use super::DeviceShardedAdamW;
+
+    /// A gradient of 1e20 squares past f32's range: the norm is still its own, so clipping to
+    /// 1 moves every weight by the learning rate (AdamW's first step) rather than zeroing the
+    /// gradient and moving nothing.
+    #[test]
+    fn a_gradient_whose_squares_overflow_f32_is_clipped_not_zeroed() {
+        type Ad = Autodiff<NdArray<f32>>;
+        let outcome = burn_ulysses::comm::ThreadGroup::new(1).run(|rank| {
+            let comm = rank.communicator();
+            let device = Default::default();
+            let mut optimizer = DeviceShardedAdamW::<Ad>::new(HostAdamWConfig { weight_decay: 0.0, ..HostAdamWConfig::default() });
+            optimizer.begin_master_parts(0, 1);
+            optimizer.keep_master_part(4, Tensor::zeros([4], &device));
+            let grad = Tensor::<NdArray<f32>, 1>::from_floats([3e20, -4e20, 0.0, 1e19], &device);
+            let norm = optimizer.update(1e-2, vec![Some(grad)], &[false], Some(1.0), &*comm).unwrap();
+            (norm, optimizer.master_part(0, burn::tensor::DType::F32).into_data().to_vec::<f32>().unwrap())
+        });
+        let (norm, master) = outcome.into_iter().next().unwrap().unwrap();
+        let expected = (9e40f64 + 16e40 + 1e38).sqrt();
+        assert!((norm - expected).abs() <= 1e-5 * expected, "norm {norm} against {expected}");
+        for (got, want) in master.iter().zip([-1e-2f32, 1e-2, 0.0, -1e-2]) {
+            assert!((got - want).abs() <= 1e-4, "master weights {master:?}, each moved by the learning rate against its gradient's sign");
+        }
     }
 }
