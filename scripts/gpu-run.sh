@@ -365,8 +365,9 @@ if has ulysses-trainer; then
         # GPU with the optimizer on the host (--offload-optimizer: 12 bytes a parameter, 96 GB of
         # the host; the device keeps bf16 parameters and gradients, 32 GB), every layer
         # checkpointed, the token-wise parts in tiles of 4096. EIGHT_B_SEQS: one run per length
-        # (32 768 by default: about 3.2e15 FLOP a step, some 5 minutes at 10.7 TFLOP/s, inside
-        # one call; 65 536 is about 9e15, some 14 minutes, more than a call: benches/NEXT-GPU-RUN.md); EIGHT_B_OFFLOAD=1 also keeps the layer inputs on the host (35 × 8 KB a
+        # (32 768 by default: about 3.2e15 FLOP a step, some 5 minutes at 10.7 TFLOP/s, so one
+        # step fits a call with EIGHT_B_STEPS=1 (the default 2 does not); 65 536 is about 9e15,
+        # some 14 minutes, more than a call: benches/NEXT-GPU-RUN.md); EIGHT_B_OFFLOAD=1 also keeps the layer inputs on the host (35 × 8 KB a
         # token: 18.8 GB at 64K beside the optimizer's 128.5 GB, more than a 128 GiB machine:
         # refused before step 1, the figures named). EIGHT_B_ZERO3=1
         # runs it under ZeRO-3 (--zero 3: each layer's gradients leave for the host as its

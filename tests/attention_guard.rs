@@ -469,7 +469,8 @@ fn windows_along_the_shard_and_flips_of_it_are_refused() {
 
 /// Windows that tile the shard, each over the embedded tokens: a patch embedding (a
 /// convolution with kernel = stride = 2), pooling by 2 (average, and max), chunks of 2 by
-/// `unfold`, an upsampling by 2 (a transposed convolution with kernel = stride).
+/// `unfold`, an upsampling by 2 (a transposed convolution with kernel = stride) and by 4 with
+/// a kernel of 3 and an output padding of 1 (each token's block ends in a bias-only place).
 #[derive(Clone, Copy, Debug)]
 enum TilesTheShard {
     PatchEmbedding,
@@ -477,6 +478,7 @@ enum TilesTheShard {
     MaxPooling,
     Chunks,
     Upsampling,
+    PaddedUpsampling,
 }
 
 impl TilesTheShard {
@@ -491,6 +493,10 @@ impl TilesTheShard {
             Self::AveragePooling => along_length(&|x| avg_pool1d(x, 2, 2, 0, true, false)),
             Self::MaxPooling => along_length(&|x| max_pool1d_with_indices(x, 2, 2, 0, 1, false).0),
             Self::Upsampling => along_length(&|x| deterministic_params(ConvTranspose1dConfig::new([D_MODEL, D_MODEL], 2).with_stride(2).init::<B>(&device), 19).forward(x)),
+            Self::PaddedUpsampling => {
+                let conv = ConvTranspose1dConfig::new([D_MODEL, D_MODEL], 3).with_stride(4).with_padding_out(1);
+                along_length(&|x| deterministic_params(conv.init::<B>(&device), 31).forward(x))
+            }
             // Along the sequence dim of [B, S, D]: each chunk's two tokens weighted 1 and 2.
             Self::Chunks => {
                 let weights = Tensor::<B, 1>::from_floats([1.0, 2.0], &device).reshape([1, 1, 1, 2]);
@@ -502,18 +508,18 @@ impl TilesTheShard {
 
 /// Windows that tile the shard pass the guard and give each rank its shard of one device's
 /// output at SP = 2 and 3 (shards of 6 and 4 tokens). At SP = 4 (shards of 3) the windows of
-/// 2 would straddle two ranks and are refused; an upsampling still passes (each token writes
+/// 2 would straddle two ranks and are refused; the upsamplings still pass (each token writes
 /// its own outputs).
 #[test]
 fn windows_that_tile_the_shard_pass() {
-    for form in [TilesTheShard::PatchEmbedding, TilesTheShard::AveragePooling, TilesTheShard::MaxPooling, TilesTheShard::Chunks, TilesTheShard::Upsampling] {
+    for form in [TilesTheShard::PatchEmbedding, TilesTheShard::AveragePooling, TilesTheShard::MaxPooling, TilesTheShard::Chunks, TilesTheShard::Upsampling, TilesTheShard::PaddedUpsampling] {
         let want = form.forward(token_ids::<Inner>(&Default::default()));
         for sp in [2, 3] {
             assert_sequence_parallel(on_ranks_from_ids(sp, UlyssesConfig::new(), move |ids| form.forward(ids)), want.clone());
         }
         let at_four = on_ranks_from_ids(4, UlyssesConfig::new(), move |ids| form.forward(ids));
         match form {
-            TilesTheShard::Upsampling => assert_sequence_parallel(at_four, want),
+            TilesTheShard::Upsampling | TilesTheShard::PaddedUpsampling => assert_sequence_parallel(at_four, want),
             TilesTheShard::PatchEmbedding => assert_shard_local_refused(&at_four, "conv1d", "tile the shard"),
             TilesTheShard::Chunks => assert_shard_local_refused(&at_four, "unfold", "tile the shard"),
             _ => assert_shard_local_refused(&at_four, "_pool1d", "tile the shard"),
@@ -521,52 +527,69 @@ fn windows_that_tile_the_shard_pass() {
     }
 }
 
-/// Under a zigzag ring (ring 2, no Ulysses split) a rank's 8 tokens are two runs of 4 apart
-/// (rank 0: tokens 0–3 and 12–15 of 16): pooling by 4 passes and gives one device's pooled
-/// tokens at the shard's places; pooling by 8 would mix the two runs and is refused.
+/// Under a zigzag ring a rank's shard may be two runs apart. Ring 2 with no Ulysses split:
+/// rank 0 holds tokens 0–3 and 12–15 of 16, and pooling by 4 passes and gives one device's
+/// pooled tokens at the shard's places, while pooling by 8 would mix the two runs and is
+/// refused. Ulysses 3 × ring 2: the middle member of each ring rank's group holds 4–5 and
+/// 18–19 of 24; pooling by 2 passes and matches, pooling by 4 is refused.
 #[test]
 fn pooling_under_a_zigzag_ring_tiles_each_run() {
     use burn::tensor::{TensorData, module::avg_pool1d};
     use burn_ulysses::{ParallelGroups, ParallelLayout, ring::RingSharding};
-    const LENGTH: usize = 16;
-    let layout = ParallelLayout::new().with_sp_size(2).with_ring_size(2).with_ring_sharding(RingSharding::Zigzag);
-    let ids = || Tensor::<Inner, 1, Int>::arange(0..(BATCH * LENGTH) as i64, &Default::default()).remainder_scalar(VOCAB as i64).reshape([BATCH, LENGTH]);
     fn pooled<B: Backend>(ids: Tensor<B, 2, Int>, by: usize) -> Tensor<B, 3> {
         let embedding = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init(&ids.device()), 13);
         avg_pool1d(embedding.forward(ids).swap_dims(1, 2), by, by, 0, true, false).swap_dims(1, 2)
     }
-    let run = move |by: usize, config: UlyssesConfig| {
-        with_deadline(Duration::from_secs(60), move || {
-            ThreadGroup::new(2)
-                .run(|rank| {
-                    let groups = ParallelGroups::<Inner>::new(rank.communicator(), layout.clone()).unwrap();
-                    let _ring = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(config.clone()));
-                    let positions: Vec<i64> = layout.sharder().positions_of(rank.rank(), LENGTH).into_iter().map(|p| p as i64).collect();
-                    let device = Default::default();
-                    let places = Tensor::<Sp, 1, Int>::from_data(TensorData::new(positions.clone(), [positions.len()]), &device);
-                    let all: Tensor<Sp, 2, Int> = Tensor::from_data(ids().into_data(), &device);
-                    (positions, values(pooled(all.select(1, places), by)))
-                })
-                .into_iter()
-                .map(|result| result.map_err(|panic| panic.message))
-                .collect::<Vec<_>>()
-        })
-    };
-    let want = pooled(ids(), 4);
-    for (rank, result) in run(4, UlyssesConfig::new()).into_iter().enumerate() {
-        let (positions, got) = result.unwrap_or_else(|message| panic!("rank {rank}: {message}"));
-        let outputs: Vec<i64> = positions.iter().step_by(4).map(|p| p / 4).collect();
-        let mine = want.clone().select(1, Tensor::from_data(TensorData::new(outputs.clone(), [outputs.len()]), &Default::default()));
-        let diff = max_abs_diff(&got, &values(mine));
-        assert!(diff <= TOLERANCE, "rank {rank} (tokens {positions:?}) differs from one device's outputs {outputs:?} by {diff:e}");
+    for (sp, length) in [(2, 16), (6, 24)] {
+        let layout = ParallelLayout::new().with_sp_size(sp).with_ring_size(2).with_ring_sharding(RingSharding::Zigzag);
+        let shard = length / sp;
+        let ids = move || Tensor::<Inner, 1, Int>::arange(0..(BATCH * length) as i64, &Default::default()).remainder_scalar(VOCAB as i64).reshape([BATCH, length]);
+        let run = move |by: usize, config: UlyssesConfig| {
+            with_deadline(Duration::from_secs(60), move || {
+                ThreadGroup::new(sp)
+                    .run(|rank| {
+                        let groups = ParallelGroups::<Inner>::new(rank.communicator(), layout.clone()).unwrap();
+                        let _ring = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(config.clone()));
+                        let positions: Vec<i64> = layout.sharder().positions_of(rank.rank(), length).into_iter().map(|p| p as i64).collect();
+                        let device = Default::default();
+                        let places = Tensor::<Sp, 1, Int>::from_data(TensorData::new(positions.clone(), [positions.len()]), &device);
+                        let all: Tensor<Sp, 2, Int> = Tensor::from_data(ids().into_data(), &device);
+                        (positions, values(pooled(all.select(1, places), by)))
+                    })
+                    .into_iter()
+                    .map(|result| result.map_err(|panic| panic.message))
+                    .collect::<Vec<_>>()
+            })
+        };
+        let want = pooled(ids(), shard / 2);
+        for (rank, result) in run(shard / 2, UlyssesConfig::new()).into_iter().enumerate() {
+            let (positions, got) = result.unwrap_or_else(|message| panic!("SP {sp}, rank {rank}: {message}"));
+            let outputs: Vec<i64> = positions.iter().step_by(shard / 2).map(|p| p / (shard / 2) as i64).collect();
+            let mine = want.clone().select(1, Tensor::from_data(TensorData::new(outputs.clone(), [outputs.len()]), &Default::default()));
+            let diff = max_abs_diff(&got, &values(mine));
+            assert!(diff <= TOLERANCE, "SP {sp}, rank {rank} (tokens {positions:?}) differs from one device's outputs {outputs:?} by {diff:e}");
+        }
+        let refused: Vec<Result<Vec<f32>, String>> = run(shard, UlyssesConfig::new()).into_iter().map(|r| r.map(|(_, got)| got)).collect();
+        assert_shard_local_refused(&refused, "avg_pool1d", "zigzag");
     }
-    let refused: Vec<Result<Vec<f32>, String>> = run(8, UlyssesConfig::new()).into_iter().map(|r| r.map(|(_, got)| got)).collect();
-    assert_shard_local_refused(&refused, "avg_pool1d", "zigzag");
-    // Let through, rank 0's one output averages tokens 0–3 and 12–15, not one device's 0–7.
-    let on_purpose = UlyssesConfig::new().with_shard_local_attention_on_purpose(true);
-    let (_, got) = run(8, on_purpose).remove(0).unwrap();
-    let first = pooled(ids(), 8).narrow(1, 0, 1);
-    let worst = max_abs_diff(&got, &values(first));
+    // Let through, rank 0's one output of the first layout averages tokens 0–3 and 12–15, not
+    // one device's 0–7.
+    let layout = ParallelLayout::new().with_sp_size(2).with_ring_size(2).with_ring_sharding(RingSharding::Zigzag);
+    let got = with_deadline(Duration::from_secs(60), move || {
+        ThreadGroup::new(2)
+            .run(|rank| {
+                let groups = ParallelGroups::<Inner>::new(rank.communicator(), layout.clone()).unwrap();
+                let _ring = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new().with_shard_local_attention_on_purpose(true)));
+                let positions: Vec<i64> = layout.sharder().positions_of(rank.rank(), 16).into_iter().map(|p| p as i64).collect();
+                let device = Default::default();
+                let ids = Tensor::<Sp, 1, Int>::arange(0..(BATCH * 16) as i64, &device).remainder_scalar(VOCAB as i64).reshape([BATCH, 16]);
+                values(pooled(ids.select(1, Tensor::from_data(TensorData::new(positions.clone(), [positions.len()]), &device)), 8))
+            })
+            .remove(0)
+            .unwrap()
+    });
+    let one_device = Tensor::<Inner, 1, Int>::arange(0..(BATCH * 16) as i64, &Default::default()).remainder_scalar(VOCAB as i64).reshape([BATCH, 16]);
+    let worst = max_abs_diff(&got, &values(pooled(one_device, 8).narrow(1, 0, 1)));
     assert!(worst >= 1e-2, "rank 0 pooled its two runs together, yet only {worst:e} from one device's");
 }
 
@@ -590,26 +613,29 @@ fn attention_by_hand_on_quantized_keys_is_refused() {
     assert_refused_on_every_rank(&results, "scores against quantized keys");
 }
 
-/// A flip of the sequence where the activations are quantized (burn sends it to `q_flip`).
+/// A flip and a cumulative sum of the sequence where the activations are quantized (burn sends
+/// them to `q_flip` and `q_cumsum`).
 #[test]
-fn a_quantized_flip_of_the_sequence_is_refused() {
+fn a_quantized_flip_or_scan_of_the_sequence_is_refused() {
     type SpInference = UlyssesBackend<Inner>;
-    let results: Vec<Result<Vec<f32>, String>> = with_deadline(Duration::from_secs(60), || {
-        ThreadGroup::new(2)
-            .run(|rank| {
-                let _sp = SpInference::enter(RankScope::Thread, rank.communicator(), UlyssesConfig::new());
-                let device = Default::default();
-                let length = SEQ / rank.size();
-                let ids = token_ids::<SpInference>(&device).narrow(1, rank.rank() * length, length);
-                let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init(&device), 13).forward(ids);
-                let scheme = QuantScheme::default().with_value(QuantValue::Q8S).with_store(QuantStore::Native);
-                values(x.quantize_dynamic(&scheme).flip([1]).dequantize())
-            })
-            .into_iter()
-            .map(|result| result.map_err(|panic| panic.message))
-            .collect()
-    });
-    assert_shard_local_refused(&results, "flip", "before it is sharded");
+    for (op, fix) in [("flip", "before it is sharded"), ("cumsum", "enter_single_device")] {
+        let results: Vec<Result<Vec<f32>, String>> = with_deadline(Duration::from_secs(60), move || {
+            ThreadGroup::new(2)
+                .run(|rank| {
+                    let _sp = SpInference::enter(RankScope::Thread, rank.communicator(), UlyssesConfig::new());
+                    let device = Default::default();
+                    let length = SEQ / rank.size();
+                    let ids = token_ids::<SpInference>(&device).narrow(1, rank.rank() * length, length);
+                    let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init(&device), 13).forward(ids);
+                    let quantized = x.quantize_dynamic(&QuantScheme::default().with_value(QuantValue::Q8S).with_store(QuantStore::Native));
+                    values(if op == "flip" { quantized.flip([1]).dequantize() } else { quantized.cumsum(1) })
+                })
+                .into_iter()
+                .map(|result| result.map_err(|panic| panic.message))
+                .collect()
+        });
+        assert_shard_local_refused(&results, op, fix);
+    }
 }
 
 #[test]

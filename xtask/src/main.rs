@@ -49,6 +49,10 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("IntTensorOps", "int_cumprod", "crate::attention_guard::guarded_int_cumprod"),
     ("IntTensorOps", "int_cummin", "crate::attention_guard::guarded_int_cummin"),
     ("IntTensorOps", "int_cummax", "crate::attention_guard::guarded_int_cummax"),
+    ("QTensorOps", "q_cumsum", "crate::attention_guard::guarded_q_cumsum"),
+    ("QTensorOps", "q_cumprod", "crate::attention_guard::guarded_q_cumprod"),
+    ("QTensorOps", "q_cummin", "crate::attention_guard::guarded_q_cummin"),
+    ("QTensorOps", "q_cummax", "crate::attention_guard::guarded_q_cummax"),
     // Refuse ops that mix the shard's neighbouring tokens or reverse it under SP:
     // convolutions and pooling along the length, flips and unfolds of the sequence dim.
     ("FloatTensorOps", "float_flip", "crate::attention_guard::guarded_float_flip"),

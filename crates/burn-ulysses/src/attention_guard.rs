@@ -52,7 +52,7 @@
 //! at their softmax: `softmax`, `log_softmax` or `softmin` over either of the last two dims of
 //! a 4-D or larger tensor whose last two dims are square (`[B, H, n, n]`, more than one matrix,
 //! or one whose `n` is the shard's length) is refused; a 3-D `[B, S, V]` of logits never is.
-//! So is a scan (`cumsum`, `cumprod`, `cummin`, `cummax`) along the sequence dim (`[B, S, ..]`'s
+//! So is a scan (`cumsum`, `cumprod`, `cummin`, `cummax`, quantized too) along the sequence dim (`[B, S, ..]`'s
 //! dim 1) as long as the token ids last embedded: positions made of a padding mask's cumsum
 //! would restart at every rank. And so, where that length shows, are a flip of the sequence
 //! dim (each shard reversed in place, not the sequence) and the ops whose windows run along a
@@ -65,7 +65,8 @@
 //! sequence dim into overlapping windows (local attention's). Windows that tile the shard are
 //! right under SP and pass ([`Window`]): a patch embedding, pooling or chunks by a factor that
 //! divides the shard (each half of it under a zigzag ring), an upsampling whose kernel is its
-//! stride. The lengths they resample the shard to are the shard's too for every rule that
+//! stride (`max_pool1d_with_indices`' indices are then the shard's, counted from its first
+//! token, as any position a rank computes for itself). The lengths they resample the shard to are the shard's too for every rule that
 //! goes by its length (a convolution of the sequence pooled by 2 is refused as one of the
 //! tokens would be).
 //!
@@ -374,7 +375,9 @@ impl Window {
 /// to `extra` tokens longer; with `L`.
 fn length_along_the_shard(shape: &[usize], extra: usize) -> Option<(usize, usize)> {
     let length = *shape.get(2).filter(|_| shape.len() == 3)?;
-    shard_lengths().find(|&shard| (shard..=shard + extra).contains(&length)).map(|shard| (shard, length))
+    // A length that is one of the shard's is that one, not another's padded.
+    let shard = shard_lengths().find(|&shard| shard == length).or_else(|| shard_lengths().find(|&shard| (shard..=shard + extra).contains(&length)))?;
+    Some((shard, length))
 }
 
 /// Why a convolution or pooling (`op`) over the length dim of `shape` (`[B, C, L]`, channels
@@ -391,15 +394,17 @@ pub fn window_over_the_shard(op: &'static str, shape: &[usize], window: Window, 
 }
 
 /// Why an unfold (`op`) of `shape` along `dim` into windows of `size` every `step` is refused,
-/// or `None`: along the sequence dim (`[B, S, ..]`'s dim 1, or a channels-first `[B, C, L]`'s
-/// dim 2) as long as the token ids last embedded, its windows are [`window_over_the_shard`]'s
-/// (sliding windows for local attention, overlapping chunks); chunks that tile the shard pass.
+/// or `None`: along the sequence dim (`[B, S, ..]`'s dim 1, a channels-first `[B, C, L]`'s dim
+/// 2, or per-head `[B, H, S, D]`'s dim 2) as long as the token ids last embedded, its windows
+/// are [`window_over_the_shard`]'s (sliding windows for local attention, overlapping chunks);
+/// chunks that tile the shard pass.
 pub fn unfold_over_the_shard(op: &'static str, shape: &[usize], dim: usize, size: usize, step: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let sequence = sequence_dim(shape);
     let along = |dim| along_the_shard(shape, dim);
     let shard = match dim {
         _ if dim == sequence => along(dim),
         2 if shape.len() == 3 && along(sequence).is_none() => along(dim),
+        _ if shape.len() >= 4 && dim == shape.len() - 2 => along(dim),
         _ => None,
     }?;
     windows_across_the_shard(op, shape, dim, (shard, shard), Window::new(size, 1, step, 0, false), sharding)
@@ -418,11 +423,13 @@ fn windows_across_the_shard(op: &'static str, shape: &[usize], dim: usize, (shar
     let padded = if length > shard { format!(" (padded to {length})") } else { String::new() };
     let what = format!(
         "its windows of {span} tokens, {stride} apart, run over the {shard} tokens of this rank's shard{padded} as if they were the whole sequence: \
-         at the shard's edges they read padding where the neighbouring ranks' tokens are, or fall where the sequence's windows do not"
+         the windows across the shard's edges are missing or read padding where the neighbouring ranks' tokens are, or the windows fall where \
+         the sequence's do not"
     );
     let fix = "Run it on the whole sequence on one rank (burn_ulysses::context::enter_single_device()), or give each shard the \
                window's (window − 1) tokens from the rank before it (a halo) and drop the outputs they add. Windows that tile the \
-               shard pass: no padding, a stride at least the window's span that divides the shard (each half of it under a zigzag ring).";
+               shard pass: no padding, a stride at least the window's span that divides the shard (each half of it under a zigzag ring), \
+               and with ceil_mode a kernel equal to the stride.";
     shard_local_refusal(op, shape, dim, what, fix, || sharding)
 }
 
@@ -456,8 +463,8 @@ pub fn transposed_window_over_the_shard(shape: &[usize], window: Window, padding
 pub fn pooling_of_the_shard_to_a_length(shape: &[usize], output_size: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let (shard, _) = length_along_the_shard(shape, 0).filter(|_| output_size != shape[2])?;
     let what = format!("it pools the {shard} tokens of this rank's shard to {output_size} as if they were the whole sequence, whose pooling spans every rank's tokens");
-    let fix = "Pool by a fixed factor with avg_pool1d (kernel = stride, dividing the shard: that passes), or pool the whole sequence on one rank \
-               (burn_ulysses::context::enter_single_device()).";
+    let fix = "Pool by a fixed factor with avg_pool1d (kernel = stride, dividing the shard, each half of it under a zigzag ring: that passes), \
+               or pool the whole sequence on one rank (burn_ulysses::context::enter_single_device()).";
     shard_local_refusal("adaptive_avg_pool1d", shape, 2, what, fix, sharding)
 }
 
@@ -566,6 +573,23 @@ guarded_dim_ops!(
     (guarded_int_cumprod, int_cumprod, "cumprod"),
     (guarded_int_cummin, int_cummin, "cummin"),
     (guarded_int_cummax, int_cummax, "cummax"),
+);
+
+macro_rules! guarded_quantized_scans {
+    ($(($name:ident, $op:ident, $label:literal)),* $(,)?) => {$(
+        #[doc = concat!("`UlyssesBackend`'s `", stringify!($op), "`: the inner backend's, after the guard.")]
+        pub fn $name<X: ExchangeBackend>(tensor: QuantizedTensor<X>, dim: usize) -> TensorPrimitive<X> {
+            refuse(scan_over_the_shard($label, &tensor.shape(), dim, context::current_sharding));
+            X::$op(tensor, dim)
+        }
+    )*};
+}
+
+guarded_quantized_scans!(
+    (guarded_q_cumsum, q_cumsum, "cumsum"),
+    (guarded_q_cumprod, q_cumprod, "cumprod"),
+    (guarded_q_cummin, q_cummin, "cummin"),
+    (guarded_q_cummax, q_cummax, "cummax"),
 );
 
 #[cfg(test)]
@@ -782,6 +806,9 @@ mod tests {
         assert!(flip_over_the_shard("flip", &[2, 4, 16], &[1], || SP2).is_some(), "a flip of the pooled shard let through");
         // Pooled again (4 → 2), then upsampled by 7 (2 → 14).
         assert!(tiling("max_pool1d", &[2, 16, 4]).is_none() && conv(&[2, 16, 2]).is_some());
+        // A length that is one of the shard's is taken as it, not as the later 2 padded by burn:
+        // windows of 4 that tile the 4 places pass.
+        assert!(window_over_the_shard("avg_pool1d", &[2, 16, 4], Window::new(4, 1, 4, 0, false), || SP2).is_none());
         assert!(conv(&[2, 16, 14]).is_none());
         assert!(transposed_window_over_the_shard(&[2, 16, 2], Window::new(7, 1, 7, 0, false), 0, || SP2).is_none());
         assert!(conv(&[2, 16, 14]).is_some_and(|m| m.contains("the 14 tokens")));
@@ -848,6 +875,8 @@ mod tests {
         assert!(unfold(&[2, 16, 8], 2, 3, 1).is_some() && unfold(&[2, 16, 8], 2, 2, 2).is_none());
         assert!(unfold(&[2, 8, 8], 2, 3, 1).is_none(), "the features of a [B, S, D] as wide as the shard refused");
         assert!(unfold(&[2, 16, 16], 1, 3, 1).is_none() && unfold(&[8, 16], 0, 3, 1).is_none());
+        // Per head, [B, H, S, D]: the sequence is dim 2.
+        assert!(unfold(&[2, 4, 8, 16], 2, 3, 1).is_some() && unfold(&[2, 4, 8, 16], 2, 4, 4).is_none() && unfold(&[2, 4, 8, 16], 3, 3, 1).is_none());
         // A transposed convolution: each token writing its own block (kernel, with the output
         // padding, = stride; no padding) passes; overlapping, cropped or gapped blocks do not.
         let transposed = |kernel: usize, stride: usize, padding: usize, padding_out: usize| {

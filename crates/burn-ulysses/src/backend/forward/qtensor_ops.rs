@@ -195,16 +195,24 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_mean_dim(tensor, dim))
     }
     fn q_cumsum(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_cumsum(tensor, dim))
+        ConvertPrimitives::convert(
+            crate::attention_guard::guarded_q_cumsum::<Inner>(tensor, dim),
+        )
     }
     fn q_cumprod(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_cumprod(tensor, dim))
+        ConvertPrimitives::convert(
+            crate::attention_guard::guarded_q_cumprod::<Inner>(tensor, dim),
+        )
     }
     fn q_cummin(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_cummin(tensor, dim))
+        ConvertPrimitives::convert(
+            crate::attention_guard::guarded_q_cummin::<Inner>(tensor, dim),
+        )
     }
     fn q_cummax(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_cummax(tensor, dim))
+        ConvertPrimitives::convert(
+            crate::attention_guard::guarded_q_cummax::<Inner>(tensor, dim),
+        )
     }
     fn q_exp(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
         ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_exp(tensor))
