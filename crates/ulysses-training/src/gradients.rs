@@ -183,64 +183,52 @@ impl GradientSums {
     }
 }
 
-/// The L2 norm of all of `grads` together (every parameter's gradient as one vector), in f64.
-/// Squares are summed on the device in f32 and read back once. After [`all_reduce_gradients`]
-/// it is the norm of the whole group's gradient on every rank, but a GPU's sum may differ in its
-/// last bits from rank to rank: ranks that act on it use [`agreed_gradient_norm`].
+/// The L2 norm of all of `grads` together (every parameter's gradient as one vector), in f64
+/// ([`sum_of_squares`]). After [`all_reduce_gradients`] it is the norm of the whole group's
+/// gradient on every rank, but a GPU's sum may differ in its last bits from rank to rank: ranks
+/// that act on it use [`agreed_gradient_norm`].
 pub fn gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams) -> f64 {
-    struct SquaredSum<'a, B: AutodiffBackend> {
+    struct Flattened<'a, B: AutodiffBackend> {
         grads: &'a GradientsParams,
-        total: Option<Tensor<B::InnerBackend, 1>>,
+        parts: Vec<Tensor<B::InnerBackend, 1>>,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredSum<'_, B> {
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Flattened<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
-                let squares = grad.cast(DType::F32).powi_scalar(2).sum();
-                self.total = Some(match self.total.take() {
-                    Some(total) => total + squares,
-                    None => squares,
-                });
+                self.parts.push(grad.flatten(0, D - 1));
             }
         }
     }
-    let mut sum = SquaredSum::<B> { grads, total: None };
-    module.visit(&mut sum);
-    let total = sum.total.map_or(0.0, |total| total.into_data().convert::<f64>().to_vec::<f64>().expect("one f64")[0]);
-    if total != f64::INFINITY {
-        return total.sqrt();
-    }
-    // An element past 1.8e19 (a diverging run) squares to infinity in f32: clipping by an
-    // infinite norm would zero the gradient and the step would go on as if nothing happened.
-    struct ScaledSum<'a, B: AutodiffBackend> {
-        grads: &'a GradientsParams,
-        total: f64,
-        _backend: std::marker::PhantomData<B>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for ScaledSum<'_, B> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
-                self.total += squares_without_overflow(grad.flatten(0, D - 1));
-            }
-        }
-    }
-    let mut sum = ScaledSum::<B> { grads, total: 0.0, _backend: std::marker::PhantomData };
-    module.visit(&mut sum);
-    sum.total.sqrt()
+    let mut flattened = Flattened::<B> { grads, parts: Vec::new() };
+    module.visit(&mut flattened);
+    sum_of_squares(&flattened.parts).sqrt()
 }
 
-/// The sum of `grad`'s squares in f64 where its f32 sum overflows: each element divided by the
-/// largest magnitude first (squares of at most 1), the sum scaled back in f64. Two reads of
-/// the gradient: for the rare sum that came out infinite, not every step's.
-pub(crate) fn squares_without_overflow<B: Backend>(grad: Tensor<B, 1>) -> f64 {
-    let grad = grad.cast(DType::F32);
-    let largest: f64 = grad.clone().abs().max().into_data().convert::<f64>().to_vec::<f64>().expect("one f64")[0];
+/// The sum of the squares of every element of `parts`, in f64: each part's squares summed on
+/// the device in f32, every part's sum read back at once and added in f64. A part whose f32 sum
+/// overflows (an element past 1.8e19, a diverging run: clipping by an infinite norm would zero
+/// the gradient and the step go on as if nothing happened) is summed again, each element
+/// divided by the largest magnitude first, the sum scaled back in f64 (two more reads, for that
+/// part alone).
+pub(crate) fn sum_of_squares<B: Backend>(parts: &[Tensor<B, 1>]) -> f64 {
+    if parts.is_empty() {
+        return 0.0;
+    }
+    let squares = parts.iter().map(|part| part.clone().cast(DType::F32).powi_scalar(2).sum()).collect();
+    let sums = concatenated(squares, 0).into_data().to_vec::<f32>().expect("f32 sums");
+    sums.iter().zip(parts).map(|(&sum, part)| if sum == f32::INFINITY { scaled_sum_of_squares(part.clone()) } else { f64::from(sum) }).sum()
+}
+
+/// [`sum_of_squares`] of one part whose f32 sum overflowed.
+fn scaled_sum_of_squares<B: Backend>(part: Tensor<B, 1>) -> f64 {
+    let read = |tensor: Tensor<B, 1>| tensor.into_data().convert::<f64>().to_vec::<f64>().expect("one f64")[0];
+    let part = part.cast(DType::F32);
+    let largest = read(part.clone().abs().max());
     if !(largest > 0.0 && largest.is_finite()) {
-        // No gradient, zeros, or an element that is itself infinite or NaN: the NaN check's.
+        // Zeros, or an element that is itself infinite or NaN: the NaN check's.
         return largest * largest;
     }
-    let scaled = grad.div_scalar(largest);
-    let sum: f64 = (scaled.clone() * scaled).sum().into_data().convert::<f64>().to_vec::<f64>().expect("one f64")[0];
-    largest * largest * sum
+    largest * largest * read(part.div_scalar(largest).powi_scalar(2).sum())
 }
 
 /// Scales every gradient by `max_norm / (norm + 1e-6)` where their global norm exceeds

@@ -96,7 +96,8 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
     /// f32 on the device; `None`: the parameter stays), each decayed where `decayed` says (see
     /// `ulysses_core::host_adamw::decays`), clipping to `max_grad_norm` with the
     /// whole gradient's norm (each part's squares summed on the device, read once, added in f64
-    /// and over the ranks in rank order). Returns that norm, before clipping.
+    /// and over the ranks in rank order: `gradients::sum_of_squares`). Returns that norm, before
+    /// clipping.
     pub(crate) fn update(
         &mut self,
         learning_rate: f64,
@@ -105,10 +106,8 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
         max_grad_norm: Option<f64>,
         world: &dyn Communicator<B::Wire>,
     ) -> Result<f64, UlyssesError> {
-        let squares: Vec<Tensor<B::InnerBackend, 1>> = grads.iter().flatten().map(|g| (g.clone() * g.clone()).sum()).collect();
-        let sums = if squares.is_empty() { Vec::new() } else { Tensor::cat(squares, 0).into_data().to_vec::<f32>().expect("f32 sums") };
-        // A part whose f32 sum overflowed (an element past 1.8e19) is summed again, scaled.
-        let local: f64 = sums.iter().zip(grads.iter().flatten()).map(|(&sum, grad)| if sum == f32::INFINITY { crate::gradients::squares_without_overflow(grad.clone()) } else { f64::from(sum) }).sum();
+        let present: Vec<Tensor<B::InnerBackend, 1>> = grads.iter().flatten().cloned().collect();
+        let local = crate::gradients::sum_of_squares(&present);
         let (grad_norm, factor) = norm_of_parts(local, max_grad_norm, world)?;
         assert_eq!(decayed.len(), grads.len(), "a decay for every parameter");
         for ((part, grad), &decays) in self.parts.iter_mut().zip(grads).zip(decayed) {
