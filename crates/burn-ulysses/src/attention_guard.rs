@@ -52,8 +52,8 @@
 //! at their softmax: `softmax`, `log_softmax` or `softmin` over either of the last two dims of
 //! a 4-D or larger tensor whose last two dims are square (`[B, H, n, n]`, more than one matrix,
 //! or one whose `n` is the shard's length) is refused; a 3-D `[B, S, V]` of logits never is.
-//! So is a scan (`cumsum`, `cumprod`, `cummin`, `cummax`, quantized too) along the sequence dim (`[B, S, ..]`'s
-//! dim 1) as long as the token ids last embedded: positions made of a padding mask's cumsum
+//! So is a scan (`cumsum`, `cumprod`, `cummin`, `cummax`, quantized too) along the sequence
+//! dim (`[B, S, ..]`'s dim 1) as long as the token ids last embedded: positions made of a padding mask's cumsum
 //! would restart at every rank. And so, where that length shows, are a flip of the sequence
 //! dim (each shard reversed in place, not the sequence) and the ops whose windows run along a
 //! channels-first `[B, C, L]` tensor's length (the shard's, or up to the window less one
@@ -66,9 +66,9 @@
 //! right under SP and pass ([`Window`]): a patch embedding, pooling or chunks by a factor that
 //! divides the shard (each half of it under a zigzag ring), an upsampling whose kernel is its
 //! stride (`max_pool1d_with_indices`' indices are then the shard's, counted from its first
-//! token, as any position a rank computes for itself). The lengths they resample the shard to are the shard's too for every rule that
-//! goes by its length (a convolution of the sequence pooled by 2 is refused as one of the
-//! tokens would be).
+//! token, as any position a rank computes for itself). The lengths they resample the shard to
+//! are the shard's too for every rule that goes by its length (a convolution of the sequence
+//! pooled by 2 is refused as one of the tokens would be).
 //!
 //! What shape cannot tell apart stays unguarded: a single 3-D or 2-D matrix (a linear layer's
 //! shapes), keys broadcast over the batch, rectangular products of a model that embeds no
@@ -201,10 +201,11 @@ pub fn forget_embedded_lengths() {
 /// or a label's embedding, `[B, 1]`) are no sequence and leave the length noted.
 pub fn embedding_noting_length<X: ExchangeBackend>(weights: FloatTensor<X>, indices: IntTensor<X>) -> FloatTensor<X> {
     if let Some(&length) = indices.shape().last().filter(|&&length| length >= 2) {
-        if EMBEDDED_TOKENS.get().0 != length {
+        let last = EMBEDDED_TOKENS.get().0;
+        if last != length {
             RESAMPLED_SHARDS.set([0; 4]);
         }
-        EMBEDDED_TOKENS.with(|tokens| tokens.set((length, tokens.get().0)));
+        EMBEDDED_TOKENS.set((length, last));
     }
     X::embedding(weights, indices)
 }
@@ -477,9 +478,9 @@ fn refuse(refusal: Option<UlyssesError>) {
 }
 
 macro_rules! guarded_dim_ops {
-    ($check:ident, $tensor:ident, $(($name:ident, $op:ident, $label:literal)),* $(,)?) => {$(
+    ($check:ident, $tensor:ident => $output:ident, $(($name:ident, $op:ident, $label:literal)),* $(,)?) => {$(
         #[doc = concat!("`UlyssesBackend`'s `", stringify!($op), "`: the inner backend's, after the guard.")]
-        pub fn $name<X: ExchangeBackend>(tensor: $tensor<X>, dim: usize) -> $tensor<X> {
+        pub fn $name<X: ExchangeBackend>(tensor: $tensor<X>, dim: usize) -> $output<X> {
             refuse($check($label, &tensor.shape(), dim, context::current_sharding));
             X::$op(tensor, dim)
         }
@@ -557,10 +558,10 @@ pub fn guarded_adaptive_avg_pool1d<X: ExchangeBackend>(x: FloatTensor<X>, output
     X::adaptive_avg_pool1d(x, output_size)
 }
 
-guarded_dim_ops!(attention_weights_by_hand, FloatTensor, (guarded_softmax, softmax, "softmax"), (guarded_log_softmax, log_softmax, "log_softmax"), (guarded_softmin, softmin, "softmin"));
+guarded_dim_ops!(attention_weights_by_hand, FloatTensor => FloatTensor, (guarded_softmax, softmax, "softmax"), (guarded_log_softmax, log_softmax, "log_softmax"), (guarded_softmin, softmin, "softmin"));
 guarded_dim_ops!(
     scan_over_the_shard,
-    FloatTensor,
+    FloatTensor => FloatTensor,
     (guarded_float_cumsum, float_cumsum, "cumsum"),
     (guarded_float_cumprod, float_cumprod, "cumprod"),
     (guarded_float_cummin, float_cummin, "cummin"),
@@ -568,24 +569,16 @@ guarded_dim_ops!(
 );
 guarded_dim_ops!(
     scan_over_the_shard,
-    IntTensor,
+    IntTensor => IntTensor,
     (guarded_int_cumsum, int_cumsum, "cumsum"),
     (guarded_int_cumprod, int_cumprod, "cumprod"),
     (guarded_int_cummin, int_cummin, "cummin"),
     (guarded_int_cummax, int_cummax, "cummax"),
 );
 
-macro_rules! guarded_quantized_scans {
-    ($(($name:ident, $op:ident, $label:literal)),* $(,)?) => {$(
-        #[doc = concat!("`UlyssesBackend`'s `", stringify!($op), "`: the inner backend's, after the guard.")]
-        pub fn $name<X: ExchangeBackend>(tensor: QuantizedTensor<X>, dim: usize) -> TensorPrimitive<X> {
-            refuse(scan_over_the_shard($label, &tensor.shape(), dim, context::current_sharding));
-            X::$op(tensor, dim)
-        }
-    )*};
-}
-
-guarded_quantized_scans!(
+guarded_dim_ops!(
+    scan_over_the_shard,
+    QuantizedTensor => TensorPrimitive,
     (guarded_q_cumsum, q_cumsum, "cumsum"),
     (guarded_q_cumprod, q_cumprod, "cumprod"),
     (guarded_q_cummin, q_cummin, "cummin"),
