@@ -540,56 +540,46 @@ fn pooling_under_a_zigzag_ring_tiles_each_run() {
         let embedding = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init(&ids.device()), 13);
         avg_pool1d(embedding.forward(ids).swap_dims(1, 2), by, by, 0, true, false).swap_dims(1, 2)
     }
-    for (sp, length) in [(2, 16), (6, 24)] {
+    fn ids<B: Backend>(length: usize, device: &B::Device) -> Tensor<B, 2, Int> {
+        Tensor::<B, 1, Int>::arange(0..(BATCH * length) as i64, device).remainder_scalar(VOCAB as i64).reshape([BATCH, length])
+    }
+    fn places<B: Backend>(positions: &[i64], device: &B::Device) -> Tensor<B, 1, Int> {
+        Tensor::from_data(TensorData::new(positions.to_vec(), [positions.len()]), device)
+    }
+    // Each rank's token positions and its tokens pooled by `by`, or its panic message.
+    let run = |sp: usize, length: usize, by: usize, config: UlyssesConfig| {
         let layout = ParallelLayout::new().with_sp_size(sp).with_ring_size(2).with_ring_sharding(RingSharding::Zigzag);
-        let shard = length / sp;
-        let ids = move || Tensor::<Inner, 1, Int>::arange(0..(BATCH * length) as i64, &Default::default()).remainder_scalar(VOCAB as i64).reshape([BATCH, length]);
-        let run = move |by: usize, config: UlyssesConfig| {
-            with_deadline(Duration::from_secs(60), move || {
-                ThreadGroup::new(sp)
-                    .run(|rank| {
-                        let groups = ParallelGroups::<Inner>::new(rank.communicator(), layout.clone()).unwrap();
-                        let _ring = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(config.clone()));
-                        let positions: Vec<i64> = layout.sharder().positions_of(rank.rank(), length).into_iter().map(|p| p as i64).collect();
-                        let device = Default::default();
-                        let places = Tensor::<Sp, 1, Int>::from_data(TensorData::new(positions.clone(), [positions.len()]), &device);
-                        let all: Tensor<Sp, 2, Int> = Tensor::from_data(ids().into_data(), &device);
-                        (positions, values(pooled(all.select(1, places), by)))
-                    })
-                    .into_iter()
-                    .map(|result| result.map_err(|panic| panic.message))
-                    .collect::<Vec<_>>()
-            })
-        };
-        let want = pooled(ids(), shard / 2);
-        for (rank, result) in run(shard / 2, UlyssesConfig::new()).into_iter().enumerate() {
+        with_deadline(Duration::from_secs(60), move || {
+            ThreadGroup::new(sp)
+                .run(|rank| {
+                    let groups = ParallelGroups::<Inner>::new(rank.communicator(), layout).unwrap();
+                    let _ring = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(config.clone()));
+                    let positions: Vec<i64> = layout.sharder().positions_of(rank.rank(), length).into_iter().map(|p| p as i64).collect();
+                    let device = Default::default();
+                    (positions.clone(), values(pooled(ids::<Sp>(length, &device).select(1, places(&positions, &device)), by)))
+                })
+                .into_iter()
+                .map(|result| result.map_err(|panic| panic.message))
+                .collect::<Vec<_>>()
+        })
+    };
+    let device = Default::default();
+    for (sp, length) in [(2, 16), (6, 24)] {
+        let by = length / sp / 2;
+        let want = pooled(ids::<Inner>(length, &device), by);
+        for (rank, result) in run(sp, length, by, UlyssesConfig::new()).into_iter().enumerate() {
             let (positions, got) = result.unwrap_or_else(|message| panic!("SP {sp}, rank {rank}: {message}"));
-            let outputs: Vec<i64> = positions.iter().step_by(shard / 2).map(|p| p / (shard / 2) as i64).collect();
-            let mine = want.clone().select(1, Tensor::from_data(TensorData::new(outputs.clone(), [outputs.len()]), &Default::default()));
-            let diff = max_abs_diff(&got, &values(mine));
+            let outputs: Vec<i64> = positions.iter().step_by(by).map(|p| p / by as i64).collect();
+            let diff = max_abs_diff(&got, &values(want.clone().select(1, places(&outputs, &device))));
             assert!(diff <= TOLERANCE, "SP {sp}, rank {rank} (tokens {positions:?}) differs from one device's outputs {outputs:?} by {diff:e}");
         }
-        let refused: Vec<Result<Vec<f32>, String>> = run(shard, UlyssesConfig::new()).into_iter().map(|r| r.map(|(_, got)| got)).collect();
+        let refused: Vec<Result<Vec<f32>, String>> = run(sp, length, 2 * by, UlyssesConfig::new()).into_iter().map(|r| r.map(|(_, got)| got)).collect();
         assert_shard_local_refused(&refused, "avg_pool1d", "zigzag");
     }
     // Let through, rank 0's one output of the first layout averages tokens 0–3 and 12–15, not
     // one device's 0–7.
-    let layout = ParallelLayout::new().with_sp_size(2).with_ring_size(2).with_ring_sharding(RingSharding::Zigzag);
-    let got = with_deadline(Duration::from_secs(60), move || {
-        ThreadGroup::new(2)
-            .run(|rank| {
-                let groups = ParallelGroups::<Inner>::new(rank.communicator(), layout.clone()).unwrap();
-                let _ring = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new().with_shard_local_attention_on_purpose(true)));
-                let positions: Vec<i64> = layout.sharder().positions_of(rank.rank(), 16).into_iter().map(|p| p as i64).collect();
-                let device = Default::default();
-                let ids = Tensor::<Sp, 1, Int>::arange(0..(BATCH * 16) as i64, &device).remainder_scalar(VOCAB as i64).reshape([BATCH, 16]);
-                values(pooled(ids.select(1, Tensor::from_data(TensorData::new(positions.clone(), [positions.len()]), &device)), 8))
-            })
-            .remove(0)
-            .unwrap()
-    });
-    let one_device = Tensor::<Inner, 1, Int>::arange(0..(BATCH * 16) as i64, &Default::default()).remainder_scalar(VOCAB as i64).reshape([BATCH, 16]);
-    let worst = max_abs_diff(&got, &values(pooled(one_device, 8).narrow(1, 0, 1)));
+    let (_, got) = run(2, 16, 8, UlyssesConfig::new().with_shard_local_attention_on_purpose(true)).remove(0).unwrap();
+    let worst = max_abs_diff(&got, &values(pooled(ids::<Inner>(16, &device), 8).narrow(1, 0, 1)));
     assert!(worst >= 1e-2, "rank 0 pooled its two runs together, yet only {worst:e} from one device's");
 }
 
