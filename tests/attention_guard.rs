@@ -26,6 +26,11 @@
 //!   the sequence, its ids or a mask reversed. Windows that tile the shard (a patch embedding,
 //!   pooling by a factor, under a zigzag ring too) pass and give one device's output.
 //! - A linear layer as wide as the local sequence passes the guard.
+//! - Positions counted from each rank's first token, through `evaluate` and `train_step` (which
+//!   note the shard's positions): RoPE (`RotaryEncoding::forward`), burn-nn's sinusoids and a
+//!   learned position embedding of `arange(0..len)` are refused on the ranks whose shard starts
+//!   past 0 (the others stop as their peer leaves); RoPE at the shard's offset and a learned
+//!   embedding at `positions.ids` give one device's loss at SP = 2 and 3.
 
 use std::time::Duration;
 
@@ -33,7 +38,7 @@ use burn::{
     backend::{Autodiff, NdArray},
     module::Module,
     nn::{
-        EmbeddingConfig, Linear, LinearConfig, RotaryEncoding, RotaryEncodingConfig,
+        Embedding, EmbeddingConfig, Linear, LinearConfig, PositionalEncodingConfig, RotaryEncoding, RotaryEncodingConfig,
         attention::{self as burn_nn, generate_autoregressive_mask},
         transformer::{TransformerEncoderConfig, TransformerEncoderInput},
     },
@@ -43,7 +48,7 @@ use burn::{
         quantization::{QuantScheme, QuantStore, QuantValue},
     },
 };
-use burn_ulysses::{RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup, nn};
+use burn_ulysses::{RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup, data::ShardPositions, nn};
 use ulysses_suite::{deterministic_params, max_abs_diff, shard, uniform_tensor, values, with_deadline};
 
 type Inner = NdArray<f32>;
@@ -792,7 +797,7 @@ fn a_shard_length_that_changes_between_steps_keeps_the_guard() {
 /// sequences, which turned the rules off).
 #[test]
 fn evaluation_batches_of_other_lengths_keep_the_guard() {
-    use burn_ulysses::data::{SequenceSharder, ShardPositions};
+    use burn_ulysses::data::SequenceSharder;
     use ulysses_training::{LmOutput, evaluate};
     let results = with_deadline(Duration::from_secs(60), || {
         ThreadGroup::new(2)
@@ -894,4 +899,172 @@ fn the_porting_guide_shows_this_files_port() {
         }
     }
     assert!(changed >= 6, "the porting diff should show the three changes, found {changed} changed lines");
+}
+
+/// Where a model takes its positions from: three ways a port counts them from each rank's first
+/// token, and two right ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PositionsFrom {
+    RopeForward,
+    Sinusoids,
+    LearnedOfArange,
+    RopeAtOffset,
+    LearnedAtIds,
+}
+
+/// A causal attention layer over token embeddings placed by `from`: logits `[B, S, VOCAB]`.
+fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositions, from: PositionsFrom) -> Tensor<B, 3> {
+    let device = ids.device();
+    let [batch, len] = ids.dims();
+    let max_len = 4 * SEQ;
+    let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13).forward(ids);
+    let learned = |at: Tensor<B, 2, Int>| deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).forward(at);
+    let x = match from {
+        PositionsFrom::Sinusoids => PositionalEncodingConfig::new(D_MODEL).with_max_sequence_size(max_len).init::<B>(&device).forward(x),
+        PositionsFrom::LearnedOfArange => x + learned(Tensor::<B, 1, Int>::arange(0..len as i64, &device).unsqueeze::<2>().repeat_dim(0, batch)),
+        PositionsFrom::LearnedAtIds => x + learned(position_ids(positions, &device)),
+        _ => x,
+    };
+    let rope = RotaryEncodingConfig::new(max_len, D_MODEL / HEADS).init::<B>(&device);
+    let offset = positions.ids.ids()[0] as usize;
+    let rotated = |t: Tensor<B, 4>| match from {
+        PositionsFrom::RopeForward => rope.forward(t),
+        PositionsFrom::RopeAtOffset => rope.apply(t, offset),
+        _ => t,
+    };
+    let causal = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+    let attended = attention(rotated(heads(x.clone())), rotated(heads(x.clone())), heads(x.clone()), None, None, causal);
+    let hidden = x + attended.swap_dims(1, 2).reshape([batch, len, D_MODEL]);
+    hidden.matmul(uniform_tensor::<B, 3>([1, D_MODEL, VOCAB], 19, &device))
+}
+
+/// `positions`' ids as a tensor.
+fn position_ids<B: Backend>(positions: &ShardPositions, device: &B::Device) -> Tensor<B, 2, Int> {
+    let ids = positions.ids.ids().iter().map(|&p| p as i64).collect::<Vec<_>>();
+    Tensor::from_data(burn::tensor::TensorData::new(ids, [positions.ids.batch(), positions.ids.len()]), device)
+}
+
+fn token_batch() -> Vec<Vec<i64>> {
+    (0..BATCH).map(|b| (0..SEQ).map(|t| ((b * 7 + t * 3) % VOCAB) as i64).collect()).collect()
+}
+
+/// Each rank's loss sum of [`token_batch`] through `ulysses_training::evaluate` at SP = `sp`, or
+/// its error.
+fn evaluated(sp: usize, from: PositionsFrom) -> Vec<Result<f64, String>> {
+    use burn_ulysses::data::SequenceSharder;
+    use ulysses_training::{LmOutput, evaluate};
+    with_deadline(Duration::from_secs(60), move || {
+        ThreadGroup::new(sp)
+            .run(|rank| {
+                let communicator = rank.communicator();
+                let _sp = Sp::enter(RankScope::Thread, communicator.clone(), UlyssesConfig::new());
+                let forward = |ids: Tensor<Sp, 2, Int>, positions: &ShardPositions| Ok(LmOutput::Logits(positioned_logits(ids, positions, from)));
+                evaluate::<Sp, Inner>(forward, &token_batch(), None, None, &SequenceSharder::new(sp), rank.rank(), &*communicator, &Default::default())
+                    .map(|loss| loss.sum)
+                    .map_err(|e| e.to_string())
+            })
+            .into_iter()
+            .map(|result| result.map_err(|panic| panic.message).and_then(|r| r))
+            .collect()
+    })
+}
+
+/// Ranks whose shard starts past position 0 refuse the positions `what` counted from their
+/// first token, naming the two; rank 0, whose positions they are, stops as they leave.
+fn assert_positions_refused<T: std::fmt::Debug>(results: &[Result<T, String>], counted: &str, what: &str) {
+    let p = results.len();
+    let local = SEQ / p;
+    for (rank, result) in results.iter().enumerate() {
+        let message = match result {
+            Ok(value) => panic!("{what} at SP {p}: rank {rank} returned {value:?}"),
+            Err(message) => message,
+        };
+        if rank == 0 {
+            assert!(message.contains("left the group") || message.contains("positions"), "{what} at SP {p}, rank 0: {message}");
+            continue;
+        }
+        let held = format!("{local} tokens sit at positions {}..{}", rank * local, (rank + 1) * local);
+        for needle in [counted, held.as_str(), "RotaryEncoding::apply(x, shard.position_offset)", "SequenceShard::positions.ids"] {
+            assert!(message.contains(needle), "{what} at SP {p}, rank {rank}: `{needle}` missing from: {message}");
+        }
+    }
+}
+
+#[test]
+fn positions_counted_from_each_ranks_first_token_are_refused() {
+    let one_device = evaluated(1, PositionsFrom::RopeForward).remove(0).expect("one device");
+    for sp in [2, 3] {
+        let local = SEQ / sp;
+        let rows = format!("takes rows 0..{local} along dim 0 of a [{}, {}, 2] table", 4 * SEQ, D_MODEL / HEADS);
+        assert_positions_refused(&evaluated(sp, PositionsFrom::RopeForward), &rows, "RotaryEncoding::forward");
+        let rows = format!("takes rows 0..{local} along dim 1 of a [1, {}, {D_MODEL}] table", 4 * SEQ);
+        assert_positions_refused(&evaluated(sp, PositionsFrom::Sinusoids), &rows, "PositionalEncoding::forward");
+        assert_positions_refused(&evaluated(sp, PositionsFrom::LearnedOfArange), &format!("arange counts positions 0..{local}"), "a learned embedding of arange");
+        // Ported: RoPE at the shard's offset equals one device's loss (of RoPE from 0 there).
+        let sums: Vec<f64> = evaluated(sp, PositionsFrom::RopeAtOffset).into_iter().map(|r| r.unwrap_or_else(|e| panic!("RoPE at the offset, SP {sp}: {e}"))).collect();
+        for sum in sums {
+            assert!((sum - one_device).abs() <= 1e-5 * one_device.abs(), "RoPE at the offset, SP {sp}: {sum} against one device's {one_device}");
+        }
+    }
+    let learned = evaluated(1, PositionsFrom::LearnedOfArange).remove(0).expect("one device");
+    let at_ids = evaluated(3, PositionsFrom::LearnedAtIds);
+    for sum in at_ids.into_iter().map(|r| r.expect("a learned embedding at the ids, SP 3")) {
+        assert!((sum - learned).abs() <= 1e-5 * learned.abs(), "a learned embedding at the ids, SP 3: {sum} against one device's {learned}");
+    }
+}
+
+/// A model that looks its learned positions up at `arange(0..len)`.
+#[derive(Module, Debug)]
+struct LocalPositionsLm<B: Backend> {
+    tokens: Embedding<B>,
+    positions: Embedding<B>,
+    head: Linear<B>,
+}
+
+impl<B: burn::tensor::backend::AutodiffBackend> ulysses_training::CausalLm<B> for LocalPositionsLm<B> {
+    fn logits(&self, tokens: Tensor<B, 2, Int>, _: &ShardPositions) -> Tensor<B, 3> {
+        let [batch, len] = tokens.dims();
+        let at = Tensor::<B, 1, Int>::arange(0..len as i64, &tokens.device()).unsqueeze::<2>().repeat_dim(0, batch);
+        let x = self.tokens.forward(tokens) + self.positions.forward(at);
+        let causal = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+        let attended = attention(heads(x.clone()), heads(x.clone()), heads(x.clone()), None, None, causal);
+        self.head.forward(x + attended.swap_dims(1, 2).reshape([batch, len, D_MODEL]))
+    }
+
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+
+    fn is_causal(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn a_training_step_refuses_positions_counted_from_each_ranks_first_token() {
+    use burn::optim::AdamWConfig;
+    use burn_ulysses::{ParallelGroups, ParallelLayout, data::SequenceSharder};
+    use ulysses_training::{StepInput, train_step};
+    let results = with_deadline(Duration::from_secs(60), || {
+        let layout = ParallelLayout::new().with_sp_size(2);
+        ThreadGroup::new(2)
+            .run(|rank| {
+                let groups = ParallelGroups::new(rank.communicator(), layout).expect("one SP group");
+                let _sp = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
+                let device = Default::default();
+                let model = LocalPositionsLm::<Sp> {
+                    tokens: deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init(&device), 3),
+                    positions: deterministic_params(EmbeddingConfig::new(SEQ, D_MODEL).init(&device), 5),
+                    head: deterministic_params(LinearConfig::new(D_MODEL, VOCAB).init(&device), 7),
+                };
+                let mut optimizer = AdamWConfig::new().init::<Sp, LocalPositionsLm<Sp>>();
+                let micro_batches = [token_batch()];
+                let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &micro_batches, documents: None, targets: None, max_grad_norm: None };
+                train_step(model, &mut optimizer, &step, &SequenceSharder::new(2), &groups, &device).map(|(_, report)| report.loss).map_err(|e| e.to_string())
+            })
+            .into_iter()
+            .map(|result| result.map_err(|panic| panic.message).and_then(|r| r))
+            .collect::<Vec<_>>()
+    });
+    assert_positions_refused(&results, &format!("arange counts positions 0..{}", SEQ / 2), "a training step with learned positions of arange");
 }

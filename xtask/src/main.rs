@@ -68,6 +68,12 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("ModuleOps", "max_pool1d", "crate::attention_guard::guarded_max_pool1d"),
     ("ModuleOps", "max_pool1d_with_indices", "crate::attention_guard::guarded_max_pool1d_with_indices"),
     ("ModuleOps", "adaptive_avg_pool1d", "crate::attention_guard::guarded_adaptive_avg_pool1d"),
+    // Refuse positions counted from another shard's first token under SP: a table of
+    // positions sliced (RoPE's frequencies, sinusoids from 0) or an arange over the shard.
+    ("FloatTensorOps", "float_slice", "crate::attention_guard::guarded_float_slice"),
+    ("IntTensorOps", "int_slice", "crate::attention_guard::guarded_int_slice"),
+    ("IntTensorOps", "int_arange", "crate::attention_guard::guarded_int_arange"),
+    ("IntTensorOps", "int_arange_step", "crate::attention_guard::guarded_int_arange_step"),
     // Notes the token ids' length (a rank's shard) for the guard's folded query heads.
     ("ModuleOps", "embedding", "crate::attention_guard::embedding_noting_length"),
     // Count what the host waits on the device for (reads, uploads): crate::device_io.

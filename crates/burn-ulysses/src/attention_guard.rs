@@ -85,16 +85,19 @@
 
 use std::{
     cell::Cell,
+    marker::PhantomData,
+    ops::Range,
     sync::atomic::{AtomicBool, Ordering},
 };
 
 use burn::tensor::{
-    TensorMetadata, TensorPrimitive,
+    Device, IntDType, Slice, TensorMetadata, TensorPrimitive,
     ops::{BoolTensor, ConvOptions, ConvTransposeOptions, FloatTensor, IntTensor, MaxPool1dWithIndices, QuantizedTensor},
 };
 
 use crate::{
     context::{self, Sharding},
+    data::ShardPositions,
     error::UlyssesError,
     capabilities::ExchangeBackend,
 };
@@ -467,6 +470,151 @@ pub fn pooling_of_the_shard_to_a_length(shape: &[usize], output_size: usize, sha
     let fix = "Pool by a fixed factor with avg_pool1d (kernel = stride, dividing the shard, each half of it under a zigzag ring: that passes), \
                or pool the whole sequence on one rank (burn_ulysses::context::enter_single_device()).";
     shard_local_refusal("adaptive_avg_pool1d", shape, 2, what, fix, sharding)
+}
+
+/// Where this rank's tokens sit in the forward under way, as [`note_shard_positions`] noted
+/// them: how many a row, the start of the one run of positions every row holds (`start..start
+/// + len`), if they do, and one past the largest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct NotedPositions {
+    len: usize,
+    run_start: Option<u64>,
+    end: u64,
+}
+
+impl NotedPositions {
+    fn of(positions: &ShardPositions) -> Self {
+        let ids = &positions.ids;
+        let first = ids.ids().first().copied().unwrap_or(0);
+        let one_run = (0..ids.batch()).all(|b| ids.row(b).iter().zip(first..).all(|(&id, expected)| id == expected));
+        Self { len: ids.len(), run_start: one_run.then_some(first), end: ids.ids().iter().max().map_or(0, |&last| last + 1) }
+    }
+
+    /// Whether `range` is this rank's positions: right for a table's rows or an `arange`.
+    fn holds(&self, range: &Range<u64>) -> bool {
+        self.run_start == Some(range.start) && range.end - range.start == self.len as u64
+    }
+
+    fn held(&self) -> String {
+        match self.run_start {
+            Some(start) => format!("positions {start}..{}", start + self.len as u64),
+            None => "positions that are no one run from a common start in every row (a zigzag ring's two chunks apart, or packed documents restarting at 0)".into(),
+        }
+    }
+}
+
+thread_local! {
+    /// This rank's positions in the forward under way: set by the training API around each
+    /// forward (or by a loop of one's own), for the rule that positions are not counted from
+    /// another shard's first token.
+    static SHARD_POSITIONS: Cell<Option<NotedPositions>> = const { Cell::new(None) };
+}
+
+/// Makes `positions` (the shard a forward is about to run on) this thread's for the guard until
+/// the returned value is dropped: a table of positions sliced, or an `arange` counted, over as
+/// many tokens as the shard holds but at other positions than its own (RoPE or sinusoids from
+/// 0 on every rank: `RotaryEncoding::forward`, `PositionalEncoding::forward`, a learned position
+/// embedding of `arange(0..len)`) is then refused under SP. `ulysses_training`'s steps and
+/// `evaluate` note their shards themselves; a loop of one's own calls it around its forward.
+pub fn note_shard_positions(positions: &ShardPositions) -> ShardPositionsNoted {
+    let previous = SHARD_POSITIONS.replace(Some(NotedPositions::of(positions)));
+    ShardPositionsNoted { previous, _not_send: PhantomData }
+}
+
+/// Restores the positions noted before [`note_shard_positions`] when dropped.
+#[must_use = "the positions are forgotten as soon as this is dropped"]
+pub struct ShardPositionsNoted {
+    previous: Option<NotedPositions>,
+    // Dropped on the thread that noted them.
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Drop for ShardPositionsNoted {
+    fn drop(&mut self) {
+        SHARD_POSITIONS.set(self.previous.take());
+    }
+}
+
+/// The refusal of positions `what` took from `noted` other than this rank's.
+fn positions_refusal(op: &'static str, what: String, noted: NotedPositions, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let sharding = spreads_sequences(sharding().filter(|_| GUARD_ON.load(Ordering::Relaxed)))?;
+    Some(UlyssesError::PositionsOfAnotherShard { op, what, len: noted.len, held: noted.held(), ranks: sharding.ranks })
+}
+
+/// Why a slice of `shape` by `slices` is refused, or `None`: one that takes as many rows of a
+/// table of positions as the shard has tokens, but not this rank's (RoPE's frequencies or
+/// sinusoids from 0, as `RotaryEncoding::forward` and `PositionalEncoding::forward` take them,
+/// a cos/sin cache's first rows). A table, by shape: a constant (`tracked`: false; under
+/// training every activation is tracked) of two dims or more, cut along one dim alone, every dim
+/// before it of size 1 and, for a float table, a dim of features after it; longer than the
+/// shard and long enough to hold this rank's positions (a tensor of the shard's own length, or
+/// a few tokens more, never is).
+pub fn positions_sliced_from_a_table(shape: &[usize], slices: &[Slice], tracked: bool, features_after: bool, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2 && !tracked && shape.len() >= 2)?;
+    let slice = |dim: usize| slices.get(dim).copied().unwrap_or(Slice::full());
+    let whole = |dim: usize| slice(dim).step == 1 && slice(dim).to_range(shape[dim]) == (0..shape[dim]);
+    let mut cut = (0..shape.len()).filter(|&dim| !whole(dim));
+    let (Some(dim), None) = (cut.next(), cut.next()) else { return None };
+    let range = slice(dim).to_range(shape[dim]);
+    let table = shape[..dim].iter().all(|&size| size == 1)
+        && (dim + 1 < shape.len() || !features_after)
+        && shape[dim] > noted.len
+        && shape[dim] as u64 >= noted.end;
+    let rows = range.start as u64..range.end as u64;
+    if !table || slice(dim).step != 1 || range.len() != noted.len || noted.holds(&rows) {
+        return None;
+    }
+    let what = format!(
+        "takes rows {}..{} along dim {dim} of a {shape:?} table of positions (RotaryEncoding::forward's frequencies, \
+         PositionalEncoding::forward's sinusoids, a cos/sin cache's first rows)",
+        range.start, range.end
+    );
+    positions_refusal("slice", what, noted, sharding)
+}
+
+/// Why `arange(range)` (step `step`) is refused, or `None`: one that counts as many positions as
+/// the shard has tokens, but not this rank's (a learned position embedding of `arange(0..len)`,
+/// RoPE's angles of it, a mask built from the local length).
+pub fn positions_counted_by_arange(range: &Range<i64>, step: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2 && step == 1)?;
+    let counted = u64::try_from(range.start).ok().zip(u64::try_from(range.end).ok()).map(|(start, end)| start..end)?;
+    if counted.end.saturating_sub(counted.start) != noted.len as u64 || noted.holds(&counted) {
+        return None;
+    }
+    let what = format!(
+        "counts positions {}..{} (Tensor::arange: a learned position embedding's ids, RoPE's angles, a mask built from the local length)",
+        range.start, range.end
+    );
+    positions_refusal("arange", what, noted, sharding)
+}
+
+/// `UlyssesBackend`'s `float_slice`: the inner backend's, after the guard.
+pub fn guarded_float_slice<X: ExchangeBackend>(tensor: FloatTensor<X>, slices: &[Slice]) -> FloatTensor<X> {
+    if SHARD_POSITIONS.get().is_some() {
+        refuse(positions_sliced_from_a_table(&tensor.shape(), slices, X::is_tracked(&tensor), true, context::current_sharding));
+    }
+    X::float_slice(tensor, slices)
+}
+
+/// `UlyssesBackend`'s `int_slice`: the inner backend's, after the guard (a table of position
+/// ids, `[1, max_len]`, has no dim of features after its positions).
+pub fn guarded_int_slice<X: ExchangeBackend>(tensor: IntTensor<X>, slices: &[Slice]) -> IntTensor<X> {
+    if SHARD_POSITIONS.get().is_some() {
+        refuse(positions_sliced_from_a_table(&tensor.shape(), slices, false, false, context::current_sharding));
+    }
+    X::int_slice(tensor, slices)
+}
+
+/// `UlyssesBackend`'s `int_arange`: the inner backend's, after the guard.
+pub fn guarded_int_arange<X: ExchangeBackend>(range: Range<i64>, device: &Device<X>, dtype: IntDType) -> IntTensor<X> {
+    refuse(positions_counted_by_arange(&range, 1, context::current_sharding));
+    X::int_arange(range, device, dtype)
+}
+
+/// `UlyssesBackend`'s `int_arange_step`: the inner backend's, after the guard.
+pub fn guarded_int_arange_step<X: ExchangeBackend>(range: Range<i64>, step: usize, device: &Device<X>, dtype: IntDType) -> IntTensor<X> {
+    refuse(positions_counted_by_arange(&range, step, context::current_sharding));
+    X::int_arange_step(range, step, device, dtype)
 }
 
 /// Panics with `refusal`'s error, if any: ops return tensors, and the training API turns a
@@ -892,5 +1040,70 @@ mod tests {
         assert!(pooled(4).is_some() && pooled(16).is_some() && pooled(8).is_none());
         forget_embedded_lengths();
         assert!(flip(&[2, 8, 16], &[1]).is_none() && window(&[2, 16, 8], sliding(3)).is_none(), "before any embedding");
+    }
+
+    /// Positions noted for one thread: `rows` rows each of `ids`.
+    fn noted(ids: &[u64], rows: usize) -> ShardPositionsNoted {
+        let positions = crate::visibility::PositionIds::new(ids.repeat(rows), rows, ids.len()).expect("ids");
+        note_shard_positions(&ShardPositions { ids: positions, packed: false })
+    }
+
+    #[test]
+    fn positions_counted_from_another_shards_first_token_are_refused() {
+        let sliced = |shape: &[usize], dim: usize, rows: Range<usize>| {
+            let slices: Vec<Slice> = (0..shape.len()).map(|d| if d == dim { Slice::from(rows.clone()) } else { Slice::full() }).collect();
+            positions_sliced_from_a_table(shape, &slices, false, true, || SP2).map(|e| e.to_string())
+        };
+        let counted = |range: Range<i64>| positions_counted_by_arange(&range, 1, || SP2).map(|e| e.to_string());
+        assert!(sliced(&[32, 4, 2], 0, 0..8).is_none() && counted(0..8).is_none(), "nothing noted");
+        {
+            // SP rank 1 of 2, 8 tokens a row at positions 8..16.
+            let _noted = noted(&(8..16).collect::<Vec<_>>(), 2);
+            // RoPE's frequencies [max_len, d, 2] and burn-nn's sinusoids [1, max_len, d] from 0.
+            let message = sliced(&[32, 4, 2], 0, 0..8).expect("RoPE from 0 on rank 1 refused");
+            for needle in ["slice takes rows 0..8 along dim 0 of a [32, 4, 2] table", "8 tokens sit at positions 8..16", "2 ranks", "RotaryEncoding::apply(x, shard.position_offset)", "positions.ids", "shard_local_attention_on_purpose"] {
+                assert!(message.contains(needle), "`{needle}` missing from: {message}");
+            }
+            assert!(sliced(&[1, 32, 16], 1, 0..8).is_some() && sliced(&[32, 16], 0, 4..12).is_some());
+            // This rank's own rows pass; so do other lengths, a table too short for this rank's
+            // positions (the shard's own length, a few tokens more), a cut of the features, a
+            // batch of rows, a tracked tensor (an activation under training), a step.
+            assert!(sliced(&[32, 4, 2], 0, 8..16).is_none() && sliced(&[1, 32, 16], 1, 8..16).is_none());
+            assert!(sliced(&[32, 4, 2], 0, 0..4).is_none() && sliced(&[32, 4, 2], 0, 0..16).is_none());
+            assert!(sliced(&[8, 16], 0, 0..8).is_none() && sliced(&[1, 10, 16], 1, 0..8).is_none() && sliced(&[15, 16], 0, 0..8).is_none());
+            assert!(sliced(&[32, 8], 1, 0..8).is_none() && sliced(&[32, 16, 8], 2, 0..8).is_none() && sliced(&[2, 32, 16], 1, 0..8).is_none());
+            assert!(sliced(&[32], 0, 0..8).is_none(), "a 1-D tensor (a flat buffer) refused");
+            let slices = [Slice::from(0..8), Slice::full()];
+            assert!(positions_sliced_from_a_table(&[32, 16], &slices, true, true, || SP2).is_none(), "a tracked tensor refused");
+            assert!(positions_sliced_from_a_table(&[32, 16], &[Slice::new(0, Some(16), 2), Slice::full()], false, true, || SP2).is_none());
+            // Position ids `[1, max_len]` (no features after): refused from 0 as an int table.
+            assert!(positions_sliced_from_a_table(&[1, 32], &[Slice::full(), Slice::from(0..8)], false, false, || SP2).is_some());
+            assert!(positions_sliced_from_a_table(&[1, 32], &[Slice::full(), Slice::from(0..8)], false, true, || SP2).is_none());
+            // arange over the shard from 0 (a learned position embedding's ids) refused; this
+            // rank's positions, other lengths or steps pass; so does anything at one rank, or
+            // with the guard opted out.
+            let message = counted(0..8).expect("arange(0..8) on rank 1 refused");
+            assert!(message.contains("arange counts positions 0..8") && message.contains("positions 8..16"), "{message}");
+            assert!(counted(8..16).is_none() && counted(0..4).is_none() && counted(0..16).is_none());
+            assert!(positions_counted_by_arange(&(0..16), 2, || SP2).is_none());
+            let one_rank = Some(Sharding { ranks: 1, ..SP2.unwrap() });
+            let opted_out = Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() });
+            for sharding in [None, one_rank, opted_out] {
+                assert!(positions_counted_by_arange(&(0..8), 1, || sharding).is_none() && positions_sliced_from_a_table(&[32, 16], &slices, false, true, || sharding).is_none());
+            }
+            {
+                // Rank 0 of the same group: from 0 is its own.
+                let _rank_0 = noted(&(0..8).collect::<Vec<_>>(), 2);
+                assert!(sliced(&[32, 4, 2], 0, 0..8).is_none() && counted(0..8).is_none() && sliced(&[32, 4, 2], 0, 8..16).is_some());
+            }
+            assert!(counted(0..8).is_some(), "rank 1's positions back once rank 0's are dropped");
+        }
+        assert!(counted(0..8).is_none(), "the positions are forgotten when their note is dropped");
+        // A zigzag ring's shard (two chunks apart) or packed documents: no one run, so no
+        // slice or arange of the shard's length is right.
+        let _zigzag = noted(&[4, 5, 6, 7, 24, 25, 26, 27], 2);
+        let message = sliced(&[32, 4, 2], 0, 4..12).expect("one run refused where the shard holds two");
+        assert!(message.contains("no one run from a common start"), "{message}");
+        assert!(counted(4..12).is_some() && counted(24..32).is_some());
     }
 }

@@ -74,6 +74,11 @@ pub trait ExchangeBackend: SequenceAttention {
         ring: &Arc<dyn Communicator<Self::Wire>>,
     ) -> Result<FloatTensor<Self>, UlyssesError>;
 
+    /// Whether `tensor` is in an autodiff graph (a parameter, or computed from one): an
+    /// activation under training, not a constant such as a table of positions (the guard's
+    /// position rule tells them apart by it). Without autodiff, false.
+    fn is_tracked(tensor: &FloatTensor<Self>) -> bool;
+
     /// All-gather along a new leading dim, without gradient (masks).
     fn all_gather_untracked(
         tensor: FloatTensor<Self>,

@@ -131,6 +131,10 @@ impl<B: PlainBackend> ExchangeBackend for B {
     ) -> Result<FloatTensor<B>, CommError> {
         communicator.all_gather(tensor)
     }
+
+    fn is_tracked(_tensor: &FloatTensor<B>) -> bool {
+        false
+    }
 }
 
 impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> {
@@ -169,6 +173,10 @@ impl<B: PlainBackend, C: CheckpointStrategy> ExchangeBackend for Autodiff<B, C> 
     ) -> Result<FloatTensor<Self>, CommError> {
         let gathered = communicator.all_gather(tensor.primitive)?;
         Ok(<Self as AutodiffBackend>::from_inner(gathered))
+    }
+
+    fn is_tracked(tensor: &FloatTensor<Self>) -> bool {
+        tensor.is_tracked()
     }
 }
 

@@ -110,6 +110,18 @@ pub enum UlyssesError {
     ShardLocalByHand { op: &'static str, shape: Vec<usize>, dim: usize, what: String, ranks: usize, fix: &'static str },
 
     #[error(
+        "{op} {what} under sequence parallelism, where this rank's {len} tokens sit at {held} of \
+         sequences spread over {ranks} ranks: every rank would count from the same token, not from \
+         its own (a silently wrong result). Give the model the shard's global positions: \
+         RotaryEncoding::apply(x, shard.position_offset) for a contiguous shard of one document a \
+         row, else the table's rows at SequenceShard::positions.ids (select; right in every layout: \
+         a zigzag ring's two chunks, packed documents); and attention's is_causal: true instead of a \
+         mask built from the local length. A model that does so on purpose sets \
+         UlyssesConfig::shard_local_attention_on_purpose."
+    )]
+    PositionsOfAnotherShard { op: &'static str, what: String, len: usize, held: String, ranks: usize },
+
+    #[error(
         "sequence parallelism is configured (sp_size {sp_size}) but the model's attention did \
          not exchange through the SP group during this step, so every rank attended only \
          within its shard. Enter the rank context with the SP group \

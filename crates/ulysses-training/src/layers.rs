@@ -734,6 +734,9 @@ where
 
     // 1. Forward without a graph, keeping each layer's input; each layer's parameters
     //    gathered for it alone.
+    //    The model's pieces run with the shard's positions noted for the guard (not the
+    //    loss's: `ulysses_training::evaluate` says why).
+    let positions_noted = burn_ulysses::attention_guard::note_shard_positions(positions);
     let inner_context = model.valid().context(positions, &device);
     let mut kept = Vec::with_capacity(layers);
     let (embedding_group, head_group) = ParameterGroup::of_embedding_and_head(model);
@@ -744,6 +747,8 @@ where
         let output = layer_in_tiles(&layer, index, &hidden, tiles, &inner_context, offload(index + 1), &device);
         kept.push(std::mem::replace(&mut hidden, output));
     }
+
+    drop(positions_noted);
 
     // 2. Head and loss, token-wise too: tile by tile, the loss summed on the device and read
     //    by the caller (a read per tile would stall the device per tile).
@@ -775,6 +780,7 @@ where
     // 3. Layers, last first, each re-run from its input in three pieces (see the module doc).
     //    With offload, the input, the upstream gradient and the residual one come from the
     //    host a tile at a time: whole on the device, only the core's tensors.
+    let _positions_noted = burn_ulysses::attention_guard::note_shard_positions(positions);
     let context = model.context(positions, &device);
     for index in (0..layers).rev() {
         let input = kept.pop().expect("one kept input per layer");

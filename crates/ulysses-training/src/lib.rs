@@ -228,7 +228,11 @@ where
 {
     backward_step_with(model, step, sharder, groups, Ok(()), |shard, weight, _| {
         model_failure_as_error(|| {
-            let output = model.lm_output(shard.tokens(device), &shard.positions);
+            let output = {
+                // The model's forward alone, for the guard (`evaluate` says why).
+                let _positions = burn_ulysses::attention_guard::note_shard_positions(&shard.positions);
+                model.lm_output(shard.tokens(device), &shard.positions)
+            };
             let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
             (shard_loss.clone().inner(), GradientsParams::from_grads(shard_loss.backward(), model))
         })
@@ -914,7 +918,13 @@ pub fn evaluate<B: Backend, G: Backend>(
     let shard = sharder.shard_targets(batch, documents, targets, sp_rank);
     let exchanges_before = context_exchanges::<G>();
     let loss = model_failure_as_error(|| {
-        let output = forward(shard.tokens(device), &shard.positions)?;
+        let output = {
+            // For the guard, which refuses positions counted from another shard's first token
+            // (RoPE from 0 on every rank): the forward's alone, since the loss's chunks of
+            // `[B·S, D]` rows, computed without a graph, would look like a table's rows.
+            let _positions = burn_ulysses::attention_guard::note_shard_positions(&shard.positions);
+            forward(shard.tokens(device), &shard.positions)?
+        };
         Ok::<_, UlyssesError>(lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>())
     })??;
     // Attention that never reached the group (no rank context on this thread, a model that

@@ -203,7 +203,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as FloatTensorOps<Inner>>::float_select_add(tensor, dim, indices, value)
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_slice(tensor, slices)
+        crate::attention_guard::guarded_float_slice::<Inner>(tensor, slices)
     }
     fn float_slice_assign(
         tensor: FloatTensor<Self>,

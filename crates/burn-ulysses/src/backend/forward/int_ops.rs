@@ -28,7 +28,7 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as IntTensorOps<Inner>>::int_reshape(tensor, shape)
     }
     fn int_slice(tensor: IntTensor<Self>, slices: &[Slice]) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_slice(tensor, slices)
+        crate::attention_guard::guarded_int_slice::<Inner>(tensor, slices)
     }
     fn int_slice_assign(
         tensor: IntTensor<Self>,
@@ -378,14 +378,16 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_arange_step(range, step, device, dtype)
+        crate::attention_guard::guarded_int_arange_step::<
+            Inner,
+        >(range, step, device, dtype)
     }
     fn int_arange(
         range: Range<i64>,
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_arange(range, device, dtype)
+        crate::attention_guard::guarded_int_arange::<Inner>(range, device, dtype)
     }
     fn int_any(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         <Inner as IntTensorOps<Inner>>::int_any(tensor, out_dtype)
