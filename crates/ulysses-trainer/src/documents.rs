@@ -394,6 +394,8 @@ const NOT_TRAINED: i64 = -100;
 /// One JSON line: `{"text": ...}`, `{"input_ids": [...]}` (with `"labels"` or without), a
 /// bare array of ids, or `{"prompt": ..., "completion": ...}`.
 fn parse_line(line: &str) -> Result<Pending, String> {
+    // A byte-order mark (a file saved as "UTF-8 with BOM") is no content.
+    let line = line.strip_prefix('\u{feff}').unwrap_or(line);
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not JSON ({e})"))?;
     let ids = |value: &Value, field: &str| -> Result<Vec<i64>, String> {
         serde_json::from_value(value.clone()).map_err(|_| format!("\"{field}\" must be an array of integer token ids"))
@@ -691,6 +693,8 @@ mod tests {
     fn lines_of_each_kind_and_what_is_refused() {
         assert!(matches!(parse_line(r#"{"text": "hi", "id": 3}"#), Ok(Pending::Text(t)) if t == "hi"));
         assert!(matches!(parse_line(r#"{"input_ids": [1, 2]}"#), Ok(Pending::Ids(ids)) if ids == [1, 2]));
+        // A file saved as "UTF-8 with BOM": the mark before its first line is no content.
+        assert!(matches!(parse_line("\u{feff}{\"input_ids\": [1, 2]}"), Ok(Pending::Ids(ids)) if ids == [1, 2]));
         assert!(matches!(parse_line("[4, 5]"), Ok(Pending::Ids(ids)) if ids == [4, 5]));
         assert!(matches!(parse_line(r#"{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}"#), Ok(Pending::Labelled(ids, targets)) if ids == [1, 2, 3] && targets == [false, true, true]));
         assert!(matches!(parse_line(r#"{"prompt": "Q: ", "completion": "A"}"#), Ok(Pending::PromptCompletion(p, c)) if p == "Q: " && c == "A"));
