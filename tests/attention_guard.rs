@@ -27,8 +27,9 @@
 //!   pooling by a factor, under a zigzag ring too) pass and give one device's output.
 //! - A linear layer as wide as the local sequence passes the guard.
 //! - Positions counted from each rank's first token, through `evaluate` and `train_step` (which
-//!   note the shard's positions): RoPE (`RotaryEncoding::forward`), burn-nn's sinusoids and a
-//!   learned position embedding of `arange(0..len)` are refused on the ranks whose shard starts
+//!   note the shard's positions): RoPE (`RotaryEncoding::forward`), burn-nn's sinusoids, a
+//!   learned position embedding of `arange(0..len)` and a learned table's first rows (a
+//!   parameter, tracked by autodiff) are refused on the ranks whose shard starts
 //!   past 0 (the others stop as their peer leaves); RoPE at the shard's offset and a learned
 //!   embedding at `positions.ids` give one device's loss at SP = 2 and 3.
 
@@ -908,6 +909,7 @@ enum PositionsFrom {
     RopeForward,
     Sinusoids,
     LearnedOfArange,
+    LearnedTableRows,
     RopeAtOffset,
     LearnedAtIds,
 }
@@ -923,6 +925,10 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
         PositionsFrom::Sinusoids => PositionalEncodingConfig::new(D_MODEL).with_max_sequence_size(max_len).init::<B>(&device).forward(x),
         PositionsFrom::LearnedOfArange => x + learned(Tensor::<B, 1, Int>::arange(0..len as i64, &device).unsqueeze::<2>().repeat_dim(0, batch)),
         PositionsFrom::LearnedAtIds => x + learned(position_ids(positions, &device)),
+        PositionsFrom::LearnedTableRows => {
+            let table = deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).weight.val();
+            x + table.slice([0..len]).unsqueeze::<3>()
+        }
         _ => x,
     };
     let rope = RotaryEncodingConfig::new(max_len, D_MODEL / HEADS).init::<B>(&device);
@@ -1000,6 +1006,8 @@ fn positions_counted_from_each_ranks_first_token_are_refused() {
         let rows = format!("takes rows 0..{local} along dim 1 of a [1, {}, {D_MODEL}] table", 4 * SEQ);
         assert_positions_refused(&evaluated(sp, PositionsFrom::Sinusoids), &rows, "PositionalEncoding::forward");
         assert_positions_refused(&evaluated(sp, PositionsFrom::LearnedOfArange), &format!("arange counts positions 0..{local}"), "a learned embedding of arange");
+        let rows = format!("takes rows 0..{local} along dim 0 of a [{}, {D_MODEL}] table", 4 * SEQ);
+        assert_positions_refused(&evaluated(sp, PositionsFrom::LearnedTableRows), &rows, "a learned table's first rows (a parameter)");
         // Ported: RoPE at the shard's offset equals one device's loss (of RoPE from 0 there).
         let sums: Vec<f64> = evaluated(sp, PositionsFrom::RopeAtOffset).into_iter().map(|r| r.unwrap_or_else(|e| panic!("RoPE at the offset, SP {sp}: {e}"))).collect();
         for sum in sums {

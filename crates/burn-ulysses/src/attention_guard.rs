@@ -79,9 +79,20 @@
 //! after), 2-D convolutions and pooling, 1-D ones over a channels-last `[B, S, C]`, sorting along it
 //! (routing tokens within the shard is right), `roll` (burn builds it of slices, no op of
 //! its own), a scan, flip or window along another dim or
-//! before the first embedding since a backward (or in the first forward of all), or
-//! positions counted from 0 on every rank
-//! (`Tensor::arange(0..shard)`) where the sharder's positions belong.
+//! before the first embedding since a backward (or in the first forward of all).
+//!
+//! Positions are checked where this thread knows the shard's ([`note_shard_positions`]:
+//! `ulysses_training`'s steps and `evaluate` note them around the model's forward): a slice of
+//! a table of positions, or an `arange`, over as many tokens as the shard holds but at other
+//! positions than its own is refused (RoPE's frequencies or burn-nn's sinusoids sliced from 0,
+//! a learned position embedding of `arange(0..len)`). A table, by shape: no activation (under
+//! autodiff an activation is tracked and no leaf; without autodiff, in `evaluate` and a
+//! checkpointed forward's first pass, the shape alone decides), cut along one dim alone, every
+//! dim before it of size 1, as long as the sequence over the ranks or longer. Counted from 0, the
+//! positions are right on a rank whose shard starts at 0 (rank 0 of contiguous unpacked shards),
+//! which runs on; the ranks they are wrong for refuse them (under a zigzag ring or packed
+//! documents, every rank). What is as long as the shard but no position goes inside
+//! [`not_positions`].
 
 use std::{
     cell::Cell,
@@ -473,13 +484,12 @@ pub fn pooling_of_the_shard_to_a_length(shape: &[usize], output_size: usize, sha
 }
 
 /// Where this rank's tokens sit in the forward under way, as [`note_shard_positions`] noted
-/// them: how many a row, the start of the one run of positions every row holds (`start..start
-/// + len`), if they do, and one past the largest.
+/// them: how many a row, and the start of the one run of positions every row holds (`start..start
+/// + len`), if they do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct NotedPositions {
     len: usize,
     run_start: Option<u64>,
-    end: u64,
 }
 
 impl NotedPositions {
@@ -487,7 +497,7 @@ impl NotedPositions {
         let ids = &positions.ids;
         let first = ids.ids().first().copied().unwrap_or(0);
         let one_run = (0..ids.batch()).all(|b| ids.row(b).iter().zip(first..).all(|(&id, expected)| id == expected));
-        Self { len: ids.len(), run_start: one_run.then_some(first), end: ids.ids().iter().max().map_or(0, |&last| last + 1) }
+        Self { len: ids.len(), run_start: one_run.then_some(first) }
     }
 
     /// Whether `range` is this rank's positions: right for a table's rows or an `arange`.
@@ -521,6 +531,15 @@ pub fn note_shard_positions(positions: &ShardPositions) -> ShardPositionsNoted {
     ShardPositionsNoted { previous, _not_send: PhantomData }
 }
 
+/// Runs `build` without the rules on positions: for what is no position but is as long as the
+/// shard, which the guard cannot tell from positions counted from the shard's first token
+/// (indices within the shard from an `arange`, to route its tokens to experts; `Tensor::eye` of
+/// its length; a weight whose rows are split in parts as long as the shard).
+pub fn not_positions<T>(build: impl FnOnce() -> T) -> T {
+    let _restored = ShardPositionsNoted { previous: SHARD_POSITIONS.replace(None), _not_send: PhantomData };
+    build()
+}
+
 /// Restores the positions noted before [`note_shard_positions`] when dropped.
 #[must_use = "the positions are forgotten as soon as this is dropped"]
 pub struct ShardPositionsNoted {
@@ -535,63 +554,67 @@ impl Drop for ShardPositionsNoted {
     }
 }
 
-/// The refusal of positions `what` took from `noted` other than this rank's.
-fn positions_refusal(op: &'static str, what: String, noted: NotedPositions, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let sharding = spreads_sequences(sharding().filter(|_| GUARD_ON.load(Ordering::Relaxed)))?;
-    Some(UlyssesError::PositionsOfAnotherShard { op, what, len: noted.len, held: noted.held(), ranks: sharding.ranks })
+/// The positions noted (of two tokens a row or more) and the rank context's `sharding`, where it
+/// spreads sequences over several ranks and the guard is on: where the rules on positions apply.
+fn positions_checked(sharding: impl FnOnce() -> Option<Sharding>) -> Option<(NotedPositions, Sharding)> {
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2)?;
+    Some((noted, spreads_sequences(sharding().filter(|_| GUARD_ON.load(Ordering::Relaxed)))?))
 }
 
 /// Why a slice of `shape` by `slices` is refused, or `None`: one that takes as many rows of a
 /// table of positions as the shard has tokens, but not this rank's (RoPE's frequencies or
 /// sinusoids from 0, as `RotaryEncoding::forward` and `PositionalEncoding::forward` take them,
-/// a cos/sin cache's first rows). A table, by shape: a constant (`tracked`: false; under
-/// training every activation is tracked) of two dims or more, cut along one dim alone, every dim
-/// before it of size 1 and, for a float table, a dim of features after it; longer than the
-/// shard and long enough to hold this rank's positions (a tensor of the shard's own length, or
-/// a few tokens more, never is).
-pub fn positions_sliced_from_a_table(shape: &[usize], slices: &[Slice], tracked: bool, features_after: bool, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2 && !tracked && shape.len() >= 2)?;
+/// a cos/sin cache's first rows, a learned table's). A table, by shape: two dims or more, cut
+/// along one dim alone, every dim before it of size 1 and, for a float table, a dim of features
+/// after it; as long as the whole sequence over the ranks or longer (as a table a model can
+/// take every rank's positions from must be; no shard's activation, a few tokens longer than
+/// the shard, is). `activation`: a tensor computed under autodiff, no table (not a parameter,
+/// which autodiff keeps as a leaf); without autodiff (in `evaluate`) the shape alone decides.
+pub fn positions_sliced_from_a_table(shape: &[usize], slices: &[Slice], activation: bool, features_after: bool, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2 && !activation && shape.len() >= 2)?;
     let slice = |dim: usize| slices.get(dim).copied().unwrap_or(Slice::full());
     let whole = |dim: usize| slice(dim).step == 1 && slice(dim).to_range(shape[dim]) == (0..shape[dim]);
     let mut cut = (0..shape.len()).filter(|&dim| !whole(dim));
     let (Some(dim), None) = (cut.next(), cut.next()) else { return None };
     let range = slice(dim).to_range(shape[dim]);
-    let table = shape[..dim].iter().all(|&size| size == 1)
-        && (dim + 1 < shape.len() || !features_after)
-        && shape[dim] > noted.len
-        && shape[dim] as u64 >= noted.end;
     let rows = range.start as u64..range.end as u64;
-    if !table || slice(dim).step != 1 || range.len() != noted.len || noted.holds(&rows) {
+    let table_like = shape[..dim].iter().all(|&size| size == 1) && (dim + 1 < shape.len() || !features_after);
+    if !table_like || slice(dim).step != 1 || range.len() != noted.len || noted.holds(&rows) {
         return None;
     }
+    let (noted, sharding) = positions_checked(sharding).filter(|(noted, sharding)| shape[dim] >= sharding.ranks * noted.len)?;
     let what = format!(
         "takes rows {}..{} along dim {dim} of a {shape:?} table of positions (RotaryEncoding::forward's frequencies, \
-         PositionalEncoding::forward's sinusoids, a cos/sin cache's first rows)",
+         PositionalEncoding::forward's sinusoids, a cos/sin cache's or a learned table's first rows)",
         range.start, range.end
     );
-    positions_refusal("slice", what, noted, sharding)
+    Some(UlyssesError::PositionsOfAnotherShard { op: "slice", what, len: noted.len, held: noted.held(), ranks: sharding.ranks })
 }
 
 /// Why `arange(range)` (step `step`) is refused, or `None`: one that counts as many positions as
 /// the shard has tokens, but not this rank's (a learned position embedding of `arange(0..len)`,
-/// RoPE's angles of it, a mask built from the local length).
+/// RoPE's or ALiBi's of it, a mask built from the local length). Indices within the shard that
+/// are no positions go inside [`not_positions`].
 pub fn positions_counted_by_arange(range: &Range<i64>, step: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2 && step == 1)?;
-    let counted = u64::try_from(range.start).ok().zip(u64::try_from(range.end).ok()).map(|(start, end)| start..end)?;
+    let counted = u64::try_from(range.start).ok().zip(u64::try_from(range.end).ok()).map(|(start, end)| start..end).filter(|_| step == 1)?;
+    let noted = SHARD_POSITIONS.get()?;
     if counted.end.saturating_sub(counted.start) != noted.len as u64 || noted.holds(&counted) {
         return None;
     }
+    let (noted, sharding) = positions_checked(sharding)?;
     let what = format!(
-        "counts positions {}..{} (Tensor::arange: a learned position embedding's ids, RoPE's angles, a mask built from the local length)",
+        "counts positions {}..{} (Tensor::arange: a learned position embedding's ids, RoPE's or ALiBi's positions, a mask built from the local \
+         length)",
         range.start, range.end
     );
-    positions_refusal("arange", what, noted, sharding)
+    Some(UlyssesError::PositionsOfAnotherShard { op: "arange", what, len: noted.len, held: noted.held(), ranks: sharding.ranks })
 }
 
 /// `UlyssesBackend`'s `float_slice`: the inner backend's, after the guard.
 pub fn guarded_float_slice<X: ExchangeBackend>(tensor: FloatTensor<X>, slices: &[Slice]) -> FloatTensor<X> {
     if SHARD_POSITIONS.get().is_some() {
-        refuse(positions_sliced_from_a_table(&tensor.shape(), slices, X::is_tracked(&tensor), true, context::current_sharding));
+        let activation = X::is_tracked(&tensor) && !X::float_is_require_grad(&tensor);
+        refuse(positions_sliced_from_a_table(&tensor.shape(), slices, activation, true, context::current_sharding));
     }
     X::float_slice(tensor, slices)
 }
@@ -1061,20 +1084,23 @@ mod tests {
             let _noted = noted(&(8..16).collect::<Vec<_>>(), 2);
             // RoPE's frequencies [max_len, d, 2] and burn-nn's sinusoids [1, max_len, d] from 0.
             let message = sliced(&[32, 4, 2], 0, 0..8).expect("RoPE from 0 on rank 1 refused");
-            for needle in ["slice takes rows 0..8 along dim 0 of a [32, 4, 2] table", "8 tokens sit at positions 8..16", "2 ranks", "RotaryEncoding::apply(x, shard.position_offset)", "positions.ids", "shard_local_attention_on_purpose"] {
+            for needle in ["slice takes rows 0..8 along dim 0 of a [32, 4, 2] table", "8 tokens sit at positions 8..16", "2 ranks", "RotaryEncoding::apply(x, shard.position_offset)", "positions.ids", "attention_guard::not_positions"] {
                 assert!(message.contains(needle), "`{needle}` missing from: {message}");
             }
             assert!(sliced(&[1, 32, 16], 1, 0..8).is_some() && sliced(&[32, 16], 0, 4..12).is_some());
-            // This rank's own rows pass; so do other lengths, a table too short for this rank's
-            // positions (the shard's own length, a few tokens more), a cut of the features, a
-            // batch of rows, a tracked tensor (an activation under training), a step.
+            // This rank's own rows pass; so do other lengths, a table too short for every rank's
+            // positions (shorter than the sequence over the ranks: the shard's own length, a few
+            // tokens more), a cut of the features, a batch of rows, an activation, a step.
             assert!(sliced(&[32, 4, 2], 0, 8..16).is_none() && sliced(&[1, 32, 16], 1, 8..16).is_none());
             assert!(sliced(&[32, 4, 2], 0, 0..4).is_none() && sliced(&[32, 4, 2], 0, 0..16).is_none());
             assert!(sliced(&[8, 16], 0, 0..8).is_none() && sliced(&[1, 10, 16], 1, 0..8).is_none() && sliced(&[15, 16], 0, 0..8).is_none());
+            // Indices or weights as long as the shard that are no positions, built inside
+            // `not_positions`, pass.
+            assert!(not_positions(|| counted(0..8).is_none() && sliced(&[32, 16], 0, 0..8).is_none()) && counted(0..8).is_some());
             assert!(sliced(&[32, 8], 1, 0..8).is_none() && sliced(&[32, 16, 8], 2, 0..8).is_none() && sliced(&[2, 32, 16], 1, 0..8).is_none());
             assert!(sliced(&[32], 0, 0..8).is_none(), "a 1-D tensor (a flat buffer) refused");
             let slices = [Slice::from(0..8), Slice::full()];
-            assert!(positions_sliced_from_a_table(&[32, 16], &slices, true, true, || SP2).is_none(), "a tracked tensor refused");
+            assert!(positions_sliced_from_a_table(&[32, 16], &slices, true, true, || SP2).is_none(), "an activation refused");
             assert!(positions_sliced_from_a_table(&[32, 16], &[Slice::new(0, Some(16), 2), Slice::full()], false, true, || SP2).is_none());
             // Position ids `[1, max_len]` (no features after): refused from 0 as an int table.
             assert!(positions_sliced_from_a_table(&[1, 32], &[Slice::full(), Slice::from(0..8)], false, false, || SP2).is_some());
@@ -1095,6 +1121,8 @@ mod tests {
                 // Rank 0 of the same group: from 0 is its own.
                 let _rank_0 = noted(&(0..8).collect::<Vec<_>>(), 2);
                 assert!(sliced(&[32, 4, 2], 0, 0..8).is_none() && counted(0..8).is_none() && sliced(&[32, 4, 2], 0, 8..16).is_some());
+                // A shard's activation a few tokens longer (registers prepended) is no table.
+                assert!(sliced(&[1, 10, 16], 1, 2..10).is_none());
             }
             assert!(counted(0..8).is_some(), "rank 1's positions back once rank 0's are dropped");
         }

@@ -49,7 +49,7 @@ pub struct UlyssesConfig {
     /// never cross a shard): lets its hand-written score matmuls through the guard against
     /// attention done by hand (`attention_guard`, a layer above), which otherwise refuses them,
     /// and with them every other shard-local refusal (a softmax over per-head weights, a scan,
-    /// a flip or a window along the shard).
+    /// a flip or a window along the shard, positions counted from the shard's first token).
     #[config(default = false)]
     pub shard_local_attention_on_purpose: bool,
 }

@@ -111,13 +111,14 @@ pub enum UlyssesError {
 
     #[error(
         "{op} {what} under sequence parallelism, where this rank's {len} tokens sit at {held} of \
-         sequences spread over {ranks} ranks: every rank would count from the same token, not from \
-         its own (a silently wrong result). Give the model the shard's global positions: \
-         RotaryEncoding::apply(x, shard.position_offset) for a contiguous shard of one document a \
-         row, else the table's rows at SequenceShard::positions.ids (select; right in every layout: \
-         a zigzag ring's two chunks, packed documents); and attention's is_causal: true instead of a \
-         mask built from the local length. A model that does so on purpose sets \
-         UlyssesConfig::shard_local_attention_on_purpose."
+         sequences spread over {ranks} ranks: positions counted as if the shard were the whole \
+         sequence are another shard's on this rank (a silently wrong result). Give the model the \
+         shard's global positions: RotaryEncoding::apply(x, shard.position_offset) for a contiguous \
+         shard of one document a row, else the table's rows at SequenceShard::positions.ids (select; \
+         right in every layout: a zigzag ring's two chunks, packed documents); and attention's \
+         is_causal: true instead of a mask built from the local length. What is as long as the shard \
+         but no position (indices to route tokens, a weight split in parts that long) goes inside \
+         burn_ulysses::attention_guard::not_positions(|| ..)."
     )]
     PositionsOfAnotherShard { op: &'static str, what: String, len: usize, held: String, ranks: usize },
 
