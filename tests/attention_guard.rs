@@ -31,7 +31,8 @@
 //!   learned position embedding of `arange(0..len)` and a learned table's first rows (a
 //!   parameter, tracked by autodiff) are refused on the ranks whose shard starts
 //!   past 0 (the others stop as their peer leaves); RoPE at the shard's offset and a learned
-//!   embedding at `positions.ids` give one device's loss at SP = 2 and 3.
+//!   embedding at `positions.ids` give one device's loss at SP = 2 and 3. A token shift by a
+//!   slice, or by `roll_dim`, is refused on every rank.
 
 use std::time::Duration;
 
@@ -322,7 +323,7 @@ fn positions_from_a_mask<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
 }
 
 /// Each rank's refusal names `op` and the fix, and says it would have run within the shard.
-fn assert_shard_local_refused(results: &[Result<Vec<f32>, String>], op: &str, fix: &str) {
+fn assert_shard_local_refused<T>(results: &[Result<T, String>], op: &str, fix: &str) {
     for (rank, result) in results.iter().enumerate() {
         match result {
             Ok(_) => panic!("{op}: rank {rank} returned a result"),
@@ -902,30 +903,39 @@ fn the_porting_guide_shows_this_files_port() {
     assert!(changed >= 6, "the porting diff should show the three changes, found {changed} changed lines");
 }
 
-/// Where a model takes its positions from: three ways a port counts them from each rank's first
-/// token, and two right ones.
+/// Where a model takes its positions from: four ways a port counts them from each rank's first
+/// token, and two right ones; or how it mixes neighbouring tokens within the shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PositionsFrom {
+enum Placement {
     RopeForward,
     Sinusoids,
     LearnedOfArange,
     LearnedTableRows,
     RopeAtOffset,
     LearnedAtIds,
+    /// Each token plus the one before it (RWKV's token shift), by a slice and a concatenation.
+    TokenShift,
+    /// The same by `roll_dim`.
+    Roll,
 }
 
 /// A causal attention layer over token embeddings placed by `from`: logits `[B, S, VOCAB]`.
-fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositions, from: PositionsFrom) -> Tensor<B, 3> {
+fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositions, from: Placement) -> Tensor<B, 3> {
     let device = ids.device();
     let [batch, len] = ids.dims();
     let max_len = 4 * SEQ;
     let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13).forward(ids);
     let learned = |at: Tensor<B, 2, Int>| deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).forward(at);
     let x = match from {
-        PositionsFrom::Sinusoids => PositionalEncodingConfig::new(D_MODEL).with_max_sequence_size(max_len).init::<B>(&device).forward(x),
-        PositionsFrom::LearnedOfArange => x + learned(Tensor::<B, 1, Int>::arange(0..len as i64, &device).unsqueeze::<2>().repeat_dim(0, batch)),
-        PositionsFrom::LearnedAtIds => x + learned(position_ids(positions, &device)),
-        PositionsFrom::LearnedTableRows => {
+        Placement::Sinusoids => PositionalEncodingConfig::new(D_MODEL).with_max_sequence_size(max_len).init::<B>(&device).forward(x),
+        Placement::LearnedOfArange => x + learned(Tensor::<B, 1, Int>::arange(0..len as i64, &device).unsqueeze::<2>().repeat_dim(0, batch)),
+        Placement::LearnedAtIds => x + learned(position_ids(positions, &device)),
+        Placement::TokenShift => {
+            let before = Tensor::cat(vec![Tensor::zeros([batch, 1, D_MODEL], &device), x.clone().slice([0..batch, 0..len - 1])], 1);
+            x + before
+        }
+        Placement::Roll => x.clone() + x.roll_dim(1, 1),
+        Placement::LearnedTableRows => {
             let table = deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).weight.val();
             x + table.slice([0..len]).unsqueeze::<3>()
         }
@@ -934,8 +944,8 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
     let rope = RotaryEncodingConfig::new(max_len, D_MODEL / HEADS).init::<B>(&device);
     let offset = positions.ids.ids()[0] as usize;
     let rotated = |t: Tensor<B, 4>| match from {
-        PositionsFrom::RopeForward => rope.forward(t),
-        PositionsFrom::RopeAtOffset => rope.apply(t, offset),
+        Placement::RopeForward => rope.forward(t),
+        Placement::RopeAtOffset => rope.apply(t, offset),
         _ => t,
     };
     let causal = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
@@ -956,7 +966,7 @@ fn token_batch() -> Vec<Vec<i64>> {
 
 /// Each rank's loss sum of [`token_batch`] through `ulysses_training::evaluate` at SP = `sp`, or
 /// its error.
-fn evaluated(sp: usize, from: PositionsFrom) -> Vec<Result<f64, String>> {
+fn evaluated(sp: usize, from: Placement) -> Vec<Result<f64, String>> {
     use burn_ulysses::data::SequenceSharder;
     use ulysses_training::{LmOutput, evaluate};
     with_deadline(Duration::from_secs(60), move || {
@@ -998,26 +1008,42 @@ fn assert_positions_refused<T: std::fmt::Debug>(results: &[Result<T, String>], c
 
 #[test]
 fn positions_counted_from_each_ranks_first_token_are_refused() {
-    let one_device = evaluated(1, PositionsFrom::RopeForward).remove(0).expect("one device");
+    let one_device = evaluated(1, Placement::RopeForward).remove(0).expect("one device");
     for sp in [2, 3] {
         let local = SEQ / sp;
         let rows = format!("takes rows 0..{local} along dim 0 of a [{}, {}, 2] table", 4 * SEQ, D_MODEL / HEADS);
-        assert_positions_refused(&evaluated(sp, PositionsFrom::RopeForward), &rows, "RotaryEncoding::forward");
+        assert_positions_refused(&evaluated(sp, Placement::RopeForward), &rows, "RotaryEncoding::forward");
         let rows = format!("takes rows 0..{local} along dim 1 of a [1, {}, {D_MODEL}] table", 4 * SEQ);
-        assert_positions_refused(&evaluated(sp, PositionsFrom::Sinusoids), &rows, "PositionalEncoding::forward");
-        assert_positions_refused(&evaluated(sp, PositionsFrom::LearnedOfArange), &format!("arange counts positions 0..{local}"), "a learned embedding of arange");
+        assert_positions_refused(&evaluated(sp, Placement::Sinusoids), &rows, "PositionalEncoding::forward");
+        assert_positions_refused(&evaluated(sp, Placement::LearnedOfArange), &format!("arange counts positions 0..{local}"), "a learned embedding of arange");
         let rows = format!("takes rows 0..{local} along dim 0 of a [{}, {D_MODEL}] table", 4 * SEQ);
-        assert_positions_refused(&evaluated(sp, PositionsFrom::LearnedTableRows), &rows, "a learned table's first rows (a parameter)");
+        assert_positions_refused(&evaluated(sp, Placement::LearnedTableRows), &rows, "a learned table's first rows (a parameter)");
         // Ported: RoPE at the shard's offset equals one device's loss (of RoPE from 0 there).
-        let sums: Vec<f64> = evaluated(sp, PositionsFrom::RopeAtOffset).into_iter().map(|r| r.unwrap_or_else(|e| panic!("RoPE at the offset, SP {sp}: {e}"))).collect();
+        let sums: Vec<f64> = evaluated(sp, Placement::RopeAtOffset).into_iter().map(|r| r.unwrap_or_else(|e| panic!("RoPE at the offset, SP {sp}: {e}"))).collect();
         for sum in sums {
             assert!((sum - one_device).abs() <= 1e-5 * one_device.abs(), "RoPE at the offset, SP {sp}: {sum} against one device's {one_device}");
         }
     }
-    let learned = evaluated(1, PositionsFrom::LearnedOfArange).remove(0).expect("one device");
-    let at_ids = evaluated(3, PositionsFrom::LearnedAtIds);
+    let learned = evaluated(1, Placement::LearnedOfArange).remove(0).expect("one device");
+    let at_ids = evaluated(3, Placement::LearnedAtIds);
     for sum in at_ids.into_iter().map(|r| r.expect("a learned embedding at the ids, SP 3")) {
         assert!((sum - learned).abs() <= 1e-5 * learned.abs(), "a learned embedding at the ids, SP 3: {sum} against one device's {learned}");
+    }
+}
+
+/// Each token mixed with the one before it (a token shift, by a slice or by `roll_dim`) inside a
+/// forward whose positions are noted: refused on every rank at SP = 2 and 3, where each shard's
+/// first token would take zeros (or its shard's last token) for the previous rank's last; a
+/// finite loss at SP = 1.
+#[test]
+fn a_token_shift_is_refused_on_every_rank() {
+    for sp in [2, 3] {
+        assert_shard_local_refused(&evaluated(sp, Placement::TokenShift), "slice", "halo");
+        assert_shard_local_refused(&evaluated(sp, Placement::Roll), "slice", "halo");
+    }
+    for placement in [Placement::TokenShift, Placement::Roll] {
+        let loss = evaluated(1, placement).remove(0);
+        assert!(loss.as_ref().is_ok_and(|loss| loss.is_finite()), "{placement:?} at SP 1: {loss:?}");
     }
 }
 

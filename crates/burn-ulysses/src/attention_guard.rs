@@ -77,8 +77,8 @@
 //! the guard see other ops that mix the sequence's tokens, each over its shard alone: a mean
 //! or max over the sequence dim (a sum over a shard is also a loss's, summed over the ranks
 //! after), 2-D convolutions and pooling, 1-D ones over a channels-last `[B, S, C]`, sorting along it
-//! (routing tokens within the shard is right), `roll` (burn builds it of slices, no op of
-//! its own), a scan, flip or window along another dim or
+//! (routing tokens within the shard is right), a token shift or `roll` outside a forward whose
+//! positions are noted (below), a scan, flip or window along another dim or
 //! before the first embedding since a backward (or in the first forward of all).
 //!
 //! Positions are checked where this thread knows the shard's ([`note_shard_positions`]:
@@ -93,6 +93,12 @@
 //! which runs on; the ranks they are wrong for refuse them (under a zigzag ring or packed
 //! documents, every rank). What is as long as the shard but no position goes inside
 //! [`not_positions`].
+//!
+//! Inside such a forward (a model's, not the loss's), a slice that drops one to a quarter of
+//! the shard's tokens from either end of its sequence dim is refused too
+//! ([`shard_shifted_by_a_slice`]): a token shift, a `roll` (burn builds it of slices), a
+//! difference of neighbouring tokens, each missing the neighbouring rank's tokens at the
+//! shard's edge. Outside one (a loss's chunks, a loop of one's own) slices pass unchecked.
 
 use std::{
     cell::Cell,
@@ -414,15 +420,21 @@ pub fn window_over_the_shard(op: &'static str, shape: &[usize], window: Window, 
 /// are [`window_over_the_shard`]'s (sliding windows for local attention, overlapping chunks);
 /// chunks that tile the shard pass.
 pub fn unfold_over_the_shard(op: &'static str, shape: &[usize], dim: usize, size: usize, step: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let shard = along_the_sequence(shape, dim, |dim| along_the_shard(shape, dim))?;
+    windows_across_the_shard(op, shape, dim, (shard, shard), Window::new(size, 1, step, 0, false), sharding)
+}
+
+/// `along(dim)` (the shard's length where `dim` of `shape` is as long) where `dim` is a sequence
+/// dim: `[B, S, ..]`'s dim 1, a channels-first `[B, C, L]`'s dim 2 (its dim 1 not the shard's),
+/// or per-head `[B, H, S, D]`'s dim 2.
+fn along_the_sequence(shape: &[usize], dim: usize, along: impl Fn(usize) -> Option<usize>) -> Option<usize> {
     let sequence = sequence_dim(shape);
-    let along = |dim| along_the_shard(shape, dim);
-    let shard = match dim {
+    match dim {
         _ if dim == sequence => along(dim),
         2 if shape.len() == 3 && along(sequence).is_none() => along(dim),
         _ if shape.len() >= 4 && dim == shape.len() - 2 => along(dim),
         _ => None,
-    }?;
-    windows_across_the_shard(op, shape, dim, (shard, shard), Window::new(size, 1, step, 0, false), sharding)
+    }
 }
 
 /// The refusal of `window`s along `dim` of `shape`, whose `length` is the `shard`'s (or burn
@@ -572,14 +584,10 @@ fn positions_checked(sharding: impl FnOnce() -> Option<Sharding>) -> Option<(Not
 /// which autodiff keeps as a leaf); without autodiff (in `evaluate`) the shape alone decides.
 pub fn positions_sliced_from_a_table(shape: &[usize], slices: &[Slice], activation: bool, features_after: bool, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2 && !activation && shape.len() >= 2)?;
-    let slice = |dim: usize| slices.get(dim).copied().unwrap_or(Slice::full());
-    let whole = |dim: usize| slice(dim).step == 1 && slice(dim).to_range(shape[dim]) == (0..shape[dim]);
-    let mut cut = (0..shape.len()).filter(|&dim| !whole(dim));
-    let (Some(dim), None) = (cut.next(), cut.next()) else { return None };
-    let range = slice(dim).to_range(shape[dim]);
+    let (dim, range) = one_cut(shape, slices)?;
     let rows = range.start as u64..range.end as u64;
     let table_like = shape[..dim].iter().all(|&size| size == 1) && (dim + 1 < shape.len() || !features_after);
-    if !table_like || slice(dim).step != 1 || range.len() != noted.len || noted.holds(&rows) {
+    if !table_like || range.len() != noted.len || noted.holds(&rows) {
         return None;
     }
     let (noted, sharding) = positions_checked(sharding).filter(|(noted, sharding)| shape[dim] >= sharding.ranks * noted.len)?;
@@ -589,6 +597,42 @@ pub fn positions_sliced_from_a_table(shape: &[usize], slices: &[Slice], activati
         range.start, range.end
     );
     Some(UlyssesError::PositionsOfAnotherShard { op: "slice", what, len: noted.len, held: noted.held(), ranks: sharding.ranks })
+}
+
+/// The one dim `slices` cut `shape` along, in steps of 1, and its range; `None` where they cut
+/// none, several, or with another step.
+fn one_cut(shape: &[usize], slices: &[Slice]) -> Option<(usize, Range<usize>)> {
+    let slice = |dim: usize| slices.get(dim).copied().unwrap_or(Slice::full());
+    let whole = |dim: usize| slice(dim).step == 1 && slice(dim).to_range(shape[dim]) == (0..shape[dim]);
+    let mut cut = (0..shape.len()).filter(|&dim| !whole(dim));
+    let (Some(dim), None) = (cut.next(), cut.next()) else { return None };
+    (slice(dim).step == 1).then(|| (dim, slice(dim).to_range(shape[dim])))
+}
+
+/// Why a slice of `shape` by `slices` is refused as a shift of the shard, or `None`: inside a
+/// forward whose positions are noted, one that drops a few tokens (one to a quarter of the
+/// shard) from either end of its sequence dim (`[B, S, ..]`'s dim 1, `[B, C, L]`'s dim 2,
+/// per-head `[B, H, S, D]`'s dim 2): a token shift (RWKV's, a smeared key's), a `roll` (burn
+/// builds it of such slices), a difference of neighbouring tokens. At the shard's edge the
+/// neighbouring rank's tokens are missing. A forward's tiles (halves or less of the shard) pass.
+pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 4)?;
+    let (dim, range) = one_cut(shape, slices)?;
+    let shard = along_the_sequence(shape, dim, |dim| (shape[dim] == noted.len).then_some(noted.len))?;
+    let dropped = shard - range.len();
+    let from_one_end = range.start == 0 || range.end == shard;
+    if !(from_one_end && (1..=shard / 4).contains(&dropped)) {
+        return None;
+    }
+    let end = if range.start == 0 { "last" } else { "first" };
+    let what = format!(
+        "it drops the {end} {dropped} of the {shard} tokens of this rank's shard (a token shift, a roll, a difference of neighbouring tokens), \
+         as if the shard were the whole sequence: at its edge the neighbouring rank's tokens are missing"
+    );
+    let fix = "Shift the whole sequence before it is sharded (the sharder's tokens and labels are already shifted for next-token \
+               prediction), give each shard the neighbouring rank's tokens (a halo) through a collective of one's own, or run it on \
+               one rank (burn_ulysses::context::enter_single_device()).";
+    shard_local_refusal("slice", shape, dim, what, fix, sharding)
 }
 
 /// Why `arange(range)` (step `step`) is refused, or `None`: one that counts as many positions as
@@ -613,8 +657,8 @@ pub fn positions_counted_by_arange(range: &Range<i64>, step: usize, sharding: im
 /// `UlyssesBackend`'s `float_slice`: the inner backend's, after the guard.
 pub fn guarded_float_slice<X: ExchangeBackend>(tensor: FloatTensor<X>, slices: &[Slice]) -> FloatTensor<X> {
     if SHARD_POSITIONS.get().is_some() {
-        let activation = X::is_tracked(&tensor) && !X::float_is_require_grad(&tensor);
-        refuse(positions_sliced_from_a_table(&tensor.shape(), slices, activation, true, context::current_sharding));
+        let (shape, activation) = (tensor.shape(), X::is_tracked(&tensor) && !X::float_is_require_grad(&tensor));
+        refuse(positions_sliced_from_a_table(&shape, slices, activation, true, context::current_sharding).or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding)));
     }
     X::float_slice(tensor, slices)
 }
@@ -623,7 +667,8 @@ pub fn guarded_float_slice<X: ExchangeBackend>(tensor: FloatTensor<X>, slices: &
 /// ids, `[1, max_len]`, has no dim of features after its positions).
 pub fn guarded_int_slice<X: ExchangeBackend>(tensor: IntTensor<X>, slices: &[Slice]) -> IntTensor<X> {
     if SHARD_POSITIONS.get().is_some() {
-        refuse(positions_sliced_from_a_table(&tensor.shape(), slices, false, false, context::current_sharding));
+        let shape = tensor.shape();
+        refuse(positions_sliced_from_a_table(&shape, slices, false, false, context::current_sharding).or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding)));
     }
     X::int_slice(tensor, slices)
 }
@@ -1133,5 +1178,31 @@ mod tests {
         let message = sliced(&[32, 4, 2], 0, 4..12).expect("one run refused where the shard holds two");
         assert!(message.contains("no one run from a common start"), "{message}");
         assert!(counted(4..12).is_some() && counted(24..32).is_some());
+    }
+
+    #[test]
+    fn a_few_tokens_dropped_from_an_end_of_the_shard_are_refused() {
+        let shifted = |shape: &[usize], dim: usize, rows: Range<usize>| {
+            let slices: Vec<Slice> = (0..shape.len()).map(|d| if d == dim { Slice::from(rows.clone()) } else { Slice::full() }).collect();
+            shard_shifted_by_a_slice(shape, &slices, || SP2).map(|e| e.to_string())
+        };
+        assert!(shifted(&[2, 8, 16], 1, 0..7).is_none(), "nothing noted");
+        let _noted = noted(&(8..16).collect::<Vec<_>>(), 2);
+        let message = shifted(&[2, 8, 16], 1, 0..7).expect("a token shift refused");
+        for needle in ["slice along dim 1 of a [2, 8, 16] tensor", "drops the last 1 of the 8 tokens", "halo", "enter_single_device"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        // From the start, by two (a quarter), per head [B, H, S, D], channels first [B, C, L].
+        assert!(shifted(&[2, 8, 16], 1, 1..8).is_some() && shifted(&[2, 8, 16], 1, 2..8).is_some());
+        assert!(shifted(&[2, 4, 8, 16], 2, 0..7).is_some() && shifted(&[2, 16, 8], 2, 1..8).is_some());
+        // More than a quarter (a forward's tiles: halves or less), the middle, the whole, other
+        // dims (features as long as the shard, heads), another length: pass.
+        assert!(shifted(&[2, 8, 16], 1, 0..4).is_none() && shifted(&[2, 8, 16], 1, 4..8).is_none() && shifted(&[2, 8, 16], 1, 0..5).is_none());
+        assert!(shifted(&[2, 8, 16], 1, 1..7).is_none() && shifted(&[2, 8, 16], 1, 0..8).is_none());
+        assert!(shifted(&[2, 8, 8], 2, 0..7).is_none() && shifted(&[2, 4, 8, 16], 3, 0..7).is_none() && shifted(&[2, 9, 16], 1, 0..8).is_none());
+        // One rank, the opt-out.
+        let slices = [Slice::full(), Slice::from(0..7), Slice::full()];
+        assert!(shard_shifted_by_a_slice(&[2, 8, 16], &slices, || Some(Sharding { ranks: 1, ..SP2.unwrap() })).is_none());
+        assert!(shard_shifted_by_a_slice(&[2, 8, 16], &slices, || Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })).is_none());
     }
 }
