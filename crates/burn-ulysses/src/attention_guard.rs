@@ -94,11 +94,12 @@
 //! documents, every rank). What is as long as the shard but no position goes inside
 //! [`not_positions`].
 //!
-//! Inside such a forward (a model's, not the loss's), a slice that drops one to a quarter of
-//! the shard's tokens from either end of its sequence dim is refused too
-//! ([`shard_shifted_by_a_slice`]): a token shift, a `roll` (burn builds it of slices), a
-//! difference of neighbouring tokens, each missing the neighbouring rank's tokens at the
-//! shard's edge. Outside one (a loss's chunks, a loop of one's own) slices pass unchecked.
+//! Inside such a forward (a model's, not the loss's), a slice that drops one to four tokens
+//! (at most a quarter of the shard) from either end of its sequence dim is refused too
+//! ([`shard_shifted_by_a_slice`]): a token shift, a `roll` by as few (burn builds it of
+//! slices), a difference of neighbouring tokens, each missing the neighbouring rank's tokens at
+//! the shard's edge. Outside one (a loss's chunks, a loop of one's own), inside
+//! [`not_positions`], and for longer shifts, slices pass unchecked.
 
 use std::{
     cell::Cell,
@@ -609,19 +610,32 @@ fn one_cut(shape: &[usize], slices: &[Slice]) -> Option<(usize, Range<usize>)> {
     (slice(dim).step == 1).then(|| (dim, slice(dim).to_range(shape[dim])))
 }
 
+/// The most tokens a slice may drop from an end of the shard to be taken for a token shift:
+/// shifts move a token or a few (a convolution's reach), where chunks of a fixed size drop
+/// whatever the shard's length leaves over.
+const MOST_SHIFTED: usize = 4;
+
 /// Why a slice of `shape` by `slices` is refused as a shift of the shard, or `None`: inside a
-/// forward whose positions are noted, one that drops a few tokens (one to a quarter of the
-/// shard) from either end of its sequence dim (`[B, S, ..]`'s dim 1, `[B, C, L]`'s dim 2,
-/// per-head `[B, H, S, D]`'s dim 2): a token shift (RWKV's, a smeared key's), a `roll` (burn
-/// builds it of such slices), a difference of neighbouring tokens. At the shard's edge the
-/// neighbouring rank's tokens are missing. A forward's tiles (halves or less of the shard) pass.
+/// forward whose positions are noted, one that drops a few tokens (one to [`MOST_SHIFTED`], and
+/// at most a quarter of the shard, of four tokens or more) from either end of its sequence dim
+/// (`[B, S, ..]`'s dim 1, `[B, C, L]`'s dim 2, per-head `[B, H, S, D]`'s dim 2; 2-D or more): a
+/// token shift (RWKV's, a smeared key's), a `roll` by as few (burn builds it of such slices), a
+/// difference of neighbouring tokens. At the shard's edge the neighbouring rank's tokens are
+/// missing. A forward's tiles (halves or less of the shard) pass, and so does what runs inside
+/// [`not_positions`].
 pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 4)?;
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 4 && shape.len() >= 2)?;
     let (dim, range) = one_cut(shape, slices)?;
-    let shard = along_the_sequence(shape, dim, |dim| (shape[dim] == noted.len).then_some(noted.len))?;
+    let along = |dim: usize| (shape[dim] == noted.len).then_some(noted.len);
+    // 4-D or more with both dim 1 and dim len-2 the shard's length (`[B, H, S, D]` or
+    // `[B, S, H, D]` with as many heads as tokens): no telling which is the sequence.
+    if shape.len() >= 4 && along(1).is_some() && along(shape.len() - 2).is_some() {
+        return None;
+    }
+    let shard = along_the_sequence(shape, dim, along)?;
     let dropped = shard - range.len();
     let from_one_end = range.start == 0 || range.end == shard;
-    if !(from_one_end && (1..=shard / 4).contains(&dropped)) {
+    if !(from_one_end && (1..=MOST_SHIFTED.min(shard / 4)).contains(&dropped)) {
         return None;
     }
     let end = if range.start == 0 { "last" } else { "first" };
@@ -631,7 +645,8 @@ pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: imp
     );
     let fix = "Shift the whole sequence before it is sharded (the sharder's tokens and labels are already shifted for next-token \
                prediction), give each shard the neighbouring rank's tokens (a halo) through a collective of one's own, or run it on \
-               one rank (burn_ulysses::context::enter_single_device()).";
+               one rank (burn_ulysses::context::enter_single_device()). A slice that is no shift (a chunk of a fixed size) goes \
+               inside burn_ulysses::attention_guard::not_positions(|| ..).";
     shard_local_refusal("slice", shape, dim, what, fix, sharding)
 }
 
@@ -1200,6 +1215,15 @@ mod tests {
         assert!(shifted(&[2, 8, 16], 1, 0..4).is_none() && shifted(&[2, 8, 16], 1, 4..8).is_none() && shifted(&[2, 8, 16], 1, 0..5).is_none());
         assert!(shifted(&[2, 8, 16], 1, 1..7).is_none() && shifted(&[2, 8, 16], 1, 0..8).is_none());
         assert!(shifted(&[2, 8, 8], 2, 0..7).is_none() && shifted(&[2, 4, 8, 16], 3, 0..7).is_none() && shifted(&[2, 9, 16], 1, 0..8).is_none());
+        // As many heads as tokens (`[B, H, S, D]` or `[B, S, H, D]`): no telling; a 1-D buffer.
+        assert!(shifted(&[2, 8, 8, 16], 1, 0..7).is_none() && shifted(&[2, 8, 8, 16], 2, 0..7).is_none() && shifted(&[8], 0, 0..7).is_none());
+        {
+            // A shard of 32: up to four tokens is a shift; a chunk of 27 (5 left over) is not.
+            let _longer = noted(&(32..64).collect::<Vec<_>>(), 2);
+            assert!(shifted(&[2, 32, 16], 1, 0..28).is_some() && shifted(&[2, 32, 16], 1, 4..32).is_some());
+            assert!(shifted(&[2, 32, 16], 1, 0..27).is_none() && shifted(&[2, 32, 16], 1, 5..32).is_none());
+        }
+        assert!(not_positions(|| shifted(&[2, 8, 16], 1, 0..7)).is_none(), "not_positions lets a slice through");
         // One rank, the opt-out.
         let slices = [Slice::full(), Slice::from(0..7), Slice::full()];
         assert!(shard_shifted_by_a_slice(&[2, 8, 16], &slices, || Some(Sharding { ranks: 1, ..SP2.unwrap() })).is_none());

@@ -58,6 +58,7 @@ use burn::{
 };
 use burn_ulysses::{
     PlainBackend, UlyssesError,
+    attention_guard::not_positions,
     comm::Communicator,
     primitive::{float_primitive, float_tensor},
 };
@@ -975,13 +976,15 @@ pub struct Zero3Step<'a, B: TrainBackend> {
 }
 
 impl<B: TrainBackend, M: AutodiffModule<B>> LayerParameters<B, M> for Zero3Step<'_, B> {
+    // Both run inside a forward whose shard's positions are noted for the guard; their slices of
+    // flat parameter buffers are no positions and no token shifts.
     fn gather(&mut self, model: &M, group: ParameterGroup) -> Result<M, UlyssesError> {
         let indices = self.parameters.group(group).to_vec();
-        self.parameters.gathered(model.clone(), &indices, self.world)
+        not_positions(|| self.parameters.gathered(model.clone(), &indices, self.world))
     }
 
     fn gradients_done(&mut self, model: &M, group: ParameterGroup, grads: GradientsParams) -> Result<Option<GradientsParams>, UlyssesError> {
-        self.parameters.take_group_gradients(model, group, grads, self.world)?;
+        not_positions(|| self.parameters.take_group_gradients(model, group, grads, self.world))?;
         Ok(None)
     }
 
