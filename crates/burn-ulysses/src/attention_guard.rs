@@ -309,8 +309,14 @@ fn attention_weights_size(shape: &[usize], dim: usize, shard: usize, one_length:
 /// The refusal of an op over `dim` of `shape` that mixes the shard's tokens alone, unless the
 /// guard is off, `sharding` spreads no sequence or the model opted out.
 fn shard_local_refusal(op: &'static str, shape: &[usize], dim: usize, what: String, fix: &'static str, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let sharding = spreads_sequences(sharding().filter(|_| GUARD_ON.load(Ordering::Relaxed)))?;
+    let sharding = refusing(sharding())?;
     Some(UlyssesError::ShardLocalByHand { op, shape: shape.to_vec(), dim, what, ranks: sharding.ranks, fix })
+}
+
+/// `sharding` where the guard is on and refuses under it ([`spreads_sequences`]): where the
+/// rules that go by an op's shape alone refuse.
+fn refusing(sharding: Option<Sharding>) -> Option<Sharding> {
+    spreads_sequences(sharding.filter(|_| GUARD_ON.load(Ordering::Relaxed)))
 }
 
 /// Why a softmax (`op`: softmax, log_softmax, softmin) over `dim` of `shape` is refused, or
@@ -553,7 +559,7 @@ pub fn not_positions<T>(build: impl FnOnce() -> T) -> T {
     build()
 }
 
-/// Restores the positions noted before [`note_shard_positions`] when dropped.
+/// Restores the positions noted before it (by [`note_shard_positions`] or [`not_positions`]) when dropped.
 #[must_use = "the positions are forgotten as soon as this is dropped"]
 pub struct ShardPositionsNoted {
     previous: Option<NotedPositions>,
@@ -565,13 +571,6 @@ impl Drop for ShardPositionsNoted {
     fn drop(&mut self) {
         SHARD_POSITIONS.set(self.previous.take());
     }
-}
-
-/// The positions noted (of two tokens a row or more) and the rank context's `sharding`, where it
-/// spreads sequences over several ranks and the guard is on: where the rules on positions apply.
-fn positions_checked(sharding: impl FnOnce() -> Option<Sharding>) -> Option<(NotedPositions, Sharding)> {
-    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2)?;
-    Some((noted, spreads_sequences(sharding().filter(|_| GUARD_ON.load(Ordering::Relaxed)))?))
 }
 
 /// Why a slice of `shape` by `slices` is refused, or `None`: one that takes as many rows of a
@@ -591,7 +590,7 @@ pub fn positions_sliced_from_a_table(shape: &[usize], slices: &[Slice], activati
     if !table_like || range.len() != noted.len || noted.holds(&rows) {
         return None;
     }
-    let (noted, sharding) = positions_checked(sharding).filter(|(noted, sharding)| shape[dim] >= sharding.ranks * noted.len)?;
+    let sharding = refusing(sharding()).filter(|sharding| shape[dim] >= sharding.ranks * noted.len)?;
     let what = format!(
         "takes rows {}..{} along dim {dim} of a {shape:?} table of positions (RotaryEncoding::forward's frequencies, \
          PositionalEncoding::forward's sinusoids, a cos/sin cache's or a learned table's first rows)",
@@ -656,11 +655,11 @@ pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: imp
 /// are no positions go inside [`not_positions`].
 pub fn positions_counted_by_arange(range: &Range<i64>, step: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let counted = u64::try_from(range.start).ok().zip(u64::try_from(range.end).ok()).map(|(start, end)| start..end).filter(|_| step == 1)?;
-    let noted = SHARD_POSITIONS.get()?;
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2)?;
     if counted.end.saturating_sub(counted.start) != noted.len as u64 || noted.holds(&counted) {
         return None;
     }
-    let (noted, sharding) = positions_checked(sharding)?;
+    let sharding = refusing(sharding())?;
     let what = format!(
         "counts positions {}..{} (Tensor::arange: a learned position embedding's ids, RoPE's or ALiBi's positions, a mask built from the local \
          length)",
