@@ -904,7 +904,7 @@ fn the_porting_guide_shows_this_files_port() {
 }
 
 /// Where a model takes its positions from: four ways a port counts them from each rank's first
-/// token, and two right ones; or how it mixes neighbouring tokens within the shard.
+/// token, and two right ones; or how it mixes the shard's tokens as if they were the sequence's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Placement {
     RopeForward,
@@ -917,6 +917,10 @@ enum Placement {
     TokenShift,
     /// The same by `roll_dim`.
     Roll,
+    /// Each token plus the mean over the sequence (a global context vector).
+    MeanPooled,
+    /// Mixture-of-depths: only the top half of the tokens by a score takes the layer.
+    TopTokens,
 }
 
 /// A causal attention layer over token embeddings placed by `from`: logits `[B, S, VOCAB]`.
@@ -935,6 +939,13 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
             x + before
         }
         Placement::Roll => x.clone() + x.roll_dim(1, 1),
+        Placement::MeanPooled => x.clone() + x.mean_dim(1),
+        Placement::TopTokens => {
+            let scores = x.clone().sum_dim(2).squeeze_dim::<2>(2);
+            // The half's least score (burn's autodiff has no topk).
+            let threshold = scores.clone().sort_descending(1).narrow(1, len / 2 - 1, 1);
+            x.clone() * scores.greater_equal(threshold).float().unsqueeze_dim::<3>(2)
+        }
         Placement::LearnedTableRows => {
             let table = deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).weight.val();
             x + table.slice([0..len]).unsqueeze::<3>()
@@ -1042,6 +1053,21 @@ fn a_token_shift_is_refused_on_every_rank() {
         assert_shard_local_refused(&evaluated(sp, Placement::Roll), "slice", "halo");
     }
     for placement in [Placement::TokenShift, Placement::Roll] {
+        let loss = evaluated(1, placement).remove(0);
+        assert!(loss.as_ref().is_ok_and(|loss| loss.is_finite()), "{placement:?} at SP 1: {loss:?}");
+    }
+}
+
+/// A mean pooled over the sequence, or a sort of its tokens for a top-k (mixture-of-depths routing), inside
+/// a forward whose positions are noted: refused on every rank at SP = 2 and 3, where each would
+/// be its shard's alone; a finite loss at SP = 1.
+#[test]
+fn a_mean_or_top_k_over_the_sequence_is_refused_on_every_rank() {
+    for sp in [2, 3] {
+        assert_shard_local_refused(&evaluated(sp, Placement::MeanPooled), "mean_dim", "enter_single_device");
+        assert_shard_local_refused(&evaluated(sp, Placement::TopTokens), "sort", "enter_single_device");
+    }
+    for placement in [Placement::MeanPooled, Placement::TopTokens] {
         let loss = evaluated(1, placement).remove(0);
         assert!(loss.as_ref().is_ok_and(|loss| loss.is_finite()), "{placement:?} at SP 1: {loss:?}");
     }

@@ -74,6 +74,23 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("IntTensorOps", "int_slice", "crate::attention_guard::guarded_int_slice"),
     ("IntTensorOps", "int_arange", "crate::attention_guard::guarded_int_arange"),
     ("IntTensorOps", "int_arange_step", "crate::attention_guard::guarded_int_arange_step"),
+    // Refuse reductions and rankings over the shard's tokens inside a forward whose positions
+    // are noted (a mean or max pooled over the sequence, a top-k of its tokens).
+    ("FloatTensorOps", "float_sum_dim", "crate::attention_guard::guarded_float_sum_dim"),
+    ("FloatTensorOps", "float_mean_dim", "crate::attention_guard::guarded_float_mean_dim"),
+    ("FloatTensorOps", "float_prod_dim", "crate::attention_guard::guarded_float_prod_dim"),
+    ("FloatTensorOps", "float_max_dim", "crate::attention_guard::guarded_float_max_dim"),
+    ("FloatTensorOps", "float_min_dim", "crate::attention_guard::guarded_float_min_dim"),
+    ("FloatTensorOps", "float_max_abs_dim", "crate::attention_guard::guarded_float_max_abs_dim"),
+    ("FloatTensorOps", "float_max_dim_with_indices", "crate::attention_guard::guarded_float_max_dim_with_indices"),
+    ("FloatTensorOps", "float_min_dim_with_indices", "crate::attention_guard::guarded_float_min_dim_with_indices"),
+    ("FloatTensorOps", "float_argmax", "crate::attention_guard::guarded_float_argmax"),
+    ("FloatTensorOps", "float_argmin", "crate::attention_guard::guarded_float_argmin"),
+    ("FloatTensorOps", "float_sort", "crate::attention_guard::guarded_float_sort"),
+    ("FloatTensorOps", "float_sort_with_indices", "crate::attention_guard::guarded_float_sort_with_indices"),
+    ("FloatTensorOps", "float_argsort", "crate::attention_guard::guarded_float_argsort"),
+    ("FloatTensorOps", "float_topk", "crate::attention_guard::guarded_float_topk"),
+    ("FloatTensorOps", "float_argtopk", "crate::attention_guard::guarded_float_argtopk"),
     // Notes the token ids' length (a rank's shard) for the guard's folded query heads.
     ("ModuleOps", "embedding", "crate::attention_guard::embedding_noting_length"),
     // Count what the host waits on the device for (reads, uploads): crate::device_io.

@@ -74,12 +74,12 @@
 //! shapes), keys broadcast over the batch, rectangular products of a model that embeds no
 //! token ids through `module::embedding` (or embeds more than the shard), extra keys
 //! (attention sinks) beside the shard's, shards of one token, and cross-attention. Nor does
-//! the guard see other ops that mix the sequence's tokens, each over its shard alone: a mean
-//! or max over the sequence dim (a sum over a shard is also a loss's, summed over the ranks
-//! after), 2-D convolutions and pooling, 1-D ones over a channels-last `[B, S, C]`, sorting along it
-//! (routing tokens within the shard is right), a token shift or `roll` outside a forward whose
-//! positions are noted (below), a scan, flip or window along another dim or
-//! before the first embedding since a backward (or in the first forward of all).
+//! the guard see other ops that mix the sequence's tokens, each over its shard alone: 2-D
+//! convolutions and pooling, 1-D ones over a channels-last `[B, S, C]`, a token shift, `roll`,
+//! mean, max or sort over the sequence outside a forward whose positions are noted (below: a
+//! sum over a shard is also a loss's, summed over the ranks after), a scan, flip or window
+//! along another dim or before the first embedding since a backward (or in the first forward
+//! of all).
 //!
 //! Positions are checked where this thread knows the shard's ([`note_shard_positions`]:
 //! `ulysses_training`'s steps and `evaluate` note them around the model's forward): a slice of
@@ -99,7 +99,9 @@
 //! ([`shard_shifted_by_a_slice`]): a token shift, a `roll` by as few (burn builds it of
 //! slices), a difference of neighbouring tokens, each missing the neighbouring rank's tokens at
 //! the shard's edge. Outside one (a loss's chunks, a loop of one's own), inside
-//! [`not_positions`], and for longer shifts, slices pass unchecked.
+//! [`not_positions`], and for longer shifts, slices pass unchecked. So is a float reduction
+//! or ranking over the sequence dim of the shard's length ([`reduced_over_the_shard`]: a mean
+//! or max pooled over the sequence, a sort or top-k of its tokens), never over features.
 
 use std::{
     cell::Cell,
@@ -553,7 +555,9 @@ pub fn note_shard_positions(positions: &ShardPositions) -> ShardPositionsNoted {
 /// Runs `build` without the rules on positions: for what is no position but is as long as the
 /// shard, which the guard cannot tell from positions counted from the shard's first token
 /// (indices within the shard from an `arange`, to route its tokens to experts; `Tensor::eye` of
-/// its length; a weight whose rows are split in parts as long as the shard).
+/// its length; a weight whose rows are split in parts as long as the shard), and without the
+/// rules on shifts and reductions (a chunk of a fixed size; an auxiliary loss's sum over the
+/// shard that its caller adds over the ranks).
 pub fn not_positions<T>(build: impl FnOnce() -> T) -> T {
     let _restored = ShardPositionsNoted { previous: SHARD_POSITIONS.replace(None), _not_send: PhantomData };
     build()
@@ -649,6 +653,54 @@ pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: imp
     shard_local_refusal("slice", shape, dim, what, fix, sharding)
 }
 
+/// What an op over a dim does to the tokens along it, for [`reduced_over_the_shard`]'s refusal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OverTheSequence {
+    /// A sum, mean, product, maximum or minimum (or where it lies) over the tokens.
+    Reduces,
+    /// A sort or top-k: the tokens ranked among themselves.
+    Ranks,
+}
+
+/// Why `op` (a reduction or a ranking, as `kind` says) along `dim` of `shape` is refused, or
+/// `None`: inside a forward whose positions are noted, one over as many tokens as the shard
+/// holds along its sequence dim (`[B, S]`'s dim 1 where the batch is shorter, `[B, S, ..]`'s
+/// dim 1, per-head `[B, H, S, D]`'s dim 2) sees this rank's tokens alone: a mean or max pooled
+/// over the sequence, a sequence's statistic, a top-k of its tokens (mixture-of-depths routing,
+/// expert choice) is each shard's, not the sequence's. Parameters (`parameter`: a leaf that
+/// requires its gradient) pass, and so do features (`[B, S, D]`'s dim 2: a norm's, whatever
+/// its length) and a forward's tiles (shorter than the shard); so does what runs inside
+/// [`not_positions`].
+pub fn reduced_over_the_shard(op: &'static str, kind: OverTheSequence, shape: &[usize], dim: usize, parameter: bool, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let len = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2 && !parameter)?.len;
+    let along = |dim: usize| shape.get(dim) == Some(&len);
+    let last_but_one = shape.len().saturating_sub(2);
+    let sequence = match shape.len() {
+        // `[B, S]`, not flattened tokens `[B·S, D]` with as many features as the shard has tokens.
+        2 => dim == 1 && shape[0] < len,
+        3 => dim == 1,
+        // With both dim 1 and dim len-2 the shard's length, no telling which is the sequence.
+        dims => dims >= 4 && (dim == 1 || dim == last_but_one) && !(along(1) && along(last_but_one)),
+    };
+    if !(sequence && along(dim)) {
+        return None;
+    }
+    let what = match kind {
+        OverTheSequence::Reduces => format!(
+            "it reduces over the {len} tokens of this rank's shard as if they were the whole sequence: a mean or maximum pooled over \
+             the sequence, a statistic of it, is each rank's shard's alone"
+        ),
+        OverTheSequence::Ranks => format!(
+            "it ranks the {len} tokens of this rank's shard among themselves as if they were the whole sequence: a top-k of the \
+             sequence's tokens (mixture-of-depths routing, expert choice) picks each shard's own"
+        ),
+    };
+    let fix = "Compute what needs the whole sequence before it is sharded, or run it on one rank \
+               (burn_ulysses::context::enter_single_device()). A reduction that is right per shard (a sum its caller adds over the \
+               ranks, as the loss's) goes inside burn_ulysses::attention_guard::not_positions(|| ..).";
+    shard_local_refusal(op, shape, dim, what, fix, sharding)
+}
+
 /// Why `arange(range)` (step `step`) is refused, or `None`: one that counts as many positions as
 /// the shard has tokens, but not this rank's (a learned position embedding of `arange(0..len)`,
 /// RoPE's or ALiBi's of it, a mask built from the local length). Indices within the shard that
@@ -698,6 +750,39 @@ pub fn guarded_int_arange_step<X: ExchangeBackend>(range: Range<i64>, step: usiz
     refuse(positions_counted_by_arange(&range, step, context::current_sharding));
     X::int_arange_step(range, step, device, dtype)
 }
+
+/// `UlyssesBackend`'s float reductions and rankings along a dim: the inner backend's, after
+/// [`reduced_over_the_shard`] (looked at only inside a forward whose positions are noted).
+macro_rules! guarded_reductions {
+    ($(($name:ident, $op:ident, $label:literal, $kind:ident, ($($arg:ident: $ty:ty),*) -> $output:ty)),* $(,)?) => {$(
+        #[doc = concat!("`UlyssesBackend`'s `", stringify!($op), "`: the inner backend's, after the guard.")]
+        pub fn $name<X: ExchangeBackend>(tensor: FloatTensor<X>, dim: usize, $($arg: $ty),*) -> $output {
+            if SHARD_POSITIONS.get().is_some() {
+                let parameter = X::float_is_require_grad(&tensor);
+                refuse(reduced_over_the_shard($label, OverTheSequence::$kind, &tensor.shape(), dim, parameter, context::current_sharding));
+            }
+            X::$op(tensor, dim, $($arg),*)
+        }
+    )*};
+}
+
+guarded_reductions!(
+    (guarded_float_sum_dim, float_sum_dim, "sum_dim", Reduces, () -> FloatTensor<X>),
+    (guarded_float_mean_dim, float_mean_dim, "mean_dim", Reduces, () -> FloatTensor<X>),
+    (guarded_float_prod_dim, float_prod_dim, "prod_dim", Reduces, () -> FloatTensor<X>),
+    (guarded_float_max_dim, float_max_dim, "max_dim", Reduces, () -> FloatTensor<X>),
+    (guarded_float_min_dim, float_min_dim, "min_dim", Reduces, () -> FloatTensor<X>),
+    (guarded_float_max_abs_dim, float_max_abs_dim, "max_abs_dim", Reduces, () -> FloatTensor<X>),
+    (guarded_float_max_dim_with_indices, float_max_dim_with_indices, "max_dim_with_indices", Reduces, (indices_dtype: IntDType) -> (FloatTensor<X>, IntTensor<X>)),
+    (guarded_float_min_dim_with_indices, float_min_dim_with_indices, "min_dim_with_indices", Reduces, (indices_dtype: IntDType) -> (FloatTensor<X>, IntTensor<X>)),
+    (guarded_float_argmax, float_argmax, "argmax", Reduces, (out_dtype: IntDType) -> IntTensor<X>),
+    (guarded_float_argmin, float_argmin, "argmin", Reduces, (out_dtype: IntDType) -> IntTensor<X>),
+    (guarded_float_sort, float_sort, "sort", Ranks, (descending: bool) -> FloatTensor<X>),
+    (guarded_float_sort_with_indices, float_sort_with_indices, "sort_with_indices", Ranks, (descending: bool, indices_dtype: IntDType) -> (FloatTensor<X>, IntTensor<X>)),
+    (guarded_float_argsort, float_argsort, "argsort", Ranks, (descending: bool, out_dtype: IntDType) -> IntTensor<X>),
+    (guarded_float_topk, float_topk, "topk", Ranks, (k: usize) -> FloatTensor<X>),
+    (guarded_float_argtopk, float_argtopk, "argtopk", Ranks, (k: usize, out_dtype: IntDType) -> IntTensor<X>),
+);
 
 /// Panics with `refusal`'s error, if any: ops return tensors, and the training API turns a
 /// model's panic into its error (`ulysses_training::catch_model_failure`).
@@ -1227,5 +1312,35 @@ mod tests {
         let slices = [Slice::full(), Slice::from(0..7), Slice::full()];
         assert!(shard_shifted_by_a_slice(&[2, 8, 16], &slices, || Some(Sharding { ranks: 1, ..SP2.unwrap() })).is_none());
         assert!(shard_shifted_by_a_slice(&[2, 8, 16], &slices, || Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })).is_none());
+    }
+
+    #[test]
+    fn reductions_and_rankings_over_the_shards_tokens_are_refused() {
+        let reduced = |shape: &[usize], dim: usize| reduced_over_the_shard("mean_dim", OverTheSequence::Reduces, shape, dim, false, || SP2).map(|e| e.to_string());
+        assert!(reduced(&[2, 8, 16], 1).is_none(), "nothing noted");
+        let _noted = noted(&(8..16).collect::<Vec<_>>(), 2);
+        let message = reduced(&[2, 8, 16], 1).expect("a mean over the shard's tokens refused");
+        for needle in ["mean_dim along dim 1 of a [2, 8, 16] tensor", "reduces over the 8 tokens of this rank's shard", "enter_single_device", "not_positions"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        let ranked = reduced_over_the_shard("topk", OverTheSequence::Ranks, &[2, 8], 1, false, || SP2).expect("a top-k of the shard's tokens refused").to_string();
+        assert!(ranked.contains("ranks the 8 tokens") && ranked.contains("mixture-of-depths"), "{ranked}");
+        // Per head `[B, H, S, D]`, `[B, S]` scores, 5-D.
+        assert!(reduced(&[2, 4, 8, 16], 2).is_some() && reduced(&[2, 8], 1).is_some() && reduced(&[2, 4, 2, 8, 16], 3).is_some());
+        // Features (a norm's, as long as the shard or not), heads, a tile, another length,
+        // flattened tokens `[B·S, D]` with D the shard's length, the batch: pass.
+        assert!(reduced(&[2, 8, 8], 2).is_none() && reduced(&[2, 8, 16], 2).is_none() && reduced(&[2, 4, 8, 16], 3).is_none());
+        assert!(reduced(&[2, 4, 16], 1).is_none() && reduced(&[2, 9, 16], 1).is_none() && reduced(&[16, 8], 1).is_none() && reduced(&[2, 8, 16], 0).is_none());
+        // A tile `[B, T, D]` of a checkpointed forward with as many features as the shard has
+        // tokens: its norm passes.
+        assert!(reduced(&[2, 4, 8], 2).is_none());
+        // As many heads as tokens: no telling which is the sequence; a 1-D buffer.
+        assert!(reduced(&[2, 8, 8, 16], 1).is_none() && reduced(&[2, 8, 8, 16], 2).is_none() && reduced(&[8], 0).is_none());
+        // A parameter, `not_positions`, one rank, the opt-out: pass.
+        assert!(reduced_over_the_shard("sum_dim", OverTheSequence::Reduces, &[2, 8, 16], 1, true, || SP2).is_none(), "a parameter refused");
+        assert!(not_positions(|| reduced(&[2, 8, 16], 1)).is_none(), "not_positions lets a reduction through");
+        for sharding in [None, Some(Sharding { ranks: 1, ..SP2.unwrap() }), Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })] {
+            assert!(reduced_over_the_shard("sum_dim", OverTheSequence::Reduces, &[2, 8, 16], 1, false, || sharding).is_none());
+        }
     }
 }

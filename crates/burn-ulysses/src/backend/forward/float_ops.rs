@@ -326,19 +326,19 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as FloatTensorOps<Inner>>::float_sum(tensor)
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_sum_dim(tensor, dim)
+        crate::attention_guard::guarded_float_sum_dim::<Inner>(tensor, dim)
     }
     fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         <Inner as FloatTensorOps<Inner>>::float_prod(tensor)
     }
     fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_prod_dim(tensor, dim)
+        crate::attention_guard::guarded_float_prod_dim::<Inner>(tensor, dim)
     }
     fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         <Inner as FloatTensorOps<Inner>>::float_mean(tensor)
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_mean_dim(tensor, dim)
+        crate::attention_guard::guarded_float_mean_dim::<Inner>(tensor, dim)
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         crate::attention_guard::guarded_float_cumsum::<Inner>(tensor, dim)
@@ -453,7 +453,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_argmax(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_float_argmax::<Inner>(tensor, dim, out_dtype)
     }
     fn float_argtopk(
         tensor: FloatTensor<Self>,
@@ -461,53 +461,53 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         k: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_argtopk(tensor, dim, k, out_dtype)
+        crate::attention_guard::guarded_float_argtopk::<Inner>(tensor, dim, k, out_dtype)
     }
     fn float_topk(tensor: FloatTensor<Self>, dim: usize, k: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_topk(tensor, dim, k)
+        crate::attention_guard::guarded_float_topk::<Inner>(tensor, dim, k)
     }
     fn float_argmin(
         tensor: FloatTensor<Self>,
         dim: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_argmin(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_float_argmin::<Inner>(tensor, dim, out_dtype)
     }
     fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         <Inner as FloatTensorOps<Inner>>::float_max(tensor)
     }
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_max_dim(tensor, dim)
+        crate::attention_guard::guarded_float_max_dim::<Inner>(tensor, dim)
     }
     fn float_max_dim_with_indices(
         tensor: FloatTensor<Self>,
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
-        <Inner as FloatTensorOps<
+        crate::attention_guard::guarded_float_max_dim_with_indices::<
             Inner,
-        >>::float_max_dim_with_indices(tensor, dim, indices_dtype)
+        >(tensor, dim, indices_dtype)
     }
     fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         <Inner as FloatTensorOps<Inner>>::float_min(tensor)
     }
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_min_dim(tensor, dim)
+        crate::attention_guard::guarded_float_min_dim::<Inner>(tensor, dim)
     }
     fn float_min_dim_with_indices(
         tensor: FloatTensor<Self>,
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
-        <Inner as FloatTensorOps<
+        crate::attention_guard::guarded_float_min_dim_with_indices::<
             Inner,
-        >>::float_min_dim_with_indices(tensor, dim, indices_dtype)
+        >(tensor, dim, indices_dtype)
     }
     fn float_max_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         <Inner as FloatTensorOps<Inner>>::float_max_abs(tensor)
     }
     fn float_max_abs_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_max_abs_dim(tensor, dim)
+        crate::attention_guard::guarded_float_max_abs_dim::<Inner>(tensor, dim)
     }
     fn float_any(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         <Inner as FloatTensorOps<Inner>>::float_any(tensor, out_dtype)
@@ -540,7 +540,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         descending: bool,
     ) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_sort(tensor, dim, descending)
+        crate::attention_guard::guarded_float_sort::<Inner>(tensor, dim, descending)
     }
     fn float_sort_with_indices(
         tensor: FloatTensor<Self>,
@@ -548,9 +548,9 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         descending: bool,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
-        <Inner as FloatTensorOps<
+        crate::attention_guard::guarded_float_sort_with_indices::<
             Inner,
-        >>::float_sort_with_indices(tensor, dim, descending, indices_dtype)
+        >(tensor, dim, descending, indices_dtype)
     }
     fn float_argsort(
         tensor: FloatTensor<Self>,
@@ -558,9 +558,9 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         descending: bool,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        <Inner as FloatTensorOps<
+        crate::attention_guard::guarded_float_argsort::<
             Inner,
-        >>::float_argsort(tensor, dim, descending, out_dtype)
+        >(tensor, dim, descending, out_dtype)
     }
     fn float_grid_sample_2d(
         tensor: FloatTensor<Self>,
