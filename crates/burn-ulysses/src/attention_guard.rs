@@ -100,8 +100,9 @@
 //! slices), a difference of neighbouring tokens, each missing the neighbouring rank's tokens at
 //! the shard's edge. Outside one (a loss's chunks, a loop of one's own), inside
 //! [`not_positions`], and for longer shifts, slices pass unchecked. So is a float reduction
-//! or ranking over the sequence dim of the shard's length ([`reduced_over_the_shard`]: a mean
-//! or max pooled over the sequence, a sort or top-k of its tokens), never over features.
+//! or ranking over the sequence dim of the shard's length in a tensor whose first dim is the
+//! batch's rows ([`reduced_over_the_shard`]: a mean or max pooled over the sequence, a sort or
+//! top-k of its tokens), never over features or flattened tokens.
 
 use std::{
     cell::Cell,
@@ -505,10 +506,11 @@ pub fn pooling_of_the_shard_to_a_length(shape: &[usize], output_size: usize, sha
 }
 
 /// Where this rank's tokens sit in the forward under way, as [`note_shard_positions`] noted
-/// them: how many a row, and the start of the one run of positions every row holds (`start..start
+/// them: how many rows, how many tokens a row, and the start of the one run of positions every row holds (`start..start
 /// + len`), if they do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct NotedPositions {
+    rows: usize,
     len: usize,
     run_start: Option<u64>,
 }
@@ -518,7 +520,7 @@ impl NotedPositions {
         let ids = &positions.ids;
         let first = ids.ids().first().copied().unwrap_or(0);
         let one_run = (0..ids.batch()).all(|b| ids.row(b).iter().zip(first..).all(|(&id, expected)| id == expected));
-        Self { len: ids.len(), run_start: one_run.then_some(first) }
+        Self { rows: ids.batch(), len: ids.len(), run_start: one_run.then_some(first) }
     }
 
     /// Whether `range` is this rank's positions: right for a table's rows or an `arange`.
@@ -664,24 +666,27 @@ pub enum OverTheSequence {
 
 /// Why `op` (a reduction or a ranking, as `kind` says) along `dim` of `shape` is refused, or
 /// `None`: inside a forward whose positions are noted, one over as many tokens as the shard
-/// holds along its sequence dim (`[B, S]`'s dim 1 where the batch is shorter, `[B, S, ..]`'s
-/// dim 1, per-head `[B, H, S, D]`'s dim 2) sees this rank's tokens alone: a mean or max pooled
-/// over the sequence, a sequence's statistic, a top-k of its tokens (mixture-of-depths routing,
-/// expert choice) is each shard's, not the sequence's. Parameters (`parameter`: a leaf that
-/// requires its gradient) pass, and so do features (`[B, S, D]`'s dim 2: a norm's, whatever
-/// its length) and a forward's tiles (shorter than the shard); so does what runs inside
-/// [`not_positions`].
+/// holds along the sequence dim of a tensor whose first dim is the batch's rows (`[B, S]`'s
+/// dim 1, `[B, S, ..]`'s dim 1, per-head `[B, H, S, D]`'s dim 2) sees this rank's tokens alone:
+/// a mean or max pooled over the sequence, a sequence's statistic, a top-k of its tokens
+/// (mixture-of-depths routing, expert choice) is each shard's, not the sequence's. Features
+/// pass (`[B, S, D]`'s dim 2: a norm's, whatever its length), and so do flattened tokens
+/// (`[B·S, D]`), a forward's tiles (shorter than the shard), parameters (`parameter`: a leaf
+/// that requires its gradient, under autodiff; without it the shape alone decides), a shape
+/// whose sequence dim cannot be told (two dims of the shard's length, one of them the reduced
+/// one's alternative) and what runs inside [`not_positions`].
 pub fn reduced_over_the_shard(op: &'static str, kind: OverTheSequence, shape: &[usize], dim: usize, parameter: bool, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let len = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2 && !parameter)?.len;
+    let NotedPositions { rows, len, .. } = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2 && !parameter)?;
     let along = |dim: usize| shape.get(dim) == Some(&len);
     let last_but_one = shape.len().saturating_sub(2);
-    let sequence = match shape.len() {
-        // `[B, S]`, not flattened tokens `[B·S, D]` with as many features as the shard has tokens.
-        2 => dim == 1 && shape[0] < len,
-        3 => dim == 1,
-        // With both dim 1 and dim len-2 the shard's length, no telling which is the sequence.
-        dims => dims >= 4 && (dim == 1 || dim == last_but_one) && !(along(1) && along(last_but_one)),
-    };
+    let sequence = shape.first() == Some(&rows)
+        && match shape.len() {
+            2 => dim == 1,
+            // `[B, S, D]`, or channels first `[B, C, L]` where `C` and `L` are both the shard's length.
+            3 => dim == 1 && !along(2),
+            // `[B, S, H, D]` or `[B, H, S, D]`: as many heads as tokens leave no telling which.
+            dims => dims >= 4 && (dim == 1 || dim == last_but_one) && !(along(1) && along(last_but_one)),
+        };
     if !(sequence && along(dim)) {
         return None;
     }
@@ -1325,17 +1330,18 @@ mod tests {
         }
         let ranked = reduced_over_the_shard("topk", OverTheSequence::Ranks, &[2, 8], 1, false, || SP2).expect("a top-k of the shard's tokens refused").to_string();
         assert!(ranked.contains("ranks the 8 tokens") && ranked.contains("mixture-of-depths"), "{ranked}");
-        // Per head `[B, H, S, D]`, `[B, S]` scores, 5-D.
-        assert!(reduced(&[2, 4, 8, 16], 2).is_some() && reduced(&[2, 8], 1).is_some() && reduced(&[2, 4, 2, 8, 16], 3).is_some());
-        // Features (a norm's, as long as the shard or not), heads, a tile, another length,
-        // flattened tokens `[B·S, D]` with D the shard's length, the batch: pass.
-        assert!(reduced(&[2, 8, 8], 2).is_none() && reduced(&[2, 8, 16], 2).is_none() && reduced(&[2, 4, 8, 16], 3).is_none());
-        assert!(reduced(&[2, 4, 16], 1).is_none() && reduced(&[2, 9, 16], 1).is_none() && reduced(&[16, 8], 1).is_none() && reduced(&[2, 8, 16], 0).is_none());
-        // A tile `[B, T, D]` of a checkpointed forward with as many features as the shard has
-        // tokens: its norm passes.
-        assert!(reduced(&[2, 4, 8], 2).is_none());
-        // As many heads as tokens: no telling which is the sequence; a 1-D buffer.
-        assert!(reduced(&[2, 8, 8, 16], 1).is_none() && reduced(&[2, 8, 8, 16], 2).is_none() && reduced(&[8], 0).is_none());
+        // Per head `[B, H, S, D]` and `[B, S, H, D]`, `[B, S]` scores, 5-D.
+        assert!(reduced(&[2, 4, 8, 16], 2).is_some() && reduced(&[2, 8, 4, 16], 1).is_some() && reduced(&[2, 8], 1).is_some() && reduced(&[2, 4, 2, 8, 16], 3).is_some());
+        // Features (a norm's, as long as the shard or not), heads, a tile `[B, T, D]`, another
+        // length, the batch: pass.
+        assert!(reduced(&[2, 8, 16], 2).is_none() && reduced(&[2, 4, 8], 2).is_none() && reduced(&[2, 4, 8, 16], 3).is_none());
+        assert!(reduced(&[2, 4, 16], 1).is_none() && reduced(&[2, 9, 16], 1).is_none() && reduced(&[2, 8, 16], 0).is_none());
+        // Other firsts than the batch's 2 rows: flattened tokens `[B·S, D]` or `[B·T, D]`, pooled
+        // `[1, D]`, heads folded into the batch, with D the shard's length.
+        assert!(reduced(&[16, 8], 1).is_none() && reduced(&[8, 8], 1).is_none() && reduced(&[1, 8], 1).is_none() && reduced(&[8, 8, 16], 1).is_none());
+        // Two dims as long as the shard: `[B, S, D]` or channels first `[B, C, L]`; `[B, H, S, D]`
+        // or `[B, S, H, D]`. No telling which is the sequence; a 1-D buffer.
+        assert!(reduced(&[2, 8, 8], 1).is_none() && reduced(&[2, 8, 8, 16], 1).is_none() && reduced(&[2, 8, 8, 16], 2).is_none() && reduced(&[8], 0).is_none());
         // A parameter, `not_positions`, one rank, the opt-out: pass.
         assert!(reduced_over_the_shard("sum_dim", OverTheSequence::Reduces, &[2, 8, 16], 1, true, || SP2).is_none(), "a parameter refused");
         assert!(not_positions(|| reduced(&[2, 8, 16], 1)).is_none(), "not_positions lets a reduction through");
