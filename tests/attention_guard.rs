@@ -1042,32 +1042,23 @@ fn positions_counted_from_each_ranks_first_token_are_refused() {
     }
 }
 
-/// Each token mixed with the one before it (a token shift, by a slice or by `roll_dim`) inside a
-/// forward whose positions are noted: refused on every rank at SP = 2 and 3, where each shard's
-/// first token would take zeros (or its shard's last token) for the previous rank's last; a
-/// finite loss at SP = 1.
+/// Tokens of the sequence mixed inside a forward whose positions are noted: each token with the
+/// one before it (a token shift, by a slice or by `roll_dim`: each shard's first token would take
+/// zeros, or its shard's last token, for the previous rank's last), a mean pooled over the
+/// sequence, a sort of its tokens for a top-k (mixture-of-depths routing): each shard's alone.
+/// Refused on every rank at SP = 2 and 3, naming the op and the fix; a finite loss at SP = 1.
 #[test]
-fn a_token_shift_is_refused_on_every_rank() {
-    for sp in [2, 3] {
-        assert_shard_local_refused(&evaluated(sp, Placement::TokenShift), "slice", "halo");
-        assert_shard_local_refused(&evaluated(sp, Placement::Roll), "slice", "halo");
-    }
-    for placement in [Placement::TokenShift, Placement::Roll] {
-        let loss = evaluated(1, placement).remove(0);
-        assert!(loss.as_ref().is_ok_and(|loss| loss.is_finite()), "{placement:?} at SP 1: {loss:?}");
-    }
-}
-
-/// A mean pooled over the sequence, or a sort of its tokens for a top-k (mixture-of-depths routing), inside
-/// a forward whose positions are noted: refused on every rank at SP = 2 and 3, where each would
-/// be its shard's alone; a finite loss at SP = 1.
-#[test]
-fn a_mean_or_top_k_over_the_sequence_is_refused_on_every_rank() {
-    for sp in [2, 3] {
-        assert_shard_local_refused(&evaluated(sp, Placement::MeanPooled), "mean_dim", "enter_single_device");
-        assert_shard_local_refused(&evaluated(sp, Placement::TopTokens), "sort", "enter_single_device");
-    }
-    for placement in [Placement::MeanPooled, Placement::TopTokens] {
+fn tokens_mixed_within_the_shard_are_refused_on_every_rank() {
+    let mixed = [
+        (Placement::TokenShift, "slice", "halo"),
+        (Placement::Roll, "slice", "halo"),
+        (Placement::MeanPooled, "mean_dim", "enter_single_device"),
+        (Placement::TopTokens, "sort", "enter_single_device"),
+    ];
+    for (placement, op, fix) in mixed {
+        for sp in [2, 3] {
+            assert_shard_local_refused(&evaluated(sp, placement), op, fix);
+        }
         let loss = evaluated(1, placement).remove(0);
         assert!(loss.as_ref().is_ok_and(|loss| loss.is_finite()), "{placement:?} at SP 1: {loss:?}");
     }
