@@ -585,6 +585,42 @@ fn checkpointing_one_rank_refuses_stops_every_rank() {
     assert!(messages[1].contains("rank 0 refused its inputs for step 3"), "{}", messages[1]);
 }
 
+/// A port whose checkpointed layers take each tile's RoPE from the shard's first rows (RoPE
+/// from 0 in every tile) is refused in its second tile, on every rank at SP = 2 and at SP = 1
+/// (wrong at any degree); the decoder as ported, in the same tiles, runs.
+#[test]
+fn rope_from_row_zero_in_each_tile_is_refused_at_any_sp_degree() {
+    use ulysses_training::{LayerCheckpointing, StepInput, backward_step_checkpointed};
+    let step = |decoder, alteration, groups: &ParallelGroups<Inner>, batch: &[Vec<Vec<i64>>]| {
+        let model = AlteredDecoder { decoder, alteration };
+        let step = StepInput { index: 0, learning_rate: 1e-3, micro_batches: batch, documents: None, targets: None, max_grad_norm: None };
+        let checkpointing = LayerCheckpointing::new().with_tile_tokens(Some(4));
+        backward_step_checkpointed(&model, &step, &groups.layout.sharder(), groups, &Default::default(), &checkpointing).err()
+    };
+    let messages = refusals_at_sp_2(move |_, decoder, groups, batch| step(decoder, Alteration::RopeFromRowZeroInEachTile, groups, batch));
+    for (rank, message) in messages.iter().enumerate() {
+        let positions = format!("positions {}..{}", rank * 8 + 4, rank * 8 + 8);
+        for needle in ["slice takes rows 0..4 along dim 2", "rows 4..8 of this rank's 8-token shard", positions.as_str(), "LayeredLm::context", "at any SP degree"] {
+            assert!(message.contains(needle), "rank {rank}: `{needle}` missing from: {message}");
+        }
+    }
+    let outcomes = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(1).run(|rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new()).unwrap();
+            let _sp = enter_sp(&groups);
+            let decoder = || deterministic_params(config(ParallelLayout::new(), 1).model.init::<Sp>(&Default::default()), INIT_SEED);
+            let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
+            let altered = step(decoder(), Alteration::RopeFromRowZeroInEachTile, &groups, &batch).map(|e| e.to_string());
+            let ported = step(decoder(), Alteration::AsPorted, &groups, &batch).map(|e| e.to_string());
+            (altered, ported)
+        })
+    });
+    let (altered, ported) = outcomes.into_iter().next().unwrap().unwrap_or_else(|p| panic!("SP 1 panicked: {p}"));
+    let altered = altered.expect("RoPE from row 0 in each tile at SP 1 ran");
+    assert!(altered.contains("rows 4..8 of this rank's 16-token shard") && altered.contains("positions 4..8"), "{altered}");
+    assert!(ported.is_none(), "the decoder as ported, in tiles of 4 at SP 1: {ported:?}");
+}
+
 /// The decoder with attention that ignores the packed documents (as a model of one's own that
 /// never calls `attention_in_documents`).
 #[derive(burn::module::Module, Debug)]
@@ -1574,12 +1610,25 @@ fn zero_3_cut_from_master_weights_of_another_place_is_refused() {
     assert!(another_model.contains("one sharded optimizer per model"), "{another_model}");
 }
 
-/// The decoder with layer 1's first vector (a norm's weight) left out of what
-/// `LayeredLm::visit_layer(1)` visits, though that layer uses it: under ZeRO-3 it belongs to
-/// the rest, a one-element placeholder while layer 1 runs.
+/// The decoder with one thing a port of one's own could get wrong.
 #[derive(burn::module::Module, Debug)]
-struct LeavesOutANorm<B: burn::tensor::backend::Backend> {
+struct AlteredDecoder<B: burn::tensor::backend::Backend> {
     decoder: ulysses_models::Decoder<B>,
+    #[module(skip)]
+    alteration: Alteration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Alteration {
+    /// None: the decoder as ported.
+    AsPorted,
+    /// Layer 1's first vector (a norm's weight) left out of what `LayeredLm::visit_layer(1)`
+    /// visits, though that layer uses it: under ZeRO-3 it belongs to the rest, a one-element
+    /// placeholder while layer 1 runs.
+    LeavesOutANorm,
+    /// Each tile's RoPE taken from the shard's first rows (`before_core` given `0..tile`, not
+    /// its rows): RoPE from 0 in every tile.
+    RopeFromRowZeroInEachTile,
 }
 
 /// Visits all but the first vector it is shown.
@@ -1597,7 +1646,7 @@ impl<B: burn::tensor::backend::Backend, V: burn::module::ModuleVisitor<B>> burn:
     }
 }
 
-impl<B: burn::tensor::backend::Backend> ulysses_training::LayeredLm<B> for LeavesOutANorm<B> {
+impl<B: burn::tensor::backend::Backend> ulysses_training::LayeredLm<B> for AlteredDecoder<B> {
     type Context = <ulysses_models::Decoder<B> as ulysses_training::LayeredLm<B>>::Context;
     fn context(&self, positions: &ShardPositions, device: &B::Device) -> Self::Context {
         self.decoder.context(positions, device)
@@ -1609,12 +1658,13 @@ impl<B: burn::tensor::backend::Backend> ulysses_training::LayeredLm<B> for Leave
         self.decoder.layer_count()
     }
     fn visit_layer<V: burn::module::ModuleVisitor<B>>(&self, index: usize, visitor: &mut V) {
-        match index {
-            1 => self.decoder.visit_layer(index, &mut SkipFirstVector { visitor, skipped: None }),
+        match (self.alteration, index) {
+            (Alteration::LeavesOutANorm, 1) => self.decoder.visit_layer(index, &mut SkipFirstVector { visitor, skipped: None }),
             _ => self.decoder.visit_layer(index, visitor),
         }
     }
     fn before_core(&self, index: usize, hidden: Tensor<B, 3>, rows: std::ops::Range<usize>, context: &Self::Context) -> Vec<Tensor<B, 4>> {
+        let rows = if self.alteration == Alteration::RopeFromRowZeroInEachTile { 0..rows.len() } else { rows };
         self.decoder.before_core(index, hidden, rows, context)
     }
     fn core(&self, index: usize, inputs: Vec<Tensor<B, 4>>, context: &Self::Context) -> Tensor<B, 4> {
@@ -1634,7 +1684,7 @@ impl<B: burn::tensor::backend::Backend> ulysses_training::LayeredLm<B> for Leave
     }
 }
 
-impl<B: burn::tensor::backend::AutodiffBackend> ulysses_training::CausalLm<B> for LeavesOutANorm<B> {
+impl<B: burn::tensor::backend::AutodiffBackend> ulysses_training::CausalLm<B> for AlteredDecoder<B> {
     fn logits(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
         self.decoder.forward(tokens, positions)
     }
@@ -1701,7 +1751,7 @@ fn zero_3_names_a_parameter_a_group_leaves_out_and_keeps_frozen_ones_frozen() {
         }
 
         for freeze in [false, true] {
-            let model = LeavesOutANorm { decoder: decoder() };
+            let model = AlteredDecoder { decoder: decoder(), alteration: Alteration::LeavesOutANorm };
             let mut left_out = SkipFirstVector { visitor: &mut NoVisit, skipped: None };
             model.decoder.visit_layer(1, &mut left_out);
             let left_out = left_out.skipped.expect("layer 1 has a norm");

@@ -92,7 +92,10 @@
 //! positions are right on a rank whose shard starts at 0 (rank 0 of contiguous unpacked shards),
 //! which runs on; the ranks they are wrong for refuse them (under a zigzag ring or packed
 //! documents, every rank). What is as long as the shard but no position goes inside
-//! [`not_positions`].
+//! [`not_positions`]. A checkpointed layer's token-wise parts run a tile of the shard's rows at
+//! a time ([`note_tile_of_the_shard`]); there as many positions as the tile's at neither its
+//! positions nor its rows of what covers the shard (RoPE from 0 in every tile) are refused too,
+//! at any SP degree: wrong on one device as well.
 //!
 //! Inside such a forward (a model's, not the loss's), a slice that drops one to four tokens
 //! (at most a quarter of the shard) from either end of its sequence dim is refused too
@@ -506,13 +509,15 @@ pub fn pooling_of_the_shard_to_a_length(shape: &[usize], output_size: usize, sha
 }
 
 /// Where this rank's tokens sit in the forward under way, as [`note_shard_positions`] noted
-/// them: how many rows, how many tokens a row, and the start of the one run of positions every row holds (`start..start
-/// + len`), if they do.
+/// them: how many rows, how many tokens a row, and the start of the one run of positions every
+/// row holds (`start..start + len`), if they do; and, inside a checkpointed layer's token-wise
+/// part ([`note_tile_of_the_shard`]), the tile's rows of the shard (`start..end`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct NotedPositions {
     rows: usize,
     len: usize,
     run_start: Option<u64>,
+    tile: Option<(usize, usize)>,
 }
 
 impl NotedPositions {
@@ -520,7 +525,28 @@ impl NotedPositions {
         let ids = &positions.ids;
         let first = ids.ids().first().copied().unwrap_or(0);
         let one_run = (0..ids.batch()).all(|b| ids.row(b).iter().zip(first..).all(|(&id, expected)| id == expected));
-        Self { rows: ids.batch(), len: ids.len(), run_start: one_run.then_some(first) }
+        Self { rows: ids.batch(), len: ids.len(), run_start: one_run.then_some(first), tile: None }
+    }
+
+    /// Whether `counted` (positions of a table `table` long, or an `arange`'s: `None`), as many
+    /// as the tile has rows (two or more), is wrong for the tile. Right are the tile's positions,
+    /// and its rows of the shard where they index what covers the shard (a table built for it,
+    /// exactly as long; an `arange`'s indices); a table shorter than the shard holds none.
+    fn tile_miscounted(&self, counted: &Range<u64>, table: Option<usize>) -> bool {
+        let Some((start, end)) = self.tile else { return false };
+        let rows = start as u64..end as u64;
+        let at_positions = self.run_start.is_some_and(|run| counted.start == run + rows.start);
+        let at_rows = *counted == rows && table.is_none_or(|table| table == self.len);
+        let counted_len = counted.end.saturating_sub(counted.start);
+        counted_len >= 2 && counted_len == rows.end - rows.start && table.is_none_or(|table| table >= self.len) && !at_positions && !at_rows
+    }
+
+    fn tile_held(&self) -> String {
+        let (start, end) = self.tile.unwrap_or((0, self.len));
+        match self.run_start {
+            Some(run) => format!("whose tokens sit at positions {}..{}", run + start as u64, run + end as u64),
+            None => "whose positions are no one run from a common start in every row (a zigzag ring's two chunks apart, or packed documents)".into(),
+        }
     }
 
     /// Whether `range` is this rank's positions: right for a table's rows or an `arange`.
@@ -552,6 +578,27 @@ thread_local! {
 pub fn note_shard_positions(positions: &ShardPositions) -> ShardPositionsNoted {
     let previous = SHARD_POSITIONS.replace(Some(NotedPositions::of(positions)));
     ShardPositionsNoted { previous, _not_send: PhantomData }
+}
+
+/// Narrows the positions noted (by [`note_shard_positions`]) to rows `rows` of the shard until
+/// the returned value is dropped: `ulysses_training`'s layer checkpointing runs each layer's
+/// token-wise parts (`LayeredLm::before_core`, `after_core`) a tile of rows at a time, and a
+/// table of positions sliced, or an `arange` counted, over as many tokens as the tile but
+/// neither at its positions nor at its rows of what covers the shard (RoPE from 0 in every
+/// tile) is then refused, at any SP degree. Rows that are the whole shard change nothing.
+pub fn note_tile_of_the_shard(rows: Range<usize>) -> ShardPositionsNoted {
+    let noted = SHARD_POSITIONS.get();
+    let tiled = noted.filter(|noted| rows.end <= noted.len && rows.len() < noted.len).map(|noted| NotedPositions { tile: Some((rows.start, rows.end)), ..noted });
+    let previous = if tiled.is_some() { SHARD_POSITIONS.replace(tiled) } else { noted };
+    ShardPositionsNoted { previous, _not_send: PhantomData }
+}
+
+/// The refusal of positions (`what` an `op` counted) that are another tile's of `noted`'s shard,
+/// unless the guard is off or the model opted out: wrong at any SP degree, so no group needed.
+fn positions_of_another_tile(op: &'static str, what: String, noted: NotedPositions, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let (start, end) = noted.tile?;
+    let opted_out = sharding().is_some_and(|sharding| sharding.shard_local_attention_on_purpose);
+    (GUARD_ON.load(Ordering::Relaxed) && !opted_out).then(|| UlyssesError::PositionsOfAnotherTile { op, what, rows: format!("{start}..{end}"), shard: noted.len, held: noted.tile_held() })
 }
 
 /// Runs `build` without the rules on positions: for what is no position but is as long as the
@@ -593,7 +640,14 @@ pub fn positions_sliced_from_a_table(shape: &[usize], slices: &[Slice], activati
     let (dim, range) = one_cut(shape, slices)?;
     let rows = range.start as u64..range.end as u64;
     let table_like = shape[..dim].iter().all(|&size| size == 1) && (dim + 1 < shape.len() || !features_after);
-    if !table_like || range.len() != noted.len || noted.holds(&rows) {
+    if !table_like {
+        return None;
+    }
+    if noted.tile_miscounted(&rows, Some(shape[dim])) {
+        let what = format!("takes rows {}..{} along dim {dim} of a {shape:?} table of positions", range.start, range.end);
+        return positions_of_another_tile("slice", what, noted, sharding);
+    }
+    if range.len() != noted.len || noted.holds(&rows) {
         return None;
     }
     let sharding = refusing(sharding()).filter(|sharding| shape[dim] >= sharding.ranks * noted.len)?;
@@ -713,6 +767,9 @@ pub fn reduced_over_the_shard(op: &'static str, kind: OverTheSequence, shape: &[
 pub fn positions_counted_by_arange(range: &Range<i64>, step: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let counted = u64::try_from(range.start).ok().zip(u64::try_from(range.end).ok()).map(|(start, end)| start..end).filter(|_| step == 1)?;
     let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2)?;
+    if noted.tile_miscounted(&counted, None) {
+        return positions_of_another_tile("arange", format!("counts positions {}..{}", range.start, range.end), noted, sharding);
+    }
     if counted.end.saturating_sub(counted.start) != noted.len as u64 || noted.holds(&counted) {
         return None;
     }
@@ -1348,5 +1405,50 @@ mod tests {
         for sharding in [None, Some(Sharding { ranks: 1, ..SP2.unwrap() }), Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })] {
             assert!(reduced_over_the_shard("sum_dim", OverTheSequence::Reduces, &[2, 8, 16], 1, false, || sharding).is_none());
         }
+    }
+
+    #[test]
+    fn positions_counted_from_a_tiles_first_row_are_refused() {
+        let sliced = |shape: &[usize], dim: usize, rows: Range<usize>, sharding: Option<Sharding>| {
+            let slices: Vec<Slice> = (0..shape.len()).map(|d| if d == dim { Slice::from(rows.clone()) } else { Slice::full() }).collect();
+            positions_sliced_from_a_table(shape, &slices, false, true, || sharding).map(|e| e.to_string())
+        };
+        let counted = |range: Range<i64>, sharding: Option<Sharding>| positions_counted_by_arange(&range, 1, || sharding).map(|e| e.to_string());
+        {
+            let _nothing_noted = note_tile_of_the_shard(4..8);
+            assert!(counted(0..4, SP2).is_none() && SHARD_POSITIONS.get().is_none(), "a tile noted where no shard is");
+        }
+        // SP rank 1 of 2, 8 tokens a row at positions 8..16; the tile of rows 4..8.
+        let _shard = noted(&(8..16).collect::<Vec<_>>(), 2);
+        {
+            let _tile = note_tile_of_the_shard(4..8);
+            // RoPE from 0 in each tile: a global table's first rows, refused at SP 2 and at SP 1.
+            for sharding in [SP2, Some(Sharding { ranks: 1, ..SP2.unwrap() }), None] {
+                let message = sliced(&[32, 4, 2], 0, 0..4, sharding).expect("a global table's rows 0..4 in the tile of rows 4..8 refused");
+                for needle in ["slice takes rows 0..4 along dim 0 of a [32, 4, 2] table", "rows 4..8 of this rank's 8-token shard", "positions 12..16", "LayeredLm::context", "not_positions"] {
+                    assert!(message.contains(needle), "`{needle}` missing from: {message}");
+                }
+            }
+            // The tile's positions of a global table, or its rows of a table built for the
+            // shard (exactly as long), pass; the shard's rows 0..4, or the tile's rows of a
+            // global table, are another tile's.
+            assert!(sliced(&[32, 4, 2], 0, 12..16, SP2).is_none() && sliced(&[1, 1, 8, 4], 2, 4..8, SP2).is_none());
+            assert!(sliced(&[1, 1, 8, 4], 2, 0..4, SP2).is_some() && sliced(&[32, 4, 2], 0, 4..8, SP2).is_some());
+            // A table shorter than the shard holds no positions; other lengths pass.
+            assert!(sliced(&[6, 4], 0, 0..4, SP2).is_none() && sliced(&[32, 4, 2], 0, 0..3, SP2).is_none());
+            // An arange over the tile's rows (indices into what covers the shard) or its
+            // positions passes; from 0, refused.
+            assert!(counted(4..8, None).is_none() && counted(12..16, None).is_none());
+            let message = counted(0..4, None).expect("arange(0..4) in the tile of rows 4..8 refused");
+            assert!(message.contains("arange counts positions 0..4") && message.contains("at any SP degree"), "{message}");
+            // The shard's rules hold inside the tile.
+            assert!(sliced(&[32, 4, 2], 0, 0..8, SP2).is_some_and(|m| m.contains("8 tokens sit at positions 8..16")));
+            // Opted out, or inside `not_positions`: pass.
+            assert!(sliced(&[32, 4, 2], 0, 0..4, Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })).is_none());
+            assert!(not_positions(|| counted(0..4, None)).is_none());
+        }
+        assert!(counted(0..4, None).is_none(), "the tile is forgotten when its note is dropped");
+        let _whole = note_tile_of_the_shard(0..8);
+        assert!(counted(0..4, None).is_none() && counted(0..8, SP2).is_some(), "rows that are the whole shard are no tile");
     }
 }

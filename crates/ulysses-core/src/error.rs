@@ -123,6 +123,18 @@ pub enum UlyssesError {
     PositionsOfAnotherShard { op: &'static str, what: String, len: usize, held: String, ranks: usize },
 
     #[error(
+        "{op} {what} in a token-wise part of a checkpointed layer (LayeredLm::before_core or \
+         after_core), which runs on rows {rows} of this rank's {shard}-token shard at a time, {held}: \
+         positions counted as if the tile were the whole shard are another tile's (a silently wrong \
+         result, at any SP degree). Take the tile's rows by the `rows` before_core is given: rows \
+         `rows` of a table built for the shard in LayeredLm::context (as the ported decoders' \
+         RopeTables::rows does), or a table's rows at the shard's positions there \
+         (SequenceShard::positions.ids). What is as long as a tile but no position goes inside \
+         burn_ulysses::attention_guard::not_positions(|| ..)."
+    )]
+    PositionsOfAnotherTile { op: &'static str, what: String, rows: String, shard: usize, held: String },
+
+    #[error(
         "sequence parallelism is configured (sp_size {sp_size}) but the model's attention did \
          not exchange through the SP group during this step, so every rank attended only \
          within its shard. Enter the rank context with the SP group \

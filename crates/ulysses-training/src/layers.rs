@@ -69,6 +69,7 @@ use burn::{
 
 use burn_ulysses::{
     PlainBackend, UlyssesError,
+    attention_guard::note_tile_of_the_shard,
     data::ShardPositions,
     device_io::{self, PendingRead},
 };
@@ -100,7 +101,9 @@ pub trait LayeredLm<B: Backend>: Module<B> {
     fn visit_layer<V: ModuleVisitor<B>>(&self, index: usize, visitor: &mut V);
     /// Token-wise, before layer `index`'s core: the layer's input at rows `rows` of the
     /// shard (`hidden: [batch, rows.len(), d_model]`) → the core's inputs there (q, k and v
-    /// after RoPE, for attention), each `[batch, heads, rows.len(), head_dim]`.
+    /// after RoPE, for attention), each `[batch, heads, rows.len(), head_dim]`. RoPE at rows
+    /// `rows` of the context's tables: the guard refuses positions counted from the tile's
+    /// first row (`attention_guard::note_tile_of_the_shard`).
     fn before_core(&self, index: usize, hidden: Tensor<B, 3>, rows: Range<usize>, context: &Self::Context) -> Vec<Tensor<B, 4>>;
     /// Layer `index`'s core, the only piece that mixes tokens (attention), on the whole
     /// shard: [`before_core`](Self::before_core)'s tensors for every row in,
@@ -492,8 +495,13 @@ fn rows_of<B: Backend, const D: usize, K: BasicOps<B>>(tensor: &Tensor<B, D, K>,
 /// Layer `index`'s core inputs for the whole shard, computed tile by tile from `hidden`'s
 /// rows (no graph is kept here: it runs on the inner backend) and joined along the sequence.
 fn core_inputs_in_tiles<B: Backend, M: LayeredLm<B>>(model: &M, index: usize, hidden: &Kept<B>, tiles: usize, context: &M::Context, device: &B::Device) -> Vec<Tensor<B, 4>> {
-    let per_tile: Vec<Vec<Tensor<B, 4>>> =
-        tile_ranges(hidden.rows(), tiles).map(|rows| model.before_core(index, hidden.restore_rows(&rows, device), rows, context)).collect();
+    let per_tile: Vec<Vec<Tensor<B, 4>>> = tile_ranges(hidden.rows(), tiles)
+        .map(|rows| {
+            let tile = hidden.restore_rows(&rows, device);
+            let _tile_noted = note_tile_of_the_shard(rows.clone());
+            model.before_core(index, tile, rows, context)
+        })
+        .collect();
     let count = per_tile[0].len();
     let mut joined: Vec<Vec<Tensor<B, 4>>> = (0..count).map(|_| Vec::with_capacity(tiles)).collect();
     for tile in per_tile {
@@ -520,7 +528,9 @@ fn layer_in_tiles<B: Backend, M: LayeredLm<B>>(
     let core = model.core(index, core_inputs_in_tiles(model, index, hidden, tiles, context, device), context);
     let mut output = KeptTiles::new(offload);
     for rows in tile_ranges(hidden.rows(), tiles) {
-        output.push(model.after_core(index, hidden.restore_rows(&rows, device), rows_of(&core, 2, &rows)));
+        let (tile, core) = (hidden.restore_rows(&rows, device), rows_of(&core, 2, &rows));
+        let _tile_noted = note_tile_of_the_shard(rows);
+        output.push(model.after_core(index, tile, core));
     }
     output.finish()
 }
@@ -798,7 +808,10 @@ where
         let (mut core_grad, mut residual_grad) = (Vec::with_capacity(tiles), KeptTiles::new(offload(index)));
         for rows in tile_ranges(shard_len, tiles) {
             let (hidden, attended) = (leaf(input.restore_rows(&rows, &device)), leaf(rows_of(&core_values, 2, &rows)));
-            let output = layer.after_core(index, hidden.clone(), attended.clone());
+            let output = {
+                let _tile_noted = note_tile_of_the_shard(rows.clone());
+                layer.after_core(index, hidden.clone(), attended.clone())
+            };
             probe(Piece::AfterCore { layer: index });
             let grads = (output * Tensor::from_inner(upstream.restore_rows(&rows, &device))).sum().backward();
             core_grad.push(upstream_of(&attended, &grads, "a layer's after-core part (its core output)")?);
@@ -825,7 +838,10 @@ where
         let mut input_grad = KeptTiles::new(offload(index));
         for rows in tile_ranges(shard_len, tiles) {
             let hidden = leaf(input.restore_rows(&rows, &device));
-            let outputs = layer.before_core(index, hidden.clone(), rows.clone(), &context);
+            let outputs = {
+                let _tile_noted = note_tile_of_the_shard(rows.clone());
+                layer.before_core(index, hidden.clone(), rows.clone(), &context)
+            };
             let seed = outputs
                 .into_iter()
                 .zip(&input_grads)
