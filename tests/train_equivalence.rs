@@ -585,11 +585,13 @@ fn checkpointing_one_rank_refuses_stops_every_rank() {
     assert!(messages[1].contains("rank 0 refused its inputs for step 3"), "{}", messages[1]);
 }
 
-/// A port whose checkpointed layers take each tile's RoPE from the shard's first rows (RoPE
-/// from 0 in every tile) is refused in its second tile, on every rank at SP = 2 and at SP = 1
-/// (wrong at any degree); the decoder as ported, in the same tiles, runs.
+/// A port whose checkpointed layers count positions from each tile's first row: RoPE from the
+/// shard's first rows in every tile (in the forward and its recomputation, or in the
+/// recomputation alone), refused on every rank at SP = 2 and at SP = 1 (wrong at any degree);
+/// a position signal from `arange(0..tile)` after the core, refused at SP = 2 (on one device
+/// an arange may as well be indices). The decoder as ported, in the same tiles, runs.
 #[test]
-fn rope_from_row_zero_in_each_tile_is_refused_at_any_sp_degree() {
+fn positions_from_each_tiles_first_row_are_refused() {
     use ulysses_training::{LayerCheckpointing, StepInput, backward_step_checkpointed};
     let step = |decoder, alteration, groups: &ParallelGroups<Inner>, batch: &[Vec<Vec<i64>>]| {
         let model = AlteredDecoder { decoder, alteration };
@@ -597,28 +599,42 @@ fn rope_from_row_zero_in_each_tile_is_refused_at_any_sp_degree() {
         let checkpointing = LayerCheckpointing::new().with_tile_tokens(Some(4));
         backward_step_checkpointed(&model, &step, &groups.layout.sharder(), groups, &Default::default(), &checkpointing).err()
     };
-    let messages = refusals_at_sp_2(move |_, decoder, groups, batch| step(decoder, Alteration::RopeFromRowZeroInEachTile, groups, batch));
-    for (rank, message) in messages.iter().enumerate() {
-        let positions = format!("positions {}..{}", rank * 8 + 4, rank * 8 + 8);
-        for needle in ["slice takes rows 0..4 along dim 2", "rows 4..8 of this rank's 8-token shard", positions.as_str(), "LayeredLm::context", "at any SP degree"] {
-            assert!(message.contains(needle), "rank {rank}: `{needle}` missing from: {message}");
+    let miscounts = [
+        (Alteration::RopeFromRowZeroInEachTile, "slice takes rows 0..4 along dim 2"),
+        (Alteration::RopeFromRowZeroWhenRecomputed, "slice takes rows 0..4 along dim 2"),
+        (Alteration::ArangeAfterTheCore, "arange counts positions 0..4"),
+    ];
+    for (alteration, counted) in miscounts {
+        let messages = refusals_at_sp_2(move |_, decoder, groups, batch| step(decoder, alteration, groups, batch));
+        for (rank, message) in messages.iter().enumerate() {
+            // The shard's own table's rows 0..4 are right in the first tile; an arange of 0..4 is
+            // right there on rank 0 alone (positions 0..4).
+            let tile = if alteration == Alteration::ArangeAfterTheCore && rank == 1 { 0 } else { 4 };
+            let (rows, positions) = (format!("rows {tile}..{} of this rank's 8-token shard", tile + 4), format!("positions {}..{}", rank * 8 + tile, rank * 8 + tile + 4));
+            for needle in [counted, rows.as_str(), positions.as_str(), "LayeredLm::context", "at any SP degree"] {
+                assert!(message.contains(needle), "{alteration:?}, rank {rank}: `{needle}` missing from: {message}");
+            }
         }
     }
     let outcomes = with_deadline(Duration::from_secs(50), move || {
         ThreadGroup::new(1).run(|rank| {
             let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new()).unwrap();
             let _sp = enter_sp(&groups);
-            let decoder = || deterministic_params(config(ParallelLayout::new(), 1).model.init::<Sp>(&Default::default()), INIT_SEED);
             let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
-            let altered = step(decoder(), Alteration::RopeFromRowZeroInEachTile, &groups, &batch).map(|e| e.to_string());
-            let ported = step(decoder(), Alteration::AsPorted, &groups, &batch).map(|e| e.to_string());
-            (altered, ported)
+            let alterations = [Alteration::RopeFromRowZeroInEachTile, Alteration::RopeFromRowZeroWhenRecomputed, Alteration::ArangeAfterTheCore, Alteration::AsPorted];
+            let decoder = || deterministic_params(config(ParallelLayout::new(), 1).model.init::<Sp>(&Default::default()), INIT_SEED);
+            alterations.map(|alteration| (alteration, step(decoder(), alteration, &groups, &batch).map(|e| e.to_string())))
         })
     });
-    let (altered, ported) = outcomes.into_iter().next().unwrap().unwrap_or_else(|p| panic!("SP 1 panicked: {p}"));
-    let altered = altered.expect("RoPE from row 0 in each tile at SP 1 ran");
-    assert!(altered.contains("rows 4..8 of this rank's 16-token shard") && altered.contains("positions 4..8"), "{altered}");
-    assert!(ported.is_none(), "the decoder as ported, in tiles of 4 at SP 1: {ported:?}");
+    for (alteration, outcome) in outcomes.into_iter().next().unwrap().unwrap_or_else(|p| panic!("SP 1 panicked: {p}")) {
+        match alteration {
+            Alteration::RopeFromRowZeroInEachTile | Alteration::RopeFromRowZeroWhenRecomputed => {
+                let message = outcome.unwrap_or_else(|| panic!("{alteration:?} at SP 1 ran"));
+                assert!(message.contains("rows 4..8 of this rank's 16-token shard") && message.contains("positions 4..8"), "{alteration:?}: {message}");
+            }
+            _ => assert!(outcome.is_none(), "{alteration:?} in tiles of 4 at SP 1: {outcome:?}"),
+        }
+    }
 }
 
 /// The decoder with attention that ignores the packed documents (as a model of one's own that
@@ -1629,6 +1645,10 @@ enum Alteration {
     /// Each tile's RoPE taken from the shard's first rows (`before_core` given `0..tile`, not
     /// its rows): RoPE from 0 in every tile.
     RopeFromRowZeroInEachTile,
+    /// The same in the backward's recomputation alone (where `hidden` requires its gradient).
+    RopeFromRowZeroWhenRecomputed,
+    /// A position signal `arange(0..tile)` added after the core, in every tile from 0.
+    ArangeAfterTheCore,
 }
 
 /// Visits all but the first vector it is shown.
@@ -1664,14 +1684,25 @@ impl<B: burn::tensor::backend::Backend> ulysses_training::LayeredLm<B> for Alter
         }
     }
     fn before_core(&self, index: usize, hidden: Tensor<B, 3>, rows: std::ops::Range<usize>, context: &Self::Context) -> Vec<Tensor<B, 4>> {
-        let rows = if self.alteration == Alteration::RopeFromRowZeroInEachTile { 0..rows.len() } else { rows };
+        let from_row_zero = match self.alteration {
+            Alteration::RopeFromRowZeroInEachTile => true,
+            Alteration::RopeFromRowZeroWhenRecomputed => hidden.is_require_grad(),
+            _ => false,
+        };
+        let rows = if from_row_zero { 0..rows.len() } else { rows };
         self.decoder.before_core(index, hidden, rows, context)
     }
     fn core(&self, index: usize, inputs: Vec<Tensor<B, 4>>, context: &Self::Context) -> Tensor<B, 4> {
         self.decoder.core(index, inputs, context)
     }
     fn after_core(&self, index: usize, hidden: Tensor<B, 3>, core: Tensor<B, 4>) -> Tensor<B, 3> {
-        self.decoder.after_core(index, hidden, core)
+        let output = self.decoder.after_core(index, hidden, core);
+        if self.alteration != Alteration::ArangeAfterTheCore {
+            return output;
+        }
+        let tile = output.dims()[1];
+        let positions = Tensor::<B, 1, Int>::arange(0..tile as i64, &output.device()).float().reshape([1, tile, 1]);
+        output + positions * 1e-3
     }
     fn head(&self, hidden: Tensor<B, 3>) -> ulysses_training::LmOutput<B> {
         self.decoder.head(hidden)

@@ -93,9 +93,10 @@
 //! which runs on; the ranks they are wrong for refuse them (under a zigzag ring or packed
 //! documents, every rank). What is as long as the shard but no position goes inside
 //! [`not_positions`]. A checkpointed layer's token-wise parts run a tile of the shard's rows at
-//! a time ([`note_tile_of_the_shard`]); there as many positions as the tile's at neither its
-//! positions nor its rows of what covers the shard (RoPE from 0 in every tile) are refused too,
-//! at any SP degree: wrong on one device as well.
+//! a time ([`note_tile_of_the_shard`]); there a table's rows as many as the tile's (a table as
+//! long as the shard or longer) counted from the tile's first row as if it were the shard's
+//! (RoPE from 0 in every tile) are refused at any SP degree, wrong on one device as well; under
+//! SP, an `arange` as long at other positions than the tile's too.
 //!
 //! Inside such a forward (a model's, not the loss's), a slice that drops one to four tokens
 //! (at most a quarter of the shard) from either end of its sequence dim is refused too
@@ -528,17 +529,31 @@ impl NotedPositions {
         Self { rows: ids.batch(), len: ids.len(), run_start: one_run.then_some(first), tile: None }
     }
 
-    /// Whether `counted` (positions of a table `table` long, or an `arange`'s: `None`), as many
-    /// as the tile has rows (two or more), is wrong for the tile. Right are the tile's positions,
-    /// and its rows of the shard where they index what covers the shard (a table built for it,
-    /// exactly as long; an `arange`'s indices); a table shorter than the shard holds none.
-    fn tile_miscounted(&self, counted: &Range<u64>, table: Option<usize>) -> bool {
-        let Some((start, end)) = self.tile else { return false };
+    /// The tile's rows of the shard where `counted` is as many (two or more), and whether
+    /// `counted` is the tile's positions.
+    fn tile_counted(&self, counted: &Range<u64>) -> Option<(Range<u64>, bool)> {
+        let (start, end) = self.tile?;
         let rows = start as u64..end as u64;
-        let at_positions = self.run_start.is_some_and(|run| counted.start == run + rows.start);
-        let at_rows = *counted == rows && table.is_none_or(|table| table == self.len);
-        let counted_len = counted.end.saturating_sub(counted.start);
-        counted_len >= 2 && counted_len == rows.end - rows.start && table.is_none_or(|table| table >= self.len) && !at_positions && !at_rows
+        let len = counted.end.saturating_sub(counted.start);
+        (len >= 2 && len == rows.end - rows.start).then(|| (rows.clone(), self.run_start.is_some_and(|run| counted.start == run + rows.start)))
+    }
+
+    /// Whether rows `counted` of a table `table` long, as many as the tile's, are counted from the
+    /// tile's first row as if it were the shard's: from 0, from the shard's first position, or
+    /// at the tile's rows of a table longer than the shard. Right are the tile's positions and
+    /// its rows of a table built for the shard (exactly as long); a table shorter than the shard
+    /// holds no positions.
+    fn tile_table_miscounted(&self, counted: &Range<u64>, table: usize) -> bool {
+        let Some((rows, at_positions)) = self.tile_counted(counted).filter(|_| table >= self.len) else { return false };
+        let at_rows = *counted == rows && table == self.len;
+        let as_the_shards = counted.start == 0 || Some(counted.start) == self.run_start || counted.start == rows.start;
+        as_the_shards && !at_positions && !at_rows
+    }
+
+    /// Whether an `arange` over `counted`, as many as the tile's rows, is at other positions than
+    /// the tile's (as the shard's rule takes one as long as the shard for positions).
+    fn tile_arange_miscounted(&self, counted: &Range<u64>) -> bool {
+        self.tile_counted(counted).is_some_and(|(_, at_positions)| !at_positions)
     }
 
     fn tile_held(&self) -> String {
@@ -583,9 +598,10 @@ pub fn note_shard_positions(positions: &ShardPositions) -> ShardPositionsNoted {
 /// Narrows the positions noted (by [`note_shard_positions`]) to rows `rows` of the shard until
 /// the returned value is dropped: `ulysses_training`'s layer checkpointing runs each layer's
 /// token-wise parts (`LayeredLm::before_core`, `after_core`) a tile of rows at a time, and a
-/// table of positions sliced, or an `arange` counted, over as many tokens as the tile but
-/// neither at its positions nor at its rows of what covers the shard (RoPE from 0 in every
-/// tile) is then refused, at any SP degree. Rows that are the whole shard change nothing.
+/// table of positions sliced over as many rows as the tile, counted from its first row as if it
+/// were the shard's (RoPE from 0 in every tile; at the shard's offset, or at the tile's rows of
+/// a global table), is then refused at any SP degree; under SP, so is an `arange` as long at
+/// other positions than the tile's. Rows that are the whole shard change nothing.
 pub fn note_tile_of_the_shard(rows: Range<usize>) -> ShardPositionsNoted {
     let noted = SHARD_POSITIONS.get();
     let tiled = noted.filter(|noted| rows.end <= noted.len && rows.len() < noted.len).map(|noted| NotedPositions { tile: Some((rows.start, rows.end)), ..noted });
@@ -594,17 +610,24 @@ pub fn note_tile_of_the_shard(rows: Range<usize>) -> ShardPositionsNoted {
 }
 
 /// The refusal of positions (`what` an `op` counted) that are another tile's of `noted`'s shard,
-/// unless the guard is off or the model opted out: wrong at any SP degree, so no group needed.
-fn positions_of_another_tile(op: &'static str, what: String, noted: NotedPositions, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+/// unless the guard is off or the model opted out; `at_any_degree`: at SP 1 too (a table's rows,
+/// wrong on one device as well), else only where the guard refuses under SP (an `arange`, which
+/// on one device may as well be indices: MoE routing of the tile's tokens).
+fn positions_of_another_tile(op: &'static str, what: String, noted: NotedPositions, at_any_degree: bool, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let (start, end) = noted.tile?;
-    let opted_out = sharding().is_some_and(|sharding| sharding.shard_local_attention_on_purpose);
-    (GUARD_ON.load(Ordering::Relaxed) && !opted_out).then(|| UlyssesError::PositionsOfAnotherTile { op, what, rows: format!("{start}..{end}"), shard: noted.len, held: noted.tile_held() })
+    let sharding = sharding();
+    let refused = match at_any_degree {
+        true => GUARD_ON.load(Ordering::Relaxed) && !sharding.is_some_and(|sharding| sharding.shard_local_attention_on_purpose),
+        false => refusing(sharding).is_some(),
+    };
+    refused.then(|| UlyssesError::PositionsOfAnotherTile { op, what, rows: format!("{start}..{end}"), shard: noted.len, held: noted.tile_held() })
 }
 
 /// Runs `build` without the rules on positions: for what is no position but is as long as the
 /// shard, which the guard cannot tell from positions counted from the shard's first token
 /// (indices within the shard from an `arange`, to route its tokens to experts; `Tensor::eye` of
-/// its length; a weight whose rows are split in parts as long as the shard), and without the
+/// its length; a weight whose rows are split in parts as long as the shard, or as a
+/// checkpointed layer's tile), and without the
 /// rules on shifts and reductions (a chunk of a fixed size; an auxiliary loss's sum over the
 /// shard that its caller adds over the ranks).
 pub fn not_positions<T>(build: impl FnOnce() -> T) -> T {
@@ -643,9 +666,9 @@ pub fn positions_sliced_from_a_table(shape: &[usize], slices: &[Slice], activati
     if !table_like {
         return None;
     }
-    if noted.tile_miscounted(&rows, Some(shape[dim])) {
+    if noted.tile_table_miscounted(&rows, shape[dim]) {
         let what = format!("takes rows {}..{} along dim {dim} of a {shape:?} table of positions", range.start, range.end);
-        return positions_of_another_tile("slice", what, noted, sharding);
+        return positions_of_another_tile("slice", what, noted, true, sharding);
     }
     if range.len() != noted.len || noted.holds(&rows) {
         return None;
@@ -767,8 +790,8 @@ pub fn reduced_over_the_shard(op: &'static str, kind: OverTheSequence, shape: &[
 pub fn positions_counted_by_arange(range: &Range<i64>, step: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let counted = u64::try_from(range.start).ok().zip(u64::try_from(range.end).ok()).map(|(start, end)| start..end).filter(|_| step == 1)?;
     let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2)?;
-    if noted.tile_miscounted(&counted, None) {
-        return positions_of_another_tile("arange", format!("counts positions {}..{}", range.start, range.end), noted, sharding);
+    if noted.tile_arange_miscounted(&counted) {
+        return positions_of_another_tile("arange", format!("counts positions {}..{}", range.start, range.end), noted, false, sharding);
     }
     if counted.end.saturating_sub(counted.start) != noted.len as u64 || noted.holds(&counted) {
         return None;
@@ -1430,25 +1453,27 @@ mod tests {
                 }
             }
             // The tile's positions of a global table, or its rows of a table built for the
-            // shard (exactly as long), pass; the shard's rows 0..4, or the tile's rows of a
-            // global table, are another tile's.
+            // shard (exactly as long), pass; the shard's rows 0..4, or a global table's rows at
+            // the shard's offset or at the tile's rows, are counted as if the tile were the shard.
             assert!(sliced(&[32, 4, 2], 0, 12..16, SP2).is_none() && sliced(&[1, 1, 8, 4], 2, 4..8, SP2).is_none());
-            assert!(sliced(&[1, 1, 8, 4], 2, 0..4, SP2).is_some() && sliced(&[32, 4, 2], 0, 4..8, SP2).is_some());
-            // A table shorter than the shard holds no positions; other lengths pass.
-            assert!(sliced(&[6, 4], 0, 0..4, SP2).is_none() && sliced(&[32, 4, 2], 0, 0..3, SP2).is_none());
-            // An arange over the tile's rows (indices into what covers the shard) or its
-            // positions passes; from 0, refused.
-            assert!(counted(4..8, None).is_none() && counted(12..16, None).is_none());
-            let message = counted(0..4, None).expect("arange(0..4) in the tile of rows 4..8 refused");
+            assert!(sliced(&[1, 1, 8, 4], 2, 0..4, SP2).is_some() && sliced(&[32, 4, 2], 0, 4..8, SP2).is_some() && sliced(&[32, 4, 2], 0, 8..12, SP2).is_some());
+            // Rows from elsewhere (no tile's count: a weight's part), a table shorter than the
+            // shard (no positions), other lengths: pass.
+            assert!(sliced(&[32, 4, 2], 0, 20..24, None).is_none() && sliced(&[6, 4], 0, 0..4, SP2).is_none() && sliced(&[32, 4, 2], 0, 0..3, SP2).is_none());
+            // Under SP an arange as long as the tile at its positions passes, and at others
+            // (from 0, its rows of the shard) is refused; at SP 1 it may be indices and passes.
+            assert!(counted(12..16, SP2).is_none() && counted(4..8, SP2).is_some());
+            let message = counted(0..4, SP2).expect("arange(0..4) in the tile of rows 4..8 refused under SP");
             assert!(message.contains("arange counts positions 0..4") && message.contains("at any SP degree"), "{message}");
+            assert!(counted(0..4, None).is_none() && counted(0..4, Some(Sharding { ranks: 1, ..SP2.unwrap() })).is_none());
             // The shard's rules hold inside the tile.
             assert!(sliced(&[32, 4, 2], 0, 0..8, SP2).is_some_and(|m| m.contains("8 tokens sit at positions 8..16")));
             // Opted out, or inside `not_positions`: pass.
             assert!(sliced(&[32, 4, 2], 0, 0..4, Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })).is_none());
-            assert!(not_positions(|| counted(0..4, None)).is_none());
+            assert!(not_positions(|| counted(0..4, SP2).or_else(|| sliced(&[32, 4, 2], 0, 0..4, None))).is_none());
         }
-        assert!(counted(0..4, None).is_none(), "the tile is forgotten when its note is dropped");
+        assert!(counted(0..4, SP2).is_none(), "the tile is forgotten when its note is dropped");
         let _whole = note_tile_of_the_shard(0..8);
-        assert!(counted(0..4, None).is_none() && counted(0..8, SP2).is_some(), "rows that are the whole shard are no tile");
+        assert!(counted(0..4, SP2).is_none() && counted(0..8, SP2).is_some(), "rows that are the whole shard are no tile");
     }
 }

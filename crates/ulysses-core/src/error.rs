@@ -126,7 +126,8 @@ pub enum UlyssesError {
         "{op} {what} in a token-wise part of a checkpointed layer (LayeredLm::before_core or \
          after_core), which runs on rows {rows} of this rank's {shard}-token shard at a time, {held}: \
          positions counted as if the tile were the whole shard are another tile's (a silently wrong \
-         result, at any SP degree). Take the tile's rows by the `rows` before_core is given: rows \
+         result, at any SP degree). Take the tile's rows by the `rows` before_core is given (after_core \
+         is given none: positions belong before the core): rows \
          `rows` of a table built for the shard in LayeredLm::context (as the ported decoders' \
          RopeTables::rows does), or a table's rows at the shard's positions there \
          (SequenceShard::positions.ids). What is as long as a tile but no position goes inside \

@@ -111,7 +111,8 @@ pub trait LayeredLm<B: Backend>: Module<B> {
     fn core(&self, index: usize, inputs: Vec<Tensor<B, 4>>, context: &Self::Context) -> Tensor<B, 4>;
     /// Token-wise, after layer `index`'s core: the layer's output at some rows, given its
     /// input there (`[batch, rows, d_model]`) and the core's output there
-    /// (`[batch, heads, rows, head_dim]`): the output projection, the residuals, the MLP.
+    /// (`[batch, heads, rows, head_dim]`): the output projection, the residuals, the MLP. The
+    /// guard knows the rows too, as in [`before_core`](Self::before_core).
     fn after_core(&self, index: usize, hidden: Tensor<B, 3>, core: Tensor<B, 4>) -> Tensor<B, 3>;
     /// Layer `index` on the whole shard.
     fn layer(&self, index: usize, hidden: Tensor<B, 3>, context: &Self::Context) -> Tensor<B, 3> {
