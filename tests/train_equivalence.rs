@@ -589,9 +589,10 @@ fn checkpointing_one_rank_refuses_stops_every_rank() {
 /// shard's first rows in every tile (in the forward and its recomputation, or in the
 /// recomputation alone), refused on every rank at SP = 2 and at SP = 1 (wrong at any degree);
 /// a position signal from `arange(0..tile)` after the core, refused at SP = 2 (on one device
-/// an arange may as well be indices). The decoder as ported, in the same tiles, runs.
+/// an arange may as well be indices). One that mixes a tile's tokens in a token-wise part (a
+/// token shift), refused at any degree. The decoder as ported, in the same tiles, runs.
 #[test]
-fn positions_from_each_tiles_first_row_are_refused() {
+fn positions_from_each_tiles_first_row_and_tokens_mixed_in_a_tile_are_refused() {
     use ulysses_training::{LayerCheckpointing, StepInput, backward_step_checkpointed};
     let step = |decoder, alteration, groups: &ParallelGroups<Inner>, batch: &[Vec<Vec<i64>>]| {
         let model = AlteredDecoder { decoder, alteration };
@@ -599,20 +600,33 @@ fn positions_from_each_tiles_first_row_are_refused() {
         let checkpointing = LayerCheckpointing::new().with_tile_tokens(Some(4));
         backward_step_checkpointed(&model, &step, &groups.layout.sharder(), groups, &Default::default(), &checkpointing).err()
     };
-    let miscounts = [
-        (Alteration::RopeFromRowZeroInEachTile, "slice takes rows 0..4 along dim 2"),
-        (Alteration::RopeFromRowZeroWhenRecomputed, "slice takes rows 0..4 along dim 2"),
-        (Alteration::ArangeAfterTheCore, "arange counts positions 0..4"),
-    ];
-    for (alteration, counted) in miscounts {
+    // What each refusal names at `sp` on `rank`, shards of 16 / sp tokens in tiles of 4: the
+    // shard's own table's rows 0..4 are right in the first tile, and an arange of 0..4 there on
+    // rank 0 alone (positions 0..4); a shift is wrong in every tile.
+    let expected = |alteration: Alteration, sp: usize, rank: usize| {
+        let shard = 16 / sp;
+        let tile = match alteration {
+            Alteration::TokenShiftBeforeTheCore => 0,
+            Alteration::ArangeAfterTheCore if rank > 0 => 0,
+            _ => 4,
+        };
+        let mut needles = vec![format!("rows {tile}..{} of this rank's {shard}-token shard", tile + 4)];
+        needles.extend(match alteration {
+            Alteration::TokenShiftBeforeTheCore => vec!["drops the last 1 of the 4 tokens of this tile of the shard".into(), "LayeredLm::core".into()],
+            Alteration::ArangeAfterTheCore => vec!["arange counts positions 0..4".into()],
+            _ => vec!["slice takes rows 0..4 along dim 2".into()],
+        });
+        if alteration != Alteration::TokenShiftBeforeTheCore {
+            needles.extend([format!("positions {}..{}", rank * shard + tile, rank * shard + tile + 4), "LayeredLm::context".into()]);
+        }
+        needles
+    };
+    let refused = [Alteration::RopeFromRowZeroInEachTile, Alteration::RopeFromRowZeroWhenRecomputed, Alteration::ArangeAfterTheCore, Alteration::TokenShiftBeforeTheCore];
+    for alteration in refused {
         let messages = refusals_at_sp_2(move |_, decoder, groups, batch| step(decoder, alteration, groups, batch));
         for (rank, message) in messages.iter().enumerate() {
-            // The shard's own table's rows 0..4 are right in the first tile; an arange of 0..4 is
-            // right there on rank 0 alone (positions 0..4).
-            let tile = if alteration == Alteration::ArangeAfterTheCore && rank == 1 { 0 } else { 4 };
-            let (rows, positions) = (format!("rows {tile}..{} of this rank's 8-token shard", tile + 4), format!("positions {}..{}", rank * 8 + tile, rank * 8 + tile + 4));
-            for needle in [counted, rows.as_str(), positions.as_str(), "LayeredLm::context", "at any SP degree"] {
-                assert!(message.contains(needle), "{alteration:?}, rank {rank}: `{needle}` missing from: {message}");
+            for needle in expected(alteration, 2, rank) {
+                assert!(message.contains(&needle) && message.contains("at any SP degree"), "{alteration:?}, rank {rank}: `{needle}` missing from: {message}");
             }
         }
     }
@@ -621,18 +635,19 @@ fn positions_from_each_tiles_first_row_are_refused() {
             let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new()).unwrap();
             let _sp = enter_sp(&groups);
             let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
-            let alterations = [Alteration::RopeFromRowZeroInEachTile, Alteration::RopeFromRowZeroWhenRecomputed, Alteration::ArangeAfterTheCore, Alteration::AsPorted];
             let decoder = || deterministic_params(config(ParallelLayout::new(), 1).model.init::<Sp>(&Default::default()), INIT_SEED);
-            alterations.map(|alteration| (alteration, step(decoder(), alteration, &groups, &batch).map(|e| e.to_string())))
+            [refused.as_slice(), &[Alteration::AsPorted]].concat().into_iter().map(|alteration| (alteration, step(decoder(), alteration, &groups, &batch).map(|e| e.to_string()))).collect::<Vec<_>>()
         })
     });
     for (alteration, outcome) in outcomes.into_iter().next().unwrap().unwrap_or_else(|p| panic!("SP 1 panicked: {p}")) {
         match alteration {
-            Alteration::RopeFromRowZeroInEachTile | Alteration::RopeFromRowZeroWhenRecomputed => {
+            Alteration::ArangeAfterTheCore | Alteration::AsPorted => assert!(outcome.is_none(), "{alteration:?} in tiles of 4 at SP 1: {outcome:?}"),
+            _ => {
                 let message = outcome.unwrap_or_else(|| panic!("{alteration:?} at SP 1 ran"));
-                assert!(message.contains("rows 4..8 of this rank's 16-token shard") && message.contains("positions 4..8"), "{alteration:?}: {message}");
+                for needle in expected(alteration, 1, 0) {
+                    assert!(message.contains(&needle), "{alteration:?} at SP 1: `{needle}` missing from: {message}");
+                }
             }
-            _ => assert!(outcome.is_none(), "{alteration:?} in tiles of 4 at SP 1: {outcome:?}"),
         }
     }
 }
@@ -1649,6 +1664,8 @@ enum Alteration {
     RopeFromRowZeroWhenRecomputed,
     /// A position signal `arange(0..tile)` added after the core, in every tile from 0.
     ArangeAfterTheCore,
+    /// Each token plus the one before it, before the core (a token shift within each tile).
+    TokenShiftBeforeTheCore,
 }
 
 /// Visits all but the first vector it is shown.
@@ -1690,6 +1707,14 @@ impl<B: burn::tensor::backend::Backend> ulysses_training::LayeredLm<B> for Alter
             _ => false,
         };
         let rows = if from_row_zero { 0..rows.len() } else { rows };
+        let hidden = match self.alteration {
+            Alteration::TokenShiftBeforeTheCore => {
+                let [batch, tile, width] = hidden.dims();
+                let before = Tensor::cat(vec![Tensor::zeros([batch, 1, width], &hidden.device()), hidden.clone().slice([0..batch, 0..tile - 1])], 1);
+                hidden + before
+            }
+            _ => hidden,
+        };
         self.decoder.before_core(index, hidden, rows, context)
     }
     fn core(&self, index: usize, inputs: Vec<Tensor<B, 4>>, context: &Self::Context) -> Tensor<B, 4> {

@@ -96,7 +96,8 @@
 //! a time ([`note_tile_of_the_shard`]); there a table's rows as many as the tile's (a table as
 //! long as the shard or longer) counted from the tile's first row as if it were the shard's
 //! (RoPE from 0 in every tile) are refused at any SP degree, wrong on one device as well; under
-//! SP, an `arange` as long at other positions than the tile's too.
+//! SP, an `arange` as long at other positions than the tile's too. So are the shift and the
+//! reduction rules below over the tile's tokens (token-wise parts treat each token alone).
 //!
 //! Inside such a forward (a model's, not the loss's), a slice that drops one to four tokens
 //! (at most a quarter of the shard) from either end of its sequence dim is refused too
@@ -556,6 +557,16 @@ impl NotedPositions {
         self.tile_counted(counted).is_some_and(|(_, at_positions)| !at_positions)
     }
 
+    /// The tokens a row of the piece under way holds (the tile's where one is noted, else the
+    /// shard's), and how a refusal names them: whose tokens, what they are taken for the
+    /// whole sequence as, and whose tokens are missing at their edge.
+    fn span(&self) -> (usize, &'static str, &'static str, &'static str) {
+        match self.tile {
+            Some((start, end)) => (end - start, "this tile of the shard", "the tile", "tile"),
+            None => (self.len, "this rank's shard", "the shard", "rank"),
+        }
+    }
+
     fn tile_held(&self) -> String {
         let (start, end) = self.tile.unwrap_or((0, self.len));
         match self.run_start {
@@ -601,7 +612,9 @@ pub fn note_shard_positions(positions: &ShardPositions) -> ShardPositionsNoted {
 /// table of positions sliced over as many rows as the tile, counted from its first row as if it
 /// were the shard's (RoPE from 0 in every tile; at the shard's offset, or at the tile's rows of
 /// a global table), is then refused at any SP degree; under SP, so is an `arange` as long at
-/// other positions than the tile's. Rows that are the whole shard change nothing.
+/// other positions than the tile's. A token shift, reduction or ranking over the tile's tokens
+/// is refused at any SP degree too ([`shard_shifted_by_a_slice`], [`reduced_over_the_shard`]).
+/// Rows that are the whole shard change nothing.
 pub fn note_tile_of_the_shard(rows: Range<usize>) -> ShardPositionsNoted {
     let noted = SHARD_POSITIONS.get();
     let tiled = noted.filter(|noted| rows.end <= noted.len && rows.len() < noted.len).map(|noted| NotedPositions { tile: Some((rows.start, rows.end)), ..noted });
@@ -617,7 +630,7 @@ fn positions_of_another_tile(op: &'static str, what: String, noted: NotedPositio
     let (start, end) = noted.tile?;
     let sharding = sharding();
     let refused = match at_any_degree {
-        true => GUARD_ON.load(Ordering::Relaxed) && !sharding.is_some_and(|sharding| sharding.shard_local_attention_on_purpose),
+        true => tile_refused(sharding),
         false => refusing(sharding).is_some(),
     };
     refused.then(|| UlyssesError::PositionsOfAnotherTile { op, what, rows: format!("{start}..{end}"), shard: noted.len, held: noted.tile_held() })
@@ -704,11 +717,13 @@ const MOST_SHIFTED: usize = 4;
 /// token shift (RWKV's, a smeared key's), a `roll` by as few (burn builds it of such slices), a
 /// difference of neighbouring tokens. At the shard's edge the neighbouring rank's tokens are
 /// missing. A forward's tiles (halves or less of the shard) pass, and so does what runs inside
-/// [`not_positions`].
+/// [`not_positions`]. Inside a checkpointed layer's tile ([`note_tile_of_the_shard`]) the same
+/// goes for the tile's tokens, refused at any SP degree.
 pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 4 && shape.len() >= 2)?;
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.span().0 >= 4 && shape.len() >= 2)?;
+    let (span, whose, it, next) = noted.span();
     let (dim, range) = one_cut(shape, slices)?;
-    let along = |dim: usize| (shape[dim] == noted.len).then_some(noted.len);
+    let along = |dim: usize| (shape[dim] == span).then_some(span);
     // 4-D or more with both dim 1 and dim len-2 the shard's length (`[B, H, S, D]` or
     // `[B, S, H, D]` with as many heads as tokens): no telling which is the sequence.
     if shape.len() >= 4 && along(1).is_some() && along(shape.len() - 2).is_some() {
@@ -722,14 +737,14 @@ pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: imp
     }
     let end = if range.start == 0 { "last" } else { "first" };
     let what = format!(
-        "it drops the {end} {dropped} of the {shard} tokens of this rank's shard (a token shift, a roll, a difference of neighbouring tokens), \
-         as if the shard were the whole sequence: at its edge the neighbouring rank's tokens are missing"
+        "it drops the {end} {dropped} of the {shard} tokens of {whose} (a token shift, a roll, a difference of neighbouring tokens), \
+         as if {it} were the whole sequence: at its edge the neighbouring {next}'s tokens are missing"
     );
     let fix = "Shift the whole sequence before it is sharded (the sharder's tokens and labels are already shifted for next-token \
                prediction), give each shard the neighbouring rank's tokens (a halo) through a collective of one's own, or run it on \
                one rank (burn_ulysses::context::enter_single_device()). A slice that is no shift (a chunk of a fixed size) goes \
                inside burn_ulysses::attention_guard::not_positions(|| ..).";
-    shard_local_refusal("slice", shape, dim, what, fix, sharding)
+    refusal_within(noted, "slice", shape, dim, what, fix, sharding)
 }
 
 /// What an op over a dim does to the tokens along it, for [`reduced_over_the_shard`]'s refusal.
@@ -751,12 +766,15 @@ pub enum OverTheSequence {
 /// (`[B·S, D]`), a forward's tiles (shorter than the shard), parameters (`parameter`: a leaf
 /// that requires its gradient, under autodiff; without it the shape alone decides), a shape
 /// whose sequence dim cannot be told (two dims of the shard's length, one of them the reduced
-/// one's alternative) and what runs inside [`not_positions`].
+/// one's alternative) and what runs inside [`not_positions`]. Inside a checkpointed layer's
+/// tile ([`note_tile_of_the_shard`]) the same goes for the tile's tokens, refused at any SP
+/// degree.
 pub fn reduced_over_the_shard(op: &'static str, kind: OverTheSequence, shape: &[usize], dim: usize, parameter: bool, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let NotedPositions { rows, len, .. } = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2 && !parameter)?;
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.span().0 >= 2 && !parameter)?;
+    let (len, whose, it, _) = noted.span();
     let along = |dim: usize| shape.get(dim) == Some(&len);
     let last_but_one = shape.len().saturating_sub(2);
-    let sequence = shape.first() == Some(&rows)
+    let sequence = shape.first() == Some(&noted.rows)
         && match shape.len() {
             2 => dim == 1,
             // `[B, S, D]`, or channels first `[B, C, L]` where `C` and `L` are both the shard's length.
@@ -769,18 +787,34 @@ pub fn reduced_over_the_shard(op: &'static str, kind: OverTheSequence, shape: &[
     }
     let what = match kind {
         OverTheSequence::Reduces => format!(
-            "it reduces over the {len} tokens of this rank's shard as if they were the whole sequence: a mean or maximum pooled over \
-             the sequence, a statistic of it, is each rank's shard's alone"
+            "it reduces over the {len} tokens of {whose} as if they were the whole sequence: a mean or maximum pooled over \
+             the sequence, a statistic of it, is {it}'s alone"
         ),
         OverTheSequence::Ranks => format!(
-            "it ranks the {len} tokens of this rank's shard among themselves as if they were the whole sequence: a top-k of the \
-             sequence's tokens (mixture-of-depths routing, expert choice) picks each shard's own"
+            "it ranks the {len} tokens of {whose} among themselves as if they were the whole sequence: a top-k of the \
+             sequence's tokens (mixture-of-depths routing, expert choice) picks {it}'s own"
         ),
     };
     let fix = "Compute what needs the whole sequence before it is sharded, or run it on one rank \
                (burn_ulysses::context::enter_single_device()). A reduction that is right per shard (a sum its caller adds over the \
                ranks, as the loss's) goes inside burn_ulysses::attention_guard::not_positions(|| ..).";
-    shard_local_refusal(op, shape, dim, what, fix, sharding)
+    refusal_within(noted, op, shape, dim, what, fix, sharding)
+}
+
+/// The refusal of an op over `dim` of `shape` that mixes the tokens of the piece `noted` holds
+/// alone: a checkpointed layer's tile, at any SP degree ([`tile_refused`]), or the shard
+/// ([`shard_local_refusal`], with `fix`).
+fn refusal_within(noted: NotedPositions, op: &'static str, shape: &[usize], dim: usize, what: String, fix: &'static str, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    match noted.tile {
+        Some((start, end)) => tile_refused(sharding()).then(|| UlyssesError::TileLocalByHand { op, shape: shape.to_vec(), dim, what, rows: format!("{start}..{end}"), shard: noted.len }),
+        None => shard_local_refusal(op, shape, dim, what, fix, sharding),
+    }
+}
+
+/// Whether what a checkpointed layer's tile gets wrong is refused: wherever the guard is on and
+/// the model did not opt out, at any SP degree (wrong on one device as well).
+fn tile_refused(sharding: Option<Sharding>) -> bool {
+    GUARD_ON.load(Ordering::Relaxed) && !sharding.is_some_and(|sharding| sharding.shard_local_attention_on_purpose)
 }
 
 /// Why `arange(range)` (step `step`) is refused, or `None`: one that counts as many positions as
@@ -1475,5 +1509,33 @@ mod tests {
         assert!(counted(0..4, SP2).is_none(), "the tile is forgotten when its note is dropped");
         let _whole = note_tile_of_the_shard(0..8);
         assert!(counted(0..4, SP2).is_none() && counted(0..8, SP2).is_some(), "rows that are the whole shard are no tile");
+    }
+
+    #[test]
+    fn tokens_mixed_within_a_tile_are_refused_at_any_sp_degree() {
+        let shifted = |shape: &[usize], dim: usize, rows: Range<usize>, sharding: Option<Sharding>| {
+            let slices: Vec<Slice> = (0..shape.len()).map(|d| if d == dim { Slice::from(rows.clone()) } else { Slice::full() }).collect();
+            shard_shifted_by_a_slice(shape, &slices, || sharding).map(|e| e.to_string())
+        };
+        let reduced = |shape: &[usize], dim: usize, sharding: Option<Sharding>| reduced_over_the_shard("mean_dim", OverTheSequence::Reduces, shape, dim, false, || sharding).map(|e| e.to_string());
+        // SP rank 1 of 2, 16 tokens a row; the tile of rows 8..16.
+        let _shard = noted(&(16..32).collect::<Vec<_>>(), 2);
+        let _tile = note_tile_of_the_shard(8..16);
+        for sharding in [SP2, None] {
+            let message = shifted(&[2, 8, 16], 1, 0..7, sharding).expect("a token shift within the tile refused");
+            for needle in ["slice along dim 1 of a [2, 8, 16] tensor in a token-wise part", "rows 8..16 of this rank's 16-token shard", "drops the last 1 of the 8 tokens of this tile of the shard", "neighbouring tile's tokens", "LayeredLm::core"] {
+                assert!(message.contains(needle), "`{needle}` missing from: {message}");
+            }
+            let message = reduced(&[2, 8, 16], 1, sharding).expect("a mean over the tile's tokens refused");
+            assert!(message.contains("reduces over the 8 tokens of this tile of the shard") && message.contains("the tile's alone"), "{message}");
+        }
+        // By two (a quarter of the tile), per head; features, the shard's length, more than a
+        // quarter: pass.
+        assert!(shifted(&[2, 8, 16], 1, 2..8, None).is_some() && reduced(&[2, 4, 8, 16], 2, None).is_some());
+        assert!(shifted(&[2, 8, 16], 1, 0..5, None).is_none() && shifted(&[2, 8, 16], 2, 0..15, None).is_none() && reduced(&[2, 8, 16], 2, None).is_none() && reduced(&[2, 16, 4], 1, None).is_none());
+        // Opted out, or inside `not_positions`: pass.
+        let opted_out = Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() });
+        assert!(shifted(&[2, 8, 16], 1, 0..7, opted_out).is_none() && reduced(&[2, 8, 16], 1, opted_out).is_none());
+        assert!(not_positions(|| shifted(&[2, 8, 16], 1, 0..7, None).or_else(|| reduced(&[2, 8, 16], 1, None))).is_none());
     }
 }

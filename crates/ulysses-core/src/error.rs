@@ -136,6 +136,16 @@ pub enum UlyssesError {
     PositionsOfAnotherTile { op: &'static str, what: String, rows: String, shard: usize, held: String },
 
     #[error(
+        "{op} along dim {dim} of a {shape:?} tensor in a token-wise part of a checkpointed layer \
+         (LayeredLm::before_core or after_core), which runs on rows {rows} of this rank's \
+         {shard}-token shard at a time: {what}, so it would run within the tile alone (a silently \
+         wrong result, at any SP degree). A token-wise part treats each token alone: mix tokens in \
+         LayeredLm::core, which runs on the whole shard. A slice or reduction that mixes no tokens \
+         goes inside burn_ulysses::attention_guard::not_positions(|| ..)."
+    )]
+    TileLocalByHand { op: &'static str, shape: Vec<usize>, dim: usize, what: String, rows: String, shard: usize },
+
+    #[error(
         "sequence parallelism is configured (sp_size {sp_size}) but the model's attention did \
          not exchange through the SP group during this step, so every rank attended only \
          within its shard. Enter the rank context with the SP group \
