@@ -96,8 +96,9 @@
 //! a time ([`note_tile_of_the_shard`]); there a table's rows as many as the tile's (a table as
 //! long as the shard or longer) counted from the tile's first row as if it were the shard's
 //! (RoPE from 0 in every tile) are refused at any SP degree, wrong on one device as well; under
-//! SP, an `arange` as long at other positions than the tile's too. So are the shift and the
-//! reduction rules below over the tile's tokens (token-wise parts treat each token alone).
+//! SP, an `arange` as long at other positions than the tile's too. Token shifts and reductions
+//! over the tile's tokens (the rules below) are refused there too, at any SP degree: token-wise
+//! parts treat each token alone.
 //!
 //! Inside such a forward (a model's, not the loss's), a slice that drops one to four tokens
 //! (at most a quarter of the shard) from either end of its sequence dim is refused too
@@ -541,14 +542,14 @@ impl NotedPositions {
 
     /// Whether rows `counted` of a table `table` long, as many as the tile's, are counted from the
     /// tile's first row as if it were the shard's: from 0, from the shard's first position, or
-    /// at the tile's rows of a table longer than the shard. Right are the tile's positions and
-    /// its rows of a table built for the shard (exactly as long); a table shorter than the shard
-    /// holds no positions.
-    fn tile_table_miscounted(&self, counted: &Range<u64>, table: usize) -> bool {
+    /// at the tile's rows of a table as long as the sequence over the `ranks` (a global one: a
+    /// table built for the shard may be padded). Right are the tile's positions and its rows of
+    /// a table built for the shard; a table shorter than the shard holds no positions.
+    fn tile_table_miscounted(&self, counted: &Range<u64>, table: usize, ranks: usize) -> bool {
         let Some((rows, at_positions)) = self.tile_counted(counted).filter(|_| table >= self.len) else { return false };
-        let at_rows = *counted == rows && table == self.len;
-        let as_the_shards = counted.start == 0 || Some(counted.start) == self.run_start || counted.start == rows.start;
-        as_the_shards && !at_positions && !at_rows
+        let from_the_shards_start = counted.start == 0 || Some(counted.start) == self.run_start;
+        let at_rows_of_a_global_table = counted.start == rows.start && table >= ranks * self.len && table != self.len;
+        (from_the_shards_start || at_rows_of_a_global_table) && !at_positions && !(*counted == rows && !at_rows_of_a_global_table)
     }
 
     /// Whether an `arange` over `counted`, as many as the tile's rows, is at other positions than
@@ -565,6 +566,11 @@ impl NotedPositions {
             Some((start, end)) => (end - start, "this tile of the shard", "the tile", "tile"),
             None => (self.len, "this rank's shard", "the shard", "rank"),
         }
+    }
+
+    /// The pieces whose tokens a rule looks at: the tile, where one is noted, then the shard.
+    fn pieces(self) -> impl Iterator<Item = NotedPositions> {
+        self.tile.map(|_| self).into_iter().chain([NotedPositions { tile: None, ..self }])
     }
 
     fn tile_held(&self) -> String {
@@ -679,7 +685,10 @@ pub fn positions_sliced_from_a_table(shape: &[usize], slices: &[Slice], activati
     if !table_like {
         return None;
     }
-    if noted.tile_table_miscounted(&rows, shape[dim]) {
+    // Looked up once, where a rule needs it.
+    let (mut lookup, mut looked_up) = (Some(sharding), None);
+    let mut sharding = || *looked_up.get_or_insert_with(|| lookup.take().and_then(|lookup| lookup()));
+    if noted.tile.is_some() && noted.tile_table_miscounted(&rows, shape[dim], sharding().map_or(1, |sharding| sharding.ranks)) {
         let what = format!("takes rows {}..{} along dim {dim} of a {shape:?} table of positions", range.start, range.end);
         return positions_of_another_tile("slice", what, noted, true, sharding);
     }
@@ -720,21 +729,23 @@ const MOST_SHIFTED: usize = 4;
 /// [`not_positions`]. Inside a checkpointed layer's tile ([`note_tile_of_the_shard`]) the same
 /// goes for the tile's tokens, refused at any SP degree.
 pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let noted = SHARD_POSITIONS.get().filter(|noted| noted.span().0 >= 4 && shape.len() >= 2)?;
-    let (span, whose, it, next) = noted.span();
+    let noted = SHARD_POSITIONS.get().filter(|_| shape.len() >= 2)?;
     let (dim, range) = one_cut(shape, slices)?;
-    let along = |dim: usize| (shape[dim] == span).then_some(span);
-    // 4-D or more with both dim 1 and dim len-2 the shard's length (`[B, H, S, D]` or
-    // `[B, S, H, D]` with as many heads as tokens): no telling which is the sequence.
-    if shape.len() >= 4 && along(1).is_some() && along(shape.len() - 2).is_some() {
-        return None;
-    }
-    let shard = along_the_sequence(shape, dim, along)?;
-    let dropped = shard - range.len();
-    let from_one_end = range.start == 0 || range.end == shard;
-    if !(from_one_end && (1..=MOST_SHIFTED.min(shard / 4)).contains(&dropped)) {
-        return None;
-    }
+    // The tile's tokens first, where one is noted, then the shard's.
+    let (noted, shard, dropped) = noted.pieces().find_map(|piece| {
+        let span = piece.span().0;
+        let along = |dim: usize| (shape[dim] == span).then_some(span);
+        // 4-D or more with both dim 1 and dim len-2 as long (`[B, H, S, D]` or `[B, S, H, D]`
+        // with as many heads as tokens): no telling which is the sequence.
+        if span < 4 || (shape.len() >= 4 && along(1).is_some() && along(shape.len() - 2).is_some()) {
+            return None;
+        }
+        let shard = along_the_sequence(shape, dim, along)?;
+        let dropped = shard - range.len();
+        let from_one_end = range.start == 0 || range.end == shard;
+        (from_one_end && (1..=MOST_SHIFTED.min(shard / 4)).contains(&dropped)).then_some((piece, shard, dropped))
+    })?;
+    let (_, whose, it, next) = noted.span();
     let end = if range.start == 0 { "last" } else { "first" };
     let what = format!(
         "it drops the {end} {dropped} of the {shard} tokens of {whose} (a token shift, a roll, a difference of neighbouring tokens), \
@@ -770,21 +781,22 @@ pub enum OverTheSequence {
 /// tile ([`note_tile_of_the_shard`]) the same goes for the tile's tokens, refused at any SP
 /// degree.
 pub fn reduced_over_the_shard(op: &'static str, kind: OverTheSequence, shape: &[usize], dim: usize, parameter: bool, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let noted = SHARD_POSITIONS.get().filter(|noted| noted.span().0 >= 2 && !parameter)?;
-    let (len, whose, it, _) = noted.span();
-    let along = |dim: usize| shape.get(dim) == Some(&len);
+    let noted = SHARD_POSITIONS.get().filter(|noted| !parameter && shape.first() == Some(&noted.rows))?;
     let last_but_one = shape.len().saturating_sub(2);
-    let sequence = shape.first() == Some(&noted.rows)
-        && match shape.len() {
+    // The tile's tokens first, where one is noted, then the shard's.
+    let noted = noted.pieces().find(|piece| {
+        let len = piece.span().0;
+        let along = |dim: usize| shape.get(dim) == Some(&len);
+        let sequence = match shape.len() {
             2 => dim == 1,
-            // `[B, S, D]`, or channels first `[B, C, L]` where `C` and `L` are both the shard's length.
+            // `[B, S, D]`, or channels first `[B, C, L]` where `C` and `L` are both as long.
             3 => dim == 1 && !along(2),
             // `[B, S, H, D]` or `[B, H, S, D]`: as many heads as tokens leave no telling which.
             dims => dims >= 4 && (dim == 1 || dim == last_but_one) && !(along(1) && along(last_but_one)),
         };
-    if !(sequence && along(dim)) {
-        return None;
-    }
+        len >= 2 && sequence && along(dim)
+    })?;
+    let (len, whose, it, _) = noted.span();
     let what = match kind {
         OverTheSequence::Reduces => format!(
             "it reduces over the {len} tokens of {whose} as if they were the whole sequence: a mean or maximum pooled over \
@@ -1491,8 +1503,10 @@ mod tests {
             // the shard's offset or at the tile's rows, are counted as if the tile were the shard.
             assert!(sliced(&[32, 4, 2], 0, 12..16, SP2).is_none() && sliced(&[1, 1, 8, 4], 2, 4..8, SP2).is_none());
             assert!(sliced(&[1, 1, 8, 4], 2, 0..4, SP2).is_some() && sliced(&[32, 4, 2], 0, 4..8, SP2).is_some() && sliced(&[32, 4, 2], 0, 8..12, SP2).is_some());
-            // Rows from elsewhere (no tile's count: a weight's part), a table shorter than the
-            // shard (no positions), other lengths: pass.
+            // A table built for the shard but padded (shorter than the sequence over the ranks)
+            // at the tile's rows, rows from elsewhere (no tile's count: a weight's part), a table
+            // shorter than the shard (no positions), other lengths: pass.
+            assert!(sliced(&[1, 1, 9, 4], 2, 4..8, SP2).is_none());
             assert!(sliced(&[32, 4, 2], 0, 20..24, None).is_none() && sliced(&[6, 4], 0, 0..4, SP2).is_none() && sliced(&[32, 4, 2], 0, 0..3, SP2).is_none());
             // Under SP an arange as long as the tile at its positions passes, and at others
             // (from 0, its rows of the shard) is refused; at SP 1 it may be indices and passes.
@@ -1533,6 +1547,11 @@ mod tests {
         // quarter: pass.
         assert!(shifted(&[2, 8, 16], 1, 2..8, None).is_some() && reduced(&[2, 4, 8, 16], 2, None).is_some());
         assert!(shifted(&[2, 8, 16], 1, 0..5, None).is_none() && shifted(&[2, 8, 16], 2, 0..15, None).is_none() && reduced(&[2, 8, 16], 2, None).is_none() && reduced(&[2, 16, 4], 1, None).is_none());
+        // The shard's rules hold in the tile: a shift or mean of the shard's tokens, refused
+        // under SP alone.
+        let message = shifted(&[2, 16, 8], 1, 0..15, SP2).expect("a shift of the shard's tokens in a tile refused under SP");
+        assert!(message.contains("of the 16 tokens of this rank's shard") && message.contains("spread over 2 ranks"), "{message}");
+        assert!(reduced(&[2, 16, 8], 1, SP2).is_some_and(|m| m.contains("this rank's shard")) && reduced(&[2, 16, 8], 1, None).is_none());
         // Opted out, or inside `not_positions`: pass.
         let opted_out = Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() });
         assert!(shifted(&[2, 8, 16], 1, 0..7, opted_out).is_none() && reduced(&[2, 8, 16], 1, opted_out).is_none());

@@ -138,8 +138,7 @@ pub enum UlyssesError {
     #[error(
         "{op} along dim {dim} of a {shape:?} tensor in a token-wise part of a checkpointed layer \
          (LayeredLm::before_core or after_core), which runs on rows {rows} of this rank's \
-         {shard}-token shard at a time: {what}, so it would run within the tile alone (a silently \
-         wrong result, at any SP degree). A token-wise part treats each token alone: mix tokens in \
+         {shard}-token shard at a time: {what} (a silently wrong result, at any SP degree). A token-wise part treats each token alone: mix tokens in \
          LayeredLm::core, which runs on the whole shard. A slice or reduction that mixes no tokens \
          goes inside burn_ulysses::attention_guard::not_positions(|| ..)."
     )]
