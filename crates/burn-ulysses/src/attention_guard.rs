@@ -547,9 +547,13 @@ impl NotedPositions {
     /// a table built for the shard; a table shorter than the shard holds no positions.
     fn tile_table_miscounted(&self, counted: &Range<u64>, table: usize, ranks: usize) -> bool {
         let Some((rows, at_positions)) = self.tile_counted(counted).filter(|_| table >= self.len) else { return false };
-        let from_the_shards_start = counted.start == 0 || Some(counted.start) == self.run_start;
-        let at_rows_of_a_global_table = counted.start == rows.start && table >= ranks * self.len && table != self.len;
-        (from_the_shards_start || at_rows_of_a_global_table) && !at_positions && !(*counted == rows && !at_rows_of_a_global_table)
+        let global = table >= ranks * self.len && table != self.len;
+        let counted_as_the_shards = match *counted == rows {
+            // The tile's rows: right of a table built for the shard, another tile's of a global one.
+            true => global,
+            false => counted.start == 0 || Some(counted.start) == self.run_start,
+        };
+        counted_as_the_shards && !at_positions
     }
 
     /// Whether an `arange` over `counted`, as many as the tile's rows, is at other positions than
