@@ -46,7 +46,8 @@ use burn::{
     },
     record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder},
     tensor::{
-        Int, Tensor, activation::softmax, backend::Backend, module::attention, ops::AttentionModuleOptions,
+        Int, Tensor, activation::softmax, backend::Backend, module::attention,
+        ops::{AttentionModuleOptions, PadMode},
         quantization::{QuantScheme, QuantStore, QuantValue},
     },
 };
@@ -921,14 +922,33 @@ enum Placement {
     MeanPooled,
     /// Mixture-of-depths: only the top half of the tokens by a score takes the layer.
     TopTokens,
+    /// Each token plus its sequence's count of tokens that are no padding (an integer sum).
+    CountedTokens,
+    /// Each token plus the one where its sequence's first padding lies (an integer argmax, as
+    /// transformers' sequence classifiers find their last token).
+    FirstPadding,
+    /// Each token plus whether its sequence has any padding (a boolean `any`).
+    AnyPadding,
+    /// Each token plus the one before it, by padding one zero before the sequence and cropping
+    /// its last (RWKV's `ZeroPad2d((0, 0, 1, -1))`).
+    PaddedShift,
+    /// The same by concatenating a zero before the sequence and cropping.
+    ConcatenatedShift,
+    /// Padded by one and cropped back where the tokens went: no shift (as a class token or
+    /// padding to a multiple removed again).
+    PaddedAndCroppedBack,
 }
+
+/// The token id [`Placement`]'s padding rules look for (none of [`token_batch`]'s is one).
+const PAD_ID: i64 = VOCAB as i64;
 
 /// A causal attention layer over token embeddings placed by `from`: logits `[B, S, VOCAB]`.
 fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositions, from: Placement) -> Tensor<B, 3> {
     let device = ids.device();
     let [batch, len] = ids.dims();
     let max_len = 4 * SEQ;
-    let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13).forward(ids);
+    let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13).forward(ids.clone());
+    let per_sequence = |values: Tensor<B, 2>| values.unsqueeze_dim::<3>(2);
     let learned = |at: Tensor<B, 2, Int>| deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).forward(at);
     let x = match from {
         Placement::Sinusoids => PositionalEncodingConfig::new(D_MODEL).with_max_sequence_size(max_len).init::<B>(&device).forward(x),
@@ -946,6 +966,15 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
             let threshold = scores.clone().sort_descending(1).narrow(1, len / 2 - 1, 1);
             x.clone() * scores.greater_equal(threshold).float().unsqueeze_dim::<3>(2)
         }
+        Placement::CountedTokens => x + per_sequence(ids.not_equal_elem(PAD_ID).int().sum_dim(1).float()),
+        Placement::FirstPadding => {
+            let at = ids.equal_elem(PAD_ID).int().argmax(1);
+            x.clone() + x.gather(1, at.unsqueeze_dim::<3>(2).repeat_dim(2, D_MODEL))
+        }
+        Placement::AnyPadding => x + per_sequence(ids.equal_elem(PAD_ID).any_dim(1).float()),
+        Placement::PaddedShift => x.clone() + x.pad([(1, 0), (0, 0)], PadMode::Constant(0.0)).slice([0..batch, 0..len]),
+        Placement::ConcatenatedShift => x.clone() + Tensor::cat(vec![Tensor::zeros([batch, 1, D_MODEL], &device), x], 1).slice([0..batch, 0..len]),
+        Placement::PaddedAndCroppedBack => x.clone() * 2.0 - x.pad([(1, 0), (0, 0)], PadMode::Constant(0.0)).slice([0..batch, 1..len + 1]) * 0.5,
         Placement::LearnedTableRows => {
             let table = deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).weight.val();
             x + table.slice([0..len]).unsqueeze::<3>()
@@ -1045,8 +1074,11 @@ fn positions_counted_from_each_ranks_first_token_are_refused() {
 /// Tokens of the sequence mixed inside a forward whose positions are noted: each token with the
 /// one before it (a token shift, by a slice or by `roll_dim`: each shard's first token would take
 /// zeros, or its shard's last token, for the previous rank's last), a mean pooled over the
-/// sequence, a sort of its tokens for a top-k (mixture-of-depths routing): each shard's alone.
-/// Refused on every rank at SP = 2 and 3, naming the op and the fix; a finite loss at SP = 1.
+/// sequence, a sort of its tokens for a top-k (mixture-of-depths routing), a padding mask's
+/// count of tokens, where its first padding lies, whether any is padding, a shift by padding or
+/// concatenating and cropping: each shard's alone. Refused on every rank at SP = 2 and 3, naming
+/// the op and the fix; a finite loss at SP = 1. Padded and cropped back where the tokens went,
+/// one device's loss.
 #[test]
 fn tokens_mixed_within_the_shard_are_refused_on_every_rank() {
     let mixed = [
@@ -1054,6 +1086,11 @@ fn tokens_mixed_within_the_shard_are_refused_on_every_rank() {
         (Placement::Roll, "slice", "halo"),
         (Placement::MeanPooled, "mean_dim", "enter_single_device"),
         (Placement::TopTokens, "sort", "enter_single_device"),
+        (Placement::CountedTokens, "sum_dim", "enter_single_device"),
+        (Placement::FirstPadding, "argmax", "enter_single_device"),
+        (Placement::AnyPadding, "any_dim", "enter_single_device"),
+        (Placement::PaddedShift, "slice", "halo"),
+        (Placement::ConcatenatedShift, "slice", "halo"),
     ];
     for (placement, op, fix) in mixed {
         for sp in [2, 3] {
@@ -1061,6 +1098,14 @@ fn tokens_mixed_within_the_shard_are_refused_on_every_rank() {
         }
         let loss = evaluated(1, placement).remove(0);
         assert!(loss.as_ref().is_ok_and(|loss| loss.is_finite()), "{placement:?} at SP 1: {loss:?}");
+    }
+    // Cropped back where the tokens went: sequence parallel, one device's loss on every rank.
+    let one_device = evaluated(1, Placement::PaddedAndCroppedBack).remove(0).expect("padded and cropped back, one device");
+    for sp in [2, 3] {
+        for sum in evaluated(sp, Placement::PaddedAndCroppedBack) {
+            let sum = sum.unwrap_or_else(|e| panic!("padded and cropped back, SP {sp}: {e}"));
+            assert!((sum - one_device).abs() <= 1e-5 * one_device.abs(), "padded and cropped back, SP {sp}: {sum} against one device's {one_device}");
+        }
     }
 }
 

@@ -104,21 +104,26 @@
 //! (at most a quarter of the shard) from either end of its sequence dim is refused too
 //! ([`shard_shifted_by_a_slice`]): a token shift, a `roll` by as few (burn builds it of
 //! slices), a difference of neighbouring tokens, each missing the neighbouring rank's tokens at
-//! the shard's edge. Outside one (a loss's chunks, a loop of one's own), inside
-//! [`not_positions`], and for longer shifts, slices pass unchecked. So is a float reduction
-//! or ranking over the sequence dim of the shard's length in a tensor whose first dim is the
-//! batch's rows ([`reduced_over_the_shard`]: a mean or max pooled over the sequence, a sort or
-//! top-k of its tokens), never over features or flattened tokens.
+//! the shard's edge; so is a crop that keeps the shard's count of tokens from a sequence a few
+//! tokens longer into which `pad` or `cat` put them at another place
+//! ([`shard_shifted_by_padding`]: RWKV's shift by padding and cropping). Outside one (a loss's
+//! chunks, a loop of one's own), inside [`not_positions`], and for longer shifts, slices pass
+//! unchecked. Refused inside one as well:
+//! a reduction of floats, integers, booleans or quantized values, where its maximum lies, or a
+//! ranking, over the sequence dim of the shard's length in a tensor whose first dim is the
+//! batch's rows ([`reduced_over_the_shard`]: a mean or max pooled over the sequence, a padding
+//! mask's count of tokens or its first padding, a sort or top-k of its tokens), never over
+//! features or flattened tokens.
 
 use std::{
-    cell::Cell,
+    cell::{Cell, RefCell},
     marker::PhantomData,
     ops::Range,
     sync::atomic::{AtomicBool, Ordering},
 };
 
 use burn::tensor::{
-    Device, IntDType, Slice, TensorMetadata, TensorPrimitive,
+    BoolDType, Device, IntDType, Slice, TensorMetadata, TensorPrimitive,
     ops::{BoolTensor, ConvOptions, ConvTransposeOptions, FloatTensor, IntTensor, MaxPool1dWithIndices, QuantizedTensor},
 };
 
@@ -612,6 +617,7 @@ thread_local! {
 /// embedding of `arange(0..len)`) is then refused under SP. `ulysses_training`'s steps and
 /// `evaluate` note their shards themselves; a loop of one's own calls it around its forward.
 pub fn note_shard_positions(positions: &ShardPositions) -> ShardPositionsNoted {
+    PLACED.with_borrow_mut(Vec::clear);
     let previous = SHARD_POSITIONS.replace(Some(NotedPositions::of(positions)));
     ShardPositionsNoted { previous, _not_send: PhantomData }
 }
@@ -762,11 +768,102 @@ pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: imp
     refusal_within(noted, "slice", shape, dim, what, fix, sharding)
 }
 
+/// Where a piece's tokens (the shard's, or a tile's: `span` of them) went along a sequence dim
+/// `dim` of a tensor of `shape` one to [`MOST_SHIFTED`] tokens longer: from `at`, padded
+/// (`Tensor::pad`'s `slice_assign`) or concatenated with a few other tokens (`cat`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Placed {
+    shape: Vec<usize>,
+    dim: usize,
+    span: usize,
+    at: usize,
+}
+
+/// The placements a forward keeps for [`shard_shifted_by_padding`]: the latest few, enough for
+/// a layer's pads and crops.
+const MOST_PLACED: usize = 16;
+
+thread_local! {
+    /// The shard's (or a tile's) tokens placed in a longer tensor in the forward under way
+    /// ([`note_placed`]): forgotten where a forward's positions are noted.
+    static PLACED: RefCell<Vec<Placed>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The dim of `shape` that a piece of `span` tokens padded by one to [`MOST_SHIFTED`] (at most a
+/// quarter of them) makes a sequence dim, `dim` where it is one (as [`along_the_sequence`] finds
+/// it), and its length; `None` where none is or, 4-D or more, two dims could be.
+fn padded_sequence(shape: &[usize], dim: usize, span: usize) -> Option<usize> {
+    let padded = |dim: usize| shape.get(dim).copied().filter(|&length| length > span && length - span <= MOST_SHIFTED.min(span / 4));
+    // 4-D or more with dim 1 and dim len-2 both so long: no telling which is the sequence; 3-D
+    // `[B, S, D]` with features a few longer than the shard is no channels-first `[B, C, L]`.
+    let ambiguous = shape.len() >= 4 && padded(1).is_some() && padded(shape.len() - 2).is_some();
+    if span < 4 || ambiguous || (shape.len() == 3 && shape[1] == span) {
+        return None;
+    }
+    along_the_sequence(shape, dim, padded)
+}
+
+/// Notes, inside a forward whose positions are noted, that `len` tokens went to `at..at + len`
+/// along `dim` of a tensor of `shape`, where they are a piece's tokens (the tile's, where one is
+/// noted, or the shard's) and the dim is that piece padded by a few ([`padded_sequence`]): what
+/// [`shard_shifted_by_padding`] compares a crop with.
+pub fn note_placed(shape: &[usize], dim: usize, at: usize, len: usize) {
+    let Some(noted) = SHARD_POSITIONS.get() else { return };
+    if let Some(span) = noted.pieces().map(|piece| piece.span().0).find(|&span| span == len && padded_sequence(shape, dim, span).is_some()) {
+        PLACED.with_borrow_mut(|placed| {
+            if placed.len() == MOST_PLACED {
+                placed.remove(0);
+            }
+            placed.push(Placed { shape: shape.to_vec(), dim, span, at });
+        });
+    }
+}
+
+/// Why a slice of `shape` by `slices` is refused as a shift of the shard by padding, or `None`:
+/// inside a forward whose positions are noted, one that keeps as many tokens as the shard holds
+/// of a sequence dim one to [`MOST_SHIFTED`] tokens longer (at most a quarter of the shard), into
+/// which the shard's tokens went at another place ([`note_placed`]): a token shift by padding
+/// and cropping (RWKV's `ZeroPad2d((0, 0, 1, -1))`, `x.pad(..)` then a slice), or by
+/// `cat([zeros, x])` and a crop. Each token then takes its neighbour, and the shard's first
+/// (or last) zeros for the neighbouring rank's token. A crop that keeps the shard's tokens where
+/// they went (padding to a multiple, or a class token, removed again) passes; so does what runs
+/// inside [`not_positions`]. Inside a checkpointed layer's tile ([`note_tile_of_the_shard`]) the
+/// same goes for the tile's tokens, refused at any SP degree.
+pub fn shard_shifted_by_padding(shape: &[usize], slices: &[Slice], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let noted = SHARD_POSITIONS.get().filter(|_| shape.len() >= 2)?;
+    let (dim, range) = one_cut(shape, slices)?;
+    // The tile's tokens first, where one is noted, then the shard's.
+    let (noted, at) = noted.pieces().find_map(|piece| {
+        let span = piece.span().0;
+        padded_sequence(shape, dim, span).filter(|_| range.len() == span)?;
+        let at = PLACED.with_borrow(|placed| placed.iter().rev().find(|placed| placed.shape == shape && placed.dim == dim && placed.span == span).map(|placed| placed.at))?;
+        (at != range.start).then_some((piece, at))
+    })?;
+    let (span, whose, it, next) = noted.span();
+    let (by, neighbour) = (at.abs_diff(range.start), if at > range.start { "before" } else { "after" });
+    let what = format!(
+        "it keeps tokens {}..{} of {} along a dim into which the {span} tokens of {whose} went at {at}..{} (padded, or concatenated \
+         with others): each token takes the one {by} {neighbour} it (a token shift by padding and cropping), as if {it} were the \
+         whole sequence: at its edge the neighbouring {next}'s tokens are missing",
+        range.start,
+        range.end,
+        shape[dim],
+        at + span
+    );
+    let fix = "Shift the whole sequence before it is sharded, give each shard the neighbouring rank's tokens (a halo) through a \
+               collective of one's own, or run it on one rank (burn_ulysses::context::enter_single_device()). A crop that is no \
+               shift goes inside burn_ulysses::attention_guard::not_positions(|| ..).";
+    refusal_within(noted, "slice", shape, dim, what, fix, sharding)
+}
+
 /// What an op over a dim does to the tokens along it, for [`reduced_over_the_shard`]'s refusal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OverTheSequence {
-    /// A sum, mean, product, maximum or minimum (or where it lies) over the tokens.
+    /// A sum, mean, product, maximum or minimum, or whether any or all are nonzero, over the
+    /// tokens.
     Reduces,
+    /// Where the maximum or minimum lies: a position counted from the first token at hand.
+    Locates,
     /// A sort or top-k: the tokens ranked among themselves.
     Ranks,
 }
@@ -804,7 +901,12 @@ pub fn reduced_over_the_shard(op: &'static str, kind: OverTheSequence, shape: &[
     let what = match kind {
         OverTheSequence::Reduces => format!(
             "it reduces over the {len} tokens of {whose} as if they were the whole sequence: a mean or maximum pooled over \
-             the sequence, a statistic of it, is {it}'s alone"
+             the sequence, a statistic of it, a count of its tokens (of those that are no padding), whether any is padding, is \
+             {it}'s alone"
+        ),
+        OverTheSequence::Locates => format!(
+            "it finds where a maximum or minimum lies among the {len} tokens of {whose} as if they were the whole sequence: \
+             the first padding token, a classifier's last token, is {it}'s own, counted from its first row"
         ),
         OverTheSequence::Ranks => format!(
             "it ranks the {len} tokens of {whose} among themselves as if they were the whole sequence: a top-k of the \
@@ -859,7 +961,11 @@ pub fn positions_counted_by_arange(range: &Range<i64>, step: usize, sharding: im
 pub fn guarded_float_slice<X: ExchangeBackend>(tensor: FloatTensor<X>, slices: &[Slice]) -> FloatTensor<X> {
     if SHARD_POSITIONS.get().is_some() {
         let (shape, activation) = (tensor.shape(), X::is_tracked(&tensor) && !X::float_is_require_grad(&tensor));
-        refuse(positions_sliced_from_a_table(&shape, slices, activation, true, context::current_sharding).or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding)));
+        refuse(
+            positions_sliced_from_a_table(&shape, slices, activation, true, context::current_sharding)
+                .or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding))
+                .or_else(|| shard_shifted_by_padding(&shape, slices, context::current_sharding)),
+        );
     }
     X::float_slice(tensor, slices)
 }
@@ -869,9 +975,64 @@ pub fn guarded_float_slice<X: ExchangeBackend>(tensor: FloatTensor<X>, slices: &
 pub fn guarded_int_slice<X: ExchangeBackend>(tensor: IntTensor<X>, slices: &[Slice]) -> IntTensor<X> {
     if SHARD_POSITIONS.get().is_some() {
         let shape = tensor.shape();
-        refuse(positions_sliced_from_a_table(&shape, slices, false, false, context::current_sharding).or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding)));
+        refuse(
+            positions_sliced_from_a_table(&shape, slices, false, false, context::current_sharding)
+                .or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding))
+                .or_else(|| shard_shifted_by_padding(&shape, slices, context::current_sharding)),
+        );
     }
     X::int_slice(tensor, slices)
+}
+
+/// Notes where a `slice_assign` puts `value` in a tensor of `shape` for [`note_placed`], where
+/// it fills one dim's range (as `Tensor::pad` places what it pads).
+fn note_assigned(shape: &[usize], slices: &[Slice]) {
+    if let Some((dim, range)) = one_cut(shape, slices) {
+        note_placed(shape, dim, range.start, range.len());
+    }
+}
+
+/// Notes where `cat` along `dim` puts each of the tensors of `shapes` for [`note_placed`].
+fn note_concatenated(shapes: &[Vec<usize>], dim: usize) {
+    let Some(mut shape) = shapes.first().cloned().filter(|shape| dim < shape.len()) else { return };
+    shape[dim] = shapes.iter().map(|part| part[dim]).sum();
+    let mut at = 0;
+    for part in shapes {
+        note_placed(&shape, dim, at, part[dim]);
+        at += part[dim];
+    }
+}
+
+/// `UlyssesBackend`'s `float_slice_assign`: the inner backend's, where it is noted (a pad).
+pub fn guarded_float_slice_assign<X: ExchangeBackend>(tensor: FloatTensor<X>, slices: &[Slice], value: FloatTensor<X>) -> FloatTensor<X> {
+    if SHARD_POSITIONS.get().is_some() {
+        note_assigned(&tensor.shape(), slices);
+    }
+    X::float_slice_assign(tensor, slices, value)
+}
+
+/// `UlyssesBackend`'s `int_slice_assign`: the inner backend's, where it is noted (a pad).
+pub fn guarded_int_slice_assign<X: ExchangeBackend>(tensor: IntTensor<X>, slices: &[Slice], value: IntTensor<X>) -> IntTensor<X> {
+    if SHARD_POSITIONS.get().is_some() {
+        note_assigned(&tensor.shape(), slices);
+    }
+    X::int_slice_assign(tensor, slices, value)
+}
+
+/// `UlyssesBackend`'s `float_cat`: the inner backend's, its parts' places noted.
+pub fn guarded_float_cat<X: ExchangeBackend>(tensors: Vec<FloatTensor<X>>, dim: usize) -> FloatTensor<X> {
+    if SHARD_POSITIONS.get().is_some() {
+        note_concatenated(&tensors.iter().map(|tensor| tensor.shape().to_vec()).collect::<Vec<_>>(), dim);
+    }
+    X::float_cat(tensors, dim)
+}
+
+/// `UlyssesBackend`'s `int_cat`: the inner backend's, its parts' places noted.
+pub fn guarded_int_cat<X: ExchangeBackend>(tensors: Vec<IntTensor<X>>, dim: usize) -> IntTensor<X> {
+    if SHARD_POSITIONS.get().is_some() {
+        note_concatenated(&tensors.iter().map(|tensor| tensor.shape().to_vec()).collect::<Vec<_>>(), dim);
+    }
+    X::int_cat(tensors, dim)
 }
 
 /// `UlyssesBackend`'s `int_arange`: the inner backend's, after the guard.
@@ -886,14 +1047,15 @@ pub fn guarded_int_arange_step<X: ExchangeBackend>(range: Range<i64>, step: usiz
     X::int_arange_step(range, step, device, dtype)
 }
 
-/// `UlyssesBackend`'s float reductions and rankings along a dim: the inner backend's, after
-/// [`reduced_over_the_shard`] (looked at only inside a forward whose positions are noted).
+/// `UlyssesBackend`'s reductions and rankings along a dim, of `$tensor`s: the inner backend's,
+/// after [`reduced_over_the_shard`] (looked at only inside a forward whose positions are noted),
+/// `$parameter` telling a trainable parameter.
 macro_rules! guarded_reductions {
-    ($(($name:ident, $op:ident, $label:literal, $kind:ident, ($($arg:ident: $ty:ty),*) -> $output:ty)),* $(,)?) => {$(
+    ($tensor:ident, $parameter:ident; $(($name:ident, $op:ident, $label:literal, $kind:ident, ($($arg:ident: $ty:ty),*) -> $output:ty)),* $(,)?) => {$(
         #[doc = concat!("`UlyssesBackend`'s `", stringify!($op), "`: the inner backend's, after the guard.")]
-        pub fn $name<X: ExchangeBackend>(tensor: FloatTensor<X>, dim: usize, $($arg: $ty),*) -> $output {
+        pub fn $name<X: ExchangeBackend>(tensor: $tensor<X>, dim: usize, $($arg: $ty),*) -> $output {
             if SHARD_POSITIONS.get().is_some() {
-                let parameter = X::float_is_require_grad(&tensor);
+                let parameter = $parameter::<X>(&tensor);
                 refuse(reduced_over_the_shard($label, OverTheSequence::$kind, &tensor.shape(), dim, parameter, context::current_sharding));
             }
             X::$op(tensor, dim, $($arg),*)
@@ -901,22 +1063,82 @@ macro_rules! guarded_reductions {
     )*};
 }
 
-guarded_reductions!(
+/// Whether a float tensor is a trainable parameter (a leaf that requires its gradient).
+fn float_parameter<X: ExchangeBackend>(tensor: &FloatTensor<X>) -> bool {
+    X::float_is_require_grad(tensor)
+}
+
+/// Integer, boolean and quantized tensors are never trainable parameters.
+fn never_a_parameter<X: ExchangeBackend>(_: &impl TensorMetadata) -> bool {
+    false
+}
+
+guarded_reductions!(FloatTensor, float_parameter;
     (guarded_float_sum_dim, float_sum_dim, "sum_dim", Reduces, () -> FloatTensor<X>),
     (guarded_float_mean_dim, float_mean_dim, "mean_dim", Reduces, () -> FloatTensor<X>),
     (guarded_float_prod_dim, float_prod_dim, "prod_dim", Reduces, () -> FloatTensor<X>),
     (guarded_float_max_dim, float_max_dim, "max_dim", Reduces, () -> FloatTensor<X>),
     (guarded_float_min_dim, float_min_dim, "min_dim", Reduces, () -> FloatTensor<X>),
     (guarded_float_max_abs_dim, float_max_abs_dim, "max_abs_dim", Reduces, () -> FloatTensor<X>),
-    (guarded_float_max_dim_with_indices, float_max_dim_with_indices, "max_dim_with_indices", Reduces, (indices_dtype: IntDType) -> (FloatTensor<X>, IntTensor<X>)),
-    (guarded_float_min_dim_with_indices, float_min_dim_with_indices, "min_dim_with_indices", Reduces, (indices_dtype: IntDType) -> (FloatTensor<X>, IntTensor<X>)),
-    (guarded_float_argmax, float_argmax, "argmax", Reduces, (out_dtype: IntDType) -> IntTensor<X>),
-    (guarded_float_argmin, float_argmin, "argmin", Reduces, (out_dtype: IntDType) -> IntTensor<X>),
+    (guarded_float_any_dim, float_any_dim, "any_dim", Reduces, (out_dtype: BoolDType) -> BoolTensor<X>),
+    (guarded_float_all_dim, float_all_dim, "all_dim", Reduces, (out_dtype: BoolDType) -> BoolTensor<X>),
+    (guarded_float_max_dim_with_indices, float_max_dim_with_indices, "max_dim_with_indices", Locates, (indices_dtype: IntDType) -> (FloatTensor<X>, IntTensor<X>)),
+    (guarded_float_min_dim_with_indices, float_min_dim_with_indices, "min_dim_with_indices", Locates, (indices_dtype: IntDType) -> (FloatTensor<X>, IntTensor<X>)),
+    (guarded_float_argmax, float_argmax, "argmax", Locates, (out_dtype: IntDType) -> IntTensor<X>),
+    (guarded_float_argmin, float_argmin, "argmin", Locates, (out_dtype: IntDType) -> IntTensor<X>),
     (guarded_float_sort, float_sort, "sort", Ranks, (descending: bool) -> FloatTensor<X>),
     (guarded_float_sort_with_indices, float_sort_with_indices, "sort_with_indices", Ranks, (descending: bool, indices_dtype: IntDType) -> (FloatTensor<X>, IntTensor<X>)),
     (guarded_float_argsort, float_argsort, "argsort", Ranks, (descending: bool, out_dtype: IntDType) -> IntTensor<X>),
     (guarded_float_topk, float_topk, "topk", Ranks, (k: usize) -> FloatTensor<X>),
     (guarded_float_argtopk, float_argtopk, "argtopk", Ranks, (k: usize, out_dtype: IntDType) -> IntTensor<X>),
+);
+
+// A mask's count of tokens (`mask.int().sum_dim(1)`), where its first padding lies
+// (`ids.equal_elem(pad).int().argmax(1)`, a sequence classifier's last token), whether any is
+// padding: as wrong over a shard as a float's.
+guarded_reductions!(IntTensor, never_a_parameter;
+    (guarded_int_sum_dim, int_sum_dim, "sum_dim", Reduces, () -> IntTensor<X>),
+    (guarded_int_mean_dim, int_mean_dim, "mean_dim", Reduces, () -> IntTensor<X>),
+    (guarded_int_prod_dim, int_prod_dim, "prod_dim", Reduces, () -> IntTensor<X>),
+    (guarded_int_max_dim, int_max_dim, "max_dim", Reduces, () -> IntTensor<X>),
+    (guarded_int_min_dim, int_min_dim, "min_dim", Reduces, () -> IntTensor<X>),
+    (guarded_int_max_abs_dim, int_max_abs_dim, "max_abs_dim", Reduces, () -> IntTensor<X>),
+    (guarded_int_any_dim, int_any_dim, "any_dim", Reduces, (out_dtype: BoolDType) -> BoolTensor<X>),
+    (guarded_int_all_dim, int_all_dim, "all_dim", Reduces, (out_dtype: BoolDType) -> BoolTensor<X>),
+    (guarded_int_max_dim_with_indices, int_max_dim_with_indices, "max_dim_with_indices", Locates, () -> (IntTensor<X>, IntTensor<X>)),
+    (guarded_int_min_dim_with_indices, int_min_dim_with_indices, "min_dim_with_indices", Locates, () -> (IntTensor<X>, IntTensor<X>)),
+    (guarded_int_argmax, int_argmax, "argmax", Locates, () -> IntTensor<X>),
+    (guarded_int_argmin, int_argmin, "argmin", Locates, () -> IntTensor<X>),
+    (guarded_int_sort, int_sort, "sort", Ranks, (descending: bool) -> IntTensor<X>),
+    (guarded_int_sort_with_indices, int_sort_with_indices, "sort_with_indices", Ranks, (descending: bool) -> (IntTensor<X>, IntTensor<X>)),
+    (guarded_int_argsort, int_argsort, "argsort", Ranks, (descending: bool) -> IntTensor<X>),
+    (guarded_int_topk, int_topk, "topk", Ranks, (k: usize) -> IntTensor<X>),
+    (guarded_int_argtopk, int_argtopk, "argtopk", Ranks, (k: usize) -> IntTensor<X>),
+);
+
+guarded_reductions!(QuantizedTensor, never_a_parameter;
+    (guarded_q_sum_dim, q_sum_dim, "sum_dim", Reduces, () -> TensorPrimitive<X>),
+    (guarded_q_mean_dim, q_mean_dim, "mean_dim", Reduces, () -> TensorPrimitive<X>),
+    (guarded_q_prod_dim, q_prod_dim, "prod_dim", Reduces, () -> TensorPrimitive<X>),
+    (guarded_q_max_dim, q_max_dim, "max_dim", Reduces, () -> QuantizedTensor<X>),
+    (guarded_q_min_dim, q_min_dim, "min_dim", Reduces, () -> QuantizedTensor<X>),
+    (guarded_q_max_abs_dim, q_max_abs_dim, "max_abs_dim", Reduces, () -> QuantizedTensor<X>),
+    (guarded_q_any_dim, q_any_dim, "any_dim", Reduces, (out_dtype: BoolDType) -> BoolTensor<X>),
+    (guarded_q_all_dim, q_all_dim, "all_dim", Reduces, (out_dtype: BoolDType) -> BoolTensor<X>),
+    (guarded_q_max_dim_with_indices, q_max_dim_with_indices, "max_dim_with_indices", Locates, (out_dtype: IntDType) -> (QuantizedTensor<X>, IntTensor<X>)),
+    (guarded_q_min_dim_with_indices, q_min_dim_with_indices, "min_dim_with_indices", Locates, (out_dtype: IntDType) -> (QuantizedTensor<X>, IntTensor<X>)),
+    (guarded_q_argmax, q_argmax, "argmax", Locates, (out_dtype: IntDType) -> IntTensor<X>),
+    (guarded_q_argmin, q_argmin, "argmin", Locates, (out_dtype: IntDType) -> IntTensor<X>),
+    (guarded_q_sort, q_sort, "sort", Ranks, (descending: bool) -> QuantizedTensor<X>),
+    (guarded_q_sort_with_indices, q_sort_with_indices, "sort_with_indices", Ranks, (descending: bool, out_dtype: IntDType) -> (QuantizedTensor<X>, IntTensor<X>)),
+    (guarded_q_argsort, q_argsort, "argsort", Ranks, (descending: bool, out_dtype: IntDType) -> IntTensor<X>),
+    (guarded_q_topk, q_topk, "topk", Ranks, (k: usize) -> QuantizedTensor<X>),
+    (guarded_q_argtopk, q_argtopk, "argtopk", Ranks, (k: usize, out_dtype: IntDType) -> IntTensor<X>),
+);
+
+guarded_reductions!(BoolTensor, never_a_parameter;
+    (guarded_bool_any_dim, bool_any_dim, "any_dim", Reduces, () -> BoolTensor<X>),
+    (guarded_bool_all_dim, bool_all_dim, "all_dim", Reduces, () -> BoolTensor<X>),
 );
 
 /// Panics with `refusal`'s error, if any: ops return tensors, and the training API turns a
@@ -1450,6 +1672,56 @@ mod tests {
     }
 
     #[test]
+    fn a_shard_padded_and_cropped_to_another_place_is_refused() {
+        let cropped = |shape: &[usize], dim: usize, rows: Range<usize>| {
+            let slices: Vec<Slice> = (0..shape.len()).map(|d| if d == dim { Slice::from(rows.clone()) } else { Slice::full() }).collect();
+            shard_shifted_by_padding(shape, &slices, || SP2).map(|e| e.to_string())
+        };
+        note_placed(&[2, 9, 16], 1, 1, 8);
+        assert!(cropped(&[2, 9, 16], 1, 0..8).is_none(), "nothing noted");
+        {
+            let _earlier = noted(&(0..8).collect::<Vec<_>>(), 2);
+            note_placed(&[2, 9, 16], 1, 1, 8);
+            assert!(cropped(&[2, 9, 16], 1, 0..8).is_some(), "a shift by padding and cropping refused");
+        }
+        let _noted = noted(&(8..16).collect::<Vec<_>>(), 2);
+        assert!(cropped(&[2, 9, 16], 1, 0..8).is_none(), "a placement noted in an earlier forward");
+        // RWKV's time shift: padded by one before, cropped to the first 8.
+        note_placed(&[2, 9, 16], 1, 1, 8);
+        let message = cropped(&[2, 9, 16], 1, 0..8).expect("a shift by padding and cropping refused");
+        for needle in ["slice along dim 1 of a [2, 9, 16] tensor", "keeps tokens 0..8 of 9", "went at 1..9", "the one 1 before it", "halo", "not_positions"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        // Cropped back where the tokens went (a class token removed): passes; padded at the end
+        // and cropped from the start: the token after.
+        assert!(cropped(&[2, 9, 16], 1, 1..9).is_none());
+        note_concatenated(&[vec![2, 8, 16], vec![2, 1, 16]], 1);
+        assert!(cropped(&[2, 9, 16], 1, 1..9).is_some_and(|message| message.contains("the one 1 after it")) && cropped(&[2, 9, 16], 1, 0..8).is_none());
+        // Per head `[B, H, S + 2, D]`; channels first `[B, C, L + 1]`; at most a quarter of the
+        // shard: 3 tokens of 8 is none, and no shard of 8 padded by them is noted.
+        note_placed(&[2, 4, 10, 16], 2, 2, 8);
+        note_placed(&[2, 16, 9], 2, 1, 8);
+        assert!(cropped(&[2, 4, 10, 16], 2, 0..8).is_some() && cropped(&[2, 4, 10, 16], 2, 1..9).is_some() && cropped(&[2, 16, 9], 2, 0..8).is_some());
+        note_placed(&[2, 11, 16], 1, 3, 8);
+        assert!(cropped(&[2, 11, 16], 1, 0..8).is_none());
+        // Features, another dim's placement, as many heads as padded tokens, another shape: pass.
+        note_placed(&[2, 8, 9], 2, 1, 8);
+        note_placed(&[2, 9, 9, 16], 1, 1, 8);
+        assert!(cropped(&[2, 8, 9], 2, 0..8).is_none() && cropped(&[2, 9, 9, 16], 1, 0..8).is_none() && cropped(&[3, 9, 16], 1, 0..8).is_none());
+        assert!(not_positions(|| cropped(&[2, 9, 16], 1, 0..8)).is_none(), "not_positions lets a crop through");
+        let slices = [Slice::full(), Slice::from(0..8), Slice::full()];
+        for sharding in [None, Some(Sharding { ranks: 1, ..SP2.unwrap() }), Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })] {
+            assert!(shard_shifted_by_padding(&[2, 9, 16], &slices, || sharding).is_none());
+        }
+        // In a tile of 4 rows: the tile padded by one and cropped, at any SP degree.
+        let _tile = note_tile_of_the_shard(4..8);
+        note_placed(&[2, 5, 16], 1, 1, 4);
+        let slices = [Slice::full(), Slice::from(0..4), Slice::full()];
+        let in_a_tile = shard_shifted_by_padding(&[2, 5, 16], &slices, || None).expect("a tile padded and cropped refused on one device").to_string();
+        assert!(in_a_tile.contains("tile"), "{in_a_tile}");
+    }
+
+    #[test]
     fn reductions_and_rankings_over_the_shards_tokens_are_refused() {
         let reduced = |shape: &[usize], dim: usize| reduced_over_the_shard("mean_dim", OverTheSequence::Reduces, shape, dim, false, || SP2).map(|e| e.to_string());
         assert!(reduced(&[2, 8, 16], 1).is_none(), "nothing noted");
@@ -1460,6 +1732,8 @@ mod tests {
         }
         let ranked = reduced_over_the_shard("topk", OverTheSequence::Ranks, &[2, 8], 1, false, || SP2).expect("a top-k of the shard's tokens refused").to_string();
         assert!(ranked.contains("ranks the 8 tokens") && ranked.contains("mixture-of-depths"), "{ranked}");
+        let located = reduced_over_the_shard("argmax", OverTheSequence::Locates, &[2, 8], 1, false, || SP2).expect("where the first padding lies refused").to_string();
+        assert!(located.contains("argmax along dim 1") && located.contains("among the 8 tokens") && located.contains("first padding"), "{located}");
         // Per head `[B, H, S, D]` and `[B, S, H, D]`, `[B, S]` scores, 5-D.
         assert!(reduced(&[2, 4, 8, 16], 2).is_some() && reduced(&[2, 8, 4, 16], 1).is_some() && reduced(&[2, 8], 1).is_some() && reduced(&[2, 4, 2, 8, 16], 3).is_some());
         // Features (a norm's, as long as the shard or not), heads, a tile `[B, T, D]`, another

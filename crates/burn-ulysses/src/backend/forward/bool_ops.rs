@@ -161,13 +161,13 @@ impl<Inner: ExchangeBackend> BoolTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as BoolTensorOps<Inner>>::bool_any(tensor)
     }
     fn bool_any_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
-        <Inner as BoolTensorOps<Inner>>::bool_any_dim(tensor, dim)
+        crate::attention_guard::guarded_bool_any_dim::<Inner>(tensor, dim)
     }
     fn bool_all(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
         <Inner as BoolTensorOps<Inner>>::bool_all(tensor)
     }
     fn bool_all_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
-        <Inner as BoolTensorOps<Inner>>::bool_all_dim(tensor, dim)
+        crate::attention_guard::guarded_bool_all_dim::<Inner>(tensor, dim)
     }
     fn bool_argwhere(
         tensor: BoolTensor<Self>,

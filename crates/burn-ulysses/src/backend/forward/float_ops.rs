@@ -210,7 +210,9 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         slices: &[Slice],
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_slice_assign(tensor, slices, value)
+        crate::attention_guard::guarded_float_slice_assign::<
+            Inner,
+        >(tensor, slices, value)
     }
     fn float_mask_where(
         tensor: FloatTensor<Self>,
@@ -446,7 +448,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as FloatTensorOps<Inner>>::float_erf(tensor)
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_cat(tensors, dim)
+        crate::attention_guard::guarded_float_cat::<Inner>(tensors, dim)
     }
     fn float_argmax(
         tensor: FloatTensor<Self>,
@@ -517,7 +519,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_any_dim(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_float_any_dim::<Inner>(tensor, dim, out_dtype)
     }
     fn float_all(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         <Inner as FloatTensorOps<Inner>>::float_all(tensor, out_dtype)
@@ -527,7 +529,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_all_dim(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_float_all_dim::<Inner>(tensor, dim, out_dtype)
     }
     fn float_sign(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         <Inner as FloatTensorOps<Inner>>::float_sign(tensor)

@@ -35,7 +35,7 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         slices: &[Slice],
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_slice_assign(tensor, slices, value)
+        crate::attention_guard::guarded_int_slice_assign::<Inner>(tensor, slices, value)
     }
     fn int_into_float(
         tensor: IntTensor<Self>,
@@ -111,7 +111,7 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as IntTensorOps<Inner>>::int_repeat_dim(tensor, dim, times)
     }
     fn int_cat(tensors: Vec<IntTensor<Self>>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_cat(tensors, dim)
+        crate::attention_guard::guarded_int_cat::<Inner>(tensors, dim)
     }
     fn int_equal(
         lhs: IntTensor<Self>,
@@ -277,19 +277,19 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         <Inner as IntTensorOps<Inner>>::int_sum(tensor)
     }
     fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_sum_dim(tensor, dim)
+        crate::attention_guard::guarded_int_sum_dim::<Inner>(tensor, dim)
     }
     fn int_prod(tensor: IntTensor<Self>) -> IntTensor<Self> {
         <Inner as IntTensorOps<Inner>>::int_prod(tensor)
     }
     fn int_prod_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_prod_dim(tensor, dim)
+        crate::attention_guard::guarded_int_prod_dim::<Inner>(tensor, dim)
     }
     fn int_mean(tensor: IntTensor<Self>) -> IntTensor<Self> {
         <Inner as IntTensorOps<Inner>>::int_mean(tensor)
     }
     fn int_mean_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_mean_dim(tensor, dim)
+        crate::attention_guard::guarded_int_mean_dim::<Inner>(tensor, dim)
     }
     fn int_cumsum(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
         crate::attention_guard::guarded_int_cumsum::<Inner>(tensor, dim)
@@ -304,46 +304,46 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         crate::attention_guard::guarded_int_cummax::<Inner>(tensor, dim)
     }
     fn int_argmax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_argmax(tensor, dim)
+        crate::attention_guard::guarded_int_argmax::<Inner>(tensor, dim)
     }
     fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_argtopk(tensor, dim, k)
+        crate::attention_guard::guarded_int_argtopk::<Inner>(tensor, dim, k)
     }
     fn int_topk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_topk(tensor, dim, k)
+        crate::attention_guard::guarded_int_topk::<Inner>(tensor, dim, k)
     }
     fn int_argmin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_argmin(tensor, dim)
+        crate::attention_guard::guarded_int_argmin::<Inner>(tensor, dim)
     }
     fn int_max(tensor: IntTensor<Self>) -> IntTensor<Self> {
         <Inner as IntTensorOps<Inner>>::int_max(tensor)
     }
     fn int_max_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_max_dim(tensor, dim)
+        crate::attention_guard::guarded_int_max_dim::<Inner>(tensor, dim)
     }
     fn int_max_dim_with_indices(
         tensor: IntTensor<Self>,
         dim: usize,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
-        <Inner as IntTensorOps<Inner>>::int_max_dim_with_indices(tensor, dim)
+        crate::attention_guard::guarded_int_max_dim_with_indices::<Inner>(tensor, dim)
     }
     fn int_max_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
         <Inner as IntTensorOps<Inner>>::int_max_abs(tensor)
     }
     fn int_max_abs_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_max_abs_dim(tensor, dim)
+        crate::attention_guard::guarded_int_max_abs_dim::<Inner>(tensor, dim)
     }
     fn int_min(tensor: IntTensor<Self>) -> IntTensor<Self> {
         <Inner as IntTensorOps<Inner>>::int_min(tensor)
     }
     fn int_min_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_min_dim(tensor, dim)
+        crate::attention_guard::guarded_int_min_dim::<Inner>(tensor, dim)
     }
     fn int_min_dim_with_indices(
         tensor: IntTensor<Self>,
         dim: usize,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
-        <Inner as IntTensorOps<Inner>>::int_min_dim_with_indices(tensor, dim)
+        crate::attention_guard::guarded_int_min_dim_with_indices::<Inner>(tensor, dim)
     }
     fn int_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
         <Inner as IntTensorOps<Inner>>::int_abs(tensor)
@@ -397,7 +397,7 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_any_dim(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_int_any_dim::<Inner>(tensor, dim, out_dtype)
     }
     fn int_all(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         <Inner as IntTensorOps<Inner>>::int_all(tensor, out_dtype)
@@ -407,7 +407,7 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_all_dim(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_int_all_dim::<Inner>(tensor, dim, out_dtype)
     }
     fn int_sign(tensor: IntTensor<Self>) -> IntTensor<Self> {
         <Inner as IntTensorOps<Inner>>::int_sign(tensor)
@@ -420,21 +420,23 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         descending: bool,
     ) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_sort(tensor, dim, descending)
+        crate::attention_guard::guarded_int_sort::<Inner>(tensor, dim, descending)
     }
     fn int_sort_with_indices(
         tensor: IntTensor<Self>,
         dim: usize,
         descending: bool,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
-        <Inner as IntTensorOps<Inner>>::int_sort_with_indices(tensor, dim, descending)
+        crate::attention_guard::guarded_int_sort_with_indices::<
+            Inner,
+        >(tensor, dim, descending)
     }
     fn int_argsort(
         tensor: IntTensor<Self>,
         dim: usize,
         descending: bool,
     ) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_argsort(tensor, dim, descending)
+        crate::attention_guard::guarded_int_argsort::<Inner>(tensor, dim, descending)
     }
     fn bitwise_and(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
         <Inner as IntTensorOps<Inner>>::bitwise_and(lhs, rhs)

@@ -180,19 +180,25 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_sum(tensor))
     }
     fn q_sum_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_sum_dim(tensor, dim))
+        ConvertPrimitives::convert(
+            crate::attention_guard::guarded_q_sum_dim::<Inner>(tensor, dim),
+        )
     }
     fn q_prod(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
         ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_prod(tensor))
     }
     fn q_prod_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_prod_dim(tensor, dim))
+        ConvertPrimitives::convert(
+            crate::attention_guard::guarded_q_prod_dim::<Inner>(tensor, dim),
+        )
     }
     fn q_mean(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
         ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_mean(tensor))
     }
     fn q_mean_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        ConvertPrimitives::convert(<Inner as QTensorOps<Inner>>::q_mean_dim(tensor, dim))
+        ConvertPrimitives::convert(
+            crate::attention_guard::guarded_q_mean_dim::<Inner>(tensor, dim),
+        )
     }
     fn q_cumsum(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
         ConvertPrimitives::convert(
@@ -281,7 +287,7 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_argmax(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_q_argmax::<Inner>(tensor, dim, out_dtype)
     }
     fn q_argtopk(
         tensor: QuantizedTensor<Self>,
@@ -289,47 +295,51 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         k: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_argtopk(tensor, dim, k, out_dtype)
+        crate::attention_guard::guarded_q_argtopk::<Inner>(tensor, dim, k, out_dtype)
     }
     fn q_topk(
         tensor: QuantizedTensor<Self>,
         dim: usize,
         k: usize,
     ) -> QuantizedTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_topk(tensor, dim, k)
+        crate::attention_guard::guarded_q_topk::<Inner>(tensor, dim, k)
     }
     fn q_argmin(
         tensor: QuantizedTensor<Self>,
         dim: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_argmin(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_q_argmin::<Inner>(tensor, dim, out_dtype)
     }
     fn q_max(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
         <Inner as QTensorOps<Inner>>::q_max(tensor)
     }
     fn q_max_dim(tensor: QuantizedTensor<Self>, dim: usize) -> QuantizedTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_max_dim(tensor, dim)
+        crate::attention_guard::guarded_q_max_dim::<Inner>(tensor, dim)
     }
     fn q_max_dim_with_indices(
         tensor: QuantizedTensor<Self>,
         dim: usize,
         out_dtype: IntDType,
     ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
-        <Inner as QTensorOps<Inner>>::q_max_dim_with_indices(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_q_max_dim_with_indices::<
+            Inner,
+        >(tensor, dim, out_dtype)
     }
     fn q_min(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
         <Inner as QTensorOps<Inner>>::q_min(tensor)
     }
     fn q_min_dim(tensor: QuantizedTensor<Self>, dim: usize) -> QuantizedTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_min_dim(tensor, dim)
+        crate::attention_guard::guarded_q_min_dim::<Inner>(tensor, dim)
     }
     fn q_min_dim_with_indices(
         tensor: QuantizedTensor<Self>,
         dim: usize,
         out_dtype: IntDType,
     ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
-        <Inner as QTensorOps<Inner>>::q_min_dim_with_indices(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_q_min_dim_with_indices::<
+            Inner,
+        >(tensor, dim, out_dtype)
     }
     fn q_max_abs(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
         <Inner as QTensorOps<Inner>>::q_max_abs(tensor)
@@ -338,7 +348,7 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         tensor: QuantizedTensor<Self>,
         dim: usize,
     ) -> QuantizedTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_max_abs_dim(tensor, dim)
+        crate::attention_guard::guarded_q_max_abs_dim::<Inner>(tensor, dim)
     }
     fn q_any(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         <Inner as QTensorOps<Inner>>::q_any(tensor, out_dtype)
@@ -348,7 +358,7 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_any_dim(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_q_any_dim::<Inner>(tensor, dim, out_dtype)
     }
     fn q_all(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
         <Inner as QTensorOps<Inner>>::q_all(tensor, out_dtype)
@@ -358,14 +368,14 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_all_dim(tensor, dim, out_dtype)
+        crate::attention_guard::guarded_q_all_dim::<Inner>(tensor, dim, out_dtype)
     }
     fn q_sort(
         tensor: QuantizedTensor<Self>,
         dim: usize,
         descending: bool,
     ) -> QuantizedTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_sort(tensor, dim, descending)
+        crate::attention_guard::guarded_q_sort::<Inner>(tensor, dim, descending)
     }
     fn q_sort_with_indices(
         tensor: QuantizedTensor<Self>,
@@ -373,9 +383,9 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         descending: bool,
         out_dtype: IntDType,
     ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
-        <Inner as QTensorOps<
+        crate::attention_guard::guarded_q_sort_with_indices::<
             Inner,
-        >>::q_sort_with_indices(tensor, dim, descending, out_dtype)
+        >(tensor, dim, descending, out_dtype)
     }
     fn q_argsort(
         tensor: QuantizedTensor<Self>,
@@ -383,6 +393,8 @@ impl<Inner: ExchangeBackend> QTensorOps<Self> for UlyssesBackend<Inner> {
         descending: bool,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        <Inner as QTensorOps<Inner>>::q_argsort(tensor, dim, descending, out_dtype)
+        crate::attention_guard::guarded_q_argsort::<
+            Inner,
+        >(tensor, dim, descending, out_dtype)
     }
 }
