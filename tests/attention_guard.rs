@@ -937,6 +937,9 @@ enum Placement {
     /// Padded by one and cropped back where the tokens went: no shift (as a class token or
     /// padding to a multiple removed again).
     PaddedAndCroppedBack,
+    /// Each token plus the previous token's embedding, its ids shifted by concatenating one
+    /// before them and cropping (a bigram feature).
+    PreviousTokenIds,
 }
 
 /// The token id [`Placement`]'s padding rules look for (none of [`token_batch`]'s is one).
@@ -974,6 +977,10 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
         Placement::AnyPadding => x + per_sequence(ids.equal_elem(PAD_ID).any_dim(1).float()),
         Placement::PaddedShift => x.clone() + x.pad([(1, 0), (0, 0)], PadMode::Constant(0.0)).slice([0..batch, 0..len]),
         Placement::ConcatenatedShift => x.clone() + Tensor::cat(vec![Tensor::zeros([batch, 1, D_MODEL], &device), x], 1).slice([0..batch, 0..len]),
+        Placement::PreviousTokenIds => {
+            let previous = Tensor::cat(vec![Tensor::<B, 2, Int>::zeros([batch, 1], &device), ids], 1).slice([0..batch, 0..len]);
+            x + deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 23).forward(previous)
+        }
         Placement::PaddedAndCroppedBack => x.clone() * 2.0 - x.pad([(1, 0), (0, 0)], PadMode::Constant(0.0)).slice([0..batch, 1..len + 1]) * 0.5,
         Placement::LearnedTableRows => {
             let table = deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).weight.val();
@@ -1076,7 +1083,7 @@ fn positions_counted_from_each_ranks_first_token_are_refused() {
 /// zeros, or its shard's last token, for the previous rank's last), a mean pooled over the
 /// sequence, a sort of its tokens for a top-k (mixture-of-depths routing), a padding mask's
 /// count of tokens, where its first padding lies, whether any is padding, a shift by padding or
-/// concatenating and cropping: each shard's alone. Refused on every rank at SP = 2 and 3, naming
+/// concatenating and cropping (of the embeddings, or of the token ids): each shard's alone. Refused on every rank at SP = 2 and 3, naming
 /// the op and the fix; a finite loss at SP = 1. Padded and cropped back where the tokens went,
 /// one device's loss.
 #[test]
@@ -1091,6 +1098,7 @@ fn tokens_mixed_within_the_shard_are_refused_on_every_rank() {
         (Placement::AnyPadding, "any_dim", "enter_single_device"),
         (Placement::PaddedShift, "slice", "halo"),
         (Placement::ConcatenatedShift, "slice", "halo"),
+        (Placement::PreviousTokenIds, "slice", "halo"),
     ];
     for (placement, op, fix) in mixed {
         for sp in [2, 3] {

@@ -770,9 +770,11 @@ pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: imp
 
 /// Where a piece's tokens (the shard's, or a tile's: `span` of them) went along a sequence dim
 /// `dim` of a tensor of `shape` one to [`MOST_SHIFTED`] tokens longer: from `at`, padded
-/// (`Tensor::pad`'s `slice_assign`) or concatenated with a few other tokens (`cat`).
+/// (`Tensor::pad`'s `slice_assign`) or concatenated with a few other tokens (`cat`); `integers`
+/// for an int tensor (token ids), else a float one. Tensors are told apart by these alone.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Placed {
+    integers: bool,
     shape: Vec<usize>,
     dim: usize,
     span: usize,
@@ -804,17 +806,17 @@ fn padded_sequence(shape: &[usize], dim: usize, span: usize) -> Option<usize> {
 }
 
 /// Notes, inside a forward whose positions are noted, that `len` tokens went to `at..at + len`
-/// along `dim` of a tensor of `shape`, where they are a piece's tokens (the tile's, where one is
-/// noted, or the shard's) and the dim is that piece padded by a few ([`padded_sequence`]): what
-/// [`shard_shifted_by_padding`] compares a crop with.
-pub fn note_placed(shape: &[usize], dim: usize, at: usize, len: usize) {
-    let Some(noted) = SHARD_POSITIONS.get() else { return };
+/// along `dim` of a tensor of `shape` (of integers, or floats), where they are a piece's tokens
+/// (the tile's, where one is noted, or the shard's) and the dim is that piece padded by a few
+/// ([`padded_sequence`]; 2-D or more): what [`shard_shifted_by_padding`] compares a crop with.
+pub fn note_placed(integers: bool, shape: &[usize], dim: usize, at: usize, len: usize) {
+    let Some(noted) = SHARD_POSITIONS.get().filter(|_| shape.len() >= 2) else { return };
     if let Some(span) = noted.pieces().map(|piece| piece.span().0).find(|&span| span == len && padded_sequence(shape, dim, span).is_some()) {
         PLACED.with_borrow_mut(|placed| {
             if placed.len() == MOST_PLACED {
                 placed.remove(0);
             }
-            placed.push(Placed { shape: shape.to_vec(), dim, span, at });
+            placed.push(Placed { integers, shape: shape.to_vec(), dim, span, at });
         });
     }
 }
@@ -826,18 +828,24 @@ pub fn note_placed(shape: &[usize], dim: usize, at: usize, len: usize) {
 /// and cropping (RWKV's `ZeroPad2d((0, 0, 1, -1))`, `x.pad(..)` then a slice), or by
 /// `cat([zeros, x])` and a crop. Each token then takes its neighbour, and the shard's first
 /// (or last) zeros for the neighbouring rank's token. A crop that keeps the shard's tokens where
-/// they went (padding to a multiple, or a class token, removed again) passes; so does what runs
-/// inside [`not_positions`]. Inside a checkpointed layer's tile ([`note_tile_of_the_shard`]) the
-/// same goes for the tile's tokens, refused at any SP degree.
-pub fn shard_shifted_by_padding(shape: &[usize], slices: &[Slice], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+/// they went (padding to a multiple, or a class token, removed again) passes, and so does one
+/// that any tensor of its kind (`integers`) and shape noted in this forward would keep where its
+/// tokens went (tensors are told apart by shape alone); so does what runs inside
+/// [`not_positions`]. Inside a checkpointed layer's tile ([`note_tile_of_the_shard`]) the same
+/// goes for the tile's tokens, refused at any SP degree.
+pub fn shard_shifted_by_padding(integers: bool, shape: &[usize], slices: &[Slice], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let noted = SHARD_POSITIONS.get().filter(|_| shape.len() >= 2)?;
     let (dim, range) = one_cut(shape, slices)?;
     // The tile's tokens first, where one is noted, then the shard's.
     let (noted, at) = noted.pieces().find_map(|piece| {
         let span = piece.span().0;
         padded_sequence(shape, dim, span).filter(|_| range.len() == span)?;
-        let at = PLACED.with_borrow(|placed| placed.iter().rev().find(|placed| placed.shape == shape && placed.dim == dim && placed.span == span).map(|placed| placed.at))?;
-        (at != range.start).then_some((piece, at))
+        let places: Vec<usize> = PLACED.with_borrow(|placed| {
+            let alike = placed.iter().filter(|placed| placed.integers == integers && placed.shape == shape && placed.dim == dim && placed.span == span);
+            alike.map(|placed| placed.at).collect()
+        });
+        let at = places.last().copied().filter(|_| !places.contains(&range.start))?;
+        Some((piece, at))
     })?;
     let (span, whose, it, next) = noted.span();
     let (by, neighbour) = (at.abs_diff(range.start), if at > range.start { "before" } else { "after" });
@@ -964,7 +972,7 @@ pub fn guarded_float_slice<X: ExchangeBackend>(tensor: FloatTensor<X>, slices: &
         refuse(
             positions_sliced_from_a_table(&shape, slices, activation, true, context::current_sharding)
                 .or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding))
-                .or_else(|| shard_shifted_by_padding(&shape, slices, context::current_sharding)),
+                .or_else(|| shard_shifted_by_padding(false, &shape, slices, context::current_sharding)),
         );
     }
     X::float_slice(tensor, slices)
@@ -978,7 +986,7 @@ pub fn guarded_int_slice<X: ExchangeBackend>(tensor: IntTensor<X>, slices: &[Sli
         refuse(
             positions_sliced_from_a_table(&shape, slices, false, false, context::current_sharding)
                 .or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding))
-                .or_else(|| shard_shifted_by_padding(&shape, slices, context::current_sharding)),
+                .or_else(|| shard_shifted_by_padding(true, &shape, slices, context::current_sharding)),
         );
     }
     X::int_slice(tensor, slices)
@@ -986,19 +994,19 @@ pub fn guarded_int_slice<X: ExchangeBackend>(tensor: IntTensor<X>, slices: &[Sli
 
 /// Notes where a `slice_assign` puts `value` in a tensor of `shape` for [`note_placed`], where
 /// it fills one dim's range (as `Tensor::pad` places what it pads).
-fn note_assigned(shape: &[usize], slices: &[Slice]) {
+fn note_assigned(integers: bool, shape: &[usize], slices: &[Slice]) {
     if let Some((dim, range)) = one_cut(shape, slices) {
-        note_placed(shape, dim, range.start, range.len());
+        note_placed(integers, shape, dim, range.start, range.len());
     }
 }
 
 /// Notes where `cat` along `dim` puts each of the tensors of `shapes` for [`note_placed`].
-fn note_concatenated(shapes: &[Vec<usize>], dim: usize) {
+fn note_concatenated(integers: bool, shapes: &[Vec<usize>], dim: usize) {
     let Some(mut shape) = shapes.first().cloned().filter(|shape| dim < shape.len()) else { return };
     shape[dim] = shapes.iter().map(|part| part[dim]).sum();
     let mut at = 0;
     for part in shapes {
-        note_placed(&shape, dim, at, part[dim]);
+        note_placed(integers, &shape, dim, at, part[dim]);
         at += part[dim];
     }
 }
@@ -1006,7 +1014,7 @@ fn note_concatenated(shapes: &[Vec<usize>], dim: usize) {
 /// `UlyssesBackend`'s `float_slice_assign`: the inner backend's, where it is noted (a pad).
 pub fn guarded_float_slice_assign<X: ExchangeBackend>(tensor: FloatTensor<X>, slices: &[Slice], value: FloatTensor<X>) -> FloatTensor<X> {
     if SHARD_POSITIONS.get().is_some() {
-        note_assigned(&tensor.shape(), slices);
+        note_assigned(false, &tensor.shape(), slices);
     }
     X::float_slice_assign(tensor, slices, value)
 }
@@ -1014,7 +1022,7 @@ pub fn guarded_float_slice_assign<X: ExchangeBackend>(tensor: FloatTensor<X>, sl
 /// `UlyssesBackend`'s `int_slice_assign`: the inner backend's, where it is noted (a pad).
 pub fn guarded_int_slice_assign<X: ExchangeBackend>(tensor: IntTensor<X>, slices: &[Slice], value: IntTensor<X>) -> IntTensor<X> {
     if SHARD_POSITIONS.get().is_some() {
-        note_assigned(&tensor.shape(), slices);
+        note_assigned(true, &tensor.shape(), slices);
     }
     X::int_slice_assign(tensor, slices, value)
 }
@@ -1022,7 +1030,7 @@ pub fn guarded_int_slice_assign<X: ExchangeBackend>(tensor: IntTensor<X>, slices
 /// `UlyssesBackend`'s `float_cat`: the inner backend's, its parts' places noted.
 pub fn guarded_float_cat<X: ExchangeBackend>(tensors: Vec<FloatTensor<X>>, dim: usize) -> FloatTensor<X> {
     if SHARD_POSITIONS.get().is_some() {
-        note_concatenated(&tensors.iter().map(|tensor| tensor.shape().to_vec()).collect::<Vec<_>>(), dim);
+        note_concatenated(false, &tensors.iter().map(|tensor| tensor.shape().to_vec()).collect::<Vec<_>>(), dim);
     }
     X::float_cat(tensors, dim)
 }
@@ -1030,7 +1038,7 @@ pub fn guarded_float_cat<X: ExchangeBackend>(tensors: Vec<FloatTensor<X>>, dim: 
 /// `UlyssesBackend`'s `int_cat`: the inner backend's, its parts' places noted.
 pub fn guarded_int_cat<X: ExchangeBackend>(tensors: Vec<IntTensor<X>>, dim: usize) -> IntTensor<X> {
     if SHARD_POSITIONS.get().is_some() {
-        note_concatenated(&tensors.iter().map(|tensor| tensor.shape().to_vec()).collect::<Vec<_>>(), dim);
+        note_concatenated(true, &tensors.iter().map(|tensor| tensor.shape().to_vec()).collect::<Vec<_>>(), dim);
     }
     X::int_cat(tensors, dim)
 }
@@ -1675,19 +1683,19 @@ mod tests {
     fn a_shard_padded_and_cropped_to_another_place_is_refused() {
         let cropped = |shape: &[usize], dim: usize, rows: Range<usize>| {
             let slices: Vec<Slice> = (0..shape.len()).map(|d| if d == dim { Slice::from(rows.clone()) } else { Slice::full() }).collect();
-            shard_shifted_by_padding(shape, &slices, || SP2).map(|e| e.to_string())
+            shard_shifted_by_padding(false, shape, &slices, || SP2).map(|e| e.to_string())
         };
-        note_placed(&[2, 9, 16], 1, 1, 8);
+        note_placed(false, &[2, 9, 16], 1, 1, 8);
         assert!(cropped(&[2, 9, 16], 1, 0..8).is_none(), "nothing noted");
         {
             let _earlier = noted(&(0..8).collect::<Vec<_>>(), 2);
-            note_placed(&[2, 9, 16], 1, 1, 8);
+            note_placed(false, &[2, 9, 16], 1, 1, 8);
             assert!(cropped(&[2, 9, 16], 1, 0..8).is_some(), "a shift by padding and cropping refused");
         }
         let _noted = noted(&(8..16).collect::<Vec<_>>(), 2);
         assert!(cropped(&[2, 9, 16], 1, 0..8).is_none(), "a placement noted in an earlier forward");
         // RWKV's time shift: padded by one before, cropped to the first 8.
-        note_placed(&[2, 9, 16], 1, 1, 8);
+        note_placed(false, &[2, 9, 16], 1, 1, 8);
         let message = cropped(&[2, 9, 16], 1, 0..8).expect("a shift by padding and cropping refused");
         for needle in ["slice along dim 1 of a [2, 9, 16] tensor", "keeps tokens 0..8 of 9", "went at 1..9", "the one 1 before it", "halo", "not_positions"] {
             assert!(message.contains(needle), "`{needle}` missing from: {message}");
@@ -1695,29 +1703,43 @@ mod tests {
         // Cropped back where the tokens went (a class token removed): passes; padded at the end
         // and cropped from the start: the token after.
         assert!(cropped(&[2, 9, 16], 1, 1..9).is_none());
-        note_concatenated(&[vec![2, 8, 16], vec![2, 1, 16]], 1);
-        assert!(cropped(&[2, 9, 16], 1, 1..9).is_some_and(|message| message.contains("the one 1 after it")) && cropped(&[2, 9, 16], 1, 0..8).is_none());
+        {
+            let _another_forward = noted(&(8..16).collect::<Vec<_>>(), 2);
+            note_concatenated(false, &[vec![2, 8, 16], vec![2, 1, 16]], 1);
+            assert!(cropped(&[2, 9, 16], 1, 1..9).is_some_and(|message| message.contains("the one 1 after it")) && cropped(&[2, 9, 16], 1, 0..8).is_none());
+            // Two tensors of one shape, their tokens placed apart (padded at the end; a class
+            // token before them): a crop that keeps either one's where they went passes; token
+            // ids placed elsewhere say nothing of floats.
+            note_concatenated(false, &[vec![2, 1, 16], vec![2, 8, 16]], 1);
+            assert!(cropped(&[2, 9, 16], 1, 0..8).is_none() && cropped(&[2, 9, 16], 1, 1..9).is_none());
+            note_placed(true, &[2, 9], 1, 1, 8);
+            let ids_cropped = |integers: bool| shard_shifted_by_padding(integers, &[2, 9], &[Slice::full(), Slice::from(0..8)], || SP2);
+            assert!(ids_cropped(true).is_some() && ids_cropped(false).is_none());
+        }
+        // A fresh forward's shift by padding, for the rules below.
+        let _fresh = noted(&(8..16).collect::<Vec<_>>(), 2);
+        note_placed(false, &[2, 9, 16], 1, 1, 8);
         // Per head `[B, H, S + 2, D]`; channels first `[B, C, L + 1]`; at most a quarter of the
         // shard: 3 tokens of 8 is none, and no shard of 8 padded by them is noted.
-        note_placed(&[2, 4, 10, 16], 2, 2, 8);
-        note_placed(&[2, 16, 9], 2, 1, 8);
+        note_placed(false, &[2, 4, 10, 16], 2, 2, 8);
+        note_placed(false, &[2, 16, 9], 2, 1, 8);
         assert!(cropped(&[2, 4, 10, 16], 2, 0..8).is_some() && cropped(&[2, 4, 10, 16], 2, 1..9).is_some() && cropped(&[2, 16, 9], 2, 0..8).is_some());
-        note_placed(&[2, 11, 16], 1, 3, 8);
+        note_placed(false, &[2, 11, 16], 1, 3, 8);
         assert!(cropped(&[2, 11, 16], 1, 0..8).is_none());
         // Features, another dim's placement, as many heads as padded tokens, another shape: pass.
-        note_placed(&[2, 8, 9], 2, 1, 8);
-        note_placed(&[2, 9, 9, 16], 1, 1, 8);
+        note_placed(false, &[2, 8, 9], 2, 1, 8);
+        note_placed(false, &[2, 9, 9, 16], 1, 1, 8);
         assert!(cropped(&[2, 8, 9], 2, 0..8).is_none() && cropped(&[2, 9, 9, 16], 1, 0..8).is_none() && cropped(&[3, 9, 16], 1, 0..8).is_none());
         assert!(not_positions(|| cropped(&[2, 9, 16], 1, 0..8)).is_none(), "not_positions lets a crop through");
         let slices = [Slice::full(), Slice::from(0..8), Slice::full()];
         for sharding in [None, Some(Sharding { ranks: 1, ..SP2.unwrap() }), Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })] {
-            assert!(shard_shifted_by_padding(&[2, 9, 16], &slices, || sharding).is_none());
+            assert!(shard_shifted_by_padding(false, &[2, 9, 16], &slices, || sharding).is_none());
         }
         // In a tile of 4 rows: the tile padded by one and cropped, at any SP degree.
         let _tile = note_tile_of_the_shard(4..8);
-        note_placed(&[2, 5, 16], 1, 1, 4);
+        note_placed(false, &[2, 5, 16], 1, 1, 4);
         let slices = [Slice::full(), Slice::from(0..4), Slice::full()];
-        let in_a_tile = shard_shifted_by_padding(&[2, 5, 16], &slices, || None).expect("a tile padded and cropped refused on one device").to_string();
+        let in_a_tile = shard_shifted_by_padding(false, &[2, 5, 16], &slices, || None).expect("a tile padded and cropped refused on one device").to_string();
         assert!(in_a_tile.contains("tile"), "{in_a_tile}");
     }
 
