@@ -724,6 +724,13 @@ fn one_cut(shape: &[usize], slices: &[Slice]) -> Option<(usize, Range<usize>)> {
     (slice(dim).step == 1).then(|| (dim, slice(dim).to_range(shape[dim])))
 }
 
+/// The fix a refused token shift names ([`shard_shifted_by_a_slice`], [`shard_shifted_by_padding`]).
+const SHIFT_FIX: &str = "Shift the whole sequence before it is sharded (the sharder's tokens and labels are already shifted for \
+                         next-token prediction), give each shard the neighbouring rank's tokens (a halo) through a collective of \
+                         one's own, or run it on one rank (burn_ulysses::context::enter_single_device()). A slice that is no shift \
+                         (a chunk of a fixed size, a crop back to where a pad put the tokens) goes inside \
+                         burn_ulysses::attention_guard::not_positions(|| ..).";
+
 /// The most tokens a slice may drop from an end of the shard to be taken for a token shift:
 /// shifts move a token or a few (a convolution's reach), where chunks of a fixed size drop
 /// whatever the shard's length leaves over.
@@ -744,13 +751,7 @@ pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: imp
     // The tile's tokens first, where one is noted, then the shard's.
     let (noted, shard, dropped) = noted.pieces().find_map(|piece| {
         let span = piece.span().0;
-        let along = |dim: usize| (shape[dim] == span).then_some(span);
-        // 4-D or more with both dim 1 and dim len-2 as long (`[B, H, S, D]` or `[B, S, H, D]`
-        // with as many heads as tokens): no telling which is the sequence.
-        if span < 4 || (shape.len() >= 4 && along(1).is_some() && along(shape.len() - 2).is_some()) {
-            return None;
-        }
-        let shard = along_the_sequence(shape, dim, along)?;
+        let shard = shift_sequence(shape, dim, span, |dim: usize| (shape[dim] == span).then_some(span))?;
         let dropped = shard - range.len();
         let from_one_end = range.start == 0 || range.end == shard;
         (from_one_end && (1..=MOST_SHIFTED.min(shard / 4)).contains(&dropped)).then_some((piece, shard, dropped))
@@ -761,11 +762,7 @@ pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: imp
         "it drops the {end} {dropped} of the {shard} tokens of {whose} (a token shift, a roll, a difference of neighbouring tokens), \
          as if {it} were the whole sequence: at its edge the neighbouring {next}'s tokens are missing"
     );
-    let fix = "Shift the whole sequence before it is sharded (the sharder's tokens and labels are already shifted for next-token \
-               prediction), give each shard the neighbouring rank's tokens (a halo) through a collective of one's own, or run it on \
-               one rank (burn_ulysses::context::enter_single_device()). A slice that is no shift (a chunk of a fixed size) goes \
-               inside burn_ulysses::attention_guard::not_positions(|| ..).";
-    refusal_within(noted, "slice", shape, dim, what, fix, sharding)
+    refusal_within(noted, "slice", shape, dim, what, SHIFT_FIX, sharding)
 }
 
 /// Where a piece's tokens (the shard's, or a tile's: `span` of them) went along a sequence dim
@@ -791,18 +788,24 @@ thread_local! {
     static PLACED: RefCell<Vec<Placed>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The dim of `shape` that a piece of `span` tokens padded by one to [`MOST_SHIFTED`] (at most a
-/// quarter of them) makes a sequence dim, `dim` where it is one (as [`along_the_sequence`] finds
-/// it), and its length; `None` where none is or, 4-D or more, two dims could be.
+/// The length of `dim` of `shape` where it is a sequence dim ([`shift_sequence`]) as long as a
+/// piece of `span` tokens padded by one to [`MOST_SHIFTED`] (at most a quarter of them).
 fn padded_sequence(shape: &[usize], dim: usize, span: usize) -> Option<usize> {
-    let padded = |dim: usize| shape.get(dim).copied().filter(|&length| length > span && length - span <= MOST_SHIFTED.min(span / 4));
-    // 4-D or more with dim 1 and dim len-2 both so long: no telling which is the sequence; 3-D
-    // `[B, S, D]` with features a few longer than the shard is no channels-first `[B, C, L]`.
-    let ambiguous = shape.len() >= 4 && padded(1).is_some() && padded(shape.len() - 2).is_some();
-    if span < 4 || ambiguous || (shape.len() == 3 && shape[1] == span) {
+    shift_sequence(shape, dim, span, |dim: usize| shape.get(dim).copied().filter(|&length| length > span && length - span <= MOST_SHIFTED.min(span / 4)))
+}
+
+/// `along(dim)` (the length of `dim`, where it is as long as the shift rules look for: a piece
+/// of `span` tokens, four or more, or that piece padded) where `dim` is a sequence dim of
+/// `shape` ([`along_the_sequence`]); `None` where 4-D or more with dim 1 and dim len-2 both so
+/// long (`[B, H, S, D]` or `[B, S, H, D]` with as many heads as tokens: no telling which is
+/// the sequence), or for dim 2 of a 3-D `[B, S, D]` whose dim 1 is the piece (features, no
+/// channels-first `[B, C, L]`).
+fn shift_sequence(shape: &[usize], dim: usize, span: usize, along: impl Fn(usize) -> Option<usize>) -> Option<usize> {
+    let ambiguous = shape.len() >= 4 && along(1).is_some() && along(shape.len() - 2).is_some();
+    if span < 4 || ambiguous || (shape.len() == 3 && dim == 2 && shape[1] == span) {
         return None;
     }
-    along_the_sequence(shape, dim, padded)
+    along_the_sequence(shape, dim, along)
 }
 
 /// Notes, inside a forward whose positions are noted, that `len` tokens went to `at..at + len`
@@ -858,10 +861,7 @@ pub fn shard_shifted_by_padding(integers: bool, shape: &[usize], slices: &[Slice
         shape[dim],
         at + span
     );
-    let fix = "Shift the whole sequence before it is sharded, give each shard the neighbouring rank's tokens (a halo) through a \
-               collective of one's own, or run it on one rank (burn_ulysses::context::enter_single_device()). A crop that is no \
-               shift goes inside burn_ulysses::attention_guard::not_positions(|| ..).";
-    refusal_within(noted, "slice", shape, dim, what, fix, sharding)
+    refusal_within(noted, "slice", shape, dim, what, SHIFT_FIX, sharding)
 }
 
 /// What an op over a dim does to the tokens along it, for [`reduced_over_the_shard`]'s refusal.
