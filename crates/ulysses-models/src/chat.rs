@@ -9,14 +9,13 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    fs,
     ops::Range,
     path::Path,
 };
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 
-use crate::tokenizer::{TextTokenizer, TokenizerConfig, TokenizerError};
+use crate::tokenizer::{TextTokenizer, TokenizerConfig, TokenizerError, optional_text};
 
 /// Why a chat template cannot be read or rendered, naming the file.
 #[derive(Debug, thiserror::Error)]
@@ -69,21 +68,22 @@ impl ChatTemplate {
         let named = |name: &str| config["chat_template"].as_array().and_then(|named| named.iter().find(|t| t["name"] == name)).and_then(|t| t["template"].as_str());
         // As in transformers, the file takes priority over the config's entry.
         let jinja = dir.join("chat_template.jinja");
-        let (source, file) = match (fs::read_to_string(&jinja), &config["chat_template"]) {
-            (Ok(source), _) => (source, jinja),
-            (Err(_), serde_json::Value::String(source)) => (source.clone(), config_file.clone()),
-            (Err(_), serde_json::Value::Array(_)) => {
+        let read = |file: &Path| optional_text(file).map_err(|problem| error(file, problem));
+        let (source, file) = match (read(&jinja)?, &config["chat_template"]) {
+            (Some(source), _) => (source, jinja),
+            (None, serde_json::Value::String(source)) => (source.clone(), config_file.clone()),
+            (None, serde_json::Value::Array(_)) => {
                 let source = named("default").ok_or_else(|| error(&config_file, "its chat_template list has no template named \"default\""))?;
                 (source.to_string(), config_file.clone())
             }
-            (Err(_), _) => return Ok(None),
+            (None, _) => return Ok(None),
         };
         let mut template = Self::new(&source, special_tokens.clone(), &file.display().to_string())?;
         let tool_jinja = dir.join("additional_chat_templates").join("tool_use.jinja");
-        let tool_use = match (fs::read_to_string(&tool_jinja), named("tool_use")) {
-            (Ok(source), _) => Some((source, tool_jinja)),
-            (Err(_), Some(source)) => Some((source.to_string(), config_file)),
-            (Err(_), None) => None,
+        let tool_use = match (read(&tool_jinja)?, named("tool_use")) {
+            (Some(source), _) => Some((source, tool_jinja)),
+            (None, Some(source)) => Some((source.to_string(), config_file)),
+            (None, None) => None,
         };
         if let Some((source, file)) = tool_use {
             let tool_use = Self::new(&source, special_tokens, &file.display().to_string())?;

@@ -468,7 +468,26 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
     if let Some(factor) = inner_keys.get("partial_rotary_factor").and_then(Value::as_f64).filter(|&f| f != 1.0) {
         return Err(keys.error(&field("partial_rotary_factor"), format!("is {factor}; only RoPE over the whole head (1.0) is represented")));
     }
-    let rope_type = inner_keys.get("rope_type").or_else(|| inner_keys.get("type")).and_then(Value::as_str).unwrap_or("default");
+    // The keys the section has beyond theta, the partial factor and its type: a scaling's.
+    let scaling_keys: Vec<&str> =
+        inner.iter().filter(|(key, value)| !value.is_null() && !["rope_theta", "partial_rotary_factor", "rope_type", "type"].contains(&key.as_str())).map(|(key, _)| key.as_str()).collect();
+    let type_key = if inner_keys.get("rope_type").is_none() && inner_keys.get("type").is_some() { "type" } else { "rope_type" };
+    let rope_type = match inner_keys.get(type_key) {
+        Some(value) => value.as_str().ok_or_else(|| keys.error(&field(type_key), format!("is {value}, not a name: \"default\", \"linear\", \"llama3\" or \"yarn\"")))?,
+        None if scaling_keys.is_empty() => "default",
+        // Read as plain RoPE, a llama3 or linear scaling that lost its type would set every
+        // position's frequencies wrong (and `--save-hf` would write that); transformers 4 fails.
+        None => {
+            return Err(keys.error(
+                section,
+                format!("has {scaling_keys:?} but no rope_type: name the scaling they are for (\"linear\", \"llama3\" or \"yarn\"), or remove them for plain RoPE"),
+            ));
+        }
+    };
+    if rope_type == "default" && !scaling_keys.is_empty() {
+        // As transformers: default RoPE, the keys unused, said.
+        tracing::warn!(file = keys.file, ?scaling_keys, "config.json's {section} is rope_type \"default\": plain RoPE, these keys unused");
+    }
     // Null or 0 is "not given", as transformers' `or` and truthiness read them.
     let optional = |name: &str| match inner_keys.get(name) {
         None => Ok(None),
@@ -527,9 +546,8 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
         }
         other => {
             // Named by the key the file has (transformers 4's `type` where `rope_type` is absent).
-            let key = if inner_keys.get("rope_type").is_none() && inner_keys.get("type").is_some() { "type" } else { "rope_type" };
             return Err(keys.error(
-                &field(key),
+                &field(type_key),
                 format!("is {other:?}; the RoPE types represented are \"default\", \"linear\", \"llama3\" and \"yarn\""),
             ));
         }
@@ -760,6 +778,10 @@ mod tests {
         assert_eq!((config.rope_theta, config.rope_scaling), (1e6, RopeScaling::Linear { factor: 4.0 }));
         let default = with(&with(LLAMA, "rope_scaling", Value::Null), "rope_parameters", json!({"rope_type": "default", "rope_theta": 5e5}));
         assert_eq!(HfConfig::from_hf_json(&default, "c").unwrap().rope_scaling, RopeScaling::Default);
+        // Theta alone, no type: plain RoPE at that theta.
+        let theta_alone = with(&with(LLAMA, "rope_scaling", Value::Null), "rope_parameters", json!({"rope_theta": 5e5}));
+        let config = HfConfig::from_hf_json(&theta_alone, "c").unwrap();
+        assert_eq!((config.rope_theta, config.rope_scaling), (5e5, RopeScaling::Default));
         // Both, saying the same: read.
         let scaling = json!({"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6});
         let both = with(&with(LLAMA, "rope_scaling", scaling.clone()), "rope_parameters", scaling);
@@ -781,6 +803,12 @@ mod tests {
             ),
             (with(LLAMA, "rope_scaling", json!({"rope_type": "yarn", "factor": 4.0, "truncate": "no"})), "`rope_scaling.truncate` is \"no\""),
             (with(LLAMA, "rope_scaling", json!({"rope_type": "llama3", "factor": 8.0})), "`rope_scaling.low_freq_factor` is missing"),
+            // A scaling that lost its type is not plain RoPE.
+            (
+                with(LLAMA, "rope_scaling", json!({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+                "`rope_scaling` has [\"factor\", \"low_freq_factor\", \"high_freq_factor\", \"original_max_position_embeddings\"] but no rope_type",
+            ),
+            (with(LLAMA, "rope_scaling", json!({"rope_type": 3, "factor": 8.0})), "`rope_scaling.rope_type` is 3, not a name"),
             (with(LLAMA, "num_key_value_heads", json!(5)), "`num_key_value_heads` is 5, which does not divide num_attention_heads 32"),
             (with(LLAMA, "hidden_size", Value::Null), "`hidden_size` is missing"),
             (with(LLAMA, "hidden_size", json!(0)), "`hidden_size` must be a whole number above 0, got 0"),

@@ -348,6 +348,26 @@ fn data_offsets(tensor: &serde_json::Value) -> Option<(u64, u64)> {
 
 const NO_DATA_OFFSETS: &str = "has no data_offsets in the header";
 
+/// Whether `file` is a Git LFS pointer (three lines naming its content) in place of its data:
+/// a Hugging Face repository (weights, tokenizer, a dataset) cloned without git-lfs holds one
+/// for each large file.
+pub fn is_git_lfs_pointer(file: &Path) -> bool {
+    use std::io::Read;
+    const POINTER: &[u8] = b"version https://git-lfs.github.com/spec/";
+    let mut start = [0u8; POINTER.len()];
+    // A file shorter than the pointer's first words is no pointer.
+    let read = std::fs::File::open(file).and_then(|mut opened| opened.read_exact(&mut start));
+    read.is_ok() && start == POINTER
+}
+
+/// The fix for a Git LFS pointer ([`is_git_lfs_pointer`]).
+pub const GIT_LFS_FIX: &str = "run `git lfs pull` in its clone (with git-lfs installed), or download it with `huggingface-cli download REPO --local-dir FOLDER`";
+
+/// The problem and fix said of a checkpoint's file that is a Git LFS pointer.
+pub(crate) fn git_lfs_pointer_problem() -> String {
+    format!("is a Git LFS pointer, not its data (the checkpoint was cloned without git-lfs): {GIT_LFS_FIX}")
+}
+
 /// safetensors' limit on a header's size: past it, the first 8 bytes are not a header length.
 const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
 
@@ -358,6 +378,9 @@ fn check_safetensors_whole(file: &Path) -> Result<SafetensorsHeader, CheckpointE
     use std::io::Read;
     let error = |problem: String| CheckpointError::file(file, problem);
     let metadata = std::fs::metadata(file).map_err(|e| error(e.to_string()))?;
+    if is_git_lfs_pointer(file) {
+        return Err(error(git_lfs_pointer_problem()));
+    }
     let size = metadata.len();
     let cut_short = |needed: u64| {
         error(format!(

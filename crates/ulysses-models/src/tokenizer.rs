@@ -266,9 +266,22 @@ fn add_tokens_as_transformers(
 /// A checkpoint's JSON file, `Null` where the folder has none; refused, naming it, where it is
 /// not JSON.
 fn optional_json(file: &Path) -> Result<serde_json::Value, TokenizerError> {
+    let refused = |problem: String| TokenizerError { file: file.display().to_string(), problem };
+    match optional_text(file).map_err(refused)? {
+        Some(text) => serde_json::from_str(&text).map_err(|e| refused(format!("is not JSON: {e}"))),
+        None => Ok(serde_json::Value::Null),
+    }
+}
+
+/// A checkpoint's optional file as text: `None` where the folder has none; the problem where
+/// it has one that cannot be read (no permission, not UTF-8, a Git LFS pointer), which read as
+/// absent would change the tokens or the template without a word.
+pub(crate) fn optional_text(file: &Path) -> Result<Option<String>, String> {
     match std::fs::read_to_string(file) {
-        Ok(text) => serde_json::from_str(&text).map_err(|e| TokenizerError { file: file.display().to_string(), problem: format!("is not JSON: {e}") }),
-        Err(_) => Ok(serde_json::Value::Null),
+        Ok(_) if crate::pretrained::is_git_lfs_pointer(file) => Err(crate::pretrained::git_lfs_pointer_problem()),
+        Ok(text) => Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("cannot be read: {e}")),
     }
 }
 
@@ -286,6 +299,9 @@ impl TextTokenizer {
         let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
         let file = file.display().to_string();
         let cannot_read = |e: &dyn std::fmt::Display| TokenizerError { file: file.clone(), problem: format!("cannot be read as a Hugging Face tokenizer.json: {e}") };
+        if crate::pretrained::is_git_lfs_pointer(Path::new(&file)) {
+            return Err(TokenizerError { file, problem: crate::pretrained::git_lfs_pointer_problem() });
+        }
         let text = std::fs::read_to_string(&file).map_err(|e| cannot_read(&e))?;
         let folder = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
         let config = TokenizerConfig::read(folder)?;

@@ -70,9 +70,22 @@ fn the_template_file_takes_priority_over_the_tokenizer_configs_entry() {
     let template = ChatTemplate::from_checkpoint(&folder).unwrap().unwrap();
     assert_eq!(template.render(&messages, false).unwrap().text, "file: hi </s>");
     assert!(template.file().ends_with("chat_template.jinja"), "{}", template.file());
+    // A template file that cannot be read is refused, naming it: read as absent, the config's
+    // template (or none) would render the data without a word. Not UTF-8; a Git LFS pointer;
+    // a tokenizer_config.json not UTF-8.
+    let refused = |folder: &Path| ChatTemplate::from_checkpoint(folder).map(|_| ()).unwrap_err().to_string();
+    std::fs::write(folder.join("chat_template.jinja"), b"{{ messages[0].content }} \xff\xfe").unwrap();
+    let error = refused(&folder);
+    assert!(error.contains("chat_template.jinja: cannot be read") && error.contains("UTF-8"), "{error}");
+    std::fs::write(folder.join("chat_template.jinja"), "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 1234\n").unwrap();
+    let error = refused(&folder);
+    assert!(error.contains("chat_template.jinja: is a Git LFS pointer") && error.contains("git lfs pull"), "{error}");
     std::fs::remove_file(folder.join("chat_template.jinja")).unwrap();
     let template = ChatTemplate::from_checkpoint(&folder).unwrap().unwrap();
     assert_eq!(template.render(&messages, false).unwrap().text, "config: hi");
+    std::fs::write(folder.join("tokenizer_config.json"), b"{\"eos_token\": \"\xff\"}").unwrap();
+    let error = refused(&folder);
+    assert!(error.contains("tokenizer_config.json: cannot be read"), "{error}");
     std::fs::remove_dir_all(&folder).unwrap();
 }
 

@@ -279,6 +279,14 @@ fn weights_that_do_not_fit_the_config_are_refused_by_name() {
     std::fs::write(&weights, b"<!DOCTYPE html><html>an error page saved as the weights</html>").unwrap();
     let error = load_error(&cut);
     assert!(error.contains("model.safetensors: is not a safetensors file"), "{error}");
+    // A clone without git-lfs: the weights and the tokenizer are pointers, named as such.
+    let pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 1234\n";
+    std::fs::write(&weights, pointer).unwrap();
+    let error = load_error(&cut);
+    assert!(error.contains("model.safetensors: is a Git LFS pointer") && error.contains("git lfs pull"), "{error}");
+    std::fs::write(cut.join("tokenizer.json"), pointer).unwrap();
+    let error = ulysses_models::tokenizer::TextTokenizer::from_file(&cut).map(|_| ()).unwrap_err().to_string();
+    assert!(error.contains("tokenizer.json: is a Git LFS pointer") && error.contains("huggingface-cli download"), "{error}");
     std::fs::remove_dir_all(cut).unwrap();
 
     // No weights at all.

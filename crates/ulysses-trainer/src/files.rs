@@ -150,21 +150,11 @@ fn first_line_is_json_lines(file: &Path) -> bool {
 /// Refuses a Git LFS pointer in place of a data file: a dataset cloned without `git lfs` holds
 /// three lines naming each file's content, which would be read as data (as text, trained on).
 fn refuse_lfs_pointers(flag: &str, files: &[PathBuf]) -> Result<(), String> {
-    use std::io::Read;
-    const POINTER: &[u8] = b"version https://git-lfs.github.com/spec/";
-    for file in files {
-        let mut start = [0u8; POINTER.len()];
-        // A file shorter than the pointer's first words is no pointer.
-        let read = fs::File::open(file).and_then(|mut opened| opened.read_exact(&mut start));
-        if read.is_ok() && start == POINTER {
-            return Err(format!(
-                "{flag}: {} is a Git LFS pointer, not its data (the dataset was cloned without git-lfs): run `git lfs pull` in its clone, \
-                 or download it with huggingface-cli",
-                file.display()
-            ));
-        }
+    use ulysses_models::pretrained::{GIT_LFS_FIX, is_git_lfs_pointer};
+    match files.iter().find(|file| is_git_lfs_pointer(file)) {
+        Some(file) => Err(format!("{flag}: {} is a Git LFS pointer, not its data (the dataset was cloned without git-lfs): {GIT_LFS_FIX}", file.display())),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1443,6 +1443,19 @@ fn data_chat_template(args: &Args) -> Result<Option<ChatTemplate>, String> {
 /// tokenized the documents (for the data's identity).
 fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<(PackedDocuments, Option<(String, String)>, u32, String), String> {
     let tokenizer = data_tokenizer(args)?;
+    // Another model's tokenizer would train on ids that mean other words here; one with more
+    // tokens than the model embeds is another model's (or added tokens the embeddings lack).
+    if let Some((tokenizer, _, _)) = &tokenizer {
+        if tokenizer.vocab_size() > config.model.vocab_size {
+            return Err(format!(
+                "--tokenizer {}: it has {} tokens, more than the model's vocabulary of {} (config.json's vocab_size): it is another model's \
+                 tokenizer, or its added tokens have no embeddings; give the model's own tokenizer.json",
+                data_tokenizer_file(args).map(|file| file.display().to_string()).unwrap_or_default(),
+                tokenizer.vocab_size(),
+                config.model.vocab_size
+            ));
+        }
+    }
     let (eos, note) = document_eos(args.eos_token_id, tokenizer.as_ref().map(|(t, c, _)| (t, c)), checkpoint.eos_token_id)?;
     if eos as usize >= config.model.vocab_size {
         let from = if args.eos_token_id.is_some() { "--eos-token-id" } else { "the EOS" };

@@ -290,17 +290,20 @@ impl TrainConfig {
                 self.seq_len, self.layout.sp_size
             ));
         }
-        if model.d_model % model.n_heads != 0 {
+        // A checkpoint's explicit head_dim needs no quotient (transformers: Qwen3, Mistral Nemo).
+        if model.head_dim.is_none() && model.d_model % model.n_heads != 0 {
             return Err(format!("d_model (--d-model) {} must be a multiple of the head count (--heads) {}", model.d_model, model.n_heads));
         }
         // RoPE turns pairs of a head's channels.
         if model.head_dim() % 2 != 0 {
+            let source = match model.head_dim {
+                Some(_) => "the model's head_dim".to_string(),
+                None => format!("--d-model {} / --heads {}", model.d_model, model.n_heads),
+            };
             return Err(format!(
-                "the head dimension {} (--d-model {} / --heads {}) is odd, and RoPE rotates pairs of channels: choose --d-model \
+                "the head dimension {} ({source}) is odd, and RoPE rotates pairs of channels: choose --d-model \
                  and --heads whose quotient is even",
                 model.head_dim(),
-                model.d_model,
-                model.n_heads
             ));
         }
         self.layout.check_heads(model.n_heads, model.n_kv_heads).map_err(|e| format!("{e} (--sp, --heads, --kv-heads)"))?;
@@ -1696,6 +1699,10 @@ mod tests {
         odd.model = odd.model.clone().with_d_model(6).with_n_heads(2).with_n_kv_heads(2);
         let error = odd.validate().unwrap_err();
         assert!(error.contains("head dimension 3 (--d-model 6 / --heads 2) is odd"), "{error}");
+        // A checkpoint's own head_dim: no quotient asked for (hidden 1000, 12 heads of 64).
+        let mut explicit = super::TrainConfig::small(layout);
+        explicit.model = explicit.model.clone().with_d_model(1000).with_n_heads(12).with_n_kv_heads(4).with_head_dim(Some(64));
+        explicit.validate().unwrap_or_else(|e| panic!("a head_dim of 64 beside hidden 1000 and 12 heads is refused: {e}"));
         let dp3 = super::TrainConfig::small(ParallelLayout::new().with_sp_size(1).with_dp_size(3)).with_batch_size(2);
         let error = dp3.validate().unwrap_err();
         assert!(error.ends_with("= 3: use 3"), "no batch of 0 offered: {error}");
