@@ -940,6 +940,15 @@ enum Placement {
     /// Each token plus the previous token's embedding, its ids shifted by concatenating one
     /// before them and cropping (a bigram feature).
     PreviousTokenIds,
+    /// Each token plus causal linear attention's running sum of the keys before it, per head
+    /// (`k.cumsum(2)` of `[B, H, S, dh]`).
+    LinearAttentionSums,
+    /// Each token plus a context vector pooled by one query's softmax over the tokens
+    /// (attention pooling, `[B, S, 1]`).
+    AttentionPooled,
+    /// Tokens looked up by `select` from the embedding table (no `module::embedding` call for the
+    /// guard to learn the shard's length from), then a running sum over them.
+    SelectedThenSummed,
 }
 
 /// The token id [`Placement`]'s padding rules look for (none of [`token_batch`]'s is one).
@@ -950,7 +959,11 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
     let device = ids.device();
     let [batch, len] = ids.dims();
     let max_len = 4 * SEQ;
-    let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13).forward(ids.clone());
+    let embedding = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13);
+    let x = match from {
+        Placement::SelectedThenSummed => embedding.weight.val().select(0, ids.clone().reshape([batch * len])).reshape([batch, len, D_MODEL]),
+        _ => embedding.forward(ids.clone()),
+    };
     let per_sequence = |values: Tensor<B, 2>| values.unsqueeze_dim::<3>(2);
     let learned = |at: Tensor<B, 2, Int>| deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).forward(at);
     let x = match from {
@@ -982,6 +995,13 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
             x + deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 23).forward(previous)
         }
         Placement::PaddedAndCroppedBack => x.clone() * 2.0 - x.pad([(1, 0), (0, 0)], PadMode::Constant(0.0)).slice([0..batch, 1..len + 1]) * 0.5,
+        // Two heads: as many as a shard's tokens (SP 3's 4) would leave no telling which dim is the sequence.
+        Placement::LinearAttentionSums => x.clone() + x.reshape([batch, len, 2, D_MODEL / 2]).swap_dims(1, 2).cumsum(2).swap_dims(1, 2).reshape([batch, len, D_MODEL]),
+        Placement::AttentionPooled => {
+            let weights = softmax(x.clone().sum_dim(2), 1);
+            x.clone() + weights.swap_dims(1, 2).matmul(x)
+        }
+        Placement::SelectedThenSummed => x.clone() + x.cumsum(1) * 0.1,
         Placement::LearnedTableRows => {
             let table = deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).weight.val();
             x + table.slice([0..len]).unsqueeze::<3>()
@@ -1083,7 +1103,9 @@ fn positions_counted_from_each_ranks_first_token_are_refused() {
 /// zeros, or its shard's last token, for the previous rank's last), a mean pooled over the
 /// sequence, a sort of its tokens for a top-k (mixture-of-depths routing), a padding mask's
 /// count of tokens, where its first padding lies, whether any is padding, a shift by padding or
-/// concatenating and cropping (of the embeddings, or of the token ids): each shard's alone. Refused on every rank at SP = 2 and 3, naming
+/// concatenating and cropping (of the embeddings, or of the token ids), causal linear
+/// attention's running sums per head, attention pooling's softmax over the tokens, a running sum
+/// over tokens embedded by `select` (no embedding call): each shard's alone. Refused on every rank at SP = 2 and 3, naming
 /// the op and the fix; a finite loss at SP = 1. Padded and cropped back where the tokens went,
 /// one device's loss.
 #[test]
@@ -1099,6 +1121,9 @@ fn tokens_mixed_within_the_shard_are_refused_on_every_rank() {
         (Placement::PaddedShift, "slice", "halo"),
         (Placement::ConcatenatedShift, "slice", "halo"),
         (Placement::PreviousTokenIds, "slice", "halo"),
+        (Placement::LinearAttentionSums, "cumsum", "enter_single_device"),
+        (Placement::AttentionPooled, "softmax", "enter_single_device"),
+        (Placement::SelectedThenSummed, "cumsum", "enter_single_device"),
     ];
     for (placement, op, fix) in mixed {
         for sp in [2, 3] {

@@ -217,10 +217,21 @@ fn note_resampled(length: usize) {
     }
 }
 
-/// The length of the token ids last embedded, and whether the one before was as long (or none).
+/// The length of the token ids last embedded, and whether the one before was as long (or none);
+/// where no ids of two tokens or more were embedded, or two lengths were (ids looked up by
+/// `select` from a tied table, a prompt's embedding beside the tokens'), the shard's length from
+/// the positions noted for the forward ([`note_shard_positions`]), which says which is the
+/// shard: the rules that go by its length then stay on.
 fn embedded() -> (usize, bool) {
     let (last, before) = EMBEDDED_TOKENS.get();
-    (last, before == 0 || before == last)
+    let one_length = before == 0 || before == last;
+    if last >= 2 && one_length {
+        return (last, true);
+    }
+    match SHARD_POSITIONS.get().filter(|noted| noted.len >= 2) {
+        Some(noted) => (noted.len, true),
+        None => (last, one_length),
+    }
 }
 
 /// Forgets the lengths embedded so far: a backward ends a forward, and the next one's token ids
@@ -337,7 +348,11 @@ fn refusing(sharding: Option<Sharding>) -> Option<Sharding> {
 /// `None`: `sharding` gives the rank context's, looked up only for a shape the rule takes.
 pub fn attention_weights_by_hand(op: &'static str, shape: &[usize], dim: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let (shard, one_length) = embedded();
-    let tokens = attention_weights_size(shape, dim, shard, one_length)?;
+    let Some(tokens) = attention_weights_size(shape, dim, shard, one_length) else {
+        // Weights over the tokens that are no token × token matrix: attention pooling's one
+        // query (`softmax(score(x), 1)` of a `[B, S, 1]`), a softmax over a mask's tokens.
+        return reduced_over_the_shard(op, OverTheSequence::Normalises, shape, dim, false, sharding);
+    };
     let what = format!("it normalises a {tokens} x {tokens} matrix per head, attention's weights over {tokens} tokens of this rank's shard");
     let fix = "Call `burn::tensor::module::attention` (with `is_causal: true` instead of a causal mask built from local shapes), or \
                use burn_ulysses::nn::MultiHeadAttention; apply RoPE at the shard's global positions (SequenceShard::positions).";
@@ -345,14 +360,15 @@ pub fn attention_weights_by_hand(op: &'static str, shape: &[usize], dim: usize, 
 }
 
 /// Why a scan (`op`: cumsum, cumprod, cummin, cummax) along `dim` of `shape` is refused, or
-/// `None`: one along the sequence dim (`[B, S, ..]`'s dim 1, or a 1-D tensor's only one) as
-/// long as the token ids last embedded (the rank's shard; the thread's last two embeddings of
-/// that one length) restarts at each rank's first token. Positions made of a padding mask's
-/// cumsum (`mask.cumsum(1) - 1`, Hugging Face's) are the usual case. A scan along another dim
+/// `None`: one along the sequence dim (`[B, S, ..]`'s dim 1, a 1-D tensor's only one, per head
+/// `[B, H, S, ..]`'s: [`scanned_sequence`]) as long as the token ids last embedded (the rank's
+/// shard; the thread's last two embeddings of that one length) restarts at each rank's first
+/// token. Positions made of a padding mask's cumsum (`mask.cumsum(1) - 1`, Hugging Face's), and
+/// causal linear attention's running sums, are the usual cases. A scan along another dim
 /// that happens to be as long (features, a batch) passes, and so does one before the forward's
 /// first embedding where no length is noted yet (after a backward or `evaluate`).
 pub fn scan_over_the_shard(op: &'static str, shape: &[usize], dim: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let shard = along_the_shard(shape, dim).filter(|_| dim == sequence_dim(shape))?;
+    let shard = scanned_sequence(shape, dim)?;
     let what = format!("a running {op} over the {shard} tokens of this rank's shard restarts at every rank's first token");
     let fix = "Take positions from the sharder (SequenceShard::positions: each token's place in its whole sequence or document) \
                rather than from a mask's cumsum; a scan over a whole sequence needs the whole sequence, on one rank \
@@ -373,12 +389,26 @@ fn sequence_dim(shape: &[usize]) -> usize {
     usize::from(shape.len() > 1)
 }
 
+/// The shard's length where `dim` of `shape` is a sequence dim as long, for scans and flips:
+/// `[B, S, ..]`'s dim 1 (a 1-D tensor's only dim), per-head `[B, H, S, D]`'s dim 2 (causal
+/// linear attention's, RetNet's and GLA's running sums, `k.cumsum(2)`) and the one dim as long
+/// of 5-D or more (their state `[B, H, S, dk, dv]`), where dim 1 is not as long. Not dim 2 of
+/// a 3-D tensor: a checkpointed layer's tile `[B, T, D]` may have as many features as the shard
+/// has tokens.
+fn scanned_sequence(shape: &[usize], dim: usize) -> Option<usize> {
+    let along = |dim: usize| along_the_shard(shape, dim);
+    match dim {
+        _ if dim == sequence_dim(shape) => along(dim),
+        _ if shape.len() >= 4 && along(1).is_none() => along_the_sequence(shape, dim, along),
+        _ => None,
+    }
+}
+
 /// Why a flip (`op`) over `axes` of `shape` is refused, or `None`: one that reverses the
 /// sequence dim (as [`scan_over_the_shard`] finds it) reverses each rank's shard in place,
 /// not the sequence: the reversed sequence's first shard is the last rank's.
 pub fn flip_over_the_shard(op: &'static str, shape: &[usize], axes: &[usize], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let dim = sequence_dim(shape);
-    let shard = along_the_shard(shape, dim).filter(|_| axes.contains(&dim))?;
+    let (dim, shard) = axes.iter().find_map(|&dim| scanned_sequence(shape, dim).map(|shard| (dim, shard)))?;
     let what = format!("reversing the {shard} tokens of this rank's shard leaves each shard where it was, reversed within itself");
     let fix = "Reverse the whole sequence before it is sharded (and shard the reversed one), or do it on one rank \
                (burn_ulysses::context::enter_single_device()).";
@@ -447,13 +477,15 @@ pub fn unfold_over_the_shard(op: &'static str, shape: &[usize], dim: usize, size
 
 /// `along(dim)` (the shard's length where `dim` of `shape` is as long) where `dim` is a sequence
 /// dim: `[B, S, ..]`'s dim 1, a channels-first `[B, C, L]`'s dim 2 (its dim 1 not the shard's),
-/// or per-head `[B, H, S, D]`'s dim 2.
+/// per-head `[B, H, S, D]`'s dim 2, or the one dim past the batch so long of 5-D or more
+/// (a linear attention's state per token, `[B, H, S, dk, dv]`).
 fn along_the_sequence(shape: &[usize], dim: usize, along: impl Fn(usize) -> Option<usize>) -> Option<usize> {
     let sequence = sequence_dim(shape);
     match dim {
         _ if dim == sequence => along(dim),
         2 if shape.len() == 3 && along(sequence).is_none() => along(dim),
         _ if shape.len() >= 4 && dim == shape.len() - 2 => along(dim),
+        _ if shape.len() >= 5 && dim >= 1 && (1..shape.len()).filter(|&other| along(other).is_some()).count() == 1 => along(dim),
         _ => None,
     }
 }
@@ -874,6 +906,8 @@ pub enum OverTheSequence {
     Locates,
     /// A sort or top-k: the tokens ranked among themselves.
     Ranks,
+    /// A softmax: weights that sum to one over the tokens.
+    Normalises,
 }
 
 /// Why `op` (a reduction or a ranking, as `kind` says) along `dim` of `shape` is refused, or
@@ -919,6 +953,10 @@ pub fn reduced_over_the_shard(op: &'static str, kind: OverTheSequence, shape: &[
         OverTheSequence::Ranks => format!(
             "it ranks the {len} tokens of {whose} among themselves as if they were the whole sequence: a top-k of the \
              sequence's tokens (mixture-of-depths routing, expert choice) picks {it}'s own"
+        ),
+        OverTheSequence::Normalises => format!(
+            "it normalises over the {len} tokens of {whose} as if they were the whole sequence: weights that sum to one over \
+             the sequence's tokens (attention pooling's single query, a softmax over a mask's tokens) sum to one over {it}'s"
         ),
     };
     let fix = "Compute what needs the whole sequence before it is sharded, or run it on one rank \
@@ -1460,10 +1498,26 @@ mod tests {
         assert!(scan(&[8], 0).is_some(), "a 1-D row of the shard");
         // Other dims as long as the shard: a batch, features (`[B, S, D]` with D the shard's length).
         assert!(scan(&[8, 8], 0).is_none() && scan(&[2, 8, 32], 2).is_none() && scan(&[2, 5, 8], 2).is_none());
+        // Per head: causal linear attention's running sums over `[B, H, S, dk]` and its state
+        // `[B, H, S, dk, dv]`; not where dim 1 is the sequence, nor a 5-D tensor with two dims so long.
+        assert!(scan(&[2, 4, 8, 16], 2).is_some_and(|m| m.contains("cumsum along dim 2 of a [2, 4, 8, 16] tensor")));
+        assert!(scan(&[2, 4, 8, 16, 16], 2).is_some() && flip_over_the_shard("flip", &[2, 4, 8, 16], &[3, 2], || SP2).is_some());
+        assert!(scan(&[2, 8, 4, 16], 2).is_none() && scan(&[2, 4, 8, 8, 16], 2).is_none() && scan(&[2, 4, 8, 16], 3).is_none());
         EMBEDDED_TOKENS.set((8, 5));
         assert!(scan(&[2, 8], 1).is_none(), "a model that embeds two lengths leaves the length's rules off");
         forget_embedded_lengths();
         assert!(scan(&[2, 8], 1).is_none() && weights(&[1, 1, 8, 8], 3).is_none());
+        // Where the forward's positions are noted they say which length is the shard's: with
+        // two lengths embedded (a prompt's beside the tokens'), or none (ids looked up by
+        // `select` from a tied table), the rules stay on.
+        let noted = noted(&(8..16).collect::<Vec<_>>(), 2);
+        assert!(scan(&[2, 8], 1).is_some() && weights(&[1, 1, 8, 8], 3).is_some(), "no embedding, the shard noted");
+        EMBEDDED_TOKENS.set((8, 5));
+        assert!(scan(&[2, 8], 1).is_some() && scan(&[2, 5], 1).is_none(), "two lengths embedded, the shard noted");
+        EMBEDDED_TOKENS.set((6, 6));
+        assert!(scan(&[2, 6], 1).is_some() && scan(&[2, 8], 1).is_none(), "one length embedded goes first");
+        drop(noted);
+        forget_embedded_lengths();
     }
 
     /// Windows that tile the shard resample it (pooled by 2: 4 places for its 8 tokens): the
@@ -1756,6 +1810,12 @@ mod tests {
         assert!(ranked.contains("ranks the 8 tokens") && ranked.contains("mixture-of-depths"), "{ranked}");
         let located = reduced_over_the_shard("argmax", OverTheSequence::Locates, &[2, 8], 1, false, || SP2).expect("where the first padding lies refused").to_string();
         assert!(located.contains("argmax along dim 1") && located.contains("among the 8 tokens") && located.contains("first padding"), "{located}");
+        // A softmax over the tokens that is no token × token matrix: attention pooling's
+        // `[B, S, 1]`, a mask's `[B, S]`; not over features (logits `[B, S, V]`).
+        let normalised = attention_weights_by_hand("softmax", &[2, 8, 1], 1, || SP2).expect("attention pooling's weights refused").to_string();
+        assert!(normalised.contains("softmax along dim 1 of a [2, 8, 1] tensor") && normalised.contains("normalises over the 8 tokens") && normalised.contains("attention pooling"), "{normalised}");
+        assert!(attention_weights_by_hand("log_softmax", &[2, 8], 1, || SP2).is_some());
+        assert!(attention_weights_by_hand("log_softmax", &[2, 8, 8], 2, || SP2).is_none() && attention_weights_by_hand("softmax", &[2, 8, 1], 1, || None).is_none());
         // Per head `[B, H, S, D]` and `[B, S, H, D]`, `[B, S]` scores, 5-D.
         assert!(reduced(&[2, 4, 8, 16], 2).is_some() && reduced(&[2, 8, 4, 16], 1).is_some() && reduced(&[2, 8], 1).is_some() && reduced(&[2, 4, 2, 8, 16], 3).is_some());
         // Features (a norm's, as long as the shard or not), heads, a tile `[B, T, D]`, another
