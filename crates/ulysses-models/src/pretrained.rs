@@ -936,6 +936,15 @@ impl HfCheckpointWriter {
         Ok(())
     }
 
+    /// Keeps the new folder beside `dir` as `NAME.unsaved-PID`, out of the way of the cleaning
+    /// of torn saves' folders (`.NAME.partial-PID`), or where it is if that rename fails: where
+    /// it could not be put in place. Returns where it is.
+    fn keep_beside(&mut self) -> PathBuf {
+        let unsaved = self.dir.with_file_name(format!("{}.unsaved-{}", self.name, std::process::id()));
+        self.kept = true;
+        if std::fs::rename(&self.partial, &unsaved).is_ok() { unsaved } else { self.partial.clone() }
+    }
+
     /// Writes the index (when sharded), makes every file durable and renames the folder into
     /// place: the earlier folder aside, the new one in, the earlier one removed. A folder that
     /// holds what no save wrote (found now: it may have been made since the run began) is left
@@ -954,26 +963,26 @@ impl HfCheckpointWriter {
         }
         // Once the new folder is whole (its index written), so that the one left beside is
         // a checkpoint transformers loads.
-        let (dir, name) = (&self.dir, &self.name);
+        let dir = self.dir.clone();
+        let dir = &dir;
         if let Err(CheckpointError::File { file, problem }) = check_only_saved_files(dir) {
-            // Out of the way of the cleaning of torn saves' folders (`.NAME.partial-PID`).
-            let unsaved = dir.with_file_name(format!("{name}.unsaved-{}", std::process::id()));
-            let kept = if std::fs::rename(&self.partial, &unsaved).is_ok() { unsaved } else { self.partial.clone() };
-            self.kept = true;
+            let kept = self.keep_beside();
             return Err(CheckpointError::file(Path::new(&file), format!("{problem}; the model was written to {} instead", kept.display())));
         }
-        let earlier = dir.with_file_name(format!(".{name}.earlier-{}", std::process::id()));
+        let earlier = dir.with_file_name(format!(".{}.earlier-{}", self.name, std::process::id()));
         let had_earlier = dir.exists();
-        if had_earlier {
-            std::fs::rename(dir, &earlier).map_err(io(dir))?;
+        if had_earlier && let Err(e) = std::fs::rename(dir, &earlier) {
+            // The earlier model stays in place, and the new one beside it.
+            let kept = self.keep_beside();
+            return Err(CheckpointError::file(
+                dir,
+                format!("cannot set the earlier model aside to put the new one in place ({e}); the new model was written to {}, the earlier one is as it was", kept.display()),
+            ));
         }
         if let Err(e) = std::fs::rename(&self.partial, dir) {
-            // Neither model lost: the earlier one back in place, the new one kept beside it,
-            // out of the way of the cleaning of torn saves' folders.
+            // Neither model lost: the earlier one back in place, the new one kept beside it.
             let put_back = had_earlier && std::fs::rename(&earlier, dir).is_ok();
-            let unsaved = dir.with_file_name(format!("{name}.unsaved-{}", std::process::id()));
-            let kept = if std::fs::rename(&self.partial, &unsaved).is_ok() { unsaved } else { self.partial.clone() };
-            self.kept = true;
+            let kept = self.keep_beside();
             let earlier_note = match (had_earlier, put_back) {
                 (false, _) => String::new(),
                 (true, true) => "; the earlier model is back in place".to_string(),

@@ -872,6 +872,34 @@ fn a_snapshot_written_later_is_the_folder_a_save_writes() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// A save whose earlier folder cannot be set aside (a file of that name is in the way)
+/// leaves the earlier model in place and keeps the new one beside it, named in the error: it
+/// had removed the new one.
+#[test]
+fn a_save_that_cannot_set_the_earlier_model_aside_keeps_both() {
+    use burn::tensor::DType;
+    use ulysses_models::{HfCheckpointSnapshot, SaveOptions, save_pretrained_including};
+    let folder = model_fixtures().into_iter().find(|f| f.ends_with("qwen3")).expect("the qwen3 fixture");
+    let root = std::env::temp_dir().join(format!("ulysses-models-{}-aside", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let dir = root.join("tuned");
+    let options = SaveOptions { dtype: DType::BF16, max_shard_bytes: ulysses_models::DEFAULT_MAX_SHARD_BYTES };
+    let pretrained = from_pretrained::<Cpu>(&folder, &Default::default()).unwrap();
+    save_pretrained_including(&pretrained.model, &pretrained.config, &dir, options, &[]).unwrap();
+    let earlier_config = std::fs::read(dir.join("config.json")).unwrap();
+    let snapshot = HfCheckpointSnapshot::take(&pretrained.model, &pretrained.config, &dir, options, &[]).unwrap();
+    // The name the save sets the earlier folder aside under, taken by a file (which the
+    // cleaning of killed saves' folders cannot remove as a folder).
+    std::fs::write(root.join(format!(".tuned.earlier-{}", std::process::id())), b"in the way").unwrap();
+    let error = snapshot.write().map(|_| ()).unwrap_err().to_string();
+    assert!(error.contains("cannot set the earlier model aside") && error.contains("the earlier one is as it was"), "{error}");
+    assert_eq!(std::fs::read(dir.join("config.json")).unwrap(), earlier_config, "the earlier model moved");
+    let beside = root.join(names_in(&root).into_iter().find(|n| n.starts_with("tuned.unsaved-")).expect("the new model beside the folder"));
+    assert!(error.contains(&beside.display().to_string()), "{error}");
+    from_pretrained::<Cpu>(&beside, &Default::default()).expect("the new model kept beside loads");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 /// A config.json's `pad_token_id` is the embedding's padding row, as transformers'
 /// `nn.Embedding(padding_idx)` makes it: the row takes no gradient from the tokens that look it
 /// up, and the rest of the model computes as without it. The untied Qwen3 fixture with its pad

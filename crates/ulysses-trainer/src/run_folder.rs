@@ -10,8 +10,9 @@
 //!   folder that holds an earlier run's files ([`earlier_run_files`]: a training checkpoint,
 //!   its record or its model, as a `--no-save` run or one killed before its first checkpoint
 //!   leaves too), leaving it as it was, unless told `--overwrite`.
-//! - The temporary file of a write a killed run left (`.NAME.tmp-PID`) is removed once the
-//!   lock is held.
+//! - The temporary file of a write a killed run left (`.NAME.tmp-PID`), and the sharded
+//!   optimizer state of a save killed before its commit (a state folder no checkpoint names),
+//!   are removed once the lock is held.
 //! - The files that describe the run (`config.json`, `metrics.csv`) are written only once its
 //!   first step has succeeded ([`RunRecord::open`]), each atomically; metrics rows are then
 //!   appended. A run that fails before that leaves the folder's earlier record as it was.
@@ -147,9 +148,14 @@ impl RunFolder {
 }
 
 /// Removes the temporary files of writes a killed run left (`.NAME.tmp-PID`, as
-/// `write_atomically` names them: a checkpoint cut short is as large as the checkpoint). The
-/// folder's lock is held, so no live writer owns one.
+/// `write_atomically` names them: a checkpoint cut short is as large as the checkpoint), and
+/// the sharded optimizer state a save killed before its commit left (a folder no checkpoint
+/// file names: as large as the optimizer state, which the next commit alone would remove, if
+/// the disk still had room for it). The folder's lock is held, so no live writer owns one.
 fn remove_torn_writes(path: &Path) {
+    for folder in ulysses_training::remove_unnamed_state_folders(path, None) {
+        tracing::info!(folder = %folder.display(), "removed the optimizer state a save cut short left (no checkpoint names it)");
+    }
     let Ok(entries) = fs::read_dir(path) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -361,12 +367,17 @@ mod tests {
         }
     }
 
-    /// What a save killed halfway left (its temporary file) goes when the folder is next
-    /// claimed; the checkpoint and anything else stay.
+    /// What a save killed halfway left (its temporary file, or a sharded state folder no
+    /// checkpoint names) goes when the folder is next claimed; the checkpoint and anything else
+    /// stay.
     #[test]
     fn a_claim_removes_what_a_killed_write_left() {
         let path = folder("torn");
         fs::create_dir_all(&path).unwrap();
+        let unnamed = path.join(ulysses_training::sharded_state_folder(3, 2));
+        fs::create_dir_all(&unnamed).unwrap();
+        fs::write(unnamed.join(ulysses_training::sharded_state_file(0, 2)), b"a part").unwrap();
+        fs::create_dir_all(path.join("samples")).unwrap();
         let torn = path.join(format!(".{CHECKPOINT_FILE}.tmp-4242"));
         for (name, bytes) in [(CHECKPOINT_FILE, "weights"), (".notes.tmp-draft", "mine"), ("data.tmp-7", "mine")] {
             fs::write(path.join(name), bytes).unwrap();
@@ -376,7 +387,7 @@ mod tests {
         assert!(!torn.exists());
         let mut names: Vec<_> = fs::read_dir(&path).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         names.sort();
-        assert_eq!(names, [".lock", ".notes.tmp-draft", CHECKPOINT_FILE, "data.tmp-7"]);
+        assert_eq!(names, [".lock", ".notes.tmp-draft", CHECKPOINT_FILE, "data.tmp-7", "samples"]);
         let _ = fs::remove_dir_all(&path);
     }
 

@@ -359,7 +359,7 @@ where
             )),
         };
         if path.is_ok() {
-            remove_unnamed_state_folders(dir, Some(&folder_name));
+            let _ = remove_unnamed_state_folders(dir, Some(&folder_name));
         }
         Some(path)
     } else {
@@ -416,9 +416,12 @@ pub fn check_folder_shared<W: burn::tensor::backend::Backend>(dir: &Path, world:
 /// Removes every sharded-state folder in `dir` but `keep` and those a checkpoint file in `dir`
 /// names (what a crash or the previous checkpoint left, where no copy of a checkpoint file
 /// kept beside it names it); a folder that cannot be removed is a warning. The trainer also
-/// calls it when a replicated run replaces a sharded one's checkpoint (`--overwrite`).
-pub fn remove_unnamed_state_folders(dir: &Path, keep: Option<&str>) {
-    let Ok(entries) = fs::read_dir(dir) else { return };
+/// calls it when a replicated run replaces a sharded one's checkpoint (`--overwrite`), and as
+/// it claims a run folder to resume in, for what a save killed between writing its parts and
+/// committing them left (a whole copy of the optimizer state). Returns the folders removed.
+pub fn remove_unnamed_state_folders(dir: &Path, keep: Option<&str>) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    let Ok(entries) = fs::read_dir(dir) else { return removed };
     let entries: Vec<_> = entries.flatten().collect();
     let named: Vec<String> = entries
         .iter()
@@ -428,11 +431,13 @@ pub fn remove_unnamed_state_folders(dir: &Path, keep: Option<&str>) {
     for entry in entries {
         let name = entry.file_name().to_string_lossy().into_owned();
         if name.starts_with(STATE_FOLDER_PREFIX) && Some(name.as_str()) != keep && !named.contains(&name) {
-            if let Err(error) = fs::remove_dir_all(entry.path()) {
-                tracing::warn!(folder = %entry.path().display(), %error, "cannot remove an optimizer state folder no checkpoint names");
+            match fs::remove_dir_all(entry.path()) {
+                Ok(()) => removed.push(entry.path()),
+                Err(error) => tracing::warn!(folder = %entry.path().display(), %error, "cannot remove an optimizer state folder no checkpoint names"),
             }
         }
     }
+    removed
 }
 
 /// Loads a checkpoint written by [`save_sharded_training_checkpoint`]: the optimizer state
