@@ -1784,9 +1784,9 @@ fn the_flags_the_guides_name_exist() {
     };
     let known = [flags(Path::new(trainer())), flags(&launcher())].concat();
     assert!(known.iter().any(|flag| flag == "--checkpoint-layers"), "the trainer's --help lists no --checkpoint-layers: {known:?}");
-    // Cargo's, in the guides' build and test commands, sbatch's `--signal` and srun's
-    // `--cpus-per-task`.
-    const CARGO: [&str; 9] = ["--release", "--workspace", "--features", "--example", "--test", "--nocapture", "--no-run", "--signal", "--cpus-per-task"];
+    // Cargo's, in the guides' build and test commands, sbatch's `--signal` and `--mem`, srun's
+    // `--cpus-per-task`, and docker's `--memory`.
+    const CARGO: [&str; 11] = ["--release", "--workspace", "--features", "--example", "--test", "--nocapture", "--no-run", "--signal", "--cpus-per-task", "--mem", "--memory"];
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let mut checked = 0;
     for guide in ["README.md", "docs/training.md"] {
