@@ -949,6 +949,9 @@ enum Placement {
     /// Tokens looked up by `select` from the embedding table (no `module::embedding` call for the
     /// guard to learn the shard's length from), then a running sum over them.
     SelectedThenSummed,
+    /// Each token plus a token-mixing weight's sum over the tokens (gMLP's spatial gating unit),
+    /// the weight cut to the length at hand.
+    SpatialGating,
 }
 
 /// The token id [`Placement`]'s padding rules look for (none of [`token_batch`]'s is one).
@@ -1002,6 +1005,7 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
             x.clone() + weights.swap_dims(1, 2).matmul(x)
         }
         Placement::SelectedThenSummed => x.clone() + x.cumsum(1) * 0.1,
+        Placement::SpatialGating => x.clone() + uniform_tensor::<B, 2>([max_len, max_len], 29, &device).slice([0..len, 0..len]).unsqueeze::<3>().matmul(x) * 0.1,
         Placement::LearnedTableRows => {
             let table = deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).weight.val();
             x + table.slice([0..len]).unsqueeze::<3>()
@@ -1105,7 +1109,8 @@ fn positions_counted_from_each_ranks_first_token_are_refused() {
 /// count of tokens, where its first padding lies, whether any is padding, a shift by padding or
 /// concatenating and cropping (of the embeddings, or of the token ids), causal linear
 /// attention's running sums per head, attention pooling's softmax over the tokens, a running sum
-/// over tokens embedded by `select` (no embedding call): each shard's alone. Refused on every rank at SP = 2 and 3, naming
+/// over tokens embedded by `select` (no embedding call), a token-mixing weight cut to the
+/// shard's length (gMLP's): each shard's alone. Refused on every rank at SP = 2 and 3, naming
 /// the op and the fix; a finite loss at SP = 1. Padded and cropped back where the tokens went,
 /// one device's loss.
 #[test]
@@ -1124,6 +1129,7 @@ fn tokens_mixed_within_the_shard_are_refused_on_every_rank() {
         (Placement::LinearAttentionSums, "cumsum", "enter_single_device"),
         (Placement::AttentionPooled, "softmax", "enter_single_device"),
         (Placement::SelectedThenSummed, "cumsum", "enter_single_device"),
+        (Placement::SpatialGating, "slice", "enter_single_device"),
     ];
     for (placement, op, fix) in mixed {
         for sp in [2, 3] {

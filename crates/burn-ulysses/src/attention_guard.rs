@@ -749,11 +749,43 @@ pub fn positions_sliced_from_a_table(shape: &[usize], slices: &[Slice], activati
 /// The one dim `slices` cut `shape` along, in steps of 1, and its range; `None` where they cut
 /// none, several, or with another step.
 fn one_cut(shape: &[usize], slices: &[Slice]) -> Option<(usize, Range<usize>)> {
+    let mut cut = cuts(shape, slices)?.into_iter();
+    let (Some(cut), None) = (cut.next(), cut.next()) else { return None };
+    Some(cut)
+}
+
+/// The dims `slices` cut `shape` along, each in steps of 1, with their ranges; `None` where one
+/// is cut with another step.
+fn cuts(shape: &[usize], slices: &[Slice]) -> Option<Vec<(usize, Range<usize>)>> {
     let slice = |dim: usize| slices.get(dim).copied().unwrap_or(Slice::full());
     let whole = |dim: usize| slice(dim).step == 1 && slice(dim).to_range(shape[dim]) == (0..shape[dim]);
-    let mut cut = (0..shape.len()).filter(|&dim| !whole(dim));
-    let (Some(dim), None) = (cut.next(), cut.next()) else { return None };
-    (slice(dim).step == 1).then(|| (dim, slice(dim).to_range(shape[dim])))
+    (0..shape.len()).filter(|&dim| !whole(dim)).map(|dim| (slice(dim).step == 1).then(|| (dim, slice(dim).to_range(shape[dim])))).collect()
+}
+
+/// Why a slice of `shape` by `slices` is refused as a token × token block cut to the shard, or
+/// `None`: inside a forward whose positions are noted, a cut of a table (no activation, as
+/// [`positions_sliced_from_a_table`] tells one) along two dims alone, both to the same rows, as
+/// many as the shard has tokens, of a matrix as long as the whole sequence over the ranks or
+/// longer along both: a weight or mask over the sequence's tokens (gMLP's spatial gating
+/// weight, a Synthesizer's learned attention, a causal mask buffer's `[:T, :T]`), whose block
+/// for the shard mixes its tokens among themselves alone, without the other ranks' columns.
+pub fn token_matrix_cut_to_the_shard(shape: &[usize], slices: &[Slice], activation: bool, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2 && !activation && shape.len() >= 2)?;
+    let [(rows_dim, rows), (columns_dim, columns)] = <[_; 2]>::try_from(cuts(shape, slices)?).ok()?;
+    if rows.len() != noted.len || rows != columns {
+        return None;
+    }
+    let sharding = refusing(sharding()).filter(|sharding| shape[rows_dim].min(shape[columns_dim]) >= sharding.ranks * noted.len)?;
+    let (n, (start, end)) = (noted.len, (rows.start, rows.end));
+    let what = format!(
+        "it takes the {n} x {n} block {start}..{end} along dims {rows_dim} and {columns_dim} of a matrix over the sequence's tokens \
+         (gMLP's spatial gating weight, a learned attention, a causal mask buffer): the shard's tokens mixed among themselves alone, \
+         without the other ranks' columns"
+    );
+    let fix = "Mix the tokens through burn::tensor::module::attention, or mix the whole sequence on one rank \
+               (burn_ulysses::context::enter_single_device()); a block that is right per shard goes inside \
+               burn_ulysses::attention_guard::not_positions(|| ..).";
+    Some(UlyssesError::ShardLocalByHand { op: "slice", shape: shape.to_vec(), dim: columns_dim, what, ranks: sharding.ranks, fix })
 }
 
 /// The fix a refused token shift names ([`shard_shifted_by_a_slice`], [`shard_shifted_by_padding`]).
@@ -1009,6 +1041,7 @@ pub fn guarded_float_slice<X: ExchangeBackend>(tensor: FloatTensor<X>, slices: &
         let (shape, activation) = (tensor.shape(), X::is_tracked(&tensor) && !X::float_is_require_grad(&tensor));
         refuse(
             positions_sliced_from_a_table(&shape, slices, activation, true, context::current_sharding)
+                .or_else(|| token_matrix_cut_to_the_shard(&shape, slices, activation, context::current_sharding))
                 .or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding))
                 .or_else(|| shard_shifted_by_padding(false, &shape, slices, context::current_sharding)),
         );
@@ -1023,6 +1056,7 @@ pub fn guarded_int_slice<X: ExchangeBackend>(tensor: IntTensor<X>, slices: &[Sli
         let shape = tensor.shape();
         refuse(
             positions_sliced_from_a_table(&shape, slices, false, false, context::current_sharding)
+                .or_else(|| token_matrix_cut_to_the_shard(&shape, slices, false, context::current_sharding))
                 .or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding))
                 .or_else(|| shard_shifted_by_padding(true, &shape, slices, context::current_sharding)),
         );
@@ -1632,6 +1666,27 @@ mod tests {
     fn noted(ids: &[u64], rows: usize) -> ShardPositionsNoted {
         let positions = crate::visibility::PositionIds::new(ids.repeat(rows), rows, ids.len()).expect("ids");
         note_shard_positions(&ShardPositions { ids: positions, packed: false })
+    }
+
+    /// A square block of a matrix over the sequence's tokens, cut to the shard's length: a
+    /// gMLP's spatial weight, a causal mask buffer's `[:T, :T]`.
+    #[test]
+    fn a_token_matrix_cut_to_the_shard_is_refused() {
+        let cut = |shape: &[usize], slices: &[Slice], activation: bool| token_matrix_cut_to_the_shard(shape, slices, activation, || SP2).map(|e| e.to_string());
+        let block = |range: Range<usize>| [Slice::from(range.clone()), Slice::from(range)];
+        assert!(cut(&[32, 32], &block(0..8), false).is_none(), "nothing noted");
+        let _noted = noted(&(8..16).collect::<Vec<_>>(), 2);
+        let message = cut(&[32, 32], &block(0..8), false).expect("a spatial weight cut to the shard refused");
+        for needle in ["slice along dim 1 of a [32, 32] tensor", "8 x 8 block 0..8", "gMLP", "2 ranks", "enter_single_device"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        assert!(cut(&[32, 32], &block(8..16), false).is_some(), "at the shard's own rows too: the other ranks' columns are missing");
+        assert!(cut(&[1, 1, 32, 32], &[Slice::full(), Slice::full(), Slice::from(0..8), Slice::from(0..8)], false).is_some(), "a mask buffer");
+        // An activation, rows and columns apart, another length, one dim, a matrix shorter
+        // than the sequence, outside SP: no such block.
+        assert!(cut(&[32, 32], &block(0..8), true).is_none() && cut(&[32, 32], &[Slice::from(0..8), Slice::from(8..16)], false).is_none());
+        assert!(cut(&[32, 32], &block(0..6), false).is_none() && cut(&[32, 32], &[Slice::from(0..8), Slice::full()], false).is_none());
+        assert!(cut(&[12, 12], &block(0..8), false).is_none() && token_matrix_cut_to_the_shard(&[32, 32], &block(0..8), false, || None).is_none());
     }
 
     #[test]
