@@ -1209,8 +1209,35 @@ pub fn paragraph_lengths(sequence: &[i64]) -> Vec<usize> {
     lengths
 }
 
-/// Every rank loads the checkpoint (so it must be readable on every node), after checking
-/// that it continues this run; then the ranks check they loaded the same thing.
+/// This host's turn to load the replicated checkpoint at `location`, held until dropped: a
+/// load holds the whole file and its decoded records at once (about twice the checkpoint on
+/// the host, 16 bytes a parameter with AdamW's moments), so the eight ranks of a node loading
+/// together needed eight times that (a 1B model's 150 GB) and the kernel killed them. One rank
+/// of the host at a time, by a lock file in the temporary folder (the ranks of other hosts load
+/// meanwhile; the load takes no collective, so no rank waits on one that waits for the turn).
+/// Where the lock cannot be taken, no turn: loads at once, as before, with a warning.
+struct HostTurn(Option<std::fs::File>);
+
+impl HostTurn {
+    fn take(location: &Path) -> Self {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        std::fs::canonicalize(location).unwrap_or_else(|_| location.to_path_buf()).hash(&mut hasher);
+        let path = std::env::temp_dir().join(format!("ulysses-resume-{:016x}.lock", hasher.finish()));
+        let locked = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).and_then(|file| file.lock().map(|()| file));
+        match locked {
+            Ok(file) => Self(Some(file)),
+            Err(error) => {
+                tracing::warn!(lock = %path.display(), %error, "the ranks of this host load the checkpoint at once (no lock for turns)");
+                Self(None)
+            }
+        }
+    }
+}
+
+/// Every rank loads the checkpoint (so it must be readable on every node; a replicated one a
+/// rank of each host at a time, [`HostTurn`]), after checking that it continues this run; then
+/// the ranks check they loaded the same thing.
 fn resume<B, O>(
     config: &TrainConfig,
     location: &Path,
@@ -1228,6 +1255,7 @@ where
     check_resumable(config, &read_checkpoint_state::<RunState>(location)?).map_err(UlyssesError::InvalidConfig)?;
     let (model, optimizer, state): (_, _, RunState) = match optimizer {
         RankOptimizer::Replicated(optimizer) => {
+            let _turn = HostTurn::take(location);
             let (model, optimizer, state) = load_training_checkpoint(location, model, optimizer, device)?;
             (model, RankOptimizer::Replicated(optimizer), state)
         }
@@ -1708,6 +1736,29 @@ mod tests {
         assert!(error.ends_with("= 3: use 3"), "no batch of 0 offered: {error}");
         let error = dp3.with_batch_size(4).validate().unwrap_err();
         assert!(error.ends_with("= 3: use 3 or 6"), "{error}");
+    }
+
+    /// Ranks of one host take their turns to load a checkpoint one at a time: never two
+    /// inside at once, however many wait; another checkpoint's turns are its own.
+    #[test]
+    fn a_hosts_ranks_load_a_checkpoint_one_at_a_time() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let location = std::env::temp_dir().join(format!("ulysses-turns-{}", std::process::id())).join("checkpoint.ulysses");
+        let (inside, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    let turn = super::HostTurn::take(&location);
+                    assert!(turn.0.is_some(), "no lock taken");
+                    most.fetch_max(inside.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+                    // Another checkpoint's turn is free meanwhile.
+                    assert!(super::HostTurn::take(&location.with_file_name("other.ulysses")).0.is_some());
+                    std::thread::sleep(std::time::Duration::from_millis(30));
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        assert_eq!(most.load(Ordering::SeqCst), 1, "two ranks loaded at once");
     }
 
     /// A host's cores shared among its ranks' host optimizers: 8 GPUs' ranks on 16 cores take
