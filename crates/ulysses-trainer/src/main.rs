@@ -1778,6 +1778,7 @@ where
             },
             host_optimizer_threads: Some(host_optimizer_threads),
             estimated_peak,
+            ranks_on_this_host: ranks_here,
         };
         let model = template.take_or_clone();
         let model = if lazy { model } else { model.fork(&rank.device) };

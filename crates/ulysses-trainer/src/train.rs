@@ -596,6 +596,9 @@ pub struct RunOptions<'a> {
     /// What a step should hold on the device at most (`ulysses_trainer::memory`), shown beside
     /// what the device's pools held, at the end.
     pub estimated_peak: Option<u64>,
+    /// This rank's host's ranks (0: unknown, taken as one): whether a resume's loads fit the
+    /// host at once ([`HostTurn`]).
+    pub ranks_on_this_host: usize,
 }
 
 /// Each of `ranks` ranks on a host with `cores` cores takes an equal share for its host
@@ -654,7 +657,7 @@ where
     let (mut model, mut optimizer, first_step) = match &options.resume {
         None if zero_3 => (model, optimizer, 0),
         None => (broadcast_parameters(model, &*groups.world)?, optimizer, 0),
-        Some(location) => resume(config, location, model, optimizer, groups, device)?,
+        Some(location) => resume(config, location, model, optimizer, groups, device, options.ranks_on_this_host)?,
     };
     let (world_rank, world) = (groups.world_rank(), groups.world.size());
     // ZeRO-3's cut takes them itself.
@@ -1212,13 +1215,35 @@ pub fn paragraph_lengths(sequence: &[i64]) -> Vec<usize> {
 /// This host's turn to load the replicated checkpoint at `location`, held until dropped: a
 /// load holds the whole file and its decoded records at once (about twice the checkpoint on
 /// the host, 16 bytes a parameter with AdamW's moments), so the eight ranks of a node loading
-/// together needed eight times that (a 1B model's 150 GB) and the kernel killed them. One rank
-/// of the host at a time, by a lock file in the temporary folder (the ranks of other hosts load
-/// meanwhile; the load takes no collective, so no rank waits on one that waits for the turn).
-/// Where the lock cannot be taken, no turn: loads at once, as before, with a warning.
+/// together need eight times that (a 1B model's 150 GB), which the kernel's OOM killer met.
+/// Where that does not fit the host's memory ([`HostTurn::needed`]), one rank of the host at a
+/// time, by a lock file in the temporary folder (the ranks of other hosts load meanwhile; the
+/// load takes no collective). The ranks that loaded first then wait for the last in the next
+/// collective, which the collective timeout bounds (`ULYSSES_COLLECTIVE_TIMEOUT`). Where the
+/// lock cannot be taken, no turn: loads at once, with a warning.
 struct HostTurn(Option<std::fs::File>);
 
 impl HostTurn {
+    /// Whether `ranks` loads of the checkpoint at `location` at once (twice its size each) would
+    /// not fit `available` bytes of the host (`None`: unknown, taken as fitting); `say`: log
+    /// why the loads take turns.
+    fn needed(location: &Path, ranks: usize, available: Option<u64>, say: bool) -> bool {
+        let file = ulysses_training::checkpoint::checkpoint_path(location);
+        let (Ok(size), Some(available)) = (std::fs::metadata(&file).map(|m| m.len()), available) else { return false };
+        let at_once = 2 * size * ranks as u64;
+        let needed = ranks > 1 && at_once > available;
+        if needed && say {
+            tracing::info!(
+                "the {ranks} ranks of this host load the checkpoint ({:.1} GB) one at a time: at once they would hold {:.1} GB of the {:.1} GB \
+                 available (a load longer than the collective timeout divided by the ranks needs ULYSSES_COLLECTIVE_TIMEOUT raised)",
+                size as f64 / 1e9,
+                at_once as f64 / 1e9,
+                available as f64 / 1e9
+            );
+        }
+        needed
+    }
+
     fn take(location: &Path) -> Self {
         use std::hash::{Hash, Hasher};
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
@@ -1245,6 +1270,7 @@ fn resume<B, O>(
     optimizer: RankOptimizer<B, O>,
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
+    ranks_on_this_host: usize,
 ) -> Result<(Decoder<B>, RankOptimizer<B, O>, usize), UlyssesError>
 where
     B: TrainBackend,
@@ -1255,7 +1281,7 @@ where
     check_resumable(config, &read_checkpoint_state::<RunState>(location)?).map_err(UlyssesError::InvalidConfig)?;
     let (model, optimizer, state): (_, _, RunState) = match optimizer {
         RankOptimizer::Replicated(optimizer) => {
-            let _turn = HostTurn::take(location);
+            let _turn = HostTurn::needed(location, ranks_on_this_host, ulysses_core::host_memory::available_bytes(), groups.world_rank() == 0).then(|| HostTurn::take(location));
             let (model, optimizer, state) = load_training_checkpoint(location, model, optimizer, device)?;
             (model, RankOptimizer::Replicated(optimizer), state)
         }
@@ -1759,6 +1785,13 @@ mod tests {
             }
         });
         assert_eq!(most.load(Ordering::SeqCst), 1, "two ranks loaded at once");
+        // Turns only where the loads at once (twice the file each) would not fit the host.
+        std::fs::create_dir_all(location.parent().unwrap()).unwrap();
+        std::fs::write(&location, vec![0u8; 1000]).unwrap();
+        let needed = |ranks: usize, available: Option<u64>| super::HostTurn::needed(&location, ranks, available, false);
+        assert!(needed(8, Some(15_999)) && !needed(8, Some(16_000)) && !needed(1, Some(10)) && !needed(8, None));
+        assert!(!super::HostTurn::needed(&location.with_file_name("missing.ulysses"), 8, Some(1), false));
+        let _ = std::fs::remove_dir_all(location.parent().unwrap());
     }
 
     /// A host's cores shared among its ranks' host optimizers: 8 GPUs' ranks on 16 cores take
