@@ -1221,7 +1221,10 @@ pub fn paragraph_lengths(sequence: &[i64]) -> Vec<usize> {
 /// load takes no collective). The ranks that loaded first then wait for the last in the next
 /// collective, which the collective timeout bounds (`ULYSSES_COLLECTIVE_TIMEOUT`). Where the
 /// lock cannot be taken, no turn: loads at once, with a warning.
-struct HostTurn(Option<std::fs::File>);
+struct HostTurn {
+    /// The lock file, locked; released as it closes.
+    _lock: Option<std::fs::File>,
+}
 
 impl HostTurn {
     /// Whether `ranks` loads of the checkpoint at `location` at once (twice its size each) would
@@ -1251,10 +1254,10 @@ impl HostTurn {
         let path = std::env::temp_dir().join(format!("ulysses-resume-{:016x}.lock", hasher.finish()));
         let locked = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).and_then(|file| file.lock().map(|()| file));
         match locked {
-            Ok(file) => Self(Some(file)),
+            Ok(file) => Self { _lock: Some(file) },
             Err(error) => {
                 tracing::warn!(lock = %path.display(), %error, "the ranks of this host load the checkpoint at once (no lock for turns)");
-                Self(None)
+                Self { _lock: None }
             }
         }
     }
@@ -1775,10 +1778,10 @@ mod tests {
             for _ in 0..4 {
                 scope.spawn(|| {
                     let turn = super::HostTurn::take(&location);
-                    assert!(turn.0.is_some(), "no lock taken");
+                    assert!(turn._lock.is_some(), "no lock taken");
                     most.fetch_max(inside.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
                     // Another checkpoint's turn is free meanwhile.
-                    assert!(super::HostTurn::take(&location.with_file_name("other.ulysses")).0.is_some());
+                    assert!(super::HostTurn::take(&location.with_file_name("other.ulysses"))._lock.is_some());
                     std::thread::sleep(std::time::Duration::from_millis(30));
                     inside.fetch_sub(1, Ordering::SeqCst);
                 });
