@@ -952,6 +952,8 @@ enum Placement {
     /// Each token plus a token-mixing weight's sum over the tokens (gMLP's spatial gating unit),
     /// the weight cut to the length at hand.
     SpatialGating,
+    /// Attention over q, k and v reshaped to `[B, S, H, D]` without `.swap_dims(1, 2)`.
+    SwappedHeads,
 }
 
 /// The token id [`Placement`]'s padding rules look for (none of [`token_batch`]'s is one).
@@ -1020,9 +1022,26 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
         _ => t,
     };
     let causal = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
-    let attended = attention(rotated(heads(x.clone())), rotated(heads(x.clone())), heads(x.clone()), None, None, causal);
-    let hidden = x + attended.swap_dims(1, 2).reshape([batch, len, D_MODEL]);
+    let hidden = match from {
+        Placement::SwappedHeads => {
+            let unswapped = |t: Tensor<B, 3>| t.reshape([batch, len, HEADS, D_MODEL / HEADS]);
+            x.clone() + attention(unswapped(x.clone()), unswapped(x.clone()), unswapped(x), None, None, causal).reshape([batch, len, D_MODEL])
+        }
+        _ => x.clone() + attention(rotated(heads(x.clone())), rotated(heads(x.clone())), heads(x), None, None, causal).swap_dims(1, 2).reshape([batch, len, D_MODEL]),
+    };
     hidden.matmul(uniform_tensor::<B, 3>([1, D_MODEL, VOCAB], 19, &device))
+}
+
+/// q, k and v reshaped to `[B, S, H, D]` and given to attention without `.swap_dims(1, 2)`:
+/// refused on every rank at SP = 2 (the shard's 6 tokens where the heads go, 4 heads where
+/// the tokens go), naming the swap; one device runs it (attending over the heads).
+#[test]
+fn a_query_with_its_heads_and_tokens_swapped_is_refused_under_sp() {
+    for (rank, result) in evaluated(2, Placement::SwappedHeads).iter().enumerate() {
+        let message = result.as_ref().err().unwrap_or_else(|| panic!("rank {rank} attended tokens as heads"));
+        assert!(message.contains("[2, 6, 4, 8]") && message.contains(".swap_dims(1, 2)"), "rank {rank}: {message}");
+    }
+    assert!(evaluated(1, Placement::SwappedHeads).remove(0).is_ok_and(|loss| loss.is_finite()));
 }
 
 /// `positions`' ids as a tensor.

@@ -210,6 +210,9 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             return Ok(float_primitive(output));
         };
         let communicator = &context.communicator;
+        if let Some(swapped) = crate::attention_guard::heads_and_tokens_swapped(&dims(&query)) {
+            return Err(swapped);
+        }
 
         if context.config.verify_layout {
             let per_rank = all_gather_host_checked(&**communicator, &layout.encode(), "attention layout fields")?;

@@ -242,6 +242,27 @@ pub fn forget_embedded_lengths() {
     RESAMPLED_SHARDS.set([0; 4]);
 }
 
+/// Why sequence-parallel attention over a query of `q_shape` (`[B, H, S, D]` as burn takes it)
+/// is refused as one whose heads and tokens are swapped, or `None`: where the shard's length
+/// is known (the token ids embedded, or the positions noted), a query whose dim 1 is as long
+/// and whose dim 2 is not: `[B, S, H, D]`, a reshape of `[B, S, H·D]` without its
+/// `.swap_dims(1, 2)`. Attended so, the all-to-all would deal tokens out as heads and gather
+/// heads as a sequence, a silently wrong result (on one device the same mistake attends over
+/// the heads, a model's bug that trains nonetheless).
+pub fn heads_and_tokens_swapped(q_shape: &[usize]) -> Option<UlyssesError> {
+    let (shard, one_length) = embedded();
+    let [_, heads, tokens, _] = <[usize; 4]>::try_from(q_shape).ok()?;
+    if !GUARD_ON.load(Ordering::Relaxed) || !one_length || shard < 2 || heads != shard || tokens == shard {
+        return None;
+    }
+    Some(UlyssesError::Shape(format!(
+        "attention's query is {q_shape:?}: burn's attention takes [batch, heads, seq, head_dim], and its dim 1 ({heads}) is as long as \
+         this rank's shard of the sequence while its dim 2 ({tokens}) is not: the heads and the tokens look swapped (a reshape to \
+         [batch, seq, heads, head_dim] without .swap_dims(1, 2)). Under sequence parallelism the exchange would deal the tokens out as \
+         heads (a silently wrong result): swap dims 1 and 2 of q, k and v before attention, and back after it"
+    )))
+}
+
 /// `UlyssesBackend`'s embedding: the inner backend's, noting the length of the token ids for
 /// the guard (a rank's shard, however the data was cut). Ids of one token a row (a timestep's
 /// or a label's embedding, `[B, 1]`) are no sequence and leave the length noted.
@@ -1666,6 +1687,20 @@ mod tests {
     fn noted(ids: &[u64], rows: usize) -> ShardPositionsNoted {
         let positions = crate::visibility::PositionIds::new(ids.repeat(rows), rows, ids.len()).expect("ids");
         note_shard_positions(&ShardPositions { ids: positions, packed: false })
+    }
+
+    /// A query whose heads and tokens are swapped (`[B, S, H, D]`) is refused where the
+    /// shard's length is known; one whose heads are as many as the shard's tokens is not.
+    #[test]
+    fn a_query_with_its_heads_and_tokens_swapped_is_refused() {
+        assert!(heads_and_tokens_swapped(&[2, 8, 4, 16]).is_none(), "no length known");
+        EMBEDDED_TOKENS.set((8, 8));
+        let message = heads_and_tokens_swapped(&[2, 8, 4, 16]).expect("[B, S, H, D] refused").to_string();
+        for needle in ["[2, 8, 4, 16]", "dim 1 (8)", "dim 2 (4)", ".swap_dims(1, 2)", "silently wrong"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        assert!(heads_and_tokens_swapped(&[2, 4, 8, 16]).is_none() && heads_and_tokens_swapped(&[2, 8, 8, 16]).is_none());
+        forget_embedded_lengths();
     }
 
     /// A square block of a matrix over the sequence's tokens, cut to the shard's length: a
