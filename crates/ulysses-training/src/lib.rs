@@ -380,7 +380,8 @@ where
         fingerprint.unwrap_or(0),
         fingerprint.is_some() as u64,
     ];
-    let gathered = groups.world.all_gather_host(&mine);
+    // Checked: a rank in another collective (another schedule's flags) is named, not an index past a shorter row.
+    let gathered = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &mine, "the step's inputs");
     checked?;
     let gathered = gathered?;
     let over_ranks = |i: usize| gathered.iter().map(move |v| v[i] as usize);
@@ -990,7 +991,7 @@ pub fn sum_over_ranks<G: Backend, const N: usize>(
     communicator: &dyn Communicator<G>,
     values: [usize; N],
 ) -> Result<[usize; N], CommError> {
-    let gathered = communicator.all_gather_host(&values.map(|v| v as u64))?;
+    let gathered = burn_ulysses::comm::all_gather_host_checked(communicator, &values.map(|v| v as u64), "counters summed over the ranks")?;
     Ok(std::array::from_fn(|i| gathered.iter().map(|v| v[i] as usize).sum()))
 }
 
@@ -999,7 +1000,7 @@ pub fn sum_f64_over_ranks<G: Backend>(
     communicator: &dyn Communicator<G>,
     value: f64,
 ) -> Result<f64, CommError> {
-    let gathered = communicator.all_gather_host(&[value.to_bits()])?;
+    let gathered = burn_ulysses::comm::all_gather_host_checked(communicator, &[value.to_bits()], "a value summed over the ranks")?;
     Ok(gathered.iter().map(|v| f64::from_bits(v[0])).sum())
 }
 
@@ -1095,6 +1096,29 @@ mod parameters_identical_tests {
                 assert_eq!(got, want, "rank {rank}, differing rank {differing_rank:?}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod sums_over_ranks_tests {
+    use burn::backend::NdArray;
+
+    use super::*;
+
+    /// Ranks that sum different counts of values (in different collectives: their schedules
+    /// differ) get an error naming the collective, not a panic indexing past a shorter row.
+    #[test]
+    fn ranks_summing_different_counts_are_told_not_panicked() {
+        let outcomes = burn_ulysses::comm::ThreadGroup::new(2).run(|rank| match rank.rank() {
+            0 => sum_over_ranks::<NdArray, 2>(&*rank.communicator(), [1, 2]).map(|_| ()),
+            _ => sum_over_ranks::<NdArray, 1>(&*rank.communicator(), [3]).map(|_| ()),
+        });
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
+            let error = outcome.expect("no rank panicked").expect_err("mismatched sums refused").to_string();
+            assert!(error.contains("counters summed over the ranks"), "rank {rank}: {error}");
+        }
+        let sums = burn_ulysses::comm::ThreadGroup::new(2).run(|rank| sum_over_ranks::<NdArray, 2>(&*rank.communicator(), [rank.rank() + 1, 10]).unwrap());
+        assert!(sums.into_iter().all(|sum| sum.expect("no rank panicked") == [3, 20]));
     }
 }
 
