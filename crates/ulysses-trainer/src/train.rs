@@ -617,6 +617,48 @@ pub fn host_threads_per_rank(cores: usize, ranks: usize, cpus_of_its_own: Option
     NonZeroUsize::new(share).unwrap_or(NonZeroUsize::MIN)
 }
 
+/// Refuses, on every rank, a world whose processes were started with different settings,
+/// naming the first that differs from world rank 0's: every field of `config` and the options
+/// that decide which collectives a run takes (checkpoints, a stop, a resume, a save). Each
+/// process reads its own flags; ranks that differ in one that changes their collectives (the
+/// evaluation's schedule, the steps, the checkpoints) waited in different collectives until
+/// the collective timeout, ten minutes, which then blamed a stuck rank. Compared by hashes of
+/// each field's JSON (the same binary on every rank hashes alike).
+fn check_settings_agree<W: burn::tensor::backend::Backend>(config: &TrainConfig, options: &RunOptions, world: &dyn Communicator<W>) -> Result<(), UlyssesError> {
+    use std::hash::{Hash, Hasher};
+    let mut fields: Vec<(String, String)> = match serde_json::to_value(config) {
+        Ok(serde_json::Value::Object(map)) => map.into_iter().map(|(name, value)| (name, value.to_string())).collect(),
+        _ => Vec::new(),
+    };
+    fields.extend([
+        ("checkpoint_every (--checkpoint-every)".to_string(), options.checkpoint_every.to_string()),
+        ("stop_after (--stop-after)".to_string(), format!("{:?}", options.stop_after)),
+        ("checkpoints written or not (--no-save)".to_string(), options.checkpoint_dir.is_some().to_string()),
+        ("a resume or none (--resume)".to_string(), options.resume.is_some().to_string()),
+        ("a Hugging Face save or none (--save-hf)".to_string(), options.save_hf.is_some().to_string()),
+    ]);
+    fields.sort();
+    let hashes: Vec<u64> = fields
+        .iter()
+        .map(|field| {
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            field.hash(&mut hasher);
+            hasher.finish()
+        })
+        .collect();
+    let gathered = all_gather_host_checked(world, &hashes, "the run's settings")?;
+    for (rank, row) in gathered.iter().enumerate() {
+        if let Some(field) = (0..hashes.len()).find(|&i| row[i] != gathered[0][i]) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "world rank {rank} was started with another {} than world rank 0 (the processes' flags differ): start every rank with the \
+                 same flags",
+                fields[field].0
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Trains `model` on this rank; returns it ([`TrainedModel`]: under ZeRO-3 in this rank's
 /// parts) with the reports of the steps it took (the same on every rank). Rank 0's parameters are broadcast first, so ranks may start from any values
 /// (under ZeRO-3 one at a time as each rank takes its part, so `model` may be lazy as
@@ -635,6 +677,7 @@ where
     B: TrainBackend,
 {
     config.validate().map_err(UlyssesError::InvalidConfig)?;
+    check_settings_agree(config, &options, &*groups.world)?;
     let compute_dtype = config.precision.compute_dtype::<B>(device)?;
     let model = model.with_compute_dtype(compute_dtype).with_f32_head(config.f32_head);
     let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
@@ -1765,6 +1808,27 @@ mod tests {
         assert!(error.ends_with("= 3: use 3"), "no batch of 0 offered: {error}");
         let error = dp3.with_batch_size(4).validate().unwrap_err();
         assert!(error.ends_with("= 3: use 3 or 6"), "{error}");
+    }
+
+    /// Ranks started with different settings are refused on every rank, naming the setting;
+    /// ranks that agree pass.
+    #[test]
+    fn ranks_started_with_different_settings_are_refused_naming_the_setting() {
+        use burn::backend::NdArray;
+        use burn_ulysses::ParallelLayout;
+        let outcomes = burn_ulysses::comm::ThreadGroup::new(2).run(|rank| {
+            let config = super::TrainConfig::small(ParallelLayout::new().with_sp_size(2)).with_eval_every(10 + rank.rank());
+            super::check_settings_agree::<NdArray>(&config, &super::RunOptions::default(), &*rank.communicator())
+        });
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
+            let error = outcome.expect("no rank panicked").expect_err("different --eval-every refused").to_string();
+            assert!(error.contains("world rank 1 was started with another eval_every than world rank 0"), "rank {rank}: {error}");
+        }
+        let outcomes = burn_ulysses::comm::ThreadGroup::new(2).run(|rank| {
+            let options = super::RunOptions { checkpoint_every: 5, ranks_on_this_host: 1 + rank.rank(), ..Default::default() };
+            super::check_settings_agree::<NdArray>(&super::TrainConfig::small(ParallelLayout::new().with_sp_size(2)), &options, &*rank.communicator())
+        });
+        assert!(outcomes.into_iter().all(|outcome| outcome.expect("no rank panicked").is_ok()), "agreeing ranks refused");
     }
 
     /// Ranks of one host take their turns to load a checkpoint one at a time: never two
