@@ -954,6 +954,9 @@ enum Placement {
     SpatialGating,
     /// Attention over q, k and v reshaped to `[B, S, H, D]` without `.swap_dims(1, 2)`.
     SwappedHeads,
+    /// Attention within documents whose position ids are counted within the shard (`0..S` on
+    /// every rank), not the shard's.
+    LocalDocumentIds,
 }
 
 /// The token id [`Placement`]'s padding rules look for (none of [`token_batch`]'s is one).
@@ -1027,6 +1030,11 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
             let unswapped = |t: Tensor<B, 3>| t.reshape([batch, len, HEADS, D_MODEL / HEADS]);
             x.clone() + attention(unswapped(x.clone()), unswapped(x.clone()), unswapped(x), None, None, causal).reshape([batch, len, D_MODEL])
         }
+        Placement::LocalDocumentIds => {
+            let local = burn_ulysses::visibility::PositionIds::consecutive(batch, 0, len);
+            let attended = burn_ulysses::attention::attention_in_documents(heads(x.clone()), heads(x.clone()), heads(x.clone()), &local, causal);
+            x + attended.swap_dims(1, 2).reshape([batch, len, D_MODEL])
+        }
         _ => x.clone() + attention(rotated(heads(x.clone())), rotated(heads(x.clone())), heads(x), None, None, causal).swap_dims(1, 2).reshape([batch, len, D_MODEL]),
     };
     hidden.matmul(uniform_tensor::<B, 3>([1, D_MODEL, VOCAB], 19, &device))
@@ -1042,6 +1050,18 @@ fn a_query_with_its_heads_and_tokens_swapped_is_refused_under_sp() {
         assert!(message.contains("[2, 6, 4, 8]") && message.contains(".swap_dims(1, 2)"), "rank {rank}: {message}");
     }
     assert!(evaluated(1, Placement::SwappedHeads).remove(0).is_ok_and(|loss| loss.is_finite()));
+}
+
+/// Packed documents' position ids counted within the shard (`0..S` on every rank) handed to
+/// `attention_in_documents`: refused at SP = 2 by the rank whose shard starts past 0 (rank 0's
+/// are its own, and it stops as rank 1 leaves); one device runs it.
+#[test]
+fn document_ids_counted_within_the_shard_are_refused_under_sp() {
+    let results = evaluated(2, Placement::LocalDocumentIds);
+    let message = results[1].as_ref().err().expect("rank 1 attended within its shard");
+    assert!(message.contains("run from 0 to 5") && message.contains("from 6 to 11") && message.contains("SequenceShard::positions.ids"), "{message}");
+    assert!(results[0].is_err(), "rank 0 returned while rank 1 refused");
+    assert!(evaluated(1, Placement::LocalDocumentIds).remove(0).is_ok_and(|loss| loss.is_finite()));
 }
 
 /// `positions`' ids as a tensor.

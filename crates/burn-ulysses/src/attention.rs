@@ -213,6 +213,9 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         if let Some(swapped) = crate::attention_guard::heads_and_tokens_swapped(&dims(&query)) {
             return Err(swapped);
         }
+        if let Some(local) = positions.as_ref().and_then(|positions| crate::attention_guard::documents_not_the_shards(positions, context::current_sharding())) {
+            return Err(local);
+        }
 
         if context.config.verify_layout {
             let per_rank = all_gather_host_checked(&**communicator, &layout.encode(), "attention layout fields")?;

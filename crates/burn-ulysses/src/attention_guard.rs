@@ -130,6 +130,7 @@ use burn::tensor::{
 use crate::{
     context::{self, Sharding},
     data::ShardPositions,
+    visibility::PositionIds,
     error::UlyssesError,
     capabilities::ExchangeBackend,
 };
@@ -260,6 +261,30 @@ pub fn heads_and_tokens_swapped(q_shape: &[usize]) -> Option<UlyssesError> {
          this rank's shard of the sequence while its dim 2 ({tokens}) is not: the heads and the tokens look swapped (a reshape to \
          [batch, seq, heads, head_dim] without .swap_dims(1, 2)). Under sequence parallelism the exchange would deal the tokens out as \
          heads (a silently wrong result): swap dims 1 and 2 of q, k and v before attention, and back after it"
+    )))
+}
+
+/// Why packed documents' position ids handed to sequence-parallel attention
+/// (`attention_in_documents`, `attention_within`) are refused, or `None`: inside a forward whose
+/// positions are noted, ids of the shard's shape whose first or last is not the noted shard's:
+/// ids counted within the shard (`0..S` on every rank), which would make every shard's edge a
+/// document's, so that each shard attends within itself alone (a silently wrong result).
+pub fn documents_not_the_shards(positions: &PositionIds, sharding: Option<Sharding>) -> Option<UlyssesError> {
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.tile.is_none() && noted.rows == positions.batch() && noted.len == positions.len())?;
+    let ends = (positions.ids().first().copied().unwrap_or(0), positions.ids().last().copied().unwrap_or(0));
+    if ends == noted.ends {
+        return None;
+    }
+    refusing(sharding)?;
+    Some(UlyssesError::Shape(format!(
+        "the position ids handed to attention run from {} to {}, where this rank's shard's run from {} to {} ({}): ids counted \
+         within the shard would end a document at every shard's edge, each rank attending within its shard alone. Give attention the \
+         shard's own ids, SequenceShard::positions.ids (as the training API hands them to the model)",
+        ends.0,
+        ends.1,
+        noted.ends.0,
+        noted.ends.1,
+        noted.held()
     )))
 }
 
@@ -579,6 +604,9 @@ struct NotedPositions {
     len: usize,
     run_start: Option<u64>,
     tile: Option<(usize, usize)>,
+    /// The first and the last of the ids (row-major), which ids handed to attention as the
+    /// shard's must have too.
+    ends: (u64, u64),
 }
 
 impl NotedPositions {
@@ -586,7 +614,8 @@ impl NotedPositions {
         let ids = &positions.ids;
         let first = ids.ids().first().copied().unwrap_or(0);
         let one_run = (0..ids.batch()).all(|b| ids.row(b).iter().zip(first..).all(|(&id, expected)| id == expected));
-        Self { rows: ids.batch(), len: ids.len(), run_start: one_run.then_some(first), tile: None }
+        let ends = (first, ids.ids().last().copied().unwrap_or(0));
+        Self { rows: ids.batch(), len: ids.len(), run_start: one_run.then_some(first), tile: None, ends }
     }
 
     /// The tile's rows of the shard where `counted` is as many (two or more), and whether
@@ -1687,6 +1716,22 @@ mod tests {
     fn noted(ids: &[u64], rows: usize) -> ShardPositionsNoted {
         let positions = crate::visibility::PositionIds::new(ids.repeat(rows), rows, ids.len()).expect("ids");
         note_shard_positions(&ShardPositions { ids: positions, packed: false })
+    }
+
+    /// Document position ids that are not the noted shard's (counted within the shard) are
+    /// refused; the shard's own pass, and so does anything where nothing is noted.
+    #[test]
+    fn document_ids_counted_within_the_shard_are_refused() {
+        let shard_ids: Vec<u64> = [(8..16).collect::<Vec<u64>>(), (0..8).collect()].concat();
+        let ids = |ids: Vec<u64>| PositionIds::new(ids, 2, 8).expect("ids");
+        assert!(documents_not_the_shards(&ids((0..16).map(|i| i % 8).collect()), SP2).is_none(), "nothing noted");
+        let _noted = note_shard_positions(&ShardPositions { ids: ids(shard_ids.clone()), packed: true });
+        let message = documents_not_the_shards(&ids((0..16).map(|i| i % 8).collect()), SP2).expect("local ids refused").to_string();
+        for needle in ["run from 0 to 7", "from 8 to 7", "SequenceShard::positions.ids"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        assert!(documents_not_the_shards(&ids(shard_ids), SP2).is_none(), "the shard's own ids refused");
+        assert!(documents_not_the_shards(&ids((0..16).map(|i| i % 8).collect()), None).is_none(), "refused outside SP");
     }
 
     /// A query whose heads and tokens are swapped (`[B, S, H, D]`) is refused where the
