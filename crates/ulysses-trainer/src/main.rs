@@ -1443,17 +1443,19 @@ fn data_chat_template(args: &Args) -> Result<Option<ChatTemplate>, String> {
 /// tokenized the documents (for the data's identity).
 fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &TrainConfig, show_progress: bool) -> Result<(PackedDocuments, Option<(String, String)>, u32, String), String> {
     let tokenizer = data_tokenizer(args)?;
-    // Another model's tokenizer would train on ids that mean other words here; one with more
-    // tokens than the model embeds is another model's (or added tokens the embeddings lack).
+    // Another model's tokenizer would train on ids that mean other words here. One with more
+    // tokens than the model embeds is said: another model's, or added tokens the embeddings
+    // lack (a `<pad>` past the vocabulary, harmless where the data never yields it: each id a
+    // document yields is checked against the vocabulary as it is read).
     if let Some((tokenizer, _, _)) = &tokenizer {
         if tokenizer.vocab_size() > config.model.vocab_size {
-            return Err(format!(
-                "--tokenizer {}: it has {} tokens, more than the model's vocabulary of {} (config.json's vocab_size): it is another model's \
-                 tokenizer, or its added tokens have no embeddings; give the model's own tokenizer.json",
+            tracing::warn!(
+                "--tokenizer {}: it has {} tokens, more than the model's vocabulary of {} (config.json's vocab_size): another model's \
+                 tokenizer, or added tokens without embeddings; a document that yields an id past the vocabulary is refused",
                 data_tokenizer_file(args).map(|file| file.display().to_string()).unwrap_or_default(),
                 tokenizer.vocab_size(),
                 config.model.vocab_size
-            ));
+            );
         }
     }
     let (eos, note) = document_eos(args.eos_token_id, tokenizer.as_ref().map(|(t, c, _)| (t, c)), checkpoint.eos_token_id)?;

@@ -622,10 +622,9 @@ pub fn host_threads_per_rank(cores: usize, ranks: usize, cpus_of_its_own: Option
 /// that decide which collectives a run takes (checkpoints, a stop, a resume, a save). Each
 /// process reads its own flags; ranks that differ in one that changes their collectives (the
 /// evaluation's schedule, the steps, the checkpoints) waited in different collectives until
-/// the collective timeout, ten minutes, which then blamed a stuck rank. Compared by hashes of
-/// each field's JSON (the same binary on every rank hashes alike).
+/// the collective timeout, ten minutes, which then blamed a stuck rank. Compared by FNV-1a
+/// hashes of each field's JSON (alike on every build and machine).
 fn check_settings_agree<W: burn::tensor::backend::Backend>(config: &TrainConfig, options: &RunOptions, world: &dyn Communicator<W>) -> Result<(), UlyssesError> {
-    use std::hash::{Hash, Hasher};
     let mut fields: Vec<(String, String)> = match serde_json::to_value(config) {
         Ok(serde_json::Value::Object(map)) => map.into_iter().map(|(name, value)| (name, value.to_string())).collect(),
         _ => Vec::new(),
@@ -638,14 +637,7 @@ fn check_settings_agree<W: burn::tensor::backend::Backend>(config: &TrainConfig,
         ("a Hugging Face save or none (--save-hf)".to_string(), options.save_hf.is_some().to_string()),
     ]);
     fields.sort();
-    let hashes: Vec<u64> = fields
-        .iter()
-        .map(|field| {
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            field.hash(&mut hasher);
-            hasher.finish()
-        })
-        .collect();
+    let hashes: Vec<u64> = fields.iter().map(|(name, value)| ulysses_training::checkpoint::fnv1a(&[name.as_bytes(), &[0], value.as_bytes()])).collect();
     let gathered = all_gather_host_checked(world, &hashes, "the run's settings")?;
     for (rank, row) in gathered.iter().enumerate() {
         if let Some(field) = (0..hashes.len()).find(|&i| row[i] != gathered[0][i]) {
@@ -676,8 +668,10 @@ pub fn train_rank<B>(
 where
     B: TrainBackend,
 {
-    config.validate().map_err(UlyssesError::InvalidConfig)?;
+    // Before validation: where the flags differ, every rank names the setting (a rank whose
+    // flags alone fail validation would leave the others waiting in this gather).
     check_settings_agree(config, &options, &*groups.world)?;
+    config.validate().map_err(UlyssesError::InvalidConfig)?;
     let compute_dtype = config.precision.compute_dtype::<B>(device)?;
     let model = model.with_compute_dtype(compute_dtype).with_f32_head(config.f32_head);
     let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
@@ -1294,6 +1288,9 @@ impl HostTurn {
         use std::hash::{Hash, Hasher};
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         std::fs::canonicalize(location).unwrap_or_else(|_| location.to_path_buf()).hash(&mut hasher);
+        // This host's: a temporary folder that nodes share (some clusters') must not make the
+        // turns the whole world's.
+        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().hash(&mut hasher);
         let path = std::env::temp_dir().join(format!("ulysses-resume-{:016x}.lock", hasher.finish()));
         let locked = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).and_then(|file| file.lock().map(|()| file));
         match locked {

@@ -1696,7 +1696,8 @@ fn documents_are_tokenized_packed_evaluated_alike_at_every_layout_and_fine_tuned
         (args("--steps 1").into_iter().skip(2).skip_while(|a| a != "--eos-token-id").chain(["--model".into(), checkpoint.display().to_string()]).collect(), None, "--tokenizer"),
         (args("--steps 1"), Some("{\"text\": \"a b\"}\n{\"txt\": \"a\"}"), "bad.jsonl line 2: needs a \"text\""),
         (args("--steps 1"), Some("{\"input_ids\": [3, 320]}"), "bad.jsonl line 1: token 320 is outside the model's vocabulary 0..320"),
-        // Another model's tokenizer, larger than the model's vocabulary.
+        // Another model's tokenizer, larger than the model's vocabulary: said, and the first
+        // id past the vocabulary it yields refused.
         (
             {
                 let mut args = args("--steps 1");
@@ -1704,7 +1705,7 @@ fn documents_are_tokenized_packed_evaluated_alike_at_every_layout_and_fine_tuned
                 args
             },
             None,
-            "more than the model's vocabulary of 320 (config.json's vocab_size): it is another model's tokenizer",
+            "more than the model's vocabulary of 320 (config.json's vocab_size): another model's tokenizer",
         ),
     ];
     for (mut args, bad_lines, expected) in refusals {

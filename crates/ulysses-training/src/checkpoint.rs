@@ -361,8 +361,8 @@ pub fn write_atomically_with(path: &Path, write: impl FnOnce(&mut std::io::BufWr
     written
 }
 
-/// FNV-1a over several byte slices, as if concatenated.
-pub(crate) fn fnv1a(parts: &[&[u8]]) -> u64 {
+/// FNV-1a over several byte slices, as if concatenated: the same on every build and machine.
+pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     parts.iter().fold(FNV1A_START, |hash, part| fnv1a_more(hash, part))
 }
 
