@@ -353,11 +353,18 @@ const NO_DATA_OFFSETS: &str = "has no data_offsets in the header";
 /// for each large file.
 pub fn is_git_lfs_pointer(file: &Path) -> bool {
     use std::io::Read;
-    const POINTER: &[u8] = b"version https://git-lfs.github.com/spec/";
-    let mut start = [0u8; POINTER.len()];
+    let mut start = [0u8; GIT_LFS_POINTER.len()];
     // A file shorter than the pointer's first words is no pointer.
     let read = std::fs::File::open(file).and_then(|mut opened| opened.read_exact(&mut start));
-    read.is_ok() && start == POINTER
+    read.is_ok() && is_git_lfs_pointer_text(&start)
+}
+
+/// How a Git LFS pointer file begins.
+const GIT_LFS_POINTER: &[u8] = b"version https://git-lfs.github.com/spec/";
+
+/// [`is_git_lfs_pointer`] of a file's bytes already read.
+pub(crate) fn is_git_lfs_pointer_text(bytes: &[u8]) -> bool {
+    bytes.starts_with(GIT_LFS_POINTER)
 }
 
 /// The fix for a Git LFS pointer ([`is_git_lfs_pointer`]).

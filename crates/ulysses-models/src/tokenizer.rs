@@ -278,7 +278,7 @@ fn optional_json(file: &Path) -> Result<serde_json::Value, TokenizerError> {
 /// absent would change the tokens or the template without a word.
 pub(crate) fn optional_text(file: &Path) -> Result<Option<String>, String> {
     match std::fs::read_to_string(file) {
-        Ok(_) if crate::pretrained::is_git_lfs_pointer(file) => Err(crate::pretrained::git_lfs_pointer_problem()),
+        Ok(text) if crate::pretrained::is_git_lfs_pointer_text(text.as_bytes()) => Err(crate::pretrained::git_lfs_pointer_problem()),
         Ok(text) => Ok(Some(text)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(format!("cannot be read: {e}")),
@@ -299,10 +299,10 @@ impl TextTokenizer {
         let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
         let file = file.display().to_string();
         let cannot_read = |e: &dyn std::fmt::Display| TokenizerError { file: file.clone(), problem: format!("cannot be read as a Hugging Face tokenizer.json: {e}") };
-        if crate::pretrained::is_git_lfs_pointer(Path::new(&file)) {
+        let text = std::fs::read_to_string(&file).map_err(|e| cannot_read(&e))?;
+        if crate::pretrained::is_git_lfs_pointer_text(text.as_bytes()) {
             return Err(TokenizerError { file, problem: crate::pretrained::git_lfs_pointer_problem() });
         }
-        let text = std::fs::read_to_string(&file).map_err(|e| cannot_read(&e))?;
         let folder = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
         let config = TokenizerConfig::read(folder)?;
         let model_config = optional_json(&folder.join("config.json"))?;
