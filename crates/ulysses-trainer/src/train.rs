@@ -1285,13 +1285,12 @@ impl HostTurn {
     }
 
     fn take(location: &Path) -> Self {
-        use std::hash::{Hash, Hasher};
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        std::fs::canonicalize(location).unwrap_or_else(|_| location.to_path_buf()).hash(&mut hasher);
+        let location = std::fs::canonicalize(location).unwrap_or_else(|_| location.to_path_buf());
         // This host's: a temporary folder that nodes share (some clusters') must not make the
         // turns the whole world's.
-        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().hash(&mut hasher);
-        let path = std::env::temp_dir().join(format!("ulysses-resume-{:016x}.lock", hasher.finish()));
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let key = ulysses_training::checkpoint::fnv1a(&[location.as_os_str().as_encoded_bytes(), &[0], host.trim().as_bytes()]);
+        let path = std::env::temp_dir().join(format!("ulysses-resume-{key:016x}.lock"));
         let locked = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).and_then(|file| file.lock().map(|()| file));
         match locked {
             Ok(file) => Self { _lock: Some(file) },
