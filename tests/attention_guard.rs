@@ -957,6 +957,17 @@ enum Placement {
     /// Attention within documents whose position ids are counted within the shard (`0..S` on
     /// every rank), not the shard's.
     LocalDocumentIds,
+    /// Each token plus its sequence's last token's state (a reward model's or a sequence
+    /// classifier's `x[:, -1]`).
+    LastTokenPooled,
+    /// The same by `select` of the last index.
+    LastTokenSelected,
+    /// The same by `gather` at each row's last index (as transformers' reward models take it
+    /// at the place the data loader computed).
+    LastTokenGathered,
+    /// Each token plus a running average of the tokens up to it, run token by token
+    /// (`iter_dim` over the sequence: an RNN's loop, burn-nn's `Lstm`).
+    RecurrentByHand,
 }
 
 /// The token id [`Placement`]'s padding rules look for (none of [`token_batch`]'s is one).
@@ -1010,6 +1021,18 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
             x.clone() + weights.swap_dims(1, 2).matmul(x)
         }
         Placement::SelectedThenSummed => x.clone() + x.cumsum(1) * 0.1,
+        Placement::LastTokenPooled => x.clone() + x.narrow(1, len - 1, 1),
+        Placement::LastTokenSelected => x.clone() + x.select(1, Tensor::<B, 1, Int>::from_data([len as i64 - 1], &device)),
+        Placement::LastTokenGathered => x.clone() + x.gather(1, Tensor::<B, 3, Int>::full([batch, 1, D_MODEL], len as i64 - 1, &device)),
+        Placement::RecurrentByHand => {
+            let mut state = Tensor::<B, 3>::zeros([batch, 1, D_MODEL], &device);
+            let mut states = Vec::with_capacity(len);
+            for token in x.clone().iter_dim(1) {
+                state = state * 0.5 + token;
+                states.push(state.clone());
+            }
+            x + Tensor::cat(states, 1)
+        }
         Placement::SpatialGating => x.clone() + uniform_tensor::<B, 2>([max_len, max_len], 29, &device).slice([0..len, 0..len]).unsqueeze::<3>().matmul(x) * 0.1,
         Placement::LearnedTableRows => {
             let table = deterministic_params(EmbeddingConfig::new(max_len, D_MODEL).init::<B>(&device), 17).weight.val();
@@ -1149,7 +1172,8 @@ fn positions_counted_from_each_ranks_first_token_are_refused() {
 /// concatenating and cropping (of the embeddings, or of the token ids), causal linear
 /// attention's running sums per head, attention pooling's softmax over the tokens, a running sum
 /// over tokens embedded by `select` (no embedding call), a token-mixing weight cut to the
-/// shard's length (gMLP's): each shard's alone. Refused on every rank at SP = 2 and 3, naming
+/// shard's length (gMLP's), the last token's state (a reward model's: by a slice, `select` or
+/// `gather`), a recurrence run token by token: each shard's alone. Refused on every rank at SP = 2 and 3, naming
 /// the op and the fix; a finite loss at SP = 1. Padded and cropped back where the tokens went,
 /// one device's loss.
 #[test]
@@ -1169,6 +1193,10 @@ fn tokens_mixed_within_the_shard_are_refused_on_every_rank() {
         (Placement::AttentionPooled, "softmax", "enter_single_device"),
         (Placement::SelectedThenSummed, "cumsum", "enter_single_device"),
         (Placement::SpatialGating, "slice", "enter_single_device"),
+        (Placement::LastTokenPooled, "slice", "enter_single_device"),
+        (Placement::LastTokenSelected, "select", "enter_single_device"),
+        (Placement::LastTokenGathered, "gather", "enter_single_device"),
+        (Placement::RecurrentByHand, "slice", "enter_single_device"),
     ];
     for (placement, op, fix) in mixed {
         for sp in [2, 3] {

@@ -72,6 +72,11 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     // positions sliced (RoPE's frequencies, sinusoids from 0) or an arange over the shard.
     ("FloatTensorOps", "float_slice", "crate::attention_guard::guarded_float_slice"),
     ("IntTensorOps", "int_slice", "crate::attention_guard::guarded_int_slice"),
+    // Refuse a single token picked from the shard (a reward head's last token) by its index.
+    ("FloatTensorOps", "float_select", "crate::attention_guard::guarded_float_select"),
+    ("IntTensorOps", "int_select", "crate::attention_guard::guarded_int_select"),
+    ("FloatTensorOps", "float_gather", "crate::attention_guard::guarded_float_gather"),
+    ("IntTensorOps", "int_gather", "crate::attention_guard::guarded_int_gather"),
     // Note where the shard's tokens go in a tensor a few tokens longer (a pad, a cat), for the
     // rule on crops that shift them.
     ("FloatTensorOps", "float_slice_assign", "crate::attention_guard::guarded_float_slice_assign"),

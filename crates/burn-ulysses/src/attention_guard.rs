@@ -106,7 +106,9 @@
 //! slices), a difference of neighbouring tokens, each missing the neighbouring rank's tokens at
 //! the shard's edge; so is a crop that keeps the shard's count of tokens from a sequence a few
 //! tokens longer into which `pad` or `cat` put them at another place
-//! ([`shard_shifted_by_padding`]: RWKV's shift by padding and cropping). Outside one (a loss's
+//! ([`shard_shifted_by_padding`]: RWKV's shift by padding and cropping), and a slice that keeps
+//! a single token ([`token_picked_from_the_shard`]: a reward head's last token, a recurrence
+//! run token by token). Outside one (a loss's
 //! chunks, a loop of one's own), inside [`not_positions`], and for longer shifts, slices pass
 //! unchecked. Refused inside one as well:
 //! a reduction of floats, integers, booleans or quantized values, where its maximum lies, or a
@@ -879,6 +881,89 @@ pub fn shard_shifted_by_a_slice(shape: &[usize], slices: &[Slice], sharding: imp
     refusal_within(noted, "slice", shape, dim, what, SHIFT_FIX, sharding)
 }
 
+/// The fix a refused token pick names ([`token_picked_from_the_shard`]).
+const PICK_FIX: &str = "Pick the sequence's token on the rank that holds it (SequenceShard::positions says which positions a rank's \
+                        tokens sit at) and share it through a collective of one's own, or run the part on the whole sequence on one \
+                        rank (burn_ulysses::context::enter_single_device()). A pick that is right per shard (a loop over tokens \
+                        whose steps share nothing) goes inside burn_ulysses::attention_guard::not_positions(|| ..).";
+
+/// Why a slice of `shape` by `slices` is refused as a token picked from the shard, or `None`:
+/// inside a forward whose positions are noted, one that keeps a single token of the sequence
+/// dim of a piece of four tokens or more (the shard's, or a checkpointed layer's tile: the dims
+/// [`shard_shifted_by_a_slice`] takes for a sequence). The sequence's last or first token (a
+/// reward model's or a classifier's head, `x[:, -1]`) is one rank's, not every rank's; a
+/// recurrence run a token at a time (`iter_dim` over the tokens, burn-nn's `Lstm`, a selective
+/// scan written as a loop) starts again from its initial state at every shard's first token.
+/// The cut of a shard's tensor to a tile of one row (the layer checkpointing's own) passes.
+pub fn token_picked_from_the_shard(shape: &[usize], slices: &[Slice], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let (dim, range) = one_cut(shape, slices).filter(|(_, range)| range.len() == 1)?;
+    if SHARD_POSITIONS.get()?.tile == Some((range.start, range.end)) {
+        return None;
+    }
+    token_picked("slice", shape, dim, &format!("token {}", range.start), sharding)
+}
+
+/// Why `op` (`select`, `gather`) along `dim` of `shape` is refused as a token picked from the
+/// shard, or `None`: where it keeps one token (`picked` is its output's length along `dim`) of
+/// a sequence dim, as [`token_picked_from_the_shard`] refuses a slice; at an index the data
+/// loader computed (a padded batch's last tokens, transformers' `hidden[arange(B), last]`),
+/// each rank picks within its shard.
+pub fn token_picked_by_index(op: &'static str, shape: &[usize], dim: usize, picked: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    (picked == 1).then_some(())?;
+    token_picked(op, shape, dim, "a token", sharding)
+}
+
+/// The refusal of `op` keeping `which` (one token) along `dim` of `shape`, where that is the
+/// sequence dim of the piece noted (a tile's, then the shard's: [`shift_sequence`]).
+fn token_picked(op: &'static str, shape: &[usize], dim: usize, which: &str, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let noted = SHARD_POSITIONS.get().filter(|_| shape.len() >= 2)?;
+    let noted = noted.pieces().find(|piece| {
+        let span = piece.span().0;
+        shift_sequence(shape, dim, span, |dim: usize| (shape[dim] == span).then_some(span)).is_some()
+    })?;
+    let (len, whose, it, next) = noted.span();
+    let what = format!(
+        "it picks {which} of the {len} tokens of {whose} as if {it} were the whole sequence (the last or first token's state for a \
+         classifier's or reward model's head, a step of a recurrence run token by token): the sequence's token there is one {next}'s, \
+         and a recurrence starts again at every {next}'s first token"
+    );
+    refusal_within(noted, op, shape, dim, what, PICK_FIX, sharding)
+}
+
+/// `UlyssesBackend`'s `float_select`: the inner backend's, after the guard.
+pub fn guarded_float_select<X: ExchangeBackend>(tensor: FloatTensor<X>, dim: usize, indices: IntTensor<X>) -> FloatTensor<X> {
+    if SHARD_POSITIONS.get().is_some() {
+        refuse(token_picked_by_index("select", &tensor.shape(), dim, indices.shape().num_elements(), context::current_sharding));
+    }
+    X::float_select(tensor, dim, indices)
+}
+
+/// `UlyssesBackend`'s `int_select`: the inner backend's, after the guard.
+pub fn guarded_int_select<X: ExchangeBackend>(tensor: IntTensor<X>, dim: usize, indices: IntTensor<X>) -> IntTensor<X> {
+    if SHARD_POSITIONS.get().is_some() {
+        refuse(token_picked_by_index("select", &tensor.shape(), dim, indices.shape().num_elements(), context::current_sharding));
+    }
+    X::int_select(tensor, dim, indices)
+}
+
+/// `UlyssesBackend`'s `float_gather`: the inner backend's, after the guard.
+pub fn guarded_float_gather<X: ExchangeBackend>(dim: usize, tensor: FloatTensor<X>, indices: IntTensor<X>) -> FloatTensor<X> {
+    if SHARD_POSITIONS.get().is_some() {
+        let picked = indices.shape().get(dim).copied().unwrap_or(0);
+        refuse(token_picked_by_index("gather", &tensor.shape(), dim, picked, context::current_sharding));
+    }
+    X::float_gather(dim, tensor, indices)
+}
+
+/// `UlyssesBackend`'s `int_gather`: the inner backend's, after the guard.
+pub fn guarded_int_gather<X: ExchangeBackend>(dim: usize, tensor: IntTensor<X>, indices: IntTensor<X>) -> IntTensor<X> {
+    if SHARD_POSITIONS.get().is_some() {
+        let picked = indices.shape().get(dim).copied().unwrap_or(0);
+        refuse(token_picked_by_index("gather", &tensor.shape(), dim, picked, context::current_sharding));
+    }
+    X::int_gather(dim, tensor, indices)
+}
+
 /// Where a piece's tokens (the shard's, or a tile's: `span` of them) went along a sequence dim
 /// `dim` of a tensor of `shape` one to [`MOST_SHIFTED`] tokens longer: from `at`, padded
 /// (`Tensor::pad`'s `slice_assign`) or concatenated with a few other tokens (`cat`); `integers`
@@ -1093,6 +1178,7 @@ pub fn guarded_float_slice<X: ExchangeBackend>(tensor: FloatTensor<X>, slices: &
             positions_sliced_from_a_table(&shape, slices, activation, true, context::current_sharding)
                 .or_else(|| token_matrix_cut_to_the_shard(&shape, slices, activation, context::current_sharding))
                 .or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding))
+                .or_else(|| token_picked_from_the_shard(&shape, slices, context::current_sharding))
                 .or_else(|| shard_shifted_by_padding(false, &shape, slices, context::current_sharding)),
         );
     }
@@ -1108,6 +1194,7 @@ pub fn guarded_int_slice<X: ExchangeBackend>(tensor: IntTensor<X>, slices: &[Sli
             positions_sliced_from_a_table(&shape, slices, false, false, context::current_sharding)
                 .or_else(|| token_matrix_cut_to_the_shard(&shape, slices, false, context::current_sharding))
                 .or_else(|| shard_shifted_by_a_slice(&shape, slices, context::current_sharding))
+                .or_else(|| token_picked_from_the_shard(&shape, slices, context::current_sharding))
                 .or_else(|| shard_shifted_by_padding(true, &shape, slices, context::current_sharding)),
         );
     }
@@ -1866,6 +1953,52 @@ mod tests {
         let slices = [Slice::full(), Slice::from(0..7), Slice::full()];
         assert!(shard_shifted_by_a_slice(&[2, 8, 16], &slices, || Some(Sharding { ranks: 1, ..SP2.unwrap() })).is_none());
         assert!(shard_shifted_by_a_slice(&[2, 8, 16], &slices, || Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })).is_none());
+    }
+
+    #[test]
+    fn a_token_picked_from_the_shard_is_refused() {
+        let picked = |shape: &[usize], dim: usize, rows: Range<usize>| {
+            let slices: Vec<Slice> = (0..shape.len()).map(|d| if d == dim { Slice::from(rows.clone()) } else { Slice::full() }).collect();
+            token_picked_from_the_shard(shape, &slices, || SP2).map(|e| e.to_string())
+        };
+        assert!(picked(&[2, 8, 16], 1, 7..8).is_none(), "nothing noted");
+        let noted_shard = noted(&(8..16).collect::<Vec<_>>(), 2);
+        let message = picked(&[2, 8, 16], 1, 7..8).expect("the shard's last token refused");
+        for needle in ["slice along dim 1 of a [2, 8, 16] tensor", "picks token 7 of the 8 tokens of this rank's shard", "reward model", "enter_single_device"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        // The first, one in the middle (a recurrence's step), of token ids, per head, channels first.
+        assert!(picked(&[2, 8, 16], 1, 0..1).is_some() && picked(&[2, 8, 16], 1, 3..4).is_some() && picked(&[2, 8], 1, 0..1).is_some());
+        assert!(picked(&[2, 4, 8, 16], 2, 5..6).is_some() && picked(&[2, 16, 8], 2, 0..1).is_some());
+        // Two tokens or more, features or heads as long as the shard, another length, a 1-D buffer: pass.
+        assert!(picked(&[2, 8, 16], 1, 6..8).is_none() && picked(&[2, 8, 8], 2, 0..1).is_none() && picked(&[2, 4, 8, 16], 3, 0..1).is_none());
+        assert!(picked(&[2, 9, 16], 1, 8..9).is_none() && picked(&[8], 0, 7..8).is_none() && picked(&[2, 8, 8, 16], 2, 0..1).is_none());
+        assert!(not_positions(|| picked(&[2, 8, 16], 1, 7..8)).is_none(), "not_positions lets a pick through");
+        // One rank, the opt-out.
+        let slices = [Slice::full(), Slice::from(7..8), Slice::full()];
+        assert!(token_picked_from_the_shard(&[2, 8, 16], &slices, || Some(Sharding { ranks: 1, ..SP2.unwrap() })).is_none());
+        assert!(token_picked_from_the_shard(&[2, 8, 16], &slices, || Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })).is_none());
+        {
+            // In a checkpointed layer's tile of 4 rows: its last token refused at one rank too;
+            // a tile of one row cut from the shard's tensor (the checkpointing's own cut) passes.
+            let _tile = note_tile_of_the_shard(4..8);
+            let one_rank = || Some(Sharding { ranks: 1, ..SP2.unwrap() });
+            let message = token_picked_from_the_shard(&[2, 4, 16], &[Slice::full(), Slice::from(3..4)], one_rank).map(|e| e.to_string()).expect("the tile's last token refused");
+            assert!(message.contains("rows 4..8 of this rank's 8-token shard") && message.contains("picks token 3 of the 4 tokens of this tile"), "{message}");
+        }
+        {
+            let _tile = note_tile_of_the_shard(5..6);
+            assert!(picked(&[2, 8, 16], 1, 5..6).is_none(), "the tile's own row refused");
+            assert!(picked(&[2, 8, 16], 1, 7..8).is_some());
+        }
+        // By index: one token (select's one index, gather's one place a row) refused, two pass.
+        let message = token_picked_by_index("gather", &[2, 8, 16], 1, 1, || SP2).map(|e| e.to_string()).expect("gather of one token refused");
+        assert!(message.contains("gather along dim 1") && message.contains("picks a token of the 8 tokens"), "{message}");
+        assert!(token_picked_by_index("select", &[2, 8, 16], 1, 2, || SP2).is_none() && token_picked_by_index("select", &[8, 16], 0, 1, || SP2).is_none());
+        drop(noted_shard);
+        // A shard of three tokens: too few to tell.
+        let _short = noted(&[3, 4, 5], 2);
+        assert!(picked(&[2, 3, 16], 1, 2..3).is_none());
     }
 
     #[test]

@@ -488,9 +488,10 @@ fn tile_ranges(len: usize, tiles: usize) -> impl Iterator<Item = Range<usize>> {
     (0..tiles).map(move |t| t * len / tiles..(t + 1) * len / tiles)
 }
 
-/// Rows `rows` of a tensor whose sequence runs along `dim`.
+/// Rows `rows` of a tensor whose sequence runs along `dim`: a tile's (of one row too, which
+/// the guard would take for a token picked from the shard), outside its rules.
 fn rows_of<B: Backend, const D: usize, K: BasicOps<B>>(tensor: &Tensor<B, D, K>, dim: usize, rows: &Range<usize>) -> Tensor<B, D, K> {
-    tensor.clone().narrow(dim, rows.start, rows.len())
+    burn_ulysses::attention_guard::not_positions(|| tensor.clone().narrow(dim, rows.start, rows.len()))
 }
 
 /// Layer `index`'s core inputs for the whole shard, computed tile by tile from `hidden`'s

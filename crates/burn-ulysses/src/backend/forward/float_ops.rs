@@ -161,7 +161,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         tensor: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_gather(dim, tensor, indices)
+        crate::attention_guard::guarded_float_gather::<Inner>(dim, tensor, indices)
     }
     fn float_scatter_add(
         dim: usize,
@@ -192,7 +192,7 @@ impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        <Inner as FloatTensorOps<Inner>>::float_select(tensor, dim, indices)
+        crate::attention_guard::guarded_float_select::<Inner>(tensor, dim, indices)
     }
     fn float_select_add(
         tensor: FloatTensor<Self>,

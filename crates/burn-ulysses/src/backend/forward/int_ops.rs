@@ -62,7 +62,7 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         tensor: IntTensor<Self>,
         indices: IntTensor<Self>,
     ) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_gather(dim, tensor, indices)
+        crate::attention_guard::guarded_int_gather::<Inner>(dim, tensor, indices)
     }
     fn int_scatter_add(
         dim: usize,
@@ -93,7 +93,7 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         indices: IntTensor<Self>,
     ) -> IntTensor<Self> {
-        <Inner as IntTensorOps<Inner>>::int_select(tensor, dim, indices)
+        crate::attention_guard::guarded_int_select::<Inner>(tensor, dim, indices)
     }
     fn int_select_add(
         tensor: IntTensor<Self>,
