@@ -307,8 +307,8 @@ pub const STATE_FOLDER_PREFIX: &str = "optimizer-step-";
 /// 3. rank 0 writes `dir/checkpoint.ulysses` (`state`, naming that folder), atomically: the
 ///    checkpoint switches to the new state here, all of it at once;
 /// 4. rank 0 removes the state folders no checkpoint names (the previous one, and any left by
-///    a crash between 1 and 3; a copy of an earlier checkpoint file kept beside it, such as
-///    `step-3.ulysses`, keeps its folder), and every rank learns whether 3 succeeded.
+///    a crash between 1 and 3; a copy of an earlier checkpoint file kept beside it, under any
+///    name, keeps its folder), and every rank learns whether 3 succeeded.
 ///
 /// A crash anywhere leaves `checkpoint.ulysses` naming a complete set of parts: the previous
 /// checkpoint's or this one's. The parts' master weights are the model: no rank gathers it to
@@ -423,9 +423,11 @@ pub fn remove_unnamed_state_folders(dir: &Path, keep: Option<&str>) -> Vec<PathB
     let mut removed = Vec::new();
     let Ok(entries) = fs::read_dir(dir) else { return removed };
     let entries: Vec<_> = entries.flatten().collect();
+    // Every checkpoint file, whatever its name (a copy kept as `step-3.ulysses` or
+    // `before-the-lr-change.bak`): a file is one by its magic bytes, its header alone read.
     let named: Vec<String> = entries
         .iter()
-        .filter(|entry| entry.file_name().to_string_lossy().ends_with(".ulysses") && entry.path().is_file())
+        .filter(|entry| entry.path().is_file())
         .filter_map(|entry| crate::checkpoint::named_state_folder(&entry.path()))
         .collect();
     for entry in entries {
@@ -744,9 +746,9 @@ mod tests {
         fs::remove_dir_all(&root).unwrap();
     }
 
-    /// A copy of a checkpoint file kept beside it (`step-1.ulysses`, as one keeps history)
-    /// keeps the state folder it names through later commits, and loads; the folders no file
-    /// names go. (Before, each commit removed every folder but its own, and the copy failed
+    /// A copy of a checkpoint file kept beside it (`step-1.ulysses`, as one keeps history, or
+    /// under a name of one's own) keeps the state folder it names through later commits, and
+    /// loads; the folders no file names go. (Before, each commit removed every folder but its own, and the copy failed
     /// to load: "cannot list the folder".)
     #[test]
     fn a_kept_copy_of_a_checkpoint_keeps_its_state_and_loads() {
@@ -776,6 +778,10 @@ mod tests {
                         fs::copy(shared.join("checkpoint.ulysses"), shared.join("step-1.ulysses")).unwrap();
                     }
                 }
+                if step == 2 && comm.rank() == 0 {
+                    // A copy under a name of one's own keeps its folder too.
+                    fs::copy(shared.join("checkpoint.ulysses"), shared.join("before-the-lr-change.bak")).unwrap();
+                }
                 comm.barrier().unwrap();
             }
             // A run resumed from the copy saves step 1 again (other values): into a folder
@@ -791,7 +797,7 @@ mod tests {
         let mut folders: Vec<String> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(STATE_FOLDER_PREFIX)).collect();
         folders.sort();
         let again = format!("{}.1", sharded_state_folder(1, 2));
-        assert_eq!(folders, [sharded_state_folder(1, 2), again], "the copy's folder kept and untouched, steps 2 and 3 removed once the checkpoint moved on");
+        assert_eq!(folders, [sharded_state_folder(1, 2), again, sharded_state_folder(2, 2)], "the copies' folders kept and untouched, step 3's removed once the checkpoint moved on");
         let copy = dir.join("step-1.ulysses");
         let loaded = burn_ulysses::comm::ThreadGroup::new(1).run(move |rank| load_sharded_training_checkpoint::<Ad, Linear<Ad>, u64>(&copy, layer(), &*rank.communicator()));
         let (loaded, _, step) = loaded.into_iter().next().unwrap().unwrap().unwrap();
