@@ -35,7 +35,8 @@
 //! with one and Q's fragments in registers (the "16 rows" column, the forward before
 //! 2026-11-30); and their backward with dK/dV's blocks of 4 warps (the "64 keys" column, the
 //! H100's and the A100's block before 2026-11-30 where the default takes 8 warps and 128 keys at
-//! head dims 64 and 128);
+//! head dims 64 and 128), and with each step's dS stored after dK's product where dQ is summed
+//! (the "dS after" column: sm_80's order, the H100's before 2026-12-06, which stores it first);
 //! then causal packed documents of 2048 tokens on both engines.
 
 use std::{
@@ -263,7 +264,7 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
         // where the default sums it in the dK/dV kernel with atomics, the forward's with one row
         // tile a warp where the default takes two: the two ways side by side.
         println!(
-            "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} {:>9} {:>8} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned",
+            "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} {:>9} {:>8} {:>8} TFLOP/s | {:>9} {:>9} | max |Δ| fragments vs planned",
             "dim",
             "heads",
             "seq",
@@ -273,6 +274,7 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
             "SDPA",
             if backward { "dQ kernel" } else { "16 rows" },
             if backward { "64 keys" } else { "" },
+            if backward { "dS after" } else { "" },
             "frag/plan",
             "frag/SDPA"
         );
@@ -287,10 +289,11 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
             let sdpa_tflops = sdpa.map(|t| tflops(if backward { t.backward } else { t.forward }));
             let other_way = if backward { compared.query_grad_kernel_backward } else { compared.one_row_tile_forward }.map(tflops);
             let four_warps = if backward { number(tflops(compared.four_warp_backward)) } else { String::new() };
+            let score_grads_after = if backward { text(compared.score_grads_after_backward.map(tflops)) } else { String::new() };
             // On the CPU the products run in the shared-memory emulation: compare there for
             // agreement, not for speed.
             println!(
-                "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} {:>9} {:>8} TFLOP/s | {:>9.2} {:>9} | {difference:.1e}",
+                "{:>4} {:>5} {:>6} {:>6} | {:>8} {:>10} {:>8} {:>9} {:>8} {:>8} TFLOP/s | {:>9.2} {:>9} | {difference:.1e}",
                 shape.head_dim,
                 shape.heads,
                 shape.seq,
@@ -300,6 +303,7 @@ fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, bu
                 text(sdpa_tflops),
                 text(other_way),
                 four_warps,
+                score_grads_after,
                 planned_s / fragments_s,
                 text(sdpa_tflops.map(|theirs| tflops(fragments_s) / theirs))
             );
@@ -342,6 +346,9 @@ struct Compared {
     one_row_tile_forward: Option<f64>,
     /// The fragments' backward with dK/dV's blocks of 4 warps (64 keys).
     four_warp_backward: f64,
+    /// The fragments' backward with each step's dS stored after dK's product, where it sums
+    /// dQ (the default stores it first where the device has `stmatrix`: sm_90).
+    score_grads_after_backward: Option<f64>,
     forward_difference: f32,
     backward_difference: f32,
 }
@@ -392,14 +399,28 @@ fn both_engines(shape: &Shape, dtype: DType, device: &Device, budget: Duration, 
         flash_attention_backward_fragments_laid_out_for(q.clone(), k.clone(), v.clone(), fragments_out.clone(), g.clone(), fragments_lse.clone(), options, ranges, None, false, Some(4)).unwrap()
     };
     let four = four_warps();
-    backward_difference = [(want_grads.0, four.0), (want_grads.1, four.1), (want_grads.2, four.2)].into_iter().map(|(a, b)| largest_difference(values(a), values(b))).fold(backward_difference, f32::max);
+    backward_difference = [(want_grads.0.clone(), four.0), (want_grads.1.clone(), four.1), (want_grads.2.clone(), four.2)].into_iter().map(|(a, b)| largest_difference(values(a), values(b))).fold(backward_difference, f32::max);
     let four_warp_backward = time(device, each, || drop(four_warps()));
+    // dS stored after dK's product (sm_80's order) where dQ is summed, to compare with sm_90's
+    // default, which stores it first (`Staging::score_grads_first`).
+    let score_grads_after_backward = summed.then(|| {
+        ulysses_kernels::testing::store_score_grads_first(Some(false));
+        let after = fragments_backward();
+        backward_difference = [(want_grads.0, after.0), (want_grads.1, after.1), (want_grads.2, after.2)]
+            .into_iter()
+            .map(|(a, b)| largest_difference(values(a), values(b)))
+            .fold(backward_difference, f32::max);
+        let seconds = time(device, each, || drop(fragments_backward()));
+        ulysses_kernels::testing::store_score_grads_first(None);
+        seconds
+    });
     Compared {
         planned: timing(time(device, each, || drop(planned())), time(device, each, || drop(planned_backward()))),
         fragments: timing(time(device, each, || drop(fragments())), time(device, each, || drop(fragments_backward()))),
         query_grad_kernel_backward,
         one_row_tile_forward,
         four_warp_backward,
+        score_grads_after_backward,
         forward_difference,
         backward_difference,
     }

@@ -114,6 +114,14 @@ mod stats {
 
 /// For tests and benches: whether a CubeCL runtime has a device here, and its memory in use.
 pub mod testing {
+    /// Makes the register-fragment dK/dV kernel store each step's dS for dQ's sum before its
+    /// dV and dK products (`Some(true)`: as on sm_90, with `stmatrix`) or after dK's
+    /// (`Some(false)`: as on sm_80 and sm_89, and lavapipe), or as the launch decides (`None`),
+    /// for the launches that follow in this process: the order alone, the same gradients.
+    pub fn store_score_grads_first(first: Option<bool>) {
+        crate::flash::set_score_grads_first(first);
+    }
+
     /// Whether the device adds f32 values atomically: where it does, the register-fragment
     /// backward sums dQ in its dK/dV kernel where that stages its rows.
     pub fn adds_f32_atomically<R: cubecl::Runtime>(device: &R::Device) -> bool {

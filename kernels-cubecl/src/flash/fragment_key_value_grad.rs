@@ -248,6 +248,12 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
                 }
             }
             let ds = rounded::<E>(&dp, score_tiles * C_VALUES);
+            // With `stmatrix` dS goes to the shared tile of dQ's sum first, else after dK's
+            // product ([`store_score_grads`] says why).
+            let stored_first = comptime!(staging.score_grads_first);
+            if keys && stored_first {
+                store_score_grads::<E, M>(&ds, &mut scores_shared, queries_per_step, staging.warps, staging.stores_matrices, unrolled);
+            }
             if values {
                 let p = rounded::<E>(&s, score_tiles * C_VALUES);
                 times_tile::<E, M>(&p, &out_grad_tiles, buffer, &mut value_acc, &mut scratch, queries_per_step, head_dim, part, 1usize, unrolled);
@@ -258,7 +264,10 @@ fn key_value_grad_block<E: Float, M: FragmentMma, N: Size>(
                     // dQ[step's queries] += dS·K over the block's keys. (The next step's
                     // barrier, before it writes the tile again, waits for every warp's reads.)
                     // A step's rows past the sequence fall into the head's padding.
-                    sum_query_grad::<E, M, N>(&ds, &mut scores_shared, &k_shared, query_grad_sum, &mut scratch, padded_row0, query0, seq_q, queries_per_step, head_dim, staging.warps, staging.stores_matrices, unrolled);
+                    if !stored_first {
+                        store_score_grads::<E, M>(&ds, &mut scores_shared, queries_per_step, staging.warps, staging.stores_matrices, unrolled);
+                    }
+                    sum_query_grad::<E, M, N>(&scores_shared, &k_shared, query_grad_sum, &mut scratch, padded_row0, query0, seq_q, queries_per_step, head_dim, staging.warps, unrolled);
                 }
             }
         }
@@ -299,35 +308,24 @@ fn scores_tile<E: Float>(#[comptime] summed: bool, #[comptime] queries: usize, #
     SharedMemory::<E>::new_aligned(values, 16usize)
 }
 
-/// Adds `dS·K` over the block's keys (16 for each of its `warps`) to rows `query0..query0 + queries` of the query rows
-/// from `row0` of `sum` (f32, unscaled, its heads padded: [`summed_rows`]): `ds` this warp's
-/// dSᵀ (its 16 keys × the step's `queries`, rounded accumulators), `tile` a [`scores_tile`],
-/// `k_rows` the block's staged K, `seq_q` the sequence's queries. dQ's rows are the step's queries, so dS has
-/// to be transposed: each warp writes its dSᵀ into the tile query-major (`stmatrix` with its
-/// transpose, where `stores_matrices`), and after a barrier reads dS's A fragments from it with
-/// `ldmatrix` as the staged rows are read; each warp then takes its share of dQ's tile
-/// ([`query_grad_split`]: whole pairs of 16 columns, for all the queries or, in the wide block
-/// at head dim 64, half of them) over all the block's keys (no reduction between warps), and
-/// adds its accumulators with one atomic each, or each pair (`N`).
+/// Writes `ds`, this warp's dSᵀ (its 16 keys × the step's `queries`, rounded accumulators), into
+/// `tile` (a [`scores_tile`]) query-major, for [`sum_query_grad`]: dQ's rows are the step's
+/// queries, so dS has to be transposed (`stmatrix` with its transpose, where
+/// `stores_matrices`). With `stmatrix` the kernel stores it as soon as dS is rounded, before
+/// dV's and dK's products: stored after them, just before the sum's barrier, ptxas 13.0 held
+/// 255 registers on sm_90a and spilled (2 LDL/STL a step in the loop at head dim 64, 12–20
+/// bytes at 64 and 128); stored first, dK/dV holds 221–248 and spills nothing, at 50–80 more
+/// instructions a step (register moves). Without it (sm_80, sm_89) after dK's product: stored
+/// first there, ptxas 12.9 spilled at head dim 128 (8 bytes, outside the loop), 2026-12-06.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
+fn store_score_grads<E: Float, M: FragmentMma>(
     ds: &Array<E>,
     tile: &mut SharedMemory<E>,
-    k_rows: &SharedMemory<E>,
-    sum: &mut Tensor<Atomic<Vector<f32, N>>>,
-    scratch: &mut SharedMemory<f32>,
-    row0: usize,
-    query0: usize,
-    seq_q: usize,
     #[comptime] queries: usize,
-    #[comptime] head_dim: usize,
     #[comptime] warps: usize,
     #[comptime] stores_matrices: bool,
     #[comptime] unrolled: bool,
 ) {
-    let lane = lane();
-    let (g, t) = (lane / 4, lane % 4);
     let warp = UNIT_POS as usize / 32;
     let stride = comptime!(16 * warps + PAD);
     // Value i of score tile n is dSᵀ at key 16·warp + g + 8·(i / 2), query 8·n + 2t + i % 2:
@@ -348,6 +346,35 @@ fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
         }
         M::store_matrices::<E>(tile, 16 * n_pair * stride + 16 * warp, stride, &matrices, 4usize, 2usize, true, stores_matrices);
     }
+}
+
+/// Adds `dS·K` over the block's keys (16 for each of its `warps`) to rows `query0..query0 + queries` of the query rows
+/// from `row0` of `sum` (f32, unscaled, its heads padded: [`summed_rows`]): `tile` the step's
+/// dS, every warp's written ([`store_score_grads`]), `k_rows` the block's staged K, `seq_q` the
+/// sequence's queries. After a barrier each warp reads dS's A fragments from the tile with
+/// `ldmatrix` as the staged rows are read, takes its share of dQ's tile
+/// ([`query_grad_split`]: whole pairs of 16 columns, for all the queries or, in the wide block
+/// at head dim 64, half of them) over all the block's keys (no reduction between warps), and
+/// adds its accumulators with one atomic each, or each pair (`N`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn sum_query_grad<E: Float, M: FragmentMma, N: Size>(
+    tile: &SharedMemory<E>,
+    k_rows: &SharedMemory<E>,
+    sum: &mut Tensor<Atomic<Vector<f32, N>>>,
+    scratch: &mut SharedMemory<f32>,
+    row0: usize,
+    query0: usize,
+    seq_q: usize,
+    #[comptime] queries: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] warps: usize,
+    #[comptime] unrolled: bool,
+) {
+    let lane = lane();
+    let (g, t) = (lane / 4, lane % 4);
+    let warp = UNIT_POS as usize / 32;
+    let stride = comptime!(16 * warps + PAD);
     sync_cube();
 
     // This warp's 16-row tiles and 16-column pairs of the step's dQ ([`query_grad_split`]).

@@ -193,6 +193,11 @@ pub(crate) struct Staging {
     /// device has it (sm_90), set by the launch; [`key_step`] leaves it unset, since it
     /// changes no size.
     pub stores_matrices: bool,
+    /// dK/dV's kernel, summing dQ, stores each step's dS into its tile before dV's and dK's
+    /// products rather than after dK's: set by the launch where `stores_matrices`, which spills
+    /// otherwise (`fragment_key_value_grad::store_score_grads` says why); the order alone, the
+    /// same gradients.
+    pub score_grads_first: bool,
 }
 
 impl Staging {
@@ -344,7 +349,7 @@ pub(crate) fn key_step(
         modes(warps).iter().find_map(|&mode| steps(warps, &[mode]).into_iter().find(fits))
     };
     // The smallest step whose copies split over the block's units.
-    let candidates = [16, 32, MAX_STEP].map(|keys| Staging { keys, buffers: if mma_sync { 2 } else { 1 }, warps, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
+    let candidates = [16, 32, MAX_STEP].map(|keys| Staging { keys, buffers: if mma_sync { 2 } else { 1 }, warps, rows_shared: false, query_grad: false, stores_matrices: false, score_grads_first: false, row_tiles: 1 });
     let smallest = candidates.into_iter().find(|staging| staging.divides(head_dim)).unwrap_or(candidates[0]);
     found.ok_or_else(|| shared_bytes(kernel, head_dim, register_columns, smallest, mma_sync, element_bytes))
 }
@@ -366,7 +371,7 @@ fn mode_steps(kernel: FragmentKernel, head_dim: usize, streamed: bool, mma_sync:
     let keys: Vec<usize> = [cuda, 32, 16].into_iter().filter(|&keys| keys <= cuda).collect();
     let buffer_counts: &[usize] = if mma_sync { &[2] } else { &[2, 1] };
     let row_tiles = if kernel == FragmentKernel::Forward && rows_shared { 2 } else { 1 };
-    let step = |(keys, buffers)| Staging { keys, buffers, warps, rows_shared, query_grad, stores_matrices: false, row_tiles };
+    let step = |(keys, buffers)| Staging { keys, buffers, warps, rows_shared, query_grad, stores_matrices: false, score_grads_first: false, row_tiles };
     if streamed && kernel != FragmentKernel::Forward {
         // The backward's streamed step: CUDA's keys before a second buffer, so that the loop
         // CUDA runs (each chunk read feeding `keys / 8` products) runs here too.

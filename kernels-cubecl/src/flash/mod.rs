@@ -386,6 +386,25 @@ struct FragmentLaunch {
     elem: StorageType,
 }
 
+/// Where dK/dV's kernel stores each step's dS for dQ's sum (`Staging::score_grads_first`):
+/// 0 as the launch decides, 1 first, 2 after dK's product (the tests run both orders on
+/// lavapipe: [`crate::testing::store_score_grads_first`]).
+static SCORE_GRADS_FIRST: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// The order [`SCORE_GRADS_FIRST`] asks for, if any.
+fn score_grads_first() -> Option<bool> {
+    match SCORE_GRADS_FIRST.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => Some(true),
+        2 => Some(false),
+        _ => None,
+    }
+}
+
+/// Asks dK/dV's launches for an order of its dS store (`None`: the launch's own), for tests.
+pub(crate) fn set_score_grads_first(first: Option<bool>) {
+    SCORE_GRADS_FIRST.store(first.map_or(0, |first| if first { 1 } else { 2 }), std::sync::atomic::Ordering::Relaxed);
+}
+
 impl FragmentLaunch {
     /// `layout`: the index width whose register layout the kernel takes (the call's, but for
     /// tests: [`flash_attention_forward_fragments_laid_out_for`],
@@ -412,6 +431,7 @@ impl FragmentLaunch {
         let mut staging = fragment_tiles::key_step(kernel, p.head_dim, register_columns, mma_sync, atomic_sums && adds_f32_atomically(client), stage_rows, key_warps, dtype.size(), shared_limit)
             .map_err(|needed| FlashError::SharedMemory { needed, available: shared_limit })?;
         staging.stores_matrices = staging.query_grad && mma_sync && crate::mma::has_stmatrix(client, dtype);
+        staging.score_grads_first = staging.query_grad && score_grads_first().unwrap_or(staging.stores_matrices);
         // dQ's sum added a lane's two adjacent columns at a time where the device can.
         let sum_vector = if staging.query_grad && adds_f32_vectors_atomically(client, 2) { 2 } else { 1 };
         let blocks = match kernel {
@@ -940,14 +960,14 @@ mod tests {
         use fragment_tiles::{Staging, key_step};
         // The devices here add f32 atomically.
         let steps = |head_dim, mma_sync, limit| [Forward, QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, head_dim, 128, mma_sync, true, true, None, 2, limit));
-        let double = |keys| Ok(Staging { keys, buffers: 2, warps: 4, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        let double = |keys| Ok(Staging { keys, buffers: 2, warps: 4, rows_shared: false, query_grad: false, stores_matrices: false, score_grads_first: false, row_tiles: 1 });
         // dK/dV with its K and V rows in shared memory (`Staging::rows_shared`), summing dQ
         // (`Staging::query_grad`) or, without atomics, not.
-        let summed = |keys, buffers| Ok(Staging { keys, buffers, warps: 4, rows_shared: true, query_grad: true, stores_matrices: false, row_tiles: 1 });
-        let shared = |keys, buffers| Ok(Staging { keys, buffers, warps: 4, rows_shared: true, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        let summed = |keys, buffers| Ok(Staging { keys, buffers, warps: 4, rows_shared: true, query_grad: true, stores_matrices: false, score_grads_first: false, row_tiles: 1 });
+        let shared = |keys, buffers| Ok(Staging { keys, buffers, warps: 4, rows_shared: true, query_grad: false, stores_matrices: false, score_grads_first: false, row_tiles: 1 });
         // The forward with its Q in shared memory and two row tiles a warp
         // (`Staging::row_tiles`), where its output is one part.
-        let staged_q = |keys, buffers| Ok(Staging { keys, buffers, warps: 4, rows_shared: true, query_grad: false, stores_matrices: false, row_tiles: 2 });
+        let staged_q = |keys, buffers| Ok(Staging { keys, buffers, warps: 4, rows_shared: true, query_grad: false, stores_matrices: false, score_grads_first: false, row_tiles: 2 });
         // dK/dV's wide block: 8 warps, 128 keys (`fragment_tiles::WIDE_WARPS`).
         let wide_summed = |keys, buffers| Ok(Staging { warps: 8, ..summed(keys, buffers).unwrap() });
         // dQ's sum gives each warp whole 16-column pairs: at 128 an eighth of the columns in
@@ -999,16 +1019,16 @@ mod tests {
         assert_eq!(key_step(KeyValueGrad, 64, 128, false, false, true, None, 2, 32 * 1024), shared(16, 1));
         assert_eq!(steps(128, false, 32 * 1024), [double(16), double(16), double(16)]);
         // At 256 the backward's two whole-width tiles fit lavapipe once, not twice.
-        let single = Ok(Staging { keys: 16, buffers: 1, warps: 4, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        let single = Ok(Staging { keys: 16, buffers: 1, warps: 4, rows_shared: false, query_grad: false, stores_matrices: false, score_grads_first: false, row_tiles: 1 });
         assert_eq!(steps(256, false, 32 * 1024), [double(16), single, single]);
         // The backward with 64-bit indices at 128 streams its rows: CUDA's 32-query step, one
         // buffer, before two of 16.
-        let wide = Ok(Staging { keys: 32, buffers: 1, warps: 4, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        let wide = Ok(Staging { keys: 32, buffers: 1, warps: 4, rows_shared: false, query_grad: false, stores_matrices: false, score_grads_first: false, row_tiles: 1 });
         assert_eq!([QueryGrad, KeyValueGrad].map(|kernel| key_step(kernel, 128, 64, false, true, true, None, 2, 32 * 1024)), [wide, wide]);
         // dK/dV's wide block asked for on lavapipe: its 128 staged rows do not fit (37 KB at
         // 64), so held in registers, 32 queries a step at 64 (31 KB with the 8 warps'
         // scratch), 16 at 128; a step's copies split over its 256 units (16 queries of 64 do not).
-        let held_wide = |keys| Ok(Staging { keys, buffers: 2, warps: 8, rows_shared: false, query_grad: false, stores_matrices: false, row_tiles: 1 });
+        let held_wide = |keys| Ok(Staging { keys, buffers: 2, warps: 8, rows_shared: false, query_grad: false, stores_matrices: false, score_grads_first: false, row_tiles: 1 });
         assert_eq!([64, 128].map(|head_dim| key_step(KeyValueGrad, head_dim, 128, false, true, true, Some(8), 2, 32 * 1024)), [held_wide(32), held_wide(16)]);
         assert!(steps(128, false, 8 * 1024).iter().all(|step| matches!(step, Err(needed) if *needed > 8 * 1024)));
     }

@@ -227,11 +227,20 @@ fn the_fragment_backward_matches_the_reference() {
         // Cases whose dQ the dK/dV kernel summed with atomics (its rows staged: at head dim 64
         // on lavapipe, 64 and 128 on CUDA), the others by dQ's own kernel.
         let mut summed = 0;
-        for (case, layout, deterministic) in cases {
+        for (case, layout, deterministic) in cases.clone() {
             summed += usize::from(check_backward(Case { dtype, ..case }, layout, deterministic, None, &device));
         }
         // Where the device adds f32 atomically, the summed path ran too.
         assert!(summed > 0 || !adds_f32_atomically::<super::Runtime>(&device), "{dtype:?}: no case summed dQ in the dK/dV kernel on a device that could");
+        // The summed cases again with each step's dS stored before dV's and dK's products, as
+        // sm_90 stores it (`stmatrix`), where lavapipe stores it after dK's.
+        ulysses_kernels::testing::store_score_grads_first(Some(true));
+        let mut summed_first = 0;
+        for (case, layout, deterministic) in cases.into_iter().take(5) {
+            summed_first += usize::from(check_backward(Case { dtype, ..case }, layout, deterministic, None, &device));
+        }
+        ulysses_kernels::testing::store_score_grads_first(None);
+        assert!(summed_first > 0 || !adds_f32_atomically::<super::Runtime>(&device), "{dtype:?}: no case summed dQ with dS stored first");
     }
 }
 
