@@ -159,7 +159,7 @@ fn remove_torn_writes(path: &Path) {
     let Ok(entries) = fs::read_dir(path) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') && name.rsplit_once(".tmp-").is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit())) {
+        if ulysses_training::checkpoint::is_temporary_write(&name) {
             match fs::remove_file(entry.path()) {
                 Ok(()) => tracing::info!(file = %entry.path().display(), "removed what a write cut short left"),
                 Err(error) => tracing::warn!(file = %entry.path().display(), %error, "cannot remove what a write cut short left"),

@@ -338,6 +338,13 @@ pub fn write_atomically(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
     write_atomically_with(path, |file| parts.iter().try_for_each(|part| file.write_all(part)))
 }
 
+/// Whether a file named `name` is a temporary file of [`write_atomically_with`]
+/// (`.NAME.tmp-PID`): a write under way or cut short, never a file of its own, though a
+/// checkpoint's may hold all its bytes before its rename.
+pub fn is_temporary_write(name: &str) -> bool {
+    name.starts_with('.') && name.rsplit_once(".tmp-").is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// [`write_atomically`] with the contents written by `write`, piece by piece (a file larger
 /// than what should be held in memory at once).
 pub fn write_atomically_with(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<File>) -> std::io::Result<()>) -> std::io::Result<()> {

@@ -424,10 +424,11 @@ pub fn remove_unnamed_state_folders(dir: &Path, keep: Option<&str>) -> Vec<PathB
     let Ok(entries) = fs::read_dir(dir) else { return removed };
     let entries: Vec<_> = entries.flatten().collect();
     // Every checkpoint file, whatever its name (a copy kept as `step-3.ulysses` or
-    // `before-the-lr-change.bak`): a file is one by its magic bytes, its header alone read.
+    // `before-the-lr-change.bak`): a file is one by its magic bytes, its header alone read. Not
+    // a write's temporary file: a save killed before its rename names the folder it left.
     let named: Vec<String> = entries
         .iter()
-        .filter(|entry| entry.path().is_file())
+        .filter(|entry| entry.path().is_file() && !crate::checkpoint::is_temporary_write(&entry.file_name().to_string_lossy()))
         .filter_map(|entry| crate::checkpoint::named_state_folder(&entry.path()))
         .collect();
     for entry in entries {
@@ -782,6 +783,10 @@ mod tests {
                     // A copy under a name of one's own keeps its folder too.
                     fs::copy(shared.join("checkpoint.ulysses"), shared.join("before-the-lr-change.bak")).unwrap();
                 }
+                if step == 3 && comm.rank() == 0 {
+                    // A write's temporary file (a save killed before its rename) keeps none.
+                    fs::copy(shared.join("checkpoint.ulysses"), shared.join(".checkpoint.ulysses.tmp-4242")).unwrap();
+                }
                 comm.barrier().unwrap();
             }
             // A run resumed from the copy saves step 1 again (other values): into a folder
@@ -797,7 +802,7 @@ mod tests {
         let mut folders: Vec<String> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(STATE_FOLDER_PREFIX)).collect();
         folders.sort();
         let again = format!("{}.1", sharded_state_folder(1, 2));
-        assert_eq!(folders, [sharded_state_folder(1, 2), again, sharded_state_folder(2, 2)], "the copies' folders kept and untouched, step 3's removed once the checkpoint moved on");
+        assert_eq!(folders, [sharded_state_folder(1, 2), again, sharded_state_folder(2, 2)], "the copies' folders kept and untouched, step 3's removed once the checkpoint moved on (a temporary file naming it)");
         let copy = dir.join("step-1.ulysses");
         let loaded = burn_ulysses::comm::ThreadGroup::new(1).run(move |rank| load_sharded_training_checkpoint::<Ad, Linear<Ad>, u64>(&copy, layer(), &*rank.communicator()));
         let (loaded, _, step) = loaded.into_iter().next().unwrap().unwrap().unwrap();
