@@ -933,39 +933,34 @@ fn token_picked(op: &'static str, shape: &[usize], dim: usize, which: &str, shar
     refusal_within(noted, op, shape, dim, what, PICK_FIX, sharding)
 }
 
-/// `UlyssesBackend`'s `float_select`: the inner backend's, after the guard.
-pub fn guarded_float_select<X: ExchangeBackend>(tensor: FloatTensor<X>, dim: usize, indices: IntTensor<X>) -> FloatTensor<X> {
-    if SHARD_POSITIONS.get().is_some() {
-        refuse(token_picked_by_index("select", &tensor.shape(), dim, indices.shape().num_elements(), context::current_sharding));
-    }
-    X::float_select(tensor, dim, indices)
+macro_rules! guarded_selects {
+    ($(($name:ident, $tensor:ident, $op:ident)),* $(,)?) => {$(
+        #[doc = concat!("`UlyssesBackend`'s `", stringify!($op), "`: the inner backend's, after the guard.")]
+        pub fn $name<X: ExchangeBackend>(tensor: $tensor<X>, dim: usize, indices: IntTensor<X>) -> $tensor<X> {
+            if SHARD_POSITIONS.get().is_some() {
+                refuse(token_picked_by_index("select", &tensor.shape(), dim, indices.shape().num_elements(), context::current_sharding));
+            }
+            X::$op(tensor, dim, indices)
+        }
+    )*};
 }
 
-/// `UlyssesBackend`'s `int_select`: the inner backend's, after the guard.
-pub fn guarded_int_select<X: ExchangeBackend>(tensor: IntTensor<X>, dim: usize, indices: IntTensor<X>) -> IntTensor<X> {
-    if SHARD_POSITIONS.get().is_some() {
-        refuse(token_picked_by_index("select", &tensor.shape(), dim, indices.shape().num_elements(), context::current_sharding));
-    }
-    X::int_select(tensor, dim, indices)
+guarded_selects!((guarded_float_select, FloatTensor, float_select), (guarded_int_select, IntTensor, int_select));
+
+macro_rules! guarded_gathers {
+    ($(($name:ident, $tensor:ident, $op:ident)),* $(,)?) => {$(
+        #[doc = concat!("`UlyssesBackend`'s `", stringify!($op), "`: the inner backend's, after the guard.")]
+        pub fn $name<X: ExchangeBackend>(dim: usize, tensor: $tensor<X>, indices: IntTensor<X>) -> $tensor<X> {
+            if SHARD_POSITIONS.get().is_some() {
+                let picked = indices.shape().get(dim).copied().unwrap_or(0);
+                refuse(token_picked_by_index("gather", &tensor.shape(), dim, picked, context::current_sharding));
+            }
+            X::$op(dim, tensor, indices)
+        }
+    )*};
 }
 
-/// `UlyssesBackend`'s `float_gather`: the inner backend's, after the guard.
-pub fn guarded_float_gather<X: ExchangeBackend>(dim: usize, tensor: FloatTensor<X>, indices: IntTensor<X>) -> FloatTensor<X> {
-    if SHARD_POSITIONS.get().is_some() {
-        let picked = indices.shape().get(dim).copied().unwrap_or(0);
-        refuse(token_picked_by_index("gather", &tensor.shape(), dim, picked, context::current_sharding));
-    }
-    X::float_gather(dim, tensor, indices)
-}
-
-/// `UlyssesBackend`'s `int_gather`: the inner backend's, after the guard.
-pub fn guarded_int_gather<X: ExchangeBackend>(dim: usize, tensor: IntTensor<X>, indices: IntTensor<X>) -> IntTensor<X> {
-    if SHARD_POSITIONS.get().is_some() {
-        let picked = indices.shape().get(dim).copied().unwrap_or(0);
-        refuse(token_picked_by_index("gather", &tensor.shape(), dim, picked, context::current_sharding));
-    }
-    X::int_gather(dim, tensor, indices)
-}
+guarded_gathers!((guarded_float_gather, FloatTensor, float_gather), (guarded_int_gather, IntTensor, int_gather));
 
 /// Where a piece's tokens (the shard's, or a tile's: `span` of them) went along a sequence dim
 /// `dim` of a tensor of `shape` one to [`MOST_SHIFTED`] tokens longer: from `at`, padded
