@@ -904,13 +904,17 @@ fn the_porting_guide_shows_this_files_port() {
     assert!(changed >= 6, "the porting diff should show the three changes, found {changed} changed lines");
 }
 
-/// Where a model takes its positions from: four ways a port counts them from each rank's first
+/// Where a model takes its positions from: six ways a port counts them from each rank's first
 /// token, and two right ones; or how it mixes the shard's tokens as if they were the sequence's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Placement {
     RopeForward,
     Sinusoids,
     LearnedOfArange,
+    /// A learned position embedding looked up at ids `0..len` built on the host.
+    LearnedOfHostIds,
+    /// burn-nn's sinusoids computed for the length at hand (`generate_sinusoids(len, ..)`).
+    HostSinusoids,
     LearnedTableRows,
     RopeAtOffset,
     LearnedAtIds,
@@ -988,6 +992,11 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
     let x = match from {
         Placement::Sinusoids => PositionalEncodingConfig::new(D_MODEL).with_max_sequence_size(max_len).init::<B>(&device).forward(x),
         Placement::LearnedOfArange => x + learned(Tensor::<B, 1, Int>::arange(0..len as i64, &device).unsqueeze::<2>().repeat_dim(0, batch)),
+        Placement::LearnedOfHostIds => {
+            let ids = burn::tensor::TensorData::new((0..len as i64).collect::<Vec<_>>(), [1, len]);
+            x + learned(Tensor::<B, 2, Int>::from_data(ids, &device).repeat_dim(0, batch))
+        }
+        Placement::HostSinusoids => x + burn::nn::generate_sinusoids::<B>(len, D_MODEL, 10_000, &device).unsqueeze::<3>(),
         Placement::LearnedAtIds => x + learned(position_ids(positions, &device)),
         Placement::TokenShift => {
             let before = Tensor::cat(vec![Tensor::zeros([batch, 1, D_MODEL], &device), x.clone().slice([0..batch, 0..len - 1])], 1);
@@ -1149,6 +1158,9 @@ fn positions_counted_from_each_ranks_first_token_are_refused() {
         let rows = format!("takes rows 0..{local} along dim 1 of a [1, {}, {D_MODEL}] table", 4 * SEQ);
         assert_positions_refused(&evaluated(sp, Placement::Sinusoids), &rows, "PositionalEncoding::forward");
         assert_positions_refused(&evaluated(sp, Placement::LearnedOfArange), &format!("arange counts positions 0..{local}"), "a learned embedding of arange");
+        assert_positions_refused(&evaluated(sp, Placement::LearnedOfHostIds), &format!("from_data uploads positions 0..{local}"), "a learned embedding of ids from the host");
+        let table = format!("from_data uploads a [{local}, {D_MODEL}] table whose row at the first token of this rank's shard");
+        assert_positions_refused(&evaluated(sp, Placement::HostSinusoids), &table, "generate_sinusoids(len, ..)");
         let rows = format!("takes rows 0..{local} along dim 0 of a [{}, {D_MODEL}] table", 4 * SEQ);
         assert_positions_refused(&evaluated(sp, Placement::LearnedTableRows), &rows, "a learned table's first rows (a parameter)");
         // Ported: RoPE at the shard's offset equals one device's loss (of RoPE from 0 there).
@@ -1158,6 +1170,12 @@ fn positions_counted_from_each_ranks_first_token_are_refused() {
         }
     }
     let learned = evaluated(1, Placement::LearnedOfArange).remove(0).expect("one device");
+    // On one device the host's positions are right: the same as arange's, and as burn-nn's table.
+    let host_ids = evaluated(1, Placement::LearnedOfHostIds).remove(0).expect("ids from the host, one device");
+    assert!((host_ids - learned).abs() <= 1e-6 * learned.abs(), "ids from the host: {host_ids} against arange's {learned}");
+    let (host_sinusoids, sinusoids) = (evaluated(1, Placement::HostSinusoids).remove(0), evaluated(1, Placement::Sinusoids).remove(0));
+    let (host_sinusoids, sinusoids) = (host_sinusoids.expect("sinusoids from the host, one device"), sinusoids.expect("burn-nn's sinusoids, one device"));
+    assert!((host_sinusoids - sinusoids).abs() <= 1e-6 * sinusoids.abs(), "sinusoids from the host: {host_sinusoids} against PositionalEncoding's {sinusoids}");
     let at_ids = evaluated(3, Placement::LearnedAtIds);
     for sum in at_ids.into_iter().map(|r| r.expect("a learned embedding at the ids, SP 3")) {
         assert!((sum - learned).abs() <= 1e-5 * learned.abs(), "a learned embedding at the ids, SP 3: {sum} against one device's {learned}");

@@ -83,6 +83,10 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("IntTensorOps", "int_slice_assign", "crate::attention_guard::guarded_int_slice_assign"),
     ("FloatTensorOps", "float_cat", "crate::attention_guard::guarded_float_cat"),
     ("IntTensorOps", "int_cat", "crate::attention_guard::guarded_int_cat"),
+    // Positions counted on the host: ids or a ramp uploaded, a table of sinusoids from 0 (the
+    // uploads then counted by crate::device_io).
+    ("FloatTensorOps", "float_from_data", "crate::attention_guard::guarded_float_from_data"),
+    ("IntTensorOps", "int_from_data", "crate::attention_guard::guarded_int_from_data"),
     ("IntTensorOps", "int_arange", "crate::attention_guard::guarded_int_arange"),
     ("IntTensorOps", "int_arange_step", "crate::attention_guard::guarded_int_arange_step"),
     // Refuse reductions and rankings over the shard's tokens inside a forward whose positions
@@ -149,8 +153,6 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("IntTensorOps", "int_into_data", "crate::device_io::int_into_data"),
     ("BoolTensorOps", "bool_into_data", "crate::device_io::bool_into_data"),
     ("TransactionOps", "tr_execute", "crate::device_io::tr_execute"),
-    ("FloatTensorOps", "float_from_data", "crate::device_io::float_from_data"),
-    ("IntTensorOps", "int_from_data", "crate::device_io::int_from_data"),
     ("BoolTensorOps", "bool_from_data", "crate::device_io::bool_from_data"),
 ];
 

@@ -85,7 +85,9 @@
 //! `ulysses_training`'s steps and `evaluate` note them around the model's forward): a slice of
 //! a table of positions, or an `arange`, over as many tokens as the shard holds but at other
 //! positions than its own is refused (RoPE's frequencies or burn-nn's sinusoids sliced from 0,
-//! a learned position embedding of `arange(0..len)`). A table, by shape: no activation (under
+//! a learned position embedding of `arange(0..len)`); so are positions counted on the host and
+//! uploaded, told by their values ([`positions_uploaded`]: ids or a float ramp as long, a table
+//! of sinusoids from position 0). A table, by shape: no activation (under
 //! autodiff an activation is tracked and no leaf; without autodiff, in `evaluate` and a
 //! checkpointed forward's first pass, the shape alone decides), cut along one dim alone, every
 //! dim before it of size 1, as long as the sequence over the ranks or longer. Counted from 0, the
@@ -125,7 +127,7 @@ use std::{
 };
 
 use burn::tensor::{
-    BoolDType, Device, IntDType, Slice, TensorMetadata, TensorPrimitive,
+    BoolDType, Device, IntDType, Slice, TensorData, TensorMetadata, TensorPrimitive,
     ops::{BoolTensor, ConvOptions, ConvTransposeOptions, FloatTensor, IntTensor, MaxPool1dWithIndices, QuantizedTensor},
 };
 
@@ -1151,21 +1153,122 @@ fn tile_refused(sharding: Option<Sharding>) -> bool {
 /// RoPE's or ALiBi's of it, a mask built from the local length). Indices within the shard that
 /// are no positions go inside [`not_positions`].
 pub fn positions_counted_by_arange(range: &Range<i64>, step: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
-    let counted = u64::try_from(range.start).ok().zip(u64::try_from(range.end).ok()).map(|(start, end)| start..end).filter(|_| step == 1)?;
+    let examples = "Tensor::arange: a learned position embedding's ids, RoPE's or ALiBi's positions, a mask built from the local length";
+    (step == 1).then(|| positions_counted("arange", "counts", range, examples, sharding)).flatten()
+}
+
+/// The rule on positions counted over `range` by `op` (`verb`s them): as many as the tile's rows
+/// at other positions than the tile's, under SP; as many as the shard's tokens but not this
+/// rank's positions, under SP. `examples` says what builds them so.
+fn positions_counted(op: &'static str, verb: &str, range: &Range<i64>, examples: &str, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let counted = u64::try_from(range.start).ok().zip(u64::try_from(range.end).ok()).map(|(start, end)| start..end)?;
     let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2)?;
     if noted.tile_arange_miscounted(&counted) {
-        return positions_of_another_tile("arange", format!("counts positions {}..{}", range.start, range.end), noted, false, sharding);
+        return positions_of_another_tile(op, format!("{verb} positions {}..{}", range.start, range.end), noted, false, sharding);
     }
     if counted.end.saturating_sub(counted.start) != noted.len as u64 || noted.holds(&counted) {
         return None;
     }
     let sharding = refusing(sharding())?;
-    let what = format!(
-        "counts positions {}..{} (Tensor::arange: a learned position embedding's ids, RoPE's or ALiBi's positions, a mask built from the local \
-         length)",
-        range.start, range.end
-    );
-    Some(UlyssesError::PositionsOfAnotherShard { op: "arange", what, len: noted.len, held: noted.held(), ranks: sharding.ranks })
+    let what = format!("{verb} positions {}..{} ({examples})", range.start, range.end);
+    Some(UlyssesError::PositionsOfAnotherShard { op, what, len: noted.len, held: noted.held(), ranks: sharding.ranks })
+}
+
+/// Why host data uploaded inside a forward whose positions are noted is refused, or `None`:
+/// positions counted on the host as if the shard (or the tile) were the whole sequence, told by
+/// their values (already on the host: no wait for the device). Two kinds: whole numbers
+/// `k..k + len` along the one dim that is not 1, or along each row of `[rows, len]` (ids built
+/// as `(0..len).collect()`, a float ramp for sinusoids' angles), as many as the shard's tokens,
+/// which the `arange` rule takes; and a float table with one dim as long as the shard whose row
+/// at its first token is position 0's (sines 0, cosines one constant: `burn::nn::
+/// generate_sinusoids(len, ..)` or RoPE's cos/sin computed over `0..len` in the forward) where
+/// that token sits past position 0. Rank 0's shard starts at 0, so from 0 passes there.
+pub fn positions_uploaded(data: &TensorData, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2)?;
+    if !(data.dtype.is_float() || data.dtype.is_int() || data.dtype.is_uint()) {
+        return None;
+    }
+    let shape: &[usize] = &data.shape;
+    let piece_len = |len: usize| len >= 2 && noted.pieces().any(|piece| piece.span().0 == len);
+    let counted_along = match (shape.iter().filter(|&&size| size != 1).count(), shape) {
+        (1, _) => shape.iter().copied().find(|&size| size != 1),
+        (2, &[_, len]) => Some(len),
+        _ => None,
+    };
+    let ramp = counted_along.filter(|&len| piece_len(len)).and_then(|len| Some((len, ramp_start(data, len)?)));
+    if let Some((len, first)) = ramp {
+        let examples = "counted on the host, from_data of `(0..len)`: a learned position embedding's ids, the angles of RoPE or sinusoids";
+        return positions_counted("from_data", "uploads", &(first..first + len as i64), examples, sharding);
+    }
+    if !data.dtype.is_float() {
+        return None;
+    }
+    for piece in noted.pieces() {
+        let (len, whose, ..) = piece.span();
+        let mut along = shape.iter().enumerate().filter(|&(_, &size)| size == len).map(|(dim, _)| dim);
+        let (Some(dim), None) = (along.next(), along.next()) else { continue };
+        if len < 2 || shape[dim + 1..].iter().product::<usize>() < 2 || !starts_at_position_zero(data, dim) {
+            return None;
+        }
+        let what = format!(
+            "uploads a {shape:?} table whose row at the first token of {whose} (dim {dim}) is position 0's (sines 0, cosines one \
+             constant: burn::nn::generate_sinusoids(len, ..), or RoPE's cos and sin computed on the host over 0..len)"
+        );
+        return match piece.tile {
+            Some((start, _)) => match piece.run_start {
+                Some(run) if run + start as u64 != 0 => positions_of_another_tile("from_data", what, piece, true, sharding),
+                _ => None,
+            },
+            None => {
+                let first = piece.run_start.unwrap_or(piece.ends.0);
+                let sharding = refusing(sharding()).filter(|_| first != 0)?;
+                Some(UlyssesError::PositionsOfAnotherShard { op: "from_data", what, len: piece.len, held: piece.held(), ranks: sharding.ranks })
+            }
+        };
+    }
+    None
+}
+
+/// The first of the whole numbers `k, k + 1, .., k + len - 1` that every row of `len` values of
+/// `data` holds, if it holds them (position ids, or their float ramp).
+fn ramp_start(data: &TensorData, len: usize) -> Option<i64> {
+    let mut values = data.iter::<f64>();
+    let first = values.next().filter(|&first| first >= 0.0 && first.fract() == 0.0 && first < (1u64 << 53) as f64)?;
+    let counted = std::iter::once(first).chain(values).enumerate().all(|(i, value)| value == first + (i % len) as f64);
+    counted.then_some(first as i64)
+}
+
+/// Whether a float table along `dim` of `data` starts at position 0 as sinusoids do: every value
+/// of its first row 0 or one nonzero constant (sin 0, cos 0 times a scale), finite, and its
+/// second row not so (a mask's rows of 0 and 1, a zeroed weight, are no sinusoids).
+fn starts_at_position_zero(data: &TensorData, dim: usize) -> bool {
+    let (len, inner) = (data.shape[dim], data.shape[dim + 1..].iter().product::<usize>());
+    let (mut constant, mut second_differs) = (None, false);
+    for (i, value) in data.iter::<f64>().enumerate() {
+        match (i / inner) % len {
+            _ if !value.is_finite() => return false,
+            0 if value != 0.0 => match constant {
+                None => constant = Some(value),
+                Some(c) if c != value => return false,
+                Some(_) => {}
+            },
+            1 => second_differs |= value != 0.0 && Some(value) != constant,
+            _ => {}
+        }
+    }
+    second_differs
+}
+
+/// `UlyssesBackend`'s `float_from_data`: the guard, then the upload (counted).
+pub fn guarded_float_from_data<X: ExchangeBackend>(data: TensorData, device: &Device<X>) -> FloatTensor<X> {
+    refuse(positions_uploaded(&data, context::current_sharding));
+    crate::device_io::float_from_data::<X>(data, device)
+}
+
+/// `UlyssesBackend`'s `int_from_data`: the guard, then the upload (counted).
+pub fn guarded_int_from_data<X: ExchangeBackend>(data: TensorData, device: &Device<X>) -> IntTensor<X> {
+    refuse(positions_uploaded(&data, context::current_sharding));
+    crate::device_io::int_from_data::<X>(data, device)
 }
 
 /// `UlyssesBackend`'s `float_slice`: the inner backend's, after the guard.
@@ -1916,6 +2019,74 @@ mod tests {
         let message = sliced(&[32, 4, 2], 0, 4..12).expect("one run refused where the shard holds two");
         assert!(message.contains("no one run from a common start"), "{message}");
         assert!(counted(4..12).is_some() && counted(24..32).is_some());
+    }
+
+    /// Positions counted on the host as if the shard were the sequence, uploaded inside a noted
+    /// forward: ids or a float ramp from 0, a table of sinusoids from position 0.
+    #[test]
+    fn positions_uploaded_from_the_host_are_refused() {
+        use burn::tensor::TensorData;
+        let ramp = |values: std::ops::Range<i64>, shape: Vec<usize>| TensorData::new(values.cycle().take(shape.iter().product()).collect::<Vec<_>>(), shape);
+        let float_ramp = |values: std::ops::Range<i64>, shape: Vec<usize>| ramp(values, shape).convert::<f32>();
+        // burn-nn's `generate_sinusoids(len, d, ..)` at positions `from..from + len`.
+        let sinusoids = |from: usize, len: usize, d: usize| {
+            let values = (from..from + len).flat_map(|p| (0..d / 2).flat_map(move |k| {
+                let angle = p as f32 * (-(k as f32 * 2.0) * (10_000f32).ln() / d as f32).exp();
+                [angle.sin(), angle.cos()]
+            }));
+            TensorData::new(values.collect::<Vec<_>>(), [len, d])
+        };
+        let uploaded = |data: &TensorData| positions_uploaded(data, || SP2).map(|e| e.to_string());
+        assert!(uploaded(&ramp(0..8, vec![8])).is_none() && uploaded(&sinusoids(0, 8, 4)).is_none(), "nothing noted");
+        {
+            // SP rank 1 of 2, 8 tokens a row at positions 8..16.
+            let _noted = noted(&(8..16).collect::<Vec<_>>(), 2);
+            let message = uploaded(&ramp(0..8, vec![8])).expect("ids 0..8 uploaded on rank 1 refused");
+            for needle in ["from_data uploads positions 0..8", "counted on the host", "positions 8..16", "2 ranks", "positions.ids", "not_positions"] {
+                assert!(message.contains(needle), "`{needle}` missing from: {message}");
+            }
+            // Ids a row `[B, S]`, `[1, S]`, a column `[S, 1]`, a float ramp, unsigned: refused.
+            for data in [ramp(0..8, vec![2, 8]), ramp(0..8, vec![1, 8]), ramp(0..8, vec![8, 1]), float_ramp(0..8, vec![1, 8]), ramp(0..8, vec![8]).convert::<u32>()] {
+                assert!(uploaded(&data).is_some(), "{:?} {:?} refused", data.dtype, data.shape);
+            }
+            // This rank's positions pass; so do other lengths, what is no ramp, booleans.
+            assert!(uploaded(&ramp(8..16, vec![2, 8])).is_none() && uploaded(&ramp(0..4, vec![4])).is_none() && uploaded(&ramp(0..16, vec![16])).is_none());
+            assert!(uploaded(&TensorData::new(vec![3i64; 8], [8])).is_none() && uploaded(&TensorData::new(vec![true; 8], [8])).is_none());
+            let mut shuffled = ramp(0..8, vec![8]).to_vec::<i64>().unwrap();
+            shuffled.swap(2, 5);
+            assert!(uploaded(&TensorData::new(shuffled, [8])).is_none());
+            // A table of sinusoids from position 0 (`[S, D]`, or RoPE's `[1, 1, S, D]`): refused;
+            // at this rank's positions, or a mask of 0 and 1, or zeros: pass.
+            let message = uploaded(&sinusoids(0, 8, 4)).expect("sinusoids from 0 on rank 1 refused");
+            for needle in ["from_data uploads a [8, 4] table", "first token of this rank's shard (dim 0) is position 0's", "generate_sinusoids", "positions 8..16"] {
+                assert!(message.contains(needle), "`{needle}` missing from: {message}");
+            }
+            let cos_table = TensorData::new((0..8).flat_map(|p| (0..4).map(move |k| (p as f32 / (k + 1) as f32).cos())).collect::<Vec<_>>(), [1, 1, 8, 4]);
+            assert!(uploaded(&cos_table).is_some(), "RoPE's cos from 0 refused");
+            assert!(uploaded(&sinusoids(8, 8, 4)).is_none() && uploaded(&sinusoids(0, 8, 4).convert::<i64>()).is_none());
+            let mask = TensorData::new((0..8).flat_map(|r| (0..4).map(move |c| if c <= r { 1.0f32 } else { 0.0 })).collect::<Vec<_>>(), [8, 4]);
+            assert!(uploaded(&mask).is_none() && uploaded(&TensorData::new(vec![0.0f32; 32], [8, 4])).is_none());
+            // Two dims as long as the shard: no telling which; nothing at one rank or opted out.
+            assert!(uploaded(&TensorData::new(sinusoids(0, 8, 8).to_vec::<f32>().unwrap(), [8, 8])).is_none());
+            assert!(not_positions(|| uploaded(&ramp(0..8, vec![8]))).is_none());
+            for sharding in [None, Some(Sharding { ranks: 1, ..SP2.unwrap() }), Some(Sharding { shard_local_attention_on_purpose: true, ..SP2.unwrap() })] {
+                assert!(positions_uploaded(&ramp(0..8, vec![8]), || sharding).is_none() && positions_uploaded(&sinusoids(0, 8, 4), || sharding).is_none());
+            }
+            {
+                // Rank 0: from 0 is its own.
+                let _rank_0 = noted(&(0..8).collect::<Vec<_>>(), 2);
+                assert!(uploaded(&ramp(0..8, vec![8])).is_none() && uploaded(&sinusoids(0, 8, 4)).is_none() && uploaded(&ramp(8..16, vec![8])).is_some());
+                // A tile of 4 rows from row 4: a table of 4 from position 0 is another tile's, at
+                // any SP degree; the tile's own rows pass.
+                let _tile = note_tile_of_the_shard(4..8);
+                let message = positions_uploaded(&sinusoids(0, 4, 6), || None).expect("a tile's sinusoids from 0 refused on one device").to_string();
+                assert!(message.contains("rows 4..8") && message.contains("first token of this tile of the shard"), "{message}");
+                assert!(positions_uploaded(&sinusoids(4, 4, 6), || None).is_none() && uploaded(&ramp(0..4, vec![4])).is_some() && uploaded(&ramp(4..8, vec![4])).is_none());
+            }
+        }
+        // A zigzag ring's shard: ids 0..8 are no one run of it.
+        let _zigzag = noted(&[4, 5, 6, 7, 24, 25, 26, 27], 2);
+        assert!(uploaded(&ramp(0..8, vec![8])).is_some() && uploaded(&sinusoids(0, 8, 4)).is_some());
     }
 
     #[test]

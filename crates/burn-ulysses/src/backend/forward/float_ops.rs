@@ -4,7 +4,7 @@
 use super::super::prelude::*;
 impl<Inner: ExchangeBackend> FloatTensorOps<Self> for UlyssesBackend<Inner> {
     fn float_from_data(data: TensorData, device: &Device<Self>) -> FloatTensor<Self> {
-        crate::device_io::float_from_data::<Inner>(data, device)
+        crate::attention_guard::guarded_float_from_data::<Inner>(data, device)
     }
     fn float_random(
         shape: Shape,

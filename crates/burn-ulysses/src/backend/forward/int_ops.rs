@@ -16,7 +16,7 @@ impl<Inner: ExchangeBackend> IntTensorOps<Self> for UlyssesBackend<Inner> {
         crate::device_io::int_into_data::<Inner>(tensor)
     }
     fn int_from_data(data: TensorData, device: &Device<Self>) -> IntTensor<Self> {
-        crate::device_io::int_from_data::<Inner>(data, device)
+        crate::attention_guard::guarded_int_from_data::<Inner>(data, device)
     }
     fn int_device(tensor: &IntTensor<Self>) -> Device<Self> {
         <Inner as IntTensorOps<Inner>>::int_device(tensor)
