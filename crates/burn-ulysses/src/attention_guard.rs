@@ -1174,6 +1174,9 @@ fn positions_counted(op: &'static str, verb: &str, range: &Range<i64>, examples:
     Some(UlyssesError::PositionsOfAnotherShard { op, what, len: noted.len, held: noted.held(), ranks: sharding.ranks })
 }
 
+/// Tokens a shard (or a tile) holds at least for [`positions_uploaded`] to look at its uploads.
+const MIN_POSITIONS_UPLOADED: usize = 4;
+
 /// Why host data uploaded inside a forward whose positions are noted is refused, or `None`:
 /// positions counted on the host as if the shard (or the tile) were the whole sequence, told by
 /// their values (already on the host: no wait for the device). Two kinds: whole numbers
@@ -1181,15 +1184,17 @@ fn positions_counted(op: &'static str, verb: &str, range: &Range<i64>, examples:
 /// as `(0..len).collect()`, a float ramp for sinusoids' angles), as many as the shard's tokens,
 /// which the `arange` rule takes; and a float table with one dim as long as the shard whose row
 /// at its first token is position 0's (sines 0, cosines one constant: `burn::nn::
-/// generate_sinusoids(len, ..)` or RoPE's cos/sin computed over `0..len` in the forward) where
-/// that token sits past position 0. Rank 0's shard starts at 0, so from 0 passes there.
+/// generate_sinusoids(len, ..)` or RoPE's cos computed over `0..len` in the forward) where that
+/// token sits past position 0. Rank 0's shard starts at 0, so from 0 passes there. Shards (or
+/// tiles) of fewer than four tokens are not looked at.
 pub fn positions_uploaded(data: &TensorData, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let noted = SHARD_POSITIONS.get().filter(|noted| noted.len >= 2)?;
     if !(data.dtype.is_float() || data.dtype.is_int() || data.dtype.is_uint()) {
         return None;
     }
     let shape: &[usize] = &data.shape;
-    let piece_len = |len: usize| len >= 2 && noted.pieces().any(|piece| piece.span().0 == len);
+    // Shorter pieces are too short to tell positions from other small counts.
+    let piece_len = |len: usize| len >= MIN_POSITIONS_UPLOADED && noted.pieces().any(|piece| piece.span().0 == len);
     let counted_along = match (shape.iter().filter(|&&size| size != 1).count(), shape) {
         (1, _) => shape.iter().copied().find(|&size| size != 1),
         (2, &[_, len]) => Some(len),
@@ -1207,8 +1212,8 @@ pub fn positions_uploaded(data: &TensorData, sharding: impl FnOnce() -> Option<S
         let (len, whose, ..) = piece.span();
         let mut along = shape.iter().enumerate().filter(|&(_, &size)| size == len).map(|(dim, _)| dim);
         let (Some(dim), None) = (along.next(), along.next()) else { continue };
-        if len < 2 || shape[dim + 1..].iter().product::<usize>() < 2 || !starts_at_position_zero(data, dim) {
-            return None;
+        if !piece_len(len) || shape[dim + 1..].iter().product::<usize>() < 2 || !starts_at_position_zero(data, dim) {
+            continue;
         }
         let what = format!(
             "uploads a {shape:?} table whose row at the first token of {whose} (dim {dim}) is position 0's (sines 0, cosines one \
@@ -1238,25 +1243,18 @@ fn ramp_start(data: &TensorData, len: usize) -> Option<i64> {
     counted.then_some(first as i64)
 }
 
-/// Whether a float table along `dim` of `data` starts at position 0 as sinusoids do: every value
-/// of its first row 0 or one nonzero constant (sin 0, cos 0 times a scale), finite, and its
-/// second row not so (a mask's rows of 0 and 1, a zeroed weight, are no sinusoids).
+/// Whether a float table along `dim` of `data` starts at position 0 as sinusoids do, read in its
+/// first block along the dims before `dim` (a batch's first row, whose first position the
+/// refusal goes by; at most two rows read): the first row's values 0 or one nonzero constant,
+/// which some hold (sin 0 and cos 0 times a scale), and the second row's not all so. A mask's
+/// rows of 0 and 1 are no sinusoids, nor is a gradient whose first row an ignored label zeroed.
 fn starts_at_position_zero(data: &TensorData, dim: usize) -> bool {
-    let (len, inner) = (data.shape[dim], data.shape[dim + 1..].iter().product::<usize>());
-    let (mut constant, mut second_differs) = (None, false);
-    for (i, value) in data.iter::<f64>().enumerate() {
-        match (i / inner) % len {
-            _ if !value.is_finite() => return false,
-            0 if value != 0.0 => match constant {
-                None => constant = Some(value),
-                Some(c) if c != value => return false,
-                Some(_) => {}
-            },
-            1 => second_differs |= value != 0.0 && Some(value) != constant,
-            _ => {}
-        }
-    }
-    second_differs
+    let inner = data.shape[dim + 1..].iter().product::<usize>();
+    let rows: Vec<f64> = data.iter::<f64>().take(2 * inner).collect();
+    let (first, second) = rows.split_at(inner.min(rows.len()));
+    let Some(constant) = first.iter().copied().find(|&value| value != 0.0).filter(|constant| constant.is_finite()) else { return false };
+    let as_at_zero = |value: f64| value == 0.0 || value == constant;
+    first.iter().all(|&value| as_at_zero(value)) && second.len() == inner && second.iter().all(|value| value.is_finite()) && !second.iter().all(|&value| as_at_zero(value))
 }
 
 /// `UlyssesBackend`'s `float_from_data`: the guard, then the upload (counted).
@@ -2066,6 +2064,10 @@ mod tests {
             assert!(uploaded(&sinusoids(8, 8, 4)).is_none() && uploaded(&sinusoids(0, 8, 4).convert::<i64>()).is_none());
             let mask = TensorData::new((0..8).flat_map(|r| (0..4).map(move |c| if c <= r { 1.0f32 } else { 0.0 })).collect::<Vec<_>>(), [8, 4]);
             assert!(uploaded(&mask).is_none() && uploaded(&TensorData::new(vec![0.0f32; 32], [8, 4])).is_none());
+            assert!(uploaded(&sinusoids(0, 8, 4).convert::<burn::tensor::bf16>()).is_some(), "bf16 sinusoids from 0 refused");
+            // A gradient whose first row an ignored label zeroed (sin 0 alone: no constant).
+            let zeroed_first_row = TensorData::new((0..32).map(|i| if i < 4 { 0.0f32 } else { 0.25 + i as f32 }).collect::<Vec<_>>(), [8, 4]);
+            assert!(uploaded(&zeroed_first_row).is_none(), "a first row of zeros followed by values refused");
             // Two dims as long as the shard: no telling which; nothing at one rank or opted out.
             assert!(uploaded(&TensorData::new(sinusoids(0, 8, 8).to_vec::<f32>().unwrap(), [8, 8])).is_none());
             assert!(not_positions(|| uploaded(&ramp(0..8, vec![8]))).is_none());
@@ -2083,6 +2085,11 @@ mod tests {
                 assert!(message.contains("rows 4..8") && message.contains("first token of this tile of the shard"), "{message}");
                 assert!(positions_uploaded(&sinusoids(4, 4, 6), || None).is_none() && uploaded(&ramp(0..4, vec![4])).is_some() && uploaded(&ramp(4..8, vec![4])).is_none());
             }
+        }
+        {
+            // Shards of fewer than four tokens: too short to tell positions from small counts.
+            let _short = noted(&[3, 4, 5], 2);
+            assert!(uploaded(&ramp(0..3, vec![3])).is_none() && uploaded(&sinusoids(0, 3, 4)).is_none());
         }
         // A zigzag ring's shard: ids 0..8 are no one run of it.
         let _zigzag = noted(&[4, 5, 6, 7, 24, 25, 26, 27], 2);

@@ -595,8 +595,10 @@ impl<B: Backend> Kept<B> {
             Kept::Host(tiles, link) => {
                 let data = (link.pin_for_upload)(tiles.rows(rows), device);
                 // In its own dtype: `from_data` alone would make an f32 tensor of a bf16 one.
+                // Kept activations or gradients, no positions: past the guard's rule on
+                // positions uploaded (a gradient's first row zeroed by an ignored label).
                 let dtype = data.dtype;
-                Tensor::from_data(data, (device, dtype))
+                burn_ulysses::attention_guard::not_positions(|| Tensor::from_data(data, (device, dtype)))
             }
         }
     }

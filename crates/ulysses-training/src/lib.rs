@@ -229,9 +229,11 @@ where
     backward_step_with(model, step, sharder, groups, Ok(()), |shard, weight, _| {
         model_failure_as_error(|| {
             let output = {
-                // The model's forward alone, for the guard (`evaluate` says why).
+                // The model's forward alone, for the guard (`evaluate` says why); the token ids
+                // uploaded before it, as no positions.
+                let tokens = shard.tokens(device);
                 let _positions = burn_ulysses::attention_guard::note_shard_positions(&shard.positions);
-                model.lm_output(shard.tokens(device), &shard.positions)
+                model.lm_output(tokens, &shard.positions)
             };
             let shard_loss = lm_loss_sum(output, shard.labels(device), sharder.ignore_index) * weight;
             (shard_loss.clone().inner(), GradientsParams::from_grads(shard_loss.backward(), model))
@@ -922,9 +924,11 @@ pub fn evaluate<B: Backend, G: Backend>(
         let output = {
             // For the guard, which refuses positions counted from another shard's first token
             // (RoPE from 0 on every rank): the forward's alone, since the loss's chunks of
-            // `[B·S, D]` rows, computed without a graph, would look like a table's rows.
+            // `[B·S, D]` rows, computed without a graph, would look like a table's rows. The
+            // token ids are uploaded before it: no positions, whatever their values.
+            let tokens = shard.tokens(device);
             let _positions = burn_ulysses::attention_guard::note_shard_positions(&shard.positions);
-            forward(shard.tokens(device), &shard.positions)?
+            forward(tokens, &shard.positions)?
         };
         Ok::<_, UlyssesError>(lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>())
     })??;
