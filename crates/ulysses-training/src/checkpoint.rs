@@ -214,10 +214,32 @@ pub fn read_checkpoint_state<S: DeserializeOwned>(location: &Path) -> Result<S, 
     open_checkpoint::<S>(&path).map(|(_, header)| header.state)
 }
 
-/// The sharded optimizer state's folder that the checkpoint file at `path` names (its header
-/// alone read), or `None` where it is no checkpoint or names none.
-pub(crate) fn named_state_folder(path: &Path) -> Option<String> {
-    open_checkpoint::<serde::de::IgnoredAny>(path).ok().and_then(|(_, header)| header.optimizer_shards)
+/// The sharded optimizer state's folder that the file at `path` names: `None` where it is no
+/// checkpoint (shorter than the magic bytes, or others) or a checkpoint that names none. Its
+/// header is read leniently (the folder's name alone: a state whose checksum fails, or a later
+/// format, still names its folder). An error where it may be a checkpoint but which folder it
+/// names cannot be told (a read that fails, a header cut off or corrupt): a caller removing
+/// folders must then keep them all.
+pub(crate) fn named_state_folder(path: &Path) -> Result<Option<String>, UlyssesError> {
+    let cannot_read = |e: std::io::Error| error(path, format!("cannot read: {e}"));
+    let mut file = File::open(path).map_err(cannot_read)?;
+    let mut start = [0u8; 16];
+    match file.read_exact(&mut start) {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        result => result.map_err(cannot_read)?,
+    }
+    if &start[..8] != MAGIC {
+        return Ok(None);
+    }
+    let header_bytes = u64::from_le_bytes(start[8..16].try_into().expect("8 bytes"));
+    let file_bytes = file.metadata().map_err(cannot_read)?.len();
+    if 16u64.checked_add(header_bytes).is_none_or(|end| end > file_bytes) {
+        return Err(error(path, "the header is cut off"));
+    }
+    let mut bytes = vec![0u8; header_bytes as usize];
+    file.read_exact(&mut bytes).map_err(cannot_read)?;
+    let header: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| error(path, format!("unreadable header: {e}")))?;
+    Ok(header.get("optimizer_shards").and_then(serde_json::Value::as_str).map(str::to_string))
 }
 
 /// The checkpoint file at `path`, opened and read up to the end of its header (checked: magic,

@@ -278,11 +278,19 @@ pub fn agreed_gradient_norm<G: Backend>(local_norm: f64, communicator: &dyn Comm
     Ok(f64::from_bits(gathered[0][0]))
 }
 
+/// 0 (`[1]`, f32, on the device) where every value of `tensor` is finite, NaN where one is not:
+/// each value times 0, summed (a NaN or an infinity times 0 is NaN, which survives the sum). A
+/// plain sum of finite values can overflow to an infinity (a diverging gradient's values near
+/// f32's largest), which would read as a NaN in the gradient.
+pub(crate) fn non_finite_mark<Bk: Backend, const D: usize>(tensor: Tensor<Bk, D>) -> Tensor<Bk, 1> {
+    (tensor.cast(DType::F32) * 0.0).sum()
+}
+
 /// `loss`'s value (`[1]`, on the device) and the path (`blocks.0.attention.wq.weight`) of the
 /// first parameter whose gradient holds a NaN or an infinity, or `None`, in one read: what a
 /// training step needs from the device before its gradients are summed. Each gradient is
-/// summed on the device (a NaN or an infinity survives the sum) and the sums come back with
-/// the loss, one small transfer.
+/// marked on the device ([`non_finite_mark`]) and the marks come back with the loss, one
+/// small transfer.
 pub fn read_loss_and_first_non_finite_gradient<B: TrainBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &GradientsParams,
@@ -295,7 +303,7 @@ pub fn read_loss_and_first_non_finite_gradient<B: TrainBackend, M: AutodiffModul
     (values[0] as f64, first_non_finite)
 }
 
-/// Each gradient's path and its sum in f32 (on the device), in the module's order.
+/// Each gradient's path and its [`non_finite_mark`] (on the device), in the module's order.
 fn gradient_sums<B: TrainBackend, M: AutodiffModule<B>>(module: &M, grads: &GradientsParams) -> (Vec<String>, Vec<Tensor<B::InnerBackend, 1>>) {
     struct Sums<'a, B: TrainBackend> {
         grads: &'a GradientsParams,
@@ -313,11 +321,30 @@ fn gradient_sums<B: TrainBackend, M: AutodiffModule<B>>(module: &M, grads: &Grad
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) {
                 self.names.push(self.path.join("."));
-                self.sums.push(grad.cast(DType::F32).sum());
+                self.sums.push(non_finite_mark(grad));
             }
         }
     }
     let mut sums = Sums::<B> { grads, path: Vec::new(), names: Vec::new(), sums: Vec::new() };
     module.visit(&mut sums);
     (sums.names, sums.sums)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::{backend::NdArray, tensor::Tensor};
+
+    use super::non_finite_mark;
+
+    /// Finite values whose sum overflows f32 are finite; a NaN or an infinity is not.
+    #[test]
+    fn a_gradient_is_non_finite_by_its_values_not_its_sum() {
+        let mark = |values: Vec<f32>| non_finite_mark(Tensor::<NdArray, 1>::from_floats(values.as_slice(), &Default::default())).into_scalar();
+        let near_the_largest = vec![3e38f32, 3e38, -1.0];
+        assert!(Tensor::<NdArray, 1>::from_floats(near_the_largest.as_slice(), &Default::default()).sum().into_scalar().is_infinite(), "the plain sum overflows");
+        assert_eq!(mark(near_the_largest), 0.0);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert!(mark(vec![1.0, bad, 2.0]).is_nan(), "{bad} marked");
+        }
+    }
 }

@@ -753,7 +753,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
     }
 
     /// The path of the first parameter whose gradient part holds a NaN or an infinity (on the
-    /// device: whose sum is not finite; one read for all).
+    /// device: by [`crate::gradients::non_finite_mark`], one read for all).
     pub(crate) fn first_non_finite_gradient(&self) -> Option<String> {
         let bad = match &self.grad_parts {
             // On the rank's host threads, as the norm's squares are: one thread's pass over an
@@ -764,7 +764,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
                 if present.is_empty() {
                     return None;
                 }
-                let sums = Tensor::cat(present.iter().map(|&i| parts[i].clone().expect("present").sum()).collect(), 0);
+                let sums = Tensor::cat(present.iter().map(|&i| crate::gradients::non_finite_mark(parts[i].clone().expect("present"))).collect(), 0);
                 let sums = sums.into_data().to_vec::<f32>().expect("f32 sums");
                 sums.iter().position(|s| !s.is_finite()).map(|p| present[p])
             }

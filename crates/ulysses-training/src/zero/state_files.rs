@@ -419,18 +419,49 @@ pub fn check_folder_shared<W: burn::tensor::backend::Backend>(dir: &Path, world:
 /// calls it when a replicated run replaces a sharded one's checkpoint (`--overwrite`), and as
 /// it claims a run folder to resume in, for what a save killed between writing its parts and
 /// committing them left (a whole copy of the optimizer state). Returns the folders removed.
+/// Where the folder cannot be listed, or a file in it may be a checkpoint but cannot be read
+/// (a read error, a header cut off or corrupt), it removes nothing, with a warning: which
+/// folders that file needs is unknown, and the state it needs cannot be made again.
 pub fn remove_unnamed_state_folders(dir: &Path, keep: Option<&str>) -> Vec<PathBuf> {
     let mut removed = Vec::new();
+    let keep_all = |what: &Path, error: &dyn std::fmt::Display| {
+        tracing::warn!(path = %what.display(), %error, "removing no optimizer state folder: which of them a checkpoint here needs cannot be told");
+    };
     let Ok(entries) = fs::read_dir(dir) else { return removed };
-    let entries: Vec<_> = entries.flatten().collect();
+    let entries: Vec<fs::DirEntry> = match entries.collect() {
+        Ok(entries) => entries,
+        Err(error) => {
+            keep_all(dir, &error);
+            return removed;
+        }
+    };
     // Every checkpoint file, whatever its name (a copy kept as `step-3.ulysses` or
     // `before-the-lr-change.bak`): a file is one by its magic bytes, its header alone read. Not
     // a write's temporary file: a save killed before its rename names the folder it left.
-    let named: Vec<String> = entries
-        .iter()
-        .filter(|entry| entry.path().is_file() && !crate::checkpoint::is_temporary_write(&entry.file_name().to_string_lossy()))
-        .filter_map(|entry| crate::checkpoint::named_state_folder(&entry.path()))
-        .collect();
+    let mut named = Vec::new();
+    for entry in &entries {
+        let path = entry.path();
+        match fs::metadata(&path) {
+            Ok(metadata) if !metadata.is_file() => continue,
+            // A link to nothing is no checkpoint anyone can load.
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(error) => {
+                keep_all(&path, &error);
+                return removed;
+            }
+            Ok(_) => {}
+        }
+        if crate::checkpoint::is_temporary_write(&entry.file_name().to_string_lossy()) {
+            continue;
+        }
+        match crate::checkpoint::named_state_folder(&path) {
+            Ok(folder) => named.extend(folder),
+            Err(error) => {
+                keep_all(&path, &error);
+                return removed;
+            }
+        }
+    }
     for entry in entries {
         let name = entry.file_name().to_string_lossy().into_owned();
         if name.starts_with(STATE_FOLDER_PREFIX) && Some(name.as_str()) != keep && !named.contains(&name) {
@@ -808,6 +839,28 @@ mod tests {
         let (loaded, _, step) = loaded.into_iter().next().unwrap().unwrap().unwrap();
         assert_eq!(step, 1);
         assert_eq!(loaded.weight.val().into_data().to_vec::<f32>().unwrap(), after_first, "the copy loads the first step's weights");
+        // A file that may be a checkpoint but whose header cannot be read (a copy cut short)
+        // may need any folder: none is removed while it is there; a file of other bytes
+        // changes nothing.
+        let stale = dir.join(sharded_state_folder(9, 2));
+        fs::create_dir_all(&stale).unwrap();
+        let bak = fs::read(dir.join("before-the-lr-change.bak")).unwrap();
+        fs::write(dir.join("cut-short.ulysses"), &bak[..40]).unwrap();
+        fs::write(dir.join("notes.txt"), "no checkpoint").unwrap();
+        assert!(remove_unnamed_state_folders(&dir, None).is_empty() && stale.is_dir(), "a folder removed beside a checkpoint that cannot be read");
+        // A header whose state fails its checksum still names its folder (read leniently).
+        let state = bak.windows(8).position(|w| w == b"\"state\":").expect("a state in the header") + 8;
+        let mut flipped = bak;
+        assert_eq!(flipped[state], b'2', "the copy's state is step 2");
+        flipped[state] = b'3';
+        fs::remove_file(dir.join("before-the-lr-change.bak")).unwrap();
+        fs::write(dir.join("flipped.bak"), &flipped).unwrap();
+        assert!(crate::checkpoint::read_checkpoint_state::<u64>(&dir.join("flipped.bak")).is_err(), "the flipped state fails its checksum");
+        fs::remove_file(dir.join("cut-short.ulysses")).unwrap();
+        assert_eq!(remove_unnamed_state_folders(&dir, None), [stale], "the stale folder alone removed");
+        let mut folders: Vec<String> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(STATE_FOLDER_PREFIX)).collect();
+        folders.sort();
+        assert_eq!(folders, [sharded_state_folder(1, 2), format!("{}.1", sharded_state_folder(1, 2)), sharded_state_folder(2, 2)]);
         fs::remove_dir_all(&dir).unwrap();
     }
 
