@@ -31,6 +31,7 @@ impl ByteCorpus {
     pub fn load(path: &Path, eval_fraction: f64) -> Result<Self, String> {
         let files = crate::files::files_under(path)
             .map_err(|e| format!("cannot read corpus {}: {e}. Pass --corpus with a text file or folder.", path.display()))?;
+        crate::files::refuse_lfs_pointers("--corpus", &files)?;
         let mut bytes = Vec::new();
         for file in &files {
             bytes.extend(fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?);
@@ -150,5 +151,20 @@ mod tests {
         assert_eq!(corpus.eval_batch(2, held_out - 1)[0].len(), held_out - 1);
         let error = corpus.check_sequence_length(held_out).unwrap_err();
         assert!(error.contains("held-out split has 410 bytes") && error.contains("needs 411") && error.contains("longest that fits is 409"), "{error}");
+    }
+
+    /// A corpus cloned without git-lfs (pointers, text enough to pass every other check) is
+    /// refused as such, naming the file and the fix.
+    #[test]
+    fn a_folder_of_lfs_pointers_is_refused() {
+        let dir = std::env::temp_dir().join(format!("ulysses-corpus-lfs-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        for i in 0..40 {
+            fs::write(dir.join(format!("part-{i:02}.txt")), format!("version https://git-lfs.github.com/spec/v1\noid sha256:{i:064x}\nsize 123456\n")).unwrap();
+        }
+        let error = ByteCorpus::load(&dir, 0.1).err().expect("pointers refused");
+        assert!(error.contains("--corpus") && error.contains("part-00.txt is a Git LFS pointer") && error.contains("git lfs pull"), "{error}");
+        fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -577,14 +577,16 @@ impl PackedDocuments {
         let mid_document = begins_mid_document(documents, seq_len, &lengths);
         let mut train: Vec<Packed> =
             sequences.into_iter().zip(lengths).zip(packed_targets.drain(..)).map(|((tokens, documents), targets)| Packed { tokens, documents, targets }).collect();
-        // The last batch, or more: the held-out sequences begin at a document's start (a
-        // document cut by packing would be evaluated on the continuation of text trained on).
-        let eval = match (hold_out && count >= 2 * batch_size).then(|| (batch_size..=count - batch_size).rev().find(|&split| !mid_document[split])) {
+        // The last batch, or up to one more: the held-out sequences begin at a document's start
+        // (a document cut by packing would be evaluated on the continuation of text trained on),
+        // and never take more than two batches from training.
+        let most_held_out = (2 * batch_size).min(count - batch_size);
+        let eval = match (hold_out && count >= 2 * batch_size).then(|| (count - most_held_out..=count - batch_size).rev().find(|&split| !mid_document[split])) {
             Some(Some(split)) => Some(train.split_off(split)),
             Some(None) => {
                 tracing::warn!(
-                    "nothing held out of --data: its last {} sequences are pieces of one document that training also reads; give --eval-data",
-                    count - batch_size
+                    "nothing held out of --data: no document starts in its last {most_held_out} sequences (two batches at most are held out), \
+                     so a held-out batch would continue a document training reads; give --eval-data"
                 );
                 None
             }
@@ -739,6 +741,13 @@ mod tests {
         assert_eq!(held_out(&whole), Some(vec![vec![3; 4], vec![4; 4]]));
         // One document over every sequence: nothing can be held out apart.
         assert_eq!(held_out(&[vec![7; 16]]), None);
+        // A long last document: never more than two batches held out (3 sequences trained on,
+        // 10 held out, before), so nothing is.
+        let long_last = [vec![1; 12], vec![2; 40]];
+        let held_out_by_one = PackedDocuments::pack(&long_last, 4, 1, 0, true).unwrap();
+        assert!(held_out_by_one.eval.is_none() && held_out_by_one.train.len() == 13, "{} sequences trained on", held_out_by_one.train.len());
+        // Without hold_out (--eval-every 0, --eval-data): every sequence is trained on.
+        assert!(PackedDocuments::pack(&documents, 4, 2, 0, false).unwrap().eval.is_none());
     }
 
     #[test]

@@ -26,17 +26,19 @@ pub fn files_under(path: &Path) -> std::io::Result<Vec<PathBuf>> {
 /// The files under folder or file `path` into `files`, each folder (`folders`: where their
 /// links lead) walked once.
 fn walk(path: &Path, files: &mut Vec<PathBuf>, folders: &mut HashSet<PathBuf>) -> std::io::Result<()> {
-    // Named: the error is of a file under the folder given (a link to nothing), not of it.
-    let metadata = fs::metadata(path).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    // Named: the error is of a file or folder under the folder given (a link to nothing, a
+    // folder that cannot be read), not of it.
+    let named = |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
+    let metadata = fs::metadata(path).map_err(named)?;
     if !metadata.is_dir() {
         files.push(path.to_path_buf());
         return Ok(());
     }
-    if !folders.insert(fs::canonicalize(path)?) {
+    if !folders.insert(fs::canonicalize(path).map_err(named)?) {
         return Ok(());
     }
-    for entry in fs::read_dir(path)? {
-        let entry = entry?;
+    for entry in fs::read_dir(path).map_err(named)? {
+        let entry = entry.map_err(named)?;
         if !entry.file_name().to_string_lossy().starts_with('.') {
             walk(&entry.path(), files, folders)?;
         }
@@ -149,7 +151,7 @@ fn first_line_is_json_lines(file: &Path) -> bool {
 
 /// Refuses a Git LFS pointer in place of a data file: a dataset cloned without `git lfs` holds
 /// three lines naming each file's content, which would be read as data (as text, trained on).
-fn refuse_lfs_pointers(flag: &str, files: &[PathBuf]) -> Result<(), String> {
+pub(crate) fn refuse_lfs_pointers(flag: &str, files: &[PathBuf]) -> Result<(), String> {
     use ulysses_models::pretrained::{GIT_LFS_FIX, is_git_lfs_pointer};
     match files.iter().find(|file| is_git_lfs_pointer(file)) {
         Some(file) => Err(format!("{flag}: {} is a Git LFS pointer, not its data (the dataset was cloned without git-lfs): {GIT_LFS_FIX}", file.display())),

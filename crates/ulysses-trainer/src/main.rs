@@ -1101,7 +1101,7 @@ fn run(mut args: Args) -> Result<(), String> {
             });
             Box::new(documents)
         }
-        (None, Some(path)) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab)?),
+        (None, Some(path)) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab, config.eval_every > 0)?),
         (None, None) => {
             let corpus = ByteCorpus::load(&args.corpus, 0.1)?;
             if !args.bytes_ok {
@@ -1140,12 +1140,21 @@ fn run(mut args: Args) -> Result<(), String> {
         // sequences from a document's start; since 4: conversational prompt/completion lines,
         // ids taken as given, the tokenizer read as transformers' class reads it) makes other
         // batches of the same bytes.
-        // With --eval-data, --data is trained whole (no batch held out): other batches.
-        let whole = if args.eval_data.is_some() { ", trained whole (--eval-data)" } else { "" };
+        // With --eval-data or --eval-every 0, --data is trained whole (no batch held out):
+        // other batches.
+        let whole = match (args.eval_data.is_some(), config.eval_every == 0 && !args.eval_only) {
+            (true, _) => ", trained whole (--eval-data)",
+            (false, true) => ", trained whole (--eval-every 0)",
+            (false, false) => "",
+        };
         data_identity = data_identity.read_with(format!("{tokenizer}, EOS {eos}, --loss-on {loss_on}, --too-long {too_long}, reader {DOCUMENT_READER_VERSION}{whole}"));
         if let Some((file, text)) = &chat_rendered {
             data_identity = data_identity.rendered_with(file, text);
         }
+    }
+    if args.tokens.is_some() && config.eval_every == 0 && !args.eval_only {
+        // Its last batch trained on too: other batches than a run that held it out.
+        data_identity = data_identity.read_with("trained whole (--eval-every 0)".to_string());
     }
     if let Some(held_out) = &args.eval_data {
         data_identity = data_identity.evaluated_on(held_out)?;
@@ -1492,7 +1501,8 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     }
     // Evaluating takes every sequence, however few.
     let batch_size = if args.eval_only { 1 } else { config.batch_size };
-    let hold_out = !args.eval_only && args.eval_data.is_none();
+    // Nothing held out where nothing would evaluate it (--eval-every 0) or --eval-data does.
+    let hold_out = !args.eval_only && args.eval_data.is_none() && config.eval_every > 0;
     // Said once, by the rank that shows progress; the others need not count.
     let note_cuts = |documents: &Documents, targets, flag: &str, evaluated: bool| {
         if let Some(note) = show_progress.then(|| cut_documents_note(&documents.ids, targets, config.seq_len, flag, evaluated)).flatten() {

@@ -14,11 +14,14 @@ pub struct TokenFile {
 }
 
 impl TokenFile {
-    /// Reads `path` and holds out its last `batch_size` sequences for evaluation when it has at
-    /// least two batches. Every sequence must be non-empty, at most `seq_len` tokens, with ids
-    /// in `0..vocab`.
-    pub fn load(path: &Path, batch_size: usize, seq_len: usize, vocab: usize) -> Result<Self, String> {
+    /// Reads `path` and, with `hold_out`, holds out its last `batch_size` sequences for
+    /// evaluation when it has at least two batches. Every sequence must be non-empty, at most
+    /// `seq_len` tokens, with ids in `0..vocab`.
+    pub fn load(path: &Path, batch_size: usize, seq_len: usize, vocab: usize, hold_out: bool) -> Result<Self, String> {
+        crate::files::refuse_lfs_pointers("--tokens", &[path.to_path_buf()])?;
         let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
+        // A byte-order mark (a file saved as "UTF-8 with BOM") is no part of the first line.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
         let mut sequences = Vec::new();
         for (index, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
             let at = || format!("{} line {}", path.display(), index + 1);
@@ -39,7 +42,7 @@ impl TokenFile {
                 sequences.len()
             ));
         }
-        let eval = (sequences.len() >= 2 * batch_size).then(|| sequences.split_off(sequences.len() - batch_size));
+        let eval = (hold_out && sequences.len() >= 2 * batch_size).then(|| sequences.split_off(sequences.len() - batch_size));
         if sequences.iter().all(|sequence| sequence.len() < 2) {
             return Err(format!(
                 "{}: every training sequence holds one token, so no position has a label (the next token) to learn: \
@@ -59,5 +62,35 @@ impl StepData for TokenFile {
 
     fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
         self.eval.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenFile;
+    use crate::train::StepData;
+
+    fn token_file(name: &str, text: &str) -> std::path::PathBuf {
+        let path = std::env::temp_dir().join(format!("ulysses-tokens-{name}-{}.jsonl", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// The last batch is held out only where it is asked for (`--eval-every` above 0); a
+    /// byte-order mark is no part of the first line; a Git LFS pointer is named as one.
+    #[test]
+    fn the_last_batch_is_held_out_where_evaluated_a_bom_is_skipped_and_a_pointer_named() {
+        let path = token_file("held-out", "\u{feff}[1, 2, 3]\n[4, 5]\n[6, 7, 8]\n[9, 10]\n");
+        let held_out = TokenFile::load(&path, 2, 4, 16, true).expect("read");
+        assert_eq!((held_out.train.len(), held_out.eval_batch()), (2, Some(vec![vec![6, 7, 8], vec![9, 10]])));
+        assert_eq!(held_out.train[0], [1, 2, 3], "the first line read past its byte-order mark");
+        let whole = TokenFile::load(&path, 2, 4, 16, false).expect("read");
+        assert_eq!((whole.train.len(), whole.eval_batch()), (4, None));
+        let pointer = token_file("pointer", "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 1234\n");
+        let error = TokenFile::load(&pointer, 1, 4, 16, true).err().expect("a pointer refused");
+        assert!(error.contains("--tokens") && error.contains("is a Git LFS pointer") && error.contains("git lfs pull"), "{error}");
+        for file in [path, pointer] {
+            std::fs::remove_file(file).unwrap();
+        }
     }
 }

@@ -164,8 +164,8 @@ impl TrainConfig {
         // overflow or an allocation abort.
         let (model_sizes, counts, heads) = (1usize << 20, 1usize << 24, 1usize << 12);
         let bounded = [
-            ("sp_size (--sp)", self.layout.sp_size, usize::MAX),
-            ("dp_size (--dp)", self.layout.dp_size, usize::MAX),
+            ("sp_size (--sp)", self.layout.sp_size, counts),
+            ("dp_size (--dp)", self.layout.dp_size, counts),
             ("grad_accumulation (--grad-accumulation)", self.grad_accumulation, counts),
             ("batch_size (--batch-size)", self.batch_size, MAX_BATCH_SIZE),
             ("steps (--steps)", self.steps, 1 << 40),
