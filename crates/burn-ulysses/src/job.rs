@@ -108,6 +108,8 @@ where
     let layout = options.layout;
     match launch {
         Launch::Threads => {
+            // A degree of 0 (`dp = world / sp` with world < sp) named, not a group of no rank.
+            layout.check().map_err(|e| DistError::Job(e.to_string()))?;
             let config = ThreadGroupConfig::new(layout.world_size()).with_timeout_secs(options.dist.collective_timeout_secs);
             let device = device(options.device_index_of(launch));
             let results = ThreadGroup::from_config(&config).run(|thread| -> Result<R, DistError> {
@@ -155,5 +157,21 @@ where
             let _context = context::enter(RankScope::Process, rank.groups.rank_context(options.ulysses.clone()));
             Ok(vec![work(&rank)])
         }
+    }
+}
+
+#[cfg(all(test, feature = "ndarray"))]
+mod tests {
+    use burn::backend::NdArray;
+
+    use super::*;
+
+    /// A layout with a degree of 0 (`dp = world / sp` where the world is smaller than sp) is an
+    /// error naming it, as a process launch's is, not a panic of a group of no rank.
+    #[test]
+    fn a_layout_with_a_degree_of_0_is_an_error_on_threads() {
+        let options = JobOptions::new(ParallelLayout::new().with_sp_size(4).with_dp_size(0), DistributedConfig::new());
+        let error = run_ranks::<NdArray, Tcp, ()>(&Launch::Threads, &options, |_| Default::default(), |_| ()).err().expect("refused");
+        assert!(error.to_string().contains("dp_size must be at least 1"), "{error}");
     }
 }

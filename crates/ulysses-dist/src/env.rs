@@ -86,19 +86,40 @@ impl LaunchEnv {
 
         let (rank, world_size, local_rank, local_world_size) = match source {
             // A wrapper that sets RANK and WORLD_SIZE from Slurm's variables may leave the
-            // local ones to Slurm: every rank on GPU 0 otherwise.
-            EnvSource::Torchrun => (
-                required("RANK")?,
-                required("WORLD_SIZE")?,
-                number("LOCAL_RANK")?.or(number("SLURM_LOCALID")?).unwrap_or(0),
-                match number("LOCAL_WORLD_SIZE")?.or(number("LOCAL_SIZE")?) {
-                    Some(size) => Some(size),
-                    // Where the ranks are a step's tasks: a batch script's inherited count is
-                    // no rank's (the error then asks for LOCAL_WORLD_SIZE).
-                    None if lookup("SLURM_LOCALID").is_some() && is_srun_task(&lookup) => slurm_tasks_per_node()?,
+            // local ones to Slurm: every rank on GPU 0 otherwise. Only where its ranks are the
+            // step's tasks (RANK its SLURM_PROCID, WORLD_SIZE its task count): a wrapper that
+            // starts several ranks in one task would put them all on the task's GPU, and a
+            // batch script's inherited count is no rank's (the error then asks for
+            // LOCAL_WORLD_SIZE).
+            EnvSource::Torchrun => {
+                let (rank, world) = (required("RANK")?, required("WORLD_SIZE")?);
+                let step_tasks = match first_set(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"]) {
+                    Some((name, _)) => number(name)?,
                     None => None,
-                },
-            ),
+                };
+                let task = number("SLURM_PROCID")?;
+                let ranks_are_tasks = is_srun_task(&lookup) && task == Some(rank) && step_tasks.is_none_or(|tasks| tasks == world);
+                let local_rank = match (number("LOCAL_RANK")?, number("SLURM_LOCALID")?) {
+                    (Some(local_rank), _) => local_rank,
+                    (None, Some(slurm)) if ranks_are_tasks => slurm,
+                    (None, Some(_)) if is_srun_task(&lookup) => {
+                        let tasks = step_tasks.map_or_else(|| "its".to_string(), |tasks| tasks.to_string());
+                        return Err(DistError::Env(format!(
+                            "RANK={rank} and WORLD_SIZE={world} are not this srun task's (SLURM_PROCID={}, {tasks} tasks): a wrapper that \
+                             starts several ranks in one task sets LOCAL_RANK and LOCAL_WORLD_SIZE for each (a rank's GPU is its \
+                             LOCAL_RANK; Slurm's SLURM_LOCALID is the task's, which all its ranks share), or srun starts one task a rank",
+                            task.map_or("?".to_string(), |task| task.to_string())
+                        )));
+                    }
+                    (None, _) => 0,
+                };
+                let local_world = match number("LOCAL_WORLD_SIZE")?.or(number("LOCAL_SIZE")?) {
+                    Some(size) => Some(size),
+                    None if lookup("SLURM_LOCALID").is_some() && ranks_are_tasks => slurm_tasks_per_node()?,
+                    None => None,
+                };
+                (rank, world, local_rank, local_world)
+            }
             EnvSource::Slurm => {
                 let (world_name, _) = first_set(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"]).ok_or_else(|| DistError::Env("SLURM_STEP_NUM_TASKS is not set".into()))?;
                 let world = required(world_name)?;
@@ -185,7 +206,9 @@ impl LaunchEnv {
 /// Refuses a `MASTER_ADDR` that is empty or holds a port (`10.0.0.1:29500`), which no
 /// lookup resolves: every rank would wait out the rendezvous timeout.
 fn check_host(addr: &str) -> Result<(), DistError> {
-    let holds_port = addr.rsplit_once(':').is_some_and(|(host, port)| !host.contains(':') && port.parse::<u16>().is_ok());
+    // `10.0.0.1:29500`, or an IPv6 address in brackets with one (`[fd00::1]:29500`).
+    let holds_port = addr.rsplit_once(':').is_some_and(|(host, port)| !host.contains(':') && port.parse::<u16>().is_ok())
+        || addr.strip_prefix('[').and_then(|rest| rest.split_once("]:")).is_some_and(|(_, port)| port.parse::<u16>().is_ok());
     if addr.trim().is_empty() || holds_port {
         return Err(DistError::Env(format!("MASTER_ADDR={addr:?} is no host: give rank 0's host name or address alone, its port as MASTER_PORT")));
     }
@@ -460,7 +483,7 @@ mod tests {
         assert_eq!(env(&wrapper).unwrap().cpus_of_its_own, Some(16));
         // One task a node that starts the node's ranks itself (torchrun under srun) shares
         // its task's cores among them; so does a job without a step, and one without the count.
-        let launcher_task = [task.as_slice(), &[("RANK", "13"), ("WORLD_SIZE", "16"), ("LOCAL_WORLD_SIZE", "8")]].concat();
+        let launcher_task = [task.as_slice(), &[("RANK", "13"), ("WORLD_SIZE", "16"), ("LOCAL_RANK", "5"), ("LOCAL_WORLD_SIZE", "8")]].concat();
         assert_eq!(env(&launcher_task).unwrap().cpus_of_its_own, None);
         assert_eq!(env(&[("RANK", "3"), ("WORLD_SIZE", "8"), ("SLURM_PROCID", "3"), ("SLURM_CPUS_PER_TASK", "16")]).unwrap().cpus_of_its_own, None);
         assert_eq!(env(&task[..7]).unwrap().cpus_of_its_own, None);
@@ -512,6 +535,20 @@ mod tests {
         assert!(message.contains("set LOCAL_WORLD_SIZE"), "{message}");
         let torchrun = env(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("SLURM_LOCALID", "0")]).unwrap();
         assert_eq!((torchrun.local_rank, torchrun.local_world_size), (1, 2));
+        // A wrapper that starts two ranks in each of 2 tasks (`RANK=$((SLURM_PROCID*2+i))`)
+        // without local ranks: both would take the task's GPU. Refused, naming LOCAL_RANK, on
+        // each rank (rank 0 too: the step's 2 tasks are no world of 4).
+        for (rank, task) in [("0", "0"), ("1", "0"), ("3", "1")] {
+            let step = [("RANK", rank), ("WORLD_SIZE", "4"), ("SLURM_PROCID", task), ("SLURM_STEP_ID", "0"), ("SLURM_LOCALID", "0"), ("SLURM_STEP_NUM_TASKS", "2"), ("SLURM_STEP_TASKS_PER_NODE", "1(x2)"), ("SLURM_STEP_NODELIST", "n[1-2]")];
+            let message = env(&step).unwrap_err().to_string();
+            assert!(message.contains("not this srun task's") && message.contains("LOCAL_RANK and LOCAL_WORLD_SIZE"), "rank {rank}: {message}");
+            // With its local ranks given, it runs: each rank its own GPU.
+            let local = (rank.parse::<usize>().unwrap() % 2).to_string();
+            let mut given = step.to_vec();
+            given.extend([("LOCAL_RANK", local.as_str()), ("LOCAL_WORLD_SIZE", "2")]);
+            let parsed = env(&given).unwrap();
+            assert_eq!((parsed.local_world_size, parsed.local_rank.to_string()), (2, local));
+        }
         // Without MASTER_ADDR, a task of an srun step finds rank 0 on the step's first host and
         // the job's port, not on its own loopback.
         let wrapped = [("RANK", "5"), ("WORLD_SIZE", "8"), ("SLURM_PROCID", "5"), ("SLURM_STEP_ID", "0"), ("SLURM_LOCALID", "1"), ("SLURM_NODEID", "1"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"), ("SLURM_STEP_NODELIST", "gpu[07-08]"), ("SLURM_JOB_ID", "4321987")];
@@ -533,6 +570,7 @@ mod tests {
     fn a_master_addr_with_a_port_or_none_is_refused_and_loopback_is_known() {
         let message = |addr: &str| env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", addr)]).unwrap_err().to_string();
         assert!(message("10.0.0.1:29500").contains("its port as MASTER_PORT"));
+        assert!(message("[fd00::1]:29500").contains("its port as MASTER_PORT"), "an IPv6 address in brackets with a port");
         assert!(message("").contains("is no host"));
         for host in ["fd00::1", "[fd00::1]", "node-7", "10.0.0.1"] {
             assert!(env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", host)]).is_ok(), "{host}");

@@ -361,6 +361,31 @@ fn a_key_whose_writer_left_without_setting_it_fails_at_once_naming_the_writer() 
 }
 
 #[test]
+fn a_rank_that_fails_before_its_tcp_connections_stops_the_rank_waiting_for_them_at_once() {
+    // Rank 1 joins the rendezvous and fails before it connects to rank 0 (its own setup
+    // failed): rank 0, accepting, used to wait out the rendezvous timeout (300 s by default).
+    let port = free_port();
+    let t0 = Instant::now();
+    let rank_1 = std::thread::spawn(move || drop(join(1, 2, port, 120.0).unwrap()));
+    let env = LaunchEnv {
+        rank: 0,
+        world_size: 2,
+        local_rank: 0,
+        local_world_size: 2,
+        node_size_known: true,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        cpus_of_its_own: None,
+        source: EnvSource::Torchrun,
+    };
+    let config = DistributedConfig::new().with_token(Some("job-secret".into())).with_rendezvous_timeout_secs(120.0);
+    let error = ulysses_dist::tcp::TcpCommunicator::connect(&env, &config).err().expect("rank 1 never connects");
+    rank_1.join().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(30), "rank 0 waited {:?}", t0.elapsed());
+    assert!(error.to_string().contains("ranks [1] left the job before connecting to rank 0"), "{error}");
+}
+
+#[test]
 fn a_rank_0_that_fails_before_broadcasting_stops_the_others_at_once() {
     // Rank 0 serves the rendezvous; when it fails between joining and publishing (the NCCL
     // unique id, say), its store stays up until the others leave. They used to wait for the

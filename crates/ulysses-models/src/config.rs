@@ -199,8 +199,11 @@ impl HfConfig {
             keys.error("model_type", format!("is {model_type:?}; this decoder represents {}", known.join(", ")))
         })?;
         if let Some(architectures) = keys.get("architectures") {
+            // A class of another head (a sequence classifier's) is refused; transformers'
+            // AutoModelForCausalLM goes by model_type, so none named (`[]`, `null`) or an older
+            // spelling of the causal LM (`LLaMAForCausalLM`) loads.
             let names: Vec<&str> = architectures.as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
-            if !names.contains(&family.architecture()) {
+            if !names.is_empty() && !names.iter().any(|name| *name == family.architecture() || name.ends_with("ForCausalLM")) {
                 return Err(keys.error("architectures", format!("is {architectures}; a {model_type} causal LM is {}", family.architecture())));
             }
         }
@@ -837,6 +840,11 @@ mod tests {
         for (text, expected) in cases {
             let error = refused(&text).to_string();
             assert!(error.starts_with("ckpt/config.json: ") && error.contains(expected), "expected {expected:?}, got {error}");
+        }
+        // As transformers' AutoModelForCausalLM, which goes by model_type: no class named, or
+        // an older spelling of the causal LM, loads.
+        for architectures in [json!([]), json!(["LLaMAForCausalLM"])] {
+            HfConfig::from_hf_json(&with(LLAMA, "architectures", architectures.clone()), "ckpt/config.json").unwrap_or_else(|e| panic!("{architectures}: {e}"));
         }
     }
 }

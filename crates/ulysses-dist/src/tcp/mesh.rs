@@ -134,6 +134,10 @@ impl Mesh {
             streams[peer] = Some(dial(&address, peer, env, token, deadline)?);
         }
         listener.set_nonblocking(true).map_err(|e| DistError::Transport(e.to_string()))?;
+        // A higher rank that fails before it connects (its own setup, an address no one can
+        // dial) leaves the job: asked of the rendezvous now and then, so this rank stops then,
+        // not at the timeout.
+        let mut next_look = Instant::now();
         while (rank + 1..world_size).any(|peer| streams[peer].is_none()) {
             match listener.accept() {
                 Ok((stream, from)) => match admit(stream, env, token, &streams) {
@@ -141,6 +145,18 @@ impl Mesh {
                     Err(reason) => tracing::warn!(%from, %reason, "refused a connection"),
                 },
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= next_look {
+                        next_look = Instant::now() + Duration::from_millis(500);
+                        let left = rendezvous.left()?;
+                        let mut gone: Vec<usize> = left.died.iter().chain(&left.finished).copied().filter(|&peer| peer > rank && streams[peer].is_none()).collect();
+                        gone.sort_unstable();
+                        gone.dedup();
+                        if !gone.is_empty() {
+                            return Err(DistError::Transport(format!(
+                                "ranks {gone:?} left the job before connecting to rank {rank}: their own errors say why"
+                            )));
+                        }
+                    }
                     if Instant::now() >= deadline {
                         let missing: Vec<usize> = (rank + 1..world_size).filter(|&p| streams[p].is_none()).collect();
                         return Err(DistError::Transport(format!(
