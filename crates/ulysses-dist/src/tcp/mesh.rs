@@ -131,7 +131,7 @@ impl Mesh {
         // lower ranks first, and rank 0 only accepts, so this never waits in a circle.
         for peer in 0..rank {
             let address = String::from_utf8_lossy(&rendezvous.get_set_by(&format!("tcp/address/{peer}"), peer)?).into_owned();
-            streams[peer] = Some(dial(&address, peer, env, token, deadline)?);
+            streams[peer] = Some(dial(&address, peer, env, token, deadline).map_err(|error| loopback_hint(error, &address, peer, reaching_rank_0))?);
         }
         listener.set_nonblocking(true).map_err(|e| DistError::Transport(e.to_string()))?;
         // A higher rank that fails before it connects (its own setup, an address no one can
@@ -421,6 +421,22 @@ fn dial(address: &str, peer: usize, env: &LaunchEnv, token: &str, deadline: Inst
     Ok(stream)
 }
 
+/// `error` (dialing rank `peer` at `address`) with the likely cause where `address` is a loopback
+/// address but this rank reaches rank 0 over the network: `peer` runs on another machine and
+/// offered an address only its own can dial (Kubeflow gives the master pod
+/// `MASTER_ADDR=localhost`, which it then reaches rank 0 by).
+fn loopback_hint(error: DistError, address: &str, peer: usize, reaching_rank_0: impl FnOnce() -> Result<String, DistError>) -> DistError {
+    let loopback = address.parse::<SocketAddr>().is_ok_and(|address| address.ip().is_loopback());
+    let over_the_network = || reaching_rank_0().ok().and_then(|ip| ip.parse::<IpAddr>().ok()).is_some_and(|ip| !ip.is_loopback());
+    if !(loopback && over_the_network()) {
+        return error;
+    }
+    DistError::Transport(format!(
+        "{error}. Rank {peer} offered {address}, a loopback address, while this rank reaches rank 0 over the network: if rank {peer} runs on \
+         another machine (Kubeflow gives the master pod MASTER_ADDR=localhost), set ULYSSES_TCP_ADDR there to its network address"
+    ))
+}
+
 /// Checks a connecting rank's hello: the job's token, the same world size, a higher rank not
 /// yet connected. Answers it either way.
 fn admit(mut stream: TcpStream, env: &LaunchEnv, token: &str, connected: &[Option<TcpStream>]) -> Result<(usize, TcpStream), String> {
@@ -459,6 +475,19 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A loopback address that fails to dial from a rank that reaches rank 0 over the network
+    /// is named as such, with ULYSSES_TCP_ADDR; other failures are left as they are.
+    #[test]
+    fn a_loopback_peer_address_dialed_from_another_machine_names_ulysses_tcp_addr() {
+        let refused = || DistError::Transport("rank 1 cannot connect to rank 0 at 127.0.0.1:4100: Connection refused".into());
+        let hinted = loopback_hint(refused(), "127.0.0.1:4100", 0, || Ok("10.1.2.3".to_string())).to_string();
+        assert!(hinted.contains("Connection refused") && hinted.contains("a loopback address") && hinted.contains("ULYSSES_TCP_ADDR"), "{hinted}");
+        for (address, ours) in [("10.1.2.4:4100", "10.1.2.3"), ("127.0.0.1:4100", "127.0.0.1")] {
+            let plain = loopback_hint(refused(), address, 0, || Ok(ours.to_string())).to_string();
+            assert!(!plain.contains("ULYSSES_TCP_ADDR"), "{address} from {ours}: {plain}");
+        }
+    }
 
     /// A listener on every interface offers the address that reaches rank 0, with its port;
     /// one on an address, that address.
