@@ -41,10 +41,12 @@ fn step(ranks: usize, guard_on: bool) -> Duration {
         let labels: Tensor<Sp, 2, Int> = shard.labels(&device);
         Communicator::<Inner>::barrier(&*comm).unwrap();
         let started = Instant::now();
-        // As the training API runs the forward: with the shard's positions noted for the
-        // guard's rules on positions (a check of every slice and arange), when the guard is on.
+        // As the training API runs the forward: the token ids uploaded, then the shard's
+        // positions noted for the guard's rules on positions (a check of every slice, arange
+        // and upload), when the guard is on.
+        let tokens = shard.tokens(&device);
         let positions = guard_on.then(|| note_shard_positions(&shard.positions));
-        let output = model.lm_output(shard.tokens(&device), &shard.positions);
+        let output = model.lm_output(tokens, &shard.positions);
         drop(positions);
         let loss = lm_loss_sum(output, labels, -100);
         let _ = loss.backward();

@@ -1849,3 +1849,34 @@ fn zero_3_names_a_parameter_a_group_leaves_out_and_keeps_frozen_ones_frozen() {
     .into_iter()
     .for_each(|rank| rank.unwrap_or_else(|panic| panic!("{panic}")));
 }
+
+/// Gradients finite on every rank whose sum over the ranks overflows f32 (each near f32's
+/// largest, a diverging run) stop the step before the optimizer, as a NaN on a rank does,
+/// rather than reaching AdamW as an infinity (clipped by an infinite norm: NaN parameters).
+#[test]
+fn finite_gradients_whose_sum_over_the_ranks_overflows_stop_the_step_unchanged() {
+    use ulysses_training::{StepInput, apply_step, backward_step};
+    let results = ThreadGroup::new(2).run(|rank| {
+        let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new().with_dp_size(2)).unwrap();
+        let device = Default::default();
+        let config = DecoderConfig::new(VOCAB).with_d_model(16).with_n_layers(1).with_n_heads(2).with_n_kv_heads(2).with_ffn_hidden(32);
+        let model = deterministic_params(config.init::<Sp>(&device), INIT_SEED);
+        let batches = vec![VariedLengths { vocab: VOCAB }.train_batch(0)];
+        let step = StepInput { index: 0, learning_rate: 1e-3, micro_batches: &batches, documents: None, targets: None, max_grad_norm: Some(1.0) };
+        let mut local = backward_step(&model, &step, &SequenceSharder::new(1), &groups, &device).unwrap();
+        // The embedding's gradient, 2e38 everywhere on both ranks: finite, its sum 4e38 not.
+        let id = model.embedding.weight.id;
+        type Grad = <Sp as burn::tensor::backend::AutodiffBackend>::InnerBackend;
+        let huge = local.grads.get::<Grad, 2>(id).expect("the embedding's gradient").ones_like() * 2e38;
+        local.grads.register::<Grad, 2>(id, huge);
+        let before = model.embedding.weight.val().into_data();
+        let kept = model.clone();
+        let error = apply_step(model, &mut AdamWConfig::new().init(), &step, local, &groups).err().expect("the step stopped").to_string();
+        assert_eq!(kept.embedding.weight.val().into_data(), before);
+        error
+    });
+    for error in results {
+        let error = error.unwrap_or_else(|panic| panic!("{panic}"));
+        assert!(error.contains("step 0: a NaN or an infinity appeared in the gradients summed over the ranks") && error.contains("changed no parameter"), "{error}");
+    }
+}

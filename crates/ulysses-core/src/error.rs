@@ -159,7 +159,12 @@ pub enum UlyssesError {
         "step {step}: a NaN or an infinity appeared{}{}{}. {} Lower the learning rate, clip gradients, or look at this step's \
          data; resume from the last checkpoint if there is one.",
         if loss_ranks.is_empty() { String::new() } else { format!(" in the loss on rank(s) {loss_ranks:?}") },
-        if gradient_ranks.is_empty() { String::new() } else { format!(" in the gradients on rank(s) {gradient_ranks:?}") },
+        match (loss_ranks.is_empty(), gradient_ranks.is_empty()) {
+            (_, false) => format!(" in the gradients on rank(s) {gradient_ranks:?}"),
+            // Every rank's own were finite: their sum over the ranks overflowed f32.
+            (true, true) => " in the gradients summed over the ranks (each rank's own were finite; their sum overflowed f32)".to_string(),
+            (false, true) => String::new(),
+        },
         local_parameter.as_ref().map_or(String::new(), |p| format!(" (on this rank first in `{p}`)")),
         if *updated_in_backward {
             "Training stopped, but the optimizer had updated some layers in the backward (--optimizer-in-backward), so its \

@@ -93,11 +93,7 @@ impl LaunchEnv {
             // LOCAL_WORLD_SIZE).
             EnvSource::Torchrun => {
                 let (rank, world) = (required("RANK")?, required("WORLD_SIZE")?);
-                let step_tasks = match first_set(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"]) {
-                    Some((name, _)) => number(name)?,
-                    None => None,
-                };
-                let task = number("SLURM_PROCID")?;
+                let (task, step_tasks) = (number("SLURM_PROCID")?, step_tasks(&number)?);
                 let ranks_are_tasks = is_srun_task(&lookup) && task == Some(rank) && step_tasks.is_none_or(|tasks| tasks == world);
                 let local_rank = match (number("LOCAL_RANK")?, number("SLURM_LOCALID")?) {
                     (Some(local_rank), _) => local_rank,
@@ -105,9 +101,9 @@ impl LaunchEnv {
                     (None, Some(_)) if is_srun_task(&lookup) => {
                         let tasks = step_tasks.map_or_else(|| "its".to_string(), |tasks| tasks.to_string());
                         return Err(DistError::Env(format!(
-                            "RANK={rank} and WORLD_SIZE={world} are not this srun task's (SLURM_PROCID={}, {tasks} tasks): a wrapper that \
-                             starts several ranks in one task sets LOCAL_RANK and LOCAL_WORLD_SIZE for each (a rank's GPU is its \
-                             LOCAL_RANK; Slurm's SLURM_LOCALID is the task's, which all its ranks share), or srun starts one task a rank",
+                            "RANK={rank} and WORLD_SIZE={world} are not this srun task's (SLURM_PROCID={}, {tasks} tasks), so Slurm's \
+                             SLURM_LOCALID is no local rank of this process (a wrapper that starts several ranks in one task would put \
+                             them all on its GPU): set LOCAL_RANK and LOCAL_WORLD_SIZE for each rank, or let srun start one task a rank",
                             task.map_or("?".to_string(), |task| task.to_string())
                         )));
                     }
@@ -197,7 +193,7 @@ impl LaunchEnv {
         };
         // `--cpus-per-task` is each task's, so each rank's where the tasks are the ranks (a
         // wrapper that starts several ranks in one task shares its task's cores among them).
-        let ranks_are_tasks = under_srun && number("SLURM_PROCID")? == Some(rank) && first_set(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"]).is_some_and(|(name, _)| number(name).ok().flatten() == Some(world_size));
+        let ranks_are_tasks = under_srun && number("SLURM_PROCID")? == Some(rank) && step_tasks(&number)? == Some(world_size);
         let cpus_of_its_own = if ranks_are_tasks { number("SLURM_CPUS_PER_TASK")?.filter(|&cpus| cpus > 0) } else { None };
         Ok(Self { rank, world_size, local_rank, local_world_size, node_size_known, master_addr, master_port, cpus_of_its_own, source })
     }
@@ -290,6 +286,16 @@ fn launcher(lookup: &impl Fn(&str) -> Option<String>) -> Option<EnvSource> {
 /// Slurm's batch script (and `salloc`'s interactive step) has `SLURM_PROCID=0` too but is no
 /// rank: no step id there, or one of Slurm's special ones (from 0xfffffff0 up: batch, extern,
 /// interactive).
+/// The srun step's task count (the job's where the step's is missing), read by `number`.
+fn step_tasks(number: &impl Fn(&str) -> Result<Option<usize>, DistError>) -> Result<Option<usize>, DistError> {
+    for name in ["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"] {
+        if let Some(tasks) = number(name)? {
+            return Ok(Some(tasks));
+        }
+    }
+    Ok(None)
+}
+
 fn is_srun_task(lookup: &impl Fn(&str) -> Option<String>) -> bool {
     let step = lookup("SLURM_STEP_ID").or_else(|| lookup("SLURM_STEPID"));
     lookup("SLURM_PROCID").is_some() && step.is_some_and(|id| id.trim().parse::<u32>().is_ok_and(|id| id < 0xffff_fff0))

@@ -200,8 +200,8 @@ impl HfConfig {
         })?;
         if let Some(architectures) = keys.get("architectures") {
             // A class of another head (a sequence classifier's) is refused; transformers'
-            // AutoModelForCausalLM goes by model_type, so none named (`[]`, `null`) or an older
-            // spelling of the causal LM (`LLaMAForCausalLM`) loads.
+            // AutoModelForCausalLM goes by model_type, so none named (`[]`, `null`, no list) or
+            // any causal LM class (`LLaMAForCausalLM`, an older spelling) loads.
             let names: Vec<&str> = architectures.as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
             if !names.is_empty() && !names.iter().any(|name| *name == family.architecture() || name.ends_with("ForCausalLM")) {
                 return Err(keys.error("architectures", format!("is {architectures}; a {model_type} causal LM is {}", family.architecture())));

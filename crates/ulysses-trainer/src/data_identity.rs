@@ -20,8 +20,9 @@ pub struct DataIdentity {
     pub bytes: u64,
     pub digest: String,
     /// How the data becomes tokens and targets (the tokenizer, EOS, `--loss-on`,
-    /// `--too-long`): the same bytes read otherwise are other batches. Empty in checkpoints
-    /// written before it was recorded, and for data read as it is.
+    /// `--too-long`; for `--tokens`, whether its last batch is held out): the same bytes read
+    /// otherwise are other batches. Empty in checkpoints written before it was recorded, and
+    /// for `--corpus`.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reading: String,
     /// The chat template `{"messages"}` lines were rendered with (its file and a digest of

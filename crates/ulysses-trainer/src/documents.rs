@@ -41,8 +41,9 @@ const TOKENIZE_CHUNK: usize = 512;
 
 /// Which way [`DocumentReader`] turns lines into tokens and targets, recorded in checkpoints:
 /// a reader that reads the same bytes otherwise makes other batches (4: lines already
-/// tokenized are taken as given, with no EOS appended, as TRL takes them).
-pub const DOCUMENT_READER_VERSION: u32 = 4;
+/// tokenized are taken as given, with no EOS appended, as TRL takes them; 5: at most two
+/// batches held out, so a long last document no longer holds most of the data out).
+pub const DOCUMENT_READER_VERSION: u32 = 5;
 
 /// How documents become token ids.
 pub struct DocumentReader<'a> {
@@ -585,8 +586,8 @@ impl PackedDocuments {
             Some(Some(split)) => Some(train.split_off(split)),
             Some(None) => {
                 tracing::warn!(
-                    "nothing held out of --data: no document starts in its last {most_held_out} sequences (two batches at most are held out), \
-                     so a held-out batch would continue a document training reads; give --eval-data"
+                    "nothing held out of --data: a held-out part of one or two batches ({batch_size} to {most_held_out} sequences) would begin \
+                     inside a document that training reads; give --eval-data"
                 );
                 None
             }

@@ -179,10 +179,11 @@ struct Args {
     data: Option<PathBuf>,
     /// Held-out documents to evaluate on, all of them, every --eval-every steps: a file or
     /// folder of --data's kinds, read as --data is; --data is then trained on whole [default:
-    /// --data's last batch, held out where it has two or more].
+    /// --data's last batch, held out where it has two or more and --eval-every is above 0].
     #[arg(long, requires = "data", conflicts_with = "eval_only")]
     eval_data: Option<PathBuf>,
-    /// Evaluate the held-out documents every this many steps, and after the last (0: never).
+    /// Evaluate the held-out documents every this many steps, and after the last (0: never, and
+    /// --data or --tokens is trained on whole).
     #[arg(long, default_value_t = 50)]
     eval_every: usize,
     /// What --data's chat, prompt/completion and labelled lines train on: `assistant`, the
@@ -1152,9 +1153,11 @@ fn run(mut args: Args) -> Result<(), String> {
             data_identity = data_identity.rendered_with(file, text);
         }
     }
-    if args.tokens.is_some() && config.eval_every == 0 && !args.eval_only {
-        // Its last batch trained on too: other batches than a run that held it out.
-        data_identity = data_identity.read_with("trained whole (--eval-every 0)".to_string());
+    if args.tokens.is_some() && !args.eval_only {
+        // Whether its last batch is trained on too: other batches than a run that held it out.
+        // (A checkpoint from before this was recorded has no reading, and is not compared.)
+        let held_out = if config.eval_every == 0 { "trained whole (--eval-every 0)" } else { "its last batch held out" };
+        data_identity = data_identity.read_with(held_out.to_string());
     }
     if let Some(held_out) = &args.eval_data {
         data_identity = data_identity.evaluated_on(held_out)?;

@@ -215,7 +215,7 @@ pub fn read_checkpoint_state<S: DeserializeOwned>(location: &Path) -> Result<S, 
 }
 
 /// The sharded optimizer state's folder that the file at `path` names: `None` where it is no
-/// checkpoint (shorter than the magic bytes, or others) or a checkpoint that names none. Its
+/// checkpoint (shorter than the 8 magic bytes, or other ones) or a checkpoint that names none. Its
 /// header is read leniently (the folder's name alone: a state whose checksum fails, or a later
 /// format, still names its folder). An error where it may be a checkpoint but which folder it
 /// names cannot be told (a read that fails, a header cut off or corrupt): a caller removing
@@ -223,15 +223,17 @@ pub fn read_checkpoint_state<S: DeserializeOwned>(location: &Path) -> Result<S, 
 pub(crate) fn named_state_folder(path: &Path) -> Result<Option<String>, UlyssesError> {
     let cannot_read = |e: std::io::Error| error(path, format!("cannot read: {e}"));
     let mut file = File::open(path).map_err(cannot_read)?;
-    let mut start = [0u8; 16];
-    match file.read_exact(&mut start) {
+    let (mut magic, mut length) = ([0u8; 8], [0u8; 8]);
+    match file.read_exact(&mut magic) {
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
         result => result.map_err(cannot_read)?,
     }
-    if &start[..8] != MAGIC {
+    if &magic != MAGIC {
         return Ok(None);
     }
-    let header_bytes = u64::from_le_bytes(start[8..16].try_into().expect("8 bytes"));
+    // A checkpoint cut off inside its header's length is one whose folder is unknown.
+    file.read_exact(&mut length).map_err(cannot_read)?;
+    let header_bytes = u64::from_le_bytes(length);
     let file_bytes = file.metadata().map_err(cannot_read)?.len();
     if 16u64.checked_add(header_bytes).is_none_or(|end| end > file_bytes) {
         return Err(error(path, "the header is cut off"));

@@ -476,6 +476,11 @@ where
     // Every rank holds the same sums now, but not always the same norm of them (a GPU's sum
     // is not bit-reproducible): every rank clips with, and reports, rank 0's.
     let grad_norm = agreed_gradient_norm(gradient_norm(&model, &grads), &*groups.world)?;
+    // Finite gradients on every rank whose sum overflowed (the norm, summed in f64, is finite
+    // wherever every element is): stopped before the optimizer, as a NaN on a rank is.
+    if !grad_norm.is_finite() {
+        return Err(UlyssesError::NonFinite { step: step.index, loss_ranks: Vec::new(), gradient_ranks: Vec::new(), local_parameter: None, updated_in_backward: false });
+    }
     let grads = match step.max_grad_norm {
         Some(max_norm) => clip_with_norm(&model, grads, grad_norm, max_norm),
         None => grads,

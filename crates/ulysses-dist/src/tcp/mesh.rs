@@ -147,7 +147,8 @@ impl Mesh {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= next_look {
                         next_look = Instant::now() + Duration::from_millis(500);
-                        let left = rendezvous.left()?;
+                        // Bounded by this rank's own deadline, as the wait it interrupts.
+                        let left = rendezvous.left_within(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100)))?;
                         let mut gone: Vec<usize> = left.died.iter().chain(&left.finished).copied().filter(|&peer| peer > rank && streams[peer].is_none()).collect();
                         gone.sort_unstable();
                         gone.dedup();

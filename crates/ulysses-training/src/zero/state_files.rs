@@ -419,9 +419,10 @@ pub fn check_folder_shared<W: burn::tensor::backend::Backend>(dir: &Path, world:
 /// calls it when a replicated run replaces a sharded one's checkpoint (`--overwrite`), and as
 /// it claims a run folder to resume in, for what a save killed between writing its parts and
 /// committing them left (a whole copy of the optimizer state). Returns the folders removed.
-/// Where the folder cannot be listed, or a file in it may be a checkpoint but cannot be read
-/// (a read error, a header cut off or corrupt), it removes nothing, with a warning: which
-/// folders that file needs is unknown, and the state it needs cannot be made again.
+/// Where an entry of the folder cannot be listed, or a file in it may be a checkpoint but
+/// cannot be read (a read error, a header cut off or corrupt), it removes nothing, with a
+/// warning: which folders that file needs is unknown, and the state it needs cannot be made
+/// again. A folder that cannot be read at all has nothing it could remove.
 pub fn remove_unnamed_state_folders(dir: &Path, keep: Option<&str>) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     let keep_all = |what: &Path, error: &dyn std::fmt::Display| {
@@ -848,6 +849,9 @@ mod tests {
         fs::write(dir.join("cut-short.ulysses"), &bak[..40]).unwrap();
         fs::write(dir.join("notes.txt"), "no checkpoint").unwrap();
         assert!(remove_unnamed_state_folders(&dir, None).is_empty() && stale.is_dir(), "a folder removed beside a checkpoint that cannot be read");
+        // Cut inside the header's length, after the magic bytes: the same.
+        fs::write(dir.join("cut-short.ulysses"), &bak[..12]).unwrap();
+        assert!(remove_unnamed_state_folders(&dir, None).is_empty() && stale.is_dir(), "a folder removed beside a checkpoint cut after its magic");
         // A header whose state fails its checksum still names its folder (read leniently).
         let state = bak.windows(8).position(|w| w == b"\"state\":").expect("a state in the header") + 8;
         let mut flipped = bak;
