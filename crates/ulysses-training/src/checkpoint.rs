@@ -221,50 +221,68 @@ pub fn read_checkpoint_state<S: DeserializeOwned>(location: &Path) -> Result<S, 
 /// names cannot be told (a read that fails, a header cut off or corrupt): a caller removing
 /// folders must then keep them all.
 pub(crate) fn named_state_folder(path: &Path) -> Result<Option<String>, UlyssesError> {
-    let cannot_read = |e: std::io::Error| error(path, format!("cannot read: {e}"));
-    let mut file = File::open(path).map_err(cannot_read)?;
-    let (mut magic, mut length) = ([0u8; 8], [0u8; 8]);
-    match file.read_exact(&mut magic) {
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        result => result.map_err(cannot_read)?,
-    }
-    if &magic != MAGIC {
-        return Ok(None);
-    }
-    // A checkpoint cut off inside its header's length is one whose folder is unknown.
-    file.read_exact(&mut length).map_err(cannot_read)?;
-    let header_bytes = u64::from_le_bytes(length);
-    let file_bytes = file.metadata().map_err(cannot_read)?.len();
-    if 16u64.checked_add(header_bytes).is_none_or(|end| end > file_bytes) {
-        return Err(error(path, "the header is cut off"));
-    }
-    let mut bytes = vec![0u8; header_bytes as usize];
-    file.read_exact(&mut bytes).map_err(cannot_read)?;
-    let header: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| error(path, format!("unreadable header: {e}")))?;
+    let Preamble::Header { header, .. } = read_preamble(path)? else { return Ok(None) };
+    let header: serde_json::Value = serde_json::from_slice(&header).map_err(|e| error(path, format!("unreadable header: {e}")))?;
     Ok(header.get("optimizer_shards").and_then(serde_json::Value::as_str).map(str::to_string))
 }
 
-/// The checkpoint file at `path`, opened and read up to the end of its header (checked: magic,
-/// format, and lengths that fit the file, so a corrupt length is an error, not an allocation
-/// of whatever it says).
-fn open_checkpoint<S: DeserializeOwned>(path: &Path) -> Result<(File, Header<S>), UlyssesError> {
-    let mut file = File::open(path).map_err(|e| error(path, format!("cannot read: {e}")))?;
-    let file_bytes = file.metadata().map_err(|e| error(path, format!("cannot read: {e}")))?.len();
-    let torn = |what: String| error(path, format!("{what}; the file is truncated or corrupt (a copy cut short?). Use an earlier checkpoint."));
-    let mut start = [0u8; 16];
-    file.read_exact(&mut start).map_err(|_| error(path, "not a burn-ulysses training checkpoint (shorter than its magic bytes)"))?;
-    if &start[..8] != MAGIC {
-        return Err(error(path, "not a burn-ulysses training checkpoint (wrong magic bytes)"));
+/// What a file's first bytes say it is. The checkpoint layout's start, read in this one place:
+/// 8 magic bytes, the header's length (u64, little-endian), the header's JSON.
+enum Preamble {
+    /// No checkpoint: shorter than the magic bytes, or other ones.
+    NotCheckpoint { short: bool },
+    /// A checkpoint's header bytes; its records start at `16 + header.len()`.
+    Header { file: File, file_bytes: u64, header: Vec<u8> },
+}
+
+/// The file at `path` read up to the end of its header, whose length is checked against the
+/// file's (a corrupt length is an error, not an allocation of whatever it says). An error where
+/// it cannot be read or is a checkpoint cut off inside its header.
+fn read_preamble(path: &Path) -> Result<Preamble, UlyssesError> {
+    let cannot_read = |e: std::io::Error| error(path, format!("cannot read: {e}"));
+    let cut_off = || error(path, "the header is cut off; the file is truncated or corrupt (a copy cut short?). Use an earlier checkpoint.");
+    let mut file = File::open(path).map_err(cannot_read)?;
+    let file_bytes = file.metadata().map_err(cannot_read)?.len();
+    let mut magic = [0u8; 8];
+    match file.read_exact(&mut magic) {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(Preamble::NotCheckpoint { short: true }),
+        result => result.map_err(cannot_read)?,
     }
-    let header_bytes = u64::from_le_bytes(start[8..16].try_into().expect("8 bytes"));
-    let header_end = 16u64.checked_add(header_bytes).filter(|&end| end <= file_bytes).ok_or_else(|| torn("the header is cut off".into()))?;
-    let mut bytes = vec![0u8; header_bytes as usize];
-    file.read_exact(&mut bytes).map_err(|_| torn("the header is cut off".into()))?;
+    if &magic != MAGIC {
+        return Ok(Preamble::NotCheckpoint { short: false });
+    }
+    let mut length = [0u8; 8];
+    match file.read_exact(&mut length) {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(cut_off()),
+        result => result.map_err(cannot_read)?,
+    }
+    let header_bytes = u64::from_le_bytes(length);
+    if 16u64.checked_add(header_bytes).is_none_or(|end| end > file_bytes) {
+        return Err(cut_off());
+    }
+    let mut header = vec![0u8; header_bytes as usize];
+    file.read_exact(&mut header).map_err(cannot_read)?;
+    Ok(Preamble::Header { file, file_bytes, header })
+}
+
+/// The checkpoint file at `path`, opened and read up to the end of its header (checked: magic,
+/// format, and lengths that fit the file).
+fn open_checkpoint<S: DeserializeOwned>(path: &Path) -> Result<(File, Header<S>), UlyssesError> {
+    let (file, file_bytes, bytes) = match read_preamble(path)? {
+        Preamble::Header { file, file_bytes, header } => (file, file_bytes, header),
+        Preamble::NotCheckpoint { short } => {
+            let why = if short { "shorter than its magic bytes" } else { "wrong magic bytes" };
+            return Err(error(path, format!("not a burn-ulysses training checkpoint ({why})")));
+        }
+    };
     let header = parse_header::<S>(path, &bytes)?;
-    let end = header_end.checked_add(header.model_bytes).and_then(|end| end.checked_add(header.optimizer_bytes));
+    let end = (16 + bytes.len() as u64).checked_add(header.model_bytes).and_then(|end| end.checked_add(header.optimizer_bytes));
     if end != Some(file_bytes) {
         let described = end.map_or_else(|| "more than 2^64".to_string(), |end| end.to_string());
-        return Err(torn(format!("the file has {file_bytes} bytes but its header describes {described}")));
+        return Err(error(
+            path,
+            format!("the file has {file_bytes} bytes but its header describes {described}; the file is truncated or corrupt (a copy cut short?). Use an earlier checkpoint."),
+        ));
     }
     Ok((file, header))
 }
@@ -507,6 +525,10 @@ mod tests {
         *flipped.last_mut().unwrap() ^= 0x40;
         assert!(load(&flipped).contains("checksum"));
         assert!(load(b"{\"not\": \"a checkpoint\"}").contains("wrong magic bytes"));
+        assert!(load(b"ULYC").contains("shorter than its magic bytes"));
+        // Cut inside the header's length: a checkpoint cut off, not a foreign file.
+        let message = load(&bytes[..12]);
+        assert!(message.contains("the header is cut off") && message.contains("Use an earlier checkpoint"), "{message}");
         // A header length past the file (a flipped high byte) is named, not allocated.
         for length in [u64::MAX, 1 << 62, bytes.len() as u64] {
             let mut corrupt = bytes.clone();
