@@ -1039,8 +1039,8 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
         let mut parts = None;
         let in_backward = matches!(zero, Zero::Stage3InBackward | Zero::Stage3InBackwardSharedMasters);
         if matches!(zero, Zero::Stage3 | Zero::Stage3OnDevice | Zero::Stage3PartsOnHost | Zero::Stage3AfterAbandonedStep) || in_backward {
-            sharded_state.keep_master_weights(&model, rank.rank(), 4);
-            on_device.keep_master_weights(&model, rank.rank(), 4);
+            sharded_state.keep_master_weights(&model, rank.rank(), 4).unwrap();
+            on_device.keep_master_weights(&model, rank.rank(), 4).unwrap();
             let place = if zero == Zero::Stage3OnDevice { OptimizerPlace::Device } else { OptimizerPlace::Host };
             let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), 4, place).unwrap();
             let mut sharded = if matches!(zero, Zero::Stage3PartsOnHost | Zero::Stage3InBackwardSharedMasters) { sharded.with_parts_on_host() } else { sharded };
@@ -1050,7 +1050,7 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
             (model, parts) = (placeholders, Some(sharded));
         }
         if zero == Zero::Stage3FromMasters {
-            sharded_state.keep_master_weights(&model, rank.rank(), 4);
+            sharded_state.keep_master_weights(&model, rank.rank(), 4).unwrap();
             let (placeholders, sharded) = ShardedParameters::shard_from(never_built(), PartsFrom::Masters, &mut sharded_state, FloatDType::F32, false, &device, &*groups.world).unwrap();
             (model, parts) = (placeholders, Some(sharded));
         }
@@ -1251,7 +1251,7 @@ fn zero_3_gathers_each_group_once_the_host_optimizer_updated_it() {
             let model = ulysses_models::from_pretrained::<Sp>(&fixture, &device).unwrap().model;
             assert!(model.layer_count() >= 2, "the fixture needs a layer after layer 0");
             let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
-            optimizer.keep_master_weights(&model, rank.rank(), 2);
+            optimizer.keep_master_weights(&model, rank.rank(), 2).unwrap();
             let (pace, paced) = std::sync::mpsc::channel();
             optimizer.pace_updates(paced);
             let (model, mut parts) = ShardedParameters::shard(model, rank.rank(), 2, OptimizerPlace::Host).unwrap();
@@ -1408,7 +1408,7 @@ fn zero_3_updated_in_the_backward_trains_as_at_the_steps_end() {
     let device = Default::default();
     let model = deterministic_params(config(ParallelLayout::new(), 1).model.init::<Sp>(&device), INIT_SEED);
     let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
-    optimizer.keep_master_weights(&model, 0, 1);
+    optimizer.keep_master_weights(&model, 0, 1).unwrap();
     let (_, mut parts) = ShardedParameters::shard(model, 0, 1, OptimizerPlace::Host).unwrap();
     let sequences = vec![vec![vec![1, 2, 3]]];
     let step = StepInput { index: 4, learning_rate: 1e-2, micro_batches: &sequences, documents: None, targets: None, max_grad_norm: Some(1.0) };
@@ -1444,7 +1444,7 @@ fn an_update_in_the_backward_that_cannot_end_loses_the_state_by_name() {
                     model.norm.gamma = model.norm.gamma.map(|gamma| gamma.mul_scalar(f32::NAN));
                 }
                 let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
-                optimizer.keep_master_weights(&model, rank.rank(), 2);
+                optimizer.keep_master_weights(&model, rank.rank(), 2).unwrap();
                 let (placeholders, parts) = ShardedParameters::shard(model, rank.rank(), 2, OptimizerPlace::Host).unwrap();
                 (placeholders, parts, optimizer)
             };
@@ -1629,7 +1629,7 @@ fn zero_3_cut_from_master_weights_of_another_place_is_refused() {
             let mut errors = Vec::new();
             for (held_by, rank_of, world_of) in [(config.clone(), 1, 2), (config.clone().with_n_layers(1), 0, 1)] {
                 let mut host = ShardedAdamW::new(HostAdamWConfig::default());
-                host.keep_master_weights(&held_by.init::<Sp>(&device), rank_of, world_of);
+                host.keep_master_weights(&held_by.init::<Sp>(&device), rank_of, world_of).unwrap();
                 let cut = ShardedParameters::shard_from(config.init::<Sp>(&device), PartsFrom::Masters, &mut host, FloatDType::F32, false, &device, &*rank.communicator());
                 errors.push(cut.err().map(|e| e.to_string()));
             }
@@ -1803,7 +1803,7 @@ fn zero_3_names_a_parameter_a_group_leaves_out_and_keeps_frozen_ones_frozen() {
         let decoder = || deterministic_params(config(ParallelLayout::new(), 1).model.init::<Sp>(&device), INIT_SEED);
         fn sharded<M: burn::module::AutodiffModule<Sp> + LayeredLm<Sp>>(model: M) -> (M, ShardedParameters<Sp>, ShardedAdamW) {
             let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
-            optimizer.keep_master_weights(&model, 0, 1);
+            optimizer.keep_master_weights(&model, 0, 1).unwrap();
             let (placeholders, parts) = ShardedParameters::shard(model, 0, 1, OptimizerPlace::Host).unwrap();
             (placeholders, parts, optimizer)
         }

@@ -701,8 +701,8 @@ where
     if first_step == 0 && !zero_3 {
         match &mut optimizer {
             RankOptimizer::Replicated(_) => {}
-            RankOptimizer::OnHost(host) => host.keep_master_weights(&model, world_rank, world),
-            RankOptimizer::OnDevice(on_device) => on_device.keep_master_weights(&model, world_rank, world),
+            RankOptimizer::OnHost(host) => host.keep_master_weights(&model, world_rank, world)?,
+            RankOptimizer::OnDevice(on_device) => on_device.keep_master_weights(&model, world_rank, world)?,
         }
     }
     let sharded = !matches!(optimizer, RankOptimizer::Replicated(_));

@@ -17,15 +17,12 @@ use burn::{
     tensor::{DType, FloatDType, Tensor, TensorData},
 };
 use burn_ulysses::{UlyssesError, comm::Communicator};
-use ulysses_core::{
-    host_adamw::{AdamWMoments, HostAdamWConfig},
-    zero::Partition,
-};
+use ulysses_core::host_adamw::{AdamWMoments, HostAdamWConfig};
 
 use super::{
     ShardedAdamW,
     host_adamw::ParameterPart,
-    parts::{norm_of_parts, own_part},
+    parts::{norm_of_parts, own_part, partition_of},
     state_files::{ShardedState, write_state_file},
 };
 use crate::{TrainBackend, float_parameters};
@@ -54,13 +51,15 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
     }
 
     /// Takes rank `rank`'s part (of a world of `world`) of `model`'s parameters as the f32
-    /// master weights, replacing any state; call it before the model is sharded.
-    pub fn keep_master_weights<M: Module<B>>(&mut self, model: &M, rank: usize, world: usize) {
+    /// master weights, replacing any state; call it before the model is sharded. Refused for a
+    /// rank the world has not.
+    pub fn keep_master_weights<M: Module<B>>(&mut self, model: &M, rank: usize, world: usize) -> Result<(), UlyssesError> {
+        let partition = partition_of(rank, world)?;
         self.begin_master_parts(rank, world);
-        let partition = Partition::new(world).expect("a world has a rank");
         for p in float_parameters(model) {
             self.keep_master_part(p.values.dims()[0], own_part(&partition, rank, p.values.inner().cast(FloatDType::F32)));
         }
+        Ok(())
     }
 
     /// Drops any state and starts holding rank `rank`'s parts of a world of `world`, none yet:
@@ -158,7 +157,7 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
 /// parameter of its parts; 96 GB for 8B on one GPU).
 impl<B: TrainBackend> ShardedState for DeviceShardedAdamW<B> {
     fn save(&mut self, dir: &Path, rank: usize, world: usize) -> Result<PathBuf, UlyssesError> {
-        write_state_file(dir, rank, world, self.config, self.parts.len(), |index| Cow::Owned(self.host_part(index)))
+        write_state_file(dir, self.place, rank, world, self.config, self.parts.len(), |index| Cow::Owned(self.host_part(index)))
     }
 }
 

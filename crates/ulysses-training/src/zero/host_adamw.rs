@@ -217,13 +217,14 @@ impl ShardedAdamW {
     /// Takes this rank's part of `model`'s parameters (rank `rank` of a world of `world`) as the
     /// f32 master weights, replacing any state: call it before the model becomes a
     /// half-precision compute copy ([`crate::with_parameters_in`]), or the first step takes
-    /// the master weights from the copy's rounded values.
-    pub fn keep_master_weights<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(&mut self, model: &M, rank: usize, world: usize) {
+    /// the master weights from the copy's rounded values. Refused for a rank the world has not.
+    pub fn keep_master_weights<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(&mut self, model: &M, rank: usize, world: usize) -> Result<(), UlyssesError> {
+        let partition = super::parts::partition_of(rank, world)?;
         self.begin_master_parts(rank, world);
-        let partition = Partition::new(world).expect("a world has a rank");
         for p in crate::float_parameters(model) {
             self.keep_master_part(p.values.dims()[0], host_part(&partition, rank, &p.values));
         }
+        Ok(())
     }
 
     /// Drops any state and starts holding rank `rank`'s parts of a world of `world`, none yet:
@@ -709,6 +710,26 @@ pub(super) mod tests {
         ShardedAdamW { parts, place: Some((rank, world)), ..ShardedAdamW::new(HostAdamWConfig { weight_decay: 0.03, ..HostAdamWConfig::default() }) }
     }
 
+    /// A place the world has not (an empty world, a rank past its last) is refused by name where
+    /// the state is taken or loaded: an empty world divided by zero, a rank past the last took
+    /// an empty part (zeros loaded as its state).
+    #[test]
+    fn a_place_the_world_has_not_is_refused() {
+        let model = burn::nn::LinearConfig::new(2, 3).init::<burn::backend::NdArray>(&Default::default());
+        let dir = std::env::temp_dir().join(format!("ulysses-no-such-place-{}", std::process::id()));
+        of_rank(&whole(), 0, 1).save(&dir, 0, 1).unwrap();
+        for (rank, world) in [(0, 0), (2, 2), (1, 1)] {
+            let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
+            for message in [optimizer.keep_master_weights(&model, rank, world).unwrap_err().to_string(), ShardedAdamW::load(&dir, rank, world).err().unwrap().to_string()] {
+                assert!(message.contains(&format!("rank {rank} of a world of {world}")) && message.contains("size()"), "{message}");
+            }
+        }
+        assert!(ShardedAdamW::load(&dir, 0, 2).is_ok());
+        let message = of_rank(&whole(), 0, 2).save(&dir, 1, 2).unwrap_err().to_string();
+        assert!(message.contains("holds rank 0's parts of a world of 2") && message.contains("as rank 1 of 2"), "{message}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// An update thread that fails loses the state for good: the settle after it and every
     /// later use (another settle, a save, the bytes it holds, a step) are refused, naming the
     /// failure, rather than meet the empty state the thread took with it. A fresh state
@@ -728,7 +749,7 @@ pub(super) mod tests {
             let later = [optimizer.settle().map(drop), optimizer.save(&dir, 0, 1).map(drop), optimizer.host_bytes().map(drop)].map(|r| r.unwrap_err().to_string());
             let saved = dir.join(sharded_state_file(0, 1)).exists();
             let model = burn::nn::LinearConfig::new(2, 2).init::<burn::backend::NdArray>(&Default::default());
-            optimizer.keep_master_weights(&model, 0, 1);
+            optimizer.keep_master_weights(&model, 0, 1).unwrap();
             (first, later, saved, optimizer.settle().is_ok())
         });
         let (first, later, saved, fresh) = outcome.into_iter().next().unwrap().unwrap();

@@ -24,6 +24,17 @@ use crate::{
     gradients::{LocalGradient, clipping_factor, concatenated},
 };
 
+/// The partition over a world of `world` ranks, for rank `rank`: refused, naming both, where
+/// the world is empty or has no such rank (a library caller's place, before any part is cut).
+pub(super) fn partition_of(rank: usize, world: usize) -> Result<Partition, UlyssesError> {
+    match Partition::new(world) {
+        Some(partition) if rank < world => Ok(partition),
+        _ => Err(UlyssesError::InvalidConfig(format!(
+            "ZeRO-3 parts of rank {rank} of a world of {world}: a world has at least one rank and its ranks are 0..world (pass the communicator's rank() and size())"
+        ))),
+    }
+}
+
 /// Elements of a rank's parts of parameters of `elements` elements each over a world of
 /// `world` (the partition's padding included).
 pub(super) fn part_elements(elements: &[usize], world: usize) -> usize {

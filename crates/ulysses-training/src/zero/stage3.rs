@@ -70,7 +70,7 @@ use ulysses_core::{
 use super::{
     DeviceShardedAdamW, ShardedAdamW,
     host_adamw::{BackwardLink, GroupGradients, NewPart, PartChecks, PartForm, cast_master_part},
-    parts::{PartsInFlight, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, reduce_scatter_buckets},
+    parts::{PartsInFlight, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, partition_of, reduce_scatter_buckets},
 };
 use crate::{
     LayerParameters, LayeredLm, ParameterGroup, TrainBackend, float_parameters,
@@ -387,7 +387,7 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// parts. Refused when two layers ([`LayeredLm::visit_layer`]) claim the same parameter.
     /// [`shard_from`](Self::shard_from) does it without a whole model.
     pub fn shard<M: AutodiffModule<B> + LayeredLm<B>>(model: M, rank: usize, world: usize, optimizer: OptimizerPlace) -> Result<(M, Self), UlyssesError> {
-        let partition = Partition::new(world).ok_or_else(|| UlyssesError::InvalidConfig("ZeRO-3 over a world of 0 ranks".into()))?;
+        let partition = partition_of(rank, world)?;
         let found = float_parameters(&model);
         let ids: Vec<ParamId> = found.iter().map(|p| p.id).collect();
         let paths: Vec<String> = found.iter().map(|p| p.path.clone()).collect();

@@ -69,22 +69,30 @@ impl ShardedState for ShardedAdamW {
     fn save(&mut self, dir: &Path, rank: usize, world: usize) -> Result<PathBuf, UlyssesError> {
         self.settle()?;
         let config = *self.adamw.config();
-        write_state_file(dir, rank, world, config, self.parts.len(), |index| Cow::Borrowed(&self.parts[index]))
+        write_state_file(dir, self.place, rank, world, config, self.parts.len(), |index| Cow::Borrowed(&self.parts[index]))
     }
 }
 
 /// Writes a rank's state file of `count` parameters' parts, each handed out by `part_at` twice
 /// (to hash it, then to write it), so that parts kept elsewhere (on a device) are on the host
 /// one at a time. Each section is hashed, then written, a piece at a time: the state is never
-/// copied whole (at 8B it is 96 GB of a 137 GB host).
+/// copied whole (at 8B it is 96 GB of a 137 GB host). Refused for another place than the
+/// parts are of (`held`): they would be read back as that place's.
 pub(super) fn write_state_file<'a>(
     dir: &Path,
+    held: Option<(usize, usize)>,
     rank: usize,
     world: usize,
     config: HostAdamWConfig,
     count: usize,
     mut part_at: impl FnMut(usize) -> Cow<'a, ParameterPart>,
 ) -> Result<PathBuf, UlyssesError> {
+    super::parts::partition_of(rank, world)?;
+    if let Some((held_rank, held_world)) = held.filter(|&place| place != (rank, world)) {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "the sharded optimizer holds rank {held_rank}'s parts of a world of {held_world}; saved as rank {rank} of {world} they would be read back as that rank's: save with the place it steps at"
+        )));
+    }
     let path = dir.join(sharded_state_file(rank, world));
     fs::create_dir_all(dir).map_err(|e| shard_error(dir, format!("cannot create the folder: {e}")))?;
     let mut bytes = Vec::with_capacity(SECTION_PIECE_BYTES);
@@ -130,8 +138,9 @@ impl ShardedAdamW {
     /// [`load`](Self::load), and a digest of every saved rank's file (their sections'
     /// checksums): ranks that read the same state get the same digest.
     pub(crate) fn load_with_digest(dir: &Path, rank: usize, world: usize) -> Result<(Self, u64), UlyssesError> {
+        let new = super::parts::partition_of(rank, world)?;
         let saved_world = saved_world(dir)?;
-        let (old, new) = (Partition::new(saved_world).expect("a saved world has a rank"), Partition::new(world).expect("a world has a rank"));
+        let old = Partition::new(saved_world).expect("a saved world has a rank");
         let mut files: Vec<ShardFile> = (0..saved_world).map(|r| ShardFile::open(&dir.join(sharded_state_file(r, saved_world)), r, saved_world)).collect::<Result<_, _>>()?;
         let layout: Vec<(usize, u32)> = files[0].header.parameters.iter().map(|p| (p.elements, p.time)).collect();
         if let Some(file) = files.iter().find(|f| f.header.parameters.iter().map(|p| (p.elements, p.time)).ne(layout.iter().copied())) {
