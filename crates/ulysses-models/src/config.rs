@@ -146,6 +146,14 @@ impl<'a> Keys<'a> {
         }
     }
 
+    /// A whole number, 0 allowed (a layer index).
+    fn whole(&self, key: &str, default: usize) -> Result<usize, ConfigError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(value) => value.as_u64().map(|n| n as usize).ok_or_else(|| self.error(key, format!("must be a whole number, got {value}"))),
+        }
+    }
+
     fn optional_count(&self, key: &str) -> Result<Option<usize>, ConfigError> {
         self.get(key).map(|_| self.count(key, None)).transpose()
     }
@@ -283,7 +291,7 @@ impl HfConfig {
                 // attention everywhere, which the decoder represents.
                 let sliding = match keys.get("layer_types").and_then(Value::as_array) {
                     Some(types) => types.iter().any(|t| t.as_str() == Some("sliding_attention")),
-                    None => keys.count("max_window_layers", Some(28))? < num_hidden_layers,
+                    None => keys.whole("max_window_layers", 28)? < num_hidden_layers,
                 };
                 // An absent window is transformers' 4096; `null`, none.
                 if sliding && (!keys.names("sliding_window") || keys.get("sliding_window").is_some()) {
@@ -829,6 +837,11 @@ mod tests {
             (with(LLAMA, "quantization_config", json!({"quant_method": "fp8", "weight_block_size": [128, 128]})), "`quantization_config` is present (fp8)"),
             (
                 with(&with(&with(&with(LLAMA, "model_type", json!("qwen2")), "architectures", Value::Null), "use_sliding_window", json!(true)), "max_window_layers", json!(8)),
+                "`use_sliding_window` is true and some layers slide",
+            ),
+            // 0: every layer slides (transformers' `i >= max_window_layers`).
+            (
+                with(&with(&with(&with(LLAMA, "model_type", json!("qwen2")), "architectures", Value::Null), "use_sliding_window", json!(true)), "max_window_layers", json!(0)),
                 "`use_sliding_window` is true and some layers slide",
             ),
             (
