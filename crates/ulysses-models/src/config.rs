@@ -365,6 +365,7 @@ impl HfConfig {
         let rope_scaling = match self.rope_scaling {
             RopeScaling::Default => Value::Null,
             RopeScaling::Linear { factor } => json!({ "rope_type": "linear", "factor": factor }),
+            RopeScaling::Dynamic { factor, .. } => json!({ "rope_type": "dynamic", "factor": factor }),
             RopeScaling::Yarn { factor, original_max_position_embeddings, original_given, beta_fast, beta_slow, attention_factor, mscales, truncate } => {
                 let mut yarn = json!({ "rope_type": "yarn", "factor": factor, "beta_fast": beta_fast, "beta_slow": beta_slow, "truncate": truncate });
                 // What the checkpoint gave, not what it implies (read back, the same bits).
@@ -484,7 +485,7 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
         inner.iter().filter(|(key, value)| !value.is_null() && !["rope_theta", "partial_rotary_factor", "rope_type", "type"].contains(&key.as_str())).map(|(key, _)| key.as_str()).collect();
     let type_key = if inner_keys.get("rope_type").is_none() && inner_keys.get("type").is_some() { "type" } else { "rope_type" };
     let rope_type = match inner_keys.get(type_key) {
-        Some(value) => value.as_str().ok_or_else(|| keys.error(&field(type_key), format!("is {value}, not a name: \"default\", \"linear\", \"llama3\" or \"yarn\"")))?,
+        Some(value) => value.as_str().ok_or_else(|| keys.error(&field(type_key), format!("is {value}, not a name: \"default\", \"linear\", \"dynamic\", \"llama3\" or \"yarn\"")))?,
         None if scaling_keys.is_empty() => "default",
         // Read as plain RoPE, a llama3 or linear scaling that lost its type would set every
         // position's frequencies wrong (and `--save-hf` would write that); transformers 4 fails.
@@ -526,6 +527,7 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
     let scaling = match rope_type {
         "default" => RopeScaling::Default,
         "linear" => RopeScaling::Linear { factor: number("factor")? },
+        "dynamic" => RopeScaling::Dynamic { factor: number("factor")?, max_position_embeddings },
         "llama3" => {
             let (low, high) = (number("low_freq_factor")?, number("high_freq_factor")?);
             if high <= low {
@@ -559,7 +561,7 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
             // Named by the key the file has (transformers 4's `type` where `rope_type` is absent).
             return Err(keys.error(
                 &field(type_key),
-                format!("is {other:?}; the RoPE types represented are \"default\", \"linear\", \"llama3\" and \"yarn\""),
+                format!("is {other:?}; the RoPE types represented are \"default\", \"linear\", \"dynamic\", \"llama3\" and \"yarn\""),
             ));
         }
     };
@@ -704,9 +706,21 @@ mod tests {
         assert!(!truncate(Value::Null) && !truncate(json!(false)) && truncate(json!(true)));
     }
 
+    /// Dynamic NTK RoPE is read (transformers 4's `type` too) with the context up to which it
+    /// is plain RoPE, the config's `max_position_embeddings`.
+    #[test]
+    fn dynamic_rope_is_read_with_its_plain_context() {
+        for key in ["rope_type", "type"] {
+            let config = HfConfig::from_hf_json(&with(LLAMA, "rope_scaling", json!({key: "dynamic", "factor": 4.0})), "d").unwrap();
+            assert_eq!(config.rope_scaling, RopeScaling::Dynamic { factor: 4.0, max_position_embeddings: config.max_position_embeddings });
+            assert_eq!(config.rope_scaling.positions_represented(), Some(config.max_position_embeddings));
+        }
+        assert_eq!(RopeScaling::Default.positions_represented(), None);
+    }
+
     #[test]
     fn written_back_it_reads_the_same() {
-        for text in [LLAMA.to_string(), with(LLAMA, "rope_scaling", json!({"type": "linear", "factor": 2.0}))] {
+        for text in [LLAMA.to_string(), with(LLAMA, "rope_scaling", json!({"type": "linear", "factor": 2.0})), with(LLAMA, "rope_scaling", json!({"type": "dynamic", "factor": 2.0}))] {
             let config = HfConfig::from_hf_json(&text, "a").unwrap();
             let again = HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "b").unwrap();
             assert_eq!(config, again);
@@ -804,8 +818,8 @@ mod tests {
         let cases = [
             (with(LLAMA, "model_type", json!("gemma2")), "`model_type` is \"gemma2\"; this decoder represents llama, mistral, qwen2, qwen3"),
             (with(LLAMA, "architectures", json!(["LlamaForSequenceClassification"])), "`architectures`"),
-            (with(LLAMA, "rope_scaling", json!({"rope_type": "dynamic", "factor": 4.0})), "`rope_scaling.rope_type` is \"dynamic\""),
-            (with(LLAMA, "rope_scaling", json!({"type": "dynamic", "factor": 4.0})), "`rope_scaling.type` is \"dynamic\""),
+            (with(LLAMA, "rope_scaling", json!({"rope_type": "longrope", "factor": 4.0})), "`rope_scaling.rope_type` is \"longrope\""),
+            (with(LLAMA, "rope_scaling", json!({"type": "su", "factor": 4.0})), "`rope_scaling.type` is \"su\""),
             // transformers 5's RoPE per layer type: at the section's top level it read as
             // default RoPE at θ 10 000, silently.
             (

@@ -13,6 +13,12 @@ pub enum RopeScaling {
     Default,
     /// `rope_type: "linear"`: positions divided by `factor` (every frequency, uniformly).
     Linear { factor: f64 },
+    /// `rope_type: "dynamic"` (dynamic NTK): transformers raises θ with the longest position
+    /// of each forward past `max_position_embeddings`, and keeps plain RoPE up to it. Only
+    /// that plain part is represented: positions from `max_position_embeddings` on are
+    /// refused ([`positions_represented`](RopeScaling::positions_represented)), as their
+    /// frequencies would hang on the batch (under SP, on all the ranks' positions).
+    Dynamic { factor: f64, max_position_embeddings: usize },
     /// `rope_type: "llama3"` (Llama 3.1 and later): low frequencies divided by `factor`,
     /// high ones kept, the band between them interpolated.
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
@@ -37,6 +43,14 @@ pub enum RopeScaling {
 }
 
 impl RopeScaling {
+    /// The positions whose rotations this scaling represents, `0..n`: all but dynamic NTK's.
+    pub fn positions_represented(&self) -> Option<usize> {
+        match *self {
+            RopeScaling::Dynamic { max_position_embeddings, .. } => Some(max_position_embeddings),
+            _ => None,
+        }
+    }
+
     /// What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise).
     pub fn attention_factor(&self) -> f64 {
         let mscale = |scale: f64, mscale: f64| if scale <= 1.0 { 1.0 } else { 0.1 * mscale * scale.ln() + 1.0 };
@@ -54,7 +68,7 @@ impl RopeScaling {
 pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: RopeScaling) -> Vec<f64> {
     let default = (0..head_dim / 2).map(|i| theta.powf(-((2 * i) as f64) / head_dim as f64));
     match scaling {
-        RopeScaling::Default => default.collect(),
+        RopeScaling::Default | RopeScaling::Dynamic { .. } => default.collect(),
         RopeScaling::Linear { factor } => default.map(|f| f / factor).collect(),
         RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: context } => {
             let (low_freq_wavelen, high_freq_wavelen) = (context / low_freq_factor, context / high_freq_factor);

@@ -28,6 +28,13 @@ impl<B: Backend> RopeTables<B> {
         assert!(head_dim % 2 == 0, "RoPE needs an even head_dim, got {head_dim}");
         let half = head_dim / 2;
         let (batch, seq) = (positions.batch(), positions.len());
+        if let (Some(represented), Some(&last)) = (scaling.positions_represented(), positions.ids().iter().max()) {
+            assert!(
+                (last as usize) < represented,
+                "position {last} is past max_position_embeddings {represented}, where dynamic NTK RoPE's frequencies change with each batch: \
+                 train at most {represented} tokens a sequence, or give the checkpoint a static scaling (rope_type \"yarn\" or \"linear\")"
+            );
+        }
         let mut cos = Vec::with_capacity(batch * seq * half);
         let mut sin = Vec::with_capacity(batch * seq * half);
         let (frequencies, factor) = (inverse_frequencies(head_dim, theta, scaling), scaling.attention_factor());
@@ -94,5 +101,18 @@ mod tests {
             let values: Vec<f32> = rotated.into_data().to_vec().unwrap();
             assert_eq!(values, [1.0, 2.0, 3.0, 4.0].map(|x| x * factor), "{scaling:?}");
         }
+    }
+
+    /// Dynamic NTK RoPE is plain RoPE up to its context (transformers: θ unchanged while the
+    /// longest position is within it), the same tables bit for bit; past it, refused by name.
+    #[test]
+    fn dynamic_rope_is_plain_within_its_context_and_refused_past_it() {
+        let dynamic = RopeScaling::Dynamic { factor: 4.0, max_position_embeddings: 16 };
+        let head = Tensor::<NdArray, 4>::random([1, 2, 16, 8], burn::tensor::Distribution::Default, &Default::default());
+        let rotate = |scaling| RopeTables::<NdArray>::new(0, 16, 8, 10_000.0, scaling, &Default::default()).apply(head.clone()).into_data();
+        assert_eq!(rotate(dynamic), rotate(RopeScaling::Default));
+        let past = std::panic::catch_unwind(|| RopeTables::<NdArray>::new(8, 9, 8, 10_000.0, dynamic, &Default::default())).unwrap_err();
+        let message = past.downcast_ref::<String>().unwrap();
+        assert!(message.contains("position 16 is past max_position_embeddings 16") && message.contains("rope_type \"yarn\""), "{message}");
     }
 }

@@ -994,6 +994,14 @@ fn run(mut args: Args) -> Result<(), String> {
         (None, Some(file)) => Some(HfConfig::from_hf(file).map_err(|e| format!("--hf-config: {e}"))?),
         (None, None) => None,
     };
+    if let Some(represented) = pretrained.as_ref().and_then(|c| c.rope_scaling.positions_represented()).filter(|&n| args.seq_len > n) {
+        return Err(format!(
+            "--seq-len {} is past the checkpoint's max_position_embeddings of {represented}, where its dynamic NTK RoPE (rope_type \"dynamic\") \
+             changes its frequencies with each batch's longest position: train at --seq-len {represented} or below, or give config.json a \
+             static scaling (rope_type \"yarn\" or \"linear\")",
+            args.seq_len
+        ));
+    }
     let model = match &pretrained {
         Some(checkpoint) => ulysses_models::DecoderConfig::from_hf(checkpoint),
         None => ulysses_models::DecoderConfig::new(BYTE_VOCAB)

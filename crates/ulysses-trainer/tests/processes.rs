@@ -897,6 +897,35 @@ fn a_layout_that_does_not_make_the_launched_world_is_refused_by_check() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A checkpoint whose RoPE is dynamic NTK trains up to its max_position_embeddings (plain RoPE
+/// there, as transformers computes it); a longer --seq-len, where transformers' frequencies
+/// change with each batch, is refused before any step.
+#[test]
+fn dynamic_rope_trains_up_to_max_position_embeddings_and_refuses_past_it() {
+    let dir = workspace("dynamic-rope");
+    let texts = dir.join("texts");
+    fs::create_dir_all(&texts).unwrap();
+    fs::write(texts.join("a.txt"), "Some text to train on.\n\n".repeat(200)).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&fs::read_to_string(qwen3_and_tokenizer().0.join("config.json")).unwrap()).unwrap();
+    config["max_position_embeddings"] = serde_json::json!(32);
+    config["rope_parameters"] = serde_json::json!({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6});
+    let config_file = dir.join("config.json");
+    fs::write(&config_file, config.to_string()).unwrap();
+    let check = |seq_len: &str| {
+        let output = Command::new(trainer())
+            .args(["--corpus", &texts.display().to_string(), "--hf-config", &config_file.display().to_string(), "--out", &dir.join("run").display().to_string()])
+            .args(["--seq-len", seq_len, "--steps", "1", "--check", "--launch", "threads"])
+            .output()
+            .unwrap();
+        (output.status.success(), show(&output))
+    };
+    let (ok, text) = check("64");
+    assert!(!ok && text.contains("--seq-len 64 is past the checkpoint's max_position_embeddings of 32") && text.contains("rope_type \"dynamic\""), "{text}");
+    let (ok, text) = check("32");
+    assert!(ok && text.contains("checked:"), "{text}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// The run's folder is never inside a folder the run reads (--corpus too: a later run would
 /// read its checkpoint as text) nor inside its --save-hf folder (which a save replaces
 /// whole), and --save-hf is not inside what the run reads.
