@@ -1852,10 +1852,12 @@ fn zero_3_names_a_parameter_a_group_leaves_out_and_keeps_frozen_ones_frozen() {
 
 /// Gradients finite on every rank whose sum over the ranks overflows f32 (each near f32's
 /// largest, a diverging run) stop the step before the optimizer, as a NaN on a rank does,
-/// rather than reaching AdamW as an infinity (clipped by an infinite norm: NaN parameters).
+/// rather than reaching AdamW as an infinity (clipped by an infinite norm: NaN parameters),
+/// with the optimizer replicated and sharded on the host (ZeRO-1's `--offload-optimizer`:
+/// its state as it was, byte for byte in its files).
 #[test]
 fn finite_gradients_whose_sum_over_the_ranks_overflows_stop_the_step_unchanged() {
-    use ulysses_training::{StepInput, apply_step, backward_step};
+    use ulysses_training::{ShardedAdamW, ShardedState, StepInput, apply_step, apply_step_sharded, backward_step, host_adamw_config};
     let results = ThreadGroup::new(2).run(|rank| {
         let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new().with_dp_size(2)).unwrap();
         let device = Default::default();
@@ -1863,20 +1865,34 @@ fn finite_gradients_whose_sum_over_the_ranks_overflows_stop_the_step_unchanged()
         let model = deterministic_params(config.init::<Sp>(&device), INIT_SEED);
         let batches = vec![VariedLengths { vocab: VOCAB }.train_batch(0)];
         let step = StepInput { index: 0, learning_rate: 1e-3, micro_batches: &batches, documents: None, targets: None, max_grad_norm: Some(1.0) };
-        let mut local = backward_step(&model, &step, &SequenceSharder::new(1), &groups, &device).unwrap();
-        // The embedding's gradient, 2e38 everywhere on both ranks: finite, its sum 4e38 not.
-        let id = model.embedding.weight.id;
-        type Grad = <Sp as burn::tensor::backend::AutodiffBackend>::InnerBackend;
-        let huge = local.grads.get::<Grad, 2>(id).expect("the embedding's gradient").ones_like() * 2e38;
-        local.grads.register::<Grad, 2>(id, huge);
+        let overflowing = || {
+            let mut local = backward_step(&model, &step, &SequenceSharder::new(1), &groups, &device).unwrap();
+            // The embedding's gradient, 2e38 everywhere on both ranks: finite, its sum 4e38 not.
+            let id = model.embedding.weight.id;
+            type Grad = <Sp as burn::tensor::backend::AutodiffBackend>::InnerBackend;
+            let huge = local.grads.get::<Grad, 2>(id).expect("the embedding's gradient").ones_like() * 2e38;
+            local.grads.register::<Grad, 2>(id, huge);
+            local
+        };
         let before = model.embedding.weight.val().into_data();
         let kept = model.clone();
-        let error = apply_step(model, &mut AdamWConfig::new().init(), &step, local, &groups).err().expect("the step stopped").to_string();
+        let replicated = apply_step(model.clone(), &mut AdamWConfig::new().init(), &step, overflowing(), &groups).err().expect("the step stopped").to_string();
         assert_eq!(kept.embedding.weight.val().into_data(), before);
-        error
+        let mut sharded = ShardedAdamW::new(host_adamw_config(&AdamWConfig::new()).unwrap());
+        sharded.keep_master_weights(&model, rank.rank(), 2).unwrap();
+        let dir = std::env::temp_dir().join(format!("ulysses-overflow-sum-{}", std::process::id()));
+        let state = |name: &str, optimizer: &mut ShardedAdamW| std::fs::read(optimizer.save(&dir.join(name), rank.rank(), 2).unwrap()).unwrap();
+        let state_before = state("before", &mut sharded);
+        let on_host = match apply_step_sharded(model.clone(), &mut sharded, &step, overflowing(), &groups) {
+            Ok((_, report)) => format!("the step went on, its norm {}", report.grad_norm),
+            Err(error) => error.to_string(),
+        };
+        assert!(state("after", &mut sharded) == state_before, "the host optimizer's state changed");
+        [replicated, on_host]
     });
-    for error in results {
-        let error = error.unwrap_or_else(|panic| panic!("{panic}"));
-        assert!(error.contains("step 0: a NaN or an infinity appeared in the gradients summed over the ranks") && error.contains("changed no parameter"), "{error}");
+    for errors in results {
+        for error in errors.unwrap_or_else(|panic| panic!("{panic}")) {
+            assert!(error.contains("step 0: a NaN or an infinity appeared in the gradients summed over the ranks") && error.contains("changed no parameter"), "{error}");
+        }
     }
 }

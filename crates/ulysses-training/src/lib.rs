@@ -479,7 +479,7 @@ where
     // Finite gradients on every rank whose sum overflowed (the norm, summed in f64, is finite
     // wherever every element is): stopped before the optimizer, as a NaN on a rank is.
     if !grad_norm.is_finite() {
-        return Err(UlyssesError::NonFinite { step: step.index, loss_ranks: Vec::new(), gradient_ranks: Vec::new(), local_parameter: None, updated_in_backward: false });
+        return Err(sum_overflowed(step.index));
     }
     let grads = match step.max_grad_norm {
         Some(max_norm) => clip_with_norm(&model, grads, grad_norm, max_norm),
@@ -489,6 +489,12 @@ where
     // Summed in rank order on every rank, so every rank reports the same bits.
     let loss = losses.iter().sum();
     Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm, stop_requested }))
+}
+
+/// The error of a step whose gradients are finite on every rank but whose sum over the ranks
+/// is not (the norm, summed in f64, is finite wherever every element is).
+fn sum_overflowed(step: usize) -> UlyssesError {
+    UlyssesError::NonFinite { step, loss_ranks: Vec::new(), gradient_ranks: Vec::new(), local_parameter: None, updated_in_backward: false }
 }
 
 /// [`apply_step`] with the optimizer's state sharded over the world's ranks and updated on the
@@ -512,6 +518,10 @@ where
         return Ok((model, StepReport::without_targets(&local, stop_requested)));
     }
     let (model, grad_norm) = optimizer.step(step.learning_rate, model, local.grads, step.max_grad_norm, &*groups.world)?;
+    // As in apply_step: finite gradients whose sum overflowed, the state left as it was.
+    if !grad_norm.is_finite() {
+        return Err(sum_overflowed(step.index));
+    }
     let loss = losses.iter().sum();
     Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm, stop_requested }))
 }

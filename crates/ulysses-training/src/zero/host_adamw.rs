@@ -310,7 +310,8 @@ impl ShardedAdamW {
 
     /// One optimizer step of `model` by this rank's `grads` (not yet summed over the ranks) at
     /// `learning_rate`, clipping to `max_grad_norm`; collective over `world`, the ranks that
-    /// share the parameters. Returns the updated model and the gradient norm before clipping.
+    /// share the parameters. Returns the updated model and the gradient norm before clipping;
+    /// where that norm is not finite (every rank agrees), the model and the state as they were.
     pub fn step<B: TrainBackend, M: AutodiffModule<B>>(
         &mut self,
         learning_rate: f64,
@@ -336,6 +337,9 @@ impl ShardedAdamW {
         // 2. and 3. The norm, and the update of this rank's parts.
         let decayed: Vec<bool> = local.iter().map(|l| l.decays).collect();
         let grad_norm = self.update(learning_rate, &grad_parts, &decayed, max_grad_norm, world)?;
+        if !grad_norm.is_finite() {
+            return Ok((model, grad_norm));
+        }
         // 4. Every rank's parts into the parameters.
         let updated: Vec<(usize, DType)> = local.iter().enumerate().filter(|&(i, _)| grad_parts[i].is_some()).map(|(i, l)| (i, l.dtype())).collect();
         let device = local.first().map(|l| l.parameter.device());
@@ -390,7 +394,8 @@ impl ShardedAdamW {
     /// parameter stays), each decayed where `decayed` says (see `ulysses_core::host_adamw::decays`),
     /// clipping to `max_grad_norm` with the norm of the whole gradient: its
     /// parts' squares summed in f64 on each rank and over the ranks in rank order (the same on
-    /// every rank; `clip_with_norm`'s factor). Returns that norm, before clipping.
+    /// every rank; `clip_with_norm`'s factor). Returns that norm, before clipping; where it is
+    /// not finite (finite gradients whose sum overflowed f32), no part is updated.
     pub(crate) fn update<G: burn::tensor::backend::Backend>(
         &mut self,
         learning_rate: f64,
@@ -402,6 +407,9 @@ impl ShardedAdamW {
         self.settle()?;
         assert_eq!(decayed.len(), grad_parts.len(), "a decay for every parameter");
         let (grad_norm, factor) = clipping(&self.adamw, grad_parts, max_grad_norm, world)?;
+        if !grad_norm.is_finite() {
+            return Ok(grad_norm);
+        }
         for ((part, grad), &decays) in self.parts.iter_mut().zip(grad_parts.iter()).zip(decayed) {
             if let Some(grad) = grad {
                 part.update(&self.adamw, learning_rate, grad, factor, decays);
