@@ -61,10 +61,22 @@ impl ChatTemplate {
     /// `tokenizer_config.json` (a string, or a list of named templates: the one named
     /// `default`); `None` when it has neither. A template named `tool_use` (in that list, or
     /// `additional_chat_templates/tool_use.jinja`) renders the conversations given tools, as
-    /// transformers' `get_chat_template` picks it.
+    /// transformers' `get_chat_template` picks it. Its special tokens are tokenizer_config.json's;
+    /// [`from_checkpoint_for`](Self::from_checkpoint_for) gives it the tokenizer's.
     pub fn from_checkpoint(dir: &Path) -> Result<Option<Self>, ChatError> {
-        let TokenizerConfig { file: config_file, json: config, special_tokens, .. } =
+        Self::from_checkpoint_for(dir, None)
+    }
+
+    /// [`from_checkpoint`](Self::from_checkpoint) for the conversations `tokenizer` tokenizes:
+    /// the template names its special tokens as transformers passes them (the tokenizer's
+    /// `special_tokens_map`), a class's default (LlamaTokenizer's `<s>`) where the configs
+    /// name none.
+    pub fn from_checkpoint_for(dir: &Path, tokenizer: Option<&TextTokenizer>) -> Result<Option<Self>, ChatError> {
+        let TokenizerConfig { file: config_file, json: config, mut special_tokens, .. } =
             TokenizerConfig::read(dir).map_err(|e| ChatError { file: e.file, problem: e.problem })?;
+        for (name, token) in tokenizer.into_iter().flat_map(TextTokenizer::special_tokens) {
+            special_tokens.entry(name.to_string()).or_insert_with(|| token.to_string());
+        }
         let named = |name: &str| config["chat_template"].as_array().and_then(|named| named.iter().find(|t| t["name"] == name)).and_then(|t| t["template"].as_str());
         // As in transformers, the file takes priority over the config's entry.
         let jinja = dir.join("chat_template.jinja");
@@ -199,6 +211,9 @@ impl ChatTemplate {
     fn rendered(&self, messages: &[serde_json::Value], variables: &serde_json::Map<String, serde_json::Value>, add_generation_prompt: bool) -> Result<RenderedChat, ChatError> {
         let template = self.env.get_template(TEMPLATE_NAME).expect("added at construction");
         let mut context: BTreeMap<String, Value> = self.special_tokens.iter().map(|(name, text)| (name.clone(), Value::from(text.as_str()))).collect();
+        // transformers passes `tools` and `documents` always, None where a conversation has
+        // none: a template's `tools is not none` is false then, not true as for a name unset.
+        context.extend(["tools", "documents"].map(|name| (name.to_string(), Value::from(()))));
         context.extend(variables.iter().map(|(name, value)| (name.clone(), Value::from_serialize(value))));
         context.insert("messages".into(), Value::from_serialize(messages));
         context.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));

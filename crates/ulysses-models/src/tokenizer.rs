@@ -380,6 +380,12 @@ impl TextTokenizer {
         self.special_tokens.iter().find(|(n, _)| *n == name).map(|(_, token)| token.as_str())
     }
 
+    /// Every named special token as [`special_token`](Self::special_token) gives it: name and
+    /// token, transformers' `special_tokens_map`.
+    pub fn special_tokens(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.special_tokens.iter().map(|(name, token)| (name.as_str(), token.as_str()))
+    }
+
     /// What decides how this reads a text beside `tokenizer.json`'s bytes: the class, the
     /// options it takes from tokenizer_config.json and the special tokens it added (from the
     /// configs or the class's defaults). A run's data identity records it: editing

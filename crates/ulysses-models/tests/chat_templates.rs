@@ -227,6 +227,10 @@ fn tools_and_template_arguments_reach_the_template() {
     let text = template.render_with(&messages, variables, false).unwrap().text;
     assert_eq!(text, "Tools: [{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]\n[no think]\nuser: hi\n");
     assert_eq!(template.render(&messages, false).unwrap().text, "user: hi\n");
+    // Without them, `tools` and `documents` are None, as transformers passes them.
+    let none_test = "{% if tools is not none %}T{% endif %}{% if documents is not none %}D{% endif %}{% if tools is defined %}d{% endif %}x";
+    let none_test = ChatTemplate::new(none_test, Default::default(), "t.jinja").unwrap();
+    assert_eq!(none_test.render(&messages, false).unwrap().text, "dx");
     for (name, value) in [("messages", serde_json::json!([])), ("add_generation_prompt", serde_json::json!(true)), ("eos_token", serde_json::json!("x"))] {
         let variables = serde_json::Map::from_iter([(name.to_string(), value)]);
         let message = template.render_with(&messages, &variables, false).unwrap_err().to_string();
@@ -235,4 +239,26 @@ fn tools_and_template_arguments_reach_the_template() {
     let marked = [serde_json::json!({"role": "user", "content": "a \u{E000} b"})];
     let message = template.render(&marked, false).unwrap_err().to_string();
     assert!(message.contains("message 0 holds the private-use character U+E000 or U+E001"), "{message}");
+}
+
+/// The template names the tokenizer's special tokens as transformers passes them (its
+/// `special_tokens_map`): a LlamaTokenizer's `<s>` where tokenizer_config.json names no
+/// `bos_token`, the config's own where it names one.
+#[test]
+fn the_template_is_given_the_tokenizer_classes_default_special_tokens() {
+    let dir = std::env::temp_dir().join(format!("ulysses-template-class-tokens-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(fixtures().join("tokenizer-sentencepiece/tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    std::fs::write(dir.join("config.json"), r#"{"model_type": "llama"}"#).unwrap();
+    let messages = [serde_json::json!({"role": "user", "content": "hi"})];
+    for (config, expected) in [
+        (serde_json::json!({"tokenizer_class": "LlamaTokenizerFast", "eos_token": "</s>", "chat_template": "{{ bos_token }}x{{ eos_token }}"}), "<s>x</s>"),
+        (serde_json::json!({"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<unk>", "chat_template": "{{ bos_token }}x{{ eos_token }}"}), "<unk>x</s>"),
+    ] {
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        let tokenizer = TextTokenizer::from_file(&dir).unwrap();
+        let template = ChatTemplate::from_checkpoint_for(&dir, Some(&tokenizer)).unwrap().unwrap();
+        assert_eq!(template.render(&messages, false).unwrap().text, expected, "{config}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

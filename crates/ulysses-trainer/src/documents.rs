@@ -42,8 +42,10 @@ const TOKENIZE_CHUNK: usize = 512;
 /// Which way [`DocumentReader`] turns lines into tokens and targets, recorded in checkpoints:
 /// a reader that reads the same bytes otherwise makes other batches (4: lines already
 /// tokenized are taken as given, with no EOS appended, as TRL takes them; 5: at most two
-/// batches held out, so a long last document no longer holds most of the data out).
-pub const DOCUMENT_READER_VERSION: u32 = 5;
+/// batches held out, so a long last document no longer holds most of the data out; 6: a
+/// tokenized line's `assistant_masks` and `completion_mask` narrow its targets, and a chat
+/// template sees `tools` and `documents` as None where a line has none).
+pub const DOCUMENT_READER_VERSION: u32 = 6;
 
 /// How documents become token ids.
 pub struct DocumentReader<'a> {
@@ -85,7 +87,8 @@ pub struct Noted {
 enum Pending {
     Text(String),
     Ids(Vec<i64>),
-    /// Token ids and whether each is a target (its label is not -100).
+    /// Token ids and whether each is a target (its label is not -100, and every answer mask
+    /// the line has marks it).
     Labelled(Vec<i64>, Vec<bool>),
     /// A prompt and its completion: the completion's tokens are the targets.
     PromptCompletion(String, String),
@@ -392,7 +395,8 @@ type Read = (Vec<i64>, Option<Vec<bool>>);
 /// The label transformers' collators give a token that is not trained on.
 const NOT_TRAINED: i64 = -100;
 
-/// One JSON line: `{"text": ...}`, `{"input_ids": [...]}` (with `"labels"` or without), a
+/// One JSON line: `{"text": ...}`, `{"input_ids": [...]}` (with `"labels"`, `"assistant_masks"`
+/// or `"completion_mask"`, or none), a
 /// bare array of ids, or `{"prompt": ..., "completion": ...}`.
 fn parse_line(line: &str) -> Result<Pending, String> {
     // A byte-order mark (a file saved as "UTF-8 with BOM") is no content.
@@ -429,19 +433,37 @@ fn parse_line(line: &str) -> Result<Pending, String> {
                     ));
                 }
             }
-            let Some(labels) = fields.get("labels") else { return Ok(Pending::Ids(input_ids)) };
-            let labels = ids(labels, "labels")?;
-            if labels.len() != input_ids.len() {
-                return Err(format!("\"labels\" has {} entries and \"input_ids\" {}: one label per token", labels.len(), input_ids.len()));
+            // The answers' marks transformers and TRL give tokenized chats
+            // (`apply_chat_template(..., return_assistant_tokens_mask=True)`'s `assistant_masks`,
+            // TRL's `completion_mask`): its collator trains on the marked tokens alone.
+            let mut targets: Option<Vec<bool>> = None;
+            for field in ["assistant_masks", "completion_mask"] {
+                let Some(mask) = fields.get(field) else { continue };
+                let mask: Vec<u8> = serde_json::from_value(mask.clone()).ok().filter(|m: &Vec<u8>| m.iter().all(|&m| m <= 1)).ok_or_else(|| format!("\"{field}\" must be an array of 0s and 1s"))?;
+                if mask.len() != input_ids.len() {
+                    return Err(format!("\"{field}\" has {} entries and \"input_ids\" {}: one per token", mask.len(), input_ids.len()));
+                }
+                let marked = targets.take().unwrap_or_else(|| vec![true; mask.len()]);
+                targets = Some(marked.into_iter().zip(mask).map(|(target, m)| target && m == 1).collect());
             }
-            if let Some((at, (label, id))) = labels.iter().zip(&input_ids).enumerate().find(|(_, (label, id))| **label != NOT_TRAINED && label != id) {
-                return Err(format!(
-                    "label {label} at position {at} is neither {NOT_TRAINED} nor the token there ({id}): labels say which tokens are trained on, \
-                     as transformers' collators make them (the model shifts them itself)"
-                ));
+            if let Some(labels) = fields.get("labels") {
+                let labels = ids(labels, "labels")?;
+                if labels.len() != input_ids.len() {
+                    return Err(format!("\"labels\" has {} entries and \"input_ids\" {}: one label per token", labels.len(), input_ids.len()));
+                }
+                if let Some((at, (label, id))) = labels.iter().zip(&input_ids).enumerate().find(|(_, (label, id))| **label != NOT_TRAINED && label != id) {
+                    return Err(format!(
+                        "label {label} at position {at} is neither {NOT_TRAINED} nor the token there ({id}): labels say which tokens are trained on, \
+                         as transformers' collators make them (the model shifts them itself)"
+                    ));
+                }
+                let marked = targets.take().unwrap_or_else(|| vec![true; labels.len()]);
+                targets = Some(marked.into_iter().zip(labels).map(|(target, label)| target && label != NOT_TRAINED).collect());
             }
-            let targets = labels.iter().map(|&label| label != NOT_TRAINED).collect();
-            Ok(Pending::Labelled(input_ids, targets))
+            Ok(match targets {
+                Some(targets) => Pending::Labelled(input_ids, targets),
+                None => Pending::Ids(input_ids),
+            })
         }
         ["prompt"] => match (&fields["prompt"], fields.get("completion")) {
             (Value::String(prompt), Some(Value::String(completion))) => Ok(Pending::PromptCompletion(prompt.clone(), completion.clone())),
@@ -700,6 +722,10 @@ mod tests {
         assert!(matches!(parse_line("\u{feff}{\"input_ids\": [1, 2]}"), Ok(Pending::Ids(ids)) if ids == [1, 2]));
         assert!(matches!(parse_line("[4, 5]"), Ok(Pending::Ids(ids)) if ids == [4, 5]));
         assert!(matches!(parse_line(r#"{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}"#), Ok(Pending::Labelled(ids, targets)) if ids == [1, 2, 3] && targets == [false, true, true]));
+        // A tokenized chat's answer marks (transformers' `assistant_masks`, TRL's
+        // `completion_mask`), with labels too: the tokens every one of them marks.
+        assert!(matches!(parse_line(r#"{"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1], "assistant_masks": [0, 1, 1]}"#), Ok(Pending::Labelled(ids, targets)) if ids == [1, 2, 3] && targets == [false, true, true]));
+        assert!(matches!(parse_line(r#"{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1], "labels": [1, 2, 3, -100]}"#), Ok(Pending::Labelled(_, targets)) if targets == [false, false, true, false]));
         assert!(matches!(parse_line(r#"{"prompt": "Q: ", "completion": "A"}"#), Ok(Pending::PromptCompletion(p, c)) if p == "Q: " && c == "A"));
         assert!(matches!(parse_line(r#"{"messages": [{"role": "user", "content": "hi"}]}"#), Ok(Pending::Messages(m, v)) if m.len() == 1 && v.is_empty()));
         // TRL's: the line's tools and template arguments go to the template; a tool call may
@@ -714,6 +740,8 @@ mod tests {
             (r#"{"text": 3}"#, "must be a string"),
             (r#"{"input_ids": [1.5]}"#, "integer token ids"),
             (r#"{"input_ids": [1, 2], "labels": [1]}"#, "one label per token"),
+            (r#"{"input_ids": [1, 2], "assistant_masks": [1]}"#, "\"assistant_masks\" has 1 entries and \"input_ids\" 2"),
+            (r#"{"input_ids": [1, 2], "completion_mask": [0, 2]}"#, "\"completion_mask\" must be an array of 0s and 1s"),
             (r#"{"input_ids": [1, 2], "labels": [1, 7]}"#, "label 7 at position 1 is neither -100 nor the token there (2)"),
             (r#"{"prompt": "Q"}"#, "no \"completion\""),
             (r#"{"prompt": "Q", "completion": 3}"#, "must be strings"),

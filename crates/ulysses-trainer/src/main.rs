@@ -1448,14 +1448,15 @@ fn memory_estimate(config: &TrainConfig, parameters: u64, compute_bytes: u64) ->
 
 /// The chat template of --data's {"messages"} lines: the tokenizer's, as in transformers (the
 /// one beside --tokenizer where it is given, else the --model folder's), from the folder
-/// whose tokenizer files --save-hf copies, so a saved model renders as it was trained.
-fn data_chat_template(args: &Args) -> Result<Option<ChatTemplate>, String> {
+/// whose tokenizer files --save-hf copies, so a saved model renders as it was trained; given
+/// `tokenizer`'s special tokens, as transformers gives them.
+fn data_chat_template(args: &Args, tokenizer: Option<&TextTokenizer>) -> Result<Option<ChatTemplate>, String> {
     let folder = match (&args.tokenizer, &args.model) {
         (Some(file), _) => folder_of(file),
         (None, Some(model)) => model.as_path(),
         (None, None) => return Ok(None),
     };
-    ChatTemplate::from_checkpoint(folder).map_err(|e| format!("--data's chat template: {e}"))
+    ChatTemplate::from_checkpoint_for(folder, tokenizer).map_err(|e| format!("--data's chat template: {e}"))
 }
 
 /// Reads --data and packs it, with the checkpoint's tokenizer, EOS and vocabulary; and the
@@ -1490,7 +1491,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         Some((tokenizer, _, identity)) => (Some(tokenizer), identity),
         None => (None, "no tokenizer".into()),
     };
-    let chat = data_chat_template(args)?;
+    let chat = data_chat_template(args, tokenizer.as_ref())?;
     let answers_only = args.loss_on == LossOn::Assistant;
     let reader = || DocumentReader {
         tokenizer: tokenizer.as_ref(),
