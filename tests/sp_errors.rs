@@ -122,6 +122,21 @@ fn a_mask_of_the_whole_sequence() {
     assert!(messages.iter().all(|m| !m.contains("group of query heads")), "{messages:?}");
 }
 
+/// The drop-in's `mask_attn` (burn-nn's autoregressive mask of the shard) is refused under SP at
+/// one query a rank too, where its `[batch, heads, 1, S/P]` has a key-padding mask's shape and
+/// was gathered as one: token 0 saw token 1, no longer causal.
+#[test]
+fn the_drop_ins_mask_attn_at_one_query_a_rank() {
+    let messages = errors_on_every_rank(2, |_| {
+        let device = Default::default();
+        let mha = burn_ulysses::nn::MultiHeadAttentionConfig::new(8, 2).with_dropout(0.0).init::<Sp>(&device);
+        let shard = uniform_tensor::<Sp, 3>([1, 1, 8], 1, &device);
+        let mask = burn::nn::attention::generate_autoregressive_mask::<Sp>(1, 1, &device);
+        mha.forward(burn_ulysses::nn::MhaInput::self_attn(shard).mask_attn(mask));
+    });
+    assert_all_contain(&messages, &["attention mask of shape [1, 1, 1] cannot be resharded", "Use `is_causal`"]);
+}
+
 /// Keys a rank holds beside its shard (a cache, a prefix, sink tokens) would be joined with the
 /// other ranks' as shards of one sequence, repeated and out of place: causal attention over
 /// more keys than queries a rank is refused, naming the cause.

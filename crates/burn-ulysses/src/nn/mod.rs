@@ -21,7 +21,7 @@
 //! Causal attention is [`MhaInput::causal`] (burn-nn models pass an autoregressive
 //! `mask_attn` instead). Under sequence parallelism `mask_pad` (a key-padding mask) is
 //! gathered across ranks; `mask_attn` (a full `[S_q, S_k]` mask) is rejected with an
-//! explanation.
+//! explanation, at any shard length (one query a rank too).
 
 pub mod transformer;
 
@@ -175,6 +175,15 @@ impl<B: Backend> MultiHeadAttention<B> {
         let key = self.heads(input.key, &self.key);
         let value = self.heads(input.value, &self.value);
 
+        // A full mask of local shapes is refused by the op, but at one query a rank its
+        // `[batch, heads, 1, S_k/P]` looks like a key-padding mask, which the exchange gathers:
+        // refused here, where which mask it is is known.
+        if input.mask_attn.is_some() && crate::context::current_sharding().is_some_and(|sharding| sharding.ranks > 1) {
+            panic!(
+                "{}",
+                crate::UlyssesError::UnshardableMask { shape: input.mask_attn.as_ref().map(|m| m.dims().to_vec()).unwrap_or_default() }
+            );
+        }
         let pad = input.mask_pad.map(|m| m.reshape([batch, 1, 1, seq_k]));
         let full = input.mask_attn.map(|m| m.reshape([batch, 1, seq_q, seq_k]).expand([batch, self.n_heads, seq_q, seq_k]));
         let mask = match (pad, full) {
