@@ -122,6 +122,18 @@ fn a_mask_of_the_whole_sequence() {
     assert!(messages.iter().all(|m| !m.contains("group of query heads")), "{messages:?}");
 }
 
+/// q, k and v of different dtypes (a v left in f32 beside a bf16 q) are refused naming them:
+/// the exchange sends the three in one buffer (NdArray's concatenation panicked deep inside;
+/// a GPU's read k's bits as q's dtype).
+#[test]
+fn q_k_and_v_of_different_dtypes() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        attention(q, k.cast(burn::tensor::FloatDType::F64), v, None, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["q, k and v must share a dtype; got q F32, k F64, v F32", "cast k and v to q's"]);
+}
+
 /// The drop-in's `mask_attn` (burn-nn's autoregressive mask of the shard) is refused under SP at
 /// one query a rank too, where its `[batch, heads, 1, S/P]` has a key-padding mask's shape and
 /// was gathered as one: token 0 saw token 1, no longer causal.

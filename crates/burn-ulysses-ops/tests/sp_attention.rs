@@ -329,6 +329,20 @@ fn bad_layouts_are_refused_on_every_rank_with_burn_ulysses_message() {
     // Causal over more keys than queries (a key cache): refused before the exchange, saying why.
     let cached = refusals_with(2, None, AttentionModuleOptions { is_causal: true, ..Default::default() }, |_| ([1, 2, 4, 8], [1, 2, 6, 8]));
     assert!(cached.iter().all(|m| m.contains("4 queries over 6 keys") && m.contains("as many keys as queries")), "{cached:?}");
+
+    // k and v in another dtype than q: named before the exchange joins the three in one buffer.
+    let mixed: Vec<String> = ThreadGroup::new(2)
+        .run(|rank| {
+            let _sp = context::enter(rank.communicator());
+            let device = plain_device().autodiff();
+            let q = Tensor::<4>::zeros([1, 2, 4, 8], &device);
+            let kv = q.clone().cast(burn::tensor::FloatDType::F64);
+            attention(q, kv.clone(), kv, None, None, AttentionModuleOptions::default());
+        })
+        .into_iter()
+        .map(|result| result.expect_err("mixed dtypes must be refused").message)
+        .collect();
+    assert!(mixed.iter().all(|m| m.contains("q, k and v must share a dtype; got q F32, k F64, v F64")), "{mixed:?}");
 }
 
 #[test]

@@ -335,6 +335,7 @@ fn local_layout<X: ExchangeBackend>(
     has_documents: bool,
     window: Option<usize>,
 ) -> Result<AttentionLayout, UlyssesError> {
+    ulysses_core::layout::check_dtypes_agree([query, key, value].map(|t| t.dtype()))?;
     AttentionLayout::of_call(&dims(query), &dims(key), &dims(value), mask.map(dims).as_deref(), attn_bias.is_some(), crate::primitive::call_options(options), has_documents, window)
 }
 

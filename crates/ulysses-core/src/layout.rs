@@ -73,6 +73,16 @@ const FIELDS: [(&str, &str); 15] = [
 /// Where [`encode_for_ring`](AttentionLayout::encode_for_ring)'s field sits in [`FIELDS`].
 const RING_SHARDING_FIELD: usize = 14;
 
+/// Refuses q, k and v of different dtypes (`dtypes`, q's first): the exchange sends the three
+/// in one buffer of q's dtype (a kernel would read k's bits as q's), and the kernels take one.
+pub fn check_dtypes_agree<D: std::fmt::Debug + PartialEq>(dtypes: [D; 3]) -> Result<(), UlyssesError> {
+    let [q, k, v] = &dtypes;
+    if k != q || v != q {
+        return Err(UlyssesError::Shape(format!("attention: q, k and v must share a dtype; got q {q:?}, k {k:?}, v {v:?}: cast k and v to q's (`.cast(q.dtype())`)")));
+    }
+    Ok(())
+}
+
 impl AttentionLayout {
     /// Checks the shapes of one rank's call that need no peer (q, k, v `[batch, heads, seq,
     /// dim]` that fit together) and describes it for the cross-rank check. A mask
