@@ -74,12 +74,13 @@ impl ByteCorpus {
         Ok(())
     }
 
-    /// Fails unless both splits hold a sequence of `len` bytes and one more: the sequences are
-    /// drawn at offsets below `split − len`.
+    /// Fails unless both splits (the training one alone where nothing is held out) hold a
+    /// sequence of `len` bytes and one more: the sequences are drawn at offsets below
+    /// `split − len`.
     pub fn check_sequence_length(&self, len: usize) -> Result<(), String> {
-        let shortest = self.train.len().min(self.eval.len());
+        let shortest = if self.eval.is_empty() { self.train.len() } else { self.train.len().min(self.eval.len()) };
         if len >= shortest {
-            let which = if self.eval.len() <= self.train.len() { "held-out" } else { "training" };
+            let which = if shortest == self.eval.len() { "held-out" } else { "training" };
             return Err(format!(
                 "--seq-len {len} does not fit the corpus: its {which} split has {shortest} bytes, and a sequence of {len} \
                  needs {} (the longest that fits is {}); use a shorter --seq-len or a larger --corpus",
@@ -100,9 +101,9 @@ impl ByteCorpus {
         sample(&self.train, seed ^ 0x7261_696e, step, count, len)
     }
 
-    /// A fixed evaluation batch from the held-out bytes.
-    pub fn eval_batch(&self, count: usize, len: usize) -> Vec<Vec<i64>> {
-        sample(&self.eval, 0x6576_616c, 0, count, len)
+    /// A fixed evaluation batch from the held-out bytes; `None` where none are held out.
+    pub fn eval_batch(&self, count: usize, len: usize) -> Option<Vec<Vec<i64>>> {
+        (!self.eval.is_empty()).then(|| sample(&self.eval, 0x6576_616c, 0, count, len))
     }
 }
 
@@ -129,9 +130,13 @@ mod tests {
     use super::*;
 
     fn corpus_of(name: &str, bytes: usize) -> Result<ByteCorpus, String> {
+        corpus_holding_out(name, bytes, 0.1)
+    }
+
+    fn corpus_holding_out(name: &str, bytes: usize, eval_fraction: f64) -> Result<ByteCorpus, String> {
         let path = std::env::temp_dir().join(format!("ulysses-corpus-{name}-{}.txt", std::process::id()));
         fs::write(&path, "a".repeat(bytes)).unwrap();
-        let corpus = ByteCorpus::load(&path, 0.1);
+        let corpus = ByteCorpus::load(&path, eval_fraction);
         let _ = fs::remove_file(&path);
         corpus
     }
@@ -148,9 +153,15 @@ mod tests {
         let held_out = corpus.eval.len();
         assert_eq!(held_out, 410);
         corpus.check_sequence_length(held_out - 1).expect("fits");
-        assert_eq!(corpus.eval_batch(2, held_out - 1)[0].len(), held_out - 1);
+        assert_eq!(corpus.eval_batch(2, held_out - 1).unwrap()[0].len(), held_out - 1);
         let error = corpus.check_sequence_length(held_out).unwrap_err();
         assert!(error.contains("held-out split has 410 bytes") && error.contains("needs 411") && error.contains("longest that fits is 409"), "{error}");
+        // Nothing held out (--eval-every 0): every byte trains, no evaluation batch, and the
+        // training split alone bounds the length.
+        let whole = corpus_holding_out("whole", MIN_CORPUS_BYTES, 0.0).unwrap();
+        assert_eq!((whole.train_bytes(), whole.eval_batch(2, 8)), (4097, None));
+        whole.check_sequence_length(4096).expect("fits");
+        assert!(whole.check_sequence_length(4097).unwrap_err().contains("training split has 4097 bytes"));
     }
 
     /// A corpus cloned without git-lfs (pointers, text enough to pass every other check) is

@@ -183,7 +183,7 @@ struct Args {
     #[arg(long, requires = "data", conflicts_with = "eval_only")]
     eval_data: Option<PathBuf>,
     /// Evaluate the held-out documents every this many steps, and after the last (0: never, and
-    /// --data or --tokens is trained on whole).
+    /// --data, --tokens or --corpus is trained on whole).
     #[arg(long, default_value_t = 50)]
     eval_every: usize,
     /// What --data's chat, prompt/completion and labelled lines train on: `assistant`, the
@@ -1112,7 +1112,10 @@ fn run(mut args: Args) -> Result<(), String> {
         }
         (None, Some(path)) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab, config.eval_every > 0)?),
         (None, None) => {
-            let corpus = ByteCorpus::load(&args.corpus, 0.1)?;
+            // With --eval-every 0 nothing is evaluated: the corpus is trained whole, as --data
+            // and --tokens are.
+            let held_out = if config.eval_every == 0 && !args.eval_only { 0.0 } else { 0.1 };
+            let corpus = ByteCorpus::load(&args.corpus, held_out)?;
             if !args.bytes_ok {
                 corpus.check_text()?;
             }
@@ -1161,10 +1164,15 @@ fn run(mut args: Args) -> Result<(), String> {
             data_identity = data_identity.rendered_with(file, text);
         }
     }
-    if args.tokens.is_some() && !args.eval_only {
-        // Whether its last batch is trained on too: other batches than a run that held it out.
-        // (A checkpoint from before this was recorded has no reading, and is not compared.)
-        let held_out = if config.eval_every == 0 { "trained whole (--eval-every 0)" } else { "its last batch held out" };
+    if args.data.is_none() && !args.eval_only {
+        // --tokens and --corpus: whether the part held out is trained on too, other batches
+        // than a run that held it out. (A checkpoint from before this was recorded has no
+        // reading, and is not compared.)
+        let held_out = match (config.eval_every, args.tokens.is_some()) {
+            (0, _) => "trained whole (--eval-every 0)",
+            (_, true) => "its last batch held out",
+            (_, false) => "its last 10% held out",
+        };
         data_identity = data_identity.read_with(held_out.to_string());
     }
     if let Some(held_out) = &args.eval_data {

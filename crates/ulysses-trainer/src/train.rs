@@ -435,7 +435,7 @@ impl StepData for CorpusData<'_> {
     }
 
     fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
-        Some(self.corpus.eval_batch(self.config.batch_size, self.config.seq_len))
+        self.corpus.eval_batch(self.config.batch_size, self.config.seq_len)
     }
 }
 

@@ -926,6 +926,29 @@ fn dynamic_rope_trains_up_to_max_position_embeddings_and_refuses_past_it() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// With --eval-every 0 the corpus is trained whole (nothing would evaluate a held-out part): a
+/// sequence as long as the whole corpus fits, where the last 10% held out would not leave room.
+#[test]
+fn a_corpus_is_trained_whole_with_eval_every_0() {
+    let dir = workspace("corpus-whole");
+    fs::create_dir_all(&dir).unwrap();
+    let corpus = dir.join("corpus.txt");
+    fs::write(&corpus, "word ".repeat(1000)).unwrap();
+    let check = |eval_every: &str| {
+        let output = Command::new(trainer())
+            .args(["--corpus", &corpus.display().to_string(), "--out", &dir.join("run").display().to_string(), "--eval-every", eval_every])
+            .args(["--seq-len", "4800", "--batch-size", "1", "--steps", "1", "--check", "--launch", "threads", "--sp", "1"])
+            .output()
+            .unwrap();
+        (output.status.success(), show(&output))
+    };
+    let (ok, text) = check("0");
+    assert!(ok && text.contains("checked:"), "{text}");
+    let (ok, text) = check("10");
+    assert!(!ok && text.contains("--seq-len 4800 does not fit the corpus"), "{text}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// The run's folder is never inside a folder the run reads (--corpus too: a later run would
 /// read its checkpoint as text) nor inside its --save-hf folder (which a save replaces
 /// whole), and --save-hf is not inside what the run reads.
