@@ -69,11 +69,8 @@ pub fn run_ranks<R: Send>(launch: &Launch, threads: usize, dist: &DistributedCon
     match launch {
         Launch::Threads => {
             let config = ThreadGroupConfig::new(threads).with_timeout_secs(dist.collective_timeout_secs);
-            ThreadGroup::from_config(&config)
-                .run(|thread| run(thread.communicator(), false))
-                .into_iter()
-                .map(|result| result.map_err(|panic| DistError::Job(panic.to_string())).and_then(|r| r))
-                .collect()
+            let results = ThreadGroup::from_config(&config).run(|thread| run(thread.communicator(), false));
+            ulysses_dist::first_cause(results)
         }
         Launch::Process(env) => Ok(vec![run(TcpCommunicator::connect(env, dist)?, true)?]),
     }

@@ -125,10 +125,7 @@ where
                 let _context = context::enter(RankScope::Thread, rank.groups.rank_context(options.ulysses.clone()));
                 Ok(work(&rank))
             });
-            results
-                .into_iter()
-                .map(|result| result.map_err(|panic| DistError::Job(panic.to_string())).and_then(|r| r))
-                .collect()
+            ulysses_dist::first_cause(results)
         }
         Launch::Process(env) => {
             if env.world_size != layout.world_size() {
@@ -173,5 +170,19 @@ mod tests {
         let options = JobOptions::new(ParallelLayout::new().with_sp_size(4).with_dp_size(0), DistributedConfig::new());
         let error = run_ranks::<NdArray, Tcp, ()>(&Launch::Threads, &options, |_| Default::default(), |_| ()).err().expect("refused");
         assert!(error.to_string().contains("dp_size must be at least 1"), "{error}");
+    }
+
+    /// A rank that fails stops the others in their next collective: the error returned is its
+    /// own, not rank 0's report that it left.
+    #[test]
+    fn the_failing_ranks_error_is_returned_not_the_others_reports_of_it() {
+        let options = JobOptions::new(ParallelLayout::new().with_sp_size(2), DistributedConfig::new());
+        let error = run_ranks::<NdArray, Tcp, ()>(&Launch::Threads, &options, |_| Default::default(), |rank| {
+            assert!(rank.world_rank == 0, "rank 1's own failure");
+            rank.groups.world.barrier().unwrap();
+        })
+        .err()
+        .expect("a rank failed");
+        assert!(error.to_string().contains("rank 1's own failure"), "{error}");
     }
 }

@@ -42,3 +42,50 @@ pub enum DistError {
     #[error("{0}")]
     Job(String),
 }
+
+/// The outcomes of a group's ranks run as threads, in rank order (each rank's result, or its
+/// panic): every rank's value, or the error that stopped the group, a panic as
+/// [`DistError::Job`]. A rank that fails stops the others in their next collective,
+/// each reporting its departure ("rank 1 left the group ..."): the first error that is no such
+/// report is the cause, returned over rank 0's report of it (the first error where every one
+/// is a departure).
+pub fn first_cause<R, P: std::fmt::Display>(results: Vec<Result<Result<R, DistError>, P>>) -> Result<Vec<R>, DistError> {
+    let is_departure = |e: &DistError| DEPARTURE.iter().any(|said| e.to_string().contains(said));
+    let mut values = Vec::with_capacity(results.len());
+    let mut departure = None;
+    for result in results {
+        let result = result.map_err(|panic| DistError::Job(panic.to_string())).and_then(|r| r);
+        match result {
+            Ok(value) => values.push(value),
+            Err(error) if is_departure(&error) => departure = departure.or(Some(error)),
+            Err(cause) => return Err(cause),
+        }
+    }
+    departure.map_or(Ok(values), Err)
+}
+
+/// What `ulysses_core::comm::CommError::PeerLeft` says of the rank that left: displayed, and
+/// as a `.unwrap()` prints it.
+const DEPARTURE: [&str; 2] = [" left the group (world rank ", "PeerLeft { peer: "];
+
+#[cfg(test)]
+mod tests {
+    use ulysses_core::comm::{Collective, CommError};
+
+    use super::*;
+
+    /// Rank 1 fails; rank 0, waiting in a collective, reports its departure: the cause is rank
+    /// 1's error, not rank 0's report. Departures alone give the first.
+    #[test]
+    fn the_cause_is_returned_over_the_departures_it_caused() {
+        let departed = || DistError::Job(CommError::PeerLeft { peer: 1, world_peer: 1, op: Collective::AllToAll, seq: 3 }.to_string());
+        let outcome = first_cause::<(), String>(vec![Ok(Err(departed())), Err("rank 1's own failure".into()), Ok(Ok(()))]);
+        assert_eq!(outcome.unwrap_err().to_string(), "rank 1's own failure");
+        let unwrapped = format!("called `Result::unwrap()` on an `Err` value: {:?}", CommError::PeerLeft { peer: 1, world_peer: 1, op: Collective::Barrier, seq: 2 });
+        let outcome = first_cause::<(), String>(vec![Err(unwrapped), Err("rank 1's own failure".into())]);
+        assert_eq!(outcome.unwrap_err().to_string(), "rank 1's own failure");
+        let outcome = first_cause::<(), String>(vec![Ok(Ok(())), Ok(Err(departed()))]);
+        assert!(outcome.unwrap_err().to_string().contains("rank 1 left the group"));
+        assert_eq!(first_cause::<_, String>(vec![Ok(Ok(1)), Ok(Ok(2))]).unwrap(), [1, 2]);
+    }
+}

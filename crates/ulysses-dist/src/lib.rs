@@ -27,5 +27,5 @@ pub mod tcp;
 
 pub use config::DistributedConfig;
 pub use env::{Launch, LaunchEnv};
-pub use error::DistError;
+pub use error::{DistError, first_cause};
 pub use rendezvous::Rendezvous;
