@@ -96,6 +96,15 @@ impl DataIdentity {
 
     /// Why `self` (now) is not the data `saved` recorded, or `None` when it is.
     pub fn differs_from(&self, saved: &DataIdentity) -> Option<String> {
+        // A checkpoint that recorded no reading came from a trainer that held the data's last
+        // part out at --eval-every 0 too (--corpus its last 10%, --tokens its last batch).
+        if saved.reading.is_empty() && self.reading.contains(TRAINED_WHOLE) {
+            return Some(format!(
+                "the checkpoint's run held the last part of {} out of training, as this trainer's earlier versions did with --eval-every 0; \
+                 this one trains on it too, so the batches from here on would differ: pass --allow-new-data to continue on the whole data",
+                saved.path
+            ));
+        }
         // By the digest alone: the same template moved from tokenizer_config.json to
         // chat_template.jinja (transformers' save_pretrained does) is the same.
         let digest = |template: &str| template.rsplit_once("(digest ").map_or(template.to_string(), |(_, digest)| digest.to_string());
@@ -153,6 +162,9 @@ impl DataIdentity {
 /// How a reading records its tokenizer's class after its bytes ([`DataIdentity::tokenizer`]).
 const TOKENIZER_READING: &str = ", read as ";
 
+/// What a reading says of data trained on whole at `--eval-every 0` (nothing held out).
+pub const TRAINED_WHOLE: &str = "trained whole (--eval-every 0)";
+
 /// A file's size and its first and last [`BLOCK`] bytes (the whole file when shorter).
 fn ends_of(path: &Path) -> std::io::Result<(u64, Vec<u8>)> {
     let mut file = File::open(path)?;
@@ -207,6 +219,10 @@ mod tests {
         let message = read("--loss-on all").differs_from(&read("--loss-on assistant")).expect("another --loss-on");
         assert!(message.contains("--loss-on assistant") && message.contains("--allow-new-data"), "{message}");
         assert_eq!(read("--loss-on all").differs_from(&DataIdentity::of(&b).unwrap()), None);
+        // Except a run trained whole at --eval-every 0: those held the last part out.
+        let message = read(TRAINED_WHOLE).differs_from(&DataIdentity::of(&b).unwrap()).expect("held out before");
+        assert!(message.contains("held the last part of") && message.contains("--allow-new-data"), "{message}");
+        assert_eq!(read(TRAINED_WHOLE).differs_from(&read(TRAINED_WHOLE)), None);
         // The tokenizer's class, options or added special tokens (an edited tokenizer_config.json)
         // are other ids; a checkpoint that recorded none is compared without them.
         let tokenizer = |class: &str| read(&format!("a tokenizer of 9 bytes (digest 1f), read as {class} with legacy null, EOS 2, reader 4"));

@@ -34,7 +34,7 @@ use burn_ulysses::job::{JobOptions, Launch, Tcp, Transport, run_ranks};
 use ulysses_dist::DistributedConfig;
 use ulysses_trainer::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
-    data_identity::DataIdentity,
+    data_identity::{DataIdentity, TRAINED_WHOLE},
     memory,
     documents::{DOCUMENT_READER_VERSION, DocumentReader, Documents, PackedDocuments, cut_documents_note, document_eos},
     plot,
@@ -1156,7 +1156,7 @@ fn run(mut args: Args) -> Result<(), String> {
         // other batches.
         let whole = match (args.eval_data.is_some(), config.eval_every == 0 && !args.eval_only) {
             (true, _) => ", trained whole (--eval-data)",
-            (false, true) => ", trained whole (--eval-every 0)",
+            (false, true) => &format!(", {TRAINED_WHOLE}"),
             (false, false) => "",
         };
         data_identity = data_identity.read_with(format!("{tokenizer}, EOS {eos}, --loss-on {loss_on}, --too-long {too_long}, reader {DOCUMENT_READER_VERSION}{whole}"));
@@ -1169,7 +1169,7 @@ fn run(mut args: Args) -> Result<(), String> {
         // than a run that held it out. (A checkpoint from before this was recorded has no
         // reading, and is not compared.)
         let held_out = match (config.eval_every, args.tokens.is_some()) {
-            (0, _) => "trained whole (--eval-every 0)",
+            (0, _) => TRAINED_WHOLE,
             (_, true) => "its last batch held out",
             (_, false) => "its last 10% held out",
         };

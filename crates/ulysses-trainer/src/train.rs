@@ -450,12 +450,13 @@ pub trait Progress {
 }
 
 /// The settings a run's config has gained since checkpoints were first written, each at the
-/// default that is what the runs before it did.
-const SETTINGS_ADDED: [&str; 2] = ["lr_schedule", "min_lr_ratio"];
+/// default that is what the runs before it did; and `f32_head`, which they did under half
+/// precision (the head was f32 before it could compute in the compute dtype).
+const SETTINGS_ADDED: [&str; 6] = ["lr_schedule", "min_lr_ratio", "offload_optimizer", "zero_stage", "offload_parameters", "optimizer_in_backward"];
 
 /// A [`RunState`] as any version of the trainer wrote it: the config's [`SETTINGS_ADDED`]
-/// since take their defaults (burn's `Config` refuses a missing field); any other missing is
-/// refused.
+/// since take what the runs before them did (burn's `Config` refuses a missing field); any
+/// other missing is refused.
 #[derive(Deserialize)]
 struct StoredRunState {
     completed_steps: usize,
@@ -473,12 +474,14 @@ impl TryFrom<StoredRunState> for RunState {
         let mut config = stored.config;
         // The schedule's settings came with weight decay on matrices alone: a config without
         // them is of a run that decayed every parameter.
-        let decayed_every_parameter = config.get(SETTINGS_ADDED[0]).is_none();
+        let decayed_every_parameter = config.get("lr_schedule").is_none();
         let defaults = serde_json::to_value(TrainConfig::small(ParallelLayout::new())).map_err(|e| e.to_string())?;
         if let Some(config) = config.as_object_mut() {
             for name in SETTINGS_ADDED {
                 config.entry(name).or_insert_with(|| defaults[name].clone());
             }
+            let half_precision = config.get("precision").is_some_and(|precision| *precision != serde_json::to_value(Precision::F32).unwrap_or_default());
+            config.entry("f32_head").or_insert(half_precision.into());
         }
         let config = serde_json::from_value(config).map_err(|e| e.to_string())?;
         Ok(Self { completed_steps: stored.completed_steps, data_position: stored.data_position, seed: stored.seed, config, data: stored.data, decayed_every_parameter })
@@ -1692,10 +1695,17 @@ mod tests {
         let state = RunState { completed_steps: 2, data_position: 2, seed: 1, config: config.clone().with_lr_schedule(LrSchedule::Linear), data: None, decayed_every_parameter: false };
         let mut old = serde_json::to_value(&state).unwrap();
         let fields = old["config"].as_object_mut().unwrap();
-        fields.remove("lr_schedule").expect("a field of the config");
-        fields.remove("min_lr_ratio").expect("a field of the config");
-        let read: RunState = serde_json::from_value(old).expect("the state of an earlier run reads");
+        for name in super::SETTINGS_ADDED.into_iter().chain(["f32_head"]) {
+            fields.remove(name).expect("a field of the config");
+        }
+        let read: RunState = serde_json::from_value(old.clone()).expect("the state of an earlier run reads");
         assert_eq!((read.config.lr_schedule, read.config.min_lr_ratio, read.config.steps), (LrSchedule::Cosine, 0.1, 110));
+        // Nothing was sharded or offloaded; the head computed in f32, the layers' dtype here.
+        assert!(!read.config.f32_head && !read.config.offload_optimizer && !read.config.offload_parameters && !read.config.optimizer_in_backward);
+        assert_eq!(read.config.zero_stage, 0);
+        // Under half precision, the head was f32 where the layers were not.
+        old["config"]["precision"] = serde_json::to_value(super::Precision::Bf16).unwrap();
+        assert!(serde_json::from_value::<RunState>(old.clone()).unwrap().config.f32_head, "an earlier half-precision run's head");
         // Its run decayed norms' gains too: a resume is told it will not.
         let note = read.resume_notes().expect("a note for a run that decayed every parameter");
         assert!(note.contains("decayed every parameter") && note.contains("weight decay (0.01)"), "{note}");
