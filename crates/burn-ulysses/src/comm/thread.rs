@@ -21,11 +21,13 @@ fn gather_tensors<B: Backend>(communicator: &ThreadCommunicator, op: Collective,
     Ok(tensors.into_iter().map(|t| B::float_to_device(t, &device)).collect())
 }
 
-fn check_same_shapes<B: Backend>(op: Collective, tensors: &[FloatTensor<B>]) -> Result<(), CommError> {
-    let first = tensors[0].shape();
-    match tensors.iter().position(|t| t.shape() != first) {
-        None => Ok(()),
-        Some(rank) => Err(CommError::InvalidArgument {
+/// Refuses tensors of the ranks whose shapes or dtypes differ (one float primitive type holds
+/// every dtype: a sum of an f32 and a bf16 buffer would read one as the other), as the host
+/// transports refuse them.
+fn check_same_layout<B: Backend>(op: Collective, tensors: &[FloatTensor<B>]) -> Result<(), CommError> {
+    let (first, dtype) = (tensors[0].shape(), tensors[0].dtype());
+    if let Some(rank) = tensors.iter().position(|t| t.shape() != first) {
+        return Err(CommError::InvalidArgument {
             op,
             reason: format!(
                 "rank 0 passed shape {:?} but rank {rank} passed {:?}; every rank must pass \
@@ -33,6 +35,13 @@ fn check_same_shapes<B: Backend>(op: Collective, tensors: &[FloatTensor<B>]) -> 
                 first.to_vec(),
                 tensors[rank].shape().to_vec()
             ),
+        });
+    }
+    match tensors.iter().position(|t| t.dtype() != dtype) {
+        None => Ok(()),
+        Some(rank) => Err(CommError::InvalidArgument {
+            op,
+            reason: format!("rank 0 passed {dtype:?} values but rank {rank} passed {:?}; every rank must pass the same dtype", tensors[rank].dtype()),
         }),
     }
 }
@@ -117,7 +126,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
                 .collect::<Option<Vec<_>>>()
         })?;
         let received = received.ok_or_else(|| mixed_backends(op))?;
-        check_same_shapes::<B>(op, &received)?;
+        check_same_layout::<B>(op, &received)?;
         let rows: Vec<Tensor<B, 2>> = received
             .iter()
             .map(|t| crate::primitive::float_tensor(B::float_to_device(t.clone(), &device)))
@@ -157,7 +166,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         self.traffic_counter().record_all_reduce(byte_size::<B>(&tensor));
         let shape = tensor.shape();
         let tensors = gather_tensors::<B>(self, Collective::AllReduce, tensor)?;
-        check_same_shapes::<B>(Collective::AllReduce, &tensors)?;
+        check_same_layout::<B>(Collective::AllReduce, &tensors)?;
         // Reduce in rank order on every rank, so all ranks get bit-identical results.
         let reduced = reduce_in_rank_order(tensors.iter().map(|t| as_rows::<B>(t.clone(), 1)), op);
         let device = reduced.device();
@@ -170,7 +179,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         super::check_reduce_scatter(&tensor.shape().to_vec(), size)?;
         self.traffic_counter().record_reduce_scatter(byte_size::<B>(&tensor));
         let tensors = gather_tensors::<B>(self, collective, tensor)?;
-        check_same_shapes::<B>(collective, &tensors)?;
+        check_same_layout::<B>(collective, &tensors)?;
         // This rank's part of every rank's tensor, reduced in rank order: all_reduce's bits.
         let part = tensors[0].shape().num_elements() / size;
         let parts = tensors.iter().map(|t| crate::primitive::float_tensor::<B, 1>(t.clone()).slice([rank * part..(rank + 1) * part]));
@@ -183,7 +192,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         self.traffic_counter().record_all_gather(byte_size::<B>(&tensor));
         let mut shape = tensor.shape();
         let tensors = gather_tensors::<B>(self, Collective::AllGather, tensor)?;
-        check_same_shapes::<B>(Collective::AllGather, &tensors)?;
+        check_same_layout::<B>(Collective::AllGather, &tensors)?;
         shape.insert(0, tensors.len());
         let rows: Vec<Tensor<B, 2>> = tensors.iter().map(|t| as_rows::<B>(t.clone(), 1)).collect();
         let device = rows[0].device();
@@ -198,7 +207,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         }
         let shape: Shape = tensor.shape();
         let mut tensors = gather_tensors::<B>(self, op, tensor)?;
-        check_same_shapes::<B>(op, &tensors)?;
+        check_same_layout::<B>(op, &tensors)?;
         debug_assert_eq!(tensors[root].shape(), shape);
         let root_tensor = tensors.swap_remove(root);
         let device = B::float_device(&root_tensor);
@@ -212,7 +221,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         let size = self.size();
         super::check_send_recv(ThreadCommunicator::rank(self), size, to, from)?;
         self.traffic_counter().record_send_recv(byte_size::<B>(&tensor), to != ThreadCommunicator::rank(self));
-        let shape = tensor.shape();
+        let (shape, dtype) = (tensor.shape(), tensor.dtype());
         let device = B::float_device(&tensor);
         settle::<B>(&device, op)?;
         let me = ThreadCommunicator::rank(self);
@@ -222,10 +231,15 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         })?;
         let (their_to, received) = received.ok_or_else(|| mixed_backends(op))?;
         super::check_sender_pairs(me, from, their_to)?;
-        if received.shape() != shape {
+        if received.shape() != shape || received.dtype() != dtype {
             return Err(CommError::InvalidArgument {
                 op,
-                reason: format!("rank {from} sent shape {:?}, rank {me} passed {:?}; send_recv moves tensors of one shape", received.shape().to_vec(), shape.to_vec()),
+                reason: format!(
+                    "rank {from} sent {:?} values of shape {:?}, rank {me} passed {dtype:?} of {:?}; send_recv moves tensors of one shape and dtype",
+                    received.dtype(),
+                    received.shape().to_vec(),
+                    shape.to_vec()
+                ),
             });
         }
         // A copy of our own: the sender's buffer stays the sender's.
@@ -491,6 +505,29 @@ mod tests {
         let errors: Vec<String> =
             results.into_iter().map(|r| r.unwrap().unwrap_err().to_string()).collect();
         assert!(errors.iter().all(|e| e.contains("barrier") && e.contains("all_gather_host")), "{errors:?}");
+    }
+
+    /// Ranks passing the same shape in different dtypes are refused by every collective that
+    /// joins their tensors, naming both (a sum read one rank's buffer as the other's dtype).
+    #[test]
+    fn tensors_of_another_dtype_on_a_rank_are_refused() {
+        let results = ThreadGroup::new(2).run(|rank| {
+            let comm = rank.communicator();
+            let data = TensorData::new(vec![1.0f32, 2.0], [1, 2]);
+            let data = if rank.rank() == 1 { data.convert_dtype(burn::tensor::DType::F64) } else { data };
+            let tensor = || B::float_from_data(data.clone(), &Default::default());
+            [
+                Communicator::<B>::all_reduce(&*comm, tensor(), crate::comm::ReduceOp::Sum).map(drop),
+                Communicator::<B>::all_gather(&*comm, tensor()).map(drop),
+                Communicator::<B>::send_recv(&*comm, tensor(), 1 - rank.rank(), 1 - rank.rank()).map(drop),
+            ]
+            .map(|result| result.unwrap_err().to_string())
+        });
+        for errors in results {
+            for error in errors.unwrap() {
+                assert!(error.contains("F64") && error.contains("F32"), "{error}");
+            }
+        }
     }
 
     #[test]
