@@ -46,9 +46,11 @@ struct Process {
     context: Raw<cuda_sys::CUcontext>,
     stream: Raw<cuda_sys::CUstream>,
     /// Held for the whole of a collective on any of the process's communicators: they share
-    /// `stream`, so two collectives (SP and DP from two threads) must not be enqueued on it in
-    /// an order that differs between ranks. One at a time, each done before the next starts,
-    /// the order on every rank is the order of its calls.
+    /// `stream`, so one collective is enqueued and done before the next starts. It does not make
+    /// collectives from two threads safe: which thread takes it first may differ between
+    /// ranks, and a rank waiting in its SP collective while its DP peer waits in theirs stalls
+    /// to the timeout. Every rank issues its collectives from one thread, in one order (the
+    /// trainer does: the host optimizer's thread issues none).
     calls: Mutex<()>,
     rendezvous: Rendezvous,
     timeout: Duration,
@@ -282,6 +284,15 @@ impl NcclCommunicator {
         }
     }
 
+    /// `error`, this rank's refusal of its part in a collective (a wrong argument, a tensor on
+    /// another device), after aborting: its peers may be inside the collective already, and
+    /// NCCL pairs collectives by their order alone, so this rank's next one would run against
+    /// theirs.
+    fn refuse(&self, error: CommError) -> CommError {
+        self.abort();
+        error
+    }
+
     fn check_usable(&self, op: &'static str) -> Result<(), NcclError> {
         if self.aborted.load(Ordering::SeqCst) {
             return Err(NcclError::Cuda(format!("{op}: this communicator was aborted after an earlier failure")));
@@ -490,17 +501,18 @@ impl NcclCommunicator {
     ) -> Result<CudaTensor, CommError> {
         if input.device != self.process.device {
             // NCCL would read another GPU's memory through this one's context.
-            return Err(CommError::Backend(format!(
+            return Err(self.refuse(CommError::Backend(format!(
                 "{op}: the tensor is on {:?}, but this rank's communicator is on {:?}: move it to the rank's device first",
                 input.device, self.process.device
-            )));
+            ))));
         }
         let input = into_contiguous(input);
         let output = empty_like(&input, output_shape);
-        let dtype = data_type(input.dtype).map_err(to_comm_error)?;
+        let refused = |error: NcclError| self.refuse(to_comm_error(error));
+        let dtype = data_type(input.dtype).map_err(refused)?;
         let count = input.shape().num_elements();
-        let (send, _send_guard) = device_pointer(&input).map_err(to_comm_error)?;
-        let (recv, _recv_guard) = device_pointer(&output).map_err(to_comm_error)?;
+        let (send, _send_guard) = device_pointer(&input).map_err(refused)?;
+        let (recv, _recv_guard) = device_pointer(&output).map_err(refused)?;
         self.collective(op, &input.client, |comm, stream| {
             launch(send as *const c_void, recv as *mut c_void, count, dtype, comm, stream)
         })
@@ -527,10 +539,10 @@ where
     fn all_to_all(&self, tensor: CudaTensor) -> Result<CudaTensor, CommError> {
         let shape = tensor.shape();
         if shape.num_dims() == 0 || shape[0] != self.size {
-            return Err(CommError::InvalidArgument {
+            return Err(self.refuse(CommError::InvalidArgument {
                 op: burn_ulysses::comm::Collective::AllToAll,
                 reason: format!("dim 0 must equal the group size {}, got shape {:?}", self.size, shape.to_vec()),
-            });
+            }));
         }
         self.traffic.record_all_to_all((shape.num_elements() * tensor.dtype.size()) as u64, self.size);
         let size = self.size;
@@ -565,7 +577,7 @@ where
 
     fn all_to_all_uneven(&self, tensor: CudaTensor, send_counts: &[usize], recv_counts: &[usize]) -> Result<CudaTensor, CommError> {
         let shape = tensor.shape();
-        burn_ulysses::comm::check_uneven_counts(self.size, shape.num_elements(), shape.num_dims(), send_counts, recv_counts)?;
+        burn_ulysses::comm::check_uneven_counts(self.size, shape.num_elements(), shape.num_dims(), send_counts, recv_counts).map_err(|e| self.refuse(e))?;
         let element = tensor.dtype.size();
         let total: usize = send_counts.iter().sum();
         self.traffic.record_all_to_all_parts((total * element) as u64, ((total - send_counts[self.rank]) * element) as u64);
@@ -616,7 +628,7 @@ where
 
     fn reduce_scatter(&self, tensor: CudaTensor, op: ReduceOp) -> Result<CudaTensor, CommError> {
         let size = self.size;
-        check_reduce_scatter(&tensor.shape().to_vec(), size)?;
+        check_reduce_scatter(&tensor.shape().to_vec(), size).map_err(|e| self.refuse(e))?;
         self.traffic.record_reduce_scatter((tensor.shape().num_elements() * tensor.dtype.size()) as u64);
         let (reduce, divide) = reduce_op(op, tensor.dtype);
         let part = tensor.shape().num_elements() / size;
@@ -638,7 +650,7 @@ where
 
     fn broadcast(&self, tensor: CudaTensor, root: usize) -> Result<CudaTensor, CommError> {
         // Refused here: NCCL would fail it as an invalid argument, and the communicator with it.
-        burn_ulysses::comm::check_broadcast_root(root, self.size)?;
+        burn_ulysses::comm::check_broadcast_root(root, self.size).map_err(|e| self.refuse(e))?;
         if self.rank == root {
             self.traffic.record_broadcast((tensor.shape().num_elements() * tensor.dtype.size()) as u64);
         }
@@ -649,7 +661,7 @@ where
     }
 
     fn send_recv(&self, tensor: CudaTensor, to: usize, from: usize) -> Result<CudaTensor, CommError> {
-        burn_ulysses::comm::check_send_recv(self.rank, self.size, to, from)?;
+        burn_ulysses::comm::check_send_recv(self.rank, self.size, to, from).map_err(|e| self.refuse(e))?;
         let shape = tensor.shape();
         let bytes = (shape.num_elements() * tensor.dtype.size()) as u64;
         self.traffic.record_send_recv(bytes, to != self.rank);
