@@ -173,8 +173,9 @@ struct Args {
     /// sequences of --seq-len, each a document of its own (positions restart, attention stays
     /// inside it). Supervised fine-tuning: {"messages": [{"role": ..., "content": ...}, ...]}
     /// (rendered with the checkpoint's chat template), {"prompt": ..., "completion": ...} (text,
-    /// or messages) or {"input_ids": [...], "labels": [...]} (-100: not trained on) lines, where
-    /// only the answers are trained on (--loss-on); each line as TRL's SFTTrainer prepares it.
+    /// or messages) or {"input_ids": [...], "labels": [...]} (-100: not trained on; or an
+    /// "assistant_masks" or "completion_mask" of 0s and 1s) lines, where only the answers are
+    /// trained on (--loss-on); each line as TRL's SFTTrainer prepares it.
     #[arg(long, conflicts_with_all = ["corpus", "tokens"])]
     data: Option<PathBuf>,
     /// Held-out documents to evaluate on, all of them, every --eval-every steps: a file or
@@ -188,7 +189,7 @@ struct Args {
     eval_every: usize,
     /// What --data's chat, prompt/completion and labelled lines train on: `assistant`, the
     /// answers alone (the template's {% generation %} blocks, the completions, the tokens with
-    /// a label), as TRL's SFTTrainer does with `assistant_only_loss` (its default for
+    /// a label or an answer mask's 1), as TRL's SFTTrainer does with `assistant_only_loss` (its default for
     /// prompt/completion lines, not for chat lines); `all`, every token.
     #[arg(long, value_enum, default_value = "assistant", requires = "data")]
     loss_on: LossOn,
@@ -994,12 +995,18 @@ fn run(mut args: Args) -> Result<(), String> {
         (None, Some(file)) => Some(HfConfig::from_hf(file).map_err(|e| format!("--hf-config: {e}"))?),
         (None, None) => None,
     };
-    if let Some(represented) = pretrained.as_ref().and_then(|c| c.rope_scaling.positions_represented()).filter(|&n| args.seq_len > n) {
+    // Positions up to the padded length: a batch is padded to a multiple of the SP degree (its
+    // padding counts on from the last token where documents are not packed).
+    let multiple = layout.sharder().length_multiple();
+    let padded_len = args.seq_len.div_ceil(multiple) * multiple;
+    if let Some(represented) = pretrained.as_ref().and_then(|c| c.rope_scaling.positions_represented()).filter(|&n| padded_len > n) {
+        let padded = if padded_len > args.seq_len { format!(" (padded to {padded_len}, a multiple of {multiple})") } else { String::new() };
         return Err(format!(
-            "--seq-len {} is past the checkpoint's max_position_embeddings of {represented}, where its dynamic NTK RoPE (rope_type \"dynamic\") \
-             changes its frequencies with each batch's longest position: train at --seq-len {represented} or below, or give config.json a \
+            "--seq-len {}{padded} is past the checkpoint's max_position_embeddings of {represented}, where its dynamic NTK RoPE (rope_type \
+             \"dynamic\") changes its frequencies with each batch's longest position: train at --seq-len {} or below, or give config.json a \
              static scaling (rope_type \"yarn\" or \"linear\")",
-            args.seq_len
+            args.seq_len,
+            represented / multiple * multiple
         ));
     }
     let model = match &pretrained {
@@ -1167,7 +1174,7 @@ fn run(mut args: Args) -> Result<(), String> {
     if args.data.is_none() && !args.eval_only {
         // --tokens and --corpus: whether the part held out is trained on too, other batches
         // than a run that held it out. (A checkpoint from before this was recorded has no
-        // reading, and is not compared.)
+        // reading: its run held the part out, which `DataIdentity::differs_from` knows.)
         let held_out = match (config.eval_every, args.tokens.is_some()) {
             (0, _) => TRAINED_WHOLE,
             (_, true) => "its last batch held out",
@@ -1257,6 +1264,18 @@ fn run(mut args: Args) -> Result<(), String> {
     } else {
         None
     };
+    // The checkpoint was read before the folder was claimed: a run still stopping in it may
+    // have written a later one since, whose steps this run's metrics would then drop.
+    if let (Some(location), Some(read_at)) = (args.resume.as_deref().filter(|_| is_first), resumed_at) {
+        let now = read_checkpoint_state::<RunState>(location).map_err(|e| e.to_string())?.completed_steps;
+        if now != read_at {
+            return Err(format!(
+                "--resume {}: the checkpoint moved from step {read_at} to step {now} while this run started (the run that wrote it was \
+                 still stopping): resume again",
+                location.display()
+            ));
+        }
+    }
     let job = Job { args: &args, launch, config, pretrained, data, data_identity, out, resumed_at, options, eval_sequences: None, _run_folder: run_folder };
     on_backend(&job)
 }

@@ -911,18 +911,24 @@ fn dynamic_rope_trains_up_to_max_position_embeddings_and_refuses_past_it() {
     config["rope_parameters"] = serde_json::json!({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6});
     let config_file = dir.join("config.json");
     fs::write(&config_file, config.to_string()).unwrap();
-    let check = |seq_len: &str| {
+    let check = |seq_len: &str, sp: &str| {
         let output = Command::new(trainer())
             .args(["--corpus", &texts.display().to_string(), "--hf-config", &config_file.display().to_string(), "--out", &dir.join("run").display().to_string()])
-            .args(["--seq-len", seq_len, "--steps", "1", "--check", "--launch", "threads"])
+            .args(["--seq-len", seq_len, "--sp", sp, "--steps", "1", "--check", "--launch", "threads"])
             .output()
             .unwrap();
         (output.status.success(), show(&output))
     };
-    let (ok, text) = check("64");
+    let (ok, text) = check("64", "4");
     assert!(!ok && text.contains("--seq-len 64 is past the checkpoint's max_position_embeddings of 32") && text.contains("rope_type \"dynamic\""), "{text}");
-    let (ok, text) = check("32");
-    assert!(ok && text.contains("checked:"), "{text}");
+    // Padded to a multiple of the SP degree, a batch's positions would pass it too (unpacked,
+    // the padding's count on past the last token).
+    let (ok, text) = check("32", "3");
+    assert!(!ok && text.contains("(padded to 33, a multiple of 3)") && text.contains("train at --seq-len 30 or below"), "{text}");
+    for (seq_len, sp) in [("32", "4"), ("31", "4"), ("30", "3")] {
+        let (ok, text) = check(seq_len, sp);
+        assert!(ok && text.contains("checked:"), "--seq-len {seq_len} at sp {sp}: {text}");
+    }
     let _ = fs::remove_dir_all(&dir);
 }
 
@@ -1544,7 +1550,8 @@ fn chat_messages_train_on_the_answers_alike_at_sp_1_and_2() {
     let dir = workspace("chat");
     let (checkpoint, _) = qwen3_and_tokenizer();
     let chat_folder = checkpoint.join("../chat/qwen");
-    let (template, tokenizer) = (ChatTemplate::from_checkpoint(&chat_folder).unwrap().unwrap(), TextTokenizer::from_file(&chat_folder).unwrap());
+    let tokenizer = TextTokenizer::from_file(&chat_folder).unwrap();
+    let template = ChatTemplate::from_checkpoint_for(&chat_folder, Some(&tokenizer)).unwrap().unwrap();
     let conversations: Vec<Vec<serde_json::Value>> = (0..10)
         .map(|i| {
             let mut messages = vec![serde_json::json!({"role": "user", "content": format!("Question {i}: how many heads?")})];
