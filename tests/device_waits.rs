@@ -192,7 +192,7 @@ fn zero3_step_waits(layers: usize) -> DeviceIo {
         let config = DecoderConfig::new(VOCAB).with_d_model(32).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).with_n_layers(layers);
         let model = deterministic_params(config.init::<Counted>(&device), 3);
         let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
-        optimizer.keep_master_weights(&model, 0, 1);
+        optimizer.keep_master_weights(&model, 0, 1).unwrap();
         let (model, mut parts) = ShardedParameters::shard(model, 0, 1, OptimizerPlace::Host).unwrap();
         let batches = vec![VariedLengths { vocab: VOCAB }.train_batch(0)];
         let step = StepInput { index: 0, learning_rate: 1e-3, micro_batches: &batches, documents: None, targets: None, max_grad_norm: Some(1.0) };

@@ -140,7 +140,8 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         let shape = tensor.shape();
         super::check_uneven_counts(size, shape.num_elements(), shape.num_dims(), send_counts, recv_counts)?;
         let me = ThreadCommunicator::rank(self);
-        let element = tensor.dtype().size() as u64;
+        let dtype = tensor.dtype();
+        let element = dtype.size() as u64;
         let total: usize = send_counts.iter().sum();
         self.traffic_counter().record_all_to_all_parts(total as u64 * element, (total - send_counts[me]) as u64 * element);
         let device = B::float_device(&tensor);
@@ -157,6 +158,12 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         let received = received.ok_or_else(|| mixed_backends(op))?;
         let sent_here: Vec<usize> = received.iter().map(|part| part.as_ref().map_or(0, |p| p.shape().num_elements())).collect();
         super::check_counts_pair_up(me, &sent_here, recv_counts)?;
+        if let Some((from, part)) = received.iter().enumerate().find_map(|(from, part)| part.as_ref().filter(|p| p.dtype() != dtype).map(|p| (from, p))) {
+            return Err(CommError::InvalidArgument {
+                op,
+                reason: format!("rank {from} sent {:?} values, rank {me} passed {dtype:?}; every rank must pass the same dtype", part.dtype()),
+            });
+        }
         let received: Vec<FloatTensor<B>> = received.into_iter().flatten().collect();
         let parts: Vec<Tensor<B, 1>> = received.iter().map(|t| crate::primitive::float_tensor(B::float_to_device(t.clone(), &device))).collect();
         adopt::<B>(float_primitive(Tensor::cat(parts, 0)), &device, op, received)
@@ -520,6 +527,7 @@ mod tests {
                 Communicator::<B>::all_reduce(&*comm, tensor(), crate::comm::ReduceOp::Sum).map(drop),
                 Communicator::<B>::all_gather(&*comm, tensor()).map(drop),
                 Communicator::<B>::send_recv(&*comm, tensor(), 1 - rank.rank(), 1 - rank.rank()).map(drop),
+                Communicator::<B>::all_to_all_uneven(&*comm, B::float_reshape(tensor(), [2].into()), &[1, 1], &[1, 1]).map(drop),
             ]
             .map(|result| result.unwrap_err().to_string())
         });
