@@ -146,7 +146,7 @@ fn the_drop_ins_mask_attn_at_one_query_a_rank() {
         let mask = burn::nn::attention::generate_autoregressive_mask::<Sp>(1, 1, &device);
         mha.forward(burn_ulysses::nn::MhaInput::self_attn(shard).mask_attn(mask));
     });
-    assert_all_contain(&messages, &["attention mask of shape [1, 1, 1] cannot be resharded", "Use `is_causal`"]);
+    assert_all_contain(&messages, &["MhaInput::mask_attn (shape [1, 1, 1]) cannot be resharded", "MhaInput::causal()", "mask_pad"]);
 }
 
 /// Keys a rank holds beside its shard (a cache, a prefix, sink tokens) would be joined with the

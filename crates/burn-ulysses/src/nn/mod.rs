@@ -180,8 +180,11 @@ impl<B: Backend> MultiHeadAttention<B> {
         // refused here, where which mask it is is known.
         if input.mask_attn.is_some() && crate::context::current_sharding().is_some_and(|sharding| sharding.ranks > 1) {
             panic!(
-                "{}",
-                crate::UlyssesError::UnshardableMask { shape: input.mask_attn.as_ref().map(|m| m.dims().to_vec()).unwrap_or_default() }
+                "sequence-parallel attention: MhaInput::mask_attn (shape {:?}) cannot be resharded: a mask built from the shard's \
+                 shapes covers only this rank's block of the scores. Use MhaInput::causal() for causal attention \
+                 (TransformerEncoderInput::causal(), TransformerDecoderInput::target_causal()) and mask_pad for padding, which is \
+                 gathered along the keys",
+                input.mask_attn.as_ref().map(|m| m.dims().to_vec()).unwrap_or_default()
             );
         }
         let pad = input.mask_pad.map(|m| m.reshape([batch, 1, 1, seq_k]));
