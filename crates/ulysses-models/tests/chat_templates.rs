@@ -254,6 +254,8 @@ fn the_template_is_given_the_tokenizer_classes_default_special_tokens() {
     for (config, expected) in [
         (serde_json::json!({"tokenizer_class": "LlamaTokenizerFast", "eos_token": "</s>", "chat_template": "{{ bos_token }}x{{ eos_token }}"}), "<s>x</s>"),
         (serde_json::json!({"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<unk>", "chat_template": "{{ bos_token }}x{{ eos_token }}"}), "<unk>x</s>"),
+        // Named null: none, as transformers reads it (no class default).
+        (serde_json::json!({"tokenizer_class": "LlamaTokenizerFast", "bos_token": null, "chat_template": "{{ bos_token }}x{{ eos_token }}"}), "x</s>"),
     ] {
         std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
         let tokenizer = TextTokenizer::from_file(&dir).unwrap();

@@ -20,9 +20,9 @@ pub struct DataIdentity {
     pub bytes: u64,
     pub digest: String,
     /// How the data becomes tokens and targets (the tokenizer, EOS, `--loss-on`,
-    /// `--too-long`; for `--tokens`, whether its last batch is held out): the same bytes read
-    /// otherwise are other batches. Empty in checkpoints written before it was recorded, and
-    /// for `--corpus`.
+    /// `--too-long`; for `--tokens` and `--corpus`, whether a part is held out): the same bytes
+    /// read otherwise are other batches. Empty in checkpoints written before it was recorded
+    /// (whose runs held the part out).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reading: String,
     /// The chat template `{"messages"}` lines were rendered with (its file and a digest of
@@ -105,17 +105,6 @@ impl DataIdentity {
                 saved.path
             ));
         }
-        // By the digest alone: the same template moved from tokenizer_config.json to
-        // chat_template.jinja (transformers' save_pretrained does) is the same.
-        let digest = |template: &str| template.rsplit_once("(digest ").map_or(template.to_string(), |(_, digest)| digest.to_string());
-        if !saved.chat_template.is_empty() && digest(&self.chat_template) != digest(&saved.chat_template) {
-            let now = if self.chat_template.is_empty() { "none".to_string() } else { self.chat_template.clone() };
-            return Some(format!(
-                "the checkpoint's run rendered chat data with the template of {}, this one would render it with {now}; resuming \
-                 would continue on other tokens. Resume with that template, or pass --allow-new-data to continue with this one",
-                saved.chat_template
-            ));
-        }
         // A checkpoint written before the tokenizer's reading (its class, options and added
         // special tokens; `TextTokenizer::reading`) was recorded is compared without it.
         let reading = match (saved.reading.contains(TOKENIZER_READING), self.reading.split_once(TOKENIZER_READING)) {
@@ -128,7 +117,8 @@ impl DataIdentity {
             if without_reader(&saved.reading) == without_reader(&reading) {
                 return Some(format!(
                     "the checkpoint's run read its data with an earlier version of this trainer's reader ({}), which makes other batches of \
-                     the same bytes in some data (a document cut across the held-out batch's edge; a chat line's tools); pass --allow-new-data to \
+                     the same bytes in some data (a document cut across the held-out batch's edge; a chat line's tools; a tokenized line's \
+                     answer masks; a template's special tokens); pass --allow-new-data to \
                      continue with this one",
                     saved.reading.split(", ").find(|part| part.starts_with("reader ")).unwrap_or("no version")
                 ));
@@ -137,6 +127,19 @@ impl DataIdentity {
                 "the checkpoint's run read its data with {}, this one would read it with {}; resuming would continue on other \
                  batches. Resume with the same settings, or pass --allow-new-data to continue with these",
                 saved.reading, reading
+            ));
+        }
+        // After the reading: a template given other special tokens by another reader is told by
+        // the reader's version. By the digest alone: the same template moved from
+        // tokenizer_config.json to chat_template.jinja (transformers' save_pretrained does) is
+        // the same.
+        let digest = |template: &str| template.rsplit_once("(digest ").map_or(template.to_string(), |(_, digest)| digest.to_string());
+        if !saved.chat_template.is_empty() && digest(&self.chat_template) != digest(&saved.chat_template) {
+            let now = if self.chat_template.is_empty() { "none".to_string() } else { self.chat_template.clone() };
+            return Some(format!(
+                "the checkpoint's run rendered chat data with the template of {}, this one would render it with {now}; resuming \
+                 would continue on other tokens. Resume with that template, or pass --allow-new-data to continue with this one",
+                saved.chat_template
             ));
         }
         // By bytes and digest, not path (a dataset moved is the same); a run that gained or

@@ -44,7 +44,8 @@ const TOKENIZE_CHUNK: usize = 512;
 /// tokenized are taken as given, with no EOS appended, as TRL takes them; 5: at most two
 /// batches held out, so a long last document no longer holds most of the data out; 6: a
 /// tokenized line's `assistant_masks` and `completion_mask` narrow its targets, and a chat
-/// template sees `tools` and `documents` as None where a line has none).
+/// template sees `tools` and `documents` as None where a line has none, and the tokenizer's
+/// special tokens with its class's defaults).
 pub const DOCUMENT_READER_VERSION: u32 = 6;
 
 /// How documents become token ids.

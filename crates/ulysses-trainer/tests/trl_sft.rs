@@ -28,7 +28,8 @@ fn every_kind_of_line_reads_as_trls_sft_trainer_prepares_it() {
         let folder = case["tokenizer"].as_str().unwrap();
         let checkpoint = root.join("../ulysses-models/tests/fixtures").join(folder);
         let tokenizer = TextTokenizer::from_file(&checkpoint).unwrap();
-        let template = ChatTemplate::from_checkpoint(&checkpoint).unwrap();
+        // As the trainer reads it: with the tokenizer's special tokens.
+        let template = ChatTemplate::from_checkpoint_for(&checkpoint, Some(&tokenizer)).unwrap();
         // The EOS the trainer resolves (no --eos-token-id, no config.json) is transformers'.
         let (eos, _) = document_eos(None, Some((&tokenizer, &TokenizerConfig::read(&checkpoint).unwrap())), None).unwrap();
         assert_eq!(Some(eos), tokenizer.token_id(want["eos_tokens"][folder].as_str().unwrap()), "{folder}: the EOS");
@@ -70,7 +71,7 @@ fn every_kind_of_line_reads_as_trls_sft_trainer_prepares_it() {
 fn conversations_need_a_template_that_marks_answers_to_train_on_answers_alone() {
     let checkpoint = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ulysses-models/tests/fixtures/chat/thinking");
     let tokenizer = TextTokenizer::from_file(&checkpoint).unwrap();
-    let marking = ChatTemplate::from_checkpoint(&checkpoint).unwrap().unwrap();
+    let marking = ChatTemplate::from_checkpoint_for(&checkpoint, Some(&tokenizer)).unwrap().unwrap();
     let source = std::fs::read_to_string(checkpoint.join("chat_template.jinja")).unwrap();
     let unmarked = source.replace("{%- generation %}", "").replace("{%- endgeneration %}", "");
     assert_ne!(unmarked, source, "the fixture's template marks its answers");
