@@ -162,7 +162,8 @@ impl GradientSums {
         impl<B: AutodiffBackend> ModuleVisitor<B> for Add<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
                 let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) else { return };
-                let grad = if self.in_f32 && grad.dtype() != DType::F32 { grad.cast(FloatDType::F32) } else { grad };
+                // Half dtypes alone: an f64 model's gradients keep their bits.
+                let grad = if self.in_f32 && matches!(grad.dtype(), DType::F16 | DType::BF16) { grad.cast(FloatDType::F32) } else { grad };
                 let sum = match self.sums.remove::<B::InnerBackend, D>(param.id) {
                     Some(sum) => sum + grad,
                     None => grad,
@@ -334,7 +335,7 @@ fn gradient_sums<B: TrainBackend, M: AutodiffModule<B>>(module: &M, grads: &Grad
 mod tests {
     use burn::{backend::NdArray, tensor::Tensor};
 
-    use super::non_finite_mark;
+    use super::{GradientSums, non_finite_mark};
 
     /// Finite values whose sum overflows f32 are finite; a NaN or an infinity is not.
     #[test]
@@ -346,5 +347,26 @@ mod tests {
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             assert!(mark(vec![1.0, bad, 2.0]).is_nan(), "{bad} marked");
         }
+    }
+
+    /// Sums "in f32" (for half-precision gradients) leave an f64 model's in f64: they were
+    /// rounded to f32, losing their low bits.
+    #[test]
+    fn sums_in_f32_keep_an_f64_models_gradients_in_f64() {
+        use burn::{
+            backend::Autodiff,
+            nn::LinearConfig,
+            tensor::{DType, TensorData},
+        };
+        type B = Autodiff<NdArray<f64>>;
+        let device = Default::default();
+        let linear = LinearConfig::new(2, 1).init::<B>(&device);
+        let input = Tensor::<B, 2>::from_data(TensorData::new(vec![1.0f64 + 1e-12, 3.0], [1, 2]), &device);
+        let grads = burn::optim::GradientsParams::from_grads(linear.forward(input).sum().backward(), &linear);
+        let mut sums = GradientSums::new(true);
+        sums.add(&linear, grads);
+        let weight = sums.into_grads().get::<NdArray<f64>, 2>(linear.weight.id).unwrap();
+        assert_eq!(weight.dtype(), DType::F64);
+        assert_eq!(weight.into_data().to_vec::<f64>().unwrap()[0], 1.0 + 1e-12);
     }
 }
