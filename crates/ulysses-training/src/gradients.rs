@@ -355,13 +355,17 @@ mod tests {
     fn sums_in_f32_keep_an_f64_models_gradients_in_f64() {
         use burn::{
             backend::Autodiff,
-            nn::LinearConfig,
-            tensor::{DType, TensorData},
+            module::Param,
+            nn::Linear,
+            tensor::{DType, FloatDType, TensorData},
         };
         type B = Autodiff<NdArray<f64>>;
         let device = Default::default();
-        let linear = LinearConfig::new(2, 1).init::<B>(&device);
-        let input = Tensor::<B, 2>::from_data(TensorData::new(vec![1.0f64 + 1e-12, 3.0], [1, 2]), &device);
+        // Cast, and the low bits added in f64: data is taken in the device's default dtype, f32
+        // once another test of this process used the device.
+        let f64_tensor = |values: Vec<f64>, shape: [usize; 2]| Tensor::<B, 2>::from_data(TensorData::new(values, shape), &device).cast(FloatDType::F64);
+        let linear = Linear { weight: Param::from_tensor(f64_tensor(vec![0.5, -0.25], [2, 1])), bias: None };
+        let input = f64_tensor(vec![1.0, 3.0], [1, 2]).add_scalar(1e-12);
         let grads = burn::optim::GradientsParams::from_grads(linear.forward(input).sum().backward(), &linear);
         let mut sums = GradientSums::new(true);
         sums.add(&linear, grads);
