@@ -415,8 +415,10 @@ pub fn attention_weights_by_hand(op: &'static str, shape: &[usize], dim: usize, 
 /// shard; the thread's last two embeddings of that one length) restarts at each rank's first
 /// token. Positions made of a padding mask's cumsum (`mask.cumsum(1) - 1`, Hugging Face's), and
 /// causal linear attention's running sums, are the usual cases. A scan along another dim
-/// that happens to be as long (features, a batch) passes, and so does one before the forward's
-/// first embedding where no length is noted yet (after a backward or `evaluate`).
+/// that happens to be as long (`[B, S, D]`'s features, a batch; where the forward's positions
+/// are noted, flattened tokens `[B·S, D]`: a 2-D tensor whose first dim is not the batch's
+/// rows) passes, and so does one before the forward's first embedding where no length is
+/// noted yet (after a backward or `evaluate`).
 pub fn scan_over_the_shard(op: &'static str, shape: &[usize], dim: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let shard = scanned_sequence(shape, dim)?;
     let what = format!("a running {op} over the {shard} tokens of this rank's shard restarts at every rank's first token");
@@ -447,6 +449,11 @@ fn sequence_dim(shape: &[usize]) -> usize {
 /// has tokens.
 fn scanned_sequence(shape: &[usize], dim: usize) -> Option<usize> {
     let along = |dim: usize| along_the_shard(shape, dim);
+    // A 2-D tensor of other rows than the batch's: features of flattened tokens (a cumsum over
+    // them, ON-LSTM's cumax), as the reductions' rule takes them.
+    if shape.len() == 2 && SHARD_POSITIONS.get().is_some_and(|noted| noted.rows != shape[0]) {
+        return None;
+    }
     match dim {
         _ if dim == sequence_dim(shape) => along(dim),
         _ if shape.len() >= 4 && along(1).is_none() => along_the_sequence(shape, dim, along),
@@ -1786,6 +1793,11 @@ mod tests {
         assert!(scan(&[2, 8], 1).is_some() && scan(&[2, 5], 1).is_none(), "two lengths embedded, the shard noted");
         EMBEDDED_TOKENS.set((6, 6));
         assert!(scan(&[2, 6], 1).is_some() && scan(&[2, 8], 1).is_none(), "one length embedded goes first");
+        // Features of flattened tokens `[B·S, D]`, D the shard's length, beside the batch's 2
+        // rows: pass; the batch's rows of tokens: refused.
+        EMBEDDED_TOKENS.set((8, 8));
+        assert!(scan(&[16, 8], 1).is_none() && flip_over_the_shard("flip", &[16, 8], &[1], || SP2).is_none(), "features of flattened tokens refused");
+        assert!(scan(&[2, 8], 1).is_some() && flip_over_the_shard("flip", &[2, 8], &[1], || SP2).is_some());
         drop(noted);
         forget_embedded_lengths();
     }
