@@ -1896,3 +1896,56 @@ fn finite_gradients_whose_sum_over_the_ranks_overflows_stop_the_step_unchanged()
         }
     }
 }
+
+/// An optimizer's step runs outside the guard: its own batched square products (Muon's
+/// Newton–Schulz over stacked experts' weights, a Shampoo preconditioner) mix no tokens but
+/// have attention's shapes, and were refused under SP. The model's forward stays guarded.
+#[test]
+fn an_optimizers_own_square_products_are_not_taken_for_attention() {
+    use burn::{
+        module::AutodiffModule,
+        optim::{GradientsParams, MultiGradientsParams, Optimizer, adaptor::OptimizerAdaptor},
+        tensor::backend::AutodiffBackend,
+    };
+    use ulysses_training::{StepInput, apply_step, backward_step};
+    /// AdamW after a batched square product of its own, as Muon's iteration makes.
+    #[derive(Clone)]
+    struct SquaresInStep<O>(O);
+    impl<M: AutodiffModule<B>, B: AutodiffBackend, O: Optimizer<M, B> + Clone> Optimizer<M, B> for SquaresInStep<O> {
+        type Record = O::Record;
+        fn step(&mut self, lr: f64, module: M, grads: GradientsParams) -> M {
+            let square = Tensor::<B::InnerBackend, 3>::ones([4, 8, 8], &module.devices()[0]);
+            let _ = square.clone().matmul(square);
+            self.0.step(lr, module, grads)
+        }
+        fn step_multi(&mut self, lr: f64, module: M, grads: MultiGradientsParams) -> M {
+            self.0.step_multi(lr, module, grads)
+        }
+        fn to_record(&self) -> Self::Record {
+            self.0.to_record()
+        }
+        fn load_record(self, record: Self::Record) -> Self {
+            Self(self.0.load_record(record))
+        }
+    }
+    let results = ThreadGroup::new(2).run(|rank| {
+        let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new().with_sp_size(2)).unwrap();
+        let _sp = enter_sp(&groups);
+        let device = Default::default();
+        let config = DecoderConfig::new(VOCAB).with_d_model(16).with_n_layers(1).with_n_heads(2).with_n_kv_heads(2).with_ffn_hidden(32);
+        let model = deterministic_params(config.init::<Sp>(&device), INIT_SEED);
+        let batches = vec![VariedLengths { vocab: VOCAB }.train_batch(0)];
+        let step = StepInput { index: 0, learning_rate: 1e-3, micro_batches: &batches, documents: None, targets: None, max_grad_norm: None };
+        let local = backward_step(&model, &step, &SequenceSharder::new(2), &groups, &device).unwrap();
+        let mut optimizer: SquaresInStep<OptimizerAdaptor<_, _, Sp>> = SquaresInStep(AdamWConfig::new().init());
+        let (_, report) = apply_step(model, &mut optimizer, &step, local, &groups).unwrap();
+        // The same product in the model's place is still refused.
+        let square = Tensor::<Sp, 3>::ones([4, 8, 8], &device);
+        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| square.clone().matmul(square))).is_err();
+        (report.loss.is_finite(), refused)
+    });
+    for result in results {
+        let (stepped, refused) = result.unwrap_or_else(|panic| panic!("{panic}"));
+        assert!(stepped && refused, "stepped {stepped}, the forward's square refused {refused}");
+    }
+}

@@ -485,7 +485,12 @@ where
         Some(max_norm) => clip_with_norm(&model, grads, grad_norm, max_norm),
         None => grads,
     };
-    let model = optimizer.step(step.learning_rate, model, grads);
+    // Outside the guard: an optimizer's own products (a batched Newton–Schulz over stacked
+    // experts' weights) mix no tokens, but have attention's shapes.
+    let model = {
+        let _single_device = burn_ulysses::context::enter_single_device();
+        optimizer.step(step.learning_rate, model, grads)
+    };
     // Summed in rank order on every rank, so every rank reports the same bits.
     let loss = losses.iter().sum();
     Ok((model, StepReport { loss, valid_tokens: local.valid_tokens, processed_tokens: local.processed_tokens, grad_norm, stop_requested }))
