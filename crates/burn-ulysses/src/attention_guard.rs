@@ -158,6 +158,12 @@ fn attention_matrix_size(lhs: &[usize], rhs: &[usize], shard: usize, one_length:
     if !per_head {
         return None;
     }
+    // Per token: the shard's tokens a leading dim past the batch and none of the matrices' dims
+    // as long, each matrix a token's own (hyper-connections' mixing of a token's residual
+    // streams `[B, S, n, n]·[B, S, n, d]`, a per-token Gram matrix): nothing crosses tokens.
+    if one_length && shard >= 2 && leading().skip(1).any(|(l, r)| *l.max(r) == shard) && ![m, k, n].contains(&&shard) {
+        return None;
+    }
     // Whether an operand is whole where the other is (the token × token matrix, scores or
     // weights, is never broadcast: a weight shared over the heads is).
     let (lhs_whole, rhs_whole) = (leading().all(|(l, r)| l >= r), leading().all(|(l, r)| r >= l));
@@ -1686,6 +1692,22 @@ mod tests {
             (&[1, 24, 8], &[1, 8, 16]),
         ] {
             assert_eq!(attention_matrix_size(lhs, rhs, 8, true), None, "{lhs:?} · {rhs:?} refused");
+        }
+    }
+
+    /// A product per token (the shard's 8 tokens a leading dim, its matrices 4 x 4 or 4 x 16:
+    /// hyper-connections' mixing of residual streams, a per-token Gram matrix) passes once the
+    /// shard's length is known; per-head scores over the shard, or where the length is unknown,
+    /// are still refused.
+    #[test]
+    fn products_within_each_token_pass_once_the_shard_length_is_known() {
+        for (lhs, rhs) in [(&[2, 8, 4, 4][..], &[2, 8, 4, 16][..]), (&[2, 8, 4, 16], &[2, 8, 16, 4]), (&[2, 8, 3, 4, 4], &[2, 8, 3, 4, 4])] {
+            assert_eq!(attention_matrix_size(lhs, rhs, 8, true), None, "{lhs:?} · {rhs:?} refused");
+            assert!(attention_matrix_size(lhs, rhs, 0, true).is_some(), "{lhs:?} · {rhs:?} passed by shape alone");
+        }
+        // Scores of 8 heads over the shard's 8 tokens; weights times values.
+        for (lhs, rhs) in [(&[2, 8, 8, 16][..], &[2, 8, 16, 8][..]), (&[2, 8, 8, 8], &[2, 8, 8, 16])] {
+            assert!(attention_matrix_size(lhs, rhs, 8, true).is_some(), "{lhs:?} · {rhs:?} passed");
         }
     }
 
