@@ -422,8 +422,8 @@ pub fn attention_weights_by_hand(op: &'static str, shape: &[usize], dim: usize, 
 /// token. Positions made of a padding mask's cumsum (`mask.cumsum(1) - 1`, Hugging Face's), and
 /// causal linear attention's running sums, are the usual cases. A scan along another dim
 /// that happens to be as long (`[B, S, D]`'s features, a batch; where the forward's positions
-/// are noted, flattened tokens `[B·S, D]`: a 2-D tensor whose first dim is not the batch's
-/// rows) passes, and so does one before the forward's first embedding where no length is
+/// are noted, flattened tokens `[B·S, D]`: a 2-D tensor whose first dim is the batch's rows
+/// times the shard's or tile's tokens) passes, and so does one before the forward's first embedding where no length is
 /// noted yet (after a backward or `evaluate`).
 pub fn scan_over_the_shard(op: &'static str, shape: &[usize], dim: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let shard = scanned_sequence(shape, dim)?;
@@ -455,9 +455,11 @@ fn sequence_dim(shape: &[usize]) -> usize {
 /// has tokens.
 fn scanned_sequence(shape: &[usize], dim: usize) -> Option<usize> {
     let along = |dim: usize| along_the_shard(shape, dim);
-    // A 2-D tensor of other rows than the batch's: features of flattened tokens (a cumsum over
-    // them, ON-LSTM's cumax), as the reductions' rule takes them.
-    if shape.len() == 2 && SHARD_POSITIONS.get().is_some_and(|noted| noted.rows != shape[0]) {
+    // Flattened tokens `[B·S, D]` (rows × the shard's or tile's tokens): a scan over their
+    // features (ON-LSTM's cumax). Not any other first dim: per-head gates `[H, S]` or
+    // `[B·H, S]`, a broadcast row `[1, S]`, scanned along the tokens, are the shard's.
+    let flattened_tokens = |noted: NotedPositions| noted.rows != shape[0] && noted.pieces().any(|piece| shape[0] == noted.rows * piece.span().0);
+    if shape.len() == 2 && SHARD_POSITIONS.get().is_some_and(flattened_tokens) {
         return None;
     }
     match dim {
@@ -1820,6 +1822,10 @@ mod tests {
         EMBEDDED_TOKENS.set((8, 8));
         assert!(scan(&[16, 8], 1).is_none() && flip_over_the_shard("flip", &[16, 8], &[1], || SP2).is_none(), "features of flattened tokens refused");
         assert!(scan(&[2, 8], 1).is_some() && flip_over_the_shard("flip", &[2, 8], &[1], || SP2).is_some());
+        // Other first dims, along the tokens: per-head gates `[H, S]` and `[B·H, S]`, a row `[1, S]`.
+        for rows in [4, 6, 1] {
+            assert!(scan(&[rows, 8], 1).is_some() && flip_over_the_shard("flip", &[rows, 8], &[1], || SP2).is_some(), "[{rows}, 8] let through");
+        }
         drop(noted);
         forget_embedded_lengths();
     }
