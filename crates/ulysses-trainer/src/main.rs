@@ -998,7 +998,8 @@ fn run(mut args: Args) -> Result<(), String> {
     // Positions up to the padded length: a batch is padded to a multiple of the SP degree (its
     // padding counts on from the last token where documents are not packed).
     let multiple = layout.sharder().length_multiple();
-    let padded_len = args.seq_len.div_ceil(multiple) * multiple;
+    // (Saturating: a --seq-len past any run is refused by name further on.)
+    let padded_len = args.seq_len.div_ceil(multiple).saturating_mul(multiple);
     if let Some(represented) = pretrained.as_ref().and_then(|c| c.rope_scaling.positions_represented()).filter(|&n| padded_len > n) {
         let padded = if padded_len > args.seq_len { format!(" (padded to {padded_len}, a multiple of {multiple})") } else { String::new() };
         return Err(format!(
