@@ -124,6 +124,19 @@ fn show(output: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
 }
 
+/// Whether a run succeeded, and what it printed.
+fn outcome(output: Output) -> (bool, String) {
+    (output.status.success(), show(&output))
+}
+
+/// A folder `texts` in `dir` holding one text file of paragraphs to train on.
+fn texts_to_train_on(dir: &Path) -> PathBuf {
+    let texts = dir.join("texts");
+    fs::create_dir_all(&texts).unwrap();
+    fs::write(texts.join("a.txt"), "Some text to train on.\n\n".repeat(200)).unwrap();
+    texts
+}
+
 /// The trainer alone, its ranks as threads of one process.
 fn run_alone(args: &[String], extra: &[&str]) -> Output {
     Command::new(trainer()).args(args).args(extra).args(["--launch", "threads"]).output().unwrap()
@@ -903,22 +916,14 @@ fn a_layout_that_does_not_make_the_launched_world_is_refused_by_check() {
 #[test]
 fn dynamic_rope_trains_up_to_max_position_embeddings_and_refuses_past_it() {
     let dir = workspace("dynamic-rope");
-    let texts = dir.join("texts");
-    fs::create_dir_all(&texts).unwrap();
-    fs::write(texts.join("a.txt"), "Some text to train on.\n\n".repeat(200)).unwrap();
+    let texts = texts_to_train_on(&dir);
     let mut config: serde_json::Value = serde_json::from_str(&fs::read_to_string(qwen3_and_tokenizer().0.join("config.json")).unwrap()).unwrap();
     config["max_position_embeddings"] = serde_json::json!(32);
     config["rope_parameters"] = serde_json::json!({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6});
     let config_file = dir.join("config.json");
     fs::write(&config_file, config.to_string()).unwrap();
-    let check = |seq_len: &str, sp: &str| {
-        let output = Command::new(trainer())
-            .args(["--corpus", &texts.display().to_string(), "--hf-config", &config_file.display().to_string(), "--out", &dir.join("run").display().to_string()])
-            .args(["--seq-len", seq_len, "--sp", sp, "--steps", "1", "--check", "--launch", "threads"])
-            .output()
-            .unwrap();
-        (output.status.success(), show(&output))
-    };
+    let args = ["--corpus", &texts.display().to_string(), "--hf-config", &config_file.display().to_string(), "--out", &dir.join("run").display().to_string()].map(String::from);
+    let check = |seq_len: &str, sp: &str| outcome(run_alone(&args, &["--seq-len", seq_len, "--sp", sp, "--steps", "1", "--check"]));
     let (ok, text) = check("64", "4");
     assert!(!ok && text.contains("--seq-len 64 is past the checkpoint's max_position_embeddings of 32") && text.contains("rope_type \"dynamic\""), "{text}");
     // Padded to a multiple of the SP degree, a batch's positions would pass it too (unpacked,
@@ -940,14 +945,8 @@ fn a_corpus_is_trained_whole_with_eval_every_0() {
     fs::create_dir_all(&dir).unwrap();
     let corpus = dir.join("corpus.txt");
     fs::write(&corpus, "word ".repeat(1000)).unwrap();
-    let check = |eval_every: &str| {
-        let output = Command::new(trainer())
-            .args(["--corpus", &corpus.display().to_string(), "--out", &dir.join("run").display().to_string(), "--eval-every", eval_every])
-            .args(["--seq-len", "4800", "--batch-size", "1", "--steps", "1", "--check", "--launch", "threads", "--sp", "1"])
-            .output()
-            .unwrap();
-        (output.status.success(), show(&output))
-    };
+    let args = ["--corpus", &corpus.display().to_string(), "--out", &dir.join("run").display().to_string()].map(String::from);
+    let check = |eval_every: &str| outcome(run_alone(&args, &["--eval-every", eval_every, "--seq-len", "4800", "--batch-size", "1", "--steps", "1", "--check", "--sp", "1"]));
     let (ok, text) = check("0");
     assert!(ok && text.contains("checked:"), "{text}");
     let (ok, text) = check("10");
@@ -961,9 +960,7 @@ fn a_corpus_is_trained_whole_with_eval_every_0() {
 #[test]
 fn run_and_save_folders_inside_what_the_run_reads_or_replaces_are_refused() {
     let dir = workspace("folders-inside");
-    let texts = dir.join("texts");
-    fs::create_dir_all(&texts).unwrap();
-    fs::write(texts.join("a.txt"), "Some text to train on.\n\n".repeat(200)).unwrap();
+    let texts = texts_to_train_on(&dir);
     let config = qwen3_and_tokenizer().0.join("config.json");
     let check = |extra: &[String]| {
         let output = Command::new(trainer()).args(["--corpus", &texts.display().to_string(), "--seq-len", "16", "--steps", "1", "--check", "--launch", "threads"]).args(extra).output().unwrap();
