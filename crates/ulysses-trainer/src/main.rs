@@ -1107,6 +1107,9 @@ fn run(mut args: Args) -> Result<(), String> {
     let mut chat_rendered = None;
     // The token that ends each --data document, as resolved, and what tokenized them.
     let mut data_reading = None;
+    // With --eval-every 0 nothing is evaluated: the data is trained whole, nothing held out
+    // (other batches than a run that held a part out, so the data identity says which).
+    let trained_whole = config.eval_every == 0 && !args.eval_only;
     let data: Box<dyn StepData> = match (&args.data, &args.tokens) {
         (Some(path), _) => {
             let (documents, eos, tokenizer);
@@ -1118,11 +1121,9 @@ fn run(mut args: Args) -> Result<(), String> {
             });
             Box::new(documents)
         }
-        (None, Some(path)) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab, config.eval_every > 0)?),
+        (None, Some(path)) => Box::new(TokenFile::load(path, config.batch_size, config.seq_len, vocab, !trained_whole)?),
         (None, None) => {
-            // With --eval-every 0 nothing is evaluated: the corpus is trained whole, as --data
-            // and --tokens are.
-            let held_out = if config.eval_every == 0 && !args.eval_only { 0.0 } else { 0.1 };
+            let held_out = if trained_whole { 0.0 } else { 0.1 };
             let corpus = ByteCorpus::load(&args.corpus, held_out)?;
             if !args.bytes_ok {
                 corpus.check_text()?;
@@ -1162,7 +1163,7 @@ fn run(mut args: Args) -> Result<(), String> {
         // batches of the same bytes.
         // With --eval-data or --eval-every 0, --data is trained whole (no batch held out):
         // other batches.
-        let whole = match (args.eval_data.is_some(), config.eval_every == 0 && !args.eval_only) {
+        let whole = match (args.eval_data.is_some(), trained_whole) {
             (true, _) => ", trained whole (--eval-data)",
             (false, true) => &format!(", {TRAINED_WHOLE}"),
             (false, false) => "",
@@ -1176,10 +1177,10 @@ fn run(mut args: Args) -> Result<(), String> {
         // --tokens and --corpus: whether the part held out is trained on too, other batches
         // than a run that held it out. (A checkpoint from before this was recorded has no
         // reading: its run held the part out, which `DataIdentity::differs_from` knows.)
-        let held_out = match (config.eval_every, args.tokens.is_some()) {
-            (0, _) => TRAINED_WHOLE,
-            (_, true) => "its last batch held out",
-            (_, false) => "its last 10% held out",
+        let held_out = match (trained_whole, args.tokens.is_some()) {
+            (true, _) => TRAINED_WHOLE,
+            (false, true) => "its last batch held out",
+            (false, false) => "its last 10% held out",
         };
         data_identity = data_identity.read_with(held_out.to_string());
     }
