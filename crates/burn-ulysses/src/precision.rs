@@ -32,8 +32,9 @@ use crate::error::UlyssesError;
 pub enum Precision {
     /// Everything in f32.
     F32,
-    /// Matmuls, exchanges and attention in bf16, or in f16 where the device has no bf16;
-    /// norm and softmax statistics, the loss, parameters and optimizer state in f32.
+    /// Matmuls, exchanges and attention in bf16, or in f16 where the device has no bf16
+    /// (without loss scaling: fit for tests and evaluation, and the trainer refuses to train
+    /// so); norm and softmax statistics, the loss, parameters and optimizer state in f32.
     Bf16,
 }
 
@@ -58,7 +59,7 @@ impl Precision {
             Precision::F32 => Ok(FloatDType::F32),
             Precision::Bf16 if B::supports_dtype(device, DType::BF16) => Ok(FloatDType::BF16),
             Precision::Bf16 if B::supports_dtype(device, DType::F16) => {
-                tracing::info!("{device:?} has no bf16: computing in f16");
+                tracing::warn!("{device:?} has no bf16: computing in f16, without loss scaling (small gradients round to zero)");
                 Ok(FloatDType::F16)
             }
             Precision::Bf16 => Err(UlyssesError::InvalidConfig(format!(

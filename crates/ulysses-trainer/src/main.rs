@@ -289,7 +289,7 @@ struct Args {
     /// many tokens of the local shard (ALST's tiled MLP, wider; ALST uses d_model).
     #[arg(long, requires = "checkpoint_layers", value_name = "TOKENS")]
     tile_tokens: Option<usize>,
-    /// What the layers compute in: f32, or bf16 (f16 where the device has no bf16; not on
+    /// What the layers compute in: f32, or bf16 (refused on a device without bf16; not on
     /// NdArray) with f32 master weights, norm and softmax statistics and loss [default: bf16
     /// on CUDA, as ALST and Hugging Face train, where attention runs on tensor cores; f32 on
     /// the CPU].

@@ -627,6 +627,23 @@ pub fn host_threads_per_rank(cores: usize, ranks: usize, cpus_of_its_own: Option
 /// evaluation's schedule, the steps, the checkpoints) waited in different collectives until
 /// the collective timeout, ten minutes, which then blamed a stuck rank. Compared by FNV-1a
 /// hashes of each field's JSON (alike on every build and machine).
+/// `--precision bf16` on a device without bf16 computes in f16 (`Precision::compute_dtype`),
+/// whose gradients need loss scaling, which this trainer does not do: each token's loss
+/// gradient, 1/tokens of the step, falls below f16's smallest normal number (6.1e-5) past 16 384
+/// tokens, what flows back from it is smaller still and rounds to zero below 6e-8, and a large
+/// product overflows (the step is then refused as not finite). Refused, as Hugging Face's Trainer refuses `bf16=True` there; evaluating in f16
+/// (no gradients) stays allowed.
+fn refuse_f16_training(compute_dtype: FloatDType, device: &impl std::fmt::Debug) -> Result<(), UlyssesError> {
+    if compute_dtype != FloatDType::F16 {
+        return Ok(());
+    }
+    Err(UlyssesError::InvalidConfig(format!(
+        "bf16 compute (--precision bf16, the default on CUDA): the device {device:?} has no bf16, only f16, and training in f16 needs loss scaling (its small gradients \
+         round to zero, large ones overflow), which this trainer does not do: train in f32 (--precision f32), or on a GPU with bf16 \
+         (NVIDIA Ampere, sm_80, or newer)"
+    )))
+}
+
 fn check_settings_agree<W: burn::tensor::backend::Backend>(config: &TrainConfig, options: &RunOptions, world: &dyn Communicator<W>) -> Result<(), UlyssesError> {
     let mut fields: Vec<(String, String)> = match serde_json::to_value(config) {
         Ok(serde_json::Value::Object(map)) => map.into_iter().map(|(name, value)| (name, value.to_string())).collect(),
@@ -676,6 +693,7 @@ where
     check_settings_agree(config, &options, &*groups.world)?;
     config.validate().map_err(UlyssesError::InvalidConfig)?;
     let compute_dtype = config.precision.compute_dtype::<B>(device)?;
+    refuse_f16_training(compute_dtype, device)?;
     let model = model.with_compute_dtype(compute_dtype).with_f32_head(config.f32_head);
     let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
     let sharder = config.sharder();
@@ -1651,7 +1669,19 @@ pub fn load_model<B: AutodiffBackend>(config: &DecoderConfig, path: &Path, devic
 
 #[cfg(test)]
 mod tests {
-    use super::{ParallelLayout, RunState, TrainConfig, check_resumable, first_time, host_threads_per_rank};
+    use super::{ParallelLayout, RunState, TrainConfig, check_resumable, first_time, host_threads_per_rank, refuse_f16_training};
+    use burn::tensor::FloatDType;
+
+    /// bf16 asked on a device that computes f16 instead is refused for training (no loss
+    /// scaling), naming the way out; bf16 and f32 pass.
+    #[test]
+    fn training_in_f16_without_loss_scaling_is_refused() {
+        let error = refuse_f16_training(FloatDType::F16, &"Vulkan(0)").unwrap_err().to_string();
+        assert!(error.contains("has no bf16, only f16") && error.contains("needs loss scaling") && error.contains("--precision f32") && error.contains("Vulkan(0)"), "{error}");
+        for dtype in [FloatDType::BF16, FloatDType::F32] {
+            refuse_f16_training(dtype, &"Cuda(0)").expect("computes in bf16 or f32");
+        }
+    }
 
     /// A resume under other AdamW settings is refused (the replicated optimizer would take the
     /// new ones and the sharded one the checkpoint's); another --f32-head only warned about.
