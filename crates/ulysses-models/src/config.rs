@@ -9,6 +9,7 @@
 
 use std::{fmt, path::Path};
 
+use burn::tensor::DType;
 use serde_json::{Map, Value, json};
 
 use crate::rope::RopeScaling;
@@ -89,6 +90,10 @@ pub struct HfConfig {
     /// The standard deviation of a fresh model's weight matrices and embeddings
     /// (transformers' `_init_weights`): only a model built from random weights uses it.
     pub initializer_range: f64,
+    /// The weights' dtype as `config.json` names it (`torch_dtype`, transformers 5's `dtype`)
+    /// where it is f32, bf16 or f16 (not "auto"): the dtype a save writes by default
+    /// ([`saved_dtype`](Self::saved_dtype)).
+    pub torch_dtype: Option<DType>,
     /// The `config.json` keys this decoder does not read or writes back as they were
     /// (`pad_token_id`, `attention_dropout`,
     /// `use_cache`, a Qwen's `sliding_window` and `max_window_layers`, ...), written back as
@@ -350,11 +355,24 @@ impl HfConfig {
             eos_token_ids,
             pad_token_id,
             initializer_range: keys.positive("initializer_range", 0.02)?,
+            torch_dtype: ["torch_dtype", "dtype"].iter().find_map(|key| match keys.get(key)?.as_str()? {
+                "float32" => Some(DType::F32),
+                "bfloat16" => Some(DType::BF16),
+                "float16" => Some(DType::F16),
+                _ => None,
+            }),
             unmodelled: Map::new(),
         };
         let written = config.to_hf_json("float32");
         config.unmodelled = object.iter().filter(|(key, _)| written.get(key.as_str()).is_none() && !REPLACED_KEYS.contains(&key.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect();
         Ok(config)
+    }
+
+    /// The dtype a checkpoint of this config is saved in unless asked otherwise: its own
+    /// weights' (as `save_pretrained` keeps a model's dtype: a fine-tune of an f32 checkpoint
+    /// rounded to bf16 would lose its updates below bf16's step), bf16 where it names none.
+    pub fn saved_dtype(&self) -> DType {
+        self.torch_dtype.unwrap_or(DType::BF16)
     }
 
     /// The `config.json` transformers reads back: the family's `model_type` and
@@ -630,6 +648,20 @@ mod tests {
         for bad in [config.to_string(), with(LLAMA, "original_max_position_embeddings", json!("8k"))] {
             let error = refused(&bad);
             assert_eq!(error.key, "original_max_position_embeddings", "{error}");
+        }
+    }
+
+    /// A save keeps the checkpoint's weight dtype (`torch_dtype`, transformers 5's `dtype`);
+    /// where it names none, or "auto", bf16.
+    #[test]
+    fn a_save_keeps_the_checkpoints_weight_dtype() {
+        let saved = |text: &str| HfConfig::from_hf_json(text, "a").unwrap().saved_dtype();
+        assert_eq!(saved(LLAMA), DType::BF16);
+        assert_eq!(saved(&with(LLAMA, "torch_dtype", json!("float32"))), DType::F32);
+        let transformers_5 = with(&with(LLAMA, "torch_dtype", Value::Null), "dtype", json!("float16"));
+        assert_eq!(saved(&transformers_5), DType::F16);
+        for none in [Value::Null, json!("auto")] {
+            assert_eq!(saved(&with(LLAMA, "torch_dtype", none)), DType::BF16);
         }
     }
 

@@ -818,6 +818,11 @@ impl HfCheckpointSnapshot {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
+    /// The dtype its weights are written in.
+    pub fn dtype(&self) -> DType {
+        self.options.dtype
+    }
 }
 
 /// A safetensors store for one shard's tensors (`paths`), as a save writes them: Hugging

@@ -225,9 +225,14 @@ struct Args {
     #[arg(long, value_name = "CONFIG_JSON", conflicts_with_all = ["model", "d_model", "layers", "heads", "kv_heads", "ffn_hidden"])]
     hf_config: Option<PathBuf>,
     /// With --model (or --hf-config): write the trained model to this folder in Hugging
-    /// Face's format (bf16 safetensors and config.json), which transformers loads.
+    /// Face's format (safetensors and config.json), which transformers loads.
     #[arg(long)]
     save_hf: Option<PathBuf>,
+    /// The dtype --save-hf writes the weights in [default: the checkpoint's `torch_dtype`
+    /// (so a fine-tune of an f32 model keeps updates below bf16's step), bf16 where it names
+    /// none].
+    #[arg(long, requires = "save_hf", value_parser = ["f32", "bf16", "f16"])]
+    save_hf_dtype: Option<String>,
     /// Output folder [default: runs/llama, or the --resume folder, or the folder of the --resume
     /// file]. One run at a time holds it (a lock); a fresh run, or a --resume into another
     /// folder, refuses a folder with an earlier run's checkpoint.
@@ -1285,6 +1290,15 @@ fn run(mut args: Args) -> Result<(), String> {
 /// The files each --save-hf folder gets beside the model: the tokenizer's from the tokenizer
 /// the run used (the --tokenizer file as tokenizer.json, the others from its folder), else the
 /// --model folder's, and the --model folder's generation settings.
+/// `--save-hf-dtype`'s value (one clap checked) as a dtype.
+fn save_dtype(name: &str) -> burn::tensor::DType {
+    match name {
+        "f32" => burn::tensor::DType::F32,
+        "f16" => burn::tensor::DType::F16,
+        _ => burn::tensor::DType::BF16,
+    }
+}
+
 fn save_hf_companions(args: &Args) -> Vec<(PathBuf, String)> {
     let found = |folder: &Path, name: &str| Some(folder.join(name)).filter(|file| file.is_file()).map(|file| (file, name.to_string()));
     COMPANION_FILES
@@ -1821,7 +1835,11 @@ where
             resume: job.args.resume.clone(),
             stop_after: job.args.stop_after,
             data_identity: Some(job.data_identity.clone()),
-            save_hf: job.args.save_hf.clone().zip(job.pretrained.clone()),
+            save_hf: job.args.save_hf.clone().zip(job.pretrained.clone().map(|mut checkpoint| {
+                // Saved in the checkpoint's own dtype unless --save-hf-dtype says otherwise.
+                checkpoint.torch_dtype = job.args.save_hf_dtype.as_deref().map(save_dtype).or(checkpoint.torch_dtype);
+                checkpoint
+            })),
             save_hf_companions: save_hf_companions(job.args),
             faults: Faults {
                 nan_gradient: job.args.fault_nan_gradient,

@@ -586,8 +586,8 @@ pub struct RunOptions<'a> {
     pub stop_after: Option<usize>,
     /// The training data's identity, recorded in each checkpoint.
     pub data_identity: Option<DataIdentity>,
-    /// Where world rank 0 writes the model in Hugging Face's format (bf16), with its
-    /// configuration, at each checkpoint and at the end (`None`: nowhere).
+    /// Where world rank 0 writes the model in Hugging Face's format (in the configuration's
+    /// `saved_dtype`), with its configuration, at each checkpoint and at the end (`None`: nowhere).
     pub save_hf: Option<(PathBuf, HfConfig)>,
     /// Files of the checkpoint the model started from that each `save_hf` folder gets a copy
     /// of (its tokenizer and generation settings: `ulysses_models::COMPANION_FILES`).
@@ -924,8 +924,8 @@ where
             (Some(parts), _) => save_hf_gathered_at(&model, parts, &options, groups, first_step)?,
             // Nothing runs beside it: written a shard at a time, never the model whole in memory.
             (None, Some((dir, checkpoint))) if is_first => {
-                save_pretrained_including(&model, checkpoint, dir, SaveOptions::new(DType::BF16), &options.save_hf_companions).map_err(|e| hf_error(dir, e))?;
-                tracing::info!(step = first_step, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+                save_pretrained_including(&model, checkpoint, dir, SaveOptions::new(checkpoint.saved_dtype()), &options.save_hf_companions).map_err(|e| hf_error(dir, e))?;
+                tracing::info!(step = first_step, folder = %dir.display(), dtype = ?checkpoint.saved_dtype(), "saved in Hugging Face's format");
             }
             (None, _) => {}
         }
@@ -1074,14 +1074,15 @@ impl<B: TrainBackend> TrainedModel<B> {
 /// written by [`HfCheckpointSnapshot::write`].
 fn take_hf<B: TrainBackend>(model: &Decoder<B>, options: &RunOptions) -> Result<Option<HfCheckpointSnapshot>, UlyssesError> {
     let Some((dir, checkpoint)) = &options.save_hf else { return Ok(None) };
-    HfCheckpointSnapshot::take(model, checkpoint, dir, SaveOptions::new(DType::BF16), &options.save_hf_companions).map(Some).map_err(|e| hf_error(dir, e))
+    HfCheckpointSnapshot::take(model, checkpoint, dir, SaveOptions::new(checkpoint.saved_dtype()), &options.save_hf_companions).map(Some).map_err(|e| hf_error(dir, e))
 }
 
 /// Writes a `--save-hf` snapshot taken after step `done`.
 fn write_hf(hf: HfCheckpointSnapshot, done: usize) -> Result<(), UlyssesError> {
     let dir = hf.dir().to_path_buf();
+    let dtype = hf.dtype();
     hf.write().map_err(|e| hf_error(&dir, e))?;
-    tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+    tracing::info!(step = done, folder = %dir.display(), ?dtype, "saved in Hugging Face's format");
     Ok(())
 }
 
@@ -1094,7 +1095,7 @@ fn hf_error(dir: &Path, reason: impl std::fmt::Display) -> UlyssesError {
 fn save_hf_gathered_at<B: TrainBackend>(model: &Decoder<B>, parts: &mut ShardedParameters<B>, options: &RunOptions, groups: &ParallelGroups<B::Wire>, done: usize) -> Result<(), UlyssesError> {
     let Some((dir, checkpoint)) = &options.save_hf else { return Ok(()) };
     if save_hf_gathered(model, parts, checkpoint, dir, &options.save_hf_companions, groups).map_err(|reason| hf_error(dir, reason))?.is_some() {
-        tracing::info!(step = done, folder = %dir.display(), "saved in Hugging Face's format (bf16)");
+        tracing::info!(step = done, folder = %dir.display(), dtype = ?checkpoint.saved_dtype(), "saved in Hugging Face's format");
     }
     Ok(())
 }
@@ -1111,7 +1112,7 @@ fn save_hf_gathered<B: TrainBackend>(
     companions: &[(PathBuf, String)],
     groups: &ParallelGroups<B::Wire>,
 ) -> Result<Option<()>, String> {
-    let options = SaveOptions::new(DType::BF16);
+    let options = SaveOptions::new(checkpoint.saved_dtype());
     let plan = plan_shard_paths(&parts.tensors(), options);
     let mut writer = match groups.world_rank() {
         0 => Some(HfCheckpointWriter::begin(checkpoint, dir, options, parts.tensors()).and_then(|mut writer| {

@@ -39,6 +39,7 @@ use burn::{
     backend::{Autodiff, NdArray},
     config::Config,
     optim::AdamWConfig,
+    tensor::DType,
 };
 use burn_ulysses::{compare::{max_abs_diff, worst}};
 use ulysses_training::{float_parameters, checkpoint::{load_training_checkpoint, read_checkpoint_state}};
@@ -813,7 +814,7 @@ fn a_checkpoint_being_written_when_a_rank_dies_is_kept() {
 
 /// `--save-hf` of a replicated run is written by rank 0 on the checkpoint's thread too: a write
 /// slower than the collective timeout stops no rank, and the folder holds the last step's model
-/// (the run's own, rounded to bf16).
+/// (the run's own, in the checkpoint's f32).
 #[test]
 fn a_hugging_face_save_written_slower_than_the_collective_timeout_stops_no_rank() {
     let dir = workspace("slow-save-hf");
@@ -832,20 +833,27 @@ fn a_hugging_face_save_written_slower_than_the_collective_timeout_stops_no_rank(
         .unwrap();
     let text = show(&succeed(output));
     assert!(text.contains("step=3") && text.contains("saved in Hugging Face's format"), "{text}");
-    assert_saved_hf_is_the_run_model(&saved, &dir.join("run"));
+    assert_saved_hf_is_the_run_model(&saved, &dir.join("run"), DType::F32);
     let _ = fs::remove_dir_all(&dir);
 }
 
-/// The `--save-hf` folder `saved` holds the model the run in `out` saved, rounded to bf16, every
-/// tensor bit for bit.
-fn assert_saved_hf_is_the_run_model(saved: &Path, out: &Path) {
+/// The `--save-hf` folder `saved` holds the model the run in `out` saved, in `dtype` (f32, or
+/// rounded to bf16), every tensor bit for bit, and its config.json names that dtype.
+fn assert_saved_hf_is_the_run_model(saved: &Path, out: &Path, dtype: DType) {
+    let config: serde_json::Value = serde_json::from_str(&fs::read_to_string(saved.join("config.json")).unwrap()).unwrap();
+    let named = match dtype {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        other => panic!("{other:?} is not compared here"),
+    };
+    assert_eq!(config["torch_dtype"], named, "{}: the weights' dtype", saved.display());
     let loaded = ulysses_models::from_pretrained::<Cpu>(saved, &Default::default()).unwrap_or_else(|e| panic!("{} does not load: {e}", saved.display()));
     let trained = parameters(out);
     let loaded: Vec<_> = float_parameters(&loaded.model).into_iter().map(|p| (p.path, p.values.into_data().to_vec::<f32>().unwrap())).collect();
     assert_eq!(loaded.len(), trained.len());
     for ((name, got), (trained_name, want)) in loaded.iter().zip(&trained) {
         assert_eq!(name, trained_name);
-        let rounded = want.iter().map(|&v| burn::tensor::bf16::from_f32(v).to_f32());
+        let rounded = want.iter().map(|&v| if dtype == DType::BF16 { burn::tensor::bf16::from_f32(v).to_f32() } else { v });
         assert!(got.iter().zip(rounded).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: {} is not the model of the run's last step", saved.display());
     }
 }
@@ -1291,6 +1299,8 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     let saved = dir.join("saved-hf");
     succeed(run_alone(&args("tuned"), &["--save-hf", &saved.display().to_string()]));
     assert_eq!(losses(&dir.join("tuned")).len(), 3);
+    // In the checkpoint's f32: three steps' updates kept, not rounded to bf16's step.
+    assert_saved_hf_is_the_run_model(&saved, &dir.join("tuned"), DType::F32);
     // The run's folder given as --model: named for what it is.
     let refused = run_alone(&args("as-model").into_iter().map(|a| if a == checkpoint.display().to_string() { dir.join("tuned").display().to_string() } else { a }).collect::<Vec<_>>(), &["--check"]);
     assert!(!refused.status.success() && show(&refused).contains("is a run folder of this trainer") && show(&refused).contains("--resume"), "{}", show(&refused));
@@ -1311,10 +1321,10 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     assert!(moved > 1e-3, "three steps at learning rate 0.01 moved the embeddings by {moved} only");
 
     // Under ZeRO-3 the folder is written a shard at a time from the ranks' parts: it holds the
-    // trained model (the run's own, rounded to bf16), every tensor.
+    // trained model (the run's own, rounded to bf16 as asked), every tensor.
     let saved_zero3 = dir.join("saved-hf-zero3");
-    succeed(run_alone(&args("zero3"), &["--checkpoint-layers", "--zero", "3", "--save-hf", &saved_zero3.display().to_string()]));
-    assert_saved_hf_is_the_run_model(&saved_zero3, &dir.join("zero3"));
+    succeed(run_alone(&args("zero3"), &["--checkpoint-layers", "--zero", "3", "--save-hf", &saved_zero3.display().to_string(), "--save-hf-dtype", "bf16"]));
+    assert_saved_hf_is_the_run_model(&saved_zero3, &dir.join("zero3"), DType::BF16);
 
     // A model shape beside --model, --save-hf without --model, --model without --tokens.
     let refused = run_alone(&args("shaped"), &["--d-model", "64"]);
