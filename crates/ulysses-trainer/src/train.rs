@@ -11,7 +11,7 @@ use burn::{
     module::{AutodiffModule, Module},
     optim::{AdamWConfig, Optimizer},
     record::{BurnRecord, FileRecorder, FullPrecisionSettings, NamedMpkFileRecorder, Record},
-    tensor::{DType, FloatDType, Int, Tensor, backend::AutodiffBackend},
+    tensor::{FloatDType, Int, Tensor, backend::AutodiffBackend},
 };
 use burn_ulysses::{
     ParallelGroups, PlainBackend, ParallelLayout, UlyssesError,
