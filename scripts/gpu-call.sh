@@ -57,16 +57,24 @@ fi
 # memory part runs in a folder with its own).
 cache=/tmp/gpu-call-cubecl
 mkdir -p "$cache"
-# With Python, as the bundle (the image may have no xz); .tar.gz until 2026-12-01.
-for carried in .gpu-cache/cubecl-cache.tar.xz .gpu-cache/cubecl-cache.tar.gz; do
-    if [ -f "$carried" ]; then
-        python3 -m tarfile -e "$carried" "$cache" || echo "gpu-call: cannot unpack $carried: every kernel compiles again" >&2
-        break
-    fi
-done
+# The carried caches are unpacked on a bare machine alone: on a warm one (a call moments ago; it
+# goes back 30 s after a call) the machine's own are newer, holding what that call compiled and
+# tuned, and CubeCL's cache files are logs that the carried, older copy would replace.
+unpacked=/tmp/gpu-call-unpacked
+mkdir -p "$unpacked"
+if [ ! -f "$unpacked/cubecl" ]; then
+    # With Python, as the bundle (the image may have no xz); .tar.gz until 2026-12-01.
+    for carried in .gpu-cache/cubecl-cache.tar.xz .gpu-cache/cubecl-cache.tar.gz; do
+        if [ -f "$carried" ]; then
+            python3 -m tarfile -e "$carried" "$cache" || echo "gpu-call: cannot unpack $carried: every kernel compiles again" >&2
+            break
+        fi
+    done
+    touch "$unpacked/cubecl"
+fi
 # Caches of older bundles, keyed by kernel id, which nothing reads now.
 rm -rf "$cache"/compilation-*
-export GPU_CALL_COMPILATION_CACHE="$cache/compilation"
+export GPU_CALL_COMPILATION_CACHE="$cache/compilation" GPU_CALL_CACHE="$cache"
 cat >cubecl.toml <<TOML
 [compilation]
 cache = { file = "$GPU_CALL_COMPILATION_CACHE" }
@@ -83,7 +91,10 @@ ptx_entries() { cat "$cache"/compilation/cuda/*/ptx-by-source/toc.json.log 2>/de
 # coming back. The driver keys each entry by its PTX, the driver and the GPU: none is misused.
 nv_cache=/tmp/gpu-call-nv
 mkdir -p "$nv_cache"
-[ -f .gpu-cache/nv-cache.tar.gz ] && tar xzf .gpu-cache/nv-cache.tar.gz -C "$nv_cache"
+if [ ! -f "$unpacked/nv" ]; then
+    [ -f .gpu-cache/nv-cache.tar.gz ] && tar xzf .gpu-cache/nv-cache.tar.gz -C "$nv_cache"
+    touch "$unpacked/nv"
+fi
 unset CUDA_CACHE_DISABLE
 # Capped so that its archive stays under the 16 MiB a returned file may have (the driver drops
 # the oldest entries past it); `archive` says when it does not.

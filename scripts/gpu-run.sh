@@ -193,14 +193,15 @@ if has training-memory-bench; then
     memory_logs="$out/memory-logs"
     rm -rf "$memory_logs" && mkdir -p "$memory_logs"
     # Autotune (burn's matmuls try several kernels per new shape) at its least effort, cached
-    # across trials too; both logs come back with the step's, to show where a trial's time goes.
+    # across trials too (under gpu-call.sh in the call's cache folder, which comes back and is
+    # carried to the next call); both logs come back with the step's, to show where a trial's time goes.
     cat >/tmp/memory-run/cubecl.toml <<TOML
 [compilation]
 cache = { file = "${GPU_CALL_COMPILATION_CACHE:-/tmp/memory-run/cubecl-cache}" }
 logger = { level = "basic", file = "$memory_logs/compilation.log" }
 [autotune]
 level = "minimal"
-cache = { file = "/tmp/memory-run/autotune-cache" }
+cache = { file = "${GPU_CALL_CACHE:-/tmp/memory-run}/autotune-memory" }
 logger = { level = "minimal", file = "$memory_logs/autotune.log" }
 TOML
     # MEMORY_PROFILE=1: CubeCL times every kernel on the device and, at each device sync (the
@@ -308,7 +309,7 @@ if has ulysses-trainer; then
         # same model; the first steps compile kernels, so both runs take 16 and time the last.
         for seq in ${TRAIN_SEQS:-4096 16384 65536}; do
             step "train-scale-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps 16 --seq-len "$seq" --batch-size 1 --profile \
-                --checkpoint-every 0 --check-parameters-every 0 --corpus "$(corpus_for "$seq")" --out "$out/train-scale-$seq"
+                --checkpoint-every 0 --check-parameters-every 0 --eval-every 0 --corpus "$(corpus_for "$seq")" --out "$out/train-scale-$seq"
             step "torch-scale-$seq" python3 "$here/torch_llama_reference.py" --seq-len "$seq" --batch-size 1 --dtype bf16 --steps 16 --warmup 4
             ratio "ratio-scale-$seq" "torch-scale-$seq" "train-scale-$seq"
         done ;;
@@ -332,7 +333,7 @@ if has ulysses-trainer; then
             step "torch-hf-$shape" python3 "$here/torch_llama_reference.py" --hf-config "$here/hf-shapes/$shape.json" $hf_torch
             for sp in ${HF_SPS:-1}; do
                 step "hf-$shape-sp$sp" "$here/ulysses-trainer" --backend cuda --sp "$sp" --steps "${HF_STEPS:-6}" --seq-len "$seq" --batch-size 1 --profile \
-                    --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --hf-config "$here/hf-shapes/$shape.json" \
+                    --learning-rate 3e-4 --checkpoint-layers --no-save --check-parameters-every 0 --eval-every 0 --hf-config "$here/hf-shapes/$shape.json" \
                     --corpus "$corpus" --out "$out/hf-$shape-sp$sp"
                 ratio "ratio-hf-$shape-sp$sp" "torch-hf-$shape" "hf-$shape-sp$sp"
             done
@@ -398,7 +399,7 @@ if has ulysses-trainer; then
         esac
         for seq in ${EIGHT_B_SEQS:-32768}; do
             step "llama-8b-$seq" "$here/ulysses-trainer" --backend cuda --sp 1 --steps "${EIGHT_B_STEPS:-2}" --seq-len "$seq" --batch-size 1 --profile --progress \
-                --offload-optimizer --checkpoint-layers $offload $zero --tile-tokens 4096 --learning-rate 1e-5 --no-save --check-parameters-every 0 \
+                --offload-optimizer --checkpoint-layers $offload $zero --tile-tokens 4096 --learning-rate 1e-5 --no-save --check-parameters-every 0 --eval-every 0 \
                 --hf-config "$here/hf-shapes/llama-3.1-8b.json" --corpus "$(corpus_for "$seq")" --out "$out/llama-8b-$seq" \
                 || break  # a longer one would build the 8B model's host state again only to fail
         done ;;

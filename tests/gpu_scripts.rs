@@ -74,9 +74,11 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     fs::create_dir(&out).unwrap();
 
     // The folders the script keeps the driver's cache and CubeCL's in (a warm machine's calls
-    // share them): emptied, so that only this call and what it carries can fill them.
-    let _ = fs::remove_dir_all("/tmp/gpu-call-nv");
-    let _ = fs::remove_dir_all("/tmp/gpu-call-cubecl");
+    // share them), and its marks of having unpacked the carried ones: emptied, so that only
+    // this call and what it carries can fill them.
+    for folder in ["/tmp/gpu-call-nv", "/tmp/gpu-call-cubecl", "/tmp/gpu-call-unpacked"] {
+        let _ = fs::remove_dir_all(folder);
+    }
     // A previous call's driver cache, carried.
     let carried = dir.path().join("carried");
     fs::create_dir_all(&carried).unwrap();
@@ -138,6 +140,21 @@ fn a_call_ends_a_part_at_its_limit_goes_on_and_packs_the_logs_without_checkpoint
     assert!(Command::new("tar").arg("xJf").arg(out.join("cubecl-cache.tar.xz")).arg("-C").arg(&extracted).status().unwrap().success());
     let toc = fs::read_to_string(extracted.join("compilation/cuda/0.10.0/ptx-by-source/toc.json.log")).unwrap();
     assert_eq!(toc.lines().count(), 3, "{toc}");
+
+    // A second call on the warm machine, with the same carry: it starts from the kernels the
+    // first compiled (3), not from the carried, older cache (2) unpacked over them.
+    let again = dir.path().join("again");
+    fs::create_dir(&again).unwrap();
+    let output = Command::new("bash")
+        .arg(dir.path().join("scripts/gpu-call.sh"))
+        .args(["KERNEL_TESTS=one_test", "kernels:named=30"])
+        .env("OUT", &again)
+        .env_remove("KERNEL_TESTS")
+        .env("CORPUS", "/dev/null")
+        .output()
+        .expect("bash runs gpu-call.sh");
+    let parts = fs::read_to_string(again.join("parts.txt")).unwrap();
+    assert!(parts.trim_end().ends_with("PTX cache 3 + 1 compiled here, KERNEL_TESTS=one_test"), "{parts}\n{}", String::from_utf8_lossy(&output.stdout));
 }
 
 /// The hf part sets ours beside PyTorch in tokens/s over the steps PyTorch timed, Σ tokens over
