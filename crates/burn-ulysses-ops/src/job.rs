@@ -22,8 +22,8 @@
 use std::sync::Arc;
 
 use ulysses_core::{
-    comm::{HostCommunicator, ThreadGroup, ThreadGroupConfig},
-    layout::{dp_size_of_world, dp_sp_coordinates},
+    comm::{HostCommunicator, ThreadGroup, ThreadGroupConfig, all_gather_host_checked},
+    layout::{check_layouts_agree, dp_size_of_world, dp_sp_coordinates},
 };
 use ulysses_dist::{DistError, DistributedConfig, tcp::TcpCommunicator};
 
@@ -58,8 +58,8 @@ pub fn run_ranks<R: Send>(launch: &Launch, threads: usize, dist: &DistributedCon
     let dp = dp_size_of_world(world_size, sp).map_err(|e| DistError::Job(format!("{e} (ULYSSES_SP_SIZE / DistributedConfig::sp_size)")))?;
     let run = |world: Arc<dyn HostCommunicator>, is_process: bool| -> Result<R, DistError> {
         let rank = world.rank();
+        let sequence = sequence_group(&*world, sp, dp)?;
         let (dp_rank, sp_rank) = dp_sp_coordinates(rank, sp);
-        let sequence = world.split(dp_rank as u32, sp_rank as u32).map_err(|e| DistError::Job(format!("forming the sequence-parallel groups: {e}")))?;
         let groups = Groups { sequence, world };
         // A process is one rank: every thread of it sees its groups.
         let _groups = if is_process { context::enter_process(groups.clone()) } else { context::enter_groups(groups.clone()) };
@@ -76,9 +76,34 @@ pub fn run_ranks<R: Send>(launch: &Launch, threads: usize, dist: &DistributedCon
     }
 }
 
+/// This rank's sequence-parallel group of `world`, split by `sp` (and `dp`, what it leaves of
+/// the world) once every rank is known to have been given the same (collective).
+fn sequence_group(world: &dyn HostCommunicator, sp: usize, dp: usize) -> Result<Arc<dyn HostCommunicator>, DistError> {
+    let layouts = all_gather_host_checked(world, &[sp as u64, dp as u64, 1, 0], "the parallel layout").map_err(|e| DistError::Job(format!("forming the sequence-parallel groups: {e}")))?;
+    check_layouts_agree(&layouts).map_err(|e| DistError::Job(format!("{e} (ULYSSES_SP_SIZE / DistributedConfig::sp_size)")))?;
+    let (dp_rank, sp_rank) = dp_sp_coordinates(world.rank(), sp);
+    world.split(dp_rank as u32, sp_rank as u32).map_err(|e| DistError::Job(format!("forming the sequence-parallel groups: {e}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ranks given different SP degrees (a node's ULYSSES_SP_SIZE) are refused on every rank,
+    /// naming both layouts, before any group is formed.
+    #[test]
+    fn ranks_given_different_layouts_are_refused_on_every_rank() {
+        let results = ThreadGroup::new(4).run(|thread| {
+            let sp = if thread.rank() < 2 { 2 } else { 1 };
+            sequence_group(&*thread.communicator(), sp, 4 / sp).map(|group| group.size())
+        });
+        for result in results {
+            let error = result.expect("no rank panics").expect_err("refused").to_string();
+            assert!(error.contains("rank 0 sp 2 × dp 2, rank 2 sp 1 × dp 4") && error.contains("ULYSSES_SP_SIZE"), "{error}");
+        }
+        let sizes = ThreadGroup::new(4).run(|thread| sequence_group(&*thread.communicator(), 2, 2).map(|group| group.size()).unwrap());
+        assert_eq!(sizes.into_iter().map(|size| size.expect("no rank panics")).collect::<Vec<_>>(), [2, 2, 2, 2]);
+    }
 
     #[test]
     fn a_world_the_sp_size_does_not_divide_is_refused_with_the_rule_of_burn_ulysses() {

@@ -13,7 +13,7 @@ use crate::{
     context::{RankContext, UlyssesConfig},
     data::SequenceSharder,
     error::UlyssesError,
-    layout::{HeadPlan, RingSharding, divisors, dp_size_of_world, ring_coordinates, dp_sp_coordinates},
+    layout::{HeadPlan, RingSharding, check_layouts_agree, divisors, dp_size_of_world, ring_coordinates, dp_sp_coordinates},
 };
 
 /// The parallel layout of a job. Consecutive ranks form an SP group, so an SP group shares a
@@ -115,8 +115,13 @@ impl<W: Backend> Clone for ParallelGroups<W> {
 }
 
 impl<W: Backend> ParallelGroups<W> {
-    /// Collective over `world`: splits it into SP and DP groups.
+    /// Collective over `world`: splits it into SP and DP groups. Every rank must be given the
+    /// same layout (refused on every rank otherwise, before any split).
     pub fn new(world: Arc<dyn Communicator<W>>, layout: ParallelLayout) -> Result<Self, UlyssesError> {
+        // First, so that a rank whose layout fails the checks below does not leave the others
+        // waiting in a split.
+        let mine = [layout.sp_size, layout.dp_size, layout.ring_size, (layout.ring_sharding == RingSharding::Zigzag) as usize].map(|v| v as u64);
+        check_layouts_agree(&crate::comm::all_gather_host_checked(&*world, &mine, "the parallel layout")?)?;
         if world.size() != layout.world_size() {
             return Err(UlyssesError::WorldSize { world: world.size(), sp_size: layout.sp_size, dp_size: layout.dp_size });
         }
@@ -168,6 +173,28 @@ mod tests {
         assert_eq!(ParallelLayout::for_world(8, 2).unwrap(), ParallelLayout::new().with_sp_size(2).with_dp_size(4));
         let message = ParallelLayout::for_world(6, 4).unwrap_err().to_string();
         assert!(message.contains("6 ranks") && message.contains("[1, 2, 3, 6]"), "{message}");
+    }
+
+    /// Ranks given different layouts of the same world (sp 2 × dp 2 against sp 4, or another
+    /// ring cut) are refused on every rank, naming both, rather than each splitting by its own.
+    #[cfg(feature = "ndarray")]
+    #[test]
+    fn ranks_given_different_layouts_are_refused_on_every_rank() {
+        use crate::comm::ThreadGroup;
+        let zigzag = ParallelLayout::new().with_sp_size(4).with_ring_size(2);
+        for (first, second, named) in [
+            (ParallelLayout::new().with_sp_size(2).with_dp_size(2), ParallelLayout::new().with_sp_size(4), "rank 0 sp 2 × dp 2, rank 3 sp 4 × dp 1"),
+            (zigzag, zigzag.with_ring_sharding(RingSharding::Zigzag), "rank 0 sp 4 × dp 1 (ring 2), rank 3 sp 4 × dp 1 (ring 2, zigzag)"),
+        ] {
+            let results = ThreadGroup::new(4).run(|rank| {
+                let layout = if rank.rank() < 3 { first } else { second };
+                ParallelGroups::<burn::backend::NdArray>::new(rank.communicator(), layout).map(|groups| groups.sp_rank())
+            });
+            for result in results {
+                let error = result.expect("no rank panics").err().expect("refused").to_string();
+                assert!(error.contains(named) && error.contains("give every rank the same"), "{error}");
+            }
+        }
     }
 
     #[test]
