@@ -222,6 +222,18 @@ impl TrainConfig {
         if self.seq_len > 1 << 31 {
             return Err(past("seq_len (--seq-len)", self.seq_len, 1 << 31));
         }
+        // Each bound above is far past any run, but their products are not: the memory plan
+        // multiplies an activation's elements by a few hundred at most in u64 (wrapped, it
+        // would plan a tiny step that "fits"). 2^48 elements is 512 TiB in bf16.
+        let widest = [model.d_model, model.n_heads * model.head_dim(), model.ffn_hidden].into_iter().max().unwrap_or(0);
+        let activation = self.batch_size as u128 * self.seq_len as u128 * widest as u128;
+        if activation > 1 << 48 {
+            return Err(format!(
+                "batch_size × seq_len × the widest layer ({} × {} × {widest}) is {activation} elements an activation, past any \
+                 machine (at most 2^48): lower --batch-size or --seq-len",
+                self.batch_size, self.seq_len
+            ));
+        }
         // burn's norm clipping measures each parameter's norm on each rank alone, with a
         // device sum that is not bit-reproducible: ranks would clip apart and part ways.
         let optimizer: serde_json::Value = serde_json::from_str(&self.optimizer.to_string()).map_err(|e| format!("the optimizer's config: {e}"))?;
@@ -1765,6 +1777,21 @@ mod tests {
         // 3e-3 × 400 ≥ 1: every parameter would become 0 or flip its sign at the first step.
         assert!(with(adamw().with_weight_decay(400.0)).contains("below 1 / learning rate (333."));
         assert_eq!(with(adamw().with_weight_decay(0.1).with_beta_2(0.95).with_epsilon(1e-6)), "");
+    }
+
+    /// Sizes each within its bound whose product is past any machine (and would wrap the
+    /// memory plan's u64 products) are refused by name; a million-token step of a 70B's widths
+    /// is not.
+    #[test]
+    fn an_activation_past_any_machine_is_refused() {
+        let config = TrainConfig::small(ParallelLayout::new());
+        let mut huge = config.clone().with_batch_size(1 << 20).with_seq_len(1 << 31);
+        huge.model.d_model = 4096;
+        let error = huge.validate().unwrap_err();
+        assert!(error.contains("batch_size × seq_len × the widest layer (1048576 × 2147483648 × 4096)") && error.contains("--seq-len"), "{error}");
+        let mut long = config.with_seq_len(1 << 20);
+        long.model.ffn_hidden = 28672;
+        long.validate().expect("a million tokens of a 70B's MLP");
     }
 
     /// A model record written a layer at a time asks for each block in order as the writer
