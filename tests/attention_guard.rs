@@ -475,6 +475,31 @@ fn windows_along_the_shard_and_flips_of_it_are_refused() {
     }
 }
 
+/// A real FFT along the sequence mixes every token of it: FNet's token mixing (the real part
+/// of the embedded tokens' spectrum, padded to 16 points) and a long convolution's filter made
+/// back from a spectrum to the shard's tokens padded to twice their length (cropped to them)
+/// are refused at SP = 2 and 3, naming the op. (burn's autodiff has no FFT, so this runs in
+/// inference alone, where the guard is the same.)
+#[test]
+fn an_fft_along_the_shard_is_refused() {
+    fn embedded(ids: Tensor<Sp, 2, Int>) -> Tensor<Sp, 3> {
+        deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<Sp>(&ids.device()), 13).forward(ids)
+    }
+    let fnet = |ids: Tensor<Sp, 2, Int>| burn::tensor::signal::rfft(embedded(ids), 1, Some(16)).0.narrow(1, 0, 2);
+    let long_convolution = |ids: Tensor<Sp, 2, Int>| {
+        let [batch, tokens] = ids.dims();
+        let (device, x) = (ids.device(), embedded(ids));
+        let points = (2 * tokens).next_power_of_two();
+        let spectrum = || Tensor::<Sp, 3>::ones([batch, points / 2 + 1, D_MODEL], &device);
+        let filter = burn::tensor::signal::irfft(spectrum(), spectrum(), 1, Some(points));
+        x * filter.narrow(1, 0, tokens)
+    };
+    for sp in [2, 3] {
+        assert_shard_local_refused(&on_ranks_from_ids(sp, UlyssesConfig::new(), fnet), "rfft", "enter_single_device");
+        assert_shard_local_refused(&on_ranks_from_ids(sp, UlyssesConfig::new(), long_convolution), "irfft", "module::attention");
+    }
+}
+
 /// Windows that tile the shard, each over the embedded tokens: a patch embedding (a
 /// convolution with kernel = stride = 2), pooling by 2 (average, and max), chunks of 2 by
 /// `unfold`, an upsampling by 2 (a transposed convolution with kernel = stride) and by 4 with

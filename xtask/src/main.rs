@@ -68,6 +68,9 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("ModuleOps", "max_pool1d", "crate::attention_guard::guarded_max_pool1d"),
     ("ModuleOps", "max_pool1d_with_indices", "crate::attention_guard::guarded_max_pool1d_with_indices"),
     ("ModuleOps", "adaptive_avg_pool1d", "crate::attention_guard::guarded_adaptive_avg_pool1d"),
+    // Refuse a real FFT along the sequence (FNet's mixing, a long convolution by FFT) under SP.
+    ("ModuleOps", "rfft", "crate::attention_guard::guarded_rfft"),
+    ("ModuleOps", "irfft", "crate::attention_guard::guarded_irfft"),
     // Refuse positions counted from another shard's first token under SP: a table of
     // positions sliced (RoPE's frequencies, sinusoids from 0) or an arange over the shard.
     ("FloatTensorOps", "float_slice", "crate::attention_guard::guarded_float_slice"),

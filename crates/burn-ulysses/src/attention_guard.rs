@@ -480,6 +480,20 @@ pub fn flip_over_the_shard(op: &'static str, shape: &[usize], axes: &[usize], sh
     shard_local_refusal(op, shape, dim, what, fix, sharding)
 }
 
+/// Why a real FFT (`op`: rfft, irfft) along `dim` of `shape` is refused, or `None`: along a
+/// sequence dim (as [`along_the_sequence`] finds it: `[B, S, ..]`'s dim 1, a channels-first
+/// `[B, C, L]`'s dim 2, per-head `[B, H, S, D]`'s dim 2) as long as the shard, each frequency
+/// mixes every token of the sequence (FNet's token mixing, Hyena's and H3's long convolutions):
+/// a shard's spectrum, or a signal made back from one, is not the sequence's. `shape` is the
+/// signal's: rfft's input, irfft's output.
+pub fn fft_over_the_shard(op: &'static str, shape: &[usize], dim: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let shard = along_the_sequence(shape, dim, |dim| along_the_shard(shape, dim))?;
+    let what = format!("each frequency of the {shard} tokens of this rank's shard stands for every token of the whole sequence, which the other ranks hold");
+    let fix = "Transform the whole sequence on one rank (burn_ulysses::context::enter_single_device()), or mix the tokens through \
+               `burn::tensor::module::attention`, which sequence parallelism exchanges.";
+    shard_local_refusal(op, shape, dim, what, fix, sharding)
+}
+
 /// A sliding window along a length: a convolution's or a pooling's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Window {
@@ -1561,6 +1575,30 @@ pub fn guarded_adaptive_avg_pool1d<X: ExchangeBackend>(x: FloatTensor<X>, output
     X::adaptive_avg_pool1d(x, output_size)
 }
 
+/// `UlyssesBackend`'s `rfft`: the inner backend's, after the guard.
+pub fn guarded_rfft<X: ExchangeBackend>(signal: FloatTensor<X>, dim: usize, n: Option<usize>) -> (FloatTensor<X>, FloatTensor<X>) {
+    refuse(fft_over_the_shard("rfft", &signal.shape(), dim, context::current_sharding));
+    X::rfft(signal, dim, n)
+}
+
+/// `UlyssesBackend`'s `irfft`: the inner backend's, after the guard on the signal it makes:
+/// `n` points (`2 · (bins − 1)` without), or a shard's tokens where those are the shard's
+/// length padded to a power of two (burn's FFT takes no other), once or to twice it (a long
+/// convolution by FFT, cropped after).
+pub fn guarded_irfft<X: ExchangeBackend>(spectrum_re: FloatTensor<X>, spectrum_im: FloatTensor<X>, dim: usize, n: Option<usize>) -> FloatTensor<X> {
+    let spectrum = spectrum_re.shape().to_vec();
+    if let Some(&bins) = spectrum.get(dim) {
+        let points = n.unwrap_or(2 * bins.saturating_sub(1));
+        let padded_from = shard_lengths().filter(|&shard| [shard.next_power_of_two(), (2 * shard).next_power_of_two()].contains(&points));
+        for length in std::iter::once(points).chain(padded_from).collect::<Vec<_>>() {
+            let mut signal = spectrum.clone();
+            signal[dim] = length;
+            refuse(fft_over_the_shard("irfft", &signal, dim, context::current_sharding));
+        }
+    }
+    X::irfft(spectrum_re, spectrum_im, dim, n)
+}
+
 guarded_dim_ops!(attention_weights_by_hand, FloatTensor => FloatTensor, (guarded_softmax, softmax, "softmax"), (guarded_log_softmax, log_softmax, "log_softmax"), (guarded_softmin, softmin, "softmin"));
 guarded_dim_ops!(
     scan_over_the_shard,
@@ -1852,6 +1890,22 @@ mod tests {
         forget_embedded_lengths();
         EMBEDDED_TOKENS.set((8, 8));
         assert!(conv(&[2, 16, 4]).is_none() && conv(&[2, 16, 14]).is_none(), "a backward forgets the resampled lengths");
+    }
+
+    /// A real FFT along the sequence dim (`[B, S, D]`'s dim 1, channels-first `[B, C, L]`'s
+    /// dim 2, per-head `[B, H, S, D]`'s dim 2) as long as the shard is refused; along the
+    /// features, another length, or outside SP, not.
+    #[test]
+    fn ffts_along_the_shard_are_refused() {
+        EMBEDDED_TOKENS.set((8, 8));
+        let fft = |shape: &[usize], dim: usize| fft_over_the_shard("rfft", shape, dim, || SP2).map(|e| e.to_string());
+        let message = fft(&[2, 8, 16], 1).expect("an FFT along the sequence refused");
+        for needle in ["rfft along dim 1 of a [2, 8, 16] tensor", "every token of the whole sequence", "enter_single_device", "2 ranks"] {
+            assert!(message.contains(needle), "`{needle}` missing from: {message}");
+        }
+        assert!(fft(&[2, 16, 8], 2).is_some() && fft(&[2, 4, 8, 16], 2).is_some() && fft(&[8], 0).is_some());
+        assert!(fft(&[2, 8, 16], 2).is_none() && fft(&[2, 16, 16], 1).is_none() && fft(&[2, 16, 8], 1).is_none());
+        assert!(fft_over_the_shard("rfft", &[2, 8, 16], 1, || None).is_none(), "refused outside SP");
     }
 
     /// Flips of the sequence dim, and convolutions and pooling windows of two tokens or more

@@ -555,7 +555,7 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         n: Option<usize>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        <Inner as ModuleOps<Inner>>::rfft(signal, dim, n)
+        crate::attention_guard::guarded_rfft::<Inner>(signal, dim, n)
     }
     fn irfft(
         spectrum_re: FloatTensor<Self>,
@@ -563,6 +563,6 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         dim: usize,
         n: Option<usize>,
     ) -> FloatTensor<Self> {
-        <Inner as ModuleOps<Inner>>::irfft(spectrum_re, spectrum_im, dim, n)
+        crate::attention_guard::guarded_irfft::<Inner>(spectrum_re, spectrum_im, dim, n)
     }
 }
