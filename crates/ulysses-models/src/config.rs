@@ -699,7 +699,9 @@ mod tests {
         for key in ["dtype", "rope_parameters"] {
             assert!(written.get(key).is_none(), "{key} written back: {written}");
         }
-        assert_eq!(HfConfig::from_hf_json(&written.to_string(), "again").unwrap(), config, "read back, the same");
+        // Read back, the same but for the weights' dtype it was written with.
+        assert_eq!(config.torch_dtype, Some(DType::BF16), "transformers 5's `dtype`");
+        assert_eq!(HfConfig::from_hf_json(&written.to_string(), "again").unwrap(), HfConfig { torch_dtype: Some(DType::F32), ..config }, "read back, the same");
     }
 
     /// YaRN as Qwen's guides add it for long contexts, and as DeepSeek's configs give it
@@ -715,7 +717,7 @@ mod tests {
         let yarn = RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 32768.0, original_given: true, beta_fast: 32.0, beta_slow: 1.0, attention_factor: None, mscales: None, truncate: true };
         assert_eq!(config.rope_scaling, yarn);
         assert_eq!(yarn.attention_factor(), 0.1 * 4f64.ln() + 1.0);
-        assert_eq!(HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "again").unwrap(), config);
+        assert_eq!(HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "again").unwrap(), HfConfig { torch_dtype: Some(DType::BF16), ..config.clone() });
         // No original context: the config's own (and none written back); DeepSeek's mscales:
         // their ratio; a beta of 0 or a null is transformers' default.
         let deepseek = with(qwen3, "rope_scaling", json!({"type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 0, "beta_slow": null}));
@@ -724,7 +726,7 @@ mod tests {
         let mscale = |m: f64| 0.1 * m * 40f64.ln() + 1.0;
         assert_eq!((original_max_position_embeddings, original_given, beta_fast, beta_slow), (40960.0, false, 32.0, 1.0));
         assert_eq!(config.rope_scaling.attention_factor(), mscale(1.0) / mscale(0.707));
-        assert_eq!(HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "again").unwrap(), config);
+        assert_eq!(HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "again").unwrap(), HfConfig { torch_dtype: Some(DType::BF16), ..config.clone() });
         assert!(config.to_hf_json("bfloat16")["rope_scaling"].get("original_max_position_embeddings").is_none());
         // No factor: the ratio of the contexts; no max_position_embeddings either: the family's.
         let no_factor = with(&with(qwen3, "max_position_embeddings", Value::Null), "rope_scaling", json!({"rope_type": "yarn", "original_max_position_embeddings": 8192}));
