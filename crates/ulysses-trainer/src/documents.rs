@@ -155,7 +155,8 @@ impl DocumentReader<'_> {
         if merged > 0 {
             tracing::warn!(
                 "{flag} {}: {merged} prompt(s) tokenize otherwise alone than before their completion (a prompt ending in a space, \
-                 as a rule, whose space joins the completion's first token): their targets start at the first token that differs",
+                 as a rule, whose space joins the completion's first token): their targets start at the first token that differs \
+                 (TRL's masks as many tokens as the prompt alone has, so the completion's first token, merged, is not trained)",
                 path.display()
             );
         }
@@ -163,7 +164,8 @@ impl DocumentReader<'_> {
         if rerendered > 0 {
             tracing::warn!(
                 "{flag} {}: the chat template renders {rerendered} conversational prompt(s) otherwise alone (with the generation \
-                 prompt) than before their completion: their targets start at the first token that differs (as TRL's)",
+                 prompt) than before their completion: their targets start at the first token that differs (TRL's masks as many \
+                 tokens as the prompt alone has, wherever the two part)",
                 path.display()
             );
         }
@@ -211,7 +213,8 @@ impl DocumentReader<'_> {
     /// the prompt's own tokens. Where the prompt ends in a space, a byte-level tokenizer merges
     /// it into the completion's first token (or a chat template renders a prompt alone
     /// otherwise): then at the first token that differs, which holds the completion's start (TRL
-    /// warns, and trains on the completion's rest); counted in `differed` for one warning.
+    /// warns, and masks as many tokens as the prompt alone has: the merged token is not trained,
+    /// only the completion's rest); counted in `differed` for one warning.
     fn completion_start<T: PartialEq>(prompt: &[T], whole: &[T], differed: &std::cell::Cell<usize>) -> usize {
         let shared = prompt.iter().zip(whole).take_while(|(a, b)| a == b).count();
         if shared < prompt.len() {
@@ -315,7 +318,8 @@ impl DocumentReader<'_> {
                 Pending::ChatPromptCompletion(prompt, completion, variables) => {
                     let (chat, tokenizer) = self.chat(&at)?;
                     // TRL's way: the prompt alone with the generation prompt, then the whole
-                    // conversation; the completion starts where they diverge. Under --loss-on
+                    // conversation; the completion starts where they diverge (TRL's past as
+                    // many tokens as the prompt alone has; the same where it is a prefix). Under --loss-on
                     // assistant, narrowed to the answers the template marks (TRL's
                     // assistant_only_loss).
                     let (prompt_ids, _) = chat.tokenize_with(tokenizer, &prompt, &variables, true).map_err(|e| format!("{}: {e}", at()))?;
