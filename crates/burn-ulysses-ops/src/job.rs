@@ -80,7 +80,7 @@ pub fn run_ranks<R: Send>(launch: &Launch, threads: usize, dist: &DistributedCon
 /// the world) once every rank is known to have been given the same (collective).
 fn sequence_group(world: &dyn HostCommunicator, sp: usize, dp: usize) -> Result<Arc<dyn HostCommunicator>, DistError> {
     let layouts = all_gather_host_checked(world, &[sp as u64, dp as u64, 1, 0], "the parallel layout").map_err(|e| DistError::Job(format!("forming the sequence-parallel groups: {e}")))?;
-    check_layouts_agree(&layouts).map_err(|e| DistError::Job(format!("{e} (ULYSSES_SP_SIZE / DistributedConfig::sp_size)")))?;
+    check_layouts_agree(&layouts, "the same ULYSSES_SP_SIZE on every node, or DistributedConfig::sp_size").map_err(|e| DistError::Job(e.to_string()))?;
     let (dp_rank, sp_rank) = dp_sp_coordinates(world.rank(), sp);
     world.split(dp_rank as u32, sp_rank as u32).map_err(|e| DistError::Job(format!("forming the sequence-parallel groups: {e}")))
 }

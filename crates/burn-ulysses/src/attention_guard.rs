@@ -455,11 +455,8 @@ fn sequence_dim(shape: &[usize]) -> usize {
 /// has tokens.
 fn scanned_sequence(shape: &[usize], dim: usize) -> Option<usize> {
     let along = |dim: usize| along_the_shard(shape, dim);
-    // Flattened tokens `[B·S, D]` (rows × the shard's or tile's tokens): a scan over their
-    // features (ON-LSTM's cumax). Not any other first dim: per-head gates `[H, S]` or
-    // `[B·H, S]`, a broadcast row `[1, S]`, scanned along the tokens, are the shard's.
-    let flattened_tokens = |noted: NotedPositions| noted.rows != shape[0] && noted.pieces().any(|piece| shape[0] == noted.rows * piece.span().0);
-    if shape.len() == 2 && SHARD_POSITIONS.get().is_some_and(flattened_tokens) {
+    // A scan over flattened tokens' features (ON-LSTM's cumax).
+    if flattened_tokens(shape) {
         return None;
     }
     match dim {
@@ -467,6 +464,21 @@ fn scanned_sequence(shape: &[usize], dim: usize) -> Option<usize> {
         _ if shape.len() >= 4 && along(1).is_none() => along_the_sequence(shape, dim, along),
         _ => None,
     }
+}
+
+/// Whether `shape` is flattened tokens `[B·S, D]` (rows × the shard's or a tile's tokens, where
+/// positions are noted): its dim 1 then holds features. Not any other first dim: per-head gates
+/// `[H, S]` or `[B·H, S]`, a broadcast row `[1, S]`, along the tokens, are the shard's.
+fn flattened_tokens(shape: &[usize]) -> bool {
+    let flattened = |noted: NotedPositions| noted.rows != shape[0] && noted.pieces().any(|piece| shape[0] == noted.rows * piece.span().0);
+    shape.len() == 2 && SHARD_POSITIONS.get().is_some_and(flattened)
+}
+
+/// Whether the middle dim of a 3-D `shape` is as long as a noted piece of the shard (a
+/// checkpointed layer's tile `[B, T, D]`, or the shard): its dim 2 then holds features, however
+/// many.
+fn tokens_in_the_middle(shape: &[usize]) -> bool {
+    shape.len() == 3 && SHARD_POSITIONS.get().is_some_and(|noted| noted.rows == shape[0] && noted.pieces().any(|piece| shape[1] == piece.span().0))
 }
 
 /// Why a flip (`op`) over `axes` of `shape` is refused, or `None`: one that reverses the
@@ -487,6 +499,10 @@ pub fn flip_over_the_shard(op: &'static str, shape: &[usize], axes: &[usize], sh
 /// a shard's spectrum, or a signal made back from one, is not the sequence's. `shape` is the
 /// signal's: rfft's input, irfft's output.
 pub fn fft_over_the_shard(op: &'static str, shape: &[usize], dim: usize, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    // Over features: flattened tokens' (an STFT's frames `[B·F, n_fft]`), a tile's `[B, T, D]`.
+    if flattened_tokens(shape) || (dim == 2 && tokens_in_the_middle(shape)) {
+        return None;
+    }
     let shard = along_the_sequence(shape, dim, |dim| along_the_shard(shape, dim))?;
     let what = format!("each frequency of the {shard} tokens of this rank's shard stands for every token of the whole sequence, which the other ranks hold");
     let fix = "Transform the whole sequence on one rank (burn_ulysses::context::enter_single_device()), or mix the tokens through \
@@ -1906,6 +1922,13 @@ mod tests {
         assert!(fft(&[2, 16, 8], 2).is_some() && fft(&[2, 4, 8, 16], 2).is_some() && fft(&[8], 0).is_some());
         assert!(fft(&[2, 8, 16], 2).is_none() && fft(&[2, 16, 16], 1).is_none() && fft(&[2, 16, 8], 1).is_none());
         assert!(fft_over_the_shard("rfft", &[2, 8, 16], 1, || None).is_none(), "refused outside SP");
+        // Where positions are noted (2 rows of 8 tokens, then a tile of 4): over flattened
+        // tokens' features (an STFT's frames) and a tile's features, as many as the shard's
+        // tokens, pass; along the tokens, still refused.
+        let _shard = noted(&(8..16).collect::<Vec<_>>(), 2);
+        assert!(fft(&[16, 8], 1).is_none() && fft(&[2, 8, 8], 2).is_none() && fft(&[2, 8, 16], 1).is_some() && fft(&[2, 8], 1).is_some());
+        let _tile = note_tile_of_the_shard(4..8);
+        assert!(fft(&[2, 4, 8], 2).is_none() && fft(&[8, 8], 1).is_none(), "a tile's features refused");
     }
 
     /// Flips of the sequence dim, and convolutions and pooling windows of two tokens or more

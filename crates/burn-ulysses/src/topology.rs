@@ -121,7 +121,8 @@ impl<W: Backend> ParallelGroups<W> {
         // First, so that a rank whose layout fails the checks below does not leave the others
         // waiting in a split.
         let mine = [layout.sp_size, layout.dp_size, layout.ring_size, (layout.ring_sharding == RingSharding::Zigzag) as usize].map(|v| v as u64);
-        check_layouts_agree(&crate::comm::all_gather_host_checked(&*world, &mine, "the parallel layout")?)?;
+        let layouts = crate::comm::all_gather_host_checked(&*world, &mine, "the parallel layout")?;
+        check_layouts_agree(&layouts, "the same ParallelLayout; the trainer's --sp, --dp, --ring and --zigzag")?;
         if world.size() != layout.world_size() {
             return Err(UlyssesError::WorldSize { world: world.size(), sp_size: layout.sp_size, dp_size: layout.dp_size });
         }
@@ -192,7 +193,7 @@ mod tests {
             });
             for result in results {
                 let error = result.expect("no rank panics").err().expect("refused").to_string();
-                assert!(error.contains(named) && error.contains("give every rank the same"), "{error}");
+                assert!(error.contains(named) && error.contains("give every rank the same (the same ParallelLayout"), "{error}");
             }
         }
     }

@@ -520,8 +520,9 @@ pub fn dp_size_of_world(world_size: usize, sp_size: usize) -> Result<usize, Ulys
 /// `[sp, dp, ring, zigzag]` (zigzag 1 where the ring is cut so), in rank order. Each rank
 /// splits the world by its own layout, so ranks that disagree (a node's `ULYSSES_SP_SIZE`, a
 /// library caller's `ParallelLayout`) would form groups nobody asked for and train on them
-/// without an error. The same check in the jobs of both Burn versions.
-pub fn check_layouts_agree(gathered: &[Vec<u64>]) -> Result<(), UlyssesError> {
+/// without an error. The same check in the jobs of both Burn versions; `given_by` names where
+/// a rank's layout comes from, for the fix.
+pub fn check_layouts_agree(gathered: &[Vec<u64>], given_by: &str) -> Result<(), UlyssesError> {
     let describe = |layout: &[u64]| match layout {
         [sp, dp, ring, zigzag] if *ring > 1 => format!("sp {sp} × dp {dp} (ring {ring}{})", if *zigzag == 1 { ", zigzag" } else { "" }),
         [sp, dp, ..] => format!("sp {sp} × dp {dp}"),
@@ -530,8 +531,7 @@ pub fn check_layouts_agree(gathered: &[Vec<u64>]) -> Result<(), UlyssesError> {
     match gathered.iter().position(|layout| layout != &gathered[0]) {
         None => Ok(()),
         Some(rank) => Err(UlyssesError::InvalidConfig(format!(
-            "the ranks were given different parallel layouts: rank 0 {}, rank {rank} {}; give every rank the same (the same \
-             ULYSSES_SP_SIZE on every node, or the same ParallelLayout)",
+            "the ranks were given different parallel layouts: rank 0 {}, rank {rank} {}; give every rank the same ({given_by})",
             describe(&gathered[0]),
             describe(&gathered[rank])
         ))),

@@ -156,7 +156,7 @@ impl DocumentReader<'_> {
             tracing::warn!(
                 "{flag} {}: {merged} prompt(s) tokenize otherwise alone than before their completion (a prompt ending in a space, \
                  as a rule, whose space joins the completion's first token): their targets start at the first token that differs \
-                 (TRL's masks as many tokens as the prompt alone has, so the completion's first token, merged, is not trained)",
+                 (TRL masks as many tokens as the prompt alone has, so the completion's first token, merged, is not trained)",
                 path.display()
             );
         }
@@ -164,7 +164,7 @@ impl DocumentReader<'_> {
         if rerendered > 0 {
             tracing::warn!(
                 "{flag} {}: the chat template renders {rerendered} conversational prompt(s) otherwise alone (with the generation \
-                 prompt) than before their completion: their targets start at the first token that differs (TRL's masks as many \
+                 prompt) than before their completion: their targets start at the first token that differs (TRL masks as many \
                  tokens as the prompt alone has, wherever the two part)",
                 path.display()
             );
@@ -318,8 +318,8 @@ impl DocumentReader<'_> {
                 Pending::ChatPromptCompletion(prompt, completion, variables) => {
                     let (chat, tokenizer) = self.chat(&at)?;
                     // TRL's way: the prompt alone with the generation prompt, then the whole
-                    // conversation; the completion starts where they diverge (TRL's past as
-                    // many tokens as the prompt alone has; the same where it is a prefix). Under --loss-on
+                    // conversation; the completion starts where they diverge (TRL's starts past as
+                    // many tokens as the prompt alone has: the same where it is a prefix). Under --loss-on
                     // assistant, narrowed to the answers the template marks (TRL's
                     // assistant_only_loss).
                     let (prompt_ids, _) = chat.tokenize_with(tokenizer, &prompt, &variables, true).map_err(|e| format!("{}: {e}", at()))?;

@@ -83,6 +83,24 @@ enum LaunchMode {
     Process,
 }
 
+/// The dtype `--save-hf` writes the weights in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum SaveDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl From<SaveDtype> for burn::tensor::DType {
+    fn from(dtype: SaveDtype) -> Self {
+        match dtype {
+            SaveDtype::F32 => Self::F32,
+            SaveDtype::Bf16 => Self::BF16,
+            SaveDtype::F16 => Self::F16,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, ValueEnum)]
 enum TransportKind {
     /// NCCL on CUDA, TCP on the CPU.
@@ -229,10 +247,11 @@ struct Args {
     #[arg(long)]
     save_hf: Option<PathBuf>,
     /// The dtype --save-hf writes the weights in [default: the checkpoint's `torch_dtype`
-    /// (so a fine-tune of an f32 model keeps updates below bf16's step), bf16 where it names
-    /// none].
-    #[arg(long, requires = "save_hf", value_parser = ["f32", "bf16", "f16"])]
-    save_hf_dtype: Option<String>,
+    /// (so a fine-tune of an f32 model keeps updates below bf16's step; f16 for a float16 one),
+    /// bf16 where it names none or where the run holds its weights in bf16 alone
+    /// (--offload-optimizer, --zero 3 with --precision bf16)].
+    #[arg(long, requires = "save_hf")]
+    save_hf_dtype: Option<SaveDtype>,
     /// Output folder [default: runs/llama, or the --resume folder, or the folder of the --resume
     /// file]. One run at a time holds it (a lock); a fresh run, or a --resume into another
     /// folder, refuses a folder with an earlier run's checkpoint.
@@ -294,8 +313,8 @@ struct Args {
     /// many tokens of the local shard (ALST's tiled MLP, wider; ALST uses d_model).
     #[arg(long, requires = "checkpoint_layers", value_name = "TOKENS")]
     tile_tokens: Option<usize>,
-    /// What the layers compute in: f32, or bf16 (refused on a device without bf16; not on
-    /// NdArray) with f32 master weights, norm and softmax statistics and loss [default: bf16
+    /// What the layers compute in: f32, or bf16 (training refused on a device without bf16,
+    /// whose f16 needs loss scaling; not on NdArray) with f32 master weights, norm and softmax statistics and loss [default: bf16
     /// on CUDA, as ALST and Hugging Face train, where attention runs on tensor cores; f32 on
     /// the CPU].
     #[arg(long)]
@@ -1290,15 +1309,6 @@ fn run(mut args: Args) -> Result<(), String> {
 /// The files each --save-hf folder gets beside the model: the tokenizer's from the tokenizer
 /// the run used (the --tokenizer file as tokenizer.json, the others from its folder), else the
 /// --model folder's, and the --model folder's generation settings.
-/// `--save-hf-dtype`'s value (one clap checked) as a dtype.
-fn save_dtype(name: &str) -> burn::tensor::DType {
-    match name {
-        "f32" => burn::tensor::DType::F32,
-        "f16" => burn::tensor::DType::F16,
-        _ => burn::tensor::DType::BF16,
-    }
-}
-
 fn save_hf_companions(args: &Args) -> Vec<(PathBuf, String)> {
     let found = |folder: &Path, name: &str| Some(folder.join(name)).filter(|file| file.is_file()).map(|file| (file, name.to_string()));
     COMPANION_FILES
@@ -1775,7 +1785,11 @@ where
     // model the host cannot hold is refused before it fills the memory.
     let elements = ulysses_training::parameter_elements(&config.model.init::<Sp<W>>(&template_device));
     let on_cpu = matches!(job.args.backend, BackendKind::Cpu);
-    let compute_bytes = burn::tensor::DType::from(config.precision.compute_dtype::<Sp<W>>(&template_device).map_err(|e| e.to_string())?).size() as u64;
+    let compute_dtype = config.precision.compute_dtype::<Sp<W>>(&template_device).map_err(|e| e.to_string())?;
+    if job.eval_sequences.is_none() {
+        ulysses_trainer::train::refuse_f16_training(compute_dtype, &template_device).map_err(|e| e.to_string())?;
+    }
+    let compute_bytes = burn::tensor::DType::from(compute_dtype).size() as u64;
     check_host_memory(config, &elements, ranks_here, on_cpu, job.eval_sequences.is_some(), compute_bytes)?;
     let parameters = elements.iter().sum::<usize>() as u64;
     if job.eval_sequences.is_none() && (threads || matches!(&job.launch, Launch::Process(env) if env.rank == 0)) {
@@ -1835,11 +1849,8 @@ where
             resume: job.args.resume.clone(),
             stop_after: job.args.stop_after,
             data_identity: Some(job.data_identity.clone()),
-            save_hf: job.args.save_hf.clone().zip(job.pretrained.clone().map(|mut checkpoint| {
-                // Saved in the checkpoint's own dtype unless --save-hf-dtype says otherwise.
-                checkpoint.torch_dtype = job.args.save_hf_dtype.as_deref().map(save_dtype).or(checkpoint.torch_dtype);
-                checkpoint
-            })),
+            save_hf: job.args.save_hf.clone().zip(job.pretrained.clone()),
+            save_hf_dtype: job.args.save_hf_dtype.map(Into::into),
             save_hf_companions: save_hf_companions(job.args),
             faults: Faults {
                 nan_gradient: job.args.fault_nan_gradient,

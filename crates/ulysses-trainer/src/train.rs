@@ -11,7 +11,7 @@ use burn::{
     module::{AutodiffModule, Module},
     optim::{AdamWConfig, Optimizer},
     record::{BurnRecord, FileRecorder, FullPrecisionSettings, NamedMpkFileRecorder, Record},
-    tensor::{FloatDType, Int, Tensor, backend::AutodiffBackend},
+    tensor::{DType, FloatDType, Int, Tensor, backend::AutodiffBackend},
 };
 use burn_ulysses::{
     ParallelGroups, PlainBackend, ParallelLayout, UlyssesError,
@@ -224,13 +224,14 @@ impl TrainConfig {
         }
         // Each bound above is far past any run, but their products are not: the memory plan
         // multiplies an activation's elements by a few hundred at most in u64 (wrapped, it
-        // would plan a tiny step that "fits"). 2^48 elements is 512 TiB in bf16.
+        // would plan a tiny step that "fits"). Bounded over the whole batch, which bounds each
+        // rank's part of it; 2^48 elements is 512 TiB in bf16.
         let widest = [model.d_model, model.n_heads * model.head_dim(), model.ffn_hidden].into_iter().max().unwrap_or(0);
         let activation = self.batch_size as u128 * self.seq_len as u128 * widest as u128;
         if activation > 1 << 48 {
             return Err(format!(
-                "batch_size × seq_len × the widest layer ({} × {} × {widest}) is {activation} elements an activation, past any \
-                 machine (at most 2^48): lower --batch-size or --seq-len",
+                "batch_size × seq_len × the widest layer ({} × {} × {widest}) is {activation} elements, one activation of the batch, \
+                 past any machine (at most 2^48): lower --batch-size or --seq-len",
                 self.batch_size, self.seq_len
             ));
         }
@@ -601,6 +602,10 @@ pub struct RunOptions<'a> {
     /// Where world rank 0 writes the model in Hugging Face's format (in the configuration's
     /// `saved_dtype`), with its configuration, at each checkpoint and at the end (`None`: nowhere).
     pub save_hf: Option<(PathBuf, HfConfig)>,
+    /// The dtype `save_hf` writes the weights in (`--save-hf-dtype`); `None`: the checkpoint's
+    /// own ([`HfConfig::saved_dtype`]), bf16 where the run holds a half-precision compute copy
+    /// of an f32 checkpoint (its saves would hold no more than bf16's bits, twice as large).
+    pub save_hf_dtype: Option<DType>,
     /// Files of the checkpoint the model started from that each `save_hf` folder gets a copy
     /// of (its tokenizer and generation settings: `ulysses_models::COMPANION_FILES`).
     pub save_hf_companions: Vec<(PathBuf, String)>,
@@ -632,6 +637,25 @@ pub fn host_threads_per_rank(cores: usize, ranks: usize, cpus_of_its_own: Option
     NonZeroUsize::new(share).unwrap_or(NonZeroUsize::MIN)
 }
 
+/// `--precision bf16` on a device without bf16 computes in f16 (`Precision::compute_dtype`),
+/// whose gradients need loss scaling, which this trainer does not do: each token's loss
+/// gradient, 1/tokens of the step, falls below f16's smallest normal number (6.1e-5) past 16 384
+/// tokens, what flows back from it is smaller still and rounds to zero below 6e-8, and a large
+/// product overflows (the step is then refused as not finite). The command refuses to train so
+/// (before any model is built), as Hugging Face's Trainer refuses `bf16=True` there;
+/// evaluating in f16 (no gradients) and the library's `train_rank` (its f16 tests on lavapipe)
+/// stay allowed.
+pub fn refuse_f16_training(compute_dtype: FloatDType, device: &impl std::fmt::Debug) -> Result<(), UlyssesError> {
+    if compute_dtype != FloatDType::F16 {
+        return Ok(());
+    }
+    Err(UlyssesError::InvalidConfig(format!(
+        "bf16 compute (--precision bf16, the default on CUDA): the device {device:?} has no bf16, only f16, and training in f16 needs \
+         loss scaling (its small gradients round to zero, large ones overflow), which this trainer does not do: train in f32 \
+         (--precision f32), or on a GPU with bf16 (NVIDIA Ampere, sm_80, or newer)"
+    )))
+}
+
 /// Refuses, on every rank, a world whose processes were started with different settings,
 /// naming the first that differs from world rank 0's: every field of `config` and the options
 /// that decide which collectives a run takes (checkpoints, a stop, a resume, a save). Each
@@ -639,23 +663,6 @@ pub fn host_threads_per_rank(cores: usize, ranks: usize, cpus_of_its_own: Option
 /// evaluation's schedule, the steps, the checkpoints) waited in different collectives until
 /// the collective timeout, ten minutes, which then blamed a stuck rank. Compared by FNV-1a
 /// hashes of each field's JSON (alike on every build and machine).
-/// `--precision bf16` on a device without bf16 computes in f16 (`Precision::compute_dtype`),
-/// whose gradients need loss scaling, which this trainer does not do: each token's loss
-/// gradient, 1/tokens of the step, falls below f16's smallest normal number (6.1e-5) past 16 384
-/// tokens, what flows back from it is smaller still and rounds to zero below 6e-8, and a large
-/// product overflows (the step is then refused as not finite). Refused, as Hugging Face's Trainer refuses `bf16=True` there; evaluating in f16
-/// (no gradients) stays allowed.
-fn refuse_f16_training(compute_dtype: FloatDType, device: &impl std::fmt::Debug) -> Result<(), UlyssesError> {
-    if compute_dtype != FloatDType::F16 {
-        return Ok(());
-    }
-    Err(UlyssesError::InvalidConfig(format!(
-        "bf16 compute (--precision bf16, the default on CUDA): the device {device:?} has no bf16, only f16, and training in f16 needs loss scaling (its small gradients \
-         round to zero, large ones overflow), which this trainer does not do: train in f32 (--precision f32), or on a GPU with bf16 \
-         (NVIDIA Ampere, sm_80, or newer)"
-    )))
-}
-
 fn check_settings_agree<W: burn::tensor::backend::Backend>(config: &TrainConfig, options: &RunOptions, world: &dyn Communicator<W>) -> Result<(), UlyssesError> {
     let mut fields: Vec<(String, String)> = match serde_json::to_value(config) {
         Ok(serde_json::Value::Object(map)) => map.into_iter().map(|(name, value)| (name, value.to_string())).collect(),
@@ -667,6 +674,8 @@ fn check_settings_agree<W: burn::tensor::backend::Backend>(config: &TrainConfig,
         ("checkpoints written or not (--no-save)".to_string(), options.checkpoint_dir.is_some().to_string()),
         ("a resume or none (--resume)".to_string(), options.resume.is_some().to_string()),
         ("a Hugging Face save or none (--save-hf)".to_string(), options.save_hf.is_some().to_string()),
+        // Under ZeRO-3 it decides the save's shards, which every rank gathers.
+        ("the Hugging Face save's dtype (--save-hf-dtype)".to_string(), format!("{:?}", options.save_hf_dtype)),
     ]);
     fields.sort();
     let hashes: Vec<u64> = fields.iter().map(|(name, value)| ulysses_training::checkpoint::fnv1a(&[name.as_bytes(), &[0], value.as_bytes()])).collect();
@@ -705,7 +714,6 @@ where
     check_settings_agree(config, &options, &*groups.world)?;
     config.validate().map_err(UlyssesError::InvalidConfig)?;
     let compute_dtype = config.precision.compute_dtype::<B>(device)?;
-    refuse_f16_training(compute_dtype, device)?;
     let model = model.with_compute_dtype(compute_dtype).with_f32_head(config.f32_head);
     let model = if config.freeze_embeddings { model.with_frozen_embeddings() } else { model };
     let sharder = config.sharder();
@@ -750,6 +758,13 @@ where
     // The f32 master weights are the optimizer's: the model keeps the compute copy alone.
     if sharded && compute_dtype != FloatDType::F32 && !zero_3 {
         model = with_parameters_in(model, compute_dtype);
+    }
+    if let Some((_, checkpoint)) = &options.save_hf {
+        let compute_copy = sharded && compute_dtype != FloatDType::F32;
+        options.save_hf_dtype = Some(options.save_hf_dtype.unwrap_or(match checkpoint.saved_dtype() {
+            DType::F32 if compute_copy => DType::BF16,
+            own => own,
+        }));
     }
     let mut parts = None;
     if zero_3 {
@@ -936,8 +951,9 @@ where
             (Some(parts), _) => save_hf_gathered_at(&model, parts, &options, groups, first_step)?,
             // Nothing runs beside it: written a shard at a time, never the model whole in memory.
             (None, Some((dir, checkpoint))) if is_first => {
-                save_pretrained_including(&model, checkpoint, dir, SaveOptions::new(checkpoint.saved_dtype()), &options.save_hf_companions).map_err(|e| hf_error(dir, e))?;
-                tracing::info!(step = first_step, folder = %dir.display(), dtype = ?checkpoint.saved_dtype(), "saved in Hugging Face's format");
+                let dtype = hf_dtype(&options, checkpoint);
+                save_pretrained_including(&model, checkpoint, dir, SaveOptions::new(dtype), &options.save_hf_companions).map_err(|e| hf_error(dir, e))?;
+                tracing::info!(step = first_step, folder = %dir.display(), ?dtype, "saved in Hugging Face's format");
             }
             (None, _) => {}
         }
@@ -1086,7 +1102,7 @@ impl<B: TrainBackend> TrainedModel<B> {
 /// written by [`HfCheckpointSnapshot::write`].
 fn take_hf<B: TrainBackend>(model: &Decoder<B>, options: &RunOptions) -> Result<Option<HfCheckpointSnapshot>, UlyssesError> {
     let Some((dir, checkpoint)) = &options.save_hf else { return Ok(None) };
-    HfCheckpointSnapshot::take(model, checkpoint, dir, SaveOptions::new(checkpoint.saved_dtype()), &options.save_hf_companions).map(Some).map_err(|e| hf_error(dir, e))
+    HfCheckpointSnapshot::take(model, checkpoint, dir, SaveOptions::new(hf_dtype(options, checkpoint)), &options.save_hf_companions).map(Some).map_err(|e| hf_error(dir, e))
 }
 
 /// Writes a `--save-hf` snapshot taken after step `done`.
@@ -1098,6 +1114,12 @@ fn write_hf(hf: HfCheckpointSnapshot, done: usize) -> Result<(), UlyssesError> {
     Ok(())
 }
 
+/// The dtype a `--save-hf` writes the weights in: `options.save_hf_dtype` (resolved in
+/// `train_rank`), else the checkpoint's own.
+fn hf_dtype(options: &RunOptions, checkpoint: &HfConfig) -> DType {
+    options.save_hf_dtype.unwrap_or_else(|| checkpoint.saved_dtype())
+}
+
 fn hf_error(dir: &Path, reason: impl std::fmt::Display) -> UlyssesError {
     UlyssesError::Checkpoint { path: dir.display().to_string(), reason: format!("--save-hf: {reason}") }
 }
@@ -1106,8 +1128,9 @@ fn hf_error(dir: &Path, reason: impl std::fmt::Display) -> UlyssesError {
 /// world; world rank 0 writes).
 fn save_hf_gathered_at<B: TrainBackend>(model: &Decoder<B>, parts: &mut ShardedParameters<B>, options: &RunOptions, groups: &ParallelGroups<B::Wire>, done: usize) -> Result<(), UlyssesError> {
     let Some((dir, checkpoint)) = &options.save_hf else { return Ok(()) };
-    if save_hf_gathered(model, parts, checkpoint, dir, &options.save_hf_companions, groups).map_err(|reason| hf_error(dir, reason))?.is_some() {
-        tracing::info!(step = done, folder = %dir.display(), dtype = ?checkpoint.saved_dtype(), "saved in Hugging Face's format");
+    let dtype = hf_dtype(options, checkpoint);
+    if save_hf_gathered(model, parts, checkpoint, dir, dtype, &options.save_hf_companions, groups).map_err(|reason| hf_error(dir, reason))?.is_some() {
+        tracing::info!(step = done, folder = %dir.display(), ?dtype, "saved in Hugging Face's format");
     }
     Ok(())
 }
@@ -1121,10 +1144,11 @@ fn save_hf_gathered<B: TrainBackend>(
     parts: &mut ShardedParameters<B>,
     checkpoint: &HfConfig,
     dir: &Path,
+    dtype: DType,
     companions: &[(PathBuf, String)],
     groups: &ParallelGroups<B::Wire>,
 ) -> Result<Option<()>, String> {
-    let options = SaveOptions::new(checkpoint.saved_dtype());
+    let options = SaveOptions::new(dtype);
     let plan = plan_shard_paths(&parts.tensors(), options);
     let mut writer = match groups.world_rank() {
         0 => Some(HfCheckpointWriter::begin(checkpoint, dir, options, parts.tensors()).and_then(|mut writer| {
