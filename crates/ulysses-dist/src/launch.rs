@@ -282,8 +282,9 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
         return Err(DistError::Launch(format!("rank {rank} {}", describe(status))));
     }
     // Bounded as after a failure: a process a rank started in the background may outlive it
-    // holding its output pipe.
-    join_for(forwarders, plan.kill_grace);
+    // holding its output pipe. A second at least, so that the ranks' last lines (the summary)
+    // are copied out under --kill-grace-secs 0 too.
+    join_for(forwarders, plan.kill_grace.max(Duration::from_secs(1)));
     Ok(())
 }
 
@@ -335,10 +336,17 @@ fn forward_interrupts() {
     let handler = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
     let usr1 = on_usr1 as extern "C" fn(libc::c_int) as libc::sighandler_t;
     let term = on_term as extern "C" fn(libc::c_int) as libc::sighandler_t;
-    // SAFETY: the handlers only store to atomics, which is async-signal-safe.
+    // SAFETY: the handlers only store to atomics, which is async-signal-safe; sigaction with
+    // no new action only reads the current one.
     unsafe {
         for signal in [libc::SIGINT, libc::SIGHUP, libc::SIGQUIT] {
-            libc::signal(signal, handler);
+            // One the launcher was started ignoring stays ignored: `nohup ulysses-launch ...`
+            // outlives the terminal's hang-up, and a shell's background job its SIGINT.
+            let mut current: libc::sigaction = std::mem::zeroed();
+            let ignored = libc::sigaction(signal, std::ptr::null(), &mut current) == 0 && current.sa_sigaction == libc::SIG_IGN;
+            if !ignored {
+                libc::signal(signal, handler);
+            }
         }
         libc::signal(libc::SIGUSR1, usr1);
         libc::signal(libc::SIGTERM, term);
@@ -404,19 +412,16 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-/// Copies a rank's output line by line, prefixed with its rank.
+/// Copies a rank's output line by line, prefixed with its rank, each line in one write: where
+/// stdout and stderr go to one file (Slurm's default, `2>&1`), the ranks' lines do not splice
+/// into each other (stderr is unbuffered, and `writeln!` writes a line in pieces).
 fn forward(stream: impl Read + Send + 'static, rank: usize, to_stderr: bool) -> JoinHandle<()> {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(stream);
         let mut line = Vec::new();
         while reader.read_until(b'\n', &mut line).is_ok_and(|n| n > 0) {
-            let text = String::from_utf8_lossy(&line);
-            let text = text.trim_end_matches(['\n', '\r']);
-            let _ = if to_stderr {
-                writeln!(std::io::stderr().lock(), "[rank {rank}] {text}")
-            } else {
-                writeln!(std::io::stdout().lock(), "[rank {rank}] {text}")
-            };
+            let out = format!("[rank {rank}] {}\n", String::from_utf8_lossy(&line).trim_end_matches(['\n', '\r']));
+            let _ = if to_stderr { std::io::stderr().lock().write_all(out.as_bytes()) } else { std::io::stdout().lock().write_all(out.as_bytes()) };
             line.clear();
         }
     })

@@ -625,6 +625,30 @@ fn running(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
 }
 
+/// A launcher started ignoring SIGHUP (`nohup ulysses-launch ...`, then the terminal closes)
+/// goes on: its rank finishes and it exits 0, the rank's last line copied out even with no
+/// grace.
+#[test]
+fn a_launcher_started_under_nohup_outlives_the_hang_up() {
+    use std::os::unix::process::CommandExt;
+    let mut command = launch_on_a_free_port();
+    command.args(["--nproc-per-node", "1", "--kill-grace-secs", "0", "--"]).args(["sh", "-c", "sleep 2; echo done"]).stdout(std::process::Stdio::piped());
+    // SAFETY: signal(2) in the child before exec, as nohup does.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let launcher = command.spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    // SAFETY: kill(2) on the launcher we started.
+    unsafe { libc::kill(launcher.id() as i32, libc::SIGHUP) };
+    let output = launcher.wait_with_output().unwrap();
+    assert!(output.status.success(), "the hang-up stopped the launcher: {}", output.status);
+    assert!(String::from_utf8_lossy(&output.stdout).contains("[rank 0] done"), "{}", String::from_utf8_lossy(&output.stdout));
+}
+
 #[test]
 fn a_launcher_hung_up_on_or_killed_takes_its_ranks_with_it() {
     for signal in [libc::SIGHUP, libc::SIGKILL] {
