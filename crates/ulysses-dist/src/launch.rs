@@ -383,13 +383,25 @@ fn stop(ranks: &mut [Rank], grace: Duration) {
         signal_group(&ranks[i], libc::SIGTERM);
     }
     let deadline = Instant::now() + grace;
-    while Instant::now() < deadline && running.iter().any(|&i| !matches!(ranks[i].child.try_wait(), Ok(Some(_)))) {
+    while Instant::now() < deadline && running.iter().any(|&i| !exited(&ranks[i].child)) {
         std::thread::sleep(Duration::from_millis(50));
     }
     for &i in &running {
-        // Also reaches what the rank started and left behind (it holds the output pipes).
+        // Also reaches what the rank started and left behind (it holds the output pipes); the
+        // rank unreaped till then, so that its group's id is still its own.
         signal_group(&ranks[i], libc::SIGKILL);
         ranks[i].status = ranks[i].child.wait().ok();
+    }
+}
+
+/// Whether `child` has exited, without reaping it: its zombie keeps its pid, and so its
+/// process group's id, from being reused by another job while the group is signalled.
+fn exited(child: &Child) -> bool {
+    // SAFETY: waitid(2) with WNOWAIT on our own child only reads its state; siginfo_t is plain
+    // data, zeroed (si_pid stays 0 where it has not exited).
+    unsafe {
+        let mut info: libc::siginfo_t = std::mem::zeroed();
+        libc::waitid(libc::P_PID, child.id() as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT) == 0 && info.si_pid() != 0
     }
 }
 

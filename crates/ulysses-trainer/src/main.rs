@@ -445,9 +445,27 @@ fn main() {
         stop_on_signals();
     }
     if let Err(message) = run(args) {
-        eprintln!("error: {message}");
+        // A process's rank error was said as it failed (the same message).
+        if !ERROR_SAID.load(std::sync::atomic::Ordering::Relaxed) {
+            eprintln!("error: {message}");
+        }
         std::process::exit(1);
     }
+}
+
+/// Whether this process printed its error already ([`said_before_leaving`]).
+static ERROR_SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// A process's rank error, printed as it fails, while its communicator is still held: leaving
+/// the job, its rendezvous waits for the other ranks to leave, which they do on noticing it
+/// gone, so a launcher blames one of them first and may kill this rank, waiting, before it
+/// printed why (a full disk under rank 0's checkpoint). Rank threads report after they join.
+fn said_before_leaving(threads: bool, result: Result<(), String>) -> Result<(), String> {
+    if let (Err(message), false) = (&result, threads) {
+        eprintln!("error: {message}");
+        ERROR_SAID.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    result
 }
 
 /// When the first stop signal came (CLOCK_MONOTONIC, ns; 0: none yet).
@@ -1818,7 +1836,7 @@ where
     let host_optimizer_threads = ulysses_trainer::train::host_threads_per_rank(std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get), ranks_here, cpus_of_its_own);
     let template = Template::new(template, if threads { config.layout.world_size() } else { 1 });
 
-    let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| -> Result<(), String> {
+    let results = run_ranks::<W, T, _>(&job.launch, &job.options, device, |rank| said_before_leaving(threads, (|| -> Result<(), String> {
         if let Some((sequences, documents, targets)) = &job.eval_sequences {
             if job.args.fault_kill_before_eval == Some(rank.world_rank) {
                 tracing::warn!(rank = rank.world_rank, "test hook: killing this process (SIGKILL) before it evaluates");
@@ -1874,7 +1892,7 @@ where
             log.finish()?;
         }
         Ok(())
-    })
+    })()))
     .map_err(|e| e.to_string())?;
     // Threads: every failed rank's line (the one that failed first is among them, the others
     // name it); a process: its own.

@@ -790,6 +790,26 @@ fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A rank process that fails (rank 0's checkpoint write, under the launcher) says why as it
+/// fails, before it leaves the job (leaving, it waits for the others, and the launcher may stop
+/// it there), and once: not again when the process ends.
+#[test]
+fn a_failing_rank_process_says_why_once() {
+    let dir = workspace("failed-process");
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let output = Command::new(launcher())
+        .args(["--nproc-per-node", "2", "--master-port", &port, "--kill-grace-secs", "5", "--"])
+        .arg(trainer())
+        .args(common_args(&dir, "run", 12))
+        .args(["--sp", "2", "--checkpoint-every", "6", "--eval-every", "0", "--fault-failed-checkpoint-write"])
+        .output()
+        .unwrap();
+    let text = show(&output);
+    let said = text.lines().filter(|line| line.starts_with("[rank 0] error:") && line.contains("step 5: checkpoint")).count();
+    assert!(!output.status.success() && said == 1, "rank 0 said why {said} times:\n{text}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A rank that dies while rank 0 still writes a checkpoint (a slow disk: 5 s): `ulysses-launch`
 /// waits for the write, saying so, before it stops the ranks, where its grace (1 s, then 1 s
 /// after SIGTERM) would have killed rank 0 mid-write and lost the checkpoint.
