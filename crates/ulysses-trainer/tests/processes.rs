@@ -143,12 +143,18 @@ fn run_alone(args: &[String], extra: &[&str]) -> Output {
     Command::new(trainer()).args(args).args(extra).args(["--launch", "threads"]).output().unwrap()
 }
 
+/// `ulysses-launch` starting the trainer as `processes` processes on a free port, with a kill
+/// grace of `grace` seconds; the trainer's arguments follow.
+fn launched(processes: usize, grace: &str) -> Command {
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut command = Command::new(launcher());
+    command.args(["--nproc-per-node", &processes.to_string(), "--master-port", &port, "--kill-grace-secs", grace, "--"]).arg(trainer());
+    command
+}
+
 /// The trainer as `processes` processes under `ulysses-launch`.
 fn run_launched(processes: usize, args: &[String], extra: &[&str]) -> Output {
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    Command::new(launcher())
-        .args(["--nproc-per-node", &processes.to_string(), "--master-port", &port, "--kill-grace-secs", "20", "--"])
-        .arg(trainer())
+    launched(processes, "20")
         .args(args)
         .args(extra)
         .env("ULYSSES_COLLECTIVE_TIMEOUT", "120")
@@ -766,10 +772,7 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
 #[test]
 fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
     let dir = workspace("slow-checkpoint");
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let output = Command::new(launcher())
-        .args(["--nproc-per-node", "2", "--master-port", &port, "--kill-grace-secs", "20", "--"])
-        .arg(trainer())
+    let output = launched(2, "20")
         .args(common_args(&dir, "run", 3))
         .args(["--sp", "2", "--checkpoint-every", "2", "--eval-every", "0", "--fault-slow-checkpoint-write", "8"])
         .env("ULYSSES_COLLECTIVE_TIMEOUT", "5")
@@ -796,10 +799,7 @@ fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
 #[test]
 fn a_failing_rank_process_says_why_once() {
     let dir = workspace("failed-process");
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let output = Command::new(launcher())
-        .args(["--nproc-per-node", "2", "--master-port", &port, "--kill-grace-secs", "5", "--"])
-        .arg(trainer())
+    let output = launched(2, "5")
         .args(common_args(&dir, "run", 12))
         .args(["--sp", "2", "--checkpoint-every", "6", "--eval-every", "0", "--fault-failed-checkpoint-write"])
         .output()
@@ -816,10 +816,7 @@ fn a_failing_rank_process_says_why_once() {
 #[test]
 fn a_checkpoint_being_written_when_a_rank_dies_is_kept() {
     let dir = workspace("write-then-die");
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let output = Command::new(launcher())
-        .args(["--nproc-per-node", "2", "--master-port", &port, "--kill-grace-secs", "1", "--"])
-        .arg(trainer())
+    let output = launched(2, "1")
         .args(common_args(&dir, "run", 8))
         .args(["--sp", "2", "--checkpoint-every", "2", "--eval-every", "0", "--fault-slow-checkpoint-write", "5", "--fault-kill", "3:1"])
         .env("RUST_LOG", "warn")
@@ -840,10 +837,7 @@ fn a_hugging_face_save_written_slower_than_the_collective_timeout_stops_no_rank(
     let dir = workspace("slow-save-hf");
     let checkpoint = qwen3_and_tokenizer().0;
     let saved = dir.join("saved-hf");
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let output = Command::new(launcher())
-        .args(["--nproc-per-node", "2", "--master-port", &port, "--kill-grace-secs", "20", "--"])
-        .arg(trainer())
+    let output = launched(2, "20")
         .args(["--tokens", &dir.join("data.jsonl").display().to_string(), "--out", &dir.join("run").display().to_string(), "--model", &checkpoint.display().to_string()])
         .args(["--seq-len", "16", "--batch-size", "4", "--steps", "3", "--learning-rate", "0.01", "--sp", "2", "--checkpoint-every", "2", "--eval-every", "0"])
         .args(["--save-hf", &saved.display().to_string(), "--fault-slow-checkpoint-write", "8"])
@@ -1834,10 +1828,7 @@ fn a_rank_that_dies_inside_attention_is_named_in_one_line_per_survivor() {
     let data = dir.join("documents.jsonl");
     let lines: Vec<String> = (0..40).map(|i| serde_json::json!({ "text": format!("document {i} of a group of GPUs") }).to_string()).collect();
     fs::write(&data, lines.join("\n")).unwrap();
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let output = Command::new(launcher())
-        .args(["--nproc-per-node", "2", "--master-port", &port, "--kill-grace-secs", "20", "--"])
-        .arg(trainer())
+    let output = launched(2, "20")
         .args(["--model", &checkpoint.display().to_string(), "--tokenizer", &tokenizer_file.display().to_string(), "--eos-token-id", "0"])
         .args(["--data", &data.display().to_string(), "--seq-len", "64", "--batch-size", "2", "--sp", "2", "--eval-only", "--fault-kill-before-eval", "1"])
         .env("ULYSSES_COLLECTIVE_TIMEOUT", "60")
