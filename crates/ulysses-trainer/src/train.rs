@@ -599,8 +599,8 @@ pub struct RunOptions<'a> {
     pub stop_after: Option<usize>,
     /// The training data's identity, recorded in each checkpoint.
     pub data_identity: Option<DataIdentity>,
-    /// Where world rank 0 writes the model in Hugging Face's format (in the configuration's
-    /// `saved_dtype`), with its configuration, at each checkpoint and at the end (`None`: nowhere).
+    /// Where world rank 0 writes the model in Hugging Face's format (in `save_hf_dtype`), with
+    /// its configuration, at each checkpoint and at the end (`None`: nowhere).
     pub save_hf: Option<(PathBuf, HfConfig)>,
     /// The dtype `save_hf` writes the weights in (`--save-hf-dtype`); `None`: the checkpoint's
     /// own ([`HfConfig::saved_dtype`]), bf16 where the run holds a half-precision compute copy
