@@ -31,6 +31,22 @@ pub struct LaunchPlan {
     pub kill_grace: Duration,
 }
 
+/// The exit status of a rank that stopped before its last step on a signal (a preemption's
+/// SIGTERM, `sbatch --signal=USR1@300`), having written the checkpoint that `--resume`
+/// continues: sysexits' `EX_TEMPFAIL` ("try again later"). Not 0, so that a retry loop or a
+/// job script (`[ $? = 75 ] && scontrol requeue $SLURM_JOB_ID`) tells it from a finished run;
+/// the launcher counts it as no failure and exits with it.
+pub const EXIT_STOPPED_TO_RESUME: i32 = 75;
+
+/// How the ranks of a launch ended, where none failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Every rank exited 0.
+    Finished,
+    /// A rank exited [`EXIT_STOPPED_TO_RESUME`] (the others 0 or the same).
+    StoppedToResume,
+}
+
 /// The most ranks one node starts: a rank is a process (a GPU's, or a CPU's share) with two
 /// threads here copying its output; more is a typo that would fill the process table.
 pub const MAX_RANKS_PER_NODE: usize = 1024;
@@ -165,9 +181,10 @@ struct Rank {
     status: Option<ExitStatus>,
 }
 
-/// Runs the node's ranks to completion. Fails, naming the rank, when one exits unsuccessfully;
-/// the others are stopped (SIGTERM, then SIGKILL after the grace period).
-pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
+/// Runs the node's ranks to completion. Fails, naming the rank, when one exits unsuccessfully
+/// (neither 0 nor [`EXIT_STOPPED_TO_RESUME`]); the others are stopped (SIGTERM, then SIGKILL
+/// after the grace period).
+pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
     plan.validate()?;
     // Rank 0 serves the rendezvous on this node's port: one another process holds (a second
     // launch) would fail rank 0 alone, while the others reached that process's rendezvous.
@@ -255,7 +272,7 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
             if let Ok(Some(status)) = rank.child.try_wait() {
                 rank.status = Some(status);
                 let signalled = |status: &ExitStatus| std::os::unix::process::ExitStatusExt::signal(status).is_some();
-                if !status.success() && failure.as_ref().is_none_or(|(_, first)| signalled(&status) && !signalled(first)) {
+                if !ended_well(&status) && failure.as_ref().is_none_or(|(_, first)| signalled(&status) && !signalled(first)) {
                     failure = Some((rank.rank, status));
                 }
             }
@@ -285,7 +302,15 @@ pub fn run(plan: &LaunchPlan) -> Result<(), DistError> {
     // holding its output pipe. A second at least, so that the ranks' last lines (the summary)
     // are copied out under --kill-grace-secs 0 too.
     join_for(forwarders, plan.kill_grace.max(Duration::from_secs(1)));
-    Ok(())
+    if ranks.iter().any(|r| r.status.and_then(|s| s.code()) == Some(EXIT_STOPPED_TO_RESUME)) {
+        return Ok(Ended::StoppedToResume);
+    }
+    Ok(Ended::Finished)
+}
+
+/// A rank's exit that is no failure: it finished, or stopped on a signal to be resumed.
+fn ended_well(status: &ExitStatus) -> bool {
+    status.success() || status.code() == Some(EXIT_STOPPED_TO_RESUME)
 }
 
 /// Joins the output forwarders, but gives up after `limit`: a process that a failed rank

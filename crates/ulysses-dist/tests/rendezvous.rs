@@ -442,6 +442,24 @@ fn the_launcher_fails_the_job_when_one_rank_fails() {
     assert!(stderr.contains("rank 0 was killed by signal 15 (SIGTERM), rank 1 exited with status 3"), "{stderr}");
 }
 
+/// A rank that exits 75 (the trainer stopped by a signal, its checkpoint written) is no
+/// failure: its peers are left to finish (rank 0 here, a second later, not SIGTERMed), and
+/// the launcher exits 75 too, so that a job script resumes the run rather than take it for
+/// done (0) or failed.
+#[test]
+fn the_launcher_exits_75_where_a_rank_stopped_to_be_resumed() {
+    let output = launch_on_a_free_port()
+        .args(["--nproc-per-node", "2", "--kill-grace-secs", "0", "--"])
+        .args(["sh", "-c", r#"if [ "$RANK" = 1 ]; then exit 75; fi; sleep 1; echo "rank zero done""#])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(75), "{stdout}{stderr}");
+    assert!(stdout.contains("[rank 0] rank zero done") && !stderr.contains("get 0ns to stop"), "{stdout}{stderr}");
+    assert!(stderr.contains("exiting 75 (continue with --resume)"), "{stderr}");
+}
+
 /// A rank killed by a signal is named as the failure, not a peer that exited on its loss in
 /// the same instant (rank 0 here, which the launcher used to name, the lower rank).
 #[test]

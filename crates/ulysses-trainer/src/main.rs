@@ -451,6 +451,11 @@ fn main() {
         }
         std::process::exit(1);
     }
+    // Stopped early on a signal, its checkpoint written: not 0, so that a job script or retry
+    // loop tells it from a finished run and resumes it.
+    if ulysses_trainer::train::STOPPED_ON_SIGNAL.load(std::sync::atomic::Ordering::Relaxed) {
+        std::process::exit(ulysses_dist::launch::EXIT_STOPPED_TO_RESUME);
+    }
 }
 
 /// Whether this process printed its error already ([`said_before_leaving`]).

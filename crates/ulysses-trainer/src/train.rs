@@ -841,6 +841,7 @@ where
         // this step's health check, so all make this step the last, with its checkpoint.
         if report.stop_requested && step + 1 < last_step {
             last_step = step + 1;
+            STOPPED_ON_SIGNAL.store(true, std::sync::atomic::Ordering::Relaxed);
             if is_first {
                 tracing::warn!(step = step + 1, "asked to stop (SIGTERM or SIGUSR1): this step is the last, its checkpoint is written; --resume continues the run");
             }
@@ -1035,6 +1036,10 @@ fn report_written(written: Option<(usize, PathBuf)>, progress: Option<&mut (dyn 
 /// finish (the trainer then ends at once rather than wait, in a rendezvous, say, for peers
 /// that may never come).
 pub static STEPS_BEGUN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether a stop signal made a rank of this process end its run before its last step (with
+/// a checkpoint): the trainer then exits [`ulysses_dist::launch::EXIT_STOPPED_TO_RESUME`].
+pub static STOPPED_ON_SIGNAL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// A rank's model after [`train_rank`]: whole, or under ZeRO-3 this rank's parts of it (the
 /// model itself holding placeholders), gathered only as far as what is asked of it needs.

@@ -9,7 +9,7 @@ use clap::Parser;
 use ulysses_dist::{
     config::ENV_TOKEN,
     env::DEFAULT_MASTER_PORT,
-    launch::{LaunchPlan, run},
+    launch::{EXIT_STOPPED_TO_RESUME, Ended, LaunchPlan, run},
     rendezvous::new_token,
 };
 
@@ -72,7 +72,11 @@ fn main() -> ExitCode {
         kill_grace: Duration::from_secs_f64(args.kill_grace_secs),
     };
     match run(&plan) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(Ended::Finished) => ExitCode::SUCCESS,
+        Ok(Ended::StoppedToResume) => {
+            eprintln!("ulysses-launch: the ranks stopped early on a signal, with a checkpoint; exiting {EXIT_STOPPED_TO_RESUME} (continue with --resume)");
+            ExitCode::from(EXIT_STOPPED_TO_RESUME as u8)
+        }
         Err(error) => {
             eprintln!("{error}");
             ExitCode::FAILURE
