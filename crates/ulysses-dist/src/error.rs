@@ -37,6 +37,11 @@ pub enum DistError {
     Protocol(String),
     #[error("ulysses-launch: {0}")]
     Launch(String),
+    /// A rank of the launch failed: `exit_code` is what the launcher exits with, the rank's
+    /// own status (128 + the signal that killed it, as a shell gives: 137 for the OOM killer's
+    /// SIGKILL), so that a job script or scheduler can tell the causes apart.
+    #[error("ulysses-launch: rank {rank} {how}")]
+    RankFailed { rank: usize, how: String, exit_code: u8 },
     #[error("TCP transport: {0}")]
     Transport(String),
     #[error("{0}")]

@@ -296,7 +296,7 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
         let statuses: Vec<String> =
             ranks.iter().map(|r| format!("rank {} {}", r.rank, r.status.map_or("was not reaped".into(), describe))).collect();
         eprintln!("ulysses-launch: {}", statuses.join(", "));
-        return Err(DistError::Launch(format!("rank {rank} {}", describe(status))));
+        return Err(DistError::RankFailed { rank, how: describe(status), exit_code: exit_code_of(status) });
     }
     // Bounded as after a failure: a process a rank started in the background may outlive it
     // holding its output pipe. A second at least, so that the ranks' last lines (the summary)
@@ -306,6 +306,14 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
         return Ok(Ended::StoppedToResume);
     }
     Ok(Ended::Finished)
+}
+
+/// What the launcher exits with after a rank failed with `status`: its code, or 128 + the
+/// signal that killed it (as a shell reports it); 1 where neither fits a byte or says failure.
+fn exit_code_of(status: ExitStatus) -> u8 {
+    use std::os::unix::process::ExitStatusExt;
+    let code = status.code().or(status.signal().map(|signal| 128 + signal)).unwrap_or(1);
+    u8::try_from(code).ok().filter(|&c| c != 0 && i32::from(c) != EXIT_STOPPED_TO_RESUME).unwrap_or(1)
 }
 
 /// A rank's exit that is no failure: it finished, or stopped on a signal to be resumed.

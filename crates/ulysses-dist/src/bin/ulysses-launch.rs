@@ -7,6 +7,7 @@ use std::{process::ExitCode, time::Duration};
 
 use clap::Parser;
 use ulysses_dist::{
+    DistError,
     config::ENV_TOKEN,
     env::DEFAULT_MASTER_PORT,
     launch::{EXIT_STOPPED_TO_RESUME, Ended, LaunchPlan, run},
@@ -79,7 +80,11 @@ fn main() -> ExitCode {
         }
         Err(error) => {
             eprintln!("{error}");
-            ExitCode::FAILURE
+            match error {
+                // The failed rank's own status, so that the cause (137: the OOM killer) shows.
+                DistError::RankFailed { exit_code, .. } => ExitCode::from(exit_code),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }
