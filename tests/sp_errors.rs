@@ -296,6 +296,22 @@ fn a_ring_refuses_a_mask() {
     assert_all_contain(&messages, &["Ulysses × Ring does not take masks"]);
 }
 
+/// `forbid_dense_fallback` holds under a ring too: NdArray has no fused kernel for the ring's
+/// blocks, which would run as tensor ops keeping every block's scores (the setting was
+/// ignored there, the user's named error met as an out-of-memory error).
+#[test]
+fn a_ring_under_a_forbidden_fallback_names_its_reason() {
+    use burn_ulysses::{ParallelGroups, ParallelLayout};
+    let messages = errors_on_every_rank(4, |rank| {
+        let layout = ParallelLayout::new().with_sp_size(4).with_ring_size(2);
+        let groups = ParallelGroups::<NdArray<f32>>::new(rank.communicator(), layout).unwrap();
+        let _hybrid = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new().with_forbid_dense_fallback(true)));
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        attention(q, k, v, None, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["the ring's fused kernels do not take its blocks", "NdArray", "forbid_dense_fallback"]);
+}
+
 /// The peers of a ring (here a pure ring: Ulysses groups of one) hold other blocks of the same
 /// sequences and must attend under the same layout: one causal, the other not, is refused on
 /// both (it ran, each attending under its own options, and NCCL cannot check a send's shape).

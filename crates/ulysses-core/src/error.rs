@@ -19,10 +19,14 @@ impl UlyssesError {
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum UlyssesError {
     #[error(
-        "sequence-parallel attention: q has {q_heads} heads but the sequence-parallel group has \
-         {sp_size} ranks. Ulysses gives every rank at least one whole head, so sp_size can be at \
-         most {q_heads}; use a smaller group (and data parallelism for the other ranks)."
+        "sequence-parallel attention: q has {q_heads} heads but its all-to-all (Ulysses) group \
+         has {sp_size} ranks. Ulysses gives every rank at least one whole head, so that group can \
+         have at most {q_heads}; use a smaller sequence-parallel group (and data parallelism for \
+         the other ranks), or pass the sequence round a ring too (Ulysses × Ring: the all-to-all \
+         then spans the SP degree over the ring's, so a ring degree of at least the SP degree / \
+         {q_heads}: `ParallelLayout::with_ring_size`, the trainer's --ring)."
     )]
+    /// `sp_size` is the Ulysses degree (the SP degree over the ring's).
     MoreRanksThanHeads { q_heads: usize, sp_size: usize },
 
     #[error(

@@ -665,7 +665,7 @@ fn layouts_that_cannot_work_fail_before_any_work_with_the_fix() {
     let dir = workspace("validation");
     let args = common_args(&dir, "run", 2);
     let cases: [(Output, &str); 4] = [
-        (run_alone(&args, &["--sp", "8"]), "q has 4 heads but the sequence-parallel group has 8 ranks"),
+        (run_alone(&args, &["--sp", "8"]), "q has 4 heads but its all-to-all (Ulysses) group has 8 ranks"),
         (run_alone(&args, &["--sp", "2", "--dp", "3"]), "must be a multiple of dp_size × grad_accumulation = 3"),
         (run_launched(2, &args, &["--sp", "4"]), "divisors of 2: [1, 2]"),
         (

@@ -23,7 +23,7 @@ pub use crate::layout::{BlockKind, RingBlock, RingPlan, RingSharding, pairs_per_
 use crate::{
     comm::Communicator,
     error::UlyssesError,
-    capabilities::ExchangeBackend,
+    capabilities::{DenseFallback, ExchangeBackend},
     flash::warn_once_per_reason,
     primitive::{float_primitive, float_tensor},
 };
@@ -42,11 +42,32 @@ pub fn ring_attention<X: ExchangeBackend>(
     sharding: RingSharding,
     ring: &Arc<dyn Communicator<X::Wire>>,
 ) -> Result<Tensor<X, 4>, UlyssesError> {
+    ring_attention_under(query, key, value, options, sharding, ring, DenseFallback::Allow)
+}
+
+/// [`ring_attention`] where `fallback` says whether the reference blocks may run: under
+/// `UlyssesConfig::forbid_dense_fallback` they are refused too, naming why the kernels did
+/// not take the blocks (under autodiff they keep each block's scores until the backward,
+/// `S² / R` a head, an out-of-memory error at long sequences rather than a slowdown).
+pub(crate) fn ring_attention_under<X: ExchangeBackend>(
+    query: Tensor<X, 4>,
+    key: Tensor<X, 4>,
+    value: Tensor<X, 4>,
+    options: AttentionModuleOptions,
+    sharding: RingSharding,
+    ring: &Arc<dyn Communicator<X::Wire>>,
+    fallback: DenseFallback,
+) -> Result<Tensor<X, 4>, UlyssesError> {
+    // The kernels are checked for q's dtype alone, and the blocks' products need one.
+    crate::layout::check_dtypes_agree([&query, &key, &value].map(|t| t.dtype()))?;
     let plan = RingPlan::new(query.dims(), key.dims(), value.dims(), crate::primitive::call_options(&options), sharding, ring.rank(), ring.size())?;
     match flash::check::<X::Wire>(&plan, query.dtype(), &query.device()) {
         Ok(()) => {
             let output = X::fused_ring_attention(float_primitive(query), float_primitive(key), float_primitive(value), &plan, ring)?;
             Ok(float_tensor(output))
+        }
+        Err(reason) if fallback == DenseFallback::Forbid => {
+            Err(UlyssesError::DenseFallback { reason: format!("the ring's fused kernels do not take its blocks ({reason}), so they would run as tensor ops with chunk x chunk scores") })
         }
         Err(reason) => {
             warn_once_per_reason(&reason, "ring attention runs its blocks as tensor ops (chunk x chunk scores), not on fused kernels");
