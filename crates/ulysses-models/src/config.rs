@@ -385,7 +385,12 @@ impl HfConfig {
             RopeScaling::Linear { factor } => json!({ "rope_type": "linear", "factor": factor }),
             RopeScaling::Dynamic { factor, .. } => json!({ "rope_type": "dynamic", "factor": factor }),
             RopeScaling::Yarn { factor, original_max_position_embeddings, original_given, beta_fast, beta_slow, attention_factor, mscales, truncate } => {
-                let mut yarn = json!({ "rope_type": "yarn", "factor": factor, "beta_fast": beta_fast, "beta_slow": beta_slow, "truncate": truncate });
+                let mut yarn = json!({ "rope_type": "yarn", "factor": factor, "beta_fast": beta_fast, "beta_slow": beta_slow });
+                // Absent reads as true; transformers before `truncate` existed (4.54) warn of
+                // the key as unknown, so it is written only where it says otherwise.
+                if !truncate {
+                    yarn["truncate"] = json!(false);
+                }
                 // What the checkpoint gave, not what it implies (read back, the same bits).
                 if let Some(given) = attention_factor {
                     yarn["attention_factor"] = json!(given);
@@ -738,6 +743,14 @@ mod tests {
             truncate
         };
         assert!(!truncate(Value::Null) && !truncate(json!(false)) && truncate(json!(true)));
+        // Written back only where false (transformers before 4.54 warn of it as unknown), and
+        // read back the same either way.
+        let written = |value: Value| HfConfig::from_hf_json(&with(qwen3, "rope_scaling", json!({"rope_type": "yarn", "factor": 4.0, "truncate": value})), "t").unwrap().to_hf_json("bfloat16");
+        assert_eq!((written(json!(true))["rope_scaling"].get("truncate"), written(json!(false))["rope_scaling"].get("truncate")), (None, Some(&json!(false))));
+        for value in [json!(true), json!(false)] {
+            let config = HfConfig::from_hf_json(&with(qwen3, "rope_scaling", json!({"rope_type": "yarn", "factor": 4.0, "truncate": value})), "t").unwrap();
+            assert_eq!(HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "again").unwrap(), HfConfig { torch_dtype: Some(DType::BF16), ..config });
+        }
     }
 
     /// Dynamic NTK RoPE is read (transformers 4's `type` too) with the context up to which it

@@ -299,8 +299,6 @@ fn weights_that_do_not_fit_the_config_are_refused_by_name() {
     }
 }
 
-/// Mistral's window is not applied by the attention yet: a position at or past it is refused
-/// by name rather than attended over silently.
 /// A model built from a config.json's shape alone (the trainer's `--hf-config`) starts as
 /// transformers' does: weights of standard deviation `initializer_range`, so its first loss is
 /// about ln(vocabulary). burn's unit-variance embeddings, tied to the head, would start at
