@@ -437,18 +437,20 @@ impl RingPlan {
         }
         if kv_local != local || value[2] != local {
             return Err(UlyssesError::Shape(format!(
-                "ring attention: {local} queries and {kv_local} keys per rank; the ring needs self-attention chunks"
+                "ring attention: {local} queries and {kv_local} keys per rank; the ring passes self-attention chunks (as many keys as queries) round: run cross-attention with Ulysses alone (a ring size of 1)"
             )));
         }
         if options.softcap.is_some() {
-            return Err(UlyssesError::Shape("ring attention: softcap is not supported".into()));
+            return Err(UlyssesError::Shape("ring attention: no softcap yet; run a softcapped model with Ulysses alone (a ring size of 1)".into()));
         }
         let (mine, _) = sharding.chunks(rank, size);
         if local % mine.len() != 0 {
             return Err(UlyssesError::Shape(format!(
-                "ring attention: {local} tokens per rank do not split into its {} chunks; pad the sequence to a multiple of {}",
+                "ring attention: this ring rank's {local} tokens do not split into its {} chunks; pad the sequence to a multiple of {} × the \
+                 Ulysses degree, the SP degree times {} (`SequenceSharder` pads so under zigzag sharding)",
                 mine.len(),
-                2 * size
+                2 * size,
+                mine.len()
             )));
         }
         Ok(Self {
