@@ -35,10 +35,16 @@ impl AutotuneCache {
     /// The cache of `cache` at `level`, its folder checked by creating and removing a file in it.
     pub fn for_settings(level: AutotuneLevel, cache: &CacheConfig) -> Self {
         let folder = cache.root();
-        let probe = folder.join(format!(".ulysses-write-check-{}", std::process::id()));
+        // Ranks of other nodes (containers) may share the folder and the pid: the clock in the
+        // name too, and a probe another removed is no failure to write.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |t| t.subsec_nanos());
+        let probe = folder.join(format!(".ulysses-write-check-{}-{nanos}", std::process::id()));
         let unwritable = fs::create_dir_all(&folder)
             .and_then(|()| fs::write(&probe, b""))
-            .and_then(|()| fs::remove_file(&probe))
+            .and_then(|()| match fs::remove_file(&probe) {
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                removed => removed,
+            })
             .err()
             .map(|error| error.to_string());
         Self { level, folder, unwritable }

@@ -129,8 +129,14 @@ impl NcclCommunicator {
         let device = cuda::device::get(ordinal).map_err(cuda_error)?;
         // SAFETY: `device` is a valid device; the primary context is the one CubeCL uses.
         let context = unsafe { cuda::primary_ctx::retain(device) }.map_err(cuda_error)?;
-        unsafe { cuda::ctx::set_current(context) }.map_err(cuda_error)?;
-        let stream = cuda::stream::create(cuda::stream::StreamKind::NonBlocking).map_err(cuda_error)?;
+        // Failing before `Process` holds it, the context's hold is given back here.
+        let released = |error| {
+            // SAFETY: the hold `retain` just took, used by nothing.
+            let _ = unsafe { cuda::primary_ctx::release(device) };
+            cuda_error(error)
+        };
+        unsafe { cuda::ctx::set_current(context) }.map_err(released)?;
+        let stream = cuda::stream::create(cuda::stream::StreamKind::NonBlocking).map_err(released)?;
         let process = Arc::new(Process {
             device: CudaDevice { index: gpu },
             cu_device: device,
@@ -211,7 +217,13 @@ impl NcclCommunicator {
 
     /// Waits until this communicator's pending non-blocking call has been issued.
     fn wait_ready(&self, call: &'static str) -> Result<(), NcclError> {
-        let mut checks = self.wait_checks();
+        self.wait_ready_within(call, &mut self.wait_checks())
+    }
+
+    /// [`wait_ready`](Self::wait_ready) within `checks`' deadline: a collective's wait for
+    /// its launch and then for its stream share one, so that it fails after the timeout, not
+    /// twice it.
+    fn wait_ready_within(&self, call: &'static str, checks: &mut WaitChecks) -> Result<(), NcclError> {
         let poll = Poll::start();
         loop {
             match self.async_state() {
@@ -219,7 +231,7 @@ impl NcclCommunicator {
                 nccl::ncclResult_t::ncclInProgress => {}
                 code => return Err(self.fail(call, code)),
             }
-            self.check_peers(call, &mut checks)?;
+            self.check_peers(call, checks)?;
             poll.pause();
         }
     }
@@ -259,9 +271,9 @@ impl NcclCommunicator {
             Ok(left) => left,
             // Rank 0's server answers from a thread of its own whatever its rank does: no
             // answer means its process or node stopped, not that a collective ran long.
-            Err(ulysses_dist::DistError::RendezvousTimeout { .. }) => {
+            Err(ulysses_dist::DistError::RendezvousTimeout { after, .. }) => {
                 self.abort();
-                return Err(NcclError::RendezvousStalled { op, after: limit });
+                return Err(NcclError::RendezvousStalled { op, after });
             }
             // A closed connection: rank 0, which serves the rendezvous, is gone.
             Err(_) => LeftRanks { died: vec![0], finished: Vec::new() },
@@ -324,9 +336,9 @@ impl NcclCommunicator {
         self.current_context().map_err(failed)?;
         let stream = self.process.stream.0 as nccl::cudaStream_t;
         self.accept(launch(self.comm.0, stream), op)?;
-        self.wait_ready(op)?;
-
         let mut checks = self.wait_checks();
+        self.wait_ready_within(op, &mut checks)?;
+
         let poll = Poll::start();
         loop {
             // SAFETY: our stream lives as long as the process.
@@ -739,10 +751,12 @@ impl NcclCommunicator {
     /// [`Communicator::split`] through `ncclCommSplit`, returning the concrete type.
     pub fn split_group(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
         if color > i32::MAX as u32 || key > i32::MAX as u32 {
-            return Err(CommError::InvalidArgument {
+            // Aborted as every refusal is: the other ranks may be in ncclCommSplit already,
+            // and NCCL pairs collectives by their order alone.
+            return Err(self.refuse(CommError::InvalidArgument {
                 op: burn_ulysses::comm::Collective::Split,
                 reason: format!("color {color} and key {key} must fit in an i32 (NCCL's NOCOLOR is -1)"),
-            });
+            }));
         }
         let mut child = {
             let _exclusive = self.process.calls.lock().unwrap_or_else(|p| p.into_inner());
@@ -753,7 +767,9 @@ impl NcclCommunicator {
             // SAFETY: live parent communicator, valid out-pointer and config.
             let started = unsafe { nccl::ncclCommSplit(self.comm.0, color as c_int, key as c_int, &mut child, &mut config) };
             self.accept(started, "ncclCommSplit").map_err(to_comm_error)?;
-            if let Err(error) = self.wait_ready("ncclCommSplit") {
+            // One deadline for the parent's wait and the child's (the timeout, not twice it).
+            let mut checks = self.wait_checks();
+            if let Err(error) = self.wait_ready_within("ncclCommSplit", &mut checks) {
                 // The parent is aborted; so is the child it began, not left behind.
                 if !child.is_null() {
                     // SAFETY: a communicator ncclCommSplit made, used by nothing yet.
@@ -764,13 +780,11 @@ impl NcclCommunicator {
             // The child has its own abort flag: a failure while it gets ready aborts it alone.
             // Until it knows its members it watches its parent's.
             let mut child = Self::wrap(child, 0, 0, self.members.clone(), self.process.clone());
-            child.wait_ready("ncclCommSplit").map_err(to_comm_error)?;
+            child.wait_ready_within("ncclCommSplit", &mut checks).map_err(to_comm_error)?;
             let (mut rank, mut size) = (0 as c_int, 0 as c_int);
-            // SAFETY: `child` is a ready communicator.
-            unsafe {
-                nccl::ncclCommUserRank(child.comm.0, &mut rank);
-                nccl::ncclCommCount(child.comm.0, &mut size);
-            }
+            // SAFETY: `child` is a ready communicator; valid out-pointers.
+            let (ranked, counted) = unsafe { (nccl::ncclCommUserRank(child.comm.0, &mut rank), nccl::ncclCommCount(child.comm.0, &mut size)) };
+            child.accept(ranked, "ncclCommUserRank").and_then(|()| child.accept(counted, "ncclCommCount")).map_err(to_comm_error)?;
             child.rank = rank as usize;
             child.size = size as usize;
             child

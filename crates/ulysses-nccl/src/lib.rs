@@ -8,7 +8,8 @@
 //! `ulysses_dist::Rendezvous` (rank 0 hands out the NCCL unique id) and uses NCCL's
 //! non-blocking communicators, so that no call waits forever: a collective that outlives its
 //! timeout, or whose peer died (its rendezvous connection closed), aborts the communicator
-//! and returns an error that names the rank.
+//! and returns an error that names the ranks that died or left (a timeout says so: NCCL
+//! does not say which peer it waits for).
 //!
 //! Ordering against CubeCL's own work: CubeCL does not expose its CUDA stream, so each
 //! collective synchronises CubeCL's queue on the host before NCCL reads the inputs, and
