@@ -18,8 +18,12 @@
 //! SPIR-V and WGSL backends have none), [`SharedMemoryMma`] computes the same product from the
 //! same registers through shared memory (lavapipe's planes have 8 lanes, so a warp of 32 is
 //! not one plane there, and shuffles cannot gather it). Kernels written on these fragments
-//! therefore run, and are tested, on the CPU (lavapipe) with the code path CUDA runs, the
-//! product aside.
+//! therefore run, and are tested, on the CPU (lavapipe) with CUDA's arithmetic and data layout
+//! but not all of its code path: the emulated product and asynchronous copies synchronise the
+//! whole cube (so a barrier missing between a shared tile's last read and its next copy races
+//! on a GPU alone), and `ldmatrix`'s lane addressing, `stmatrix` and CUDA's step sizes run
+//! on CUDA alone (the machine-code check sees their instructions; a run under
+//! `compute-sanitizer --tool racecheck` on a GPU would see their races).
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::{CubeRuntime, kernel::into_contiguous, ops::numeric::empty_device_contiguous_dtype, tensor::CubeTensor};
