@@ -206,7 +206,7 @@ pub fn bool_into_data<X: ExchangeBackend>(tensor: BoolTensor<X>) -> impl Future<
 /// `UlyssesBackend`'s transactions (several tensors read at once): one read, counted.
 pub fn tr_execute<X: ExchangeBackend>(transaction: TransactionPrimitive<X>) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
     counted_read(X::tr_execute(transaction), |data: &TransactionPrimitiveData| {
-        [&data.read_floats, &data.read_ints, &data.read_bools].into_iter().flatten().map(tensor_bytes).sum()
+        [&data.read_floats, &data.read_qfloats, &data.read_ints, &data.read_bools].into_iter().flatten().map(tensor_bytes).sum()
     })
 }
 

@@ -22,6 +22,27 @@ impl Default for CheckSizes {
     }
 }
 
+// The half-precision checks' values: whole numbers, and sums over up to 128 ranks, below 256,
+// which bf16 (8 significant bits) holds exactly in any order of addition. Values that grew
+// with the rank count were rounded from 14 ranks on, a working transport reported broken.
+
+/// Element `k` of the part rank `from` sends rank `to` in the half-precision all-to-all.
+fn half_exchanged(from: usize, to: usize, k: usize) -> f32 {
+    ((16 * from + 4 * to + k) % 256) as f32
+}
+
+/// Rank `rank`'s tensor in the half-precision all-reduce: sums `p`, and the odd ranks' count.
+fn half_reduced(rank: usize) -> [f32; 3] {
+    let odd = (rank % 2) as f32;
+    [1.0, odd, -odd]
+}
+
+/// Part `part` of rank `rank`'s tensor in the half-precision reduce-scatter: the parts' sums
+/// differ from their neighbours' (a part delivered one off fails).
+fn half_scattered(rank: usize, part: usize) -> [f32; 2] {
+    [(1 + part % 2) as f32, -((rank % 2) as f32)]
+}
+
 /// Runs every collective of `comm` (collective: every rank of the group calls it) and
 /// returns one line per check, or the first mismatch. Values encode the sending rank and
 /// position, so a slice delivered to the wrong rank or in the wrong order fails.
@@ -120,24 +141,26 @@ pub fn check_collectives<B: Backend>(comm: &dyn Communicator<B>, device: &B::Dev
                 let flat = Tensor::<B, 1>::from_data(TensorData::new(values, [shape.iter().product::<usize>()]).convert_dtype(dtype), (device, dtype));
                 B::float_reshape(flat.into_primitive().tensor(), Shape::from(shape))
             };
-            // Small integers: exact in bf16 and f16.
-            let send: Vec<f32> = (0..p).flat_map(|j| (0..3).map(move |k| 16.0 * r + 4.0 * j as f32 + k as f32)).collect();
+            let send: Vec<f32> = (0..p).flat_map(|j| (0..3).map(move |k| half_exchanged(me, j, k))).collect();
             let exchanged = comm.all_to_all(half(send, vec![p, 3])).map_err(fail)?;
             let got_dtype = burn::tensor::TensorMetadata::dtype(&exchanged);
             let got = host(exchanged);
-            let want: Vec<f32> = (0..p).flat_map(|i| (0..3).map(move |k| 16.0 * i as f32 + 4.0 * r + k as f32)).collect();
+            let want: Vec<f32> = (0..p).flat_map(|i| (0..3).map(move |k| half_exchanged(i, me, k))).collect();
             if got_dtype != dtype {
                 return Err(format!("all_to_all of {dtype:?} returned {got_dtype:?}"));
             }
             report.push(check(&format!("all_to_all in {dtype:?}"), got, want, 0.0)?);
-            let got = host(comm.all_reduce(half(vec![r + 1.0, 2.0 * r, -r], vec![3]), ReduceOp::Sum).map_err(fail)?);
-            report.push(check(&format!("all_reduce sum in {dtype:?}"), got, vec![total, 2.0 * ranks_sum, -ranks_sum], 0.0)?);
-            let reduced = comm.reduce_scatter(half((0..p).flat_map(|j| [r + j as f32, -r]).collect(), vec![2 * p]), ReduceOp::Sum).map_err(fail)?;
+            let sum_over_ranks = |value: &dyn Fn(usize) -> f32| (0..p).map(value).sum::<f32>();
+            let got = host(comm.all_reduce(half(half_reduced(me).to_vec(), vec![3]), ReduceOp::Sum).map_err(fail)?);
+            let want = (0..3).map(|i| sum_over_ranks(&|rank| half_reduced(rank)[i])).collect();
+            report.push(check(&format!("all_reduce sum in {dtype:?}"), got, want, 0.0)?);
+            let reduced = comm.reduce_scatter(half((0..p).flat_map(|j| half_scattered(me, j)).collect(), vec![2 * p]), ReduceOp::Sum).map_err(fail)?;
             let got_dtype = burn::tensor::TensorMetadata::dtype(&reduced);
             if got_dtype != dtype {
                 return Err(format!("reduce_scatter of {dtype:?} returned {got_dtype:?}"));
             }
-            report.push(check(&format!("reduce_scatter sum in {dtype:?}"), host(reduced), vec![ranks_sum + (p * me) as f32, -ranks_sum], 0.0)?);
+            let want = (0..2).map(|i| sum_over_ranks(&|rank| half_scattered(rank, me)[i])).collect();
+            report.push(check(&format!("reduce_scatter sum in {dtype:?}"), host(reduced), want, 0.0)?);
         }
         None => report.push("skip all_to_all and all_reduce in bf16/f16: the device has neither".into()),
     }
@@ -159,4 +182,45 @@ pub fn check_collectives<B: Backend>(comm: &dyn Communicator<B>, device: &B::Dev
     }
     report.push("ok   sub-group order".into());
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{bf16, f16};
+
+    use super::{half_exchanged, half_reduced, half_scattered};
+
+    /// Sums `values` in order, each partial sum rounded to bf16 (as NCCL's ring keeps them).
+    fn bf16_sum(values: impl Iterator<Item = f32>) -> f32 {
+        values.fold(0.0, |sum, value| bf16::from_f32(sum + value).to_f32())
+    }
+
+    /// The half-precision checks' values, and their sums over the ranks in bf16, are exact for
+    /// groups of up to 128 ranks (the self-check compares them with tolerance 0): from 14 ranks
+    /// on, the earlier values (16 r + 4 j + k) were not, and the check failed a working NCCL.
+    /// Runs on the CPU, where no backend here computes in bf16 (the check itself skips there).
+    #[test]
+    fn the_half_precision_values_and_their_sums_are_exact_up_to_128_ranks() {
+        let exact = |value: f32| bf16::from_f32(value).to_f32() == value && f16::from_f32(value).to_f32() == value;
+        for p in 1..=128 {
+            for from in 0..p {
+                for to in 0..p {
+                    assert!((0..3).all(|k| exact(half_exchanged(from, to, k))), "{p} ranks: {from} to {to}");
+                }
+            }
+            for i in 0..3 {
+                let want: f32 = (0..p).map(|rank| half_reduced(rank)[i]).sum();
+                assert_eq!(bf16_sum((0..p).map(|rank| half_reduced(rank)[i])), want, "{p} ranks: all_reduce element {i}");
+            }
+            for part in 0..p {
+                for i in 0..2 {
+                    let want: f32 = (0..p).map(|rank| half_scattered(rank, part)[i]).sum();
+                    assert_eq!(bf16_sum((0..p).map(|rank| half_scattered(rank, part)[i])), want, "{p} ranks: part {part} element {i}");
+                }
+                if part > 0 {
+                    assert_ne!(half_scattered(0, part), half_scattered(0, part - 1), "neighbouring parts must differ");
+                }
+            }
+        }
+    }
 }

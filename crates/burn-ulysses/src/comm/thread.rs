@@ -115,17 +115,25 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         settle::<B>(&device, op)?;
 
         let me = ThreadCommunicator::rank(self);
-        let (_, received) = self.round(op, Box::new(slices), |deposits| {
+        // Each rank's whole shape beside its slices: slices of `[2, 2, 3]` and `[2, 3, 2]` are
+        // rows of the same length, which would be taken as this rank's shape.
+        let (_, received) = self.round(op, Box::new((shape.clone(), slices)), |deposits| {
             deposits
                 .iter_mut()
                 .map(|d| {
                     d.as_mut()
-                        .and_then(|d| d.downcast_mut::<Vec<Option<FloatTensor<B>>>>())
-                        .and_then(|slices| slices[me].take())
+                        .and_then(|d| d.downcast_mut::<(Shape, Vec<Option<FloatTensor<B>>>)>())
+                        .and_then(|(shape, slices)| Some((shape.clone(), slices[me].take()?)))
                 })
                 .collect::<Option<Vec<_>>>()
         })?;
-        let received = received.ok_or_else(|| mixed_backends(op))?;
+        let (shapes, received): (Vec<Shape>, Vec<FloatTensor<B>>) = received.ok_or_else(|| mixed_backends(op))?.into_iter().unzip();
+        if let Some(rank) = shapes.iter().position(|theirs| *theirs != shapes[0]) {
+            return Err(CommError::InvalidArgument {
+                op,
+                reason: format!("rank 0 passed shape {:?} but rank {rank} passed {:?}; every rank must pass the same shape", shapes[0].to_vec(), shapes[rank].to_vec()),
+            });
+        }
         check_same_layout::<B>(op, &received)?;
         let rows: Vec<Tensor<B, 2>> = received
             .iter()
@@ -299,6 +307,22 @@ mod tests {
         .into_data()
         .to_vec()
         .unwrap()
+    }
+
+    /// Ranks whose tensors have the same length of slice but other shapes (`[2, 2, 3]` and
+    /// `[2, 3, 2]`) are refused on every rank, naming both, as the host transports refuse them
+    /// (each rank took the other's slice as its own shape, silently).
+    #[test]
+    fn an_all_to_all_of_other_shapes_with_the_same_slice_length_is_refused() {
+        let results = ThreadGroup::new(2).run(|rank| {
+            let shape = if rank.rank() == 0 { [2, 2, 3] } else { [2, 3, 2] };
+            let tensor = B::float_from_data(TensorData::new(vec![1.0f32; 12], shape), &Default::default());
+            Communicator::<B>::all_to_all(&*rank.communicator(), tensor).err().map(|e| e.to_string())
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            let message = result.unwrap().unwrap_or_else(|| panic!("rank {rank} took a slice of another shape"));
+            assert!(message.contains("rank 0 passed shape [2, 2, 3] but rank 1 passed [2, 3, 2]"), "rank {rank}: {message}");
+        }
     }
 
     #[test]
