@@ -4,7 +4,8 @@
 //! [`config`] reads a checkpoint's `config.json` into a [`HfConfig`], checks everything
 //! the decoder cannot represent before any weight is read (each error names the key and the
 //! file), and writes it back in Hugging Face's form; [`rope`] computes the rotary frequencies
-//! of the `default`, `linear`, `llama3` and `yarn` RoPE types as transformers does, and
+//! of the `default`, `linear`, `llama3`, `yarn` and `dynamic` (up to
+//! `max_position_embeddings`, refused past it) RoPE types as transformers does, and
 //! [`rope_tables`] the rotations at each token's global position; [`decoder`] is the decoder,
 //! generic over the backend, calling burn's attention op (so sequence parallel under
 //! `burn_ulysses::UlyssesBackend`); [`pretrained`] loads a checkpoint folder's weights into

@@ -1,7 +1,7 @@
 //! Starts one node's ranks of a burn-ulysses job, like torchrun.
 //!
 //! ulysses-launch --nproc-per-node 4 -- ./train --sp 4
-//! ulysses-launch --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- ./train
+//! ULYSSES_RENDEZVOUS_TOKEN=$SECRET ulysses-launch --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -- ./train
 
 use std::{process::ExitCode, time::Duration};
 
