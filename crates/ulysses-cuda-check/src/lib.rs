@@ -181,7 +181,10 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
     let client = CompileOnly::client(&device);
     cubecl::future::block_on(client.sync()).map_err(|e| format!("{e:?}"))?;
     runtime::take_compiled();
-    let mut kernels: BTreeMap<String, Kernel> = BTreeMap::new();
+    // By canonical source and dynamic shared memory: the shared arrays' sizes, which the
+    // canonical source leaves out with the layout, differ only there, and each size is checked
+    // against the shared-memory limit and the blocks an SM holds.
+    let mut kernels: BTreeMap<(String, usize), Kernel> = BTreeMap::new();
     for &case in cases {
         // Small shapes: tile sizes depend on head dims and dtype, not on lengths. GQA (2 q
         // heads per kv head) and a length that is no multiple of a tile. In 64 bits, one head
@@ -247,7 +250,7 @@ pub fn collect(target: usize, cases: &[Case]) -> Result<Vec<Kernel>, String> {
             // One kernel however CubeCL ordered its declarations this time.
             let canonical = canonical_source(&compiled.source);
             let source_key = source_key(&canonical);
-            let entry = kernels.entry(canonical).or_insert_with(|| Kernel {
+            let entry = kernels.entry((canonical, compiled.dynamic_shared_bytes)).or_insert_with(|| Kernel {
                 target: compiled.target,
                 kernel: kernel.to_string(),
                 entrypoint: compiled.entrypoint.clone(),
