@@ -301,6 +301,9 @@ impl NcclCommunicator {
     /// NCCL pairs collectives by their order alone, so this rank's next one would run against
     /// theirs.
     fn refuse(&self, error: CommError) -> CommError {
+        // Under the process's call lock (no caller holds it): another thread's collective on
+        // this communicator, polling it, must not have it freed under it by the abort.
+        let _exclusive = self.process.calls.lock().unwrap_or_else(|p| p.into_inner());
         self.abort();
         error
     }
@@ -336,9 +339,17 @@ impl NcclCommunicator {
         self.current_context().map_err(failed)?;
         let stream = self.process.stream.0 as nccl::cudaStream_t;
         self.accept(launch(self.comm.0, stream), op)?;
+        let waited = self.wait_for_stream(op);
+        if waited.is_err() {
+            self.drain_after_abort(op);
+        }
+        waited
+    }
+
+    /// Waits for the collective `launch` put on NCCL's stream: its launch, then its kernels.
+    fn wait_for_stream(&self, op: &'static str) -> Result<(), NcclError> {
         let mut checks = self.wait_checks();
         self.wait_ready_within(op, &mut checks)?;
-
         let poll = Poll::start();
         loop {
             // SAFETY: our stream lives as long as the process.
@@ -355,6 +366,23 @@ impl NcclCommunicator {
                 code => return Err(self.fail(op, code)),
             }
             self.check_peers(op, &mut checks)?;
+            poll.pause();
+        }
+    }
+
+    /// After a collective failed and aborted the communicator: waits (10 s at most) for NCCL's
+    /// kernels on its stream to end, so that the buffers, which go back to CubeCL's pool as
+    /// the caller returns, are not written by them afterwards (an abort stops them, but does
+    /// not wait for them).
+    fn drain_after_abort(&self, op: &'static str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let poll = Poll::start();
+        // SAFETY: our stream lives as long as the process.
+        while unsafe { cuda_sys::cuStreamQuery(self.process.stream.0) } == cuda_sys::CUresult::CUDA_ERROR_NOT_READY {
+            if Instant::now() >= deadline {
+                tracing::error!(op, "NCCL's kernels still run 10 s after the abort; their buffers may be reused under them: end this process");
+                return;
+            }
             poll.pause();
         }
     }
