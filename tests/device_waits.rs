@@ -97,8 +97,8 @@ fn a_queued_read_brings_back_the_tensor_as_it_was_queued() {
     let first = arrive(vec![first]).unwrap().remove(0).to_vec::<f32>().unwrap();
     let second = arrive(vec![second]).unwrap().remove(0).to_vec::<f32>().unwrap();
     let io = DeviceIo::of_this_thread() - before;
-    assert!(first.iter().zip(&values).all(|(read, value)| *read == value * 2.0), "the first read differs from what was queued");
-    assert!(second.iter().all(|read| *read == 8.0), "the second read differs from what was queued");
+    assert!(first.len() == values.len() && first.iter().zip(&values).all(|(read, value)| *read == value * 2.0), "the first read differs from what was queued");
+    assert!(second.len() == 4096 && second.iter().all(|read| *read == 8.0), "the second read differs from what was queued");
     assert_eq!((io.queued_reads, io.overlapped_waits, io.drains, io.reads), (2, 1, 1, 0), "{io}");
     assert_eq!(io.read_bytes, 2 * 4096 * 4, "{io}");
 }

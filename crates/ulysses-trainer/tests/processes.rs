@@ -1482,6 +1482,8 @@ fn prompt_completion_lines_train_on_the_completions_alike_at_sp_1_and_2() {
     let (_, all) = run("all", "--sp 1 --loss-on all");
     println!("SP=1 {one:?}\nSP=2 {two:?}\nall tokens {all:?}");
     assert!(log.contains(&format!("training on the answers alone: {targets} of {total} tokens are targets")), "{log}");
+    // Both runs' two steps (a zip over fewer rows, or none, would compare nothing).
+    assert!(one.len() == 2 && two.len() == 2, "SP=1 {one:?}, SP=2 {two:?}: two rows each");
     assert!(one.iter().zip(&two).all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() <= TOLERANCE as f64), "SP=2 {two:?} against SP=1 {one:?}");
     assert!((one[0].1 - all[0].1).abs() > 1e-3, "--loss-on all trained on the same tokens: {all:?} against {one:?}");
     // --eval-only counts the same targets (every one has a token before it in its document).
@@ -1614,6 +1616,8 @@ fn chat_messages_train_on_the_answers_alike_at_sp_1_and_2() {
     let (one, two, all) = (losses(&dir.join("sp1")), losses(&dir.join("sp2")), losses(&dir.join("all")));
     println!("SP=1 {one:?}\nSP=2 {two:?}\nall tokens {all:?}");
     assert!(log.contains(&format!("training on the answers alone: {targets} of {total} tokens are targets")), "{log}");
+    // Both runs' two steps (a zip over fewer rows, or none, would compare nothing).
+    assert!(one.len() == 2 && two.len() == 2, "SP=1 {one:?}, SP=2 {two:?}: two rows each");
     assert!(one.iter().zip(&two).all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() <= TOLERANCE as f64), "SP=2 {two:?} against SP=1 {one:?}");
     assert!((one[0].1 - all[0].1).abs() > 1e-3, "--loss-on all trained on the same tokens: {all:?} against {one:?}");
     // The tokenizer's folder stands for its tokenizer.json, its template and its eos_token

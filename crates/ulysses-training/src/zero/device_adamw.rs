@@ -207,6 +207,7 @@ mod tests {
         let (norm, master) = outcome.into_iter().next().unwrap().unwrap();
         let expected = (9e40f64 + 16e40 + 1e38).sqrt();
         assert!((norm - expected).abs() <= 1e-5 * expected, "norm {norm} against {expected}");
+        assert_eq!(master.len(), 4, "{master:?}");
         for (got, want) in master.iter().zip([-1e-2f32, 1e-2, 0.0, -1e-2]) {
             assert!((got - want).abs() <= 1e-4, "master weights {master:?}, each moved by the learning rate against its gradient's sign");
         }
