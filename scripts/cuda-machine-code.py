@@ -61,8 +61,8 @@ def find(pattern):
     hits = [hit for folder in wheel_folders() for hit in glob.glob(os.path.join(folder, pattern))]
     if not hits:
         sys.exit(f"cuda-machine-code: {pattern} not found in the nvidia wheels of {sys.prefix}; "
-                 "pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12 nvidia-cuda-runtime-cu12 "
-                 "nvidia-cuda-cccl-cu12 nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump (scripts/cuda-tools.sh)")
+                 "make the venv again with the pinned wheels: `bash scripts/cuda-tools.sh 12` (CUDA 12.9) "
+                 "or `bash scripts/cuda-tools.sh 13` (13.0, the H100's), not a mix of the two")
     return sorted(hits)[-1]
 
 

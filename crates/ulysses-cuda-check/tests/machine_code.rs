@@ -21,8 +21,9 @@ fn every_planned_kernel_compiles_to_machine_code_that_fits_and_uses_tensor_cores
     assert_eq!(lines.len(), TARGETS.len());
 
     let Ok(tools) = std::env::var("ULYSSES_CUDA_TOOLS") else {
-        let hint = "SKIPPED: the machine-code half needs NVIDIA's compilers: ULYSSES_CUDA_TOOLS=<venv with nvidia-cuda-nvrtc-cu12, \
-                    nvidia-cuda-nvcc-cu12, nvidia-cuda-runtime-cu12, nvidia-cuda-cuobjdump> (scripts/cuda-tools.sh makes one)";
+        let hint = "SKIPPED: the machine-code half needs NVIDIA's compilers, as .ci/run gives them: \
+                    ULYSSES_CUDA_TOOLS=\"$(bash scripts/cuda-tools.sh 12)@sm_80,sm_89:$(bash scripts/cuda-tools.sh 13)@sm_90a\" \
+                    (cuda-tools.sh makes each venv of pinned PyPI wheels: 12.9's for the A100 and L40, 13.0's, the GPU image's, for the H100)";
         assert_ne!(std::env::var("ULYSSES_REQUIRE_CUDA_TOOLS").as_deref(), Ok("1"), "{hint}");
         eprintln!("{hint}");
         let _ = std::fs::remove_dir_all(&out);
@@ -52,6 +53,12 @@ fn every_planned_kernel_compiles_to_machine_code_that_fits_and_uses_tensor_cores
         }
         eprintln!("{}", String::from_utf8_lossy(&output.stderr));
         assert!(output.status.success(), "the machine-code check with {tools} failed:\n{report}");
+        // The H100's known defects were measured with ptxas 13.0, the GPU image's: another
+        // version's verdicts on sm_90a would not be the GPU's.
+        let checks_h100 = only.is_none_or(|only| only.split(',').any(|name| name == "sm_90a"));
+        if checks_h100 && std::env::var("ULYSSES_REQUIRE_CUDA_TOOLS").as_deref() == Ok("1") {
+            assert!(report.contains("cuda-machine-code: nvrtc 13.0; Build cuda_13.0"), "sm_90a checked with other compilers than CUDA 13.0's ({tools}):\n{report}");
+        }
         for target in TARGETS.iter().filter(|target| only.is_none_or(|only| only.split(',').any(|name| name == target.name))) {
             assert!(report.contains(&format!("{} (", target.name)), "no line for {} with {tools}:\n{report}", target.name);
             checked.push(target.name);
