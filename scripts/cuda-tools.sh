@@ -5,7 +5,7 @@
 # cuobjdump and nvdisasm 13.5 (they read sm_90a cubins of either ptxas); 13's NVVM is pinned
 # too, else nvcc (scripts/fa2-baseline.sh) writes PTX newer than its ptxas reads. About 350 and 540 MB.
 #
-#   ULYSSES_CUDA_TOOLS=$(scripts/cuda-tools.sh):$(scripts/cuda-tools.sh 13)@sm_90a \
+#   ULYSSES_CUDA_TOOLS=$(scripts/cuda-tools.sh)@sm_80,sm_89:$(scripts/cuda-tools.sh 13)@sm_90a \
 #       cargo test -p ulysses-cuda-check -- --nocapture
 set -euo pipefail
 case "${1:-12}" in
@@ -13,7 +13,9 @@ case "${1:-12}" in
         venv="${ULYSSES_CUDA_TOOLS_VENV:-/var/tmp/ulysses-cuda-tools}"
         wheels=(nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-nvcc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79 nvidia-cuda-cccl-cu12==12.9.27) ;;
     13)
-        venv="${ULYSSES_CUDA_TOOLS_VENV:-/var/tmp/ulysses-cuda-tools-13}"
+        # Beside the 12.9 venv, never in it: one venv holding both versions' wheels checks
+        # with whichever sorts last.
+        venv="${ULYSSES_CUDA_TOOLS_VENV:-/var/tmp/ulysses-cuda-tools}-13"
         wheels=(nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-nvvm==13.0.88) ;;
     *)
         echo "cuda-tools.sh: CUDA $1 is not pinned here; 12 or 13" >&2

@@ -338,8 +338,9 @@ impl NcclCommunicator {
         self.collectives.fetch_add(1, Ordering::Relaxed);
         self.current_context().map_err(failed)?;
         let stream = self.process.stream.0 as nccl::cudaStream_t;
-        self.accept(launch(self.comm.0, stream), op)?;
-        let waited = self.wait_for_stream(op);
+        // A launch that failed part-way (a group whose end queued some of its sends) leaves
+        // kernels behind it too.
+        let waited = self.accept(launch(self.comm.0, stream), op).and_then(|()| self.wait_for_stream(op));
         if waited.is_err() {
             self.drain_after_abort(op);
         }
