@@ -389,6 +389,7 @@ fn ulysses_by_ring_runs_its_blocks_on_the_flash_kernels() {
 fn the_ring_runs_the_flash_kernels_without_autodiff() {
     use burn_ulysses::{
         comm::{Communicator, ThreadGroup},
+        capabilities::DenseFallback,
         ring::{RingSharding, ring_attention},
     };
     use ulysses_suite::shard;
@@ -409,7 +410,7 @@ fn the_ring_runs_the_flash_kernels_without_autodiff() {
             // This rank's chunks, as the sharding places them.
             let (chunks, total) = sharding.chunks(rank.rank(), rank.size());
             let mine = |tensor: Tensor<Wgpu, 4>| Tensor::cat(chunks.iter().map(|&c| shard(tensor.clone(), 2, c, total)).collect(), 2);
-            values(ring_attention(mine(t(4, 1)), mine(t(2, 2)), mine(t(2, 3)), CAUSAL, sharding, &comm).unwrap())
+            values(ring_attention(mine(t(4, 1)), mine(t(2, 2)), mine(t(2, 3)), CAUSAL, sharding, &comm, DenseFallback::Allow).unwrap())
         });
         assert!(forward_launches() >= forwards + 4, "{sharding:?}: the ring's blocks ran the flash kernels");
         let mut worst = 0.0f32;
@@ -434,6 +435,7 @@ fn the_reference_ring_in_half_precision_keeps_its_statistics_in_f32() {
     use burn::tensor::{DType, TensorData, f16};
     use burn_ulysses::{
         comm::{Communicator, ThreadGroup},
+        capabilities::DenseFallback,
         ring::{RingSharding, ring_attention},
     };
     use ulysses_suite::shard;
@@ -456,7 +458,7 @@ fn the_reference_ring_in_half_precision_keeps_its_statistics_in_f32() {
             let on_device = |values: &[f16]| Tensor::<Wgpu, 4>::from_data(TensorData::new(values.to_vec(), shape), (&device, DType::F16));
             let comm: std::sync::Arc<dyn Communicator<Wgpu>> = rank.communicator();
             let mine = |tensor: Tensor<Wgpu, 4>| shard(tensor, 2, rank.rank(), rank.size());
-            let output = ring_attention(mine(on_device(&q)), mine(on_device(&k)), mine(on_device(&v)), options, RingSharding::Contiguous, &comm).unwrap();
+            let output = ring_attention(mine(on_device(&q)), mine(on_device(&k)), mine(on_device(&v)), options, RingSharding::Contiguous, &comm, DenseFallback::Allow).unwrap();
             assert_eq!(output.dtype(), DType::F16);
             values(output)
         });
@@ -515,7 +517,7 @@ fn a_forbidden_fallback_one_ranks_heads_need_is_every_ranks_refusal() {
 #[test]
 fn the_reference_ring_in_f16_stays_finite_where_a_block_sums_past_f16() {
     use burn::tensor::DType;
-    use burn_ulysses::{comm::ThreadGroup, ring::{RingSharding, ring_attention}};
+    use burn_ulysses::{capabilities::DenseFallback, comm::ThreadGroup, ring::{RingSharding, ring_attention}};
     let _counting = counting();
     if !runtime_available::<Runtime>() {
         return;
@@ -529,7 +531,7 @@ fn the_reference_ring_in_f16_stays_finite_where_a_block_sums_past_f16() {
             let q = uniform_tensor::<Wgpu, 4>(shape, 1, &device);
             let kv = Tensor::<Wgpu, 4>::full(shape, 200.0, &device) + uniform_tensor::<Wgpu, 4>(shape, 2, &device);
             let attend = |dtype: DType| {
-                let output = ring_attention(q.clone().cast(dtype), kv.clone().cast(dtype), kv.clone().cast(dtype), CAUSAL, RingSharding::Contiguous, &comm).unwrap();
+                let output = ring_attention(q.clone().cast(dtype), kv.clone().cast(dtype), kv.clone().cast(dtype), CAUSAL, RingSharding::Contiguous, &comm, DenseFallback::Allow).unwrap();
                 values(output.cast(DType::F32))
             };
             (attend(DType::F16), attend(DType::F32))

@@ -10,7 +10,7 @@ use burn::{
     backend::{Autodiff, NdArray},
     tensor::{Tensor, backend::AutodiffBackend, module::attention, ops::AttentionModuleOptions},
 };
-use burn_ulysses::{attention::repeat_kv_heads, comm::ThreadGroup, ring::{RingSharding, ring_attention}};
+use burn_ulysses::{attention::repeat_kv_heads, capabilities::DenseFallback, comm::ThreadGroup, ring::{RingSharding, ring_attention}};
 use ulysses_suite::{max_abs_diff, shard, uniform_tensor, values, with_deadline};
 
 type Reference = Autodiff<NdArray<f32>>;
@@ -45,7 +45,7 @@ fn check(ranks: usize, heads: usize, kv_heads: usize, causal: bool) {
             let (r, p) = (rank.rank(), rank.size());
             let comm: std::sync::Arc<dyn burn_ulysses::comm::Communicator<NdArray<f32>>> = rank.communicator();
             let chunk = |t| shard(t, 2, r, p);
-            run(chunk(q), chunk(k), chunk(v), chunk(w), |q, k, v| ring_attention(q, k, v, options, RingSharding::Contiguous, &comm).unwrap())
+            run(chunk(q), chunk(k), chunk(v), chunk(w), |q, k, v| ring_attention(q, k, v, options, RingSharding::Contiguous, &comm, DenseFallback::Allow).unwrap())
         })
     });
     let full = |values: &[f32], h: usize| Tensor::<NdArray<f32>, 4>::from_data(burn::tensor::TensorData::new(values.to_vec(), [2, h, SEQ, HEAD_DIM]), &device);
@@ -96,11 +96,11 @@ fn keys_and_values_that_do_not_fit_the_queries_are_refused() {
             let comm: std::sync::Arc<dyn burn_ulysses::comm::Communicator<NdArray<f32>>> = rank.communicator();
             let t = |h, d, stream| uniform_tensor::<NdArray<f32>, 4>([2, h, SEQ / 2, d], stream, &device);
             let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
-            let wide_keys = ring_attention(t(4, HEAD_DIM, 1), t(2, 2 * HEAD_DIM, 2), t(2, HEAD_DIM, 3), options, RingSharding::Contiguous, &comm).err().map(|e| e.to_string());
-            let other_value_heads = ring_attention(t(4, HEAD_DIM, 1), t(2, HEAD_DIM, 2), t(4, HEAD_DIM, 3), options, RingSharding::Contiguous, &comm).err().map(|e| e.to_string());
+            let wide_keys = ring_attention(t(4, HEAD_DIM, 1), t(2, 2 * HEAD_DIM, 2), t(2, HEAD_DIM, 3), options, RingSharding::Contiguous, &comm, DenseFallback::Allow).err().map(|e| e.to_string());
+            let other_value_heads = ring_attention(t(4, HEAD_DIM, 1), t(2, HEAD_DIM, 2), t(4, HEAD_DIM, 3), options, RingSharding::Contiguous, &comm, DenseFallback::Allow).err().map(|e| e.to_string());
             // A k of another dtype than q's: checked before the kernels, which look at q's alone
             // (NdArray's matmul of the reference blocks panicked on it).
-            let f64_keys = ring_attention(t(4, HEAD_DIM, 1), t(2, HEAD_DIM, 2).cast(burn::tensor::FloatDType::F64), t(2, HEAD_DIM, 3), options, RingSharding::Contiguous, &comm)
+            let f64_keys = ring_attention(t(4, HEAD_DIM, 1), t(2, HEAD_DIM, 2).cast(burn::tensor::FloatDType::F64), t(2, HEAD_DIM, 3), options, RingSharding::Contiguous, &comm, DenseFallback::Allow)
                 .err()
                 .map(|e| e.to_string());
             [wide_keys, other_value_heads, f64_keys]

@@ -32,7 +32,7 @@ use crate::{
     capabilities::{DenseFallback, ExchangeBackend},
     layout::{AttentionLayout, HeadPlan, MaskKind},
     primitive::{float_primitive, float_tensor},
-    ring::ring_attention_under,
+    ring::ring_attention,
     visibility::{PositionIds, Visibility},
 };
 
@@ -260,7 +260,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         };
         let output = match &ring {
             None => attend::<X>(query, key, value, mask, None, options, visibility, fallback)?,
-            Some(ring) => ring_attention_under::<X>(query, key, value, options, context.config.ring_sharding, ring, fallback)?,
+            Some(ring) => ring_attention::<X>(query, key, value, options, context.config.ring_sharding, ring, fallback)?,
         };
         let output = heads_to_sequence(output, &plan, communicator)?;
         Ok(float_primitive(output))

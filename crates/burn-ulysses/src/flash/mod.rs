@@ -225,12 +225,19 @@ fn fused_forward<B: PlainBackend>(
     B::fused_attention_forward(query.clone(), key.clone(), value.clone(), options, visibility)
 }
 
-/// Applies `policy` to a fallback: an error, or a log line with the reason.
+/// Applies `policy` to a fallback to burn's dense attention: an error, or a log line with the
+/// reason.
 pub(crate) fn dense_fallback(reason: String, policy: DenseFallback) -> Result<(), UlyssesError> {
+    fallback_unless_forbidden(reason, policy, "flash attention unavailable, using burn's dense attention (it builds the S x S score matrix)")
+}
+
+/// Applies `policy` to a fallback from the fused kernels to tensor ops (`instead` says which):
+/// [`UlyssesError::DenseFallback`] with `reason` where it is forbidden, else a log line.
+pub(crate) fn fallback_unless_forbidden(reason: String, policy: DenseFallback, instead: &'static str) -> Result<(), UlyssesError> {
     if policy == DenseFallback::Forbid {
         return Err(UlyssesError::DenseFallback { reason });
     }
-    warn_once_per_reason(&reason, "flash attention unavailable, using burn's dense attention (it builds the S x S score matrix)");
+    warn_once_per_reason(&reason, instead);
     Ok(())
 }
 

@@ -24,7 +24,7 @@ use crate::{
     comm::Communicator,
     error::UlyssesError,
     capabilities::{DenseFallback, ExchangeBackend},
-    flash::warn_once_per_reason,
+    flash::fallback_unless_forbidden,
     primitive::{float_primitive, float_tensor},
 };
 pub(crate) use flash::{attend as fused_ring_attention, attend_tracked as fused_ring_attention_tracked};
@@ -33,23 +33,11 @@ pub(crate) use flash::{attend as fused_ring_attention, attend_tracked as fused_r
 /// keys and values `[B, H_kv, S/R, D]` are held by the ring's ranks as `sharding` places
 /// them (each rank's tensors are its chunks, concatenated in order). Collective over
 /// `ring`: every rank calls it with tensors of the same shape. Runs the fused blocks when
-/// the backend's kernels take them, else the reference blocks (the reason is logged).
+/// the backend's kernels take them, else the reference blocks, the reason logged, where
+/// `fallback` allows them (`UlyssesConfig::forbid_dense_fallback` does not: under autodiff they
+/// keep each block's scores until the backward, `S² / R` a head, an out-of-memory error at
+/// long sequences rather than a slowdown).
 pub fn ring_attention<X: ExchangeBackend>(
-    query: Tensor<X, 4>,
-    key: Tensor<X, 4>,
-    value: Tensor<X, 4>,
-    options: AttentionModuleOptions,
-    sharding: RingSharding,
-    ring: &Arc<dyn Communicator<X::Wire>>,
-) -> Result<Tensor<X, 4>, UlyssesError> {
-    ring_attention_under(query, key, value, options, sharding, ring, DenseFallback::Allow)
-}
-
-/// [`ring_attention`] where `fallback` says whether the reference blocks may run: under
-/// `UlyssesConfig::forbid_dense_fallback` they are refused too, naming why the kernels did
-/// not take the blocks (under autodiff they keep each block's scores until the backward,
-/// `S² / R` a head, an out-of-memory error at long sequences rather than a slowdown).
-pub(crate) fn ring_attention_under<X: ExchangeBackend>(
     query: Tensor<X, 4>,
     key: Tensor<X, 4>,
     value: Tensor<X, 4>,
@@ -66,11 +54,9 @@ pub(crate) fn ring_attention_under<X: ExchangeBackend>(
             let output = X::fused_ring_attention(float_primitive(query), float_primitive(key), float_primitive(value), &plan, ring)?;
             Ok(float_tensor(output))
         }
-        Err(reason) if fallback == DenseFallback::Forbid => {
-            Err(UlyssesError::DenseFallback { reason: format!("the ring's fused kernels do not take its blocks ({reason}), so they would run as tensor ops with chunk x chunk scores") })
-        }
         Err(reason) => {
-            warn_once_per_reason(&reason, "ring attention runs its blocks as tensor ops (chunk x chunk scores), not on fused kernels");
+            let reason = format!("the ring's fused kernels do not take its blocks ({reason}), so they would run as tensor ops with chunk x chunk scores");
+            fallback_unless_forbidden(reason, fallback, "ring attention runs its blocks as tensor ops (chunk x chunk scores), not on fused kernels")?;
             reference::ring_attention(query, key, value, &plan, ring)
         }
     }
