@@ -25,23 +25,28 @@ fn gather_tensors<B: Backend>(communicator: &ThreadCommunicator, op: Collective,
 /// every dtype: a sum of an f32 and a bf16 buffer would read one as the other), as the host
 /// transports refuse them.
 fn check_same_layout<B: Backend>(op: Collective, tensors: &[FloatTensor<B>]) -> Result<(), CommError> {
-    let (first, dtype) = (tensors[0].shape(), tensors[0].dtype());
-    if let Some(rank) = tensors.iter().position(|t| t.shape() != first) {
-        return Err(CommError::InvalidArgument {
-            op,
-            reason: format!(
-                "rank 0 passed shape {:?} but rank {rank} passed {:?}; every rank must pass \
-                 the same shape",
-                first.to_vec(),
-                tensors[rank].shape().to_vec()
-            ),
-        });
-    }
+    check_same_shapes(op, &tensors.iter().map(|t| t.shape()).collect::<Vec<_>>())?;
+    let dtype = tensors[0].dtype();
     match tensors.iter().position(|t| t.dtype() != dtype) {
         None => Ok(()),
         Some(rank) => Err(CommError::InvalidArgument {
             op,
             reason: format!("rank 0 passed {dtype:?} values but rank {rank} passed {:?}; every rank must pass the same dtype", tensors[rank].dtype()),
+        }),
+    }
+}
+
+/// Refuses ranks' `shapes` (in rank order) that differ, naming rank 0's and the first other.
+fn check_same_shapes(op: Collective, shapes: &[Shape]) -> Result<(), CommError> {
+    match shapes.iter().position(|shape| *shape != shapes[0]) {
+        None => Ok(()),
+        Some(rank) => Err(CommError::InvalidArgument {
+            op,
+            reason: format!(
+                "rank 0 passed shape {:?} but rank {rank} passed {:?}; every rank must pass the same shape",
+                shapes[0].to_vec(),
+                shapes[rank].to_vec()
+            ),
         }),
     }
 }
@@ -128,12 +133,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
                 .collect::<Option<Vec<_>>>()
         })?;
         let (shapes, received): (Vec<Shape>, Vec<FloatTensor<B>>) = received.ok_or_else(|| mixed_backends(op))?.into_iter().unzip();
-        if let Some(rank) = shapes.iter().position(|theirs| *theirs != shapes[0]) {
-            return Err(CommError::InvalidArgument {
-                op,
-                reason: format!("rank 0 passed shape {:?} but rank {rank} passed {:?}; every rank must pass the same shape", shapes[0].to_vec(), shapes[rank].to_vec()),
-            });
-        }
+        check_same_shapes(op, &shapes)?;
         check_same_layout::<B>(op, &received)?;
         let rows: Vec<Tensor<B, 2>> = received
             .iter()
