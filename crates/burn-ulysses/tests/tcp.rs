@@ -159,6 +159,21 @@ fn mismatched_collectives_and_shapes_are_errors_on_every_rank() {
         println!("{message}");
         assert!(message.contains("all_reduce") && message.contains("same shape"), "{message}");
     }
+    // Another reduction or root on one rank: each rank would get a result of its own. (A rank
+    // may learn of the reduction from its peer's abort, which words it from the peer's side.)
+    let errors = with_ranks(2, config(30.0), |rank, comm| {
+        let reduction = [ReduceOp::Mean, ReduceOp::Sum][rank];
+        Communicator::<B>::all_reduce(&*comm, tensor(vec![1.0; 4], [1, 4]), reduction).unwrap_err().to_string()
+    });
+    for message in &errors {
+        println!("{message}");
+        assert!(message.contains("all_reduce") && message.contains("the reduction Mean") && message.contains("the reduction Sum"), "{message}");
+    }
+    let errors = with_ranks(2, config(30.0), |rank, comm| Communicator::<B>::broadcast(&*comm, tensor(vec![1.0; 4], [1, 4]), rank).unwrap_err().to_string());
+    for (rank, message) in errors.iter().enumerate() {
+        println!("{message}");
+        assert!(message.contains(&format!("rank {} of this group passed root {}, this rank root {rank}", 1 - rank, 1 - rank)), "{message}");
+    }
 }
 
 #[test]

@@ -44,7 +44,9 @@ pub trait Communicator<B: Backend>: Send + Sync + 'static {
 
     /// Exchanges slices of dim 0: slice `j` goes to rank `j`.
     fn all_to_all(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, CommError>;
-    /// Element-wise reduction over all ranks; every rank receives the result.
+    /// Element-wise reduction over all ranks; every rank receives the result. Every rank passes
+    /// the same `op` (and a broadcast the same `root`): the threads and TCP refuse ranks that
+    /// do not, on every rank; NCCL cannot tell without a host round per call, and does not.
     fn all_reduce(&self, tensor: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError>;
     /// Stacks every rank's tensor along a new leading dim.
     fn all_gather(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, CommError>;

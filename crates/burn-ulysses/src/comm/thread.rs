@@ -5,19 +5,21 @@
 use std::sync::Arc;
 
 use burn::tensor::{Shape, Tensor, TensorMetadata, backend::Backend, ops::FloatTensor};
-use ulysses_core::comm::mixed_kinds as mixed_backends;
+use ulysses_core::comm::{Agreed, mixed_kinds as mixed_backends};
 
 use super::{Collective, CommError, Communicator, ReduceOp, ThreadCommunicator, Traffic};
 use crate::primitive::{as_rows, byte_size, float_primitive};
 
-/// Clones every rank's deposited tensor, in rank order.
-fn gather_tensors<B: Backend>(communicator: &ThreadCommunicator, op: Collective, tensor: FloatTensor<B>) -> Result<Vec<FloatTensor<B>>, CommError> {
+/// Clones every rank's deposited tensor, in rank order; fails unless every rank passed this
+/// rank's `agreed` (its reduction, its root).
+fn gather_tensors<B: Backend>(communicator: &ThreadCommunicator, op: Collective, tensor: FloatTensor<B>, agreed: Agreed) -> Result<Vec<FloatTensor<B>>, CommError> {
     let device = B::float_device(&tensor);
     settle::<B>(&device, op)?;
-    let (_, tensors) = communicator.round(op, Box::new(tensor), |deposits| {
-        deposits.iter().map(|d| d.as_ref().and_then(|d| d.downcast_ref::<FloatTensor<B>>()).cloned()).collect::<Option<Vec<_>>>()
+    let (_, tensors) = communicator.round(op, Box::new((tensor, agreed)), |deposits| {
+        deposits.iter().map(|d| d.as_ref().and_then(|d| d.downcast_ref::<(FloatTensor<B>, Agreed)>()).cloned()).collect::<Option<Vec<_>>>()
     })?;
-    let tensors = tensors.ok_or_else(|| mixed_backends(op))?;
+    let (tensors, agreed): (Vec<FloatTensor<B>>, Vec<Agreed>) = tensors.ok_or_else(|| mixed_backends(op))?.into_iter().unzip();
+    ulysses_core::comm::check_agreed(op, ThreadCommunicator::rank(communicator), &agreed)?;
     Ok(tensors.into_iter().map(|t| B::float_to_device(t, &device)).collect())
 }
 
@@ -180,7 +182,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
     fn all_reduce(&self, tensor: FloatTensor<B>, op: ReduceOp) -> Result<FloatTensor<B>, CommError> {
         self.traffic_counter().record_all_reduce(byte_size::<B>(&tensor));
         let shape = tensor.shape();
-        let tensors = gather_tensors::<B>(self, Collective::AllReduce, tensor)?;
+        let tensors = gather_tensors::<B>(self, Collective::AllReduce, tensor, Agreed::Reduction(op))?;
         check_same_layout::<B>(Collective::AllReduce, &tensors)?;
         // Reduce in rank order on every rank, so all ranks get bit-identical results.
         let reduced = reduce_in_rank_order(tensors.iter().map(|t| as_rows::<B>(t.clone(), 1)), op);
@@ -193,7 +195,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
         let (rank, size) = (ThreadCommunicator::rank(self), self.size());
         super::check_reduce_scatter(&tensor.shape().to_vec(), size)?;
         self.traffic_counter().record_reduce_scatter(byte_size::<B>(&tensor));
-        let tensors = gather_tensors::<B>(self, collective, tensor)?;
+        let tensors = gather_tensors::<B>(self, collective, tensor, Agreed::Reduction(op))?;
         check_same_layout::<B>(collective, &tensors)?;
         // This rank's part of every rank's tensor, reduced in rank order: all_reduce's bits.
         let part = tensors[0].shape().num_elements() / size;
@@ -206,7 +208,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
     fn all_gather(&self, tensor: FloatTensor<B>) -> Result<FloatTensor<B>, CommError> {
         self.traffic_counter().record_all_gather(byte_size::<B>(&tensor));
         let mut shape = tensor.shape();
-        let tensors = gather_tensors::<B>(self, Collective::AllGather, tensor)?;
+        let tensors = gather_tensors::<B>(self, Collective::AllGather, tensor, Agreed::Nothing)?;
         check_same_layout::<B>(Collective::AllGather, &tensors)?;
         shape.insert(0, tensors.len());
         let rows: Vec<Tensor<B, 2>> = tensors.iter().map(|t| as_rows::<B>(t.clone(), 1)).collect();
@@ -221,7 +223,7 @@ impl<B: Backend> Communicator<B> for ThreadCommunicator {
             self.traffic_counter().record_broadcast(byte_size::<B>(&tensor));
         }
         let shape: Shape = tensor.shape();
-        let mut tensors = gather_tensors::<B>(self, op, tensor)?;
+        let mut tensors = gather_tensors::<B>(self, op, tensor, Agreed::Root(root))?;
         check_same_layout::<B>(op, &tensors)?;
         debug_assert_eq!(tensors[root].shape(), shape);
         let root_tensor = tensors.swap_remove(root);
@@ -536,6 +538,32 @@ mod tests {
         let errors: Vec<String> =
             results.into_iter().map(|r| r.unwrap().unwrap_err().to_string()).collect();
         assert!(errors.iter().all(|e| e.contains("barrier") && e.contains("all_gather_host")), "{errors:?}");
+    }
+
+    /// Ranks that pass another reduction or another root get an error each, not each its own
+    /// result (a mean on one rank, a sum on the other; two roots keeping their own tensors).
+    #[test]
+    fn ranks_that_pass_another_reduction_or_root_are_refused() {
+        let results = ThreadGroup::new(2).run(|rank| {
+            let comm = rank.communicator();
+            let r = rank.rank();
+            let pair = || tensor(vec![1.0, 2.0], [1, 2]);
+            let flat = || B::float_reshape(pair(), [2].into());
+            let reduction = [ReduceOp::Mean, ReduceOp::Sum][r];
+            [
+                Communicator::<B>::all_reduce(&*comm, pair(), reduction).map(drop),
+                Communicator::<B>::reduce_scatter(&*comm, flat(), reduction).map(drop),
+                Communicator::<B>::broadcast(&*comm, pair(), r).map(drop),
+            ]
+            .map(|result| result.unwrap_err().to_string())
+        });
+        for (r, errors) in results.into_iter().enumerate() {
+            let [reduce, scatter, broadcast] = errors.unwrap();
+            for error in [&reduce, &scatter] {
+                assert!(error.contains(&format!("rank {} of this group passed the reduction {:?}", 1 - r, [ReduceOp::Mean, ReduceOp::Sum][1 - r])), "{error}");
+            }
+            assert!(broadcast.contains(&format!("passed root {}, this rank root {r}", 1 - r)), "{broadcast}");
+        }
     }
 
     /// Ranks passing the same shape in different dtypes are refused by every collective that

@@ -27,6 +27,50 @@ pub enum ReduceOp {
     Max,
 }
 
+impl ReduceOp {
+    /// Every reduction, in a fixed order (transports send the position).
+    pub const ALL: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max];
+
+    /// This reduction's position in [`ReduceOp::ALL`].
+    pub fn code(self) -> u8 {
+        Self::ALL.iter().position(|&r| r == self).unwrap() as u8
+    }
+}
+
+/// What the ranks of a collective must agree on besides their tensors' shapes and dtypes. Ranks
+/// that pass different ones get different results without an error (one a mean, another a sum;
+/// two roots that each keep their own tensor), so every transport compares them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Agreed {
+    Nothing,
+    Reduction(ReduceOp),
+    Root(usize),
+}
+
+impl fmt::Display for Agreed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Agreed::Nothing => f.write_str("nothing"),
+            Agreed::Reduction(op) => write!(f, "the reduction {op:?}"),
+            Agreed::Root(root) => write!(f, "root {root}"),
+        }
+    }
+}
+
+/// Fails unless every rank's `agreed` (in rank order) is this rank's (`rank`), naming the first
+/// that differs. Every rank of a disagreeing group fails, none waits.
+pub fn check_agreed(op: Collective, rank: usize, agreed: &[Agreed]) -> Result<(), CommError> {
+    match agreed.iter().position(|&theirs| theirs != agreed[rank]) {
+        None => Ok(()),
+        Some(peer) => Err(disagreement(op, peer, agreed[peer], agreed[rank])),
+    }
+}
+
+/// The error of a rank whose `peer` passed `theirs` where this rank passed `mine`.
+pub fn disagreement(op: Collective, peer: usize, theirs: Agreed, mine: Agreed) -> CommError {
+    CommError::InvalidArgument { op, reason: format!("rank {peer} of this group passed {theirs}, this rank {mine}; every rank must pass the same") }
+}
+
 /// The name of a collective, for errors and logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Collective {

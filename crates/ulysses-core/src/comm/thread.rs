@@ -438,7 +438,7 @@ impl super::HostCommunicator for ThreadCommunicator {
     fn all_reduce(&self, tensor: HostTensor, op: ReduceOp) -> Result<HostTensor, CommError> {
         let collective = Collective::AllReduce;
         self.traffic.record_all_reduce(tensor.bytes.len() as u64);
-        let every_rank = self.shared_round(collective, tensor)?;
+        let every_rank = self.shared_round(collective, tensor, super::Agreed::Reduction(op))?;
         let mine = &every_rank[self.rank];
         let parts: Vec<&[u8]> = every_rank.iter().map(|t| t.bytes.as_slice()).collect();
         Ok(HostTensor { dtype: mine.dtype, shape: mine.shape.clone(), bytes: super::host::reduce(&parts, mine.dtype, op) })
@@ -449,7 +449,7 @@ impl super::HostCommunicator for ThreadCommunicator {
         let size = self.members.len();
         super::check_reduce_scatter(&tensor.shape, size)?;
         self.traffic.record_reduce_scatter(tensor.bytes.len() as u64);
-        let every_rank = self.shared_round(collective, tensor)?;
+        let every_rank = self.shared_round(collective, tensor, super::Agreed::Reduction(op))?;
         let mine = &every_rank[self.rank];
         let part = mine.bytes.len() / size;
         let at = self.rank * part..(self.rank + 1) * part;
@@ -459,7 +459,7 @@ impl super::HostCommunicator for ThreadCommunicator {
 
     fn all_gather(&self, tensor: HostTensor) -> Result<Vec<HostTensor>, CommError> {
         self.traffic.record_all_gather(tensor.bytes.len() as u64);
-        Ok(self.shared_round(Collective::AllGather, tensor)?.iter().map(|t| (**t).clone()).collect())
+        Ok(self.shared_round(Collective::AllGather, tensor, super::Agreed::Nothing)?.iter().map(|t| (**t).clone()).collect())
     }
 
     fn broadcast(&self, tensor: HostTensor, root: usize) -> Result<HostTensor, CommError> {
@@ -468,7 +468,7 @@ impl super::HostCommunicator for ThreadCommunicator {
         if self.rank == root {
             self.traffic.record_broadcast(tensor.bytes.len() as u64);
         }
-        let every_rank = self.shared_round(op, tensor)?;
+        let every_rank = self.shared_round(op, tensor, super::Agreed::Root(root))?;
         Ok((*every_rank[root]).clone())
     }
 
@@ -508,12 +508,13 @@ impl super::HostCommunicator for ThreadCommunicator {
 
 impl ThreadCommunicator {
     /// Every rank's `tensor`, shared, in rank order; fails on every rank when one passed
-    /// another shape or dtype than this rank.
-    fn shared_round(&self, op: Collective, tensor: HostTensor) -> Result<Vec<Arc<HostTensor>>, CommError> {
-        let (_, every_rank) = self.round(op, Box::new(Arc::new(tensor)), |deposits| {
-            deposits.iter().map(|d| d.as_ref().and_then(|d| d.downcast_ref::<Arc<HostTensor>>()).cloned()).collect::<Option<Vec<_>>>()
+    /// another shape or dtype than this rank, or another `agreed`.
+    fn shared_round(&self, op: Collective, tensor: HostTensor, agreed: super::Agreed) -> Result<Vec<Arc<HostTensor>>, CommError> {
+        let (_, every_rank) = self.round(op, Box::new((Arc::new(tensor), agreed)), |deposits| {
+            deposits.iter().map(|d| d.as_ref().and_then(|d| d.downcast_ref::<(Arc<HostTensor>, super::Agreed)>()).cloned()).collect::<Option<Vec<_>>>()
         })?;
-        let every_rank = every_rank.ok_or_else(|| mixed_kinds(op))?;
+        let (every_rank, agreed): (Vec<Arc<HostTensor>>, Vec<super::Agreed>) = every_rank.ok_or_else(|| mixed_kinds(op))?.into_iter().unzip();
+        super::check_agreed(op, self.rank, &agreed)?;
         let mine = &every_rank[self.rank];
         match every_rank.iter().position(|t| t.dtype != mine.dtype || t.shape != mine.shape) {
             None => Ok(every_rank),
@@ -521,6 +522,37 @@ impl ThreadCommunicator {
                 let theirs = &every_rank[peer];
                 Err(super::host::mismatched(op, peer, format!("{:?} of shape {:?} (this rank: {:?} of {:?})", theirs.dtype, theirs.shape, mine.dtype, mine.shape)))
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{HostCommunicator, HostDType, HostTensor, ReduceOp};
+    use super::*;
+
+    /// Host tensors between rank threads: a rank that passes another reduction or root gets an
+    /// error on every rank, not each rank a result of its own.
+    #[test]
+    fn ranks_that_pass_another_reduction_or_root_are_refused() {
+        let results = ThreadGroup::new(2).run(|rank| {
+            let comm = rank.communicator();
+            let r = rank.rank();
+            let pair = || HostTensor::new(HostDType::F32, vec![2], [1.0f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect(), Collective::AllReduce).unwrap();
+            let reduction = [ReduceOp::Mean, ReduceOp::Sum][r];
+            [
+                HostCommunicator::all_reduce(&*comm, pair(), reduction).map(drop),
+                HostCommunicator::reduce_scatter(&*comm, pair(), reduction).map(drop),
+                HostCommunicator::broadcast(&*comm, pair(), r).map(drop),
+            ]
+            .map(|result| result.unwrap_err().to_string())
+        });
+        for (r, errors) in results.into_iter().enumerate() {
+            let [reduce, scatter, broadcast] = errors.unwrap();
+            for error in [&reduce, &scatter] {
+                assert!(error.contains(&format!("rank {} of this group passed the reduction {:?}", 1 - r, [ReduceOp::Mean, ReduceOp::Sum][1 - r])), "{error}");
+            }
+            assert!(broadcast.contains(&format!("passed root {}, this rank root {r}", 1 - r)), "{broadcast}");
         }
     }
 }

@@ -18,7 +18,7 @@
 //!   reduces it in rank order (so every rank gets the same bits), and sends the result back
 //!   to all; `2n(P-1)/P` bytes out per rank, like a ring;
 //! - all-gather, host all-gather: every rank's part to every rank;
-//! - broadcast: the root's tensor to every rank;
+//! - broadcast: the ranks' roots compared (a host all-gather), then the root's tensor to every rank;
 //! - split: a host all-gather of `(color, key)`; a sub-group shares the mesh, its messages
 //!   tagged with the sub-group's id.
 
@@ -30,7 +30,7 @@ use std::sync::{
     atomic::{AtomicU64, Ordering},
 };
 
-use ulysses_core::comm::{Collective, CommError, HostCommunicator, HostTensor, ReduceOp, Traffic, TrafficCounter, check_parts, check_reduce_scatter, check_send_recv, mismatched, reduce};
+use ulysses_core::comm::{Agreed, Collective, CommError, HostCommunicator, HostTensor, ReduceOp, Traffic, TrafficCounter, check_agreed, check_parts, check_reduce_scatter, check_send_recv, disagreement, mismatched, reduce};
 
 pub use frame::MAX_FRAME_BYTES;
 pub use mesh::MeshSettings;
@@ -62,11 +62,13 @@ impl TcpCommunicator {
 
     /// The first half of an all-reduce, a reduce-scatter: every member sends each other its
     /// part of `host` and reduces its own part over the members in rank order (every rank of
-    /// an all-reduce then receives the same bits).
+    /// an all-reduce then receives the same bits). Each part says its dtype, reduction and
+    /// element count, which must be this rank's.
     fn reduce_part(&self, collective: Collective, seq: u64, host: &HostTensor, op: ReduceOp) -> Result<Vec<u8>, CommError> {
+        const HEADER: usize = 10;
         let elements = host.elements();
         let header = |len: usize| {
-            let mut message = vec![host.dtype.code()];
+            let mut message = vec![host.dtype.code(), op.code()];
             message.extend((elements as u64).to_le_bytes());
             message.reserve(len);
             message
@@ -81,8 +83,13 @@ impl TcpCommunicator {
         for (j, message) in scatter.iter().enumerate() {
             match message {
                 None => parts.push(&host.bytes[mine.clone()]),
-                Some(message) if message.len() == 9 + mine.len() && message[..9] == header(0)[..] => parts.push(&message[9..]),
-                Some(_) => return Err(self.mismatch(collective, j, format!("a tensor that is not {elements} elements of {:?}", host.dtype))),
+                Some(message) if message.len() == HEADER + mine.len() && message[..HEADER] == header(0)[..] => parts.push(&message[HEADER..]),
+                Some(message) => {
+                    if let Some(&theirs) = message.get(1).and_then(|&code| ReduceOp::ALL.get(usize::from(code))).filter(|&&theirs| theirs != op) {
+                        return Err(self.mesh.fail(disagreement(collective, j, Agreed::Reduction(theirs), Agreed::Reduction(op))));
+                    }
+                    return Err(self.mismatch(collective, j, format!("a tensor that is not {elements} elements of {:?}", host.dtype)));
+                }
             }
         }
         Ok(reduce(&parts, host.dtype, op))
@@ -266,6 +273,10 @@ impl HostCommunicator for TcpCommunicator {
     fn broadcast(&self, tensor: HostTensor, root: usize) -> Result<HostTensor, CommError> {
         let op = Collective::Broadcast;
         ulysses_core::comm::check_broadcast_root(root, self.size_())?;
+        // Ranks that name different roots would each keep their own tensor, or wait for each
+        // other: the roots are compared first (one small round; broadcasts are rare).
+        let roots: Vec<Agreed> = self.host_gather(op, &[root as u64])?.iter().map(|r| Agreed::Root(r.first().map_or(usize::MAX, |&r| r as usize))).collect();
+        check_agreed(op, self.rank, &roots)?;
         let seq = self.begin();
         if self.rank == root {
             self.traffic.record_broadcast(tensor.bytes.len() as u64);
