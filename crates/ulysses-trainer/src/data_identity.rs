@@ -1,7 +1,8 @@
 //! What a run trained on, recorded in its checkpoint so that `--resume` can refuse other
 //! data: the path, the size in bytes and an FNV-1a digest of the first and last 64 KiB of each
 //! file (a folder: of each file in name order, with its name and size). Cheap on any size; a
-//! change confined to the middle of a large file goes unseen.
+//! change confined to the middle of a large file goes unseen here, and is refused where it
+//! changes the batch a resume draws first (`RunState::next_batch_digest`).
 
 use std::{
     fs::File,

@@ -1253,6 +1253,8 @@ fn run(mut args: Args) -> Result<(), String> {
             if let Some(note) = state.resume_notes().filter(|_| is_first) {
                 tracing::warn!("{note}");
             }
+            // Before the model loads (minutes for a large one); train_rank checks it again, for
+            // the library's callers, and the next batch's digest too.
             if let Some(why) = state.data.as_ref().and_then(|saved| data_identity.differs_from(saved)).filter(|_| !args.allow_new_data) {
                 return Err(why);
             }
@@ -1872,6 +1874,7 @@ where
             resume: job.args.resume.clone(),
             stop_after: job.args.stop_after,
             data_identity: Some(job.data_identity.clone()),
+            allow_new_data: job.args.allow_new_data,
             save_hf: job.args.save_hf.clone().zip(job.pretrained.clone()),
             save_hf_dtype: job.args.save_hf_dtype.map(Into::into),
             save_hf_companions: save_hf_companions(job.args),

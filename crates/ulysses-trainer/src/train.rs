@@ -478,6 +478,8 @@ struct StoredRunState {
     config: serde_json::Value,
     #[serde(default)]
     data: Option<DataIdentity>,
+    #[serde(default)]
+    next_batch_digest: Option<u64>,
 }
 
 impl TryFrom<StoredRunState> for RunState {
@@ -497,7 +499,15 @@ impl TryFrom<StoredRunState> for RunState {
             config.entry("f32_head").or_insert(half_precision.into());
         }
         let config = serde_json::from_value(config).map_err(|e| e.to_string())?;
-        Ok(Self { completed_steps: stored.completed_steps, data_position: stored.data_position, seed: stored.seed, config, data: stored.data, decayed_every_parameter })
+        Ok(Self {
+            completed_steps: stored.completed_steps,
+            data_position: stored.data_position,
+            seed: stored.seed,
+            config,
+            data: stored.data,
+            next_batch_digest: stored.next_batch_digest,
+            decayed_every_parameter,
+        })
     }
 }
 
@@ -558,6 +568,12 @@ pub struct RunState {
     /// written before it was recorded).
     #[serde(default)]
     pub data: Option<DataIdentity>,
+    /// The digest of the training batch the next step draws ([`ulysses_training::batch_digest`]):
+    /// a resume that would draw another (a file changed where `data`'s sampled bytes do not
+    /// reach, a tokenizer that reads it otherwise) is refused. Absent after the last step, and
+    /// in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_batch_digest: Option<u64>,
     /// Whether the run that wrote it decayed every parameter, norms' gains and biases too (a
     /// trainer before weight decay skipped them): read from its config, never written.
     #[serde(skip)]
@@ -597,8 +613,11 @@ pub struct RunOptions<'a> {
     /// Stop, after checkpointing, once this many steps have been taken in total: a run
     /// interrupted on purpose (a job time limit), continued later with `resume`.
     pub stop_after: Option<usize>,
-    /// The training data's identity, recorded in each checkpoint.
+    /// The training data's identity, recorded in each checkpoint; a resume on data of another
+    /// identity, or that draws another batch next, is refused unless `allow_new_data`.
     pub data_identity: Option<DataIdentity>,
+    /// Resume on other data than the checkpoint's run trained on (`--allow-new-data`).
+    pub allow_new_data: bool,
     /// Where world rank 0 writes the model in Hugging Face's format (in `save_hf_dtype`), with
     /// its configuration, at each checkpoint and at the end (`None`: nowhere).
     pub save_hf: Option<(PathBuf, HfConfig)>,
@@ -732,11 +751,18 @@ where
     // weights, so no rank holds the whole model, and `model` may be lazy (built by world rank
     // 0 alone, or never).
     let zero_3 = config.zero_stage == 3;
-    let (mut model, mut optimizer, first_step) = match &options.resume {
-        None if zero_3 => (model, optimizer, 0),
-        None => (broadcast_parameters(model, &*groups.world)?, optimizer, 0),
-        Some(location) => resume(config, location, model, optimizer, groups, device, options.ranks_on_this_host)?,
+    let (mut model, mut optimizer, resumed) = match &options.resume {
+        None if zero_3 => (model, optimizer, None),
+        None => (broadcast_parameters(model, &*groups.world)?, optimizer, None),
+        Some(location) => {
+            let (model, optimizer, state) = resume(config, location, model, optimizer, groups, device, options.ranks_on_this_host)?;
+            if let Some(why) = state.data.as_ref().zip(options.data_identity.as_ref()).and_then(|(saved, ours)| ours.differs_from(saved)).filter(|_| !options.allow_new_data) {
+                return Err(UlyssesError::InvalidConfig(why));
+            }
+            (model, optimizer, Some(state))
+        }
     };
+    let first_step = resumed.as_ref().map_or(0, |state| state.data_position);
     let (world_rank, world) = (groups.world_rank(), groups.world.size());
     // ZeRO-3's cut takes them itself.
     if first_step == 0 && !zero_3 {
@@ -793,6 +819,13 @@ where
     // ZeRO-3, gathers that never pair up).
     if first_step < config.steps {
         let train = ulysses_training::batch_digest(&data.train_batch(first_step));
+        if let Some(saved) = resumed.as_ref().and_then(|state| state.next_batch_digest).filter(|&saved| saved != train && !options.allow_new_data) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "step {first_step} would train on another batch than the run that wrote the checkpoint drew for it (digest {train:016x}, \
+                 not {saved:016x}): the data, the tokenizer or how the data is read changed since, in a way its recorded identity \
+                 does not show. Resume on the data and with the build it trained with, or give --allow-new-data to go on with this data"
+            )));
+        }
         let held_out = eval_batch.as_deref().map_or(0, ulysses_training::batch_digest);
         let digests = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[train, held_out], "the first step's batch")?;
         for (column, differ) in [(0, format!("draw different batches for step {first_step}")), (1, "hold out different sequences".to_string())] {
@@ -856,7 +889,15 @@ where
         let done = step + 1;
         let checkpoint_due = done == last_step || (options.checkpoint_every > 0 && done % options.checkpoint_every == 0);
         if checkpoint_due {
-            let state = RunState { completed_steps: done, data_position: done, seed: config.seed, config: config.clone(), data: options.data_identity.clone(), decayed_every_parameter: false };
+            let state = RunState {
+                completed_steps: done,
+                data_position: done,
+                seed: config.seed,
+                config: config.clone(),
+                data: options.data_identity.clone(),
+                next_batch_digest: (done < config.steps).then(|| ulysses_training::batch_digest(&data.train_batch(done))),
+                decayed_every_parameter: false,
+            };
             // What rank 0 alone writes (a replicated checkpoint, --save-hf of the whole model)
             // is taken into host memory now and written on a thread of its own, so that the
             // other ranks do not wait through the write at the next step's collectives; the
@@ -1376,7 +1417,7 @@ fn resume<B, O>(
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
     ranks_on_this_host: usize,
-) -> Result<(Decoder<B>, RankOptimizer<B, O>, usize), UlyssesError>
+) -> Result<(Decoder<B>, RankOptimizer<B, O>, RunState), UlyssesError>
 where
     B: TrainBackend,
     O: Optimizer<Decoder<B>, B>,
@@ -1418,7 +1459,7 @@ where
     if groups.world_rank() == 0 {
         tracing::info!(step = state.completed_steps, from = %location.display(), "resuming");
     }
-    Ok((model, optimizer, state.data_position))
+    Ok((model, optimizer, state))
 }
 
 /// A sharded checkpoint's optimizer state and run state, with `model` set from its master
@@ -1730,7 +1771,7 @@ mod tests {
     #[test]
     fn a_resume_under_other_optimizer_settings_is_refused() {
         let config = TrainConfig::small(ParallelLayout::new());
-        let saved = RunState { completed_steps: 2, data_position: 2, seed: config.seed, config: config.clone(), data: None, decayed_every_parameter: false };
+        let saved = RunState { completed_steps: 2, data_position: 2, seed: config.seed, config: config.clone(), data: None, next_batch_digest: None, decayed_every_parameter: false };
         check_resumable(&config, &saved).expect("the same settings");
         check_resumable(&config.clone().with_f32_head(true), &saved).expect("a precision change is warned about, not refused");
         let mut decayed = config.clone();
@@ -1764,7 +1805,15 @@ mod tests {
         let error = config.clone().with_warmup_steps(111).validate().unwrap_err();
         assert!(error.contains("--warmup-steps) 111 is past --steps 110"), "{error}");
 
-        let state = RunState { completed_steps: 2, data_position: 2, seed: 1, config: config.clone().with_lr_schedule(LrSchedule::Linear), data: None, decayed_every_parameter: false };
+        let state = RunState {
+            completed_steps: 2,
+            data_position: 2,
+            seed: 1,
+            config: config.clone().with_lr_schedule(LrSchedule::Linear),
+            data: None,
+            next_batch_digest: None,
+            decayed_every_parameter: false,
+        };
         let mut old = serde_json::to_value(&state).unwrap();
         let fields = old["config"].as_object_mut().unwrap();
         for name in super::SETTINGS_ADDED.into_iter().chain(["f32_head"]) {

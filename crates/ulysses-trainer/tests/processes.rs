@@ -1180,6 +1180,35 @@ fn a_resume_on_other_data_or_another_model_is_refused_naming_what_changed() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A change the data's identity cannot see (the middle of a file larger than the 64 KiB it
+/// reads at each end) still changes the next step's batch, whose digest the checkpoint keeps.
+#[test]
+fn a_resume_on_data_changed_where_its_identity_does_not_look_is_refused() {
+    let dir = workspace("resume-middle");
+    let path = dir.join("data.jsonl");
+    let mut lines: Vec<String> = fs::read_to_string(&path).unwrap().lines().map(String::from).collect();
+    // Step 2's batch (lines 8 to 11) in the middle: 70 KiB of blanks on each side of it.
+    lines[7].push_str(&" ".repeat(70 * 1024));
+    lines[12].insert_str(0, &" ".repeat(70 * 1024));
+    fs::write(&path, lines.join("\n")).unwrap();
+    succeed(run_alone(&common_args(&dir, "run", 4), &["--stop-after", "2"]));
+    // One token of step 2's first sequence: the same size, the same ends.
+    assert!(lines[8].starts_with("[74, "), "{}", lines[8]);
+    lines[8] = lines[8].replacen("[74, ", "[75, ", 1);
+    fs::write(&path, lines.join("\n")).unwrap();
+    let resume = |extra: &[&str]| {
+        let mut args = common_args(&dir, "run", 4);
+        args.extend(["--resume".to_string(), dir.join("run").display().to_string()]);
+        run_alone(&args, extra)
+    };
+    let refused = resume(&[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("step 2 would train on another batch") && text.contains("--allow-new-data"), "{text}");
+    succeed(resume(&["--allow-new-data"]));
+    assert_eq!(losses(&dir.join("run")).len(), 4);
+    let _ = fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn data_that_cannot_train_is_refused_before_step_1() {
     let dir = workspace("untrainable");

@@ -59,10 +59,11 @@ struct Header<S> {
     /// was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     state_checksum: Option<u64>,
-    /// A sharded checkpoint's model parameters, in the order of its state's sections, which
-    /// go by position: a model whose parameters come in another order (another version of
-    /// its code) is refused, not loaded crosswise. Absent in replicated checkpoints (burn's
-    /// records go by name) and in sharded ones written before it was recorded.
+    /// The model's parameters, in visiting order. A sharded checkpoint's state sections go by
+    /// position: a model whose parameters come in another order (another version of its code)
+    /// is refused, not loaded crosswise. A replicated one's record goes by name, and burn
+    /// skips what does not fit it (an untied head the model has and the record lacks), so the
+    /// names must be the same. Absent in checkpoints written before it was recorded.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     parameter_paths: Vec<String>,
 }
@@ -96,6 +97,7 @@ pub struct TrainingCheckpoint {
     dir: PathBuf,
     model_bytes: Vec<u8>,
     optimizer_bytes: Vec<u8>,
+    parameter_paths: Vec<String>,
     state: serde_json::Value,
 }
 
@@ -112,7 +114,7 @@ impl TrainingCheckpoint {
         let model_bytes = Recorder::<B>::record(&recorder(), model.clone().into_record(), ()).map_err(|e| error(&path, e))?;
         let optimizer_bytes = Recorder::<B>::record(&recorder(), optimizer.to_record(), ()).map_err(|e| error(&path, e))?;
         let state = serde_json::to_value(state).map_err(|e| error(&path, e))?;
-        Ok(Self { dir: dir.to_path_buf(), model_bytes, optimizer_bytes, state })
+        Ok(Self { dir: dir.to_path_buf(), model_bytes, optimizer_bytes, parameter_paths: crate::parameter_paths(model), state })
     }
 
     /// The folder it is written to.
@@ -122,7 +124,7 @@ impl TrainingCheckpoint {
 
     /// Writes `dir/`[`CHECKPOINT_FILE`] atomically; returns its path.
     pub fn write(self) -> Result<PathBuf, UlyssesError> {
-        write_checkpoint(&self.dir, &self.model_bytes, &self.optimizer_bytes, None, &self.state)
+        write_checkpoint(&self.dir, &self.model_bytes, &self.optimizer_bytes, None, &self.parameter_paths, &self.state)
     }
 }
 
@@ -133,7 +135,8 @@ pub(crate) fn write_checkpoint<S: Serialize>(
     dir: &Path,
     model_bytes: &[u8],
     optimizer_bytes: &[u8],
-    optimizer_shards: Option<(&str, &[String])>,
+    optimizer_shards: Option<&str>,
+    parameter_paths: &[String],
     state: &S,
 ) -> Result<PathBuf, UlyssesError> {
     let path = dir.join(CHECKPOINT_FILE);
@@ -145,8 +148,8 @@ pub(crate) fn write_checkpoint<S: Serialize>(
         model_bytes: model_bytes.len() as u64,
         optimizer_bytes: optimizer_bytes.len() as u64,
         checksum: fnv1a(&[model_bytes, optimizer_bytes]),
-        optimizer_shards: optimizer_shards.map(|(folder, _)| folder.to_string()),
-        parameter_paths: optimizer_shards.map_or_else(Vec::new, |(_, paths)| paths.to_vec()),
+        optimizer_shards: optimizer_shards.map(str::to_string),
+        parameter_paths: parameter_paths.to_vec(),
     };
     let header = serde_json::to_vec(&header).map_err(|e| error(&path, e))?;
     let length = (header.len() as u64).to_le_bytes();
@@ -182,15 +185,26 @@ where
             ),
         ));
     }
-    let model = load_model_record(&path, contents.model, model, device)?;
+    let model = load_model_record(&path, contents.model, &contents.parameter_paths, model, device)?;
     let optimizer_record = Recorder::<B>::load(&recorder(), contents.optimizer, device)
         .map_err(|e| error(&path, format!("the optimizer record does not fit this optimizer: {e}")))?;
     Ok((model, optimizer.load_record(optimizer_record), contents.state))
 }
 
 /// `model` (a fresh one of the same shapes) with the parameters of a checkpoint's model
-/// section `bytes`, read from `path`; refused when a parameter's shape differs.
-pub(crate) fn load_model_record<B: AutodiffBackend, M: AutodiffModule<B>>(path: &Path, bytes: Vec<u8>, model: M, device: &B::Device) -> Result<M, UlyssesError> {
+/// section `bytes`, read from `path`, whose header names the parameters `saved` (none in
+/// checkpoints written before it did); refused when the parameters' names or shapes differ.
+pub(crate) fn load_model_record<B: AutodiffBackend, M: AutodiffModule<B>>(
+    path: &Path,
+    bytes: Vec<u8>,
+    saved: &[String],
+    model: M,
+    device: &B::Device,
+) -> Result<M, UlyssesError> {
+    let ours = crate::parameter_paths(&model);
+    if !saved.is_empty() {
+        check_same_parameters(path, saved, &ours)?;
+    }
     let model_record = Recorder::<B>::load(&recorder(), bytes, device)
         .map_err(|e| error(path, format!("the model record does not fit this model: {e}")))?;
     // burn takes a record's tensors whatever their shape: compare, or a checkpoint of another
@@ -198,6 +212,9 @@ pub(crate) fn load_model_record<B: AutodiffBackend, M: AutodiffModule<B>>(path: 
     let shapes = |model: &M| float_parameters(model).into_iter().map(|p| (p.path, p.shape.to_vec())).collect::<Vec<_>>();
     let expected = shapes(&model);
     let model = model.load_record(model_record);
+    // An optional module the record lacks is dropped by burn: a checkpoint without names (an
+    // older one) is caught here, after the load.
+    check_same_parameters(path, &crate::parameter_paths(&model), &ours)?;
     if let Some(((name, want), (_, got))) = expected.iter().zip(shapes(&model)).find(|(want, got)| want.1 != got.1) {
         return Err(error(
             path,
@@ -205,6 +222,25 @@ pub(crate) fn load_model_record<B: AutodiffBackend, M: AutodiffModule<B>>(path: 
         ));
     }
     Ok(model)
+}
+
+/// Refuses a model whose parameters (`ours`, by name) are not the checkpoint's (`saved`).
+fn check_same_parameters(path: &Path, saved: &[String], ours: &[String]) -> Result<(), UlyssesError> {
+    let lacking = |these: &[String], those: &[String]| these.iter().find(|p| !those.contains(p)).cloned();
+    let what = match (lacking(saved, ours), lacking(ours, saved)) {
+        (None, None) => return Ok(()),
+        (Some(theirs), _) => format!("it holds parameter `{theirs}`, which this model lacks"),
+        (None, Some(mine)) => format!("this model has parameter `{mine}`, which it lacks"),
+    };
+    Err(error(
+        path,
+        format!(
+            "{what} ({} parameters in it, {} in this model): it was written by another model (tied or untied embeddings, another \
+             layer count, another version of the model's code)",
+            saved.len(),
+            ours.len()
+        ),
+    ))
 }
 
 /// The training state saved in a checkpoint, from its header alone (the records are neither
@@ -488,6 +524,34 @@ mod tests {
         let mut fresh_optimizer = AdamWConfig::new().init::<B, Linear<B>>();
         assert_ne!(step_again(loaded, &mut fresh_optimizer), uninterrupted, "the check must tell a fresh optimizer apart");
         assert_eq!(read_checkpoint_state::<State>(&path).unwrap(), State { step: 7 });
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// burn loads a record by name and drops an optional parameter the record lacks (here a
+    /// bias; in a decoder an untied head): a model with other parameters is refused instead,
+    /// by the names in the header, or (a checkpoint written before them) after the load.
+    #[test]
+    fn a_model_with_other_parameters_is_refused_not_loaded_without_them() {
+        let dir = folder("other-parameters");
+        let device = Default::default();
+        let optimizer = || AdamWConfig::new().init::<B, Linear<B>>();
+        let biased = || LinearConfig::new(3, 2).init::<B>(&device);
+        let unbiased = || LinearConfig::new(3, 2).with_bias(false).init::<B>(&device);
+        let load = |model: Linear<B>| load_training_checkpoint::<B, _, _, State>(&dir, model, optimizer(), &device).map(|_| ()).unwrap_err().to_string();
+
+        save_training_checkpoint(&dir, &unbiased(), &optimizer(), &State { step: 1 }).unwrap();
+        let message = load(biased());
+        assert!(message.contains("this model has parameter `bias`, which it lacks (1 parameters in it, 2 in this model)"), "{message}");
+        save_training_checkpoint(&dir, &biased(), &optimizer(), &State { step: 1 }).unwrap();
+        let message = load(unbiased());
+        assert!(message.contains("it holds parameter `bias`, which this model lacks"), "{message}");
+
+        // A checkpoint whose header names no parameters.
+        let model_bytes = Recorder::<B>::record(&recorder(), burn::module::Module::into_record(unbiased()), ()).unwrap();
+        let optimizer_bytes = Recorder::<B>::record(&recorder(), optimizer().to_record(), ()).unwrap();
+        write_checkpoint(&dir, &model_bytes, &optimizer_bytes, None, &[], &State { step: 1 }).unwrap();
+        let message = load(biased());
+        assert!(message.contains("this model has parameter `bias`, which it lacks"), "{message}");
         let _ = fs::remove_dir_all(&dir);
     }
 

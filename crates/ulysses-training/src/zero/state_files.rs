@@ -357,7 +357,7 @@ where
         // would hold some parts on each, a checkpoint that no resume can read.
         let unseen: Vec<usize> = (0..size).filter(|&r| !folder.join(sharded_state_file(r, size)).is_file()).collect();
         let path = match unseen.is_empty() {
-            true => crate::checkpoint::write_checkpoint(dir, &[], &[], Some((&folder_name, parameter_paths)), state),
+            true => crate::checkpoint::write_checkpoint(dir, &[], &[], Some(&folder_name), parameter_paths, state),
             false => Err(shard_error(
                 &folder,
                 format!(
