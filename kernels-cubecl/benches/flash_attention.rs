@@ -118,7 +118,9 @@ fn inputs(shape: [usize; 4], dtype: DType, device: &Device) -> [CubeTensor<Runti
     [1, 2, 3, 4].map(|seed| tensor(shape, dtype, device, seed))
 }
 
-/// Median seconds of `run`: at least one sample, more while the budget lasts (at most 20).
+/// Median seconds of `run`: at least one sample, more while the budget lasts (at most 20); of
+/// an even count the mean of the middle two, as `statistics.median` gives SDPA's (the upper one
+/// alone was the slower of two samples at long lengths, where SDPA's was their mean).
 fn time(device: &Device, budget: Duration, mut run: impl FnMut()) -> f64 {
     let mut samples = Vec::new();
     let started = Instant::now();
@@ -129,7 +131,8 @@ fn time(device: &Device, budget: Duration, mut run: impl FnMut()) -> f64 {
         samples.push(t.elapsed().as_secs_f64());
     }
     samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
+    let middle = samples.len() / 2;
+    if samples.len() % 2 == 0 { (samples[middle - 1] + samples[middle]) / 2.0 } else { samples[middle] }
 }
 
 fn bench(shape: Shape, dtype: DType, device: &Device, budget: Duration, ranges: Option<&VisibleRanges>) -> (Timing, u64) {
@@ -167,8 +170,9 @@ struct Sdpa {
     backend: String,
 }
 
-/// Runs the SDPA script once for every shape; `None` per shape when torch is missing.
-fn sdpa(shapes: &[Shape], budget: Duration) -> Vec<Option<Sdpa>> {
+/// Runs the SDPA script once for every shape, `each` the budget of each of its timings (ours
+/// get the same); `None` per shape when torch is missing.
+fn sdpa(shapes: &[Shape], each: Duration) -> Vec<Option<Sdpa>> {
     // ULYSSES_SDPA_SCRIPT, else next to this executable (a carried bundle), else the source tree.
     let beside = std::env::current_exe().ok().and_then(|exe| Some(exe.parent()?.join("sdpa_reference.py"))).filter(|p| p.exists());
     let script = std::env::var("ULYSSES_SDPA_SCRIPT").ok().map(std::path::PathBuf::from).or(beside).unwrap_or_else(|| {
@@ -177,7 +181,7 @@ fn sdpa(shapes: &[Shape], budget: Duration) -> Vec<Option<Sdpa>> {
     let list: Vec<String> = shapes.iter().map(|s| format!("{}x{}x{}x{}{}", s.batch, s.heads, s.seq, s.head_dim, if s.causal { "c" } else { "" })).collect();
     let output = Command::new("python3")
         .arg(&script)
-        .args(["--shapes", &list.join(","), "--budget", &format!("{}", budget.as_secs_f64() / 3.0)])
+        .args(["--shapes", &list.join(","), "--budget", &format!("{}", each.as_secs_f64())])
         .output();
     let text = output.as_ref().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
     if let Ok(output) = &output
@@ -219,7 +223,8 @@ fn reads_per_flop(plan: &Plan) -> f64 {
 /// fragments and in SDPA, same shapes, same run; then, for causal shapes, packed documents of
 /// `document` tokens on both engines (SDPA has no documents).
 fn fragments_against_planned(shapes: &[Shape], dtype: DType, device: &Device, budget: Duration, quick: bool) {
-    let theirs = if quick { vec![None; shapes.len()] } else { sdpa(shapes, budget) };
+    // Each engine's timings get a quarter of a shape's budget (`both_engines`), SDPA's too.
+    let theirs = if quick { vec![None; shapes.len()] } else { sdpa(shapes, budget / 4) };
     let number = |x: f64| if x < 0.1 { format!("{x:.1e}") } else { format!("{x:.2}") };
     // SDPA's figures as they come, before ours: a run stopped at its time limit keeps them.
     for (shape, sdpa) in shapes.iter().zip(&theirs) {
@@ -470,7 +475,8 @@ fn main() {
         reads_per_flop(&plan)
     );
 
-    let theirs = if quick { vec![None; shapes.len()] } else { sdpa(&shapes, budget) };
+    // A third of a shape's budget for each timing (`bench`), SDPA's too.
+    let theirs = if quick { vec![None; shapes.len()] } else { sdpa(&shapes, budget / 3) };
     let mut memory = Vec::new();
     let mut plain_causal = Vec::new();
     for skew in skews {

@@ -862,6 +862,10 @@ where
         let io_before = DeviceIo::of_this_thread();
         let (next, report) = train_one_step(config, model, &mut optimizer, parts.as_mut(), data, step, &sharder, groups, device, &options.faults)
             .map_err(|e| e.at_step(step))?;
+        // The step's work done before its seconds are read: the update is queued after the
+        // step's last read, and its time fell into the next step's (PyTorch's reference reads
+        // its loss after its update). One wait a step, counted with the step's.
+        B::sync(device).map_err(|e| UlyssesError::InModel { message: format!("the device failed finishing the step's work: {e}") }.at_step(step))?;
         let io = DeviceIo::of_this_thread() - io_before;
         model = next;
         reports.push(report);

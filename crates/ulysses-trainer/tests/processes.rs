@@ -1180,6 +1180,20 @@ fn a_resume_on_other_data_or_another_model_is_refused_naming_what_changed() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// `--profile` prints each step's waits; the step ends with a sync of its own, so that its
+/// seconds hold its update (queued after its last read), as PyTorch's reference times a step.
+#[test]
+fn a_profiled_step_waits_for_its_update_before_its_seconds_are_read() {
+    let dir = workspace("profiled");
+    let output = run_alone(&common_args(&dir, "run", 2), &["--profile"]);
+    let text = show(&output);
+    assert!(output.status.success(), "{text}");
+    let steps: Vec<&str> = text.lines().filter(|line| line.starts_with("step ") && line.contains("syncs")).collect();
+    assert_eq!(steps.len(), 2, "{text}");
+    assert!(steps.iter().all(|line| line.contains("; 1 syncs)")), "{steps:#?}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A change the data's identity cannot see (the middle of a file larger than the 64 KiB it
 /// reads at each end) still changes the next step's batch, whose digest the checkpoint keeps.
 #[test]
