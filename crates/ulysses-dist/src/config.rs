@@ -140,8 +140,14 @@ impl DistributedConfig {
         if self.sp_size == 0 {
             return Err(DistError::Env(format!("sp_size ({ENV_SP_SIZE}) must be at least 1")));
         }
-        if self.max_message_bytes < 1024 {
-            return Err(DistError::Env(format!("max_message_bytes ({ENV_MAX_MESSAGE_BYTES}) must be at least 1024, got {}", self.max_message_bytes)));
+        // Below it, the first collective's messages are over the limit, blamed on a peer.
+        for (name, variable, value) in [
+            ("max_message_bytes", ENV_MAX_MESSAGE_BYTES, self.max_message_bytes as u64),
+            ("tcp_max_message_bytes", ENV_TCP_MAX_MESSAGE_BYTES, self.tcp_max_message_bytes),
+        ] {
+            if value < 1024 {
+                return Err(DistError::Env(format!("{name} ({variable}) must be at least 1024, got {value}")));
+            }
         }
         Ok(())
     }
@@ -190,6 +196,11 @@ mod tests {
         for value in ["1e300", "NaN", "inf"] {
             let err = DistributedConfig::new().with_overrides(|n| (n == ENV_COLLECTIVE_TIMEOUT).then(|| value.into())).unwrap_err();
             assert!(err.to_string().contains("ULYSSES_COLLECTIVE_TIMEOUT"), "{value}: {err}");
+        }
+        // A message limit that every collective's first message would pass.
+        for variable in [ENV_MAX_MESSAGE_BYTES, ENV_TCP_MAX_MESSAGE_BYTES] {
+            let err = DistributedConfig::new().with_overrides(|n| (n == variable).then(|| "0".into())).unwrap_err();
+            assert!(err.to_string().contains(&format!("({variable}) must be at least 1024, got 0")), "{err}");
         }
         let config = DistributedConfig::new().with_overrides(|_| None).unwrap();
         assert!(config.require_token().unwrap_err().to_string().contains("ULYSSES_RENDEZVOUS_TOKEN"));

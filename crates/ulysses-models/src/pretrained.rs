@@ -19,6 +19,7 @@ use std::{
     fmt,
     path::{Path, PathBuf},
     rc::Rc,
+    sync::{Arc, Mutex},
 };
 
 use burn::{
@@ -792,8 +793,7 @@ impl HfCheckpointSnapshot {
         let shards = plan_shard_paths(&tensors, options)
             .into_iter()
             .map(|paths| {
-                let mut store = shard_store(SafetensorsStore::from_bytes(None), paths, options.dtype);
-                model.save_into(&mut store).map_err(|e| CheckpointError::file(dir, e))?;
+                let store = save_shard(model, SafetensorsStore::from_bytes(None), paths, options.dtype, dir)?;
                 store.get_bytes().map_err(|e| CheckpointError::file(dir, e))
             })
             .collect::<Result<_, _>>()?;
@@ -825,15 +825,22 @@ impl HfCheckpointSnapshot {
     }
 }
 
-/// A safetensors store for one shard's tensors (`paths`), as a save writes them: Hugging
-/// Face's names and layouts, cast to `dtype`, and the metadata transformers asks for.
-fn shard_store(store: SafetensorsStore, paths: Vec<String>, dtype: DType) -> SafetensorsStore {
+/// `store` (a file at `at`, or bytes) with `model`'s tensors `paths`, as a save writes them:
+/// Hugging Face's names and layouts, cast to `dtype`, and the metadata transformers asks for.
+/// Refused where a weight does not fit `dtype` (past f16's 65 504, written as infinity).
+fn save_shard<B: Backend>(model: &Decoder<B>, store: SafetensorsStore, paths: Vec<String>, dtype: DType, at: &Path) -> Result<SafetensorsStore, CheckpointError> {
+    let cast = CastFloats { dtype, past_range: Arc::default() };
+    let past_range = cast.past_range.clone();
     // transformers refuses safetensors whose `format` is not `pt` (burn-store writes `safetensors`).
-    let mut store = store.with_full_paths(paths).with_to_adapter(BurnToPyTorchAdapter.chain(CastFloats(dtype))).metadata("format", "pt");
+    let mut store = store.with_full_paths(paths).with_to_adapter(BurnToPyTorchAdapter.chain(cast)).metadata("format", "pt");
     for (from, to) in DECODER_TO_HF {
         store = store.with_key_remapping(from, to);
     }
-    store
+    model.save_into(&mut store).map_err(|e| CheckpointError::file(at, e))?;
+    if let Some(path) = past_range.lock().map_or(None, |mut past| past.take()) {
+        return Err(CheckpointError::file(at, format!("`{path}` holds values past f16's largest (65504), which f16 writes as infinity: save in bf16 (--save-hf-dtype bf16)")));
+    }
+    Ok(store)
 }
 
 /// A Hugging Face checkpoint folder written one safetensors shard at a time (what
@@ -921,8 +928,7 @@ impl HfCheckpointWriter {
     /// be anything).
     pub fn write_shard<B: Backend>(&mut self, shard: usize, model: &Decoder<B>) -> Result<(), CheckpointError> {
         let weights = self.partial.join(self.file_name(shard));
-        let mut store = shard_store(SafetensorsStore::from_file(&weights), self.shard_paths(shard), self.dtype);
-        model.save_into(&mut store).map_err(|e| CheckpointError::file(&weights, e))?;
+        save_shard(model, SafetensorsStore::from_file(&weights), self.shard_paths(shard), self.dtype, &weights)?;
         self.shard_written(shard, weights);
         Ok(())
     }
@@ -1127,17 +1133,34 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
 
 /// Every floating-point tensor to one dtype: f32 master weights in, the dtype asked for out.
 #[derive(Debug, Clone)]
-struct CastFloats(DType);
+struct CastFloats {
+    dtype: DType,
+    /// The first tensor whose finite values the cast made infinite (burn-store panics on a
+    /// snapshot's error: it is said after the save instead).
+    past_range: Arc<Mutex<Option<String>>>,
+}
 
 impl ModuleAdapter for CastFloats {
     fn adapt(&self, snapshot: &TensorSnapshot) -> TensorSnapshot {
-        let target = self.0;
+        let target = self.dtype;
         if snapshot.dtype == target || !matches!(snapshot.dtype, DType::F32 | DType::BF16 | DType::F16 | DType::F64) {
             return snapshot.clone();
         }
-        let data = snapshot.clone_data_fn();
+        let (data, path, past_range) = (snapshot.clone_data_fn(), snapshot.full_path(), self.past_range.clone());
         TensorSnapshot::from_closure(
-            Rc::new(move || Ok(data()?.convert_dtype(target))),
+            Rc::new(move || {
+                let source = data()?;
+                // f16 holds nothing past 65 504: a larger weight would be saved as infinity.
+                let finite = |data: &TensorData| data.iter::<f64>().all(f64::is_finite);
+                let was_finite = target == DType::F16 && finite(&source);
+                let cast = source.convert_dtype(target);
+                if was_finite && !finite(&cast) {
+                    if let Ok(mut past) = past_range.lock() {
+                        past.get_or_insert_with(|| path.clone());
+                    }
+                }
+                Ok(cast)
+            }),
             target,
             snapshot.shape.clone(),
             snapshot.path_stack.clone().unwrap_or_default(),

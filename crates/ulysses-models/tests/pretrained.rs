@@ -397,6 +397,26 @@ fn edit_weights(folder: &Path, edit: impl FnOnce(&mut std::collections::BTreeMap
     std::fs::write(&weights, safetensors::serialize(views, None).unwrap()).unwrap();
 }
 
+/// A weight past f16's largest value is refused by a save in f16 (which would write infinity),
+/// naming it and bf16; bf16 saves it.
+#[test]
+fn a_save_in_f16_refuses_a_weight_it_would_write_as_infinity() {
+    use burn::tensor::DType;
+    use ulysses_models::save_pretrained;
+    let folder = edited_copy("llama", "past-f16", |_| {});
+    edit_weights(&folder, |t| {
+        let (dtype, _, bytes) = t.get_mut("model.norm.weight").unwrap();
+        assert_eq!(*dtype, safetensors::Dtype::F32, "the fixture's weights are f32");
+        bytes[..4].copy_from_slice(&1e5f32.to_le_bytes());
+    });
+    let pretrained = from_pretrained::<Cpu>(&folder, &Default::default()).unwrap();
+    let out = folder.join("saved");
+    let error = save_pretrained(&pretrained.model, &pretrained.config, &out, DType::F16).unwrap_err().to_string();
+    assert!(error.contains("`norm.") && error.contains("past f16's largest (65504)") && error.contains("--save-hf-dtype bf16"), "{error}");
+    save_pretrained(&pretrained.model, &pretrained.config, &out, DType::BF16).unwrap();
+    std::fs::remove_dir_all(folder).unwrap();
+}
+
 /// A config that ties the head to the embeddings, with weights that say otherwise, loads as
 /// transformers 5 loads it (5.17 and 5.24 checked): Mistral's own head beside its embeddings,
 /// differing, is kept (untied: transformers' logits for the untied fixture, and the config says

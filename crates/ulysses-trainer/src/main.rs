@@ -754,6 +754,12 @@ fn ignored_flags(args: &Args, config: &TrainConfig, threads: bool) -> Vec<String
     if given("zigzag") && args.ring == 1 {
         notes.push("--zigzag cuts each sequence over the ring, and --ring 1 makes none: it changes nothing (give --ring 2 or more)".to_string());
     }
+    if given("checkpoint_every") && args.no_save && args.save_hf.is_none() && !args.eval_only {
+        notes.push("--checkpoint-every says how often a checkpoint is written, and --no-save writes none (nor a --save-hf): it changes nothing".to_string());
+    }
+    if given("min_lr_ratio") && config.lr_schedule == LrSchedule::Constant && !args.eval_only {
+        notes.push("--min-lr-ratio is where a schedule's fall ends, and --lr-schedule constant does not fall: it changes nothing".to_string());
+    }
     if given("device") && args.backend == BackendKind::Cpu {
         notes.push("--device picks a GPU, and the CPU backend has one device: it changes nothing".to_string());
     }
@@ -894,10 +900,15 @@ fn run(mut args: Args) -> Result<(), String> {
             env.rank
         );
     }
-    // Each degree by its own flag (ParallelLayout::check names the field only).
+    // Each degree by its own flag (ParallelLayout::check names the field only), before any
+    // product of them (a padding multiple of twice --sp) can overflow.
     for (field, flag, degree) in [("sp_size", "--sp", Some(args.sp)), ("dp_size", "--dp", args.dp), ("ring_size", "--ring", Some(args.ring))] {
-        if degree == Some(0) {
-            return Err(format!("{field} ({flag}) must be at least 1, got 0"));
+        match degree {
+            Some(0) => return Err(format!("{field} ({flag}) must be at least 1, got 0")),
+            Some(degree) if degree > ulysses_trainer::train::MAX_DEGREE => {
+                return Err(format!("{field} ({flag}) {degree} is past any run this trainer takes (at most {} ranks)", ulysses_trainer::train::MAX_DEGREE));
+            }
+            _ => {}
         }
     }
     let layout = match (launch.world_size(), args.dp) {
@@ -912,7 +923,9 @@ fn run(mut args: Args) -> Result<(), String> {
         }
         (Some(_), Some(dp)) => ParallelLayout::new().with_sp_size(args.sp).with_dp_size(dp),
     };
-    let sharding = if args.zigzag { burn_ulysses::ring::RingSharding::Zigzag } else { burn_ulysses::ring::RingSharding::Contiguous };
+    // Under --ring 1 a zigzag cut is the contiguous one, padded to twice the multiple for
+    // nothing (more padding, and a dynamic RoPE refused at a length that fits): contiguous.
+    let sharding = if args.zigzag && args.ring > 1 { burn_ulysses::ring::RingSharding::Zigzag } else { burn_ulysses::ring::RingSharding::Contiguous };
     let layout = layout.with_ring_size(args.ring).with_ring_sharding(sharding);
     layout.check().map_err(|e| format!("{e} (--sp, --ring)"))?;
     // The library's jobs read their SP degree from ULYSSES_SP_SIZE; the trainer reads --sp alone.
@@ -964,7 +977,11 @@ fn run(mut args: Args) -> Result<(), String> {
     // tokenizer's folder (an --overwrite would replace their config.json), nor one that --data
     // or --eval-data reads (a resume would read the run's files as documents).
     // (--eval-only writes nothing there.)
-    for (other, flag) in [(args.model.as_deref(), "--model"), (args.tokenizer.as_deref().map(folder_of), "--tokenizer's")].into_iter().filter(|_| !args.eval_only) {
+    let hf_config_folder = args.hf_config.as_deref().map(|config| if config.is_dir() { config } else { folder_of(config) });
+    for (other, flag) in [(args.model.as_deref(), "--model"), (args.tokenizer.as_deref().map(folder_of), "--tokenizer's"), (hf_config_folder, "--hf-config's")]
+        .into_iter()
+        .filter(|_| !args.eval_only)
+    {
         if other.is_some_and(|other| same_place(&out, other)) {
             return Err(format!("--out {} is the {flag} folder, whose config.json the run's own would replace: give the run a folder of its own", out.display()));
         }
@@ -986,7 +1003,7 @@ fn run(mut args: Args) -> Result<(), String> {
     // A save replaces its folder whole: never the run's own, nor the checkpoint it starts from
     // (whose other files a save of files alone would not catch).
     if let Some(dir) = &args.save_hf {
-        for (other, flag) in [(Some(out.as_path()), "--out"), (args.model.as_deref(), "--model"), (args.tokenizer.as_deref().map(folder_of), "--tokenizer's")] {
+        for (other, flag) in [(Some(out.as_path()), "--out"), (args.model.as_deref(), "--model"), (args.tokenizer.as_deref().map(folder_of), "--tokenizer's"), (hf_config_folder, "--hf-config's")] {
             if other.is_some_and(|other| same_place(dir, other)) {
                 return Err(format!(
                     "--save-hf {} is the {flag} folder, which the save would replace whole: save into a folder of its own",

@@ -136,6 +136,10 @@ pub struct TrainConfig {
 /// step's windows.
 pub const MAX_BATCH_SIZE: usize = 1 << 20;
 
+/// The most ranks a parallel degree (`--sp`, `--dp`, `--ring`) takes: far past any machine, and
+/// small enough that no product of the degrees and a length overflows.
+pub const MAX_DEGREE: usize = 1 << 24;
+
 impl TrainConfig {
     /// Sequences in each micro-batch a DP replica runs: `--batch-size` over the replicas and
     /// the micro-batches (at least one).
@@ -164,8 +168,8 @@ impl TrainConfig {
         // overflow or an allocation abort.
         let (model_sizes, counts, heads) = (1usize << 20, 1usize << 24, 1usize << 12);
         let bounded = [
-            ("sp_size (--sp)", self.layout.sp_size, counts),
-            ("dp_size (--dp)", self.layout.dp_size, counts),
+            ("sp_size (--sp)", self.layout.sp_size, MAX_DEGREE),
+            ("dp_size (--dp)", self.layout.dp_size, MAX_DEGREE),
             ("grad_accumulation (--grad-accumulation)", self.grad_accumulation, counts),
             ("batch_size (--batch-size)", self.batch_size, MAX_BATCH_SIZE),
             ("steps (--steps)", self.steps, 1 << 40),
@@ -182,6 +186,10 @@ impl TrainConfig {
         let past = |name: &str, value: usize, most: usize| format!("{name} {value} is past any model or run this trainer takes (at most {most})");
         if let Some(&(name, value, most)) = bounded.iter().find(|(_, value, most)| value > most) {
             return Err(past(name, value, most));
+        }
+        // A checkpoint's own head_dim (config.json), beside the heads' count bounded above.
+        if !(1..=1 << 16).contains(&model.head_dim()) {
+            return Err(format!("head_dim {} (config.json) must be from 1 to {} (65536)", model.head_dim(), 1 << 16));
         }
         if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
             return Err(format!(
@@ -1949,6 +1957,13 @@ mod tests {
         let mut explicit = super::TrainConfig::small(layout);
         explicit.model = explicit.model.clone().with_d_model(1000).with_n_heads(12).with_n_kv_heads(4).with_head_dim(Some(64));
         explicit.validate().unwrap_or_else(|e| panic!("a head_dim of 64 beside hidden 1000 and 12 heads is refused: {e}"));
+        // A config.json's head_dim past any model (n_heads × head_dim overflowed), or 0.
+        for head_dim in [0, 1 << 17] {
+            let mut wide = super::TrainConfig::small(layout);
+            wide.model = wide.model.clone().with_head_dim(Some(head_dim));
+            let error = wide.validate().unwrap_err();
+            assert!(error.contains(&format!("head_dim {head_dim} (config.json) must be from 1 to")), "{error}");
+        }
         let dp3 = super::TrainConfig::small(ParallelLayout::new().with_sp_size(1).with_dp_size(3)).with_batch_size(2);
         let error = dp3.validate().unwrap_err();
         assert!(error.ends_with("= 3: use 3"), "no batch of 0 offered: {error}");

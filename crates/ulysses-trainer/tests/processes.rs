@@ -711,7 +711,7 @@ fn a_model_the_host_cannot_hold_is_refused_before_it_is_built() {
 #[test]
 fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     let dir = workspace("settings");
-    let cases: [(&str, &str, &str); 20] = [
+    let cases: [(&str, &str, &str); 21] = [
         ("--learning-rate", "-1", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "nan", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "inf", "learning_rate (--learning-rate) must be a finite number above 0"),
@@ -731,6 +731,8 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
         // Past any model or run: refused by name (arithmetic on them overflowed).
         ("--seq-len", "18446744073709551615", "seq_len (--seq-len) 18446744073709551615 is past any model or run"),
         ("--layers", "18446744073709551615", "n_layers (--layers) 18446744073709551615 is past any model or run"),
+        // Its padding multiple (twice it, with --zigzag) overflowed before any check.
+        ("--sp", "9223372036854775808", "sp_size (--sp) 9223372036854775808 is past any run this trainer takes"),
         ("--batch-size", "100000000", "batch_size (--batch-size) 100000000 is past any model or run"),
         // Past 2^20 the corpus's windows of one step repeat the next's.
         ("--batch-size", "2097152", "batch_size (--batch-size) 2097152 is past any model or run this trainer takes (at most 1048576)"),
@@ -1032,11 +1034,17 @@ fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     assert!(text.contains(expected) && text.contains("sp 2 × dp 3"), "expected {expected:?}:\n{text}");
     // A transport between processes, for ranks that are threads; a comparison of the ranks'
     // parameters where each holds parts of them.
-    let text = show(&succeed(run_alone(&args("--transport tcp --zero 3 --checkpoint-layers --offload-optimizer --check-parameters-every 5 --bytes-ok"), &["--sp", "2"])));
+    // Checkpoints every 5 steps where none is written; a schedule's floor where it does not fall.
+    let text = show(&succeed(run_alone(
+        &args("--transport tcp --zero 3 --checkpoint-layers --offload-optimizer --check-parameters-every 5 --bytes-ok --no-save --checkpoint-every 5 --lr-schedule constant --min-lr-ratio 0.2"),
+        &["--sp", "2"],
+    )));
     for expected in [
         "--transport connects ranks that are processes, and these ranks are threads of this one: it changes nothing",
         "this run reads --data or --tokens: it changes nothing",
         "--check-parameters-every compares the ranks' parameters, and under --zero 3 each holds its own part of them: it changes nothing",
+        "--checkpoint-every says how often a checkpoint is written, and --no-save writes none (nor a --save-hf): it changes nothing",
+        "--min-lr-ratio is where a schedule's fall ends, and --lr-schedule constant does not fall: it changes nothing",
     ] {
         assert!(text.contains(expected), "expected {expected:?}:\n{text}");
     }
@@ -1438,6 +1446,21 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     assert!(!refused.status.success() && show(&refused).contains("vocabulary has 200 ids"), "{}", show(&refused));
     let refused = run_alone(&args("both"), &["--hf-config", &config.display().to_string()]);
     assert!(!refused.status.success() && show(&refused).contains("--hf-config"), "{}", show(&refused));
+    // The run's own config.json, or a save, would replace the --hf-config's file.
+    let shape = dir.join("shape");
+    fs::create_dir_all(&shape).unwrap();
+    fs::copy(&config, shape.join("config.json")).unwrap();
+    for (extra, expected) in [(vec!["--overwrite"], "--out"), (vec!["--save-hf", shape.to_str().unwrap()], "--save-hf")] {
+        let mut args = shaped("shape", &shape.join("config.json"), true);
+        set_flag(&mut args, "--out", shape.to_str().unwrap());
+        if extra[0] == "--save-hf" {
+            set_flag(&mut args, "--out", dir.join("beside-shape").to_str().unwrap());
+        }
+        let refused = run_alone(&args, &extra);
+        let text = show(&refused);
+        assert!(!refused.status.success() && text.contains(&format!("{expected} {} is the --hf-config's folder", shape.display())), "{extra:?}:\n{text}");
+    }
+    assert_eq!(fs::read(shape.join("config.json")).unwrap(), fs::read(&config).unwrap(), "the --hf-config file was written over");
 
     // The checkpoint's generation settings travel with the saved model.
     assert_eq!(fs::read(saved.join("generation_config.json")).unwrap(), fs::read(checkpoint.join("generation_config.json")).unwrap());
