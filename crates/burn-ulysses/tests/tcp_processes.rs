@@ -25,6 +25,7 @@ fn run_ranks(ranks: usize, check_args: &[&str]) -> (Vec<(ExitStatus, String)>, D
         program: env!("CARGO_BIN_EXE_ulysses-tcp-check").into(),
         args: ["--mib", "8"].iter().chain(check_args).map(|arg| arg.to_string()).collect(),
         kill_grace: Duration::from_secs(20),
+        busy_limit: ulysses_dist::launch::DEFAULT_BUSY_LIMIT,
     };
     let started = Instant::now();
     let children: Vec<_> = (0..ranks)

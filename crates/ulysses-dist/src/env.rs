@@ -157,9 +157,29 @@ impl LaunchEnv {
         let under_srun = source == EnvSource::Slurm || is_srun_task(&lookup);
         let master_addr = match lookup("MASTER_ADDR") {
             Some(addr) => addr,
-            None if under_srun => first_set(&["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"])
-                .and_then(|(_, list)| first_host(&list))
-                .ok_or_else(|| DistError::Env("MASTER_ADDR is not set and SLURM_STEP_NODELIST has no host".into()))?,
+            None if under_srun => {
+                // Task 0 runs on the node list's first host under every distribution but the
+                // arbitrary one, whose hostfile's first line may name another: every rank
+                // would dial a host where no rendezvous is served, for the whole timeout.
+                if let Some(distribution) = lookup("SLURM_DISTRIBUTION").filter(|d| d.trim().starts_with("arbitrary")) {
+                    return Err(DistError::Env(format!(
+                        "MASTER_ADDR is not set, and under srun's {distribution:?} distribution (SLURM_DISTRIBUTION, a SLURM_HOSTFILE) task 0 \
+                         need not run on the node list's first host: set MASTER_ADDR to the host of task 0 (the hostfile's first line)"
+                    )));
+                }
+                let host = first_set(&["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"])
+                    .and_then(|(_, list)| first_host(&list))
+                    .ok_or_else(|| DistError::Env("MASTER_ADDR is not set and SLURM_STEP_NODELIST has no host".into()))?;
+                // Rank 0 serves the rendezvous where it runs: elsewhere than the address every
+                // rank derives, it is said at once, not after every rank's timeout.
+                if let Some(node) = lookup("SLURMD_NODENAME").filter(|node| rank == 0 && node.trim() != host) {
+                    return Err(DistError::Env(format!(
+                        "MASTER_ADDR is not set, and rank 0 runs on {node} (SLURMD_NODENAME), not on the step's first node {host}, which \
+                         every rank takes for rank 0's: set MASTER_ADDR to rank 0's host, or let srun place task 0 on the first node"
+                    )));
+                }
+                host
+            }
             None => "127.0.0.1".to_string(),
         };
         check_host(&master_addr)?;
@@ -493,6 +513,22 @@ mod tests {
         assert_eq!(env(&launcher_task).unwrap().cpus_of_its_own, None);
         assert_eq!(env(&[("RANK", "3"), ("WORLD_SIZE", "8"), ("SLURM_PROCID", "3"), ("SLURM_CPUS_PER_TASK", "16")]).unwrap().cpus_of_its_own, None);
         assert_eq!(env(&task[..7]).unwrap().cpus_of_its_own, None);
+    }
+
+    /// Task 0 where the node list does not say: an arbitrary distribution's hostfile, or a rank
+    /// 0 on another node than the first, is refused at once (naming MASTER_ADDR), where every
+    /// rank waited out the rendezvous timeout dialling a host that served none.
+    #[test]
+    fn a_task_0_off_the_node_lists_first_host_needs_master_addr() {
+        let task_0 = [("SLURM_PROCID", "0"), ("SLURM_STEP_ID", "0"), ("SLURM_STEP_NUM_TASKS", "2"), ("SLURM_LOCALID", "0"), ("SLURM_NODEID", "0"), ("SLURM_STEP_TASKS_PER_NODE", "1(x2)"), ("SLURM_STEP_NODELIST", "gpu[07-08]")];
+        assert_eq!(env(&[task_0.as_slice(), &[("SLURMD_NODENAME", "gpu07")]].concat()).unwrap().master_addr, "gpu07");
+        let elsewhere = env(&[task_0.as_slice(), &[("SLURMD_NODENAME", "gpu08")]].concat()).unwrap_err().to_string();
+        assert!(elsewhere.contains("rank 0 runs on gpu08 (SLURMD_NODENAME), not on the step's first node gpu07") && elsewhere.contains("set MASTER_ADDR"), "{elsewhere}");
+        let arbitrary = env(&[task_0.as_slice(), &[("SLURM_DISTRIBUTION", "arbitrary")]].concat()).unwrap_err().to_string();
+        assert!(arbitrary.contains("\"arbitrary\" distribution") && arbitrary.contains("set MASTER_ADDR"), "{arbitrary}");
+        // Given, it is taken whatever the distribution.
+        let given = [task_0.as_slice(), &[("SLURM_DISTRIBUTION", "arbitrary"), ("SLURMD_NODENAME", "gpu08"), ("MASTER_ADDR", "gpu08")]].concat();
+        assert_eq!(env(&given).unwrap().master_addr, "gpu08");
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::{
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
-    sync::atomic::{AtomicBool, AtomicUsize, Ordering},
+    sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering},
     thread::JoinHandle,
     time::{Duration, Instant},
 };
@@ -29,7 +29,14 @@ pub struct LaunchPlan {
     /// After one rank fails, how long the others get to exit on their own (they notice the
     /// failed rank and name it), and then after SIGTERM, before SIGKILL.
     pub kill_grace: Duration,
+    /// After one rank fails, how long at most the others may go on with work that must not be
+    /// cut short (a checkpoint's write: [`Busy`]) before they are stopped: a write stalled on
+    /// a hung file system, or a rank waiting in a collective for the dead one, ends too.
+    pub busy_limit: Duration,
 }
+
+/// [`LaunchPlan::busy_limit`]'s default: a large model's checkpoint on a slow disk.
+pub const DEFAULT_BUSY_LIMIT: Duration = Duration::from_secs(30 * 60);
 
 /// The exit status of a rank that stopped before its last step on a signal (a preemption's
 /// SIGTERM, `sbatch --signal=USR1@300`), having written the checkpoint that `--resume`
@@ -144,11 +151,13 @@ fn busy_with(dir: &Path) -> BTreeSet<String> {
 }
 
 /// After a rank failed: waits while a rank still running is busy with work that must not be
-/// cut short ([`Busy`]), saying so, until that work ends, every rank has exited, or the
-/// launcher is interrupted.
-fn wait_while_busy(ranks: &mut [Rank], dir: &Path) {
+/// cut short ([`Busy`]), saying so, until that work ends, every rank has exited, the launcher
+/// is interrupted, or `limit` has passed. Signals to pass on are passed on meanwhile.
+fn wait_while_busy(ranks: &mut [Rank], dir: &Path, limit: Duration) {
+    let deadline = Instant::now() + limit;
     let mut said = BTreeSet::new();
     loop {
+        pass_on_signals(ranks);
         for rank in ranks.iter_mut().filter(|r| r.status.is_none()) {
             if let Ok(Some(status)) = rank.child.try_wait() {
                 rank.status = Some(status);
@@ -158,12 +167,33 @@ fn wait_while_busy(ranks: &mut [Rank], dir: &Path) {
         if busy.is_empty() || ranks.iter().all(|r| r.status.is_some()) || INTERRUPTED.load(Ordering::Relaxed) {
             return;
         }
+        if Instant::now() >= deadline {
+            let busy: Vec<String> = busy.into_iter().collect();
+            eprintln!("ulysses-launch: still busy with {} after {limit:?} (--busy-limit-secs): stopping the ranks", busy.join(", "));
+            return;
+        }
         for what in busy.difference(&said) {
-            eprintln!("ulysses-launch: waiting for {what} before stopping the ranks");
+            eprintln!("ulysses-launch: waiting for {what} before stopping the ranks (at most {limit:?}, --busy-limit-secs)");
         }
         said = busy;
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Passes a SIGUSR1 or a first SIGTERM the launcher caught on to every running rank's group.
+fn pass_on_signals(ranks: &[Rank]) {
+    for (pending, signal) in [(&PASS_ON_USR1, libc::SIGUSR1), (&PASS_ON_TERM, libc::SIGTERM)] {
+        if pending.swap(false, Ordering::Relaxed) {
+            for rank in ranks.iter().filter(|r| r.status.is_none()) {
+                signal_group(rank, signal);
+            }
+        }
+    }
+}
+
+/// The error of a launch that `INTERRUPTED_BY`'s signal interrupted `when`.
+fn interrupted(when: String) -> DistError {
+    DistError::Interrupted { signal: INTERRUPTED_BY.load(Ordering::Relaxed), when }
 }
 
 /// The launch's [`ENV_BUSY_DIR`], removed with what is left in it when dropped.
@@ -215,7 +245,7 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
         // Interrupted while starting them: stop those started rather than start the rest.
         if INTERRUPTED.load(Ordering::Relaxed) {
             stop(&mut ranks, plan.kill_grace);
-            return Err(DistError::Launch(format!("interrupted while starting rank {local_rank} of {}", plan.nproc_per_node)));
+            return Err(interrupted(format!("while starting rank {local_rank} of {}", plan.nproc_per_node)));
         }
         let env = plan.rank_env(local_rank);
         let rank = plan.node_rank * plan.nproc_per_node + local_rank;
@@ -251,18 +281,12 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
     }
 
     let failure = loop {
-        for (pending, signal) in [(&PASS_ON_USR1, libc::SIGUSR1), (&PASS_ON_TERM, libc::SIGTERM)] {
-            if pending.swap(false, Ordering::Relaxed) {
-                for rank in ranks.iter().filter(|r| r.status.is_none()) {
-                    signal_group(rank, signal);
-                }
-            }
-        }
+        pass_on_signals(&ranks);
         if INTERRUPTED.load(Ordering::Relaxed) {
             eprintln!("ulysses-launch: interrupted; stopping {} rank(s)", ranks.iter().filter(|r| r.status.is_none()).count());
             stop(&mut ranks, plan.kill_grace);
             join_for(forwarders, plan.kill_grace);
-            return Err(DistError::Launch("interrupted".into()));
+            return Err(interrupted("while the ranks ran".into()));
         }
         // Every rank that ended since the last look: where several failed within it, one
         // killed by a signal (a crash, the OOM killer) is the likelier cause than one that
@@ -290,7 +314,7 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
             plan.kill_grace
         );
         wait_for_exits(&mut ranks, plan.kill_grace);
-        wait_while_busy(&mut ranks, &busy.0);
+        wait_while_busy(&mut ranks, &busy.0, plan.busy_limit);
         stop(&mut ranks, plan.kill_grace);
         join_for(forwarders, plan.kill_grace);
         let statuses: Vec<String> =
@@ -336,6 +360,8 @@ fn join_for(forwarders: Vec<JoinHandle<()>>, limit: Duration) {
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// The signal that set [`INTERRUPTED`].
+static INTERRUPTED_BY: AtomicI32 = AtomicI32::new(0);
 
 /// A SIGUSR1 to pass on to the ranks.
 static PASS_ON_USR1: AtomicBool = AtomicBool::new(false);
@@ -343,7 +369,8 @@ static PASS_ON_USR1: AtomicBool = AtomicBool::new(false);
 static PASS_ON_TERM: AtomicBool = AtomicBool::new(false);
 static TERM_PASSED: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_interrupt(_signal: libc::c_int) {
+extern "C" fn on_interrupt(signal: libc::c_int) {
+    INTERRUPTED_BY.store(signal, Ordering::Relaxed);
     INTERRUPTED.store(true, Ordering::Relaxed);
 }
 
@@ -351,9 +378,9 @@ extern "C" fn on_usr1(_signal: libc::c_int) {
     PASS_ON_USR1.store(true, Ordering::Relaxed);
 }
 
-extern "C" fn on_term(_signal: libc::c_int) {
+extern "C" fn on_term(signal: libc::c_int) {
     if TERM_PASSED.swap(true, Ordering::Relaxed) {
-        INTERRUPTED.store(true, Ordering::Relaxed);
+        on_interrupt(signal);
     } else {
         PASS_ON_TERM.store(true, Ordering::Relaxed);
     }
@@ -423,9 +450,24 @@ fn stop(ranks: &mut [Rank], grace: Duration) {
         // Also reaches what the rank started and left behind (it holds the output pipes); the
         // rank unreaped till then, so that its group's id is still its own.
         signal_group(&ranks[i], libc::SIGKILL);
-        ranks[i].status = ranks[i].child.wait().ok();
+    }
+    // Reaped once dead; one that SIGKILL does not end (stuck in the kernel: a GPU's teardown,
+    // a hung NFS mount) is left to init after a while rather than hang the launcher.
+    let deadline = Instant::now() + KILLED_EXIT_WAIT;
+    while Instant::now() < deadline && running.iter().any(|&i| !exited(&ranks[i].child)) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for &i in &running {
+        if exited(&ranks[i].child) {
+            ranks[i].status = ranks[i].child.wait().ok();
+        } else {
+            eprintln!("ulysses-launch: rank {} (pid {}) did not end within {KILLED_EXIT_WAIT:?} of SIGKILL (stuck in the kernel?): left behind", ranks[i].rank, ranks[i].child.id());
+        }
     }
 }
+
+/// How long a SIGKILLed rank may take to end before the launcher leaves it.
+const KILLED_EXIT_WAIT: Duration = Duration::from_secs(10);
 
 /// Whether `child` has exited, without reaping it: its zombie keeps its pid, and so its
 /// process group's id, from being reused by another job while the group is signalled.
@@ -487,6 +529,7 @@ mod tests {
             program: "train".into(),
             args: Vec::new(),
             kill_grace: Duration::from_secs(1),
+            busy_limit: DEFAULT_BUSY_LIMIT,
         }
     }
 

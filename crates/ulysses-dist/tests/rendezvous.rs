@@ -699,6 +699,11 @@ fn a_launcher_hung_up_on_or_killed_takes_its_ranks_with_it() {
         unsafe { libc::kill(launcher.id() as i32, signal) };
         let status = launcher.wait().unwrap();
         assert!(!status.success(), "signal {signal}: {status}");
+        // A hang-up ends it as a shell reports a command the signal ended (128 + 1), so that a
+        // script's loop stops rather than go on; a SIGKILL ends it outright.
+        if signal == libc::SIGHUP {
+            assert_eq!(status.code(), Some(128 + libc::SIGHUP), "{status}");
+        }
         let deadline = Instant::now() + Duration::from_secs(10);
         while running(rank) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
@@ -711,4 +716,22 @@ fn a_launcher_hung_up_on_or_killed_takes_its_ranks_with_it() {
         assert!(!left, "signal {signal}: the launcher is gone, its rank {rank} still runs");
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// After a rank failed, the others may finish work that must not be cut short (a checkpoint's
+/// write, noted in the launch's busy folder), but not forever: a write stalled on a hung file
+/// system is stopped after --busy-limit-secs, saying with what.
+#[test]
+fn a_rank_busy_past_the_busy_limit_is_stopped() {
+    let started = Instant::now();
+    let output = launch_on_a_free_port()
+        .args(["--nproc-per-node", "2", "--kill-grace-secs", "0", "--busy-limit-secs", "1", "--"])
+        .args(["sh", "-c", r#"if [ "$RANK" = 1 ]; then sleep 0.5; exit 3; fi; printf "a stalled write" > "$ULYSSES_LAUNCH_BUSY_DIR/$$-0"; exec sleep 60"#])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(3), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(20), "the busy rank kept the launch for {:?}: {stderr}", started.elapsed());
+    assert!(stderr.contains("waiting for a stalled write before stopping the ranks (at most 1s"), "{stderr}");
+    assert!(stderr.contains("still busy with a stalled write after 1s (--busy-limit-secs): stopping the ranks"), "{stderr}");
 }

@@ -10,7 +10,7 @@ use ulysses_dist::{
     DistError,
     config::ENV_TOKEN,
     env::DEFAULT_MASTER_PORT,
-    launch::{EXIT_STOPPED_TO_RESUME, Ended, LaunchPlan, run},
+    launch::{DEFAULT_BUSY_LIMIT, EXIT_STOPPED_TO_RESUME, Ended, LaunchPlan, run},
     rendezvous::new_token,
 };
 
@@ -34,6 +34,10 @@ struct Args {
     /// Seconds the other ranks get to exit after one failed, before they are killed.
     #[arg(long, default_value_t = 10.0)]
     kill_grace_secs: f64,
+    /// Seconds at most the other ranks may go on, after one failed, with work that must not be
+    /// cut short (a checkpoint's write) before they are stopped.
+    #[arg(long, default_value_t = DEFAULT_BUSY_LIMIT.as_secs_f64())]
+    busy_limit_secs: f64,
     /// The program and its arguments.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -56,9 +60,11 @@ fn main() -> ExitCode {
         }
     };
     // Duration::from_secs_f64 panics past its range; NaN would be no grace at all.
-    if !(0.0..=ulysses_dist::config::MAX_TIMEOUT_SECS).contains(&args.kill_grace_secs) {
-        eprintln!("ulysses-launch: --kill-grace-secs {} must be from 0 to {:e} seconds", args.kill_grace_secs, ulysses_dist::config::MAX_TIMEOUT_SECS);
-        return ExitCode::FAILURE;
+    for (flag, seconds) in [("--kill-grace-secs", args.kill_grace_secs), ("--busy-limit-secs", args.busy_limit_secs)] {
+        if !(0.0..=ulysses_dist::config::MAX_TIMEOUT_SECS).contains(&seconds) {
+            eprintln!("ulysses-launch: {flag} {seconds} must be from 0 to {:e} seconds", ulysses_dist::config::MAX_TIMEOUT_SECS);
+            return ExitCode::FAILURE;
+        }
     }
     let mut command = args.command.into_iter();
     let plan = LaunchPlan {
@@ -71,6 +77,7 @@ fn main() -> ExitCode {
         program: command.next().unwrap_or_default(),
         args: command.collect(),
         kill_grace: Duration::from_secs_f64(args.kill_grace_secs),
+        busy_limit: Duration::from_secs_f64(args.busy_limit_secs),
     };
     match run(&plan) {
         Ok(Ended::Finished) => ExitCode::SUCCESS,
@@ -83,6 +90,8 @@ fn main() -> ExitCode {
             match error {
                 // The failed rank's own status, so that the cause (137: the OOM killer) shows.
                 DistError::RankFailed { exit_code, .. } => ExitCode::from(exit_code),
+                // 128 + the signal, as a shell reports a command it ended (130 for Ctrl-C).
+                DistError::Interrupted { signal, .. } => ExitCode::from(u8::try_from(128 + signal).unwrap_or(1)),
                 _ => ExitCode::FAILURE,
             }
         }
