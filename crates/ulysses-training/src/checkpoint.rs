@@ -2,7 +2,10 @@
 //!
 //! One file holds everything a run needs to continue: the model's parameters, the optimizer's
 //! state, and the caller's training state (step, data position, seeds), so a resumed run takes
-//! exactly the steps the uninterrupted one would have. It is written to a temporary file in
+//! exactly the steps the uninterrupted one would have, where the steps draw no random numbers
+//! (the trainer's do not): the backend's generator is not saved, so a model with dropout (burn's
+//! `Dropout`, in `burn_ulysses::nn`'s drop-ins) draws other masks after a resume unless the
+//! caller seeds it from the step (`B::seed(device, hash(seed, step))` before each). It is written to a temporary file in
 //! the same folder, flushed to disk (`fsync`) and renamed over the previous checkpoint, then
 //! the folder is flushed so the rename itself is durable. A crash at any point leaves either
 //! the old checkpoint or the new one, never a mix; a torn file (a disk that lied about
