@@ -159,23 +159,25 @@ impl LaunchEnv {
             Some(addr) => addr,
             None if under_srun => {
                 // Task 0 runs on the node list's first host under every distribution but the
-                // arbitrary one, whose hostfile's first line may name another: every rank
-                // would dial a host where no rendezvous is served, for the whole timeout.
-                if let Some(distribution) = lookup("SLURM_DISTRIBUTION").filter(|d| d.trim().starts_with("arbitrary")) {
-                    return Err(DistError::Env(format!(
-                        "MASTER_ADDR is not set, and under srun's {distribution:?} distribution (SLURM_DISTRIBUTION, a SLURM_HOSTFILE) task 0 \
-                         need not run on the node list's first host: set MASTER_ADDR to the host of task 0 (the hostfile's first line)"
-                    )));
-                }
-                let host = first_set(&["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"])
-                    .and_then(|(_, list)| first_host(&list))
-                    .ok_or_else(|| DistError::Env("MASTER_ADDR is not set and SLURM_STEP_NODELIST has no host".into()))?;
+                // arbitrary one, where it runs on the hostfile's first host: elsewhere, every
+                // rank would dial a host that serves no rendezvous, for the whole timeout.
+                let host = match lookup("SLURM_DISTRIBUTION").filter(|d| d.trim().starts_with("arbitrary")) {
+                    Some(distribution) => lookup("SLURM_HOSTFILE").as_deref().and_then(hostfile_first_host).ok_or_else(|| {
+                        DistError::Env(format!(
+                            "MASTER_ADDR is not set, and under srun's {distribution:?} distribution (SLURM_DISTRIBUTION) task 0 runs on the first \
+                             host of SLURM_HOSTFILE, which cannot be read here: set MASTER_ADDR to that host"
+                        ))
+                    })?,
+                    None => first_set(&["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"])
+                        .and_then(|(_, list)| first_host(&list))
+                        .ok_or_else(|| DistError::Env("MASTER_ADDR is not set and SLURM_STEP_NODELIST has no host".into()))?,
+                };
                 // Rank 0 serves the rendezvous where it runs: elsewhere than the address every
                 // rank derives, it is said at once, not after every rank's timeout.
                 if let Some(node) = lookup("SLURMD_NODENAME").filter(|node| rank == 0 && node.trim() != host) {
                     return Err(DistError::Env(format!(
-                        "MASTER_ADDR is not set, and rank 0 runs on {node} (SLURMD_NODENAME), not on the step's first node {host}, which \
-                         every rank takes for rank 0's: set MASTER_ADDR to rank 0's host, or let srun place task 0 on the first node"
+                        "MASTER_ADDR is not set, and rank 0 runs on {node} (SLURMD_NODENAME), not on {host}, the step's first node (or \
+                         SLURM_HOSTFILE's), which every rank takes for rank 0's: set MASTER_ADDR to rank 0's host"
                     )));
                 }
                 host
@@ -349,6 +351,15 @@ fn tasks_on_node(list: &str, node: usize) -> Option<usize> {
 }
 
 /// The first host of a Slurm node list: `gpu[03-05,9],cpu1` → `gpu03`.
+/// The host on the first line of Slurm's hostfile at `path` (`SLURM_HOSTFILE`: a host a line,
+/// task 0's first), where it can be read.
+fn hostfile_first_host(path: &str) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().map(str::trim).find(|line| !line.is_empty() && !line.starts_with('#'))?;
+    // A repeat count (`gpu07*4`) or a list on one line (`gpu07,gpu08`) after the first host.
+    line.split(['*', ',', ' ', '\t']).next().map(str::to_string).filter(|host| !host.is_empty())
+}
+
 pub fn first_host(node_list: &str) -> Option<String> {
     let list = node_list.trim();
     // Up to the first comma outside brackets.
@@ -515,17 +526,25 @@ mod tests {
         assert_eq!(env(&task[..7]).unwrap().cpus_of_its_own, None);
     }
 
-    /// Task 0 where the node list does not say: an arbitrary distribution's hostfile, or a rank
-    /// 0 on another node than the first, is refused at once (naming MASTER_ADDR), where every
-    /// rank waited out the rendezvous timeout dialling a host that served none.
+    /// Task 0 where the node list does not say: under an arbitrary distribution the hostfile's
+    /// first host (refused where it cannot be read), and a rank 0 elsewhere than the host every
+    /// rank derives is refused at once (naming MASTER_ADDR), where every rank waited out the
+    /// rendezvous timeout dialling a host that served none.
     #[test]
     fn a_task_0_off_the_node_lists_first_host_needs_master_addr() {
         let task_0 = [("SLURM_PROCID", "0"), ("SLURM_STEP_ID", "0"), ("SLURM_STEP_NUM_TASKS", "2"), ("SLURM_LOCALID", "0"), ("SLURM_NODEID", "0"), ("SLURM_STEP_TASKS_PER_NODE", "1(x2)"), ("SLURM_STEP_NODELIST", "gpu[07-08]")];
         assert_eq!(env(&[task_0.as_slice(), &[("SLURMD_NODENAME", "gpu07")]].concat()).unwrap().master_addr, "gpu07");
         let elsewhere = env(&[task_0.as_slice(), &[("SLURMD_NODENAME", "gpu08")]].concat()).unwrap_err().to_string();
-        assert!(elsewhere.contains("rank 0 runs on gpu08 (SLURMD_NODENAME), not on the step's first node gpu07") && elsewhere.contains("set MASTER_ADDR"), "{elsewhere}");
+        assert!(elsewhere.contains("rank 0 runs on gpu08 (SLURMD_NODENAME), not on gpu07, the step's first node") && elsewhere.contains("set MASTER_ADDR"), "{elsewhere}");
+        // Under an arbitrary distribution task 0 runs on the hostfile's first host.
         let arbitrary = env(&[task_0.as_slice(), &[("SLURM_DISTRIBUTION", "arbitrary")]].concat()).unwrap_err().to_string();
-        assert!(arbitrary.contains("\"arbitrary\" distribution") && arbitrary.contains("set MASTER_ADDR"), "{arbitrary}");
+        assert!(arbitrary.contains("\"arbitrary\" distribution") && arbitrary.contains("SLURM_HOSTFILE") && arbitrary.contains("set MASTER_ADDR"), "{arbitrary}");
+        let hostfile = std::env::temp_dir().join(format!("ulysses-hostfile-{}", std::process::id()));
+        std::fs::write(&hostfile, "gpu08*2\ngpu07\n").unwrap();
+        let path = hostfile.display().to_string();
+        let placed = [task_0.as_slice(), &[("SLURM_DISTRIBUTION", "arbitrary"), ("SLURM_HOSTFILE", path.as_str()), ("SLURMD_NODENAME", "gpu08")]].concat();
+        assert_eq!(env(&placed).unwrap().master_addr, "gpu08");
+        std::fs::remove_file(&hostfile).unwrap();
         // Given, it is taken whatever the distribution.
         let given = [task_0.as_slice(), &[("SLURM_DISTRIBUTION", "arbitrary"), ("SLURMD_NODENAME", "gpu08"), ("MASTER_ADDR", "gpu08")]].concat();
         assert_eq!(env(&given).unwrap().master_addr, "gpu08");

@@ -158,11 +158,7 @@ fn wait_while_busy(ranks: &mut [Rank], dir: &Path, limit: Duration) {
     let mut said = BTreeSet::new();
     loop {
         pass_on_signals(ranks);
-        for rank in ranks.iter_mut().filter(|r| r.status.is_none()) {
-            if let Ok(Some(status)) = rank.child.try_wait() {
-                rank.status = Some(status);
-            }
-        }
+        note_exits(ranks);
         let busy = busy_with(dir);
         if busy.is_empty() || ranks.iter().all(|r| r.status.is_some()) || INTERRUPTED.load(Ordering::Relaxed) {
             return;
@@ -193,6 +189,8 @@ fn pass_on_signals(ranks: &[Rank]) {
 
 /// The error of a launch that `INTERRUPTED_BY`'s signal interrupted `when`.
 fn interrupted(when: String) -> DistError {
+    // Called once INTERRUPTED was seen set (on any thread, the handler's store released it).
+    std::sync::atomic::fence(Ordering::Acquire);
     DistError::Interrupted { signal: INTERRUPTED_BY.load(Ordering::Relaxed), when }
 }
 
@@ -208,7 +206,24 @@ impl Drop for BusyDir {
 struct Rank {
     rank: usize,
     child: Child,
+    /// How it ended, once it has: left unreaped (a zombie) till the launch ends, so that its
+    /// pid, its process group's id, stays its own while the group is signalled ([`stop`]
+    /// reaches what a failed rank left running) and [`reap`] takes it.
     status: Option<ExitStatus>,
+}
+
+/// Notes the ranks that have exited since the last look, without reaping them.
+fn note_exits(ranks: &mut [Rank]) {
+    for rank in ranks.iter_mut().filter(|r| r.status.is_none()) {
+        rank.status = exit_status(&rank.child);
+    }
+}
+
+/// Reaps the ranks that have exited (their zombies, kept till now).
+fn reap(ranks: &mut [Rank]) {
+    for rank in ranks.iter_mut().filter(|r| r.status.is_some()) {
+        let _ = rank.child.try_wait();
+    }
 }
 
 /// Runs the node's ranks to completion. Fails, naming the rank, when one exits unsuccessfully
@@ -293,7 +308,7 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
         // exited on its peer's loss.
         let mut failure: Option<(usize, ExitStatus)> = None;
         for rank in ranks.iter_mut().filter(|r| r.status.is_none()) {
-            if let Ok(Some(status)) = rank.child.try_wait() {
+            if let Some(status) = exit_status(&rank.child) {
                 rank.status = Some(status);
                 let signalled = |status: &ExitStatus| std::os::unix::process::ExitStatusExt::signal(status).is_some();
                 if !ended_well(&status) && failure.as_ref().is_none_or(|(_, first)| signalled(&status) && !signalled(first)) {
@@ -326,6 +341,7 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
     // holding its output pipe. A second at least, so that the ranks' last lines (the summary)
     // are copied out under --kill-grace-secs 0 too.
     join_for(forwarders, plan.kill_grace.max(Duration::from_secs(1)));
+    reap(&mut ranks);
     if ranks.iter().any(|r| r.status.and_then(|s| s.code()) == Some(EXIT_STOPPED_TO_RESUME)) {
         return Ok(Ended::StoppedToResume);
     }
@@ -371,7 +387,8 @@ static TERM_PASSED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_interrupt(signal: libc::c_int) {
     INTERRUPTED_BY.store(signal, Ordering::Relaxed);
-    INTERRUPTED.store(true, Ordering::Relaxed);
+    // Released with the signal's number, which `interrupted` reads after an acquiring fence.
+    INTERRUPTED.store(true, Ordering::Release);
 }
 
 extern "C" fn on_usr1(_signal: libc::c_int) {
@@ -423,11 +440,7 @@ fn signal_group(rank: &Rank, signal: libc::c_int) {
 fn wait_for_exits(ranks: &mut [Rank], limit: Duration) {
     let deadline = Instant::now() + limit;
     loop {
-        for rank in ranks.iter_mut().filter(|r| r.status.is_none()) {
-            if let Ok(Some(status)) = rank.child.try_wait() {
-                rank.status = Some(status);
-            }
-        }
+        note_exits(ranks);
         if ranks.iter().all(|r| r.status.is_some()) || Instant::now() >= deadline {
             return;
         }
@@ -435,9 +448,10 @@ fn wait_for_exits(ranks: &mut [Rank], limit: Duration) {
     }
 }
 
-/// SIGTERM to every rank's process group, SIGKILL to those still running after `grace`.
+/// SIGTERM to every running rank's process group, then SIGKILL to every rank's group after
+/// `grace` (what an exited rank left running too: its zombie, unreaped, keeps the group's
+/// id its own), and reaps them all.
 fn stop(ranks: &mut [Rank], grace: Duration) {
-    // Only groups of ranks not yet reaped: a reaped rank's pid may belong to someone else.
     let running: Vec<usize> = (0..ranks.len()).filter(|&i| ranks[i].status.is_none()).collect();
     for &i in &running {
         signal_group(&ranks[i], libc::SIGTERM);
@@ -446,37 +460,53 @@ fn stop(ranks: &mut [Rank], grace: Duration) {
     while Instant::now() < deadline && running.iter().any(|&i| !exited(&ranks[i].child)) {
         std::thread::sleep(Duration::from_millis(50));
     }
-    for &i in &running {
-        // Also reaches what the rank started and left behind (it holds the output pipes); the
-        // rank unreaped till then, so that its group's id is still its own.
-        signal_group(&ranks[i], libc::SIGKILL);
+    for rank in ranks.iter() {
+        // Also reaches what the rank started and left behind (it holds the output pipes).
+        signal_group(rank, libc::SIGKILL);
     }
-    // Reaped once dead; one that SIGKILL does not end (stuck in the kernel: a GPU's teardown,
-    // a hung NFS mount) is left to init after a while rather than hang the launcher.
+    // One that SIGKILL does not end (stuck in the kernel: a GPU's teardown, a hung NFS mount)
+    // is left to init after a while rather than hang the launcher.
     let deadline = Instant::now() + KILLED_EXIT_WAIT;
-    while Instant::now() < deadline && running.iter().any(|&i| !exited(&ranks[i].child)) {
+    loop {
+        note_exits(ranks);
+        if ranks.iter().all(|r| r.status.is_some()) || Instant::now() >= deadline {
+            break;
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
-    for &i in &running {
-        if exited(&ranks[i].child) {
-            ranks[i].status = ranks[i].child.wait().ok();
-        } else {
-            eprintln!("ulysses-launch: rank {} (pid {}) did not end within {KILLED_EXIT_WAIT:?} of SIGKILL (stuck in the kernel?): left behind", ranks[i].rank, ranks[i].child.id());
-        }
+    for rank in ranks.iter().filter(|r| r.status.is_none()) {
+        eprintln!("ulysses-launch: rank {} (pid {}) did not end within {KILLED_EXIT_WAIT:?} of SIGKILL (stuck in the kernel?): left behind", rank.rank, rank.child.id());
     }
+    reap(ranks);
 }
 
 /// How long a SIGKILLed rank may take to end before the launcher leaves it.
 const KILLED_EXIT_WAIT: Duration = Duration::from_secs(10);
 
-/// Whether `child` has exited, without reaping it: its zombie keeps its pid, and so its
-/// process group's id, from being reused by another job while the group is signalled.
+/// Whether `child` has exited, without reaping it ([`exit_status`]).
 fn exited(child: &Child) -> bool {
+    exit_status(child).is_some()
+}
+
+/// How `child` ended, where it has, without reaping it: its zombie keeps its pid, and so its
+/// process group's id, from being reused by another job while the group is signalled.
+fn exit_status(child: &Child) -> Option<ExitStatus> {
+    use std::os::unix::process::ExitStatusExt;
     // SAFETY: waitid(2) with WNOWAIT on our own child only reads its state; siginfo_t is plain
-    // data, zeroed (si_pid stays 0 where it has not exited).
+    // data, zeroed (si_pid stays 0 where it has not exited), and its status is read only for
+    // the child-exit codes that set it.
     unsafe {
         let mut info: libc::siginfo_t = std::mem::zeroed();
-        libc::waitid(libc::P_PID, child.id() as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT) == 0 && info.si_pid() != 0
+        if libc::waitid(libc::P_PID, child.id() as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT) != 0 || info.si_pid() == 0 {
+            return None;
+        }
+        // As wait(2) encodes them: an exit code in the second byte, a signal in the first.
+        match info.si_code {
+            libc::CLD_EXITED => Some(ExitStatus::from_raw((info.si_status() & 0xff) << 8)),
+            libc::CLD_KILLED => Some(ExitStatus::from_raw(info.si_status() & 0x7f)),
+            libc::CLD_DUMPED => Some(ExitStatus::from_raw((info.si_status() & 0x7f) | 0x80)),
+            _ => None,
+        }
     }
 }
 

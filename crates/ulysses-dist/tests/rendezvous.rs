@@ -614,17 +614,32 @@ fn an_oversized_value_is_refused_before_it_is_sent() {
     assert_eq!(client.departed().unwrap(), Vec::<usize>::new());
 }
 
+/// Nor does it leave them running: the failed rank's process group is stopped with the others'
+/// (its zombie kept unreaped till then, so that the group's id is still its own).
 #[test]
 fn the_launcher_does_not_wait_for_processes_a_failed_rank_left_behind() {
+    let left_behind = std::env::temp_dir().join(format!("ulysses-launch-left-behind-{}", std::process::id()));
     let started = Instant::now();
     let output = launch_on_a_free_port()
         .args(["--nproc-per-node", "2", "--kill-grace-secs", "1", "--"])
-        .args(["sh", "-c", r#"if [ "$RANK" = 1 ]; then sleep 60 & exit 4; fi; sleep 60"#])
+        .args(["sh", "-c", &format!(r#"if [ "$RANK" = 1 ]; then sleep 60 & echo $! > {}; exit 4; fi; sleep 60"#, left_behind.display())])
         .output()
         .unwrap();
     assert!(!output.status.success());
     assert!(started.elapsed() < Duration::from_secs(15), "took {:?}", started.elapsed());
     assert!(String::from_utf8_lossy(&output.stderr).contains("rank 1 exited with status 4"));
+    let pid: i32 = std::fs::read_to_string(&left_behind).unwrap().trim().parse().unwrap();
+    let _ = std::fs::remove_file(&left_behind);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while running(pid) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left = running(pid);
+    if left {
+        // SAFETY: kill(2) on the process this test's rank started.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    assert!(!left, "the failed rank's background process {pid} still runs");
 }
 
 #[test]

@@ -838,7 +838,7 @@ fn save_shard<B: Backend>(model: &Decoder<B>, store: SafetensorsStore, paths: Ve
     }
     model.save_into(&mut store).map_err(|e| CheckpointError::file(at, e))?;
     if let Some(path) = past_range.lock().map_or(None, |mut past| past.take()) {
-        return Err(CheckpointError::file(at, format!("`{path}` holds values past f16's largest (65504), which f16 writes as infinity: save in bf16 (--save-hf-dtype bf16)")));
+        return Err(CheckpointError::file(at, format!("`{path}` holds values past f16's largest (65504), which f16 writes as infinity: save in bf16 (the trainer's --save-hf-dtype bf16)")));
     }
     Ok(store)
 }
@@ -1150,16 +1150,13 @@ impl ModuleAdapter for CastFloats {
         TensorSnapshot::from_closure(
             Rc::new(move || {
                 let source = data()?;
-                // f16 holds nothing past 65 504: a larger weight would be saved as infinity.
-                let finite = |data: &TensorData| data.iter::<f64>().all(f64::is_finite);
-                let was_finite = target == DType::F16 && finite(&source);
-                let cast = source.convert_dtype(target);
-                if was_finite && !finite(&cast) {
+                // f16's largest is 65 504, and from 65 520 on a value rounds to infinity.
+                if target == DType::F16 && source.iter::<f64>().any(|value| value.is_finite() && value.abs() >= 65520.0) {
                     if let Ok(mut past) = past_range.lock() {
                         past.get_or_insert_with(|| path.clone());
                     }
                 }
-                Ok(cast)
+                Ok(source.convert_dtype(target))
             }),
             target,
             snapshot.shape.clone(),

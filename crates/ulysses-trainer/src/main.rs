@@ -977,8 +977,11 @@ fn run(mut args: Args) -> Result<(), String> {
     // tokenizer's folder (an --overwrite would replace their config.json), nor one that --data
     // or --eval-data reads (a resume would read the run's files as documents).
     // (--eval-only writes nothing there.)
+    // A save replaces the --hf-config's folder whole; the run's own config.json replaces a
+    // config.json there (a folder given, or its config.json), not another file.
     let hf_config_folder = args.hf_config.as_deref().map(|config| if config.is_dir() { config } else { folder_of(config) });
-    for (other, flag) in [(args.model.as_deref(), "--model"), (args.tokenizer.as_deref().map(folder_of), "--tokenizer's"), (hf_config_folder, "--hf-config's")]
+    let hf_config_json = args.hf_config.as_deref().filter(|config| config.is_dir() || config.file_name().is_some_and(|name| name == "config.json")).and(hf_config_folder);
+    for (other, flag) in [(args.model.as_deref(), "--model"), (args.tokenizer.as_deref().map(folder_of), "--tokenizer's"), (hf_config_json, "--hf-config's")]
         .into_iter()
         .filter(|_| !args.eval_only)
     {

@@ -187,9 +187,10 @@ impl TrainConfig {
         if let Some(&(name, value, most)) = bounded.iter().find(|(_, value, most)| value > most) {
             return Err(past(name, value, most));
         }
-        // A checkpoint's own head_dim (config.json), beside the heads' count bounded above.
-        if !(1..=1 << 16).contains(&model.head_dim()) {
-            return Err(format!("head_dim {} (config.json) must be from 1 to {} (65536)", model.head_dim(), 1 << 16));
+        // A checkpoint's own head_dim (config.json), beside the heads' count bounded above (one
+        // from --d-model / --heads is bounded by them, and checked to divide below).
+        if let Some(head_dim) = model.head_dim.filter(|head_dim| !(1..=1 << 16).contains(head_dim)) {
+            return Err(format!("head_dim {head_dim} (config.json) must be from 1 to {} (65536)", 1 << 16));
         }
         if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
             return Err(format!(
@@ -827,13 +828,6 @@ where
     // ZeRO-3, gathers that never pair up).
     if first_step < config.steps {
         let train = ulysses_training::batch_digest(&data.train_batch(first_step));
-        if let Some(saved) = resumed.as_ref().and_then(|state| state.next_batch_digest).filter(|&saved| saved != train && !options.allow_new_data) {
-            return Err(UlyssesError::InvalidConfig(format!(
-                "step {first_step} would train on another batch than the run that wrote the checkpoint drew for it (digest {train:016x}, \
-                 not {saved:016x}): the data, the tokenizer or how the data is read changed since, in a way its recorded identity \
-                 does not show. Resume on the data and with the build it trained with, or give --allow-new-data to go on with this data"
-            )));
-        }
         let held_out = eval_batch.as_deref().map_or(0, ulysses_training::batch_digest);
         let digests = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[train, held_out], "the first step's batch")?;
         for (column, differ) in [(0, format!("draw different batches for step {first_step}")), (1, "hold out different sequences".to_string())] {
@@ -853,6 +847,14 @@ where
                 "the ranks {differ} (world ranks {}, each group alike): every rank must read the same data (one shared file system, \
                  or copies equal byte for byte, with the same tokenizer and flags)",
                 groups.join(" against ")
+            )));
+        }
+        // Every rank drew the same batch: all refuse alike, none is left waiting.
+        if let Some(saved) = resumed.as_ref().and_then(|state| state.next_batch_digest).filter(|&saved| saved != train && !options.allow_new_data) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "step {first_step} would train on another batch than the run that wrote the checkpoint drew for it (digest {train:016x}, \
+                 not {saved:016x}): the data, the tokenizer or how the data is read changed since, in a way its recorded identity \
+                 does not show. Resume on the data and with the build it trained with, or give --allow-new-data to go on with this data"
             )));
         }
     }
@@ -1957,6 +1959,11 @@ mod tests {
         let mut explicit = super::TrainConfig::small(layout);
         explicit.model = explicit.model.clone().with_d_model(1000).with_n_heads(12).with_n_kv_heads(4).with_head_dim(Some(64));
         explicit.validate().unwrap_or_else(|e| panic!("a head_dim of 64 beside hidden 1000 and 12 heads is refused: {e}"));
+        // More heads than --d-model has dimensions: the flags named, not a config.json.
+        let mut narrow = super::TrainConfig::small(layout);
+        narrow.model = narrow.model.clone().with_d_model(64).with_n_heads(128).with_n_kv_heads(128);
+        let error = narrow.validate().unwrap_err();
+        assert!(error.contains("--d-model") && !error.contains("config.json"), "{error}");
         // A config.json's head_dim past any model (n_heads × head_dim overflowed), or 0.
         for head_dim in [0, 1 << 17] {
             let mut wide = super::TrainConfig::small(layout);

@@ -1461,6 +1461,13 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
         assert!(!refused.status.success() && text.contains(&format!("{expected} {} is the --hf-config's folder", shape.display())), "{extra:?}:\n{text}");
     }
     assert_eq!(fs::read(shape.join("config.json")).unwrap(), fs::read(&config).unwrap(), "the --hf-config file was written over");
+    // A file of another name beside the run's files is not written over: the run may be there.
+    let shapes = dir.join("shapes");
+    fs::create_dir_all(&shapes).unwrap();
+    fs::copy(&config, shapes.join("llama.json")).unwrap();
+    let mut beside = shaped("shapes", &shapes.join("llama.json"), true);
+    beside.push("--check".into());
+    succeed(run_alone(&beside, &[]));
 
     // The checkpoint's generation settings travel with the saved model.
     assert_eq!(fs::read(saved.join("generation_config.json")).unwrap(), fs::read(checkpoint.join("generation_config.json")).unwrap());
