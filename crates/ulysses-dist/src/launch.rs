@@ -436,7 +436,7 @@ fn signal_group(rank: &Rank, signal: libc::c_int) {
     unsafe { libc::kill(-(rank.child.id() as libc::pid_t), signal) };
 }
 
-/// Reaps ranks as they exit, for at most `limit`.
+/// Notes ranks' exits as they come, for at most `limit` (they are reaped at the end).
 fn wait_for_exits(ranks: &mut [Rank], limit: Duration) {
     let deadline = Instant::now() + limit;
     loop {
@@ -466,14 +466,7 @@ fn stop(ranks: &mut [Rank], grace: Duration) {
     }
     // One that SIGKILL does not end (stuck in the kernel: a GPU's teardown, a hung NFS mount)
     // is left to init after a while rather than hang the launcher.
-    let deadline = Instant::now() + KILLED_EXIT_WAIT;
-    loop {
-        note_exits(ranks);
-        if ranks.iter().all(|r| r.status.is_some()) || Instant::now() >= deadline {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_exits(ranks, KILLED_EXIT_WAIT);
     for rank in ranks.iter().filter(|r| r.status.is_none()) {
         eprintln!("ulysses-launch: rank {} (pid {}) did not end within {KILLED_EXIT_WAIT:?} of SIGKILL (stuck in the kernel?): left behind", rank.rank, rank.child.id());
     }

@@ -630,16 +630,21 @@ fn the_launcher_does_not_wait_for_processes_a_failed_rank_left_behind() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("rank 1 exited with status 4"));
     let pid: i32 = std::fs::read_to_string(&left_behind).unwrap().trim().parse().unwrap();
     let _ = std::fs::remove_file(&left_behind);
-    let deadline = Instant::now() + Duration::from_secs(5);
+    assert!(ends_within(pid, Duration::from_secs(5)), "the failed rank's background process {pid} still runs");
+}
+
+/// Whether `pid` ends within `limit`; killed where it does not, so that no test leaves it.
+fn ends_within(pid: i32, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
     while running(pid) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
     let left = running(pid);
     if left {
-        // SAFETY: kill(2) on the process this test's rank started.
+        // SAFETY: kill(2) on a process the test started.
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
-    assert!(!left, "the failed rank's background process {pid} still runs");
+    !left
 }
 
 #[test]
@@ -719,16 +724,7 @@ fn a_launcher_hung_up_on_or_killed_takes_its_ranks_with_it() {
         if signal == libc::SIGHUP {
             assert_eq!(status.code(), Some(128 + libc::SIGHUP), "{status}");
         }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while running(rank) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let left = running(rank);
-        if left {
-            // SAFETY: kill(2) on the rank this test started.
-            unsafe { libc::kill(rank, libc::SIGKILL) };
-        }
-        assert!(!left, "signal {signal}: the launcher is gone, its rank {rank} still runs");
+        assert!(ends_within(rank, Duration::from_secs(10)), "signal {signal}: the launcher is gone, its rank {rank} still runs");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
