@@ -1156,6 +1156,12 @@ fn run(mut args: Args) -> Result<(), String> {
             ));
         }
     }
+    // A backend this binary lacks, before the data is read (minutes for a large --data): --check
+    // goes on, saying which feature gives it (a GPU run's settings checked on a CPU build).
+    if let (Some(feature), false) = (backend_feature_missing(args.backend), args.check) {
+        let name = args.backend.to_possible_value().map_or_else(String::new, |value| value.get_name().to_string());
+        return Err(format!("--backend {name}: this binary was built without it: rebuild with `--features {feature}`"));
+    }
     if !(args.max_grad_norm >= 0.0 && args.max_grad_norm.is_finite()) {
         return Err(format!("--max-grad-norm {} must be a finite number, 0 or above (0: no clipping)", args.max_grad_norm));
     }
@@ -1419,15 +1425,20 @@ fn same_place(a: &Path, b: &Path) -> bool {
     matches!((resolved(a), resolved(b)), (Ok(a), Ok(b)) if a == b)
 }
 
+/// The cargo feature that gives `backend`, where this binary was built without it.
+fn backend_feature_missing(backend: BackendKind) -> Option<&'static str> {
+    match backend {
+        BackendKind::Cpu => None,
+        BackendKind::Cuda | BackendKind::CudaFused => (!cfg!(feature = "cuda")).then_some("cuda"),
+        BackendKind::CudaCompileOnly => (!cfg!(feature = "compile-only")).then_some("compile-only"),
+    }
+}
+
 /// What `--check` says of a run whose settings and data passed every check before training.
 /// `work`: what the run would do with the data ("6 steps of 8 sequences × 256 tokens").
 fn checked_run(args: &Args, config: &TrainConfig, layout: ParallelLayout, data: &Path, work: String) -> String {
-    // Whether this binary has the backend, else the feature that gives it.
-    let (built, feature) = match args.backend {
-        BackendKind::Cpu => (true, ""),
-        BackendKind::Cuda | BackendKind::CudaFused => (cfg!(feature = "cuda"), "cuda"),
-        BackendKind::CudaCompileOnly => (cfg!(feature = "compile-only"), "compile-only"),
-    };
+    let missing = backend_feature_missing(args.backend);
+    let (built, feature) = (missing.is_none(), missing.unwrap_or(""));
     let model = &config.model;
     format!(
         "checked: {work} from {}, a {}-layer model (d_model {}, {} q / {} kv heads, vocabulary {}), \

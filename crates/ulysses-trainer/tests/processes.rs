@@ -933,6 +933,15 @@ fn a_layout_that_does_not_make_the_launched_world_is_refused_by_check() {
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", show(&output));
+    // A backend this binary lacks is refused before the data is read (a --tokens file that is
+    // not there is not reached); --check goes on and says which feature gives it.
+    if !cfg!(feature = "cuda") {
+        let mut args = common_args(&dir, "run", 1);
+        set_flag(&mut args, "--tokens", dir.join("not-there.jsonl").to_str().unwrap());
+        let refused = run_alone(&args, &["--backend", "cuda-fused"]);
+        let text = show(&refused);
+        assert!(!refused.status.success() && text.contains("--backend cuda-fused: this binary was built without it: rebuild with `--features cuda`"), "{text}");
+    }
     let _ = fs::remove_dir_all(&dir);
 }
 
