@@ -1138,6 +1138,17 @@ fn run(mut args: Args) -> Result<(), String> {
     if args.eval_only && !(1..=MAX_BATCH_SIZE).contains(&config.batch_size) {
         return Err(format!("batch_size (--batch-size) must be from 1 to {} with --eval-only (sequences a held-out batch), got {}", MAX_BATCH_SIZE, config.batch_size));
     }
+    // A resume keeps its batch (check_resumable): where it does not divide, the world or the
+    // accumulation is what can change (validate would offer other batch sizes).
+    if let Some(saved) = resumed.as_ref().filter(|saved| !args.eval_only && saved.config.batch_size == config.batch_size)
+        && let Some(parts) = config.layout.dp_size.checked_mul(config.grad_accumulation).filter(|&parts| parts != 0 && config.batch_size % parts != 0)
+    {
+        return Err(format!(
+            "the checkpoint's --batch-size {} does not divide over dp_size {} × grad_accumulation {} = {parts}, and a resume keeps its \
+             batch: launch a world whose DP degree × --grad-accumulation divides {}",
+            saved.config.batch_size, config.layout.dp_size, config.grad_accumulation, saved.config.batch_size
+        ));
+    }
     match args.eval_only {
         true => evaluation_settings(&config).validate()?,
         false => config.validate()?,

@@ -1169,6 +1169,10 @@ fn a_resume_on_other_data_or_another_model_is_refused_naming_what_changed() {
     let refused = resume_with("--tokens", &other.display().to_string(), &[]);
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("other.jsonl") && text.contains("--allow-new-data"), "{text}");
+    // Over 3 DP replicas the run's batch of 4 does not divide: the world is named, not another batch.
+    let refused = resume_with("--batch-size", "4", &["--dp", "3"]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("the checkpoint's --batch-size 4 does not divide over dp_size 3") && !text.contains("use 3 or 6"), "{text}");
     let refused = resume_with("--d-model", "32", &[]);
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("model.d_model 64, this one has 32"), "{text}");
