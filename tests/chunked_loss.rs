@@ -172,6 +172,83 @@ fn a_half_precision_head_stays_within_its_rounding() {
     }
 }
 
+/// A half-precision weight (a sharded optimizer's compute copy) gets its gradient summed over
+/// the chunks in f32, cast once: the weight gradient's row 0 holds one large part (row 0's
+/// hidden state 1000 in a feature that reaches no logit) beside 63 small ones (0.25 each),
+/// every one below the running sum's rounding step in f16, as at long context's hundreds of
+/// chunks in bf16. Summed in the weight's f16 they were lost (0.69 of a largest 334); in f32,
+/// f16's rounding of each part and of the sum remains (0.14), within one f16 step of the
+/// largest value (2^-10 of it).
+#[test]
+fn a_half_precision_weight_sums_its_chunks_gradients_in_f32() {
+    type Runtime = cubecl::wgpu::WgpuRuntime;
+    type Cube = Autodiff<burn_cubecl::CubeBackend<Runtime, f32, i32, u32>>;
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    const MANY: usize = 64;
+    let hidden: Vec<f32> = (0..MANY * D_MODEL)
+        .map(|i| match (i / D_MODEL, i % D_MODEL) {
+            (0, 0) => 1000.0,
+            (_, 0) => 0.25,
+            (row, feature) => ((row * 7 + feature * 3) % 8) as f32 / 8.0 - 0.5,
+        })
+        .collect();
+    // Exact in f16 (multiples of 1/64); feature 0's row of zeros.
+    let weight: Vec<f32> = (0..D_MODEL * VOCAB).map(|i| if i < VOCAB { 0.0 } else { ((i * 13) % 64) as f32 / 64.0 - 0.5 }).collect();
+    let labels: Vec<i64> = (0..MANY as i64).map(|i| (i * 5) % VOCAB as i64).collect();
+    fn weight_grad<B: TrainBackend>(hidden: &[f32], weight: &[f32], labels: &[i64], half: bool, device: &B::Device) -> Vec<f32> {
+        let hidden = Tensor::<B, 2>::from_data(TensorData::new(hidden.to_vec(), [MANY, D_MODEL]), device).require_grad();
+        let mut weight = Tensor::<B, 2>::from_data(TensorData::new(weight.to_vec(), [D_MODEL, VOCAB]), device);
+        if half {
+            weight = weight.cast(FloatDType::F16).detach();
+        }
+        let weight = weight.require_grad();
+        let labels = Tensor::<B, 1, Int>::from_data(TensorData::new(labels.to_vec(), [MANY]), device);
+        let loss = match half {
+            true => chunked_linear_cross_entropy_sum(hidden, OutputHead::new(weight.clone(), None), labels, IGNORE_INDEX, 1),
+            false => masked_cross_entropy_sum(hidden.matmul(weight.clone()).unsqueeze_dim(0), labels.unsqueeze_dim(0), IGNORE_INDEX),
+        };
+        values(weight.grad(&(loss * 0.37).backward()).unwrap())
+    }
+    let want = weight_grad::<B>(&hidden, &weight, &labels, false, &Default::default());
+    let got = weight_grad::<Cube>(&hidden, &weight, &labels, true, &Default::default());
+    let largest = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let diff = max_abs_diff(&got, &want);
+    println!("d weight of an f16 weight over {MANY} chunks: |Δ| {diff:.2e}, its largest {largest:.1}");
+    assert!(largest > 100.0 && diff <= largest / 1024.0, "|Δ| {diff:e} of a largest {largest}: the chunks' parts were summed in f16");
+}
+
+/// On a backend whose default float is half precision (`CubeBackend<_, f16, ..>`, burn's
+/// `Cuda<bf16>`), the chunked loss equals f32's within f16's rounding: its labels reach the
+/// fused kernel as f32 exactly (`Int::float()` gave f16, which rounds an odd id past 2048 to its
+/// even neighbour: another token's logit, or one past the vocabulary, infinite here), and its
+/// sum starts from f32 zeros (f16 ones, added to the rows' f32 losses, read their bytes as f16:
+/// 10.38 where the loss is 31.66; the tensor-op path, `ULYSSES_FUSED_CROSS_ENTROPY=0`, -10.38).
+#[test]
+fn labels_past_halfs_integers_reach_the_kernel_exactly() {
+    type Runtime = cubecl::wgpu::WgpuRuntime;
+    type Half = Autodiff<burn_cubecl::CubeBackend<Runtime, burn::tensor::f16, i32, u32>>;
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    const WIDE: usize = 2100;
+    fn loss<B: TrainBackend>(fused: bool, device: &B::Device) -> f32 {
+        let hidden = uniform_tensor::<B, 2>([4, D_MODEL], 4, device).require_grad();
+        let weight = uniform_tensor::<B, 2>([D_MODEL, WIDE], 5, device).require_grad();
+        let labels = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![2049i64, 2051, 2061, 2099], [4]), device);
+        let loss = match fused {
+            true => chunked_linear_cross_entropy_sum(hidden, OutputHead::new(weight, None), labels, IGNORE_INDEX, 4),
+            false => masked_cross_entropy_sum(hidden.matmul(weight).unsqueeze_dim(0), labels.unsqueeze_dim(0), IGNORE_INDEX),
+        };
+        values(loss)[0]
+    }
+    let want = loss::<B>(false, &Default::default());
+    let got = loss::<Half>(true, &Default::default());
+    println!("4 rows, labels past 2048, f16 backend: loss {got} against f32's {want}");
+    assert!((got - want).abs() <= 2e-3 * want.abs(), "loss {got} against {want}: the labels were rounded");
+}
+
 /// Evaluation's loss (`linear_cross_entropy_sum`, no gradients, any backend) equals the
 /// whole-logits loss on a plain backend.
 #[test]

@@ -141,6 +141,8 @@ pub fn chunked_linear_cross_entropy_sum<B: TrainBackend>(
     };
     let (loss, grads) = chunked_loss(hidden.clone().inner(), inner_head, labels.inner(), ignore_index, chunk_rows, Some(&fused));
     let HeadGrads { hidden: hidden_grads, weight: weight_grad, bias: bias_grad } = grads.expect("asked for gradients");
+    // Summed in f32; each gradient in its parameter's dtype.
+    let (weight_grad, bias_grad) = (weight_grad.cast(FloatDType::from(head.weight.dtype())), bias_grad.zip(head.bias.as_ref()).map(|(grad, bias)| grad.cast(FloatDType::from(bias.dtype()))));
 
     // The loss as a node whose gradients are the ones computed above, scaled by its upstream.
     let hidden_grad = concatenated(hidden_grads, 0).into_primitive().tensor();
@@ -175,7 +177,8 @@ type FusedRows<'a, B> = &'a dyn Fn(Tensor<B, 2>, Tensor<B, 1>) -> Option<(Tensor
 
 /// Gradients of the summed loss with respect to the hidden states (one tensor per chunk of
 /// rows, in the hidden states' dtype), the head's weight and its bias (`[1, vocab]`), summed
-/// over the chunks so far in the weight's dtype.
+/// over the chunks so far in f32: at long context a half-precision compute copy's head has
+/// hundreds of chunks, each part below the running sum's rounding step in bf16.
 struct HeadGrads<B: Backend> {
     hidden: Vec<Tensor<B, 2>>,
     weight: Tensor<B, 2>,
@@ -227,13 +230,16 @@ fn chunked_loss<B: Backend>(
     let device = hidden.device();
     let hidden_dtype = FloatDType::from(hidden.dtype());
     let logits_dtype = head.logits_dtype.unwrap_or(FloatDType::from(head.weight.dtype()));
-    // The gradient sums start from the weight in its own dtype; the chunks use its cast.
-    let weight_sum = with_grads.then(|| head.weight.zeros_like());
+    // The gradient sums are f32 (cast to the parameters' dtypes by the caller); the chunks
+    // use the weight's cast.
+    let weight_sum = with_grads.then(|| head.weight.zeros_like().cast(FloatDType::F32));
     let weight = head.weight.cast(logits_dtype);
     let bias = head.bias.map(|b| b.cast(logits_dtype).unsqueeze_dim::<2>(0));
     let with_bias = bias.is_some();
 
-    let mut loss = Tensor::<B, 1>::zeros([1], &device);
+    // f32 whatever the device's default float: the rows' losses are f32, and a sum of an f32
+    // and an f16 tensor reads one's bytes as the other's dtype.
+    let mut loss = Tensor::<B, 1>::zeros([1], (&device, burn::tensor::DType::F32));
     // Gradient accumulators, only when asked: evaluation allocates nothing the size of the head.
     let mut grads = weight_sum.map(|weight_sum| HeadGrads {
         hidden: Vec::with_capacity(rows.div_ceil(chunk_rows)),
@@ -248,7 +254,10 @@ fn chunked_loss<B: Backend>(
         if let Some(bias) = &bias {
             logits = logits + bias.clone();
         }
-        if let Some((row_losses, logits_grad)) = fused_rows.and_then(|rows| rows(logits.clone(), chunk_labels.clone().float().cast(FloatDType::F32))) {
+        // The labels as f32 exactly (`float()` gives the device's default float: in bf16,
+        // ids past 256 are rounded to other tokens).
+        let labels_f32 = || Tensor::from_primitive(TensorPrimitive::Float(B::int_into_float(chunk_labels.clone().into_primitive(), FloatDType::F32)));
+        if let Some((row_losses, logits_grad)) = fused_rows.and_then(|rows| rows(logits.clone(), labels_f32())) {
             loss = loss + row_losses.sum();
             grads = grads.take().map(|sums| sums.add_chunk(chunk, logits_grad, &weight, hidden_dtype));
             continue;

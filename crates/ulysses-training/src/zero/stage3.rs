@@ -385,7 +385,10 @@ impl<B: TrainBackend> ShardedParameters<B> {
     /// world of `world`, for an optimizer that runs at `optimizer`; returns the model with
     /// placeholders in their place (the same ids and gradient flags, one element each) and the
     /// parts. Refused when two layers ([`LayeredLm::visit_layer`]) claim the same parameter.
-    /// [`shard_from`](Self::shard_from) does it without a whole model.
+    /// Nothing compares the ranks' models (a replicated step's first check compares the
+    /// parameters a step is given, here placeholders): ranks that built theirs from other seeds
+    /// would train one stitched from their parts, silently. [`shard_from`](Self::shard_from)
+    /// with [`PartsFrom::Rank0`] takes world rank 0's values, without a whole model elsewhere.
     pub fn shard<M: AutodiffModule<B> + LayeredLm<B>>(model: M, rank: usize, world: usize, optimizer: OptimizerPlace) -> Result<(M, Self), UlyssesError> {
         let partition = partition_of(rank, world)?;
         let found = float_parameters(&model);
