@@ -271,7 +271,7 @@ fn chunked_loss<B: Backend>(
         loss = loss - picked.mask_fill(ignored.clone(), 0.0).sum();
         if let Some(sums) = grads.take() {
             // d loss / d logits = softmax - one_hot(label), zero on ignored rows.
-            let minus_one = Tensor::full([end - start, 1], -1.0, &device);
+            let minus_one = Tensor::full([end - start, 1], -1.0, (&device, burn::tensor::DType::F32));
             let vocab = log_probs.dims()[1];
             let logits_grad = log_probs.exp().scatter(1, targets, minus_one, IndexingUpdateOp::Add).mask_fill(ignored.expand([end - start, vocab]), 0.0);
             grads = Some(sums.add_chunk(chunk, logits_grad.cast(logits_dtype), &weight, hidden_dtype));
