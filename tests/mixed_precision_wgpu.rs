@@ -260,6 +260,33 @@ fn a_half_precision_compute_copy_sums_its_micro_batches_in_f32() {
     println!("{} parameters, {:?} compute copy: the sum over 4 micro-batches at most {worst:.2e} of its largest value from f64's", summed.len(), dtype);
 }
 
+/// A model on a backend whose default float is half precision (`CubeBackend<_, f16, ..>`,
+/// burn's `Cuda<bf16>`), computing in f32 (the models' default), gives the f32 model's logits
+/// within its parameters' rounding to f16: its norms' f16 gains and its head meet the f32 rows
+/// cast, where tensors of two dtypes read one's bytes as the other's (NaN logits).
+#[test]
+fn a_model_on_a_half_precision_default_backend_computes_in_f32() {
+    use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
+    type Half = burn_cubecl::CubeBackend<Runtime, burn::tensor::f16, i32, u32>;
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    fn logits<B: Backend>(device: &B::Device) -> Vec<f32> {
+        // Its kv heads repeated: burn's attention on a plain backend takes no grouped queries.
+        let config = DecoderConfig::new(VOCAB).with_d_model(64).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(128).with_repeat_kv(true);
+        let model = deterministic_params(config.init::<B>(device), 5);
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new((0..16).map(|i| (i * 7 % VOCAB) as i64).collect::<Vec<_>>(), [1, 16]), device);
+        let logits = model.forward(tokens, &burn_ulysses::data::ShardPositions::consecutive(1, 0, 16));
+        assert_eq!(logits.dtype(), DType::F32, "the logits of a model computing in f32");
+        logits.into_data().convert::<f32>().to_vec().unwrap()
+    }
+    let want = logits::<NdArray>(&Default::default());
+    let got = logits::<Half>(&Default::default());
+    let difference = relative_l2(&got, &want);
+    println!("logits on an f16-default backend, f32 compute: relative L2 {difference:.1e} from the f32 model's");
+    assert!(got.iter().all(|v| v.is_finite()) && difference <= 1e-2, "relative L2 {difference:e}: tensors of two dtypes met");
+}
+
 #[test]
 fn bf16_on_a_backend_without_half_precision_is_refused_by_name() {
     let error = Precision::Bf16.compute_dtype::<NdArray>(&Default::default()).unwrap_err().to_string();

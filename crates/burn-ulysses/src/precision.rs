@@ -94,7 +94,9 @@ pub fn linear<B: Backend, const D: usize>(linear: &Linear<B>, x: Tensor<B, D>) -
 /// keeps only `x · s` and the normalised rows, both in `x`'s dtype.
 pub fn rms_norm<B: Backend, const D: usize>(norm: &RmsNorm<B>, x: Tensor<B, D>) -> Tensor<B, D> {
     match FloatDType::from(x.dtype()) {
-        FloatDType::F32 | FloatDType::F64 => norm.forward(x),
+        // burn's norm multiplies by the gain as it is: only where the two dtypes agree (a
+        // half-precision default float's gain beside f32 rows would be read as f32).
+        FloatDType::F32 | FloatDType::F64 if norm.gamma.dtype() == x.dtype() => norm.forward(x),
         _ => prescaled_rms_norm(norm, x),
     }
 }

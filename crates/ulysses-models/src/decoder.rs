@@ -408,9 +408,11 @@ impl<B: Backend> Decoder<B> {
     /// `tokens: [batch, seq]` at `positions` → logits `[batch, seq, vocab]`.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
         let head = self.output_head();
-        let logits = self.hidden(tokens, positions).matmul(head.weight.unsqueeze());
+        // In the hidden states' f32, whatever the parameters' dtype (a compute copy, a
+        // half-precision default float): tensors of two dtypes do not mix.
+        let logits = self.hidden(tokens, positions).matmul(head.weight.cast(FloatDType::F32).unsqueeze());
         match head.bias {
-            Some(bias) => logits + bias.unsqueeze(),
+            Some(bias) => logits + bias.cast(FloatDType::F32).unsqueeze(),
             None => logits,
         }
     }

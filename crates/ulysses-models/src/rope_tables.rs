@@ -45,7 +45,8 @@ impl<B: Backend> RopeTables<B> {
                 sin.push((angle.sin() * factor) as f32);
             }
         }
-        let table = |values| Tensor::from_data(TensorData::new(values, [batch, 1, seq, half]), device);
+        // f32, not the device's default float (bf16 would round them before any cast).
+        let table = |values| Tensor::from_data(TensorData::new(values, [batch, 1, seq, half]), (device, burn::tensor::DType::F32));
         Self { cos: table(cos), sin: table(sin) }
     }
 

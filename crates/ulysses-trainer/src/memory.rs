@@ -241,7 +241,8 @@ impl StepActivations {
         // The loss: a tile's logits a chunk at a time, in f32, with their softmax and gradient;
         // and the head weight's size several times over. In the chunks: the weight cast to the
         // logits' dtype (f32 under --f32-head), each chunk's gradient in that dtype, and the
-        // gradient summed over the chunks (in the weight's dtype) with its cast and new sum.
+        // gradient summed over the chunks in f32 with its cast and new sum (cast to the
+        // weight's dtype at the end).
         // From the second tile on, the tiles' gradient summed in f32 beside them; as a tile's
         // is added, that sum with the tile's gradient and its cast.
         let zero3 = config.zero_stage == 3;
@@ -249,7 +250,7 @@ impl StepActivations {
         let logits_bytes = if config.f32_head { 4 } else { cb };
         let logits_weight = if logits_bytes == weight_bytes { 0 } else { logits_bytes };
         let tiles_sum = if shard > tile_tokens { 4 } else { 0 };
-        let head_weights = (logits_weight + logits_bytes + 3 * weight_bytes + tiles_sum).max(4 + weight_bytes + 4);
+        let head_weights = (logits_weight + logits_bytes + 3 * 4 + tiles_sum).max(4 + weight_bytes + 4);
         let chunk = (ulysses_training::default_chunk_rows(model.vocab_size) as u64).min(tile_rows);
         let mut head = 3 * 4 * chunk * vocab + cb * 2 * tile_rows * d + vocab * d * head_weights;
         if zero3 {
@@ -519,10 +520,10 @@ mod tests {
                 .with_layer_checkpointing(Some(LayerCheckpointing::new().with_tile_tokens(Some(tile_tokens))))
         };
         let head = |f32_head, tile_tokens| StepActivations::of(&config(f32_head, tile_tokens, 3), 2).unwrap().head;
-        // Two tiles: the f32 sum of the first beside the second's chunks (bf16: 12 bytes an
-        // element, the add's 10 at one tile; a tile of 4096 rows holds half the hidden states
-        // and their gradients, bf16); an f32 head: its weight and chunk gradients in f32.
-        assert_eq!(head(false, 4096) + 2 * 2 * 4096 * 4096 - head(false, 8192), 2 * head_weight);
+        // Two tiles: the f32 sum of the first beside the second's chunks (the chunks' sums in
+        // f32: 18 bytes an element, 14 at one tile; a tile of 4096 rows holds half the hidden
+        // states and their gradients, bf16); an f32 head: its weight and chunk gradients in f32.
+        assert_eq!(head(false, 4096) + 2 * 2 * 4096 * 4096 - head(false, 8192), 4 * head_weight);
         assert_eq!(head(true, 4096) - head(false, 4096), 6 * head_weight);
         // Without ZeRO-3, f32 parameters: a tile's gradients of a layer, their cast, and the
         // layer's weights cast to bf16 for each piece.

@@ -33,9 +33,9 @@ pub struct OutputHead<B: Backend> {
     /// weight cast to it once per call and each chunk's matmuls on half-precision tensor cores
     /// (f32 accumulation), as PyTorch's autocast computes a bf16 model's head. The softmax
     /// and the loss stay f32 either way; the weight's gradient is summed over the chunks in
-    /// the weight's own dtype (bf16 for a compute copy under the sharded optimizer: an f32 sum
-    /// would hold twice the head's size in the piece that makes the peak; the tiles' and
-    /// micro-batches' sums are f32: docs/training.md, "compute copy").
+    /// f32 and cast to the weight's dtype once (a bf16 compute copy's head at long context has
+    /// hundreds of chunks, whose parts a bf16 sum rounds away), as the tiles' and
+    /// micro-batches' sums are (docs/training.md, "compute copy").
     pub logits_dtype: Option<FloatDType>,
 }
 

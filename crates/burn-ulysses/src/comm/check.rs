@@ -50,7 +50,8 @@ pub fn check_collectives<B: Backend>(comm: &dyn Communicator<B>, device: &B::Dev
     let mut report = Vec::new();
     let (r, p) = (comm.rank() as f32, comm.size());
     let tensor = |values: Vec<f32>, shape: Vec<usize>| {
-        let flat = Tensor::<B, 1>::from_data(TensorData::new(values, [shape.iter().product::<usize>()]), device);
+        // f32 as written, not the device's default float (bf16 rounds the values past 256).
+        let flat = Tensor::<B, 1>::from_data(TensorData::new(values, [shape.iter().product::<usize>()]), (device, burn::tensor::DType::F32));
         B::float_reshape(flat.into_primitive().tensor(), Shape::from(shape))
     };
     let host = |t| as_rows::<B>(t, 1).into_data().convert::<f32>().to_vec::<f32>().unwrap();

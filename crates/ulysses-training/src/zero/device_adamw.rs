@@ -138,7 +138,8 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
 
     /// `host`'s state (loaded, re-partitioned, by [`ShardedAdamW::load`]) on `device`.
     pub fn from_host(host: &ShardedAdamW, device: &burn::tensor::Device<B::InnerBackend>) -> Self {
-        let upload = |values: &[f32]| Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(values.to_vec(), [values.len()]), device);
+        // f32 whatever the device's default float: the state is f32, as the gradients are.
+        let upload = |values: &[f32]| Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(values.to_vec(), [values.len()]), (device, burn::tensor::DType::F32));
         let (config, parts, place) = host.parts();
         let parts = parts
             .map(|(elements, master, moments)| DevicePart {

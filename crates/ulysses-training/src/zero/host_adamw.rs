@@ -578,7 +578,8 @@ impl ShardedAdamW {
         for bucket in plan_buckets(&sizes, &vec![true; which.len()], GRADIENT_BUCKET_BYTES) {
             let mine: Vec<f32> = bucket.iter().flat_map(|&b| parts[which[b].0].master.iter().copied()).collect();
             let len = mine.len();
-            let mine = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(mine, [len]), device).cast(FloatDType::from(which[bucket[0]].1));
+            // Uploaded in f32 (not the device's default float, which may round them), then cast.
+            let mine = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(mine, [len]), (device, burn::tensor::DType::F32)).cast(FloatDType::from(which[bucket[0]].1));
             gathered.extend(all_gather_columns::<B>(mine, bucket.iter().map(|&b| (which[b].0, parts[which[b].0].elements)), &partition, world)?);
         }
         Ok(gathered)
