@@ -452,14 +452,10 @@ fn wait_for_exits(ranks: &mut [Rank], limit: Duration) {
 /// `grace` (what an exited rank left running too: its zombie, unreaped, keeps the group's
 /// id its own), and reaps them all.
 fn stop(ranks: &mut [Rank], grace: Duration) {
-    let running: Vec<usize> = (0..ranks.len()).filter(|&i| ranks[i].status.is_none()).collect();
-    for &i in &running {
-        signal_group(&ranks[i], libc::SIGTERM);
+    for rank in ranks.iter().filter(|r| r.status.is_none()) {
+        signal_group(rank, libc::SIGTERM);
     }
-    let deadline = Instant::now() + grace;
-    while Instant::now() < deadline && running.iter().any(|&i| !exited(&ranks[i].child)) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_exits(ranks, grace);
     for rank in ranks.iter() {
         // Also reaches what the rank started and left behind (it holds the output pipes).
         signal_group(rank, libc::SIGKILL);
@@ -475,11 +471,6 @@ fn stop(ranks: &mut [Rank], grace: Duration) {
 
 /// How long a SIGKILLed rank may take to end before the launcher leaves it.
 const KILLED_EXIT_WAIT: Duration = Duration::from_secs(10);
-
-/// Whether `child` has exited, without reaping it ([`exit_status`]).
-fn exited(child: &Child) -> bool {
-    exit_status(child).is_some()
-}
 
 /// How `child` ended, where it has, without reaping it: its zombie keeps its pid, and so its
 /// process group's id, from being reused by another job while the group is signalled.
