@@ -1008,14 +1008,21 @@ fn qwen3_sp_dp_schedule(zero: Zero, schedule: &[(usize, bool)], max_grad_norm: O
 
 /// [`qwen3_sp_dp_schedule`] on another of ulysses-models' fixtures of the same vocabulary.
 fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)], max_grad_norm: Option<f64>, micro_batches: usize) -> Qwen3Run {
+    fixture_run(fixture, (2, 2), zero, schedule, max_grad_norm, micro_batches)
+}
+
+/// [`fixture_sp_dp_schedule`] at SP × DP = `degrees`: each DP rank its `4 / dp` of the step's
+/// four sequences (DP=3: one each, the fourth left out).
+fn fixture_run(fixture: &str, (sp, dp): (usize, usize), zero: Zero, schedule: &[(usize, bool)], max_grad_norm: Option<f64>, micro_batches: usize) -> Qwen3Run {
     use ulysses_training::{
         DeviceShardedAdamW, HostAdamWConfig, LayerCheckpointing, MatrixDecayAdamW, OptimizerPlace, PartsFrom, ShardedAdamW, ShardedParameters, StepInput, apply_step,
         apply_step_sharded, apply_step_zero3, backward_step, backward_step_checkpointed, backward_step_zero3,
     };
     const WEIGHT_DECAY: f32 = 0.01;
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/ulysses-models/tests/fixtures").join(fixture);
-    let layout = ParallelLayout::new().with_sp_size(2).with_dp_size(2);
-    let per_rank = ThreadGroup::new(4).run(|rank| {
+    let layout = ParallelLayout::new().with_sp_size(sp).with_dp_size(dp);
+    let (world, per_dp) = (sp * dp, 4 / dp);
+    let per_rank = ThreadGroup::new(world).run(|rank| {
         let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
         let _sp = enter_sp(&groups);
         let device = Default::default();
@@ -1029,7 +1036,7 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
         };
         let whole_bytes: usize = 4 * ulysses_training::parameter_elements(&model).iter().sum::<usize>();
         let (dp_rank, _) = layout.coordinates(rank.rank());
-        let sharder = SequenceSharder::new(2);
+        let sharder = SequenceSharder::new(sp);
         let checkpointing = LayerCheckpointing::new();
         // Decaying the matrices alone, as the sharded optimizers do.
         let mut replicated = MatrixDecayAdamW::<ulysses_models::Decoder<Sp>, Sp>::new(&AdamWConfig::new().with_weight_decay(WEIGHT_DECAY));
@@ -1039,10 +1046,10 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
         let mut parts = None;
         let in_backward = matches!(zero, Zero::Stage3InBackward | Zero::Stage3InBackwardSharedMasters);
         if matches!(zero, Zero::Stage3 | Zero::Stage3OnDevice | Zero::Stage3PartsOnHost | Zero::Stage3AfterAbandonedStep) || in_backward {
-            sharded_state.keep_master_weights(&model, rank.rank(), 4).unwrap();
-            on_device.keep_master_weights(&model, rank.rank(), 4).unwrap();
+            sharded_state.keep_master_weights(&model, rank.rank(), world).unwrap();
+            on_device.keep_master_weights(&model, rank.rank(), world).unwrap();
             let place = if zero == Zero::Stage3OnDevice { OptimizerPlace::Device } else { OptimizerPlace::Host };
-            let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), 4, place).unwrap();
+            let (placeholders, sharded) = ShardedParameters::shard(model, rank.rank(), world, place).unwrap();
             let mut sharded = if matches!(zero, Zero::Stage3PartsOnHost | Zero::Stage3InBackwardSharedMasters) { sharded.with_parts_on_host() } else { sharded };
             if zero == Zero::Stage3InBackwardSharedMasters {
                 sharded.share_master_weights(&mut sharded_state).unwrap();
@@ -1050,7 +1057,7 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
             (model, parts) = (placeholders, Some(sharded));
         }
         if zero == Zero::Stage3FromMasters {
-            sharded_state.keep_master_weights(&model, rank.rank(), 4).unwrap();
+            sharded_state.keep_master_weights(&model, rank.rank(), world).unwrap();
             let (placeholders, sharded) = ShardedParameters::shard_from(never_built(), PartsFrom::Masters, &mut sharded_state, FloatDType::F32, false, &device, &*groups.world).unwrap();
             (model, parts) = (placeholders, Some(sharded));
         }
@@ -1065,15 +1072,15 @@ fn fixture_sp_dp_schedule(fixture: &str, zero: Zero, schedule: &[(usize, bool)],
         }
         if let (Zero::Stage3AfterAbandonedStep, Some(parts)) = (zero, parts.as_mut()) {
             let batch = VariedLengths { vocab: 320 }.train_batch(3);
-            let mine = vec![batch[2 * dp_rank..2 * dp_rank + 2].to_vec()];
+            let mine = vec![batch[per_dp * dp_rank..per_dp * (dp_rank + 1)].to_vec()];
             let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &mine, documents: None, targets: None, max_grad_norm };
             drop(backward_step_zero3(&model, &step, &sharder, &groups, &device, &checkpointing, parts).unwrap());
         }
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for (index, &(data, has_targets)) in schedule.iter().enumerate() {
-            // Each DP rank its half of the step's four sequences.
+            // Each DP rank its share of the step's four sequences.
             let batch = VariedLengths { vocab: 320 }.train_batch(data);
-            let mine: Vec<Vec<Vec<i64>>> = batch[2 * dp_rank..2 * dp_rank + 2].chunks(2 / micro_batches).map(<[_]>::to_vec).collect();
+            let mine: Vec<Vec<Vec<i64>>> = batch[per_dp * dp_rank..per_dp * (dp_rank + 1)].chunks(per_dp / micro_batches).map(<[_]>::to_vec).collect();
             let no_targets: Vec<Vec<Vec<bool>>> = mine.iter().map(|micro| micro.iter().map(|s| vec![false; s.len()]).collect()).collect();
             let targets = (!has_targets).then_some(&no_targets[..]);
             let step = StepInput { index, learning_rate: 1e-2, micro_batches: &mine, documents: None, targets, max_grad_norm };
@@ -1377,6 +1384,55 @@ fn zero_3_trains_like_replicated_adamw() {
     });
 }
 
+
+/// ZeRO-3 over three ranks (SP=1 × DP=3), where the partition pads nearly every parameter (64,
+/// 64 × 64 and 320 × 64 elements are no multiples of 3) and each rank's last part of a
+/// parameter ends in padding: 8 steps train bit for bit as the sharded optimizer on the same
+/// checkpointed step, and with the optimizer's parts on the device, or cut from world rank 0's
+/// parameters, as before; within 1e-6 of replicated AdamW (losses, and every parameter of its
+/// largest value). Clipped to a norm of 1 (the padding counts nothing in the norm), the losses
+/// and norms within 1e-6 of replicated AdamW's. Between steps each rank holds a third of the
+/// compute copy, its padding aside.
+#[test]
+fn zero_3_over_three_ranks_whose_parts_are_padded_trains_like_replicated_adamw() {
+    with_deadline(Duration::from_secs(600), || {
+        let schedule: Vec<(usize, bool)> = (0..8).map(|step| (step, true)).collect();
+        let run = |zero, clip| fixture_run("qwen3", (1, 3), zero, &schedule, clip, 1);
+        let zero3 = run(Zero::Stage3, None);
+        assert!(zero3.losses.iter().all(|l| l.is_finite()) && zero3.losses[7] < zero3.losses[0], "the run must train: {:?}", zero3.losses);
+        for (zero, against) in [(Zero::ShardedOptimizerCheckpointed, &zero3), (Zero::Stage3FromRank0, &zero3)] {
+            let other = run(zero, None);
+            assert_eq!(other.losses, against.losses, "{zero:?}: the losses over three ranks");
+            for (name, want, got) in paired_parameters(&against.params, &other.params) {
+                assert!(bit_identical(got, want), "{zero:?}: {name} {:e} apart from ZeRO-3's over three ranks", max_abs_diff(got, want));
+            }
+        }
+        let replicated = run(Zero::ReplicatedCheckpointed, None);
+        let on_device = run(Zero::Stage3OnDevice, None);
+        assert_eq!(on_device.losses, replicated.losses, "ZeRO-3 with the optimizer on the device against replicated AdamW, over three ranks");
+        for (name, want, got) in paired_parameters(&replicated.params, &on_device.params) {
+            assert!(bit_identical(got, want), "{name}: the optimizer on the device {:e} apart from replicated AdamW over three ranks", max_abs_diff(got, want));
+        }
+        let loss_diff = largest_gap(&zero3.losses, &replicated.losses);
+        assert!(loss_diff <= 1e-6, "losses {loss_diff:e} apart from replicated training over three ranks");
+        for (name, want, got) in paired_parameters(&replicated.params, &zero3.params) {
+            let largest = want.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
+            let diff = max_abs_diff(got, want) / largest;
+            assert!(diff <= 1e-6, "{name}: {diff:e} of its largest value apart from replicated training over three ranks");
+        }
+        let (clipped, replicated_clipped) = (run(Zero::Stage3, Some(1.0)), run(Zero::ReplicatedCheckpointed, Some(1.0)));
+        assert!(replicated_clipped.norms.iter().all(|&n| n > 1.0), "clipping must engage: {:?}", replicated_clipped.norms);
+        for step in 0..8 {
+            let (loss, norm) = ((clipped.losses[step] / replicated_clipped.losses[step] - 1.0).abs(), (clipped.norms[step] / replicated_clipped.norms[step] - 1.0).abs());
+            assert!(loss <= 1e-6 && norm <= 1e-6, "step {step}: loss {loss:e} and norm {norm:e} apart (relative) over three ranks, clipping to 1");
+        }
+        let whole = replicated.device_bytes[0];
+        for (rank, bytes) in zero3.device_bytes.iter().enumerate() {
+            assert!(*bytes >= whole / 3 && *bytes <= whole / 3 + 4 * 2 * zero3.params.len(), "rank {rank} holds {bytes} bytes of a {whole}-byte compute copy");
+        }
+        println!("ZeRO-3 over three ranks: losses {:.6} .. {:.6}, {loss_diff:.1e} from replicated; compute copy per rank {:?} of {whole} bytes", zero3.losses[0], zero3.losses[7], zero3.device_bytes);
+    });
+}
 
 /// ZeRO-3 with the host optimizer updating each group's parts in the backward, as soon as they
 /// arrive on the host (`ShardedParameters::update_in_backward`; the host never holds the step's
@@ -1789,7 +1845,8 @@ fn frozen<B: burn::tensor::backend::AutodiffBackend, M: burn::module::Module<B>>
 /// trainable or frozen: a frozen norm's placeholder (a zero, broadcast) ran the layer silently
 /// wrong before, as it asks for no gradient. A model that visits its layers right keeps its
 /// frozen parameters (a looked-up embedding, a layer's norm) frozen and unchanged through a
-/// step, and its others trained. One rank.
+/// step, and its others trained, on one rank and on three (DP=3: padded parts, the ranks'
+/// models equal after the step).
 #[test]
 fn zero_3_names_a_parameter_a_group_leaves_out_and_keeps_frozen_ones_frozen() {
     use burn::module::Module;
@@ -1824,30 +1881,45 @@ fn zero_3_names_a_parameter_a_group_leaves_out_and_keeps_frozen_ones_frozen() {
             );
         }
 
-        // Visited right: the embedding (a lookup, untied) and layer 0's first vector frozen.
-        let model = decoder();
-        let mut first = SkipFirstVector { visitor: &mut NoVisit, skipped: None };
-        model.visit_layer(0, &mut first);
-        let frozen_ids = [model.embedding.weight.id, first.skipped.unwrap()];
-        let model = frozen(model, &frozen_ids);
-        let before = parameter_values(&model);
-        let (placeholders, mut parts, mut optimizer) = sharded(model);
-        let local = backward_step_zero3(&placeholders, &step, &SequenceSharder::new(1), &groups, &device, &checkpointing, &mut parts).unwrap();
-        let (placeholders, report) = apply_step_zero3(placeholders, &mut optimizer, &mut parts, &step, local, &groups).unwrap();
-        assert!(report.loss.is_finite(), "{report:?}");
-        let model = parts.gather_all(placeholders, &*groups.world).unwrap();
-        let mut flags = Vec::new();
-        model.visit(&mut RequiresGrad(&mut flags));
-        let after = parameter_values(&model);
-        assert_eq!(flags.len(), before.len(), "a flag for each parameter");
-        for ((name, want, got), (id, trains)) in paired_parameters(&before, &after).zip(flags) {
-            let is_frozen = frozen_ids.contains(&id);
-            assert_eq!(trains, !is_frozen, "{name}: requires a gradient after the step");
-            assert_eq!(got == want, is_frozen, "{name}: frozen {is_frozen}, changed by the step {}", got != want);
-        }
     })
     .into_iter()
     .for_each(|rank| rank.unwrap_or_else(|panic| panic!("{panic}")));
+
+    // Visited right: the embedding (a lookup, untied) and layer 0's first vector frozen, on one
+    // rank and on three (DP=3, the parts padded; the frozen ones have no gradient anywhere).
+    for world in [1, 3] {
+        let per_rank = ThreadGroup::new(world).run(|rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new().with_dp_size(world)).unwrap();
+            let device = Default::default();
+            let batches = vec![VariedLengths { vocab: VOCAB }.train_batch(rank.rank())];
+            let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &batches, documents: None, targets: None, max_grad_norm: None };
+            let model = deterministic_params(config(ParallelLayout::new(), 1).model.init::<Sp>(&device), INIT_SEED);
+            let mut first = SkipFirstVector { visitor: &mut NoVisit, skipped: None };
+            model.visit_layer(0, &mut first);
+            let frozen_ids = [model.embedding.weight.id, first.skipped.unwrap()];
+            let model = frozen(model, &frozen_ids);
+            let before = parameter_values(&model);
+            let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
+            optimizer.keep_master_weights(&model, rank.rank(), world).unwrap();
+            let (placeholders, mut parts) = ShardedParameters::shard(model, rank.rank(), world, OptimizerPlace::Host).unwrap();
+            let local = backward_step_zero3(&placeholders, &step, &SequenceSharder::new(1), &groups, &device, &LayerCheckpointing::new(), &mut parts).unwrap();
+            let (placeholders, report) = apply_step_zero3(placeholders, &mut optimizer, &mut parts, &step, local, &groups).unwrap();
+            assert!(report.loss.is_finite(), "{world} rank(s): {report:?}");
+            let model = parts.gather_all(placeholders, &*groups.world).unwrap();
+            let mut flags = Vec::new();
+            model.visit(&mut RequiresGrad(&mut flags));
+            let after = parameter_values(&model);
+            assert_eq!(flags.len(), before.len(), "a flag for each parameter");
+            for ((name, want, got), (id, trains)) in paired_parameters(&before, &after).zip(flags) {
+                let is_frozen = frozen_ids.contains(&id);
+                assert_eq!(trains, !is_frozen, "{world} rank(s): {name} requires a gradient after the step");
+                assert_eq!(got == want, is_frozen, "{world} rank(s): {name}: frozen {is_frozen}, changed by the step {}", got != want);
+            }
+            after
+        });
+        let per_rank: Vec<_> = per_rank.into_iter().map(|rank| rank.unwrap_or_else(|panic| panic!("{panic}"))).collect();
+        assert!(per_rank.iter().all(|after| *after == per_rank[0]), "{world} ranks ended with different parameters");
+    }
 }
 
 /// Gradients finite on every rank whose sum over the ranks overflows f32 (each near f32's
