@@ -343,6 +343,44 @@ fn f32_causal_head_dim_64_grouped_query_ratios_1_and_2() {
     check(Case::new(4, 2, 37, 64, true));
 }
 
+/// A NaN in a key (or a query) makes every row that sees that key (or that query's row) NaN,
+/// as burn's attention on one device does; a kernel that took a NaN score for a masked one
+/// gave finite outputs that left the key out (and zeros for the query's row), silently. Rows
+/// that do not see the key match the f64 reference. f32, causal, head dim 64: the kernels of
+/// the first case.
+#[test]
+fn f32_a_nan_reaches_every_row_that_sees_it_as_on_one_device() {
+    let Some(device) = device() else { return };
+    let case = Case::new(4, 2, 37, 64, true);
+    let (nan_key, nan_query) = (9, 20);
+    let mut q = values(case.q_shape().iter().product(), 1, case.dtype);
+    let mut k = values(case.k_shape().iter().product(), 2, case.dtype);
+    let v = values(case.v_shape().iter().product(), 3, case.dtype);
+    // Batch 0's kv head 0 (query heads 0 and 1): one element of key 9; batch 1's query head 3:
+    // one element of row 20.
+    k[nan_key * case.head_dim + 5] = f64::NAN;
+    q[((case.q_heads + 3) * case.seq_q + nan_query) * case.head_dim + 7] = f64::NAN;
+    let want = reference(&case, &q, &k, &v, &values(case.o_shape().iter().product(), 4, case.dtype));
+    let options = FlashOptions { scale: case.scale, causal: case.causal };
+    let upload4 = |x: &[f64], shape| upload(x, shape, case.dtype, &device);
+    let (output, _) = flash_attention_forward(upload4(&q, case.q_shape()), upload4(&k, case.k_shape()), upload4(&v, case.v_shape()), options, None).unwrap();
+    let got = download::<4>(output);
+    let mut nan_rows = 0;
+    for (row, (got, want)) in got.chunks(case.value_dim).zip(want.output.chunks(case.value_dim)).enumerate() {
+        let (b, h, i) = (row / (case.q_heads * case.seq_q), row / case.seq_q % case.q_heads, row % case.seq_q);
+        let sees_nan = (b == 0 && h < 2 && i >= nan_key) || (b == 1 && h == 3 && i == nan_query);
+        assert_eq!(want.iter().all(|x| x.is_nan()), sees_nan, "the reference: batch {b} head {h} row {i}");
+        if sees_nan {
+            nan_rows += 1;
+            assert!(got.iter().all(|x| x.is_nan()), "batch {b} head {h} row {i} sees a NaN, yet the kernel gave {:?}", &got[..4]);
+        } else {
+            let error = relative_error(got, want);
+            assert!(error <= 1e-5, "batch {b} head {h} row {i} sees no NaN: {error:e} from the f64 reference");
+        }
+    }
+    assert_eq!(nan_rows, 2 * (case.seq_q - nan_key) + 1);
+}
+
 #[test]
 fn f32_causal_unequal_lengths_aligned_bottom_right() {
     // More keys than queries, and more queries than keys (early rows see no key).

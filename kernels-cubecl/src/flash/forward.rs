@@ -165,7 +165,8 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
                 c = lane;
                 while c < block_kv {
                     let s = scores[row_at + c];
-                    let p = select(s > f32::new(0.5 * MASKED), (s - reference).exp(), 0.0f32);
+                    // A NaN score is no masked one: it reaches the row as burn's softmax takes it.
+                    let p = select(s <= f32::new(0.5 * MASKED), 0.0f32, (s - reference).exp());
                     probs[row_at + c] = F::cast_from(p);
                     local_sum += p;
                     c += plane_dim;
@@ -204,7 +205,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
         let mut inverse = Array::<f32>::new(TILE);
         for r in 0..tile_rows {
             let sum = row_sum[r];
-            inverse[r] = select(sum > 0.0f32, 1.0f32 / sum, 0.0f32);
+            inverse[r] = select(sum == 0.0f32, 0.0f32, 1.0f32 / sum);
         }
         let mut scratch = scores.slice_mut(scores_at, scores_at + TILE * TILE);
         // Every plane writes (a plane past the end writes no row): barriers stay uniform.
@@ -223,7 +224,7 @@ pub(crate) fn flash_forward_kernel<F: Float, M: TileMma, N: Size>(
             let row = plane_row + r;
             if row < seq_q {
                 let sum = row_sum[r];
-                lse[row_offset(lse, batch, head, row)] = select(sum > 0.0f32, row_max[r] + sum.ln(), f32::new(MASKED));
+                lse[row_offset(lse, batch, head, row)] = select(sum == 0.0f32, f32::new(MASKED), row_max[r] + sum.ln());
             }
             r += plane_dim;
         }
