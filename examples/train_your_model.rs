@@ -1,7 +1,9 @@
 //! A Burn model of your own, trained with sequence parallelism: a one-layer causal transformer
 //! that calls `burn::tensor::module::attention`, trained on 2 rank threads that each hold half
-//! of every sequence (SP = 2), then on one device. The two print the same losses: the model
-//! needs no change, only the backend (`UlyssesBackend`) and the training step (`train_step`).
+//! of every sequence (SP = 2), then on one device. The two print the same losses: its
+//! attention needs no change, only the backend (`UlyssesBackend`) and the training step
+//! (`train_step`); its positions come from the step (`ShardPositions`: each token's place in
+//! the whole sequence, not in its rank's shard).
 //!
 //! cargo run --release --example train_your_model
 
@@ -14,7 +16,7 @@ use burn::{
     optim::AdamWConfig,
     tensor::{Int, Tensor, TensorData, backend::{AutodiffBackend, Backend}, module::attention, ops::AttentionModuleOptions},
 };
-use burn_ulysses::{ParallelGroups, ParallelLayout, RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup, data::{SequenceSharder, ShardPositions}};
+use burn_ulysses::{ParallelGroups, ParallelLayout, RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup, data::ShardPositions};
 use ulysses_training::{CausalLm, StepInput, TrainBackend, broadcast_parameters, train_step};
 
 const VOCAB: usize = 16;
@@ -22,6 +24,8 @@ const MODEL: usize = 32;
 const HEADS: usize = 4;
 const SEQ: usize = 32;
 const STEPS: usize = 8;
+/// The SP degree.
+const SP: usize = 2;
 type Inner = NdArray<f32>;
 
 #[derive(Module, Debug)]
@@ -38,7 +42,9 @@ impl<B: Backend> TinyLm<B> {
     fn new(device: &B::Device) -> Self {
         Self {
             tokens: EmbeddingConfig::new(VOCAB, MODEL).init(device),
-            positions: EmbeddingConfig::new(SEQ, MODEL).init(device),
+            // A row for every position a step can give: SP pads each sequence to a multiple of
+            // its degree, and padding tokens get positions too.
+            positions: EmbeddingConfig::new(SEQ.next_multiple_of(SP), MODEL).init(device),
             norm: RmsNormConfig::new(MODEL).init(device),
             qkv: LinearConfig::new(MODEL, 3 * MODEL).init(device),
             out: LinearConfig::new(MODEL, MODEL).init(device),
@@ -99,7 +105,8 @@ fn train<B: TrainBackend>(groups: &ParallelGroups<B::Wire>, device: &B::Device) 
     };
     let mut model = broadcast_parameters(drawn, &*groups.world).expect("rank 0's parameters");
     let mut optimizer = AdamWConfig::new().init::<B, TinyLm<B>>();
-    let sharder = SequenceSharder::new(groups.layout.sp_size);
+    // The layout's own sharder: it cuts the sequences as its attention expects (its ring too).
+    let sharder = groups.layout.sharder();
     (0..STEPS)
         .map(|index| {
             let micro_batches = [batch(index)];
@@ -113,7 +120,7 @@ fn train<B: TrainBackend>(groups: &ParallelGroups<B::Wire>, device: &B::Device) 
 
 /// The losses of every step at SP = 2 (rank 0's report, the same on both) and on one device.
 fn sp_and_one_device() -> (Vec<f64>, Vec<f64>) {
-    let layout = ParallelLayout::new().with_sp_size(2);
+    let layout = ParallelLayout::new().with_sp_size(SP);
     let sp = ThreadGroup::new(layout.world_size()).run(|rank| {
         let groups = ParallelGroups::new(rank.communicator(), layout).expect("2 ranks make one SP group");
         // Enter the group: from here on this thread's `attention` calls are sequence parallel.

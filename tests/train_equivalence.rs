@@ -359,7 +359,16 @@ fn training_refuses_sequence_parallelism_that_attention_never_reached() {
     let layout = ParallelLayout::new().with_sp_size(2);
     // No rank context entered: attention would silently stay within each shard.
     for message in errors_of_two_ranks(layout, move |_, _| (config(layout, 1), None, VariedLengths { vocab: VOCAB })) {
-        assert!(message.contains("did not exchange through the SP group") && message.contains("enter_thread"), "{message}");
+        assert!(message.contains("did not exchange through the SP group") && message.contains("groups.rank_context(UlyssesConfig::new())"), "{message}");
+    }
+    // A context entered with the world's communicator (the README's snippet once did so): its
+    // all-to-alls are not the SP group's, and the step names the communicator to enter.
+    for message in errors_of_two_ranks(layout, move |_, groups| (config(layout, 1), Some(Sp::enter_thread(groups.world.clone())), VariedLengths { vocab: VOCAB })) {
+        assert!(
+            message.contains("exchanged through the rank context entered on this thread, but not through this step's SP group")
+                && message.contains("groups.rank_context(UlyssesConfig::new())"),
+            "{message}"
+        );
     }
 }
 

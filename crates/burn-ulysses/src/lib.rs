@@ -20,15 +20,19 @@
 //!
 //! ```no_run
 //! use burn::backend::{Autodiff, NdArray};
-//! use burn_ulysses::{UlyssesBackend, comm::ThreadGroup};
+//! use burn_ulysses::{ParallelGroups, ParallelLayout, RankScope, UlyssesBackend, UlyssesConfig, comm::ThreadGroup};
 //!
 //! type Train = UlyssesBackend<Autodiff<NdArray>>;
 //!
-//! let results = ThreadGroup::new(4).run(|rank| {
-//!     let _sp = Train::enter_thread(rank.communicator());
-//!     // attention is now sequence parallel; build the model with rank 0's parameters on
-//!     // every rank and train it with `ulysses_training::train_step` (the loss over every
-//!     // rank's tokens, the gradients summed over the ranks)
+//! let layout = ParallelLayout::new().with_sp_size(4);
+//! let results = ThreadGroup::new(layout.world_size()).run(|rank| {
+//!     // The step's groups and this thread's rank context on them (not the world's
+//!     // communicator, which would mix DP replicas' sequences).
+//!     let groups = ParallelGroups::<NdArray>::new(rank.communicator(), layout).unwrap();
+//!     let _sp = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
+//!     // attention is now sequence parallel; build the model on `Train` with rank 0's
+//!     // parameters on every rank and train it with `ulysses_training::train_step(.., &groups,
+//!     // ..)` (the loss over every rank's tokens, the gradients summed over the ranks)
 //!     rank.rank()
 //! });
 //! ```

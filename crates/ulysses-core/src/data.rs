@@ -267,6 +267,12 @@ impl SequenceSharder {
         Ok(())
     }
 
+    /// What a batch's sequences are padded to a multiple of: the SP degree, twice it where a
+    /// zigzag ring cuts each ring rank's share in two chunks.
+    pub fn length_multiple(&self) -> usize {
+        if self.ring_sharding == RingSharding::Zigzag { 2 * self.sp_size } else { self.sp_size }
+    }
+
     /// [`shard_documents`](Self::shard_documents) where only some tokens are trained on:
     /// `targets[i][j]` says whether token `j` of sequence `i` is a target, the label of
     /// position `j − 1` (supervised fine-tuning: the answers, not the prompts; Hugging Face's
@@ -274,12 +280,6 @@ impl SequenceSharder {
     ///
     /// Panics where [`check_batch`](Self::check_batch) refuses the batch, or `rank` is out of
     /// range: check first where the input comes from a user.
-    /// What a batch's sequences are padded to a multiple of: the SP degree, twice it where a
-    /// zigzag ring cuts each ring rank's share in two chunks.
-    pub fn length_multiple(&self) -> usize {
-        if self.ring_sharding == RingSharding::Zigzag { 2 * self.sp_size } else { self.sp_size }
-    }
-
     pub fn shard_targets(&self, sequences: &[Vec<i64>], documents: Option<&[Vec<usize>]>, targets: Option<&[Vec<bool>]>, rank: usize) -> SequenceShard {
         if let Err(error) = self.check_batch(sequences, documents, targets) {
             panic!("{error}");

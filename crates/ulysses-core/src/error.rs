@@ -151,8 +151,8 @@ pub enum UlyssesError {
     #[error(
         "sequence parallelism is configured (sp_size {sp_size}) but the model's attention did \
          not exchange through the SP group during this step, so every rank attended only \
-         within its shard. Enter the rank context with the SP group \
-         (`UlyssesBackend::<Autodiff<B>>::enter_thread(groups.sp.clone())`), stack \
+         within its shard. Enter the rank context of the step's groups \
+         (`burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()))`), stack \
          `UlyssesBackend<Autodiff<B>>` (not `Autodiff<UlyssesBackend<B>>`), and make the model \
          call `burn::tensor::module::attention` (burn-nn's MultiHeadAttention does not: use \
          burn_ulysses::nn::MultiHeadAttention)."

@@ -429,7 +429,7 @@ where
     let mut sums = gradients::GradientSums::new(shards.len() > 1);
     // Summed on the device: a read per micro-batch would wait for each one's work.
     let mut loss: Option<Tensor<B::InnerBackend, 1>> = None;
-    let exchanges_before = groups.attention_exchanges();
+    let (exchanges_before, context_before) = (groups.attention_exchanges(), context_exchanges::<B::Wire>());
     let document_calls_before = burn_ulysses::attention::calls_with_documents();
     for shard in &shards {
         let (shard_loss, grads) = shard_backward(shard, weight, valid_tokens)?;
@@ -442,6 +442,18 @@ where
     let loss = loss.ok_or_else(|| UlyssesError::InvalidConfig("a step without micro-batches: give at least one".into()))?;
     let exchanges = groups.attention_exchanges() - exchanges_before;
     if groups.layout.sp_size > 1 && exchanges == 0 {
+        // Attention exchanged, through the context entered on this thread, but not through
+        // this step's SP group: a context entered with another communicator (the world's), whose
+        // all-to-alls mixed shards of other sequences when DP > 1.
+        if context_before.zip(context_exchanges::<B::Wire>()).is_some_and(|(before, after)| after > before) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "step {}: the model's attention exchanged through the rank context entered on this thread, but not through this \
+                 step's SP group (sp_size {}): the context was entered with another communicator (the world's: \
+                 `enter_thread(rank.communicator())`?). Enter the groups' own: \
+                 `burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()))`",
+                step.index, groups.layout.sp_size
+            )));
+        }
         return Err(UlyssesError::NotSequenceParallel { sp_size: groups.layout.sp_size });
     }
     // Rows that pack documents, and a model whose attention never took them: under SP each
