@@ -25,7 +25,7 @@ use burn::{
 use burn_ulysses::{ParallelLayout, PlainBackend, UlyssesBackend, device_io::DeviceIo, precision::Precision};
 use ulysses_training::{
     LayerCheckpointing, StepReport,
-    checkpoint::{checkpoint_path, read_checkpoint_state},
+    checkpoint::{checkpoint_path, read_checkpoint_state, same_checkpoint},
 };
 use clap::{Parser, ValueEnum};
 use ulysses_models::{COMPANION_FILES, ChatTemplate, HfConfig, TextTokenizer, TokenizerConfig, from_pretrained, from_pretrained_lazily, is_tokenizer_file};
@@ -951,23 +951,25 @@ fn run(mut args: Args) -> Result<(), String> {
         Launch::Process(env) => env.rank == 0,
     };
     let out = args.out.clone().or_else(|| args.resume.as_deref().map(resumed_folder)).unwrap_or_else(|| "runs/llama".into());
-    // An earlier copy resumed in its run's folder would write over the folder's later
-    // checkpoint (and its optimizer's parts) and cut the metrics back.
+    // A copy resumed in its run's folder would write over the folder's checkpoint (and its
+    // optimizer's parts) where that is another one: a later one of its run (the metrics cut
+    // back too), or another run's that went on from an earlier copy, whatever its step.
     if let (Some(location), Some(saved), false) = (&args.resume, &resumed, args.overwrite)
         && same_place(&out, &resumed_folder(location))
     {
-        let later_file = out.join(CHECKPOINT_FILE);
-        if !same_place(&checkpoint_path(location), &later_file)
-            && let Ok(later) = read_checkpoint_state::<RunState>(&later_file)
-            && later.completed_steps > saved.completed_steps
+        let folder_file = out.join(CHECKPOINT_FILE);
+        if !same_place(&checkpoint_path(location), &folder_file)
+            && let Ok(other) = read_checkpoint_state::<RunState>(&folder_file)
+            && !same_checkpoint(location, &folder_file).unwrap_or(false)
         {
+            let which = if other.completed_steps > saved.completed_steps { "the later run" } else { "that checkpoint" };
             return Err(format!(
-                "--resume {} is at step {}, and the run folder's {} at step {}, which going on in {} would write over: give --out \
-                 ANOTHER_FOLDER to go on from step {} apart, or --overwrite to replace the later run",
+                "--resume {} is at step {}, and the run folder's {} is another checkpoint (at step {}), which going on in {} would \
+                 write over: give --out ANOTHER_FOLDER to go on from step {} apart, or --overwrite to replace {which}",
                 location.display(),
                 saved.completed_steps,
-                later_file.display(),
-                later.completed_steps,
+                folder_file.display(),
+                other.completed_steps,
                 out.display(),
                 saved.completed_steps
             ));
@@ -2047,7 +2049,10 @@ impl RunLog {
             title,
             steps: config.steps,
             taken: job.resumed_at.unwrap_or(0),
-            replaces_checkpoint: job.args.overwrite && !job.args.resume.as_deref().is_some_and(|resumed| same_place(&resumed_folder(resumed), &job.out)),
+            // A copy resumed over its folder's checkpoint: that one goes too, or a run killed
+            // before its first commit would leave it to a `--resume` of the folder, which would
+            // continue the run this one replaces.
+            replaces_checkpoint: job.args.overwrite && !job.args.resume.as_deref().is_some_and(|resumed| same_place(&checkpoint_path(resumed), &job.out.join(CHECKPOINT_FILE))),
             // A sharded run that saves removes them at its first commit; one that does not,
             // here.
             replaces_state_parts: !job.config.shards_optimizer() || job.args.no_save,

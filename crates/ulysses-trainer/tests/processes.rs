@@ -477,6 +477,30 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let refused = run_alone(&args, &["--sp", "1"]);
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("is at step 3") && text.contains("at step 6") && text.contains("--overwrite"), "{text}");
+    // A folder whose checkpoint is another line's at an earlier step than the copy resumed
+    // there (a run that went on from an earlier copy): going on would write over that line's
+    // only checkpoint, so it is refused too; a copy of the folder's own checkpoint is not.
+    fs::create_dir_all(dir.join("lines")).unwrap();
+    for (from, to) in [("part/metrics.csv", "metrics.csv"), ("part/config.json", "config.json"), ("part/step-3.ulysses", "checkpoint.ulysses"), ("part/checkpoint.ulysses", "later.ulysses"), ("part/step-3.ulysses", "same.ulysses")] {
+        fs::copy(dir.join(from), dir.join("lines").join(to)).unwrap();
+    }
+    let in_lines = |copy: &str, extra: &[&str]| {
+        let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--steps".into(), "8".into()];
+        args.extend(resume(copy));
+        args.extend(extra.iter().map(|a| a.to_string()));
+        run_alone(&args, &["--sp", "1"])
+    };
+    let refused = in_lines("lines/later.ulysses", &["--check"]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("is at step 6") && text.contains("is another checkpoint (at step 3)") && text.contains("--overwrite to replace that checkpoint"), "{text}");
+    succeed(in_lines("lines/same.ulysses", &["--check"]));
+    // Replaced with --overwrite, and killed before its first checkpoint: the folder keeps no
+    // checkpoint of the run it replaced for a `--resume lines` to go on with.
+    let killed = in_lines("lines/later.ulysses", &["--overwrite", "--fault-kill", "7:0"]);
+    assert!(!killed.status.success(), "{}", show(&killed));
+    assert!(metric(&dir.join("lines"), 1).iter().any(|&(step, _)| step == 6), "the replacing run wrote its first row: {}", show(&killed));
+    assert!(!dir.join("lines/checkpoint.ulysses").exists(), "the replaced run's checkpoint outlived the replacing run's first row");
+    assert!(dir.join("lines/later.ulysses").exists(), "the resumed copy went");
     // A --stop-after the checkpoint has passed is refused, not a run that takes no step.
     let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--stop-after".into(), "3".into()];
     args.extend(resume("part"));

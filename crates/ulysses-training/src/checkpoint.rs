@@ -253,6 +253,20 @@ pub fn read_checkpoint_state<S: DeserializeOwned>(location: &Path) -> Result<S, 
     open_checkpoint::<S>(&path).map(|(_, header)| header.state)
 }
 
+/// Whether the checkpoints at `a` and `b` are one checkpoint (copies of one file): their
+/// headers, which hold the state, the records' checksum and the sharded state's folder, are
+/// the same bytes. An error where either cannot be read as a checkpoint.
+pub fn same_checkpoint(a: &Path, b: &Path) -> Result<bool, UlyssesError> {
+    let header = |location: &Path| -> Result<Vec<u8>, UlyssesError> {
+        let path = checkpoint_path(location);
+        match read_preamble(&path)? {
+            Preamble::Header { header, .. } => Ok(header),
+            Preamble::NotCheckpoint { .. } => Err(error(&path, "not a burn-ulysses training checkpoint")),
+        }
+    };
+    Ok(header(a)? == header(b)?)
+}
+
 /// The sharded optimizer state's folder that the file at `path` names: `None` where it is no
 /// checkpoint (shorter than the 8 magic bytes, or other ones) or a checkpoint that names none. Its
 /// header is read leniently (the folder's name alone: a state whose checksum fails, or a later
