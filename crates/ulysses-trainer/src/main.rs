@@ -10,8 +10,7 @@
 //! ulysses-launch --nproc-per-node 4 -- target/release/ulysses-trainer --sp 2      (SP=2 × DP=2)
 
 use std::{
-    fs::{self, File},
-    io::{BufRead, BufReader},
+    fs,
     path::{Path, PathBuf},
     time::Instant,
 };
@@ -38,7 +37,7 @@ use ulysses_trainer::{
     memory,
     documents::{DOCUMENT_READER_VERSION, DocumentReader, Documents, PackedDocuments, cut_documents_note, document_eos},
     plot,
-    run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, resumed_folder},
+    run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, earlier_rows, resumed_folder},
     tokens::TokenFile,
     train::{CorpusData, Faults, LrSchedule, MAX_BATCH_SIZE, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
 };
@@ -2001,7 +2000,7 @@ impl RunLog {
     fn new(job: &Job) -> Self {
         let kept = match job.resumed_at {
             // The resumed run's rows, also when it continues in another folder.
-            Some(step) => earlier_rows(&resumed_folder(job.args.resume.as_deref().expect("resumed")).join(METRICS_FILE), step),
+            Some(step) => earlier_rows(&resumed_folder(job.args.resume.as_deref().expect("resumed")).join(METRICS_FILE), CSV_HEADER, step),
             None => Vec::new(),
         };
         let (mut train, mut eval) = (Vec::new(), Vec::new());
@@ -2137,17 +2136,6 @@ impl RunLog {
     }
 }
 
-/// The data rows of an earlier run's metrics file for steps before `step`.
-fn earlier_rows(path: &Path, step: usize) -> Vec<String> {
-    let Ok(file) = File::open(path) else { return Vec::new() };
-    BufReader::new(file)
-        .lines()
-        .map_while(Result::ok)
-        .skip(1)
-        .filter(|line| line.split(',').next().and_then(|s| s.parse::<usize>().ok()).is_some_and(|s| s < step))
-        .collect()
-}
-
 impl Progress for RunLog {
     fn step(&mut self, step: usize, report: &StepReport, learning_rate: f64, seconds: f64) {
         let tokens_per_second = report.processed_tokens as f64 / seconds.max(1e-9);
@@ -2177,6 +2165,14 @@ impl Progress for RunLog {
         self.eval.push((step, loss));
         self.row(step, "", &format!("{loss:.9}"), ",,,,");
         self.bar.println(format!("step {step}: held-out loss {loss:.4}"));
+    }
+
+    fn checkpoint_due(&mut self, step: usize) {
+        if let Record::Open(record) = &mut self.record
+            && let Err(error) = record.sync()
+        {
+            self.bar.println(format!("warning: cannot make {} durable before step {}'s checkpoint: {error}", self.out.join(METRICS_FILE).display(), step + 1));
+        }
     }
 
     fn checkpoint(&mut self, step: usize, path: &Path) {

@@ -230,6 +230,29 @@ impl RunRecord {
         writeln!(self.metrics, "{row}")?;
         self.metrics.flush()
     }
+
+    /// Makes the rows appended so far durable: before a checkpoint's commit, so that a power
+    /// loss that keeps the checkpoint keeps the rows of the steps it has taken (a flush alone
+    /// leaves them to the page cache, or an NFS client's).
+    pub fn sync(&mut self) -> std::io::Result<()> {
+        self.metrics.flush()?;
+        self.metrics.get_ref().sync_data()
+    }
+}
+
+/// The data rows of an earlier run's metrics file (`header`'s columns) for steps before
+/// `step`: whole rows alone, so that a row a crash or a full disk cut short (`12` of `125,…`,
+/// a last line without its newline) is not kept as a malformed row of another step.
+pub fn earlier_rows(path: &Path, header: &str, step: usize) -> Vec<String> {
+    let Ok(text) = fs::read_to_string(path) else { return Vec::new() };
+    let columns = header.split(',').count();
+    text.split_inclusive('\n')
+        .skip(1)
+        .filter_map(|line| line.strip_suffix('\n'))
+        .filter(|line| line.split(',').count() == columns)
+        .filter(|line| line.split(',').next().and_then(|s| s.parse::<usize>().ok()).is_some_and(|s| s < step))
+        .map(str::to_string)
+        .collect()
 }
 
 /// What the kept rows of a run resumed at step `resumed` lack, said so that a curve with a gap
@@ -256,6 +279,22 @@ pub fn kept_rows_gap(rows: &[usize], eval: &[(usize, f64)], resumed: usize, eval
 
 #[cfg(test)]
 mod tests {
+    /// The kept rows of a resumed run: whole rows of steps before the resumed one; a row cut
+    /// short (fewer columns, or no newline at the end) is left out.
+    #[test]
+    fn earlier_rows_keeps_whole_rows_before_the_step() {
+        let dir = std::env::temp_dir().join(format!("ulysses-earlier-rows-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("metrics.csv");
+        std::fs::write(&path, "step,loss,eval\n0,5.5,\n1,5.1,4.9\n2,4.8,\n12").unwrap();
+        assert_eq!(super::earlier_rows(&path, "step,loss,eval", 100), ["0,5.5,", "1,5.1,4.9", "2,4.8,"]);
+        assert_eq!(super::earlier_rows(&path, "step,loss,eval", 2), ["0,5.5,", "1,5.1,4.9"]);
+        std::fs::write(&path, "step,loss,eval\n0,5.5,\n1,5.1\n2,4.8,\n3,4.5,").unwrap();
+        assert_eq!(super::earlier_rows(&path, "step,loss,eval", 100), ["0,5.5,", "2,4.8,"]);
+        assert!(super::earlier_rows(&dir.join("missing.csv"), "step,loss,eval", 100).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     use super::*;
 
     #[test]

@@ -465,6 +465,9 @@ impl StepData for CorpusData<'_> {
 pub trait Progress {
     fn step(&mut self, step: usize, report: &StepReport, learning_rate: f64, seconds: f64);
     fn eval(&mut self, step: usize, loss: f64);
+    /// A checkpoint after step `step` is about to be taken: what was recorded of the steps it
+    /// covers is to be made durable first.
+    fn checkpoint_due(&mut self, _step: usize) {}
     fn checkpoint(&mut self, _step: usize, _path: &Path) {}
     /// What rank 0's thread waited on the device for during the step (reads back to the host
     /// and syncs, each a stall of a GPU's queue; uploads): after [`step`](Self::step).
@@ -903,6 +906,9 @@ where
         let done = step + 1;
         let checkpoint_due = done == last_step || (options.checkpoint_every > 0 && done % options.checkpoint_every == 0);
         if checkpoint_due {
+            if let Some(progress) = options.progress.as_deref_mut() {
+                progress.checkpoint_due(step);
+            }
             let state = RunState {
                 completed_steps: done,
                 data_position: done,
