@@ -76,6 +76,25 @@ fn a_rank_killed_during_an_all_gather_or_a_reduce_scatter_is_named_by_the_others
     }
 }
 
+/// A rank that ended (its goodbye said, its process gone) is sent an all-gather's 8 MiB: the
+/// sends fail, and each other rank names the rank that left, not the sender of a bare "send
+/// failed" (whose abort notice blamed no one, so its peers blamed the sender).
+#[test]
+fn a_send_to_a_rank_that_ended_names_that_rank() {
+    let (ranks, elapsed) = run_ranks(3, &["--leave-rank", "1"]);
+    for (rank, (status, output)) in ranks.iter().enumerate() {
+        println!("rank {rank}: {status}\n{output}");
+    }
+    assert!(elapsed < Duration::from_secs(90), "took {elapsed:?}");
+    assert!(ranks[1].0.success(), "rank 1 ends well: {}", ranks[1].1);
+    for rank in [0, 2] {
+        let (status, output) = &ranks[rank];
+        assert_eq!(status.code(), Some(1), "rank {rank}: {output}");
+        let line = output.lines().find(|line| line.starts_with("error:")).unwrap_or_else(|| panic!("rank {rank} reported no error: {output}"));
+        assert!(line.contains("rank 1") && !line.contains("send failed") && !line.contains(&format!("[{}]", 2 - rank)), "rank {rank}: {line}");
+    }
+}
+
 fn assert_every_other_rank_names_rank_2(check_args: &[&str]) {
     let (ranks, elapsed) = run_ranks(4, check_args);
     for (rank, (status, output)) in ranks.iter().enumerate() {

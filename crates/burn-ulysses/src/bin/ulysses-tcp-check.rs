@@ -32,6 +32,10 @@ struct Args {
     /// would enter this collective, which the others are in (ZeRO-3's two).
     #[arg(long, hide = true, requires = "die_rank")]
     die_in: Option<Collective>,
+    /// Test hook: this rank passes the check, then ends (its goodbye said) while the others,
+    /// a second later, all-gather --mib MiB each: their sends to it fail, and they must name it.
+    #[arg(long, hide = true, conflicts_with = "die_rank")]
+    leave_rank: Option<usize>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
@@ -60,6 +64,15 @@ fn check(args: &Args) -> Result<(), String> {
     }
     let c: &dyn Communicator<B> = &*comm;
     let p = c.size();
+    if let Some(leaving) = args.leave_rank {
+        if leaving == env.rank {
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        let values = Tensor::<B, 1>::from_data(TensorData::new(vec![1.0f32; args.mib << 18], [args.mib << 18]), &device).into_primitive().tensor();
+        drop(c.all_gather(values).map_err(|e| e.to_string())?);
+        return Err(format!("the all-gather finished although rank {leaving} had left"));
+    }
     if let Some(collective) = args.die_in {
         let values = Tensor::<B, 1>::from_data(TensorData::new(vec![1.0f32; 1 << 16], [1 << 16]), &device).into_primitive().tensor();
         if args.die_rank == Some(env.rank) {

@@ -206,7 +206,10 @@ impl Mesh {
         if let Err(error) = sent {
             let detail = format!("sending to it failed: {error}");
             self.mark(peer, PeerState::Died { detail });
-            return Err(self.fail(self.peer_failure(op, seq).unwrap_or_else(|| CommError::Backend(format!("{op}: send failed")))));
+            // The peer named: one that said goodbye first (its process gone) left; the
+            // sender's notice then blames it, not the sender.
+            let failure = failure_of(&self.shared.lock().peers, &[peer], op, seq);
+            return Err(self.fail(failure.unwrap_or_else(|| CommError::Backend(format!("{op}: sending to world rank {peer} failed: {error}")))));
         }
         Ok(())
     }
@@ -300,10 +303,6 @@ impl Mesh {
             state.peers[peer] = new;
         }
         self.shared.changed.notify_all();
-    }
-
-    fn peer_failure(&self, op: Collective, seq: u64) -> Option<CommError> {
-        failure_of(&self.shared.lock().peers, &[], op, seq)
     }
 
     /// Best effort: a peer that cannot be reached is not waiting for us anyway.
