@@ -149,6 +149,19 @@ fn the_drop_ins_mask_attn_at_one_query_a_rank() {
     assert_all_contain(&messages, &["MhaInput::mask_attn (shape [1, 1, 1]) cannot be resharded", "MhaInput::causal()", "mask_pad"]);
 }
 
+/// The same through `module::attention` itself: a causal mask a rank built of its one-token
+/// shard (`[1, 1, 1, 1]`, hiding nothing) has a key-padding mask's shape; without `is_causal`
+/// it was gathered as one and token 0 saw token 1. Refused, naming `is_causal`.
+#[test]
+fn a_mask_at_one_token_a_rank_without_is_causal() {
+    let messages = errors_on_every_rank(2, |_| {
+        let [q, k, v] = qkv([1, 4, 1, 8], 4);
+        let mask = Tensor::<Sp, 2, Bool>::tril_mask([1, 1], 0, &Default::default()).unsqueeze::<4>();
+        attention(q, k, v, Some(mask), None, AttentionModuleOptions { is_causal: false, ..OPTIONS });
+    });
+    assert_all_contain(&messages, &["a mask of shape [1, 1, 1, 1] at one token a rank, without is_causal", "`is_causal: true`", "two tokens or more"]);
+}
+
 /// Keys a rank holds beside its shard (a cache, a prefix, sink tokens) would be joined with the
 /// other ranks' as shards of one sequence, repeated and out of place: causal attention over
 /// more keys than queries a rank is refused, naming the cause.

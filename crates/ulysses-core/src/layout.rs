@@ -161,6 +161,18 @@ impl AttentionLayout {
             (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: bias.to_vec() }),
             _ => {}
         }
+        // At one token a rank a key-padding mask `[batch, 1, 1, 1]` cannot be told from one the
+        // rank built of its own shard's scores (a causal mask of one token hides nothing), which
+        // the gather would take for the whole sequence's padding: every key seen, silently.
+        if matches!(self.mask, MaskKind::KeyPadding { .. }) && !self.is_causal && self.q_seq == 1 && self.kv_seq == 1 {
+            return Err(UlyssesError::Shape(format!(
+                "sequence-parallel attention: a mask of shape {:?} at one token a rank, without is_causal, has a key-padding mask's \
+                 shape and that of a mask of the rank's own one-token shard (a causal mask hides nothing there), which would be \
+                 gathered as the sequence's padding: for causal attention pass `is_causal: true` (and no mask of the shard); to mask \
+                 padding keys give each rank two tokens or more",
+                mask.unwrap_or_default()
+            )));
+        }
         if self.is_causal && self.q_seq != self.kv_seq {
             return Err(UlyssesError::Shape(format!(
                 "sequence-parallel attention: causal attention of {} queries over {} keys a rank (a key cache, a prefix or sink tokens, \
