@@ -580,6 +580,78 @@ fn refusals_at_sp_2(step: impl Fn(usize, ulysses_models::Decoder<Sp>, &ParallelG
     messages.into_iter().enumerate().map(|(rank, m)| m.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}"))).collect()
 }
 
+/// A model that attends both ways with no mask, though it says it is causal
+/// (`CausalLm::is_causal`): a model adapted from a causal one, its attention's flag changed.
+#[derive(burn::module::Module, Debug)]
+struct BothWays<B: burn::tensor::backend::Backend> {
+    embed: burn::nn::Embedding<B>,
+    qkv: burn::nn::Linear<B>,
+    head: burn::nn::Linear<B>,
+}
+
+impl<B: burn::tensor::backend::AutodiffBackend> ulysses_training::CausalLm<B> for BothWays<B> {
+    fn logits(&self, tokens: Tensor<B, 2, Int>, _positions: &ShardPositions) -> Tensor<B, 3> {
+        let [batch, seq] = tokens.dims();
+        let x = self.embed.forward(tokens);
+        let heads = |t: Tensor<B, 3>| t.reshape([batch, seq, 2, 8]).swap_dims(1, 2);
+        let [q, k, v] = self.qkv.forward(x.clone()).chunk(3, 2).try_into().unwrap();
+        let options = burn::tensor::ops::AttentionModuleOptions { is_causal: false, ..Default::default() };
+        let attended = burn::tensor::module::attention(heads(q), heads(k), heads(v), None, None, options);
+        self.head.forward(x + attended.swap_dims(1, 2).reshape([batch, seq, 16]))
+    }
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+    fn is_causal(&self) -> bool {
+        true
+    }
+}
+
+/// A model whose attention looks both ways without a mask over sequences padded at their end
+/// lets real tokens attend to the padding (one device on the sequences alone does not), at
+/// any SP degree: refused on every rank at SP=2 and on one rank, naming `is_causal`. The same
+/// model over sequences that need no padding trains.
+#[test]
+fn attention_both_ways_over_padded_sequences_is_refused() {
+    use burn::nn::{EmbeddingConfig, LinearConfig};
+    use ulysses_training::{StepInput, train_step};
+    for sp in [2, 1] {
+        let outcomes = with_deadline(Duration::from_secs(50), move || {
+            ThreadGroup::new(sp).run(|rank| {
+                let layout = ParallelLayout::new().with_sp_size(sp);
+                let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+                let _sp = enter_sp(&groups);
+                let device = Default::default();
+                let model = deterministic_params(
+                    BothWays { embed: EmbeddingConfig::new(VOCAB, 16).init::<Sp>(&device), qkv: LinearConfig::new(16, 48).init(&device), head: LinearConfig::new(16, VOCAB).init(&device) },
+                    INIT_SEED,
+                );
+                let mut optimizer = AdamWConfig::new().init();
+                let step_on = |sequences: Vec<Vec<i64>>, model: BothWays<Sp>, optimizer: &mut _| {
+                    let micro_batches = vec![sequences];
+                    let step = StepInput { index: 0, learning_rate: 1e-3, micro_batches: &micro_batches, documents: None, targets: None, max_grad_norm: None };
+                    train_step(model, optimizer, &step, &layout.sharder(), &groups, &device).map(|(_, report)| report.loss).map_err(|e| e.to_string())
+                };
+                // Lengths 8 and 6: the second padded to 8.
+                let padded = step_on(vec![(0..8).collect(), (0..6).collect()], model.clone(), &mut optimizer);
+                let unpadded = step_on(vec![(0..8).collect(), (8..16).collect()], model, &mut optimizer);
+                (padded, unpadded)
+            })
+        });
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
+            let (padded, unpadded) = outcome.unwrap_or_else(|p| panic!("SP={sp} rank {rank} panicked: {p}"));
+            let message = padded.expect_err("padded sequences attended both ways were trained on");
+            assert!(
+                message.contains("looked both ways (is_causal false, and no mask or bias) over sequences padded at their end")
+                    && message.contains("AttentionModuleOptions { is_causal: true, .. }"),
+                "SP={sp} rank {rank}: {message}"
+            );
+            let loss = unpadded.unwrap_or_else(|e| panic!("SP={sp} rank {rank}: sequences without padding refused: {e}"));
+            assert!(loss.is_finite(), "SP={sp} rank {rank}: {loss}");
+        }
+    }
+}
+
 /// Checkpointing settings one rank refuses (a tile of 0 tokens on rank 0 alone) stop every
 /// rank: the refusing rank still joins the step's first collective, where the others learn it.
 #[test]

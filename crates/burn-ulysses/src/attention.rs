@@ -47,6 +47,14 @@ struct Restriction {
 thread_local! {
     static RESTRICTION: RefCell<Option<Restriction>> = const { RefCell::new(None) };
     static DOCUMENT_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static CALLS_SEEING_EVERY_KEY: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many attention calls this thread has made through `UlyssesBackend` that see every key
+/// (not causal, no mask, no bias, no documents): a training step whose sequences are padded at
+/// the end and sees one made knows real tokens attended to the padding.
+pub fn calls_seeing_every_key() -> u64 {
+    CALLS_SEEING_EVERY_KEY.get()
 }
 
 /// How many attention calls this thread has made over packed documents
@@ -174,6 +182,9 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
 ) -> FloatTensor<X> {
     // Taken before anything can fail, so that it never reaches a later call.
     let restriction = take_restriction();
+    if !options.is_causal && mask.is_none() && attn_bias.is_none() && restriction.is_none() {
+        CALLS_SEEING_EVERY_KEY.set(CALLS_SEEING_EVERY_KEY.get() + 1);
+    }
     let positions = restriction.as_ref().and_then(|r| r.documents.clone());
     let window = restriction.as_ref().and_then(|r| r.window);
     let attend_or_explain = || -> Result<FloatTensor<X>, UlyssesError> {

@@ -273,6 +273,14 @@ impl SequenceSharder {
         if self.ring_sharding == RingSharding::Zigzag { 2 * self.sp_size } else { self.sp_size }
     }
 
+    /// The length every sequence of `sequences` is padded to (the longest's, at least
+    /// `pad_to`, up to a [`length_multiple`](Self::length_multiple)); 0 for no sequence.
+    pub fn padded_len(&self, sequences: &[Vec<i64>]) -> usize {
+        let longest = sequences.iter().map(Vec::len).max().unwrap_or(0);
+        let multiple = self.length_multiple();
+        longest.max(self.pad_to.unwrap_or(0)).div_ceil(multiple) * multiple
+    }
+
     /// [`shard_documents`](Self::shard_documents) where only some tokens are trained on:
     /// `targets[i][j]` says whether token `j` of sequence `i` is a target, the label of
     /// position `j − 1` (supervised fine-tuning: the answers, not the prompts; Hugging Face's
@@ -285,9 +293,7 @@ impl SequenceSharder {
             panic!("{error}");
         }
         assert!(rank < self.sp_size, "rank {rank} is out of range for sp_size {}", self.sp_size);
-        let longest = sequences.iter().map(Vec::len).max().unwrap();
-        let multiple = self.length_multiple();
-        let global_len = longest.max(self.pad_to.unwrap_or(0)).div_ceil(multiple) * multiple;
+        let global_len = self.padded_len(sequences);
         let local_len = global_len / self.sp_size;
         let positions = self.positions_of(rank, global_len);
         let start = positions[0];

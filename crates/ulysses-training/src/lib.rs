@@ -96,7 +96,9 @@ pub trait CausalLm<B: AutodiffBackend>: AutodiffModule<B> {
     /// Token ids must lie in `0..vocab_size()`.
     fn vocab_size(&self) -> usize;
     /// Training pads sequences at the end, which only causal attention leaves invisible to
-    /// real tokens; [`train_step`] refuses a model that is not causal.
+    /// real tokens; [`train_step`] refuses a model that is not causal, and a step whose
+    /// attention (through `UlyssesBackend`) looked both ways without a mask over padded
+    /// sequences.
     fn is_causal(&self) -> bool;
 }
 
@@ -186,6 +188,8 @@ pub struct LocalStep<B: TrainBackend> {
     pub processed_tokens: usize,
     /// Whether this rank's rows packed documents that the model's attention never took.
     pub(crate) ignored_documents: bool,
+    /// Whether this rank's attention saw every key over sequences padded at their end.
+    pub(crate) attended_padding: bool,
 }
 
 impl<B: TrainBackend> LocalStep<B> {
@@ -431,6 +435,7 @@ where
     let mut loss: Option<Tensor<B::InnerBackend, 1>> = None;
     let (exchanges_before, context_before) = (groups.attention_exchanges(), context_exchanges::<B::Wire>());
     let document_calls_before = burn_ulysses::attention::calls_with_documents();
+    let calls_seeing_every_key_before = burn_ulysses::attention::calls_seeing_every_key();
     for shard in &shards {
         let (shard_loss, grads) = shard_backward(shard, weight, valid_tokens)?;
         loss = Some(match loss.take() {
@@ -461,7 +466,13 @@ where
     // of its own). Refused by every rank at the step's health check (a collective).
     let packs = step.documents.is_some_and(|documents| documents.iter().flatten().any(|lengths| lengths.len() > 1));
     let ignored_documents = groups.layout.sp_size > 1 && packs && burn_ulysses::attention::calls_with_documents() == document_calls_before;
-    Ok(LocalStep { grads: sums.into_grads(), loss, valid_tokens, processed_tokens, ignored_documents })
+    // A model that says it is causal (`CausalLm::is_causal`) and attended both ways without a
+    // mask over sequences padded at the end: real tokens attended to the padding (at any SP
+    // degree; one device on the unpadded sequences does not). Refused by every rank at the
+    // step's health check.
+    let padded = step.micro_batches.iter().any(|batch| batch.iter().any(|sequence| sequence.len() < sharder.padded_len(batch)));
+    let attended_padding = padded && burn_ulysses::attention::calls_seeing_every_key() > calls_seeing_every_key_before;
+    Ok(LocalStep { grads: sums.into_grads(), loss, valid_tokens, processed_tokens, ignored_documents, attended_padding })
 }
 
 /// Checks every rank's loss and gradients, sums the gradients over the world and steps the
@@ -667,6 +678,7 @@ where
         step.learning_rate.to_bits(),
         u64::from(stop_was_requested()),
         u64::from(local.ignored_documents),
+        u64::from(local.attended_padding),
     ];
     let gathered = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &verdict, "step health values")?;
     check_same_settings(step.index, &gathered)?;
@@ -679,6 +691,16 @@ where
             "step {} packs several documents into a sequence (StepInput::documents), but the model's attention never took them \
              (ranks {ignoring:?}): call burn_ulysses::attention::attention_in_documents (or attention_within) with the shard's \
              positions.ids where positions.packed, or each document attends to the ones before it",
+            step.index
+        )));
+    }
+    let attending: Vec<usize> = (0..gathered.len()).filter(|&r| gathered[r][6] == 1).collect();
+    if !attending.is_empty() {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "step {}: the model's attention looked both ways (is_causal false, and no mask or bias) over sequences padded at their \
+             end (ranks {attending:?}), so real tokens attended to the padding, which one device on the sequences alone does not: \
+             the model says it is causal (CausalLm::is_causal), so pass AttentionModuleOptions {{ is_causal: true, .. }}; \
+             attention that must look both ways masks the padding keys (SequenceShard::padding)",
             step.index
         )));
     }
