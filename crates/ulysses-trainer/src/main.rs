@@ -1915,6 +1915,7 @@ where
             checkpoint_dir: (!job.args.no_save).then(|| job.out.clone()),
             checkpoint_every: job.args.checkpoint_every,
             resume: job.args.resume.clone(),
+            resumed_at: job.resumed_at,
             stop_after: job.args.stop_after,
             data_identity: Some(job.data_identity.clone()),
             allow_new_data: job.args.allow_new_data,

@@ -622,6 +622,10 @@ pub struct RunOptions<'a> {
     pub checkpoint_every: usize,
     /// Continue from this checkpoint (folder or file).
     pub resume: Option<PathBuf>,
+    /// The step the caller read `resume`'s checkpoint at, where what it shows counts from it
+    /// (the trainer's record and progress): a checkpoint that has moved on since (its run was
+    /// still writing) is refused on every rank, not resumed with those steps missing.
+    pub resumed_at: Option<usize>,
     /// Stop, after checkpointing, once this many steps have been taken in total: a run
     /// interrupted on purpose (a job time limit), continued later with `resume`.
     pub stop_after: Option<usize>,
@@ -767,7 +771,7 @@ where
         None if zero_3 => (model, optimizer, None),
         None => (broadcast_parameters(model, &*groups.world)?, optimizer, None),
         Some(location) => {
-            let (model, optimizer, state) = resume(config, location, model, optimizer, groups, device, options.ranks_on_this_host)?;
+            let (model, optimizer, state) = resume(config, location, model, optimizer, groups, device, options.ranks_on_this_host, options.resumed_at)?;
             if let Some(why) = state.data.as_ref().zip(options.data_identity.as_ref()).and_then(|(saved, ours)| ours.differs_from(saved)).filter(|_| !options.allow_new_data) {
                 return Err(UlyssesError::InvalidConfig(why));
             }
@@ -1437,6 +1441,7 @@ fn resume<B, O>(
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
     ranks_on_this_host: usize,
+    read_at: Option<usize>,
 ) -> Result<(Decoder<B>, RankOptimizer<B, O>, RunState), UlyssesError>
 where
     B: TrainBackend,
@@ -1461,7 +1466,15 @@ where
             (model, RankOptimizer::OnDevice(DeviceShardedAdamW::from_host(&optimizer, device)), state)
         }
     };
-    let steps = all_gather_host_checked(&*groups.world, &[state.completed_steps as u64], "checkpoint steps")?;
+    let steps = all_gather_host_checked(&*groups.world, &[state.completed_steps as u64, read_at.map_or(u64::MAX, |step| step as u64)], "checkpoint steps")?;
+    if let Some((rank, read)) = steps.iter().enumerate().find(|(_, s)| s[1] != u64::MAX && s[1] != state.completed_steps as u64).map(|(rank, s)| (rank, s[1])) {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "{}: the checkpoint moved from step {read} (when world rank {rank} read it) to step {} before it was loaded (the run that \
+             wrote it was still going): resume again",
+            location.display(),
+            state.completed_steps
+        )));
+    }
     if steps.iter().any(|s| s[0] as usize != state.completed_steps) {
         let steps: Vec<u64> = steps.iter().map(|s| s[0]).collect();
         return Err(UlyssesError::InvalidConfig(format!(
@@ -2003,6 +2016,41 @@ mod tests {
             super::check_settings_agree::<NdArray>(&super::TrainConfig::small(ParallelLayout::new().with_sp_size(2)), &options, &*rank.communicator())
         });
         assert!(outcomes.into_iter().all(|outcome| outcome.expect("no rank panicked").is_ok()), "agreeing ranks refused");
+    }
+
+    /// A checkpoint that moved on after the caller read it (its run still going, which wrote
+    /// step 2 where the caller read step 1) is refused, naming both steps, rather than resumed
+    /// with the steps between missing from what the caller shows; read at its step, it resumes.
+    #[test]
+    fn a_checkpoint_that_moved_on_since_it_was_read_is_refused() {
+        use burn::backend::{Autodiff, NdArray};
+        use burn_ulysses::{ParallelGroups, ParallelLayout, UlyssesBackend};
+        type B = UlyssesBackend<Autodiff<NdArray>>;
+        struct Counting;
+        impl super::StepData for Counting {
+            fn train_batch(&self, step: usize) -> Vec<Vec<i64>> {
+                (0..2).map(|row| (0..8).map(|t| ((step * 3 + row * 5 + t) % 256) as i64).collect()).collect()
+            }
+            fn eval_batch(&self) -> Option<Vec<Vec<i64>>> {
+                None
+            }
+        }
+        let dir = std::env::temp_dir().join(format!("ulysses-moved-on-{}", std::process::id()));
+        let mut config = super::TrainConfig::small(ParallelLayout::new()).with_steps(3).with_warmup_steps(1).with_batch_size(2).with_seq_len(8).with_eval_every(0);
+        config.model = config.model.clone().with_d_model(16).with_n_layers(1).with_n_heads(2).with_n_kv_heads(2).with_ffn_hidden(32);
+        let run = |options: &(dyn Fn() -> super::RunOptions<'static> + Sync)| {
+            let outcome = burn_ulysses::comm::ThreadGroup::new(1).run(|rank| {
+                let groups: ParallelGroups<NdArray> = ParallelGroups::new(rank.communicator(), ParallelLayout::new()).unwrap();
+                let device = Default::default();
+                super::train_rank::<B>(&config, config.model.init::<B>(&device), &Counting, &groups, &device, options()).map(|_| ()).map_err(|e| e.to_string())
+            });
+            outcome.into_iter().next().unwrap().unwrap_or_else(|panic| panic!("{panic}"))
+        };
+        run(&|| super::RunOptions { checkpoint_dir: Some(dir.clone()), checkpoint_every: 1, stop_after: Some(2), ..Default::default() }).unwrap();
+        let error = run(&|| super::RunOptions { resume: Some(dir.clone()), resumed_at: Some(1), ..Default::default() }).unwrap_err();
+        assert!(error.contains("the checkpoint moved from step 1 (when world rank 0 read it) to step 2 before it was loaded"), "{error}");
+        run(&|| super::RunOptions { resume: Some(dir.clone()), resumed_at: Some(2), ..Default::default() }).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Ranks of one host take their turns to load a checkpoint one at a time: never two
