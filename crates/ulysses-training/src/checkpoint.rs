@@ -69,6 +69,18 @@ struct Header<S> {
     /// names must be the same. Absent in checkpoints written before it was recorded.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     parameter_paths: Vec<String>,
+    /// FNV-1a of `optimizer_shards` and `parameter_paths` (as [`names_checksum`] lays them
+    /// out): a flipped bit in the folder's name (another step's kept folder) or a parameter's
+    /// is refused, not loaded. Absent in checkpoints written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    names_checksum: Option<u64>,
+}
+
+/// The checksum of a checkpoint's names: the sharded state's folder (empty for none), then
+/// each parameter's path, each ended by a 0 byte.
+fn names_checksum(optimizer_shards: Option<&str>, parameter_paths: &[String]) -> u64 {
+    let names = std::iter::once(optimizer_shards.unwrap_or_default()).chain(parameter_paths.iter().map(String::as_str));
+    names.fold(FNV1A_START, |hash, name| fnv1a_more(fnv1a_more(hash, name.as_bytes()), &[0]))
 }
 
 fn recorder() -> NamedMpkBytesRecorder<FullPrecisionSettings> {
@@ -153,6 +165,7 @@ pub(crate) fn write_checkpoint<S: Serialize>(
         checksum: fnv1a(&[model_bytes, optimizer_bytes]),
         optimizer_shards: optimizer_shards.map(str::to_string),
         parameter_paths: parameter_paths.to_vec(),
+        names_checksum: Some(names_checksum(optimizer_shards, parameter_paths)),
     };
     let header = serde_json::to_vec(&header).map_err(|e| error(&path, e))?;
     let length = (header.len() as u64).to_le_bytes();
@@ -352,6 +365,9 @@ fn parse_header<S: DeserializeOwned>(path: &Path, bytes: &[u8]) -> Result<Header
         if state_text(bytes).is_none_or(|text| fnv1a(&[text]) != checksum) {
             return Err(error(path, "the header's checksum does not match; the file is corrupt. Use an earlier checkpoint."));
         }
+    }
+    if header.names_checksum.is_some_and(|checksum| checksum != names_checksum(header.optimizer_shards.as_deref(), &header.parameter_paths)) {
+        return Err(error(path, "the header's checksum of its names (the optimizer state's folder, the parameters') does not match; the file is corrupt. Use an earlier checkpoint."));
     }
     Ok(header)
 }
@@ -646,6 +662,11 @@ mod tests {
         let unchecked = edited(&format!(",\"state_checksum\":{checksum}"), "");
         fs::write(&path, &unchecked).unwrap();
         assert_eq!(read_checkpoint_state::<State>(&path).unwrap(), State { step: 3 }, "a header without a state checksum");
+        // A flipped letter in a parameter's path is refused by the names' checksum (the names
+        // alone would load the record under other names, or compare them as the model's).
+        assert!(header.contains("\"parameter_paths\":[\"weight\""), "{header}");
+        let message = load(&edited("\"parameter_paths\":[\"weight\"", "\"parameter_paths\":[\"weighs\""));
+        assert!(message.contains("the header's checksum of its names") && message.contains("Use an earlier checkpoint"), "{message}");
         // A checkpoint of another model shape does not load into this one.
         fs::write(&path, &bytes).unwrap();
         let other = LinearConfig::new(5, 2).init::<B>(&Default::default());
