@@ -247,8 +247,9 @@ struct Args {
     save_hf: Option<PathBuf>,
     /// The dtype --save-hf writes the weights in [default: the checkpoint's `torch_dtype`
     /// (so a fine-tune of an f32 model keeps updates below bf16's step; f16 for a float16 one),
-    /// bf16 where it names none or where the run holds its weights in bf16 alone
-    /// (--offload-optimizer, --zero 3 with --precision bf16)].
+    /// bf16 where it names none; where the model is a bf16 compute copy beside the sharded
+    /// optimizer's f32 masters (--offload-optimizer, --zero 3 with --precision bf16), bf16, and
+    /// no other].
     #[arg(long, requires = "save_hf")]
     save_hf_dtype: Option<SaveDtype>,
     /// Output folder [default: runs/llama, or the --resume folder, or the folder of the --resume

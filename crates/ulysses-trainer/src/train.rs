@@ -802,11 +802,8 @@ where
         model = with_parameters_in(model, compute_dtype);
     }
     if let Some((_, checkpoint)) = &options.save_hf {
-        let compute_copy = sharded && compute_dtype != FloatDType::F32;
-        options.save_hf_dtype = Some(options.save_hf_dtype.unwrap_or(match checkpoint.saved_dtype() {
-            DType::F32 if compute_copy => DType::BF16,
-            own => own,
-        }));
+        let compute_copy = (sharded && compute_dtype != FloatDType::F32).then_some(compute_dtype);
+        options.save_hf_dtype = Some(save_hf_dtype(options.save_hf_dtype, checkpoint.saved_dtype(), compute_copy).map_err(UlyssesError::InvalidConfig)?);
     }
     let mut parts = None;
     if zero_3 {
@@ -1186,6 +1183,23 @@ fn write_hf(hf: HfCheckpointSnapshot, done: usize) -> Result<(), UlyssesError> {
 
 /// The dtype a `--save-hf` writes the weights in: `options.save_hf_dtype` (resolved in
 /// `train_rank`), else the checkpoint's own.
+/// The dtype `--save-hf` writes in: the one `asked` for, or the checkpoint's own; where the
+/// model a run exports is a half-precision compute copy (`compute_copy`: a sharded optimizer
+/// holds the f32 masters), that copy's dtype, and a wider one asked for is refused: it would
+/// hold the copy's values (bf16's grid under an f32 label; an f16 export rounded twice).
+pub fn save_hf_dtype(asked: Option<DType>, own: DType, compute_copy: Option<FloatDType>) -> Result<DType, String> {
+    let Some(copy) = compute_copy else { return Ok(asked.unwrap_or(own)) };
+    let copy_dtype = DType::from(copy);
+    match asked {
+        Some(asked) if asked != copy_dtype => Err(format!(
+            "--save-hf-dtype {asked:?}: this run exports its {copy_dtype:?} compute copy (the f32 master weights are the sharded \
+             optimizer's, --offload-optimizer or --zero 3 with half precision), so an {asked:?} export would hold {copy_dtype:?}'s values \
+             under another label; save in {copy_dtype:?}, or train with --precision f32 (or without a sharded optimizer) to export {asked:?}"
+        )),
+        _ => Ok(copy_dtype),
+    }
+}
+
 fn hf_dtype(options: &RunOptions, checkpoint: &HfConfig) -> DType {
     options.save_hf_dtype.unwrap_or_else(|| checkpoint.saved_dtype())
 }
@@ -2016,6 +2030,21 @@ mod tests {
             super::check_settings_agree::<NdArray>(&super::TrainConfig::small(ParallelLayout::new().with_sp_size(2)), &options, &*rank.communicator())
         });
         assert!(outcomes.into_iter().all(|outcome| outcome.expect("no rank panicked").is_ok()), "agreeing ranks refused");
+    }
+
+    /// `--save-hf`'s dtype: the asked or the checkpoint's own where the model is the f32
+    /// masters; where it is a bf16 compute copy, bf16 whatever the checkpoint's (an f16 one
+    /// was rounded twice), and a wider one asked for refused, naming the fix.
+    #[test]
+    fn save_hf_exports_a_compute_copy_in_its_own_dtype_alone() {
+        use burn::tensor::{DType, FloatDType};
+        assert_eq!(super::save_hf_dtype(Some(DType::F32), DType::BF16, None), Ok(DType::F32));
+        assert_eq!(super::save_hf_dtype(None, DType::F16, None), Ok(DType::F16));
+        assert_eq!(super::save_hf_dtype(None, DType::F16, Some(FloatDType::BF16)), Ok(DType::BF16));
+        assert_eq!(super::save_hf_dtype(None, DType::F32, Some(FloatDType::BF16)), Ok(DType::BF16));
+        assert_eq!(super::save_hf_dtype(Some(DType::BF16), DType::F32, Some(FloatDType::BF16)), Ok(DType::BF16));
+        let error = super::save_hf_dtype(Some(DType::F32), DType::F32, Some(FloatDType::BF16)).unwrap_err();
+        assert!(error.contains("--save-hf-dtype F32: this run exports its BF16 compute copy") && error.contains("--precision f32"), "{error}");
     }
 
     /// A checkpoint that moved on after the caller read it (its run still going, which wrote
