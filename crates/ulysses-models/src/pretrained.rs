@@ -69,6 +69,8 @@ pub const COMPANION_FILES: &[&str] = &[
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
+    // transformers' named template for conversations given tools (`crate::chat` renders with it).
+    "additional_chat_templates/tool_use.jinja",
     // The slow tokenizers' files, which checkpoints ship beside tokenizer.json.
     "vocab.json",
     "merges.txt",
@@ -90,6 +92,8 @@ fn written_by_a_save(name: &str) -> bool {
         || name == WEIGHTS_FILE
         || name == INDEX_FILE
         || COMPANION_FILES.contains(&name)
+        // The folder of a companion within one.
+        || COMPANION_FILES.iter().any(|file| file.split_once('/').is_some_and(|(folder, _)| folder == name))
         || (name.starts_with("model-") && name.ends_with(".safetensors"))
 }
 
@@ -949,6 +953,13 @@ impl HfCheckpointWriter {
             return Err(CheckpointError::file(file, format!("{name} is not one of the files a save carries over ({})", COMPANION_FILES.join(", "))));
         }
         let copy = self.partial.join(name);
+        // A companion within a folder of its own: the folder too, made durable with the files.
+        if let Some(folder) = copy.parent().filter(|folder| *folder != self.partial) {
+            if !folder.exists() {
+                std::fs::create_dir_all(folder).map_err(io(folder))?;
+                self.written.push(folder.to_path_buf());
+            }
+        }
         std::fs::copy(file, &copy).map_err(io(file))?;
         self.written.push(copy);
         Ok(())

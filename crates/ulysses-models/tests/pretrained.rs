@@ -846,6 +846,31 @@ fn a_save_replaces_a_saved_folder_alone_and_carries_the_tokenizer_over() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// transformers' named template for conversations given tools (`additional_chat_templates/
+/// tool_use.jinja`, which `ChatTemplate` renders them with) is carried over in its folder, byte
+/// for byte, and a folder so saved is replaced by the next save, not refused as holding a folder
+/// a save did not write.
+#[test]
+fn a_save_carries_the_tool_use_template_over_in_its_folder() {
+    use burn::tensor::DType;
+    use ulysses_models::{SaveOptions, save_pretrained_including};
+    let folder = model_fixtures().into_iter().find(|f| f.ends_with("qwen3")).expect("the qwen3 fixture");
+    let pretrained = from_pretrained::<Cpu>(&folder, &Default::default()).unwrap();
+    let root = std::env::temp_dir().join(format!("ulysses-models-{}-tool-template", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let (plain, tools) = (root.join("chat_template.jinja"), root.join("tool_use.jinja"));
+    std::fs::write(&plain, "{% for m in messages %}{{ m.content }}{% endfor %}").unwrap();
+    std::fs::write(&tools, "{{ tools | length }} tools: {% for m in messages %}{{ m.content }}{% endfor %}").unwrap();
+    let companions = [(plain, "chat_template.jinja".to_string()), (tools.clone(), "additional_chat_templates/tool_use.jinja".to_string())];
+    let out = root.join("tuned");
+    for _ in 0..2 {
+        save_pretrained_including(&pretrained.model, &pretrained.config, &out, SaveOptions::new(DType::BF16), &companions).unwrap();
+        assert_eq!(std::fs::read(out.join("additional_chat_templates/tool_use.jinja")).unwrap(), std::fs::read(&tools).unwrap());
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 /// A snapshot taken from a model and written later (a run writes it while it trains on) is the
 /// folder a save of that model writes: the same files, each safetensors file with the same
 /// tensors (names, dtypes, shapes, bytes) and metadata, sharded and whole; written after the
