@@ -369,7 +369,9 @@ struct Args {
     /// Print, after each step, what rank 0 waited on the device for: reads back to the host
     /// and syncs (on a GPU each stalls until its queue drains) and uploads, with bytes; and,
     /// on the CubeCL backends, the kernels launched. Waits inside the collectives (the
-    /// communicators' own syncs and reads) are not counted; their kernels are.
+    /// communicators' own syncs and reads) are not counted; their kernels are. And the step's
+    /// seconds up to its backward's end and from there (the update), the device synchronised
+    /// between (a wait a step more, left out of the counts).
     #[arg(long)]
     profile: bool,
     /// With --checkpoint-layers, log (rank 0) each layer's forward and backward as a step
@@ -1932,6 +1934,7 @@ where
             host_optimizer_threads: Some(host_optimizer_threads),
             estimated_peak,
             ranks_on_this_host: ranks_here,
+            time_phases: job.args.profile,
         };
         let model = template.take_or_clone();
         let model = if lazy { model } else { model.fork(&rank.device) };
@@ -1979,8 +1982,11 @@ struct RunLog {
     replaces_state_parts: bool,
     /// The files the run writes, for the last line.
     wrote: &'static str,
-    /// `--profile`: print each step's waits on the device, copies and kernel launches.
+    /// `--profile`: print each step's waits on the device, copies and kernel launches, and its
+    /// backward's and update's seconds.
     profile: bool,
+    /// This step's backward and update seconds, from [`Progress::phases`] to its waits' line.
+    phases: Option<(f64, f64)>,
 }
 
 /// The run's `config.json` and `metrics.csv`: nothing is written before the first step has
@@ -2059,6 +2065,7 @@ impl RunLog {
             replaces_state_parts: !job.config.shards_optimizer() || job.args.no_save,
             wrote: if job.args.no_save { "metrics.csv, loss.png, config.json" } else { "metrics.csv, loss.png, config.json, model.mpk, checkpoint.ulysses" },
             profile: job.args.profile,
+            phases: None,
         }
     }
 
@@ -2181,10 +2188,17 @@ impl Progress for RunLog {
         tracing::debug!(step, path = %path.display(), "checkpoint written");
     }
 
+    fn phases(&mut self, _step: usize, backward: f64, update: f64) {
+        self.phases = Some((backward, update));
+    }
+
     fn device_io(&mut self, step: usize, io: &DeviceIo) {
         if self.profile {
+            let phases = self.phases.take().map_or_else(String::new, |(backward, update)| {
+                format!("; backward {backward:.3} s, then the update {update:.3} s (a sync between, left out of the counts)")
+            });
             // Printed also where the bar is hidden (output not a terminal): it is asked for.
-            self.bar.suspend(|| println!("step {step}: {io}"));
+            self.bar.suspend(|| println!("step {step}: {io}{phases}"));
         }
     }
 }

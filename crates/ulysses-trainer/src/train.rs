@@ -472,6 +472,10 @@ pub trait Progress {
     /// What rank 0's thread waited on the device for during the step (reads back to the host
     /// and syncs, each a stall of a GPU's queue; uploads): after [`step`](Self::step).
     fn device_io(&mut self, _step: usize, _io: &DeviceIo) {}
+    /// With [`RunOptions::time_phases`]: the seconds of the step up to the end of its backward,
+    /// and from there to its end (the update and its collectives), the device synchronised
+    /// between; before [`device_io`](Self::device_io), whose counts leave that sync out.
+    fn phases(&mut self, _step: usize, _backward: f64, _update: f64) {}
 }
 
 /// The settings a run's config has gained since checkpoints were first written, each at the
@@ -654,6 +658,9 @@ pub struct RunOptions<'a> {
     /// This rank's host's ranks (0: unknown, taken as one): whether a resume's loads fit the
     /// host at once ([`HostTurn`]).
     pub ranks_on_this_host: usize,
+    /// Synchronise the device after each step's backward too, to time the backward and the
+    /// update apart ([`Progress::phases`]; the trainer's `--profile`): a wait a step more.
+    pub time_phases: bool,
 }
 
 /// Each of `ranks` ranks on a host with `cores` cores takes an equal share for its host
@@ -874,13 +881,18 @@ where
     for step in first_step..last_step {
         let started = Instant::now();
         let io_before = DeviceIo::of_this_thread();
-        let (next, report) = train_one_step(config, model, &mut optimizer, parts.as_mut(), data, step, &sharder, groups, device, &options.faults)
-            .map_err(|e| e.at_step(step))?;
+        let (next, report, backward_done) =
+            train_one_step(config, model, &mut optimizer, parts.as_mut(), data, step, &sharder, groups, device, &options.faults, options.time_phases)
+                .map_err(|e| e.at_step(step))?;
         // The step's work done before its seconds are read: the update is queued after the
         // step's last read, and its time fell into the next step's (PyTorch's reference reads
         // its loss after its update). One wait a step, counted with the step's.
         B::sync(device).map_err(|e| UlyssesError::InModel { message: format!("the device failed finishing the step's work: {e}") }.at_step(step))?;
-        let io = DeviceIo::of_this_thread() - io_before;
+        // The timing's own sync is not the step's: left out of its counts.
+        let io = DeviceIo::of_this_thread() - io_before - backward_done.map_or_else(DeviceIo::default, |(_, io)| io);
+        if let (Some((at, _)), Some(progress)) = (backward_done, options.progress.as_deref_mut()) {
+            progress.phases(step, (at - started).as_secs_f64(), at.elapsed().as_secs_f64());
+        }
         model = next;
         reports.push(report);
         // A checkpoint write that failed stops the run at the step that finds it done, not at
@@ -1322,11 +1334,22 @@ fn train_one_step<B, O>(
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
     faults: &Faults,
-) -> Result<(Decoder<B>, StepReport), UlyssesError>
+    time_phases: bool,
+) -> Result<(Decoder<B>, StepReport, Option<(Instant, DeviceIo)>), UlyssesError>
 where
     B: TrainBackend,
     O: Optimizer<Decoder<B>, B>,
 {
+    // With `time_phases`: when the backward's work ended (the device synchronised), and what
+    // that sync counted.
+    let backward_done = || -> Result<Option<(Instant, DeviceIo)>, UlyssesError> {
+        if !time_phases {
+            return Ok(None);
+        }
+        let before = DeviceIo::of_this_thread();
+        B::sync(device).map_err(|e| UlyssesError::InModel { message: format!("the device failed finishing the step's backward: {e}") })?;
+        Ok(Some((Instant::now(), DeviceIo::of_this_thread() - before)))
+    };
     let global = data.train_batch(step);
     if global.len() != config.batch_size {
         let message = format!("the data gave {} sequences, the config says {}", global.len(), config.batch_size);
@@ -1352,25 +1375,29 @@ where
             parts.update_in_backward(optimizer, &input)?;
         }
         let local = backward_step_zero3(&model, &input, sharder, groups, device, checkpointing, parts)?;
+        let timed = backward_done()?;
         // After the backward: every rank is in this step (a kill as it starts could cut a peer
         // still reading the last step's final collective).
         kill_if_asked(faults, step, groups.world_rank());
-        return match optimizer {
+        let (model, report) = match optimizer {
             RankOptimizer::OnHost(optimizer) => apply_step_zero3(model, optimizer, parts, &input, local, groups),
             RankOptimizer::OnDevice(optimizer) => apply_step_zero3(model, optimizer, parts, &input, local, groups),
             RankOptimizer::Replicated(_) => unreachable!("ZeRO-3 shards the optimizer's state"),
-        };
+        }?;
+        return Ok((model, report, timed));
     }
     let mut local = match &config.layer_checkpointing {
         None => backward_step(&model, &input, sharder, groups, device)?,
         Some(checkpointing) => backward_step_checkpointed(&model, &input, sharder, groups, device, checkpointing)?,
     };
     inject_faults(faults, step, groups.world_rank(), &model, &mut local);
-    match optimizer {
+    let timed = backward_done()?;
+    let (model, report) = match optimizer {
         RankOptimizer::Replicated(optimizer) => apply_step(model, optimizer, &input, local, groups),
         RankOptimizer::OnHost(optimizer) => apply_step_sharded(model, optimizer, &input, local, groups),
         RankOptimizer::OnDevice(_) => unreachable!("the optimizer stays on the device under ZeRO-3 alone"),
-    }
+    }?;
+    Ok((model, report, timed))
 }
 
 /// The lengths of the paragraphs of a byte sequence: each ends after a blank line (`\n\n`),

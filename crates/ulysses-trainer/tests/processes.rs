@@ -1227,6 +1227,8 @@ fn a_resume_on_other_data_or_another_model_is_refused_naming_what_changed() {
 
 /// `--profile` prints each step's waits; the step ends with a sync of its own, so that its
 /// seconds hold its update (queued after its last read), as PyTorch's reference times a step.
+/// It times the backward and the update apart too (a sync between, left out of the counts), and
+/// the two make up the step's seconds in metrics.csv, within the host's bookkeeping.
 #[test]
 fn a_profiled_step_waits_for_its_update_before_its_seconds_are_read() {
     let dir = workspace("profiled");
@@ -1236,6 +1238,15 @@ fn a_profiled_step_waits_for_its_update_before_its_seconds_are_read() {
     let steps: Vec<&str> = text.lines().filter(|line| line.starts_with("step ") && line.contains("syncs")).collect();
     assert_eq!(steps.len(), 2, "{text}");
     assert!(steps.iter().all(|line| line.contains("; 1 syncs)")), "{steps:#?}");
+    let seconds = |line: &str, after: &str| -> f64 { line.split(after).nth(1).and_then(|rest| rest.split(' ').next()).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("{after:?} in {line}")) };
+    // The step's seconds: metrics.csv's tokens over its tokens per second.
+    let rows = fs::read_to_string(dir.join("run/metrics.csv")).unwrap();
+    for (line, row) in steps.iter().zip(rows.lines().skip(1)) {
+        let (backward, update) = (seconds(line, "; backward "), seconds(line, ", then the update "));
+        let fields: Vec<f64> = row.split(',').map(|f| f.parse().unwrap_or(f64::NAN)).collect();
+        let step_seconds = fields[5] / fields[6];
+        assert!(backward > 0.0 && update > 0.0 && (backward + update - step_seconds).abs() <= 0.05 * step_seconds + 0.01, "{line}: {backward} + {update} s against the step's {step_seconds} s");
+    }
     let _ = fs::remove_dir_all(&dir);
 }
 
