@@ -67,6 +67,26 @@ fn main() {
         eprintln!("SP_SIZE must divide both the {SEQ} tokens and the {} heads: 1, 2, 4 or 8", config().n_heads);
         std::process::exit(2);
     }
+    let largest = check(sp);
+    if largest > 1e-5 {
+        eprintln!("FAILED: SP={sp} differs from one device by {largest:e} (> 1e-5; infinite when a value is NaN)");
+        std::process::exit(1);
+    }
+    println!("OK: SP={sp} matches one device within 1e-5");
+}
+
+/// What `cargo run --example sp_check` prints, checked: SP=2 and SP=4 within 1e-5 of one device.
+#[test]
+fn sp_matches_one_device() {
+    for sp in [2, 4] {
+        let largest = check(sp);
+        assert!(largest <= 1e-5, "SP={sp} differs from one device by {largest:e}");
+    }
+}
+
+/// Runs the check at SP = `sp`, prints it, and returns the largest difference from one device
+/// (infinite where a value is NaN).
+fn check(sp: usize) -> f32 {
     let device = Default::default();
 
     let started = Instant::now();
@@ -113,10 +133,5 @@ fn main() {
     println!("one device       : loss {:.6}  ({single_time:.2?})", single.loss);
     println!("SP={sp} (threads)  : loss {sp_loss:.6}  ({sp_time:.2?}), {} all-to-alls, {} bytes sent per rank", traffic.all_to_all_calls, traffic.all_to_all_bytes);
     println!("max |Δ| loss {:.2e}, logits {logits_diff:.2e}, gradients of {} parameters {grads_diff:.2e}", (sp_loss - single.loss).abs(), single.grads.len());
-    let largest = worst([logits_diff, grads_diff, (sp_loss - single.loss).abs()]);
-    if largest > 1e-5 {
-        eprintln!("FAILED: SP={sp} differs from one device by {largest:e} (> 1e-5; infinite when a value is NaN)");
-        std::process::exit(1);
-    }
-    println!("OK: SP={sp} matches one device within 1e-5");
+    worst([logits_diff, grads_diff, (sp_loss - single.loss).abs()])
 }
