@@ -12,7 +12,8 @@
 //! under a softcap), `dQ = dS K · scale`, `dK += dSᵀ Q · scale`. At most one block's
 //! scores (`batch × heads × block × S`) exist at a time, in the forward and in the backward.
 //! Whatever the inputs' dtype, the scores, the softmax's statistics, the log-sum-exp and the
-//! sums of dK and dV over the blocks are f32; the matmuls take the inputs' dtype.
+//! sums of dK and dV over the blocks are f32 (f64 for f64 inputs, which f32 would round);
+//! the matmuls take the inputs' dtype.
 //!
 //! It is a backend-extension op written with the backend's own float ops, so every backend
 //! this crate routes (Flex, burn's CubeCL backend with the `cube` feature, and Autodiff over
@@ -187,8 +188,9 @@ fn transpose<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
 /// whatever the inputs' dtype: the softmax's statistics overflow f16 past 65 504 keys, and a
 /// log-sum-exp in bf16 shifts every probability by up to 3% once a row sees 3 000 keys.
 fn scores<B: Backend>(query_block: &FloatTensor<B>, visible_keys: &FloatTensor<B>, key_bias: &FloatTensor<B>, first: usize, settings: BlockedSettings) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let work = working_dtype::<B>(query_block);
     let products = B::float_matmul(query_block.clone(), transpose::<B>(visible_keys.clone()));
-    let scores = B::float_mul_scalar(cast::<B>(products, FloatDType::F32), settings.scale.into());
+    let scores = B::float_mul_scalar(cast::<B>(products, work), settings.scale.into());
     // Capped before any key is hidden: tanh would turn -inf into a finite score.
     let (scores, tanh) = match settings.softcap {
         None => (scores, None),
@@ -200,14 +202,23 @@ fn scores<B: Backend>(query_block: &FloatTensor<B>, visible_keys: &FloatTensor<B
     let keys = visible_keys.shape()[2];
     let bias = key_bias.shape();
     let bias = B::float_slice(key_bias.clone(), &[Slice::from(0..bias[0]), Slice::from(0..bias[1]), Slice::from(0..1), Slice::from(0..keys)]);
-    let scores = B::float_add(scores, cast::<B>(bias, FloatDType::F32));
+    let scores = B::float_add(scores, cast::<B>(bias, work));
     if !settings.causal {
         return (scores, tanh);
     }
     let count = query_block.shape()[2];
     let hidden: Vec<f32> = (0..count).flat_map(|row| (0..keys).map(move |key| if key > first + row { f32::NEG_INFINITY } else { 0.0 })).collect();
-    let mask = B::float_from_data(TensorData::new(hidden, [1, 1, count, keys]), &scores.device());
+    let mask = cast::<B>(B::float_from_data(TensorData::new(hidden, [1, 1, count, keys]), &scores.device()), work);
     (B::float_add(scores, mask), tanh)
+}
+
+/// The dtype of the scores, the softmax's statistics and the sums over blocks for inputs like
+/// `tensor`: f32, or f64 for f64 inputs.
+fn working_dtype<B: Backend>(tensor: &FloatTensor<B>) -> FloatDType {
+    match FloatDType::from(tensor.dtype()) {
+        FloatDType::F64 => FloatDType::F64,
+        _ => FloatDType::F32,
+    }
 }
 
 /// `tensor` in `dtype` (itself where it is already).
@@ -231,14 +242,19 @@ fn blocks(queries: usize, block: usize) -> impl Iterator<Item = std::ops::Range<
 /// (f32).
 fn forward<B: Backend>(query: &FloatTensor<B>, key: &FloatTensor<B>, value: &FloatTensor<B>, key_bias: &FloatTensor<B>, settings: BlockedSettings) -> (FloatTensor<B>, FloatTensor<B>) {
     let dtype = FloatDType::from(query.dtype());
+    // The working dtype's lowest finite value and smallest positive one.
+    let (lowest, tiniest) = match working_dtype::<B>(query) {
+        FloatDType::F64 => (f64::MIN, f64::MIN_POSITIVE),
+        _ => (f64::from(f32::MIN), f64::from(f32::MIN_POSITIVE)),
+    };
     let (mut outputs, mut lses) = (Vec::new(), Vec::new());
     for block in blocks(query.shape()[2], settings.block) {
         let (scores, _) = scores::<B>(&rows::<B>(query, block.clone()), &visible::<B>(key, block.end, settings), key_bias, block.start, settings);
         // A row that sees no key (all -inf): the max clamped to f32's lowest finite value and
         // the sum to its smallest positive one give it zeros, as burn's attention.
-        let max = B::float_clamp_min(B::float_max_dim(scores.clone(), 3), f32::MIN.into());
+        let max = B::float_clamp_min(B::float_max_dim(scores.clone(), 3), lowest.into());
         let weights = B::float_exp(B::float_sub(scores, max.clone()));
-        let total = B::float_clamp_min(B::float_sum_dim(weights.clone(), 3), f32::MIN_POSITIVE.into());
+        let total = B::float_clamp_min(B::float_sum_dim(weights.clone(), 3), tiniest.into());
         // Normalised before the product, so the output's sums stay within the values' range.
         let probabilities = cast::<B>(B::float_div(weights, total.clone()), dtype);
         outputs.push(B::float_matmul(probabilities, visible::<B>(value, block.end, settings)));
@@ -259,12 +275,12 @@ fn backward<B: Backend>(
     grad: FloatTensor<B>,
     settings: BlockedSettings,
 ) -> [FloatTensor<B>; 3] {
-    let (device, dtype) = (query.device(), FloatDType::from(query.dtype()));
-    // Summed over the blocks in f32, cast once at the end.
-    let zeros = |like: &FloatTensor<B>| B::float_zeros(like.shape(), &device, FloatDType::F32);
+    let (device, dtype, work) = (query.device(), FloatDType::from(query.dtype()), working_dtype::<B>(query));
+    // Summed over the blocks in f32 (f64), cast once at the end.
+    let zeros = |like: &FloatTensor<B>| B::float_zeros(like.shape(), &device, work);
     let (mut dk, mut dv) = (zeros(key), zeros(value));
     // δ = rowsum(dO ∘ O): [b, h, s, 1].
-    let delta = B::float_sum_dim(B::float_mul(cast::<B>(grad.clone(), FloatDType::F32), cast::<B>(output.clone(), FloatDType::F32)), 3);
+    let delta = B::float_sum_dim(B::float_mul(cast::<B>(grad.clone(), work), cast::<B>(output.clone(), work)), 3);
     let mut dq = Vec::new();
     for block in blocks(query.shape()[2], settings.block) {
         let (query_block, grad_block) = (rows::<B>(query, block.clone()), rows::<B>(&grad, block.clone()));
@@ -272,7 +288,7 @@ fn backward<B: Backend>(
         let (scores, tanh) = scores::<B>(&query_block, &keys, key_bias, block.start, settings);
         let probabilities = B::float_exp(B::float_sub(scores, rows::<B>(lse, block.clone())));
         let dv_block = B::float_matmul(transpose::<B>(cast::<B>(probabilities.clone(), dtype)), grad_block.clone());
-        let dp = cast::<B>(B::float_matmul(grad_block, transpose::<B>(values)), FloatDType::F32);
+        let dp = cast::<B>(B::float_matmul(grad_block, transpose::<B>(values)), work);
         let ds = B::float_mul(probabilities, B::float_sub(dp, rows::<B>(&delta, block.clone())));
         // Through the cap: d(c · tanh(x / c))/dx = 1 − tanh².
         let ds = match tanh {
@@ -283,8 +299,8 @@ fn backward<B: Backend>(
         dq.push(B::float_matmul(ds.clone(), keys));
         let dk_block = B::float_matmul(transpose::<B>(ds), query_block);
         let seen = dk_block.shape()[2];
-        dk = add_rows::<B>(dk, cast::<B>(dk_block, FloatDType::F32), seen);
-        dv = add_rows::<B>(dv, cast::<B>(dv_block, FloatDType::F32), seen);
+        dk = add_rows::<B>(dk, cast::<B>(dk_block, work), seen);
+        dv = add_rows::<B>(dv, cast::<B>(dv_block, work), seen);
     }
     [B::float_cat(dq, 2), cast::<B>(dk, dtype), cast::<B>(dv, dtype)]
 }
