@@ -14,6 +14,16 @@ impl UlyssesError {
             other => UlyssesError::AtStep { step, source: Box::new(other) },
         }
     }
+
+    /// Whether this rank failed because a peer did (it left the group, died, or did not
+    /// answer within the collective timeout), not on its own.
+    pub fn is_peer_loss(&self) -> bool {
+        match self {
+            UlyssesError::AtStep { source, .. } => source.is_peer_loss(),
+            UlyssesError::Comm(CommError::PeerLeft { .. } | CommError::PeersDied { .. } | CommError::Timeout { .. }) => true,
+            _ => false,
+        }
+    }
 }
 
 #[derive(Debug, Clone, thiserror::Error)]

@@ -45,6 +45,13 @@ pub const DEFAULT_BUSY_LIMIT: Duration = Duration::from_secs(30 * 60);
 /// the launcher counts it as no failure and exits with it.
 pub const EXIT_STOPPED_TO_RESUME: i32 = 75;
 
+/// The exit status of a rank that failed because a peer did (it left the group, died or did
+/// not answer within the collective timeout): sysexits' `EX_PROTOCOL` ("remote error"). Such
+/// ranks often exit before the rank that failed first (which waits, leaving, for its peers to
+/// leave), so the launcher names a rank that failed otherwise where one ends within the kill
+/// grace, and this one where none does.
+pub const EXIT_PEER_FAILED: i32 = 76;
+
 /// How the ranks of a launch ended, where none failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ended {
@@ -295,6 +302,7 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
         ranks.push(Rank { rank, child, status: None });
     }
 
+    let mut follower: Option<(usize, ExitStatus, Instant)> = None;
     let failure = loop {
         pass_on_signals(&ranks);
         if INTERRUPTED.load(Ordering::Relaxed) {
@@ -311,13 +319,23 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
             if let Some(status) = exit_status(&rank.child) {
                 rank.status = Some(status);
                 let signalled = |status: &ExitStatus| std::os::unix::process::ExitStatusExt::signal(status).is_some();
-                if !ended_well(&status) && failure.as_ref().is_none_or(|(_, first)| signalled(&status) && !signalled(first)) {
+                if ended_well(&status) {
+                    continue;
+                }
+                // One that failed on its peer's loss waits (below) for the cause.
+                if status.code() == Some(EXIT_PEER_FAILED) {
+                    follower.get_or_insert((rank.rank, status, Instant::now()));
+                } else if failure.as_ref().is_none_or(|(_, first)| signalled(&status) && !signalled(first)) {
                     failure = Some((rank.rank, status));
                 }
             }
         }
-        if failure.is_some() || ranks.iter().all(|r| r.status.is_some()) {
-            break failure;
+        let all_ended = ranks.iter().all(|r| r.status.is_some());
+        // A rank failed on its peer's loss: the rank that failed first is named where it ends
+        // within the kill grace (one that hangs is not waited for longer), else that one.
+        let waited_enough = follower.is_some_and(|(_, _, at)| at.elapsed() >= plan.kill_grace);
+        if failure.is_some() || all_ended || waited_enough {
+            break failure.or(follower.map(|(rank, status, _)| (rank, status)));
         }
         std::thread::sleep(Duration::from_millis(50));
     };

@@ -443,6 +443,30 @@ fn the_launcher_fails_the_job_when_one_rank_fails() {
     assert!(stderr.contains("rank 0 was killed by signal 15 (SIGTERM), rank 1 exited with status 3"), "{stderr}");
 }
 
+/// A rank that failed on its peer's loss (status 76, as the trainer exits then) is not named
+/// where the rank that failed first ends within the kill grace (rank 0 here, half a second
+/// later, as a rank that failed waits, leaving, for its peers to leave): that one is, with its
+/// status. With no other failure the follower is named, with its 76.
+#[test]
+fn the_launcher_names_the_rank_that_failed_first_not_its_follower() {
+    let output = launch_on_a_free_port()
+        .args(["--nproc-per-node", "2", "--kill-grace-secs", "5", "--"])
+        .args(["sh", "-c", r#"if [ "$RANK" = 1 ]; then exit 76; fi; sleep 0.5; exit 4"#])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(4), "{stderr}");
+    assert!(stderr.contains("rank 0 exited with status 4;"), "{stderr}");
+    let output = launch_on_a_free_port()
+        .args(["--nproc-per-node", "2", "--kill-grace-secs", "5", "--"])
+        .args(["sh", "-c", r#"if [ "$RANK" = 1 ]; then exit 76; fi; sleep 0.5"#])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(76), "{stderr}");
+    assert!(stderr.contains("rank 1 exited with status 76;"), "{stderr}");
+}
+
 /// A rank that exits 75 (the trainer stopped by a signal, its checkpoint written) is no
 /// failure: its peers are left to finish (rank 0 here, a second later, not SIGTERMed), and
 /// the launcher exits 75 too, so that a job script resumes the run rather than take it for

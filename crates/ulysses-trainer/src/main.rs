@@ -451,7 +451,8 @@ fn main() {
         if !ERROR_SAID.load(std::sync::atomic::Ordering::Relaxed) {
             eprintln!("error: {message}");
         }
-        std::process::exit(1);
+        // A rank that failed because a peer did says so, for a launcher to name the peer.
+        std::process::exit(if PEER_FAILED.load(std::sync::atomic::Ordering::Relaxed) { ulysses_dist::launch::EXIT_PEER_FAILED } else { 1 });
     }
     // Stopped early on a signal, its checkpoint written: not 0, so that a job script or retry
     // loop tells it from a finished run and resumes it.
@@ -459,6 +460,10 @@ fn main() {
         std::process::exit(ulysses_dist::launch::EXIT_STOPPED_TO_RESUME);
     }
 }
+
+/// Whether this process's rank failed because a peer did: it exits
+/// [`ulysses_dist::launch::EXIT_PEER_FAILED`].
+static PEER_FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Whether this process printed its error already ([`said_before_leaving`]).
 static ERROR_SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -1938,8 +1943,13 @@ where
         };
         let model = template.take_or_clone();
         let model = if lazy { model } else { model.fork(&rank.device) };
-        let (mut trained, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options)
-            .map_err(|e| e.to_string())?;
+        let (mut trained, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options).map_err(|e| {
+            // A process's rank (the one rank of its process) that failed on a peer's loss.
+            if !threads && e.is_peer_loss() {
+                PEER_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            e.to_string()
+        })?;
         if !job.args.no_save {
             // Every rank: under ZeRO-3 the ranks gather it a layer at a time for rank 0.
             trained.save(&job.out.join("model"), &*rank.groups.world)?;
