@@ -1943,6 +1943,9 @@ where
         };
         let model = template.take_or_clone();
         let model = if lazy { model } else { model.fork(&rank.device) };
+        // model.mpk is a MessagePack record, which holds no tensor past 4 GiB: not written then
+        // (the checkpoint holds the model, `--save-hf` exports it).
+        let unrecordable = ulysses_training::checkpoint::check_record_fits(&model, "model.mpk is not written; --save-hf exports the model (safetensors)").err();
         let (mut trained, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options).map_err(|e| {
             // A process's rank (the one rank of its process) that failed on a peer's loss.
             if !threads && e.is_peer_loss() {
@@ -1950,9 +1953,15 @@ where
             }
             e.to_string()
         })?;
-        if !job.args.no_save {
+        match (&unrecordable, job.args.no_save) {
+            (_, true) => {}
+            (Some(why), false) => {
+                if rank.world_rank == 0 {
+                    tracing::warn!("{why}");
+                }
+            }
             // Every rank: under ZeRO-3 the ranks gather it a layer at a time for rank 0.
-            trained.save(&job.out.join("model"), &*rank.groups.world)?;
+            (None, false) => trained.save(&job.out.join("model"), &*rank.groups.world)?,
         }
         if let Some(log) = log {
             log.finish()?;

@@ -796,6 +796,11 @@ where
         }
     }
     let sharded = !matches!(optimizer, RankOptimizer::Replicated(_));
+    // A replicated checkpoint is a MessagePack record: refused before the first step where a
+    // parameter does not fit one, not at the first checkpoint.
+    if !sharded && options.checkpoint_dir.is_some() {
+        ulysses_training::checkpoint::check_record_fits(&model, ulysses_training::checkpoint::REPLICATED_CHECKPOINT_FIX)?;
+    }
     // The order of a sharded checkpoint's sections (a ZeRO-3 model holds placeholders later);
     // a replicated checkpoint goes by name.
     let parameter_paths = if sharded { ulysses_training::parameter_paths(&model) } else { Vec::new() };

@@ -91,6 +91,31 @@ pub(crate) fn error(path: &Path, reason: impl std::fmt::Display) -> UlyssesError
     UlyssesError::Checkpoint { path: path.display().to_string(), reason: reason.to_string() }
 }
 
+/// The most bytes a tensor of a MessagePack record (burn's, a checkpoint's and `model.mpk`)
+/// holds: the format's bin length is 32 bits, and rmp writes a longer one's cut to them, a
+/// file that does not load.
+pub const MAX_RECORD_TENSOR_BYTES: u64 = u32::MAX as u64;
+
+/// Refuses a model one of whose parameters (and so its AdamW moments) a MessagePack record
+/// cannot hold in f32 (`MAX_RECORD_TENSOR_BYTES`), naming it and `fix`, before any record is
+/// made: Qwen2.5-72B's embedding (152 064 × 8 192) is 5 GB. Reads shapes alone: a lazy model
+/// is not built.
+pub fn check_record_fits<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(model: &M, fix: &str) -> Result<(), UlyssesError> {
+    let elements = crate::parameter_elements(model);
+    let Some(index) = elements.iter().position(|&n| n as u64 * 4 > MAX_RECORD_TENSOR_BYTES) else { return Ok(()) };
+    let path = crate::parameter_paths(model).swap_remove(index);
+    Err(UlyssesError::InvalidConfig(format!(
+        "parameter `{path}` holds {} values, {} bytes in f32, past the {MAX_RECORD_TENSOR_BYTES} bytes a MessagePack record holds a \
+         tensor in (a longer one's length would be cut: a file that does not load): {fix}",
+        elements[index],
+        elements[index] as u64 * 4
+    )))
+}
+
+/// What [`TrainingCheckpoint::take`] names where a parameter does not fit its record.
+pub const REPLICATED_CHECKPOINT_FIX: &str = "a replicated training checkpoint cannot hold it; shard the optimizer's state \
+     (ShardedAdamW: the trainer's --offload-optimizer or --zero 3), whose checkpoints hold no such record";
+
 /// Writes `model`, `optimizer` and `state` to `dir/`[`CHECKPOINT_FILE`] atomically (see the
 /// module docs) and returns the file's path. Call it on one rank (world rank 0): every rank
 /// holds the same values.
@@ -126,6 +151,7 @@ impl TrainingCheckpoint {
         S: Serialize,
     {
         let path = dir.join(CHECKPOINT_FILE);
+        check_record_fits(model, REPLICATED_CHECKPOINT_FIX)?;
         let model_bytes = Recorder::<B>::record(&recorder(), model.clone().into_record(), ()).map_err(|e| error(&path, e))?;
         let optimizer_bytes = Recorder::<B>::record(&recorder(), optimizer.to_record(), ()).map_err(|e| error(&path, e))?;
         let state = serde_json::to_value(state).map_err(|e| error(&path, e))?;
@@ -494,6 +520,20 @@ pub(crate) fn fnv1a_more(hash: u64, bytes: &[u8]) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    /// A parameter past 4 GiB in f32 (2^30 values) is refused by name before any record is
+    /// made (rmp would cut its length to 32 bits: a checkpoint that does not load); one value
+    /// fewer fits. The model is never built: the check reads shapes.
+    #[test]
+    fn a_parameter_past_a_records_tensor_limit_is_refused_by_name() {
+        use burn::{backend::NdArray, nn::LinearConfig};
+        let device = Default::default();
+        let huge = LinearConfig::new(1 << 15, 1 << 15).with_bias(false).init::<NdArray>(&device);
+        let message = super::check_record_fits(&huge, "the fix").unwrap_err().to_string();
+        assert!(message.contains("parameter `weight` holds 1073741824 values, 4294967296 bytes in f32") && message.ends_with("the fix"), "{message}");
+        let fits = LinearConfig::new((1 << 15) - 1, 1 << 15).with_bias(false).init::<NdArray>(&device);
+        super::check_record_fits(&fits, "the fix").unwrap();
+    }
+
     use burn::{
         backend::{Autodiff, NdArray},
         nn::{Linear, LinearConfig},
