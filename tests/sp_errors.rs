@@ -159,7 +159,7 @@ fn a_mask_at_one_token_a_rank_without_is_causal() {
         let mask = Tensor::<Sp, 2, Bool>::tril_mask([1, 1], 0, &Default::default()).unsqueeze::<4>();
         attention(q, k, v, Some(mask), None, AttentionModuleOptions { is_causal: false, ..OPTIONS });
     });
-    assert_all_contain(&messages, &["a mask of shape [1, 1, 1, 1] at one token a rank, without is_causal", "`is_causal: true`", "two tokens or more"]);
+    assert_all_contain(&messages, &["a mask of shape [1, 1, 1, 1] at one token a rank, without is_causal", "`is_causal: true`", "with_key_padding_mask", "two tokens or more"]);
 }
 
 /// Keys a rank holds beside its shard (a cache, a prefix, sink tokens) would be joined with the

@@ -190,4 +190,21 @@ fn the_sharders_padding_is_masked_for_attention_that_looks_both_ways() {
             false => assert!(worst > 1e-3, "the padding unmasked changed nothing ({worst:e}): the test cannot see it"),
         }
     }
+    // One token a rank (3 tokens padded to 4 at SP = 4): the drop-in's `mask_pad` is taken for
+    // the key-padding mask it is, not refused as a mask the shard might have built itself.
+    let short: Vec<i64> = sequence[..3].to_vec();
+    let want = values(encode(Tensor::from_data(TensorData::new(short.clone(), [1, 3]), &Default::default()), None, bytes.clone()));
+    let results = with_deadline(Duration::from_secs(90), move || {
+        ThreadGroup::new(4).run(|rank| {
+            let _sp = Sp::enter_thread(rank.communicator());
+            let shard = SequenceSharder::new(4).shard(&[short.clone()], rank.rank());
+            let device = Default::default();
+            values(encode(shard.tokens::<Sp>(&device), Some(shard.mask_pad::<Sp>(&device)), bytes.clone()))
+        })
+    });
+    for (rank, result) in results.into_iter().enumerate().take(3) {
+        let got = result.unwrap_or_else(|panic| panic!("one token a rank, rank {rank}: {}", panic.message));
+        let worst = max_abs_diff(&got, &want[rank * D_MODEL..(rank + 1) * D_MODEL]);
+        assert!(worst <= 1e-5, "one token a rank, rank {rank}: {worst:e} from one device");
+    }
 }

@@ -68,7 +68,7 @@ fn sequence_parallel(
     // read past its values.
     let per_rank = all_gather_host_checked(group, &layout.encode(), "attention layout fields")?;
     AttentionLayout::check_agreement(&per_rank)?;
-    layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref())?;
+    layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref(), false)?;
     if let Some(softcap) = options.softcap.filter(|c| !(*c > 0.0 && c.is_finite())) {
         return Err(UlyssesError::Shape(format!("the softcap must be positive and finite, got {softcap}")));
     }

@@ -48,6 +48,21 @@ thread_local! {
     static RESTRICTION: RefCell<Option<Restriction>> = const { RefCell::new(None) };
     static DOCUMENT_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static CALLS_SEEING_EVERY_KEY: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static KEY_PADDING_MASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `attend` with the mask of its attention calls known for a key-padding one (a drop-in's
+/// `mask_pad`): at one token a rank such a mask has the shape of one a rank built of its own
+/// one-token shard, which is refused where no caller says which it is.
+pub fn with_key_padding_mask<R>(attend: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            KEY_PADDING_MASK.set(self.0);
+        }
+    }
+    let _restore = Restore(KEY_PADDING_MASK.replace(true));
+    attend()
 }
 
 /// How many attention calls this thread has made through `UlyssesBackend` that see every key
@@ -240,7 +255,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
                 AttentionLayout::check_ring_agreement(&per_rank)?;
             }
         }
-        layout.refuse_unshardable(mask.as_ref().map(dims).as_deref(), attn_bias.as_ref().map(dims).as_deref())?;
+        layout.refuse_unshardable(mask.as_ref().map(dims).as_deref(), attn_bias.as_ref().map(dims).as_deref(), KEY_PADDING_MASK.get())?;
         if ring.is_some() && (layout.mask != MaskKind::None || positions.is_some() || window.is_some()) {
             return Err(UlyssesError::Shape("Ulysses × Ring does not take masks, packed documents or sliding windows yet; run them with Ulysses alone".into()));
         }

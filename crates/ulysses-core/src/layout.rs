@@ -139,8 +139,10 @@ impl AttentionLayout {
     /// a key-padding one, any bias); and causal attention over keys other than
     /// the query shard's own (a cache, a prefix, sink tokens): the exchange joins every rank's
     /// keys in rank order as the shards of one sequence, so keys each rank adds to its shard
-    /// would be repeated and out of place, silently wrong.
-    pub fn refuse_unshardable(&self, mask: Option<&[usize]>, bias: Option<&[usize]>) -> Result<(), UlyssesError> {
+    /// would be repeated and out of place, silently wrong. `mask_is_key_padding`: the caller
+    /// knows its mask for a key-padding one (a drop-in's `mask_pad`), which at one token a rank
+    /// has the shape of the shard's own one-token mask.
+    pub fn refuse_unshardable(&self, mask: Option<&[usize]>, bias: Option<&[usize]>, mask_is_key_padding: bool) -> Result<(), UlyssesError> {
         match (self.mask, bias) {
             (MaskKind::Unshardable, _) => {
                 let shape = mask.unwrap_or_default();
@@ -164,12 +166,13 @@ impl AttentionLayout {
         // At one token a rank a key-padding mask `[batch, 1, 1, 1]` cannot be told from one the
         // rank built of its own shard's scores (a causal mask of one token hides nothing), which
         // the gather would take for the whole sequence's padding: every key seen, silently.
-        if matches!(self.mask, MaskKind::KeyPadding { .. }) && !self.is_causal && self.q_seq == 1 && self.kv_seq == 1 {
+        if matches!(self.mask, MaskKind::KeyPadding { .. }) && !mask_is_key_padding && !self.is_causal && self.q_seq == 1 && self.kv_seq == 1 {
             return Err(UlyssesError::Shape(format!(
                 "sequence-parallel attention: a mask of shape {:?} at one token a rank, without is_causal, has a key-padding mask's \
                  shape and that of a mask of the rank's own one-token shard (a causal mask hides nothing there), which would be \
-                 gathered as the sequence's padding: for causal attention pass `is_causal: true` (and no mask of the shard); to mask \
-                 padding keys give each rank two tokens or more",
+                 gathered as the sequence's padding: for causal attention pass `is_causal: true` (and no mask of the shard); a \
+                 key-padding mask is taken as one inside burn_ulysses::attention::with_key_padding_mask(|| ..) (as the drop-ins' \
+                 mask_pad is), or at two tokens or more a rank",
                 mask.unwrap_or_default()
             )));
         }

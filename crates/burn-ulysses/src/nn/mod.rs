@@ -20,8 +20,10 @@
 //!
 //! Causal attention is [`MhaInput::causal`] (burn-nn models pass an autoregressive
 //! `mask_attn` instead). Under sequence parallelism `mask_pad` (a key-padding mask) is
-//! gathered across ranks; `mask_attn` (a full `[S_q, S_k]` mask) is rejected with an
-//! explanation, at any shard length (one query a rank too).
+//! gathered across ranks, at one token a rank too (where `module::attention` refuses a mask
+//! of that shape that no caller vouches for: `attention::with_key_padding_mask`); `mask_attn`
+//! (a full `[S_q, S_k]` mask) is rejected with an explanation, at any shard length (one query
+//! a rank too).
 
 pub mod transformer;
 
@@ -189,13 +191,17 @@ impl<B: Backend> MultiHeadAttention<B> {
         }
         let pad = input.mask_pad.map(|m| m.reshape([batch, 1, 1, seq_k]));
         let full = input.mask_attn.map(|m| m.reshape([batch, 1, seq_q, seq_k]).expand([batch, self.n_heads, seq_q, seq_k]));
+        let pad_alone = pad.is_some() && full.is_none();
         let mask = match (pad, full) {
             (pad, None) => pad,
             (None, full) => full,
             (Some(pad), Some(full)) => Some(full.bool_or(pad.expand([batch, self.n_heads, seq_q, seq_k]))),
         };
         let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: input.causal };
-        let context = attention(query, key, value, mask, None, options)
+        // `mask_pad` alone is a key-padding mask whatever the shard's length.
+        let attend = || attention(query, key, value, mask, None, options);
+        let context = if pad_alone { crate::attention::with_key_padding_mask(attend) } else { attend() };
+        let context = context
             .swap_dims(1, 2)
             .reshape([batch, seq_q, self.d_model]);
         MhaOutput { context: self.output.forward(context) }
