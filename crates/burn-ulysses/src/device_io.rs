@@ -237,9 +237,21 @@ pub(crate) fn counted_sync() {
 /// it.
 #[must_use = "a queued read holds its device buffer and staging memory until it arrives"]
 pub struct PendingRead {
-    read: QueuedRead,
+    /// `None` once [`arrive`] took it.
+    read: Option<QueuedRead>,
     /// This thread's count of queued reads when it was queued (its sequence number).
     sequence: u64,
+}
+
+impl Drop for PendingRead {
+    /// A read dropped before it arrived (a step that failed with tiles' reads queued) is
+    /// waited for: its pinned host buffer goes back to a pool that would hand it out again
+    /// while the device still writes into it.
+    fn drop(&mut self) {
+        if let Some(QueuedRead::Queued(future)) = self.read.take() {
+            let _ = burn::tensor::read_sync(future);
+        }
+    }
 }
 
 /// Queues a copy of `tensor` to the host without waiting for the device
@@ -254,21 +266,22 @@ pub fn queue_read<W: PlainBackend>(tensor: FloatTensor<W>) -> PendingRead {
             c.read_bytes += data.as_ref().map_or(0, tensor_bytes) as u64;
         }),
     }
-    PendingRead { read, sequence: COUNTS.with(Cell::get).queued_reads }
+    PendingRead { read: Some(read), sequence: COUNTS.with(Cell::get).queued_reads }
 }
 
 /// The data of `reads`, in order, waiting once for all of them: one drain, or one overlapped
 /// wait if a read was queued on this thread after the last of them (see the module doc);
-/// nothing if every one had arrived already.
+/// nothing if every one had arrived already. Every read is waited for, a failed one's
+/// followers too, before the first failure is returned.
 pub fn arrive(reads: Vec<PendingRead>) -> Result<Vec<TensorData>, ExecutionError> {
-    let newest = reads.iter().filter(|pending| matches!(pending.read, QueuedRead::Queued(_))).map(|pending| pending.sequence).max();
+    let newest = reads.iter().filter(|pending| matches!(pending.read, Some(QueuedRead::Queued(_)))).map(|pending| pending.sequence).max();
     if let Some(newest) = newest {
         let overlapped = COUNTS.with(Cell::get).queued_reads > newest;
         count(|c| if overlapped { c.overlapped_waits += 1 } else { c.drains += 1 });
     }
-    reads
+    let arrived: Vec<Result<TensorData, ExecutionError>> = reads
         .into_iter()
-        .map(|pending| match pending.read {
+        .map(|mut pending| match pending.read.take().expect("a pending read holds its read until it arrives") {
             QueuedRead::Arrived(data) => data,
             QueuedRead::Queued(future) => {
                 let data = burn::tensor::read_sync(future)?;
@@ -276,5 +289,44 @@ pub fn arrive(reads: Vec<PendingRead>) -> Result<Vec<TensorData>, ExecutionError
                 Ok(data)
             }
         })
-        .collect()
+        .collect();
+    arrived.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    };
+
+    use burn::tensor::{TensorData, backend::ExecutionError};
+
+    use super::{PendingRead, QueuedRead, arrive};
+
+    /// A queued read that counts its wait in `waited`, and fails where asked.
+    fn read(waited: &Arc<AtomicUsize>, fails: bool) -> PendingRead {
+        let waited = waited.clone();
+        let future = async move {
+            waited.fetch_add(1, Ordering::SeqCst);
+            match fails {
+                true => Err(ExecutionError::WithContext { reason: "the copy failed".into() }),
+                false => Ok(TensorData::new(vec![1.0f32], [1])),
+            }
+        };
+        PendingRead { read: Some(QueuedRead::Queued(Box::pin(future))), sequence: 0 }
+    }
+
+    /// A queued read is waited for where it is dropped before it arrived, and where a read
+    /// before it failed: its pinned buffer must not go back to the pool while the device
+    /// still writes into it.
+    #[test]
+    fn a_queued_read_is_waited_for_however_it_ends() {
+        let waited = Arc::new(AtomicUsize::new(0));
+        drop(read(&waited, false));
+        assert_eq!(waited.load(Ordering::SeqCst), 1, "a dropped read was not waited for");
+        let error = arrive(vec![read(&waited, true), read(&waited, false), read(&waited, false)]).unwrap_err();
+        assert!(error.to_string().contains("the copy failed"), "{error}");
+        assert_eq!(waited.load(Ordering::SeqCst), 4, "the reads after a failed one were not waited for");
+    }
 }
