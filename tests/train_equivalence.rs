@@ -2003,6 +2003,33 @@ fn zero_3_names_a_parameter_a_group_leaves_out_and_keeps_frozen_ones_frozen() {
     }
 }
 
+/// ZeRO-3 cut again from the host optimizer's master weights right after a step, its update
+/// still on its thread (`PartsFrom::Masters`, as switching where the parts live would): the
+/// cut waits for the update and holds the step's parameters, where it panicked ("ShardedAdamW
+/// read while a step's update still runs").
+#[test]
+fn zero_3_cut_from_the_masters_while_the_update_runs_waits_for_it() {
+    use ulysses_training::{HostAdamWConfig, LayerCheckpointing, PartsFrom, ShardedAdamW, ShardedParameters, StepInput, apply_step_zero3, backward_step_zero3};
+    ThreadGroup::new(1)
+        .run(|rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), ParallelLayout::new()).unwrap();
+            let device = Default::default();
+            let model = || deterministic_params(config(ParallelLayout::new(), 1).model.init::<Sp>(&device), INIT_SEED);
+            let mut optimizer = ShardedAdamW::new(HostAdamWConfig::default());
+            let (placeholders, mut parts) = ShardedParameters::shard_from(model(), PartsFrom::Rank0, &mut optimizer, FloatDType::F32, false, &device, &*groups.world).unwrap();
+            let batches = vec![VariedLengths { vocab: VOCAB }.train_batch(0)];
+            let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &batches, documents: None, targets: None, max_grad_norm: None };
+            let local = backward_step_zero3(&placeholders, &step, &SequenceSharder::new(1), &groups, &device, &LayerCheckpointing::new(), &mut parts).unwrap();
+            let (placeholders, _) = apply_step_zero3(placeholders, &mut optimizer, &mut parts, &step, local, &groups).unwrap();
+            let (again, mut cut) = ShardedParameters::shard_from(model(), PartsFrom::Masters, &mut optimizer, FloatDType::F32, false, &device, &*groups.world).unwrap();
+            let (stepped, recut) = (parameter_values(&parts.gather_all(placeholders, &*groups.world).unwrap()), parameter_values(&cut.gather_all(again, &*groups.world).unwrap()));
+            assert!(paired_parameters(&stepped, &recut).all(|(_, a, b)| bit_identical(a, b)), "the cut from the masters is not the step's parameters");
+            assert!(paired_parameters(&stepped, &parameter_values(&model())).any(|(_, a, b)| a != b), "the step changed nothing");
+        })
+        .into_iter()
+        .for_each(|rank| rank.unwrap_or_else(|panic| panic!("{panic}")));
+}
+
 /// Gradients finite on every rank whose sum over the ranks overflows f32 (each near f32's
 /// largest, a diverging run) stop the step before the optimizer, as a NaN on a rank does,
 /// rather than reaching AdamW as an infinity (clipped by an infinite norm: NaN parameters),

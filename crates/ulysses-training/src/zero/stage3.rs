@@ -453,7 +453,11 @@ impl<B: TrainBackend> ShardedParameters<B> {
         }
         match from {
             PartsFrom::Rank0 => optimizer.begin_master_parts(rank, size),
-            PartsFrom::Masters => optimizer.check_holds(rank, size, &crate::parameter_elements(&model))?,
+            // The masters as the last step left them: its update may still run on its thread.
+            PartsFrom::Masters => {
+                optimizer.settle()?;
+                optimizer.check_holds(rank, size, &crate::parameter_elements(&model))?
+            }
         }
         let mut take = TakeParts { world, optimizer, from, partition, compute, parts_on_host, device: device.clone(), ids: &ids.0, paths: &paths, parts: Vec::new(), error: None };
         let model = model.map(&mut take);
