@@ -223,8 +223,10 @@ fn forward_block<E: Float, M: FragmentMma>(
             let at = 2 * row_tile + half;
             let row = row0 + 16 * row_tile + g + 8 * half;
             if row < seq_q {
-                // A row that sees no key (causal, Sq > Skv) gets 0 and the masked log-sum-exp.
-                let seen = row_sum[at] > 0.0;
+                // A row that sees no key (causal, Sq > Skv) gets 0 and the masked log-sum-exp;
+                // a NaN sum (a NaN in q or a key the row sees) is no such row: NaN, as on one
+                // device.
+                let seen = row_sum[at] != 0.0;
                 let inverse = select(seen, 1.0f32 / row_sum[at], 0.0f32);
                 #[unroll(unrolled)]
                 for tile in 0..out_tiles {
