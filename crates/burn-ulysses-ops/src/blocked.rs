@@ -185,8 +185,9 @@ fn transpose<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
 /// Queries `first..first + count` against keys `0..keys`: the block's scaled (and capped)
 /// scores plus the keys' bias, `-inf` where causality or the key-padding mask hides a key;
 /// under a softcap also `tanh(x / softcap)` of the scaled scores `x`, for the backward. In f32
-/// whatever the inputs' dtype: the softmax's statistics overflow f16 past 65 504 keys, and a
-/// log-sum-exp in bf16 shifts every probability by up to 3% once a row sees 3 000 keys.
+/// whatever the inputs' dtype (f64 for f64 inputs): the softmax's statistics overflow f16 past
+/// 65 504 keys, and a log-sum-exp in bf16 shifts every probability by up to 3% once a row sees
+/// 3 000 keys.
 fn scores<B: Backend>(query_block: &FloatTensor<B>, visible_keys: &FloatTensor<B>, key_bias: &FloatTensor<B>, first: usize, settings: BlockedSettings) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
     let work = working_dtype::<B>(query_block);
     let products = B::float_matmul(query_block.clone(), transpose::<B>(visible_keys.clone()));
@@ -239,7 +240,7 @@ fn blocks(queries: usize, block: usize) -> impl Iterator<Item = std::ops::Range<
 }
 
 /// The output `[b, h, s, dv]` (in the inputs' dtype) and each row's log-sum-exp `[b, h, s, 1]`
-/// (f32).
+/// (f32; f64 for f64 inputs).
 fn forward<B: Backend>(query: &FloatTensor<B>, key: &FloatTensor<B>, value: &FloatTensor<B>, key_bias: &FloatTensor<B>, settings: BlockedSettings) -> (FloatTensor<B>, FloatTensor<B>) {
     let dtype = FloatDType::from(query.dtype());
     // The working dtype's lowest finite value and smallest positive one.
@@ -250,8 +251,8 @@ fn forward<B: Backend>(query: &FloatTensor<B>, key: &FloatTensor<B>, value: &Flo
     let (mut outputs, mut lses) = (Vec::new(), Vec::new());
     for block in blocks(query.shape()[2], settings.block) {
         let (scores, _) = scores::<B>(&rows::<B>(query, block.clone()), &visible::<B>(key, block.end, settings), key_bias, block.start, settings);
-        // A row that sees no key (all -inf): the max clamped to f32's lowest finite value and
-        // the sum to its smallest positive one give it zeros, as burn's attention.
+        // A row that sees no key (all -inf): the max clamped to the working dtype's lowest
+        // finite value and the sum to its smallest positive one give it zeros, as burn's attention.
         let max = B::float_clamp_min(B::float_max_dim(scores.clone(), 3), lowest.into());
         let weights = B::float_exp(B::float_sub(scores, max.clone()));
         let total = B::float_clamp_min(B::float_sum_dim(weights.clone(), 3), tiniest.into());

@@ -65,9 +65,10 @@ pub fn with_key_padding_mask<R>(attend: impl FnOnce() -> R) -> R {
     attend()
 }
 
-/// How many attention calls this thread has made through `UlyssesBackend` that see every key
-/// (not causal, no mask, no bias, no documents): a training step whose sequences are padded at
-/// the end and sees one made knows real tokens attended to the padding.
+/// How many self-attention calls (as many keys as queries) this thread has made through
+/// `UlyssesBackend` that see every key (not causal, no mask, no bias, no documents): a training
+/// step whose sequences are padded at the end and sees one made knows real tokens attended to
+/// the padding. Cross-attention (to latents, a memory: other lengths) is not counted.
 pub fn calls_seeing_every_key() -> u64 {
     CALLS_SEEING_EVERY_KEY.get()
 }
@@ -197,7 +198,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
 ) -> FloatTensor<X> {
     // Taken before anything can fail, so that it never reaches a later call.
     let restriction = take_restriction();
-    if !options.is_causal && mask.is_none() && attn_bias.is_none() && restriction.is_none() {
+    if !options.is_causal && mask.is_none() && attn_bias.is_none() && restriction.is_none() && dims(&query).get(2) == dims(&key).get(2) {
         CALLS_SEEING_EVERY_KEY.set(CALLS_SEEING_EVERY_KEY.get() + 1);
     }
     let positions = restriction.as_ref().and_then(|r| r.documents.clone());

@@ -2004,8 +2004,9 @@ struct RunLog {
     /// `--profile`: print each step's waits on the device, copies and kernel launches, and its
     /// backward's and update's seconds.
     profile: bool,
-    /// This step's backward and update seconds, from [`Progress::phases`] to its waits' line.
-    phases: Option<(f64, f64)>,
+    /// This step's backward and update seconds (and whether the update ran in the backward),
+    /// from [`Progress::phases`] to its waits' line.
+    phases: Option<(f64, f64, bool)>,
 }
 
 /// The run's `config.json` and `metrics.csv`: nothing is written before the first step has
@@ -2027,7 +2028,7 @@ impl RunLog {
     fn new(job: &Job) -> Self {
         let kept = match job.resumed_at {
             // The resumed run's rows, also when it continues in another folder.
-            Some(step) => earlier_rows(&resumed_folder(job.args.resume.as_deref().expect("resumed")).join(METRICS_FILE), CSV_HEADER, step),
+            Some(step) => earlier_rows(&resumed_folder(job.args.resume.as_deref().expect("resumed")).join(METRICS_FILE), step),
             None => Vec::new(),
         };
         let (mut train, mut eval) = (Vec::new(), Vec::new());
@@ -2207,14 +2208,15 @@ impl Progress for RunLog {
         tracing::debug!(step, path = %path.display(), "checkpoint written");
     }
 
-    fn phases(&mut self, _step: usize, backward: f64, update: f64) {
-        self.phases = Some((backward, update));
+    fn phases(&mut self, _step: usize, backward: f64, update: f64, update_in_backward: bool) {
+        self.phases = Some((backward, update, update_in_backward));
     }
 
     fn device_io(&mut self, step: usize, io: &DeviceIo) {
         if self.profile {
-            let phases = self.phases.take().map_or_else(String::new, |(backward, update)| {
-                format!("; backward {backward:.3} s, then the update {update:.3} s (a sync between, left out of the counts)")
+            let phases = self.phases.take().map_or_else(String::new, |(backward, update, in_backward)| match in_backward {
+                false => format!("; backward {backward:.3} s, then the update {update:.3} s (a sync between, left out of the counts)"),
+                true => format!("; backward with the update in it {backward:.3} s, then the step's checks {update:.3} s (a sync between, left out of the counts)"),
             });
             // Printed also where the bar is hidden (output not a terminal): it is asked for.
             self.bar.suspend(|| println!("step {step}: {io}{phases}"));

@@ -240,12 +240,13 @@ impl RunRecord {
     }
 }
 
-/// The data rows of an earlier run's metrics file (`header`'s columns) for steps before
-/// `step`: whole rows alone, so that a row a crash or a full disk cut short (`12` of `125,…`,
-/// a last line without its newline) is not kept as a malformed row of another step.
-pub fn earlier_rows(path: &Path, header: &str, step: usize) -> Vec<String> {
+/// The data rows of an earlier run's metrics file for steps before `step`: whole rows alone
+/// (as many columns as the file's own header: an earlier version's has fewer), so that a row
+/// a crash or a full disk cut short (`12` of `125,…`, a last line without its newline) is not
+/// kept as a malformed row of another step.
+pub fn earlier_rows(path: &Path, step: usize) -> Vec<String> {
     let Ok(text) = fs::read_to_string(path) else { return Vec::new() };
-    let columns = header.split(',').count();
+    let columns = text.lines().next().map_or(0, |header| header.split(',').count());
     text.split_inclusive('\n')
         .skip(1)
         .filter_map(|line| line.strip_suffix('\n'))
@@ -287,11 +288,14 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("metrics.csv");
         std::fs::write(&path, "step,loss,eval\n0,5.5,\n1,5.1,4.9\n2,4.8,\n12").unwrap();
-        assert_eq!(super::earlier_rows(&path, "step,loss,eval", 100), ["0,5.5,", "1,5.1,4.9", "2,4.8,"]);
-        assert_eq!(super::earlier_rows(&path, "step,loss,eval", 2), ["0,5.5,", "1,5.1,4.9"]);
+        assert_eq!(super::earlier_rows(&path, 100), ["0,5.5,", "1,5.1,4.9", "2,4.8,"]);
+        assert_eq!(super::earlier_rows(&path, 2), ["0,5.5,", "1,5.1,4.9"]);
         std::fs::write(&path, "step,loss,eval\n0,5.5,\n1,5.1\n2,4.8,\n3,4.5,").unwrap();
-        assert_eq!(super::earlier_rows(&path, "step,loss,eval", 100), ["0,5.5,", "2,4.8,"]);
-        assert!(super::earlier_rows(&dir.join("missing.csv"), "step,loss,eval", 100).is_empty());
+        assert_eq!(super::earlier_rows(&path, 100), ["0,5.5,", "2,4.8,"]);
+        // An earlier version's file, with fewer columns than today's header: its rows are whole.
+        std::fs::write(&path, "step,loss\n0,5.5\n1,5.1\n").unwrap();
+        assert_eq!(super::earlier_rows(&path, 100), ["0,5.5", "1,5.1"]);
+        assert!(super::earlier_rows(&dir.join("missing.csv"), 100).is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

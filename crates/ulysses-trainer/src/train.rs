@@ -473,9 +473,11 @@ pub trait Progress {
     /// and syncs, each a stall of a GPU's queue; uploads): after [`step`](Self::step).
     fn device_io(&mut self, _step: usize, _io: &DeviceIo) {}
     /// With [`RunOptions::time_phases`]: the seconds of the step up to the end of its backward,
-    /// and from there to its end (the update and its collectives), the device synchronised
-    /// between; before [`device_io`](Self::device_io), whose counts leave that sync out.
-    fn phases(&mut self, _step: usize, _backward: f64, _update: f64) {}
+    /// and from there to its end (the update and its collectives; `update_in_backward`: the
+    /// host optimizer updated in the backward, and the rest is the step's checks), the device
+    /// synchronised between; before [`device_io`](Self::device_io), whose counts leave that
+    /// sync out.
+    fn phases(&mut self, _step: usize, _backward: f64, _update: f64, _update_in_backward: bool) {}
 }
 
 /// The settings a run's config has gained since checkpoints were first written, each at the
@@ -896,7 +898,8 @@ where
         // The timing's own sync is not the step's: left out of its counts.
         let io = DeviceIo::of_this_thread() - io_before - backward_done.map_or_else(DeviceIo::default, |(_, io)| io);
         if let (Some((at, _)), Some(progress)) = (backward_done, options.progress.as_deref_mut()) {
-            progress.phases(step, (at - started).as_secs_f64(), at.elapsed().as_secs_f64());
+            let in_backward = config.optimizer_in_backward && parts.is_some();
+            progress.phases(step, (at - started).as_secs_f64(), at.elapsed().as_secs_f64(), in_backward);
         }
         model = next;
         reports.push(report);
@@ -1198,8 +1201,6 @@ fn write_hf(hf: HfCheckpointSnapshot, done: usize) -> Result<(), UlyssesError> {
     Ok(())
 }
 
-/// The dtype a `--save-hf` writes the weights in: `options.save_hf_dtype` (resolved in
-/// `train_rank`), else the checkpoint's own.
 /// The dtype `--save-hf` writes in: the one `asked` for, or the checkpoint's own; where the
 /// model a run exports is a half-precision compute copy (`compute_copy`: a sharded optimizer
 /// holds the f32 masters), that copy's dtype, and a wider one asked for is refused: it would
@@ -1217,6 +1218,8 @@ pub fn save_hf_dtype(asked: Option<DType>, own: DType, compute_copy: Option<Floa
     }
 }
 
+/// The dtype a `--save-hf` writes the weights in: `options.save_hf_dtype` (resolved in
+/// `train_rank`), else the checkpoint's own.
 fn hf_dtype(options: &RunOptions, checkpoint: &HfConfig) -> DType {
     options.save_hf_dtype.unwrap_or_else(|| checkpoint.saved_dtype())
 }

@@ -315,7 +315,15 @@ pub fn same_checkpoint(a: &Path, b: &Path) -> Result<bool, UlyssesError> {
 pub(crate) fn named_state_folder(path: &Path) -> Result<Option<String>, UlyssesError> {
     let Preamble::Header { header, .. } = read_preamble(path)? else { return Ok(None) };
     let header: serde_json::Value = serde_json::from_slice(&header).map_err(|e| error(path, format!("unreadable header: {e}")))?;
-    Ok(header.get("optimizer_shards").and_then(serde_json::Value::as_str).map(str::to_string))
+    let folder = header.get("optimizer_shards").and_then(serde_json::Value::as_str).map(str::to_string);
+    // A name its checksum refutes (a flipped bit: another folder's) is no name to keep by.
+    if let Some(checksum) = header.get("names_checksum").and_then(serde_json::Value::as_u64) {
+        let paths: Vec<String> = header.get("parameter_paths").and_then(serde_json::Value::as_array).map_or_else(Vec::new, |paths| paths.iter().filter_map(|p| p.as_str().map(str::to_string)).collect());
+        if names_checksum(folder.as_deref(), &paths) != checksum {
+            return Err(error(path, "the header's checksum of its names does not match: which folder it names cannot be told"));
+        }
+    }
+    Ok(folder)
 }
 
 /// What a file's first bytes say it is. The checkpoint layout's start, read in this one place:

@@ -696,11 +696,13 @@ where
     }
     let attending: Vec<usize> = (0..gathered.len()).filter(|&r| gathered[r][6] == 1).collect();
     if !attending.is_empty() {
+        // Refused after the backward: an update in it has changed some parameters already.
+        let updated = if updated_in_backward { " The optimizer had updated some parameters in the backward already: resume from the last checkpoint." } else { "" };
         return Err(UlyssesError::InvalidConfig(format!(
             "step {}: the model's attention looked both ways (is_causal false, and no mask or bias) over sequences padded at their \
              end (ranks {attending:?}), so real tokens attended to the padding, which one device on the sequences alone does not: \
              the model says it is causal (CausalLm::is_causal), so pass AttentionModuleOptions {{ is_causal: true, .. }}; \
-             attention that must look both ways masks the padding keys (SequenceShard::padding)",
+             attention that must look both ways masks the padding keys (SequenceShard::padding).{updated}",
             step.index
         )));
     }

@@ -861,6 +861,20 @@ mod tests {
         // Cut inside the header's length, after the magic bytes: the same.
         fs::write(dir.join("cut-short.ulysses"), &bak[..12]).unwrap();
         assert!(remove_unnamed_state_folders(&dir, None).is_empty() && stale.is_dir(), "a folder removed beside a checkpoint cut after its magic");
+        // A header whose folder's name fails the names' checksum (a flipped digit: the stale
+        // folder's name) tells no folder: none is removed while it is there.
+        fs::remove_file(dir.join("cut-short.ulysses")).unwrap();
+        let (named, other) = (sharded_state_folder(2, 2), sharded_state_folder(9, 2));
+        let at = bak.windows(named.len()).position(|w| w == named.as_bytes()).expect("the copy names its folder");
+        let mut renamed = bak.clone();
+        renamed[at..at + named.len()].copy_from_slice(other.as_bytes());
+        fs::write(dir.join("renamed.ulysses"), &renamed).unwrap();
+        // The file alone naming that folder (the copy that names it too set aside).
+        let aside = dir.with_extension("bak-aside");
+        fs::rename(dir.join("before-the-lr-change.bak"), &aside).unwrap();
+        assert!(remove_unnamed_state_folders(&dir, None).is_empty() && stale.is_dir() && dir.join(&named).is_dir(), "a folder removed beside a name its checksum refutes");
+        fs::rename(&aside, dir.join("before-the-lr-change.bak")).unwrap();
+        fs::rename(dir.join("renamed.ulysses"), dir.join("cut-short.ulysses")).unwrap();
         // A header whose state fails its checksum still names its folder (read leniently).
         let state = bak.windows(8).position(|w| w == b"\"state\":").expect("a state in the header") + 8;
         let mut flipped = bak;
