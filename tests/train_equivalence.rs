@@ -386,6 +386,20 @@ fn a_failure_inside_the_forward_is_every_ranks_error_not_a_panic() {
     println!("{messages:#?}");
     assert!(messages[1].starts_with("step 0") && messages[1].contains("forbid_dense_fallback"), "{}", messages[1]);
     assert!(messages[0].starts_with("step 0") && messages[0].contains("rank 1 left"), "{}", messages[0]);
+    // The errors as they were, not the panics' messages: rank 0's a peer's loss (a trainer
+    // exits 76 on it, for a launcher to name rank 1), rank 1's its own.
+    let peer_losses = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+            let _context = Sp::enter(RankScope::Thread, groups.sp.clone(), UlyssesConfig::new().with_forbid_dense_fallback(rank.rank() == 1));
+            let device = Default::default();
+            let config = config(layout, 1);
+            let model = config.model.init::<Sp>(&device);
+            train_rank::<Sp>(&config, model, &VariedLengths { vocab: VOCAB }, &groups, &device, RunOptions::default()).err().map(|e| e.is_peer_loss())
+        })
+    });
+    let peer_losses: Vec<_> = peer_losses.into_iter().map(|r| r.unwrap_or_else(|p| panic!("{p}"))).collect();
+    assert_eq!(peer_losses, [Some(true), Some(false)], "rank 0 failed on rank 1's loss inside attention, rank 1 on its own");
 }
 
 /// Step inputs that would train wrong or part the ranks are refused on every rank, before any

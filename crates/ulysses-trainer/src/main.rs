@@ -465,6 +465,15 @@ fn main() {
 /// [`ulysses_dist::launch::EXIT_PEER_FAILED`].
 static PEER_FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// A rank's error as the trainer reports it, noting (for the process's exit status) a
+/// process's rank, the one of its process, that failed on a peer's loss.
+fn rank_failure(threads: bool, error: burn_ulysses::UlyssesError) -> String {
+    if !threads && error.is_peer_loss() {
+        PEER_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    error.to_string()
+}
+
 /// Whether this process printed its error already ([`said_before_leaving`]).
 static ERROR_SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -1902,7 +1911,7 @@ where
                 unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
             }
             let model = template.take_or_clone().fork(&rank.device);
-            let loss = evaluate_sequences::<Sp<W>>(config, model, sequences, Some(documents), targets.as_deref(), &rank.groups, &rank.device).map_err(|e| e.to_string())?;
+            let loss = evaluate_sequences::<Sp<W>>(config, model, sequences, Some(documents), targets.as_deref(), &rank.groups, &rank.device).map_err(|e| rank_failure(threads, e))?;
             if rank.world_rank == 0 {
                 println!(
                     "eval: loss {:.6}, perplexity {:.4} over {} labelled tokens in {} sequences of {} (SP={} DP={})",
@@ -1946,13 +1955,7 @@ where
         // model.mpk is a MessagePack record, which holds no tensor past 4 GiB: not written then
         // (the checkpoint holds the model, `--save-hf` exports it).
         let unrecordable = ulysses_training::checkpoint::check_record_fits(&model, "model.mpk is not written; --save-hf exports the model (safetensors)").err();
-        let (mut trained, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options).map_err(|e| {
-            // A process's rank (the one rank of its process) that failed on a peer's loss.
-            if !threads && e.is_peer_loss() {
-                PEER_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
-            }
-            e.to_string()
-        })?;
+        let (mut trained, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options).map_err(|e| rank_failure(threads, e))?;
         match (&unrecordable, job.args.no_save) {
             (_, true) => {}
             (Some(why), false) => {

@@ -1948,7 +1948,7 @@ fn documents_are_tokenized_packed_evaluated_alike_at_every_layout_and_fine_tuned
 
 /// A rank that dies while its peers wait for it inside attention (an all-to-all that can only
 /// panic) is reported by each survivor in one line naming it, with no panic message or
-/// backtrace before it, even with RUST_BACKTRACE=1.
+/// backtrace before it, even with RUST_BACKTRACE=1, and the survivor exits 76 (a peer's loss).
 #[test]
 fn a_rank_that_dies_inside_attention_is_named_in_one_line_per_survivor() {
     let dir = workspace("dies-in-attention");
@@ -1968,6 +1968,9 @@ fn a_rank_that_dies_inside_attention_is_named_in_one_line_per_survivor() {
     assert!(!output.status.success(), "the launcher must fail");
     let error = rank_error(&text, 0);
     assert!(error.contains("[1]"), "rank 0 does not name rank 1: {error}");
+    // The peer's loss inside attention stays one (not a failure of the model's own): rank 0
+    // exits 76, for the launcher to name rank 1.
+    assert!(text.contains("rank 0 exited with status 76"), "{text}");
     for noise in ["panicked", "stack backtrace", "RUST_BACKTRACE"] {
         assert!(!text.contains(noise), "{noise:?} in the output:\n{text}");
     }
