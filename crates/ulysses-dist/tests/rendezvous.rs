@@ -449,22 +449,14 @@ fn the_launcher_fails_the_job_when_one_rank_fails() {
 /// status. With no other failure the follower is named, with its 76.
 #[test]
 fn the_launcher_names_the_rank_that_failed_first_not_its_follower() {
-    let output = launch_on_a_free_port()
-        .args(["--nproc-per-node", "2", "--kill-grace-secs", "5", "--"])
-        .args(["sh", "-c", r#"if [ "$RANK" = 1 ]; then exit 76; fi; sleep 0.5; exit 4"#])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(4), "{stderr}");
-    assert!(stderr.contains("rank 0 exited with status 4;"), "{stderr}");
-    let output = launch_on_a_free_port()
-        .args(["--nproc-per-node", "2", "--kill-grace-secs", "5", "--"])
-        .args(["sh", "-c", r#"if [ "$RANK" = 1 ]; then exit 76; fi; sleep 0.5"#])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(76), "{stderr}");
-    assert!(stderr.contains("rank 1 exited with status 76;"), "{stderr}");
+    // Rank 1 fails on its peer's loss at once; rank 0 half a second later, with `rank_0_exit`.
+    for (rank_0_exit, status, named) in [("exit 4", 4, "rank 0 exited with status 4;"), ("exit 0", 76, "rank 1 exited with status 76;")] {
+        let script = format!(r#"if [ "$RANK" = 1 ]; then exit 76; fi; sleep 0.5; {rank_0_exit}"#);
+        let output = launch_on_a_free_port().args(["--nproc-per-node", "2", "--kill-grace-secs", "5", "--", "sh", "-c", &script]).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(status), "{stderr}");
+        assert!(stderr.contains(named), "{stderr}");
+    }
 }
 
 /// A rank that exits 75 (the trainer stopped by a signal, its checkpoint written) is no
