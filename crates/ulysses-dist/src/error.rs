@@ -27,10 +27,14 @@ pub enum DistError {
     RendezvousTimeout { addr: String, after: Duration, waiting_for: String },
     #[error(
         "rank {rank} {} before publishing {key:?}, which this rank waits for: the job cannot \
-         go on. Rank {rank}'s own log (or ulysses-launch's) says why",
-        if *died { "died (its connection closed without a goodbye)" } else { "ended its process" }
+         go on. {}",
+        if *died { "died (its connection closed without a goodbye)" } else { "ended its process" },
+        match reason {
+            Some(reason) => format!("It failed before the job began: {reason}"),
+            None => format!("Rank {rank}'s own log (or ulysses-launch's) says why"),
+        }
     )]
-    WriterLeft { rank: usize, key: String, died: bool },
+    WriterLeft { rank: usize, key: String, died: bool, reason: Option<String> },
     #[error("the rendezvous on {addr} refused this rank: {reason}")]
     Rejected { addr: String, reason: String },
     #[error("rendezvous protocol: {0}")]

@@ -446,10 +446,21 @@ fn main() {
     if !args.eval_only && !args.no_save {
         stop_on_signals();
     }
+    let check = args.check;
     if let Err(message) = run(args) {
         // A process's rank error was said as it failed (the same message).
         if !ERROR_SAID.load(std::sync::atomic::Ordering::Relaxed) {
             eprintln!("error: {message}");
+        }
+        // A rank that failed before it joined the job (its data, its run folder) says so to the
+        // others, which would wait out the rendezvous timeout for it; `--check` joins no job.
+        if let (Some(env), false, false) = (PROCESS_ENV.get(), ulysses_dist::rendezvous::joined(), check) {
+            let reported = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string()).and_then(|config| {
+                ulysses_dist::rendezvous::Rendezvous::report_failure(env, &config, &message).map_err(|e| e.to_string())
+            });
+            if let Err(why) = reported {
+                eprintln!("warning: this rank's failure could not be said to the job's other ranks ({why}): they wait out the rendezvous timeout");
+            }
         }
         // A rank that failed because a peer did says so, for a launcher to name the peer.
         std::process::exit(if PEER_FAILED.load(std::sync::atomic::Ordering::Relaxed) { ulysses_dist::launch::EXIT_PEER_FAILED } else { 1 });
@@ -460,6 +471,9 @@ fn main() {
         std::process::exit(ulysses_dist::launch::EXIT_STOPPED_TO_RESUME);
     }
 }
+
+/// This process's launcher variables, where it is one rank of a job.
+static PROCESS_ENV: std::sync::OnceLock<ulysses_dist::LaunchEnv> = std::sync::OnceLock::new();
 
 /// Whether this process's rank failed because a peer did: it exits
 /// [`ulysses_dist::launch::EXIT_PEER_FAILED`].
@@ -853,6 +867,9 @@ fn run(mut args: Args) -> Result<(), String> {
             (_, launch) => launch,
         },
     };
+    if let Launch::Process(env) = &launch {
+        let _ = PROCESS_ENV.set(env.clone());
+    }
     // The run's notes once, not once a process.
     ulysses_trainer::train::say_run_notes(matches!(&launch, Launch::Threads) || matches!(&launch, Launch::Process(env) if env.rank == 0));
     // The --resume checkpoint's state, read once: its settings fill the flags not given, and

@@ -1946,6 +1946,28 @@ fn documents_are_tokenized_packed_evaluated_alike_at_every_layout_and_fine_tuned
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A rank that fails before it joins the job (rank 0 refusing a run folder with an earlier
+/// run's files, which only it claims) says why to the others, which end within seconds naming
+/// it and the reason: they waited out the rendezvous timeout for it, saying only that it never
+/// came.
+#[test]
+fn a_rank_that_fails_before_the_job_begins_is_named_with_its_reason_at_once() {
+    let dir = workspace("fails-before-the-job");
+    fs::create_dir_all(dir.join("run")).unwrap();
+    fs::write(dir.join("run/metrics.csv"), "step,loss\n0,5.5\n").unwrap();
+    let started = Instant::now();
+    let output = launched(2, "60").args(common_args(&dir, "run", 2)).args(["--sp", "2"]).env("ULYSSES_RENDEZVOUS_TIMEOUT", "40").output().unwrap();
+    let elapsed = started.elapsed();
+    let text = show(&output);
+    println!("{text}");
+    assert!(!output.status.success(), "{text}");
+    assert!(rank_error(&text, 0).contains("holds an earlier run's metrics.csv"), "{text}");
+    let error = rank_error(&text, 1);
+    assert!(error.contains("rank 0 ended its process") && error.contains("It failed before the job began") && error.contains("holds an earlier run's metrics.csv"), "{error}");
+    assert!(elapsed < Duration::from_secs(20), "the job took {elapsed:?} to end");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A rank that dies while its peers wait for it inside attention (an all-to-all that can only
 /// panic) is reported by each survivor in one line naming it, with no panic message or
 /// backtrace before it, even with RUST_BACKTRACE=1, and the survivor exits 76 (a peer's loss).

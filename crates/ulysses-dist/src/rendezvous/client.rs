@@ -103,6 +103,14 @@ impl RendezvousClient {
         self.get_key(key, None)
     }
 
+    /// Says, for the job's other ranks, that this rank failed before its part of the job
+    /// (`reason`); a rank that waits for a key this rank would have set names it.
+    pub fn set_failure(&mut self, reason: &str) -> Result<(), DistError> {
+        // Within a message however long the reason.
+        let reason: String = reason.chars().take(2000).collect();
+        self.set(&failure_key(self.rank), reason.as_bytes())
+    }
+
     /// The value of `key`, which rank `writer` sets: waits until it does, fails at once if
     /// it left the job without (at most the timeout).
     pub fn get_set_by(&mut self, key: &str, writer: usize) -> Result<Vec<u8>, DistError> {
@@ -112,7 +120,17 @@ impl RendezvousClient {
     fn get_key(&mut self, key: &str, writer: Option<usize>) -> Result<Vec<u8>, DistError> {
         match self.request(&Request::Get { key: key.into(), writer }, &format!("for key {key:?}"))? {
             Response::Value { value } => Ok(value),
-            Response::WriterLeft { rank, died } => Err(DistError::WriterLeft { rank, key: key.into(), died }),
+            Response::WriterLeft { rank, died } => {
+                // A rank that failed before its part of the job said why, where it could.
+                let reason = match (died, writer) {
+                    (false, Some(_)) => match self.request(&Request::Get { key: failure_key(rank), writer: Some(rank) }, "for a rank's failure") {
+                        Ok(Response::Value { value }) => Some(String::from_utf8_lossy(&value).into_owned()),
+                        _ => None,
+                    },
+                    _ => None,
+                };
+                Err(DistError::WriterLeft { rank, key: key.into(), died, reason })
+            }
             other => Err(DistError::Protocol(format!("expected a value, got {other:?}"))),
         }
     }
@@ -202,4 +220,9 @@ impl Drop for RendezvousClient {
             let _ = write_blocking(&mut self.stream, &Request::Goodbye);
         }
     }
+}
+
+/// Where rank `rank` says why it failed before its part of the job ([`RendezvousClient::set_failure`]).
+fn failure_key(rank: usize) -> String {
+    format!("failed/{rank}")
 }

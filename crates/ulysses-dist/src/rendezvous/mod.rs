@@ -16,6 +16,15 @@ pub use watch::{LeftRanks, PeerLoss, PeerWatch};
 
 use crate::{DistError, DistributedConfig, LaunchEnv};
 
+/// Whether this process has joined a job's rendezvous ([`Rendezvous::join`]).
+static JOINED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether this process has joined a job's rendezvous: a failure before it is said to the job
+/// with [`Rendezvous::report_failure`].
+pub fn joined() -> bool {
+    JOINED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// This rank's membership of the job's rendezvous.
 pub struct Rendezvous {
     client: Option<Mutex<RendezvousClient>>,
@@ -77,7 +86,18 @@ impl Rendezvous {
             },
             other => other,
         })?;
+        JOINED.store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(Self { client: Some(Mutex::new(client)), world_size: env.world_size, linger: timeout, server })
+    }
+
+    /// For a rank that failed before it joined the job (its data, its run folder): joins the
+    /// rendezvous as its part of the job would (waiting at most `config`'s rendezvous timeout
+    /// for the others), says `reason`, and leaves. A rank that waits for what this one would
+    /// have published names it and `reason` at once, where it waited out the rendezvous
+    /// timeout for a rank that never came, and said not why.
+    pub fn report_failure(env: &LaunchEnv, config: &DistributedConfig, reason: &str) -> Result<(), DistError> {
+        let rendezvous = Self::join(env, config)?;
+        rendezvous.client().set_failure(reason)
     }
 
     pub fn rank(&self) -> usize {
