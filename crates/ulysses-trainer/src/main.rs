@@ -454,7 +454,7 @@ fn main() {
         }
         // A rank that failed before it joined the job (its data, its run folder) says so to the
         // others, which would wait out the rendezvous timeout for it; `--check` joins no job.
-        if let (Some(env), false, false) = (PROCESS_ENV.get(), ulysses_dist::rendezvous::joined(), check) {
+        if let (Some(env), false, false) = (PROCESS_ENV.get(), ulysses_dist::rendezvous::join_tried(), check) {
             let reported = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string()).and_then(|config| {
                 ulysses_dist::rendezvous::Rendezvous::report_failure(env, &config, &message).map_err(|e| e.to_string())
             });

@@ -16,13 +16,14 @@ pub use watch::{LeftRanks, PeerLoss, PeerWatch};
 
 use crate::{DistError, DistributedConfig, LaunchEnv};
 
-/// Whether this process has joined a job's rendezvous ([`Rendezvous::join`]).
-static JOINED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Whether this process has tried to join a job's rendezvous ([`Rendezvous::join`]).
+static JOIN_TRIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Whether this process has joined a job's rendezvous: a failure before it is said to the job
-/// with [`Rendezvous::report_failure`].
-pub fn joined() -> bool {
-    JOINED.load(std::sync::atomic::Ordering::Relaxed)
+/// Whether this process has tried to join a job's rendezvous: a failure before it is said to
+/// the job with [`Rendezvous::report_failure`]; one in or after the join is not (a join that
+/// timed out would only time out again).
+pub fn join_tried() -> bool {
+    JOIN_TRIED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// This rank's membership of the job's rendezvous.
@@ -37,6 +38,7 @@ impl Rendezvous {
     /// Joins the job described by `env`; rank 0 also starts the server. Returns once every
     /// rank has joined, or fails after the rendezvous timeout.
     pub fn join(env: &LaunchEnv, config: &DistributedConfig) -> Result<Self, DistError> {
+        JOIN_TRIED.store(true, std::sync::atomic::Ordering::Relaxed);
         let token = &run_token(config.require_token()?, env.source == crate::env::EnvSource::Slurm, |name| std::env::var(name).ok());
         let timeout = config.rendezvous_timeout();
         // Refused at once on the other nodes' ranks, which would wait out the timeout; on rank
@@ -86,7 +88,6 @@ impl Rendezvous {
             },
             other => other,
         })?;
-        JOINED.store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(Self { client: Some(Mutex::new(client)), world_size: env.world_size, linger: timeout, server })
     }
 
