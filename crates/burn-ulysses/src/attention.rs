@@ -49,22 +49,6 @@ thread_local! {
     static DOCUMENT_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static CALLS_SEEING_EVERY_KEY: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static KEY_PADDING_MASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    static FAILURE: RefCell<Option<UlyssesError>> = const { RefCell::new(None) };
-}
-
-/// Panics with `error`'s message, keeping `error` for [`take_failure`]: backend ops (attention,
-/// the exchange's backward) return no errors, and a caller that catches the panic (the
-/// training step) gets the error as it was (a peer's loss stays `UlyssesError::Comm`).
-pub(crate) fn fail(error: UlyssesError) -> ! {
-    let message = error.to_string();
-    FAILURE.with_borrow_mut(|failure| *failure = Some(error));
-    panic!("{message}")
-}
-
-/// The error of this thread's last [`fail`], taken, where its message is `message` (the
-/// panic a caller caught was that failure's, not another's).
-pub fn take_failure(message: &str) -> Option<UlyssesError> {
-    FAILURE.with_borrow_mut(Option::take).filter(|error| error.to_string() == message)
 }
 
 /// Runs `attend` with the mask of its attention calls known for a key-padding one (a drop-in's
@@ -308,7 +292,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let output = heads_to_sequence(output, &plan, communicator)?;
         Ok(float_primitive(output))
     };
-    attend_or_explain().unwrap_or_else(|error| fail(error))
+    attend_or_explain().unwrap_or_else(|error| crate::failure::fail(error))
 }
 
 /// A `[B, 1 | H, 1, S_k]` key-padding mask as one run of real keys per sequence (added to

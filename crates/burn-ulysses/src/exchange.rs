@@ -98,7 +98,7 @@ impl<B: Backend> Backward<B, 1> for ExchangeBackward<B> {
 
     fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            self.reverse.run(grad, &*self.communicator).unwrap_or_else(|error| crate::attention::fail(UlyssesError::from(error)))
+            self.reverse.run(grad, &*self.communicator).unwrap_or_else(|error| crate::failure::fail(UlyssesError::from(error)))
         });
     }
 }

@@ -47,6 +47,7 @@ pub mod context;
 pub mod data;
 pub mod device_io;
 pub mod exchange;
+pub mod failure;
 pub mod flash;
 pub mod job;
 pub mod nn;

@@ -82,6 +82,18 @@ pub fn first_cause<R, P: std::fmt::Display>(results: Vec<Result<Result<R, DistEr
 /// as a `.unwrap()` prints it.
 const DEPARTURE: [&str; 2] = [" left the group (world rank ", "PeerLeft { peer: "];
 
+impl DistError {
+    /// Whether this rank failed because a peer did: it left before publishing what this rank
+    /// waits for, or left the group (a collective's error, carried as text).
+    pub fn is_peer_loss(&self) -> bool {
+        match self {
+            DistError::WriterLeft { .. } => true,
+            DistError::Job(message) => DEPARTURE.iter().any(|said| message.contains(said)),
+            _ => false,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use ulysses_core::comm::{Collective, CommError};

@@ -346,7 +346,9 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
             describe(status),
             plan.kill_grace
         );
-        wait_for_exits(&mut ranks, plan.kill_grace);
+        // A follower named has had the kill grace already, waiting for the cause.
+        let waited = follower.filter(|(named, _, _)| *named == rank).map_or(Duration::ZERO, |(_, _, at)| at.elapsed());
+        wait_for_exits(&mut ranks, plan.kill_grace.saturating_sub(waited));
         wait_while_busy(&mut ranks, &busy.0, plan.busy_limit);
         stop(&mut ranks, plan.kill_grace);
         join_for(forwarders, plan.kill_grace);

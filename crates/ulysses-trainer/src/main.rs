@@ -1971,13 +1971,21 @@ where
         let model = if lazy { model } else { model.fork(&rank.device) };
         // model.mpk is a MessagePack record, which holds no tensor past 4 GiB: not written then
         // (the checkpoint holds the model, `--save-hf` exports it).
-        let unrecordable = ulysses_training::checkpoint::check_record_fits(&model, "model.mpk is not written; --save-hf exports the model (safetensors)").err();
+        let unrecordable = ulysses_training::checkpoint::check_record_fits(
+            &model,
+            "model.mpk will not be written at the end (the checkpoint holds the model; --save-hf, with --model or --hf-config, exports it as safetensors)",
+        )
+        .err();
+        // Said before training, not after it.
+        if let (Some(why), 0, false) = (&unrecordable, rank.world_rank, job.args.no_save) {
+            tracing::warn!("{why}");
+        }
         let (mut trained, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options).map_err(|e| rank_failure(threads, e))?;
         match (&unrecordable, job.args.no_save) {
             (_, true) => {}
-            (Some(why), false) => {
-                if rank.world_rank == 0 {
-                    tracing::warn!("{why}");
+            (Some(_), false) => {
+                if let Some(log) = log.as_mut() {
+                    log.wrote = "metrics.csv, loss.png, config.json, checkpoint.ulysses";
                 }
             }
             // Every rank: under ZeRO-3 the ranks gather it a layer at a time for rank 0.
@@ -1988,7 +1996,13 @@ where
         }
         Ok(())
     })()))
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| {
+        // A process's rank that failed joining because a peer did (it left, failing first).
+        if !threads && e.is_peer_loss() {
+            PEER_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        e.to_string()
+    })?;
     // Threads: every failed rank's line (the one that failed first is among them, the others
     // name it); a process: its own.
     let failures: Vec<String> =

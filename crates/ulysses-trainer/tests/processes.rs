@@ -1964,6 +1964,9 @@ fn a_rank_that_fails_before_the_job_begins_is_named_with_its_reason_at_once() {
     assert!(rank_error(&text, 0).contains("holds an earlier run's metrics.csv"), "{text}");
     let error = rank_error(&text, 1);
     assert!(error.contains("rank 0 ended its process") && error.contains("It failed before the job began") && error.contains("holds an earlier run's metrics.csv"), "{error}");
+    // Rank 1 ends first (rank 0 serves the rendezvous until it has left) and exits 76: the
+    // launcher names rank 0.
+    assert!(text.contains("ulysses-launch: rank 0 exited with status 1;") && text.contains("rank 1 exited with status 76"), "{text}");
     assert!(elapsed < Duration::from_secs(20), "the job took {elapsed:?} to end");
     let _ = fs::remove_dir_all(&dir);
 }

@@ -1043,8 +1043,10 @@ pub fn evaluate_single_device<B: Backend>(
 /// backward (a peer died), or any other failure there, can only panic, since backend ops
 /// return no errors. Caught here, it becomes an error like every other of the step.
 fn model_failure_as_error<T>(run: impl FnOnce() -> T) -> Result<T, UlyssesError> {
-    // A failure of burn-ulysses' own ops as the error it was (a peer's loss stays one).
-    catch_model_failure(run).map_err(|message| burn_ulysses::attention::take_failure(&message).unwrap_or(UlyssesError::InModel { message }))
+    // A failure of burn-ulysses' own ops as the error it was (a peer's loss stays one); one
+    // left by a panic another caller caught is not this run's.
+    burn_ulysses::failure::clear_failure();
+    catch_model_failure(run).map_err(|message| burn_ulysses::failure::take_failure(&message).unwrap_or(UlyssesError::InModel { message }))
 }
 
 /// Sums a few counters over the ranks of `communicator` (a host collective).

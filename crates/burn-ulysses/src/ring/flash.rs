@@ -157,7 +157,7 @@ impl<B: PlainBackend> Backward<B, 3> for FusedRingBackward<B> {
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let output_grad = float_tensor::<B, 4>(grads.consume::<B>(&ops.node));
         // A backward op cannot return an error; every rank reaches the same verdict.
-        let [dq, dk, dv] = backward(ops.state, output_grad, &self.ring).unwrap_or_else(|error| crate::attention::fail(error));
+        let [dq, dk, dv] = backward(ops.state, output_grad, &self.ring).unwrap_or_else(|error| crate::failure::fail(error));
         let [query, key, value] = ops.parents;
         for (parent, grad) in [(query, dq), (key, dk), (value, dv)] {
             if let Some(parent) = parent {

@@ -16,6 +16,9 @@ pub use watch::{LeftRanks, PeerLoss, PeerWatch};
 
 use crate::{DistError, DistributedConfig, LaunchEnv};
 
+/// The longest [`Rendezvous::report_failure`] waits for the other ranks to join (and to leave).
+const REPORT_TIMEOUT_SECS: f64 = 30.0;
+
 /// Whether this process has tried to join a job's rendezvous ([`Rendezvous::join`]).
 static JOIN_TRIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -97,7 +100,10 @@ impl Rendezvous {
     /// have published names it and `reason` at once, where it waited out the rendezvous
     /// timeout for a rank that never came, and said not why.
     pub fn report_failure(env: &LaunchEnv, config: &DistributedConfig, reason: &str) -> Result<(), DistError> {
-        let rendezvous = Self::join(env, config)?;
+        // At most 30 s (and the linger after it): a peer that died before joining must not
+        // hold a failed rank for the whole rendezvous timeout.
+        let bounded = config.clone().with_rendezvous_timeout_secs(config.rendezvous_timeout().as_secs_f64().min(REPORT_TIMEOUT_SECS));
+        let rendezvous = Self::join(env, &bounded)?;
         rendezvous.client().set_failure(reason)
     }
 
