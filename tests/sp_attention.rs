@@ -341,3 +341,25 @@ fn ulysses_by_ring_bytes_per_rank_match_their_formula() {
         assert_eq!(bytes.map(|b| b as usize), [all_to_all, passes, 2 * all_to_all, 2 * passes], "rank {r}");
     }
 }
+
+/// What a padded training step's check counts (`attention::calls_seeing_every_key`):
+/// self-attention that sees every key (not causal, no mask), not cross-attention to keys of
+/// another length (latents, a memory), nor causal or masked self-attention.
+#[test]
+fn calls_seeing_every_key_count_unmasked_self_attention_alone() {
+    use burn_ulysses::attention::calls_seeing_every_key;
+    let device = Default::default();
+    let [q, k] = [(4, 1), (6, 2)].map(|(seq, stream)| uniform_tensor::<Sp, 4>([1, 2, seq, 8], stream, &device));
+    let both_ways = AttentionModuleOptions { is_causal: false, ..Default::default() };
+    let counted = |call: &dyn Fn()| {
+        let before = calls_seeing_every_key();
+        call();
+        calls_seeing_every_key() - before
+    };
+    assert_eq!(counted(&|| drop(attention(q.clone(), q.clone(), q.clone(), None, None, both_ways))), 1, "self-attention both ways");
+    assert_eq!(counted(&|| drop(attention(q.clone(), k.clone(), k.clone(), None, None, both_ways))), 0, "cross-attention to 6 keys");
+    let causal = AttentionModuleOptions { is_causal: true, ..Default::default() };
+    assert_eq!(counted(&|| drop(attention(q.clone(), q.clone(), q.clone(), None, None, causal))), 0, "causal self-attention");
+    let mask = Tensor::<Sp, 4, Bool>::from_data(TensorData::new(vec![false; 4], [1, 1, 1, 4]), &device);
+    assert_eq!(counted(&|| drop(attention(q.clone(), q.clone(), q.clone(), Some(mask.clone()), None, both_ways))), 0, "masked self-attention");
+}
