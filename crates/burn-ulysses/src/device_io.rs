@@ -273,14 +273,14 @@ pub fn queue_read<W: PlainBackend>(tensor: FloatTensor<W>) -> PendingRead {
 /// The data of `reads`, in order, waiting once for all of them: one drain, or one overlapped
 /// wait if a read was queued on this thread after the last of them (see the module doc);
 /// nothing if every one had arrived already. Every read is waited for, a failed one's
-/// followers too, before the first failure is returned.
+/// followers too (dropped, [`PendingRead`] waits), before the first failure is returned.
 pub fn arrive(reads: Vec<PendingRead>) -> Result<Vec<TensorData>, ExecutionError> {
     let newest = reads.iter().filter(|pending| matches!(pending.read, Some(QueuedRead::Queued(_)))).map(|pending| pending.sequence).max();
     if let Some(newest) = newest {
         let overlapped = COUNTS.with(Cell::get).queued_reads > newest;
         count(|c| if overlapped { c.overlapped_waits += 1 } else { c.drains += 1 });
     }
-    let arrived: Vec<Result<TensorData, ExecutionError>> = reads
+    reads
         .into_iter()
         .map(|mut pending| match pending.read.take().expect("a pending read holds its read until it arrives") {
             QueuedRead::Arrived(data) => data,
@@ -290,8 +290,7 @@ pub fn arrive(reads: Vec<PendingRead>) -> Result<Vec<TensorData>, ExecutionError
                 Ok(data)
             }
         })
-        .collect();
-    arrived.into_iter().collect()
+        .collect()
 }
 
 #[cfg(test)]

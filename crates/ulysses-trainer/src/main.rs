@@ -479,13 +479,18 @@ static PROCESS_ENV: std::sync::OnceLock<ulysses_dist::LaunchEnv> = std::sync::On
 /// [`ulysses_dist::launch::EXIT_PEER_FAILED`].
 static PEER_FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// A rank's error as the trainer reports it, noting (for the process's exit status) a
-/// process's rank, the one of its process, that failed on a peer's loss.
+/// A rank's error as the trainer reports it, noting [`note_peer_loss`].
 fn rank_failure(threads: bool, error: burn_ulysses::UlyssesError) -> String {
-    if !threads && error.is_peer_loss() {
+    note_peer_loss(threads, error.is_peer_loss());
+    error.to_string()
+}
+
+/// Notes, for the process's exit status, a process's rank (the one of its process) that
+/// failed on a peer's loss.
+fn note_peer_loss(threads: bool, peer_loss: bool) {
+    if !threads && peer_loss {
         PEER_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
     }
-    error.to_string()
 }
 
 /// Whether this process printed its error already ([`said_before_leaving`]).
@@ -1997,10 +2002,8 @@ where
         Ok(())
     })()))
     .map_err(|e| {
-        // A process's rank that failed joining because a peer did (it left, failing first).
-        if !threads && e.is_peer_loss() {
-            PEER_FAILED.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
+        // A rank that failed joining because a peer did (it left, failing first).
+        note_peer_loss(threads, e.is_peer_loss());
         e.to_string()
     })?;
     // Threads: every failed rank's line (the one that failed first is among them, the others
