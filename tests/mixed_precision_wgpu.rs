@@ -698,3 +698,27 @@ fn a_given_half_precision_gradient_is_scaled_by_its_upstream_in_f32() {
         .collect();
     assert!(wrong.is_empty(), "{} of 64 not the f16 nearest value / {tokens} (value, got, nearest): {wrong:?}", wrong.len());
 }
+
+/// A half-precision embedding (a compute copy's weight, looked up outside layer checkpointing)
+/// sums a repeated token's gradient rows in f32, as PyTorch's embedding backward does, and
+/// keeps its dtype: 4 096 lookups of one row give 4 096, where f16's own sum stops at 2 048
+/// (its spacing there is 2; in bf16 the sum stops at 256 times the addends).
+#[test]
+fn a_half_precision_embedding_sums_a_repeated_tokens_rows_in_f32() {
+    use burn::tensor::{Int, Tensor};
+    if !runtime_available::<Runtime>() {
+        return;
+    }
+    const REPEATS: usize = 4096;
+    const WIDTH: usize = 8;
+    let device = Default::default();
+    let weight = Tensor::<Ad, 2>::zeros([3, WIDTH], (&device, DType::F16)).require_grad();
+    let tokens = Tensor::<Ad, 2, Int>::ones([1, REPEATS], &device);
+    let embedded = burn::tensor::module::embedding(weight.clone(), tokens);
+    let grads = embedded.cast(FloatDType::F32).sum().backward();
+    let got = weight.grad(&grads).expect("the weight's gradient").into_data();
+    assert_eq!(got.dtype, DType::F16, "the gradient keeps the weight's dtype");
+    let got = got.convert::<f32>().to_vec::<f32>().unwrap();
+    let want: Vec<f32> = (0..3).flat_map(|row| [if row == 1 { REPEATS as f32 } else { 0.0 }; WIDTH]).collect();
+    assert_eq!(got, want, "row 1 looked up {REPEATS} times (rows 0 and 2 never)");
+}

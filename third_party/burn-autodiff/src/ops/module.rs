@@ -6,7 +6,8 @@ use crate::graph::NodeId;
 use crate::ops::{Backward, Ops, unary};
 use crate::tensor::AutodiffTensor;
 
-use burn_backend::Backend;
+use burn_backend::{Backend, TensorMetadata};
+use burn_std::{DType, FloatDType};
 use burn_backend::ops::attention::attention_fallback;
 use burn_backend::ops::*;
 use burn_backend::tensor::{FloatTensor, IntTensor};
@@ -30,7 +31,17 @@ impl<B: Backend, C: CheckpointStrategy> ModuleOps<Autodiff<B, C>> for Autodiff<B
                 let (weights, indices) = ops.state;
 
                 unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-                    B::embedding_backward(weights, grad, indices)
+                    // burn-ulysses patch: a half-precision weight's gradient rows are summed in
+                    // f32 (the sum's dtype is the upstream gradient's), then given the weight's
+                    // dtype, as PyTorch's embedding backward accumulates: summed in bf16, a
+                    // repeated token's row stopped growing at 256 times its addends.
+                    let dtype = weights.dtype();
+                    if matches!(dtype, DType::F16 | DType::BF16) {
+                        let grad = B::float_cast(grad, FloatDType::F32);
+                        B::float_cast(B::embedding_backward(weights, grad, indices), dtype.into())
+                    } else {
+                        B::embedding_backward(weights, grad, indices)
+                    }
                 });
             }
         }
