@@ -286,15 +286,43 @@ impl HfConfig {
             Family::Mistral => (false, false),
         };
         let num_hidden_layers = keys.count("num_hidden_layers", None)?;
+        // Each layer's attention where the config lists it (`"sliding_attention"` or
+        // `"full_attention"`).
+        let layer_types = keys.get("layer_types").and_then(Value::as_array);
+        let all_layers = |kind: &str| layer_types.is_some_and(|types| types.iter().all(|t| t.as_str() == Some(kind)));
         let sliding_window = match family {
-            // Absent, Mistral's window is 4096 keys (transformers' default); `null`, none.
-            Family::Mistral if !keys.names("sliding_window") => Some(4096),
-            Family::Mistral => keys.optional_count("sliding_window")?,
+            Family::Mistral => {
+                // Absent, Mistral's window is 4096 keys (transformers' default); `null`, none.
+                let window = if keys.names("sliding_window") { keys.optional_count("sliding_window")? } else { Some(4096) };
+                // transformers loads a Mistral config that lists `layer_types` as Ministral's,
+                // whose window is each listed sliding layer's alone.
+                match (layer_types, window) {
+                    (None, window) => window,
+                    (Some(_), _) if all_layers("full_attention") => None,
+                    (Some(_), Some(window)) if all_layers("sliding_attention") => Some(window),
+                    (Some(_), _) => {
+                        return Err(keys.error(
+                            "layer_types",
+                            "lists attention that differs by layer (or sliding layers without a sliding_window), as Ministral's configs do \
+                             (transformers loads a Mistral config with layer_types as Ministral): a window on some layers alone is not represented",
+                        ));
+                    }
+                }
+            }
+            // A sliding layer listed with sliding switched off has no window: transformers
+            // refuses to build its mask.
+            Family::Qwen2 | Family::Qwen3 if !keys.flag("use_sliding_window", false)? && layer_types.is_some_and(|types| types.iter().any(|t| t.as_str() == Some("sliding_attention"))) => {
+                return Err(keys.error(
+                    "layer_types",
+                    "lists sliding_attention layers and use_sliding_window is false, which leaves them no window (transformers cannot run such a \
+                     config either): list full_attention layers alone",
+                ));
+            }
             Family::Qwen2 | Family::Qwen3 if keys.flag("use_sliding_window", false)? => {
                 // Which layers slide, as transformers lays them out: `layer_types` where given,
                 // else every layer from `max_window_layers` (28) on. None sliding is full
                 // attention everywhere, which the decoder represents.
-                let sliding = match keys.get("layer_types").and_then(Value::as_array) {
+                let sliding = match layer_types {
                     Some(types) => types.iter().any(|t| t.as_str() == Some("sliding_attention")),
                     None => keys.whole("max_window_layers", 28)? < num_hidden_layers,
                 };
@@ -841,6 +869,13 @@ mod tests {
         let mut no_window: Value = serde_json::from_str(&with(&qwen2, "max_window_layers", json!(8))).unwrap();
         no_window["sliding_window"] = Value::Null;
         assert_eq!(HfConfig::from_hf_json(&no_window.to_string(), "a").unwrap().sliding_window, None);
+        // A Mistral config listing one attention for every layer (Ministral's, as transformers
+        // loads it): the window on every layer, or on none.
+        let mistral = with(&with(&with(LLAMA, "model_type", json!("mistral")), "architectures", Value::Null), "sliding_window", json!(512));
+        for (kind, window) in [("sliding_attention", Some(512)), ("full_attention", None)] {
+            let listed = with(&mistral, "layer_types", json!([kind, kind]));
+            assert_eq!(HfConfig::from_hf_json(&listed, "a").unwrap().sliding_window, window, "{kind}");
+        }
     }
 
     #[test]
@@ -908,6 +943,22 @@ mod tests {
             (
                 with(&with(&with(&with(LLAMA, "model_type", json!("qwen3")), "architectures", Value::Null), "use_sliding_window", json!(true)), "layer_types", json!(["full_attention", "sliding_attention"])),
                 "`use_sliding_window` is true and some layers slide",
+            ),
+            // Listed sliding layers with sliding switched off (no window: transformers fails).
+            (
+                with(&with(&with(LLAMA, "model_type", json!("qwen3")), "architectures", Value::Null), "layer_types", json!(["full_attention", "sliding_attention"])),
+                "`layer_types` lists sliding_attention layers and use_sliding_window is false",
+            ),
+            // Mistral with per-layer attention is Ministral's (a window on some layers alone),
+            // and sliding layers need a window.
+            (
+                with(&with(&with(LLAMA, "model_type", json!("mistral")), "architectures", Value::Null), "layer_types", json!(["full_attention", "sliding_attention"])),
+                "`layer_types` lists attention that differs by layer",
+            ),
+            (
+                with(&with(&with(LLAMA, "model_type", json!("mistral")), "architectures", Value::Null), "layer_types", json!(["sliding_attention", "sliding_attention"]))
+                    .replacen('{', r#"{"sliding_window": null, "#, 1),
+                "`layer_types` lists attention that differs by layer (or sliding layers without a sliding_window)",
             ),
             ("[1, 2]".to_string(), "`config.json` is not a JSON object"),
         ];
