@@ -496,15 +496,22 @@ fn conversation(messages: &Value) -> Option<Vec<Value>> {
 }
 
 /// A conversation line's variables for the chat template, as TRL's SFTTrainer renders a line:
-/// its `tools`, and its `chat_template_kwargs`.
+/// its `tools` (a string of JSON parsed first, as TRL does: datasets store them so), and its
+/// `chat_template_kwargs`.
 fn template_variables(fields: &serde_json::Map<String, Value>) -> Result<serde_json::Map<String, Value>, String> {
     let mut variables = match fields.get("chat_template_kwargs") {
         None | Some(Value::Null) => serde_json::Map::new(),
         Some(Value::Object(kwargs)) => kwargs.clone(),
         Some(_) => return Err("\"chat_template_kwargs\" must be an object of the chat template's variables".into()),
     };
-    if let Some(tools) = fields.get("tools").filter(|tools| !tools.is_null())
-        && variables.insert("tools".into(), tools.clone()).is_some()
+    let tools = match fields.get("tools") {
+        Some(Value::String(json)) => Some(
+            serde_json::from_str::<Value>(json).map_err(|e| format!("\"tools\" is a string that is not JSON ({e}): give the tool schemas as a list of objects, or as that list's JSON"))?,
+        ),
+        tools => tools.cloned(),
+    };
+    if let Some(tools) = tools.filter(|tools| !tools.is_null())
+        && variables.insert("tools".into(), tools).is_some()
     {
         return Err("has \"tools\" both beside the messages and in \"chat_template_kwargs\": give them once".into());
     }
@@ -738,9 +745,14 @@ mod tests {
         let line = r#"{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}], "tools": [{"name": "f"}], "chat_template_kwargs": {"enable_thinking": false}}"#;
         let Ok(Pending::Messages(_, variables)) = parse_line(line) else { panic!("{line} refused") };
         assert_eq!(Value::Object(variables), serde_json::json!({"tools": [{"name": "f"}], "enable_thinking": false}));
+        // Tools stored as a string of JSON (as datasets keep them) are parsed, as TRL does.
+        let line = r#"{"messages": [{"role": "user", "content": "hi"}], "tools": "[{\"name\": \"f\"}]"}"#;
+        let Ok(Pending::Messages(_, variables)) = parse_line(line) else { panic!("{line} refused") };
+        assert_eq!(Value::Object(variables), serde_json::json!({"tools": [{"name": "f"}]}));
         for (line, expected) in [
             (r#"{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}"#, "\"chat_template_kwargs\" must be an object"),
             (r#"{"messages": [{"role": "user", "content": "hi"}], "tools": [], "chat_template_kwargs": {"tools": []}}"#, "give them once"),
+            (r#"{"messages": [{"role": "user", "content": "hi"}], "tools": "[{"}"#, "\"tools\" is a string that is not JSON"),
             (r#"{"text": "a", "input_ids": [1]}"#, "has \"text\" and \"input_ids\""),
             (r#"{"text": 3}"#, "must be a string"),
             (r#"{"input_ids": [1.5]}"#, "integer token ids"),

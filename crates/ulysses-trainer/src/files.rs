@@ -55,8 +55,8 @@ fn walk(path: &Path, files: &mut Vec<PathBuf>, folders: &mut HashSet<PathBuf>) -
 /// - a folder of JSON beside text files (a `LICENSE.txt` beside `data.jsonl`: `datasets` reads
 ///   a folder in one format);
 /// - a file given itself whose name says a format this reader does not take (`.csv`,
-///   `.parquet`, compressed), or that holds JSON Lines under another name (`.ndjson`): each
-///   would be one text document of its syntax;
+///   `.parquet`, compressed), or that holds JSON Lines under another name (`.ndjson`, a
+///   `.txt` of `{"text": ...}` records): each would be one text document of its syntax;
 /// - a Git LFS pointer in place of its data (a dataset cloned without `git lfs`).
 ///
 /// `flag` names the path in messages (`--data`, `--eval-data`).
@@ -72,7 +72,14 @@ pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>
                 path.display()
             ));
         }
-        if !extension(path, &["jsonl", "json", "txt"]) && first_line_is_json_lines(path) {
+        // A `.txt` is text unless its first line is a record this reader takes (`{"text": ...}`):
+        // a text that begins with some other JSON stays a text.
+        let json_lines = match first_json_line(path) {
+            Some(serde_json::Value::Object(fields)) if extension(path, &["txt"]) => ["text", "messages", "prompt", "input_ids"].iter().any(|f| fields.contains_key(*f)),
+            Some(_) => !extension(path, &["jsonl", "json", "txt"]),
+            None => false,
+        };
+        if json_lines {
             return Err(format!(
                 "{flag} {} holds JSON Lines but is not named .jsonl, so it would be read as one text document of JSON: rename it to .jsonl",
                 path.display()
@@ -138,15 +145,22 @@ pub fn data_files(flag: &str, path: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>
     Ok((data, others))
 }
 
-/// Whether `file`'s first line is a JSON object or array (JSON Lines of texts or of ids,
-/// whatever the file's name).
-fn first_line_is_json_lines(file: &Path) -> bool {
+/// `file`'s first line that is not blank (past a byte-order mark), where it is a JSON object
+/// or array: JSON Lines of texts or of ids, whatever the file's name.
+fn first_json_line(file: &Path) -> Option<serde_json::Value> {
     use std::io::{BufRead, Read};
-    let Ok(opened) = fs::File::open(file) else { return false };
-    let mut line = String::new();
+    let opened = fs::File::open(file).ok()?;
     // A text corpus's first line is short; JSON Lines' first object is read whole (bounded).
-    let read = std::io::BufReader::new(opened).take(1 << 20).read_line(&mut line);
-    read.is_ok() && line.trim_start().starts_with(['{', '[']) && serde_json::from_str::<serde_json::Value>(line.trim()).is_ok_and(|v| v.is_object() || v.is_array())
+    let mut reader = std::io::BufReader::new(opened).take(1 << 20);
+    let mut line = String::new();
+    while reader.read_line(&mut line).ok()? > 0 {
+        let content = line.trim_start_matches('\u{feff}').trim();
+        if !content.is_empty() {
+            return serde_json::from_str::<serde_json::Value>(content).ok().filter(|v| content.starts_with(['{', '[']) && (v.is_object() || v.is_array()));
+        }
+        line.clear();
+    }
+    None
 }
 
 /// Refuses a Git LFS pointer in place of a data file: a dataset cloned without `git lfs` holds
@@ -211,6 +225,14 @@ mod tests {
         }
         fs::write(dir.join("ids.ndjson"), "[5, 6]\n[7]\n").unwrap();
         assert!(data_files("--data", &dir.join("ids.ndjson")).unwrap_err().contains("rename it to .jsonl"));
+        // Past blank lines and a byte-order mark; a `.txt` of records the reader takes, but not
+        // a text that begins with other JSON.
+        for (name, lines) in [("blank.ndjson", "\n\n{\"text\": \"a\"}\n"), ("marked.ndjson", "\u{feff}[5]\n"), ("records.txt", "{\"text\": \"a\"}\n{\"text\": \"b\"}\n")] {
+            fs::write(dir.join(name), lines).unwrap();
+            assert!(data_files("--data", &dir.join(name)).unwrap_err().contains("rename it to .jsonl"), "{name}");
+        }
+        fs::write(dir.join("story.txt"), "{\"quoted\": 1}\nthen prose\n").unwrap();
+        assert_eq!(data_files("--data", &dir.join("story.txt")).unwrap().0, [dir.join("story.txt")]);
         fs::remove_dir_all(&dir).unwrap();
     }
 }
