@@ -141,7 +141,7 @@ fn a_zero_3_model_rank_0_cannot_write_fails_on_rank_0_alone() {
             let device = Default::default();
             let model = DecoderConfig::new(VOCAB).with_d_model(32).with_n_layers(3).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).init::<Sp>(&device);
             let (placeholders, parts) = ShardedParameters::shard(model, rank.rank(), 2, OptimizerPlace::Host).unwrap();
-            TrainedModel::new(placeholders, Some(parts)).save(&path, &*rank.communicator())
+            TrainedModel::new(placeholders, Some(parts)).save(&path, &*rank.communicator()).map_err(|e| e.to_string())
         })
     };
     let results = with_deadline(Duration::from_secs(60), run);
@@ -150,4 +150,23 @@ fn a_zero_3_model_rank_0_cannot_write_fails_on_rank_0_alone() {
     let error = results[0].as_ref().expect_err("rank 0 wrote into a folder that is a file");
     assert!(error.contains("burn-ulysses-zero3-unwritable"), "rank 0's error names no path: {error}");
     assert_eq!(results[1], Ok(()), "rank 1's save");
+}
+
+/// Under ZeRO-3 a rank whose peer leaves while the model is gathered for its save fails on a
+/// peer's loss (the trainer then exits 76, for a launcher to name the peer), not on its own.
+#[test]
+fn a_zero_3_save_that_loses_a_peer_fails_as_a_peer_loss() {
+    let path = std::env::temp_dir().join(format!("burn-ulysses-zero3-peer-left-{}", std::process::id())).join("model");
+    let results = with_deadline(Duration::from_secs(60), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let device = Default::default();
+            let model = DecoderConfig::new(VOCAB).with_d_model(32).with_n_layers(2).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(64).init::<Sp>(&device);
+            let (placeholders, parts) = ShardedParameters::shard(model, rank.rank(), 2, OptimizerPlace::Host).unwrap();
+            // Rank 1 leaves (its communicator dropped) instead of joining the gathers.
+            (rank.rank() == 0).then(|| TrainedModel::new(placeholders, Some(parts)).save(&path, &*rank.communicator()).err().map(|e| (e.is_peer_loss(), e.to_string())))
+        })
+    });
+    let rank_0 = results.into_iter().next().unwrap().unwrap_or_else(|p| panic!("rank 0 panicked: {p}"));
+    let (peer_loss, message) = rank_0.flatten().expect("rank 0 saved a model it could not gather");
+    assert!(peer_loss && message.contains("rank 1"), "rank 0's error is not a peer's loss naming rank 1: {message}");
 }

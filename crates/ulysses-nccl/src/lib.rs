@@ -65,7 +65,7 @@ pub enum NcclError {
     DriverMissing,
     #[error(
         "GPU {ordinal} does not exist: this process sees {count} CUDA device(s), 0..{count}. Pick one \
-         of them (the launcher's LOCAL_RANK, ULYSSES_GPU or the trainer's --device), or widen \
+         of them (the launcher's LOCAL_RANK, the trainer's --device, or ulysses-nccl-check's ULYSSES_GPU), or widen \
          CUDA_VISIBLE_DEVICES"
     )]
     NoSuchGpu { ordinal: usize, count: usize },

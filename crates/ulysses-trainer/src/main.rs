@@ -798,12 +798,21 @@ fn ignored_flags(args: &Args, config: &TrainConfig, threads: bool) -> Vec<String
     if given("device") && args.backend == BackendKind::Cpu {
         notes.push("--device picks a GPU, and the CPU backend has one device: it changes nothing".to_string());
     }
+    if given("pack") && args.data.is_some() {
+        notes.push("--pack makes paragraphs documents, and --data is read as documents always (packed): it changes nothing".to_string());
+    }
+    if given("eval_single_device") && args.eval_every == 0 && !args.eval_only {
+        notes.push("--eval-single-device says how the held-out loss is computed, and --eval-every 0 computes none: it changes nothing".to_string());
+    }
+    if std::env::var_os("ULYSSES_GPU").is_some() {
+        notes.push("ULYSSES_GPU places ulysses-nccl-check's ranks, and the trainer's device is LOCAL_RANK's or --device's: it changes nothing".to_string());
+    }
     if args.f32_head && config.precision == Precision::F32 {
         notes.push("--f32-head computes the logits in f32 where the layers compute in bf16; under --precision f32 they are f32 already".to_string());
     }
     if args.eval_only {
         let flags = |ids: &[&str]| -> Vec<String> { ids.iter().filter(|id| given(id)).map(|id| format!("--{}", id.replace('_', "-"))).collect() };
-        let training = flags(&["steps", "learning_rate", "grad_accumulation", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save", "out", "overwrite", "offload_to_host", "offload_layers", "progress"]);
+        let training = flags(&["steps", "learning_rate", "grad_accumulation", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save", "out", "overwrite", "offload_to_host", "offload_layers", "progress", "profile", "device_memory", "host_memory"]);
         if !training.is_empty() {
             notes.push(format!("--eval-only trains nothing and saves nothing: {} change nothing", training.join(", ")));
         }
@@ -1207,6 +1216,13 @@ fn run(mut args: Args) -> Result<(), String> {
             ));
         }
     }
+    // An export the run cannot write as asked, before the model and the data are read (minutes
+    // for 8B; `train_rank` would refuse it there): a sharded optimizer's half-precision compute
+    // copy is what a --save-hf holds.
+    if let (Some(asked), Some(_), false) = (args.save_hf_dtype, &args.save_hf, args.eval_only) {
+        let compute_copy = (config.shards_optimizer() && config.precision != Precision::F32).then_some(burn::tensor::FloatDType::BF16);
+        ulysses_trainer::train::save_hf_dtype(Some(asked.into()), asked.into(), compute_copy)?;
+    }
     // A backend this binary lacks, before the data is read (minutes for a large --data): --check
     // goes on, saying which feature gives it (a GPU run's settings checked on a CPU build).
     if let (Some(feature), false) = (backend_feature_missing(args.backend), args.check) {
@@ -1224,6 +1240,18 @@ fn run(mut args: Args) -> Result<(), String> {
     if is_first {
         for note in ignored_flags(&args, &config, matches!(launch, Launch::Threads)) {
             tracing::warn!("{note}");
+        }
+    }
+    // What needs no data, refused before it is read (minutes for a large --data): the
+    // environment's settings, a run folder this run may not write, a resume's settings.
+    let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
+    if is_first && !args.eval_only {
+        RunFolder::check(&out, Claim::of(&out, args.resume.as_deref(), args.overwrite))?;
+    }
+    if let (Some(state), false) = (&resumed, args.eval_only) {
+        check_resumable(&config, state)?;
+        if let Some(stop) = args.stop_after.filter(|&stop| stop <= state.completed_steps) {
+            return Err(format!("--stop-after {stop}: the checkpoint has already taken {} steps; stop after a later step", state.completed_steps));
         }
     }
     let mut eval_sequences = None;
@@ -1311,7 +1339,6 @@ fn run(mut args: Args) -> Result<(), String> {
     if let Some(held_out) = &args.eval_data {
         data_identity = data_identity.evaluated_on(held_out)?;
     }
-    let dist = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string())?;
     let options = JobOptions { device_index: args.device, ..JobOptions::new(layout, dist) };
     if let Some(sequences) = eval_sequences {
         if args.check {
@@ -1326,7 +1353,6 @@ fn run(mut args: Args) -> Result<(), String> {
     let resumed_at = match resumed {
         None => None,
         Some(state) => {
-            check_resumable(&config, &state)?;
             if let Some(note) = state.resume_notes().filter(|_| is_first) {
                 tracing::warn!("{note}");
             }
@@ -1335,19 +1361,10 @@ fn run(mut args: Args) -> Result<(), String> {
             if let Some(why) = state.data.as_ref().and_then(|saved| data_identity.differs_from(saved)).filter(|_| !args.allow_new_data) {
                 return Err(why);
             }
-            if let Some(stop) = args.stop_after.filter(|&stop| stop <= state.completed_steps) {
-                return Err(format!(
-                    "--stop-after {stop}: the checkpoint has already taken {} steps; stop after a later step",
-                    state.completed_steps
-                ));
-            }
             Some(state.completed_steps)
         }
     };
     if args.check {
-        if is_first {
-            RunFolder::check(&out, Claim::of(&out, args.resume.as_deref(), args.overwrite))?;
-        }
         let adamw = ulysses_training::adamw_settings(&config.optimizer).map_err(|e| e.to_string())?;
         let work = format!(
             "{} steps of {} sequences × {} tokens, AdamW at {:e} (β {}, {}, ε {:e}, weight decay {}) after {} warm-up steps, then {}",
@@ -1539,8 +1556,14 @@ fn planned_memory(args: &Args, config: &TrainConfig, launch: &Launch) -> Result<
     if config.layer_checkpointing.is_none() {
         return Err("--device-memory: a step's peak is estimated for checkpointed layers alone: add --checkpoint-layers".into());
     }
+    // Ranks that are threads of this process share its one GPU: each plans with its share.
+    let sharing = match launch {
+        Launch::Threads if args.backend != BackendKind::Cpu => config.layout.world_size() as u64,
+        _ => 1,
+    };
+    let device_total = bytes(device_gb, "--device-memory")?;
     let machine = memory::Machine {
-        device_bytes: bytes(device_gb, "--device-memory")?,
+        device_bytes: device_total / sharing,
         host_bytes: args.host_memory.map(|gb| bytes(gb, "--host-memory")).transpose()?,
         ranks_per_host: match launch {
             Launch::Threads => config.layout.world_size(),
@@ -1553,7 +1576,11 @@ fn planned_memory(args: &Args, config: &TrainConfig, launch: &Launch) -> Result<
         Some(limit) => format!(" and a host of {} ({} rank(s) on it)", gb(limit), machine.ranks_per_host),
         None => String::new(),
     };
-    let machines = format!("a device of {}{host}", gb(machine.device_bytes));
+    let device = match sharing {
+        1 => gb(device_total),
+        ranks => format!("{} shared by its {ranks} ranks, threads of one process ({} each)", gb(device_total), gb(machine.device_bytes)),
+    };
+    let machines = format!("a device of {device}{host}");
     let (device, host_needed) = memory::needs(config, parameters, compute_bytes, machine.ranks_per_host).expect("checkpointed");
     let this_run = if machine.holds(device, host_needed) {
         format!("this run fits {machines}: {} on the device, {} on the host", gb(device), gb(host_needed))
@@ -1994,7 +2021,9 @@ where
                 }
             }
             // Every rank: under ZeRO-3 the ranks gather it a layer at a time for rank 0.
-            (None, false) => trained.save(&job.out.join("model"), &*rank.groups.world)?,
+            (None, false) => {
+                trained.save(&job.out.join("model"), &*rank.groups.world).map_err(|e| format!("saving the model after the last step: {}", rank_failure(threads, e)))?
+            }
         }
         if let Some(log) = log {
             log.finish()?;

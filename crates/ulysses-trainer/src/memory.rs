@@ -270,7 +270,12 @@ impl StepActivations {
             // the embedding's piece (an untied one leaves after the head's:
             // `LayeredLm::visit_standalone_head`).
             let head_gradient = if model.tie_embeddings && !config.freeze_embeddings { 4 * vocab * d } else { 0 };
-            layer * (cb + 4) + tile_gradients + head_gradient
+            // With the optimizer on the host, a group's f32 parts wait on the device until the
+            // next group's are taken (`queue_to_host`): the next layer's, or an untied head's
+            // through the last layer's pieces.
+            let untied_head = if model.tie_embeddings { 0 } else { vocab * d };
+            let parts_in_flight = if config.offload_optimizer { (4 * layer.max(untied_head)).div_ceil(config.layout.world_size() as u64) } else { 0 };
+            layer * (cb + 4) + tile_gradients + head_gradient + parts_in_flight
         } else {
             // The sums are the step's gradients, counted with the device's state; f32
             // parameters are cast to the compute dtype for each piece.
@@ -529,6 +534,11 @@ mod tests {
         // layer's weights cast to bf16 for each piece.
         let replicated = StepActivations::of(&config(false, 4096, 0), 2).unwrap();
         assert_eq!(replicated.gathered, layer_parameters(&config(false, 4096, 0).model) * (2 + 4 + 2));
+        // ZeRO-3 with the optimizer on the host, one rank: the layer gathered (bf16) and summed
+        // (f32), a tile's gradients and their cast, and the untied head's f32 parts waiting on
+        // the device for the host through the last layer's pieces.
+        let layer = layer_parameters(&config(false, 4096, 3).model);
+        assert_eq!(StepActivations::of(&config(false, 4096, 3), 2).unwrap().gathered, layer * (2 + 4) + layer * (2 + 4) + 4 * head_weight);
     }
 
     /// A zigzag ring's shard is of the sequence padded to twice the SP degree, as the sharder

@@ -1153,14 +1153,16 @@ impl<B: TrainBackend> TrainedModel<B> {
     /// one layer's at a time, so no device and no host holds the whole model. Otherwise rank 0
     /// writes its model. Rank 0 alone learns whether the file was written: the others do not
     /// wait through the write (of 280 GB for 70B), which would outlast the collectives' timeout.
-    pub fn save(&mut self, path: &Path, world: &dyn Communicator<B::Wire>) -> Result<(), String> {
+    /// A gather's error keeps its kind: a rank that failed on a peer's loss says so (exit 76).
+    pub fn save(&mut self, path: &Path, world: &dyn Communicator<B::Wire>) -> Result<(), UlyssesError> {
         let Self { model, parts } = self;
+        let not_written = |reason| UlyssesError::Checkpoint { path: path.display().to_string(), reason };
         let Some(parts) = parts else {
-            return if world.rank() == 0 { save_model(model, path) } else { Ok(()) };
+            return if world.rank() == 0 { save_model(model, path).map_err(not_written) } else { Ok(()) };
         };
         let layers = model.layer_count();
         let mut gathers = parts.over(world);
-        let mut gather = |group| gathers.gather(model, group).map_err(|e| format!("cannot gather the model to save it: {e}"));
+        let mut gather = |group| gathers.gather(model, group);
         // Layers 0..asked were gathered for rank 0's writer; the rest is gathered below.
         let (mut asked, mut written) = (0, Ok(()));
         if world.rank() == 0 {
@@ -1169,9 +1171,9 @@ impl<B: TrainBackend> TrainedModel<B> {
             {
                 let layer = |index| {
                     asked = index + 1;
-                    gather(ParameterGroup::Layer(index)).inspect_err(|e| gather_failed = Some(e.clone()))
+                    gather(ParameterGroup::Layer(index)).inspect_err(|e| gather_failed = Some(e.clone())).map_err(|e| e.to_string())
                 };
-                written = write_model_record::<B, _>(path, Decoder::record_item_by_layers::<FullPrecisionSettings, _>(rest, layer));
+                written = write_model_record::<B, _>(path, Decoder::record_item_by_layers::<FullPrecisionSettings, _>(rest, layer)).map_err(not_written);
             }
             if let Some(error) = gather_failed {
                 return Err(error);

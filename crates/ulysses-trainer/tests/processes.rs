@@ -572,6 +572,10 @@ fn a_resume_keeps_the_runs_memory_settings_or_names_those_it_replaces() {
     assert!(text.contains("plan: this run fits a device of 1.00 GB") && text.contains("the longest --seq-len that fits (in steps of 2048)"), "{text}");
     let text = resume(&["--device-memory", "0.000001"]);
     assert!(text.contains("this run does not fit a device of 0.00 GB") && text.contains("not even 2048 tokens"), "{text}");
+    // Ranks that are threads share one GPU: each plans with its share (a GPU run checked on a
+    // CPU build).
+    let text = show(&succeed(run_alone(&common_args(&dir, "gpu", 1), &["--backend", "cuda", "--sp", "2", "--checkpoint-layers", "--check", "--device-memory", "1"])));
+    assert!(text.contains("a device of 1.00 GB shared by its 2 ranks, threads of one process (0.50 GB each)"), "{text}");
     let refused = run_alone(&common_args(&dir, "plain", 1), &["--check", "--device-memory", "80"]);
     assert!(!refused.status.success() && show(&refused).contains("add --checkpoint-layers"), "{}", show(&refused));
     // The first layer's inputs offloaded alone, in place of the run's memory settings.
@@ -1051,13 +1055,14 @@ fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     let args = |extra: &str| qwen3_args(&data, &format!("--seq-len 16 --batch-size 2 --out {} --check {extra}", dir.join("run").display()));
     // --check with --eval-only evaluates nothing (a rank killed before the evaluation would
     // stop it): it says what it would evaluate.
-    let text = show(&succeed(run_alone(&args("--eval-only --steps 9 --learning-rate 0.5 --zigzag --device 1 --f32-head --fault-kill-before-eval 0"), &[])));
+    let text = show(&succeed(run_alone(&args("--eval-only --steps 9 --learning-rate 0.5 --zigzag --device 1 --f32-head --fault-kill-before-eval 0 --profile --pack"), &[])));
     for expected in [
         "checked: an evaluation of all 6 sequences (up to 16 tokens each)",
         "--zigzag cuts each sequence over the ring, and --ring 1 makes none",
         "--device picks a GPU, and the CPU backend has one device",
         "under --precision f32 they are f32 already",
-        "--eval-only trains nothing and saves nothing: --steps, --learning-rate, --out change nothing",
+        "--eval-only trains nothing and saves nothing: --steps, --learning-rate, --out, --profile change nothing",
+        "--pack makes paragraphs documents, and --data is read as documents always (packed): it changes nothing",
     ] {
         assert!(text.contains(expected), "expected {expected:?}:\n{text}");
     }
@@ -1070,10 +1075,11 @@ fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     // parameters where each holds parts of them.
     // Checkpoints every 5 steps where none is written; a schedule's floor where it does not fall.
     let text = show(&succeed(run_alone(
-        &args("--transport tcp --zero 3 --checkpoint-layers --offload-optimizer --check-parameters-every 5 --bytes-ok --no-save --checkpoint-every 5 --lr-schedule constant --min-lr-ratio 0.2"),
+        &args("--transport tcp --zero 3 --checkpoint-layers --offload-optimizer --check-parameters-every 5 --bytes-ok --no-save --checkpoint-every 5 --lr-schedule constant --min-lr-ratio 0.2 --eval-single-device --eval-every 0"),
         &["--sp", "2"],
     )));
     for expected in [
+        "--eval-single-device says how the held-out loss is computed, and --eval-every 0 computes none: it changes nothing",
         "--transport connects ranks that are processes, and these ranks are threads of this one: it changes nothing",
         "this run reads --data or --tokens: it changes nothing",
         "--check-parameters-every compares the ranks' parameters, and under --zero 3 each holds its own part of them: it changes nothing",
@@ -1082,6 +1088,12 @@ fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     ] {
         assert!(text.contains(expected), "expected {expected:?}:\n{text}");
     }
+    // An export the run cannot write as asked (a sharded optimizer's bf16 compute copy, as
+    // f32) is refused by --check, before the model is read: a GPU run checked on a CPU build.
+    let hf = dir.join("hf").display().to_string();
+    let refused = run_alone(&args(&format!("--backend cuda --precision bf16 --offload-optimizer --save-hf {hf} --save-hf-dtype f32")), &[]);
+    let expected = "--save-hf-dtype F32: this run exports its BF16 compute copy";
+    assert!(!refused.status.success() && show(&refused).contains(expected), "expected {expected:?}:\n{}", show(&refused));
     // Data that holds no batch out (3 sequences, batch 2): an evaluation asked for would never
     // run. Refused where --eval-every is given, said where it is the default.
     let few = dir.join("few.jsonl");
@@ -1173,6 +1185,14 @@ fn one_writer_per_run_folder_and_an_earlier_run_is_never_overwritten() {
     // --check says so before a job is queued.
     let checked = run_alone(&args, &["--sp", "2", "--check"]);
     assert!(!checked.status.success() && show(&checked).contains("holds an earlier run's checkpoint.ulysses"), "{}", show(&checked));
+    // Before the data is read (minutes for a large one): data that would be refused as well is
+    // not what the run stops at.
+    let bad = dir.join("bad.jsonl");
+    fs::write(&bad, "[1, 2]\nnot a line of ids\n").unwrap();
+    let mut bad_args = args.clone();
+    set_flag(&mut bad_args, "--tokens", &bad.display().to_string());
+    let refused = run_alone(&bad_args, &["--sp", "2"]);
+    assert!(!refused.status.success() && show(&refused).contains("holds an earlier run's checkpoint.ulysses"), "{}", show(&refused));
     assert!(snapshot(&out) == before, "a refused run changed {}", out.display());
     let _ = fs::remove_dir_all(&dir);
 }
