@@ -289,6 +289,14 @@ impl HfConfig {
         // Each layer's attention where the config lists it (`"sliding_attention"` or
         // `"full_attention"`).
         let layer_types = keys.get("layer_types").and_then(Value::as_array);
+        if let (Some(types), Family::Mistral | Family::Qwen2 | Family::Qwen3) = (layer_types, family)
+            && (types.len() != num_hidden_layers || !types.iter().all(|t| matches!(t.as_str(), Some("full_attention" | "sliding_attention"))))
+        {
+            return Err(keys.error(
+                "layer_types",
+                format!("has {} entries for {num_hidden_layers} layers: give one a layer, \"full_attention\" or \"sliding_attention\" (transformers refuses it too)", types.len()),
+            ));
+        }
         let all_layers = |kind: &str| layer_types.is_some_and(|types| types.iter().all(|t| t.as_str() == Some(kind)));
         let sliding_window = match family {
             Family::Mistral => {
@@ -481,6 +489,11 @@ impl HfConfig {
         }
         if matches!(self.family, Family::Qwen2 | Family::Qwen3) {
             object.insert("use_sliding_window".into(), json!(false));
+            // Every layer attends in full, as the model computed (a sliding layer listed with
+            // no window would load nowhere, this reader included).
+            if let Some(types) = object.get_mut("layer_types").and_then(Value::as_array_mut) {
+                types.iter_mut().for_each(|kind| *kind = json!("full_attention"));
+            }
         }
         config
     }
@@ -634,6 +647,13 @@ mod tests {
         "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16"
     }"#;
 
+    /// `layer_types` for LLAMA's 16 layers, the last sliding.
+    fn one_sliding_layer() -> Value {
+        let mut types = vec!["full_attention"; 15];
+        types.push("sliding_attention");
+        json!(types)
+    }
+
     fn with(base: &str, key: &str, value: Value) -> String {
         let mut config: Value = serde_json::from_str(base).unwrap();
         if value.is_null() {
@@ -735,6 +755,15 @@ mod tests {
         // Read back, the same but for the weights' dtype it was written with.
         assert_eq!(config.torch_dtype, Some(DType::BF16), "transformers 5's `dtype`");
         assert_eq!(HfConfig::from_hf_json(&written.to_string(), "again").unwrap(), HfConfig { torch_dtype: Some(DType::F32), ..config }, "read back, the same");
+        // Sliding switched on with no window (`null`): every layer attends in full, and is
+        // written so, which reads back (sliding layers without a window would not).
+        let mut windowless: Value = serde_json::from_str(qwen2).unwrap();
+        windowless["use_sliding_window"] = json!(true);
+        windowless["sliding_window"] = Value::Null;
+        windowless["layer_types"] = json!(["full_attention", "sliding_attention"]);
+        let written = HfConfig::from_hf_json(&windowless.to_string(), "q").unwrap().to_hf_json("float32");
+        assert_eq!(written["layer_types"], json!(["full_attention", "full_attention"]));
+        HfConfig::from_hf_json(&written.to_string(), "again").unwrap();
     }
 
     /// YaRN as Qwen's guides add it for long contexts, and as DeepSeek's configs give it
@@ -873,7 +902,7 @@ mod tests {
         // loads it): the window on every layer, or on none.
         let mistral = with(&with(&with(LLAMA, "model_type", json!("mistral")), "architectures", Value::Null), "sliding_window", json!(512));
         for (kind, window) in [("sliding_attention", Some(512)), ("full_attention", None)] {
-            let listed = with(&mistral, "layer_types", json!([kind, kind]));
+            let listed = with(&mistral, "layer_types", json!(vec![kind; 16]));
             assert_eq!(HfConfig::from_hf_json(&listed, "a").unwrap().sliding_window, window, "{kind}");
         }
     }
@@ -941,22 +970,27 @@ mod tests {
                 "`use_sliding_window` is true and some layers slide",
             ),
             (
-                with(&with(&with(&with(LLAMA, "model_type", json!("qwen3")), "architectures", Value::Null), "use_sliding_window", json!(true)), "layer_types", json!(["full_attention", "sliding_attention"])),
+                with(&with(&with(&with(LLAMA, "model_type", json!("qwen3")), "architectures", Value::Null), "use_sliding_window", json!(true)), "layer_types", one_sliding_layer()),
                 "`use_sliding_window` is true and some layers slide",
             ),
             // Listed sliding layers with sliding switched off (no window: transformers fails).
             (
-                with(&with(&with(LLAMA, "model_type", json!("qwen3")), "architectures", Value::Null), "layer_types", json!(["full_attention", "sliding_attention"])),
+                with(&with(&with(LLAMA, "model_type", json!("qwen3")), "architectures", Value::Null), "layer_types", one_sliding_layer()),
                 "`layer_types` lists sliding_attention layers and use_sliding_window is false",
+            ),
+            // One kind a layer, as transformers checks.
+            (
+                with(&with(&with(LLAMA, "model_type", json!("qwen3")), "architectures", Value::Null), "layer_types", json!([])),
+                "`layer_types` has 0 entries for 16 layers",
             ),
             // Mistral with per-layer attention is Ministral's (a window on some layers alone),
             // and sliding layers need a window.
             (
-                with(&with(&with(LLAMA, "model_type", json!("mistral")), "architectures", Value::Null), "layer_types", json!(["full_attention", "sliding_attention"])),
+                with(&with(&with(LLAMA, "model_type", json!("mistral")), "architectures", Value::Null), "layer_types", one_sliding_layer()),
                 "`layer_types` lists attention that differs by layer",
             ),
             (
-                with(&with(&with(LLAMA, "model_type", json!("mistral")), "architectures", Value::Null), "layer_types", json!(["sliding_attention", "sliding_attention"]))
+                with(&with(&with(LLAMA, "model_type", json!("mistral")), "architectures", Value::Null), "layer_types", json!(vec!["sliding_attention"; 16]))
                     .replacen('{', r#"{"sliding_window": null, "#, 1),
                 "`layer_types` lists attention that differs by layer (or sliding layers without a sliding_window)",
             ),

@@ -385,9 +385,9 @@ struct Args {
     /// checked as it starts, on the chosen backend, before the model is built
     #[arg(long)]
     check: bool,
-    /// With --check (and --checkpoint-layers): a rank's device memory, in GB, to plan for: says
-    /// whether the run fits it, where the layer inputs must go for it to (--offload-to-host,
-    /// --offload-layers), and the longest --seq-len that fits
+    /// With --check (and --checkpoint-layers): a device's memory, in GB, to plan for (ranks that
+    /// are threads of one process share it): says whether the run fits it, where the layer inputs
+    /// must go for it to (--offload-to-host, --offload-layers), and the longest --seq-len that fits
     #[arg(long, requires = "check", value_name = "GB")]
     device_memory: Option<f64>,
     /// With --device-memory: the memory of a host, in GB, shared by the ranks it runs
@@ -2022,7 +2022,10 @@ where
             }
             // Every rank: under ZeRO-3 the ranks gather it a layer at a time for rank 0.
             (None, false) => {
-                trained.save(&job.out.join("model"), &*rank.groups.world).map_err(|e| format!("saving the model after the last step: {}", rank_failure(threads, e)))?
+                trained.save(&job.out.join("model"), &*rank.groups.world).map_err(|e| match e.is_peer_loss() {
+                    true => format!("cannot gather the model to save it: {}", rank_failure(threads, e)),
+                    false => rank_failure(threads, e),
+                })?
             }
         }
         if let Some(log) = log {

@@ -1156,13 +1156,16 @@ impl<B: TrainBackend> TrainedModel<B> {
     /// A gather's error keeps its kind: a rank that failed on a peer's loss says so (exit 76).
     pub fn save(&mut self, path: &Path, world: &dyn Communicator<B::Wire>) -> Result<(), UlyssesError> {
         let Self { model, parts } = self;
-        let not_written = |reason| UlyssesError::Checkpoint { path: path.display().to_string(), reason };
+        // Its own words name the file.
+        let not_written = |message| UlyssesError::InModel { message };
         let Some(parts) = parts else {
             return if world.rank() == 0 { save_model(model, path).map_err(not_written) } else { Ok(()) };
         };
         let layers = model.layer_count();
         let mut gathers = parts.over(world);
-        let mut gather = |group| gathers.gather(model, group);
+        let mut gather = |group| {
+            gathers.gather(model, group).map_err(|e| if e.is_peer_loss() { e } else { UlyssesError::InModel { message: format!("cannot gather the model to save it: {e}") } })
+        };
         // Layers 0..asked were gathered for rank 0's writer; the rest is gathered below.
         let (mut asked, mut written) = (0, Ok(()));
         if world.rank() == 0 {
