@@ -169,4 +169,5 @@ fn a_zero_3_save_that_loses_a_peer_fails_as_a_peer_loss() {
     let rank_0 = results.into_iter().next().unwrap().unwrap_or_else(|p| panic!("rank 0 panicked: {p}"));
     let (peer_loss, message) = rank_0.flatten().expect("rank 0 saved a model it could not gather");
     assert!(peer_loss && message.contains("rank 1"), "rank 0's error is not a peer's loss naming rank 1: {message}");
+    assert!(message.starts_with("cannot gather the model to save it: "), "rank 0's error does not say what it stopped: {message}");
 }

@@ -19,7 +19,7 @@ impl UlyssesError {
     /// answer within the collective timeout), not on its own.
     pub fn is_peer_loss(&self) -> bool {
         match self {
-            UlyssesError::AtStep { source, .. } => source.is_peer_loss(),
+            UlyssesError::AtStep { source, .. } | UlyssesError::While { source, .. } => source.is_peer_loss(),
             UlyssesError::Comm(CommError::PeerLeft { .. } | CommError::PeersDied { .. } | CommError::Timeout { .. }) => true,
             _ => false,
         }
@@ -203,6 +203,11 @@ pub enum UlyssesError {
 
     #[error("step {step}: {source}")]
     AtStep { step: usize, source: Box<UlyssesError> },
+
+    /// `source`, saying what it stopped (`doing`: "cannot gather the model to save it"); its
+    /// kind shows through ([`UlyssesError::is_peer_loss`]).
+    #[error("{doing}: {source}")]
+    While { doing: &'static str, source: Box<UlyssesError> },
 
     /// A failure inside the model's forward or backward (a collective whose peer died, a bad
     /// shape): backend ops cannot return errors, so it travelled as a panic and was caught

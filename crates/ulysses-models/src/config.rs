@@ -317,30 +317,32 @@ impl HfConfig {
                     }
                 }
             }
-            // A sliding layer listed with sliding switched off has no window: transformers
-            // refuses to build its mask.
-            Family::Qwen2 | Family::Qwen3 if !keys.flag("use_sliding_window", false)? && layer_types.is_some_and(|types| types.iter().any(|t| t.as_str() == Some("sliding_attention"))) => {
-                return Err(keys.error(
-                    "layer_types",
-                    "lists sliding_attention layers and use_sliding_window is false, which leaves them no window (transformers cannot run such a \
-                     config either): list full_attention layers alone",
-                ));
-            }
-            Family::Qwen2 | Family::Qwen3 if keys.flag("use_sliding_window", false)? => {
+            Family::Qwen2 | Family::Qwen3 => {
                 // Which layers slide, as transformers lays them out: `layer_types` where given,
-                // else every layer from `max_window_layers` (28) on. None sliding is full
-                // attention everywhere, which the decoder represents.
-                let sliding = match layer_types {
-                    Some(types) => types.iter().any(|t| t.as_str() == Some("sliding_attention")),
-                    None => keys.whole("max_window_layers", 28)? < num_hidden_layers,
-                };
-                // An absent window is transformers' 4096; `null`, none.
-                if sliding && (!keys.names("sliding_window") || keys.get("sliding_window").is_some()) {
-                    return Err(keys.error("use_sliding_window", "is true and some layers slide (max_window_layers or layer_types); Qwen's per-layer sliding window is not represented"));
+                // else (with sliding switched on) every layer from `max_window_layers` (28) on.
+                // None sliding is full attention everywhere, which the decoder represents.
+                let listed_sliding = layer_types.map(|types| types.iter().any(|t| t.as_str() == Some("sliding_attention")));
+                if keys.flag("use_sliding_window", false)? {
+                    let sliding = match listed_sliding {
+                        Some(sliding) => sliding,
+                        None => keys.whole("max_window_layers", 28)? < num_hidden_layers,
+                    };
+                    // An absent window is transformers' 4096; `null`, none.
+                    if sliding && (!keys.names("sliding_window") || keys.get("sliding_window").is_some()) {
+                        return Err(keys.error("use_sliding_window", "is true and some layers slide (max_window_layers or layer_types); Qwen's per-layer sliding window is not represented"));
+                    }
+                } else if listed_sliding == Some(true) {
+                    // A sliding layer listed with sliding switched off has no window:
+                    // transformers refuses to build its mask.
+                    return Err(keys.error(
+                        "layer_types",
+                        "lists sliding_attention layers and use_sliding_window is false, which leaves them no window (transformers cannot run such a \
+                         config either): list full_attention layers alone",
+                    ));
                 }
                 None
             }
-            _ => None,
+            Family::Llama => None,
         };
         // transformers builds the embedding with `padding_idx = pad_token_id`: that row takes no
         // gradient from the inputs (and starts at zero in a fresh model); negative counts from

@@ -2022,10 +2022,7 @@ where
             }
             // Every rank: under ZeRO-3 the ranks gather it a layer at a time for rank 0.
             (None, false) => {
-                trained.save(&job.out.join("model"), &*rank.groups.world).map_err(|e| match e.is_peer_loss() {
-                    true => format!("cannot gather the model to save it: {}", rank_failure(threads, e)),
-                    false => rank_failure(threads, e),
-                })?
+                trained.save(&job.out.join("model"), &*rank.groups.world).map_err(|e| rank_failure(threads, e))?
             }
         }
         if let Some(log) = log {

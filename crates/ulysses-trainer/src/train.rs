@@ -1164,7 +1164,7 @@ impl<B: TrainBackend> TrainedModel<B> {
         let layers = model.layer_count();
         let mut gathers = parts.over(world);
         let mut gather = |group| {
-            gathers.gather(model, group).map_err(|e| if e.is_peer_loss() { e } else { UlyssesError::InModel { message: format!("cannot gather the model to save it: {e}") } })
+            gathers.gather(model, group).map_err(|e| UlyssesError::While { doing: "cannot gather the model to save it", source: Box::new(e) })
         };
         // Layers 0..asked were gathered for rank 0's writer; the rest is gathered below.
         let (mut asked, mut written) = (0, Ok(()));
