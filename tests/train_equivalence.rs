@@ -65,10 +65,16 @@ struct Outcome {
 
 impl Outcome {
     /// The largest gaps from `reference`'s step losses and final parameters; panics unless both
-    /// took as many steps over the same valid tokens and hold the same parameters.
+    /// took as many steps over the same valid tokens, with the same gradient norms (to
+    /// [`TOLERANCE`] relative: AdamW's update and clipping divide a gradient's scale away, so a
+    /// gradient off by a constant factor shows in its norm alone), and hold the same parameters.
     fn gaps_from(&self, reference: &Outcome, name: &str) -> (f32, f32) {
         let valid = |run: &Outcome| run.reports.iter().map(|r| r.valid_tokens).collect::<Vec<_>>();
         assert_eq!(valid(self), valid(reference), "{name}: the valid tokens of each step differ");
+        let norms = |run: &Outcome| run.reports.iter().map(|r| r.grad_norm).collect::<Vec<_>>();
+        let (norms, reference_norms) = (norms(self), norms(reference));
+        let norm_gap = worst(norms.iter().zip(&reference_norms).map(|(a, b)| ((a - b) / b).abs() as f32));
+        assert!(norms.len() == reference_norms.len() && norm_gap <= TOLERANCE, "{name}: gradient norms {norms:?} differ from one device's {reference_norms:?} by {norm_gap:e} relative");
         let losses = |run: &Outcome| run.reports.iter().map(|r| r.loss).collect::<Vec<_>>();
         (largest_gap(&losses(self), &losses(reference)), worst(paired_parameters(&self.params, &reference.params).map(|(_, a, b)| max_abs_diff(a, b))))
     }

@@ -106,6 +106,7 @@ where
 {
     options.dist.validate()?;
     let layout = options.layout;
+    check_sp_size_variable(&layout, std::env::var(ulysses_dist::config::ENV_SP_SIZE).ok())?;
     match launch {
         Launch::Threads => {
             // A degree of 0 (`dp = world / sp` with world < sp) named, not a group of no rank.
@@ -157,6 +158,21 @@ where
     }
 }
 
+/// Refuses a launcher's `ULYSSES_SP_SIZE` (`value`) that names another SP degree than
+/// `layout`'s: these jobs take theirs from the layout (the 0.22 crate's from the variable), so
+/// a job script's degree would be ignored without a word.
+fn check_sp_size_variable(layout: &ParallelLayout, value: Option<String>) -> Result<(), DistError> {
+    match value {
+        Some(value) if value.trim().parse::<usize>().ok() != Some(layout.sp_size) => Err(DistError::Job(format!(
+            "ULYSSES_SP_SIZE={value} but the job's layout has sp {}: these jobs take the sequence-parallel degree from \
+             JobOptions::layout (ParallelLayout::with_sp_size); build the layout with sp {}, or unset ULYSSES_SP_SIZE",
+            layout.sp_size,
+            value.trim()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(all(test, feature = "ndarray"))]
 mod tests {
     use burn::backend::NdArray;
@@ -170,6 +186,18 @@ mod tests {
         let options = JobOptions::new(ParallelLayout::new().with_sp_size(4).with_dp_size(0), DistributedConfig::new());
         let error = run_ranks::<NdArray, Tcp, ()>(&Launch::Threads, &options, |_| Default::default(), |_| ()).err().expect("refused");
         assert!(error.to_string().contains("dp_size must be at least 1"), "{error}");
+    }
+
+    /// A job script's `ULYSSES_SP_SIZE` that the layout does not follow is refused by name; one
+    /// that agrees (or none) passes.
+    #[test]
+    fn an_sp_size_variable_the_layout_does_not_follow_is_refused() {
+        let layout = ParallelLayout::new().with_sp_size(2).with_dp_size(2);
+        let error = check_sp_size_variable(&layout, Some("4".into())).err().expect("refused");
+        assert!(error.to_string().contains("ULYSSES_SP_SIZE=4 but the job's layout has sp 2"), "{error}");
+        assert!(check_sp_size_variable(&layout, Some("two".into())).is_err());
+        assert!(check_sp_size_variable(&layout, Some(" 2".into())).is_ok());
+        assert!(check_sp_size_variable(&layout, None).is_ok());
     }
 
     /// A rank that fails stops the others in their next collective: the error returned is its

@@ -40,13 +40,19 @@ use crate::{corpus::splitmix64, files::data_files, train::StepData};
 const TOKENIZE_CHUNK: usize = 512;
 
 /// Which way [`DocumentReader`] turns lines into tokens and targets, recorded in checkpoints:
-/// a reader that reads the same bytes otherwise makes other batches (4: lines already
-/// tokenized are taken as given, with no EOS appended, as TRL takes them; 5: at most two
+/// a reader that reads the same bytes otherwise makes other batches (2: one BOS, empty texts
+/// left out, a prompt's trailing space, one EOS after a completion, the chat template's
+/// tojson; 3: a chat line's tools and template arguments, the held-out sequences from a
+/// document's start; 4: conversational prompt/completion lines, the tokenizer read as
+/// transformers' class reads it, lines already tokenized taken as given, with no EOS
+/// appended, as TRL takes them; 5: at most two
 /// batches held out, so a long last document no longer holds most of the data out; 6: a
 /// tokenized line's `assistant_masks` and `completion_mask` narrow its targets, and a chat
 /// template sees `tools` and `documents` as None where a line has none, and the tokenizer's
-/// special tokens with its class's defaults).
-pub const DOCUMENT_READER_VERSION: u32 = 6;
+/// special tokens with its class's defaults; 7: a chat line's `tools` given as a string of JSON
+/// are parsed, as TRL parses them, and a file of JSON Lines under another name is found past
+/// blank lines and a byte-order mark).
+pub const DOCUMENT_READER_VERSION: u32 = 7;
 
 /// How documents become token ids.
 pub struct DocumentReader<'a> {

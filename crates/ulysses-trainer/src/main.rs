@@ -177,7 +177,7 @@ struct Args {
     /// A text file, or a folder of them (byte tokens).
     #[arg(long, default_value = DEFAULT_CORPUS)]
     corpus: PathBuf,
-    /// Train on a --corpus that does not look like text (not UTF-8, or over 1% control bytes).
+    /// Train on a --corpus that does not look like text (not UTF-8, or 1% control bytes or more).
     #[arg(long)]
     bytes_ok: bool,
     /// Pre-tokenized data instead of --corpus: JSON Lines, one array of token ids (0..256,
@@ -254,7 +254,8 @@ struct Args {
     save_hf_dtype: Option<SaveDtype>,
     /// Output folder [default: runs/llama, or the --resume folder, or the folder of the --resume
     /// file]. One run at a time holds it (a lock); a fresh run, or a --resume into another
-    /// folder, refuses a folder with an earlier run's checkpoint.
+    /// folder, refuses a folder with an earlier run's files (checkpoint, model, config.json,
+    /// metrics.csv).
     #[arg(long)]
     out: Option<PathBuf>,
     /// With --resume: continue on data other than the checkpoint's run trained on, or read
@@ -262,7 +263,7 @@ struct Args {
     /// checkpoint).
     #[arg(long, requires = "resume")]
     allow_new_data: bool,
-    /// Start a fresh run in an --out folder that holds an earlier run's checkpoint (with
+    /// Start a fresh run in an --out folder that holds an earlier run's files (with
     /// --resume: continue the resumed run there, in place of that folder's run).
     #[arg(long)]
     overwrite: bool,
@@ -363,7 +364,8 @@ struct Args {
     #[arg(long, default_value_t = 50)]
     checkpoint_every: usize,
     /// A measuring run: write neither the training checkpoint nor model.mpk (a 1B model's
-    /// checkpoint is 20 GB), only metrics.csv, the plot and config.json.
+    /// checkpoint is 20 GB), only metrics.csv, the plot and config.json (and a --save-hf
+    /// folder, every --checkpoint-every steps and at the end).
     #[arg(long, conflicts_with_all = ["resume", "stop_after"])]
     no_save: bool,
     /// Print, after each step, what rank 0 waited on the device for: reads back to the host
@@ -395,10 +397,12 @@ struct Args {
     #[arg(long, requires = "device_memory", value_name = "GB")]
     host_memory: Option<f64>,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
-    /// it had never stopped. Every rank reads it. The run's settings (--steps, --learning-rate
-    /// and its schedule, AdamW's, --max-grad-norm, --precision, --seed, --batch-size,
-    /// --seq-len, --grad-accumulation, the layout, where the state lives and the model's
-    /// shape) are the checkpoint's, unless given here
+    /// it had never stopped. Every rank reads it. The run's settings are the checkpoint's
+    /// unless given here; some may change (--steps, --learning-rate and its schedule,
+    /// --max-grad-norm, --precision, --grad-accumulation, the layout, where the state lives),
+    /// the rest must match (--seed, --batch-size, --seq-len, AdamW's, --pack,
+    /// --freeze-embeddings, the model's shape, the data unless --allow-new-data):
+    /// docs/training.md lists them
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Stop after this many steps in total (writing a checkpoint), to continue later with
@@ -975,7 +979,8 @@ fn run(mut args: Args) -> Result<(), String> {
     let sharding = if args.zigzag && args.ring > 1 { burn_ulysses::ring::RingSharding::Zigzag } else { burn_ulysses::ring::RingSharding::Contiguous };
     let layout = layout.with_ring_size(args.ring).with_ring_sharding(sharding);
     layout.check().map_err(|e| format!("{e} (--sp, --ring)"))?;
-    // The library's jobs read their SP degree from ULYSSES_SP_SIZE; the trainer reads --sp alone.
+    // The 0.22 crate's jobs read their SP degree from ULYSSES_SP_SIZE; the trainer reads --sp
+    // alone (and the 0.21 jobs their layout's), refusing a variable that says otherwise.
     if let Ok(value) = std::env::var(ulysses_dist::config::ENV_SP_SIZE)
         && value.trim().parse::<usize>().ok() != Some(args.sp)
     {
@@ -1287,9 +1292,11 @@ fn run(mut args: Args) -> Result<(), String> {
     // Evaluations of a held-out batch the data does not have would never run: the summary's
     // held-out loss would stay "-" without a word why.
     if !args.eval_only && config.eval_every > 0 && data.eval_batch().is_none() {
+        // --eval-data goes with --data alone: other data holds out more for more sequences.
+        let fix = if args.data.is_some() { "give --eval-data FILE to evaluate on" } else { "give it at least two batches' sequences" };
         let why = format!(
             "--eval-every {} evaluates nothing: {} holds no batch out (it makes fewer than two batches of --batch-size {}, or its last ones continue a document trained on); \
-             give --eval-data FILE to evaluate on, or --eval-every 0",
+             {fix}, or --eval-every 0",
             config.eval_every,
             args.data.as_ref().or(args.tokens.as_ref()).unwrap_or(&args.corpus).display(),
             config.batch_size
@@ -1307,12 +1314,8 @@ fn run(mut args: Args) -> Result<(), String> {
         // What turns --data's bytes into tokens and targets, as used (the tokenizer; the EOS
         // resolved), besides the checkpoint's config.
         let (loss_on, too_long) = (format!("{:?}", args.loss_on).to_lowercase(), format!("{:?}", args.too_long).to_lowercase());
-        // The reader's version: a reader that tokenizes otherwise (since 2: one BOS, empty
-        // texts left out, a prompt's trailing space, one EOS after a completion; the chat
-        // template's tojson; since 3: a chat line's tools and template arguments, the held-out
-        // sequences from a document's start; since 4: conversational prompt/completion lines,
-        // ids taken as given, the tokenizer read as transformers' class reads it) makes other
-        // batches of the same bytes.
+        // The reader's version: a reader that tokenizes otherwise makes other batches of the
+        // same bytes (`DOCUMENT_READER_VERSION` says what changed at each).
         // With --eval-data or --eval-every 0, --data is trained whole (no batch held out):
         // other batches.
         let whole = match (args.eval_data.is_some(), trained_whole) {

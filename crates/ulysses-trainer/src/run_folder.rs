@@ -48,7 +48,7 @@ pub fn earlier_run_files(path: &Path) -> Vec<String> {
 /// What the run does with the folder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claim {
-    /// A fresh run: refused where an earlier run left a checkpoint.
+    /// A fresh run: refused where an earlier run left its files ([`earlier_run_files`]).
     Fresh,
     /// `--resume`, or `--overwrite`: the folder's checkpoint may be there.
     Continue,

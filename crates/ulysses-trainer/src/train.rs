@@ -77,7 +77,8 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Train on packed documents: each sequence's paragraphs (runs of text ending in a blank
     /// line) are separate documents, attention and labels stay inside each and positions
-    /// restart at each (the held-out loss stays on unpacked windows, comparable across runs).
+    /// restart at each (with --corpus the held-out loss stays on unpacked windows, comparable
+    /// across runs; --data's held-out documents are packed as its training ones).
     #[config(default = false)]
     pub pack: bool,
     /// Whole-layer activation checkpointing (`None`: off).

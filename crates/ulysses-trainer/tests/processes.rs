@@ -205,10 +205,18 @@ fn rank_error(text: &str, rank: usize) -> &str {
         .unwrap_or_else(|| panic!("rank {rank} reported no error:\n{text}"))
 }
 
-/// Largest difference of losses (same steps) and of parameters (same names) between runs.
+/// Largest difference of losses (same steps) and of parameters (same names) between runs;
+/// panics unless their gradient norms agree to [`TOLERANCE`] relative (metrics.csv keeps six
+/// decimals): AdamW's update and clipping divide a gradient's scale away, so a gradient off by
+/// a constant factor shows in its norm alone.
 fn differences(a: &Path, b: &Path) -> (f32, f32) {
     let (la, lb) = (losses(a), losses(b));
     assert_eq!(la.iter().map(|l| l.0).collect::<Vec<_>>(), lb.iter().map(|l| l.0).collect::<Vec<_>>(), "different steps");
+    let (norms_a, norms_b) = (metric(a, 7), metric(b, 7));
+    assert!(
+        norms_a.len() == la.len() && norms_b.len() == lb.len() && norms_a.iter().zip(&norms_b).all(|(x, y)| (x.1 - y.1).abs() <= TOLERANCE as f64 * y.1.abs() + 1e-6),
+        "gradient norms differ: {norms_a:?} against {norms_b:?}"
+    );
     let loss = worst(la.iter().zip(&lb).map(|(x, y)| (x.1 - y.1).abs() as f32));
     let (pa, pb) = (parameters(a), parameters(b));
     assert_eq!(pa.len(), pb.len());
@@ -1104,6 +1112,14 @@ fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     assert!(!refused.status.success() && show(&refused).contains(expected) && show(&refused).contains("--eval-data"), "expected {expected:?}:\n{}", show(&refused));
     let warned = show(&succeed(run_alone(&few_args(""), &["--sp", "2"])));
     assert!(warned.contains("--eval-every 50 evaluates nothing"), "{warned}");
+    // --tokens takes no --eval-data: the fix named is more sequences.
+    let mut few_tokens = common_args(&dir, "few-tokens", 2);
+    few_tokens.extend(["--eval-every", "5", "--check"].map(String::from));
+    let few_tokens_at = few_tokens.iter().position(|a| a == "--tokens").unwrap() + 1;
+    fs::write(dir.join("few-tokens.jsonl"), fs::read_to_string(dir.join("data.jsonl")).unwrap().lines().take(6).collect::<Vec<_>>().join("\n")).unwrap();
+    few_tokens[few_tokens_at] = dir.join("few-tokens.jsonl").display().to_string();
+    let refused = show(&run_alone(&few_tokens, &["--sp", "2"]));
+    assert!(refused.contains("--eval-every 5 evaluates nothing") && refused.contains("at least two batches' sequences") && !refused.contains("--eval-data"), "{refused}");
     // Where they do something, or are left out, no word.
     let text = show(&succeed(run_alone(&args("--steps 9 --learning-rate 0.5"), &["--sp", "2"])));
     let zigzag = show(&succeed(run_alone(&common_args(&dir, "ring", 2), &["--sp", "4", "--ring", "2", "--zigzag", "--check"])));

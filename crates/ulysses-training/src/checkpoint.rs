@@ -223,7 +223,7 @@ where
             &path,
             format!(
                 "its optimizer state is sharded over the ranks, in the folder {folder} beside it (a run with the optimizer on the \
-                 host): load it with load_sharded_training_checkpoint (the trainer: --offload-optimizer)"
+                 host or under ZeRO-3): load it with load_sharded_training_checkpoint (the trainer: --offload-optimizer or --zero 3)"
             ),
         ));
     }

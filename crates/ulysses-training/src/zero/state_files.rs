@@ -520,8 +520,8 @@ where
         let Some(folder) = contents.optimizer_shards else {
             return Err(crate::checkpoint::error(
                 &path,
-                "it holds a replicated optimizer's state, not a sharded one (a run without the optimizer on the host): load it with \
-                 load_training_checkpoint (the trainer: without --offload-optimizer)",
+                "it holds a replicated optimizer's state, not a sharded one (a run without the optimizer on the host or ZeRO-3): load it \
+                 with load_training_checkpoint (the trainer: without --offload-optimizer and --zero 3)",
             ));
         };
         // The sections go by position: the model's parameters must come in the saved order.
