@@ -96,6 +96,7 @@ fn check(sp: usize) -> f32 {
 
     let started = Instant::now();
     let ranks = ThreadGroup::new(sp).run(|rank| {
+        // Every rank is in the one SP group (no DP): the world's communicator is the group's.
         let comm = rank.communicator();
         let _sp = Sp::enter_thread(comm.clone());
         let device = Default::default();

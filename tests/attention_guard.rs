@@ -1313,3 +1313,64 @@ fn a_training_step_refuses_positions_counted_from_each_ranks_first_token() {
     });
     assert_positions_refused(&results, &format!("arange counts positions 0..{}", SEQ / 2), "a training step with learned positions of arange");
 }
+
+/// A loop of one's own that shards with the layout's sharder and notes the shard's positions
+/// (as docs/library.md says to) is refused by attention (the op, or by hand) on a thread with no rank context, and
+/// in the world's context under data parallelism (SP 2 × DP 2: the all-to-all would join two
+/// replicas' shards as one sequence), naming the fix; in its SP group's context every rank gets
+/// its shard of one device's causal attention; inside `enter_single_device` it is let be.
+#[test]
+fn attention_on_a_noted_shard_outside_its_sp_group_is_refused() {
+    use burn_ulysses::{ParallelGroups, ParallelLayout, attention_guard::note_shard_positions, context};
+    type Plain = UlyssesBackend<Inner>;
+    const HEAD_DIM: usize = 8;
+    let whole = |seed: u64| uniform_tensor::<Inner, 4>([1, HEADS, SEQ, HEAD_DIM], seed, &Default::default());
+    let causal = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+    let want = attention(whole(1), whole(2), whole(3), None, None, causal);
+    let results = with_deadline(Duration::from_secs(60), move || {
+        ThreadGroup::new(4).run(|rank| {
+            let layout = ParallelLayout::new().with_sp_size(2).with_dp_size(2);
+            let groups = ParallelGroups::<Inner>::new(rank.communicator(), layout).unwrap();
+            let shard = layout.sharder().shard(&[(0..SEQ as i64).collect()], groups.sp_rank());
+            let _noted = note_shard_positions(&shard.positions);
+            let local = |seed: u64| {
+                let part = whole(seed).narrow(2, shard.position_offset, SEQ / 2);
+                Tensor::<Plain, 4>::from_data(part.into_data(), &Default::default())
+            };
+            let attend = || {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| values(attention(local(1), local(2), local(3), None, None, causal))))
+                    .map_err(|panic| panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default())
+            };
+            let outside = attend();
+            // By hand too (scores of the shard's tokens against themselves).
+            let by_hand_outside = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| values(local(1).matmul(local(2).swap_dims(2, 3)))))
+                .map_err(|panic| panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default());
+            assert!(by_hand_outside.as_ref().is_err_and(|m| m.contains("no rank context spreads them")), "rank {}: {by_hand_outside:?}", rank.rank());
+            let in_the_world = {
+                let _world = Plain::enter_thread(rank.communicator());
+                attend()
+            };
+            let in_its_group = {
+                let _sp = context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
+                attend()
+            };
+            // One device chosen on purpose (a whole sequence gathered): nothing refused.
+            let on_one_device = {
+                let _one = context::enter_single_device();
+                attend()
+            };
+            assert!(on_one_device.is_ok(), "rank {}: attention inside enter_single_device refused: {on_one_device:?}", rank.rank());
+            (outside, in_the_world, in_its_group, shard.position_offset)
+        })
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let (outside, in_the_world, in_its_group, offset) = result.unwrap_or_else(|panic| panic!("rank {rank}: {}", panic.message));
+        let outside = outside.err().unwrap_or_else(|| panic!("rank {rank} attended within its shard outside any rank context"));
+        assert!(outside.contains("spread over 2 ranks") && outside.contains("no rank context spreads them") && outside.contains("groups.rank_context"), "rank {rank}: {outside}");
+        let in_the_world = in_the_world.err().unwrap_or_else(|| panic!("rank {rank} attended over the world's four shards of two replicas"));
+        assert!(in_the_world.contains("the rank context spreads them over 4"), "rank {rank}: {in_the_world}");
+        let got = in_its_group.unwrap_or_else(|message| panic!("rank {rank} in its SP group: {message}"));
+        let diff = max_abs_diff(&got, &values(want.clone().narrow(2, offset, SEQ / 2)));
+        assert!(diff <= TOLERANCE, "rank {rank} in its SP group differs from one device by {diff:e}");
+    }
+}

@@ -363,8 +363,27 @@ fn first_step_loss_with_burn_cross_entropy() -> f64 {
 #[test]
 fn training_refuses_sequence_parallelism_that_attention_never_reached() {
     let layout = ParallelLayout::new().with_sp_size(2);
-    // No rank context entered: attention would silently stay within each shard.
+    // No rank context entered: attention would silently stay within each shard. It refuses
+    // the shard the step noted (a model attending without the op is refused after the step:
+    // `NotSequenceParallel`).
     for message in errors_of_two_ranks(layout, move |_, _| (config(layout, 1), None, VariedLengths { vocab: VOCAB })) {
+        assert!(message.contains("spread over 2 ranks") && message.contains("no rank context spreads them") && message.contains("groups.rank_context(UlyssesConfig::new())"), "{message}");
+    }
+    // A model that attends on one device on purpose: the step finds no exchange.
+    use ulysses_training::{StepInput, train_step};
+    let on_one_device = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+            let _sp = enter_sp(&groups);
+            let device = Default::default();
+            let decoder = deterministic_params(config(layout, 1).model.init::<Sp>(&device), INIT_SEED);
+            let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
+            let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &batch, documents: None, targets: None, max_grad_norm: None };
+            train_step(OnOneDevice { decoder }, &mut AdamWConfig::new().init(), &step, &layout.sharder(), &groups, &device).err().map(|e| e.to_string())
+        })
+    });
+    for message in on_one_device {
+        let message = message.unwrap_or_else(|p| panic!("{p}")).expect("a step whose attention stayed on each rank's shard was refused");
         assert!(message.contains("did not exchange through the SP group") && message.contains("groups.rank_context(UlyssesConfig::new())"), "{message}");
     }
     // A context entered with the world's communicator (the README's snippet once did so): its
@@ -503,7 +522,7 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
 
     // A rank context entered with another ring than the layout's (zigzag attention over
     // contiguous shards), refused by the step and by `evaluate`; `evaluate` on a thread without
-    // the rank context (each rank would attend within its shard), refused after the forward.
+    // the rank context (each rank would attend within its shard), refused by attention.
     let results_of_rings = with_deadline(Duration::from_secs(50), move || {
         ThreadGroup::new(2).run(|rank| {
             let layout = ParallelLayout::new().with_sp_size(2).with_ring_size(2);
@@ -553,7 +572,7 @@ fn step_inputs_that_would_train_wrong_or_part_the_ranks_are_refused_on_every_ran
     }
     for result in results_of_rings {
         let [unentered, stepped, evaluated] = result.unwrap_or_else(|p| panic!("{p}")).map(|m| m.expect("refused"));
-        assert!(unentered.contains("did not exchange through the SP group"), "{unentered}");
+        assert!(unentered.contains("spread over 2 ranks") && unentered.contains("no rank context spreads them"), "{unentered}");
         for message in [stepped, evaluated] {
             assert!(message.contains("attends over a ring of 2 (Zigzag) but the data is laid out over a ring of 2 (Contiguous)"), "{message}");
         }
@@ -763,6 +782,26 @@ struct IgnoresDocuments<B: burn::tensor::backend::Backend> {
 impl<B: burn::tensor::backend::AutodiffBackend> ulysses_training::CausalLm<B> for IgnoresDocuments<B> {
     fn logits(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
         self.decoder.forward(tokens, &ShardPositions { packed: false, ..positions.clone() })
+    }
+    fn vocab_size(&self) -> usize {
+        self.decoder.vocab_size()
+    }
+    fn is_causal(&self) -> bool {
+        true
+    }
+}
+
+/// The decoder run inside `enter_single_device` (as a model of one's own that attends on one
+/// device on purpose): under SP each rank attends within its shard, which the step refuses.
+#[derive(burn::module::Module, Debug)]
+struct OnOneDevice<B: burn::tensor::backend::Backend> {
+    decoder: ulysses_models::Decoder<B>,
+}
+
+impl<B: burn::tensor::backend::AutodiffBackend> ulysses_training::CausalLm<B> for OnOneDevice<B> {
+    fn logits(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
+        let _one_device = burn_ulysses::context::enter_single_device();
+        self.decoder.forward(tokens, positions)
     }
     fn vocab_size(&self) -> usize {
         self.decoder.vocab_size()
@@ -2148,4 +2187,57 @@ fn an_optimizers_own_square_products_are_not_taken_for_attention() {
         let (stepped, refused) = result.unwrap_or_else(|panic| panic!("{panic}"));
         assert!(stepped && refused, "stepped {stepped}, the forward's square refused {refused}");
     }
+}
+
+/// A loop of one's own, as docs/library.md writes it for burn 0.21 (the layout's sharder, the
+/// SP group's context, the shard's positions noted around the forward, the loss summed over the
+/// step's labelled tokens on every rank, the gradients summed over the world, the optimizer
+/// outside the group), trains at SP 2 × DP 2 as on one device: the losses and parameters of
+/// three SGD steps (SGD: a gradient off by a factor shows) within [`TOLERANCE`].
+#[test]
+fn a_loop_of_ones_own_as_the_guide_writes_it_trains_like_one_device() {
+    use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+    use burn_ulysses::{attention_guard::note_shard_positions, context, data::IGNORE_INDEX};
+    use ulysses_training::{all_reduce_gradients, broadcast_parameters, masked_cross_entropy_sum, sum_f64_over_ranks, sum_over_ranks};
+
+    fn own_loop(layout: ParallelLayout) -> (Vec<f64>, Vec<(String, Vec<f32>)>) {
+        let mut ranks = ThreadGroup::new(layout.world_size()).run(|rank| {
+            let groups = ParallelGroups::<Inner>::new(rank.communicator(), layout).unwrap();
+            // The SP group's context (never the world's under DP), on the forward's thread.
+            let _sp = context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
+            let device = Default::default();
+            let model = deterministic_params(config(layout, 1).model.init::<Sp>(&device), INIT_SEED + rank.rank() as u64);
+            let mut model = broadcast_parameters(model, &*groups.world).unwrap();
+            let mut optimizer = SgdConfig::new().init();
+            let mut losses = vec![];
+            for step in 0..3 {
+                // This replica's sequences, then this rank's shard of each (labels shifted first).
+                let batch = VariedLengths { vocab: VOCAB }.train_batch(step);
+                let per_replica = batch.len() / layout.dp_size;
+                let replica = &batch[groups.dp_rank() * per_replica..(groups.dp_rank() + 1) * per_replica];
+                let shard = layout.sharder().shard(replica, groups.sp_rank());
+                let [count] = sum_over_ranks(&*groups.world, [shard.valid_tokens]).unwrap();
+                let logits = {
+                    let _noted = note_shard_positions(&shard.positions);
+                    model.forward(shard.tokens(&device), &shard.positions)
+                };
+                let loss = masked_cross_entropy_sum(logits, shard.labels(&device), IGNORE_INDEX).div_scalar(count as f64);
+                let local: f64 = loss.clone().into_data().convert::<f64>().to_vec::<f64>().unwrap()[0];
+                losses.push(sum_f64_over_ranks(&*groups.world, local).unwrap());
+                let grads = all_reduce_gradients(&model, GradientsParams::from_grads(loss.backward(), &model), &*groups.world).unwrap();
+                model = {
+                    let _one_device = context::enter_single_device();
+                    optimizer.step(0.5, model, grads)
+                };
+            }
+            (losses, parameter_values(&model))
+        });
+        ranks.swap_remove(0).unwrap_or_else(|p| panic!("{}", p.message))
+    }
+    let (one_device, sp2_dp2) = with_deadline(Duration::from_secs(60), || (own_loop(ParallelLayout::new()), own_loop(ParallelLayout::new().with_sp_size(2).with_dp_size(2))));
+    println!("one device {:?}, SP 2 × DP 2 {:?}", one_device.0, sp2_dp2.0);
+    assert!(one_device.0.iter().all(|l| l.is_finite()) && one_device.0[2] < one_device.0[0], "the loss should fall: {:?}", one_device.0);
+    let loss_gap = largest_gap(&sp2_dp2.0, &one_device.0);
+    let parameter_gap = worst(paired_parameters(&sp2_dp2.1, &one_device.1).map(|(_, a, b)| max_abs_diff(a, b)));
+    assert!(loss_gap <= TOLERANCE && parameter_gap <= TOLERANCE, "SP 2 × DP 2 differs from one device: losses by {loss_gap:e}, parameters by {parameter_gap:e}");
 }

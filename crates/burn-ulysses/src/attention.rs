@@ -215,6 +215,9 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         if let Some(positions) = &positions {
             check_document_ids(positions, layout.batch, layout.q_seq, layout.kv_seq)?;
         }
+        if let Some(outside) = crate::attention_guard::shard_outside_its_group(context::current_sharding()) {
+            return Err(outside);
+        }
         let context = context::current::<X::Wire>()?;
         let forbid = context.as_ref().is_some_and(|c| c.config.forbid_dense_fallback);
         let fallback = if forbid { DenseFallback::Forbid } else { DenseFallback::Allow };

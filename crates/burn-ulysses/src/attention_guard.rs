@@ -298,6 +298,21 @@ pub fn documents_not_the_shards(positions: &PositionIds, sharding: Option<Shardi
     )))
 }
 
+/// The refusal of attention in a forward over a shard of sequences spread over more ranks, or
+/// other ranks, than the rank context spreads them over (`sharding`: none outside any
+/// context): a loop of one's own that sharded its data but entered no context on the forward's
+/// thread, or entered the world's communicator under data parallelism, would attend within
+/// each shard, or across replicas, without a word. Inside `enter_single_device` the model
+/// chose one device (a whole sequence gathered) and nothing is refused.
+pub fn shard_outside_its_group(sharding: Option<Sharding>) -> Option<UlyssesError> {
+    if context::single_device_entered() {
+        return None;
+    }
+    let spread_over = SHARD_POSITIONS.get()?.spread_over;
+    let context_ranks = sharding.map_or(1, |sharding| sharding.ranks);
+    (spread_over > 1 && spread_over != context_ranks).then_some(UlyssesError::ShardOutsideItsGroup { spread_over, context_ranks })
+}
+
 /// `UlyssesBackend`'s embedding: the inner backend's, noting the length of the token ids for
 /// the guard (a rank's shard, however the data was cut). Ids of one token a row (a timestep's
 /// or a label's embedding, `[B, 1]`) are no sequence and leave the length noted.
@@ -348,7 +363,8 @@ fn refuse_attention_by_hand(lhs_shape: &[usize], rhs_shape: &[usize]) {
     if let Some(tokens) = attention_matrix_size(lhs_shape, rhs_shape, shard, one_length)
         && GUARD_ON.load(Ordering::Relaxed)
     {
-        refuse(refusal(lhs_shape, rhs_shape, tokens, context::current_sharding()));
+        let sharding = context::current_sharding();
+        refuse(shard_outside_its_group(sharding).or_else(|| refusal(lhs_shape, rhs_shape, tokens, sharding)));
     }
 }
 
@@ -656,6 +672,8 @@ struct NotedPositions {
     /// The first and the last of the ids (row-major), which ids handed to attention as the
     /// shard's must have too.
     ends: (u64, u64),
+    /// [`ShardPositions::spread_over`].
+    spread_over: usize,
 }
 
 impl NotedPositions {
@@ -664,7 +682,7 @@ impl NotedPositions {
         let first = ids.ids().first().copied().unwrap_or(0);
         let one_run = (0..ids.batch()).all(|b| ids.row(b).iter().zip(first..).all(|(&id, expected)| id == expected));
         let ends = (first, ids.ids().last().copied().unwrap_or(0));
-        Self { rows: ids.batch(), len: ids.len(), run_start: one_run.then_some(first), tile: None, ends }
+        Self { rows: ids.batch(), len: ids.len(), run_start: one_run.then_some(first), tile: None, ends, spread_over: positions.spread_over }
     }
 
     /// The tile's rows of the shard where `counted` is as many (two or more), and whether
@@ -2018,7 +2036,7 @@ mod tests {
     /// Positions noted for one thread: `rows` rows each of `ids`.
     fn noted(ids: &[u64], rows: usize) -> ShardPositionsNoted {
         let positions = crate::visibility::PositionIds::new(ids.repeat(rows), rows, ids.len()).expect("ids");
-        note_shard_positions(&ShardPositions { ids: positions, packed: false })
+        note_shard_positions(&ShardPositions { ids: positions, packed: false, spread_over: 2 })
     }
 
     /// Document position ids that are not the noted shard's (counted within the shard) are
@@ -2028,7 +2046,7 @@ mod tests {
         let shard_ids: Vec<u64> = [(8..16).collect::<Vec<u64>>(), (0..8).collect()].concat();
         let ids = |ids: Vec<u64>| PositionIds::new(ids, 2, 8).expect("ids");
         assert!(documents_not_the_shards(&ids((0..16).map(|i| i % 8).collect()), SP2).is_none(), "nothing noted");
-        let _noted = note_shard_positions(&ShardPositions { ids: ids(shard_ids.clone()), packed: true });
+        let _noted = note_shard_positions(&ShardPositions { ids: ids(shard_ids.clone()), packed: true, spread_over: 2 });
         let message = documents_not_the_shards(&ids((0..16).map(|i| i % 8).collect()), SP2).expect("local ids refused").to_string();
         for needle in ["run from 0 to 7", "from 8 to 7", "SequenceShard::positions.ids"] {
             assert!(message.contains(needle), "`{needle}` missing from: {message}");

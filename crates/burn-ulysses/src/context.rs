@@ -199,6 +199,13 @@ pub fn current_sharding() -> Option<Sharding> {
         .flatten()
 }
 
+/// Whether this thread runs inside [`enter_single_device`] (its own, or none entered on it and
+/// the process's), where the model chose one device on purpose.
+pub fn single_device_entered() -> bool {
+    let single = |entry: &Option<Entry>| entry.as_ref().map(|entry| matches!(entry, Entry::SingleDevice));
+    THREAD_CONTEXT.with(|slot| single(&slot.borrow())).or_else(|| single(&PROCESS_CONTEXT.read().unwrap_or_else(|p| p.into_inner()))).unwrap_or(false)
+}
+
 /// When this thread is one of several ranks that are threads of this process (a
 /// thread-scoped context), waits until every rank of its group (Ulysses and ring) gets
 /// here; otherwise returns at once. Burn's autodiff ends every `backward` by locking each

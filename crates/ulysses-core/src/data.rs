@@ -161,12 +161,17 @@ pub struct ShardPositions {
     /// Whether the rows pack several documents: attention must then stay inside each
     /// (`burn_ulysses::attention::attention_in_documents` with `ids`).
     pub packed: bool,
+    /// The ranks whose shards make up the sequences (the sharder's SP degree; 1: whole
+    /// sequences). Attention on a forward that noted these positions
+    /// (`burn_ulysses::attention_guard::note_shard_positions`) is refused outside a rank
+    /// context spreading sequences over as many ranks: it would attend within the shard alone.
+    pub spread_over: usize,
 }
 
 impl ShardPositions {
-    /// Unpacked rows whose tokens sit at positions `offset..offset + len`.
+    /// Unpacked rows of whole sequences whose tokens sit at positions `offset..offset + len`.
     pub fn consecutive(batch: usize, offset: usize, len: usize) -> Self {
-        Self { ids: PositionIds::consecutive(batch, offset, len), packed: false }
+        Self { ids: PositionIds::consecutive(batch, offset, len), packed: false, spread_over: 1 }
     }
 }
 
@@ -327,7 +332,7 @@ impl SequenceSharder {
             batch: sequences.len(),
             local_len,
             position_offset: start,
-            positions: ShardPositions { ids, packed: documents.is_some() },
+            positions: ShardPositions { ids, packed: documents.is_some(), spread_over: self.sp_size },
             valid_tokens,
             padding,
         }

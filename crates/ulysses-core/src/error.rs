@@ -170,6 +170,17 @@ pub enum UlyssesError {
     NotSequenceParallel { sp_size: usize },
 
     #[error(
+        "sequence-parallel attention: this forward runs on a shard of sequences spread over {spread_over} ranks \
+         (the positions noted for it: SequenceSharder's sp_size), but {} on this thread, so each rank would attend \
+         within its shard alone, or across other ranks' sequences. Enter the rank context of the step's groups on the \
+         thread that runs the forward (`burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()))`: \
+         its SP group, not the world's communicator under data parallelism), or shard with the layout's sharder \
+         (`ParallelLayout::sharder`).",
+        if *context_ranks == 1 { "no rank context spreads them".to_string() } else { format!("the rank context spreads them over {context_ranks}") }
+    )]
+    ShardOutsideItsGroup { spread_over: usize, context_ranks: usize },
+
+    #[error(
         "step {step}: a NaN or an infinity appeared{}{}{}. {} Lower the learning rate, clip gradients, or look at this step's \
          data; resume from the last checkpoint if there is one.",
         if loss_ranks.is_empty() { String::new() } else { format!(" in the loss on rank(s) {loss_ranks:?}") },

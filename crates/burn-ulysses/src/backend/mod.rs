@@ -35,12 +35,16 @@ pub struct UlyssesBackend<Inner> {
 impl<Inner: ExchangeBackend> UlyssesBackend<Inner> {
     /// Makes this thread a rank of `communicator`'s group until the guard is dropped, with
     /// the default [`UlyssesConfig`]. Use this when ranks are threads of one process.
+    /// `communicator` is the SP group's, never the world's under data parallelism (its
+    /// all-to-all would join other replicas' shards): with a layout, enter
+    /// `ParallelGroups::rank_context` through [`context::enter`] instead.
     pub fn enter_thread(communicator: Arc<dyn Communicator<Inner::Wire>>) -> RankGuard {
         Self::enter(RankScope::Thread, communicator, UlyssesConfig::new())
     }
 
     /// Makes this thread ([`RankScope::Thread`]) or this process ([`RankScope::Process`], one
-    /// process per GPU) a rank of `communicator`'s group until the guard is dropped.
+    /// process per GPU) a rank of `communicator`'s group (the SP group's, as for
+    /// [`enter_thread`](Self::enter_thread)) until the guard is dropped.
     pub fn enter(
         scope: RankScope,
         communicator: Arc<dyn Communicator<Inner::Wire>>,
