@@ -156,6 +156,9 @@ fn half_precision_training_keeps_f32_parameters_and_follows_f32_losses() {
     let on_host = config(Precision::Bf16).with_offload_optimizer(true);
     let ((full, _), (half, dtypes), (half_checkpointed, checkpointed_dtypes), (half_on_host, on_host_dtypes)) =
         with_deadline(std::time::Duration::from_secs(900), move || (run(config(Precision::F32)), run(config(Precision::Bf16)), run(checkpointed), run(on_host)));
+    // Every run took every step: a run that ended early would leave steps out of the zip.
+    let steps = config(Precision::F32).steps;
+    assert!([&full, &half, &half_checkpointed, &half_on_host].iter().all(|losses| losses.len() == steps), "runs took other step counts than {steps}");
     for (step, (((h, c), o), f)) in half.iter().zip(&half_checkpointed).zip(&half_on_host).zip(&full).enumerate() {
         let (error, checkpointed_error, on_host_error) = (((h - f) / f).abs(), ((c - f) / f).abs(), ((o - f) / f).abs());
         println!(

@@ -566,6 +566,8 @@ fn the_launcher_takes_master_addr_and_port_from_its_environment() {
     assert!(from_flags.contains("[rank 0] 10.9.9.9 4444"), "{from_flags}");
 }
 
+/// A barrier's name used again waits again: the second use is not completed by the first
+/// use's arrivals (rank 0 leaves it only after rank 1, late, has come).
 #[test]
 fn a_barrier_name_can_be_reused() {
     let server = server(2);
@@ -573,12 +575,17 @@ fn a_barrier_name_can_be_reused() {
     let other = std::thread::spawn(move || {
         let mut client = RendezvousClient::connect("127.0.0.1", port, 1, 2, "job-secret", Duration::from_secs(5), LIMIT).unwrap();
         client.barrier("step", 2).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let arrived = std::time::Instant::now();
         client.barrier("step", 2).unwrap();
+        arrived
     });
     let mut client = client(&server, 0, 2, "job-secret").unwrap();
     client.barrier("step", 2).unwrap();
     client.barrier("step", 2).unwrap();
-    other.join().unwrap();
+    let left = std::time::Instant::now();
+    let arrived = other.join().unwrap();
+    assert!(left >= arrived, "rank 0 left the second barrier {:?} before rank 1 came to it", arrived - left);
 }
 
 #[test]
