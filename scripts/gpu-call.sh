@@ -34,6 +34,8 @@ cp benches/torch_llama_reference.py benches/throughput_ratio.py "$bundle/train/"
 rm -rf "$bundle/train/hf-shapes" && cp -r benches/hf-shapes "$bundle/train/"
 logs=/tmp/gpu-call-logs
 rm -rf "$logs" /tmp/gpu-call-packed && mkdir -p "$logs"
+# The host's memory as the trainer checks it (MemAvailable) against what `--check` planned for.
+grep -E '^(MemTotal|MemAvailable):' /proc/meminfo >"$logs/meminfo.txt" 2>&1 || true
 # The trainer's corpus: the system's licence texts where the image has them, else this
 # project's own sources (text either way).
 if [ -z "${CORPUS:-}" ]; then

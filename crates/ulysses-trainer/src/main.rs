@@ -392,8 +392,9 @@ struct Args {
     /// must go for it to (--offload-to-host, --offload-layers), and the longest --seq-len that fits
     #[arg(long, requires = "check", value_name = "GB")]
     device_memory: Option<f64>,
-    /// With --device-memory: the memory of a host, in GB, shared by the ranks it runs
-    /// [default: not limited]
+    /// With --device-memory: the memory of a host, in GB, shared by the ranks it runs: what it
+    /// has available to them (`free`'s "available"; a run checks /proc/meminfo's MemAvailable,
+    /// or its cgroup's limit, as it starts), not its total [default: not limited]
     #[arg(long, requires = "device_memory", value_name = "GB")]
     host_memory: Option<f64>,
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
