@@ -530,8 +530,10 @@ fn the_reference_ring_in_f16_stays_finite_where_a_block_sums_past_f16() {
             let device = Default::default();
             let comm: std::sync::Arc<dyn burn_ulysses::comm::Communicator<Wgpu>> = rank.communicator();
             let shape = [1, 1, 4, 264];
-            let q = uniform_tensor::<Wgpu, 4>(shape, 1, &device);
-            let kv = Tensor::<Wgpu, 4>::full(shape, 200.0, &device) + uniform_tensor::<Wgpu, 4>(shape, 2, &device);
+            // Each rank its own block: a ring that attends over its own twice is seen.
+            let stream = 10 * rank.rank() as u64;
+            let q = uniform_tensor::<Wgpu, 4>(shape, 1 + stream, &device);
+            let kv = Tensor::<Wgpu, 4>::full(shape, 200.0, &device) + uniform_tensor::<Wgpu, 4>(shape, 2 + stream, &device);
             let attend = |dtype: DType| {
                 let output = ring_attention(q.clone().cast(dtype), kv.clone().cast(dtype), kv.clone().cast(dtype), CAUSAL, RingSharding::Contiguous, &comm, DenseFallback::Allow).unwrap();
                 values(output.cast(DType::F32))

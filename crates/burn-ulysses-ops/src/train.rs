@@ -54,10 +54,47 @@ pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64)
 ///
 /// # Panics
 ///
-/// When a collective fails (a rank died or ran another model), naming it.
+/// When a collective fails (a rank died or ran another model), naming it; and at a thread's
+/// first sum, where the ranks' parameters differ (models built from other seeds: rank threads
+/// share a device's random generator, so `init` on each draws other weights), which would
+/// train the replicas apart.
 pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> GradientsParams {
     let Some(group) = context::world().filter(|group| group.size() > 1) else { return grads };
+    if !PARAMETERS_COMPARED.replace(true) {
+        refuse_differing_parameters(model, &*group);
+    }
     all_reduce_gradients_in_buckets(model, grads, &*group, GRADIENT_BUCKET_BYTES).unwrap_or_else(|error| panic!("summing the gradients over the group: {error}"))
+}
+
+thread_local! {
+    /// Whether this thread's first gradient sum compared the ranks' parameters.
+    static PARAMETERS_COMPARED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Panics where the ranks of `group` hold other parameters (a digest of each one's first
+/// values: one read of a few values each), naming the first rank that differs from rank 0.
+fn refuse_differing_parameters<M: Module>(model: &M, group: &dyn HostCommunicator) {
+    struct Firsts(Vec<f32>);
+    impl ModuleVisitor for Firsts {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let values = param.val().flatten::<1>(0, D - 1);
+            let count = values.dims()[0].min(ulysses_core::digest::DIGEST_VALUES);
+            if count > 0 {
+                self.0.extend(values.narrow(0, 0, count).into_data().convert::<f32>().iter::<f32>());
+            }
+        }
+    }
+    let mut firsts = Firsts(Vec::new());
+    model.visit(&mut firsts);
+    let digest = ulysses_core::digest::parameters_digest(firsts.0);
+    let every_rank = all_gather_host_checked(group, &[digest], "the parameters' digest").unwrap_or_else(|error| panic!("comparing the ranks' parameters: {error}"));
+    if let Some(rank) = every_rank.iter().position(|digests| digests[0] != every_rank[0][0]) {
+        panic!(
+            "ranks 0 and {rank} hold different parameters at their first gradient sum: the replicas would train apart. Build the model \
+             from one seed on every rank (rank threads share a device's random generator, so `init` on each draws other weights: \
+             the tiny_llama example's `init_seeded`), or load one record on every rank"
+        );
+    }
 }
 
 /// [`all_reduce_gradients`] over `group`, in buckets of at most `bucket_bytes`.

@@ -251,3 +251,23 @@ fn a_frozen_parameter_stays_as_it_was_under_weight_decay() {
     let worst = largest_parameter_gap(&parameters, &reference);
     assert!(worst <= TOLERANCE as f32, "SP=2 with a frozen embedding: a parameter {worst} from one device");
 }
+
+/// Ranks whose models come from other seeds (as `init` on each rank thread draws) are refused at
+/// their first gradient sum, naming the fix; from one seed they pass.
+#[test]
+fn ranks_with_other_parameters_are_refused_at_their_first_gradient_sum() {
+    let dist = DistributedConfig::new().with_sp_size(2);
+    let first_sum = |seed_of: fn(usize) -> u64| {
+        run_ranks(&Launch::Threads, 2, &dist, move |rank| {
+            let model = init_seeded(&CONFIG, &plain_device().autodiff(), seed_of(rank.rank));
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(all_reduce_gradients(&model, GradientsParams::new()))))
+                .map_err(|panic| panic.downcast_ref::<String>().cloned().unwrap_or_default())
+        })
+        .unwrap_or_else(|error| panic!("{error}"))
+    };
+    for (rank, result) in first_sum(|rank| 7 + rank as u64).into_iter().enumerate() {
+        let message = result.err().unwrap_or_else(|| panic!("rank {rank} summed gradients of other models"));
+        assert!(message.contains("ranks 0 and 1 hold different parameters") && message.contains("init_seeded"), "rank {rank}: {message}");
+    }
+    assert!(first_sum(|_| 7).iter().all(Result::is_ok), "ranks with one seed refused");
+}

@@ -299,13 +299,15 @@ pub fn documents_not_the_shards(positions: &PositionIds, sharding: Option<Shardi
 }
 
 /// The refusal of attention in a forward over a shard of sequences spread over more ranks, or
-/// other ranks, than the rank context spreads them over (`sharding`: none outside any
-/// context): a loop of one's own that sharded its data but entered no context on the forward's
-/// thread, or entered the world's communicator under data parallelism, would attend within
-/// each shard, or across replicas, without a word. Inside `enter_single_device` the model
-/// chose one device (a whole sequence gathered) and nothing is refused.
+/// fewer, than the rank context spreads them over (`sharding`: none outside any context): a
+/// loop of one's own that sharded its data but entered no context on the forward's thread, or
+/// entered the world's communicator under data parallelism, would attend within each shard,
+/// or across replicas, without a word. A context of as many ranks that cuts otherwise (a
+/// zigzag ring entered as a plain group, the DP group where it is as large) is not seen here.
+/// Inside `enter_single_device` the model chose one device (a whole sequence gathered) and
+/// nothing is refused; nor with the guard off (`set_guard`).
 pub fn shard_outside_its_group(sharding: Option<Sharding>) -> Option<UlyssesError> {
-    if context::single_device_entered() {
+    if !GUARD_ON.load(Ordering::Relaxed) || context::single_device_entered() {
         return None;
     }
     let spread_over = SHARD_POSITIONS.get()?.spread_over;

@@ -12,7 +12,8 @@
 //! would interleave them.
 //!
 //! The thread scope wins when both are set. With neither, attention runs on one device, as
-//! it does inside [`enter_single_device`].
+//! it does inside [`enter_single_device`], unless the forward noted a shard of a sequence
+//! spread over several ranks (`attention_guard::note_shard_positions`): that is refused.
 
 use std::{
     any::{Any, TypeId, type_name},

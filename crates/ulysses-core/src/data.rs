@@ -162,9 +162,10 @@ pub struct ShardPositions {
     /// (`burn_ulysses::attention::attention_in_documents` with `ids`).
     pub packed: bool,
     /// The ranks whose shards make up the sequences (the sharder's SP degree; 1: whole
-    /// sequences). Attention on a forward that noted these positions
+    /// sequences). Under burn 0.21, attention on a forward that noted these positions
     /// (`burn_ulysses::attention_guard::note_shard_positions`) is refused outside a rank
     /// context spreading sequences over as many ranks: it would attend within the shard alone.
+    /// The burn 0.22 crate reads nothing of it.
     pub spread_over: usize,
 }
 

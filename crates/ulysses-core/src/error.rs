@@ -173,9 +173,9 @@ pub enum UlyssesError {
         "sequence-parallel attention: this forward runs on a shard of sequences spread over {spread_over} ranks \
          (the positions noted for it: SequenceSharder's sp_size), but {} on this thread, so each rank would attend \
          within its shard alone, or across other ranks' sequences. Enter the rank context of the step's groups on the \
-         thread that runs the forward (`burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()))`: \
-         its SP group, not the world's communicator under data parallelism), or shard with the layout's sharder \
-         (`ParallelLayout::sharder`).",
+         thread that runs the forward (`burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()))`, \
+         RankScope::Process for a process that is one rank: its SP group, not the world's communicator under data parallelism), \
+         or shard with the layout's sharder (`ParallelLayout::sharder`).",
         if *context_ranks == 1 { "no rank context spreads them".to_string() } else { format!("the rank context spreads them over {context_ranks}") }
     )]
     ShardOutsideItsGroup { spread_over: usize, context_ranks: usize },

@@ -16,6 +16,7 @@
 
 pub mod comm;
 pub mod data;
+pub mod digest;
 pub mod error;
 pub mod gradients;
 pub mod host_adamw;

@@ -149,7 +149,7 @@ fn check_logits_at_sp(folder: &Path, want: &HashMap<String, Expected>, sp: usize
             let local = seq / sp;
             let shard = all.slice([0..batch, r * local..(r + 1) * local]);
             let positions = match ids {
-                None => ShardPositions::consecutive(batch, r * local, local),
+                None => ShardPositions { spread_over: sp, ..ShardPositions::consecutive(batch, r * local, local) },
                 Some(ids) => {
                     let ids: Vec<u64> = ids.values[r * local..(r + 1) * local].iter().map(|&v| v as u64).collect();
                     ShardPositions { ids: PositionIds::new(ids, 1, local).unwrap(), packed: true, spread_over: sp }

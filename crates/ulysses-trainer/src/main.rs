@@ -400,7 +400,8 @@ struct Args {
     /// Continue the run whose checkpoint is in this folder (or file): losses continue as if
     /// it had never stopped. Every rank reads it. The run's settings are the checkpoint's
     /// unless given here; some may change (--steps, --learning-rate and its schedule,
-    /// --max-grad-norm, --precision, --grad-accumulation, the layout, where the state lives),
+    /// --max-grad-norm, --precision, --grad-accumulation, the layout, where the state lives
+    /// but for a sharded optimizer's against a replicated one's),
     /// the rest must match (--seed, --batch-size, --seq-len, AdamW's, --pack,
     /// --freeze-embeddings, the model's shape, the data unless --allow-new-data):
     /// docs/training.md lists them

@@ -513,18 +513,8 @@ pub fn write_atomically_with(path: &Path, write: impl FnOnce(&mut std::io::BufWr
     written
 }
 
-/// FNV-1a over several byte slices, as if concatenated: the same on every build and machine.
-pub fn fnv1a(parts: &[&[u8]]) -> u64 {
-    parts.iter().fold(FNV1A_START, |hash, part| fnv1a_more(hash, part))
-}
-
-/// FNV-1a's hash before any byte.
-pub(crate) const FNV1A_START: u64 = 0xcbf2_9ce4_8422_2325;
-
-/// FNV-1a's `hash` so far, continued over `bytes` (a long input hashed piece by piece).
-pub(crate) fn fnv1a_more(hash: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(hash, |hash, &b| (hash ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
-}
+pub use ulysses_core::digest::fnv1a;
+pub(crate) use ulysses_core::digest::{FNV1A_START, fnv1a_more};
 
 #[cfg(test)]
 mod tests {

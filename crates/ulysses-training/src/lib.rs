@@ -448,8 +448,9 @@ where
     let exchanges = groups.attention_exchanges() - exchanges_before;
     if groups.layout.sp_size > 1 && exchanges == 0 {
         // Attention exchanged, through the context entered on this thread, but not through
-        // this step's SP group: a context entered with another communicator (the world's), whose
-        // all-to-alls mixed shards of other sequences when DP > 1.
+        // this step's SP group: a context entered with another communicator of as many ranks
+        // (the world's at DP 1; at DP > 1 attention refuses its shard first:
+        // `ShardOutsideItsGroup`).
         if context_before.zip(context_exchanges::<B::Wire>()).is_some_and(|(before, after)| after > before) {
             return Err(UlyssesError::InvalidConfig(format!(
                 "step {}: the model's attention exchanged through the rank context entered on this thread, but not through this \
@@ -847,7 +848,7 @@ fn parameters_fingerprint<B: Backend, M: Module<B>>(model: &M) -> Option<u64> {
         .into_iter()
         .filter(|parameter| parameter.values.dims()[0] > 0)
         .map(|parameter| {
-            let count = parameter.values.dims()[0].min(4);
+            let count = parameter.values.dims()[0].min(ulysses_core::digest::DIGEST_VALUES);
             parameter.values.narrow(0, 0, count).cast(burn::tensor::DType::F32)
         })
         .collect();
@@ -855,8 +856,7 @@ fn parameters_fingerprint<B: Backend, M: Module<B>>(model: &M) -> Option<u64> {
     if firsts.iter().any(|first| first.device() != device) {
         return None;
     }
-    let values = Tensor::cat(firsts, 0).into_data();
-    Some(values.iter::<f32>().fold(checkpoint::FNV1A_START, |hash, value| checkpoint::fnv1a_more(hash, &value.to_bits().to_le_bytes())))
+    Some(ulysses_core::digest::parameters_digest(Tensor::cat(firsts, 0).into_data().iter::<f32>()))
 }
 
 /// A digest of a step's micro-batches (each apart), their document lengths and targets, the
@@ -988,8 +988,9 @@ pub fn evaluate<B: Backend, G: Backend>(
         };
         Ok::<_, UlyssesError>(lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>())
     })??;
-    // Attention that never reached the group (no rank context on this thread, a model that
-    // attends by hand the guard cannot see) attended within each shard.
+    // Attention that never reached the group (a model that attends by hand the guard cannot
+    // see, or one device chosen inside the forward; attention on the noted shard with no rank
+    // context is refused in the forward) attended within each shard.
     if sharder.sp_size > 1 && exchanges_before.zip(context_exchanges::<G>()).is_none_or(|(before, after)| before == after) {
         return Err(UlyssesError::NotSequenceParallel { sp_size: sharder.sp_size });
     }
