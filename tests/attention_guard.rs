@@ -1374,3 +1374,43 @@ fn attention_on_a_noted_shard_outside_its_sp_group_is_refused() {
         assert!(diff <= TOLERANCE, "rank {rank} in its SP group differs from one device by {diff:e}");
     }
 }
+
+/// A zigzag ring's shard (SP 4 over a ring of 2) attended in a plain group of its four ranks
+/// (entered with the SP group's communicator, no ring): the group holds as many ranks but cuts
+/// otherwise, and its all-to-all would join zigzag shards as contiguous ones. Refused on every
+/// rank, naming the fix; in the groups' own context (the ring and its cut) it attends.
+#[test]
+fn a_zigzag_rings_shard_in_a_plain_group_of_as_many_ranks_is_refused() {
+    use burn_ulysses::{ParallelGroups, ParallelLayout, attention_guard::note_shard_positions, context, ring::RingSharding};
+    type Plain = UlyssesBackend<Inner>;
+    let causal = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+    let results = with_deadline(Duration::from_secs(60), move || {
+        ThreadGroup::new(4).run(|rank| {
+            let layout = ParallelLayout::new().with_sp_size(4).with_ring_size(2).with_ring_sharding(RingSharding::Zigzag);
+            let groups = ParallelGroups::<Inner>::new(rank.communicator(), layout).unwrap();
+            let shard = layout.sharder().shard(&[(0..SEQ as i64).collect()], groups.sp_rank());
+            let _noted = note_shard_positions(&shard.positions);
+            let local = |seed: u64| uniform_tensor::<Plain, 4>([1, HEADS, shard.local_len, 8], seed + 10 * rank.rank() as u64, &Default::default());
+            let attend = || {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| values(attention(local(1), local(2), local(3), None, None, causal))))
+                    .map_err(|panic| panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default())
+            };
+            let plain = {
+                let _plain = Plain::enter_thread(groups.sp.clone());
+                attend()
+            };
+            let own = {
+                let _own = context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
+                attend()
+            };
+            (plain, own, groups.sp_rank())
+        })
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let (plain, own, sp_rank) = result.unwrap_or_else(|panic| panic!("rank {rank}: {}", panic.message));
+        let plain = plain.err().unwrap_or_else(|| panic!("rank {rank} attended over zigzag shards joined as contiguous ones"));
+        assert!(plain.contains(&format!("runs on shard {sp_rank} of sequences spread over 4 ranks, cut in 2 run(s)")) && plain.contains("cut in 1"), "rank {rank}: {plain}");
+        let own = own.unwrap_or_else(|message| panic!("rank {rank} in its groups' context: {message}"));
+        assert!(own.iter().all(|x| x.is_finite()), "rank {rank}: a non-finite output in its groups' context");
+    }
+}

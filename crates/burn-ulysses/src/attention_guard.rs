@@ -133,7 +133,7 @@ use burn::tensor::{
 
 use crate::{
     context::{self, Sharding},
-    data::ShardPositions,
+    data::{ShardCut, ShardPositions},
     visibility::PositionIds,
     error::UlyssesError,
     capabilities::ExchangeBackend,
@@ -298,21 +298,33 @@ pub fn documents_not_the_shards(positions: &PositionIds, sharding: Option<Shardi
     )))
 }
 
-/// The refusal of attention in a forward over a shard of sequences spread over more ranks, or
-/// fewer, than the rank context spreads them over (`sharding`: none outside any context): a
-/// loop of one's own that sharded its data but entered no context on the forward's thread, or
-/// entered the world's communicator under data parallelism, would attend within each shard,
-/// or across replicas, without a word. A context of as many ranks that cuts otherwise (a
-/// zigzag ring entered as a plain group, the DP group where it is as large) is not seen here.
-/// Inside `enter_single_device` the model chose one device (a whole sequence gathered) and
-/// nothing is refused; nor with the guard off (`set_guard`).
+/// The refusal of attention in a forward over a shard of sequences that the rank context
+/// (`sharding`: none outside any context) does not hold: one spread over another number of
+/// ranks (a loop of one's own that sharded its data but entered no context on the forward's
+/// thread, or entered the world's communicator under data parallelism), or another shard of
+/// as many, or cut in other runs (a zigzag ring's shards in a plain group, the DP group where
+/// it is as large). Each rank would attend within its shard, across replicas, or over shards
+/// joined out of order, without a word. Inside `enter_single_device` the model chose one
+/// device (a whole sequence gathered) and nothing is refused; nor with the guard off
+/// (`set_guard`).
 pub fn shard_outside_its_group(sharding: Option<Sharding>) -> Option<UlyssesError> {
     if !GUARD_ON.load(Ordering::Relaxed) || context::single_device_entered() {
         return None;
     }
-    let spread_over = SHARD_POSITIONS.get()?.spread_over;
-    let context_ranks = sharding.map_or(1, |sharding| sharding.ranks);
-    (spread_over > 1 && spread_over != context_ranks).then_some(UlyssesError::ShardOutsideItsGroup { spread_over, context_ranks })
+    let cut = SHARD_POSITIONS.get()?.cut;
+    let context = sharding.map_or(ShardCut::WHOLE, |sharding| ShardCut { of: sharding.ranks, index: sharding.shard, runs: sharding.runs });
+    match (cut.of, context) {
+        (1, _) => None,
+        (spread_over, context) if context.of != spread_over => Some(UlyssesError::ShardOutsideItsGroup { spread_over, context_ranks: context.of }),
+        (_, context) if context != cut => Some(UlyssesError::ShardOfAnotherRank {
+            spread_over: cut.of,
+            shard: cut.index,
+            runs: cut.runs,
+            context_shard: context.index,
+            context_runs: context.runs,
+        }),
+        _ => None,
+    }
 }
 
 /// `UlyssesBackend`'s embedding: the inner backend's, noting the length of the token ids for
@@ -674,8 +686,8 @@ struct NotedPositions {
     /// The first and the last of the ids (row-major), which ids handed to attention as the
     /// shard's must have too.
     ends: (u64, u64),
-    /// [`ShardPositions::spread_over`].
-    spread_over: usize,
+    /// [`ShardPositions::cut`].
+    cut: ShardCut,
 }
 
 impl NotedPositions {
@@ -684,7 +696,7 @@ impl NotedPositions {
         let first = ids.ids().first().copied().unwrap_or(0);
         let one_run = (0..ids.batch()).all(|b| ids.row(b).iter().zip(first..).all(|(&id, expected)| id == expected));
         let ends = (first, ids.ids().last().copied().unwrap_or(0));
-        Self { rows: ids.batch(), len: ids.len(), run_start: one_run.then_some(first), tile: None, ends, spread_over: positions.spread_over }
+        Self { rows: ids.batch(), len: ids.len(), run_start: one_run.then_some(first), tile: None, ends, cut: positions.cut }
     }
 
     /// The tile's rows of the shard where `counted` is as many (two or more), and whether
@@ -1666,7 +1678,7 @@ guarded_dim_ops!(
 mod tests {
     use super::*;
 
-    const SP2: Option<Sharding> = Some(Sharding { ranks: 2, runs: 1, shard_local_attention_on_purpose: false });
+    const SP2: Option<Sharding> = Some(Sharding { ranks: 2, runs: 1, shard: 0, shard_local_attention_on_purpose: false });
 
     #[test]
     fn scores_of_a_shard_against_itself_are_refused_with_the_fix() {
@@ -2038,7 +2050,7 @@ mod tests {
     /// Positions noted for one thread: `rows` rows each of `ids`.
     fn noted(ids: &[u64], rows: usize) -> ShardPositionsNoted {
         let positions = crate::visibility::PositionIds::new(ids.repeat(rows), rows, ids.len()).expect("ids");
-        note_shard_positions(&ShardPositions { ids: positions, packed: false, spread_over: 2 })
+        note_shard_positions(&ShardPositions { ids: positions, packed: false, cut: ShardCut { of: 2, index: 0, runs: 1 } })
     }
 
     /// Document position ids that are not the noted shard's (counted within the shard) are
@@ -2048,7 +2060,7 @@ mod tests {
         let shard_ids: Vec<u64> = [(8..16).collect::<Vec<u64>>(), (0..8).collect()].concat();
         let ids = |ids: Vec<u64>| PositionIds::new(ids, 2, 8).expect("ids");
         assert!(documents_not_the_shards(&ids((0..16).map(|i| i % 8).collect()), SP2).is_none(), "nothing noted");
-        let _noted = note_shard_positions(&ShardPositions { ids: ids(shard_ids.clone()), packed: true, spread_over: 2 });
+        let _noted = note_shard_positions(&ShardPositions { ids: ids(shard_ids.clone()), packed: true, cut: ShardCut { of: 2, index: 0, runs: 1 } });
         let message = documents_not_the_shards(&ids((0..16).map(|i| i % 8).collect()), SP2).expect("local ids refused").to_string();
         for needle in ["run from 0 to 7", "from 8 to 7", "SequenceShard::positions.ids"] {
             assert!(message.contains(needle), "`{needle}` missing from: {message}");

@@ -98,6 +98,9 @@ pub struct Sharding {
     /// Equal runs of consecutive tokens a shard is cut into where its sequence's may end: 1,
     /// or 2 under a zigzag ring (a shard may hold the ends of two chunks apart).
     pub runs: usize,
+    /// The shard this rank holds, `0..ranks`: its ring rank times the Ulysses group's size,
+    /// plus its Ulysses rank (`ulysses_core::layout::ring_coordinates`' convention).
+    pub shard: usize,
     /// [`UlyssesConfig::shard_local_attention_on_purpose`].
     pub shard_local_attention_on_purpose: bool,
 }
@@ -139,6 +142,7 @@ pub fn enter<W: Backend>(scope: RankScope, context: RankContext<W>) -> RankGuard
     let sharding = Sharding {
         ranks: context.communicator.size() * context.ring.as_ref().map_or(1, |ring| ring.size()),
         runs: if context.ring.is_some() && context.config.ring_sharding == RingSharding::Zigzag { 2 } else { 1 },
+        shard: context.ring.as_ref().map_or(0, |ring| ring.rank()) * context.communicator.size() + context.communicator.rank(),
         shard_local_attention_on_purpose: context.config.shard_local_attention_on_purpose,
     };
     let stored = StoredContext {

@@ -3,7 +3,7 @@
 //! burn 0.22 crate. This module adds the tensors a burn 0.21 model takes.
 
 use burn::tensor::{Bool, Int, Tensor, TensorData, backend::Backend};
-pub use ulysses_core::data::{IGNORE_INDEX, SequenceShard, SequenceSharder, ShardPositions, pack_documents};
+pub use ulysses_core::data::{IGNORE_INDEX, SequenceShard, SequenceSharder, ShardCut, ShardPositions, pack_documents};
 
 /// A shard's tokens and labels as burn 0.21 tensors.
 pub trait ShardTensors {

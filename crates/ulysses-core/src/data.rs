@@ -161,18 +161,32 @@ pub struct ShardPositions {
     /// Whether the rows pack several documents: attention must then stay inside each
     /// (`burn_ulysses::attention::attention_in_documents` with `ids`).
     pub packed: bool,
-    /// The ranks whose shards make up the sequences (the sharder's SP degree; 1: whole
-    /// sequences). Under burn 0.21, attention on a forward that noted these positions
+    /// Which shard of its sequences these are ([`ShardCut::WHOLE`]: whole sequences). Under
+    /// burn 0.21, attention on a forward that noted these positions
     /// (`burn_ulysses::attention_guard::note_shard_positions`) is refused outside a rank
-    /// context spreading sequences over as many ranks: it would attend within the shard alone.
-    /// The burn 0.22 crate reads nothing of it.
-    pub spread_over: usize,
+    /// context that cuts sequences the same way and holds this shard: it would attend within
+    /// the shard alone, or join shards out of order. The burn 0.22 crate reads nothing of it.
+    pub cut: ShardCut,
+}
+
+/// How a shard was cut from its sequences: one of `of` shards (the sharder's SP degree), the
+/// `index`-th (its SP rank), in `runs` runs of consecutive tokens (2 under a zigzag ring).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardCut {
+    pub of: usize,
+    pub index: usize,
+    pub runs: usize,
+}
+
+impl ShardCut {
+    /// A whole sequence, no shard of one.
+    pub const WHOLE: Self = Self { of: 1, index: 0, runs: 1 };
 }
 
 impl ShardPositions {
     /// Unpacked rows of whole sequences whose tokens sit at positions `offset..offset + len`.
     pub fn consecutive(batch: usize, offset: usize, len: usize) -> Self {
-        Self { ids: PositionIds::consecutive(batch, offset, len), packed: false, spread_over: 1 }
+        Self { ids: PositionIds::consecutive(batch, offset, len), packed: false, cut: ShardCut::WHOLE }
     }
 }
 
@@ -333,10 +347,18 @@ impl SequenceSharder {
             batch: sequences.len(),
             local_len,
             position_offset: start,
-            positions: ShardPositions { ids, packed: documents.is_some(), spread_over: self.sp_size },
+            positions: ShardPositions { ids, packed: documents.is_some(), cut: self.cut(rank) },
             valid_tokens,
             padding,
         }
+    }
+
+    /// How rank `rank`'s shard is cut: its runs are two only where a zigzag ring of two or more
+    /// cuts each ring rank's share in two (over a ring of one, the zigzag cut is the contiguous
+    /// one).
+    pub fn cut(&self, rank: usize) -> ShardCut {
+        let zigzag = self.ring_sharding == RingSharding::Zigzag && self.ring_size > 1;
+        ShardCut { of: self.sp_size, index: rank, runs: if zigzag { 2 } else { 1 } }
     }
 
     /// The global positions rank `rank` holds in a sequence of `global_len` tokens, in order.

@@ -181,6 +181,16 @@ pub enum UlyssesError {
     ShardOutsideItsGroup { spread_over: usize, context_ranks: usize },
 
     #[error(
+        "sequence-parallel attention: this forward runs on shard {shard} of sequences spread over {spread_over} ranks, cut in \
+         {runs} run(s) each (the positions noted for it), but this thread's rank context holds shard {context_shard}, cut in \
+         {context_runs}: the exchange would join shards out of order (a zigzag ring's entered as a plain group, or the DP group \
+         entered for the SP group). Enter the step's groups' own context \
+         (`burn_ulysses::context::enter(scope, groups.rank_context(UlyssesConfig::new()))`, which carries the ring and its cut) \
+         and shard with the layout's sharder at the rank's `groups.sp_rank()`."
+    )]
+    ShardOfAnotherRank { spread_over: usize, shard: usize, runs: usize, context_shard: usize, context_runs: usize },
+
+    #[error(
         "step {step}: a NaN or an infinity appeared{}{}{}. {} Lower the learning rate, clip gradients, or look at this step's \
          data; resume from the last checkpoint if there is one.",
         if loss_ranks.is_empty() { String::new() } else { format!(" in the loss on rank(s) {loss_ranks:?}") },

@@ -23,7 +23,7 @@ use burn::{
     backend::NdArray,
     tensor::{Int, Tensor, TensorData, backend::Backend},
 };
-use burn_ulysses::{data::ShardPositions, visibility::PositionIds};
+use burn_ulysses::{data::{ShardCut, ShardPositions}, visibility::PositionIds};
 use ulysses_training::lm_loss_sum_inference;
 use ulysses_models::from_pretrained;
 
@@ -105,7 +105,7 @@ fn every_family_gives_transformers_logits_and_loss() {
         // One row packing three documents: positions restart at each.
         let packed_input = tokens::<Cpu>(&want["packed_input_ids"]);
         let ids: Vec<u64> = want["packed_position_ids"].values.iter().map(|&v| v as u64).collect();
-        let packed_positions = ShardPositions { ids: PositionIds::new(ids, 1, packed_input.dims()[1]).unwrap(), packed: true, spread_over: 1 };
+        let packed_positions = ShardPositions { ids: PositionIds::new(ids, 1, packed_input.dims()[1]).unwrap(), packed: true, cut: ShardCut::WHOLE };
         let packed_logits = model.forward(packed_input, &packed_positions).into_data().to_vec::<f32>().unwrap();
         let packed = largest_difference(&packed_logits, &want["packed_logits"].values);
 
@@ -149,10 +149,10 @@ fn check_logits_at_sp(folder: &Path, want: &HashMap<String, Expected>, sp: usize
             let local = seq / sp;
             let shard = all.slice([0..batch, r * local..(r + 1) * local]);
             let positions = match ids {
-                None => ShardPositions { spread_over: sp, ..ShardPositions::consecutive(batch, r * local, local) },
+                None => ShardPositions { cut: ShardCut { of: sp, index: r, runs: 1 }, ..ShardPositions::consecutive(batch, r * local, local) },
                 Some(ids) => {
                     let ids: Vec<u64> = ids.values[r * local..(r + 1) * local].iter().map(|&v| v as u64).collect();
-                    ShardPositions { ids: PositionIds::new(ids, 1, local).unwrap(), packed: true, spread_over: sp }
+                    ShardPositions { ids: PositionIds::new(ids, 1, local).unwrap(), packed: true, cut: ShardCut { of: sp, index: r, runs: 1 } }
                 }
             };
             model.forward(shard, &positions).into_data().to_vec::<f32>().unwrap()
@@ -365,7 +365,7 @@ fn mistral_gives_transformers_logits_past_its_sliding_window() {
     let loss = lm_loss_sum_inference(model.lm_output(input, &positions), labels, -100).into_scalar() as f64 / (batch * (seq - 1)) as f64;
     let packed_input = tokens::<Cpu>(&want["packed_input_ids"]);
     let ids: Vec<u64> = want["packed_position_ids"].values.iter().map(|&v| v as u64).collect();
-    let packed_positions = ShardPositions { ids: PositionIds::new(ids, 1, seq).unwrap(), packed: true, spread_over: 1 };
+    let packed_positions = ShardPositions { ids: PositionIds::new(ids, 1, seq).unwrap(), packed: true, cut: ShardCut::WHOLE };
     let packed = largest_difference(&model.forward(packed_input, &packed_positions).into_data().to_vec::<f32>().unwrap(), &want["packed_logits"].values);
     let loss_difference = (loss - want["loss"].values[0]).abs();
     println!("mistral past its window: logits {plain:.1e} plain, {packed:.1e} packed; loss {loss:.6} ({loss_difference:.1e} from transformers')");
