@@ -17,10 +17,12 @@
 //!    burn's attention; inside one ([`context::enter`]) it exchanges, attends, and exchanges
 //!    back.
 //!
-//! Nothing here can see a model's own matmuls, so, unlike burn-ulysses, **nothing refuses
-//! attention done by hand**: a model that computes `softmax(q·kᵀ)·v` itself, or calls burn's
-//! attention rather than this crate's, attends within each rank's shard without a word. Port
-//! it (docs/library.md, "Using burn 0.22") and check that SP = 2 gives SP = 1's loss.
+//! Nothing here can see a model's own matmuls, so, unlike burn-ulysses, attention done by hand
+//! is not refused where it runs: a model that computes `softmax(q·kᵀ)·v` itself, or calls
+//! burn's attention rather than this crate's, attends within each rank's shard. Its step is
+//! refused at the gradient sum ([`train::all_reduce_gradients`] finds no exchange through the
+//! group since the last sum); a loop that sums otherwise is not. Port it (docs/library.md,
+//! "Using burn 0.22") and check that SP = 2 gives SP = 1's loss.
 //!
 //! ```no_run
 //! // use burn::tensor::module::attention;

@@ -63,12 +63,36 @@ pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> Gra
     if !PARAMETERS_COMPARED.replace(true) {
         refuse_differing_parameters(model, &*group);
     }
+    refuse_attention_that_never_exchanged();
     all_reduce_gradients_in_buckets(model, grads, &*group, GRADIENT_BUCKET_BYTES).unwrap_or_else(|error| panic!("summing the gradients over the group: {error}"))
 }
 
 thread_local! {
     /// Whether this thread's first gradient sum compared the ranks' parameters.
     static PARAMETERS_COMPARED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The sequence group of this thread's last gradient sum (its address) and the
+    /// all-to-alls it had made by then.
+    static EXCHANGES_AT_LAST_SUM: std::cell::Cell<(usize, u64)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// Panics where the sequence-parallel group (of two ranks or more) made no all-to-all since
+/// this thread's last gradient sum (or since the group began): the model's attention never
+/// reached it (burn's own attention, attention by hand), so each rank attended within its
+/// shard.
+fn refuse_attention_that_never_exchanged() {
+    let Some(sequence) = context::current().filter(|group| group.size() > 1) else { return };
+    let group = std::sync::Arc::as_ptr(&sequence) as *const u8 as usize;
+    let calls = sequence.traffic().all_to_all_calls;
+    let (last_group, last_calls) = EXCHANGES_AT_LAST_SUM.replace((group, calls));
+    let before = if last_group == group { last_calls } else { 0 };
+    if calls == before {
+        panic!(
+            "sequence parallelism over {} ranks, but the model's attention made no exchange through the group since the last \
+             gradient sum: each rank attended within its shard alone. Call burn_ulysses_ops::attention in place of \
+             burn::tensor::module::attention, and port attention written by hand to it (docs/library.md, \"Using burn 0.22\")",
+            sequence.size()
+        );
+    }
 }
 
 /// Panics where the ranks of `group` hold other parameters (a digest of each one's first

@@ -252,22 +252,44 @@ fn a_frozen_parameter_stays_as_it_was_under_weight_decay() {
     assert!(worst <= TOLERANCE as f32, "SP=2 with a frozen embedding: a parameter {worst} from one device");
 }
 
+/// A first gradient sum after one attention call, burn_ulysses_ops' (`exchanging`) or burn's
+/// own, by ranks whose models come from `seed_of(rank)`: each rank's error, if any.
+fn first_sum_after_attention(seed_of: fn(usize) -> u64, exchanging: bool) -> Vec<Result<(), String>> {
+    use burn::tensor::ops::AttentionModuleOptions;
+    run_ranks(&Launch::Threads, 2, &DistributedConfig::new().with_sp_size(2), move |rank| {
+        let device = plain_device().autodiff();
+        let model = init_seeded(&CONFIG, &device, seed_of(rank.rank));
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let x = || Tensor::<4>::zeros([1, 4, 4, 8], &device);
+            let options = AttentionModuleOptions { is_causal: true, ..Default::default() };
+            drop(match exchanging {
+                true => burn_ulysses_ops::attention(x(), x(), x(), None, None, options),
+                false => burn::tensor::module::attention(x(), x(), x(), None, None, options),
+            });
+            drop(all_reduce_gradients(&model, GradientsParams::new()));
+        }))
+        .map_err(|panic| panic.downcast_ref::<String>().cloned().unwrap_or_default())
+    })
+    .unwrap_or_else(|error| panic!("{error}"))
+}
+
 /// Ranks whose models come from other seeds (as `init` on each rank thread draws) are refused at
 /// their first gradient sum, naming the fix; from one seed they pass.
 #[test]
 fn ranks_with_other_parameters_are_refused_at_their_first_gradient_sum() {
-    let dist = DistributedConfig::new().with_sp_size(2);
-    let first_sum = |seed_of: fn(usize) -> u64| {
-        run_ranks(&Launch::Threads, 2, &dist, move |rank| {
-            let model = init_seeded(&CONFIG, &plain_device().autodiff(), seed_of(rank.rank));
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(all_reduce_gradients(&model, GradientsParams::new()))))
-                .map_err(|panic| panic.downcast_ref::<String>().cloned().unwrap_or_default())
-        })
-        .unwrap_or_else(|error| panic!("{error}"))
-    };
-    for (rank, result) in first_sum(|rank| 7 + rank as u64).into_iter().enumerate() {
+    for (rank, result) in first_sum_after_attention(|rank| 7 + rank as u64, true).into_iter().enumerate() {
         let message = result.err().unwrap_or_else(|| panic!("rank {rank} summed gradients of other models"));
         assert!(message.contains("ranks 0 and 1 hold different parameters") && message.contains("init_seeded"), "rank {rank}: {message}");
     }
-    assert!(first_sum(|_| 7).iter().all(Result::is_ok), "ranks with one seed refused");
+    assert_eq!(first_sum_after_attention(|_| 7, true), vec![Ok(()), Ok(())], "ranks with one seed");
+}
+
+/// A step whose attention never went through the group (burn's own attention: each rank
+/// attends within its shard) is refused at its gradient sum on every rank, naming the fix.
+#[test]
+fn a_step_whose_attention_never_exchanged_is_refused_at_its_gradient_sum() {
+    for (rank, result) in first_sum_after_attention(|_| 7, false).into_iter().enumerate() {
+        let message = result.err().unwrap_or_else(|| panic!("rank {rank} summed the gradients of a step that attended within its shard"));
+        assert!(message.contains("made no exchange through the group") && message.contains("burn_ulysses_ops::attention"), "rank {rank}: {message}");
+    }
 }
