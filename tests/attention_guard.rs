@@ -1339,12 +1339,12 @@ fn attention_on_a_noted_shard_outside_its_sp_group_is_refused() {
             };
             let attend = || {
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| values(attention(local(1), local(2), local(3), None, None, causal))))
-                    .map_err(|panic| panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default())
+                    .map_err(|panic| ulysses_core::comm::panic_message(&*panic))
             };
             let outside = attend();
             // By hand too (scores of the shard's tokens against themselves).
             let by_hand_outside = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| values(local(1).matmul(local(2).swap_dims(2, 3)))))
-                .map_err(|panic| panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default());
+                .map_err(|panic| ulysses_core::comm::panic_message(&*panic));
             assert!(by_hand_outside.as_ref().is_err_and(|m| m.contains("no rank context spreads them")), "rank {}: {by_hand_outside:?}", rank.rank());
             let in_the_world = {
                 let _world = Plain::enter_thread(rank.communicator());
@@ -1393,7 +1393,7 @@ fn a_zigzag_rings_shard_in_a_plain_group_of_as_many_ranks_is_refused() {
             let local = |seed: u64| uniform_tensor::<Plain, 4>([1, HEADS, shard.local_len, 8], seed + 10 * rank.rank() as u64, &Default::default());
             let attend = || {
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| values(attention(local(1), local(2), local(3), None, None, causal))))
-                    .map_err(|panic| panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default())
+                    .map_err(|panic| ulysses_core::comm::panic_message(&*panic))
             };
             let plain = {
                 let _plain = Plain::enter_thread(groups.sp.clone());

@@ -268,7 +268,7 @@ fn first_sum_after_attention(seed_of: fn(usize) -> u64, exchanging: bool) -> Vec
             });
             drop(all_reduce_gradients(&model, GradientsParams::new()));
         }))
-        .map_err(|panic| panic.downcast_ref::<String>().cloned().unwrap_or_default())
+        .map_err(|panic| ulysses_core::comm::panic_message(&*panic))
     })
     .unwrap_or_else(|error| panic!("{error}"))
 }

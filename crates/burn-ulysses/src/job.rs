@@ -162,14 +162,13 @@ where
 /// `layout`'s: these jobs take theirs from the layout (the 0.22 crate's from the variable), so
 /// a job script's degree would be ignored without a word.
 fn check_sp_size_variable(layout: &ParallelLayout, value: Option<String>) -> Result<(), DistError> {
-    match value {
-        Some(value) if value.trim().parse::<usize>().ok() != Some(layout.sp_size) => Err(DistError::Job(format!(
+    match ulysses_dist::config::sp_size_variable_other_than(layout.sp_size, value) {
+        Some(value) => Err(DistError::Job(format!(
             "ULYSSES_SP_SIZE={value} but the job's layout has sp {}: these jobs take the sequence-parallel degree from \
-             JobOptions::layout (ParallelLayout::with_sp_size); build the layout with sp {}, or unset ULYSSES_SP_SIZE",
-            layout.sp_size,
-            value.trim()
+             JobOptions::layout (ParallelLayout::with_sp_size); build the layout with sp {value}, or unset ULYSSES_SP_SIZE",
+            layout.sp_size
         ))),
-        _ => Ok(()),
+        None => Ok(()),
     }
 }
 

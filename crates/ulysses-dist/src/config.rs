@@ -8,6 +8,14 @@ use crate::DistError;
 
 /// Environment variables that override [`DistributedConfig`] fields.
 pub const ENV_SP_SIZE: &str = "ULYSSES_SP_SIZE";
+
+/// `ULYSSES_SP_SIZE`'s `value` (the process's: `std::env::var(ENV_SP_SIZE).ok()`), trimmed,
+/// where it says another SP degree than `sp` (or no number): for jobs that take their degree
+/// elsewhere (the trainer's `--sp`, a 0.21 job's layout) and refuse a launch script's that
+/// would be ignored.
+pub fn sp_size_variable_other_than(sp: usize, value: Option<String>) -> Option<String> {
+    value.map(|value| value.trim().to_string()).filter(|value| value.parse::<usize>().ok() != Some(sp))
+}
 pub const ENV_RENDEZVOUS_TIMEOUT: &str = "ULYSSES_RENDEZVOUS_TIMEOUT";
 pub const ENV_COLLECTIVE_TIMEOUT: &str = "ULYSSES_COLLECTIVE_TIMEOUT";
 pub const ENV_MAX_MESSAGE_BYTES: &str = "ULYSSES_MAX_MESSAGE_BYTES";

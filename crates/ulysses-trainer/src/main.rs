@@ -983,13 +983,10 @@ fn run(mut args: Args) -> Result<(), String> {
     layout.check().map_err(|e| format!("{e} (--sp, --ring)"))?;
     // The 0.22 crate's jobs read their SP degree from ULYSSES_SP_SIZE; the trainer reads --sp
     // alone (and the 0.21 jobs their layout's), refusing a variable that says otherwise.
-    if let Ok(value) = std::env::var(ulysses_dist::config::ENV_SP_SIZE)
-        && value.trim().parse::<usize>().ok() != Some(args.sp)
-    {
+    if let Some(value) = ulysses_dist::config::sp_size_variable_other_than(args.sp, std::env::var(ulysses_dist::config::ENV_SP_SIZE).ok()) {
         return Err(format!(
-            "ULYSSES_SP_SIZE={value} but --sp {}: the trainer takes its sequence-parallel degree from --sp; pass --sp {}, or unset ULYSSES_SP_SIZE",
-            args.sp,
-            value.trim()
+            "ULYSSES_SP_SIZE={value} but --sp {}: the trainer takes its sequence-parallel degree from --sp; pass --sp {value}, or unset ULYSSES_SP_SIZE",
+            args.sp
         ));
     }
     // Checked here: clap skips `requires` when an argument that conflicts with the required
