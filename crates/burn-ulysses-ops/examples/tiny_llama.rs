@@ -22,7 +22,7 @@ use burn::{
 use burn_ulysses_ops::{
     data::{IGNORE_INDEX, SequenceSharder},
     job::{Launch, run_ranks},
-    train::{all_reduce_gradients, all_reduce_sum, lm_loss_sum},
+    train::{all_reduce_gradients, all_reduce_sum, labels_in_step, lm_loss_sum},
 };
 use ulysses_dist::DistributedConfig;
 use model::{TinyLlamaConfig, init_seeded, plain_device};
@@ -57,7 +57,6 @@ fn main() {
     // Sequences of 256 bytes of a repeated sentence, each starting elsewhere in it.
     let text = b"Ulysses trades a sequence shard for a head shard around attention. ";
     let batch: Vec<Vec<i64>> = (0..4).map(|b| (0..256).map(|i| text[(i + 17 * b) % text.len()] as i64).collect()).collect();
-    let labels = SequenceSharder::labels_in(&batch) as f64;
 
     let dist = DistributedConfig::new().with_sp_size(sp).with_env_overrides().unwrap_or_else(|error| panic!("{error}"));
     let results = run_ranks(&launch, sp * dp, &dist, |rank| {
@@ -69,6 +68,8 @@ fn main() {
         let mut model = init_seeded(&config, &device, 42);
         let mut optimizer = AdamConfig::new().init();
         let shard = SequenceSharder::new(rank.sp_size).shard(replica, rank.sp_rank);
+        // The job's labelled tokens (checking the shard against the rank's groups).
+        let labels = labels_in_step(&shard) as f64;
         let int_tensor = |values: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(values.to_vec(), [shard.batch, shard.local_len]), &device);
         for step in 1..=steps {
             let logits = model.forward(&config, int_tensor(&shard.tokens), shard.positions.ids.ids());

@@ -22,7 +22,10 @@
 //! burn's attention rather than this crate's, attends within each rank's shard. Its step is
 //! refused at the gradient sum ([`train::all_reduce_gradients`] finds no exchange through the
 //! group since the last sum); a loop that sums otherwise is not. Port it (docs/library.md,
-//! "Using burn 0.22") and check that SP = 2 gives SP = 1's loss.
+//! "Using burn 0.22") and check that SP = 2 gives SP = 1's loss. Nor can it see positions: a
+//! shard attended outside its group (a thread that entered none, the whole job entered as the
+//! sequence group, another rank's shard) is refused by [`train::labels_in_step`], which a step
+//! calls for its loss's divisor before the forward.
 //!
 //! ```no_run
 //! // use burn::tensor::module::attention;

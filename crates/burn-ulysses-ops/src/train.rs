@@ -1,11 +1,11 @@
 //! What a sequence-parallel training step needs besides attention, for burn 0.22 models: each
 //! rank's part of the token-weighted loss, and gradients summed over the job.
 //!
-//! A step, on every rank (each holding its [`SequenceShard`](crate::data::SequenceShard) of its
+//! A step, on every rank (each holding its [`SequenceShard`] of its
 //! data-parallel replica's part of the batch, from `SequenceSharder`):
 //!
 //! ```text
-//! let count = all_reduce_sum(shard.valid_tokens as f64);     // the job's labelled tokens
+//! let count = labels_in_step(&shard) as f64;                 // the job's labelled tokens
 //! let loss = lm_loss_sum(model.forward(tokens, positions), shard_labels, IGNORE_INDEX) / count;
 //! let grads = all_reduce_gradients(&model, GradientsParams::from_grads(loss.backward(), &model));
 //! model = optimizer.step(lr, model, grads);                   // the same step on every rank
@@ -13,9 +13,11 @@
 //!
 //! Each rank's loss is its tokens' cross-entropy over the whole batch's label count, so the
 //! ranks' losses and gradients, summed over every SP and DP rank, are the single-device ones.
-//! The count is the shards' `valid_tokens` summed over the job: right for packed documents
-//! and targets too, where `SequenceSharder::labels_in` (every token but each row's last, of
-//! the whole global batch) counts too many.
+//! The count is the shards' `valid_tokens` summed over the job: right for chosen targets too,
+//! where `SequenceSharder::labels_in` (every token but each row's last, of the whole global
+//! batch) counts too many. [`labels_in_step`] also checks, before the forward, that the shard
+//! is one the thread's group attends over as one sequence: this crate cannot see a model's
+//! positions, so a shard attended outside its group would be attended within itself, silently.
 //! The step stays the same on every rank only if nothing in it measures the gradients per
 //! rank on a GPU: burn's norm clipping (`GradientClippingConfig::Norm`) sums squares on the
 //! device, a sum that is not bit-reproducible there, and would clip the ranks apart (burn 0.21's
@@ -31,7 +33,83 @@ use ulysses_core::{
     gradients::{GRADIENT_BUCKET_BYTES, plan_buckets, present_anywhere},
 };
 
-use crate::{context, host};
+use crate::{context, data::SequenceShard, host};
+
+/// The labelled tokens of this step over the whole job, every rank's `shard.valid_tokens`
+/// summed (exactly, in rank order): what each rank's [`lm_loss_sum`] is divided by. Every rank
+/// calls it with the shard it trains on, before the forward (a collective over the job).
+///
+/// # Panics
+///
+/// On every rank where a rank's shard is not one its thread's groups can attend over, which
+/// would be attention within the shard alone, or over shards out of order, with no error: a
+/// shard cut for `P` ranks needs a sequence-parallel group of `P` ranks entered on this thread
+/// (or its process), in which it is the rank's own (`rank.sp_rank`'s); whole sequences in a
+/// group of more ranks would be joined as one; a zigzag ring's shard (two runs) and packed
+/// documents in a group of two or more need attention this crate does not have (Ulysses over
+/// one run of tokens per rank, no document attention). And when a collective fails.
+pub fn labels_in_step(shard: &SequenceShard) -> usize {
+    let problem = shard_outside_its_groups(shard);
+    let Some(world) = context::world().filter(|group| group.size() > 1) else {
+        if let Some(problem) = problem {
+            panic!("{problem}");
+        }
+        return shard.valid_tokens;
+    };
+    // Each rank's verdict reaches every rank: a rank alone refusing would leave the others
+    // waiting in the next collective.
+    let every_rank = all_gather_host_checked(&*world, &[shard.valid_tokens as u64, problem.is_some() as u64], "the step's labelled tokens")
+        .unwrap_or_else(|error| panic!("counting the step's labelled tokens: {error}"));
+    if let Some(problem) = problem {
+        panic!("{problem}");
+    }
+    if let Some(rank) = every_rank.iter().position(|verdict| verdict[1] != 0) {
+        panic!("rank {rank} of the job holds a shard its sequence-parallel group cannot attend over (its own panic says why): the step is refused on every rank");
+    }
+    every_rank.iter().map(|verdict| verdict[0] as usize).sum()
+}
+
+/// Why this thread's groups cannot attend over `shard` as the sequences it was cut from, if so.
+fn shard_outside_its_groups(shard: &SequenceShard) -> Option<String> {
+    let cut = shard.positions.cut;
+    let sequence = context::current();
+    let (size, rank) = sequence.as_ref().map_or((1, 0), |group| (group.size(), group.rank()));
+    let fix = "shard with SequenceSharder::new(rank.sp_size).shard(replica, rank.sp_rank) and run the step on the rank's own thread, \
+               where job::run_ranks entered its groups (or context::enter_groups with the SP group and the whole job)";
+    if cut.of != size {
+        let held = match &sequence {
+            None => "this thread has entered no sequence-parallel group: attention would be one device's, over the shard alone".to_string(),
+            Some(_) if cut.of == 1 => format!("are whole sequences in a sequence-parallel group of {size} ranks: attention would join the ranks' rows as one sequence"),
+            Some(_) => format!(
+                "this thread's sequence-parallel group has {size} ranks (under data parallelism, the whole job entered as the sequence group?): \
+                 attention would join other shards"
+            ),
+        };
+        let what = if cut.of == 1 { "These tokens".to_string() } else { format!("A shard of sequences cut for {} ranks, but", cut.of) };
+        return Some(format!("{what} {held}. Fix: {fix}"));
+    }
+    if cut.index != rank {
+        return Some(format!(
+            "shard {} of sequences cut for {size} ranks, on rank {rank} of its sequence-parallel group: attention would join the shards out of \
+             order (a shard taken at the rank's place in the job, or in its data-parallel group?). Fix: {fix}",
+            cut.index
+        ));
+    }
+    if size > 1 && cut.runs != 1 {
+        return Some(format!(
+            "a zigzag ring's shard (two runs of tokens per rank): burn_ulysses_ops attends with Ulysses alone, over one run of consecutive \
+             tokens per rank. Shard with SequenceSharder::new({size}) (no ring)"
+        ));
+    }
+    if size > 1 && shard.positions.packed {
+        return Some(format!(
+            "rows packing several documents, in a sequence-parallel group of {size} ranks: burn_ulysses_ops' attention has no document \
+             attention (each token would attend across the documents before it), and a mask of them cannot follow the exchange. Shard \
+             one document per row (SequenceSharder::shard), or train on burn 0.21 with burn-ulysses' attention_in_documents"
+        ));
+    }
+    None
+}
 
 /// Cross-entropy of `logits` `[batch, seq, vocab]` against `labels` `[batch, seq]`, summed over
 /// the labels that are not `ignore_index`: `[1]`.

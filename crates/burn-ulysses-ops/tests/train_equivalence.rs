@@ -13,9 +13,9 @@ use burn::{
     tensor::{Int, Tensor, TensorData},
 };
 use burn_ulysses_ops::{
-    data::{IGNORE_INDEX, SequenceSharder},
+    data::{IGNORE_INDEX, SequenceShard, SequenceSharder},
     job::{Launch, Rank, run_ranks},
-    train::{all_reduce_gradients, all_reduce_sum, lm_loss_sum},
+    train::{all_reduce_gradients, all_reduce_sum, labels_in_step, lm_loss_sum},
 };
 use ulysses_dist::DistributedConfig;
 use model::{TinyLlamaConfig, init_seeded, plain_device, uniform};
@@ -103,7 +103,6 @@ impl Place {
 /// each; each step's loss, and every parameter after the last step.
 fn train_rank(place: Place, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
     let batch = batch();
-    let labels = SequenceSharder::labels_in(&batch) as f64;
     let per_replica = batch.len() / place.dp_size;
     let replica = &batch[place.dp_rank * per_replica..(place.dp_rank + 1) * per_replica];
     let device = plain_device().autodiff();
@@ -114,6 +113,7 @@ fn train_rank(place: Place, frozen_embedding: bool) -> (Vec<f64>, Vec<f32>) {
         optimizer = SgdConfig::new().with_weight_decay(Some(WeightDecayConfig::new(0.1))).init();
     }
     let shard = SequenceSharder::new(place.sp_size).shard(replica, place.sp_rank);
+    let labels = labels_in_step(&shard) as f64;
     let int_tensor = |values: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(values.to_vec(), [shard.batch, shard.local_len]), &device);
     let mut losses = Vec::new();
     for _ in 0..STEPS {
@@ -292,4 +292,58 @@ fn a_step_whose_attention_never_exchanged_is_refused_at_its_gradient_sum() {
         let message = result.err().unwrap_or_else(|| panic!("rank {rank} summed the gradients of a step that attended within its shard"));
         assert!(message.contains("made no exchange through the group") && message.contains("burn_ulysses_ops::attention"), "rank {rank}: {message}");
     }
+}
+
+/// Each rank's `labels_in_step` at SP = 2 × DP = 2 (rank threads) on the shard `shard_of` cuts
+/// from its replica's sequence, with the whole job entered as its sequence group where
+/// `world_as_sequence`: the count, or the panic's message.
+fn labels_in_step_at_sp_2_by_dp_2(shard_of: fn(&Rank, &[Vec<i64>]) -> SequenceShard, world_as_sequence: bool) -> Vec<Result<usize, String>> {
+    run_ranks(&Launch::Threads, 4, &DistributedConfig::new().with_sp_size(2), move |rank| {
+        let batch = batch();
+        let shard = shard_of(rank, &batch[rank.dp_rank..rank.dp_rank + 1]);
+        let _world = world_as_sequence.then(|| burn_ulysses_ops::context::enter(rank.groups.world.clone()));
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| labels_in_step(&shard))).map_err(|panic| ulysses_core::comm::panic_message(&*panic))
+    })
+    .unwrap_or_else(|error| panic!("{error}"))
+}
+
+/// Every rank's message, each containing `expected(rank)`: no rank counted.
+fn assert_refused_on_every_rank(case: &str, results: Vec<Result<usize, String>>, expected: impl Fn(usize) -> &'static str) {
+    for (rank, result) in results.into_iter().enumerate() {
+        let message = result.err().unwrap_or_else(|| panic!("{case}: rank {rank} counted its labels"));
+        assert!(message.contains(expected(rank)), "{case}, rank {rank}: {message}");
+    }
+}
+
+/// A shard its thread's groups would attend over within itself or out of order (this crate
+/// cannot see positions) is refused by `labels_in_step` on every rank, before the forward:
+/// a thread with no group, the job entered as the sequence group, a shard taken at another
+/// rank's place, whole sequences in a group, a zigzag ring's shard, packed documents. The
+/// rank's own shard, in its own groups, counts the job's labels.
+#[test]
+fn a_shard_outside_its_sequence_parallel_group_is_refused_before_the_step() {
+    use burn_ulysses_ops::layout::RingSharding;
+    let own = |rank: &Rank, replica: &[Vec<i64>]| SequenceSharder::new(rank.sp_size).shard(replica, rank.sp_rank);
+    let counts: Vec<usize> = labels_in_step_at_sp_2_by_dp_2(own, false).into_iter().map(|count| count.unwrap_or_else(|message| panic!("{message}"))).collect();
+    assert_eq!(counts, [SequenceSharder::labels_in(&batch()); 4], "the job's labels, on every rank");
+
+    let on_a_thread_of_its_own = run_ranks(&Launch::Threads, 2, &DistributedConfig::new().with_sp_size(2), |rank| {
+        let shard = SequenceSharder::new(2).shard(&batch(), rank.sp_rank);
+        std::thread::spawn(move || labels_in_step(&shard)).join().map_err(|panic| ulysses_core::comm::panic_message(&*panic))
+    });
+    assert_refused_on_every_rank("a thread the rank spawned", on_a_thread_of_its_own.unwrap(), |_| "entered no sequence-parallel group");
+    assert_refused_on_every_rank("the job entered as the sequence group", labels_in_step_at_sp_2_by_dp_2(own, true), |_| "group has 4 ranks");
+    let at_its_dp_rank = |rank: &Rank, replica: &[Vec<i64>]| SequenceSharder::new(2).shard(replica, rank.dp_rank);
+    // Ranks 1 and 2 hold the other's shard; 0 and 3 hear of rank 1.
+    let of = |rank: usize| if rank == 1 || rank == 2 { "on rank" } else { "rank 1 of the job holds a shard" };
+    assert_refused_on_every_rank("a shard at the rank's DP rank", labels_in_step_at_sp_2_by_dp_2(at_its_dp_rank, false), of);
+    let whole = |_: &Rank, replica: &[Vec<i64>]| SequenceSharder::new(1).shard(replica, 0);
+    assert_refused_on_every_rank("whole sequences", labels_in_step_at_sp_2_by_dp_2(whole, false), |_| "whole sequences in a sequence-parallel group of 2");
+    let zigzag = |rank: &Rank, replica: &[Vec<i64>]| SequenceSharder::new(2).with_ring_size(2).with_ring_sharding(RingSharding::Zigzag).shard(replica, rank.sp_rank);
+    assert_refused_on_every_rank("a zigzag ring's shard", labels_in_step_at_sp_2_by_dp_2(zigzag, false), |_| "a zigzag ring's shard");
+    let packed = |rank: &Rank, replica: &[Vec<i64>]| {
+        let documents = vec![vec![5, replica[0].len() - 5]];
+        SequenceSharder::new(2).shard_documents(replica, Some(&documents), rank.sp_rank)
+    };
+    assert_refused_on_every_rank("packed documents", labels_in_step_at_sp_2_by_dp_2(packed, false), |_| "packing several documents");
 }

@@ -165,7 +165,8 @@ pub struct ShardPositions {
     /// burn 0.21, attention on a forward that noted these positions
     /// (`burn_ulysses::attention_guard::note_shard_positions`) is refused outside a rank
     /// context that cuts sequences the same way and holds this shard: it would attend within
-    /// the shard alone, or join shards out of order. The burn 0.22 crate reads nothing of it.
+    /// the shard alone, or join shards out of order. The burn 0.22 crate checks it against the thread's groups in
+    /// `burn_ulysses_ops::train::labels_in_step`.
     pub cut: ShardCut,
 }
 
