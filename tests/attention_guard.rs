@@ -1375,6 +1375,45 @@ fn attention_on_a_noted_shard_outside_its_sp_group_is_refused() {
     }
 }
 
+/// A zigzag ring of one rank (entered through `enter_hybrid`) cuts as no ring does, as the
+/// sharder cuts it: the sharder's shard attends there, giving what the plain group gives.
+#[test]
+fn a_zigzag_ring_of_one_attends_the_sharders_shard_as_a_plain_group() {
+    use burn_ulysses::{attention_guard::note_shard_positions, comm::Communicator, data::SequenceSharder, ring::RingSharding};
+    type Plain = UlyssesBackend<Inner>;
+    let causal = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+    let results = with_deadline(Duration::from_secs(60), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let sharder = SequenceSharder::new(2).with_ring_size(1).with_ring_sharding(RingSharding::Zigzag);
+            let shard = sharder.shard(&[(0..SEQ as i64).collect()], rank.rank());
+            let _noted = note_shard_positions(&shard.positions);
+            let local = |seed: u64| uniform_tensor::<Plain, 4>([1, HEADS, shard.local_len, 8], seed + 10 * rank.rank() as u64, &Default::default());
+            let attend = || {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| values(attention(local(1), local(2), local(3), None, None, causal))))
+                    .map_err(|panic| ulysses_core::comm::panic_message(&*panic))
+            };
+            let ring_of_one = rank.communicator().split(rank.rank() as u32, 0).unwrap();
+            let zigzag = {
+                let config = UlyssesConfig::new().with_ring_sharding(RingSharding::Zigzag);
+                let _hybrid = Plain::enter_hybrid(RankScope::Thread, rank.communicator(), ring_of_one, config);
+                attend()
+            };
+            let plain = {
+                let _plain = Plain::enter_thread(rank.communicator());
+                attend()
+            };
+            (zigzag, plain)
+        })
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let (zigzag, plain) = result.unwrap_or_else(|panic| panic!("rank {rank}: {}", panic.message));
+        let zigzag = zigzag.unwrap_or_else(|message| panic!("rank {rank}, a zigzag ring of one: {message}"));
+        let plain = plain.unwrap_or_else(|message| panic!("rank {rank}, the plain group: {message}"));
+        let worst = zigzag.iter().zip(&plain).map(|(a, b)| (a - b).abs()).fold(0.0f32, |w, d| if d.is_nan() || d > w { d } else { w });
+        assert!(zigzag.len() == plain.len() && worst <= 1e-6, "rank {rank}: a zigzag ring of one {worst} from the plain group");
+    }
+}
+
 /// A zigzag ring's shard (SP 4 over a ring of 2) attended in a plain group of its four ranks
 /// (entered with the SP group's communicator, no ring): the group holds as many ranks but cuts
 /// otherwise, and its all-to-all would join zigzag shards as contiguous ones. Refused on every

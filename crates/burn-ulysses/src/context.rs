@@ -139,9 +139,10 @@ pub enum RankScope {
 
 /// Makes `context` the rank context of `scope` until the guard is dropped.
 pub fn enter<W: Backend>(scope: RankScope, context: RankContext<W>) -> RankGuard {
+    let ring_size = context.ring.as_ref().map_or(1, |ring| ring.size());
     let sharding = Sharding {
-        ranks: context.communicator.size() * context.ring.as_ref().map_or(1, |ring| ring.size()),
-        runs: if context.ring.is_some() && context.config.ring_sharding == RingSharding::Zigzag { 2 } else { 1 },
+        ranks: context.communicator.size() * ring_size,
+        runs: context.config.ring_sharding.runs(ring_size),
         shard: context.ring.as_ref().map_or(0, |ring| ring.rank()) * context.communicator.size() + context.communicator.rank(),
         shard_local_attention_on_purpose: context.config.shard_local_attention_on_purpose,
     };

@@ -354,12 +354,9 @@ impl SequenceSharder {
         }
     }
 
-    /// How rank `rank`'s shard is cut: its runs are two only where a zigzag ring of two or more
-    /// cuts each ring rank's share in two (over a ring of one, the zigzag cut is the contiguous
-    /// one).
+    /// How rank `rank`'s shard is cut ([`RingSharding::runs`]).
     pub fn cut(&self, rank: usize) -> ShardCut {
-        let zigzag = self.ring_sharding == RingSharding::Zigzag && self.ring_size > 1;
-        ShardCut { of: self.sp_size, index: rank, runs: if zigzag { 2 } else { 1 } }
+        ShardCut { of: self.sp_size, index: rank, runs: self.ring_sharding.runs(self.ring_size) }
     }
 
     /// The global positions rank `rank` holds in a sequence of `global_len` tokens, in order.

@@ -374,6 +374,13 @@ impl RingSharding {
         }
     }
 
+    /// The runs of consecutive tokens a shard of a ring of `size` holds: two only where a
+    /// zigzag ring of two or more cuts each ring rank's share in two (over a ring of one, the
+    /// zigzag cut is the contiguous one). The sharder and the rank context both take it here.
+    pub fn runs(self, size: usize) -> usize {
+        if self == RingSharding::Zigzag && size > 1 { 2 } else { 1 }
+    }
+
     /// The blocks ring rank `rank` of `size` attends at `step` of the ring, when it holds the
     /// keys of ring rank `rank − step`: every pair of its query chunks and that rank's key
     /// chunks that is not hidden, as indices into the two ranks' chunk lists. The one place
