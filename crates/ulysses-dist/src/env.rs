@@ -51,6 +51,19 @@ pub const SLURM_PORT_BASE: u16 = 20_000;
 /// Overrides the port of rank 0's rendezvous.
 pub const ENV_RENDEZVOUS_PORT: &str = "ULYSSES_RENDEZVOUS_PORT";
 
+/// The port variable `name` of value `value` (`None`: not set), or why it is none: the ranks
+/// and the launcher (which refuses it before starting them) read it alike.
+pub(crate) fn port_variable(name: &str, value: Option<String>) -> Result<Option<u16>, DistError> {
+    value
+        .map(|port| match port.trim().parse::<u16>() {
+            // Rank 0 would serve on a port of the system's choice that no rank dials.
+            Ok(0) => Err(DistError::Env(format!("{name}=0: every rank must know rank 0's port; give one from 1 to 65535"))),
+            Ok(number) => Ok(number),
+            Err(_) => Err(DistError::Env(format!("{name}={port:?} is not a port number"))),
+        })
+        .transpose()
+}
+
 impl LaunchEnv {
     /// Reads the process environment.
     pub fn from_env() -> Result<Self, DistError> {
@@ -185,16 +198,7 @@ impl LaunchEnv {
             None => "127.0.0.1".to_string(),
         };
         check_host(&master_addr)?;
-        let port = |name: &str| -> Result<Option<u16>, DistError> {
-            lookup(name)
-                .map(|port| match port.trim().parse::<u16>() {
-                    // Rank 0 would serve on a port of the system's choice that no rank dials.
-                    Ok(0) => Err(DistError::Env(format!("{name}=0: every rank must know rank 0's port; give one from 1 to 65535"))),
-                    Ok(number) => Ok(number),
-                    Err(_) => Err(DistError::Env(format!("{name}={port:?} is not a port number"))),
-                })
-                .transpose()
-        };
+        let port = |name: &str| port_variable(name, lookup(name));
         let master_port = match (port(ENV_RENDEZVOUS_PORT)?, port("MASTER_PORT")?) {
             (Some(port), _) => port,
             // torchrun's agent holds MASTER_PORT (its TCPStore, shared with its workers).

@@ -233,6 +233,17 @@ fn reap(ranks: &mut [Rank]) {
     }
 }
 
+/// The port rank 0 will serve the rendezvous on, and the variable or flag that gives it:
+/// `ULYSSES_RENDEZVOUS_PORT` (`rendezvous`, which the ranks inherit) over the master port. One
+/// the ranks would refuse is refused here, before any starts.
+fn rendezvous_port(plan: &LaunchPlan, rendezvous: Option<String>) -> Result<(u16, &'static str), DistError> {
+    let variable = crate::env::ENV_RENDEZVOUS_PORT;
+    Ok(match crate::env::port_variable(variable, rendezvous)? {
+        Some(port) => (port, variable),
+        None => (plan.master_port, "--master-port, MASTER_PORT"),
+    })
+}
+
 /// Runs the node's ranks to completion. Fails, naming the rank, when one exits unsuccessfully
 /// (neither 0 nor [`EXIT_STOPPED_TO_RESUME`]); the others are stopped (SIGTERM, then SIGKILL
 /// after the grace period).
@@ -242,10 +253,7 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
     // launch) would fail rank 0 alone, while the others reached that process's rendezvous.
     // The port and address rank 0 will bind: ULYSSES_RENDEZVOUS_PORT (which the ranks inherit)
     // over the master port; across nodes every interface, on one node MASTER_ADDR.
-    let (port, variable) = match std::env::var(crate::env::ENV_RENDEZVOUS_PORT).ok().and_then(|port| port.trim().parse::<u16>().ok()) {
-        Some(port) => (port, crate::env::ENV_RENDEZVOUS_PORT),
-        None => (plan.master_port, "--master-port, MASTER_PORT"),
-    };
+    let (port, variable) = rendezvous_port(plan, std::env::var(crate::env::ENV_RENDEZVOUS_PORT).ok())?;
     let address = if plan.nnodes > 1 { crate::env::every_interface_for(&plan.master_addr) } else { crate::env::bare_host(&plan.master_addr) };
     if plan.node_rank == 0
         && let Err(error) = std::net::TcpListener::bind((address, port))
@@ -564,6 +572,19 @@ mod tests {
             args: Vec::new(),
             kill_grace: Duration::from_secs(1),
             busy_limit: DEFAULT_BUSY_LIMIT,
+        }
+    }
+
+    /// A rendezvous port the ranks would refuse is refused before they start, as they word it;
+    /// a good one wins over the master port.
+    #[test]
+    fn a_rendezvous_port_the_ranks_would_refuse_is_refused_before_they_start() {
+        let plan = plan(2, 1, 0, "127.0.0.1");
+        assert_eq!(rendezvous_port(&plan, None).unwrap(), (29500, "--master-port, MASTER_PORT"));
+        assert_eq!(rendezvous_port(&plan, Some(" 31000".into())).unwrap(), (31000, "ULYSSES_RENDEZVOUS_PORT"));
+        for (bad, expected) in [("abc", "ULYSSES_RENDEZVOUS_PORT=\"abc\" is not a port number"), ("0", "ULYSSES_RENDEZVOUS_PORT=0: every rank must know")] {
+            let message = rendezvous_port(&plan, Some(bad.into())).expect_err(bad).to_string();
+            assert!(message.contains(expected), "{bad}: {message}");
         }
     }
 
