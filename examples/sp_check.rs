@@ -51,11 +51,13 @@ struct Run {
     grads: Vec<(String, Vec<f32>)>,
 }
 
-fn run<B: AutodiffBackend>(tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>, offset: usize, repeat_kv: bool) -> Run {
+/// The model's loss, logits and gradients on `tokens`, shard `shard` of `of` of the batch's
+/// sequences (0 of 1: the whole batch).
+fn run<B: AutodiffBackend>(tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>, (shard, of): (usize, usize), repeat_kv: bool) -> Run {
     let device = tokens.device();
     let model = deterministic_params(config().with_repeat_kv(repeat_kv).init::<B>(&device), 3);
     let [rows, len] = tokens.dims();
-    let logits = model.forward(tokens, &burn_ulysses::data::ShardPositions::consecutive(rows, offset, len));
+    let logits = model.forward(tokens, &burn_ulysses::data::ShardPositions::contiguous_shard(rows, len, shard, of));
     let loss = shard_loss(logits.clone(), targets);
     let grads = loss.backward();
     Run { loss: values(loss)[0], logits: values(logits), grads: parameter_grads(&model, &grads) }
@@ -91,7 +93,7 @@ fn check(sp: usize) -> f32 {
 
     let started = Instant::now();
     let (tokens, targets) = tokens_and_targets::<Reference>(&device);
-    let single = run(tokens, targets, 0, true);
+    let single = run(tokens, targets, (0, 1), true);
     let single_time = started.elapsed();
 
     let started = Instant::now();
@@ -102,7 +104,7 @@ fn check(sp: usize) -> f32 {
         let device = Default::default();
         let (tokens, targets) = tokens_and_targets::<Sp>(&device);
         let (r, p) = (rank.rank(), rank.size());
-        let run = run(shard(tokens, 1, r, p), shard(targets, 1, r, p), r * SEQ / p, false);
+        let run = run(shard(tokens, 1, r, p), shard(targets, 1, r, p), (r, p), false);
         let traffic = Communicator::<Inner>::traffic(&*comm);
         // The global loss is the sum of the shard losses.
         let loss = Tensor::<Inner, 1>::from_floats([run.loss], &device).into_primitive().tensor();

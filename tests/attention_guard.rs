@@ -1375,6 +1375,41 @@ fn attention_on_a_noted_shard_outside_its_sp_group_is_refused() {
     }
 }
 
+/// A ulysses_models decoder notes the positions it is given where its caller noted none: its
+/// forward on shard `r` of 2 is refused on a thread that entered no rank context (attention
+/// within the shard alone) and in a group whose rank holds the other shard; on its own shard,
+/// in its group, it runs.
+#[test]
+fn a_decoders_forward_on_a_shard_outside_its_rank_context_is_refused() {
+    use burn::tensor::TensorData;
+    use ulysses_models::DecoderConfig;
+    type Plain = UlyssesBackend<Inner>;
+    let results = with_deadline(Duration::from_secs(60), move || {
+        ThreadGroup::new(2).run(|rank| {
+            let device = Default::default();
+            let model = DecoderConfig::new(16).with_d_model(16).with_n_layers(1).with_n_heads(HEADS).with_n_kv_heads(2).init::<Plain>(&device);
+            let local = SEQ / 2;
+            let tokens = Tensor::<Plain, 2, Int>::from_data(TensorData::new((0..local as i64).collect::<Vec<_>>(), [1, local]), &device);
+            let forward = |shard: usize| {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| values(model.forward(tokens.clone(), &ShardPositions::contiguous_shard(1, local, shard, 2)))))
+                    .map_err(|panic| ulysses_core::comm::panic_message(&*panic))
+            };
+            let no_context = forward(rank.rank());
+            let _sp = Plain::enter_thread(rank.communicator());
+            (no_context, forward(1 - rank.rank()), forward(rank.rank()))
+        })
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        let (no_context, other, own) = result.unwrap_or_else(|panic| panic!("rank {rank}: {}", panic.message));
+        let no_context = no_context.err().unwrap_or_else(|| panic!("rank {rank} attended a shard with no rank context"));
+        assert!(no_context.contains("spread over 2 ranks") && no_context.contains("no rank context spreads them"), "rank {rank}: {no_context}");
+        let other = other.err().unwrap_or_else(|| panic!("rank {rank} attended the other rank's shard"));
+        assert!(other.contains(&format!("runs on shard {} of sequences spread over 2 ranks", 1 - rank)), "rank {rank}: {other}");
+        let own = own.unwrap_or_else(|message| panic!("rank {rank} on its own shard: {message}"));
+        assert!(!own.is_empty() && own.iter().all(|x| x.is_finite()), "rank {rank}: a non-finite logit on its own shard");
+    }
+}
+
 /// A zigzag ring of one rank (entered through `enter_hybrid`) cuts as no ring does, as the
 /// sharder cuts it: the sharder's shard attends there, giving what the plain group gives.
 #[test]

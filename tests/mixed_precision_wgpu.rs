@@ -279,7 +279,7 @@ fn a_model_on_a_half_precision_default_backend_computes_in_f32() {
         let config = DecoderConfig::new(VOCAB).with_d_model(64).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(128).with_repeat_kv(true);
         let model = deterministic_params(config.init::<B>(device), 5);
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new((0..16).map(|i| (i * 7 % VOCAB) as i64).collect::<Vec<_>>(), [1, 16]), device);
-        let logits = model.forward(tokens, &burn_ulysses::data::ShardPositions::consecutive(1, 0, 16));
+        let logits = model.forward(tokens, &burn_ulysses::data::ShardPositions::consecutive(1, 16));
         assert_eq!(logits.dtype(), DType::F32, "the logits of a model computing in f32");
         logits.into_data().convert::<f32>().to_vec().unwrap()
     }

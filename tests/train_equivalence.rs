@@ -320,7 +320,7 @@ fn answers_alone_train_alike_at_every_layout_and_step_0_is_their_mean_loss() {
     for sequence in Answers.train_batch(0) {
         let (n, targets) = (sequence.len(), Answers::targets(&sequence));
         let inputs = Tensor::<Inner, 2, Int>::from_data(TensorData::new(sequence.clone(), [1, n]), &device);
-        let logits: Vec<f32> = model.forward(inputs, &ShardPositions::consecutive(1, 0, n)).into_data().to_vec().unwrap();
+        let logits: Vec<f32> = model.forward(inputs, &ShardPositions::consecutive(1, n)).into_data().to_vec().unwrap();
         for position in 0..n - 1 {
             if targets[position + 1] {
                 let row: Vec<f64> = logits[position * VOCAB..(position + 1) * VOCAB].iter().map(|&x| f64::from(x)).collect();
@@ -352,7 +352,7 @@ fn first_step_loss_with_burn_cross_entropy() -> f64 {
         let inputs = Tensor::<Inner, 2, Int>::from_data(TensorData::new(sequence[..n].to_vec(), [1, n]), &device);
         let targets = Tensor::<Inner, 1, Int>::from_data(TensorData::new(sequence[1..].to_vec(), [n]), &device);
         let [rows, len] = inputs.dims();
-        let logits = model.forward(inputs, &ShardPositions::consecutive(rows, 0, len)).reshape([n, VOCAB]);
+        let logits = model.forward(inputs, &ShardPositions::consecutive(rows, len)).reshape([n, VOCAB]);
         let mean: f32 = loss.forward(logits, targets).into_scalar();
         total += mean as f64 * n as f64;
         count += n;

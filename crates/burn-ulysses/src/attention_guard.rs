@@ -785,6 +785,13 @@ pub fn note_shard_positions(positions: &ShardPositions) -> ShardPositionsNoted {
     ShardPositionsNoted { previous, _not_send: PhantomData }
 }
 
+/// [`note_shard_positions`] where this thread's forward has none noted (a model's own entry
+/// point, as `ulysses_models`' decoder's, called by a loop that noted nothing); `None`, leaving
+/// them as they are, where a caller noted its shard (the training API, maybe a tile of it).
+pub fn note_shard_positions_unless_noted(positions: &ShardPositions) -> Option<ShardPositionsNoted> {
+    SHARD_POSITIONS.get().is_none().then(|| note_shard_positions(positions))
+}
+
 /// Narrows the positions noted (by [`note_shard_positions`]) to rows `rows` of the shard until
 /// the returned value is dropped: `ulysses_training`'s layer checkpointing runs each layer's
 /// token-wise parts (`LayeredLm::before_core`, `after_core`) a tile of rows at a time, and a

@@ -185,9 +185,17 @@ impl ShardCut {
 }
 
 impl ShardPositions {
-    /// Unpacked rows of whole sequences whose tokens sit at positions `offset..offset + len`.
-    pub fn consecutive(batch: usize, offset: usize, len: usize) -> Self {
-        Self { ids: PositionIds::consecutive(batch, offset, len), packed: false, cut: ShardCut::WHOLE }
+    /// Unpacked rows of whole sequences of `len` tokens, at positions `0..len`.
+    pub fn consecutive(batch: usize, len: usize) -> Self {
+        Self { ids: PositionIds::consecutive(batch, 0, len), packed: false, cut: ShardCut::WHOLE }
+    }
+
+    /// Unpacked rows of shard `index` of sequences cut in `of` contiguous shards of `len`
+    /// tokens each (positions `index · len..(index + 1) · len`), as `SequenceSharder::new(of)`
+    /// cuts sequences of `of · len` tokens: noted, the guard holds it to its rank context.
+    pub fn contiguous_shard(batch: usize, len: usize, index: usize, of: usize) -> Self {
+        assert!(index < of, "shard {index} of {of}: out of range");
+        Self { ids: PositionIds::consecutive(batch, index * len, len), packed: false, cut: ShardCut { of, index, runs: 1 } }
     }
 }
 

@@ -442,6 +442,7 @@ impl<B: Backend> Decoder<B> {
     /// The last hidden states and the output head, from which the loss is computed a chunk of
     /// rows at a time (never holding all `tokens × vocab` logits).
     pub fn lm_output(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> LmOutput<B> {
+        let _noted = burn_ulysses::attention_guard::note_shard_positions_unless_noted(positions);
         let context = self.context(positions, &tokens.device());
         self.head(self.layers(self.embed(tokens, &context), &context))
     }
@@ -449,6 +450,8 @@ impl<B: Backend> Decoder<B> {
     /// The normalised last hidden states `[batch, seq, d_model]` that `lm_head` projects to
     /// logits, in f32 like the head.
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
+        // For the guard: attention on a shard its rank context does not hold is refused.
+        let _noted = burn_ulysses::attention_guard::note_shard_positions_unless_noted(positions);
         let context = self.context(positions, &tokens.device());
         self.final_norm(self.layers(self.embed(tokens, &context), &context)).cast(FloatDType::F32)
     }

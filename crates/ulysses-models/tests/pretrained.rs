@@ -90,7 +90,7 @@ fn every_family_gives_transformers_logits_and_loss() {
         // Two plain rows.
         let input = tokens::<Cpu>(&want["input_ids"]);
         let [batch, seq] = input.dims();
-        let positions = ShardPositions::consecutive(batch, 0, seq);
+        let positions = ShardPositions::consecutive(batch, seq);
         let logits = model.forward(input.clone(), &positions).into_data().to_vec::<f32>().unwrap();
         let plain = largest_difference(&logits, &want["logits"].values);
 
@@ -149,7 +149,7 @@ fn check_logits_at_sp(folder: &Path, want: &HashMap<String, Expected>, sp: usize
             let local = seq / sp;
             let shard = all.slice([0..batch, r * local..(r + 1) * local]);
             let positions = match ids {
-                None => ShardPositions { cut: ShardCut { of: sp, index: r, runs: 1 }, ..ShardPositions::consecutive(batch, r * local, local) },
+                None => ShardPositions::contiguous_shard(batch, local, r, sp),
                 Some(ids) => {
                     let ids: Vec<u64> = ids.values[r * local..(r + 1) * local].iter().map(|&v| v as u64).collect();
                     ShardPositions { ids: PositionIds::new(ids, 1, local).unwrap(), packed: true, cut: ShardCut { of: sp, index: r, runs: 1 } }
@@ -334,7 +334,7 @@ fn a_model_from_a_config_alone_starts_at_transformers_initialisation() {
         let (batch, seq) = (2, 32);
         let ids: Vec<i64> = (0..batch * seq).map(|i| ((i * 7919) % config.vocab_size) as i64).collect();
         let input = Tensor::<Cpu, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &Default::default());
-        let positions = ShardPositions::consecutive(batch, 0, seq);
+        let positions = ShardPositions::consecutive(batch, seq);
         let ignore = -100;
         let labels = Tensor::cat(vec![input.clone().slice([0..batch, 1..seq]), Tensor::full([batch, 1], ignore, &Default::default())], 1);
         let loss = lm_loss_sum_inference(model.lm_output(input, &positions), labels, ignore).into_scalar() as f64 / (batch * (seq - 1)) as f64;
@@ -359,7 +359,7 @@ fn mistral_gives_transformers_logits_past_its_sliding_window() {
     let input = tokens::<Cpu>(&want["input_ids"]);
     let [batch, seq] = input.dims();
     assert!(seq > 2 * 64, "the fixture's rows ({seq} tokens) must pass the window");
-    let positions = ShardPositions::consecutive(batch, 0, seq);
+    let positions = ShardPositions::consecutive(batch, seq);
     let plain = largest_difference(&model.forward(input.clone(), &positions).into_data().to_vec::<f32>().unwrap(), &want["logits"].values);
     let labels = Tensor::cat(vec![input.clone().slice([0..batch, 1..seq]), Tensor::full([batch, 1], -100, &Default::default())], 1);
     let loss = lm_loss_sum_inference(model.lm_output(input, &positions), labels, -100).into_scalar() as f64 / (batch * (seq - 1)) as f64;
@@ -383,7 +383,7 @@ fn plain_logits_difference(folder: &Path, want: &HashMap<String, Expected>) -> (
     let pretrained = from_pretrained::<Cpu>(folder, &Default::default()).unwrap_or_else(|e| panic!("{}: {e}", folder.display()));
     let input = tokens::<Cpu>(&want["input_ids"]);
     let [batch, seq] = input.dims();
-    let logits = pretrained.model.forward(input, &ShardPositions::consecutive(batch, 0, seq)).into_data().to_vec::<f32>().unwrap();
+    let logits = pretrained.model.forward(input, &ShardPositions::consecutive(batch, seq)).into_data().to_vec::<f32>().unwrap();
     (largest_difference(&logits, &want["logits"].values), pretrained.config.tie_word_embeddings)
 }
 
@@ -569,7 +569,7 @@ fn a_saved_checkpoint_is_the_one_transformers_wrote() {
         }
 
         let input = tokens::<Cpu>(&expected(&folder)["input_ids"]);
-        let positions = ShardPositions::consecutive(input.dims()[0], 0, input.dims()[1]);
+        let positions = ShardPositions::consecutive(input.dims()[0], input.dims()[1]);
         let logits = |model: &ulysses_models::Decoder<Cpu>| model.forward(input.clone(), &positions).into_data().to_vec::<f32>().unwrap();
         let reloaded = from_pretrained::<Cpu>(&out, &Default::default()).unwrap();
         assert_eq!(reloaded.config, pretrained.config, "{name}: config.json written back");
@@ -670,7 +670,7 @@ fn weights_past_the_shard_size_are_saved_in_shards_with_their_index() {
     assert_eq!(index["metadata"]["total_size"].as_u64(), Some(total as u64));
 
     let input = tokens::<Cpu>(&expected(&folder)["input_ids"]);
-    let positions = ShardPositions::consecutive(input.dims()[0], 0, input.dims()[1]);
+    let positions = ShardPositions::consecutive(input.dims()[0], input.dims()[1]);
     let logits = |model: &ulysses_models::Decoder<Cpu>| model.forward(input.clone(), &positions).into_data().to_vec::<f32>().unwrap();
     let reloaded = from_pretrained::<Cpu>(&out, &Default::default()).unwrap();
     assert!(logits(&reloaded.model) == logits(&pretrained.model), "reloaded logits differ");
@@ -714,7 +714,7 @@ fn every_family_gives_transformers_gradients() {
         let [batch, seq] = input.dims();
         let ignore = -100;
         let labels = Tensor::cat(vec![input.clone().slice([0..batch, 1..seq]), Tensor::full([batch, 1], ignore, &Default::default())], 1);
-        let loss = lm_loss_sum(pretrained.model.lm_output(input, &ShardPositions::consecutive(batch, 0, seq)), labels, ignore) / (batch * (seq - 1)) as f64;
+        let loss = lm_loss_sum(pretrained.model.lm_output(input, &ShardPositions::consecutive(batch, seq)), labels, ignore) / (batch * (seq - 1)) as f64;
         let grads = loss.backward();
         let gradients = pretrained.model.clone().map(&mut GradientsAsParameters::<Train>(&grads)).valid();
         let out = std::env::temp_dir().join(format!("ulysses-models-{}-gradients-{name}", std::process::id()));
@@ -962,7 +962,7 @@ fn a_padding_token_s_embedding_row_takes_no_gradient_from_its_lookups() {
         let model = from_pretrained::<Ad>(dir, &device).unwrap().model;
         let tokens: Vec<i64> = (0..12).map(|t| if t % 4 == 1 { pad as i64 } else { (t * 5 + 3) % vocab as i64 }).collect();
         let tokens = Tensor::<Ad, 2, Int>::from_data(TensorData::new(tokens, [1, 12]), &device);
-        let logits = model.forward(tokens, &ShardPositions::consecutive(1, 0, 12));
+        let logits = model.forward(tokens, &ShardPositions::consecutive(1, 12));
         let weights = Tensor::<Ad, 3>::from_data(TensorData::new((0..logits.shape().num_elements()).map(|i| ((i % 13) as f32 - 6.0) / 7.0).collect::<Vec<_>>(), logits.shape()), &device);
         let grads = (logits.clone() * weights).sum().backward();
         let grad = |param: &Param<Tensor<Ad, 2>>| param.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap();
