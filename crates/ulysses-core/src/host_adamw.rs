@@ -16,7 +16,49 @@ pub struct HostAdamWConfig {
     pub weight_decay: f32,
 }
 
+/// A setting AdamW cannot train with: its name (burn's `AdamWConfig` field), the rule it
+/// breaks, and its value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct InvalidAdamWSetting {
+    pub setting: &'static str,
+    pub rule: &'static str,
+    pub value: f64,
+}
+
 impl HostAdamWConfig {
+    /// The first setting that cannot train at `learning_rate`: a beta outside [0, 1) (at 1 a
+    /// moment never forgets and its bias correction divides by 0), an epsilon not above 0 (a
+    /// division by 0), a weight decay below 0 (the weights grow every step) or of
+    /// `learning_rate · weight_decay` 1 or more (each step multiplies the parameters by
+    /// `1 − learning_rate · weight_decay`: zeroes or flips them). NaN breaks every rule.
+    pub fn invalid_setting(&self, learning_rate: f64) -> Option<InvalidAdamWSetting> {
+        let invalid = |setting, rule, value: f32| Some(InvalidAdamWSetting { setting, rule, value: f64::from(value) });
+        for (setting, beta) in [("beta_1", self.beta_1), ("beta_2", self.beta_2)] {
+            if !(0.0..1.0).contains(&beta) {
+                return invalid(setting, "must be at least 0 and below 1", beta);
+            }
+        }
+        if !(self.epsilon.is_finite() && self.epsilon > 0.0) {
+            return invalid("epsilon", "must be a finite number above 0 (1e-8 is usual)", self.epsilon);
+        }
+        let decay = self.weight_decay;
+        if !(decay.is_finite() && decay >= 0.0 && learning_rate * f64::from(decay) < 1.0) {
+            return invalid("weight_decay", "must be 0 or more, and below 1 / learning rate (each step multiplies the parameters by 1 - learning rate x weight decay)", decay);
+        }
+        None
+    }
+
+    /// [`invalid_setting`](Self::invalid_setting) as an error, at a step of `learning_rate`:
+    /// what the optimizers that take these settings check before they update.
+    pub fn check(&self, learning_rate: f64) -> Result<(), crate::error::UlyssesError> {
+        match self.invalid_setting(learning_rate) {
+            None => Ok(()),
+            Some(InvalidAdamWSetting { setting, rule, value }) => Err(crate::error::UlyssesError::InvalidConfig(format!(
+                "AdamW's {setting} {rule}, got {value} (at a learning rate of {learning_rate}): it cannot train"
+            ))),
+        }
+    }
+
     /// The settings a parameter steps with: these, without the weight decay where it does not
     /// [`decays`].
     pub fn for_parameter(self, decays: bool) -> Self {

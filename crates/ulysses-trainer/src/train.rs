@@ -200,22 +200,15 @@ impl TrainConfig {
             ));
         }
         let adamw = ulysses_training::adamw_settings(&self.optimizer).map_err(|e| e.to_string())?;
-        for (name, beta) in [("beta_1 (--adam-beta1)", adamw.beta_1), ("beta_2 (--adam-beta2)", adamw.beta_2)] {
-            if !(0.0..1.0).contains(&beta) {
-                return Err(format!("the optimizer's {name} must be at least 0 and below 1, got {beta}"));
-            }
-        }
-        if !(adamw.epsilon.is_finite() && adamw.epsilon > 0.0) {
-            return Err(format!("the optimizer's epsilon (--adam-epsilon) must be a finite number above 0 (1e-8 is the default), got {}", adamw.epsilon));
-        }
-        // Each step multiplies the parameters by 1 − lr·λ: at 1 or more it zeroes or flips them.
-        if !(adamw.weight_decay.is_finite() && adamw.weight_decay >= 0.0 && self.learning_rate * f64::from(adamw.weight_decay) < 1.0) {
-            return Err(format!(
-                "the optimizer's weight_decay (--weight-decay) must be 0 or more, and below 1 / learning rate ({}): each step multiplies the \
-                 parameters by 1 - learning rate x weight decay; got {}",
-                1.0 / self.learning_rate,
-                adamw.weight_decay
-            ));
+        if let Some(invalid) = adamw.invalid_setting(self.learning_rate) {
+            let flag = match invalid.setting {
+                "beta_1" => "--adam-beta1",
+                "beta_2" => "--adam-beta2",
+                "epsilon" => "--adam-epsilon",
+                _ => "--weight-decay",
+            };
+            let bound = if flag == "--weight-decay" { format!(" (1 / learning rate = {})", 1.0 / self.learning_rate) } else { String::new() };
+            return Err(format!("the optimizer's {} ({flag}) {}{bound}, got {}", invalid.setting, invalid.rule, invalid.value));
         }
         if self.warmup_steps > self.steps {
             return Err(format!(
@@ -1941,7 +1934,7 @@ mod tests {
         assert!(with(adamw().with_weight_decay(-0.01)).contains("weight_decay (--weight-decay) must be 0 or more"));
         assert!(with(adamw().with_weight_decay(f32::NAN)).contains("--weight-decay"));
         // 3e-3 × 400 ≥ 1: every parameter would become 0 or flip its sign at the first step.
-        assert!(with(adamw().with_weight_decay(400.0)).contains("below 1 / learning rate (333."));
+        assert!(with(adamw().with_weight_decay(400.0)).contains("below 1 / learning rate (each step") && with(adamw().with_weight_decay(400.0)).contains("(1 / learning rate = 333."));
         assert_eq!(with(adamw().with_weight_decay(0.1).with_beta_2(0.95).with_epsilon(1e-6)), "");
     }
 

@@ -105,6 +105,7 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
         max_grad_norm: Option<f64>,
         world: &dyn Communicator<B::Wire>,
     ) -> Result<f64, UlyssesError> {
+        self.config.check(learning_rate)?;
         let present: Vec<Tensor<B::InnerBackend, 1>> = grads.iter().flatten().cloned().collect();
         let local = crate::gradients::sum_of_squares(&present);
         let (grad_norm, factor) = norm_of_parts(local, max_grad_norm, world)?;
@@ -212,5 +213,33 @@ mod tests {
         for (got, want) in master.iter().zip([-1e-2f32, 1e-2, 0.0, -1e-2]) {
             assert!((got - want).abs() <= 1e-4, "master weights {master:?}, each moved by the learning rate against its gradient's sign");
         }
+    }
+
+    /// Settings that cannot train (a negative weight decay grows the weights every step; one
+    /// of 1 / learning rate zeroes them) are refused at the update, naming the setting, and
+    /// the master weights stay as they were.
+    #[test]
+    fn settings_that_cannot_train_are_refused_at_the_update() {
+        type Ad = Autodiff<NdArray<f32>>;
+        let outcome = burn_ulysses::comm::ThreadGroup::new(1).run(|rank| {
+            let comm = rank.communicator();
+            let device = Default::default();
+            [-0.1f32, 100.0, 0.1].map(|weight_decay| {
+                let mut optimizer = DeviceShardedAdamW::<Ad>::new(HostAdamWConfig { weight_decay, ..HostAdamWConfig::default() });
+                optimizer.begin_master_parts(0, 1);
+                optimizer.keep_master_part(2, Tensor::ones([2], &device));
+                let grad = Tensor::<NdArray<f32>, 1>::from_floats([0.5, -0.5], &device);
+                let result = optimizer.update(1e-2, vec![Some(grad)], &[true], None, &*comm).map_err(|error| error.to_string());
+                (result, optimizer.master_part(0, burn::tensor::DType::F32).into_data().to_vec::<f32>().unwrap())
+            })
+        });
+        let [negative, too_large, fine] = outcome.into_iter().next().unwrap().unwrap();
+        for (case, (result, master)) in [("a negative decay", negative), ("a decay of 1 / learning rate", too_large)] {
+            let message = result.expect_err(case);
+            assert!(message.contains("AdamW's weight_decay must be 0 or more") && message.contains("cannot train"), "{case}: {message}");
+            assert_eq!(master, [1.0, 1.0], "{case}: the master weights moved");
+        }
+        // AdamW's first step: each weight by the learning rate against its gradient's sign.
+        assert!(fine.0.is_ok() && (fine.1[0] - 0.989).abs() < 1e-4 && (fine.1[1] - 1.009).abs() < 1e-4, "{fine:?}");
     }
 }

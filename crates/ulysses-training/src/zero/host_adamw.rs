@@ -405,6 +405,7 @@ impl ShardedAdamW {
         world: &dyn Communicator<G>,
     ) -> Result<f64, UlyssesError> {
         self.settle()?;
+        self.adamw.config().check(learning_rate)?;
         assert_eq!(decayed.len(), grad_parts.len(), "a decay for every parameter");
         let (grad_norm, factor) = clipping(&self.adamw, grad_parts, max_grad_norm, world)?;
         if !grad_norm.is_finite() {
@@ -468,6 +469,7 @@ impl ShardedAdamW {
         check: bool,
     ) -> Result<(), UlyssesError> {
         self.settle()?;
+        self.adamw.config().check(learning_rate)?;
         self.checked = None;
         let (mut parts, pace, adamw, start) = (std::mem::take(&mut self.parts), self.pace.take(), self.adamw, self.thread_start.clone());
         let threads = adamw.threads();
@@ -737,6 +739,32 @@ pub(super) mod tests {
         let message = of_rank(&whole(), 0, 2).save(&dir, 1, 2).unwrap_err().to_string();
         assert!(message.contains("holds rank 0's parts of a world of 2") && message.contains("as rank 1 of 2"), "{message}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Settings that cannot train (a beta of 1, a negative weight decay) are refused by the
+    /// update, on the step's thread and on its own (as in the backward), naming the setting,
+    /// before any part moves.
+    #[test]
+    fn settings_that_cannot_train_are_refused_by_every_update() {
+        let outcome = burn_ulysses::comm::ThreadGroup::new(1).run(|rank| {
+            let comm = rank.communicator();
+            let grads = || -> Vec<Option<Vec<f32>>> { whole().iter().map(|(elements, _, _)| Some(vec![0.25; *elements])).collect() };
+            let mut messages = Vec::new();
+            for bad in [HostAdamWConfig { beta_2: 1.0, ..HostAdamWConfig::default() }, HostAdamWConfig { weight_decay: -0.5, ..HostAdamWConfig::default() }] {
+                let mut optimizer = ShardedAdamW { adamw: HostAdamW::new(bad), ..of_rank(&whole(), 0, 1) };
+                let update = optimizer.update::<burn::backend::NdArray>(1e-2, &grads(), &[true; 4], None, &*comm).map(drop);
+                let (sent, _arriving) = std::sync::mpsc::channel();
+                let spawned = optimizer.spawn_update(1e-2, grads(), vec![true; 4], None, vec![(0..4).collect()], vec![PartForm::Compute(DType::F32); 4], sent);
+                let unmoved = optimizer.parts.iter().zip(of_rank(&whole(), 0, 1).parts).all(|(part, fresh)| part.master == fresh.master);
+                messages.push((update.unwrap_err().to_string(), spawned.unwrap_err().to_string(), unmoved));
+            }
+            messages
+        });
+        let messages = outcome.into_iter().next().unwrap().unwrap();
+        for ((update, spawned, unmoved), setting) in messages.into_iter().zip(["AdamW's beta_2 must be at least 0 and below 1", "AdamW's weight_decay must be 0 or more"]) {
+            assert!(update.contains(setting) && spawned.contains(setting), "{setting}: {update} / {spawned}");
+            assert!(unmoved, "{setting}: a part moved");
+        }
     }
 
     /// An update thread that fails loses the state for good: the settle after it and every
