@@ -1839,6 +1839,34 @@ fn zero_3_cut_from_master_weights_of_another_place_is_refused() {
     assert!(another_model.contains("one sharded optimizer per model"), "{another_model}");
 }
 
+/// One parameter at two places of a model (a norm's gain given to every norm: one ParamId) is
+/// refused by ZeRO-3, naming two of its places: each place's part is gathered into it, and the
+/// second place would keep its placeholder, zeros, silently.
+#[test]
+fn one_parameter_at_two_places_is_refused_by_zero_3() {
+    use burn::module::{Module, ModuleMapper, Param};
+    use ulysses_training::{OptimizerPlace, ShardedParameters};
+    struct ShareTheFirstVector(Option<burn::module::ParamId>);
+    impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for ShareTheFirstVector {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            match (D, self.0) {
+                (1, None) => {
+                    self.0 = Some(param.id);
+                    param
+                }
+                (1, Some(id)) => Param::initialized(id, param.val()),
+                _ => param,
+            }
+        }
+    }
+    let config = DecoderConfig::new(VOCAB).with_d_model(16).with_n_layers(2).with_n_heads(2).with_n_kv_heads(2).with_ffn_hidden(32);
+    let model = deterministic_params(config.init::<Sp>(&Default::default()), INIT_SEED);
+    let shared = model.clone().map(&mut ShareTheFirstVector(None));
+    let error = ShardedParameters::shard(shared, 0, 1, OptimizerPlace::Host).err().expect("one parameter at two places sharded").to_string();
+    assert!(error.contains("blocks.0.attention_norm") && error.contains("are one parameter") && error.contains("--zero 3"), "{error}");
+    assert!(ShardedParameters::shard(model, 0, 1, OptimizerPlace::Host).is_ok(), "the decoder as it is");
+}
+
 /// The decoder with one thing a port of one's own could get wrong.
 #[derive(burn::module::Module, Debug)]
 struct AlteredDecoder<B: burn::tensor::backend::Backend> {

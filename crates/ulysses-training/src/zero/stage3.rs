@@ -1030,7 +1030,19 @@ impl Groups {
     /// order; read from the ids alone (a lazy model stays unbuilt). Refused when two layers
     /// ([`LayeredLm::visit_layer`]) claim the same parameter.
     fn of<B: TrainBackend, M: AutodiffModule<B> + LayeredLm<B>>(model: &M, ids: &[ParamId], paths: &[String]) -> Result<Self, UlyssesError> {
-        let index_of: HashMap<ParamId, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        let mut index_of: HashMap<ParamId, usize> = HashMap::with_capacity(ids.len());
+        for (index, id) in ids.iter().enumerate() {
+            // Each place's part is gathered into the place; a second place of one parameter
+            // would keep its placeholder (zeros), silently.
+            if let Some(first) = index_of.insert(*id, index) {
+                return Err(UlyssesError::InvalidConfig(format!(
+                    "{} and {} are one parameter (one ParamId at two places of the model): ZeRO-3 gathers each place's part into it, \
+                     and a second place of the same parameter would hold its placeholder. Give each place its own parameter (tie them \
+                     as the decoder ties its head: one place, read twice in the forward), or train without --zero 3",
+                    paths[first], paths[index]
+                )));
+            }
+        }
         let mut owner: Vec<Option<usize>> = vec![None; ids.len()];
         let mut layers = Vec::with_capacity(model.layer_count());
         for layer in 0..model.layer_count() {
