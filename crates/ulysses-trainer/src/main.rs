@@ -2014,7 +2014,15 @@ where
         if let (Some(why), 0, false) = (&unrecordable, rank.world_rank, job.args.no_save) {
             tracing::warn!("{why}");
         }
-        let (mut trained, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options).map_err(|e| rank_failure(threads, e))?;
+        let (mut trained, _) = match train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options) {
+            Ok(trained) => trained,
+            Err(error) => {
+                if let Some(log) = log {
+                    log.failed();
+                }
+                return Err(rank_failure(threads, error));
+            }
+        };
         match (&unrecordable, job.args.no_save) {
             (_, true) => {}
             (Some(_), false) => {
@@ -2053,6 +2061,13 @@ struct RunLog {
     record: Record,
     out: PathBuf,
     started: Instant,
+    /// Seconds the run had trained before this process resumed it (the last kept row's
+    /// `elapsed_seconds`): this process's rows and summary continue from there.
+    trained_before: f64,
+    /// When a step's line was last printed where the bar is hidden (stderr not a terminal).
+    last_line: Option<Instant>,
+    /// What the loss is counted per: `byte` (--corpus) or `token`.
+    unit: &'static str,
     /// (step, loss) of the steps that had a target: a step without one has no loss.
     train: Vec<(usize, f64)>,
     eval: Vec<(usize, f64)>,
@@ -2090,13 +2105,28 @@ enum Record {
 
 const CSV_HEADER: &str = "step,loss,eval_loss,learning_rate,valid_tokens,processed_tokens,tokens_per_second,grad_norm,elapsed_seconds";
 
+/// The loss curve rank 0 draws into the run's folder.
+const LOSS_PLOT: &str = "loss.png";
+
+/// How often a step's line is printed where the progress bar is hidden.
+const STEP_LINE_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `line` above the progress bar, or on stderr where the bar is hidden (stderr not a
+/// terminal: a launcher's pipe, a log file), where the bar's `println` would print nothing.
+fn say(bar: &ProgressBar, line: String) {
+    match bar.is_hidden() {
+        true => eprintln!("{line}"),
+        false => bar.println(line),
+    }
+}
+
 impl RunLog {
     /// A resumed run keeps the rows of the steps before its checkpoint (a crash may have
     /// left rows of later steps, which the resumed run takes again).
     fn new(job: &Job) -> Self {
         let kept = match job.resumed_at {
             // The resumed run's rows, also when it continues in another folder.
-            Some(step) => earlier_rows(&resumed_folder(job.args.resume.as_deref().expect("resumed")).join(METRICS_FILE), step),
+            Some(step) => earlier_rows(&resumed_folder(job.args.resume.as_deref().expect("resumed")).join(METRICS_FILE), step, CSV_HEADER),
             None => Vec::new(),
         };
         let (mut train, mut eval) = (Vec::new(), Vec::new());
@@ -2117,6 +2147,8 @@ impl RunLog {
                 tracing::warn!("{gap}");
             }
         }
+        // The kept rows' last time, where they hold one.
+        let trained_before = kept.last().and_then(|row| row.rsplit(',').next()?.parse::<f64>().ok()).filter(|s| s.is_finite() && *s >= 0.0).unwrap_or(0.0);
         let bar = ProgressBar::new(config.steps as u64);
         bar.set_position(job.resumed_at.unwrap_or(0) as u64);
         bar.set_style(
@@ -2139,6 +2171,9 @@ impl RunLog {
             record: Record::Pending { config_json: burn::config::config_to_json(config), kept },
             out: job.out.clone(),
             started: Instant::now(),
+            trained_before,
+            last_line: None,
+            unit: if job.args.data.is_none() && job.args.tokens.is_none() { "byte" } else { "token" },
             train,
             eval,
             title,
@@ -2168,7 +2203,7 @@ impl RunLog {
                         let earlier = self.out.join(file);
                         if self.replaces_checkpoint && earlier.exists() {
                             if let Err(error) = fs::remove_file(&earlier) {
-                                self.bar.println(format!("warning: cannot remove the earlier run's {what} {}: {error}", earlier.display()));
+                                say(&self.bar, format!("warning: cannot remove the earlier run's {what} {}: {error}", earlier.display()));
                             }
                         }
                     }
@@ -2178,23 +2213,42 @@ impl RunLog {
                     if self.replaces_checkpoint && self.replaces_state_parts {
                         ulysses_training::remove_unnamed_state_folders(&self.out, None);
                     }
+                    // The curve of the record as it was: drawn again from this one at the end,
+                    // or where the run fails.
+                    let _ = fs::remove_file(self.out.join(LOSS_PLOT));
                     Record::Open(record)
                 }
                 Err(message) => {
-                    self.bar.println(format!("error: {message}; training goes on"));
+                    say(&self.bar, format!("error: {message}; training goes on"));
                     Record::Failed(message)
                 }
             };
         }
-        let elapsed = self.started.elapsed().as_secs_f64();
+        let elapsed = self.trained_before + self.started.elapsed().as_secs_f64();
         if let Record::Open(record) = &mut self.record
             && let Err(error) = record.append(&format!("{step},{loss},{eval_loss},{rest},{elapsed:.3}"))
         {
             // Training goes on (its checkpoints are what resumes it); the run ends failed, as
             // one whose record could not be opened does, since its record has lost rows.
             let message = format!("cannot append step {step}'s row to {}: {error}; later rows are not written", self.out.join(METRICS_FILE).display());
-            self.bar.println(format!("error: {message}; training goes on"));
+            say(&self.bar, format!("error: {message}; training goes on"));
             self.record = Record::Failed(message);
+        }
+    }
+
+    /// Draws the curve of this run's record; failing to draw it loses nothing.
+    fn draw(&self) -> bool {
+        plot::loss_curve(&self.out.join(LOSS_PLOT), &self.title, self.unit, &self.train, &self.eval)
+            .map_err(|message| tracing::warn!("{message}; metrics.csv has every value it would show"))
+            .is_ok()
+    }
+
+    /// Where the run failed: the curve of the rows it wrote, so that the folder's loss.png is
+    /// its record's (none where it wrote no row: the earlier record stands, with its curve).
+    fn failed(self) {
+        self.bar.abandon();
+        if matches!(self.record, Record::Open(_)) {
+            self.draw();
         }
     }
 
@@ -2203,10 +2257,7 @@ impl RunLog {
         if let Record::Failed(message) = self.record {
             return Err(message);
         }
-        // The curve is drawn from the record; failing to draw it loses nothing.
-        let drew = plot::loss_curve(&self.out.join("loss.png"), &self.title, &self.train, &self.eval)
-            .map_err(|message| tracing::warn!("{message}; metrics.csv has every value it would show"))
-            .is_ok();
+        let drew = self.draw();
         let wrote = |files: &str| if drew { files.to_string() } else { files.split(", ").filter(|&f| f != "loss.png").collect::<Vec<_>>().join(", ") };
         // "-" where no step had a target to take a loss on.
         let first = self.train.first().map_or("-".to_string(), |p| format!("{:.3}", p.1));
@@ -2223,12 +2274,12 @@ impl RunLog {
         }
         let taken = self.taken;
         let stopped = if taken < self.steps { format!(" (stopped at {taken} of {}; continue with --resume)", self.steps) } else { String::new() };
-        println!(
-            "loss {first} -> {last} in {taken} steps{stopped} ({:.1?}), held-out {held_out}; wrote {}/{{{}}}",
-            self.started.elapsed(),
-            self.out.display(),
-            wrote(self.wrote)
-        );
+        let session = self.started.elapsed().as_secs_f64();
+        let time = match self.trained_before {
+            0.0 => format!("{session:.1} s"),
+            before => format!("{:.1} s, {session:.1} s of it since the resume", before + session),
+        };
+        println!("loss {first} -> {last} in {taken} steps{stopped} ({time}), held-out {held_out}; wrote {}/{{{}}}", self.out.display(), wrote(self.wrote));
         Ok(())
     }
 }
@@ -2247,28 +2298,34 @@ impl Progress for RunLog {
         } else {
             String::new()
         };
-        self.row(
-            step,
-            &loss,
-            "",
-            &format!("{learning_rate:.6e},{},{},{tokens_per_second:.1},{:.6}", report.valid_tokens, report.processed_tokens, report.grad_norm),
-        );
-        let shown = if loss.is_empty() { "no target in this step: nothing learned".to_string() } else { format!("loss {:.4}", report.loss) };
-        self.bar.set_message(format!("{shown}  grad norm {:.3}  {tokens_per_second:.0} tok/s", report.grad_norm));
+        // Nor a gradient: its norm is left empty too.
+        let grad_norm = if loss.is_empty() { String::new() } else { format!("{:.6}", report.grad_norm) };
+        self.row(step, &loss, "", &format!("{learning_rate:.6e},{},{},{tokens_per_second:.1},{grad_norm}", report.valid_tokens, report.processed_tokens));
+        let shown = match loss.is_empty() {
+            true => "no target in this step: nothing learned".to_string(),
+            false => format!("loss {:.4}  grad norm {:.3}", report.loss, report.grad_norm),
+        };
+        self.bar.set_message(format!("{shown}  {tokens_per_second:.0} tok/s"));
         self.bar.inc(1);
+        // A log file or a launcher's pipe sees no bar: a line now and then, and the last step's.
+        let due = self.last_line.is_none_or(|at| at.elapsed() >= STEP_LINE_EVERY) || self.taken == self.steps;
+        if self.bar.is_hidden() && due {
+            self.last_line = Some(Instant::now());
+            eprintln!("step {}/{}: {shown}  {tokens_per_second:.0} tok/s", self.taken, self.steps);
+        }
     }
 
     fn eval(&mut self, step: usize, loss: f64) {
         self.eval.push((step, loss));
         self.row(step, "", &format!("{loss:.9}"), ",,,,");
-        self.bar.println(format!("step {step}: held-out loss {loss:.4}"));
+        say(&self.bar, format!("step {step}: held-out loss {loss:.4}"));
     }
 
     fn checkpoint_due(&mut self, step: usize) {
         if let Record::Open(record) = &mut self.record
             && let Err(error) = record.sync()
         {
-            self.bar.println(format!("warning: cannot make {} durable before step {}'s checkpoint: {error}", self.out.join(METRICS_FILE).display(), step + 1));
+            say(&self.bar, format!("warning: cannot make {} durable before step {}'s checkpoint: {error}", self.out.join(METRICS_FILE).display(), step + 1));
         }
     }
 

@@ -26,19 +26,20 @@ fn font_available() -> bool {
     })
 }
 
-/// Draws training loss per step and evaluation loss at its steps into `path`, a PNG written
-/// atomically (as the run's other files: a crash leaves the last curve or this one).
-pub fn loss_curve(path: &Path, title: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<(), String> {
-    let png = draw(title, train, eval).map_err(|e| format!("cannot draw {}: {e}", path.display()))?;
+/// Draws training loss per step and evaluation loss at its steps (a marker at each: one
+/// evaluation is a point) into `path`, a PNG written atomically (as the run's other files: a
+/// crash leaves the last curve or this one); `unit`: what the loss is per (`token`, `byte`).
+pub fn loss_curve(path: &Path, title: &str, unit: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<(), String> {
+    let png = draw(title, unit, train, eval).map_err(|e| format!("cannot draw {}: {e}", path.display()))?;
     ulysses_training::checkpoint::write_atomically(path, &[&png]).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 const SIZE: (u32, u32) = (960, 600);
 
 /// The curve as PNG bytes.
-fn draw(title: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
+fn draw(title: &str, unit: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<Vec<u8>, Box<dyn std::error::Error>> {
     let mut rgb = vec![0u8; SIZE.0 as usize * SIZE.1 as usize * 3];
-    plot(&mut rgb, title, train, eval)?;
+    plot(&mut rgb, title, unit, train, eval)?;
     let mut png = Vec::new();
     let mut encoder = png::Encoder::new(&mut png, SIZE.0, SIZE.1);
     encoder.set_color(png::ColorType::Rgb);
@@ -49,7 +50,7 @@ fn draw(title: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<Ve
     Ok(png)
 }
 
-fn plot(rgb: &mut [u8], title: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<(), Box<dyn std::error::Error>> {
+fn plot(rgb: &mut [u8], title: &str, unit: &str, train: &[(usize, f64)], eval: &[(usize, f64)]) -> Result<(), Box<dyn std::error::Error>> {
     let root = BitMapBackend::with_buffer(rgb, SIZE).into_drawing_area();
     root.fill(&WHITE)?;
     let last_step = train.iter().chain(eval).map(|p| p.0).max().unwrap_or(1).max(1);
@@ -65,7 +66,7 @@ fn plot(rgb: &mut [u8], title: &str, train: &[(usize, f64)], eval: &[(usize, f64
     let mut chart = builder.build_cartesian_2d(0..last_step, 0.0..highest)?;
     let mut mesh = chart.configure_mesh();
     if labels {
-        mesh.x_desc("optimizer step").y_desc("cross-entropy (nats / byte)");
+        mesh.x_desc("optimizer step").y_desc(format!("cross-entropy (nats / {unit})"));
     } else {
         mesh.disable_x_axis().disable_y_axis();
     }
@@ -78,9 +79,31 @@ fn plot(rgb: &mut [u8], title: &str, train: &[(usize, f64)], eval: &[(usize, f64
             drawn.label(name).legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], style));
         }
     }
+    // Evaluations are few: each a marker, so that a run evaluated once shows its point (a
+    // line of one point draws nothing).
+    chart.draw_series(eval.iter().filter(|p| p.1.is_finite()).map(|&point| Circle::new(point, 4, RED.filled())))?;
     if labels {
         chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
     }
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// Pixels of the held-out series' red in a plot of `eval` beside 30 steps of training.
+    fn red_pixels(eval: &[(usize, f64)]) -> usize {
+        let train: Vec<(usize, f64)> = (0..30).map(|step| (step, 5.0 - 0.1 * step as f64)).collect();
+        let mut rgb = vec![0u8; super::SIZE.0 as usize * super::SIZE.1 as usize * 3];
+        super::plot(&mut rgb, "run", "token", &train, eval).unwrap();
+        rgb.chunks(3).filter(|pixel| pixel == &[255, 0, 0]).count()
+    }
+
+    /// A run evaluated once (`--steps 30` under the default `--eval-every 50`) shows its point:
+    /// a line of one point draws nothing.
+    #[test]
+    fn a_single_held_out_loss_shows_as_a_point() {
+        let (none, one) = (red_pixels(&[]), red_pixels(&[(29, 2.5)]));
+        assert!(one > none + 20, "one held-out point drew {} red pixels", one.saturating_sub(none));
+    }
 }

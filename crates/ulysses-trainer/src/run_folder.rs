@@ -241,12 +241,16 @@ impl RunRecord {
 }
 
 /// The data rows of an earlier run's metrics file for steps before `step`: whole rows alone
-/// (as many columns as the file's own header: an earlier version's has fewer), so that a row
-/// a crash or a full disk cut short (`12` of `125,…`, a last line without its newline) is not
-/// kept as a malformed row of another step.
-pub fn earlier_rows(path: &Path, step: usize) -> Vec<String> {
+/// (as many columns as `header`, today's), so that a row a crash or a full disk cut short
+/// (`12` of `125,…`, a last line without its newline) is not kept as a malformed row of
+/// another step; none from a file of another header (an earlier version's columns).
+pub fn earlier_rows(path: &Path, step: usize, header: &str) -> Vec<String> {
     let Ok(text) = fs::read_to_string(path) else { return Vec::new() };
-    let columns = text.lines().next().map_or(0, |header| header.split(',').count());
+    // An earlier version's columns, rewritten under this header, would fall under other names.
+    if text.lines().next() != Some(header) {
+        return Vec::new();
+    }
+    let columns = header.split(',').count();
     text.split_inclusive('\n')
         .skip(1)
         .filter_map(|line| line.strip_suffix('\n'))
@@ -280,6 +284,8 @@ pub fn kept_rows_gap(rows: &[usize], eval: &[(usize, f64)], resumed: usize, eval
 
 #[cfg(test)]
 mod tests {
+    const HEADER: &str = "step,loss,eval";
+
     /// The kept rows of a resumed run: whole rows of steps before the resumed one; a row cut
     /// short (fewer columns, or no newline at the end) is left out.
     #[test]
@@ -288,14 +294,15 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("metrics.csv");
         std::fs::write(&path, "step,loss,eval\n0,5.5,\n1,5.1,4.9\n2,4.8,\n12").unwrap();
-        assert_eq!(super::earlier_rows(&path, 100), ["0,5.5,", "1,5.1,4.9", "2,4.8,"]);
-        assert_eq!(super::earlier_rows(&path, 2), ["0,5.5,", "1,5.1,4.9"]);
+        assert_eq!(super::earlier_rows(&path, 100, HEADER), ["0,5.5,", "1,5.1,4.9", "2,4.8,"]);
+        assert_eq!(super::earlier_rows(&path, 2, HEADER), ["0,5.5,", "1,5.1,4.9"]);
         std::fs::write(&path, "step,loss,eval\n0,5.5,\n1,5.1\n2,4.8,\n3,4.5,").unwrap();
-        assert_eq!(super::earlier_rows(&path, 100), ["0,5.5,", "2,4.8,"]);
-        // An earlier version's file, with fewer columns than today's header: its rows are whole.
+        assert_eq!(super::earlier_rows(&path, 100, HEADER), ["0,5.5,", "2,4.8,"]);
+        // An earlier version's file, of other columns than today's header: none kept (their
+        // values would be read under other names).
         std::fs::write(&path, "step,loss\n0,5.5\n1,5.1\n").unwrap();
-        assert_eq!(super::earlier_rows(&path, 100), ["0,5.5", "1,5.1"]);
-        assert!(super::earlier_rows(&dir.join("missing.csv"), 100).is_empty());
+        assert!(super::earlier_rows(&path, 100, HEADER).is_empty());
+        assert!(super::earlier_rows(&dir.join("missing.csv"), 100, HEADER).is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -337,6 +337,8 @@ fn a_nan_in_one_ranks_gradient_stops_the_run_naming_the_step() {
     let state: RunState = read_checkpoint_state(&dir.join("run")).unwrap();
     assert_eq!(state.completed_steps, 2);
     assert_eq!(losses(&dir.join("run")).iter().map(|l| l.0).collect::<Vec<_>>(), vec![0, 1]);
+    // The failed run's curve is drawn from the rows it wrote.
+    assert!(dir.join("run/loss.png").exists(), "a failed run left no curve of its rows");
     let _ = fs::remove_dir_all(&dir);
 }
 
@@ -429,7 +431,10 @@ fn a_signal_before_the_first_step_ends_the_process_at_once() {
 fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let dir = workspace("resume");
     let adamw = ["--weight-decay", "0.05", "--adam-beta2", "0.95", "--adam-epsilon", "1e-6", "--warmup-steps", "2", "--lr-schedule", "linear", "--min-lr-ratio", "0"];
-    succeed(run_launched(2, &common_args(&dir, "full", 6), &[&["--sp", "2"][..], &adamw].concat()));
+    let full = show(&succeed(run_launched(2, &common_args(&dir, "full", 6), &[&["--sp", "2"][..], &adamw].concat())));
+    // A launcher pipes rank 0's stderr (no terminal, no progress bar): the held-out loss at the
+    // last step and the last step's line are printed all the same.
+    assert!(full.contains("step 5: held-out loss") && full.contains("step 6/6: loss"), "{full}");
     succeed(run_launched(2, &common_args(&dir, "part", 6), &[&["--sp", "2", "--stop-after", "3"][..], &adamw].concat()));
     assert_eq!(losses(&dir.join("part")).len(), 3);
     // A note of the run as a whole (its padding) is said once, not once a process.
@@ -448,6 +453,9 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let mut args = common_args(&dir, "part", 6);
     args.extend(resume("part"));
     succeed(run_launched(2, &args, &[&["--sp", "2"][..], &adamw].concat()));
+    // The time goes on from the kept rows' across the resume, as the steps do.
+    let elapsed: Vec<f64> = metric(&dir.join("part"), 8).into_iter().map(|(_, seconds)| seconds).collect();
+    assert!(elapsed.len() >= 6 && elapsed.windows(2).all(|pair| pair[0] <= pair[1]), "elapsed_seconds {elapsed:?}");
     // Nothing but the data and the checkpoint: the run's settings (steps, learning rate, seed,
     // batch, length, the model's shape) are the checkpoint's, not the flags' defaults.
     let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string()];
@@ -490,7 +498,14 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     // there (a run that went on from an earlier copy): going on would write over that line's
     // only checkpoint, so it is refused too; a copy of the folder's own checkpoint is not.
     fs::create_dir_all(dir.join("lines")).unwrap();
-    for (from, to) in [("part/metrics.csv", "metrics.csv"), ("part/config.json", "config.json"), ("part/step-3.ulysses", "checkpoint.ulysses"), ("part/checkpoint.ulysses", "later.ulysses"), ("part/step-3.ulysses", "same.ulysses")] {
+    for (from, to) in [
+        ("part/metrics.csv", "metrics.csv"),
+        ("part/loss.png", "loss.png"),
+        ("part/config.json", "config.json"),
+        ("part/step-3.ulysses", "checkpoint.ulysses"),
+        ("part/checkpoint.ulysses", "later.ulysses"),
+        ("part/step-3.ulysses", "same.ulysses"),
+    ] {
         fs::copy(dir.join(from), dir.join("lines").join(to)).unwrap();
     }
     let in_lines = |copy: &str, extra: &[&str]| {
@@ -509,6 +524,7 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     assert!(!killed.status.success(), "{}", show(&killed));
     assert!(metric(&dir.join("lines"), 1).iter().any(|&(step, _)| step == 6), "the replacing run wrote its first row: {}", show(&killed));
     assert!(!dir.join("lines/checkpoint.ulysses").exists(), "the replaced run's checkpoint outlived the replacing run's first row");
+    assert!(!dir.join("lines/loss.png").exists(), "the replaced run's curve outlived the replacing run's first row");
     assert!(dir.join("lines/later.ulysses").exists(), "the resumed copy went");
     // A --stop-after the checkpoint has passed is refused, not a run that takes no step.
     let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--stop-after".into(), "3".into()];
