@@ -1657,7 +1657,8 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     // tokens than the model embeds is said: another model's, or added tokens the embeddings
     // lack (a `<pad>` past the vocabulary, harmless where the data never yields it: each id a
     // document yields is checked against the vocabulary as it is read).
-    if let Some((tokenizer, _, _)) = &tokenizer {
+    // Said once a job (each launched process reads the data): by the one that shows progress.
+    if let Some((tokenizer, _, _)) = tokenizer.as_ref().filter(|_| show_progress) {
         if tokenizer.vocab_size() > config.model.vocab_size {
             tracing::warn!(
                 "--tokenizer {}: it has {} tokens, more than the model's vocabulary of {} (config.json's vocab_size): another model's \
@@ -1696,7 +1697,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     // The template's file and what decides its rendering, where it rendered a conversation.
     let rendered_with = chat.as_ref().filter(|_| documents.rendered_chat).map(|chat| (chat.file().to_string(), chat.rendering_text().to_string()));
     let targets = answers(&documents, answers_only, "--data", path)?;
-    if let Some(targets) = targets {
+    if let Some(targets) = targets.as_ref().filter(|_| show_progress) {
         let (trained, total) = (targets.iter().flatten().filter(|&&t| t).count(), targets.iter().map(Vec::len).sum::<usize>());
         tracing::info!("training on the answers alone: {trained} of {total} tokens are targets (--loss-on all: every token)");
     }
