@@ -269,7 +269,7 @@ fn grouped_kv_heads_send_fewer_bytes() {
     // The library's own accounting agrees.
     let layout = AttentionLayout {
         batch: 2, q_heads: 8, kv_heads: 2, q_seq: 8, kv_seq: 8, head_dim: 16, value_dim: 16,
-        is_causal: true, scale: None, softcap: None, mask: MaskKind::None, has_bias: false, has_documents: false, window: None,
+        is_causal: true, scale: None, softcap: None, mask: MaskKind::None, has_bias: false, has_documents: false, window: None, dtype: 0,
     };
     let plan = HeadPlan::new(8, 2, 4).unwrap();
     assert_eq!(plan.elements_per_call(0, &layout) as u64 * 4, sent);
@@ -285,7 +285,7 @@ fn uneven_heads_move_no_padding() {
     let plan = HeadPlan::new(heads, heads, sp).unwrap();
     let layout = AttentionLayout {
         batch, q_heads: heads, kv_heads: heads, q_seq: seq / sp, kv_seq: seq / sp, head_dim: dim, value_dim: dim,
-        is_causal: true, scale: None, softcap: None, mask: MaskKind::None, has_bias: false, has_documents: false, window: None,
+        is_causal: true, scale: None, softcap: None, mask: MaskKind::None, has_bias: false, has_documents: false, window: None, dtype: 0,
     };
     for (rank, &(sent, _, calls, with_backward)) in per_rank.iter().enumerate() {
         let local_heads = plan.q_heads_of(rank).len();

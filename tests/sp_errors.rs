@@ -341,6 +341,38 @@ fn ring_peers_that_disagree_on_the_layout() {
     assert_all_contain(&messages, &["the is_causal flag differs across ranks", "ring rank 0 has 1, ring rank 1 has 0"]);
 }
 
+/// Ranks that attend in other dtypes (one at another precision) are refused on every rank,
+/// naming both: the exchange moves q, k and v as bytes of each rank's own dtype.
+#[test]
+fn ranks_that_attend_in_other_dtypes() {
+    let messages = errors_on_every_rank(2, |rank| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        let wider = |t: Tensor<Sp, 4>| if rank.rank() == 1 { t.cast(burn::tensor::FloatDType::F64) } else { t };
+        attention(wider(q), wider(k), wider(v), None, None, OPTIONS);
+    });
+    assert_all_contain(&messages, &["the dtype differs across ranks", "rank 0 has F32, rank 1 has F64", "--precision"]);
+}
+
+/// A rank of one Ulysses group of a ring (SP 4 = Ulysses 2 × ring 2) calling attention under
+/// other options: its group refuses, and the other group's ranks, whose own layouts agree,
+/// hear it from their ring peers at once (they waited for them in the ring's check, then
+/// failed on a lost peer).
+#[test]
+fn a_layout_one_ulysses_group_of_a_ring_refuses() {
+    use burn_ulysses::{ParallelGroups, ParallelLayout};
+    let messages = errors_on_every_rank(4, |rank| {
+        let layout = ParallelLayout::new().with_sp_size(4).with_ring_size(2);
+        let groups = ParallelGroups::<NdArray<f32>>::new(rank.communicator(), layout).unwrap();
+        let _ring = burn_ulysses::context::enter(RankScope::Thread, groups.rank_context(UlyssesConfig::new()));
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        attention(q, k, v, None, None, AttentionModuleOptions { is_causal: rank.rank() != 1, ..OPTIONS });
+    });
+    for (rank, message) in messages.iter().enumerate() {
+        let expected = if rank < 2 { "the is_causal flag differs across ranks" } else { "ring rank 0's group refused it" };
+        assert!(message.contains(expected), "rank {rank}: {message}");
+    }
+}
+
 /// Ring peers that cut the sequence otherwise (one contiguous, one zigzag: contexts built apart)
 /// would place each other's keys wrong, silently: refused on every rank, naming both cuts.
 /// (Layouts that differ so are refused sooner, where the groups are formed.)

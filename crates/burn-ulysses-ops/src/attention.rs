@@ -63,7 +63,7 @@ fn sequence_parallel(
     let call = CallOptions { scale: options.scale, softcap: options.softcap, is_causal: options.is_causal };
     let mask_dims = mask.as_ref().map(|mask| mask.dims().to_vec());
     ulysses_core::layout::check_dtypes_agree([&query, &key, &value].map(|t| t.dtype()))?;
-    let layout = AttentionLayout::of_call(&query.dims(), &key.dims(), &value.dims(), mask_dims.as_deref(), attn_bias.is_some(), call, false, None)?;
+    let layout = AttentionLayout::of_call(&query.dims(), &key.dims(), &value.dims(), mask_dims.as_deref(), attn_bias.is_some(), call, false, None)?.with_dtype(query.dtype());
     // Of equal lengths first: a rank in another collective (its model diverged) is named, not
     // read past its values.
     let per_rank = all_gather_host_checked(group, &layout.encode(), "attention layout fields")?;

@@ -249,14 +249,18 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
 
         if context.config.verify_layout {
             let per_rank = all_gather_host_checked(&**communicator, &layout.encode(), "attention layout fields")?;
-            AttentionLayout::check_agreement(&per_rank)?;
+            let agreed = AttentionLayout::check_agreement(&per_rank);
             // A ring's peers hold other blocks of the same sequences: the same layout, or their
             // blocks would not fit each other (NCCL cannot check a send's shape) or attend
             // under other options; the same cut, or they would place each other's keys wrong.
+            // Gathered also where this rank's group refused, for its peers that wait in it.
             if let Some(ring) = &ring {
-                let encoded = layout.encode_for_ring(context.config.ring_sharding);
+                let encoded = layout.encode_for_ring(context.config.ring_sharding, agreed.is_err());
                 let per_rank = all_gather_host_checked(&**ring, &encoded, "attention layout fields over the ring")?;
+                agreed?;
                 AttentionLayout::check_ring_agreement(&per_rank)?;
+            } else {
+                agreed?;
             }
         }
         layout.refuse_unshardable(mask.as_ref().map(dims).as_deref(), attn_bias.as_ref().map(dims).as_deref(), KEY_PADDING_MASK.get())?;
@@ -367,6 +371,7 @@ fn local_layout<X: ExchangeBackend>(
 ) -> Result<AttentionLayout, UlyssesError> {
     ulysses_core::layout::check_dtypes_agree([query, key, value].map(|t| t.dtype()))?;
     AttentionLayout::of_call(&dims(query), &dims(key), &dims(value), mask.map(dims).as_deref(), attn_bias.is_some(), crate::primitive::call_options(options), has_documents, window)
+        .map(|layout| layout.with_dtype(query.dtype()))
 }
 
 /// Attention over whole sequences with the inner backend's best kernel (a fused one takes

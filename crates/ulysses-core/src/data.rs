@@ -368,12 +368,24 @@ impl SequenceSharder {
     }
 
     /// The global positions rank `rank` holds in a sequence of `global_len` tokens, in order.
+    ///
+    /// # Panics
+    ///
+    /// Where `global_len` is not a multiple of [`length_multiple`](Self::length_multiple)
+    /// (pad it: [`padded_len`](Self::padded_len)): the ranks' parts would leave its last tokens
+    /// to none.
     pub fn positions_of(&self, rank: usize, global_len: usize) -> Vec<usize> {
         assert!(
             self.ring_size > 0 && self.sp_size % self.ring_size == 0,
             "the ring degree {} must divide sp_size {}",
             self.ring_size,
             self.sp_size
+        );
+        let multiple = self.length_multiple();
+        assert!(
+            global_len % multiple == 0,
+            "positions_of: a sequence of {global_len} tokens is not a multiple of {multiple} (the SP degree, twice it under a zigzag ring): pad it \
+             to padded_len's, or its last tokens would be no rank's"
         );
         let ulysses = self.sp_size / self.ring_size;
         let (ring_rank, member) = ring_coordinates(rank, ulysses);
@@ -474,6 +486,10 @@ mod tests {
         // Contiguous with a ring is plain contiguous sharding.
         let contiguous = SequenceSharder::new(4).with_ring_size(2);
         assert_eq!(contiguous.positions_of(3, 16), vec![12, 13, 14, 15]);
+        // A length the cut does not take whole (13: token 12 would be no rank's) is refused.
+        let unpadded = std::panic::catch_unwind(|| sharder.positions_of(0, 13)).expect_err("13 tokens cut over 8 chunks");
+        let message = crate::comm::panic_message(&*unpadded);
+        assert!(message.contains("13 tokens is not a multiple of 8") && message.contains("padded_len"), "{message}");
     }
 
     #[test]

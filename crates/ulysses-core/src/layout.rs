@@ -40,6 +40,9 @@ pub struct AttentionLayout {
     pub has_documents: bool,
     /// The sliding window `attention_within` was called with.
     pub window: Option<usize>,
+    /// The dtype q, k and v share, by name ([`with_dtype`](Self::with_dtype); 0 where not
+    /// given): ranks computing in others would exchange bytes each reads as its own dtype's.
+    pub dtype: u64,
 }
 
 const SEQ_HINT: &str = "Every rank must hold the same number of tokens: pad each sequence to a \
@@ -49,7 +52,7 @@ const MODEL_HINT: &str = "Every rank must run the same model on the same batch l
 /// (field name, hint) in the order of [`AttentionLayout::encode`].
 /// The fields of [`AttentionLayout::encode`], then the one
 /// [`encode_for_ring`](AttentionLayout::encode_for_ring) adds, with what to do when ranks differ.
-const FIELDS: [(&str, &str); 15] = [
+const FIELDS: [(&str, &str); 16] = [
     ("batch size", MODEL_HINT),
     ("q head count", MODEL_HINT),
     ("kv head count", MODEL_HINT),
@@ -64,6 +67,7 @@ const FIELDS: [(&str, &str); 15] = [
     ("attention bias presence", MODEL_HINT),
     ("document position ids presence", "Call attention_in_documents on every rank of the group, or on none."),
     ("sliding window", "Call attention_within with the same window on every rank of the group."),
+    ("dtype", "Every rank must compute attention in the same dtype (the same --precision, or the same float type): the exchange moves q, k and v as bytes of it."),
     (
         "ring sharding",
         "Every rank of a ring must cut the sequence the same way: give every rank the same ParallelLayout::with_ring_sharding \
@@ -71,7 +75,9 @@ const FIELDS: [(&str, &str); 15] = [
     ),
 ];
 /// Where [`encode_for_ring`](AttentionLayout::encode_for_ring)'s field sits in [`FIELDS`].
-const RING_SHARDING_FIELD: usize = 14;
+const RING_SHARDING_FIELD: usize = 15;
+/// Where the dtype sits in [`FIELDS`].
+const DTYPE_FIELD: usize = 14;
 
 /// Refuses q, k and v of different dtypes (`dtypes`, q's first): the exchange sends the three
 /// in one buffer of q's dtype (a kernel would read k's bits as q's), and the kernels take one.
@@ -131,7 +137,16 @@ impl AttentionLayout {
             has_bias,
             has_documents,
             window,
+            dtype: 0,
         })
+    }
+
+    /// The layout of a call in `dtype` (q's, which k's and v's equal), named by its `Debug`
+    /// text, its first 8 bytes packed into [`dtype`](Self::dtype) for the cross-rank check.
+    pub fn with_dtype(self, dtype: impl std::fmt::Debug) -> Self {
+        let name = format!("{dtype:?}");
+        let packed = name.bytes().take(8).fold(0u64, |packed, byte| (packed << 8) | u64::from(byte));
+        Self { dtype: packed, ..self }
     }
 
     /// Fails, under sequence parallelism, where the call's arguments cannot follow the
@@ -212,6 +227,7 @@ impl AttentionLayout {
             self.has_bias as u64,
             self.has_documents as u64,
             self.window.map_or(0, |window| (window as u64).saturating_add(1)),
+            self.dtype,
         ];
         debug_assert_eq!(encoded.len(), RING_SHARDING_FIELD);
         encoded
@@ -239,18 +255,30 @@ impl AttentionLayout {
         Ok(())
     }
 
-    /// [`encode`](Self::encode) and how the sequence is cut over the ring, which a ring's
-    /// peers all-gather and compare ([`check_ring_agreement`](Self::check_ring_agreement)).
-    pub fn encode_for_ring(&self, sharding: RingSharding) -> Vec<u64> {
+    /// [`encode`](Self::encode), how the sequence is cut over the ring, and whether this
+    /// rank's Ulysses group refused its ranks' layouts (`group_refused`), which a ring's peers
+    /// all-gather and compare ([`check_ring_agreement`](Self::check_ring_agreement)). A rank
+    /// whose group refused gathers all the same: its peers in groups that agreed would wait for
+    /// it here, then fail on its loss rather than on the layout.
+    pub fn encode_for_ring(&self, sharding: RingSharding, group_refused: bool) -> Vec<u64> {
         let mut encoded = self.encode();
         encoded.push(sharding as u64);
+        encoded.push(group_refused as u64);
         encoded
     }
 
     /// [`check_agreement`](Self::check_agreement) of what [`encode_for_ring`](Self::encode_for_ring)
     /// sent: peers that cut the sequence otherwise (one contiguous, one zigzag) would attend over
-    /// keys at the wrong positions, silently.
+    /// keys at the wrong positions, silently. A peer whose Ulysses group refused its layouts is
+    /// named first (that group's ranks name the field).
     pub fn check_ring_agreement(per_rank: &[Vec<u64>]) -> Result<(), UlyssesError> {
+        if let Some(peer) = per_rank.iter().position(|fields| fields.get(FIELDS.len()) == Some(&1)) {
+            return Err(UlyssesError::LayoutDiffers {
+                field: "layout of the ranks of a ring peer's Ulysses group",
+                values: format!("ring rank {peer}'s group refused it (its ranks' errors name the field)"),
+                hint: MODEL_HINT,
+            });
+        }
         Self::check_fields(per_rank, "ring rank")
     }
 }
@@ -262,6 +290,8 @@ fn describe(field: usize, value: Option<u64>) -> String {
         (8 | 9, Some(value)) => f64::from_bits(value).to_string(),
         (RING_SHARDING_FIELD, Some(code)) if code == RingSharding::Contiguous as u64 => "contiguous".to_string(),
         (RING_SHARDING_FIELD, Some(code)) if code == RingSharding::Zigzag as u64 => "zigzag".to_string(),
+        (DTYPE_FIELD, Some(0)) => "no dtype given".to_string(),
+        (DTYPE_FIELD, Some(packed)) => packed.to_be_bytes().iter().filter(|&&b| b != 0).map(|&b| b as char).collect(),
         (_, Some(value)) => value.to_string(),
     }
 }
@@ -674,6 +704,13 @@ mod tests {
         assert!(err.contains("grouped-query"), "{err}");
     }
 
+    /// A dtype as burn names it (`Debug`).
+    #[derive(Debug)]
+    enum DType {
+        BF16,
+        F32,
+    }
+
     #[test]
     fn differing_layouts_name_field_and_ranks() {
         let layout = AttentionLayout {
@@ -691,7 +728,9 @@ mod tests {
             has_bias: false,
             has_documents: false,
             window: None,
-        };
+            dtype: 0,
+        }
+        .with_dtype(DType::BF16);
         let short = AttentionLayout { q_seq: 7, kv_seq: 7, ..layout.clone() };
         let err = AttentionLayout::check_agreement(&[layout.encode(), short.encode()])
             .unwrap_err()
@@ -699,6 +738,9 @@ mod tests {
         assert!(err.contains("local query sequence length"), "{err}");
         assert!(err.contains("rank 0 has 8, rank 1 has 7") && err.contains("pad"), "{err}");
         assert!(AttentionLayout::check_agreement(&[layout.encode(), layout.encode()]).is_ok());
+        // Ranks in other dtypes (one at another --precision) are named by them.
+        let err = AttentionLayout::check_agreement(&[layout.encode(), layout.clone().with_dtype(DType::F32).encode()]).unwrap_err().to_string();
+        assert!(err.contains("dtype") && err.contains("rank 0 has BF16, rank 1 has F32") && err.contains("--precision"), "{err}");
         // A window of `usize::MAX` ("no limit") encodes as one, not as no window.
         let unlimited = AttentionLayout { window: Some(usize::MAX), ..layout.clone() };
         assert!(AttentionLayout::check_agreement(&[unlimited.encode(), unlimited.encode()]).is_ok());

@@ -49,7 +49,8 @@ pub fn ring_attention<X: ExchangeBackend>(
     // The kernels are checked for q's dtype alone, and the blocks' products need one.
     crate::layout::check_dtypes_agree([&query, &key, &value].map(|t| t.dtype()))?;
     let plan = RingPlan::new(query.dims(), key.dims(), value.dims(), crate::primitive::call_options(&options), sharding, ring.rank(), ring.size())?;
-    match flash::check::<X::Wire>(&plan, query.dtype(), &query.device()) {
+    let verdict = flash::check::<X::Wire>(&plan, query.dtype(), &query.device());
+    match blocks_every_peer_fuses(verdict, ring)? {
         Ok(()) => {
             let output = X::fused_ring_attention(float_primitive(query), float_primitive(key), float_primitive(value), &plan, ring)?;
             Ok(float_tensor(output))
@@ -60,6 +61,18 @@ pub fn ring_attention<X: ExchangeBackend>(
             reference::ring_attention(query, key, value, &plan, ring)
         }
     }
+}
+
+/// This rank's `verdict` on the fused blocks, or where a peer's refuses them, that peer named:
+/// the ring runs the fused blocks on every peer or on none. Their backwards exchange otherwise
+/// (other passes, directions and payloads), and peers that chose apart (GPUs of two kinds)
+/// would pair each send with another receive: a hang, or data read as another's. Collective.
+fn blocks_every_peer_fuses<W: Backend>(verdict: Result<(), String>, ring: &Arc<dyn Communicator<W>>) -> Result<Result<(), String>, UlyssesError> {
+    let every_peer = crate::comm::all_gather_host_checked(&**ring, &[verdict.is_ok() as u64], "whether the ring's peers run fused blocks")?;
+    Ok(verdict.and_then(|()| match every_peer.iter().position(|fuses| fuses[0] == 0) {
+        Some(peer) => Err(format!("ring rank {peer}'s do not (its log names why), and every peer must run the blocks alike")),
+        None => Ok(()),
+    }))
 }
 
 /// This rank's tensor cut into its chunks along the sequence (dim 2).
@@ -137,4 +150,38 @@ fn attend_around_ring<X: ExchangeBackend>(
     // Every chunk sees at least itself (its diagonal block), so every part is set.
     let (outputs, lses): (Vec<_>, Vec<_>) = partial.into_iter().map(|p| p.expect("a chunk sees itself")).unzip();
     Ok(RingForward { output: join(outputs), lse: join(lses), last_block: block })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use burn::backend::NdArray;
+
+    use super::blocks_every_peer_fuses;
+    use crate::comm::{Communicator, ThreadGroup};
+
+    /// A ring whose peers' kernels judge its blocks apart (GPUs of two kinds) runs them alike:
+    /// where one peer refuses the fused blocks, every peer takes the reference ones, naming it.
+    #[test]
+    fn the_ring_runs_fused_blocks_on_every_peer_or_on_none() {
+        let verdicts = |refusing: Option<usize>| {
+            ThreadGroup::new(3)
+                .run(move |rank| {
+                    let ring: Arc<dyn Communicator<NdArray<f32>>> = rank.communicator();
+                    let own = if refusing == Some(rank.rank()) { Err("no kernel for this device".to_string()) } else { Ok(()) };
+                    blocks_every_peer_fuses(own, &ring).unwrap()
+                })
+                .into_iter()
+                .map(|verdict| verdict.unwrap_or_else(|panic| panic!("{}", panic.message)))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(verdicts(None), [Ok(()), Ok(()), Ok(())]);
+        let apart = verdicts(Some(1));
+        assert_eq!(apart[1], Err("no kernel for this device".to_string()));
+        for rank in [0, 2] {
+            let reason = apart[rank].clone().expect_err("a peer ran the fused blocks beside one that did not");
+            assert!(reason.contains("ring rank 1's do not"), "ring rank {rank}: {reason}");
+        }
+    }
 }
