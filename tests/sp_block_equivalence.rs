@@ -155,6 +155,15 @@ fn ulysses_by_ring_with_zigzag_sharding() {
     check(zigzag(2, 2, 1, false));
 }
 
+/// A causal ring of three (odd: the middle rank's chunks pair with both ends'), contiguous
+/// and zigzag (chunks r and 5 − r of six).
+#[test]
+fn a_causal_ring_of_three() {
+    use burn_ulysses::ring::RingSharding;
+    check(Case { seq: 24, ..hybrid(1, 3, 2, true) });
+    check(Case { seq: 24, ring_sharding: RingSharding::Zigzag, ..hybrid(1, 3, 2, true) });
+}
+
 /// Zigzag over 8 ranks: 32 tokens cut in 2 · 4 (or 2 · 2) chunks, each split over its
 /// Ulysses group.
 #[test]
