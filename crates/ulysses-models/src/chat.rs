@@ -339,9 +339,19 @@ fn marked(source: &str) -> (String, bool) {
     while let Some(at) = rest.find("{%") {
         out.push_str(&rest[..at]);
         let tag = &rest[at..];
-        let Some(close) = tag.find("%}") else {
-            out.push_str(tag);
-            return (out, found);
+        // A statement opens with a name (`{%- if`, `{% generation`): `{%` before anything else
+        // is text (`{{ '{%}' }}`), kept as it is, and the scan goes on after it.
+        let opens_a_statement = tag[2..].trim_start_matches(['-', '+']).trim_start().starts_with(|c: char| c.is_alphabetic());
+        // The close after the opening `{%` (in `{%}` they would overlap).
+        let close = tag[2..].find("%}").map(|i| i + 2);
+        let Some(close) = close.filter(|_| opens_a_statement) else {
+            if close.is_none() {
+                out.push_str(tag);
+                return (out, found);
+            }
+            out.push_str("{%");
+            rest = &tag[2..];
+            continue;
         };
         let inner = &tag[2..close];
         let (left, body, right) = (inner.starts_with('-'), inner.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace()), inner.ends_with('-'));
@@ -385,6 +395,11 @@ mod tests {
         let (source, found) = marked("a{%- generation %}b{% endgeneration -%}c{% if x %}d{% endif %}");
         assert!(found);
         assert_eq!(source, "a{%- if true %}{{ \"\\uE000\" }}{% if true %}b{% endif %}{{ \"\\uE001\" }}{% endif -%}c{% if x %}d{% endif %}");
+        // `{%` that opens no statement (inside a string: `{%}`) is text, and the tags after it
+        // are still found (it panicked, slicing `{%}`'s overlapping ends).
+        let (source, found) = marked("{{ '{%}' }}{% generation %}b{% endgeneration %}{%");
+        assert!(found, "{source}");
+        assert_eq!(source, "{{ '{%}' }}{% if true %}{{ \"\\uE000\" }}{% if true %}b{% endif %}{{ \"\\uE001\" }}{% endif %}{%");
         let rendered = unmarked("x\u{E000}ü東\u{E001}y");
         assert_eq!(rendered, RenderedChat { text: "xü東y".into(), generations: vec![1..3] });
     }
