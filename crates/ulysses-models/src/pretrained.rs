@@ -341,6 +341,9 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
         let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| CheckpointError::file(&index, e))?;
         let map = json["weight_map"].as_object().ok_or_else(|| CheckpointError::file(&index, "has no `weight_map` object"))?;
         let files: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+        if let Some(file) = files.iter().find(|file| !ulysses_training::checkpoint::is_plain_name(file)) {
+            return Err(CheckpointError::file(&index, format!("its weight_map names `{file}`, not a file in the checkpoint's folder")));
+        }
         return Ok(files.into_iter().map(|file| dir.join(file)).collect());
     }
     Err(CheckpointError::file(dir, format!("holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")))
@@ -1205,6 +1208,23 @@ mod tests {
     /// A header whose tensors' bytes leave a gap, overlap, or end before they begin is refused
     /// naming the tensor, as safetensors' own reader refuses it (a zero-sized range backwards
     /// would otherwise place a tensor outside the file).
+    /// An index whose weight_map names a file outside the folder (`..`, an absolute path, a
+    /// subfolder's) is refused, naming it: it loaded another model's weights.
+    #[test]
+    fn an_index_naming_a_file_outside_the_folder_is_refused() {
+        let dir = std::env::temp_dir().join(format!("ulysses-index-names-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (file, refused) in [("../other/model.safetensors", true), ("/elsewhere/model.safetensors", true), ("sub/model.safetensors", true), ("model-00001-of-00002.safetensors", false)] {
+            let index = serde_json::json!({ "weight_map": { "model.embed_tokens.weight": file } });
+            std::fs::write(dir.join(INDEX_FILE), index.to_string()).unwrap();
+            match weight_files(&dir) {
+                Ok(files) => assert!(!refused && files == [dir.join(file)], "{file}: {files:?}"),
+                Err(error) => assert!(refused && error.to_string().contains(&format!("its weight_map names `{file}`")), "{file}: {error}"),
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn tensors_whose_bytes_do_not_follow_one_another_are_refused() {
         let dir = std::env::temp_dir().join(format!("ulysses-offsets-{}", std::process::id()));

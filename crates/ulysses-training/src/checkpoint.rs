@@ -326,6 +326,14 @@ pub(crate) fn named_state_folder(path: &Path) -> Result<Option<String>, UlyssesE
     Ok(folder)
 }
 
+/// Whether `name`, read from a file that names another beside it (an index's weight file, a
+/// checkpoint's state folder), is one plain name in that folder: an absolute path, a `..` or a
+/// separator would reach outside it, to another run's or model's files.
+pub fn is_plain_name(name: &str) -> bool {
+    let mut components = Path::new(name).components();
+    matches!((components.next(), components.next()), (Some(std::path::Component::Normal(_)), None))
+}
+
 /// What a file's first bytes say it is. The checkpoint layout's start, read in this one place:
 /// 8 magic bytes, the header's length (u64, little-endian), the header's JSON.
 enum Preamble {

@@ -539,6 +539,9 @@ where
                 ),
             ));
         }
+        if !crate::checkpoint::is_plain_name(&folder) {
+            return Err(crate::checkpoint::error(&path, format!("it names its optimizer state `{folder}`, not a folder beside it: an edited or foreign header")));
+        }
         let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         let (optimizer, digest) = ShardedAdamW::load_with_digest(&dir.join(folder), world.rank(), world.size())?;
         Ok((contents.state, optimizer, digest))
@@ -735,6 +738,25 @@ mod tests {
         let replicated = crate::checkpoint::load_training_checkpoint::<Ad, _, _, u64>(&dir, layer(), AdamWConfig::new().init::<Ad, Linear<Ad>>(), &Default::default());
         let message = replicated.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(message.contains("sharded") && message.contains("--offload-optimizer"), "{message}");
+
+        // A header naming a state folder outside its own (edited, or another run's, whose parts
+        // fit this model): refused, not read.
+        let elsewhere = format!("ulysses-another-run-{}", std::process::id());
+        let other_run = dir.parent().unwrap().join(&elsewhere);
+        fs::create_dir_all(other_run.join(sharded_state_folder(2, 2))).unwrap();
+        for part in fs::read_dir(dir.join(sharded_state_folder(2, 2))).unwrap() {
+            let part = part.unwrap();
+            fs::copy(part.path(), other_run.join(sharded_state_folder(2, 2)).join(part.file_name())).unwrap();
+        }
+        let foreign = format!("../{elsewhere}/{}", sharded_state_folder(2, 2));
+        crate::checkpoint::write_checkpoint(&dir, &[], &[], Some(&foreign), &crate::parameter_paths(&layer()), &2u64).unwrap();
+        let shared = dir.clone();
+        let outside = burn_ulysses::comm::ThreadGroup::new(1).run(move |rank| {
+            load_sharded_training_checkpoint::<Ad, Linear<Ad>, u64>(&shared, layer(), &*rank.communicator()).map(drop).map_err(|e| e.to_string())
+        });
+        let message = outside.into_iter().next().unwrap().unwrap().expect_err("loaded a state folder outside the checkpoint's");
+        assert!(message.contains(&format!("names its optimizer state `{foreign}`, not a folder beside it")), "{message}");
+        fs::remove_dir_all(&other_run).unwrap();
         fs::remove_dir_all(&dir).unwrap();
     }
 
