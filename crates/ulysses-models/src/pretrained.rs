@@ -92,16 +92,38 @@ fn written_by_a_save(name: &str) -> bool {
         || name == WEIGHTS_FILE
         || name == INDEX_FILE
         || COMPANION_FILES.contains(&name)
-        // The folder of a companion within one.
-        || COMPANION_FILES.iter().any(|file| file.split_once('/').is_some_and(|(folder, _)| folder == name))
-        || (name.starts_with("model-") && name.ends_with(".safetensors"))
+        // The folder of a companion within one (what it holds is looked at on its own).
+        || companion_folder(name)
+        || is_shard_name(name)
 }
 
-/// An error when `dir` holds anything a save did not write (a run's checkpoint, a README):
-/// a save replaces the folder whole and would delete it.
+/// Whether `name` is a folder companions sit in (`additional_chat_templates`).
+fn companion_folder(name: &str) -> bool {
+    COMPANION_FILES.iter().any(|file| file.split_once('/').is_some_and(|(folder, _)| folder == name))
+}
+
+/// Whether `name` is a weight shard's as a save names them, `model-00001-of-00004.safetensors`
+/// (not any `model-*.safetensors` a user keeps beside them).
+fn is_shard_name(name: &str) -> bool {
+    let five_digits = |part: &str| part.len() == 5 && part.bytes().all(|b| b.is_ascii_digit());
+    name.strip_prefix("model-").and_then(|rest| rest.strip_suffix(".safetensors")).and_then(|rest| rest.split_once("-of-")).is_some_and(|(k, n)| five_digits(k) && five_digits(n))
+}
+
+/// An error when `dir` holds anything a save did not write (a run's checkpoint, a README, a
+/// template of one's own beside the companions): a save replaces the folder whole and would
+/// delete it.
 fn check_only_saved_files(dir: &Path) -> Result<(), CheckpointError> {
     let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
-    let mut others: Vec<String> = entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|name| !written_by_a_save(name)).collect();
+    let names: Vec<String> = entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    // A companion folder's own entries, by their paths in the save (`folder/file`).
+    let within = |folder: &str| -> Vec<String> {
+        std::fs::read_dir(dir.join(folder)).map_or_else(|_| Vec::new(), |entries| entries.flatten().map(|e| format!("{folder}/{}", e.file_name().to_string_lossy())).collect())
+    };
+    let mut others: Vec<String> = names
+        .iter()
+        .flat_map(|name| if companion_folder(name) { within(name) } else { vec![name.clone()] })
+        .filter(|name| !written_by_a_save(name))
+        .collect();
     if others.is_empty() {
         return Ok(());
     }

@@ -868,6 +868,16 @@ fn a_save_carries_the_tool_use_template_over_in_its_folder() {
         save_pretrained_including(&pretrained.model, &pretrained.config, &out, SaveOptions::new(DType::BF16), &companions).unwrap();
         assert_eq!(std::fs::read(out.join("additional_chat_templates/tool_use.jinja")).unwrap(), std::fs::read(&tools).unwrap());
     }
+    // A template of one's own beside the saved one, and a file named like a shard but no
+    // save's: a save would delete them, so it is refused, naming them (both were taken for the
+    // save's own and deleted).
+    for own in ["additional_chat_templates/rag.jinja", "model-notes.safetensors"] {
+        std::fs::write(out.join(own), "mine").unwrap();
+        let error = save_pretrained_including(&pretrained.model, &pretrained.config, &out, SaveOptions::new(DType::BF16), &companions).expect_err(own).to_string();
+        assert!(error.contains(&format!("holds {own}, which a save would delete")), "{own}: {error}");
+        assert_eq!(std::fs::read(out.join(own)).unwrap(), b"mine", "{own} was deleted");
+        std::fs::remove_file(out.join(own)).unwrap();
+    }
     std::fs::remove_dir_all(&root).unwrap();
 }
 
