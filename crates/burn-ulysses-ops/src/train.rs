@@ -101,14 +101,28 @@ fn shard_outside_its_groups(shard: &SequenceShard) -> Option<String> {
              tokens per rank. Shard with SequenceSharder::new({size}) (no ring)"
         ));
     }
-    if size > 1 && shard.positions.packed {
+    if size > 1 && packs_documents(shard) {
         return Some(format!(
             "rows packing several documents, in a sequence-parallel group of {size} ranks: burn_ulysses_ops' attention has no document \
-             attention (each token would attend across the documents before it), and a mask of them cannot follow the exchange. Shard \
-             one document per row (SequenceSharder::shard), or train on burn 0.21 with burn-ulysses' attention_in_documents"
+             attention, and a mask of the documents (which one device could pass) cannot follow the exchange, so each token would \
+             attend across the documents before it. Shard one document per row (SequenceSharder::shard), or train on burn 0.21 \
+             with burn-ulysses' attention_in_documents"
         ));
     }
     None
+}
+
+/// Whether a row of `shard` holds a token that begins a document after another's (its
+/// position restarts): a packed row. Padding, which comes last and attends to nothing a label
+/// reads, does not count; the shard's first token begins one where it restarts at 0 on a
+/// shard after the first.
+fn packs_documents(shard: &SequenceShard) -> bool {
+    shard.positions.packed
+        && (0..shard.batch).any(|row| {
+            let ids = shard.positions.ids.row(row);
+            let padding = &shard.padding[row * shard.local_len..(row + 1) * shard.local_len];
+            (0..ids.len()).filter(|&i| !padding[i]).any(|i| if i == 0 { shard.positions.cut.index > 0 && ids[0] == 0 } else { ids[i] != ids[i - 1] + 1 })
+        })
 }
 
 /// Cross-entropy of `logits` `[batch, seq, vocab]` against `labels` `[batch, seq]`, summed over

@@ -345,5 +345,21 @@ fn a_shard_outside_its_sequence_parallel_group_is_refused_before_the_step() {
         let documents = vec![vec![5, replica[0].len() - 5]];
         SequenceSharder::new(2).shard_documents(replica, Some(&documents), rank.sp_rank)
     };
-    assert_refused_on_every_rank("packed documents", labels_in_step_at_sp_2_by_dp_2(packed, false), |_| "packing several documents");
+    // The second document begins in each replica's first shard: those ranks (0 and 2) name it,
+    // the others hear of rank 0.
+    let packing = |rank: usize| if rank % 2 == 0 { "packing several documents" } else { "rank 0 of the job holds a shard" };
+    assert_refused_on_every_rank("packed documents", labels_in_step_at_sp_2_by_dp_2(packed, false), packing);
+    // The second document begins at the shard edge (at 9 of 17 padded to 18, 6 of 12): the
+    // second shards' first tokens, which ranks 1 and 3 name; 0 and 2 hear of rank 1.
+    let at_the_edge = |rank: &Rank, replica: &[Vec<i64>]| {
+        let len = replica[0].len();
+        let edge = len.div_ceil(2);
+        SequenceSharder::new(2).shard_documents(replica, Some(&[vec![edge, len - edge]]), rank.sp_rank)
+    };
+    let packing = |rank: usize| if rank % 2 == 1 { "packing several documents" } else { "rank 1 of the job holds a shard" };
+    assert_refused_on_every_rank("a document at the shard edge", labels_in_step_at_sp_2_by_dp_2(at_the_edge, false), packing);
+    // One document a row, given as documents: no row packs two, so nothing is refused.
+    let one_a_row = |rank: &Rank, replica: &[Vec<i64>]| SequenceSharder::new(2).shard_documents(replica, Some(&[vec![replica[0].len()]]), rank.sp_rank);
+    let counts: Vec<usize> = labels_in_step_at_sp_2_by_dp_2(one_a_row, false).into_iter().map(|count| count.unwrap_or_else(|message| panic!("{message}"))).collect();
+    assert_eq!(counts, [SequenceSharder::labels_in(&batch()); 4], "one document a row, given as documents");
 }
