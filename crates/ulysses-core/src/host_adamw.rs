@@ -26,13 +26,18 @@ pub struct InvalidAdamWSetting {
 }
 
 impl HostAdamWConfig {
-    /// The first setting that cannot train at `learning_rate`: a beta outside [0, 1) (at 1 a
+    /// The first setting that cannot train at `learning_rate` (itself first: not finite, or
+    /// below 0): a beta outside [0, 1) (at 1 a
     /// moment never forgets and its bias correction divides by 0), an epsilon not above 0 (a
     /// division by 0), a weight decay below 0 (the weights grow every step) or of
     /// `learning_rate · weight_decay` 1 or more (each step multiplies the parameters by
     /// `1 − learning_rate · weight_decay`: zeroes or flips them). NaN breaks every rule.
     pub fn invalid_setting(&self, learning_rate: f64) -> Option<InvalidAdamWSetting> {
         let invalid = |setting, rule, value: f32| Some(InvalidAdamWSetting { setting, rule, value: f64::from(value) });
+        // The rules below read it: a rate of NaN would blame the decay.
+        if !(learning_rate.is_finite() && learning_rate >= 0.0) {
+            return Some(InvalidAdamWSetting { setting: "learning_rate", rule: "must be a finite number, 0 or more", value: learning_rate });
+        }
         for (setting, beta) in [("beta_1", self.beta_1), ("beta_2", self.beta_2)] {
             if !(0.0..1.0).contains(&beta) {
                 return invalid(setting, "must be at least 0 and below 1", beta);
@@ -240,5 +245,28 @@ impl Update {
             let delta = (*m / self.correction_1) / ((*v / self.correction_2).sqrt() + self.epsilon);
             *p = *p * self.decay - delta * self.learning_rate;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostAdamWConfig;
+
+    /// Each setting that cannot train is named, the learning rate first (a NaN rate made
+    /// `rate · decay` NaN, which blamed a decay of 0); the defaults, and a decay just below
+    /// 1 / rate, train.
+    #[test]
+    fn the_setting_that_cannot_train_is_the_one_named() {
+        let fine = HostAdamWConfig::default();
+        let named = |config: HostAdamWConfig, rate: f64| config.invalid_setting(rate).map(|invalid| invalid.setting);
+        assert_eq!(named(fine, 1e-3), None);
+        assert_eq!(named(HostAdamWConfig { weight_decay: 0.0, ..fine }, f64::NAN), Some("learning_rate"));
+        assert_eq!(named(fine, -1e-3), Some("learning_rate"));
+        assert_eq!(named(HostAdamWConfig { beta_1: 1.0, ..fine }, 1e-3), Some("beta_1"));
+        assert_eq!(named(HostAdamWConfig { beta_2: f32::NAN, ..fine }, 1e-3), Some("beta_2"));
+        assert_eq!(named(HostAdamWConfig { epsilon: 0.0, ..fine }, 1e-3), Some("epsilon"));
+        assert_eq!(named(HostAdamWConfig { weight_decay: -1e-4, ..fine }, 1e-3), Some("weight_decay"));
+        assert_eq!(named(HostAdamWConfig { weight_decay: 1000.0, ..fine }, 1e-3), Some("weight_decay"));
+        assert_eq!(named(HostAdamWConfig { weight_decay: 999.0, ..fine }, 1e-3), None);
     }
 }

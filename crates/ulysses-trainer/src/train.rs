@@ -202,6 +202,7 @@ impl TrainConfig {
         let adamw = ulysses_training::adamw_settings(&self.optimizer).map_err(|e| e.to_string())?;
         if let Some(invalid) = adamw.invalid_setting(self.learning_rate) {
             let flag = match invalid.setting {
+                "learning_rate" => "--learning-rate",
                 "beta_1" => "--adam-beta1",
                 "beta_2" => "--adam-beta2",
                 "epsilon" => "--adam-epsilon",
