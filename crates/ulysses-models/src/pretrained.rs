@@ -1227,9 +1227,6 @@ mod tests {
         check_safetensors_whole(path).unwrap()
     }
 
-    /// A header whose tensors' bytes leave a gap, overlap, or end before they begin is refused
-    /// naming the tensor, as safetensors' own reader refuses it (a zero-sized range backwards
-    /// would otherwise place a tensor outside the file).
     /// An index whose weight_map names a file outside the folder (`..`, an absolute path, a
     /// subfolder's) is refused, naming it: it loaded another model's weights.
     #[test]
@@ -1247,6 +1244,9 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// A header whose tensors' bytes leave a gap, overlap, or end before they begin is refused
+    /// naming the tensor, as safetensors' own reader refuses it (a zero-sized range backwards
+    /// would otherwise place a tensor outside the file).
     #[test]
     fn tensors_whose_bytes_do_not_follow_one_another_are_refused() {
         let dir = std::env::temp_dir().join(format!("ulysses-offsets-{}", std::process::id()));

@@ -2015,15 +2015,8 @@ where
         if let (Some(why), 0, false) = (&unrecordable, rank.world_rank, job.args.no_save) {
             tracing::warn!("{why}");
         }
-        let (mut trained, _) = match train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options) {
-            Ok(trained) => trained,
-            Err(error) => {
-                if let Some(log) = log {
-                    log.failed();
-                }
-                return Err(rank_failure(threads, error));
-            }
-        };
+        // Where this fails, the log's drop draws the curve of the rows written.
+        let (mut trained, _) = train_rank::<Sp<W>>(config, model, job.data.as_ref(), &rank.groups, &rank.device, options).map_err(|e| rank_failure(threads, e))?;
         match (&unrecordable, job.args.no_save) {
             (_, true) => {}
             (Some(_), false) => {
@@ -2067,6 +2060,14 @@ struct RunLog {
     trained_before: f64,
     /// When a step's line was last printed where the bar is hidden (stderr not a terminal).
     last_line: Option<Instant>,
+    /// The steps this process takes the run to (`--stop-after`, else `--steps`): the last
+    /// one's line is printed whenever it comes.
+    stop_at: usize,
+    /// This run's record was begun (the earlier run's curve removed), and whether its curve
+    /// has been drawn since: a run that ends without [`finish`](Self::finish) (failing after
+    /// its first row, a panic) draws it as the log drops.
+    began: bool,
+    drawn: bool,
     /// What the loss is counted per: `byte` (--corpus) or `token`.
     unit: &'static str,
     /// (step, loss) of the steps that had a target: a step without one has no loss.
@@ -2174,6 +2175,9 @@ impl RunLog {
             started: Instant::now(),
             trained_before,
             last_line: None,
+            stop_at: job.args.stop_after.map_or(config.steps, |stop| stop.min(config.steps)),
+            began: false,
+            drawn: false,
             unit: if job.args.data.is_none() && job.args.tokens.is_none() { "byte" } else { "token" },
             train,
             eval,
@@ -2215,8 +2219,9 @@ impl RunLog {
                         ulysses_training::remove_unnamed_state_folders(&self.out, None);
                     }
                     // The curve of the record as it was: drawn again from this one at the end,
-                    // or where the run fails.
+                    // or where the run fails (the log's drop).
                     let _ = fs::remove_file(self.out.join(LOSS_PLOT));
+                    self.began = true;
                     Record::Open(record)
                 }
                 Err(message) => {
@@ -2238,25 +2243,18 @@ impl RunLog {
     }
 
     /// Draws the curve of this run's record; failing to draw it loses nothing.
-    fn draw(&self) -> bool {
+    fn draw(&mut self) -> bool {
+        self.drawn = true;
         plot::loss_curve(&self.out.join(LOSS_PLOT), &self.title, self.unit, &self.train, &self.eval)
             .map_err(|message| tracing::warn!("{message}; metrics.csv has every value it would show"))
             .is_ok()
     }
 
-    /// Where the run failed: the curve of the rows it wrote, so that the folder's loss.png is
-    /// its record's (none where it wrote no row: the earlier record stands, with its curve).
-    fn failed(self) {
-        self.bar.abandon();
-        if matches!(self.record, Record::Open(_)) {
-            self.draw();
-        }
-    }
-
-    fn finish(self) -> Result<(), String> {
+    fn finish(mut self) -> Result<(), String> {
         self.bar.finish();
-        if let Record::Failed(message) = self.record {
-            return Err(message);
+        // A record that lost rows: the run fails, its curve drawn as the log drops.
+        if let Record::Failed(message) = &self.record {
+            return Err(message.clone());
         }
         let drew = self.draw();
         let wrote = |files: &str| if drew { files.to_string() } else { files.split(", ").filter(|&f| f != "loss.png").collect::<Vec<_>>().join(", ") };
@@ -2285,6 +2283,18 @@ impl RunLog {
     }
 }
 
+impl Drop for RunLog {
+    /// The curve of the rows a run wrote where it ends without drawing it (a failure after its
+    /// first row, a panic), so that the folder's loss.png is its record's; none where it wrote
+    /// no row (the earlier record stands, with its curve).
+    fn drop(&mut self) {
+        if self.began && !self.drawn {
+            self.bar.abandon();
+            self.draw();
+        }
+    }
+}
+
 impl Progress for RunLog {
     fn step(&mut self, step: usize, report: &StepReport, learning_rate: f64, seconds: f64) {
         let tokens_per_second = report.processed_tokens as f64 / seconds.max(1e-9);
@@ -2309,7 +2319,7 @@ impl Progress for RunLog {
         self.bar.set_message(format!("{shown}  {tokens_per_second:.0} tok/s"));
         self.bar.inc(1);
         // A log file or a launcher's pipe sees no bar: a line now and then, and the last step's.
-        let due = self.last_line.is_none_or(|at| at.elapsed() >= STEP_LINE_EVERY) || self.taken == self.steps;
+        let due = self.last_line.is_none_or(|at| at.elapsed() >= STEP_LINE_EVERY) || self.taken == self.stop_at;
         if self.bar.is_hidden() && due {
             self.last_line = Some(Instant::now());
             eprintln!("step {}/{}: {shown}  {tokens_per_second:.0} tok/s", self.taken, self.steps);
