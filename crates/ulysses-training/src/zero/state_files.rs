@@ -231,7 +231,13 @@ impl ShardFile {
         if checked {
             file.read_exact(&mut header_checksum).map_err(|_| shard_error(path, "the header is cut off; the file is truncated"))?;
         }
-        let mut header = vec![0u8; usize::try_from(header_len).unwrap_or(usize::MAX).min(1 << 30)];
+        // A length past the file's (a corrupt one) is refused before anything is allocated for it.
+        let preamble = if checked { 24 } else { 16 };
+        let length = file.metadata().map_err(|e| shard_error(path, e))?.len();
+        if header_len > length.saturating_sub(preamble) {
+            return Err(shard_error(path, format!("its header claims {header_len} bytes, past the file's {length}; the file is truncated or corrupt")));
+        }
+        let mut header = vec![0u8; header_len as usize];
         file.read_exact(&mut header).map_err(|_| shard_error(path, "the header is cut off; the file is truncated"))?;
         // The header holds the optimizer's settings and step counts: a flipped digit there
         // parses, and would change every later update.
@@ -242,10 +248,14 @@ impl ShardFile {
         if header.format != SHARD_FORMAT || header.rank != rank || header.world != world {
             return Err(shard_error(path, format!("holds rank {} of {} in format {}, not rank {rank} of {world} in format {SHARD_FORMAT}", header.rank, header.world, header.format)));
         }
-        let payload = if checked { 24 } else { 16 } + header_len;
-        let expected: u64 = header.parameters.iter().map(|p| 12 * Partition::new(world).unwrap().part_len(p.elements) as u64).sum();
-        let length = file.metadata().map_err(|e| shard_error(path, e))?.len();
-        if length != payload + expected {
+        let payload = preamble + header_len;
+        // Sizes a corrupt header could make overflow are sums past any file: refused as such.
+        let expected = header
+            .parameters
+            .iter()
+            .try_fold(0u64, |sum, p| (Partition::new(world).unwrap().part_len(p.elements) as u64).checked_mul(12).and_then(|bytes| sum.checked_add(bytes)))
+            .unwrap_or(u64::MAX);
+        if payload.checked_add(expected) != Some(length) {
             return Err(shard_error(path, format!("has {length} bytes but its header describes {}; the file is truncated or corrupt", payload + expected)));
         }
         Ok(Self { path: path.to_path_buf(), file, header, payload })
@@ -951,6 +961,12 @@ mod tests {
         fs::write(&saved[1], &bytes[..bytes.len() - 4]).unwrap();
         let torn = error(2);
         assert!(torn.contains("truncated"), "{torn}");
+
+        // A header length past the file (all ones): refused before a byte is allocated for it.
+        let huge = [&bytes[..8], &u64::MAX.to_le_bytes()[..], &bytes[16..]].concat();
+        fs::write(&saved[1], &huge).unwrap();
+        let claims = error(2);
+        assert!(claims.contains(&format!("its header claims {} bytes, past the file's {}", u64::MAX, huge.len())), "{claims}");
 
         fs::write(&saved[1], &bytes).unwrap();
         of_rank(&whole, 0, 3).save(&dir, 0, 3).unwrap();
