@@ -13,7 +13,7 @@ use std::{
 /// folder once (a link to a folder above it would loop).
 pub fn files_under(path: &Path) -> std::io::Result<Vec<PathBuf>> {
     if !fs::metadata(path)?.is_dir() {
-        return Ok(vec![path.to_path_buf()]);
+        return regular(path, &fs::metadata(path)?).map(|()| vec![path.to_path_buf()]);
     }
     let mut files = Vec::new();
     walk(path, &mut files, &mut HashSet::new())?;
@@ -31,6 +31,7 @@ fn walk(path: &Path, files: &mut Vec<PathBuf>, folders: &mut HashSet<PathBuf>) -
     let named = |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
     let metadata = fs::metadata(path).map_err(named)?;
     if !metadata.is_dir() {
+        regular(path, &metadata)?;
         files.push(path.to_path_buf());
         return Ok(());
     }
@@ -44,6 +45,18 @@ fn walk(path: &Path, files: &mut Vec<PathBuf>, folders: &mut HashSet<PathBuf>) -
         }
     }
     Ok(())
+}
+
+/// Refuses what is neither a folder nor a file of bytes (a FIFO, a device, a socket, or a link
+/// to one: `/dev/zero`): its reads could wait forever or never end.
+fn regular(path: &Path, metadata: &fs::Metadata) -> std::io::Result<()> {
+    match metadata.is_file() {
+        true => Ok(()),
+        false => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{}: not a file of data (a FIFO, a device or a socket), whose reads could wait forever or never end", path.display()),
+        )),
+    }
 }
 
 /// The files of a --data folder that hold documents (JSON Lines as `.jsonl` or `.json`, text
@@ -195,6 +208,21 @@ mod tests {
         std::os::unix::fs::symlink(dir.join("gone.txt"), dir.join("sub/dangling.txt")).unwrap();
         let error = files_under(&dir).unwrap_err().to_string();
         assert!(error.starts_with(&format!("{}: ", dir.join("sub/dangling.txt").display())), "{error}");
+        fs::remove_file(dir.join("sub/dangling.txt")).unwrap();
+        // A FIFO under the folder, or given itself, and a link to a device: refused naming
+        // them (a FIFO's read waited forever; /dev/zero's never ended).
+        let fifo = dir.join("sub/pipe.txt");
+        let name = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo(3) on a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0, "mkfifo");
+        for given in [dir.clone(), fifo.clone()] {
+            let error = files_under(&given).unwrap_err().to_string();
+            assert!(error.starts_with(&format!("{}: not a file of data", fifo.display())), "{error}");
+        }
+        fs::remove_file(&fifo).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", dir.join("zeros.txt")).unwrap();
+        let error = files_under(&dir).unwrap_err().to_string();
+        assert!(error.contains("zeros.txt: not a file of data"), "{error}");
         fs::remove_dir_all(&dir).unwrap();
     }
 
