@@ -2288,8 +2288,11 @@ impl Drop for RunLog {
     /// first row, a panic), so that the folder's loss.png is its record's; none where it wrote
     /// no row (the earlier record stands, with its curve).
     fn drop(&mut self) {
-        if self.began && !self.drawn {
+        // A bar dropped unfinished would clear its line: the step the run stopped at stays.
+        if !self.bar.is_finished() {
             self.bar.abandon();
+        }
+        if self.began && !self.drawn {
             self.draw();
         }
     }
@@ -2319,7 +2322,8 @@ impl Progress for RunLog {
         self.bar.set_message(format!("{shown}  {tokens_per_second:.0} tok/s"));
         self.bar.inc(1);
         // A log file or a launcher's pipe sees no bar: a line now and then, and the last step's.
-        let due = self.last_line.is_none_or(|at| at.elapsed() >= STEP_LINE_EVERY) || self.taken == self.stop_at;
+        // The run's last step: its end, --stop-after's, or the one a stop signal ends it at.
+        let due = self.last_line.is_none_or(|at| at.elapsed() >= STEP_LINE_EVERY) || self.taken == self.stop_at || report.stop_requested;
         if self.bar.is_hidden() && due {
             self.last_line = Some(Instant::now());
             eprintln!("step {}/{}: {shown}  {tokens_per_second:.0} tok/s", self.taken, self.steps);

@@ -383,6 +383,8 @@ fn a_signal_stops_every_rank_after_the_same_step_with_a_checkpoint() {
         println!("{out}: stopped after {} of {steps} steps", state.completed_steps);
         assert!(state.completed_steps < steps && state.completed_steps == rows, "{out}: checkpoint at {} steps, {rows} rows:\n{text}", state.completed_steps);
         assert!(text.contains(&format!("stopped at {} of {steps}; continue with --resume", state.completed_steps)), "{text}");
+        // Stderr is piped (no bar): the step the signal ended the run at has its line.
+        assert!(text.contains(&format!("step {}/{steps}: loss", state.completed_steps)), "{out}: no line of the last step:\n{text}");
         state.completed_steps
     };
     stopped_by("usr1", libc::SIGUSR1, true);

@@ -255,8 +255,10 @@ impl ShardFile {
             .iter()
             .try_fold(0u64, |sum, p| (Partition::new(world).unwrap().part_len(p.elements) as u64).checked_mul(12).and_then(|bytes| sum.checked_add(bytes)))
             .unwrap_or(u64::MAX);
-        if payload.checked_add(expected) != Some(length) {
-            return Err(shard_error(path, format!("has {length} bytes but its header describes {}; the file is truncated or corrupt", payload + expected)));
+        let described = payload.checked_add(expected);
+        if described != Some(length) {
+            let described = described.map_or_else(|| "more than 2^64".to_string(), |bytes| bytes.to_string());
+            return Err(shard_error(path, format!("has {length} bytes but its header describes {described}; the file is truncated or corrupt")));
         }
         Ok(Self { path: path.to_path_buf(), file, header, payload })
     }
@@ -961,6 +963,17 @@ mod tests {
         fs::write(&saved[1], &bytes[..bytes.len() - 4]).unwrap();
         let torn = error(2);
         assert!(torn.contains("truncated"), "{torn}");
+
+        // An earlier format's header (no checksum) whose sizes sum past 2^64 (2^62 elements of a
+        // parameter): refused, saying so (its message's own sum overflowed).
+        let header_len = u64::from_le_bytes(bytes[8..16].try_into().unwrap()) as usize;
+        let header = String::from_utf8(bytes[24..24 + header_len].to_vec()).unwrap();
+        assert!(header.contains("\"elements\":10"), "{header}");
+        let huge_sizes = header.replacen("\"elements\":10", &format!("\"elements\":{}", 1u64 << 62), 1);
+        let unchecked = [SHARD_MAGIC_UNCHECKED_HEADER.as_slice(), &(huge_sizes.len() as u64).to_le_bytes(), huge_sizes.as_bytes(), &bytes[24 + header_len..]].concat();
+        fs::write(&saved[1], &unchecked).unwrap();
+        let past = error(2);
+        assert!(past.contains("its header describes more than 2^64"), "{past}");
 
         // A header length past the file (all ones): refused before a byte is allocated for it.
         let huge = [&bytes[..8], &u64::MAX.to_le_bytes()[..], &bytes[16..]].concat();
