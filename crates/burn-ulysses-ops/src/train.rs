@@ -50,19 +50,16 @@ use crate::{context, data::SequenceShard, host};
 /// one run of tokens per rank, no document attention). And when a collective fails.
 pub fn labels_in_step(shard: &SequenceShard) -> usize {
     let problem = shard_outside_its_groups(shard);
-    let Some(world) = context::world().filter(|group| group.size() > 1) else {
-        if let Some(problem) = problem {
-            panic!("{problem}");
-        }
-        return shard.valid_tokens;
-    };
-    // Each rank's verdict reaches every rank: a rank alone refusing would leave the others
-    // waiting in the next collective.
-    let every_rank = all_gather_host_checked(&*world, &[shard.valid_tokens as u64, problem.is_some() as u64], "the step's labelled tokens")
-        .unwrap_or_else(|error| panic!("counting the step's labelled tokens: {error}"));
+    // Each rank's verdict reaches every rank before any refuses: a rank alone refusing would
+    // leave the others waiting in the next collective.
+    let every_rank = context::world().filter(|group| group.size() > 1).map(|world| {
+        all_gather_host_checked(&*world, &[shard.valid_tokens as u64, problem.is_some() as u64], "the step's labelled tokens")
+            .unwrap_or_else(|error| panic!("counting the step's labelled tokens: {error}"))
+    });
     if let Some(problem) = problem {
         panic!("{problem}");
     }
+    let Some(every_rank) = every_rank else { return shard.valid_tokens };
     if let Some(rank) = every_rank.iter().position(|verdict| verdict[1] != 0) {
         panic!("rank {rank} of the job holds a shard its sequence-parallel group cannot attend over (its own panic says why): the step is refused on every rank");
     }

@@ -12,8 +12,9 @@ use std::{
 /// file reached through several links (`GPL` → `GPL-3`) is read once, at its first path, and a
 /// folder once (a link to a folder above it would loop).
 pub fn files_under(path: &Path) -> std::io::Result<Vec<PathBuf>> {
-    if !fs::metadata(path)?.is_dir() {
-        return regular(path, &fs::metadata(path)?).map(|()| vec![path.to_path_buf()]);
+    let metadata = fs::metadata(path)?;
+    if !metadata.is_dir() {
+        return regular(path, &metadata).map(|()| vec![path.to_path_buf()]);
     }
     let mut files = Vec::new();
     walk(path, &mut files, &mut HashSet::new())?;

@@ -2257,7 +2257,7 @@ impl RunLog {
             return Err(message.clone());
         }
         let drew = self.draw();
-        let wrote = |files: &str| if drew { files.to_string() } else { files.split(", ").filter(|&f| f != "loss.png").collect::<Vec<_>>().join(", ") };
+        let wrote = |files: &str| if drew { files.to_string() } else { files.split(", ").filter(|&f| f != LOSS_PLOT).collect::<Vec<_>>().join(", ") };
         // "-" where no step had a target to take a loss on.
         let first = self.train.first().map_or("-".to_string(), |p| format!("{:.3}", p.1));
         let last = self.train.last().map_or("-".to_string(), |p| format!("{:.3}", p.1));
