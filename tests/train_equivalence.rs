@@ -1867,6 +1867,34 @@ fn one_parameter_at_two_places_is_refused_by_zero_3() {
     assert!(ShardedParameters::shard(model, 0, 1, OptimizerPlace::Host).is_ok(), "the decoder as it is");
 }
 
+/// A parameter of no elements is refused where the sharded optimizers and ZeRO-3 first read
+/// the model, naming it: its parts would be empty, and burn's `narrow` panics on those deep in
+/// a step.
+#[test]
+fn a_parameter_of_no_elements_is_refused_by_the_sharded_optimizers_and_zero_3() {
+    use burn::module::{Module, ModuleMapper, Param};
+    use ulysses_training::{DeviceShardedAdamW, HostAdamWConfig, OptimizerPlace, ShardedAdamW, ShardedParameters};
+    struct EmptyTheFirstVector(bool);
+    impl<B: burn::tensor::backend::Backend> ModuleMapper<B> for EmptyTheFirstVector {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            if D != 1 || self.0 {
+                return param;
+            }
+            self.0 = true;
+            let device = param.val().device();
+            Param::initialized(param.id, Tensor::zeros([0; D], &device).require_grad())
+        }
+    }
+    let config = DecoderConfig::new(VOCAB).with_d_model(16).with_n_layers(2).with_n_heads(2).with_n_kv_heads(2).with_ffn_hidden(32);
+    let model = deterministic_params(config.init::<Sp>(&Default::default()), INIT_SEED);
+    let emptied = model.clone().map(&mut EmptyTheFirstVector(false));
+    let named = |error: String| assert!(error.contains("blocks.0.attention_norm") && error.contains("has no elements"), "{error}");
+    named(ShardedParameters::shard(emptied.clone(), 0, 2, OptimizerPlace::Host).err().expect("an empty parameter sharded").to_string());
+    named(ShardedAdamW::new(HostAdamWConfig::default()).keep_master_weights(&emptied, 0, 2).err().expect("an empty parameter's master part kept").to_string());
+    named(DeviceShardedAdamW::<Sp>::new(HostAdamWConfig::default()).keep_master_weights(&emptied, 1, 2).err().expect("an empty parameter's master part kept").to_string());
+    assert!(ShardedParameters::shard(model, 0, 2, OptimizerPlace::Host).is_ok(), "the decoder as it is");
+}
+
 /// The decoder with one thing a port of one's own could get wrong.
 #[derive(burn::module::Module, Debug)]
 struct AlteredDecoder<B: burn::tensor::backend::Backend> {

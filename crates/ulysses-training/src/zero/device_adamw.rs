@@ -22,7 +22,7 @@ use ulysses_core::host_adamw::{AdamWMoments, HostAdamWConfig};
 use super::{
     ShardedAdamW,
     host_adamw::ParameterPart,
-    parts::{norm_of_parts, own_part, partition_of},
+    parts::{check_no_empty_parameter, norm_of_parts, own_part, partition_of},
     state_files::{ShardedState, write_state_file},
 };
 use crate::{TrainBackend, float_parameters};
@@ -55,6 +55,7 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
     /// rank the world has not.
     pub fn keep_master_weights<M: Module<B>>(&mut self, model: &M, rank: usize, world: usize) -> Result<(), UlyssesError> {
         let partition = partition_of(rank, world)?;
+        check_no_empty_parameter(&crate::parameter_elements(model), || crate::parameter_paths(model))?;
         self.begin_master_parts(rank, world);
         for p in float_parameters(model) {
             self.keep_master_part(p.values.dims()[0], own_part(&partition, rank, p.values.inner().cast(FloatDType::F32)));

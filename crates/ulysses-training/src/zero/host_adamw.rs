@@ -44,7 +44,7 @@ use ulysses_core::{
     zero::Partition,
 };
 
-use super::parts::{all_gather_columns, check_parts_fit, host_part, host_parts, norm_of_parts, part_elements, reduce_scatter_buckets};
+use super::parts::{all_gather_columns, check_no_empty_parameter, check_parts_fit, host_part, host_parts, norm_of_parts, part_elements, reduce_scatter_buckets};
 use crate::{
     TrainBackend,
     gradients::{LocalGradient, TakeGradients},
@@ -220,6 +220,7 @@ impl ShardedAdamW {
     /// the master weights from the copy's rounded values. Refused for a rank the world has not.
     pub fn keep_master_weights<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(&mut self, model: &M, rank: usize, world: usize) -> Result<(), UlyssesError> {
         let partition = super::parts::partition_of(rank, world)?;
+        check_no_empty_parameter(&crate::parameter_elements(model), || crate::parameter_paths(model))?;
         self.begin_master_parts(rank, world);
         for p in crate::float_parameters(model) {
             self.keep_master_part(p.values.dims()[0], host_part(&partition, rank, &p.values));
@@ -326,6 +327,7 @@ impl ShardedAdamW {
         let mut take = TakeGradients::<B> { grads: &mut grads, local: Vec::new() };
         model.visit(&mut take);
         let mut local = take.local;
+        check_no_empty_parameter(&local.iter().map(LocalGradient::len).collect::<Vec<_>>(), || crate::parameter_paths(&model))?;
         if self.parts.is_empty() {
             self.parts = local.iter().map(|l| ParameterPart { elements: l.len(), master: Arc::new(host_part(&partition, rank, &l.parameter)), moments: AdamWMoments::default() }).collect();
             self.place = Some((rank, world.size()));

@@ -35,6 +35,20 @@ pub(super) fn partition_of(rank: usize, world: usize) -> Result<Partition, Ulyss
     }
 }
 
+/// Refuses a model with a parameter of no elements (`elements` per parameter, the model's
+/// `paths` in the same order, read only to name it): its parts would be empty, which burn's
+/// `narrow` refuses with a panic deep in a step.
+pub(super) fn check_no_empty_parameter(elements: &[usize], paths: impl FnOnce() -> Vec<String>) -> Result<(), UlyssesError> {
+    match elements.iter().position(|&n| n == 0) {
+        None => Ok(()),
+        Some(index) => Err(UlyssesError::InvalidConfig(format!(
+            "parameter {} has no elements: the sharded optimizer and ZeRO-3 cut each parameter into one part per rank, and an empty one has no parts; \
+             drop it from the model (it holds nothing to train)",
+            paths().get(index).map_or_else(|| format!("#{index}"), String::clone)
+        ))),
+    }
+}
+
 /// Elements of a rank's parts of parameters of `elements` elements each over a world of
 /// `world` (the partition's padding included).
 pub(super) fn part_elements(elements: &[usize], world: usize) -> usize {

@@ -70,7 +70,7 @@ use ulysses_core::{
 use super::{
     DeviceShardedAdamW, ShardedAdamW,
     host_adamw::{BackwardLink, GroupGradients, NewPart, PartChecks, PartForm, cast_master_part},
-    parts::{PartsInFlight, all_gather_columns, arrive_parts, check_parts_fit, device_parts, own_part, partition_of, reduce_scatter_buckets},
+    parts::{PartsInFlight, all_gather_columns, arrive_parts, check_no_empty_parameter, check_parts_fit, device_parts, own_part, partition_of, reduce_scatter_buckets},
 };
 use crate::{
     LayerParameters, LayeredLm, ParameterGroup, TrainBackend, float_parameters,
@@ -1028,8 +1028,9 @@ struct Groups {
 impl Groups {
     /// The groups of `model`, whose float parameters are `ids` (with their `paths`) in its
     /// order; read from the ids alone (a lazy model stays unbuilt). Refused when two layers
-    /// ([`LayeredLm::visit_layer`]) claim the same parameter.
+    /// ([`LayeredLm::visit_layer`]) claim the same parameter, or where one has no elements.
     fn of<B: TrainBackend, M: AutodiffModule<B> + LayeredLm<B>>(model: &M, ids: &[ParamId], paths: &[String]) -> Result<Self, UlyssesError> {
+        check_no_empty_parameter(&crate::parameter_elements(model), || paths.to_vec())?;
         let mut index_of: HashMap<ParamId, usize> = HashMap::with_capacity(ids.len());
         for (index, id) in ids.iter().enumerate() {
             // Each place's part is gathered into the place; a second place of one parameter
