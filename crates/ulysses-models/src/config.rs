@@ -101,6 +101,19 @@ pub struct HfConfig {
     pub unmodelled: Map<String, Value>,
 }
 
+/// The largest sizes a model may have here, far past any published one (widths reach about
+/// 2^16, vocabularies 2^18): a size past one is a typo or a -1 read unsigned, where arithmetic
+/// on it would overflow or an allocation abort. config.json's keys and the trainer's flags are
+/// held to them.
+pub mod bounds {
+    /// `hidden_size` and `intermediate_size`.
+    pub const WIDTH: usize = 1 << 20;
+    /// `num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`.
+    pub const LAYERS_OR_HEADS: usize = 1 << 12;
+    pub const HEAD_DIM: usize = 1 << 16;
+    pub const VOCABULARY: usize = 1 << 26;
+}
+
 /// Keys of a `config.json` that [`HfConfig::to_hf_json`] writes in another form
 /// (`rope_theta` and `rope_scaling`, `torch_dtype`).
 const REPLACED_KEYS: [&str; 2] = ["rope_parameters", "dtype"];
@@ -149,6 +162,15 @@ impl<'a> Keys<'a> {
                 _ => Err(self.error(key, format!("must be a whole number above 0, got {value}"))),
             },
         }
+    }
+
+    /// [`count`](Self::count), at most `most` (one of [`bounds`]).
+    fn size(&self, key: &str, default: Option<usize>, most: usize) -> Result<usize, ConfigError> {
+        let size = self.count(key, default)?;
+        if size > most {
+            return Err(self.error(key, format!("is {size}, past any model this decoder builds (at most {most}): is the file damaged?")));
+        }
+        Ok(size)
     }
 
     /// A whole number, 0 allowed (a layer index).
@@ -241,15 +263,15 @@ impl HfConfig {
             return Err(keys.error("partial_rotary_factor", format!("is {factor}; only RoPE over the whole head (1.0) is represented")));
         }
 
-        let hidden_size = keys.count("hidden_size", None)?;
-        let num_attention_heads = keys.count("num_attention_heads", None)?;
+        let hidden_size = keys.size("hidden_size", None, bounds::WIDTH)?;
+        let num_attention_heads = keys.size("num_attention_heads", None, bounds::LAYERS_OR_HEADS)?;
         // Absent, Mistral's default is 8 kv heads and Qwen's 32; `null`, the head count.
         let kv_default = match family {
             Family::Mistral if !keys.names("num_key_value_heads") => 8,
             Family::Qwen2 | Family::Qwen3 if !keys.names("num_key_value_heads") => 32,
             _ => num_attention_heads,
         };
-        let num_key_value_heads = keys.count("num_key_value_heads", Some(kv_default))?;
+        let num_key_value_heads = keys.size("num_key_value_heads", Some(kv_default), bounds::LAYERS_OR_HEADS)?;
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(keys.error(
                 "num_key_value_heads",
@@ -263,7 +285,7 @@ impl HfConfig {
                 return Err(keys.error("head_dim", format!("is missing and hidden_size {hidden_size} is no multiple of num_attention_heads {num_attention_heads}")));
             }
             (None, _) => hidden_size / num_attention_heads,
-            (Some(_), _) => keys.count("head_dim", None)?,
+            (Some(_), _) => keys.size("head_dim", None, bounds::HEAD_DIM)?,
         };
         if head_dim % 2 != 0 {
             return Err(keys.error("head_dim", format!("is {head_dim}; RoPE rotates pairs, so it must be even")));
@@ -285,7 +307,7 @@ impl HfConfig {
             Family::Qwen3 => (attention_bias, attention_bias),
             Family::Mistral => (false, false),
         };
-        let num_hidden_layers = keys.count("num_hidden_layers", None)?;
+        let num_hidden_layers = keys.size("num_hidden_layers", None, bounds::LAYERS_OR_HEADS)?;
         // Each layer's attention where the config lists it (`"sliding_attention"` or
         // `"full_attention"`).
         let layer_types = keys.get("layer_types").and_then(Value::as_array);
@@ -347,7 +369,7 @@ impl HfConfig {
         // transformers builds the embedding with `padding_idx = pad_token_id`: that row takes no
         // gradient from the inputs (and starts at zero in a fresh model); negative counts from
         // the vocabulary's end, as torch reads it.
-        let vocab_size = keys.count("vocab_size", None)?;
+        let vocab_size = keys.size("vocab_size", None, bounds::VOCABULARY)?;
         let pad_token_id = match keys.get("pad_token_id") {
             None => None,
             Some(value) => {
@@ -374,7 +396,7 @@ impl HfConfig {
             family,
             vocab_size,
             hidden_size,
-            intermediate_size: keys.count("intermediate_size", None)?,
+            intermediate_size: keys.size("intermediate_size", None, bounds::WIDTH)?,
             num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
@@ -950,6 +972,11 @@ mod tests {
             (with(LLAMA, "num_key_value_heads", json!(5)), "`num_key_value_heads` is 5, which does not divide num_attention_heads 32"),
             (with(LLAMA, "hidden_size", Value::Null), "`hidden_size` is missing"),
             (with(LLAMA, "hidden_size", json!(0)), "`hidden_size` must be a whole number above 0, got 0"),
+            // Sizes past any model: a damaged file, refused before anything is sized by them.
+            (with(LLAMA, "vocab_size", json!(u64::MAX)), "`vocab_size` is 18446744073709551615, past any model this decoder builds (at most 67108864)"),
+            (with(LLAMA, "num_hidden_layers", json!(1u64 << 40)), "`num_hidden_layers` is 1099511627776, past any model"),
+            (with(LLAMA, "head_dim", json!(1u64 << 32)), "`head_dim` is 4294967296, past any model"),
+            (with(LLAMA, "intermediate_size", json!((1u64 << 20) + 2)), "`intermediate_size` is 1048578, past any model"),
             (with(LLAMA, "rms_norm_eps", json!(-1.0)), "`rms_norm_eps` must be a finite number above 0"),
             (with(LLAMA, "hidden_act", json!("gelu")), "`hidden_act` is \"gelu\""),
             (with(LLAMA, "mlp_bias", json!(true)), "`mlp_bias` is true"),

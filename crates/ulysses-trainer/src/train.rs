@@ -167,19 +167,20 @@ impl TrainConfig {
         // Each count with the most any model or run takes: 0 is refused, and so is a size far
         // past any model (a typo, a -1 read as usize::MAX), where arithmetic on it would
         // overflow or an allocation abort.
-        let (model_sizes, counts, heads) = (1usize << 20, 1usize << 24, 1usize << 12);
+        use ulysses_models::config::bounds;
+        let counts = 1usize << 24;
         let bounded = [
             ("sp_size (--sp)", self.layout.sp_size, MAX_DEGREE),
             ("dp_size (--dp)", self.layout.dp_size, MAX_DEGREE),
             ("grad_accumulation (--grad-accumulation)", self.grad_accumulation, counts),
             ("batch_size (--batch-size)", self.batch_size, MAX_BATCH_SIZE),
             ("steps (--steps)", self.steps, 1 << 40),
-            ("d_model (--d-model)", model.d_model, model_sizes),
-            ("n_layers (--layers)", model.n_layers, heads),
-            ("n_heads (--heads)", model.n_heads, heads),
-            ("n_kv_heads (--kv-heads)", model.n_kv_heads, heads),
-            ("ffn_hidden (--ffn-hidden)", model.ffn_hidden, model_sizes),
-            ("vocab_size", model.vocab_size, 1 << 26),
+            ("d_model (--d-model)", model.d_model, bounds::WIDTH),
+            ("n_layers (--layers)", model.n_layers, bounds::LAYERS_OR_HEADS),
+            ("n_heads (--heads)", model.n_heads, bounds::LAYERS_OR_HEADS),
+            ("n_kv_heads (--kv-heads)", model.n_kv_heads, bounds::LAYERS_OR_HEADS),
+            ("ffn_hidden (--ffn-hidden)", model.ffn_hidden, bounds::WIDTH),
+            ("vocab_size", model.vocab_size, bounds::VOCABULARY),
         ];
         if let Some((name, _, _)) = bounded.iter().find(|(_, value, _)| *value == 0) {
             return Err(format!("{name} must be at least 1, got 0"));
@@ -190,8 +191,8 @@ impl TrainConfig {
         }
         // A checkpoint's own head_dim (config.json), beside the heads' count bounded above (one
         // from --d-model / --heads is bounded by them, and checked to divide below).
-        if let Some(head_dim) = model.head_dim.filter(|head_dim| !(1..=1 << 16).contains(head_dim)) {
-            return Err(format!("head_dim {head_dim} (config.json) must be from 1 to {} (65536)", 1 << 16));
+        if let Some(head_dim) = model.head_dim.filter(|head_dim| !(1..=bounds::HEAD_DIM).contains(head_dim)) {
+            return Err(format!("head_dim {head_dim} (config.json) must be from 1 to {}", bounds::HEAD_DIM));
         }
         if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
             return Err(format!(
