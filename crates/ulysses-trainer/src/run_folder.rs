@@ -90,14 +90,13 @@ impl RunFolder {
     pub fn claim(path: &Path, claim: Claim) -> Result<Self, String> {
         fs::create_dir_all(path).map_err(|e| format!("cannot create the run folder {} (--out): {e}", path.display()))?;
         let lock_path = path.join(LOCK_FILE);
-        let existed = lock_path.exists();
-        let mut lock = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&lock_path)
-            .map_err(|e| format!("cannot open {} to lock the run folder (--out): {e}", lock_path.display()))?;
+        let existed = existing_lock(&lock_path)?;
+        let mut options = OpenOptions::new();
+        options.read(true).write(true).create(true).truncate(false);
+        // A link made since the look above is not followed either.
+        #[cfg(unix)]
+        std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NOFOLLOW);
+        let mut lock = options.open(&lock_path).map_err(|e| format!("cannot open {} to lock the run folder (--out): {e}", lock_path.display()))?;
         match lock.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => return Err(in_use(path, &mut lock)),
@@ -134,6 +133,7 @@ impl RunFolder {
         if !existing.as_os_str().is_empty() && !existing.is_dir() {
             return Err(format!("cannot create the run folder {} (--out): {} is a file", path.display(), existing.display()));
         }
+        existing_lock(&path.join(LOCK_FILE))?;
         if let Ok(mut lock) = File::open(path.join(LOCK_FILE)) {
             if let Err(TryLockError::WouldBlock) = lock.try_lock() {
                 return Err(in_use(path, &mut lock));
@@ -144,6 +144,18 @@ impl RunFolder {
             return Err(earlier_run(path, &earlier));
         }
         Ok(())
+    }
+}
+
+/// Whether the lock file `lock_path` exists; refused where it is a link or no regular file:
+/// the process id is written into the lock, which through a link lands in another file.
+fn existing_lock(lock_path: &Path) -> Result<bool, String> {
+    let not_a_file = |what: &str| format!("{} is {what}, not a run's lock file: the trainer writes its process id into it; remove it", lock_path.display());
+    match fs::symlink_metadata(lock_path) {
+        Ok(found) if found.file_type().is_symlink() => Err(not_a_file("a symbolic link")),
+        Ok(found) if !found.is_file() => Err(not_a_file("no regular file")),
+        Ok(_) => Ok(true),
+        Err(_) => Ok(false),
     }
 }
 
@@ -367,6 +379,28 @@ mod tests {
         drop(first);
         RunFolder::claim(&path, Claim::Fresh).expect("free again once the holder is gone");
         let _ = fs::remove_dir_all(&path);
+    }
+
+    /// A lock that links elsewhere is refused by the claim and by `--check`, and the file it
+    /// links to is left as it was (the claim wrote its process id through the link).
+    #[cfg(unix)]
+    #[test]
+    fn a_lock_that_is_a_link_is_refused_and_its_target_kept() {
+        let path = folder("linked-lock");
+        fs::create_dir_all(&path).unwrap();
+        let target = path.with_extension("notes");
+        fs::write(&target, b"a user's notes").unwrap();
+        std::os::unix::fs::symlink(&target, path.join(LOCK_FILE)).unwrap();
+        for claim in [Claim::Fresh, Claim::Continue] {
+            let error = RunFolder::claim(&path, claim).unwrap_err();
+            assert!(error.contains(".lock is a symbolic link") && error.contains("remove it"), "{error}");
+            assert_eq!(RunFolder::check(&path, claim).unwrap_err(), error, "--check says what the claim would");
+        }
+        assert_eq!(fs::read(&target).unwrap(), b"a user's notes");
+        fs::remove_file(path.join(LOCK_FILE)).unwrap();
+        fs::create_dir(path.join(LOCK_FILE)).unwrap();
+        assert!(RunFolder::claim(&path, Claim::Fresh).unwrap_err().contains(".lock is no regular file"));
+        let _ = (fs::remove_dir_all(&path), fs::remove_file(&target));
     }
 
     #[test]
