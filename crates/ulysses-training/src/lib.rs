@@ -798,13 +798,11 @@ where
     }
     let vocab = model.vocab_size() as i64;
     for (m, batch) in micro_batches.iter().enumerate() {
-        for (i, sequence) in batch.iter().enumerate() {
-            if let Some((p, t)) = sequence.iter().enumerate().find(|(_, t)| !(0..vocab).contains(*t)) {
-                return invalid(format!(
-                    "token {t} (micro-batch {m}, sequence {i}, position {p}) is outside the \
-                     model's vocabulary 0..{vocab}"
-                ));
-            }
+        if let Some((i, p, t)) = first_token_outside(batch, vocab) {
+            return invalid(format!(
+                "token {t} (micro-batch {m}, sequence {i}, position {p}) is outside the \
+                 model's vocabulary 0..{vocab}"
+            ));
         }
     }
     // Padding is looked up like a token; an ignore index that is a token would drop every
@@ -822,6 +820,29 @@ where
              would be left out of the loss; use a value outside it (-100, as PyTorch and transformers do)",
             sharder.ignore_index
         ));
+    }
+    Ok(())
+}
+
+/// The first token of `batch` outside the vocabulary `0..vocab`: `(sequence, position, token)`.
+fn first_token_outside(batch: &[Vec<i64>], vocab: i64) -> Option<(usize, usize, i64)> {
+    batch.iter().enumerate().find_map(|(i, sequence)| sequence.iter().enumerate().find(|&(_, t)| !(0..vocab).contains(t)).map(|(p, &t)| (i, p, t)))
+}
+
+/// Refuses an evaluated batch (and the `pad_token` its shards are padded with) past the
+/// vocabulary its forward scored: the embedding looked up rows it has not, a panic on the CPU
+/// but on a GPU a read past the weight, whose loss would be returned. The SP group's ranks
+/// share the batch and the model, so all of them refuse it, before any collective.
+fn check_evaluated_vocabulary(batch: &[Vec<i64>], pad_token: i64, vocab: usize) -> Result<(), UlyssesError> {
+    let vocab = vocab as i64;
+    if let Some((i, p, t)) = first_token_outside(batch, vocab) {
+        return Err(UlyssesError::InvalidConfig(format!("evaluate: token {t} (sequence {i}, position {p}) is outside the model's vocabulary 0..{vocab}")));
+    }
+    if !(0..vocab).contains(&pad_token) {
+        return Err(UlyssesError::InvalidConfig(format!(
+            "evaluate: the sharder's pad_token {pad_token} is outside the model's vocabulary 0..{vocab}: padding is embedded like a token, \
+             so give one inside it (with_pad_token; its rows carry no loss)"
+        )));
     }
     Ok(())
 }
@@ -986,6 +1007,7 @@ pub fn evaluate<B: Backend, G: Backend>(
             let _positions = burn_ulysses::attention_guard::note_shard_positions(&shard.positions);
             forward(tokens, &shard.positions)?
         };
+        check_evaluated_vocabulary(batch, sharder.pad_token, output.vocab_size())?;
         Ok::<_, UlyssesError>(lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>())
     })??;
     // Attention that never reached the group (a model that attends by hand the guard cannot
@@ -999,8 +1021,8 @@ pub fn evaluate<B: Backend, G: Backend>(
     Ok(TokenLoss { sum, tokens })
 }
 
-/// What an evaluation can check of its tokens without the model (whose vocabulary
-/// [`check_step_inputs`] checks in training): none negative, which the embedding cannot look
+/// What an evaluation can check of its tokens before the forward (the vocabulary is checked
+/// once the forward has scored it: [`check_evaluated_vocabulary`]): none negative, which the embedding cannot look
 /// up, and none equal to `ignore_index`, whose labels the loss would leave out. The SP group's
 /// ranks share the batch, so all of them refuse it, before any collective.
 fn check_evaluated_tokens(batch: &[Vec<i64>], ignore_index: i64) -> Result<(), UlyssesError> {
@@ -1035,6 +1057,7 @@ pub fn evaluate_single_device<B: Backend>(
     let whole = sharder.shard_targets(batch, documents, targets, 0);
     let loss = model_failure_as_error(|| {
         let output = forward(whole.tokens(device), &whole.positions)?;
+        check_evaluated_vocabulary(batch, sharder.pad_token, output.vocab_size())?;
         Ok::<_, UlyssesError>(lm_loss_sum_inference(output, whole.labels(device), ignore_index).into_scalar().elem::<f64>())
     })??;
     Ok(TokenLoss { sum: loss, tokens: whole.valid_tokens })
@@ -1201,5 +1224,39 @@ mod evaluate_tests {
             let error = evaluate_single_device::<NdArray>(forward, &[tokens], None, None, ignore_index, &Default::default()).unwrap_err().to_string();
             assert!(error.contains(needle), "{error}");
         }
+    }
+}
+
+#[cfg(test)]
+mod evaluation_tests {
+    use burn::{backend::NdArray, tensor::{Int, Tensor}};
+    use burn_ulysses::comm::ThreadGroup;
+
+    use super::*;
+
+    type B = NdArray<f32>;
+
+    /// Uniform logits over 5 tokens whatever the ids: a GPU's embedding reads past its weight
+    /// without a fault, so nothing before the loss notices ids past the vocabulary.
+    fn five_way(tokens: Tensor<B, 2, Int>, _: &ShardPositions) -> Result<LmOutput<B>, UlyssesError> {
+        let [batch, len] = tokens.dims();
+        Ok(LmOutput::Logits(Tensor::zeros([batch, len, 5], &tokens.device())))
+    }
+
+    /// A token, or the sharder's padding, past the vocabulary the forward scored is refused,
+    /// naming it, where a loss was returned; tokens inside it give the uniform loss, ln 5.
+    #[test]
+    fn an_evaluated_token_or_padding_past_the_scored_vocabulary_is_refused() {
+        let device = Default::default();
+        let uniform = evaluate_single_device(five_way, &[vec![1, 2, 4]], None, None, -100, &device).unwrap();
+        assert!((uniform.sum / uniform.tokens as f64 - 5f64.ln()).abs() < 1e-6, "{uniform:?}");
+        let error = evaluate_single_device(five_way, &[vec![1, 2, 4], vec![0, 5, 1]], None, None, -100, &device).unwrap_err().to_string();
+        assert!(error.contains("token 5 (sequence 1, position 1) is outside the model's vocabulary 0..5"), "{error}");
+        let errors = ThreadGroup::new(1).run(|rank| {
+            let sharder = SequenceSharder::new(1).with_pad_token(7);
+            evaluate::<B, B>(five_way, &[vec![1, 2, 4]], None, None, &sharder, 0, &*rank.communicator(), &device).map(|_| ()).unwrap_err().to_string()
+        });
+        let error = errors.into_iter().next().unwrap().unwrap();
+        assert!(error.contains("pad_token 7 is outside the model's vocabulary 0..5"), "{error}");
     }
 }

@@ -24,6 +24,16 @@ pub enum LmOutput<B: Backend> {
     Hidden { hidden: Tensor<B, 3>, head: OutputHead<B> },
 }
 
+impl<B: Backend> LmOutput<B> {
+    /// The vocabulary it scores: the logits' last dimension, or the head's outputs.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Logits(logits) => logits.dims()[2],
+            Self::Hidden { head, .. } => head.weight.dims()[1],
+        }
+    }
+}
+
 /// An output projection `logits = hidden · weight + bias`, laid out as burn's `Linear`
 /// (`weight: [d_model, vocab]`, `bias: [vocab]`).
 pub struct OutputHead<B: Backend> {
