@@ -190,6 +190,22 @@ impl ShardPositions {
         Self { ids: PositionIds::consecutive(batch, 0, len), packed: false, cut: ShardCut::WHOLE }
     }
 
+    /// Refuses positions of other rows than tokens of `dims` (`[batch, len]`): RoPE's tables
+    /// are narrowed to the tokens and broadcast over rows, so fewer positions panic deep in a
+    /// forward, and one row's positions given for many would silently give many rows' output.
+    pub fn check_tokens(&self, dims: [usize; 2]) -> Result<(), UlyssesError> {
+        let [batch, len] = dims;
+        if (self.ids.batch(), self.ids.len()) == (batch, len) {
+            return Ok(());
+        }
+        Err(UlyssesError::Shape(format!(
+            "positions of {} rows of {} tokens for tokens of [{batch}, {len}]: pass the shard's own positions (its sharder's, or \
+             ShardPositions::consecutive({batch}, {len}) for whole sequences)",
+            self.ids.batch(),
+            self.ids.len()
+        )))
+    }
+
     /// Unpacked rows of shard `index` of sequences cut in `of` contiguous shards of `len`
     /// tokens each (positions `index · len..(index + 1) · len`), as `SequenceSharder::new(of)`
     /// cuts sequences of `of · len` tokens: noted, the guard holds it to its rank context.

@@ -443,7 +443,7 @@ impl<B: Backend> Decoder<B> {
     /// rows at a time (never holding all `tokens × vocab` logits).
     pub fn lm_output(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> LmOutput<B> {
         let _noted = burn_ulysses::attention_guard::note_shard_positions_unless_noted(positions);
-        let context = self.context(positions, &tokens.device());
+        let context = self.context_of(&tokens, positions);
         self.head(self.layers(self.embed(tokens, &context), &context))
     }
 
@@ -452,8 +452,17 @@ impl<B: Backend> Decoder<B> {
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, positions: &ShardPositions) -> Tensor<B, 3> {
         // For the guard: attention on a shard its rank context does not hold is refused.
         let _noted = burn_ulysses::attention_guard::note_shard_positions_unless_noted(positions);
-        let context = self.context(positions, &tokens.device());
+        let context = self.context_of(&tokens, positions);
         self.final_norm(self.layers(self.embed(tokens, &context), &context)).cast(FloatDType::F32)
+    }
+
+    /// The context of `tokens` at `positions`; a forward's panic (it returns no error) naming
+    /// positions of other rows than the tokens'.
+    fn context_of(&self, tokens: &Tensor<B, 2, Int>, positions: &ShardPositions) -> LlamaContext<B> {
+        if let Err(error) = positions.check_tokens(tokens.dims()) {
+            panic!("{error}");
+        }
+        self.context(positions, &tokens.device())
     }
 
     /// The last norm, in the compute dtype (the chunked loss computes each chunk's logits in
@@ -614,7 +623,7 @@ impl<B: Backend> FeedForward<B> {
 }
 
 #[cfg(test)]
-mod f32_head_tests {
+mod tests {
     use burn::{backend::NdArray, tensor::FloatDType};
 
     use super::DecoderConfig;
@@ -627,6 +636,23 @@ mod f32_head_tests {
         let model = model.with_compute_dtype(FloatDType::BF16);
         assert_eq!(model.clone().with_f32_head(true).output_head().logits_dtype, Some(FloatDType::F32));
         assert_eq!(model.with_f32_head(false).output_head().logits_dtype, Some(FloatDType::BF16));
+    }
+
+    /// Positions of other rows than the tokens' are refused naming both: fewer tokens' panicked
+    /// deep in RoPE's narrow, and one row's positions for two rows gave two rows' logits of
+    /// one row's tokens.
+    #[test]
+    fn positions_of_other_rows_than_the_tokens_are_refused() {
+        use burn::tensor::{Int, Tensor};
+        use burn_ulysses::data::ShardPositions;
+        let model = DecoderConfig::new(64).with_d_model(16).with_n_heads(2).with_n_kv_heads(2).with_ffn_hidden(32).init::<NdArray<f32>>(&Default::default());
+        let tokens = Tensor::<NdArray<f32>, 2, Int>::from_data([[1, 2, 3, 4]], &Default::default());
+        for (positions, named) in [(ShardPositions::consecutive(1, 3), "positions of 1 rows of 3 tokens"), (ShardPositions::consecutive(2, 4), "positions of 2 rows of 4 tokens")] {
+            let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.forward(tokens.clone(), &positions))).err().expect("positions of other rows");
+            let message = refused.downcast_ref::<String>().cloned().unwrap_or_default();
+            assert!(message.contains(named) && message.contains("tokens of [1, 4]"), "{message}");
+        }
+        assert_eq!(model.forward(tokens, &ShardPositions::consecutive(1, 4)).dims(), [1, 4, 64]);
     }
 }
 

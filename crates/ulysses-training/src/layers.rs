@@ -736,6 +736,7 @@ where
     M::InnerModule: LayeredLm<B::InnerBackend>,
 {
     let device = tokens.device();
+    positions.check_tokens(tokens.dims())?;
     let layers = model.layer_count();
     let shard_len = tokens.dims()[1];
     let link: HostLink<B::InnerBackend> =
@@ -903,6 +904,7 @@ pub fn layered_output<B: Backend, M: LayeredLm<B>>(
     mut gather: impl FnMut(ParameterGroup) -> Result<M, UlyssesError>,
 ) -> Result<LmOutput<B>, UlyssesError> {
     let device = tokens.device();
+    positions.check_tokens(tokens.dims())?;
     check_tiles(tiles, tokens.dims()[1])?;
     let context = model.context(positions, &device);
     let (embedding_group, head_group) = ParameterGroup::of_embedding_and_head(model);
