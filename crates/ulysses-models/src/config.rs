@@ -353,13 +353,14 @@ impl HfConfig {
                     if sliding && (!keys.names("sliding_window") || keys.get("sliding_window").is_some()) {
                         return Err(keys.error("use_sliding_window", "is true and some layers slide (max_window_layers or layer_types); Qwen's per-layer sliding window is not represented"));
                     }
-                } else if listed_sliding == Some(true) {
-                    // A sliding layer listed with sliding switched off has no window:
-                    // transformers refuses to build its mask.
+                }
+                // A sliding layer listed with no window (sliding switched off, or a `null`
+                // window): transformers refuses to build its mask.
+                if listed_sliding == Some(true) {
                     return Err(keys.error(
                         "layer_types",
-                        "lists sliding_attention layers and use_sliding_window is false, which leaves them no window (transformers cannot run such a \
-                         config either): list full_attention layers alone",
+                        "lists sliding_attention layers with no window (use_sliding_window is false, or sliding_window null), which transformers \
+                         cannot run either: list full_attention layers alone",
                     ));
                 }
                 None
@@ -779,15 +780,20 @@ mod tests {
         // Read back, the same but for the weights' dtype it was written with.
         assert_eq!(config.torch_dtype, Some(DType::BF16), "transformers 5's `dtype`");
         assert_eq!(HfConfig::from_hf_json(&written.to_string(), "again").unwrap(), HfConfig { torch_dtype: Some(DType::F32), ..config }, "read back, the same");
-        // Sliding switched on with no window (`null`): every layer attends in full, and is
-        // written so, which reads back (sliding layers without a window would not).
+        // Sliding switched on with no window (`null`) and layers from max_window_layers on
+        // (none listed): transformers lays every layer out in full, as it reads back once
+        // written. Listed sliding layers without a window are refused (transformers
+        // cannot build their mask).
         let mut windowless: Value = serde_json::from_str(qwen2).unwrap();
         windowless["use_sliding_window"] = json!(true);
         windowless["sliding_window"] = Value::Null;
+        windowless["max_window_layers"] = json!(0);
+        let full = HfConfig::from_hf_json(&windowless.to_string(), "q").unwrap();
+        assert_eq!(full.sliding_window, None);
+        assert_eq!(HfConfig::from_hf_json(&full.to_hf_json("float32").to_string(), "again").unwrap().sliding_window, None);
         windowless["layer_types"] = json!(["full_attention", "sliding_attention"]);
-        let written = HfConfig::from_hf_json(&windowless.to_string(), "q").unwrap().to_hf_json("float32");
-        assert_eq!(written["layer_types"], json!(["full_attention", "full_attention"]));
-        HfConfig::from_hf_json(&written.to_string(), "again").unwrap();
+        let refused = HfConfig::from_hf_json(&windowless.to_string(), "q").unwrap_err().to_string();
+        assert!(refused.contains("`layer_types` lists sliding_attention layers with no window"), "{refused}");
     }
 
     /// YaRN as Qwen's guides add it for long contexts, and as DeepSeek's configs give it
@@ -1005,7 +1011,7 @@ mod tests {
             // Listed sliding layers with sliding switched off (no window: transformers fails).
             (
                 with(&with(&with(LLAMA, "model_type", json!("qwen3")), "architectures", Value::Null), "layer_types", one_sliding_layer()),
-                "`layer_types` lists sliding_attention layers and use_sliding_window is false",
+                "`layer_types` lists sliding_attention layers with no window (use_sliding_window is false",
             ),
             // One kind a layer, as transformers checks.
             (
