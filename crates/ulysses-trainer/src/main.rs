@@ -2149,7 +2149,7 @@ impl RunLog {
         let config = &job.config;
         if let Some(resumed) = job.resumed_at {
             let rows: Vec<usize> = kept.iter().filter_map(|row| row.split(',').next()?.parse().ok()).collect();
-            if let Some(gap) = ulysses_trainer::run_folder::kept_rows_gap(&rows, &eval, resumed, config.eval_every, config.steps) {
+            if let Some(gap) = ulysses_trainer::run_folder::kept_rows_gap(&rows, resumed) {
                 tracing::warn!("{gap}");
             }
         }
@@ -2335,6 +2335,10 @@ impl Progress for RunLog {
     }
 
     fn eval(&mut self, step: usize, loss: f64) {
+        // A resume evaluates the step its checkpoint ended again: a kept row stands.
+        if self.eval.iter().any(|&(evaluated, _)| evaluated == step) {
+            return;
+        }
         self.eval.push((step, loss));
         self.row(step, "", &format!("{loss:.9}"), ",,,,");
         say(&self.bar, format!("step {step}: held-out loss {loss:.4}"));

@@ -274,24 +274,16 @@ pub fn earlier_rows(path: &Path, step: usize, header: &str) -> Vec<String> {
 
 /// What the kept rows of a run resumed at step `resumed` lack, said so that a curve with a gap
 /// is not taken for a whole one: steps without a row (a checkpoint resumed without its
-/// metrics.csv, or one the disk did not keep), or the held-out loss of the last evaluation
-/// before the checkpoint where earlier ones have one (the run stopped between writing the
-/// checkpoint and evaluating; the next evaluation comes at its step).
-pub fn kept_rows_gap(rows: &[usize], eval: &[(usize, f64)], resumed: usize, eval_every: usize, steps: usize) -> Option<String> {
+/// metrics.csv, or one the disk did not keep). (A held-out loss lost between the checkpoint
+/// and its evaluation is taken again as the resume begins.)
+pub fn kept_rows_gap(rows: &[usize], resumed: usize) -> Option<String> {
     let rows: std::collections::HashSet<usize> = rows.iter().copied().collect();
     let missing = (0..resumed).filter(|step| !rows.contains(step)).count();
-    if missing > 0 {
-        let first = (0..resumed).find(|step| !rows.contains(step)).unwrap_or(0);
-        return Some(format!(
-            "metrics.csv holds no row for {missing} of the {resumed} steps the checkpoint has taken (the first: step {first}); the curve \
-             and the record start where the kept rows do"
-        ));
-    }
-    let last_evaluated = (0..resumed).rev().find(|&step| eval_every > 0 && ((step + 1) % eval_every == 0 || step + 1 == steps))?;
-    let earlier = eval.iter().any(|&(step, _)| step < last_evaluated);
-    (earlier && !eval.iter().any(|&(step, _)| step == last_evaluated)).then(|| {
-        format!("metrics.csv holds no held-out loss for step {last_evaluated} (the run stopped between its checkpoint and its evaluation); the next is taken as due")
-    })
+    let first = (0..resumed).find(|step| !rows.contains(step))?;
+    Some(format!(
+        "metrics.csv holds no row for {missing} of the {resumed} steps the checkpoint has taken (the first: step {first}); the curve \
+         and the record start where the kept rows do"
+    ))
 }
 
 #[cfg(test)]
@@ -322,16 +314,12 @@ mod tests {
 
     #[test]
     fn a_resumes_kept_rows_say_what_they_lack() {
-        let eval = |steps: &[usize]| steps.iter().map(|&step| (step, 2.0)).collect::<Vec<_>>();
         let all: Vec<usize> = (0..6).collect();
-        // Whole: every step's row, the evaluations of steps 1 and 3 (--eval-every 2).
-        assert_eq!(kept_rows_gap(&all, &eval(&[1, 3, 5]), 6, 2, 6), None);
-        assert_eq!(kept_rows_gap(&all, &[], 6, 2, 6), None, "a run whose held-out batches have no loss");
-        // Step 5's evaluation lost (the run stopped after its checkpoint).
-        let gap = kept_rows_gap(&all, &eval(&[1, 3]), 6, 2, 10).expect("a lost evaluation");
-        assert!(gap.contains("no held-out loss for step 5"), "{gap}");
+        assert_eq!(kept_rows_gap(&all, 6), None, "every step's row");
+        let gap = kept_rows_gap(&[0, 1, 3], 6).expect("steps without a row");
+        assert!(gap.contains("no row for 3 of the 6 steps") && gap.contains("step 2"), "{gap}");
         // No rows at all (a checkpoint copied without its metrics).
-        let gap = kept_rows_gap(&[], &[], 6, 2, 10).expect("no rows");
+        let gap = kept_rows_gap(&[], 6).expect("no rows");
         assert!(gap.contains("no row for 6 of the 6 steps") && gap.contains("step 0"), "{gap}");
     }
 

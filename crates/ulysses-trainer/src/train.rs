@@ -142,6 +142,12 @@ pub const MAX_BATCH_SIZE: usize = 1 << 20;
 pub const MAX_DEGREE: usize = 1 << 24;
 
 impl TrainConfig {
+    /// Whether the held-out batch is evaluated after step `step` (0-based): every
+    /// `eval_every` steps, and after the last.
+    pub fn eval_due(&self, step: usize) -> bool {
+        self.eval_every > 0 && ((step + 1) % self.eval_every == 0 || step + 1 == self.steps)
+    }
+
     /// Sequences in each micro-batch a DP replica runs: `--batch-size` over the replicas and
     /// the micro-batches (at least one).
     pub fn micro_batch_rows(&self) -> usize {
@@ -881,6 +887,15 @@ where
     // Rank 0's write of the last replicated checkpoint, waited for (by its drop on any way out).
     let mut replicated_write = CheckpointWrite::default();
     STEPS_BEGUN.store(true, std::sync::atomic::Ordering::Relaxed);
+    // The evaluation due at the step the checkpoint ended, again: a run stopped between its
+    // checkpoint and its evaluation (killed there, out of memory there) lost it, and the model
+    // is that step's. Every rank evaluates (a collective); the record keeps one row a step.
+    if let (Some(step), Some(sequences)) = (first_step.checked_sub(1).filter(|&step| config.eval_due(step)), &eval_batch) {
+        let loss = evaluate_held_out(config, &model, parts.as_mut(), sequences, eval_documents.as_deref(), eval_targets.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
+        if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss.filter(|loss| loss.tokens > 0)) {
+            progress.eval(step, loss.mean());
+        }
+    }
     for step in first_step..last_step {
         let started = Instant::now();
         let io_before = DeviceIo::of_this_thread();
@@ -998,22 +1013,8 @@ where
         // After the checkpoint: an evaluation that fails (out of memory on a held-out batch
         // that is larger than a step's part) loses no step. Held-out batches of a step's
         // micro-batch: what the step ran (and `--check` counted) fits them.
-        let eval_due = config.eval_every > 0 && ((step + 1) % config.eval_every == 0 || step + 1 == config.steps);
-        if let (true, Some(sequences)) = (eval_due, &eval_batch) {
-            let (documents, targets) = (eval_documents.as_deref(), eval_targets.as_deref());
-            // Under ZeRO-3 every rank joins each batch's gathers (lockstep).
-            let loss = match parts.as_mut() {
-                Some(parts) => evaluate_batches(config, config.micro_batch_rows(), sequences, documents, targets, groups, true, |batch, documents, targets| {
-                    evaluate_in_parts::<B>(config, &model, parts, batch, documents, targets, groups, device)
-                }),
-                None => {
-                    let valid = model.valid();
-                    evaluate_batches(config, config.micro_batch_rows(), sequences, documents, targets, groups, false, |batch, documents, targets| {
-                        evaluate_model::<B>(config, &valid, batch, documents, targets, groups, device)
-                    })
-                }
-            }
-            .map_err(|e| e.at_step(step))?;
+        if let (true, Some(sequences)) = (config.eval_due(step), &eval_batch) {
+            let loss = evaluate_held_out(config, &model, parts.as_mut(), sequences, eval_documents.as_deref(), eval_targets.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
             // A held-out batch without a target (prompts alone) has no loss to show.
             if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss.filter(|loss| loss.tokens > 0)) {
                 progress.eval(step, loss.mean());
@@ -1764,6 +1765,32 @@ pub fn evaluate_sequences<B: TrainBackend>(
 /// every rank goes through every batch (world rank 0 evaluates them, the others join its
 /// gathers) and rank 0 alone returns the sum.
 #[allow(clippy::too_many_arguments)]
+/// The held-out loss of `sequences` (with their `documents` and `targets`) on `model`: with
+/// ZeRO-3's `parts`, every rank joining each batch's gathers (lockstep). Collective.
+#[allow(clippy::too_many_arguments)]
+fn evaluate_held_out<B: TrainBackend>(
+    config: &TrainConfig,
+    model: &Decoder<B>,
+    parts: Option<&mut ShardedParameters<B>>,
+    sequences: &[Vec<i64>],
+    documents: Option<&[Vec<usize>]>,
+    targets: Option<&[Vec<bool>]>,
+    groups: &ParallelGroups<B::Wire>,
+    device: &B::Device,
+) -> Result<Option<TokenLoss>, UlyssesError> {
+    match parts {
+        Some(parts) => evaluate_batches(config, config.micro_batch_rows(), sequences, documents, targets, groups, true, |batch, documents, targets| {
+            evaluate_in_parts::<B>(config, model, parts, batch, documents, targets, groups, device)
+        }),
+        None => {
+            let valid = model.valid();
+            evaluate_batches(config, config.micro_batch_rows(), sequences, documents, targets, groups, false, |batch, documents, targets| {
+                evaluate_model::<B>(config, &valid, batch, documents, targets, groups, device)
+            })
+        }
+    }
+}
+
 fn evaluate_batches<W: burn::tensor::backend::Backend>(
     config: &TrainConfig,
     rows: usize,

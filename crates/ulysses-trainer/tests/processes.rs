@@ -426,6 +426,36 @@ fn a_signal_before_the_first_step_ends_the_process_at_once() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A run stopped between a checkpoint and the evaluation due at its step (killed there, out of
+/// memory there: its row is not in metrics.csv) takes that evaluation as its resume begins,
+/// and its held-out losses are the uninterrupted run's; one whose row is kept writes none again.
+#[test]
+fn an_evaluation_lost_after_its_checkpoint_is_taken_at_the_resume() {
+    let dir = workspace("lost-eval");
+    let run = |out: &str, extra: &[&str]| {
+        let mut args = common_args(&dir, out, 4);
+        args.extend(["--eval-every", "2", "--checkpoint-every", "2"].map(String::from));
+        args.extend(extra.iter().map(|a| a.to_string()));
+        succeed(run_alone(&args, &["--sp", "2"]));
+    };
+    run("whole", &[]);
+    let held_out = |out: &str| metric(&dir.join(out), 2);
+    assert_eq!(held_out("whole").iter().map(|&(step, _)| step).collect::<Vec<_>>(), [1, 3]);
+    for (out, lost) in [("lost", true), ("kept", false)] {
+        run(out, &["--stop-after", "2"]);
+        if lost {
+            let metrics = dir.join(out).join("metrics.csv");
+            let text = fs::read_to_string(&metrics).unwrap();
+            let rows: Vec<&str> = text.lines().filter(|line| !line.starts_with("1,,")).collect();
+            assert_eq!(rows.len() + 1, text.lines().count(), "step 1's held-out row:\n{text}");
+            fs::write(&metrics, rows.join("\n") + "\n").unwrap();
+        }
+        run(out, &["--resume", &dir.join(out).display().to_string()]);
+        assert_eq!(held_out(out), held_out("whole"), "{out}: the held-out losses");
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A run stopped after 3 of 6 steps resumes with the uninterrupted run's losses and
 /// parameters: in place with the same flags, and elsewhere on one process with no flag but the
 /// data's, its settings taken from the checkpoint (AdamW's too).
