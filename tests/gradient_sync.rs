@@ -198,17 +198,22 @@ fn clipping_scales_the_whole_gradient_to_the_global_norm_asked_for() {
     let norm = gradient_norm(&net, &grads);
     assert!((norm - expected_norm).abs() <= 1e-6 * expected_norm, "norm {norm} against {expected_norm}");
 
-    let (kept, before) = clip_gradient_norm(&net, gradients(), 2.0 * norm);
+    let (kept, before) = clip_gradient_norm(&net, gradients(), 2.0 * norm).unwrap();
     assert_eq!(before, norm);
     assert!(gradient_values(&net, &kept) == original, "a gradient below the limit changed");
 
-    let (clipped, _) = clip_gradient_norm(&net, grads, norm / 4.0);
+    let (clipped, _) = clip_gradient_norm(&net, grads, norm / 4.0).unwrap();
     let factor = (norm / 4.0) / (norm + 1e-6);
     let scaled: Vec<f32> = original.iter().map(|&g| (g as f64 * factor) as f32).collect();
     let difference = max_abs_diff(&gradient_values(&net, &clipped), &scaled);
     assert!(difference <= TOLERANCE * norm as f32, "clipped gradients differ from the scaled ones by {difference}");
     let clipped_norm = gradient_norm(&net, &clipped);
     assert!((clipped_norm - norm / 4.0).abs() <= 1e-5 * norm, "clipped to {clipped_norm}, asked for {}", norm / 4.0);
+    // A limit not above 0 is refused: 0 zeroed the gradient, -1 turned it around, NaN clipped nothing.
+    for limit in [0.0, -1.0, f64::NAN] {
+        let refused = clip_gradient_norm(&net, gradients(), limit).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(refused.contains(&format!("max_grad_norm is {limit};")), "limit {limit}: {refused}");
+    }
 }
 
 /// Gradients of 1e20 (a diverging run) square past f32's range: the norm is still theirs
@@ -223,7 +228,7 @@ fn a_gradient_whose_squares_overflow_f32_keeps_its_norm() {
     let expected_norm = original.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>().sqrt();
     let norm = gradient_norm(&net, &gradients());
     assert!((norm - expected_norm).abs() <= 1e-5 * expected_norm, "norm {norm} against {expected_norm}");
-    let (clipped, _) = clip_gradient_norm(&net, gradients(), 1.0);
+    let (clipped, _) = clip_gradient_norm(&net, gradients(), 1.0).unwrap();
     let clipped_norm = gradient_norm(&net, &clipped);
     assert!((clipped_norm - 1.0).abs() <= 1e-4, "clipped to {clipped_norm}, asked for 1");
 }
@@ -247,7 +252,7 @@ fn every_rank_clips_with_rank_0s_gradient_norm() {
             let exact = gradient_norm(&net, &grads);
             let measured = exact * (1.0 + 1e-6 * rank.rank() as f64);
             let agreed = agreed_gradient_norm::<Inner>(measured, &*communicator).unwrap();
-            let clipped = clip_with_norm(&net, grads, agreed, exact / 4.0);
+            let clipped = clip_with_norm(&net, grads, agreed, exact / 4.0).unwrap();
             (measured, agreed, gradient_values(&net, &clipped))
         })
         .into_iter()

@@ -237,14 +237,29 @@ fn scaled_sum_of_squares<B: Backend>(part: Tensor<B, 1>) -> f64 {
 /// `max_grad_norm` is 1.0) do; returns the gradients and their norm before clipping. For one
 /// process alone: the ranks of a group must clip with the same norm, [`agreed_gradient_norm`]'s,
 /// through [`clip_with_norm`] (as [`apply_step`](crate::apply_step) does).
-pub fn clip_gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: GradientsParams, max_norm: f64) -> (GradientsParams, f64) {
+/// Refused where `max_norm` is not above 0 ([`check_max_grad_norm`]).
+pub fn clip_gradient_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, grads: GradientsParams, max_norm: f64) -> Result<(GradientsParams, f64), UlyssesError> {
+    check_max_grad_norm(max_norm)?;
     let norm = gradient_norm(module, &grads);
-    (clip_with_norm(module, grads, norm, max_norm), norm)
+    Ok((clip_with_norm(module, grads, norm, max_norm)?, norm))
+}
+
+/// Refuses a clipping limit that is not above 0: below 0 the factor turns the gradient around,
+/// 0 zeroes it, NaN is no limit (Hugging Face's Trainer reads 0 as no clipping: `None` here).
+pub fn check_max_grad_norm(max_norm: f64) -> Result<(), UlyssesError> {
+    if max_norm > 0.0 {
+        return Ok(());
+    }
+    Err(UlyssesError::InvalidConfig(format!(
+        "max_grad_norm is {max_norm}; clipping needs a limit above 0 (below 0 it turns the gradient around, 0 zeroes it): give one, or None to clip nothing"
+    )))
 }
 
 /// Scales every gradient by `max_norm / (norm + 1e-6)` when `norm` (their global norm,
-/// measured by the caller) exceeds `max_norm`; leaves them as they are otherwise.
-pub fn clip_with_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, mut grads: GradientsParams, norm: f64, max_norm: f64) -> GradientsParams {
+/// measured by the caller) exceeds `max_norm`; leaves them as they are otherwise. Refused where
+/// `max_norm` is not above 0 ([`check_max_grad_norm`]).
+pub fn clip_with_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, mut grads: GradientsParams, norm: f64, max_norm: f64) -> Result<GradientsParams, UlyssesError> {
+    check_max_grad_norm(max_norm)?;
     struct Scale<'a> {
         grads: &'a mut GradientsParams,
         factor: f64,
@@ -259,7 +274,7 @@ pub fn clip_with_norm<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M, mut 
     if let Some(factor) = clipping_factor(norm, max_norm) {
         module.visit(&mut Scale { grads: &mut grads, factor });
     }
-    grads
+    Ok(grads)
 }
 
 /// The factor that scales a gradient of global norm `norm` to `max_norm`,

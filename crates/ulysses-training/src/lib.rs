@@ -64,7 +64,7 @@ pub use zero::{
 };
 pub use ulysses_core::host_adamw::HostAdamWConfig;
 pub use gradients::{
-    GRADIENT_BUCKET_BYTES, agreed_gradient_norm, all_reduce_gradients, all_reduce_gradients_in_buckets, clip_gradient_norm, clip_with_norm,
+    GRADIENT_BUCKET_BYTES, agreed_gradient_norm, all_reduce_gradients, all_reduce_gradients_in_buckets, check_max_grad_norm, clip_gradient_norm, clip_with_norm,
     gradient_norm, read_loss_and_first_non_finite_gradient,
 };
 pub use loss::{
@@ -506,7 +506,7 @@ where
         return Err(sum_overflowed(step.index));
     }
     let grads = match step.max_grad_norm {
-        Some(max_norm) => clip_with_norm(&model, grads, grad_norm, max_norm),
+        Some(max_norm) => clip_with_norm(&model, grads, grad_norm, max_norm)?,
         None => grads,
     };
     // Outside the guard: an optimizer's own products (a batched Newton–Schulz over stacked
@@ -729,13 +729,7 @@ fn check_step_settings(step: usize, learning_rate: f64, max_grad_norm: Option<f6
     if !(learning_rate.is_finite() && learning_rate >= 0.0) {
         return Err(UlyssesError::InvalidConfig(format!("step {step}: the learning rate is {learning_rate}; give a finite number, 0 or more")));
     }
-    if let Some(limit) = max_grad_norm.filter(|limit| !(*limit > 0.0)) {
-        return Err(UlyssesError::InvalidConfig(format!(
-            "step {step}: max_grad_norm is {limit}; clipping needs a limit above 0 (below 0 it turns the gradient around, 0 zeroes it): \
-             give one, or None to clip nothing"
-        )));
-    }
-    Ok(())
+    max_grad_norm.map_or(Ok(()), check_max_grad_norm).map_err(|error| error.at_step(step))
 }
 
 /// Refuses a step whose ranks were given different settings (gathered as

@@ -218,8 +218,9 @@ pub(super) fn host_part<B: burn::tensor::backend::Backend>(partition: &Partition
 /// The norm of a gradient held in parts over `world`, from `local_squares` (the sum of this
 /// rank's parts' squares, in f64): the ranks' sums added in rank order (the same on every rank;
 /// collective), and the factor that clips it to `max_grad_norm` (`clip_with_norm`'s), where it
-/// must be clipped.
+/// must be clipped. Refused, before the collective, where the limit is not above 0.
 pub(crate) fn norm_of_parts<G: burn::tensor::backend::Backend>(local_squares: f64, max_grad_norm: Option<f64>, world: &dyn Communicator<G>) -> Result<(f64, Option<f64>), UlyssesError> {
+    max_grad_norm.map_or(Ok(()), crate::gradients::check_max_grad_norm)?;
     let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[local_squares.to_bits()], "squared gradient sums")?;
     let grad_norm = every_rank.iter().map(|bits| f64::from_bits(bits[0])).sum::<f64>().sqrt();
     Ok((grad_norm, max_grad_norm.and_then(|max_norm| clipping_factor(grad_norm, max_norm))))
