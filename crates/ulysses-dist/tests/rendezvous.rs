@@ -155,6 +155,14 @@ fn a_loopback_master_in_a_job_across_nodes_is_refused_at_once() {
         let error = Rendezvous::join(&env(2, addr, free_port()), &config).err().expect("refused");
         assert!(started.elapsed() < Duration::from_secs(2) && error.to_string().contains("is this machine alone"), "{error}");
     }
+    // A config made by hand is checked before its values are used: an infinite timeout
+    // (meant as none) panicked in `Duration`, 0 bytes a message failed every collective.
+    let endless = DistributedConfig { rendezvous_timeout_secs: f64::INFINITY, ..config.clone() };
+    let error = Rendezvous::join(&env(0, "127.0.0.1", free_port()), &endless).err().expect("refused").to_string();
+    assert!(error.contains("rendezvous_timeout_secs") && error.contains("got inf"), "{error}");
+    let tiny = DistributedConfig { max_message_bytes: 0, ..config.clone() };
+    let error = Rendezvous::join(&env(0, "127.0.0.1", free_port()), &tiny).err().expect("refused").to_string();
+    assert!(error.contains("max_message_bytes") && error.contains("at least 1024"), "{error}");
     // Two ranks of a two-node job, rank 0 reached by this machine's own name.
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
     if host.is_empty() || (host.as_str(), 0).to_socket_addrs().is_err() {

@@ -76,9 +76,11 @@ impl ThreadGroup {
 
     pub fn from_config(config: &ThreadGroupConfig) -> Self {
         assert!(config.size > 0, "a ThreadGroup needs at least one rank, got size 0");
+        // Past a billion seconds (an infinity meant as "no timeout"), a deadline is past the
+        // clock's range: `Duration::from_secs_f64` would panic without a word of why.
         assert!(
-            config.timeout_secs > 0.0,
-            "ThreadGroupConfig::timeout_secs must be positive, got {}",
+            config.timeout_secs > 0.0 && config.timeout_secs <= 1e9,
+            "ThreadGroupConfig::timeout_secs must be positive, at most 1e9 seconds, got {}",
             config.timeout_secs
         );
         let family = Family {

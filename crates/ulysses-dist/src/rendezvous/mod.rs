@@ -42,6 +42,9 @@ impl Rendezvous {
     /// rank has joined, or fails after the rendezvous timeout.
     pub fn join(env: &LaunchEnv, config: &DistributedConfig) -> Result<Self, DistError> {
         JOIN_TRIED.store(true, std::sync::atomic::Ordering::Relaxed);
+        // A config built or read by hand: its timeouts and limits checked before they are used
+        // (an infinite timeout panicked in `Duration`; 0 failed every wait, blamed on a peer).
+        config.validate()?;
         let token = &run_token(config.require_token()?, env.source == crate::env::EnvSource::Slurm, |name| std::env::var(name).ok());
         let timeout = config.rendezvous_timeout();
         // Refused at once on the other nodes' ranks, which would wait out the timeout; on rank
