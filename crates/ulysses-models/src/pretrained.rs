@@ -785,6 +785,7 @@ pub fn save_pretrained_with<B: Backend>(model: &Decoder<B>, config: &HfConfig, d
 /// takes: the tokenizer and generation settings the model was trained with) copied into the
 /// folder.
 pub fn save_pretrained_including<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, options: SaveOptions, companions: &[(PathBuf, String)]) -> Result<(), CheckpointError> {
+    check_model_fits_config(model, config, dir)?;
     let tensors = tensor_shapes(model);
     let mut writer = HfCheckpointWriter::begin(config, dir, options, tensors)?;
     for (file, name) in companions {
@@ -794,6 +795,32 @@ pub fn save_pretrained_including<B: Backend>(model: &Decoder<B>, config: &HfConf
         writer.write_shard(shard, model)?;
     }
     writer.finish()
+}
+
+/// Refuses to save `model` with a `config` that describes another model: its config.json
+/// would not be the weights' (saved with an untied config, a tied model's folder lacks
+/// `lm_head.weight`, which transformers fills with random values, warning alone). Compared
+/// by parameter, path and shape, against the model `config` builds (lazily: nothing allocated).
+fn check_model_fits_config<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path) -> Result<(), CheckpointError> {
+    let device = model.devices().first().cloned().unwrap_or_default();
+    let shapes = |model: &Decoder<B>| -> Vec<(String, Vec<usize>)> { ulysses_training::parameter_paths(model).into_iter().zip(ulysses_training::parameter_shapes(model)).collect() };
+    let (saved, described) = (shapes(model), shapes(&DecoderConfig::from_hf(config).init::<B>(&device)));
+    if saved == described {
+        return Ok(());
+    }
+    let find = |tensors: &[(String, Vec<usize>)], path: &str| tensors.iter().find(|(p, _)| p == path).map(|(_, shape)| shape.clone());
+    let problem = match (saved.iter().find(|(path, shape)| find(&described, path).as_ref() != Some(shape)), described.iter().find(|(path, _)| find(&saved, path).is_none())) {
+        (Some((path, shape)), _) => match find(&described, path) {
+            Some(described) => format!("the model's `{path}` is {shape:?}, config.json's model's {described:?}"),
+            None => format!("the model has `{path}` ({shape:?}), which config.json's model has not"),
+        },
+        (None, Some((path, shape))) => format!("config.json's model has `{path}` ({shape:?}), which the model has not"),
+        (None, None) => "its parameters are in another order than config.json's model's".to_string(),
+    };
+    Err(CheckpointError::file(
+        dir,
+        format!("the config given describes another model than the one saved ({problem}): save a model with the config it was built from (DecoderConfig::from_hf)"),
+    ))
 }
 
 /// Every tensor's module path and shape, in the model's order.
@@ -818,6 +845,7 @@ pub struct HfCheckpointSnapshot {
 impl HfCheckpointSnapshot {
     /// Reads `model`'s tensors (a device sync), cast and named as the folder `dir` saves them.
     pub fn take<B: Backend>(model: &Decoder<B>, config: &HfConfig, dir: &Path, options: SaveOptions, companions: &[(PathBuf, String)]) -> Result<Self, CheckpointError> {
+        check_model_fits_config(model, config, dir)?;
         let tensors = tensor_shapes(model);
         let shards = plan_shard_paths(&tensors, options)
             .into_iter()

@@ -417,6 +417,32 @@ fn a_save_in_f16_refuses_a_weight_it_would_write_as_infinity() {
     std::fs::remove_dir_all(folder).unwrap();
 }
 
+/// A save whose config describes another model than the one saved is refused, naming the
+/// parameter, and writes nothing: an untied model under a tied config wrote a head the config
+/// says is the embeddings (transformers drops it: other logits), a tied one under an untied
+/// config left `lm_head.weight` out (transformers fills it with random values, warning alone).
+#[test]
+fn a_save_with_the_config_of_another_model_is_refused() {
+    use burn::tensor::DType;
+    use ulysses_models::{DecoderConfig, HfCheckpointSnapshot, SaveOptions, save_pretrained};
+    let folder = edited_copy("llama", "other-config", |_| {});
+    let pretrained = from_pretrained::<Cpu>(&folder, &Default::default()).unwrap();
+    assert!(pretrained.config.tie_word_embeddings, "the fixture's head is its embeddings");
+    let untied = DecoderConfig::from_hf(&pretrained.config).with_tie_embeddings(false).init::<Cpu>(&Default::default());
+    let out = folder.join("saved");
+    let error = save_pretrained(&untied, &pretrained.config, &out, DType::F32).unwrap_err().to_string();
+    assert!(error.contains("the model has `lm_head.weight`") && error.contains("describes another model"), "{error}");
+    let untied_config = ulysses_models::HfConfig { tie_word_embeddings: false, ..pretrained.config.clone() };
+    let error = save_pretrained(&pretrained.model, &untied_config, &out, DType::F32).unwrap_err().to_string();
+    assert!(error.contains("config.json's model has `lm_head.weight`"), "{error}");
+    let fewer_layers = ulysses_models::HfConfig { num_hidden_layers: pretrained.config.num_hidden_layers - 1, ..pretrained.config.clone() };
+    let error = HfCheckpointSnapshot::take(&pretrained.model, &fewer_layers, &out, SaveOptions::new(DType::F32), &[]).err().expect("refused").to_string();
+    assert!(error.contains(&format!("the model has `blocks.{}.", fewer_layers.num_hidden_layers)), "{error}");
+    assert!(!out.exists(), "a refused save wrote {}", out.display());
+    save_pretrained(&pretrained.model, &pretrained.config, &out, DType::F32).unwrap();
+    std::fs::remove_dir_all(folder).unwrap();
+}
+
 /// A config that ties the head to the embeddings, with weights that say otherwise, loads as
 /// transformers 5 loads it (5.17 and 5.24 checked): Mistral's own head beside its embeddings,
 /// differing, is kept (untied: transformers' logits for the untied fixture, and the config says

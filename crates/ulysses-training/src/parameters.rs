@@ -57,15 +57,21 @@ pub fn parameter_paths<B: Backend, M: Module<B>>(module: &M) -> Vec<String> {
 /// the shapes alone: a module whose parameters burn initialises lazily (`Config::init`) stays
 /// uninitialised, so a model too large to build can be measured before it is.
 pub fn parameter_elements<B: Backend, M: Module<B>>(module: &M) -> Vec<usize> {
-    struct Count(Vec<usize>);
-    impl<B: Backend> ModuleVisitor<B> for Count {
+    parameter_shapes(module).iter().map(|shape| shape.iter().product()).collect()
+}
+
+/// The shape of each float parameter of `module`, in module order, read as
+/// [`parameter_elements`] reads them (a lazy module stays unbuilt).
+pub fn parameter_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<Vec<usize>> {
+    struct Shapes(Vec<Vec<usize>>);
+    impl<B: Backend> ModuleVisitor<B> for Shapes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push(param.lazy_shape().num_elements());
+            self.0.push(param.lazy_shape().to_vec());
         }
     }
-    let mut count = Count(Vec::new());
-    module.visit(&mut count);
-    count.0
+    let mut shapes = Shapes(Vec::new());
+    module.visit(&mut shapes);
+    shapes.0
 }
 
 /// A float parameter's id, whether it requires a gradient and its mapper, building nothing
