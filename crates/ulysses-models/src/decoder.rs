@@ -147,19 +147,43 @@ impl DecoderConfig {
         self.head_dim.unwrap_or(self.d_model / self.n_heads)
     }
 
+    /// What makes a model of this config impossible, or silently another (a padding row past
+    /// the vocabulary is no row; a θ of NaN, NaN positions): named, where [`init`](Self::init)
+    /// would panic deep in a forward or train a NaN loss. [`HfConfig`]'s reading refuses the
+    /// same in a config.json, naming its keys.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, value) in [("vocab_size", self.vocab_size), ("d_model", self.d_model), ("n_layers", self.n_layers), ("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads), ("ffn_hidden", self.ffn_hidden)] {
+            if value == 0 {
+                return Err(format!("DecoderConfig::{name} must be at least 1, got 0"));
+            }
+        }
+        if self.head_dim.is_none() && self.d_model % self.n_heads != 0 {
+            return Err(format!("d_model {} must be divisible by n_heads {} (or give head_dim)", self.d_model, self.n_heads));
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            return Err(format!("n_kv_heads {} must divide n_heads {}", self.n_kv_heads, self.n_heads));
+        }
+        if self.head_dim() == 0 || self.head_dim() % 2 != 0 {
+            return Err(format!("the head dimension {} must be even and above 0: RoPE rotates pairs of channels", self.head_dim()));
+        }
+        for (name, value) in [("rope_theta", self.rope_theta), ("norm_eps", self.norm_eps)] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(format!("DecoderConfig::{name} must be a finite number above 0, got {value}"));
+            }
+        }
+        if let Some(pad) = self.pad_token.filter(|&pad| pad >= self.vocab_size) {
+            return Err(format!("pad_token {pad} is outside the vocabulary 0..{}: no embedding row is padding's", self.vocab_size));
+        }
+        if self.sliding_window == Some(0) || (self.sliding_window.is_some() && !self.causal) {
+            return Err(format!("sliding_window {:?} needs causal attention and a window of at least 1 key", self.sliding_window));
+        }
+        Ok(())
+    }
+
     fn check(&self) {
-        assert!(
-            self.head_dim.is_some() || self.d_model % self.n_heads == 0,
-            "d_model {} must be divisible by n_heads {}",
-            self.d_model,
-            self.n_heads
-        );
-        assert!(
-            self.n_kv_heads > 0 && self.n_heads % self.n_kv_heads == 0,
-            "n_kv_heads {} must divide n_heads {}",
-            self.n_kv_heads,
-            self.n_heads
-        );
+        if let Err(problem) = self.validate() {
+            panic!("{problem}");
+        }
     }
 
     pub fn init<B: Backend>(&self, device: &B::Device) -> Decoder<B> {
@@ -636,6 +660,28 @@ mod tests {
         let model = model.with_compute_dtype(FloatDType::BF16);
         assert_eq!(model.clone().with_f32_head(true).output_head().logits_dtype, Some(FloatDType::F32));
         assert_eq!(model.with_f32_head(false).output_head().logits_dtype, Some(FloatDType::BF16));
+    }
+
+    /// A config no model can follow, or one that would train another silently, is refused
+    /// naming the field: 0 heads panicked in a remainder, a padding row past the vocabulary was
+    /// no row, a θ of NaN trained a NaN loss.
+    #[test]
+    fn a_config_no_decoder_follows_is_refused_naming_the_field() {
+        let base = || DecoderConfig::new(64).with_d_model(16).with_n_heads(2).with_n_kv_heads(2).with_ffn_hidden(32);
+        assert_eq!(base().validate(), Ok(()));
+        for (config, named) in [
+            (base().with_n_heads(0), "n_heads must be at least 1"),
+            (base().with_head_dim(Some(7)), "head dimension 7 must be even"),
+            (base().with_n_kv_heads(3).with_n_heads(4), "n_kv_heads 3 must divide n_heads 4"),
+            (base().with_rope_theta(f64::NAN), "rope_theta must be a finite number above 0, got NaN"),
+            (base().with_pad_token(Some(64)), "pad_token 64 is outside the vocabulary 0..64"),
+            (base().with_sliding_window(Some(8)).with_causal(false), "needs causal attention"),
+        ] {
+            let problem = config.validate().expect_err(named);
+            assert!(problem.contains(named), "{problem}");
+            let refused = std::panic::catch_unwind(|| config.init::<NdArray<f32>>(&Default::default())).err().expect("init refuses it");
+            assert_eq!(refused.downcast_ref::<String>(), Some(&problem));
+        }
     }
 
     /// Positions of other rows than the tokens' are refused naming both: fewer tokens' panicked
