@@ -1512,9 +1512,10 @@ where
             optimizer.set_threads(fresh.threads());
             (model, RankOptimizer::OnHost(optimizer), state)
         }
+        // ZeRO-3 alone: each part uploaded as it is read (the host never holds the rank's state).
         RankOptimizer::OnDevice(_) => {
-            let (model, optimizer, state) = load_sharded(config, location, model, &*groups.world)?;
-            (model, RankOptimizer::OnDevice(DeviceShardedAdamW::from_host(&optimizer, device)), state)
+            let (optimizer, state) = ulysses_training::load_sharded_optimizer_on_device::<B, _, RunState>(location, &model, &*groups.world, device)?;
+            (model, RankOptimizer::OnDevice(optimizer), state)
         }
     };
     let steps = all_gather_host_checked(&*groups.world, &[state.completed_steps as u64, read_at.map_or(u64::MAX, |step| step as u64)], "checkpoint steps")?;

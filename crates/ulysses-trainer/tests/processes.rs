@@ -683,6 +683,11 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
     succeed(run_launched(4, &args("zero3", 6), &[&zero3[..], &["--tile-tokens", "4"]].concat()));
     // The optimizer on the device, and the held-out batch on world rank 0 alone (gathered whole).
     succeed(run_launched(4, &args("zero3-device", 6), &["--sp", "2", "--checkpoint-layers", "--zero", "3", "--eval-single-device"]));
+    // Stopped, and resumed at another world: each part loaded onto the device as it is read.
+    let device = ["--sp", "2", "--checkpoint-layers", "--zero", "3"];
+    succeed(run_launched(4, &args("device-part", 6), &[&device[..], &["--stop-after", "3"]].concat()));
+    let device_resumed = [args("device-part", 6), vec!["--resume".into(), dir.join("device-part").display().to_string()]].concat();
+    succeed(run_launched(2, &device_resumed, &device));
     // ZeRO-3 in a world of one rank: no collective gathers or scatters.
     succeed(run_alone(&args("alone", 6), &["--sp", "1", "--offload-optimizer", "--checkpoint-layers", "--zero", "3"]));
     succeed(run_launched(4, &args("part", 6), &[&zero3[..], &["--stop-after", "3"]].concat()));
@@ -731,7 +736,7 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
     assert_eq!(sharded_state("over"), 1, "the sharded run's state parts");
     succeed(run_alone(&args("over", 2), &["--sp", "2", "--overwrite"]));
     assert_eq!(sharded_state("over"), 0, "the overwritten run's state parts stayed");
-    for run in ["host", "zero3", "zero3-device", "part", "alone"] {
+    for run in ["host", "zero3", "zero3-device", "device-part", "part", "alone"] {
         let (loss, params) = differences(&dir.join(run), &dir.join("replicated"));
         println!("{run} against replicated: max |Δ| loss {loss:.2e}, parameters {params:.2e}");
         assert!(loss <= 1e-6 && params <= TOLERANCE, "{run}: losses differ by {loss:e}, parameters by {params:e}");

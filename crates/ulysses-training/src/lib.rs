@@ -59,7 +59,7 @@ pub use matrix_decay::MatrixDecayAdamW;
 pub use panics::{catch_model_failure, quiet_caught_panics};
 pub use parameters::{FloatParameter, float_parameters, parameter_elements, parameter_paths, parameter_shapes, take_lazy_flag, with_parameters_in};
 pub use zero::{
-    STATE_FOLDER_PREFIX, ShardedAdamW, ShardedState, adamw_settings, cast_master_part, check_folder_shared, host_adamw_config, load_sharded_optimizer, load_sharded_training_checkpoint, remove_unnamed_state_folders, save_sharded_training_checkpoint,
+    STATE_FOLDER_PREFIX, ShardedAdamW, ShardedState, adamw_settings, cast_master_part, check_folder_shared, host_adamw_config, load_sharded_optimizer, load_sharded_optimizer_on_device, load_sharded_training_checkpoint, remove_unnamed_state_folders, save_sharded_training_checkpoint,
     sharded_state_file, sharded_state_folder,
 };
 pub use ulysses_core::host_adamw::HostAdamWConfig;

@@ -45,6 +45,19 @@ struct DevicePart<B: TrainBackend> {
     time: u32,
 }
 
+impl<B: TrainBackend> DevicePart<B> {
+    /// A part of a parameter of `elements` elements from its master weights and moments on the
+    /// host (moved into the uploads, not copied), the moments kept from the first update on.
+    fn upload(elements: usize, [master, moment_1, moment_2]: [Vec<f32>; 3], time: u32, device: &burn::tensor::Device<B::InnerBackend>) -> Self {
+        // f32 whatever the device's default float: the state is f32, as the gradients are.
+        let upload = |values: Vec<f32>| {
+            let len = values.len();
+            Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(values, [len]), (device, DType::F32))
+        };
+        Self { elements, master: upload(master), moments: (time > 0).then(|| (upload(moment_1), upload(moment_2))), time }
+    }
+}
+
 impl<B: TrainBackend> DeviceShardedAdamW<B> {
     pub fn new(config: HostAdamWConfig) -> Self {
         Self { config, parts: Vec::new(), place: None }
@@ -140,18 +153,17 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
 
     /// `host`'s state (loaded, re-partitioned, by [`ShardedAdamW::load`]) on `device`.
     pub fn from_host(host: &ShardedAdamW, device: &burn::tensor::Device<B::InnerBackend>) -> Self {
-        // f32 whatever the device's default float: the state is f32, as the gradients are.
-        let upload = |values: &[f32]| Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(values.to_vec(), [values.len()]), (device, burn::tensor::DType::F32));
         let (config, parts, place) = host.parts();
-        let parts = parts
-            .map(|(elements, master, moments)| DevicePart {
-                elements,
-                master: upload(master),
-                moments: (moments.time > 0).then(|| (upload(&moments.moment_1), upload(&moments.moment_2))),
-                time: moments.time,
-            })
-            .collect();
+        let parts = parts.map(|(elements, master, moments)| DevicePart::upload(elements, [master.to_vec(), moments.moment_1.clone(), moments.moment_2.clone()], moments.time, device)).collect();
         Self { config, parts, place }
+    }
+
+    /// The state a world of any size saved in `dir` ([`ShardedAdamW::load`]'s files),
+    /// re-partitioned for rank `rank` of `world`, on `device`, each parameter's part uploaded
+    /// as it is read; and the files' digest.
+    pub(crate) fn load_with_digest(dir: &Path, rank: usize, world: usize, device: &burn::tensor::Device<B::InnerBackend>) -> Result<(Self, u64), UlyssesError> {
+        let (config, parts, digest) = super::state_files::load_parts_with(dir, rank, world, |elements, values, time| DevicePart::upload(elements, values, time, device))?;
+        Ok((Self { config, parts, place: Some((rank, world)) }, digest))
     }
 }
 

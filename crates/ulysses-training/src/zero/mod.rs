@@ -24,5 +24,5 @@ pub(crate) use parts::norm_of_parts;
 pub use host_adamw::{PartChecks, ShardedAdamW, adamw_settings, cast_master_part, host_adamw_config};
 pub use stage3::{GradParts, OptimizerPlace, PartOptimizer, PartsFrom, ShardedParameters, Zero3Step};
 pub use state_files::{
-    STATE_FOLDER_PREFIX, ShardedState, check_folder_shared, load_sharded_optimizer, load_sharded_training_checkpoint, remove_unnamed_state_folders, save_sharded_training_checkpoint, sharded_state_file, sharded_state_folder,
+    STATE_FOLDER_PREFIX, ShardedState, check_folder_shared, load_sharded_optimizer, load_sharded_optimizer_on_device, load_sharded_training_checkpoint, remove_unnamed_state_folders, save_sharded_training_checkpoint, sharded_state_file, sharded_state_folder,
 };

@@ -138,44 +138,55 @@ impl ShardedAdamW {
     /// [`load`](Self::load), and a digest of every saved rank's file (their sections'
     /// checksums): ranks that read the same state get the same digest.
     pub(crate) fn load_with_digest(dir: &Path, rank: usize, world: usize) -> Result<(Self, u64), UlyssesError> {
-        let new = super::parts::partition_of(rank, world)?;
-        let saved_world = saved_world(dir)?;
-        let old = Partition::new(saved_world).expect("a saved world has a rank");
-        let mut files: Vec<ShardFile> = (0..saved_world).map(|r| ShardFile::open(&dir.join(sharded_state_file(r, saved_world)), r, saved_world)).collect::<Result<_, _>>()?;
-        let layout: Vec<(usize, u32)> = files[0].header.parameters.iter().map(|p| (p.elements, p.time)).collect();
-        if let Some(file) = files.iter().find(|f| f.header.parameters.iter().map(|p| (p.elements, p.time)).ne(layout.iter().copied())) {
-            return Err(shard_error(&file.path, "its parameters or step counts differ from rank 0's file: the files are of different runs or steps"));
-        }
-        let config = files[0].header.config;
-        let checksums: Vec<u8> = files.iter().flat_map(|f| f.header.parameters.iter().flat_map(|p| p.checksum.to_le_bytes())).collect();
-        let digest = fnv1a(&[&saved_world.to_le_bytes(), &checksums]);
-        let mut parts = Vec::with_capacity(layout.len());
-        for (index, &(elements, time)) in layout.iter().enumerate() {
-            // This rank's new part, assembled from the old parts that overlap it.
-            let mine = new.owned(elements, rank);
-            let mut values = [vec![0.0f32; new.part_len(elements)], vec![0.0; new.part_len(elements)], vec![0.0; new.part_len(elements)]];
-            for (r, file) in files.iter_mut().enumerate() {
-                let theirs = old.owned(elements, r);
-                let (from, to) = (mine.start.max(theirs.start), mine.end.min(theirs.end));
-                if from >= to {
-                    continue;
-                }
-                // Their values from..to, of each array, into ours: the section read in pieces.
-                let wanted = from - theirs.start..to - theirs.start;
-                file.read_section(index, old.part_len(elements), |which, at, piece| {
-                    let (start, end) = (at.max(wanted.start), (at + piece.len()).min(wanted.end));
-                    if start < end {
-                        let target = start + theirs.start - mine.start;
-                        values[which][target..target + end - start].copy_from_slice(&piece[start - at..end - at]);
-                    }
-                })?;
-            }
-            let [master, moment_1, moment_2] = values;
+        let (config, parts, digest) = load_parts_with(dir, rank, world, |elements, [master, moment_1, moment_2], time| {
             let moments = if time == 0 { AdamWMoments::default() } else { AdamWMoments { moment_1, moment_2, time } };
-            parts.push((elements, master, moments));
-        }
+            (elements, master, moments)
+        })?;
         Ok((Self::from_parts(config, parts, Some((rank, world))), digest))
     }
+}
+
+/// The state a world of any size saved in `dir`, re-partitioned for rank `rank` of a world of
+/// `world`, one parameter at a time: `take` is handed each parameter's elements, this rank's
+/// new part of its master weights and both moments (zeros before the first update), and its
+/// step count, as soon as they are read (a loader to the device keeps none of them on the
+/// host). Returns the saved config, what `take` made of each, and the files' digest.
+pub(crate) fn load_parts_with<T>(dir: &Path, rank: usize, world: usize, mut take: impl FnMut(usize, [Vec<f32>; 3], u32) -> T) -> Result<(HostAdamWConfig, Vec<T>, u64), UlyssesError> {
+    let new = super::parts::partition_of(rank, world)?;
+    let saved_world = saved_world(dir)?;
+    let old = Partition::new(saved_world).expect("a saved world has a rank");
+    let mut files: Vec<ShardFile> = (0..saved_world).map(|r| ShardFile::open(&dir.join(sharded_state_file(r, saved_world)), r, saved_world)).collect::<Result<_, _>>()?;
+    let layout: Vec<(usize, u32)> = files[0].header.parameters.iter().map(|p| (p.elements, p.time)).collect();
+    if let Some(file) = files.iter().find(|f| f.header.parameters.iter().map(|p| (p.elements, p.time)).ne(layout.iter().copied())) {
+        return Err(shard_error(&file.path, "its parameters or step counts differ from rank 0's file: the files are of different runs or steps"));
+    }
+    let config = files[0].header.config;
+    let checksums: Vec<u8> = files.iter().flat_map(|f| f.header.parameters.iter().flat_map(|p| p.checksum.to_le_bytes())).collect();
+    let digest = fnv1a(&[&saved_world.to_le_bytes(), &checksums]);
+    let mut parts = Vec::with_capacity(layout.len());
+    for (index, &(elements, time)) in layout.iter().enumerate() {
+        // This rank's new part, assembled from the old parts that overlap it.
+        let mine = new.owned(elements, rank);
+        let mut values = [vec![0.0f32; new.part_len(elements)], vec![0.0; new.part_len(elements)], vec![0.0; new.part_len(elements)]];
+        for (r, file) in files.iter_mut().enumerate() {
+            let theirs = old.owned(elements, r);
+            let (from, to) = (mine.start.max(theirs.start), mine.end.min(theirs.end));
+            if from >= to {
+                continue;
+            }
+            // Their values from..to, of each array, into ours: the section read in pieces.
+            let wanted = from - theirs.start..to - theirs.start;
+            file.read_section(index, old.part_len(elements), |which, at, piece| {
+                let (start, end) = (at.max(wanted.start), (at + piece.len()).min(wanted.end));
+                if start < end {
+                    let target = start + theirs.start - mine.start;
+                    values[which][target..target + end - start].copy_from_slice(&piece[start - at..end - at]);
+                }
+            })?;
+        }
+        parts.push(take(elements, values, time));
+    }
+    Ok((config, parts, digest))
 }
 
 impl ParameterPart {
@@ -526,8 +537,35 @@ where
     M: AutodiffModule<B>,
     S: serde::de::DeserializeOwned,
 {
+    load_sharded_state::<B, M, S, _>(location, model, world, ShardedAdamW::load_with_digest)
+}
+
+/// [`load_sharded_optimizer`] into a [`DeviceShardedAdamW`](super::DeviceShardedAdamW) on
+/// `device`, each parameter's part uploaded as it is read: the host never holds the rank's
+/// whole state (12 bytes a parameter of its parts; 96 GB for 8B on one GPU), as the device
+/// optimizer's save never does.
+pub fn load_sharded_optimizer_on_device<B, M, S>(
+    location: &Path,
+    model: &M,
+    world: &dyn Communicator<B::Wire>,
+    device: &burn::tensor::Device<B::InnerBackend>,
+) -> Result<(super::DeviceShardedAdamW<B>, S), UlyssesError>
+where
+    B: TrainBackend,
+    M: AutodiffModule<B>,
+    S: serde::de::DeserializeOwned,
+{
+    load_sharded_state::<B, M, S, _>(location, model, world, |dir, rank, world| super::DeviceShardedAdamW::load_with_digest(dir, rank, world, device))
+}
+
+fn load_sharded_state<B, M, S, O>(location: &Path, model: &M, world: &dyn Communicator<B::Wire>, load: impl FnOnce(&Path, usize, usize) -> Result<(O, u64), UlyssesError>) -> Result<(O, S), UlyssesError>
+where
+    B: TrainBackend,
+    M: AutodiffModule<B>,
+    S: serde::de::DeserializeOwned,
+{
     let path = crate::checkpoint::checkpoint_path(location);
-    let loaded = || -> Result<(S, ShardedAdamW, u64), UlyssesError> {
+    let loaded = || -> Result<(S, O, u64), UlyssesError> {
         let contents = crate::checkpoint::read_checkpoint::<S>(location)?;
         let Some(folder) = contents.optimizer_shards else {
             return Err(crate::checkpoint::error(
@@ -555,7 +593,7 @@ where
             return Err(crate::checkpoint::error(&path, format!("it names its optimizer state `{folder}`, not a folder beside it: an edited or foreign header")));
         }
         let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let (optimizer, digest) = ShardedAdamW::load_with_digest(&dir.join(folder), world.rank(), world.size())?;
+        let (optimizer, digest) = load(&dir.join(folder), world.rank(), world.size())?;
         Ok((contents.state, optimizer, digest))
     };
     let loaded = loaded();
