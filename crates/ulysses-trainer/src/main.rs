@@ -1867,7 +1867,7 @@ impl<M: Clone> Template<M> {
 /// `--offload-to-host` keeps, and on the CPU backend (`on_cpu`) what the devices keep
 /// ([`memory::device_state_bytes`]; the parameters alone when `evaluating`). `elements`: each
 /// parameter's, counted on a model not yet built ([`ulysses_training::parameter_elements`]).
-fn check_host_memory(config: &TrainConfig, elements: &[usize], ranks_here: usize, on_cpu: bool, evaluating: bool, compute_bytes: u64) -> Result<(), String> {
+fn check_host_memory(config: &TrainConfig, elements: &[usize], ranks_here: usize, on_cpu: bool, evaluating: bool, compute_bytes: u64, snapshot_bytes: u64) -> Result<(), String> {
     let parameters = elements.iter().sum::<usize>() as u64;
     let ranks = ranks_here as u64;
     let offloaded = if evaluating { 0 } else { memory::offloaded_host_bytes(config, compute_bytes) * ranks };
@@ -1885,7 +1885,12 @@ fn check_host_memory(config: &TrainConfig, elements: &[usize], ranks_here: usize
         // they add nothing.
         let parameter_bytes = 0;
         let in_flight = memory::in_backward_bytes(config) * ranks;
-        let beside = [(device_bytes, devices_what), (offloaded, offloaded_what), (in_flight, "of gradient parts and new parts on their way through the update in the backward")];
+        let beside = [
+            (device_bytes, devices_what),
+            (offloaded, offloaded_what),
+            (in_flight, "of gradient parts and new parts on their way through the update in the backward"),
+            (snapshot_bytes, SNAPSHOT_WHAT),
+        ];
         let gradient_bytes = if config.optimizer_in_backward { 0 } else { 4 };
         return ulysses_training::ShardedAdamW::check_host_memory(elements, config.layout.world_size(), ranks_here, parameter_bytes, gradient_bytes, &beside)
             .map_err(|e| format!("--offload-optimizer: {e}"));
@@ -1901,8 +1906,29 @@ fn check_host_memory(config: &TrainConfig, elements: &[usize], ranks_here: usize
         what.push(format!("the layer inputs --offload-to-host keeps there ({})", gb(offloaded)));
         fix.push("spread the ranks over more nodes, cut each micro-batch (more --grad-accumulation), or keep the layer inputs on the device (without --offload-to-host)");
     }
+    if snapshot_bytes > 0 {
+        what.push(format!("the {} {SNAPSHOT_WHAT}", gb(snapshot_bytes)));
+        fix.push("export with --zero 3 (gathered a shard at a time), or without --save-hf (convert model.mpk later)");
+    }
     let what = format!("{}, for {ranks_here} rank(s) on this host,", what.join(" and "));
-    ulysses_core::host_memory::check_fits(device_bytes + offloaded, ulysses_core::host_memory::available_bytes(), &what, &fix.join("; "))
+    ulysses_core::host_memory::check_fits(device_bytes + offloaded + snapshot_bytes, ulysses_core::host_memory::available_bytes(), &what, &fix.join("; "))
+}
+
+/// What [`snapshot_bytes`] counts, in a host memory check's words.
+const SNAPSHOT_WHAT: &str = "of the --save-hf snapshot world rank 0 takes at each checkpoint (the model in the saved dtype, written beside the training; one shard twice as it is taken)";
+
+/// Host memory a replicated `--save-hf` snapshot takes on world rank 0's host
+/// (`HfCheckpointSnapshot`: the model in the dtype it is saved in, and one shard of it twice
+/// while it is taken); 0 where this host writes none (another rank's, ZeRO-3's gathered
+/// export, no --save-hf).
+fn snapshot_bytes(job: &Job, parameters: u64, compute_dtype: burn::tensor::FloatDType, writes_here: bool) -> u64 {
+    let config = &job.config;
+    let (Some(_), Some(checkpoint), true) = (&job.args.save_hf, &job.pretrained, writes_here && config.zero_stage != 3 && job.eval_sequences.is_none()) else { return 0 };
+    let own = checkpoint.saved_dtype();
+    let copy = (config.shards_optimizer() && compute_dtype != burn::tensor::FloatDType::F32).then_some(compute_dtype);
+    let dtype = ulysses_trainer::train::save_hf_dtype(job.args.save_hf_dtype.map(Into::into), own, copy).unwrap_or(own);
+    let model = parameters * dtype.size() as u64;
+    model + model.min(ulysses_models::DEFAULT_MAX_SHARD_BYTES)
 }
 
 /// Runs this process's ranks (all of them as threads, or its one rank) on `UlyssesBackend`
@@ -1931,8 +1957,10 @@ where
         ulysses_trainer::train::refuse_f16_training(compute_dtype, &template_device).map_err(|e| e.to_string())?;
     }
     let compute_bytes = burn::tensor::DType::from(compute_dtype).size() as u64;
-    check_host_memory(config, &elements, ranks_here, on_cpu, job.eval_sequences.is_some(), compute_bytes)?;
     let parameters = elements.iter().sum::<usize>() as u64;
+    let world_rank_0_here = threads || matches!(&job.launch, Launch::Process(env) if env.rank == 0);
+    let snapshot = snapshot_bytes(job, parameters, compute_dtype, world_rank_0_here);
+    check_host_memory(config, &elements, ranks_here, on_cpu, job.eval_sequences.is_some(), compute_bytes, snapshot)?;
     if job.eval_sequences.is_none() && (threads || matches!(&job.launch, Launch::Process(env) if env.rank == 0)) {
         tracing::info!("memory: {}", memory_estimate(config, parameters, compute_bytes));
     }
