@@ -107,6 +107,14 @@ where
     options.dist.validate()?;
     let layout = options.layout;
     check_sp_size_variable(&layout, std::env::var(ulysses_dist::config::ENV_SP_SIZE).ok())?;
+    // The 0.22 crate's degree, set on the config: here it would be ignored without a word.
+    if options.dist.sp_size != 1 && options.dist.sp_size != layout.sp_size {
+        return Err(DistError::Job(format!(
+            "DistributedConfig::sp_size is {} but the job's layout has sp {}: these jobs take the sequence-parallel degree from \
+             JobOptions::layout (ParallelLayout::with_sp_size); build the layout with sp {}, and leave the config's at 1",
+            options.dist.sp_size, layout.sp_size, options.dist.sp_size
+        )));
+    }
     match launch {
         Launch::Threads => {
             // A degree of 0 (`dp = world / sp` with world < sp) named, not a group of no rank.
@@ -185,6 +193,10 @@ mod tests {
         let options = JobOptions::new(ParallelLayout::new().with_sp_size(4).with_dp_size(0), DistributedConfig::new());
         let error = run_ranks::<NdArray, Tcp, ()>(&Launch::Threads, &options, |_| Default::default(), |_| ()).err().expect("refused");
         assert!(error.to_string().contains("dp_size must be at least 1"), "{error}");
+        // An SP degree set on the config (the 0.22 crate's place for it) rather than the layout.
+        let options = JobOptions::new(ParallelLayout::new(), DistributedConfig::new().with_sp_size(4));
+        let error = run_ranks::<NdArray, Tcp, ()>(&Launch::Threads, &options, |_| Default::default(), |_| ()).err().expect("refused");
+        assert!(error.to_string().contains("DistributedConfig::sp_size is 4 but the job's layout has sp 1"), "{error}");
     }
 
     /// A job script's `ULYSSES_SP_SIZE` that the layout does not follow is refused by name; one

@@ -30,7 +30,9 @@ pub const MAX_TIMEOUT_SECS: f64 = 1e9;
 #[serde(default)]
 pub struct DistributedConfig {
     /// Ranks per sequence-parallel group; the data-parallel size is `world / sp_size`.
-    /// Consecutive ranks form an SP group, so keep `sp_size` within a node. Default 1.
+    /// Consecutive ranks form an SP group, so keep `sp_size` within a node. Default 1. Read by
+    /// the burn 0.22 crate's jobs; burn-ulysses' (burn 0.21) take the degree from their
+    /// `ParallelLayout` and refuse another here.
     pub sp_size: usize,
     /// How long a rank waits for rank 0's rendezvous and for the other ranks to join. Default 300.
     pub rendezvous_timeout_secs: f64,
