@@ -372,7 +372,9 @@ impl SequenceSharder {
             batch: sequences.len(),
             local_len,
             position_offset: start,
-            positions: ShardPositions { ids, packed: documents.is_some(), cut: self.cut(rank) },
+            // Rows of one document each are not packed: attention over them needs no restriction
+            // (which a ring refuses).
+            positions: ShardPositions { ids, packed: documents.is_some_and(|documents| documents.iter().any(|lengths| lengths.len() > 1)), cut: self.cut(rank) },
             valid_tokens,
             padding,
         }
@@ -478,6 +480,8 @@ mod tests {
         let ids: Vec<u64> = (0..2).flat_map(|rank| padded.shard_documents(&sequences[..1], Some(&lengths[..1]), rank).positions.ids.ids().to_vec()).collect();
         assert_eq!(ids, vec![0, 1, 2, 0, 1, 0, 0, 0]);
         assert!(shards[0].positions.packed);
+        // A row of one document given as one is not packed: its attention needs no restriction.
+        assert!(!sharder.shard_documents(&sequences[1..2], Some(&lengths[1..2]), 0).positions.packed);
         assert_eq!(shards[0].valid_tokens + shards[1].valid_tokens, 3);
         // Unpacked: global positions, padding included.
         let unpacked = SequenceSharder::new(2).with_pad_to(Some(6)).shard(&sequences[..1], 1);
