@@ -119,7 +119,7 @@ pub enum DenseFallback {
 /// `fused_attention_*` hooks (burn's CubeCL backends do, with `ulysses-kernels`).
 pub trait PlainBackend: Backend {
     /// `Ok` when [`fused_attention_forward`](Self::fused_attention_forward) would return
-    /// `Some` for q, k and v of these shapes and dtypes on `device`, else why not. Asked by
+    /// `Ok` for q, k and v of these shapes and dtypes on `device`, else why not. Asked by
     /// backends that record work to run later (fusion), before they record.
     fn fused_attention_check(
         _operands: [(&[usize], DType); 3],
@@ -143,7 +143,7 @@ pub trait PlainBackend: Backend {
     }
 
     /// `(dQ, dK, dV)` from the inputs, output, output gradient and log-sum-exp of a
-    /// [`fused_attention_forward`](Self::fused_attention_forward) that returned `Some`.
+    /// [`fused_attention_forward`](Self::fused_attention_forward) that returned `Ok`.
     #[allow(clippy::too_many_arguments)]
     fn fused_attention_backward(
         _query: FloatTensor<Self>,

@@ -81,7 +81,9 @@ pub trait Communicator<B: Backend>: Send + Sync + 'static {
     /// This default pads every part to the largest part of any rank and runs
     /// [`all_to_all`](Self::all_to_all), after one host all-gather of the counts (which
     /// also checks that they pair up): correct on any transport, at the padding's cost.
-    /// Transports that move unequal parts natively override it (threads, NCCL).
+    /// Transports that move unequal parts natively override it (threads, host-staged: TCP,
+    /// NCCL). Counts that cannot pair up are refused on the rank that finds them, before any
+    /// collective: its peers wait for it until their collective timeout, or until it leaves.
     fn all_to_all_uneven(&self, tensor: FloatTensor<B>, send_counts: &[usize], recv_counts: &[usize]) -> Result<FloatTensor<B>, CommError> {
         let (rank, size) = (self.rank(), self.size());
         check_uneven_counts(size, tensor.shape().num_elements(), tensor.shape().num_dims(), send_counts, recv_counts)?;

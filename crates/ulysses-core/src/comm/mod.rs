@@ -142,7 +142,8 @@ pub enum CommError {
     #[error(
         "collective #{seq} ({op}) timed out after {after:?} waiting for world rank(s) \
          {waiting_for:?}. A rank is stuck or skipped a collective; raise the timeout \
-         (ULYSSES_COLLECTIVE_TIMEOUT) if it is only slow. With ranks as threads, also check that \
+         (ULYSSES_COLLECTIVE_TIMEOUT, or ThreadGroupConfig::with_timeout_secs for a ThreadGroup \
+         of your own) if it is only slow. With ranks as threads, also check that \
          no two ranks share parameter tensors: their autodiff graphs merge and one rank's \
          backward blocks the other's."
     )]
