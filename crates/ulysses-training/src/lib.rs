@@ -1035,7 +1035,10 @@ fn check_evaluated_tokens(batch: &[Vec<i64>], ignore_index: i64) -> Result<(), U
 
 /// The cross-entropy of the whole, unsharded `batch` on this rank alone, bypassing sequence
 /// parallelism even inside a group: no collective but those `forward` issues itself (ZeRO-3's
-/// gathers, which the other ranks join: [`join_layered_output_gathers`]).
+/// gathers, which the other ranks join: [`join_layered_output_gathers`]). A batch it refuses
+/// is refused before the forward, so ranks joining its gathers would wait for them until their
+/// collective timeout: where they do, check the batch on every rank first
+/// (`SequenceSharder::check_batch`, and no token below 0 or equal to `ignore_index`).
 pub fn evaluate_single_device<B: Backend>(
     forward: impl FnOnce(Tensor<B, 2, Int>, &ShardPositions) -> Result<LmOutput<B>, UlyssesError>,
     batch: &[Vec<i64>],

@@ -321,18 +321,28 @@ impl ShardedAdamW {
         max_grad_norm: Option<f64>,
         world: &dyn Communicator<B::Wire>,
     ) -> Result<(M, f64), UlyssesError> {
-        self.settle()?;
         let partition = Partition::new(world.size()).expect("a world has a rank");
         let rank = world.rank();
         let mut take = TakeGradients::<B> { grads: &mut grads, local: Vec::new() };
         model.visit(&mut take);
         let mut local = take.local;
-        check_no_empty_parameter(&local.iter().map(LocalGradient::len).collect::<Vec<_>>(), || crate::parameter_paths(&model))?;
-        if self.parts.is_empty() {
-            self.parts = local.iter().map(|l| ParameterPart { elements: l.len(), master: Arc::new(host_part(&partition, rank, &l.parameter)), moments: AdamWMoments::default() }).collect();
-            self.place = Some((rank, world.size()));
+        let elements: Vec<usize> = local.iter().map(LocalGradient::len).collect();
+        let misfit = self.settle().and_then(|()| check_no_empty_parameter(&elements, || crate::parameter_paths(&model))).and_then(|()| {
+            if self.parts.is_empty() {
+                self.parts = local.iter().map(|l| ParameterPart { elements: l.len(), master: Arc::new(host_part(&partition, rank, &l.parameter)), moments: AdamWMoments::default() }).collect();
+                self.place = Some((rank, world.size()));
+            }
+            self.check_holds(rank, world.size(), &elements)
+        });
+        // Agreed before any other collective: a rank that stopped alone (its state of another
+        // place, its last update failed) would leave the others waiting in the next one.
+        let every_rank = burn_ulysses::comm::all_gather_host_checked(world, &[misfit.is_ok() as u64], "sharded optimizer checks")?;
+        misfit?;
+        if let Some(other) = every_rank.iter().position(|ok| ok[0] == 0) {
+            return Err(UlyssesError::InvalidConfig(format!(
+                "rank {other}'s sharded optimizer does not fit its model or place, or its last update failed (its error says why)"
+            )));
         }
-        self.check_holds(rank, world.size(), &local.iter().map(LocalGradient::len).collect::<Vec<_>>())?;
 
         // 1. This rank's part of every gradient's sum.
         let grad_parts = host_parts(reduce_scatter_buckets::<B>(&mut local, &partition, world)?, local.len())?;
@@ -912,8 +922,9 @@ pub(super) mod tests {
     }
 
     /// A rank whose optimizer does not fit its model (here rank 1's holds another model's
-    /// parts) stops with its own error before the step's collectives, and the other ranks
-    /// stop at the first of them, naming it, rather than wait for it.
+    /// parts) stops with its own error, and the other ranks with it, naming it: the ranks agree
+    /// on their checks before the step's collectives (a library caller's rank that returned
+    /// alone left the others waiting in them until it left, or for their timeout).
     #[test]
     fn a_rank_whose_optimizer_does_not_fit_stops_every_rank_naming_it() {
         use burn::{
@@ -932,6 +943,6 @@ pub(super) mod tests {
         });
         let messages: Vec<String> = outcome.into_iter().map(|r| r.unwrap()).collect();
         assert!(messages[1].contains("one sharded optimizer per model"), "rank 1: {}", messages[1]);
-        assert!(messages[0].contains("rank 1 left the group") && messages[0].contains("world rank 1's own error"), "rank 0: {}", messages[0]);
+        assert!(messages[0].contains("rank 1's sharded optimizer does not fit its model or place"), "rank 0: {}", messages[0]);
     }
 }
