@@ -55,6 +55,21 @@ const TOKENIZE_CHUNK: usize = 512;
 pub const DOCUMENT_READER_VERSION: u32 = 7;
 
 /// How documents become token ids.
+/// Which tokens of --data's lines are targets (`--loss-on`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LossOn {
+    /// The answers alone: a conversation's `{% generation %}` blocks (a template without them
+    /// refused), a prompt/completion line's completion narrowed to them, the tokens with a
+    /// label or an answer mask's 1 (TRL's `assistant_only_loss`).
+    Assistant,
+    /// TRL's defaults (`completion_only_loss`): a prompt/completion line's completion whole
+    /// (a conversational one too, whatever its template marks), a labelled line's labels, a
+    /// conversation's every token.
+    Completion,
+    /// Every token.
+    All,
+}
+
 pub struct DocumentReader<'a> {
     /// Tokenizes `{"text"}` lines and text files (`None`: only token ids can be read).
     pub tokenizer: Option<&'a TextTokenizer>,
@@ -66,9 +81,9 @@ pub struct DocumentReader<'a> {
     pub progress: bool,
     /// Renders `{"messages"}` lines (`None`: the checkpoint has no chat template).
     pub chat: Option<&'a ChatTemplate>,
-    /// Whether chat lines train on the answers alone (`--loss-on assistant`), which needs a
-    /// template that marks them.
-    pub answers_only: bool,
+    /// Which tokens are targets: under [`LossOn::Assistant`] a conversation needs a template
+    /// that marks its answers.
+    pub loss_on: LossOn,
     /// Refuse a document longer than this (`--too-long refuse`), naming its line, rather than
     /// cut it into pieces when packing (`None`).
     pub refuse_longer_than: Option<usize>,
@@ -184,6 +199,17 @@ impl DocumentReader<'_> {
             );
         }
         let marked = documents.iter().any(|(_, targets)| targets.is_some());
+        let unmarked = documents.iter().filter(|(_, targets)| targets.is_none()).count();
+        if self.loss_on == LossOn::Assistant && unmarked > 0 {
+            // Text and token-id lines mark no answers: a chat rendered to text trains its prompts.
+            tracing::warn!(
+                "{flag} {}: {unmarked} of {} document(s) mark no answers (text or input_ids lines), so every token of them trains under \
+                 --loss-on assistant, prompts included: give conversations (messages), prompt/completion or labelled lines to train on \
+                 the answers alone, or --loss-on all to train every token knowingly",
+                path.display(),
+                documents.len()
+            );
+        }
         let (ids, targets): (Vec<Vec<i64>>, Vec<Option<Vec<bool>>>) = documents.into_iter().unzip();
         let targets = marked.then(|| targets.into_iter().zip(&ids).map(|(targets, ids)| targets.unwrap_or_else(|| vec![true; ids.len()])).collect());
         Ok(Documents { ids, targets, rendered_chat: self.noted.rendered.get() })
@@ -234,9 +260,10 @@ impl DocumentReader<'_> {
     /// answers is refused (as TRL's assistant_only_loss refuses it).
     fn chat(&self, at: &dyn Fn() -> String) -> Result<(&ChatTemplate, &TextTokenizer), String> {
         match (self.chat, self.tokenizer) {
-            (Some(chat), _) if self.answers_only && !chat.marks_answers() => Err(format!(
+            (Some(chat), _) if self.loss_on == LossOn::Assistant && !chat.marks_answers() => Err(format!(
                 "{}: the chat template marks no answers ({{% generation %}} blocks), so the answers alone cannot be told \
-                 from the prompts: train on every token with --loss-on all, or use a template that marks them",
+                 from the prompts: train as TRL does by default with --loss-on completion (a prompt/completion line's completion, \
+                 a conversation's every token), on every token with --loss-on all, or use a template that marks them",
                 at()
             )),
             (Some(chat), Some(tokenizer)) => {
@@ -255,7 +282,7 @@ impl DocumentReader<'_> {
 
     /// Counts a conversation with no target under --loss-on assistant, for one warning.
     fn note_unanswered(&self, targets: &[bool]) {
-        if self.answers_only && !targets.contains(&true) {
+        if self.loss_on == LossOn::Assistant && !targets.contains(&true) {
             self.noted.unanswered.set(self.noted.unanswered.get() + 1);
         }
     }
@@ -319,7 +346,9 @@ impl DocumentReader<'_> {
                     let (chat, tokenizer) = self.chat(&at)?;
                     let (ids, answers) = chat.tokenize_with(tokenizer, &messages, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
                     self.note_unanswered(&answers);
-                    (ids.into_iter().map(i64::from).collect(), Some(answers))
+                    // A conversation has no completion: TRL's defaults train all of it.
+                    let answers = (self.loss_on == LossOn::Assistant).then_some(answers);
+                    (ids.into_iter().map(i64::from).collect(), answers)
                 }
                 Pending::ChatPromptCompletion(prompt, completion, variables) => {
                     let (chat, tokenizer) = self.chat(&at)?;
@@ -332,7 +361,8 @@ impl DocumentReader<'_> {
                     let whole: Vec<Value> = prompt.into_iter().chain(completion).collect();
                     let (ids, answers) = chat.tokenize_with(tokenizer, &whole, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
                     let shared = Self::completion_start(&prompt_ids, &ids, &self.noted.rerendered_prompts);
-                    let targets: Vec<bool> = answers.iter().enumerate().map(|(i, &answer)| i >= shared && (answer || !self.answers_only)).collect();
+                    let narrowed = self.loss_on == LossOn::Assistant;
+                    let targets: Vec<bool> = answers.iter().enumerate().map(|(i, &answer)| i >= shared && (answer || !narrowed)).collect();
                     self.note_unanswered(&targets);
                     (ids.into_iter().map(i64::from).collect(), Some(targets))
                 }
@@ -871,7 +901,7 @@ mod tests {
         let eos = tokenizer.token_id("<|endoftext|>").expect("the fixture's EOS");
         let file = std::env::temp_dir().join(format!("ulysses-documents-eos-{}.jsonl", std::process::id()));
         fs::write(&file, "{\"text\": \"a group.\"}\n{\"text\": \"a group.<|endoftext|>\"}\n{\"text\": \"<|endoftext|>a group.\"}\n").unwrap();
-        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, answers_only: false, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, loss_on: LossOn::All, refuse_longer_than: None, noted: Default::default() };
         let documents = reader.read(&file).unwrap().ids;
         // The same lines in a .JSON file are JSON Lines too, not one text document.
         let json = file.with_extension("JSON");
@@ -929,7 +959,7 @@ mod tests {
             r#"{"prompt": "Q:", "completion": " A<|endoftext|>"}"#,
         ];
         fs::write(&file, lines.join("\n")).unwrap();
-        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, answers_only: false, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, loss_on: LossOn::All, refuse_longer_than: None, noted: Default::default() };
         let documents = reader.read(&file).unwrap();
         fs::remove_dir_all(&dir).unwrap();
         let (bos, eos) = (i64::from(bos), i64::from(eos));
@@ -963,7 +993,7 @@ mod tests {
         fs::write(dir.join("README.md"), "# A dataset card").unwrap();
         fs::write(dir.join(".gitattributes"), "*.jsonl filter=lfs").unwrap();
         fs::write(dir.join(".cache/train.jsonl.metadata"), "abc").unwrap();
-        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: false, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, loss_on: LossOn::All, refuse_longer_than: None, noted: Default::default() };
         assert_eq!(reader.read(&dir).unwrap().ids, vec![vec![5, 6]]);
         // A file named for training is one, whatever else its name holds.
         fs::write(dir.join("unit_test_train.jsonl"), "[7, 8]\n").unwrap();
@@ -1033,7 +1063,7 @@ mod tests {
     /// follow their tokens through packing, a cut document included.
     #[test]
     fn targets_follow_their_tokens_into_the_packed_sequences() {
-        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, answers_only: true, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, loss_on: LossOn::Assistant, refuse_longer_than: None, noted: Default::default() };
         let dir = std::env::temp_dir().join(format!("ulysses-targets-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let file = dir.join("data.jsonl");

@@ -35,7 +35,7 @@ use ulysses_trainer::{
     corpus::{BYTE_VOCAB, ByteCorpus, DEFAULT_CORPUS},
     data_identity::{DataIdentity, TRAINED_WHOLE},
     memory,
-    documents::{DOCUMENT_READER_VERSION, DocumentReader, Documents, PackedDocuments, cut_documents_note, document_eos},
+    documents::{DOCUMENT_READER_VERSION, DocumentReader, Documents, LossOn, PackedDocuments, cut_documents_note, document_eos},
     plot,
     run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, earlier_rows, resumed_folder},
     tokens::TokenFile,
@@ -47,13 +47,6 @@ use ulysses_trainer::{
 enum TooLong {
     Cut,
     Refuse,
-}
-
-/// What supervised fine-tuning data trains on (`--loss-on`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum LossOn {
-    Assistant,
-    All,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -205,9 +198,11 @@ struct Args {
     #[arg(long, default_value_t = 50)]
     eval_every: usize,
     /// What --data's chat, prompt/completion and labelled lines train on: `assistant`, the
-    /// answers alone (the template's {% generation %} blocks, the completions, the tokens with
-    /// a label or an answer mask's 1), as TRL's SFTTrainer does with `assistant_only_loss` (its default for
-    /// prompt/completion lines, not for chat lines); `all`, every token.
+    /// answers alone (the template's {% generation %} blocks, the completions narrowed to them,
+    /// the tokens with a label or an answer mask's 1), as TRL's SFTTrainer does with
+    /// `assistant_only_loss`; `completion`, TRL's defaults (a prompt/completion line's
+    /// completion whole, whatever the template marks; a conversation's every token); `all`,
+    /// every token.
     #[arg(long, value_enum, default_value = "assistant", requires = "data")]
     loss_on: LossOn,
     /// A --data document (a conversation) longer than --seq-len: `cut` into pieces, each
@@ -1686,24 +1681,24 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         None => (None, "no tokenizer".into()),
     };
     let chat = data_chat_template(args, tokenizer.as_ref())?;
-    let answers_only = args.loss_on == LossOn::Assistant;
+    let loss_on = args.loss_on;
     let reader = || DocumentReader {
         tokenizer: tokenizer.as_ref(),
         eos,
         vocab: config.model.vocab_size,
         progress: show_progress,
         chat: chat.as_ref(),
-        answers_only,
+        loss_on,
         refuse_longer_than: (args.too_long == TooLong::Refuse).then_some(config.seq_len),
         noted: Default::default(),
     };
     let documents = reader().read(path)?;
     // The template's file and what decides its rendering, where it rendered a conversation.
     let rendered_with = chat.as_ref().filter(|_| documents.rendered_chat).map(|chat| (chat.file().to_string(), chat.rendering_text().to_string()));
-    let targets = answers(&documents, answers_only, "--data", path)?;
+    let targets = answers(&documents, loss_on, "--data", path)?;
     if let Some(targets) = targets.as_ref().filter(|_| show_progress) {
         let (trained, total) = (targets.iter().flatten().filter(|&&t| t).count(), targets.iter().map(Vec::len).sum::<usize>());
-        tracing::info!("training on the answers alone: {trained} of {total} tokens are targets (--loss-on all: every token)");
+        tracing::info!("training on the {}: {trained} of {total} tokens are targets (--loss-on all: every token)", if loss_on == LossOn::Assistant { "answers alone" } else { "completions and labels" });
     }
     // Evaluating takes every sequence, however few.
     let batch_size = if args.eval_only { 1 } else { config.batch_size };
@@ -1719,7 +1714,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     let mut packed = PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, batch_size, config.seed, hold_out)?;
     if let Some(held_out) = &args.eval_data {
         let documents = reader().read_as("--eval-data", held_out)?;
-        let targets = answers(&documents, answers_only, "--eval-data", held_out)?;
+        let targets = answers(&documents, loss_on, "--eval-data", held_out)?;
         note_cuts(&documents, targets, "--eval-data", true);
         packed = packed.held_out_by(PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, 1, config.seed, false)?);
     }
@@ -1747,10 +1742,10 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     Ok((packed, rendered_with, eos, tokenized_by))
 }
 
-/// The targets of `documents`, read from `path` by `flag`, where the data marks answers and
-/// the run trains on them alone (`answers_only`); refused where none is an answer.
-fn answers<'a>(documents: &'a Documents, answers_only: bool, flag: &str, path: &Path) -> Result<Option<&'a [Vec<bool>]>, String> {
-    let Some(targets) = documents.targets.as_deref().filter(|_| answers_only) else { return Ok(None) };
+/// The targets of `documents`, read from `path` by `flag`, where the data marks some and the
+/// run trains on them (`loss_on` other than all); refused where none is a target.
+fn answers<'a>(documents: &'a Documents, loss_on: LossOn, flag: &str, path: &Path) -> Result<Option<&'a [Vec<bool>]>, String> {
+    let Some(targets) = documents.targets.as_deref().filter(|_| loss_on != LossOn::All) else { return Ok(None) };
     if !targets.iter().flatten().any(|&t| t) {
         return Err(format!(
             "{flag} {}: no token is an answer (no assistant turn, completion or label), so the loss on the answers alone would be 0 \

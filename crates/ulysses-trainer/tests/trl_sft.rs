@@ -13,7 +13,7 @@ use std::path::Path;
 
 use serde_json::Value;
 use ulysses_models::{ChatTemplate, TextTokenizer, TokenizerConfig};
-use ulysses_trainer::documents::{DocumentReader, document_eos};
+use ulysses_trainer::documents::{DocumentReader, LossOn, document_eos};
 
 #[test]
 fn every_kind_of_line_reads_as_trls_sft_trainer_prepares_it() {
@@ -35,7 +35,7 @@ fn every_kind_of_line_reads_as_trls_sft_trainer_prepares_it() {
         assert_eq!(Some(eos), tokenizer.token_id(want["eos_tokens"][folder].as_str().unwrap()), "{folder}: the EOS");
         let file = dir.join("line.jsonl");
         std::fs::write(&file, case["line"].to_string()).unwrap();
-        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: template.as_ref(), answers_only: true, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: template.as_ref(), loss_on: LossOn::Assistant, refuse_longer_than: None, noted: Default::default() };
         let what = format!("{folder} {}", case["line"]);
         let documents = match reader.read(&file) {
             Ok(documents) => documents,
@@ -64,7 +64,8 @@ fn every_kind_of_line_reads_as_trls_sft_trainer_prepares_it() {
 
 /// Under `--loss-on assistant` both kinds of conversation line need a template that marks the
 /// answers (TRL's `assistant_only_loss` raises without them): the fixture's template with its
-/// `{% generation %}` tags taken out is refused for each, naming the line and `--loss-on all`.
+/// `{% generation %}` tags taken out is refused for each, naming the line and `--loss-on
+/// completion`, TRL's defaults, which need no marks.
 /// A conversational prompt whose completion holds no answer (a tool's response alone) trains
 /// nothing, where TRL refuses the data: read, with no target.
 #[test]
@@ -79,19 +80,32 @@ fn conversations_need_a_template_that_marks_answers_to_train_on_answers_alone() 
     let eos = tokenizer.token_id("<|im_end|>").unwrap();
     let dir = std::env::temp_dir().join(format!("ulysses-trl-unmarked-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let read = |template: &ChatTemplate, line: &str| {
+    let read_for = |loss_on: LossOn, template: &ChatTemplate, line: &str| {
         let file = dir.join("line.jsonl");
         std::fs::write(&file, line).unwrap();
-        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: Some(template), answers_only: true, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: Some(template), loss_on, refuse_longer_than: None, noted: Default::default() };
         reader.read(&file)
     };
+    let read = |template: &ChatTemplate, line: &str| read_for(LossOn::Assistant, template, line);
     let messages = r#"{"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}]}"#;
     let prompt_completion = r#"{"prompt": [{"role": "user", "content": "Say hi."}], "completion": [{"role": "assistant", "content": "Hi."}]}"#;
     for line in [messages, prompt_completion] {
         let trained = read(&marking, line).unwrap_or_else(|e| panic!("{line}: {e}"));
         assert!(trained.targets.as_ref().unwrap()[0].contains(&true), "{line}: the answer is a target");
         let refused = read(&unmarked, line).err().unwrap_or_else(|| panic!("{line} read with a template that marks no answers"));
-        assert!(refused.contains("line 1") && refused.contains("marks no answers") && refused.contains("--loss-on all"), "{refused}");
+        assert!(refused.contains("line 1") && refused.contains("marks no answers") && refused.contains("--loss-on completion"), "{refused}");
+    }
+    // TRL's defaults (--loss-on completion) need no marks: a conversational prompt/completion
+    // line trains its completion whole, the tokens past its prompt's (its answer and what the
+    // template closes it with); a conversation trains every token.
+    for template in [&marking, &unmarked] {
+        let documents = read_for(LossOn::Completion, template, prompt_completion).unwrap();
+        let (ids, targets) = (&documents.ids[0], &documents.targets.as_ref().expect("the completion's targets")[0]);
+        let (prompt, _) = template.tokenize_with(&tokenizer, &serde_json::from_str::<Value>(prompt_completion).unwrap()["prompt"].as_array().unwrap().clone(), &Default::default(), true).unwrap();
+        assert_eq!(targets.iter().position(|&t| t), Some(prompt.len()), "targets start past the prompt: {ids:?}");
+        assert!(targets[prompt.len()..].iter().all(|&t| t), "the completion whole: {targets:?}");
+        let documents = read_for(LossOn::Completion, template, messages).unwrap();
+        assert!(documents.targets.is_none(), "a conversation's every token");
     }
     let unanswered = r#"{"prompt": [{"role": "user", "content": "Weather?"}], "completion": [{"role": "tool", "content": "Sunny."}]}"#;
     let documents = read(&marking, unanswered).unwrap();
