@@ -103,6 +103,17 @@ pub struct Noted {
     rerendered_prompts: std::cell::Cell<usize>,
     /// Conversations with no answer to train on under --loss-on assistant.
     unanswered: std::cell::Cell<usize>,
+    /// Answers (runs of targets) followed by the EOS that is no target: a template whose
+    /// `{% generation %}` block closes before its end-of-turn token.
+    answers_before_eos: std::cell::Cell<usize>,
+}
+
+impl Noted {
+    /// Answers read so far that end just before an EOS that is no target (warned of at the end
+    /// of a read).
+    pub fn answers_before_eos(&self) -> usize {
+        self.answers_before_eos.get()
+    }
 }
 
 /// A document as read, before it is tokenized.
@@ -188,6 +199,16 @@ impl DocumentReader<'_> {
                  prompt) than before their completion: their targets start at the first token that differs (TRL masks as many \
                  tokens as the prompt alone has, wherever the two part)",
                 path.display()
+            );
+        }
+        let before_eos = self.noted.answers_before_eos.get();
+        if before_eos > 0 {
+            tracing::warn!(
+                "{flag} {}: {before_eos} answer(s) end just before the EOS (id {}) that ends their turn, which is then no target: the \
+                 chat template's {{% generation %}} blocks close before its end-of-turn token, so the model would not learn to stop. \
+                 Move each block's end past that token (TRL's training templates keep it inside)",
+                path.display(),
+                self.eos
             );
         }
         let unanswered = self.noted.unanswered.get();
@@ -280,11 +301,17 @@ impl DocumentReader<'_> {
         }
     }
 
-    /// Counts a conversation with no target under --loss-on assistant, for one warning.
-    fn note_unanswered(&self, targets: &[bool]) {
-        if self.loss_on == LossOn::Assistant && !targets.contains(&true) {
+    /// Counts a conversation with no target under --loss-on assistant, and its answers that
+    /// end just before an EOS that is no target, for one warning each.
+    fn note_unanswered(&self, ids: &[u32], targets: &[bool]) {
+        if self.loss_on != LossOn::Assistant {
+            return;
+        }
+        if !targets.contains(&true) {
             self.noted.unanswered.set(self.noted.unanswered.get() + 1);
         }
+        let before_eos = (1..ids.len()).filter(|&i| targets[i - 1] && !targets[i] && ids[i] == self.eos).count();
+        self.noted.answers_before_eos.set(self.noted.answers_before_eos.get() + before_eos);
     }
 
     /// Tokenizes the pending documents (all texts at once), appends EOS and checks the ids.
@@ -345,7 +372,7 @@ impl DocumentReader<'_> {
                 Pending::Messages(messages, variables) => {
                     let (chat, tokenizer) = self.chat(&at)?;
                     let (ids, answers) = chat.tokenize_with(tokenizer, &messages, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
-                    self.note_unanswered(&answers);
+                    self.note_unanswered(&ids, &answers);
                     // A conversation has no completion: TRL's defaults train all of it.
                     let answers = (self.loss_on == LossOn::Assistant).then_some(answers);
                     (ids.into_iter().map(i64::from).collect(), answers)
@@ -363,7 +390,7 @@ impl DocumentReader<'_> {
                     let shared = Self::completion_start(&prompt_ids, &ids, &self.noted.rerendered_prompts);
                     let narrowed = self.loss_on == LossOn::Assistant;
                     let targets: Vec<bool> = answers.iter().enumerate().map(|(i, &answer)| i >= shared && (answer || !narrowed)).collect();
-                    self.note_unanswered(&targets);
+                    self.note_unanswered(&ids, &targets);
                     (ids.into_iter().map(i64::from).collect(), Some(targets))
                 }
             };

@@ -107,6 +107,19 @@ fn conversations_need_a_template_that_marks_answers_to_train_on_answers_alone() 
         let documents = read_for(LossOn::Completion, template, messages).unwrap();
         assert!(documents.targets.is_none(), "a conversation's every token");
     }
+    // The fixture's blocks hold each turn's end, `<|im_end|>` (the EOS): the model learns to
+    // stop. A template whose blocks close before it trains no stop, which is counted (warned).
+    let stopping = |template: &ChatTemplate| {
+        let file = dir.join("line.jsonl");
+        std::fs::write(&file, messages).unwrap();
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: Some(template), loss_on: LossOn::Assistant, refuse_longer_than: None, noted: Default::default() };
+        reader.read(&file).unwrap();
+        reader.noted.answers_before_eos()
+    };
+    assert_eq!(stopping(&marking), 0, "the fixture's answers hold their end of turn");
+    let early = source.replace("{{- '<|im_end|>' }}\n        {%- endgeneration %}", "{%- endgeneration %}\n        {{- '<|im_end|>' }}");
+    assert_ne!(early, source, "the fixture's blocks end past <|im_end|>");
+    assert_eq!(stopping(&ChatTemplate::new(&early, Default::default(), "early.jinja").unwrap()), 1, "an answer before its end of turn");
     let unanswered = r#"{"prompt": [{"role": "user", "content": "Weather?"}], "completion": [{"role": "tool", "content": "Sunny."}]}"#;
     let documents = read(&marking, unanswered).unwrap();
     assert_eq!(documents.targets.as_ref().unwrap()[0].iter().filter(|&&t| t).count(), 0, "a tool's response is no answer");
