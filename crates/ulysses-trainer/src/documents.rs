@@ -87,6 +87,9 @@ pub struct DocumentReader<'a> {
     /// Refuse a document longer than this (`--too-long refuse`), naming its line, rather than
     /// cut it into pieces when packing (`None`).
     pub refuse_longer_than: Option<usize>,
+    /// Keep the first this many tokens of a longer document, its targets with them, and drop
+    /// the rest (`--too-long truncate`, TRL's `max_length`).
+    pub truncate_longer_than: Option<usize>,
     /// What reading noticed, for the whole read.
     pub noted: Noted,
 }
@@ -103,6 +106,8 @@ pub struct Noted {
     rerendered_prompts: std::cell::Cell<usize>,
     /// Conversations with no answer to train on under --loss-on assistant.
     unanswered: std::cell::Cell<usize>,
+    /// Documents cut to their first --seq-len tokens (`--too-long truncate`).
+    truncated: std::cell::Cell<usize>,
     /// Answers (runs of targets) followed by the EOS that is no target: a template whose
     /// `{% generation %}` block closes before its end-of-turn token.
     answers_before_eos: std::cell::Cell<usize>,
@@ -200,6 +205,10 @@ impl DocumentReader<'_> {
                  tokens as the prompt alone has, wherever the two part)",
                 path.display()
             );
+        }
+        let truncated = self.noted.truncated.get();
+        if truncated > 0 {
+            tracing::info!("{flag} {}: {truncated} document(s) longer than --seq-len kept their first tokens alone (--too-long truncate)", path.display());
         }
         let before_eos = self.noted.answers_before_eos.get();
         if before_eos > 0 {
@@ -400,10 +409,18 @@ impl DocumentReader<'_> {
             if let Some(limit) = self.refuse_longer_than.filter(|&limit| ids.len() > limit) {
                 return Err(format!(
                     "{}: the document has {} tokens, more than --seq-len {limit} (--too-long refuse): give a longer --seq-len, \
-                     or --too-long cut to train on it in pieces",
+                     --too-long cut to train on it in pieces, or --too-long truncate on its first {limit} tokens alone",
                     at(),
                     ids.len()
                 ));
+            }
+            let (mut ids, mut targets) = (ids, targets);
+            if let Some(limit) = self.truncate_longer_than.filter(|&limit| ids.len() > limit) {
+                ids.truncate(limit);
+                if let Some(targets) = targets.as_mut() {
+                    targets.truncate(limit);
+                }
+                self.noted.truncated.set(self.noted.truncated.get() + 1);
             }
             documents.push((ids, targets));
         }
@@ -635,7 +652,8 @@ pub fn cut_documents_note(documents: &[Vec<i64>], targets: Option<&[Vec<bool>]>,
     (cut.documents > 0).then(|| {
         format!(
             "{} {flag} document(s) longer than --seq-len {seq_len} were cut into pieces, each {how} as a document of its own (positions \
-             restart, no piece attends to another){answers}: --too-long refuse names them, a larger --seq-len keeps them whole",
+             restart, no piece attends to another){answers}: --too-long refuse names them, --too-long truncate keeps their first piece \
+             alone, a larger --seq-len keeps them whole",
             cut.documents
         )
     })
@@ -928,7 +946,7 @@ mod tests {
         let eos = tokenizer.token_id("<|endoftext|>").expect("the fixture's EOS");
         let file = std::env::temp_dir().join(format!("ulysses-documents-eos-{}.jsonl", std::process::id()));
         fs::write(&file, "{\"text\": \"a group.\"}\n{\"text\": \"a group.<|endoftext|>\"}\n{\"text\": \"<|endoftext|>a group.\"}\n").unwrap();
-        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, loss_on: LossOn::All, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, loss_on: LossOn::All, refuse_longer_than: None, truncate_longer_than: None, noted: Default::default() };
         let documents = reader.read(&file).unwrap().ids;
         // The same lines in a .JSON file are JSON Lines too, not one text document.
         let json = file.with_extension("JSON");
@@ -986,7 +1004,7 @@ mod tests {
             r#"{"prompt": "Q:", "completion": " A<|endoftext|>"}"#,
         ];
         fs::write(&file, lines.join("\n")).unwrap();
-        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, loss_on: LossOn::All, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: tokenizer.vocab_size(), progress: false, chat: None, loss_on: LossOn::All, refuse_longer_than: None, truncate_longer_than: None, noted: Default::default() };
         let documents = reader.read(&file).unwrap();
         fs::remove_dir_all(&dir).unwrap();
         let (bos, eos) = (i64::from(bos), i64::from(eos));
@@ -1020,7 +1038,7 @@ mod tests {
         fs::write(dir.join("README.md"), "# A dataset card").unwrap();
         fs::write(dir.join(".gitattributes"), "*.jsonl filter=lfs").unwrap();
         fs::write(dir.join(".cache/train.jsonl.metadata"), "abc").unwrap();
-        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, loss_on: LossOn::All, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, loss_on: LossOn::All, refuse_longer_than: None, truncate_longer_than: None, noted: Default::default() };
         assert_eq!(reader.read(&dir).unwrap().ids, vec![vec![5, 6]]);
         // A file named for training is one, whatever else its name holds.
         fs::write(dir.join("unit_test_train.jsonl"), "[7, 8]\n").unwrap();
@@ -1090,7 +1108,7 @@ mod tests {
     /// follow their tokens through packing, a cut document included.
     #[test]
     fn targets_follow_their_tokens_into_the_packed_sequences() {
-        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, loss_on: LossOn::Assistant, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: None, eos: 0, vocab: 16, progress: false, chat: None, loss_on: LossOn::Assistant, refuse_longer_than: None, truncate_longer_than: None, noted: Default::default() };
         let dir = std::env::temp_dir().join(format!("ulysses-targets-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let file = dir.join("data.jsonl");
@@ -1099,6 +1117,11 @@ mod tests {
         let strict = DocumentReader { refuse_longer_than: Some(4), ..reader };
         let refused = strict.read(&file).err().unwrap_or_default();
         assert!(refused.contains("data.jsonl line 3") && refused.contains("5 tokens, more than --seq-len 4"), "{refused}");
+        // --too-long truncate: the first 4 tokens and their targets, the rest dropped.
+        let truncating = DocumentReader { refuse_longer_than: None, truncate_longer_than: Some(4), noted: Noted::default(), ..strict };
+        let truncated = truncating.read(&file).unwrap();
+        assert_eq!((&truncated.ids[2], &truncated.targets.as_ref().unwrap()[2]), (&vec![1, 2, 3, 4], &vec![false, false, true, false]));
+        assert_eq!((truncated.ids.len(), truncating.noted.truncated.get()), (4, 1));
         fs::remove_dir_all(&dir).unwrap();
         // As given: no EOS appended to the last, as TRL takes ids.
         assert_eq!(documents.ids, vec![vec![5, 6, 7, 0], vec![8, 9, 0], vec![1, 2, 3, 4, 0], vec![10, 11]]);

@@ -46,6 +46,7 @@ use ulysses_trainer::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum TooLong {
     Cut,
+    Truncate,
     Refuse,
 }
 
@@ -206,7 +207,9 @@ struct Args {
     #[arg(long, value_enum, default_value = "assistant", requires = "data")]
     loss_on: LossOn,
     /// A --data document (a conversation) longer than --seq-len: `cut` into pieces, each
-    /// trained as a document of its own, or `refuse`, naming its file and line.
+    /// trained as a document of its own (a later piece's answers without their prompt);
+    /// `truncate` to its first --seq-len tokens, the rest dropped (TRL's max_length); or
+    /// `refuse`, naming its file and line.
     #[arg(long, value_enum, default_value = "cut", requires = "data")]
     too_long: TooLong,
     /// The tokenizer.json that tokenizes --data's text, or a folder holding one [default: the
@@ -1690,6 +1693,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         chat: chat.as_ref(),
         loss_on,
         refuse_longer_than: (args.too_long == TooLong::Refuse).then_some(config.seq_len),
+        truncate_longer_than: (args.too_long == TooLong::Truncate).then_some(config.seq_len),
         noted: Default::default(),
     };
     let documents = reader().read(path)?;

@@ -35,7 +35,7 @@ fn every_kind_of_line_reads_as_trls_sft_trainer_prepares_it() {
         assert_eq!(Some(eos), tokenizer.token_id(want["eos_tokens"][folder].as_str().unwrap()), "{folder}: the EOS");
         let file = dir.join("line.jsonl");
         std::fs::write(&file, case["line"].to_string()).unwrap();
-        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: template.as_ref(), loss_on: LossOn::Assistant, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: template.as_ref(), loss_on: LossOn::Assistant, refuse_longer_than: None, truncate_longer_than: None, noted: Default::default() };
         let what = format!("{folder} {}", case["line"]);
         let documents = match reader.read(&file) {
             Ok(documents) => documents,
@@ -83,7 +83,7 @@ fn conversations_need_a_template_that_marks_answers_to_train_on_answers_alone() 
     let read_for = |loss_on: LossOn, template: &ChatTemplate, line: &str| {
         let file = dir.join("line.jsonl");
         std::fs::write(&file, line).unwrap();
-        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: Some(template), loss_on, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: Some(template), loss_on, refuse_longer_than: None, truncate_longer_than: None, noted: Default::default() };
         reader.read(&file)
     };
     let read = |template: &ChatTemplate, line: &str| read_for(LossOn::Assistant, template, line);
@@ -112,7 +112,7 @@ fn conversations_need_a_template_that_marks_answers_to_train_on_answers_alone() 
     let stopping = |template: &ChatTemplate| {
         let file = dir.join("line.jsonl");
         std::fs::write(&file, messages).unwrap();
-        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: Some(template), loss_on: LossOn::Assistant, refuse_longer_than: None, noted: Default::default() };
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: Some(template), loss_on: LossOn::Assistant, refuse_longer_than: None, truncate_longer_than: None, noted: Default::default() };
         reader.read(&file).unwrap();
         reader.noted.answers_before_eos()
     };
