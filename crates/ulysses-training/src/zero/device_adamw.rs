@@ -142,7 +142,7 @@ impl<B: TrainBackend> DeviceShardedAdamW<B> {
 
     /// Part `index`, read back to the host.
     fn host_part(&self, index: usize) -> ParameterPart {
-        let read = |tensor: &Tensor<B::InnerBackend, 1>| tensor.clone().into_data().to_vec::<f32>().expect("f32 state");
+        let read = |tensor: &Tensor<B::InnerBackend, 1>| tensor.clone().into_data().into_vec::<f32>().expect("f32 state");
         let part = &self.parts[index];
         let moments = match &part.moments {
             Some((moment_1, moment_2)) => AdamWMoments { moment_1: read(moment_1), moment_2: read(moment_2), time: part.time },

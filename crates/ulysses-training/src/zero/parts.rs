@@ -209,7 +209,7 @@ pub(super) fn host_part<B: burn::tensor::backend::Backend>(partition: &Partition
     let owned = partition.owned(elements, rank);
     let mut part = vec![0.0; partition.part_len(elements)];
     if !owned.is_empty() {
-        let values = parameter.clone().narrow(0, owned.start, owned.len()).into_data().convert::<f32>().to_vec::<f32>().expect("f32 values");
+        let values = parameter.clone().narrow(0, owned.start, owned.len()).into_data().convert::<f32>().into_vec::<f32>().expect("f32 values");
         part[..values.len()].copy_from_slice(&values);
     }
     part
