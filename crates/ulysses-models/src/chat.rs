@@ -238,21 +238,29 @@ impl ChatTemplate {
     ) -> Result<(Vec<u32>, Vec<bool>), ChatError> {
         let rendered = self.render_with(messages, variables, add_generation_prompt)?;
         let (ids, offsets) = tokenizer.encode_with_char_offsets(&rendered.text).map_err(|e: TokenizerError| ChatError { file: e.file, problem: e.problem })?;
-        let mut answers = vec![false; ids.len()];
-        // transformers: the tokens from the one holding a block's first character to the one
-        // holding its last.
-        let token_of = |c: usize| offsets.iter().position(|&(start, end)| start <= c && c < end);
-        for block in rendered.generations.iter().filter(|block| !block.is_empty()) {
-            let (Some(first), last) = (token_of(block.start), token_of(block.end - 1)) else { continue };
-            let last = last.unwrap_or(ids.len() - 1);
-            answers[first..=last].iter_mut().for_each(|answer| *answer = true);
-        }
+        let answers = answer_tokens(&offsets, &rendered.generations);
         Ok((ids, answers))
     }
 
     fn error(&self, problem: String) -> ChatError {
         ChatError { file: self.file.clone(), problem }
     }
+}
+
+/// Which tokens (their character `offsets` in the rendered text) lie in the generation
+/// `blocks`. transformers: the tokens from the one holding a block's first character to the one
+/// holding its last. Read here as the tokens that overlap the block, the same where a token
+/// holds each of those characters; where none does (a tokenizer that trims whitespace out of
+/// its offsets), transformers skipped the answer, or marked to the end of the conversation,
+/// later turns and all.
+fn answer_tokens(offsets: &[(usize, usize)], blocks: &[Range<usize>]) -> Vec<bool> {
+    let mut answers = vec![false; offsets.len()];
+    for block in blocks.iter().filter(|block| !block.is_empty()) {
+        let overlapping = |&(start, end): &(usize, usize)| start < block.end && end > block.start;
+        let (Some(first), Some(last)) = (offsets.iter().position(overlapping), offsets.iter().rposition(overlapping)) else { continue };
+        answers[first..=last].iter_mut().for_each(|answer| *answer = true);
+    }
+    answers
 }
 
 /// The words in quotes (`'…'` or `"…"`) in a template's source: letters, digits and `_`.
@@ -389,6 +397,20 @@ fn unmarked(rendered: &str) -> RenderedChat {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An answer's tokens are those that overlap its block: where tokens hold its first and
+    /// last characters, transformers' (the tokens holding them, and those between); where a
+    /// tokenizer's offsets leave its first character out (a space trimmed), the answer is no
+    /// longer skipped, and where they leave its last out, later turns are no longer marked.
+    #[test]
+    fn answer_tokens_are_those_that_overlap_the_block() {
+        let offsets = [(0, 2), (2, 4), (4, 6), (6, 8)];
+        assert_eq!(super::answer_tokens(&offsets, &[3..5]), [false, true, true, false]);
+        let trimmed = [(0, 2), (3, 5), (5, 6), (7, 9), (9, 12)];
+        assert_eq!(super::answer_tokens(&trimmed, &[2..5]), [false, true, false, false, false], "its first character in no token");
+        assert_eq!(super::answer_tokens(&trimmed, &[3..7]), [false, true, true, false, false], "its last character in no token");
+        assert_eq!(super::answer_tokens(&trimmed, &[6..7]), [false; 5], "no character in a token");
+    }
 
     #[test]
     fn generation_tags_become_markers_with_their_whitespace_control() {
