@@ -51,8 +51,10 @@ const TOKENIZE_CHUNK: usize = 512;
 /// template sees `tools` and `documents` as None where a line has none, and the tokenizer's
 /// special tokens with its class's defaults; 7: a chat line's `tools` given as a string of JSON
 /// are parsed, as TRL parses them, and a file of JSON Lines under another name is found past
-/// blank lines and a byte-order mark).
-pub const DOCUMENT_READER_VERSION: u32 = 7;
+/// blank lines and a byte-order mark; 8: an answer's tokens are those that overlap its
+/// generation block, where offsets that leave its first or last character out skipped it or
+/// marked every later turn).
+pub const DOCUMENT_READER_VERSION: u32 = 8;
 
 /// How documents become token ids.
 /// Which tokens of --data's lines are targets (`--loss-on`).
