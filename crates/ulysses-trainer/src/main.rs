@@ -1306,10 +1306,6 @@ fn run(mut args: Args) -> Result<(), String> {
         }
     }
     let data_path = args.data.as_ref().or(args.tokens.as_ref()).unwrap_or(&args.corpus);
-    // What the run reads, as it reads it: --data and --tokens with no batch to hold out train
-    // on every sequence, as --eval-every 0 does (a --corpus holds its 10% out whatever it
-    // evaluates).
-    let trained_whole = trained_whole || (!args.eval_only && args.eval_data.is_none() && (args.data.is_some() || args.tokens.is_some()) && data.eval_batch().is_none());
     let mut data_identity = if args.data.is_some() { DataIdentity::of_data(data_path)? } else { DataIdentity::of(data_path)? };
     if let Some((eos, tokenizer)) = data_reading {
         // What turns --data's bytes into tokens and targets, as used (the tokenizer; the EOS

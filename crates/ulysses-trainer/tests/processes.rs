@@ -1179,15 +1179,6 @@ fn flags_that_change_nothing_in_the_run_are_warned_by_name() {
     few_tokens[few_tokens_at] = dir.join("few-tokens.jsonl").display().to_string();
     let refused = show(&run_alone(&few_tokens, &["--sp", "2"]));
     assert!(refused.contains("--eval-every 5 evaluates nothing") && refused.contains("at least two batches' sequences") && !refused.contains("--eval-data"), "{refused}");
-    // Trained on as it stands (nothing held out, said), the run read every sequence, as
-    // --eval-every 0 reads them: a resume with --eval-every 0 continues it (it was refused as
-    // reading other batches).
-    let mut few_run = common_args(&dir, "few-run", 4);
-    few_run[few_tokens_at] = dir.join("few-tokens.jsonl").display().to_string();
-    few_run.extend(["--stop-after", "2"].map(String::from));
-    succeed(run_alone(&few_run, &["--sp", "2"]));
-    let resumed = ["--tokens", &few_run[few_tokens_at], "--resume", &dir.join("few-run").display().to_string(), "--eval-every", "0", "--check"].map(String::from);
-    succeed(run_alone(&resumed, &[]));
     // Where they do something, or are left out, no word.
     let text = show(&succeed(run_alone(&args("--steps 9 --learning-rate 0.5"), &["--sp", "2"])));
     let zigzag = show(&succeed(run_alone(&common_args(&dir, "ring", 2), &["--sp", "4", "--ring", "2", "--zigzag", "--check"])));
