@@ -2358,13 +2358,13 @@ impl Progress for RunLog {
     }
 
     fn eval(&mut self, step: usize, loss: f64) {
-        // A resume evaluates the step its checkpoint ended again: a kept row stands.
-        if self.eval.iter().any(|&(evaluated, _)| evaluated == step) {
-            return;
-        }
         self.eval.push((step, loss));
         self.row(step, "", &format!("{loss:.9}"), ",,,,");
         say(&self.bar, format!("step {step}: held-out loss {loss:.4}"));
+    }
+
+    fn has_eval(&self, step: usize) -> bool {
+        self.eval.iter().any(|&(evaluated, _)| evaluated == step)
     }
 
     fn checkpoint_due(&mut self, step: usize) {

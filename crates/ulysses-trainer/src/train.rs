@@ -467,6 +467,10 @@ impl StepData for CorpusData<'_> {
 pub trait Progress {
     fn step(&mut self, step: usize, report: &StepReport, learning_rate: f64, seconds: f64);
     fn eval(&mut self, step: usize, loss: f64);
+    /// Whether the record holds a held-out loss of step `step` (a resumed run's kept rows).
+    fn has_eval(&self, _step: usize) -> bool {
+        false
+    }
     /// A checkpoint after step `step` is about to be taken: what was recorded of the steps it
     /// covers is to be made durable first.
     fn checkpoint_due(&mut self, _step: usize) {}
@@ -887,13 +891,19 @@ where
     // Rank 0's write of the last replicated checkpoint, waited for (by its drop on any way out).
     let mut replicated_write = CheckpointWrite::default();
     STEPS_BEGUN.store(true, std::sync::atomic::Ordering::Relaxed);
-    // The evaluation due at the step the checkpoint ended, again: a run stopped between its
-    // checkpoint and its evaluation (killed there, out of memory there) lost it, and the model
-    // is that step's. Every rank evaluates (a collective); the record keeps one row a step.
-    if let (Some(step), Some(sequences)) = (first_step.checked_sub(1).filter(|&step| config.eval_due(step)), &eval_batch) {
-        let loss = evaluate_held_out(config, &model, parts.as_mut(), sequences, eval_documents.as_deref(), eval_targets.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
-        if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss.filter(|loss| loss.tokens > 0)) {
-            progress.eval(step, loss.mean());
+    // The evaluation due at the step the checkpoint ended, where the record lacks it: a run
+    // stopped between its checkpoint and its evaluation (killed there) lost it, and the model
+    // is that step's. World rank 0's record decides for every rank (the others' nodes may not
+    // see it; the evaluation is a collective); a finished run resumed (an export) takes none.
+    let resumed_eval = first_step.checked_sub(1).filter(|&step| first_step < last_step && config.eval_due(step) && eval_batch.is_some());
+    if let Some(step) = resumed_eval {
+        let recorded = options.progress.as_deref().is_some_and(|progress| progress.has_eval(step));
+        let verdicts = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[recorded as u64], "the record's held-out losses")?;
+        if let (0, Some(sequences)) = (verdicts[0][0], &eval_batch) {
+            let loss = evaluate_held_out(config, &model, parts.as_mut(), sequences, eval_documents.as_deref(), eval_targets.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
+            if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss.filter(|loss| loss.tokens > 0)) {
+                progress.eval(step, loss.mean());
+            }
         }
     }
     for step in first_step..last_step {
