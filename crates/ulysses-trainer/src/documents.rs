@@ -232,15 +232,23 @@ impl DocumentReader<'_> {
         }
         let marked = documents.iter().any(|(_, targets)| targets.is_some());
         let unmarked = documents.iter().filter(|(_, targets)| targets.is_none()).count();
-        if self.loss_on == LossOn::Assistant && unmarked > 0 {
-            // Text and token-id lines mark no answers: a chat rendered to text trains its prompts.
-            tracing::warn!(
+        // Text and token-id lines mark no answers: every token of them trains (a chat rendered
+        // to text, its prompts too). Said beside lines that do mark them; noted where none does
+        // (a plain text corpus trains whole, as meant).
+        match (self.loss_on, marked, unmarked) {
+            (LossOn::Assistant, true, 1..) => tracing::warn!(
                 "{flag} {}: {unmarked} of {} document(s) mark no answers (text or input_ids lines), so every token of them trains under \
-                 --loss-on assistant, prompts included: give conversations (messages), prompt/completion or labelled lines to train on \
-                 the answers alone, or --loss-on all to train every token knowingly",
+                 --loss-on assistant, prompts included, beside the answers of the others: give conversations (messages), \
+                 prompt/completion or labelled lines for them too, or --loss-on all to train every token knowingly",
                 path.display(),
                 documents.len()
-            );
+            ),
+            (LossOn::Assistant, false, _) => tracing::info!(
+                "{flag} {}: no line marks answers (text or input_ids lines): every token trains (a chat rendered to text trains its \
+                 prompts too: give messages or prompt/completion lines to train on the answers alone)",
+                path.display()
+            ),
+            _ => {}
         }
         let (ids, targets): (Vec<Vec<i64>>, Vec<Option<Vec<bool>>>) = documents.into_iter().unzip();
         let targets = marked.then(|| targets.into_iter().zip(&ids).map(|(targets, ids)| targets.unwrap_or_else(|| vec![true; ids.len()])).collect());
