@@ -65,8 +65,8 @@ pub enum LossOn {
     /// label or an answer mask's 1 (TRL's `assistant_only_loss`).
     Assistant,
     /// TRL's defaults (`completion_only_loss`): a prompt/completion line's completion whole
-    /// (a conversational one too, whatever its template marks), a labelled line's labels, a
-    /// conversation's every token.
+    /// (a conversational one too, whatever its template marks), a tokenized line's labels and
+    /// `completion_mask` (not its `assistant_masks`), a conversation's every token.
     Completion,
     /// Every token.
     All,
@@ -264,7 +264,7 @@ impl DocumentReader<'_> {
             if line.trim().is_empty() {
                 continue;
             }
-            let document = parse_line(&line).map_err(|why| {
+            let document = parse_line(&line, self.loss_on).map_err(|why| {
                 // `[{"text": ...}, ...]` reads as a line of ids and fails as one.
                 let hint = if file.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
                     " (a .json file is read as JSON Lines, a record per line, not as one JSON array of records)"
@@ -493,7 +493,7 @@ const NOT_TRAINED: i64 = -100;
 /// One JSON line: `{"text": ...}`, `{"input_ids": [...]}` (with `"labels"`, `"assistant_masks"`
 /// or `"completion_mask"`, or none), a
 /// bare array of ids, or `{"prompt": ..., "completion": ...}`.
-fn parse_line(line: &str) -> Result<Pending, String> {
+fn parse_line(line: &str, loss_on: LossOn) -> Result<Pending, String> {
     // A byte-order mark (a file saved as "UTF-8 with BOM") is no content.
     let line = line.strip_prefix('\u{feff}').unwrap_or(line);
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not JSON ({e})"))?;
@@ -530,9 +530,11 @@ fn parse_line(line: &str) -> Result<Pending, String> {
             }
             // The answers' marks transformers and TRL give tokenized chats
             // (`apply_chat_template(..., return_assistant_tokens_mask=True)`'s `assistant_masks`,
-            // TRL's `completion_mask`): its collator trains on the marked tokens alone.
+            // TRL's `completion_mask`): its collator trains on the marked tokens alone; with TRL's
+            // defaults (no `assistant_only_loss`), on the completion's alone.
             let mut targets: Option<Vec<bool>> = None;
-            for field in ["assistant_masks", "completion_mask"] {
+            let masks: &[&str] = if loss_on == LossOn::Completion { &["completion_mask"] } else { &["assistant_masks", "completion_mask"] };
+            for &field in masks {
                 let Some(mask) = fields.get(field) else { continue };
                 let mask: Vec<u8> = serde_json::from_value(mask.clone()).ok().filter(|m: &Vec<u8>| m.iter().all(|&m| m <= 1)).ok_or_else(|| format!("\"{field}\" must be an array of 0s and 1s"))?;
                 if mask.len() != input_ids.len() {
@@ -817,6 +819,11 @@ impl StepData for PackedDocuments {
 mod tests {
     use super::*;
 
+    /// A line as `--loss-on assistant` reads it.
+    fn parse_line(line: &str) -> Result<Pending, String> {
+        super::parse_line(line, LossOn::Assistant)
+    }
+
     #[test]
     fn lines_of_each_kind_and_what_is_refused() {
         assert!(matches!(parse_line(r#"{"text": "hi", "id": 3}"#), Ok(Pending::Text(t)) if t == "hi"));
@@ -828,6 +835,9 @@ mod tests {
         // A tokenized chat's answer marks (transformers' `assistant_masks`, TRL's
         // `completion_mask`), with labels too: the tokens every one of them marks.
         assert!(matches!(parse_line(r#"{"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1], "assistant_masks": [0, 1, 1]}"#), Ok(Pending::Labelled(ids, targets)) if ids == [1, 2, 3] && targets == [false, true, true]));
+        // TRL's defaults (--loss-on completion) take no assistant_masks: the completion's alone.
+        assert!(matches!(super::parse_line(r#"{"input_ids": [1, 2, 3], "assistant_masks": [0, 1, 1]}"#, LossOn::Completion), Ok(Pending::Ids(ids)) if ids == [1, 2, 3]));
+        assert!(matches!(super::parse_line(r#"{"input_ids": [1, 2, 3], "assistant_masks": [0, 0, 1], "completion_mask": [0, 1, 1]}"#, LossOn::Completion), Ok(Pending::Labelled(_, targets)) if targets == [false, true, true]));
         assert!(matches!(parse_line(r#"{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1], "labels": [1, 2, 3, -100]}"#), Ok(Pending::Labelled(_, targets)) if targets == [false, false, true, false]));
         assert!(matches!(parse_line(r#"{"prompt": "Q: ", "completion": "A"}"#), Ok(Pending::PromptCompletion(p, c)) if p == "Q: " && c == "A"));
         assert!(matches!(parse_line(r#"{"messages": [{"role": "user", "content": "hi"}]}"#), Ok(Pending::Messages(m, v)) if m.len() == 1 && v.is_empty()));
