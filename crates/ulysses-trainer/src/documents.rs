@@ -56,7 +56,6 @@ const TOKENIZE_CHUNK: usize = 512;
 /// marked every later turn).
 pub const DOCUMENT_READER_VERSION: u32 = 8;
 
-/// How documents become token ids.
 /// Which tokens of --data's lines are targets (`--loss-on`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LossOn {
@@ -72,6 +71,7 @@ pub enum LossOn {
     All,
 }
 
+/// How documents become token ids.
 pub struct DocumentReader<'a> {
     /// Tokenizes `{"text"}` lines and text files (`None`: only token ids can be read).
     pub tokenizer: Option<&'a TextTokenizer>,

@@ -330,6 +330,9 @@ impl TrainConfig {
                 model.head_dim(),
             ));
         }
+        // The rest of what no decoder follows (θ, ε, the padding row, the window), named before
+        // `init` would panic with it.
+        model.validate().map_err(|e| format!("the model: {e}"))?;
         self.layout.check_heads(model.n_heads, model.n_kv_heads).map_err(|e| format!("{e} (--sp, --heads, --kv-heads)"))?;
         let heads = HeadPlan::new(model.n_heads, model.n_kv_heads, self.layout.ulysses_size()).map_err(|e| e.to_string())?;
         if !heads.even {
@@ -1767,15 +1770,6 @@ pub fn evaluate_sequences<B: TrainBackend>(
     Ok(evaluate_batches(&config, config.batch_size, sequences, documents, targets, groups, false, evaluate_batch)?.expect("summed over the world"))
 }
 
-/// The loss over `sequences` (each packing the documents of lengths `documents[i]`, if given;
-/// over its `targets[i]`, if given), `rows` at a time (the sums do not depend on it), each batch through
-/// `evaluate_batch` over the rank's SP group: DP replica `r` evaluates batches `r`, `r + dp`,
-/// ..., and the world adds the groups' sums up, so every rank returns the same. Under ZeRO-3
-/// (`lockstep`) every rank joins each batch's parameter gathers: a replica left without a
-/// batch in the last round evaluates the first again and drops it. With `eval_single_device`,
-/// every rank goes through every batch (world rank 0 evaluates them, the others join its
-/// gathers) and rank 0 alone returns the sum.
-#[allow(clippy::too_many_arguments)]
 /// The held-out loss of `sequences` (with their `documents` and `targets`) on `model`: with
 /// ZeRO-3's `parts`, every rank joining each batch's gathers (lockstep). Collective.
 #[allow(clippy::too_many_arguments)]
@@ -1802,6 +1796,15 @@ fn evaluate_held_out<B: TrainBackend>(
     }
 }
 
+/// The loss over `sequences` (each packing the documents of lengths `documents[i]`, if given;
+/// over its `targets[i]`, if given), `rows` at a time (the sums do not depend on it), each batch through
+/// `evaluate_batch` over the rank's SP group: DP replica `r` evaluates batches `r`, `r + dp`,
+/// ..., and the world adds the groups' sums up, so every rank returns the same. Under ZeRO-3
+/// (`lockstep`) every rank joins each batch's parameter gathers: a replica left without a
+/// batch in the last round evaluates the first again and drops it. With `eval_single_device`,
+/// every rank goes through every batch (world rank 0 evaluates them, the others join its
+/// gathers) and rank 0 alone returns the sum.
+#[allow(clippy::too_many_arguments)]
 fn evaluate_batches<W: burn::tensor::backend::Backend>(
     config: &TrainConfig,
     rows: usize,
@@ -2078,6 +2081,11 @@ mod tests {
             let error = wide.validate().unwrap_err();
             assert!(error.contains(&format!("head_dim {head_dim} (config.json) must be from 1 to")), "{error}");
         }
+        // What the model itself refuses (DecoderConfig::validate), named before `init` panics.
+        let mut unturned = super::TrainConfig::small(layout);
+        unturned.model = unturned.model.clone().with_rope_theta(f64::NAN);
+        let error = unturned.validate().unwrap_err();
+        assert!(error.contains("the model: DecoderConfig::rope_theta must be a finite number above 0, got NaN"), "{error}");
         let dp3 = super::TrainConfig::small(ParallelLayout::new().with_sp_size(1).with_dp_size(3)).with_batch_size(2);
         let error = dp3.validate().unwrap_err();
         assert!(error.ends_with("= 3: use 3"), "no batch of 0 offered: {error}");
