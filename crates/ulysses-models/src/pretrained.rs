@@ -944,7 +944,8 @@ fn sized(tensors: &[(String, Vec<usize>)], dtype: DType) -> Vec<(String, u64)> {
 impl HfCheckpointWriter {
     /// Starts the folder `dir` (beside it, renamed into place by [`finish`](Self::finish)) for
     /// a model of `tensors` (module path and shape each, in the model's order), writing
-    /// `config.json`.
+    /// `config.json`. The tensors are taken as `config`'s model's: [`save_pretrained_including`]
+    /// and [`HfCheckpointSnapshot::take`] check that they are, this does not (it has no model).
     pub fn begin(config: &HfConfig, dir: &Path, options: SaveOptions, tensors: Vec<(String, Vec<usize>)>) -> Result<Self, CheckpointError> {
         let dir = &save_folder(dir)?;
         let dtype = options.dtype;

@@ -825,8 +825,10 @@ fn first_token_outside(batch: &[Vec<i64>], vocab: i64) -> Option<(usize, usize, 
 
 /// Refuses an evaluated batch (and the `pad_token` its shards are padded with) past the
 /// vocabulary its forward scored: the embedding looked up rows it has not, a panic on the CPU
-/// but on a GPU a read past the weight, whose loss would be returned. The SP group's ranks
-/// share the batch and the model, so all of them refuse it, before any collective.
+/// but on a GPU a read past the weight (a fault, or a loss that would be returned). Checked
+/// after the forward, which alone knows the vocabulary: check ids before where the GPU must
+/// never read past it. The SP group's ranks share the batch and the model, so all of them
+/// refuse it, before any collective of the evaluation's own.
 fn check_evaluated_vocabulary(batch: &[Vec<i64>], pad_token: i64, vocab: usize) -> Result<(), UlyssesError> {
     let vocab = vocab as i64;
     if let Some((i, p, t)) = first_token_outside(batch, vocab) {
