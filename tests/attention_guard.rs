@@ -500,6 +500,44 @@ fn an_fft_along_the_shard_is_refused() {
     }
 }
 
+/// A pooling over the whole shard (a kernel of the input's length: TextCNN's max over time, a
+/// classifier's mean) tiles it with one window, and a CTC loss aligns its frames to whole
+/// transcripts: each computes on the shard as if it were the sequence. Refused at SP = 2 and 3,
+/// naming the op; at SP = 1 they give one device's output.
+#[test]
+fn a_pooling_over_the_whole_shard_and_a_ctc_loss_of_it_are_refused() {
+    use burn::tensor::{activation::log_softmax, module::{avg_pool1d, ctc_loss, max_pool1d}};
+    fn embedded<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&ids.device()), 13).forward(ids)
+    }
+    fn over_time<B: Backend>(ids: Tensor<B, 2, Int>, max: bool) -> Tensor<B, 3> {
+        let x = embedded(ids).swap_dims(1, 2);
+        let length = x.dims()[2];
+        let pooled = if max { max_pool1d(x, length, length, 0, 1, false) } else { avg_pool1d(x, length, length, 0, true, false) };
+        pooled.swap_dims(1, 2)
+    }
+    fn ctc<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let device = ids.device();
+        let x = embedded(ids);
+        let [batch, frames, _] = x.dims();
+        let targets = Tensor::<B, 2, Int>::from_data([[1, 2], [3, 4]], &device);
+        let loss = ctc_loss(log_softmax(x, 2).swap_dims(0, 1), targets, Tensor::full([batch], frames as i64, &device), Tensor::full([batch], 2, &device), 0);
+        loss.reshape([1, 1, batch])
+    }
+    for (op, max) in [("max_pool1d", true), ("avg_pool1d", false)] {
+        for sp in [2, 3] {
+            assert_shard_local_refused(&on_ranks_from_ids(sp, UlyssesConfig::new(), move |ids| over_time(ids, max)), op, "a window shorter than the shard");
+        }
+        let want = over_time(token_ids::<Inner>(&Default::default()), max);
+        assert_sequence_parallel(on_ranks_from_ids(1, UlyssesConfig::new(), move |ids| over_time(ids, max)), want);
+    }
+    for sp in [2, 3] {
+        assert_shard_local_refused(&on_ranks_from_ids(sp, UlyssesConfig::new(), ctc), "ctc_loss", "enter_single_device");
+    }
+    let want = ctc(token_ids::<Inner>(&Default::default()));
+    assert_sequence_parallel(on_ranks_from_ids(1, UlyssesConfig::new(), ctc), want);
+}
+
 /// Windows that tile the shard, each over the embedded tokens: a patch embedding (a
 /// convolution with kernel = stride = 2), pooling by 2 (average, and max), chunks of 2 by
 /// `unfold`, an upsampling by 2 (a transposed convolution with kernel = stride) and by 4 with
@@ -983,6 +1021,16 @@ enum Placement {
     SpatialGating,
     /// Attention over q, k and v reshaped to `[B, S, H, D]` without `.swap_dims(1, 2)`.
     SwappedHeads,
+    /// Block-local attention: chunks of 2 tokens folded into the batch, each attended within
+    /// itself by `module::attention`.
+    ChunksInTheBatch,
+    /// A maximum and a running sum over time, channels first (`[B, D, S]`'s dim 2: a max over
+    /// time, a causal scan written for a convolution's layout).
+    ChannelsFirstMax,
+    ChannelsFirstCumsum,
+    /// Attention pooling with its query as a row: a softmax over dim 2 of `[B, 1, S]` (the
+    /// layout `q @ k.transpose(-2, -1)` gives), applied to the tokens by a matmul.
+    RowQueryPooled,
     /// Attention within documents whose position ids are counted within the shard (`0..S` on
     /// every rank), not the shard's.
     LocalDocumentIds,
@@ -1055,6 +1103,12 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
             x.clone() + weights.swap_dims(1, 2).matmul(x)
         }
         Placement::SelectedThenSummed => x.clone() + x.cumsum(1) * 0.1,
+        Placement::ChannelsFirstMax => x.clone() + x.swap_dims(1, 2).max_dim(2).swap_dims(1, 2),
+        Placement::ChannelsFirstCumsum => x.clone() + x.swap_dims(1, 2).cumsum(2).swap_dims(1, 2) * 0.1,
+        Placement::RowQueryPooled => {
+            let weights = softmax(x.clone().sum_dim(2).swap_dims(1, 2), 2);
+            x.clone() + weights.matmul(x)
+        }
         Placement::LastTokenPooled => x.clone() + x.narrow(1, len - 1, 1),
         Placement::LastTokenSelected => x.clone() + x.select(1, Tensor::<B, 1, Int>::from_data([len as i64 - 1], &device)),
         Placement::LastTokenGathered => x.clone() + x.gather(1, Tensor::<B, 3, Int>::full([batch, 1, D_MODEL], len as i64 - 1, &device)),
@@ -1087,6 +1141,11 @@ fn positioned_logits<B: Backend>(ids: Tensor<B, 2, Int>, positions: &ShardPositi
             let unswapped = |t: Tensor<B, 3>| t.reshape([batch, len, HEADS, D_MODEL / HEADS]);
             x.clone() + attention(unswapped(x.clone()), unswapped(x.clone()), unswapped(x), None, None, causal).reshape([batch, len, D_MODEL])
         }
+        Placement::ChunksInTheBatch => {
+            let chunks = len / 2;
+            let folded = |t: Tensor<B, 3>| t.reshape([batch * chunks, 2, HEADS, D_MODEL / HEADS]).swap_dims(1, 2);
+            x.clone() + attention(folded(x.clone()), folded(x.clone()), folded(x), None, None, causal).swap_dims(1, 2).reshape([batch, len, D_MODEL])
+        }
         Placement::LocalDocumentIds => {
             let local = burn_ulysses::visibility::PositionIds::consecutive(batch, 0, len);
             let attended = burn_ulysses::attention::attention_in_documents(heads(x.clone()), heads(x.clone()), heads(x.clone()), &local, causal);
@@ -1107,6 +1166,21 @@ fn a_query_with_its_heads_and_tokens_swapped_is_refused_under_sp() {
         assert!(message.contains("[2, 6, 4, 8]") && message.contains(".swap_dims(1, 2)"), "rank {rank}: {message}");
     }
     assert!(evaluated(1, Placement::SwappedHeads).remove(0).is_ok_and(|loss| loss.is_finite()));
+}
+
+/// Block-local attention with its chunks folded into the batch (`[B · m, H, 2, D]`): refused on
+/// every rank at SP = 2 and 3 (shards of 6 and 4 tokens, 3 and 2 chunks a row), naming the
+/// fold, where the exchange would join every rank's chunk of one index into one sequence; one
+/// device runs it.
+#[test]
+fn chunks_of_the_shard_folded_into_the_batch_are_refused_under_sp() {
+    for (sp, fold) in [(2, "2 rows × 3 chunks"), (3, "2 rows × 2 chunks")] {
+        for (rank, result) in evaluated(sp, Placement::ChunksInTheBatch).iter().enumerate() {
+            let message = result.as_ref().err().unwrap_or_else(|| panic!("SP {sp}, rank {rank} attended chunks across the ranks"));
+            assert!(message.contains(fold) && message.contains("block-local attention"), "SP {sp}, rank {rank}: {message}");
+        }
+    }
+    assert!(evaluated(1, Placement::ChunksInTheBatch).remove(0).is_ok_and(|loss| loss.is_finite()));
 }
 
 /// Packed documents' position ids counted within the shard (`0..S` on every rank) handed to
@@ -1240,6 +1314,8 @@ fn tokens_mixed_within_the_shard_are_refused_on_every_rank() {
         (Placement::LastTokenSelected, "select", "enter_single_device"),
         (Placement::LastTokenGathered, "gather", "enter_single_device"),
         (Placement::RecurrentByHand, "slice", "enter_single_device"),
+        (Placement::ChannelsFirstMax, "max_dim", "enter_single_device"),
+        (Placement::ChannelsFirstCumsum, "cumsum", "enter_single_device"),
     ];
     for (placement, op, fix) in mixed {
         for sp in [2, 3] {
@@ -1248,6 +1324,10 @@ fn tokens_mixed_within_the_shard_are_refused_on_every_rank() {
         let loss = evaluated(1, placement).remove(0);
         assert!(loss.as_ref().is_ok_and(|loss| loss.is_finite()), "{placement:?} at SP 1: {loss:?}");
     }
+    // A row of weights over the shard's 6 tokens (at SP 3 its 4 are within a class token's few
+    // of the row's 1, and pass as a token's features would).
+    assert_shard_local_refused(&evaluated(2, Placement::RowQueryPooled), "softmax", "enter_single_device");
+    assert!(evaluated(1, Placement::RowQueryPooled).remove(0).is_ok_and(|loss| loss.is_finite()));
     // Cropped back where the tokens went: sequence parallel, one device's loss on every rank.
     let one_device = evaluated(1, Placement::PaddedAndCroppedBack).remove(0).expect("padded and cropped back, one device");
     for sp in [2, 3] {

@@ -68,6 +68,8 @@ const INTERCEPTED: &[(&str, &str, &str)] = &[
     ("ModuleOps", "max_pool1d", "crate::attention_guard::guarded_max_pool1d"),
     ("ModuleOps", "max_pool1d_with_indices", "crate::attention_guard::guarded_max_pool1d_with_indices"),
     ("ModuleOps", "adaptive_avg_pool1d", "crate::attention_guard::guarded_adaptive_avg_pool1d"),
+    // Refuse a CTC loss under SP: it aligns a shard's frames to the whole transcript.
+    ("ModuleOps", "ctc_loss", "crate::attention_guard::guarded_ctc_loss"),
     // Refuse a real FFT along the sequence (FNet's mixing, a long convolution by FFT) under SP.
     ("ModuleOps", "rfft", "crate::attention_guard::guarded_rfft"),
     ("ModuleOps", "irfft", "crate::attention_guard::guarded_irfft"),

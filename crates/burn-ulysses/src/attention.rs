@@ -240,6 +240,10 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             return Ok(float_primitive(output));
         };
         let communicator = &context.communicator;
+        // The fold first: its batch tells it apart where its heads are as many as the shard's tokens.
+        if let Some(folded) = crate::attention_guard::chunks_folded_into_the_batch(&dims(&query), &dims(&key)) {
+            return Err(folded);
+        }
         if let Some(swapped) = crate::attention_guard::heads_and_tokens_swapped(&dims(&query)) {
             return Err(swapped);
         }

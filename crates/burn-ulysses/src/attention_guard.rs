@@ -274,6 +274,30 @@ pub fn heads_and_tokens_swapped(q_shape: &[usize]) -> Option<UlyssesError> {
     )))
 }
 
+/// Why sequence-parallel attention over a query of `q_shape` and keys of `k_shape` (`[B, H,
+/// S, D]`) is refused as chunks of the shard folded into the batch, or `None`: inside a forward
+/// whose positions are noted (`rows` rows of the shard), q and k of one length `c` that is no
+/// length of the shard but divides one into `m ≥ 2` chunks, over `rows · m` batch rows (block-
+/// local attention, `x.reshape([b · m, c, ..])`). Exchanged as sequences, every rank's chunk `j`
+/// would be joined into one and attend across the ranks (a silently wrong result).
+pub fn chunks_folded_into_the_batch(q_shape: &[usize], k_shape: &[usize]) -> Option<UlyssesError> {
+    let ([batch, _, q_len, _], [_, _, k_len, _]) = (<[usize; 4]>::try_from(q_shape).ok()?, <[usize; 4]>::try_from(k_shape).ok()?);
+    let noted = SHARD_POSITIONS.get().filter(|noted| noted.tile.is_none())?;
+    if !GUARD_ON.load(Ordering::Relaxed) || q_len != k_len || q_len < 1 || shard_lengths().any(|shard| shard == q_len) {
+        return None;
+    }
+    let shard = shard_lengths().find(|&shard| shard % q_len == 0 && shard / q_len >= 2 && batch == noted.rows * (shard / q_len))?;
+    Some(UlyssesError::Shape(format!(
+        "attention's query and keys are {q_shape:?} and {k_shape:?}: chunks of {q_len} tokens of this rank's shard of {shard}, folded into the \
+         batch ({} rows × {} chunks), attended each within itself (block-local attention). Under sequence parallelism the exchange joins \
+         every rank's chunk of one index into one sequence, attending across the ranks (a silently wrong result): attend over the whole \
+         shard with a mask or a sliding window (burn_ulysses::attention::attention_within), or run the blocks on one rank \
+         (burn_ulysses::context::enter_single_device())",
+        noted.rows,
+        shard / q_len
+    )))
+}
+
 /// Why packed documents' position ids handed to sequence-parallel attention
 /// (`attention_in_documents`, `attention_within`) are refused, or `None`: inside a forward whose
 /// positions are noted, ids of the shard's shape whose first or last is not the noted shard's:
@@ -480,9 +504,9 @@ fn sequence_dim(shape: &[usize]) -> usize {
 /// The shard's length where `dim` of `shape` is a sequence dim as long, for scans and flips:
 /// `[B, S, ..]`'s dim 1 (a 1-D tensor's only dim), per-head `[B, H, S, D]`'s dim 2 (causal
 /// linear attention's, RetNet's and GLA's running sums, `k.cumsum(2)`) and the one dim as long
-/// of 5-D or more (their state `[B, H, S, dk, dv]`), where dim 1 is not as long. Not dim 2 of
-/// a 3-D tensor: a checkpointed layer's tile `[B, T, D]` may have as many features as the shard
-/// has tokens.
+/// of 5-D or more (their state `[B, H, S, dk, dv]`), where dim 1 is not as long. Dim 2 of a
+/// 3-D tensor only where positions are noted and its middle dim is no piece's tokens: a
+/// checkpointed layer's tile `[B, T, D]` may have as many features as the shard has tokens.
 fn scanned_sequence(shape: &[usize], dim: usize) -> Option<usize> {
     let along = |dim: usize| along_the_shard(shape, dim);
     // A scan over flattened tokens' features (ON-LSTM's cumax).
@@ -492,6 +516,11 @@ fn scanned_sequence(shape: &[usize], dim: usize) -> Option<usize> {
     match dim {
         _ if dim == sequence_dim(shape) => along(dim),
         _ if shape.len() >= 4 && along(1).is_none() => along_the_sequence(shape, dim, along),
+        // Channels first `[B, C, L]` along `L`, where positions are noted and its middle dim is
+        // no piece's tokens nor a few more or fewer (see [`reduced_over_the_shard`]).
+        2 if shape.len() == 3 && SHARD_POSITIONS.get().is_some() && !tokens_in_the_middle(shape) => {
+            along(2).filter(|&shard| shape[1].abs_diff(shard) > MOST_SHIFTED)
+        }
         _ => None,
     }
 }
@@ -620,7 +649,12 @@ fn along_the_sequence(shape: &[usize], dim: usize, along: impl Fn(usize) -> Opti
 fn windows_across_the_shard(op: &'static str, shape: &[usize], dim: usize, (shard, length): (usize, usize), window: Window, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let sharding = sharding();
     let runs = sharding.map_or(1, |sharding| sharding.runs);
-    if length == shard && shard % runs == 0 && window.tiles(shard / runs) {
+    // One window over the whole shard (TextCNN's max over time, a classifier's mean: a kernel
+    // of the input's length) tiles it too, but pools the shard as if it were the sequence; a
+    // fixed factor as long as a shard is no model's. (Under a zigzag ring a window over each
+    // of its runs is the sequence's own, and passes.)
+    let whole_shard = window.span > 1 && window.span >= shard;
+    if length == shard && shard % runs == 0 && window.tiles(shard / runs) && !whole_shard {
         note_resampled(shard / window.stride);
         return None;
     }
@@ -634,7 +668,7 @@ fn windows_across_the_shard(op: &'static str, shape: &[usize], dim: usize, (shar
     let fix = "Run it on the whole sequence on one rank (burn_ulysses::context::enter_single_device()), or give each shard the \
                window's (window − 1) tokens from the rank before it (a halo) and drop the outputs they add. Windows that tile the \
                shard pass: no padding, a stride at least the window's span that divides the shard (each half of it under a zigzag ring), \
-               and with ceil_mode a kernel equal to the stride.";
+               a window shorter than the shard, and with ceil_mode a kernel equal to the stride.";
     shard_local_refusal(op, shape, dim, what, fix, || sharding)
 }
 
@@ -1183,8 +1217,12 @@ pub fn reduced_over_the_shard(op: &'static str, kind: OverTheSequence, shape: &[
         let along = |dim: usize| shape.get(dim) == Some(&len);
         let sequence = match shape.len() {
             2 => dim == 1,
-            // `[B, S, D]`, or channels first `[B, C, L]` where `C` and `L` are both as long.
-            3 => dim == 1 && !along(2),
+            // `[B, S, D]`, or channels first `[B, C, L]` where `C` and `L` are both as long; or
+            // channels first's `L` (attentive statistics pooling, a max over time), or a row of
+            // weights `[B, 1, S]` (attention pooling's query as a row), where the middle dim is
+            // no piece's tokens nor a few more or fewer (a class token's `[B, S + 1, D]` whose
+            // features are as many as the shard's tokens holds features there).
+            3 => (dim == 1 && !along(2)) || (dim == 2 && !tokens_in_the_middle(shape) && shape[1].abs_diff(len) > MOST_SHIFTED),
             // `[B, S, H, D]` or `[B, H, S, D]`: as many heads as tokens leave no telling which.
             dims => dims >= 4 && (dim == 1 || dim == last_but_one) && !(along(1) && along(last_but_one)),
         };
@@ -1630,6 +1668,26 @@ pub fn guarded_adaptive_avg_pool1d<X: ExchangeBackend>(x: FloatTensor<X>, output
     X::adaptive_avg_pool1d(x, output_size)
 }
 
+/// `UlyssesBackend`'s `ctc_loss`: the inner backend's, after the guard.
+pub fn guarded_ctc_loss<X: ExchangeBackend>(log_probs: FloatTensor<X>, targets: IntTensor<X>, input_lengths: IntTensor<X>, target_lengths: IntTensor<X>, blank: usize) -> FloatTensor<X> {
+    refuse(ctc_over_the_shard(&log_probs.shape(), context::current_sharding));
+    X::ctc_loss(log_probs, targets, input_lengths, target_lengths, blank)
+}
+
+/// Why a CTC loss over log-probabilities of `shape` (`[T, B, C]`) is refused, or `None`: under
+/// SP its frames are a rank's shard, aligned to the whole transcript as if they were the whole
+/// sequence (each rank's loss and gradient, never any part of the sequence's).
+pub fn ctc_over_the_shard(shape: &[usize], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    let what = format!(
+        "it aligns the {} frames of this rank's shard to each whole transcript, as if they were the whole sequence: no rank's alignment is any \
+         part of the sequence's",
+        shape.first().copied().unwrap_or(0)
+    );
+    let fix = "Gather the log-probabilities of the whole sequence and compute the CTC loss on one rank \
+               (burn_ulysses::context::enter_single_device()).";
+    shard_local_refusal("ctc_loss", shape, 0, what, fix, sharding)
+}
+
 /// `UlyssesBackend`'s `rfft`: the inner backend's, after the guard.
 pub fn guarded_rfft<X: ExchangeBackend>(signal: FloatTensor<X>, dim: usize, n: Option<usize>) -> (FloatTensor<X>, FloatTensor<X>) {
     refuse(fft_over_the_shard("rfft", &signal.shape(), dim, context::current_sharding));
@@ -1937,8 +1995,9 @@ mod tests {
         // Pooled again (4 → 2), then upsampled by 7 (2 → 14).
         assert!(tiling("max_pool1d", &[2, 16, 4]).is_none() && conv(&[2, 16, 2]).is_some());
         // A length that is one of the shard's is taken as it, not as the later 2 padded by burn:
-        // windows of 4 that tile the 4 places pass.
-        assert!(window_over_the_shard("avg_pool1d", &[2, 16, 4], Window::new(4, 1, 4, 0, false), || SP2).is_none());
+        // one window over the 4 places pools that shard whole (refused as such, not as padding).
+        let whole = window_over_the_shard("avg_pool1d", &[2, 16, 4], Window::new(4, 1, 4, 0, false), || SP2).map(|e| e.to_string()).expect("refused");
+        assert!(whole.contains("the 4 tokens of this rank's shard") && !whole.contains("padded"), "{whole}");
         assert!(conv(&[2, 16, 14]).is_none());
         assert!(transposed_window_over_the_shard(&[2, 16, 2], Window::new(7, 1, 7, 0, false), 0, || SP2).is_none());
         assert!(conv(&[2, 16, 14]).is_some_and(|m| m.contains("the 14 tokens")));
@@ -2013,7 +2072,10 @@ mod tests {
         let zigzag = || Some(Sharding { runs: 2, ..SP2.unwrap() });
         assert!(window_over_the_shard("avg_pool1d", &[2, 16, 8], Window::new(4, 1, 4, 0, false), zigzag).is_none());
         assert!(window_over_the_shard("avg_pool1d", &[2, 16, 8], Window::new(8, 1, 8, 0, false), zigzag).is_some());
-        assert!(window(&[2, 16, 8], Window::new(8, 1, 8, 0, false)).is_none());
+        // One window over the whole shard (a kernel of the input's length, TextCNN's max over
+        // time) pools it as if it were the sequence: refused (under a zigzag ring too).
+        let whole = window(&[2, 16, 8], Window::new(8, 1, 8, 0, false)).map(|e| e.to_string()).expect("a window over the whole shard let through");
+        assert!(whole.contains("windows of 8 tokens") && whole.contains("a window shorter than the shard"), "{whole}");
         assert!(window_over_the_shard("conv1d", &[2, 16, 8], sliding(3), || None).is_none(), "refused outside SP");
         assert!(window_over_the_shard("conv1d", &[2, 16, 8], sliding(3), || Some(Sharding { ranks: 1, ..SP2.unwrap() })).is_none(), "refused at SP = 1");
         // Unfolds along the sequence dim ([B, S, D]'s 1, channels-first [B, C, L]'s 2): sliding

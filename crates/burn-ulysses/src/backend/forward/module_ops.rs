@@ -524,9 +524,9 @@ impl<Inner: ExchangeBackend> ModuleOps<Self> for UlyssesBackend<Inner> {
         target_lengths: IntTensor<Self>,
         blank: usize,
     ) -> FloatTensor<Self> {
-        <Inner as ModuleOps<
+        crate::attention_guard::guarded_ctc_loss::<
             Inner,
-        >>::ctc_loss(log_probs, targets, input_lengths, target_lengths, blank)
+        >(log_probs, targets, input_lengths, target_lengths, blank)
     }
     fn has_ctc_loss_backward() -> bool {
         <Inner as ModuleOps<Inner>>::has_ctc_loss_backward()
