@@ -31,9 +31,11 @@
 //! `[B, Hkv, G·n, d]`), queries in chunks, latents or a pooling query attending to the shard,
 //! cannot be told from cross-attention's by shape. The length of the token ids this thread
 //! last embedded (`module::embedding`: the rank's shard, however it was cut) tells them apart:
-//! a product of whole per-head operands that sums over that many tokens (`[.., m, n] · [.., n,
-//! d]` with `n` that length: weights times values however the queries come, transposed too,
-//! linear attention's `kᵀ·v`) is refused; cross-attention's sums run over its memory. At
+//! a product of whole per-head operands, 4-D or more, that sums over that many tokens (`[.., m,
+//! n] · [.., n, d]` with `n` that length: weights times values however the queries come,
+//! transposed too, linear attention's `kᵀ·v`) is refused; cross-attention's sums run over its
+//! memory. With the heads folded into the batch (3-D `[B·H, r, S]·[B·H, S, d]`, as a stack of
+//! experts' `[E, C, d]·[E, d, f]` is) it is not, unless square or a group's folded rows. At
 //! batch 1 a head of its own (4-D or more, `[1, 1, n, d]`: a loop over heads) is refused where
 //! its scores are the shard's square or it sums over the shard; a 3-D or 2-D matrix there
 //! looks as a linear layer does and passes.
