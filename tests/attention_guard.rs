@@ -534,6 +534,18 @@ fn a_pooling_over_the_whole_shard_and_a_ctc_loss_of_it_are_refused() {
     for sp in [2, 3] {
         assert_shard_local_refused(&on_ranks_from_ids(sp, UlyssesConfig::new(), ctc), "ctc_loss", "enter_single_device");
     }
+    // Frames of another stream (5, no shard's length: an encoder's whole input) pass.
+    let other_stream = |ids: Tensor<Sp, 2, Int>| {
+        let device = ids.device();
+        // The shard's tokens embedded, so that the guard knows its length.
+        let _shard = embedded(ids);
+        let frames = log_softmax(uniform_tensor::<Sp, 3>([5, 2, D_MODEL], 37, &device), 2);
+        let targets = Tensor::<Sp, 2, Int>::from_data([[1, 2], [3, 4]], &device);
+        ctc_loss(frames, targets, Tensor::full([2], 5, &device), Tensor::full([2], 2, &device), 0).reshape([1, 1, 2])
+    };
+    for (rank, result) in on_ranks_from_ids(2, UlyssesConfig::new(), other_stream).iter().enumerate() {
+        assert!(result.as_ref().is_ok_and(|loss| loss.iter().all(|l| l.is_finite())), "rank {rank}: {result:?}");
+    }
     let want = ctc(token_ids::<Inner>(&Default::default()));
     assert_sequence_parallel(on_ranks_from_ids(1, UlyssesConfig::new(), ctc), want);
 }

@@ -205,6 +205,9 @@ thread_local! {
     /// The lengths (last dim) of the token ids this thread last and next-to-last embedded, 0
     /// before any.
     static EMBEDDED_TOKENS: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
+    /// The shape `[vocabulary, width]` of the table this thread's tokens were last embedded
+    /// with, `[0, 0]` before any: a last dim so long holds features or logits, not tokens.
+    static EMBEDDED_TABLE: Cell<[usize; 2]> = const { Cell::new([0, 0]) };
     /// The lengths windows that tile the shard resampled it to since its ids were embedded (a
     /// sequence pooled by 2, pooled again, or upsampled), the latest first; 0: none. Cut as
     /// the tokens were, they are the shard too for the rules that go by its length.
@@ -218,6 +221,12 @@ fn shard_lengths() -> impl Iterator<Item = usize> {
     let (shard, one_length) = embedded();
     let lengths = if one_length { RESAMPLED_SHARDS.get() } else { [0; 4] };
     std::iter::once(shard).filter(move |_| one_length).chain(lengths).filter(|&length| length >= 2)
+}
+
+/// Whether `length` is one the shard was resampled to by windows that tiled it (a pooled or
+/// upsampled stream's tokens).
+fn resampled(length: usize) -> bool {
+    embedded().1 && RESAMPLED_SHARDS.get().contains(&length) && length >= 2
 }
 
 /// Notes `length`, the shard's after windows that tiled it, for the rules that go by its length.
@@ -363,6 +372,9 @@ pub fn embedding_noting_length<X: ExchangeBackend>(weights: FloatTensor<X>, indi
             RESAMPLED_SHARDS.set([0; 4]);
         }
         EMBEDDED_TOKENS.set((length, last));
+        if let [vocabulary, width] = weights.shape().as_slice() {
+            EMBEDDED_TABLE.set([*vocabulary, *width]);
+        }
     }
     X::embedding(weights, indices)
 }
@@ -520,9 +532,7 @@ fn scanned_sequence(shape: &[usize], dim: usize) -> Option<usize> {
         _ if shape.len() >= 4 && along(1).is_none() => along_the_sequence(shape, dim, along),
         // Channels first `[B, C, L]` along `L`, where positions are noted and its middle dim is
         // no piece's tokens nor a few more or fewer (see [`reduced_over_the_shard`]).
-        2 if shape.len() == 3 && SHARD_POSITIONS.get().is_some() && !tokens_in_the_middle(shape) => {
-            along(2).filter(|&shard| shape[1].abs_diff(shard) > MOST_SHIFTED)
-        }
+        2 if shape.len() == 3 && SHARD_POSITIONS.get().is_some_and(|noted| noted.rows == shape[0]) => along(2).filter(|&shard| along_the_last_of_three(shape, shard)),
         _ => None,
     }
 }
@@ -535,11 +545,22 @@ fn flattened_tokens(shape: &[usize]) -> bool {
     shape.len() == 2 && SHARD_POSITIONS.get().is_some_and(flattened)
 }
 
+/// Whether dim 2 of a 3-D `shape` may run along `len` tokens of the shard (channels first
+/// `[B, C, L]`, a row of weights `[B, 1, S]`) rather than hold features: its middle dim is no
+/// piece's tokens nor a few more or fewer (a class token's `[B, S + 1, D]`), and its last is
+/// neither the width nor the vocabulary of the table the tokens were embedded with (features
+/// or logits: a model whose width is as long as the shard leaves no telling, and passes).
+fn along_the_last_of_three(shape: &[usize], len: usize) -> bool {
+    let [_, middle, last] = <[usize; 3]>::try_from(shape).unwrap_or_default();
+    let table = EMBEDDED_TABLE.get();
+    table != [0, 0] && !table.contains(&last) && !tokens_in_the_middle(shape) && middle.abs_diff(len) > MOST_SHIFTED
+}
+
 /// Whether the middle dim of a 3-D `shape` is as long as a noted piece of the shard (a
 /// checkpointed layer's tile `[B, T, D]`, or the shard): its dim 2 then holds features, however
 /// many.
 fn tokens_in_the_middle(shape: &[usize]) -> bool {
-    shape.len() == 3 && SHARD_POSITIONS.get().is_some_and(|noted| noted.rows == shape[0] && noted.pieces().any(|piece| shape[1] == piece.span().0))
+    shape.len() == 3 && SHARD_POSITIONS.get().is_some_and(|noted| noted.rows == shape[0] && (noted.pieces().any(|piece| shape[1] == piece.span().0) || resampled(shape[1])))
 }
 
 /// Why a flip (`op`) over `axes` of `shape` is refused, or `None`: one that reverses the
@@ -651,11 +672,12 @@ fn along_the_sequence(shape: &[usize], dim: usize, along: impl Fn(usize) -> Opti
 fn windows_across_the_shard(op: &'static str, shape: &[usize], dim: usize, (shard, length): (usize, usize), window: Window, sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
     let sharding = sharding();
     let runs = sharding.map_or(1, |sharding| sharding.runs);
-    // One window over the whole shard (TextCNN's max over time, a classifier's mean: a kernel
-    // of the input's length) tiles it too, but pools the shard as if it were the sequence; a
-    // fixed factor as long as a shard is no model's. (Under a zigzag ring a window over each
-    // of its runs is the sequence's own, and passes.)
-    let whole_shard = window.span > 1 && window.span >= shard;
+    // One window over the whole shard of embedded tokens (TextCNN's max over time, a
+    // classifier's mean: a kernel of the input's length) tiles it too, but pools the shard as
+    // if it were the sequence; a fixed factor as long as that shard is no model's (a pooled
+    // stream's, a tiny factor's may be: they pass; so does a window over each run of a
+    // zigzag ring, the sequence's own).
+    let whole_shard = window.span >= MOST_SHIFTED && window.span >= shard && shard == embedded().0;
     if length == shard && shard % runs == 0 && window.tiles(shard / runs) && !whole_shard {
         note_resampled(shard / window.stride);
         return None;
@@ -1224,7 +1246,7 @@ pub fn reduced_over_the_shard(op: &'static str, kind: OverTheSequence, shape: &[
             // weights `[B, 1, S]` (attention pooling's query as a row), where the middle dim is
             // no piece's tokens nor a few more or fewer (a class token's `[B, S + 1, D]` whose
             // features are as many as the shard's tokens holds features there).
-            3 => (dim == 1 && !along(2)) || (dim == 2 && !tokens_in_the_middle(shape) && shape[1].abs_diff(len) > MOST_SHIFTED),
+            3 => (dim == 1 && !along(2)) || (dim == 2 && along_the_last_of_three(shape, len)),
             // `[B, S, H, D]` or `[B, H, S, D]`: as many heads as tokens leave no telling which.
             dims => dims >= 4 && (dim == 1 || dim == last_but_one) && !(along(1) && along(last_but_one)),
         };
@@ -1677,9 +1699,13 @@ pub fn guarded_ctc_loss<X: ExchangeBackend>(log_probs: FloatTensor<X>, targets: 
 }
 
 /// Why a CTC loss over log-probabilities of `shape` (`[T, B, C]`) is refused, or `None`: under
-/// SP its frames are a rank's shard, aligned to the whole transcript as if they were the whole
-/// sequence (each rank's loss and gradient, never any part of the sequence's).
+/// SP, where its frames are as many as the shard's tokens (or a resampled shard's), they are
+/// aligned to the whole transcript as if they were the whole sequence (each rank's loss and
+/// gradient, never any part of the sequence's).
 pub fn ctc_over_the_shard(shape: &[usize], sharding: impl FnOnce() -> Option<Sharding>) -> Option<UlyssesError> {
+    // Frames of another stream (an encoder's whole or replicated input, log-probabilities
+    // gathered whole) pass.
+    shard_lengths().find(|&shard| shape.first() == Some(&shard))?;
     let what = format!(
         "it aligns the {} frames of this rank's shard to each whole transcript, as if they were the whole sequence: no rank's alignment is any \
          part of the sequence's",
@@ -1997,9 +2023,9 @@ mod tests {
         // Pooled again (4 → 2), then upsampled by 7 (2 → 14).
         assert!(tiling("max_pool1d", &[2, 16, 4]).is_none() && conv(&[2, 16, 2]).is_some());
         // A length that is one of the shard's is taken as it, not as the later 2 padded by burn:
-        // one window over the 4 places pools that shard whole (refused as such, not as padding).
-        let whole = window_over_the_shard("avg_pool1d", &[2, 16, 4], Window::new(4, 1, 4, 0, false), || SP2).map(|e| e.to_string()).expect("refused");
-        assert!(whole.contains("the 4 tokens of this rank's shard") && !whole.contains("padded"), "{whole}");
+        // windows of 4 that tile the 4 places pass (one window of a pooled stream: a fixed
+        // factor's, as right under SP as any other).
+        assert!(window_over_the_shard("avg_pool1d", &[2, 16, 4], Window::new(4, 1, 4, 0, false), || SP2).is_none());
         assert!(conv(&[2, 16, 14]).is_none());
         assert!(transposed_window_over_the_shard(&[2, 16, 2], Window::new(7, 1, 7, 0, false), 0, || SP2).is_none());
         assert!(conv(&[2, 16, 14]).is_some_and(|m| m.contains("the 14 tokens")));
@@ -2497,6 +2523,16 @@ mod tests {
         // Two dims as long as the shard: `[B, S, D]` or channels first `[B, C, L]`; `[B, H, S, D]`
         // or `[B, S, H, D]`. No telling which is the sequence; a 1-D buffer.
         assert!(reduced(&[2, 8, 8], 1).is_none() && reduced(&[2, 8, 8, 16], 1).is_none() && reduced(&[2, 8, 8, 16], 2).is_none() && reduced(&[8], 0).is_none());
+        // Dim 2 of `[B, C, L]` (channels first) or of a row of weights `[B, 1, S]`, once the
+        // table the tokens were embedded with is known: refused where the last dim is neither
+        // its width nor its vocabulary, and the middle no tokens nor a class token's few more;
+        // features as wide as the shard (a width of 8) leave no telling, and pass.
+        EMBEDDED_TABLE.set([50, 16]);
+        assert!(reduced(&[2, 16, 8], 2).is_some_and(|m| m.contains("along dim 2 of a [2, 16, 8] tensor")) && reduced(&[2, 1, 8], 2).is_some());
+        assert!(reduced(&[2, 9, 8], 2).is_none() && reduced(&[2, 16, 16], 2).is_none() && reduced(&[2, 16, 50], 2).is_none());
+        EMBEDDED_TABLE.set([50, 8]);
+        assert!(reduced(&[2, 16, 8], 2).is_none() && reduced(&[2, 1, 8], 2).is_none(), "features as wide as the shard refused");
+        EMBEDDED_TABLE.set([0, 0]);
         // A parameter, `not_positions`, one rank, the opt-out: pass.
         assert!(reduced_over_the_shard("sum_dim", OverTheSequence::Reduces, &[2, 8, 16], 1, true, || SP2).is_none(), "a parameter refused");
         assert!(not_positions(|| reduced(&[2, 8, 16], 1)).is_none(), "not_positions lets a reduction through");
