@@ -903,9 +903,9 @@ where
         let recorded = options.progress.as_deref().is_some_and(|progress| progress.has_eval(step));
         let verdicts = burn_ulysses::comm::all_gather_host_checked(&*groups.world, &[recorded as u64], "the record's held-out losses")?;
         if let (0, Some(sequences)) = (verdicts[0][0], &eval_batch) {
-            let loss = evaluate_held_out(config, &model, parts.as_mut(), sequences, eval_documents.as_deref(), eval_targets.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
-            if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss.filter(|loss| loss.tokens > 0)) {
-                progress.eval(step, loss.mean());
+            let loss = evaluate_held_out(step, config, &model, parts.as_mut(), sequences, eval_documents.as_deref(), eval_targets.as_deref(), groups, device)?;
+            if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss) {
+                progress.eval(step, loss);
             }
         }
     }
@@ -1027,10 +1027,9 @@ where
         // that is larger than a step's part) loses no step. Held-out batches of a step's
         // micro-batch: what the step ran (and `--check` counted) fits them.
         if let (true, Some(sequences)) = (config.eval_due(step), &eval_batch) {
-            let loss = evaluate_held_out(config, &model, parts.as_mut(), sequences, eval_documents.as_deref(), eval_targets.as_deref(), groups, device).map_err(|e| e.at_step(step))?;
-            // A held-out batch without a target (prompts alone) has no loss to show.
-            if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss.filter(|loss| loss.tokens > 0)) {
-                progress.eval(step, loss.mean());
+            let loss = evaluate_held_out(step, config, &model, parts.as_mut(), sequences, eval_documents.as_deref(), eval_targets.as_deref(), groups, device)?;
+            if let (Some(progress), Some(loss)) = (options.progress.as_deref_mut(), loss) {
+                progress.eval(step, loss);
             }
         }
         if done == last_step {
@@ -1770,10 +1769,13 @@ pub fn evaluate_sequences<B: TrainBackend>(
     Ok(evaluate_batches(&config, config.batch_size, sequences, documents, targets, groups, false, evaluate_batch)?.expect("summed over the world"))
 }
 
-/// The held-out loss of `sequences` (with their `documents` and `targets`) on `model`: with
-/// ZeRO-3's `parts`, every rank joining each batch's gathers (lockstep). Collective.
+/// The held-out loss (token-averaged) of `sequences` (with their `documents` and `targets`) on
+/// `model` after step `step`, to show where this rank reports it: `None` on other ranks, or
+/// where the batch has no target (prompts alone). With ZeRO-3's `parts`, every rank joins each
+/// batch's gathers (lockstep). Collective; an error names the step.
 #[allow(clippy::too_many_arguments)]
 fn evaluate_held_out<B: TrainBackend>(
+    step: usize,
     config: &TrainConfig,
     model: &Decoder<B>,
     parts: Option<&mut ShardedParameters<B>>,
@@ -1782,8 +1784,8 @@ fn evaluate_held_out<B: TrainBackend>(
     targets: Option<&[Vec<bool>]>,
     groups: &ParallelGroups<B::Wire>,
     device: &B::Device,
-) -> Result<Option<TokenLoss>, UlyssesError> {
-    match parts {
+) -> Result<Option<f64>, UlyssesError> {
+    let loss = match parts {
         Some(parts) => evaluate_batches(config, config.micro_batch_rows(), sequences, documents, targets, groups, true, |batch, documents, targets| {
             evaluate_in_parts::<B>(config, model, parts, batch, documents, targets, groups, device)
         }),
@@ -1793,7 +1795,8 @@ fn evaluate_held_out<B: TrainBackend>(
                 evaluate_model::<B>(config, &valid, batch, documents, targets, groups, device)
             })
         }
-    }
+    };
+    Ok(loss.map_err(|e| e.at_step(step))?.filter(|loss| loss.tokens > 0).map(|loss| loss.mean()))
 }
 
 /// The loss over `sequences` (each packing the documents of lengths `documents[i]`, if given;
