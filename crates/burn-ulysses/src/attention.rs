@@ -126,6 +126,7 @@ pub fn attention_within<B: Backend>(
     if documents.is_some() {
         DOCUMENT_CALLS.set(DOCUMENT_CALLS.get() + 1);
     }
+    let (key, value) = grouped_kv_for::<B>(&query, key, value);
     if documents.is_none() && window.is_none() {
         return attention(query, key, value, None, None, options);
     }
@@ -150,6 +151,31 @@ pub fn attention_within<B: Backend>(
         .expect("an allowed fallback is not an error");
     let mask = visibility.dense_mask::<B>(&query.device()).expand([batch, heads, seq, seq]);
     attention(query, key, value, Some(mask), None, options)
+}
+
+/// Grouped k/v (fewer kv heads than q heads) as the backend takes them: as they are on
+/// `UlyssesBackend`, which exchanges them grouped; expanded to the q heads elsewhere, where
+/// burn's attention would fail deep in a matmul of mismatched heads (a `DecoderConfig` with
+/// `repeat_kv: false` run on a plain backend). A q head count that is no multiple of the kv
+/// heads' is refused here, naming both.
+fn grouped_kv_for<B: Backend>(query: &Tensor<B, 4>, key: Tensor<B, 4>, value: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let (q_heads, kv_heads) = (query.dims()[1], key.dims()[1]);
+    if q_heads == kv_heads || intercepts_attention::<B>(&query.device()) {
+        return (key, value);
+    }
+    assert!(
+        kv_heads > 0 && q_heads % kv_heads == 0,
+        "attention of {q_heads} query heads over {kv_heads} kv heads: grouped-query attention needs the query heads a multiple of the kv heads \
+         (each kv head serves as many query heads); check n_heads and n_kv_heads"
+    );
+    let group = q_heads / kv_heads;
+    (repeat_kv_heads(key, group), repeat_kv_heads(value, group))
+}
+
+/// Whether `B` is `UlyssesBackend` itself, whose attention op this module's calls reach (not
+/// one that wraps it: burn's autodiff decomposes attention before its inner backend sees it).
+fn intercepts_attention<B: Backend>(device: &B::Device) -> bool {
+    B::name(device).starts_with(crate::backend::NAME_PREFIX)
 }
 
 /// Takes what [`attention_within`] handed over, if this call came from it.

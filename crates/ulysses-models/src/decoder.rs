@@ -80,7 +80,8 @@ pub struct DecoderConfig {
     /// the flash kernels as in the dense attention (`burn_ulysses::attention::attention_within`).
     pub sliding_window: Option<usize>,
     /// Expand kv heads to the q head count before calling attention. Burn's own attention
-    /// needs equal head counts; `UlyssesBackend` accepts grouped kv heads natively and then
+    /// needs equal head counts (`attention_within` expands them for it where the model
+    /// leaves them grouped); `UlyssesBackend` accepts grouped kv heads natively and then
     /// exchanges `n_heads / n_kv_heads` times fewer kv bytes. It changes no parameter.
     #[config(default = true)]
     pub repeat_kv: bool,
@@ -699,6 +700,27 @@ mod tests {
             assert!(message.contains(named) && message.contains("tokens of [1, 4]"), "{message}");
         }
         assert_eq!(model.forward(tokens, &ShardPositions::consecutive(1, 4)).dims(), [1, 4, 64]);
+    }
+
+    /// Grouped kv heads left grouped (`repeat_kv: false`, as the trainer runs) on a backend
+    /// that is not `UlyssesBackend` give the logits of kv heads expanded in the model, with a
+    /// sliding window too: burn's attention failed deep in a matmul of 4 heads by 2.
+    #[test]
+    fn grouped_kv_heads_left_grouped_on_a_plain_backend_match_expanded_ones() {
+        use burn::tensor::{Int, Tensor};
+        use burn_ulysses::data::ShardPositions;
+        let tokens = Tensor::<NdArray<f32>, 2, Int>::from_data([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], &Default::default());
+        let positions = ShardPositions::consecutive(2, 6);
+        for window in [None, Some(3)] {
+            let config = DecoderConfig::new(64).with_d_model(16).with_n_heads(4).with_n_kv_heads(2).with_ffn_hidden(32).with_sliding_window(window);
+            let expanded = config.with_repeat_kv(true).init::<NdArray<f32>>(&Default::default());
+            // Forward first: a clone of parameters not yet initialised draws its own.
+            let want = expanded.forward(tokens.clone(), &positions);
+            let got = expanded.with_repeat_kv(false).forward(tokens.clone(), &positions);
+            let (want, got) = (want.into_data().to_vec::<f32>().unwrap(), got.into_data().to_vec::<f32>().unwrap());
+            let worst = want.iter().zip(&got).map(|(w, g)| (w - g).abs()).fold(0f32, f32::max);
+            assert!(want.iter().chain(&got).all(|x| x.is_finite()) && worst <= 1e-6, "window {window:?}: worst difference {worst}");
+        }
     }
 }
 
