@@ -19,7 +19,9 @@
 //! - Grouped query heads folded into rows (`[B, Hkv, G·S, d]`) are refused once the ranks
 //!   embed their token ids (cut by `narrow`); let through, they attend within each shard.
 //! - So are queries in chunks, latents, one pooling query and a loop over heads at batch 1
-//!   (sums over the shard's tokens, known by the ids' length); cross-attention passes.
+//!   (sums over the shard's tokens, known by the ids' length), and, with the heads folded into
+//!   the batch, linear attention's `φ(k)ᵀ·v` and a Perceiver's latents; cross-attention and a
+//!   stack of experts as wide as the shard pass.
 //! - Attention with no matmul (scores a broadcast product summed, then softmax) and positions
 //!   made of a mask's cumsum are refused too, naming the op; so are convolutions and pooling
 //!   windows across the shard's edges (causal, overlapping, transposed, pooled to a length) and
@@ -790,6 +792,10 @@ enum OverTheShard {
     Latents(usize),
     LoopOverHeadsAtBatchOne,
     CrossAttention(usize),
+    /// Heads folded into the batch, `[B·H, S, d]`: linear attention's `φ(k)ᵀ·v` of a feature
+    /// map twice the head dim (not square), and a Perceiver's latents.
+    FoldedLinearAttention,
+    FoldedLatents(usize),
 }
 
 impl OverTheShard {
@@ -822,24 +828,66 @@ impl OverTheShard {
                 merge(Tensor::cat(per_head.collect(), 1)).reshape([1, seq, D_MODEL])
             }
             Self::CrossAttention(memory) => merge(attend(heads(x), uniform_tensor::<B, 3>([batch, memory, D_MODEL], 17, &device))),
+            Self::FoldedLinearAttention | Self::FoldedLatents(_) => {
+                let head_dim = D_MODEL / HEADS;
+                let fold = |t: Tensor<B, 3>| heads(t).reshape([batch * HEADS, seq, head_dim]);
+                let (k, v) = (fold(x.clone() * 0.5), fold(x.clone() * 4.0));
+                let context = match self {
+                    Self::FoldedLatents(latents) => {
+                        let q = uniform_tensor::<B, 3>([1, latents, D_MODEL], 11, &device).repeat_dim(0, batch);
+                        let q = heads(q).reshape([batch * HEADS, latents, head_dim]);
+                        softmax(q.matmul(k.swap_dims(1, 2)) / (head_dim as f64).sqrt(), 2).matmul(v)
+                    }
+                    _ => {
+                        let feature_map = |t: Tensor<B, 3>| Tensor::cat(vec![t.clone().clamp_min(0.0), t.neg().clamp_min(0.0)], 2);
+                        feature_map(fold(x)).matmul(feature_map(k).swap_dims(1, 2).matmul(v))
+                    }
+                };
+                let rows = context.dims()[1];
+                merge(context.reshape([batch, HEADS, rows, head_dim]))
+            }
         }
     }
+}
+
+/// A stack of experts `[E, C, f]·[E, f, d]` whose `f` is as long as the shard (`C` one more
+/// token than the shard's, padding): its weights are parameters, so no sum over the shard's
+/// tokens, though its shapes are a folded one's.
+fn experts_as_wide_as_the_shard<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    let device = ids.device();
+    let embedding = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13);
+    let x = embedding.forward(ids);
+    let [experts, seq, _] = x.dims();
+    let routed = Tensor::cat(vec![x, Tensor::zeros([experts, 1, D_MODEL], &device)], 1);
+    let (up, down) = (uniform_tensor::<B, 3>([experts, D_MODEL, seq], 5, &device).require_grad(), uniform_tensor::<B, 3>([experts, seq, D_MODEL], 7, &device).require_grad());
+    routed.matmul(up).clamp_min(0.0).matmul(down)
 }
 
 #[test]
 fn sums_over_a_shards_tokens_are_refused_once_token_ids_are_embedded() {
     // Each is attention by hand over the shard, refused at SP = 2 and 4 (shards of 6 and 3
     // tokens); at SP = 1 one device's output.
-    for form in [OverTheShard::QueriesInChunks, OverTheShard::Latents(4), OverTheShard::Latents(1), OverTheShard::LoopOverHeadsAtBatchOne] {
+    for form in [
+        OverTheShard::QueriesInChunks,
+        OverTheShard::Latents(4),
+        OverTheShard::Latents(1),
+        OverTheShard::LoopOverHeadsAtBatchOne,
+        OverTheShard::FoldedLinearAttention,
+        OverTheShard::FoldedLatents(4),
+    ] {
         for sp in [2, 4] {
             assert_refused_on_every_rank(&on_ranks_from_ids(sp, UlyssesConfig::new(), move |ids| form.forward(ids)), &format!("{form:?} at SP = {sp}"));
         }
         assert_sequence_parallel(on_ranks_from_ids(1, UlyssesConfig::new(), move |ids| form.forward(ids)), form.forward(token_ids::<Inner>(&Default::default())));
     }
-    // Cross-attention to a memory of 5 (no shard's length) is no attention over the shard.
+    // Cross-attention to a memory of 5 (no shard's length) is no attention over the shard, nor
+    // is a stack of experts whose hidden width is the shard's: each gives one device's output.
     for sp in [2, 4] {
         for (rank, result) in on_ranks_from_ids(sp, UlyssesConfig::new(), |ids| OverTheShard::CrossAttention(5).forward(ids)).iter().enumerate() {
             assert!(result.is_ok(), "cross-attention at SP = {sp}, rank {rank}: {result:?}");
+        }
+        for (rank, result) in on_ranks_from_ids(sp, UlyssesConfig::new(), experts_as_wide_as_the_shard).iter().enumerate() {
+            assert!(result.is_ok(), "experts as wide as the shard at SP = {sp}, rank {rank}: {result:?}");
         }
     }
 }

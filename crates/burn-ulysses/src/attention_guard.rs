@@ -35,7 +35,9 @@
 //! n] · [.., n, d]` with `n` that length: weights times values however the queries come,
 //! transposed too, linear attention's `kᵀ·v`) is refused; cross-attention's sums run over its
 //! memory. With the heads folded into the batch (3-D `[B·H, r, S]·[B·H, S, d]`, as a stack of
-//! experts' `[E, C, d]·[E, d, f]` is) it is not, unless square or a group's folded rows. At
+//! experts' `[E, C, f]·[E, f, d]` is) it is where both operands are activations under autodiff
+//! (an expert's weights are parameters) and `S` is neither the embedding table's width nor its
+//! vocabulary; otherwise only where square or a group's folded rows. At
 //! batch 1 a head of its own (4-D or more, `[1, 1, n, d]`: a loop over heads) is refused where
 //! its scores are the shard's square or it sums over the shard; a 3-D or 2-D matrix there
 //! looks as a linear layer does and passes.
@@ -408,11 +410,24 @@ pub fn set_guard(on: bool) {
     GUARD_ON.store(on, Ordering::Relaxed);
 }
 
-/// Panics with the refusal where a product of these shapes is attention by hand under SP.
-fn refuse_attention_by_hand(lhs_shape: &[usize], rhs_shape: &[usize]) {
+/// The shard's length where `lhs · rhs` is a sum over the shard's tokens with the heads folded
+/// into the batch, 3-D `[B·H, r, S] · [B·H, S, d]` (linear attention's `kᵀ·v`, a Perceiver's
+/// latents' weights times values), or `None`. The caller asks only of two activations: a stack
+/// of experts `[E, C, f] · [E, f, d]` looks alike where `f` is the shard's length, but its
+/// weights are parameters. Nor is `S` the embedding table's width or vocabulary (features).
+fn folded_heads_summed_over_the_shard(lhs: &[usize], rhs: &[usize], shard: usize, one_length: bool) -> Option<usize> {
+    let ([lhs_batch, _, k], [rhs_batch, _, _]) = (<[usize; 3]>::try_from(lhs).ok()?, <[usize; 3]>::try_from(rhs).ok()?);
+    let table = EMBEDDED_TABLE.get();
+    (one_length && shard >= 2 && k == shard && lhs_batch == rhs_batch && lhs_batch >= 2 && table != [0, 0] && !table.contains(&k)).then_some(shard)
+}
+
+/// Panics with the refusal where a product of these shapes is attention by hand under SP;
+/// `activations`: whether both operands are activations autodiff tracks (no parameter).
+fn refuse_attention_by_hand(lhs_shape: &[usize], rhs_shape: &[usize], activations: impl FnOnce() -> bool) {
     // The shape test first: most matmuls end there, before any lookup.
     let (shard, one_length) = embedded();
-    if let Some(tokens) = attention_matrix_size(lhs_shape, rhs_shape, shard, one_length)
+    let summed = || folded_heads_summed_over_the_shard(lhs_shape, rhs_shape, shard, one_length).filter(|_| activations());
+    if let Some(tokens) = attention_matrix_size(lhs_shape, rhs_shape, shard, one_length).or_else(summed)
         && GUARD_ON.load(Ordering::Relaxed)
     {
         let sharding = context::current_sharding();
@@ -422,20 +437,21 @@ fn refuse_attention_by_hand(lhs_shape: &[usize], rhs_shape: &[usize]) {
 
 /// `UlyssesBackend`'s matmul: the inner backend's, after the guard.
 pub fn guarded_matmul<X: ExchangeBackend>(lhs: FloatTensor<X>, rhs: FloatTensor<X>) -> FloatTensor<X> {
-    refuse_attention_by_hand(&lhs.shape(), &rhs.shape());
+    let activation = |tensor: &FloatTensor<X>| X::is_tracked(tensor) && !X::float_is_require_grad(tensor);
+    refuse_attention_by_hand(&lhs.shape(), &rhs.shape(), || activation(&lhs) && activation(&rhs));
     X::float_matmul(lhs, rhs)
 }
 
 /// `UlyssesBackend`'s integer matmul: the inner backend's, after the guard.
 pub fn guarded_int_matmul<X: ExchangeBackend>(lhs: IntTensor<X>, rhs: IntTensor<X>) -> IntTensor<X> {
-    refuse_attention_by_hand(&lhs.shape(), &rhs.shape());
+    refuse_attention_by_hand(&lhs.shape(), &rhs.shape(), || false);
     X::int_matmul(lhs, rhs)
 }
 
 /// `UlyssesBackend`'s matmul where an operand is quantized: the inner backend's, after the
 /// guard.
 pub fn guarded_q_matmul<X: ExchangeBackend>(lhs: TensorPrimitive<X>, rhs: TensorPrimitive<X>) -> TensorPrimitive<X> {
-    refuse_attention_by_hand(&lhs.shape(), &rhs.shape());
+    refuse_attention_by_hand(&lhs.shape(), &rhs.shape(), || false);
     X::q_matmul(lhs, rhs)
 }
 
