@@ -151,15 +151,22 @@ fn the_drop_ins_mask_attn_at_one_query_a_rank() {
 
 /// The same through `module::attention` itself: a causal mask a rank built of its one-token
 /// shard (`[1, 1, 1, 1]`, hiding nothing) has a key-padding mask's shape; without `is_causal`
-/// it was gathered as one and token 0 saw token 1. Refused, naming `is_causal`.
+/// it was gathered as one and token 0 saw token 1. So has a mask of one query over a rank's 3
+/// keys (a window of the rank's own), gathered as the memory's padding. Refused, naming
+/// `is_causal`.
 #[test]
-fn a_mask_at_one_token_a_rank_without_is_causal() {
-    let messages = errors_on_every_rank(2, |_| {
-        let [q, k, v] = qkv([1, 4, 1, 8], 4);
-        let mask = Tensor::<Sp, 2, Bool>::tril_mask([1, 1], 0, &Default::default()).unsqueeze::<4>();
-        attention(q, k, v, Some(mask), None, AttentionModuleOptions { is_causal: false, ..OPTIONS });
-    });
-    assert_all_contain(&messages, &["a mask of shape [1, 1, 1, 1] at one token a rank, without is_causal", "`is_causal: true`", "with_key_padding_mask", "two tokens or more"]);
+fn a_mask_at_one_query_a_rank_without_is_causal() {
+    for kv_seq in [1, 3] {
+        let messages = errors_on_every_rank(2, move |_| {
+            let device = Default::default();
+            let q = uniform_tensor::<Sp, 4>([1, 4, 1, 8], 1, &device);
+            let [k, v] = [2, 3].map(|stream| uniform_tensor::<Sp, 4>([1, 4, kv_seq, 8], stream, &device));
+            let mask = Tensor::<Sp, 2, Bool>::tril_mask([1, kv_seq], 0, &device).unsqueeze::<4>();
+            attention(q, k, v, Some(mask), None, AttentionModuleOptions { is_causal: false, ..OPTIONS });
+        });
+        let shape = format!("a mask of shape [1, 1, 1, {kv_seq}] at one query a rank, without is_causal");
+        assert_all_contain(&messages, &[&shape, "`is_causal: true`", "with_key_padding_mask", "two tokens or more"]);
+    }
 }
 
 /// Keys a rank holds beside its shard (a cache, a prefix, sink tokens) would be joined with the

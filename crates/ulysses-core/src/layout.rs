@@ -178,14 +178,15 @@ impl AttentionLayout {
             (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: bias.to_vec() }),
             _ => {}
         }
-        // At one token a rank a key-padding mask `[batch, 1, 1, 1]` cannot be told from one the
-        // rank built of its own shard's scores (a causal mask of one token hides nothing), which
-        // the gather would take for the whole sequence's padding: every key seen, silently.
-        if matches!(self.mask, MaskKind::KeyPadding { .. }) && !mask_is_key_padding && !self.is_causal && self.q_seq == 1 && self.kv_seq == 1 {
+        // At one query a rank a key-padding mask `[batch, 1, 1, kv]` cannot be told from one the
+        // rank built of its own scores (a causal mask of one token, which hides nothing; a
+        // window or alignment of its one query over its keys), which the gather would take for
+        // the whole sequence's padding: every query seeing what any rank's query may, silently.
+        if matches!(self.mask, MaskKind::KeyPadding { .. }) && !mask_is_key_padding && !self.is_causal && self.q_seq == 1 {
             return Err(UlyssesError::Shape(format!(
-                "sequence-parallel attention: a mask of shape {:?} at one token a rank, without is_causal, has a key-padding mask's \
-                 shape and that of a mask of the rank's own one-token shard (a causal mask hides nothing there), which would be \
-                 gathered as the sequence's padding: for causal attention pass `is_causal: true` (and no mask of the shard); a \
+                "sequence-parallel attention: a mask of shape {:?} at one query a rank, without is_causal, has a key-padding mask's \
+                 shape and that of a mask of the rank's own scores (one query's: a causal mask of one token hides nothing), which \
+                 would be gathered as the sequence's padding: for causal attention pass `is_causal: true` (and no mask of the shard); a \
                  key-padding mask is taken as one inside burn_ulysses::attention::with_key_padding_mask(|| ..) (as the drop-ins' \
                  mask_pad is), or at two tokens or more a rank",
                 mask.unwrap_or_default()
