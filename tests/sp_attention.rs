@@ -59,11 +59,12 @@ fn attend<B: AutodiffBackend>(
     [q, k, v, w]: [Tensor<B, 4>; 4],
     mask: Option<Tensor<B, 4, Bool>>,
     expand_kv: bool,
+    options: AttentionModuleOptions,
 ) -> Grads {
     let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
     let group = if expand_kv { q.dims()[1] / k.dims()[1] } else { 1 };
     let (k_used, v_used) = (repeat_kv_heads(k.clone(), group), repeat_kv_heads(v.clone(), group));
-    let output = attention(q.clone(), k_used, v_used, mask, None, CAUSAL);
+    let output = attention(q.clone(), k_used, v_used, mask, None, options);
     let grads = (output.clone() * w).sum().backward();
     Grads {
         output: values(output),
@@ -74,12 +75,12 @@ fn attend<B: AutodiffBackend>(
 }
 
 fn key_padding_mask_matches_single_device(sp: usize, mask_heads: usize, kv_heads: usize) {
-    key_padding_mask_case(sp, 4, mask_heads, kv_heads, None);
+    key_padding_mask_case(sp, 4, mask_heads, kv_heads, None, CAUSAL);
 }
 
 /// A key-padding mask against one device: the batch's rows, or where `every_row` is
 /// `Some(row)`, that row's alone as every row's (`[1, ..]`, broadcast over the batch).
-fn key_padding_mask_case(sp: usize, heads: usize, mask_heads: usize, kv_heads: usize, every_row: Option<usize>) {
+fn key_padding_mask_case(sp: usize, heads: usize, mask_heads: usize, kv_heads: usize, every_row: Option<usize>, options: AttentionModuleOptions) {
     let shape @ [batch, heads, seq, dim] = [2, heads, 16, 8];
     let device = Default::default();
     // Burn's attention takes the mask at full score shape.
@@ -88,7 +89,7 @@ fn key_padding_mask_case(sp: usize, heads: usize, mask_heads: usize, kv_heads: u
         None => mask,
     };
     let full_mask = mask_of(padding_mask::<Reference>(batch, mask_heads, seq, &device)).expand([batch, heads, seq, seq]);
-    let reference = attend(qkvw::<Reference>(shape, kv_heads, &device), Some(full_mask), true);
+    let reference = attend(qkvw::<Reference>(shape, kv_heads, &device), Some(full_mask), true, options);
     let reference_shard = |values: &[f32], rank: usize, heads: usize| {
         let t = Tensor::<Inner, 4>::from_data(TensorData::new(values.to_vec(), [batch, heads, seq, dim]), &device);
         ulysses_suite::values(shard(t, 2, rank, sp))
@@ -102,7 +103,7 @@ fn key_padding_mask_case(sp: usize, heads: usize, mask_heads: usize, kv_heads: u
             let tensors = qkvw::<Sp>(shape, kv_heads, &device).map(|t| shard(t, 2, r, p));
             let mask = padding_mask::<Sp>(batch, mask_heads, seq, &device);
             let mask = shard(every_row.map_or(mask.clone(), |row| mask.narrow(0, row, 1)), 3, r, p);
-            attend(tensors, Some(mask), false)
+            attend(tensors, Some(mask), false, options)
         })
     });
     let mut worst = 0.0f32;
@@ -126,21 +127,31 @@ fn key_padding_mask_case(sp: usize, heads: usize, mask_heads: usize, kv_heads: u
     );
 }
 
+/// A softcap and a scale of one's own, without causality, with key padding, at SP = 2 and 4
+/// (grouped kv heads): one device's output and gradients. Each exchange carries the options
+/// to the whole sequence's attention.
+#[test]
+fn a_softcap_and_a_scale_without_causality_match_one_device() {
+    let options = AttentionModuleOptions { scale: Some(0.3), softcap: Some(5.0), is_causal: false };
+    key_padding_mask_case(2, 4, 1, 2, None, options);
+    key_padding_mask_case(4, 4, 4, 4, None, options);
+}
+
 /// Uneven heads (6 on 4 ranks: 2, 2, 1, 1) with a mask per head: each rank gathers the
 /// mask rows of its own heads.
 #[test]
 fn per_head_key_padding_mask_with_uneven_heads() {
-    key_padding_mask_case(4, 6, 6, 3, None);
+    key_padding_mask_case(4, 6, 6, 3, None, CAUSAL);
 }
 
 /// A mask of batch 1, broadcast over the batch (as burn's attention broadcasts it): every
 /// row's, one and one per head; a hole (a dense mask) and right padding (one run of keys).
 #[test]
 fn a_key_padding_mask_of_batch_1_is_every_rows() {
-    key_padding_mask_case(2, 4, 1, 2, Some(0));
-    key_padding_mask_case(4, 4, 4, 4, Some(0));
-    key_padding_mask_case(2, 4, 1, 2, Some(1));
-    key_padding_mask_case(4, 4, 4, 4, Some(1));
+    key_padding_mask_case(2, 4, 1, 2, Some(0), CAUSAL);
+    key_padding_mask_case(4, 4, 4, 4, Some(0), CAUSAL);
+    key_padding_mask_case(2, 4, 1, 2, Some(1), CAUSAL);
+    key_padding_mask_case(4, 4, 4, 4, Some(1), CAUSAL);
 }
 
 /// Cross-attention over a memory sharded as the queries are (each rank its contiguous part of

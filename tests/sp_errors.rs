@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use burn::{
     backend::{Autodiff, NdArray},
-    tensor::{Bool, Tensor, module::attention, ops::AttentionModuleOptions},
+    tensor::{Bool, Tensor, TensorData, module::attention, ops::AttentionModuleOptions},
 };
 use burn_ulysses::{
     RankScope, UlyssesBackend, UlyssesConfig,
@@ -167,6 +167,37 @@ fn a_mask_at_one_query_a_rank_without_is_causal() {
         let shape = format!("a mask of shape [1, 1, 1, {kv_seq}] at one query a rank, without is_causal");
         assert_all_contain(&messages, &[&shape, "`is_causal: true`", "with_key_padding_mask", "two tokens or more"]);
     }
+}
+
+/// A softcap of 0 or NaN (burn asserted it deep in its attention, after the exchange) and a
+/// scale of infinity (every output NaN) are refused naming the option; so is a mask or bias
+/// that does not fit the scores on one device (a group of one: it failed deep in burn's
+/// expand or add), naming the per-kv-head mask.
+#[test]
+fn options_and_masks_that_fit_no_attention_are_refused() {
+    for (softcap, scale, named) in [
+        (Some(0.0), None, "the softcap must be positive and finite (Gemma 2's is 50.0), got 0"),
+        (Some(f64::NAN), None, "the softcap must be positive and finite (Gemma 2's is 50.0), got NaN"),
+        (None, Some(f64::INFINITY), "the scale must be finite (1/√head_dim where None), got inf"),
+    ] {
+        let messages = errors_on_every_rank(2, move |_| {
+            let [q, k, v] = qkv([1, 4, 8, 8], 4);
+            attention(q, k, v, None, None, AttentionModuleOptions { softcap, scale, ..OPTIONS });
+        });
+        assert_all_contain(&messages, &[named]);
+    }
+    let device = Default::default();
+    let messages = errors_on_every_rank(1, move |_| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 2);
+        let mask = Tensor::<Sp, 4, Bool>::from_data(TensorData::new(vec![false; 16], [1, 2, 1, 8]), &device);
+        attention(q, k, v, Some(mask), None, AttentionModuleOptions { is_causal: false, ..OPTIONS });
+    });
+    assert_all_contain(&messages, &["a mask of shape [1, 2, 1, 8] does not fit the scores [batch, q_heads, q_seq, kv_seq] = [1, 4, 8, 8]", "repeated over its group of query heads"]);
+    let messages = errors_on_every_rank(1, move |_| {
+        let [q, k, v] = qkv([1, 4, 8, 8], 4);
+        attention(q, k, v, None, Some(uniform_tensor::<Sp, 4>([1, 4, 8, 7], 4, &device)), AttentionModuleOptions { is_causal: false, ..OPTIONS });
+    });
+    assert_all_contain(&messages, &["a bias of shape [1, 4, 8, 7] does not fit the scores"]);
 }
 
 /// Keys a rank holds beside its shard (a cache, a prefix, sink tokens) would be joined with the

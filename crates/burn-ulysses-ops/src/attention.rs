@@ -69,9 +69,6 @@ fn sequence_parallel(
     let per_rank = all_gather_host_checked(group, &layout.encode(), "attention layout fields")?;
     AttentionLayout::check_agreement(&per_rank)?;
     layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref(), false)?;
-    if let Some(softcap) = options.softcap.filter(|c| !(*c > 0.0 && c.is_finite())) {
-        return Err(UlyssesError::Shape(format!("the softcap must be positive and finite, got {softcap}")));
-    }
     let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, group.size())?;
     let size = group.size();
     let q_heads = HeadExchange::new(group, layout.q_heads, (0..size).map(|rank| plan.q_heads_of(rank).collect()).collect());

@@ -250,6 +250,12 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let ring = context.as_ref().and_then(|c| c.ring.clone()).filter(|ring| ring.size() > 1);
         let Some(context) = context.filter(|c| c.communicator.size() > 1 || ring.is_some()) else {
             HeadPlan::new(layout.q_heads, layout.kv_heads, 1)?;
+            if let Some(mask) = &mask {
+                layout.check_fits_the_scores("mask", &dims(mask), 4)?;
+            }
+            if let Some(bias) = &attn_bias {
+                layout.check_fits_the_scores("bias", &dims(bias), 4)?;
+            }
             let query = float_tensor::<X, 4>(query);
             // Nothing to attend (no row, or no key: a row that sees none gives zeros), which
             // no kernel takes and no dense fallback needs.

@@ -115,6 +115,14 @@ impl AttentionLayout {
                  head_dim; got q {q:?}, k {k:?}, v {v:?}"
             )));
         }
+        // burn asserts a softcap positive deep in its attention; a scale or softcap of NaN or an
+        // infinity makes every output NaN.
+        if let Some(softcap) = options.softcap.filter(|c| !(*c > 0.0 && c.is_finite())) {
+            return Err(UlyssesError::Shape(format!("attention: the softcap must be positive and finite (Gemma 2's is 50.0), got {softcap}")));
+        }
+        if let Some(scale) = options.scale.filter(|s| !s.is_finite()) {
+            return Err(UlyssesError::Shape(format!("attention: the scale must be finite (1/√head_dim where None), got {scale}")));
+        }
         let mask_kind = match mask {
             None => MaskKind::None,
             Some(m) if m.len() == 4 && (m[0] == q[0] || m[0] == 1) && m[2] == 1 && m[3] == k[2] && (m[1] == 1 || m[1] == q[1]) => {
@@ -149,6 +157,22 @@ impl AttentionLayout {
         Self { dtype: packed, ..self }
     }
 
+    /// Fails where a mask or bias (`what`) of `shape` does not broadcast to the scores `[batch,
+    /// q_heads, q_seq, kv_seq]` in its dims before `dims` (each that size or 1): burn's
+    /// attention failed deep in an expand or an add. A mask per kv head is named.
+    pub fn check_fits_the_scores(&self, what: &str, shape: &[usize], dims: usize) -> Result<(), UlyssesError> {
+        let scores = [self.batch, self.q_heads, self.q_seq, self.kv_seq];
+        let misfit: Vec<usize> = (0..shape.len().min(4)).filter(|&d| shape[d] != 1 && shape[d] != scores[d]).collect();
+        if shape.len() != 4 || misfit.iter().any(|&d| d < dims) {
+            let per_kv_head = if misfit == [1] { format!("; a {what} per kv head must be repeated over its group of query heads, as k and v are") } else { String::new() };
+            return Err(UlyssesError::Shape(format!(
+                "attention: a {what} of shape {shape:?} does not fit the scores [batch, q_heads, q_seq, kv_seq] = {scores:?} (each \
+                 dim that size or 1){per_kv_head}"
+            )));
+        }
+        Ok(())
+    }
+
     /// Fails, under sequence parallelism, where the call's arguments cannot follow the
     /// exchange: a mask (`mask`'s dims) or bias (`bias`'s) made from local shapes (any mask but
     /// a key-padding one, any bias); and causal attention over keys other than
@@ -161,18 +185,10 @@ impl AttentionLayout {
         match (self.mask, bias) {
             (MaskKind::Unshardable, _) => {
                 let shape = mask.unwrap_or_default();
-                let scores = [self.batch, self.q_heads, self.q_seq, self.kv_seq];
                 // A mask whose batch or heads do not fit the scores (a key-padding mask per kv
                 // head, say) is named as such; one whose rows and columns do not (a mask of the
                 // whole sequence's) is the mask the exchange cannot take.
-                let misfit: Vec<usize> = (0..shape.len().min(4)).filter(|&d| shape[d] != 1 && shape[d] != scores[d]).collect();
-                if shape.len() != 4 || misfit.iter().any(|&d| d < 2) {
-                    let per_kv_head = if misfit == [1] { "; a mask per kv head must be repeated over its group of query heads, as k and v are" } else { "" };
-                    return Err(UlyssesError::Shape(format!(
-                        "attention: a mask of shape {shape:?} does not fit the scores [batch, q_heads, q_seq, kv_seq] = {scores:?} (each \
-                         dim that size or 1){per_kv_head}"
-                    )));
-                }
+                self.check_fits_the_scores("mask", shape, 2)?;
                 return Err(UlyssesError::UnshardableMask { shape: shape.to_vec() });
             }
             (_, Some(bias)) => return Err(UlyssesError::UnshardableBias { shape: bias.to_vec() }),
