@@ -313,7 +313,12 @@ fn join(rank: usize, world_size: usize, port: u16, timeout_secs: f64) -> Result<
 
 /// [`join`] with rank 0 at `master_addr`.
 fn join_at(master_addr: &str, rank: usize, world_size: usize, port: u16, timeout_secs: f64) -> Result<Rendezvous, DistError> {
-    let env = LaunchEnv {
+    Rendezvous::join(&env_at(master_addr, rank, world_size, port), &job_config(timeout_secs))
+}
+
+/// One node's rank `rank` of `world_size`, rank 0 at `master_addr:port`, as torchrun says.
+fn env_at(master_addr: &str, rank: usize, world_size: usize, port: u16) -> LaunchEnv {
+    LaunchEnv {
         rank,
         world_size,
         local_rank: rank,
@@ -323,9 +328,42 @@ fn join_at(master_addr: &str, rank: usize, world_size: usize, port: u16, timeout
         master_port: port,
         cpus_of_its_own: None,
         source: EnvSource::Torchrun,
+    }
+}
+
+/// The job's config with its token and a rendezvous timeout of `timeout_secs`.
+fn job_config(timeout_secs: f64) -> DistributedConfig {
+    DistributedConfig::new().with_token(Some("job-secret".into())).with_rendezvous_timeout_secs(timeout_secs)
+}
+
+/// A rank that fails before it joins says why to ranks that join after it would have given up
+/// waiting (the bound, 1 s here, 30 s in a job; a rank may read data or load a model for
+/// minutes first): rank 0, the server, serves its reason until every rank has joined, and a
+/// failed rank 2 leaves its reason without waiting for a late rank 1. Rank 0's server closed
+/// under the late rank (connection refused), and rank 2's reason was lost in its own timeout.
+#[test]
+fn a_rank_that_fails_before_joining_says_why_to_ranks_that_join_late() {
+    let reason_of = |error: &DistError| match error {
+        DistError::WriterLeft { rank, reason: Some(reason), .. } => Some((*rank, reason.clone())),
+        _ => None,
     };
-    let config = DistributedConfig::new().with_token(Some("job-secret".into())).with_rendezvous_timeout_secs(timeout_secs);
-    Rendezvous::join(&env, &config)
+    let port = free_port();
+    let failing = std::thread::spawn(move || Rendezvous::report_failure_within(&env_at("127.0.0.1", 0, 2, port), &job_config(20.0), "rank 0's run folder holds an earlier run", Duration::from_secs(1)));
+    std::thread::sleep(Duration::from_secs(3));
+    let error = join(1, 2, port, 20.0).and_then(|rendezvous| rendezvous.broadcast("nccl/unique-id", None, 0)).expect_err("rank 0 failed");
+    assert_eq!(reason_of(&error), Some((0, "rank 0's run folder holds an earlier run".into())), "{error:?}");
+    failing.join().unwrap().unwrap();
+
+    let port = free_port();
+    let rank_0 = std::thread::spawn(move || join(0, 3, port, 20.0).map(drop));
+    let failing = std::thread::spawn(move || Rendezvous::report_failure_within(&env_at("127.0.0.1", 2, 3, port), &job_config(20.0), "rank 2's data is empty", Duration::from_secs(1)));
+    std::thread::sleep(Duration::from_secs(3));
+    let late = join(1, 3, port, 20.0).map(drop);
+    failing.join().unwrap().unwrap();
+    for (rank, joined) in [(0, rank_0.join().unwrap()), (1, late)] {
+        let error = joined.expect_err("rank 2 failed");
+        assert_eq!(reason_of(&error), Some((2, "rank 2's data is empty".into())), "rank {rank}: {error:?}");
+    }
 }
 
 #[test]

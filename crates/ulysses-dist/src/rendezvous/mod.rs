@@ -41,6 +41,13 @@ impl Rendezvous {
     /// Joins the job described by `env`; rank 0 also starts the server. Returns once every
     /// rank has joined, or fails after the rendezvous timeout.
     pub fn join(env: &LaunchEnv, config: &DistributedConfig) -> Result<Self, DistError> {
+        let rendezvous = Self::connect(env, config)?;
+        rendezvous.meet_every_rank()?;
+        Ok(rendezvous)
+    }
+
+    /// Connects to the job's rendezvous (rank 0 starts its server first), meeting no one.
+    fn connect(env: &LaunchEnv, config: &DistributedConfig) -> Result<Self, DistError> {
         JOIN_TRIED.store(true, std::sync::atomic::Ordering::Relaxed);
         // A config built or read by hand: its timeouts and limits checked before they are used
         // (an infinite timeout panicked in `Duration`; 0 failed every wait, blamed on a peer).
@@ -77,7 +84,7 @@ impl Rendezvous {
                 RendezvousServer::start(bind, env.master_port, settings)
             })
             .transpose()?;
-        let mut client = RendezvousClient::connect(
+        let client = RendezvousClient::connect(
             &env.master_addr,
             env.master_port,
             env.rank,
@@ -86,28 +93,49 @@ impl Rendezvous {
             timeout,
             config.max_message_bytes,
         )?;
-        client.barrier("joined", env.world_size).map_err(|error| match error {
-            DistError::RendezvousTimeout { addr, after, waiting_for } => DistError::RendezvousTimeout {
-                addr,
-                after,
-                waiting_for: format!("waiting for all {} ranks to join, {waiting_for}", env.world_size),
-            },
-            other => other,
-        })?;
         Ok(Self { client: Some(Mutex::new(client)), world_size: env.world_size, linger: timeout, server })
     }
 
-    /// For a rank that failed before it joined the job (its data, its run folder): joins the
-    /// rendezvous as its part of the job would (waiting at most `config`'s rendezvous timeout
-    /// for the others), says `reason`, and leaves. A rank that waits for what this one would
-    /// have published names it and `reason` at once, where it waited out the rendezvous
-    /// timeout for a rank that never came, and said not why.
+    /// Waits until every rank of the world has connected (the barrier "joined").
+    fn meet_every_rank(&self) -> Result<(), DistError> {
+        let world_size = self.world_size;
+        self.client().barrier("joined", world_size).map_err(|error| match error {
+            DistError::RendezvousTimeout { addr, after, waiting_for } => DistError::RendezvousTimeout {
+                addr,
+                after,
+                waiting_for: format!("waiting for all {world_size} ranks to join, {waiting_for}"),
+            },
+            other => other,
+        })
+    }
+
+    /// For a rank that failed before it joined the job (its data, its run folder): connects to
+    /// the rendezvous, says `reason`, and leaves. A rank that waits for what this one would
+    /// have published (its place at the join's barrier first) names it and `reason` at once,
+    /// where it waited out the rendezvous timeout for a rank that never came, and said not why.
     pub fn report_failure(env: &LaunchEnv, config: &DistributedConfig, reason: &str) -> Result<(), DistError> {
-        // At most 30 s (and the linger after it): a peer that died before joining must not
-        // hold a failed rank for the whole rendezvous timeout.
-        let bounded = config.clone().with_rendezvous_timeout_secs(config.rendezvous_timeout().as_secs_f64().min(REPORT_TIMEOUT_SECS));
-        let rendezvous = Self::join(env, &bounded)?;
-        rendezvous.client().set_failure(reason)
+        Self::report_failure_within(env, config, reason, Duration::from_secs_f64(REPORT_TIMEOUT_SECS))
+    }
+
+    /// [`report_failure`](Self::report_failure), a rank other than 0 waiting at most `bound`
+    /// (and the rendezvous timeout) for rank 0's server: a rank 0 that died before it served
+    /// must not hold a failed rank for the whole timeout. Rank 0 serves the reason until every
+    /// rank has joined and left, the whole timeout: the others may take minutes (reading data,
+    /// loading a model) before they join, and find no server once it is gone.
+    #[doc(hidden)]
+    pub fn report_failure_within(env: &LaunchEnv, config: &DistributedConfig, reason: &str, bound: Duration) -> Result<(), DistError> {
+        let config = match env.rank {
+            0 => config.clone(),
+            _ => config.clone().with_rendezvous_timeout_secs(config.rendezvous_timeout().min(bound).as_secs_f64()),
+        };
+        let rendezvous = Self::connect(env, &config)?;
+        // Said before any wait, so that a wait that times out loses no reason.
+        rendezvous.client().set_failure(reason)?;
+        if env.rank == 0 {
+            // The others meet it at the barrier and then wait for what it would have published.
+            rendezvous.meet_every_rank()?;
+        }
+        Ok(())
     }
 
     pub fn rank(&self) -> usize {
