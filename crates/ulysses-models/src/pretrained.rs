@@ -1074,14 +1074,15 @@ impl HfCheckpointWriter {
             return Err(CheckpointError::file(dir, format!("cannot put the new model in place ({e}); it was written to {}{earlier_note}", kept.display())));
         }
         self.kept = true;
+        // The renames made durable before the earlier model goes: a crash then finds one of the
+        // two in place.
+        let parent = parent_folder(dir);
+        std::fs::File::open(parent).and_then(|f| f.sync_all()).map_err(io(parent))?;
         // The new model is in place: a model set aside that cannot be removed is no reason to
         // stop a run (the next save removes it).
         if had_earlier && let Err(e) = std::fs::remove_dir_all(&earlier) {
             tracing::warn!(folder = %earlier.display(), "cannot remove the model the save replaced: {e}");
         }
-        // The renames made durable.
-        let parent = parent_folder(dir);
-        std::fs::File::open(parent).and_then(|f| f.sync_all()).map_err(io(parent))?;
         Ok(())
     }
 }
@@ -1144,10 +1145,13 @@ fn process_lives(pid: &str) -> bool {
 /// `dir`: that it is a folder if it exists, and that the nearest existing folder above it (where
 /// the new one is written, then renamed into place, the missing folders between made) is a folder
 /// that can be written. Creates nothing but a probe file it removes. A run would otherwise find
-/// out at its save, after its training.
+/// out at its save, after its training. What killed saves left beside it is set right first
+/// (a kill between a save's two renames left no folder at `dir`, its model set aside, until
+/// the next save into it began).
 pub fn check_save_destination(dir: &Path) -> Result<(), CheckpointError> {
     let dir = &save_folder(dir)?;
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
+    recover_from_killed_saves(dir, &name);
     if dir.exists() && !dir.is_dir() {
         return Err(CheckpointError::file(dir, "exists and is not a folder: choose another path, or move the file"));
     }
