@@ -307,13 +307,19 @@ pub fn same_checkpoint(a: &Path, b: &Path) -> Result<bool, UlyssesError> {
 }
 
 /// The sharded optimizer state's folder that the file at `path` names: `None` where it is no
-/// checkpoint (shorter than the 8 magic bytes, or other ones) or a checkpoint that names none. Its
+/// checkpoint (other bytes than the 8 magic ones, empty) or a checkpoint that names none. Its
 /// header is read leniently (the folder's name alone: a state whose checksum fails, or a later
 /// format, still names its folder). An error where it may be a checkpoint but which folder it
 /// names cannot be told (a read that fails, a header cut off or corrupt): a caller removing
 /// folders must then keep them all.
 pub(crate) fn named_state_folder(path: &Path) -> Result<Option<String>, UlyssesError> {
-    let Preamble::Header { header, .. } = read_preamble(path)? else { return Ok(None) };
+    let header = match read_preamble(path)? {
+        Preamble::Header { header, .. } => header,
+        // A copy of a checkpoint (`cp checkpoint.ulysses keep.ulysses`) a few bytes in names
+        // the folder it will name once whole.
+        Preamble::NotCheckpoint { begun: true, .. } => return Err(error(path, "holds a checkpoint's first bytes alone (a copy under way?): which folder it names cannot be told yet")),
+        Preamble::NotCheckpoint { .. } => return Ok(None),
+    };
     let header: serde_json::Value = serde_json::from_slice(&header).map_err(|e| error(path, format!("unreadable header: {e}")))?;
     let folder = header.get("optimizer_shards").and_then(serde_json::Value::as_str).map(str::to_string);
     // A name its checksum refutes (a flipped bit: another folder's) is no name to keep by.
@@ -337,8 +343,9 @@ pub fn is_plain_name(name: &str) -> bool {
 /// What a file's first bytes say it is. The checkpoint layout's start, read in this one place:
 /// 8 magic bytes, the header's length (u64, little-endian), the header's JSON.
 enum Preamble {
-    /// No checkpoint: shorter than the magic bytes, or other ones.
-    NotCheckpoint { short: bool },
+    /// No checkpoint: shorter than the magic bytes, or other ones. `begun`: its bytes are the
+    /// magic's first ones (one to seven): a checkpoint whose copy has begun, maybe.
+    NotCheckpoint { short: bool, begun: bool },
     /// A checkpoint's header bytes; its records start at `16 + header.len()`.
     Header { file: File, file_bytes: u64, header: Vec<u8> },
 }
@@ -351,13 +358,13 @@ fn read_preamble(path: &Path) -> Result<Preamble, UlyssesError> {
     let cut_off = || error(path, "the header is cut off; the file is truncated or corrupt (a copy cut short?). Use an earlier checkpoint.");
     let mut file = File::open(path).map_err(cannot_read)?;
     let file_bytes = file.metadata().map_err(cannot_read)?.len();
-    let mut magic = [0u8; 8];
-    match file.read_exact(&mut magic) {
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(Preamble::NotCheckpoint { short: true }),
-        result => result.map_err(cannot_read)?,
+    let mut magic = Vec::with_capacity(MAGIC.len());
+    (&mut file).take(MAGIC.len() as u64).read_to_end(&mut magic).map_err(cannot_read)?;
+    if magic.len() < MAGIC.len() {
+        return Ok(Preamble::NotCheckpoint { short: true, begun: !magic.is_empty() && MAGIC.starts_with(&magic) });
     }
-    if &magic != MAGIC {
-        return Ok(Preamble::NotCheckpoint { short: false });
+    if magic != MAGIC {
+        return Ok(Preamble::NotCheckpoint { short: false, begun: false });
     }
     let mut length = [0u8; 8];
     match file.read_exact(&mut length) {
@@ -378,7 +385,7 @@ fn read_preamble(path: &Path) -> Result<Preamble, UlyssesError> {
 fn open_checkpoint<S: DeserializeOwned>(path: &Path) -> Result<(File, Header<S>), UlyssesError> {
     let (file, file_bytes, bytes) = match read_preamble(path)? {
         Preamble::Header { file, file_bytes, header } => (file, file_bytes, header),
-        Preamble::NotCheckpoint { short } => {
+        Preamble::NotCheckpoint { short, .. } => {
             let why = if short { "shorter than its magic bytes" } else { "wrong magic bytes" };
             return Err(error(path, format!("not a burn-ulysses training checkpoint ({why})")));
         }

@@ -930,12 +930,18 @@ mod tests {
         fs::write(dir.join("cut-short.ulysses"), &bak[..40]).unwrap();
         fs::write(dir.join("notes.txt"), "no checkpoint").unwrap();
         assert!(remove_unnamed_state_folders(&dir, None).is_empty() && stale.is_dir(), "a folder removed beside a checkpoint that cannot be read");
-        // Cut inside the header's length, after the magic bytes: the same.
+        // Cut inside the header's length, after the magic bytes: the same; and inside the magic
+        // bytes (a copy under way); an empty file (a lock's) is no checkpoint.
         fs::write(dir.join("cut-short.ulysses"), &bak[..12]).unwrap();
         assert!(remove_unnamed_state_folders(&dir, None).is_empty() && stale.is_dir(), "a folder removed beside a checkpoint cut after its magic");
+        fs::write(dir.join("cut-short.ulysses"), &bak[..4]).unwrap();
+        fs::write(dir.join("empty"), b"").unwrap();
+        assert!(remove_unnamed_state_folders(&dir, None).is_empty() && stale.is_dir(), "a folder removed beside a checkpoint cut inside its magic");
+        fs::remove_file(dir.join("cut-short.ulysses")).unwrap();
+        assert_eq!(remove_unnamed_state_folders(&dir, None), [stale.clone()], "an empty file kept a stale folder");
+        fs::create_dir_all(&stale).unwrap();
         // A header whose folder's name fails the names' checksum (a flipped digit: the stale
         // folder's name) tells no folder: none is removed while it is there.
-        fs::remove_file(dir.join("cut-short.ulysses")).unwrap();
         let (named, other) = (sharded_state_folder(2, 2), sharded_state_folder(9, 2));
         let at = bak.windows(named.len()).position(|w| w == named.as_bytes()).expect("the copy names its folder");
         let mut renamed = bak.clone();
