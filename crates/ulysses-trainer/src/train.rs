@@ -966,7 +966,9 @@ where
             // What rank 0 alone writes (a replicated checkpoint, --save-hf of the whole model)
             // is taken into host memory now and written on a thread of its own, so that the
             // other ranks do not wait through the write at the next step's collectives; the
-            // last such write ended first (one copy in memory at a time).
+            // last such write ended first (one copy in memory at a time), every rank waiting
+            // with rank 0 (not in the next collective, whose timeout a slow disk would pass).
+            replicated_write.wait_with_every_rank(&*groups.world)?;
             report_written(replicated_write.finish()?, options.progress.as_deref_mut());
             let mut checkpoint = None;
             match (&mut optimizer, &options.checkpoint_dir) {
@@ -1093,6 +1095,24 @@ impl CheckpointWrite {
     /// Whether a write begun has ended (its outcome is waiting for [`finish`](Self::finish)).
     fn done(&self) -> bool {
         self.0.as_ref().is_some_and(|(_, write)| write.is_finished())
+    }
+
+    /// Waits on every rank of `world` until world rank 0's write begun, if any, has ended, a
+    /// second at a time (each rank learns whether it has ended in one gather a second): rank 0
+    /// alone joining a write slower than the checkpoints are due kept the others waiting in
+    /// their next collective, which timed out (`ULYSSES_COLLECTIVE_TIMEOUT`) blaming rank 0 as
+    /// stuck.
+    fn wait_with_every_rank(&self, world: &dyn Communicator<impl burn::tensor::backend::Backend>) -> Result<(), UlyssesError> {
+        loop {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+            while self.0.is_some() && !self.done() && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            let writing = u64::from(self.0.is_some() && !self.done());
+            if all_gather_host_checked(world, &[writing], "rank 0's checkpoint write under way")?.iter().all(|writing| writing == &[0]) {
+                return Ok(());
+            }
+        }
     }
 
     /// Waits for the write begun, if any: its step and the training checkpoint's file.

@@ -867,14 +867,16 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
 fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
     let dir = workspace("slow-checkpoint");
     let output = launched(2, "20")
-        .args(common_args(&dir, "run", 3))
+        .args(common_args(&dir, "run", 5))
         .args(["--sp", "2", "--checkpoint-every", "2", "--eval-every", "0", "--fault-slow-checkpoint-write", "8"])
         .env("ULYSSES_COLLECTIVE_TIMEOUT", "5")
         .env("RUST_LOG", "warn")
         .output()
         .unwrap();
+    // The checkpoint after step 4 waits for step 2's, still being written: every rank with rank
+    // 0 (rank 1 timed out in step 5's first collective, naming rank 0 as stuck).
     succeed(output);
-    assert_eq!(read_checkpoint_state::<RunState>(&dir.join("run")).unwrap().completed_steps, 3);
+    assert_eq!(read_checkpoint_state::<RunState>(&dir.join("run")).unwrap().completed_steps, 5);
     // A write that fails (the checkpoint after step 5, counting from 0 as the metrics do)
     // stops the run at the step that finds it done, not at the next checkpoint (after step
     // 11), naming the step whose checkpoint it was.
