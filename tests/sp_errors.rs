@@ -200,6 +200,35 @@ fn options_and_masks_that_fit_no_attention_are_refused() {
     assert_all_contain(&messages, &["a bias of shape [1, 4, 8, 7] does not fit the scores"]);
 }
 
+/// Without is_causal, a class token each rank puts before its shard (keys alike at each rank's
+/// first token, their own at its last) was joined into the sequence once a rank and weighed
+/// that many times: refused on every rank, naming the fix. A memory every rank holds whole
+/// (alike from first to last) passes, and so do shards of the sequence.
+#[test]
+fn a_class_token_before_each_ranks_shard_is_refused_without_is_causal() {
+    let non_causal = AttentionModuleOptions { is_causal: false, ..OPTIONS };
+    let messages = errors_on_every_rank(2, move |rank| {
+        let device = Default::default();
+        let with_class_token = |stream: u64| Tensor::cat(vec![uniform_tensor::<Sp, 4>([1, 4, 1, 8], stream, &device), uniform_tensor::<Sp, 4>([1, 4, 3, 8], stream + 10 * (rank.rank() as u64 + 1), &device)], 2);
+        attention(with_class_token(1), with_class_token(2), with_class_token(3), None, None, non_causal);
+    });
+    assert_all_contain(&messages, &["every rank's keys begin with the same token (of 4 keys a rank), but end with their own", "Put them into the sequence before it is sharded"]);
+    let passed = with_deadline(Duration::from_secs(50), move || {
+        ThreadGroup::new(2).run(move |rank| {
+            let _sp = Sp::enter(RankScope::Thread, rank.communicator(), UlyssesConfig::new());
+            let device = Default::default();
+            let q = uniform_tensor::<Sp, 4>([1, 4, 4, 8], 1 + rank.rank() as u64, &device);
+            let [k, v] = [5, 6].map(|stream| uniform_tensor::<Sp, 4>([1, 4, 6, 8], stream, &device));
+            let memory = attention(q.clone(), k, v, None, None, non_causal);
+            let [k, v] = [7, 8].map(|stream| uniform_tensor::<Sp, 4>([1, 4, 4, 8], stream + 10 * rank.rank() as u64, &device));
+            (memory, attention(q, k, v, None, None, non_causal))
+        })
+    });
+    for (rank, result) in passed.into_iter().enumerate() {
+        assert!(result.is_ok(), "rank {rank}: a memory held whole, or shards, refused");
+    }
+}
+
 /// Keys a rank holds beside its shard (a cache, a prefix, sink tokens) would be joined with the
 /// other ranks' as shards of one sequence, repeated and out of place: causal attention over
 /// more keys than queries a rank is refused, naming the cause.

@@ -49,6 +49,39 @@ thread_local! {
     static DOCUMENT_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static CALLS_SEEING_EVERY_KEY: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static KEY_PADDING_MASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The layouts (`[q_seq, kv_seq, kv_heads, head_dim]`) of the non-causal calls whose keys
+    /// [`refuse_keys_every_rank_holds_beside_its_shard`] checked.
+    static KEYS_CHECKED: RefCell<Vec<[usize; 4]>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Fails, on every rank, where non-causal attention's keys begin alike on every rank of the
+/// group but end otherwise: tokens each rank holds beside its shard (a class token, register or
+/// sink tokens, a prefix put before each shard) would be joined by the exchange as every
+/// shard's first tokens, in the sequence once a rank, and weigh that many times in each
+/// softmax, silently. (Causal attention over keys beside the shard is refused by their count.)
+/// Keys alike from first to last are a memory every rank holds whole (cross-attention), each
+/// key joined once a rank: the same weights. Checked at the first call of each layout: one
+/// read of each rank's first and last key and one gather of their digests.
+fn refuse_keys_every_rank_holds_beside_its_shard<X: ExchangeBackend>(key: &FloatTensor<X>, layout: &AttentionLayout, communicator: &dyn Communicator<X::Wire>) -> Result<(), UlyssesError> {
+    let signature = [layout.q_seq, layout.kv_seq, layout.kv_heads, layout.head_dim];
+    if layout.is_causal || layout.kv_seq == 0 || KEYS_CHECKED.with(|checked| checked.borrow().contains(&signature)) {
+        return Ok(());
+    }
+    KEYS_CHECKED.with(|checked| checked.borrow_mut().push(signature));
+    let key = float_tensor::<X, 4>(key.clone());
+    let digest = |at: usize| ulysses_core::digest::fnv1a(&[key.clone().narrow(2, at, 1).into_data().as_bytes()]);
+    let per_rank = all_gather_host_checked(communicator, &[digest(0), digest(layout.kv_seq - 1)], "the keys' first and last tokens")?;
+    let alike = |end: usize| per_rank.iter().all(|rank| rank[end] == per_rank[0][end]);
+    if alike(0) && !alike(1) {
+        return Err(UlyssesError::Shape(format!(
+            "sequence-parallel attention without is_causal: every rank's keys begin with the same token (of {} keys a rank), but end with \
+             their own: tokens each rank holds beside its shard (a class token, register or sink tokens, a prefix), which the exchange \
+             would join in the sequence once a rank, weighing that many times in every softmax. Put them into the sequence before it is \
+             sharded (rank 0's shard then holds them once), or attend to them in a call of their own",
+            layout.kv_seq
+        )));
+    }
+    Ok(())
 }
 
 /// Runs `attend` with the mask of its attention calls known for a key-padding one (a drop-in's
@@ -300,6 +333,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
             }
         }
         layout.refuse_unshardable(mask.as_ref().map(dims).as_deref(), attn_bias.as_ref().map(dims).as_deref(), KEY_PADDING_MASK.get())?;
+        refuse_keys_every_rank_holds_beside_its_shard::<X>(&key, &layout, &**communicator)?;
         if ring.is_some() && (layout.mask != MaskKind::None || positions.is_some() || window.is_some()) {
             return Err(UlyssesError::Shape("Ulysses × Ring does not take masks, packed documents or sliding windows yet; run them with Ulysses alone".into()));
         }
