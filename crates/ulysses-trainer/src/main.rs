@@ -422,6 +422,9 @@ struct Args {
     /// Test hook: world rank 0's write of each replicated checkpoint fails (a full disk).
     #[arg(long, hide = true)]
     fault_failed_checkpoint_write: bool,
+    /// Test hook: STEP:RANK makes that rank fail with an error of its own as that step begins.
+    #[arg(long, hide = true, value_parser = step_and_rank)]
+    fault_fail: Option<(usize, usize)>,
     /// Test hook: with --eval-only, RANK kills its process (SIGKILL) before it evaluates, while
     /// its peers wait for it inside attention.
     #[arg(long, hide = true)]
@@ -451,7 +454,10 @@ fn main() {
         stop_on_signals();
     }
     let check = args.check;
-    if let Err(message) = run(args) {
+    let ran = run(args);
+    // The ranks have left their groups: the writes a failed rank left under way end now.
+    ulysses_trainer::train::finish_writes_left_running();
+    if let Err(message) = ran {
         // A process's rank error was said as it failed (the same message).
         if !ERROR_SAID.load(std::sync::atomic::Ordering::Relaxed) {
             eprintln!("error: {message}");
@@ -2021,6 +2027,7 @@ where
             faults: Faults {
                 nan_gradient: job.args.fault_nan_gradient,
                 kill: job.args.fault_kill,
+                fail: job.args.fault_fail,
                 slow_checkpoint_write: std::time::Duration::try_from_secs_f64(job.args.fault_slow_checkpoint_write.unwrap_or(0.0)).unwrap_or_default(),
                 failed_checkpoint_write: job.args.fault_failed_checkpoint_write,
             },

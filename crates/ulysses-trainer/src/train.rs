@@ -622,6 +622,9 @@ pub struct Faults {
     pub slow_checkpoint_write: std::time::Duration,
     /// World rank 0's write of each replicated checkpoint fails (a full disk).
     pub failed_checkpoint_write: bool,
+    /// `(step, world rank)`: that rank fails with an error of its own as the step begins,
+    /// while its peers wait for it in the step's first collective.
+    pub fail: Option<(usize, usize)>,
 }
 
 /// How a rank's run is driven, beyond the config.
@@ -910,6 +913,9 @@ where
         }
     }
     for step in first_step..last_step {
+        if options.faults.fail == Some((step, groups.world_rank())) {
+            return Err(UlyssesError::InvalidConfig("test hook: this rank fails as the step begins".into()).at_step(step));
+        }
         let started = Instant::now();
         let io_before = DeviceIo::of_this_thread();
         let (next, report, backward_done) =
@@ -1123,16 +1129,31 @@ impl CheckpointWrite {
     }
 }
 
+/// Writes a rank's failure left under way, for [`finish_writes_left_running`].
+type WriteUnderWay = (usize, JoinHandle<Result<Option<PathBuf>, UlyssesError>>);
+static WRITES_LEFT_RUNNING: std::sync::Mutex<Vec<WriteUnderWay>> = std::sync::Mutex::new(Vec::new());
+
 impl Drop for CheckpointWrite {
     fn drop(&mut self) {
-        // On a way out that already has its error: this one is logged.
-        if let Some((step, write)) = self.0.take() {
-            match write.join() {
-                Ok(Ok(Some(path))) => tracing::info!(step = step + 1, file = %path.display(), "checkpoint written"),
-                Ok(Ok(None)) => {}
-                Ok(Err(error)) => tracing::error!("{}", error.at_step(step)),
-                Err(_) => tracing::error!(step, "the thread writing the checkpoint panicked"),
-            }
+        // On a way out that already has its error: the write goes on while the rank leaves its
+        // group, so that its peers learn of the error at once (joined here, the rank stayed in
+        // the group through the write, and they waited, or timed out calling it stuck).
+        if let Some(write) = self.0.take() {
+            WRITES_LEFT_RUNNING.lock().unwrap_or_else(|p| p.into_inner()).push(write);
+        }
+    }
+}
+
+/// Waits for the checkpoint writes that ranks which failed left under way, logging how each
+/// ended: for the process to call once its ranks have left their groups, before it exits.
+pub fn finish_writes_left_running() {
+    let writes = std::mem::take(&mut *WRITES_LEFT_RUNNING.lock().unwrap_or_else(|p| p.into_inner()));
+    for (step, write) in writes {
+        match write.join() {
+            Ok(Ok(Some(path))) => tracing::info!(step = step + 1, file = %path.display(), "checkpoint written"),
+            Ok(Ok(None)) => {}
+            Ok(Err(error)) => tracing::error!("{}", error.at_step(step)),
+            Err(_) => tracing::error!(step, "the thread writing the checkpoint panicked"),
         }
     }
 }

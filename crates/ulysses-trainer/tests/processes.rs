@@ -889,6 +889,28 @@ fn a_checkpoint_written_slower_than_the_collective_timeout_stops_no_rank() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A rank 0 that fails while its checkpoint's write goes on (a slow disk: 15 s) leaves its
+/// group at once, the write finishing after: its peer, waiting in the step's collective, names
+/// its loss within the collective timeout (10 s) and the checkpoint is whole. It stayed in the
+/// group through the write, and the peer timed out calling it stuck.
+#[test]
+fn a_rank_that_fails_while_its_checkpoint_is_written_leaves_its_peers_at_once() {
+    let dir = workspace("fails-while-writing");
+    let output = launched(2, "30")
+        .args(common_args(&dir, "run", 6))
+        .args(["--sp", "2", "--checkpoint-every", "2", "--eval-every", "0", "--fault-slow-checkpoint-write", "15", "--fault-fail", "3:0"])
+        .env("ULYSSES_COLLECTIVE_TIMEOUT", "10")
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let text = show(&output);
+    assert!(!output.status.success() && rank_error(&text, 0).contains("test hook: this rank fails as the step begins"), "{text}");
+    let error = rank_error(&text, 1);
+    assert!(!error.contains("timed out") && error.contains("rank 0 left the group"), "rank 1 did not name rank 0's loss: {text}");
+    assert_eq!(read_checkpoint_state::<RunState>(&dir.join("run")).unwrap().completed_steps, 2, "the checkpoint written as rank 0 failed");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A rank process that fails (rank 0's checkpoint write, under the launcher) says why as it
 /// fails, before it leaves the job (leaving, it waits for the others, and the launcher may stop
 /// it there), and once: not again when the process ends.
