@@ -851,8 +851,9 @@ impl OverTheShard {
 }
 
 /// A stack of experts `[E, C, f]·[E, f, d]` whose `f` is as long as the shard (`C` one more
-/// token than the shard's, padding): its weights are parameters, so no sum over the shard's
-/// tokens, though its shapes are a folded one's.
+/// token than the shard's, padding), its weights parameters scaled first (as a cast to the
+/// compute dtype or a stack of experts makes them activations): it gives the model's width, no
+/// head's, so no sum over the shard's tokens, though its shapes are a folded one's.
 fn experts_as_wide_as_the_shard<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
     let device = ids.device();
     let embedding = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13);
@@ -860,7 +861,64 @@ fn experts_as_wide_as_the_shard<B: Backend>(ids: Tensor<B, 2, Int>) -> Tensor<B,
     let [experts, seq, _] = x.dims();
     let routed = Tensor::cat(vec![x, Tensor::zeros([experts, 1, D_MODEL], &device)], 1);
     let (up, down) = (uniform_tensor::<B, 3>([experts, D_MODEL, seq], 5, &device).require_grad(), uniform_tensor::<B, 3>([experts, seq, D_MODEL], 7, &device).require_grad());
-    routed.matmul(up).clamp_min(0.0).matmul(down)
+    routed.matmul(up * 0.5).clamp_min(0.0).matmul(down * 0.5)
+}
+
+/// Token ids whose every third token is 1: every shard at SP 2 and 4 begins with it.
+fn ids_every_shard_begins_alike<B: Backend>(device: &B::Device) -> Tensor<B, 2, Int> {
+    let ids: Vec<i64> = (0..BATCH * SEQ).map(|i| if i % 3 == 0 { 1 } else { (i % (VOCAB - 2) + 2) as i64 }).collect();
+    Tensor::from_data(burn::tensor::TensorData::new(ids, [BATCH, SEQ]), device)
+}
+
+/// One pooling query per rank over the shard's own keys (a classifier's attention pooling,
+/// `[B, H, 1, d]` over `[B, H, n, d]`) with the key-padding mask of its `n` tokens from
+/// `offset` on (the sequence's last 3 padded), `[B, 1, H·d]`: the pooled sequence on every rank.
+fn pooled<B: Backend>(ids: Tensor<B, 2, Int>, offset: usize) -> Tensor<B, 3> {
+    let device = ids.device();
+    let embedding = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<B>(&device), 13);
+    let x = embedding.forward(ids);
+    let [batch, seq, _] = x.dims();
+    let query = heads(uniform_tensor::<B, 3>([1, 1, D_MODEL], 11, &device).repeat_dim(0, batch));
+    let padded: Vec<bool> = (0..batch).flat_map(|_| (offset..offset + seq).map(|at| at >= SEQ - 3)).collect();
+    let mask = Tensor::<B, 4, burn::tensor::Bool>::from_data(burn::tensor::TensorData::new(padded, [batch, 1, 1, seq]), &device);
+    let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
+    attention(query, heads(x.clone() * 0.5), heads(x * 4.0), Some(mask), None, options).swap_dims(1, 2).reshape([batch, 1, D_MODEL])
+}
+
+/// Attention over the shard's own tokens that the refusals of a shard's one-query mask and of
+/// keys beside the shard must let through, at SP = 2 and 4, each one device's: a pooling query
+/// per rank with the shard's key-padding mask (the pooled sequence on every rank), and
+/// non-causal attention over ids whose every shard begins with the same token.
+#[test]
+fn pooling_the_shard_and_shards_that_begin_alike_are_sequence_parallel() {
+    let non_causal = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
+    let alike = move |ids: Tensor<Sp, 2, Int>| {
+        let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<Sp>(&ids.device()), 13).forward(ids);
+        let [batch, seq, _] = x.dims();
+        attention(heads(x.clone()), heads(x.clone() * 0.5), heads(x * 4.0), None, None, non_causal).swap_dims(1, 2).reshape([batch, seq, D_MODEL])
+    };
+    let device = Default::default();
+    let want_pooled = values(pooled::<Inner>(ids_every_shard_begins_alike(&device), 0));
+    let x = deterministic_params(EmbeddingConfig::new(VOCAB, D_MODEL).init::<Inner>(&device), 13).forward(ids_every_shard_begins_alike(&device));
+    let want_alike = attention(heads(x.clone()), heads(x.clone() * 0.5), heads(x * 4.0), None, None, non_causal).swap_dims(1, 2).reshape([BATCH, SEQ, D_MODEL]);
+    for sp in [2, 4] {
+        let per_rank = with_deadline(Duration::from_secs(60), move || {
+            ThreadGroup::new(sp).run(move |rank| {
+                let _sp = Sp::enter(RankScope::Thread, rank.communicator(), UlyssesConfig::new());
+                let length = SEQ / rank.size();
+                let ids = ids_every_shard_begins_alike::<Sp>(&Default::default()).narrow(1, rank.rank() * length, length);
+                (values(pooled(ids.clone(), rank.rank() * length)), values(alike(ids)))
+            })
+        });
+        let mut alike_results = Vec::new();
+        for (rank, result) in per_rank.into_iter().enumerate() {
+            let (got_pooled, got_alike) = result.unwrap_or_else(|panic| panic!("SP = {sp}, rank {rank}: {}", panic.message));
+            let diff = max_abs_diff(&got_pooled, &want_pooled);
+            assert!(diff <= TOLERANCE, "SP = {sp}, rank {rank}: the pooled sequence differs from one device's by {diff:e}");
+            alike_results.push(Ok(got_alike));
+        }
+        assert_sequence_parallel(alike_results, want_alike.clone());
+    }
 }
 
 #[test]

@@ -35,9 +35,10 @@
 //! n] · [.., n, d]` with `n` that length: weights times values however the queries come,
 //! transposed too, linear attention's `kᵀ·v`) is refused; cross-attention's sums run over its
 //! memory. With the heads folded into the batch (3-D `[B·H, r, S]·[B·H, S, d]`, as a stack of
-//! experts' `[E, C, f]·[E, f, d]` is) it is where both operands are activations under autodiff
-//! (an expert's weights are parameters) and `S` is neither the embedding table's width nor its
-//! vocabulary; otherwise only where square or a group's folded rows. At
+//! experts' `[E, C, f]·[E, f, d]` is) it is where both operands are activations under autodiff,
+//! `S` is neither the embedding table's width nor its vocabulary, `r` is not the shard's length
+//! and `d` not the model's width (an expert's or a hypernetwork's product gives that width, a
+//! head's gives its own); otherwise only where square or a group's folded rows. At
 //! batch 1 a head of its own (4-D or more, `[1, 1, n, d]`: a loop over heads) is refused where
 //! its scores are the shard's square or it sums over the shard; a 3-D or 2-D matrix there
 //! looks as a linear layer does and passes.
@@ -246,6 +247,13 @@ fn note_resampled(length: usize) {
 /// `select` from a tied table, a prompt's embedding beside the tokens'), the shard's length from
 /// the positions noted for the forward ([`note_shard_positions`]), which says which is the
 /// shard: the rules that go by its length then stay on.
+/// The shard's length where [`embedded`] knows it (two tokens or more, of one length): the
+/// attention op tells the shard's own tokens by it.
+pub(crate) fn shard_length() -> Option<usize> {
+    let (shard, one_length) = embedded();
+    (one_length && shard >= 2).then_some(shard)
+}
+
 fn embedded() -> (usize, bool) {
     let (last, before) = EMBEDDED_TOKENS.get();
     let one_length = before == 0 || before == last;
@@ -412,13 +420,17 @@ pub fn set_guard(on: bool) {
 
 /// The shard's length where `lhs · rhs` is a sum over the shard's tokens with the heads folded
 /// into the batch, 3-D `[B·H, r, S] · [B·H, S, d]` (linear attention's `kᵀ·v`, a Perceiver's
-/// latents' weights times values), or `None`. The caller asks only of two activations: a stack
-/// of experts `[E, C, f] · [E, f, d]` looks alike where `f` is the shard's length, but its
-/// weights are parameters. Nor is `S` the embedding table's width or vocabulary (features).
+/// latents' weights times values: `d` a head's), or `None`. The caller asks only of two
+/// activations. A stack of experts `[E, C, f] · [E, f, d]` looks alike where `f` is the shard's
+/// length, its weights cast or stacked (activations then), but gives the model's width `d`,
+/// as a hypernetwork's per-example weights do; rows as many as the shard's tokens are a
+/// token-wise product's (scores by a head dim as long are the square rule's). Nor is `S` the
+/// embedding table's width or vocabulary (features).
 fn folded_heads_summed_over_the_shard(lhs: &[usize], rhs: &[usize], shard: usize, one_length: bool) -> Option<usize> {
-    let ([lhs_batch, _, k], [rhs_batch, _, _]) = (<[usize; 3]>::try_from(lhs).ok()?, <[usize; 3]>::try_from(rhs).ok()?);
-    let table = EMBEDDED_TABLE.get();
-    (one_length && shard >= 2 && k == shard && lhs_batch == rhs_batch && lhs_batch >= 2 && table != [0, 0] && !table.contains(&k)).then_some(shard)
+    let ([lhs_batch, rows, k], [rhs_batch, _, d]) = (<[usize; 3]>::try_from(lhs).ok()?, <[usize; 3]>::try_from(rhs).ok()?);
+    let [vocabulary, width] = EMBEDDED_TABLE.get();
+    let per_head = width != 0 && d != width && rows != shard && k != vocabulary && k != width;
+    (one_length && shard >= 2 && k == shard && lhs_batch == rhs_batch && lhs_batch >= 2 && per_head).then_some(shard)
 }
 
 /// Panics with the refusal where a product of these shapes is attention by hand under SP;
