@@ -99,6 +99,10 @@ pub struct HfConfig {
     /// `use_cache`, a Qwen's `sliding_window` and `max_window_layers`, ...), written back as
     /// they were, so that a saved model's config is its checkpoint's but for the weights' dtype.
     pub unmodelled: Map<String, Value>,
+    /// The keys of a scaled RoPE's section its type does not read (DeepSeek's `attn_factor`
+    /// beside YaRN's, which transformers ignores and vLLM applies), warned of as they are read
+    /// and written back into `rope_scaling` as they were.
+    pub unmodelled_rope: Map<String, Value>,
 }
 
 /// The largest sizes a model may have here, far past any published one (widths reach about
@@ -299,7 +303,7 @@ impl HfConfig {
                 Family::Qwen2 | Family::Qwen3 => 32_768,
             }),
         )?;
-        let (rope_theta, rope_scaling) = rope(&keys, max_position_embeddings)?;
+        let (rope_theta, rope_scaling, unmodelled_rope) = rope(&keys, max_position_embeddings)?;
         let attention_bias = keys.flag("attention_bias", false)?;
         let (qkv_bias, output_bias) = match family {
             Family::Qwen2 => (true, false),
@@ -423,6 +427,7 @@ impl HfConfig {
                 _ => None,
             }),
             unmodelled: Map::new(),
+            unmodelled_rope,
         };
         let written = config.to_hf_json("float32");
         config.unmodelled = object.iter().filter(|(key, _)| written.get(key.as_str()).is_none() && !REPLACED_KEYS.contains(&key.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -474,6 +479,12 @@ impl HfConfig {
                 "original_max_position_embeddings": original_max_position_embeddings as u64,
             }),
         };
+        let mut rope_scaling = rope_scaling;
+        if let Some(section) = rope_scaling.as_object_mut() {
+            for (key, value) in &self.unmodelled_rope {
+                section.entry(key.as_str()).or_insert_with(|| value.clone());
+            }
+        }
         let mut config = json!({
             "model_type": self.family.model_type(),
             "architectures": [self.family.architecture()],
@@ -526,7 +537,7 @@ impl HfConfig {
 
 /// `rope_theta` and the scaling, from `rope_parameters` (transformers 5) or `rope_theta` and
 /// `rope_scaling` (transformers 4).
-fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling), ConfigError> {
+fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling, Map<String, Value>), ConfigError> {
     let (section, scaling) = match (keys.get("rope_parameters"), keys.get("rope_scaling")) {
         // transformers 5 takes rope_scaling over rope_parameters (its theta then from beside
         // them): a config that says two things is refused rather than read either way.
@@ -539,7 +550,7 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
         (Some(parameters), _) => ("rope_parameters", Some(parameters)),
         (None, scaling) => ("rope_scaling", scaling),
     };
-    let Some(scaling) = scaling else { return Ok((keys.positive("rope_theta", 10_000.0)?, RopeScaling::Default)) };
+    let Some(scaling) = scaling else { return Ok((keys.positive("rope_theta", 10_000.0)?, RopeScaling::Default, Map::new())) };
     let inner = scaling.as_object().ok_or_else(|| keys.error(section, format!("must be an object, got {scaling}")))?;
     // transformers 5's per-layer-type form (`{"full_attention": {..}, "sliding_attention": {..}}`),
     // which these families' rotary embedding cannot read (it looks up the section's own
@@ -654,7 +665,26 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
             ));
         }
     };
-    Ok((theta, scaling))
+    // What the scaling's type does not read, as transformers does not: said (a misspelled
+    // `original_max_position_embeddings` falls back to max_position_embeddings, a checkpoint's
+    // `attn_factor` is ignored) and kept for the saved config. Default RoPE's were said above.
+    let read: &[&str] = match rope_type {
+        "linear" | "dynamic" => &["factor"],
+        "llama3" => &["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+        "yarn" => &["factor", "original_max_position_embeddings", "attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow", "truncate"],
+        _ => return Ok((theta, scaling, Map::new())),
+    };
+    let unread: Map<String, Value> = inner.iter().filter(|(key, _)| scaling_keys.contains(&key.as_str()) && !read.contains(&key.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect();
+    if !unread.is_empty() {
+        let names: Vec<&String> = unread.keys().collect();
+        tracing::warn!(
+            file = keys.file,
+            keys = ?names,
+            "config.json's {section} (rope_type {rope_type:?}) has keys this RoPE does not read, as transformers does not (a misspelled one falls back to its \
+             default); they are written back as they were"
+        );
+    }
+    Ok((theta, scaling, unread))
 }
 
 #[cfg(test)]
@@ -820,6 +850,13 @@ mod tests {
         assert_eq!(config.rope_scaling.attention_factor(), mscale(1.0) / mscale(0.707));
         assert_eq!(HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "again").unwrap(), HfConfig { torch_dtype: Some(DType::BF16), ..config.clone() });
         assert!(config.to_hf_json("bfloat16")["rope_scaling"].get("original_max_position_embeddings").is_none());
+        // A key YaRN does not read (DeepSeek-R1-0528-Qwen3-8B's `attn_factor`, which vLLM
+        // applies): as transformers, not read; written back as it was (a save dropped it).
+        let extra = with(qwen3, "rope_scaling", json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "attn_factor": 0.8782488562869419}));
+        let config = HfConfig::from_hf_json(&extra, "e").unwrap();
+        assert_eq!(config.rope_scaling, yarn);
+        assert_eq!(config.to_hf_json("bfloat16")["rope_scaling"]["attn_factor"], json!(0.8782488562869419));
+        assert_eq!(HfConfig::from_hf_json(&config.to_hf_json("bfloat16").to_string(), "again").unwrap(), HfConfig { torch_dtype: Some(DType::BF16), ..config.clone() });
         // No factor: the ratio of the contexts; no max_position_embeddings either: the family's.
         let no_factor = with(&with(qwen3, "max_position_embeddings", Value::Null), "rope_scaling", json!({"rope_type": "yarn", "original_max_position_embeddings": 8192}));
         let RopeScaling::Yarn { factor, .. } = HfConfig::from_hf_json(&no_factor, "n").unwrap().rope_scaling else { panic!("yarn") };
