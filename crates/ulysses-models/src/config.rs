@@ -222,7 +222,11 @@ impl HfConfig {
     pub fn from_hf(path: &Path) -> Result<Self, ConfigError> {
         let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
         let name = file.display().to_string();
-        let text = std::fs::read_to_string(&file).map_err(|e| ConfigError { file: name.clone(), key: "config.json".into(), problem: format!("cannot be read: {e}") })?;
+        let text = std::fs::read_to_string(&file).map_err(|e| {
+            let instead = path.parent().filter(|_| !path.is_dir()).unwrap_or(path);
+            let hint = not_a_transformers_checkpoint(instead).map(|why| format!(": the folder {why}")).unwrap_or_default();
+            ConfigError { file: name.clone(), key: "config.json".into(), problem: format!("cannot be read ({e}){hint}") }
+        })?;
         Self::from_hf_json(&text, &name)
     }
 
@@ -535,6 +539,40 @@ impl HfConfig {
     }
 }
 
+/// What a folder holds where it is no transformers checkpoint (`config.json` and safetensors
+/// weights) but something a user may take for one, with what to do: a PEFT adapter, Mistral's
+/// own format, PyTorch's `.bin` weights.
+pub(crate) fn not_a_transformers_checkpoint(dir: &Path) -> Option<String> {
+    let has = |name: &str| dir.join(name).exists();
+    if has("adapter_config.json") {
+        let base = std::fs::read_to_string(dir.join("adapter_config.json"))
+            .ok()
+            .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+            .and_then(|config| config.get("base_model_name_or_path")?.as_str().map(str::to_string))
+            .map(|base| format!(" ({base})"))
+            .unwrap_or_default();
+        return Some(format!(
+            "is a PEFT adapter (adapter_config.json), not a whole model: merge it into its base model{base} with peft's merge_and_unload() and \
+             save_pretrained, then give that folder"
+        ));
+    }
+    if has("params.json") && (has("consolidated.safetensors") || has("consolidated.00.pth")) {
+        return Some(
+            "holds Mistral's own format (params.json, consolidated.*): take the repository's transformers files (config.json, model*.safetensors), \
+             or convert it with transformers' convert_mistral_weights_to_hf script"
+                .into(),
+        );
+    }
+    if (has("pytorch_model.bin") || has("pytorch_model.bin.index.json")) && !has("model.safetensors") && !has("model.safetensors.index.json") {
+        return Some(
+            "holds PyTorch .bin weights: convert them to safetensors (transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, \
+             safe_serialization=True))"
+                .into(),
+        );
+    }
+    None
+}
+
 /// `rope_theta` and the scaling, from `rope_parameters` (transformers 5) or `rope_theta` and
 /// `rope_scaling` (transformers 4).
 fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling, Map<String, Value>), ConfigError> {
@@ -824,6 +862,30 @@ mod tests {
         windowless["layer_types"] = json!(["full_attention", "sliding_attention"]);
         let refused = HfConfig::from_hf_json(&windowless.to_string(), "q").unwrap_err().to_string();
         assert!(refused.contains("`layer_types` lists sliding_attention layers with no window"), "{refused}");
+    }
+
+    /// A PEFT adapter's folder, Mistral's own format and PyTorch `.bin` weights are named with
+    /// what to do, not only as a missing file.
+    #[test]
+    fn folders_that_are_no_transformers_checkpoint_say_what_to_do() {
+        let dir = std::env::temp_dir().join(format!("ulysses-not-a-checkpoint-{}", std::process::id()));
+        for (files, named) in [
+            (&[("adapter_config.json", r#"{"base_model_name_or_path": "Qwen/Qwen3-8B"}"#)][..], "is a PEFT adapter (adapter_config.json), not a whole model: merge it into its base model (Qwen/Qwen3-8B)"),
+            (&[("params.json", "{}"), ("consolidated.safetensors", "")], "holds Mistral's own format"),
+        ] {
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            for (name, text) in files {
+                std::fs::write(dir.join(name), text).unwrap();
+            }
+            let error = HfConfig::from_hf(&dir).unwrap_err().to_string();
+            assert!(error.contains("cannot be read") && error.contains(named), "{error}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("pytorch_model.bin"), b"").unwrap();
+        assert!(not_a_transformers_checkpoint(&dir).is_some_and(|why| why.contains("convert them to safetensors")));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// YaRN as Qwen's guides add it for long contexts, and as DeepSeek's configs give it

@@ -368,7 +368,8 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
         }
         return Ok(files.into_iter().map(|file| dir.join(file)).collect());
     }
-    Err(CheckpointError::file(dir, format!("holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")))
+    let instead = crate::config::not_a_transformers_checkpoint(dir).map(|why| format!(": it {why}")).unwrap_or_default();
+    Err(CheckpointError::file(dir, format!("holds neither {WEIGHTS_FILE} nor {INDEX_FILE}{instead}")))
 }
 
 /// A tensor's byte range in its file's data (`data_offsets`, begin and end).
