@@ -619,6 +619,9 @@ pub struct PackedDocuments {
     eval: Option<Vec<Packed>>,
     batch_size: usize,
     seed: u64,
+    /// The last epoch's order built ([`epoch_order`](Self::epoch_order)): a step's batch, its
+    /// targets and documents are drawn from it, each a shuffle of every sequence otherwise.
+    last_order: std::sync::Mutex<Option<(usize, std::sync::Arc<Vec<usize>>)>>,
 }
 
 /// Whether each packed sequence (of the documents' `lengths` in it, as `pack_documents` gives
@@ -728,7 +731,7 @@ impl PackedDocuments {
             held_out = eval.as_ref().map_or(0, Vec::len),
             "packed the documents"
         );
-        Ok(Self { train, eval, batch_size, seed })
+        Ok(Self { train, eval, batch_size, seed, last_order: Default::default() })
     }
 
     /// These documents, trained on whole, evaluated on `held_out`'s sequences, all of them
@@ -738,6 +741,7 @@ impl PackedDocuments {
         sequences.extend(held_out.eval.into_iter().flatten());
         self.train.extend(self.eval.take().into_iter().flatten());
         self.eval = Some(sequences);
+        self.last_order = Default::default();
         self
     }
 
@@ -759,14 +763,20 @@ impl PackedDocuments {
     }
 
     /// The order in which epoch `epoch` draws the sequences of `train`: a permutation seeded by
-    /// (seed, epoch), so each epoch sees every sequence once.
-    fn epoch_order(&self, epoch: usize) -> Vec<usize> {
+    /// (seed, epoch), so each epoch sees every sequence once. The last one built is kept.
+    fn epoch_order(&self, epoch: usize) -> std::sync::Arc<Vec<usize>> {
+        let mut last = self.last_order.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, order)) = last.as_ref().filter(|(built, _)| *built == epoch) {
+            return order.clone();
+        }
         let count = self.train.len();
         let mut order: Vec<usize> = (0..count).collect();
         for i in (1..count).rev() {
             let j = (splitmix64(self.seed ^ 0x646f_6373 ^ ((epoch as u64) << 32) ^ i as u64) % (i as u64 + 1)) as usize;
             order.swap(i, j);
         }
+        let order = std::sync::Arc::new(order);
+        *last = Some((epoch, order.clone()));
         order
     }
 
@@ -775,7 +785,7 @@ impl PackedDocuments {
     fn step_sequences(&self, step: usize) -> impl Iterator<Item = &Packed> {
         let count = self.train.len();
         let first = step * self.batch_size;
-        let mut order: Option<(usize, Vec<usize>)> = None;
+        let mut order: Option<(usize, std::sync::Arc<Vec<usize>>)> = None;
         let drawn: Vec<usize> = (first..first + self.batch_size)
             .map(|index| {
                 let epoch = index / count;
@@ -1164,7 +1174,8 @@ mod tests {
     fn each_epoch_draws_every_sequence_once_in_a_seeded_order() {
         let documents: Vec<Vec<i64>> = (1..=10).map(|d| vec![d, 0]).collect();
         let data = PackedDocuments::pack(&documents, 2, 2, 7, false).unwrap();
-        let (first, second) = (data.epoch_order(0), data.epoch_order(1));
+        let (first, second) = (data.epoch_order(0).to_vec(), data.epoch_order(1).to_vec());
+        assert_eq!(*data.epoch_order(0), first, "the order kept is another");
         let mut sorted = first.clone();
         sorted.sort();
         assert_eq!(sorted, (0..10).collect::<Vec<_>>());
@@ -1174,7 +1185,7 @@ mod tests {
         // (batches of 3 over 10 sequences).
         let data = PackedDocuments::pack(&documents, 2, 3, 7, false).unwrap();
         let count = data.train.len();
-        let orders: Vec<usize> = (0..3).flat_map(|e| data.epoch_order(e)).collect();
+        let orders: Vec<usize> = (0..3).flat_map(|e| data.epoch_order(e).to_vec()).collect();
         let drawn: Vec<&Packed> = (0..count).flat_map(|step| data.step_sequences(step).collect::<Vec<_>>()).collect();
         let expected: Vec<&Packed> = orders[..3 * count].iter().map(|&i| &data.train[i]).collect();
         assert!(drawn.iter().zip(&expected).all(|(a, b)| std::ptr::eq(*a, *b)), "steps do not follow the epochs' orders");
