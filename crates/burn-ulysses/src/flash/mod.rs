@@ -250,14 +250,17 @@ pub(crate) fn no_fused_cross_entropy(reason: String) -> String {
 }
 
 /// Logs `what` with `reason`: a warning the first time this reason occurs in the process
-/// (fallbacks repeat at every layer of every step), a debug line every time after.
+/// (fallbacks repeat at every layer of every step), a debug line every time after. Reasons
+/// that name a length (one for each length of a run whose lengths change every batch) are
+/// warned of at their first 64, debug lines after.
 pub(crate) fn warn_once_per_reason(reason: &str, what: &'static str) {
-    static WARNED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    static WARNED: std::sync::Mutex<Option<std::collections::HashSet<String>>> = std::sync::Mutex::new(None);
     let mut warned = WARNED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if warned.iter().any(|seen| seen == reason) {
+    let warned = warned.get_or_insert_with(Default::default);
+    if warned.contains(reason) || warned.len() >= 64 {
         tracing::debug!(%reason, "{what}");
     } else {
         tracing::warn!(%reason, "{what}");
-        warned.push(reason.to_string());
+        warned.insert(reason.to_string());
     }
 }
