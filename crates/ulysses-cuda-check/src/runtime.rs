@@ -112,7 +112,8 @@ pub struct CompiledSource {
     pub block: (u32, u32, u32),
 }
 
-/// What launches compiled, or failed to, since [`take_compiled`] was last called.
+/// What launches compiled, or failed to, since [`take_compiled`] was last called: each kernel
+/// once, however often launched (a training run launches thousands a step).
 static COMPILED: Mutex<Vec<Result<Arc<CompiledSource>, String>>> = Mutex::new(Vec::new());
 
 /// The sources compiled so far (and compile errors), emptying the record.
@@ -312,7 +313,7 @@ impl ComputeServer for CompileOnlyServer {
         Ok(ManagedResource::new(binding.memory, resource))
     }
 
-    /// Records the kernel's source; every launch is recorded, a kernel id compiled once.
+    /// Records the kernel's source, once until it is taken; a kernel id compiled once.
     unsafe fn launch(&mut self, kernel: Self::Kernel, _count: CubeCount, _bindings: KernelArguments, mode: ExecutionMode, _stream_id: StreamId) {
         let mut id = kernel.id();
         id.mode(mode);
@@ -331,7 +332,15 @@ impl ComputeServer for CompileOnlyServer {
                 })
                 .map_err(|error| format!("{}: {error:?}", kernel.name()))
         });
-        COMPILED.lock().unwrap_or_else(|p| p.into_inner()).push(compiled.clone());
+        let mut record = COMPILED.lock().unwrap_or_else(|p| p.into_inner());
+        let recorded = |seen: &Result<Arc<CompiledSource>, String>| match (seen, &*compiled) {
+            (Ok(seen), Ok(compiled)) => Arc::ptr_eq(seen, compiled),
+            (Err(seen), Err(error)) => seen == error,
+            _ => false,
+        };
+        if !record.iter().any(recorded) {
+            record.push(compiled.clone());
+        }
     }
 
     fn flush(&mut self, _stream_id: StreamId) -> Result<(), ServerError> {

@@ -34,14 +34,17 @@ fn a_copy_of_a_view_into_a_buffer_past_2_pow_32_elements_launches_with_64_bit_in
     let big = Backend::float_empty(Shape::new([rows, columns]), &device, FloatDType::BF16);
     // 2272 rows (no power of two: its multiplier is past 2^63) of 64 columns: a strided view,
     // which burn copies to contiguous memory with a kernel indexed in 64 bits.
-    let view = Backend::float_slice(big, &[Slice::from(0..2272), Slice::from(0..64)]);
+    let view = Backend::float_slice(big.clone(), &[Slice::from(0..2272), Slice::from(0..64)]);
     take_compiled();
     let copy = burn_cubecl::kernel::into_contiguous(view);
+    // The same copy of the next rows: recorded once (a training run launches each kernel
+    // thousands of times).
+    let again = burn_cubecl::kernel::into_contiguous(Backend::float_slice(big, &[Slice::from(2272..4544), Slice::from(0..64)]));
     cubecl::future::block_on(client.sync()).expect("the launches reach the compiler");
-    assert_eq!(copy.shape(), Shape::new([2272, 64]));
+    assert_eq!((copy.shape(), again.shape()), (Shape::new([2272, 64]), Shape::new([2272, 64])));
 
     let compiled: Vec<_> = take_compiled().into_iter().collect::<Result<_, _>>().expect("the copy compiles to CUDA C++");
-    assert_eq!(compiled.len(), 1, "one copy kernel: {:?}", compiled.iter().map(|c| &c.entrypoint).collect::<Vec<_>>());
+    assert_eq!(compiled.len(), 1, "one copy kernel, launched twice: {:?}", compiled.iter().map(|c| &c.entrypoint).collect::<Vec<_>>());
     let source = &compiled[0].source;
     // 64-bit indices: the fast division's operands are 64-bit and multiplied with __umul64hi.
     assert!(source.contains("__umul64hi"), "the copy is not indexed in 64 bits:\n{source}");
