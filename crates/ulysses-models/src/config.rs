@@ -250,6 +250,12 @@ impl HfConfig {
                 return Err(keys.error("architectures", format!("is {architectures}; a {model_type} causal LM is {}", family.architecture())));
             }
         }
+        // Modeling code of the checkpoint's own, which transformers runs in place of its
+        // family's with trust_remote_code: trained here as the family's, as transformers does
+        // without it; said, for a model whose code differs (Yarn-Llama's, an embedding model's).
+        if let Some(code) = keys.get("auto_map").and_then(|map| map.get("AutoModelForCausalLM")) {
+            tracing::warn!(file = keys.file, %code, "config.json names modeling code of its own (auto_map): it is read as transformers' own {model_type}, as transformers reads it without trust_remote_code");
+        }
         if let Some(activation) = keys.get("hidden_act") {
             // transformers' "swish" is the same function (torch's SiLU).
             if !matches!(activation.as_str(), Some("silu" | "swish")) {
