@@ -361,6 +361,12 @@ struct Args {
     /// Write the training checkpoint every this many steps (and after the last; 0: only then).
     #[arg(long, default_value_t = 50)]
     checkpoint_every: usize,
+    /// Keep this many training checkpoints: the newest as checkpoint.ulysses, the ones before it
+    /// as checkpoint-step-S.ulysses (S its steps; hard links, no copies), each with its sharded
+    /// optimizer state; `--resume OUT/checkpoint-step-S.ulysses` goes back to one (a loss
+    /// spike). Each kept checkpoint takes a checkpoint's disk space.
+    #[arg(long, default_value_t = std::num::NonZeroUsize::MIN, conflicts_with = "no_save", value_name = "N")]
+    keep_checkpoints: std::num::NonZeroUsize,
     /// A measuring run: write neither the training checkpoint nor model.mpk (a 1B model's
     /// checkpoint is 20 GB), only metrics.csv, the plot and config.json (and a --save-hf
     /// folder, every --checkpoint-every steps and at the end).
@@ -822,7 +828,7 @@ fn ignored_flags(args: &Args, config: &TrainConfig, threads: bool) -> Vec<String
     }
     if args.eval_only {
         let flags = |ids: &[&str]| -> Vec<String> { ids.iter().filter(|id| given(id)).map(|id| format!("--{}", id.replace('_', "-"))).collect() };
-        let training = flags(&["steps", "learning_rate", "grad_accumulation", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "eval_every", "freeze_embeddings", "checkpoint_every", "check_parameters_every", "no_save", "out", "overwrite", "offload_to_host", "offload_layers", "progress", "profile", "device_memory", "host_memory"]);
+        let training = flags(&["steps", "learning_rate", "grad_accumulation", "warmup_steps", "lr_schedule", "min_lr_ratio", "max_grad_norm", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "eval_every", "freeze_embeddings", "checkpoint_every", "keep_checkpoints", "check_parameters_every", "no_save", "out", "overwrite", "offload_to_host", "offload_layers", "progress", "profile", "device_memory", "host_memory"]);
         if !training.is_empty() {
             notes.push(format!("--eval-only trains nothing and saves nothing: {} change nothing", training.join(", ")));
         }
@@ -2016,6 +2022,7 @@ where
             progress: log.as_mut().map(|log| log as &mut dyn Progress),
             checkpoint_dir: (!job.args.no_save).then(|| job.out.clone()),
             checkpoint_every: job.args.checkpoint_every,
+            keep_checkpoints: job.args.keep_checkpoints.get(),
             resume: job.args.resume.clone(),
             resumed_at: job.resumed_at,
             stop_after: job.args.stop_after,
@@ -2114,6 +2121,9 @@ struct RunLog {
     /// The folder held another run's checkpoint (`--overwrite`): removed once this run's
     /// record begins, so that it is never resumed under this run's record.
     replaces_checkpoint: bool,
+    /// A resume over its folder's later checkpoint with `--keep-checkpoints` 2 or more: that
+    /// one kept beside as its steps' (`checkpoint-step-S.ulysses`) before it goes.
+    keeps_replaced_checkpoint: Option<usize>,
     /// This run keeps its optimizer's state in the checkpoint file (replicated): the earlier
     /// run's sharded parts (`optimizer-step-…`), which no commit of this run would remove, go
     /// with its checkpoint.
@@ -2222,6 +2232,7 @@ impl RunLog {
             // before its first commit would leave it to a `--resume` of the folder, which would
             // continue the run this one replaces.
             replaces_checkpoint: job.args.overwrite && !job.args.resume.as_deref().is_some_and(|resumed| same_place(&checkpoint_path(resumed), &job.out.join(CHECKPOINT_FILE))),
+            keeps_replaced_checkpoint: (job.args.resume.is_some() && job.args.keep_checkpoints.get() > 1).then_some(job.args.keep_checkpoints.get()),
             // A sharded run that saves removes them at its first commit; one that does not,
             // here.
             replaces_state_parts: !job.config.shards_optimizer() || job.args.no_save,
@@ -2241,6 +2252,14 @@ impl RunLog {
                     for (file, what) in [(CHECKPOINT_FILE, "checkpoint"), ("model.mpk", "model")] {
                         let earlier = self.out.join(file);
                         if self.replaces_checkpoint && earlier.exists() {
+                            if let (CHECKPOINT_FILE, Some(keep)) = (file, self.keeps_replaced_checkpoint) {
+                                let kept = read_checkpoint_state::<RunState>(&earlier)
+                                    .map_err(|e| e.to_string())
+                                    .and_then(|state| ulysses_trainer::run_folder::keep_earlier_checkpoint(&self.out, state.completed_steps, keep));
+                                if let Err(why) = kept {
+                                    say(&self.bar, format!("warning: the checkpoint this run goes back past is not kept: {why}"));
+                                }
+                            }
                             if let Err(error) = fs::remove_file(&earlier) {
                                 say(&self.bar, format!("warning: cannot remove the earlier run's {what} {}: {error}", earlier.display()));
                             }

@@ -31,6 +31,39 @@ pub const LOCK_FILE: &str = ".lock";
 /// The training checkpoint.
 pub const CHECKPOINT_FILE: &str = "checkpoint.ulysses";
 
+/// How a checkpoint kept before the newest is named: `checkpoint-step-000000200.ulysses`.
+pub const KEPT_CHECKPOINT_PREFIX: &str = "checkpoint-step-";
+
+/// Keeps the run's checkpoint in `dir` (`checkpoint.ulysses`, after `steps` steps), which a save
+/// is about to replace, as `checkpoint-step-S.ulysses` (a hard link: no copy), and removes the
+/// kept ones past the newest `keep - 1` by when they were written (a branch abandoned by a
+/// resume from an earlier one goes first). The sharded optimizer state of those removed goes at
+/// the save's commit, no checkpoint naming it. A file system without hard links keeps none.
+pub fn keep_earlier_checkpoint(dir: &Path, steps: usize, keep: usize) -> Result<(), String> {
+    let current = dir.join(CHECKPOINT_FILE);
+    let name = format!("{KEPT_CHECKPOINT_PREFIX}{steps:09}.ulysses");
+    let kept = dir.join(&name);
+    // Linked under a write's temporary name first: a kill leaves what the run folder's claim removes.
+    let link = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let _ = fs::remove_file(&link);
+    fs::hard_link(&current, &link).and_then(|()| fs::rename(&link, &kept)).and_then(|()| File::open(dir)?.sync_all()).map_err(|e| {
+        let _ = fs::remove_file(&link);
+        format!("{} could not be made a link to {} ({e}); a file system without hard links keeps the newest alone", kept.display(), current.display())
+    })?;
+    let mut earlier: Vec<(std::time::SystemTime, PathBuf)> = fs::read_dir(dir)
+        .map_err(|e| format!("cannot list {}: {e}", dir.display()))?
+        .flatten()
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with(KEPT_CHECKPOINT_PREFIX))
+        .filter_map(|entry| Some((entry.metadata().ok()?.modified().ok()?, entry.path())))
+        .collect();
+    earlier.sort();
+    let removed = earlier.len().saturating_sub(keep.saturating_sub(1));
+    for (_, path) in earlier.into_iter().take(removed).filter(|(_, path)| *path != kept) {
+        fs::remove_file(&path).map_err(|e| format!("cannot remove {}, kept past --keep-checkpoints {keep}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
 /// The files and folders of a run folder that an earlier run wrote, by name: its checkpoint,
 /// its record (`config.json`, `metrics.csv`), its model (`model.mpk`) and its optimizer's
 /// parts (`optimizer-step-…`). Any of them marks the folder as an earlier run's.
@@ -39,7 +72,11 @@ pub fn earlier_run_files(path: &Path) -> Vec<String> {
     let mut names: Vec<String> = entries
         .flatten()
         .map(|entry| entry.file_name().to_string_lossy().into_owned())
-        .filter(|name| [CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, "model.mpk"].contains(&name.as_str()) || name.starts_with(ulysses_training::STATE_FOLDER_PREFIX))
+        .filter(|name| {
+            [CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, "model.mpk"].contains(&name.as_str())
+                || name.starts_with(ulysses_training::STATE_FOLDER_PREFIX)
+                || (name.starts_with(KEPT_CHECKPOINT_PREFIX) && name.ends_with(".ulysses"))
+        })
         .collect();
     names.sort();
     names

@@ -638,6 +638,10 @@ pub struct RunOptions<'a> {
     pub checkpoint_dir: Option<PathBuf>,
     /// Write a checkpoint every this many steps (0: only at the end).
     pub checkpoint_every: usize,
+    /// Keep this many checkpoints in `checkpoint_dir` (the ones before the newest as
+    /// [`keep_earlier_checkpoint`](crate::run_folder::keep_earlier_checkpoint) names them); 0
+    /// or 1: the newest alone.
+    pub keep_checkpoints: usize,
     /// Continue from this checkpoint (folder or file).
     pub resume: Option<PathBuf>,
     /// The step the caller read `resume`'s checkpoint at, where what it shows counts from it
@@ -976,6 +980,19 @@ where
             // with rank 0 (not in the next collective, whose timeout a slow disk would pass).
             replicated_write.wait_with_every_rank(&*groups.world)?;
             report_written(replicated_write.finish()?, options.progress.as_deref_mut());
+            // The checkpoint this one replaces kept beside it, before the save (a sharded
+            // one's commit removes the state no checkpoint names).
+            if let (true, Some(dir), 2..) = (is_first, &options.checkpoint_dir, options.keep_checkpoints) {
+                let earlier = dir.join(crate::run_folder::CHECKPOINT_FILE);
+                if earlier.exists() {
+                    let kept = ulysses_training::checkpoint::read_checkpoint_state::<RunState>(&earlier)
+                        .map_err(|e| format!("it cannot be read: {e}"))
+                        .and_then(|state| crate::run_folder::keep_earlier_checkpoint(dir, state.completed_steps, options.keep_checkpoints));
+                    if let Err(why) = kept {
+                        tracing::warn!("the checkpoint before this one is not kept: {why}");
+                    }
+                }
+            }
             let mut checkpoint = None;
             match (&mut optimizer, &options.checkpoint_dir) {
                 (RankOptimizer::Replicated(optimizer), Some(dir)) if is_first => {

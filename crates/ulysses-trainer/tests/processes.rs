@@ -456,6 +456,42 @@ fn an_evaluation_lost_after_its_checkpoint_is_taken_at_the_resume() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// `--keep-checkpoints 3` keeps the two checkpoints before the newest as
+/// `checkpoint-step-S.ulysses`, hard links of the files each save replaced, with their sharded
+/// optimizer state, and removes older ones; a resume from one goes back to its step and trains
+/// on as the run did (replicated and with the optimizer's parts on the host).
+#[test]
+fn kept_checkpoints_go_back_to_an_earlier_step() {
+    let dir = workspace("kept-checkpoints");
+    for (run, layout) in [("replicated", &["--sp", "2"][..]), ("sharded", &["--sp", "2", "--offload-optimizer"])] {
+        let flags = [layout, &["--checkpoint-every", "2", "--keep-checkpoints", "3", "--eval-every", "0"]].concat();
+        succeed(run_alone(&common_args(&dir, run, 8), &flags));
+        let out = dir.join(run);
+        let names = |prefix: &str| -> Vec<String> {
+            let mut names: Vec<String> = fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(prefix)).collect();
+            names.sort();
+            names
+        };
+        assert_eq!(names("checkpoint-step-"), ["checkpoint-step-000000004.ulysses", "checkpoint-step-000000006.ulysses"], "{run}");
+        assert_eq!(read_checkpoint_state::<RunState>(&out.join("checkpoint-step-000000004.ulysses")).unwrap().completed_steps, 4, "{run}");
+        if run == "sharded" {
+            assert_eq!(names("optimizer-step-").len(), 3, "a state folder for each checkpoint kept: {:?}", names("optimizer-step-"));
+        }
+        let original = losses(&out);
+        let mut resumed = common_args(&dir, run, 8);
+        resumed.extend(["--resume".to_string(), out.join("checkpoint-step-000000004.ulysses").display().to_string()]);
+        // In the run's folder, over its later checkpoint (kept in turn as its steps').
+        succeed(run_alone(&resumed, &[&flags[..], &["--overwrite"]].concat()));
+        let again = losses(&out);
+        assert!(
+            again.len() == 8 && again.iter().zip(&original).all(|(a, o)| a.0 == o.0 && (a.1 - o.1).abs() <= 1e-6),
+            "{run}: resumed at step 4, {again:?}; the run's {original:?}"
+        );
+        assert!(names("checkpoint-step-").contains(&"checkpoint-step-000000008.ulysses".to_string()), "{run}: the later checkpoint not kept: {:?}", names("checkpoint-step-"));
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A run stopped after 3 of 6 steps resumes with the uninterrupted run's losses and
 /// parameters: in place with the same flags, and elsewhere on one process with no flag but the
 /// data's, its settings taken from the checkpoint (AdamW's too).
