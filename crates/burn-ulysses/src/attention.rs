@@ -50,9 +50,9 @@ thread_local! {
     static CALLS_SEEING_EVERY_KEY: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static KEY_PADDING_MASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// The layouts (`[q_seq, kv_seq, kv_heads, head_dim]`) of the non-causal calls whose keys
-    /// [`refuse_keys_every_rank_holds_beside_its_shard`] checked, with the communicator they
-    /// were gathered over (a thread may be a rank of another group later).
-    static KEYS_CHECKED: RefCell<Vec<(usize, [usize; 4])>> = const { RefCell::new(Vec::new()) };
+    /// [`refuse_keys_every_rank_holds_beside_its_shard`] checked, in the rank context of this
+    /// number ([`context::current_entry_number`]: a thread may be a rank of another group later).
+    static KEYS_CHECKED: RefCell<(Option<u64>, Vec<[usize; 4]>)> = const { RefCell::new((None, Vec::new())) };
 }
 
 /// Fails, on every rank, where non-causal attention's keys begin alike on every rank of the
@@ -61,25 +61,34 @@ thread_local! {
 /// shard's first tokens, in the sequence once a rank, and weigh that many times in each
 /// softmax, silently. (Causal attention over keys beside the shard is refused by their count.)
 /// Keys alike from first to last are a memory every rank holds whole (cross-attention), each
-/// key joined once a rank: the same weights. Not checked where the keys are the shard's own
-/// tokens (as many as the token ids embedded: each rank's first key its shard's first token)
-/// nor over packed documents (each shard may begin one, with its first token at position 0).
-/// Checked at the first call of each layout on a group: one read of each rank's first and last
-/// key and one gather of their digests.
-fn refuse_keys_every_rank_holds_beside_its_shard<X: ExchangeBackend>(key: &FloatTensor<X>, layout: &AttentionLayout, communicator: &Arc<dyn Communicator<X::Wire>>) -> Result<(), UlyssesError> {
-    let signature = (Arc::as_ptr(communicator) as *const () as usize, [layout.q_seq, layout.kv_seq, layout.kv_heads, layout.head_dim]);
-    let own_tokens = crate::attention_guard::shard_length() == Some(layout.kv_seq);
-    // A model's layouts are few; lengths that change every batch (dynamic padding) are checked
-    // at their first 64, not read back at every new one for ever.
-    if layout.is_causal || layout.kv_seq == 0 || layout.has_documents || own_tokens || KEYS_CHECKED.with(|checked| checked.borrow().len() >= 64 || checked.borrow().contains(&signature)) {
+/// key joined once a rank: the same weights. Not refused where the keys are the shard's own
+/// tokens on every rank (as many as the token ids embedded: each rank's first key its shard's
+/// first token), nor checked over packed documents (each shard may begin one, with its first
+/// token at position 0). Checked at the first call of each layout (64 at most) in a rank
+/// context: one read of each rank's first and last key and one gather of their digests, whether
+/// each rank takes them for its own tokens among them (what a rank noted is gathered, not
+/// acted on alone before a collective).
+fn refuse_keys_every_rank_holds_beside_its_shard<X: ExchangeBackend>(key: &FloatTensor<X>, layout: &AttentionLayout, communicator: &dyn Communicator<X::Wire>) -> Result<(), UlyssesError> {
+    let signature = [layout.q_seq, layout.kv_seq, layout.kv_heads, layout.head_dim];
+    let entry = context::current_entry_number();
+    let checked = KEYS_CHECKED.with(|checked| {
+        let mut checked = checked.borrow_mut();
+        if checked.0 != entry {
+            *checked = (entry, Vec::new());
+        }
+        checked.1.len() >= 64 || checked.1.contains(&signature)
+    });
+    if layout.is_causal || layout.kv_seq == 0 || layout.has_documents || checked {
         return Ok(());
     }
-    KEYS_CHECKED.with(|checked| checked.borrow_mut().push(signature));
+    KEYS_CHECKED.with(|checked| checked.borrow_mut().1.push(signature));
+    let own_tokens = crate::attention_guard::shard_length() == Some(layout.kv_seq);
     let key = float_tensor::<X, 4>(key.clone());
     let digest = |at: usize| ulysses_core::digest::fnv1a(&[key.clone().narrow(2, at, 1).into_data().as_bytes()]);
-    let per_rank = all_gather_host_checked(&**communicator, &[digest(0), digest(layout.kv_seq - 1)], "the keys' first and last tokens")?;
+    let per_rank = all_gather_host_checked(communicator, &[digest(0), digest(layout.kv_seq - 1), u64::from(own_tokens)], "the keys' first and last tokens")?;
     let alike = |end: usize| per_rank.iter().all(|rank| rank[end] == per_rank[0][end]);
-    if alike(0) && !alike(1) {
+    let own_tokens_everywhere = per_rank.iter().all(|rank| rank[2] == 1);
+    if alike(0) && !alike(1) && !own_tokens_everywhere {
         return Err(UlyssesError::Shape(format!(
             "sequence-parallel attention without is_causal: every rank's keys begin with the same token (of {} keys a rank), but end with \
              their own: tokens each rank holds beside its shard (a class token, register or sink tokens, a prefix), which the exchange \
@@ -215,7 +224,7 @@ fn grouped_kv_for<B: Backend>(query: &Tensor<B, 4>, key: Tensor<B, 4>, value: Te
 /// Whether `B` is `UlyssesBackend` itself, whose attention op this module's calls reach (not
 /// one that wraps it: burn's autodiff decomposes attention before its inner backend sees it).
 fn intercepts_attention<B: Backend>(device: &B::Device) -> bool {
-    B::name(device).starts_with(crate::backend::NAME_PREFIX)
+    B::name(device).starts_with(crate::capabilities::NAME_PREFIX)
 }
 
 /// Takes what [`attention_within`] handed over, if this call came from it.
@@ -343,7 +352,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         // shard: a mask of its keys can only be their padding.
         let pooling_the_shard = layout.q_seq == 1 && crate::attention_guard::shard_length() == Some(layout.kv_seq);
         layout.refuse_unshardable(mask.as_ref().map(dims).as_deref(), attn_bias.as_ref().map(dims).as_deref(), KEY_PADDING_MASK.get() || pooling_the_shard)?;
-        refuse_keys_every_rank_holds_beside_its_shard::<X>(&key, &layout, communicator)?;
+        refuse_keys_every_rank_holds_beside_its_shard::<X>(&key, &layout, &**communicator)?;
         if ring.is_some() && (layout.mask != MaskKind::None || positions.is_some() || window.is_some()) {
             return Err(UlyssesError::Shape("Ulysses × Ring does not take masks, packed documents or sliding windows yet; run them with Ulysses alone".into()));
         }

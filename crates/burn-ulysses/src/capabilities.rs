@@ -28,6 +28,10 @@ use crate::{
     visibility::Visibility,
 };
 
+/// How `UlyssesBackend`'s name (`Backend::name`) begins, `ulysses<inner>`: what tells the
+/// decorator from a backend that does not intercept attention.
+pub(crate) const NAME_PREFIX: &str = "ulysses<";
+
 /// A backend that `UlyssesBackend` can wrap: it exchanges tensors (implemented in
 /// `exchange`, beside the all-to-all's autodiff node) and attends over whole sequences
 /// (implemented in `flash`, beside the fused attention's autodiff node).

@@ -88,7 +88,13 @@ struct StoredContext {
     /// What the guard against attention done by hand reads on every matmul, without the
     /// wire type the model's backend does not name.
     sharding: Sharding,
+    /// This entry's number among every [`enter`] of the process: what a thread noted of a
+    /// group is told from what it noted of an earlier one (whose memory may be reused).
+    entered: u64,
 }
+
+/// The [`enter`]s so far in the process.
+static ENTERED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// How a rank context cuts sequences: what the guard in `attention_guard` needs to know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,6 +157,7 @@ pub fn enter<W: Backend>(scope: RankScope, context: RankContext<W>) -> RankGuard
         wire_name: type_name::<W>(),
         context: Arc::new(context),
         sharding,
+        entered: ENTERED.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
     };
     replace(scope, Entry::Rank(stored))
 }
@@ -203,6 +210,17 @@ pub fn current_sharding() -> Option<Sharding> {
         .with(|slot| from(&slot.borrow()))
         .or_else(|| from(&PROCESS_CONTEXT.read().unwrap_or_else(|p| p.into_inner())))
         .flatten()
+}
+
+/// The number of the rank context this thread runs in among every [`enter`] of the process
+/// (`None`: none, or a single device): unique for the process's life, unlike its address.
+pub(crate) fn current_entry_number() -> Option<u64> {
+    let from = |entry: &Option<Entry>| match entry {
+        Some(Entry::Rank(stored)) => Some(Some(stored.entered)),
+        Some(Entry::SingleDevice) => Some(None),
+        None => None,
+    };
+    THREAD_CONTEXT.with(|slot| from(&slot.borrow())).or_else(|| from(&PROCESS_CONTEXT.read().unwrap_or_else(|p| p.into_inner()))).flatten()
 }
 
 /// Whether this thread runs inside [`enter_single_device`] (its own, or none entered on it and

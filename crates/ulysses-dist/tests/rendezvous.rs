@@ -350,9 +350,35 @@ fn a_rank_that_fails_before_joining_says_why_to_ranks_that_join_late() {
     let port = free_port();
     let failing = std::thread::spawn(move || Rendezvous::report_failure_within(&env_at("127.0.0.1", 0, 2, port), &job_config(20.0), "rank 0's run folder holds an earlier run", Duration::from_secs(1)));
     std::thread::sleep(Duration::from_secs(3));
-    let error = join(1, 2, port, 20.0).and_then(|rendezvous| rendezvous.broadcast("nccl/unique-id", None, 0)).expect_err("rank 0 failed");
+    let error = join(1, 2, port, 20.0).map(drop).expect_err("rank 0 failed");
     assert_eq!(reason_of(&error), Some((0, "rank 0's run folder holds an earlier run".into())), "{error:?}");
     failing.join().unwrap().unwrap();
+
+    // Ranks 0 and 1 failing, rank 2 late: rank 0 serves until it has come and gone (a barrier
+    // of rank 0's ended at rank 1's leaving, the server with it).
+    let port = free_port();
+    let failing: Vec<_> = [0, 1]
+        .map(|rank| std::thread::spawn(move || Rendezvous::report_failure_within(&env_at("127.0.0.1", rank, 3, port), &job_config(20.0), &format!("rank {rank}'s data is empty"), Duration::from_secs(1))))
+        .into();
+    std::thread::sleep(Duration::from_secs(3));
+    let error = join(2, 3, port, 20.0).map(drop).expect_err("ranks 0 and 1 failed");
+    assert_eq!(reason_of(&error), Some((0, "rank 0's data is empty".into())), "{error:?}");
+    for rank in failing {
+        rank.join().unwrap().unwrap();
+    }
+
+    // Rank 1 failing, rank 0 on time, rank 2 late: rank 0's join ends at rank 1's reason, and
+    // it serves that on to rank 2 (its drop served only the ranks already there).
+    let port = free_port();
+    let failing = std::thread::spawn(move || Rendezvous::report_failure_within(&env_at("127.0.0.1", 1, 3, port), &job_config(20.0), "rank 1's data is empty", Duration::from_secs(5)));
+    let rank_0 = std::thread::spawn(move || join(0, 3, port, 20.0).map(drop));
+    std::thread::sleep(Duration::from_secs(3));
+    let late = join(2, 3, port, 20.0).map(drop);
+    failing.join().unwrap().unwrap();
+    for (rank, joined) in [(0, rank_0.join().unwrap()), (2, late)] {
+        let error = joined.expect_err("rank 1 failed");
+        assert_eq!(reason_of(&error), Some((1, "rank 1's data is empty".into())), "rank {rank}: {error:?}");
+    }
 
     let port = free_port();
     let rank_0 = std::thread::spawn(move || join(0, 3, port, 20.0).map(drop));

@@ -223,8 +223,9 @@ impl HfConfig {
         let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
         let name = file.display().to_string();
         let text = std::fs::read_to_string(&file).map_err(|e| {
-            let instead = path.parent().filter(|_| !path.is_dir()).unwrap_or(path);
-            let hint = not_a_transformers_checkpoint(instead).map(|why| format!(": the folder {why}")).unwrap_or_default();
+            // The folder given, or the one of a config.json named (not a mistyped folder's parent).
+            let folder = if path.is_dir() { Some(path) } else { path.parent().filter(|_| path.file_name().is_some_and(|name| name == "config.json")) };
+            let hint = folder.and_then(not_a_transformers_checkpoint).map(|why| format!(": the folder {why}")).unwrap_or_default();
             ConfigError { file: name.clone(), key: "config.json".into(), problem: format!("cannot be read ({e}){hint}") }
         })?;
         Self::from_hf_json(&text, &name)

@@ -1115,6 +1115,17 @@ fn recover_from_killed_saves(dir: &Path, name: &str) {
     }
 }
 
+/// Sets right what saves into `dir` that were killed left beside it, as a save's begin does:
+/// for a run to call as it starts (a kill between a save's two renames left no folder at `dir`,
+/// its model set aside, until the next save into it began). A check that writes nothing
+/// (`--check`) does not.
+pub fn recover_killed_saves(dir: &Path) -> Result<(), CheckpointError> {
+    let dir = &save_folder(dir)?;
+    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
+    recover_from_killed_saves(dir, &name);
+    Ok(())
+}
+
 /// The folder `dir` is written beside: its parent, `.` for a bare name.
 fn parent_folder(dir: &Path) -> &Path {
     dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
@@ -1146,13 +1157,10 @@ fn process_lives(pid: &str) -> bool {
 /// `dir`: that it is a folder if it exists, and that the nearest existing folder above it (where
 /// the new one is written, then renamed into place, the missing folders between made) is a folder
 /// that can be written. Creates nothing but a probe file it removes. A run would otherwise find
-/// out at its save, after its training. What killed saves left beside it is set right first
-/// (a kill between a save's two renames left no folder at `dir`, its model set aside, until
-/// the next save into it began).
+/// out at its save, after its training. A run calls [`recover_killed_saves`] first.
 pub fn check_save_destination(dir: &Path) -> Result<(), CheckpointError> {
     let dir = &save_folder(dir)?;
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
-    recover_from_killed_saves(dir, &name);
     if dir.exists() && !dir.is_dir() {
         return Err(CheckpointError::file(dir, "exists and is not a folder: choose another path, or move the file"));
     }

@@ -821,10 +821,12 @@ fn a_save_sets_right_what_killed_saves_left() {
     std::fs::create_dir_all(root.join(format!(".tuned.earlier-{dead}"))).unwrap();
     save_pretrained_with(&pretrained.model, &pretrained.config, &out, SaveOptions::new(DType::BF16)).unwrap();
     assert!(!names().contains(&format!(".tuned.earlier-{dead}")), "{:?}", names());
-    // A run's check of its destination, before any training, puts back a model a kill left
-    // set aside (it stayed there, no folder at `tuned`, until the run's own save).
+    // A run, as it starts, puts back a model a kill left set aside (it stayed there, no folder
+    // at `tuned`, until the run's own save); the check that writes nothing does not.
     std::fs::rename(&out, root.join(format!(".tuned.earlier-{dead}"))).unwrap();
     ulysses_models::check_save_destination(&out).unwrap();
+    assert!(!names().contains(&"tuned".to_string()), "the check wrote: {:?}", names());
+    ulysses_models::recover_killed_saves(&out).unwrap();
     assert!(names().contains(&"tuned".to_string()) && !names().contains(&format!(".tuned.earlier-{dead}")), "{:?}", names());
     from_pretrained::<Cpu>(&out, &Default::default()).expect("the model put back");
     std::fs::remove_dir_all(&root).unwrap();

@@ -363,8 +363,9 @@ struct Args {
     checkpoint_every: usize,
     /// Keep this many training checkpoints: the newest as checkpoint.ulysses, the ones before it
     /// as checkpoint-step-S.ulysses (S its steps; hard links, no copies), each with its sharded
-    /// optimizer state; `--resume OUT/checkpoint-step-S.ulysses` goes back to one (a loss
-    /// spike). Each kept checkpoint takes a checkpoint's disk space.
+    /// optimizer state; `--resume OUT/checkpoint-step-S.ulysses --overwrite` goes back to one (a
+    /// loss spike), keeping the later one in turn. Each kept checkpoint takes a checkpoint's
+    /// disk space; not kept in the checkpoint (give it again to a --resume).
     #[arg(long, default_value_t = std::num::NonZeroUsize::MIN, conflicts_with = "no_save", value_name = "N")]
     keep_checkpoints: std::num::NonZeroUsize,
     /// A measuring run: write neither the training checkpoint nor model.mpk (a 1B model's
@@ -471,6 +472,9 @@ fn main() {
         // A rank that failed before it joined the job (its data, its run folder) says so to the
         // others, which would wait out the rendezvous timeout for it; `--check` joins no job.
         if let (Some(env), false, false) = (PROCESS_ENV.get(), ulysses_dist::rendezvous::join_tried(), check) {
+            if env.rank == 0 {
+                eprintln!("telling the job's other ranks why as they join (rank 0 serves the rendezvous until every rank has come and gone, or its timeout)");
+            }
             let reported = DistributedConfig::new().with_env_overrides().map_err(|e| e.to_string()).and_then(|config| {
                 ulysses_dist::rendezvous::Rendezvous::report_failure(env, &config, &message).map_err(|e| e.to_string())
             });
@@ -1093,6 +1097,9 @@ fn run(mut args: Args) -> Result<(), String> {
         }
     }
     if let (Some(dir), true) = (&args.save_hf, saves) {
+        if !args.check {
+            ulysses_models::recover_killed_saves(dir).map_err(|e| format!("--save-hf: {e}"))?;
+        }
         ulysses_models::check_save_destination(dir).map_err(|e| format!("--save-hf: {e}"))?;
     }
     if args.model.is_some() && args.data.is_none() && args.tokens.is_none() {
@@ -2122,8 +2129,13 @@ struct RunLog {
     /// record begins, so that it is never resumed under this run's record.
     replaces_checkpoint: bool,
     /// A resume over its folder's later checkpoint with `--keep-checkpoints` 2 or more: that
-    /// one kept beside as its steps' (`checkpoint-step-S.ulysses`) before it goes.
-    keeps_replaced_checkpoint: Option<usize>,
+    /// one kept beside as its steps' (`checkpoint-step-S.ulysses`) before it goes, the one
+    /// resumed (this pair's path) never removed. Another `--overwrite` removes the earlier
+    /// run's kept checkpoints with its checkpoint.
+    keeps_replaced_checkpoint: Option<(usize, PathBuf)>,
+    /// The folder's checkpoints kept by an earlier run go with its checkpoint: `--overwrite`
+    /// of another run, not a resume in this folder.
+    replaces_kept_checkpoints: bool,
     /// This run keeps its optimizer's state in the checkpoint file (replicated): the earlier
     /// run's sharded parts (`optimizer-step-…`), which no commit of this run would remove, go
     /// with its checkpoint.
@@ -2232,7 +2244,13 @@ impl RunLog {
             // before its first commit would leave it to a `--resume` of the folder, which would
             // continue the run this one replaces.
             replaces_checkpoint: job.args.overwrite && !job.args.resume.as_deref().is_some_and(|resumed| same_place(&checkpoint_path(resumed), &job.out.join(CHECKPOINT_FILE))),
-            keeps_replaced_checkpoint: (job.args.resume.is_some() && job.args.keep_checkpoints.get() > 1).then_some(job.args.keep_checkpoints.get()),
+            keeps_replaced_checkpoint: job
+                .args
+                .resume
+                .clone()
+                .filter(|resumed| same_place(&job.out, &resumed_folder(resumed)) && job.args.keep_checkpoints.get() > 1)
+                .map(|resumed| (job.args.keep_checkpoints.get(), resumed)),
+            replaces_kept_checkpoints: job.args.overwrite && !job.args.resume.as_deref().is_some_and(|resumed| same_place(&job.out, &resumed_folder(resumed))),
             // A sharded run that saves removes them at its first commit; one that does not,
             // here.
             replaces_state_parts: !job.config.shards_optimizer() || job.args.no_save,
@@ -2252,10 +2270,10 @@ impl RunLog {
                     for (file, what) in [(CHECKPOINT_FILE, "checkpoint"), ("model.mpk", "model")] {
                         let earlier = self.out.join(file);
                         if self.replaces_checkpoint && earlier.exists() {
-                            if let (CHECKPOINT_FILE, Some(keep)) = (file, self.keeps_replaced_checkpoint) {
+                            if let (CHECKPOINT_FILE, Some((keep, resumed))) = (file, &self.keeps_replaced_checkpoint) {
                                 let kept = read_checkpoint_state::<RunState>(&earlier)
                                     .map_err(|e| e.to_string())
-                                    .and_then(|state| ulysses_trainer::run_folder::keep_earlier_checkpoint(&self.out, state.completed_steps, keep));
+                                    .and_then(|state| ulysses_trainer::run_folder::keep_earlier_checkpoint(&self.out, state.completed_steps, *keep, Some(resumed)));
                                 if let Err(why) = kept {
                                     say(&self.bar, format!("warning: the checkpoint this run goes back past is not kept: {why}"));
                                 }
@@ -2263,6 +2281,11 @@ impl RunLog {
                             if let Err(error) = fs::remove_file(&earlier) {
                                 say(&self.bar, format!("warning: cannot remove the earlier run's {what} {}: {error}", earlier.display()));
                             }
+                        }
+                    }
+                    if self.replaces_kept_checkpoints {
+                        for failed in ulysses_trainer::run_folder::remove_kept_checkpoints(&self.out) {
+                            say(&self.bar, format!("warning: cannot remove a checkpoint the earlier run kept: {failed}"));
                         }
                     }
                     // A sharded run's first commit removes them itself (its ranks may be

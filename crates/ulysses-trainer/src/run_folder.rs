@@ -34,34 +34,57 @@ pub const CHECKPOINT_FILE: &str = "checkpoint.ulysses";
 /// How a checkpoint kept before the newest is named: `checkpoint-step-000000200.ulysses`.
 pub const KEPT_CHECKPOINT_PREFIX: &str = "checkpoint-step-";
 
+/// Whether `name` is a kept checkpoint's: `checkpoint-step-` and digits, `.ulysses`.
+pub fn is_kept_checkpoint(name: &str) -> bool {
+    name.strip_prefix(KEPT_CHECKPOINT_PREFIX).and_then(|rest| rest.strip_suffix(".ulysses")).is_some_and(|digits| !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// Keeps the run's checkpoint in `dir` (`checkpoint.ulysses`, after `steps` steps), which a save
 /// is about to replace, as `checkpoint-step-S.ulysses` (a hard link: no copy), and removes the
-/// kept ones past the newest `keep - 1` by when they were written (a branch abandoned by a
-/// resume from an earlier one goes first). The sharded optimizer state of those removed goes at
-/// the save's commit, no checkpoint naming it. A file system without hard links keeps none.
-pub fn keep_earlier_checkpoint(dir: &Path, steps: usize, keep: usize) -> Result<(), String> {
+/// kept ones past the newest `keep - 2` beside it by when they were written (`keep` counting the
+/// save's), never `resumed`, the one the run went back to. The sharded optimizer state of those
+/// removed goes at the save's commit, no checkpoint naming it. A file system without hard links
+/// keeps none.
+pub fn keep_earlier_checkpoint(dir: &Path, steps: usize, keep: usize, resumed: Option<&Path>) -> Result<(), String> {
     let current = dir.join(CHECKPOINT_FILE);
     let name = format!("{KEPT_CHECKPOINT_PREFIX}{steps:09}.ulysses");
     let kept = dir.join(&name);
+    let same = |a: &Path, b: &Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b);
+    if resumed.is_some_and(|resumed| same(resumed, &kept)) {
+        return Err(format!("{} is the checkpoint this run resumed from, which is not replaced", kept.display()));
+    }
     // Linked under a write's temporary name first: a kill leaves what the run folder's claim removes.
     let link = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let _ = fs::remove_file(&link);
-    fs::hard_link(&current, &link).and_then(|()| fs::rename(&link, &kept)).and_then(|()| File::open(dir)?.sync_all()).map_err(|e| {
-        let _ = fs::remove_file(&link);
-        format!("{} could not be made a link to {} ({e}); a file system without hard links keeps the newest alone", kept.display(), current.display())
-    })?;
+    let linked = fs::hard_link(&current, &link).and_then(|()| fs::rename(&link, &kept)).and_then(|()| File::open(dir)?.sync_all());
+    // A rename onto the same file (kept already) leaves the link where it was.
+    let _ = fs::remove_file(&link);
+    linked.map_err(|e| format!("{} could not be made a link to {} ({e}); a file system without hard links keeps the newest alone", kept.display(), current.display()))?;
     let mut earlier: Vec<(std::time::SystemTime, PathBuf)> = fs::read_dir(dir)
         .map_err(|e| format!("cannot list {}: {e}", dir.display()))?
         .flatten()
-        .filter(|entry| entry.file_name().to_string_lossy().starts_with(KEPT_CHECKPOINT_PREFIX))
-        .filter_map(|entry| Some((entry.metadata().ok()?.modified().ok()?, entry.path())))
+        .filter(|entry| is_kept_checkpoint(&entry.file_name().to_string_lossy()))
+        .filter_map(|entry| Some((entry.metadata().ok().filter(fs::Metadata::is_file)?.modified().ok()?, entry.path())))
+        .filter(|(_, path)| *path != kept && !resumed.is_some_and(|resumed| same(resumed, path)))
         .collect();
     earlier.sort();
-    let removed = earlier.len().saturating_sub(keep.saturating_sub(1));
-    for (_, path) in earlier.into_iter().take(removed).filter(|(_, path)| *path != kept) {
+    let removed = earlier.len().saturating_sub(keep.saturating_sub(2));
+    for (_, path) in earlier.into_iter().take(removed) {
         fs::remove_file(&path).map_err(|e| format!("cannot remove {}, kept past --keep-checkpoints {keep}: {e}", path.display()))?;
     }
     Ok(())
+}
+
+/// Removes the checkpoints an earlier run kept in `dir` (`checkpoint-step-S.ulysses`): a run
+/// that starts over there (`--overwrite`) would otherwise leave them to be resumed under its
+/// record, and their optimizer state with them. Returns those it could not remove, with why.
+pub fn remove_kept_checkpoints(dir: &Path) -> Vec<String> {
+    let Ok(entries) = fs::read_dir(dir) else { return Vec::new() };
+    entries
+        .flatten()
+        .filter(|entry| is_kept_checkpoint(&entry.file_name().to_string_lossy()))
+        .filter_map(|entry| fs::remove_file(entry.path()).err().map(|e| format!("{}: {e}", entry.path().display())))
+        .collect()
 }
 
 /// The files and folders of a run folder that an earlier run wrote, by name: its checkpoint,
@@ -75,7 +98,7 @@ pub fn earlier_run_files(path: &Path) -> Vec<String> {
         .filter(|name| {
             [CHECKPOINT_FILE, CONFIG_FILE, METRICS_FILE, "model.mpk"].contains(&name.as_str())
                 || name.starts_with(ulysses_training::STATE_FOLDER_PREFIX)
-                || (name.starts_with(KEPT_CHECKPOINT_PREFIX) && name.ends_with(".ulysses"))
+                || is_kept_checkpoint(name)
         })
         .collect();
     names.sort();
@@ -326,6 +349,43 @@ pub fn kept_rows_gap(rows: &[usize], resumed: usize) -> Option<String> {
 #[cfg(test)]
 mod tests {
     const HEADER: &str = "step,loss,eval";
+
+    /// With 3 to keep, the checkpoint a save replaces is kept beside the newest kept one; the
+    /// older ones go, never the one the run resumed from, nor files and folders of other names.
+    #[test]
+    fn the_newest_checkpoints_are_kept_and_the_resumed_one_stays() {
+        use std::time::{Duration, SystemTime};
+        let dir = std::env::temp_dir().join(format!("ulysses-kept-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("checkpoint-step-000000009.ulysses")).unwrap();
+        let written = |name: &str, seconds_ago: u64| {
+            std::fs::write(dir.join(name), name).unwrap();
+            let file = std::fs::File::options().write(true).open(dir.join(name)).unwrap();
+            file.set_modified(SystemTime::now() - Duration::from_secs(seconds_ago)).unwrap();
+        };
+        for (name, ago) in [("checkpoint-step-000000002.ulysses", 50), ("checkpoint-step-000000004.ulysses", 40), ("checkpoint-step-000000006.ulysses", 30), ("checkpoint-step-4.ulysses.sha256", 60), ("checkpoint.ulysses", 10)] {
+            written(name, ago);
+        }
+        super::keep_earlier_checkpoint(&dir, 8, 3, Some(&dir.join("checkpoint-step-000000002.ulysses"))).unwrap();
+        let mut names: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "checkpoint-step-000000002.ulysses",
+                "checkpoint-step-000000006.ulysses",
+                "checkpoint-step-000000008.ulysses",
+                "checkpoint-step-000000009.ulysses",
+                "checkpoint-step-4.ulysses.sha256",
+                "checkpoint.ulysses"
+            ]
+        );
+        assert_eq!(std::fs::read(dir.join("checkpoint-step-000000008.ulysses")).unwrap(), b"checkpoint.ulysses", "kept is no link to the checkpoint");
+        // Kept already (a save that failed after): the same file, no link left behind.
+        super::keep_earlier_checkpoint(&dir, 8, 3, None).unwrap();
+        assert!(std::fs::read_dir(&dir).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp-")), "a link left behind");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// The kept rows of a resumed run: whole rows of steps before the resumed one; a row cut
     /// short (fewer columns, or no newline at the end) is left out.

@@ -758,6 +758,9 @@ fn check_settings_agree<W: burn::tensor::backend::Backend>(config: &TrainConfig,
 /// `Config::init` leaves it: the other ranks never build it); with `resume`, every rank loads
 /// the checkpoint instead. `groups.sp` must already be the
 /// rank context when `B` is a `UlyssesBackend` (`burn_ulysses::job::run_ranks` does that).
+/// Where it fails while world rank 0's checkpoint is being written, the write goes on: call
+/// [`finish_writes_left_running`] once the ranks have left their groups, before reading the
+/// folder or ending the process.
 pub fn train_rank<B>(
     config: &TrainConfig,
     model: Decoder<B>,
@@ -898,7 +901,8 @@ where
     // Not sized ahead: --steps may be far more than a run takes before it stops.
     let mut reports = Vec::new();
 
-    // Rank 0's write of the last replicated checkpoint, waited for (by its drop on any way out).
+    // Rank 0's write of the last replicated checkpoint: waited for at the end, or left running
+    // on a way out with an error (`finish_writes_left_running`).
     let mut replicated_write = CheckpointWrite::default();
     STEPS_BEGUN.store(true, std::sync::atomic::Ordering::Relaxed);
     // The evaluation due at the step the checkpoint ended, where the record lacks it: a run
@@ -987,7 +991,7 @@ where
                 if earlier.exists() {
                     let kept = ulysses_training::checkpoint::read_checkpoint_state::<RunState>(&earlier)
                         .map_err(|e| format!("it cannot be read: {e}"))
-                        .and_then(|state| crate::run_folder::keep_earlier_checkpoint(dir, state.completed_steps, options.keep_checkpoints));
+                        .and_then(|state| crate::run_folder::keep_earlier_checkpoint(dir, state.completed_steps, options.keep_checkpoints, options.resume.as_deref()));
                     if let Err(why) = kept {
                         tracing::warn!("the checkpoint before this one is not kept: {why}");
                     }
@@ -1096,7 +1100,8 @@ where
 /// the ranks train on: waiting for it held every other rank at the next step's collectives
 /// through the whole write, which for a large model on a slow disk outlasts their timeout.
 /// The next checkpoint waits for it before it takes its records (two would hold the state
-/// twice in host memory); dropped, it is waited for, so the run never ends with it unwritten.
+/// twice in host memory); dropped on a way out with an error, it goes on while the rank leaves
+/// its group, for [`finish_writes_left_running`] to wait for before the process ends.
 #[derive(Default)]
 struct CheckpointWrite(Option<(usize, JoinHandle<Result<Option<PathBuf>, UlyssesError>>)>);
 

@@ -25,9 +25,6 @@ use crate::{
     capabilities::ExchangeBackend,
 };
 
-/// How `UlyssesBackend`'s name (`Backend::name`) begins: `ulysses<inner>`.
-pub(crate) const NAME_PREFIX: &str = "ulysses<";
-
 /// Sequence parallelism as a backend: `UlyssesBackend<Autodiff<NdArray>>` trains,
 /// `UlyssesBackend<NdArray>` runs inference. See the crate docs for the data path.
 #[derive(Clone, Copy, Debug, Default)]
@@ -104,7 +101,7 @@ impl<Inner: ExchangeBackend> Backend for UlyssesBackend<Inner> {
     }
 
     fn name(device: &Self::Device) -> String {
-        format!("{NAME_PREFIX}{}>", Inner::name(device))
+        format!("{}{}>", crate::capabilities::NAME_PREFIX, Inner::name(device))
     }
 
     fn seed(device: &Self::Device, seed: u64) {

@@ -16,7 +16,8 @@ pub use watch::{LeftRanks, PeerLoss, PeerWatch};
 
 use crate::{DistError, DistributedConfig, LaunchEnv};
 
-/// The longest [`Rendezvous::report_failure`] waits for the other ranks to join (and to leave).
+/// The longest [`Rendezvous::report_failure`] on a rank other than 0 waits for rank 0's server
+/// (rank 0 serves its own failure the whole rendezvous timeout).
 const REPORT_TIMEOUT_SECS: f64 = 30.0;
 
 /// Whether this process has tried to join a job's rendezvous ([`Rendezvous::join`]).
@@ -42,8 +43,25 @@ impl Rendezvous {
     /// rank has joined, or fails after the rendezvous timeout.
     pub fn join(env: &LaunchEnv, config: &DistributedConfig) -> Result<Self, DistError> {
         let rendezvous = Self::connect(env, config)?;
-        rendezvous.meet_every_rank()?;
-        Ok(rendezvous)
+        match rendezvous.meet_every_rank() {
+            Ok(()) => Ok(rendezvous),
+            // A rank that failed before the job said why; rank 0 serves that to the ranks still
+            // on their way (its drop would serve only those already there).
+            Err(left @ DistError::WriterLeft { .. }) => {
+                rendezvous.serve_until_every_rank_came_and_left();
+                Err(left)
+            }
+            Err(other) => Err(other),
+        }
+    }
+
+    /// Leaves (a goodbye), and where this is rank 0 serves on until every rank of the world
+    /// has joined and left, at most the rendezvous timeout.
+    fn serve_until_every_rank_came_and_left(mut self) {
+        drop(self.client.take());
+        if let Some(server) = self.server.take() {
+            server.wait_until_every_rank_came_and_left(self.world_size, self.linger);
+        }
     }
 
     /// Connects to the job's rendezvous (rank 0 starts its server first), meeting no one.
@@ -120,8 +138,8 @@ impl Rendezvous {
     /// [`report_failure`](Self::report_failure), a rank other than 0 waiting at most `bound`
     /// (and the rendezvous timeout) for rank 0's server: a rank 0 that died before it served
     /// must not hold a failed rank for the whole timeout. Rank 0 serves the reason until every
-    /// rank has joined and left, the whole timeout: the others may take minutes (reading data,
-    /// loading a model) before they join, and find no server once it is gone.
+    /// rank has joined and left, up to the whole timeout: the others may take minutes (reading
+    /// data, loading a model) before they join, and find no server once it is gone.
     #[doc(hidden)]
     pub fn report_failure_within(env: &LaunchEnv, config: &DistributedConfig, reason: &str, bound: Duration) -> Result<(), DistError> {
         let config = match env.rank {
@@ -129,12 +147,10 @@ impl Rendezvous {
             _ => config.clone().with_rendezvous_timeout_secs(config.rendezvous_timeout().min(bound).as_secs_f64()),
         };
         let rendezvous = Self::connect(env, &config)?;
-        // Said before any wait, so that a wait that times out loses no reason.
+        // Said before any wait, then gone (no barrier: a peer that failed too would end it): a
+        // rank that waits at the join for this one's place learns why at once.
         rendezvous.client().set_failure(reason)?;
-        if env.rank == 0 {
-            // The others meet it at the barrier and then wait for what it would have published.
-            rendezvous.meet_every_rank()?;
-        }
+        rendezvous.serve_until_every_rank_came_and_left();
         Ok(())
     }
 

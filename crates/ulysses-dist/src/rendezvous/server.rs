@@ -80,13 +80,26 @@ impl RendezvousServer {
     /// Waits until every rank that joined has said goodbye or died, at most `timeout`, so
     /// that rank 0 does not close the store under ranks still reading from it.
     pub fn wait_until_all_left(&self, timeout: Duration) {
+        self.wait_until_left(0, timeout);
+    }
+
+    /// [`wait_until_all_left`](Self::wait_until_all_left), and until all `world_size` ranks have
+    /// joined first: a rank 0 that failed before its job serves its reason to the ranks still
+    /// on their way (loading data or a model), which a closed store would refuse.
+    pub fn wait_until_every_rank_came_and_left(&self, world_size: usize, timeout: Duration) {
+        self.wait_until_left(world_size, timeout);
+    }
+
+    /// Waits until `joining` ranks or more have joined and every one joined has left, at most
+    /// `timeout`.
+    fn wait_until_left(&self, joining: usize, timeout: Duration) {
         let deadline = std::time::Instant::now() + timeout;
         loop {
-            let remaining: Vec<usize> = {
+            let (joined, remaining): (usize, Vec<usize>) = {
                 let state = self.shared.state.lock().unwrap();
-                state.joined.keys().filter(|r| !state.finished.contains(r) && !state.departed.contains(r)).copied().collect()
+                (state.joined.len(), state.joined.keys().filter(|r| !state.finished.contains(r) && !state.departed.contains(r)).copied().collect())
             };
-            if remaining.is_empty() {
+            if remaining.is_empty() && joined >= joining {
                 return;
             }
             if std::time::Instant::now() >= deadline {
