@@ -213,6 +213,13 @@ fn a_class_token_before_each_ranks_shard_is_refused_without_is_causal() {
         attention(with_class_token(1), with_class_token(2), with_class_token(3), None, None, non_causal);
     });
     assert_all_contain(&messages, &["every rank's keys begin with the same token (of 4 keys a rank), but end with their own", "Put them into the sequence before it is sharded"]);
+    // Registers after each rank's shard: the same, at its end.
+    let messages = errors_on_every_rank(2, move |rank| {
+        let device = Default::default();
+        let with_registers = |stream: u64| Tensor::cat(vec![uniform_tensor::<Sp, 4>([1, 4, 3, 8], stream + 10 * (rank.rank() as u64 + 1), &device), uniform_tensor::<Sp, 4>([1, 4, 1, 8], stream, &device)], 2);
+        attention(with_registers(1), with_registers(2), with_registers(3), None, None, non_causal);
+    });
+    assert_all_contain(&messages, &["every rank's keys end with the same token (of 4 keys a rank), but begin with their own"]);
     let passed = with_deadline(Duration::from_secs(50), move || {
         ThreadGroup::new(2).run(move |rank| {
             let _sp = Sp::enter(RankScope::Thread, rank.communicator(), UlyssesConfig::new());

@@ -9,6 +9,8 @@ use ulysses_core::{
     layout::{AttentionLayout, CallOptions, HeadPlan, MaskKind},
 };
 
+pub use ulysses_core::layout::with_key_padding_mask;
+
 use crate::{
     blocked,
     context,
@@ -40,15 +42,40 @@ pub fn attention(
 ) -> Tensor<4> {
     match context::current().filter(|group| group.size() > 1) {
         None => {
-            // burn 0.22.1's attention takes as many kv heads as q heads: group them here, after
-            // the check burn-ulysses makes (kv heads must divide q heads).
+            // The checks burn-ulysses makes on one device too (a softcap burn asserts deep in
+            // its op, a mask that fits no scores); burn 0.22.1's attention takes as many kv heads
+            // as q heads: grouped here, kv heads dividing q heads.
+            one_device_checks(&query, &key, &value, mask.as_ref(), attn_bias.as_ref(), options).unwrap_or_else(|error| panic!("{error}"));
             let [q_heads, kv_heads] = [query.dims()[1], key.dims()[1]];
-            HeadPlan::new(q_heads, kv_heads, 1).unwrap_or_else(|error| panic!("{error}"));
             let repeats = q_heads / kv_heads;
             module::attention(query, repeat_kv_heads(key, repeats), repeat_kv_heads(value, repeats), mask, attn_bias, options)
         }
         Some(group) => sequence_parallel(&*group, query, key, value, mask, attn_bias, options).unwrap_or_else(|error| panic!("{error}")),
     }
+}
+
+/// What a call on one device must be, as burn-ulysses checks it: q, k and v of one dtype,
+/// shapes and options that fit (ulysses-core's rule), kv heads that divide the q heads, a mask
+/// or bias that broadcasts to the scores.
+fn one_device_checks(query: &Tensor<4>, key: &Tensor<4>, value: &Tensor<4>, mask: Option<&Tensor<4, Bool>>, attn_bias: Option<&Tensor<4>>, options: AttentionModuleOptions) -> Result<(), UlyssesError> {
+    let call = CallOptions { scale: options.scale, softcap: options.softcap, is_causal: options.is_causal };
+    ulysses_core::layout::check_dtypes_agree([query, key, value].map(|t| t.dtype()))?;
+    let mask_dims = mask.map(|mask| mask.dims().to_vec());
+    let layout = AttentionLayout::of_call(&query.dims(), &key.dims(), &value.dims(), mask_dims.as_deref(), attn_bias.is_some(), call, false, None)?;
+    HeadPlan::new(layout.q_heads, layout.kv_heads, 1)?;
+    if let Some(mask) = &mask_dims {
+        layout.check_fits_the_scores("mask", mask, 4)?;
+    }
+    if let Some(bias) = attn_bias {
+        layout.check_fits_the_scores("bias", &bias.dims(), 4)?;
+    }
+    Ok(())
+}
+
+thread_local! {
+    /// The layouts whose keys were checked for tokens beside the shard, in the groups of this
+    /// entry number ([`AttentionLayout::keys_to_check`]).
+    static KEYS_CHECKED: std::cell::RefCell<(Option<u64>, Vec<[usize; 4]>)> = const { std::cell::RefCell::new((None, Vec::new())) };
 }
 
 fn sequence_parallel(
@@ -68,7 +95,14 @@ fn sequence_parallel(
     // read past its values.
     let per_rank = all_gather_host_checked(group, &layout.encode(), "attention layout fields")?;
     AttentionLayout::check_agreement(&per_rank)?;
-    layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref(), false)?;
+    layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref(), ulysses_core::layout::key_padding_mask_said())?;
+    // Tokens each rank holds beside its shard, at the first call of each layout in these
+    // groups (no token ids here tell the shard's own: none is taken for them).
+    if KEYS_CHECKED.with(|checked| layout.keys_to_check(context::current_entry_number(), &mut checked.borrow_mut())) {
+        let digest = |at: usize| ulysses_core::digest::fnv1a(&[key.clone().narrow(2, at, 1).into_data().as_bytes()]);
+        let per_rank = all_gather_host_checked(group, &[digest(0), digest(layout.kv_seq - 1), 0], "the keys' first and last tokens")?;
+        ulysses_core::layout::refuse_keys_beside_the_shard(&per_rank, layout.kv_seq)?;
+    }
     let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, group.size())?;
     let size = group.size();
     let q_heads = HeadExchange::new(group, layout.q_heads, (0..size).map(|rank| plan.q_heads_of(rank).collect()).collect());

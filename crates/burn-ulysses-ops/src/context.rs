@@ -22,14 +22,31 @@ pub struct Groups {
     pub world: Arc<dyn HostCommunicator>,
 }
 
+/// Groups as entered, with the entry's number among every enter of the process: what a thread
+/// noted of a group is told from what it noted of an earlier one (whose memory may be reused).
+#[derive(Clone)]
+struct Entered {
+    groups: Groups,
+    number: u64,
+}
+
+/// The enters so far in the process.
+static ENTERED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+impl Entered {
+    fn new(groups: Groups) -> Self {
+        Self { groups, number: ENTERED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) }
+    }
+}
+
 thread_local! {
-    static GROUPS: RefCell<Option<Groups>> = const { RefCell::new(None) };
+    static GROUPS: RefCell<Option<Entered>> = const { RefCell::new(None) };
 }
 
 /// The groups of a process that is one rank ([`enter_process`]): seen by every thread of it
 /// that entered none of its own (a data loader's, a training loop on a worker thread), which
 /// would otherwise attend over its shard alone.
-static PROCESS_GROUPS: RwLock<Option<Groups>> = RwLock::new(None);
+static PROCESS_GROUPS: RwLock<Option<Entered>> = RwLock::new(None);
 
 /// Makes this thread a rank of `communicator`'s sequence-parallel group, which is also the
 /// whole job (no data parallelism), until the guard drops. Enter once per rank (thread or
@@ -42,7 +59,7 @@ pub fn enter(communicator: Arc<dyn HostCommunicator>) -> GroupGuard {
 /// [`enter`] with a sequence-parallel group inside a larger job (SP × DP).
 #[must_use = "the thread leaves the groups when the guard drops"]
 pub fn enter_groups(groups: Groups) -> GroupGuard {
-    let previous = GROUPS.with(|slot| slot.borrow_mut().replace(groups));
+    let previous = GROUPS.with(|slot| slot.borrow_mut().replace(Entered::new(groups)));
     GroupGuard { previous, scope: Scope::Thread, _not_send: PhantomData }
 }
 
@@ -52,13 +69,24 @@ pub fn enter_groups(groups: Groups) -> GroupGuard {
 /// (two at once would interleave their exchanges).
 #[must_use = "the process leaves the groups when the guard drops"]
 pub fn enter_process(groups: Groups) -> GroupGuard {
-    let previous = PROCESS_GROUPS.write().unwrap_or_else(|p| p.into_inner()).replace(groups);
+    let previous = PROCESS_GROUPS.write().unwrap_or_else(|p| p.into_inner()).replace(Entered::new(groups));
     GroupGuard { previous, scope: Scope::Process, _not_send: PhantomData }
 }
 
 /// This thread's groups, else its process's.
 fn entered() -> Option<Groups> {
+    entry().map(|entered| entered.groups)
+}
+
+/// [`entered`], with its number.
+fn entry() -> Option<Entered> {
     GROUPS.with(|slot| slot.borrow().clone()).or_else(|| PROCESS_GROUPS.read().unwrap_or_else(|p| p.into_inner()).clone())
+}
+
+/// The number of the groups this thread runs in among every enter of the process: unique for
+/// the process's life, unlike their address.
+pub(crate) fn current_entry_number() -> Option<u64> {
+    entry().map(|entered| entered.number)
 }
 
 /// The sequence-parallel group entered on this thread (or its process), if any.
@@ -80,7 +108,7 @@ enum Scope {
 /// Restores the groups that were entered before (usually none) when dropped, on the thread
 /// that entered them (it is not `Send`: dropped elsewhere it would clear another thread's).
 pub struct GroupGuard {
-    previous: Option<Groups>,
+    previous: Option<Entered>,
     scope: Scope,
     _not_send: PhantomData<*const ()>,
 }

@@ -345,6 +345,56 @@ fn bad_layouts_are_refused_on_every_rank_with_burn_ulysses_message() {
     assert!(mixed.iter().all(|m| m.contains("q, k and v must share a dtype; got q F32, k F64, v F64")), "{mixed:?}");
 }
 
+/// As burn-ulysses: non-causal attention over a class token put before each rank's shard, or
+/// registers after it (joined once a rank, weighed P times), is refused on every rank; a
+/// one-query key-padding mask is taken as one inside `with_key_padding_mask`; and on one device
+/// a softcap of 0 or a mask per kv head is named, not a panic deep in burn.
+#[test]
+fn tokens_beside_the_shard_and_options_burn_asserts_are_refused_as_burn_ulysses_refuses_them() {
+    for (what, beside_first) in [("begin", true), ("end", false)] {
+        let refused: Vec<String> = ThreadGroup::new(2)
+            .run(|rank| {
+                let _sp = context::enter(rank.communicator());
+                let device = plain_device().autodiff();
+                let tensor = |stream: u64| {
+                    let shared = Tensor::<4>::from_data(TensorData::new(uniform(2 * 8, stream), [1, 2, 1, 8]), &device);
+                    let own = Tensor::<4>::from_data(TensorData::new(uniform(2 * 3 * 8, stream + 10 * (rank.rank() as u64 + 1)), [1, 2, 3, 8]), &device);
+                    Tensor::cat(if beside_first { vec![shared, own] } else { vec![own, shared] }, 2)
+                };
+                attention(tensor(1), tensor(2), tensor(3), None, None, AttentionModuleOptions::default());
+            })
+            .into_iter()
+            .map(|result| result.expect_err("tokens beside the shard must be refused").message)
+            .collect();
+        let named = format!("every rank's keys {what} with the same token (of 4 keys a rank)");
+        assert!(refused.iter().all(|m| m.contains(&named) && m.contains("Put them into the sequence before it is sharded")), "{refused:?}");
+    }
+    // One pooling query a rank over its shard with the shard's key padding: said to be one.
+    let pooled: Vec<_> = ThreadGroup::new(2)
+        .run(|rank| {
+            let _sp = context::enter(rank.communicator());
+            let device = plain_device().autodiff();
+            let tensor = |shape: [usize; 4], stream: u64| Tensor::<4>::from_data(TensorData::new(uniform(shape.iter().product(), stream + rank.rank() as u64), shape), &device);
+            let mask = Tensor::<4, burn::tensor::Bool>::from_data(TensorData::new(vec![false, false, rank.rank() == 1], [1, 1, 1, 3]), &device);
+            burn_ulysses_ops::attention::with_key_padding_mask(|| attention(tensor([1, 2, 1, 8], 1), tensor([1, 2, 3, 8], 3), tensor([1, 2, 3, 8], 5), Some(mask), None, AttentionModuleOptions::default())).dims()
+        })
+        .into_iter()
+        .map(|result| result.unwrap_or_else(|panic| panic!("a pooling query refused: {}", panic.message)))
+        .collect();
+    assert!(pooled.iter().all(|dims| *dims == [1, 2, 1, 8]), "{pooled:?}");
+    // One device: burn's asserts and expands reached with a clear message instead.
+    let device = plain_device();
+    let q = Tensor::<4>::from_data(TensorData::new(uniform(4 * 6 * 4, 1), [1, 4, 6, 4]), &device);
+    let kv = Tensor::<4>::from_data(TensorData::new(uniform(2 * 6 * 4, 2), [1, 2, 6, 4]), &device);
+    let softcap = std::panic::catch_unwind(|| attention(q.clone(), kv.clone(), kv.clone(), None, None, AttentionModuleOptions { softcap: Some(0.0), ..Default::default() })).expect_err("a softcap of 0");
+    let message = softcap.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(message.contains("the softcap must be positive and finite"), "{message}");
+    let per_kv_head = Tensor::<4, burn::tensor::Bool>::from_data(TensorData::new(vec![false; 12], [1, 2, 1, 6]), &device);
+    let masked = std::panic::catch_unwind(|| attention(q.clone(), kv.clone(), kv.clone(), Some(per_kv_head), None, AttentionModuleOptions::default())).expect_err("a mask per kv head");
+    let message = masked.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(message.contains("a mask of shape [1, 2, 1, 6] does not fit the scores") && message.contains("repeated over its group of query heads"), "{message}");
+}
+
 #[test]
 fn outside_a_group_it_is_burns_attention() {
     let device = plain_device();

@@ -23,6 +23,7 @@ use burn::tensor::{
 };
 
 pub use crate::flash::repeat_kv_heads;
+pub use ulysses_core::layout::with_key_padding_mask;
 use crate::{
     comm::{Communicator, all_gather_host_checked},
     context,
@@ -48,71 +49,29 @@ thread_local! {
     static RESTRICTION: RefCell<Option<Restriction>> = const { RefCell::new(None) };
     static DOCUMENT_CALLS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static CALLS_SEEING_EVERY_KEY: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-    static KEY_PADDING_MASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// The layouts (`[q_seq, kv_seq, kv_heads, head_dim]`) of the non-causal calls whose keys
     /// [`refuse_keys_every_rank_holds_beside_its_shard`] checked, in the rank context of this
     /// number ([`context::current_entry_number`]: a thread may be a rank of another group later).
     static KEYS_CHECKED: RefCell<(Option<u64>, Vec<[usize; 4]>)> = const { RefCell::new((None, Vec::new())) };
 }
 
-/// Fails, on every rank, where non-causal attention's keys begin alike on every rank of the
-/// group but end otherwise: tokens each rank holds beside its shard (a class token, register or
-/// sink tokens, a prefix put before each shard) would be joined by the exchange as every
-/// shard's first tokens, in the sequence once a rank, and weigh that many times in each
-/// softmax, silently. (Causal attention over keys beside the shard is refused by their count.)
-/// Keys alike from first to last are a memory every rank holds whole (cross-attention), each
-/// key joined once a rank: the same weights. Not refused where the keys are the shard's own
-/// tokens on every rank (as many as the token ids embedded: each rank's first key its shard's
-/// first token), nor checked over packed documents (each shard may begin one, with its first
-/// token at position 0). Checked at the first call of each layout (64 at most) in a rank
-/// context: one read of each rank's first and last key and one gather of their digests, whether
-/// each rank takes them for its own tokens among them (what a rank noted is gathered, not
-/// acted on alone before a collective).
+/// Fails, on every rank, where non-causal attention's keys are tokens each rank holds beside
+/// its shard ([`ulysses_core::layout::refuse_keys_beside_the_shard`]), checked at the first
+/// call of each layout in a rank context ([`AttentionLayout::keys_to_check`]): one read of each
+/// rank's first and last key and one gather of their digests, with whether the rank takes its
+/// keys for its shard's own tokens (as many as the token ids embedded: each rank's first key
+/// its shard's first token), gathered rather than acted on alone before a collective.
 fn refuse_keys_every_rank_holds_beside_its_shard<X: ExchangeBackend>(key: &FloatTensor<X>, layout: &AttentionLayout, communicator: &dyn Communicator<X::Wire>) -> Result<(), UlyssesError> {
-    let signature = [layout.q_seq, layout.kv_seq, layout.kv_heads, layout.head_dim];
-    let entry = context::current_entry_number();
-    let checked = KEYS_CHECKED.with(|checked| {
-        let mut checked = checked.borrow_mut();
-        if checked.0 != entry {
-            *checked = (entry, Vec::new());
-        }
-        checked.1.len() >= 64 || checked.1.contains(&signature)
-    });
-    if layout.is_causal || layout.kv_seq == 0 || layout.has_documents || checked {
+    if !KEYS_CHECKED.with(|checked| layout.keys_to_check(context::current_entry_number(), &mut checked.borrow_mut())) {
         return Ok(());
     }
-    KEYS_CHECKED.with(|checked| checked.borrow_mut().1.push(signature));
     let own_tokens = crate::attention_guard::shard_length() == Some(layout.kv_seq);
     let key = float_tensor::<X, 4>(key.clone());
     let digest = |at: usize| ulysses_core::digest::fnv1a(&[key.clone().narrow(2, at, 1).into_data().as_bytes()]);
     let per_rank = all_gather_host_checked(communicator, &[digest(0), digest(layout.kv_seq - 1), u64::from(own_tokens)], "the keys' first and last tokens")?;
-    let alike = |end: usize| per_rank.iter().all(|rank| rank[end] == per_rank[0][end]);
-    let own_tokens_everywhere = per_rank.iter().all(|rank| rank[2] == 1);
-    if alike(0) && !alike(1) && !own_tokens_everywhere {
-        return Err(UlyssesError::Shape(format!(
-            "sequence-parallel attention without is_causal: every rank's keys begin with the same token (of {} keys a rank), but end with \
-             their own: tokens each rank holds beside its shard (a class token, register or sink tokens, a prefix), which the exchange \
-             would join in the sequence once a rank, weighing that many times in every softmax. Put them into the sequence before it is \
-             sharded (rank 0's shard then holds them once), or attend to them in a call of their own",
-            layout.kv_seq
-        )));
-    }
-    Ok(())
+    ulysses_core::layout::refuse_keys_beside_the_shard(&per_rank, layout.kv_seq)
 }
 
-/// Runs `attend` with the mask of its attention calls known for a key-padding one (a drop-in's
-/// `mask_pad`): at one token a rank such a mask has the shape of one a rank built of its own
-/// one-token shard, which is refused where no caller says which it is.
-pub fn with_key_padding_mask<R>(attend: impl FnOnce() -> R) -> R {
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            KEY_PADDING_MASK.set(self.0);
-        }
-    }
-    let _restore = Restore(KEY_PADDING_MASK.replace(true));
-    attend()
-}
 
 /// How many self-attention calls (as many keys as queries) this thread has made through
 /// `UlyssesBackend` that see every key (not causal, no mask, no bias, no documents): a training
@@ -351,7 +310,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         // One query a rank over the shard's own tokens (a pooling query) is no token of the
         // shard: a mask of its keys can only be their padding.
         let pooling_the_shard = layout.q_seq == 1 && crate::attention_guard::shard_length() == Some(layout.kv_seq);
-        layout.refuse_unshardable(mask.as_ref().map(dims).as_deref(), attn_bias.as_ref().map(dims).as_deref(), KEY_PADDING_MASK.get() || pooling_the_shard)?;
+        layout.refuse_unshardable(mask.as_ref().map(dims).as_deref(), attn_bias.as_ref().map(dims).as_deref(), ulysses_core::layout::key_padding_mask_said() || pooling_the_shard)?;
         refuse_keys_every_rank_holds_beside_its_shard::<X>(&key, &layout, &**communicator)?;
         if ring.is_some() && (layout.mask != MaskKind::None || positions.is_some() || window.is_some()) {
             return Err(UlyssesError::Shape("Ulysses × Ring does not take masks, packed documents or sliding windows yet; run them with Ulysses alone".into()));

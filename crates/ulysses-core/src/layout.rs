@@ -79,6 +79,55 @@ const RING_SHARDING_FIELD: usize = 15;
 /// Where the dtype sits in [`FIELDS`].
 const DTYPE_FIELD: usize = 14;
 
+thread_local! {
+    /// [`with_key_padding_mask`]'s say for this thread's calls under way.
+    static KEY_PADDING_MASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `attend` with the masks of its attention calls known for key-padding ones (a drop-in's
+/// `mask_pad`): at one query a rank such a mask has the shape of one a rank built of its own
+/// scores, which is refused where no caller says which it is
+/// ([`AttentionLayout::refuse_unshardable`]). Both front ends re-export it
+/// (`burn_ulysses::attention::with_key_padding_mask`, `burn_ulysses_ops::attention::..`).
+pub fn with_key_padding_mask<R>(attend: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            KEY_PADDING_MASK.set(self.0);
+        }
+    }
+    let _restore = Restore(KEY_PADDING_MASK.replace(true));
+    attend()
+}
+
+/// Whether this thread's calls run inside [`with_key_padding_mask`].
+pub fn key_padding_mask_said() -> bool {
+    KEY_PADDING_MASK.get()
+}
+
+/// Fails, on every rank, where non-causal attention's keys begin alike on every rank of the
+/// group but end otherwise, or end alike but begin otherwise: tokens each rank holds beside its
+/// shard (a class token, a prefix, register or sink tokens put before or after each shard)
+/// would be joined by the exchange once a rank, and weigh that many times in each softmax,
+/// silently. Keys alike throughout are a memory every rank holds whole (each key joined once a
+/// rank: the same weights); keys every rank takes for its shard's own tokens pass. `per_rank`:
+/// each rank's `[first key's digest, last key's digest, 1 where its keys are its shard's own
+/// tokens]`, gathered.
+pub fn refuse_keys_beside_the_shard(per_rank: &[Vec<u64>], kv_seq: usize) -> Result<(), UlyssesError> {
+    let alike = |end: usize| per_rank.iter().all(|rank| rank.get(end) == per_rank.first().and_then(|first| first.get(end)));
+    let own_tokens_everywhere = per_rank.iter().all(|rank| rank.get(2) == Some(&1));
+    if alike(0) == alike(1) || own_tokens_everywhere {
+        return Ok(());
+    }
+    let (alike_end, own_end) = if alike(0) { ("begin", "end") } else { ("end", "begin") };
+    Err(UlyssesError::Shape(format!(
+        "sequence-parallel attention without is_causal: every rank's keys {alike_end} with the same token (of {kv_seq} keys a rank), but \
+         {own_end} with their own: tokens each rank holds beside its shard (a class token, register or sink tokens, a prefix), which the \
+         exchange would join in the sequence once a rank, weighing that many times in every softmax. Put them into the sequence before \
+         it is sharded (one rank's shard then holds them once), or attend to them in a call of their own"
+    )))
+}
+
 /// Refuses q, k and v of different dtypes (`dtypes`, q's first): the exchange sends the three
 /// in one buffer of q's dtype (a kernel would read k's bits as q's), and the kernels take one.
 pub fn check_dtypes_agree<D: std::fmt::Debug + PartialEq>(dtypes: [D; 3]) -> Result<(), UlyssesError> {
@@ -173,6 +222,24 @@ impl AttentionLayout {
         Ok(())
     }
 
+    /// Whether this non-causal call's keys are to be checked for tokens every rank holds beside
+    /// its shard ([`refuse_keys_beside_the_shard`]), the first time its layout is met in the
+    /// rank context numbered `entry` (`checked` holds what this thread met: at most 64 layouts,
+    /// so lengths that change every batch are not read back for ever). Packed documents are not
+    /// checked: each shard may begin one. Every rank answers alike where its layout and rank
+    /// context agree.
+    pub fn keys_to_check(&self, entry: Option<u64>, checked: &mut (Option<u64>, Vec<[usize; 4]>)) -> bool {
+        if checked.0 != entry {
+            *checked = (entry, Vec::new());
+        }
+        let signature = [self.q_seq, self.kv_seq, self.kv_heads, self.head_dim];
+        if self.is_causal || self.kv_seq == 0 || self.has_documents || checked.1.len() >= 64 || checked.1.contains(&signature) {
+            return false;
+        }
+        checked.1.push(signature);
+        true
+    }
+
     /// Fails, under sequence parallelism, where the call's arguments cannot follow the
     /// exchange: a mask (`mask`'s dims) or bias (`bias`'s) made from local shapes (any mask but
     /// a key-padding one, any bias); and causal attention over keys other than
@@ -203,8 +270,8 @@ impl AttentionLayout {
                 "sequence-parallel attention: a mask of shape {:?} at one query a rank, without is_causal, has a key-padding mask's \
                  shape and that of a mask of the rank's own scores (one query's: a causal mask of one token hides nothing), which \
                  would be gathered as the sequence's padding: for causal attention pass `is_causal: true` (and no mask of the shard); a \
-                 key-padding mask is taken as one inside burn_ulysses::attention::with_key_padding_mask(|| ..) (as the drop-ins' \
-                 mask_pad is), or at two tokens or more a rank",
+                 key-padding mask is taken as one inside with_key_padding_mask(|| ..) (burn_ulysses::attention's, as the drop-ins' \
+                 mask_pad is, or burn_ulysses_ops::attention's), or at two tokens or more a rank",
                 mask.unwrap_or_default()
             )));
         }
