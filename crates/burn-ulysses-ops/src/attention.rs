@@ -63,13 +63,7 @@ fn one_device_checks(query: &Tensor<4>, key: &Tensor<4>, value: &Tensor<4>, mask
     let mask_dims = mask.map(|mask| mask.dims().to_vec());
     let layout = AttentionLayout::of_call(&query.dims(), &key.dims(), &value.dims(), mask_dims.as_deref(), attn_bias.is_some(), call, false, None)?;
     HeadPlan::new(layout.q_heads, layout.kv_heads, 1)?;
-    if let Some(mask) = &mask_dims {
-        layout.check_fits_the_scores("mask", mask, 4)?;
-    }
-    if let Some(bias) = attn_bias {
-        layout.check_fits_the_scores("bias", &bias.dims(), 4)?;
-    }
-    Ok(())
+    layout.check_mask_and_bias_fit(mask_dims.as_deref(), attn_bias.map(|bias| bias.dims().to_vec()).as_deref())
 }
 
 thread_local! {
@@ -98,7 +92,7 @@ fn sequence_parallel(
     layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref(), ulysses_core::layout::key_padding_mask_said())?;
     // Tokens each rank holds beside its shard, at the first call of each layout in these
     // groups (no token ids here tell the shard's own: none is taken for them).
-    if KEYS_CHECKED.with(|checked| layout.keys_to_check(context::current_entry_number(), &mut checked.borrow_mut())) {
+    if KEYS_CHECKED.with(|checked| layout.keys_to_check(context::current_entry_number, &mut checked.borrow_mut())) {
         let digest = |at: usize| ulysses_core::digest::fnv1a(&[key.clone().narrow(2, at, 1).into_data().as_bytes()]);
         let per_rank = all_gather_host_checked(group, &[digest(0), digest(layout.kv_seq - 1), 0], "the keys' first and last tokens")?;
         ulysses_core::layout::refuse_keys_beside_the_shard(&per_rank, layout.kv_seq)?;

@@ -62,7 +62,7 @@ thread_local! {
 /// keys for its shard's own tokens (as many as the token ids embedded: each rank's first key
 /// its shard's first token), gathered rather than acted on alone before a collective.
 fn refuse_keys_every_rank_holds_beside_its_shard<X: ExchangeBackend>(key: &FloatTensor<X>, layout: &AttentionLayout, communicator: &dyn Communicator<X::Wire>) -> Result<(), UlyssesError> {
-    if !KEYS_CHECKED.with(|checked| layout.keys_to_check(context::current_entry_number(), &mut checked.borrow_mut())) {
+    if !KEYS_CHECKED.with(|checked| layout.keys_to_check(context::current_entry_number, &mut checked.borrow_mut())) {
         return Ok(());
     }
     let own_tokens = crate::attention_guard::shard_length() == Some(layout.kv_seq);
@@ -258,12 +258,7 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         let ring = context.as_ref().and_then(|c| c.ring.clone()).filter(|ring| ring.size() > 1);
         let Some(context) = context.filter(|c| c.communicator.size() > 1 || ring.is_some()) else {
             HeadPlan::new(layout.q_heads, layout.kv_heads, 1)?;
-            if let Some(mask) = &mask {
-                layout.check_fits_the_scores("mask", &dims(mask), 4)?;
-            }
-            if let Some(bias) = &attn_bias {
-                layout.check_fits_the_scores("bias", &dims(bias), 4)?;
-            }
+            layout.check_mask_and_bias_fit(mask.as_ref().map(dims).as_deref(), attn_bias.as_ref().map(dims).as_deref())?;
             let query = float_tensor::<X, 4>(query);
             // Nothing to attend (no row, or no key: a row that sees none gives zeros), which
             // no kernel takes and no dense fallback needs.

@@ -222,18 +222,36 @@ impl AttentionLayout {
         Ok(())
     }
 
+    /// Fails, on one device, where a mask or bias does not broadcast to the scores in every dim
+    /// ([`check_fits_the_scores`](Self::check_fits_the_scores)): burn's attention failed deep in
+    /// an expand or an add.
+    pub fn check_mask_and_bias_fit(&self, mask: Option<&[usize]>, bias: Option<&[usize]>) -> Result<(), UlyssesError> {
+        if let Some(mask) = mask {
+            self.check_fits_the_scores("mask", mask, 4)?;
+        }
+        if let Some(bias) = bias {
+            self.check_fits_the_scores("bias", bias, 4)?;
+        }
+        Ok(())
+    }
+
     /// Whether this non-causal call's keys are to be checked for tokens every rank holds beside
     /// its shard ([`refuse_keys_beside_the_shard`]), the first time its layout is met in the
     /// rank context numbered `entry` (`checked` holds what this thread met: at most 64 layouts,
     /// so lengths that change every batch are not read back for ever). Packed documents are not
     /// checked: each shard may begin one. Every rank answers alike where its layout and rank
     /// context agree.
-    pub fn keys_to_check(&self, entry: Option<u64>, checked: &mut (Option<u64>, Vec<[usize; 4]>)) -> bool {
+    pub fn keys_to_check(&self, entry: impl FnOnce() -> Option<u64>, checked: &mut (Option<u64>, Vec<[usize; 4]>)) -> bool {
+        // Causal calls, most of a decoder's, end here, before any lookup.
+        if self.is_causal || self.kv_seq == 0 || self.has_documents {
+            return false;
+        }
+        let entry = entry();
         if checked.0 != entry {
             *checked = (entry, Vec::new());
         }
         let signature = [self.q_seq, self.kv_seq, self.kv_heads, self.head_dim];
-        if self.is_causal || self.kv_seq == 0 || self.has_documents || checked.1.len() >= 64 || checked.1.contains(&signature) {
+        if checked.1.len() >= 64 || checked.1.contains(&signature) {
             return false;
         }
         checked.1.push(signature);

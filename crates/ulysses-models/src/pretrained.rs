@@ -956,7 +956,7 @@ impl HfCheckpointWriter {
             DType::F16 => "float16",
             other => return Err(CheckpointError::file(dir, format!("weights are saved as f32, bf16 or f16, not {other:?}"))),
         };
-        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
+        let name = folder_name(dir)?;
         recover_from_killed_saves(dir, &name);
         let partial = dir.with_file_name(format!(".{name}.partial-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&partial);
@@ -1121,9 +1121,14 @@ fn recover_from_killed_saves(dir: &Path, name: &str) {
 /// (`--check`) does not.
 pub fn recover_killed_saves(dir: &Path) -> Result<(), CheckpointError> {
     let dir = &save_folder(dir)?;
-    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
+    let name = folder_name(dir)?;
     recover_from_killed_saves(dir, &name);
     Ok(())
+}
+
+/// The last component of the folder `dir`: what a save's folders beside it are named after.
+fn folder_name(dir: &Path) -> Result<String, CheckpointError> {
+    dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))
 }
 
 /// The folder `dir` is written beside: its parent, `.` for a bare name.
@@ -1160,7 +1165,7 @@ fn process_lives(pid: &str) -> bool {
 /// out at its save, after its training. A run calls [`recover_killed_saves`] first.
 pub fn check_save_destination(dir: &Path) -> Result<(), CheckpointError> {
     let dir = &save_folder(dir)?;
-    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| CheckpointError::file(dir, "is not a folder name"))?;
+    let name = folder_name(dir)?;
     if dir.exists() && !dir.is_dir() {
         return Err(CheckpointError::file(dir, "exists and is not a folder: choose another path, or move the file"));
     }

@@ -37,7 +37,7 @@ use ulysses_trainer::{
     memory,
     documents::{DOCUMENT_READER_VERSION, DocumentReader, Documents, LossOn, PackedDocuments, cut_documents_note, document_eos},
     plot,
-    run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, earlier_rows, resumed_folder},
+    run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, earlier_rows, resolved, resumed_folder, same_place},
     tokens::TokenFile,
     train::{CorpusData, Faults, LrSchedule, MAX_BATCH_SIZE, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
 };
@@ -1502,15 +1502,6 @@ fn inside(path: &Path, folder: &Path) -> bool {
     matches!((resolved(path), resolved(folder)), (Ok(path), Ok(folder)) if path.starts_with(&folder))
 }
 
-/// `path` with its links resolved where it exists, else made absolute.
-fn resolved(path: &Path) -> std::io::Result<PathBuf> {
-    path.canonicalize().or_else(|_| std::path::absolute(path))
-}
-
-/// Whether two paths name the same folder, however spelt (either may not exist yet).
-fn same_place(a: &Path, b: &Path) -> bool {
-    matches!((resolved(a), resolved(b)), (Ok(a), Ok(b)) if a == b)
-}
 
 /// The cargo feature that gives `backend`, where this binary was built without it.
 fn backend_feature_missing(backend: BackendKind) -> Option<&'static str> {
@@ -2271,10 +2262,7 @@ impl RunLog {
                         let earlier = self.out.join(file);
                         if self.replaces_checkpoint && earlier.exists() {
                             if let (CHECKPOINT_FILE, Some((keep, resumed))) = (file, &self.keeps_replaced_checkpoint) {
-                                let kept = read_checkpoint_state::<RunState>(&earlier)
-                                    .map_err(|e| e.to_string())
-                                    .and_then(|state| ulysses_trainer::run_folder::keep_earlier_checkpoint(&self.out, state.completed_steps, *keep, Some(resumed)));
-                                if let Err(why) = kept {
+                                if let Err(why) = ulysses_trainer::train::keep_replaced_checkpoint(&self.out, *keep, Some(resumed)) {
                                     say(&self.bar, format!("warning: the checkpoint this run goes back past is not kept: {why}"));
                                 }
                             }

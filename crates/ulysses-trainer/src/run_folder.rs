@@ -49,8 +49,7 @@ pub fn keep_earlier_checkpoint(dir: &Path, steps: usize, keep: usize, resumed: O
     let current = dir.join(CHECKPOINT_FILE);
     let name = format!("{KEPT_CHECKPOINT_PREFIX}{steps:09}.ulysses");
     let kept = dir.join(&name);
-    let same = |a: &Path, b: &Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b);
-    if resumed.is_some_and(|resumed| same(resumed, &kept)) {
+    if resumed.is_some_and(|resumed| same_place(resumed, &kept)) {
         return Err(format!("{} is the checkpoint this run resumed from, which is not replaced", kept.display()));
     }
     // Linked under a write's temporary name first: a kill leaves what the run folder's claim removes.
@@ -65,7 +64,7 @@ pub fn keep_earlier_checkpoint(dir: &Path, steps: usize, keep: usize, resumed: O
         .flatten()
         .filter(|entry| is_kept_checkpoint(&entry.file_name().to_string_lossy()))
         .filter_map(|entry| Some((entry.metadata().ok().filter(fs::Metadata::is_file)?.modified().ok()?, entry.path())))
-        .filter(|(_, path)| *path != kept && !resumed.is_some_and(|resumed| same(resumed, path)))
+        .filter(|(_, path)| *path != kept && !resumed.is_some_and(|resumed| same_place(resumed, path)))
         .collect();
     earlier.sort();
     let removed = earlier.len().saturating_sub(keep.saturating_sub(2));
@@ -120,13 +119,22 @@ impl Claim {
     /// an earlier run's checkpoint in `out` is refused, not overwritten (a resumed copy
     /// written over another experiment).
     pub fn of(out: &Path, resume: Option<&Path>, overwrite: bool) -> Self {
-        let same = |a: &Path, b: &Path| matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b);
         match resume {
-            Some(location) if same(out, &resumed_folder(location)) => Claim::Continue,
+            Some(location) if same_place(out, &resumed_folder(location)) => Claim::Continue,
             _ if overwrite => Claim::Continue,
             _ => Claim::Fresh,
         }
     }
+}
+
+/// `path` with its links resolved where it exists, else made absolute.
+pub fn resolved(path: &Path) -> std::io::Result<PathBuf> {
+    path.canonicalize().or_else(|_| std::path::absolute(path))
+}
+
+/// Whether two paths name the same file or folder, however spelt (either may not exist yet).
+pub fn same_place(a: &Path, b: &Path) -> bool {
+    matches!((resolved(a), resolved(b)), (Ok(a), Ok(b)) if a == b)
 }
 
 /// The run folder of a `--resume` location: the folder itself, or the folder that holds the

@@ -987,14 +987,10 @@ where
             // The checkpoint this one replaces kept beside it, before the save (a sharded
             // one's commit removes the state no checkpoint names).
             if let (true, Some(dir), 2..) = (is_first, &options.checkpoint_dir, options.keep_checkpoints) {
-                let earlier = dir.join(crate::run_folder::CHECKPOINT_FILE);
-                if earlier.exists() {
-                    let kept = ulysses_training::checkpoint::read_checkpoint_state::<RunState>(&earlier)
-                        .map_err(|e| format!("it cannot be read: {e}"))
-                        .and_then(|state| crate::run_folder::keep_earlier_checkpoint(dir, state.completed_steps, options.keep_checkpoints, options.resume.as_deref()));
-                    if let Err(why) = kept {
-                        tracing::warn!("the checkpoint before this one is not kept: {why}");
-                    }
+                if dir.join(crate::run_folder::CHECKPOINT_FILE).exists()
+                    && let Err(why) = keep_replaced_checkpoint(dir, options.keep_checkpoints, options.resume.as_deref())
+                {
+                    tracing::warn!("the checkpoint before this one is not kept: {why}");
                 }
             }
             let mut checkpoint = None;
@@ -1149,6 +1145,14 @@ impl CheckpointWrite {
         let path = write.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)).map_err(|e| e.at_step(step))?;
         Ok(path.map(|path| (step, path)))
     }
+}
+
+/// Keeps the run folder `dir`'s checkpoint, which a save or a resume going back past it is about
+/// to replace, beside it under its steps ([`keep_earlier_checkpoint`](crate::run_folder::keep_earlier_checkpoint)),
+/// `keep` checkpoints in all, never `resumed`.
+pub fn keep_replaced_checkpoint(dir: &Path, keep: usize, resumed: Option<&Path>) -> Result<(), String> {
+    let state = ulysses_training::checkpoint::read_checkpoint_state::<RunState>(&dir.join(crate::run_folder::CHECKPOINT_FILE)).map_err(|e| format!("it cannot be read: {e}"))?;
+    crate::run_folder::keep_earlier_checkpoint(dir, state.completed_steps, keep, resumed)
 }
 
 /// Writes a rank's failure left under way, for [`finish_writes_left_running`].
