@@ -89,12 +89,35 @@ fn sequence_parallel(
     // read past its values.
     let per_rank = all_gather_host_checked(group, &layout.encode(), "attention layout fields")?;
     AttentionLayout::check_agreement(&per_rank)?;
-    layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref(), ulysses_core::layout::key_padding_mask_said())?;
+    // The shard this step attends over, where `train::labels_in_step` noted it: q and k that
+    // fold chunks of it into the batch, or swap its tokens with the heads, would be exchanged
+    // as sequences. Checked once the layouts agree, so that every rank refuses alike; the fold
+    // first (its batch tells it apart where the heads are as many as the shard's tokens).
+    let shard = context::step_shard();
+    if let Some([rows, len]) = shard {
+        let fix = "attend over the whole shard with a mask (burn_ulysses_ops::attention takes none but key padding under sequence parallelism: \
+                   port the model to burn 0.21's burn_ulysses::attention::attention_within), or run the blocks on one device";
+        let refused = ulysses_core::layout::chunks_folded_into_the_batch(&query.dims(), &key.dims(), rows, &[len], fix)
+            .or_else(|| ulysses_core::layout::heads_and_tokens_swapped(&query.dims(), len));
+        if let Some(refused) = refused {
+            return Err(refused);
+        }
+    }
+    let own_tokens = |kv_seq: usize| shard.is_some_and(|[_, len]| len == kv_seq);
+    // One query a rank over the shard's own tokens (a pooling query) is no token of the shard:
+    // a mask of its keys can only be their padding.
+    let pooling_the_shard = layout.q_seq == 1 && own_tokens(layout.kv_seq);
+    layout.refuse_unshardable(
+        mask_dims.as_deref(),
+        attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref(),
+        ulysses_core::layout::key_padding_mask_said() || pooling_the_shard,
+    )?;
     // Tokens each rank holds beside its shard, at the first call of each layout in these
-    // groups (no token ids here tell the shard's own: none is taken for them).
+    // groups; keys as many as the noted shard's tokens are taken for its own.
     if KEYS_CHECKED.with(|checked| layout.keys_to_check(context::current_entry_number, &mut checked.borrow_mut())) {
         let digest = |at: usize| ulysses_core::digest::fnv1a(&[key.clone().narrow(2, at, 1).into_data().as_bytes()]);
-        let per_rank = all_gather_host_checked(group, &[digest(0), digest(layout.kv_seq - 1), 0], "the keys' first and last tokens")?;
+        let own = u64::from(own_tokens(layout.kv_seq));
+        let per_rank = all_gather_host_checked(group, &[digest(0), digest(layout.kv_seq - 1), own], "the keys' first and last tokens")?;
         ulysses_core::layout::refuse_keys_beside_the_shard(&per_rank, layout.kv_seq)?;
     }
     let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, group.size())?;

@@ -41,6 +41,26 @@ impl Entered {
 
 thread_local! {
     static GROUPS: RefCell<Option<Entered>> = const { RefCell::new(None) };
+    /// This thread's shard in the step under way, `[rows, tokens a row]`: noted by
+    /// `train::labels_in_step` before the forward, forgotten at the gradient sum.
+    static STEP_SHARD: std::cell::Cell<Option<[usize; 2]>> = const { std::cell::Cell::new(None) };
+}
+
+/// Notes the shard this thread's step attends over (`rows` rows of `len` tokens each), for the
+/// attention rules that go by the shard's length: this crate sees no token ids.
+pub(crate) fn note_step_shard(rows: usize, len: usize) {
+    STEP_SHARD.set(Some([rows, len]));
+}
+
+/// The shard noted for this thread's step under way, `[rows, tokens a row]`, if any.
+pub(crate) fn step_shard() -> Option<[usize; 2]> {
+    STEP_SHARD.get()
+}
+
+/// Forgets the step's shard: its gradients are summed, and the next forward may be another's
+/// (an evaluation that counts no labels).
+pub(crate) fn forget_step_shard() {
+    STEP_SHARD.set(None);
 }
 
 /// The groups of a process that is one rank ([`enter_process`]): seen by every thread of it

@@ -50,6 +50,7 @@ use crate::{context, data::SequenceShard, host};
 /// one run of tokens per rank, no document attention). And when a collective fails.
 pub fn labels_in_step(shard: &SequenceShard) -> usize {
     let problem = shard_outside_its_groups(shard);
+    context::note_step_shard(shard.batch, shard.local_len);
     // Each rank's verdict reaches every rank before any refuses: a rank alone refusing would
     // leave the others waiting in the next collective.
     let every_rank = context::world().filter(|group| group.size() > 1).map(|world| {
@@ -148,6 +149,7 @@ pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64)
 /// share a device's random generator, so `init` on each draws other weights), which would
 /// train the replicas apart.
 pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> GradientsParams {
+    context::forget_step_shard();
     let Some(group) = context::world().filter(|group| group.size() > 1) else { return grads };
     if !PARAMETERS_COMPARED.replace(true) {
         refuse_differing_parameters(model, &*group);

@@ -395,6 +395,81 @@ fn tokens_beside_the_shard_and_options_burn_asserts_are_refused_as_burn_ulysses_
     assert!(message.contains("a mask of shape [1, 2, 1, 6] does not fit the scores") && message.contains("repeated over its group of query heads"), "{message}");
 }
 
+/// As burn-ulysses, once a step's shard is noted (`labels_in_step`, 2 rows of 8 tokens a rank):
+/// a query `[B, S, H, D]` (heads and tokens swapped) and chunks of the shard folded into the
+/// batch are refused on every rank; the same shapes before any step pass, as does one pooling
+/// query over the shard's own tokens with their key padding. After the gradient sum the shard
+/// is forgotten.
+#[test]
+fn a_swapped_query_and_folded_chunks_of_the_steps_shard_are_refused_as_burn_ulysses_refuses_them() {
+    // What each rank does inside a step (`in_step`) or outside one: a result, or its refusal.
+    // `Step::Summed`: a step whose gradients were summed since (an attention of its own, then
+    // the sum over a layer of zeros, the same on every rank).
+    #[derive(Clone, Copy, PartialEq)]
+    enum Step {
+        None,
+        Noted,
+        Summed,
+    }
+    let run = |step: Step, call: fn(&burn::tensor::Device) -> Tensor<4>| -> Vec<Result<[usize; 4], String>> {
+        ThreadGroup::new(2)
+            .run(move |rank| {
+                let _sp = context::enter(rank.communicator());
+                let device = plain_device().autodiff();
+                if step != Step::None {
+                    let sequences = vec![(0..16).collect::<Vec<i64>>(), (100..116).collect()];
+                    burn_ulysses_ops::train::labels_in_step(&burn_ulysses_ops::data::SequenceSharder::new(2).shard(&sequences, rank.rank()));
+                }
+                if step == Step::Summed {
+                    let q = Tensor::<4>::zeros([2, 2, 8, 4], &device);
+                    attention(q.clone(), q.clone(), q, None, None, AttentionModuleOptions { is_causal: true, ..Default::default() });
+                    let layer = burn::nn::LinearConfig::new(2, 2).with_initializer(burn::nn::Initializer::Zeros).init(&device);
+                    burn_ulysses_ops::train::all_reduce_gradients(&layer, burn::optim::GradientsParams::new());
+                }
+                call(&device).dims()
+            })
+            .into_iter()
+            .map(|result| result.map_err(|panic| panic.message))
+            .collect()
+    };
+    // [B, S/P, H, D] of 2 heads: dim 1 is the shard's 8 tokens.
+    let swapped: fn(&burn::tensor::Device) -> Tensor<4> = |device| {
+        let q = Tensor::<4>::zeros([2, 8, 2, 4], device);
+        attention(q.clone(), q.clone(), q, None, None, AttentionModuleOptions { is_causal: true, ..Default::default() })
+    };
+    // The shard's 8 tokens in 2 chunks of 4, as 4 rows: block-local attention.
+    let folded: fn(&burn::tensor::Device) -> Tensor<4> = |device| {
+        let q = Tensor::<4>::zeros([4, 2, 4, 4], device);
+        attention(q.clone(), q.clone(), q, None, None, AttentionModuleOptions { is_causal: true, ..Default::default() })
+    };
+    let swapped_in_step = run(Step::Noted, swapped);
+    assert!(
+        swapped_in_step.iter().all(|result| result.as_ref().is_err_and(|m| m.contains("the heads and the tokens look swapped") && m.contains("[2, 8, 2, 4]"))),
+        "{swapped_in_step:?}"
+    );
+    let folded_in_step = run(Step::Noted, folded);
+    assert!(
+        folded_in_step.iter().all(|result| result.as_ref().is_err_and(|m| m.contains("chunks of 4 tokens of this rank's shard of 8, folded into the batch (2 rows × 2 chunks)"))),
+        "{folded_in_step:?}"
+    );
+    // No step noted: nothing tells the shard's length, and the shapes are attention's own.
+    for (what, call) in [("swapped", swapped), ("folded", folded)] {
+        for step in [Step::None, Step::Summed] {
+            let outside = run(step, call);
+            assert!(outside.iter().all(|result| result.is_ok()), "{what} outside a step: {outside:?}");
+        }
+    }
+    // A pooling query a rank over the shard's 8 tokens with their padding: a key-padding mask,
+    // without with_key_padding_mask, since the keys are the noted shard's own.
+    let pooled = run(Step::Noted, |device| {
+        let q = Tensor::<4>::ones([2, 2, 1, 4], device);
+        let kv = Tensor::<4>::ones([2, 2, 8, 4], device);
+        let mask = Tensor::<4, burn::tensor::Bool>::from_data(TensorData::new((0..16).map(|at| at % 8 == 7).collect::<Vec<_>>(), [2, 1, 1, 8]), device);
+        attention(q, kv.clone(), kv, Some(mask), None, AttentionModuleOptions::default())
+    });
+    assert!(pooled.iter().all(|result| result.as_ref().is_ok_and(|dims| *dims == [2, 2, 1, 4])), "{pooled:?}");
+}
+
 #[test]
 fn outside_a_group_it_is_burns_attention() {
     let device = plain_device();

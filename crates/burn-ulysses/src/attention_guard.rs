@@ -275,48 +275,28 @@ pub fn forget_embedded_lengths() {
 }
 
 /// Why sequence-parallel attention over a query of `q_shape` (`[B, H, S, D]` as burn takes it)
-/// is refused as one whose heads and tokens are swapped, or `None`: where the shard's length
-/// is known (the token ids embedded, or the positions noted), a query whose dim 1 is as long
-/// and whose dim 2 is not: `[B, S, H, D]`, a reshape of `[B, S, H·D]` without its
-/// `.swap_dims(1, 2)`. Attended so, the all-to-all would deal tokens out as heads and gather
-/// heads as a sequence, a silently wrong result (on one device the same mistake attends over
-/// the heads, a model's bug that trains nonetheless).
+/// is refused as one whose heads and tokens are swapped ([`ulysses_core::layout::heads_and_tokens_swapped`]),
+/// or `None`: where the shard's length is known (the token ids embedded, or the positions noted).
 pub fn heads_and_tokens_swapped(q_shape: &[usize]) -> Option<UlyssesError> {
     let (shard, one_length) = embedded();
-    let [_, heads, tokens, _] = <[usize; 4]>::try_from(q_shape).ok()?;
-    if !GUARD_ON.load(Ordering::Relaxed) || !one_length || shard < 2 || heads != shard || tokens == shard {
+    if !GUARD_ON.load(Ordering::Relaxed) || !one_length {
         return None;
     }
-    Some(UlyssesError::Shape(format!(
-        "attention's query is {q_shape:?}: burn's attention takes [batch, heads, seq, head_dim], and its dim 1 ({heads}) is as long as \
-         this rank's shard of the sequence while its dim 2 ({tokens}) is not: the heads and the tokens look swapped (a reshape to \
-         [batch, seq, heads, head_dim] without .swap_dims(1, 2)). Under sequence parallelism the exchange would deal the tokens out as \
-         heads (a silently wrong result): swap dims 1 and 2 of q, k and v before attention, and back after it"
-    )))
+    ulysses_core::layout::heads_and_tokens_swapped(q_shape, shard)
 }
 
-/// Why sequence-parallel attention over a query of `q_shape` and keys of `k_shape` (`[B, H,
-/// S, D]`) is refused as chunks of the shard folded into the batch, or `None`: inside a forward
-/// whose positions are noted (`rows` rows of the shard), q and k of one length `c` that is no
-/// length of the shard but divides one into `m ≥ 2` chunks, over `rows · m` batch rows (block-
-/// local attention, `x.reshape([b · m, c, ..])`). Exchanged as sequences, every rank's chunk `j`
-/// would be joined into one and attend across the ranks (a silently wrong result).
+/// Why sequence-parallel attention over a query of `q_shape` and keys of `k_shape` is refused
+/// as chunks of the shard folded into the batch ([`ulysses_core::layout::chunks_folded_into_the_batch`]),
+/// or `None`: inside a forward whose positions are noted (its rows, and the shard's lengths).
 pub fn chunks_folded_into_the_batch(q_shape: &[usize], k_shape: &[usize]) -> Option<UlyssesError> {
-    let ([batch, _, q_len, _], [_, _, k_len, _]) = (<[usize; 4]>::try_from(q_shape).ok()?, <[usize; 4]>::try_from(k_shape).ok()?);
     let noted = SHARD_POSITIONS.get().filter(|noted| noted.tile.is_none())?;
-    if !GUARD_ON.load(Ordering::Relaxed) || q_len != k_len || q_len < 1 || shard_lengths().any(|shard| shard == q_len) {
+    if !GUARD_ON.load(Ordering::Relaxed) {
         return None;
     }
-    let shard = shard_lengths().find(|&shard| shard % q_len == 0 && shard / q_len >= 2 && batch == noted.rows * (shard / q_len))?;
-    Some(UlyssesError::Shape(format!(
-        "attention's query and keys are {q_shape:?} and {k_shape:?}: chunks of {q_len} tokens of this rank's shard of {shard}, folded into the \
-         batch ({} rows × {} chunks), attended each within itself (block-local attention). Under sequence parallelism the exchange joins \
-         every rank's chunk of one index into one sequence, attending across the ranks (a silently wrong result): attend over the whole \
-         shard with a mask or a sliding window (burn_ulysses::attention::attention_within), or run the blocks on one rank \
-         (burn_ulysses::context::enter_single_device())",
-        noted.rows,
-        shard / q_len
-    )))
+    let lengths: Vec<usize> = shard_lengths().collect();
+    let fix = "attend over the whole shard with a mask or a sliding window (burn_ulysses::attention::attention_within), or run the blocks \
+               on one rank (burn_ulysses::context::enter_single_device())";
+    ulysses_core::layout::chunks_folded_into_the_batch(q_shape, k_shape, noted.rows, &lengths, fix)
 }
 
 /// Why packed documents' position ids handed to sequence-parallel attention

@@ -128,6 +128,48 @@ pub fn refuse_keys_beside_the_shard(per_rank: &[Vec<u64>], kv_seq: usize) -> Res
     )))
 }
 
+/// Why sequence-parallel attention over a query of `q_shape` (`[B, H, S, D]` as burn takes it)
+/// is refused as one whose heads and tokens are swapped, or `None`: where this rank's shard is
+/// known to be `shard` tokens long (two or more), a query whose dim 1 is as long and whose dim 2
+/// is not: `[B, S, H, D]`, a reshape of `[B, S, H·D]` without its `.swap_dims(1, 2)`. Attended
+/// so, the all-to-all would deal tokens out as heads and gather heads as a sequence, a silently
+/// wrong result (on one device the same mistake attends over the heads, a model's bug that
+/// trains nonetheless).
+pub fn heads_and_tokens_swapped(q_shape: &[usize], shard: usize) -> Option<UlyssesError> {
+    let [_, heads, tokens, _] = <[usize; 4]>::try_from(q_shape).ok()?;
+    if shard < 2 || heads != shard || tokens == shard {
+        return None;
+    }
+    Some(UlyssesError::Shape(format!(
+        "attention's query is {q_shape:?}: burn's attention takes [batch, heads, seq, head_dim], and its dim 1 ({heads}) is as long as \
+         this rank's shard of the sequence while its dim 2 ({tokens}) is not: the heads and the tokens look swapped (a reshape to \
+         [batch, seq, heads, head_dim] without .swap_dims(1, 2)). Under sequence parallelism the exchange would deal the tokens out as \
+         heads (a silently wrong result): swap dims 1 and 2 of q, k and v before attention, and back after it"
+    )))
+}
+
+/// Why sequence-parallel attention over a query of `q_shape` and keys of `k_shape` (`[B, H,
+/// S, D]`) is refused as chunks of the shard folded into the batch, or `None`: where this rank's
+/// shard is known (`rows` rows of any of `shard_lengths` tokens), q and k of one length `c` that
+/// is no length of the shard but divides one into `m ≥ 2` chunks, over `rows · m` batch rows
+/// (block-local attention, `x.reshape([b · m, c, ..])`). Exchanged as sequences, every rank's
+/// chunk `j` would be joined into one and attend across the ranks (a silently wrong result).
+/// `fix`: what the caller's library offers instead, ending the message.
+pub fn chunks_folded_into_the_batch(q_shape: &[usize], k_shape: &[usize], rows: usize, shard_lengths: &[usize], fix: &str) -> Option<UlyssesError> {
+    let ([batch, _, q_len, _], [_, _, k_len, _]) = (<[usize; 4]>::try_from(q_shape).ok()?, <[usize; 4]>::try_from(k_shape).ok()?);
+    let lengths = || shard_lengths.iter().copied().filter(|&length| length >= 2);
+    if q_len != k_len || q_len < 1 || lengths().any(|shard| shard == q_len) {
+        return None;
+    }
+    let shard = lengths().find(|&shard| shard % q_len == 0 && shard / q_len >= 2 && batch == rows * (shard / q_len))?;
+    Some(UlyssesError::Shape(format!(
+        "attention's query and keys are {q_shape:?} and {k_shape:?}: chunks of {q_len} tokens of this rank's shard of {shard}, folded into the \
+         batch ({rows} rows × {} chunks), attended each within itself (block-local attention). Under sequence parallelism the exchange joins \
+         every rank's chunk of one index into one sequence, attending across the ranks (a silently wrong result): {fix}",
+        shard / q_len
+    )))
+}
+
 /// Refuses q, k and v of different dtypes (`dtypes`, q's first): the exchange sends the three
 /// in one buffer of q's dtype (a kernel would read k's bits as q's), and the kernels take one.
 pub fn check_dtypes_agree<D: std::fmt::Debug + PartialEq>(dtypes: [D; 3]) -> Result<(), UlyssesError> {
