@@ -89,21 +89,20 @@ fn sequence_parallel(
     // read past its values.
     let per_rank = all_gather_host_checked(group, &layout.encode(), "attention layout fields")?;
     AttentionLayout::check_agreement(&per_rank)?;
-    // The shard this step attends over, where `train::labels_in_step` noted it: q and k that
-    // fold chunks of it into the batch, or swap its tokens with the heads, would be exchanged
-    // as sequences. Checked once the layouts agree, so that every rank refuses alike; the fold
-    // first (its batch tells it apart where the heads are as many as the shard's tokens).
-    let shard = context::step_shard();
-    if let Some([rows, len]) = shard {
-        let fix = "attend over the whole shard with a mask (burn_ulysses_ops::attention takes none but key padding under sequence parallelism: \
-                   port the model to burn 0.21's burn_ulysses::attention::attention_within), or run the blocks on one device";
-        let refused = ulysses_core::layout::chunks_folded_into_the_batch(&query.dims(), &key.dims(), rows, &[len], fix)
-            .or_else(|| ulysses_core::layout::heads_and_tokens_swapped(&query.dims(), len));
-        if let Some(refused) = refused {
-            return Err(refused);
-        }
+    // The shards this forward may attend over, where `train::labels_in_step` noted them: q and
+    // k that fold chunks of one into the batch, or swap its tokens with the heads, would be
+    // exchanged as sequences. Checked once the layouts agree, so that every rank refuses alike;
+    // the fold first (its batch tells it apart where the heads are as many as the shard's tokens).
+    let shards = context::step_shards();
+    let lengths: Vec<usize> = shards.iter().map(|&[_, len]| len).collect();
+    let fix = "the chunks lie within each rank's shard: attend them with burn::tensor::module::attention (no exchange), or over the \
+               whole shard with a mask (on burn 0.21, burn_ulysses::attention::attention_within)";
+    let refused = ulysses_core::layout::chunks_folded_into_the_batch(&query.dims(), &key.dims(), &shards, fix)
+        .or_else(|| ulysses_core::layout::heads_and_tokens_swapped(&query.dims(), &lengths));
+    if let Some(refused) = refused {
+        return Err(refused);
     }
-    let own_tokens = |kv_seq: usize| shard.is_some_and(|[_, len]| len == kv_seq);
+    let own_tokens = |kv_seq: usize| kv_seq >= 2 && lengths.contains(&kv_seq);
     // One query a rank over the shard's own tokens (a pooling query) is no token of the shard:
     // a mask of its keys can only be their padding.
     let pooling_the_shard = layout.q_seq == 1 && own_tokens(layout.kv_seq);

@@ -41,26 +41,36 @@ impl Entered {
 
 thread_local! {
     static GROUPS: RefCell<Option<Entered>> = const { RefCell::new(None) };
-    /// This thread's shard in the step under way, `[rows, tokens a row]`: noted by
-    /// `train::labels_in_step` before the forward, forgotten at the gradient sum.
-    static STEP_SHARD: std::cell::Cell<Option<[usize; 2]>> = const { std::cell::Cell::new(None) };
+    /// The shards this thread's forward may attend over, `[rows, tokens a row]` each: noted by
+    /// `train::labels_in_step` before the forward (every micro-batch's, where a loop counts them
+    /// all first), forgotten at a backward through the exchange and at the gradient sum.
+    static STEP_SHARDS: RefCell<Vec<[usize; 2]>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Notes the shard this thread's step attends over (`rows` rows of `len` tokens each), for the
-/// attention rules that go by the shard's length: this crate sees no token ids.
+/// The shards noted at most: a loop that counts labels and never sums (an evaluation) keeps
+/// its latest.
+const NOTED_SHARDS: usize = 8;
+
+/// Notes a shard this thread's forward may attend over (`rows` rows of `len` tokens each), for
+/// the attention rules that go by the shard's length: this crate sees no token ids.
 pub(crate) fn note_step_shard(rows: usize, len: usize) {
-    STEP_SHARD.set(Some([rows, len]));
+    STEP_SHARDS.with(|shards| {
+        let mut shards = shards.borrow_mut();
+        shards.retain(|&shard| shard != [rows, len]);
+        shards.insert(0, [rows, len]);
+        shards.truncate(NOTED_SHARDS);
+    });
 }
 
-/// The shard noted for this thread's step under way, `[rows, tokens a row]`, if any.
-pub(crate) fn step_shard() -> Option<[usize; 2]> {
-    STEP_SHARD.get()
+/// The shards noted for this thread's forward, `[rows, tokens a row]` each, the newest first.
+pub(crate) fn step_shards() -> Vec<[usize; 2]> {
+    STEP_SHARDS.with(|shards| shards.borrow().clone())
 }
 
-/// Forgets the step's shard: its gradients are summed, and the next forward may be another's
-/// (an evaluation that counts no labels).
-pub(crate) fn forget_step_shard() {
-    STEP_SHARD.set(None);
+/// Forgets the noted shards: a forward ended (its backward ran) or its gradients are summed,
+/// and the next forward may be of other shapes.
+pub(crate) fn forget_step_shards() {
+    STEP_SHARDS.with(|shards| shards.borrow_mut().clear());
 }
 
 /// The groups of a process that is one rank ([`enter_process`]): seen by every thread of it

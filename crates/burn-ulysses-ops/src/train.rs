@@ -149,7 +149,7 @@ pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64)
 /// share a device's random generator, so `init` on each draws other weights), which would
 /// train the replicas apart.
 pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> GradientsParams {
-    context::forget_step_shard();
+    context::forget_step_shards();
     let Some(group) = context::world().filter(|group| group.size() > 1) else { return grads };
     if !PARAMETERS_COMPARED.replace(true) {
         refuse_differing_parameters(model, &*group);

@@ -282,7 +282,7 @@ pub fn heads_and_tokens_swapped(q_shape: &[usize]) -> Option<UlyssesError> {
     if !GUARD_ON.load(Ordering::Relaxed) || !one_length {
         return None;
     }
-    ulysses_core::layout::heads_and_tokens_swapped(q_shape, shard)
+    ulysses_core::layout::heads_and_tokens_swapped(q_shape, &[shard])
 }
 
 /// Why sequence-parallel attention over a query of `q_shape` and keys of `k_shape` is refused
@@ -293,10 +293,10 @@ pub fn chunks_folded_into_the_batch(q_shape: &[usize], k_shape: &[usize]) -> Opt
     if !GUARD_ON.load(Ordering::Relaxed) {
         return None;
     }
-    let lengths: Vec<usize> = shard_lengths().collect();
+    let shards: Vec<[usize; 2]> = shard_lengths().map(|length| [noted.rows, length]).collect();
     let fix = "attend over the whole shard with a mask or a sliding window (burn_ulysses::attention::attention_within), or run the blocks \
                on one rank (burn_ulysses::context::enter_single_device())";
-    ulysses_core::layout::chunks_folded_into_the_batch(q_shape, k_shape, noted.rows, &lengths, fix)
+    ulysses_core::layout::chunks_folded_into_the_batch(q_shape, k_shape, &shards, fix)
 }
 
 /// Why packed documents' position ids handed to sequence-parallel attention

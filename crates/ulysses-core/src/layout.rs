@@ -130,14 +130,15 @@ pub fn refuse_keys_beside_the_shard(per_rank: &[Vec<u64>], kv_seq: usize) -> Res
 
 /// Why sequence-parallel attention over a query of `q_shape` (`[B, H, S, D]` as burn takes it)
 /// is refused as one whose heads and tokens are swapped, or `None`: where this rank's shard is
-/// known to be `shard` tokens long (two or more), a query whose dim 1 is as long and whose dim 2
-/// is not: `[B, S, H, D]`, a reshape of `[B, S, H·D]` without its `.swap_dims(1, 2)`. Attended
-/// so, the all-to-all would deal tokens out as heads and gather heads as a sequence, a silently
-/// wrong result (on one device the same mistake attends over the heads, a model's bug that
-/// trains nonetheless).
-pub fn heads_and_tokens_swapped(q_shape: &[usize], shard: usize) -> Option<UlyssesError> {
+/// known to be one of `shard_lengths` tokens long (two or more), a query whose dim 1 is as long
+/// and whose dim 2 is shorter and no shard's: `[B, S, H, D]`, a reshape of `[B, S, H·D]` without
+/// its `.swap_dims(1, 2)` (fewer heads than tokens: a model with as many heads as the shard's
+/// tokens attending over a longer stream passes). Attended so, the all-to-all would deal tokens
+/// out as heads and gather heads as a sequence, a silently wrong result (on one device the same
+/// mistake attends over the heads, a model's bug that trains nonetheless).
+pub fn heads_and_tokens_swapped(q_shape: &[usize], shard_lengths: &[usize]) -> Option<UlyssesError> {
     let [_, heads, tokens, _] = <[usize; 4]>::try_from(q_shape).ok()?;
-    if shard < 2 || heads != shard || tokens == shard {
+    if heads < 2 || tokens >= heads || !shard_lengths.contains(&heads) || shard_lengths.contains(&tokens) {
         return None;
     }
     Some(UlyssesError::Shape(format!(
@@ -150,18 +151,18 @@ pub fn heads_and_tokens_swapped(q_shape: &[usize], shard: usize) -> Option<Ulyss
 
 /// Why sequence-parallel attention over a query of `q_shape` and keys of `k_shape` (`[B, H,
 /// S, D]`) is refused as chunks of the shard folded into the batch, or `None`: where this rank's
-/// shard is known (`rows` rows of any of `shard_lengths` tokens), q and k of one length `c` that
-/// is no length of the shard but divides one into `m ≥ 2` chunks, over `rows · m` batch rows
+/// shard is known (`shards`: `[rows, tokens a row]` each it may be), q and k of one length `c`
+/// that is no shard's length but divides one into `m ≥ 2` chunks, over `rows · m` batch rows
 /// (block-local attention, `x.reshape([b · m, c, ..])`). Exchanged as sequences, every rank's
 /// chunk `j` would be joined into one and attend across the ranks (a silently wrong result).
 /// `fix`: what the caller's library offers instead, ending the message.
-pub fn chunks_folded_into_the_batch(q_shape: &[usize], k_shape: &[usize], rows: usize, shard_lengths: &[usize], fix: &str) -> Option<UlyssesError> {
+pub fn chunks_folded_into_the_batch(q_shape: &[usize], k_shape: &[usize], shards: &[[usize; 2]], fix: &str) -> Option<UlyssesError> {
     let ([batch, _, q_len, _], [_, _, k_len, _]) = (<[usize; 4]>::try_from(q_shape).ok()?, <[usize; 4]>::try_from(k_shape).ok()?);
-    let lengths = || shard_lengths.iter().copied().filter(|&length| length >= 2);
-    if q_len != k_len || q_len < 1 || lengths().any(|shard| shard == q_len) {
+    let shards = || shards.iter().copied().filter(|&[_, len]| len >= 2);
+    if q_len != k_len || q_len < 1 || shards().any(|[_, len]| len == q_len) {
         return None;
     }
-    let shard = lengths().find(|&shard| shard % q_len == 0 && shard / q_len >= 2 && batch == rows * (shard / q_len))?;
+    let [rows, shard] = shards().find(|&[rows, len]| len % q_len == 0 && len / q_len >= 2 && batch == rows * (len / q_len))?;
     Some(UlyssesError::Shape(format!(
         "attention's query and keys are {q_shape:?} and {k_shape:?}: chunks of {q_len} tokens of this rank's shard of {shard}, folded into the \
          batch ({rows} rows × {} chunks), attended each within itself (block-local attention). Under sequence parallelism the exchange joins \
