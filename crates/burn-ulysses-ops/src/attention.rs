@@ -102,17 +102,13 @@ fn sequence_parallel(
     if let Some(refused) = refused {
         return Err(refused);
     }
-    let own_tokens = |kv_seq: usize| kv_seq >= 2 && lengths.contains(&kv_seq);
-    // One query a rank over the shard's own tokens (a pooling query) is no token of the shard:
-    // a mask of its keys can only be their padding.
-    let pooling_the_shard = layout.q_seq == 1 && own_tokens(layout.kv_seq);
-    layout.refuse_unshardable(
-        mask_dims.as_deref(),
-        attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref(),
-        ulysses_core::layout::key_padding_mask_said() || pooling_the_shard,
-    )?;
+    let own_tokens = |kv_seq: usize| lengths.contains(&kv_seq);
+    // A one-query mask is taken for key padding where said alone: a pooling query over keys as
+    // many as a noted shard's tokens would pass in a step that counted its labels first and be
+    // refused in the next that did not.
+    layout.refuse_unshardable(mask_dims.as_deref(), attn_bias.as_ref().map(|bias| bias.dims().to_vec()).as_deref(), ulysses_core::layout::key_padding_mask_said())?;
     // Tokens each rank holds beside its shard, at the first call of each layout in these
-    // groups; keys as many as the noted shard's tokens are taken for its own.
+    // groups; keys as many as a noted shard's tokens are taken for its own.
     if KEYS_CHECKED.with(|checked| layout.keys_to_check(context::current_entry_number, &mut checked.borrow_mut())) {
         let digest = |at: usize| ulysses_core::digest::fnv1a(&[key.clone().narrow(2, at, 1).into_data().as_bytes()]);
         let own = u64::from(own_tokens(layout.kv_seq));

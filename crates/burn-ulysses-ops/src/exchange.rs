@@ -125,8 +125,6 @@ impl<B: ExchangeOps, C: CheckpointStrategy> ExchangeOps for Autodiff<B, C> {
 
             fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
                 let [parent] = ops.parents;
-                // The forward ended: the shards noted for it are no next forward's.
-                crate::context::forget_step_shards();
                 let grad = grads.consume::<B>(&ops.node);
                 // Every rank runs this step in the same order only if every rank built the same
                 // graph (the same model on its shard): the inverse exchange then meets its peers.

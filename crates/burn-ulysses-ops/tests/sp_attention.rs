@@ -395,26 +395,38 @@ fn tokens_beside_the_shard_and_options_burn_asserts_are_refused_as_burn_ulysses_
     assert!(message.contains("a mask of shape [1, 2, 1, 6] does not fit the scores") && message.contains("repeated over its group of query heads"), "{message}");
 }
 
-/// What each of 2 rank threads makes of `call` once `labels_in_step` counted the shards of
-/// `noted` (each `[sequences, tokens each]`, cut for 2 ranks), then ran `after`: its output's
-/// dims, or its refusal.
-fn in_a_step(noted: &[[usize; 2]], after: After, call: fn(&burn::tensor::Device, usize) -> Tensor<4>) -> Vec<Result<[usize; 4], String>> {
+/// What a rank thread does in [`in_a_step`] before the call under test.
+#[derive(Clone, Copy, Debug)]
+enum Before {
+    /// `labels_in_step` of a batch of `[sequences, tokens each]`, cut for 2 ranks.
+    Count([usize; 2]),
+    /// An attention of its own (an exchange).
+    Attend,
+    /// The gradient sum (of a layer of zeros, the same on every rank).
+    Sum,
+}
+
+/// What each of 2 rank threads makes of `call` after `before`: its output's dims, or its
+/// refusal.
+fn in_a_step(before: &[Before], call: fn(&burn::tensor::Device, usize) -> Tensor<4>) -> Vec<Result<[usize; 4], String>> {
     ThreadGroup::new(2)
         .run(|rank| {
             let _sp = context::enter(rank.communicator());
             let device = plain_device().autodiff();
-            for &[rows, len] in noted {
-                let sequences: Vec<Vec<i64>> = (0..rows as i64).map(|row| (100 * row..100 * row + len as i64).collect()).collect();
-                burn_ulysses_ops::train::labels_in_step(&burn_ulysses_ops::data::SequenceSharder::new(2).shard(&sequences, rank.rank()));
-            }
-            if after != After::Nothing {
-                let q = Tensor::<4>::zeros([2, 2, 8, 4], &device).require_grad();
-                let out = attention(q.clone(), q.clone(), q, None, None, AttentionModuleOptions { is_causal: true, ..Default::default() });
-                if after == After::Backward {
-                    out.sum().backward();
-                } else {
-                    let layer = burn::nn::LinearConfig::new(2, 2).with_initializer(burn::nn::Initializer::Zeros).init(&device);
-                    burn_ulysses_ops::train::all_reduce_gradients(&layer, burn::optim::GradientsParams::new());
+            for &event in before {
+                match event {
+                    Before::Count([rows, len]) => {
+                        let sequences: Vec<Vec<i64>> = (0..rows as i64).map(|row| (100 * row..100 * row + len as i64).collect()).collect();
+                        burn_ulysses_ops::train::labels_in_step(&burn_ulysses_ops::data::SequenceSharder::new(2).shard(&sequences, rank.rank()));
+                    }
+                    Before::Attend => {
+                        let q = Tensor::<4>::zeros([2, 2, 8, 4], &device);
+                        attention(q.clone(), q.clone(), q, None, None, AttentionModuleOptions { is_causal: true, ..Default::default() });
+                    }
+                    Before::Sum => {
+                        let layer = burn::nn::LinearConfig::new(2, 2).with_initializer(burn::nn::Initializer::Zeros).init(&device);
+                        burn_ulysses_ops::train::all_reduce_gradients(&layer, burn::optim::GradientsParams::new());
+                    }
                 }
             }
             call(&device, rank.rank()).dims()
@@ -424,23 +436,16 @@ fn in_a_step(noted: &[[usize; 2]], after: After, call: fn(&burn::tensor::Device,
         .collect()
 }
 
-/// What [`in_a_step`] runs after counting the labels: an attention of its own, then its
-/// backward, or the gradient sum (of a layer of zeros, the same on every rank).
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum After {
-    Nothing,
-    Backward,
-    Sum,
-}
-
 /// As burn-ulysses, once a step's shard is noted (`labels_in_step`, 2 rows of 8 tokens a rank):
 /// a query `[B, S, H, D]` (heads and tokens swapped) and chunks of the shard folded into the
-/// batch are refused on every rank; the same shapes pass before any step, after its backward or
-/// gradient sum, and where another micro-batch counted first is 4 tokens a rank (the chunks' length).
-/// Keys of the shard's length are its own: a pooling query's mask is their padding, keys that
-/// begin alike on every rank are no class token; at one token a rank they are not.
+/// batch are refused on every rank, after an attention too (until the gradient sum); the same
+/// shapes pass before any count, after the sum, and where the count after an attention (an
+/// evaluation's next batch) or beside it (a micro-batch counted first) is 4 tokens a rank.
+/// Keys of a noted shard's length are its own: keys that begin alike on every rank are no
+/// class token.
 #[test]
 fn a_swapped_query_and_folded_chunks_of_the_steps_shard_are_refused_as_burn_ulysses_refuses_them() {
+    use Before::{Attend, Count, Sum};
     // [B, S/P, H, D] of 2 heads: dim 1 is the shard's 8 tokens.
     let swapped: fn(&burn::tensor::Device, usize) -> Tensor<4> = |device, _| {
         let q = Tensor::<4>::zeros([2, 8, 2, 4], device);
@@ -451,38 +456,30 @@ fn a_swapped_query_and_folded_chunks_of_the_steps_shard_are_refused_as_burn_ulys
         let q = Tensor::<4>::zeros([4, 2, 4, 4], device);
         attention(q.clone(), q.clone(), q, None, None, AttentionModuleOptions { is_causal: true, ..Default::default() })
     };
-    let swapped_in_step = in_a_step(&[[2, 16]], After::Nothing, swapped);
-    assert!(
-        swapped_in_step.iter().all(|result| result.as_ref().is_err_and(|m| m.contains("the heads and the tokens look swapped") && m.contains("[2, 8, 2, 4]"))),
-        "{swapped_in_step:?}"
-    );
-    let folded_in_step = in_a_step(&[[2, 16]], After::Nothing, folded);
-    assert!(
-        folded_in_step.iter().all(|result| result.as_ref().is_err_and(|m| m.contains("chunks of 4 tokens of this rank's shard of 8, folded into the batch (2 rows × 2 chunks)"))),
-        "{folded_in_step:?}"
-    );
-    for (what, call) in [("swapped", swapped), ("folded", folded)] {
-        for (noted, after) in [(&[][..], After::Nothing), (&[[2, 16]][..], After::Backward), (&[[2, 16]][..], After::Sum)] {
-            let outside = in_a_step(noted, after, call);
-            assert!(outside.iter().all(|result| result.is_ok()), "{what} after {after:?}: {outside:?}");
-        }
+    let refused = |before: &[Before], call, says: &str| {
+        let outcome = in_a_step(before, call);
+        assert!(outcome.iter().all(|result| result.as_ref().is_err_and(|m| m.contains(says))), "after {before:?}: {outcome:?}");
+    };
+    let passed = |before: &[Before], call| {
+        let outcome = in_a_step(before, call);
+        assert!(outcome.iter().all(|result| result.is_ok()), "after {before:?}: {outcome:?}");
+    };
+    let swap = "the heads and the tokens look swapped";
+    let fold = "chunks of 4 tokens of this rank's shard of 8, folded into the batch (2 rows × 2 chunks)";
+    for before in [&[Count([2, 16])][..], &[Count([2, 16]), Attend]] {
+        refused(before, swapped, swap);
+        refused(before, folded, fold);
     }
-    // Micro-batches of 4 rows × 4 tokens a rank and 2 × 8 counted before the first forward: the
-    // first's query [4, 2, 4, 4] is no fold of the second's shard.
-    let accumulated = in_a_step(&[[4, 8], [2, 16]], After::Nothing, |device, _| {
-        let q = Tensor::<4>::zeros([4, 2, 4, 4], device);
-        attention(q.clone(), q.clone(), q, None, None, AttentionModuleOptions { is_causal: true, ..Default::default() })
-    });
-    assert!(accumulated.iter().all(|result| result.is_ok()), "a micro-batch of 4 tokens a rank: {accumulated:?}");
-    // A pooling query a rank over the shard's 8 tokens with their padding: a key-padding mask,
-    // without with_key_padding_mask, since the keys are the noted shard's own.
-    let pooled = in_a_step(&[[2, 16]], After::Nothing, |device, _| {
-        let q = Tensor::<4>::ones([2, 2, 1, 4], device);
-        let kv = Tensor::<4>::ones([2, 2, 8, 4], device);
-        let mask = Tensor::<4, burn::tensor::Bool>::from_data(TensorData::new((0..16).map(|at| at % 8 == 7).collect::<Vec<_>>(), [2, 1, 1, 8]), device);
-        attention(q, kv.clone(), kv, Some(mask), None, AttentionModuleOptions::default())
-    });
-    assert!(pooled.iter().all(|result| result.as_ref().is_ok_and(|dims| *dims == [2, 2, 1, 4])), "{pooled:?}");
+    refused(&[Count([2, 16])], swapped, "[2, 8, 2, 4]");
+    // Micro-batches of 4 rows × 4 tokens a rank and 2 × 8 counted before the first forward:
+    // both noted, the first's query [4, 2, 4, 4] no fold of the second's shard.
+    refused(&[Count([4, 8]), Count([2, 16])], swapped, swap);
+    passed(&[Count([4, 8]), Count([2, 16])], folded);
+    for call in [swapped, folded] {
+        passed(&[], call);
+        passed(&[Count([2, 16]), Attend, Sum], call);
+        passed(&[Count([2, 16]), Attend, Count([4, 8])], call);
+    }
     // The shard's own keys, the first alike on every rank (its tokens, not a class token put
     // before them): non-causal attention passes in a step, and is refused outside one.
     let first_alike: fn(&burn::tensor::Device, usize) -> Tensor<4> = |device, rank| {
@@ -491,18 +488,8 @@ fn a_swapped_query_and_folded_chunks_of_the_steps_shard_are_refused_as_burn_ulys
         let x = Tensor::cat(vec![shared, own], 2);
         attention(x.clone(), x.clone(), x, None, None, AttentionModuleOptions::default())
     };
-    let own = in_a_step(&[[2, 16]], After::Nothing, first_alike);
-    assert!(own.iter().all(|result| result.is_ok()), "the shard's own keys: {own:?}");
-    let beside = in_a_step(&[], After::Nothing, first_alike);
-    assert!(beside.iter().all(|result| result.as_ref().is_err_and(|m| m.contains("every rank's keys begin with the same token"))), "{beside:?}");
-    // One token a rank (sequences of 2): a one-token mask of the rank's own scores, not taken
-    // for the padding of the shard's keys.
-    let one_token = in_a_step(&[[2, 2]], After::Nothing, |device, _| {
-        let x = Tensor::<4>::ones([2, 2, 1, 4], device);
-        let mask = Tensor::<4, burn::tensor::Bool>::from_data(TensorData::new(vec![false; 2], [2, 1, 1, 1]), device);
-        attention(x.clone(), x.clone(), x, Some(mask), None, AttentionModuleOptions::default())
-    });
-    assert!(one_token.iter().all(|result| result.as_ref().is_err_and(|m| m.contains("has a key-padding mask's shape"))), "{one_token:?}");
+    passed(&[Count([2, 16])], first_alike);
+    refused(&[], first_alike, "every rank's keys begin with the same token");
 }
 
 #[test]

@@ -131,14 +131,13 @@ pub fn refuse_keys_beside_the_shard(per_rank: &[Vec<u64>], kv_seq: usize) -> Res
 /// Why sequence-parallel attention over a query of `q_shape` (`[B, H, S, D]` as burn takes it)
 /// is refused as one whose heads and tokens are swapped, or `None`: where this rank's shard is
 /// known to be one of `shard_lengths` tokens long (two or more), a query whose dim 1 is as long
-/// and whose dim 2 is shorter and no shard's: `[B, S, H, D]`, a reshape of `[B, S, H·D]` without
-/// its `.swap_dims(1, 2)` (fewer heads than tokens: a model with as many heads as the shard's
-/// tokens attending over a longer stream passes). Attended so, the all-to-all would deal tokens
-/// out as heads and gather heads as a sequence, a silently wrong result (on one device the same
-/// mistake attends over the heads, a model's bug that trains nonetheless).
+/// and whose dim 2 is no shard's: `[B, S, H, D]`, a reshape of `[B, S, H·D]` without its
+/// `.swap_dims(1, 2)`. Attended so, the all-to-all would deal tokens out as heads and gather
+/// heads as a sequence, a silently wrong result (on one device the same mistake attends over
+/// the heads, a model's bug that trains nonetheless).
 pub fn heads_and_tokens_swapped(q_shape: &[usize], shard_lengths: &[usize]) -> Option<UlyssesError> {
     let [_, heads, tokens, _] = <[usize; 4]>::try_from(q_shape).ok()?;
-    if heads < 2 || tokens >= heads || !shard_lengths.contains(&heads) || shard_lengths.contains(&tokens) {
+    if heads < 2 || !shard_lengths.contains(&heads) || shard_lengths.contains(&tokens) {
         return None;
     }
     Some(UlyssesError::Shape(format!(

@@ -36,10 +36,14 @@ impl<B: Backend> RopeTables<B> {
                  train at most {represented} tokens a sequence, or give the checkpoint a static scaling (rope_type \"yarn\" or \"linear\")"
             );
         }
-        let values = host_values(positions, head_dim, theta, scaling);
+        // Moved where not kept, copied where kept.
+        let (cos, sin) = match std::rc::Rc::try_unwrap(host_values(positions, head_dim, theta, scaling)) {
+            Ok(made) => (made.cos, made.sin),
+            Err(kept) => (kept.cos.clone(), kept.sin.clone()),
+        };
         // f32, not the device's default float (bf16 would round them before any cast).
-        let table = |values: &[f32]| Tensor::from_data(TensorData::new(values.to_vec(), [batch, 1, seq, half]), (device, burn::tensor::DType::F32));
-        Self { cos: table(&values.cos), sin: table(&values.sin) }
+        let table = |values: Vec<f32>| Tensor::from_data(TensorData::new(values, [batch, 1, seq, half]), (device, burn::tensor::DType::F32));
+        Self { cos: table(cos), sin: table(sin) }
     }
 
     /// The tables in `dtype` (the compute dtype), cast once rather than at every use.
