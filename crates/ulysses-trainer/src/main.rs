@@ -340,8 +340,9 @@ struct Args {
     #[arg(long)]
     optimizer_in_backward: bool,
     /// Under bf16, compute the loss's logits in f32 (TF32 matmuls) rather than in bf16 with f32
-    /// accumulation; the softmax and loss are f32 either way.
-    #[arg(long)]
+    /// accumulation; the softmax and loss are f32 either way. `--f32-head false` turns it off on
+    /// a resume whose checkpoint has it on.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     f32_head: bool,
     /// The byte model's width (without --model or --hf-config).
     #[arg(long, default_value_t = 128)]
@@ -656,7 +657,7 @@ fn take_resumed_settings(args: &mut Args, saved: &RunState, threads: bool) -> Re
     if take("precision", precision_of(args) != config.precision, format!("--precision {:?}", config.precision).to_lowercase()) {
         args.precision = Some(config.precision);
     }
-    if take("f32_head", args.f32_head != config.f32_head, "--f32-head".into()) {
+    if take("f32_head", args.f32_head != config.f32_head, format!("--f32-head {}", config.f32_head)) {
         args.f32_head = config.f32_head;
     }
     if take("eval_every", args.eval_every != config.eval_every, format!("--eval-every {}", config.eval_every)) {
@@ -827,7 +828,7 @@ fn ignored_flags(args: &Args, config: &TrainConfig, threads: bool) -> Vec<String
     if std::env::var_os("ULYSSES_GPU").is_some() {
         notes.push("ULYSSES_GPU places ulysses-nccl-check's ranks, and the trainer's device is LOCAL_RANK's or --device's: it changes nothing".to_string());
     }
-    if args.f32_head && config.precision == Precision::F32 {
+    if given("f32_head") && args.f32_head && config.precision == Precision::F32 {
         notes.push("--f32-head computes the logits in f32 where the layers compute in bf16; under --precision f32 they are f32 already".to_string());
     }
     if args.eval_only {
@@ -1147,6 +1148,23 @@ fn run(mut args: Args) -> Result<(), String> {
             represented / multiple * multiple
         ));
     }
+    // YaRN stretches the original context by its factor (Qwen's guides keep
+    // max_position_embeddings at the original). Whatever the data: --tokens and --corpus too.
+    if let Some(checkpoint) = pretrained.as_ref().filter(|_| ulysses_trainer::train::says_run_notes()) {
+        let reach = match checkpoint.rope_scaling {
+            ulysses_models::rope::RopeScaling::Yarn { factor, original_max_position_embeddings, .. } => {
+                checkpoint.max_position_embeddings.max((factor * original_max_position_embeddings) as usize)
+            }
+            _ => checkpoint.max_position_embeddings,
+        };
+        if args.seq_len > reach {
+            tracing::warn!(
+                "--seq-len {} is past the checkpoint's context of {reach} (config.json's max_position_embeddings, or YaRN's factor \
+                 times its original context): positions beyond it were never trained",
+                args.seq_len,
+            );
+        }
+    }
     let model = match &pretrained {
         Some(checkpoint) => ulysses_models::DecoderConfig::from_hf(checkpoint),
         None => ulysses_models::DecoderConfig::new(BYTE_VOCAB)
@@ -1235,6 +1253,16 @@ fn run(mut args: Args) -> Result<(), String> {
                 format!("{:?}", config.precision).to_lowercase(),
                 if args.precision.is_some() && !args.given.contains("precision") { " (the checkpoint's)" } else { "" }
             ));
+        }
+    }
+    // And what the compile-only backend cannot: it needs no GPU, so no NCCL, and writes the
+    // kernels of one process, whose ranks are threads.
+    if args.backend == BackendKind::CudaCompileOnly {
+        if args.transport == TransportKind::Nccl {
+            return Err("--transport nccl needs a GPU: --backend cuda-compile-only runs without one".into());
+        }
+        if !matches!(launch, Launch::Threads) {
+            return Err("--backend cuda-compile-only runs its ranks as threads of one process: add --launch threads (and start it without a launcher)".into());
         }
     }
     // An export the run cannot write as asked, before the model and the data are read (minutes
@@ -1734,21 +1762,6 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         let epochs = (config.steps * config.batch_size) as f64 / packed.train_count() as f64;
         tracing::info!("{} step(s) of {} sequence(s) go over the {} training sequence(s) {epochs:.2} time(s) (epochs)", config.steps, config.batch_size, packed.train_count());
     }
-    // YaRN stretches the original context by its factor (Qwen's guides keep
-    // max_position_embeddings at the original).
-    let reach = match checkpoint.rope_scaling {
-        ulysses_models::rope::RopeScaling::Yarn { factor, original_max_position_embeddings, .. } => {
-            checkpoint.max_position_embeddings.max((factor * original_max_position_embeddings) as usize)
-        }
-        _ => checkpoint.max_position_embeddings,
-    };
-    if config.seq_len > reach && show_progress {
-        tracing::warn!(
-            "--seq-len {} is past the checkpoint's context of {reach} (config.json's max_position_embeddings, or YaRN's factor \
-             times its original context): positions beyond it were never trained",
-            config.seq_len,
-        );
-    }
     Ok((packed, rendered_with, eos, tokenized_by))
 }
 
@@ -1769,7 +1782,6 @@ fn answers<'a>(documents: &'a Documents, loss_on: LossOn, flag: &str, path: &Pat
 /// Runs the job on the --backend.
 fn on_backend(job: &Job) -> Result<(), String> {
     let args = job.args;
-    let nccl_wanted = args.transport == TransportKind::Nccl;
     match args.backend {
         BackendKind::Cpu => train::<burn::backend::NdArray, Tcp>(job, |_| Default::default()),
         #[cfg(feature = "cuda")]
@@ -1784,15 +1796,12 @@ fn on_backend(job: &Job) -> Result<(), String> {
         }
         #[cfg(not(feature = "cuda"))]
         BackendKind::Cuda | BackendKind::CudaFused => Err("this binary was built without CUDA: rebuild with `--features cuda`".into()),
-        BackendKind::CudaCompileOnly if nccl_wanted => Err("--transport nccl needs a GPU: --backend cuda-compile-only runs without one".into()),
         #[cfg(feature = "compile-only")]
         BackendKind::CudaCompileOnly => {
             // `--backend cuda`'s types, on the H100 target (an H200 has its SMs and limits).
             type CompileOnly = burn_cubecl::CubeBackend<ulysses_cuda_check::runtime::CompileOnly, f32, i32, u8>;
-            // One process writes OUT/cuda-sources.
-            if !matches!(job.launch, Launch::Threads) {
-                return Err("--backend cuda-compile-only runs its ranks as threads of one process: add --launch threads".into());
-            }
+            // One process writes OUT/cuda-sources (`run` refused a launch of processes).
+            debug_assert!(matches!(job.launch, Launch::Threads));
             ulysses_cuda_check::runtime::keep_autotune_apart(&job.out.join("autotune-timed-on-nothing"))?;
             ulysses_cuda_check::runtime::take_compiled();
             train::<CompileOnly, Tcp>(job, |_| ulysses_cuda_check::runtime::TargetDevice(0))?;

@@ -618,13 +618,14 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
 /// With ranks as threads a resume takes the run's DP degree with the rest of its layout (it
 /// ran at DP 1 before, the flag's default), and the run's warm-up even where that was the
 /// default and `--steps` grows (it warmed up again, to the new steps' default, from part way
-/// through the peak); a layout flag given names those of the run's it replaces.
+/// through the peak); a layout flag given names those of the run's it replaces; `--f32-head
+/// false` turns off the run's `--f32-head`.
 #[test]
 fn a_resume_of_thread_ranks_keeps_their_dp_and_the_runs_warm_up() {
     let dir = workspace("resume-threads");
     let mut args = common_args(&dir, "run", 6);
     args.extend(["--stop-after".to_string(), "2".into()]);
-    succeed(run_alone(&args, &["--sp", "2", "--dp", "2"]));
+    succeed(run_alone(&args, &["--sp", "2", "--dp", "2", "--f32-head"]));
     let resume = |extra: &[&str]| {
         let mut args = vec!["--tokens".to_string(), dir.join("data.jsonl").display().to_string(), "--check".into(), "--resume".into(), dir.join("run").display().to_string()];
         args.extend(extra.iter().map(|a| a.to_string()));
@@ -632,8 +633,12 @@ fn a_resume_of_thread_ranks_keeps_their_dp_and_the_runs_warm_up() {
     };
     let text = resume(&["--steps", "100"]);
     let taken = text.lines().find(|line| line.contains("resuming with the checkpoint's")).unwrap_or_else(|| panic!("nothing taken:\n{text}"));
-    assert!(taken.contains("--warmup-steps 1") && taken.contains("--sp 2") && taken.contains("--dp 2"), "{text}");
+    assert!(taken.contains("--warmup-steps 1") && taken.contains("--sp 2") && taken.contains("--dp 2") && taken.contains("--f32-head true"), "{text}");
     assert!(text.contains("sp 2 × dp 2"), "{text}");
+    // A switch the run turned on, turned off by its value (a bare flag cannot say false).
+    let text = resume(&["--f32-head", "false"]);
+    let taken = text.lines().find(|line| line.contains("resuming with the checkpoint's")).unwrap_or_else(|| panic!("nothing taken:\n{text}"));
+    assert!(!taken.contains("--f32-head") && text.contains("or the precision (--precision, --f32-head) differs from the checkpoint's run"), "{text}");
     let text = resume(&["--dp", "1"]);
     let expected = "the resumed run's --sp 2 are not kept: layout flags given here replace its layout as a whole";
     assert!(text.contains(expected) && text.contains("sp 4 × dp 1"), "expected {expected:?}:\n{text}");
@@ -841,7 +846,7 @@ fn a_model_the_host_cannot_hold_is_refused_before_it_is_built() {
 #[test]
 fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
     let dir = workspace("settings");
-    let cases: [(&str, &str, &str); 21] = [
+    let cases: [(&str, &str, &str); 22] = [
         ("--learning-rate", "-1", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "nan", "learning_rate (--learning-rate) must be a finite number above 0"),
         ("--learning-rate", "inf", "learning_rate (--learning-rate) must be a finite number above 0"),
@@ -857,6 +862,8 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
         // What the CPU backend cannot run (refused by --check too, below).
         ("--precision", "bf16", "the CPU backend (NdArray) computes neither bf16 nor f16"),
         ("--transport", "nccl", "--transport nccl needs a CUDA backend"),
+        // Nor the compile-only one, whatever the binary's features (with --transport nccl, below).
+        ("--backend", "cuda-compile-only", "--transport nccl needs a GPU: --backend cuda-compile-only runs without one"),
         ("--eval-every", "0", "with --eval-every 0 evaluates nothing"),
         // Past any model or run: refused by name (arithmetic on them overflowed).
         ("--seq-len", "18446744073709551615", "seq_len (--seq-len) 18446744073709551615 is past any model or run"),
@@ -883,6 +890,9 @@ fn settings_that_cannot_train_are_refused_by_flag_before_any_file_is_written() {
             // With a held-out file, which it would never evaluate.
             let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data-of-nothing.jsonl");
             args = qwen3_args(&dir.join("data.jsonl"), &format!("--eval-data {} --eval-every 0 --out {}", data.display(), dir.join("run").display()));
+        }
+        if flag == "--backend" {
+            set_flag(&mut args, "--transport", "nccl");
         }
         if (flag, value) == ("--batch-size", "0") {
             args = qwen3_args(&dir.join("data.jsonl"), &format!("--eval-only --batch-size 0 --out {}", dir.join("run").display()));
@@ -1101,7 +1111,7 @@ fn a_layout_that_does_not_make_the_launched_world_is_refused_by_check() {
 
 /// A checkpoint whose RoPE is dynamic NTK trains up to its max_position_embeddings (plain RoPE
 /// there, as transformers computes it); a longer --seq-len, where transformers' frequencies
-/// change with each batch, is refused before any step.
+/// change with each batch, is refused before any step. Plain RoPE past it is warned of.
 #[test]
 fn dynamic_rope_trains_up_to_max_position_embeddings_and_refuses_past_it() {
     let dir = workspace("dynamic-rope");
@@ -1123,6 +1133,12 @@ fn dynamic_rope_trains_up_to_max_position_embeddings_and_refuses_past_it() {
         let (ok, text) = check(seq_len, sp);
         assert!(ok && text.contains("checked:"), "--seq-len {seq_len} at sp {sp}: {text}");
     }
+    // Plain RoPE past its context trains, warned of whatever the data (a --corpus here; the
+    // warning was --data's alone).
+    config["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e6});
+    fs::write(&config_file, config.to_string()).unwrap();
+    let (ok, text) = check("64", "4");
+    assert!(ok && text.contains("--seq-len 64 is past the checkpoint's context of 32") && text.contains("never trained"), "{text}");
     let _ = fs::remove_dir_all(&dir);
 }
 
