@@ -1984,14 +1984,23 @@ where
     // and world rank 0 builds each in the order fork would (the same values), or reads it from
     // --model's files, as the ranks take their parts; a resumed run's ranks take them from the
     // master weights. Every process of a run from the start checks --model's files (names,
-    // shapes, sizes), so a checkpoint that does not fit fails by name on each.
+    // shapes, sizes), so a checkpoint that does not fit fails by name on each. A resumed run
+    // reads no weight of --model whatever the stage: the checkpoint replaces every parameter
+    // (its model record, or its master weights), and an 8B model's files take minutes to read.
     let lazy = config.zero_stage == 3 && job.eval_sequences.is_none();
+    let resumed_training = job.args.resume.is_some() && job.eval_sequences.is_none();
     let template = match &job.args.model {
-        Some(dir) if !(lazy && job.args.resume.is_some()) => {
+        Some(dir) if !resumed_training => {
             let loaded = if lazy { from_pretrained_lazily::<Sp<W>>(dir, &template_device) } else { from_pretrained::<Sp<W>>(dir, &template_device) };
             loaded.map_err(|e| format!("--model: {e}"))?.model.with_repeat_kv(config.model.repeat_kv)
         }
-        _ => config.model.init::<Sp<W>>(&template_device),
+        Some(dir) => {
+            if world_rank_0_here {
+                tracing::info!("resuming: the model's weights are the checkpoint's; those of --model {} are not read", dir.display());
+            }
+            config.model.init::<Sp<W>>(&template_device)
+        }
+        None => config.model.init::<Sp<W>>(&template_device),
     };
     let template = if lazy { template } else { template.fork(&template_device) };
     let cpus_of_its_own = match &job.launch {

@@ -1019,6 +1019,43 @@ fn a_hugging_face_save_written_slower_than_the_collective_timeout_stops_no_rank(
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A fine-tune resumed (replicated, and with the optimizer on the host) takes its model from
+/// the checkpoint alone: `--model`'s weights are not read (minutes for an 8B model), so its
+/// losses are the uninterrupted run's though those weights are zeros by then (names, shapes
+/// and sizes kept).
+#[test]
+fn a_resumed_fine_tune_reads_no_weight_of_its_model() {
+    let dir = workspace("resume-model");
+    let model = dir.join("model");
+    fs::create_dir_all(&model).unwrap();
+    for name in ["config.json", "generation_config.json", "model.safetensors"] {
+        fs::copy(qwen3_and_tokenizer().0.join(name), model.join(name)).unwrap();
+    }
+    for optimizer in [&[][..], &["--offload-optimizer"]] {
+        let args = |out: &str, extra: &[&str]| {
+            let mut args: Vec<String> = ["--tokens", &dir.join("data.jsonl").display().to_string(), "--out", &dir.join(out).display().to_string(), "--model", &model.display().to_string()]
+                .map(String::from)
+                .into();
+            args.extend(["--seq-len", "16", "--batch-size", "4", "--steps", "3", "--learning-rate", "0.01", "--sp", "2", "--eval-every", "0"].map(String::from));
+            args.extend(optimizer.iter().chain(extra).map(|a| a.to_string()));
+            args
+        };
+        let (full, part) = (format!("full{}", optimizer.len()), format!("part{}", optimizer.len()));
+        let weights = fs::read(qwen3_and_tokenizer().0.join("model.safetensors")).unwrap();
+        fs::write(model.join("model.safetensors"), &weights).unwrap();
+        succeed(run_alone(&args(&full, &[]), &[]));
+        succeed(run_alone(&args(&part, &["--stop-after", "1"]), &[]));
+        // Every value zero, the header (names, dtypes, shapes, offsets) as it was.
+        let data_start = 8 + u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+        fs::write(model.join("model.safetensors"), [&weights[..data_start], &vec![0u8; weights.len() - data_start][..]].concat()).unwrap();
+        let resumed = show(&succeed(run_alone(&args(&part, &["--resume", &dir.join(&part).display().to_string()]), &[])));
+        assert!(resumed.contains("the model's weights are the checkpoint's; those of --model"), "{optimizer:?}: {resumed}");
+        let (full, part) = (losses(&dir.join(&full)), losses(&dir.join(&part)));
+        assert!(full.len() == 3 && full == part, "{optimizer:?}: uninterrupted {full:?}, resumed {part:?}");
+    }
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// The `--save-hf` folder `saved` holds the model the run in `out` saved, in `dtype` (f32, or
 /// rounded to bf16), every tensor bit for bit, and its config.json names that dtype.
 fn assert_saved_hf_is_the_run_model(saved: &Path, out: &Path, dtype: DType) {
