@@ -1996,7 +1996,7 @@ where
         }
         Some(dir) => {
             if world_rank_0_here {
-                tracing::info!("resuming: the model's weights are the checkpoint's; those of --model {} are not read", dir.display());
+                tracing::info!("resuming: the model's weights are the checkpoint's; those of --model {} are not loaded", dir.display());
             }
             config.model.init::<Sp<W>>(&template_device)
         }

@@ -1020,11 +1020,11 @@ fn a_hugging_face_save_written_slower_than_the_collective_timeout_stops_no_rank(
 }
 
 /// A fine-tune resumed (replicated, and with the optimizer on the host) takes its model from
-/// the checkpoint alone: `--model`'s weights are not read (minutes for an 8B model), so its
+/// the checkpoint alone: `--model`'s weights are not loaded (minutes for an 8B model), so its
 /// losses are the uninterrupted run's though those weights are zeros by then (names, shapes
 /// and sizes kept).
 #[test]
-fn a_resumed_fine_tune_reads_no_weight_of_its_model() {
+fn a_resumed_fine_tune_loads_no_weight_of_its_model() {
     let dir = workspace("resume-model");
     let model = dir.join("model");
     fs::create_dir_all(&model).unwrap();
