@@ -603,6 +603,32 @@ fn step_settings_that_would_train_wrong_are_refused_on_every_rank() {
     }
 }
 
+/// The ranks' parameters are compared at each model's first step on a rank thread, not at the
+/// thread's first alone: a second model, built from other seeds on each rank after a first that
+/// trained, is refused as the first would be (it was taken for the first, compared already).
+#[test]
+fn a_second_model_on_the_same_rank_threads_is_compared_too() {
+    use ulysses_training::{StepInput, train_step};
+    let messages = with_deadline(Duration::from_secs(50), || {
+        ThreadGroup::new(2).run(|rank| {
+            let layout = ParallelLayout::new().with_sp_size(2);
+            let groups: ParallelGroups<Inner> = ParallelGroups::new(rank.communicator(), layout).unwrap();
+            let _sp = enter_sp(&groups);
+            let device = Default::default();
+            let batch = vec![vec![(0..16).map(|t| t % 32).collect::<Vec<i64>>()]];
+            let step = StepInput { index: 0, learning_rate: 1e-2, micro_batches: &batch, documents: None, targets: None, max_grad_norm: None };
+            let first = deterministic_params(config(layout, 1).model.init::<Sp>(&device), INIT_SEED);
+            train_step(first, &mut AdamWConfig::new().init(), &step, &layout.sharder(), &groups, &device).map(|_| ()).expect("one model on both ranks");
+            let second = deterministic_params(config(layout, 1).model.init::<Sp>(&device), INIT_SEED + 1 + rank.rank() as u64);
+            train_step(second, &mut AdamWConfig::new().init(), &step, &layout.sharder(), &groups, &device).err().map(|e| e.to_string()).expect("refused")
+        })
+    });
+    for (rank, message) in messages.into_iter().enumerate() {
+        let message = message.unwrap_or_else(|p| panic!("rank {rank} panicked: {p}"));
+        assert!(message.contains("world ranks 0 and 1 start step 0 from different parameters"), "rank {rank}: {message}");
+    }
+}
+
 /// Each of two SP ranks' refusal from `step` (its rank, the decoder of one seed, its groups
 /// entered, a 16-token batch): a rank that panics, or does not refuse, fails the test.
 fn refusals_at_sp_2(step: impl Fn(usize, ulysses_models::Decoder<Sp>, &ParallelGroups<Inner>, &[Vec<Vec<i64>>]) -> Option<burn_ulysses::UlyssesError> + Send + Sync + 'static) -> Vec<String> {

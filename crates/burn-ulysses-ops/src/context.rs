@@ -42,42 +42,55 @@ impl Entered {
 thread_local! {
     static GROUPS: RefCell<Option<Entered>> = const { RefCell::new(None) };
     /// The shards this thread's forwards may attend over, `[rows, tokens a row]` each, the
-    /// newest first, and the sequence group's all-to-alls when the newest was noted: noted by
-    /// `train::labels_in_step` before a forward (every micro-batch's where a loop counts them
-    /// all first), forgotten at the gradient sum.
-    static STEP_SHARDS: RefCell<(Vec<[usize; 2]>, u64)> = const { RefCell::new((Vec::new(), 0)) };
+    /// newest first, with the groups' entry number and the sequence group's all-to-alls when
+    /// the newest was noted: noted by `train::labels_in_step` before a forward (every
+    /// micro-batch's where a loop counts them all first), forgotten at the gradient sum and
+    /// with the groups.
+    static STEP_SHARDS: RefCell<NotedShards> = const { RefCell::new(NotedShards { shards: Vec::new(), entry: None, exchanges: 0 }) };
 }
 
 /// The shards noted at most.
 const NOTED_SHARDS: usize = 8;
+
+/// What [`note_step_shard`] noted.
+struct NotedShards {
+    shards: Vec<[usize; 2]>,
+    entry: Option<u64>,
+    exchanges: u64,
+}
 
 /// Notes a shard this thread's next forwards may attend over (`rows` rows of `len` tokens
 /// each), for the attention rules that go by the shard's length (this crate sees no token
 /// ids): beside the shards noted before it where no attention exchanged since (micro-batches
 /// counted first), in place of them otherwise (an evaluation's next batch).
 pub(crate) fn note_step_shard(rows: usize, len: usize) {
-    let exchanges = current().map_or(0, |group| group.traffic().all_to_all_calls);
+    let (entry, exchanges) = (current_entry_number(), current().map_or(0, |group| group.traffic().all_to_all_calls));
     STEP_SHARDS.with(|noted| {
-        let (shards, exchanges_then) = &mut *noted.borrow_mut();
-        if *exchanges_then != exchanges {
-            shards.clear();
+        let noted = &mut *noted.borrow_mut();
+        if (noted.entry, noted.exchanges) != (entry, exchanges) {
+            noted.shards.clear();
         }
-        shards.retain(|&shard| shard != [rows, len]);
-        shards.insert(0, [rows, len]);
-        shards.truncate(NOTED_SHARDS);
-        *exchanges_then = exchanges;
+        noted.shards.retain(|&shard| shard != [rows, len]);
+        noted.shards.insert(0, [rows, len]);
+        noted.shards.truncate(NOTED_SHARDS);
+        (noted.entry, noted.exchanges) = (entry, exchanges);
     });
 }
 
-/// The shards noted for this thread's forwards, `[rows, tokens a row]` each, the newest first.
+/// The shards noted for this thread's forwards in the groups it runs in, `[rows, tokens a
+/// row]` each, the newest first.
 pub(crate) fn step_shards() -> Vec<[usize; 2]> {
-    STEP_SHARDS.with(|noted| noted.borrow().0.clone())
+    let entry = current_entry_number();
+    STEP_SHARDS.with(|noted| {
+        let noted = noted.borrow();
+        if noted.entry == entry { noted.shards.clone() } else { Vec::new() }
+    })
 }
 
 /// Forgets the noted shards: their gradients are summed, and the next forward may be of other
 /// shapes.
 pub(crate) fn forget_step_shards() {
-    STEP_SHARDS.with(|noted| noted.borrow_mut().0.clear());
+    STEP_SHARDS.with(|noted| noted.borrow_mut().shards.clear());
 }
 
 /// The groups of a process that is one rank ([`enter_process`]): seen by every thread of it

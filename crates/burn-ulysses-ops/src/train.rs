@@ -151,7 +151,9 @@ pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64)
 pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> GradientsParams {
     context::forget_step_shards();
     let Some(group) = context::world().filter(|group| group.size() > 1) else { return grads };
-    if !PARAMETERS_COMPARED.replace(true) {
+    // Once a model a thread (told by its first parameter's id: a model built anew has another).
+    let compared = (first_parameter_id(model), context::current_entry_number());
+    if PARAMETERS_COMPARED.replace(Some(compared)) != Some(compared) {
         refuse_differing_parameters(model, &*group);
     }
     refuse_attention_that_never_exchanged();
@@ -159,11 +161,25 @@ pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> Gra
 }
 
 thread_local! {
-    /// Whether this thread's first gradient sum compared the ranks' parameters.
-    static PARAMETERS_COMPARED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    /// The sequence group of this thread's last gradient sum (its address) and the
-    /// all-to-alls it had made by then.
-    static EXCHANGES_AT_LAST_SUM: std::cell::Cell<(usize, u64)> = const { std::cell::Cell::new((0, 0)) };
+    /// The model whose parameters this thread compared last (its first parameter's id), in
+    /// the groups of that entry number.
+    static PARAMETERS_COMPARED: std::cell::Cell<Option<(Option<burn::module::ParamId>, Option<u64>)>> = const { std::cell::Cell::new(None) };
+    /// The groups (their entry number) of this thread's last gradient sum and the
+    /// all-to-alls its sequence group had made by then.
+    static EXCHANGES_AT_LAST_SUM: std::cell::Cell<(Option<u64>, u64)> = const { std::cell::Cell::new((None, 0)) };
+}
+
+/// The id of `model`'s first float parameter, which tells one model from another built anew.
+fn first_parameter_id<M: Module>(model: &M) -> Option<burn::module::ParamId> {
+    struct First(Option<burn::module::ParamId>);
+    impl ModuleVisitor for First {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.get_or_insert(param.id);
+        }
+    }
+    let mut first = First(None);
+    model.visit(&mut first);
+    first.0
 }
 
 /// Panics where the sequence-parallel group (of two ranks or more) made no all-to-all since
@@ -172,10 +188,11 @@ thread_local! {
 /// shard.
 fn refuse_attention_that_never_exchanged() {
     let Some(sequence) = context::current().filter(|group| group.size() > 1) else { return };
-    let group = std::sync::Arc::as_ptr(&sequence) as *const u8 as usize;
+    // By the groups' entry number: a group dropped and another entered may reuse its address.
+    let entry = context::current_entry_number();
     let calls = sequence.traffic().all_to_all_calls;
-    let (last_group, last_calls) = EXCHANGES_AT_LAST_SUM.replace((group, calls));
-    let before = if last_group == group { last_calls } else { 0 };
+    let (last_entry, last_calls) = EXCHANGES_AT_LAST_SUM.replace((entry, calls));
+    let before = if last_entry == entry { last_calls } else { 0 };
     if calls == before {
         panic!(
             "sequence parallelism over {} ranks, but the model's attention made no exchange through the group since the last \

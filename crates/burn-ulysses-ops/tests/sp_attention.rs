@@ -404,6 +404,8 @@ enum Before {
     Attend,
     /// The gradient sum (of a layer of zeros, the same on every rank).
     Sum,
+    /// The groups left and entered again (the same communicator, another entry).
+    Reenter,
 }
 
 /// What each of 2 rank threads makes of `call` after `before`: its output's dims, or its
@@ -411,7 +413,7 @@ enum Before {
 fn in_a_step(before: &[Before], call: fn(&burn::tensor::Device, usize) -> Tensor<4>) -> Vec<Result<[usize; 4], String>> {
     ThreadGroup::new(2)
         .run(|rank| {
-            let _sp = context::enter(rank.communicator());
+            let mut sp = Some(context::enter(rank.communicator()));
             let device = plain_device().autodiff();
             for &event in before {
                 match event {
@@ -427,9 +429,16 @@ fn in_a_step(before: &[Before], call: fn(&burn::tensor::Device, usize) -> Tensor
                         let layer = burn::nn::LinearConfig::new(2, 2).with_initializer(burn::nn::Initializer::Zeros).init(&device);
                         burn_ulysses_ops::train::all_reduce_gradients(&layer, burn::optim::GradientsParams::new());
                     }
+                    Before::Reenter => {
+                        // The guard left first: it restores the groups it found.
+                        drop(sp.take());
+                        sp = Some(context::enter(rank.communicator()));
+                    }
                 }
             }
-            call(&device, rank.rank()).dims()
+            let dims = call(&device, rank.rank()).dims();
+            drop(sp);
+            dims
         })
         .into_iter()
         .map(|result| result.map_err(|panic| panic.message))
@@ -439,13 +448,14 @@ fn in_a_step(before: &[Before], call: fn(&burn::tensor::Device, usize) -> Tensor
 /// As burn-ulysses, once a step's shard is noted (`labels_in_step`, 2 rows of 8 tokens a rank):
 /// a query `[B, S, H, D]` (heads and tokens swapped) and chunks of the shard folded into the
 /// batch are refused on every rank, after an attention too (until the gradient sum); the same
-/// shapes pass before any count, after the sum, and where the count after an attention (an
-/// evaluation's next batch) or beside it (a micro-batch counted first) is 4 tokens a rank.
+/// shapes pass before any count, after the sum, in groups entered since, and where the count
+/// after an attention (an evaluation's next batch) or beside it (a micro-batch counted first) is
+/// 4 tokens a rank.
 /// Keys of a noted shard's length are its own: keys that begin alike on every rank are no
 /// class token.
 #[test]
 fn a_swapped_query_and_folded_chunks_of_the_steps_shard_are_refused_as_burn_ulysses_refuses_them() {
-    use Before::{Attend, Count, Sum};
+    use Before::{Attend, Count, Reenter, Sum};
     // [B, S/P, H, D] of 2 heads: dim 1 is the shard's 8 tokens.
     let swapped: fn(&burn::tensor::Device, usize) -> Tensor<4> = |device, _| {
         let q = Tensor::<4>::zeros([2, 8, 2, 4], device);
@@ -479,6 +489,8 @@ fn a_swapped_query_and_folded_chunks_of_the_steps_shard_are_refused_as_burn_ulys
         passed(&[], call);
         passed(&[Count([2, 16]), Attend, Sum], call);
         passed(&[Count([2, 16]), Attend, Count([4, 8])], call);
+        // Noted in groups left since: not the next groups' shards.
+        passed(&[Count([2, 16]), Reenter], call);
     }
     // The shard's own keys, the first alike on every rank (its tokens, not a class token put
     // before them): non-causal attention passes in a step, and is refused outside one.

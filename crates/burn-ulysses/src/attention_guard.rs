@@ -266,11 +266,13 @@ fn embedded() -> (usize, bool) {
     }
 }
 
-/// Forgets the lengths embedded so far: a backward ends a forward, and the next one's token ids
-/// may be of another length (dynamic padding) without two sequences in one forward, which the
-/// rules that go by the length would take it for, and stop.
+/// Forgets the lengths embedded so far, and their table: a backward ends a forward, and the next
+/// one's token ids may be of another length (dynamic padding) without two sequences in one
+/// forward, which the rules that go by the length would take it for, and stop; the next model
+/// may embed no ids (features, patches), and another's width would stand for its own.
 pub fn forget_embedded_lengths() {
     EMBEDDED_TOKENS.set((0, 0));
+    EMBEDDED_TABLE.set([0, 0]);
     RESAMPLED_SHARDS.set([0; 4]);
 }
 
@@ -2537,6 +2539,11 @@ mod tests {
         // features as wide as the shard (a width of 8) leave no telling, and pass.
         EMBEDDED_TABLE.set([50, 16]);
         assert!(reduced(&[2, 16, 8], 2).is_some_and(|m| m.contains("along dim 2 of a [2, 16, 8] tensor")) && reduced(&[2, 1, 8], 2).is_some());
+        // Forgotten with the lengths (a backward, an evaluation's end): the next model, which may
+        // embed no ids, is not held to this one's width.
+        forget_embedded_lengths();
+        assert!(reduced(&[2, 16, 8], 2).is_none(), "the last model's table outlived its backward");
+        EMBEDDED_TABLE.set([50, 16]);
         assert!(reduced(&[2, 9, 8], 2).is_none() && reduced(&[2, 16, 16], 2).is_none() && reduced(&[2, 16, 50], 2).is_none());
         EMBEDDED_TABLE.set([50, 8]);
         assert!(reduced(&[2, 16, 8], 2).is_none() && reduced(&[2, 1, 8], 2).is_none(), "features as wide as the shard refused");

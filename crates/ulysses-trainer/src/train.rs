@@ -947,7 +947,11 @@ where
             report_written(replicated_write.finish()?, options.progress.as_deref_mut());
         }
         // A signal (`ulysses_training::request_stop`) on any rank: every rank learned it in
-        // this step's health check, so all make this step the last, with its checkpoint.
+        // this step's health check, so all make this step the last, with its checkpoint. Acted
+        // on, it is cleared: a next run in this process starts without it.
+        if report.stop_requested {
+            ulysses_training::clear_stop_request();
+        }
         if report.stop_requested && step + 1 < last_step {
             last_step = step + 1;
             STOPPED_ON_SIGNAL.store(true, std::sync::atomic::Ordering::Relaxed);

@@ -131,9 +131,16 @@ pub fn request_stop() {
     STOP_REQUESTED.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether [`request_stop`] was called in this process.
+/// Whether [`request_stop`] was called in this process (since [`clear_stop_request`]).
 pub fn stop_was_requested() -> bool {
     STOP_REQUESTED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Forgets a [`request_stop`] that was acted on: a loop that stopped for it clears it, or the
+/// next run in the process would stop after its first step (the trainer clears it at the step
+/// whose report says so: every rank of the process has its verdict by then).
+pub fn clear_stop_request() {
+    STOP_REQUESTED.store(false, std::sync::atomic::Ordering::Relaxed);
 }
 
 impl StepReport {
@@ -372,11 +379,14 @@ where
     // its inputs refused or not, so that each learns whether every rank can go on and all run
     // the same number of micro-batches (under ZeRO-3 each is a round of world collectives).
     // And the batch's digest: the ranks of an SP group cut the same sequences.
-    // Once a rank thread, the parameters it starts from: ranks built from other seeds, and not
-    // broadcast, would each step their own model with the summed gradients, without an error.
-    // Compared where every rank brings one (a rank thread that compared before, say a reused
-    // thread, brings none: then none compares, rather than part the ranks' collectives).
-    let fingerprint = (groups.world.size() > 1 && !PARAMETERS_COMPARED.get() && checked.is_ok()).then(|| parameters_fingerprint(model)).flatten();
+    // Once a model a rank thread, the parameters it starts from: ranks built from other seeds,
+    // and not broadcast, would each step their own model with the summed gradients, without an
+    // error. A model is told by its first parameter's id (an optimizer's step and a record's
+    // load keep it; a model built anew has another), so a second model trained on the thread
+    // is compared too. Compared where every rank brings one (a rank thread that compared this
+    // model before brings none: then none compares, rather than part the ranks' collectives).
+    let compared = (first_parameter_id(model), groups.world.size());
+    let fingerprint = (groups.world.size() > 1 && PARAMETERS_COMPARED.get() != Some(compared) && checked.is_ok()).then(|| parameters_fingerprint(model)).flatten();
     let mine = [
         checked.is_ok() as u64,
         step.micro_batches.len() as u64,
@@ -414,7 +424,7 @@ where
         )));
     }
     if gathered.iter().all(|v| v[6] == 1) {
-        PARAMETERS_COMPARED.set(true);
+        PARAMETERS_COMPARED.set(Some(compared));
         if let Some(&rank) = ranks_differing_from_rank_0(&gathered, 5).first() {
             return Err(UlyssesError::InvalidConfig(format!(
                 "world ranks 0 and {rank} start step {} from different parameters: build the model from one seed on every rank, or call \
@@ -852,8 +862,22 @@ pub fn batch_digest(sequences: &[Vec<i64>]) -> u64 {
 }
 
 thread_local! {
-    /// Whether this rank thread's first step compared the ranks' parameters.
-    static PARAMETERS_COMPARED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The model whose parameters this rank thread compared last (its first parameter's id,
+    /// with the world's size).
+    static PARAMETERS_COMPARED: std::cell::Cell<Option<(Option<burn::module::ParamId>, usize)>> = const { std::cell::Cell::new(None) };
+}
+
+/// The id of `model`'s first float parameter, which tells one model from another built anew.
+fn first_parameter_id<B: Backend, M: Module<B>>(model: &M) -> Option<burn::module::ParamId> {
+    struct First(Option<burn::module::ParamId>);
+    impl<B: Backend> burn::module::ModuleVisitor<B> for First {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.get_or_insert(param.id);
+        }
+    }
+    let mut first = First(None);
+    model.visit(&mut first);
+    first.0
 }
 
 /// A digest of the first values of every float parameter (one read from the device): ranks
@@ -993,7 +1017,7 @@ pub fn evaluate<B: Backend, G: Backend>(
     burn_ulysses::attention_guard::forget_embedded_lengths();
     let shard = sharder.shard_targets(batch, documents, targets, sp_rank);
     let exchanges_before = context_exchanges::<G>();
-    let loss = model_failure_as_error(|| {
+    let evaluated = model_failure_as_error(|| {
         let output = {
             // For the guard, which refuses positions counted from another shard's first token
             // (RoPE from 0 on every rank): the forward's alone, since the loss's chunks of
@@ -1005,7 +1029,10 @@ pub fn evaluate<B: Backend, G: Backend>(
         };
         check_evaluated_vocabulary(batch, sharder.pad_token, output.vocab_size())?;
         Ok::<_, UlyssesError>(lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>())
-    })??;
+    });
+    // Nor are its lengths and table the next forward's (no backward ends an evaluation).
+    burn_ulysses::attention_guard::forget_embedded_lengths();
+    let loss = evaluated??;
     // Attention that never reached the group (a model that attends by hand the guard cannot
     // see, or one device chosen inside the forward; attention on the noted shard with no rank
     // context is refused in the forward) attended within each shard.
