@@ -12,12 +12,14 @@
 //! - [`error`]: every refusal, naming the problem and the fix;
 //! - [`zero`]: ZeRO's partition of parameters, gradients and optimizer state over the ranks;
 //! - [`host_adamw`]: AdamW on the host over a rank's part (the optimizer offloaded);
-//! - [`host_memory`]: the host memory available, to refuse state that would not fit.
+//! - [`host_memory`]: the host memory available, to refuse state that would not fit;
+//! - [`files`]: files read as data, refused where they are FIFOs or devices.
 
 pub mod comm;
 pub mod data;
 pub mod digest;
 pub mod error;
+pub mod files;
 pub mod gradients;
 pub mod host_adamw;
 pub mod host_memory;

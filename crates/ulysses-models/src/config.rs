@@ -222,7 +222,7 @@ impl HfConfig {
     pub fn from_hf(path: &Path) -> Result<Self, ConfigError> {
         let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
         let name = file.display().to_string();
-        let text = std::fs::read_to_string(&file).map_err(|e| {
+        let text = ulysses_core::files::read_to_string_regular(&file).map_err(|e| {
             // The folder given, or the one of a config.json named (not a mistyped folder's parent).
             let folder = if path.is_dir() { Some(path) } else { path.parent().filter(|_| path.file_name().is_some_and(|name| name == "config.json")) };
             let hint = folder.and_then(not_a_transformers_checkpoint).map(|why| format!(": the folder {why}")).unwrap_or_default();
@@ -660,8 +660,10 @@ fn rope(keys: &Keys, max_position_embeddings: usize) -> Result<(f64, RopeScaling
         let given = |keys: &Keys, name: &str| match keys.object.get(KEY) {
             None => Ok(None),
             Some(value) => match value.as_f64() {
-                Some(x) if x.is_finite() && x > 0.0 => Ok(Some(x)),
-                _ => Err(keys.error(name, format!("is {value}: give the context the model was trained at, or leave the key out (then max_position_embeddings)"))),
+                // Whole: a context of tokens, written back as one (8192.5 trained as such was
+                // saved as 8192, another RoPE).
+                Some(x) if x.is_finite() && x > 0.0 && x.fract() == 0.0 && x <= 2f64.powi(53) => Ok(Some(x)),
+                _ => Err(keys.error(name, format!("is {value}: give the context the model was trained at (a whole number of tokens), or leave the key out (then max_position_embeddings)"))),
             },
         };
         match given(keys, KEY)? {
@@ -782,14 +784,15 @@ mod tests {
 
     /// Llama 3's scaling without its original context anywhere reads it as the config's
     /// `max_position_embeddings`, as transformers 5 fills it in (the fixtures check one beside
-    /// the scaling); one of 0 or null, inside or beside the scaling, is refused by name.
+    /// the scaling); one of 0, null or no whole number, inside or beside the scaling, is refused by
+    /// name (8192.5 was saved as 8192).
     #[test]
     fn llama3_without_an_original_context_takes_the_configs() {
         let scaling = json!({"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "rope_type": "llama3"});
         let llama = with(&with(LLAMA, "rope_scaling", scaling.clone()), "max_position_embeddings", json!(4096));
         let RopeScaling::Llama3 { original_max_position_embeddings, .. } = HfConfig::from_hf_json(&llama, "ckpt/config.json").unwrap().rope_scaling else { panic!("llama3") };
         assert_eq!(original_max_position_embeddings, 4096.0);
-        for bad in [json!(0), Value::Null] {
+        for bad in [json!(0), Value::Null, json!(8192.5), json!(0.5)] {
             let mut inside = scaling.clone();
             inside["original_max_position_embeddings"] = bad.clone();
             let error = refused(&with(LLAMA, "rope_scaling", inside));

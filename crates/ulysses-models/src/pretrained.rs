@@ -359,7 +359,7 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     }
     let index = dir.join(INDEX_FILE);
     if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|e| CheckpointError::file(&index, e))?;
+        let text = ulysses_core::files::read_to_string_regular(&index).map_err(|e| CheckpointError::file(&index, e))?;
         let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| CheckpointError::file(&index, e))?;
         let map = json["weight_map"].as_object().ok_or_else(|| CheckpointError::file(&index, "has no `weight_map` object"))?;
         let files: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
@@ -386,7 +386,7 @@ pub fn is_git_lfs_pointer(file: &Path) -> bool {
     use std::io::Read;
     let mut start = [0u8; GIT_LFS_POINTER.len()];
     // A file shorter than the pointer's first words is no pointer.
-    let read = std::fs::File::open(file).and_then(|mut opened| opened.read_exact(&mut start));
+    let read = ulysses_core::files::open_regular(file).and_then(|mut opened| opened.read_exact(&mut start));
     read.is_ok() && is_git_lfs_pointer_text(&start)
 }
 
@@ -426,7 +426,7 @@ fn check_safetensors_whole(file: &Path) -> Result<SafetensorsHeader, CheckpointE
              again (`huggingface-cli download REPO --local-dir FOLDER` resumes one) and compare its size with the repository's"
         ))
     };
-    let mut reader = std::fs::File::open(file).map_err(|e| error(e.to_string()))?;
+    let mut reader = ulysses_core::files::open_regular(file).map_err(|e| error(e.to_string()))?;
     let mut prefix = [0u8; 8];
     if size < 8 {
         return Err(cut_short(8));

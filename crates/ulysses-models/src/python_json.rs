@@ -18,15 +18,23 @@ struct Style {
     sort_keys: bool,
 }
 
+/// The longest indent `tojson` writes (templates use 2 or 4): one read from a template is
+/// repeated on every line at every level, and a huge one would take the host's memory.
+const LONGEST_INDENT: usize = 64;
+
 /// The `tojson` filter of transformers' chat templates.
 pub fn tojson(value: Value, kwargs: Kwargs) -> Result<String, Error> {
     let indent = match kwargs.get::<Option<Value>>("indent")? {
         None => None,
         Some(indent) if indent.is_none() => None,
         Some(indent) => Some(match indent.as_str() {
-            Some(text) => text.to_string(),
+            Some(text) if text.chars().count() <= LONGEST_INDENT => text.to_string(),
+            Some(text) => return Err(Error::new(ErrorKind::InvalidOperation, format!("tojson: an indent of {} characters is past the {LONGEST_INDENT} this renderer writes", text.chars().count()))),
             None => {
                 let spaces = indent.as_i64().ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "tojson: indent must be a number or a string"))?;
+                if spaces > LONGEST_INDENT as i64 {
+                    return Err(Error::new(ErrorKind::InvalidOperation, format!("tojson: indent={spaces} is past the {LONGEST_INDENT} spaces this renderer writes")));
+                }
                 " ".repeat(spaces.max(0) as usize)
             }
         }),
@@ -323,6 +331,23 @@ mod tests {
             (f64::NAN, "NaN"),
         ] {
             assert_eq!(python_float(x), python, "{x:e}");
+        }
+    }
+
+    /// An indent from a template is repeated on every line: one past 64 is refused by name (a
+    /// template's `tojson(indent=10**12)` took the host's memory); 4 writes Python's layout.
+    #[test]
+    fn an_indent_past_64_is_refused() {
+        let env = {
+            let mut env = minijinja::Environment::new();
+            env.add_filter("tojson", tojson);
+            env
+        };
+        let render = |template: &str| env.render_str(template, minijinja::context! { x => serde_json::json!({"a": [1]}) }).map_err(|e| e.to_string());
+        assert_eq!(render("{{ x | tojson(indent=4) }}").unwrap(), "{\n    \"a\": [\n        1\n    ]\n}");
+        for template in ["{{ x | tojson(indent=65) }}", &format!("{{{{ x | tojson(indent='{}') }}}}", " ".repeat(65)), "{{ x | tojson(indent=1000000000000) }}"] {
+            let error = render(template).expect_err(template);
+            assert!(error.contains("is past the 64"), "{template}: {error}");
         }
     }
 }

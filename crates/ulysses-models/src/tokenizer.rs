@@ -277,7 +277,7 @@ fn optional_json(file: &Path) -> Result<serde_json::Value, TokenizerError> {
 /// it has one that cannot be read (no permission, not UTF-8, a Git LFS pointer), which read as
 /// absent would change the tokens or the template without a word.
 pub(crate) fn optional_text(file: &Path) -> Result<Option<String>, String> {
-    match std::fs::read_to_string(file) {
+    match ulysses_core::files::read_to_string_regular(file) {
         Ok(text) if crate::pretrained::is_git_lfs_pointer_text(text.as_bytes()) => Err(crate::pretrained::git_lfs_pointer_problem()),
         Ok(text) => Ok(Some(text)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -299,7 +299,7 @@ impl TextTokenizer {
         let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
         let file = file.display().to_string();
         let cannot_read = |e: &dyn std::fmt::Display| TokenizerError { file: file.clone(), problem: format!("cannot be read as a Hugging Face tokenizer.json: {e}") };
-        let text = std::fs::read_to_string(&file).map_err(|e| cannot_read(&e))?;
+        let text = ulysses_core::files::read_to_string_regular(Path::new(&file)).map_err(|e| cannot_read(&e))?;
         if crate::pretrained::is_git_lfs_pointer_text(text.as_bytes()) {
             return Err(TokenizerError { file, problem: crate::pretrained::git_lfs_pointer_problem() });
         }

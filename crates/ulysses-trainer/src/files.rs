@@ -14,7 +14,7 @@ use std::{
 pub fn files_under(path: &Path) -> std::io::Result<Vec<PathBuf>> {
     let metadata = fs::metadata(path)?;
     if !metadata.is_dir() {
-        return regular(path, &metadata).map(|()| vec![path.to_path_buf()]);
+        return ulysses_core::files::check_regular(path, &metadata).map(|()| vec![path.to_path_buf()]);
     }
     let mut files = Vec::new();
     walk(path, &mut files, &mut HashSet::new())?;
@@ -32,7 +32,7 @@ fn walk(path: &Path, files: &mut Vec<PathBuf>, folders: &mut HashSet<PathBuf>) -
     let named = |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
     let metadata = fs::metadata(path).map_err(named)?;
     if !metadata.is_dir() {
-        regular(path, &metadata)?;
+        ulysses_core::files::check_regular(path, &metadata)?;
         files.push(path.to_path_buf());
         return Ok(());
     }
@@ -46,18 +46,6 @@ fn walk(path: &Path, files: &mut Vec<PathBuf>, folders: &mut HashSet<PathBuf>) -
         }
     }
     Ok(())
-}
-
-/// Refuses what is neither a folder nor a file of bytes (a FIFO, a device, a socket, or a link
-/// to one: `/dev/zero`): its reads could wait forever or never end.
-fn regular(path: &Path, metadata: &fs::Metadata) -> std::io::Result<()> {
-    match metadata.is_file() {
-        true => Ok(()),
-        false => Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("{}: not a file of data (a FIFO, a device or a socket), whose reads could wait forever or never end", path.display()),
-        )),
-    }
 }
 
 /// The files of a --data folder that hold documents (JSON Lines as `.jsonl` or `.json`, text

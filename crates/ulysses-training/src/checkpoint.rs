@@ -375,10 +375,19 @@ fn read_preamble(path: &Path) -> Result<Preamble, UlyssesError> {
     if 16u64.checked_add(header_bytes).is_none_or(|end| end > file_bytes) {
         return Err(cut_off());
     }
+    // A flipped bit in the length of an 8B model's file still fits it: tens of GB read for a
+    // header of kilobytes (it is read at every run folder's claim too).
+    if header_bytes > LONGEST_HEADER_BYTES {
+        return Err(error(path, format!("its header claims {header_bytes} bytes, past any checkpoint's ({LONGEST_HEADER_BYTES}): the file is corrupt. Use an earlier checkpoint.")));
+    }
     let mut header = vec![0u8; header_bytes as usize];
     file.read_exact(&mut header).map_err(cannot_read)?;
     Ok(Preamble::Header { file, file_bytes, header })
 }
+
+/// The most a checkpoint's header (or a sharded state file's) may hold: its run state and the
+/// parameters' names take kilobytes to a few megabytes.
+pub(crate) const LONGEST_HEADER_BYTES: u64 = 256 << 20;
 
 /// The checkpoint file at `path`, opened and read up to the end of its header (checked: magic,
 /// format, and lengths that fit the file).
@@ -687,6 +696,14 @@ mod tests {
             assert!(message.contains("the header is cut off"), "{message}");
             assert!(read_checkpoint_state::<State>(&path).unwrap_err().to_string().contains("the header is cut off"));
         }
+        // One inside a file as long (a large model's), past any header: named, not read (a
+        // sparse file of 300 MiB here).
+        let mut corrupt = bytes[..8].to_vec();
+        corrupt.extend((300u64 << 20).to_le_bytes());
+        fs::write(&path, &corrupt).unwrap();
+        fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(16 + (300 << 20)).unwrap();
+        let message = read_checkpoint_state::<State>(&path).unwrap_err().to_string();
+        assert!(message.contains("its header claims 314572800 bytes, past any checkpoint's") && message.contains("Use an earlier checkpoint"), "{message}");
         // Section lengths whose sum passes 2^64 are named too.
         let header_bytes = u64::from_le_bytes(bytes[8..16].try_into().unwrap()) as usize;
         let header = std::str::from_utf8(&bytes[16..16 + header_bytes]).unwrap();

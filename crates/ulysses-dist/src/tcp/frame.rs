@@ -172,6 +172,10 @@ pub fn read_message(reader: &mut impl Read, max_message_bytes: u64) -> Result<(H
         if payload.len() as u64 + u64::from(header.frame_len) > first.message_len {
             return Err(FrameError::Invalid("a message's frames hold more than its length".into()));
         }
+        // Every frame after the first brings bytes: empty ones would keep a message coming forever.
+        if header.frame_len == 0 {
+            return Err(FrameError::Invalid("an empty frame inside a message that is not whole".into()));
+        }
     }
 }
 
@@ -225,5 +229,20 @@ mod tests {
         write_message(&mut wire, Kind::Data, 0, 0, 0, &vec![1u8; MAX_FRAME_BYTES + 10]).unwrap();
         wire.truncate(wire.len() - 5);
         assert!(matches!(read_message(&mut wire.as_slice(), u64::MAX), Err(FrameError::Io(_))));
+    }
+
+    /// Empty frames after a message's first, before it is whole, are refused: a peer sending
+    /// them one after another (anything on the network may dial a rank) kept the read going
+    /// forever.
+    #[test]
+    fn an_empty_frame_inside_a_message_is_refused() {
+        let header = |frame_len: u32| Header { kind: Kind::Hello, op: 0, group: 0, seq: 0, message_len: 4, frame_len }.encode().to_vec();
+        let mut wire = header(2);
+        wire.extend([1u8, 2]);
+        for _ in 0..3 {
+            wire.extend(header(0));
+        }
+        let error = read_message(&mut wire.as_slice(), u64::MAX).unwrap_err().to_string();
+        assert!(error.contains("an empty frame inside a message that is not whole"), "{error}");
     }
 }

@@ -13,7 +13,7 @@
 
 use std::{
     collections::{BTreeSet, HashMap, VecDeque},
-    io::{BufReader, BufWriter, Write},
+    io::{BufReader, BufWriter, Read, Write},
     net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs},
     sync::{Arc, Condvar, Mutex, MutexGuard},
     time::{Duration, Instant},
@@ -437,12 +437,34 @@ fn loopback_hint(error: DistError, address: &str, peer: usize, reaching_rank_0: 
     ))
 }
 
+/// How long a connecting rank has to send its whole hello.
+const HELLO_TIME: Duration = Duration::from_secs(10);
+
+/// A stream read until a deadline: each read waits at most the time left, and none starts past it.
+struct ReadWithin<'a> {
+    stream: &'a mut TcpStream,
+    deadline: Instant,
+}
+
+impl Read for ReadWithin<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("the hello did not arrive whole within {} s", HELLO_TIME.as_secs())));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
 /// Checks a connecting rank's hello: the job's token, the same world size, a higher rank not
 /// yet connected. Answers it either way.
 fn admit(mut stream: TcpStream, env: &LaunchEnv, token: &str, connected: &[Option<TcpStream>]) -> Result<(usize, TcpStream), String> {
     stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-    stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
-    let (header, payload) = read_message(&mut stream, 64 * 1024).map_err(|e| e.to_string())?;
+    // Ten seconds for the whole hello, not for each read: a connection that sends a byte now
+    // and then (anything on the network may dial this port) would hold the accept loop forever.
+    let mut within = ReadWithin { stream: &mut stream, deadline: Instant::now() + HELLO_TIME };
+    let (header, payload) = read_message(&mut within, 64 * 1024).map_err(|e| e.to_string())?;
     let verdict = (|| {
         if header.kind != Kind::Hello {
             return Err("the first frame must be a hello".to_string());
@@ -475,6 +497,32 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A read within a deadline ends at it, though bytes keep coming (one each 50 ms: each read
+    /// alone is quick, as a peer dripping its hello makes them).
+    #[test]
+    fn a_read_within_a_deadline_ends_at_it_though_bytes_keep_coming() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let dripping = std::thread::spawn(move || {
+            let mut client = TcpStream::connect(address).unwrap();
+            for _ in 0..40 {
+                if client.write_all(&[1]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let (mut stream, _) = listener.accept().unwrap();
+        let began = Instant::now();
+        let mut within = ReadWithin { stream: &mut stream, deadline: Instant::now() + Duration::from_millis(300) };
+        let error = within.read_exact(&mut [0u8; 64]).unwrap_err();
+        // Past the deadline as a read begins, or while one waits (the socket's timeout: EAGAIN).
+        assert!(matches!(error.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock), "{error}");
+        assert!(began.elapsed() < Duration::from_secs(1), "{:?}", began.elapsed());
+        drop(stream);
+        dripping.join().unwrap();
+    }
 
     /// A loopback address that fails to dial from a rank that reaches rank 0 over the network
     /// is named as such, with ULYSSES_TCP_ADDR; other failures are left as they are.

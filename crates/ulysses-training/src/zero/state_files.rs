@@ -254,6 +254,9 @@ impl ShardFile {
         if header_len > length.saturating_sub(preamble) {
             return Err(shard_error(path, format!("its header claims {header_len} bytes, past the file's {length}; the file is truncated or corrupt")));
         }
+        if header_len > crate::checkpoint::LONGEST_HEADER_BYTES {
+            return Err(shard_error(path, format!("its header claims {header_len} bytes, past any state file's; the file is corrupt. Use an earlier checkpoint.")));
+        }
         let mut header = vec![0u8; header_len as usize];
         file.read_exact(&mut header).map_err(|_| shard_error(path, "the header is cut off; the file is truncated"))?;
         // The header holds the optimizer's settings and step counts: a flipped digit there
