@@ -1685,6 +1685,15 @@ pub fn check_resumable(config: &TrainConfig, saved: &RunState) -> Result<(), Str
     if saved.completed_steps > config.steps {
         return Err(format!("the checkpoint has already taken {} steps, more than --steps {}", saved.completed_steps, config.steps));
     }
+    // Every checkpoint this trainer writes has them equal: the data would go on elsewhere than
+    // the steps (an edited or corrupt header; older ones carry no checksum).
+    if saved.data_position != saved.completed_steps {
+        return Err(format!(
+            "the checkpoint's state is inconsistent: {} steps taken, but its data at batch {}: the file was edited or is corrupt. Use an \
+             earlier checkpoint",
+            saved.completed_steps, saved.data_position
+        ));
+    }
     // Given on purpose (the trainer takes the checkpoint's where they are not given).
     let schedule = |c: &TrainConfig| (c.steps, c.warmup_steps, c.lr_schedule, c.min_lr_ratio.to_bits(), c.learning_rate.to_bits(), c.max_grad_norm.map(f64::to_bits), c.precision, c.f32_head);
     if schedule(config) != schedule(&saved.config) {
@@ -1965,7 +1974,8 @@ mod tests {
     }
 
     /// A resume under other AdamW settings is refused (the replicated optimizer would take the
-    /// new ones and the sharded one the checkpoint's); another --f32-head only warned about.
+    /// new ones and the sharded one the checkpoint's); another --f32-head only warned about; a
+    /// state whose data position is not its steps' refused.
     #[test]
     fn a_resume_under_other_optimizer_settings_is_refused() {
         let config = TrainConfig::small(ParallelLayout::new());
@@ -1976,6 +1986,9 @@ mod tests {
         decayed.optimizer = decayed.optimizer.with_weight_decay(0.5);
         let error = check_resumable(&decayed, &saved).unwrap_err();
         assert!(error.contains("optimizer.weight_decay 0.01,") && error.contains("this one has 0.5"), "{error}");
+        // A header whose data position is not its steps' (edited, or corrupt without a checksum).
+        let error = check_resumable(&config, &RunState { data_position: 7, ..saved }).unwrap_err();
+        assert!(error.contains("2 steps taken, but its data at batch 7") && error.contains("Use an earlier checkpoint"), "{error}");
     }
 
     /// The schedules: a linear warm-up to the peak, then a cosine, a line or nothing towards
