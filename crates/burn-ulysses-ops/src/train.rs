@@ -151,9 +151,13 @@ pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64)
 pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> GradientsParams {
     context::forget_step_shards();
     let Some(group) = context::world().filter(|group| group.size() > 1) else { return grads };
-    // Once a model a thread (told by its first parameter's id: a model built anew has another).
+    // Once a model a thread (told by its first parameter's id: a model built anew has another,
+    // a record loaded the record's). A comparison is a collective: every rank compares where any
+    // rank's model is new to it (one that loaded rank 0's record has rank 0's ids).
     let compared = (first_parameter_id(model), context::current_entry_number());
-    if PARAMETERS_COMPARED.replace(Some(compared)) != Some(compared) {
+    let new_here = PARAMETERS_COMPARED.replace(Some(compared)) != Some(compared);
+    let every_rank = all_gather_host_checked(&*group, &[u64::from(new_here)], "whether the model is new").unwrap_or_else(|error| panic!("comparing the ranks' parameters: {error}"));
+    if every_rank.iter().any(|new| new[0] == 1) {
         refuse_differing_parameters(model, &*group);
     }
     refuse_attention_that_never_exchanged();

@@ -284,6 +284,39 @@ fn ranks_with_other_parameters_are_refused_at_their_first_gradient_sum() {
     assert_eq!(first_sum_after_attention(|_| 7, true), vec![Ok(()), Ok(())], "ranks with one seed");
 }
 
+/// A model new on one rank's thread alone (built again from a seed: other ids; the other rank
+/// keeps its first) is compared on every rank at the next sum: a comparison is a collective,
+/// and one rank alone in it parted the ranks' collectives. The same values pass; others are
+/// refused on both ranks.
+#[test]
+fn a_model_new_on_one_rank_alone_is_compared_on_every_rank() {
+    use burn::tensor::ops::AttentionModuleOptions;
+    for (seed, differs) in [(7, false), (8, true)] {
+        let results = run_ranks(&Launch::Threads, 2, &DistributedConfig::new().with_sp_size(2), move |rank| {
+            let device = plain_device().autodiff();
+            let mut model = init_seeded(&CONFIG, &device, 7);
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                for sum in 0..2 {
+                    if sum == 1 && rank.rank == 1 {
+                        model = init_seeded(&CONFIG, &device, seed);
+                    }
+                    let x = || Tensor::<4>::zeros([1, 4, 4, 8], &device);
+                    drop(burn_ulysses_ops::attention(x(), x(), x(), None, None, AttentionModuleOptions { is_causal: true, ..Default::default() }));
+                    drop(all_reduce_gradients(&model, GradientsParams::new()));
+                }
+            }))
+            .map_err(|panic| ulysses_core::comm::panic_message(&*panic))
+        })
+        .unwrap_or_else(|error| panic!("{error}"));
+        for (rank, result) in results.into_iter().enumerate() {
+            match differs {
+                false => assert!(result.is_ok(), "seed {seed}, rank {rank}: {result:?}"),
+                true => assert!(result.as_ref().is_err_and(|m| m.contains("ranks 0 and 1 hold different parameters")), "seed {seed}, rank {rank}: {result:?}"),
+            }
+        }
+    }
+}
+
 /// A step whose attention never went through the group (burn's own attention: each rank
 /// attends within its shard) is refused at its gradient sum on every rank, naming the fix.
 #[test]

@@ -266,14 +266,20 @@ fn embedded() -> (usize, bool) {
     }
 }
 
-/// Forgets the lengths embedded so far, and their table: a backward ends a forward, and the next
-/// one's token ids may be of another length (dynamic padding) without two sequences in one
-/// forward, which the rules that go by the length would take it for, and stop; the next model
-/// may embed no ids (features, patches), and another's width would stand for its own.
+/// Forgets the lengths embedded so far: a backward ends a forward, and the next one's token ids
+/// may be of another length (dynamic padding) without two sequences in one forward, which the
+/// rules that go by the length would take it for, and stop.
 pub fn forget_embedded_lengths() {
     EMBEDDED_TOKENS.set((0, 0));
-    EMBEDDED_TABLE.set([0, 0]);
     RESAMPLED_SHARDS.set([0; 4]);
+}
+
+/// Forgets the table the last tokens were embedded with, as a step or an evaluation begins or
+/// ends: the next model may embed no ids (features, patches), and another's width would stand
+/// for its own. Not at a backward: layer checkpointing's recompute, after the head's backward,
+/// goes by the table its first pass embedded with.
+pub fn forget_embedded_table() {
+    EMBEDDED_TABLE.set([0, 0]);
 }
 
 /// Why sequence-parallel attention over a query of `q_shape` (`[B, H, S, D]` as burn takes it)
@@ -2539,10 +2545,10 @@ mod tests {
         // features as wide as the shard (a width of 8) leave no telling, and pass.
         EMBEDDED_TABLE.set([50, 16]);
         assert!(reduced(&[2, 16, 8], 2).is_some_and(|m| m.contains("along dim 2 of a [2, 16, 8] tensor")) && reduced(&[2, 1, 8], 2).is_some());
-        // Forgotten with the lengths (a backward, an evaluation's end): the next model, which may
-        // embed no ids, is not held to this one's width.
-        forget_embedded_lengths();
-        assert!(reduced(&[2, 16, 8], 2).is_none(), "the last model's table outlived its backward");
+        // Forgotten as a step or an evaluation begins or ends: the next model, which may embed no
+        // ids, is not held to this one's width.
+        forget_embedded_table();
+        assert!(reduced(&[2, 16, 8], 2).is_none(), "the last model's table outlived its step");
         EMBEDDED_TABLE.set([50, 16]);
         assert!(reduced(&[2, 9, 8], 2).is_none() && reduced(&[2, 16, 16], 2).is_none() && reduced(&[2, 16, 50], 2).is_none());
         EMBEDDED_TABLE.set([50, 8]);

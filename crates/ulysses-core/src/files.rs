@@ -20,14 +20,14 @@ pub fn check_regular(path: &Path, metadata: &Metadata) -> io::Result<()> {
     }
 }
 
-/// `path` opened for reading, once its metadata says it is a file of bytes (checked before the
-/// open: opening a FIFO waits for a writer).
+/// `path` opened for reading, once its metadata says it is a file of bytes or a folder (checked
+/// before the open: opening a FIFO waits for a writer; a folder's first read fails, naming it).
 pub fn open_regular(path: &Path) -> io::Result<File> {
     check_regular(path, &fs::metadata(path)?)?;
     File::open(path)
 }
 
-/// [`fs::read_to_string`] of a file of bytes alone.
+/// [`fs::read_to_string`] of a file of bytes (a folder fails as `fs::read_to_string` fails).
 pub fn read_to_string_regular(path: &Path) -> io::Result<String> {
     check_regular(path, &fs::metadata(path)?)?;
     fs::read_to_string(path)

@@ -552,7 +552,7 @@ impl HfConfig {
 pub(crate) fn not_a_transformers_checkpoint(dir: &Path) -> Option<String> {
     let has = |name: &str| dir.join(name).exists();
     if has("adapter_config.json") {
-        let base = std::fs::read_to_string(dir.join("adapter_config.json"))
+        let base = ulysses_core::files::read_to_string_regular(&dir.join("adapter_config.json"))
             .ok()
             .and_then(|text| serde_json::from_str::<Value>(&text).ok())
             .and_then(|config| config.get("base_model_name_or_path")?.as_str().map(str::to_string))

@@ -359,6 +359,8 @@ where
     B: TrainBackend,
     M: CausalLm<B>,
 {
+    // A step begins: the table the last one embedded with may be another model's.
+    burn_ulysses::attention_guard::forget_embedded_table();
     let checked = settings
         .and_then(|()| check_step_inputs::<B, M>(model, step.micro_batches, sharder, groups))
         .and_then(|()| check_step_annotations(step, sharder))
@@ -381,10 +383,11 @@ where
     // And the batch's digest: the ranks of an SP group cut the same sequences.
     // Once a model a rank thread, the parameters it starts from: ranks built from other seeds,
     // and not broadcast, would each step their own model with the summed gradients, without an
-    // error. A model is told by its first parameter's id (an optimizer's step and a record's
-    // load keep it; a model built anew has another), so a second model trained on the thread
-    // is compared too. Compared where every rank brings one (a rank thread that compared this
-    // model before brings none: then none compares, rather than part the ranks' collectives).
+    // error. A model is told by its first parameter's id (an optimizer's step keeps it; a model
+    // built anew has another, a record loaded the record's), so a second model trained on the
+    // thread is compared too. Compared where every rank brings one: where some do and some do
+    // not (a rank that compared this model before), none compares this step, and every rank
+    // brings one at the next.
     let compared = (first_parameter_id(model), groups.world.size());
     let fingerprint = (groups.world.size() > 1 && PARAMETERS_COMPARED.get() != Some(compared) && checked.is_ok()).then(|| parameters_fingerprint(model)).flatten();
     let mine = [
@@ -422,6 +425,9 @@ where
             groups.layout.coordinates(rank).0,
             step.index
         )));
+    }
+    if gathered.iter().any(|v| v[6] == 1) && !gathered.iter().all(|v| v[6] == 1) {
+        PARAMETERS_COMPARED.set(None);
     }
     if gathered.iter().all(|v| v[6] == 1) {
         PARAMETERS_COMPARED.set(Some(compared));
@@ -1032,6 +1038,7 @@ pub fn evaluate<B: Backend, G: Backend>(
     });
     // Nor are its lengths and table the next forward's (no backward ends an evaluation).
     burn_ulysses::attention_guard::forget_embedded_lengths();
+    burn_ulysses::attention_guard::forget_embedded_table();
     let loss = evaluated??;
     // Attention that never reached the group (a model that attends by hand the guard cannot
     // see, or one device chosen inside the forward; attention on the noted shard with no rank
@@ -1081,11 +1088,15 @@ pub fn evaluate_single_device<B: Backend>(
     sharder.check_batch(batch, documents, targets)?;
     check_evaluated_tokens(batch, ignore_index)?;
     let whole = sharder.shard_targets(batch, documents, targets, 0);
-    let loss = model_failure_as_error(|| {
+    let evaluated = model_failure_as_error(|| {
         let output = forward(whole.tokens(device), &whole.positions)?;
         check_evaluated_vocabulary(batch, sharder.pad_token, output.vocab_size())?;
         Ok::<_, UlyssesError>(lm_loss_sum_inference(output, whole.labels(device), ignore_index).into_scalar().elem::<f64>())
-    })??;
+    });
+    // As `evaluate`'s: its lengths and table are no next forward's.
+    burn_ulysses::attention_guard::forget_embedded_lengths();
+    burn_ulysses::attention_guard::forget_embedded_table();
+    let loss = evaluated??;
     Ok(TokenLoss { sum: loss, tokens: whole.valid_tokens })
 }
 
