@@ -144,8 +144,8 @@ pub fn lm_loss_sum(logits: Tensor<3>, labels: Tensor<2, Int>, ignore_index: i64)
 ///
 /// # Panics
 ///
-/// When a collective fails (a rank died or ran another model), naming it; and at a thread's
-/// first sum, where the ranks' parameters differ (models built from other seeds: rank threads
+/// When a collective fails (a rank died or ran another model), naming it; and at the first sum
+/// of a model new to any rank's thread, where the ranks' parameters differ (models built from other seeds: rank threads
 /// share a device's random generator, so `init` on each draws other weights), which would
 /// train the replicas apart.
 pub fn all_reduce_gradients<M: Module>(model: &M, grads: GradientsParams) -> GradientsParams {
@@ -226,7 +226,7 @@ fn refuse_differing_parameters<M: Module>(model: &M, group: &dyn HostCommunicato
     let every_rank = all_gather_host_checked(group, &[digest], "the parameters' digest").unwrap_or_else(|error| panic!("comparing the ranks' parameters: {error}"));
     if let Some(rank) = every_rank.iter().position(|digests| digests[0] != every_rank[0][0]) {
         panic!(
-            "ranks 0 and {rank} hold different parameters at their first gradient sum: the replicas would train apart. Build the model \
+            "ranks 0 and {rank} hold different parameters at the first gradient sum of their model: the replicas would train apart. Build the model \
              from one seed on every rank (rank threads share a device's random generator, so `init` on each draws other weights: \
              the tiny_llama example's `init_seeded`), or load one record on every rank"
         );

@@ -1019,8 +1019,10 @@ pub fn evaluate<B: Backend, G: Backend>(
     sharder.check_batch(batch, documents, targets)?;
     check_evaluated_tokens(batch, sharder.ignore_index)?;
     // A forward of its own: the lengths embedded before it (an evaluation loop's other batches,
-    // with no backward between) are no second sequence of this one, for the guard.
+    // with no backward between) are no second sequence of this one, for the guard, nor is the
+    // table (another model's, maybe).
     burn_ulysses::attention_guard::forget_embedded_lengths();
+    burn_ulysses::attention_guard::forget_embedded_table();
     let shard = sharder.shard_targets(batch, documents, targets, sp_rank);
     let exchanges_before = context_exchanges::<G>();
     let evaluated = model_failure_as_error(|| {
