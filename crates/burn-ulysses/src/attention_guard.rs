@@ -282,6 +282,13 @@ pub fn forget_embedded_table() {
     EMBEDDED_TABLE.set([0, 0]);
 }
 
+/// Forgets all the last forward embedded, its lengths and its table: an evaluation's, which no
+/// backward ends, as it begins and ends.
+pub fn forget_embedded() {
+    forget_embedded_lengths();
+    forget_embedded_table();
+}
+
 /// Why sequence-parallel attention over a query of `q_shape` (`[B, H, S, D]` as burn takes it)
 /// is refused as one whose heads and tokens are swapped ([`ulysses_core::layout::heads_and_tokens_swapped`]),
 /// or `None`: where the shard's length is known (the token ids embedded, or the positions noted).

@@ -1021,8 +1021,7 @@ pub fn evaluate<B: Backend, G: Backend>(
     // A forward of its own: the lengths embedded before it (an evaluation loop's other batches,
     // with no backward between) are no second sequence of this one, for the guard, nor is the
     // table (another model's, maybe).
-    burn_ulysses::attention_guard::forget_embedded_lengths();
-    burn_ulysses::attention_guard::forget_embedded_table();
+    burn_ulysses::attention_guard::forget_embedded();
     let shard = sharder.shard_targets(batch, documents, targets, sp_rank);
     let exchanges_before = context_exchanges::<G>();
     let evaluated = model_failure_as_error(|| {
@@ -1039,8 +1038,7 @@ pub fn evaluate<B: Backend, G: Backend>(
         Ok::<_, UlyssesError>(lm_loss_sum_inference(output, shard.labels(device), sharder.ignore_index).into_scalar().elem::<f64>())
     });
     // Nor are its lengths and table the next forward's (no backward ends an evaluation).
-    burn_ulysses::attention_guard::forget_embedded_lengths();
-    burn_ulysses::attention_guard::forget_embedded_table();
+    burn_ulysses::attention_guard::forget_embedded();
     let loss = evaluated??;
     // Attention that never reached the group (a model that attends by hand the guard cannot
     // see, or one device chosen inside the forward; attention on the noted shard with no rank
@@ -1096,8 +1094,7 @@ pub fn evaluate_single_device<B: Backend>(
         Ok::<_, UlyssesError>(lm_loss_sum_inference(output, whole.labels(device), ignore_index).into_scalar().elem::<f64>())
     });
     // As `evaluate`'s: its lengths and table are no next forward's.
-    burn_ulysses::attention_guard::forget_embedded_lengths();
-    burn_ulysses::attention_guard::forget_embedded_table();
+    burn_ulysses::attention_guard::forget_embedded();
     let loss = evaluated??;
     Ok(TokenLoss { sum: loss, tokens: whole.valid_tokens })
 }
