@@ -345,9 +345,15 @@ pub fn earlier_rows(path: &Path, step: usize, header: &str) -> Vec<String> {
 /// metrics.csv, or one the disk did not keep). (A held-out loss lost between the checkpoint
 /// and its evaluation is taken again as the resume begins.)
 pub fn kept_rows_gap(rows: &[usize], resumed: usize) -> Option<String> {
-    let rows: std::collections::HashSet<usize> = rows.iter().copied().collect();
-    let missing = (0..resumed).filter(|step| !rows.contains(step)).count();
-    let first = (0..resumed).find(|step| !rows.contains(step))?;
+    // Over the rows, not the steps: a checkpoint may claim any count of steps.
+    let mut kept: Vec<usize> = rows.iter().copied().filter(|&step| step < resumed).collect();
+    kept.sort_unstable();
+    kept.dedup();
+    let missing = resumed - kept.len();
+    if missing == 0 {
+        return None;
+    }
+    let first = kept.iter().enumerate().find(|(index, step)| index != *step).map_or(kept.len(), |(index, _)| index);
     Some(format!(
         "metrics.csv holds no row for {missing} of the {resumed} steps the checkpoint has taken (the first: step {first}); the curve \
          and the record start where the kept rows do"
@@ -426,6 +432,10 @@ mod tests {
         // No rows at all (a checkpoint copied without its metrics).
         let gap = kept_rows_gap(&[], 6).expect("no rows");
         assert!(gap.contains("no row for 6 of the 6 steps") && gap.contains("step 0"), "{gap}");
+        // Rows repeated (a crash's rows taken again), and a checkpoint claiming 10^15 steps:
+        // said at once, not after a loop over every step.
+        let gap = kept_rows_gap(&[0, 0, 1, 1, 2, 9], 1_000_000_000_000_000).expect("steps without a row");
+        assert!(gap.contains("no row for 999999999999996 of the 1000000000000000 steps") && gap.contains("step 3"), "{gap}");
     }
 
     fn folder(name: &str) -> PathBuf {
