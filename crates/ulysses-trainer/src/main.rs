@@ -1635,6 +1635,16 @@ fn planned_memory(args: &Args, config: &TrainConfig, launch: &Launch) -> Result<
             None => format!("this run does not fit {machines} wherever its layer inputs are: it needs {} on the device and {} on the host", gb(device), gb(host_needed)),
         }
     };
+    // World rank 0 evaluating whole sequences alone needs more than a step where sp > 2; no
+    // place of the layer inputs changes that.
+    let this_run = match memory::single_device_evaluation(config, parameters, compute_bytes).filter(|&bytes| bytes > machine.device_bytes) {
+        Some(bytes) => format!(
+            "{this_run}; and --eval-single-device has world rank 0 evaluate whole sequences alone, {} on its device, more than \
+             it holds: without the flag the SP group evaluates, each rank its shard",
+            gb(bytes)
+        ),
+        None => this_run,
+    };
     // In steps of a rank's 1024 tokens, up to 64M tokens.
     let step = 1024 * config.layout.sp_size;
     let longest_of = |config: &TrainConfig| memory::longest_fitting(config, parameters, compute_bytes, &machine, step, 1 << 26);

@@ -292,6 +292,40 @@ pub fn estimated_peak(config: &TrainConfig, parameters: u64, compute_bytes: u64)
     StepActivations::of(config, compute_bytes).map(|a| device_state_bytes(config, parameters, compute_bytes) + a.peak())
 }
 
+/// The most world rank 0's device holds as it evaluates whole sequences alone
+/// (`--eval-single-device`), its state included, or `None` where the run evaluates no such way
+/// or layers are not checkpointed (its evaluation then runs the model whole: not estimated).
+/// A forward without a graph over a micro-batch's `T = rows · seq_len` tokens, not a shard of
+/// them: the residual stream and a layer's output (`2 · T · d_model`); the attention core's q,
+/// k, v and output over every head, with its statistics; a token-wise tile's forward (the
+/// projections' input, the norm, the MLP's gate, up, activation and product, the output); or
+/// the loss's chunk of logits in f32 with its softmax and the tile's normed rows; under ZeRO-3
+/// the layer or the head's group gathered. Its core alone is `sp / 2` times a step's or more:
+/// evaluating over the SP group (without the flag) fits where the step does.
+pub fn single_device_evaluation(config: &TrainConfig, parameters: u64, compute_bytes: u64) -> Option<u64> {
+    let checkpointing = config.layer_checkpointing.as_ref()?;
+    if !config.eval_single_device || config.eval_every == 0 {
+        return None;
+    }
+    let model = &config.model;
+    let cb = compute_bytes;
+    let tokens = config.micro_batch_rows() as u64 * config.seq_len as u64;
+    let (d, hd, f, vocab) = (model.d_model as u64, model.head_dim() as u64, model.ffn_hidden as u64, model.vocab_size as u64);
+    let (heads, kv_heads) = (model.n_heads as u64, if model.repeat_kv { model.n_heads } else { model.n_kv_heads } as u64);
+    let core = cb * tokens * hd * (2 * heads + 2 * kv_heads) + 4 * tokens * heads;
+    let tile_rows = checkpointing.tile_tokens.map_or(tokens, |t| (config.micro_batch_rows() as u64 * t as u64).min(tokens));
+    let tile = cb * tile_rows * (heads * hd + 4 * d + 4 * f);
+    let chunk = (ulysses_training::default_chunk_rows(model.vocab_size) as u64).min(tile_rows);
+    let head_cast = if config.f32_head && cb != 4 { 4 * vocab * d } else { 0 };
+    let head = 3 * 4 * chunk * vocab + cb * tile_rows * d + head_cast;
+    let (layer_gathered, head_gathered) = match config.zero_stage {
+        3 => (cb * layer_parameters(model), cb * if model.tie_embeddings { rest_parameters(model) } else { vocab * d + d }),
+        _ => (0, 0),
+    };
+    let stream = cb * 2 * tokens * d;
+    Some(device_state_bytes(config, parameters, compute_bytes) + stream + (core + tile + layer_gathered).max(head + head_gathered))
+}
+
 /// The memory of the machines a run is planned for (`--check --device-memory GB --host-memory
 /// GB`): a rank's device, and a host shared by `ranks_per_host` ranks (`None`: not limited).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -463,7 +497,16 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
         });
     }
     let cuts = if cuts.is_empty() { String::new() } else { format!(". To need less: {}", cuts.join("; ")) };
-    format!("a rank's device needs about {} at a step's peak, estimated: {}{host}; the backend's pools reserve more{cuts}", gb(peak), parts.join(", "))
+    let evaluation = match single_device_evaluation(config, parameters, compute_bytes) {
+        Some(bytes) if bytes > peak => format!(
+            "; world rank 0's device needs about {} to evaluate whole sequences alone (--eval-single-device), more than a step: \
+             without the flag the SP group evaluates, each rank its shard",
+            gb(bytes)
+        ),
+        Some(bytes) => format!("; world rank 0's device needs about {} to evaluate whole sequences alone (--eval-single-device)", gb(bytes)),
+        None => String::new(),
+    };
+    format!("a rank's device needs about {} at a step's peak, estimated: {}{host}; the backend's pools reserve more{cuts}{evaluation}", gb(peak), parts.join(", "))
 }
 
 #[cfg(test)]
@@ -502,6 +545,36 @@ mod tests {
             .with_seq_len(seq_len)
             .with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(true).with_tile_tokens(tile_tokens)));
         StepActivations::of(&config, 2).expect("checkpointed")
+    }
+
+    /// `--eval-single-device` has world rank 0 run whole sequences alone: its estimate counts
+    /// the core over every token and head (which a step shares over the SP ranks), the same
+    /// whatever the SP size, and says where it is more than a step's peak.
+    #[test]
+    fn a_single_device_evaluation_counts_whole_sequences() {
+        let model = DecoderConfig::new(128_256).with_d_model(4096).with_n_layers(32).with_n_heads(32).with_n_kv_heads(8).with_ffn_hidden(14_336).with_repeat_kv(false);
+        let parameters = 32 * layer_parameters(&model) + rest_parameters(&model);
+        let config = |sp: usize, seq_len: usize, single: bool, every: usize| {
+            TrainConfig::new(model.clone(), AdamWConfig::new(), ParallelLayout::new().with_sp_size(sp))
+                .with_batch_size(1)
+                .with_seq_len(seq_len)
+                .with_eval_every(every)
+                .with_eval_single_device(single)
+                .with_layer_checkpointing(Some(LayerCheckpointing::new().with_offload_to_host(true).with_tile_tokens(Some(4096))))
+        };
+        let evaluation = |config: &TrainConfig| single_device_evaluation(config, parameters, 2);
+        assert_eq!(evaluation(&config(8, 1_048_576, false, 10)), None, "the SP group evaluates");
+        assert_eq!(evaluation(&config(8, 1_048_576, true, 0)), None, "no evaluation");
+        let (sp8, sp1) = (evaluation(&config(8, 1_048_576, true, 10)).unwrap(), evaluation(&config(1, 1_048_576, true, 10)).unwrap());
+        assert_eq!(sp8, sp1, "whole sequences whatever the SP size (the replicated state alike)");
+        // Per token: q, k, v and the output in bf16 over 32 q and 8 kv heads of 128, the f32
+        // statistics of each q head, the residual stream and a layer's output.
+        let longer = evaluation(&config(8, 2_097_152, true, 10)).unwrap();
+        assert_eq!(longer - sp8, 1_048_576 * ((2 * 32 + 2 * 8) * 128 * 2 + 32 * 4 + 2 * 4096 * 2));
+        let step = estimated_peak(&config(8, 1_048_576, true, 10), parameters, 2).unwrap();
+        assert!(sp8 > step, "{sp8} > {step}");
+        let said = describe(&config(8, 1_048_576, true, 10), parameters, 2, 0);
+        assert!(said.contains("to evaluate whole sequences alone (--eval-single-device), more than a step"), "{said}");
     }
 
     /// What the review found the estimate left out: the flash backward's f32 dq sum and its
