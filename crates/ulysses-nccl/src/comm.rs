@@ -54,6 +54,11 @@ struct Process {
     calls: Mutex<()>,
     rendezvous: Rendezvous,
     timeout: Duration,
+    /// Set where NCCL's kernels still ran on `stream` 10 s after an abort: buffers a failed
+    /// collective gave them are then never handed back to CubeCL's pool
+    /// ([`NcclCommunicator::release_after_failure`]), which would give them to a tensor the
+    /// kernels might still write.
+    kernels_left_running: AtomicBool,
 }
 
 impl Drop for Process {
@@ -145,6 +150,7 @@ impl NcclCommunicator {
             calls: Mutex::new(()),
             rendezvous,
             timeout: config.collective_timeout(),
+            kernels_left_running: AtomicBool::new(false),
         });
 
         let id = if env.rank == 0 {
@@ -300,7 +306,7 @@ impl NcclCommunicator {
     /// another device), after aborting: its peers may be inside the collective already, and
     /// NCCL pairs collectives by their order alone, so this rank's next one would run against
     /// theirs.
-    fn refuse(&self, error: CommError) -> CommError {
+    fn refuse<E>(&self, error: E) -> E {
         // Under the process's call lock (no caller holds it): another thread's collective on
         // this communicator, polling it, must not have it freed under it by the abort.
         let _exclusive = self.process.calls.lock().unwrap_or_else(|p| p.into_inner());
@@ -374,17 +380,29 @@ impl NcclCommunicator {
     /// After a collective failed and aborted the communicator: waits (10 s at most) for NCCL's
     /// kernels on its stream to end, so that the buffers, which go back to CubeCL's pool as
     /// the caller returns, are not written by them afterwards (an abort stops them, but does
-    /// not wait for them).
+    /// not wait for them). Where they still run, the process's failed collectives keep their
+    /// buffers for good ([`Self::release_after_failure`]).
     fn drain_after_abort(&self, op: &'static str) {
         let deadline = Instant::now() + Duration::from_secs(10);
         let poll = Poll::start();
         // SAFETY: our stream lives as long as the process.
         while unsafe { cuda_sys::cuStreamQuery(self.process.stream.0) } == cuda_sys::CUresult::CUDA_ERROR_NOT_READY {
             if Instant::now() >= deadline {
-                tracing::error!(op, "NCCL's kernels still run 10 s after the abort; their buffers may be reused under them: end this process");
+                self.process.kernels_left_running.store(true, Ordering::SeqCst);
+                tracing::error!(op, "NCCL's kernels still run 10 s after the abort; their buffers are kept from reuse (leaked): end this process");
                 return;
             }
             poll.pause();
+        }
+    }
+
+    /// Drops a failed collective's `buffers` (its tensors, handles and the guards holding
+    /// their memory), or leaks them where NCCL's kernels were left running on the stream
+    /// ([`Self::drain_after_abort`]): memory back in CubeCL's pool would be a later tensor's,
+    /// written by them (a silently wrong value, in a parameter or a checkpoint).
+    fn release_after_failure<T>(&self, buffers: T) {
+        if self.process.kernels_left_running.load(Ordering::SeqCst) {
+            std::mem::forget(buffers);
         }
     }
 
@@ -552,12 +570,15 @@ impl NcclCommunicator {
         let refused = |error: NcclError| self.refuse(to_comm_error(error));
         let dtype = data_type(input.dtype).map_err(refused)?;
         let count = input.shape().num_elements();
-        let (send, _send_guard) = device_pointer(&input).map_err(refused)?;
-        let (recv, _recv_guard) = device_pointer(&output).map_err(refused)?;
-        self.collective(op, &input.client, |comm, stream| {
+        let (send, send_guard) = device_pointer(&input).map_err(refused)?;
+        let (recv, recv_guard) = device_pointer(&output).map_err(refused)?;
+        let done = self.collective(op, &input.client, |comm, stream| {
             launch(send as *const c_void, recv as *mut c_void, count, dtype, comm, stream)
-        })
-        .map_err(to_comm_error)?;
+        });
+        if let Err(error) = done {
+            self.release_after_failure((send_guard, recv_guard, input, output));
+            return Err(to_comm_error(error));
+        }
         Ok(output)
     }
 }
@@ -762,12 +783,18 @@ impl NcclCommunicator {
         let bytes: Vec<u8> = values.iter().chain(std::iter::repeat(&0)).take(count).flat_map(|v| v.to_le_bytes()).collect();
         let input = client.create_from_slice(&bytes);
         let output = client.empty(count * 8 * self.size);
-        let input_resource = client.get_resource(input.clone()).map_err(|e| NcclError::Cuda(format!("{e:?}")))?;
-        let output_resource = client.get_resource(output.clone()).map_err(|e| NcclError::Cuda(format!("{e:?}")))?;
+        // Refused as every rank's refusal is (aborted): its peers may be in the gather already.
+        let refused = |e| self.refuse(NcclError::Cuda(format!("all_gather_host: {e:?}")));
+        let input_resource = client.get_resource(input.clone()).map_err(refused)?;
+        let output_resource = client.get_resource(output.clone()).map_err(refused)?;
         let (send, recv) = (input_resource.resource().ptr, output_resource.resource().ptr);
-        self.collective("all_gather_host", &client, |comm, stream| unsafe {
+        let done = self.collective("all_gather_host", &client, |comm, stream| unsafe {
             nccl::ncclAllGather(send as *const c_void, recv as *mut c_void, count, nccl::ncclDataType_t::ncclUint64, comm, stream)
-        })?;
+        });
+        if let Err(error) = done {
+            self.release_after_failure((input_resource, output_resource, input, output));
+            return Err(error);
+        }
         drop((input_resource, output_resource));
         let bytes = client.read_one(output).map_err(|e| NcclError::Cuda(format!("{e:?}")))?;
         let all: Vec<u64> = bytes.chunks_exact(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect();
