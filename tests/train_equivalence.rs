@@ -2299,6 +2299,9 @@ fn a_loop_of_ones_own_as_the_guide_writes_it_trains_like_one_device() {
                 let replica = &batch[groups.dp_rank() * per_replica..(groups.dp_rank() + 1) * per_replica];
                 let shard = layout.sharder().shard(replica, groups.sp_rank());
                 let [count] = sum_over_ranks(&*groups.world, [shard.valid_tokens]).unwrap();
+                if count == 0 {
+                    continue;
+                }
                 let logits = {
                     let _noted = note_shard_positions(&shard.positions);
                     model.forward(shard.tokens(&device), &shard.positions)

@@ -6,6 +6,7 @@
 //!
 //! ```text
 //! let count = labels_in_step(&shard) as f64;                 // the job's labelled tokens
+//! if count == 0.0 { continue; }                               // none on any rank: 0/0, and AdamW would move
 //! let loss = lm_loss_sum(model.forward(tokens, positions), shard_labels, IGNORE_INDEX) / count;
 //! let grads = all_reduce_gradients(&model, GradientsParams::from_grads(loss.backward(), &model));
 //! model = optimizer.step(lr, model, grads);                   // the same step on every rank
@@ -13,6 +14,9 @@
 //!
 //! Each rank's loss is its tokens' cross-entropy over the whole batch's label count, so the
 //! ranks' losses and gradients, summed over every SP and DP rank, are the single-device ones.
+//! With micro-batches, count every micro-batch's shard first (`labels_in_step` of each,
+//! summed) and divide each micro-batch's loss sum by that total: each by its own count would
+//! average the micro-batches' means, not the step's tokens.
 //! The count is the shards' `valid_tokens` summed over the job: right for chosen targets too,
 //! where `SequenceSharder::labels_in` (every token but each row's last, of the whole global
 //! batch) counts too many. [`labels_in_step`] also checks, before the forward, that the shard
