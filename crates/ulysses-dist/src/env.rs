@@ -322,18 +322,28 @@ fn step_tasks(number: &impl Fn(&str) -> Result<Option<usize>, DistError>) -> Res
     Ok(None)
 }
 
+/// The world size an MPI launcher gave this process (Open MPI's, MPICH's and Intel MPI's PMI,
+/// MVAPICH's), with the variable's name; `None` where none did.
+fn mpi_world(lookup: &impl Fn(&str) -> Option<String>) -> Option<(&'static str, usize)> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"]
+        .into_iter()
+        .find_map(|name| Some((name, lookup(name)?.trim().parse::<usize>().ok()?)))
+}
+
 fn is_srun_task(lookup: &impl Fn(&str) -> Option<String>) -> bool {
     let step = lookup("SLURM_STEP_ID").or_else(|| lookup("SLURM_STEPID"));
     lookup("SLURM_PROCID").is_some() && step.is_some_and(|id| id.trim().parse::<u32>().is_ok_and(|id| id < 0xffff_fff0))
 }
 
 /// How many processes a launcher started as this job's ranks, where one did: torchrun's and
-/// ulysses-launch's `WORLD_SIZE`, or the tasks of the `srun` step this process is one of; `None`
-/// where no launcher says.
+/// ulysses-launch's `WORLD_SIZE`, the tasks of the `srun` step this process is one of, or an
+/// MPI launcher's world; `None` where no launcher says.
 pub fn launched_processes() -> Option<usize> {
     let lookup = |name: &str| std::env::var(name).ok();
     let count = |name: &str| lookup(name).and_then(|value| value.trim().parse::<usize>().ok());
-    count("WORLD_SIZE").or_else(|| if is_srun_task(&lookup) { count("SLURM_STEP_NUM_TASKS").or_else(|| count("SLURM_NTASKS")) } else { None })
+    count("WORLD_SIZE")
+        .or_else(|| if is_srun_task(&lookup) { count("SLURM_STEP_NUM_TASKS").or_else(|| count("SLURM_NTASKS")) } else { None })
+        .or_else(|| mpi_world(&lookup).map(|(_, size)| size))
 }
 
 /// The task count of node `node` (0-based) in a Slurm tasks-per-node list: `4(x2),2` is 4,
@@ -417,6 +427,17 @@ impl Launch {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, DistError> {
         match launcher(&lookup) {
             None => {
+                // Each of an MPI launcher's processes would run the whole job (the same
+                // training N times, or N processes on one GPU).
+                if let Some((name, size)) = mpi_world(&lookup).filter(|&(_, size)| size > 1) {
+                    return Err(DistError::Env(format!(
+                        "{name}={size}: this process is one of {size} that an MPI launcher (mpirun, mpiexec) started, whose variables \
+                         are not read here: each would run the whole job with its ranks as threads. Start the ranks with torchrun, \
+                         srun or ulysses-launch, or under mpirun through a wrapper that sets RANK, WORLD_SIZE and LOCAL_RANK from \
+                         its variables (Open MPI's: RANK=$OMPI_COMM_WORLD_RANK WORLD_SIZE=$OMPI_COMM_WORLD_SIZE \
+                         LOCAL_RANK=$OMPI_COMM_WORLD_LOCAL_RANK) and MASTER_ADDR and MASTER_PORT to rank 0's machine and a free port"
+                    )));
+                }
                 if lookup("SLURM_PROCID").is_some() {
                     tracing::info!("SLURM_PROCID is set without a job step (SLURM_STEP_ID): Slurm's batch script, not a task of srun; running as one process");
                 }
@@ -730,6 +751,14 @@ mod tests {
         assert!(message.contains("WORLD_SIZE is not set"), "{message}");
         let message = launch(&[("WORLD_SIZE", "2"), ("RANK", "two")]).unwrap_err().to_string();
         assert!(message.contains("RANK=\"two\""), "{message}");
+        // mpirun's processes, each of which would run the whole job: refused, naming the way.
+        for name in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"] {
+            let message = launch(&[(name, "4")]).unwrap_err().to_string();
+            assert!(message.contains(&format!("{name}=4: this process is one of 4 that an MPI launcher")) && message.contains("RANK=$OMPI_COMM_WORLD_RANK"), "{message}");
+        }
+        assert_eq!(launch(&[("OMPI_COMM_WORLD_SIZE", "1")]).unwrap(), Launch::Threads, "mpirun -np 1: the whole job here");
+        // A wrapper that sets RANK and WORLD_SIZE from mpirun's: one rank a process.
+        assert_eq!(launch(&[("OMPI_COMM_WORLD_SIZE", "4"), ("RANK", "1"), ("WORLD_SIZE", "4")]).unwrap().world_size(), Some(4));
     }
     /// Every interface of the family the ranks dial: IPv6 for an IPv6 address (bracketed or
     /// not) or a name that resolves to IPv6 alone; IPv4 otherwise, and where nothing resolves.

@@ -100,6 +100,11 @@ fn a_wrong_world_size_or_a_duplicate_rank_is_refused() {
     let _first = client(&server, 2, 4, "job-secret").unwrap();
     let err = client(&server, 2, 4, "job-secret").err().unwrap();
     assert!(err.to_string().contains("two processes have RANK=2"), "{err}");
+    // A second rank 0 on the same machine cannot serve on the first's port: said as a
+    // duplicate rank 0 may be, not as a wrong MASTER_PORT alone.
+    let settings = ServerSettings { world_size: 4, token: "job-secret".into(), max_message_bytes: LIMIT, handshake_timeout: Duration::from_secs(5) };
+    let err = RendezvousServer::start("127.0.0.1", server.local_addr().port(), settings).err().unwrap();
+    assert!(err.to_string().contains("a second process of this job with RANK=0 takes it too"), "{err}");
 }
 
 #[test]

@@ -889,11 +889,16 @@ fn run(mut args: Args) -> Result<(), String> {
         LaunchMode::Threads => {
             // Each process a launcher started would run the whole job (and contend for --out).
             if let Some(processes) = ulysses_dist::env::launched_processes().filter(|&processes| processes > 1) {
-                tracing::warn!("--launch threads under a launcher that started {processes} processes (WORLD_SIZE, or an srun step's tasks): every process runs the whole job with its ranks as threads; leave --launch out to run one rank a process");
+                tracing::warn!("--launch threads under a launcher that started {processes} processes (WORLD_SIZE, an srun step's tasks, or mpirun's): every process runs the whole job with its ranks as threads; leave --launch out to run one rank a process");
             }
             Launch::Threads
         }
         mode => match (mode, Launch::from_env().map_err(|e| e.to_string())?) {
+            (LaunchMode::Process, Launch::Threads) if std::env::var_os("SLURM_PROCID").is_some() => {
+                return Err("--launch process, but this is no srun step of several tasks (Slurm's batch script, or a step of one \
+                            task, which runs its ranks as threads of this process): ask srun for one task a rank (`srun -n WORLD`)"
+                    .into());
+            }
             (LaunchMode::Process, Launch::Threads) => {
                 return Err("--launch process, but no launcher set RANK and WORLD_SIZE (or an srun step's SLURM_PROCID): \
                             start this program with ulysses-launch, torchrun or srun"

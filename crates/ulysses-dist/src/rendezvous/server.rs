@@ -56,7 +56,17 @@ impl RendezvousServer {
     /// until dropped. Port 0 picks a free port; see [`local_addr`](Self::local_addr).
     pub fn start(addr: &str, port: u16, settings: ServerSettings) -> Result<Self, DistError> {
         let bind_error = |reason: String| DistError::Bind { addr: format!("{addr}:{port}"), reason };
-        let listener = std::net::TcpListener::bind((addr, port)).map_err(|e| bind_error(e.to_string()))?;
+        let listener = std::net::TcpListener::bind((addr, port)).map_err(|e| {
+            bind_error(match e.kind() {
+                // Rank 0's port taken: often by this job's own rank 0, started twice (RANK=0
+                // exported by a batch script for every task).
+                std::io::ErrorKind::AddrInUse => format!(
+                    "{e} (a second process of this job with RANK=0 takes it too: a batch script that exports RANK gives every \
+                     task the same; leave RANK to the launcher)"
+                ),
+                _ => e.to_string(),
+            })
+        })?;
         listener.set_nonblocking(true).map_err(|e| bind_error(e.to_string()))?;
         let local = listener.local_addr().map_err(|e| bind_error(e.to_string()))?;
         let (shutdown, stop) = tokio::sync::oneshot::channel();
