@@ -208,10 +208,20 @@ fn scores<B: Backend>(query_block: &FloatTensor<B>, visible_keys: &FloatTensor<B
     if !settings.causal {
         return (scores, tanh);
     }
+    // Each row sees every key before the block's first query: only the keys from it on (the
+    // block's own, an upper triangle) are masked, built on the host at O(block²) a block, not
+    // O(block · keys), which summed over a sequence's blocks was S²/2 floats made and uploaded.
     let count = query_block.shape()[2];
-    let hidden: Vec<f32> = (0..count).flat_map(|row| (0..keys).map(move |key| if key > first + row { f32::NEG_INFINITY } else { 0.0 })).collect();
-    let mask = cast::<B>(B::float_from_data(TensorData::new(hidden, [1, 1, count, keys]), &scores.device()), work);
-    (B::float_add(scores, mask), tanh)
+    let own = keys.saturating_sub(first);
+    if own == 0 {
+        return (scores, tanh);
+    }
+    let hidden: Vec<f32> = (0..count).flat_map(|row| (0..own).map(move |key| if key > row { f32::NEG_INFINITY } else { 0.0 })).collect();
+    let mask = cast::<B>(B::float_from_data(TensorData::new(hidden, [1, 1, count, own]), &scores.device()), work);
+    let shape = scores.shape();
+    let columns = [Slice::from(0..shape[0]), Slice::from(0..shape[1]), Slice::from(0..shape[2]), Slice::from(first..keys)];
+    let masked = B::float_add(B::float_slice(scores.clone(), &columns), mask);
+    (B::float_slice_assign(scores, &columns, masked), tanh)
 }
 
 /// The dtype of the scores, the softmax's statistics and the sums over blocks for inputs like
@@ -250,8 +260,10 @@ fn forward<B: Backend>(query: &FloatTensor<B>, key: &FloatTensor<B>, value: &Flo
         _ => (f64::from(f32::MIN), f64::from(f32::MIN_POSITIVE)),
     };
     let (mut outputs, mut lses) = (Vec::new(), Vec::new());
+    // In the scores' dtype once, not each block's visible keys again.
+    let key_work = cast::<B>(key.clone(), working_dtype::<B>(query));
     for block in blocks(query.shape()[2], settings.block) {
-        let (scores, _) = scores::<B>(&rows::<B>(query, block.clone()), &visible::<B>(key, block.end, settings), key_bias, block.start, settings);
+        let (scores, _) = scores::<B>(&rows::<B>(query, block.clone()), &visible::<B>(&key_work, block.end, settings), key_bias, block.start, settings);
         // A row that sees no key (all -inf): the max clamped to the working dtype's lowest
         // finite value and the sum to its smallest positive one give it zeros, as burn's attention.
         let max = B::float_clamp_min(B::float_max_dim(scores.clone(), 3), lowest.into());
@@ -284,13 +296,15 @@ fn backward<B: Backend>(
     // δ = rowsum(dO ∘ O): [b, h, s, 1].
     let delta = B::float_sum_dim(B::float_mul(cast::<B>(grad.clone(), work), cast::<B>(output.clone(), work)), 3);
     let mut dq = Vec::new();
+    // In the scores' dtype once, not each block's visible keys and values again.
+    let (key_work, value_work) = (cast::<B>(key.clone(), work), cast::<B>(value.clone(), work));
     for block in blocks(query.shape()[2], settings.block) {
         let (query_block, grad_block) = (rows::<B>(query, block.clone()), rows::<B>(&grad, block.clone()));
-        let (keys, values) = (visible::<B>(key, block.end, settings), visible::<B>(value, block.end, settings));
-        let (scores, tanh) = scores::<B>(&query_block, &keys, key_bias, block.start, settings);
+        let keys = visible::<B>(key, block.end, settings);
+        let (scores, tanh) = scores::<B>(&query_block, &visible::<B>(&key_work, block.end, settings), key_bias, block.start, settings);
         let probabilities = B::float_exp(B::float_sub(scores, rows::<B>(lse, block.clone())));
         let dv_block = B::float_matmul(transpose::<B>(cast::<B>(probabilities.clone(), dtype)), grad_block.clone());
-        let dp = B::float_matmul(cast::<B>(grad_block, work), transpose::<B>(cast::<B>(values, work)));
+        let dp = B::float_matmul(cast::<B>(grad_block, work), transpose::<B>(visible::<B>(&value_work, block.end, settings)));
         let ds = B::float_mul(probabilities, B::float_sub(dp, rows::<B>(&delta, block.clone())));
         // Through the cap: d(c · tanh(x / c))/dx = 1 − tanh².
         let ds = match tanh {
