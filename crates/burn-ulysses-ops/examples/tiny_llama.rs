@@ -68,10 +68,11 @@ fn main() {
         let mut model = init_seeded(&config, &device, 42);
         let mut optimizer = AdamConfig::new().init();
         let shard = SequenceSharder::new(rank.sp_size).shard(replica, rank.sp_rank);
-        // The job's labelled tokens (checking the shard against the rank's groups).
-        let labels = labels_in_step(&shard) as f64;
         let int_tensor = |values: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(values.to_vec(), [shard.batch, shard.local_len]), &device);
         for step in 1..=steps {
+            // The job's labelled tokens, each step before its forward: it checks the shard against
+            // the rank's groups and notes it for attention's rules until the gradient sum.
+            let labels = labels_in_step(&shard) as f64;
             let logits = model.forward(&config, int_tensor(&shard.tokens), shard.positions.ids.ids());
             let loss = lm_loss_sum(logits, int_tensor(&shard.labels), IGNORE_INDEX) / labels;
             let whole = all_reduce_sum(loss.clone().into_scalar::<f64>());
