@@ -110,7 +110,10 @@ fn sequence_parallel(
     // Tokens each rank holds beside its shard, at the first call of each layout in these
     // groups; keys as many as a noted shard's tokens are taken for its own.
     if KEYS_CHECKED.with(|checked| layout.keys_to_check(context::current_entry_number, &mut checked.borrow_mut())) {
-        let digest = |at: usize| ulysses_core::digest::fnv1a(&[key.clone().narrow(2, at, 1).into_data().as_bytes()]);
+        let digest = |at: usize| {
+            crate::host::note_device_read();
+            ulysses_core::digest::fnv1a(&[key.clone().narrow(2, at, 1).into_data().as_bytes()])
+        };
         let own = u64::from(own_tokens(layout.kv_seq));
         let per_rank = all_gather_host_checked(group, &[digest(0), digest(layout.kv_seq - 1), own], "the keys' first and last tokens")?;
         ulysses_core::layout::refuse_keys_beside_the_shard(&per_rank, layout.kv_seq)?;
@@ -128,7 +131,21 @@ fn sequence_parallel(
         }
         _ => None,
     };
-    let (query, key, value) = (to_heads(query, &q_heads), to_heads(key, &kv_heads), to_heads(value, &kv_heads));
+    // q, k and v in one exchange where they stack along the heads (as many tokens, one head
+    // dim): one all-to-all and one wait for the device, not three.
+    let (query, key, value) = if layout.q_seq == layout.kv_seq && layout.head_dim == layout.value_dim {
+        let (q, kv) = (layout.q_heads, layout.kv_heads);
+        let per_rank = (0..size).map(|rank| {
+            let kv_of = plan.kv_heads_of(rank);
+            plan.q_heads_of(rank).chain(kv_of.iter().map(|head| q + head)).chain(kv_of.iter().map(|head| q + kv + head)).collect()
+        });
+        let qkv = HeadExchange::new(group, q + 2 * kv, per_rank.collect());
+        let packed = to_heads(Tensor::cat(vec![query, key, value], 1), &qkv);
+        let (q_here, kv_here) = (plan.q_heads_of(group.rank()).len(), plan.kv_heads_of(group.rank()).len());
+        (packed.clone().narrow(1, 0, q_here), packed.clone().narrow(1, q_here, kv_here), packed.narrow(1, q_here + kv_here, kv_here))
+    } else {
+        (to_heads(query, &q_heads), to_heads(key, &kv_heads), to_heads(value, &kv_heads))
+    };
     // Local q head i uses local kv entry i / (local q heads / local kv heads).
     let repeats = query.dims()[1] / key.dims()[1];
     let settings = blocked::BlockedOptions { is_causal: options.is_causal, scale: options.scale, softcap: options.softcap };
@@ -142,6 +159,7 @@ fn sequence_parallel(
 fn gather_key_padding(group: &dyn HostCommunicator, mask: Tensor<4, Bool>, heads: &[usize]) -> Result<Tensor<4, Bool>, UlyssesError> {
     let [batch, mask_heads, _, local] = mask.dims();
     let device = mask.device();
+    crate::host::note_device_read();
     let hidden: Vec<u64> = mask.into_data().iter::<bool>().map(u64::from).collect();
     let every_rank = all_gather_host_checked(group, &hidden, "key-padding mask")?;
     let kept: Vec<usize> = if mask_heads == 1 { vec![0] } else { heads.to_vec() };

@@ -181,7 +181,7 @@ fn exchange_on<B: Backend>(tensor: FloatTensor<B>, exchange: &HeadExchange, dire
     let device = tensor.device();
     let op = Collective::AllToAll;
     let fail = |error: CommError| -> ! { panic!("the Ulysses exchange failed on rank {rank}: {error}") };
-    let parts: Vec<HostTensor> = parts.into_iter().map(|part| host::read::<B>(part, op).unwrap_or_else(|e| fail(e))).collect();
+    let parts: Vec<HostTensor> = host::read_parts::<B>(parts, op).unwrap_or_else(|e| fail(e));
     let received = group.all_to_all(parts).unwrap_or_else(|e| fail(e));
     let received: Vec<FloatTensor<B>> = received.into_iter().map(|part| host::upload::<B>(part, &device)).collect();
     match direction {
