@@ -189,6 +189,11 @@ fn exchange_on<B: Backend>(tensor: FloatTensor<B>, exchange: &HeadExchange, dire
         Direction::ToHeads => B::float_cat(received, 2),
         // This rank's tokens of every rank's heads; a head several ranks attended is summed.
         Direction::ToSequence => {
+            // Each head attended by one rank, in rank order (q's, and k's and v's where none is
+            // repeated): the parts joined as they are, not summed into zeros.
+            if exchange.per_rank.iter().flatten().copied().eq(0..exchange.heads) {
+                return B::float_cat(received, 1);
+            }
             let local = received[0].shape()[2];
             let mut sum = B::float_zeros(Shape::new([batch, exchange.heads, local, head_dim]), &device, tensor.dtype().into());
             for (heads, part) in exchange.per_rank.iter().zip(received) {
