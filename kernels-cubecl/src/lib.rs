@@ -61,7 +61,8 @@ pub enum FlashError {
     #[error(
         "flash attention: sequences of {seq} tokens are too long: the kernels index positions with \
          32 bits and take at most {MAX_SEQUENCE} tokens of q or of k per rank; split the sequence \
-         over more ranks"
+         over a ring (ParallelLayout::with_ring_size: Ulysses alone gathers the whole sequence on \
+         each rank)"
     )]
     SequenceLength { seq: usize },
     #[error("flash attention: {0}")]

@@ -57,13 +57,16 @@ fn header(layout: Layout) -> usize {
     layout.align().max(std::mem::size_of::<usize>())
 }
 
-fn with_header(layout: Layout) -> Layout {
-    Layout::from_size_align(layout.size() + header(layout), layout.align().max(std::mem::align_of::<usize>())).expect("a layout with room for the header")
+/// `layout` with room for the header; `None` past what a layout may hold (an allocator must not
+/// panic: the allocation fails instead, as the system's would).
+fn with_header(layout: Layout) -> Option<Layout> {
+    Layout::from_size_align(layout.size().checked_add(header(layout))?, layout.align().max(std::mem::align_of::<usize>())).ok()
 }
 
 unsafe impl GlobalAlloc for RankCounting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let base = unsafe { System.alloc(with_header(layout)) };
+        let Some(with_header) = with_header(layout) else { return std::ptr::null_mut() };
+        let base = unsafe { System.alloc(with_header) };
         if base.is_null() {
             return base;
         }
@@ -84,7 +87,8 @@ unsafe impl GlobalAlloc for RankCounting {
             let slot = (pointer as *mut usize).sub(1).read();
             LIVE[slot].fetch_sub(layout.size(), Ordering::Relaxed);
             PROCESS.fetch_sub(layout.size(), Ordering::Relaxed);
-            System.dealloc(pointer.sub(header(layout)), with_header(layout));
+            // A block handed out had a layout with its header.
+            System.dealloc(pointer.sub(header(layout)), with_header(layout).unwrap_unchecked());
         }
     }
 }
