@@ -322,6 +322,24 @@ fn step_tasks(number: &impl Fn(&str) -> Result<Option<usize>, DistError>) -> Res
     Ok(None)
 }
 
+/// Two ranks given the same device, from each rank's `devices[rank]` (its machine and the
+/// device's identity, as the ranks name it alike: `"10.0.0.7 0000:41:00.0"`): said with the
+/// likely causes and their fixes, `None` where every rank has a device of its own.
+pub fn ranks_sharing_a_device(devices: &[String]) -> Option<String> {
+    let mut first_of = std::collections::HashMap::new();
+    for (rank, device) in devices.iter().enumerate() {
+        if let Some(first) = first_of.insert(device.as_str(), rank) {
+            return Some(format!(
+                "ranks {first} and {rank} run on the same GPU ({device}): each rank needs one of its own. Where each process sees \
+                 several GPUs, the launcher's LOCAL_RANK picks one (torchrun and srun set it; a wrapper that sets RANK and WORLD_SIZE \
+                 must set LOCAL_RANK and LOCAL_WORLD_SIZE too); where CUDA_VISIBLE_DEVICES shows each process one, give each \
+                 process its own (srun --gpus-per-task=1, not one task a node that starts several ranks)"
+            ));
+        }
+    }
+    None
+}
+
 /// The world size an MPI launcher gave this process (Open MPI's, MPICH's and Intel MPI's PMI,
 /// MVAPICH's), with the variable's name; `None` where none did.
 fn mpi_world(lookup: &impl Fn(&str) -> Option<String>) -> Option<(&'static str, usize)> {
@@ -751,6 +769,11 @@ mod tests {
         assert!(message.contains("WORLD_SIZE is not set"), "{message}");
         let message = launch(&[("WORLD_SIZE", "2"), ("RANK", "two")]).unwrap_err().to_string();
         assert!(message.contains("RANK=\"two\""), "{message}");
+        // Two ranks on one GPU: named, with the fixes.
+        let devices = |names: &[&str]| names.iter().map(|name| name.to_string()).collect::<Vec<_>>();
+        assert_eq!(ranks_sharing_a_device(&devices(&["a 0000:41:00.0", "a 0000:42:00.0", "b 0000:41:00.0"])), None);
+        let message = ranks_sharing_a_device(&devices(&["a 0000:41:00.0", "a 0000:42:00.0", "a 0000:41:00.0"])).expect("shared");
+        assert!(message.contains("ranks 0 and 2 run on the same GPU (a 0000:41:00.0)") && message.contains("LOCAL_RANK"), "{message}");
         // mpirun's processes, each of which would run the whole job: refused, naming the way.
         for name in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"] {
             let message = launch(&[(name, "4")]).unwrap_err().to_string();

@@ -61,6 +61,43 @@ struct Process {
     kernels_left_running: AtomicBool,
 }
 
+/// Refuses, on every rank, a job two of whose ranks run on one GPU (a launcher that set no
+/// LOCAL_RANK, or each process shown the same one GPU): NCCL's init would fail with "Duplicate
+/// GPU detected", naming neither cause. Rank 0 reads every rank's machine and PCI bus id and
+/// tells each the verdict.
+fn check_own_gpu(rendezvous: &Rendezvous, env: &LaunchEnv, device: cuda_sys::CUdevice) -> Result<(), NcclError> {
+    let mut bus_id = [0 as std::ffi::c_char; 32];
+    // SAFETY: a valid device and a buffer of the length given (NUL-terminated on success).
+    let status = unsafe { cuda_sys::cuDeviceGetPCIBusId(bus_id.as_mut_ptr(), bus_id.len() as c_int, device) };
+    if status != cuda_sys::CUresult::CUDA_SUCCESS {
+        return Err(NcclError::Cuda(format!("cuDeviceGetPCIBusId: {status:?}")));
+    }
+    // SAFETY: NUL-terminated by the call above, within the buffer.
+    let bus_id = unsafe { std::ffi::CStr::from_ptr(bus_id.as_ptr()) }.to_string_lossy().into_owned();
+    // The machine as NCCL tells machines apart (its host hash: the host's name and boot id), so
+    // that this check refuses what NCCL's init would; the rendezvous address where unreadable.
+    let read = |path: &str| std::fs::read_to_string(path).ok().map(|text| text.trim().to_string());
+    let machine = match (read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id")) {
+        (Some(name), Some(boot)) => format!("{name} (boot {boot})"),
+        _ => rendezvous.local_ip().map_err(|e| NcclError::Cuda(format!("this rank's address: {e}")))?,
+    };
+    rendezvous.set(&format!("nccl/gpu/{}", env.rank), format!("{machine} {bus_id}").as_bytes())?;
+    let verdict = match env.rank {
+        0 => {
+            let devices = (0..env.world_size)
+                .map(|rank| rendezvous.get_set_by(&format!("nccl/gpu/{rank}"), rank).map(|bytes| String::from_utf8_lossy(&bytes).into_owned()))
+                .collect::<Result<Vec<_>, _>>()?;
+            Some(ulysses_dist::env::ranks_sharing_a_device(&devices).unwrap_or_default())
+        }
+        _ => None,
+    };
+    let verdict = rendezvous.broadcast("nccl/gpu/verdict", verdict.as_deref().map(str::as_bytes), 0)?;
+    match verdict.is_empty() {
+        true => Ok(()),
+        false => Err(NcclError::Cuda(String::from_utf8_lossy(&verdict).into_owned())),
+    }
+}
+
 impl Drop for Process {
     /// The process's last communicator is gone: its stream, and its hold on the device's
     /// primary context (each join took one of each).
@@ -160,6 +197,7 @@ impl NcclCommunicator {
             None
         };
         let id_bytes = process.rendezvous.broadcast("nccl/unique-id", id.as_deref(), 0)?;
+        check_own_gpu(&process.rendezvous, env, device)?;
         let mut unique_id = nccl::ncclUniqueId { internal: [0; 128] };
         if id_bytes.len() != unique_id.internal.len() {
             return Err(NcclError::Cuda(format!("the NCCL unique id from rank 0 has {} bytes, not 128", id_bytes.len())));
