@@ -160,7 +160,11 @@ fn gather_key_padding(group: &dyn HostCommunicator, mask: Tensor<4, Bool>, heads
     let [batch, mask_heads, _, local] = mask.dims();
     let device = mask.device();
     crate::host::note_device_read();
-    let hidden: Vec<u64> = mask.into_data().iter::<bool>().map(u64::from).collect();
+    // 64 keys a word: a word a key sent 64 times the bytes.
+    let mut hidden = vec![0u64; (batch * mask_heads * local).div_ceil(64)];
+    for (at, _) in mask.into_data().iter::<bool>().enumerate().filter(|&(_, hides)| hides) {
+        hidden[at / 64] |= 1 << (at % 64);
+    }
     let every_rank = all_gather_host_checked(group, &hidden, "key-padding mask")?;
     let kept: Vec<usize> = if mask_heads == 1 { vec![0] } else { heads.to_vec() };
     let keys = local * every_rank.len();
@@ -169,7 +173,7 @@ fn gather_key_padding(group: &dyn HostCommunicator, mask: Tensor<4, Bool>, heads
         for &head in &kept {
             for part in &every_rank {
                 let row = (b * mask_heads + head) * local;
-                joined.extend(part[row..row + local].iter().map(|&hidden| hidden != 0));
+                joined.extend((row..row + local).map(|at| part[at / 64] >> (at % 64) & 1 == 1));
             }
         }
     }
