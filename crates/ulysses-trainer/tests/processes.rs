@@ -799,14 +799,24 @@ fn the_optimizer_on_the_host_and_zero_3_train_like_the_replicated_one_and_resume
 fn layouts_that_cannot_work_fail_before_any_work_with_the_fix() {
     let dir = workspace("validation");
     let args = common_args(&dir, "run", 2);
-    let cases: [(Output, &str); 4] = [
+    // Without a launcher's variables but `set`.
+    let launched_by = |set: &[(&str, &str)], extra: &[&str]| {
+        let mut command = Command::new(trainer());
+        for name in ["RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"] {
+            command.env_remove(name);
+        }
+        command.args(&args).args(extra).envs(set.iter().copied()).output().unwrap()
+    };
+    let one_task_step = [("SLURM_PROCID", "0"), ("SLURM_STEP_ID", "0"), ("SLURM_STEP_NUM_TASKS", "1"), ("SLURM_LOCALID", "0"), ("SLURM_NODEID", "0"), ("SLURM_STEP_TASKS_PER_NODE", "1"), ("SLURM_STEP_NODELIST", "gpu07")];
+    let cases: [(Output, &str); 6] = [
         (run_alone(&args, &["--sp", "8"]), "q has 4 heads but its all-to-all (Ulysses) group has 8 ranks"),
         (run_alone(&args, &["--sp", "2", "--dp", "3"]), "must be a multiple of dp_size × grad_accumulation = 3"),
         (run_launched(2, &args, &["--sp", "4"]), "divisors of 2: [1, 2]"),
-        (
-            Command::new(trainer()).args(&args).env("RANK", "0").env_remove("WORLD_SIZE").output().unwrap(),
-            "WORLD_SIZE is not set",
-        ),
+        (launched_by(&[("RANK", "0")], &[]), "WORLD_SIZE is not set"),
+        // One of mpirun's processes, each of which would run the whole job.
+        (launched_by(&[("OMPI_COMM_WORLD_SIZE", "2")], &[]), "OMPI_COMM_WORLD_SIZE=2: this process is one of 2 that an MPI launcher"),
+        // --launch process in an srun step of one task, which runs threads.
+        (launched_by(&one_task_step, &["--launch", "process"]), "--launch process, but this is no srun step of several tasks"),
     ];
     for (output, expected) in cases {
         let text = show(&output);
