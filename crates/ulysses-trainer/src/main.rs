@@ -1170,6 +1170,15 @@ fn run(mut args: Args) -> Result<(), String> {
             );
         }
     }
+    // The default rate trains the small model from scratch; at it a pretrained one forgets
+    // what it knew within a few steps.
+    if args.model.is_some() && args.resume.is_none() && !args.eval_only && !args.given.contains("learning_rate") && ulysses_trainer::train::says_run_notes() {
+        tracing::warn!(
+            "--model fine-tunes a pretrained model at the default --learning-rate {:e}, the rate that trains the small model from scratch: \
+             fine-tunes take about 1e-5 to 1e-4 (docs/training.md); give --learning-rate",
+            args.learning_rate
+        );
+    }
     let model = match &pretrained {
         Some(checkpoint) => ulysses_models::DecoderConfig::from_hf(checkpoint),
         None => ulysses_models::DecoderConfig::new(BYTE_VOCAB)

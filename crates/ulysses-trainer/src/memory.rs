@@ -299,8 +299,9 @@ pub fn estimated_peak(config: &TrainConfig, parameters: u64, compute_bytes: u64)
 /// them: the residual stream and a layer's output (`2 · T · d_model`); the attention core's q,
 /// k, v and output over every head, with its statistics; a token-wise tile's forward (the
 /// projections' input, the norm, the MLP's gate, up, activation and product, the output); or
-/// the loss's chunk of logits in f32 with its softmax and the tile's normed rows; under ZeRO-3
-/// the layer or the head's group gathered. Its core alone is `sp / 2` times a step's or more:
+/// the final norm's f32 copy of the stream and its square with the loss's chunk of logits in f32
+/// and its softmax; the weights' casts to the compute dtype, or under ZeRO-3 the layer or the
+/// head's group gathered. Its core alone is `sp / 2` times a step's or more:
 /// evaluating over the SP group (without the flag) fits where the step does.
 pub fn single_device_evaluation(config: &TrainConfig, parameters: u64, compute_bytes: u64) -> Option<u64> {
     let checkpointing = config.layer_checkpointing.as_ref()?;
@@ -315,12 +316,20 @@ pub fn single_device_evaluation(config: &TrainConfig, parameters: u64, compute_b
     let core = cb * tokens * hd * (2 * heads + 2 * kv_heads) + 4 * tokens * heads;
     let tile_rows = checkpointing.tile_tokens.map_or(tokens, |t| (config.micro_batch_rows() as u64 * t as u64).min(tokens));
     let tile = cb * tile_rows * (heads * hd + 4 * d + 4 * f);
-    let chunk = (ulysses_training::default_chunk_rows(model.vocab_size) as u64).min(tile_rows);
-    let head_cast = if config.f32_head && cb != 4 { 4 * vocab * d } else { 0 };
-    let head = 3 * 4 * chunk * vocab + cb * tile_rows * d + head_cast;
+    // The loss's chunks run over the whole batch's rows; the final norm takes the whole stream
+    // to f32 and squares it.
+    let chunk = (ulysses_training::default_chunk_rows(model.vocab_size) as u64).min(tokens);
+    let final_norm = (4 + 4) * tokens * d;
+    // As the step's: f32 parameters (no ZeRO-3, no host optimizer) cast to the compute dtype
+    // for each layer, and the head's weight to the logits' dtype where it differs.
+    let weight_bytes = if config.zero_stage == 3 || config.offload_optimizer { cb } else { 4 };
+    let logits_bytes = if config.f32_head { 4 } else { cb };
+    let head_cast = if logits_bytes == weight_bytes { 0 } else { logits_bytes * vocab * d };
+    let layer_cast = if weight_bytes == cb { 0 } else { cb * layer_parameters(model) };
+    let head = 3 * 4 * chunk * vocab + final_norm + head_cast;
     let (layer_gathered, head_gathered) = match config.zero_stage {
         3 => (cb * layer_parameters(model), cb * if model.tie_embeddings { rest_parameters(model) } else { vocab * d + d }),
-        _ => (0, 0),
+        _ => (layer_cast, 0),
     };
     let stream = cb * 2 * tokens * d;
     Some(device_state_bytes(config, parameters, compute_bytes) + stream + (core + tile + layer_gathered).max(head + head_gathered))
@@ -381,7 +390,9 @@ impl InputsAt {
 /// host for its ranks ([`host_state_bytes`], [`offloaded_host_bytes`]); `None` without layer
 /// checkpointing (no step's peak is estimated).
 pub fn needs(config: &TrainConfig, parameters: u64, compute_bytes: u64, ranks_per_host: u64) -> Option<(u64, u64)> {
-    let device = estimated_peak(config, parameters, compute_bytes)?;
+    // World rank 0's evaluation of whole sequences where `--eval-single-device` asks for it.
+    let evaluation = single_device_evaluation(config, parameters, compute_bytes).unwrap_or(0);
+    let device = estimated_peak(config, parameters, compute_bytes)?.max(evaluation);
     Some((device, ranks_per_host * (host_state_bytes(config, parameters) + offloaded_host_bytes(config, compute_bytes))))
 }
 
@@ -477,6 +488,15 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
     let checkpointing = config.layer_checkpointing.as_ref().expect("an estimate is made for checkpointed steps");
     let mut cuts = Vec::new();
     let (_, shard) = micro_batch(config);
+    // Every activation grows with the sequences a micro-batch holds (`--batch-size 8` by
+    // default, long contexts usually want one at a time).
+    if a.rows > 1 && large(a.peak()) {
+        cuts.push(format!(
+            "a larger --grad-accumulation (up to {}) runs fewer of the step's sequences at once: each rank's micro-batch now holds {}",
+            a.rows * config.grad_accumulation as u64,
+            a.rows
+        ));
+    }
     if in_layer(a.tile) && checkpointing.tile_tokens.is_none() && shard > config.model.d_model as u64 {
         cuts.push(format!("--tile-tokens {} runs the token-wise parts in tiles (ALST's size: d_model)", config.model.d_model));
     }
@@ -547,6 +567,26 @@ mod tests {
         StepActivations::of(&config, 2).expect("checkpointed")
     }
 
+    /// A micro-batch of several sequences (`--batch-size 8`, the default, at one DP replica)
+    /// multiplies every activation: the estimate names `--grad-accumulation`, up to the
+    /// sequences a replica's step holds; a micro-batch of one has no such cut.
+    #[test]
+    fn several_sequences_at_once_name_grad_accumulation() {
+        let model = DecoderConfig::new(32_000).with_d_model(1024).with_n_layers(4).with_n_heads(8).with_n_kv_heads(2).with_ffn_hidden(2816);
+        let config = |batch: usize, accumulation: usize| {
+            TrainConfig::new(model.clone(), AdamWConfig::new(), ParallelLayout::new().with_sp_size(4))
+                .with_batch_size(batch)
+                .with_grad_accumulation(accumulation)
+                .with_seq_len(65_536)
+                .with_layer_checkpointing(Some(LayerCheckpointing::new()))
+        };
+        let said = |config: &TrainConfig| describe(config, 32 * layer_parameters(&model) + rest_parameters(&model), 2, 0);
+        let eight = said(&config(8, 1));
+        assert!(eight.contains("a larger --grad-accumulation (up to 8) runs fewer of the step's sequences at once: each rank's micro-batch now holds 8"), "{eight}");
+        assert!(said(&config(8, 2)).contains("(up to 8)") && said(&config(8, 2)).contains("now holds 4"));
+        assert!(!said(&config(8, 8)).contains("--grad-accumulation"), "{}", said(&config(8, 8)));
+    }
+
     /// `--eval-single-device` has world rank 0 run whole sequences alone: its estimate counts
     /// the core over every token and head (which a step shares over the SP ranks), the same
     /// whatever the SP size, and says where it is more than a step's peak.
@@ -567,10 +607,22 @@ mod tests {
         assert_eq!(evaluation(&config(8, 1_048_576, true, 0)), None, "no evaluation");
         let (sp8, sp1) = (evaluation(&config(8, 1_048_576, true, 10)).unwrap(), evaluation(&config(1, 1_048_576, true, 10)).unwrap());
         assert_eq!(sp8, sp1, "whole sequences whatever the SP size (the replicated state alike)");
-        // Per token: q, k, v and the output in bf16 over 32 q and 8 kv heads of 128, the f32
-        // statistics of each q head, the residual stream and a layer's output.
+        // Per token: the residual stream and a layer's output in bf16, and the larger of the
+        // core (q, k, v and the output in bf16 over 32 q and 8 kv heads of 128, the f32
+        // statistics of each q head) and the head's piece (the final norm's f32 copy of the
+        // stream and its square), the head's here.
         let longer = evaluation(&config(8, 2_097_152, true, 10)).unwrap();
-        assert_eq!(longer - sp8, 1_048_576 * ((2 * 32 + 2 * 8) * 128 * 2 + 32 * 4 + 2 * 4096 * 2));
+        let core = (2 * 32 + 2 * 8) * 128 * 2 + 32 * 4;
+        assert!(core < 8 * 4096);
+        assert_eq!(longer - sp8, 1_048_576 * (2 * 4096 * 2 + 8 * 4096));
+        // With k and v repeated to every q head, the core is the larger, by its statistics (128
+        // bytes a token, past the head's constant parts from about 10M tokens on).
+        let repeated = |seq_len: usize| {
+            let mut config = config(8, seq_len, true, 10);
+            config.model = config.model.clone().with_repeat_kv(true);
+            single_device_evaluation(&config, parameters, 2).unwrap()
+        };
+        assert_eq!(repeated(1 << 25) - repeated(1 << 24), (1 << 24) * (2 * 4096 * 2 + (2 * 32 + 2 * 32) * 128 * 2 + 32 * 4));
         let step = estimated_peak(&config(8, 1_048_576, true, 10), parameters, 2).unwrap();
         assert!(sp8 > step, "{sp8} > {step}");
         let said = describe(&config(8, 1_048_576, true, 10), parameters, 2, 0);
