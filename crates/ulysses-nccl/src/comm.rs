@@ -63,7 +63,8 @@ struct Process {
 
 /// Refuses, on every rank, a job two of whose ranks run on one GPU (a launcher that set no
 /// LOCAL_RANK, or each process shown the same one GPU): NCCL's init would fail with "Duplicate
-/// GPU detected", naming neither cause. Rank 0 reads every rank's machine and PCI bus id and
+/// GPU detected", naming neither cause. Ranks whose NCCL_HOSTID differ are on other machines
+/// for NCCL and for this check. Rank 0 reads every rank's machine and PCI bus id and
 /// tells each the verdict.
 fn check_own_gpu(rendezvous: &Rendezvous, env: &LaunchEnv, device: cuda_sys::CUdevice) -> Result<(), NcclError> {
     let mut bus_id = [0 as std::ffi::c_char; 32];
@@ -76,9 +77,12 @@ fn check_own_gpu(rendezvous: &Rendezvous, env: &LaunchEnv, device: cuda_sys::CUd
     let bus_id = unsafe { std::ffi::CStr::from_ptr(bus_id.as_ptr()) }.to_string_lossy().into_owned();
     // The machine as NCCL tells machines apart (its host hash: the host's name and boot id), so
     // that this check refuses what NCCL's init would; the rendezvous address where unreadable.
+    // NCCL_HOSTID replaces it there, and so here: ranks given other ids share a GPU on purpose
+    // (scripts/gpu-run.sh's two-rank checks on one GPU).
     let read = |path: &str| std::fs::read_to_string(path).ok().map(|text| text.trim().to_string());
-    let machine = match (read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id")) {
-        (Some(name), Some(boot)) => format!("{name} (boot {boot})"),
+    let machine = match (std::env::var("NCCL_HOSTID"), read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id")) {
+        (Ok(id), _, _) => format!("NCCL_HOSTID={id}"),
+        (_, Some(name), Some(boot)) => format!("{name} (boot {boot})"),
         _ => rendezvous.local_ip().map_err(|e| NcclError::Cuda(format!("this rank's address: {e}")))?,
     };
     rendezvous.set(&format!("nccl/gpu/{}", env.rank), format!("{machine} {bus_id}").as_bytes())?;

@@ -61,8 +61,8 @@ impl RendezvousServer {
                 // Rank 0's port taken: often by this job's own rank 0, started twice (RANK=0
                 // exported by a batch script for every task).
                 std::io::ErrorKind::AddrInUse => format!(
-                    "{e} (a second process of this job with RANK=0 takes it too: a batch script that exports RANK gives every \
-                     task the same; leave RANK to the launcher)"
+                    "{e} (another job's process may hold it, or a second process of this job with RANK=0: a batch script that \
+                     exports RANK gives every task the same; leave RANK to the launcher)"
                 ),
                 _ => e.to_string(),
             })
