@@ -772,6 +772,16 @@ pub fn train_rank<B>(
 where
     B: TrainBackend,
 {
+    // A stop asked for after the last step's health check (in the last checkpoint's write, the
+    // export) is no next run's: cleared however this one ends, or a library's second run in
+    // this process would stop after its first step.
+    struct ForgetLateStop;
+    impl Drop for ForgetLateStop {
+        fn drop(&mut self) {
+            ulysses_training::clear_stop_request();
+        }
+    }
+    let _forget_late_stop = ForgetLateStop;
     // Before validation: where the flags differ, every rank names the setting (a rank whose
     // flags alone fail validation would leave the others waiting in this gather).
     check_settings_agree(config, &options, &*groups.world)?;
@@ -1079,6 +1089,11 @@ where
             (None, _) => {}
         }
     }
+    // The last step's update may still run on the host optimizer's thread (ZeRO-3): its
+    // failure is this run's, and the memory figures below are the run's end's.
+    if let RankOptimizer::OnHost(host) = &mut optimizer {
+        host.settle()?;
+    }
     // Each rank's device, where the backend accounts for it (CubeCL's pools), and the host.
     if let Some(memory) = B::Wire::device_memory(device) {
         tracing::info!(
@@ -1114,7 +1129,15 @@ impl CheckpointWrite {
         let busy = ulysses_dist::launch::Busy::note(&format!("rank 0's write of the checkpoint after step {}", step + 1));
         let thread = std::thread::Builder::new().name("checkpoint-write".into()).spawn(move || {
             let _busy = busy;
-            write()
+            // A panic in it (burn-store's writers panic on a snapshot's error) is the run's
+            // error like any other of the write's: rank 0 rethrowing it unwound past its
+            // report to its peers, which then took it for a rank that had finished.
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(write)).unwrap_or_else(|panic| {
+                Err(UlyssesError::Checkpoint {
+                    path: format!("written after step {}", step + 1),
+                    reason: format!("its writer panicked: {}", ulysses_core::comm::panic_message(panic.as_ref())),
+                })
+            })
         });
         self.0 = Some((step, thread.map_err(|e| UlyssesError::InvalidConfig(format!("cannot start the thread that writes the checkpoint: {e}")))?));
         Ok(())
@@ -1183,7 +1206,7 @@ pub fn finish_writes_left_running() {
             Ok(Ok(Some(path))) => tracing::info!(step = step + 1, file = %path.display(), "checkpoint written"),
             Ok(Ok(None)) => {}
             Ok(Err(error)) => tracing::error!("{}", error.at_step(step)),
-            Err(_) => tracing::error!(step, "the thread writing the checkpoint panicked"),
+            Err(panic) => tracing::error!(step, "the thread writing the checkpoint panicked: {}", ulysses_core::comm::panic_message(panic.as_ref())),
         }
     }
 }
@@ -1959,6 +1982,16 @@ pub fn load_model<B: AutodiffBackend>(config: &DecoderConfig, path: &Path, devic
 
 #[cfg(test)]
 mod tests {
+    /// A checkpoint writer that panics ends the run with an error naming the write and the
+    /// panic, not a panic of rank 0's thread.
+    #[test]
+    fn a_panicking_checkpoint_write_is_an_error() {
+        let mut write = super::CheckpointWrite::default();
+        write.begin(4, || panic!("a snapshot failed")).unwrap();
+        let error = write.finish().expect_err("the write panicked").to_string();
+        assert!(error.contains("written after step 5") && error.contains("its writer panicked: a snapshot failed"), "{error}");
+    }
+
     use super::{ParallelLayout, RunState, TrainConfig, check_resumable, first_time, host_threads_per_rank, refuse_f16_training};
     use burn::tensor::FloatDType;
 

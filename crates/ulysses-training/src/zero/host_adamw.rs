@@ -62,7 +62,7 @@ pub struct ShardedAdamW {
     /// A ZeRO-3 step's update, running on a thread of its own while the device goes on
     /// ([`spawn_update`](Self::spawn_update)); it gives the parts back when it ends
     /// ([`settle`](Self::settle)).
-    updating: Option<JoinHandle<UpdateEnd>>,
+    updating: Option<UpdateThread>,
     /// What the last update in the backward found in its gradient parts, once settled.
     checked: Option<PartChecks>,
     /// An update in the backward's link to the ZeRO-3 parameters that give it groups.
@@ -74,6 +74,30 @@ pub struct ShardedAdamW {
     /// Why the state was lost (its update thread failed, or never started): every later use
     /// is refused, rather than meet an empty state.
     lost: Option<String>,
+}
+
+/// A step's update running on its thread: joined where it is dropped unjoined (an optimizer
+/// dropped on an error's way out), so that no update outlives its optimizer, holding the state
+/// and the host's cores beside a library caller's next try. One still open to its step's
+/// groups (`open`: a backward under way, whose parameters still send them) is left to end as
+/// they stop coming.
+struct UpdateThread {
+    thread: Option<JoinHandle<UpdateEnd>>,
+    open: Option<Weak<()>>,
+}
+
+impl UpdateThread {
+    fn join(mut self) -> std::thread::Result<UpdateEnd> {
+        self.thread.take().expect("an update thread is joined once").join()
+    }
+}
+
+impl Drop for UpdateThread {
+    fn drop(&mut self) {
+        if let Some(thread) = self.thread.take().filter(|_| self.open.as_ref().is_none_or(|open| open.strong_count() == 0)) {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// This rank's part of one parameter's master weights and moments.
@@ -523,7 +547,7 @@ impl ShardedAdamW {
             (parts, pace, checked)
         };
         match std::thread::Builder::new().name("host-adamw".into()).spawn(update) {
-            Ok(thread) => self.updating = Some(thread),
+            Ok(thread) => self.updating = Some(UpdateThread { thread: Some(thread), open: None }),
             // The state went with the thread that never started.
             Err(e) => self.lost = Some(format!("its update thread could not start: {e}")),
         }
@@ -536,6 +560,9 @@ impl ShardedAdamW {
     /// Links the update about to start to the ZeRO-3 parameters that give it groups in the
     /// backward ([`BackwardLink`]).
     pub(super) fn link_backward(&mut self, link: BackwardLink) {
+        if let Some(updating) = &mut self.updating {
+            updating.open = Some(link.open.clone());
+        }
         self.backward = Some(link);
     }
 
@@ -808,6 +835,47 @@ pub(super) mod tests {
         }
         assert!(!saved, "a lost state was saved");
         assert!(fresh, "keep_master_weights gives it a state again");
+    }
+
+    /// An optimizer dropped while its update runs (an error's way out) waits for the update:
+    /// no thread of it outlives it. One linked to a backward still under way (its parameters
+    /// still send groups) is left to end on its own, not waited for.
+    #[test]
+    fn a_dropped_optimizer_waits_for_its_running_update_unless_a_backward_feeds_it() {
+        use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+        let running = |link: Option<&Arc<()>>| {
+            let mut optimizer = of_rank(&whole(), 0, 1);
+            let (groups, taken) = std::sync::mpsc::channel::<Vec<(usize, Vec<f32>)>>();
+            let (updated, _arriving) = std::sync::mpsc::channel();
+            optimizer.spawn_update_of(1e-2, taken, vec![true; 4], None, vec![PartForm::Compute(DType::F32); 4], updated, true).unwrap();
+            if let Some(open) = link {
+                optimizer.link_backward(BackwardLink { open: Arc::downgrade(open), abandoned: Arc::new(OnceLock::new()) });
+            }
+            let dropped = Arc::new(AtomicBool::new(false));
+            let dropping = {
+                let dropped = Arc::clone(&dropped);
+                std::thread::spawn(move || {
+                    drop(optimizer);
+                    dropped.store(true, SeqCst);
+                })
+            };
+            (groups, dropped, dropping)
+        };
+        let (groups, dropped, dropping) = running(None);
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!dropped.load(SeqCst), "the optimizer was gone while its update still waited for groups");
+        drop(groups);
+        dropping.join().unwrap();
+        assert!(dropped.load(SeqCst));
+        // Linked to a backward still open: dropped at once, its update left to end.
+        let open = Arc::new(());
+        let (groups, dropped, dropping) = running(Some(&open));
+        let waited = std::time::Instant::now();
+        while !dropping.is_finished() && waited.elapsed() < std::time::Duration::from_secs(5) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(dropped.load(SeqCst), "an optimizer whose backward still feeds its update waited for it");
+        drop((groups, open));
     }
 
     /// An update in the backward checks each part as it takes it: the sums of squares of the
