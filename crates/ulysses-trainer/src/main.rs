@@ -1630,7 +1630,12 @@ fn planned_memory(args: &Args, config: &TrainConfig, launch: &Launch) -> Result<
     };
     let device = match sharing {
         1 => gb(device_total),
-        ranks => format!("{} shared by its {ranks} ranks, threads of one process ({} each)", gb(device_total), gb(machine.device_bytes)),
+        ranks => format!(
+            "{} shared by its {ranks} ranks, threads of one process ({} each; for a GPU a rank, --check under the launcher that \
+             starts them: ulysses-launch --nproc-per-node {ranks} -- ulysses-trainer ... --check)",
+            gb(device_total),
+            gb(machine.device_bytes)
+        ),
     };
     let machines = format!("a device of {device}{host}");
     let (device, host_needed) = memory::needs(config, parameters, compute_bytes, machine.ranks_per_host).expect("checkpointed");

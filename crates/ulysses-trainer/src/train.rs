@@ -1154,7 +1154,13 @@ impl CheckpointWrite {
     /// their next collective, which timed out (`ULYSSES_COLLECTIVE_TIMEOUT`) blaming rank 0 as
     /// stuck.
     fn wait_with_every_rank(&self, world: &dyn Communicator<impl burn::tensor::backend::Backend>) -> Result<(), UlyssesError> {
+        let (waited, mut said) = (std::time::Instant::now(), 0);
         loop {
+            // Said each minute where it holds (a slow or hung file system): every rank waits here.
+            if let Some((step, _)) = self.0.as_ref().filter(|_| waited.elapsed().as_secs() / 60 > said) {
+                said += 1;
+                tracing::warn!("still writing the checkpoint after step {} ({said} min): every rank waits for it", step + 1);
+            }
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
             while self.0.is_some() && !self.done() && std::time::Instant::now() < deadline {
                 std::thread::sleep(std::time::Duration::from_millis(10));

@@ -676,7 +676,7 @@ fn a_resume_keeps_the_runs_memory_settings_or_names_those_it_replaces() {
     // Ranks that are threads share one GPU: each plans with its share (a GPU run checked on a
     // CPU build).
     let text = show(&succeed(run_alone(&common_args(&dir, "gpu", 1), &["--backend", "cuda", "--sp", "2", "--checkpoint-layers", "--check", "--device-memory", "1"])));
-    assert!(text.contains("a device of 1.00 GB shared by its 2 ranks, threads of one process (0.50 GB each)"), "{text}");
+    assert!(text.contains("a device of 1.00 GB shared by its 2 ranks, threads of one process (0.50 GB each; for a GPU a rank, --check under the launcher"), "{text}");
     let refused = run_alone(&common_args(&dir, "plain", 1), &["--check", "--device-memory", "80"]);
     assert!(!refused.status.success() && show(&refused).contains("add --checkpoint-layers"), "{}", show(&refused));
     // The first layer's inputs offloaded alone, in place of the run's memory settings.
