@@ -26,7 +26,7 @@ pub const ENV_TCP_ADDR: &str = "ULYSSES_TCP_ADDR";
 /// The longest timeout taken (about 31 years).
 pub const MAX_TIMEOUT_SECS: f64 = 1e9;
 
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct DistributedConfig {
     /// Ranks per sequence-parallel group; the data-parallel size is `world / sp_size`.
@@ -40,7 +40,10 @@ pub struct DistributedConfig {
     pub collective_timeout_secs: f64,
     /// Largest rendezvous message accepted; larger ones close the connection. Default 64 KiB.
     pub max_message_bytes: usize,
-    /// The job's shared secret; `None` reads `ULYSSES_RENDEZVOUS_TOKEN`.
+    /// The job's shared secret; `None` reads `ULYSSES_RENDEZVOUS_TOKEN`. Never written out: a
+    /// serialised config and its `Debug` leave it out (one `?config` in a log line would have
+    /// put it in the job's output).
+    #[serde(skip_serializing)]
     pub token: Option<String>,
     /// Largest message a rank accepts from a peer over the TCP transport (one rank's part of
     /// one collective); a larger one is a protocol error that names the limit. Default 8 GiB.
@@ -48,6 +51,20 @@ pub struct DistributedConfig {
     /// Address the TCP transport listens on and advertises to the other ranks; `None` uses
     /// the address that reaches rank 0.
     pub tcp_address: Option<String>,
+}
+
+impl std::fmt::Debug for DistributedConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DistributedConfig")
+            .field("sp_size", &self.sp_size)
+            .field("rendezvous_timeout_secs", &self.rendezvous_timeout_secs)
+            .field("collective_timeout_secs", &self.collective_timeout_secs)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("tcp_max_message_bytes", &self.tcp_max_message_bytes)
+            .field("tcp_address", &self.tcp_address)
+            .finish()
+    }
 }
 
 impl Default for DistributedConfig {
@@ -194,6 +211,15 @@ mod tests {
         assert_eq!(config.collective_timeout(), Duration::from_secs(30));
         assert_eq!(config.rendezvous_timeout(), Duration::from_secs(300));
         assert_eq!(config.require_token().unwrap(), "secret");
+    }
+
+    #[test]
+    fn the_token_is_never_written_out() {
+        let config = DistributedConfig::default().with_token(Some("job-secret-1234".into()));
+        for written in [format!("{config:?}"), serde_json::to_string(&config).unwrap()] {
+            assert!(!written.contains("job-secret-1234"), "{written}");
+        }
+        assert!(format!("{config:?}").contains("token: Some(\"<redacted>\")"));
     }
 
     #[test]

@@ -333,7 +333,8 @@ pub fn ranks_sharing_a_device(devices: &[String]) -> Option<String> {
                 "ranks {first} and {rank} run on the same GPU ({device}): each rank needs one of its own. Where each process sees \
                  several GPUs, the launcher's LOCAL_RANK picks one (torchrun and srun set it; a wrapper that sets RANK and WORLD_SIZE \
                  must set LOCAL_RANK and LOCAL_WORLD_SIZE too); where CUDA_VISIBLE_DEVICES shows each process one, give each \
-                 process its own (srun --gpus-per-task=1, not one task a node that starts several ranks)"
+                 process its own (srun --gpus-per-task=1, not one task a node that starts several ranks); ranks that share a \
+                 GPU on purpose (a test) each give NCCL_HOSTID a value of its own"
             ));
         }
     }

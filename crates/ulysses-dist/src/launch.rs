@@ -130,7 +130,17 @@ impl Busy {
         static NOTES: AtomicUsize = AtomicUsize::new(0);
         let Some(dir) = std::env::var_os(ENV_BUSY_DIR) else { return Self(None) };
         let path = Path::new(&dir).join(format!("{}-{}", std::process::id(), NOTES.fetch_add(1, Ordering::Relaxed)));
-        Self(std::fs::write(&path, what).is_ok().then_some(path))
+        // A new file, never through a link another user planted there (a stale variable may
+        // name a shared folder): an existing name is no note of this process.
+        use std::{io::Write, os::unix::fs::OpenOptionsExt};
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .and_then(|mut file| file.write_all(what.as_bytes()));
+        Self(written.is_ok().then_some(path))
     }
 }
 
@@ -267,8 +277,15 @@ pub fn run(plan: &LaunchPlan) -> Result<Ended, DistError> {
     forward_interrupts();
     // SAFETY: getpid(2) cannot fail.
     let launcher = unsafe { libc::getpid() };
-    let busy = BusyDir(std::env::temp_dir().join(format!("ulysses-launch-{launcher}-busy")));
-    std::fs::create_dir_all(&busy.0).map_err(|e| DistError::Launch(format!("cannot create {}: {e}", busy.0.display())))?;
+    // A name no other user can guess ahead, made here (not an existing folder taken over) and
+    // for this user alone: in a shared /tmp a folder planted under a predictable name held
+    // links through which the ranks' notes overwrote the victim's files.
+    let busy = std::env::temp_dir().join(format!("ulysses-launch-{launcher}-{}-busy", crate::rendezvous::new_token()));
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new().mode(0o700).create(&busy).map_err(|e| DistError::Launch(format!("cannot create {}: {e}", busy.display())))?;
+    }
+    let busy = BusyDir(busy);
     let mut ranks = Vec::new();
     let mut forwarders = Vec::new();
     for local_rank in 0..plan.nproc_per_node {

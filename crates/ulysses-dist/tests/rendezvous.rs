@@ -92,6 +92,26 @@ fn a_peer_without_the_token_is_refused() {
     assert_eq!(good.get("nccl-id").unwrap(), b"abc");
 }
 
+/// Connections that never say hello take a bounded number of the server's handshakes (twice
+/// the world and 64): one past them is closed at once, not served (a flood took the process's
+/// file descriptors), and once they go a rank joins.
+#[test]
+fn connections_in_their_handshake_are_bounded() {
+    let server = server(2);
+    let silent: Vec<TcpStream> = (0..2 * 2 + 64).map(|_| TcpStream::connect(server.local_addr()).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut one_more = TcpStream::connect(server.local_addr()).unwrap();
+    one_more.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let started = Instant::now();
+    let mut byte = [0u8; 1];
+    let read = std::io::Read::read(&mut one_more, &mut byte);
+    assert!(matches!(read, Ok(0)) || read.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset), "{read:?}");
+    assert!(started.elapsed() < Duration::from_secs(2), "closed only after {:?}", started.elapsed());
+    drop(silent);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(client(&server, 1, 2, "job-secret").is_ok());
+}
+
 #[test]
 fn a_wrong_world_size_or_a_duplicate_rank_is_refused() {
     let server = server(4);

@@ -80,8 +80,8 @@ fn check_own_gpu(rendezvous: &Rendezvous, env: &LaunchEnv, device: cuda_sys::CUd
     // NCCL_HOSTID replaces it there, and so here: ranks given other ids share a GPU on purpose
     // (scripts/gpu-run.sh's two-rank checks on one GPU).
     let read = |path: &str| std::fs::read_to_string(path).ok().map(|text| text.trim().to_string());
-    let machine = match (std::env::var("NCCL_HOSTID"), read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id")) {
-        (Ok(id), _, _) => format!("NCCL_HOSTID={id}"),
+    let machine = match (std::env::var_os("NCCL_HOSTID"), read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id")) {
+        (Some(id), _, _) => format!("NCCL_HOSTID={}", id.to_string_lossy()),
         (_, Some(name), Some(boot)) => format!("{name} (boot {boot})"),
         _ => rendezvous.local_ip().map_err(|e| NcclError::Cuda(format!("this rank's address: {e}")))?,
     };

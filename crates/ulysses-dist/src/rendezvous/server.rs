@@ -49,6 +49,25 @@ struct Shared {
     state: Mutex<State>,
     /// Bumped on every `Set` and whenever a rank leaves, so `Get` waiters re-check.
     version: watch::Sender<u64>,
+    /// Connections not yet admitted: bounded, so that a flood of them (a port scan, another
+    /// user's) cannot take the process's file descriptors, which checkpoints and NCCL need.
+    handshakes: Arc<tokio::sync::Semaphore>,
+    /// Connections refused so far: the first few are logged, then one in a thousand.
+    refused: std::sync::atomic::AtomicU64,
+}
+
+/// Connections in their handshake at once, beyond the world's own.
+const SPARE_HANDSHAKES: usize = 64;
+
+impl Shared {
+    /// Logs a refused connection, the first 20 and then one in a thousand (a flood of them
+    /// would fill the job's output).
+    fn say_refused(&self, peer: SocketAddr, reason: &str) {
+        let count = self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if count < 20 || count % 1000 == 0 {
+            tracing::warn!(%peer, %reason, refused = count + 1, "rendezvous refused a connection");
+        }
+    }
 }
 
 impl RendezvousServer {
@@ -70,7 +89,8 @@ impl RendezvousServer {
         listener.set_nonblocking(true).map_err(|e| bind_error(e.to_string()))?;
         let local = listener.local_addr().map_err(|e| bind_error(e.to_string()))?;
         let (shutdown, stop) = tokio::sync::oneshot::channel();
-        let shared = Arc::new(Shared { settings, state: Mutex::default(), version: watch::channel(0).0 });
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(2 * settings.world_size + SPARE_HANDSHAKES));
+        let shared = Arc::new(Shared { settings, state: Mutex::default(), version: watch::channel(0).0, handshakes, refused: Default::default() });
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| bind_error(e.to_string()))?;
         let thread = std::thread::Builder::new()
             .name("ulysses-rendezvous".into())
@@ -140,10 +160,18 @@ async fn serve(listener: std::net::TcpListener, shared: Arc<Shared>, mut stop: t
         tokio::select! {
             _ = &mut stop => return,
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    tokio::spawn(connection(stream, peer, shared.clone()));
+                Ok((stream, peer)) => match shared.handshakes.clone().try_acquire_owned() {
+                    Ok(handshake) => {
+                        tokio::spawn(connection(stream, peer, shared.clone(), handshake));
+                    }
+                    // Closed at once: the ranks' own retry (they dial for the rendezvous timeout).
+                    Err(_) => shared.say_refused(peer, "too many connections in their handshake"),
+                },
+                Err(error) => {
+                    // Out of descriptors, say: not a loop that logs as fast as it fails.
+                    tracing::warn!(%error, "rendezvous accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 }
-                Err(error) => tracing::warn!(%error, "rendezvous accept failed"),
             },
         }
     }
@@ -186,20 +214,21 @@ fn admit(shared: &Shared, hello: Request, peer: SocketAddr) -> Result<usize, Str
 /// Largest hello: before the token is checked, a peer gets no more than this.
 const HELLO_LIMIT: usize = 4096;
 
-async fn connection(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
+async fn connection(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, handshake: tokio::sync::OwnedSemaphorePermit) {
     let hello = match tokio::time::timeout(shared.settings.handshake_timeout, read_async::<Request>(&mut stream, HELLO_LIMIT)).await {
         Ok(Ok(hello)) => hello,
-        Ok(Err(error)) => return tracing::warn!(%peer, %error, "rendezvous refused a connection"),
-        Err(_) => return tracing::warn!(%peer, "rendezvous refused a connection: no hello in time"),
+        Ok(Err(error)) => return shared.say_refused(peer, &error.to_string()),
+        Err(_) => return shared.say_refused(peer, "no hello in time"),
     };
     let rank = match admit(&shared, hello, peer) {
         Ok(rank) => rank,
         Err(reason) => {
-            tracing::warn!(%peer, %reason, "rendezvous refused a connection");
+            shared.say_refused(peer, &reason);
             let _ = write_async(&mut stream, &Response::Rejected { reason }).await;
             return;
         }
     };
+    drop(handshake);
     if write_async(&mut stream, &Response::Welcome).await.is_err() {
         return;
     }
