@@ -249,7 +249,7 @@ fn key_padding_masks_are_gathered_along_the_keys() {
         sequence_parallel_masked(2, [2, 4, 12, 8], 2, causal, Some([2, 4]), None);
         sequence_parallel_masked(4, [2, 4, 12, 8], 2, causal, Some([2, 4]), None);
         sequence_parallel_masked(2, [2, 4, 12, 8], 2, causal, Some([1, 4]), None);
-        // Masks of more than 64 keys a rank (320 a rank here), sent 64 keys a word.
+        // Masks of more than 64 keys a rank (80 keys, 640 bits a rank here), sent 64 keys a word.
         sequence_parallel_masked(2, [2, 4, 160, 8], 2, causal, Some([2, 4]), None);
     }
 }

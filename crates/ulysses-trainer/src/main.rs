@@ -12,6 +12,7 @@
 use std::{
     fs,
     path::{Path, PathBuf},
+    sync::Arc,
     time::Instant,
 };
 
@@ -1101,6 +1102,7 @@ fn run(mut args: Args) -> Result<(), String> {
                 data.display()
             ));
         }
+        check_companions_are_their_folders(&args)?;
     }
     if let (Some(dir), true) = (&args.save_hf, saves) {
         if !args.check {
@@ -1499,6 +1501,37 @@ fn save_hf_companions(args: &Args) -> Vec<(PathBuf, String)> {
             _ => args.model.as_deref().and_then(|model| found(model, name)),
         })
         .collect()
+}
+
+/// Refuses a file --save-hf would copy beside the model whose links lead out of the folder it
+/// is found in: a crafted or shared checkpoint folder's `merges.txt -> ~/.ssh/id_ed25519`
+/// would put that file in the export (a user's to publish). A Hugging Face cache's snapshot
+/// files are links to its `blobs/`, beside `snapshots/`: those are the folder's own.
+fn check_companions_are_their_folders(args: &Args) -> Result<(), String> {
+    for (file, name) in save_hf_companions(args) {
+        let folder = match (&args.tokenizer, is_tokenizer_file(&name)) {
+            (Some(tokenizer), true) if name != "tokenizer.json" => folder_of(tokenizer).to_path_buf(),
+            (Some(_), true) => continue,
+            _ => match &args.model {
+                Some(model) => model.clone(),
+                None => continue,
+            },
+        };
+        let (Ok(target), Ok(folder)) = (file.canonicalize(), folder.canonicalize()) else { continue };
+        // snapshots/REV/NAME -> ../../blobs/HASH: the cache entry (two folders up) holds both.
+        let cache_entry = folder.parent().filter(|snapshots| snapshots.file_name().is_some_and(|n| n == "snapshots")).and_then(Path::parent);
+        let in_blobs = |entry: &Path| target.parent().is_some_and(|blobs| blobs == entry.join("blobs"));
+        if !target.starts_with(&folder) && !cache_entry.is_some_and(in_blobs) {
+            return Err(format!(
+                "--save-hf would copy {} beside the model, and it leads out of its folder {} (to {}): a link there would put that file in \
+                 the export. Copy the file itself into the folder, or remove the link",
+                file.display(),
+                folder.display(),
+                target.display()
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The folder that holds `file` (the working folder for a bare name).
@@ -2186,6 +2219,67 @@ struct RunLog {
     /// This step's backward and update seconds (and whether the update ran in the backward),
     /// from [`Progress::phases`] to its waits' line.
     phases: Option<(f64, f64, bool)>,
+    /// The model's FLOPs a token of a step (forward and backward, [`memory::model_flops_per_token`]),
+    /// and the ranks that share them: a step's TFLOP/s a rank.
+    flops_per_token: f64,
+    ranks: usize,
+    /// Seconds a step takes, averaged over the last ones: the ETA's, and the stall watch's.
+    step_seconds: Option<f64>,
+    /// What the stall watch reads (see [`StallWatch`]); dropped with the log, it ends.
+    watch: Arc<StallWatch>,
+}
+
+/// `seconds` as `h:mm:ss`.
+fn clock(seconds: f64) -> String {
+    let seconds = seconds.max(0.0).round() as u64;
+    format!("{}:{:02}:{:02}", seconds / 3600, seconds / 60 % 60, seconds % 60)
+}
+
+/// What rank 0's stall watch needs: when the last step ended and how long steps take. A thread
+/// reads it every few seconds and says where no step has ended for three steps' time (two
+/// minutes at least): a step that hangs in a collective shows nothing else until the
+/// collective times out (ULYSSES_COLLECTIVE_TIMEOUT, 600 s by default), and the progress bar
+/// stands still.
+struct StallWatch {
+    /// Milliseconds since the log began when the last step ended, and a step's average.
+    last_step_ms: std::sync::atomic::AtomicU64,
+    step_ms: std::sync::atomic::AtomicU64,
+    /// The step under way (1-based).
+    step: std::sync::atomic::AtomicU64,
+}
+
+impl StallWatch {
+    /// Starts the thread that watches `watch` for as long as anything else holds it.
+    fn start(watch: &Arc<Self>, bar: ProgressBar, started: Instant) {
+        let watch = Arc::downgrade(watch);
+        let spawned = std::thread::Builder::new().name("stall-watch".into()).spawn(move || {
+            use std::sync::atomic::Ordering::Relaxed;
+            let mut said_at = 0;
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(5));
+                let Some(watch) = watch.upgrade() else { return };
+                let (now, last, step_ms) = (started.elapsed().as_millis() as u64, watch.last_step_ms.load(Relaxed), watch.step_ms.load(Relaxed));
+                let quiet = now.saturating_sub(last);
+                // Said again each time as long again has passed.
+                let limit = (3 * step_ms).max(120_000);
+                if step_ms > 0 && quiet >= limit && quiet >= said_at + limit {
+                    said_at = quiet;
+                    let step = watch.step.load(Relaxed);
+                    say(&bar, format!(
+                        "warning: no step has ended for {} (step {step} under way; a step takes about {:.1} s): a rank may be stuck, and a \
+                         collective fails after ULYSSES_COLLECTIVE_TIMEOUT (600 s by default)",
+                        clock(quiet as f64 / 1e3),
+                        step_ms as f64 / 1e3
+                    ));
+                } else if quiet < said_at {
+                    said_at = 0;
+                }
+            }
+        });
+        if let Err(error) = spawned {
+            tracing::warn!(%error, "the stall watch cannot start: a step that hangs shows nothing until its collective times out");
+        }
+    }
 }
 
 /// The run's `config.json` and `metrics.csv`: nothing is written before the first step has
@@ -2262,11 +2356,18 @@ impl RunLog {
             job.args.backend,
             config.seq_len
         );
+        let watch = Arc::new(StallWatch {
+            last_step_ms: Default::default(),
+            step_ms: Default::default(),
+            step: (job.resumed_at.unwrap_or(0) as u64 + 1).into(),
+        });
+        let started = Instant::now();
+        StallWatch::start(&watch, bar.clone(), started);
         Self {
             bar,
             record: Record::Pending { config_json: burn::config::config_to_json(config), kept },
             out: job.out.clone(),
-            started: Instant::now(),
+            started,
             trained_before,
             last_line: None,
             stop_at: job.args.stop_after.map_or(config.steps, |stop| stop.min(config.steps)),
@@ -2295,6 +2396,10 @@ impl RunLog {
             wrote: if job.args.no_save { "metrics.csv, loss.png, config.json" } else { "metrics.csv, loss.png, config.json, model.mpk, checkpoint.ulysses" },
             profile: job.args.profile,
             phases: None,
+            flops_per_token: memory::model_flops_per_token(config),
+            ranks: config.layout.world_size(),
+            step_seconds: None,
+            watch,
         }
     }
 
@@ -2430,21 +2535,38 @@ impl Progress for RunLog {
             true => "no target in this step: nothing learned".to_string(),
             false => format!("loss {:.4}  grad norm {:.3}", report.loss, report.grad_norm),
         };
-        self.bar.set_message(format!("{shown}  {tokens_per_second:.0} tok/s"));
+        // The model's TFLOP/s a rank (no recompute counted), and the time left at the recent
+        // steps' pace (the first step's compilation weighs a tenth).
+        let tflops = tokens_per_second / self.ranks as f64 * self.flops_per_token / 1e12;
+        let average = self.step_seconds.map_or(seconds, |average| 0.9 * average + 0.1 * seconds);
+        self.step_seconds = Some(average);
+        let eta = clock(average * self.stop_at.saturating_sub(self.taken) as f64);
+        {
+            use std::sync::atomic::Ordering::Relaxed;
+            self.watch.last_step_ms.store(self.started.elapsed().as_millis() as u64, Relaxed);
+            self.watch.step_ms.store((average * 1e3) as u64, Relaxed);
+            self.watch.step.store(self.taken as u64 + 1, Relaxed);
+        }
+        let flops = match tflops >= 1.0 {
+            true => format!("{tflops:.1} TFLOP/s"),
+            false => format!("{:.1} GFLOP/s", tflops * 1e3),
+        };
+        let pace = format!("lr {learning_rate:.2e}  {seconds:.1} s/step  {tokens_per_second:.0} tok/s  {flops} a rank");
+        self.bar.set_message(format!("{shown}  {pace}  ETA {eta}"));
         self.bar.inc(1);
         // A log file or a launcher's pipe sees no bar: a line now and then, and the last step's.
         // The run's last step: its end, --stop-after's, or the one a stop signal ends it at.
         let due = self.last_line.is_none_or(|at| at.elapsed() >= STEP_LINE_EVERY) || self.taken == self.stop_at || report.stop_requested;
         if self.bar.is_hidden() && due {
             self.last_line = Some(Instant::now());
-            eprintln!("step {}/{}: {shown}  {tokens_per_second:.0} tok/s", self.taken, self.steps);
+            eprintln!("step {}/{}: {shown}  {pace}  (elapsed {}, ETA {eta})", self.taken, self.steps, clock(self.started.elapsed().as_secs_f64()));
         }
     }
 
     fn eval(&mut self, step: usize, loss: f64) {
         self.eval.push((step, loss));
         self.row(step, "", &format!("{loss:.9}"), ",,,,");
-        say(&self.bar, format!("step {step}: held-out loss {loss:.4}"));
+        say(&self.bar, format!("step {}: held-out loss {loss:.4}", step + 1));
     }
 
     fn has_eval(&self, step: usize) -> bool {
@@ -2460,7 +2582,8 @@ impl Progress for RunLog {
     }
 
     fn checkpoint(&mut self, step: usize, path: &Path) {
-        tracing::debug!(step, path = %path.display(), "checkpoint written");
+        // Which step a --resume would continue from, said as it becomes so.
+        say(&self.bar, format!("step {}: checkpoint written ({})", step + 1, path.display()));
     }
 
     fn phases(&mut self, _step: usize, backward: f64, update: f64, update_in_backward: bool) {

@@ -139,6 +139,18 @@ pub fn layer_parameters(model: &DecoderConfig) -> u64 {
     attention + 3 * d * f + 2 * d
 }
 
+/// The model's FLOPs a token of a step, as MFU counts them (PaLM's appendix B): 6 for each
+/// weight a matmul takes (forward, and backward's two), the head's included and the embedding
+/// lookup's not, and causal attention's two products over the sequence's earlier tokens, on
+/// average half of them (6 · layers · q heads · head dim · sequence). Recomputed forwards (layer
+/// checkpointing) are not counted: the hardware does them, the model does not need them. (In
+/// this module for the model's counts it shares.)
+pub fn model_flops_per_token(config: &TrainConfig) -> f64 {
+    let model = &config.model;
+    let matmul_weights = model.n_layers as f64 * layer_parameters(model) as f64 + (model.vocab_size * model.d_model) as f64;
+    6.0 * matmul_weights + 6.0 * (model.n_layers * model.n_heads * model.head_dim()) as f64 * config.seq_len as f64
+}
+
 /// The parameters outside `model`'s layers: the embedding, the final norm and an untied head.
 pub fn rest_parameters(model: &DecoderConfig) -> u64 {
     let (d, vocab) = (model.d_model as u64, model.vocab_size as u64);
@@ -386,7 +398,8 @@ impl InputsAt {
     }
 }
 
-/// What a run of `config` needs of a [`Machine`]: a rank's device at a step's peak, and the
+/// What a run of `config` needs of a [`Machine`]: a rank's device at a step's peak (or at world
+/// rank 0's evaluation of whole sequences, where `--eval-single-device` makes that the more), and the
 /// host for its ranks ([`host_state_bytes`], [`offloaded_host_bytes`]); `None` without layer
 /// checkpointing (no step's peak is estimated).
 pub fn needs(config: &TrainConfig, parameters: u64, compute_bytes: u64, ranks_per_host: u64) -> Option<(u64, u64)> {
@@ -491,11 +504,15 @@ pub fn describe(config: &TrainConfig, parameters: u64, compute_bytes: u64, host_
     // Every activation grows with the sequences a micro-batch holds (`--batch-size 8` by
     // default, long contexts usually want one at a time).
     if a.rows > 1 && large(a.peak()) {
-        cuts.push(format!(
-            "a larger --grad-accumulation (up to {}) runs fewer of the step's sequences at once: each rank's micro-batch now holds {}",
-            a.rows * config.grad_accumulation as u64,
-            a.rows
-        ));
+        cuts.push(match config.optimizer_in_backward {
+            // Which takes no accumulation.
+            true => format!("a smaller --batch-size (or a larger --dp) runs fewer sequences at once: each rank's micro-batch now holds {}", a.rows),
+            false => format!(
+                "a larger --grad-accumulation (up to {}) runs fewer of the step's sequences at once: each rank's micro-batch now holds {}",
+                a.rows * config.grad_accumulation as u64,
+                a.rows
+            ),
+        });
     }
     if in_layer(a.tile) && checkpointing.tile_tokens.is_none() && shard > config.model.d_model as u64 {
         cuts.push(format!("--tile-tokens {} runs the token-wise parts in tiles (ALST's size: d_model)", config.model.d_model));
@@ -541,6 +558,17 @@ mod tests {
     /// A model's parameters, counted on its lazily built tensors.
     fn counted(model: &DecoderConfig) -> u64 {
         parameter_elements(&model.init::<NdArray<f32>>(&Default::default())).iter().sum::<usize>() as u64
+    }
+
+    /// Llama-3.1-8B (8 030 261 248 parameters) at 131 072 tokens: 6 × its 7 504 920 576 matmul
+    /// weights (32 layers of 218 112 000, the head's 525 336 576; not the embedding's lookup)
+    /// and causal attention's 6 × 32 layers × 4096 × 131 072, more than twice the weights' share.
+    #[test]
+    fn a_tokens_model_flops_are_the_weights_and_causal_attention() {
+        let model = DecoderConfig::new(128_256).with_d_model(4096).with_n_layers(32).with_n_heads(32).with_n_kv_heads(8).with_ffn_hidden(14_336);
+        assert_eq!(counted(&model), 8_030_261_248);
+        let config = TrainConfig::new(model, AdamWConfig::new(), ParallelLayout::new()).with_seq_len(131_072);
+        assert_eq!(model_flops_per_token(&config), 6.0 * 7_504_920_576.0 + 6.0 * 32.0 * 4096.0 * 131_072.0);
     }
 
     #[test]
@@ -756,6 +784,20 @@ mod tests {
         }
         // Nothing fits a device of a byte.
         assert_eq!(longest_fitting(&config, parameters, 2, &Machine { device_bytes: 1, host_bytes: None, ranks_per_host: 1 }, 1024, 1 << 26), None);
+        // World rank 0 evaluating whole sequences (--eval-single-device) needs more than the
+        // step where every input is on the host: a device between the two holds the step and
+        // not the run, wherever the inputs go, and the longest length is shorter.
+        let mut evaluated = config.clone().with_eval_single_device(true).with_eval_every(10);
+        evaluated.layout = ParallelLayout::new().with_sp_size(8);
+        let step = estimated_peak(&at(&evaluated, InputsAt::Host), parameters, 2).unwrap();
+        let evaluation = single_device_evaluation(&evaluated, parameters, 2).unwrap();
+        assert!(evaluation > step, "{evaluation} > {step}");
+        assert_eq!(needs(&evaluated, parameters, 2, 1).unwrap().0.max(evaluation), needs(&evaluated, parameters, 2, 1).unwrap().0);
+        let between = Machine { device_bytes: (step + evaluation) / 2, host_bytes: None, ranks_per_host: 1 };
+        assert!(fitting_place(&evaluated.clone().with_eval_single_device(false), parameters, 2, &between).is_some());
+        assert_eq!(fitting_place(&evaluated, parameters, 2, &between), None);
+        let longest = |config: &TrainConfig| longest_fitting(config, parameters, 2, &between, 8192, 1 << 26).map(|(tokens, _)| tokens);
+        assert!(longest(&evaluated) < longest(&evaluated.clone().with_eval_single_device(false)));
     }
 
     #[test]

@@ -1133,10 +1133,8 @@ impl CheckpointWrite {
             // error like any other of the write's: rank 0 rethrowing it unwound past its
             // report to its peers, which then took it for a rank that had finished.
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(write)).unwrap_or_else(|panic| {
-                Err(UlyssesError::Checkpoint {
-                    path: format!("written after step {}", step + 1),
-                    reason: format!("its writer panicked: {}", ulysses_core::comm::panic_message(panic.as_ref())),
-                })
+                // Its step said by `finish` (`at_step`), as the write's other errors.
+                Err(UlyssesError::Checkpoint { path: "write".into(), reason: format!("its writer panicked: {}", ulysses_core::comm::panic_message(panic.as_ref())) })
             })
         });
         self.0 = Some((step, thread.map_err(|e| UlyssesError::InvalidConfig(format!("cannot start the thread that writes the checkpoint: {e}")))?));
@@ -1582,7 +1580,17 @@ impl HostTurn {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let key = ulysses_training::checkpoint::fnv1a(&[location.as_os_str().as_encoded_bytes(), &[0], host.trim().as_bytes()]);
         let path = std::env::temp_dir().join(format!("ulysses-resume-{key:016x}.lock"));
-        let locked = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).and_then(|file| file.lock().map(|()| file));
+        // Another user's file of that (computable) name is no turn of ours: its holder could
+        // keep every rank of this host waiting for ever.
+        let ours = |file: std::fs::File| {
+            use std::os::unix::fs::MetadataExt;
+            // SAFETY: getuid(2) cannot fail.
+            match file.metadata()?.uid() == unsafe { libc::getuid() } {
+                true => Ok(file),
+                false => Err(std::io::Error::other("another user's file holds its name")),
+            }
+        };
+        let locked = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).and_then(ours).and_then(|file| file.lock().map(|()| file));
         match locked {
             Ok(file) => Self { _lock: Some(file) },
             Err(error) => {
@@ -1995,7 +2003,7 @@ mod tests {
         let mut write = super::CheckpointWrite::default();
         write.begin(4, || panic!("a snapshot failed")).unwrap();
         let error = write.finish().expect_err("the write panicked").to_string();
-        assert!(error.contains("written after step 5") && error.contains("its writer panicked: a snapshot failed"), "{error}");
+        assert!(error.contains("step 4: checkpoint write: its writer panicked: a snapshot failed"), "{error}");
     }
 
     use super::{ParallelLayout, RunState, TrainConfig, check_resumable, first_time, host_threads_per_rank, refuse_f16_training};

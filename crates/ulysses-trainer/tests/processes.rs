@@ -506,7 +506,7 @@ fn a_stopped_run_resumes_exactly_and_at_another_layout() {
     let full = show(&succeed(run_launched(2, &common_args(&dir, "full", 6), &[&["--sp", "2"][..], &adamw].concat())));
     // A launcher pipes rank 0's stderr (no terminal, no progress bar): the held-out loss at the
     // last step and the last step's line are printed all the same.
-    assert!(full.contains("step 5: held-out loss") && full.contains("step 6/6: loss"), "{full}");
+    assert!(full.contains("step 6: held-out loss") && full.contains("step 6/6: loss"), "{full}");
     succeed(run_launched(2, &common_args(&dir, "part", 6), &[&["--sp", "2", "--stop-after", "3"][..], &adamw].concat()));
     assert_eq!(losses(&dir.join("part")).len(), 3);
     // A note of the run as a whole (its padding) is said once, not once a process.
@@ -1787,6 +1787,40 @@ fn qwen3_args(data: &Path, rest: &str) -> Vec<String> {
 fn qwen3_and_tokenizer() -> (PathBuf, PathBuf) {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../crates/ulysses-models/tests/fixtures");
     (fixtures.join("qwen3"), fixtures.join("tokenizer/tokenizer.json"))
+}
+
+/// A file --save-hf would copy beside the model that links out of the --model folder is refused
+/// before anything runs (the export would carry it: `vocab.json -> a private file`); a Hugging
+/// Face cache's snapshot, whose files link to the entry's `blobs/`, is the folder's own.
+#[test]
+fn save_hf_refuses_companions_that_link_out_of_their_folder() {
+    let dir = workspace("companion-links");
+    let fixture = qwen3_and_tokenizer().0;
+    let entry = dir.join("models--org--tiny");
+    let (snapshot, blobs) = (entry.join("snapshots").join("abc123"), entry.join("blobs"));
+    fs::create_dir_all(&snapshot).unwrap();
+    fs::create_dir_all(&blobs).unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        fs::copy(fixture.join(name), blobs.join(name)).unwrap();
+        std::os::unix::fs::symlink(Path::new("../../blobs").join(name), snapshot.join(name)).unwrap();
+    }
+    fs::write(blobs.join("vocab-blob"), "{}").unwrap();
+    std::os::unix::fs::symlink("../../blobs/vocab-blob", snapshot.join("vocab.json")).unwrap();
+    let args = |out: &str| -> Vec<String> {
+        let (tokens, saved, out) = (dir.join("data.jsonl"), dir.join(format!("{out}-hf")), dir.join(out));
+        let mut args: Vec<String> = [&tokens, &snapshot, &out, &saved].iter().zip(["--tokens", "--model", "--out", "--save-hf"]).flat_map(|(path, flag)| [flag.to_string(), path.display().to_string()]).collect();
+        args.extend("--seq-len 16 --batch-size 4 --learning-rate 0.01 --check".split_whitespace().map(String::from));
+        args
+    };
+    succeed(run_alone(&args("cached"), &[]));
+    let private = dir.join("private.txt");
+    fs::write(&private, "not for an export").unwrap();
+    fs::remove_file(snapshot.join("vocab.json")).unwrap();
+    std::os::unix::fs::symlink(&private, snapshot.join("vocab.json")).unwrap();
+    let refused = run_alone(&args("linked"), &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("vocab.json beside the model, and it leads out of its folder") && text.contains("private.txt"), "{text}");
+    let _ = fs::remove_dir_all(&dir);
 }
 
 /// `{"prompt", "completion"}` lines train on the completions alone, as TRL's SFTTrainer

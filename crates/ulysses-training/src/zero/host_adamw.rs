@@ -80,7 +80,8 @@ pub struct ShardedAdamW {
 /// dropped on an error's way out), so that no update outlives its optimizer, holding the state
 /// and the host's cores beside a library caller's next try. One still open to its step's
 /// groups (`open`: a backward under way, whose parameters still send them) is left to end as
-/// they stop coming.
+/// they stop coming. On an error's way out a rank so leaves its group once its update has ended
+/// (a second or two for an 8B model's part), a wait its peers spend before they learn of it.
 struct UpdateThread {
     thread: Option<JoinHandle<UpdateEnd>>,
     open: Option<Weak<()>>,
