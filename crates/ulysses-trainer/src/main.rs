@@ -2447,6 +2447,8 @@ impl RunLog {
             };
         }
         let elapsed = self.trained_before + self.started.elapsed().as_secs_f64();
+        // A row the curve does not show yet.
+        self.drawn = false;
         if let Record::Open(record) = &mut self.record
             && let Err(error) = record.append(&format!("{step},{loss},{eval_loss},{rest},{elapsed:.3}"))
         {
@@ -2582,8 +2584,12 @@ impl Progress for RunLog {
     }
 
     fn checkpoint(&mut self, step: usize, path: &Path) {
-        // Which step a --resume would continue from, said as it becomes so.
+        // Which step a --resume would continue from, said as it becomes so; and the curve drawn
+        // to it, for a run of days to show one before its end.
         say(&self.bar, format!("step {}: checkpoint written ({})", step + 1, path.display()));
+        if self.began {
+            self.draw();
+        }
     }
 
     fn phases(&mut self, _step: usize, backward: f64, update: f64, update_in_backward: bool) {

@@ -342,6 +342,20 @@ fn a_nan_in_one_ranks_gradient_stops_the_run_naming_the_step() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A run killed outright (SIGKILL: nothing of it runs after) keeps the curve drawn as its
+/// last checkpoint was written (the sharded optimizer's, written in the step: said at once).
+#[test]
+fn a_killed_run_keeps_the_curve_of_its_last_checkpoint() {
+    let dir = workspace("killed-curve");
+    let mut args = common_args(&dir, "run", 6);
+    args.extend(["--sp", "2", "--offload-optimizer", "--checkpoint-every", "2", "--fault-kill", "3:0"].map(String::from));
+    let killed = run_alone(&args, &[]);
+    assert!(!killed.status.success(), "{}", show(&killed));
+    assert!(show(&killed).contains("step 2: checkpoint written"), "{}", show(&killed));
+    assert!(dir.join("run/loss.png").exists(), "no curve of the killed run's rows:\n{}", show(&killed));
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A signal stops a run after the step under way, every rank after the same one, with a
 /// checkpoint that `--resume` continues: SIGUSR1 to the launcher (as `sbatch
 /// --signal=USR1@300` sends it), which passes it on to its two processes, and SIGTERM to a
