@@ -2223,8 +2223,12 @@ struct RunLog {
     /// and the ranks that share them: a step's TFLOP/s a rank.
     flops_per_token: f64,
     ranks: usize,
-    /// Seconds a step takes, averaged over the last ones: the ETA's, and the stall watch's.
+    /// Seconds a step takes, averaged over the last ones (this process's first step, which
+    /// compiles, only until a second comes): the ETA's, and the stall watch's.
     step_seconds: Option<f64>,
+    steps_timed: usize,
+    /// Every how many steps a held-out evaluation follows (0: none): what the watch names.
+    eval_every: usize,
     /// What the stall watch reads (see [`StallWatch`]); dropped with the log, it ends.
     watch: Arc<StallWatch>,
 }
@@ -2241,11 +2245,20 @@ fn clock(seconds: f64) -> String {
 /// collective times out (ULYSSES_COLLECTIVE_TIMEOUT, 600 s by default), and the progress bar
 /// stands still.
 struct StallWatch {
-    /// Milliseconds since the log began when the last step ended, and a step's average.
+    /// Milliseconds since the log began when the last step (or evaluation, or checkpoint) ended,
+    /// and a step's average; 0 once the last step has ended (the run's end is not watched).
     last_step_ms: std::sync::atomic::AtomicU64,
     step_ms: std::sync::atomic::AtomicU64,
-    /// The step under way (1-based).
-    step: std::sync::atomic::AtomicU64,
+    /// What is under way: the next step, or the evaluation or checkpoint after a step.
+    doing: std::sync::Mutex<String>,
+}
+
+/// Whether the stall watch says so now: nothing has ended for `quiet` ms, three steps' time
+/// (`step_ms` each) and two minutes at least, and as long again since it last said so at
+/// `said_at` ms (0: not yet); never where no step is watched (`step_ms` 0).
+fn stall_to_say(quiet: u64, step_ms: u64, said_at: u64) -> bool {
+    let limit = (3 * step_ms).max(120_000);
+    step_ms > 0 && quiet >= limit && quiet >= said_at + limit
 }
 
 impl StallWatch {
@@ -2260,13 +2273,11 @@ impl StallWatch {
                 let Some(watch) = watch.upgrade() else { return };
                 let (now, last, step_ms) = (started.elapsed().as_millis() as u64, watch.last_step_ms.load(Relaxed), watch.step_ms.load(Relaxed));
                 let quiet = now.saturating_sub(last);
-                // Said again each time as long again has passed.
-                let limit = (3 * step_ms).max(120_000);
-                if step_ms > 0 && quiet >= limit && quiet >= said_at + limit {
+                if stall_to_say(quiet, step_ms, said_at) {
                     said_at = quiet;
-                    let step = watch.step.load(Relaxed);
+                    let doing = watch.doing.lock().unwrap_or_else(|p| p.into_inner()).clone();
                     say(&bar, format!(
-                        "warning: no step has ended for {} (step {step} under way; a step takes about {:.1} s): a rank may be stuck, and a \
+                        "warning: nothing has ended for {} ({doing} under way; a step takes about {:.1} s): a rank may be stuck, and a \
                          collective fails after ULYSSES_COLLECTIVE_TIMEOUT (600 s by default)",
                         clock(quiet as f64 / 1e3),
                         step_ms as f64 / 1e3
@@ -2359,7 +2370,7 @@ impl RunLog {
         let watch = Arc::new(StallWatch {
             last_step_ms: Default::default(),
             step_ms: Default::default(),
-            step: (job.resumed_at.unwrap_or(0) as u64 + 1).into(),
+            doing: std::sync::Mutex::new(format!("step {}", job.resumed_at.unwrap_or(0) + 1)),
         });
         let started = Instant::now();
         StallWatch::start(&watch, bar.clone(), started);
@@ -2399,6 +2410,8 @@ impl RunLog {
             flops_per_token: memory::model_flops_per_token(config),
             ranks: config.layout.world_size(),
             step_seconds: None,
+            steps_timed: 0,
+            eval_every: config.eval_every,
             watch,
         }
     }
@@ -2458,6 +2471,19 @@ impl RunLog {
             say(&self.bar, format!("error: {message}; training goes on"));
             self.record = Record::Failed(message);
         }
+    }
+
+    /// Tells the stall watch that something ended now, what is under way, and how long a step
+    /// takes (`None`: the steps are over, nothing more is watched).
+    fn watching(&self, step_seconds: Option<f64>, doing: String) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.watch.last_step_ms.store(self.started.elapsed().as_millis() as u64, Relaxed);
+        if let Some(seconds) = step_seconds {
+            self.watch.step_ms.store((seconds * 1e3).max(1.0) as u64, Relaxed);
+        } else {
+            self.watch.step_ms.store(0, Relaxed);
+        }
+        *self.watch.doing.lock().unwrap_or_else(|p| p.into_inner()) = doing;
     }
 
     /// Draws the curve of this run's record; failing to draw it loses nothing.
@@ -2540,15 +2566,19 @@ impl Progress for RunLog {
         // The model's TFLOP/s a rank (no recompute counted), and the time left at the recent
         // steps' pace (the first step's compilation weighs a tenth).
         let tflops = tokens_per_second / self.ranks as f64 * self.flops_per_token / 1e12;
-        let average = self.step_seconds.map_or(seconds, |average| 0.9 * average + 0.1 * seconds);
+        self.steps_timed += 1;
+        let average = match (self.step_seconds, self.steps_timed) {
+            (Some(average), 3..) => 0.9 * average + 0.1 * seconds,
+            _ => seconds,
+        };
         self.step_seconds = Some(average);
         let eta = clock(average * self.stop_at.saturating_sub(self.taken) as f64);
-        {
-            use std::sync::atomic::Ordering::Relaxed;
-            self.watch.last_step_ms.store(self.started.elapsed().as_millis() as u64, Relaxed);
-            self.watch.step_ms.store((average * 1e3) as u64, Relaxed);
-            self.watch.step.store(self.taken as u64 + 1, Relaxed);
-        }
+        let last = self.taken >= self.stop_at || report.stop_requested;
+        let evaluates = self.eval_every > 0 && self.taken % self.eval_every == 0;
+        self.watching(
+            if last { None } else { Some(average) },
+            if evaluates { format!("the held-out evaluation after step {}", self.taken) } else { format!("step {}", self.taken + 1) },
+        );
         let flops = match tflops >= 1.0 {
             true => format!("{tflops:.1} TFLOP/s"),
             false => format!("{:.1} GFLOP/s", tflops * 1e3),
@@ -2566,6 +2596,9 @@ impl Progress for RunLog {
     }
 
     fn eval(&mut self, step: usize, loss: f64) {
+        if step + 1 < self.stop_at {
+            self.watching(self.step_seconds, format!("step {}", step + 2));
+        }
         self.eval.push((step, loss));
         self.row(step, "", &format!("{loss:.9}"), ",,,,");
         say(&self.bar, format!("step {}: held-out loss {loss:.4}", step + 1));
@@ -2576,6 +2609,9 @@ impl Progress for RunLog {
     }
 
     fn checkpoint_due(&mut self, step: usize) {
+        if step + 1 < self.stop_at {
+            self.watching(self.step_seconds, format!("the checkpoint after step {}", step + 1));
+        }
         if let Record::Open(record) = &mut self.record
             && let Err(error) = record.sync()
         {
@@ -2605,5 +2641,22 @@ impl Progress for RunLog {
             // Printed also where the bar is hidden (output not a terminal): it is asked for.
             self.bar.suspend(|| println!("step {step}: {io}{phases}"));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The stall watch speaks after three steps' time of nothing ending, two minutes at least,
+    /// then once each as long again; never once the steps are over.
+    #[test]
+    fn the_stall_watch_speaks_after_three_steps_and_two_minutes() {
+        use super::stall_to_say;
+        // Steps of 50 s: after 150 s, not before; again at 300 s.
+        assert!(!stall_to_say(149_999, 50_000, 0) && stall_to_say(150_000, 50_000, 0));
+        assert!(!stall_to_say(299_999, 50_000, 150_000) && stall_to_say(300_000, 50_000, 150_000));
+        // Steps of a second: two minutes.
+        assert!(!stall_to_say(119_999, 1_000, 0) && stall_to_say(120_000, 1_000, 0));
+        // Nothing watched after the last step.
+        assert!(!stall_to_say(10_000_000, 0, 0));
     }
 }

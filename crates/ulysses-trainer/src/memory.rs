@@ -139,10 +139,11 @@ pub fn layer_parameters(model: &DecoderConfig) -> u64 {
     attention + 3 * d * f + 2 * d
 }
 
-/// The model's FLOPs a token of a step, as MFU counts them (PaLM's appendix B): 6 for each
-/// weight a matmul takes (forward, and backward's two), the head's included and the embedding
-/// lookup's not, and causal attention's two products over the sequence's earlier tokens, on
-/// average half of them (6 · layers · q heads · head dim · sequence). Recomputed forwards (layer
+/// The model's FLOPs a token of a step: 6 for each weight a matmul takes (forward, and
+/// backward's two; PaLM's appendix B), the head's included and the embedding lookup's not, and
+/// causal attention's two products over the sequence's earlier tokens, on average half of them
+/// (6 · layers · q heads · head dim · sequence: PaLM's 12, which counts every key, halved for
+/// the causal mask, as FlashAttention counts; PaLM's and torchtitan's MFU count the 12). Recomputed forwards (layer
 /// checkpointing) are not counted: the hardware does them, the model does not need them. (In
 /// this module for the model's counts it shares.)
 pub fn model_flops_per_token(config: &TrainConfig) -> f64 {

@@ -1582,15 +1582,21 @@ impl HostTurn {
         let path = std::env::temp_dir().join(format!("ulysses-resume-{key:016x}.lock"));
         // Another user's file of that (computable) name is no turn of ours: its holder could
         // keep every rank of this host waiting for ever.
+        // Nor one another user may open (a lock needs no write access): ours alone, 0600.
         let ours = |file: std::fs::File| {
-            use std::os::unix::fs::MetadataExt;
-            // SAFETY: getuid(2) cannot fail.
-            match file.metadata()?.uid() == unsafe { libc::getuid() } {
-                true => Ok(file),
-                false => Err(std::io::Error::other("another user's file holds its name")),
+            use std::os::unix::fs::{MetadataExt, PermissionsExt};
+            // SAFETY: geteuid(2) cannot fail.
+            if file.metadata()?.uid() != unsafe { libc::geteuid() } {
+                return Err(std::io::Error::other("another user's file holds its name"));
             }
+            file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+            Ok(file)
         };
-        let locked = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).and_then(ours).and_then(|file| file.lock().map(|()| file));
+        let open = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new().create(true).truncate(false).write(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(&path)
+        };
+        let locked = open.and_then(ours).and_then(|file| file.lock().map(|()| file));
         match locked {
             Ok(file) => Self { _lock: Some(file) },
             Err(error) => {

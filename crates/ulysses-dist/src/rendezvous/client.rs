@@ -21,6 +21,9 @@ pub struct RendezvousClient {
     /// Set after a timeout or an i/o error: the stream may hold a late answer, so it is not
     /// used again.
     broken: bool,
+    /// The last exchange's connection was closed or reset by rank 0's side: at the hello, a
+    /// server with too many connections in their handshake, which a rank dials again.
+    closed_by_peer: bool,
     /// Times each barrier name was used, so a name can be reused.
     barriers: std::collections::HashMap<String, u64>,
 }
@@ -42,35 +45,44 @@ impl RendezvousClient {
         // Each attempt tries every address the name resolves to (`localhost` may give ::1
         // first where rank 0 listens on 127.0.0.1); the last failure goes into the timeout.
         let mut last_failure = String::new();
-        let stream = 'connected: loop {
-            match (host, port).to_socket_addrs() {
-                Ok(sockets) => {
-                    for socket in sockets {
-                        let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
-                        match TcpStream::connect_timeout(&socket, remaining.min(Duration::from_secs(5))) {
-                            Ok(stream) => break 'connected stream,
-                            Err(e) => last_failure = format!("{socket}: {e}"),
+        loop {
+            let stream = 'connected: loop {
+                match (host, port).to_socket_addrs() {
+                    Ok(sockets) => {
+                        for socket in sockets {
+                            let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+                            match TcpStream::connect_timeout(&socket, remaining.min(Duration::from_secs(5))) {
+                                Ok(stream) => break 'connected stream,
+                                Err(e) => last_failure = format!("{socket}: {e}"),
+                            }
                         }
                     }
+                    Err(e) => last_failure = format!("{host} does not resolve: {e}"),
                 }
-                Err(e) => last_failure = format!("{host} does not resolve: {e}"),
-            }
-            if Instant::now() >= deadline {
-                return Err(DistError::RendezvousTimeout {
-                    addr: target,
-                    after: timeout,
-                    waiting_for: format!("waiting for rank 0 to accept the connection (last attempt: {last_failure})"),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        };
-        let _ = stream.set_nodelay(true);
-        let mut client = Self { stream, addr: target, rank, max_message_bytes, timeout, broken: false, barriers: Default::default() };
-        let hello = Request::Hello { token: token.to_string(), rank, world_size };
-        match client.request(&hello, "for rank 0's welcome")? {
-            Response::Welcome => Ok(client),
-            Response::Rejected { reason } => Err(DistError::Rejected { addr: client.addr.clone(), reason }),
-            other => Err(DistError::Protocol(format!("expected a welcome, got {other:?}"))),
+                if Instant::now() >= deadline {
+                    return Err(DistError::RendezvousTimeout {
+                        addr: target,
+                        after: timeout,
+                        waiting_for: format!("waiting for rank 0 to accept the connection (last attempt: {last_failure})"),
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            };
+            let _ = stream.set_nodelay(true);
+            let mut client = Self { stream, addr: target.clone(), rank, max_message_bytes, timeout, broken: false, closed_by_peer: false, barriers: Default::default() };
+            let hello = Request::Hello { token: token.to_string(), rank, world_size };
+            return match client.request(&hello, "for rank 0's welcome") {
+                Ok(Response::Welcome) => Ok(client),
+                Ok(Response::Rejected { reason }) => Err(DistError::Rejected { addr: client.addr.clone(), reason }),
+                Ok(other) => Err(DistError::Protocol(format!("expected a welcome, got {other:?}"))),
+                // Closed before the welcome (the server's handshakes all taken): dialled again.
+                Err(error) if client.closed_by_peer && Instant::now() < deadline => {
+                    last_failure = error.to_string();
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+                Err(error) => Err(error),
+            };
         }
     }
 
@@ -197,17 +209,27 @@ impl RendezvousClient {
     fn exchange(&mut self, request: &Request, waiting_for: &str, limit: Duration) -> Result<Response, DistError> {
         let protocol = |e: FrameError| DistError::Protocol(format!("{} ({})", e, self.addr));
         self.stream.set_read_timeout(Some(limit)).map_err(|e| protocol(e.into()))?;
-        write_blocking(&mut self.stream, request).map_err(protocol)?;
+        match write_blocking(&mut self.stream, request) {
+            Err(FrameError::Io(e)) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe) => {
+                self.closed_by_peer = true;
+                return Err(protocol(FrameError::Io(e)));
+            }
+            written => written.map_err(protocol)?,
+        }
         // Answers carry JSON framing on top of the value: allow for it.
         match read_blocking(&mut self.stream, self.max_message_bytes * 5) {
             Ok(response) => Ok(response),
             Err(FrameError::Io(e)) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
                 Err(DistError::RendezvousTimeout { addr: self.addr.clone(), after: limit, waiting_for: waiting_for.into() })
             }
-            Err(FrameError::Closed) => Err(DistError::Protocol(format!(
-                "rank 0's rendezvous on {} closed the connection (rank 0 exited?)",
-                self.addr
-            ))),
+            Err(FrameError::Closed) => {
+                self.closed_by_peer = true;
+                Err(DistError::Protocol(format!("rank 0's rendezvous on {} closed the connection (rank 0 exited?)", self.addr)))
+            }
+            Err(FrameError::Io(e)) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe) => {
+                self.closed_by_peer = true;
+                Err(protocol(FrameError::Io(e)))
+            }
             Err(error) => Err(protocol(error)),
         }
     }

@@ -156,6 +156,7 @@ async fn serve(listener: std::net::TcpListener, shared: Arc<Shared>, mut stop: t
         Ok(listener) => listener,
         Err(error) => return tracing::error!(%error, "rendezvous cannot listen"),
     };
+    let mut failed_accepts = 0u64;
     loop {
         tokio::select! {
             _ = &mut stop => return,
@@ -169,7 +170,10 @@ async fn serve(listener: std::net::TcpListener, shared: Arc<Shared>, mut stop: t
                 },
                 Err(error) => {
                     // Out of descriptors, say: not a loop that logs as fast as it fails.
-                    tracing::warn!(%error, "rendezvous accept failed");
+                    failed_accepts += 1;
+                    if failed_accepts <= 20 || failed_accepts % 1000 == 0 {
+                        tracing::warn!(%error, failed = failed_accepts, "rendezvous accept failed");
+                    }
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 }
             },
