@@ -2229,6 +2229,8 @@ struct RunLog {
     steps_timed: usize,
     /// Every how many steps a held-out evaluation follows (0: none): what the watch names.
     eval_every: usize,
+    /// The run's last step has ended (its end, or a stop signal's): the watch is off.
+    steps_over: bool,
     /// What the stall watch reads (see [`StallWatch`]); dropped with the log, it ends.
     watch: Arc<StallWatch>,
 }
@@ -2412,6 +2414,7 @@ impl RunLog {
             step_seconds: None,
             steps_timed: 0,
             eval_every: config.eval_every,
+            steps_over: false,
             watch,
         }
     }
@@ -2473,17 +2476,23 @@ impl RunLog {
         }
     }
 
-    /// Tells the stall watch that something ended now, what is under way, and how long a step
-    /// takes (`None`: the steps are over, nothing more is watched).
-    fn watching(&self, step_seconds: Option<f64>, doing: String) {
+    /// Tells the stall watch that something ended now and what is under way: `doing`, or after
+    /// step `step` (0-based) its evaluation where one is due, else the next step; nothing once
+    /// the run's steps are over. The trainer goes step, checkpoint, evaluation.
+    fn watching(&self, doing: String) {
         use std::sync::atomic::Ordering::Relaxed;
         self.watch.last_step_ms.store(self.started.elapsed().as_millis() as u64, Relaxed);
-        if let Some(seconds) = step_seconds {
-            self.watch.step_ms.store((seconds * 1e3).max(1.0) as u64, Relaxed);
-        } else {
-            self.watch.step_ms.store(0, Relaxed);
-        }
+        let step_ms = match (self.steps_over, self.step_seconds) {
+            (false, Some(seconds)) => (seconds * 1e3).max(1.0) as u64,
+            _ => 0,
+        };
+        self.watch.step_ms.store(step_ms, Relaxed);
         *self.watch.doing.lock().unwrap_or_else(|p| p.into_inner()) = doing;
+    }
+
+    fn watch_after(&self, step: usize) {
+        let evaluates = self.eval_every > 0 && (step + 1) % self.eval_every == 0;
+        self.watching(if evaluates { format!("the held-out evaluation after step {}", step + 1) } else { format!("step {}", step + 2) });
     }
 
     /// Draws the curve of this run's record; failing to draw it loses nothing.
@@ -2564,7 +2573,7 @@ impl Progress for RunLog {
             false => format!("loss {:.4}  grad norm {:.3}", report.loss, report.grad_norm),
         };
         // The model's TFLOP/s a rank (no recompute counted), and the time left at the recent
-        // steps' pace (the first step's compilation weighs a tenth).
+        // steps' pace (this process's first step, which compiles, left out once a second came).
         let tflops = tokens_per_second / self.ranks as f64 * self.flops_per_token / 1e12;
         self.steps_timed += 1;
         let average = match (self.step_seconds, self.steps_timed) {
@@ -2573,12 +2582,8 @@ impl Progress for RunLog {
         };
         self.step_seconds = Some(average);
         let eta = clock(average * self.stop_at.saturating_sub(self.taken) as f64);
-        let last = self.taken >= self.stop_at || report.stop_requested;
-        let evaluates = self.eval_every > 0 && self.taken % self.eval_every == 0;
-        self.watching(
-            if last { None } else { Some(average) },
-            if evaluates { format!("the held-out evaluation after step {}", self.taken) } else { format!("step {}", self.taken + 1) },
-        );
+        self.steps_over = self.taken >= self.stop_at || report.stop_requested;
+        self.watch_after(self.taken - 1);
         let flops = match tflops >= 1.0 {
             true => format!("{tflops:.1} TFLOP/s"),
             false => format!("{:.1} GFLOP/s", tflops * 1e3),
@@ -2596,9 +2601,7 @@ impl Progress for RunLog {
     }
 
     fn eval(&mut self, step: usize, loss: f64) {
-        if step + 1 < self.stop_at {
-            self.watching(self.step_seconds, format!("step {}", step + 2));
-        }
+        self.watching(format!("step {}", step + 2));
         self.eval.push((step, loss));
         self.row(step, "", &format!("{loss:.9}"), ",,,,");
         say(&self.bar, format!("step {}: held-out loss {loss:.4}", step + 1));
@@ -2609,9 +2612,7 @@ impl Progress for RunLog {
     }
 
     fn checkpoint_due(&mut self, step: usize) {
-        if step + 1 < self.stop_at {
-            self.watching(self.step_seconds, format!("the checkpoint after step {}", step + 1));
-        }
+        self.watching(format!("the checkpoint after step {}", step + 1));
         if let Record::Open(record) = &mut self.record
             && let Err(error) = record.sync()
         {
@@ -2623,6 +2624,10 @@ impl Progress for RunLog {
         // Which step a --resume would continue from, said as it becomes so; and the curve drawn
         // to it, for a run of days to show one before its end.
         say(&self.bar, format!("step {}: checkpoint written ({})", step + 1, path.display()));
+        // The step just taken's (a replicated one's write is said at a later step's end).
+        if step + 1 == self.taken {
+            self.watch_after(step);
+        }
         if self.began {
             self.draw();
         }

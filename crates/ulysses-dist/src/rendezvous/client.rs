@@ -21,9 +21,6 @@ pub struct RendezvousClient {
     /// Set after a timeout or an i/o error: the stream may hold a late answer, so it is not
     /// used again.
     broken: bool,
-    /// The last exchange's connection was closed or reset by rank 0's side: at the hello, a
-    /// server with too many connections in their handshake, which a rank dials again.
-    closed_by_peer: bool,
     /// Times each barrier name was used, so a name can be reused.
     barriers: std::collections::HashMap<String, u64>,
 }
@@ -69,18 +66,23 @@ impl RendezvousClient {
                 std::thread::sleep(Duration::from_millis(100));
             };
             let _ = stream.set_nodelay(true);
-            let mut client = Self { stream, addr: target.clone(), rank, max_message_bytes, timeout, broken: false, closed_by_peer: false, barriers: Default::default() };
+            let mut client = Self { stream, addr: target.clone(), rank, max_message_bytes, timeout, broken: false, barriers: Default::default() };
             let hello = Request::Hello { token: token.to_string(), rank, world_size };
             return match client.request(&hello, "for rank 0's welcome") {
                 Ok(Response::Welcome) => Ok(client),
                 Ok(Response::Rejected { reason }) => Err(DistError::Rejected { addr: client.addr.clone(), reason }),
-                Ok(other) => Err(DistError::Protocol(format!("expected a welcome, got {other:?}"))),
-                // Closed before the welcome (the server's handshakes all taken): dialled again.
-                Err(error) if client.closed_by_peer && Instant::now() < deadline => {
-                    last_failure = error.to_string();
+                // The server's handshakes all taken (a flood of connections): dialled again.
+                Ok(Response::Busy) if Instant::now() < deadline => {
+                    last_failure = "rank 0's rendezvous had too many connections in their handshake".into();
                     std::thread::sleep(Duration::from_millis(100));
                     continue;
                 }
+                Ok(Response::Busy) => Err(DistError::RendezvousTimeout {
+                    addr: target,
+                    after: timeout,
+                    waiting_for: "waiting for rank 0's rendezvous, which had too many connections in their handshake (a flood of them)".into(),
+                }),
+                Ok(other) => Err(DistError::Protocol(format!("expected a welcome, got {other:?}"))),
                 Err(error) => Err(error),
             };
         }
@@ -209,27 +211,17 @@ impl RendezvousClient {
     fn exchange(&mut self, request: &Request, waiting_for: &str, limit: Duration) -> Result<Response, DistError> {
         let protocol = |e: FrameError| DistError::Protocol(format!("{} ({})", e, self.addr));
         self.stream.set_read_timeout(Some(limit)).map_err(|e| protocol(e.into()))?;
-        match write_blocking(&mut self.stream, request) {
-            Err(FrameError::Io(e)) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe) => {
-                self.closed_by_peer = true;
-                return Err(protocol(FrameError::Io(e)));
-            }
-            written => written.map_err(protocol)?,
-        }
+        write_blocking(&mut self.stream, request).map_err(protocol)?;
         // Answers carry JSON framing on top of the value: allow for it.
         match read_blocking(&mut self.stream, self.max_message_bytes * 5) {
             Ok(response) => Ok(response),
             Err(FrameError::Io(e)) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
                 Err(DistError::RendezvousTimeout { addr: self.addr.clone(), after: limit, waiting_for: waiting_for.into() })
             }
-            Err(FrameError::Closed) => {
-                self.closed_by_peer = true;
-                Err(DistError::Protocol(format!("rank 0's rendezvous on {} closed the connection (rank 0 exited?)", self.addr)))
-            }
-            Err(FrameError::Io(e)) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe) => {
-                self.closed_by_peer = true;
-                Err(protocol(FrameError::Io(e)))
-            }
+            Err(FrameError::Closed) => Err(DistError::Protocol(format!(
+                "rank 0's rendezvous on {} closed the connection (rank 0 exited?)",
+                self.addr
+            ))),
             Err(error) => Err(protocol(error)),
         }
     }

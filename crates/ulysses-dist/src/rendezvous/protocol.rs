@@ -43,6 +43,8 @@ pub enum Response {
         #[serde(default)]
         finished: Vec<usize>,
     },
+    /// The server has too many connections in their handshake (a flood of them): dial again.
+    Busy,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +59,7 @@ pub enum FrameError {
     Io(#[from] std::io::Error),
 }
 
-fn encode<T: Serialize>(message: &T) -> Vec<u8> {
+pub(crate) fn encode<T: Serialize>(message: &T) -> Vec<u8> {
     let body = serde_json::to_vec(message).expect("protocol messages serialize");
     let mut frame = (body.len() as u32).to_be_bytes().to_vec();
     frame.extend(body);

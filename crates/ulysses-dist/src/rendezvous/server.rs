@@ -52,6 +52,8 @@ struct Shared {
     /// Connections not yet admitted: bounded, so that a flood of them (a port scan, another
     /// user's) cannot take the process's file descriptors, which checkpoints and NCCL need.
     handshakes: Arc<tokio::sync::Semaphore>,
+    /// Connections past that bound being told so ([`say_busy`]).
+    busy_replies: Arc<tokio::sync::Semaphore>,
     /// Connections refused so far: the first few are logged, then one in a thousand.
     refused: std::sync::atomic::AtomicU64,
 }
@@ -90,7 +92,8 @@ impl RendezvousServer {
         let local = listener.local_addr().map_err(|e| bind_error(e.to_string()))?;
         let (shutdown, stop) = tokio::sync::oneshot::channel();
         let handshakes = Arc::new(tokio::sync::Semaphore::new(2 * settings.world_size + SPARE_HANDSHAKES));
-        let shared = Arc::new(Shared { settings, state: Mutex::default(), version: watch::channel(0).0, handshakes, refused: Default::default() });
+        let busy_replies = Arc::new(tokio::sync::Semaphore::new(SPARE_HANDSHAKES));
+        let shared = Arc::new(Shared { settings, state: Mutex::default(), version: watch::channel(0).0, handshakes, busy_replies, refused: Default::default() });
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| bind_error(e.to_string()))?;
         let thread = std::thread::Builder::new()
             .name("ulysses-rendezvous".into())
@@ -161,13 +164,21 @@ async fn serve(listener: std::net::TcpListener, shared: Arc<Shared>, mut stop: t
         tokio::select! {
             _ = &mut stop => return,
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => match shared.handshakes.clone().try_acquire_owned() {
-                    Ok(handshake) => {
-                        tokio::spawn(connection(stream, peer, shared.clone(), handshake));
+                Ok((stream, peer)) => {
+                    failed_accepts = 0;
+                    // Past the handshakes' bound: told `Busy` (a rank dials again, until its
+                    // rendezvous timeout), after its hello is read where a few more tasks may
+                    // (an answer to an unread hello can be lost to the reset its close sends),
+                    // else in the one write the socket takes without waiting.
+                    match (shared.handshakes.clone().try_acquire_owned(), shared.busy_replies.clone().try_acquire_owned()) {
+                        (Ok(handshake), _) => drop(tokio::spawn(connection(stream, peer, shared.clone(), handshake))),
+                        (Err(_), Ok(reply)) => drop(tokio::spawn(say_busy(stream, peer, shared.clone(), reply))),
+                        (Err(_), Err(_)) => {
+                            let _ = stream.try_write(&super::protocol::encode(&Response::Busy));
+                            shared.say_refused(peer, "too many connections in their handshake");
+                        }
                     }
-                    // Closed at once: the ranks' own retry (they dial for the rendezvous timeout).
-                    Err(_) => shared.say_refused(peer, "too many connections in their handshake"),
-                },
+                }
                 Err(error) => {
                     // Out of descriptors, say: not a loop that logs as fast as it fails.
                     failed_accepts += 1;
@@ -213,6 +224,14 @@ fn admit(shared: &Shared, hello: Request, peer: SocketAddr) -> Result<usize, Str
     state.finished.remove(&rank);
     state.joined.insert(rank, peer);
     Ok(rank)
+}
+
+/// Tells a connection past the handshakes' bound to dial again: its hello read first (a second
+/// at most), so that the answer is not lost to the reset a close with unread bytes sends.
+async fn say_busy(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, _reply: tokio::sync::OwnedSemaphorePermit) {
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), read_async::<Request>(&mut stream, HELLO_LIMIT)).await;
+    let _ = write_async(&mut stream, &Response::Busy).await;
+    shared.say_refused(peer, "too many connections in their handshake");
 }
 
 /// Largest hello: before the token is checked, a peer gets no more than this.
