@@ -1586,10 +1586,14 @@ impl HostTurn {
         let ours = |file: std::fs::File| {
             use std::os::unix::fs::{MetadataExt, PermissionsExt};
             // SAFETY: geteuid(2) cannot fail.
-            if file.metadata()?.uid() != unsafe { libc::geteuid() } {
+            let metadata = file.metadata()?;
+            if metadata.uid() != unsafe { libc::geteuid() } {
                 return Err(std::io::Error::other("another user's file holds its name"));
             }
-            file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+            // An older build's 0644 file made ours alone; a folder that takes no chmod keeps it.
+            if metadata.mode() & 0o077 != 0 {
+                let _ = file.set_permissions(std::fs::Permissions::from_mode(0o600));
+            }
             Ok(file)
         };
         let open = {
