@@ -1492,11 +1492,19 @@ fn run(mut args: Args) -> Result<(), String> {
 /// the run used (the --tokenizer file as tokenizer.json, the others from its folder), else the
 /// --model folder's, and the --model folder's generation settings.
 fn save_hf_companions(args: &Args) -> Vec<(PathBuf, String)> {
-    let found = |folder: &Path, name: &str| Some(folder.join(name)).filter(|file| file.is_file()).map(|file| (file, name.to_string()));
+    companion_sources(args).into_iter().map(|(file, name, _)| (file, name)).collect()
+}
+
+/// [`save_hf_companions`] with the folder each was found in (`None`: the --tokenizer file
+/// itself, as given).
+fn companion_sources(args: &Args) -> Vec<(PathBuf, String, Option<&Path>)> {
+    fn found<'a>(folder: &'a Path, name: &str) -> Option<(PathBuf, String, Option<&'a Path>)> {
+        Some(folder.join(name)).filter(|file| file.is_file()).map(|file| (file, name.to_string(), Some(folder)))
+    }
     COMPANION_FILES
         .iter()
         .filter_map(|&name| match (&args.tokenizer, is_tokenizer_file(name)) {
-            (Some(file), true) if name == "tokenizer.json" => Some((file.clone(), name.to_string())),
+            (Some(file), true) if name == "tokenizer.json" => Some((file.clone(), name.to_string(), None)),
             (Some(file), true) => found(folder_of(file), name),
             _ => args.model.as_deref().and_then(|model| found(model, name)),
         })
@@ -1508,15 +1516,8 @@ fn save_hf_companions(args: &Args) -> Vec<(PathBuf, String)> {
 /// would put that file in the export (a user's to publish). A Hugging Face cache's snapshot
 /// files are links to its `blobs/`, beside `snapshots/`: those are the folder's own.
 fn check_companions_are_their_folders(args: &Args) -> Result<(), String> {
-    for (file, name) in save_hf_companions(args) {
-        let folder = match (&args.tokenizer, is_tokenizer_file(&name)) {
-            (Some(tokenizer), true) if name != "tokenizer.json" => folder_of(tokenizer).to_path_buf(),
-            (Some(_), true) => continue,
-            _ => match &args.model {
-                Some(model) => model.clone(),
-                None => continue,
-            },
-        };
+    for (file, _, folder) in companion_sources(args) {
+        let Some(folder) = folder else { continue };
         let (Ok(target), Ok(folder)) = (file.canonicalize(), folder.canonicalize()) else { continue };
         // snapshots/REV/NAME -> ../../blobs/HASH: the cache entry (two folders up) holds both.
         let cache_entry = folder.parent().filter(|snapshots| snapshots.file_name().is_some_and(|n| n == "snapshots")).and_then(Path::parent);

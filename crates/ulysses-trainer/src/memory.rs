@@ -259,8 +259,7 @@ impl StepActivations {
         // From the second tile on, the tiles' gradient summed in f32 beside them; as a tile's
         // is added, that sum with the tile's gradient and its cast.
         let zero3 = config.zero_stage == 3;
-        let weight_bytes = if zero3 || config.offload_optimizer { cb } else { 4 };
-        let logits_bytes = if config.f32_head { 4 } else { cb };
+        let (weight_bytes, logits_bytes) = weight_and_logits_bytes(config, cb);
         let logits_weight = if logits_bytes == weight_bytes { 0 } else { logits_bytes };
         let tiles_sum = if shard > tile_tokens { 4 } else { 0 };
         let head_weights = (logits_weight + logits_bytes + 3 * 4 + tiles_sum).max(4 + weight_bytes + 4);
@@ -299,6 +298,14 @@ impl StepActivations {
     }
 }
 
+/// Bytes of a float of the layers' weights (the compute copy's under ZeRO-3 or the host
+/// optimizer, else f32 parameters cast for each piece) and of the logits (f32 under
+/// --f32-head), for layers that compute in `compute_bytes`-byte floats.
+fn weight_and_logits_bytes(config: &TrainConfig, compute_bytes: u64) -> (u64, u64) {
+    let weight_bytes = if config.zero_stage == 3 || config.offload_optimizer { compute_bytes } else { 4 };
+    (weight_bytes, if config.f32_head { 4 } else { compute_bytes })
+}
+
 /// The most a rank's device holds in a checkpointed step of `config` (its state and the
 /// step's peak), or `None` where layers are not checkpointed.
 pub fn estimated_peak(config: &TrainConfig, parameters: u64, compute_bytes: u64) -> Option<u64> {
@@ -335,8 +342,7 @@ pub fn single_device_evaluation(config: &TrainConfig, parameters: u64, compute_b
     let final_norm = (4 + 4) * tokens * d;
     // As the step's: f32 parameters (no ZeRO-3, no host optimizer) cast to the compute dtype
     // for each layer, and the head's weight to the logits' dtype where it differs.
-    let weight_bytes = if config.zero_stage == 3 || config.offload_optimizer { cb } else { 4 };
-    let logits_bytes = if config.f32_head { 4 } else { cb };
+    let (weight_bytes, logits_bytes) = weight_and_logits_bytes(config, cb);
     let head_cast = if logits_bytes == weight_bytes { 0 } else { logits_bytes * vocab * d };
     let layer_cast = if weight_bytes == cb { 0 } else { cb * layer_parameters(model) };
     let head = 3 * 4 * chunk * vocab + final_norm + head_cast;

@@ -772,9 +772,9 @@ pub fn train_rank<B>(
 where
     B: TrainBackend,
 {
-    // A stop asked for after the last step's health check (in the last checkpoint's write, the
-    // export) is no next run's: cleared however this one ends, or a library's second run in
-    // this process would stop after its first step.
+    // A stop request, acted on or asked for after the last step's health check (in the last
+    // checkpoint's write, the export), is no next run's: cleared however this one ends, or a
+    // library's second run in this process would stop after its first step.
     struct ForgetLateStop;
     impl Drop for ForgetLateStop {
         fn drop(&mut self) {
@@ -957,11 +957,8 @@ where
             report_written(replicated_write.finish()?, options.progress.as_deref_mut());
         }
         // A signal (`ulysses_training::request_stop`) on any rank: every rank learned it in
-        // this step's health check, so all make this step the last, with its checkpoint. Acted
-        // on, it is cleared: a next run in this process starts without it.
-        if report.stop_requested {
-            ulysses_training::clear_stop_request();
-        }
+        // this step's health check, so all make this step the last, with its checkpoint (the
+        // request cleared as the run returns: `ForgetLateStop`).
         if report.stop_requested && step + 1 < last_step {
             last_step = step + 1;
             STOPPED_ON_SIGNAL.store(true, std::sync::atomic::Ordering::Relaxed);

@@ -137,8 +137,8 @@ pub fn stop_was_requested() -> bool {
 }
 
 /// Forgets a [`request_stop`] that was acted on: a loop that stopped for it clears it, or the
-/// next run in the process would stop after its first step (the trainer clears it at the step
-/// whose report says so: every rank of the process has its verdict by then).
+/// next run in the process would stop after its first step (the trainer clears it as a run
+/// returns: every rank of the process has read it in its last health check by then).
 pub fn clear_stop_request() {
     STOP_REQUESTED.store(false, std::sync::atomic::Ordering::Relaxed);
 }

@@ -58,6 +58,12 @@ struct Shared {
     refused: std::sync::atomic::AtomicU64,
 }
 
+/// Whether the `count`th of a kind of failure is logged: the first 20, then one in a thousand
+/// (a flood of them would fill the job's output).
+fn worth_saying(count: u64) -> bool {
+    count <= 20 || count % 1000 == 0
+}
+
 /// Connections in their handshake at once, beyond the world's own.
 const SPARE_HANDSHAKES: usize = 64;
 
@@ -65,9 +71,9 @@ impl Shared {
     /// Logs a refused connection, the first 20 and then one in a thousand (a flood of them
     /// would fill the job's output).
     fn say_refused(&self, peer: SocketAddr, reason: &str) {
-        let count = self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if count < 20 || count % 1000 == 0 {
-            tracing::warn!(%peer, %reason, refused = count + 1, "rendezvous refused a connection");
+        let count = self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if worth_saying(count) {
+            tracing::warn!(%peer, %reason, refused = count, "rendezvous refused a connection");
         }
     }
 }
@@ -182,7 +188,7 @@ async fn serve(listener: std::net::TcpListener, shared: Arc<Shared>, mut stop: t
                 Err(error) => {
                     // Out of descriptors, say: not a loop that logs as fast as it fails.
                     failed_accepts += 1;
-                    if failed_accepts <= 20 || failed_accepts % 1000 == 0 {
+                    if worth_saying(failed_accepts) {
                         tracing::warn!(%error, failed = failed_accepts, "rendezvous accept failed");
                     }
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
