@@ -30,7 +30,7 @@ use crate::{
     error::UlyssesError,
     exchange::{heads_to_sequence, sequence_to_heads},
     flash::dense_fallback,
-    capabilities::{DenseFallback, ExchangeBackend},
+    capabilities::{DenseFallback, ExchangeBackend, PlainBackend},
     layout::{AttentionLayout, HeadPlan, MaskKind},
     primitive::{float_primitive, float_tensor},
     ring::ring_attention,
@@ -312,6 +312,9 @@ pub fn sequence_parallel_attention<X: ExchangeBackend>(
         }
         let plan = HeadPlan::new(layout.q_heads, layout.kv_heads, communicator.size())?;
         tracing::trace!(?layout, ?plan, "sequence-parallel attention");
+        if fallback == DenseFallback::Forbid && !plan.even {
+            refuse_where_head_shares_disagree::<X>(&query, &layout, &plan, &options)?;
+        }
 
         let [query, key, value] = sequence_to_heads(float_tensor(query), float_tensor(key), float_tensor(value), &plan, communicator)?;
 
@@ -399,6 +402,46 @@ fn key_runs(masked: &[bool], batch: usize, mask_heads: usize, heads: Range<usize
         .collect()
 }
 
+/// Where the dense fallback is an error and heads split unevenly, the kernels' verdict on
+/// every rank's share, so that all ranks refuse together before the exchange: the shares'
+/// tensors differ in size, and past 2^31 elements a device without 64-bit indices (wgpu)
+/// takes the `⌊H/P⌋` heads and refuses the `⌈H/P⌉`; a rank refusing alone would leave its
+/// peers waiting in the exchange back. Each rank decides from the same shapes.
+fn refuse_where_head_shares_disagree<X: ExchangeBackend>(
+    query: &FloatTensor<X>,
+    layout: &AttentionLayout,
+    plan: &HeadPlan,
+    options: &AttentionModuleOptions,
+) -> Result<(), UlyssesError> {
+    let (device, dtype) = (X::float_device(query), query.dtype());
+    let (queries, keys) = (layout.q_seq * plan.sp_size, layout.kv_seq * plan.sp_size);
+    let verdict = |q_heads: usize, kv_heads: usize| {
+        let q = [layout.batch, q_heads, queries, layout.head_dim];
+        let (k, v) = ([layout.batch, kv_heads, keys, layout.head_dim], [layout.batch, kv_heads, keys, layout.value_dim]);
+        <X::Wire as PlainBackend>::fused_attention_check([(&q[..], dtype), (&k[..], dtype), (&v[..], dtype)], &device, options)
+    };
+    match first_share_refused_alone(plan, verdict) {
+        Some((rank, reason)) => Err(UlyssesError::DenseFallback {
+            reason: format!(
+                "rank {rank}'s share of the heads ({} of {}) would need it, though other ranks' would not: {reason}",
+                plan.q_heads_of(rank).len(),
+                plan.q_heads
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The first rank whose share of the heads `verdict` (q and kv head counts) refuses where
+/// another rank's passes, with why; `None` where all agree.
+fn first_share_refused_alone(plan: &HeadPlan, verdict: impl Fn(usize, usize) -> Result<(), String>) -> Option<(usize, String)> {
+    let verdicts: Vec<Result<(), String>> = (0..plan.sp_size).map(|rank| verdict(plan.q_heads_of(rank).len(), plan.kv_heads_of(rank).len())).collect();
+    if verdicts.iter().all(Result::is_err) {
+        return None;
+    }
+    verdicts.into_iter().enumerate().find_map(|(rank, verdict)| verdict.err().map(|reason| (rank, reason)))
+}
+
 /// Checks shapes that need no peer, and describes the call for the cross-rank check
 /// (ulysses-core's rule, shared with the burn 0.22 crate).
 #[allow(clippy::too_many_arguments)]
@@ -483,4 +526,26 @@ fn bool_tensor<X: ExchangeBackend>(primitive: BoolTensor<X>) -> Tensor<X, 4, Boo
 
 fn dims<T: TensorMetadata>(tensor: &T) -> Vec<usize> {
     tensor.shape().to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 14 heads over 4 ranks (4, 4, 3, 3): a verdict that refuses 4 heads refuses rank 0's
+    /// share on every rank; one that takes or refuses every share leaves the kernels' own
+    /// verdict to each rank (the same everywhere).
+    #[test]
+    fn uneven_head_shares_refused_together_where_their_verdicts_differ() {
+        let plan = HeadPlan::new(14, 2, 4).unwrap();
+        let refusing = |most: usize| move |q_heads: usize, _kv: usize| if q_heads > most { Err(format!("{q_heads} heads")) } else { Ok(()) };
+        assert_eq!(first_share_refused_alone(&plan, refusing(3)), Some((0, "4 heads".into())));
+        assert_eq!(first_share_refused_alone(&plan, refusing(4)), None);
+        assert_eq!(first_share_refused_alone(&plan, refusing(2)), None);
+        // The kv heads count too: rank 1's q heads 4..8 use kv heads 0, 0, 0, 1, sent one
+        // a q head; the others' one each.
+        assert_eq!((0..4).map(|rank| plan.kv_heads_of(rank).len()).collect::<Vec<_>>(), [1, 4, 1, 1]);
+        let by_kv = |_q: usize, kv: usize| if kv > 1 { Err("kv".to_string()) } else { Ok(()) };
+        assert_eq!(first_share_refused_alone(&plan, by_kv), Some((1, "kv".into())));
+    }
 }
