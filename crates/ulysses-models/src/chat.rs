@@ -49,6 +49,20 @@ pub struct RenderedChat {
     pub text: String,
     /// In characters (as Python indexes strings), each a `{% generation %}` block's output.
     pub generations: Vec<Range<usize>>,
+    /// The system and user messages whose text the rendering does not hold: a template that
+    /// drops or moves them (Mistral v0.3's keeps the system prompt only with the last user
+    /// message, so a conversation ending in an answer trains without it). transformers
+    /// renders the same; the trainer warns.
+    pub left_out: Vec<usize>,
+}
+
+/// A conversation's tokens: ids (the rendered text, no special tokens added), which are the
+/// assistant's, and [`RenderedChat::left_out`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenizedChat {
+    pub ids: Vec<u32>,
+    pub answers: Vec<bool>,
+    pub left_out: Vec<usize>,
 }
 
 /// The private-use characters that stand for a generation block's start and end in the
@@ -72,11 +86,7 @@ impl ChatTemplate {
     /// `special_tokens_map`), a class's default (LlamaTokenizer's `<s>`) where the configs
     /// name none.
     pub fn from_checkpoint_for(dir: &Path, tokenizer: Option<&TextTokenizer>) -> Result<Option<Self>, ChatError> {
-        let TokenizerConfig { file: config_file, json: config, mut special_tokens, .. } =
-            TokenizerConfig::read(dir).map_err(|e| ChatError { file: e.file, problem: e.problem })?;
-        for (name, token) in tokenizer.into_iter().flat_map(TextTokenizer::special_tokens) {
-            special_tokens.entry(name.to_string()).or_insert_with(|| token.to_string());
-        }
+        let (TokenizerConfig { file: config_file, json: config, .. }, special_tokens) = special_tokens_of(dir, tokenizer)?;
         let named = |name: &str| config["chat_template"].as_array().and_then(|named| named.iter().find(|t| t["name"] == name)).and_then(|t| t["template"].as_str());
         // As in transformers, the file takes priority over the config's entry.
         let jinja = dir.join("chat_template.jinja");
@@ -103,6 +113,19 @@ impl ChatTemplate {
             template.tool_use = Some(Box::new(tool_use));
         }
         Ok(Some(template))
+    }
+
+    /// A template file given apart from the checkpoint's (a training template: answers marked
+    /// with `{% generation %}`, every prompt rendered as the start of its conversation, as TRL's
+    /// `*_training.jinja` are), with the special tokens [`from_checkpoint_for`](Self::from_checkpoint_for)
+    /// gives the tokenizer folder `dir`'s template.
+    pub fn from_file_for(file: &Path, dir: Option<&Path>, tokenizer: Option<&TextTokenizer>) -> Result<Self, ChatError> {
+        let source = std::fs::read_to_string(file).map_err(|e| error(file, format!("cannot read the chat template: {e}")))?;
+        let special_tokens = match dir {
+            Some(dir) => special_tokens_of(dir, tokenizer)?.1,
+            None => tokenizer.into_iter().flat_map(TextTokenizer::special_tokens).map(|(name, token)| (name.to_string(), token.to_string())).collect(),
+        };
+        Self::new(&source, special_tokens, &file.display().to_string())
     }
 
     /// A template from its source; `special_tokens` are the variables `bos_token`, ...
@@ -153,6 +176,8 @@ impl ChatTemplate {
         if let Some(tool_use) = self.tool_use.as_ref().filter(|_| variables.get("tools").is_some_and(|tools| !tools.is_null())) {
             return tool_use.render_with(messages, variables, add_generation_prompt);
         }
+        let messages = without_empty_tool_calls(messages);
+        let messages = &messages[..];
         if let Some(name) = variables.keys().find(|name| ["messages", "add_generation_prompt"].contains(&name.as_str()) || self.special_tokens.iter().any(|(token, _)| token == *name)) {
             return Err(self.error(format!("the template variable {name:?} is set by the rendering itself: leave it out of the line's variables")));
         }
@@ -194,7 +219,8 @@ impl ChatTemplate {
             }
             check_content(index, role, message).map_err(|problem| self.error(problem))?;
         }
-        let rendered = self.rendered(messages, variables, add_generation_prompt)?;
+        let mut rendered = self.rendered(messages, variables, add_generation_prompt)?;
+        rendered.left_out = messages_left_out(messages, &rendered.text);
         // After the rendering: a template that refuses the role itself says so in its words.
         if let Some((index, role)) = unnamed_role {
             let named: Vec<&str> = ["tool", "ipython", "developer", "function"].into_iter().filter(|r| self.quoted_words.contains(*r)).collect();
@@ -223,7 +249,7 @@ impl ChatTemplate {
 
     /// The conversation's token ids (the rendered text, no special tokens added) and which are
     /// the assistant's: each token holding a character of a generation block.
-    pub fn tokenize(&self, tokenizer: &TextTokenizer, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<(Vec<u32>, Vec<bool>), ChatError> {
+    pub fn tokenize(&self, tokenizer: &TextTokenizer, messages: &[serde_json::Value], add_generation_prompt: bool) -> Result<TokenizedChat, ChatError> {
         self.tokenize_with(tokenizer, messages, &serde_json::Map::new(), add_generation_prompt)
     }
 
@@ -235,11 +261,11 @@ impl ChatTemplate {
         messages: &[serde_json::Value],
         variables: &serde_json::Map<String, serde_json::Value>,
         add_generation_prompt: bool,
-    ) -> Result<(Vec<u32>, Vec<bool>), ChatError> {
+    ) -> Result<TokenizedChat, ChatError> {
         let rendered = self.render_with(messages, variables, add_generation_prompt)?;
         let (ids, offsets) = tokenizer.encode_with_char_offsets(&rendered.text).map_err(|e: TokenizerError| ChatError { file: e.file, problem: e.problem })?;
         let answers = answer_tokens(&offsets, &rendered.generations);
-        Ok((ids, answers))
+        Ok(TokenizedChat { ids, answers, left_out: rendered.left_out })
     }
 
     fn error(&self, problem: String) -> ChatError {
@@ -261,6 +287,44 @@ fn answer_tokens(offsets: &[(usize, usize)], blocks: &[Range<usize>]) -> Vec<boo
         answers[first..=last].iter_mut().for_each(|answer| *answer = true);
     }
     answers
+}
+
+/// The tokenizer folder's config, and the special tokens a template there is given: the
+/// config's, then `tokenizer`'s (a class's default where the configs name none).
+fn special_tokens_of(dir: &Path, tokenizer: Option<&TextTokenizer>) -> Result<(TokenizerConfig, BTreeMap<String, String>), ChatError> {
+    let config = TokenizerConfig::read(dir).map_err(|e| ChatError { file: e.file, problem: e.problem })?;
+    let mut special_tokens = config.special_tokens.clone();
+    for (name, token) in tokenizer.into_iter().flat_map(TextTokenizer::special_tokens) {
+        special_tokens.entry(name.to_string()).or_insert_with(|| token.to_string());
+    }
+    Ok((config, special_tokens))
+}
+
+/// `messages` without a `tool_calls` that is null or empty: no call, as datasets write it
+/// into every message of a mixed set. Templates test the key's presence (Llama 3's `'tool_calls'
+/// in message`, Mistral's `is defined and is not none`) and would render an empty call in place
+/// of the answer and its end of turn, or fail on `null|length`.
+fn without_empty_tool_calls(messages: &[serde_json::Value]) -> std::borrow::Cow<'_, [serde_json::Value]> {
+    let empty = |message: &serde_json::Value| message.get("tool_calls").is_some_and(|calls| calls.is_null() || calls.as_array().is_some_and(Vec::is_empty));
+    if !messages.iter().any(empty) {
+        return std::borrow::Cow::Borrowed(messages);
+    }
+    let mut messages = messages.to_vec();
+    for message in messages.iter_mut().filter(|message| empty(message)) {
+        message.as_object_mut().expect("a message with a key is an object").remove("tool_calls");
+    }
+    std::borrow::Cow::Owned(messages)
+}
+
+/// The system and user messages whose string content, trimmed, `text` does not hold.
+fn messages_left_out(messages: &[serde_json::Value], text: &str) -> Vec<usize> {
+    (0..messages.len())
+        .filter(|&index| {
+            let message = &messages[index];
+            let content = message["content"].as_str().map(str::trim).unwrap_or_default();
+            matches!(message["role"].as_str(), Some("system" | "user")) && !content.is_empty() && !text.contains(content)
+        })
+        .collect()
 }
 
 /// The words in quotes (`'…'` or `"…"`) in a template's source: letters, digits and `_`.
@@ -391,7 +455,7 @@ fn unmarked(rendered: &str) -> RenderedChat {
             }
         }
     }
-    RenderedChat { text, generations }
+    RenderedChat { text, generations, left_out: Vec::new() }
 }
 
 #[cfg(test)]
@@ -423,6 +487,6 @@ mod tests {
         assert!(found, "{source}");
         assert_eq!(source, "{{ '{%}' }}{% if true %}{{ \"\\uE000\" }}{% if true %}b{% endif %}{{ \"\\uE001\" }}{% endif %}{%");
         let rendered = unmarked("x\u{E000}ü東\u{E001}y");
-        assert_eq!(rendered, RenderedChat { text: "xü東y".into(), generations: vec![1..3] });
+        assert_eq!(rendered, RenderedChat { text: "xü東y".into(), generations: vec![1..3], left_out: vec![] });
     }
 }

@@ -22,7 +22,7 @@ pub mod rope_tables;
 pub mod tokenizer;
 mod tokenizer_class;
 
-pub use chat::{ChatError, ChatTemplate, RenderedChat};
+pub use chat::{ChatError, ChatTemplate, RenderedChat, TokenizedChat};
 pub use config::{ConfigError, HfConfig, Family};
 pub use decoder::{Decoder, DecoderConfig};
 pub use pretrained::{CheckpointError, COMPANION_FILES, DEFAULT_MAX_SHARD_BYTES, HF_TO_DECODER, HfCheckpointSnapshot, HfCheckpointWriter, Pretrained, SaveOptions, plan_shard_paths, check_save_destination, recover_killed_saves, is_tokenizer_file, checkpoint_config, from_pretrained, from_pretrained_lazily, save_pretrained, save_pretrained_including, save_pretrained_with};

@@ -35,7 +35,7 @@ fn rendered_text_ids_and_assistant_masks_equal_transformers() {
             let variables = case["variables"].as_object().cloned().unwrap_or_default();
             let rendered = template.render_with(messages, &variables, add_generation_prompt).unwrap_or_else(|e| panic!("{name} case {i}: {e}"));
             assert_eq!(rendered.text, case["text"].as_str().unwrap(), "{name} case {i}: the rendered text");
-            let (ids, answers) = template.tokenize_with(&tokenizer, messages, &variables, add_generation_prompt).unwrap();
+            let ulysses_models::TokenizedChat { ids, answers, .. } = template.tokenize_with(&tokenizer, messages, &variables, add_generation_prompt).unwrap();
             let want_ids: Vec<u32> = serde_json::from_value(case["input_ids"].clone()).unwrap();
             let want_mask: Vec<u8> = serde_json::from_value(case["assistant_masks"].clone()).unwrap();
             assert_eq!(ids, want_ids, "{name} case {i}: the token ids");

@@ -113,6 +113,8 @@ pub struct Noted {
     /// Answers (runs of targets) followed by the EOS that is no target: a template whose
     /// `{% generation %}` block closes before its end-of-turn token.
     answers_before_eos: std::cell::Cell<usize>,
+    /// Conversations whose system or user text the chat template leaves out of its rendering.
+    left_out: std::cell::Cell<usize>,
 }
 
 impl Noted {
@@ -120,6 +122,12 @@ impl Noted {
     /// of a read).
     pub fn answers_before_eos(&self) -> usize {
         self.answers_before_eos.get()
+    }
+
+    /// Conversations read so far whose system or user text the chat template left out (warned
+    /// of at the end of a read).
+    pub fn left_out(&self) -> usize {
+        self.left_out.get()
     }
 }
 
@@ -203,8 +211,17 @@ impl DocumentReader<'_> {
         if rerendered > 0 {
             tracing::warn!(
                 "{flag} {}: the chat template renders {rerendered} conversational prompt(s) otherwise alone (with the generation \
-                 prompt) than before their completion: their targets start at the first token that differs (TRL masks as many \
-                 tokens as the prompt alone has, wherever the two part)",
+                 prompt) than before their completion, by the one token at the join: their targets start at that token (TRL masks \
+                 as many tokens as the prompt alone has)",
+                path.display()
+            );
+        }
+        let left_out = self.noted.left_out.get();
+        if left_out > 0 {
+            tracing::warn!(
+                "{flag} {}: the chat template leaves the text of a system or user message out of {left_out} conversation(s), which \
+                 train without it (Mistral v0.3's keeps the system prompt only with the last user message; transformers renders \
+                 them the same): if the model should learn from it, put it in a user message or use a template that keeps it",
                 path.display()
             );
         }
@@ -303,7 +320,8 @@ impl DocumentReader<'_> {
             (Some(chat), _) if self.loss_on == LossOn::Assistant && !chat.marks_answers() => Err(format!(
                 "{}: the chat template marks no answers ({{% generation %}} blocks), so the answers alone cannot be told \
                  from the prompts: train as TRL does by default with --loss-on completion (a prompt/completion line's completion, \
-                 a conversation's every token), on every token with --loss-on all, or use a template that marks them",
+                 a conversation's every token), on every token with --loss-on all, or give a template that marks them with \
+                 --chat-template (TRL's trl/chat_templates/*_training.jinja do for Llama 3, Qwen2.5 and Qwen3)",
                 at()
             )),
             (Some(chat), Some(tokenizer)) => {
@@ -313,10 +331,17 @@ impl DocumentReader<'_> {
             (None, _) => Err(format!(
                 "{}: a conversation line needs the tokenizer's chat template (chat_template.jinja, or chat_template in \
                  tokenizer_config.json), beside --tokenizer where it is given, else in the --model folder: the folder whose \
-                 tokenizer files --save-hf copies (copy the template there)",
+                 tokenizer files --save-hf copies (copy the template there), or give one with --chat-template",
                 at()
             )),
             (_, None) => Err(format!("{}: a conversation line needs a tokenizer: give --tokenizer TOKENIZER_JSON", at())),
+        }
+    }
+
+    /// Counts a conversation whose system or user text the template left out, for one warning.
+    fn note_left_out(&self, left_out: &[usize]) {
+        if !left_out.is_empty() {
+            self.noted.left_out.set(self.noted.left_out.get() + 1);
         }
     }
 
@@ -390,7 +415,9 @@ impl DocumentReader<'_> {
                 Pending::Labelled(ids, targets) => (ids, Some(targets)),
                 Pending::Messages(messages, variables) => {
                     let (chat, tokenizer) = self.chat(&at)?;
-                    let (ids, answers) = chat.tokenize_with(tokenizer, &messages, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
+                    let chat = chat.tokenize_with(tokenizer, &messages, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
+                    let (ids, answers) = (chat.ids, chat.answers);
+                    self.note_left_out(&chat.left_out);
                     self.note_unanswered(&ids, &answers);
                     // A conversation has no completion: TRL's defaults train all of it.
                     let answers = (self.loss_on == LossOn::Assistant).then_some(answers);
@@ -403,10 +430,31 @@ impl DocumentReader<'_> {
                     // many tokens as the prompt alone has: the same where it is a prefix). Under --loss-on
                     // assistant, narrowed to the answers the template marks (TRL's
                     // assistant_only_loss).
-                    let (prompt_ids, _) = chat.tokenize_with(tokenizer, &prompt, &variables, true).map_err(|e| format!("{}: {e}", at()))?;
-                    let whole: Vec<Value> = prompt.into_iter().chain(completion).collect();
-                    let (ids, answers) = chat.tokenize_with(tokenizer, &whole, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
+                    let prompt_ids = chat.tokenize_with(tokenizer, &prompt, &variables, true).map_err(|e| format!("{}: {e}", at()))?.ids;
+                    let whole: Vec<Value> = prompt.iter().cloned().chain(completion).collect();
+                    let rendered = chat.tokenize_with(tokenizer, &whole, &variables, false).map_err(|e| format!("{}: {e}", at()))?;
+                    let (ids, answers) = (rendered.ids, rendered.answers);
+                    self.note_left_out(&rendered.left_out);
                     let shared = Self::completion_start(&prompt_ids, &ids, &self.noted.rerendered_prompts);
+                    // Apart by more than the token at the join, and not only in the generation
+                    // prompt (a completion that is no assistant turn): the template moves or
+                    // drops the prompt's text (TRL would mask the prompt's length of tokens,
+                    // wherever they fall).
+                    let moved = || -> Result<bool, String> {
+                        let plain = chat.tokenize_with(tokenizer, &prompt, &variables, false).map_err(|e| format!("{}: {e}", at()))?.ids;
+                        Ok(plain.len() - plain.iter().zip(&ids).take_while(|(a, b)| a == b).count() > 1)
+                    };
+                    if prompt_ids.len() - shared > 1 && moved()? {
+                        return Err(format!(
+                            "{}: the chat template renders the prompt alone (with its generation prompt) otherwise than the start of the \
+                             whole conversation, {} tokens before the prompt's end (it moves or drops text: Mistral v0.3's puts the system \
+                             prompt into the last user message only), so where the completion starts cannot be told and the prompt's \
+                             turns would be trained: give the line as {{\"messages\": [...]}} with a template that marks the answers \
+                             ({{% generation %}}), or use a template that renders a prompt as the start of its conversation",
+                            at(),
+                            prompt_ids.len() - shared
+                        ));
+                    }
                     let narrowed = self.loss_on == LossOn::Assistant;
                     let targets: Vec<bool> = answers.iter().enumerate().map(|(i, &answer)| i >= shared && (answer || !narrowed)).collect();
                     self.note_unanswered(&ids, &targets);

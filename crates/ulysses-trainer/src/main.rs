@@ -207,6 +207,13 @@ struct Args {
     /// every token.
     #[arg(long, value_enum, default_value = "assistant", requires = "data")]
     loss_on: LossOn,
+    /// A chat template (a .jinja file) to render --data's conversation lines with, in place of
+    /// the tokenizer's: a training template that marks the answers with {% generation %} and
+    /// renders each prompt as the start of its conversation, as TRL's trl/chat_templates/
+    /// *_training.jinja do for Llama 3, Qwen2.5 and Qwen3, whose own templates mark none. Given
+    /// the tokenizer's special tokens; --save-hf still copies the tokenizer's own template.
+    #[arg(long, requires = "data")]
+    chat_template: Option<PathBuf>,
     /// A --data document (a conversation) longer than --seq-len: `cut` into pieces, each
     /// trained as a document of its own (a later piece's answers without their prompt);
     /// `truncate` to its first --seq-len tokens, the rest dropped (TRL's max_length); or
@@ -1738,12 +1745,17 @@ fn memory_estimate(config: &TrainConfig, parameters: u64, compute_bytes: u64) ->
 /// one beside --tokenizer where it is given, else the --model folder's), from the folder
 /// whose tokenizer files --save-hf copies, so a saved model renders as it was trained; given
 /// `tokenizer`'s special tokens, as transformers gives them.
+/// --chat-template, where given, in its place.
 fn data_chat_template(args: &Args, tokenizer: Option<&TextTokenizer>) -> Result<Option<ChatTemplate>, String> {
     let folder = match (&args.tokenizer, &args.model) {
-        (Some(file), _) => folder_of(file),
-        (None, Some(model)) => model.as_path(),
-        (None, None) => return Ok(None),
+        (Some(file), _) => Some(folder_of(file)),
+        (None, Some(model)) => Some(model.as_path()),
+        (None, None) => None,
     };
+    if let Some(file) = &args.chat_template {
+        return ChatTemplate::from_file_for(file, folder, tokenizer).map(Some).map_err(|e| format!("--chat-template: {e}"));
+    }
+    let Some(folder) = folder else { return Ok(None) };
     ChatTemplate::from_checkpoint_for(folder, tokenizer).map_err(|e| format!("--data's chat template: {e}"))
 }
 

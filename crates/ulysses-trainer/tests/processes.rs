@@ -1994,7 +1994,7 @@ fn chat_messages_train_on_the_answers_alike_at_sp_1_and_2() {
         .collect();
     let (mut targets, mut total) = (0, 0);
     for messages in &conversations {
-        let (ids, answers) = template.tokenize(&tokenizer, messages, false).unwrap();
+        let ulysses_models::TokenizedChat { ids, answers, .. } = template.tokenize(&tokenizer, messages, false).unwrap();
         assert!(ids.len() < 256, "a conversation would be cut at --seq-len 256");
         (targets, total) = (targets + answers.iter().filter(|&&a| a).count(), total + ids.len());
     }
@@ -2086,6 +2086,25 @@ fn chat_messages_train_on_the_answers_alike_at_sp_1_and_2() {
     let refused = run_alone(&elsewhere, &[]);
     let text = show(&refused);
     assert!(!refused.status.success() && text.contains("needs the tokenizer's chat template") && text.contains("beside --tokenizer where it is given"), "{text}");
+    // A tokenizer whose own template marks no answers (Llama 3's, Qwen2.5's) is refused under
+    // --loss-on assistant, naming --chat-template; a training template given there marks them.
+    let unmarked = dir.join("unmarked");
+    fs::create_dir_all(&unmarked).unwrap();
+    for entry in fs::read_dir(&chat_folder).unwrap() {
+        let entry = entry.unwrap();
+        fs::copy(entry.path(), unmarked.join(entry.file_name())).unwrap();
+    }
+    let without_marks = source.replace("{%- generation %}", "").replace("{%- endgeneration %}", "").replace("{% generation %}", "").replace("{% endgeneration %}", "");
+    assert_ne!(without_marks, source, "the fixture's template marks its answers");
+    fs::write(unmarked.join("chat_template.jinja"), without_marks).unwrap();
+    let mut check = args(&data, "unmarked-run", "--sp 1 --check");
+    set_flag(&mut check, "--tokenizer", &unmarked.join("tokenizer.json").display().to_string());
+    let refused = run_alone(&check, &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("marks no answers") && text.contains("--chat-template"), "{text}");
+    check.extend(["--chat-template".to_string(), chat_folder.join("chat_template.jinja").display().to_string()]);
+    let checked = show(&succeed(run_alone(&check, &[])));
+    assert!(checked.contains(&format!("training on the answers alone: {targets} of {total} tokens are targets")), "{checked}");
     let _ = fs::remove_dir_all(&dir);
 }
 

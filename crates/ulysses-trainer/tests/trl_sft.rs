@@ -101,7 +101,7 @@ fn conversations_need_a_template_that_marks_answers_to_train_on_answers_alone() 
     for template in [&marking, &unmarked] {
         let documents = read_for(LossOn::Completion, template, prompt_completion).unwrap();
         let (ids, targets) = (&documents.ids[0], &documents.targets.as_ref().expect("the completion's targets")[0]);
-        let (prompt, _) = template.tokenize_with(&tokenizer, &serde_json::from_str::<Value>(prompt_completion).unwrap()["prompt"].as_array().unwrap().clone(), &Default::default(), true).unwrap();
+        let prompt = template.tokenize_with(&tokenizer, &serde_json::from_str::<Value>(prompt_completion).unwrap()["prompt"].as_array().unwrap().clone(), &Default::default(), true).unwrap().ids;
         assert_eq!(targets.iter().position(|&t| t), Some(prompt.len()), "targets start past the prompt: {ids:?}");
         assert!(targets[prompt.len()..].iter().all(|&t| t), "the completion whole: {targets:?}");
         let documents = read_for(LossOn::Completion, template, messages).unwrap();
@@ -123,5 +123,61 @@ fn conversations_need_a_template_that_marks_answers_to_train_on_answers_alone() 
     let unanswered = r#"{"prompt": [{"role": "user", "content": "Weather?"}], "completion": [{"role": "tool", "content": "Sunny."}]}"#;
     let documents = read(&marking, unanswered).unwrap();
     assert_eq!(documents.targets.as_ref().unwrap()[0].iter().filter(|&&t| t).count(), 0, "a tool's response is no answer");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Mistral v0.3's way (its template's branches, verbatim where they decide, answers marked):
+/// the system prompt rendered only with the last user message, and an assistant message taken
+/// as tool calls where `tool_calls` is present and not none. A conversation ending in an
+/// answer loses its system prompt, as transformers renders it: counted for a warning. A
+/// prompt/completion line whose prompt renders otherwise alone (the system prompt with its
+/// last user message) than in the whole is refused, not trained on its user turn. A
+/// `tool_calls` of `[]` or `null` (a mixed dataset's) is no call: the answer and its end are
+/// rendered, not an empty call.
+#[test]
+fn a_template_that_moves_the_system_prompt_is_noted_or_refused_and_empty_tool_calls_are_no_call() {
+    let source = r#"{%- if messages[0]["role"] == "system" %}{%- set system_message = messages[0]["content"] %}{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\n\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message.tool_calls is defined and message.tool_calls is not none %}
+        {{- "[TOOL_CALLS] [" }}
+        {%- for tool_call in message.tool_calls %}{{- tool_call.function | tojson }}{%- endfor %}
+    {%- elif message["role"] == "assistant" %}
+        {%- generation %}{{- " " + message["content"]|trim + eos_token}}{%- endgeneration %}
+    {%- endif %}
+{%- endfor %}"#;
+    let checkpoint = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ulysses-models/tests/fixtures/chat/thinking");
+    let tokenizer = TextTokenizer::from_file(&checkpoint).unwrap();
+    let special = [("bos_token", "<|im_start|>"), ("eos_token", "<|im_end|>")].map(|(name, text)| (name.to_string(), text.to_string())).into();
+    let template = ChatTemplate::new(source, special, "mistral-v0.3-kind.jinja").unwrap();
+    let eos = tokenizer.token_id("<|im_end|>").unwrap();
+    let dir = std::env::temp_dir().join(format!("ulysses-trl-moved-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let read = |line: &str| {
+        let file = dir.join("line.jsonl");
+        std::fs::write(&file, line).unwrap();
+        let reader = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: Some(&template), loss_on: LossOn::Assistant, refuse_longer_than: None, truncate_longer_than: None, noted: Default::default() };
+        reader.read(&file).map(|documents| (documents.ids[0].clone(), reader.noted.left_out()))
+    };
+    let system = r#"{"role": "system", "content": "Be brief."}"#;
+    let (user, answer) = (r#"{"role": "user", "content": "Hi"}"#, r#"{"role": "assistant", "content": "Hello"}"#);
+    let (_, left_out) = read(&format!(r#"{{"messages": [{system}, {user}, {answer}]}}"#)).unwrap();
+    assert_eq!(left_out, 1, "the system prompt is not rendered before an answer");
+    let (_, left_out) = read(&format!(r#"{{"messages": [{user}, {answer}]}}"#)).unwrap();
+    assert_eq!(left_out, 0, "nothing left out");
+    let refused = read(&format!(r#"{{"prompt": [{system}, {user}], "completion": [{answer}]}}"#)).unwrap_err();
+    assert!(refused.contains("line 1") && refused.contains("renders the prompt alone") && refused.contains("\"messages\""), "{refused}");
+    let (plain, _) = read(&format!(r#"{{"messages": [{user}, {answer}]}}"#)).unwrap();
+    for calls in ["[]", "null"] {
+        let answer = format!(r#"{{"role": "assistant", "content": "Hello", "tool_calls": {calls}}}"#);
+        let (ids, _) = read(&format!(r#"{{"messages": [{user}, {answer}]}}"#)).unwrap_or_else(|e| panic!("tool_calls {calls}: {e}"));
+        assert_eq!(ids, plain, "tool_calls {calls} is no call: the answer and its end are rendered");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
