@@ -46,7 +46,7 @@ pub enum DistError {
     /// SIGKILL), so that a job script or scheduler can tell the causes apart.
     #[error("ulysses-launch: rank {rank} {how}")]
     RankFailed { rank: usize, how: String, exit_code: u8 },
-    /// The launcher was interrupted (SIGINT, SIGHUP, SIGQUIT, a second SIGTERM) by `signal`
+    /// The launcher was interrupted (SIGINT, SIGHUP, SIGQUIT) by `signal`
     /// and stopped its ranks: it exits 128 + `signal`, as a shell reports a command the signal
     /// ended, so that a script's loop stops at a Ctrl-C rather than go on.
     #[error("ulysses-launch: interrupted (signal {signal}) {when}; the ranks were stopped")]

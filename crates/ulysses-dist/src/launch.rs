@@ -193,7 +193,7 @@ fn wait_while_busy(ranks: &mut [Rank], dir: &Path, limit: Duration) {
     }
 }
 
-/// Passes a SIGUSR1 or a first SIGTERM the launcher caught on to every running rank's group.
+/// Passes a SIGUSR1 or SIGTERM the launcher caught on to every running rank's group.
 fn pass_on_signals(ranks: &[Rank]) {
     for (pending, signal) in [(&PASS_ON_USR1, libc::SIGUSR1), (&PASS_ON_TERM, libc::SIGTERM)] {
         if pending.swap(false, Ordering::Relaxed) {
@@ -426,9 +426,8 @@ static INTERRUPTED_BY: AtomicI32 = AtomicI32::new(0);
 
 /// A SIGUSR1 to pass on to the ranks.
 static PASS_ON_USR1: AtomicBool = AtomicBool::new(false);
-/// A first SIGTERM to pass on to the ranks, and whether one was.
+/// A SIGTERM to pass on to the ranks.
 static PASS_ON_TERM: AtomicBool = AtomicBool::new(false);
-static TERM_PASSED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_interrupt(signal: libc::c_int) {
     INTERRUPTED_BY.store(signal, Ordering::Relaxed);
@@ -440,20 +439,18 @@ extern "C" fn on_usr1(_signal: libc::c_int) {
     PASS_ON_USR1.store(true, Ordering::Relaxed);
 }
 
-extern "C" fn on_term(signal: libc::c_int) {
-    if TERM_PASSED.swap(true, Ordering::Relaxed) {
-        on_interrupt(signal);
-    } else {
-        PASS_ON_TERM.store(true, Ordering::Relaxed);
-    }
+extern "C" fn on_term(_signal: libc::c_int) {
+    PASS_ON_TERM.store(true, Ordering::Relaxed);
 }
 
 /// The ranks run in their own process groups, out of reach of the terminal's signals: the
 /// launcher catches SIGINT, SIGHUP (a closed ssh session) and SIGQUIT and stops them itself
-/// (SIGTERM, then SIGKILL after the grace). A first SIGTERM (a scheduler's preemption or
-/// `scancel`) and SIGUSR1 (`sbatch --signal=USR1@300`) are passed on to every rank, and it
-/// goes on waiting: the trainer stops after the step under way with a checkpoint, which can
-/// take longer than a grace. A second SIGTERM stops them as SIGINT does.
+/// (SIGTERM, then SIGKILL after the grace). SIGTERM (a scheduler's preemption or `scancel`)
+/// and SIGUSR1 (`sbatch --signal=USR1@300`) are passed on to every rank, and it goes on
+/// waiting: the trainer stops after the step under way with a checkpoint, which can take
+/// longer than a grace, and a repeat (the scheduler's second SIGTERM as its grace ends) changes
+/// nothing there; the scheduler's SIGKILL ends them all. Stopping them sooner by force would
+/// lose the checkpoint being written.
 fn forward_interrupts() {
     let handler = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
     let usr1 = on_usr1 as extern "C" fn(libc::c_int) as libc::sighandler_t;

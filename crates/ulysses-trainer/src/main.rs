@@ -38,7 +38,7 @@ use ulysses_trainer::{
     memory,
     documents::{DOCUMENT_READER_VERSION, DocumentReader, Documents, LossOn, PackedDocuments, cut_documents_note, document_eos},
     plot,
-    run_folder::{CHECKPOINT_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, earlier_rows, resolved, resumed_folder, same_place},
+    run_folder::{CHECKPOINT_FILE, CONFIG_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, earlier_rows, earlier_run_files, resolved, resumed_folder, same_place},
     tokens::TokenFile,
     train::{CorpusData, Faults, LrSchedule, MAX_BATCH_SIZE, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
 };
@@ -421,6 +421,11 @@ struct Args {
     /// docs/training.md lists them
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Continue the run in --out from its checkpoint where it has one (as --resume OUT), else
+    /// start it there: the command a scheduler requeues, unchanged. An attempt killed before its
+    /// first checkpoint left only its record (config.json, metrics.csv), which a start replaces.
+    #[arg(long, requires = "out", conflicts_with_all = ["resume", "overwrite", "eval_only"])]
+    auto_resume: bool,
     /// Stop after this many steps in total (writing a checkpoint), to continue later with
     /// --resume; the schedule still follows --steps.
     #[arg(long)]
@@ -537,41 +542,33 @@ fn said_before_leaving(threads: bool, result: Result<(), String>) -> Result<(), 
     result
 }
 
-/// When the first stop signal came (CLOCK_MONOTONIC, ns; 0: none yet).
-static FIRST_STOP_SIGNAL_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// A second signal within this long of the first is the same request, delivered twice (Slurm
-/// signals every process of a step, and `ulysses-launch` passes it on too).
-const SAME_REQUEST_NS: u64 = 3_000_000_000;
-
-extern "C" fn on_stop_signal(signal: libc::c_int) {
-    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime(2) is async-signal-safe; `now` is a valid out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
-    let now = (now.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(now.tv_nsec as u64).max(1);
-    let first = FIRST_STOP_SIGNAL_NS.compare_exchange(0, now, std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed);
-    let second = matches!(first, Err(first) if now.saturating_sub(first) >= SAME_REQUEST_NS);
-    // Before the first step there is none to finish: nothing is lost by ending now.
-    let no_step_yet = !ulysses_trainer::train::STEPS_BEGUN.load(std::sync::atomic::Ordering::Relaxed);
-    if second || no_step_yet {
-        // As if there were no handler.
-        // SAFETY: signal(2) and raise(3) are async-signal-safe.
+extern "C" fn on_stop_signal(_signal: libc::c_int) {
+    // Before the first step there is none to finish: nothing is lost by ending now, with the
+    // status of a run stopped to be run again (a job script's requeue on 75 fires).
+    if !ulysses_trainer::train::STEPS_BEGUN.load(std::sync::atomic::Ordering::Relaxed) {
+        const SAID: &[u8] = b"stopped on a signal before the first step: nothing to save; the same command starts the run again\n";
+        // SAFETY: write(2) and _exit(2) are async-signal-safe; SAID is a valid buffer.
         unsafe {
-            libc::signal(signal, libc::SIG_DFL);
-            libc::raise(signal);
+            libc::write(libc::STDERR_FILENO, SAID.as_ptr().cast(), SAID.len());
+            libc::_exit(ulysses_dist::launch::EXIT_STOPPED_TO_RESUME);
         }
     }
+    // A repeat (a scheduler's grace ending in a second SIGTERM, `--signal=USR1` followed by the
+    // time limit's SIGTERM) changes nothing: the step under way and its checkpoint finish, and
+    // only SIGKILL, or SIGINT, ends the process sooner. Ending at the repeat lost the steps
+    // since the last checkpoint where the scheduler would have waited for the write.
     ulysses_training::request_stop();
 }
 
 /// SIGTERM (a scheduler's preemption, `scancel`, the launcher stopping its ranks) and SIGUSR1
 /// (`sbatch --signal=USR1@300`, `ulysses-launch` passing one on) stop the run after the step
 /// under way, every rank after the same one, with a checkpoint, so that `--resume` continues
-/// it: a kill lost the steps since the last checkpoint. A second signal, 3 s or more after
-/// the first, ends the process at once, as does the first before any step has begun (while the
-/// model loads or the ranks meet: nothing to finish), and a scheduler's SIGKILL after its grace; the checkpoint before stays whole (its writes
-/// are atomic). Not for `--eval-only`, which has no step to stop after, nor `--no-save`,
-/// which writes no checkpoint to continue from.
+/// it: a kill lost the steps since the last checkpoint. Signals after the first change nothing
+/// (a scheduler sends several); SIGINT or a scheduler's SIGKILL after its grace ends the process
+/// sooner, the checkpoint before staying whole (its writes are atomic). Before any step has
+/// begun (the model loading, the ranks meeting: nothing to finish) the first ends the process
+/// at once, with the same status 75. Not for `--eval-only`, which has no step to stop after,
+/// nor `--no-save`, which writes no checkpoint to continue from.
 fn stop_on_signals() {
     let handler = on_stop_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
@@ -579,6 +576,27 @@ fn stop_on_signals() {
         for signal in [libc::SIGTERM, libc::SIGUSR1] {
             libc::signal(signal, handler);
         }
+    }
+}
+
+/// `--auto-resume`: `--resume OUT` where --out holds a checkpoint; else a start there, over the
+/// record alone of an attempt that never wrote one (its kept checkpoints, model or optimizer
+/// state, were there any, are refused as for any fresh run: the folder's files name them).
+fn auto_resume(args: &mut Args) {
+    let out = args.out.clone().expect("--auto-resume requires --out");
+    if out.join(CHECKPOINT_FILE).is_file() {
+        tracing::info!("--auto-resume: continuing the run in {} from its checkpoint", out.display());
+        args.resume = Some(out);
+        return;
+    }
+    let earlier = earlier_run_files(&out);
+    if !earlier.is_empty() && earlier.iter().all(|name| name == CONFIG_FILE || name == METRICS_FILE) {
+        tracing::warn!(
+            "--auto-resume: {} holds no checkpoint, only the record of an attempt that wrote none ({}): starting the run over there",
+            out.display(),
+            earlier.join(", ")
+        );
+        args.overwrite = true;
     }
 }
 
@@ -891,6 +909,9 @@ fn run(mut args: Args) -> Result<(), String> {
     // chat template and the files --save-hf copies.
     if let Some(folder) = args.tokenizer.clone().filter(|path| path.is_dir()) {
         args.tokenizer = Some(folder.join("tokenizer.json"));
+    }
+    if args.auto_resume {
+        auto_resume(&mut args);
     }
     // --launch threads reads no launcher variable: a broken or foreign one must not stop it.
     let launch = match args.launch {

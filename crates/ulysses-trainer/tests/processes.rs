@@ -418,7 +418,6 @@ fn a_signal_stops_every_rank_after_the_same_step_with_a_checkpoint() {
 /// would last the rendezvous timeout.
 #[test]
 fn a_signal_before_the_first_step_ends_the_process_at_once() {
-    use std::os::unix::process::ExitStatusExt;
     let dir = workspace("early-signal");
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     let mut args = common_args(&dir, "run", 2);
@@ -436,7 +435,74 @@ fn a_signal_before_the_first_step_ends_the_process_at_once() {
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
     let output = child.wait_with_output().unwrap();
     assert!(signalled.elapsed() < Duration::from_secs(10), "ended {:?} after the signal:\n{}", signalled.elapsed(), show(&output));
-    assert_eq!(output.status.signal(), Some(libc::SIGTERM), "{}", show(&output));
+    // 75, as a run stopped after a step: a job script's requeue fires (nothing was lost).
+    assert_eq!(output.status.code(), Some(75), "{}", show(&output));
+    assert!(show(&output).contains("before the first step: nothing to save"), "{}", show(&output));
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// A scheduler's second signal while the stop's checkpoint is being written (a slow disk: 5 s;
+/// `--signal=USR1` then the time limit's SIGTERM, or a grace's second SIGTERM) changes nothing:
+/// the write finishes and the run exits 75 with its checkpoint at the step it stopped after.
+/// The second signal ended the process at once before, losing that checkpoint.
+#[test]
+fn a_second_signal_while_the_stop_is_written_changes_nothing() {
+    let dir = workspace("second-signal");
+    let mut args = common_args(&dir, "run", 400);
+    args.extend(["--sp", "2", "--launch", "threads", "--checkpoint-every", "0", "--eval-every", "0", "--fault-slow-checkpoint-write", "5"].map(String::from));
+    let child = Command::new(trainer()).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !dir.join("run/metrics.csv").exists() || losses(&dir.join("run")).is_empty() {
+        assert!(Instant::now() < deadline, "no step after 120 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGUSR1) };
+    std::thread::sleep(Duration::from_millis(3500));
+    // SAFETY: as above; the child is not reaped before wait_with_output.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let output = child.wait_with_output().unwrap();
+    let text = show(&output);
+    assert_eq!(output.status.code(), Some(75), "{text}");
+    let state: RunState = read_checkpoint_state(&dir.join("run")).unwrap_or_else(|e| panic!("no checkpoint: {e}\n{text}"));
+    assert_eq!(state.completed_steps, losses(&dir.join("run")).len(), "{text}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// `--auto-resume`, the command a scheduler requeues unchanged: an attempt killed before its
+/// first checkpoint (its record alone left) is started over; one stopped with a checkpoint is
+/// continued from it, its losses the uninterrupted run's; a folder holding another run's
+/// checkpoints but no checkpoint.ulysses is refused as for a fresh run.
+#[test]
+fn auto_resume_starts_or_continues_the_run_in_its_folder() {
+    let dir = workspace("auto-resume");
+    let run = |out: &str, extra: &[&str]| {
+        let mut args = common_args(&dir, out, 6);
+        args.extend(["--sp", "2", "--launch", "threads", "--eval-every", "0", "--auto-resume"].map(String::from));
+        args.extend(extra.iter().map(|a| a.to_string()));
+        Command::new(trainer()).args(&args).output().unwrap()
+    };
+    // Killed in step 3, with no checkpoint (only after the last step): config.json and rows.
+    let killed = run("run", &["--checkpoint-every", "0", "--fault-kill", "3:0"]);
+    assert!(!killed.status.success() && !dir.join("run/checkpoint.ulysses").exists(), "{}", show(&killed));
+    assert!(!losses(&dir.join("run")).is_empty(), "the killed attempt left its rows:\n{}", show(&killed));
+    let stopped = run("run", &["--stop-after", "2"]);
+    let text = show(&stopped);
+    assert!(stopped.status.success() && text.contains("holds no checkpoint, only the record of an attempt"), "{text}");
+    let continued = run("run", &[]);
+    let text = show(&continued);
+    assert!(continued.status.success() && text.contains("--auto-resume: continuing the run"), "{text}");
+    let whole = run("whole", &[]);
+    succeed(whole);
+    let (resumed, uninterrupted) = (losses(&dir.join("run")), losses(&dir.join("whole")));
+    assert_eq!(resumed.len(), 6, "{resumed:?}");
+    assert!(resumed.iter().zip(&uninterrupted).all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() <= TOLERANCE as f64), "{resumed:?} against {uninterrupted:?}");
+    // Kept checkpoints without the newest: not an attempt's record alone.
+    fs::create_dir_all(dir.join("kept")).unwrap();
+    fs::copy(dir.join("run/checkpoint.ulysses"), dir.join("kept/checkpoint-step-000000006.ulysses")).unwrap();
+    let refused = run("kept", &[]);
+    let text = show(&refused);
+    assert!(!refused.status.success() && text.contains("holds an earlier run's checkpoint-step-000000006.ulysses"), "{text}");
     let _ = fs::remove_dir_all(&dir);
 }
 
