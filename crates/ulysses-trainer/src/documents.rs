@@ -30,7 +30,7 @@ use std::{
 };
 
 use burn_ulysses::data::pack_documents;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{HumanBytes, ProgressBar, ProgressStyle};
 use serde_json::Value;
 use ulysses_models::{ChatTemplate, TextTokenizer, TokenizerConfig};
 
@@ -148,6 +148,59 @@ enum Pending {
     ChatPromptCompletion(Vec<Value>, Vec<Value>, serde_json::Map<String, Value>),
 }
 
+/// The progress of a read over its bytes: a bar on a terminal; where there is none (a launcher's
+/// pipe, a scheduler's log file, where indicatif hides the bar) a line every half minute, so
+/// that an hour of tokenizing is seen under way.
+struct ReadProgress {
+    bar: ProgressBar,
+    lines: bool,
+    flag: String,
+    started: std::time::Instant,
+    last_line: std::cell::Cell<std::time::Instant>,
+}
+
+/// How often a read without a bar says how far it is.
+const READ_LINE_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
+impl ReadProgress {
+    fn new(shown: bool, flag: &str, total: u64) -> Self {
+        let bar = if shown { ProgressBar::new(total) } else { ProgressBar::hidden() };
+        bar.set_style(ProgressStyle::with_template("tokenizing {bytes}/{total_bytes} [{bar:30}] {msg}").unwrap().progress_chars("=> "));
+        let now = std::time::Instant::now();
+        Self { lines: shown && bar.is_hidden(), bar, flag: flag.to_string(), started: now, last_line: std::cell::Cell::new(now) }
+    }
+
+    fn set_message(&self, message: String) {
+        self.bar.set_message(message);
+    }
+
+    fn inc(&self, bytes: u64) {
+        self.bar.inc(bytes);
+        if self.lines && self.last_line.get().elapsed() >= READ_LINE_EVERY {
+            self.last_line.set(std::time::Instant::now());
+            tracing::info!("{}", read_progress_line(&self.flag, self.bar.position(), self.bar.length().unwrap_or(0), self.started.elapsed()));
+        }
+    }
+
+    fn finish_and_clear(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// `done` of `total` bytes of `flag` tokenized after `elapsed`, the rate and the time left.
+fn read_progress_line(flag: &str, done: u64, total: u64, elapsed: std::time::Duration) -> String {
+    let rate = done as f64 / elapsed.as_secs_f64().max(1e-9);
+    let left = (rate > 0.0).then(|| std::time::Duration::from_secs_f64(total.saturating_sub(done) as f64 / rate));
+    format!(
+        "tokenizing {flag}: {} of {} ({:.0}%), {}/s, about {} left",
+        HumanBytes(done),
+        HumanBytes(total),
+        100.0 * done as f64 / total.max(1) as f64,
+        HumanBytes(rate as u64),
+        left.map_or_else(|| "an unknown time".to_string(), |left| indicatif::HumanDuration(left).to_string())
+    )
+}
+
 /// Documents as token ids (texts and completions ending in EOS, ids as given), and, where some
 /// line marks answers, whether each token is a target (every token of the documents that mark
 /// none).
@@ -175,8 +228,10 @@ impl DocumentReader<'_> {
             tracing::warn!("{flag} {}: not read, neither JSON Lines (.jsonl, .json) nor text (.txt): {}", path.display(), names.join(", "));
         }
         let total: u64 = files.iter().map(|f| fs::metadata(f).map_or(0, |m| m.len())).sum();
-        let bar = if self.progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
-        bar.set_style(ProgressStyle::with_template("tokenizing {bytes}/{total_bytes} [{bar:30}] {msg}").unwrap().progress_chars("=> "));
+        if self.progress {
+            tracing::info!("{flag} {}: reading {} file(s), {}", path.display(), files.len(), HumanBytes(total));
+        }
+        let bar = ReadProgress::new(self.progress, flag, total);
         let mut documents = Vec::new();
         for file in &files {
             bar.set_message(file.display().to_string());
@@ -272,7 +327,7 @@ impl DocumentReader<'_> {
         Ok(Documents { ids, targets, rendered_chat: self.noted.rendered.get() })
     }
 
-    fn read_json_lines(&self, file: &Path, bar: &ProgressBar, documents: &mut Vec<Read>) -> Result<(), String> {
+    fn read_json_lines(&self, file: &Path, bar: &ReadProgress, documents: &mut Vec<Read>) -> Result<(), String> {
         let reader = BufReader::new(fs::File::open(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?);
         let mut pending = Vec::new();
         for (index, line) in reader.lines().enumerate() {
@@ -880,6 +935,14 @@ mod tests {
     /// A line as `--loss-on assistant` reads it.
     fn parse_line(line: &str) -> Result<Pending, String> {
         super::parse_line(line, LossOn::Assistant)
+    }
+
+    /// A read without a bar says how far it is, its rate and the time left.
+    #[test]
+    fn a_read_without_a_bar_says_how_far_it_is() {
+        let line = read_progress_line("--data", 3 << 30, 12 << 30, std::time::Duration::from_secs(60));
+        assert_eq!(line, "tokenizing --data: 3.00 GiB of 12.00 GiB (25%), 51.20 MiB/s, about 3 minutes left");
+        assert!(read_progress_line("--data", 0, 10, std::time::Duration::from_secs(1)).ends_with("about an unknown time left"));
     }
 
     #[test]
