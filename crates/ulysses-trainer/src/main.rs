@@ -1866,7 +1866,8 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
 /// run trains on them (`loss_on` other than all); refused where none is a target.
 fn answers<'a>(documents: &'a Documents, loss_on: LossOn, flag: &str, path: &Path) -> Result<Option<&'a [Vec<bool>]>, String> {
     let Some(targets) = documents.targets.as_deref().filter(|_| loss_on != LossOn::All) else { return Ok(None) };
-    if !targets.iter().flatten().any(|&t| t) {
+    // A document's first token is never a label (no token of its own comes before it).
+    if !targets.iter().any(|document| document.iter().skip(1).any(|&t| t)) {
         return Err(format!(
             "{flag} {}: no token is an answer (no assistant turn, completion or label), so the loss on the answers alone would be 0 \
              and nothing would train or be measured: give conversations with answers, or take every token with --loss-on all",
@@ -2698,5 +2699,18 @@ mod tests {
         assert!(!stall_to_say(119_999, 1_000, 0) && stall_to_say(120_000, 1_000, 0));
         // Nothing watched after the last step.
         assert!(!stall_to_say(10_000_000, 0, 0));
+    }
+
+    /// Data whose only targets are documents' first tokens trains nothing (no token before
+    /// them predicts them): refused as data without answers; one more target is taken.
+    #[test]
+    fn targets_on_first_tokens_alone_are_no_answers() {
+        use super::{Documents, LossOn, answers};
+        let documents = |targets: Vec<Vec<bool>>| Documents { ids: targets.iter().map(|t| vec![1; t.len()]).collect(), targets: Some(targets), rendered_chat: false };
+        let firsts = documents(vec![vec![true, false, false], vec![true, false]]);
+        let refused = answers(&firsts, LossOn::Assistant, "--data", std::path::Path::new("sft.jsonl")).unwrap_err();
+        assert!(refused.contains("no token is an answer"), "{refused}");
+        let one = documents(vec![vec![true, false, false], vec![true, true]]);
+        assert!(answers(&one, LossOn::Assistant, "--data", std::path::Path::new("sft.jsonl")).unwrap().is_some());
     }
 }
