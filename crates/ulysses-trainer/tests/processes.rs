@@ -1951,7 +1951,7 @@ fn prompt_completion_lines_train_on_the_completions_alike_at_sp_1_and_2() {
     println!("SP=1 {one:?}\nSP=2 {two:?}\nall tokens {all:?}");
     assert!(log.contains(&format!("training on the answers alone: {targets} of {total} tokens are targets")), "{log}");
     // Stderr is a pipe (no bar): the read says what it reads.
-    assert!(log.contains("chat.jsonl: reading 1 file(s)"), "{log}");
+    assert!(log.contains("sft.jsonl: reading 1 file(s)"), "{log}");
     // Both runs' two steps (a zip over fewer rows, or none, would compare nothing).
     assert!(one.len() == 2 && two.len() == 2, "SP=1 {one:?}, SP=2 {two:?}: two rows each");
     assert!(one.iter().zip(&two).all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() <= TOLERANCE as f64), "SP=2 {two:?} against SP=1 {one:?}");
