@@ -53,8 +53,9 @@ const TOKENIZE_CHUNK: usize = 512;
 /// are parsed, as TRL parses them, and a file of JSON Lines under another name is found past
 /// blank lines and a byte-order mark; 8: an answer's tokens are those that overlap its
 /// generation block, where offsets that leave its first or last character out skipped it or
-/// marked every later turn).
-pub const DOCUMENT_READER_VERSION: u32 = 8;
+/// marked every later turn; 9: a message's `tool_calls` of null or [] is no call, where templates
+/// that test the key rendered an empty call in place of the answer).
+pub const DOCUMENT_READER_VERSION: u32 = 9;
 
 /// Which tokens of --data's lines are targets (`--loss-on`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -266,8 +267,9 @@ impl DocumentReader<'_> {
         if rerendered > 0 {
             tracing::warn!(
                 "{flag} {}: the chat template renders {rerendered} conversational prompt(s) otherwise alone (with the generation \
-                 prompt) than before their completion, by the one token at the join: their targets start at that token (TRL masks \
-                 as many tokens as the prompt alone has)",
+                 prompt) than before their completion (a token merged at the join, or a generation prompt the completion's \
+                 rendering does not begin with): their targets start at the first token that differs (TRL masks as many tokens \
+                 as the prompt alone has)",
                 path.display()
             );
         }
@@ -499,7 +501,8 @@ impl DocumentReader<'_> {
                         let plain = chat.tokenize_with(tokenizer, &prompt, &variables, false).map_err(|e| format!("{}: {e}", at()))?.ids;
                         Ok(plain.len() - plain.iter().zip(&ids).take_while(|(a, b)| a == b).count() > 1)
                     };
-                    if prompt_ids.len() - shared > 1 && moved()? {
+                    // Under --loss-on all every token trains: where the completion starts is moot.
+                    if self.loss_on != LossOn::All && prompt_ids.len() - shared > 1 && moved()? {
                         return Err(format!(
                             "{}: the chat template renders the prompt alone (with its generation prompt) otherwise than the start of the \
                              whole conversation, {} tokens before the prompt's end (it moves or drops text: Mistral v0.3's puts the system \

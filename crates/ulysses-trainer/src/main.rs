@@ -424,7 +424,7 @@ struct Args {
     /// Continue the run in --out from its checkpoint where it has one (as --resume OUT), else
     /// start it there: the command a scheduler requeues, unchanged. An attempt killed before its
     /// first checkpoint left only its record (config.json, metrics.csv), which a start replaces.
-    #[arg(long, requires = "out", conflicts_with_all = ["resume", "overwrite", "eval_only"])]
+    #[arg(long, requires = "out", conflicts_with_all = ["resume", "overwrite", "eval_only", "no_save"])]
     auto_resume: bool,
     /// Stop after this many steps in total (writing a checkpoint), to continue later with
     /// --resume; the schedule still follows --steps.
@@ -476,6 +476,16 @@ fn main() {
     }
     let check = args.check;
     let ran = run(args);
+    // A failed run may wait in the rendezvous to tell its peers why: a signal there ends it as
+    // a failure, not with the status of a run to start again (75: a job script would requeue it).
+    if ran.is_err() {
+        // SAFETY: signal(2) resets the handlers this process installed.
+        unsafe {
+            for signal in [libc::SIGTERM, libc::SIGUSR1] {
+                libc::signal(signal, libc::SIG_DFL);
+            }
+        }
+    }
     // The ranks have left their groups: the writes a failed rank left under way end now.
     ulysses_trainer::train::finish_writes_left_running();
     if let Err(message) = ran {
@@ -571,7 +581,8 @@ extern "C" fn on_stop_signal(_signal: libc::c_int) {
 /// nor `--no-save`, which writes no checkpoint to continue from.
 fn stop_on_signals() {
     let handler = on_stop_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    // SAFETY: the handler only loads and stores atomics and calls write(2) and _exit(2), which
+    // are async-signal-safe.
     unsafe {
         for signal in [libc::SIGTERM, libc::SIGUSR1] {
             libc::signal(signal, handler);
@@ -580,8 +591,10 @@ fn stop_on_signals() {
 }
 
 /// `--auto-resume`: `--resume OUT` where --out holds a checkpoint; else a start there, over the
-/// record alone of an attempt that never wrote one (its kept checkpoints, model or optimizer
-/// state, were there any, are refused as for any fresh run: the folder's files name them).
+/// record alone of an attempt that never wrote one, and optimizer parts of a save it did not
+/// finish (kept checkpoints or a model are refused as for any fresh run: the folder's files
+/// name them). Each process decides from the folder as it sees it: --out must be one folder
+/// every rank sees.
 fn auto_resume(args: &mut Args) {
     let out = args.out.clone().expect("--auto-resume requires --out");
     if out.join(CHECKPOINT_FILE).is_file() {
@@ -589,8 +602,11 @@ fn auto_resume(args: &mut Args) {
         args.resume = Some(out);
         return;
     }
+    // Optimizer parts no checkpoint names (a save killed before it wrote the checkpoint,
+    // which names them last) are removed as the folder is claimed.
     let earlier = earlier_run_files(&out);
-    if !earlier.is_empty() && earlier.iter().all(|name| name == CONFIG_FILE || name == METRICS_FILE) {
+    let attempt_record = |name: &String| name == CONFIG_FILE || name == METRICS_FILE || name.starts_with(ulysses_training::STATE_FOLDER_PREFIX);
+    if !earlier.is_empty() && earlier.iter().all(attempt_record) {
         tracing::warn!(
             "--auto-resume: {} holds no checkpoint, only the record of an attempt that wrote none ({}): starting the run over there",
             out.display(),

@@ -486,9 +486,14 @@ fn auto_resume_starts_or_continues_the_run_in_its_folder() {
     let killed = run("run", &["--checkpoint-every", "0", "--fault-kill", "3:0"]);
     assert!(!killed.status.success() && !dir.join("run/checkpoint.ulysses").exists(), "{}", show(&killed));
     assert!(!losses(&dir.join("run")).is_empty(), "the killed attempt left its rows:\n{}", show(&killed));
+    // And a sharded save killed before its checkpoint, which names its optimizer parts last.
+    let cut_save = dir.join("run/optimizer-step-000000003");
+    fs::create_dir_all(&cut_save).unwrap();
+    fs::write(cut_save.join("rank-00000.bin"), b"part").unwrap();
     let stopped = run("run", &["--stop-after", "2"]);
     let text = show(&stopped);
     assert!(stopped.status.success() && text.contains("holds no checkpoint, only the record of an attempt"), "{text}");
+    assert!(!cut_save.exists(), "the cut save's parts are removed as the folder is claimed");
     let continued = run("run", &[]);
     let text = show(&continued);
     assert!(continued.status.success() && text.contains("--auto-resume: continuing the run"), "{text}");

@@ -171,8 +171,14 @@ fn a_template_that_moves_the_system_prompt_is_noted_or_refused_and_empty_tool_ca
     assert_eq!(left_out, 1, "the system prompt is not rendered before an answer");
     let (_, left_out) = read(&format!(r#"{{"messages": [{user}, {answer}]}}"#)).unwrap();
     assert_eq!(left_out, 0, "nothing left out");
-    let refused = read(&format!(r#"{{"prompt": [{system}, {user}], "completion": [{answer}]}}"#)).unwrap_err();
+    let moved = format!(r#"{{"prompt": [{system}, {user}], "completion": [{answer}]}}"#);
+    let refused = read(&moved).unwrap_err();
     assert!(refused.contains("line 1") && refused.contains("renders the prompt alone") && refused.contains("\"messages\""), "{refused}");
+    // Every token trains under --loss-on all: where the completion starts is moot.
+    let file = dir.join("line.jsonl");
+    std::fs::write(&file, &moved).unwrap();
+    let every_token = DocumentReader { tokenizer: Some(&tokenizer), eos, vocab: 320, progress: false, chat: Some(&template), loss_on: LossOn::All, refuse_longer_than: None, truncate_longer_than: None, noted: Default::default() };
+    every_token.read(&file).unwrap_or_else(|e| panic!("--loss-on all: {e}"));
     let (plain, _) = read(&format!(r#"{{"messages": [{user}, {answer}]}}"#)).unwrap();
     for calls in ["[]", "null"] {
         let answer = format!(r#"{{"role": "assistant", "content": "Hello", "tool_calls": {calls}}}"#);
