@@ -14,7 +14,7 @@ use ulysses_dist::{
     env::EnvSource,
     rendezvous::{
         LeftRanks, PeerLoss, PeerWatch, RendezvousClient, RendezvousServer, ServerSettings,
-        protocol::{Request, Response, read_blocking, write_blocking},
+        protocol::{Prover, Request, Response, handshake_proof, read_blocking, write_blocking},
     },
 };
 
@@ -45,6 +45,53 @@ fn server(world_size: usize) -> RendezvousServer {
 fn client(server: &RendezvousServer, rank: usize, world_size: usize, token: &str) -> Result<RendezvousClient, DistError> {
     let port = server.local_addr().port();
     RendezvousClient::connect("127.0.0.1", port, rank, world_size, token, Duration::from_secs(5), LIMIT)
+}
+
+/// The rank's side of the handshake on a raw connection, as `RendezvousClient::connect` takes
+/// it: rank 0's answer to its proof.
+fn raw_join(raw: &mut TcpStream, token: &str, rank: usize, world_size: usize) -> Response {
+    write_blocking(raw, &Request::Hello { rank, world_size, nonce: "rank-nonce".into() }).unwrap();
+    let Response::Challenge { nonce, .. } = read_blocking(raw, LIMIT).unwrap() else { panic!("no challenge") };
+    let proof = handshake_proof(token, Prover::Rank, "rank-nonce", &nonce, rank, world_size);
+    write_blocking(raw, &Request::Proof { proof }).unwrap();
+    read_blocking(raw, LIMIT).unwrap()
+}
+
+/// Rank 0's side of the handshake for a test's stand-in server, knowing `token`.
+fn serve_join(stream: &mut TcpStream, token: &str) {
+    let Request::Hello { rank, world_size, nonce } = read_blocking(stream, LIMIT).unwrap() else { panic!("no hello") };
+    let proof = handshake_proof(token, Prover::Server, &nonce, "server-nonce", rank, world_size);
+    write_blocking(stream, &Response::Challenge { nonce: "server-nonce".into(), proof }).unwrap();
+    let proof: Request = read_blocking(stream, LIMIT).unwrap();
+    assert!(matches!(proof, Request::Proof { .. }), "{proof:?}");
+    write_blocking(stream, &Response::Welcome).unwrap();
+}
+
+/// The token never crosses the wire: a program that took MASTER_PORT before rank 0 reads a
+/// hello without it, cannot prove it knows it, and gets nothing more (no proof to replay, no
+/// key of the job); the rank fails naming the token and the port.
+#[test]
+fn a_program_on_the_port_learns_no_token_and_gets_nothing() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let impostor = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        let mut header = [0u8; 4];
+        std::io::Read::read_exact(&mut stream, &mut header).unwrap();
+        let mut hello = vec![0u8; u32::from_be_bytes(header) as usize];
+        std::io::Read::read_exact(&mut stream, &mut hello).unwrap();
+        let hello = String::from_utf8(hello).unwrap();
+        let Request::Hello { rank, world_size, nonce } = serde_json::from_str(&hello).unwrap() else { panic!("{hello}") };
+        let guessed = handshake_proof("a guess", Prover::Server, &nonce, "server-nonce", rank, world_size);
+        write_blocking(&mut stream, &Response::Challenge { nonce: "server-nonce".into(), proof: guessed }).unwrap();
+        let after = read_blocking::<Request>(&mut stream, LIMIT);
+        (hello, after)
+    });
+    let err = RendezvousClient::connect("127.0.0.1", port, 1, 2, "job-secret", Duration::from_secs(5), LIMIT).err().expect("an impostor must be refused");
+    assert!(err.to_string().contains("does not know this job's token") && err.to_string().contains("MASTER_PORT"), "{err}");
+    let (hello, after) = impostor.join().unwrap();
+    assert!(!hello.contains("job-secret"), "the hello holds the token: {hello}");
+    assert!(after.is_err(), "the rank went on after a wrong proof: {after:?}");
 }
 
 #[test]
@@ -250,8 +297,7 @@ fn a_rank_that_dies_is_reported_departed_and_one_that_finishes_is_not() {
     {
         // Joins, then vanishes without a goodbye, as a crashed process does.
         let mut raw = TcpStream::connect(server.local_addr()).unwrap();
-        write_blocking(&mut raw, &Request::Hello { token: "job-secret".into(), rank: 1, world_size: 3 }).unwrap();
-        assert_eq!(read_blocking::<Response>(&mut raw, LIMIT).unwrap(), Response::Welcome);
+        assert_eq!(raw_join(&mut raw, "job-secret", 1, 3), Response::Welcome);
     }
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -308,8 +354,7 @@ fn a_member_that_finished_during_a_wait_is_named_after_the_grace_and_a_death_at_
     // without a goodbye, as a crashed process does.
     {
         let mut raw = TcpStream::connect(server.local_addr()).unwrap();
-        write_blocking(&mut raw, &Request::Hello { token: "job-secret".into(), rank: 2, world_size: 3 }).unwrap();
-        assert_eq!(read_blocking::<Response>(&mut raw, LIMIT).unwrap(), Response::Welcome);
+        assert_eq!(raw_join(&mut raw, "job-secret", 2, 3), Response::Welcome);
     }
     let left = left_when(&mut waiting, |left| left.died == [2]);
     assert_eq!(PeerWatch::with_grace(&[0, 1], grace).check(&left, Instant::now()), Some(PeerLoss::Died(vec![2])));
@@ -451,8 +496,7 @@ fn a_key_whose_writer_left_without_setting_it_fails_at_once_naming_the_writer() 
     // waiting client is still usable: its request was answered).
     {
         let mut raw = TcpStream::connect(server.local_addr()).unwrap();
-        write_blocking(&mut raw, &Request::Hello { token: "job-secret".into(), rank: 3, world_size: 4 }).unwrap();
-        assert_eq!(read_blocking::<Response>(&mut raw, LIMIT).unwrap(), Response::Welcome);
+        assert_eq!(raw_join(&mut raw, "job-secret", 3, 4), Response::Welcome);
     }
     let error = waiting.get_set_by("address/3", 3).expect_err("rank 3 never sets it");
     assert!(matches!(error, DistError::WriterLeft { rank: 3, died: true, .. }), "{error:?}");
@@ -709,9 +753,7 @@ fn a_poll_of_the_departed_ranks_waits_no_longer_than_asked() {
     // Welcomes the rank, then reads its requests and answers none, holding the connection open.
     let silent = std::thread::spawn(move || {
         let (mut stream, _) = listener.accept().unwrap();
-        let hello: Request = read_blocking(&mut stream, LIMIT).unwrap();
-        assert!(matches!(hello, Request::Hello { .. }), "{hello:?}");
-        write_blocking(&mut stream, &Response::Welcome).unwrap();
+        serve_join(&mut stream, "job-secret");
         while read_blocking::<Request>(&mut stream, LIMIT).is_ok() {}
     });
     let mut client = RendezvousClient::connect("127.0.0.1", port, 1, 2, "job-secret", Duration::from_secs(20), LIMIT).unwrap();

@@ -8,7 +8,7 @@ use std::{
 
 use super::{
     LeftRanks,
-    protocol::{FrameError, Request, Response, read_blocking, write_blocking},
+    protocol::{FrameError, Prover, Request, Response, handshake_proof, proof_holds, read_blocking, write_blocking},
 };
 use crate::DistError;
 
@@ -67,8 +67,30 @@ impl RendezvousClient {
             };
             let _ = stream.set_nodelay(true);
             let mut client = Self { stream, addr: target.clone(), rank, max_message_bytes, timeout, broken: false, barriers: Default::default() };
-            let hello = Request::Hello { token: token.to_string(), rank, world_size };
-            return match client.request(&hello, "for rank 0's welcome") {
+            let nonce = super::new_token();
+            let hello = Request::Hello { rank, world_size, nonce: nonce.clone() };
+            let answer = match client.request(&hello, "for rank 0's challenge") {
+                // Rank 0's proof checked before anything of the job is sent: a program that took
+                // MASTER_PORT first gets no proof it could join with, nor the job's keys.
+                Ok(Response::Challenge { nonce: server_nonce, proof }) => {
+                    if !proof_holds(&proof, token, Prover::Server, &nonce, &server_nonce, rank, world_size) {
+                        // Not a word more to it, a goodbye included.
+                        client.broken = true;
+                        return Err(DistError::Rejected {
+                            addr: client.addr.clone(),
+                            reason: format!(
+                                "what answers there does not know this job's token, so nothing more was sent to it: {}; or another \
+                                 program took MASTER_PORT before rank 0",
+                                super::server::WRONG_TOKEN
+                            ),
+                        });
+                    }
+                    let proof = handshake_proof(token, Prover::Rank, &nonce, &server_nonce, rank, world_size);
+                    client.request(&Request::Proof { proof }, "for rank 0's welcome")
+                }
+                other => other,
+            };
+            return match answer {
                 Ok(Response::Welcome) => Ok(client),
                 Ok(Response::Rejected { reason }) => Err(DistError::Rejected { addr: client.addr.clone(), reason }),
                 // The server's handshakes all taken (a flood of connections): dialled again.

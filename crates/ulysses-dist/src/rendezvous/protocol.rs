@@ -10,8 +10,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Request {
-    /// First message of every connection.
-    Hello { token: String, rank: usize, world_size: usize },
+    /// First message of every connection: no token, a nonce for rank 0 to prove it knows it
+    /// by ([`Response::Challenge`]).
+    Hello { rank: usize, world_size: usize, nonce: String },
+    /// The rank's answer to the challenge: [`handshake_proof`] of the job's token, as the rank.
+    Proof { proof: String },
     Set { key: String, value: Vec<u8> },
     /// Answered once the key is set, or, where `writer` names the rank that sets it, once
     /// that rank has left the job without setting it.
@@ -30,6 +33,9 @@ pub enum Request {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Response {
+    /// Rank 0's answer to a hello: its own nonce and [`handshake_proof`] of the job's token, as
+    /// rank 0, over both nonces. The rank checks it before it proves its own knowledge.
+    Challenge { nonce: String, proof: String },
     Welcome,
     Rejected { reason: String },
     Stored,
@@ -45,6 +51,39 @@ pub enum Response {
     },
     /// The server has too many connections in their handshake (a flood of them): dial again.
     Busy,
+}
+
+/// Who proves it knows the job's token in a handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prover {
+    /// Rank 0's rendezvous, answering a hello.
+    Server,
+    /// The rank that said hello, answering the challenge.
+    Rank,
+}
+
+/// The proof that `prover` knows `token`, bound to this handshake: HMAC-SHA256 keyed by the
+/// token over the prover, both nonces and the rank's claimed place, in hex. The token never
+/// crosses the wire: a program that took MASTER_PORT before rank 0 learns nothing it could
+/// join the job with, and a rank tells it from rank 0 before it sends anything of the job.
+pub fn handshake_proof(token: &str, prover: Prover, rank_nonce: &str, server_nonce: &str, rank: usize, world_size: usize) -> String {
+    use hmac::Mac;
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(token.as_bytes()).expect("HMAC takes a key of any length");
+    let who = match prover {
+        Prover::Server => "rank 0",
+        Prover::Rank => "rank",
+    };
+    for part in [who, rank_nonce, server_nonce, &rank.to_string(), &world_size.to_string()] {
+        mac.update(&(part.len() as u64).to_be_bytes());
+        mac.update(part.as_bytes());
+    }
+    mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whether `proof` is [`handshake_proof`]'s for these, compared in constant time.
+pub fn proof_holds(proof: &str, token: &str, prover: Prover, rank_nonce: &str, server_nonce: &str, rank: usize, world_size: usize) -> bool {
+    let expected = handshake_proof(token, prover, rank_nonce, server_nonce, rank, world_size);
+    expected.len() == proof.len() && expected.bytes().zip(proof.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[derive(Debug, thiserror::Error)]

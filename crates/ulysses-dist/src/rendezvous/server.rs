@@ -1,7 +1,8 @@
 //! The store that rank 0 serves, on a tokio runtime of its own thread.
 //!
-//! Every connection must open with a `Hello` that carries the job's token, a rank in range
-//! and the server's world size; anything else is refused with a logged reason. Frames are
+//! Every connection must open with the handshake (`Hello`, `Challenge`, `Proof`: each side
+//! proves it knows the job's token without sending it) and give a rank in range and the
+//! server's world size; anything else is refused with a logged reason. Frames are
 //! capped. A welcomed rank whose connection closes without `Goodbye` is recorded as
 //! departed, so the others can name it when a collective stalls.
 
@@ -14,7 +15,7 @@ use std::{
 
 use tokio::{net::TcpStream, sync::watch};
 
-use super::protocol::{FrameError, Request, Response, read_async, write_async};
+use super::protocol::{FrameError, Prover, Request, Response, handshake_proof, proof_holds, read_async, write_async};
 use crate::DistError;
 
 /// Limits of the server.
@@ -198,20 +199,15 @@ async fn serve(listener: std::net::TcpListener, shared: Arc<Shared>, mut stop: t
     }
 }
 
-/// Checks a `Hello`; the reason is sent to the peer and logged.
-fn admit(shared: &Shared, hello: Request, peer: SocketAddr) -> Result<usize, String> {
-    let Request::Hello { token, rank, world_size } = hello else {
-        return Err("the first message must be a hello".into());
-    };
+/// What a rank whose proof of the job's token fails is told (and what a rank tells itself
+/// when rank 0's fails).
+pub(crate) const WRONG_TOKEN: &str = "wrong job token: ULYSSES_RENDEZVOUS_TOKEN differs from rank 0's, or this rank is of another run \
+    that reached this one's port (another Slurm step or ULYSSES_RUN_ID, another launch): give each run its own MASTER_PORT, and one \
+    run whose ranks several srun steps start one ULYSSES_RUN_ID";
+
+/// Checks a proven `Hello`'s place in the job; the reason is sent to the peer and logged.
+fn admit(shared: &Shared, rank: usize, world_size: usize, peer: SocketAddr) -> Result<usize, String> {
     let settings = &shared.settings;
-    if !constant_time_eq(token.as_bytes(), settings.token.as_bytes()) {
-        return Err(
-            "wrong job token: ULYSSES_RENDEZVOUS_TOKEN differs from rank 0's, or this rank is of another run that reached this one's \
-             port (another Slurm step or ULYSSES_RUN_ID, another launch): give each run its own MASTER_PORT, and one run whose ranks \
-             several srun steps start one ULYSSES_RUN_ID"
-                .into(),
-        );
-    }
     if world_size != settings.world_size {
         return Err(format!(
             "this rank was launched with WORLD_SIZE={world_size} but rank 0 with WORLD_SIZE={}",
@@ -243,21 +239,67 @@ async fn say_busy(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, 
 /// Largest hello: before the token is checked, a peer gets no more than this.
 const HELLO_LIMIT: usize = 4096;
 
-async fn connection(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, handshake: tokio::sync::OwnedSemaphorePermit) {
-    let hello = match tokio::time::timeout(shared.settings.handshake_timeout, read_async::<Request>(&mut stream, HELLO_LIMIT)).await {
-        Ok(Ok(hello)) => hello,
-        Ok(Err(error)) => return shared.say_refused(peer, &error.to_string()),
-        Err(_) => return shared.say_refused(peer, "no hello in time"),
+/// The handshake: the rank's hello (its place and a nonce), rank 0's challenge (a nonce and
+/// its proof of the token), the rank's proof; the rank's place in the job checked last.
+async fn handshake(stream: &mut TcpStream, shared: &Shared) -> Result<(usize, usize), Refusal> {
+    let settings = &shared.settings;
+    let (rank, world_size, rank_nonce) = match read_in_handshake(stream, settings.handshake_timeout).await {
+        Ok(Ok(Request::Hello { rank, world_size, nonce })) => (rank, world_size, nonce),
+        Ok(Ok(_)) => return Err(Refusal::told("the first message must be a hello")),
+        Ok(Err(error)) => return Err(Refusal::untold(error.to_string())),
+        Err(_) => return Err(Refusal::untold("no hello in time")),
     };
-    let rank = match admit(&shared, hello, peer) {
+    let nonce = super::new_token();
+    let proof = handshake_proof(&settings.token, Prover::Server, &rank_nonce, &nonce, rank, world_size);
+    write_async(stream, &Response::Challenge { nonce: nonce.clone(), proof }).await.map_err(|e| Refusal::untold(e.to_string()))?;
+    match read_in_handshake(stream, settings.handshake_timeout).await {
+        Ok(Ok(Request::Proof { proof })) if proof_holds(&proof, &settings.token, Prover::Rank, &rank_nonce, &nonce, rank, world_size) => Ok((rank, world_size)),
+        Ok(Ok(Request::Proof { .. })) => Err(Refusal::told(WRONG_TOKEN)),
+        Ok(Ok(_)) => Err(Refusal::told("the answer to the challenge must be a proof")),
+        // The rank found rank 0's proof wrong (a token of its own) and said nothing more.
+        Ok(Err(error)) => Err(Refusal::untold(format!("no proof of the job's token ({error}): {WRONG_TOKEN}"))),
+        Err(_) => Err(Refusal::untold("no proof in time")),
+    }
+}
+
+/// Why a handshake failed, and whether the peer is told (not where the connection broke, a
+/// frame was too large to read, or time ran out: it is closed).
+struct Refusal {
+    reason: String,
+    told: bool,
+}
+
+impl Refusal {
+    fn told(reason: impl Into<String>) -> Self {
+        Self { reason: reason.into(), told: true }
+    }
+
+    fn untold(reason: impl Into<String>) -> Self {
+        Self { reason: reason.into(), told: false }
+    }
+}
+
+/// A message of the handshake, within `limit`.
+async fn read_in_handshake(stream: &mut TcpStream, limit: std::time::Duration) -> Result<Result<Request, FrameError>, tokio::time::error::Elapsed> {
+    tokio::time::timeout(limit, read_async::<Request>(stream, HELLO_LIMIT)).await
+}
+
+async fn connection(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, handshake_slot: tokio::sync::OwnedSemaphorePermit) {
+    let admitted = match handshake(&mut stream, &shared).await {
+        Ok((rank, world_size)) => admit(&shared, rank, world_size, peer).map_err(Refusal::told),
+        Err(refusal) => Err(refusal),
+    };
+    let rank = match admitted {
         Ok(rank) => rank,
-        Err(reason) => {
+        Err(Refusal { reason, told }) => {
             shared.say_refused(peer, &reason);
-            let _ = write_async(&mut stream, &Response::Rejected { reason }).await;
+            if told {
+                let _ = write_async(&mut stream, &Response::Rejected { reason }).await;
+            }
             return;
         }
     };
-    drop(handshake);
+    drop(handshake_slot);
     if write_async(&mut stream, &Response::Welcome).await.is_err() {
         return;
     }
@@ -286,7 +328,7 @@ async fn serve_rank(stream: &mut TcpStream, shared: &Shared) -> Result<(), Frame
     loop {
         let response = match read_async::<Request>(stream, limit).await? {
             Request::Goodbye => return Ok(()),
-            Request::Hello { .. } => Response::Rejected { reason: "already joined".into() },
+            Request::Hello { .. } | Request::Proof { .. } => Response::Rejected { reason: "already joined".into() },
             Request::Set { key, value } => {
                 shared.state.lock().unwrap().store.insert(key, value);
                 shared.version.send_modify(|v| *v += 1);
@@ -328,8 +370,4 @@ async fn serve_rank(stream: &mut TcpStream, shared: &Shared) -> Result<(), Frame
         };
         write_async(stream, &response).await?;
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
