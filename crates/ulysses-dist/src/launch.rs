@@ -15,7 +15,7 @@ use std::{
 use crate::{DistError, config::ENV_TOKEN};
 
 /// One node's part of a job.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct LaunchPlan {
     pub nproc_per_node: usize,
     pub nnodes: usize,
@@ -33,6 +33,24 @@ pub struct LaunchPlan {
     /// cut short (a checkpoint's write: [`Busy`]) before they are stopped: a write stalled on
     /// a hung file system, or a rank waiting in a collective for the dead one, ends too.
     pub busy_limit: Duration,
+}
+
+/// Without the token: a plan in a log is not the job's key.
+impl std::fmt::Debug for LaunchPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaunchPlan")
+            .field("nproc_per_node", &self.nproc_per_node)
+            .field("nnodes", &self.nnodes)
+            .field("node_rank", &self.node_rank)
+            .field("master_addr", &self.master_addr)
+            .field("master_port", &self.master_port)
+            .field("token", &"<redacted>")
+            .field("program", &self.program)
+            .field("args", &self.args)
+            .field("kill_grace", &self.kill_grace)
+            .field("busy_limit", &self.busy_limit)
+            .finish()
+    }
 }
 
 /// [`LaunchPlan::busy_limit`]'s default: a large model's checkpoint on a slow disk.

@@ -94,6 +94,27 @@ fn a_program_on_the_port_learns_no_token_and_gets_nothing() {
     assert!(after.is_err(), "the rank went on after a wrong proof: {after:?}");
 }
 
+/// The rendezvous's settings and a launch plan, as a log would write them, hold no token.
+#[test]
+fn settings_in_a_log_hold_no_token() {
+    let settings = ServerSettings { world_size: 2, token: "job-secret-1234".into(), max_message_bytes: LIMIT, handshake_timeout: Duration::from_secs(5) };
+    let plan = ulysses_dist::launch::LaunchPlan {
+        nproc_per_node: 2,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 29500,
+        token: "job-secret-1234".into(),
+        program: "train".into(),
+        args: Vec::new(),
+        kill_grace: Duration::from_secs(1),
+        busy_limit: Duration::from_secs(1),
+    };
+    for written in [format!("{settings:?}"), format!("{plan:?}")] {
+        assert!(!written.contains("job-secret-1234") && written.contains("<redacted>"), "{written}");
+    }
+}
+
 #[test]
 fn four_processes_meet_through_the_launcher() {
     let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))

@@ -19,13 +19,25 @@ use super::protocol::{FrameError, Prover, Request, Response, handshake_proof, pr
 use crate::DistError;
 
 /// Limits of the server.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ServerSettings {
     pub world_size: usize,
     pub token: String,
     pub max_message_bytes: usize,
     /// A connection that sends no `Hello` within this time is dropped.
     pub handshake_timeout: Duration,
+}
+
+/// Without the token: settings in a log are not the job's key.
+impl std::fmt::Debug for ServerSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerSettings")
+            .field("world_size", &self.world_size)
+            .field("token", &"<redacted>")
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .finish()
+    }
 }
 
 pub struct RendezvousServer {
