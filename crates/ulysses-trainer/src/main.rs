@@ -135,7 +135,8 @@ struct Args {
     /// Tokens (bytes) per sequence; every batch is padded to it.
     #[arg(long, default_value_t = 256)]
     seq_len: usize,
-    /// The peak learning rate, reached after the warm-up.
+    /// The peak learning rate, reached after the warm-up [with --model: 2e-5, TRL's
+    /// SFTTrainer's].
     #[arg(long, default_value_t = 3e-3)]
     learning_rate: f64,
     /// Steps of linear warm-up to --learning-rate (default: 20, or a fifth of --steps where
@@ -615,6 +616,9 @@ fn auto_resume(args: &mut Args) {
         args.overwrite = true;
     }
 }
+
+/// The learning rate of a `--model` fine-tune given none (TRL's `SFTConfig` default).
+const FINE_TUNE_LEARNING_RATE: f64 = 2e-5;
 
 /// Everything a rank needs besides its backend.
 struct Job<'a> {
@@ -1217,13 +1221,15 @@ fn run(mut args: Args) -> Result<(), String> {
         }
     }
     // The default rate trains the small model from scratch; at it a pretrained one forgets
-    // what it knew within a few steps.
-    if args.model.is_some() && args.resume.is_none() && !args.eval_only && !args.given.contains("learning_rate") && ulysses_trainer::train::says_run_notes() {
-        tracing::warn!(
-            "--model fine-tunes a pretrained model at the default --learning-rate {:e}, the rate that trains the small model from scratch: \
-             fine-tunes take about 1e-5 to 1e-4 (docs/training.md); give --learning-rate",
-            args.learning_rate
-        );
+    // what it knew within a few steps: a fine-tune's default is TRL's SFTTrainer's.
+    if args.model.is_some() && args.resume.is_none() && !args.eval_only && !args.given.contains("learning_rate") {
+        args.learning_rate = FINE_TUNE_LEARNING_RATE;
+        if ulysses_trainer::train::says_run_notes() {
+            tracing::info!(
+                "--model without --learning-rate: fine-tuning at {FINE_TUNE_LEARNING_RATE:e}, TRL's SFTTrainer's default (the byte model's \
+                 3e-3 would make a pretrained model forget what it knew); give --learning-rate for another"
+            );
+        }
     }
     let model = match &pretrained {
         Some(checkpoint) => ulysses_models::DecoderConfig::from_hf(checkpoint),

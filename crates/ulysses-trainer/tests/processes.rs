@@ -1760,16 +1760,17 @@ fn a_hugging_face_checkpoint_fine_tunes_at_sp_2_and_saves_back() {
     assert!(!refused.status.success() && show(&refused).contains("--model"), "{}", show(&refused));
     let refused = Command::new(trainer()).args(["--model", &checkpoint.display().to_string(), "--launch", "threads"]).output().unwrap();
     assert!(!refused.status.success() && show(&refused).contains("--tokens"), "{}", show(&refused));
-    // The default learning rate (the small model's, from scratch) beside --model: warned.
+    // --model without --learning-rate fine-tunes at TRL's default, not the small model's
+    // from-scratch rate.
     let rated = |extra: &[&str]| {
         let tokens = dir.join("data.jsonl").display().to_string();
         let out = dir.join("rate").display().to_string();
         let base = ["--tokens", &tokens, "--model", &checkpoint.display().to_string(), "--out", &out, "--seq-len", "16", "--batch-size", "4", "--check"];
         show(&succeed(run_alone(&base.iter().chain(extra).map(|a| a.to_string()).collect::<Vec<_>>(), &[])))
     };
-    let warning = "--model fine-tunes a pretrained model at the default --learning-rate 3e-3";
-    assert!(rated(&[]).contains(warning), "{}", rated(&[]));
-    assert!(!rated(&["--learning-rate", "2e-5"]).contains(warning));
+    let note = "--model without --learning-rate: fine-tuning at 2e-5";
+    assert!(rated(&[]).contains(note), "{}", rated(&[]));
+    assert!(!rated(&["--learning-rate", "3e-3"]).contains(note));
 
     // --hf-config: the checkpoint's shape from random weights, saved with its configuration;
     // beside --model it is refused, and a vocabulary smaller than --corpus's 256 byte values
