@@ -115,6 +115,38 @@ fn settings_in_a_log_hold_no_token() {
     }
 }
 
+/// A program that welcomes a rank without a challenge (no proof of the token) is not rank 0:
+/// the rank fails saying so and sends it nothing more. A hello rank 0 cannot read (a rank of
+/// another build) is told why, not dropped.
+#[test]
+fn a_welcome_without_a_challenge_and_a_hello_of_another_build_are_refused() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let impostor = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        let hello: Request = read_blocking(&mut stream, LIMIT).unwrap();
+        assert!(matches!(hello, Request::Hello { .. }), "{hello:?}");
+        write_blocking(&mut stream, &Response::Welcome).unwrap();
+        read_blocking::<Request>(&mut stream, LIMIT)
+    });
+    let err = RendezvousClient::connect("127.0.0.1", port, 1, 2, "job-secret", Duration::from_secs(5), LIMIT).err().expect("an unproven welcome must be refused");
+    assert!(err.to_string().contains("without proving it knows the job's token"), "{err}");
+    let after = impostor.join().unwrap();
+    assert!(after.is_err(), "the rank went on after an unproven welcome: {after:?}");
+
+    let server = server(2);
+    let mut raw = TcpStream::connect(server.local_addr()).unwrap();
+    raw.write_all(&{
+        let body = br#"{"type":"hello","token":"job-secret","rank":1,"world_size":2}"#;
+        let mut frame = (body.len() as u32).to_be_bytes().to_vec();
+        frame.extend_from_slice(body);
+        frame
+    })
+    .unwrap();
+    let response: Response = read_blocking(&mut raw, LIMIT).unwrap();
+    assert!(matches!(response, Response::Rejected { ref reason } if reason.contains("another version of burn-ulysses")), "{response:?}");
+}
+
 #[test]
 fn four_processes_meet_through_the_launcher() {
     let output = Command::new(env!("CARGO_BIN_EXE_ulysses-launch"))

@@ -830,7 +830,7 @@ impl PackedDocuments {
             None => None,
         };
         // A small set's last batch is a large part of it, and trained on nowhere.
-        if let Some(eval) = eval.as_ref().filter(|eval| eval.len() * 10 > count) {
+        if let Some(eval) = eval.as_ref().filter(|eval| eval.len() * 10 > count && crate::train::says_run_notes()) {
             tracing::warn!(
                 "{} of --data's {count} packed sequences ({:.0}%), its last, are held out to evaluate on and not trained on: give \
                  held-out documents apart with --eval-data (--data is then trained on whole), or --eval-every 0 to train on all",

@@ -202,7 +202,7 @@ impl TrainConfig {
         }
         if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
             return Err(format!(
-                "learning_rate (--learning-rate) must be a finite number above 0 (3e-3 is the default), got {}",
+                "learning_rate (--learning-rate) must be a finite number above 0 (3e-3 is the default, 2e-5 with --model), got {}",
                 self.learning_rate
             ));
         }

@@ -88,6 +88,21 @@ impl RendezvousClient {
                     let proof = handshake_proof(token, Prover::Rank, &nonce, &server_nonce, rank, world_size);
                     client.request(&Request::Proof { proof }, "for rank 0's welcome")
                 }
+                // Welcomed unproven: not rank 0's rendezvous (it challenges first), nothing sent to it.
+                Ok(Response::Welcome) => {
+                    client.broken = true;
+                    return Err(DistError::Rejected {
+                        addr: client.addr.clone(),
+                        reason: "what answers there welcomed this rank without proving it knows the job's token, so nothing more \
+                                 was sent to it: another program took MASTER_PORT before rank 0, or rank 0 runs another build of \
+                                 burn-ulysses (its handshake differs)"
+                            .into(),
+                    });
+                }
+                // Rank 0 closed the connection at the hello: its build may read another one.
+                Err(DistError::Protocol(message)) if message.contains("closed the connection") => {
+                    Err(DistError::Protocol(format!("{message}; or rank 0 runs another build of burn-ulysses, whose handshake differs")))
+                }
                 other => other,
             };
             return match answer {

@@ -24,7 +24,8 @@ pub struct ServerSettings {
     pub world_size: usize,
     pub token: String,
     pub max_message_bytes: usize,
-    /// A connection that sends no `Hello` within this time is dropped.
+    /// A connection that has not finished its handshake (hello, then proof) within this time
+    /// is dropped.
     pub handshake_timeout: Duration,
 }
 
@@ -255,22 +256,28 @@ const HELLO_LIMIT: usize = 4096;
 /// its proof of the token), the rank's proof; the rank's place in the job checked last.
 async fn handshake(stream: &mut TcpStream, shared: &Shared) -> Result<(usize, usize), Refusal> {
     let settings = &shared.settings;
-    let (rank, world_size, rank_nonce) = match read_in_handshake(stream, settings.handshake_timeout).await {
-        Ok(Ok(Request::Hello { rank, world_size, nonce })) => (rank, world_size, nonce),
-        Ok(Ok(_)) => return Err(Refusal::told("the first message must be a hello")),
-        Ok(Err(error)) => return Err(Refusal::untold(error.to_string())),
-        Err(_) => return Err(Refusal::untold("no hello in time")),
+    let (rank, world_size, rank_nonce) = match read_async::<Request>(stream, HELLO_LIMIT).await {
+        Ok(Request::Hello { rank, world_size, nonce }) => (rank, world_size, nonce),
+        Ok(_) => return Err(Refusal::told("the first message must be a hello")),
+        // Read whole but not understood: a rank of another build, told so (its own build reads
+        // a rejection as this one does).
+        Err(FrameError::Malformed(error)) => {
+            return Err(Refusal::told(format!(
+                "an unreadable hello ({error}): a rank built from another version of burn-ulysses, whose handshake differs? \
+                 build every rank from one checkout"
+            )));
+        }
+        Err(error) => return Err(Refusal::untold(error.to_string())),
     };
     let nonce = super::new_token();
     let proof = handshake_proof(&settings.token, Prover::Server, &rank_nonce, &nonce, rank, world_size);
     write_async(stream, &Response::Challenge { nonce: nonce.clone(), proof }).await.map_err(|e| Refusal::untold(e.to_string()))?;
-    match read_in_handshake(stream, settings.handshake_timeout).await {
-        Ok(Ok(Request::Proof { proof })) if proof_holds(&proof, &settings.token, Prover::Rank, &rank_nonce, &nonce, rank, world_size) => Ok((rank, world_size)),
-        Ok(Ok(Request::Proof { .. })) => Err(Refusal::told(WRONG_TOKEN)),
-        Ok(Ok(_)) => Err(Refusal::told("the answer to the challenge must be a proof")),
+    match read_async::<Request>(stream, HELLO_LIMIT).await {
+        Ok(Request::Proof { proof }) if proof_holds(&proof, &settings.token, Prover::Rank, &rank_nonce, &nonce, rank, world_size) => Ok((rank, world_size)),
+        Ok(Request::Proof { .. }) => Err(Refusal::told(WRONG_TOKEN)),
+        Ok(_) => Err(Refusal::told("the answer to the challenge must be a proof")),
         // The rank found rank 0's proof wrong (a token of its own) and said nothing more.
-        Ok(Err(error)) => Err(Refusal::untold(format!("no proof of the job's token ({error}): {WRONG_TOKEN}"))),
-        Err(_) => Err(Refusal::untold("no proof in time")),
+        Err(error) => Err(Refusal::untold(format!("no proof of the job's token ({error}): {WRONG_TOKEN}"))),
     }
 }
 
@@ -291,15 +298,12 @@ impl Refusal {
     }
 }
 
-/// A message of the handshake, within `limit`.
-async fn read_in_handshake(stream: &mut TcpStream, limit: std::time::Duration) -> Result<Result<Request, FrameError>, tokio::time::error::Elapsed> {
-    tokio::time::timeout(limit, read_async::<Request>(stream, HELLO_LIMIT)).await
-}
-
 async fn connection(mut stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, handshake_slot: tokio::sync::OwnedSemaphorePermit) {
-    let admitted = match handshake(&mut stream, &shared).await {
-        Ok((rank, world_size)) => admit(&shared, rank, world_size, peer).map_err(Refusal::told),
-        Err(refusal) => Err(refusal),
+    // One deadline for the whole handshake: a silent peer holds its slot no longer.
+    let admitted = match tokio::time::timeout(shared.settings.handshake_timeout, handshake(&mut stream, &shared)).await {
+        Ok(Ok((rank, world_size))) => admit(&shared, rank, world_size, peer).map_err(Refusal::told),
+        Ok(Err(refusal)) => Err(refusal),
+        Err(_) => Err(Refusal::untold("no handshake in time")),
     };
     let rank = match admitted {
         Ok(rank) => rank,
