@@ -942,7 +942,7 @@ where
         // The step's work done before its seconds are read: the update is queued after the
         // step's last read, and its time fell into the next step's (PyTorch's reference reads
         // its loss after its update). One wait a step, counted with the step's.
-        B::sync(device).map_err(|e| UlyssesError::InModel { message: format!("the device failed finishing the step's work: {e}") }.at_step(step))?;
+        B::sync(device).map_err(|e| UlyssesError::InModel { message: device_failure("the device failed finishing the step's work", &e) }.at_step(step))?;
         // The timing's own sync is not the step's: left out of its counts.
         let io = DeviceIo::of_this_thread() - io_before - backward_done.map_or_else(DeviceIo::default, |(_, io)| io);
         if let (Some((at, _)), Some(progress)) = (backward_done, options.progress.as_deref_mut()) {
@@ -1464,7 +1464,7 @@ where
             return Ok(None);
         }
         let before = DeviceIo::of_this_thread();
-        B::sync(device).map_err(|e| UlyssesError::InModel { message: format!("the device failed finishing the step's backward: {e}") })?;
+        B::sync(device).map_err(|e| UlyssesError::InModel { message: device_failure("the device failed finishing the step's backward", &e) })?;
         Ok(Some((Instant::now(), DeviceIo::of_this_thread() - before)))
     };
     let global = data.train_batch(step);
@@ -1760,6 +1760,19 @@ pub fn say_run_notes(here: bool) {
     SAYS_RUN_NOTES.store(here, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// `what` with the device's `error`, and, where the device ran out of memory (CubeCL's CUDA
+/// server as third_party/README.md patches it), the flags that lower what a step holds.
+fn device_failure(what: &str, error: &dyn std::fmt::Display) -> String {
+    let error = error.to_string();
+    let hint = if error.contains("out of device memory") {
+        "; lower what a step holds: --checkpoint-layers (with --offload-to-host, --tile-tokens N), a larger --sp, --zero 3 \
+         --offload-optimizer, or ULYSSES_MEMORY_POOLS=exclusive (pools that reserve less); --check --device-memory GB plans it"
+    } else {
+        ""
+    };
+    format!("{what}: {error}{hint}")
+}
+
 /// Whether this process says the run's notes (see [`say_run_notes`]).
 pub fn says_run_notes() -> bool {
     SAYS_RUN_NOTES.load(std::sync::atomic::Ordering::Relaxed)
@@ -2003,6 +2016,16 @@ pub fn load_model<B: AutodiffBackend>(config: &DecoderConfig, path: &Path, devic
 
 #[cfg(test)]
 mod tests {
+    /// A device out of memory is said with the flags that lower what a step holds; another
+    /// failure as it is.
+    #[test]
+    fn a_device_out_of_memory_names_the_flags_that_lower_a_steps_memory() {
+        let oom = super::device_failure("the device failed finishing the step's work", &"out of device memory: 4294967296 bytes could not be allocated");
+        assert!(oom.contains("4294967296 bytes") && oom.contains("--checkpoint-layers") && oom.contains("--zero 3"), "{oom}");
+        let other = super::device_failure("the device failed finishing the step's work", &"an illegal address");
+        assert_eq!(other, "the device failed finishing the step's work: an illegal address");
+    }
+
     /// A checkpoint writer that panics ends the run with an error naming the write and the
     /// panic, not a panic of rank 0's thread.
     #[test]

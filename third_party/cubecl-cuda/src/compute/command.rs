@@ -105,6 +105,19 @@ impl<'a> Command<'a> {
         Ok(handle)
     }
 
+    /// burn-ulysses patch: [`Self::reserve`] again after the pools give back the pages nothing
+    /// uses (a page of another size may then fit).
+    pub fn reserve_after_cleanup(&mut self, size: u64) -> Result<ManagedMemoryHandle, IoError> {
+        self.streams.current().memory_management_gpu.cleanup(true);
+        self.reserve(size)
+    }
+
+    /// burn-ulysses patch: what the pools hold, for an out-of-memory error.
+    pub fn memory_usage_described(&mut self) -> String {
+        let usage = self.streams.current().memory_management_gpu.memory_usage();
+        format!("{} bytes in use of {} reserved", usage.bytes_in_use, usage.bytes_reserved)
+    }
+
     #[cfg_attr(feature = "tracing", tracing::instrument(level = "trace", skip(self)))]
     pub fn empty(&mut self, size: u64) -> Result<Handle, IoError> {
         let handle = Handle::new(self.streams.current, size);

@@ -121,7 +121,26 @@ impl ComputeServer for CudaServer {
             Err(err) => unreachable!("{err:?}"),
         };
 
-        let reserved = command.reserve(size).unwrap();
+        // burn-ulysses patch: an allocation the device cannot hold unwrapped here, on the device
+        // thread, whose panic CubeCL catches and only logs: the kernels that use the memory were
+        // skipped with a panic of their own, and `sync` returned `Ok`, so a training step went
+        // on with whatever the pool held. Now the pools give back the pages nothing uses and it
+        // is tried again; failing still, the error is the stream's, which its next sync or read
+        // returns (third_party/README.md).
+        let reserved = match command.reserve(size) {
+            Ok(reserved) => reserved,
+            Err(_) => match command.reserve_after_cleanup(size) {
+                Ok(reserved) => reserved,
+                Err(error) => {
+                    let usage = command.memory_usage_described();
+                    command.error(ServerError::Generic {
+                        reason: format!("out of device memory: {size} bytes could not be allocated ({error}); the pools hold {usage}"),
+                        backtrace: BackTrace::capture(),
+                    });
+                    return;
+                }
+            },
+        };
         command.bind(reserved, memory);
     }
 
