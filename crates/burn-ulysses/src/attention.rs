@@ -435,11 +435,20 @@ fn refuse_where_head_shares_disagree<X: ExchangeBackend>(
 /// The first rank whose share of the heads `verdict` (q and kv head counts) refuses where
 /// another rank's passes, with why; `None` where all agree.
 fn first_share_refused_alone(plan: &HeadPlan, verdict: impl Fn(usize, usize) -> Result<(), String>) -> Option<(usize, String)> {
-    let verdicts: Vec<Result<(), String>> = (0..plan.sp_size).map(|rank| verdict(plan.q_heads_of(rank).len(), plan.kv_heads_of(rank).len())).collect();
-    if verdicts.iter().all(Result::is_err) {
+    // A verdict for each distinct share (two or three of them at any group size), not each rank:
+    // this runs at every attention call.
+    let shares: Vec<(usize, usize)> = (0..plan.sp_size).map(|rank| (plan.q_heads_of(rank).len(), plan.kv_heads_of(rank).len())).collect();
+    let mut verdicts: Vec<((usize, usize), Result<(), String>)> = Vec::new();
+    for &share in &shares {
+        if !verdicts.iter().any(|(seen, _)| *seen == share) {
+            verdicts.push((share, verdict(share.0, share.1)));
+        }
+    }
+    if verdicts.iter().all(|(_, verdict)| verdict.is_err()) {
         return None;
     }
-    verdicts.into_iter().enumerate().find_map(|(rank, verdict)| verdict.err().map(|reason| (rank, reason)))
+    let refused = |share: &(usize, usize)| verdicts.iter().find(|(seen, _)| seen == share).and_then(|(_, verdict)| verdict.clone().err());
+    shares.iter().enumerate().find_map(|(rank, share)| refused(share).map(|reason| (rank, reason)))
 }
 
 /// Checks shapes that need no peer, and describes the call for the cross-rank check
