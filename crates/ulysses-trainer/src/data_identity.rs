@@ -58,7 +58,7 @@ impl DataIdentity {
         Ok(Self { held_out: format!("{} ({} bytes, digest {})", held_out.path, held_out.bytes, held_out.digest), ..self })
     }
 
-    fn of_files(path: &Path, files: &[std::path::PathBuf]) -> Result<Self, String> {
+    pub(crate) fn of_files(path: &Path, files: &[std::path::PathBuf]) -> Result<Self, String> {
         let mut digest = Fnv::new();
         let mut bytes = 0;
         for file in files {

@@ -211,6 +211,32 @@ pub struct Documents {
     /// Whether some document was a conversation rendered with the chat template (which a
     /// resume must then find the same).
     pub rendered_chat: bool,
+    /// What the read noticed and said (said again where a cached read is reused:
+    /// [`token_cache`](crate::token_cache)).
+    pub notes: Vec<ReadNote>,
+}
+
+/// A warning or a note a read logged about its data.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ReadNote {
+    pub warning: bool,
+    pub text: String,
+}
+
+impl ReadNote {
+    pub fn log(&self) {
+        match self.warning {
+            true => tracing::warn!("{}", self.text),
+            false => tracing::info!("{}", self.text),
+        }
+    }
+}
+
+/// Logs a note of `warning` or not, and keeps it in `notes`.
+fn say(notes: &mut Vec<ReadNote>, warning: bool, text: String) {
+    let note = ReadNote { warning, text };
+    note.log();
+    notes.push(note);
 }
 
 impl DocumentReader<'_> {
@@ -224,9 +250,10 @@ impl DocumentReader<'_> {
     /// [`read`](Self::read), `flag` naming `path` in messages (`--eval-data`).
     pub fn read_as(&self, flag: &str, path: &Path) -> Result<Documents, String> {
         let (files, others) = data_files(flag, path)?;
+        let mut notes = Vec::new();
         if !others.is_empty() {
             let names: Vec<String> = others.iter().map(|f| f.display().to_string()).collect();
-            tracing::warn!("{flag} {}: not read, neither JSON Lines (.jsonl, .json) nor text (.txt): {}", path.display(), names.join(", "));
+            say(&mut notes, true, format!("{flag} {}: not read, neither JSON Lines (.jsonl, .json) nor text (.txt): {}", path.display(), names.join(", ")));
         }
         let total: u64 = files.iter().map(|f| fs::metadata(f).map_or(0, |m| m.len())).sum();
         if self.progress {
@@ -252,56 +279,76 @@ impl DocumentReader<'_> {
             return Err(format!("{flag} {}: no document holds two tokens (besides a text's EOS) to train on", path.display()));
         }
         if documents.len() < read {
-            tracing::info!(skipped = read - documents.len(), "left out the documents of fewer than two tokens (empty texts): nothing to predict");
+            say(&mut notes, false, format!("{flag} {}: left out {} document(s) of fewer than two tokens (empty texts): nothing to predict", path.display(), read - documents.len()));
         }
         let merged = self.noted.merged_prompts.get();
         if merged > 0 {
-            tracing::warn!(
-                "{flag} {}: {merged} prompt(s) tokenize otherwise alone than before their completion (a prompt ending in a space, \
-                 as a rule, whose space joins the completion's first token): their targets start at the first token that differs \
-                 (TRL masks as many tokens as the prompt alone has, so the completion's first token, merged, is not trained)",
-                path.display()
+            say(
+                &mut notes,
+                true,
+                format!(
+                    "{flag} {}: {merged} prompt(s) tokenize otherwise alone than before their completion (a prompt ending in a space, \
+                     as a rule, whose space joins the completion's first token): their targets start at the first token that differs \
+                     (TRL masks as many tokens as the prompt alone has, so the completion's first token, merged, is not trained)",
+                    path.display()
+                ),
             );
         }
         let rerendered = self.noted.rerendered_prompts.get();
         if rerendered > 0 {
-            tracing::warn!(
-                "{flag} {}: the chat template renders {rerendered} conversational prompt(s) otherwise alone (with the generation \
-                 prompt) than before their completion (a token merged at the join, or a generation prompt the completion's \
-                 rendering does not begin with): their targets start at the first token that differs (TRL masks as many tokens \
-                 as the prompt alone has)",
-                path.display()
+            say(
+                &mut notes,
+                true,
+                format!(
+                    "{flag} {}: the chat template renders {rerendered} conversational prompt(s) otherwise alone (with the generation \
+                     prompt) than before their completion (a token merged at the join, or a generation prompt the completion's \
+                     rendering does not begin with): their targets start at the first token that differs (TRL masks as many tokens \
+                     as the prompt alone has)",
+                    path.display()
+                ),
             );
         }
         let left_out = self.noted.left_out.get();
         if left_out > 0 {
-            tracing::warn!(
-                "{flag} {}: the chat template leaves the text of a system or user message out of {left_out} conversation(s), which \
-                 train without it (Mistral v0.3's keeps the system prompt only with the last user message; transformers renders \
-                 them the same): if the model should learn from it, put it in a user message or use a template that keeps it",
-                path.display()
+            say(
+                &mut notes,
+                true,
+                format!(
+                    "{flag} {}: the chat template leaves the text of a system or user message out of {left_out} conversation(s), which \
+                     train without it (Mistral v0.3's keeps the system prompt only with the last user message; transformers renders \
+                     them the same): if the model should learn from it, put it in a user message or use a template that keeps it",
+                    path.display()
+                ),
             );
         }
         let truncated = self.noted.truncated.get();
         if truncated > 0 {
-            tracing::info!("{flag} {}: {truncated} document(s) longer than --seq-len kept their first tokens alone (--too-long truncate)", path.display());
+            say(&mut notes, false, format!("{flag} {}: {truncated} document(s) longer than --seq-len kept their first tokens alone (--too-long truncate)", path.display()));
         }
         let before_eos = self.noted.answers_before_eos.get();
         if before_eos > 0 {
-            tracing::warn!(
-                "{flag} {}: {before_eos} answer(s) end just before the EOS (id {}) that ends their turn, which is then no target: the \
-                 chat template's {{% generation %}} blocks close before its end-of-turn token, so the model would not learn to stop. \
-                 Move each block's end past that token (TRL's training templates keep it inside)",
-                path.display(),
-                self.eos
+            say(
+                &mut notes,
+                true,
+                format!(
+                    "{flag} {}: {before_eos} answer(s) end just before the EOS (id {}) that ends their turn, which is then no target: the \
+                     chat template's {{% generation %}} blocks close before its end-of-turn token, so the model would not learn to stop. \
+                     Move each block's end past that token (TRL's training templates keep it inside)",
+                    path.display(),
+                    self.eos
+                ),
             );
         }
         let unanswered = self.noted.unanswered.get();
         if unanswered > 0 {
-            tracing::warn!(
-                "{flag} {}: {unanswered} conversation(s) hold no answer the chat template marks, so they train nothing under \
-                 --loss-on assistant (TRL's assistant_only_loss refuses such data); they still fill sequences",
-                path.display()
+            say(
+                &mut notes,
+                true,
+                format!(
+                    "{flag} {}: {unanswered} conversation(s) hold no answer the chat template marks, so they train nothing under \
+                     --loss-on assistant (TRL's assistant_only_loss refuses such data); they still fill sequences",
+                    path.display()
+                ),
             );
         }
         let marked = documents.iter().any(|(_, targets)| targets.is_some());
@@ -310,23 +357,31 @@ impl DocumentReader<'_> {
         // to text, its prompts too). Said beside lines that do mark them; noted where none does
         // (a plain text corpus trains whole, as meant).
         match (self.loss_on, marked, unmarked) {
-            (LossOn::Assistant, true, 1..) => tracing::warn!(
-                "{flag} {}: {unmarked} of {} document(s) mark no answers (text or input_ids lines), so every token of them trains under \
-                 --loss-on assistant, prompts included, beside the answers of the others: give conversations (messages), \
-                 prompt/completion or labelled lines for them too, or --loss-on all to train every token knowingly",
-                path.display(),
-                documents.len()
+            (LossOn::Assistant, true, 1..) => say(
+                &mut notes,
+                true,
+                format!(
+                    "{flag} {}: {unmarked} of {} document(s) mark no answers (text or input_ids lines), so every token of them trains under \
+                     --loss-on assistant, prompts included, beside the answers of the others: give conversations (messages), \
+                     prompt/completion or labelled lines for them too, or --loss-on all to train every token knowingly",
+                    path.display(),
+                    documents.len()
+                ),
             ),
-            (LossOn::Assistant, false, _) => tracing::info!(
-                "{flag} {}: no line marks answers (text or input_ids lines): every token trains (a chat rendered to text trains its \
-                 prompts too: give messages or prompt/completion lines to train on the answers alone)",
-                path.display()
+            (LossOn::Assistant, false, _) => say(
+                &mut notes,
+                false,
+                format!(
+                    "{flag} {}: no line marks answers (text or input_ids lines): every token trains (a chat rendered to text trains its \
+                     prompts too: give messages or prompt/completion lines to train on the answers alone)",
+                    path.display()
+                ),
             ),
             _ => {}
         }
         let (ids, targets): (Vec<Vec<i64>>, Vec<Option<Vec<bool>>>) = documents.into_iter().unzip();
         let targets = marked.then(|| targets.into_iter().zip(&ids).map(|(targets, ids)| targets.unwrap_or_else(|| vec![true; ids.len()])).collect());
-        Ok(Documents { ids, targets, rendered_chat: self.noted.rendered.get() })
+        Ok(Documents { ids, targets, rendered_chat: self.noted.rendered.get(), notes })
     }
 
     fn read_json_lines(&self, file: &Path, bar: &ReadProgress, documents: &mut Vec<Read>) -> Result<(), String> {

@@ -9,5 +9,6 @@ pub mod files;
 pub mod memory;
 pub mod plot;
 pub mod run_folder;
+pub mod token_cache;
 pub mod tokens;
 pub mod train;

@@ -39,6 +39,7 @@ use ulysses_trainer::{
     documents::{DOCUMENT_READER_VERSION, DocumentReader, Documents, LossOn, PackedDocuments, cut_documents_note, document_eos},
     plot,
     run_folder::{CHECKPOINT_FILE, CONFIG_FILE, Claim, METRICS_FILE, RunFolder, RunRecord, earlier_rows, earlier_run_files, resolved, resumed_folder, same_place},
+    token_cache::{CacheFolder, read_through},
     tokens::TokenFile,
     train::{CorpusData, Faults, LrSchedule, MAX_BATCH_SIZE, Progress, RunOptions, RunState, StepData, TrainConfig, check_resumable, evaluate_sequences, train_rank},
 };
@@ -221,6 +222,12 @@ struct Args {
     /// `refuse`, naming its file and line.
     #[arg(long, value_enum, default_value = "cut", requires = "data")]
     too_long: TooLong,
+    /// Where --data (and --eval-data) is kept tokenized, so that every process of a job and
+    /// each later run of the same data, read the same way, loads it in place of tokenizing it
+    /// again: a folder, or `off` [default: $XDG_CACHE_HOME/burn-ulysses/tokenized (else
+    /// ~/.cache's) for data of 64 MiB or more; less tokenizes in seconds].
+    #[arg(long, value_name = "FOLDER|off", requires = "data")]
+    data_cache: Option<PathBuf>,
     /// The tokenizer.json that tokenizes --data's text, or a folder holding one [default: the
     /// --model folder's]. Its folder gives the tokenizer_config.json (EOS) and chat template.
     #[arg(long, requires = "data")]
@@ -1849,7 +1856,33 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
         truncate_longer_than: (args.too_long == TooLong::Truncate).then_some(config.seq_len),
         noted: Default::default(),
     };
-    let documents = reader().read(path)?;
+    // All that decides the tokens besides --data's files, for the tokenized data's cache: its
+    // files' identities and times are the rest. The tokenizer's files whole (the flags of its
+    // added tokens, the files beside it), and this program (its tokenizing libraries).
+    let stamp = |file: &Path| fs::metadata(file).map_or(0, |m| ulysses_trainer::token_cache::modified_nanos(&m));
+    let tokenizer_files: Vec<PathBuf> = data_tokenizer_file(args).map_or_else(Vec::new, |file| {
+        let folder = if file.is_dir() { file.clone() } else { folder_of(&file).to_path_buf() };
+        let beside = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "config.json"].map(|name| folder.join(name));
+        std::iter::once(file).filter(|file| file.is_file()).chain(beside).collect()
+    });
+    let program = std::env::current_exe().ok().and_then(|exe| fs::metadata(&exe).ok().map(|m| format!("{} ({} bytes, modified {})", exe.display(), m.len(), stamp(&exe))));
+    let reading = format!(
+        "reader {DOCUMENT_READER_VERSION} of {} {}, {tokenized_by} [{}], EOS {eos}, vocabulary {}, --loss-on {:?}, --too-long {:?}{}, chat template {}",
+        env!("CARGO_PKG_VERSION"),
+        program.unwrap_or_default(),
+        ulysses_trainer::token_cache::stamps(&tokenizer_files),
+        config.model.vocab_size,
+        loss_on,
+        args.too_long,
+        if args.too_long == TooLong::Cut { String::new() } else { format!(" at --seq-len {}", config.seq_len) },
+        chat.as_ref().map_or_else(
+            || "none".to_string(),
+            |chat| format!("{} (modified {}, digest {:016x})", chat.file(), stamp(Path::new(chat.file())), ulysses_training::checkpoint::fnv1a(&[chat.rendering_text().as_bytes()]))
+        ),
+    );
+    let cache = CacheFolder::from_flag(args.data_cache.as_deref());
+    let read = |flag: &str, path: &Path| read_through(&cache, flag, path, &reading, || reader().read_as(flag, path));
+    let documents = read("--data", path)?;
     // The template's file and what decides its rendering, where it rendered a conversation.
     let rendered_with = chat.as_ref().filter(|_| documents.rendered_chat).map(|chat| (chat.file().to_string(), chat.rendering_text().to_string()));
     let targets = answers(&documents, loss_on, "--data", path)?;
@@ -1870,7 +1903,7 @@ fn packed_documents(args: &Args, path: &Path, checkpoint: &HfConfig, config: &Tr
     note_cuts(&documents, targets, "--data", args.eval_only);
     let mut packed = PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, batch_size, config.seed, hold_out)?;
     if let Some(held_out) = &args.eval_data {
-        let documents = reader().read_as("--eval-data", held_out)?;
+        let documents = read("--eval-data", held_out)?;
         let targets = answers(&documents, loss_on, "--eval-data", held_out)?;
         note_cuts(&documents, targets, "--eval-data", true);
         packed = packed.held_out_by(PackedDocuments::pack_with_targets(&documents.ids, targets, config.seq_len, 1, config.seed, false)?);
@@ -2728,7 +2761,7 @@ mod tests {
     #[test]
     fn targets_on_first_tokens_alone_are_no_answers() {
         use super::{Documents, LossOn, answers};
-        let documents = |targets: Vec<Vec<bool>>| Documents { ids: targets.iter().map(|t| vec![1; t.len()]).collect(), targets: Some(targets), rendered_chat: false };
+        let documents = |targets: Vec<Vec<bool>>| Documents { ids: targets.iter().map(|t| vec![1; t.len()]).collect(), targets: Some(targets), rendered_chat: false, notes: Vec::new() };
         let firsts = documents(vec![vec![true, false, false], vec![true, false]]);
         let refused = answers(&firsts, LossOn::Assistant, "--data", std::path::Path::new("sft.jsonl")).unwrap_err();
         assert!(refused.contains("no token is an answer"), "{refused}");

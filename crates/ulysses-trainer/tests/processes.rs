@@ -2197,7 +2197,8 @@ fn eval_line(output: &Output) -> (f64, usize) {
 /// ids, each document ending in EOS, packed into sequences of `--seq-len` as separate
 /// documents. `--eval-only` gives the same loss at SP=1, SP=2 (threads and two processes) and
 /// SP=2 × DP=2, over exactly the labels the documents hold (every token but each document's
-/// last, counted here with the tokenizer). Fine-tuning with `--freeze-embeddings` moves every
+/// last, counted here with the tokenizer), tokenized or loaded as tokenized from `--data-cache`.
+/// Fine-tuning with `--freeze-embeddings` moves every
 /// weight but the embeddings, and `--save-hf` writes the folder at each checkpoint, not only at
 /// the end. What cannot be read is refused naming the fix, the file and the line. Mistral
 /// trains on documents shorter and longer than its sliding window.
@@ -2229,11 +2230,23 @@ fn documents_are_tokenized_packed_evaluated_alike_at_every_layout_and_fine_tuned
     let args = |extra: &str| qwen3_args(&data, &format!("--seq-len 64 --batch-size 4 {extra}"));
     let (reference, tokens) = eval_line(&succeed(run_alone(&args("--eval-only --sp 1"), &[])));
     assert_eq!(tokens, labelled, "labelled tokens evaluated");
-    for (layout, output) in [
-        ("SP=2", run_alone(&args("--eval-only --sp 2"), &[])),
-        ("SP=2 x DP=2", run_alone(&args("--eval-only --sp 2 --dp 2"), &[])),
-        ("SP=2, two processes", run_launched(2, &args("--eval-only --sp 2"), &[])),
-    ] {
+    // Kept tokenized (--data-cache): the first run below tokenizes --data and writes it, the
+    // later ones load it (the two processes too), saying what the first read noticed (the empty
+    // text left out); each loss is the one of the data tokenized, above.
+    let cache = dir.join("tokenized");
+    let cached = |extra: &str| args(&format!("{extra} --data-cache {}", cache.display()));
+    for (index, (layout, output)) in [
+        ("SP=2", run_alone(&cached("--eval-only --sp 2"), &[])),
+        ("SP=2 x DP=2", run_alone(&cached("--eval-only --sp 2 --dp 2"), &[])),
+        ("SP=2, two processes", run_launched(2, &cached("--eval-only --sp 2"), &[])),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let text = show(&output);
+        if let Some(read) = ["tokenized into", "read from the cache"].get(index) {
+            assert!(text.contains(read) && text.contains("left out 1 document(s) of fewer than two tokens"), "{layout}: {text}");
+        }
         let (loss, tokens) = eval_line(&succeed(output));
         println!("eval {layout}: loss {loss:.7} (SP=1: {reference:.7}) over {tokens} tokens");
         assert_eq!(tokens, labelled, "{layout}");
