@@ -535,6 +535,20 @@ mod tests {
         folder
     }
 
+    /// A folder with a small text to read and a cache folder in it.
+    fn small_data(name: &str) -> (PathBuf, PathBuf, CacheFolder) {
+        let dir = folder(name);
+        let data = dir.join("data.txt");
+        fs::write(&data, "some text to tokenize").unwrap();
+        let cache = CacheFolder::At(dir.join("cache"));
+        (dir, data, cache)
+    }
+
+    /// The file of `extension` in the cache folder of [`small_data`]'s `dir`.
+    fn cached(dir: &Path, extension: &str) -> PathBuf {
+        fs::read_dir(dir.join("cache")).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|e| e == extension)).unwrap()
+    }
+
     /// Documents as a read gives them: targets where the data marks some, and a note.
     fn documents(with_targets: bool) -> Documents {
         let ids = vec![vec![1, 2, 3], vec![70_000, 5], (0..21).collect()];
@@ -623,10 +637,7 @@ mod tests {
     /// fail in turn, holding the lock: they read at once, without the cache.
     #[test]
     fn readers_that_waited_on_a_failed_read_read_at_once() {
-        let dir = folder("failed");
-        let data = dir.join("data.txt");
-        fs::write(&data, "some text to tokenize").unwrap();
-        let cache = CacheFolder::At(dir.join("cache"));
+        let (dir, data, cache) = small_data("failed");
         let (reading, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
         let read = || {
             most.fetch_max(reading.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
@@ -648,14 +659,10 @@ mod tests {
     /// and tells those who wait, who then read without the cache.
     #[test]
     fn a_read_that_panics_lets_the_lock_go_and_says_so() {
-        let dir = folder("panics");
-        let data = dir.join("data.txt");
-        fs::write(&data, "some text to tokenize").unwrap();
-        let cache = CacheFolder::At(dir.join("cache"));
+        let (dir, data, cache) = small_data("panics");
         let panicked = std::panic::catch_unwind(|| read_through(&cache, "--data", &data, "r", || panic!("a tokenizer's bug")));
         assert!(panicked.is_err());
-        let lock = fs::read_dir(dir.join("cache")).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|e| e == "lock")).unwrap();
-        let record = fs::read_to_string(&lock).unwrap();
+        let record = fs::read_to_string(cached(&dir, "lock")).unwrap();
         assert!(record.starts_with(UNWRITTEN) && record.contains("panicked"), "{record}");
         fs::remove_dir_all(&dir).unwrap();
     }
@@ -664,10 +671,7 @@ mod tests {
     /// wait and load what it wrote. A damaged file is tokenized and written anew.
     #[test]
     fn readers_at_once_tokenize_once_and_a_damaged_cache_is_rewritten() {
-        let dir = folder("at-once");
-        let data = dir.join("data.txt");
-        fs::write(&data, "some text to tokenize").unwrap();
-        let cache = CacheFolder::At(dir.join("cache"));
+        let (dir, data, cache) = small_data("at-once");
         let reads = AtomicUsize::new(0);
         let read = || {
             reads.fetch_add(1, Ordering::SeqCst);
@@ -681,7 +685,7 @@ mod tests {
             }
         });
         assert_eq!(reads.load(Ordering::SeqCst), 1, "four readers at once tokenized once");
-        let file = fs::read_dir(dir.join("cache")).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|e| e == "tokens")).unwrap();
+        let file = cached(&dir, "tokens");
         let mut bytes = fs::read(&file).unwrap();
         let last = bytes.len() - 10;
         bytes[last] ^= 1;
